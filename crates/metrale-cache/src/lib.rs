@@ -1,0 +1,1 @@
+//! The paged KV cache: block pools per attention layer, a refcounting block allocator, block tables.

@@ -1,0 +1,3 @@
+//! The `metrale` command line.
+
+fn main() {}

@@ -1,0 +1,1 @@
+//! Hugging Face `config.json` (and `generation_config.json`) parsed into a typed `ModelConfig`.

@@ -1,0 +1,129 @@
+//! The `GpuBackend` trait: the one interface through which the engine touches device memory and
+//! launches kernels. `CpuBackend` implements it on host memory as the reference; `CudaBackend`
+//! (feature `cuda`) on an NVIDIA GPU.
+//!
+//! Invariants:
+//! - Work on one stream runs in submission order. `copy_h2d` may return before the copy has run,
+//!   but the host slice may be reused as soon as it returns. `copy_d2h` returns after the data is
+//!   in the host slice (it waits for the stream's earlier work).
+//! - Between `begin_capture` and `end_capture` on a stream, launches, device-to-device copies and
+//!   memsets on it are recorded, not run; host copies there are refused. `launch_graph` replays a
+//!   recording in order, reading whatever the recorded addresses hold at replay time.
+
+use crate::error::GpuResult;
+use crate::types::{
+    DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+};
+
+/// A device: memory, kernels, streams, events and graphs.
+pub trait GpuBackend: Send + Sync + std::fmt::Debug {
+    /// "cpu" or "cuda".
+    fn name(&self) -> &'static str;
+
+    /// Allocate `bytes` (at least 256-byte aligned). The contents are unspecified.
+    fn alloc(&self, bytes: usize) -> GpuResult<DevicePtr>;
+
+    /// Free an allocation made by `alloc`.
+    fn free(&self, ptr: DevicePtr) -> GpuResult<()>;
+
+    /// Copy host bytes to the device.
+    fn copy_h2d(&self, dst: DevicePtr, src: &[u8], stream: StreamHandle) -> GpuResult<()>;
+
+    /// Copy device bytes to the host; returns once `dst` holds them.
+    fn copy_d2h(&self, dst: &mut [u8], src: DevicePtr, stream: StreamHandle) -> GpuResult<()>;
+
+    /// Copy `bytes` between two device addresses.
+    fn copy_d2d(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> GpuResult<()>;
+
+    /// Set `bytes` bytes at `dst` to `value`.
+    fn memset(&self, dst: DevicePtr, value: u8, bytes: usize, stream: StreamHandle)
+    -> GpuResult<()>;
+
+    /// Resolve the kernel `module::name`.
+    fn kernel(&self, module: &str, name: &str) -> GpuResult<KernelHandle>;
+
+    /// Launch a kernel with its flat argument list.
+    fn launch(
+        &self,
+        kernel: KernelHandle,
+        config: &LaunchConfig,
+        args: &[KernelArg],
+        stream: StreamHandle,
+    ) -> GpuResult<()>;
+
+    /// The default stream.
+    fn default_stream(&self) -> StreamHandle {
+        StreamHandle::DEFAULT
+    }
+
+    /// A new stream.
+    fn create_stream(&self) -> GpuResult<StreamHandle>;
+
+    /// Wait until all work queued on `stream` has finished.
+    fn synchronize(&self, stream: StreamHandle) -> GpuResult<()>;
+
+    /// A new event.
+    fn create_event(&self) -> GpuResult<EventHandle>;
+
+    /// Record `event` at the current end of `stream`.
+    fn record_event(&self, event: EventHandle, stream: StreamHandle) -> GpuResult<()>;
+
+    /// Milliseconds between two recorded events (waits for `end`).
+    fn event_elapsed_ms(&self, start: EventHandle, end: EventHandle) -> GpuResult<f32>;
+
+    /// Start recording the work queued on `stream`.
+    fn begin_capture(&self, stream: StreamHandle) -> GpuResult<()>;
+
+    /// Stop recording and return the recorded graph.
+    fn end_capture(&self, stream: StreamHandle) -> GpuResult<GraphHandle>;
+
+    /// Replay a captured graph on `stream`.
+    fn launch_graph(&self, graph: GraphHandle, stream: StreamHandle) -> GpuResult<()>;
+
+    /// Release a captured graph.
+    fn destroy_graph(&self, graph: GraphHandle) -> GpuResult<()>;
+
+    /// Bytes of device memory free now (the CPU backend reports the host's budget).
+    fn free_memory(&self) -> GpuResult<usize>;
+}
+
+/// Helpers every backend gets: typed uploads and downloads.
+pub trait GpuBackendExt: GpuBackend {
+    /// Upload a slice of plain values.
+    fn upload<T: bytemuck::Pod>(
+        &self,
+        dst: DevicePtr,
+        src: &[T],
+        stream: StreamHandle,
+    ) -> GpuResult<()> {
+        self.copy_h2d(dst, bytemuck::cast_slice(src), stream)
+    }
+
+    /// Download `len` plain values.
+    fn download<T: bytemuck::Pod + bytemuck::Zeroable>(
+        &self,
+        src: DevicePtr,
+        len: usize,
+        stream: StreamHandle,
+    ) -> GpuResult<Vec<T>> {
+        let mut out = vec![T::zeroed(); len];
+        self.copy_d2h(bytemuck::cast_slice_mut(&mut out), src, stream)?;
+        Ok(out)
+    }
+
+    /// Allocate and upload in one go.
+    fn alloc_upload<T: bytemuck::Pod>(&self, src: &[T], stream: StreamHandle) -> GpuResult<DevicePtr> {
+        let bytes = std::mem::size_of_val(src).max(1);
+        let ptr = self.alloc(bytes)?;
+        self.copy_h2d(ptr, bytemuck::cast_slice(src), stream)?;
+        Ok(ptr)
+    }
+}
+
+impl<B: GpuBackend + ?Sized> GpuBackendExt for B {}

@@ -1,0 +1,271 @@
+//! Host memory standing in for device memory, and `KernelCtx`, the checked view a CPU kernel has
+//! of its launch: its arguments, and slices of the buffers they point at.
+//!
+//! Invariants:
+//! - A `DevicePtr` of the CPU backend is the host address of a byte inside a live allocation;
+//!   allocations are 256-byte aligned and filled with 0xFF (NaN in every float format) so a read
+//!   of never-written memory shows up as NaN instead of plausible zeros.
+//! - Every slice a kernel gets lies inside one live allocation, is aligned for its element type,
+//!   and never overlaps a mutable slice of the same launch (`KernelCtx` checks all three, so the
+//!   CPU backend doubles as a memory checker).
+
+use std::alloc::Layout;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+
+use crate::error::{GpuError, GpuResult};
+use crate::types::{DevicePtr, KernelArg, LaunchConfig};
+
+/// Alignment of every allocation, bytes.
+pub const ALLOC_ALIGN: usize = 256;
+
+#[derive(Debug)]
+struct Allocation {
+    len: usize,
+    layout: Layout,
+}
+
+/// The live allocations, keyed by start address.
+#[derive(Debug, Default)]
+pub(crate) struct HostMemory {
+    allocs: BTreeMap<u64, Allocation>,
+    pub(crate) used: usize,
+}
+
+impl HostMemory {
+    pub(crate) fn alloc(&mut self, bytes: usize) -> GpuResult<DevicePtr> {
+        let len = bytes.max(1);
+        let layout = Layout::from_size_align(len, ALLOC_ALIGN).map_err(|_| GpuError::OutOfMemory {
+            requested: bytes,
+            context: "size overflows a layout".into(),
+        })?;
+        // SAFETY: `layout` has a non-zero size (len >= 1).
+        let raw = unsafe { std::alloc::alloc(layout) };
+        if raw.is_null() {
+            return Err(GpuError::OutOfMemory { requested: bytes, context: "host allocator".into() });
+        }
+        // SAFETY: `raw` points at `len` freshly allocated bytes.
+        unsafe { std::ptr::write_bytes(raw, 0xFF, len) };
+        self.allocs.insert(raw as u64, Allocation { len, layout });
+        self.used += len;
+        Ok(DevicePtr(raw as u64))
+    }
+
+    pub(crate) fn free(&mut self, ptr: DevicePtr) -> GpuResult<()> {
+        let a = self.allocs.remove(&ptr.0).ok_or(GpuError::InvalidFree(ptr))?;
+        self.used -= a.len;
+        // SAFETY: `ptr` was returned by `std::alloc::alloc` with exactly `a.layout` and is
+        // removed from the table, so it is freed once.
+        unsafe { std::alloc::dealloc(ptr.0 as *mut u8, a.layout) };
+        Ok(())
+    }
+
+    /// Check that `[ptr, ptr + bytes)` lies in one live allocation.
+    pub(crate) fn check(&self, ptr: DevicePtr, bytes: usize, context: &str) -> GpuResult<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let bad = || GpuError::InvalidAccess { ptr: ptr.0, bytes, context: context.to_string() };
+        let (start, a) = self.allocs.range(..=ptr.0).next_back().ok_or_else(bad)?;
+        let end = ptr.0.checked_add(bytes as u64).ok_or_else(bad)?;
+        if end > start + a.len as u64 {
+            return Err(bad());
+        }
+        Ok(())
+    }
+
+    pub(crate) fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> GpuResult<()> {
+        self.check(dst, bytes, "copy destination")?;
+        self.check(src, bytes, "copy source")?;
+        if bytes > 0 {
+            // SAFETY: both ranges were checked to lie in live allocations; `copy` allows overlap.
+            unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) };
+        }
+        Ok(())
+    }
+
+    pub(crate) fn write_from_host(&self, dst: DevicePtr, src: &[u8]) -> GpuResult<()> {
+        self.check(dst, src.len(), "host-to-device copy")?;
+        if !src.is_empty() {
+            // SAFETY: the destination range was checked; a host slice never lies in our heap
+            // blocks' live ranges handed out as device memory, so the two cannot overlap.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.0 as *mut u8, src.len()) };
+        }
+        Ok(())
+    }
+
+    pub(crate) fn read_to_host(&self, dst: &mut [u8], src: DevicePtr) -> GpuResult<()> {
+        self.check(src, dst.len(), "device-to-host copy")?;
+        if !dst.is_empty() {
+            // SAFETY: the source range was checked; `dst` is a distinct host buffer.
+            unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst.as_mut_ptr(), dst.len()) };
+        }
+        Ok(())
+    }
+
+    pub(crate) fn fill(&self, dst: DevicePtr, value: u8, bytes: usize) -> GpuResult<()> {
+        self.check(dst, bytes, "memset")?;
+        if bytes > 0 {
+            // SAFETY: the range was checked to lie in a live allocation.
+            unsafe { std::ptr::write_bytes(dst.0 as *mut u8, value, bytes) };
+        }
+        Ok(())
+    }
+}
+
+impl Drop for HostMemory {
+    fn drop(&mut self) {
+        for (start, a) in std::mem::take(&mut self.allocs) {
+            // SAFETY: every entry was allocated with its recorded layout and is freed once here.
+            unsafe { std::alloc::dealloc(start as *mut u8, a.layout) };
+        }
+    }
+}
+
+// SAFETY: `HostMemory` owns its heap blocks outright; the addresses are only dereferenced under
+// the backend's lock.
+unsafe impl Send for HostMemory {}
+
+/// A CPU kernel's view of one launch.
+#[derive(Debug)]
+pub struct KernelCtx<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) args: &'a [KernelArg],
+    pub(crate) config: &'a LaunchConfig,
+    memory: &'a HostMemory,
+    borrowed: RefCell<Vec<(u64, u64, bool, usize)>>,
+}
+
+impl<'a> KernelCtx<'a> {
+    pub(crate) fn new(
+        name: &'a str,
+        args: &'a [KernelArg],
+        config: &'a LaunchConfig,
+        memory: &'a HostMemory,
+    ) -> Self {
+        KernelCtx { name, args, config, memory, borrowed: RefCell::new(Vec::new()) }
+    }
+
+    /// The launch geometry (CPU kernels rarely need it).
+    pub fn config(&self) -> &LaunchConfig {
+        self.config
+    }
+
+    /// An error naming this kernel.
+    pub fn fail(&self, problem: impl Into<String>) -> GpuError {
+        GpuError::KernelFailed { kernel: self.name.to_string(), problem: problem.into() }
+    }
+
+    fn arg(&self, index: usize) -> GpuResult<KernelArg> {
+        self.args.get(index).copied().ok_or_else(|| GpuError::BadArgument {
+            kernel: self.name.to_string(),
+            index,
+            problem: format!("missing (the launch passed {} arguments)", self.args.len()),
+        })
+    }
+
+    fn wrong(&self, index: usize, want: &str, got: KernelArg) -> GpuError {
+        GpuError::BadArgument {
+            kernel: self.name.to_string(),
+            index,
+            problem: format!("expected {want}, found {}", got.kind()),
+        }
+    }
+
+    /// Check that the launch passed exactly `n` arguments.
+    pub fn expect_args(&self, n: usize) -> GpuResult<()> {
+        if self.args.len() != n {
+            return Err(GpuError::BadArgument {
+                kernel: self.name.to_string(),
+                index: self.args.len().min(n),
+                problem: format!("expected {n} arguments, found {}", self.args.len()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Argument `index` as a device pointer.
+    pub fn ptr(&self, index: usize) -> GpuResult<DevicePtr> {
+        match self.arg(index)? {
+            KernelArg::Ptr(p) => Ok(p),
+            other => Err(self.wrong(index, "ptr", other)),
+        }
+    }
+
+    /// Argument `index` as a u32, widened to usize.
+    pub fn usize(&self, index: usize) -> GpuResult<usize> {
+        Ok(self.u32(index)? as usize)
+    }
+
+    /// Argument `index` as a u32.
+    pub fn u32(&self, index: usize) -> GpuResult<u32> {
+        match self.arg(index)? {
+            KernelArg::U32(v) => Ok(v),
+            other => Err(self.wrong(index, "u32", other)),
+        }
+    }
+
+    /// Argument `index` as an f32.
+    pub fn f32(&self, index: usize) -> GpuResult<f32> {
+        match self.arg(index)? {
+            KernelArg::F32(v) => Ok(v),
+            other => Err(self.wrong(index, "f32", other)),
+        }
+    }
+
+    /// Argument `index` as a u64.
+    pub fn u64(&self, index: usize) -> GpuResult<u64> {
+        match self.arg(index)? {
+            KernelArg::U64(v) => Ok(v),
+            other => Err(self.wrong(index, "u64", other)),
+        }
+    }
+
+    fn claim<T>(&self, index: usize, len: usize, mutable: bool) -> GpuResult<Option<*mut T>> {
+        let ptr = self.ptr(index)?;
+        let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
+            self.fail(format!("argument {index}: length {len} overflows"))
+        })?;
+        if bytes == 0 {
+            return Ok(None);
+        }
+        self.memory.check(ptr, bytes, &format!("kernel `{}` argument {index}", self.name))?;
+        if ptr.0 as usize % std::mem::align_of::<T>() != 0 {
+            return Err(self.fail(format!("argument {index}: {:#x} is misaligned", ptr.0)));
+        }
+        let (start, end) = (ptr.0, ptr.0 + bytes as u64);
+        let mut borrowed = self.borrowed.borrow_mut();
+        for &(s, e, m, other) in borrowed.iter() {
+            if start < e && s < end && (mutable || m) {
+                return Err(GpuError::Aliasing {
+                    kernel: self.name.to_string(),
+                    problem: format!("argument {index} overlaps argument {other}"),
+                });
+            }
+        }
+        borrowed.push((start, end, mutable, index));
+        Ok(Some(ptr.0 as *mut T))
+    }
+
+    /// `len` elements read through argument `index`.
+    pub fn slice<T: bytemuck::Pod>(&self, index: usize, len: usize) -> GpuResult<&[T]> {
+        match self.claim::<T>(index, len, false)? {
+            // SAFETY: `claim` checked that the range lies in a live allocation (which outlives
+            // this launch: the backend's memory lock is held), is aligned for `T`, and overlaps
+            // no mutable slice of this launch. Any bit pattern is a valid `T: Pod`.
+            Some(p) => Ok(unsafe { std::slice::from_raw_parts(p as *const T, len) }),
+            None => Ok(&[]),
+        }
+    }
+
+    /// `len` elements written (and possibly read) through argument `index`.
+    #[allow(clippy::mut_from_ref)]
+    pub fn slice_mut<T: bytemuck::Pod>(&self, index: usize, len: usize) -> GpuResult<&mut [T]> {
+        match self.claim::<T>(index, len, true)? {
+            // SAFETY: as in `slice`, and the range overlaps no other slice of this launch, so
+            // this is the only reference to these bytes while the kernel runs.
+            Some(p) => Ok(unsafe { std::slice::from_raw_parts_mut(p, len) }),
+            None => Ok(&mut []),
+        }
+    }
+}

@@ -1,0 +1,20 @@
+//! The device layer: `DevicePtr` and handles, the `GpuBackend` trait, `CpuBackend` (the reference
+//! backend that runs every kernel in Rust), `CudaBackend` behind the `cuda` feature, and
+//! `BufferArena`, where every activation buffer is allocated once at fixed addresses.
+//!
+//! Architecture invariant: this is the only crate that imports cudarc.
+
+pub mod arena;
+pub mod backend;
+pub mod cpu;
+pub mod error;
+pub mod types;
+
+pub use arena::BufferArena;
+pub use backend::{GpuBackend, GpuBackendExt};
+pub use cpu::{CpuBackend, CpuBackendOptions};
+pub use error::{GpuError, GpuResult};
+pub use types::{
+    DType, DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig,
+    StreamHandle,
+};

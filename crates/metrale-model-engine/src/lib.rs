@@ -1,0 +1,1 @@
+//! `TransformerModel`, checkpoint loading and sampling.

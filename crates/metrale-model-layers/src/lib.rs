@@ -1,0 +1,1 @@
+//! Weights, layers, and `ops`: one typed launcher per kernel.

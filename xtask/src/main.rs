@@ -1,0 +1,3 @@
+//! `cargo xtask`: kernels, fixtures, gpu-bundle, bench.
+
+fn main() {}
