@@ -45,7 +45,10 @@ impl ArenaLayout {
 
     /// Total bytes the arena will take, alignment included.
     pub fn total_bytes(&self) -> usize {
-        self.entries.iter().map(|(_, d, l)| align(l * d.size())).sum()
+        self.entries
+            .iter()
+            .map(|(_, d, l)| align(l * d.size()))
+            .sum()
     }
 }
 
@@ -70,7 +73,11 @@ impl BufferArena {
         let mut buffers = BTreeMap::new();
         let mut at = 0usize;
         for (name, dtype, len) in &layout.entries {
-            let buf = ArenaBuffer { ptr: base.offset(at), dtype: *dtype, len: *len };
+            let buf = ArenaBuffer {
+                ptr: base.offset(at),
+                dtype: *dtype,
+                len: *len,
+            };
             if buffers.insert(name.clone(), buf).is_some() {
                 gpu.free(base)?;
                 return Err(GpuError::KernelFailed {
@@ -80,7 +87,12 @@ impl BufferArena {
             }
             at += align(len * dtype.size());
         }
-        Ok(BufferArena { gpu, base, total, buffers })
+        Ok(BufferArena {
+            gpu,
+            base,
+            total,
+            buffers,
+        })
     }
 
     /// The buffer named `name`.

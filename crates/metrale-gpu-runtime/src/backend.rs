@@ -42,8 +42,13 @@ pub trait GpuBackend: Send + Sync + std::fmt::Debug {
     ) -> GpuResult<()>;
 
     /// Set `bytes` bytes at `dst` to `value`.
-    fn memset(&self, dst: DevicePtr, value: u8, bytes: usize, stream: StreamHandle)
-    -> GpuResult<()>;
+    fn memset(
+        &self,
+        dst: DevicePtr,
+        value: u8,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> GpuResult<()>;
 
     /// Resolve the kernel `module::name`.
     fn kernel(&self, module: &str, name: &str) -> GpuResult<KernelHandle>;
@@ -118,7 +123,11 @@ pub trait GpuBackendExt: GpuBackend {
     }
 
     /// Allocate and upload in one go.
-    fn alloc_upload<T: bytemuck::Pod>(&self, src: &[T], stream: StreamHandle) -> GpuResult<DevicePtr> {
+    fn alloc_upload<T: bytemuck::Pod>(
+        &self,
+        src: &[T],
+        stream: StreamHandle,
+    ) -> GpuResult<DevicePtr> {
         let bytes = std::mem::size_of_val(src).max(1);
         let ptr = self.alloc(bytes)?;
         self.copy_h2d(ptr, bytemuck::cast_slice(src), stream)?;

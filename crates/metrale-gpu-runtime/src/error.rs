@@ -14,7 +14,9 @@ pub enum GpuError {
         context: String,
     },
     /// An address does not lie inside a live allocation of the needed length.
-    #[error("invalid device access: {bytes} bytes at {ptr:#x} are not inside one live allocation ({context})")]
+    #[error(
+        "invalid device access: {bytes} bytes at {ptr:#x} are not inside one live allocation ({context})"
+    )]
     InvalidAccess {
         /// Start address.
         ptr: u64,

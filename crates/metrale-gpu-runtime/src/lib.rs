@@ -15,6 +15,5 @@ pub use backend::{GpuBackend, GpuBackendExt};
 pub use cpu::{CpuBackend, CpuBackendOptions};
 pub use error::{GpuError, GpuResult};
 pub use types::{
-    DType, DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig,
-    StreamHandle,
+    DType, DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
 };

@@ -65,12 +65,20 @@ pub struct LaunchConfig {
 impl LaunchConfig {
     /// A 1-D grid of `blocks` blocks of `threads` threads, no dynamic shared memory.
     pub fn linear(blocks: u32, threads: u32) -> LaunchConfig {
-        LaunchConfig { grid: (blocks.max(1), 1, 1), block: (threads, 1, 1), shared_mem_bytes: 0 }
+        LaunchConfig {
+            grid: (blocks.max(1), 1, 1),
+            block: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 
     /// A 2-D grid of `x` by `y` blocks of `threads` threads.
     pub fn grid2(x: u32, y: u32, threads: u32) -> LaunchConfig {
-        LaunchConfig { grid: (x.max(1), y.max(1), 1), block: (threads, 1, 1), shared_mem_bytes: 0 }
+        LaunchConfig {
+            grid: (x.max(1), y.max(1), 1),
+            block: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 
     /// The same launch with `bytes` of dynamic shared memory.

@@ -35,14 +35,18 @@ pub(crate) struct HostMemory {
 impl HostMemory {
     pub(crate) fn alloc(&mut self, bytes: usize) -> GpuResult<DevicePtr> {
         let len = bytes.max(1);
-        let layout = Layout::from_size_align(len, ALLOC_ALIGN).map_err(|_| GpuError::OutOfMemory {
-            requested: bytes,
-            context: "size overflows a layout".into(),
-        })?;
+        let layout =
+            Layout::from_size_align(len, ALLOC_ALIGN).map_err(|_| GpuError::OutOfMemory {
+                requested: bytes,
+                context: "size overflows a layout".into(),
+            })?;
         // SAFETY: `layout` has a non-zero size (len >= 1).
         let raw = unsafe { std::alloc::alloc(layout) };
         if raw.is_null() {
-            return Err(GpuError::OutOfMemory { requested: bytes, context: "host allocator".into() });
+            return Err(GpuError::OutOfMemory {
+                requested: bytes,
+                context: "host allocator".into(),
+            });
         }
         // SAFETY: `raw` points at `len` freshly allocated bytes.
         unsafe { std::ptr::write_bytes(raw, 0xFF, len) };
@@ -52,7 +56,10 @@ impl HostMemory {
     }
 
     pub(crate) fn free(&mut self, ptr: DevicePtr) -> GpuResult<()> {
-        let a = self.allocs.remove(&ptr.0).ok_or(GpuError::InvalidFree(ptr))?;
+        let a = self
+            .allocs
+            .remove(&ptr.0)
+            .ok_or(GpuError::InvalidFree(ptr))?;
         self.used -= a.len;
         // SAFETY: `ptr` was returned by `std::alloc::alloc` with exactly `a.layout` and is
         // removed from the table, so it is freed once.
@@ -65,7 +72,11 @@ impl HostMemory {
         if bytes == 0 {
             return Ok(());
         }
-        let bad = || GpuError::InvalidAccess { ptr: ptr.0, bytes, context: context.to_string() };
+        let bad = || GpuError::InvalidAccess {
+            ptr: ptr.0,
+            bytes,
+            context: context.to_string(),
+        };
         let (start, a) = self.allocs.range(..=ptr.0).next_back().ok_or_else(bad)?;
         let end = ptr.0.checked_add(bytes as u64).ok_or_else(bad)?;
         if end > start + a.len as u64 {
@@ -98,7 +109,9 @@ impl HostMemory {
         self.check(src, dst.len(), "device-to-host copy")?;
         if !dst.is_empty() {
             // SAFETY: the source range was checked; `dst` is a distinct host buffer.
-            unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst.as_mut_ptr(), dst.len()) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.0 as *const u8, dst.as_mut_ptr(), dst.len())
+            };
         }
         Ok(())
     }
@@ -143,7 +156,13 @@ impl<'a> KernelCtx<'a> {
         config: &'a LaunchConfig,
         memory: &'a HostMemory,
     ) -> Self {
-        KernelCtx { name, args, config, memory, borrowed: RefCell::new(Vec::new()) }
+        KernelCtx {
+            name,
+            args,
+            config,
+            memory,
+            borrowed: RefCell::new(Vec::new()),
+        }
     }
 
     /// The launch geometry (CPU kernels rarely need it).
@@ -153,15 +172,21 @@ impl<'a> KernelCtx<'a> {
 
     /// An error naming this kernel.
     pub fn fail(&self, problem: impl Into<String>) -> GpuError {
-        GpuError::KernelFailed { kernel: self.name.to_string(), problem: problem.into() }
+        GpuError::KernelFailed {
+            kernel: self.name.to_string(),
+            problem: problem.into(),
+        }
     }
 
     fn arg(&self, index: usize) -> GpuResult<KernelArg> {
-        self.args.get(index).copied().ok_or_else(|| GpuError::BadArgument {
-            kernel: self.name.to_string(),
-            index,
-            problem: format!("missing (the launch passed {} arguments)", self.args.len()),
-        })
+        self.args
+            .get(index)
+            .copied()
+            .ok_or_else(|| GpuError::BadArgument {
+                kernel: self.name.to_string(),
+                index,
+                problem: format!("missing (the launch passed {} arguments)", self.args.len()),
+            })
     }
 
     fn wrong(&self, index: usize, want: &str, got: KernelArg) -> GpuError {
@@ -223,14 +248,18 @@ impl<'a> KernelCtx<'a> {
 
     fn claim<T>(&self, index: usize, len: usize, mutable: bool) -> GpuResult<Option<*mut T>> {
         let ptr = self.ptr(index)?;
-        let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
-            self.fail(format!("argument {index}: length {len} overflows"))
-        })?;
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| self.fail(format!("argument {index}: length {len} overflows")))?;
         if bytes == 0 {
             return Ok(None);
         }
-        self.memory.check(ptr, bytes, &format!("kernel `{}` argument {index}", self.name))?;
-        if ptr.0 as usize % std::mem::align_of::<T>() != 0 {
+        self.memory.check(
+            ptr,
+            bytes,
+            &format!("kernel `{}` argument {index}", self.name),
+        )?;
+        if !(ptr.0 as usize).is_multiple_of(std::mem::align_of::<T>()) {
             return Err(self.fail(format!("argument {index}: {:#x} is misaligned", ptr.0)));
         }
         let (start, end) = (ptr.0, ptr.0 + bytes as u64);

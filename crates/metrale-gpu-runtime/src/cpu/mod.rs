@@ -34,15 +34,29 @@ pub struct CpuBackendOptions {
 
 impl Default for CpuBackendOptions {
     fn default() -> Self {
-        CpuBackendOptions { memory_limit_bytes: 16 << 30 }
+        CpuBackendOptions {
+            memory_limit_bytes: 16 << 30,
+        }
     }
 }
 
 #[derive(Debug, Clone)]
 enum Op {
-    Launch { kernel: KernelHandle, config: LaunchConfig, args: Vec<KernelArg> },
-    Copy { dst: DevicePtr, src: DevicePtr, bytes: usize },
-    Fill { dst: DevicePtr, value: u8, bytes: usize },
+    Launch {
+        kernel: KernelHandle,
+        config: LaunchConfig,
+        args: Vec<KernelArg>,
+    },
+    Copy {
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    },
+    Fill {
+        dst: DevicePtr,
+        value: u8,
+        bytes: usize,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -80,7 +94,12 @@ impl CpuBackend {
             memory: Mutex::new(memory::HostMemory::default()),
             table: Vec::new(),
             index: HashMap::new(),
-            book: Mutex::new(Bookkeeping { next_stream: 1, next_event: 1, next_graph: 1, ..Default::default() }),
+            book: Mutex::new(Bookkeeping {
+                next_stream: 1,
+                next_event: 1,
+                next_graph: 1,
+                ..Default::default()
+            }),
         };
         for family in kernels::FAMILIES {
             for &(name, f) in family.kernels {
@@ -128,7 +147,10 @@ impl CpuBackend {
 
     fn refuse_in_capture(&self, stream: StreamHandle, what: &str) -> GpuResult<()> {
         if self.book.lock().capturing.contains_key(&stream.0) {
-            return Err(GpuError::Capture(format!("{what} is not allowed while stream {} is capturing", stream.0)));
+            return Err(GpuError::Capture(format!(
+                "{what} is not allowed while stream {} is capturing",
+                stream.0
+            )));
         }
         Ok(())
     }
@@ -137,14 +159,21 @@ impl CpuBackend {
         if stream.0 == 0 || self.book.lock().streams.contains(&stream.0) {
             Ok(())
         } else {
-            Err(GpuError::UnknownHandle { kind: "stream", id: stream.0 })
+            Err(GpuError::UnknownHandle {
+                kind: "stream",
+                id: stream.0,
+            })
         }
     }
 
     fn run(&self, op: &Op) -> GpuResult<()> {
         let mem = self.memory.lock();
         match op {
-            Op::Launch { kernel, config, args } => {
+            Op::Launch {
+                kernel,
+                config,
+                args,
+            } => {
                 let (label, f) = self
                     .table
                     .get(kernel.0 as usize)
@@ -201,11 +230,23 @@ impl GpuBackend for CpuBackend {
         self.memory.lock().read_to_host(dst, src)
     }
 
-    fn copy_d2d(&self, dst: DevicePtr, src: DevicePtr, bytes: usize, stream: StreamHandle) -> GpuResult<()> {
+    fn copy_d2d(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> GpuResult<()> {
         self.submit(Op::Copy { dst, src, bytes }, stream)
     }
 
-    fn memset(&self, dst: DevicePtr, value: u8, bytes: usize, stream: StreamHandle) -> GpuResult<()> {
+    fn memset(
+        &self,
+        dst: DevicePtr,
+        value: u8,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> GpuResult<()> {
         self.submit(Op::Fill { dst, value, bytes }, stream)
     }
 
@@ -220,11 +261,24 @@ impl GpuBackend for CpuBackend {
             })
     }
 
-    fn launch(&self, kernel: KernelHandle, config: &LaunchConfig, args: &[KernelArg], stream: StreamHandle) -> GpuResult<()> {
+    fn launch(
+        &self,
+        kernel: KernelHandle,
+        config: &LaunchConfig,
+        args: &[KernelArg],
+        stream: StreamHandle,
+    ) -> GpuResult<()> {
         if kernel.0 as usize >= self.table.len() {
             return Err(GpuError::BadKernelHandle(kernel.0));
         }
-        self.submit(Op::Launch { kernel, config: *config, args: args.to_vec() }, stream)
+        self.submit(
+            Op::Launch {
+                kernel,
+                config: *config,
+                args: args.to_vec(),
+            },
+            stream,
+        )
     }
 
     fn create_stream(&self) -> GpuResult<StreamHandle> {
@@ -250,14 +304,28 @@ impl GpuBackend for CpuBackend {
     fn record_event(&self, event: EventHandle, stream: StreamHandle) -> GpuResult<()> {
         self.check_stream(stream)?;
         let mut book = self.book.lock();
-        let slot = book.events.get_mut(&event.0).ok_or(GpuError::UnknownHandle { kind: "event", id: event.0 })?;
+        let slot = book
+            .events
+            .get_mut(&event.0)
+            .ok_or(GpuError::UnknownHandle {
+                kind: "event",
+                id: event.0,
+            })?;
         *slot = std::time::Instant::now();
         Ok(())
     }
 
     fn event_elapsed_ms(&self, start: EventHandle, end: EventHandle) -> GpuResult<f32> {
         let book = self.book.lock();
-        let get = |e: EventHandle| book.events.get(&e.0).copied().ok_or(GpuError::UnknownHandle { kind: "event", id: e.0 });
+        let get = |e: EventHandle| {
+            book.events
+                .get(&e.0)
+                .copied()
+                .ok_or(GpuError::UnknownHandle {
+                    kind: "event",
+                    id: e.0,
+                })
+        };
         let (s, e) = (get(start)?, get(end)?);
         Ok(e.saturating_duration_since(s).as_secs_f32() * 1e3)
     }
@@ -266,7 +334,10 @@ impl GpuBackend for CpuBackend {
         self.check_stream(stream)?;
         let mut book = self.book.lock();
         if book.capturing.contains_key(&stream.0) {
-            return Err(GpuError::Capture(format!("stream {} is already capturing", stream.0)));
+            return Err(GpuError::Capture(format!(
+                "stream {} is already capturing",
+                stream.0
+            )));
         }
         book.capturing.insert(stream.0, Vec::new());
         Ok(())
@@ -286,13 +357,16 @@ impl GpuBackend for CpuBackend {
 
     fn launch_graph(&self, graph: GraphHandle, stream: StreamHandle) -> GpuResult<()> {
         self.check_stream(stream)?;
-        let ops = self
-            .book
-            .lock()
-            .graphs
-            .get(&graph.0)
-            .cloned()
-            .ok_or(GpuError::UnknownHandle { kind: "graph", id: graph.0 })?;
+        let ops =
+            self.book
+                .lock()
+                .graphs
+                .get(&graph.0)
+                .cloned()
+                .ok_or(GpuError::UnknownHandle {
+                    kind: "graph",
+                    id: graph.0,
+                })?;
         for op in &ops {
             self.submit(op.clone(), stream)?;
         }
@@ -305,11 +379,17 @@ impl GpuBackend for CpuBackend {
             .graphs
             .remove(&graph.0)
             .map(|_| ())
-            .ok_or(GpuError::UnknownHandle { kind: "graph", id: graph.0 })
+            .ok_or(GpuError::UnknownHandle {
+                kind: "graph",
+                id: graph.0,
+            })
     }
 
     fn free_memory(&self) -> GpuResult<usize> {
-        Ok(self.options.memory_limit_bytes.saturating_sub(self.memory.lock().used))
+        Ok(self
+            .options
+            .memory_limit_bytes
+            .saturating_sub(self.memory.lock().used))
     }
 }
 

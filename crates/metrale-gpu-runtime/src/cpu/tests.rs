@@ -1,0 +1,593 @@
+//! Tests of the CPU backend: memory checking, capture and replay, and every CPU kernel against a
+//! naive f64 reference written independently of the kernel, on random inputs with poisoned
+//! outputs.
+
+use half::bf16;
+
+use super::*;
+use crate::backend::GpuBackendExt;
+
+/// A seeded generator for test data (never zeros, distinct per element).
+struct Data(u64);
+
+impl Data {
+    fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next() * scale).collect()
+    }
+    fn bf(&mut self, n: usize, scale: f32) -> Vec<bf16> {
+        self.vec(n, scale).into_iter().map(bf16::from_f32).collect()
+    }
+}
+
+fn tof(v: &[bf16]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+struct Rig {
+    gpu: CpuBackend,
+    s: StreamHandle,
+}
+
+impl Rig {
+    fn new() -> Rig {
+        Rig {
+            gpu: CpuBackend::default(),
+            s: StreamHandle::DEFAULT,
+        }
+    }
+    fn put<T: bytemuck::Pod>(&self, v: &[T]) -> DevicePtr {
+        self.gpu.alloc_upload(v, self.s).unwrap()
+    }
+    /// An output buffer, poisoned with 0xFF.
+    fn out(&self, bytes: usize) -> DevicePtr {
+        let p = self.gpu.alloc(bytes).unwrap();
+        self.gpu.memset(p, 0xFF, bytes, self.s).unwrap();
+        p
+    }
+    fn run(&self, module: &str, name: &str, args: &[KernelArg]) -> GpuResult<()> {
+        let k = self.gpu.kernel(module, name)?;
+        self.gpu
+            .launch(k, &LaunchConfig::linear(1, 1), args, self.s)
+    }
+    fn get_bf(&self, p: DevicePtr, n: usize) -> Vec<f64> {
+        tof(&self.gpu.download::<bf16>(p, n, self.s).unwrap())
+    }
+    fn get_f32(&self, p: DevicePtr, n: usize) -> Vec<f32> {
+        self.gpu.download::<f32>(p, n, self.s).unwrap()
+    }
+}
+
+fn assert_close(got: &[f64], want: &[f64], rel: f64, what: &str) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{what}[{i}] = {g} (poison left?)");
+        let tol = rel * w.abs().max(1.0);
+        assert!((g - w).abs() <= tol, "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
+#[test]
+fn out_of_bounds_and_aliasing_are_caught() {
+    let r = Rig::new();
+    let x = r.put(&[1.0f32; 4]);
+    let out = r.out(4 * 2);
+    let w = r.put(&[bf16::ONE; 4]);
+    // rows = 2 reads 8 floats from a 4-float buffer.
+    let e = r.run(
+        "norm",
+        "rms_norm",
+        &[
+            out.into(),
+            x.into(),
+            w.into(),
+            2u32.into(),
+            4u32.into(),
+            1e-6f32.into(),
+            0u32.into(),
+        ],
+    );
+    assert!(matches!(e, Err(GpuError::InvalidAccess { .. })), "{e:?}");
+    let e = r.run(
+        "gemm",
+        "linear",
+        &[
+            w.into(),
+            w.into(),
+            w.into(),
+            1u32.into(),
+            1u32.into(),
+            4u32.into(),
+        ],
+    );
+    assert!(matches!(e, Err(GpuError::Aliasing { .. })), "{e:?}");
+    let e = r.run(
+        "norm",
+        "rms_norm",
+        &[
+            out.into(),
+            x.into(),
+            w.into(),
+            1u32.into(),
+            4u32.into(),
+            1e-6f32.into(),
+        ],
+    );
+    assert!(matches!(e, Err(GpuError::BadArgument { .. })), "{e:?}");
+    assert!(matches!(
+        r.gpu.kernel("norm", "nope"),
+        Err(GpuError::UnknownKernel { .. })
+    ));
+    assert!(matches!(
+        r.gpu.free(x.offset(4)),
+        Err(GpuError::InvalidFree(_))
+    ));
+}
+
+#[test]
+fn capture_records_and_replay_reads_current_inputs() {
+    let r = Rig::new();
+    let s = r.gpu.create_stream().unwrap();
+    let mut d = Data(3);
+    let xv = d.vec(8, 1.0);
+    let x = r.put(&xv);
+    let w = r.put(&d.bf(8, 1.0));
+    let out = r.out(16);
+    let args: [KernelArg; 7] = [
+        out.into(),
+        x.into(),
+        w.into(),
+        1u32.into(),
+        8u32.into(),
+        1e-6f32.into(),
+        0u32.into(),
+    ];
+    r.gpu.begin_capture(s).unwrap();
+    r.gpu
+        .launch(
+            r.gpu.kernel("norm", "rms_norm").unwrap(),
+            &LaunchConfig::linear(1, 1),
+            &args,
+            s,
+        )
+        .unwrap();
+    assert!(
+        r.gpu.copy_h2d(x, &[0u8; 4], s).is_err(),
+        "host copies are refused while capturing"
+    );
+    let g = r.gpu.end_capture(s).unwrap();
+    assert!(
+        r.get_bf(out, 8).iter().all(|v| v.is_nan()),
+        "capture must not run the launch"
+    );
+    r.gpu.launch_graph(g, s).unwrap();
+    let first = r.get_bf(out, 8);
+    r.run("norm", "rms_norm", &args).unwrap();
+    assert_eq!(first, r.get_bf(out, 8), "replay equals eager");
+    let x2: Vec<f32> = xv.iter().map(|v| v * -3.0 + 0.5).collect();
+    r.gpu.upload(x, &x2, s).unwrap();
+    r.gpu.launch_graph(g, s).unwrap();
+    assert_ne!(first, r.get_bf(out, 8), "replay reads the new input");
+    r.gpu.destroy_graph(g).unwrap();
+    assert!(r.gpu.launch_graph(g, s).is_err());
+}
+
+fn ref_rms(x: &[f64], w: &[f64], eps: f64, unit: bool) -> Vec<f64> {
+    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    let inv = 1.0 / (ms + eps).sqrt();
+    x.iter()
+        .zip(w)
+        .map(|(v, w)| v * inv * if unit { 1.0 + w } else { *w })
+        .collect()
+}
+
+#[test]
+fn rms_norm_and_add_rms_norm_match_the_reference_in_both_conventions() {
+    let r = Rig::new();
+    let mut d = Data(11);
+    let (rows, cols) = (3usize, 40usize);
+    for unit in [false, true] {
+        let x = d.vec(rows * cols, 2.0);
+        let delta = d.bf(rows * cols, 1.0);
+        let w = d.bf(cols, 1.5);
+        let (xp, dp, wp) = (r.put(&x), r.put(&delta), r.put(&w));
+        let out = r.out(rows * cols * 2);
+        let sc = [rows as u32, cols as u32];
+        r.run(
+            "norm",
+            "rms_norm",
+            &[
+                out.into(),
+                xp.into(),
+                wp.into(),
+                sc[0].into(),
+                sc[1].into(),
+                1e-5f32.into(),
+                (unit as u32).into(),
+            ],
+        )
+        .unwrap();
+        let wf = tof(&w);
+        let mut want = Vec::new();
+        for row in x.chunks(cols) {
+            want.extend(ref_rms(
+                &row.iter().map(|&v| v as f64).collect::<Vec<_>>(),
+                &wf,
+                1e-5,
+                unit,
+            ));
+        }
+        assert_close(&r.get_bf(out, rows * cols), &want, 8e-3, "rms_norm");
+
+        r.run(
+            "norm",
+            "add_rms_norm",
+            &[
+                xp.into(),
+                dp.into(),
+                wp.into(),
+                out.into(),
+                sc[0].into(),
+                sc[1].into(),
+                1e-5f32.into(),
+                (unit as u32).into(),
+            ],
+        )
+        .unwrap();
+        let summed: Vec<f64> = x
+            .iter()
+            .zip(&delta)
+            .map(|(a, b)| *a as f64 + b.to_f64())
+            .collect();
+        let got_res: Vec<f64> = r
+            .get_f32(xp, rows * cols)
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        assert_close(&got_res, &summed, 1e-6, "residual");
+        let mut want = Vec::new();
+        for row in summed.chunks(cols) {
+            want.extend(ref_rms(row, &wf, 1e-5, unit));
+        }
+        assert_close(&r.get_bf(out, rows * cols), &want, 8e-3, "add_rms_norm");
+    }
+}
+
+#[test]
+fn linear_matches_a_naive_matmul() {
+    let r = Rig::new();
+    let mut d = Data(5);
+    let (m, n, k) = (3usize, 7usize, 33usize);
+    let x = d.bf(m * k, 1.0);
+    let w = d.bf(n * k, 0.5);
+    let (xp, wp) = (r.put(&x), r.put(&w));
+    let out = r.out(m * n * 2);
+    let out32 = r.out(m * n * 4);
+    let sc: [KernelArg; 3] = [(m as u32).into(), (n as u32).into(), (k as u32).into()];
+    r.run(
+        "gemm",
+        "linear",
+        &[out.into(), xp.into(), wp.into(), sc[0], sc[1], sc[2]],
+    )
+    .unwrap();
+    r.run(
+        "gemm",
+        "linear_f32out",
+        &[out32.into(), xp.into(), wp.into(), sc[0], sc[1], sc[2]],
+    )
+    .unwrap();
+    let mut want = vec![0.0f64; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            want[i * n + j] = (0..k)
+                .map(|t| x[i * k + t].to_f64() * w[j * k + t].to_f64())
+                .sum();
+        }
+    }
+    assert_close(&r.get_bf(out, m * n), &want, 8e-3, "linear");
+    let got32: Vec<f64> = r.get_f32(out32, m * n).iter().map(|&v| v as f64).collect();
+    assert_close(&got32, &want, 1e-5, "linear_f32out");
+}
+
+#[test]
+fn embedding_gather_rows_silu_and_argmax() {
+    let r = Rig::new();
+    let mut d = Data(9);
+    let (vocab, hidden) = (10usize, 6usize);
+    let table = d.bf(vocab * hidden, 1.0);
+    let ids = [7u32, 0, 7, 3];
+    let (tp, ip) = (r.put(&table), r.put(&ids));
+    let out = r.out(ids.len() * hidden * 4);
+    r.run(
+        "embed",
+        "embedding_gather",
+        &[
+            out.into(),
+            tp.into(),
+            ip.into(),
+            4u32.into(),
+            (hidden as u32).into(),
+            (vocab as u32).into(),
+        ],
+    )
+    .unwrap();
+    let got = r.get_f32(out, ids.len() * hidden);
+    for (i, &id) in ids.iter().enumerate() {
+        for j in 0..hidden {
+            assert_eq!(
+                got[i * hidden + j],
+                table[id as usize * hidden + j].to_f32()
+            );
+        }
+    }
+    let bad = r.put(&[10u32]);
+    assert!(
+        r.run(
+            "embed",
+            "embedding_gather",
+            &[
+                out.into(),
+                tp.into(),
+                bad.into(),
+                1u32.into(),
+                (hidden as u32).into(),
+                (vocab as u32).into()
+            ]
+        )
+        .is_err()
+    );
+
+    let rows_out = r.out(2 * hidden * 2);
+    let sel = r.put(&[2u32, 0]);
+    r.run(
+        "embed",
+        "gather_rows",
+        &[
+            rows_out.into(),
+            tp.into(),
+            sel.into(),
+            2u32.into(),
+            (hidden as u32).into(),
+            (vocab as u32).into(),
+        ],
+    )
+    .unwrap();
+    let got = r.get_bf(rows_out, 2 * hidden);
+    assert_eq!(got[..hidden], tof(&table[2 * hidden..3 * hidden]));
+    assert_eq!(got[hidden..], tof(&table[..hidden]));
+
+    let ffn = 5usize;
+    let gu = d.bf(2 * 2 * ffn, 3.0);
+    let gup = r.put(&gu);
+    let act = r.out(2 * ffn * 2);
+    r.run(
+        "activation",
+        "silu_mul",
+        &[act.into(), gup.into(), 2u32.into(), (ffn as u32).into()],
+    )
+    .unwrap();
+    let mut want = Vec::new();
+    for row in gu.chunks(2 * ffn) {
+        for j in 0..ffn {
+            let g = row[j].to_f64();
+            want.push(g / (1.0 + (-g).exp()) * row[ffn + j].to_f64());
+        }
+    }
+    assert_close(&r.get_bf(act, 2 * ffn), &want, 8e-3, "silu_mul");
+
+    let logits = [0.5f32, 3.0, 3.0, -1.0, f32::NAN, 2.0, 9.0, 9.0];
+    let lp = r.put(&logits);
+    let am = r.out(8);
+    r.run(
+        "sampling",
+        "argmax",
+        &[am.into(), lp.into(), 2u32.into(), 4u32.into()],
+    )
+    .unwrap();
+    assert_eq!(r.gpu.download::<u32>(am, 2, r.s).unwrap(), vec![1, 2]);
+}
+
+/// Rotate-half RoPE of one head, in f64, from the definition.
+fn ref_rope(x: &mut [f64], pos: f64, inv_freq: &[f32], rd: usize) {
+    let h = rd / 2;
+    for i in 0..h {
+        let a = pos * inv_freq[i] as f64;
+        let (x1, x2) = (x[i], x[i + h]);
+        x[i] = x1 * a.cos() - x2 * a.sin();
+        x[i + h] = x2 * a.cos() + x1 * a.sin();
+    }
+}
+
+#[test]
+fn qk_norm_rope_normalises_and_rotates_q_and_k_only() {
+    let r = Rig::new();
+    let mut d = Data(21);
+    // Gated layout: q head stride 2*dh, partial rotary.
+    let (rows, hq, hkv, dh, rd) = (2usize, 2usize, 1usize, 8usize, 4usize);
+    let qs = 2 * dh;
+    let stride = hq * qs + 2 * hkv * dh;
+    let x = d.bf(rows * stride, 2.0);
+    let (qw, kw) = (d.bf(dh, 0.5), d.bf(dh, 0.5));
+    let inv_freq: Vec<f32> = (0..rd / 2)
+        .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / rd as f32))
+        .collect();
+    let pos = [3u32, 17];
+    let (xp, qp, kp, fp, pp) = (
+        r.put(&x),
+        r.put(&qw),
+        r.put(&kw),
+        r.put(&inv_freq),
+        r.put(&pos),
+    );
+    let u = |v: usize| KernelArg::U32(v as u32);
+    r.run(
+        "rope",
+        "qk_norm_rope",
+        &[
+            xp.into(),
+            qp.into(),
+            kp.into(),
+            fp.into(),
+            pp.into(),
+            u(rows),
+            u(stride),
+            u(hq),
+            u(qs),
+            u(hq * qs),
+            u(hkv),
+            u(dh),
+            u(rd),
+            1e-6f32.into(),
+            1u32.into(),
+        ],
+    )
+    .unwrap();
+    let got = r.get_bf(xp, rows * stride);
+    let mut want = tof(&x);
+    for (row, &p) in pos.iter().enumerate() {
+        let base = row * stride;
+        let mut heads: Vec<(usize, &[bf16])> = (0..hq).map(|h| (base + h * qs, &qw[..])).collect();
+        heads.extend((0..hkv).map(|h| (base + hq * qs + h * dh, &kw[..])));
+        for (at, w) in heads {
+            let mut v = ref_rms(&want[at..at + dh], &tof(w), 1e-6, true);
+            ref_rope(&mut v, p as f64, &inv_freq, rd);
+            want[at..at + dh].copy_from_slice(&v);
+        }
+    }
+    assert_close(&got, &want, 1e-2, "qk_norm_rope");
+    // Gates and values are untouched.
+    assert_eq!(got[dh..2 * dh], tof(&x[dh..2 * dh]));
+    let v_at = hq * qs + hkv * dh;
+    assert_eq!(got[v_at..v_at + dh], tof(&x[v_at..v_at + dh]));
+}
+
+#[test]
+fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_table() {
+    let r = Rig::new();
+    let mut d = Data(31);
+    let (hq, hkv, dh, bs) = (4usize, 2usize, 8usize, 4usize);
+    let stride = (hq + 2 * hkv) * dh;
+    let len = 10usize; // three blocks, the last partly filled
+    let num_blocks = 6usize;
+    let slots = num_blocks * bs;
+    let qkv = d.bf(len * stride, 1.5);
+    let table = [4u32, 1, 3, 0, 0];
+    let max_blocks = table.len();
+    let slot_of = |t: usize| table[t / bs] as usize * bs + t % bs;
+    let slot_map: Vec<u32> = (0..len).map(|t| slot_of(t) as u32).collect();
+    let (qp, tp, sp) = (r.put(&qkv), r.put(&table), r.put(&slot_map));
+    let kc = r.out(slots * hkv * dh * 2);
+    let vc = r.out(slots * hkv * dh * 2);
+    let u = |v: usize| KernelArg::U32(v as u32);
+    r.run(
+        "cache",
+        "kv_store",
+        &[
+            kc.into(),
+            vc.into(),
+            qp.into(),
+            sp.into(),
+            u(len),
+            u(stride),
+            u(hq * dh),
+            u((hq + hkv) * dh),
+            u(hkv),
+            u(dh),
+            u(slots),
+        ],
+    )
+    .unwrap();
+    let out = r.out(len * hq * dh * 2);
+    let seq = vec![0u32; len];
+    let pos: Vec<u32> = (0..len as u32).collect();
+    let (seqp, posp) = (r.put(&seq), r.put(&pos));
+    let scale = 1.0 / (dh as f32).sqrt();
+    r.run(
+        "attention",
+        "paged_attention",
+        &[
+            out.into(),
+            qp.into(),
+            kc.into(),
+            vc.into(),
+            tp.into(),
+            seqp.into(),
+            posp.into(),
+            u(len),
+            u(stride),
+            u(dh),
+            u(hq),
+            u(hkv),
+            u(dh),
+            u(bs),
+            u(max_blocks),
+            u(1),
+            u(slots),
+            scale.into(),
+            0u32.into(),
+        ],
+    )
+    .unwrap();
+    let q = tof(&qkv);
+    let mut want = vec![0.0f64; len * hq * dh];
+    for t in 0..len {
+        for h in 0..hq {
+            let g = h / (hq / hkv);
+            let qv = &q[t * stride + h * dh..t * stride + (h + 1) * dh];
+            let key =
+                |s: usize| &q[s * stride + hq * dh + g * dh..s * stride + hq * dh + (g + 1) * dh];
+            let val = |s: usize| {
+                &q[s * stride + (hq + hkv) * dh + g * dh
+                    ..s * stride + (hq + hkv) * dh + (g + 1) * dh]
+            };
+            let sc: Vec<f64> = (0..=t)
+                .map(|s| qv.iter().zip(key(s)).map(|(a, b)| a * b).sum::<f64>() * scale as f64)
+                .collect();
+            let m = sc.iter().cloned().fold(f64::MIN, f64::max);
+            let e: Vec<f64> = sc.iter().map(|v| (v - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for i in 0..dh {
+                want[(t * hq + h) * dh + i] = (0..=t).map(|s| e[s] / z * val(s)[i]).sum();
+            }
+        }
+    }
+    assert_close(
+        &r.get_bf(out, len * hq * dh),
+        &want,
+        1e-2,
+        "paged_attention",
+    );
+    // A padding slot writes nothing.
+    let pad = r.put(&[u32::MAX]);
+    let before = r.get_bf(kc, slots * hkv * dh);
+    r.run(
+        "cache",
+        "kv_store",
+        &[
+            kc.into(),
+            vc.into(),
+            qp.into(),
+            pad.into(),
+            u(1),
+            u(stride),
+            u(hq * dh),
+            u((hq + hkv) * dh),
+            u(hkv),
+            u(dh),
+            u(slots),
+        ],
+    )
+    .unwrap();
+    let after = r.get_bf(kc, slots * hkv * dh);
+    let same = before
+        .iter()
+        .zip(&after)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same, "a padding row must not write the cache");
+}

@@ -4,6 +4,16 @@
 //! Every kernel computes in f32 with straightforward loops; it is the reference the CUDA kernels
 //! are tested against, so clarity beats speed, except where the tests would become too slow.
 
+pub mod activation;
+pub mod attention;
+pub mod cache;
+pub mod embed;
+pub mod gemm;
+pub mod norm;
+pub mod rope;
+pub mod sampling;
+mod util;
+
 use super::CpuKernelFn;
 
 /// One kernel family: a module name (the `.cu` file's stem) and its kernels.
@@ -16,4 +26,13 @@ pub struct Family {
 }
 
 /// Every family the CPU backend registers.
-pub const FAMILIES: &[Family] = &[];
+pub const FAMILIES: &[Family] = &[
+    activation::FAMILY,
+    attention::FAMILY,
+    cache::FAMILY,
+    embed::FAMILY,
+    gemm::FAMILY,
+    norm::FAMILY,
+    rope::FAMILY,
+    sampling::FAMILY,
+];

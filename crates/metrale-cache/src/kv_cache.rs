@@ -1,0 +1,138 @@
+//! `PagedKvCache`: the K and V pools of every attention layer, at fixed addresses for the life of
+//! the cache, and the allocator of their blocks.
+//!
+//! Invariants:
+//! - Pool layout per layer: `[num_blocks * block_size, num_kv_heads, head_dim]` bf16; slot
+//!   `block * block_size + offset` holds one token.
+//! - Block 0 of every pool is the dummy block: zeroed at creation and never allocated, so padding
+//!   rows that point at it read zeros.
+
+use std::sync::Arc;
+
+use metrale_gpu_runtime::{DevicePtr, GpuBackend};
+
+use crate::allocator::BlockAllocator;
+use crate::error::CacheError;
+
+/// The shape of a KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvCacheLayout {
+    /// Attention layers (GDN layers have no KV cache).
+    pub num_layers: usize,
+    /// KV heads per layer.
+    pub num_kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Tokens per block (default 16).
+    pub block_size: usize,
+    /// Blocks per pool, the dummy block included.
+    pub num_blocks: usize,
+}
+
+impl KvCacheLayout {
+    /// Bytes of one layer's K (or V) pool.
+    pub fn pool_bytes(&self) -> usize {
+        self.num_blocks * self.block_size * self.num_kv_heads * self.head_dim * 2
+    }
+
+    /// Bytes of the whole cache.
+    pub fn total_bytes(&self) -> usize {
+        self.pool_bytes() * 2 * self.num_layers
+    }
+}
+
+/// One attention layer's pools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayerPools {
+    /// The K pool.
+    pub k: DevicePtr,
+    /// The V pool.
+    pub v: DevicePtr,
+}
+
+/// See the module header.
+#[derive(Debug)]
+pub struct PagedKvCache {
+    gpu: Arc<dyn GpuBackend>,
+    layout: KvCacheLayout,
+    layers: Vec<KvLayerPools>,
+    /// Block bookkeeping; the model's scheduler allocates and releases through it.
+    pub allocator: BlockAllocator,
+}
+
+impl PagedKvCache {
+    /// Allocate every pool and zero the dummy block.
+    pub fn new(
+        gpu: Arc<dyn GpuBackend>,
+        layout: KvCacheLayout,
+    ) -> Result<PagedKvCache, CacheError> {
+        if layout.block_size == 0 || layout.num_blocks < 2 {
+            return Err(CacheError::Layout(format!(
+                "block_size {} and num_blocks {} (need at least the dummy and one block)",
+                layout.block_size, layout.num_blocks
+            )));
+        }
+        let mut cache = PagedKvCache {
+            gpu: gpu.clone(),
+            layout,
+            layers: Vec::with_capacity(layout.num_layers),
+            allocator: BlockAllocator::new(layout.num_blocks),
+        };
+        let dummy_bytes = layout.block_size * layout.num_kv_heads * layout.head_dim * 2;
+        let stream = gpu.default_stream();
+        for _ in 0..layout.num_layers {
+            let k = gpu.alloc(layout.pool_bytes())?;
+            cache.layers.push(KvLayerPools {
+                k,
+                v: DevicePtr::NULL,
+            });
+            let v = gpu.alloc(layout.pool_bytes())?;
+            if let Some(last) = cache.layers.last_mut() {
+                last.v = v;
+            }
+            gpu.memset(k, 0, dummy_bytes, stream)?;
+            gpu.memset(v, 0, dummy_bytes, stream)?;
+        }
+        gpu.synchronize(stream)?;
+        Ok(cache)
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &KvCacheLayout {
+        &self.layout
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.layout.block_size
+    }
+
+    /// Slots per pool.
+    pub fn num_slots(&self) -> usize {
+        self.layout.num_blocks * self.layout.block_size
+    }
+
+    /// Pools of attention layer `i`.
+    pub fn layer(&self, i: usize) -> KvLayerPools {
+        self.layers[i]
+    }
+
+    /// The always-zero block.
+    pub fn dummy_block(&self) -> u32 {
+        0
+    }
+}
+
+impl Drop for PagedKvCache {
+    fn drop(&mut self) {
+        for l in &self.layers {
+            for p in [l.k, l.v] {
+                if !p.is_null()
+                    && let Err(e) = self.gpu.free(p)
+                {
+                    tracing::warn!("PagedKvCache: free failed: {e}");
+                }
+            }
+        }
+    }
+}
