@@ -1,3 +1,41 @@
 //! `cargo xtask`: kernels, fixtures, gpu-bundle, bench.
 
-fn main() {}
+mod bundle;
+mod cuda;
+mod fixtures;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "xtask", about = "metrale developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Install nvcc 13.0.88 (the GPU machine's) into .xtask/cuda-venv, or reuse it.
+    SetupCuda,
+    /// Compile every kernels/*.cu to target/kernels/<family>.cubin (sm_90a) and .ptx (compute_90).
+    Kernels,
+    /// Build target/gpu-bundle/: release CUDA test binaries, the CLI, fixtures and run.sh.
+    GpuBundle,
+    /// Regenerate the tiny test checkpoints and transformers references under tests/fixtures.
+    Fixtures {
+        /// Regenerate only this fixture (e.g. qwen3-tiny).
+        #[arg(long)]
+        only: Option<String>,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let root = fixtures::workspace_root();
+    match cli.command {
+        Cmd::Fixtures { only } => fixtures::run(&root, only.as_deref()),
+        Cmd::SetupCuda => cuda::setup_cuda(&root).map(|nvcc| println!("{}", nvcc.display())),
+        Cmd::Kernels => cuda::kernels(&root),
+        Cmd::GpuBundle => bundle::gpu_bundle(&root),
+    }
+}

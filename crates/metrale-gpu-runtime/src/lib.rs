@@ -7,12 +7,16 @@
 pub mod arena;
 pub mod backend;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod types;
 
 pub use arena::BufferArena;
 pub use backend::{GpuBackend, GpuBackendExt};
 pub use cpu::{CpuBackend, CpuBackendOptions};
+#[cfg(feature = "cuda")]
+pub use cuda::CudaBackend;
 pub use error::{GpuError, GpuResult};
 pub use types::{
     DType, DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,

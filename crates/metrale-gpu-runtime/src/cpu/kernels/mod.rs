@@ -8,7 +8,10 @@ pub mod activation;
 pub mod attention;
 pub mod cache;
 pub mod embed;
+pub mod gdn;
 pub mod gemm;
+pub mod init;
+pub mod moe;
 pub mod norm;
 pub mod rope;
 pub mod sampling;
@@ -31,7 +34,10 @@ pub const FAMILIES: &[Family] = &[
     attention::FAMILY,
     cache::FAMILY,
     embed::FAMILY,
+    gdn::FAMILY,
     gemm::FAMILY,
+    init::FAMILY,
+    moe::FAMILY,
     norm::FAMILY,
     rope::FAMILY,
     sampling::FAMILY,

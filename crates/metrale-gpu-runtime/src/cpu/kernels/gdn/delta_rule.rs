@@ -1,0 +1,359 @@
+//! The gated delta rule over each sequence's rows, updating its recurrent state in place: the
+//! token-by-token recurrence (decode, and the reference) and the chunked WY form (prefill), as
+//! transformers' `torch_recurrent_gated_delta_rule` and `torch_chunk_gated_delta_rule`.
+//!
+//! Per value head `j` with state `S: [Dk, Dv]`, a token `(q̂, k̂, v, β, g)` does
+//! `S ← e^g·S; S ← S + k̂·(β(v − Sᵀk̂))ᵀ; o = Sᵀq̂`.
+//!
+//! Invariants:
+//! - Chunks are aligned to absolute positions: a chunk holds the sequence's rows whose positions
+//!   fall in one `[m·chunk_size, (m+1)·chunk_size)`. A prefill split at a multiple of the chunk
+//!   size therefore computes bitwise what the unsplit prefill does.
+//! - A chunk of one row runs the recurrent step itself, so a decode row gives bitwise the same
+//!   result through either kernel, and a sequence's result never depends on which kernel the
+//!   step's other sequences needed.
+
+use half::bf16;
+
+use super::{Heads, Seqs, check_stride};
+use crate::cpu::KernelCtx;
+use crate::cpu::kernels::util::f;
+use crate::error::GpuResult;
+
+/// The step's per-row inputs of the rule.
+struct Inputs<'a> {
+    h: Heads,
+    qk: &'a [f32],
+    conv: &'a [bf16],
+    gates: &'a [f32],
+}
+
+impl Inputs<'_> {
+    fn q(&self, r: usize, j: usize) -> &[f32] {
+        let at = r * 2 * self.h.key_dim() + self.h.key_head(j) * self.h.dk;
+        &self.qk[at..at + self.h.dk]
+    }
+    fn k(&self, r: usize, j: usize) -> &[f32] {
+        let at = r * 2 * self.h.key_dim() + self.h.key_dim() + self.h.key_head(j) * self.h.dk;
+        &self.qk[at..at + self.h.dk]
+    }
+    /// Value head `j` of row `r`, widened into `v`.
+    fn v(&self, r: usize, j: usize, v: &mut [f32]) {
+        let at = r * self.h.conv_dim() + 2 * self.h.key_dim() + j * self.h.dv;
+        for (o, &e) in v.iter_mut().zip(&self.conv[at..at + self.h.dv]) {
+            *o = f(e);
+        }
+    }
+    fn beta(&self, r: usize, j: usize) -> f32 {
+        self.gates[r * 2 * self.h.hv + j]
+    }
+    fn g(&self, r: usize, j: usize) -> f32 {
+        self.gates[r * 2 * self.h.hv + self.h.hv + j]
+    }
+}
+
+/// The arguments both kernels share, read from the launch.
+struct Launch<'a> {
+    rows: usize,
+    stride: usize,
+    out: &'a mut [f32],
+    state: &'a mut [f32],
+    inputs: Inputs<'a>,
+    seqs: Seqs<'a>,
+}
+
+/// Read `out, state, qk, conv, gates, seq_start, seq_slot` (arguments 0..7), then `rows,
+/// num_seqs, num_slots, slot_stride` at `scalars` and the four head scalars after them.
+fn read_launch<'a>(ctx: &'a KernelCtx<'a>, scalars: usize) -> GpuResult<Launch<'a>> {
+    let (rows, num_seqs, num_slots, stride) = (
+        ctx.usize(scalars)?,
+        ctx.usize(scalars + 1)?,
+        ctx.usize(scalars + 2)?,
+        ctx.usize(scalars + 3)?,
+    );
+    let h = Heads::read(ctx, scalars + 4)?;
+    check_stride(ctx, stride, h.hv * h.dk * h.dv)?;
+    Ok(Launch {
+        rows,
+        stride,
+        out: ctx.slice_mut::<f32>(0, rows * h.value_dim())?,
+        state: ctx.slice_mut::<f32>(1, num_slots * stride)?,
+        inputs: Inputs {
+            h,
+            qk: ctx.slice::<f32>(2, rows * 2 * h.key_dim())?,
+            conv: ctx.slice::<bf16>(3, rows * h.conv_dim())?,
+            gates: ctx.slice::<f32>(4, rows * 2 * h.hv)?,
+        },
+        seqs: Seqs::read(ctx, (5, 6), rows, num_seqs, num_slots, true)?,
+    })
+}
+
+impl Launch<'_> {
+    /// Run `body(head_state, j, rows)` for every sequence and value head, on the slot's state
+    /// (or a zero state for a padding sequence, discarded after).
+    fn for_each_head(
+        &mut self,
+        mut body: impl FnMut(&mut [f32], &mut [f32], &Inputs<'_>, usize, std::ops::Range<usize>),
+    ) {
+        let h = self.inputs.h;
+        let per_head = h.dk * h.dv;
+        let mut scratch = vec![0.0f32; per_head];
+        for s in 0..self.seqs.len() {
+            let range = self.seqs.rows(s);
+            let slot = self.seqs.slot(s);
+            for j in 0..h.hv {
+                let st: &mut [f32] = match slot {
+                    Some(sl) => {
+                        let at = sl * self.stride + j * per_head;
+                        &mut self.state[at..at + per_head]
+                    }
+                    None => {
+                        scratch.fill(0.0);
+                        &mut scratch
+                    }
+                };
+                body(st, self.out, &self.inputs, j, range.clone());
+            }
+        }
+    }
+}
+
+/// Scratch of one head's token step.
+struct Token {
+    v: Vec<f32>,
+    delta: Vec<f32>,
+}
+
+/// One token of the rule on one head's state `s: [Dk, Dv]`; writes `o: [Dv]`. Every sum runs
+/// over `c` (the key dim) in ascending order, in f32.
+fn recurrent_step(
+    s: &mut [f32],
+    inp: &Inputs<'_>,
+    r: usize,
+    j: usize,
+    t: &mut Token,
+    o: &mut [f32],
+) {
+    let (dk, dv) = (inp.h.dk, inp.h.dv);
+    let (q, k) = (inp.q(r, j), inp.k(r, j));
+    inp.v(r, j, &mut t.v);
+    let (beta, decay) = (inp.beta(r, j), inp.g(r, j).exp());
+    for e in s.iter_mut() {
+        *e *= decay;
+    }
+    for d in 0..dv {
+        let mut kv = 0.0f32;
+        for c in 0..dk {
+            kv += s[c * dv + d] * k[c];
+        }
+        t.delta[d] = (t.v[d] - kv) * beta;
+    }
+    for c in 0..dk {
+        for d in 0..dv {
+            s[c * dv + d] += k[c] * t.delta[d];
+        }
+    }
+    for d in 0..dv {
+        let mut acc = 0.0f32;
+        for c in 0..dk {
+            acc += s[c * dv + d] * q[c];
+        }
+        o[d] = acc;
+    }
+}
+
+/// `gated_delta_recurrent(out: f32 [rows, value_dim], state: f32 [num_slots * slot_stride]
+/// (in/out), qk: f32 [rows, 2*key_dim], conv: bf16 [rows, conv_dim], gates: f32 [rows, 2*Hv],
+/// seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], rows, num_seqs, num_slots,
+/// slot_stride, num_k_heads, k_head_dim, num_v_heads, v_head_dim)`.
+///
+/// Each sequence's rows in order, one token step each (see the module header); `v` is read from
+/// the conv output at `2*key_dim + j*Dv`, q̂ and k̂ from `qk`, β and g from `gates`. Work unit:
+/// one (sequence, value head).
+pub fn gated_delta_recurrent(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    ctx.expect_args(15)?;
+    let mut l = read_launch(ctx, 7)?;
+    let h = l.inputs.h;
+    let mut tok = Token {
+        v: vec![0.0; h.dv],
+        delta: vec![0.0; h.dv],
+    };
+    let vd = h.value_dim();
+    l.for_each_head(|st, out, inp, j, rows| {
+        for r in rows {
+            let o = &mut out[r * vd + j * h.dv..r * vd + (j + 1) * h.dv];
+            recurrent_step(st, inp, r, j, &mut tok, o);
+        }
+    });
+    Ok(())
+}
+
+/// `Σ a_i b_i` in f32, `i` ascending.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = 0.0f32;
+    for (x, y) in a.iter().zip(b) {
+        acc += x * y;
+    }
+    acc
+}
+
+/// Scratch of one chunk: cumulative decay, the two triangular solves and the new values.
+struct Chunk {
+    cum: Vec<f32>,
+    u: Vec<f32>,
+    w: Vec<f32>,
+    kb: Vec<f32>,
+    vnew: Vec<f32>,
+    tok: Token,
+}
+
+/// One chunk of `rows` (at least two) on one head's state, in the WY form of transformers'
+/// `torch_chunk_gated_delta_rule`, with `G_i = Σ_{m≤i} g_m` (in order) and `A[i][j] = (β_i k̂_i ·
+/// k̂_j) e^{G_i − G_j}` for `j < i`:
+/// 1. `u_i = β_i v_i − Σ_{j<i} A[i][j] u_j`, `w_i = β_i e^{G_i} k̂_i − Σ_{j<i} A[i][j] w_j`
+///    (forward substitution, `j` ascending);
+/// 2. `v'_i = u_i − Sᵀ w_i`;
+/// 3. `o_i = Sᵀ(e^{G_i} q̂_i) + Σ_{j≤i} (q̂_i · k̂_j) e^{G_i − G_j} v'_j` (`j` ascending);
+/// 4. `S ← e^{G_last} S + Σ_j (e^{G_last − G_j} k̂_j) v'_jᵀ` (`j` ascending).
+fn chunk_step(
+    s: &mut [f32],
+    inp: &Inputs<'_>,
+    rows: std::ops::Range<usize>,
+    j: usize,
+    c: &mut Chunk,
+    out: &mut [f32],
+) {
+    let (dk, dv, vd) = (inp.h.dk, inp.h.dv, inp.h.value_dim());
+    let n = rows.len();
+    let base = rows.start;
+    let mut acc_g = 0.0f32;
+    for i in 0..n {
+        acc_g += inp.g(base + i, j);
+        c.cum[i] = acc_g;
+    }
+    for i in 0..n {
+        let r = base + i;
+        let (k, beta, eg) = (inp.k(r, j), inp.beta(r, j), c.cum[i].exp());
+        inp.v(r, j, &mut c.tok.v);
+        for (x, &kx) in k.iter().enumerate() {
+            c.kb[i * dk + x] = kx * beta;
+            c.w[i * dk + x] = kx * beta * eg;
+        }
+        for d in 0..dv {
+            c.u[i * dv + d] = c.tok.v[d] * beta;
+        }
+        for m in 0..i {
+            let a =
+                dot(&c.kb[i * dk..(i + 1) * dk], inp.k(base + m, j)) * (c.cum[i] - c.cum[m]).exp();
+            for d in 0..dv {
+                c.u[i * dv + d] -= a * c.u[m * dv + d];
+            }
+            for x in 0..dk {
+                c.w[i * dk + x] -= a * c.w[m * dk + x];
+            }
+        }
+    }
+    for i in 0..n {
+        for d in 0..dv {
+            let mut sw = 0.0f32;
+            for x in 0..dk {
+                sw += c.w[i * dk + x] * s[x * dv + d];
+            }
+            c.vnew[i * dv + d] = c.u[i * dv + d] - sw;
+        }
+    }
+    for i in 0..n {
+        let r = base + i;
+        let q = inp.q(r, j);
+        let eg = c.cum[i].exp();
+        let o = &mut out[r * vd + j * dv..r * vd + (j + 1) * dv];
+        for d in 0..dv {
+            let mut acc = 0.0f32;
+            for x in 0..dk {
+                acc += q[x] * eg * s[x * dv + d];
+            }
+            o[d] = acc;
+        }
+        for m in 0..=i {
+            let a = dot(q, inp.k(base + m, j)) * (c.cum[i] - c.cum[m]).exp();
+            for (od, &vn) in o.iter_mut().zip(&c.vnew[m * dv..(m + 1) * dv]) {
+                *od += a * vn;
+            }
+        }
+    }
+    let last = c.cum[n - 1];
+    let chunk_decay = last.exp();
+    for e in s.iter_mut() {
+        *e *= chunk_decay;
+    }
+    for m in 0..n {
+        let km = inp.k(base + m, j);
+        let dm = (last - c.cum[m]).exp();
+        for x in 0..dk {
+            let kx = km[x] * dm;
+            for d in 0..dv {
+                s[x * dv + d] += kx * c.vnew[m * dv + d];
+            }
+        }
+    }
+}
+
+/// `gated_delta_chunked(out: f32 [rows, value_dim], state: f32 [num_slots * slot_stride]
+/// (in/out), qk: f32 [rows, 2*key_dim], conv: bf16 [rows, conv_dim], gates: f32 [rows, 2*Hv],
+/// seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], positions: u32 [rows], rows,
+/// num_seqs, num_slots, slot_stride, num_k_heads, k_head_dim, num_v_heads, v_head_dim,
+/// chunk_size)`.
+///
+/// The same function as `gated_delta_recurrent`, computed chunk by chunk (see `chunk_step`);
+/// chunks are aligned to positions that are multiples of `chunk_size` (64 for these families)
+/// and a one-row chunk runs the recurrent step. Positions of a sequence's rows must be
+/// consecutive. Work unit: one (sequence, value head), walking its chunks in order.
+pub fn gated_delta_chunked(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    ctx.expect_args(17)?;
+    let chunk = ctx.usize(16)?;
+    if chunk == 0 {
+        return Err(ctx.fail("chunk_size must be positive"));
+    }
+    let mut l = read_launch(ctx, 8)?;
+    let positions = ctx.slice::<u32>(7, l.rows)?;
+    for s in 0..l.seqs.len() {
+        let range = l.seqs.rows(s);
+        for r in range.clone().skip(1) {
+            if positions[r] != positions[r - 1].wrapping_add(1) {
+                return Err(ctx.fail(format!(
+                    "sequence {s}: row {r} has position {} after {}",
+                    positions[r],
+                    positions[r - 1]
+                )));
+            }
+        }
+    }
+    let h = l.inputs.h;
+    let mut c = Chunk {
+        cum: vec![0.0; chunk],
+        u: vec![0.0; chunk * h.dv],
+        w: vec![0.0; chunk * h.dk],
+        kb: vec![0.0; chunk * h.dk],
+        vnew: vec![0.0; chunk * h.dv],
+        tok: Token {
+            v: vec![0.0; h.dv],
+            delta: vec![0.0; h.dv],
+        },
+    };
+    let vd = h.value_dim();
+    l.for_each_head(|st, out, inp, j, rows| {
+        let mut r = rows.start;
+        while r < rows.end {
+            let room = chunk - positions[r] as usize % chunk;
+            let n = room.min(rows.end - r);
+            if n == 1 {
+                let o = &mut out[r * vd + j * h.dv..r * vd + (j + 1) * h.dv];
+                recurrent_step(st, inp, r, j, &mut c.tok, o);
+            } else {
+                chunk_step(st, inp, r..r + n, j, &mut c, out);
+            }
+            r += n;
+        }
+    });
+    Ok(())
+}

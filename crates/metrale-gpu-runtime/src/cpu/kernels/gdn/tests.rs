@@ -1,0 +1,354 @@
+//! Tests of the GDN kernels against naive f64 references written from transformers' formulas,
+//! on seeded random inputs with poisoned outputs. Its helpers (`Data`, `Rig`, `assert_close`)
+//! serve the delta-rule and MoE kernel tests too.
+
+use half::bf16;
+
+use super::NO_SLOT;
+use crate::backend::{GpuBackend, GpuBackendExt};
+use crate::cpu::CpuBackend;
+use crate::error::GpuError;
+use crate::types::{DevicePtr, KernelArg, LaunchConfig, StreamHandle};
+
+/// A seeded generator for test data (never zeros, distinct per element).
+pub(crate) struct Data(pub u64);
+
+impl Data {
+    pub fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    }
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next() * scale).collect()
+    }
+    pub fn bf(&mut self, n: usize, scale: f32) -> Vec<bf16> {
+        self.vec(n, scale).into_iter().map(bf16::from_f32).collect()
+    }
+}
+
+pub(crate) struct Rig {
+    pub gpu: CpuBackend,
+    pub s: StreamHandle,
+}
+
+impl Rig {
+    pub fn new() -> Rig {
+        Rig {
+            gpu: CpuBackend::default(),
+            s: StreamHandle::DEFAULT,
+        }
+    }
+    pub fn put<T: bytemuck::Pod>(&self, v: &[T]) -> DevicePtr {
+        self.gpu.alloc_upload(v, self.s).expect("upload")
+    }
+    /// An output buffer, poisoned with 0xFF (NaN in every float format).
+    pub fn out(&self, bytes: usize) -> DevicePtr {
+        let p = self.gpu.alloc(bytes).expect("alloc");
+        self.gpu.memset(p, 0xFF, bytes, self.s).expect("memset");
+        p
+    }
+    pub fn run(&self, name: &str, args: &[KernelArg]) -> Result<(), GpuError> {
+        self.run_in("gdn", name, args)
+    }
+    pub fn run_in(&self, module: &str, name: &str, args: &[KernelArg]) -> Result<(), GpuError> {
+        let k = self.gpu.kernel(module, name)?;
+        self.gpu
+            .launch(k, &LaunchConfig::linear(1, 1), args, self.s)
+    }
+    pub fn bf(&self, p: DevicePtr, n: usize) -> Vec<bf16> {
+        self.gpu.download::<bf16>(p, n, self.s).expect("download")
+    }
+    pub fn f32s(&self, p: DevicePtr, n: usize) -> Vec<f32> {
+        self.gpu.download::<f32>(p, n, self.s).expect("download")
+    }
+}
+
+pub(crate) fn u(v: usize) -> KernelArg {
+    KernelArg::U32(v as u32)
+}
+
+/// `|got - want| <= rel * max(|want|, floor)`, and no poison left.
+pub(crate) fn assert_close(got: &[f64], want: &[f64], rel: f64, floor: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{what}[{i}] = {g} (poison left?)");
+        let tol = rel * w.abs().max(floor);
+        assert!((g - w).abs() <= tol, "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
+fn f64s_bf(v: &[bf16]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+fn f64s(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| x as f64).collect()
+}
+
+fn silu(x: f64) -> f64 {
+    x / (1.0 + (-x).exp())
+}
+
+/// The head shape of these tests and its derived widths.
+#[derive(Clone, Copy)]
+pub(crate) struct H {
+    pub hk: usize,
+    pub dk: usize,
+    pub hv: usize,
+    pub dv: usize,
+}
+
+impl H {
+    pub fn kd(&self) -> usize {
+        self.hk * self.dk
+    }
+    pub fn vd(&self) -> usize {
+        self.hv * self.dv
+    }
+    pub fn cd(&self) -> usize {
+        2 * self.kd() + self.vd()
+    }
+    pub fn pw(&self) -> usize {
+        self.cd() + self.vd() + 2 * self.hv
+    }
+    pub fn args(&self) -> [KernelArg; 4] {
+        [u(self.hk), u(self.dk), u(self.hv), u(self.dv)]
+    }
+}
+
+/// `seq_start` and `row_seq` of sequences of `lens` rows.
+fn layout(lens: &[usize]) -> (Vec<u32>, Vec<u32>) {
+    let mut start = vec![0u32];
+    let mut row_seq = Vec::new();
+    for (s, &n) in lens.iter().enumerate() {
+        start.push(start[s] + n as u32);
+        row_seq.extend(std::iter::repeat_n(s as u32, n));
+    }
+    (start, row_seq)
+}
+
+#[test]
+fn causal_conv1d_reads_the_window_and_the_update_moves_it() {
+    let r = Rig::new();
+    let mut d = Data(41);
+    let h = H {
+        hk: 2,
+        dk: 4,
+        hv: 4,
+        dv: 3,
+    };
+    let (cd, pw, taps) = (h.cd(), h.pw(), 4usize);
+    let hist = taps - 1;
+    // A decode row, a prefill longer than the window, one shorter, an empty sequence, padding.
+    let lens = [1usize, 5, 2, 0, 3];
+    let slots = [3u32, 0, 5, 1, NO_SLOT];
+    let (num_slots, stride) = (6usize, hist * cd + 7);
+    let (start, row_seq) = layout(&lens);
+    let rows = row_seq.len();
+    let state0 = d.vec(num_slots * stride, 1.0);
+    let proj = d.bf(rows * pw, 1.5);
+    let w = d.bf(cd * taps, 0.8);
+    let (pp, sp, wp) = (r.put(&proj), r.put(&state0), r.put(&w));
+    let (rsp, ssp, slp) = (r.put(&row_seq), r.put(&start), r.put(&slots));
+    let out = r.out(rows * cd * 2);
+    let scal = [u(rows), u(lens.len()), u(num_slots), u(stride)];
+    let mut args = vec![
+        out.into(),
+        pp.into(),
+        sp.into(),
+        wp.into(),
+        rsp.into(),
+        ssp.into(),
+        slp.into(),
+    ];
+    args.extend(scal);
+    args.extend(h.args());
+    args.push(u(taps));
+    r.run("causal_conv1d", &args).unwrap();
+
+    // Reference: each sequence's inputs are its window (or zeros) followed by its rows.
+    let mut want = vec![0.0f64; rows * cd];
+    let mut new_state = state0.clone();
+    for (s, &n) in lens.iter().enumerate() {
+        let first = start[s] as usize;
+        let slot = (slots[s] != NO_SLOT).then_some(slots[s] as usize);
+        let x = |u: isize, c: usize| -> f64 {
+            if u >= 0 {
+                proj[(first + u as usize) * pw + c].to_f64()
+            } else {
+                slot.map_or(0.0, |sl| {
+                    state0[sl * stride + (hist as isize + u) as usize * cd + c] as f64
+                })
+            }
+        };
+        for t in 0..n {
+            for c in 0..cd {
+                let acc: f64 = (0..taps)
+                    .map(|i| {
+                        w[c * taps + i].to_f64() * x(t as isize - hist as isize + i as isize, c)
+                    })
+                    .sum();
+                want[(first + t) * cd + c] = silu(acc);
+            }
+        }
+        if let Some(sl) = slot {
+            for i in 0..hist {
+                for c in 0..cd {
+                    new_state[sl * stride + i * cd + c] =
+                        x(n as isize - hist as isize + i as isize, c) as f32;
+                }
+            }
+        }
+    }
+    assert_close(
+        &f64s_bf(&r.bf(out, rows * cd)),
+        &want,
+        8e-3,
+        1e-2,
+        "causal_conv1d",
+    );
+
+    let mut args = vec![sp.into(), pp.into(), ssp.into(), slp.into()];
+    args.extend(scal);
+    args.extend(h.args());
+    args.push(u(taps));
+    r.run("conv_state_update", &args).unwrap();
+    let got = r.f32s(sp, num_slots * stride);
+    let same = got
+        .iter()
+        .zip(&new_state)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(
+        same,
+        "the window must hold exactly the last K-1 inputs; other slots untouched"
+    );
+
+    // Two sequences on one slot are refused by the state-writing kernel.
+    let dup = r.put(&[3u32, 0, 3, 1, NO_SLOT]);
+    let mut args = vec![sp.into(), pp.into(), ssp.into(), dup.into()];
+    args.extend(scal);
+    args.extend(h.args());
+    args.push(u(taps));
+    assert!(matches!(
+        r.run("conv_state_update", &args),
+        Err(GpuError::KernelFailed { .. })
+    ));
+}
+
+#[test]
+fn gdn_prepare_normalises_q_k_and_computes_the_gates() {
+    let r = Rig::new();
+    let mut d = Data(43);
+    let h = H {
+        hk: 2,
+        dk: 8,
+        hv: 4,
+        dv: 4,
+    };
+    let (kd, cd, pw, hv, rows) = (h.kd(), h.cd(), h.pw(), h.hv, 3usize);
+    let conv = d.bf(rows * cd, 2.0);
+    let mut proj = d.bf(rows * pw, 3.0);
+    // One `a` far into softplus's linear range.
+    proj[pw + cd + h.vd() + hv + 1] = bf16::from_f32(30.0);
+    let a_log = d.vec(hv, 1.5);
+    let dt_bias = d.vec(hv, 2.0);
+    let (eps, q_scale) = (1e-6f32, 1.0 / (h.dk as f32).sqrt());
+    let qk = r.out(rows * 2 * kd * 4);
+    let gates = r.out(rows * 2 * hv * 4);
+    let mut args = vec![
+        qk.into(),
+        gates.into(),
+        r.put(&conv).into(),
+        r.put(&proj).into(),
+        r.put(&a_log).into(),
+        r.put(&dt_bias).into(),
+        u(rows),
+    ];
+    args.extend(h.args());
+    args.extend([KernelArg::F32(eps), KernelArg::F32(q_scale)]);
+    r.run("gdn_prepare", &args).unwrap();
+    let mut want_qk = Vec::new();
+    let mut want_g = Vec::new();
+    for row in 0..rows {
+        for head in 0..2 * h.hk {
+            let x = &conv[row * cd + head * h.dk..row * cd + (head + 1) * h.dk];
+            let ss: f64 = x.iter().map(|v| v.to_f64() * v.to_f64()).sum();
+            let inv = 1.0 / (ss + eps as f64).sqrt();
+            let sc = if head < h.hk { q_scale as f64 } else { 1.0 };
+            want_qk.extend(x.iter().map(|v| v.to_f64() * inv * sc));
+        }
+        let p = &proj[row * pw..(row + 1) * pw];
+        let (bs, as_) = (cd + h.vd(), cd + h.vd() + hv);
+        for j in 0..hv {
+            want_g.push(1.0 / (1.0 + (-p[bs + j].to_f64()).exp()));
+        }
+        for j in 0..hv {
+            let x = p[as_ + j].to_f64() + dt_bias[j] as f64;
+            let sp = if x > 20.0 { x } else { x.exp().ln_1p() };
+            want_g.push(-(a_log[j] as f64).exp() * sp);
+        }
+    }
+    assert_close(
+        &f64s(&r.f32s(qk, rows * 2 * kd)),
+        &want_qk,
+        1e-5,
+        1e-3,
+        "qk",
+    );
+    assert_close(
+        &f64s(&r.f32s(gates, rows * 2 * hv)),
+        &want_g,
+        1e-5,
+        1e-3,
+        "gates",
+    );
+}
+
+#[test]
+fn gated_rms_norm_uses_the_plain_weight_and_silu_of_z() {
+    let r = Rig::new();
+    let mut d = Data(47);
+    let h = H {
+        hk: 1,
+        dk: 4,
+        hv: 3,
+        dv: 8,
+    };
+    let (vd, pw, rows, eps) = (h.vd(), h.pw(), 2usize, 1e-6f32);
+    let core = d.vec(rows * vd, 2.0);
+    let proj = d.bf(rows * pw, 2.0);
+    let w = d.bf(h.dv, 1.5);
+    let out = r.out(rows * vd * 2);
+    let mut args = vec![
+        out.into(),
+        r.put(&core).into(),
+        r.put(&proj).into(),
+        r.put(&w).into(),
+        u(rows),
+    ];
+    args.extend(h.args());
+    args.push(eps.into());
+    r.run("gated_rms_norm", &args).unwrap();
+    let mut want = Vec::new();
+    for row in 0..rows {
+        for j in 0..h.hv {
+            let o = &core[row * vd + j * h.dv..row * vd + (j + 1) * h.dv];
+            let ms: f64 = o.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / h.dv as f64;
+            let inv = 1.0 / (ms + eps as f64).sqrt();
+            for i in 0..h.dv {
+                let z = proj[row * pw + h.cd() + j * h.dv + i].to_f64();
+                want.push(o[i] as f64 * inv * w[i].to_f64() * silu(z));
+            }
+        }
+    }
+    assert_close(
+        &f64s_bf(&r.bf(out, rows * vd)),
+        &want,
+        8e-3,
+        1e-2,
+        "gated_rms_norm",
+    );
+}

@@ -1,0 +1,620 @@
+//! `CudaBackend`: the `GpuBackend` on an NVIDIA GPU, through the CUDA driver API (cudarc's `sys`
+//! layer with dynamic loading, so a build needs no CUDA installed and a machine without the
+//! driver gets `GpuError::Unavailable` rather than a crash).
+//!
+//! - Memory: `cuMemAlloc` (256-byte aligned), freed by `cuMemFree`; live allocations are tracked
+//!   so a bad `free` is an `InvalidFree`, and whatever is left is freed on drop.
+//! - Copies: `copy_h2d` queues `cuMemcpyHtoDAsync` and then waits for the stream, so the host
+//!   slice may be reused on return whatever kind of memory it is (pinned or pageable).
+//!   `copy_d2h` waits likewise. Both are refused while the stream captures.
+//! - Kernels: resolved by `(module, name)` in the embedded cubins (see `modules`), launched by
+//!   `cuLaunchKernel` with each `KernelArg` packed as its C type (ptr and u64: 8 bytes; u32,
+//!   i32, f32: 4 bytes), after checking the list against the compiled signature.
+//! - Streams: `StreamHandle::DEFAULT` is a real non-blocking stream created at start (the legacy
+//!   NULL stream cannot be captured); `create_stream` makes more.
+//! - Capture: `cuStreamBeginCapture` in thread-local mode, `cuStreamEndCapture`, then
+//!   `cuGraphInstantiate`; `launch_graph` is `cuGraphLaunch`.
+//!
+//! Invariants:
+//! - Every driver call runs with the backend's primary context current on the calling thread
+//!   (`driver::bind`), so the backend may be used from any thread.
+//! - The driver's handles (context, streams, events, graphs, modules) are owned by the backend
+//!   and destroyed exactly once, in `Drop`, or by `destroy_graph`.
+
+mod driver;
+mod modules;
+
+use std::collections::{HashMap, HashSet};
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+use parking_lot::{Mutex, RwLock};
+
+use self::driver::{bind, check};
+use self::modules::KernelTable;
+pub use self::modules::{ModuleSource, embedded_modules};
+use crate::backend::GpuBackend;
+use crate::error::{GpuError, GpuResult};
+use crate::types::{
+    DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+};
+
+/// The most arguments one launch may pass.
+const MAX_KERNEL_ARGS: usize = 32;
+
+/// Streams, events, graphs and allocations, by handle.
+#[derive(Debug, Default)]
+struct Handles {
+    next_stream: u64,
+    streams: HashMap<u64, sys::CUstream>,
+    next_event: u64,
+    events: HashMap<u64, sys::CUevent>,
+    next_graph: u64,
+    graphs: HashMap<u64, (sys::CUgraph, sys::CUgraphExec)>,
+    capturing: HashSet<u64>,
+    allocations: HashMap<u64, usize>,
+}
+
+/// The CUDA backend; see the module header.
+#[derive(Debug)]
+pub struct CudaBackend {
+    instance: u64,
+    ordinal: usize,
+    device: sys::CUdevice,
+    device_name: String,
+    ctx: sys::CUcontext,
+    default_stream: sys::CUstream,
+    max_dynamic_smem: i32,
+    handles: Mutex<Handles>,
+    kernels: RwLock<KernelTable>,
+}
+
+// SAFETY: the raw handles are process-wide driver objects, valid on any thread once the context
+// is current (every method binds it first); the driver API is thread-safe; all mutable
+// bookkeeping is behind `handles` and `kernels`.
+unsafe impl Send for CudaBackend {}
+// SAFETY: as for `Send`: shared access only reads immutable handles or takes a lock.
+unsafe impl Sync for CudaBackend {}
+
+impl CudaBackend {
+    /// Open GPU `device_ordinal`: retain its primary context, create the default stream.
+    /// `GpuError::Unavailable` when the driver library cannot be loaded or there is no such GPU.
+    pub fn new(device_ordinal: usize) -> GpuResult<CudaBackend> {
+        // SAFETY: only tries to open the driver library; no driver call is made.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(GpuError::Unavailable(
+                "cuda".into(),
+                "the CUDA driver library (libcuda.so) could not be loaded; is the NVIDIA driver installed and on LD_LIBRARY_PATH?".into(),
+            ));
+        }
+        // SAFETY: cuInit may be called any number of times, from any thread.
+        check("cuInit", unsafe { sys::cuInit(0) })?;
+        let mut count = 0i32;
+        // SAFETY: `count` is a valid out-pointer.
+        check("cuDeviceGetCount", unsafe {
+            sys::cuDeviceGetCount(&mut count)
+        })?;
+        if device_ordinal >= count.max(0) as usize {
+            return Err(GpuError::Unavailable(
+                "cuda".into(),
+                format!("GPU {device_ordinal} asked for, but the driver sees {count} GPU(s)"),
+            ));
+        }
+        let mut device: sys::CUdevice = 0;
+        // SAFETY: the ordinal was checked against the device count; `device` is an out-pointer.
+        check("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&mut device, device_ordinal as i32)
+        })?;
+        let mut name = [0 as std::ffi::c_char; 256];
+        // SAFETY: `name` holds 256 bytes and the driver writes at most `len` of them, NUL included.
+        check("cuDeviceGetName", unsafe {
+            sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, device)
+        })?;
+        // SAFETY: the driver NUL-terminated the name inside the buffer.
+        let device_name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `device` is valid; `ctx` is an out-pointer; released once in `Drop`.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, device)
+        })?;
+        let instance = driver::next_instance_id();
+        let mut backend = CudaBackend {
+            instance,
+            ordinal: device_ordinal,
+            device,
+            device_name,
+            ctx,
+            default_stream: std::ptr::null_mut(),
+            max_dynamic_smem: 48 << 10,
+            handles: Mutex::new(Handles {
+                next_stream: 1,
+                next_event: 1,
+                next_graph: 1,
+                ..Default::default()
+            }),
+            kernels: RwLock::new(KernelTable::default()),
+        };
+        // From here `Drop` releases the context (and destroys the stream once made).
+        bind(instance, ctx)?;
+        backend.default_stream = new_stream()?;
+        let mut smem = 0i32;
+        // SAFETY: `device` is valid; `smem` is an out-pointer.
+        check("cuDeviceGetAttribute", unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut smem,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                device,
+            )
+        })?;
+        backend.max_dynamic_smem = smem;
+        tracing::debug!(ordinal = device_ordinal, name = %backend.device_name, "CUDA backend ready");
+        Ok(backend)
+    }
+
+    /// The GPU's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The GPU's name as the driver reports it.
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// The modules loaded so far and whether each came from its cubin or its PTX.
+    pub fn loaded_modules(&self) -> Vec<(String, ModuleSource)> {
+        self.kernels.read().sources()
+    }
+
+    fn bind(&self) -> GpuResult<()> {
+        bind(self.instance, self.ctx)
+    }
+
+    fn stream(&self, stream: StreamHandle) -> GpuResult<sys::CUstream> {
+        if stream == StreamHandle::DEFAULT {
+            return Ok(self.default_stream);
+        }
+        self.handles
+            .lock()
+            .streams
+            .get(&stream.0)
+            .copied()
+            .ok_or(GpuError::UnknownHandle {
+                kind: "stream",
+                id: stream.0,
+            })
+    }
+
+    fn refuse_in_capture(&self, stream: StreamHandle, what: &str) -> GpuResult<()> {
+        if self.handles.lock().capturing.contains(&stream.0) {
+            return Err(GpuError::Capture(format!(
+                "{what} is not allowed while stream {} is capturing",
+                stream.0
+            )));
+        }
+        Ok(())
+    }
+
+    fn event(&self, event: EventHandle) -> GpuResult<sys::CUevent> {
+        self.handles
+            .lock()
+            .events
+            .get(&event.0)
+            .copied()
+            .ok_or(GpuError::UnknownHandle {
+                kind: "event",
+                id: event.0,
+            })
+    }
+
+    fn sync_stream(&self, op: &str, s: sys::CUstream) -> GpuResult<()> {
+        // SAFETY: `s` is a live stream of this backend's context, which is current.
+        check(op, unsafe { sys::cuStreamSynchronize(s) })
+    }
+}
+
+/// A new non-blocking stream in the current context.
+fn new_stream() -> GpuResult<sys::CUstream> {
+    let mut s: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: the caller made the backend's context current; `s` is an out-pointer.
+    check("cuStreamCreate", unsafe {
+        sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+    })?;
+    Ok(s)
+}
+
+/// One argument as the bytes of its C type, in an 8-byte slot (little-endian, so a 4-byte
+/// parameter reads the low half), and the parameter size it needs.
+fn pack(arg: &KernelArg) -> (u64, usize) {
+    match *arg {
+        KernelArg::Ptr(p) => (p.0, 8),
+        KernelArg::U64(v) => (v, 8),
+        KernelArg::U32(v) => (u64::from(v), 4),
+        KernelArg::I32(v) => (u64::from(v as u32), 4),
+        KernelArg::F32(v) => (u64::from(v.to_bits()), 4),
+    }
+}
+
+impl GpuBackend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn alloc(&self, bytes: usize) -> GpuResult<DevicePtr> {
+        self.bind()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: the context is current; `ptr` is an out-pointer; size is at least 1.
+        let code = unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) };
+        if code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            let free = self.free_memory().unwrap_or(0);
+            return Err(GpuError::OutOfMemory {
+                requested: bytes,
+                context: format!(
+                    "cuMemAlloc on GPU {} ({}), {free} bytes free",
+                    self.ordinal, self.device_name
+                ),
+            });
+        }
+        check("cuMemAlloc", code)?;
+        self.handles.lock().allocations.insert(ptr, bytes);
+        Ok(DevicePtr(ptr))
+    }
+
+    fn free(&self, ptr: DevicePtr) -> GpuResult<()> {
+        self.bind()?;
+        if self.handles.lock().allocations.remove(&ptr.0).is_none() {
+            return Err(GpuError::InvalidFree(ptr));
+        }
+        // SAFETY: `ptr` was returned by `cuMemAlloc` and removed from the live set, so it is
+        // freed once.
+        check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr.0) })
+    }
+
+    fn copy_h2d(&self, dst: DevicePtr, src: &[u8], stream: StreamHandle) -> GpuResult<()> {
+        self.refuse_in_capture(stream, "a host-to-device copy")?;
+        let s = self.stream(stream)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `src` is a live slice of `src.len()` bytes until we return, and we return only
+        // after the stream (and so this copy) has completed; the driver checks `dst`.
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst.0, src.as_ptr() as *const c_void, src.len(), s)
+        })?;
+        self.sync_stream("cuStreamSynchronize (after a host-to-device copy)", s)
+    }
+
+    fn copy_d2h(&self, dst: &mut [u8], src: DevicePtr, stream: StreamHandle) -> GpuResult<()> {
+        self.refuse_in_capture(stream, "a device-to-host copy")?;
+        let s = self.stream(stream)?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `dst` is a live, exclusively borrowed slice of `dst.len()` bytes until we
+        // return, and we return only after the stream (and so this copy) has completed.
+        check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src.0, dst.len(), s)
+        })?;
+        self.sync_stream("cuStreamSynchronize (after a device-to-host copy)", s)
+    }
+
+    fn copy_d2d(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> GpuResult<()> {
+        let s = self.stream(stream)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: both addresses are device addresses the driver checks; no host memory is
+        // touched.
+        check("cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes, s)
+        })
+    }
+
+    fn memset(
+        &self,
+        dst: DevicePtr,
+        value: u8,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> GpuResult<()> {
+        let s = self.stream(stream)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: a device address the driver checks; no host memory is touched.
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(dst.0, value, bytes, s)
+        })
+    }
+
+    fn kernel(&self, module: &str, name: &str) -> GpuResult<KernelHandle> {
+        if let Some(h) = self.kernels.read().lookup(module, name) {
+            return Ok(h);
+        }
+        self.bind()?;
+        self.kernels
+            .write()
+            .resolve(module, name, self.max_dynamic_smem)
+    }
+
+    fn launch(
+        &self,
+        kernel: KernelHandle,
+        config: &LaunchConfig,
+        args: &[KernelArg],
+        stream: StreamHandle,
+    ) -> GpuResult<()> {
+        let s = self.stream(stream)?;
+        let table = self.kernels.read();
+        let entry = table
+            .entries
+            .get(kernel.0 as usize)
+            .ok_or(GpuError::BadKernelHandle(kernel.0))?;
+        let bad = |index: usize, problem: String| GpuError::BadArgument {
+            kernel: entry.label.clone(),
+            index,
+            problem,
+        };
+        if args.len() > MAX_KERNEL_ARGS {
+            return Err(bad(
+                MAX_KERNEL_ARGS,
+                format!(
+                    "{} arguments, at most {MAX_KERNEL_ARGS} supported",
+                    args.len()
+                ),
+            ));
+        }
+        if let Some(params) = &entry.params
+            && params.len() != args.len()
+        {
+            return Err(bad(
+                args.len().min(params.len()),
+                format!(
+                    "the kernel takes {} arguments, the launch passed {}",
+                    params.len(),
+                    args.len()
+                ),
+            ));
+        }
+        let mut slots = [0u64; MAX_KERNEL_ARGS];
+        for (i, arg) in args.iter().enumerate() {
+            let (bits, size) = pack(arg);
+            if let Some(params) = &entry.params
+                && params[i] != size
+            {
+                return Err(bad(
+                    i,
+                    format!(
+                        "the kernel's parameter is {} bytes, the launch passed {} ({size} bytes)",
+                        params[i],
+                        arg.kind()
+                    ),
+                ));
+            }
+            slots[i] = bits;
+        }
+        let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_KERNEL_ARGS];
+        for (p, slot) in ptrs.iter_mut().zip(slots.iter_mut()) {
+            *p = slot as *mut u64 as *mut c_void;
+        }
+        self.bind()?;
+        let (g, b) = (config.grid, config.block);
+        // SAFETY: `entry.func` is live (its module stays loaded while `table` is borrowed and
+        // until drop); `ptrs[..args.len()]` point at 8-byte slots holding each parameter in its
+        // C type's size, as checked against the compiled signature above; the driver copies the
+        // parameters before returning, and `slots` outlives the call.
+        check(&format!("cuLaunchKernel({})", entry.label), unsafe {
+            sys::cuLaunchKernel(
+                entry.func,
+                g.0,
+                g.1,
+                g.2,
+                b.0,
+                b.1,
+                b.2,
+                config.shared_mem_bytes,
+                s,
+                ptrs.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+
+    fn create_stream(&self) -> GpuResult<StreamHandle> {
+        self.bind()?;
+        let s = new_stream()?;
+        let mut h = self.handles.lock();
+        let id = h.next_stream;
+        h.next_stream += 1;
+        h.streams.insert(id, s);
+        Ok(StreamHandle(id))
+    }
+
+    fn synchronize(&self, stream: StreamHandle) -> GpuResult<()> {
+        self.refuse_in_capture(stream, "synchronize")?;
+        let s = self.stream(stream)?;
+        self.bind()?;
+        self.sync_stream("cuStreamSynchronize", s)
+    }
+
+    fn create_event(&self) -> GpuResult<EventHandle> {
+        self.bind()?;
+        let mut e: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: the context is current; `e` is an out-pointer.
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DEFAULT as u32)
+        })?;
+        let mut h = self.handles.lock();
+        let id = h.next_event;
+        h.next_event += 1;
+        h.events.insert(id, e);
+        Ok(EventHandle(id))
+    }
+
+    fn record_event(&self, event: EventHandle, stream: StreamHandle) -> GpuResult<()> {
+        let (e, s) = (self.event(event)?, self.stream(stream)?);
+        self.bind()?;
+        // SAFETY: both handles are live objects of this backend's context.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(e, s) })
+    }
+
+    fn event_elapsed_ms(&self, start: EventHandle, end: EventHandle) -> GpuResult<f32> {
+        let (a, b) = (self.event(start)?, self.event(end)?);
+        self.bind()?;
+        // SAFETY: `b` is a live event of this context.
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(b) })?;
+        let mut ms = 0f32;
+        // SAFETY: both events are live and recorded; `ms` is an out-pointer.
+        check("cuEventElapsedTime", unsafe {
+            sys::cuEventElapsedTime_v2(&mut ms, a, b)
+        })?;
+        Ok(ms)
+    }
+
+    fn begin_capture(&self, stream: StreamHandle) -> GpuResult<()> {
+        let s = self.stream(stream)?;
+        self.bind()?;
+        let mut h = self.handles.lock();
+        if h.capturing.contains(&stream.0) {
+            return Err(GpuError::Capture(format!(
+                "stream {} is already capturing",
+                stream.0
+            )));
+        }
+        // SAFETY: `s` is a live stream of this context.
+        check("cuStreamBeginCapture", unsafe {
+            sys::cuStreamBeginCapture_v2(
+                s,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        })?;
+        h.capturing.insert(stream.0);
+        Ok(())
+    }
+
+    fn end_capture(&self, stream: StreamHandle) -> GpuResult<GraphHandle> {
+        let s = self.stream(stream)?;
+        self.bind()?;
+        if !self.handles.lock().capturing.remove(&stream.0) {
+            return Err(GpuError::Capture(format!(
+                "stream {} is not capturing",
+                stream.0
+            )));
+        }
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: `s` is a live stream that this backend put into capture mode; `graph` is an
+        // out-pointer.
+        check("cuStreamEndCapture", unsafe {
+            sys::cuStreamEndCapture(s, &mut graph)
+        })?;
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: `graph` is the graph just captured; `exec` is an out-pointer.
+        let code = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
+        if let Err(e) = check("cuGraphInstantiate", code) {
+            // SAFETY: `graph` is owned here and destroyed once.
+            let _ = unsafe { sys::cuGraphDestroy(graph) };
+            return Err(e);
+        }
+        let mut h = self.handles.lock();
+        let id = h.next_graph;
+        h.next_graph += 1;
+        h.graphs.insert(id, (graph, exec));
+        Ok(GraphHandle(id))
+    }
+
+    fn launch_graph(&self, graph: GraphHandle, stream: StreamHandle) -> GpuResult<()> {
+        let s = self.stream(stream)?;
+        let (_, exec) =
+            self.handles
+                .lock()
+                .graphs
+                .get(&graph.0)
+                .copied()
+                .ok_or(GpuError::UnknownHandle {
+                    kind: "graph",
+                    id: graph.0,
+                })?;
+        self.bind()?;
+        // SAFETY: `exec` is a live executable graph of this context (destroyed only by
+        // `destroy_graph`, which removes it from the table first).
+        check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(exec, s) })
+    }
+
+    fn destroy_graph(&self, graph: GraphHandle) -> GpuResult<()> {
+        let (g, exec) =
+            self.handles
+                .lock()
+                .graphs
+                .remove(&graph.0)
+                .ok_or(GpuError::UnknownHandle {
+                    kind: "graph",
+                    id: graph.0,
+                })?;
+        self.bind()?;
+        // SAFETY: removed from the table above, so destroyed once; a launch already queued keeps
+        // its own reference (the driver defers destruction until it completes).
+        check("cuGraphExecDestroy", unsafe {
+            sys::cuGraphExecDestroy(exec)
+        })?;
+        // SAFETY: as above.
+        check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(g) })
+    }
+
+    fn free_memory(&self) -> GpuResult<usize> {
+        self.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: the context is current; both are out-pointers.
+        check("cuMemGetInfo", unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
+        Ok(free)
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if self.bind().is_err() {
+            return;
+        }
+        // Errors are ignored from here on: there is nobody left to report them to.
+        // SAFETY: the context is current; waits for all queued work before anything is freed.
+        let _ = unsafe { sys::cuCtxSynchronize() };
+        let h = std::mem::take(self.handles.get_mut());
+        // SAFETY (whole block): every handle below was created by this backend, is listed once,
+        // and is destroyed once; the device is idle (synchronised above).
+        unsafe {
+            for (_, (g, exec)) in h.graphs {
+                let _ = sys::cuGraphExecDestroy(exec);
+                let _ = sys::cuGraphDestroy(g);
+            }
+            for (_, e) in h.events {
+                let _ = sys::cuEventDestroy_v2(e);
+            }
+            for (_, s) in h.streams {
+                let _ = sys::cuStreamDestroy_v2(s);
+            }
+            if !self.default_stream.is_null() {
+                let _ = sys::cuStreamDestroy_v2(self.default_stream);
+            }
+            for (p, _) in h.allocations {
+                let _ = sys::cuMemFree_v2(p);
+            }
+        }
+        self.kernels.get_mut().unload_all();
+        // SAFETY: retained once in `new`, released once here; nothing of the context is used
+        // after this.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+    }
+}

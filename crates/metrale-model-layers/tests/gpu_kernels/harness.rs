@@ -1,0 +1,391 @@
+//! The harness of the GPU kernel tests: a seeded RNG, the `Tolerance` type with its per-dtype
+//! presets, and `Pair`, which holds the same buffers on `CpuBackend` and `CudaBackend` and runs one
+//! `Ops` launcher on both.
+
+use std::sync::{Arc, OnceLock};
+
+use half::bf16;
+use metrale_gpu_runtime::cuda::embedded_modules;
+use metrale_gpu_runtime::{
+    CpuBackend, CudaBackend, DevicePtr, EventHandle, GpuBackend, GpuBackendExt, GpuError,
+    GpuResult, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+};
+use metrale_model_layers::Ops;
+
+/// The stream every test uses.
+pub const S: StreamHandle = StreamHandle::DEFAULT;
+
+/// SplitMix64: small, seeded, good enough to make every element distinct.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed ^ 0x5DEE_CE66_D1CE_4E5B)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[lo, hi)`.
+    pub fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+        lo + (hi - lo) * u
+    }
+
+    /// Uniform in `[0, n)`.
+    pub fn below(&mut self, n: u32) -> u32 {
+        (self.next_u64() % u64::from(n)) as u32
+    }
+
+    pub fn f32s(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform(lo, hi)).collect()
+    }
+
+    pub fn bf16s(&mut self, n: usize, lo: f32, hi: f32) -> Vec<bf16> {
+        (0..n)
+            .map(|_| bf16::from_f32(self.uniform(lo, hi)))
+            .collect()
+    }
+
+    /// A permutation of `0..n`.
+    pub fn permutation(&mut self, n: u32) -> Vec<u32> {
+        let mut v: Vec<u32> = (0..n).collect();
+        for i in (1..v.len()).rev() {
+            let j = self.below(i as u32 + 1) as usize;
+            v.swap(i, j);
+        }
+        v
+    }
+}
+
+/// How far a CUDA result may be from the CPU twin's: `|gpu - cpu| <= abs + rel * |cpu|`.
+#[derive(Debug, Clone, Copy)]
+pub struct Tolerance {
+    pub rel: f32,
+    pub abs: f32,
+}
+
+impl Tolerance {
+    /// Bitwise the same (copies, integer outputs, the reproducible fill).
+    pub const EXACT: Tolerance = Tolerance { rel: 0.0, abs: 0.0 };
+    /// bf16 outputs of values of order one: a bf16 ulp is 2^-8 relative, and the two sides may
+    /// round a value on either side of a tie after slightly different f32 sums.
+    pub const BF16: Tolerance = Tolerance {
+        rel: 1e-2,
+        abs: 1e-2,
+    };
+    /// f32 outputs of long dot products (k in the thousands) summed in another order, on tensor
+    /// cores, for values of order one.
+    pub const F32_DOT: Tolerance = Tolerance {
+        rel: 1e-3,
+        abs: 1e-3,
+    };
+}
+
+/// The worst deviation seen in one comparison.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Worst {
+    pub max_abs: f32,
+    pub max_rel: f32,
+    pub count: usize,
+}
+
+/// Compare element by element; panics naming the first element out of tolerance (NaN on either
+/// side counts, unless both hold the same bits), and prints a `kernel-check` line that
+/// `run.sh` collects.
+pub fn compare(kernel: &str, case: &str, got: &[f32], want: &[f32], tol: Tolerance) -> Worst {
+    assert_eq!(got.len(), want.len(), "{kernel} {case}: length");
+    let mut worst = Worst {
+        count: got.len(),
+        ..Worst::default()
+    };
+    let mut first_bad = None;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if g.to_bits() == w.to_bits() {
+            continue;
+        }
+        let err = (g - w).abs();
+        let rel = err / w.abs().max(1e-6);
+        if err.is_nan() {
+            first_bad.get_or_insert((i, g, w));
+            continue;
+        }
+        worst.max_abs = worst.max_abs.max(err);
+        worst.max_rel = worst.max_rel.max(if w.abs() > tol.abs { rel } else { 0.0 });
+        if err > tol.abs + tol.rel * w.abs() {
+            first_bad.get_or_insert((i, g, w));
+        }
+    }
+    println!(
+        "kernel-check {kernel:<18} {case:<44} n={:<9} max_abs={:.3e} max_rel={:.3e} tol(rel={:.0e}, abs={:.0e}) {}",
+        worst.count,
+        worst.max_abs,
+        worst.max_rel,
+        tol.rel,
+        tol.abs,
+        if first_bad.is_none() { "ok" } else { "FAIL" }
+    );
+    if let Some((i, g, w)) = first_bad {
+        panic!("{kernel} {case}: element {i}: cuda {g} vs cpu {w} (tolerance {tol:?})");
+    }
+    worst
+}
+
+pub fn widen(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+/// The same allocation on both backends.
+#[derive(Debug, Clone, Copy)]
+pub struct Buf {
+    pub cpu: DevicePtr,
+    pub gpu: DevicePtr,
+    pub bytes: usize,
+}
+
+/// Which side a launcher call is for; `at` maps a `Buf` to that side's address.
+pub type At<'a> = &'a dyn Fn(&Buf) -> DevicePtr;
+
+/// The CPU reference and the CUDA backend, with an `Ops` on each.
+#[derive(Debug)]
+pub struct Pair {
+    pub cpu: Arc<dyn GpuBackend>,
+    pub gpu: Arc<dyn GpuBackend>,
+    pub cpu_ops: Ops,
+    pub gpu_ops: Ops,
+    live: std::cell::RefCell<Vec<Buf>>,
+}
+
+/// The one CUDA backend of this test process.
+pub fn cuda() -> Arc<CudaBackend> {
+    static GPU: OnceLock<Arc<CudaBackend>> = OnceLock::new();
+    GPU.get_or_init(|| {
+        Arc::new(CudaBackend::new(0).expect("a CUDA GPU (run this from the GPU bundle)"))
+    })
+    .clone()
+}
+
+/// `CudaBackend` for `Ops::new`, which resolves every kernel the model may launch: a kernel of a
+/// family that has no `kernels/<family>.cu` yet resolves to a placeholder handle whose launch
+/// fails, so the families that do exist can be tested meanwhile. Everything else is the real
+/// backend's.
+#[derive(Debug)]
+pub struct TestCuda {
+    inner: Arc<CudaBackend>,
+    missing: std::sync::Mutex<Vec<String>>,
+}
+
+/// Placeholder handles count down from here.
+const MISSING_BASE: u32 = u32::MAX - 4096;
+
+impl TestCuda {
+    pub fn new() -> Arc<TestCuda> {
+        Arc::new(TestCuda {
+            inner: cuda(),
+            missing: Default::default(),
+        })
+    }
+
+    /// The kernels that resolved to placeholders.
+    pub fn missing(&self) -> Vec<String> {
+        self.missing.lock().expect("lock").clone()
+    }
+}
+
+impl GpuBackend for TestCuda {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn alloc(&self, bytes: usize) -> GpuResult<DevicePtr> {
+        self.inner.alloc(bytes)
+    }
+    fn free(&self, ptr: DevicePtr) -> GpuResult<()> {
+        self.inner.free(ptr)
+    }
+    fn copy_h2d(&self, dst: DevicePtr, src: &[u8], s: StreamHandle) -> GpuResult<()> {
+        self.inner.copy_h2d(dst, src, s)
+    }
+    fn copy_d2h(&self, dst: &mut [u8], src: DevicePtr, s: StreamHandle) -> GpuResult<()> {
+        self.inner.copy_d2h(dst, src, s)
+    }
+    fn copy_d2d(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+        s: StreamHandle,
+    ) -> GpuResult<()> {
+        self.inner.copy_d2d(dst, src, bytes, s)
+    }
+    fn memset(&self, dst: DevicePtr, value: u8, bytes: usize, s: StreamHandle) -> GpuResult<()> {
+        self.inner.memset(dst, value, bytes, s)
+    }
+    fn kernel(&self, module: &str, name: &str) -> GpuResult<KernelHandle> {
+        match self.inner.kernel(module, name) {
+            Err(GpuError::UnknownKernel { .. }) if !embedded_modules().contains(&module) => {
+                let mut missing = self.missing.lock().expect("lock");
+                missing.push(format!("{module}::{name}"));
+                Ok(KernelHandle(MISSING_BASE + missing.len() as u32 - 1))
+            }
+            other => other,
+        }
+    }
+    fn launch(
+        &self,
+        k: KernelHandle,
+        cfg: &LaunchConfig,
+        args: &[KernelArg],
+        s: StreamHandle,
+    ) -> GpuResult<()> {
+        if k.0 >= MISSING_BASE {
+            let name = self.missing.lock().expect("lock")[(k.0 - MISSING_BASE) as usize].clone();
+            return Err(GpuError::UnknownKernel {
+                module: name,
+                name: String::new(),
+                hint: " (no kernels/*.cu yet)".into(),
+            });
+        }
+        self.inner.launch(k, cfg, args, s)
+    }
+    fn create_stream(&self) -> GpuResult<StreamHandle> {
+        self.inner.create_stream()
+    }
+    fn synchronize(&self, s: StreamHandle) -> GpuResult<()> {
+        self.inner.synchronize(s)
+    }
+    fn create_event(&self) -> GpuResult<EventHandle> {
+        self.inner.create_event()
+    }
+    fn record_event(&self, e: EventHandle, s: StreamHandle) -> GpuResult<()> {
+        self.inner.record_event(e, s)
+    }
+    fn event_elapsed_ms(&self, a: EventHandle, b: EventHandle) -> GpuResult<f32> {
+        self.inner.event_elapsed_ms(a, b)
+    }
+    fn begin_capture(&self, s: StreamHandle) -> GpuResult<()> {
+        self.inner.begin_capture(s)
+    }
+    fn end_capture(&self, s: StreamHandle) -> GpuResult<GraphHandle> {
+        self.inner.end_capture(s)
+    }
+    fn launch_graph(&self, g: GraphHandle, s: StreamHandle) -> GpuResult<()> {
+        self.inner.launch_graph(g, s)
+    }
+    fn destroy_graph(&self, g: GraphHandle) -> GpuResult<()> {
+        self.inner.destroy_graph(g)
+    }
+    fn free_memory(&self) -> GpuResult<usize> {
+        self.inner.free_memory()
+    }
+}
+
+impl Pair {
+    pub fn new() -> Pair {
+        let cpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+        let test_cuda = TestCuda::new();
+        let gpu: Arc<dyn GpuBackend> = test_cuda.clone();
+        let cpu_ops = Ops::new(cpu.clone()).expect("CPU kernels resolve");
+        let gpu_ops = Ops::new(gpu.clone()).expect("every embedded kernel resolves on CUDA");
+        let missing = test_cuda.missing();
+        if !missing.is_empty() {
+            println!("note: no CUDA source yet for {}", missing.join(", "));
+        }
+        Pair {
+            cpu,
+            gpu,
+            cpu_ops,
+            gpu_ops,
+            live: Default::default(),
+        }
+    }
+
+    /// Upload `data` to both sides.
+    pub fn upload<T: bytemuck::Pod>(&self, data: &[T]) -> Buf {
+        let buf = self.alloc(std::mem::size_of_val(data));
+        self.cpu.upload(buf.cpu, data, S).expect("cpu upload");
+        self.gpu.upload(buf.gpu, data, S).expect("gpu upload");
+        buf
+    }
+
+    /// `bytes` on both sides, filled with 0xFF (NaN in every float format).
+    pub fn poisoned(&self, bytes: usize) -> Buf {
+        let buf = self.alloc(bytes);
+        self.cpu
+            .memset(buf.cpu, 0xFF, bytes, S)
+            .expect("cpu memset");
+        self.gpu
+            .memset(buf.gpu, 0xFF, bytes, S)
+            .expect("gpu memset");
+        buf
+    }
+
+    fn alloc(&self, bytes: usize) -> Buf {
+        let buf = Buf {
+            cpu: self.cpu.alloc(bytes).expect("cpu alloc"),
+            gpu: self.gpu.alloc(bytes).expect("gpu alloc"),
+            bytes,
+        };
+        self.live.borrow_mut().push(buf);
+        buf
+    }
+
+    /// Run one launcher on the CPU, then on CUDA (and wait for it).
+    pub fn run(&self, f: impl Fn(&Ops, At<'_>) -> GpuResult<()>) {
+        f(&self.cpu_ops, &|b: &Buf| b.cpu).expect("CPU launch");
+        f(&self.gpu_ops, &|b: &Buf| b.gpu).expect("CUDA launch");
+        self.gpu
+            .synchronize(S)
+            .expect("CUDA kernel ran without a device error");
+    }
+
+    /// Run only on CUDA (and wait).
+    pub fn run_gpu(&self, f: impl Fn(&Ops, At<'_>) -> GpuResult<()>) {
+        f(&self.gpu_ops, &|b: &Buf| b.gpu).expect("CUDA launch");
+        self.gpu
+            .synchronize(S)
+            .expect("CUDA kernel ran without a device error");
+    }
+
+    /// Both sides' contents, `(cuda, cpu)`.
+    pub fn download<T: bytemuck::Pod + bytemuck::Zeroable>(&self, buf: &Buf) -> (Vec<T>, Vec<T>) {
+        let n = buf.bytes / std::mem::size_of::<T>();
+        (
+            self.gpu.download(buf.gpu, n, S).expect("gpu download"),
+            self.cpu.download(buf.cpu, n, S).expect("cpu download"),
+        )
+    }
+
+    /// The CUDA side's contents.
+    pub fn download_gpu<T: bytemuck::Pod + bytemuck::Zeroable>(&self, buf: &Buf) -> Vec<T> {
+        self.gpu
+            .download(buf.gpu, buf.bytes / std::mem::size_of::<T>(), S)
+            .expect("gpu download")
+    }
+
+    /// Compare a bf16 output.
+    pub fn check_bf16(&self, kernel: &str, case: &str, buf: &Buf, tol: Tolerance) -> Worst {
+        let (g, c) = self.download::<bf16>(buf);
+        compare(kernel, case, &widen(&g), &widen(&c), tol)
+    }
+
+    /// Compare an f32 output.
+    pub fn check_f32(&self, kernel: &str, case: &str, buf: &Buf, tol: Tolerance) -> Worst {
+        let (g, c) = self.download::<f32>(buf);
+        compare(kernel, case, &g, &c, tol)
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        for b in self.live.borrow_mut().drain(..) {
+            let _ = self.cpu.free(b.cpu);
+            let _ = self.gpu.free(b.gpu);
+        }
+    }
+}

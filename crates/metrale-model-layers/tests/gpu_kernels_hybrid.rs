@@ -1,0 +1,860 @@
+//! The hybrid families' CUDA kernels (`kernels/gdn.cu`, `kernels/moe.cu`) against their CPU
+//! twins, through the same `Ops` launchers, with the harness of `gpu_kernels.rs`: random inputs
+//! (never zeros), outputs and states poisoned or randomised on both sides first, a `Tolerance` per
+//! output, each case printing its worst error as a `kernel-check` line.
+//!
+//! The GDN steps mix sequences of different lengths in one launch: lengths crossing the
+//! 64-row chunk boundaries (63, 64, 65, 130, a sequence starting mid-chunk), a decode row at
+//! position 63, a padding sequence (slot `u32::MAX`: zero state, nothing written), a sequence
+//! with no rows (its state untouched), non-zero initial states, and value heads sharing key heads
+//! (Hv = 2 Hk). Head shapes cover the fast path of the delta rule (Dk <= 128, Dk and Dv multiples
+//! of 4, with full, partial and masked warp tiles) and its general path (odd Dk, Dk > 128). Also,
+//! on CUDA alone: the chunked rule over N rows equals N one-row recurrent launches, a one-row
+//! chunk is the recurrent step bitwise, a sequence's results do not depend on the other sequences
+//! of the step, and results repeat bitwise run to run. The expert projections are checked for
+//! batch invariance the same way.
+//!
+//! Runs only with the `cuda` feature, on the GPU machine (from `cargo xtask gpu-bundle`).
+
+#![allow(clippy::unwrap_used, clippy::type_complexity)]
+#![cfg(feature = "cuda")]
+
+#[allow(dead_code)]
+#[path = "gpu_kernels/harness.rs"]
+mod harness;
+
+use half::bf16;
+use harness::{At, Buf, Pair, Rng, S, Tolerance, compare};
+use metrale_gpu_runtime::GpuBackendExt;
+use metrale_model_layers::ops_hybrid::{
+    CausalConv1d, ExpertLinear, GatedDelta, GatedRmsNorm, GdnHeads, GdnPrepare, GdnSeqs,
+    MoeCombine, StatePool,
+};
+
+/// The slot of a padding sequence.
+const NO_SLOT: u32 = u32::MAX;
+/// The chunk size of the hybrid families' prefill.
+const CHUNK: u32 = 64;
+/// State slots of every GDN case.
+const NUM_SLOTS: u32 = 8;
+
+/// f32 results of short element-wise formulas (norm scales, gates, softmax): a few ulps apart
+/// after sums in another order and `expf` against Rust's `exp`.
+const F32_ELEMENTWISE: Tolerance = Tolerance {
+    rel: 1e-5,
+    abs: 1e-6,
+};
+/// The delta rule's outputs and states: f32 state carried over up to 130 rows, sums over Dk in
+/// another order, and the CPU's chunked WY form against CUDA's recurrence.
+const F32_RULE: Tolerance = Tolerance {
+    rel: 1e-3,
+    abs: 1e-4,
+};
+
+fn heads(hk: u32, dk: u32, hv: u32, dv: u32) -> GdnHeads {
+    GdnHeads {
+        num_k_heads: hk,
+        k_head_dim: dk,
+        num_v_heads: hv,
+        v_head_dim: dv,
+    }
+}
+
+/// The head shapes every GDN kernel runs on, with what each exercises.
+fn gdn_shapes() -> Vec<(GdnHeads, &'static str)> {
+    vec![
+        (heads(2, 128, 4, 128), "Qwen3.5-like, fast path, 8 tiles"),
+        (heads(1, 64, 2, 48), "fast, 3 tiles, an idle warp"),
+        (heads(2, 20, 4, 36), "fast, masked rows, partial tile"),
+        (heads(1, 18, 2, 10), "general path (Dk % 4 != 0)"),
+        (heads(1, 160, 1, 32), "general path (Dk > 128)"),
+    ]
+}
+
+fn label(h: &GdnHeads, what: &str) -> String {
+    format!(
+        "Hk={} Dk={} Hv={} Dv={} {what}",
+        h.num_k_heads, h.k_head_dim, h.num_v_heads, h.v_head_dim
+    )
+}
+
+/// The sequences of one step: `(rows, slot, first position)` each, in row order.
+#[derive(Debug, Clone)]
+struct StepSeqs(Vec<(u32, u32, u32)>);
+
+impl StepSeqs {
+    /// Prefill and decode mixed: 130 rows from 0 (two full chunks and one row), 65 rows from 10
+    /// (crossing 64), one decode row at 63, a padding sequence, 64 rows from 64 (one aligned
+    /// chunk), a sequence with no rows, 63 rows from 1.
+    fn mixed() -> StepSeqs {
+        StepSeqs(vec![
+            (130, 3, 0),
+            (65, 0, 10),
+            (1, 5, 63),
+            (3, NO_SLOT, 0),
+            (64, 1, 64),
+            (0, 2, 7),
+            (63, 6, 1),
+        ])
+    }
+
+    /// Decode: one row per sequence (one of them padding, one with no rows).
+    fn decode() -> StepSeqs {
+        StepSeqs(vec![
+            (1, 4, 99),
+            (1, 0, 63),
+            (1, NO_SLOT, 0),
+            (0, 2, 5),
+            (1, 7, 64),
+            (1, 1, 0),
+        ])
+    }
+
+    fn rows(&self) -> u32 {
+        self.0.iter().map(|s| s.0).sum()
+    }
+
+    fn upload(&self, p: &Pair) -> SeqBufs {
+        let (mut row_seq, mut seq_start, mut positions) = (Vec::new(), vec![0u32], Vec::new());
+        for (s, &(n, _, pos0)) in self.0.iter().enumerate() {
+            row_seq.extend(std::iter::repeat_n(s as u32, n as usize));
+            positions.extend(pos0..pos0 + n);
+            seq_start.push(seq_start[s] + n);
+        }
+        let slots: Vec<u32> = self.0.iter().map(|s| s.1).collect();
+        // Buffers must not be empty; a step always has at least one row here.
+        SeqBufs {
+            row_seq: p.upload(&row_seq),
+            seq_start: p.upload(&seq_start),
+            seq_slot: p.upload(&slots),
+            positions: p.upload(&positions),
+            rows: self.rows(),
+            num_seqs: self.0.len() as u32,
+        }
+    }
+}
+
+/// A step's sequence buffers on both sides.
+struct SeqBufs {
+    row_seq: Buf,
+    seq_start: Buf,
+    seq_slot: Buf,
+    positions: Buf,
+    rows: u32,
+    num_seqs: u32,
+}
+
+impl SeqBufs {
+    fn at(&self, at: At<'_>) -> GdnSeqs {
+        GdnSeqs {
+            row_seq: at(&self.row_seq),
+            seq_start: at(&self.seq_start),
+            seq_slot: at(&self.seq_slot),
+            positions: at(&self.positions),
+            rows: self.rows,
+            num_seqs: self.num_seqs,
+        }
+    }
+}
+
+/// Write `data` into `buf` on both sides (a state reset between runs).
+fn reset<T: bytemuck::Pod>(p: &Pair, buf: &Buf, data: &[T]) {
+    p.cpu.upload(buf.cpu, data, S).expect("cpu upload");
+    p.gpu.upload(buf.gpu, data, S).expect("gpu upload");
+}
+
+/// Fill `buf` with 0xFF (NaN) on both sides.
+fn poison(p: &Pair, buf: &Buf) {
+    p.cpu
+        .memset(buf.cpu, 0xFF, buf.bytes, S)
+        .expect("cpu memset");
+    p.gpu
+        .memset(buf.gpu, 0xFF, buf.bytes, S)
+        .expect("gpu memset");
+}
+
+/// `n` bf16 of a projection row layout, uniform in [-1, 1).
+fn proj_values(rng: &mut Rng, rows: u32, h: &GdnHeads) -> Vec<bf16> {
+    rng.bf16s((rows * h.proj_width()) as usize, -1.0, 1.0)
+}
+
+// ------------------------------------------------------------------------------------------------
+// Causal conv and its window.
+
+#[test]
+fn causal_conv1d_and_conv_state_update_match_over_mixed_steps() {
+    let p = Pair::new();
+    let mut rng = Rng::new(101);
+    for (h, what) in gdn_shapes() {
+        for (taps, seqs, step) in [
+            (4u32, StepSeqs::mixed(), "mixed"),
+            (4, StepSeqs::decode(), "decode"),
+            (2, StepSeqs::mixed(), "mixed K=2"),
+        ] {
+            let cd = h.conv_dim();
+            let hist = taps - 1;
+            // A slot stride past the window, so the padding between slots shows stray writes.
+            let stride = hist * cd + 3;
+            let rows = seqs.rows();
+            let sq = seqs.upload(&p);
+            let proj = p.upload(&proj_values(&mut rng, rows, &h));
+            let weight = p.upload(&rng.bf16s((cd * taps) as usize, -0.6, 0.6));
+            let state0 = rng.f32s((NUM_SLOTS * stride) as usize, -1.0, 1.0);
+            let state = p.upload(&state0);
+            let out = p.poisoned((rows * cd) as usize * 2);
+            let params = |at: At<'_>| CausalConv1d {
+                out: at(&out),
+                proj: at(&proj),
+                conv_state: StatePool {
+                    base: at(&state),
+                    num_slots: NUM_SLOTS,
+                    slot_stride: stride,
+                },
+                weight: at(&weight),
+                seqs: sq.at(at),
+                heads: h,
+                kernel_size: taps,
+            };
+            let case = label(&h, &format!("{step} ({what})"));
+            p.run(|o, at| o.causal_conv1d(S, &params(at)));
+            p.check_bf16("causal_conv1d", &case, &out, Tolerance::BF16);
+            p.run(|o, at| o.conv_state_update(S, &params(at)));
+            p.check_f32("conv_state_update", &case, &state, Tolerance::EXACT);
+            let got = p.download_gpu::<f32>(&state);
+            for (s, &(n, slot, _)) in seqs.0.iter().enumerate() {
+                if slot != NO_SLOT && n == 0 {
+                    let at = (slot * stride) as usize..((slot + 1) * stride) as usize;
+                    assert!(
+                        got[at.clone()] == state0[at],
+                        "{case}: sequence {s} has no rows, yet its window changed"
+                    );
+                }
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// q̂, k̂ and the gates; the gated RMSNorm.
+
+#[test]
+fn gdn_prepare_normalises_q_and_k_and_computes_the_gates() {
+    let p = Pair::new();
+    let mut rng = Rng::new(102);
+    for (h, what) in gdn_shapes() {
+        let rows = 7u32;
+        let conv = p.upload(&rng.bf16s((rows * h.conv_dim()) as usize, -2.0, 2.0));
+        let mut proj = proj_values(&mut rng, rows, &h);
+        // Row 2's `a` of head 0 past softplus' linear threshold (20).
+        let a_at = (h.conv_dim() + h.value_dim() + h.num_v_heads) as usize;
+        proj[2 * h.proj_width() as usize + a_at] = bf16::from_f32(25.0);
+        let proj = p.upload(&proj);
+        let hv = h.num_v_heads as usize;
+        let a_log = p.upload(&rng.f32s(hv, -1.0, 2.0));
+        let dt_bias = p.upload(&rng.f32s(hv, -1.0, 1.0));
+        let qk = p.poisoned((rows * 2 * h.key_dim()) as usize * 4);
+        let gates = p.poisoned((rows * 2 * h.num_v_heads) as usize * 4);
+        p.run(|o, at| {
+            o.gdn_prepare(
+                S,
+                &GdnPrepare {
+                    qk: at(&qk),
+                    gates: at(&gates),
+                    conv: at(&conv),
+                    proj: at(&proj),
+                    a_log: at(&a_log),
+                    dt_bias: at(&dt_bias),
+                    rows,
+                    heads: h,
+                    l2_eps: 1e-6,
+                    q_scale: (h.k_head_dim as f32).powf(-0.5),
+                },
+            )
+        });
+        let case = label(&h, what);
+        p.check_f32("gdn_prepare.qk", &case, &qk, F32_ELEMENTWISE);
+        p.check_f32("gdn_prepare.gates", &case, &gates, F32_ELEMENTWISE);
+    }
+}
+
+#[test]
+fn gated_rms_norm_scales_each_head_and_gates_it_with_silu_z() {
+    let p = Pair::new();
+    let mut rng = Rng::new(103);
+    for (h, what) in gdn_shapes() {
+        let rows = 5u32;
+        let core = p.upload(&rng.f32s((rows * h.value_dim()) as usize, -2.0, 2.0));
+        let proj = p.upload(&rng.bf16s((rows * h.proj_width()) as usize, -4.0, 4.0));
+        let weight = p.upload(&rng.bf16s(h.v_head_dim as usize, 0.5, 1.5));
+        let out = p.poisoned((rows * h.value_dim()) as usize * 2);
+        p.run(|o, at| {
+            o.gated_rms_norm(
+                S,
+                &GatedRmsNorm {
+                    out: at(&out),
+                    core: at(&core),
+                    proj: at(&proj),
+                    weight: at(&weight),
+                    rows,
+                    heads: h,
+                    eps: 1e-6,
+                },
+            )
+        });
+        p.check_bf16("gated_rms_norm", &label(&h, what), &out, Tolerance::BF16);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The gated delta rule.
+
+/// One delta-rule problem: a step's sequences, their per-row inputs, the state pool and the
+/// output, on both sides.
+struct RuleCase {
+    h: GdnHeads,
+    seqs: StepSeqs,
+    sq: SeqBufs,
+    qk: Buf,
+    conv: Buf,
+    gates: Buf,
+    out: Buf,
+    state: Buf,
+    state0: Vec<f32>,
+    stride: u32,
+}
+
+impl RuleCase {
+    /// Realistic inputs: unit-norm k̂, q̂ of norm `1/√Dk`, β in (0, 1), g < 0 (decays from
+    /// e^-1.5 to nearly 1), v and the initial states of order one.
+    fn new(p: &Pair, rng: &mut Rng, h: GdnHeads, seqs: StepSeqs) -> RuleCase {
+        let rows = seqs.rows();
+        let (kd, dk) = (h.key_dim() as usize, h.k_head_dim as usize);
+        let mut qk = rng.f32s(rows as usize * 2 * kd, -1.0, 1.0);
+        for head in qk.chunks_mut(dk) {
+            let norm = head.iter().map(|x| x * x).sum::<f32>().sqrt();
+            for x in head.iter_mut() {
+                *x /= norm;
+            }
+        }
+        for row in qk.chunks_mut(2 * kd) {
+            for x in &mut row[..kd] {
+                *x /= (dk as f32).sqrt();
+            }
+        }
+        let hv = h.num_v_heads as usize;
+        let mut gates = Vec::with_capacity(rows as usize * 2 * hv);
+        for _ in 0..rows {
+            gates.extend((0..hv).map(|_| rng.uniform(0.05, 0.95)));
+            gates.extend((0..hv).map(|_| rng.uniform(-1.5, -0.005)));
+        }
+        // A slot stride past one slot's state (and a multiple of 4, which the fast path needs).
+        let stride = h.num_v_heads * h.k_head_dim * h.v_head_dim + 8;
+        let state0 = rng.f32s((NUM_SLOTS * stride) as usize, -1.0, 1.0);
+        RuleCase {
+            h,
+            sq: seqs.upload(p),
+            seqs,
+            qk: p.upload(&qk),
+            conv: p.upload(&rng.bf16s((rows * h.conv_dim()) as usize, -1.0, 1.0)),
+            gates: p.upload(&gates),
+            out: p.poisoned((rows * h.value_dim()) as usize * 4),
+            state: p.upload(&state0),
+            state0,
+            stride,
+        }
+    }
+
+    fn params(&self, at: At<'_>) -> GatedDelta {
+        GatedDelta {
+            out: at(&self.out),
+            state: StatePool {
+                base: at(&self.state),
+                num_slots: NUM_SLOTS,
+                slot_stride: self.stride,
+            },
+            qk: at(&self.qk),
+            conv: at(&self.conv),
+            gates: at(&self.gates),
+            seqs: self.sq.at(at),
+            heads: self.h,
+        }
+    }
+
+    /// Initial states back, outputs poisoned, on both sides.
+    fn reset(&self, p: &Pair) {
+        reset(p, &self.state, &self.state0);
+        poison(p, &self.out);
+    }
+
+    /// Run `which` on both sides from the initial state and compare outputs and states.
+    fn check(&self, p: &Pair, which: Rule, case: &str) {
+        self.reset(p);
+        p.run(|o, at| which.launch(o, &self.params(at)));
+        let name = which.name();
+        p.check_f32(&format!("{name}.out"), case, &self.out, F32_RULE);
+        p.check_f32(&format!("{name}.state"), case, &self.state, F32_RULE);
+        self.assert_untouched_slots(p, case);
+    }
+
+    /// Slots no real sequence of the step owns keep their bits (padding writes nothing, a
+    /// sequence without rows writes nothing).
+    fn assert_untouched_slots(&self, p: &Pair, case: &str) {
+        let got = p.download_gpu::<f32>(&self.state);
+        for slot in 0..NUM_SLOTS {
+            let written = self.seqs.0.iter().any(|&(n, s, _)| s == slot && n > 0);
+            if !written {
+                let at = (slot * self.stride) as usize..((slot + 1) * self.stride) as usize;
+                assert!(
+                    got[at.clone()] == self.state0[at],
+                    "{case}: slot {slot} belongs to no sequence with rows, yet changed"
+                );
+            }
+        }
+    }
+}
+
+/// Which rule kernel to launch.
+#[derive(Debug, Clone, Copy)]
+enum Rule {
+    Recurrent,
+    Chunked,
+}
+
+impl Rule {
+    fn name(self) -> &'static str {
+        match self {
+            Rule::Recurrent => "gated_delta_recurrent",
+            Rule::Chunked => "gated_delta_chunked",
+        }
+    }
+
+    fn launch(
+        self,
+        o: &metrale_model_layers::Ops,
+        g: &GatedDelta,
+    ) -> metrale_gpu_runtime::GpuResult<()> {
+        match self {
+            Rule::Recurrent => o.gated_delta_recurrent(S, g),
+            Rule::Chunked => o.gated_delta_chunked(S, g, CHUNK),
+        }
+    }
+}
+
+#[test]
+fn gated_delta_recurrent_matches_on_decode_and_multi_row_steps() {
+    let p = Pair::new();
+    let mut rng = Rng::new(104);
+    for (h, what) in gdn_shapes() {
+        for (seqs, step) in [(StepSeqs::decode(), "decode"), (StepSeqs::mixed(), "mixed")] {
+            let c = RuleCase::new(&p, &mut rng, h, seqs);
+            c.check(&p, Rule::Recurrent, &label(&h, &format!("{step} ({what})")));
+        }
+    }
+}
+
+#[test]
+fn gated_delta_chunked_matches_across_chunk_boundaries() {
+    let p = Pair::new();
+    let mut rng = Rng::new(105);
+    for (h, what) in gdn_shapes() {
+        for (seqs, step) in [
+            (StepSeqs::mixed(), "mixed"),
+            (StepSeqs::decode(), "one-row chunks"),
+        ] {
+            let c = RuleCase::new(&p, &mut rng, h, seqs);
+            let case = label(&h, &format!("{step} ({what})"));
+            c.check(&p, Rule::Chunked, &case);
+            // Run to run, bitwise.
+            let (out, state) = (
+                p.download_gpu::<u32>(&c.out),
+                p.download_gpu::<u32>(&c.state),
+            );
+            c.reset(&p);
+            p.run_gpu(|o, at| o.gated_delta_chunked(S, &c.params(at), CHUNK));
+            assert!(
+                out == p.download_gpu::<u32>(&c.out) && state == p.download_gpu::<u32>(&c.state),
+                "gated_delta_chunked {case}: a second run differs"
+            );
+        }
+    }
+}
+
+/// `(out, state)` of one launch of `which` on CUDA from the case's initial state.
+fn cuda_rule(p: &Pair, c: &RuleCase, which: Rule) -> (Vec<u32>, Vec<u32>) {
+    c.reset(p);
+    p.run_gpu(|o, at| which.launch(o, &c.params(at)));
+    (
+        p.download_gpu::<u32>(&c.out),
+        p.download_gpu::<u32>(&c.state),
+    )
+}
+
+#[test]
+fn one_row_chunks_are_the_recurrent_step_bitwise_and_sequences_do_not_see_each_other() {
+    let p = Pair::new();
+    let mut rng = Rng::new(106);
+    for (h, what) in gdn_shapes() {
+        let case = label(&h, what);
+        // A decode step through either kernel: the same bits.
+        let c = RuleCase::new(&p, &mut rng, h, StepSeqs::decode());
+        assert!(
+            cuda_rule(&p, &c, Rule::Chunked) == cuda_rule(&p, &c, Rule::Recurrent),
+            "{case}: a decode step differs between the chunked and the recurrent kernel"
+        );
+        // Each sequence of a mixed step, launched alone from the same inputs and state, gives
+        // the same bits as inside the step.
+        let c = RuleCase::new(&p, &mut rng, h, StepSeqs::mixed());
+        let (out, state) = cuda_rule(&p, &c, Rule::Chunked);
+        let (vd, per_slot) = (h.value_dim() as usize, c.stride as usize);
+        let mut first = 0u32;
+        for (s, &(n, slot, pos0)) in c.seqs.0.iter().enumerate() {
+            let alone = StepSeqs(vec![(n, slot, pos0)]);
+            if n > 0 {
+                let sq = alone.upload(&p);
+                c.reset(&p);
+                let row =
+                    |b: &Buf, bytes_per_row: u32| b.gpu.offset((first * bytes_per_row) as usize);
+                p.run_gpu(|o, at| {
+                    let mut g = c.params(at);
+                    g.seqs = sq.at(at);
+                    g.out = row(&c.out, 4 * h.value_dim());
+                    g.qk = row(&c.qk, 8 * h.key_dim());
+                    g.conv = row(&c.conv, 2 * h.conv_dim());
+                    g.gates = row(&c.gates, 8 * h.num_v_heads);
+                    o.gated_delta_chunked(S, &g, CHUNK)
+                });
+                let (o2, s2) = (
+                    p.download_gpu::<u32>(&c.out),
+                    p.download_gpu::<u32>(&c.state),
+                );
+                let rows = first as usize * vd..(first + n) as usize * vd;
+                assert!(
+                    o2[rows.clone()] == out[rows],
+                    "{case}: sequence {s} alone gives other outputs than inside the step"
+                );
+                if slot != NO_SLOT {
+                    let at = slot as usize * per_slot..(slot as usize + 1) * per_slot;
+                    assert!(
+                        s2[at.clone()] == state[at],
+                        "{case}: sequence {s} alone leaves another state than inside the step"
+                    );
+                }
+            }
+            first += n;
+        }
+        println!(
+            "kernel-check {:<18} {:<44} bitwise: one-row chunk = recurrent step; alone = in a step ok",
+            "gated_delta(inv)", case
+        );
+    }
+}
+
+#[test]
+fn chunked_prefill_equals_single_row_recurrent_steps_on_cuda() {
+    let p = Pair::new();
+    let mut rng = Rng::new(107);
+    for (h, what) in gdn_shapes() {
+        for (n, pos0) in [(130u32, 0u32), (65, 10), (64, 64), (63, 1)] {
+            let case = label(&h, &format!("{n} rows from {pos0} ({what})"));
+            let c = RuleCase::new(&p, &mut rng, h, StepSeqs(vec![(n, 2, pos0)]));
+            let (out, state) = cuda_rule(&p, &c, Rule::Chunked);
+            // The same rows as n launches of one row each, the state carried between them.
+            c.reset(&p);
+            let one = StepSeqs(vec![(1, 2, 0)]).upload(&p);
+            for r in 0..n {
+                let row = |b: &Buf, bytes_per_row: u32| b.gpu.offset((r * bytes_per_row) as usize);
+                p.run_gpu(|o, at| {
+                    let mut g = c.params(at);
+                    g.seqs = one.at(at);
+                    g.out = row(&c.out, 4 * h.value_dim());
+                    g.qk = row(&c.qk, 8 * h.key_dim());
+                    g.conv = row(&c.conv, 2 * h.conv_dim());
+                    g.gates = row(&c.gates, 8 * h.num_v_heads);
+                    o.gated_delta_recurrent(S, &g)
+                });
+            }
+            let (steps_out, steps_state) = (
+                p.download_gpu::<u32>(&c.out),
+                p.download_gpu::<u32>(&c.state),
+            );
+            let f = |v: &[u32]| v.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>();
+            let bitwise = out == steps_out && state == steps_state;
+            compare(
+                "chunked=steps.out",
+                &case,
+                &f(&out),
+                &f(&steps_out),
+                F32_RULE,
+            );
+            compare(
+                "chunked=steps.state",
+                &case,
+                &f(&state),
+                &f(&steps_state),
+                F32_RULE,
+            );
+            println!(
+                "kernel-check {:<18} {:<44} bitwise={bitwise}",
+                "chunked=steps", case
+            );
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// MoE.
+
+/// Compare two u32 outputs exactly, printing a `kernel-check` line.
+fn check_u32(p: &Pair, kernel: &str, case: &str, buf: &Buf) -> Vec<u32> {
+    let (g, c) = p.download::<u32>(buf);
+    let bad = g.iter().zip(&c).position(|(a, b)| a != b);
+    println!(
+        "kernel-check {kernel:<18} {case:<44} n={:<9} exact {}",
+        g.len(),
+        if bad.is_none() { "ok" } else { "FAIL" }
+    );
+    if let Some(i) = bad {
+        panic!(
+            "{kernel} {case}: element {i}: cuda {} vs cpu {}",
+            g[i], c[i]
+        );
+    }
+    g
+}
+
+#[test]
+fn topk_route_picks_the_largest_probabilities_with_ties_to_the_lower_index() {
+    let p = Pair::new();
+    let mut rng = Rng::new(201);
+    for (experts, top_k, rows) in [(64u32, 8u32, 6u32), (512, 10, 5), (60, 4, 3), (128, 1, 4)] {
+        for renormalize in [true, false] {
+            let e = experts as usize;
+            let mut logits = rng.f32s(rows as usize * e, -4.0, 4.0);
+            // Row 1: a three-way tie at the top (5 < 40 < e - 1 must come out in that order);
+            // row 2: a tie at the edge of the top-k.
+            for i in [5, 40, e - 1] {
+                logits[e + i] = 9.0;
+            }
+            let mut sorted: Vec<f32> = logits[2 * e..3 * e].to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            let edge = sorted[top_k as usize - 1];
+            let twin = logits[2 * e..3 * e]
+                .iter()
+                .position(|&v| v < edge)
+                .expect("a logit below the edge");
+            logits[2 * e + twin] = edge;
+            let lg = p.upload(&logits);
+            let ids = p.poisoned((rows * top_k) as usize * 4);
+            let weights = p.poisoned((rows * top_k) as usize * 4);
+            p.run(|o, at| {
+                o.topk_route(
+                    S,
+                    at(&ids),
+                    at(&weights),
+                    at(&lg),
+                    rows,
+                    experts,
+                    top_k,
+                    renormalize,
+                )
+            });
+            let case = format!("E={experts} k={top_k} rows={rows} renorm={renormalize}");
+            let got = check_u32(&p, "topk_route.ids", &case, &ids);
+            if top_k >= 3 {
+                let k = top_k as usize;
+                assert_eq!(&got[k..k + 3], &[5, 40, experts - 1], "{case}: tie order");
+            }
+            p.check_f32("topk_route.weights", &case, &weights, F32_ELEMENTWISE);
+        }
+    }
+}
+
+/// Each row's `top_k` distinct experts.
+fn routing(rng: &mut Rng, rows: u32, experts: u32, top_k: u32) -> Vec<u32> {
+    (0..rows)
+        .flat_map(|_| rng.permutation(experts)[..top_k as usize].to_vec())
+        .collect()
+}
+
+/// One expert-projection problem on both sides.
+struct ExpertCase {
+    x: Buf,
+    w: Buf,
+    ids: Buf,
+    pairs: u32,
+    n: u32,
+    k: u32,
+    experts: u32,
+    per: u32,
+}
+
+impl ExpertCase {
+    fn new(
+        p: &Pair,
+        rng: &mut Rng,
+        ids: Vec<u32>,
+        (n, k, experts, per): (u32, u32, u32, u32),
+    ) -> ExpertCase {
+        let pairs = ids.len() as u32;
+        let s = (3.0 / k as f32).sqrt();
+        ExpertCase {
+            x: p.upload(&rng.bf16s((pairs / per * k) as usize, -1.0, 1.0)),
+            w: p.upload(&rng.bf16s((experts * n * k) as usize, -s, s)),
+            ids: p.upload(&ids),
+            pairs,
+            n,
+            k,
+            experts,
+            per,
+        }
+    }
+
+    fn params(&self, at: At<'_>, out: &Buf) -> ExpertLinear {
+        ExpertLinear {
+            out: at(out),
+            x: at(&self.x),
+            w: at(&self.w),
+            expert_ids: at(&self.ids),
+            pairs: self.pairs,
+            n: self.n,
+            k: self.k,
+            num_experts: self.experts,
+            pairs_per_x_row: self.per,
+        }
+    }
+}
+
+#[test]
+fn expert_linear_projects_each_pair_through_its_expert() {
+    let p = Pair::new();
+    let mut rng = Rng::new(202);
+    // (rows, top_k, experts, n, k): decode-like, odd k (scalar path), k not a multiple of 256.
+    let shapes = [
+        (1u32, 8u32, 64u32, 256u32, 512u32),
+        (9, 4, 16, 130, 1003),
+        (33, 4, 16, 256, 520),
+        (3, 2, 8, 64, 2048),
+    ];
+    for (rows, top_k, experts, n, k) in shapes {
+        for per in [top_k, 1] {
+            // per = top_k: the gate|up projection (pairs share x rows); 1: the down projection.
+            let ids = routing(&mut rng, rows, experts, top_k);
+            let c = ExpertCase::new(&p, &mut rng, ids, (n, k, experts, per));
+            let case = format!("rows={rows} k_top={top_k} E={experts} n={n} k={k} per={per}");
+            let out = p.poisoned((c.pairs * n) as usize * 2);
+            p.run(|o, at| o.expert_linear(S, &c.params(at, &out)));
+            p.check_bf16("expert_linear", &case, &out, Tolerance::BF16);
+            let out32 = p.poisoned((c.pairs * n) as usize * 4);
+            p.run(|o, at| o.expert_linear_f32out(S, &c.params(at, &out32)));
+            p.check_f32("expert_linear_f32out", &case, &out32, Tolerance::F32_DOT);
+            let first = p.download_gpu::<u32>(&out32);
+            p.run_gpu(|o, at| o.expert_linear_f32out(S, &c.params(at, &out32)));
+            assert!(
+                first == p.download_gpu::<u32>(&out32),
+                "expert_linear_f32out {case}: a second run differs"
+            );
+        }
+    }
+    // One expert taking most of 600 pairs (more than a block collects at once), and an expert
+    // index at the top of the range.
+    let ids: Vec<u32> = (0..600u32)
+        .map(|i| match i % 7 {
+            0 => rng.below(16),
+            1 => 15,
+            _ => 3,
+        })
+        .collect();
+    let c = ExpertCase::new(&p, &mut rng, ids, (96, 256, 16, 1));
+    let case = "600 pairs, ~430 on expert 3";
+    let out32 = p.poisoned((c.pairs * c.n) as usize * 4);
+    p.run(|o, at| o.expert_linear_f32out(S, &c.params(at, &out32)));
+    p.check_f32("expert_linear_f32out", case, &out32, Tolerance::F32_DOT);
+}
+
+#[test]
+fn expert_linear_pairs_do_not_depend_on_the_other_pairs_of_the_launch() {
+    let p = Pair::new();
+    let mut rng = Rng::new(203);
+    let (rows, top_k, experts, n, k) = (40u32, 8u32, 64u32, 256u32, 1024u32);
+    let ids = routing(&mut rng, rows, experts, top_k);
+    let c = ExpertCase::new(&p, &mut rng, ids, (n, k, experts, top_k));
+    let full = p.poisoned((c.pairs * n) as usize * 4);
+    p.run_gpu(|o, at| o.expert_linear_f32out(S, &c.params(at, &full)));
+    let full = p.download_gpu::<u32>(&full);
+    for (start, m) in [(0u32, 1u32), (7, 1), (13, 5), (20, 20), (39, 1)] {
+        let out = p.poisoned((m * top_k * n) as usize * 4);
+        p.run_gpu(|o, _| {
+            o.expert_linear_f32out(
+                S,
+                &ExpertLinear {
+                    out: out.gpu,
+                    x: c.x.gpu.offset((start * k) as usize * 2),
+                    w: c.w.gpu,
+                    expert_ids: c.ids.gpu.offset((start * top_k) as usize * 4),
+                    pairs: m * top_k,
+                    n,
+                    k,
+                    num_experts: experts,
+                    pairs_per_x_row: top_k,
+                },
+            )
+        });
+        let at = (start * top_k * n) as usize..((start + m) * top_k * n) as usize;
+        assert!(
+            p.download_gpu::<u32>(&out)[..] == full[at],
+            "rows {start}..{} differ bitwise between {m} and {rows} rows",
+            start + m
+        );
+    }
+    println!(
+        "kernel-check {:<18} {:<44} bitwise equal for rows in 1..=40 ok",
+        "expert_linear(inv)",
+        format!("E={experts} top_k={top_k} n={n} k={k}")
+    );
+}
+
+#[test]
+fn moe_combine_weighs_the_experts_and_gates_the_shared_expert() {
+    let p = Pair::new();
+    let mut rng = Rng::new(204);
+    for (rows, hidden, top_k) in [(5u32, 2048u32, 8u32), (3, 1003, 4)] {
+        let expert_out = p.upload(&rng.f32s((rows * top_k * hidden) as usize, -2.0, 2.0));
+        let weights = p.upload(&rng.f32s((rows * top_k) as usize, 0.01, 0.3));
+        let shared = p.upload(&rng.bf16s((rows * hidden) as usize, -2.0, 2.0));
+        let gate = p.upload(&rng.f32s(rows as usize, -3.0, 3.0));
+        for (with_shared, with_gate) in [(true, true), (true, false), (false, false)] {
+            let out = p.poisoned((rows * hidden) as usize * 2);
+            p.run(|o, at| {
+                o.moe_combine(
+                    S,
+                    &MoeCombine {
+                        out: at(&out),
+                        expert_out: at(&expert_out),
+                        topk_weights: at(&weights),
+                        shared_out: if with_shared {
+                            at(&shared)
+                        } else {
+                            metrale_gpu_runtime::DevicePtr::NULL
+                        },
+                        shared_gate: if with_gate {
+                            at(&gate)
+                        } else {
+                            metrale_gpu_runtime::DevicePtr::NULL
+                        },
+                        rows,
+                        hidden,
+                        top_k,
+                    },
+                )
+            });
+            p.check_bf16(
+                "moe_combine",
+                &format!(
+                    "rows={rows} hidden={hidden} k={top_k} shared={with_shared} gate={with_gate}"
+                ),
+                &out,
+                Tolerance::BF16,
+            );
+        }
+    }
+}

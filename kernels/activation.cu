@@ -1,0 +1,27 @@
+// The SwiGLU gate. CPU twin: metrale-gpu-runtime/src/cpu/kernels/activation.rs.
+//
+// Launch: one block per row (any block size).
+#include "common.cuh"
+
+// silu_mul(out: bf16 [rows, ffn], gate_up: bf16 [rows, 2 * ffn], rows, ffn):
+// out = silu(gate) * up with silu(x) = x / (1 + exp(-x)) in f32.
+extern "C" __global__ void silu_mul(bf16* __restrict__ out, const bf16* __restrict__ gate_up,
+                                    uint32_t rows, uint32_t ffn) {
+    const uint32_t r = blockIdx.x;
+    if (r >= rows) return;
+    const bf16* g = gate_up + (size_t)r * 2 * ffn;
+    const bf16* u = g + ffn;
+    bf16* o = out + (size_t)r * ffn;
+    if (ffn % 8 == 0 && aligned16(g) && aligned16(o)) {
+        for (uint32_t v = threadIdx.x; v < ffn / 8; v += blockDim.x) {
+            float gf[8], uf[8], of[8];
+            unpack8(load16(g + 8 * v), gf);
+            unpack8(load16(u + 8 * v), uf);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) of[j] = siluf_acc(gf[j]) * uf[j];
+            store16(o + 8 * v, pack8(of));
+        }
+    } else {
+        for (uint32_t i = threadIdx.x; i < ffn; i += blockDim.x) o[i] = f2bf(siluf_acc(bf2f(g[i])) * bf2f(u[i]));
+    }
+}

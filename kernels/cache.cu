@@ -1,0 +1,40 @@
+// Writing a step's keys and values into the paged KV cache. CPU twin:
+// metrale-gpu-runtime/src/cpu/kernels/cache.rs.
+//
+// Launch: one block per row (any block size). Cache layout per layer:
+// [num_slots, num_kv_heads, head_dim] bf16. A slot of u32::MAX is a padding row and writes
+// nothing; a slot past `num_slots` (an error on the CPU) also writes nothing.
+#include "common.cuh"
+
+// kv_store(k_cache, v_cache: bf16 [num_slots, num_kv_heads, head_dim], qkv: bf16 [rows,
+// row_stride], slot_mapping: u32 [rows], rows, row_stride, k_offset, v_offset, num_kv_heads,
+// head_dim, num_slots).
+extern "C" __global__ void kv_store(bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+                                    const bf16* __restrict__ qkv,
+                                    const uint32_t* __restrict__ slot_mapping, uint32_t rows,
+                                    uint32_t row_stride, uint32_t k_offset, uint32_t v_offset,
+                                    uint32_t num_kv_heads, uint32_t head_dim, uint32_t num_slots) {
+    const uint32_t r = blockIdx.x;
+    if (r >= rows) return;
+    const uint32_t slot = slot_mapping[r];
+    if (slot == 0xFFFFFFFFu || slot >= num_slots) return;
+    const uint32_t width = num_kv_heads * head_dim;
+    if (k_offset + width > row_stride || v_offset + width > row_stride) return;
+    const bf16* ks = qkv + (size_t)r * row_stride + k_offset;
+    const bf16* vs = qkv + (size_t)r * row_stride + v_offset;
+    bf16* kd = k_cache + (size_t)slot * width;
+    bf16* vd = v_cache + (size_t)slot * width;
+    if (width % 8 == 0 && aligned16(ks) && aligned16(vs) && aligned16(kd) && aligned16(vd)) {
+        for (uint32_t v = threadIdx.x; v < width / 8; v += blockDim.x) {
+            const uint4 a = load16(ks + 8 * v);
+            const uint4 b = load16(vs + 8 * v);
+            store16(kd + 8 * v, a);
+            store16(vd + 8 * v, b);
+        }
+    } else {
+        for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) {
+            kd[i] = ks[i];
+            vd[i] = vs[i];
+        }
+    }
+}

@@ -1,0 +1,92 @@
+// Helpers shared by every kernel family: bf16 conversion, 16-byte vectors of 8 bf16, alignment
+// tests and deterministic warp / block reductions.
+//
+// Invariants:
+// - Every reduction here combines values in an order fixed by the thread layout alone, so a
+//   kernel built on them gives bitwise the same result run to run.
+// - A kernel takes the 16-byte vector path only when every pointer it vectorises is 16-byte
+//   aligned and the dimension it strides is a multiple of 8; otherwise it falls back to scalar
+//   accesses computing the same function.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#define MT_DEVICE __device__ __forceinline__
+
+typedef __nv_bfloat16 bf16;
+
+MT_DEVICE bool aligned16(const void* p) {
+    return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+MT_DEVICE float bf2f(bf16 x) { return __bfloat162float(x); }
+
+MT_DEVICE bf16 f2bf(float x) { return __float2bfloat16_rn(x); }
+
+// A bf16 NaN, for outputs of rows whose inputs were out of range.
+MT_DEVICE bf16 bf16_nan() { return __ushort_as_bfloat16((unsigned short)0x7FFF); }
+
+// Eight bf16 held in one 16-byte vector, unpacked to f32.
+MT_DEVICE void unpack8(uint4 v, float (&out)[8]) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = __uint_as_float(w[i] << 16);
+        out[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+}
+
+// Eight f32 rounded to bf16 (nearest even) and packed into one 16-byte vector.
+MT_DEVICE uint4 pack8(const float (&in)[8]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t lo = __bfloat16_as_ushort(f2bf(in[2 * i]));
+        const uint32_t hi = __bfloat16_as_ushort(f2bf(in[2 * i + 1]));
+        w[i] = lo | (hi << 16);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+MT_DEVICE uint4 load16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+
+MT_DEVICE void store16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+
+// Sum over the 32 lanes of a warp. The xor butterfly leaves bitwise the same value in every lane
+// (each step adds a pair in both lanes, and IEEE addition commutes).
+MT_DEVICE float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+MT_DEVICE float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block of at most 1024 threads (a multiple of 32); every thread gets the result.
+// `scratch` holds at least 32 floats. Ends with a barrier, so `scratch` may be reused after it.
+MT_DEVICE float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : 0.0f;
+    t = warp_sum(t);
+    __syncthreads();
+    return t;
+}
+
+MT_DEVICE float sigmoidf_acc(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+MT_DEVICE float siluf_acc(float x) { return x / (1.0f + expf(-x)); }
+
+// The norm weight as applied: `w`, or `1 + w` for the zero-centred convention.
+MT_DEVICE float norm_weight(bf16 w, bool unit_offset) {
+    return unit_offset ? 1.0f + bf2f(w) : bf2f(w);
+}

@@ -1,0 +1,55 @@
+// Token embedding gather and row gather. CPU twins: metrale-gpu-runtime/src/cpu/kernels/embed.rs.
+//
+// Launch: one block per output row (any block size that is a multiple of 32).
+// An id outside the table cannot be reported from the device: that row is filled with NaN
+// instead (the CPU twin returns an error).
+#include "common.cuh"
+
+// embedding_gather(out: f32 [rows, hidden], table: bf16 [vocab, hidden], ids: u32 [rows], rows,
+// hidden, vocab): out[r] = table[ids[r]] widened to f32.
+extern "C" __global__ void embedding_gather(float* __restrict__ out, const bf16* __restrict__ table,
+                                            const uint32_t* __restrict__ ids, uint32_t rows,
+                                            uint32_t hidden, uint32_t vocab) {
+    const uint32_t r = blockIdx.x;
+    if (r >= rows) return;
+    float* o = out + (size_t)r * hidden;
+    const uint32_t id = ids[r];
+    if (id >= vocab) {
+        for (uint32_t i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const bf16* src = table + (size_t)id * hidden;
+    if (hidden % 8 == 0 && aligned16(src) && aligned16(o)) {
+        for (uint32_t v = threadIdx.x; v < hidden / 8; v += blockDim.x) {
+            float f[8];
+            unpack8(load16(src + 8 * v), f);
+            store16(o + 8 * v, make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]),
+                                          __float_as_uint(f[2]), __float_as_uint(f[3])));
+            store16(o + 8 * v + 4, make_uint4(__float_as_uint(f[4]), __float_as_uint(f[5]),
+                                              __float_as_uint(f[6]), __float_as_uint(f[7])));
+        }
+    } else {
+        for (uint32_t i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = bf2f(src[i]);
+    }
+}
+
+// gather_rows(out: bf16 [n, cols], x: bf16 [src_rows, cols], row_ids: u32 [n], n, cols,
+// src_rows): out[i] = x[row_ids[i]].
+extern "C" __global__ void gather_rows(bf16* __restrict__ out, const bf16* __restrict__ x,
+                                       const uint32_t* __restrict__ row_ids, uint32_t n,
+                                       uint32_t cols, uint32_t src_rows) {
+    const uint32_t i = blockIdx.x;
+    if (i >= n) return;
+    bf16* o = out + (size_t)i * cols;
+    const uint32_t r = row_ids[i];
+    if (r >= src_rows) {
+        for (uint32_t c = threadIdx.x; c < cols; c += blockDim.x) o[c] = bf16_nan();
+        return;
+    }
+    const bf16* src = x + (size_t)r * cols;
+    if (cols % 8 == 0 && aligned16(src) && aligned16(o)) {
+        for (uint32_t v = threadIdx.x; v < cols / 8; v += blockDim.x) store16(o + 8 * v, load16(src + 8 * v));
+    } else {
+        for (uint32_t c = threadIdx.x; c < cols; c += blockDim.x) o[c] = src[c];
+    }
+}

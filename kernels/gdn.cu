@@ -1,0 +1,461 @@
+// The Gated DeltaNet token mixer of the Qwen3.5 / Qwen3-Next families. CPU twins (the reference,
+// with the argument lists, layouts and semantics): metrale-gpu-runtime/src/cpu/kernels/gdn.rs
+// and gdn/delta_rule.rs.
+//
+// Head scalars, as every kernel here takes them: Hk (num_k_heads), Dk, Hv, Dv; key_dim = Hk*Dk,
+// value_dim = Hv*Dv, conv_dim = 2*key_dim + value_dim, proj_width = conv_dim + value_dim + 2*Hv.
+// A sequence whose slot is u32::MAX (padding) reads zero states and writes none; a slot past
+// num_slots (which the CPU twin refuses) writes NaN outputs and leaves every state alone.
+//
+// Launch geometry (ops_hybrid.rs builds it from shapes only):
+// - causal_conv1d: grid (rows, ceil(conv_dim / T)), T threads, one thread per (row, channel).
+// - conv_state_update: grid (num_seqs, ceil(conv_dim / T)), one thread per (sequence, channel).
+// - gdn_prepare: one block per row, a warp per (q or k) head, threads over the gates.
+// - gated_delta_recurrent / gated_delta_chunked: grid (num_seqs, Hv * G), 32 * WB threads,
+//   where a head's Dv columns are cut into W = ceil(Dv / 16) warp tiles of 16 columns, WB warps
+//   per block and G = ceil(W / WB) blocks per (sequence, value head).
+// - gated_rms_norm: grid (rows, Hv), one warp per (row, value head).
+//
+// The delta rule. The columns d of a head's state S[c][d] (c < Dk, d < Dv) evolve independently:
+// a token needs only column d of S, k̂, q̂ and v[d]. So a warp owns 16 columns for all Dk rows and
+// a whole sequence's rows, with no barrier and no shared memory: lane (rl = lane / 4,
+// cq = lane % 4) holds rows rl*RPT .. rl*RPT+RPT-1 and columns 4cq .. 4cq+3 of its tile in
+// registers (RPT = 4, 8 or 16, the smallest with 8*RPT >= Dk; 16 for Dk = 128: 64 floats),
+// loaded and stored once per launch as 16-byte vectors (each row's 16 columns are 64 contiguous
+// bytes). Per token, the sums over c are a per-lane chain over its rows (ascending) and then an
+// xor butterfly over the 8 row lanes, which leaves bitwise the same value in all of them. The
+// chunked kernel loads the next row's q̂, k̂, v, β, g before computing the current row (the
+// recurrent one, for decode, keeps fewer registers live). This "fast" path needs Dk % 4 == 0,
+// Dv % 4 == 0, Dk <= 128, slot_stride % 4 == 0 and 16-byte aligned state, qk and out; otherwise
+// a thread per column keeps its column in a local array (Dk <= 256; above that the outputs are
+// NaN) and sums over c in ascending order. Both paths use only explicit fmaf for
+// multiply-adds, so no contraction choice of the compiler can make the two kernels differ.
+//
+// gated_delta_chunked runs the same recurrence row by row (the chunked WY form of the CPU twin is
+// mathematically the same function): every row, and in particular a one-row chunk, is computed
+// bitwise as gated_delta_recurrent computes it, whatever the chunking; positions and chunk_size
+// are accepted but not needed. A tensor-core WY form for long prefills is future work.
+//
+// Determinism and batch invariance: every output and state element is computed by a fixed
+// thread layout from its own sequence's rows and state only, in a fixed order.
+#include "common.cuh"
+
+#define GDN_NO_SLOT 0xFFFFFFFFu
+// Largest Dk of the general delta-rule path, and of the fast one.
+#define GDN_MAX_DK 256
+#define GDN_FAST_MAX_DK 128
+// Columns of a head per warp of the delta-rule kernels.
+#define GDN_WARP_COLS 16
+
+MT_DEVICE float f32_nan() { return __int_as_float(0x7FFFFFFF); }
+
+// ---------------------------------------------------------------------------------------------
+// Causal conv.
+
+// The conv window of sequence `s`: its slot's state, NULL for a padding sequence (zero window);
+// `bad` when the slot is past the pool.
+MT_DEVICE const float* conv_window(const float* state, uint32_t slot, uint32_t num_slots,
+                                   uint32_t stride, bool& bad) {
+    bad = false;
+    if (slot == GDN_NO_SLOT) return nullptr;
+    if (slot >= num_slots) {
+        bad = true;
+        return nullptr;
+    }
+    return state + (size_t)slot * stride;
+}
+
+// causal_conv1d(out: bf16 [rows, conv_dim], proj: bf16 [rows, proj_width], conv_state: f32
+// [num_slots * slot_stride], weight: bf16 [conv_dim, K], row_seq: u32 [rows], seq_start: u32
+// [num_seqs + 1], seq_slot: u32 [num_seqs], rows, num_seqs, num_slots, slot_stride, Hk, Dk, Hv,
+// Dv, kernel_size). out[r][c] = silu(Σ_i weight[c][i] * x(t - (K-1) + i)) in f32, x(u) from the
+// step's rows for u >= 0 and from the window (zero for padding) for u < 0.
+extern "C" __global__ void causal_conv1d(bf16* __restrict__ out, const bf16* __restrict__ proj,
+                                         const float* __restrict__ conv_state,
+                                         const bf16* __restrict__ weight,
+                                         const uint32_t* __restrict__ row_seq,
+                                         const uint32_t* __restrict__ seq_start,
+                                         const uint32_t* __restrict__ seq_slot, uint32_t rows,
+                                         uint32_t num_seqs, uint32_t num_slots,
+                                         uint32_t slot_stride, uint32_t hk, uint32_t dk,
+                                         uint32_t hv, uint32_t dv, uint32_t kernel_size) {
+    const uint32_t cd = 2 * hk * dk + hv * dv;
+    const uint32_t pw = cd + hv * dv + 2 * hv;
+    const uint32_t r = blockIdx.x;
+    const uint32_t c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (r >= rows || c >= cd) return;
+    bf16* o = out + (size_t)r * cd + c;
+    const uint32_t s = row_seq[r];
+    if (s >= num_seqs || kernel_size == 0) {
+        *o = bf16_nan();
+        return;
+    }
+    const uint32_t first = seq_start[s];
+    if (r < first || r >= seq_start[s + 1]) {
+        *o = bf16_nan();
+        return;
+    }
+    bool bad;
+    const float* window = conv_window(conv_state, seq_slot[s], num_slots, slot_stride, bad);
+    if (bad) {
+        *o = bf16_nan();
+        return;
+    }
+    const uint32_t t = r - first;
+    const uint32_t hist = kernel_size - 1;
+    const bf16* wc = weight + (size_t)c * kernel_size;
+    float acc = 0.0f;
+    for (uint32_t i = 0; i < kernel_size; ++i) {
+        const uint32_t back = hist - i;
+        float x;
+        if (back <= t) {
+            x = bf2f(proj[(size_t)(r - back) * pw + c]);
+        } else {
+            x = window ? window[(size_t)(hist + t - back) * cd + c] : 0.0f;
+        }
+        acc += bf2f(wc[i]) * x;
+    }
+    *o = f2bf(siluf_acc(acc));
+}
+
+// conv_state_update(conv_state: f32 [num_slots * slot_stride] (in/out), proj: bf16 [rows,
+// proj_width], seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], rows, num_seqs,
+// num_slots, slot_stride, Hk, Dk, Hv, Dv, kernel_size). A real sequence with n rows keeps the
+// last K-1 inputs of (old window ++ its rows): new[i] = x(n - (K-1) + i). Each thread owns one
+// channel of one window and walks i ascending, so old row i + n is read before it is rewritten.
+extern "C" __global__ void conv_state_update(float* __restrict__ conv_state,
+                                             const bf16* __restrict__ proj,
+                                             const uint32_t* __restrict__ seq_start,
+                                             const uint32_t* __restrict__ seq_slot, uint32_t rows,
+                                             uint32_t num_seqs, uint32_t num_slots,
+                                             uint32_t slot_stride, uint32_t hk, uint32_t dk,
+                                             uint32_t hv, uint32_t dv, uint32_t kernel_size) {
+    const uint32_t cd = 2 * hk * dk + hv * dv;
+    const uint32_t pw = cd + hv * dv + 2 * hv;
+    const uint32_t s = blockIdx.x;
+    const uint32_t c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (s >= num_seqs || c >= cd || kernel_size == 0) return;
+    const uint32_t slot = seq_slot[s];
+    if (slot == GDN_NO_SLOT || slot >= num_slots) return;
+    const uint32_t first = min(seq_start[s], rows);
+    const uint32_t end = min(seq_start[s + 1], rows);
+    if (end <= first) return;
+    const uint32_t n = end - first;
+    const uint32_t hist = kernel_size - 1;
+    float* window = conv_state + (size_t)slot * slot_stride;
+    for (uint32_t i = 0; i < hist; ++i) {
+        const int64_t u = (int64_t)n + i - hist;
+        window[(size_t)i * cd + c] = u >= 0 ? bf2f(proj[(size_t)(first + u) * pw + c])
+                                            : window[(size_t)(i + n) * cd + c];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// q̂, k̂ and the gates.
+
+// softplus(x) = ln(1 + e^x), linear above 20 (torch.nn.functional.softplus).
+MT_DEVICE float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// gdn_prepare(qk: f32 [rows, 2*key_dim], gates: f32 [rows, 2*Hv], conv: bf16 [rows, conv_dim],
+// proj: bf16 [rows, proj_width], a_log: f32 [Hv], dt_bias: f32 [Hv], rows, Hk, Dk, Hv, Dv,
+// l2_eps, q_scale). q̂ = q / sqrt(Σq² + eps) * q_scale, k̂ = k / sqrt(Σk² + eps) per key head;
+// β = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias) per value head. One block per row,
+// a warp per head (lanes over Dk, then the butterfly), threads over the gates.
+extern "C" __global__ void gdn_prepare(float* __restrict__ qk, float* __restrict__ gates,
+                                       const bf16* __restrict__ conv,
+                                       const bf16* __restrict__ proj,
+                                       const float* __restrict__ a_log,
+                                       const float* __restrict__ dt_bias, uint32_t rows,
+                                       uint32_t hk, uint32_t dk, uint32_t hv, uint32_t dv,
+                                       float l2_eps, float q_scale) {
+    const uint32_t r = blockIdx.x;
+    if (r >= rows) return;
+    const uint32_t kd = hk * dk, cd = 2 * kd + hv * dv;
+    const uint32_t pw = cd + hv * dv + 2 * hv;
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const bf16* src = conv + (size_t)r * cd;
+    float* dst = qk + (size_t)r * 2 * kd;
+    for (uint32_t head = warp; head < 2 * hk; head += warps) {
+        const bf16* x = src + (size_t)head * dk;
+        float ss = 0.0f;
+        for (uint32_t i = lane; i < dk; i += 32) {
+            const float e = bf2f(x[i]);
+            ss += e * e;
+        }
+        ss = warp_sum(ss);
+        const float inv = 1.0f / sqrtf(ss + l2_eps);
+        const float scale = head < hk ? q_scale : 1.0f;
+        for (uint32_t i = lane; i < dk; i += 32) dst[(size_t)head * dk + i] = bf2f(x[i]) * inv * scale;
+    }
+    const bf16* row = proj + (size_t)r * pw;
+    const uint32_t b_at = cd + hv * dv;
+    for (uint32_t j = threadIdx.x; j < hv; j += blockDim.x) {
+        const float bj = bf2f(row[b_at + j]), aj = bf2f(row[b_at + hv + j]);
+        gates[(size_t)r * 2 * hv + j] = sigmoidf_acc(bj);
+        gates[(size_t)r * 2 * hv + hv + j] = -expf(a_log[j]) * softplusf(aj + dt_bias[j]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The gated delta rule.
+
+// The arguments both rule kernels share.
+struct Rule {
+    float* out;
+    float* state;
+    const float* qk;
+    const bf16* conv;
+    const float* gates;
+    const uint32_t* seq_start;
+    const uint32_t* seq_slot;
+    uint32_t rows, num_seqs, num_slots, stride;
+    uint32_t hk, dk, hv, dv;
+};
+
+// What one token of one value head needs, for the rows and columns a fast-path lane owns.
+template <int RPT>
+struct RuleTok {
+    float k[RPT];
+    float q[RPT];
+    float v[4];
+    float beta;
+    float g;
+};
+
+// Load row r's token for value head j: q̂, k̂ rows row0 .. row0+RPT-1 (zero past Dk), v columns
+// col0 .. col0+3 (zero past Dv), β and g.
+template <int RPT>
+MT_DEVICE void load_tok(RuleTok<RPT>& t, const Rule& a, uint32_t r, uint32_t j, uint32_t row0,
+                        uint32_t col0) {
+    const uint32_t kd = a.hk * a.dk;
+    const uint32_t kh = j / (a.hv / a.hk);
+    const float* qr = a.qk + (size_t)r * 2 * kd + (size_t)kh * a.dk;
+    const float* kr = qr + kd;
+#pragma unroll
+    for (int m = 0; m < RPT / 4; ++m) {
+        const uint32_t c = row0 + 4 * m;
+        float4 qv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), kv = qv;
+        if (c < a.dk) {
+            qv = *reinterpret_cast<const float4*>(qr + c);
+            kv = *reinterpret_cast<const float4*>(kr + c);
+        }
+        t.q[4 * m] = qv.x; t.q[4 * m + 1] = qv.y; t.q[4 * m + 2] = qv.z; t.q[4 * m + 3] = qv.w;
+        t.k[4 * m] = kv.x; t.k[4 * m + 1] = kv.y; t.k[4 * m + 2] = kv.z; t.k[4 * m + 3] = kv.w;
+    }
+    const uint32_t cd = 2 * kd + a.hv * a.dv;
+    const bf16* vr = a.conv + (size_t)r * cd + 2 * kd + (size_t)j * a.dv + col0;
+#pragma unroll
+    for (int x = 0; x < 4; ++x) t.v[x] = col0 < a.dv ? bf2f(vr[x]) : 0.0f;
+    t.beta = a.gates[(size_t)r * 2 * a.hv + j];
+    t.g = a.gates[(size_t)r * 2 * a.hv + a.hv + j];
+}
+
+// Sum over the 8 row lanes (lane bits 2..4) of a fast-path warp; every row lane gets the same bits.
+MT_DEVICE float row_lanes_sum(float v) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The fast path: warp tile `w` (columns 16w .. 16w+15) of head j of a sequence with `slot`, over
+// rows first .. end-1. See the header.
+template <int RPT, bool PREFETCH>
+MT_DEVICE void rule_warp(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, uint32_t first,
+                         uint32_t end) {
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t rl = lane >> 2, cq = lane & 3;
+    const uint32_t row0 = rl * RPT;
+    const uint32_t col0 = w * GDN_WARP_COLS + 4 * cq;
+    const bool col_ok = col0 < a.dv;
+    float* st = slot == GDN_NO_SLOT
+                    ? nullptr
+                    : a.state + (size_t)slot * a.stride + (size_t)j * a.dk * a.dv;
+    float s[RPT][4];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        float4 e = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (st && col_ok && row0 + i < a.dk)
+            e = *reinterpret_cast<const float4*>(st + (size_t)(row0 + i) * a.dv + col0);
+        s[i][0] = e.x; s[i][1] = e.y; s[i][2] = e.z; s[i][3] = e.w;
+    }
+    const size_t vd = (size_t)a.hv * a.dv;
+    RuleTok<RPT> cur, nxt;
+    if (PREFETCH && first < end) load_tok<RPT>(cur, a, first, j, row0, col0);
+    for (uint32_t r = first; r < end; ++r) {
+        if (!PREFETCH) {
+            load_tok<RPT>(cur, a, r, j, row0, col0);
+        } else if (r + 1 < end) {
+            load_tok<RPT>(nxt, a, r + 1, j, row0, col0);
+        }
+        const float decay = expf(cur.g);
+        float kv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) {
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                s[i][x] = __fmul_rn(s[i][x], decay);
+                kv[x] = fmaf(s[i][x], cur.k[i], kv[x]);
+            }
+        }
+        float delta[4], o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int x = 0; x < 4; ++x) delta[x] = __fmul_rn(cur.v[x] - row_lanes_sum(kv[x]), cur.beta);
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) {
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                s[i][x] = fmaf(cur.k[i], delta[x], s[i][x]);
+                o[x] = fmaf(s[i][x], cur.q[i], o[x]);
+            }
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x) o[x] = row_lanes_sum(o[x]);
+        if (rl == 0 && col_ok)
+            *reinterpret_cast<float4*>(a.out + (size_t)r * vd + (size_t)j * a.dv + col0) =
+                make_float4(o[0], o[1], o[2], o[3]);
+        if (PREFETCH && r + 1 < end) cur = nxt;
+    }
+    if (st && col_ok && first < end) {
+#pragma unroll
+        for (int i = 0; i < RPT; ++i)
+            if (row0 + i < a.dk)
+                *reinterpret_cast<float4*>(st + (size_t)(row0 + i) * a.dv + col0) =
+                    make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
+    }
+}
+
+// The general path: column d of head j, its Dk state entries in a local array.
+MT_DEVICE void rule_column(const Rule& a, uint32_t j, uint32_t d, uint32_t slot, uint32_t first,
+                           uint32_t end) {
+    float col[GDN_MAX_DK];
+    const uint32_t dk = a.dk, dv = a.dv, kd = a.hk * a.dk, cd = 2 * kd + a.hv * a.dv;
+    const uint32_t kh = j / (a.hv / a.hk);
+    const size_t vd = (size_t)a.hv * dv;
+    float* st = slot == GDN_NO_SLOT
+                    ? nullptr
+                    : a.state + (size_t)slot * a.stride + (size_t)j * dk * dv + d;
+    for (uint32_t c = 0; c < dk; ++c) col[c] = st ? st[(size_t)c * dv] : 0.0f;
+    for (uint32_t r = first; r < end; ++r) {
+        const float* q = a.qk + (size_t)r * 2 * kd + (size_t)kh * dk;
+        const float* k = q + kd;
+        const float v = bf2f(a.conv[(size_t)r * cd + 2 * kd + (size_t)j * dv + d]);
+        const float beta = a.gates[(size_t)r * 2 * a.hv + j];
+        const float decay = expf(a.gates[(size_t)r * 2 * a.hv + a.hv + j]);
+        float kv = 0.0f;
+        for (uint32_t c = 0; c < dk; ++c) {
+            col[c] = __fmul_rn(col[c], decay);
+            kv = fmaf(col[c], k[c], kv);
+        }
+        const float delta = __fmul_rn(v - kv, beta);
+        float o = 0.0f;
+        for (uint32_t c = 0; c < dk; ++c) {
+            col[c] = fmaf(k[c], delta, col[c]);
+            o = fmaf(col[c], q[c], o);
+        }
+        a.out[(size_t)r * vd + (size_t)j * dv + d] = o;
+    }
+    if (st && first < end)
+        for (uint32_t c = 0; c < dk; ++c) st[(size_t)c * dv] = col[c];
+}
+
+// One block of either rule kernel: (sequence blockIdx.x, value head and column group blockIdx.y).
+// PREFETCH: load the next row's inputs before computing the current one (prefill); the
+// arithmetic is the same either way.
+template <bool PREFETCH>
+MT_DEVICE void rule_block(const Rule& a) {
+    const uint32_t s = blockIdx.x;
+    if (s >= a.num_seqs || a.hk == 0 || a.hv == 0 || a.hv % a.hk != 0) return;
+    const uint32_t groups = max(gridDim.y / a.hv, 1u);
+    const uint32_t j = blockIdx.y / groups, grp = blockIdx.y % groups;
+    if (j >= a.hv) return;
+    const uint32_t first = min(a.seq_start[s], a.rows);
+    const uint32_t end = max(min(a.seq_start[s + 1], a.rows), first);
+    const uint32_t slot = a.seq_slot[s];
+    const uint32_t wb = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    const uint32_t col_lo = grp * wb * GDN_WARP_COLS;
+    const uint32_t col_hi = min(a.dv, col_lo + wb * GDN_WARP_COLS);
+    const size_t vd = (size_t)a.hv * a.dv;
+    if ((slot != GDN_NO_SLOT && slot >= a.num_slots) || a.dk > GDN_MAX_DK) {
+        for (uint32_t r = first; r < end; ++r)
+            for (uint32_t d = col_lo + threadIdx.x; d < col_hi; d += blockDim.x)
+                a.out[(size_t)r * vd + (size_t)j * a.dv + d] = f32_nan();
+        return;
+    }
+    const bool fast = a.dk <= GDN_FAST_MAX_DK && a.dk % 4 == 0 && a.dv % 4 == 0 && a.stride % 4 == 0 && aligned16(a.state) &&
+                      aligned16(a.qk) && aligned16(a.out);
+    if (!fast) {
+        for (uint32_t d = col_lo + threadIdx.x; d < col_hi; d += blockDim.x)
+            rule_column(a, j, d, slot, first, end);
+        return;
+    }
+    const uint32_t w = grp * wb + warp;
+    if (w * GDN_WARP_COLS >= a.dv) return;
+    if (a.dk <= 32) {
+        rule_warp<4, PREFETCH>(a, j, w, slot, first, end);
+    } else if (a.dk <= 64) {
+        rule_warp<8, PREFETCH>(a, j, w, slot, first, end);
+    } else {
+        rule_warp<16, PREFETCH>(a, j, w, slot, first, end);
+    }
+}
+
+// gated_delta_recurrent(out: f32 [rows, value_dim], state: f32 [num_slots * slot_stride]
+// (in/out), qk: f32 [rows, 2*key_dim], conv: bf16 [rows, conv_dim], gates: f32 [rows, 2*Hv],
+// seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], rows, num_seqs, num_slots,
+// slot_stride, Hk, Dk, Hv, Dv). Each sequence's rows in order, one token step each.
+extern "C" __global__ void gated_delta_recurrent(
+    float* __restrict__ out, float* __restrict__ state, const float* __restrict__ qk,
+    const bf16* __restrict__ conv, const float* __restrict__ gates,
+    const uint32_t* __restrict__ seq_start, const uint32_t* __restrict__ seq_slot, uint32_t rows,
+    uint32_t num_seqs, uint32_t num_slots, uint32_t slot_stride, uint32_t hk, uint32_t dk,
+    uint32_t hv, uint32_t dv) {
+    const Rule a{out,  state,    qk,        conv,        gates, seq_start, seq_slot, rows,
+                 num_seqs, num_slots, slot_stride, hk,          dk,    hv,        dv};
+    rule_block<false>(a);
+}
+
+// gated_delta_chunked(out, state, qk, conv, gates, seq_start, seq_slot, positions: u32 [rows],
+// rows, num_seqs, num_slots, slot_stride, Hk, Dk, Hv, Dv, chunk_size). The same function as
+// gated_delta_recurrent; computed here by the same recurrence (see the header), so any chunking
+// of the positions gives these bits.
+extern "C" __global__ void gated_delta_chunked(
+    float* __restrict__ out, float* __restrict__ state, const float* __restrict__ qk,
+    const bf16* __restrict__ conv, const float* __restrict__ gates,
+    const uint32_t* __restrict__ seq_start, const uint32_t* __restrict__ seq_slot,
+    const uint32_t* __restrict__ positions, uint32_t rows, uint32_t num_seqs, uint32_t num_slots,
+    uint32_t slot_stride, uint32_t hk, uint32_t dk, uint32_t hv, uint32_t dv,
+    uint32_t chunk_size) {
+    (void)positions;
+    (void)chunk_size;
+    const Rule a{out,  state,    qk,        conv,        gates, seq_start, seq_slot, rows,
+                 num_seqs, num_slots, slot_stride, hk,          dk,    hv,        dv};
+    rule_block<true>(a);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gated RMSNorm.
+
+// gated_rms_norm(out: bf16 [rows, value_dim], core: f32 [rows, value_dim], proj: bf16 [rows,
+// proj_width], weight: bf16 [Dv], rows, Hk, Dk, Hv, Dv, eps). Per (row, value head):
+// out = core * (1 / sqrt(mean(core²) + eps)) * weight * silu(z), z at conv_dim + j*Dv of the
+// projection row. One warp per (row blockIdx.x, head blockIdx.y); lanes over Dv.
+extern "C" __global__ void gated_rms_norm(bf16* __restrict__ out, const float* __restrict__ core,
+                                          const bf16* __restrict__ proj,
+                                          const bf16* __restrict__ weight, uint32_t rows,
+                                          uint32_t hk, uint32_t dk, uint32_t hv, uint32_t dv,
+                                          float eps) {
+    const uint32_t r = blockIdx.x, j = blockIdx.y;
+    if (r >= rows || j >= hv || threadIdx.x >= 32) return;
+    const uint32_t cd = 2 * hk * dk + hv * dv;
+    const uint32_t pw = cd + hv * dv + 2 * hv;
+    const size_t at = (size_t)r * hv * dv + (size_t)j * dv;
+    const float* o = core + at;
+    const bf16* z = proj + (size_t)r * pw + cd + (size_t)j * dv;
+    const uint32_t lane = threadIdx.x;
+    float ss = 0.0f;
+    for (uint32_t i = lane; i < dv; i += 32) ss += o[i] * o[i];
+    ss = warp_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+    for (uint32_t i = lane; i < dv; i += 32)
+        out[at + i] = f2bf(o[i] * inv * bf2f(weight[i]) * siluf_acc(bf2f(z[i])));
+}

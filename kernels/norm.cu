@@ -1,0 +1,103 @@
+// RMSNorm over the f32 residual stream, plain or fused with the residual add. CPU twins:
+// metrale-gpu-runtime/src/cpu/kernels/norm.rs.
+//
+// Launch: one block per row, a multiple of 32 threads (the launcher uses 256).
+// out = bf16(x * s * w') with s = 1 / sqrt(mean(x^2) + eps) and w' = w, or 1 + w when
+// unit_offset != 0, all in f32. The sum of squares is reduced in an order fixed by the block
+// size, so results are deterministic and independent of `rows`.
+#include "common.cuh"
+
+// Sum of squares of one f32 row; every thread of the block gets the result.
+MT_DEVICE float row_sumsq(const float* x, uint32_t cols, bool vec, float* scratch) {
+    float ss = 0.0f;
+    if (vec) {
+        for (uint32_t v = threadIdx.x; v < cols / 4; v += blockDim.x) {
+            const float4 a = *reinterpret_cast<const float4*>(x + 4 * v);
+            ss += a.x * a.x;
+            ss += a.y * a.y;
+            ss += a.z * a.z;
+            ss += a.w * a.w;
+        }
+    } else {
+        for (uint32_t i = threadIdx.x; i < cols; i += blockDim.x) ss += x[i] * x[i];
+    }
+    return block_sum(ss, scratch);
+}
+
+// out = bf16(x * s * w'), 8 columns per thread step on the vector path.
+MT_DEVICE void normalize_row(bf16* out, const float* x, const bf16* w, uint32_t cols, float s,
+                             bool unit, bool vec) {
+    if (vec) {
+        for (uint32_t v = threadIdx.x; v < cols / 8; v += blockDim.x) {
+            const float4 a = *reinterpret_cast<const float4*>(x + 8 * v);
+            const float4 b = *reinterpret_cast<const float4*>(x + 8 * v + 4);
+            float wf[8];
+            unpack8(load16(w + 8 * v), wf);
+            const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            float o[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) o[j] = xv[j] * s * (unit ? 1.0f + wf[j] : wf[j]);
+            store16(out + 8 * v, pack8(o));
+        }
+    } else {
+        for (uint32_t i = threadIdx.x; i < cols; i += blockDim.x)
+            out[i] = f2bf(x[i] * s * norm_weight(w[i], unit));
+    }
+}
+
+// rms_norm(out: bf16 [rows, cols], x: f32 [rows, cols], w: bf16 [cols], rows, cols, eps,
+// unit_offset).
+extern "C" __global__ void rms_norm(bf16* __restrict__ out, const float* __restrict__ x,
+                                    const bf16* __restrict__ w, uint32_t rows, uint32_t cols,
+                                    float eps, uint32_t unit_offset) {
+    __shared__ float scratch[32];
+    const uint32_t r = blockIdx.x;
+    if (r >= rows) return;
+    const float* xr = x + (size_t)r * cols;
+    bf16* o = out + (size_t)r * cols;
+    const bool vec = cols % 8 == 0 && aligned16(xr) && aligned16(o) && aligned16(w);
+    const float ss = row_sumsq(xr, cols, vec, scratch);
+    const float s = 1.0f / sqrtf(ss / (float)cols + eps);
+    normalize_row(o, xr, w, cols, s, unit_offset != 0, vec);
+}
+
+// add_rms_norm(residual: f32 [rows, cols] (in/out), delta: bf16 [rows, cols], w: bf16 [cols],
+// out: bf16 [rows, cols], rows, cols, eps, unit_offset): residual += delta, then
+// out = rms_norm(residual). Each thread rereads only the residual elements it wrote itself.
+extern "C" __global__ void add_rms_norm(float* __restrict__ residual, const bf16* __restrict__ delta,
+                                        const bf16* __restrict__ w, bf16* __restrict__ out,
+                                        uint32_t rows, uint32_t cols, float eps,
+                                        uint32_t unit_offset) {
+    __shared__ float scratch[32];
+    const uint32_t r = blockIdx.x;
+    if (r >= rows) return;
+    float* xr = residual + (size_t)r * cols;
+    const bf16* d = delta + (size_t)r * cols;
+    bf16* o = out + (size_t)r * cols;
+    const bool vec = cols % 8 == 0 && aligned16(xr) && aligned16(d) && aligned16(o) && aligned16(w);
+    float ss = 0.0f;
+    if (vec) {
+        for (uint32_t v = threadIdx.x; v < cols / 8; v += blockDim.x) {
+            float4 a = *reinterpret_cast<const float4*>(xr + 8 * v);
+            float4 b = *reinterpret_cast<const float4*>(xr + 8 * v + 4);
+            float df[8];
+            unpack8(load16(d + 8 * v), df);
+            a.x += df[0]; a.y += df[1]; a.z += df[2]; a.w += df[3];
+            b.x += df[4]; b.y += df[5]; b.z += df[6]; b.w += df[7];
+            *reinterpret_cast<float4*>(xr + 8 * v) = a;
+            *reinterpret_cast<float4*>(xr + 8 * v + 4) = b;
+            // Same order of squares as `row_sumsq`'s float4 steps: a, then b.
+            ss += a.x * a.x; ss += a.y * a.y; ss += a.z * a.z; ss += a.w * a.w;
+            ss += b.x * b.x; ss += b.y * b.y; ss += b.z * b.z; ss += b.w * b.w;
+        }
+    } else {
+        for (uint32_t i = threadIdx.x; i < cols; i += blockDim.x) {
+            const float v = xr[i] + bf2f(d[i]);
+            xr[i] = v;
+            ss += v * v;
+        }
+    }
+    ss = block_sum(ss, scratch);
+    const float s = 1.0f / sqrtf(ss / (float)cols + eps);
+    normalize_row(o, xr, w, cols, s, unit_offset != 0, vec);
+}
