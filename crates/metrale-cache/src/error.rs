@@ -17,6 +17,20 @@ pub enum CacheError {
         /// The block id.
         block: u32,
     },
+    /// Every SSM state slot is held by a sequence.
+    #[error("the SSM state pool is full: all {total} slots are in use")]
+    OutOfSsmSlots {
+        /// Slots in the pool.
+        total: usize,
+    },
+    /// An SSM slot that no sequence holds (a double free, a stale or out-of-range id).
+    #[error("SSM slot {slot} is not held (the pool has {total} slots)")]
+    SsmSlotNotHeld {
+        /// The slot.
+        slot: u32,
+        /// Slots in the pool.
+        total: usize,
+    },
     /// A layout the cache cannot hold.
     #[error("invalid KV cache layout: {0}")]
     Layout(String),

@@ -1,1 +1,14 @@
-//! Weights, layers, and `ops`: one typed launcher per kernel.
+//! Weights, layers and launchers: `weight_map` loads a checkpoint's tensors onto the device,
+//! `ops` holds one typed launcher per kernel, and `layers` composes them into decoder layers that
+//! run one step of rows (prefill chunks and decode alike).
+//!
+//! Architecture invariant: layers launch kernels only through `ops`.
+
+pub mod layer;
+pub mod layers;
+pub mod ops;
+pub mod ops_hybrid;
+pub mod weight_map;
+
+pub use layer::{KvBinding, LayerCtx, ModelDims, StepBuffers, StepShape, TransformerLayer};
+pub use ops::Ops;

@@ -1,0 +1,105 @@
+//! Full (softmax) attention over the paged KV cache: fused QKV projection, per-head q/k norm and
+//! RoPE, cache store, paged attention (with the output gate of the Qwen3.5 family when present),
+//! output projection.
+
+use metrale_gpu_runtime::{GpuError, GpuResult};
+
+use crate::layer::LayerCtx;
+use crate::ops::{KvStore, PagedAttention, QkNormRope};
+use crate::weight_map::DenseWeight;
+
+/// One attention layer's weights.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    /// `[q (with gates) ; k ; v]` stacked on the output dim: `[qkv_width, hidden]`.
+    pub qkv: DenseWeight,
+    /// Per-head q norm `[head_dim]`; `None` for Llama.
+    pub q_norm: Option<DenseWeight>,
+    /// Per-head k norm `[head_dim]`; `None` for Llama.
+    pub k_norm: Option<DenseWeight>,
+    /// `[hidden, num_q_heads * head_dim]`.
+    pub o_proj: DenseWeight,
+}
+
+impl Attention {
+    /// Run attention on `normed`, leaving the projected output in `delta`.
+    pub fn forward(&self, cx: &LayerCtx<'_>) -> GpuResult<()> {
+        let (ops, s, buf, d) = (cx.ops, cx.stream, cx.buf, cx.dims);
+        let kv = cx.kv.ok_or_else(|| GpuError::KernelFailed {
+            kernel: "Attention::forward".into(),
+            problem: "an attention layer was run without a KV cache binding".into(),
+        })?;
+        let rows = cx.shape.rows;
+        let width = d.qkv_width();
+        ops.linear(s, buf.qkv, buf.normed, self.qkv.ptr, rows, width, d.hidden)?;
+        ops.qk_norm_rope(
+            s,
+            &QkNormRope {
+                qkv: buf.qkv,
+                q_norm: self.q_norm.as_ref().map_or(Default::default(), |w| w.ptr),
+                k_norm: self.k_norm.as_ref().map_or(Default::default(), |w| w.ptr),
+                inv_freq: buf.inv_freq,
+                positions: buf.positions,
+                rows,
+                row_stride: width,
+                num_q_heads: d.num_q_heads,
+                q_head_stride: d.q_head_stride(),
+                k_offset: d.k_offset(),
+                num_kv_heads: d.num_kv_heads,
+                head_dim: d.head_dim,
+                rotary_dim: d.rotary_dim,
+                eps: d.eps,
+                unit_offset: d.unit_offset,
+            },
+        )?;
+        ops.kv_store(
+            s,
+            &KvStore {
+                k_cache: kv.k,
+                v_cache: kv.v,
+                qkv: buf.qkv,
+                slot_mapping: buf.slot_mapping,
+                rows,
+                row_stride: width,
+                k_offset: d.k_offset(),
+                v_offset: d.v_offset(),
+                num_kv_heads: d.num_kv_heads,
+                head_dim: d.head_dim,
+                num_slots: kv.num_slots,
+            },
+        )?;
+        ops.paged_attention(
+            s,
+            &PagedAttention {
+                out: buf.attn_out,
+                qkv: buf.qkv,
+                k_cache: kv.k,
+                v_cache: kv.v,
+                block_tables: buf.block_tables,
+                row_seq: buf.row_seq,
+                positions: buf.positions,
+                rows,
+                row_stride: width,
+                q_head_stride: d.q_head_stride(),
+                num_q_heads: d.num_q_heads,
+                num_kv_heads: d.num_kv_heads,
+                head_dim: d.head_dim,
+                block_size: kv.block_size,
+                max_blocks: cx.shape.max_blocks,
+                num_seqs: cx.shape.num_seqs,
+                num_slots: kv.num_slots,
+                scale: 1.0 / (d.head_dim as f32).sqrt(),
+                gated: d.attn_gated,
+            },
+        )?;
+        ops.linear(
+            s,
+            buf.delta,
+            buf.attn_out,
+            self.o_proj.ptr,
+            rows,
+            d.hidden,
+            d.attn_out_width(),
+        )
+    }
+}

@@ -1,0 +1,183 @@
+//! `MoeMlp`: the sparse mixture-of-experts FFN of Qwen3-Next and Qwen3.5-MoE (transformers'
+//! `Qwen3NextSparseMoeBlock`, `Qwen3_5MoeSparseMoeBlock`): a softmax top-k router, SwiGLU experts
+//! run over the step's (row, choice) pairs straight from stacked weights, and a shared expert
+//! scaled by `sigmoid(shared_expert_gate · x)`. No host loop over experts: seven launches
+//! whatever the routing.
+//!
+//! Weight layouts the loader produces (E experts of width F, shared width Fs, hidden H). In
+//! transformers 5 the model holds fused `mlp.experts.gate_up_proj` `[E, 2F, H]` and
+//! `mlp.experts.down_proj` `[E, H, F]`, but `save_pretrained` writes the per-expert checkpoint
+//! format (`mlp.experts.{e}.gate_proj.weight` `[F, H]`, `.up_proj.weight` `[F, H]`,
+//! `.down_proj.weight` `[H, F]`), so the loader stacks those:
+//! - `router`, bf16 `[E, H]`: `mlp.gate.weight`.
+//! - `experts_gate_up`, bf16 `[E, 2F, H]`: expert `e`'s `[gate_proj; up_proj]` (gate rows first),
+//!   experts in index order; the same bytes as transformers' fused `gate_up_proj`.
+//! - `experts_down`, bf16 `[E, H, F]`: the experts' `down_proj` in index order.
+//! - shared expert: `gate_up` bf16 `[2Fs, H]` (`shared_expert.gate_proj` then `up_proj`), `down`
+//!   bf16 `[H, Fs]`, `gate` bf16 `[1, H]` (`mlp.shared_expert_gate.weight`).
+//!
+//! Invariants:
+//! - Reads `normed`, writes `StepBuffers::moe` and `delta`; each row's result depends only on its
+//!   own input (batch invariance).
+
+#[cfg(test)]
+mod tests;
+
+use metrale_config::ModelConfig;
+use metrale_gpu_runtime::{DevicePtr, GpuResult};
+
+use crate::layer::LayerCtx;
+use crate::ops_hybrid::{ExpertLinear, MoeCombine};
+use crate::weight_map::DenseWeight;
+
+/// The dimensions of a MoE layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeShape {
+    /// Routed experts `E`.
+    pub num_experts: u32,
+    /// Experts per token `K`.
+    pub top_k: u32,
+    /// One expert's width `F` (`moe_intermediate_size`).
+    pub expert_ffn: u32,
+    /// Renormalise the top-k probabilities (`norm_topk_prob`; always for Qwen3.5-MoE).
+    pub renormalize: bool,
+}
+
+impl MoeShape {
+    /// The MoE shape of a config; `None` without MoE layers.
+    pub fn from_config(config: &ModelConfig) -> Option<MoeShape> {
+        let m = config.moe.as_ref()?;
+        Some(MoeShape {
+            num_experts: m.num_experts as u32,
+            top_k: m.num_experts_per_tok as u32,
+            expert_ffn: m.moe_intermediate_size as u32,
+            renormalize: m.norm_topk_prob,
+        })
+    }
+}
+
+/// The always-on shared expert.
+#[derive(Debug, Clone)]
+pub struct SharedExpert {
+    /// bf16 `[2 * ffn, hidden]`: `[gate_proj; up_proj]`.
+    pub gate_up: DenseWeight,
+    /// bf16 `[hidden, ffn]`.
+    pub down: DenseWeight,
+    /// bf16 `[1, hidden]`: `shared_expert_gate`; `None` for an ungated shared expert.
+    pub gate: Option<DenseWeight>,
+    /// Width `Fs` (`shared_expert_intermediate_size`).
+    pub ffn: u32,
+}
+
+/// One MoE FFN's weights; layouts in the module header.
+#[derive(Debug, Clone)]
+pub struct MoeMlp {
+    /// bf16 `[E, hidden]`.
+    pub router: DenseWeight,
+    /// bf16 `[E, 2F, hidden]`.
+    pub experts_gate_up: DenseWeight,
+    /// bf16 `[E, hidden, F]`.
+    pub experts_down: DenseWeight,
+    /// The shared expert, when the family has one.
+    pub shared: Option<SharedExpert>,
+    /// Dimensions.
+    pub shape: MoeShape,
+}
+
+impl MoeMlp {
+    /// Run the FFN on `normed`, leaving the result in `delta`.
+    pub fn forward(&self, cx: &LayerCtx<'_>) -> GpuResult<()> {
+        let (ops, s, buf, d, rows) = (cx.ops, cx.stream, cx.buf, cx.dims, cx.shape.rows);
+        let (m, sh) = (&buf.moe, &self.shape);
+        let (e, k, f) = (sh.num_experts, sh.top_k, sh.expert_ffn);
+        let pairs = rows * k;
+        ops.linear_f32out(
+            s,
+            m.router_logits,
+            buf.normed,
+            self.router.ptr,
+            rows,
+            e,
+            d.hidden,
+        )?;
+        ops.topk_route(
+            s,
+            m.topk_ids,
+            m.topk_weights,
+            m.router_logits,
+            rows,
+            e,
+            k,
+            sh.renormalize,
+        )?;
+        ops.expert_linear(
+            s,
+            &ExpertLinear {
+                out: m.expert_gate_up,
+                x: buf.normed,
+                w: self.experts_gate_up.ptr,
+                expert_ids: m.topk_ids,
+                pairs,
+                n: 2 * f,
+                k: d.hidden,
+                num_experts: e,
+                pairs_per_x_row: k,
+            },
+        )?;
+        ops.silu_mul(s, m.expert_act, m.expert_gate_up, pairs, f)?;
+        ops.expert_linear_f32out(
+            s,
+            &ExpertLinear {
+                out: m.expert_out,
+                x: m.expert_act,
+                w: self.experts_down.ptr,
+                expert_ids: m.topk_ids,
+                pairs,
+                n: d.hidden,
+                k: f,
+                num_experts: e,
+                pairs_per_x_row: 1,
+            },
+        )?;
+        let (mut shared_out, mut shared_gate) = (DevicePtr::NULL, DevicePtr::NULL);
+        if let Some(se) = &self.shared {
+            ops.linear(
+                s,
+                m.shared_gate_up,
+                buf.normed,
+                se.gate_up.ptr,
+                rows,
+                2 * se.ffn,
+                d.hidden,
+            )?;
+            ops.silu_mul(s, m.shared_act, m.shared_gate_up, rows, se.ffn)?;
+            ops.linear(
+                s,
+                m.shared_out,
+                m.shared_act,
+                se.down.ptr,
+                rows,
+                d.hidden,
+                se.ffn,
+            )?;
+            shared_out = m.shared_out;
+            if let Some(g) = &se.gate {
+                ops.linear_f32out(s, m.shared_gate, buf.normed, g.ptr, rows, 1, d.hidden)?;
+                shared_gate = m.shared_gate;
+            }
+        }
+        ops.moe_combine(
+            s,
+            &MoeCombine {
+                out: buf.delta,
+                expert_out: m.expert_out,
+                topk_weights: m.topk_weights,
+                shared_out,
+                shared_gate,
+                rows,
+                hidden: d.hidden,
+                top_k: k,
+            },
+        )
+    }
+}

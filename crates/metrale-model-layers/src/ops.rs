@@ -1,0 +1,521 @@
+//! `Ops`: exactly one typed launcher per kernel. Each launcher builds its kernel's flat argument
+//! list (device pointers, then scalars, in the order the CUDA source and its CPU twin read them)
+//! and chooses the launch geometry the CUDA source expects. Nothing else in the engine builds an
+//! argument list.
+//!
+//! Invariants:
+//! - A launcher's argument order is the kernel's signature; changing one means changing the
+//!   `.cu` source, the CPU twin in `metrale-gpu-runtime::cpu::kernels`, and the launcher together.
+//! - Launch geometry depends only on the shapes passed in, never on data, so a captured launch
+//!   stays valid when the inputs at its addresses change.
+
+use std::sync::Arc;
+
+use metrale_gpu_runtime::{
+    DevicePtr, GpuBackend, GpuResult, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+};
+
+/// Threads per block of the row-wise kernels (norms, embedding, activation).
+const ROW_THREADS: u32 = 256;
+
+macro_rules! kernel_table {
+    ($($field:ident => ($module:literal, $name:literal)),* $(,)?) => {
+        /// Every kernel the model launches, resolved once at load.
+        #[derive(Debug, Clone, Copy)]
+        pub struct Kernels {
+            $(
+                #[doc = concat!("`", $module, "::", $name, "`")]
+                pub $field: KernelHandle,
+            )*
+        }
+
+        impl Kernels {
+            /// Resolve every kernel; fails naming the first one the backend lacks.
+            pub fn resolve(gpu: &dyn GpuBackend) -> GpuResult<Kernels> {
+                Ok(Kernels { $($field: gpu.kernel($module, $name)?,)* })
+            }
+
+            /// Every `(module, name)` the model needs.
+            pub const NAMES: &'static [(&'static str, &'static str)] = &[$(($module, $name),)*];
+        }
+    };
+}
+
+kernel_table! {
+    embedding_gather => ("embed", "embedding_gather"),
+    gather_rows => ("embed", "gather_rows"),
+    rms_norm => ("norm", "rms_norm"),
+    add_rms_norm => ("norm", "add_rms_norm"),
+    qk_norm_rope => ("rope", "qk_norm_rope"),
+    kv_store => ("cache", "kv_store"),
+    paged_attention => ("attention", "paged_attention"),
+    linear => ("gemm", "linear"),
+    linear_f32out => ("gemm", "linear_f32out"),
+    silu_mul => ("activation", "silu_mul"),
+    argmax => ("sampling", "argmax"),
+    causal_conv1d => ("gdn", "causal_conv1d"),
+    conv_state_update => ("gdn", "conv_state_update"),
+    gdn_prepare => ("gdn", "gdn_prepare"),
+    gated_delta_recurrent => ("gdn", "gated_delta_recurrent"),
+    gated_delta_chunked => ("gdn", "gated_delta_chunked"),
+    gated_rms_norm => ("gdn", "gated_rms_norm"),
+    topk_route => ("moe", "topk_route"),
+    expert_linear => ("moe", "expert_linear"),
+    expert_linear_f32out => ("moe", "expert_linear_f32out"),
+    moe_combine => ("moe", "moe_combine"),
+    fill_uniform_bf16 => ("init", "fill_uniform_bf16"),
+}
+
+/// The parameters of `qk_norm_rope`.
+#[derive(Debug, Clone, Copy)]
+pub struct QkNormRope {
+    /// Projection output rows, normalised and rotated in place.
+    pub qkv: DevicePtr,
+    /// Per-head q norm weight, or NULL for none (Llama).
+    pub q_norm: DevicePtr,
+    /// Per-head k norm weight, or NULL.
+    pub k_norm: DevicePtr,
+    /// `rotary_dim / 2` inverse frequencies, f32.
+    pub inv_freq: DevicePtr,
+    /// Position of each row.
+    pub positions: DevicePtr,
+    /// Rows.
+    pub rows: u32,
+    /// Elements per row of `qkv`.
+    pub row_stride: u32,
+    /// Query heads.
+    pub num_q_heads: u32,
+    /// Elements from one query head to the next.
+    pub q_head_stride: u32,
+    /// Element offset of the first key head.
+    pub k_offset: u32,
+    /// Key heads.
+    pub num_kv_heads: u32,
+    /// Head dimension.
+    pub head_dim: u32,
+    /// Rotated dimensions per head.
+    pub rotary_dim: u32,
+    /// Norm epsilon.
+    pub eps: f32,
+    /// Zero-centred norm weights (`1 + w`).
+    pub unit_offset: bool,
+}
+
+/// The parameters of `kv_store`.
+#[derive(Debug, Clone, Copy)]
+pub struct KvStore {
+    /// K pool.
+    pub k_cache: DevicePtr,
+    /// V pool.
+    pub v_cache: DevicePtr,
+    /// Projection output rows holding k and v.
+    pub qkv: DevicePtr,
+    /// Slot of each row (`u32::MAX`: padding, nothing written).
+    pub slot_mapping: DevicePtr,
+    /// Rows.
+    pub rows: u32,
+    /// Elements per row of `qkv`.
+    pub row_stride: u32,
+    /// Element offset of k in a row.
+    pub k_offset: u32,
+    /// Element offset of v in a row.
+    pub v_offset: u32,
+    /// KV heads.
+    pub num_kv_heads: u32,
+    /// Head dimension.
+    pub head_dim: u32,
+    /// Slots per pool.
+    pub num_slots: u32,
+}
+
+/// The parameters of `paged_attention`.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedAttention {
+    /// Output `[rows, num_q_heads * head_dim]`.
+    pub out: DevicePtr,
+    /// Projection output rows holding the (rotated) queries.
+    pub qkv: DevicePtr,
+    /// K pool.
+    pub k_cache: DevicePtr,
+    /// V pool.
+    pub v_cache: DevicePtr,
+    /// `[num_seqs, max_blocks]` block ids.
+    pub block_tables: DevicePtr,
+    /// Block-table row of each row.
+    pub row_seq: DevicePtr,
+    /// Position of each row.
+    pub positions: DevicePtr,
+    /// Rows.
+    pub rows: u32,
+    /// Elements per row of `qkv`.
+    pub row_stride: u32,
+    /// Elements from one query head to the next.
+    pub q_head_stride: u32,
+    /// Query heads.
+    pub num_q_heads: u32,
+    /// KV heads.
+    pub num_kv_heads: u32,
+    /// Head dimension.
+    pub head_dim: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Columns of `block_tables`.
+    pub max_blocks: u32,
+    /// Rows of `block_tables`.
+    pub num_seqs: u32,
+    /// Slots per pool.
+    pub num_slots: u32,
+    /// Softmax scale.
+    pub scale: f32,
+    /// Each query head is followed by its output gate; multiply by `sigmoid(gate)`.
+    pub gated: bool,
+}
+
+/// The launchers, bound to a backend and its resolved kernels.
+#[derive(Debug, Clone)]
+pub struct Ops {
+    pub(crate) gpu: Arc<dyn GpuBackend>,
+    pub(crate) k: Kernels,
+}
+
+impl Ops {
+    /// Resolve every kernel on `gpu`.
+    pub fn new(gpu: Arc<dyn GpuBackend>) -> GpuResult<Ops> {
+        let k = Kernels::resolve(gpu.as_ref())?;
+        Ok(Ops { gpu, k })
+    }
+
+    /// The backend.
+    pub fn gpu(&self) -> &Arc<dyn GpuBackend> {
+        &self.gpu
+    }
+
+    pub(crate) fn go(
+        &self,
+        k: KernelHandle,
+        cfg: LaunchConfig,
+        args: &[KernelArg],
+        s: StreamHandle,
+    ) -> GpuResult<()> {
+        self.gpu.launch(k, &cfg, args, s)
+    }
+
+    /// `out[r] = table[ids[r]]` as f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embedding_gather(
+        &self,
+        s: StreamHandle,
+        out: DevicePtr,
+        table: DevicePtr,
+        ids: DevicePtr,
+        rows: u32,
+        hidden: u32,
+        vocab: u32,
+    ) -> GpuResult<()> {
+        self.go(
+            self.k.embedding_gather,
+            LaunchConfig::linear(rows, ROW_THREADS),
+            &[
+                out.into(),
+                table.into(),
+                ids.into(),
+                rows.into(),
+                hidden.into(),
+                vocab.into(),
+            ],
+            s,
+        )
+    }
+
+    /// `out[i] = x[row_ids[i]]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_rows(
+        &self,
+        s: StreamHandle,
+        out: DevicePtr,
+        x: DevicePtr,
+        row_ids: DevicePtr,
+        n: u32,
+        cols: u32,
+        src_rows: u32,
+    ) -> GpuResult<()> {
+        self.go(
+            self.k.gather_rows,
+            LaunchConfig::linear(n, ROW_THREADS),
+            &[
+                out.into(),
+                x.into(),
+                row_ids.into(),
+                n.into(),
+                cols.into(),
+                src_rows.into(),
+            ],
+            s,
+        )
+    }
+
+    /// `out = rms_norm(x) * w` (or `* (1 + w)`), x f32, out bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm(
+        &self,
+        s: StreamHandle,
+        out: DevicePtr,
+        x: DevicePtr,
+        w: DevicePtr,
+        rows: u32,
+        cols: u32,
+        eps: f32,
+        unit_offset: bool,
+    ) -> GpuResult<()> {
+        self.go(
+            self.k.rms_norm,
+            LaunchConfig::linear(rows, ROW_THREADS),
+            &[
+                out.into(),
+                x.into(),
+                w.into(),
+                rows.into(),
+                cols.into(),
+                eps.into(),
+                (unit_offset as u32).into(),
+            ],
+            s,
+        )
+    }
+
+    /// `residual += delta; out = rms_norm(residual) * w`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm(
+        &self,
+        s: StreamHandle,
+        residual: DevicePtr,
+        delta: DevicePtr,
+        w: DevicePtr,
+        out: DevicePtr,
+        rows: u32,
+        cols: u32,
+        eps: f32,
+        unit_offset: bool,
+    ) -> GpuResult<()> {
+        self.go(
+            self.k.add_rms_norm,
+            LaunchConfig::linear(rows, ROW_THREADS),
+            &[
+                residual.into(),
+                delta.into(),
+                w.into(),
+                out.into(),
+                rows.into(),
+                cols.into(),
+                eps.into(),
+                (unit_offset as u32).into(),
+            ],
+            s,
+        )
+    }
+
+    /// Per-head q/k RMSNorm and rotary embedding, in place. One block per row, one warp per head.
+    pub fn qk_norm_rope(&self, s: StreamHandle, p: &QkNormRope) -> GpuResult<()> {
+        self.go(
+            self.k.qk_norm_rope,
+            LaunchConfig::grid2(p.rows, p.num_q_heads + p.num_kv_heads, 32)
+                .with_shared(p.head_dim * 4),
+            &[
+                p.qkv.into(),
+                p.q_norm.into(),
+                p.k_norm.into(),
+                p.inv_freq.into(),
+                p.positions.into(),
+                p.rows.into(),
+                p.row_stride.into(),
+                p.num_q_heads.into(),
+                p.q_head_stride.into(),
+                p.k_offset.into(),
+                p.num_kv_heads.into(),
+                p.head_dim.into(),
+                p.rotary_dim.into(),
+                p.eps.into(),
+                (p.unit_offset as u32).into(),
+            ],
+            s,
+        )
+    }
+
+    /// Store each row's k and v at its slot.
+    pub fn kv_store(&self, s: StreamHandle, p: &KvStore) -> GpuResult<()> {
+        self.go(
+            self.k.kv_store,
+            LaunchConfig::linear(p.rows, 128),
+            &[
+                p.k_cache.into(),
+                p.v_cache.into(),
+                p.qkv.into(),
+                p.slot_mapping.into(),
+                p.rows.into(),
+                p.row_stride.into(),
+                p.k_offset.into(),
+                p.v_offset.into(),
+                p.num_kv_heads.into(),
+                p.head_dim.into(),
+                p.num_slots.into(),
+            ],
+            s,
+        )
+    }
+
+    /// Causal paged attention: one block per (query head, row).
+    pub fn paged_attention(&self, s: StreamHandle, p: &PagedAttention) -> GpuResult<()> {
+        self.go(
+            self.k.paged_attention,
+            LaunchConfig::grid2(p.num_q_heads, p.rows, 128),
+            &[
+                p.out.into(),
+                p.qkv.into(),
+                p.k_cache.into(),
+                p.v_cache.into(),
+                p.block_tables.into(),
+                p.row_seq.into(),
+                p.positions.into(),
+                p.rows.into(),
+                p.row_stride.into(),
+                p.q_head_stride.into(),
+                p.num_q_heads.into(),
+                p.num_kv_heads.into(),
+                p.head_dim.into(),
+                p.block_size.into(),
+                p.max_blocks.into(),
+                p.num_seqs.into(),
+                p.num_slots.into(),
+                p.scale.into(),
+                (p.gated as u32).into(),
+            ],
+            s,
+        )
+    }
+
+    /// `out[m, n] = x[m, k] · w[n, k]ᵀ`, bf16 out.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear(
+        &self,
+        s: StreamHandle,
+        out: DevicePtr,
+        x: DevicePtr,
+        w: DevicePtr,
+        m: u32,
+        n: u32,
+        k: u32,
+    ) -> GpuResult<()> {
+        self.go(
+            self.k.linear,
+            linear_geometry(m, n, k),
+            &[out.into(), x.into(), w.into(), m.into(), n.into(), k.into()],
+            s,
+        )
+    }
+
+    /// `out[m, n] = x[m, k] · w[n, k]ᵀ`, f32 out (logits).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_f32out(
+        &self,
+        s: StreamHandle,
+        out: DevicePtr,
+        x: DevicePtr,
+        w: DevicePtr,
+        m: u32,
+        n: u32,
+        k: u32,
+    ) -> GpuResult<()> {
+        self.go(
+            self.k.linear_f32out,
+            linear_geometry(m, n, k),
+            &[out.into(), x.into(), w.into(), m.into(), n.into(), k.into()],
+            s,
+        )
+    }
+
+    /// `out = silu(gate) * up` over rows of `[gate | up]`.
+    pub fn silu_mul(
+        &self,
+        s: StreamHandle,
+        out: DevicePtr,
+        gate_up: DevicePtr,
+        rows: u32,
+        ffn: u32,
+    ) -> GpuResult<()> {
+        self.go(
+            self.k.silu_mul,
+            LaunchConfig::linear(rows, ROW_THREADS),
+            &[out.into(), gate_up.into(), rows.into(), ffn.into()],
+            s,
+        )
+    }
+
+    /// Greedy token of each row.
+    pub fn argmax(
+        &self,
+        s: StreamHandle,
+        out: DevicePtr,
+        logits: DevicePtr,
+        rows: u32,
+        vocab: u32,
+    ) -> GpuResult<()> {
+        self.go(
+            self.k.argmax,
+            LaunchConfig::linear(rows, 1024),
+            &[out.into(), logits.into(), rows.into(), vocab.into()],
+            s,
+        )
+    }
+
+    /// `out[i] = offset + uniform(i, seed) * scale` over `n` bf16 values (benchmark weights).
+    pub fn fill_uniform_bf16(
+        &self,
+        s: StreamHandle,
+        out: DevicePtr,
+        n: u64,
+        seed: u64,
+        offset: f32,
+        scale: f32,
+    ) -> GpuResult<()> {
+        let blocks = n.div_ceil(256 * 8).min(65_535 * 8) as u32;
+        self.go(
+            self.k.fill_uniform_bf16,
+            LaunchConfig::linear(blocks, 256),
+            &[
+                out.into(),
+                n.into(),
+                seed.into(),
+                offset.into(),
+                scale.into(),
+            ],
+            s,
+        )
+    }
+}
+
+/// Largest `m` that `linear` serves with its GEMV-style decode path (`kernels/gemm.cu`); above it
+/// the tiled tensor-core path runs. Both give bitwise the same rows.
+pub const LINEAR_SMALL_M_MAX: u32 = 64;
+
+/// `linear`'s geometry, mirroring `kernels/gemm.cu` (256 threads either way):
+/// - `m <= LINEAR_SMALL_M_MAX`: k is cut into slices of 256; `wpn` warps (the largest power of
+///   two up to 8 and up to the slice count) split one 8-column tile, so a block owns
+///   `8 / wpn` tiles. Grid (ceil(m / 16), ceil(n / (8 * tiles))); shared memory holds every
+///   slice's partial for the block's tiles (512 bytes each).
+/// - otherwise: 128 x 64 output tiles, grid (ceil(n / 64), ceil(m / 128)), a 4-stage pipeline of
+///   (128 + 64) x 32 bf16 tiles in shared memory.
+fn linear_geometry(m: u32, n: u32, k: u32) -> LaunchConfig {
+    if m <= LINEAR_SMALL_M_MAX {
+        let slices = k.div_ceil(256);
+        let mut wpn = 1;
+        while wpn * 2 <= slices && wpn < 8 {
+            wpn *= 2;
+        }
+        let tiles = 8 / wpn;
+        LaunchConfig::grid2(m.div_ceil(16), n.div_ceil(8 * tiles), 256)
+            .with_shared(tiles * slices * 512)
+    } else {
+        LaunchConfig::grid2(n.div_ceil(64), m.div_ceil(128), 256)
+            .with_shared(4 * (128 + 64) * 32 * 2)
+    }
+}

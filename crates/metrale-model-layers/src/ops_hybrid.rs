@@ -1,0 +1,471 @@
+//! The launchers of the hybrid families' kernels: Gated DeltaNet (`gdn::*`) and sparse MoE
+//! (`moe::*`), a second `impl Ops` block beside the dense ones in `ops`. Each builds its kernel's
+//! flat argument list in the order the CPU twin in `metrale-gpu-runtime::cpu::kernels::{gdn,
+//! moe}` documents (pointers, then scalars) and picks the launch geometry the CUDA source expects.
+//!
+//! Invariants:
+//! - As in `ops`: one launcher per kernel, argument order is the kernel's signature, and launch
+//!   geometry depends only on shapes, never on data.
+//! - The GDN kernels all end with the head scalars `num_k_heads, k_head_dim, num_v_heads,
+//!   v_head_dim` (`GdnHeads::args`), from which they derive every row width.
+
+use metrale_gpu_runtime::{DevicePtr, GpuResult, KernelArg, LaunchConfig, StreamHandle};
+
+use crate::ops::Ops;
+
+/// Threads per block of the channel-parallel GDN kernels (conv, conv-state update).
+const CHANNEL_THREADS: u32 = 256;
+/// Threads per block of `gdn_prepare` (a warp per q/k head of the row).
+const PREPARE_THREADS: u32 = 128;
+/// Columns of a value head per warp of the delta-rule kernels (`kernels/gdn.cu`).
+const RULE_WARP_COLS: u32 = 16;
+/// Warps per block of the delta-rule kernels.
+const RULE_WARPS_PER_BLOCK: u32 = 2;
+/// Threads per block of the expert projections (8 warps, a warp per output column at a time).
+const EXPERT_THREADS: u32 = 256;
+/// Most and fewest output columns per block of the expert projections.
+const EXPERT_MAX_COLS_PER_BLOCK: u32 = 32;
+const EXPERT_MIN_COLS_PER_BLOCK: u32 = 8;
+/// Blocks the expert projections aim for before widening their column blocks.
+const EXPERT_TARGET_BLOCKS: u32 = 1024;
+
+/// The head shape of a GDN layer: `Hk` key heads of `Dk`, `Hv` value heads of `Dv`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdnHeads {
+    /// `Hk` (`linear_num_key_heads`).
+    pub num_k_heads: u32,
+    /// `Dk` (`linear_key_head_dim`).
+    pub k_head_dim: u32,
+    /// `Hv` (`linear_num_value_heads`), a multiple of `Hk`.
+    pub num_v_heads: u32,
+    /// `Dv` (`linear_value_head_dim`).
+    pub v_head_dim: u32,
+}
+
+impl GdnHeads {
+    /// `Hk * Dk`.
+    pub fn key_dim(&self) -> u32 {
+        self.num_k_heads * self.k_head_dim
+    }
+    /// `Hv * Dv`.
+    pub fn value_dim(&self) -> u32 {
+        self.num_v_heads * self.v_head_dim
+    }
+    /// The conv channels `[q | k | v]`: `2 * key_dim + value_dim`.
+    pub fn conv_dim(&self) -> u32 {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// A projection row `[q | k | v | z | b | a]`: `conv_dim + value_dim + 2 * Hv`.
+    pub fn proj_width(&self) -> u32 {
+        self.conv_dim() + self.value_dim() + 2 * self.num_v_heads
+    }
+    /// The four trailing head scalars of every GDN kernel.
+    pub fn args(&self) -> [KernelArg; 4] {
+        [
+            self.num_k_heads.into(),
+            self.k_head_dim.into(),
+            self.num_v_heads.into(),
+            self.v_head_dim.into(),
+        ]
+    }
+}
+
+/// The step's sequences, as the GDN kernels read them.
+#[derive(Debug, Clone, Copy)]
+pub struct GdnSeqs {
+    /// u32 `[rows]`: each row's sequence.
+    pub row_seq: DevicePtr,
+    /// u32 `[num_seqs + 1]`: each sequence's first row, then `rows`.
+    pub seq_start: DevicePtr,
+    /// u32 `[num_seqs]`: each sequence's state slot (`u32::MAX`: padding).
+    pub seq_slot: DevicePtr,
+    /// u32 `[rows]`: positions (the chunked rule aligns its chunks to them).
+    pub positions: DevicePtr,
+    /// Rows.
+    pub rows: u32,
+    /// Sequences.
+    pub num_seqs: u32,
+}
+
+/// One state pool of a GDN layer (conv windows or recurrent states).
+#[derive(Debug, Clone, Copy)]
+pub struct StatePool {
+    /// Slot 0.
+    pub base: DevicePtr,
+    /// Slots.
+    pub num_slots: u32,
+    /// f32 elements from one slot to the next.
+    pub slot_stride: u32,
+}
+
+/// The parameters of `causal_conv1d` and `conv_state_update`.
+#[derive(Debug, Clone, Copy)]
+pub struct CausalConv1d {
+    /// bf16 `[rows, conv_dim]` (unused by the state update).
+    pub out: DevicePtr,
+    /// bf16 `[rows, proj_width]`: the projection, conv channels first.
+    pub proj: DevicePtr,
+    /// Conv windows, f32 `[K - 1, conv_dim]` per slot.
+    pub conv_state: StatePool,
+    /// bf16 `[conv_dim, K]` (unused by the state update).
+    pub weight: DevicePtr,
+    /// The step's sequences.
+    pub seqs: GdnSeqs,
+    /// Head shape.
+    pub heads: GdnHeads,
+    /// Conv taps `K`.
+    pub kernel_size: u32,
+}
+
+/// The parameters of `gdn_prepare`.
+#[derive(Debug, Clone, Copy)]
+pub struct GdnPrepare {
+    /// f32 `[rows, 2 * key_dim]`.
+    pub qk: DevicePtr,
+    /// f32 `[rows, 2 * Hv]`.
+    pub gates: DevicePtr,
+    /// bf16 `[rows, conv_dim]`.
+    pub conv: DevicePtr,
+    /// bf16 `[rows, proj_width]` (b and a).
+    pub proj: DevicePtr,
+    /// f32 `[Hv]`.
+    pub a_log: DevicePtr,
+    /// f32 `[Hv]`.
+    pub dt_bias: DevicePtr,
+    /// Rows.
+    pub rows: u32,
+    /// Head shape.
+    pub heads: GdnHeads,
+    /// L2-norm epsilon (1e-6 in transformers).
+    pub l2_eps: f32,
+    /// q's scale, `1/√Dk`.
+    pub q_scale: f32,
+}
+
+/// The parameters of `gated_delta_recurrent` and `gated_delta_chunked`.
+#[derive(Debug, Clone, Copy)]
+pub struct GatedDelta {
+    /// f32 `[rows, value_dim]`.
+    pub out: DevicePtr,
+    /// Recurrent states, f32 `[Hv, Dk, Dv]` per slot, updated in place.
+    pub state: StatePool,
+    /// f32 `[rows, 2 * key_dim]`.
+    pub qk: DevicePtr,
+    /// bf16 `[rows, conv_dim]` (v).
+    pub conv: DevicePtr,
+    /// f32 `[rows, 2 * Hv]`.
+    pub gates: DevicePtr,
+    /// The step's sequences.
+    pub seqs: GdnSeqs,
+    /// Head shape.
+    pub heads: GdnHeads,
+}
+
+/// The parameters of `gated_rms_norm`.
+#[derive(Debug, Clone, Copy)]
+pub struct GatedRmsNorm {
+    /// bf16 `[rows, value_dim]`.
+    pub out: DevicePtr,
+    /// f32 `[rows, value_dim]`.
+    pub core: DevicePtr,
+    /// bf16 `[rows, proj_width]` (z).
+    pub proj: DevicePtr,
+    /// bf16 `[Dv]`, applied as `x * w`.
+    pub weight: DevicePtr,
+    /// Rows.
+    pub rows: u32,
+    /// Head shape.
+    pub heads: GdnHeads,
+    /// Epsilon.
+    pub eps: f32,
+}
+
+/// The parameters of `expert_linear` and `expert_linear_f32out`.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertLinear {
+    /// bf16 (or f32) `[pairs, n]`.
+    pub out: DevicePtr,
+    /// bf16 `[pairs / pairs_per_x_row, k]`.
+    pub x: DevicePtr,
+    /// bf16 `[num_experts, n, k]`.
+    pub w: DevicePtr,
+    /// u32 `[pairs]`: the expert of each pair.
+    pub expert_ids: DevicePtr,
+    /// (row, choice) pairs.
+    pub pairs: u32,
+    /// Output columns.
+    pub n: u32,
+    /// Input columns.
+    pub k: u32,
+    /// Experts in `w`.
+    pub num_experts: u32,
+    /// Pairs that share one row of `x` (`top_k` for the gate|up projection, 1 for down).
+    pub pairs_per_x_row: u32,
+}
+
+impl ExpertLinear {
+    fn args(&self) -> [KernelArg; 9] {
+        [
+            self.out.into(),
+            self.x.into(),
+            self.w.into(),
+            self.expert_ids.into(),
+            self.pairs.into(),
+            self.n.into(),
+            self.k.into(),
+            self.num_experts.into(),
+            self.pairs_per_x_row.into(),
+        ]
+    }
+}
+
+/// The parameters of `moe_combine`.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeCombine {
+    /// bf16 `[rows, hidden]`.
+    pub out: DevicePtr,
+    /// f32 `[rows * top_k, hidden]`.
+    pub expert_out: DevicePtr,
+    /// f32 `[rows, top_k]`.
+    pub topk_weights: DevicePtr,
+    /// bf16 `[rows, hidden]`, or NULL without a shared expert.
+    pub shared_out: DevicePtr,
+    /// f32 `[rows]` gate logits, or NULL for an ungated shared expert.
+    pub shared_gate: DevicePtr,
+    /// Rows.
+    pub rows: u32,
+    /// Hidden size.
+    pub hidden: u32,
+    /// Experts per row.
+    pub top_k: u32,
+}
+
+impl Ops {
+    /// Causal depthwise conv + SiLU of each row's conv channels, reading earlier inputs from the
+    /// step or the slot's window. One thread per (row, channel).
+    pub fn causal_conv1d(&self, s: StreamHandle, p: &CausalConv1d) -> GpuResult<()> {
+        let q = &p.seqs;
+        let mut args: Vec<KernelArg> = vec![
+            p.out.into(),
+            p.proj.into(),
+            p.conv_state.base.into(),
+            p.weight.into(),
+            q.row_seq.into(),
+            q.seq_start.into(),
+            q.seq_slot.into(),
+            q.rows.into(),
+            q.num_seqs.into(),
+            p.conv_state.num_slots.into(),
+            p.conv_state.slot_stride.into(),
+        ];
+        args.extend(p.heads.args());
+        args.push(p.kernel_size.into());
+        let blocks = p.heads.conv_dim().div_ceil(CHANNEL_THREADS);
+        self.go(
+            self.k.causal_conv1d,
+            LaunchConfig::grid2(q.rows, blocks, CHANNEL_THREADS),
+            &args,
+            s,
+        )
+    }
+
+    /// Move each sequence's conv window past its rows; after `causal_conv1d`. One thread per
+    /// (sequence, channel).
+    pub fn conv_state_update(&self, s: StreamHandle, p: &CausalConv1d) -> GpuResult<()> {
+        let q = &p.seqs;
+        let mut args: Vec<KernelArg> = vec![
+            p.conv_state.base.into(),
+            p.proj.into(),
+            q.seq_start.into(),
+            q.seq_slot.into(),
+            q.rows.into(),
+            q.num_seqs.into(),
+            p.conv_state.num_slots.into(),
+            p.conv_state.slot_stride.into(),
+        ];
+        args.extend(p.heads.args());
+        args.push(p.kernel_size.into());
+        let blocks = p.heads.conv_dim().div_ceil(CHANNEL_THREADS);
+        self.go(
+            self.k.conv_state_update,
+            LaunchConfig::grid2(q.num_seqs, blocks, CHANNEL_THREADS),
+            &args,
+            s,
+        )
+    }
+
+    /// L2-normalised q and k, and the gates β and g. One block per row.
+    pub fn gdn_prepare(&self, s: StreamHandle, p: &GdnPrepare) -> GpuResult<()> {
+        let mut args: Vec<KernelArg> = vec![
+            p.qk.into(),
+            p.gates.into(),
+            p.conv.into(),
+            p.proj.into(),
+            p.a_log.into(),
+            p.dt_bias.into(),
+            p.rows.into(),
+        ];
+        args.extend(p.heads.args());
+        args.extend([KernelArg::F32(p.l2_eps), KernelArg::F32(p.q_scale)]);
+        self.go(
+            self.k.gdn_prepare,
+            LaunchConfig::linear(p.rows, PREPARE_THREADS),
+            &args,
+            s,
+        )
+    }
+
+    fn rule_args(p: &GatedDelta, positions: bool) -> Vec<KernelArg> {
+        let q = &p.seqs;
+        let mut args: Vec<KernelArg> = vec![
+            p.out.into(),
+            p.state.base.into(),
+            p.qk.into(),
+            p.conv.into(),
+            p.gates.into(),
+            q.seq_start.into(),
+            q.seq_slot.into(),
+        ];
+        if positions {
+            args.push(q.positions.into());
+        }
+        args.extend::<[KernelArg; 4]>([
+            q.rows.into(),
+            q.num_seqs.into(),
+            p.state.num_slots.into(),
+            p.state.slot_stride.into(),
+        ]);
+        args.extend(p.heads.args());
+        args
+    }
+
+    /// The gated delta rule token by token (decode). Blocks per (sequence, value head, group of
+    /// value columns); see `rule_geometry`.
+    pub fn gated_delta_recurrent(&self, s: StreamHandle, p: &GatedDelta) -> GpuResult<()> {
+        let cfg = rule_geometry(p);
+        self.go(
+            self.k.gated_delta_recurrent,
+            cfg,
+            &Self::rule_args(p, false),
+            s,
+        )
+    }
+
+    /// The gated delta rule in position-aligned chunks of `chunk_size` (prefill). The same
+    /// geometry as `gated_delta_recurrent`.
+    pub fn gated_delta_chunked(
+        &self,
+        s: StreamHandle,
+        p: &GatedDelta,
+        chunk_size: u32,
+    ) -> GpuResult<()> {
+        let mut args = Self::rule_args(p, true);
+        args.push(chunk_size.into());
+        self.go(self.k.gated_delta_chunked, rule_geometry(p), &args, s)
+    }
+
+    /// Per-head RMSNorm (plain weight) times `silu(z)`. One warp per (row, value head).
+    pub fn gated_rms_norm(&self, s: StreamHandle, p: &GatedRmsNorm) -> GpuResult<()> {
+        let mut args: Vec<KernelArg> = vec![
+            p.out.into(),
+            p.core.into(),
+            p.proj.into(),
+            p.weight.into(),
+            p.rows.into(),
+        ];
+        args.extend(p.heads.args());
+        args.push(KernelArg::F32(p.eps));
+        self.go(
+            self.k.gated_rms_norm,
+            LaunchConfig::grid2(p.rows, p.heads.num_v_heads, 32),
+            &args,
+            s,
+        )
+    }
+
+    /// Softmax over the router logits, top-k, optional renormalisation. One warp per row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn topk_route(
+        &self,
+        s: StreamHandle,
+        topk_ids: DevicePtr,
+        topk_weights: DevicePtr,
+        logits: DevicePtr,
+        rows: u32,
+        num_experts: u32,
+        top_k: u32,
+        renormalize: bool,
+    ) -> GpuResult<()> {
+        let args: [KernelArg; 7] = [
+            topk_ids.into(),
+            topk_weights.into(),
+            logits.into(),
+            rows.into(),
+            num_experts.into(),
+            top_k.into(),
+            (renormalize as u32).into(),
+        ];
+        self.go(self.k.topk_route, LaunchConfig::linear(rows, 32), &args, s)
+    }
+
+    /// Each (row, choice) pair through its expert's slice of a stacked weight, bf16 out.
+    pub fn expert_linear(&self, s: StreamHandle, p: &ExpertLinear) -> GpuResult<()> {
+        self.go(self.k.expert_linear, expert_geometry(p), &p.args(), s)
+    }
+
+    /// As `expert_linear`, f32 out (the down projection, kept for the weighted sum).
+    pub fn expert_linear_f32out(&self, s: StreamHandle, p: &ExpertLinear) -> GpuResult<()> {
+        self.go(
+            self.k.expert_linear_f32out,
+            expert_geometry(p),
+            &p.args(),
+            s,
+        )
+    }
+
+    /// The weighted sum of each row's experts plus its gated shared expert, bf16 out.
+    pub fn moe_combine(&self, s: StreamHandle, p: &MoeCombine) -> GpuResult<()> {
+        let args: [KernelArg; 8] = [
+            p.out.into(),
+            p.expert_out.into(),
+            p.topk_weights.into(),
+            p.shared_out.into(),
+            p.shared_gate.into(),
+            p.rows.into(),
+            p.hidden.into(),
+            p.top_k.into(),
+        ];
+        self.go(
+            self.k.moe_combine,
+            LaunchConfig::linear(p.rows, 256),
+            &args,
+            s,
+        )
+    }
+}
+
+/// The delta-rule kernels' grid (`kernels/gdn.cu`): a value head's Dv columns are cut into
+/// `ceil(Dv / 16)` warp tiles, `RULE_WARPS_PER_BLOCK` per block, so the grid is (num_seqs,
+/// Hv * ceil(tiles / warps per block)) of `32 * warps per block` threads. Every element is computed
+/// the same way whichever block holds its tile, so the grouping changes no result.
+fn rule_geometry(p: &GatedDelta) -> LaunchConfig {
+    let tiles = p.heads.v_head_dim.div_ceil(RULE_WARP_COLS).max(1);
+    let warps = tiles.min(RULE_WARPS_PER_BLOCK);
+    let groups = tiles.div_ceil(warps);
+    LaunchConfig::grid2(p.seqs.num_seqs, p.heads.num_v_heads * groups, 32 * warps)
+}
+
+/// The expert projections' grid (`kernels/moe.cu`): y over the routed experts (at most
+/// `min(num_experts, pairs)`; block y serves the y-th routed expert, the others return at once),
+/// x over blocks of output columns, 32 of them, or fewer (down to 8) while the grid has fewer than
+/// `EXPERT_TARGET_BLOCKS` blocks; a bitmap of the experts in dynamic shared memory. A pair's
+/// outputs do not depend on the grid.
+fn expert_geometry(p: &ExpertLinear) -> LaunchConfig {
+    let experts = p.num_experts.min(p.pairs).max(1);
+    let mut cols = EXPERT_MAX_COLS_PER_BLOCK;
+    while cols > EXPERT_MIN_COLS_PER_BLOCK && p.n.div_ceil(cols) * experts < EXPERT_TARGET_BLOCKS {
+        cols /= 2;
+    }
+    LaunchConfig::grid2(p.n.div_ceil(cols), experts, EXPERT_THREADS)
+        .with_shared(p.num_experts.div_ceil(32).max(1) * 4)
+}
