@@ -1,0 +1,347 @@
+//! `Instance`: what fixes a circuit's shapes. The architecture, the model's dimensions, the kind
+//! of every layer, and the decode widths to compile. The caller fills it from the model's
+//! config; this crate reads no file.
+//!
+//! Invariants (checked by [`Instance::validate`], which building a circuit runs):
+//! - at least one layer, each of a kind its architecture has;
+//! - widths non-empty, strictly ascending, each >= 1;
+//! - every dimension a circuit's edge uses is present and resolves to >= 1 (checked when the
+//!   circuit resolves its shapes).
+
+use std::fmt::{self, Write as _};
+
+use crate::error::CircuitError;
+use crate::op::{FfnKind, LayerKind, LayerSpec, NormWeight, Op};
+use crate::shape::Dim;
+
+/// The architectures this crate has a circuit for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Architecture {
+    /// Dense GQA: every layer full attention with a dense FFN, plain norms. Qwen3 with
+    /// `qk_norm: true`; Llama with `qk_norm: false` (RoPE alone).
+    DenseGqa {
+        /// Per-head q/k RMSNorm before RoPE.
+        qk_norm: bool,
+    },
+    /// Qwen3.5 dense: Gated DeltaNet and gated full attention, dense FFNs, zero-centred norms.
+    Hybrid,
+    /// Qwen3-Next and Qwen3.5-MoE: as [`Architecture::Hybrid`], with sparse-MoE FFNs (dense
+    /// ones where the config keeps them).
+    HybridMoe,
+}
+
+impl Architecture {
+    /// The architecture's text name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::DenseGqa { qk_norm: true } => "dense_gqa",
+            Architecture::DenseGqa { qk_norm: false } => "dense_gqa_no_qk_norm",
+            Architecture::Hybrid => "hybrid",
+            Architecture::HybridMoe => "hybrid_moe",
+        }
+    }
+
+    /// How the decoder, q/k and final norms apply their weight.
+    pub fn norm_weight(self) -> NormWeight {
+        match self {
+            Architecture::DenseGqa { .. } => NormWeight::Plain,
+            Architecture::Hybrid | Architecture::HybridMoe => NormWeight::ZeroCentred,
+        }
+    }
+
+    /// Full attention carries an output gate after each query head.
+    pub fn attention_gated(self) -> bool {
+        !matches!(self, Architecture::DenseGqa { .. })
+    }
+
+    /// Full attention normalises q and k per head before RoPE.
+    pub fn qk_norm(self) -> bool {
+        match self {
+            Architecture::DenseGqa { qk_norm } => qk_norm,
+            Architecture::Hybrid | Architecture::HybridMoe => true,
+        }
+    }
+
+    /// The op that prepares q and k for attention: [`Op::QkNormRope`] with the
+    /// architecture's norm weighting, or [`Op::Rope`] without a q/k norm.
+    pub fn rope_op(self) -> Op {
+        if self.qk_norm() {
+            Op::QkNormRope(self.norm_weight())
+        } else {
+            Op::Rope
+        }
+    }
+
+    /// Whether a layer of this kind exists in the architecture.
+    pub fn has(self, spec: LayerSpec) -> bool {
+        match self {
+            Architecture::DenseGqa { .. } => {
+                spec.kind == LayerKind::FullAttention && spec.ffn == FfnKind::Dense
+            }
+            Architecture::Hybrid => spec.ffn == FfnKind::Dense,
+            Architecture::HybridMoe => true,
+        }
+    }
+}
+
+impl fmt::Display for Architecture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The Gated DeltaNet layers' dimensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GdnDims {
+    /// Key heads `Hk`.
+    pub num_k_heads: u64,
+    /// Key head dim `Dk`.
+    pub k_head_dim: u64,
+    /// Value heads `Hv`.
+    pub num_v_heads: u64,
+    /// Value head dim `Dv`.
+    pub v_head_dim: u64,
+    /// Conv taps `K`.
+    pub conv_kernel: u64,
+}
+
+/// The shared expert of an MoE FFN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SharedExpertDims {
+    /// Width `Fs`.
+    pub ffn: u64,
+    /// Scaled by `sigmoid(shared_expert_gate · x)`.
+    pub gated: bool,
+}
+
+/// The sparse-MoE layers' dimensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MoeDims {
+    /// Routed experts `E`.
+    pub num_experts: u64,
+    /// Experts per token `K`.
+    pub top_k: u64,
+    /// One expert's width `F`.
+    pub expert_ffn: u64,
+    /// The shared expert; `None` without one.
+    pub shared: Option<SharedExpertDims>,
+}
+
+/// The model's dimensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Dims {
+    /// Hidden size.
+    pub hidden: u64,
+    /// Vocabulary.
+    pub vocab: u64,
+    /// Dense FFN width; unused (may be 0) when no layer has a dense FFN.
+    pub ffn: u64,
+    /// Query heads.
+    pub num_q_heads: u64,
+    /// KV heads.
+    pub num_kv_heads: u64,
+    /// Head dim.
+    pub head_dim: u64,
+    /// Columns of the block table (the most KV blocks one sequence can hold), which a
+    /// fixed-address program reads with a fixed row pitch.
+    pub blocks_per_seq: u64,
+    /// Gated DeltaNet dims; needed when a layer is linear attention.
+    pub gdn: Option<GdnDims>,
+    /// MoE dims; needed when a layer's FFN is MoE.
+    pub moe: Option<MoeDims>,
+}
+
+/// See the module header.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Instance {
+    /// The architecture, which picks the circuit and its rule table.
+    pub architecture: Architecture,
+    /// Dimensions.
+    pub dims: Dims,
+    /// Every decoder layer, in order.
+    pub layers: Vec<LayerSpec>,
+    /// The decode widths (rows per step, one per sequence) to compile, ascending.
+    pub widths: Vec<u64>,
+    /// The step ends with a greedy argmax of its logit rows.
+    pub argmax: bool,
+}
+
+/// The padded decode widths up to `max_seqs`: 1, 2, 4, ... up to the first power of two at or
+/// above it (a batch of `n` sequences runs at the next rung, padded). `max_seqs = 0` gives `[1]`.
+pub fn decode_ladder(max_seqs: u64) -> Vec<u64> {
+    let top = max_seqs
+        .max(1)
+        .checked_next_power_of_two()
+        .unwrap_or(1 << 63);
+    std::iter::successors(Some(1u64), |&w| w.checked_mul(2))
+        .take_while(|&w| w <= top)
+        .collect()
+}
+
+impl Instance {
+    /// Check the invariants of the module header that need no shape.
+    pub fn validate(&self) -> Result<(), CircuitError> {
+        if self.layers.is_empty() {
+            return Err(CircuitError::NoLayers);
+        }
+        for (layer, &spec) in self.layers.iter().enumerate() {
+            if !self.architecture.has(spec) {
+                return Err(CircuitError::LayerNotInArchitecture {
+                    layer,
+                    spec,
+                    architecture: self.architecture.name(),
+                });
+            }
+        }
+        let ascending = self.widths.windows(2).all(|w| w[0] < w[1]);
+        if self.widths.is_empty() || self.widths[0] == 0 || !ascending {
+            return Err(CircuitError::BadWidths {
+                widths: self.widths.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The value of `dim` at `rows` rows.
+    pub fn dim(&self, dim: Dim, rows: u64) -> Result<u64, CircuitError> {
+        let d = &self.dims;
+        let gdn = || d.gdn.ok_or(CircuitError::MissingDim { dim, group: "gdn" });
+        let moe = || d.moe.ok_or(CircuitError::MissingDim { dim, group: "moe" });
+        let q_stride = if self.architecture.attention_gated() {
+            2 * d.head_dim
+        } else {
+            d.head_dim
+        };
+        // Saturating: a product that overflows stays huge, and the caller's extent check
+        // never sees a wrapped small number.
+        let mul = u64::saturating_mul;
+        Ok(match dim {
+            Dim::Rows => rows,
+            Dim::Hidden => d.hidden,
+            Dim::Vocab => d.vocab,
+            Dim::Ffn => d.ffn,
+            Dim::QkvWidth => {
+                mul(d.num_q_heads, q_stride).saturating_add(mul(2 * d.num_kv_heads, d.head_dim))
+            }
+            Dim::AttnOutWidth => mul(d.num_q_heads, d.head_dim),
+            Dim::KvWidth => mul(d.num_kv_heads, d.head_dim),
+            Dim::BlocksPerSeq => d.blocks_per_seq,
+            Dim::GdnProjWidth => {
+                let g = gdn()?;
+                let value = mul(g.num_v_heads, g.v_head_dim);
+                mul(2 * g.num_k_heads, g.k_head_dim)
+                    .saturating_add(mul(2, value))
+                    .saturating_add(mul(2, g.num_v_heads))
+            }
+            Dim::GdnConvDim => {
+                let g = gdn()?;
+                mul(2 * g.num_k_heads, g.k_head_dim)
+                    .saturating_add(mul(g.num_v_heads, g.v_head_dim))
+            }
+            Dim::GdnQkWidth => {
+                let g = gdn()?;
+                mul(2 * g.num_k_heads, g.k_head_dim)
+            }
+            Dim::GdnVHeads => gdn()?.num_v_heads,
+            Dim::GdnKHeadDim => gdn()?.k_head_dim,
+            Dim::GdnVHeadDim => gdn()?.v_head_dim,
+            Dim::GdnValueDim => {
+                let g = gdn()?;
+                mul(g.num_v_heads, g.v_head_dim)
+            }
+            Dim::ConvWindow => gdn()?.conv_kernel.saturating_sub(1),
+            Dim::Experts => moe()?.num_experts,
+            Dim::TopK => moe()?.top_k,
+            Dim::ExpertFfn => moe()?.expert_ffn,
+            Dim::SharedFfn => {
+                moe()?
+                    .shared
+                    .ok_or(CircuitError::MissingDim {
+                        dim,
+                        group: "shared expert",
+                    })?
+                    .ffn
+            }
+        })
+    }
+
+    /// The plan text's header lines for this instance (architecture, dims, layers), each
+    /// ending in a newline.
+    pub(crate) fn header(&self) -> String {
+        let d = &self.dims;
+        let mut s = String::new();
+        // Infallible: writing to a String.
+        let _ = writeln!(s, "architecture {}", self.architecture);
+        let _ = writeln!(
+            s,
+            "dims hidden={} vocab={} ffn={} q_heads={} kv_heads={} head_dim={} blocks_per_seq={}",
+            d.hidden, d.vocab, d.ffn, d.num_q_heads, d.num_kv_heads, d.head_dim, d.blocks_per_seq
+        );
+        if let Some(g) = d.gdn {
+            let _ = writeln!(
+                s,
+                "gdn k_heads={} k_head_dim={} v_heads={} v_head_dim={} conv_kernel={}",
+                g.num_k_heads, g.k_head_dim, g.num_v_heads, g.v_head_dim, g.conv_kernel
+            );
+        }
+        if let Some(m) = d.moe {
+            let shared = match m.shared {
+                None => "none".to_string(),
+                Some(sh) => format!("{}{}", sh.ffn, if sh.gated { " gated" } else { "" }),
+            };
+            let _ = writeln!(
+                s,
+                "moe experts={} top_k={} expert_ffn={} shared={shared}",
+                m.num_experts, m.top_k, m.expert_ffn
+            );
+        }
+        let _ = writeln!(s, "layers {}: {}", self.layers.len(), runs(&self.layers));
+        let _ = writeln!(s, "argmax {}", if self.argmax { "yes" } else { "no" });
+        s
+    }
+}
+
+/// `spec xN` for each run of equal consecutive layers, comma-separated.
+fn runs(layers: &[LayerSpec]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while let Some(&spec) = layers.get(i) {
+        let n = layers[i..].iter().take_while(|&&l| l == spec).count();
+        out.push(if n == 1 {
+            spec.to_string()
+        } else {
+            format!("{spec} x{n}")
+        });
+        i += n;
+    }
+    out.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ladder_reaches_the_rung_a_full_batch_pads_to() {
+        assert_eq!(decode_ladder(0), vec![1]);
+        assert_eq!(decode_ladder(1), vec![1]);
+        assert_eq!(decode_ladder(8), vec![1, 2, 4, 8]);
+        assert_eq!(decode_ladder(9), vec![1, 2, 4, 8, 16]);
+    }
+
+    #[test]
+    fn runs_compress_repeated_layers() {
+        let la = LayerSpec {
+            kind: LayerKind::LinearAttention,
+            ffn: FfnKind::Dense,
+        };
+        let fa = LayerSpec {
+            kind: LayerKind::FullAttention,
+            ffn: FfnKind::Moe,
+        };
+        assert_eq!(
+            runs(&[la, la, la, fa, la]),
+            "linear_attention/dense x3, full_attention/moe, linear_attention/dense"
+        );
+    }
+}

@@ -1,0 +1,230 @@
+//! One rule table per architecture ([`RuleTable::for_architecture`]). Each table is its
+//! architecture's reference rows (what the legacy forward launches, op by op) followed by its
+//! fused rows; the rows shared by several architectures (the step's ends, attention, GDN, the
+//! FFNs) are written once below, and every kernel name comes from `kernels.rs`.
+//!
+//! Invariant: the reference rows of the dense table lower one dense Qwen3 decode step to
+//! exactly `embed::embedding_gather`; per layer `norm::rms_norm` (first) or
+//! `norm::add_rms_norm`, `gemm::linear`, `rope::qk_norm_rope`, `cache::kv_store`,
+//! `attention::paged_attention`, `gemm::linear`, `norm::add_rms_norm`, `gemm::linear`,
+//! `activation::silu_mul`, `gemm::linear`; then `norm::add_rms_norm`, `embed::gather_rows`,
+//! `gemm::linear_f32out` and, when asked, `sampling::argmax`. A test holds it to that.
+
+use crate::instance::Architecture;
+use crate::kernels as k;
+use crate::op::{LinearRole, NormRole, NormWeight, Op};
+use crate::rules::{Kernel, Numerics, Rule, RuleTable};
+
+use LinearRole::*;
+use NormRole::{Final, Input, Post};
+use Numerics::{BitIdentical, Differs, Reference};
+
+fn rule(chain: &[Op], kernels: &[Kernel], numerics: Numerics) -> Rule {
+    Rule {
+        chain: chain.to_vec(),
+        kernels: kernels.to_vec(),
+        numerics,
+    }
+}
+
+impl RuleTable {
+    /// The table of `architecture`.
+    pub fn for_architecture(architecture: Architecture) -> RuleTable {
+        let rules = match architecture {
+            Architecture::DenseGqa { .. } => dense_gqa(architecture),
+            Architecture::Hybrid => hybrid(architecture),
+            Architecture::HybridMoe => hybrid_moe(architecture),
+        };
+        // Built in, so not checked with `RuleTable::new`: the `tables_are_well_formed` test
+        // holds every table to its invariants instead.
+        RuleTable { rules }
+    }
+}
+
+/// Qwen3 dense and Llama.
+fn dense_gqa(arch: Architecture) -> Vec<Rule> {
+    let mut t = step_ends(arch.norm_weight());
+    t.extend(attention(arch));
+    t.extend(dense_ffn());
+    t.extend([
+        rule(
+            &[arch.rope_op(), Op::KvStore],
+            &[k::QK_NORM_ROPE_KV_STORE],
+            BitIdentical,
+        ),
+        rule(
+            &[Op::SiluMul, Op::Linear(Down)],
+            &[k::LINEAR_SILU_DOWN],
+            Differs,
+        ),
+    ]);
+    t
+}
+
+/// Qwen3.5 dense.
+fn hybrid(arch: Architecture) -> Vec<Rule> {
+    let mut t = step_ends(arch.norm_weight());
+    t.extend(attention(arch));
+    t.extend(gdn());
+    t.extend(dense_ffn());
+    t.extend([
+        rule(
+            &[arch.rope_op(), Op::KvStore],
+            &[k::QK_NORM_ROPE_KV_STORE],
+            BitIdentical,
+        ),
+        rule(
+            &[Op::GdnConv, Op::GdnGates, Op::GdnRecurrence],
+            &[k::GDN_DECODE_STEP],
+            Differs,
+        ),
+        rule(
+            &[Op::SiluMul, Op::Linear(Down)],
+            &[k::LINEAR_SILU_DOWN],
+            Differs,
+        ),
+    ]);
+    t
+}
+
+/// Qwen3-Next and Qwen3.5-MoE.
+fn hybrid_moe(arch: Architecture) -> Vec<Rule> {
+    let mut t = step_ends(arch.norm_weight());
+    t.extend(attention(arch));
+    t.extend(gdn());
+    t.extend(dense_ffn());
+    t.extend(moe());
+    t.extend([
+        rule(
+            &[arch.rope_op(), Op::KvStore],
+            &[k::QK_NORM_ROPE_KV_STORE],
+            BitIdentical,
+        ),
+        rule(
+            &[Op::GdnConv, Op::GdnGates, Op::GdnRecurrence],
+            &[k::GDN_DECODE_STEP],
+            Differs,
+        ),
+        rule(
+            &[Op::SiluMul, Op::Linear(Down)],
+            &[k::LINEAR_SILU_DOWN],
+            Differs,
+        ),
+        rule(
+            &[Op::SiluMul, Op::Linear(SharedDown)],
+            &[k::LINEAR_SILU_DOWN],
+            Differs,
+        ),
+        rule(
+            &[Op::SiluMul, Op::Linear(ExpertDown)],
+            &[k::MOE_EXPERT_LINEAR_SILU_F32OUT],
+            Differs,
+        ),
+    ]);
+    t
+}
+
+/// Embedding, the decoder norms, and the head.
+fn step_ends(w: NormWeight) -> Vec<Rule> {
+    vec![
+        rule(&[Op::Embedding], &[k::EMBEDDING_GATHER], Reference),
+        rule(
+            &[Op::RmsNorm {
+                role: Input,
+                weight: w,
+            }],
+            &[k::RMS_NORM],
+            Reference,
+        ),
+        rule(
+            &[Op::AddRmsNorm {
+                role: Input,
+                weight: w,
+            }],
+            &[k::ADD_RMS_NORM],
+            Reference,
+        ),
+        rule(
+            &[Op::AddRmsNorm {
+                role: Post,
+                weight: w,
+            }],
+            &[k::ADD_RMS_NORM],
+            Reference,
+        ),
+        rule(
+            &[Op::AddRmsNorm {
+                role: Final,
+                weight: w,
+            }],
+            &[k::ADD_RMS_NORM],
+            Reference,
+        ),
+        rule(&[Op::GatherRows], &[k::GATHER_ROWS], Reference),
+        rule(&[Op::Linear(LmHead)], &[k::LINEAR_F32OUT], Reference),
+        rule(&[Op::Argmax], &[k::ARGMAX], Reference),
+    ]
+}
+
+/// Full attention. `Rope` (no q/k norm) runs the q/k-norm kernel with NULL norm weights.
+fn attention(arch: Architecture) -> Vec<Rule> {
+    let gated = arch.attention_gated();
+    vec![
+        rule(&[Op::Linear(Qkv)], &[k::LINEAR], Reference),
+        rule(&[arch.rope_op()], &[k::QK_NORM_ROPE], Reference),
+        rule(&[Op::KvStore], &[k::KV_STORE], Reference),
+        rule(
+            &[Op::PagedAttention { gated }],
+            &[k::PAGED_ATTENTION],
+            Reference,
+        ),
+        rule(&[Op::Linear(O)], &[k::LINEAR], Reference),
+    ]
+}
+
+/// Gated DeltaNet, one token per sequence.
+fn gdn() -> Vec<Rule> {
+    vec![
+        rule(&[Op::Linear(GdnInProj)], &[k::LINEAR], Reference),
+        rule(
+            &[Op::GdnConv],
+            &[k::GDN_CAUSAL_CONV1D, k::GDN_CONV_STATE_UPDATE],
+            Reference,
+        ),
+        rule(&[Op::GdnGates], &[k::GDN_PREPARE], Reference),
+        rule(&[Op::GdnRecurrence], &[k::GDN_RECURRENT], Reference),
+        rule(&[Op::GdnGatedNorm], &[k::GDN_GATED_RMS_NORM], Reference),
+        rule(&[Op::Linear(GdnOut)], &[k::LINEAR], Reference),
+    ]
+}
+
+/// Dense SwiGLU.
+fn dense_ffn() -> Vec<Rule> {
+    vec![
+        rule(&[Op::Linear(GateUp)], &[k::LINEAR], Reference),
+        rule(&[Op::SiluMul], &[k::SILU_MUL], Reference),
+        rule(&[Op::Linear(Down)], &[k::LINEAR], Reference),
+    ]
+}
+
+/// Sparse MoE and its shared expert (whose `silu_mul` is the dense FFN's rule).
+fn moe() -> Vec<Rule> {
+    vec![
+        rule(&[Op::Linear(Router)], &[k::LINEAR_F32OUT], Reference),
+        rule(&[Op::MoeRoute], &[k::MOE_TOPK_ROUTE], Reference),
+        rule(
+            &[Op::Linear(ExpertGateUp)],
+            &[k::MOE_EXPERT_LINEAR],
+            Reference,
+        ),
+        rule(
+            &[Op::Linear(ExpertDown)],
+            &[k::MOE_EXPERT_LINEAR_F32OUT],
+            Reference,
+        ),
+        rule(&[Op::Linear(SharedGateUp)], &[k::LINEAR], Reference),
+        rule(&[Op::Linear(SharedDown)], &[k::LINEAR], Reference),
+        rule(&[Op::Linear(SharedGate)], &[k::LINEAR_F32OUT], Reference),
+        rule(&[Op::MoeCombine], &[k::MOE_COMBINE], Reference),
+    ]
+}
