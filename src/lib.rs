@@ -1,1 +1,61 @@
-//! metrale: an LLM inference engine for Qwen3 dense and hybrid Qwen3.5 / Qwen3-Next models.
+//! metrale: an LLM inference engine for Qwen3 dense and the hybrid Qwen3.5 / Qwen3-Next families.
+//!
+//! This crate is the public facade: [`Engine`] loads a Hugging Face checkpoint directory
+//! (`config.json`, safetensors, optionally `tokenizer.json`) onto a backend and generates tokens
+//! for many requests at once (continuous batching on a scheduler thread of its own).
+//!
+//! ```no_run
+//! use metrale::{Engine, EngineOptions, GenerateRequest, Prompt};
+//!
+//! let engine = Engine::load("path/to/checkpoint", EngineOptions::default())?;
+//! let out = engine.generate(&GenerateRequest::new(Prompt::Text("hello".into())).max_new_tokens(8))?;
+//! println!("{:?} {:?}", out.token_ids, out.text);
+//! # Ok::<(), metrale::EngineError>(())
+//! ```
+//!
+//! Many requests, from any threads, each streaming its tokens:
+//!
+//! ```no_run
+//! use metrale::{Engine, EngineOptions, GenerateEvent, GenerateRequest, Prompt};
+//!
+//! let engine = Engine::load("path/to/checkpoint", EngineOptions::default())?;
+//! let handle = engine.submit(GenerateRequest::new(Prompt::TokenIds(vec![1, 2, 3])).max_new_tokens(8))?;
+//! for event in handle {
+//!     match event? {
+//!         GenerateEvent::Token(t) => print!("{}", t.text_delta.unwrap_or_default()),
+//!         GenerateEvent::Finished { output } => println!(" [{}]", output.finish_reason.as_str()),
+//!     }
+//! }
+//! println!("{:?}", engine.metrics());
+//! # Ok::<(), metrale::EngineError>(())
+//! ```
+
+mod engine;
+mod error;
+mod handle;
+mod metrics;
+mod request;
+mod text;
+mod worker;
+
+pub use engine::{Backend, Engine, EngineOptions, make_backend};
+pub use metrale_model_engine::bench;
+
+/// The device layer, for tools built on the engine (benchmarks, tests).
+pub mod gpu {
+    pub use metrale_gpu_runtime::{CpuBackend, GpuBackend, GpuError};
+}
+pub use error::{EngineError, RequestError};
+pub use handle::{Canceller, EventResult, RequestHandle, RequestId};
+pub use metrale_config::ModelConfig;
+pub use metrale_model_engine::generate::FinishReason;
+pub use metrale_model_engine::options::ModelOptions;
+pub use metrale_model_engine::sampling::SamplingParams;
+pub use metrics::EngineMetrics;
+pub use request::{GenerateEvent, GenerateOutput, GenerateRequest, Prompt, TokenEvent};
+
+/// The bundled tiny checkpoint (a random Qwen3 with a small tokenizer), for trying the engine
+/// without downloading anything.
+pub fn bundled_checkpoint() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3-tiny")
+}

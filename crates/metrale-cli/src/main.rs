@@ -1,3 +1,41 @@
-//! The `metrale` command line.
+//! The `metrale` command line: `generate` runs one prompt through a checkpoint.
 
-fn main() {}
+mod bench;
+mod generate;
+
+use clap::{Parser, Subcommand};
+
+/// metrale: an LLM inference engine for Qwen3 and the hybrid Qwen3.5 / Qwen3-Next families.
+#[derive(Debug, Parser)]
+#[command(name = "metrale", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Generate tokens for one prompt.
+    Generate(generate::GenerateArgs),
+    /// Benchmark a random-weight model of a real shape on the device.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => generate::run(args),
+        Command::Bench(args) => bench::run(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

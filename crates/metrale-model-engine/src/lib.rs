@@ -1,1 +1,16 @@
-//! `TransformerModel`, checkpoint loading and sampling.
+//! The model engine: `TransformerModel` (one step of rows through every layer), `factory`
+//! (a checkpoint directory to a model on a backend), `generate` (one sequence from prompt to
+//! finish), `scheduler` (continuous batching of many requests) and host-side `sampling`.
+
+pub mod bench;
+pub mod error;
+pub mod factory;
+pub mod generate;
+pub mod model;
+pub mod options;
+pub mod sampling;
+pub mod scheduler;
+
+pub use error::ModelError;
+pub use model::TransformerModel;
+pub use options::ModelOptions;

@@ -1,0 +1,87 @@
+//! `metrale bench`: a random-weight model of a real shape on the device, its copy bandwidth and
+//! GEMM rate, prefill throughput and decode step times, each beside its roofline.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use metrale::bench::{self, BenchOptions};
+use metrale::gpu::GpuBackend;
+
+use crate::generate::BackendArg;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum Shape {
+    /// Qwen3-8B: hidden 4096, 36 layers, 32/8 heads, head_dim 128, FFN 12288, vocab 151936.
+    Qwen3_8b,
+    /// A tiny dense shape (a smoke test of the benchmark itself).
+    Tiny,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// The model shape.
+    #[arg(long, value_enum, default_value_t = Shape::Qwen3_8b)]
+    shape: Shape,
+    /// Where to run.
+    #[arg(long, value_enum, default_value_t = BackendArg::Cuda)]
+    backend: BackendArg,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Decode batch sizes.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 8, 32, 64, 128])]
+    batches: Vec<usize>,
+    /// Context length of each decoding sequence.
+    #[arg(long, default_value_t = 1024)]
+    context: usize,
+    /// Prefill tokens.
+    #[arg(long, default_value_t = 2048)]
+    prefill_tokens: usize,
+    /// Timed repetitions per figure.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json_out: Option<PathBuf>,
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let gpu: Arc<dyn GpuBackend> =
+        metrale::make_backend(crate::generate::backend(args.backend, args.device))?;
+    let config = match args.shape {
+        Shape::Qwen3_8b => bench::qwen3_8b()?,
+        Shape::Tiny => bench::tiny_for_cpu()?,
+    };
+    let mut o = BenchOptions::new(config);
+    o.decode_batches = args.batches.clone();
+    o.context = args.context;
+    o.prefill_tokens = args.prefill_tokens;
+    o.iters = args.iters;
+    if matches!(args.shape, Shape::Tiny) {
+        o.copy_bytes = 1 << 20;
+        o.gemm_dim = 64;
+    }
+    let report = bench::run(gpu, &o)?;
+    print!("{}", report.table());
+    if let Some(path) = &args.json_out {
+        let decode: Vec<_> = report
+            .decode
+            .iter()
+            .map(|d| serde_json::json!({"batch": d.batch, "ms": d.ms, "floor_ms": d.floor_ms, "bytes": d.bytes, "ratio": d.ms / d.floor_ms}))
+            .collect();
+        let json = serde_json::json!({
+            "shape": format!("{:?}", args.shape),
+            "backend": report.backend,
+            "copy_gb_s": report.copy_gb_s,
+            "gemm_tflop_s": report.gemm_tflop_s,
+            "weight_bytes": report.weight_bytes,
+            "prefill": {"tokens": report.prefill_tokens, "ms": report.prefill_ms, "floor_ms": report.prefill_floor_ms},
+            "decode": decode,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}

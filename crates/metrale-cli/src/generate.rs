@@ -1,0 +1,165 @@
+//! `metrale generate`: one prompt, tokens printed as they come, optionally a JSON summary line
+//! and the logits of every step in a safetensors file.
+
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use metrale::{
+    Backend, Engine, EngineOptions, GenerateRequest, ModelOptions, Prompt, SamplingParams,
+};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum BackendArg {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// Checkpoint directory (config.json + safetensors). Default: the bundled tiny checkpoint.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Prompt text (needs the checkpoint's tokenizer.json).
+    #[arg(long, conflicts_with = "token_ids")]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids, e.g. 1,2,3.
+    #[arg(long, value_delimiter = ',')]
+    token_ids: Option<Vec<u32>>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 32)]
+    max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep only the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling threshold (1 = all).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Do not stop at the model's EOS tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Where the model runs.
+    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+    backend: BackendArg,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Print a JSON summary as the last stdout line.
+    #[arg(long)]
+    json: bool,
+    /// Write the logits of every generated token to this safetensors file (tensor `logits`,
+    /// f32, [generated tokens, vocab]).
+    #[arg(long)]
+    logits_out: Option<PathBuf>,
+    /// Most tokens per step (prefill chunk size).
+    #[arg(long, default_value_t = ModelOptions::default().max_batch_tokens)]
+    max_batch_tokens: usize,
+    /// Longest sequence; default: the model's, capped at 4096.
+    #[arg(long)]
+    max_seq_len: Option<usize>,
+}
+
+/// The engine's backend for a command-line choice.
+pub fn backend(arg: BackendArg, device: usize) -> Backend {
+    match arg {
+        BackendArg::Cpu => Backend::Cpu,
+        BackendArg::Cuda => Backend::Cuda { device },
+    }
+}
+
+pub fn run(args: GenerateArgs) -> Result<()> {
+    let dir = args
+        .model
+        .clone()
+        .unwrap_or_else(metrale::bundled_checkpoint);
+    let options = EngineOptions {
+        backend: backend(args.backend, args.device),
+        model: ModelOptions {
+            max_batch_tokens: args.max_batch_tokens,
+            max_seq_len: args.max_seq_len,
+            ..ModelOptions::default()
+        },
+        ..EngineOptions::default()
+    };
+    let prompt = match (&args.prompt, &args.token_ids) {
+        (Some(t), None) => Prompt::Text(t.clone()),
+        (None, Some(ids)) => Prompt::TokenIds(ids.clone()),
+        (None, None) => Prompt::Text("hello".into()),
+        (Some(_), Some(_)) => bail!("give either --prompt or --token-ids, not both"),
+    };
+    let engine =
+        Engine::load(&dir, options).with_context(|| format!("loading {}", dir.display()))?;
+    let request = GenerateRequest {
+        prompt,
+        max_new_tokens: args.max_new_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed,
+        },
+        ignore_eos: args.ignore_eos,
+        stop_token_ids: Vec::new(),
+        stop_strings: Vec::new(),
+        return_logits: args.logits_out.is_some(),
+    };
+    let stdout = std::io::stdout();
+    let mut printed = 0usize;
+    let out = engine.generate_stream(&request, |id, text| {
+        let mut lock = stdout.lock();
+        // Stream the text as it grows; without a tokenizer, the ids.
+        let _ = match text {
+            Some(t) if t.len() >= printed && t.is_char_boundary(printed) => {
+                let r = write!(lock, "{}", &t[printed..]);
+                printed = t.len();
+                r
+            }
+            _ => write!(lock, "{id} "),
+        };
+        let _ = lock.flush();
+        ControlFlow::Continue(())
+    })?;
+    println!();
+    if let Some(path) = &args.logits_out {
+        write_logits(
+            path,
+            out.logits.as_deref().unwrap_or(&[]),
+            engine.config().vocab_size,
+        )?;
+    }
+    if args.json {
+        let line = serde_json::json!({
+            "token_ids": out.token_ids,
+            "text": out.text,
+            "finish_reason": out.finish_reason.as_str(),
+        });
+        println!("{line}");
+    }
+    Ok(())
+}
+
+fn write_logits(path: &std::path::Path, rows: &[Vec<f32>], vocab: usize) -> Result<()> {
+    let mut bytes = Vec::with_capacity(rows.len() * vocab * 4);
+    for r in rows {
+        for v in r {
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    let view = safetensors::tensor::TensorView::new(
+        safetensors::Dtype::F32,
+        vec![rows.len(), vocab],
+        &bytes,
+    )
+    .context("building the logits tensor")?;
+    safetensors::serialize_to_file([("logits", view)], None, path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}

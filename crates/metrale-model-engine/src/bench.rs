@@ -1,0 +1,368 @@
+//! The benchmark behind `metrale bench` and `cargo xtask bench`: a random-weight model of a real
+//! shape built on the device (no checkpoint), the device's two ceilings measured in the same run
+//! (copy bandwidth, bf16 GEMM rate), then prefill throughput and decode step time, each printed
+//! beside its roofline.
+//!
+//! Invariants:
+//! - Every timing is taken with device events after warm-up, as the median of several runs.
+//! - A roofline is the work of the step over a ceiling measured in this run: bytes over the copy
+//!   bandwidth, FLOPs over the GEMM rate.
+
+use std::sync::Arc;
+
+use metrale_cache::BlockTable;
+use metrale_config::ModelConfig;
+use metrale_gpu_runtime::{DevicePtr, GpuBackend, StreamHandle};
+use metrale_model_layers::Ops;
+
+use crate::error::ModelError;
+use crate::factory;
+use crate::model::{StepInput, StepRow};
+use crate::options::ModelOptions;
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// The model shape.
+    pub config: ModelConfig,
+    /// Tokens of the prefill measurement. Default 2048.
+    pub prefill_tokens: usize,
+    /// Decode batch sizes. Default 1, 8, 32, 64, 128.
+    pub decode_batches: Vec<usize>,
+    /// Context length of every decoding sequence. Default 1024.
+    pub context: usize,
+    /// Timed repetitions per figure (the median is reported). Default 10.
+    pub iters: usize,
+    /// Bytes of each buffer of the copy-bandwidth measurement. Default 1 GiB.
+    pub copy_bytes: usize,
+    /// M = N = K of the GEMM-rate measurement. Default 8192.
+    pub gemm_dim: usize,
+}
+
+impl BenchOptions {
+    /// Defaults for `config`.
+    pub fn new(config: ModelConfig) -> BenchOptions {
+        BenchOptions {
+            config,
+            prefill_tokens: 2048,
+            decode_batches: vec![1, 8, 32, 64, 128],
+            context: 1024,
+            iters: 10,
+            copy_bytes: 1 << 30,
+            gemm_dim: 8192,
+        }
+    }
+}
+
+/// One decode figure.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeFigure {
+    /// Sequences in the step.
+    pub batch: usize,
+    /// Median step time, ms.
+    pub ms: f64,
+    /// Bytes the step must move (weights once, plus every sequence's KV).
+    pub bytes: f64,
+    /// `bytes` over the measured copy bandwidth, ms.
+    pub floor_ms: f64,
+}
+
+/// Everything one run measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchReport {
+    /// Backend name.
+    pub backend: String,
+    /// Device-to-device copy bandwidth (read + write), GB/s.
+    pub copy_gb_s: f64,
+    /// bf16 GEMM rate, TFLOP/s.
+    pub gemm_tflop_s: f64,
+    /// Prefill tokens.
+    pub prefill_tokens: usize,
+    /// Median prefill time, ms.
+    pub prefill_ms: f64,
+    /// Prefill FLOPs over the GEMM rate, ms.
+    pub prefill_floor_ms: f64,
+    /// Decode figures by batch.
+    pub decode: Vec<DecodeFigure>,
+    /// Weight bytes of the model.
+    pub weight_bytes: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Time `f` with device events: warm-up twice, then the median of `iters` runs, ms.
+fn time_ms(
+    gpu: &dyn GpuBackend,
+    s: StreamHandle,
+    iters: usize,
+    mut f: impl FnMut() -> Result<(), ModelError>,
+) -> Result<f64, ModelError> {
+    let (a, b) = (gpu.create_event()?, gpu.create_event()?);
+    for _ in 0..2 {
+        f()?;
+    }
+    gpu.synchronize(s)?;
+    let mut runs = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        gpu.record_event(a, s)?;
+        f()?;
+        gpu.record_event(b, s)?;
+        gpu.synchronize(s)?;
+        runs.push(gpu.event_elapsed_ms(a, b)? as f64);
+    }
+    Ok(median(runs))
+}
+
+/// Measure the copy bandwidth (GB/s, read plus write) and the bf16 GEMM rate (TFLOP/s).
+pub fn ceilings(gpu: &Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<(f64, f64), ModelError> {
+    let s = gpu.default_stream();
+    let (src, dst) = (gpu.alloc(opts.copy_bytes)?, gpu.alloc(opts.copy_bytes)?);
+    gpu.memset(src, 1, opts.copy_bytes, s)?;
+    let copy_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
+        Ok(gpu.copy_d2d(dst, src, opts.copy_bytes, s)?)
+    })?;
+    gpu.free(src)?;
+    gpu.free(dst)?;
+    let copy = 2.0 * opts.copy_bytes as f64 / (copy_ms * 1e-3) / 1e9;
+
+    let ops = Ops::new(gpu.clone())?;
+    let d = opts.gemm_dim;
+    let bufs: Vec<DevicePtr> = (0..3)
+        .map(|_| gpu.alloc(d * d * 2))
+        .collect::<Result<_, _>>()?;
+    ops.fill_uniform_bf16(s, bufs[1], (d * d) as u64, 1, 0.0, 0.5)?;
+    ops.fill_uniform_bf16(s, bufs[2], (d * d) as u64, 2, 0.0, 0.5)?;
+    let dd = d as u32;
+    let gemm_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
+        Ok(ops.linear(s, bufs[0], bufs[1], bufs[2], dd, dd, dd)?)
+    })?;
+    for b in bufs {
+        gpu.free(b)?;
+    }
+    let tflops = 2.0 * (d as f64).powi(3) / (gemm_ms * 1e-3) / 1e12;
+    Ok((copy, tflops))
+}
+
+/// Matmul parameters touched per token (every projection, the LM head included).
+fn matmul_params(c: &ModelConfig) -> f64 {
+    let (h, d) = (c.hidden_size as f64, c.head_dim as f64);
+    let q = c.num_attention_heads as f64 * d * if c.attn_output_gate { 2.0 } else { 1.0 };
+    let kv = 2.0 * c.num_key_value_heads as f64 * d;
+    let attn = h * (q + kv) + c.num_attention_heads as f64 * d * h;
+    let mlp = 3.0 * h * c.intermediate_size as f64;
+    c.num_hidden_layers as f64 * (attn + mlp) + h * c.vocab_size as f64
+}
+
+/// Run the whole benchmark on `gpu`.
+pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport, ModelError> {
+    let (copy_gb_s, gemm_tflop_s) = ceilings(&gpu, opts)?;
+    let c = &opts.config;
+    let max_batch = opts.decode_batches.iter().copied().max().unwrap_or(1);
+    let max_seq_len = opts.prefill_tokens.max(opts.context + 1);
+    let block_size = 16;
+    let blocks_per_seq = (opts.context + 1).div_ceil(block_size);
+    let options = ModelOptions {
+        max_batch_tokens: opts.prefill_tokens,
+        max_seq_len: Some(max_seq_len),
+        block_size,
+        num_kv_blocks: Some(
+            max_batch * blocks_per_seq + opts.prefill_tokens.div_ceil(block_size) + 1,
+        ),
+        max_decode_seqs: max_batch,
+        decode_graphs: true,
+    };
+    let mut model = factory::random(c.clone(), options, gpu.clone(), 0x5eed)?;
+    let s = gpu.default_stream();
+    let weight_bytes = 2.0
+        * (matmul_params(c)
+            + (c.vocab_size * c.hidden_size) as f64
+                * if c.tie_word_embeddings { 0.0 } else { 1.0 });
+
+    // Prefill: one sequence of `prefill_tokens` tokens from position 0.
+    let mut table = BlockTable::new();
+    table.ensure(
+        opts.prefill_tokens,
+        block_size,
+        &mut model.kv_cache().allocator,
+    )?;
+    let rows: Vec<StepRow> = (0..opts.prefill_tokens)
+        .map(|p| StepRow {
+            token: (p * 7 % c.vocab_size) as u32,
+            position: p as u32,
+            seq: 0,
+        })
+        .collect();
+    let last = [(rows.len() - 1) as u32];
+    let prefill_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
+        model.forward(&StepInput {
+            rows: &rows,
+            tables: &[&table],
+            logit_rows: &last,
+            ssm_slots: &[],
+        })
+    })?;
+    let prefill_flops = 2.0 * matmul_params(c) * opts.prefill_tokens as f64;
+    let prefill_floor_ms = prefill_flops / (gemm_tflop_s * 1e12) * 1e3;
+    table.release_all(&mut model.kv_cache().allocator)?;
+
+    // Decode: `batch` sequences, each with `context` tokens in its cache.
+    let kv_bytes_per_token = 2.0
+        * 2.0
+        * (c.num_key_value_heads * c.head_dim) as f64
+        * c.layer_types
+            .iter()
+            .filter(|t| **t == metrale_config::LayerType::FullAttention)
+            .count() as f64;
+    let mut decode = Vec::new();
+    for &batch in &opts.decode_batches {
+        let mut tables = Vec::with_capacity(batch);
+        for _ in 0..batch {
+            let mut t = BlockTable::new();
+            t.ensure(
+                opts.context + 1,
+                block_size,
+                &mut model.kv_cache().allocator,
+            )?;
+            tables.push(t);
+        }
+        let refs: Vec<&BlockTable> = tables.iter().collect();
+        let rows: Vec<StepRow> = (0..batch)
+            .map(|i| StepRow {
+                token: (i * 13 % c.vocab_size) as u32,
+                position: opts.context as u32,
+                seq: i as u32,
+            })
+            .collect();
+        let ms = time_ms(gpu.as_ref(), s, opts.iters, || {
+            model.decode(&rows, &refs, &[])
+        })?;
+        let bytes = weight_bytes + batch as f64 * (opts.context + 1) as f64 * kv_bytes_per_token;
+        decode.push(DecodeFigure {
+            batch,
+            ms,
+            bytes,
+            floor_ms: bytes / (copy_gb_s * 1e9) * 1e3,
+        });
+        for mut t in tables {
+            t.release_all(&mut model.kv_cache().allocator)?;
+        }
+    }
+    Ok(BenchReport {
+        backend: gpu.name().to_string(),
+        copy_gb_s,
+        gemm_tflop_s,
+        prefill_tokens: opts.prefill_tokens,
+        prefill_ms,
+        prefill_floor_ms,
+        decode,
+        weight_bytes,
+    })
+}
+
+impl BenchReport {
+    /// The human-readable table: each figure beside its roofline.
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        s += &format!(
+            "backend {}: copy {:.0} GB/s, bf16 GEMM {:.1} TFLOP/s, weights {:.2} GB\n",
+            self.backend,
+            self.copy_gb_s,
+            self.gemm_tflop_s,
+            self.weight_bytes / 1e9
+        );
+        let tok_s = self.prefill_tokens as f64 / (self.prefill_ms * 1e-3);
+        s += &format!(
+            "prefill {} tokens: {:.2} ms ({:.0} tok/s); GEMM floor {:.2} ms; {:.0}% of the GEMM rate\n",
+            self.prefill_tokens,
+            self.prefill_ms,
+            tok_s,
+            self.prefill_floor_ms,
+            100.0 * self.prefill_floor_ms / self.prefill_ms
+        );
+        s += "decode  batch   ms/step   floor ms   x floor   tok/s\n";
+        for d in &self.decode {
+            s += &format!(
+                "        {:>5} {:>9.3} {:>10.3} {:>9.2} {:>7.0}\n",
+                d.batch,
+                d.ms,
+                d.floor_ms,
+                d.ms / d.floor_ms,
+                d.batch as f64 / (d.ms * 1e-3)
+            );
+        }
+        s
+    }
+}
+
+/// A dense Qwen3 shape as its `config.json` would state it.
+#[allow(clippy::too_many_arguments)]
+fn dense_qwen3(
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    ffn: usize,
+    vocab: usize,
+) -> Result<ModelConfig, ModelError> {
+    let text = format!(
+        r#"{{"model_type": "qwen3", "hidden_size": {hidden}, "num_hidden_layers": {layers},
+            "num_attention_heads": {heads}, "num_key_value_heads": {kv_heads}, "head_dim": {head_dim},
+            "intermediate_size": {ffn}, "vocab_size": {vocab}, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": false,
+            "hidden_act": "silu", "eos_token_id": 0}}"#
+    );
+    Ok(ModelConfig::from_json_str(
+        &text,
+        std::path::Path::new("<bench shape>"),
+    )?)
+}
+
+/// The shape of Qwen3-8B (no download).
+pub fn qwen3_8b() -> Result<ModelConfig, ModelError> {
+    dense_qwen3(4096, 36, 32, 8, 128, 12288, 151936)
+}
+
+/// A tiny dense shape: the same code path on the CPU backend.
+pub fn tiny_for_cpu() -> Result<ModelConfig, ModelError> {
+    dense_qwen3(64, 2, 4, 2, 16, 128, 256)
+}
+
+/// A bench report run on a tiny shape on the CPU backend, used by the tests.
+pub fn smoke(gpu: Arc<dyn GpuBackend>) -> Result<BenchReport, ModelError> {
+    let mut o = BenchOptions::new(tiny_for_cpu()?);
+    o.prefill_tokens = 32;
+    o.decode_batches = vec![1, 3];
+    o.context = 20;
+    o.iters = 1;
+    o.copy_bytes = 1 << 16;
+    o.gemm_dim = 32;
+    run(gpu, &o)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use metrale_gpu_runtime::CpuBackend;
+
+    #[test]
+    fn the_benchmark_runs_end_to_end_on_the_cpu_backend() {
+        let report = smoke(Arc::new(CpuBackend::default())).unwrap();
+        assert_eq!(report.decode.len(), 2);
+        assert!(report.copy_gb_s > 0.0 && report.gemm_tflop_s > 0.0);
+        assert!(
+            report
+                .decode
+                .iter()
+                .all(|d| d.ms >= 0.0 && d.floor_ms > 0.0)
+        );
+        let table = report.table();
+        assert!(
+            table.contains("x floor") && table.contains("prefill 32 tokens"),
+            "{table}"
+        );
+    }
+}

@@ -1,0 +1,38 @@
+//! `ModelError`: what loading a checkpoint or running a step can fail with.
+
+use metrale_cache::CacheError;
+use metrale_config::ConfigError;
+use metrale_gpu_runtime::GpuError;
+use metrale_model_layers::weight_map::WeightError;
+
+/// An error of the model engine.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The checkpoint's config.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The checkpoint's weights.
+    #[error(transparent)]
+    Weights(#[from] WeightError),
+    /// The device.
+    #[error("device: {0}")]
+    Gpu(#[from] GpuError),
+    /// The KV cache.
+    #[error("KV cache: {0}")]
+    Cache(#[from] CacheError),
+    /// Options that cannot work together or with this model.
+    #[error("invalid option `{option}`: {problem}")]
+    Options {
+        /// The option's name.
+        option: &'static str,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A step that does not fit the buffers or the model (a caller bug or a bad request that
+    /// slipped past validation).
+    #[error("invalid step: {0}")]
+    Step(String),
+    /// A model feature this engine does not run yet.
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+}

@@ -1,0 +1,194 @@
+//! Loading one layer's parts. Projections that run as one GEMM are fused here, on dim 0:
+//! attention `[q (with gates) ; k ; v]`, MLP `[gate ; up]`, the GDN input projection
+//! `[q | k | v | z | b | a]` (Qwen3-Next's per-key-head grouping permuted into it), stacked MoE
+//! experts `[E, 2F, H]` and `[E, H, F]`.
+
+use metrale_config::{ModelConfig, ModelFamily};
+use metrale_gpu_runtime::DType;
+use metrale_model_layers::layers::{
+    Attention, GatedDeltaNet, GdnShape, InProjSource, Mlp, MoeMlp, MoeShape, SharedExpert,
+};
+use metrale_model_layers::weight_map::{ExpertNames, GdnProjectionNames, LayerNames, WeightLoader};
+
+use crate::error::ModelError;
+
+fn unsupported(what: &str) -> ModelError {
+    ModelError::Unsupported(what.to_string())
+}
+
+/// A full-attention layer (plain or gated, with or without q/k norm).
+pub fn attention(
+    loader: &WeightLoader<'_>,
+    c: &ModelConfig,
+    n: &LayerNames,
+) -> Result<Attention, ModelError> {
+    let (h, hq, hkv, d) = (
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+    );
+    let q_rows = if c.attn_output_gate {
+        2 * hq * d
+    } else {
+        hq * d
+    };
+    let qkv = loader.upload_bf16_concat(&[
+        (&n.q_proj(), &[q_rows, h]),
+        (&n.k_proj(), &[hkv * d, h]),
+        (&n.v_proj(), &[hkv * d, h]),
+    ])?;
+    let (q_norm, k_norm) = if c.family == ModelFamily::Llama {
+        (None, None)
+    } else {
+        (
+            Some(loader.upload_bf16(&n.q_norm(), &[d])?),
+            Some(loader.upload_bf16(&n.k_norm(), &[d])?),
+        )
+    };
+    Ok(Attention {
+        qkv,
+        q_norm,
+        k_norm,
+        o_proj: loader.upload_bf16(&n.o_proj(), &[h, hq * d])?,
+    })
+}
+
+/// A dense SwiGLU MLP.
+pub fn mlp(loader: &WeightLoader<'_>, c: &ModelConfig, n: &LayerNames) -> Result<Mlp, ModelError> {
+    let (h, f) = (c.hidden_size, c.intermediate_size);
+    Ok(Mlp {
+        gate_up: loader
+            .upload_bf16_concat(&[(&n.mlp_gate_proj(), &[f, h]), (&n.mlp_up_proj(), &[f, h])])?,
+        down: loader.upload_bf16(&n.mlp_down_proj(), &[h, f])?,
+        ffn: f as u32,
+    })
+}
+
+/// A Gated DeltaNet mixer.
+pub fn gdn(
+    loader: &WeightLoader<'_>,
+    c: &ModelConfig,
+    n: &LayerNames,
+) -> Result<GatedDeltaNet, ModelError> {
+    let shape = GdnShape::from_config(c).ok_or_else(|| {
+        unsupported("a linear-attention layer in a config without linear-attention settings")
+    })?;
+    let names = n
+        .gdn()
+        .ok_or_else(|| unsupported("a linear-attention layer in a family without GDN weights"))?;
+    let hd = shape.heads;
+    let (h, k) = (c.hidden_size, shape.conv_kernel as usize);
+    let (key_dim, value_dim) = (
+        (hd.num_k_heads * hd.k_head_dim) as usize,
+        (hd.num_v_heads * hd.v_head_dim) as usize,
+    );
+    let vh = hd.num_v_heads as usize;
+    let conv_dim = 2 * key_dim + value_dim;
+    let in_proj = match &names.projections {
+        GdnProjectionNames::Split {
+            in_proj_qkv,
+            in_proj_z,
+            in_proj_b,
+            in_proj_a,
+        } => loader.upload_bf16_concat(&[
+            (in_proj_qkv, &[conv_dim, h]),
+            (in_proj_z, &[value_dim, h]),
+            (in_proj_b, &[vh, h]),
+            (in_proj_a, &[vh, h]),
+        ])?,
+        GdnProjectionNames::Fused {
+            in_proj_qkvz,
+            in_proj_ba,
+        } => {
+            let qkvz = loader
+                .source
+                .load_bf16(in_proj_qkvz, &[2 * key_dim + 2 * value_dim, h])?;
+            let ba = loader.source.load_bf16(in_proj_ba, &[2 * vh, h])?;
+            let rows = shape.qwen3_next_in_proj_rows();
+            let mut fused = Vec::with_capacity(rows.len() * h);
+            for r in rows {
+                let (src, i) = match r {
+                    InProjSource::Qkvz(i) => (&qkvz, i),
+                    InProjSource::Ba(i) => (&ba, i),
+                };
+                fused.extend_from_slice(&src[i * h..(i + 1) * h]);
+            }
+            let width = fused.len() / h;
+            loader.upload(in_proj_qkvz, &fused, vec![width, h], DType::Bf16)?
+        }
+    };
+    Ok(GatedDeltaNet {
+        in_proj,
+        conv1d: loader.upload_bf16(&names.conv1d, &[conv_dim, 1, k])?,
+        a_log: loader.upload_f32(&names.a_log, &[vh])?,
+        dt_bias: loader.upload_f32(&names.dt_bias, &[vh])?,
+        norm: loader.upload_bf16(&names.norm, &[hd.v_head_dim as usize])?,
+        out_proj: loader.upload_bf16(&names.out_proj, &[h, value_dim])?,
+        shape,
+    })
+}
+
+/// A sparse-MoE FFN with its shared expert.
+pub fn moe(
+    loader: &WeightLoader<'_>,
+    c: &ModelConfig,
+    n: &LayerNames,
+) -> Result<MoeMlp, ModelError> {
+    let shape = MoeShape::from_config(c)
+        .ok_or_else(|| unsupported("a MoE layer in a config without MoE settings"))?;
+    let cfg = c
+        .moe
+        .as_ref()
+        .ok_or_else(|| unsupported("a MoE layer in a config without MoE settings"))?;
+    let names = n.moe();
+    let (h, e, f) = (c.hidden_size, cfg.num_experts, cfg.moe_intermediate_size);
+    let (experts_gate_up, experts_down) = match &names.experts {
+        ExpertNames::PerExpert(list) => {
+            let mut gu: Vec<(&str, &[usize])> = Vec::with_capacity(2 * e);
+            let mut down: Vec<(&str, &[usize])> = Vec::with_capacity(e);
+            let (fh, hf) = ([f, h], [h, f]);
+            for x in list {
+                gu.push((&x.gate_proj, &fh));
+                gu.push((&x.up_proj, &fh));
+                down.push((&x.down_proj, &hf));
+            }
+            let mut gate_up = loader.upload_bf16_concat(&gu)?;
+            gate_up.shape = vec![e, 2 * f, h];
+            let mut down = loader.upload_bf16_concat(&down)?;
+            down.shape = vec![e, h, f];
+            (gate_up, down)
+        }
+        ExpertNames::Fused {
+            gate_up_proj,
+            down_proj,
+        } => (
+            loader.upload_bf16(gate_up_proj, &[e, 2 * f, h])?,
+            loader.upload_bf16(down_proj, &[e, h, f])?,
+        ),
+    };
+    let fs = cfg.shared_expert_intermediate_size;
+    let shared = if fs > 0 && loader.source.contains(&names.shared_expert.gate_proj) {
+        let s = &names.shared_expert;
+        Some(SharedExpert {
+            gate_up: loader
+                .upload_bf16_concat(&[(&s.gate_proj, &[fs, h]), (&s.up_proj, &[fs, h])])?,
+            down: loader.upload_bf16(&s.down_proj, &[h, fs])?,
+            gate: if loader.source.contains(&names.shared_expert_gate) {
+                Some(loader.upload_bf16(&names.shared_expert_gate, &[1, h])?)
+            } else {
+                None
+            },
+            ffn: fs as u32,
+        })
+    } else {
+        None
+    };
+    Ok(MoeMlp {
+        router: loader.upload_bf16(&names.router, &[e, h])?,
+        experts_gate_up,
+        experts_down,
+        shared,
+        shape,
+    })
+}

@@ -1,0 +1,688 @@
+//! `TransformerModel`: the loaded layers, the KV cache and the step buffers, and `forward`, which
+//! runs one step of rows (prefill chunks and decode rows alike) and leaves logits for the rows
+//! that asked for them.
+//!
+//! Invariants:
+//! - Every buffer a step touches was allocated at load (`BufferArena`); a step allocates nothing
+//!   on the device and only uploads its metadata to fixed addresses.
+//! - A row's result depends only on its token, position and sequence cache, never on the other
+//!   rows of the step.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use metrale_cache::{BlockTable, KvCacheLayout, PagedKvCache, SsmLayout, SsmStatePool};
+use metrale_config::ModelConfig;
+use metrale_gpu_runtime::arena::ArenaLayout;
+use metrale_gpu_runtime::{
+    BufferArena, DType, GpuBackend, GpuBackendExt, GraphHandle, StreamHandle,
+};
+use metrale_model_layers::layer::{GdnBuffers, MoeBuffers, SsmBinding};
+use metrale_model_layers::layers::{GdnShape, MoeShape};
+use metrale_model_layers::weight_map::DenseWeight;
+use metrale_model_layers::{
+    KvBinding, LayerCtx, ModelDims, Ops, StepBuffers, StepShape, TransformerLayer,
+};
+
+use crate::error::ModelError;
+use crate::options::ModelOptions;
+
+/// One row of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepRow {
+    /// Input token.
+    pub token: u32,
+    /// Its position in its sequence.
+    pub position: u32,
+    /// Its sequence: an index into the step's block tables. Rows of one sequence are
+    /// contiguous and in position order, and sequences appear in index order.
+    pub seq: u32,
+}
+
+/// One step's input.
+#[derive(Debug, Clone, Copy)]
+pub struct StepInput<'a> {
+    /// The rows, in order.
+    pub rows: &'a [StepRow],
+    /// The block table of each sequence in the step; they must cover every row's position.
+    pub tables: &'a [&'a BlockTable],
+    /// Indices of the rows whose logits are wanted.
+    pub logit_rows: &'a [u32],
+    /// The SSM state slot of each sequence (hybrid models; empty for models without GDN
+    /// layers).
+    pub ssm_slots: &'a [u32],
+}
+
+/// The model's non-layer weights.
+#[derive(Debug, Clone)]
+pub struct ModelWeights {
+    /// `[vocab, hidden]`.
+    pub embed: DenseWeight,
+    /// `[hidden]`.
+    pub final_norm: DenseWeight,
+    /// `[vocab, hidden]` (the embedding when tied).
+    pub lm_head: DenseWeight,
+}
+
+/// See the module header.
+#[derive(Debug)]
+pub struct TransformerModel {
+    config: ModelConfig,
+    dims: ModelDims,
+    options: ModelOptions,
+    gpu: Arc<dyn GpuBackend>,
+    ops: Ops,
+    stream: StreamHandle,
+    weights: ModelWeights,
+    layers: Vec<Box<dyn TransformerLayer>>,
+    /// For each layer, its KV-cache layer index when it is an attention layer.
+    kv_layer: Vec<Option<usize>>,
+    kv: PagedKvCache,
+    /// For each layer, its SSM-pool layer index when it is a GDN layer.
+    ssm_layer: Vec<Option<usize>>,
+    /// Every GDN layer's conv and recurrent state per slot (hybrid models).
+    ssm: Option<SsmStatePool>,
+    buf: StepBuffers,
+    max_rows: usize,
+    max_seqs: usize,
+    max_blocks: usize,
+    max_seq_len: usize,
+    /// Captured decode steps by padded width.
+    graphs: HashMap<u32, GraphHandle>,
+    _arena: BufferArena,
+}
+
+impl TransformerModel {
+    /// Build the model around loaded layers: size and allocate the KV cache and step buffers.
+    pub fn new(
+        config: ModelConfig,
+        options: ModelOptions,
+        gpu: Arc<dyn GpuBackend>,
+        weights: ModelWeights,
+        layers: Vec<Box<dyn TransformerLayer>>,
+    ) -> Result<TransformerModel, ModelError> {
+        let dims = ModelDims::from_config(&config);
+        let ops = Ops::new(gpu.clone())?;
+        let stream = gpu.default_stream();
+        if options.block_size == 0 || options.max_batch_tokens == 0 || options.max_decode_seqs == 0
+        {
+            return Err(ModelError::Options {
+                option: "block_size / max_batch_tokens / max_decode_seqs",
+                problem: "must be positive".into(),
+            });
+        }
+        let max_seq_len = options
+            .max_seq_len
+            .unwrap_or(config.max_position_embeddings.min(4096));
+        if max_seq_len == 0 {
+            return Err(ModelError::Options {
+                option: "max_seq_len",
+                problem: "must be positive".into(),
+            });
+        }
+        let max_blocks = max_seq_len.div_ceil(options.block_size);
+        let max_seqs = options.max_decode_seqs;
+        let max_rows = options.max_batch_tokens.max(max_seqs);
+        let num_blocks = options.num_kv_blocks.unwrap_or(max_seqs * max_blocks + 1);
+
+        let mut kv_layer = Vec::with_capacity(layers.len());
+        let mut ssm_layer = Vec::with_capacity(layers.len());
+        let (mut n_attn, mut n_gdn) = (0, 0);
+        for l in &layers {
+            kv_layer.push(l.uses_kv_cache().then(|| {
+                n_attn += 1;
+                n_attn - 1
+            }));
+            ssm_layer.push(l.uses_ssm_state().then(|| {
+                n_gdn += 1;
+                n_gdn - 1
+            }));
+        }
+        let gdn = GdnShape::from_config(&config);
+        let ssm = match gdn {
+            Some(g) if n_gdn > 0 => Some(SsmStatePool::new(
+                gpu.clone(),
+                SsmLayout {
+                    num_gdn_layers: n_gdn,
+                    slots: max_seqs,
+                    conv_dim: g.heads.conv_dim() as usize,
+                    conv_kernel: g.conv_kernel as usize,
+                    num_v_heads: g.heads.num_v_heads as usize,
+                    k_head_dim: g.heads.k_head_dim as usize,
+                    v_head_dim: g.heads.v_head_dim as usize,
+                },
+            )?),
+            _ if n_gdn > 0 => {
+                return Err(ModelError::Unsupported(
+                    "GDN layers without linear-attention settings".into(),
+                ));
+            }
+            _ => None,
+        };
+        let moe = MoeShape::from_config(&config);
+        let kv = PagedKvCache::new(
+            gpu.clone(),
+            KvCacheLayout {
+                num_layers: n_attn,
+                num_kv_heads: config.num_key_value_heads,
+                head_dim: config.head_dim,
+                block_size: options.block_size,
+                num_blocks,
+            },
+        )?;
+
+        let (h, r, s) = (dims.hidden as usize, max_rows, max_seqs);
+        let mut layout = ArenaLayout::default();
+        layout
+            .add("residual", DType::F32, r * h)
+            .add("normed", DType::Bf16, r * h)
+            .add("delta", DType::Bf16, r * h)
+            .add("qkv", DType::Bf16, r * dims.qkv_width() as usize)
+            .add("attn_out", DType::Bf16, r * dims.attn_out_width() as usize)
+            .add("gate_up", DType::Bf16, r * 2 * dims.ffn as usize)
+            .add("act", DType::Bf16, r * dims.ffn as usize)
+            .add("token_ids", DType::U32, r)
+            .add("positions", DType::U32, r)
+            .add("row_seq", DType::U32, r)
+            .add("slot_mapping", DType::U32, r)
+            .add("block_tables", DType::U32, s * max_blocks)
+            .add("logit_rows", DType::U32, s)
+            .add("logits_in", DType::Bf16, s * h)
+            .add("logits", DType::F32, s * dims.vocab as usize)
+            .add("sampled", DType::U32, s)
+            .add(
+                "inv_freq",
+                DType::F32,
+                (dims.rotary_dim as usize / 2).max(1),
+            )
+            .add("seq_start", DType::U32, s + 1)
+            .add("seq_slot", DType::U32, s);
+        if let Some(g) = gdn.filter(|_| ssm.is_some()) {
+            let hd = g.heads;
+            let (key_dim, value_dim) = (
+                (hd.num_k_heads * hd.k_head_dim) as usize,
+                (hd.num_v_heads * hd.v_head_dim) as usize,
+            );
+            layout
+                .add("gdn.proj", DType::Bf16, r * hd.proj_width() as usize)
+                .add("gdn.conv", DType::Bf16, r * hd.conv_dim() as usize)
+                .add("gdn.qk", DType::F32, r * 2 * key_dim)
+                .add("gdn.gates", DType::F32, r * 2 * hd.num_v_heads as usize)
+                .add("gdn.core", DType::F32, r * value_dim)
+                .add("gdn.normed", DType::Bf16, r * value_dim);
+        }
+        let shared_ffn = config
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.shared_expert_intermediate_size);
+        if let Some(m) = moe {
+            let (e, k, f) = (
+                m.num_experts as usize,
+                m.top_k as usize,
+                m.expert_ffn as usize,
+            );
+            layout
+                .add("moe.router_logits", DType::F32, r * e)
+                .add("moe.topk_ids", DType::U32, r * k)
+                .add("moe.topk_weights", DType::F32, r * k)
+                .add("moe.expert_gate_up", DType::Bf16, r * k * 2 * f)
+                .add("moe.expert_act", DType::Bf16, r * k * f)
+                .add("moe.expert_out", DType::F32, r * k * h)
+                .add("moe.shared_gate_up", DType::Bf16, r * 2 * shared_ffn.max(1))
+                .add("moe.shared_act", DType::Bf16, r * shared_ffn.max(1))
+                .add("moe.shared_out", DType::Bf16, r * h)
+                .add("moe.shared_gate", DType::F32, r);
+        }
+        let arena = BufferArena::build(gpu.clone(), &layout)?;
+        let p = |n: &str| arena.get(n).ptr;
+        let buf = StepBuffers {
+            residual: p("residual"),
+            normed: p("normed"),
+            delta: p("delta"),
+            qkv: p("qkv"),
+            attn_out: p("attn_out"),
+            gate_up: p("gate_up"),
+            act: p("act"),
+            token_ids: p("token_ids"),
+            positions: p("positions"),
+            row_seq: p("row_seq"),
+            slot_mapping: p("slot_mapping"),
+            block_tables: p("block_tables"),
+            logit_rows: p("logit_rows"),
+            logits_in: p("logits_in"),
+            logits: p("logits"),
+            sampled: p("sampled"),
+            inv_freq: p("inv_freq"),
+            seq_start: p("seq_start"),
+            seq_slot: p("seq_slot"),
+            gdn: if ssm.is_some() {
+                GdnBuffers {
+                    proj: p("gdn.proj"),
+                    conv: p("gdn.conv"),
+                    qk: p("gdn.qk"),
+                    gates: p("gdn.gates"),
+                    core: p("gdn.core"),
+                    normed: p("gdn.normed"),
+                }
+            } else {
+                GdnBuffers::default()
+            },
+            moe: if moe.is_some() {
+                MoeBuffers {
+                    router_logits: p("moe.router_logits"),
+                    topk_ids: p("moe.topk_ids"),
+                    topk_weights: p("moe.topk_weights"),
+                    expert_gate_up: p("moe.expert_gate_up"),
+                    expert_act: p("moe.expert_act"),
+                    expert_out: p("moe.expert_out"),
+                    shared_gate_up: p("moe.shared_gate_up"),
+                    shared_act: p("moe.shared_act"),
+                    shared_out: p("moe.shared_out"),
+                    shared_gate: p("moe.shared_gate"),
+                }
+            } else {
+                MoeBuffers::default()
+            },
+        };
+        gpu.upload(buf.inv_freq, &config.rope.inv_freq(), stream)?;
+        gpu.synchronize(stream)?;
+        Ok(TransformerModel {
+            config,
+            dims,
+            options,
+            gpu,
+            ops,
+            stream,
+            weights,
+            layers,
+            kv_layer,
+            kv,
+            ssm_layer,
+            ssm,
+            buf,
+            max_rows,
+            max_seqs,
+            max_blocks,
+            max_seq_len,
+            graphs: HashMap::new(),
+            _arena: arena,
+        })
+    }
+
+    /// The config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The options the model was built with.
+    pub fn options(&self) -> &ModelOptions {
+        &self.options
+    }
+
+    /// The backend.
+    pub fn gpu(&self) -> &Arc<dyn GpuBackend> {
+        &self.gpu
+    }
+
+    /// Longest sequence the model serves.
+    pub fn max_seq_len(&self) -> usize {
+        self.max_seq_len
+    }
+
+    /// Most rows in one step.
+    pub fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+
+    /// Most sequences in one step.
+    pub fn max_seqs(&self) -> usize {
+        self.max_seqs
+    }
+
+    /// The KV cache (its allocator hands out blocks to sequences).
+    pub fn kv_cache(&mut self) -> &mut PagedKvCache {
+        &mut self.kv
+    }
+
+    /// Whether the model keeps per-sequence SSM state (it has GDN layers).
+    pub fn has_ssm_state(&self) -> bool {
+        self.ssm.is_some()
+    }
+
+    /// A zeroed SSM state slot for a new sequence; `None` for a model without GDN layers.
+    pub fn alloc_ssm_slot(&mut self) -> Result<Option<u32>, ModelError> {
+        let Some(pool) = self.ssm.as_mut() else {
+            return Ok(None);
+        };
+        let slot = pool.alloc_slot()?;
+        pool.zero_slot(slot, self.stream)?;
+        Ok(Some(slot))
+    }
+
+    /// Return a sequence's SSM state slot.
+    pub fn free_ssm_slot(&mut self, slot: u32) -> Result<(), ModelError> {
+        if let Some(pool) = self.ssm.as_mut() {
+            pool.free_slot(slot)?;
+        }
+        Ok(())
+    }
+
+    /// Free SSM state slots (`None` for a model without GDN layers).
+    pub fn free_ssm_slots(&self) -> Option<usize> {
+        self.ssm.as_ref().map(SsmStatePool::num_free)
+    }
+
+    fn check(&self, input: &StepInput<'_>) -> Result<(), ModelError> {
+        let bad = |m: String| Err(ModelError::Step(m));
+        if input.rows.is_empty() || input.rows.len() > self.max_rows {
+            return bad(format!(
+                "{} rows (1..={} allowed)",
+                input.rows.len(),
+                self.max_rows
+            ));
+        }
+        if input.tables.is_empty() || input.tables.len() > self.max_seqs {
+            return bad(format!(
+                "{} sequences (1..={} allowed)",
+                input.tables.len(),
+                self.max_seqs
+            ));
+        }
+        if input.logit_rows.len() > self.max_seqs {
+            return bad(format!(
+                "{} logit rows (at most {})",
+                input.logit_rows.len(),
+                self.max_seqs
+            ));
+        }
+        let bs = self.kv.block_size();
+        for (i, r) in input.rows.iter().enumerate() {
+            if r.token >= self.dims.vocab {
+                return bad(format!(
+                    "row {i}: token {} is outside the vocabulary ({})",
+                    r.token, self.dims.vocab
+                ));
+            }
+            let Some(table) = input.tables.get(r.seq as usize) else {
+                return bad(format!("row {i}: sequence {} has no block table", r.seq));
+            };
+            if r.position as usize >= self.max_seq_len
+                || table.slot(r.position as usize, bs).is_none()
+            {
+                return bad(format!(
+                    "row {i}: position {} is not covered by its block table",
+                    r.position
+                ));
+            }
+        }
+        if let Some(&r) = input
+            .logit_rows
+            .iter()
+            .find(|&&r| r as usize >= input.rows.len())
+        {
+            return bad(format!(
+                "logit row {r} is past the {} rows",
+                input.rows.len()
+            ));
+        }
+        if input.rows.windows(2).any(|w| w[1].seq < w[0].seq) {
+            return bad("rows must be grouped by sequence in sequence order".into());
+        }
+        if let Some(pool) = &self.ssm {
+            if input.ssm_slots.len() != input.tables.len() {
+                return bad(format!(
+                    "{} SSM slots for {} sequences",
+                    input.ssm_slots.len(),
+                    input.tables.len()
+                ));
+            }
+            if let Some(&s) = input.ssm_slots.iter().find(|&&s| !pool.is_held(s)) {
+                return bad(format!("SSM slot {s} is not held by a sequence"));
+            }
+            let mut sorted = input.ssm_slots.to_vec();
+            sorted.sort_unstable();
+            if sorted.windows(2).any(|w| w[0] == w[1]) {
+                return bad("two sequences of one step share an SSM slot".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Upload a step's metadata. With `pad_to` = W the step becomes W rows, W sequences and W
+    /// logit rows: padding row `i` is its own sequence at position 0 whose block table is all
+    /// dummy blocks, writes no cache slot, and reads the dummy block's zeros.
+    fn upload(
+        &self,
+        input: &StepInput<'_>,
+        pad_to: Option<usize>,
+    ) -> Result<StepShape, ModelError> {
+        let (gpu, s, bs) = (&self.gpu, self.stream, self.kv.block_size());
+        let n = pad_to.unwrap_or(input.rows.len());
+        let num_seqs = pad_to.unwrap_or(input.tables.len());
+        let mut ids = Vec::with_capacity(n);
+        let mut pos = Vec::with_capacity(n);
+        let mut seq = Vec::with_capacity(n);
+        let mut slots = Vec::with_capacity(n);
+        for r in input.rows {
+            ids.push(r.token);
+            pos.push(r.position);
+            seq.push(r.seq);
+            let table = input.tables[r.seq as usize];
+            slots.push(table.slot(r.position as usize, bs).unwrap_or(u32::MAX));
+        }
+        for i in input.rows.len()..n {
+            ids.push(0);
+            pos.push(0);
+            seq.push(i as u32);
+            slots.push(u32::MAX);
+        }
+        let logit_rows: Vec<u32> = match pad_to {
+            Some(w) => (0..w as u32).collect(),
+            None => input.logit_rows.to_vec(),
+        };
+        let mut tables = vec![self.kv.dummy_block(); num_seqs * self.max_blocks];
+        for (i, t) in input.tables.iter().enumerate() {
+            let blocks = &t.blocks()[..t.blocks().len().min(self.max_blocks)];
+            tables[i * self.max_blocks..i * self.max_blocks + blocks.len()].copy_from_slice(blocks);
+        }
+        gpu.upload(self.buf.token_ids, &ids, s)?;
+        gpu.upload(self.buf.positions, &pos, s)?;
+        gpu.upload(self.buf.row_seq, &seq, s)?;
+        gpu.upload(self.buf.slot_mapping, &slots, s)?;
+        gpu.upload(self.buf.block_tables, &tables, s)?;
+        gpu.upload(self.buf.logit_rows, &logit_rows, s)?;
+        let mut seq_start = vec![0u32; num_seqs + 1];
+        for (i, &q) in seq.iter().enumerate().rev() {
+            seq_start[q as usize] = i as u32;
+        }
+        seq_start[num_seqs] = n as u32;
+        for q in (0..num_seqs).rev() {
+            if !seq.contains(&(q as u32)) {
+                seq_start[q] = seq_start[q + 1];
+            }
+        }
+        let mut seq_slot = vec![u32::MAX; num_seqs];
+        seq_slot[..input.ssm_slots.len()].copy_from_slice(input.ssm_slots);
+        gpu.upload(self.buf.seq_start, &seq_start, s)?;
+        gpu.upload(self.buf.seq_slot, &seq_slot, s)?;
+        Ok(StepShape {
+            rows: n as u32,
+            num_seqs: num_seqs as u32,
+            max_blocks: self.max_blocks as u32,
+            logit_rows: logit_rows.len() as u32,
+        })
+    }
+
+    /// Run one step: embed, every layer, the final norm, and the LM head on the logit rows.
+    /// Logits are left on the device; read them with [`TransformerModel::logits`].
+    pub fn forward(&mut self, input: &StepInput<'_>) -> Result<(), ModelError> {
+        self.check(input)?;
+        let shape = self.upload(input, None)?;
+        self.launch_step(shape)?;
+        Ok(())
+    }
+
+    /// Run one decode step: row `i` is sequence `i`'s next token. The step is padded to the
+    /// decode ladder width and, with `decode_graphs`, replayed from a graph captured the first
+    /// time that width runs. Logit row `i` belongs to sequence `i`.
+    pub fn decode(
+        &mut self,
+        rows: &[StepRow],
+        tables: &[&BlockTable],
+        ssm_slots: &[u32],
+    ) -> Result<(), ModelError> {
+        if rows.iter().enumerate().any(|(i, r)| r.seq as usize != i) || rows.len() != tables.len() {
+            return Err(ModelError::Step(
+                "a decode step has one row per sequence, row i for sequence i".into(),
+            ));
+        }
+        let logit_rows: Vec<u32> = (0..rows.len() as u32).collect();
+        let input = StepInput {
+            rows,
+            tables,
+            logit_rows: &logit_rows,
+            ssm_slots,
+        };
+        self.check(&input)?;
+        let width = self.options.decode_width(rows.len()).ok_or_else(|| {
+            ModelError::Step(format!(
+                "{} sequences exceed max_decode_seqs {}",
+                rows.len(),
+                self.options.max_decode_seqs
+            ))
+        })?;
+        let shape = self.upload(&input, Some(width))?;
+        if !self.options.decode_graphs {
+            return self.launch_step(shape);
+        }
+        let graph = match self.graphs.get(&shape.rows) {
+            Some(&g) => g,
+            None => {
+                self.gpu.begin_capture(self.stream)?;
+                let captured = self.launch_step(shape);
+                let ended = self.gpu.end_capture(self.stream);
+                captured?;
+                let g = ended?;
+                self.graphs.insert(shape.rows, g);
+                g
+            }
+        };
+        self.gpu.launch_graph(graph, self.stream)?;
+        Ok(())
+    }
+
+    /// The launches of one step, reading only the step buffers (what a graph would capture).
+    fn launch_step(&self, shape: StepShape) -> Result<(), ModelError> {
+        let (ops, s, b, d) = (&self.ops, self.stream, &self.buf, &self.dims);
+        ops.embedding_gather(
+            s,
+            b.residual,
+            self.weights.embed.ptr,
+            b.token_ids,
+            shape.rows,
+            d.hidden,
+            d.vocab,
+        )?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let kv = self.kv_layer[i].map(|k| {
+                let pools = self.kv.layer(k);
+                KvBinding {
+                    k: pools.k,
+                    v: pools.v,
+                    block_size: self.kv.block_size() as u32,
+                    num_slots: self.kv.num_slots() as u32,
+                }
+            });
+            let ssm = match (self.ssm_layer[i], &self.ssm) {
+                (Some(g), Some(pool)) => pool.layer(g).map(|p| SsmBinding {
+                    conv: p.conv,
+                    recurrent: p.recurrent,
+                    conv_slot_stride: (p.conv_slot_bytes / 4) as u32,
+                    recurrent_slot_stride: (p.recurrent_slot_bytes / 4) as u32,
+                    num_slots: pool.num_slots() as u32,
+                }),
+                _ => None,
+            };
+            let cx = LayerCtx {
+                ops,
+                stream: s,
+                buf: b,
+                shape,
+                dims: d,
+                kv,
+                ssm,
+                first: i == 0,
+            };
+            layer.forward(&cx)?;
+        }
+        ops.add_rms_norm(
+            s,
+            b.residual,
+            b.delta,
+            self.weights.final_norm.ptr,
+            b.normed,
+            shape.rows,
+            d.hidden,
+            d.eps,
+            d.unit_offset,
+        )?;
+        if shape.logit_rows > 0 {
+            ops.gather_rows(
+                s,
+                b.logits_in,
+                b.normed,
+                b.logit_rows,
+                shape.logit_rows,
+                d.hidden,
+                shape.rows,
+            )?;
+            ops.linear_f32out(
+                s,
+                b.logits,
+                b.logits_in,
+                self.weights.lm_head.ptr,
+                shape.logit_rows,
+                d.vocab,
+                d.hidden,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Decode widths captured as graphs so far.
+    pub fn captured_widths(&self) -> Vec<u32> {
+        let mut w: Vec<u32> = self.graphs.keys().copied().collect();
+        w.sort_unstable();
+        w
+    }
+
+    /// The logits of the last step's first `n` logit rows, `[n][vocab]`.
+    pub fn logits(&self, n: usize) -> Result<Vec<Vec<f32>>, ModelError> {
+        let v = self.dims.vocab as usize;
+        let flat: Vec<f32> = self.gpu.download(self.buf.logits, n * v, self.stream)?;
+        Ok(flat.chunks(v).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Greedy tokens of the last step's first `n` logit rows, computed on the device.
+    pub fn greedy(&self, n: usize) -> Result<Vec<u32>, ModelError> {
+        self.ops.argmax(
+            self.stream,
+            self.buf.sampled,
+            self.buf.logits,
+            n as u32,
+            self.dims.vocab,
+        )?;
+        Ok(self.gpu.download(self.buf.sampled, n, self.stream)?)
+    }
+}
+
+impl Drop for TransformerModel {
+    fn drop(&mut self) {
+        // Graphs hold the arena's and the weights' addresses: release them first.
+        for (_, g) in self.graphs.drain() {
+            if let Err(e) = self.gpu.destroy_graph(g) {
+                tracing::warn!("TransformerModel: destroying a decode graph failed: {e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! Host-side sampling from f32 logits: greedy, temperature, top-k and top-p, driven by a seeded
+//! generator so the same seed gives the same tokens.
+//!
+//! Invariants:
+//! - Greedy picks the lowest index among the maxima, like the device `argmax`.
+//! - Sampling never reads the clock or the environment: its only randomness is the seed.
+
+/// How to pick the next token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy. Default 0.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens; 0 keeps all. Default 0.
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches `top_p`; 1 keeps all.
+    /// Default 1.
+    pub top_p: f32,
+    /// Seed of the generator. Default 0.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+/// A sampling parameter out of range.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("invalid sampling parameter `{field}` = {value}: {expected}")]
+pub struct SamplingError {
+    /// The field.
+    pub field: &'static str,
+    /// Its value, printed.
+    pub value: String,
+    /// What it must be.
+    pub expected: &'static str,
+}
+
+impl SamplingParams {
+    /// Check every field's range.
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return Err(SamplingError {
+                field: "temperature",
+                value: self.temperature.to_string(),
+                expected: "a finite number >= 0 (0 = greedy)",
+            });
+        }
+        if !self.top_p.is_finite() || self.top_p <= 0.0 || self.top_p > 1.0 {
+            return Err(SamplingError {
+                field: "top_p",
+                value: self.top_p.to_string(),
+                expected: "a number in (0, 1]",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// SplitMix64: small, fast, and the same everywhere.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator seeded with `seed`.
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A uniform number in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// The index of the first maximum (NaN never wins).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] || (logits[best].is_nan() && !v.is_nan()) {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// A sampler for one sequence.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+}
+
+impl Sampler {
+    /// A sampler with its own generator.
+    pub fn new(params: SamplingParams) -> Sampler {
+        Sampler {
+            params,
+            rng: Rng::new(params.seed),
+        }
+    }
+
+    /// Pick a token from one row of logits.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let p = self.params;
+        if p.temperature == 0.0 || p.top_k == 1 {
+            return argmax(logits);
+        }
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        // Descending by logit, ties by index, so the order is total and deterministic.
+        idx.sort_by(|&a, &b| {
+            logits[b as usize]
+                .total_cmp(&logits[a as usize])
+                .then(a.cmp(&b))
+        });
+        if p.top_k > 0 {
+            idx.truncate(p.top_k);
+        }
+        let max = logits[idx[0] as usize] as f64;
+        let t = p.temperature as f64;
+        let mut probs: Vec<f64> = idx
+            .iter()
+            .map(|&i| ((logits[i as usize] as f64 - max) / t).exp())
+            .collect();
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|q| *q /= total);
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut keep = probs.len();
+            for (i, q) in probs.iter().enumerate() {
+                acc += q;
+                if acc >= p.top_p as f64 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            probs.truncate(keep);
+            idx.truncate(keep);
+            let total: f64 = probs.iter().sum();
+            probs.iter_mut().for_each(|q| *q /= total);
+        }
+        let u = self.rng.next_f64();
+        let mut acc = 0.0;
+        for (q, &i) in probs.iter().zip(&idx) {
+            acc += q;
+            if u < acc {
+                return i;
+            }
+        }
+        idx[idx.len() - 1]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        vec![0.5, 2.0, -1.0, 1.9, 0.0, 2.0, -3.0, 1.0]
+    }
+
+    #[test]
+    fn greedy_takes_the_first_maximum() {
+        assert_eq!(Sampler::new(SamplingParams::default()).sample(&logits()), 1);
+        assert_eq!(argmax(&[f32::NAN, 1.0, 3.0, 3.0]), 2);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_other_seed_other_tokens() {
+        let p = SamplingParams {
+            temperature: 1.5,
+            seed: 7,
+            ..Default::default()
+        };
+        let run = |p: SamplingParams| {
+            let mut s = Sampler::new(p);
+            (0..64).map(|_| s.sample(&logits())).collect::<Vec<_>>()
+        };
+        assert_eq!(run(p), run(p));
+        assert_ne!(run(p), run(SamplingParams { seed: 8, ..p }));
+    }
+
+    #[test]
+    fn top_k_and_top_p_restrict_the_support() {
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 5.0,
+            top_k: 3,
+            seed: 1,
+            ..Default::default()
+        });
+        for _ in 0..200 {
+            assert!([1, 5, 3].contains(&s.sample(&logits())), "top-3 only");
+        }
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 0.3,
+            seed: 1,
+            ..Default::default()
+        });
+        for _ in 0..200 {
+            assert!(
+                [1, 5].contains(&s.sample(&logits())),
+                "the nucleus holds the two maxima"
+            );
+        }
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution() {
+        let l = [0.0f32, (3.0f32).ln()];
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: 3,
+            ..Default::default()
+        });
+        let ones = (0..20000).filter(|_| s.sample(&l) == 1).count() as f64 / 20000.0;
+        assert!((ones - 0.75).abs() < 0.015, "P(1) = {ones}, expected 0.75");
+    }
+
+    #[test]
+    fn invalid_parameters_are_named() {
+        let e = SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(e.field, "temperature");
+        let e = SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(e.field, "top_p");
+        assert!(
+            SamplingParams {
+                temperature: f32::NAN,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+    }
+}

@@ -1,0 +1,576 @@
+//! `Scheduler`: continuous batching. Requests join and leave between steps; each step is either
+//! one decode step of every running sequence past its prompt (through
+//! [`TransformerModel::decode`], padded to the decode ladder) or one prefill chunk of one
+//! sequence (through [`TransformerModel::forward`]).
+//!
+//! # Policy
+//! - **Queue.** Requests wait in arrival order. A sequence is admitted (becomes *running*) when
+//!   no running sequence is still prefilling, fewer than `max_decode_seqs` are running, an SSM
+//!   slot is free (hybrid models), and the free KV blocks cover its context plus one token,
+//!   plus one block of headroom per running sequence (so a new prompt does not take the blocks
+//!   the running sequences are about to grow into). Admission reserves those blocks and the slot
+//!   at once, so a prefill never runs out of cache. Admission is first come, first served: a
+//!   head that does not fit yet holds back the requests behind it.
+//! - **Steps.** While a sequence prefills and others decode, prefill chunks and decode steps
+//!   alternate under the token budget `max_batch_tokens`: after a decode step, prefill chunks
+//!   run until the next chunk would take the prefill tokens since that decode step past the
+//!   budget, then a decode step runs. So decode waits for at most `max_batch_tokens` prefill
+//!   tokens, and a long prompt still gets one chunk between any two decode steps. With nothing
+//!   decoding, prefill chunks run back to back; with nothing prefilling, decode steps do.
+//! - **Chunks.** A prompt is prefilled in chunks of `max_batch_tokens` from position 0 (the last
+//!   one shorter), a function of the prompt alone; a prefill step holds that one chunk of one
+//!   sequence and no decode rows. With the row independence of the model's kernels this makes
+//!   each sequence's tokens and logits bitwise independent of the other traffic (batch
+//!   invariance).
+//! - **Preemption by recompute.** When a decoding sequence needs a KV block and none is free,
+//!   the most recently admitted running sequence (possibly itself) is preempted: its blocks and
+//!   SSM slot are released and it goes back to the front of the queue with its prompt, the
+//!   tokens it generated so far, its logits and its sampler. On readmission it replays exactly
+//!   the steps it had run: its prompt in the same chunks, then its generated tokens one decode
+//!   row each (their logits are not sampled again), so its state, and thus every later token and
+//!   logit, is bitwise what it would have been. The oldest running sequence always makes
+//!   progress: one sequence alone always fits the cache (`RequestLimits::max_context`).
+//! - **Stopping.** A sequence finishes on a stop token (the request's, and the model's EOS unless
+//!   `ignore_eos`), at `max_new_tokens`, or when its context is full (`Length`). A caller stops
+//!   one from outside with [`Scheduler::finish`] between steps (cancellation, stop strings):
+//!   its blocks and slot are released at once.
+//!
+//! Invariants:
+//! - `running` is in admission order; at most one running sequence is in prefill, and it is the
+//!   last one (the most recently admitted).
+//! - Every KV block and SSM slot the scheduler holds belongs to exactly one running sequence;
+//!   waiting sequences hold none. When the scheduler is idle it holds none.
+
+mod request;
+mod sequence;
+#[cfg(test)]
+mod tests;
+
+use std::collections::VecDeque;
+
+use metrale_cache::{BlockTable, CacheError};
+
+use crate::error::ModelError;
+use crate::generate::{FinishReason, Generation};
+use crate::model::{StepInput, StepRow, TransformerModel};
+
+pub use request::{InvalidRequest, RequestLimits, SeqRequest};
+use sequence::Seq;
+pub use sequence::SeqId;
+
+/// What one step ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKind {
+    /// Nothing to run.
+    Idle,
+    /// One prefill chunk of one sequence.
+    Prefill {
+        /// The sequence.
+        seq: SeqId,
+        /// Its first position in this chunk.
+        start: usize,
+        /// Rows (prompt tokens) in the chunk.
+        rows: usize,
+    },
+    /// One decode row of each running sequence past its prompt.
+    Decode {
+        /// Sequences in the step.
+        seqs: usize,
+    },
+}
+
+/// Something that happened to a sequence in a step.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SeqEvent {
+    /// A token was generated.
+    Token {
+        /// The sequence.
+        id: SeqId,
+        /// The token.
+        token: u32,
+    },
+    /// The sequence finished; it holds no resources any more.
+    Finished {
+        /// The sequence.
+        id: SeqId,
+        /// Its tokens, finish reason and logits.
+        generation: Generation,
+    },
+}
+
+/// One step's result: what ran, and the events in order (a sequence's token before its
+/// `Finished`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    /// What ran.
+    pub kind: StepKind,
+    /// Tokens and finished sequences.
+    pub events: Vec<SeqEvent>,
+}
+
+/// A step that failed. The sequences it ran are aborted (their resources released, they are
+/// gone from the scheduler); the others are untouched and the scheduler keeps serving.
+#[derive(Debug, thiserror::Error)]
+#[error("scheduler step failed, {} sequence(s) aborted: {error}", aborted.len())]
+pub struct StepFailed {
+    /// What failed.
+    #[source]
+    pub error: Box<ModelError>,
+    /// The sequences that were aborted.
+    pub aborted: Vec<SeqId>,
+}
+
+/// Counters and resource use, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SchedulerStats {
+    /// Sequences admitted and not finished.
+    pub running: usize,
+    /// Sequences waiting for admission (preempted ones included).
+    pub waiting: usize,
+    /// Steps run (idle steps excluded).
+    pub steps: u64,
+    /// Prefill steps among them.
+    pub prefill_steps: u64,
+    /// Decode steps among them.
+    pub decode_steps: u64,
+    /// Preemptions so far.
+    pub preemptions: u64,
+    /// Tokens generated so far (replayed tokens are not counted again).
+    pub tokens_generated: u64,
+    /// KV blocks in use (by anyone).
+    pub kv_blocks_used: usize,
+    /// KV blocks that can be handed out.
+    pub kv_blocks_total: usize,
+    /// SSM state slots in use (0 for models without GDN layers).
+    pub ssm_slots_used: usize,
+    /// SSM state slots (0 for models without GDN layers).
+    pub ssm_slots_total: usize,
+}
+
+/// See the module header.
+#[derive(Debug)]
+pub struct Scheduler {
+    limits: RequestLimits,
+    /// Prefill chunk size and token budget (`max_batch_tokens`).
+    chunk: usize,
+    max_seqs: usize,
+    block_size: usize,
+    eos_token_ids: Vec<u32>,
+    next_id: u64,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    /// Events of requests that finish without running (`max_new_tokens` 0), for the next step.
+    pending: Vec<SeqEvent>,
+    /// Prefill tokens run since the last decode step.
+    prefill_since_decode: usize,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    /// A scheduler for `model`, which it then drives through `step`. The model's KV blocks and
+    /// SSM slots must not be used by anyone else while the scheduler runs.
+    pub fn new(model: &mut TransformerModel) -> Scheduler {
+        Scheduler {
+            limits: RequestLimits::of(model),
+            chunk: model.options().max_batch_tokens.min(model.max_rows()),
+            max_seqs: model.max_seqs(),
+            block_size: model.kv_cache().block_size(),
+            eos_token_ids: model.config().eos_token_ids.clone(),
+            next_id: 0,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            pending: Vec::new(),
+            prefill_since_decode: 0,
+            stats: SchedulerStats::default(),
+        }
+    }
+
+    /// The limits requests are checked against.
+    pub fn limits(&self) -> RequestLimits {
+        self.limits
+    }
+
+    /// Queue a request; it joins at a later step. A request that fails the checks is refused
+    /// and nothing changes.
+    pub fn add(&mut self, req: SeqRequest) -> Result<SeqId, InvalidRequest> {
+        self.limits.check(&req)?;
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        let mut stop = req.params.stop_token_ids.clone();
+        if !req.ignore_eos {
+            stop.extend(&self.eos_token_ids);
+        }
+        let seq = Seq::new(id, req.prompt, req.params, stop);
+        if seq.params.max_new_tokens == 0 {
+            self.pending.push(SeqEvent::Finished {
+                id,
+                generation: seq.into_generation(FinishReason::Length),
+            });
+        } else {
+            self.waiting.push_back(seq);
+        }
+        Ok(id)
+    }
+
+    /// Stop a sequence now, between steps: release its blocks and slot and return what it
+    /// generated, with `reason`. `None` when no such sequence is queued or running (it finished
+    /// already, or was never added).
+    pub fn finish(
+        &mut self,
+        model: &mut TransformerModel,
+        id: SeqId,
+        reason: FinishReason,
+    ) -> Result<Option<Generation>, ModelError> {
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let mut s = self.running.remove(i);
+            release(model, &mut s)?;
+            return Ok(Some(s.into_generation(reason)));
+        }
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            return Ok(self.waiting.remove(i).map(|s| s.into_generation(reason)));
+        }
+        Ok(None)
+    }
+
+    /// Nothing queued, running or left to report.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty() && self.pending.is_empty()
+    }
+
+    /// Sequences waiting for admission.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Sequences admitted and not finished.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Counters and the resources in use now.
+    pub fn stats(&self, model: &mut TransformerModel) -> SchedulerStats {
+        let kv = &model.kv_cache().allocator;
+        let (kv_total, kv_free) = (kv.capacity(), kv.num_free());
+        let ssm_total = if model.has_ssm_state() {
+            model.max_seqs()
+        } else {
+            0
+        };
+        let ssm_free = model.free_ssm_slots().unwrap_or(0);
+        SchedulerStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            kv_blocks_used: kv_total - kv_free,
+            kv_blocks_total: kv_total,
+            ssm_slots_used: ssm_total.saturating_sub(ssm_free),
+            ssm_slots_total: ssm_total,
+            ..self.stats
+        }
+    }
+
+    /// Run one step (see the policy in the module header): admit the queue head if it fits,
+    /// then run a prefill chunk or a decode step.
+    pub fn step(&mut self, model: &mut TransformerModel) -> Result<StepReport, StepFailed> {
+        let mut events = std::mem::take(&mut self.pending);
+        if let Err((error, id)) = self.admit(model) {
+            self.pending = events;
+            return Err(StepFailed {
+                error: Box::new(error),
+                aborted: vec![id],
+            });
+        }
+        let prefill = self.running.iter().position(Seq::in_prefill);
+        let decoders = self.running.iter().any(|s| !s.in_prefill());
+        let kind = match prefill {
+            Some(i)
+                if !decoders
+                    || self.prefill_since_decode + self.running[i].next_chunk(self.chunk).len()
+                        <= self.chunk =>
+            {
+                let id = self.running[i].id;
+                self.prefill(model, i, &mut events)
+                    .map_err(|e| (e, vec![id]))
+            }
+            _ if decoders => {
+                let ids: Vec<SeqId> = self
+                    .running
+                    .iter()
+                    .filter(|s| !s.in_prefill())
+                    .map(|s| s.id)
+                    .collect();
+                self.decode(model, &mut events).map_err(|e| (e, ids))
+            }
+            _ => Ok(StepKind::Idle),
+        };
+        match kind {
+            Ok(kind) => Ok(StepReport { kind, events }),
+            Err((error, ids)) => {
+                events.retain(|e| match e {
+                    SeqEvent::Token { id, .. } | SeqEvent::Finished { id, .. } => !ids.contains(id),
+                });
+                self.pending = events;
+                let aborted = self.abort(model, &ids);
+                Err(StepFailed {
+                    error: Box::new(error),
+                    aborted,
+                })
+            }
+        }
+    }
+
+    /// Drop every sequence, queued or running, releasing their resources; returns their ids.
+    pub fn abort_all(&mut self, model: &mut TransformerModel) -> Vec<SeqId> {
+        let mut ids: Vec<SeqId> = self
+            .running
+            .iter()
+            .chain(&self.waiting)
+            .map(|s| s.id)
+            .collect();
+        ids.extend(self.pending.iter().filter_map(|e| match e {
+            SeqEvent::Finished { id, .. } => Some(*id),
+            SeqEvent::Token { .. } => None,
+        }));
+        self.pending.clear();
+        self.abort(model, &ids)
+    }
+
+    /// Remove the sequences `ids` (running or waiting) and release what they hold. A release
+    /// that fails is logged: the sequence is gone either way.
+    fn abort(&mut self, model: &mut TransformerModel, ids: &[SeqId]) -> Vec<SeqId> {
+        let mut out = Vec::new();
+        for &id in ids {
+            if let Some(i) = self.running.iter().position(|s| s.id == id) {
+                let mut s = self.running.remove(i);
+                if let Err(e) = release(model, &mut s) {
+                    tracing::warn!("aborting {id}: releasing its cache failed: {e}");
+                }
+            } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+                self.waiting.remove(i);
+            }
+            out.push(id);
+        }
+        out
+    }
+
+    /// Admit the queue head if the policy allows and it fits. On failure the head is dropped
+    /// (its resources released) and named.
+    fn admit(&mut self, model: &mut TransformerModel) -> Result<(), (ModelError, SeqId)> {
+        if self.running.len() >= self.max_seqs
+            || self.running.iter().any(Seq::in_prefill)
+            || model.free_ssm_slots() == Some(0)
+        {
+            return Ok(());
+        }
+        let Some(head) = self.waiting.front() else {
+            return Ok(());
+        };
+        let context = (head.tokens.len() + 1).min(self.limits.max_context);
+        let need = context.div_ceil(self.block_size);
+        let headroom = self.running.len();
+        if need + headroom > model.kv_cache().allocator.num_free() {
+            return Ok(());
+        }
+        let Some(mut s) = self.waiting.pop_front() else {
+            return Ok(());
+        };
+        let admitted = model.alloc_ssm_slot().and_then(|slot| {
+            s.ssm_slot = slot;
+            Ok(s.table
+                .ensure(context, self.block_size, &mut model.kv_cache().allocator)?)
+        });
+        if let Err(e) = admitted {
+            if let Err(r) = release(model, &mut s) {
+                tracing::warn!("admitting {}: releasing its cache failed: {r}", s.id);
+            }
+            return Err((e, s.id));
+        }
+        tracing::debug!(seq = %s.id, context, blocks = need, resumed = s.generated() > 0, "admitted");
+        self.running.push(s);
+        Ok(())
+    }
+
+    /// One prefill chunk of running sequence `i`.
+    fn prefill(
+        &mut self,
+        model: &mut TransformerModel,
+        i: usize,
+        events: &mut Vec<SeqEvent>,
+    ) -> Result<StepKind, ModelError> {
+        let (chunk, bs) = (self.chunk, self.block_size);
+        let s = &mut self.running[i];
+        let range = s.next_chunk(chunk);
+        let _span = tracing::debug_span!("step", kind = "prefill", seq = %s.id, start = range.start, rows = range.len()).entered();
+        s.table
+            .ensure(range.end, bs, &mut model.kv_cache().allocator)?;
+        let rows: Vec<StepRow> = range
+            .clone()
+            .map(|p| StepRow {
+                token: s.tokens[p],
+                position: p as u32,
+                seq: 0,
+            })
+            .collect();
+        // Logits only when the chunk ends at the last known token (a resumed sequence knows the
+        // tokens after its prompt already).
+        let sample = range.end == s.tokens.len();
+        let last = [(rows.len() - 1) as u32];
+        let logit_rows: &[u32] = if sample { &last } else { &[] };
+        let slots: Vec<u32> = s.ssm_slot.into_iter().collect();
+        model.forward(&StepInput {
+            rows: &rows,
+            tables: &[&s.table],
+            logit_rows,
+            ssm_slots: &slots,
+        })?;
+        s.computed = range.end;
+        let id = s.id;
+        self.prefill_since_decode += range.len();
+        self.stats.steps += 1;
+        self.stats.prefill_steps += 1;
+        if sample {
+            let logits = model
+                .logits(1)?
+                .pop()
+                .ok_or_else(|| ModelError::Step("a prefill step returned no logits".into()))?;
+            if let Some(reason) = self.accept(i, logits, events) {
+                self.retire(model, i, reason, events)?;
+            }
+        }
+        Ok(StepKind::Prefill {
+            seq: id,
+            start: range.start,
+            rows: range.len(),
+        })
+    }
+
+    /// One decode step of every running sequence past its prompt, after making room for each
+    /// one's next row (preempting the most recently admitted when the cache is full).
+    fn decode(
+        &mut self,
+        model: &mut TransformerModel,
+        events: &mut Vec<SeqEvent>,
+    ) -> Result<StepKind, ModelError> {
+        self.prefill_since_decode = 0;
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &mut self.running[i];
+            if s.in_prefill() {
+                i += 1;
+                continue;
+            }
+            match s.table.ensure(
+                s.computed + 1,
+                self.block_size,
+                &mut model.kv_cache().allocator,
+            ) {
+                Ok(()) => i += 1,
+                // The victim is the last running sequence: this one or a newer one, so the
+                // sequences already given room keep it.
+                Err(CacheError::OutOfBlocks { .. }) => {
+                    self.preempt(model, self.running.len() - 1)?
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let idx: Vec<usize> = (0..self.running.len())
+            .filter(|&i| !self.running[i].in_prefill())
+            .collect();
+        if idx.is_empty() {
+            return Ok(StepKind::Idle);
+        }
+        let _span = tracing::debug_span!("step", kind = "decode", seqs = idx.len()).entered();
+        let rows: Vec<StepRow> = idx
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| {
+                let s = &self.running[i];
+                StepRow {
+                    token: s.tokens[s.computed],
+                    position: s.computed as u32,
+                    seq: k as u32,
+                }
+            })
+            .collect();
+        let tables: Vec<&BlockTable> = idx.iter().map(|&i| &self.running[i].table).collect();
+        let slots: Vec<u32> = idx
+            .iter()
+            .filter_map(|&i| self.running[i].ssm_slot)
+            .collect();
+        model.decode(&rows, &tables, &slots)?;
+        let logits = model.logits(idx.len())?;
+        self.stats.steps += 1;
+        self.stats.decode_steps += 1;
+        let mut done = Vec::new();
+        for (&i, row) in idx.iter().zip(logits) {
+            let s = &mut self.running[i];
+            s.computed += 1;
+            // A replayed row's token is known already; only the row of the last token samples.
+            if s.computed == s.tokens.len()
+                && let Some(reason) = self.accept(i, row, events)
+            {
+                done.push((i, reason));
+            }
+        }
+        for (i, reason) in done.into_iter().rev() {
+            self.retire(model, i, reason, events)?;
+        }
+        Ok(StepKind::Decode { seqs: idx.len() })
+    }
+
+    /// Sample running sequence `i`'s next token; returns why it ends, if it does.
+    fn accept(
+        &mut self,
+        i: usize,
+        logits: Vec<f32>,
+        events: &mut Vec<SeqEvent>,
+    ) -> Option<FinishReason> {
+        let s = &mut self.running[i];
+        let (token, reason) = s.accept(logits, self.limits.max_context);
+        self.stats.tokens_generated += 1;
+        events.push(SeqEvent::Token { id: s.id, token });
+        reason
+    }
+
+    /// Finish running sequence `i` with `reason`.
+    fn retire(
+        &mut self,
+        model: &mut TransformerModel,
+        i: usize,
+        reason: FinishReason,
+        events: &mut Vec<SeqEvent>,
+    ) -> Result<(), ModelError> {
+        let mut s = self.running.remove(i);
+        let id = s.id;
+        let released = release(model, &mut s);
+        events.push(SeqEvent::Finished {
+            id,
+            generation: s.into_generation(reason),
+        });
+        released
+    }
+
+    /// Preempt running sequence `i` by recompute: release its cache and requeue it first.
+    fn preempt(&mut self, model: &mut TransformerModel, i: usize) -> Result<(), ModelError> {
+        let mut s = self.running.remove(i);
+        tracing::debug!(seq = %s.id, generated = s.generated(), "preempted");
+        let released = release(model, &mut s);
+        self.stats.preemptions += 1;
+        self.waiting.push_front(s);
+        released
+    }
+}
+
+/// Return a sequence's KV blocks and SSM slot; it will recompute from position 0 if it runs
+/// again.
+fn release(model: &mut TransformerModel, s: &mut Seq) -> Result<(), ModelError> {
+    let blocks = s
+        .table
+        .release_all(&mut model.kv_cache().allocator)
+        .map_err(ModelError::from);
+    let slot = match s.ssm_slot.take() {
+        Some(slot) => model.free_ssm_slot(slot),
+        None => Ok(()),
+    };
+    s.computed = 0;
+    blocks.and(slot)
+}

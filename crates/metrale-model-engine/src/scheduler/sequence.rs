@@ -1,0 +1,109 @@
+//! `Seq`: one request inside the scheduler: its tokens so far, how far the model has computed
+//! them, its KV blocks and SSM slot while it runs, and its sampler.
+//!
+//! Invariants:
+//! - `tokens` is the prompt followed by every generated token; `computed` tokens of it have
+//!   their KV entries and SSM state in the sequence's cache. `computed <= tokens.len()`.
+//! - `computed < prompt_len`: the sequence is in prefill. Otherwise it decodes, feeding
+//!   `tokens[computed]`; while `computed + 1 < tokens.len()` it is replaying tokens it generated
+//!   before a preemption, and the logits of those rows are not sampled again.
+//! - The sampler is created once, at submission, and survives preemption: a resumed sequence
+//!   samples its next token with the generator state it had, so its output is unchanged.
+
+use metrale_cache::BlockTable;
+
+use crate::generate::{FinishReason, GenerateParams, Generation};
+use crate::sampling::Sampler;
+
+/// A request's id, unique for the life of its scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+impl std::fmt::Display for SeqId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "seq{}", self.0)
+    }
+}
+
+/// See the module header.
+#[derive(Debug)]
+pub(crate) struct Seq {
+    pub id: SeqId,
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Stop token ids: the request's, then the model's EOS unless `ignore_eos`.
+    pub stop_token_ids: Vec<u32>,
+    pub params: GenerateParams,
+    pub sampler: Sampler,
+    pub table: BlockTable,
+    pub ssm_slot: Option<u32>,
+    pub computed: usize,
+    /// Row `i`: the logits that chose generated token `i` (when asked for).
+    pub logits: Option<Vec<Vec<f32>>>,
+}
+
+impl Seq {
+    pub fn new(
+        id: SeqId,
+        prompt: Vec<u32>,
+        params: GenerateParams,
+        stop_token_ids: Vec<u32>,
+    ) -> Seq {
+        Seq {
+            id,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            stop_token_ids,
+            sampler: Sampler::new(params.sampling),
+            logits: params.return_logits.then(Vec::new),
+            params,
+            table: BlockTable::new(),
+            ssm_slot: None,
+            computed: 0,
+        }
+    }
+
+    /// Still prefilling its prompt.
+    pub fn in_prefill(&self) -> bool {
+        self.computed < self.prompt_len
+    }
+
+    /// Tokens generated so far.
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// The prompt positions of the next prefill chunk: chunks of `chunk` tokens from position 0,
+    /// so the boundaries depend on the prompt alone.
+    pub fn next_chunk(&self, chunk: usize) -> std::ops::Range<usize> {
+        self.computed..(self.computed + chunk).min(self.prompt_len)
+    }
+
+    /// Record a sampled token; returns why the sequence ends, if it does.
+    pub fn accept(&mut self, logits: Vec<f32>, max_context: usize) -> (u32, Option<FinishReason>) {
+        let token = self.sampler.sample(&logits);
+        if let Some(all) = self.logits.as_mut() {
+            all.push(logits);
+        }
+        self.tokens.push(token);
+        let reason = if self.stop_token_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if self.generated() >= self.params.max_new_tokens || self.tokens.len() > max_context
+        {
+            // The next input would sit at position `tokens.len() - 1`, past the context.
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        (token, reason)
+    }
+
+    /// The result, with `reason`. The sequence must hold no resources any more.
+    pub fn into_generation(self, reason: FinishReason) -> Generation {
+        Generation {
+            token_ids: self.tokens[self.prompt_len..].to_vec(),
+            finish_reason: reason,
+            logits: self.logits,
+        }
+    }
+}

@@ -1,0 +1,221 @@
+//! The scheduling policy on the tiny dense fixture: chunk boundaries, the alternation of prefill
+//! and decode under the token budget, admission by free blocks, and the checks on requests.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use metrale_gpu_runtime::CpuBackend;
+
+use super::*;
+use crate::generate::GenerateParams;
+use crate::options::ModelOptions;
+use crate::sampling::SamplingParams;
+
+fn model(options: ModelOptions) -> TransformerModel {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3-tiny");
+    crate::factory::load(&dir, options, Arc::new(CpuBackend::default()))
+        .expect("the qwen3-tiny fixture loads")
+}
+
+fn request(prompt_len: usize, max_new_tokens: usize) -> SeqRequest {
+    SeqRequest {
+        prompt: (0..prompt_len).map(|t| (t * 7 % 500) as u32 + 1).collect(),
+        params: GenerateParams {
+            max_new_tokens,
+            sampling: SamplingParams::default(),
+            stop_token_ids: Vec::new(),
+            return_logits: false,
+        },
+        ignore_eos: true,
+    }
+}
+
+/// Step until idle, returning every step's kind.
+fn drain(s: &mut Scheduler, m: &mut TransformerModel) -> Vec<StepKind> {
+    let mut kinds = Vec::new();
+    while !s.is_idle() {
+        kinds.push(s.step(m).expect("step").kind);
+        assert!(kinds.len() < 10_000, "the scheduler does not finish");
+    }
+    kinds
+}
+
+#[test]
+fn a_long_prompt_alternates_with_decode_in_budget_sized_chunks() {
+    let mut m = model(ModelOptions {
+        max_batch_tokens: 8,
+        ..Default::default()
+    });
+    let mut s = Scheduler::new(&mut m);
+    let a = s.add(request(3, 40)).expect("valid");
+    // A: one prefill chunk, then it decodes alone.
+    assert!(
+        matches!(s.step(&mut m).expect("step").kind, StepKind::Prefill { seq, start: 0, rows: 3 } if seq == a)
+    );
+    assert_eq!(
+        s.step(&mut m).expect("step").kind,
+        StepKind::Decode { seqs: 1 }
+    );
+    let b = s.add(request(30, 2)).expect("valid");
+    let kinds: Vec<StepKind> = (0..8).map(|_| s.step(&mut m).expect("step").kind).collect();
+    let chunk = |start, rows| StepKind::Prefill {
+        seq: b,
+        start,
+        rows,
+    };
+    let d1 = StepKind::Decode { seqs: 1 };
+    // A decode step ran last, so B's first chunk goes right away; each later chunk would exceed
+    // the budget of 8 prefill tokens per decode step, so they alternate.
+    assert_eq!(
+        kinds,
+        vec![
+            chunk(0, 8),
+            d1,
+            chunk(8, 8),
+            d1,
+            chunk(16, 8),
+            d1,
+            chunk(24, 6),
+            StepKind::Decode { seqs: 2 }
+        ]
+    );
+    drain(&mut s, &mut m);
+    assert_eq!(
+        m.kv_cache().allocator.num_free(),
+        m.kv_cache().allocator.capacity()
+    );
+}
+
+#[test]
+fn short_prompts_share_one_budget_between_decode_steps() {
+    let mut m = model(ModelOptions {
+        max_batch_tokens: 8,
+        ..Default::default()
+    });
+    let mut s = Scheduler::new(&mut m);
+    s.add(request(2, 30)).expect("valid");
+    s.step(&mut m).expect("prefill");
+    s.step(&mut m).expect("decode");
+    let ids: Vec<SeqId> = [3, 4, 5]
+        .into_iter()
+        .map(|n| s.add(request(n, 30)).expect("valid"))
+        .collect();
+    let kinds: Vec<StepKind> = (0..5).map(|_| s.step(&mut m).expect("step").kind).collect();
+    let p = |i: usize, rows| StepKind::Prefill {
+        seq: ids[i],
+        start: 0,
+        rows,
+    };
+    // 3 + 4 prefill tokens fit the budget of 8; 3 + 4 + 5 does not.
+    assert_eq!(
+        kinds,
+        vec![
+            p(0, 3),
+            p(1, 4),
+            StepKind::Decode { seqs: 3 },
+            p(2, 5),
+            StepKind::Decode { seqs: 4 }
+        ]
+    );
+}
+
+#[test]
+fn admission_waits_for_blocks_and_a_decode_slot() {
+    // 6 usable blocks of 16 tokens; each request needs 3 (40 prompt tokens plus one).
+    let mut m = model(ModelOptions {
+        num_kv_blocks: Some(7),
+        max_decode_seqs: 4,
+        ..Default::default()
+    });
+    let mut s = Scheduler::new(&mut m);
+    for _ in 0..3 {
+        s.add(request(40, 2)).expect("valid");
+    }
+    s.step(&mut m).expect("step");
+    assert_eq!((s.num_running(), s.num_waiting()), (1, 2));
+    // 3 blocks free, but the second request needs 3 plus one of headroom for the first.
+    let stats = s.stats(&mut m);
+    assert_eq!((stats.kv_blocks_used, stats.kv_blocks_total), (3, 6));
+    drain(&mut s, &mut m);
+    assert_eq!(s.stats(&mut m).kv_blocks_used, 0);
+    assert_eq!(s.stats(&mut m).tokens_generated, 6);
+}
+
+#[test]
+fn bad_requests_are_refused_with_what_is_wrong() {
+    let mut m = model(ModelOptions {
+        max_seq_len: Some(32),
+        ..Default::default()
+    });
+    let mut s = Scheduler::new(&mut m);
+    assert_eq!(s.add(request(0, 1)), Err(InvalidRequest::EmptyPrompt));
+    assert_eq!(
+        s.add(request(33, 1)),
+        Err(InvalidRequest::PromptTooLong { len: 33, max: 32 })
+    );
+    let mut r = request(4, 1);
+    r.prompt[2] = 512;
+    assert_eq!(
+        s.add(r),
+        Err(InvalidRequest::TokenOutOfVocab {
+            index: 2,
+            id: 512,
+            vocab: 512
+        })
+    );
+    let mut r = request(4, 1);
+    r.params.sampling.top_p = 0.0;
+    assert!(matches!(s.add(r), Err(InvalidRequest::Sampling(e)) if e.field == "top_p"));
+    assert!(s.is_idle(), "nothing was queued");
+}
+
+#[test]
+fn the_context_is_capped_by_what_the_cache_holds() {
+    // 2 usable blocks of 16: a sequence alone can hold 32 tokens, whatever max_seq_len says.
+    let mut m = model(ModelOptions {
+        num_kv_blocks: Some(3),
+        ..Default::default()
+    });
+    let mut s = Scheduler::new(&mut m);
+    assert_eq!(s.limits().max_context, 32);
+    let id = s.add(request(20, 100)).expect("valid");
+    let mut out = None;
+    while !s.is_idle() {
+        for e in s.step(&mut m).expect("step").events {
+            if let SeqEvent::Finished { id: f, generation } = e {
+                assert_eq!(f, id);
+                out = Some(generation);
+            }
+        }
+    }
+    let g = out.expect("finished");
+    // Positions 0..32 hold 20 prompt and 12 fed-back tokens; the 13th token is the last.
+    assert_eq!(
+        (g.token_ids.len(), g.finish_reason),
+        (13, FinishReason::Length)
+    );
+}
+
+#[test]
+fn finish_releases_a_running_sequence_at_once() {
+    let mut m = model(ModelOptions::default());
+    let mut s = Scheduler::new(&mut m);
+    let id = s.add(request(10, 50)).expect("valid");
+    s.step(&mut m).expect("prefill");
+    s.step(&mut m).expect("decode");
+    let g = s
+        .finish(&mut m, id, FinishReason::Cancelled)
+        .expect("release")
+        .expect("it was running");
+    assert_eq!(
+        (g.token_ids.len(), g.finish_reason),
+        (2, FinishReason::Cancelled)
+    );
+    assert!(s.is_idle());
+    assert_eq!(s.stats(&mut m).kv_blocks_used, 0);
+    assert_eq!(
+        s.finish(&mut m, id, FinishReason::Cancelled)
+            .expect("no-op"),
+        None
+    );
+}

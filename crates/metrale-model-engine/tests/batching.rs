@@ -1,0 +1,121 @@
+//! Decode steps shared by several sequences give each sequence bitwise the tokens and logits it
+//! gets alone, at every padded width; graph-replayed decode is bitwise eager decode.
+
+#![allow(clippy::unwrap_used, clippy::type_complexity)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use metrale_gpu_runtime::CpuBackend;
+use metrale_model_engine::generate::{GenerateParams, Generation, generate, generate_batch};
+use metrale_model_engine::sampling::SamplingParams;
+use metrale_model_engine::{ModelOptions, TransformerModel, factory};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn load(name: &str, options: ModelOptions) -> TransformerModel {
+    factory::load(&fixture(name), options, Arc::new(CpuBackend::default())).unwrap()
+}
+
+fn params(n: usize, temperature: f32, seed: u64) -> GenerateParams {
+    GenerateParams {
+        max_new_tokens: n,
+        sampling: SamplingParams {
+            temperature,
+            seed,
+            ..Default::default()
+        },
+        stop_token_ids: Vec::new(),
+        return_logits: true,
+    }
+}
+
+fn alone(model: &mut TransformerModel, prompt: &[u32], p: &GenerateParams) -> Generation {
+    generate(model, prompt, p, &mut |_| {
+        std::ops::ControlFlow::Continue(())
+    })
+    .unwrap()
+}
+
+#[test]
+fn batched_decode_is_bitwise_alone() {
+    let options = ModelOptions {
+        max_decode_seqs: 8,
+        ..Default::default()
+    };
+    let mut model = load("qwen3-gqa4-hd128", options);
+    // Five sequences of different lengths and lifetimes: widths 8, then 4, 2, 1 as they finish.
+    let prompts: Vec<Vec<u32>> = (0..5)
+        .map(|i| {
+            (0..(3 + 7 * i))
+                .map(|t| ((t * 31 + i * 17) % 300) as u32 + 1)
+                .collect()
+        })
+        .collect();
+    let ps: Vec<GenerateParams> = (0..5)
+        .map(|i| params(4 + 3 * i, if i % 2 == 0 { 0.0 } else { 0.8 }, i as u64))
+        .collect();
+    let reqs: Vec<(&[u32], &GenerateParams)> = prompts.iter().map(Vec::as_slice).zip(&ps).collect();
+    let batched = generate_batch(&mut model, &reqs, &mut |_, _| {
+        std::ops::ControlFlow::Continue(())
+    })
+    .unwrap();
+    assert_eq!(
+        model.captured_widths(),
+        vec![1, 2, 4, 8],
+        "every ladder width ran"
+    );
+    for (i, (prompt, p)) in reqs.iter().enumerate() {
+        let solo = alone(&mut model, prompt, p);
+        assert_eq!(batched[i].token_ids, solo.token_ids, "sequence {i} tokens");
+        let (b, s) = (
+            batched[i].logits.as_ref().unwrap(),
+            solo.logits.as_ref().unwrap(),
+        );
+        for (step, (x, y)) in b.iter().zip(s).enumerate() {
+            let same = x.iter().zip(y).all(|(a, c)| a.to_bits() == c.to_bits());
+            assert!(
+                same,
+                "sequence {i} step {step}: batched logits differ from solo"
+            );
+        }
+    }
+}
+
+#[test]
+fn graphed_decode_is_bitwise_eager_decode() {
+    let prompt: Vec<u32> = (1..40).collect();
+    let p = params(10, 0.0, 0);
+    let mut graphed = load("qwen3-tiny", ModelOptions::default());
+    let mut eager = load(
+        "qwen3-tiny",
+        ModelOptions {
+            decode_graphs: false,
+            ..Default::default()
+        },
+    );
+    let g = alone(&mut graphed, &prompt, &p);
+    let e = alone(&mut eager, &prompt, &p);
+    assert_eq!(graphed.captured_widths(), vec![1]);
+    assert!(eager.captured_widths().is_empty());
+    assert_eq!(g.token_ids, e.token_ids);
+    for (x, y) in g.logits.unwrap().iter().zip(e.logits.as_ref().unwrap()) {
+        assert!(
+            x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "graph replay differs from eager"
+        );
+    }
+}
+
+#[test]
+fn kv_blocks_are_returned_after_every_generation() {
+    let mut model = load("llama-tiny", ModelOptions::default());
+    let free = model.kv_cache().allocator.num_free();
+    let prompt: Vec<u32> = (1..50).collect();
+    alone(&mut model, &prompt, &params(20, 0.0, 0));
+    assert_eq!(model.kv_cache().allocator.num_free(), free);
+}

@@ -1,0 +1,285 @@
+//! `Engine`: a loaded checkpoint on a backend, with its tokenizer, serving generation requests
+//! through continuous batching.
+//!
+//! `Engine::load` moves the model into a scheduler thread (see `worker`); `submit` checks a
+//! request on the caller's thread and hands it over, returning a `RequestHandle` for its events.
+//! `generate` and `generate_stream` are thin wrappers over `submit`.
+//!
+//! Invariants:
+//! - A request is validated completely before it reaches the scheduler; a refused request
+//!   leaves the engine exactly as it was, and a request never disturbs the others' output.
+//! - `Engine` is `Send + Sync`; any number of threads submit concurrently.
+
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use metrale_config::ModelConfig;
+use metrale_gpu_runtime::{CpuBackend, GpuBackend};
+use metrale_model_engine::factory;
+use metrale_model_engine::generate::{FinishReason, GenerateParams};
+use metrale_model_engine::options::ModelOptions;
+use metrale_model_engine::scheduler::{RequestLimits, Scheduler, SeqRequest};
+
+use crate::error::{EngineError, RequestError};
+use crate::handle::{EventChannel, RequestHandle, RequestId, Sink};
+use crate::metrics::{EngineMetrics, MetricsState};
+use crate::request::{GenerateEvent, GenerateOutput, GenerateRequest, Prompt};
+use crate::worker::{Shared, Submission, Worker};
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    /// The CPU reference backend. The default.
+    #[default]
+    Cpu,
+    /// An NVIDIA GPU by ordinal (needs the `cuda` feature).
+    Cuda {
+        /// Device ordinal.
+        device: usize,
+    },
+}
+
+/// How to load and run a model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// Where the model runs. Default CPU.
+    pub backend: Backend,
+    /// Buffer and cache sizes; `max_batch_tokens` is also the scheduler's prefill chunk and
+    /// token budget between decode steps, `max_decode_seqs` the most requests running at once.
+    pub model: ModelOptions,
+    /// Most requests waiting for admission (submitted, not yet running); `submit` refuses more
+    /// with `EngineError::QueueFull`. Default 1024.
+    pub max_queued_requests: usize,
+    /// The window `EngineMetrics::tokens_per_second` averages over. Default 10 s.
+    pub metrics_window: Duration,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            backend: Backend::default(),
+            model: ModelOptions::default(),
+            max_queued_requests: 1024,
+            metrics_window: Duration::from_secs(10),
+        }
+    }
+}
+
+/// See the module header.
+#[derive(Debug)]
+pub struct Engine {
+    shared: Arc<Shared>,
+    worker: Option<JoinHandle<()>>,
+    tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+    config: ModelConfig,
+    limits: RequestLimits,
+    max_queued_requests: usize,
+    next_request: AtomicU64,
+}
+
+/// The device for `backend`.
+pub fn make_backend(backend: Backend) -> Result<Arc<dyn GpuBackend>, EngineError> {
+    match backend {
+        Backend::Cpu => Ok(Arc::new(CpuBackend::default())),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda { device } => metrale_gpu_runtime::cuda::CudaBackend::new(device)
+            .map(|b| Arc::new(b) as Arc<dyn GpuBackend>)
+            .map_err(|e| EngineError::BackendUnavailable {
+                backend: "cuda",
+                why: e.to_string(),
+            }),
+        #[cfg(not(feature = "cuda"))]
+        Backend::Cuda { .. } => Err(EngineError::BackendUnavailable {
+            backend: "cuda",
+            why: "this build of metrale was not built with CUDA (rebuild with `--features cuda`)"
+                .into(),
+        }),
+    }
+}
+
+impl Engine {
+    /// Load the checkpoint in `dir` and start the engine's scheduler thread.
+    pub fn load(dir: impl AsRef<Path>, options: EngineOptions) -> Result<Engine, EngineError> {
+        let dir = dir.as_ref();
+        let gpu = make_backend(options.backend)?;
+        let mut model = factory::load(dir, options.model, gpu)?;
+        let tok_path = dir.join("tokenizer.json");
+        let tokenizer = if tok_path.exists() {
+            let t = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| {
+                EngineError::Tokenizer {
+                    path: tok_path.clone(),
+                    message: e.to_string(),
+                }
+            })?;
+            Some(Arc::new(t))
+        } else {
+            None
+        };
+        let config = model.config().clone();
+        let scheduler = Scheduler::new(&mut model);
+        let limits = scheduler.limits();
+        let shared = Arc::new(Shared::new(MetricsState::new(
+            options.metrics_window,
+            scheduler.stats(&mut model),
+        )));
+        let worker = Worker::new(shared.clone(), model, scheduler, tokenizer.clone());
+        let handle = std::thread::Builder::new()
+            .name("metrale-scheduler".into())
+            .spawn(move || worker.run())
+            .map_err(EngineError::Thread)?;
+        Ok(Engine {
+            shared,
+            worker: Some(handle),
+            tokenizer,
+            config,
+            limits,
+            max_queued_requests: options.max_queued_requests,
+            next_request: AtomicU64::new(0),
+        })
+    }
+
+    /// The model's config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The longest context a request may have (prompt plus output): the smaller of
+    /// `max_seq_len` and the tokens the KV cache holds.
+    pub fn max_context(&self) -> usize {
+        self.limits.max_context
+    }
+
+    /// Whether text prompts and outputs work.
+    pub fn has_tokenizer(&self) -> bool {
+        self.tokenizer.is_some()
+    }
+
+    /// Encode text with the checkpoint's tokenizer.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, RequestError> {
+        let tok = self.tokenizer.as_ref().ok_or(RequestError::NoTokenizer)?;
+        let enc = tok
+            .encode(text, false)
+            .map_err(|e| RequestError::Tokenize(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Decode token ids to text; `None` without a tokenizer.
+    pub fn decode(&self, ids: &[u32]) -> Option<String> {
+        self.tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(ids, true).ok())
+    }
+
+    /// Check a request completely and turn it into the scheduler's form.
+    fn prepare(&self, req: GenerateRequest) -> Result<(SeqRequest, Vec<String>), RequestError> {
+        let ids = match req.prompt {
+            Prompt::Text(t) => self.encode(&t)?,
+            Prompt::TokenIds(ids) => ids,
+        };
+        if !req.stop_strings.is_empty() && self.tokenizer.is_none() {
+            return Err(RequestError::NoTokenizer);
+        }
+        if let Some(index) = req.stop_strings.iter().position(String::is_empty) {
+            return Err(RequestError::EmptyStopString { index });
+        }
+        let seq = SeqRequest {
+            prompt: ids,
+            params: GenerateParams {
+                max_new_tokens: req.max_new_tokens,
+                sampling: req.sampling,
+                stop_token_ids: req.stop_token_ids,
+                return_logits: req.return_logits,
+            },
+            ignore_eos: req.ignore_eos,
+        };
+        self.limits.check(&seq)?;
+        Ok((seq, req.stop_strings))
+    }
+
+    /// Submit a request. It is checked first (a bad one gets its `RequestError` and changes
+    /// nothing), then joins the running batch at a step boundary. The handle yields its tokens
+    /// as they come and then its output; dropping the handle cancels the request.
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle, EngineError> {
+        let (seq, stop_strings) = self.prepare(req)?;
+        let id = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
+        let channel = Arc::new(EventChannel::default());
+        let sub = Submission {
+            id,
+            req: seq,
+            stop_strings,
+            sink: Sink::new(channel.clone()),
+        };
+        self.shared.submit(sub, self.max_queued_requests)?;
+        Ok(RequestHandle::new(id, channel, self.shared.clone()))
+    }
+
+    /// Counters and resource use now.
+    pub fn metrics(&self) -> EngineMetrics {
+        self.shared.metrics()
+    }
+
+    /// Generate for one request (`submit`, then wait for the output).
+    pub fn generate(&self, req: &GenerateRequest) -> Result<GenerateOutput, EngineError> {
+        self.submit(req.clone())?.wait()
+    }
+
+    /// Generate for one request, calling `on_token(token_id, text_so_far)` as each token is
+    /// chosen; returning `ControlFlow::Break` stops generation after that token (finish reason
+    /// `cancelled`).
+    pub fn generate_stream(
+        &self,
+        req: &GenerateRequest,
+        mut on_token: impl FnMut(u32, Option<&str>) -> ControlFlow<()>,
+    ) -> Result<GenerateOutput, EngineError> {
+        let mut handle = self.submit(req.clone())?;
+        let mut text = self.tokenizer.as_ref().map(|_| String::new());
+        let (mut seen, mut broke_at) = (0usize, None);
+        while let Some(ev) = handle.next() {
+            match ev? {
+                GenerateEvent::Token(t) => {
+                    if broke_at.is_some() {
+                        continue;
+                    }
+                    seen += 1;
+                    if let (Some(text), Some(delta)) = (text.as_mut(), t.text_delta.as_deref()) {
+                        text.push_str(delta);
+                    }
+                    if on_token(t.token_id, text.as_deref()).is_break() {
+                        broke_at = Some(seen);
+                        handle.cancel();
+                    }
+                }
+                GenerateEvent::Finished { mut output } => {
+                    // The cancellation lands at the next step boundary; the caller asked to stop
+                    // right after the token it broke on.
+                    if let Some(n) = broke_at {
+                        output.token_ids.truncate(n);
+                        if let Some(l) = output.logits.as_mut() {
+                            l.truncate(n);
+                        }
+                        output.text = self.decode(&output.token_ids);
+                        output.finish_reason = FinishReason::Cancelled;
+                    }
+                    return Ok(output);
+                }
+            }
+        }
+        Err(EngineError::ShutDown)
+    }
+}
+
+impl Drop for Engine {
+    /// Stop the scheduler thread; requests still running end with `EngineError::ShutDown`.
+    fn drop(&mut self) {
+        self.shared.shutdown();
+        if let Some(h) = self.worker.take()
+            && h.join().is_err()
+        {
+            tracing::error!("the engine's scheduler thread panicked");
+        }
+    }
+}

@@ -1,0 +1,118 @@
+//! `EngineMetrics`: a snapshot of what the engine is doing, and `MetricsState`, where the
+//! scheduler thread records it after every step (tokens per step over a sliding window for the
+//! throughput figure).
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use metrale_model_engine::scheduler::SchedulerStats;
+
+/// A snapshot of the engine's counters and resource use.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct EngineMetrics {
+    /// Requests admitted to the model and not finished.
+    pub running: usize,
+    /// Requests submitted and not yet admitted (preempted ones included).
+    pub queued: usize,
+    /// Requests that finished with an output (any finish reason, `cancelled` included).
+    pub finished: u64,
+    /// Requests that ended with an error after they were accepted (a failed step, shutdown).
+    pub failed: u64,
+    /// Tokens generated since load.
+    pub tokens_generated: u64,
+    /// Tokens generated per second over the last `EngineOptions::metrics_window`.
+    pub tokens_per_second: f64,
+    /// Model steps run since load (prefill chunks and decode steps).
+    pub steps: u64,
+    /// Preemptions by recompute since load.
+    pub preemptions: u64,
+    /// KV-cache blocks in use.
+    pub kv_blocks_used: usize,
+    /// KV-cache blocks in the pool (the dummy block excluded).
+    pub kv_blocks_total: usize,
+    /// SSM state slots in use (hybrid models; 0 otherwise).
+    pub ssm_slots_used: usize,
+    /// SSM state slots in the pool (hybrid models; 0 otherwise).
+    pub ssm_slots_total: usize,
+}
+
+/// What the scheduler thread last recorded.
+#[derive(Debug)]
+pub(crate) struct MetricsState {
+    window: Duration,
+    started: Instant,
+    /// (when, tokens generated in that step), oldest first, within `window`.
+    recent: VecDeque<(Instant, u64)>,
+    stats: SchedulerStats,
+    finished: u64,
+    failed: u64,
+}
+
+impl MetricsState {
+    pub(crate) fn new(window: Duration, stats: SchedulerStats) -> MetricsState {
+        MetricsState {
+            window,
+            started: Instant::now(),
+            recent: VecDeque::new(),
+            stats,
+            finished: 0,
+            failed: 0,
+        }
+    }
+
+    /// Record the scheduler's state after a step, and the requests that finished or failed
+    /// since the last record.
+    pub(crate) fn record(&mut self, stats: SchedulerStats, finished: u64, failed: u64) {
+        let now = Instant::now();
+        let new_tokens = stats
+            .tokens_generated
+            .saturating_sub(self.stats.tokens_generated);
+        if new_tokens > 0 {
+            self.recent.push_back((now, new_tokens));
+        }
+        self.prune(now);
+        self.stats = stats;
+        self.finished += finished;
+        self.failed += failed;
+    }
+
+    fn prune(&mut self, now: Instant) {
+        while let Some(&(t, _)) = self.recent.front() {
+            if now.duration_since(t) > self.window {
+                self.recent.pop_front();
+            } else {
+                break;
+            }
+        }
+    }
+
+    /// The metrics now; `inbox` is the submissions the scheduler thread has not taken yet.
+    pub(crate) fn snapshot(&mut self, inbox: usize) -> EngineMetrics {
+        let now = Instant::now();
+        self.prune(now);
+        let span = self
+            .window
+            .min(now.duration_since(self.started))
+            .as_secs_f64();
+        let tokens: u64 = self.recent.iter().map(|&(_, n)| n).sum();
+        let s = &self.stats;
+        EngineMetrics {
+            running: s.running,
+            queued: s.waiting + inbox,
+            finished: self.finished,
+            failed: self.failed,
+            tokens_generated: s.tokens_generated,
+            tokens_per_second: if span > 0.0 {
+                tokens as f64 / span
+            } else {
+                0.0
+            },
+            steps: s.steps,
+            preemptions: s.preemptions,
+            kv_blocks_used: s.kv_blocks_used,
+            kv_blocks_total: s.kv_blocks_total,
+            ssm_slots_used: s.ssm_slots_used,
+            ssm_slots_total: s.ssm_slots_total,
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! `GenerateRequest` and `GenerateOutput`: one generation's input and result; `GenerateEvent`
+//! and `TokenEvent`: what a request's handle yields as it runs.
+
+use metrale_model_engine::generate::FinishReason;
+use metrale_model_engine::sampling::SamplingParams;
+
+/// The prompt: text (needs a tokenizer) or token ids (always works).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// Text, encoded with the checkpoint's tokenizer.
+    Text(String),
+    /// Token ids.
+    TokenIds(Vec<u32>),
+}
+
+/// One generation request. Build with [`GenerateRequest::new`] and the setters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequest {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Most tokens to generate. Default 16.
+    pub max_new_tokens: usize,
+    /// Sampling. Default greedy.
+    pub sampling: SamplingParams,
+    /// Do not stop at the model's EOS tokens. Default false.
+    pub ignore_eos: bool,
+    /// Extra token ids that end generation (the token is part of the output). Default none.
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end generation once the decoded output contains one (needs a tokenizer).
+    /// The token that completes the string is part of `token_ids`; the output text stops right
+    /// before the string, and no text delta shows it. Default none.
+    pub stop_strings: Vec<String>,
+    /// Return the logits of every step. Default false.
+    pub return_logits: bool,
+}
+
+impl GenerateRequest {
+    /// A request with every other field at its default.
+    pub fn new(prompt: Prompt) -> GenerateRequest {
+        GenerateRequest {
+            prompt,
+            max_new_tokens: 16,
+            sampling: SamplingParams::default(),
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            return_logits: false,
+        }
+    }
+
+    /// Set `max_new_tokens`.
+    pub fn max_new_tokens(mut self, n: usize) -> Self {
+        self.max_new_tokens = n;
+        self
+    }
+
+    /// Set the sampling parameters.
+    pub fn sampling(mut self, s: SamplingParams) -> Self {
+        self.sampling = s;
+        self
+    }
+
+    /// Set `ignore_eos`.
+    pub fn ignore_eos(mut self, v: bool) -> Self {
+        self.ignore_eos = v;
+        self
+    }
+
+    /// Set `stop_token_ids`.
+    pub fn stop_token_ids(mut self, ids: Vec<u32>) -> Self {
+        self.stop_token_ids = ids;
+        self
+    }
+
+    /// Set `stop_strings`.
+    pub fn stop_strings(mut self, strings: Vec<String>) -> Self {
+        self.stop_strings = strings;
+        self
+    }
+
+    /// Set `return_logits`.
+    pub fn return_logits(mut self, v: bool) -> Self {
+        self.return_logits = v;
+        self
+    }
+}
+
+/// What a generation produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateOutput {
+    /// The prompt's token ids.
+    pub prompt_ids: Vec<u32>,
+    /// Generated token ids.
+    pub token_ids: Vec<u32>,
+    /// The generated text, when the checkpoint has a tokenizer.
+    pub text: Option<String>,
+    /// Why generation ended.
+    pub finish_reason: FinishReason,
+    /// Row `i`: the logits that chose `token_ids[i]`, when asked for.
+    pub logits: Option<Vec<Vec<f32>>>,
+}
+
+/// One generated token, as it is chosen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenEvent {
+    /// The token.
+    pub token_id: u32,
+    /// The text this token adds to the output; `None` without a tokenizer. It can be empty: text
+    /// is held back while it may be the start of a stop string or of an incomplete character,
+    /// and comes with a later token (or the last one).
+    pub text_delta: Option<String>,
+}
+
+/// What a request's handle yields: its tokens in order, then `Finished` once.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenerateEvent {
+    /// A token was generated.
+    Token(TokenEvent),
+    /// The request finished (its last event).
+    Finished {
+        /// Everything it generated.
+        output: GenerateOutput,
+    },
+}

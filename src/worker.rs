@@ -1,0 +1,342 @@
+//! The scheduler thread: one per engine, started by `Engine::load` and stopped when the engine
+//! is dropped. It owns the model and the `Scheduler`, takes new requests and cancellations from
+//! the `Shared` inbox between steps, runs steps while there is work (and sleeps on a condition
+//! variable when there is none), and turns the scheduler's events into each request's events:
+//! text deltas, stop strings, the final output.
+//!
+//! Invariants:
+//! - Only this thread touches the model; callers reach it through the inbox, so a request is
+//!   added, cancelled or stopped only between steps.
+//! - Stop strings are checked here, on the token that completes them, and the sequence is
+//!   stopped before the next step: where a request stops depends on its own tokens alone.
+//! - Every accepted request gets exactly one last event: `Finished`, or an error
+//!   (`Aborted` when a step it was in failed, `ShutDown` when the engine goes away).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use parking_lot::{Condvar, Mutex};
+
+use metrale_model_engine::generate::{FinishReason, Generation};
+use metrale_model_engine::model::TransformerModel;
+use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqId, SeqRequest};
+
+use crate::error::EngineError;
+use crate::handle::{RequestId, Sink};
+use crate::metrics::{EngineMetrics, MetricsState};
+use crate::request::{GenerateEvent, GenerateOutput, TokenEvent};
+use crate::text::TextStream;
+
+/// A validated request on its way to the scheduler thread.
+#[derive(Debug)]
+pub(crate) struct Submission {
+    pub id: RequestId,
+    pub req: SeqRequest,
+    pub stop_strings: Vec<String>,
+    pub sink: Sink,
+}
+
+#[derive(Debug, Default)]
+struct Inbox {
+    submits: Vec<Submission>,
+    cancels: Vec<RequestId>,
+    shutdown: bool,
+    /// The scheduler thread is running (false before it starts and after it stops).
+    alive: bool,
+}
+
+/// What the engine's callers and its scheduler thread share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    inbox: Mutex<Inbox>,
+    wake: Condvar,
+    metrics: Mutex<MetricsState>,
+    /// Sequences waiting in the scheduler after its last step.
+    waiting: AtomicUsize,
+}
+
+impl Shared {
+    pub(crate) fn new(metrics: MetricsState) -> Shared {
+        Shared {
+            inbox: Mutex::new(Inbox {
+                alive: true,
+                ..Inbox::default()
+            }),
+            wake: Condvar::new(),
+            metrics: Mutex::new(metrics),
+            waiting: AtomicUsize::new(0),
+        }
+    }
+
+    /// Hand a request to the scheduler thread, unless `max_queued` requests already wait.
+    pub(crate) fn submit(&self, sub: Submission, max_queued: usize) -> Result<(), EngineError> {
+        let mut inbox = self.inbox.lock();
+        if !inbox.alive || inbox.shutdown {
+            return Err(EngineError::ShutDown);
+        }
+        if inbox.submits.len() + self.waiting.load(Ordering::Relaxed) >= max_queued {
+            return Err(EngineError::QueueFull { max: max_queued });
+        }
+        inbox.submits.push(sub);
+        drop(inbox);
+        self.wake.notify_all();
+        Ok(())
+    }
+
+    /// Ask the scheduler thread to cancel a request at the next step boundary.
+    pub(crate) fn cancel(&self, id: RequestId) {
+        let mut inbox = self.inbox.lock();
+        if inbox.alive {
+            inbox.cancels.push(id);
+            drop(inbox);
+            self.wake.notify_all();
+        }
+    }
+
+    /// Ask the scheduler thread to stop.
+    pub(crate) fn shutdown(&self) {
+        self.inbox.lock().shutdown = true;
+        self.wake.notify_all();
+    }
+
+    pub(crate) fn metrics(&self) -> EngineMetrics {
+        let inbox = self.inbox.lock().submits.len();
+        self.metrics.lock().snapshot(inbox)
+    }
+}
+
+/// A request the scheduler thread is serving.
+#[derive(Debug)]
+struct Active {
+    request: RequestId,
+    prompt_ids: Vec<u32>,
+    sink: Sink,
+    text: Option<TextStream>,
+}
+
+/// See the module header.
+pub(crate) struct Worker {
+    pub shared: Arc<Shared>,
+    pub model: TransformerModel,
+    pub scheduler: Scheduler,
+    pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+    actives: HashMap<SeqId, Active>,
+    by_request: HashMap<RequestId, SeqId>,
+    /// Requests finished or failed since metrics were last recorded.
+    finished: u64,
+    failed: u64,
+}
+
+/// Marks the engine dead when the scheduler thread ends, however it ends (a panic included),
+/// and fails the submissions it never took.
+struct AliveGuard(Arc<Shared>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        let orphans = {
+            let mut inbox = self.0.inbox.lock();
+            inbox.alive = false;
+            inbox.cancels.clear();
+            std::mem::take(&mut inbox.submits)
+        };
+        // Each dropped sink tells its handle the engine has shut down.
+        drop(orphans);
+    }
+}
+
+impl Worker {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        model: TransformerModel,
+        scheduler: Scheduler,
+        tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+    ) -> Worker {
+        Worker {
+            shared,
+            model,
+            scheduler,
+            tokenizer,
+            actives: HashMap::new(),
+            by_request: HashMap::new(),
+            finished: 0,
+            failed: 0,
+        }
+    }
+
+    /// The thread's body: serve until shutdown.
+    pub(crate) fn run(mut self) {
+        let _alive = AliveGuard(self.shared.clone());
+        loop {
+            let (submits, cancels) = {
+                let mut inbox = self.shared.inbox.lock();
+                while inbox.submits.is_empty()
+                    && inbox.cancels.is_empty()
+                    && !inbox.shutdown
+                    && self.scheduler.is_idle()
+                {
+                    self.shared.wake.wait(&mut inbox);
+                }
+                if inbox.shutdown {
+                    break;
+                }
+                (
+                    std::mem::take(&mut inbox.submits),
+                    std::mem::take(&mut inbox.cancels),
+                )
+            };
+            for sub in submits {
+                self.accept(sub);
+            }
+            for id in cancels {
+                if let Some(&seq) = self.by_request.get(&id) {
+                    self.stop(seq, FinishReason::Cancelled);
+                }
+            }
+            if !self.scheduler.is_idle() {
+                self.step();
+            }
+            self.record_metrics();
+        }
+        let ids = self.scheduler.abort_all(&mut self.model);
+        tracing::debug!(aborted = ids.len(), "engine shutting down");
+        // Dropping the actives' sinks tells their handles the engine has shut down.
+        self.actives.clear();
+    }
+
+    fn record_metrics(&mut self) {
+        let stats = self.scheduler.stats(&mut self.model);
+        self.shared.waiting.store(stats.waiting, Ordering::Relaxed);
+        self.shared
+            .metrics
+            .lock()
+            .record(stats, self.finished, self.failed);
+        (self.finished, self.failed) = (0, 0);
+    }
+
+    fn accept(&mut self, sub: Submission) {
+        let prompt_ids = sub.req.prompt.clone();
+        match self.scheduler.add(sub.req) {
+            Ok(seq) => {
+                let text = self
+                    .tokenizer
+                    .as_ref()
+                    .map(|_| TextStream::new(sub.stop_strings));
+                self.by_request.insert(sub.id, seq);
+                self.actives.insert(
+                    seq,
+                    Active {
+                        request: sub.id,
+                        prompt_ids,
+                        sink: sub.sink,
+                        text,
+                    },
+                );
+            }
+            // `Engine::submit` checked the same limits; this is a second line of defence.
+            Err(e) => sub.sink.finish(Err(EngineError::Request(e.into()))),
+        }
+    }
+
+    /// Stop a sequence between steps and send its output.
+    fn stop(&mut self, seq: SeqId, reason: FinishReason) {
+        match self.scheduler.finish(&mut self.model, seq, reason) {
+            Ok(Some(g)) => self.complete(seq, g),
+            Ok(None) => {}
+            Err(e) => self.fail(seq, Arc::new(e)),
+        }
+    }
+
+    fn step(&mut self) {
+        match self.scheduler.step(&mut self.model) {
+            Ok(report) => self.dispatch(report.events),
+            Err(failed) => {
+                tracing::error!("{failed}");
+                let cause: Arc<metrale_model_engine::ModelError> = Arc::from(failed.error);
+                for seq in failed.aborted {
+                    self.fail(seq, cause.clone());
+                }
+            }
+        }
+    }
+
+    fn dispatch(&mut self, events: Vec<SeqEvent>) {
+        let finishing: HashSet<SeqId> = events
+            .iter()
+            .filter_map(|e| match e {
+                SeqEvent::Finished { id, .. } => Some(*id),
+                SeqEvent::Token { .. } => None,
+            })
+            .collect();
+        let mut stopped = Vec::new();
+        for e in events {
+            match e {
+                SeqEvent::Token { id, token } => {
+                    let Some(a) = self.actives.get_mut(&id) else {
+                        continue;
+                    };
+                    let last = finishing.contains(&id);
+                    let text_delta = match (&mut a.text, &self.tokenizer) {
+                        (Some(t), Some(tok)) => {
+                            let delta = t
+                                .push(token, last, |ids| tok.decode(ids, true).unwrap_or_default());
+                            if t.stopped() && !last {
+                                stopped.push(id);
+                            }
+                            Some(delta)
+                        }
+                        _ => None,
+                    };
+                    a.sink.send(GenerateEvent::Token(TokenEvent {
+                        token_id: token,
+                        text_delta,
+                    }));
+                }
+                SeqEvent::Finished { id, generation } => self.complete(id, generation),
+            }
+        }
+        for id in stopped {
+            self.stop(id, FinishReason::Stop);
+        }
+    }
+
+    /// Send a finished sequence's output.
+    fn complete(&mut self, seq: SeqId, g: Generation) {
+        let Some(a) = self.actives.remove(&seq) else {
+            return;
+        };
+        self.by_request.remove(&a.request);
+        let stopped_by_string = a.text.as_ref().is_some_and(TextStream::stopped);
+        let text = a.text.as_ref().and_then(|t| {
+            let full = self
+                .tokenizer
+                .as_ref()
+                .and_then(|tok| tok.decode(&g.token_ids, true).ok());
+            t.final_text(full)
+        });
+        let finish_reason = if stopped_by_string {
+            FinishReason::Stop
+        } else {
+            g.finish_reason
+        };
+        let output = GenerateOutput {
+            prompt_ids: a.prompt_ids,
+            token_ids: g.token_ids,
+            text,
+            finish_reason,
+            logits: g.logits,
+        };
+        a.sink.finish(Ok(GenerateEvent::Finished { output }));
+        self.finished += 1;
+    }
+
+    /// End a request with an error.
+    fn fail(&mut self, seq: SeqId, cause: Arc<metrale_model_engine::ModelError>) {
+        let Some(a) = self.actives.remove(&seq) else {
+            return;
+        };
+        self.by_request.remove(&a.request);
+        a.sink.finish(Err(EngineError::Aborted(cause)));
+        self.failed += 1;
+    }
+}

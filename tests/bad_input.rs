@@ -1,0 +1,202 @@
+//! Bad checkpoints and bad requests get typed errors that name what is wrong and where; nothing
+//! panics, and a refused request leaves the engine serving.
+
+#![allow(clippy::unwrap_used, clippy::type_complexity)]
+
+mod common;
+
+use std::path::Path;
+
+use common::fixtures_dir;
+use metrale::{
+    Engine, EngineError, EngineOptions, GenerateRequest, ModelOptions, Prompt, RequestError,
+    SamplingParams,
+};
+
+fn copy_fixture(dst: &Path) {
+    for e in std::fs::read_dir(fixtures_dir().join("qwen3-tiny"))
+        .unwrap()
+        .flatten()
+    {
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+}
+
+fn load_err(dir: &Path) -> String {
+    match Engine::load(dir, EngineOptions::default()) {
+        Ok(_) => panic!("{} loaded, expected an error", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let p = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(p, v.to_string()).unwrap();
+}
+
+#[test]
+fn a_truncated_safetensors_file_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_fixture(tmp.path());
+    let p = tmp.path().join("model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+    let e = load_err(tmp.path());
+    assert!(e.contains("model.safetensors"), "{e}");
+}
+
+#[test]
+fn a_corrupt_header_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_fixture(tmp.path());
+    let p = tmp.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[8..16].copy_from_slice(b"garbage!");
+    std::fs::write(&p, &bytes).unwrap();
+    let e = load_err(tmp.path());
+    assert!(e.contains("model.safetensors"), "{e}");
+}
+
+#[test]
+fn a_missing_tensor_and_a_wrong_shape_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_fixture(tmp.path());
+    // A config claiming a bigger FFN than the weights have: a shape mismatch on the MLP.
+    edit_config(tmp.path(), |c| {
+        c["intermediate_size"] = serde_json::json!(c["intermediate_size"].as_u64().unwrap() + 8)
+    });
+    let e = load_err(tmp.path());
+    assert!(e.contains("mlp") && e.contains("proj"), "{e}");
+    // A config claiming one layer more than the checkpoint has: a missing tensor.
+    copy_fixture(tmp.path());
+    edit_config(tmp.path(), |c| {
+        let n = c["num_hidden_layers"].as_u64().unwrap();
+        c["num_hidden_layers"] = serde_json::json!(n + 1);
+        if let Some(t) = c["layer_types"].as_array_mut() {
+            t.push(serde_json::json!("full_attention"));
+        }
+    });
+    let e = load_err(tmp.path());
+    let n = read_layers(tmp.path()) - 1;
+    assert!(e.contains(&format!("layers.{n}.")), "{e}");
+}
+
+fn read_layers(dir: &Path) -> u64 {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    v["num_hidden_layers"].as_u64().unwrap()
+}
+
+#[test]
+fn an_unsupported_model_type_lists_the_supported_ones() {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_fixture(tmp.path());
+    edit_config(tmp.path(), |c| c["model_type"] = serde_json::json!("gpt2"));
+    let e = load_err(tmp.path());
+    assert!(
+        e.contains("gpt2") && e.contains("qwen3") && e.contains("llama"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_missing_checkpoint_dir_is_named() {
+    let e = load_err(Path::new("/nonexistent/metrale-checkpoint"));
+    assert!(e.contains("/nonexistent/metrale-checkpoint"), "{e}");
+}
+
+#[test]
+fn bad_requests_are_refused_and_the_engine_keeps_serving() {
+    let options = EngineOptions {
+        model: ModelOptions {
+            max_seq_len: Some(64),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let engine = Engine::load(fixtures_dir().join("qwen3-tiny"), options).unwrap();
+    let vocab = engine.config().vocab_size as u32;
+    let good = GenerateRequest::new(Prompt::TokenIds(vec![1, 2, 3]))
+        .max_new_tokens(4)
+        .ignore_eos(true);
+    let before = engine.generate(&good).unwrap();
+
+    let cases: Vec<(GenerateRequest, fn(&RequestError) -> bool)> = vec![
+        (GenerateRequest::new(Prompt::TokenIds(vec![])), |e| {
+            matches!(e, RequestError::EmptyPrompt)
+        }),
+        (GenerateRequest::new(Prompt::TokenIds(vec![1; 65])), |e| {
+            matches!(e, RequestError::PromptTooLong { len: 65, max: 64 })
+        }),
+        (
+            GenerateRequest::new(Prompt::TokenIds(vec![1, vocab])),
+            |e| matches!(e, RequestError::TokenOutOfVocab { index: 1, .. }),
+        ),
+        (
+            GenerateRequest::new(Prompt::TokenIds(vec![1])).sampling(SamplingParams {
+                temperature: -0.5,
+                ..Default::default()
+            }),
+            |e| matches!(e, RequestError::Sampling(s) if s.field == "temperature"),
+        ),
+        (
+            GenerateRequest::new(Prompt::TokenIds(vec![1])).sampling(SamplingParams {
+                top_p: 1.5,
+                ..Default::default()
+            }),
+            |e| matches!(e, RequestError::Sampling(s) if s.field == "top_p"),
+        ),
+    ];
+    for (req, want) in cases {
+        match engine.generate(&req) {
+            Err(EngineError::Request(e)) => assert!(want(&e), "unexpected error {e:?} for {req:?}"),
+            other => panic!("{req:?} gave {other:?}"),
+        }
+    }
+    assert_eq!(
+        engine.generate(&good).unwrap(),
+        before,
+        "the engine serves as before"
+    );
+}
+
+#[test]
+fn generation_stops_at_max_seq_len() {
+    let options = EngineOptions {
+        model: ModelOptions {
+            max_seq_len: Some(20),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let engine = Engine::load(fixtures_dir().join("qwen3-tiny"), options).unwrap();
+    let out = engine
+        .generate(
+            &GenerateRequest::new(Prompt::TokenIds(vec![5; 16]))
+                .max_new_tokens(50)
+                .ignore_eos(true),
+        )
+        .unwrap();
+    // Positions 0..20 hold 16 prompt tokens and 4 fed-back tokens; the 5th token is the last.
+    assert_eq!(out.token_ids.len(), 5);
+    assert_eq!(out.finish_reason, metrale::FinishReason::Length);
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn the_cuda_backend_without_cuda_says_so() {
+    let options = EngineOptions {
+        backend: metrale::Backend::Cuda { device: 0 },
+        ..Default::default()
+    };
+    match Engine::load(fixtures_dir().join("qwen3-tiny"), options) {
+        Err(EngineError::BackendUnavailable {
+            backend: "cuda",
+            why,
+        }) => assert!(why.contains("not built with CUDA"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+}

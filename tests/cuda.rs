@@ -1,0 +1,164 @@
+//! The CUDA backend end to end (GPU machine only): every fixture reproduces transformers by the
+//! same rule as on the CPU; graph-replayed decode is bitwise eager decode; a sequence decoded
+//! beside others is bitwise the same sequence decoded alone.
+
+#![allow(clippy::unwrap_used, clippy::type_complexity)]
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+
+use common::*;
+use metrale::{Backend, Engine, EngineOptions, ModelOptions};
+use metrale_gpu_runtime::GpuBackend;
+use metrale_gpu_runtime::cuda::CudaBackend;
+use metrale_model_engine::factory;
+use metrale_model_engine::generate::{GenerateParams, generate, generate_batch};
+use metrale_model_engine::sampling::SamplingParams;
+
+fn cuda_options(model: ModelOptions) -> EngineOptions {
+    EngineOptions {
+        backend: Backend::Cuda { device: 0 },
+        model,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn every_fixture_matches_transformers_on_cuda() {
+    let dirs = fixtures_of(&[
+        "qwen3",
+        "llama",
+        "qwen3_5_text",
+        "qwen3_next",
+        "qwen3_5_moe_text",
+    ]);
+    assert!(
+        dirs.len() >= 7,
+        "fixtures missing under {}",
+        fixtures_dir().display()
+    );
+    let (mut worst, mut failures) = (0.0f64, Vec::new());
+    for dir in &dirs {
+        let engine = Engine::load(dir, cuda_options(ModelOptions::default()))
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        for p in read_reference(dir).unwrap() {
+            let o = compare(&engine, &p).unwrap();
+            worst = worst.max(o.worst_rel_l2);
+            eprintln!(
+                "cuda {}/{}: {} steps, worst rel L2 {:.2e}",
+                dir.display(),
+                o.prompt,
+                o.steps,
+                o.worst_rel_l2
+            );
+            if let Some(f) = o.failure {
+                failures.push(format!("{}/{}: {f}", dir.display(), o.prompt));
+            }
+        }
+    }
+    eprintln!("worst logits relative L2 error on CUDA: {worst:.3e}");
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+fn params(n: usize, temperature: f32, seed: u64) -> GenerateParams {
+    GenerateParams {
+        max_new_tokens: n,
+        sampling: SamplingParams {
+            temperature,
+            seed,
+            ..Default::default()
+        },
+        stop_token_ids: Vec::new(),
+        return_logits: true,
+    }
+}
+
+fn gpu() -> Arc<dyn GpuBackend> {
+    Arc::new(CudaBackend::new(0).expect("a CUDA device"))
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|r| r.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+#[test]
+fn graphed_decode_is_bitwise_eager_decode_on_cuda() {
+    for name in ["qwen3-gqa4-hd128", "qwen3_5-tiny", "qwen3_next-tiny"] {
+        let dir = fixtures_dir().join(name);
+        let prompt: Vec<u32> = (1..40).collect();
+        let p = params(16, 0.0, 0);
+        let mut graphed = factory::load(&dir, ModelOptions::default(), gpu()).unwrap();
+        let mut eager = factory::load(
+            &dir,
+            ModelOptions {
+                decode_graphs: false,
+                ..Default::default()
+            },
+            gpu(),
+        )
+        .unwrap();
+        let g = generate(
+            &mut graphed,
+            &prompt,
+            &p,
+            &mut |_| ControlFlow::Continue(()),
+        )
+        .unwrap();
+        let e = generate(&mut eager, &prompt, &p, &mut |_| ControlFlow::Continue(())).unwrap();
+        assert_eq!(
+            graphed.captured_widths(),
+            vec![1],
+            "{name}: decode ran from a graph"
+        );
+        assert_eq!(g.token_ids, e.token_ids, "{name}");
+        assert_eq!(
+            bits(g.logits.as_ref().unwrap()),
+            bits(e.logits.as_ref().unwrap()),
+            "{name}: graph replay differs from eager"
+        );
+    }
+}
+
+#[test]
+fn batched_decode_is_bitwise_alone_on_cuda() {
+    for name in ["qwen3-gqa4-hd128", "qwen3_5-tiny"] {
+        let dir = fixtures_dir().join(name);
+        let mut model = factory::load(
+            &dir,
+            ModelOptions {
+                max_decode_seqs: 8,
+                ..Default::default()
+            },
+            gpu(),
+        )
+        .unwrap();
+        let prompts: Vec<Vec<u32>> = (0..6)
+            .map(|i| {
+                (0..(2 + 9 * i))
+                    .map(|t| ((t * 37 + i * 11) % 250) as u32 + 1)
+                    .collect()
+            })
+            .collect();
+        let ps: Vec<GenerateParams> = (0..6)
+            .map(|i| params(3 + 2 * i, if i % 2 == 0 { 0.0 } else { 0.7 }, i as u64))
+            .collect();
+        let reqs: Vec<(&[u32], &GenerateParams)> =
+            prompts.iter().map(Vec::as_slice).zip(&ps).collect();
+        let batched =
+            generate_batch(&mut model, &reqs, &mut |_, _| ControlFlow::Continue(())).unwrap();
+        for (i, (prompt, p)) in reqs.iter().enumerate() {
+            let solo = generate(&mut model, prompt, p, &mut |_| ControlFlow::Continue(())).unwrap();
+            assert_eq!(batched[i].token_ids, solo.token_ids, "{name} sequence {i}");
+            assert_eq!(
+                bits(batched[i].logits.as_ref().unwrap()),
+                bits(solo.logits.as_ref().unwrap()),
+                "{name} sequence {i}: batched logits differ from solo"
+            );
+        }
+    }
+}

