@@ -48,6 +48,12 @@ fn edit_weights(dir: &Path, edit: impl Fn(&str, &[usize], &mut Vec<bf16>)) {
     safetensors::serialize_to_file(views, None, &path).unwrap();
 }
 
+fn copy_of(name: &str) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_fixture(&fixtures_dir().join(name), tmp.path());
+    tmp
+}
+
 fn failures(dir: &Path) -> usize {
     let engine = Engine::load(dir, EngineOptions::default()).unwrap();
     read_reference(dir)
@@ -132,5 +138,63 @@ fn the_other_norm_convention_is_caught() {
     assert!(
         failures(tmp.path()) > 0,
         "zero-centred norms on a standard checkpoint must fail"
+    );
+}
+
+#[test]
+fn plain_norms_on_a_zero_centred_family_are_caught() {
+    // Qwen3.5's decoder, q/k and final norms are x * (1 + w): reading them as x * w is the same
+    // as running the right convention on w - 1.
+    let tmp = copy_of("qwen3_5-tiny");
+    edit_weights(tmp.path(), |name, _, v| {
+        if name.ends_with("norm.weight") && !name.contains("linear_attn") {
+            v.iter_mut()
+                .for_each(|x| *x = bf16::from_f32(x.to_f32() - 1.0));
+        }
+    });
+    assert!(failures(tmp.path()) > 0, "plain norms on Qwen3.5 must fail");
+}
+
+#[test]
+fn a_zero_centred_gdn_output_norm_is_caught() {
+    // The GDN output norm is the exception, plain x * w: reading it as x * (1 + w) is the same
+    // as running the right convention on w + 1.
+    let tmp = copy_of("qwen3_5-tiny");
+    edit_weights(tmp.path(), |name, _, v| {
+        if name.ends_with("linear_attn.norm.weight") {
+            v.iter_mut()
+                .for_each(|x| *x = bf16::from_f32(x.to_f32() + 1.0));
+        }
+    });
+    assert!(
+        failures(tmp.path()) > 0,
+        "a (1 + w) GDN output norm must fail"
+    );
+}
+
+#[test]
+fn swapped_gdn_value_heads_are_caught() {
+    // Value heads 0 and 1 of every GDN layer's in_proj_qkv swapped: a wrong key-head to
+    // value-head grouping reads them this way.
+    let tmp = copy_of("qwen3_5-tiny");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("config.json")).unwrap())
+            .unwrap();
+    let (hk, dk, dv) = (
+        cfg["linear_num_key_heads"].as_u64().unwrap() as usize,
+        cfg["linear_key_head_dim"].as_u64().unwrap() as usize,
+        cfg["linear_value_head_dim"].as_u64().unwrap() as usize,
+    );
+    edit_weights(tmp.path(), |name, shape, v| {
+        if name.ends_with("linear_attn.in_proj_qkv.weight") {
+            let row = shape[1];
+            let v0 = 2 * hk * dk * row;
+            let (a, b) = v[v0..].split_at_mut(dv * row);
+            a.swap_with_slice(&mut b[..dv * row]);
+        }
+    });
+    assert!(
+        failures(tmp.path()) > 0,
+        "swapped GDN value heads must fail"
     );
 }
