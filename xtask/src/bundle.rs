@@ -391,8 +391,8 @@ if [ -x "$BUNDLE/bin/metrale" ]; then
   status=ok
   [ $rc -eq 0 ] || status="fail($rc)"
   record "metrale --help" "$status" 0 0 "$(elapsed "$start")" "$log"
-  # The benchmark (BENCH_SHAPES, default qwen3-8b): each figure beside its roofline.
-  for shape in ${BENCH_SHAPES:-qwen3-8b}; do
+  # The benchmark (BENCH_SHAPES, default qwen3-8b and qwen3.5-9b): each figure beside its roofline.
+  for shape in ${BENCH_SHAPES:-qwen3-8b qwen3.5-9b}; do
     log="$LOGDIR/bench-$shape.log"
     start="$(now)"
     timeout "${BENCH_TIMEOUT:-400}" "$BUNDLE/bin/metrale" bench --shape "$shape" --backend cuda \

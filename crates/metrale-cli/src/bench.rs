@@ -15,8 +15,14 @@ use crate::generate::BackendArg;
 pub enum Shape {
     /// Qwen3-8B: hidden 4096, 36 layers, 32/8 heads, head_dim 128, FFN 12288, vocab 151936.
     Qwen3_8b,
+    /// Qwen3.5-9B: hidden 4096; 32 layers, 24 Gated DeltaNet + 8 gated attention; 16/4 heads of
+    /// 256; linear heads 16 key / 32 value of 128; FFN 12288; vocab 248320.
+    #[value(name = "qwen3.5-9b")]
+    Qwen3_5_9b,
     /// A tiny dense shape (a smoke test of the benchmark itself).
     Tiny,
+    /// A tiny hybrid shape (a smoke test of the hybrid path).
+    TinyHybrid,
 }
 
 #[derive(Debug, Args)]
@@ -52,14 +58,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
         metrale::make_backend(crate::generate::backend(args.backend, args.device))?;
     let config = match args.shape {
         Shape::Qwen3_8b => bench::qwen3_8b()?,
+        Shape::Qwen3_5_9b => bench::qwen3_5_9b()?,
         Shape::Tiny => bench::tiny_for_cpu()?,
+        Shape::TinyHybrid => bench::tiny_hybrid_for_cpu()?,
     };
     let mut o = BenchOptions::new(config);
     o.decode_batches = args.batches.clone();
     o.context = args.context;
     o.prefill_tokens = args.prefill_tokens;
     o.iters = args.iters;
-    if matches!(args.shape, Shape::Tiny) {
+    if matches!(args.shape, Shape::Tiny | Shape::TinyHybrid) {
         o.copy_bytes = 1 << 20;
         o.gemm_dim = 64;
     }

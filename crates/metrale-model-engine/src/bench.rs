@@ -15,6 +15,9 @@ use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, StreamHandle};
 use metrale_model_layers::Ops;
 
+use metrale_config::LayerType;
+use metrale_model_layers::layers::GdnShape;
+
 use crate::error::ModelError;
 use crate::factory;
 use crate::model::{StepInput, StepRow};
@@ -152,8 +155,37 @@ fn matmul_params(c: &ModelConfig) -> f64 {
     let q = c.num_attention_heads as f64 * d * if c.attn_output_gate { 2.0 } else { 1.0 };
     let kv = 2.0 * c.num_key_value_heads as f64 * d;
     let attn = h * (q + kv) + c.num_attention_heads as f64 * d * h;
+    let gdn = GdnShape::from_config(c).map_or(0.0, |g| {
+        let v = (g.heads.num_v_heads * g.heads.v_head_dim) as f64;
+        h * g.heads.proj_width() as f64 + v * h
+    });
     let mlp = 3.0 * h * c.intermediate_size as f64;
-    c.num_hidden_layers as f64 * (attn + mlp) + h * c.vocab_size as f64
+    let mixers: f64 = c
+        .layer_types
+        .iter()
+        .map(|t| match t {
+            LayerType::FullAttention => attn,
+            LayerType::LinearAttention => gdn,
+        })
+        .sum();
+    mixers + c.num_hidden_layers as f64 * mlp + h * c.vocab_size as f64
+}
+
+/// Bytes of SSM state one sequence reads and writes per decode step (every GDN layer's
+/// recurrent state and conv window, f32, read once and written once).
+fn ssm_bytes_per_seq(c: &ModelConfig) -> f64 {
+    let Some(g) = GdnShape::from_config(c) else {
+        return 0.0;
+    };
+    let hd = g.heads;
+    let state = (hd.num_v_heads * hd.k_head_dim * hd.v_head_dim) as f64;
+    let conv = (g.conv_kernel.saturating_sub(1) * hd.conv_dim()) as f64;
+    let layers = c
+        .layer_types
+        .iter()
+        .filter(|t| **t == LayerType::LinearAttention)
+        .count() as f64;
+    2.0 * 4.0 * (state + conv) * layers
 }
 
 /// Run the whole benchmark on `gpu`.
@@ -196,14 +228,18 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
         })
         .collect();
     let last = [(rows.len() - 1) as u32];
+    let prefill_slot: Vec<u32> = model.alloc_ssm_slot()?.into_iter().collect();
     let prefill_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
         model.forward(&StepInput {
             rows: &rows,
             tables: &[&table],
             logit_rows: &last,
-            ssm_slots: &[],
+            ssm_slots: &prefill_slot,
         })
     })?;
+    for &slot in &prefill_slot {
+        model.free_ssm_slot(slot)?;
+    }
     let prefill_flops = 2.0 * matmul_params(c) * opts.prefill_tokens as f64;
     let prefill_floor_ms = prefill_flops / (gemm_tflop_s * 1e12) * 1e3;
     table.release_all(&mut model.kv_cache().allocator)?;
@@ -229,6 +265,10 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
             tables.push(t);
         }
         let refs: Vec<&BlockTable> = tables.iter().collect();
+        let mut slots = Vec::with_capacity(batch);
+        for _ in 0..batch {
+            slots.extend(model.alloc_ssm_slot()?);
+        }
         let rows: Vec<StepRow> = (0..batch)
             .map(|i| StepRow {
                 token: (i * 13 % c.vocab_size) as u32,
@@ -237,9 +277,14 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
             })
             .collect();
         let ms = time_ms(gpu.as_ref(), s, opts.iters, || {
-            model.decode(&rows, &refs, &[])
+            model.decode(&rows, &refs, &slots)
         })?;
-        let bytes = weight_bytes + batch as f64 * (opts.context + 1) as f64 * kv_bytes_per_token;
+        for &slot in &slots {
+            model.free_ssm_slot(slot)?;
+        }
+        let bytes = weight_bytes
+            + batch as f64
+                * ((opts.context + 1) as f64 * kv_bytes_per_token + ssm_bytes_per_seq(c));
         decode.push(DecodeFigure {
             batch,
             ms,
@@ -321,6 +366,42 @@ fn dense_qwen3(
     )?)
 }
 
+/// The shape of Qwen3.5-9B's text model (no download): 32 layers, 24 Gated DeltaNet and 8
+/// gated attention (every fourth), hidden 4096, 16/4 heads of 256 with a quarter rotated,
+/// linear heads 16 key / 32 value of 128, FFN 12288, vocab 248320.
+pub fn qwen3_5_9b() -> Result<ModelConfig, ModelError> {
+    let text = r#"{"model_type": "qwen3_5_text", "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+        "intermediate_size": 12288, "vocab_size": 248320, "rms_norm_eps": 1e-6,
+        "full_attention_interval": 4, "attn_output_gate": true,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 262144, "tie_word_embeddings": false, "hidden_act": "silu",
+        "eos_token_id": 0}"#;
+    Ok(ModelConfig::from_json_str(
+        text,
+        std::path::Path::new("<bench shape qwen3.5-9b>"),
+    )?)
+}
+
+/// A tiny hybrid shape: the Gated DeltaNet path of the benchmark on the CPU backend.
+pub fn tiny_hybrid_for_cpu() -> Result<ModelConfig, ModelError> {
+    let text = r#"{"model_type": "qwen3_5_text", "hidden_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 96, "vocab_size": 256, "rms_norm_eps": 1e-6,
+        "full_attention_interval": 4, "attn_output_gate": true,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_value_head_dim": 8,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.5},
+        "max_position_embeddings": 4096, "tie_word_embeddings": false, "hidden_act": "silu",
+        "eos_token_id": 0}"#;
+    Ok(ModelConfig::from_json_str(
+        text,
+        std::path::Path::new("<bench shape tiny hybrid>"),
+    )?)
+}
+
 /// The shape of Qwen3-8B (no download).
 pub fn qwen3_8b() -> Result<ModelConfig, ModelError> {
     dense_qwen3(4096, 36, 32, 8, 128, 12288, 151936)
@@ -332,8 +413,8 @@ pub fn tiny_for_cpu() -> Result<ModelConfig, ModelError> {
 }
 
 /// A bench report run on a tiny shape on the CPU backend, used by the tests.
-pub fn smoke(gpu: Arc<dyn GpuBackend>) -> Result<BenchReport, ModelError> {
-    let mut o = BenchOptions::new(tiny_for_cpu()?);
+pub fn smoke(gpu: Arc<dyn GpuBackend>, config: ModelConfig) -> Result<BenchReport, ModelError> {
+    let mut o = BenchOptions::new(config);
     o.prefill_tokens = 32;
     o.decode_batches = vec![1, 3];
     o.context = 20;
@@ -350,7 +431,7 @@ mod tests {
 
     #[test]
     fn the_benchmark_runs_end_to_end_on_the_cpu_backend() {
-        let report = smoke(Arc::new(CpuBackend::default())).unwrap();
+        let report = smoke(Arc::new(CpuBackend::default()), tiny_for_cpu().unwrap()).unwrap();
         assert_eq!(report.decode.len(), 2);
         assert!(report.copy_gb_s > 0.0 && report.gemm_tflop_s > 0.0);
         assert!(
@@ -364,5 +445,16 @@ mod tests {
             table.contains("x floor") && table.contains("prefill 32 tokens"),
             "{table}"
         );
+    }
+
+    #[test]
+    fn the_benchmark_runs_a_hybrid_shape_and_counts_its_state_traffic() {
+        let config = tiny_hybrid_for_cpu().unwrap();
+        let report = smoke(Arc::new(CpuBackend::default()), config.clone()).unwrap();
+        let (one, three) = (&report.decode[0], &report.decode[1]);
+        // Each extra sequence adds its KV cache and its SSM state to the floor.
+        let per_seq = (three.bytes - one.bytes) / 2.0;
+        assert!(ssm_bytes_per_seq(&config) > 0.0);
+        assert!(per_seq > ssm_bytes_per_seq(&config));
     }
 }
