@@ -3,10 +3,11 @@
 //! `[q | k | v | z | b | a]` (Qwen3-Next's per-key-head grouping permuted into it), stacked MoE
 //! experts `[E, 2F, H]` and `[E, H, F]`.
 
-use metrale_config::{ModelConfig, ModelFamily};
+use metrale_config::{LayerType, ModelConfig, ModelFamily};
 use metrale_gpu_runtime::DType;
 use metrale_model_layers::layers::{
-    Attention, GatedDeltaNet, GdnShape, InProjSource, Mlp, MoeMlp, MoeShape, SharedExpert,
+    Attention, DecoderLayer, Ffn, GatedDeltaNet, GdnShape, InProjSource, Mixer, Mlp, MoeMlp,
+    MoeShape, SharedExpert,
 };
 use metrale_model_layers::weight_map::{ExpertNames, GdnProjectionNames, LayerNames, WeightLoader};
 
@@ -14,6 +15,32 @@ use crate::error::ModelError;
 
 fn unsupported(what: &str) -> ModelError {
     ModelError::Unsupported(what.to_string())
+}
+
+/// A whole decoder layer: its norms, its mixer of `kind`, and a dense or MoE FFN.
+pub fn decoder_layer(
+    loader: &WeightLoader<'_>,
+    c: &ModelConfig,
+    n: &LayerNames,
+    kind: LayerType,
+    moe_ffn: bool,
+) -> Result<DecoderLayer, ModelError> {
+    let h = c.hidden_size;
+    let mixer = match kind {
+        LayerType::FullAttention => Mixer::Attention(attention(loader, c, n)?),
+        LayerType::LinearAttention => Mixer::GatedDeltaNet(gdn(loader, c, n)?),
+    };
+    let ffn = if moe_ffn {
+        Ffn::Moe(moe(loader, c, n)?)
+    } else {
+        Ffn::Dense(mlp(loader, c, n)?)
+    };
+    Ok(DecoderLayer {
+        input_norm: loader.upload_bf16(&n.input_layernorm(), &[h])?,
+        post_norm: loader.upload_bf16(&n.post_attention_layernorm(), &[h])?,
+        mixer,
+        ffn,
+    })
 }
 
 /// A full-attention layer (plain or gated, with or without q/k norm).

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use metrale_config::{LayerType, ModelConfig};
 use metrale_gpu_runtime::GpuBackend;
 use metrale_model_layers::TransformerLayer;
-use metrale_model_layers::layers::{DecoderLayer, Ffn, Mixer};
+use metrale_model_layers::layers::MtpHead;
 use metrale_model_layers::weight_map::{SafetensorsSource, WeightLoader, WeightNames};
 
 use crate::error::ModelError;
@@ -50,30 +50,43 @@ pub fn load(
 
     let mut decoder: Vec<Box<dyn TransformerLayer>> = Vec::with_capacity(config.num_hidden_layers);
     for (i, kind) in config.layer_types.iter().enumerate() {
-        let n = names.layer(i);
-        let mixer = match kind {
-            LayerType::FullAttention => Mixer::Attention(layers::attention(&loader, &config, &n)?),
-            LayerType::LinearAttention => Mixer::GatedDeltaNet(layers::gdn(&loader, &config, &n)?),
-        };
-        let ffn = if config.layer_is_moe(i) {
-            Ffn::Moe(layers::moe(&loader, &config, &n)?)
-        } else {
-            Ffn::Dense(layers::mlp(&loader, &config, &n)?)
-        };
-        decoder.push(Box::new(DecoderLayer {
-            input_norm: loader.upload_bf16(&n.input_layernorm(), &[h])?,
-            post_norm: loader.upload_bf16(&n.post_attention_layernorm(), &[h])?,
-            mixer,
-            ffn,
-        }));
+        let layer = layers::decoder_layer(
+            &loader,
+            &config,
+            &names.layer(i),
+            *kind,
+            config.layer_is_moe(i),
+        )?;
+        decoder.push(Box::new(layer));
     }
-    if let Some(mtp) = names.mtp() {
-        tracing::info!(
-            "{}: {} MTP layer(s) present; speculative decoding is not wired yet, so they are not loaded",
-            dir.display(),
-            mtp.layers.len()
-        );
-    }
+    let mtp = match names.mtp() {
+        Some(m) => {
+            let moe = config.moe.is_some();
+            let mut mtp_layers = Vec::with_capacity(m.layers.len());
+            for n in &m.layers {
+                mtp_layers.push(layers::decoder_layer(
+                    &loader,
+                    &config,
+                    n,
+                    LayerType::FullAttention,
+                    moe,
+                )?);
+            }
+            tracing::info!(
+                "{}: loaded the MTP head ({} layer(s))",
+                dir.display(),
+                mtp_layers.len()
+            );
+            Some(MtpHead {
+                fc: loader.upload_bf16(&m.fc, &[h, 2 * h])?,
+                pre_fc_norm_embedding: loader.upload_bf16(&m.pre_fc_norm_embedding, &[h])?,
+                pre_fc_norm_hidden: loader.upload_bf16(&m.pre_fc_norm_hidden, &[h])?,
+                layers: mtp_layers,
+                norm: loader.upload_bf16(&m.norm, &[h])?,
+            })
+        }
+        None => None,
+    };
     gpu.synchronize(gpu.default_stream())?;
     TransformerModel::new(
         config,
@@ -83,6 +96,7 @@ pub fn load(
             embed,
             final_norm,
             lm_head,
+            mtp,
         },
         decoder,
     )

@@ -132,6 +132,7 @@ pub fn random(
             embed,
             final_norm,
             lm_head,
+            mtp: None,
         },
         layers,
     )

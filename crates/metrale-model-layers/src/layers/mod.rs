@@ -6,9 +6,11 @@ mod decoder;
 mod gdn;
 mod mlp;
 mod moe;
+mod mtp;
 
 pub use attention::Attention;
 pub use decoder::{DecoderLayer, Ffn, Mixer};
 pub use gdn::{GDN_CHUNK, GDN_L2_EPS, GatedDeltaNet, GdnShape, InProjSource};
 pub use mlp::Mlp;
 pub use moe::{MoeMlp, MoeShape, SharedExpert};
+pub use mtp::MtpHead;
