@@ -11,7 +11,7 @@ use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use common::*;
-use metrale::{Backend, Engine, EngineOptions, ModelOptions};
+use metrale::{Backend, EngineOptions, ModelOptions};
 use metrale_gpu_runtime::GpuBackend;
 use metrale_gpu_runtime::cuda::CudaBackend;
 use metrale_model_engine::factory;
@@ -28,39 +28,15 @@ fn cuda_options(model: ModelOptions) -> EngineOptions {
 
 #[test]
 fn every_fixture_matches_transformers_on_cuda() {
-    let dirs = fixtures_of(&[
+    let types = [
         "qwen3",
         "llama",
         "qwen3_5_text",
         "qwen3_next",
         "qwen3_5_moe_text",
-    ]);
-    assert!(
-        dirs.len() >= 7,
-        "fixtures missing under {}",
-        fixtures_dir().display()
-    );
-    let (mut worst, mut failures) = (0.0f64, Vec::new());
-    for dir in &dirs {
-        let engine = Engine::load(dir, cuda_options(ModelOptions::default()))
-            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-        for p in read_reference(dir).unwrap() {
-            let o = compare(&engine, &p).unwrap();
-            worst = worst.max(o.worst_rel_l2);
-            eprintln!(
-                "cuda {}/{}: {} steps, worst rel L2 {:.2e}",
-                dir.display(),
-                o.prompt,
-                o.steps,
-                o.worst_rel_l2
-            );
-            if let Some(f) = o.failure {
-                failures.push(format!("{}/{}: {f}", dir.display(), o.prompt));
-            }
-        }
-    }
+    ];
+    let worst = check_fixtures(&types, 7, &cuda_options(ModelOptions::default()));
     eprintln!("worst logits relative L2 error on CUDA: {worst:.3e}");
-    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 fn params(n: usize, temperature: f32, seed: u64) -> GenerateParams {

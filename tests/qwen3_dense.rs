@@ -22,31 +22,8 @@ fn check_fixture(dir: &Path, options: EngineOptions) -> Vec<Outcome> {
 
 #[test]
 fn dense_fixtures_match_transformers() {
-    let dirs = fixtures_of(&["qwen3", "llama"]);
-    assert!(
-        dirs.len() >= 4,
-        "expected the dense fixtures under {}",
-        fixtures_dir().display()
-    );
-    let mut worst = 0.0f64;
-    let mut failures = Vec::new();
-    for dir in &dirs {
-        for o in check_fixture(dir, EngineOptions::default()) {
-            worst = worst.max(o.worst_rel_l2);
-            eprintln!(
-                "{}/{}: {} steps, worst rel L2 {:.2e}",
-                dir.display(),
-                o.prompt,
-                o.steps,
-                o.worst_rel_l2
-            );
-            if let Some(f) = o.failure {
-                failures.push(format!("{}/{}: {f}", dir.display(), o.prompt));
-            }
-        }
-    }
+    let worst = check_fixtures(&["qwen3", "llama"], 4, &EngineOptions::default());
     eprintln!("worst logits relative L2 error over all dense fixtures: {worst:.3e}");
-    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 #[test]

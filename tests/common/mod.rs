@@ -214,3 +214,46 @@ pub fn compare(engine: &Engine, p: &RefPrompt) -> Result<Outcome> {
     }
     Ok(o)
 }
+
+/// Apply the rule to every prompt of every fixture of `types` (at least `min` fixtures) on an
+/// engine built with `options`; panics listing every failure. Each prompt must compare at
+/// least 4 steps, so the rule has something to fail on. Returns the worst logits error.
+pub fn check_fixtures(types: &[&str], min: usize, options: &metrale::EngineOptions) -> f64 {
+    let dirs = fixtures_of(types);
+    assert!(
+        dirs.len() >= min,
+        "expected {min} fixtures of {types:?} under {}",
+        fixtures_dir().display()
+    );
+    let (mut worst, mut failures) = (0.0f64, Vec::new());
+    for dir in &dirs {
+        let engine =
+            Engine::load(dir, options.clone()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let prompts = read_reference(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        for p in prompts {
+            let o = compare(&engine, &p)
+                .unwrap_or_else(|e| panic!("{}/{}: {e}", dir.display(), p.name));
+            worst = worst.max(o.worst_rel_l2);
+            eprintln!(
+                "{}/{}: {} steps, worst rel L2 {:.2e}",
+                dir.display(),
+                o.prompt,
+                o.steps,
+                o.worst_rel_l2
+            );
+            if o.steps < 4 {
+                failures.push(format!(
+                    "{}/{}: only {} comparable steps",
+                    dir.display(),
+                    o.prompt,
+                    o.steps
+                ));
+            }
+            if let Some(f) = o.failure {
+                failures.push(format!("{}/{}: {f}", dir.display(), o.prompt));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    worst
+}
