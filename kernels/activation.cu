@@ -1,6 +1,8 @@
 // The SwiGLU gate. CPU twin: metrale-gpu-runtime/src/cpu/kernels/activation.rs.
 //
-// Launch: one block per row (any block size).
+// Launch: grid (rows, any number of blocks per row), any block size; the blocks of a row split
+// its columns (8-wide vectors on the vector path) round-robin. Elementwise, so the geometry
+// never changes a result.
 #include "common.cuh"
 
 // silu_mul(out: bf16 [rows, ffn], gate_up: bf16 [rows, 2 * ffn], rows, ffn):
@@ -12,8 +14,9 @@ extern "C" __global__ void silu_mul(bf16* __restrict__ out, const bf16* __restri
     const bf16* g = gate_up + (size_t)r * 2 * ffn;
     const bf16* u = g + ffn;
     bf16* o = out + (size_t)r * ffn;
+    const uint32_t first = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
     if (ffn % 8 == 0 && aligned16(g) && aligned16(o)) {
-        for (uint32_t v = threadIdx.x; v < ffn / 8; v += blockDim.x) {
+        for (uint32_t v = first; v < ffn / 8; v += stride) {
             float gf[8], uf[8], of[8];
             unpack8(load16(g + 8 * v), gf);
             unpack8(load16(u + 8 * v), uf);
@@ -22,6 +25,6 @@ extern "C" __global__ void silu_mul(bf16* __restrict__ out, const bf16* __restri
             store16(o + 8 * v, pack8(of));
         }
     } else {
-        for (uint32_t i = threadIdx.x; i < ffn; i += blockDim.x) o[i] = f2bf(siluf_acc(bf2f(g[i])) * bf2f(u[i]));
+        for (uint32_t i = first; i < ffn; i += stride) o[i] = f2bf(siluf_acc(bf2f(g[i])) * bf2f(u[i]));
     }
 }

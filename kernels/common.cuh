@@ -82,6 +82,22 @@ MT_DEVICE float block_sum(float v, float* scratch) {
     return t;
 }
 
+// 16-byte asynchronous copy global -> shared (cp.async.cg, L2 only); `src_bytes` < 16 zero-fills
+// the rest (0: nothing is read, `src` need only be a valid address).
+MT_DEVICE void cp_async16(void* dst, const void* src, uint32_t src_bytes) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes));
+}
+
+MT_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most N of this thread's committed groups are pending.
+template <int N>
+MT_DEVICE void cp_async_wait() {
+    // The clobber keeps the compiler from hoisting shared-memory reads above the wait.
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 MT_DEVICE float sigmoidf_acc(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 MT_DEVICE float siluf_acc(float x) { return x / (1.0f + expf(-x)); }

@@ -15,6 +15,23 @@ use crate::types::{
     DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
 };
 
+/// A reference GEMM `out[m, n] = x[m, k] · w[n, k]ᵀ`, bf16 operands and output, row-major.
+#[derive(Debug, Clone, Copy)]
+pub struct VendorGemm {
+    /// `[m, n]` bf16.
+    pub out: DevicePtr,
+    /// `[m, k]` bf16.
+    pub x: DevicePtr,
+    /// `[n, k]` bf16.
+    pub w: DevicePtr,
+    /// Rows of `x`.
+    pub m: u32,
+    /// Rows of `w`.
+    pub n: u32,
+    /// The shared dimension.
+    pub k: u32,
+}
+
 /// A device: memory, kernels, streams, events and graphs.
 pub trait GpuBackend: Send + Sync + std::fmt::Debug {
     /// "cpu" or "cuda".
@@ -96,6 +113,14 @@ pub trait GpuBackend: Send + Sync + std::fmt::Debug {
 
     /// Bytes of device memory free now (the CPU backend reports the host's budget).
     fn free_memory(&self) -> GpuResult<usize>;
+
+    /// Queue the vendor library's bf16 GEMM (cuBLASLt on CUDA) on `stream`: the device's GEMM
+    /// ceiling for the benchmark, never a path of the engine (its rounding changes with the
+    /// shape). `None` where the backend has no such library.
+    fn vendor_gemm_bf16(&self, gemm: &VendorGemm, stream: StreamHandle) -> Option<GpuResult<()>> {
+        let _ = (gemm, stream);
+        None
+    }
 }
 
 /// Helpers every backend gets: typed uploads and downloads.

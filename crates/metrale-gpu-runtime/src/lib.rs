@@ -13,7 +13,7 @@ pub mod error;
 pub mod types;
 
 pub use arena::BufferArena;
-pub use backend::{GpuBackend, GpuBackendExt};
+pub use backend::{GpuBackend, GpuBackendExt, VendorGemm};
 pub use cpu::{CpuBackend, CpuBackendOptions};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;

@@ -1,19 +1,24 @@
 //! The benchmark behind `metrale bench` and `cargo xtask bench`: a random-weight model of a real
 //! shape built on the device (no checkpoint), the device's two ceilings measured in the same run
-//! (copy bandwidth, bf16 GEMM rate), then prefill throughput and decode step time, each printed
-//! beside its roofline.
+//! (copy bandwidth; bf16 GEMM rate, the vendor library's where the backend has one, beside our
+//! own `linear`'s), then prefill throughput and decode step time, each printed beside its
+//! roofline, and a kernel-by-kernel breakdown of decode steps (`breakdown`).
 //!
 //! Invariants:
 //! - Every timing is taken with device events after warm-up, as the median of several runs.
 //! - A roofline is the work of the step over a ceiling measured in this run: bytes over the copy
 //!   bandwidth, FLOPs over the GEMM rate.
 
+mod breakdown;
+
 use std::sync::Arc;
 
 use metrale_cache::BlockTable;
 use metrale_config::ModelConfig;
-use metrale_gpu_runtime::{DevicePtr, GpuBackend, StreamHandle};
+use metrale_gpu_runtime::{DevicePtr, GpuBackend, StreamHandle, VendorGemm};
 use metrale_model_layers::Ops;
+
+pub use self::breakdown::{Breakdown, StepPart, decode_breakdown};
 
 use metrale_config::LayerType;
 use metrale_model_layers::layers::GdnShape;
@@ -40,6 +45,8 @@ pub struct BenchOptions {
     pub copy_bytes: usize,
     /// M = N = K of the GEMM-rate measurement. Default 8192.
     pub gemm_dim: usize,
+    /// Decode batches broken down kernel by kernel (dense shapes only). Default 1 and 32.
+    pub breakdown_batches: Vec<usize>,
 }
 
 impl BenchOptions {
@@ -53,6 +60,7 @@ impl BenchOptions {
             iters: 10,
             copy_bytes: 1 << 30,
             gemm_dim: 8192,
+            breakdown_batches: vec![1, 32],
         }
     }
 }
@@ -77,18 +85,23 @@ pub struct BenchReport {
     pub backend: String,
     /// Device-to-device copy bandwidth (read + write), GB/s.
     pub copy_gb_s: f64,
-    /// bf16 GEMM rate, TFLOP/s.
+    /// bf16 GEMM rate of the engine's own `linear`, TFLOP/s.
     pub gemm_tflop_s: f64,
+    /// bf16 GEMM rate of the vendor library (cuBLASLt), TFLOP/s: the device's ceiling; `None`
+    /// where the backend has no such library.
+    pub vendor_gemm_tflop_s: Option<f64>,
     /// Prefill tokens.
     pub prefill_tokens: usize,
     /// Median prefill time, ms.
     pub prefill_ms: f64,
-    /// Prefill FLOPs over the GEMM rate, ms.
+    /// Prefill FLOPs over the device's GEMM rate (the vendor library's, else ours), ms.
     pub prefill_floor_ms: f64,
     /// Decode figures by batch.
     pub decode: Vec<DecodeFigure>,
     /// Weight bytes of the model.
     pub weight_bytes: f64,
+    /// Decode steps kernel by kernel.
+    pub breakdowns: Vec<Breakdown>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -119,8 +132,19 @@ fn time_ms(
     Ok(median(runs))
 }
 
-/// Measure the copy bandwidth (GB/s, read plus write) and the bf16 GEMM rate (TFLOP/s).
-pub fn ceilings(gpu: &Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<(f64, f64), ModelError> {
+/// The ceilings one run measures.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ceilings {
+    /// Device-to-device copy bandwidth (read + write), GB/s.
+    pub copy_gb_s: f64,
+    /// bf16 GEMM rate of our `linear`, TFLOP/s.
+    pub gemm_tflop_s: f64,
+    /// bf16 GEMM rate of the vendor library, TFLOP/s, where the backend has one.
+    pub vendor_gemm_tflop_s: Option<f64>,
+}
+
+/// Measure the copy bandwidth and the bf16 GEMM rates (ours, and the vendor library's).
+pub fn ceilings(gpu: &Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<Ceilings, ModelError> {
     let s = gpu.default_stream();
     let (src, dst) = (gpu.alloc(opts.copy_bytes)?, gpu.alloc(opts.copy_bytes)?);
     gpu.memset(src, 1, opts.copy_bytes, s)?;
@@ -142,11 +166,33 @@ pub fn ceilings(gpu: &Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<(f64, 
     let gemm_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
         Ok(ops.linear(s, bufs[0], bufs[1], bufs[2], dd, dd, dd)?)
     })?;
+    let vendor = VendorGemm {
+        out: bufs[0],
+        x: bufs[1],
+        w: bufs[2],
+        m: dd,
+        n: dd,
+        k: dd,
+    };
+    let vendor_ms = match gpu.vendor_gemm_bf16(&vendor, s) {
+        None => None,
+        Some(first) => {
+            first?;
+            Some(time_ms(gpu.as_ref(), s, opts.iters, || {
+                gpu.vendor_gemm_bf16(&vendor, s).unwrap_or(Ok(()))?;
+                Ok(())
+            })?)
+        }
+    };
     for b in bufs {
         gpu.free(b)?;
     }
-    let tflops = 2.0 * (d as f64).powi(3) / (gemm_ms * 1e-3) / 1e12;
-    Ok((copy, tflops))
+    let flops = 2.0 * (d as f64).powi(3);
+    Ok(Ceilings {
+        copy_gb_s: copy,
+        gemm_tflop_s: flops / (gemm_ms * 1e-3) / 1e12,
+        vendor_gemm_tflop_s: vendor_ms.map(|ms| flops / (ms * 1e-3) / 1e12),
+    })
 }
 
 /// Matmul parameters touched per token (every projection, the LM head included).
@@ -190,7 +236,9 @@ fn ssm_bytes_per_seq(c: &ModelConfig) -> f64 {
 
 /// Run the whole benchmark on `gpu`.
 pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport, ModelError> {
-    let (copy_gb_s, gemm_tflop_s) = ceilings(&gpu, opts)?;
+    let ceil = ceilings(&gpu, opts)?;
+    let (copy_gb_s, gemm_tflop_s) = (ceil.copy_gb_s, ceil.gemm_tflop_s);
+    let device_tflop_s = ceil.vendor_gemm_tflop_s.unwrap_or(gemm_tflop_s);
     let c = &opts.config;
     let max_batch = opts.decode_batches.iter().copied().max().unwrap_or(1);
     let max_seq_len = opts.prefill_tokens.max(opts.context + 1);
@@ -241,7 +289,7 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
         model.free_ssm_slot(slot)?;
     }
     let prefill_flops = 2.0 * matmul_params(c) * opts.prefill_tokens as f64;
-    let prefill_floor_ms = prefill_flops / (gemm_tflop_s * 1e12) * 1e3;
+    let prefill_floor_ms = prefill_flops / (device_tflop_s * 1e12) * 1e3;
     table.release_all(&mut model.kv_cache().allocator)?;
 
     // Decode: `batch` sequences, each with `context` tokens in its cache.
@@ -295,15 +343,35 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
             t.release_all(&mut model.kv_cache().allocator)?;
         }
     }
+    drop(model);
+    let dense = c
+        .layer_types
+        .iter()
+        .all(|t| *t == metrale_config::LayerType::FullAttention)
+        && c.moe.is_none();
+    let mut breakdowns = Vec::new();
+    if dense {
+        for &batch in &opts.breakdown_batches {
+            breakdowns.push(decode_breakdown(
+                &gpu,
+                c,
+                batch as u32,
+                opts.context as u32,
+                opts.iters,
+            )?);
+        }
+    }
     Ok(BenchReport {
         backend: gpu.name().to_string(),
         copy_gb_s,
         gemm_tflop_s,
+        vendor_gemm_tflop_s: ceil.vendor_gemm_tflop_s,
         prefill_tokens: opts.prefill_tokens,
         prefill_ms,
         prefill_floor_ms,
         decode,
         weight_bytes,
+        breakdowns,
     })
 }
 
@@ -311,8 +379,13 @@ impl BenchReport {
     /// The human-readable table: each figure beside its roofline.
     pub fn table(&self) -> String {
         let mut s = String::new();
+        let vendor = self
+            .vendor_gemm_tflop_s
+            .map_or("no vendor GEMM".to_string(), |v| {
+                format!("cuBLASLt bf16 GEMM {v:.1} TFLOP/s (the device ceiling)")
+            });
         s += &format!(
-            "backend {}: copy {:.0} GB/s, bf16 GEMM {:.1} TFLOP/s, weights {:.2} GB\n",
+            "backend {}: copy {:.0} GB/s, {vendor}, our linear {:.1} TFLOP/s, weights {:.2} GB\n",
             self.backend,
             self.copy_gb_s,
             self.gemm_tflop_s,
@@ -337,6 +410,31 @@ impl BenchReport {
                 d.ms / d.floor_ms,
                 d.batch as f64 / (d.ms * 1e-3)
             );
+        }
+        for b in &self.breakdowns {
+            let step = self
+                .decode
+                .iter()
+                .find(|d| d.batch == b.batch as usize)
+                .map(|d| d.ms);
+            s += &format!(
+                "decode step at batch {} ctx {}, kernel by kernel (graph-replayed, µs per launch): sum {:.3} ms{}\n",
+                b.batch,
+                b.context,
+                b.total_ms(),
+                step.map_or(String::new(), |ms| format!(" of the measured {ms:.3} ms"))
+            );
+            for p in &b.parts {
+                let ms = p.us * f64::from(p.per_step) / 1e3;
+                s += &format!(
+                    "  {:<40} {:>9.2} us x {:>3} = {:>7.3} ms ({:>4.1}%)\n",
+                    p.name,
+                    p.us,
+                    p.per_step,
+                    ms,
+                    100.0 * ms / step.unwrap_or(b.total_ms())
+                );
+            }
         }
         s
     }
@@ -421,6 +519,7 @@ pub fn smoke(gpu: Arc<dyn GpuBackend>, config: ModelConfig) -> Result<BenchRepor
     o.iters = 1;
     o.copy_bytes = 1 << 16;
     o.gemm_dim = 32;
+    o.breakdown_batches = vec![2];
     run(gpu, &o)
 }
 
@@ -445,6 +544,9 @@ mod tests {
             table.contains("x floor") && table.contains("prefill 32 tokens"),
             "{table}"
         );
+        let b = &report.breakdowns[0];
+        assert!(b.parts.len() >= 10 && b.total_ms() > 0.0, "{table}");
+        assert!(table.contains("paged_attention ctx 21"), "{table}");
     }
 
     #[test]

@@ -15,8 +15,29 @@ use metrale_gpu_runtime::{
     DevicePtr, GpuBackend, GpuResult, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
 };
 
-/// Threads per block of the row-wise kernels (norms, embedding, activation).
+/// Threads per block of the row-wise kernels (embedding, activation).
 const ROW_THREADS: u32 = 256;
+
+/// Threads per block of the RMSNorm kernels: one 8-wide vector per thread for a 4096-wide row,
+/// so a decode row is one round of loads. (The reduction order follows the block size, the same
+/// for every row whatever the batch.)
+const NORM_THREADS: u32 = 512;
+
+/// Threads per block of `silu_mul`; a row is cut over `ceil(ffn / (8 * SILU_THREADS))` blocks.
+const SILU_THREADS: u32 = 128;
+
+/// Blocks of `paged_attention` per (row, head group): the cluster size `ATT_SPLITS` compiled
+/// into `kernels/attention.cu`. Fixed, so a row's result depends on its context alone.
+pub const ATTENTION_SPLITS: u32 = 8;
+
+/// Threads per block of `paged_attention` (`ATT_THREADS`).
+const ATTENTION_THREADS: u32 = 256;
+
+/// Most query heads one `paged_attention` cluster computes (`ATT_HB`).
+const ATTENTION_HEADS_PER_BLOCK: u32 = 4;
+
+/// Dynamic shared memory of `paged_attention` (`ATT_KV_STAGE`): a tile's keys and values.
+const ATTENTION_KV_STAGE: u32 = 80 * 1024;
 
 macro_rules! kernel_table {
     ($($field:ident => ($module:literal, $name:literal)),* $(,)?) => {
@@ -51,6 +72,10 @@ kernel_table! {
     paged_attention => ("attention", "paged_attention"),
     linear => ("gemm", "linear"),
     linear_f32out => ("gemm", "linear_f32out"),
+    linear_stream => ("gemm", "linear_stream"),
+    linear_stream_f32out => ("gemm", "linear_stream_f32out"),
+    linear_stream_wide => ("gemm", "linear_stream_wide"),
+    linear_stream_wide_f32out => ("gemm", "linear_stream_wide_f32out"),
     silu_mul => ("activation", "silu_mul"),
     argmax => ("sampling", "argmax"),
     causal_conv1d => ("gdn", "causal_conv1d"),
@@ -269,7 +294,7 @@ impl Ops {
     ) -> GpuResult<()> {
         self.go(
             self.k.rms_norm,
-            LaunchConfig::linear(rows, ROW_THREADS),
+            LaunchConfig::linear(rows, NORM_THREADS),
             &[
                 out.into(),
                 x.into(),
@@ -299,7 +324,7 @@ impl Ops {
     ) -> GpuResult<()> {
         self.go(
             self.k.add_rms_norm,
-            LaunchConfig::linear(rows, ROW_THREADS),
+            LaunchConfig::linear(rows, NORM_THREADS),
             &[
                 residual.into(),
                 delta.into(),
@@ -363,11 +388,14 @@ impl Ops {
         )
     }
 
-    /// Causal paged attention: one block per (query head, row).
+    /// Causal paged attention: a cluster of `ATTENTION_SPLITS` blocks per (row, group of query
+    /// heads sharing a key/value head), each block one contiguous range of the context.
     pub fn paged_attention(&self, s: StreamHandle, p: &PagedAttention) -> GpuResult<()> {
+        let groups = p.num_q_heads / attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
         self.go(
             self.k.paged_attention,
-            LaunchConfig::grid2(p.num_q_heads, p.rows, 128),
+            LaunchConfig::grid2(ATTENTION_SPLITS * groups, p.rows, ATTENTION_THREADS)
+                .with_shared(ATTENTION_KV_STAGE),
             &[
                 p.out.into(),
                 p.qkv.into(),
@@ -405,9 +433,14 @@ impl Ops {
         n: u32,
         k: u32,
     ) -> GpuResult<()> {
+        let kernel = match linear_path(m) {
+            LinearPath::Narrow => self.k.linear_stream,
+            LinearPath::Wide => self.k.linear_stream_wide,
+            LinearPath::Tiled => self.k.linear,
+        };
         self.go(
-            self.k.linear,
-            linear_geometry(m, n, k),
+            kernel,
+            linear_geometry(m, n),
             &[out.into(), x.into(), w.into(), m.into(), n.into(), k.into()],
             s,
         )
@@ -425,9 +458,14 @@ impl Ops {
         n: u32,
         k: u32,
     ) -> GpuResult<()> {
+        let kernel = match linear_path(m) {
+            LinearPath::Narrow => self.k.linear_stream_f32out,
+            LinearPath::Wide => self.k.linear_stream_wide_f32out,
+            LinearPath::Tiled => self.k.linear_f32out,
+        };
         self.go(
-            self.k.linear_f32out,
-            linear_geometry(m, n, k),
+            kernel,
+            linear_geometry(m, n),
             &[out.into(), x.into(), w.into(), m.into(), n.into(), k.into()],
             s,
         )
@@ -444,7 +482,7 @@ impl Ops {
     ) -> GpuResult<()> {
         self.go(
             self.k.silu_mul,
-            LaunchConfig::linear(rows, ROW_THREADS),
+            LaunchConfig::grid2(rows, ffn.div_ceil(8 * SILU_THREADS), SILU_THREADS),
             &[out.into(), gate_up.into(), rows.into(), ffn.into()],
             s,
         )
@@ -493,29 +531,75 @@ impl Ops {
     }
 }
 
-/// Largest `m` that `linear` serves with its GEMV-style decode path (`kernels/gemm.cu`); above it
-/// the tiled tensor-core path runs. Both give bitwise the same rows.
+/// Largest `m` that `linear` serves with its decode kernels (`linear_stream` up to
+/// `LINEAR_NARROW_M_MAX`, `linear_stream_wide` above, `kernels/gemm.cu`); above it the tiled
+/// tensor-core kernel runs. All give bitwise the same rows.
 pub const LINEAR_SMALL_M_MAX: u32 = 64;
 
-/// `linear`'s geometry, mirroring `kernels/gemm.cu` (256 threads either way):
-/// - `m <= LINEAR_SMALL_M_MAX`: k is cut into slices of 256; `wpn` warps (the largest power of
-///   two up to 8 and up to the slice count) split one 8-column tile, so a block owns
-///   `8 / wpn` tiles. Grid (ceil(m / 16), ceil(n / (8 * tiles))); shared memory holds every
-///   slice's partial for the block's tiles (512 bytes each).
-/// - otherwise: 128 x 64 output tiles, grid (ceil(n / 64), ceil(m / 128)), a 4-stage pipeline of
-///   (128 + 64) x 32 bf16 tiles in shared memory.
-fn linear_geometry(m: u32, n: u32, k: u32) -> LaunchConfig {
-    if m <= LINEAR_SMALL_M_MAX {
-        let slices = k.div_ceil(256);
-        let mut wpn = 1;
-        while wpn * 2 <= slices && wpn < 8 {
-            wpn *= 2;
-        }
-        let tiles = 8 / wpn;
-        LaunchConfig::grid2(m.div_ceil(16), n.div_ceil(8 * tiles), 256)
-            .with_shared(tiles * slices * 512)
+/// Largest `m` that `linear_stream` (one row tile per unit) serves.
+pub const LINEAR_NARROW_M_MAX: u32 = 16;
+
+/// Which `linear` kernel serves `m` rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LinearPath {
+    Narrow,
+    Wide,
+    Tiled,
+}
+
+fn linear_path(m: u32) -> LinearPath {
+    if m <= LINEAR_NARROW_M_MAX {
+        LinearPath::Narrow
+    } else if m <= LINEAR_SMALL_M_MAX {
+        LinearPath::Wide
     } else {
-        LaunchConfig::grid2(n.div_ceil(64), m.div_ceil(128), 256)
-            .with_shared(4 * (128 + 64) * 32 * 2)
+        LinearPath::Tiled
     }
+}
+
+/// Multiprocessors of an H200: the persistent decode kernels' grids are sized by it. Any value
+/// computes the same result; this one spreads the weight streams over the whole chip.
+const SM_COUNT: u32 = 132;
+
+/// Dynamic shared memory of `linear_stream`: a 96 KiB weight ring (8 warps x 3 stages of 4 KiB)
+/// and 4 KiB for the warps' segment partials; two blocks fit a multiprocessor.
+const LINEAR_NARROW_SMEM: u32 = (96 + 4) * 1024;
+
+/// Dynamic shared memory of `linear_stream_wide`: a 192 KiB weight ring and 32 KiB for the
+/// warps' segment partials.
+const LINEAR_WIDE_SMEM: u32 = (192 + 32) * 1024;
+
+/// `linear`'s geometry, mirroring `kernels/gemm.cu` (256 threads on every path):
+/// - `linear_stream` (m <= 16): units of 8 columns by 16 rows; min(units, 2 * SM_COUNT)
+///   persistent blocks, each taking every G-th unit.
+/// - `linear_stream_wide` (m <= 64): units of 16 columns by 64 rows; min(units, SM_COUNT) blocks.
+/// - `linear`: 128 x 64 output tiles, grid (ceil(n / 64), ceil(m / 128)), a 4-stage pipeline of
+///   (128 + 64) x 32 bf16 tiles in shared memory.
+fn linear_geometry(m: u32, n: u32) -> LaunchConfig {
+    match linear_path(m) {
+        LinearPath::Narrow => {
+            let units = n.div_ceil(8) * m.div_ceil(16);
+            LaunchConfig::grid2(units.min(2 * SM_COUNT), 1, 256).with_shared(LINEAR_NARROW_SMEM)
+        }
+        LinearPath::Wide => {
+            let units = n.div_ceil(16) * m.div_ceil(64);
+            LaunchConfig::grid2(units.min(SM_COUNT), 1, 256).with_shared(LINEAR_WIDE_SMEM)
+        }
+        LinearPath::Tiled => LaunchConfig::grid2(n.div_ceil(64), m.div_ceil(128), 256)
+            .with_shared(4 * (128 + 64) * 32 * 2),
+    }
+}
+
+/// Query heads per `paged_attention` cluster, as `att_heads_per_block` in
+/// `kernels/attention.cu` computes it: the largest divisor of the GQA group size up to
+/// `ATTENTION_HEADS_PER_BLOCK`, or 1 when the heads do not group.
+fn attention_heads_per_block(num_q_heads: u32, num_kv_heads: u32) -> u32 {
+    if num_kv_heads == 0 || !num_q_heads.is_multiple_of(num_kv_heads) {
+        return 1;
+    }
+    let group = num_q_heads / num_kv_heads;
+    (1..=ATTENTION_HEADS_PER_BLOCK)
+        .rev()
+        .find(|b| group.is_multiple_of(*b))
+        .unwrap_or(1)
 }

@@ -355,6 +355,30 @@ fn paged_attention_matches_over_shuffled_blocks_with_gqa_and_gates() {
         rows: vec![(0, 2099), (0, 1000), (0, 127), (0, 128)],
     };
     attention_case(&p, &mut rng, &long, "long context 2100 (17 tiles)");
+    // Vector-path groups of 3 and 8 query heads per key/value head (clusters of 3 and 4 heads).
+    attention_case(
+        &p,
+        &mut rng,
+        &mixed(6, 2, 128, false),
+        "hq=6 hkv=2 d=128 (group 3)",
+    );
+    attention_case(
+        &p,
+        &mut rng,
+        &mixed(16, 2, 256, true),
+        "hq=16 hkv=2 d=256 gated (group 8)",
+    );
+    // The decode shape of Qwen3-8B: 32 / 8 heads, every row at position 1024 (a context of
+    // 1025 over 8 splits of 129), beside rows whose contexts leave splits empty.
+    let decode = AttnCase {
+        hq: 32,
+        hkv: 8,
+        d: 128,
+        gated: false,
+        seq_lens: vec![1025, 1025, 5, 9],
+        rows: vec![(0, 1024), (1, 1024), (2, 4), (3, 8), (0, 7)],
+    };
+    attention_case(&p, &mut rng, &decode, "hq=32 hkv=8 d=128 decode ctx 1025");
 }
 
 /// `x [m, k]`, `w [n, k]` scaled so outputs are of order one.
@@ -376,6 +400,8 @@ fn linear_matches_on_both_paths_and_odd_shapes() {
         (16, 520, 256),
         (2, 512, 12288),
         (64, 300, 1000),
+        (17, 1000, 4096),
+        (33, 136, 520),
         (65, 260, 520),
         (200, 1030, 4096),
         (129, 70, 77),
@@ -415,6 +441,9 @@ fn linear_rows_do_not_depend_on_how_many_rows_share_the_launch() {
         (0u32, 1u32),
         (7, 1),
         (13, 5),
+        (20, 16),
+        (21, 17),
+        (60, 33),
         (40, 64),
         (100, 65),
         (199, 1),
@@ -437,11 +466,99 @@ fn linear_rows_do_not_depend_on_how_many_rows_share_the_launch() {
     );
 }
 
+/// Launch `gemm::<name>` directly (bypassing the launcher's choice of kernel by m), with the
+/// geometry that kernel expects.
+fn launch_gemm(
+    p: &Pair,
+    name: &str,
+    out: &harness::Buf,
+    x: &harness::Buf,
+    w: &harness::Buf,
+    mnk: (u32, u32, u32),
+) {
+    let (m, n, k) = mnk;
+    let gpu = p.gpu.as_ref();
+    let kernel = gpu.kernel("gemm", name).expect("gemm kernel resolves");
+    let cfg = if name.starts_with("linear_stream_wide") {
+        let units = n.div_ceil(16) * m.div_ceil(64);
+        LaunchConfig::grid2(units.min(132), 1, 256).with_shared((192 + 32) * 1024)
+    } else if name.starts_with("linear_stream") {
+        let units = n.div_ceil(8) * m.div_ceil(16);
+        LaunchConfig::grid2(units.min(264), 1, 256).with_shared((96 + 4) * 1024)
+    } else {
+        LaunchConfig::grid2(n.div_ceil(64), m.div_ceil(128), 256).with_shared(4 * 192 * 32 * 2)
+    };
+    let args = [
+        KernelArg::Ptr(out.gpu),
+        KernelArg::Ptr(x.gpu),
+        KernelArg::Ptr(w.gpu),
+        KernelArg::U32(m),
+        KernelArg::U32(n),
+        KernelArg::U32(k),
+    ];
+    gpu.launch(kernel, &cfg, &args, S).expect("launch");
+    gpu.synchronize(S).expect("the gemm kernel ran");
+}
+
+#[test]
+fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
+    let p = Pair::new();
+    let mut rng = Rng::new(11);
+    for (m, n, k) in [
+        (1u32, 1000u32, 4096u32),
+        (8, 264, 1000),
+        (17, 136, 520),
+        (64, 300, 1000),
+        (100, 264, 1000),
+        (130, 70, 77),
+    ] {
+        let (x, w) = linear_inputs(&mut rng, m, n, k);
+        let (x, w) = (p.upload(&x), p.upload(&w));
+        for (names, bytes) in [
+            (
+                [
+                    "linear_f32out",
+                    "linear_stream_f32out",
+                    "linear_stream_wide_f32out",
+                ],
+                4,
+            ),
+            (["linear", "linear_stream", "linear_stream_wide"], 2),
+        ] {
+            let mut results = Vec::new();
+            for name in names {
+                let out = p.poisoned((m * n) as usize * bytes);
+                launch_gemm(&p, name, &out, &x, &w, (m, n, k));
+                results.push(p.download_gpu::<u16>(&out));
+            }
+            for (name, got) in names.iter().zip(&results).skip(1) {
+                assert!(
+                    *got == results[0],
+                    "m={m} n={n} k={k}: {name} differs bitwise from {}",
+                    names[0]
+                );
+            }
+            // Poison is all-ones: a NaN in either format, which no output of finite inputs is.
+            assert!(
+                results[0]
+                    .chunks(bytes / 2)
+                    .all(|e| e.iter().any(|&h| h != 0xFFFF)),
+                "m={m} n={n} k={k}: an output of {} was not written",
+                names[0]
+            );
+        }
+    }
+    println!(
+        "kernel-check {:<18} {:<44} bitwise equal, m in 1..=130 ok",
+        "linear(kernels)", "tiled = stream = stream_wide at every m"
+    );
+}
+
 #[test]
 fn silu_mul_gates_the_up_projection() {
     let p = Pair::new();
     let mut rng = Rng::new(9);
-    for (ffn, rows) in [(4096u32, 3u32), (1003, 2)] {
+    for (ffn, rows) in [(4096u32, 3u32), (1003, 2), (12288, 2), (3001, 1)] {
         let gu = p.upload(&rng.bf16s((rows * 2 * ffn) as usize, -6.0, 6.0));
         let out = p.poisoned((rows * ffn) as usize * 2);
         p.run(|o, at| o.silu_mul(S, at(&out), at(&gu), rows, ffn));

@@ -4,9 +4,10 @@
 //!
 //! - Memory: `cuMemAlloc` (256-byte aligned), freed by `cuMemFree`; live allocations are tracked
 //!   so a bad `free` is an `InvalidFree`, and whatever is left is freed on drop.
-//! - Copies: `copy_h2d` queues `cuMemcpyHtoDAsync` and then waits for the stream, so the host
-//!   slice may be reused on return whatever kind of memory it is (pinned or pageable).
-//!   `copy_d2h` waits likewise. Both are refused while the stream captures.
+//! - Copies: `copy_h2d` of up to 1 MiB copies the bytes into a pinned staging ring (`staging`)
+//!   and queues `cuMemcpyHtoDAsync` from there without waiting; a larger one queues it from the
+//!   caller's slice and waits for the stream. Either way the host slice may be reused on return.
+//!   `copy_d2h` waits for the stream. Both are refused while the stream captures.
 //! - Kernels: resolved by `(module, name)` in the embedded cubins (see `modules`), launched by
 //!   `cuLaunchKernel` with each `KernelArg` packed as its C type (ptr and u64: 8 bytes; u32,
 //!   i32, f32: 4 bytes), after checking the list against the compiled signature.
@@ -21,8 +22,10 @@
 //! - The driver's handles (context, streams, events, graphs, modules) are owned by the backend
 //!   and destroyed exactly once, in `Drop`, or by `destroy_graph`.
 
+mod blaslt;
 mod driver;
 mod modules;
+mod staging;
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
@@ -30,10 +33,12 @@ use std::ffi::c_void;
 use cudarc::driver::sys;
 use parking_lot::{Mutex, RwLock};
 
+use self::blaslt::Blaslt;
 use self::driver::{bind, check};
 use self::modules::KernelTable;
 pub use self::modules::{ModuleSource, embedded_modules};
-use crate::backend::GpuBackend;
+use self::staging::{STAGING_MAX_COPY, Staging};
+use crate::backend::{GpuBackend, VendorGemm};
 use crate::error::{GpuError, GpuResult};
 use crate::types::{
     DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
@@ -67,6 +72,9 @@ pub struct CudaBackend {
     max_dynamic_smem: i32,
     handles: Mutex<Handles>,
     kernels: RwLock<KernelTable>,
+    staging: Mutex<Staging>,
+    /// cuBLASLt, loaded on first use (`None` inside: the library is absent).
+    blaslt: Mutex<Option<Option<Blaslt>>>,
 }
 
 // SAFETY: the raw handles are process-wide driver objects, valid on any thread once the context
@@ -135,6 +143,8 @@ impl CudaBackend {
                 ..Default::default()
             }),
             kernels: RwLock::new(KernelTable::default()),
+            staging: Mutex::new(Staging::default()),
+            blaslt: Mutex::new(None),
         };
         // From here `Drop` releases the context (and destroys the stream once made).
         bind(instance, ctx)?;
@@ -279,6 +289,9 @@ impl GpuBackend for CudaBackend {
             return Ok(());
         }
         self.bind()?;
+        if src.len() <= STAGING_MAX_COPY {
+            return self.staging.lock().copy(dst.0, src, s);
+        }
         // SAFETY: `src` is a live slice of `src.len()` bytes until we return, and we return only
         // after the stream (and so this copy) has completed; the driver checks `dst`.
         check("cuMemcpyHtoDAsync", unsafe {
@@ -581,6 +594,22 @@ impl GpuBackend for CudaBackend {
         })?;
         Ok(free)
     }
+
+    fn vendor_gemm_bf16(&self, gemm: &VendorGemm, stream: StreamHandle) -> Option<GpuResult<()>> {
+        let run = || -> GpuResult<Option<()>> {
+            let s = self.stream(stream)?;
+            self.bind()?;
+            let mut lt = self.blaslt.lock();
+            if lt.is_none() {
+                *lt = Some(Blaslt::new()?);
+            }
+            match lt.as_mut().and_then(Option::as_mut) {
+                Some(lt) => lt.gemm(gemm, s).map(Some),
+                None => Ok(None),
+            }
+        };
+        run().transpose()
+    }
 }
 
 impl Drop for CudaBackend {
@@ -611,6 +640,10 @@ impl Drop for CudaBackend {
             for (p, _) in h.allocations {
                 let _ = sys::cuMemFree_v2(p);
             }
+        }
+        self.staging.get_mut().release();
+        if let Some(Some(lt)) = self.blaslt.get_mut() {
+            lt.release();
         }
         self.kernels.get_mut().unload_all();
         // SAFETY: retained once in `new`, released once here; nothing of the context is used

@@ -55,5 +55,13 @@ pub fn linear_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 /// The family table.
 pub const FAMILY: super::Family = super::Family {
     module: "gemm",
-    kernels: &[("linear", linear), ("linear_f32out", linear_f32out)],
+    kernels: &[
+        ("linear", linear),
+        ("linear_f32out", linear_f32out),
+        // The decode kernels of `kernels/gemm.cu` compute the same functions.
+        ("linear_stream", linear),
+        ("linear_stream_f32out", linear_f32out),
+        ("linear_stream_wide", linear),
+        ("linear_stream_wide_f32out", linear_f32out),
+    ],
 };

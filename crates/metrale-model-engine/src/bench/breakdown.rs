@@ -1,0 +1,336 @@
+//! Where a decode step's time goes: every kernel of one decoder layer (and the embedding and LM
+//! head) at a decode batch, launched through the same `Ops` launchers with the model's shapes,
+//! captured as a graph of `REPS` launches and replayed (so each figure includes the in-graph
+//! launch gap, as in a captured step), times how often the step runs it.
+//!
+//! Invariants:
+//! - Every buffer is filled (random bf16, or a non-zero byte pattern) before it is read; weights
+//!   rotate over enough copies that the L2 cache cannot serve a repeat.
+//! - Everything allocated here is freed before returning.
+
+use std::sync::Arc;
+
+use metrale_config::ModelConfig;
+use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuBackendExt, StreamHandle};
+use metrale_model_layers::ops::{KvStore, PagedAttention, QkNormRope};
+use metrale_model_layers::{ModelDims, Ops};
+
+use super::median;
+use crate::error::ModelError;
+
+/// Launches per captured graph.
+const REPS: usize = 20;
+
+/// Weight bytes each rotated projection spans at least, so repeats miss the L2 cache (50 MB).
+const ROTATE_BYTES: usize = 160 << 20;
+
+/// Tokens per KV block.
+const BLOCK: u32 = 16;
+
+/// One kernel of the step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepPart {
+    /// What runs (kernel and role).
+    pub name: String,
+    /// Launches per decode step.
+    pub per_step: u32,
+    /// Median time of one launch, µs.
+    pub us: f64,
+}
+
+/// A decode step at one batch, kernel by kernel.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Breakdown {
+    /// Sequences in the step.
+    pub batch: u32,
+    /// Context of each sequence.
+    pub context: u32,
+    /// The kernels.
+    pub parts: Vec<StepPart>,
+}
+
+impl Breakdown {
+    /// The sum of every part times its count, ms.
+    pub fn total_ms(&self) -> f64 {
+        self.parts
+            .iter()
+            .map(|p| p.us * f64::from(p.per_step))
+            .sum::<f64>()
+            / 1e3
+    }
+}
+
+/// Allocations of the breakdown, freed on drop.
+struct Pool<'a> {
+    gpu: &'a dyn GpuBackend,
+    ops: &'a Ops,
+    s: StreamHandle,
+    live: Vec<DevicePtr>,
+    seed: u64,
+}
+
+impl Pool<'_> {
+    fn raw(&mut self, bytes: usize) -> Result<DevicePtr, ModelError> {
+        let p = self.gpu.alloc(bytes.max(16))?;
+        self.live.push(p);
+        Ok(p)
+    }
+
+    /// `n` random bf16 in [offset - scale / 2, offset + scale / 2) (roughly).
+    fn bf16(&mut self, n: usize, offset: f32, scale: f32) -> Result<DevicePtr, ModelError> {
+        let p = self.raw(n * 2)?;
+        self.seed += 1;
+        self.ops
+            .fill_uniform_bf16(self.s, p, n as u64, self.seed, offset, scale)?;
+        Ok(p)
+    }
+
+    /// `bytes` set to a non-zero pattern (f32 0.0115 everywhere).
+    fn pattern(&mut self, bytes: usize) -> Result<DevicePtr, ModelError> {
+        let p = self.raw(bytes)?;
+        self.gpu.memset(p, 0x3C, bytes, self.s)?;
+        Ok(p)
+    }
+
+    /// Enough copies of an `[n, k]` weight that together they span `ROTATE_BYTES`.
+    fn weights(&mut self, n: u32, k: u32) -> Result<Vec<DevicePtr>, ModelError> {
+        let bytes = n as usize * k as usize * 2;
+        let copies = ROTATE_BYTES.div_ceil(bytes).clamp(1, 8);
+        let scale = (3.0 / k as f32).sqrt();
+        (0..copies)
+            .map(|_| self.bf16(n as usize * k as usize, 0.0, scale))
+            .collect()
+    }
+}
+
+impl Drop for Pool<'_> {
+    fn drop(&mut self) {
+        for p in self.live.drain(..) {
+            if let Err(e) = self.gpu.free(p) {
+                tracing::warn!("bench breakdown: freeing a buffer failed: {e}");
+            }
+        }
+    }
+}
+
+/// Median µs of one launch of `f(i)` (i = 0, 1, ...), from a captured graph of `REPS` of them.
+fn time_launch(
+    gpu: &dyn GpuBackend,
+    s: StreamHandle,
+    iters: usize,
+    f: &dyn Fn(usize) -> Result<(), ModelError>,
+) -> Result<f64, ModelError> {
+    gpu.begin_capture(s)?;
+    let captured = (0..REPS).try_for_each(f);
+    let graph = gpu.end_capture(s);
+    captured?;
+    let graph = graph?;
+    let (a, b) = (gpu.create_event()?, gpu.create_event()?);
+    let mut runs = Vec::with_capacity(iters);
+    for i in 0..iters.max(1) + 1 {
+        gpu.record_event(a, s)?;
+        gpu.launch_graph(graph, s)?;
+        gpu.record_event(b, s)?;
+        let ms = f64::from(gpu.event_elapsed_ms(a, b)?);
+        if i > 0 {
+            runs.push(ms * 1e3 / REPS as f64);
+        }
+    }
+    gpu.destroy_graph(graph)?;
+    Ok(median(runs))
+}
+
+/// The step's kernels at `batch` sequences of `context` tokens each (the new token at position
+/// `context`), for a dense model of shape `c`.
+pub fn decode_breakdown(
+    gpu: &Arc<dyn GpuBackend>,
+    c: &ModelConfig,
+    batch: u32,
+    context: u32,
+    iters: usize,
+) -> Result<Breakdown, ModelError> {
+    let g = gpu.as_ref();
+    let ops = Ops::new(gpu.clone())?;
+    let s = gpu.default_stream();
+    let d = ModelDims::from_config(c);
+    let layers = c.num_hidden_layers as u32;
+    let mut pool = Pool {
+        gpu: g,
+        ops: &ops,
+        s,
+        live: Vec::new(),
+        seed: 0xb5ea4,
+    };
+    let (b, h) = (batch as usize, d.hidden as usize);
+    let residual = pool.pattern(b * h * 4)?;
+    let normed = pool.bf16(b * h, 0.0, 2.0)?;
+    let delta = pool.bf16(b * h, 0.0, 0.2)?;
+    let qkv = pool.bf16(b * d.qkv_width() as usize, 0.0, 2.0)?;
+    let attn_out = pool.bf16(b * d.attn_out_width() as usize, 0.0, 2.0)?;
+    let gate_up = pool.bf16(b * 2 * d.ffn as usize, 0.0, 4.0)?;
+    let act = pool.bf16(b * d.ffn as usize, 0.0, 2.0)?;
+    let norm_w = pool.bf16(h, 1.0, 0.2)?;
+    let head_norm = pool.bf16(d.head_dim as usize, 1.0, 0.2)?;
+    let inv_freq = pool.raw(c.rope.inv_freq().len() * 4)?;
+    g.upload(inv_freq, &c.rope.inv_freq(), s)?;
+    let w_qkv = pool.weights(d.qkv_width(), d.hidden)?;
+    let w_o = pool.weights(d.hidden, d.attn_out_width())?;
+    let w_gate_up = pool.weights(2 * d.ffn, d.hidden)?;
+    let w_down = pool.weights(d.hidden, d.ffn)?;
+    let lm_head = pool.bf16(d.vocab as usize * h, 0.0, (3.0 / h as f32).sqrt())?;
+    let logits = pool.raw(b * d.vocab as usize * 4)?;
+    let logits_in = pool.bf16(b * h, 0.0, 2.0)?;
+
+    // Sequence i owns blocks i * max_blocks .. (i + 1) * max_blocks; its new token sits at
+    // position `context`.
+    let max_blocks = (context + 1).div_ceil(BLOCK);
+    let num_slots = batch * max_blocks * BLOCK;
+    let kv_elems = num_slots as usize * (d.num_kv_heads * d.head_dim) as usize;
+    let k_cache = pool.bf16(kv_elems, 0.0, 2.0)?;
+    let v_cache = pool.bf16(kv_elems, 0.0, 2.0)?;
+    let tables: Vec<u32> = (0..batch * max_blocks).collect();
+    let rows: Vec<u32> = (0..batch).collect();
+    let slots: Vec<u32> = (0..batch)
+        .map(|i| i * max_blocks * BLOCK + context)
+        .collect();
+    let block_tables = pool.raw(tables.len() * 4)?;
+    g.upload(block_tables, &tables, s)?;
+    let row_seq = pool.raw(b * 4)?;
+    g.upload(row_seq, &rows, s)?;
+    let token_ids = pool.raw(b * 4)?;
+    g.upload(token_ids, &rows, s)?;
+    let positions = pool.raw(b * 4)?;
+    g.upload(positions, &vec![context; b], s)?;
+    let slot_mapping = pool.raw(b * 4)?;
+    g.upload(slot_mapping, &slots, s)?;
+    g.synchronize(s)?;
+
+    let linear = |name: &str, out, x, w: &[DevicePtr], n, k| {
+        let f = |i: usize| -> Result<(), ModelError> {
+            Ok(ops.linear(s, out, x, w[i % w.len()], batch, n, k)?)
+        };
+        Ok::<_, ModelError>(StepPart {
+            name: format!("linear {name} {n}x{k}"),
+            per_step: layers,
+            us: time_launch(g, s, iters, &f)?,
+        })
+    };
+    let part = |name: &str, per_step: u32, f: &dyn Fn(usize) -> Result<(), ModelError>| {
+        Ok::<_, ModelError>(StepPart {
+            name: name.to_string(),
+            per_step,
+            us: time_launch(g, s, iters, f)?,
+        })
+    };
+    let mut parts = vec![part("embedding_gather", 1, &|_| {
+        Ok(ops.embedding_gather(s, residual, lm_head, token_ids, batch, d.hidden, d.vocab)?)
+    })?];
+    parts.push(part("add_rms_norm", 2 * layers, &|_| {
+        Ok(ops.add_rms_norm(
+            s,
+            residual,
+            delta,
+            norm_w,
+            normed,
+            batch,
+            d.hidden,
+            d.eps,
+            d.unit_offset,
+        )?)
+    })?);
+    parts.push(linear("qkv", qkv, normed, &w_qkv, d.qkv_width(), d.hidden)?);
+    let rope = QkNormRope {
+        qkv,
+        q_norm: head_norm,
+        k_norm: head_norm,
+        inv_freq,
+        positions,
+        rows: batch,
+        row_stride: d.qkv_width(),
+        num_q_heads: d.num_q_heads,
+        q_head_stride: d.q_head_stride(),
+        k_offset: d.k_offset(),
+        num_kv_heads: d.num_kv_heads,
+        head_dim: d.head_dim,
+        rotary_dim: d.rotary_dim,
+        eps: d.eps,
+        unit_offset: d.unit_offset,
+    };
+    parts.push(part("qk_norm_rope", layers, &|_| {
+        Ok(ops.qk_norm_rope(s, &rope)?)
+    })?);
+    let store = KvStore {
+        k_cache,
+        v_cache,
+        qkv,
+        slot_mapping,
+        rows: batch,
+        row_stride: d.qkv_width(),
+        k_offset: d.k_offset(),
+        v_offset: d.v_offset(),
+        num_kv_heads: d.num_kv_heads,
+        head_dim: d.head_dim,
+        num_slots,
+    };
+    parts.push(part("kv_store", layers, &|_| Ok(ops.kv_store(s, &store)?))?);
+    let attention = PagedAttention {
+        out: attn_out,
+        qkv,
+        k_cache,
+        v_cache,
+        block_tables,
+        row_seq,
+        positions,
+        rows: batch,
+        row_stride: d.qkv_width(),
+        q_head_stride: d.q_head_stride(),
+        num_q_heads: d.num_q_heads,
+        num_kv_heads: d.num_kv_heads,
+        head_dim: d.head_dim,
+        block_size: BLOCK,
+        max_blocks,
+        num_seqs: batch,
+        num_slots,
+        scale: 1.0 / (d.head_dim as f32).sqrt(),
+        gated: d.attn_gated,
+    };
+    parts.push(part(
+        &format!("paged_attention ctx {}", context + 1),
+        layers,
+        &|_| Ok(ops.paged_attention(s, &attention)?),
+    )?);
+    parts.push(linear(
+        "o",
+        delta,
+        attn_out,
+        &w_o,
+        d.hidden,
+        d.attn_out_width(),
+    )?);
+    parts.push(linear(
+        "gate_up",
+        gate_up,
+        normed,
+        &w_gate_up,
+        2 * d.ffn,
+        d.hidden,
+    )?);
+    parts.push(part("silu_mul", layers, &|_| {
+        Ok(ops.silu_mul(s, act, gate_up, batch, d.ffn)?)
+    })?);
+    parts.push(linear("down", delta, act, &w_down, d.hidden, d.ffn)?);
+    parts.push(part("gather_rows", 1, &|_| {
+        Ok(ops.gather_rows(s, logits_in, normed, row_seq, batch, d.hidden, batch)?)
+    })?);
+    parts.push(part(
+        &format!("linear_f32out lm_head {}x{}", d.vocab, d.hidden),
+        1,
+        &|_| Ok(ops.linear_f32out(s, logits, logits_in, lm_head, batch, d.vocab, d.hidden)?),
+    )?);
+    g.synchronize(s)?;
+    Ok(Breakdown {
+        batch,
+        context: context + 1,
+        parts,
+    })
+}
