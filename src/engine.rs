@@ -21,6 +21,7 @@ use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::factory;
 use metrale_model_engine::generate::{FinishReason, GenerateParams};
+use metrale_model_engine::model_circuit::{ForwardDisclosure, ForwardSelect, ModelCircuit};
 use metrale_model_engine::options::ModelOptions;
 use metrale_model_engine::scheduler::{RequestLimits, Scheduler, SeqRequest};
 
@@ -56,6 +57,10 @@ pub struct EngineOptions {
     pub max_queued_requests: usize,
     /// The window `EngineMetrics::tokens_per_second` averages over. Default 10 s.
     pub metrics_window: Duration,
+    /// Which forward runs decode steps: the layers' own (`Legacy`, the default) or the
+    /// circuit executor's compiled programs. A model the circuit does not model fails
+    /// `Engine::load`, naming what it does not model.
+    pub forward: ForwardSelect,
 }
 
 impl Default for EngineOptions {
@@ -65,6 +70,7 @@ impl Default for EngineOptions {
             model: ModelOptions::default(),
             max_queued_requests: 1024,
             metrics_window: Duration::from_secs(10),
+            forward: ForwardSelect::default(),
         }
     }
 }
@@ -79,6 +85,7 @@ pub struct Engine {
     limits: RequestLimits,
     max_queued_requests: usize,
     next_request: AtomicU64,
+    forward: ForwardDisclosure,
 }
 
 /// The device for `backend`.
@@ -107,6 +114,8 @@ impl Engine {
         let dir = dir.as_ref();
         let gpu = make_backend(options.backend)?;
         let mut model = factory::load(dir, options.model, gpu)?;
+        model.set_forward(options.forward)?;
+        let forward = model.forward_disclosure()?;
         let tok_path = dir.join("tokenizer.json");
         let tokenizer = if tok_path.exists() {
             let t = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| {
@@ -139,12 +148,18 @@ impl Engine {
             limits,
             max_queued_requests: options.max_queued_requests,
             next_request: AtomicU64::new(0),
+            forward,
         })
     }
 
     /// The model's config.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Which forward runs decode steps, its plan digest and launches per step.
+    pub fn forward_disclosure(&self) -> &ForwardDisclosure {
+        &self.forward
     }
 
     /// The longest context a request may have (prompt plus output): the smaller of

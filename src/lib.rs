@@ -41,6 +41,15 @@ mod worker;
 pub use engine::{Backend, Engine, EngineOptions, make_backend};
 pub use metrale_model_engine::bench;
 
+/// The circuit a checkpoint's decode step is compiled from: its plan without loading weights
+/// (`metrale circuit plan`), and the fusions a [`ForwardSelect::Circuit`] lowers with.
+pub mod circuit {
+    pub use metrale_model_engine::model_circuit::{
+        Digest, Fusions, checkpoint_plan, checkpoint_plans, plans_digest,
+    };
+    pub use metrale_model_layers::circuit_exec::Plan;
+}
+
 /// The device layer, for tools built on the engine (benchmarks, tests).
 pub mod gpu {
     pub use metrale_gpu_runtime::{CpuBackend, GpuBackend, GpuError};
@@ -49,6 +58,7 @@ pub use error::{EngineError, RequestError};
 pub use handle::{Canceller, EventResult, RequestHandle, RequestId};
 pub use metrale_config::ModelConfig;
 pub use metrale_model_engine::generate::FinishReason;
+pub use metrale_model_engine::model_circuit::{ForwardDisclosure, ForwardSelect};
 pub use metrale_model_engine::options::ModelOptions;
 pub use metrale_model_engine::sampling::SamplingParams;
 pub use metrics::EngineMetrics;

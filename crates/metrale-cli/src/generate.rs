@@ -7,14 +7,42 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
+use metrale::circuit::Fusions;
 use metrale::{
-    Backend, Engine, EngineOptions, GenerateRequest, ModelOptions, Prompt, SamplingParams,
+    Backend, Engine, EngineOptions, ForwardSelect, GenerateRequest, ModelOptions, Prompt,
+    SamplingParams,
 };
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum BackendArg {
     Cpu,
     Cuda,
+}
+
+/// Which forward runs decode steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ForwardArg {
+    /// The layers' own forwards.
+    Legacy,
+    /// The circuit executor, with every fused rule whose kernels the backend has.
+    Circuit,
+    /// The circuit executor with reference rules only: bitwise the legacy forward.
+    CircuitReference,
+}
+
+impl ForwardArg {
+    /// The engine's selection.
+    pub fn select(self) -> ForwardSelect {
+        match self {
+            ForwardArg::Legacy => ForwardSelect::Legacy,
+            ForwardArg::Circuit => ForwardSelect::Circuit {
+                fusions: Fusions::All,
+            },
+            ForwardArg::CircuitReference => ForwardSelect::Circuit {
+                fusions: Fusions::ReferenceOnly,
+            },
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -65,6 +93,9 @@ pub struct GenerateArgs {
     /// Longest sequence; default: the model's, capped at 4096.
     #[arg(long)]
     max_seq_len: Option<usize>,
+    /// Which forward runs decode steps (prefill always runs the legacy step).
+    #[arg(long, value_enum, default_value_t = ForwardArg::Legacy)]
+    forward: ForwardArg,
 }
 
 /// The engine's backend for a command-line choice.
@@ -87,6 +118,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             max_seq_len: args.max_seq_len,
             ..ModelOptions::default()
         },
+        forward: args.forward.select(),
         ..EngineOptions::default()
     };
     let prompt = match (&args.prompt, &args.token_ids) {
@@ -97,6 +129,17 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     let engine =
         Engine::load(&dir, options).with_context(|| format!("loading {}", dir.display()))?;
+    let forward = engine.forward_disclosure().clone();
+    if args.forward != ForwardArg::Legacy {
+        eprintln!(
+            "forward {}: plan digest {}, {} launches per step",
+            forward.forward,
+            forward
+                .plan_digest
+                .map_or_else(|| "none".into(), |d| d.to_string()),
+            forward.launches_per_step
+        );
+    }
     let request = GenerateRequest {
         prompt,
         max_new_tokens: args.max_new_tokens,
@@ -140,6 +183,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             "token_ids": out.token_ids,
             "text": out.text,
             "finish_reason": out.finish_reason.as_str(),
+            "forward": forward.forward,
+            "plan_digest": forward.plan_digest.map(|d| d.to_string()),
+            "launches_per_step": forward.launches_per_step,
         });
         println!("{line}");
     }

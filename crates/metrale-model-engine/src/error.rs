@@ -3,6 +3,7 @@
 use metrale_cache::CacheError;
 use metrale_config::ConfigError;
 use metrale_gpu_runtime::GpuError;
+use metrale_model_layers::circuit_exec::CircuitExecError;
 use metrale_model_layers::weight_map::WeightError;
 
 /// An error of the model engine.
@@ -32,6 +33,9 @@ pub enum ModelError {
     /// slipped past validation).
     #[error("invalid step: {0}")]
     Step(String),
+    /// The circuit executor refused the model or failed to compile it.
+    #[error(transparent)]
+    Circuit(#[from] CircuitExecError),
     /// A model feature this engine does not run yet.
     #[error("unsupported model: {0}")]
     Unsupported(String),

@@ -17,8 +17,9 @@ use metrale_gpu_runtime::arena::ArenaLayout;
 use metrale_gpu_runtime::{
     BufferArena, DType, GpuBackend, GpuBackendExt, GraphHandle, StreamHandle,
 };
+use metrale_model_layers::circuit_exec::CircuitExec;
 use metrale_model_layers::layer::{GdnBuffers, MoeBuffers, SsmBinding};
-use metrale_model_layers::layers::{GdnShape, MoeShape};
+use metrale_model_layers::layers::{GdnShape, MoeShape, MtpHead};
 use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{
     KvBinding, LayerCtx, ModelDims, Ops, StepBuffers, StepShape, TransformerLayer,
@@ -62,19 +63,22 @@ pub struct ModelWeights {
     pub final_norm: DenseWeight,
     /// `[vocab, hidden]` (the embedding when tied).
     pub lm_head: DenseWeight,
+    /// The multi-token-prediction head, when the checkpoint ships one (kept for speculative
+    /// decoding; no forward runs it yet).
+    pub mtp: Option<MtpHead>,
 }
 
 /// See the module header.
 #[derive(Debug)]
 pub struct TransformerModel {
-    config: ModelConfig,
-    dims: ModelDims,
-    options: ModelOptions,
-    gpu: Arc<dyn GpuBackend>,
-    ops: Ops,
-    stream: StreamHandle,
-    weights: ModelWeights,
-    layers: Vec<Box<dyn TransformerLayer>>,
+    pub(crate) config: ModelConfig,
+    pub(crate) dims: ModelDims,
+    pub(crate) options: ModelOptions,
+    pub(crate) gpu: Arc<dyn GpuBackend>,
+    pub(crate) ops: Ops,
+    pub(crate) stream: StreamHandle,
+    pub(crate) weights: ModelWeights,
+    pub(crate) layers: Vec<Box<dyn TransformerLayer>>,
     /// For each layer, its KV-cache layer index when it is an attention layer.
     kv_layer: Vec<Option<usize>>,
     kv: PagedKvCache,
@@ -82,13 +86,16 @@ pub struct TransformerModel {
     ssm_layer: Vec<Option<usize>>,
     /// Every GDN layer's conv and recurrent state per slot (hybrid models).
     ssm: Option<SsmStatePool>,
-    buf: StepBuffers,
+    pub(crate) buf: StepBuffers,
     max_rows: usize,
     max_seqs: usize,
-    max_blocks: usize,
+    pub(crate) max_blocks: usize,
     max_seq_len: usize,
-    /// Captured decode steps by padded width.
-    graphs: HashMap<u32, GraphHandle>,
+    /// Captured decode steps by padded width, of whichever forward is selected.
+    pub(crate) graphs: HashMap<u32, GraphHandle>,
+    /// The circuit executor whose programs run decode; `None`: the legacy forward
+    /// (`model_circuit.rs`). Declared before the arena so it drops first.
+    pub(crate) circuit: Option<CircuitExec>,
     _arena: BufferArena,
 }
 
@@ -305,8 +312,14 @@ impl TransformerModel {
             max_blocks,
             max_seq_len,
             graphs: HashMap::new(),
+            circuit: None,
             _arena: arena,
         })
+    }
+
+    /// The multi-token-prediction head's weights, when the checkpoint has them.
+    pub fn mtp_head(&self) -> Option<&MtpHead> {
+        self.weights.mtp.as_ref()
     }
 
     /// The config.
@@ -553,13 +566,13 @@ impl TransformerModel {
         })?;
         let shape = self.upload(&input, Some(width))?;
         if !self.options.decode_graphs {
-            return self.launch_step(shape);
+            return self.launch_decode(shape);
         }
         let graph = match self.graphs.get(&shape.rows) {
             Some(&g) => g,
             None => {
                 self.gpu.begin_capture(self.stream)?;
-                let captured = self.launch_step(shape);
+                let captured = self.launch_decode(shape);
                 let ended = self.gpu.end_capture(self.stream);
                 captured?;
                 let g = ended?;
@@ -571,9 +584,53 @@ impl TransformerModel {
         Ok(())
     }
 
+    /// The launches of one decode step of the selected forward: the circuit program of its
+    /// width, or the legacy step.
+    fn launch_decode(&self, shape: StepShape) -> Result<(), ModelError> {
+        let Some(exec) = &self.circuit else {
+            return self.launch_step(shape);
+        };
+        let program = exec.program(u64::from(shape.rows)).ok_or_else(|| {
+            ModelError::Step(format!(
+                "the circuit has no program for {} rows",
+                shape.rows
+            ))
+        })?;
+        Ok(program.replay(self.gpu.as_ref(), self.stream)?)
+    }
+
     /// The launches of one step, reading only the step buffers (what a graph would capture).
     fn launch_step(&self, shape: StepShape) -> Result<(), ModelError> {
-        let (ops, s, b, d) = (&self.ops, self.stream, &self.buf, &self.dims);
+        self.launch_step_with(&self.ops, shape)
+    }
+
+    /// Layer `i`'s KV cache and SSM state, as its forward (and the circuit) sees them.
+    pub(crate) fn layer_bindings(&self, i: usize) -> (Option<KvBinding>, Option<SsmBinding>) {
+        let kv = self.kv_layer.get(i).copied().flatten().map(|k| {
+            let pools = self.kv.layer(k);
+            KvBinding {
+                k: pools.k,
+                v: pools.v,
+                block_size: self.kv.block_size() as u32,
+                num_slots: self.kv.num_slots() as u32,
+            }
+        });
+        let ssm = match (self.ssm_layer.get(i).copied().flatten(), &self.ssm) {
+            (Some(g), Some(pool)) => pool.layer(g).map(|p| SsmBinding {
+                conv: p.conv,
+                recurrent: p.recurrent,
+                conv_slot_stride: (p.conv_slot_bytes / 4) as u32,
+                recurrent_slot_stride: (p.recurrent_slot_bytes / 4) as u32,
+                num_slots: pool.num_slots() as u32,
+            }),
+            _ => None,
+        };
+        (kv, ssm)
+    }
+
+    /// The legacy step through `ops` (the model's launchers, or recording ones).
+    pub(crate) fn launch_step_with(&self, ops: &Ops, shape: StepShape) -> Result<(), ModelError> {
+        let (s, b, d) = (self.stream, &self.buf, &self.dims);
         ops.embedding_gather(
             s,
             b.residual,
@@ -584,25 +641,7 @@ impl TransformerModel {
             d.vocab,
         )?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let kv = self.kv_layer[i].map(|k| {
-                let pools = self.kv.layer(k);
-                KvBinding {
-                    k: pools.k,
-                    v: pools.v,
-                    block_size: self.kv.block_size() as u32,
-                    num_slots: self.kv.num_slots() as u32,
-                }
-            });
-            let ssm = match (self.ssm_layer[i], &self.ssm) {
-                (Some(g), Some(pool)) => pool.layer(g).map(|p| SsmBinding {
-                    conv: p.conv,
-                    recurrent: p.recurrent,
-                    conv_slot_stride: (p.conv_slot_bytes / 4) as u32,
-                    recurrent_slot_stride: (p.recurrent_slot_bytes / 4) as u32,
-                    num_slots: pool.num_slots() as u32,
-                }),
-                _ => None,
-            };
+            let (kv, ssm) = self.layer_bindings(i);
             let cx = LayerCtx {
                 ops,
                 stream: s,

@@ -14,6 +14,7 @@
 use metrale_config::{ModelConfig, NormConvention};
 use metrale_gpu_runtime::{DevicePtr, GpuResult, StreamHandle};
 
+use crate::circuit_exec::CircuitBindings;
 use crate::ops::Ops;
 
 /// The dimensions every layer of a model shares, derived once from its config.
@@ -245,8 +246,9 @@ pub struct LayerCtx<'a> {
     pub first: bool,
 }
 
-/// A decoder layer.
-pub trait TransformerLayer: Send + Sync + std::fmt::Debug {
+/// A decoder layer. Through its [`CircuitBindings`] supertrait it hands the circuit executor
+/// its weights and facts.
+pub trait TransformerLayer: CircuitBindings + Send + Sync + std::fmt::Debug {
     /// Run the layer over the step's rows: input norm (fused with the previous delta), mixer,
     /// post norm, FFN; leaves its output in `delta`.
     fn forward(&self, cx: &LayerCtx<'_>) -> GpuResult<()>;

@@ -1,9 +1,11 @@
 //! Weights, layers and launchers: `weight_map` loads a checkpoint's tensors onto the device,
 //! `ops` holds one typed launcher per kernel, and `layers` composes them into decoder layers that
-//! run one step of rows (prefill chunks and decode alike).
+//! run one step of rows (prefill chunks and decode alike). `circuit_exec` compiles a model's
+//! decode step from its circuit into fixed-address launch programs through the same launchers.
 //!
 //! Architecture invariant: layers launch kernels only through `ops`.
 
+pub mod circuit_exec;
 pub mod layer;
 pub mod layers;
 pub mod ops;

@@ -2,11 +2,20 @@
 //! RoPE, cache store, paged attention (with the output gate of the Qwen3.5 family when present),
 //! output projection.
 
+use std::collections::BTreeMap;
+
+use metrale_circuit::LinearRole;
 use metrale_gpu_runtime::{GpuError, GpuResult};
 
-use crate::layer::LayerCtx;
+use crate::circuit_exec::{AttnFacts, BoundWeight, RopeFacts, WeightSlot};
+use crate::layer::{LayerCtx, ModelDims};
 use crate::ops::{KvStore, PagedAttention, QkNormRope};
 use crate::weight_map::DenseWeight;
+
+/// The softmax scale of attention heads of `head_dim`: `1 / sqrt(head_dim)`.
+pub(crate) fn softmax_scale(head_dim: u32) -> f32 {
+    1.0 / (head_dim as f32).sqrt()
+}
 
 /// One attention layer's weights.
 #[derive(Debug, Clone)]
@@ -88,7 +97,7 @@ impl Attention {
                 max_blocks: cx.shape.max_blocks,
                 num_seqs: cx.shape.num_seqs,
                 num_slots: kv.num_slots,
-                scale: 1.0 / (d.head_dim as f32).sqrt(),
+                scale: softmax_scale(d.head_dim),
                 gated: d.attn_gated,
             },
         )?;
@@ -101,5 +110,37 @@ impl Attention {
             d.hidden,
             d.attn_out_width(),
         )
+    }
+
+    /// Bind the layer's weights into `weights` and return the facts its kernels read; a q norm
+    /// without a k norm (or the reverse) is recorded in `unmodelled`.
+    pub(crate) fn circuit_facts(
+        &self,
+        d: &ModelDims,
+        weights: &mut BTreeMap<WeightSlot, BoundWeight>,
+        unmodelled: &mut Vec<String>,
+    ) -> AttnFacts {
+        weights.insert(WeightSlot::Linear(LinearRole::Qkv), (&self.qkv).into());
+        weights.insert(WeightSlot::Linear(LinearRole::O), (&self.o_proj).into());
+        if let Some(w) = &self.q_norm {
+            weights.insert(WeightSlot::QNorm, w.into());
+        }
+        if let Some(w) = &self.k_norm {
+            weights.insert(WeightSlot::KNorm, w.into());
+        }
+        if self.q_norm.is_some() != self.k_norm.is_some() {
+            unmodelled.push("a per-head norm on only one of q and k".into());
+        }
+        AttnFacts {
+            num_q_heads: d.num_q_heads,
+            num_kv_heads: d.num_kv_heads,
+            head_dim: d.head_dim,
+            gated: d.attn_gated,
+            qk_norm: self.q_norm.is_some() && self.k_norm.is_some(),
+            rope: RopeFacts {
+                rotary_dim: d.rotary_dim,
+            },
+            softmax_scale: softmax_scale(d.head_dim),
+        }
     }
 }

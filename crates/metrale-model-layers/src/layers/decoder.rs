@@ -1,10 +1,13 @@
 //! `DecoderLayer`: input norm, a mixer (attention, or Gated DeltaNet in the hybrid families),
 //! post norm, an FFN (dense or sparse MoE). The input norm is fused with the add of the previous layer's output.
 
+use std::collections::BTreeMap;
+
 use metrale_gpu_runtime::GpuResult;
 
 use super::{Attention, GatedDeltaNet, Mlp, MoeMlp};
-use crate::layer::{LayerCtx, TransformerLayer};
+use crate::circuit_exec::{CircuitBindings, CircuitLayer, MixerFacts, WeightSlot};
+use crate::layer::{LayerCtx, ModelDims, TransformerLayer};
 use crate::weight_map::DenseWeight;
 
 /// The token mixer of a layer.
@@ -92,5 +95,30 @@ impl TransformerLayer for DecoderLayer {
 
     fn uses_ssm_state(&self) -> bool {
         matches!(self.mixer, Mixer::GatedDeltaNet(_))
+    }
+}
+
+impl CircuitBindings for DecoderLayer {
+    fn circuit_layer(&self, dims: &ModelDims) -> Option<CircuitLayer> {
+        let mut weights = BTreeMap::new();
+        let mut unmodelled = Vec::new();
+        weights.insert(WeightSlot::InputNorm, (&self.input_norm).into());
+        weights.insert(WeightSlot::PostNorm, (&self.post_norm).into());
+        let mixer = match &self.mixer {
+            Mixer::Attention(a) => {
+                MixerFacts::Attention(a.circuit_facts(dims, &mut weights, &mut unmodelled))
+            }
+            Mixer::GatedDeltaNet(g) => MixerFacts::Gdn(g.circuit_facts(&mut weights)),
+        };
+        let ffn = match &self.ffn {
+            Ffn::Dense(m) => m.circuit_facts(&mut weights),
+            Ffn::Moe(m) => m.circuit_facts(&mut weights),
+        };
+        Some(CircuitLayer {
+            mixer,
+            ffn,
+            weights,
+            unmodelled,
+        })
     }
 }

@@ -28,9 +28,13 @@
 #[cfg(test)]
 pub(crate) mod tests;
 
+use std::collections::BTreeMap;
+
+use metrale_circuit::LinearRole;
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{GpuError, GpuResult};
 
+use crate::circuit_exec::{BoundWeight, GdnFacts, WeightSlot};
 use crate::layer::LayerCtx;
 use crate::ops_hybrid::{
     CausalConv1d, GatedDelta, GatedRmsNorm, GdnHeads, GdnPrepare, GdnSeqs, StatePool,
@@ -41,6 +45,11 @@ use crate::weight_map::DenseWeight;
 pub const GDN_CHUNK: u32 = 64;
 /// The L2-norm epsilon of q and k (transformers' `l2norm`).
 pub const GDN_L2_EPS: f32 = 1e-6;
+
+/// q's scale in `gdn_prepare`: `1 / sqrt(Dk)`, computed in f64 as transformers does.
+pub(crate) fn gdn_q_scale(k_head_dim: u32) -> f32 {
+    (k_head_dim as f64).powf(-0.5) as f32
+}
 
 /// The dimensions of a GDN layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -193,7 +202,7 @@ impl GatedDeltaNet {
                 rows,
                 heads: h,
                 l2_eps: GDN_L2_EPS,
-                q_scale: (h.k_head_dim as f64).powf(-0.5) as f32,
+                q_scale: gdn_q_scale(h.k_head_dim),
             },
         )?;
         let rule = GatedDelta {
@@ -237,5 +246,29 @@ impl GatedDeltaNet {
             d.hidden,
             h.value_dim(),
         )
+    }
+
+    /// Bind the mixer's weights into `weights` and return the facts its kernels read.
+    pub(crate) fn circuit_facts(
+        &self,
+        weights: &mut BTreeMap<WeightSlot, BoundWeight>,
+    ) -> GdnFacts {
+        for (slot, w) in [
+            (WeightSlot::Linear(LinearRole::GdnInProj), &self.in_proj),
+            (WeightSlot::Linear(LinearRole::GdnOut), &self.out_proj),
+            (WeightSlot::GdnConv1d, &self.conv1d),
+            (WeightSlot::GdnALog, &self.a_log),
+            (WeightSlot::GdnDtBias, &self.dt_bias),
+            (WeightSlot::GdnNorm, &self.norm),
+        ] {
+            weights.insert(slot, w.into());
+        }
+        GdnFacts {
+            heads: self.shape.heads,
+            conv_kernel: self.shape.conv_kernel,
+            eps: self.shape.eps,
+            l2_eps: GDN_L2_EPS,
+            q_scale: gdn_q_scale(self.shape.heads.k_head_dim),
+        }
     }
 }

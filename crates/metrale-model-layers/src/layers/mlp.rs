@@ -1,8 +1,12 @@
 //! The dense SwiGLU MLP: `down(silu(gate(x)) * up(x))`, with gate and up fused into one
 //! projection at load.
 
+use std::collections::BTreeMap;
+
+use metrale_circuit::LinearRole;
 use metrale_gpu_runtime::GpuResult;
 
+use crate::circuit_exec::{BoundWeight, FfnFacts, WeightSlot};
 use crate::layer::LayerCtx;
 use crate::weight_map::DenseWeight;
 
@@ -40,5 +44,18 @@ impl Mlp {
             d.hidden,
             self.ffn,
         )
+    }
+
+    /// Bind the MLP's weights into `weights` and return the facts its kernels read.
+    pub(crate) fn circuit_facts(
+        &self,
+        weights: &mut BTreeMap<WeightSlot, BoundWeight>,
+    ) -> FfnFacts {
+        weights.insert(
+            WeightSlot::Linear(LinearRole::GateUp),
+            (&self.gate_up).into(),
+        );
+        weights.insert(WeightSlot::Linear(LinearRole::Down), (&self.down).into());
+        FfnFacts::Dense { ffn: self.ffn }
     }
 }

@@ -23,9 +23,13 @@
 #[cfg(test)]
 mod tests;
 
+use std::collections::BTreeMap;
+
+use metrale_circuit::LinearRole;
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DevicePtr, GpuResult};
 
+use crate::circuit_exec::{BoundWeight, FfnFacts, MoeFacts, SharedFacts, WeightSlot};
 use crate::layer::LayerCtx;
 use crate::ops_hybrid::{ExpertLinear, MoeCombine};
 use crate::weight_map::DenseWeight;
@@ -179,5 +183,33 @@ impl MoeMlp {
                 top_k: k,
             },
         )
+    }
+
+    /// Bind the FFN's weights into `weights` and return the facts its kernels read.
+    pub(crate) fn circuit_facts(
+        &self,
+        weights: &mut BTreeMap<WeightSlot, BoundWeight>,
+    ) -> FfnFacts {
+        use LinearRole::*;
+        weights.insert(WeightSlot::Linear(Router), (&self.router).into());
+        weights.insert(
+            WeightSlot::Linear(ExpertGateUp),
+            (&self.experts_gate_up).into(),
+        );
+        weights.insert(WeightSlot::Linear(ExpertDown), (&self.experts_down).into());
+        if let Some(se) = &self.shared {
+            weights.insert(WeightSlot::Linear(SharedGateUp), (&se.gate_up).into());
+            weights.insert(WeightSlot::Linear(SharedDown), (&se.down).into());
+            if let Some(g) = &se.gate {
+                weights.insert(WeightSlot::Linear(SharedGate), g.into());
+            }
+        }
+        FfnFacts::Moe(MoeFacts {
+            shape: self.shape,
+            shared: self.shared.as_ref().map(|se| SharedFacts {
+                ffn: se.ffn,
+                gated: se.gate.is_some(),
+            }),
+        })
     }
 }

@@ -1,0 +1,307 @@
+//! `ModelCircuit`: which forward runs a `TransformerModel`'s decode steps, the legacy layer walk
+//! (`TransformerModel::launch_step`) or the circuit executor's programs, and what the model
+//! discloses about it (forward name, plan digest, launches per step). Also
+//! [`checkpoint_plan`], the plan of a config without a model, for `metrale circuit plan`.
+//!
+//! The executor is built from the live model: each layer's binding
+//! (`CircuitBindings::circuit_layer`), the model's own weights, its step buffers and its KV and
+//! SSM pools, compiled at every width of the decode ladder. `decode()` then replays the
+//! program of the step's padded width, launch by launch or from a graph captured from it.
+//!
+//! Invariants:
+//! - A switch builds the next executor first, so a refused build leaves the current forward
+//!   running; then it destroys every captured decode graph, then frees the previous executor:
+//!   no graph ever replays freed memory.
+//! - Features the circuit does not model refuse the build, named with every other binding
+//!   problem in one [`CircuitExecError::Bindings`](metrale_model_layers::circuit_exec::CircuitExecError).
+//! - Prefill (`forward`) runs the legacy step whichever forward is selected; the circuit
+//!   compiles decode steps (one row per sequence) only.
+
+use metrale_config::ModelConfig;
+use metrale_model_layers::StepShape;
+use metrale_model_layers::circuit_exec::{
+    Architecture, Boot, CircuitExec, Fixed, HeadBinding, Launch, LayerPools, NormWeight, Plan,
+    Recorder, launcher_kernels, model_instance, plan_at,
+};
+
+pub use metrale_model_layers::circuit_exec::{Digest, Fusions, plans_digest};
+
+use crate::error::ModelError;
+use crate::model::TransformerModel;
+use crate::options::ModelOptions;
+
+/// Which forward runs decode steps. Default: [`ForwardSelect::Legacy`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ForwardSelect {
+    /// The layers' own forwards, step by step (`legacy`).
+    #[default]
+    Legacy,
+    /// The circuit executor's programs: `circuit` with [`Fusions::All`] (every rule whose
+    /// kernels the backend has), `circuit-reference` with [`Fusions::ReferenceOnly`] (bitwise
+    /// the legacy forward).
+    Circuit {
+        /// Which rules the plans may use.
+        fusions: Fusions,
+    },
+}
+
+impl ForwardSelect {
+    /// Every forward's name, as [`ForwardSelect::name`] spells it.
+    pub const NAMES: [&'static str; 3] = ["legacy", "circuit", "circuit-reference"];
+
+    /// `legacy`, `circuit` or `circuit-reference`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ForwardSelect::Legacy => "legacy",
+            ForwardSelect::Circuit {
+                fusions: Fusions::All,
+            } => "circuit",
+            ForwardSelect::Circuit {
+                fusions: Fusions::ReferenceOnly,
+            } => "circuit-reference",
+        }
+    }
+
+    /// The forward named `name` (one of [`ForwardSelect::NAMES`]).
+    pub fn from_name(name: &str) -> Option<ForwardSelect> {
+        Some(match name {
+            "legacy" => ForwardSelect::Legacy,
+            "circuit" => ForwardSelect::Circuit {
+                fusions: Fusions::All,
+            },
+            "circuit-reference" => ForwardSelect::Circuit {
+                fusions: Fusions::ReferenceOnly,
+            },
+            _ => return None,
+        })
+    }
+}
+
+/// What runs a model's decode steps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForwardDisclosure {
+    /// `legacy`, `circuit` or `circuit-reference`.
+    pub forward: &'static str,
+    /// The digest of the circuit's plans at every decode width (`plans_digest`); `None` for
+    /// the legacy forward.
+    pub plan_digest: Option<Digest>,
+    /// Kernel launches of a single-sequence decode step.
+    pub launches_per_step: usize,
+}
+
+/// Choosing and disclosing the forward; see the module header.
+pub trait ModelCircuit {
+    /// Run decode steps with `select` from now on. Building a circuit executor can fail
+    /// (refusing a model it would misdescribe); the current forward then stays.
+    fn set_forward(&mut self, select: ForwardSelect) -> Result<(), ModelError>;
+
+    /// The forward running decode steps.
+    fn forward_select(&self) -> ForwardSelect;
+
+    /// What runs decode steps, with its plan digest and launches per step.
+    fn forward_disclosure(&self) -> Result<ForwardDisclosure, ModelError>;
+
+    /// The launches one decode step of `width` rows (a rung of the decode ladder) makes under
+    /// the selected forward, recorded without running anything.
+    fn decode_launches(&self, width: usize) -> Result<Vec<Launch>, ModelError>;
+}
+
+impl TransformerModel {
+    /// Model features the `arch` circuit does not model.
+    fn circuit_unmodelled(&self, arch: Architecture) -> Vec<String> {
+        let convention = |zero_centred: bool| if zero_centred { "x * (1 + w)" } else { "x * w" };
+        let circuit_zc = arch.norm_weight() == NormWeight::ZeroCentred;
+        let mut out = Vec::new();
+        if self.dims.unit_offset != circuit_zc {
+            out.push(format!(
+                "RMSNorm weights applied as {} (the {arch} circuit applies {})",
+                convention(self.dims.unit_offset),
+                convention(circuit_zc)
+            ));
+        }
+        if self.dims.attn_gated != arch.attention_gated() {
+            out.push(format!(
+                "an attention output gate set to {} (the {arch} circuit's is {})",
+                self.dims.attn_gated,
+                arch.attention_gated()
+            ));
+        }
+        out
+    }
+
+    /// Build the executor of this model with `fusions`; see the module header.
+    fn build_circuit(&self, fusions: Fusions) -> Result<CircuitExec, ModelError> {
+        let widths = self.options.decode_ladder();
+        let instance = model_instance(
+            &self.config,
+            self.max_blocks as u64,
+            widths.into_iter().map(|w| w as u64).collect(),
+        )?;
+        for layer in &self.layers {
+            layer.circuit_prepare(&self.ops, self.stream)?;
+        }
+        self.gpu.synchronize(self.stream)?;
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| l.circuit_layer(&self.dims))
+            .collect();
+        let head = HeadBinding {
+            embedding: (&self.weights.embed).into(),
+            final_norm: (&self.weights.final_norm).into(),
+            lm_head: (&self.weights.lm_head).into(),
+            unmodelled: Vec::new(),
+        };
+        let fixed = Fixed {
+            buffers: self.buf,
+            pools: (0..self.layers.len())
+                .map(|i| {
+                    let (kv, ssm) = self.layer_bindings(i);
+                    LayerPools { kv, ssm }
+                })
+                .collect(),
+        };
+        let unmodelled = self.circuit_unmodelled(instance.architecture);
+        Ok(CircuitExec::build(Boot {
+            ops: &self.ops,
+            stream: self.stream,
+            instance,
+            fusions,
+            dims: self.dims,
+            layers,
+            head,
+            fixed,
+            unmodelled,
+        })?)
+    }
+
+    /// Destroy every captured decode graph, reporting the first failure.
+    fn destroy_decode_graphs(&mut self) -> Result<(), ModelError> {
+        let mut first = Ok(());
+        for (_, g) in self.graphs.drain() {
+            if let Err(e) = self.gpu.destroy_graph(g)
+                && first.is_ok()
+            {
+                first = Err(e.into());
+            }
+        }
+        first
+    }
+}
+
+impl ModelCircuit for TransformerModel {
+    fn set_forward(&mut self, select: ForwardSelect) -> Result<(), ModelError> {
+        let next = match select {
+            ForwardSelect::Legacy => None,
+            ForwardSelect::Circuit { fusions } => Some(self.build_circuit(fusions)?),
+        };
+        let destroyed = self.destroy_decode_graphs();
+        let previous = std::mem::replace(&mut self.circuit, next);
+        let freed = previous.map_or(Ok(()), CircuitExec::free);
+        destroyed?;
+        Ok(freed?)
+    }
+
+    fn forward_select(&self) -> ForwardSelect {
+        match &self.circuit {
+            None => ForwardSelect::Legacy,
+            Some(e) => ForwardSelect::Circuit {
+                fusions: e.fusions(),
+            },
+        }
+    }
+
+    fn forward_disclosure(&self) -> Result<ForwardDisclosure, ModelError> {
+        let forward = self.forward_select().name();
+        Ok(match &self.circuit {
+            None => ForwardDisclosure {
+                forward,
+                plan_digest: None,
+                launches_per_step: self.decode_launches(1)?.len(),
+            },
+            Some(e) => ForwardDisclosure {
+                forward,
+                plan_digest: Some(e.plans_digest()),
+                launches_per_step: e.launches_per_step(),
+            },
+        })
+    }
+
+    fn decode_launches(&self, width: usize) -> Result<Vec<Launch>, ModelError> {
+        if !self.options.decode_ladder().contains(&width) {
+            return Err(ModelError::Step(format!(
+                "{width} is not a decode width (the ladder is {:?})",
+                self.options.decode_ladder()
+            )));
+        }
+        if let Some(e) = &self.circuit {
+            return e
+                .program(width as u64)
+                .map(|p| p.launches().to_vec())
+                .ok_or_else(|| ModelError::Step(format!("no circuit program for {width} rows")));
+        }
+        let rows = u32::try_from(width)
+            .map_err(|_| ModelError::Step(format!("{width} rows do not fit a step")))?;
+        let shape = StepShape {
+            rows,
+            num_seqs: rows,
+            max_blocks: self.max_blocks as u32,
+            logit_rows: rows,
+        };
+        let (recorder, ops) = Recorder::over(&self.ops);
+        self.launch_step_with(&ops, shape)?;
+        Ok(recorder.take())
+    }
+}
+
+/// The circuit instance a model loaded with `options` compiles for `config`: the same
+/// block-table width and decode ladder.
+fn checkpoint_instance(
+    config: &ModelConfig,
+    options: &ModelOptions,
+) -> Result<metrale_model_layers::circuit_exec::Instance, ModelError> {
+    if options.block_size == 0 {
+        return Err(ModelError::Options {
+            option: "block_size",
+            problem: "must be positive".into(),
+        });
+    }
+    // As `TransformerModel::new` sizes the block tables.
+    let max_seq_len = options
+        .max_seq_len
+        .unwrap_or(config.max_position_embeddings.min(4096));
+    let blocks_per_seq = max_seq_len.div_ceil(options.block_size) as u64;
+    let widths = options.decode_ladder().into_iter().map(|w| w as u64);
+    Ok(model_instance(config, blocks_per_seq, widths.collect())?)
+}
+
+/// The plan of `config` at `rows` rows, as a model loaded with `options` compiles it, lowered
+/// with `fusions` against every kernel the engine has a launcher for. Reads no weights and
+/// needs no device.
+pub fn checkpoint_plan(
+    config: &ModelConfig,
+    options: &ModelOptions,
+    fusions: Fusions,
+    rows: u64,
+) -> Result<Plan, ModelError> {
+    let instance = checkpoint_instance(config, options)?;
+    Ok(plan_at(&instance, fusions, &launcher_kernels(), rows)?)
+}
+
+/// The plans of `config` at every width of the decode ladder of `options`, ascending: what a
+/// model loaded with them compiles, whose `plans_digest` its [`ForwardDisclosure`] reports
+/// (on a backend with every launcher's kernel).
+pub fn checkpoint_plans(
+    config: &ModelConfig,
+    options: &ModelOptions,
+    fusions: Fusions,
+) -> Result<Vec<Plan>, ModelError> {
+    let instance = checkpoint_instance(config, options)?;
+    let kernels = launcher_kernels();
+    let plans = instance
+        .widths
+        .iter()
+        .map(|&rows| plan_at(&instance, fusions, &kernels, rows))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(plans)
+}

@@ -1,0 +1,571 @@
+//! `CircuitBindings`, the supertrait of `TransformerLayer` through which a layer hands the
+//! circuit executor its weights by role ([`WeightSlot`], [`BoundWeight`]) and the facts its
+//! kernels need ([`MixerFacts`], [`FfnFacts`]); [`HeadBinding`], the model's own weights; and
+//! [`check_bindings`], which refuses a model its circuit would misdescribe.
+//!
+//! Invariants:
+//! - Layers keep owning their weights; a binding is a copy of addresses and shapes.
+//! - A layer lists in `unmodelled` every feature it carries that the circuit does not model, so
+//!   a plan never runs over a layer it misdescribes.
+//! - `check_bindings` reports every problem of a model in one error, in layer order: an
+//!   unbound layer, an unmodelled feature, a layer whose kind or facts disagree with the
+//!   circuit, a missing, misshapen or unread weight, a layer-count mismatch.
+//! - A bound weight carries its storage format; compilation checks it against the format the
+//!   plan's kernel reads (`compile.rs`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use metrale_circuit::{
+    Block, Circuit, FfnKind, LayerKind, LayerSpec, LinearRole, NodeId, NormRole, Op,
+};
+use metrale_gpu_runtime::{DType, DevicePtr, GpuResult, StreamHandle};
+
+use super::error::{BindingProblem, CircuitExecError, Part};
+use super::fixed::LayerPools;
+use crate::layer::ModelDims;
+use crate::layers::MoeShape;
+use crate::ops::Ops;
+use crate::ops_hybrid::GdnHeads;
+use crate::weight_map::DenseWeight;
+
+/// Which weight of a layer (or of the model's head) a circuit node reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum WeightSlot {
+    /// The mixer's input RMSNorm (`input_layernorm`).
+    InputNorm,
+    /// The FFN's input RMSNorm (`post_attention_layernorm`).
+    PostNorm,
+    /// A projection by role: the fused ones (`Qkv`, `GateUp`, `GdnInProj`, the stacked
+    /// experts) as the loader fused them; `LmHead` on the head.
+    Linear(LinearRole),
+    /// Attention's per-head q RMSNorm.
+    QNorm,
+    /// Attention's per-head k RMSNorm.
+    KNorm,
+    /// Gated DeltaNet `A_log` (f32).
+    GdnALog,
+    /// Gated DeltaNet `dt_bias` (f32).
+    GdnDtBias,
+    /// Gated DeltaNet conv1d taps.
+    GdnConv1d,
+    /// Gated DeltaNet gated output norm.
+    GdnNorm,
+    /// The token embedding (head binding).
+    Embedding,
+    /// The final RMSNorm (head binding).
+    FinalNorm,
+}
+
+impl fmt::Display for WeightSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WeightSlot::InputNorm => f.write_str("input_norm"),
+            WeightSlot::PostNorm => f.write_str("post_norm"),
+            WeightSlot::Linear(role) => write!(f, "linear({role})"),
+            WeightSlot::QNorm => f.write_str("q_norm"),
+            WeightSlot::KNorm => f.write_str("k_norm"),
+            WeightSlot::GdnALog => f.write_str("gdn.a_log"),
+            WeightSlot::GdnDtBias => f.write_str("gdn.dt_bias"),
+            WeightSlot::GdnConv1d => f.write_str("gdn.conv1d"),
+            WeightSlot::GdnNorm => f.write_str("gdn.norm"),
+            WeightSlot::Embedding => f.write_str("embedding"),
+            WeightSlot::FinalNorm => f.write_str("final_norm"),
+        }
+    }
+}
+
+/// A bound weight and its storage format.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BoundWeight {
+    /// Unquantized, in its element type (bf16 projections and norms; the GDN vectors f32).
+    Dense(DenseWeight),
+}
+
+impl BoundWeight {
+    /// The format family, as the kernels' weight formats are spelled (`bf16`, `f32`, ...).
+    pub fn family(&self) -> &'static str {
+        match self {
+            BoundWeight::Dense(w) => w.dtype.name(),
+        }
+    }
+
+    /// Where the data starts.
+    pub fn ptr(&self) -> DevicePtr {
+        match self {
+            BoundWeight::Dense(w) => w.ptr,
+        }
+    }
+
+    /// Dims, outermost first.
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            BoundWeight::Dense(w) => &w.shape,
+        }
+    }
+}
+
+impl From<&DenseWeight> for BoundWeight {
+    fn from(w: &DenseWeight) -> BoundWeight {
+        BoundWeight::Dense(w.clone())
+    }
+}
+
+/// A full-attention layer's rotary embedding.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeFacts {
+    /// Rotated dims per head (the inverse frequencies are the model's `StepBuffers::inv_freq`).
+    pub rotary_dim: u32,
+}
+
+/// What a full-attention layer's kernels need beyond its weights.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnFacts {
+    /// Query heads.
+    pub num_q_heads: u32,
+    /// KV heads.
+    pub num_kv_heads: u32,
+    /// Head dim.
+    pub head_dim: u32,
+    /// Each query head carries an output gate (`[q | gate]`).
+    pub gated: bool,
+    /// Per-head q and k RMSNorms before RoPE.
+    pub qk_norm: bool,
+    /// Rotary embedding.
+    pub rope: RopeFacts,
+    /// Softmax scale (`Attention::softmax_scale`).
+    pub softmax_scale: f32,
+}
+
+/// What a Gated DeltaNet layer's kernels need beyond its weights.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GdnFacts {
+    /// Head shape.
+    pub heads: GdnHeads,
+    /// Conv taps.
+    pub conv_kernel: u32,
+    /// Epsilon of the gated RMSNorm.
+    pub eps: f32,
+    /// Epsilon of the q/k L2 norms.
+    pub l2_eps: f32,
+    /// q's scale (`GatedDeltaNet::q_scale`).
+    pub q_scale: f32,
+}
+
+/// The mixer a layer runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MixerFacts {
+    /// Full attention.
+    Attention(AttnFacts),
+    /// Gated DeltaNet.
+    Gdn(GdnFacts),
+}
+
+impl MixerFacts {
+    /// The circuit's name for this mixer.
+    pub fn kind(&self) -> LayerKind {
+        match self {
+            MixerFacts::Attention(_) => LayerKind::FullAttention,
+            MixerFacts::Gdn(_) => LayerKind::LinearAttention,
+        }
+    }
+}
+
+/// The shared expert of an MoE FFN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharedFacts {
+    /// Width.
+    pub ffn: u32,
+    /// Scaled by `sigmoid(shared_expert_gate · x)`.
+    pub gated: bool,
+}
+
+/// What an MoE FFN's kernels need beyond its weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeFacts {
+    /// Experts, top-k, expert width, renormalisation.
+    pub shape: MoeShape,
+    /// The shared expert, when the layer has one.
+    pub shared: Option<SharedFacts>,
+}
+
+/// The FFN a layer runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnFacts {
+    /// Dense SwiGLU of this width.
+    Dense {
+        /// Width.
+        ffn: u32,
+    },
+    /// Sparse MoE.
+    Moe(MoeFacts),
+}
+
+impl FfnFacts {
+    /// The circuit's name for this FFN.
+    pub fn kind(&self) -> FfnKind {
+        match self {
+            FfnFacts::Dense { .. } => FfnKind::Dense,
+            FfnFacts::Moe(_) => FfnKind::Moe,
+        }
+    }
+}
+
+/// One decoder layer, as the executor sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CircuitLayer {
+    /// The mixer.
+    pub mixer: MixerFacts,
+    /// The FFN.
+    pub ffn: FfnFacts,
+    /// Weights by slot.
+    pub weights: BTreeMap<WeightSlot, BoundWeight>,
+    /// Features present on this layer that the circuit does not model.
+    pub unmodelled: Vec<String>,
+}
+
+impl CircuitLayer {
+    /// The layer's kinds, as the circuit spells them.
+    pub fn spec(&self) -> LayerSpec {
+        LayerSpec {
+            kind: self.mixer.kind(),
+            ffn: self.ffn.kind(),
+        }
+    }
+}
+
+/// A supertrait of `TransformerLayer`; see the module header.
+pub trait CircuitBindings {
+    /// Build whatever the bound kernels read that the layer builds lazily, so a binding can
+    /// hand it out; queued on `stream`. Nothing is built lazily today.
+    fn circuit_prepare(&self, _ops: &Ops, _stream: StreamHandle) -> GpuResult<()> {
+        Ok(())
+    }
+
+    /// This layer for the circuit executor; `None` for a layer type it does not bind. `dims`
+    /// are the model's, as the layer's forward reads them.
+    fn circuit_layer(&self, _dims: &ModelDims) -> Option<CircuitLayer> {
+        None
+    }
+}
+
+/// The model's own weights: the embedding the first node reads, the final norm and the LM
+/// head; and the features of the step's ends that the circuit does not model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeadBinding {
+    /// `[vocab, hidden]`.
+    pub embedding: BoundWeight,
+    /// `[hidden]`.
+    pub final_norm: BoundWeight,
+    /// `[vocab, hidden]`.
+    pub lm_head: BoundWeight,
+    /// Features of the head the circuit does not model.
+    pub unmodelled: Vec<String>,
+}
+
+impl HeadBinding {
+    /// The weight in `slot`, if the head has one there.
+    pub fn weight(&self, slot: WeightSlot) -> Option<&BoundWeight> {
+        match slot {
+            WeightSlot::Embedding => Some(&self.embedding),
+            WeightSlot::FinalNorm => Some(&self.final_norm),
+            WeightSlot::Linear(LinearRole::LmHead) => Some(&self.lm_head),
+            _ => None,
+        }
+    }
+}
+
+/// The weights a node of `op` reads; the final norm's and the step ends' are the head's.
+pub(crate) fn slots_read(op: Op) -> Vec<WeightSlot> {
+    let norm = |role: NormRole| match role {
+        NormRole::Input => WeightSlot::InputNorm,
+        NormRole::Post => WeightSlot::PostNorm,
+        NormRole::Final => WeightSlot::FinalNorm,
+    };
+    match op {
+        Op::Embedding => vec![WeightSlot::Embedding],
+        Op::RmsNorm { role, .. } | Op::AddRmsNorm { role, .. } => vec![norm(role)],
+        Op::Linear(role) => vec![WeightSlot::Linear(role)],
+        Op::QkNormRope(_) => vec![WeightSlot::QNorm, WeightSlot::KNorm],
+        Op::GdnConv => vec![WeightSlot::GdnConv1d],
+        Op::GdnGates => vec![WeightSlot::GdnALog, WeightSlot::GdnDtBias],
+        Op::GdnGatedNorm => vec![WeightSlot::GdnNorm],
+        Op::ResidualAdd
+        | Op::Rope
+        | Op::KvStore
+        | Op::PagedAttention { .. }
+        | Op::GdnRecurrence
+        | Op::MoeRoute
+        | Op::MoeCombine
+        | Op::SiluMul
+        | Op::GatherRows
+        | Op::Argmax => Vec::new(),
+    }
+}
+
+/// Elements a node reads from a weight, and the innermost dimension it reads, derived from
+/// the circuit's extents at its first width.
+fn expected_weight(
+    circuit: &Circuit,
+    extents: &[Vec<u64>],
+    node: NodeId,
+    slot: WeightSlot,
+) -> Option<(u64, Option<u64>)> {
+    let n = circuit.node(node)?;
+    let ext = |i: usize| extents.get(n.inputs.get(i)?.0).map(Vec::as_slice);
+    let out = |i: usize| extents.get(n.outputs.get(i)?.0).map(Vec::as_slice);
+    let d = &circuit.instance().dims;
+    let numel = |e: &[u64]| e.iter().product::<u64>();
+    Some(match slot {
+        WeightSlot::InputNorm | WeightSlot::PostNorm | WeightSlot::FinalNorm => (d.hidden, None),
+        WeightSlot::Embedding => (d.vocab * d.hidden, Some(d.hidden)),
+        WeightSlot::QNorm | WeightSlot::KNorm => (d.head_dim, None),
+        WeightSlot::GdnConv1d => {
+            let g = d.gdn?;
+            let conv_dim = 2 * g.num_k_heads * g.k_head_dim + g.num_v_heads * g.v_head_dim;
+            (conv_dim * g.conv_kernel, Some(g.conv_kernel))
+        }
+        WeightSlot::GdnALog | WeightSlot::GdnDtBias => (d.gdn?.num_v_heads, None),
+        WeightSlot::GdnNorm => (d.gdn?.v_head_dim, None),
+        WeightSlot::Linear(LinearRole::ExpertGateUp | LinearRole::ExpertDown) => {
+            let (x, y) = (ext(0)?, out(0)?);
+            let (k, cols) = (*x.last()?, *y.last()?);
+            (d.moe?.num_experts * cols * k, Some(k))
+        }
+        WeightSlot::Linear(_) => {
+            let (x, y) = (ext(0)?, out(0)?);
+            let (m, k) = (*x.first()?, *x.last()?);
+            (numel(y) / m.max(1) * k, Some(k))
+        }
+    })
+}
+
+/// Whether the circuit's node reads the same weights the model bound, with the shapes it
+/// reads them with; problems are pushed onto `problems`.
+fn weight_problems(
+    circuit: &Circuit,
+    layers: &[Option<CircuitLayer>],
+    agrees: &[bool],
+    head: &HeadBinding,
+    problems: &mut Vec<BindingProblem>,
+) -> Result<(), CircuitExecError> {
+    let first = circuit.instance().widths.first().copied().unwrap_or(1);
+    let extents = circuit.extents(first)?;
+    let mut read: BTreeMap<Block, Vec<WeightSlot>> = BTreeMap::new();
+    for (i, node) in circuit.nodes().iter().enumerate() {
+        for slot in slots_read(node.op) {
+            read.entry(node.block).or_default().push(slot);
+            let bound = match node.block {
+                Block::Layer(l) => match layers.get(l) {
+                    Some(Some(layer)) if agrees.get(l) == Some(&true) => layer.weights.get(&slot),
+                    // An unbound, missing or disagreeing layer is reported once, elsewhere.
+                    _ => continue,
+                },
+                Block::Embed | Block::Head => head.weight(slot),
+            };
+            let Some(bound) = bound else {
+                problems.push(BindingProblem::MissingWeight {
+                    block: node.block,
+                    slot,
+                });
+                continue;
+            };
+            let Some((expected, last)) = expected_weight(circuit, &extents, NodeId(i), slot) else {
+                continue;
+            };
+            let shape = bound.shape();
+            let numel = shape.iter().map(|&d| d as u64).product::<u64>();
+            let last_ok = last.is_none_or(|l| shape.last().map(|&d| d as u64) == Some(l));
+            if numel != expected || !last_ok {
+                problems.push(BindingProblem::WeightShape {
+                    block: node.block,
+                    slot,
+                    expected,
+                    last,
+                    found: shape.to_vec(),
+                });
+            }
+        }
+    }
+    for (i, layer) in layers.iter().enumerate() {
+        let (Some(layer), block) = (layer, Block::Layer(i)) else {
+            continue;
+        };
+        if agrees.get(i) != Some(&true) {
+            continue;
+        }
+        let reads = read.get(&block).map(Vec::as_slice).unwrap_or(&[]);
+        for &slot in layer.weights.keys() {
+            if !reads.contains(&slot) {
+                problems.push(BindingProblem::UnreadWeight { block, slot });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The facts of layer `i` that differ from the circuit's instance.
+fn fact_problems(i: usize, layer: &CircuitLayer, circuit: &Circuit) -> Vec<BindingProblem> {
+    let instance = circuit.instance();
+    let (d, arch) = (&instance.dims, instance.architecture);
+    let mut out = Vec::new();
+    let mut fact = |fact: &'static str, model: String, circuit: String| {
+        if model != circuit {
+            out.push(BindingProblem::FactDisagrees {
+                layer: i,
+                fact,
+                model,
+                circuit,
+            });
+        }
+    };
+    let s = |v: u64| v.to_string();
+    match layer.mixer {
+        MixerFacts::Attention(a) => {
+            fact("query heads", s(a.num_q_heads.into()), s(d.num_q_heads));
+            fact("KV heads", s(a.num_kv_heads.into()), s(d.num_kv_heads));
+            fact("head dim", s(a.head_dim.into()), s(d.head_dim));
+            fact(
+                "the attention output gate",
+                a.gated.to_string(),
+                arch.attention_gated().to_string(),
+            );
+            fact(
+                "the q/k norm",
+                a.qk_norm.to_string(),
+                arch.qk_norm().to_string(),
+            );
+        }
+        MixerFacts::Gdn(g) => {
+            let (k_heads, k_dim, v_heads, v_dim, taps) = match d.gdn {
+                Some(c) => (
+                    c.num_k_heads,
+                    c.k_head_dim,
+                    c.num_v_heads,
+                    c.v_head_dim,
+                    c.conv_kernel,
+                ),
+                None => (0, 0, 0, 0, 0),
+            };
+            fact("GDN key heads", s(g.heads.num_k_heads.into()), s(k_heads));
+            fact("GDN key head dim", s(g.heads.k_head_dim.into()), s(k_dim));
+            fact("GDN value heads", s(g.heads.num_v_heads.into()), s(v_heads));
+            fact("GDN value head dim", s(g.heads.v_head_dim.into()), s(v_dim));
+            fact("GDN conv taps", s(g.conv_kernel.into()), s(taps));
+        }
+    }
+    match layer.ffn {
+        FfnFacts::Dense { ffn } => fact("the FFN width", s(ffn.into()), s(d.ffn)),
+        FfnFacts::Moe(m) => {
+            let c = d.moe;
+            let (e, k, f) = c.map_or((0, 0, 0), |c| (c.num_experts, c.top_k, c.expert_ffn));
+            fact("experts", s(m.shape.num_experts.into()), s(e));
+            fact("experts per token", s(m.shape.top_k.into()), s(k));
+            fact("the expert width", s(m.shape.expert_ffn.into()), s(f));
+            let show = |sh: Option<(u64, bool)>| match sh {
+                None => "none".to_string(),
+                Some((w, g)) => format!("{w}{}", if g { " gated" } else { "" }),
+            };
+            fact(
+                "the shared expert",
+                show(m.shared.map(|x| (x.ffn.into(), x.gated))),
+                show(c.and_then(|c| c.shared).map(|x| (x.ffn, x.gated))),
+            );
+        }
+    }
+    out
+}
+
+/// Every problem of `layers` and `head` against `circuit`, layer by layer, then the head's and
+/// the layer count; with `pools`, also each layer's missing cache or state pool. The bound
+/// layers, in order.
+pub(crate) fn binding_problems(
+    circuit: &Circuit,
+    layers: &[Option<CircuitLayer>],
+    head: &HeadBinding,
+    pools: Option<&[LayerPools]>,
+) -> Result<(Vec<BindingProblem>, Vec<CircuitLayer>), CircuitExecError> {
+    let mut problems = Vec::new();
+    let mut bound = Vec::with_capacity(layers.len());
+    let mut agrees = vec![false; layers.len()];
+    let kinds = circuit.layer_kinds();
+    let ffns = circuit.ffn_kinds();
+    for (i, l) in layers.iter().enumerate() {
+        let Some(l) = l else {
+            problems.push(BindingProblem::Unbound { layer: i });
+            continue;
+        };
+        for feature in &l.unmodelled {
+            problems.push(BindingProblem::Unmodelled {
+                part: Part::Layer(i),
+                feature: feature.clone(),
+            });
+        }
+        bound.push(l.clone());
+        let (Some(&kind), Some(&ffn)) = (kinds.get(i), ffns.get(i)) else {
+            continue;
+        };
+        let want = LayerSpec { kind, ffn };
+        if l.spec() != want {
+            problems.push(BindingProblem::KindDisagrees {
+                layer: i,
+                model: l.spec(),
+                circuit: want,
+            });
+            continue;
+        }
+        agrees[i] = true;
+        problems.extend(fact_problems(i, l, circuit));
+        if let Some(pools) = pools {
+            let p = pools.get(i).copied().unwrap_or_default();
+            let missing = match l.mixer {
+                MixerFacts::Attention(_) if p.kv.is_none() => Some("KV cache"),
+                MixerFacts::Gdn(_) if p.ssm.is_none() => Some("SSM state"),
+                _ => None,
+            };
+            if let Some(pool) = missing {
+                problems.push(BindingProblem::MissingPool { layer: i, pool });
+            }
+        }
+    }
+    for feature in &head.unmodelled {
+        problems.push(BindingProblem::Unmodelled {
+            part: Part::Head,
+            feature: feature.clone(),
+        });
+    }
+    weight_problems(circuit, layers, &agrees, head, &mut problems)?;
+    if layers.len() != kinds.len() {
+        problems.push(BindingProblem::LayerCount {
+            model: layers.len(),
+            circuit: kinds.len(),
+        });
+    }
+    Ok((problems, bound))
+}
+
+/// Refuse a model the circuit misdescribes, listing every problem in one
+/// [`CircuitExecError::Bindings`]; else the bound layers, in order.
+pub fn check_bindings(
+    circuit: &Circuit,
+    layers: &[Option<CircuitLayer>],
+    head: &HeadBinding,
+) -> Result<Vec<CircuitLayer>, CircuitExecError> {
+    let (problems, bound) = binding_problems(circuit, layers, head, None)?;
+    if problems.is_empty() {
+        Ok(bound)
+    } else {
+        Err(CircuitExecError::Bindings { problems })
+    }
+}
+
+/// The format family kernel reads `slot` in: the GDN gates read `A_log` and `dt_bias` as f32,
+/// every other kernel reads bf16 weights.
+pub(crate) fn expected_family(kernel: metrale_circuit::Kernel, slot: WeightSlot) -> &'static str {
+    match (kernel, slot) {
+        (metrale_circuit::kernels::GDN_PREPARE, WeightSlot::GdnALog | WeightSlot::GdnDtBias) => {
+            DType::F32.name()
+        }
+        _ => DType::Bf16.name(),
+    }
+}

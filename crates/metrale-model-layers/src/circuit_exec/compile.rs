@@ -1,0 +1,128 @@
+//! Compilation: a plan to a [`Program`], the flat list of launches one decode step makes at the
+//! plan's width, each group emitted through the typed launchers into a [`Recorder`].
+//!
+//! Invariants:
+//! - Each group emits exactly its plan kernels, in order, and the program has exactly
+//!   `Plan::launches_per_step` launches; anything else is an error, never a silent program.
+//!   A plan kernel whose launcher picks among shape variants ([`VARIANTS`]) is matched by any
+//!   of them.
+//! - A program reads and writes only addresses fixed at boot, so replaying it, launch by launch
+//!   or as a captured graph, needs only the step's metadata uploaded first.
+
+use std::collections::BTreeMap;
+
+use metrale_circuit::{Digest, Kernel, Plan};
+use metrale_gpu_runtime::{GpuBackend, GpuResult, KernelHandle, StreamHandle};
+
+use super::emit::Emitter;
+use super::error::CircuitExecError;
+use super::record::{Launch, Recorder};
+
+/// The launches of one decode step at one width.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Program {
+    rows: u64,
+    plan_digest: Digest,
+    launches: Vec<Launch>,
+}
+
+impl Program {
+    /// Rows (one per sequence) of the step it runs.
+    pub fn rows(&self) -> u64 {
+        self.rows
+    }
+
+    /// The digest of the plan it was compiled from.
+    pub fn plan_digest(&self) -> Digest {
+        self.plan_digest
+    }
+
+    /// Its launches, in order.
+    pub fn launches(&self) -> &[Launch] {
+        &self.launches
+    }
+
+    /// Launch it on `stream`, in order; under `begin_capture` this records the graph.
+    pub fn replay(&self, gpu: &dyn GpuBackend, stream: StreamHandle) -> GpuResult<()> {
+        self.launches.iter().try_for_each(|l| l.run(gpu, stream))
+    }
+}
+
+/// Plan kernels whose launcher picks another kernel by shape, and those variants: `ops::linear`
+/// (and its f32-out twin) launches `linear_stream` for decode-sized row counts, which gives
+/// bitwise the rows `linear` gives. The plan names the family's kernel.
+pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
+    (
+        metrale_circuit::kernels::LINEAR,
+        &[Kernel::new("gemm", "linear_stream")],
+    ),
+    (
+        metrale_circuit::kernels::LINEAR_F32OUT,
+        &[Kernel::new("gemm", "linear_stream_f32out")],
+    ),
+];
+
+/// The handles a launch of plan kernel `kernel` may carry on `gpu`: its own and those of its
+/// shape variants the backend has; resolved once.
+fn handles<'c>(
+    gpu: &dyn GpuBackend,
+    cache: &'c mut BTreeMap<Kernel, Vec<KernelHandle>>,
+    kernel: Kernel,
+) -> Result<&'c [KernelHandle], CircuitExecError> {
+    if let std::collections::btree_map::Entry::Vacant(slot) = cache.entry(kernel) {
+        let mut hs = vec![gpu.kernel(kernel.module, kernel.name)?];
+        let variants = VARIANTS.iter().filter(|(k, _)| *k == kernel);
+        for v in variants.flat_map(|(_, vs)| vs.iter()) {
+            if let Ok(h) = gpu.kernel(v.module, v.name) {
+                hs.push(h);
+            }
+        }
+        slot.insert(hs);
+    }
+    Ok(cache.get(&kernel).map(Vec::as_slice).unwrap_or_default())
+}
+
+/// Compile `emitter.plan` into a program, recording into `recorder` (which `emitter.ops`
+/// launches into).
+pub(crate) fn compile(
+    emitter: &Emitter<'_>,
+    recorder: &Recorder,
+    cache: &mut BTreeMap<Kernel, Vec<KernelHandle>>,
+) -> Result<Program, CircuitExecError> {
+    let plan: &Plan = emitter.plan;
+    let gpu = emitter.ops.gpu().as_ref();
+    recorder.take();
+    for group in plan.groups() {
+        let before = recorder.len();
+        emitter.group(group)?;
+        let emitted: Vec<KernelHandle> = recorder.since(before).iter().map(|l| l.kernel).collect();
+        let mut matches = emitted.len() == group.kernels.len();
+        for (&kernel, launched) in group.kernels.iter().zip(&emitted) {
+            matches &= handles(gpu, cache, kernel)?.contains(launched);
+        }
+        if !matches {
+            let names: Vec<String> = group.kernels.iter().map(ToString::to_string).collect();
+            let chain: Vec<String> = group.ops.iter().map(ToString::to_string).collect();
+            return Err(CircuitExecError::GroupLaunches {
+                rows: plan.rows(),
+                block: group.block,
+                chain: chain.join(" > "),
+                planned: names.join(", "),
+                emitted: format!("{emitted:?}"),
+            });
+        }
+    }
+    let launches = recorder.take();
+    if launches.len() != plan.launches_per_step() {
+        return Err(CircuitExecError::LaunchCount {
+            rows: plan.rows(),
+            planned: plan.launches_per_step(),
+            emitted: launches.len(),
+        });
+    }
+    Ok(Program {
+        rows: plan.rows(),
+        plan_digest: plan.digest(),
+        launches,
+    })
+}

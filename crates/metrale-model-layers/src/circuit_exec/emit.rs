@@ -1,0 +1,574 @@
+//! Emitters: one plan group to its launches, through the typed launchers of `ops` (the ones the
+//! legacy forward calls), with every address taken from the circuit's edges ([`Fixed`]) or the
+//! bindings, and every extent from the plan's.
+//!
+//! Invariants:
+//! - An emitter launches exactly its group's kernels, in order (`compile.rs` checks it).
+//! - A reference group's launch is the legacy forward's launch for the same op, argument for
+//!   argument: the same buffers, the same extents, the same facts.
+//! - Every weight an emitter reads has the format family the group's kernel reads.
+
+use metrale_circuit::kernels as k;
+use metrale_circuit::{Block, Group, Kernel, Node, NormRole, NormWeight, Op, Plan, Tensor};
+use metrale_gpu_runtime::{DevicePtr, StreamHandle};
+
+use super::bindings::{
+    AttnFacts, CircuitLayer, FfnFacts, GdnFacts, HeadBinding, MixerFacts, MoeFacts, WeightSlot,
+    expected_family,
+};
+use super::error::{BindingProblem, CircuitExecError};
+use super::fixed::{Fixed, LayerPools};
+use crate::layer::{KvBinding, ModelDims, SsmBinding};
+use crate::ops::{KvStore, Ops, PagedAttention, QkNormRope};
+use crate::ops_hybrid::{
+    CausalConv1d, ExpertLinear, GatedDelta, GatedRmsNorm, GdnPrepare, GdnSeqs, MoeCombine,
+    StatePool,
+};
+
+type Result<T> = std::result::Result<T, CircuitExecError>;
+
+/// A tensor as one node sees it: its address and its extents at the plan's width.
+#[derive(Debug, Clone, Copy)]
+struct Edge {
+    ptr: DevicePtr,
+    /// The outermost extent (rows, or pairs).
+    rows: u64,
+    /// The innermost extent.
+    cols: u64,
+    /// Every extent multiplied.
+    numel: u64,
+}
+
+/// What a group's launches are built from.
+#[derive(Debug)]
+pub(crate) struct Emitter<'a> {
+    /// Launchers (recording ones, when compiling).
+    pub ops: &'a Ops,
+    /// The stream passed to the launchers.
+    pub stream: StreamHandle,
+    /// The plan being compiled.
+    pub plan: &'a Plan,
+    /// The model's dimensions (norm epsilon).
+    pub dims: &'a ModelDims,
+    /// The bound layers, in order.
+    pub layers: &'a [CircuitLayer],
+    /// The model's own weights.
+    pub head: &'a HeadBinding,
+    /// The fixed addresses.
+    pub fixed: &'a Fixed,
+}
+
+/// Scratch bytes `group` needs beyond the step buffers at `plan`'s width. None today: every
+/// emitter writes the step buffer the legacy forward writes for its op.
+pub(crate) fn scratch_bytes(_plan: &Plan, _group: &Group) -> u64 {
+    0
+}
+
+impl Emitter<'_> {
+    /// Launch `group`'s kernels.
+    pub(crate) fn group(&self, group: &Group) -> Result<()> {
+        let emitted = match self.plan.group_nodes(group) {
+            [node] => self.single(node, &group.kernels)?,
+            _ => false,
+        };
+        if emitted {
+            return Ok(());
+        }
+        let chain: Vec<String> = group.ops.iter().map(ToString::to_string).collect();
+        let kernels: Vec<String> = group.kernels.iter().map(ToString::to_string).collect();
+        Err(CircuitExecError::NoEmitter {
+            block: group.block,
+            chain: chain.join(" > "),
+            kernels: kernels.join(", "),
+        })
+    }
+
+    fn edge(&self, node: &Node, tensor: Tensor, outputs: bool) -> Result<Edge> {
+        let circuit = self.plan.circuit();
+        let ids = if outputs { &node.outputs } else { &node.inputs };
+        let id = ids
+            .iter()
+            .copied()
+            .find(|&v| circuit.value(v).is_some_and(|x| x.tensor == tensor))
+            .ok_or(CircuitExecError::NoBuffer {
+                block: node.block,
+                tensor: tensor.name(),
+            })?;
+        let ptr = self.fixed.tensor(tensor, node.block)?;
+        let ext = self.plan.extents(id);
+        // Every tensor's shape has at least one extent (`Tensor::spec`).
+        Ok(Edge {
+            ptr,
+            rows: ext.first().copied().unwrap_or(1),
+            cols: ext.last().copied().unwrap_or(1),
+            numel: ext.iter().product(),
+        })
+    }
+
+    fn input(&self, node: &Node, tensor: Tensor) -> Result<Edge> {
+        self.edge(node, tensor, false)
+    }
+
+    fn output(&self, node: &Node, tensor: Tensor) -> Result<Edge> {
+        self.edge(node, tensor, true)
+    }
+
+    /// The tensor of the node's `i`-th input (or output).
+    fn nth(&self, node: &Node, i: usize, outputs: bool) -> Result<Edge> {
+        let ids = if outputs { &node.outputs } else { &node.inputs };
+        let tensor = ids
+            .get(i)
+            .and_then(|&v| self.plan.circuit().value(v))
+            .map(|v| v.tensor)
+            .ok_or(CircuitExecError::NoBuffer {
+                block: node.block,
+                tensor: "(an operand)",
+            })?;
+        self.edge(node, tensor, outputs)
+    }
+
+    fn reads(&self, node: &Node, tensor: Tensor) -> bool {
+        let circuit = self.plan.circuit();
+        node.inputs
+            .iter()
+            .any(|&v| circuit.value(v).is_some_and(|x| x.tensor == tensor))
+    }
+
+    /// `value` as a 32-bit kernel argument.
+    fn u32(&self, block: Block, what: &'static str, value: u64) -> Result<u32> {
+        u32::try_from(value).map_err(|_| CircuitExecError::TooLarge { block, what, value })
+    }
+
+    /// The weight in `slot` as `kernel` reads it.
+    fn weight(&self, block: Block, slot: WeightSlot, kernel: Kernel) -> Result<DevicePtr> {
+        let bound = match block {
+            Block::Layer(i) => self.layers.get(i).and_then(|l| l.weights.get(&slot)),
+            Block::Embed | Block::Head => self.head.weight(slot),
+        };
+        let Some(bound) = bound else {
+            return Err(CircuitExecError::Bindings {
+                problems: vec![BindingProblem::MissingWeight { block, slot }],
+            });
+        };
+        let expected = expected_family(kernel, slot);
+        if bound.family() != expected {
+            return Err(CircuitExecError::WeightFormat {
+                block,
+                slot,
+                kernel,
+                bound: bound.family(),
+                expected,
+            });
+        }
+        Ok(bound.ptr())
+    }
+
+    fn layer(&self, block: Block) -> Result<&CircuitLayer> {
+        match block {
+            Block::Layer(i) => self.layers.get(i),
+            Block::Embed | Block::Head => None,
+        }
+        .ok_or(Self::mismatch(block, "a layer binding"))
+    }
+
+    fn mismatch(block: Block, what: &'static str) -> CircuitExecError {
+        CircuitExecError::MissingFacts { block, what }
+    }
+
+    fn attn(&self, block: Block) -> Result<AttnFacts> {
+        match self.layer(block)?.mixer {
+            MixerFacts::Attention(a) => Ok(a),
+            MixerFacts::Gdn(_) => Err(Self::mismatch(block, "attention facts")),
+        }
+    }
+
+    fn gdn(&self, block: Block) -> Result<GdnFacts> {
+        match self.layer(block)?.mixer {
+            MixerFacts::Gdn(g) => Ok(g),
+            MixerFacts::Attention(_) => Err(Self::mismatch(block, "Gated DeltaNet facts")),
+        }
+    }
+
+    fn moe(&self, block: Block) -> Result<MoeFacts> {
+        match self.layer(block)?.ffn {
+            FfnFacts::Moe(m) => Ok(m),
+            FfnFacts::Dense { .. } => Err(Self::mismatch(block, "MoE facts")),
+        }
+    }
+
+    fn pools(&self, block: Block) -> LayerPools {
+        match block {
+            Block::Layer(i) => self.fixed.pools.get(i).copied().unwrap_or_default(),
+            Block::Embed | Block::Head => LayerPools::default(),
+        }
+    }
+
+    fn kv(&self, block: Block) -> Result<KvBinding> {
+        self.pools(block)
+            .kv
+            .ok_or(Self::mismatch(block, "a KV cache binding"))
+    }
+
+    fn ssm(&self, block: Block) -> Result<SsmBinding> {
+        self.pools(block)
+            .ssm
+            .ok_or(Self::mismatch(block, "an SSM state binding"))
+    }
+
+    fn norm_slot(role: NormRole) -> WeightSlot {
+        match role {
+            NormRole::Input => WeightSlot::InputNorm,
+            NormRole::Post => WeightSlot::PostNorm,
+            NormRole::Final => WeightSlot::FinalNorm,
+        }
+    }
+
+    /// The GDN kernels' view of the step's sequences.
+    fn seqs(&self, node: &Node, rows: u64) -> Result<GdnSeqs> {
+        let b = node.block;
+        let slot = self.input(node, Tensor::SeqSlot)?;
+        Ok(GdnSeqs {
+            row_seq: self.input(node, Tensor::RowSeq)?.ptr,
+            seq_start: self.input(node, Tensor::SeqStart)?.ptr,
+            seq_slot: slot.ptr,
+            positions: self.input(node, Tensor::Positions)?.ptr,
+            rows: self.u32(b, "rows", rows)?,
+            num_seqs: self.u32(b, "sequences", slot.rows)?,
+        })
+    }
+
+    /// Emit a one-node group; `false` when no emitter lowers `node` to `kernels`.
+    fn single(&self, node: &Node, kernels: &[Kernel]) -> Result<bool> {
+        let (ops, s, b, eps) = (self.ops, self.stream, node.block, self.dims.eps);
+        let u = |what: &'static str, v: u64| self.u32(b, what, v);
+        match (node.op, kernels) {
+            (Op::Embedding, [kernel @ k::EMBEDDING_GATHER]) => {
+                let ids = self.input(node, Tensor::TokenIds)?;
+                let out = self.output(node, Tensor::Residual)?;
+                let table = self.weight(b, WeightSlot::Embedding, *kernel)?;
+                let vocab = self.plan.circuit().instance().dims.vocab;
+                ops.embedding_gather(
+                    s,
+                    out.ptr,
+                    table,
+                    ids.ptr,
+                    u("rows", out.rows)?,
+                    u("hidden", out.cols)?,
+                    u("vocab", vocab)?,
+                )?;
+            }
+            (Op::RmsNorm { role, weight }, [kernel @ k::RMS_NORM]) => {
+                let x = self.input(node, Tensor::Residual)?;
+                let out = self.output(node, Tensor::Normed)?;
+                let w = self.weight(b, Self::norm_slot(role), *kernel)?;
+                let unit = weight == NormWeight::ZeroCentred;
+                let (rows, cols) = (u("rows", x.rows)?, u("hidden", x.cols)?);
+                ops.rms_norm(s, out.ptr, x.ptr, w, rows, cols, eps, unit)?;
+            }
+            (Op::AddRmsNorm { role, weight }, [kernel @ k::ADD_RMS_NORM]) => {
+                let residual = self.input(node, Tensor::Residual)?;
+                let delta = self.input(node, Tensor::Delta)?;
+                let out = self.output(node, Tensor::Normed)?;
+                let w = self.weight(b, Self::norm_slot(role), *kernel)?;
+                let unit = weight == NormWeight::ZeroCentred;
+                let (rows, cols) = (u("rows", residual.rows)?, u("hidden", residual.cols)?);
+                ops.add_rms_norm(
+                    s,
+                    residual.ptr,
+                    delta.ptr,
+                    w,
+                    out.ptr,
+                    rows,
+                    cols,
+                    eps,
+                    unit,
+                )?;
+            }
+            (Op::Linear(role), [kernel @ (k::LINEAR | k::LINEAR_F32OUT)]) => {
+                let x = self.nth(node, 0, false)?;
+                let out = self.nth(node, 0, true)?;
+                let w = self.weight(b, WeightSlot::Linear(role), *kernel)?;
+                let m = u("rows", x.rows)?;
+                let n = u("output columns", out.numel / x.rows.max(1))?;
+                let kk = u("input columns", x.cols)?;
+                if *kernel == k::LINEAR {
+                    ops.linear(s, out.ptr, x.ptr, w, m, n, kk)?;
+                } else {
+                    ops.linear_f32out(s, out.ptr, x.ptr, w, m, n, kk)?;
+                }
+            }
+            (Op::Linear(role), [kernel @ (k::MOE_EXPERT_LINEAR | k::MOE_EXPERT_LINEAR_F32OUT)]) => {
+                let x = self.nth(node, 0, false)?;
+                let ids = self.input(node, Tensor::MoeTopkIds)?;
+                let out = self.nth(node, 0, true)?;
+                let moe = self.moe(b)?;
+                let p = ExpertLinear {
+                    out: out.ptr,
+                    x: x.ptr,
+                    w: self.weight(b, WeightSlot::Linear(role), *kernel)?,
+                    expert_ids: ids.ptr,
+                    pairs: u("pairs", out.rows)?,
+                    n: u("output columns", out.cols)?,
+                    k: u("input columns", x.cols)?,
+                    num_experts: moe.shape.num_experts,
+                    pairs_per_x_row: u("pairs per row", out.rows / x.rows.max(1))?,
+                };
+                if *kernel == k::MOE_EXPERT_LINEAR {
+                    ops.expert_linear(s, &p)?;
+                } else {
+                    ops.expert_linear_f32out(s, &p)?;
+                }
+            }
+            (op @ (Op::QkNormRope(_) | Op::Rope), [kernel @ k::QK_NORM_ROPE]) => {
+                let a = self.attn(b)?;
+                let qkv = self.input(node, Tensor::Qkv)?;
+                let positions = self.input(node, Tensor::Positions)?;
+                let (q_norm, k_norm, unit_offset) = match op {
+                    Op::QkNormRope(w) => (
+                        self.weight(b, WeightSlot::QNorm, *kernel)?,
+                        self.weight(b, WeightSlot::KNorm, *kernel)?,
+                        w == NormWeight::ZeroCentred,
+                    ),
+                    _ => (DevicePtr::NULL, DevicePtr::NULL, false),
+                };
+                let inv_freq = self.fixed.buffers.inv_freq;
+                if inv_freq.is_null() {
+                    return Err(CircuitExecError::NoBuffer {
+                        block: b,
+                        tensor: "inv_freq",
+                    });
+                }
+                ops.qk_norm_rope(
+                    s,
+                    &QkNormRope {
+                        qkv: qkv.ptr,
+                        q_norm,
+                        k_norm,
+                        inv_freq,
+                        positions: positions.ptr,
+                        rows: u("rows", qkv.rows)?,
+                        row_stride: u("qkv width", qkv.cols)?,
+                        num_q_heads: a.num_q_heads,
+                        q_head_stride: q_head_stride(&a),
+                        k_offset: k_offset(&a),
+                        num_kv_heads: a.num_kv_heads,
+                        head_dim: a.head_dim,
+                        rotary_dim: a.rope.rotary_dim,
+                        eps,
+                        unit_offset,
+                    },
+                )?;
+            }
+            (Op::KvStore, [k::KV_STORE]) => {
+                let a = self.attn(b)?;
+                let kv = self.kv(b)?;
+                let qkv = self.input(node, Tensor::Qkv)?;
+                ops.kv_store(
+                    s,
+                    &KvStore {
+                        k_cache: self.input(node, Tensor::KCache)?.ptr,
+                        v_cache: self.input(node, Tensor::VCache)?.ptr,
+                        qkv: qkv.ptr,
+                        slot_mapping: self.input(node, Tensor::SlotMapping)?.ptr,
+                        rows: u("rows", qkv.rows)?,
+                        row_stride: u("qkv width", qkv.cols)?,
+                        k_offset: k_offset(&a),
+                        v_offset: k_offset(&a) + a.num_kv_heads * a.head_dim,
+                        num_kv_heads: a.num_kv_heads,
+                        head_dim: a.head_dim,
+                        num_slots: kv.num_slots,
+                    },
+                )?;
+            }
+            (Op::PagedAttention { gated }, [k::PAGED_ATTENTION]) => {
+                let a = self.attn(b)?;
+                let kv = self.kv(b)?;
+                let qkv = self.input(node, Tensor::Qkv)?;
+                let tables = self.input(node, Tensor::BlockTables)?;
+                ops.paged_attention(
+                    s,
+                    &PagedAttention {
+                        out: self.output(node, Tensor::AttnOut)?.ptr,
+                        qkv: qkv.ptr,
+                        k_cache: self.input(node, Tensor::KCache)?.ptr,
+                        v_cache: self.input(node, Tensor::VCache)?.ptr,
+                        block_tables: tables.ptr,
+                        row_seq: self.input(node, Tensor::RowSeq)?.ptr,
+                        positions: self.input(node, Tensor::Positions)?.ptr,
+                        rows: u("rows", qkv.rows)?,
+                        row_stride: u("qkv width", qkv.cols)?,
+                        q_head_stride: q_head_stride(&a),
+                        num_q_heads: a.num_q_heads,
+                        num_kv_heads: a.num_kv_heads,
+                        head_dim: a.head_dim,
+                        block_size: kv.block_size,
+                        max_blocks: u("blocks per sequence", tables.cols)?,
+                        num_seqs: u("sequences", tables.rows)?,
+                        num_slots: kv.num_slots,
+                        scale: a.softmax_scale,
+                        gated,
+                    },
+                )?;
+            }
+            (Op::GdnConv, [conv @ k::GDN_CAUSAL_CONV1D, k::GDN_CONV_STATE_UPDATE]) => {
+                let g = self.gdn(b)?;
+                let ssm = self.ssm(b)?;
+                let proj = self.input(node, Tensor::GdnProj)?;
+                let p = CausalConv1d {
+                    out: self.output(node, Tensor::GdnConv)?.ptr,
+                    proj: proj.ptr,
+                    conv_state: StatePool {
+                        base: self.input(node, Tensor::ConvState)?.ptr,
+                        num_slots: ssm.num_slots,
+                        slot_stride: ssm.conv_slot_stride,
+                    },
+                    weight: self.weight(b, WeightSlot::GdnConv1d, *conv)?,
+                    seqs: self.seqs(node, proj.rows)?,
+                    heads: g.heads,
+                    kernel_size: g.conv_kernel,
+                };
+                ops.causal_conv1d(s, &p)?;
+                ops.conv_state_update(s, &p)?;
+            }
+            (Op::GdnGates, [kernel @ k::GDN_PREPARE]) => {
+                let g = self.gdn(b)?;
+                let conv = self.input(node, Tensor::GdnConv)?;
+                ops.gdn_prepare(
+                    s,
+                    &GdnPrepare {
+                        qk: self.output(node, Tensor::GdnQk)?.ptr,
+                        gates: self.output(node, Tensor::GdnGates)?.ptr,
+                        conv: conv.ptr,
+                        proj: self.input(node, Tensor::GdnProj)?.ptr,
+                        a_log: self.weight(b, WeightSlot::GdnALog, *kernel)?,
+                        dt_bias: self.weight(b, WeightSlot::GdnDtBias, *kernel)?,
+                        rows: u("rows", conv.rows)?,
+                        heads: g.heads,
+                        l2_eps: g.l2_eps,
+                        q_scale: g.q_scale,
+                    },
+                )?;
+            }
+            (Op::GdnRecurrence, [k::GDN_RECURRENT]) => {
+                let g = self.gdn(b)?;
+                let ssm = self.ssm(b)?;
+                let qk = self.input(node, Tensor::GdnQk)?;
+                ops.gated_delta_recurrent(
+                    s,
+                    &GatedDelta {
+                        out: self.output(node, Tensor::GdnCore)?.ptr,
+                        state: StatePool {
+                            base: self.input(node, Tensor::RecurrentState)?.ptr,
+                            num_slots: ssm.num_slots,
+                            slot_stride: ssm.recurrent_slot_stride,
+                        },
+                        qk: qk.ptr,
+                        conv: self.input(node, Tensor::GdnConv)?.ptr,
+                        gates: self.input(node, Tensor::GdnGates)?.ptr,
+                        seqs: self.seqs(node, qk.rows)?,
+                        heads: g.heads,
+                    },
+                )?;
+            }
+            (Op::GdnGatedNorm, [kernel @ k::GDN_GATED_RMS_NORM]) => {
+                let g = self.gdn(b)?;
+                let core = self.input(node, Tensor::GdnCore)?;
+                ops.gated_rms_norm(
+                    s,
+                    &GatedRmsNorm {
+                        out: self.output(node, Tensor::GdnNormed)?.ptr,
+                        core: core.ptr,
+                        proj: self.input(node, Tensor::GdnProj)?.ptr,
+                        weight: self.weight(b, WeightSlot::GdnNorm, *kernel)?,
+                        rows: u("rows", core.rows)?,
+                        heads: g.heads,
+                        eps: g.eps,
+                    },
+                )?;
+            }
+            (Op::MoeRoute, [k::MOE_TOPK_ROUTE]) => {
+                let moe = self.moe(b)?;
+                let logits = self.input(node, Tensor::MoeRouterLogits)?;
+                let ids = self.output(node, Tensor::MoeTopkIds)?;
+                let weights = self.output(node, Tensor::MoeTopkWeights)?;
+                ops.topk_route(
+                    s,
+                    ids.ptr,
+                    weights.ptr,
+                    logits.ptr,
+                    u("rows", logits.rows)?,
+                    u("experts", logits.cols)?,
+                    u("experts per token", ids.cols)?,
+                    moe.shape.renormalize,
+                )?;
+            }
+            (Op::SiluMul, [k::SILU_MUL]) => {
+                let x = self.nth(node, 0, false)?;
+                let out = self.nth(node, 0, true)?;
+                let (rows, ffn) = (u("rows", x.rows)?, u("width", out.cols)?);
+                ops.silu_mul(s, out.ptr, x.ptr, rows, ffn)?;
+            }
+            (Op::MoeCombine, [k::MOE_COMBINE]) => {
+                let out = self.output(node, Tensor::Delta)?;
+                let weights = self.input(node, Tensor::MoeTopkWeights)?;
+                let optional = |t: Tensor| -> Result<DevicePtr> {
+                    if self.reads(node, t) {
+                        Ok(self.input(node, t)?.ptr)
+                    } else {
+                        Ok(DevicePtr::NULL)
+                    }
+                };
+                ops.moe_combine(
+                    s,
+                    &MoeCombine {
+                        out: out.ptr,
+                        expert_out: self.input(node, Tensor::MoeExpertOut)?.ptr,
+                        topk_weights: weights.ptr,
+                        shared_out: optional(Tensor::MoeSharedOut)?,
+                        shared_gate: optional(Tensor::MoeSharedGate)?,
+                        rows: u("rows", out.rows)?,
+                        hidden: u("hidden", out.cols)?,
+                        top_k: u("experts per token", weights.cols)?,
+                    },
+                )?;
+            }
+            (Op::GatherRows, [k::GATHER_ROWS]) => {
+                let x = self.input(node, Tensor::Normed)?;
+                let rows = self.input(node, Tensor::LogitRows)?;
+                let out = self.output(node, Tensor::LogitsIn)?;
+                ops.gather_rows(
+                    s,
+                    out.ptr,
+                    x.ptr,
+                    rows.ptr,
+                    u("logit rows", out.rows)?,
+                    u("hidden", x.cols)?,
+                    u("rows", x.rows)?,
+                )?;
+            }
+            (Op::Argmax, [k::ARGMAX]) => {
+                let logits = self.input(node, Tensor::Logits)?;
+                let out = self.output(node, Tensor::Sampled)?;
+                ops.argmax(
+                    s,
+                    out.ptr,
+                    logits.ptr,
+                    u("logit rows", logits.rows)?,
+                    u("vocab", logits.cols)?,
+                )?;
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}
+
+/// Elements from one query head to the next in a qkv row.
+fn q_head_stride(a: &AttnFacts) -> u32 {
+    if a.gated { 2 * a.head_dim } else { a.head_dim }
+}
+
+/// Element offset of the first key head in a qkv row.
+fn k_offset(a: &AttnFacts) -> u32 {
+    a.num_q_heads * q_head_stride(a)
+}

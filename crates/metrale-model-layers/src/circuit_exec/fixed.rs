@@ -1,0 +1,93 @@
+//! `Fixed`: the device addresses a program is compiled against, other than weights: the step
+//! buffers (activations and the metadata the host uploads before each step) and each layer's
+//! KV cache or SSM state pools.
+//!
+//! Invariants:
+//! - Every address here is fixed after boot (the model's `BufferArena`, `PagedKvCache` and
+//!   `SsmStatePool` never move), so a compiled program, and a graph captured from it, stays
+//!   valid for the model's life.
+//! - Each circuit tensor maps to exactly one buffer ([`Fixed::tensor`]), the one the legacy
+//!   forward uses for it.
+
+use metrale_circuit::{Block, Tensor};
+use metrale_gpu_runtime::DevicePtr;
+
+use super::error::CircuitExecError;
+use crate::layer::{KvBinding, SsmBinding, StepBuffers};
+
+/// One decoder layer's state pools.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LayerPools {
+    /// Its KV cache, when it is a full-attention layer.
+    pub kv: Option<KvBinding>,
+    /// Its SSM state, when it is a Gated DeltaNet layer.
+    pub ssm: Option<SsmBinding>,
+}
+
+/// See the module header.
+#[derive(Debug, Clone)]
+pub struct Fixed {
+    /// The step buffers.
+    pub buffers: StepBuffers,
+    /// Each decoder layer's pools, in layer order.
+    pub pools: Vec<LayerPools>,
+}
+
+impl Fixed {
+    /// The address of `tensor` as read or written in `block`; a NULL buffer or a missing pool
+    /// is an error naming the tensor.
+    pub fn tensor(&self, tensor: Tensor, block: Block) -> Result<DevicePtr, CircuitExecError> {
+        let b = &self.buffers;
+        let pools = match block {
+            Block::Layer(i) => self.pools.get(i).copied().unwrap_or_default(),
+            Block::Embed | Block::Head => LayerPools::default(),
+        };
+        let ptr = match tensor {
+            Tensor::TokenIds => b.token_ids,
+            Tensor::Positions => b.positions,
+            Tensor::SlotMapping => b.slot_mapping,
+            Tensor::RowSeq => b.row_seq,
+            Tensor::BlockTables => b.block_tables,
+            Tensor::SeqStart => b.seq_start,
+            Tensor::SeqSlot => b.seq_slot,
+            Tensor::LogitRows => b.logit_rows,
+            Tensor::Residual => b.residual,
+            Tensor::Normed => b.normed,
+            Tensor::Delta => b.delta,
+            Tensor::Qkv => b.qkv,
+            Tensor::AttnOut => b.attn_out,
+            Tensor::GateUp => b.gate_up,
+            Tensor::Act => b.act,
+            Tensor::LogitsIn => b.logits_in,
+            Tensor::Logits => b.logits,
+            Tensor::Sampled => b.sampled,
+            Tensor::KCache => pools.kv.map_or(DevicePtr::NULL, |kv| kv.k),
+            Tensor::VCache => pools.kv.map_or(DevicePtr::NULL, |kv| kv.v),
+            Tensor::GdnProj => b.gdn.proj,
+            Tensor::GdnConv => b.gdn.conv,
+            Tensor::GdnQk => b.gdn.qk,
+            Tensor::GdnGates => b.gdn.gates,
+            Tensor::GdnCore => b.gdn.core,
+            Tensor::GdnNormed => b.gdn.normed,
+            Tensor::ConvState => pools.ssm.map_or(DevicePtr::NULL, |s| s.conv),
+            Tensor::RecurrentState => pools.ssm.map_or(DevicePtr::NULL, |s| s.recurrent),
+            Tensor::MoeRouterLogits => b.moe.router_logits,
+            Tensor::MoeTopkIds => b.moe.topk_ids,
+            Tensor::MoeTopkWeights => b.moe.topk_weights,
+            Tensor::MoeExpertGateUp => b.moe.expert_gate_up,
+            Tensor::MoeExpertAct => b.moe.expert_act,
+            Tensor::MoeExpertOut => b.moe.expert_out,
+            Tensor::MoeSharedGateUp => b.moe.shared_gate_up,
+            Tensor::MoeSharedAct => b.moe.shared_act,
+            Tensor::MoeSharedOut => b.moe.shared_out,
+            Tensor::MoeSharedGate => b.moe.shared_gate,
+        };
+        if ptr.is_null() {
+            return Err(CircuitExecError::NoBuffer {
+                block,
+                tensor: tensor.name(),
+            });
+        }
+        Ok(ptr)
+    }
+}

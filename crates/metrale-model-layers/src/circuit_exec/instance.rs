@@ -1,0 +1,118 @@
+//! The circuit's view of a config: [`model_instance`] fills a `metrale_circuit::Instance` from
+//! a `ModelConfig` (the architecture by family, the dimensions, every layer's kinds), and
+//! [`launcher_kernels`] is the set of kernels the executor can launch, which `Fusions::All`
+//! lowers against.
+//!
+//! Invariants:
+//! - The instance depends on the config and the sizes passed in only, so `metrale circuit plan`
+//!   (a config, no weights) prints the plan the engine compiles for the same checkpoint.
+//! - The step ends at the logits: the engine samples outside the step, so `argmax` is off.
+
+use std::sync::Arc;
+
+use metrale_circuit::{
+    Architecture, Circuit, Dims, FfnKind, Fusions, GdnDims, Instance, KernelSet, LayerKind,
+    LayerSpec, Lowering, MoeDims, Plan, RuleTable, SharedExpertDims,
+};
+use metrale_config::{LayerType, ModelConfig, ModelFamily};
+
+use super::error::CircuitExecError;
+use crate::ops::Kernels;
+
+/// The circuit architecture of a config's family: Qwen3 is dense GQA with q/k norms, Llama
+/// without; Qwen3.5 is the dense hybrid; Qwen3-Next and Qwen3.5-MoE the MoE hybrid.
+pub fn architecture(config: &ModelConfig) -> Architecture {
+    match config.family {
+        ModelFamily::Qwen3 => Architecture::DenseGqa { qk_norm: true },
+        ModelFamily::Llama => Architecture::DenseGqa { qk_norm: false },
+        ModelFamily::Qwen35 if config.moe.is_none() => Architecture::Hybrid,
+        ModelFamily::Qwen35 | ModelFamily::Qwen3Next | ModelFamily::Qwen35Moe => {
+            Architecture::HybridMoe
+        }
+    }
+}
+
+/// The instance of `config` with `blocks_per_seq` block-table columns, compiled at `widths`.
+/// The shared expert is gated whenever there is one, as in every MoE family transformers
+/// defines; a checkpoint without the gate is refused when it is bound.
+pub fn model_instance(
+    config: &ModelConfig,
+    blocks_per_seq: u64,
+    widths: Vec<u64>,
+) -> Result<Instance, CircuitExecError> {
+    let u = |n: usize| n as u64;
+    let gdn = config.linear.as_ref().map(|l| GdnDims {
+        num_k_heads: u(l.num_key_heads),
+        k_head_dim: u(l.key_head_dim),
+        num_v_heads: u(l.num_value_heads),
+        v_head_dim: u(l.value_head_dim),
+        conv_kernel: u(l.conv_kernel_dim),
+    });
+    let moe = config.moe.as_ref().map(|m| MoeDims {
+        num_experts: u(m.num_experts),
+        top_k: u(m.num_experts_per_tok),
+        expert_ffn: u(m.moe_intermediate_size),
+        shared: (m.shared_expert_intermediate_size > 0).then(|| SharedExpertDims {
+            ffn: u(m.shared_expert_intermediate_size),
+            gated: true,
+        }),
+    });
+    let layers = config
+        .layer_types
+        .iter()
+        .enumerate()
+        .map(|(i, t)| LayerSpec {
+            kind: match t {
+                LayerType::FullAttention => LayerKind::FullAttention,
+                LayerType::LinearAttention => LayerKind::LinearAttention,
+            },
+            ffn: if config.layer_is_moe(i) {
+                FfnKind::Moe
+            } else {
+                FfnKind::Dense
+            },
+        })
+        .collect();
+    let instance = Instance {
+        architecture: architecture(config),
+        dims: Dims {
+            hidden: u(config.hidden_size),
+            vocab: u(config.vocab_size),
+            ffn: u(config.intermediate_size),
+            num_q_heads: u(config.num_attention_heads),
+            num_kv_heads: u(config.num_key_value_heads),
+            head_dim: u(config.head_dim),
+            blocks_per_seq,
+            gdn,
+            moe,
+        },
+        layers,
+        widths,
+        argmax: false,
+    };
+    instance.validate()?;
+    Ok(instance)
+}
+
+/// The kernels the executor has a launcher for (`ops::Kernels`): what a plan may lower to.
+pub fn launcher_kernels() -> KernelSet {
+    KernelSet::from_names(Kernels::NAMES.iter().copied())
+}
+
+/// `instance`'s plan at `rows` rows with its architecture's rule table, lowered with `fusions`
+/// against `kernels`.
+pub fn plan_at(
+    instance: &Instance,
+    fusions: Fusions,
+    kernels: &KernelSet,
+    rows: u64,
+) -> Result<Plan, CircuitExecError> {
+    let circuit = Arc::new(Circuit::new(instance)?);
+    let rules = RuleTable::for_architecture(instance.architecture);
+    let lowering = Lowering {
+        rules: &rules,
+        fusions,
+        kernels,
+    };
+    Ok(Plan::compile(&circuit, &lowering, rows)?)
+}

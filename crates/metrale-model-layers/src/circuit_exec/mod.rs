@@ -1,0 +1,241 @@
+//! The circuit executor: a model's decode step compiled from its circuit (`metrale-circuit`)
+//! into fixed-address launch programs, one per decode width.
+//!
+//! - `bindings`: how layers hand the executor their weights and facts ([`CircuitBindings`],
+//!   the supertrait of `TransformerLayer`), and [`check_bindings`], which refuses a model the
+//!   circuit would misdescribe, listing every problem at once.
+//! - `fixed`: [`Fixed`], the step buffers and state pools a program is bound to.
+//! - `instance`: the circuit [`Instance`] of a config, and the kernels a plan may lower to.
+//! - `record`: [`Recorder`], a backend that records launches instead of running them.
+//! - `emit`, `compile`: each plan group through the same typed `ops` launchers the legacy
+//!   forward calls, into a [`Program`] whose launch count is checked against the plan's.
+//!
+//! [`CircuitExec::build`] does it all once, at boot: bind, check, lower the circuit at every
+//! width (`Fusions::All` against every launcher kernel the backend resolves), allocate one
+//! workspace sized for the largest program (none today: every emitter writes only the step
+//! buffers), and compile a program per width.
+//!
+//! Invariants:
+//! - Every address a program reads is fixed after boot, so replaying it, or a CUDA graph
+//!   captured from it, is valid for the model's life. The owner drops captured graphs before
+//!   it drops (or [`CircuitExec::free`]s) the executor.
+//! - With `Fusions::ReferenceOnly` the programs launch exactly what the legacy forward
+//!   launches for the same step, argument for argument, so decode is bitwise the same.
+
+mod bindings;
+mod compile;
+mod emit;
+mod error;
+mod fixed;
+mod instance;
+mod record;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use metrale_circuit::{Circuit, Lowering, RuleTable};
+use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuResult, StreamHandle};
+
+pub use bindings::{
+    AttnFacts, BoundWeight, CircuitBindings, CircuitLayer, FfnFacts, GdnFacts, HeadBinding,
+    MixerFacts, MoeFacts, RopeFacts, SharedFacts, WeightSlot, check_bindings,
+};
+pub use compile::Program;
+pub use error::{BindingProblem, CircuitExecError, Part};
+pub use fixed::{Fixed, LayerPools};
+pub use instance::{architecture, launcher_kernels, model_instance, plan_at};
+pub use metrale_circuit::{
+    Architecture, Block, Digest, Fusions, Instance, KernelSet, NormWeight, Plan, plans_digest,
+};
+pub use record::{Launch, Recorder};
+
+use crate::layer::ModelDims;
+use crate::ops::{Kernels, Ops};
+
+/// What [`CircuitExec::build`] binds and compiles.
+#[derive(Debug)]
+pub struct Boot<'a> {
+    /// The model's launchers (their backend resolves the plan's kernels).
+    pub ops: &'a Ops,
+    /// The stream the emitters are told (recording ignores it; programs replay on any).
+    pub stream: StreamHandle,
+    /// The model's circuit instance; its widths are the programs compiled.
+    pub instance: Instance,
+    /// Which rules the plans may use.
+    pub fusions: Fusions,
+    /// The model's dimensions.
+    pub dims: ModelDims,
+    /// Each decoder layer's binding (`CircuitBindings::circuit_layer`), in order.
+    pub layers: Vec<Option<CircuitLayer>>,
+    /// The model's own weights.
+    pub head: HeadBinding,
+    /// The fixed addresses.
+    pub fixed: Fixed,
+    /// Model-level features the circuit does not model (refused with the layers' problems).
+    pub unmodelled: Vec<String>,
+}
+
+/// See the module header.
+#[derive(Debug)]
+pub struct CircuitExec {
+    gpu: Arc<dyn GpuBackend>,
+    fusions: Fusions,
+    plans: Vec<Plan>,
+    programs: Vec<Program>,
+    digest: Digest,
+    workspace: Option<DevicePtr>,
+    workspace_bytes: u64,
+}
+
+/// The launcher kernels `gpu` resolves: what a plan may lower to on it.
+fn available_kernels(gpu: &dyn GpuBackend) -> KernelSet {
+    KernelSet::from_names(
+        Kernels::NAMES
+            .iter()
+            .copied()
+            .filter(|(m, n)| gpu.kernel(m, n).is_ok()),
+    )
+}
+
+impl CircuitExec {
+    /// Bind, check, lower and compile; see the module header. A model the circuit misdescribes
+    /// is refused with every problem in one [`CircuitExecError::Bindings`].
+    pub fn build(boot: Boot<'_>) -> Result<CircuitExec, CircuitExecError> {
+        let gpu = boot.ops.gpu().clone();
+        let circuit = Arc::new(Circuit::new(&boot.instance)?);
+        let (mut problems, layers) = bindings::binding_problems(
+            &circuit,
+            &boot.layers,
+            &boot.head,
+            Some(&boot.fixed.pools),
+        )?;
+        problems.splice(
+            0..0,
+            boot.unmodelled
+                .iter()
+                .map(|feature| BindingProblem::Unmodelled {
+                    part: Part::Model,
+                    feature: feature.clone(),
+                }),
+        );
+        if !problems.is_empty() {
+            return Err(CircuitExecError::Bindings { problems });
+        }
+
+        let table = RuleTable::for_architecture(boot.instance.architecture);
+        let kernels = available_kernels(gpu.as_ref());
+        let lowering = Lowering {
+            rules: &table,
+            fusions: boot.fusions,
+            kernels: &kernels,
+        };
+        let plans = Plan::compile_widths(&circuit, &lowering)?;
+        let workspace_bytes = plans
+            .iter()
+            .map(|p| p.groups().iter().map(|g| emit::scratch_bytes(p, g)).sum())
+            .max()
+            .unwrap_or(0);
+
+        // Allocated before the programs are compiled, which would bind its addresses.
+        let workspace = if workspace_bytes > 0 {
+            // An unaddressable size fails as the allocation it is.
+            Some(gpu.alloc(usize::try_from(workspace_bytes).unwrap_or(usize::MAX))?)
+        } else {
+            None
+        };
+        let (recorder, recording) = Recorder::over(boot.ops);
+        let mut handles = BTreeMap::new();
+        let compiled = plans
+            .iter()
+            .map(|plan| {
+                let emitter = emit::Emitter {
+                    ops: &recording,
+                    stream: boot.stream,
+                    plan,
+                    dims: &boot.dims,
+                    layers: &layers,
+                    head: &boot.head,
+                    fixed: &boot.fixed,
+                };
+                compile::compile(&emitter, &recorder, &mut handles)
+            })
+            .collect::<Result<Vec<_>, _>>();
+        let programs = match compiled {
+            Ok(p) => p,
+            Err(e) => {
+                if let Some(ptr) = workspace
+                    && let Err(f) = gpu.free(ptr)
+                {
+                    tracing::warn!("CircuitExec: freeing the workspace failed: {f}");
+                }
+                return Err(e);
+            }
+        };
+        Ok(CircuitExec {
+            digest: plans_digest(&plans),
+            gpu,
+            fusions: boot.fusions,
+            plans,
+            programs,
+            workspace,
+            workspace_bytes,
+        })
+    }
+
+    /// The fusions its plans were lowered with.
+    pub fn fusions(&self) -> Fusions {
+        self.fusions
+    }
+
+    /// Its plans, one per width, ascending.
+    pub fn plans(&self) -> &[Plan] {
+        &self.plans
+    }
+
+    /// Its programs, one per width, ascending.
+    pub fn programs(&self) -> &[Program] {
+        &self.programs
+    }
+
+    /// The program of a `rows`-row step, when that width was compiled.
+    pub fn program(&self, rows: u64) -> Option<&Program> {
+        self.programs.iter().find(|p| p.rows() == rows)
+    }
+
+    /// The digest of every plan, concatenated in width order (`plans_digest`).
+    pub fn plans_digest(&self) -> Digest {
+        self.digest
+    }
+
+    /// Launches of the narrowest program (single-sequence decode).
+    pub fn launches_per_step(&self) -> usize {
+        self.programs.first().map_or(0, |p| p.launches().len())
+    }
+
+    /// Bytes of the workspace allocated at build (0: none).
+    pub fn workspace_bytes(&self) -> u64 {
+        self.workspace_bytes
+    }
+
+    /// Free the workspace now, reporting a failure (dropping frees it too, logging one).
+    /// Every graph captured from a program must be destroyed first.
+    pub fn free(mut self) -> GpuResult<()> {
+        match self.workspace.take() {
+            Some(ptr) => self.gpu.free(ptr),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for CircuitExec {
+    fn drop(&mut self) {
+        if let Some(ptr) = self.workspace.take()
+            && let Err(e) = self.gpu.free(ptr)
+        {
+            tracing::warn!("CircuitExec: freeing the workspace failed: {e}");
+        }
+    }
+}

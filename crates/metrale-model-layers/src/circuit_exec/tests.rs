@@ -1,0 +1,604 @@
+//! The executor on synthetic bindings (no memory is touched: programs are only recorded): a
+//! well-bound model compiles one program per width with the plan's launch count; each binding
+//! problem is named, and all of a model's problems come in one error; a weight of the wrong
+//! format is refused at compile; the recorder records launches and refuses everything else.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use metrale_circuit::{
+    Architecture, Block, Dims, FfnKind, GdnDims, Instance, LayerKind, LayerSpec, LinearRole,
+    MoeDims, SharedExpertDims,
+};
+use metrale_gpu_runtime::{CpuBackend, DType, DevicePtr, GpuBackend, StreamHandle};
+
+use super::*;
+use crate::layer::{GdnBuffers, KvBinding, MoeBuffers, SsmBinding, StepBuffers};
+use crate::layers::MoeShape;
+use crate::ops_hybrid::GdnHeads;
+use crate::weight_map::DenseWeight;
+
+const FA_MOE: LayerSpec = LayerSpec {
+    kind: LayerKind::FullAttention,
+    ffn: FfnKind::Moe,
+};
+const LA_MOE: LayerSpec = LayerSpec {
+    kind: LayerKind::LinearAttention,
+    ffn: FfnKind::Moe,
+};
+
+/// Distinct fake addresses, so a launch that reads the wrong buffer shows in its arguments.
+#[derive(Debug, Default)]
+struct Addr(u64);
+
+impl Addr {
+    fn next(&mut self) -> DevicePtr {
+        self.0 += 0x1000;
+        DevicePtr(self.0)
+    }
+
+    fn weight(&mut self, shape: &[usize], dtype: DType) -> BoundWeight {
+        BoundWeight::Dense(DenseWeight {
+            ptr: self.next(),
+            shape: shape.to_vec(),
+            dtype,
+        })
+    }
+}
+
+/// A Qwen3-Next-like instance: GDN and gated attention, MoE FFNs with a gated shared expert.
+/// Every dimension differs from the others.
+fn instance(layers: Vec<LayerSpec>) -> Instance {
+    Instance {
+        architecture: Architecture::HybridMoe,
+        dims: Dims {
+            hidden: 64,
+            vocab: 256,
+            ffn: 0,
+            num_q_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+            blocks_per_seq: 8,
+            gdn: Some(GdnDims {
+                num_k_heads: 2,
+                k_head_dim: 12,
+                num_v_heads: 4,
+                v_head_dim: 10,
+                conv_kernel: 4,
+            }),
+            moe: Some(MoeDims {
+                num_experts: 8,
+                top_k: 3,
+                expert_ffn: 24,
+                shared: Some(SharedExpertDims {
+                    ffn: 40,
+                    gated: true,
+                }),
+            }),
+        },
+        layers,
+        widths: vec![1, 2, 4],
+        argmax: false,
+    }
+}
+
+fn dims() -> ModelDims {
+    ModelDims {
+        hidden: 64,
+        num_q_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+        rotary_dim: 8,
+        attn_gated: true,
+        ffn: 0,
+        vocab: 256,
+        eps: 1e-6,
+        unit_offset: true,
+    }
+}
+
+fn heads() -> GdnHeads {
+    GdnHeads {
+        num_k_heads: 2,
+        k_head_dim: 12,
+        num_v_heads: 4,
+        v_head_dim: 10,
+    }
+}
+
+fn moe_layer(a: &mut Addr, weights: &mut BTreeMap<WeightSlot, BoundWeight>) -> FfnFacts {
+    use LinearRole::*;
+    let b = DType::Bf16;
+    weights.insert(WeightSlot::Linear(Router), a.weight(&[8, 64], b));
+    weights.insert(WeightSlot::Linear(ExpertGateUp), a.weight(&[8, 48, 64], b));
+    weights.insert(WeightSlot::Linear(ExpertDown), a.weight(&[8, 64, 24], b));
+    weights.insert(WeightSlot::Linear(SharedGateUp), a.weight(&[80, 64], b));
+    weights.insert(WeightSlot::Linear(SharedDown), a.weight(&[64, 40], b));
+    weights.insert(WeightSlot::Linear(SharedGate), a.weight(&[1, 64], b));
+    FfnFacts::Moe(MoeFacts {
+        shape: MoeShape {
+            num_experts: 8,
+            top_k: 3,
+            expert_ffn: 24,
+            renormalize: true,
+        },
+        shared: Some(SharedFacts {
+            ffn: 40,
+            gated: true,
+        }),
+    })
+}
+
+fn layer(a: &mut Addr, spec: LayerSpec) -> CircuitLayer {
+    let b = DType::Bf16;
+    let mut weights = BTreeMap::new();
+    weights.insert(WeightSlot::InputNorm, a.weight(&[64], b));
+    weights.insert(WeightSlot::PostNorm, a.weight(&[64], b));
+    let mixer = match spec.kind {
+        LayerKind::FullAttention => {
+            let qkv = 4 * 2 * 16 + 2 * 2 * 16;
+            weights.insert(WeightSlot::Linear(LinearRole::Qkv), a.weight(&[qkv, 64], b));
+            weights.insert(WeightSlot::Linear(LinearRole::O), a.weight(&[64, 64], b));
+            weights.insert(WeightSlot::QNorm, a.weight(&[16], b));
+            weights.insert(WeightSlot::KNorm, a.weight(&[16], b));
+            MixerFacts::Attention(AttnFacts {
+                num_q_heads: 4,
+                num_kv_heads: 2,
+                head_dim: 16,
+                gated: true,
+                qk_norm: true,
+                rope: RopeFacts { rotary_dim: 8 },
+                softmax_scale: 0.25,
+            })
+        }
+        LayerKind::LinearAttention => {
+            let h = heads();
+            let proj = h.proj_width() as usize;
+            let conv = h.conv_dim() as usize;
+            let gdn = [
+                (WeightSlot::Linear(LinearRole::GdnInProj), vec![proj, 64], b),
+                (WeightSlot::Linear(LinearRole::GdnOut), vec![64, 40], b),
+                (WeightSlot::GdnConv1d, vec![conv, 1, 4], b),
+                (WeightSlot::GdnALog, vec![4], DType::F32),
+                (WeightSlot::GdnDtBias, vec![4], DType::F32),
+                (WeightSlot::GdnNorm, vec![10], b),
+            ];
+            for (slot, shape, dtype) in gdn {
+                weights.insert(slot, a.weight(&shape, dtype));
+            }
+            MixerFacts::Gdn(GdnFacts {
+                heads: h,
+                conv_kernel: 4,
+                eps: 1e-6,
+                l2_eps: 1e-6,
+                q_scale: 12f32.powf(-0.5),
+            })
+        }
+    };
+    let ffn = moe_layer(a, &mut weights);
+    CircuitLayer {
+        mixer,
+        ffn,
+        weights,
+        unmodelled: Vec::new(),
+    }
+}
+
+fn head(a: &mut Addr) -> HeadBinding {
+    HeadBinding {
+        embedding: a.weight(&[256, 64], DType::Bf16),
+        final_norm: a.weight(&[64], DType::Bf16),
+        lm_head: a.weight(&[256, 64], DType::Bf16),
+        unmodelled: Vec::new(),
+    }
+}
+
+fn fixed(a: &mut Addr, specs: &[LayerSpec]) -> Fixed {
+    let buffers = StepBuffers {
+        residual: a.next(),
+        normed: a.next(),
+        delta: a.next(),
+        qkv: a.next(),
+        attn_out: a.next(),
+        gate_up: a.next(),
+        act: a.next(),
+        token_ids: a.next(),
+        positions: a.next(),
+        row_seq: a.next(),
+        slot_mapping: a.next(),
+        block_tables: a.next(),
+        logit_rows: a.next(),
+        logits_in: a.next(),
+        logits: a.next(),
+        sampled: a.next(),
+        inv_freq: a.next(),
+        seq_start: a.next(),
+        seq_slot: a.next(),
+        gdn: GdnBuffers {
+            proj: a.next(),
+            conv: a.next(),
+            qk: a.next(),
+            gates: a.next(),
+            core: a.next(),
+            normed: a.next(),
+        },
+        moe: MoeBuffers {
+            router_logits: a.next(),
+            topk_ids: a.next(),
+            topk_weights: a.next(),
+            expert_gate_up: a.next(),
+            expert_act: a.next(),
+            expert_out: a.next(),
+            shared_gate_up: a.next(),
+            shared_act: a.next(),
+            shared_out: a.next(),
+            shared_gate: a.next(),
+        },
+    };
+    let pools = specs
+        .iter()
+        .map(|s| match s.kind {
+            LayerKind::FullAttention => LayerPools {
+                kv: Some(KvBinding {
+                    k: a.next(),
+                    v: a.next(),
+                    block_size: 16,
+                    num_slots: 512,
+                }),
+                ssm: None,
+            },
+            LayerKind::LinearAttention => LayerPools {
+                kv: None,
+                ssm: Some(SsmBinding {
+                    conv: a.next(),
+                    recurrent: a.next(),
+                    conv_slot_stride: 3 * 88,
+                    recurrent_slot_stride: 4 * 12 * 10,
+                    num_slots: 4,
+                }),
+            },
+        })
+        .collect();
+    Fixed { buffers, pools }
+}
+
+struct Model {
+    ops: Ops,
+    instance: Instance,
+    layers: Vec<Option<CircuitLayer>>,
+    head: HeadBinding,
+    fixed: Fixed,
+}
+
+fn model(specs: &[LayerSpec]) -> Model {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+    let mut a = Addr::default();
+    Model {
+        ops: Ops::new(gpu).unwrap(),
+        instance: instance(specs.to_vec()),
+        layers: specs.iter().map(|&s| Some(layer(&mut a, s))).collect(),
+        head: head(&mut a),
+        fixed: fixed(&mut a, specs),
+    }
+}
+
+impl Model {
+    fn build(&self, fusions: Fusions) -> Result<CircuitExec, CircuitExecError> {
+        CircuitExec::build(Boot {
+            ops: &self.ops,
+            stream: StreamHandle::DEFAULT,
+            instance: self.instance.clone(),
+            fusions,
+            dims: dims(),
+            layers: self.layers.clone(),
+            head: self.head.clone(),
+            fixed: self.fixed.clone(),
+            unmodelled: Vec::new(),
+        })
+    }
+
+    fn problems(&self) -> Vec<BindingProblem> {
+        match self.build(Fusions::ReferenceOnly) {
+            Err(CircuitExecError::Bindings { problems }) => problems,
+            Err(e) => panic!("not a binding error: {e}"),
+            Ok(_) => Vec::new(),
+        }
+    }
+
+    fn layer(&mut self, i: usize) -> &mut CircuitLayer {
+        self.layers[i].as_mut().unwrap()
+    }
+}
+
+#[test]
+fn a_bound_model_compiles_a_program_per_width_with_the_plans_launches() {
+    let m = model(&[LA_MOE, FA_MOE]);
+    let exec = m.build(Fusions::ReferenceOnly).unwrap();
+    assert_eq!(exec.programs().len(), 3);
+    for (plan, program) in exec.plans().iter().zip(exec.programs()) {
+        assert_eq!(program.rows(), plan.rows());
+        assert_eq!(program.launches().len(), plan.launches_per_step());
+        assert_eq!(program.plan_digest(), plan.digest());
+    }
+    // embed; GDN layer: 2 norms, 7 mixer, 10 MoE; attention layer: 2 norms, 5 mixer, 10 MoE;
+    // head: 3.
+    assert_eq!(exec.launches_per_step(), 1 + 19 + 17 + 3);
+    assert_eq!(exec.workspace_bytes(), 0);
+    // With today's launchers `All` lowers like `ReferenceOnly`.
+    let all = m.build(Fusions::All).unwrap();
+    assert_eq!(all.plans_digest(), exec.plans_digest());
+    assert_eq!(all.programs(), exec.programs());
+}
+
+#[test]
+fn a_program_reads_the_bound_addresses_at_the_plans_extents() {
+    let m = model(&[LA_MOE, FA_MOE]);
+    let exec = m.build(Fusions::ReferenceOnly).unwrap();
+    let program = exec.program(4).unwrap();
+    let kv = m.fixed.pools[1].kv.unwrap();
+    let attention = program
+        .launches()
+        .iter()
+        .find(|l| l.kernel == m.ops.k.paged_attention)
+        .unwrap();
+    use metrale_gpu_runtime::KernelArg::{F32, Ptr, U32};
+    assert_eq!(attention.args[0], Ptr(m.fixed.buffers.attn_out));
+    assert_eq!(attention.args[2], Ptr(kv.k));
+    assert_eq!(attention.args[3], Ptr(kv.v));
+    // rows, row stride (gated q), q head stride, heads, head dim, block size, blocks per
+    // sequence, sequences, slots, scale, gated.
+    assert_eq!(
+        attention.args[7..],
+        [
+            U32(4),
+            U32(192),
+            U32(32),
+            U32(4),
+            U32(2),
+            U32(16),
+            U32(16),
+            U32(8),
+            U32(4),
+            U32(512),
+            F32(0.25),
+            U32(1)
+        ]
+    );
+    let lm_head = program.launches().last().unwrap();
+    let f32out: Vec<_> = ["linear_f32out", "linear_stream_f32out"]
+        .iter()
+        .filter_map(|n| m.ops.gpu().kernel("gemm", n).ok())
+        .collect();
+    assert!(f32out.contains(&lm_head.kernel));
+    assert_eq!(
+        lm_head.args,
+        [
+            Ptr(m.fixed.buffers.logits),
+            Ptr(m.fixed.buffers.logits_in),
+            Ptr(m.head.lm_head.ptr()),
+            U32(4),
+            U32(256),
+            U32(64)
+        ]
+    );
+}
+
+#[test]
+fn each_binding_problem_is_named() {
+    type Case = (&'static str, fn(&mut Model), BindingProblem);
+    let cases: [Case; 8] = [
+        (
+            "unbound",
+            |m| m.layers[0] = None,
+            BindingProblem::Unbound { layer: 0 },
+        ),
+        (
+            "unmodelled",
+            |m| m.layer(1).unmodelled.push("hyper-connections".into()),
+            BindingProblem::Unmodelled {
+                part: Part::Layer(1),
+                feature: "hyper-connections".into(),
+            },
+        ),
+        (
+            "kind",
+            |m| {
+                let mut a = Addr(0x90_0000);
+                m.layers[1] = Some(layer(&mut a, LA_MOE));
+            },
+            BindingProblem::KindDisagrees {
+                layer: 1,
+                model: LA_MOE,
+                circuit: FA_MOE,
+            },
+        ),
+        (
+            "fact",
+            |m| {
+                if let MixerFacts::Attention(a) = &mut m.layer(1).mixer {
+                    a.gated = false;
+                }
+            },
+            BindingProblem::FactDisagrees {
+                layer: 1,
+                fact: "the attention output gate",
+                model: "false".into(),
+                circuit: "true".into(),
+            },
+        ),
+        (
+            "missing weight",
+            |m| {
+                m.layer(0).weights.remove(&WeightSlot::GdnNorm);
+            },
+            BindingProblem::MissingWeight {
+                block: Block::Layer(0),
+                slot: WeightSlot::GdnNorm,
+            },
+        ),
+        (
+            "shape",
+            |m| {
+                let slot = WeightSlot::Linear(LinearRole::O);
+                let mut a = Addr(0x80_0000);
+                m.layer(1)
+                    .weights
+                    .insert(slot, a.weight(&[64, 32], DType::Bf16));
+            },
+            BindingProblem::WeightShape {
+                block: Block::Layer(1),
+                slot: WeightSlot::Linear(LinearRole::O),
+                expected: 64 * 64,
+                last: Some(64),
+                found: vec![64, 32],
+            },
+        ),
+        (
+            "unread",
+            |m| {
+                let mut a = Addr(0x70_0000);
+                let w = a.weight(&[16], DType::Bf16);
+                m.layer(0).weights.insert(WeightSlot::QNorm, w);
+            },
+            BindingProblem::UnreadWeight {
+                block: Block::Layer(0),
+                slot: WeightSlot::QNorm,
+            },
+        ),
+        (
+            "count",
+            |m| {
+                let mut a = Addr(0x60_0000);
+                m.layers.push(Some(layer(&mut a, FA_MOE)));
+            },
+            BindingProblem::LayerCount {
+                model: 3,
+                circuit: 2,
+            },
+        ),
+    ];
+    for (name, break_it, want) in cases {
+        let mut m = model(&[LA_MOE, FA_MOE]);
+        break_it(&mut m);
+        assert_eq!(m.problems(), [want], "{name}");
+    }
+}
+
+#[test]
+fn every_problem_of_a_model_comes_in_one_error() {
+    let mut m = model(&[LA_MOE, FA_MOE, LA_MOE, FA_MOE]);
+    m.layers[0] = None;
+    m.layer(1).unmodelled.push("LoRA adapters".into());
+    let mut a = Addr(0x90_0000);
+    m.layers[2] = Some(layer(&mut a, FA_MOE));
+    m.layers.push(Some(layer(&mut a, LA_MOE)));
+    m.head.unmodelled.push("logit softcapping".into());
+    m.fixed.pools[3].kv = None;
+    let err = m.build(Fusions::ReferenceOnly).err().unwrap();
+    let text = err.to_string();
+    let CircuitExecError::Bindings { problems } = err else {
+        panic!("{text}");
+    };
+    assert_eq!(
+        problems,
+        [
+            BindingProblem::Unbound { layer: 0 },
+            BindingProblem::Unmodelled {
+                part: Part::Layer(1),
+                feature: "LoRA adapters".into()
+            },
+            BindingProblem::KindDisagrees {
+                layer: 2,
+                model: FA_MOE,
+                circuit: LA_MOE
+            },
+            BindingProblem::MissingPool {
+                layer: 3,
+                pool: "KV cache"
+            },
+            BindingProblem::Unmodelled {
+                part: Part::Head,
+                feature: "logit softcapping".into()
+            },
+            BindingProblem::LayerCount {
+                model: 5,
+                circuit: 4
+            },
+        ]
+    );
+    assert!(
+        text.starts_with("the circuit does not model this model (6 problems):\n  - layer 0 has"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "\n  - layer 2: the model has full_attention/moe, the circuit linear_attention/moe"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("\n  - head: logit softcapping is not modelled by the circuit"),
+        "{text}"
+    );
+}
+
+#[test]
+fn check_bindings_returns_the_bound_layers_in_order() {
+    let m = model(&[LA_MOE, FA_MOE]);
+    let circuit = metrale_circuit::Circuit::new(&m.instance).unwrap();
+    let bound = check_bindings(&circuit, &m.layers, &m.head).unwrap();
+    let specs: Vec<LayerSpec> = bound.iter().map(CircuitLayer::spec).collect();
+    assert_eq!(specs, [LA_MOE, FA_MOE]);
+}
+
+#[test]
+fn a_weight_in_another_format_than_its_kernel_reads_is_refused() {
+    let mut m = model(&[LA_MOE, FA_MOE]);
+    let mut a = Addr(0x50_0000);
+    let bf16 = a.weight(&[4], DType::Bf16);
+    m.layer(0).weights.insert(WeightSlot::GdnALog, bf16);
+    let err = m.build(Fusions::ReferenceOnly).err().unwrap();
+    assert!(
+        matches!(
+            err,
+            CircuitExecError::WeightFormat {
+                block: Block::Layer(0),
+                slot: WeightSlot::GdnALog,
+                bound: "bf16",
+                expected: "f32",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        err.to_string(),
+        "layer 0: weight gdn.a_log is bf16, but gdn::gdn_prepare reads f32"
+    );
+}
+
+#[test]
+fn the_recorder_records_launches_and_refuses_memory() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+    let ops = Ops::new(gpu).unwrap();
+    let (recorder, recording) = Recorder::over(&ops);
+    let (out, x) = (DevicePtr(0x1000), DevicePtr(0x2000));
+    recording
+        .silu_mul(StreamHandle::DEFAULT, out, x, 3, 5)
+        .unwrap();
+    assert_eq!(recorder.len(), 1);
+    let launches = recorder.take();
+    assert_eq!(launches[0].kernel, ops.k.silu_mul);
+    assert!(recorder.is_empty());
+    assert!(recording.gpu().alloc(16).is_err());
+    let e = recording
+        .gpu()
+        .copy_h2d(out, &[0u8; 4], StreamHandle::DEFAULT)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("host-to-device copy is refused"),
+        "{e}"
+    );
+}

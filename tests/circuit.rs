@@ -1,0 +1,417 @@
+//! The circuit executor against the legacy forward on every fixture (CPU): `circuit-reference`
+//! decode is bitwise `legacy` (tokens and logits, eager and graph-captured, alone and
+//! batched); its programs launch exactly what the legacy step launches at every decode width;
+//! plans have golden digests; a model the circuit misdescribes is refused with every problem
+//! named; switching forwards drops captured graphs; the facade and the disclosure report the
+//! forward that runs.
+
+#![allow(clippy::unwrap_used, clippy::type_complexity)]
+
+mod circuit_support;
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail, ensure};
+use circuit_support::*;
+use common::{fixtures_dir, fixtures_of};
+use metrale::{Engine, EngineOptions, GenerateRequest, Prompt};
+use metrale_config::ModelConfig;
+use metrale_gpu_runtime::{CpuBackend, DType, GpuBackend, GpuResult};
+use metrale_model_engine::model::ModelWeights;
+use metrale_model_engine::model_circuit::{
+    ForwardSelect, Fusions, ModelCircuit, checkpoint_plan, checkpoint_plans, plans_digest,
+};
+use metrale_model_engine::{ModelError, ModelOptions, TransformerModel};
+use metrale_model_layers::circuit_exec::{
+    BindingProblem, Block, CircuitBindings, CircuitExecError, Part, WeightSlot,
+};
+use metrale_model_layers::layers::{Attention, DecoderLayer, Ffn, Mixer, Mlp};
+use metrale_model_layers::weight_map::DenseWeight;
+use metrale_model_layers::{LayerCtx, Ops, TransformerLayer};
+
+fn cpu() -> Arc<dyn GpuBackend> {
+    Arc::new(CpuBackend::default())
+}
+
+fn every_fixture() -> Vec<PathBuf> {
+    let dirs = fixtures_of(FAMILIES);
+    assert!(
+        dirs.len() >= 7,
+        "expected the seven fixtures under {}",
+        fixtures_dir().display()
+    );
+    dirs
+}
+
+fn name(dir: &Path) -> String {
+    dir.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+#[test]
+fn circuit_reference_decode_is_bitwise_legacy_on_every_fixture() -> Result<()> {
+    for dir in every_fixture() {
+        for graphs in [false, true] {
+            let options = ModelOptions {
+                decode_graphs: graphs,
+                ..Default::default()
+            };
+            let model = bitwise_same(&dir, &options, &cpu, REFERENCE)
+                .with_context(|| format!("decode graphs {graphs}"))?;
+            let d = model.forward_disclosure()?;
+            eprintln!(
+                "{}: circuit-reference bitwise legacy (graphs {graphs}), {} launches per step",
+                name(&dir),
+                d.launches_per_step
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn circuit_programs_launch_exactly_the_legacy_steps_launches() -> Result<()> {
+    for dir in every_fixture() {
+        let mut model = load(&dir, ModelOptions::default(), cpu(), ForwardSelect::Legacy)?;
+        let ladder = model.options().decode_ladder();
+        let legacy: Vec<_> = ladder
+            .iter()
+            .map(|&w| model.decode_launches(w))
+            .collect::<Result<_, _>>()?;
+        for forward in [REFERENCE, ALL] {
+            model.set_forward(forward)?;
+            for (&w, want) in ladder.iter().zip(&legacy) {
+                let got = model.decode_launches(w)?;
+                ensure!(
+                    got == *want,
+                    "{} {} at width {w}: {} launches, legacy {}; first difference at {:?}",
+                    name(&dir),
+                    forward.name(),
+                    got.len(),
+                    want.len(),
+                    got.iter().zip(want).position(|(g, w)| g != w)
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn the_disclosure_names_the_forward_its_plans_and_launches() -> Result<()> {
+    for dir in every_fixture() {
+        let config = ModelConfig::from_dir(&dir)?;
+        let options = ModelOptions::default();
+        let mut model = load(&dir, options.clone(), cpu(), ForwardSelect::Legacy)?;
+        let legacy = model.forward_disclosure()?;
+        ensure!(legacy.forward == "legacy" && legacy.plan_digest.is_none());
+        // embed; per layer two norms, then the mixer's and the FFN's launches; the head's 3.
+        let per_layer: usize = config
+            .layer_types
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let mixer = match t {
+                    metrale_config::LayerType::FullAttention => 5,
+                    metrale_config::LayerType::LinearAttention => 7,
+                };
+                let shared = config
+                    .moe
+                    .as_ref()
+                    .is_some_and(|m| m.shared_expert_intermediate_size > 0);
+                let ffn = if !config.layer_is_moe(i) {
+                    3
+                } else if shared {
+                    10
+                } else {
+                    6
+                };
+                2 + mixer + ffn
+            })
+            .sum();
+        ensure!(legacy.launches_per_step == 1 + per_layer + 3, "{legacy:?}");
+        for (forward, fusions) in [
+            ("circuit-reference", Fusions::ReferenceOnly),
+            ("circuit", Fusions::All),
+        ] {
+            let select = ForwardSelect::Circuit { fusions };
+            model.set_forward(select)?;
+            ensure!(model.forward_select() == select);
+            let d = model.forward_disclosure()?;
+            // The plans `metrale circuit plan` prints from config.json alone.
+            let plans = checkpoint_plans(&config, &options, fusions)?;
+            ensure!(d.forward == forward, "{d:?}");
+            ensure!(
+                d.plan_digest == Some(plans_digest(&plans)),
+                "{}",
+                name(&dir)
+            );
+            ensure!(d.launches_per_step == plans[0].launches_per_step());
+            // With today's kernels every fused rule lacks its kernel: `circuit` is the
+            // reference plan.
+            ensure!(d.launches_per_step == legacy.launches_per_step, "{d:?}");
+            eprintln!(
+                "{}: {forward}: {} launches per step (legacy {}), plans {}",
+                name(&dir),
+                d.launches_per_step,
+                legacy.launches_per_step,
+                d.plan_digest.map(|x| x.to_string()).unwrap_or_default()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The golden file of plan digests: one line per fixture.
+fn golden_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/circuit_plans.txt")
+}
+
+/// Each fixture's reference plan at width 1 and at every decode width (default options):
+/// `fixture digest-at-1 plans-digest launches`. To regenerate after an intended change,
+/// delete the golden file and run the test twice (the first run writes it and fails, so the
+/// change gets reviewed).
+#[test]
+fn plan_digests_match_their_golden_values() -> Result<()> {
+    let options = ModelOptions::default();
+    let mut lines = Vec::new();
+    let mut texts = Vec::new();
+    for dir in every_fixture() {
+        let config = ModelConfig::from_dir(&dir)?;
+        let plan = checkpoint_plan(&config, &options, Fusions::ReferenceOnly, 1)?;
+        let plans = checkpoint_plans(&config, &options, Fusions::ReferenceOnly)?;
+        ensure!(plans[0].text() == plan.text());
+        lines.push(format!(
+            "{} {} {} {}",
+            name(&dir),
+            plan.digest(),
+            plans_digest(&plans),
+            plan.launches_per_step()
+        ));
+        texts.push(format!("== {}\n{}", name(&dir), plan.text()));
+    }
+    let got = lines.join("\n") + "\n";
+    let path = golden_path();
+    let Ok(want) = std::fs::read_to_string(&path) else {
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(&path, &got)?;
+        bail!(
+            "{} was missing; written, review it and re-run",
+            path.display()
+        );
+    };
+    if want != got {
+        bail!(
+            "plan digests differ from {}:\n  golden:\n{want}  now:\n{got}\nthe plans now:\n{}\n\
+             (if the change is intended, delete the golden file and re-run twice)",
+            path.display(),
+            texts.join("\n")
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn switching_forward_drops_captured_graphs_and_keeps_the_output() -> Result<()> {
+    let dir = fixtures_dir().join("qwen3_5-tiny");
+    let mut model = load(&dir, ModelOptions::default(), cpu(), ForwardSelect::Legacy)?;
+    let legacy = workload(&mut model)?;
+    ensure!(model.captured_widths() == [1, 2, 4]);
+    for forward in [REFERENCE, ForwardSelect::Legacy, ALL] {
+        model.set_forward(forward)?;
+        ensure!(
+            model.captured_widths().is_empty(),
+            "graphs survived a switch to {}",
+            forward.name()
+        );
+        let again = workload(&mut model)?;
+        ensure!(model.captured_widths() == [1, 2, 4]);
+        for (a, b) in legacy.iter().zip(&again) {
+            ensure!(
+                bits(a) == bits(b),
+                "{} differs after a switch",
+                forward.name()
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn the_facade_runs_the_forward_it_was_given() -> Result<()> {
+    for fixture in ["qwen3-tiny", "qwen3_next-tiny"] {
+        let dir = fixtures_dir().join(fixture);
+        let run = |forward: ForwardSelect| -> Result<(String, Vec<u32>, Vec<Vec<u32>>)> {
+            let engine = Engine::load(
+                &dir,
+                EngineOptions {
+                    forward,
+                    ..Default::default()
+                },
+            )?;
+            let out = engine.generate(
+                &GenerateRequest::new(Prompt::TokenIds(vec![3, 14, 15, 92, 65, 35]))
+                    .max_new_tokens(8)
+                    .ignore_eos(true)
+                    .return_logits(true),
+            )?;
+            let logits = out.logits.unwrap_or_default();
+            Ok((
+                engine.forward_disclosure().forward.to_string(),
+                out.token_ids,
+                logits
+                    .iter()
+                    .map(|r| r.iter().map(|x| x.to_bits()).collect())
+                    .collect(),
+            ))
+        };
+        let (legacy_name, tokens, logits) = run(ForwardSelect::Legacy)?;
+        let (circuit_name, c_tokens, c_logits) = run(REFERENCE)?;
+        ensure!(legacy_name == "legacy" && circuit_name == "circuit-reference");
+        ensure!(tokens.len() == 8 && tokens == c_tokens, "{fixture}");
+        ensure!(logits == c_logits, "{fixture}: logits differ");
+    }
+    Ok(())
+}
+
+/// A layer type that gives the executor no binding.
+#[derive(Debug)]
+struct Opaque(DecoderLayer);
+
+impl TransformerLayer for Opaque {
+    fn forward(&self, cx: &LayerCtx<'_>) -> GpuResult<()> {
+        self.0.forward(cx)
+    }
+
+    fn uses_kv_cache(&self) -> bool {
+        self.0.uses_kv_cache()
+    }
+}
+
+impl CircuitBindings for Opaque {}
+
+/// `qwen3-tiny`'s shape with random weights, its layers made by `layer(i, weights)`.
+fn random_model(
+    layer: &dyn Fn(usize, DecoderLayer) -> Box<dyn TransformerLayer>,
+    count: usize,
+) -> Result<TransformerModel> {
+    let config = ModelConfig::from_dir(&fixtures_dir().join("qwen3-tiny"))?;
+    let gpu = cpu();
+    let ops = Ops::new(gpu.clone())?;
+    let s = gpu.default_stream();
+    let mut seed = 0u64;
+    let mut weight = |shape: &[usize], offset: f32| -> Result<DenseWeight> {
+        let n: usize = shape.iter().product();
+        let ptr = gpu.alloc(n * 2)?;
+        seed += 1;
+        ops.fill_uniform_bf16(s, ptr, n as u64, seed, offset, 0.05)?;
+        Ok(DenseWeight {
+            ptr,
+            shape: shape.to_vec(),
+            dtype: DType::Bf16,
+        })
+    };
+    let (h, v, f) = (
+        config.hidden_size,
+        config.vocab_size,
+        config.intermediate_size,
+    );
+    let (hq, hkv, d) = (
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    );
+    let mut layers = Vec::new();
+    for i in 0..count {
+        let decoder = DecoderLayer {
+            input_norm: weight(&[h], 1.0)?,
+            post_norm: weight(&[h], 1.0)?,
+            mixer: Mixer::Attention(Attention {
+                qkv: weight(&[(hq + 2 * hkv) * d, h], 0.0)?,
+                q_norm: Some(weight(&[d], 1.0)?),
+                k_norm: Some(weight(&[d], 1.0)?),
+                o_proj: weight(&[h, hq * d], 0.0)?,
+            }),
+            ffn: Ffn::Dense(Mlp {
+                gate_up: weight(&[2 * f, h], 0.0)?,
+                down: weight(&[h, f], 0.0)?,
+                ffn: f as u32,
+            }),
+        };
+        layers.push(layer(i, decoder));
+    }
+    let embed = weight(&[v, h], 0.0)?;
+    let weights = ModelWeights {
+        final_norm: weight(&[h], 1.0)?,
+        lm_head: weight(&[v, h], 0.0)?,
+        embed,
+        mtp: None,
+    };
+    gpu.synchronize(s)?;
+    Ok(TransformerModel::new(
+        config,
+        ModelOptions::default(),
+        gpu,
+        weights,
+        layers,
+    )?)
+}
+
+#[test]
+fn a_model_the_circuit_misdescribes_is_refused_naming_every_problem() -> Result<()> {
+    // Layer 0 has no binding, layer 1 a k norm but no q norm, and the model has one layer more
+    // than its config.
+    let mut model = random_model(
+        &|i, mut l| match i {
+            0 => Box::new(Opaque(l)),
+            1 => {
+                if let Mixer::Attention(a) = &mut l.mixer {
+                    a.q_norm = None;
+                }
+                Box::new(l)
+            }
+            _ => Box::new(l),
+        },
+        5,
+    )?;
+    let before = workload(&mut model)?;
+    let err = model.set_forward(REFERENCE).err().context("refused")?;
+    let text = err.to_string();
+    let ModelError::Circuit(CircuitExecError::Bindings { problems }) = err else {
+        bail!("not a binding refusal: {text}");
+    };
+    let want = [
+        BindingProblem::Unbound { layer: 0 },
+        BindingProblem::Unmodelled {
+            part: Part::Layer(1),
+            feature: "a per-head norm on only one of q and k".into(),
+        },
+        BindingProblem::FactDisagrees {
+            layer: 1,
+            fact: "the q/k norm",
+            model: "false".into(),
+            circuit: "true".into(),
+        },
+        BindingProblem::MissingWeight {
+            block: Block::Layer(1),
+            slot: WeightSlot::QNorm,
+        },
+        BindingProblem::LayerCount {
+            model: 5,
+            circuit: 4,
+        },
+    ];
+    ensure!(problems == want, "{problems:#?}");
+    ensure!(text.contains("(5 problems)"), "{text}");
+    eprintln!("{text}");
+    // The refused build left the legacy forward running.
+    ensure!(model.forward_select() == ForwardSelect::Legacy);
+    let after = workload(&mut model)?;
+    ensure!(before.iter().zip(&after).all(|(a, b)| bits(a) == bits(b)));
+    Ok(())
+}

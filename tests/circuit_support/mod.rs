@@ -1,0 +1,145 @@
+//! Shared by the circuit executor's tests on the CPU (`tests/circuit.rs`) and on CUDA
+//! (`tests/cuda_circuit.rs`): one workload of single and batched decode, run under two forwards
+//! of the same checkpoint and compared bit for bit.
+
+#![allow(dead_code)]
+
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, ensure};
+use metrale_gpu_runtime::GpuBackend;
+use metrale_model_engine::generate::{GenerateParams, Generation, generate, generate_batch};
+use metrale_model_engine::model_circuit::{ForwardSelect, Fusions, ModelCircuit};
+use metrale_model_engine::sampling::SamplingParams;
+use metrale_model_engine::{ModelOptions, TransformerModel, factory};
+
+/// Every family's fixtures (`reference.json` `model_type`s).
+pub const FAMILIES: &[&str] = &[
+    "qwen3",
+    "llama",
+    "qwen3_5_text",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+];
+
+/// `circuit-reference`.
+pub const REFERENCE: ForwardSelect = ForwardSelect::Circuit {
+    fusions: Fusions::ReferenceOnly,
+};
+
+/// `circuit`.
+pub const ALL: ForwardSelect = ForwardSelect::Circuit {
+    fusions: Fusions::All,
+};
+
+pub fn params(n: usize, temperature: f32, seed: u64) -> GenerateParams {
+    GenerateParams {
+        max_new_tokens: n,
+        sampling: SamplingParams {
+            temperature,
+            seed,
+            ..Default::default()
+        },
+        stop_token_ids: Vec::new(),
+        return_logits: true,
+    }
+}
+
+/// Tokens and the bits of every logit.
+pub fn bits(g: &Generation) -> (Vec<u32>, Vec<Vec<u32>>) {
+    let logits = g.logits.as_deref().unwrap_or_default();
+    (
+        g.token_ids.clone(),
+        logits
+            .iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect(),
+    )
+}
+
+/// Load `dir` on `gpu` and select `forward`.
+pub fn load(
+    dir: &Path,
+    options: ModelOptions,
+    gpu: Arc<dyn GpuBackend>,
+    forward: ForwardSelect,
+) -> Result<TransformerModel> {
+    let mut model =
+        factory::load(dir, options, gpu).with_context(|| format!("loading {}", dir.display()))?;
+    model
+        .set_forward(forward)
+        .with_context(|| format!("{}: selecting {}", dir.display(), forward.name()))?;
+    Ok(model)
+}
+
+/// One sequence alone (width 1), then three together (widths 4, then 2 and 1 as they
+/// finish), greedy and sampled, every logit kept.
+pub fn workload(model: &mut TransformerModel) -> Result<Vec<Generation>> {
+    let vocab = model.config().vocab_size as u32;
+    let prompt = |len: u32, salt: u32| -> Vec<u32> {
+        (0..len)
+            .map(|t| (t * 37 + salt * 11) % (vocab - 1) + 1)
+            .collect()
+    };
+    let mut out = vec![generate(
+        model,
+        &prompt(9, 1),
+        &params(6, 0.0, 0),
+        &mut |_| ControlFlow::Continue(()),
+    )?];
+    let prompts = [prompt(5, 2), prompt(11, 3), prompt(17, 4)];
+    let ps = [params(6, 0.0, 0), params(3, 0.8, 7), params(8, 0.0, 0)];
+    let requests: Vec<(&[u32], &GenerateParams)> = prompts
+        .iter()
+        .zip(&ps)
+        .map(|(p, q)| (p.as_slice(), q))
+        .collect();
+    out.extend(generate_batch(model, &requests, &mut |_, _| {
+        ControlFlow::Continue(())
+    })?);
+    Ok(out)
+}
+
+/// The workload under `legacy` and under `circuit` (two models of `dir`) is bitwise the same;
+/// with graphs on, both captured the same widths. Returns the circuit model.
+pub fn bitwise_same(
+    dir: &Path,
+    options: &ModelOptions,
+    gpu: &dyn Fn() -> Arc<dyn GpuBackend>,
+    circuit: ForwardSelect,
+) -> Result<TransformerModel> {
+    let mut legacy = load(dir, options.clone(), gpu(), ForwardSelect::Legacy)?;
+    let mut compiled = load(dir, options.clone(), gpu(), circuit)?;
+    let want = workload(&mut legacy)?;
+    let got = workload(&mut compiled)?;
+    ensure!(want.len() == got.len());
+    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+        ensure!(
+            bits(w) == bits(g),
+            "{} sequence {i}: {} differs from legacy (tokens {:?} vs {:?})",
+            dir.display(),
+            circuit.name(),
+            g.token_ids,
+            w.token_ids
+        );
+        ensure!(!g.token_ids.is_empty(), "sequence {i} generated nothing");
+    }
+    ensure!(
+        legacy.captured_widths() == compiled.captured_widths(),
+        "{}: graphs of widths {:?} (legacy {:?})",
+        dir.display(),
+        compiled.captured_widths(),
+        legacy.captured_widths()
+    );
+    if options.decode_graphs {
+        ensure!(
+            compiled.captured_widths() == [1, 2, 4],
+            "{}: decode ran from graphs of widths {:?}",
+            dir.display(),
+            compiled.captured_widths()
+        );
+    }
+    Ok(compiled)
+}
