@@ -1,8 +1,9 @@
-//! `cargo xtask`: kernels, fixtures, gpu-bundle, bench.
+//! `cargo xtask`: kernels, fixtures, gpu-bundle, bench, soak.
 
 mod bundle;
 mod cuda;
 mod fixtures;
+mod soak;
 
 use clap::{Parser, Subcommand};
 
@@ -27,6 +28,9 @@ enum Cmd {
         #[arg(long)]
         only: Option<String>,
     },
+    /// Soak the engine: many concurrent requests (random lengths, shared prefixes, cancellation)
+    /// on the tiny checkpoints; asserts no leaks, no failures, outputs equal to solo runs.
+    Soak(soak::SoakArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -37,5 +41,6 @@ fn main() -> anyhow::Result<()> {
         Cmd::SetupCuda => cuda::setup_cuda(&root).map(|nvcc| println!("{}", nvcc.display())),
         Cmd::Kernels => cuda::kernels(&root),
         Cmd::GpuBundle => bundle::gpu_bundle(&root),
+        Cmd::Soak(args) => soak::run(&root, args),
     }
 }

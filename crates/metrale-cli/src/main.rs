@@ -1,6 +1,7 @@
 //! The `metrale` command line: `generate` runs one prompt through a checkpoint.
 
 mod bench;
+mod circuit;
 mod generate;
 
 use clap::{Parser, Subcommand};
@@ -19,6 +20,10 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Benchmark a random-weight model of a real shape on the device.
     Bench(bench::BenchArgs),
+    /// Inspect the circuit a checkpoint's decode step compiles to.
+    Circuit(circuit::CircuitArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(metrale_serve::ServeArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -30,6 +35,8 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Circuit(args) => circuit::run(args),
+        Command::Serve(args) => metrale_serve::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

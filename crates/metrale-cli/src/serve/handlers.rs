@@ -1,0 +1,246 @@
+//! `POST /v1/completions` and `POST /v1/chat/completions`: an OpenAI request becomes a
+//! `GenerateRequest` (the chat template rendered, the prompt tokenized and the request submitted
+//! off the async runtime), and its output comes back as one JSON response or as server-sent
+//! events.
+//!
+//! Defaults are OpenAI's: `max_tokens` 16 for completions and the rest of the context for chat,
+//! `temperature` 1, `top_p` 1, all tokens (`top_k` 0), a fresh seed per request. A `max_tokens`
+//! past the end of the context is allowed; generation then ends there with `length`.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use futures_core::Stream;
+use metrale::{
+    EngineError, GenerateEvent, GenerateOutput, GenerateRequest, Prompt, RequestHandle,
+    SamplingParams,
+};
+
+use super::error::ApiError;
+use super::openai::{
+    ChatChoice, ChatMessageOut, CompletionChoice, Envelope, GenerationBody, PromptInput, Usage,
+    parse_prompt,
+};
+use super::router::{AppState, unix_seconds};
+use super::sse::{Flavor, SseStream};
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(state, body, Flavor::Completion)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(state, body, Flavor::Chat)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn generate(
+    state: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    flavor: Flavor,
+) -> Result<Response, ApiError> {
+    let bytes = body.map_err(|rejection| ApiError {
+        status: rejection.status(),
+        message: rejection.body_text(),
+        kind: "invalid_request_error",
+        param: None,
+        code: None,
+    })?;
+    let body = GenerationBody::parse(&bytes)?;
+    state.check_model(body.model.as_deref())?;
+    let prompt = match flavor {
+        Flavor::Completion => Source::Prompt(parse_prompt(body.prompt.as_ref())?),
+        Flavor::Chat => {
+            if state.chat_template().is_none() {
+                return Err(ApiError::invalid(
+                    format!(
+                        "the model `{}` has no chat template (no `chat_template` in its \
+                         tokenizer_config.json, no chat_template.jinja); use /v1/completions",
+                        state.model_id()
+                    ),
+                    Some("messages"),
+                )
+                .code("no_chat_template"));
+            }
+            let messages = body
+                .messages
+                .clone()
+                .ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
+            Source::Chat {
+                messages,
+                kwargs: body.chat_template_kwargs.clone(),
+            }
+        }
+    };
+    let settings = Settings::of(&body, flavor, &state)?;
+    let engine_state = state.clone();
+    let handle = tokio::task::spawn_blocking(move || submit(&engine_state, prompt, settings))
+        .await
+        .map_err(|e| ApiError::internal(format!("the submitting task failed: {e}")))??;
+    let id = format!("{}-{}", flavor.id_prefix(), handle.id().0);
+    let created = unix_seconds();
+    let model = state.model_id().to_string();
+    if body.stream() {
+        let stream = SseStream::new(handle, flavor, id, created, model, body.include_usage());
+        return Ok((
+            [
+                (header::CONTENT_TYPE, "text/event-stream"),
+                (header::CACHE_CONTROL, "no-cache"),
+            ],
+            Body::from_stream(stream),
+        )
+            .into_response());
+    }
+    let output = wait(handle).await?;
+    let usage = Some(Usage::new(output.prompt_ids.len(), output.token_ids.len()));
+    let finish_reason = output.finish_reason.as_str();
+    let text = output.text.unwrap_or_default();
+    let json = match flavor {
+        Flavor::Completion => serde_json::to_value(Envelope {
+            id,
+            object: "text_completion",
+            created,
+            model,
+            choices: vec![CompletionChoice {
+                index: 0,
+                text,
+                logprobs: None,
+                finish_reason: Some(finish_reason),
+                token_ids: output.token_ids,
+            }],
+            usage,
+        }),
+        Flavor::Chat => serde_json::to_value(Envelope {
+            id,
+            object: "chat.completion",
+            created,
+            model,
+            choices: vec![ChatChoice {
+                index: 0,
+                message: ChatMessageOut {
+                    role: "assistant",
+                    content: text,
+                },
+                logprobs: None,
+                finish_reason,
+                token_ids: output.token_ids,
+            }],
+            usage,
+        }),
+    }
+    .map_err(|e| ApiError::internal(format!("serializing the response: {e}")))?;
+    Ok(axum::Json(json).into_response())
+}
+
+/// What a request asks for besides its prompt.
+#[derive(Debug)]
+struct Settings {
+    max_tokens: Option<usize>,
+    flavor: Flavor,
+    sampling: SamplingParams,
+    stop_strings: Vec<String>,
+    stop_token_ids: Vec<u32>,
+    ignore_eos: bool,
+}
+
+impl Settings {
+    fn of(body: &GenerationBody, flavor: Flavor, state: &AppState) -> Result<Settings, ApiError> {
+        let top_k = match body.top_k {
+            None | Some(-1) => 0,
+            Some(k) => usize::try_from(k).map_err(|_| {
+                ApiError::invalid(
+                    format!("`top_k` = {k}: must be >= 0 (0 or -1: all tokens)"),
+                    Some("top_k"),
+                )
+            })?,
+        };
+        let sampling = SamplingParams {
+            temperature: body.temperature.unwrap_or(1.0),
+            top_k,
+            top_p: body.top_p.unwrap_or(1.0),
+            // A negative seed is a seed too: its bits are taken as they are.
+            seed: body.seed.map_or_else(|| state.fresh_seed(), |s| s as u64),
+        };
+        sampling.validate().map_err(|e| {
+            let field = e.field;
+            ApiError::invalid(e.to_string(), Some(field))
+        })?;
+        Ok(Settings {
+            max_tokens: body.max_tokens.or(body.max_completion_tokens),
+            flavor,
+            sampling,
+            stop_strings: body.stop_strings()?,
+            stop_token_ids: body.stop_token_ids.clone().unwrap_or_default(),
+            ignore_eos: body.ignore_eos.unwrap_or(false),
+        })
+    }
+}
+
+/// Where a request's prompt comes from.
+#[derive(Debug)]
+enum Source {
+    /// `/v1/completions`' `prompt`.
+    Prompt(PromptInput),
+    /// `/v1/chat/completions`' `messages`, for the chat template.
+    Chat {
+        messages: Vec<serde_json::Value>,
+        kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    },
+}
+
+/// Render the chat template, tokenize and submit (blocking: run it off the async runtime).
+fn submit(state: &AppState, source: Source, s: Settings) -> Result<RequestHandle, ApiError> {
+    let engine = state.engine();
+    let prompt = match source {
+        Source::Prompt(p) => p,
+        Source::Chat { messages, kwargs } => {
+            let template = state
+                .chat_template()
+                .ok_or_else(|| ApiError::internal("the chat template is gone"))?;
+            PromptInput::Text(template.render(&messages, kwargs.as_ref())?)
+        }
+    };
+    let ids = match prompt {
+        PromptInput::Text(text) => engine.encode(&text)?,
+        PromptInput::TokenIds(ids) => ids,
+    };
+    let max_new_tokens = s.max_tokens.unwrap_or(match s.flavor {
+        Flavor::Completion => 16,
+        Flavor::Chat => engine.max_context().saturating_sub(ids.len()),
+    });
+    let request = GenerateRequest::new(Prompt::TokenIds(ids))
+        .max_new_tokens(max_new_tokens)
+        .sampling(s.sampling)
+        .ignore_eos(s.ignore_eos)
+        .stop_token_ids(s.stop_token_ids)
+        .stop_strings(s.stop_strings);
+    Ok(engine.submit(request)?)
+}
+
+/// The request's output, awaited through the handle's `Stream`. Dropping this future (the
+/// client went away) drops the handle, which cancels the request.
+async fn wait(mut handle: RequestHandle) -> Result<GenerateOutput, EngineError> {
+    loop {
+        match std::future::poll_fn(|cx| Pin::new(&mut handle).poll_next(cx)).await {
+            Some(Ok(GenerateEvent::Finished { output })) => return Ok(output),
+            Some(Ok(GenerateEvent::Token(_))) => {}
+            Some(Err(e)) => return Err(e),
+            None => return Err(EngineError::ShutDown),
+        }
+    }
+}

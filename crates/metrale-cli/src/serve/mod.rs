@@ -1,0 +1,187 @@
+//! `metrale serve`: an OpenAI-compatible HTTP server over one [`metrale::Engine`].
+//!
+//! Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (chat
+//! template from the checkpoint's `tokenizer_config.json`), server-sent events when a request
+//! asks to `stream`, `GET /metrics` (Prometheus text) and `GET /health`.
+//!
+//! This is a library (`metrale_serve`) so that its integration tests run the server in-process;
+//! the `metrale` binary's `serve` subcommand calls [`run`]. Code map:
+//! - `router`: the routes, the shared [`AppState`], `/v1/models`, `/metrics`, `/health`;
+//! - `handlers`: the two generation endpoints, from OpenAI request to `GenerateRequest` and back;
+//! - `openai`: the OpenAI wire types;
+//! - `sse`: a request's events as a server-sent-event body;
+//! - `chat`: the chat template (minijinja);
+//! - `prometheus`: `EngineMetrics` as Prometheus text;
+//! - `error`: `ApiError`, OpenAI's error JSON with its HTTP status.
+//!
+//! Invariants:
+//! - The async runtime never blocks: tokenizing and submitting run in `spawn_blocking`, and a
+//!   request's events are awaited through the handle's `Stream`.
+//! - Every request owns its `RequestHandle` until it has finished; when the client goes away
+//!   (its connection closes, so the handler future or the SSE body is dropped), the handle is
+//!   dropped with it and the engine cancels the request.
+//! - Client mistakes get 4xx with OpenAI's error JSON; 5xx means the engine itself failed.
+
+mod chat;
+mod error;
+mod handlers;
+mod openai;
+mod prometheus;
+mod router;
+mod sse;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use metrale::{Backend, Engine, EngineOptions, ModelOptions};
+
+pub use chat::ChatTemplate;
+pub use error::ApiError;
+pub use prometheus::render as prometheus_text;
+pub use router::{AppState, router};
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    /// The CPU reference backend.
+    Cpu,
+    /// An NVIDIA GPU (a build with the `cuda` feature).
+    Cuda,
+}
+
+/// `metrale serve`'s flags.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Checkpoint directory (config.json + safetensors, tokenizer.json for text). Default: the
+    /// bundled tiny checkpoint.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// The model's name in the API (`/v1/models`, the requests' `model`). Default: the
+    /// checkpoint directory's name.
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the address is printed).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Where the model runs.
+    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+    pub backend: BackendArg,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Most tokens per step (prefill chunk size and token budget).
+    #[arg(long, default_value_t = ModelOptions::default().max_batch_tokens)]
+    pub max_batch_tokens: usize,
+    /// Most requests running at once (the widest decode step).
+    #[arg(long, default_value_t = ModelOptions::default().max_decode_seqs)]
+    pub max_decode_seqs: usize,
+    /// Longest sequence, prompt plus output. Default: the model's, capped at 4096.
+    #[arg(long)]
+    pub max_seq_len: Option<usize>,
+    /// KV-cache blocks. Default: enough for `max_decode_seqs` sequences of `max_seq_len`.
+    #[arg(long)]
+    pub num_kv_blocks: Option<usize>,
+    /// Tokens per KV-cache block.
+    #[arg(long, default_value_t = ModelOptions::default().block_size)]
+    pub block_size: usize,
+    /// Most requests waiting for admission; more get 429.
+    #[arg(long, default_value_t = EngineOptions::default().max_queued_requests)]
+    pub max_queued_requests: usize,
+}
+
+impl ServeArgs {
+    /// The engine options these flags give.
+    pub fn engine_options(&self) -> EngineOptions {
+        EngineOptions {
+            backend: match self.backend {
+                BackendArg::Cpu => Backend::Cpu,
+                BackendArg::Cuda => Backend::Cuda {
+                    device: self.device,
+                },
+            },
+            model: ModelOptions {
+                max_batch_tokens: self.max_batch_tokens,
+                max_decode_seqs: self.max_decode_seqs,
+                max_seq_len: self.max_seq_len,
+                num_kv_blocks: self.num_kv_blocks,
+                block_size: self.block_size,
+                ..ModelOptions::default()
+            },
+            max_queued_requests: self.max_queued_requests,
+            ..EngineOptions::default()
+        }
+    }
+}
+
+/// Load the checkpoint, listen, and serve until Ctrl-C (SIGINT) or SIGTERM; requests in flight
+/// finish first.
+pub fn run(args: ServeArgs) -> Result<()> {
+    let dir = args
+        .model
+        .clone()
+        .unwrap_or_else(metrale::bundled_checkpoint);
+    let engine = Engine::load(&dir, args.engine_options())
+        .with_context(|| format!("loading {}", dir.display()))?;
+    let state = AppState::new(Arc::new(engine), &dir, args.served_model_name.clone())?;
+    let model_id = state.model_id().to_string();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_io()
+        .thread_name("metrale-serve")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("listening on {addr}"))?;
+        let local: SocketAddr = listener.local_addr().context("reading the bound address")?;
+        println!("metrale serve: model `{model_id}` on http://{local}");
+        axum::serve(listener, router(Arc::new(state)))
+            .with_graceful_shutdown(shutdown_signal())
+            .await
+            .context("serving")
+    })
+}
+
+/// Resolves on Ctrl-C or, on Unix, SIGTERM. A signal that cannot be listened for is logged and
+/// never fires.
+async fn shutdown_signal() {
+    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
+    let mut ctrl_c_live = true;
+    #[cfg(unix)]
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::error!("cannot listen for SIGTERM: {e}");
+            None
+        }
+    };
+    std::future::poll_fn(|cx| {
+        if ctrl_c_live {
+            match ctrl_c.as_mut().poll(cx) {
+                std::task::Poll::Ready(Ok(())) => return std::task::Poll::Ready(()),
+                std::task::Poll::Ready(Err(e)) => {
+                    tracing::error!("cannot listen for Ctrl-C: {e}");
+                    ctrl_c_live = false;
+                }
+                std::task::Poll::Pending => {}
+            }
+        }
+        #[cfg(unix)]
+        if let Some(t) = term.as_mut()
+            && t.poll_recv(cx).is_ready()
+        {
+            return std::task::Poll::Ready(());
+        }
+        std::task::Poll::Pending
+    })
+    .await;
+    eprintln!("metrale serve: shutting down");
+}

@@ -1,0 +1,362 @@
+//! The OpenAI wire types: the body of `/v1/completions` and `/v1/chat/completions` requests, and
+//! the responses and stream chunks sent back.
+//!
+//! Both endpoints read one `GenerationBody` (every field optional) and check their own required
+//! field (`prompt` or `messages`); a field the engine cannot honour (`n` > 1, `logprobs`,
+//! penalties, tools, ...) is refused with a 400 that names it rather than ignored. Fields this
+//! server adds beside OpenAI's: `top_k`, `ignore_eos` and `stop_token_ids` in requests (as vLLM
+//! has them), `token_ids` in every choice and chunk.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::error::ApiError;
+
+/// A request body of either generation endpoint.
+#[derive(Debug, Default, Deserialize)]
+pub struct GenerationBody {
+    /// The model asked for; must be the served one when given.
+    pub model: Option<String>,
+    /// `/v1/completions`: a string, a token-id array, or a one-element array of either.
+    pub prompt: Option<Value>,
+    /// `/v1/chat/completions`: `[{"role", "content"}, ...]`.
+    pub messages: Option<Vec<Value>>,
+    /// Most tokens to generate.
+    pub max_tokens: Option<usize>,
+    /// The chat API's newer name for `max_tokens`.
+    pub max_completion_tokens: Option<usize>,
+    /// Sampling temperature (OpenAI's default 1; 0 is greedy).
+    pub temperature: Option<f32>,
+    /// Nucleus threshold in (0, 1].
+    pub top_p: Option<f32>,
+    /// Keep the k most likely tokens; 0 or -1 keep all.
+    pub top_k: Option<i64>,
+    /// Sampler seed; without one each request draws its own.
+    pub seed: Option<i64>,
+    /// A stop string or a list of them.
+    pub stop: Option<Value>,
+    /// Token ids that end generation (kept in the output).
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Do not stop at the model's EOS tokens.
+    pub ignore_eos: Option<bool>,
+    /// Send server-sent events.
+    pub stream: Option<bool>,
+    /// `{"include_usage": true}`: a last chunk with the token counts.
+    pub stream_options: Option<StreamOptions>,
+    /// Chat: extra variables for the chat template (e.g. `{"enable_thinking": false}`).
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    // Refused unless at their defaults.
+    n: Option<u64>,
+    best_of: Option<u64>,
+    echo: Option<bool>,
+    suffix: Option<String>,
+    logprobs: Option<Value>,
+    top_logprobs: Option<u64>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    logit_bias: Option<serde_json::Map<String, Value>>,
+    tools: Option<Vec<Value>>,
+    response_format: Option<Value>,
+}
+
+/// `stream_options`.
+#[derive(Debug, Default, Clone, Copy, Deserialize)]
+pub struct StreamOptions {
+    /// Send the usage in a last chunk.
+    pub include_usage: Option<bool>,
+}
+
+impl GenerationBody {
+    /// Parse a request body; a malformed one gets a 400 naming the field.
+    pub fn parse(bytes: &[u8]) -> Result<GenerationBody, ApiError> {
+        let value: Value = serde_json::from_slice(bytes)
+            .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
+        if !value.is_object() {
+            return Err(ApiError::invalid("the body must be a JSON object", None));
+        }
+        let body: GenerationBody = serde_path_to_error::deserialize(value).map_err(|e| {
+            let path = e.path().to_string();
+            ApiError::invalid(format!("`{path}`: {}", e.into_inner()), Some(&path))
+        })?;
+        body.refuse_unsupported()?;
+        Ok(body)
+    }
+
+    /// Refuse the fields this server cannot honour instead of ignoring them.
+    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        let unsupported = |field: &str, what: &str| {
+            Err(ApiError::invalid(
+                format!("`{field}` {what} is not supported by this server"),
+                Some(field),
+            ))
+        };
+        if self.n.is_some_and(|n| n != 1) {
+            return unsupported("n", "other than 1");
+        }
+        if self.best_of.is_some_and(|n| n != 1) {
+            return unsupported("best_of", "other than 1");
+        }
+        if self.echo == Some(true) {
+            return unsupported("echo", "= true");
+        }
+        if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return unsupported("suffix", "(insertion)");
+        }
+        if !matches!(
+            self.logprobs,
+            None | Some(Value::Null) | Some(Value::Bool(false))
+        ) {
+            return unsupported("logprobs", "");
+        }
+        if self.top_logprobs.is_some_and(|n| n > 0) {
+            return unsupported("top_logprobs", "");
+        }
+        if self.presence_penalty.is_some_and(|p| p != 0.0) {
+            return unsupported("presence_penalty", "other than 0");
+        }
+        if self.frequency_penalty.is_some_and(|p| p != 0.0) {
+            return unsupported("frequency_penalty", "other than 0");
+        }
+        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return unsupported("logit_bias", "");
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return unsupported("tools", "(function calling)");
+        }
+        if let Some(format) = &self.response_format {
+            let kind = format.get("type").and_then(Value::as_str);
+            if !(format.is_null() || kind == Some("text")) {
+                return unsupported("response_format", "other than text");
+            }
+        }
+        Ok(())
+    }
+
+    /// `stop` as a list of strings.
+    pub fn stop_strings(&self) -> Result<Vec<String>, ApiError> {
+        let bad =
+            || ApiError::invalid("`stop` must be a string or a list of strings", Some("stop"));
+        match &self.stop {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::String(s)) => Ok(vec![s.clone()]),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_str().map(str::to_string).ok_or_else(bad))
+                .collect(),
+            Some(_) => Err(bad()),
+        }
+    }
+
+    /// Whether to stream.
+    pub fn stream(&self) -> bool {
+        self.stream.unwrap_or(false)
+    }
+
+    /// Whether a streamed response ends with a usage chunk.
+    pub fn include_usage(&self) -> bool {
+        self.stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false)
+    }
+}
+
+/// A completion prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptInput {
+    /// Text, encoded with the checkpoint's tokenizer.
+    Text(String),
+    /// Token ids.
+    TokenIds(Vec<u32>),
+}
+
+/// Read `prompt`: a string, a token-id array, or a one-element array holding either.
+pub fn parse_prompt(value: Option<&Value>) -> Result<PromptInput, ApiError> {
+    let invalid = |m: String| ApiError::invalid(m, Some("prompt"));
+    match value {
+        None | Some(Value::Null) => Err(invalid("`prompt` is required".into())),
+        Some(Value::String(s)) => Ok(PromptInput::Text(s.clone())),
+        Some(Value::Array(items)) if items.iter().all(Value::is_number) => items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_u64()
+                    .and_then(|id| u32::try_from(id).ok())
+                    .ok_or_else(|| {
+                        invalid(format!(
+                            "prompt[{i}] = {v} is not a token id (0 <= id < 2^32)"
+                        ))
+                    })
+            })
+            .collect::<Result<Vec<u32>, ApiError>>()
+            .map(PromptInput::TokenIds),
+        Some(Value::Array(items)) if items.len() == 1 => parse_prompt(items.first()),
+        Some(Value::Array(_)) => Err(invalid(
+            "several prompts in one request are not supported; send one request per prompt".into(),
+        )),
+        Some(other) => Err(invalid(format!(
+            "`prompt` must be a string or an array of token ids, not {other}"
+        ))),
+    }
+}
+
+/// Token counts of a response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Their sum.
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    /// From the two counts.
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Usage {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// One choice of a `text_completion` (or one chunk of it when streaming).
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChoice {
+    /// Always 0 (one choice per request).
+    pub index: usize,
+    /// The text (a delta when streaming).
+    pub text: String,
+    /// Always null (not supported).
+    pub logprobs: Option<()>,
+    /// "stop" or "length"; null in a chunk before the last.
+    pub finish_reason: Option<&'static str>,
+    /// The generated token ids (the chunk's, when streaming).
+    pub token_ids: Vec<u32>,
+}
+
+/// A chat message in a response.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatMessageOut {
+    /// "assistant".
+    pub role: &'static str,
+    /// The generated text.
+    pub content: String,
+}
+
+/// One choice of a `chat.completion`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChoice {
+    /// Always 0.
+    pub index: usize,
+    /// The reply.
+    pub message: ChatMessageOut,
+    /// Always null.
+    pub logprobs: Option<()>,
+    /// "stop" or "length".
+    pub finish_reason: &'static str,
+    /// The generated token ids.
+    pub token_ids: Vec<u32>,
+}
+
+/// A chunk's `delta`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatDelta {
+    /// "assistant" in the first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    /// Text added.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// One choice of a `chat.completion.chunk`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunkChoice {
+    /// Always 0.
+    pub index: usize,
+    /// What this chunk adds.
+    pub delta: ChatDelta,
+    /// Always null.
+    pub logprobs: Option<()>,
+    /// Set in the last chunk.
+    pub finish_reason: Option<&'static str>,
+    /// The chunk's token ids.
+    pub token_ids: Vec<u32>,
+}
+
+/// A whole response or one streamed chunk: `id`, `object`, `created`, `model`, `choices`, and
+/// `usage` where there is one.
+#[derive(Debug, Clone, Serialize)]
+pub struct Envelope<C> {
+    /// `cmpl-N` or `chatcmpl-N`.
+    pub id: String,
+    /// `text_completion`, `chat.completion` or `chat.completion.chunk`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// The served model's name.
+    pub model: String,
+    /// The choices (empty in a usage-only chunk).
+    pub choices: Vec<C>,
+    /// Token counts: in a whole response, and in the usage chunk of a stream.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prompt_is_text_token_ids_or_one_of_either_in_a_list() {
+        let p = |v: Value| parse_prompt(Some(&v));
+        assert_eq!(
+            p(serde_json::json!("hi")),
+            Ok(PromptInput::Text("hi".into()))
+        );
+        assert_eq!(
+            p(serde_json::json!([1, 2])),
+            Ok(PromptInput::TokenIds(vec![1, 2]))
+        );
+        assert_eq!(
+            p(serde_json::json!([[3]])),
+            Ok(PromptInput::TokenIds(vec![3]))
+        );
+        assert_eq!(
+            p(serde_json::json!(["x"])),
+            Ok(PromptInput::Text("x".into()))
+        );
+        for bad in [
+            serde_json::json!([1, -2]),
+            serde_json::json!([1.5]),
+            serde_json::json!(["a", "b"]),
+            serde_json::json!({"a": 1}),
+            Value::Null,
+        ] {
+            let e = p(bad.clone()).expect_err(&bad.to_string());
+            assert_eq!(e.param.as_deref(), Some("prompt"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_bad_field_is_named_and_unsupported_ones_are_refused() {
+        let e = GenerationBody::parse(br#"{"prompt": "a", "max_tokens": -1}"#)
+            .expect_err("negative max_tokens");
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        let e = GenerationBody::parse(b"{\"prompt\": ").expect_err("truncated");
+        assert!(e.message.contains("not valid JSON"), "{e}");
+        let e = GenerationBody::parse(br#"{"prompt": "a", "n": 2}"#).expect_err("n");
+        assert_eq!(e.param.as_deref(), Some("n"));
+        let e = GenerationBody::parse(br#"{"prompt": "a", "stop": 3}"#)
+            .and_then(|b| b.stop_strings())
+            .expect_err("stop");
+        assert_eq!(e.param.as_deref(), Some("stop"));
+        let ok = GenerationBody::parse(
+            br#"{"prompt": "a", "n": 1, "logprobs": null, "presence_penalty": 0, "stop": ["x", "y"], "user": "u"}"#,
+        )
+        .expect("defaults are accepted");
+        assert_eq!(ok.stop_strings().expect("stop"), vec!["x", "y"]);
+    }
+}

@@ -1,0 +1,161 @@
+//! `EngineMetrics` in Prometheus' text exposition format (version 0.0.4): a `# HELP` and a
+//! `# TYPE` line per metric, then its sample. Names start with `metrale_`; counters, and only
+//! counters, end in `_total` (pool sizes are `_capacity`).
+
+use std::fmt::Write;
+
+use metrale::EngineMetrics;
+
+/// The `Content-Type` of [`render`]'s text.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// The metrics as Prometheus text.
+pub fn render(m: &EngineMetrics) -> String {
+    let ratio = |used: usize, total: usize| {
+        if total == 0 {
+            0.0
+        } else {
+            used as f64 / total as f64
+        }
+    };
+    let metrics: [(&str, &str, &str, f64); 14] = [
+        (
+            "metrale_requests_running",
+            "gauge",
+            "Requests admitted to the model and not finished.",
+            m.running as f64,
+        ),
+        (
+            "metrale_requests_queued",
+            "gauge",
+            "Requests submitted and not yet admitted (preempted ones included).",
+            m.queued as f64,
+        ),
+        (
+            "metrale_requests_finished_total",
+            "counter",
+            "Requests that finished with an output (cancelled ones included).",
+            m.finished as f64,
+        ),
+        (
+            "metrale_requests_failed_total",
+            "counter",
+            "Requests that ended with an engine error after they were accepted.",
+            m.failed as f64,
+        ),
+        (
+            "metrale_generation_tokens_total",
+            "counter",
+            "Tokens generated since the engine started.",
+            m.tokens_generated as f64,
+        ),
+        (
+            "metrale_generation_tokens_per_second",
+            "gauge",
+            "Tokens generated per second over the engine's metrics window.",
+            m.tokens_per_second,
+        ),
+        (
+            "metrale_steps_total",
+            "counter",
+            "Model steps run (prefill chunks and decode steps).",
+            m.steps as f64,
+        ),
+        (
+            "metrale_preemptions_total",
+            "counter",
+            "Requests preempted by recompute because the KV cache ran out.",
+            m.preemptions as f64,
+        ),
+        (
+            "metrale_kv_blocks_used",
+            "gauge",
+            "KV-cache blocks in use.",
+            m.kv_blocks_used as f64,
+        ),
+        (
+            "metrale_kv_blocks_capacity",
+            "gauge",
+            "KV-cache blocks in the pool.",
+            m.kv_blocks_total as f64,
+        ),
+        (
+            "metrale_kv_cache_usage_ratio",
+            "gauge",
+            "Fraction of the KV-cache blocks in use.",
+            ratio(m.kv_blocks_used, m.kv_blocks_total),
+        ),
+        (
+            "metrale_ssm_slots_used",
+            "gauge",
+            "SSM state slots in use (hybrid models).",
+            m.ssm_slots_used as f64,
+        ),
+        (
+            "metrale_ssm_slots_capacity",
+            "gauge",
+            "SSM state slots in the pool (hybrid models).",
+            m.ssm_slots_total as f64,
+        ),
+        (
+            "metrale_ssm_slots_usage_ratio",
+            "gauge",
+            "Fraction of the SSM state slots in use (hybrid models).",
+            ratio(m.ssm_slots_used, m.ssm_slots_total),
+        ),
+    ];
+    let mut out = String::new();
+    for (name, kind, help, value) in metrics {
+        // Writing to a String cannot fail.
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_field_has_its_sample() {
+        let m = EngineMetrics {
+            running: 3,
+            queued: 5,
+            finished: 7,
+            failed: 11,
+            tokens_generated: 13,
+            tokens_per_second: 2.5,
+            steps: 17,
+            preemptions: 19,
+            kv_blocks_used: 23,
+            kv_blocks_total: 46,
+            ssm_slots_used: 1,
+            ssm_slots_total: 4,
+        };
+        let text = render(&m);
+        for line in [
+            "metrale_requests_running 3",
+            "metrale_requests_queued 5",
+            "metrale_requests_finished_total 7",
+            "metrale_requests_failed_total 11",
+            "metrale_generation_tokens_total 13",
+            "metrale_generation_tokens_per_second 2.5",
+            "metrale_steps_total 17",
+            "metrale_preemptions_total 19",
+            "metrale_kv_blocks_used 23",
+            "metrale_kv_blocks_capacity 46",
+            "metrale_kv_cache_usage_ratio 0.5",
+            "metrale_ssm_slots_used 1",
+            "metrale_ssm_slots_capacity 4",
+            "metrale_ssm_slots_usage_ratio 0.25",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing `{line}` in\n{text}"
+            );
+        }
+    }
+}

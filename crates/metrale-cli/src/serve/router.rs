@@ -1,0 +1,156 @@
+//! The routes and what they share: [`AppState`] (the engine, the served model's name, its chat
+//! template) and [`router`]; the small endpoints (`/v1/models`, `/metrics`, `/health`) and the
+//! JSON 404 and 405 answers live here, the generation endpoints in `handlers`.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::Result;
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, Path as UrlPath, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use metrale::Engine;
+use serde_json::json;
+
+use super::chat::ChatTemplate;
+use super::error::ApiError;
+use super::{handlers, prometheus};
+
+/// Largest request body accepted (a long prompt as a token-id array fits many times over).
+const MAX_BODY_BYTES: usize = 16 << 20;
+
+/// What every handler shares.
+#[derive(Debug)]
+pub struct AppState {
+    engine: Arc<Engine>,
+    model_id: String,
+    chat: Option<ChatTemplate>,
+    /// Unix seconds when the server started (`created` of the model).
+    started: u64,
+    /// Seeds requests that do not name one.
+    seeds: AtomicU64,
+}
+
+impl AppState {
+    /// Serve `engine`, loaded from `dir` (whose `tokenizer_config.json` may hold a chat
+    /// template), as `model_id` (default: the directory's name). Fails when the chat template
+    /// does not compile.
+    pub fn new(engine: Arc<Engine>, dir: &Path, model_id: Option<String>) -> Result<AppState> {
+        let model_id = model_id.unwrap_or_else(|| {
+            std::fs::canonicalize(dir)
+                .ok()
+                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .unwrap_or_else(|| "metrale".into())
+        });
+        let started = unix_seconds();
+        Ok(AppState {
+            engine,
+            model_id,
+            chat: ChatTemplate::load(dir)?,
+            started,
+            seeds: AtomicU64::new(started ^ 0x6d65_7472_616c_6521),
+        })
+    }
+
+    /// The served model's name.
+    pub fn model_id(&self) -> &str {
+        &self.model_id
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    /// The chat template, when the checkpoint has one.
+    pub(crate) fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat.as_ref()
+    }
+
+    /// A 404 unless `model` is absent or the served one.
+    pub(crate) fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if m != self.model_id => Err(ApiError::not_found(
+                format!(
+                    "the model `{m}` does not exist; this server serves `{}`",
+                    self.model_id
+                ),
+                "model_not_found",
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// A seed for a request that names none: different for every request.
+    pub(crate) fn fresh_seed(&self) -> u64 {
+        // SplitMix64 over a counter started from the clock.
+        let mut z = self
+            .seeds
+            .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
+            .wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// Unix seconds now.
+pub(crate) fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The server's routes.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{id}", get(get_model))
+        .route("/v1/completions", post(handlers::completions))
+        .route("/v1/chat/completions", post(handlers::chat_completions))
+        .route("/metrics", get(metrics))
+        .route("/health", get(|| async { "ok" }))
+        .fallback(|| async { ApiError::not_found("no such endpoint", "not_found").into_response() })
+        .method_not_allowed_fallback(|| async {
+            ApiError {
+                status: StatusCode::METHOD_NOT_ALLOWED,
+                message: "this endpoint does not take that method".into(),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("method_not_allowed"),
+            }
+            .into_response()
+        })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+fn model_json(state: &AppState) -> serde_json::Value {
+    json!({
+        "id": state.model_id,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "metrale",
+        "max_model_len": state.engine.max_context(),
+    })
+}
+
+async fn list_models(State(state): State<Arc<AppState>>) -> Response {
+    axum::Json(json!({"object": "list", "data": [model_json(&state)]})).into_response()
+}
+
+async fn get_model(State(state): State<Arc<AppState>>, UrlPath(id): UrlPath<String>) -> Response {
+    match state.check_model(Some(&id)) {
+        Ok(()) => axum::Json(model_json(&state)).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let text = prometheus::render(&state.engine.metrics());
+    ([(header::CONTENT_TYPE, prometheus::CONTENT_TYPE)], text).into_response()
+}

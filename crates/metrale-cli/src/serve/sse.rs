@@ -1,0 +1,205 @@
+//! `SseStream`: a request's events as a server-sent-event body in OpenAI's shape: for chat a
+//! first chunk with the assistant's role, then a chunk per generated token (its text delta and
+//! id), a last chunk with the finish reason, a usage chunk when asked for, then `data: [DONE]`.
+//! An engine error ends the stream with `data: {"error": ...}` and `[DONE]`.
+//!
+//! Invariant: the stream owns the request's handle until the request has finished; hyper drops
+//! the body when the client disconnects, and with it the handle, which cancels the request.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::Bytes;
+use futures_core::Stream;
+use metrale::{EventResult, GenerateEvent, RequestHandle};
+use serde::Serialize;
+
+use super::error::ApiError;
+use super::openai::{ChatChunkChoice, ChatDelta, CompletionChoice, Envelope, Usage};
+
+/// Which endpoint's shapes to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    /// `/v1/completions`.
+    Completion,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
+impl Flavor {
+    /// The response id's prefix.
+    pub fn id_prefix(self) -> &'static str {
+        match self {
+            Flavor::Completion => "cmpl",
+            Flavor::Chat => "chatcmpl",
+        }
+    }
+
+    fn chunk_object(self) -> &'static str {
+        match self {
+            Flavor::Completion => "text_completion",
+            Flavor::Chat => "chat.completion.chunk",
+        }
+    }
+}
+
+/// See the module header.
+#[derive(Debug)]
+pub struct SseStream {
+    /// `None` once the request has ended.
+    handle: Option<RequestHandle>,
+    flavor: Flavor,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    /// Events ready to send.
+    ready: VecDeque<Bytes>,
+}
+
+impl SseStream {
+    /// The body for `handle`'s events.
+    pub fn new(
+        handle: RequestHandle,
+        flavor: Flavor,
+        id: String,
+        created: u64,
+        model: String,
+        include_usage: bool,
+    ) -> SseStream {
+        let mut s = SseStream {
+            handle: Some(handle),
+            flavor,
+            id,
+            created,
+            model,
+            include_usage,
+            ready: VecDeque::new(),
+        };
+        if flavor == Flavor::Chat {
+            let role = ChatDelta {
+                role: Some("assistant"),
+                content: Some(String::new()),
+            };
+            s.push_choice(role, String::new(), None, Vec::new());
+        }
+        s
+    }
+
+    fn push_data(&mut self, json: &impl Serialize) {
+        let text = serde_json::to_string(json).unwrap_or_else(|e| {
+            ApiError::internal(format!("serializing a chunk: {e}"))
+                .body()
+                .to_string()
+        });
+        self.ready
+            .push_back(Bytes::from(format!("data: {text}\n\n")));
+    }
+
+    /// A chunk of one choice. `delta` is the chat delta; `text` the completion's.
+    fn push_choice(
+        &mut self,
+        delta: ChatDelta,
+        text: String,
+        finish_reason: Option<&'static str>,
+        token_ids: Vec<u32>,
+    ) {
+        match self.flavor {
+            Flavor::Completion => {
+                let choice = CompletionChoice {
+                    index: 0,
+                    text,
+                    logprobs: None,
+                    finish_reason,
+                    token_ids,
+                };
+                let env = self.envelope(vec![choice], None);
+                self.push_data(&env);
+            }
+            Flavor::Chat => {
+                let choice = ChatChunkChoice {
+                    index: 0,
+                    delta,
+                    logprobs: None,
+                    finish_reason,
+                    token_ids,
+                };
+                let env = self.envelope(vec![choice], None);
+                self.push_data(&env);
+            }
+        }
+    }
+
+    fn envelope<C>(&self, choices: Vec<C>, usage: Option<Usage>) -> Envelope<C> {
+        Envelope {
+            id: self.id.clone(),
+            object: self.flavor.chunk_object(),
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+        }
+    }
+
+    fn push_done(&mut self) {
+        self.ready
+            .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+        self.handle = None;
+    }
+
+    fn on_event(&mut self, event: Option<EventResult>) {
+        match event {
+            Some(Ok(GenerateEvent::Token(t))) => {
+                let text = t.text_delta.unwrap_or_default();
+                let delta = ChatDelta {
+                    role: None,
+                    content: Some(text.clone()),
+                };
+                self.push_choice(delta, text, None, vec![t.token_id]);
+            }
+            Some(Ok(GenerateEvent::Finished { output })) => {
+                let reason = output.finish_reason.as_str();
+                self.push_choice(
+                    ChatDelta::default(),
+                    String::new(),
+                    Some(reason),
+                    Vec::new(),
+                );
+                if self.include_usage {
+                    let usage = Usage::new(output.prompt_ids.len(), output.token_ids.len());
+                    let env = self.envelope::<CompletionChoice>(Vec::new(), Some(usage));
+                    self.push_data(&env);
+                }
+                self.push_done();
+            }
+            Some(Err(e)) => {
+                let body = ApiError::from(e).body();
+                self.push_data(&body);
+                self.push_done();
+            }
+            None => self.push_done(),
+        }
+    }
+}
+
+impl Stream for SseStream {
+    type Item = Result<Bytes, Infallible>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        loop {
+            if let Some(bytes) = this.ready.pop_front() {
+                return Poll::Ready(Some(Ok(bytes)));
+            }
+            let Some(handle) = this.handle.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match Pin::new(handle).poll_next(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(event) => this.on_event(event),
+            }
+        }
+    }
+}

@@ -1,0 +1,867 @@
+//! `metrale serve` end to end: the server runs in-process on 127.0.0.1 (port 0) over the bundled
+//! tiny checkpoint on the CPU, and a minimal HTTP/1.1 client talks to it over loopback.
+//!
+//! What a user would notice: a completion (text or token ids, greedy or seeded) equal to
+//! `Engine::generate` for the same request, alone or beside 7 others; streaming giving the same
+//! tokens and text and ending with `[DONE]`; chat through the checkpoint's template; bad
+//! requests answered with 4xx OpenAI-style JSON while the server keeps serving; a client that
+//! hangs up mid-stream freeing its request; `/metrics` being valid Prometheus text.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashSet;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use metrale::{
+    Engine, EngineMetrics, EngineOptions, GenerateOutput, GenerateRequest, ModelOptions, Prompt,
+    SamplingParams,
+};
+use metrale_serve::{AppState, router};
+use serde_json::{Value, json};
+
+/// Every socket read gives up after this, so a hung server fails the test instead of hanging it.
+const IO_TIMEOUT: Duration = Duration::from_secs(60);
+
+struct Server {
+    addr: SocketAddr,
+    engine: Arc<Engine>,
+    /// Dropping it stops the server.
+    _runtime: tokio::runtime::Runtime,
+}
+
+fn options() -> EngineOptions {
+    EngineOptions {
+        model: ModelOptions {
+            max_batch_tokens: 32,
+            max_decode_seqs: 8,
+            ..ModelOptions::default()
+        },
+        ..EngineOptions::default()
+    }
+}
+
+fn start_with(dir: &Path, options: EngineOptions) -> Server {
+    let engine = Arc::new(Engine::load(dir, options).unwrap());
+    let state = AppState::new(engine.clone(), dir, None).unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_io()
+        .build()
+        .unwrap();
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    runtime.spawn(async move { axum::serve(listener, router(Arc::new(state))).await });
+    Server {
+        addr,
+        engine,
+        _runtime: runtime,
+    }
+}
+
+fn start() -> Server {
+    start_with(&metrale::bundled_checkpoint(), options())
+}
+
+/// An HTTP response.
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The `data:` payloads of a server-sent-event body.
+    fn events(&self) -> Vec<String> {
+        self.body
+            .split("\n\n")
+            .filter(|e| !e.trim().is_empty())
+            .map(|e| {
+                e.strip_prefix("data: ")
+                    .unwrap_or_else(|| panic!("not an SSE data event: {e:?}"))
+                    .to_string()
+            })
+            .collect()
+    }
+}
+
+fn send(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    s.set_write_timeout(Some(IO_TIMEOUT)).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    if let Some(b) = body {
+        req += &format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            b.len()
+        );
+    }
+    req += "\r\n";
+    req += body.unwrap_or("");
+    s.write_all(req.as_bytes()).unwrap();
+    s
+}
+
+fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> Reply {
+    let mut s = send(addr, method, path, body);
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    parse_reply(&raw)
+}
+
+fn post(server: &Server, path: &str, body: &Value) -> Reply {
+    http(server.addr, "POST", path, Some(&body.to_string()))
+}
+
+fn parse_reply(raw: &[u8]) -> Reply {
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a header block");
+    let head = String::from_utf8(raw[..split].to_vec()).unwrap();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers: Vec<(String, String)> = lines
+        .map(|l| {
+            let (k, v) = l.split_once(':').unwrap();
+            (k.trim().to_string(), v.trim().to_string())
+        })
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    if chunked {
+        body = dechunk(&body);
+    }
+    Reply {
+        status,
+        headers,
+        body: String::from_utf8(body).unwrap(),
+    }
+}
+
+fn dechunk(mut raw: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let eol = raw
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .expect("chunk size");
+        let size =
+            usize::from_str_radix(std::str::from_utf8(&raw[..eol]).unwrap().trim(), 16).unwrap();
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&raw[eol + 2..eol + 2 + size]);
+        raw = &raw[eol + 2 + size + 2..];
+    }
+}
+
+/// Wait (bounded) until `done` requests have finished (or failed) and nothing runs or waits.
+/// The engine records its metrics after each step, a moment after it sends the step's events,
+/// so a client can have its whole response before the metrics count it.
+fn wait_idle(engine: &Engine, done: u64) -> EngineMetrics {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let m = engine.metrics();
+        if m.finished + m.failed >= done && m.running == 0 && m.queued == 0 {
+            return m;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the engine never went idle after {done} requests: {m:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn token_ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("token_ids")
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// A completion response's choice must be `want`.
+fn assert_completion(reply: &Reply, want: &GenerateOutput, what: &str) {
+    assert_eq!(reply.status, 200, "{what}: {}", reply.body);
+    let v = reply.json();
+    assert_eq!(v["object"], "text_completion", "{what}");
+    let choice = &v["choices"][0];
+    assert_eq!(
+        token_ids(&choice["token_ids"]),
+        want.token_ids,
+        "{what}: tokens"
+    );
+    assert_eq!(
+        choice["text"].as_str().unwrap(),
+        want.text.as_deref().unwrap(),
+        "{what}: text"
+    );
+    assert_eq!(
+        choice["finish_reason"],
+        want.finish_reason.as_str(),
+        "{what}: finish reason"
+    );
+    assert_eq!(
+        v["usage"],
+        json!({
+            "prompt_tokens": want.prompt_ids.len(),
+            "completion_tokens": want.token_ids.len(),
+            "total_tokens": want.prompt_ids.len() + want.token_ids.len(),
+        }),
+        "{what}: usage"
+    );
+}
+
+fn greedy(prompt: Prompt, max_new_tokens: usize) -> GenerateRequest {
+    GenerateRequest::new(prompt)
+        .max_new_tokens(max_new_tokens)
+        .sampling(SamplingParams::default())
+}
+
+#[test]
+fn completions_from_text_and_token_ids_equal_engine_generate() {
+    let server = start();
+    let text = "The quick brown fox jumps over the lazy dog";
+    let want = server
+        .engine
+        .generate(&greedy(Prompt::Text(text.into()), 12).ignore_eos(true))
+        .unwrap();
+    let reply = post(
+        &server,
+        "/v1/completions",
+        &json!({"model": "qwen3-tiny", "prompt": text, "max_tokens": 12, "temperature": 0, "ignore_eos": true}),
+    );
+    assert_completion(&reply, &want, "text prompt");
+
+    let ids = vec![5u32, 17, 300, 42, 7, 511];
+    let want = server
+        .engine
+        .generate(&greedy(Prompt::TokenIds(ids.clone()), 10).ignore_eos(true))
+        .unwrap();
+    let reply = post(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": ids, "max_tokens": 10, "temperature": 0.0, "ignore_eos": true}),
+    );
+    assert_completion(&reply, &want, "token-id prompt");
+
+    // Seeded sampling with every knob, and stop strings cut from the greedy text.
+    let sampling = SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.9,
+        seed: 1234,
+    };
+    let want = server
+        .engine
+        .generate(
+            &GenerateRequest::new(Prompt::TokenIds(ids.clone()))
+                .max_new_tokens(14)
+                .sampling(sampling),
+        )
+        .unwrap();
+    let reply = post(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": [ids], "max_tokens": 14, "temperature": 0.9, "top_k": 40, "top_p": 0.9, "seed": 1234}),
+    );
+    assert_completion(&reply, &want, "seeded sampling");
+
+    let full = server
+        .engine
+        .generate(&greedy(Prompt::Text(text.into()), 16).ignore_eos(true))
+        .unwrap();
+    let full_text = full.text.unwrap();
+    let chars: Vec<char> = full_text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let want = server
+        .engine
+        .generate(
+            &greedy(Prompt::Text(text.into()), 16)
+                .ignore_eos(true)
+                .stop_strings(vec![stop.clone(), "\u{1F600}".into()]),
+        )
+        .unwrap();
+    assert_eq!(
+        want.finish_reason.as_str(),
+        "stop",
+        "{full_text:?} / {stop:?}"
+    );
+    let reply = post(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": text, "max_tokens": 16, "temperature": 0, "ignore_eos": true, "stop": [stop, "\u{1F600}"]}),
+    );
+    assert_completion(&reply, &want, "stop strings");
+}
+
+#[test]
+fn eight_concurrent_requests_each_get_their_solo_output() {
+    let server = start();
+    let bodies: Vec<Value> = (0..8u32)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..3 + 7 * i)
+                .map(|t| (t * 37 + i * 101 + 7) % 512)
+                .collect();
+            let mut body =
+                json!({"prompt": prompt, "max_tokens": 6 + 3 * i, "ignore_eos": i % 2 == 0});
+            if i % 3 == 0 {
+                body["temperature"] = json!(0);
+            } else {
+                body["temperature"] = json!(0.8);
+                body["seed"] = json!(i);
+            }
+            body
+        })
+        .collect();
+    let solo: Vec<Reply> = bodies
+        .iter()
+        .map(|b| post(&server, "/v1/completions", b))
+        .collect();
+    let barrier = Arc::new(Barrier::new(bodies.len()));
+    let addr = server.addr;
+    let together: Vec<Reply> = std::thread::scope(|s| {
+        let threads: Vec<_> = bodies
+            .iter()
+            .map(|b| {
+                let barrier = barrier.clone();
+                s.spawn(move || {
+                    barrier.wait();
+                    http(addr, "POST", "/v1/completions", Some(&b.to_string()))
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    for (i, (alone, crowd)) in solo.iter().zip(&together).enumerate() {
+        assert_eq!(alone.status, 200, "{}", alone.body);
+        assert_eq!(crowd.status, 200, "{}", crowd.body);
+        let (a, c) = (alone.json(), crowd.json());
+        assert_eq!(a["choices"], c["choices"], "request {i}");
+        assert_eq!(a["usage"], c["usage"], "request {i}");
+    }
+    // The solo outputs are the engine's own.
+    let first = &bodies[0];
+    let want = server
+        .engine
+        .generate(&greedy(Prompt::TokenIds(token_ids(&first["prompt"])), 6).ignore_eos(true))
+        .unwrap();
+    assert_completion(&solo[0], &want, "request 0 against the engine");
+}
+
+/// The token ids, text and finish reason of a completion stream, checking its shape.
+fn collect_stream(reply: &Reply, chat: bool) -> (Vec<u32>, String, String, Option<Value>) {
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(
+        reply
+            .header("content-type")
+            .unwrap()
+            .starts_with("text/event-stream"),
+        "{:?}",
+        reply.headers
+    );
+    let events = reply.events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let (mut ids, mut text, mut finish, mut usage) = (Vec::new(), String::new(), None, None);
+    for (i, e) in events[..events.len() - 1].iter().enumerate() {
+        let v: Value = serde_json::from_str(e).unwrap();
+        let object = if chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        assert_eq!(v["object"], object, "{e}");
+        assert!(
+            finish.is_none() || v["choices"] == json!([]),
+            "a chunk after the last: {e}"
+        );
+        if v["choices"] == json!([]) {
+            usage = Some(v["usage"].clone());
+            continue;
+        }
+        let choice = &v["choices"][0];
+        ids.extend(token_ids(&choice["token_ids"]));
+        if chat {
+            if i == 0 {
+                assert_eq!(choice["delta"]["role"], "assistant", "{e}");
+            }
+            text += choice["delta"]["content"].as_str().unwrap_or("");
+        } else {
+            text += choice["text"].as_str().unwrap();
+        }
+        if let Some(f) = choice["finish_reason"].as_str() {
+            finish = Some(f.to_string());
+        }
+    }
+    (ids, text, finish.expect("a finish reason"), usage)
+}
+
+#[test]
+fn streaming_gives_the_same_tokens_and_text_and_ends_with_done() {
+    let server = start();
+    for body in [
+        json!({"prompt": "Once upon a time", "max_tokens": 20, "temperature": 0, "ignore_eos": true}),
+        json!({"prompt": [9, 8, 7, 6], "max_tokens": 9, "temperature": 1.1, "seed": 5}),
+        json!({"prompt": "Once upon a time", "max_tokens": 20, "temperature": 0, "ignore_eos": true, "stop": ["e"]}),
+    ] {
+        let whole = post(&server, "/v1/completions", &body).json();
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        streamed["stream_options"] = json!({"include_usage": true});
+        let reply = post(&server, "/v1/completions", &streamed);
+        let (ids, text, finish, usage) = collect_stream(&reply, false);
+        let choice = &whole["choices"][0];
+        assert_eq!(ids, token_ids(&choice["token_ids"]), "{body}");
+        assert_eq!(text, choice["text"].as_str().unwrap(), "{body}");
+        assert_eq!(finish, choice["finish_reason"].as_str().unwrap(), "{body}");
+        assert_eq!(usage.as_ref(), Some(&whole["usage"]), "{body}");
+    }
+    let m = wait_idle(&server.engine, 6);
+    assert_eq!((m.finished, m.failed), (6, 0));
+}
+
+/// A copy of the bundled checkpoint with a chat template.
+fn chat_checkpoint(template: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let src = metrale::bundled_checkpoint();
+    for f in [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let config = json!({
+        "bos_token": "<s>",
+        "eos_token": {"content": "<|endoftext|>", "special": true},
+        "chat_template": template,
+    });
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    dir
+}
+
+#[test]
+fn chat_completions_render_the_template_and_equal_engine_generate() {
+    let template = "{{ bos_token }}{% for m in messages %}\n{% if m.role == 'system' and not loop.first %}{{ raise_exception('the system message must come first') }}{% endif %}\n<|{{ m.role }}|>{{ m.content | trim }}{{ eos_token }}{% endfor %}\n{% if add_generation_prompt %}<|assistant|>{% endif %}";
+    let dir = chat_checkpoint(template);
+    let server = start_with(dir.path(), options());
+    let messages = json!([
+        {"role": "system", "content": "You are terse. "},
+        {"role": "user", "content": [{"type": "text", "text": "Name a colour"}]},
+    ]);
+    let rendered =
+        "<s><|system|>You are terse.<|endoftext|><|user|>Name a colour<|endoftext|><|assistant|>";
+    let want = server
+        .engine
+        .generate(&greedy(Prompt::Text(rendered.into()), 10).ignore_eos(true))
+        .unwrap();
+    let body = json!({"model": dir.path().file_name().unwrap().to_str().unwrap(), "messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": true});
+    let reply = post(&server, "/v1/chat/completions", &body);
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let v = reply.json();
+    assert_eq!(v["object"], "chat.completion");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(choice["message"]["content"].as_str(), want.text.as_deref());
+    assert_eq!(token_ids(&choice["token_ids"]), want.token_ids);
+    assert_eq!(v["usage"]["prompt_tokens"], want.prompt_ids.len());
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (ids, text, finish, usage) =
+        collect_stream(&post(&server, "/v1/chat/completions", &streamed), true);
+    assert_eq!(ids, want.token_ids);
+    assert_eq!(Some(text.as_str()), want.text.as_deref());
+    assert_eq!(finish, "length");
+    assert!(usage.is_none(), "usage only when asked for");
+
+    // The template's own exception is the client's mistake.
+    let bad = json!({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "max_tokens": 2});
+    let reply = post(&server, "/v1/chat/completions", &bad);
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert!(
+        reply.body.contains("the system message must come first"),
+        "{}",
+        reply.body
+    );
+
+    // Without a template: a clear 400.
+    let plain = start();
+    let reply = post(
+        &plain,
+        "/v1/chat/completions",
+        &json!({"messages": messages}),
+    );
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert_eq!(reply.json()["error"]["code"], "no_chat_template");
+}
+
+#[test]
+fn bad_requests_get_4xx_json_errors_and_the_server_keeps_serving() {
+    let server = start();
+    let good = json!({"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0});
+    let long: Vec<u32> = (0..600).map(|i| i % 512).collect();
+    // (method, path, body, status, param or code it must name)
+    let cases: Vec<(&str, &str, Option<String>, u16, &str)> = vec![
+        (
+            "POST",
+            "/v1/completions",
+            Some("{\"prompt\": [1, 2".into()),
+            400,
+            "JSON",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            Some("[1, 2]".into()),
+            400,
+            "JSON",
+        ),
+        ("POST", "/v1/completions", Some("{}".into()), 400, "prompt"),
+        (
+            "POST",
+            "/v1/completions",
+            Some(json!({"prompt": ""}).to_string()),
+            400,
+            "prompt",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            Some(json!({"prompt": [1, 99999]}).to_string()),
+            400,
+            "prompt",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            Some(json!({"prompt": [1, -3]}).to_string()),
+            400,
+            "prompt",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            Some(json!({"prompt": long}).to_string()),
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            Some(json!({"prompt": "a", "temperature": -1}).to_string()),
+            400,
+            "temperature",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            Some(json!({"prompt": "a", "top_p": 2}).to_string()),
+            400,
+            "top_p",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            Some(json!({"prompt": "a", "top_k": -5}).to_string()),
+            400,
+            "top_k",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            Some(json!({"prompt": "a", "max_tokens": -1}).to_string()),
+            400,
+            "max_tokens",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            Some(json!({"prompt": "a", "max_tokens": "many"}).to_string()),
+            400,
+            "max_tokens",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            Some(json!({"prompt": "a", "stop": [""]}).to_string()),
+            400,
+            "stop",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            Some(json!({"prompt": "a", "n": 3}).to_string()),
+            400,
+            "n",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            Some(json!({"prompt": "a", "logprobs": 2}).to_string()),
+            400,
+            "logprobs",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            Some(json!({"prompt": "a", "model": "gpt-4"}).to_string()),
+            404,
+            "model_not_found",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            Some(json!({"messages": "hi"}).to_string()),
+            400,
+            "messages",
+        ),
+        ("GET", "/v1/completions", None, 405, "method_not_allowed"),
+        ("GET", "/v1/nothing", None, 404, "not_found"),
+        ("GET", "/v1/models/gpt-4", None, 404, "model_not_found"),
+    ];
+    for (method, path, body, status, names) in cases {
+        let reply = http(server.addr, method, path, body.as_deref());
+        let what = format!("{method} {path} {body:?}");
+        assert_eq!(reply.status, status, "{what}: {}", reply.body);
+        let err = &reply.json()["error"];
+        for field in ["message", "type"] {
+            assert!(err[field].is_string(), "{what}: {err}");
+        }
+        assert!(
+            err.get("param").is_some() && err.get("code").is_some(),
+            "{what}: {err}"
+        );
+        assert!(
+            err["param"] == names
+                || err["code"] == names
+                || err["message"].as_str().unwrap().contains(names),
+            "{what}: {err} does not name {names}"
+        );
+        let ok = post(&server, "/v1/completions", &good);
+        assert_eq!(ok.status, 200, "after {what}: {}", ok.body);
+    }
+    let m = wait_idle(&server.engine, 20);
+    assert_eq!(
+        (m.finished, m.failed),
+        (20, 0),
+        "only the good requests reached the engine"
+    );
+
+    // A full queue is 429 with Retry-After.
+    let full = start_with(
+        &metrale::bundled_checkpoint(),
+        EngineOptions {
+            max_queued_requests: 0,
+            ..options()
+        },
+    );
+    let reply = post(&full, "/v1/completions", &good);
+    assert_eq!(reply.status, 429, "{}", reply.body);
+    assert_eq!(reply.json()["error"]["code"], "queue_full");
+    assert_eq!(reply.header("retry-after"), Some("1"));
+}
+
+#[test]
+fn a_client_that_disconnects_mid_stream_frees_its_request() {
+    let server = start();
+    let max_tokens = 480;
+    let body = json!({"prompt": [3, 1, 4, 1, 5], "max_tokens": max_tokens, "ignore_eos": true, "temperature": 0, "stream": true});
+    let mut s = send(
+        server.addr,
+        "POST",
+        "/v1/completions",
+        Some(&body.to_string()),
+    );
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    // Read until the first token's chunk has come, then hang up.
+    while !String::from_utf8_lossy(&seen).contains("\"token_ids\":[") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(
+            n > 0,
+            "the stream ended early: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"));
+    drop(s);
+    let m = wait_idle(&server.engine, 1);
+    assert_eq!((m.running, m.queued, m.kv_blocks_used), (0, 0, 0), "{m:?}");
+    assert_eq!((m.finished, m.failed), (1, 0), "{m:?}");
+    assert!(
+        m.tokens_generated < max_tokens as u64,
+        "the request ran to the end ({} tokens) instead of being cancelled",
+        m.tokens_generated
+    );
+
+    // Without streaming too: hanging up while waiting for the whole response cancels it.
+    let mut whole = body.clone();
+    whole["stream"] = json!(false);
+    let s = send(
+        server.addr,
+        "POST",
+        "/v1/completions",
+        Some(&whole.to_string()),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.engine.metrics().tokens_generated == m.tokens_generated {
+        assert!(Instant::now() < deadline, "the request never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(s);
+    let m2 = wait_idle(&server.engine, 2);
+    assert_eq!(
+        (m2.running, m2.kv_blocks_used, m2.failed),
+        (0, 0, 0),
+        "{m2:?}"
+    );
+    assert!(
+        m2.tokens_generated - m.tokens_generated < max_tokens as u64,
+        "the request ran to the end instead of being cancelled: {m2:?}"
+    );
+
+    // And the server still serves.
+    let reply = post(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": [1], "max_tokens": 2}),
+    );
+    assert_eq!(reply.status, 200, "{}", reply.body);
+}
+
+/// Check Prometheus text exposition: HELP/TYPE before each family's samples, valid names,
+/// numeric values, counters named `_total`. Returns the samples.
+fn parse_prometheus(text: &str) -> Vec<(String, f64)> {
+    let valid_name = |n: &str| {
+        !n.is_empty()
+            && n.chars().enumerate().all(|(i, c)| {
+                c.is_ascii_alphabetic() || c == '_' || c == ':' || (i > 0 && c.is_ascii_digit())
+            })
+    };
+    let mut typed: Vec<(String, String)> = Vec::new();
+    let mut samples = Vec::new();
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        if let Some(rest) = line.strip_prefix("# ") {
+            let mut parts = rest.splitn(3, ' ');
+            let (kw, name, value) = (
+                parts.next().unwrap(),
+                parts.next().unwrap(),
+                parts.next().unwrap_or(""),
+            );
+            assert!(valid_name(name), "{line}");
+            match kw {
+                "HELP" => assert!(!value.is_empty(), "{line}"),
+                "TYPE" => {
+                    assert!(["counter", "gauge"].contains(&value), "{line}");
+                    assert_eq!(value == "counter", name.ends_with("_total"), "{line}");
+                    typed.push((name.to_string(), value.to_string()));
+                }
+                _ => panic!("unknown comment: {line}"),
+            }
+            continue;
+        }
+        let (name, value) = line.split_once(' ').unwrap_or_else(|| panic!("{line}"));
+        assert!(valid_name(name), "{line}");
+        assert!(
+            typed.iter().any(|(n, _)| n == name),
+            "{name} has no TYPE before it"
+        );
+        let v: f64 = value.parse().unwrap_or_else(|e| panic!("{line}: {e}"));
+        assert!(v.is_finite() && v >= 0.0, "{line}");
+        samples.push((name.to_string(), v));
+    }
+    let names: HashSet<&str> = samples.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names.len(), samples.len(), "a sample twice");
+    samples
+}
+
+#[test]
+fn metrics_and_models_endpoints() {
+    let server = start();
+    for i in 0..3u32 {
+        let reply = post(
+            &server,
+            "/v1/completions",
+            &json!({"prompt": [i + 1, 2], "max_tokens": 4, "ignore_eos": true}),
+        );
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    wait_idle(&server.engine, 3);
+    let reply = http(server.addr, "GET", "/metrics", None);
+    assert_eq!(reply.status, 200);
+    assert!(
+        reply
+            .header("content-type")
+            .unwrap()
+            .starts_with("text/plain; version=0.0.4")
+    );
+    let samples = parse_prometheus(&reply.body);
+    let get = |n: &str| {
+        samples
+            .iter()
+            .find(|(k, _)| k == n)
+            .unwrap_or_else(|| panic!("no {n} in\n{}", reply.body))
+            .1
+    };
+    assert_eq!(get("metrale_requests_finished_total"), 3.0);
+    assert_eq!(get("metrale_generation_tokens_total"), 12.0);
+    assert_eq!(get("metrale_requests_running"), 0.0);
+    assert_eq!(get("metrale_kv_blocks_used"), 0.0);
+    assert!(get("metrale_kv_blocks_capacity") > 0.0);
+    for n in [
+        "metrale_requests_queued",
+        "metrale_preemptions_total",
+        "metrale_ssm_slots_used",
+        "metrale_generation_tokens_per_second",
+        "metrale_requests_failed_total",
+    ] {
+        get(n);
+    }
+
+    let models = http(server.addr, "GET", "/v1/models", None).json();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], "qwen3-tiny");
+    assert_eq!(
+        models["data"][0]["max_model_len"],
+        server.engine.max_context()
+    );
+    let one = http(server.addr, "GET", "/v1/models/qwen3-tiny", None);
+    assert_eq!(one.status, 200);
+    assert_eq!(http(server.addr, "GET", "/health", None).status, 200);
+}
