@@ -1,19 +1,21 @@
 // out = x · wᵀ with a bf16 weight in the checkpoint's [out_features, in_features] layout. CPU
 // twins: metrale-gpu-runtime/src/cpu/kernels/gemm.rs.
 //
-// Two kernels per output type (bf16: `linear`, `linear_stream`; f32: `linear_f32out`,
-// `linear_stream_f32out`), each computing the whole function for any m; the launcher
-// (`ops::linear_geometry`) runs the stream kernel for m <= 64 (decode) and the tiled one above:
-// - `linear_stream` (decode): persistent blocks streaming the weight. A unit of work is LIN_NT
-//   column tiles of 8 output columns (1 for m <= 16, else 2) for up to 64 rows (4 row tiles of
-//   16); block b takes units b, b + G, b + 2G, ... (G = gridDim.x). The block's 8 warps split the
-//   unit's k into the LIN_SEGS segments (warp w: segment w), so together they read the unit's
-//   weight rows (contiguous in memory) at once. Each lane copies the 16-byte weight fragments it
-//   will feed to its own MMAs into its own slots of a per-warp ring of 8-chunk stages in shared
-//   memory (cp.async), the next stages (and the next unit's) in flight while it computes; x comes
-//   straight from global memory (L1 / L2). At the end of a unit every warp leaves its segment's
-//   partial in shared memory and the block sums them in segment order. Grid (min(units, 132)),
-//   256 threads, LIN_STREAM_RING + 32 KiB of dynamic shared memory.
+// Three kernels per output type (bf16: `linear`, `linear_stream`, `linear_stream_wide`; f32: the
+// same with `_f32out`), each computing the whole function for any m; the launcher
+// (`ops::linear_geometry`) runs `linear_stream` for m <= 16, `linear_stream_wide` for m <= 64
+// (decode) and the tiled `linear` above:
+// - `linear_stream` / `linear_stream_wide` (decode): persistent blocks streaming the weight. A
+//   unit of work is 1 (narrow) or 2 (wide) column tiles of 8 output columns for 16 (narrow) or
+//   up to 64 (wide, 4 row tiles) rows; block b takes units b, b + G, b + 2G, ... (G =
+//   gridDim.x). The block's 8 warps split the unit's k into the LIN_SEGS segments (warp w:
+//   segment w), so together they read the unit's weight rows (contiguous in memory) at once. Each
+//   lane copies the 16-byte weight fragments it will feed to its own MMAs into its own slots of a
+//   per-warp ring of 8-chunk stages in shared memory (cp.async), the next stages (and the next
+//   unit's) in flight while it computes; x comes straight from global memory (L1 / L2). At the
+//   end of a unit every warp leaves its segment's partial in shared memory and the block sums
+//   them in segment order. Narrow: grid min(units, 264), 96 + 4 KiB of dynamic shared memory (two
+//   blocks per multiprocessor), lean per-step code; wide: grid min(units, 132), 192 + 32 KiB.
 // - `linear` (prefill): a tiled tensor-core kernel. 128 x 64 output tiles, 8 warps of 32 x 32, a
 //   4-stage cp.async pipeline of 32-wide k tiles. Grid (ceil(n / 64), ceil(m / 128)), 256
 //   threads, 48 KiB of dynamic shared memory.
@@ -169,11 +171,11 @@ MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m,
             }
 }
 
-// The decode path: see the header. Each lane copies exactly the 16-byte weight fragments it
-// later feeds to its own MMAs, into its own ring slots ([stage][tile][chunk][lane]), so no lane
+// The wide decode kernel: see the header. Each lane copies exactly the 16-byte weight fragments
+// it later feeds to its own MMAs, into its own ring slots ([stage][tile][chunk][lane]), so no lane
 // reads another's copies; a slot is refilled only after the same lane read it one step earlier.
 #define LIN_STREAM_WARPS 8
-#define LIN_STREAM_RING (192 * 1024)  // weight ring bytes per block (then 32 KiB of partials)
+#define LIN_STREAM_RING (192 * 1024)  // wide: weight ring bytes per block (then 32 KiB of partials)
 #define LIN_STREAM_ROWS 64            // rows per unit (4 row tiles)
 
 template <typename OutT, int NT, bool VEC>
