@@ -31,6 +31,13 @@ enum Cmd {
     /// Soak the engine: many concurrent requests (random lengths, shared prefixes, cancellation)
     /// on the tiny checkpoints; asserts no leaks, no failures, outputs equal to solo runs.
     Soak(soak::SoakArgs),
+    /// Benchmark on the GPU of this machine: compile the kernels, build `metrale` with CUDA and
+    /// run `metrale bench` with the given arguments (e.g. `--shape qwen3.5-9b --json-out F`).
+    Bench {
+        /// Arguments passed to `metrale bench`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -42,5 +49,29 @@ fn main() -> anyhow::Result<()> {
         Cmd::Kernels => cuda::kernels(&root),
         Cmd::GpuBundle => bundle::gpu_bundle(&root),
         Cmd::Soak(args) => soak::run(&root, args),
+        Cmd::Bench { args } => bench(&root, &args),
     }
+}
+
+/// `cargo xtask bench`: kernels, then `cargo run --release -p metrale-cli --features cuda --
+/// bench ARGS` (the figures and their rooflines print as a table; `--json-out` keeps them).
+fn bench(root: &std::path::Path, args: &[String]) -> anyhow::Result<()> {
+    cuda::kernels(root)?;
+    let status =
+        std::process::Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+            .current_dir(root)
+            .args([
+                "run",
+                "--release",
+                "-p",
+                "metrale-cli",
+                "--features",
+                "cuda",
+                "--",
+                "bench",
+            ])
+            .args(args)
+            .status()?;
+    anyhow::ensure!(status.success(), "metrale bench failed ({status})");
+    Ok(())
 }
