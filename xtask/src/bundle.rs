@@ -1,6 +1,6 @@
 //! `cargo xtask gpu-bundle`: everything a run on the GPU machine needs, in the git-ignored folder
 //! `target/gpu-bundle/` (docs/GPU.md): the compiled kernels are embedded in release CUDA test
-//! binaries (every integration test file that mentions `feature = "cuda"`), the `metrale` CLI
+//! binaries (every integration test file with code under `cfg(feature = "cuda")`), the `metrale` CLI
 //! built with `--features cuda` when it builds, and `run.sh LOGDIR`, which needs only the NVIDIA
 //! driver (no Rust toolchain) on the machine that runs it.
 //!
@@ -41,7 +41,7 @@ pub fn gpu_bundle(root: &Path) -> anyhow::Result<()> {
 
     let tests = gpu_tests(root)?;
     if tests.is_empty() {
-        bail!("no integration test mentions `feature = \"cuda\"`; nothing to bundle");
+        bail!("no integration test has code under `cfg(feature = \"cuda\")`; nothing to bundle");
     }
     let mut manifest = Vec::new();
     let mut packages: Vec<&str> = tests.iter().map(|t| t.package.as_str()).collect();
@@ -168,7 +168,7 @@ fn gpu_tests(root: &Path) -> anyhow::Result<Vec<GpuTest>> {
             }
             let text = std::fs::read_to_string(&file)
                 .with_context(|| format!("reading {}", file.display()))?;
-            if text.contains("feature = \"cuda\"") {
+            if text.contains("cfg(feature = \"cuda\")") {
                 let target = file
                     .file_stem()
                     .context("a test file has a stem")?
