@@ -1,0 +1,238 @@
+//! `TransformerModel::new`: size and allocate everything a model's steps touch, once — the KV
+//! cache, the SSM state pool (hybrid models), and the step buffers in one arena — from the
+//! config and the options.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use metrale_cache::{KvCacheLayout, PagedKvCache, SsmLayout, SsmStatePool};
+use metrale_config::ModelConfig;
+use metrale_gpu_runtime::arena::ArenaLayout;
+use metrale_gpu_runtime::{BufferArena, DType, GpuBackend, GpuBackendExt};
+use metrale_model_layers::layer::{GdnBuffers, MoeBuffers};
+use metrale_model_layers::layers::{GdnShape, MoeShape};
+use metrale_model_layers::{ModelDims, Ops, StepBuffers, TransformerLayer};
+
+use crate::error::ModelError;
+use crate::options::ModelOptions;
+
+use super::{ModelWeights, TransformerModel};
+
+impl TransformerModel {
+    /// Build the model around loaded layers: size and allocate the KV cache and step buffers.
+    pub fn new(
+        config: ModelConfig,
+        options: ModelOptions,
+        gpu: Arc<dyn GpuBackend>,
+        weights: ModelWeights,
+        layers: Vec<Box<dyn TransformerLayer>>,
+    ) -> Result<TransformerModel, ModelError> {
+        let dims = ModelDims::from_config(&config);
+        let ops = Ops::new(gpu.clone())?;
+        let stream = gpu.default_stream();
+        if options.block_size == 0 || options.max_batch_tokens == 0 || options.max_decode_seqs == 0
+        {
+            return Err(ModelError::Options {
+                option: "block_size / max_batch_tokens / max_decode_seqs",
+                problem: "must be positive".into(),
+            });
+        }
+        let max_seq_len = options
+            .max_seq_len
+            .unwrap_or(config.max_position_embeddings.min(4096));
+        if max_seq_len == 0 {
+            return Err(ModelError::Options {
+                option: "max_seq_len",
+                problem: "must be positive".into(),
+            });
+        }
+        let max_blocks = max_seq_len.div_ceil(options.block_size);
+        let max_seqs = options.max_decode_seqs;
+        let max_rows = options.max_batch_tokens.max(max_seqs);
+        let num_blocks = options.num_kv_blocks.unwrap_or(max_seqs * max_blocks + 1);
+
+        let mut kv_layer = Vec::with_capacity(layers.len());
+        let mut ssm_layer = Vec::with_capacity(layers.len());
+        let (mut n_attn, mut n_gdn) = (0, 0);
+        for l in &layers {
+            kv_layer.push(l.uses_kv_cache().then(|| {
+                n_attn += 1;
+                n_attn - 1
+            }));
+            ssm_layer.push(l.uses_ssm_state().then(|| {
+                n_gdn += 1;
+                n_gdn - 1
+            }));
+        }
+        let gdn = GdnShape::from_config(&config);
+        let ssm = match gdn {
+            Some(g) if n_gdn > 0 => Some(SsmStatePool::new(
+                gpu.clone(),
+                SsmLayout {
+                    num_gdn_layers: n_gdn,
+                    slots: max_seqs,
+                    conv_dim: g.heads.conv_dim() as usize,
+                    conv_kernel: g.conv_kernel as usize,
+                    num_v_heads: g.heads.num_v_heads as usize,
+                    k_head_dim: g.heads.k_head_dim as usize,
+                    v_head_dim: g.heads.v_head_dim as usize,
+                },
+            )?),
+            _ if n_gdn > 0 => {
+                return Err(ModelError::Unsupported(
+                    "GDN layers without linear-attention settings".into(),
+                ));
+            }
+            _ => None,
+        };
+        let moe = MoeShape::from_config(&config);
+        let kv = PagedKvCache::new(
+            gpu.clone(),
+            KvCacheLayout {
+                num_layers: n_attn,
+                num_kv_heads: config.num_key_value_heads,
+                head_dim: config.head_dim,
+                block_size: options.block_size,
+                num_blocks,
+            },
+        )?;
+
+        let (h, r, s) = (dims.hidden as usize, max_rows, max_seqs);
+        let mut layout = ArenaLayout::default();
+        layout
+            .add("residual", DType::F32, r * h)
+            .add("normed", DType::Bf16, r * h)
+            .add("delta", DType::Bf16, r * h)
+            .add("qkv", DType::Bf16, r * dims.qkv_width() as usize)
+            .add("attn_out", DType::Bf16, r * dims.attn_out_width() as usize)
+            .add("gate_up", DType::Bf16, r * 2 * dims.ffn as usize)
+            .add("act", DType::Bf16, r * dims.ffn as usize)
+            .add("token_ids", DType::U32, r)
+            .add("positions", DType::U32, r)
+            .add("row_seq", DType::U32, r)
+            .add("slot_mapping", DType::U32, r)
+            .add("block_tables", DType::U32, s * max_blocks)
+            .add("logit_rows", DType::U32, s)
+            .add("logits_in", DType::Bf16, s * h)
+            .add("logits", DType::F32, s * dims.vocab as usize)
+            .add("sampled", DType::U32, s)
+            .add(
+                "inv_freq",
+                DType::F32,
+                (dims.rotary_dim as usize / 2).max(1),
+            )
+            .add("seq_start", DType::U32, s + 1)
+            .add("seq_slot", DType::U32, s);
+        if let Some(g) = gdn.filter(|_| ssm.is_some()) {
+            let hd = g.heads;
+            let (key_dim, value_dim) = (
+                (hd.num_k_heads * hd.k_head_dim) as usize,
+                (hd.num_v_heads * hd.v_head_dim) as usize,
+            );
+            layout
+                .add("gdn.proj", DType::Bf16, r * hd.proj_width() as usize)
+                .add("gdn.conv", DType::Bf16, r * hd.conv_dim() as usize)
+                .add("gdn.qk", DType::F32, r * 2 * key_dim)
+                .add("gdn.gates", DType::F32, r * 2 * hd.num_v_heads as usize)
+                .add("gdn.core", DType::F32, r * value_dim)
+                .add("gdn.normed", DType::Bf16, r * value_dim);
+        }
+        let shared_ffn = config
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.shared_expert_intermediate_size);
+        if let Some(m) = moe {
+            let (e, k, f) = (
+                m.num_experts as usize,
+                m.top_k as usize,
+                m.expert_ffn as usize,
+            );
+            layout
+                .add("moe.router_logits", DType::F32, r * e)
+                .add("moe.topk_ids", DType::U32, r * k)
+                .add("moe.topk_weights", DType::F32, r * k)
+                .add("moe.expert_gate_up", DType::Bf16, r * k * 2 * f)
+                .add("moe.expert_act", DType::Bf16, r * k * f)
+                .add("moe.expert_out", DType::F32, r * k * h)
+                .add("moe.shared_gate_up", DType::Bf16, r * 2 * shared_ffn.max(1))
+                .add("moe.shared_act", DType::Bf16, r * shared_ffn.max(1))
+                .add("moe.shared_out", DType::Bf16, r * h)
+                .add("moe.shared_gate", DType::F32, r);
+        }
+        let arena = BufferArena::build(gpu.clone(), &layout)?;
+        let p = |n: &str| arena.get(n).ptr;
+        let buf = StepBuffers {
+            residual: p("residual"),
+            normed: p("normed"),
+            delta: p("delta"),
+            qkv: p("qkv"),
+            attn_out: p("attn_out"),
+            gate_up: p("gate_up"),
+            act: p("act"),
+            token_ids: p("token_ids"),
+            positions: p("positions"),
+            row_seq: p("row_seq"),
+            slot_mapping: p("slot_mapping"),
+            block_tables: p("block_tables"),
+            logit_rows: p("logit_rows"),
+            logits_in: p("logits_in"),
+            logits: p("logits"),
+            sampled: p("sampled"),
+            inv_freq: p("inv_freq"),
+            seq_start: p("seq_start"),
+            seq_slot: p("seq_slot"),
+            gdn: if ssm.is_some() {
+                GdnBuffers {
+                    proj: p("gdn.proj"),
+                    conv: p("gdn.conv"),
+                    qk: p("gdn.qk"),
+                    gates: p("gdn.gates"),
+                    core: p("gdn.core"),
+                    normed: p("gdn.normed"),
+                }
+            } else {
+                GdnBuffers::default()
+            },
+            moe: if moe.is_some() {
+                MoeBuffers {
+                    router_logits: p("moe.router_logits"),
+                    topk_ids: p("moe.topk_ids"),
+                    topk_weights: p("moe.topk_weights"),
+                    expert_gate_up: p("moe.expert_gate_up"),
+                    expert_act: p("moe.expert_act"),
+                    expert_out: p("moe.expert_out"),
+                    shared_gate_up: p("moe.shared_gate_up"),
+                    shared_act: p("moe.shared_act"),
+                    shared_out: p("moe.shared_out"),
+                    shared_gate: p("moe.shared_gate"),
+                }
+            } else {
+                MoeBuffers::default()
+            },
+        };
+        gpu.upload(buf.inv_freq, &config.rope.inv_freq(), stream)?;
+        gpu.synchronize(stream)?;
+        Ok(TransformerModel {
+            config,
+            dims,
+            options,
+            gpu,
+            ops,
+            stream,
+            weights,
+            layers,
+            kv_layer,
+            kv,
+            ssm_layer,
+            ssm,
+            buf,
+            max_rows,
+            max_seqs,
+            max_blocks,
+            max_seq_len,
+            graphs: HashMap::new(),
+            circuit: None,
+            _arena: arena,
+        })
+    }
+}
