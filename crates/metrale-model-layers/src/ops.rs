@@ -433,17 +433,12 @@ impl Ops {
         n: u32,
         k: u32,
     ) -> GpuResult<()> {
-        let kernel = match linear_path(m) {
-            LinearPath::Narrow => self.k.linear_stream,
-            LinearPath::Wide => self.k.linear_stream_wide,
-            LinearPath::Tiled => self.k.linear,
-        };
-        self.go(
-            kernel,
-            linear_geometry(m, n),
-            &[out.into(), x.into(), w.into(), m.into(), n.into(), k.into()],
-            s,
-        )
+        let kernels = [
+            self.k.linear_stream,
+            self.k.linear_stream_wide,
+            self.k.linear,
+        ];
+        self.gemm(s, kernels, out, x, w, m, n, k)
     }
 
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ`, f32 out (logits).
@@ -458,10 +453,32 @@ impl Ops {
         n: u32,
         k: u32,
     ) -> GpuResult<()> {
+        let kernels = [
+            self.k.linear_stream_f32out,
+            self.k.linear_stream_wide_f32out,
+            self.k.linear_f32out,
+        ];
+        self.gemm(s, kernels, out, x, w, m, n, k)
+    }
+
+    /// One `linear` launch: `kernels` are the narrow, wide and tiled variants of one output type
+    /// (same arguments, bitwise the same rows); `m` picks which serves.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        s: StreamHandle,
+        kernels: [KernelHandle; 3],
+        out: DevicePtr,
+        x: DevicePtr,
+        w: DevicePtr,
+        m: u32,
+        n: u32,
+        k: u32,
+    ) -> GpuResult<()> {
         let kernel = match linear_path(m) {
-            LinearPath::Narrow => self.k.linear_stream_f32out,
-            LinearPath::Wide => self.k.linear_stream_wide_f32out,
-            LinearPath::Tiled => self.k.linear_f32out,
+            LinearPath::Narrow => kernels[0],
+            LinearPath::Wide => kernels[1],
+            LinearPath::Tiled => kernels[2],
         };
         self.go(
             kernel,

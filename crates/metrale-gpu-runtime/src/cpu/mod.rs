@@ -290,7 +290,9 @@ impl GpuBackend for CpuBackend {
     }
 
     fn synchronize(&self, stream: StreamHandle) -> GpuResult<()> {
-        self.check_stream(stream)
+        self.check_stream(stream)?;
+        // As on CUDA, where a sync would invalidate the capture.
+        self.refuse_in_capture(stream, "synchronize")
     }
 
     fn create_event(&self) -> GpuResult<EventHandle> {

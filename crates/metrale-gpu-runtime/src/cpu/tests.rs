@@ -158,6 +158,10 @@ fn capture_records_and_replay_reads_current_inputs() {
         )
         .unwrap();
     assert!(
+        r.gpu.synchronize(s).is_err(),
+        "a sync is refused while capturing, as on CUDA"
+    );
+    assert!(
         r.gpu.copy_h2d(x, &[0u8; 4], s).is_err(),
         "host copies are refused while capturing"
     );
