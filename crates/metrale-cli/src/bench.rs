@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
-use metrale::bench::{self, BenchOptions};
+use metrale::ModelConfig;
+use metrale::bench::{self, BenchOptions, ServeOptions};
 use metrale::gpu::GpuBackend;
 
 use crate::generate::BackendArg;
@@ -51,6 +52,18 @@ pub struct BenchArgs {
     /// Write the results as JSON here.
     #[arg(long)]
     json_out: Option<PathBuf>,
+    /// Run the serving ladder instead: requests through the scheduler at each concurrency.
+    #[arg(long)]
+    serve: bool,
+    /// Serving ladder: requests in flight at each rung.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 2, 4, 8, 16, 32, 64, 128])]
+    concurrency: Vec<usize>,
+    /// Serving ladder: prompt tokens per request.
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Serving ladder: output tokens per request.
+    #[arg(long, default_value_t = 512)]
+    output_tokens: usize,
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -62,12 +75,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Shape::Tiny => bench::tiny_for_cpu()?,
         Shape::TinyHybrid => bench::tiny_hybrid_for_cpu()?,
     };
+    let tiny = matches!(args.shape, Shape::Tiny | Shape::TinyHybrid);
+    if args.serve {
+        return serve(gpu, config, tiny, &args);
+    }
     let mut o = BenchOptions::new(config);
     o.decode_batches = args.batches.clone();
     o.context = args.context;
     o.prefill_tokens = args.prefill_tokens;
     o.iters = args.iters;
-    if matches!(args.shape, Shape::Tiny | Shape::TinyHybrid) {
+    if tiny {
         o.copy_bytes = 1 << 20;
         o.gemm_dim = 64;
     }
@@ -87,6 +104,43 @@ pub fn run(args: BenchArgs) -> Result<()> {
             "weight_bytes": report.weight_bytes,
             "prefill": {"tokens": report.prefill_tokens, "ms": report.prefill_ms, "floor_ms": report.prefill_floor_ms},
             "decode": decode,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// `--serve`: the serving ladder, printed as a table (and JSON with `--json-out`).
+fn serve(
+    gpu: Arc<dyn GpuBackend>,
+    config: ModelConfig,
+    tiny: bool,
+    args: &BenchArgs,
+) -> Result<()> {
+    let mut o = ServeOptions::new(config);
+    o.concurrency = args.concurrency.clone();
+    o.prompt_tokens = args.prompt_tokens;
+    o.output_tokens = args.output_tokens;
+    if tiny {
+        o.copy_bytes = 1 << 20;
+    }
+    let report = bench::serve_ladder(gpu, &o)?;
+    print!("{}", report.table());
+    if let Some(path) = &args.json_out {
+        let points: Vec<_> = report
+            .points
+            .iter()
+            .map(|p| serde_json::json!({"concurrency": p.concurrency, "tok_s": p.tok_s, "wall_s": p.wall_s, "step_ms": p.step_ms, "floor_ms": p.floor_ms, "ratio": p.step_ms / p.floor_ms, "full_steps": p.full_steps, "steps": p.steps}))
+            .collect();
+        let json = serde_json::json!({
+            "shape": format!("{:?}", args.shape),
+            "backend": report.backend,
+            "copy_gb_s": report.copy_gb_s,
+            "weight_bytes": report.weight_bytes,
+            "prompt_tokens": report.prompt_tokens,
+            "output_tokens": report.output_tokens,
+            "serve": points,
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;

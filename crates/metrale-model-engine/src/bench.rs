@@ -10,6 +10,7 @@
 //!   bandwidth, FLOPs over the GEMM rate.
 
 mod breakdown;
+mod serve;
 
 use std::sync::Arc;
 
@@ -19,6 +20,7 @@ use metrale_gpu_runtime::{DevicePtr, GpuBackend, StreamHandle, VendorGemm};
 use metrale_model_layers::Ops;
 
 pub use self::breakdown::{Breakdown, StepPart, decode_breakdown};
+pub use self::serve::{ServeOptions, ServePoint, ServeReport, serve_ladder};
 
 use metrale_config::LayerType;
 use metrale_model_layers::layers::GdnShape;
@@ -217,6 +219,23 @@ fn matmul_params(c: &ModelConfig) -> f64 {
     mixers + c.num_hidden_layers as f64 * mlp + h * c.vocab_size as f64
 }
 
+/// Weight bytes a decode step reads: every projection and the LM head (the embedding table too
+/// when it is not tied to the LM head, counted once, as `matmul_params` counts the LM head).
+fn weight_bytes(c: &ModelConfig) -> f64 {
+    let untied = if c.tie_word_embeddings { 0.0 } else { 1.0 };
+    2.0 * (matmul_params(c) + (c.vocab_size * c.hidden_size) as f64 * untied)
+}
+
+/// KV-cache bytes of one token over every attention layer (bf16 keys and values).
+fn kv_bytes_per_token(c: &ModelConfig) -> f64 {
+    let layers = c
+        .layer_types
+        .iter()
+        .filter(|t| **t == LayerType::FullAttention)
+        .count() as f64;
+    2.0 * 2.0 * (c.num_key_value_heads * c.head_dim) as f64 * layers
+}
+
 /// Bytes of SSM state one sequence reads and writes per decode step (every GDN layer's
 /// recurrent state and conv window, f32, read once and written once).
 fn ssm_bytes_per_seq(c: &ModelConfig) -> f64 {
@@ -256,10 +275,7 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
     };
     let mut model = factory::random(c.clone(), options, gpu.clone(), 0x5eed)?;
     let s = gpu.default_stream();
-    let weight_bytes = 2.0
-        * (matmul_params(c)
-            + (c.vocab_size * c.hidden_size) as f64
-                * if c.tie_word_embeddings { 0.0 } else { 1.0 });
+    let weight_bytes = weight_bytes(c);
 
     // Prefill: one sequence of `prefill_tokens` tokens from position 0.
     let mut table = BlockTable::new();
@@ -293,13 +309,7 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
     table.release_all(&mut model.kv_cache().allocator)?;
 
     // Decode: `batch` sequences, each with `context` tokens in its cache.
-    let kv_bytes_per_token = 2.0
-        * 2.0
-        * (c.num_key_value_heads * c.head_dim) as f64
-        * c.layer_types
-            .iter()
-            .filter(|t| **t == metrale_config::LayerType::FullAttention)
-            .count() as f64;
+    let kv_bytes_per_token = kv_bytes_per_token(c);
     let mut decode = Vec::new();
     for &batch in &opts.decode_batches {
         let mut tables = Vec::with_capacity(batch);

@@ -115,10 +115,16 @@ impl Sampler {
         }
     }
 
+    /// Whether `sample` is the argmax of the logits (temperature 0 or `top_k` 1); it then
+    /// consumes no randomness.
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature == 0.0 || self.params.top_k == 1
+    }
+
     /// Pick a token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = self.params;
-        if p.temperature == 0.0 || p.top_k == 1 {
+        if self.is_greedy() {
             return argmax(logits);
         }
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();

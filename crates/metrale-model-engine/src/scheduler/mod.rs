@@ -147,6 +147,23 @@ pub struct SchedulerStats {
     pub ssm_slots_total: usize,
 }
 
+/// A row's next token as a step delivers it: its logits, sampled on the host, or the token the
+/// device's argmax picked (when no row of the step needs host logits).
+enum Picked {
+    Logits(Vec<f32>),
+    Token(u32),
+}
+
+/// The first `n` logit rows of the last step, as host logits when `need_logits`, else as the
+/// device's argmax (4 bytes a row instead of the vocabulary's logits).
+fn pick(model: &TransformerModel, n: usize, need_logits: bool) -> Result<Vec<Picked>, ModelError> {
+    Ok(if need_logits {
+        model.logits(n)?.into_iter().map(Picked::Logits).collect()
+    } else {
+        model.greedy(n)?.into_iter().map(Picked::Token).collect()
+    })
+}
+
 /// See the module header.
 #[derive(Debug)]
 pub struct Scheduler {
@@ -428,11 +445,11 @@ impl Scheduler {
         self.stats.steps += 1;
         self.stats.prefill_steps += 1;
         if sample {
-            let logits = model
-                .logits(1)?
+            let need = self.running[i].needs_logits();
+            let picked = pick(model, 1, need)?
                 .pop()
                 .ok_or_else(|| ModelError::Step("a prefill step returned no logits".into()))?;
-            if let Some(reason) = self.accept(i, logits, events) {
+            if let Some(reason) = self.accept(i, picked, events) {
                 self.retire(model, i, reason, events)?;
             }
         }
@@ -497,11 +514,16 @@ impl Scheduler {
             .filter_map(|&i| self.running[i].ssm_slot)
             .collect();
         model.decode(&rows, &tables, &slots)?;
-        let logits = model.logits(idx.len())?;
+        // Host logits only when a row that samples now needs them (see `Seq::needs_logits`).
+        let need = idx.iter().any(|&i| {
+            let s = &self.running[i];
+            s.computed + 1 == s.tokens.len() && s.needs_logits()
+        });
+        let picked = pick(model, idx.len(), need)?;
         self.stats.steps += 1;
         self.stats.decode_steps += 1;
         let mut done = Vec::new();
-        for (&i, row) in idx.iter().zip(logits) {
+        for (&i, row) in idx.iter().zip(picked) {
             let s = &mut self.running[i];
             s.computed += 1;
             // A replayed row's token is known already; only the row of the last token samples.
@@ -521,11 +543,15 @@ impl Scheduler {
     fn accept(
         &mut self,
         i: usize,
-        logits: Vec<f32>,
+        picked: Picked,
         events: &mut Vec<SeqEvent>,
     ) -> Option<FinishReason> {
         let s = &mut self.running[i];
-        let (token, reason) = s.accept(logits, self.limits.max_context);
+        let max = self.limits.max_context;
+        let (token, reason) = match picked {
+            Picked::Logits(logits) => s.accept(logits, max),
+            Picked::Token(token) => s.accept_greedy(token, max),
+        };
         self.stats.tokens_generated += 1;
         events.push(SeqEvent::Token { id: s.id, token });
         reason

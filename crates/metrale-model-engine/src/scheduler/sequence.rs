@@ -85,6 +85,23 @@ impl Seq {
         if let Some(all) = self.logits.as_mut() {
             all.push(logits);
         }
+        self.push(token, max_context)
+    }
+
+    /// Whether picking this sequence's next token needs its logits on the host: it samples, or
+    /// it keeps them. Otherwise the device's argmax picks the same token (the first maximum).
+    pub fn needs_logits(&self) -> bool {
+        self.logits.is_some() || !self.sampler.is_greedy()
+    }
+
+    /// Record a token the device picked by argmax (only when `!needs_logits()`); returns why
+    /// the sequence ends, if it does.
+    pub fn accept_greedy(&mut self, token: u32, max_context: usize) -> (u32, Option<FinishReason>) {
+        debug_assert!(!self.needs_logits());
+        self.push(token, max_context)
+    }
+
+    fn push(&mut self, token: u32, max_context: usize) -> (u32, Option<FinishReason>) {
         self.tokens.push(token);
         let reason = if self.stop_token_ids.contains(&token) {
             Some(FinishReason::Stop)
