@@ -121,54 +121,92 @@ impl Sampler {
         self.params.temperature == 0.0 || self.params.top_k == 1
     }
 
-    /// Pick a token from one row of logits.
+    /// Pick a token from one row of logits: softmax at `temperature`, restricted to the
+    /// `top_k` most likely tokens, then to the smallest most-likely prefix whose probability
+    /// reaches `top_p`, then one draw. Tokens rank by logit, ties by lower index, so every step is
+    /// deterministic for a seed. Cost: one pass over the vocabulary plus a sort of only the
+    /// tokens `top_k` / `top_p` keep (grown geometrically until the nucleus is covered), never a
+    /// sort of the whole vocabulary.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = self.params;
         if self.is_greedy() {
             return argmax(logits);
         }
-        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-        // Descending by logit, ties by index, so the order is total and deterministic.
-        idx.sort_by(|&a, &b| {
-            logits[b as usize]
-                .total_cmp(&logits[a as usize])
-                .then(a.cmp(&b))
-        });
-        if p.top_k > 0 {
-            idx.truncate(p.top_k);
-        }
-        let max = logits[idx[0] as usize] as f64;
+        let all: Vec<u32> = (0..logits.len() as u32).collect();
+        // With `top_k` the candidates are the k best, ranked; otherwise the whole vocabulary in
+        // index order.
+        let ranked = p.top_k > 0 && p.top_k < all.len();
+        let cands = if ranked {
+            best_ranked(logits, all, p.top_k)
+        } else {
+            all
+        };
+        let max = logits[argmax(logits) as usize] as f64;
         let t = p.temperature as f64;
-        let mut probs: Vec<f64> = idx
-            .iter()
-            .map(|&i| ((logits[i as usize] as f64 - max) / t).exp())
-            .collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|q| *q /= total);
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = probs.len();
-            for (i, q) in probs.iter().enumerate() {
-                acc += q;
-                if acc >= p.top_p as f64 {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            probs.truncate(keep);
-            idx.truncate(keep);
-            let total: f64 = probs.iter().sum();
-            probs.iter_mut().for_each(|q| *q /= total);
-        }
-        let u = self.rng.next_f64();
+        let weight = |i: u32| ((logits[i as usize] as f64 - max) / t).exp();
+        let total: f64 = cands.iter().map(|&i| weight(i)).sum();
+        let kept = if p.top_p < 1.0 {
+            nucleus(logits, &cands, ranked, p.top_p as f64 * total, &weight)
+        } else {
+            cands
+        };
+        let kept_total: f64 = kept.iter().map(|&i| weight(i)).sum();
+        let u = self.rng.next_f64() * kept_total;
         let mut acc = 0.0;
-        for (q, &i) in probs.iter().zip(&idx) {
-            acc += q;
+        for &i in &kept {
+            acc += weight(i);
             if u < acc {
                 return i;
             }
         }
-        idx[idx.len() - 1]
+        kept[kept.len() - 1]
+    }
+}
+
+/// Descending logit, ties by lower index: the total order tokens are ranked in.
+fn rank(logits: &[f32], a: u32, b: u32) -> std::cmp::Ordering {
+    logits[b as usize]
+        .total_cmp(&logits[a as usize])
+        .then(a.cmp(&b))
+}
+
+/// The `k` best of `idx` (`1 <= k <= idx.len()`), ranked: a selection, then a sort of `k`.
+fn best_ranked(logits: &[f32], mut idx: Vec<u32>, k: usize) -> Vec<u32> {
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, |&a, &b| rank(logits, a, b));
+        idx.truncate(k);
+    }
+    idx.sort_unstable_by(|&a, &b| rank(logits, a, b));
+    idx
+}
+
+/// The smallest ranked prefix of `cands` whose weight reaches `mass` (`ranked`: `cands` is in
+/// rank order already). Only the best 64, 256, ... candidates are ranked until one covers it.
+fn nucleus(
+    logits: &[f32],
+    cands: &[u32],
+    ranked: bool,
+    mass: f64,
+    weight: &dyn Fn(u32) -> f64,
+) -> Vec<u32> {
+    let mut k = 64.min(cands.len());
+    loop {
+        let head = if ranked {
+            cands[..k].to_vec()
+        } else {
+            best_ranked(logits, cands.to_vec(), k)
+        };
+        let mut acc = 0.0;
+        for (n, &i) in head.iter().enumerate() {
+            acc += weight(i);
+            if acc >= mass {
+                return head[..=n].to_vec();
+            }
+        }
+        if k == cands.len() {
+            return head;
+        }
+        k = (k * 4).min(cands.len());
     }
 }
 
@@ -236,6 +274,26 @@ mod tests {
         });
         let ones = (0..20000).filter(|_| s.sample(&l) == 1).count() as f64 / 20000.0;
         assert!((ones - 0.75).abs() < 0.015, "P(1) = {ones}, expected 0.75");
+    }
+
+    #[test]
+    fn a_wide_nucleus_is_ranked_past_the_first_candidates() {
+        // Equal logits rank by index, so top_p 0.5 of 1000 keeps exactly tokens 0..500: more
+        // than the first 64 candidates the nucleus search ranks.
+        let logits = vec![0.25f32; 1000];
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 0.5,
+            seed: 7,
+            ..Default::default()
+        });
+        let draws: Vec<u32> = (0..4000).map(|_| s.sample(&logits)).collect();
+        assert!(
+            draws.iter().all(|&t| t < 500),
+            "a token outside the nucleus"
+        );
+        let distinct: std::collections::BTreeSet<u32> = draws.into_iter().collect();
+        assert!(distinct.len() > 400, "only {} tokens drawn", distinct.len());
     }
 
     #[test]

@@ -291,7 +291,7 @@ fn preemption_is_bitwise_solo(backend: Backend, name: &str) {
     let mut arrivals = arrivals(12, vocab, 5, false);
     for a in &mut arrivals {
         a.at_step /= 4;
-        a.req.params.max_new_tokens += 20;
+        a.req.params.max_new_tokens += 36;
     }
     let (got, stats, _) = mixed(&mut model, &arrivals);
     assert_all_free(&mut model, &stats);
