@@ -3,37 +3,20 @@
 // metrale-gpu-runtime/src/cpu/kernels/rope.rs.
 //
 // Launch: grid (rows, num_q_heads + num_kv_heads), one warp (32 threads) per head, and
-// head_dim * 4 bytes of dynamic shared memory (the head in f32).
+// head_dim * 4 bytes of dynamic shared memory (the head in f32). `qk_norm_rope_kv_store` fuses
+// the cache store (kernels/cache.cu) into the same launch; see it below.
 // Row layout: query head h starts at h * q_head_stride; key head h at k_offset + h * head_dim.
 // Values are left alone. Shapes the CPU twin rejects (odd or too large rotary_dim, heads that
 // do not fit the row) leave the row untouched.
 #include "common.cuh"
 
-// qk_norm_rope(qkv: bf16 [rows, row_stride] (in/out), q_norm_w: bf16 [head_dim] or NULL,
-// k_norm_w: bf16 [head_dim] or NULL, inv_freq: f32 [rotary_dim / 2], positions: u32 [rows],
-// rows, row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, head_dim, rotary_dim,
-// eps, unit_offset).
-extern "C" __global__ void qk_norm_rope(bf16* __restrict__ qkv, const bf16* __restrict__ q_norm_w,
-                                        const bf16* __restrict__ k_norm_w,
-                                        const float* __restrict__ inv_freq,
-                                        const uint32_t* __restrict__ positions, uint32_t rows,
-                                        uint32_t row_stride, uint32_t num_q_heads,
-                                        uint32_t q_head_stride, uint32_t k_offset,
-                                        uint32_t num_kv_heads, uint32_t head_dim,
-                                        uint32_t rotary_dim, float eps, uint32_t unit_offset) {
-    extern __shared__ float buf[];
-    const uint32_t r = blockIdx.x, hh = blockIdx.y, lane = threadIdx.x;
-    const uint32_t d = head_dim, rd = rotary_dim;
-    if (r >= rows || hh >= num_q_heads + num_kv_heads || blockDim.x != 32) return;
-    if (rd > d || rd % 2 != 0) return;
-    if ((num_q_heads > 0 && (num_q_heads - 1) * q_head_stride + d > row_stride) ||
-        k_offset + num_kv_heads * d > row_stride)
-        return;
-    const bool is_q = hh < num_q_heads;
-    bf16* x = qkv + (size_t)r * row_stride + (is_q ? hh * q_head_stride : k_offset + (hh - num_q_heads) * d);
-    const bf16* nw = is_q ? q_norm_w : k_norm_w;
+// One head of one row: load it into shared memory as f32, RMSNorm it when `nw` is set, rotate
+// the first rd dims, and write it back in place (and to `copy` too, when set: the fused kernel's
+// cache slot). One warp.
+MT_DEVICE void norm_rope_head(bf16* x, bf16* copy, const bf16* nw, const float* inv_freq,
+                              float pos, uint32_t d, uint32_t rd, float eps, bool unit,
+                              float* buf, uint32_t lane) {
     const bool vec = d % 8 == 0 && aligned16(x);
-
     if (vec) {
         for (uint32_t v = lane; v < d / 8; v += 32) {
             float f[8];
@@ -52,18 +35,101 @@ extern "C" __global__ void qk_norm_rope(bf16* __restrict__ qkv, const bf16* __re
         ss = warp_sum(ss);
         const float s = 1.0f / sqrtf(ss / (float)d + eps);
         __syncwarp();
-        for (uint32_t i = lane; i < d; i += 32) buf[i] = buf[i] * s * norm_weight(nw[i], unit_offset != 0);
+        for (uint32_t i = lane; i < d; i += 32) buf[i] = buf[i] * s * norm_weight(nw[i], unit);
         __syncwarp();
     }
 
-    const float pos = (float)positions[r];
     const uint32_t half = rd / 2;
     for (uint32_t i = lane; i < half; i += 32) {
         float sn, cs;
         sincosf(pos * inv_freq[i], &sn, &cs);
         const float x1 = buf[i], x2 = buf[i + half];
-        x[i] = f2bf(x1 * cs - x2 * sn);
-        x[i + half] = f2bf(x2 * cs + x1 * sn);
+        buf[i] = x1 * cs - x2 * sn;
+        buf[i + half] = x2 * cs + x1 * sn;
     }
-    for (uint32_t i = rd + lane; i < d; i += 32) x[i] = f2bf(buf[i]);
+    __syncwarp();
+    for (uint32_t i = lane; i < d; i += 32) {
+        const bf16 o = f2bf(buf[i]);
+        x[i] = o;
+        if (copy != nullptr) copy[i] = o;
+    }
+}
+
+// Whether the row layout fits (the CPU twin's checks); shapes that do not leave the row alone.
+MT_DEVICE bool heads_fit(uint32_t row_stride, uint32_t num_q_heads, uint32_t q_head_stride,
+                         uint32_t k_offset, uint32_t num_kv_heads, uint32_t head_dim,
+                         uint32_t rotary_dim) {
+    if (rotary_dim > head_dim || rotary_dim % 2 != 0) return false;
+    if (num_q_heads > 0 && (num_q_heads - 1) * q_head_stride + head_dim > row_stride) return false;
+    return k_offset + num_kv_heads * head_dim <= row_stride;
+}
+
+// qk_norm_rope(qkv: bf16 [rows, row_stride] (in/out), q_norm_w: bf16 [head_dim] or NULL,
+// k_norm_w: bf16 [head_dim] or NULL, inv_freq: f32 [rotary_dim / 2], positions: u32 [rows],
+// rows, row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, head_dim, rotary_dim,
+// eps, unit_offset).
+extern "C" __global__ void qk_norm_rope(bf16* __restrict__ qkv, const bf16* __restrict__ q_norm_w,
+                                        const bf16* __restrict__ k_norm_w,
+                                        const float* __restrict__ inv_freq,
+                                        const uint32_t* __restrict__ positions, uint32_t rows,
+                                        uint32_t row_stride, uint32_t num_q_heads,
+                                        uint32_t q_head_stride, uint32_t k_offset,
+                                        uint32_t num_kv_heads, uint32_t head_dim,
+                                        uint32_t rotary_dim, float eps, uint32_t unit_offset) {
+    extern __shared__ float buf[];
+    const uint32_t r = blockIdx.x, hh = blockIdx.y, lane = threadIdx.x;
+    if (r >= rows || hh >= num_q_heads + num_kv_heads || blockDim.x != 32) return;
+    if (!heads_fit(row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, head_dim,
+                   rotary_dim))
+        return;
+    const bool is_q = hh < num_q_heads;
+    bf16* x = qkv + (size_t)r * row_stride +
+              (is_q ? hh * q_head_stride : k_offset + (hh - num_q_heads) * head_dim);
+    norm_rope_head(x, nullptr, is_q ? q_norm_w : k_norm_w, inv_freq, (float)positions[r],
+                   head_dim, rotary_dim, eps, unit_offset != 0, buf, lane);
+}
+
+// qk_norm_rope_kv_store(qkv: bf16 [rows, row_stride] (in/out), q_norm_w, k_norm_w: bf16
+// [head_dim] or NULL, inv_freq: f32 [rotary_dim / 2], positions: u32 [rows], k_cache, v_cache:
+// bf16 [num_slots, num_kv_heads, head_dim], slot_mapping: u32 [rows], rows, row_stride,
+// num_q_heads, q_head_stride, k_offset, v_offset, num_kv_heads, head_dim, rotary_dim, eps,
+// unit_offset, num_slots).
+//
+// `qk_norm_rope` followed by `kv_store` (kernels/cache.cu) in one launch, byte for byte: grid
+// (rows, num_q_heads + 2 * num_kv_heads), one warp per block. Blocks of q and k heads run the
+// same per-head code as `qk_norm_rope` and a k head also writes its rounded result to the cache
+// slot; the last num_kv_heads blocks copy the row's value heads. A padding slot (u32::MAX) or a
+// slot past num_slots writes no cache (the row is still rotated, as the two launches would).
+extern "C" __global__ void qk_norm_rope_kv_store(
+    bf16* __restrict__ qkv, const bf16* __restrict__ q_norm_w, const bf16* __restrict__ k_norm_w,
+    const float* __restrict__ inv_freq, const uint32_t* __restrict__ positions,
+    bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+    const uint32_t* __restrict__ slot_mapping, uint32_t rows, uint32_t row_stride,
+    uint32_t num_q_heads, uint32_t q_head_stride, uint32_t k_offset, uint32_t v_offset,
+    uint32_t num_kv_heads, uint32_t head_dim, uint32_t rotary_dim, float eps,
+    uint32_t unit_offset, uint32_t num_slots) {
+    extern __shared__ float buf[];
+    const uint32_t r = blockIdx.x, hh = blockIdx.y, lane = threadIdx.x, d = head_dim;
+    if (r >= rows || hh >= num_q_heads + 2 * num_kv_heads || blockDim.x != 32) return;
+    if (!heads_fit(row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, d, rotary_dim) ||
+        v_offset + num_kv_heads * d > row_stride)
+        return;
+    const uint32_t slot = slot_mapping[r];
+    const bool store = slot != 0xFFFFFFFFu && slot < num_slots;
+    bf16* row = qkv + (size_t)r * row_stride;
+    const size_t slot_base = (size_t)slot * num_kv_heads * d;
+    if (hh < num_q_heads) {
+        norm_rope_head(row + hh * q_head_stride, nullptr, q_norm_w, inv_freq,
+                       (float)positions[r], d, rotary_dim, eps, unit_offset != 0, buf, lane);
+    } else if (hh < num_q_heads + num_kv_heads) {
+        const uint32_t h = hh - num_q_heads;
+        norm_rope_head(row + k_offset + h * d, store ? k_cache + slot_base + h * d : nullptr,
+                       k_norm_w, inv_freq, (float)positions[r], d, rotary_dim, eps,
+                       unit_offset != 0, buf, lane);
+    } else if (store) {
+        const uint32_t h = hh - num_q_heads - num_kv_heads;
+        const bf16* src = row + v_offset + h * d;
+        bf16* dst = v_cache + slot_base + h * d;
+        for (uint32_t i = lane; i < d; i += 32) dst[i] = src[i];
+    }
 }

@@ -9,6 +9,7 @@ pub mod circuit_exec;
 pub mod layer;
 pub mod layers;
 pub mod ops;
+pub mod ops_fused;
 pub mod ops_hybrid;
 pub mod weight_map;
 

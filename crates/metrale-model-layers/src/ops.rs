@@ -68,6 +68,7 @@ kernel_table! {
     rms_norm => ("norm", "rms_norm"),
     add_rms_norm => ("norm", "add_rms_norm"),
     qk_norm_rope => ("rope", "qk_norm_rope"),
+    qk_norm_rope_kv_store => ("rope", "qk_norm_rope_kv_store"),
     kv_store => ("cache", "kv_store"),
     paged_attention => ("attention", "paged_attention"),
     linear => ("gemm", "linear"),

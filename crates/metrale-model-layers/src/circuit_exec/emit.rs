@@ -67,8 +67,15 @@ pub(crate) fn scratch_bytes(_plan: &Plan, _group: &Group) -> u64 {
 impl Emitter<'_> {
     /// Launch `group`'s kernels.
     pub(crate) fn group(&self, group: &Group) -> Result<()> {
-        let emitted = match self.plan.group_nodes(group) {
-            [node] => self.single(node, &group.kernels)?,
+        let emitted = match (self.plan.group_nodes(group), group.kernels.as_slice()) {
+            ([node], kernels) => self.single(node, kernels)?,
+            ([rope, store], [kernel @ k::QK_NORM_ROPE_KV_STORE])
+                if matches!(rope.op, Op::QkNormRope(_) | Op::Rope) && store.op == Op::KvStore =>
+            {
+                let (r, st) = (self.rope_params(rope, *kernel)?, self.store_params(store)?);
+                self.ops.qk_norm_rope_kv_store(self.stream, &r, &st)?;
+                true
+            }
             _ => false,
         };
         if emitted {
@@ -238,6 +245,70 @@ impl Emitter<'_> {
     }
 
     /// Emit a one-node group; `false` when no emitter lowers `node` to `kernels`.
+    /// The `qk_norm_rope` launch of a rope node (`Op::QkNormRope` or `Op::Rope`), its norm
+    /// weights read as `kernel` reads them.
+    fn rope_params(&self, node: &Node, kernel: Kernel) -> Result<QkNormRope> {
+        let b = node.block;
+        let u = |what: &'static str, v: u64| self.u32(b, what, v);
+        let a = self.attn(b)?;
+        let qkv = self.input(node, Tensor::Qkv)?;
+        let positions = self.input(node, Tensor::Positions)?;
+        let (q_norm, k_norm, unit_offset) = match node.op {
+            Op::QkNormRope(w) => (
+                self.weight(b, WeightSlot::QNorm, kernel)?,
+                self.weight(b, WeightSlot::KNorm, kernel)?,
+                w == NormWeight::ZeroCentred,
+            ),
+            _ => (DevicePtr::NULL, DevicePtr::NULL, false),
+        };
+        let inv_freq = self.fixed.buffers.inv_freq;
+        if inv_freq.is_null() {
+            return Err(CircuitExecError::NoBuffer {
+                block: b,
+                tensor: "inv_freq",
+            });
+        }
+        Ok(QkNormRope {
+            qkv: qkv.ptr,
+            q_norm,
+            k_norm,
+            inv_freq,
+            positions: positions.ptr,
+            rows: u("rows", qkv.rows)?,
+            row_stride: u("qkv width", qkv.cols)?,
+            num_q_heads: a.num_q_heads,
+            q_head_stride: q_head_stride(&a),
+            k_offset: k_offset(&a),
+            num_kv_heads: a.num_kv_heads,
+            head_dim: a.head_dim,
+            rotary_dim: a.rope.rotary_dim,
+            eps: self.dims.eps,
+            unit_offset,
+        })
+    }
+
+    /// The `kv_store` launch of a `KvStore` node.
+    fn store_params(&self, node: &Node) -> Result<KvStore> {
+        let b = node.block;
+        let u = |what: &'static str, v: u64| self.u32(b, what, v);
+        let a = self.attn(b)?;
+        let kv = self.kv(b)?;
+        let qkv = self.input(node, Tensor::Qkv)?;
+        Ok(KvStore {
+            k_cache: self.input(node, Tensor::KCache)?.ptr,
+            v_cache: self.input(node, Tensor::VCache)?.ptr,
+            qkv: qkv.ptr,
+            slot_mapping: self.input(node, Tensor::SlotMapping)?.ptr,
+            rows: u("rows", qkv.rows)?,
+            row_stride: u("qkv width", qkv.cols)?,
+            k_offset: k_offset(&a),
+            v_offset: k_offset(&a) + a.num_kv_heads * a.head_dim,
+            num_kv_heads: a.num_kv_heads,
+            head_dim: a.head_dim,
+            num_slots: kv.num_slots,
+        })
+    }
+
     fn single(&self, node: &Node, kernels: &[Kernel]) -> Result<bool> {
         let (ops, s, b, eps) = (self.ops, self.stream, node.block, self.dims.eps);
         let u = |what: &'static str, v: u64| self.u32(b, what, v);
@@ -319,66 +390,11 @@ impl Emitter<'_> {
                     ops.expert_linear_f32out(s, &p)?;
                 }
             }
-            (op @ (Op::QkNormRope(_) | Op::Rope), [kernel @ k::QK_NORM_ROPE]) => {
-                let a = self.attn(b)?;
-                let qkv = self.input(node, Tensor::Qkv)?;
-                let positions = self.input(node, Tensor::Positions)?;
-                let (q_norm, k_norm, unit_offset) = match op {
-                    Op::QkNormRope(w) => (
-                        self.weight(b, WeightSlot::QNorm, *kernel)?,
-                        self.weight(b, WeightSlot::KNorm, *kernel)?,
-                        w == NormWeight::ZeroCentred,
-                    ),
-                    _ => (DevicePtr::NULL, DevicePtr::NULL, false),
-                };
-                let inv_freq = self.fixed.buffers.inv_freq;
-                if inv_freq.is_null() {
-                    return Err(CircuitExecError::NoBuffer {
-                        block: b,
-                        tensor: "inv_freq",
-                    });
-                }
-                ops.qk_norm_rope(
-                    s,
-                    &QkNormRope {
-                        qkv: qkv.ptr,
-                        q_norm,
-                        k_norm,
-                        inv_freq,
-                        positions: positions.ptr,
-                        rows: u("rows", qkv.rows)?,
-                        row_stride: u("qkv width", qkv.cols)?,
-                        num_q_heads: a.num_q_heads,
-                        q_head_stride: q_head_stride(&a),
-                        k_offset: k_offset(&a),
-                        num_kv_heads: a.num_kv_heads,
-                        head_dim: a.head_dim,
-                        rotary_dim: a.rope.rotary_dim,
-                        eps,
-                        unit_offset,
-                    },
-                )?;
+            (Op::QkNormRope(_) | Op::Rope, [kernel @ k::QK_NORM_ROPE]) => {
+                ops.qk_norm_rope(s, &self.rope_params(node, *kernel)?)?;
             }
             (Op::KvStore, [k::KV_STORE]) => {
-                let a = self.attn(b)?;
-                let kv = self.kv(b)?;
-                let qkv = self.input(node, Tensor::Qkv)?;
-                ops.kv_store(
-                    s,
-                    &KvStore {
-                        k_cache: self.input(node, Tensor::KCache)?.ptr,
-                        v_cache: self.input(node, Tensor::VCache)?.ptr,
-                        qkv: qkv.ptr,
-                        slot_mapping: self.input(node, Tensor::SlotMapping)?.ptr,
-                        rows: u("rows", qkv.rows)?,
-                        row_stride: u("qkv width", qkv.cols)?,
-                        k_offset: k_offset(&a),
-                        v_offset: k_offset(&a) + a.num_kv_heads * a.head_dim,
-                        num_kv_heads: a.num_kv_heads,
-                        head_dim: a.head_dim,
-                        num_slots: kv.num_slots,
-                    },
-                )?;
+                ops.kv_store(s, &self.store_params(node)?)?;
             }
             (Op::PagedAttention { gated }, [k::PAGED_ATTENTION]) => {
                 let a = self.attn(b)?;

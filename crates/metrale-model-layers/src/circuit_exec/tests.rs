@@ -326,10 +326,19 @@ fn a_bound_model_compiles_a_program_per_width_with_the_plans_launches() {
     // head: 3.
     assert_eq!(exec.launches_per_step(), 1 + 19 + 17 + 3);
     assert_eq!(exec.workspace_bytes(), 0);
-    // With today's launchers `All` lowers like `ReferenceOnly`.
+    // `All` folds the attention layer's rotation and cache store into one launch.
     let all = m.build(Fusions::All).unwrap();
-    assert_eq!(all.plans_digest(), exec.plans_digest());
-    assert_eq!(all.programs(), exec.programs());
+    assert_ne!(all.plans_digest(), exec.plans_digest());
+    assert_eq!(all.launches_per_step(), exec.launches_per_step() - 1);
+    let fused = m.ops.k.qk_norm_rope_kv_store;
+    for program in all.programs() {
+        let n = program
+            .launches()
+            .iter()
+            .filter(|l| l.kernel == fused)
+            .count();
+        assert_eq!(n, 1, "one fused launch per attention layer");
+    }
 }
 
 #[test]

@@ -33,6 +33,36 @@ pub fn kv_store(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let v_cache = ctx.slice_mut::<bf16>(1, slots * width)?;
     let qkv = ctx.slice::<bf16>(2, rows * stride)?;
     let slot_mapping = ctx.slice::<u32>(3, rows)?;
+    let g = StoreGeometry {
+        stride,
+        k_off,
+        v_off,
+        width,
+        slots,
+    };
+    store_rows(ctx, (k_cache, v_cache), qkv, slot_mapping, g)
+}
+
+/// Where k and v sit in a row and in the pools (`width = num_kv_heads * head_dim`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StoreGeometry {
+    pub stride: usize,
+    pub k_off: usize,
+    pub v_off: usize,
+    pub width: usize,
+    pub slots: usize,
+}
+
+/// Copy each row's k and v to its slot (padding rows write nothing). Shared with the fused
+/// `rope::qk_norm_rope_kv_store`.
+pub(super) fn store_rows(
+    ctx: &KernelCtx<'_>,
+    (k_cache, v_cache): (&mut [bf16], &mut [bf16]),
+    qkv: &[bf16],
+    slot_mapping: &[u32],
+    g: StoreGeometry,
+) -> GpuResult<()> {
+    let (stride, width, slots) = (g.stride, g.width, g.slots);
     for (r, &slot) in slot_mapping.iter().enumerate() {
         if slot == u32::MAX {
             continue;
@@ -44,8 +74,8 @@ pub fn kv_store(ctx: &KernelCtx<'_>) -> GpuResult<()> {
             )));
         }
         let row = &qkv[r * stride..(r + 1) * stride];
-        k_cache[slot * width..(slot + 1) * width].copy_from_slice(&row[k_off..k_off + width]);
-        v_cache[slot * width..(slot + 1) * width].copy_from_slice(&row[v_off..v_off + width]);
+        k_cache[slot * width..(slot + 1) * width].copy_from_slice(&row[g.k_off..g.k_off + width]);
+        v_cache[slot * width..(slot + 1) * width].copy_from_slice(&row[g.v_off..g.v_off + width]);
     }
     Ok(())
 }

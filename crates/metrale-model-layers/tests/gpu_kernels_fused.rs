@@ -1,0 +1,123 @@
+//! The fused kernels of the circuit's `bit_identical` rules on CUDA (GPU machine only):
+//! `rope::qk_norm_rope_kv_store` leaves byte for byte what `qk_norm_rope` then `kv_store` leave
+//! (the rotated rows and both cache pools), on CUDA and on the CPU twin, and CUDA against the CPU
+//! within the bf16 tolerance. Random inputs (never zeros), poisoned caches, padding slots, the
+//! scalar path (head_dim not a multiple of 8), partial rotary with gated queries, and no q/k
+//! norms (Llama).
+
+#![allow(clippy::unwrap_used, clippy::type_complexity)]
+#![cfg(feature = "cuda")]
+
+#[allow(dead_code)]
+#[path = "gpu_kernels/harness.rs"]
+mod harness;
+
+use harness::{Buf, Pair, Rng, S, Tolerance};
+use metrale_gpu_runtime::DevicePtr;
+use metrale_model_layers::ops::{KvStore, QkNormRope};
+
+/// One set of buffers the chain or the fused kernel writes.
+struct Set {
+    qkv: Buf,
+    kc: Buf,
+    vc: Buf,
+}
+
+#[test]
+fn qk_norm_rope_kv_store_is_the_two_launches_byte_for_byte() {
+    let p = Pair::new();
+    let mut rng = Rng::new(41);
+    // (head_dim, rotary_dim, q heads, kv heads, gated queries, q/k norms, zero-centred)
+    let cases = [
+        (128u32, 128u32, 8u32, 2u32, false, true, false),
+        (256, 64, 4, 1, true, true, true),
+        (100, 64, 3, 1, false, true, false),
+        (64, 64, 4, 4, false, false, false),
+    ];
+    for (d, rd, hq, hkv, gated, norms, unit) in cases {
+        let (rows, num_slots) = (6u32, 48u32);
+        let q_stride = if gated { 2 * d } else { d };
+        let k_offset = hq * q_stride;
+        let v_offset = k_offset + hkv * d;
+        let stride = v_offset + hkv * d + 5;
+        let input = rng.bf16s((rows * stride) as usize, -3.0, 3.0);
+        let qn = p.upload(&rng.bf16s(d as usize, 0.5, 1.5));
+        let kn = p.upload(&rng.bf16s(d as usize, 0.5, 1.5));
+        let freqs: Vec<f32> = (0..rd / 2)
+            .map(|i| 1.0 / 1_000_000f32.powf(2.0 * i as f32 / rd as f32))
+            .collect();
+        let freqs = p.upload(&freqs);
+        let positions: Vec<u32> = (0..rows).map(|_| rng.below(30_000)).collect();
+        let positions = p.upload(&positions);
+        let mut slots: Vec<u32> = rng.permutation(num_slots)[..rows as usize].to_vec();
+        slots[1] = u32::MAX;
+        slots[4] = u32::MAX;
+        let slot_mapping = p.upload(&slots);
+        let cache_bytes = (num_slots * hkv * d) as usize * 2;
+        let set = || Set {
+            qkv: p.upload(&input),
+            kc: p.poisoned(cache_bytes),
+            vc: p.poisoned(cache_bytes),
+        };
+        let (chain, fused) = (set(), set());
+        let rope = |s: &Set, at: &dyn Fn(&Buf) -> DevicePtr| QkNormRope {
+            qkv: at(&s.qkv),
+            q_norm: if norms { at(&qn) } else { DevicePtr::NULL },
+            k_norm: if norms { at(&kn) } else { DevicePtr::NULL },
+            inv_freq: at(&freqs),
+            positions: at(&positions),
+            rows,
+            row_stride: stride,
+            num_q_heads: hq,
+            q_head_stride: q_stride,
+            k_offset,
+            num_kv_heads: hkv,
+            head_dim: d,
+            rotary_dim: rd,
+            eps: 1e-6,
+            unit_offset: unit,
+        };
+        let store = |s: &Set, at: &dyn Fn(&Buf) -> DevicePtr| KvStore {
+            k_cache: at(&s.kc),
+            v_cache: at(&s.vc),
+            qkv: at(&s.qkv),
+            slot_mapping: at(&slot_mapping),
+            rows,
+            row_stride: stride,
+            k_offset,
+            v_offset,
+            num_kv_heads: hkv,
+            head_dim: d,
+            num_slots,
+        };
+        p.run(|o, at| {
+            o.qk_norm_rope(S, &rope(&chain, at))?;
+            o.kv_store(S, &store(&chain, at))
+        });
+        p.run(|o, at| o.qk_norm_rope_kv_store(S, &rope(&fused, at), &store(&fused, at)));
+        let case = format!("d={d} rd={rd} hq={hq} hkv={hkv} gated={gated} norms={norms}");
+        for (name, a, b) in [
+            ("rows", &chain.qkv, &fused.qkv),
+            ("k cache", &chain.kc, &fused.kc),
+            ("v cache", &chain.vc, &fused.vc),
+        ] {
+            let (ga, ca) = p.download::<u16>(a);
+            let (gb, cb) = p.download::<u16>(b);
+            assert!(
+                ga == gb,
+                "{case}: CUDA {name} differs from the two launches"
+            );
+            assert!(ca == cb, "{case}: CPU {name} differs from the two launches");
+        }
+        let (kc, _) = p.download::<u16>(&fused.kc);
+        let written = kc.iter().filter(|&&b| b != 0xFFFF).count();
+        assert_eq!(
+            written,
+            4 * (hkv * d) as usize,
+            "{case}: padding rows wrote"
+        );
+        p.check_bf16("qk_norm_rope_kv_store", &case, &fused.qkv, Tolerance::BF16);
+        p.check_bf16("qk_norm_rope_kv_store", &case, &fused.kc, Tolerance::BF16);
+        p.check_bf16("qk_norm_rope_kv_store", &case, &fused.vc, Tolerance::EXACT);
+    }
+}
