@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
+use metrale::ForwardSelect;
 use metrale::ModelConfig;
 use metrale::bench::{self, BenchOptions, ServeOptions};
 use metrale::gpu::GpuBackend;
@@ -49,6 +50,9 @@ pub struct BenchArgs {
     /// Timed repetitions per figure.
     #[arg(long, default_value_t = 10)]
     iters: usize,
+    /// The forwards whose decode steps are timed (legacy, circuit, circuit-reference).
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["legacy".to_string(), "circuit".to_string()])]
+    forwards: Vec<String>,
     /// Write the results as JSON here.
     #[arg(long)]
     json_out: Option<PathBuf>,
@@ -84,6 +88,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
     o.context = args.context;
     o.prefill_tokens = args.prefill_tokens;
     o.iters = args.iters;
+    o.forwards = args
+        .forwards
+        .iter()
+        .map(|f| {
+            ForwardSelect::from_name(f).with_context(|| {
+                format!(
+                    "unknown forward `{f}` (expected one of {})",
+                    ForwardSelect::NAMES.join(", ")
+                )
+            })
+        })
+        .collect::<Result<_>>()?;
     if tiny {
         o.copy_bytes = 1 << 20;
         o.gemm_dim = 64;
@@ -94,7 +110,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let decode: Vec<_> = report
             .decode
             .iter()
-            .map(|d| serde_json::json!({"batch": d.batch, "ms": d.ms, "floor_ms": d.floor_ms, "bytes": d.bytes, "ratio": d.ms / d.floor_ms}))
+            .map(|d| serde_json::json!({"forward": d.forward, "launches": d.launches, "batch": d.batch, "ms": d.ms, "floor_ms": d.floor_ms, "bytes": d.bytes, "ratio": d.ms / d.floor_ms}))
             .collect();
         let json = serde_json::json!({
             "shape": format!("{:?}", args.shape),

@@ -28,6 +28,7 @@ use metrale_model_layers::layers::GdnShape;
 use crate::error::ModelError;
 use crate::factory;
 use crate::model::{StepInput, StepRow};
+use crate::model_circuit::{ForwardSelect, Fusions, ModelCircuit};
 use crate::options::ModelOptions;
 
 /// What to measure.
@@ -49,6 +50,9 @@ pub struct BenchOptions {
     pub gemm_dim: usize,
     /// Decode batches broken down kernel by kernel (dense shapes only). Default 1 and 32.
     pub breakdown_batches: Vec<usize>,
+    /// The forwards whose decode steps are timed, each at every batch. Default `legacy` and
+    /// `circuit`.
+    pub forwards: Vec<ForwardSelect>,
 }
 
 impl BenchOptions {
@@ -63,6 +67,12 @@ impl BenchOptions {
             copy_bytes: 1 << 30,
             gemm_dim: 8192,
             breakdown_batches: vec![1, 32],
+            forwards: vec![
+                ForwardSelect::Legacy,
+                ForwardSelect::Circuit {
+                    fusions: Fusions::All,
+                },
+            ],
         }
     }
 }
@@ -70,6 +80,10 @@ impl BenchOptions {
 /// One decode figure.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DecodeFigure {
+    /// The forward that ran the step (`legacy`, `circuit`, `circuit-reference`).
+    pub forward: &'static str,
+    /// Kernel launches of a single-sequence step under that forward.
+    pub launches: usize,
     /// Sequences in the step.
     pub batch: usize,
     /// Median step time, ms.
@@ -311,46 +325,52 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
     // Decode: `batch` sequences, each with `context` tokens in its cache.
     let kv_bytes_per_token = kv_bytes_per_token(c);
     let mut decode = Vec::new();
-    for &batch in &opts.decode_batches {
-        let mut tables = Vec::with_capacity(batch);
-        for _ in 0..batch {
-            let mut t = BlockTable::new();
-            t.ensure(
-                opts.context + 1,
-                block_size,
-                &mut model.kv_cache().allocator,
-            )?;
-            tables.push(t);
-        }
-        let refs: Vec<&BlockTable> = tables.iter().collect();
-        let mut slots = Vec::with_capacity(batch);
-        for _ in 0..batch {
-            slots.extend(model.alloc_ssm_slot()?);
-        }
-        let rows: Vec<StepRow> = (0..batch)
-            .map(|i| StepRow {
-                token: (i * 13 % c.vocab_size) as u32,
-                position: opts.context as u32,
-                seq: i as u32,
-            })
-            .collect();
-        let ms = time_ms(gpu.as_ref(), s, opts.iters, || {
-            model.decode(&rows, &refs, &slots)
-        })?;
-        for &slot in &slots {
-            model.free_ssm_slot(slot)?;
-        }
-        let bytes = weight_bytes
-            + batch as f64
-                * ((opts.context + 1) as f64 * kv_bytes_per_token + ssm_bytes_per_seq(c));
-        decode.push(DecodeFigure {
-            batch,
-            ms,
-            bytes,
-            floor_ms: bytes / (copy_gb_s * 1e9) * 1e3,
-        });
-        for mut t in tables {
-            t.release_all(&mut model.kv_cache().allocator)?;
+    for &forward in &opts.forwards {
+        model.set_forward(forward)?;
+        let launches = model.forward_disclosure()?.launches_per_step;
+        for &batch in &opts.decode_batches {
+            let mut tables = Vec::with_capacity(batch);
+            for _ in 0..batch {
+                let mut t = BlockTable::new();
+                t.ensure(
+                    opts.context + 1,
+                    block_size,
+                    &mut model.kv_cache().allocator,
+                )?;
+                tables.push(t);
+            }
+            let refs: Vec<&BlockTable> = tables.iter().collect();
+            let mut slots = Vec::with_capacity(batch);
+            for _ in 0..batch {
+                slots.extend(model.alloc_ssm_slot()?);
+            }
+            let rows: Vec<StepRow> = (0..batch)
+                .map(|i| StepRow {
+                    token: (i * 13 % c.vocab_size) as u32,
+                    position: opts.context as u32,
+                    seq: i as u32,
+                })
+                .collect();
+            let ms = time_ms(gpu.as_ref(), s, opts.iters, || {
+                model.decode(&rows, &refs, &slots)
+            })?;
+            for &slot in &slots {
+                model.free_ssm_slot(slot)?;
+            }
+            let bytes = weight_bytes
+                + batch as f64
+                    * ((opts.context + 1) as f64 * kv_bytes_per_token + ssm_bytes_per_seq(c));
+            decode.push(DecodeFigure {
+                forward: forward.name(),
+                launches,
+                batch,
+                ms,
+                bytes,
+                floor_ms: bytes / (copy_gb_s * 1e9) * 1e3,
+            });
+            for mut t in tables {
+                t.release_all(&mut model.kv_cache().allocator)?;
+            }
         }
     }
     drop(model);
@@ -410,10 +430,17 @@ impl BenchReport {
             self.prefill_floor_ms,
             100.0 * self.prefill_floor_ms / self.prefill_ms
         );
-        s += "decode  batch   ms/step   floor ms   x floor   tok/s\n";
+        s += "decode  forward            launches  batch   ms/step   floor ms   x floor   tok/s   vs legacy\n";
         for d in &self.decode {
+            let legacy = self
+                .decode
+                .iter()
+                .find(|l| l.forward == "legacy" && l.batch == d.batch)
+                .map_or(String::new(), |l| format!("{:.3}x", d.ms / l.ms));
             s += &format!(
-                "        {:>5} {:>9.3} {:>10.3} {:>9.2} {:>7.0}\n",
+                "        {:<18} {:>8} {:>6} {:>9.3} {:>10.3} {:>9.2} {:>7.0}   {legacy}\n",
+                d.forward,
+                d.launches,
                 d.batch,
                 d.ms,
                 d.floor_ms,
@@ -425,7 +452,7 @@ impl BenchReport {
             let step = self
                 .decode
                 .iter()
-                .find(|d| d.batch == b.batch as usize)
+                .find(|d| d.batch == b.batch as usize && d.forward == "legacy")
                 .map(|d| d.ms);
             s += &format!(
                 "decode step at batch {} ctx {}, kernel by kernel (graph-replayed, µs per launch): sum {:.3} ms{}\n",
@@ -541,7 +568,18 @@ mod tests {
     #[test]
     fn the_benchmark_runs_end_to_end_on_the_cpu_backend() {
         let report = smoke(Arc::new(CpuBackend::default()), tiny_for_cpu().unwrap()).unwrap();
-        assert_eq!(report.decode.len(), 2);
+        // Two batches under each of the two default forwards; the circuit's fused launch makes
+        // its step shorter.
+        assert_eq!(report.decode.len(), 4);
+        let launches = |f: &str| {
+            report
+                .decode
+                .iter()
+                .find(|d| d.forward == f)
+                .unwrap()
+                .launches
+        };
+        assert!(launches("circuit") < launches("legacy"));
         assert!(report.copy_gb_s > 0.0 && report.gemm_tflop_s > 0.0);
         assert!(
             report
