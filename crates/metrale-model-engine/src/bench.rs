@@ -10,6 +10,7 @@
 //!   bandwidth, FLOPs over the GEMM rate.
 
 mod breakdown;
+mod profile;
 mod serve;
 
 use std::sync::Arc;
@@ -20,6 +21,7 @@ use metrale_gpu_runtime::{DevicePtr, GpuBackend, StreamHandle, VendorGemm};
 use metrale_model_layers::Ops;
 
 pub use self::breakdown::{Breakdown, StepPart, decode_breakdown};
+pub use self::profile::step_profile;
 pub use self::serve::{ServeOptions, ServePoint, ServeReport, serve_ladder};
 
 use metrale_config::LayerType;
@@ -118,6 +120,9 @@ pub struct BenchReport {
     pub weight_bytes: f64,
     /// Decode steps kernel by kernel.
     pub breakdowns: Vec<Breakdown>,
+    /// Real decode steps (the first forward's) launch by launch at the breakdown batches
+    /// ([`step_profile`]), any family.
+    pub profiles: Vec<Breakdown>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -325,7 +330,8 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
     // Decode: `batch` sequences, each with `context` tokens in its cache.
     let kv_bytes_per_token = kv_bytes_per_token(c);
     let mut decode = Vec::new();
-    for &forward in &opts.forwards {
+    let mut profiles = Vec::new();
+    for (nth, &forward) in opts.forwards.iter().enumerate() {
         model.set_forward(forward)?;
         let launches = model.forward_disclosure()?.launches_per_step;
         for &batch in &opts.decode_batches {
@@ -354,6 +360,14 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
             let ms = time_ms(gpu.as_ref(), s, opts.iters, || {
                 model.decode(&rows, &refs, &slots)
             })?;
+            if nth == 0 && opts.breakdown_batches.contains(&batch) {
+                let width = model.options().decode_width(batch).unwrap_or(batch);
+                profiles.push(Breakdown {
+                    batch: batch as u32,
+                    context: opts.context as u32,
+                    parts: step_profile(&model, width, opts.iters)?,
+                });
+            }
             for &slot in &slots {
                 model.free_ssm_slot(slot)?;
             }
@@ -402,6 +416,7 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
         decode,
         weight_bytes,
         breakdowns,
+        profiles,
     })
 }
 
@@ -447,6 +462,25 @@ impl BenchReport {
                 d.ms / d.floor_ms,
                 d.batch as f64 / (d.ms * 1e-3)
             );
+        }
+        for b in &self.profiles {
+            s += &format!(
+                "decode step at batch {} ctx {}, launch by launch (eager replay of the real step, µs per launch): sum {:.3} ms\n",
+                b.batch,
+                b.context,
+                b.total_ms()
+            );
+            for p in &b.parts {
+                let ms = p.us * f64::from(p.per_step) / 1e3;
+                s += &format!(
+                    "  {:<44} {:>9.2} us x {:>3} = {:>7.3} ms ({:>4.1}%)\n",
+                    p.name,
+                    p.us,
+                    p.per_step,
+                    ms,
+                    100.0 * ms / b.total_ms()
+                );
+            }
         }
         for b in &self.breakdowns {
             let step = self
@@ -556,7 +590,7 @@ pub fn smoke(gpu: Arc<dyn GpuBackend>, config: ModelConfig) -> Result<BenchRepor
     o.iters = 1;
     o.copy_bytes = 1 << 16;
     o.gemm_dim = 32;
-    o.breakdown_batches = vec![2];
+    o.breakdown_batches = vec![2, 3];
     run(gpu, &o)
 }
 
@@ -606,5 +640,13 @@ mod tests {
         let per_seq = (three.bytes - one.bytes) / 2.0;
         assert!(ssm_bytes_per_seq(&config) > 0.0);
         assert!(per_seq > ssm_bytes_per_seq(&config));
+        // The launch-by-launch profile of the real step covers the hybrid's own kernels, at the
+        // one breakdown batch that is also a decode batch, once for every launch of the step.
+        assert_eq!(report.profiles.len(), 1);
+        let p = &report.profiles[0];
+        assert!(p.parts.iter().any(|x| x.name.starts_with("gated_delta_recurrent")));
+        let launches: u32 = p.parts.iter().map(|x| x.per_step).sum();
+        let legacy = report.decode.iter().find(|d| d.forward == "legacy").unwrap();
+        assert_eq!(launches as usize, legacy.launches);
     }
 }

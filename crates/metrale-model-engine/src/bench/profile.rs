@@ -1,0 +1,87 @@
+//! A real decode step, launch by launch: the launches the model's selected forward makes for a
+//! decode width ([`ModelCircuit::decode_launches`]), replayed one at a time on the model's own
+//! buffers with a device event between every two, so each launch's time is what it took inside
+//! that step (its real weights, caches, SSM states and metadata, with the L2 cache as the step
+//! leaves it). It works for every family (dense, hybrid, MoE), where the synthetic
+//! [`breakdown`](super::breakdown) covers dense shapes.
+//!
+//! Invariants:
+//! - The caller has just run a decode step of that width, so the step's metadata (positions,
+//!   block tables, slot mapping) is on the device; replaying the launches runs that step again.
+//! - Launches run eagerly: a kernel shorter than the host's launch interval (a few µs) shows the
+//!   interval instead of its own time. The sum is therefore at least the graphed step's time.
+
+use std::collections::HashMap;
+
+use metrale_gpu_runtime::{KernelArg, KernelHandle};
+use metrale_model_layers::ops::Kernels;
+
+use super::StepPart;
+use super::median;
+use crate::error::ModelError;
+use crate::model::TransformerModel;
+use crate::model_circuit::ModelCircuit;
+
+/// Parts of one step at `width`, grouped by kernel and its first three integer arguments, in order of first
+/// launch; each part's `us` is the median over `iters` replays of one launch, averaged over
+/// the launches in its group.
+pub fn step_profile(
+    model: &TransformerModel,
+    width: usize,
+    iters: usize,
+) -> Result<Vec<StepPart>, ModelError> {
+    let gpu = model.gpu().clone();
+    let s = gpu.default_stream();
+    let names: HashMap<KernelHandle, &str> = Kernels::NAMES
+        .iter()
+        .filter_map(|&(module, name)| Some((gpu.kernel(module, name).ok()?, name)))
+        .collect();
+    let launches = model.decode_launches(width)?;
+    let events = (0..=launches.len())
+        .map(|_| gpu.create_event())
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut times = vec![Vec::with_capacity(iters); launches.len()];
+    for _ in 0..iters.max(1) {
+        for (l, &e) in launches.iter().zip(&events) {
+            gpu.record_event(e, s)?;
+            l.run(gpu.as_ref(), s)?;
+        }
+        gpu.record_event(events[launches.len()], s)?;
+        gpu.synchronize(s)?;
+        for (i, t) in times.iter_mut().enumerate() {
+            t.push(f64::from(gpu.event_elapsed_ms(events[i], events[i + 1])?) * 1e3);
+        }
+    }
+    // Group by kernel and shape, keeping the order of first appearance.
+    let mut parts: Vec<(String, u32, f64)> = Vec::new();
+    for (l, t) in launches.iter().zip(times) {
+        let name = names.get(&l.kernel).copied().unwrap_or("(unnamed kernel)");
+        // The first three integer arguments: the shape for most kernels (m, n, k of a GEMM).
+        let dims: Vec<String> = l
+            .args
+            .iter()
+            .filter_map(|a| match a {
+                KernelArg::U32(v) => Some(v.to_string()),
+                _ => None,
+            })
+            .take(3)
+            .collect();
+        let key = format!("{name} ({})", dims.join(", "));
+        let us = median(t);
+        match parts.iter_mut().find(|p| p.0 == key) {
+            Some(p) => {
+                p.1 += 1;
+                p.2 += us;
+            }
+            None => parts.push((key, 1, us)),
+        }
+    }
+    Ok(parts
+        .into_iter()
+        .map(|(name, n, total)| StepPart {
+            name,
+            per_step: n,
+            us: total / f64::from(n),
+        })
+        .collect())
+}
