@@ -50,7 +50,9 @@ pub struct EngineOptions {
     /// Where the model runs. Default CPU.
     pub backend: Backend,
     /// Buffer and cache sizes; `max_batch_tokens` is also the scheduler's prefill chunk and
-    /// token budget between decode steps, `max_decode_seqs` the most requests running at once.
+    /// token budget between decode steps, `max_decode_seqs` the most requests running at once,
+    /// `prefix_caching` (default on) whether requests share the KV blocks (and, on hybrid
+    /// models, SSM state snapshots) of prompt prefixes computed before.
     pub model: ModelOptions,
     /// Most requests waiting for admission (submitted, not yet running); `submit` refuses more
     /// with `EngineError::QueueFull`. Default 1024.

@@ -26,14 +26,37 @@ pub struct EngineMetrics {
     pub steps: u64,
     /// Preemptions by recompute since load.
     pub preemptions: u64,
-    /// KV-cache blocks in use.
+    /// Prompt tokens computed in prefill steps since load (a preempted request's replay
+    /// included; tokens served from the prefix cache excluded).
+    pub prefill_tokens: u64,
+    /// Prefix-cache lookups since load: one per admission to the model with prefix caching on
+    /// (a preempted request's readmission included).
+    pub prefix_queries: u64,
+    /// Lookups that reused a cached prefix.
+    pub prefix_hits: u64,
+    /// Prompt tokens of the lookups.
+    pub prefix_query_tokens: u64,
+    /// Of those, the tokens whose KV cache (and SSM state) came from the prefix cache instead of
+    /// being computed.
+    pub prefix_hit_tokens: u64,
+    /// `prefix_hit_tokens / prefix_query_tokens`: the share of looked-up prompt tokens the cache
+    /// served (0 before any lookup).
+    pub prefix_hit_rate: f64,
+    /// KV-cache blocks referenced by running requests (cached blocks nobody holds are not in
+    /// use: they are evicted when blocks are needed).
     pub kv_blocks_used: usize,
     /// KV-cache blocks in the pool (the dummy block excluded).
     pub kv_blocks_total: usize,
+    /// KV-cache blocks in the prefix cache, referenced or not.
+    pub kv_blocks_cached: usize,
     /// SSM state slots in use (hybrid models; 0 otherwise).
     pub ssm_slots_used: usize,
     /// SSM state slots in the pool (hybrid models; 0 otherwise).
     pub ssm_slots_total: usize,
+    /// SSM state snapshots kept for prefix caching (hybrid models; 0 otherwise).
+    pub ssm_snapshots_used: usize,
+    /// SSM snapshot entries (hybrid models with prefix caching; 0 otherwise).
+    pub ssm_snapshots_total: usize,
 }
 
 /// What the scheduler thread last recorded.
@@ -109,10 +132,23 @@ impl MetricsState {
             },
             steps: s.steps,
             preemptions: s.preemptions,
+            prefill_tokens: s.prefill_tokens,
+            prefix_queries: s.prefix_queries,
+            prefix_hits: s.prefix_hits,
+            prefix_query_tokens: s.prefix_query_tokens,
+            prefix_hit_tokens: s.prefix_hit_tokens,
+            prefix_hit_rate: if s.prefix_query_tokens > 0 {
+                s.prefix_hit_tokens as f64 / s.prefix_query_tokens as f64
+            } else {
+                0.0
+            },
             kv_blocks_used: s.kv_blocks_used,
             kv_blocks_total: s.kv_blocks_total,
+            kv_blocks_cached: s.kv_blocks_cached,
             ssm_slots_used: s.ssm_slots_used,
             ssm_slots_total: s.ssm_slots_total,
+            ssm_snapshots_used: s.ssm_snapshots_used,
+            ssm_snapshots_total: s.ssm_snapshots_total,
         }
     }
 }

@@ -1,7 +1,9 @@
 //! The engine as a service: requests submitted concurrently from several threads get exactly
 //! their solo outputs; a bad request gets its typed error and the others complete; cancellation
 //! (explicit, or by dropping the handle) ends a request with `cancelled` and frees its cache;
-//! stop strings cut the text; the async stream yields what the blocking iterator does.
+//! stop strings cut the text; the async stream yields what the blocking iterator does; a
+//! repeated prompt is served from the prefix cache, bitwise as without it, and the metrics count
+//! the hit.
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 
@@ -158,6 +160,58 @@ fn concurrent_submits_from_several_threads_get_their_solo_outputs() {
     let total: usize = solo.iter().map(|o| o.token_ids.len()).sum();
     assert_eq!(m.tokens_generated, total as u64);
     assert_eq!((m.running, m.queued, m.kv_blocks_used), (0, 0, 0));
+}
+
+#[test]
+fn a_repeated_prompt_is_served_from_the_prefix_cache_and_the_metrics_count_it() {
+    // Hits, of the 100-token prompt: 6 blocks of 16 (dense); up to the SSM snapshot at 64
+    // (hybrid).
+    for (fixture, hit) in [("qwen3-tiny", 96u64), ("qwen3_5-tiny", 64)] {
+        let warm = engine(fixture, options());
+        let cold = engine(
+            fixture,
+            EngineOptions {
+                model: ModelOptions {
+                    prefix_caching: false,
+                    ..options().model
+                },
+                ..options()
+            },
+        );
+        let vocab = warm.config().vocab_size as u32;
+        let prompt: Vec<u32> = (0..100u32).map(|t| (t * 53 + 11) % vocab).collect();
+        let req = GenerateRequest::new(Prompt::TokenIds(prompt))
+            .max_new_tokens(6)
+            .ignore_eos(true)
+            .return_logits(true);
+        let want = cold.generate(&req).expect("cold");
+        for run in 0..2 {
+            let got = warm.generate(&req).expect("warm");
+            assert_same(&got, &want, &format!("{fixture}, run {run}"));
+        }
+        let m = metrics_until(&warm, |m| m.finished == 2 && m.running == 0);
+        assert_eq!((m.prefix_queries, m.prefix_hits), (2, 1), "{fixture}");
+        assert_eq!((m.prefix_query_tokens, m.prefix_hit_tokens), (200, hit));
+        assert_eq!(m.prefix_hit_rate, hit as f64 / 200.0);
+        assert_eq!(
+            m.prefill_tokens,
+            200 - hit,
+            "{fixture}: the hit skips prefill"
+        );
+        assert!(m.kv_blocks_cached >= 6 && m.kv_blocks_used == 0, "{m:?}");
+        if fixture == "qwen3_5-tiny" {
+            assert!(
+                m.ssm_snapshots_used >= 1 && m.ssm_snapshots_total == 16,
+                "{m:?}"
+            );
+        }
+        let c = metrics_until(&cold, |m| m.finished == 1 && m.running == 0);
+        assert_eq!(
+            (c.prefix_queries, c.prefix_hit_tokens, c.prefix_hit_rate),
+            (0, 0, 0.0)
+        );
+        assert_eq!((c.prefill_tokens, c.kv_blocks_cached), (100, 0));
+    }
 }
 
 #[test]

@@ -6,9 +6,11 @@
 //!
 //! At the end, per checkpoint, it asserts: every accepted request ended exactly once and none
 //! failed; no client thread panicked and the engine still serves; no KV block or SSM slot is
-//! leaked (`Engine::metrics` once idle); every completed output equals its solo run (tokens,
-//! finish reason, text, logits where asked for), and every cancelled output is a prefix of its
-//! solo run. Short by default (CI runs it); `--requests` and `--seconds` make it long.
+//! leaked (`Engine::metrics` once idle: no block referenced, the prefix cache within the pool);
+//! the shared prefixes hit the prefix cache; every completed output equals its solo run on a
+//! second engine with prefix caching off (tokens, finish reason, text, logits where asked for),
+//! and every cancelled output is a prefix of that run. Short by default (CI runs it);
+//! `--requests` and `--seconds` make it long.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -290,9 +292,10 @@ fn wait_idle(engine: &Engine, done: u64) -> Result<metrale::EngineMetrics> {
     }
 }
 
-/// Compare an output with its solo run: equal when it completed, a prefix when cancelled.
-fn check_solo(engine: &Engine, req: &GenerateRequest, got: &GenerateOutput) -> Result<()> {
-    let solo = engine.generate(req).context("solo run")?;
+/// Compare an output with its solo run on `cold` (prefix caching off): equal when it completed,
+/// a prefix when cancelled.
+fn check_solo(cold: &Engine, req: &GenerateRequest, got: &GenerateOutput) -> Result<()> {
+    let solo = cold.generate(req).context("solo run")?;
     let n = got.token_ids.len();
     if got.finish_reason == FinishReason::Cancelled {
         ensure!(
@@ -327,7 +330,7 @@ fn check_solo(engine: &Engine, req: &GenerateRequest, got: &GenerateOutput) -> R
 
 /// Soak one checkpoint; returns its summary line.
 fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
-    let options = EngineOptions {
+    let mut options = EngineOptions {
         backend: match args.backend {
             BackendArg::Cpu => Backend::Cpu,
             BackendArg::Cuda => Backend::Cuda { device: 0 },
@@ -345,7 +348,10 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
         ..EngineOptions::default()
     };
     let engine =
-        Engine::load(dir, options).with_context(|| format!("loading {}", dir.display()))?;
+        Engine::load(dir, options.clone()).with_context(|| format!("loading {}", dir.display()))?;
+    // The reference for every output: the same engine without prefix caching.
+    options.model.prefix_caching = false;
+    let cold = Engine::load(dir, options).with_context(|| format!("loading {}", dir.display()))?;
     let vocab = engine.config().vocab_size;
     let mut rng = Rng(args.seed ^ 0x5EED);
     let prefixes: Vec<Vec<u32>> = [8usize, 16, 33, 64]
@@ -394,6 +400,14 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
         m.kv_blocks_used,
         m.ssm_slots_used
     );
+    ensure!(
+        m.kv_blocks_cached <= m.kv_blocks_total && m.ssm_snapshots_used <= m.ssm_snapshots_total,
+        "the prefix cache outgrew its pools: {m:?}"
+    );
+    ensure!(
+        m.prefix_hits > 0 && m.prefix_hit_tokens > 0,
+        "requests sharing prefixes never hit the prefix cache: {m:?}"
+    );
     let cancelled = tally
         .outputs
         .iter()
@@ -406,10 +420,10 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
     let solo_started = Instant::now();
     let mut checked = 0;
     for (i, (req, out)) in tally.outputs.iter().enumerate().step_by(step).take(checks) {
-        check_solo(&engine, req, out).with_context(|| format!("output {i}: {req:?}"))?;
+        check_solo(&cold, req, out).with_context(|| format!("output {i}: {req:?}"))?;
         checked += 1;
     }
-    let after = wait_idle(&engine, m.finished + checked as u64)?;
+    let after = wait_idle(&cold, checked as u64)?;
     ensure!(
         after.kv_blocks_used == 0 && after.ssm_slots_used == 0,
         "leaked after the solo runs: {} KV block(s), {} SSM slot(s)",
@@ -421,7 +435,7 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
         |n| n.to_string_lossy().into_owned(),
     );
     Ok(format!(
-        "soak {name}: {submitted} requests in {seconds:.1} s ({accepted} accepted: {completed} completed, {cancelled} cancelled and read, {dropped} dropped; {invalid} invalid refused; {retries} queue-full retries); {tokens} tokens ({tps:.0}/s), {steps} steps, {preempt} preemptions; leaked 0 of {kv} KV blocks and 0 of {ssm} SSM slots; {checked} of {outputs} outputs equal their solo runs ({solo_s:.1} s)",
+        "soak {name}: {submitted} requests in {seconds:.1} s ({accepted} accepted: {completed} completed, {cancelled} cancelled and read, {dropped} dropped; {invalid} invalid refused; {retries} queue-full retries); {tokens} tokens ({tps:.0}/s), {steps} steps, {preempt} preemptions; prefix cache: {hits} of {lookups} admissions hit, {hit_tokens} of {query_tokens} prompt tokens ({rate:.0}%); leaked 0 of {kv} KV blocks and 0 of {ssm} SSM slots; {checked} of {outputs} outputs equal their solo runs without prefix caching ({solo_s:.1} s)",
         submitted = tally.accepted + tally.refused_invalid,
         accepted = tally.accepted,
         dropped = tally.dropped,
@@ -431,6 +445,11 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
         tps = m.tokens_generated as f64 / seconds,
         steps = m.steps,
         preempt = m.preemptions,
+        hits = m.prefix_hits,
+        lookups = m.prefix_queries,
+        hit_tokens = m.prefix_hit_tokens,
+        query_tokens = m.prefix_query_tokens,
+        rate = 100.0 * m.prefix_hit_rate,
         kv = m.kv_blocks_total,
         ssm = m.ssm_slots_total,
         outputs = tally.outputs.len(),

@@ -1,4 +1,6 @@
 //! `BlockTable`: the blocks one sequence's tokens live in, in order, and the slot of a position.
+//! With prefix caching its first blocks may be shared with other sequences (taken by
+//! `BlockAllocator::acquire` and appended with `push`).
 
 use crate::allocator::BlockAllocator;
 use crate::error::CacheError;
@@ -62,12 +64,18 @@ impl BlockTable {
         Some(block * block_size as u32 + (pos % block_size) as u32)
     }
 
-    /// Release every block to the allocator and empty the table.
+    /// Release every block to the allocator and empty the table. Blocks go back last first,
+    /// so of a cached prefix the deepest blocks are the least recently used and are evicted
+    /// before the blocks they extend (a cached block is only reachable through its parents).
+    /// Every block is released even when one fails; the first error is returned.
     pub fn release_all(&mut self, alloc: &mut BlockAllocator) -> Result<(), CacheError> {
-        for b in self.blocks.drain(..) {
-            alloc.release(b)?;
+        let mut result = Ok(());
+        for b in self.blocks.drain(..).rev() {
+            if let Err(e) = alloc.release(b) {
+                result = result.and(Err(e));
+            }
         }
-        Ok(())
+        result
     }
 }
 
@@ -88,5 +96,22 @@ mod tests {
         assert_eq!(alloc.num_free(), 5, "a failed ensure allocates nothing");
         t.release_all(&mut alloc).unwrap();
         assert_eq!(alloc.num_free(), 7);
+        assert!(t.blocks().is_empty());
+    }
+
+    #[test]
+    fn a_released_prefix_is_evicted_deepest_block_first() {
+        let mut alloc = BlockAllocator::new(4);
+        let tokens: Vec<u32> = (0..48).collect();
+        let hashes = crate::prefix::block_hashes(&tokens, 16);
+        let mut t = BlockTable::new();
+        t.ensure(48, 16, &mut alloc).unwrap();
+        for (&b, &h) in t.blocks().iter().zip(&hashes) {
+            assert!(alloc.publish(b, h).unwrap());
+        }
+        t.release_all(&mut alloc).unwrap();
+        assert_eq!(alloc.alloc().unwrap(), 3, "the last block goes first");
+        assert_eq!(alloc.lookup(&hashes[2]), None);
+        assert_eq!(alloc.lookup(&hashes[0]), Some(1));
     }
 }

@@ -31,7 +31,7 @@ use crate::error::CacheError;
 pub struct SsmLayout {
     /// GDN (linear-attention) layers; attention layers keep no SSM state.
     pub num_gdn_layers: usize,
-    /// Slots: the most sequences that hold state at once (plus any snapshot slots).
+    /// Slots: the most sequences that hold state at once (entries, for a snapshot pool).
     pub slots: usize,
     /// Conv channels, `2 * Hk * Dk + Hv * Dv`.
     pub conv_dim: usize,
@@ -218,6 +218,15 @@ impl SsmStatePool {
             )?;
         }
         Ok(())
+    }
+
+    /// The per-layer pools and the allocations behind them, which the caller now owns (the
+    /// snapshot pool keeps its entries in arrays of this shape).
+    pub(crate) fn into_parts(mut self) -> (Vec<SsmLayerPools>, Vec<DevicePtr>) {
+        (
+            std::mem::take(&mut self.layers),
+            std::mem::take(&mut self.allocations),
+        )
     }
 
     fn check_held(&self, slot: u32) -> Result<(), CacheError> {

@@ -822,7 +822,15 @@ fn metrics_and_models_endpoints() {
         );
         assert_eq!(reply.status, 200, "{}", reply.body);
     }
-    wait_idle(&server.engine, 3);
+    // A 40-token prompt twice: the second is served 2 full blocks (32 tokens) from the prefix
+    // cache.
+    let long: Vec<u32> = (0..40).map(|t| t * 7 + 3).collect();
+    for _ in 0..2 {
+        let body = json!({"prompt": long, "max_tokens": 4, "ignore_eos": true});
+        let reply = post(&server, "/v1/completions", &body);
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    wait_idle(&server.engine, 5);
     let reply = http(server.addr, "GET", "/metrics", None);
     assert_eq!(reply.status, 200);
     assert!(
@@ -839,8 +847,15 @@ fn metrics_and_models_endpoints() {
             .unwrap_or_else(|| panic!("no {n} in\n{}", reply.body))
             .1
     };
-    assert_eq!(get("metrale_requests_finished_total"), 3.0);
-    assert_eq!(get("metrale_generation_tokens_total"), 12.0);
+    assert_eq!(get("metrale_requests_finished_total"), 5.0);
+    assert_eq!(get("metrale_generation_tokens_total"), 20.0);
+    assert_eq!(get("metrale_prefix_cache_queries_total"), 86.0);
+    assert_eq!(get("metrale_prefix_cache_hits_total"), 32.0);
+    assert_eq!(get("metrale_prefix_cache_hit_rate"), 32.0 / 86.0);
+    assert_eq!(get("metrale_prefix_cache_lookups_total"), 5.0);
+    assert_eq!(get("metrale_prefix_cache_lookup_hits_total"), 1.0);
+    assert_eq!(get("metrale_prefill_tokens_total"), 86.0 - 32.0);
+    assert!(get("metrale_kv_blocks_cached") >= 2.0);
     assert_eq!(get("metrale_requests_running"), 0.0);
     assert_eq!(get("metrale_kv_blocks_used"), 0.0);
     assert!(get("metrale_kv_blocks_capacity") > 0.0);

@@ -291,6 +291,9 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
         ),
         max_decode_seqs: max_batch,
         decode_graphs: true,
+        // The benchmark drives the model directly; no scheduler shares prefixes.
+        prefix_caching: false,
+        ssm_snapshot_slots: None,
     };
     let mut model = factory::random(c.clone(), options, gpu.clone(), 0x5eed)?;
     let s = gpu.default_stream();

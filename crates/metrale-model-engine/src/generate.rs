@@ -6,7 +6,7 @@ use std::ops::ControlFlow;
 use metrale_cache::BlockTable;
 
 use crate::error::ModelError;
-use crate::model::{StepInput, StepRow, TransformerModel};
+use crate::model::{StepInput, StepRow, TransformerModel, prefill_chunk};
 use crate::sampling::{Sampler, SamplingParams};
 
 /// What to generate.
@@ -175,8 +175,10 @@ fn run_batch(
     let max_len = model.max_seq_len();
     let block_size = model.kv_cache().block_size();
     let chunk = model.max_rows();
+    let align = model.ssm_snapshot_interval();
 
-    // Prefill each sequence in chunks; only its last prompt row needs logits.
+    // Prefill each sequence in chunks cut as the scheduler cuts them (so a loop run is bitwise a
+    // scheduled one); only its last prompt row needs logits.
     for (i, l) in live.iter_mut().enumerate() {
         if l.done {
             continue;
@@ -185,7 +187,7 @@ fn run_batch(
         let slots: Vec<u32> = l.ssm_slot.into_iter().collect();
         let mut start = 0;
         while start < l.prompt.len() {
-            let end = (start + chunk).min(l.prompt.len());
+            let end = prefill_chunk(start, l.prompt.len(), chunk, align).end;
             l.table
                 .ensure(end, block_size, &mut model.kv_cache().allocator)?;
             let rows: Vec<StepRow> = (start..end)

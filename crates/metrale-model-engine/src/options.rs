@@ -19,6 +19,18 @@ pub struct ModelOptions {
     pub max_decode_seqs: usize,
     /// Capture each decode width's step once as a graph and replay it. Default true.
     pub decode_graphs: bool,
+    /// Prefix caching: the full KV blocks of prompts stay cached, keyed by a hash chain over
+    /// their tokens, and a later request whose prompt starts with the same blocks shares them
+    /// instead of computing them (on hybrid models, from a position where an SSM snapshot was
+    /// kept, see `ssm_snapshot_slots`). Cached blocks nobody holds are evicted least recently
+    /// used first when blocks run out. A cached run's tokens and logits are bitwise those of an
+    /// uncached one. Default true.
+    pub prefix_caching: bool,
+    /// SSM state snapshots kept for prefix caching on hybrid models, each the size of one
+    /// sequence's SSM state (every GDN layer's conv window and recurrent state), allocated at
+    /// load. Default (`None`): `2 * max_decode_seqs`. With 0, or prefix caching off, none are
+    /// allocated and hybrid prompts never hit; models without GDN layers allocate none.
+    pub ssm_snapshot_slots: Option<usize>,
 }
 
 impl Default for ModelOptions {
@@ -30,6 +42,8 @@ impl Default for ModelOptions {
             num_kv_blocks: None,
             max_decode_seqs: 8,
             decode_graphs: true,
+            prefix_caching: true,
+            ssm_snapshot_slots: None,
         }
     }
 }
@@ -45,6 +59,14 @@ impl ModelOptions {
         }
         out.push(self.max_decode_seqs.max(1));
         out
+    }
+
+    /// SSM snapshot entries to allocate for a hybrid model (see `ssm_snapshot_slots`).
+    pub fn snapshot_slots(&self) -> usize {
+        if !self.prefix_caching {
+            return 0;
+        }
+        self.ssm_snapshot_slots.unwrap_or(2 * self.max_decode_seqs)
     }
 
     /// The ladder width a decode of `n` sequences is padded to.

@@ -1,8 +1,9 @@
 //! Continuous batching is batch-invariant: requests of different lengths arriving at different
 //! steps, some cancelled at random, some preempted by a tiny KV cache, each get bitwise the
 //! tokens and logits of their solo run; and when everything has finished every KV block and SSM
-//! slot is free again. On a dense and on a hybrid (Gated DeltaNet) fixture, on the CPU backend
-//! (and, built with `--features cuda`, on the CUDA backend too).
+//! slot is free again; and prefix-cache hits give bitwise what a model without the cache gives.
+//! On a dense and on a hybrid (Gated DeltaNet) fixture, on the CPU backend (and, built with
+//! `--features cuda`, on the CUDA backend too).
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 
@@ -303,6 +304,77 @@ fn preemption_is_bitwise_solo(backend: Backend, name: &str) {
     assert_solo_equivalent(&mut model, &arrivals, &got);
 }
 
+/// Prefix caching on `backend`: a 150-token prompt run twice, then one sharing its first 128
+/// tokens, give bitwise the tokens and logits of a model with prefix caching off, and the last
+/// two hit the cache (on a hybrid model through an SSM snapshot copied device to device). With
+/// chunks of 512 the cold and cached prefills also cut the prompt into steps of other sizes.
+fn prefix_hits_are_bitwise_cold(backend: Backend, name: &str) {
+    let opts = |prefix_caching| ModelOptions {
+        max_batch_tokens: 512,
+        prefix_caching,
+        ..options(None)
+    };
+    let mut warm = load_on(backend, name, opts(true));
+    let mut cold = load_on(backend, name, opts(false));
+    let vocab = warm.config().vocab_size as u32;
+    let mut rng = Rng::new(17);
+    let a: Vec<u32> = (0..150)
+        .map(|_| (rng.next_u64() % u64::from(vocab)) as u32)
+        .collect();
+    let mut b = a[..128].to_vec();
+    b.extend([(a[128] + 1) % vocab, 3, 1, 4]);
+    let mut s = Scheduler::new(&mut warm);
+    for (i, prompt) in [a.clone(), a, b].into_iter().enumerate() {
+        let req = SeqRequest {
+            prompt,
+            params: GenerateParams {
+                max_new_tokens: 6,
+                sampling: SamplingParams {
+                    temperature: 0.9,
+                    seed: i as u64,
+                    ..Default::default()
+                },
+                stop_token_ids: Vec::new(),
+                return_logits: true,
+            },
+            ignore_eos: true,
+        };
+        let id = s.add(req.clone()).unwrap();
+        let (mut out, mut tokens) = (HashMap::new(), HashMap::new());
+        run_until_idle(&mut s, &mut warm, &mut out, &mut tokens);
+        let got = out.remove(&id).unwrap();
+        let want = solo(&mut cold, &req);
+        assert_eq!(got.token_ids, want.token_ids, "{name}: prompt {i}");
+        for (x, y) in got
+            .logits
+            .iter()
+            .flatten()
+            .zip(want.logits.iter().flatten())
+        {
+            assert!(same_bits(x, y), "{name}: prompt {i}: logits differ");
+        }
+    }
+    let stats = s.stats(&mut warm);
+    // Dense: 144 (9 blocks), then 128; hybrid: 128 (the snapshot at its cut), then 128.
+    let want = if warm.has_ssm_state() {
+        128 + 128
+    } else {
+        144 + 128
+    };
+    assert_eq!(
+        (stats.prefix_hits, stats.prefix_hit_tokens),
+        (2, want),
+        "{name}"
+    );
+    assert_eq!(stats.kv_blocks_used, 0, "{name}");
+}
+
+#[test]
+fn prefix_hits_are_bitwise_cold_runs() {
+    prefix_hits_are_bitwise_cold(cpu, "qwen3-tiny");
+    prefix_hits_are_bitwise_cold(cpu, "qwen3_5-tiny");
+}
+
 #[test]
 fn dense_traffic_with_cancellations_is_bitwise_solo() {
     traffic_with_cancellations_is_bitwise_solo(cpu, "qwen3-tiny");
@@ -385,5 +457,11 @@ mod cuda {
     #[test]
     fn hybrid_preemption_is_bitwise_solo_on_cuda() {
         preemption_is_bitwise_solo(gpu, "qwen3_5-tiny");
+    }
+
+    #[test]
+    fn prefix_hits_are_bitwise_cold_runs_on_cuda() {
+        prefix_hits_are_bitwise_cold(gpu, "qwen3-tiny");
+        prefix_hits_are_bitwise_cold(gpu, "qwen3_5-tiny");
     }
 }

@@ -94,6 +94,14 @@ pub struct ServeArgs {
     /// Most requests waiting for admission; more get 429.
     #[arg(long, default_value_t = EngineOptions::default().max_queued_requests)]
     pub max_queued_requests: usize,
+    /// Turn prefix caching off: every prompt is computed from its first token, and no KV block
+    /// or SSM snapshot is kept for later requests.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// SSM state snapshots kept for prefix caching on hybrid models. Default: twice
+    /// `--max-decode-seqs`.
+    #[arg(long)]
+    pub ssm_snapshot_slots: Option<usize>,
 }
 
 impl ServeArgs {
@@ -112,6 +120,8 @@ impl ServeArgs {
                 max_seq_len: self.max_seq_len,
                 num_kv_blocks: self.num_kv_blocks,
                 block_size: self.block_size,
+                prefix_caching: !self.no_prefix_caching,
+                ssm_snapshot_slots: self.ssm_snapshot_slots,
                 ..ModelOptions::default()
             },
             max_queued_requests: self.max_queued_requests,
@@ -184,4 +194,33 @@ async fn shutdown_signal() {
     })
     .await;
     eprintln!("metrale serve: shutting down");
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    #[test]
+    fn prefix_caching_is_on_by_default_and_the_flags_reach_the_options() {
+        let parse = |args: &[&str]| {
+            let mut argv = vec!["metrale-serve"];
+            argv.extend(args);
+            Cli::try_parse_from(argv).map(|c| c.serve.engine_options().model)
+        };
+        let default = parse(&[]).unwrap();
+        assert!(default.prefix_caching);
+        assert_eq!(default.ssm_snapshot_slots, None);
+        let off = parse(&["--no-prefix-caching", "--ssm-snapshot-slots", "3"]).unwrap();
+        assert!(!off.prefix_caching);
+        assert_eq!(off.ssm_snapshot_slots, Some(3));
+        assert!(parse(&["--ssm-snapshot-slots", "many"]).is_err());
+    }
 }

@@ -18,7 +18,7 @@ pub fn render(m: &EngineMetrics) -> String {
             used as f64 / total as f64
         }
     };
-    let metrics: [(&str, &str, &str, f64); 14] = [
+    let metrics: [(&str, &str, &str, f64); 23] = [
         (
             "metrale_requests_running",
             "gauge",
@@ -68,9 +68,45 @@ pub fn render(m: &EngineMetrics) -> String {
             m.preemptions as f64,
         ),
         (
+            "metrale_prefill_tokens_total",
+            "counter",
+            "Prompt tokens computed in prefill steps (not those served from the prefix cache).",
+            m.prefill_tokens as f64,
+        ),
+        (
+            "metrale_prefix_cache_queries_total",
+            "counter",
+            "Prompt tokens looked up in the prefix cache, at each admission to the model.",
+            m.prefix_query_tokens as f64,
+        ),
+        (
+            "metrale_prefix_cache_hits_total",
+            "counter",
+            "Prompt tokens served from the prefix cache instead of computed.",
+            m.prefix_hit_tokens as f64,
+        ),
+        (
+            "metrale_prefix_cache_hit_rate",
+            "gauge",
+            "Share of the prompt tokens looked up that the prefix cache served.",
+            m.prefix_hit_rate,
+        ),
+        (
+            "metrale_prefix_cache_lookups_total",
+            "counter",
+            "Prefix-cache lookups: admissions to the model (readmissions after preemption included).",
+            m.prefix_queries as f64,
+        ),
+        (
+            "metrale_prefix_cache_lookup_hits_total",
+            "counter",
+            "Prefix-cache lookups that reused a cached prefix.",
+            m.prefix_hits as f64,
+        ),
+        (
             "metrale_kv_blocks_used",
             "gauge",
-            "KV-cache blocks in use.",
+            "KV-cache blocks referenced by running requests.",
             m.kv_blocks_used as f64,
         ),
         (
@@ -84,6 +120,12 @@ pub fn render(m: &EngineMetrics) -> String {
             "gauge",
             "Fraction of the KV-cache blocks in use.",
             ratio(m.kv_blocks_used, m.kv_blocks_total),
+        ),
+        (
+            "metrale_kv_blocks_cached",
+            "gauge",
+            "KV-cache blocks in the prefix cache, referenced or evictable.",
+            m.kv_blocks_cached as f64,
         ),
         (
             "metrale_ssm_slots_used",
@@ -102,6 +144,18 @@ pub fn render(m: &EngineMetrics) -> String {
             "gauge",
             "Fraction of the SSM state slots in use (hybrid models).",
             ratio(m.ssm_slots_used, m.ssm_slots_total),
+        ),
+        (
+            "metrale_ssm_snapshots_used",
+            "gauge",
+            "SSM state snapshots kept for prefix caching (hybrid models).",
+            m.ssm_snapshots_used as f64,
+        ),
+        (
+            "metrale_ssm_snapshots_capacity",
+            "gauge",
+            "SSM state snapshot entries for prefix caching (hybrid models).",
+            m.ssm_snapshots_total as f64,
         ),
     ];
     let mut out = String::new();
@@ -130,10 +184,19 @@ mod tests {
             tokens_per_second: 2.5,
             steps: 17,
             preemptions: 19,
+            prefill_tokens: 29,
+            prefix_queries: 31,
+            prefix_hits: 37,
+            prefix_query_tokens: 400,
+            prefix_hit_tokens: 100,
+            prefix_hit_rate: 0.25,
             kv_blocks_used: 23,
             kv_blocks_total: 46,
+            kv_blocks_cached: 41,
             ssm_slots_used: 1,
             ssm_slots_total: 4,
+            ssm_snapshots_used: 3,
+            ssm_snapshots_total: 8,
         };
         let text = render(&m);
         for line in [
@@ -145,6 +208,15 @@ mod tests {
             "metrale_generation_tokens_per_second 2.5",
             "metrale_steps_total 17",
             "metrale_preemptions_total 19",
+            "metrale_prefill_tokens_total 29",
+            "metrale_prefix_cache_lookups_total 31",
+            "metrale_prefix_cache_lookup_hits_total 37",
+            "metrale_prefix_cache_queries_total 400",
+            "metrale_prefix_cache_hits_total 100",
+            "metrale_prefix_cache_hit_rate 0.25",
+            "metrale_kv_blocks_cached 41",
+            "metrale_ssm_snapshots_used 3",
+            "metrale_ssm_snapshots_capacity 8",
             "metrale_kv_blocks_used 23",
             "metrale_kv_blocks_capacity 46",
             "metrale_kv_cache_usage_ratio 0.5",

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use metrale_cache::{KvCacheLayout, PagedKvCache, SsmLayout, SsmStatePool};
+use metrale_cache::{KvCacheLayout, PagedKvCache, SsmLayout, SsmSnapshotPool, SsmStatePool};
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::arena::ArenaLayout;
 use metrale_gpu_runtime::{BufferArena, DType, GpuBackend, GpuBackendExt};
@@ -65,24 +65,32 @@ impl TransformerModel {
             }));
         }
         let gdn = GdnShape::from_config(&config);
-        let ssm = match gdn {
-            Some(g) if n_gdn > 0 => Some(SsmStatePool::new(
-                gpu.clone(),
-                SsmLayout {
-                    num_gdn_layers: n_gdn,
-                    slots: max_seqs,
-                    conv_dim: g.heads.conv_dim() as usize,
-                    conv_kernel: g.conv_kernel as usize,
-                    num_v_heads: g.heads.num_v_heads as usize,
-                    k_head_dim: g.heads.k_head_dim as usize,
-                    v_head_dim: g.heads.v_head_dim as usize,
-                },
-            )?),
+        let ssm_layout = gdn.map(|g| SsmLayout {
+            num_gdn_layers: n_gdn,
+            slots: max_seqs,
+            conv_dim: g.heads.conv_dim() as usize,
+            conv_kernel: g.conv_kernel as usize,
+            num_v_heads: g.heads.num_v_heads as usize,
+            k_head_dim: g.heads.k_head_dim as usize,
+            v_head_dim: g.heads.v_head_dim as usize,
+        });
+        let ssm = match ssm_layout {
+            Some(l) if n_gdn > 0 => Some(SsmStatePool::new(gpu.clone(), l)?),
             _ if n_gdn > 0 => {
                 return Err(ModelError::Unsupported(
                     "GDN layers without linear-attention settings".into(),
                 ));
             }
+            _ => None,
+        };
+        let ssm_snapshots = match ssm_layout {
+            Some(l) if ssm.is_some() && options.snapshot_slots() > 0 => Some(SsmSnapshotPool::new(
+                gpu.clone(),
+                SsmLayout {
+                    slots: options.snapshot_slots(),
+                    ..l
+                },
+            )?),
             _ => None,
         };
         let moe = MoeShape::from_config(&config);
@@ -225,6 +233,7 @@ impl TransformerModel {
             kv,
             ssm_layer,
             ssm,
+            ssm_snapshots,
             buf,
             max_rows,
             max_seqs,

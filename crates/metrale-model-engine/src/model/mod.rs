@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use metrale_cache::{BlockTable, PagedKvCache, SsmStatePool};
+use metrale_cache::{BlockTable, PagedKvCache, SsmSnapshotPool, SsmStatePool};
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{BufferArena, GpuBackend, GpuBackendExt, GraphHandle, StreamHandle};
 use metrale_model_layers::circuit_exec::CircuitExec;
@@ -26,6 +26,9 @@ use crate::error::ModelError;
 use crate::options::ModelOptions;
 
 mod build;
+mod prefix;
+
+pub use prefix::prefill_chunk;
 
 /// One row of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,6 +88,8 @@ pub struct TransformerModel {
     ssm_layer: Vec<Option<usize>>,
     /// Every GDN layer's conv and recurrent state per slot (hybrid models).
     ssm: Option<SsmStatePool>,
+    /// Copies of that state at prefix positions (hybrid models with prefix caching).
+    ssm_snapshots: Option<SsmSnapshotPool>,
     pub(crate) buf: StepBuffers,
     max_rows: usize,
     max_seqs: usize,

@@ -11,24 +11,36 @@
 //!   the running sequences are about to grow into). Admission reserves those blocks and the slot
 //!   at once, so a prefill never runs out of cache. Admission is first come, first served: a
 //!   head that does not fit yet holds back the requests behind it.
+//! - **Prefix caching** (`ModelOptions::prefix_caching`, see `prefix`). At admission the
+//!   longest cached prefix of the prompt (whole blocks, at least one prompt token left to
+//!   compute; on hybrid models ending at a kept SSM snapshot) is shared instead of computed: its
+//!   blocks are taken by reference, the snapshot is copied into the sequence's slot, and prefill
+//!   starts after it. Shared blocks count once against the free blocks. After each prefill
+//!   chunk the prompt blocks it completed are published, and on hybrid models the SSM state is
+//!   kept when the chunk ends at a multiple of the snapshot interval.
 //! - **Steps.** While a sequence prefills and others decode, prefill chunks and decode steps
 //!   alternate under the token budget `max_batch_tokens`: after a decode step, prefill chunks
 //!   run until the next chunk would take the prefill tokens since that decode step past the
 //!   budget, then a decode step runs. So decode waits for at most `max_batch_tokens` prefill
 //!   tokens, and a long prompt still gets one chunk between any two decode steps. With nothing
 //!   decoding, prefill chunks run back to back; with nothing prefilling, decode steps do.
-//! - **Chunks.** A prompt is prefilled in chunks of `max_batch_tokens` from position 0 (the last
-//!   one shorter), a function of the prompt alone; a prefill step holds that one chunk of one
-//!   sequence and no decode rows. With the row independence of the model's kernels this makes
-//!   each sequence's tokens and logits bitwise independent of the other traffic (batch
+//! - **Chunks.** A prompt is prefilled in chunks of `max_batch_tokens` from position 0, or from
+//!   the end of its cached prefix (the last one shorter); on hybrid models a chunk that crosses
+//!   a multiple of the SSM snapshot interval ends at the last one it crosses
+//!   ([`crate::model::prefill_chunk`]). A prefill step holds that one chunk of one sequence and
+//!   no decode rows. Attention rows are independent of the other rows of their step, and on
+//!   hybrid models a cut is either at a multiple of the interval (where the GDN prefill, whose
+//!   chunks are aligned to multiples of 64, computes what no cut computes) or at the same place
+//!   in every run of the prompt (chunks restart at each multiple). So each sequence's tokens and
+//!   logits are bitwise independent of the other traffic and of what the cache held (batch
 //!   invariance).
 //! - **Preemption by recompute.** When a decoding sequence needs a KV block and none is free,
 //!   the most recently admitted running sequence (possibly itself) is preempted: its blocks and
 //!   SSM slot are released and it goes back to the front of the queue with its prompt, the
-//!   tokens it generated so far, its logits and its sampler. On readmission it replays exactly
-//!   the steps it had run: its prompt in the same chunks, then its generated tokens one decode
-//!   row each (their logits are not sampled again), so its state, and thus every later token and
-//!   logit, is bitwise what it would have been. The oldest running sequence always makes
+//!   tokens it generated so far, its logits and its sampler. On readmission it replays the
+//!   steps it had run: its prompt in chunks (from the end of its cached prefix, often its own),
+//!   then its generated tokens one decode row each (their logits are not sampled again), so its
+//!   state, and thus every later token and logit, is bitwise what it would have been. The oldest running sequence always makes
 //!   progress: one sequence alone always fits the cache (`RequestLimits::max_context`).
 //! - **Stopping.** A sequence finishes on a stop token (the request's, and the model's EOS unless
 //!   `ignore_eos`), at `max_new_tokens`, or when its context is full (`Length`). A caller stops
@@ -38,9 +50,13 @@
 //! Invariants:
 //! - `running` is in admission order; at most one running sequence is in prefill, and it is the
 //!   last one (the most recently admitted).
-//! - Every KV block and SSM slot the scheduler holds belongs to exactly one running sequence;
-//!   waiting sequences hold none. When the scheduler is idle it holds none.
+//! - Every SSM slot the scheduler holds belongs to exactly one running sequence, and every
+//!   reference on a KV block to one running sequence (a shared prefix block has one per
+//!   sharer); waiting sequences hold none. When the scheduler is idle it holds none (cached
+//!   blocks nobody holds are the allocator's, evictable).
 
+mod prefix;
+mod report;
 mod request;
 mod sequence;
 #[cfg(test)]
@@ -54,98 +70,10 @@ use crate::error::ModelError;
 use crate::generate::{FinishReason, Generation};
 use crate::model::{StepInput, StepRow, TransformerModel};
 
+pub use report::{SchedulerStats, SeqEvent, StepFailed, StepKind, StepReport};
 pub use request::{InvalidRequest, RequestLimits, SeqRequest};
 use sequence::Seq;
 pub use sequence::SeqId;
-
-/// What one step ran.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StepKind {
-    /// Nothing to run.
-    Idle,
-    /// One prefill chunk of one sequence.
-    Prefill {
-        /// The sequence.
-        seq: SeqId,
-        /// Its first position in this chunk.
-        start: usize,
-        /// Rows (prompt tokens) in the chunk.
-        rows: usize,
-    },
-    /// One decode row of each running sequence past its prompt.
-    Decode {
-        /// Sequences in the step.
-        seqs: usize,
-    },
-}
-
-/// Something that happened to a sequence in a step.
-#[derive(Debug, Clone, PartialEq)]
-pub enum SeqEvent {
-    /// A token was generated.
-    Token {
-        /// The sequence.
-        id: SeqId,
-        /// The token.
-        token: u32,
-    },
-    /// The sequence finished; it holds no resources any more.
-    Finished {
-        /// The sequence.
-        id: SeqId,
-        /// Its tokens, finish reason and logits.
-        generation: Generation,
-    },
-}
-
-/// One step's result: what ran, and the events in order (a sequence's token before its
-/// `Finished`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct StepReport {
-    /// What ran.
-    pub kind: StepKind,
-    /// Tokens and finished sequences.
-    pub events: Vec<SeqEvent>,
-}
-
-/// A step that failed. The sequences it ran are aborted (their resources released, they are
-/// gone from the scheduler); the others are untouched and the scheduler keeps serving.
-#[derive(Debug, thiserror::Error)]
-#[error("scheduler step failed, {} sequence(s) aborted: {error}", aborted.len())]
-pub struct StepFailed {
-    /// What failed.
-    #[source]
-    pub error: Box<ModelError>,
-    /// The sequences that were aborted.
-    pub aborted: Vec<SeqId>,
-}
-
-/// Counters and resource use, for metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct SchedulerStats {
-    /// Sequences admitted and not finished.
-    pub running: usize,
-    /// Sequences waiting for admission (preempted ones included).
-    pub waiting: usize,
-    /// Steps run (idle steps excluded).
-    pub steps: u64,
-    /// Prefill steps among them.
-    pub prefill_steps: u64,
-    /// Decode steps among them.
-    pub decode_steps: u64,
-    /// Preemptions so far.
-    pub preemptions: u64,
-    /// Tokens generated so far (replayed tokens are not counted again).
-    pub tokens_generated: u64,
-    /// KV blocks in use (by anyone).
-    pub kv_blocks_used: usize,
-    /// KV blocks that can be handed out.
-    pub kv_blocks_total: usize,
-    /// SSM state slots in use (0 for models without GDN layers).
-    pub ssm_slots_used: usize,
-    /// SSM state slots (0 for models without GDN layers).
-    pub ssm_slots_total: usize,
-}
 
 /// A row's next token as a step delivers it: its logits, sampled on the host, or the token the
 /// device's argmax picked (when no row of the step needs host logits).
@@ -170,6 +98,8 @@ pub struct Scheduler {
     limits: RequestLimits,
     /// Prefill chunk size and token budget (`max_batch_tokens`).
     chunk: usize,
+    /// Hybrid models: prefill chunks are cut at multiples of this (the SSM snapshot interval).
+    align: Option<usize>,
     max_seqs: usize,
     block_size: usize,
     eos_token_ids: Vec<u32>,
@@ -190,6 +120,7 @@ impl Scheduler {
         Scheduler {
             limits: RequestLimits::of(model),
             chunk: model.options().max_batch_tokens.min(model.max_rows()),
+            align: model.ssm_snapshot_interval(),
             max_seqs: model.max_seqs(),
             block_size: model.kv_cache().block_size(),
             eos_token_ids: model.config().eos_token_ids.clone(),
@@ -266,21 +197,25 @@ impl Scheduler {
 
     /// Counters and the resources in use now.
     pub fn stats(&self, model: &mut TransformerModel) -> SchedulerStats {
-        let kv = &model.kv_cache().allocator;
-        let (kv_total, kv_free) = (kv.capacity(), kv.num_free());
+        let kv = model.kv_allocator();
+        let (kv_total, kv_free, kv_cached) = (kv.capacity(), kv.num_free(), kv.num_cached());
         let ssm_total = if model.has_ssm_state() {
             model.max_seqs()
         } else {
             0
         };
         let ssm_free = model.free_ssm_slots().unwrap_or(0);
+        let (snapshots_used, snapshots_total) = model.ssm_snapshot_usage();
         SchedulerStats {
             running: self.running.len(),
             waiting: self.waiting.len(),
             kv_blocks_used: kv_total - kv_free,
             kv_blocks_total: kv_total,
+            kv_blocks_cached: kv_cached,
             ssm_slots_used: ssm_total.saturating_sub(ssm_free),
             ssm_slots_total: ssm_total,
+            ssm_snapshots_used: snapshots_used,
+            ssm_snapshots_total: snapshots_total,
             ..self.stats
         }
     }
@@ -301,7 +236,8 @@ impl Scheduler {
         let kind = match prefill {
             Some(i)
                 if !decoders
-                    || self.prefill_since_decode + self.running[i].next_chunk(self.chunk).len()
+                    || self.prefill_since_decode
+                        + self.running[i].next_chunk(self.chunk, self.align).len()
                         <= self.chunk =>
             {
                 let id = self.running[i].id;
@@ -378,20 +314,23 @@ impl Scheduler {
         {
             return Ok(());
         }
-        let Some(head) = self.waiting.front() else {
+        let headroom = self.running.len();
+        let Some(head) = self.waiting.front_mut() else {
             return Ok(());
         };
         let context = (head.tokens.len() + 1).min(self.limits.max_context);
         let need = context.div_ceil(self.block_size);
-        let headroom = self.running.len();
-        if need + headroom > model.kv_cache().allocator.num_free() {
+        // Shared blocks need no fresh ones, but taking a cached block nobody holds removes it
+        // from the free count.
+        let hit = prefix::lookup(model, head);
+        let free = model.kv_allocator().num_free() - hit.unreferenced;
+        if need - hit.blocks + headroom > free {
             return Ok(());
         }
         let Some(mut s) = self.waiting.pop_front() else {
             return Ok(());
         };
-        let admitted = model.alloc_ssm_slot().and_then(|slot| {
-            s.ssm_slot = slot;
+        let admitted = prefix::acquire(model, &mut s, hit).and_then(|()| {
             Ok(s.table
                 .ensure(context, self.block_size, &mut model.kv_cache().allocator)?)
         });
@@ -401,7 +340,15 @@ impl Scheduler {
             }
             return Err((e, s.id));
         }
-        tracing::debug!(seq = %s.id, context, blocks = need, resumed = s.generated() > 0, "admitted");
+        if model.options().prefix_caching {
+            self.stats.prefix_queries += 1;
+            self.stats.prefix_query_tokens += s.prompt_len as u64;
+            if hit.blocks > 0 {
+                self.stats.prefix_hits += 1;
+                self.stats.prefix_hit_tokens += s.computed as u64;
+            }
+        }
+        tracing::debug!(seq = %s.id, context, blocks = need, cached = s.computed, resumed = s.generated() > 0, "admitted");
         self.running.push(s);
         Ok(())
     }
@@ -415,7 +362,7 @@ impl Scheduler {
     ) -> Result<StepKind, ModelError> {
         let (chunk, bs) = (self.chunk, self.block_size);
         let s = &mut self.running[i];
-        let range = s.next_chunk(chunk);
+        let range = s.next_chunk(chunk, self.align);
         let _span = tracing::debug_span!("step", kind = "prefill", seq = %s.id, start = range.start, rows = range.len()).entered();
         s.table
             .ensure(range.end, bs, &mut model.kv_cache().allocator)?;
@@ -440,10 +387,12 @@ impl Scheduler {
             ssm_slots: &slots,
         })?;
         s.computed = range.end;
+        prefix::publish(model, s, range.end)?;
         let id = s.id;
         self.prefill_since_decode += range.len();
         self.stats.steps += 1;
         self.stats.prefill_steps += 1;
+        self.stats.prefill_tokens += range.len() as u64;
         if sample {
             let need = self.running[i].needs_logits();
             let picked = pick(model, 1, need)?
@@ -598,5 +547,6 @@ fn release(model: &mut TransformerModel, s: &mut Seq) -> Result<(), ModelError> 
         None => Ok(()),
     };
     s.computed = 0;
+    s.published = 0;
     blocks.and(slot)
 }

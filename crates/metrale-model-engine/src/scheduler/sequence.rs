@@ -9,10 +9,15 @@
 //!   before a preemption, and the logits of those rows are not sampled again.
 //! - The sampler is created once, at submission, and survives preemption: a resumed sequence
 //!   samples its next token with the generator state it had, so its output is unchanged.
+//! - With prefix caching, `block_hashes` are the keys of the prompt's full blocks (computed at
+//!   the first admission), and the first `published` blocks of `table` are in the prefix index
+//!   under them, or were computed while an equal block was (shared or duplicated, never
+//!   written again). `published * block_size <= computed`.
 
-use metrale_cache::BlockTable;
+use metrale_cache::{BlockHash, BlockTable};
 
 use crate::generate::{FinishReason, GenerateParams, Generation};
+use crate::model::prefill_chunk;
 use crate::sampling::Sampler;
 
 /// A request's id, unique for the life of its scheduler.
@@ -40,6 +45,10 @@ pub(crate) struct Seq {
     pub computed: usize,
     /// Row `i`: the logits that chose generated token `i` (when asked for).
     pub logits: Option<Vec<Vec<f32>>>,
+    /// Prefix-cache keys of the prompt's full blocks (empty until first needed).
+    pub block_hashes: Vec<BlockHash>,
+    /// Leading blocks of `table` that are in the prefix index (see the module header).
+    pub published: usize,
 }
 
 impl Seq {
@@ -60,6 +69,8 @@ impl Seq {
             table: BlockTable::new(),
             ssm_slot: None,
             computed: 0,
+            block_hashes: Vec::new(),
+            published: 0,
         }
     }
 
@@ -73,10 +84,11 @@ impl Seq {
         self.tokens.len() - self.prompt_len
     }
 
-    /// The prompt positions of the next prefill chunk: chunks of `chunk` tokens from position 0,
-    /// so the boundaries depend on the prompt alone.
-    pub fn next_chunk(&self, chunk: usize) -> std::ops::Range<usize> {
-        self.computed..(self.computed + chunk).min(self.prompt_len)
+    /// The prompt positions of the next prefill chunk: chunks of `chunk` tokens from position 0
+    /// (or from the end of a cached prefix), cut at multiples of `align` on hybrid models (see
+    /// [`prefill_chunk`]), so the boundaries depend on the prompt alone.
+    pub fn next_chunk(&self, chunk: usize, align: Option<usize>) -> std::ops::Range<usize> {
+        prefill_chunk(self.computed, self.prompt_len, chunk, align)
     }
 
     /// Record a sampled token; returns why the sequence ends, if it does.

@@ -1,0 +1,159 @@
+//! The model's side of prefix caching: where hybrid prefill chunks end (`prefill_chunk`, the
+//! SSM snapshot interval), saving and restoring SSM snapshots between a sequence's slot and the
+//! snapshot pool, and clearing the cache.
+//!
+//! Invariants:
+//! - On a hybrid model a prefill chunk that crosses a multiple of the snapshot interval
+//!   (`lcm(block_size, GDN_CHUNK)`) ends at the last multiple it crosses, whether prefix caching
+//!   is on or off. The GDN chunked prefill aligns its chunks to multiples of `GDN_CHUNK`, so a
+//!   cut there computes bitwise what no cut does; and a sequence restored from a snapshot at a
+//!   multiple of the interval cuts the rest of its prompt exactly as a cold run does. Hence a
+//!   cached run is bitwise a cold run, with the option on or off.
+//! - Snapshot copies go on the model's stream, between the steps that produce and consume them.
+
+use std::ops::Range;
+
+use metrale_cache::{BlockAllocator, BlockHash};
+use metrale_model_layers::layers::GDN_CHUNK;
+
+use crate::error::ModelError;
+
+use super::TransformerModel;
+
+/// The prompt positions of a prefill chunk that starts at `start`: at most `chunk` of them,
+/// ending at `len` at the latest, and, with `align`, cut back to the last multiple of `align`
+/// it crosses (a chunk that crosses none is left whole).
+pub fn prefill_chunk(start: usize, len: usize, chunk: usize, align: Option<usize>) -> Range<usize> {
+    let mut end = start.saturating_add(chunk.max(1)).min(len);
+    if let Some(a) = align.filter(|&a| a > 0) {
+        let cut = end / a * a;
+        if cut > start {
+            end = cut;
+        }
+    }
+    start..end.max(start)
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+impl TransformerModel {
+    /// Positions (multiples of this) at which hybrid prefill chunks end and SSM snapshots are
+    /// taken: `lcm(block_size, GDN_CHUNK)`, 64 with the default blocks of 16. `None` for a
+    /// model without GDN layers.
+    pub fn ssm_snapshot_interval(&self) -> Option<usize> {
+        self.ssm.as_ref()?;
+        let (bs, g) = (self.kv.block_size(), GDN_CHUNK as usize);
+        Some(bs / gcd(bs, g) * g)
+    }
+
+    /// The KV block allocator and its prefix index, to read.
+    pub fn kv_allocator(&self) -> &BlockAllocator {
+        &self.kv.allocator
+    }
+
+    /// Whether a snapshot of the state after the prefix whose last block is `key` is kept.
+    pub fn has_ssm_snapshot(&self, key: &BlockHash) -> bool {
+        self.ssm_snapshots.as_ref().is_some_and(|p| p.contains(key))
+    }
+
+    /// Whether hybrid prefixes can hit: the model keeps SSM state and snapshots of it.
+    pub fn keeps_ssm_snapshots(&self) -> bool {
+        self.ssm_snapshots.is_some()
+    }
+
+    /// Keep a copy of held slot `slot`'s state as the state after the prefix whose last block
+    /// is `key` (queued after the step that computed it). Returns whether a copy was made (not
+    /// when one is kept already, or the model keeps no snapshots).
+    pub fn save_ssm_snapshot(&mut self, key: BlockHash, slot: u32) -> Result<bool, ModelError> {
+        match (&mut self.ssm_snapshots, &self.ssm) {
+            (Some(snaps), Some(pool)) => Ok(snaps.save(key, pool, slot, self.stream)?),
+            _ => Ok(false),
+        }
+    }
+
+    /// A fresh SSM slot for a new sequence: holding the snapshot under `snapshot` when given
+    /// (a prefix hit), zeroed otherwise. `None` for a model without GDN layers.
+    pub fn alloc_ssm_slot_from(
+        &mut self,
+        snapshot: Option<&BlockHash>,
+    ) -> Result<Option<u32>, ModelError> {
+        let Some(key) = snapshot else {
+            return self.alloc_ssm_slot();
+        };
+        let (Some(pool), Some(snaps)) = (self.ssm.as_mut(), self.ssm_snapshots.as_mut()) else {
+            return Err(ModelError::Step(
+                "an SSM snapshot was asked of a model that keeps none".into(),
+            ));
+        };
+        let slot = pool.alloc_slot()?;
+        match snaps.restore(key, pool, slot, self.stream) {
+            Ok(true) => Ok(Some(slot)),
+            other => {
+                pool.free_slot(slot)?;
+                other?;
+                Err(ModelError::Step(format!("no SSM snapshot under {key:?}")))
+            }
+        }
+    }
+
+    /// SSM snapshots kept now, and the entries there are (0 and 0 without a snapshot pool).
+    pub fn ssm_snapshot_usage(&self) -> (usize, usize) {
+        self.ssm_snapshots
+            .as_ref()
+            .map_or((0, 0), |p| (p.num_used(), p.capacity()))
+    }
+
+    /// Drop every cached prefix nobody holds: evictable KV blocks become free and every SSM
+    /// snapshot is dropped. Returns the KV blocks evicted.
+    pub fn clear_prefix_cache(&mut self) -> usize {
+        if let Some(p) = self.ssm_snapshots.as_mut() {
+            p.clear();
+        }
+        self.kv.allocator.evict_all()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunks(len: usize, chunk: usize, align: Option<usize>, from: usize) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        let mut at = from;
+        while at < len {
+            let r = prefill_chunk(at, len, chunk, align);
+            out.push((r.start, r.end));
+            at = r.end;
+        }
+        out
+    }
+
+    #[test]
+    fn aligned_chunks_end_at_the_last_multiple_they_cross() {
+        let a = Some(64);
+        assert_eq!(chunks(150, 512, None, 0), [(0, 150)]);
+        assert_eq!(chunks(150, 512, a, 0), [(0, 128), (128, 150)]);
+        // The last multiple before the prompt's end is a cut too: a longer prompt that starts
+        // with this one can resume there.
+        assert_eq!(
+            chunks(1100, 512, a, 0),
+            [(0, 512), (512, 1024), (1024, 1088), (1088, 1100)]
+        );
+        assert_eq!(chunks(1100, 512, a, 960), [(960, 1088), (1088, 1100)]);
+        // Small chunks restart at every multiple, so a run resumed there cuts like a cold one.
+        assert_eq!(
+            chunks(140, 37, a, 0),
+            [(0, 37), (37, 64), (64, 101), (101, 128), (128, 140)]
+        );
+        assert_eq!(chunks(140, 37, a, 64), [(64, 101), (101, 128), (128, 140)]);
+        assert_eq!(chunks(40, 16, a, 0), [(0, 16), (16, 32), (32, 40)]);
+        // Chunks of a size that is not a multiple of the interval are cut to multiples of it.
+        assert_eq!(
+            chunks(200, 100, a, 0),
+            [(0, 64), (64, 128), (128, 192), (192, 200)]
+        );
+        assert_eq!(prefill_chunk(5, 5, 16, a), 5..5);
+    }
+}

@@ -1,0 +1,114 @@
+//! What the scheduler reports: what a step ran (`StepKind`), what happened to sequences
+//! (`SeqEvent`), a step's result or failure (`StepReport`, `StepFailed`), and the counters and
+//! resource use for metrics (`SchedulerStats`).
+
+use crate::error::ModelError;
+use crate::generate::Generation;
+
+use super::SeqId;
+
+/// What one step ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKind {
+    /// Nothing to run.
+    Idle,
+    /// One prefill chunk of one sequence.
+    Prefill {
+        /// The sequence.
+        seq: SeqId,
+        /// Its first position in this chunk.
+        start: usize,
+        /// Rows (prompt tokens) in the chunk.
+        rows: usize,
+    },
+    /// One decode row of each running sequence past its prompt.
+    Decode {
+        /// Sequences in the step.
+        seqs: usize,
+    },
+}
+
+/// Something that happened to a sequence in a step.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SeqEvent {
+    /// A token was generated.
+    Token {
+        /// The sequence.
+        id: SeqId,
+        /// The token.
+        token: u32,
+    },
+    /// The sequence finished; it holds no resources any more.
+    Finished {
+        /// The sequence.
+        id: SeqId,
+        /// Its tokens, finish reason and logits.
+        generation: Generation,
+    },
+}
+
+/// One step's result: what ran, and the events in order (a sequence's token before its
+/// `Finished`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    /// What ran.
+    pub kind: StepKind,
+    /// Tokens and finished sequences.
+    pub events: Vec<SeqEvent>,
+}
+
+/// A step that failed. The sequences it ran are aborted (their resources released, they are
+/// gone from the scheduler); the others are untouched and the scheduler keeps serving.
+#[derive(Debug, thiserror::Error)]
+#[error("scheduler step failed, {} sequence(s) aborted: {error}", aborted.len())]
+pub struct StepFailed {
+    /// What failed.
+    #[source]
+    pub error: Box<ModelError>,
+    /// The sequences that were aborted.
+    pub aborted: Vec<SeqId>,
+}
+
+/// Counters and resource use, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SchedulerStats {
+    /// Sequences admitted and not finished.
+    pub running: usize,
+    /// Sequences waiting for admission (preempted ones included).
+    pub waiting: usize,
+    /// Steps run (idle steps excluded).
+    pub steps: u64,
+    /// Prefill steps among them.
+    pub prefill_steps: u64,
+    /// Decode steps among them.
+    pub decode_steps: u64,
+    /// Preemptions so far.
+    pub preemptions: u64,
+    /// Tokens generated so far (replayed tokens are not counted again).
+    pub tokens_generated: u64,
+    /// Prompt tokens computed in prefill steps (a preempted sequence's replay included).
+    pub prefill_tokens: u64,
+    /// Prefix-cache lookups: admissions with prefix caching on (a preempted sequence's
+    /// readmission included).
+    pub prefix_queries: u64,
+    /// Lookups that reused a cached prefix.
+    pub prefix_hits: u64,
+    /// Prompt tokens of the lookups.
+    pub prefix_query_tokens: u64,
+    /// Of those, the tokens whose KV (and SSM state) came from the cache instead of prefill.
+    pub prefix_hit_tokens: u64,
+    /// KV blocks referenced by running sequences (cached blocks nobody holds are free).
+    pub kv_blocks_used: usize,
+    /// KV blocks that can be handed out.
+    pub kv_blocks_total: usize,
+    /// KV blocks in the prefix index, referenced or not.
+    pub kv_blocks_cached: usize,
+    /// SSM state slots in use (0 for models without GDN layers).
+    pub ssm_slots_used: usize,
+    /// SSM state slots (0 for models without GDN layers).
+    pub ssm_slots_total: usize,
+    /// SSM snapshots kept for prefix caching (hybrid models).
+    pub ssm_snapshots_used: usize,
+    /// SSM snapshot entries (0 without GDN layers or with prefix caching off).
+    pub ssm_snapshots_total: usize,
+}

@@ -1,0 +1,476 @@
+//! Prefix caching changes how much prefill runs, never what comes out: a prompt whose leading
+//! blocks are cached (the same prompt again, or one sharing a prefix of a length around the
+//! block and SSM-snapshot boundaries) gets bitwise the tokens and logits of a model with prefix
+//! caching off, after skipping exactly the cached tokens; eviction under a small cache keeps
+//! that true; and preemption, cancellation and shared blocks leave no block or slot held. On
+//! the dense fixture and both hybrid (Gated DeltaNet) fixtures, on the CPU backend.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use metrale_cache::{BlockTable, block_hashes};
+use metrale_gpu_runtime::CpuBackend;
+use metrale_model_engine::generate::{FinishReason, GenerateParams, Generation};
+use metrale_model_engine::model::{StepInput, StepRow};
+use metrale_model_engine::sampling::{Rng, SamplingParams};
+use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqId, SeqRequest};
+use metrale_model_engine::{ModelOptions, TransformerModel, factory};
+
+const HYBRID: [&str; 2] = ["qwen3_5-tiny", "qwen3_next-tiny"];
+
+fn load(name: &str, options: ModelOptions) -> TransformerModel {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name);
+    factory::load(&dir, options, Arc::new(CpuBackend::default()))
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn options(chunk: usize, prefix_caching: bool, num_kv_blocks: Option<usize>) -> ModelOptions {
+    ModelOptions {
+        max_batch_tokens: chunk,
+        max_decode_seqs: 4,
+        num_kv_blocks,
+        prefix_caching,
+        ..Default::default()
+    }
+}
+
+fn tokens(rng: &mut Rng, n: usize, vocab: u32) -> Vec<u32> {
+    (0..n)
+        .map(|_| (rng.next_u64() % u64::from(vocab)) as u32)
+        .collect()
+}
+
+/// A request keeping its logits; odd `i` samples (seeded), even `i` is greedy.
+fn request(prompt: Vec<u32>, max_new_tokens: usize, i: u64) -> SeqRequest {
+    let sampling = if i % 2 == 1 {
+        SamplingParams {
+            temperature: 0.8,
+            seed: i,
+            ..Default::default()
+        }
+    } else {
+        SamplingParams::default()
+    };
+    SeqRequest {
+        prompt,
+        params: GenerateParams {
+            max_new_tokens,
+            sampling,
+            stop_token_ids: Vec::new(),
+            return_logits: true,
+        },
+        ignore_eos: true,
+    }
+}
+
+/// What one request alone did: its generation, and the cached and prefilled prompt tokens.
+#[derive(Debug)]
+struct Solo {
+    generation: Generation,
+    hit_tokens: u64,
+    prefill_tokens: u64,
+}
+
+/// Run `req` alone to its end on `s`, counting its cache hits and prefill rows.
+fn solo(s: &mut Scheduler, m: &mut TransformerModel, req: &SeqRequest) -> Solo {
+    let before = s.stats(m);
+    let id = s.add(req.clone()).unwrap();
+    let mut out = None;
+    while !s.is_idle() {
+        for e in s.step(m).unwrap().events {
+            if let SeqEvent::Finished { id: f, generation } = e {
+                assert_eq!(f, id);
+                out = Some(generation);
+            }
+        }
+    }
+    let after = s.stats(m);
+    Solo {
+        generation: out.unwrap(),
+        hit_tokens: after.prefix_hit_tokens - before.prefix_hit_tokens,
+        prefill_tokens: after.prefill_tokens - before.prefill_tokens,
+    }
+}
+
+fn assert_bitwise(got: &Generation, cold: &Generation, what: &str) {
+    assert_eq!(got.token_ids, cold.token_ids, "{what}: tokens");
+    assert_eq!(
+        got.finish_reason, cold.finish_reason,
+        "{what}: finish reason"
+    );
+    let (g, c) = (got.logits.as_ref().unwrap(), cold.logits.as_ref().unwrap());
+    assert_eq!(g.len(), c.len(), "{what}: logits rows");
+    for (step, (x, y)) in g.iter().zip(c).enumerate() {
+        assert!(
+            x.len() == y.len() && x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: logits of step {step} differ from the cold run"
+        );
+    }
+}
+
+/// Nothing is held: every block can be handed out, every SSM slot is free; and once the cache
+/// is cleared nothing is cached either.
+fn assert_nothing_held(m: &mut TransformerModel) {
+    let a = m.kv_allocator();
+    assert_eq!(a.num_free(), a.capacity(), "a KV block is still referenced");
+    if m.has_ssm_state() {
+        assert_eq!(
+            m.free_ssm_slots(),
+            Some(m.max_seqs()),
+            "an SSM slot is held"
+        );
+    }
+    m.clear_prefix_cache();
+    let a = m.kv_allocator();
+    assert_eq!((a.num_cached(), a.num_evictable()), (0, 0));
+    assert_eq!(a.num_free(), a.capacity());
+    assert_eq!(m.ssm_snapshot_usage().0, 0);
+}
+
+/// A prompt of 200 tokens, then the same prompt, then prompts sharing its first `n` tokens
+/// (then 10 of their own) for `n` around the block (16) and snapshot (64) boundaries.
+fn shared_prefix_prompts(vocab: u32) -> Vec<Vec<u32>> {
+    let mut rng = Rng::new(42);
+    let a = tokens(&mut rng, 200, vocab);
+    let mut out = vec![a.clone(), a.clone()];
+    for n in [15, 16, 17, 63, 64, 65, 127, 128, 129] {
+        let mut p = a[..n].to_vec();
+        // The first token of the tail differs from `a`'s, so `n` is the shared length.
+        p.push((a[n] + 1) % vocab);
+        p.extend(tokens(&mut rng, 9, vocab));
+        out.push(p);
+    }
+    out
+}
+
+/// The first token's logits of `prompt` prefilled in one step (no cut at all).
+fn unsplit_first_logits(m: &mut TransformerModel, prompt: &[u32]) -> Vec<f32> {
+    let slot = m.alloc_ssm_slot().unwrap();
+    let mut table = BlockTable::new();
+    let bs = m.kv_cache().block_size();
+    table
+        .ensure(prompt.len(), bs, &mut m.kv_cache().allocator)
+        .unwrap();
+    let rows: Vec<StepRow> = prompt
+        .iter()
+        .enumerate()
+        .map(|(p, &token)| StepRow {
+            token,
+            position: p as u32,
+            seq: 0,
+        })
+        .collect();
+    let slots: Vec<u32> = slot.into_iter().collect();
+    m.forward(&StepInput {
+        rows: &rows,
+        tables: &[&table],
+        logit_rows: &[(rows.len() - 1) as u32],
+        ssm_slots: &slots,
+    })
+    .unwrap();
+    let logits = m.logits(1).unwrap().pop().unwrap();
+    table.release_all(&mut m.kv_cache().allocator).unwrap();
+    if let Some(s) = slot {
+        m.free_ssm_slot(s).unwrap();
+    }
+    logits
+}
+
+fn cached_runs_are_cold_runs(name: &str, chunk: usize, want_hits: &[u64]) {
+    let mut warm = load(name, options(chunk, true, None));
+    let mut cold = load(name, options(chunk, false, None));
+    let vocab = warm.config().vocab_size as u32;
+    let (mut sw, mut sc) = (Scheduler::new(&mut warm), Scheduler::new(&mut cold));
+    let prompts = shared_prefix_prompts(vocab);
+    assert_eq!(prompts.len(), want_hits.len());
+    for (i, (prompt, &want)) in prompts.iter().zip(want_hits).enumerate() {
+        let what = format!(
+            "{name}, chunk {chunk}, prompt {i} ({} tokens)",
+            prompt.len()
+        );
+        let req = request(prompt.clone(), 5, i as u64);
+        let (w, c) = (
+            solo(&mut sw, &mut warm, &req),
+            solo(&mut sc, &mut cold, &req),
+        );
+        assert_bitwise(&w.generation, &c.generation, &what);
+        assert_eq!(w.hit_tokens, want, "{what}: cached tokens");
+        assert_eq!(c.hit_tokens, 0, "{what}: the cold model never hits");
+        let len = prompt.len() as u64;
+        assert_eq!(
+            w.prefill_tokens,
+            len - want,
+            "{what}: prefill skips the hit"
+        );
+        assert_eq!(c.prefill_tokens, len, "{what}");
+    }
+    let stats = sw.stats(&mut warm);
+    assert_eq!(stats.prefix_queries, prompts.len() as u64);
+    assert_eq!(
+        stats.prefix_hits,
+        want_hits.iter().filter(|&&h| h > 0).count() as u64
+    );
+    assert_eq!(cold.kv_allocator().num_cached(), 0);
+    assert_nothing_held(&mut warm);
+    // The aligned cut of a hybrid prefill changes nothing: with chunks of 512 the 200-token
+    // prompt is cut at 192 only, and its first logits equal those of one unsplit step. (Cuts
+    // inside a GDN chunk of 64 do change the rounding on the CPU; the alignment exists to
+    // make every cut a multiple of 64 or the same in every run.)
+    if chunk < prompts[0].len() {
+        return;
+    }
+    let first = solo(&mut sc, &mut cold, &request(prompts[0].clone(), 1, 0));
+    let unsplit = unsplit_first_logits(&mut cold, &prompts[0]);
+    assert_bitwise(
+        &first.generation,
+        &Generation {
+            logits: Some(vec![unsplit]),
+            ..first.generation.clone()
+        },
+        &format!("{name}, chunk {chunk}: unsplit prefill"),
+    );
+}
+
+// Hits, by prompt: 200 tokens, the same again (all but the last partial block, 192), then the
+// prefixes of 15, 16, 17, 63, 64, 65, 127, 128 and 129 shared tokens.
+#[test]
+fn dense_cached_runs_are_bitwise_cold_runs() {
+    let hits = [0, 192, 0, 16, 16, 48, 64, 64, 112, 128, 128];
+    for chunk in [16, 512] {
+        cached_runs_are_cold_runs("qwen3-tiny", chunk, &hits);
+    }
+}
+
+#[test]
+fn hybrid_cached_runs_are_bitwise_cold_runs() {
+    // Hybrid hits end at a multiple of 64 where an SSM snapshot of that prefix was kept. With
+    // chunks of 16 (or 37) the 200-token prompt leaves snapshots at 64, 128 and 192.
+    let small = [0, 192, 0, 0, 0, 0, 64, 64, 64, 128, 128];
+    // With chunks of 512 it leaves one at 192 (its only cut); the prompts sharing 63 and 64
+    // tokens leave one at 64 (for their own prefixes: 63 shared + 1 own, and 64 shared), the
+    // 128-token one at 128, so the prompts after them hit there.
+    let large = [0, 192, 0, 0, 0, 0, 0, 64, 64, 64, 128];
+    for name in HYBRID {
+        cached_runs_are_cold_runs(name, 16, &small);
+        cached_runs_are_cold_runs(name, 37, &small);
+        cached_runs_are_cold_runs(name, 512, &large);
+    }
+}
+
+#[test]
+fn least_recently_used_blocks_are_evicted_and_hits_stay_bitwise_cold() {
+    // 12 usable blocks; each 33-token prompt holds 3 while it runs and leaves 2 cached.
+    let mut warm = load("qwen3-tiny", options(16, true, Some(13)));
+    let mut cold = load("qwen3-tiny", options(16, false, Some(13)));
+    let vocab = warm.config().vocab_size as u32;
+    let mut rng = Rng::new(7);
+    let prompts: Vec<Vec<u32>> = (0..6).map(|_| tokens(&mut rng, 33, vocab)).collect();
+    let (mut sw, mut sc) = (Scheduler::new(&mut warm), Scheduler::new(&mut cold));
+    // Six distinct prompts (12 blocks to cache, 10 fit), then the first, fifth and second again.
+    let order = [0, 1, 2, 3, 4, 5, 0, 4, 1];
+    // The sixth prompt evicts the least recently released block: the first prompt's second
+    // (a sequence's blocks are released last first), so the first prompt hits one block. Its
+    // rerun evicts the second prompt's second block; the fifth prompt is still whole.
+    let want = [0, 0, 0, 0, 0, 0, 16, 32, 16];
+    for (k, (&p, &hit)) in order.iter().zip(&want).enumerate() {
+        let req = request(prompts[p].clone(), 3, k as u64);
+        let (w, c) = (
+            solo(&mut sw, &mut warm, &req),
+            solo(&mut sc, &mut cold, &req),
+        );
+        assert_bitwise(
+            &w.generation,
+            &c.generation,
+            &format!("run {k} (prompt {p})"),
+        );
+        assert_eq!(w.hit_tokens, hit, "run {k} (prompt {p}): cached tokens");
+        let a = warm.kv_allocator();
+        assert!(a.num_cached() <= a.capacity());
+    }
+    assert_eq!(warm.kv_allocator().evictions(), 3);
+    assert_nothing_held(&mut warm);
+}
+
+#[test]
+fn the_least_recently_used_ssm_snapshot_is_dropped_when_the_pool_is_full() {
+    for name in HYBRID {
+        let mut warm = load(
+            name,
+            ModelOptions {
+                ssm_snapshot_slots: Some(1),
+                ..options(16, true, None)
+            },
+        );
+        let mut cold = load(name, options(16, false, None));
+        assert_eq!(warm.ssm_snapshot_usage(), (0, 1));
+        let vocab = warm.config().vocab_size as u32;
+        let mut rng = Rng::new(3);
+        let prompts: Vec<Vec<u32>> = (0..2).map(|_| tokens(&mut rng, 70, vocab)).collect();
+        let (mut sw, mut sc) = (Scheduler::new(&mut warm), Scheduler::new(&mut cold));
+        // The second prompt's snapshot at 64 replaces the first's: the first prompt's blocks
+        // are still cached, but without the SSM state there it cannot resume.
+        for (k, (p, hit)) in [(0, 0), (1, 0), (0, 0), (0, 64), (1, 0)]
+            .into_iter()
+            .enumerate()
+        {
+            let req = request(prompts[p].clone(), 3, k as u64);
+            let (w, c) = (
+                solo(&mut sw, &mut warm, &req),
+                solo(&mut sc, &mut cold, &req),
+            );
+            assert_bitwise(&w.generation, &c.generation, &format!("{name}: run {k}"));
+            assert_eq!(w.hit_tokens, hit, "{name}: run {k} (prompt {p})");
+        }
+        assert_nothing_held(&mut warm);
+    }
+}
+
+/// Requests sharing three prefixes (20, 64 and 100 tokens) with tails of their own, arriving
+/// over the first steps, a fifth of them cancelled, on a cache small enough to preempt.
+fn shared_traffic(vocab: u32) -> Vec<(SeqRequest, usize, Option<usize>)> {
+    let mut rng = Rng::new(99);
+    let prefixes: Vec<Vec<u32>> = [20, 64, 100]
+        .iter()
+        .map(|&n| tokens(&mut rng, n, vocab))
+        .collect();
+    let mut at = 0;
+    (0..16)
+        .map(|i| {
+            let mut prompt = prefixes[(rng.next_u64() % 3) as usize].clone();
+            let tail = (rng.next_u64() % 30) as usize + usize::from(i % 4 == 0);
+            prompt.extend(tokens(&mut rng, tail, vocab));
+            at += (rng.next_u64() % 4) as usize;
+            let cancel = rng
+                .next_u64()
+                .is_multiple_of(5)
+                .then(|| (rng.next_u64() % 20) as usize);
+            let max_new = 20 + (rng.next_u64() % 40) as usize;
+            (request(prompt, max_new, i), at, cancel)
+        })
+        .collect()
+}
+
+fn traffic_leaks_nothing(name: &str) {
+    // 17 usable blocks for up to 4 sequences of up to 190 tokens (12 blocks): preemption
+    // happens, and cached blocks are evicted under the pressure, yet many admissions hit.
+    let mut warm = load(name, options(16, true, Some(18)));
+    let mut cold = load(name, options(16, false, None));
+    let vocab = warm.config().vocab_size as u32;
+    let traffic = shared_traffic(vocab);
+    let mut s = Scheduler::new(&mut warm);
+    let mut ids: Vec<Option<SeqId>> = vec![None; traffic.len()];
+    let mut out: HashMap<SeqId, Generation> = HashMap::new();
+    let mut step = 0;
+    while ids.iter().any(Option::is_none) || !s.is_idle() {
+        for (i, (req, at, cancel)) in traffic.iter().enumerate() {
+            if *at == step {
+                ids[i] = Some(s.add(req.clone()).unwrap());
+            }
+            if let (Some(id), Some(after)) = (ids[i], cancel)
+                && at + after == step
+                && let Some(g) = s.finish(&mut warm, id, FinishReason::Cancelled).unwrap()
+            {
+                out.insert(id, g);
+            }
+        }
+        for e in s.step(&mut warm).unwrap().events {
+            if let SeqEvent::Finished { id, generation } = e {
+                out.insert(id, generation);
+            }
+        }
+        step += 1;
+        assert!(step < 100_000, "{name}: the scheduler does not finish");
+    }
+    let stats = s.stats(&mut warm);
+    eprintln!(
+        "{name}: {} preemptions, {} of {} admissions hit ({} of {} prompt tokens)",
+        stats.preemptions,
+        stats.prefix_hits,
+        stats.prefix_queries,
+        stats.prefix_hit_tokens,
+        stats.prefix_query_tokens
+    );
+    assert!(stats.preemptions >= 2, "{name}: the cache hardly ran out");
+    assert!(
+        stats.prefix_hits >= 6,
+        "{name}: only {} hits",
+        stats.prefix_hits
+    );
+    assert_eq!((stats.kv_blocks_used, stats.ssm_slots_used), (0, 0));
+    assert_nothing_held(&mut warm);
+    let mut sc = Scheduler::new(&mut cold);
+    let mut cancelled = 0;
+    for (i, (req, _, _)) in traffic.iter().enumerate() {
+        let got = &out[&ids[i].unwrap()];
+        let c = solo(&mut sc, &mut cold, req).generation;
+        if got.finish_reason == FinishReason::Cancelled {
+            cancelled += 1;
+            assert!(
+                c.token_ids.starts_with(&got.token_ids),
+                "{name}: request {i}"
+            );
+        } else {
+            assert_bitwise(got, &c, &format!("{name}: request {i}"));
+        }
+    }
+    assert!(cancelled >= 1, "{name}: nothing was cancelled");
+}
+
+#[test]
+fn preemption_and_cancellation_with_shared_prefixes_leak_nothing() {
+    traffic_leaks_nothing("qwen3-tiny");
+    traffic_leaks_nothing("qwen3_5-tiny");
+}
+
+#[test]
+fn a_request_sharing_blocks_with_a_cancelled_one_completes_bitwise_cold() {
+    for name in ["qwen3-tiny", "qwen3_5-tiny"] {
+        let mut warm = load(name, options(16, true, None));
+        let mut cold = load(name, options(16, false, None));
+        let vocab = warm.config().vocab_size as u32;
+        let mut rng = Rng::new(5);
+        let a = tokens(&mut rng, 100, vocab);
+        let mut b = a[..80].to_vec();
+        b.extend(tokens(&mut rng, 12, vocab));
+        let hashes = block_hashes(&a, 16);
+        let mut s = Scheduler::new(&mut warm);
+        let ida = s.add(request(a, 40, 1)).unwrap();
+        // A's prefill (7 chunks of 16) and a few decode steps.
+        for _ in 0..10 {
+            s.step(&mut warm).unwrap();
+        }
+        let idb = s.add(request(b.clone(), 12, 2)).unwrap();
+        s.step(&mut warm).unwrap();
+        let stats = s.stats(&mut warm);
+        // Dense: 5 blocks (80 tokens); hybrid: up to the snapshot at 64.
+        let shared = if warm.has_ssm_state() { 4 } else { 5 };
+        assert_eq!(stats.prefix_hit_tokens, 16 * shared as u64, "{name}");
+        let first = warm.kv_allocator().lookup(&hashes[0]).unwrap();
+        assert_eq!(
+            warm.kv_allocator().refcount(first),
+            2,
+            "{name}: A and B share"
+        );
+        let ga = s.finish(&mut warm, ida, FinishReason::Cancelled).unwrap();
+        assert!(ga.is_some(), "{name}: A was running");
+        assert_eq!(warm.kv_allocator().refcount(first), 1, "{name}: B holds on");
+        let mut gb = None;
+        while !s.is_idle() {
+            for e in s.step(&mut warm).unwrap().events {
+                if let SeqEvent::Finished { id, generation } = e {
+                    assert_eq!(id, idb);
+                    gb = Some(generation);
+                }
+            }
+        }
+        let mut sc = Scheduler::new(&mut cold);
+        let c = solo(&mut sc, &mut cold, &request(b, 12, 2));
+        assert_bitwise(&gb.unwrap(), &c.generation, name);
+        assert_nothing_held(&mut warm);
+    }
+}
