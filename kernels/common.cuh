@@ -106,3 +106,22 @@ MT_DEVICE float siluf_acc(float x) { return x / (1.0f + expf(-x)); }
 MT_DEVICE float norm_weight(bf16 w, bool unit_offset) {
     return unit_offset ? 1.0f + bf2f(w) : bf2f(w);
 }
+
+// Programmatic dependent launch (sm_90). A kernel launched with the programmatic-serialization
+// attribute may start before the kernel ahead of it on the stream has finished; `pdl_wait`
+// blocks until that kernel has completed and its memory is visible, so it must come before the
+// first access to anything an earlier kernel writes or reads. `pdl_trigger` lets the next
+// kernel (if launched with the attribute) start; kernels here call it only after their own
+// `pdl_wait`, so at most one kernel runs ahead of its wait. Both are no-ops in a kernel launched
+// without the attribute.
+MT_DEVICE void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+MT_DEVICE void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}

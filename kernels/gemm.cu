@@ -4,23 +4,46 @@
 // Three kernels per output type (bf16: `linear`, `linear_stream`, `linear_stream_wide`; f32: the
 // same with `_f32out`), each computing the whole function for any m; the launcher
 // (`ops::linear_geometry`) runs `linear_stream` for m <= 16, `linear_stream_wide` for m <= 64
-// (decode) and the tiled `linear` above:
-// - `linear_stream` / `linear_stream_wide` (decode): persistent blocks streaming the weight. A
-//   unit of work is 1 (narrow) or 2 (wide) column tiles of 8 output columns for 16 (narrow) or
-//   up to 64 (wide, 4 row tiles) rows; block b takes units b, b + G, b + 2G, ... (G =
-//   gridDim.x). The block's 8 warps split the unit's k into the LIN_SEGS segments (warp w:
-//   segment w), so together they read the unit's weight rows (contiguous in memory) at once. Each
-//   lane copies the 16-byte weight fragments it will feed to its own MMAs into its own slots of a
-//   per-warp ring of 8-chunk stages in shared memory (cp.async), the next stages (and the next
-//   unit's) in flight while it computes; x comes straight from global memory (L1 / L2). At the
-//   end of a unit every warp leaves its segment's partial in shared memory and the block sums
-//   them in segment order. Narrow: grid min(units, 264), 96 + 4 KiB of dynamic shared memory (two
-//   blocks per multiprocessor), lean per-step code; wide: grid min(units, 132), 192 + 32 KiB.
+// (decode) and the tiled `linear` above, every one as a programmatic dependent launch: each
+// kernel calls `pdl_wait` (common.cuh) before it touches x or out, so its blocks may start while
+// the kernel ahead of it on the stream finishes, and `linear_stream` issues its first weight
+// loads before that wait (the weight is never written by the kernel just ahead of a projection).
+// - `linear_stream` (m <= 16): one block per unit of one column tile (8 output columns) by one
+//   row tile (16 rows); grid ceil(n / 8) * ceil(m / 16), 256 threads, 4 KiB of static shared
+//   memory, two blocks per multiprocessor. Warp w computes segment w, loading its 16-byte weight
+//   fragments straight into registers (ld.global.nc, no L1 allocation, a 256-byte L2 prefetch):
+//   batches of LIN_D_B (8) chunks when the unit has at most 8 rows, LIN_D_B_RB (4) when it has
+//   more (x rows g + 8 too) or the operands are unaligned; two batches in flight per warp. x is
+//   read through L1. The warps leave their segment partials in shared memory and the block sums
+//   them in segment order.
+// - `linear_stream_wide` (16 < m <= 64): persistent blocks streaming the weight. A unit is 2
+//   column tiles for up to 64 rows (4 row tiles); block b takes units b, b + G, b + 2G, ...
+//   (G = gridDim.x = min(units, 132)). The block's 8 warps split the unit's k into the LIN_SEGS
+//   segments (warp w: segment w). Each lane copies the 16-byte weight fragments it will feed to
+//   its own MMAs into its own slots of a per-warp ring of 8-chunk stages in shared memory
+//   (cp.async), the next stages (and the next unit's) in flight while it computes; x comes
+//   straight from global memory (L1 / L2). At the end of a unit every warp leaves its segment's
+//   partial in shared memory and the block sums them in segment order. 192 + 32 KiB of dynamic
+//   shared memory.
 // - `linear` (prefill): a tiled tensor-core kernel. 128 x 64 output tiles, 8 warps of 32 x 32, a
 //   4-stage cp.async pipeline of 32-wide k tiles. Grid (ceil(n / 64), ceil(m / 128)), 256
 //   threads, 48 KiB of dynamic shared memory.
 //
-// Numerics (the same in both kernels, hence batch-invariant): k is cut into chunks of 32 and the
+// Measured on the H200 (2026-11-30, kernels alone, 20 launches per CUDA graph, weights rotated
+// past L2, against the 4.45 TB/s of a read-only stream; lab/gemm_lab.cu): `linear_stream` at
+// m = 1 reaches 62-92 % (o 4096x4096 62 %, qkv 6144x4096 67 %, gate_up 24576x4096 81 %, down
+// 4096x12288 78 %, LM head 151936x4096 92 %); at m = 16 it is 1.4x faster than the ring kernel
+// it replaced. `linear_stream_wide` at m = 32 reaches 32-37 % and `linear` at m >= 32 9-24 %:
+// the batch-32..128 projections are 3-10x their weight floor (x re-read from L2 for every
+// column tile, few warps per multiprocessor; see docs/BENCHMARKS.md). Tried and dropped: a
+// weight ring filled by the bulk-copy engine (cp.async.bulk, one copy of 128 B - 1 KiB per
+// weight row and stage, mbarrier completion) ran at 27-64 % at m = 1, below the cp.async ring
+// (the copy engine wants larger copies than a segment's row gives); among register-direct
+// variants, batches of 4 chunks at three blocks per multiprocessor were faster still at
+// m <= 8 (gate_up 86 %, LM head 94 %) but slower where the unit count leaves a partial last
+// wave (o, down), and were not integrated.
+//
+// Numerics (the same in all three kernels, hence batch-invariant): k is cut into chunks of 32 and the
 // chunks into LIN_SEGS (8) contiguous segments of ceil(chunks / 8) chunks, a count fixed by k
 // alone. A segment's partial is a chain of mma.sync m16n8k16 (bf16 in, f32 accumulate) over its
 // chunks in order, starting from zero; every output element is the f32 sum of the non-empty
@@ -326,6 +349,8 @@ MT_DEVICE void linear_stream_wide_dispatch(OutT* out, const bf16* x, const bf16*
                                            uint32_t n, uint32_t k) {
     extern __shared__ __align__(16) unsigned char lin_stream_smem[];
     if (m == 0 || n == 0 || blockDim.x != LIN_STREAM_WARPS * 32) return;
+    pdl_wait();  // launched as a programmatic dependent (ops::linear_geometry)
+    pdl_trigger();
     if (k % 8 != 0 || !aligned16(x) || !aligned16(w))
         linear_stream_impl<OutT, 2, false>(out, x, w, m, n, k, lin_stream_smem);
     else
@@ -347,155 +372,137 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 1)
     linear_stream_wide_dispatch(out, x, w, m, n, k);
 }
 
-// The m <= 16 decode kernel (`linear_stream`): the same segments, one row tile (16 rows) and one
-// column tile (8 columns) per unit, a 3-stage ring (96 KiB per block, two blocks per
-// multiprocessor), lean per-step code: on full steps the copies and x loads use one base address
-// and immediate offsets, and the unit / step cursors advance by increments, not divisions.
-#define LIN_N_STAGES 3
-#define LIN_N_RING (LIN_STREAM_WARPS * LIN_N_STAGES * LIN_SLICE_CHUNKS * 32 * 16)
+// ---- The m <= 16 decode kernel (`linear_stream`) ----
+// One block per unit of one column tile (8 output columns) by one row tile (16 rows); warp w
+// computes segment w, loading its weight fragments straight into registers: a batch is B chunks
+// (one 16-byte load per lane and chunk, 8 weight rows x 64 bytes per warp-wide load), and two
+// batches are in flight per warp while it computes. The first two batches are loaded before
+// `pdl_wait` (the weight is never written by the kernel ahead on the stream). x comes through
+// L1 (it is small and every block rereads it). The warps leave their segment partials in shared
+// memory and the block sums them in segment order.
 
-template <typename OutT, bool VEC>
-MT_DEVICE void linear_narrow_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
-                                  uint32_t k, unsigned char* smem) {
-    constexpr uint32_t STAGE_VECS = LIN_SLICE_CHUNKS * 32;
+// 16 weight bytes, read once: past L1, asking L2 for the whole 256-byte span (the rest of the
+// row's bytes are read by the next loads of this warp and its neighbours).
+MT_DEVICE uint4 ldg_stream16(const bf16* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+template <int B, bool VEC>
+MT_DEVICE void direct_load_w(uint4 (&dst)[B], const bf16* w, uint32_t n, uint32_t k, uint32_t row,
+                             uint32_t c0, uint32_t c_end, uint32_t q) {
+#pragma unroll
+    for (int ch = 0; ch < B; ++ch) {
+        const uint32_t c = c0 + ch, col = c * LIN_KC + q * 8;
+        if (VEC)
+            dst[ch] = c < c_end && row < n && col < k ? ldg_stream16(w + (size_t)row * k + col) : make_uint4(0, 0, 0, 0);
+        else
+            dst[ch] = c < c_end ? load8(w, n, k, row, col, false) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// The MMAs of one batch (chunks c0 .. c0 + B - 1 of this warp's segment, those before c_end).
+// RB: the unit has rows past its first 8 (x rows g + 8 are loaded).
+template <int B, bool RB, bool VEC>
+MT_DEVICE void direct_batch(float (&acc)[4], const uint4 (&wr)[B], const bf16* x, uint32_t m,
+                            uint32_t k, uint32_t m0, uint32_t c0, uint32_t c_end, uint32_t g, uint32_t q) {
+    uint4 ra[B], rb[B];
+#pragma unroll
+    for (int ch = 0; ch < B; ++ch) {
+        const uint32_t c = c0 + ch, col = c * LIN_KC + q * 8;
+        ra[ch] = c < c_end ? load8(x, m, k, m0 + g, col, VEC) : make_uint4(0, 0, 0, 0);
+        rb[ch] = RB && c < c_end ? load8(x, m, k, m0 + g + 8, col, VEC) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int ch = 0; ch < B; ++ch) {
+        if (c0 + ch >= c_end) break;
+        mma_chunk(acc, ra[ch], rb[ch], wr[ch]);
+    }
+}
+
+template <typename OutT, int B, bool RB, bool VEC>
+MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
+                                  uint32_t k, float4* part) {
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    uint4* ring = reinterpret_cast<uint4*>(smem) + (size_t)warp * LIN_N_STAGES * STAGE_VECS + lane;
-    float4* part = reinterpret_cast<float4*>(smem + LIN_N_RING);  // [warp][lane]
     const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
     const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
     const uint32_t nsegs = seg_chunks > 0 ? (chunks + seg_chunks - 1) / seg_chunks : 0;
     const uint32_t c_begin = min(chunks, warp * seg_chunks);
     const uint32_t c_end = min(chunks, c_begin + seg_chunks);
-    const uint32_t unit_steps = seg_chunks > 0 ? (seg_chunks + LIN_SLICE_CHUNKS - 1) / LIN_SLICE_CHUNKS : 1;
     const uint32_t col_units = (n + 7) / 8;
-    const uint32_t units = col_units * ((m + 15) / 16);
-    if (blockIdx.x >= units) return;  // uniform over the block
-    const uint32_t steps = (units - blockIdx.x + gridDim.x - 1) / gridDim.x * unit_steps;
-    // A step is full when its 8 chunks lie inside the segment and inside k.
-    auto full = [&](uint32_t c0) { return c0 + LIN_SLICE_CHUNKS <= c_end && (c0 + LIN_SLICE_CHUNKS) * LIN_KC <= k; };
+    const uint32_t n0 = (blockIdx.x % col_units) * 8, m0 = (blockIdx.x / col_units) * 16;
+    const uint32_t nb = (c_end - c_begin + B - 1) / B;  // this warp's batches
 
-    // Issue cursor: step ij of unit (i_ct, i_rt), step i_s within it.
-    uint32_t ij = 0, i_s = 0, i_ct = blockIdx.x % col_units, i_rt = blockIdx.x / col_units;
-    auto issue = [&]() {
-        if (ij < steps) {
-            const uint32_t row = i_ct * 8 + g, c0 = c_begin + i_s * LIN_SLICE_CHUNKS;
-            uint4* st = ring + (ij % LIN_N_STAGES) * STAGE_VECS;
-            if (VEC && row < n && full(c0)) {
-                const bf16* src = w + (size_t)row * k + c0 * LIN_KC + q * 8;
-#pragma unroll
-                for (int ch = 0; ch < LIN_SLICE_CHUNKS; ++ch) cp_async16(st + ch * 32, src + ch * LIN_KC, 16u);
-            } else {
-#pragma unroll 1
-                for (int ch = 0; ch < LIN_SLICE_CHUNKS; ++ch) {
-                    const uint32_t c = c0 + ch, col = c * LIN_KC + q * 8;
-                    const bool in = row < n && c < c_end && col < k;
-                    if (VEC)
-                        cp_async16(st + ch * 32, in ? w + (size_t)row * k + col : w, in ? 16u : 0u);
-                    else
-                        st[ch * 32] = in ? load8(w, n, k, row, col, false) : make_uint4(0, 0, 0, 0);
-                }
-            }
-            ++ij;
-            if (++i_s == unit_steps) {
-                i_s = 0;
-                i_ct += gridDim.x;
-                while (i_ct >= col_units) {
-                    i_ct -= col_units;
-                    ++i_rt;
-                }
-            }
-        }
-        cp_async_commit();  // an empty group past the end keeps the group count uniform
-    };
-
-#pragma unroll
-    for (int p = 0; p < LIN_N_STAGES - 1; ++p) issue();
+    uint4 wa[B], wb[B];
+    if (nb > 0) direct_load_w<B, VEC>(wa, w, n, k, n0 + g, c_begin, c_end, q);
+    if (nb > 1) direct_load_w<B, VEC>(wb, w, n, k, n0 + g, c_begin + B, c_end, q);
+    pdl_wait();  // x and out belong to the kernels around this one
+    pdl_trigger();
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    uint32_t c_s = 0, c_ct = blockIdx.x % col_units, c_rt = blockIdx.x / col_units;
-    for (uint32_t j = 0; j < steps; ++j) {
-        cp_async_wait<LIN_N_STAGES - 2>();
-        const uint4* st = ring + (j % LIN_N_STAGES) * STAGE_VECS;
-        uint4 wb[LIN_SLICE_CHUNKS];
-#pragma unroll
-        for (int ch = 0; ch < LIN_SLICE_CHUNKS; ++ch) wb[ch] = st[ch * 32];
-        issue();  // refills the stage read at step j - 1
-        const uint32_t c0 = c_begin + c_s * LIN_SLICE_CHUNKS;
-        const uint32_t ra_row = c_rt * 16 + g, rb_row = ra_row + 8;
-        if (VEC && full(c0)) {
-            const bf16* xa = x + (size_t)ra_row * k + c0 * LIN_KC + q * 8;
-            const bf16* xb = xa + (size_t)8 * k;
-            uint4 ra[LIN_SLICE_CHUNKS], rb[LIN_SLICE_CHUNKS];
-#pragma unroll
-            for (int ch = 0; ch < LIN_SLICE_CHUNKS; ++ch) {
-                ra[ch] = ra_row < m ? load16(xa + ch * LIN_KC) : make_uint4(0, 0, 0, 0);
-                rb[ch] = rb_row < m ? load16(xb + ch * LIN_KC) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int ch = 0; ch < LIN_SLICE_CHUNKS; ++ch) mma_chunk(acc, ra[ch], rb[ch], wb[ch]);
-        } else {
-#pragma unroll
-            for (int ch = 0; ch < LIN_SLICE_CHUNKS; ++ch) {
-                const uint32_t c = c0 + ch;
-                if (c >= c_end) break;
-                const uint4 ra = load8(x, m, k, ra_row, c * LIN_KC + q * 8, VEC);
-                const uint4 rb = load8(x, m, k, rb_row, c * LIN_KC + q * 8, VEC);
-                mma_chunk(acc, ra, rb, wb[ch]);
-            }
-        }
-        if (++c_s == unit_steps) {
-            // The unit's last step: leave the segment partial, then sum the segments in order.
-            part[warp * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
-            __syncthreads();
-            if (tid < 128) {
-                const uint32_t ln = tid / 4, i = tid % 4;
-                const uint32_t row = c_rt * 16 + ln / 4 + (i >= 2 ? 8 : 0);
-                const uint32_t col = c_ct * 8 + (ln % 4) * 2 + (i & 1);
-                if (row < m && col < n) {
-                    const float* pf = reinterpret_cast<const float*>(part);
-                    float total = 0.0f;
-                    for (uint32_t sg = 0; sg < nsegs; ++sg) total += pf[(sg * 32 + ln) * 4 + i];
-                    store_out(out, (size_t)row * n + col, total);
-                }
-            }
-            __syncthreads();  // the partials are read before the next unit overwrites them
-            c_s = 0;
-            c_ct += gridDim.x;
-            while (c_ct >= col_units) {
-                c_ct -= col_units;
-                ++c_rt;
-            }
+    for (uint32_t b = 0; b < nb; b += 2) {
+        direct_batch<B, RB, VEC>(acc, wa, x, m, k, m0, c_begin + b * B, c_end, g, q);
+        if (b + 2 < nb) direct_load_w<B, VEC>(wa, w, n, k, n0 + g, c_begin + (b + 2) * B, c_end, q);
+        if (b + 1 < nb) {
+            direct_batch<B, RB, VEC>(acc, wb, x, m, k, m0, c_begin + (b + 1) * B, c_end, g, q);
+            if (b + 3 < nb) direct_load_w<B, VEC>(wb, w, n, k, n0 + g, c_begin + (b + 3) * B, c_end, q);
         }
     }
-    cp_async_wait<0>();
+    part[warp * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    __syncthreads();
+    if (tid < 128) {
+        const uint32_t ln = tid / 4, i = tid % 4;
+        const uint32_t row = m0 + ln / 4 + (i >= 2 ? 8 : 0);
+        const uint32_t col = n0 + (ln % 4) * 2 + (i & 1);
+        if (row < m && col < n) {
+            const float* pf = reinterpret_cast<const float*>(part);
+            float total = 0.0f;
+            for (uint32_t sg = 0; sg < nsegs; ++sg) total += pf[(sg * 32 + ln) * 4 + i];
+            store_out(out, (size_t)row * n + col, total);
+        }
+    }
 }
 
+#define LIN_D_B 8     // chunks per batch of the m <= 8 instance
+#define LIN_D_B_RB 4  // chunks per batch of the 8 < m <= 16 instance (x rows g + 8 as well)
+
 template <typename OutT>
-MT_DEVICE void linear_narrow_dispatch(OutT* out, const bf16* x, const bf16* w, uint32_t m,
+MT_DEVICE void linear_direct_dispatch(OutT* out, const bf16* x, const bf16* w, uint32_t m,
                                       uint32_t n, uint32_t k) {
-    extern __shared__ __align__(16) unsigned char lin_narrow_smem[];
+    __shared__ float4 part[LIN_STREAM_WARPS * 32];
     if (m == 0 || n == 0 || blockDim.x != LIN_STREAM_WARPS * 32) return;
-    if (k % 8 == 0 && aligned16(x) && aligned16(w))
-        linear_narrow_impl<OutT, true>(out, x, w, m, n, k, lin_narrow_smem);
-    else
-        linear_narrow_impl<OutT, false>(out, x, w, m, n, k, lin_narrow_smem);
+    if (blockIdx.x >= ((n + 7) / 8) * ((m + 15) / 16)) return;  // uniform over the block
+    const bool vec = k % 8 == 0 && aligned16(x) && aligned16(w);
+    const bool rb = (blockIdx.x / ((n + 7) / 8)) * 16 + 8 < m;
+    if (vec) {
+        if (rb)
+            linear_direct_impl<OutT, LIN_D_B_RB, true, true>(out, x, w, m, n, k, part);
+        else
+            linear_direct_impl<OutT, LIN_D_B, false, true>(out, x, w, m, n, k, part);
+    } else {  // scalar loads need more registers: the smaller batch
+        if (rb)
+            linear_direct_impl<OutT, LIN_D_B_RB, true, false>(out, x, w, m, n, k, part);
+        else
+            linear_direct_impl<OutT, LIN_D_B_RB, false, false>(out, x, w, m, n, k, part);
+    }
 }
 
 // linear_stream(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k): `linear`, the
-// decode path for m <= 16. Grid (min(units, 264)), 256 threads, LIN_N_RING + 4 KiB of dynamic
-// shared memory.
+// decode path for m <= 16. Grid (ceil(n / 8) * ceil(m / 16)), 256 threads, no dynamic shared
+// memory.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
     linear_stream(bf16* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
                   uint32_t m, uint32_t n, uint32_t k) {
-    linear_narrow_dispatch(out, x, w, m, n, k);
+    linear_direct_dispatch(out, x, w, m, n, k);
 }
 
 // linear_stream_f32out(out: f32 [m, n], x, w, m, n, k): `linear_f32out`, likewise.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
     linear_stream_f32out(float* __restrict__ out, const bf16* __restrict__ x,
                          const bf16* __restrict__ w, uint32_t m, uint32_t n, uint32_t k) {
-    linear_narrow_dispatch(out, x, w, m, n, k);
+    linear_direct_dispatch(out, x, w, m, n, k);
 }
 
 template <typename OutT>
@@ -503,6 +510,8 @@ MT_DEVICE void linear_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, 
                            uint32_t k) {
     extern __shared__ __align__(16) unsigned char lin_smem[];
     if (m == 0 || n == 0 || blockDim.x != LIN_THREADS) return;
+    pdl_wait();  // launched as a programmatic dependent (ops::linear_geometry)
+    pdl_trigger();
     const bool vec = k % 8 == 0 && aligned16(x) && aligned16(w);
     linear_tiled(out, x, w, m, n, k, vec, lin_smem);
 }

@@ -51,6 +51,8 @@ extern "C" __global__ void rms_norm(bf16* __restrict__ out, const float* __restr
                                     const bf16* __restrict__ w, uint32_t rows, uint32_t cols,
                                     float eps, uint32_t unit_offset) {
     __shared__ float scratch[32];
+    pdl_wait();  // launched as a programmatic dependent (ops::rms_norm)
+    pdl_trigger();
     const uint32_t r = blockIdx.x;
     if (r >= rows) return;
     const float* xr = x + (size_t)r * cols;
@@ -69,6 +71,8 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ residual, const bf16
                                         uint32_t rows, uint32_t cols, float eps,
                                         uint32_t unit_offset) {
     __shared__ float scratch[32];
+    pdl_wait();  // launched as a programmatic dependent (ops::add_rms_norm)
+    pdl_trigger();
     const uint32_t r = blockIdx.x;
     if (r >= rows) return;
     float* xr = residual + (size_t)r * cols;

@@ -60,6 +60,12 @@ pub struct LaunchConfig {
     pub block: (u32, u32, u32),
     /// Dynamic shared memory per block, bytes.
     pub shared_mem_bytes: u32,
+    /// Programmatic dependent launch (CUDA's programmatic stream serialization): the kernel may
+    /// start while the kernel ahead of it on the stream is still running, and must wait for it
+    /// (`pdl_wait` in `kernels/common.cuh`) before touching memory that kernel, or one before
+    /// it, reads or writes. Only kernels that do so may be launched with it; the CPU backend,
+    /// which runs launches one after another, ignores it.
+    pub programmatic: bool,
 }
 
 impl LaunchConfig {
@@ -69,6 +75,7 @@ impl LaunchConfig {
             grid: (blocks.max(1), 1, 1),
             block: (threads, 1, 1),
             shared_mem_bytes: 0,
+            programmatic: false,
         }
     }
 
@@ -78,12 +85,19 @@ impl LaunchConfig {
             grid: (x.max(1), y.max(1), 1),
             block: (threads, 1, 1),
             shared_mem_bytes: 0,
+            programmatic: false,
         }
     }
 
     /// The same launch with `bytes` of dynamic shared memory.
     pub fn with_shared(mut self, bytes: u32) -> LaunchConfig {
         self.shared_mem_bytes = bytes;
+        self
+    }
+
+    /// The same launch as a programmatic dependent launch (see `programmatic`).
+    pub fn with_programmatic(mut self) -> LaunchConfig {
+        self.programmatic = true;
         self
     }
 }

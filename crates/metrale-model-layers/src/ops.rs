@@ -8,6 +8,10 @@
 //!   `.cu` source, the CPU twin in `metrale-gpu-runtime::cpu::kernels`, and the launcher together.
 //! - Launch geometry depends only on the shapes passed in, never on data, so a captured launch
 //!   stays valid when the inputs at its addresses change.
+//! - Kernels launched as programmatic dependents (`LaunchConfig::programmatic`: the `linear`
+//!   family, the RMSNorms, `silu_mul`) wait in-kernel for the kernel ahead of them before they
+//!   touch its memory; the `linear` decode kernels load their weight before that wait, so a
+//!   weight must never be written by the kernel launched just before a projection on its stream.
 
 use std::sync::Arc;
 
@@ -295,7 +299,7 @@ impl Ops {
     ) -> GpuResult<()> {
         self.go(
             self.k.rms_norm,
-            LaunchConfig::linear(rows, NORM_THREADS),
+            LaunchConfig::linear(rows, NORM_THREADS).with_programmatic(),
             &[
                 out.into(),
                 x.into(),
@@ -325,7 +329,7 @@ impl Ops {
     ) -> GpuResult<()> {
         self.go(
             self.k.add_rms_norm,
-            LaunchConfig::linear(rows, NORM_THREADS),
+            LaunchConfig::linear(rows, NORM_THREADS).with_programmatic(),
             &[
                 residual.into(),
                 delta.into(),
@@ -500,7 +504,8 @@ impl Ops {
     ) -> GpuResult<()> {
         self.go(
             self.k.silu_mul,
-            LaunchConfig::grid2(rows, ffn.div_ceil(8 * SILU_THREADS), SILU_THREADS),
+            LaunchConfig::grid2(rows, ffn.div_ceil(8 * SILU_THREADS), SILU_THREADS)
+                .with_programmatic(),
             &[out.into(), gate_up.into(), rows.into(), ffn.into()],
             s,
         )
@@ -575,37 +580,34 @@ fn linear_path(m: u32) -> LinearPath {
     }
 }
 
-/// Multiprocessors of an H200: the persistent decode kernels' grids are sized by it. Any value
-/// computes the same result; this one spreads the weight streams over the whole chip.
+/// Multiprocessors of an H200: the persistent wide decode kernel's grid is sized by it. Any
+/// value computes the same result; this one spreads the weight streams over the whole chip.
 const SM_COUNT: u32 = 132;
-
-/// Dynamic shared memory of `linear_stream`: a 96 KiB weight ring (8 warps x 3 stages of 4 KiB)
-/// and 4 KiB for the warps' segment partials; two blocks fit a multiprocessor.
-const LINEAR_NARROW_SMEM: u32 = (96 + 4) * 1024;
 
 /// Dynamic shared memory of `linear_stream_wide`: a 192 KiB weight ring and 32 KiB for the
 /// warps' segment partials.
 const LINEAR_WIDE_SMEM: u32 = (192 + 32) * 1024;
 
-/// `linear`'s geometry, mirroring `kernels/gemm.cu` (256 threads on every path):
-/// - `linear_stream` (m <= 16): units of 8 columns by 16 rows; min(units, 2 * SM_COUNT)
+/// `linear`'s geometry, mirroring `kernels/gemm.cu` (256 threads on every path, launched as
+/// programmatic dependents: each kernel waits for the one before it in-kernel, and
+/// `linear_stream` loads its first weight fragments before that wait):
+/// - `linear_stream` (m <= 16): one block per unit of 8 columns by 16 rows, no dynamic shared
+///   memory (two blocks per multiprocessor).
+/// - `linear_stream_wide` (m <= 64): units of 16 columns by 64 rows; min(units, SM_COUNT)
 ///   persistent blocks, each taking every G-th unit.
-/// - `linear_stream_wide` (m <= 64): units of 16 columns by 64 rows; min(units, SM_COUNT) blocks.
 /// - `linear`: 128 x 64 output tiles, grid (ceil(n / 64), ceil(m / 128)), a 4-stage pipeline of
 ///   (128 + 64) x 32 bf16 tiles in shared memory.
 fn linear_geometry(m: u32, n: u32) -> LaunchConfig {
-    match linear_path(m) {
-        LinearPath::Narrow => {
-            let units = n.div_ceil(8) * m.div_ceil(16);
-            LaunchConfig::grid2(units.min(2 * SM_COUNT), 1, 256).with_shared(LINEAR_NARROW_SMEM)
-        }
+    let config = match linear_path(m) {
+        LinearPath::Narrow => LaunchConfig::grid2(n.div_ceil(8) * m.div_ceil(16), 1, 256),
         LinearPath::Wide => {
             let units = n.div_ceil(16) * m.div_ceil(64);
             LaunchConfig::grid2(units.min(SM_COUNT), 1, 256).with_shared(LINEAR_WIDE_SMEM)
         }
         LinearPath::Tiled => LaunchConfig::grid2(n.div_ceil(64), m.div_ceil(128), 256)
             .with_shared(4 * (128 + 64) * 32 * 2),
-    }
+    };
+    config.with_programmatic()
 }
 
 /// Query heads per `paged_attention` cluster, as `att_heads_per_block` in

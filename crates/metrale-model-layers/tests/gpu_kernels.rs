@@ -403,6 +403,7 @@ fn linear_matches_on_both_paths_and_odd_shapes() {
         (17, 1000, 4096),
         (33, 136, 520),
         (65, 260, 520),
+        (48, 520, 1024),
         (200, 1030, 4096),
         (129, 70, 77),
     ];
@@ -483,8 +484,7 @@ fn launch_gemm(
         let units = n.div_ceil(16) * m.div_ceil(64);
         LaunchConfig::grid2(units.min(132), 1, 256).with_shared((192 + 32) * 1024)
     } else if name.starts_with("linear_stream") {
-        let units = n.div_ceil(8) * m.div_ceil(16);
-        LaunchConfig::grid2(units.min(264), 1, 256).with_shared((96 + 4) * 1024)
+        LaunchConfig::grid2(n.div_ceil(8) * m.div_ceil(16), 1, 256)
     } else {
         LaunchConfig::grid2(n.div_ceil(64), m.div_ceil(128), 256).with_shared(4 * 192 * 32 * 2)
     };
@@ -511,6 +511,13 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
         (64, 300, 1000),
         (100, 264, 1000),
         (130, 70, 77),
+        // Vector loads on the decode paths: segments of unequal batch counts, empty segments,
+        // partial column and row tiles, m on both sides of 8 (x rows g + 8).
+        (3, 136, 96),
+        (16, 520, 256),
+        (40, 300, 1024),
+        (64, 1000, 4096),
+        (9, 4100, 12288),
     ] {
         let (x, w) = linear_inputs(&mut rng, m, n, k);
         let (x, w) = (p.upload(&x), p.upload(&w));

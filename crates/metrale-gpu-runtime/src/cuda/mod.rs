@@ -10,7 +10,9 @@
 //!   `copy_d2h` waits for the stream. Both are refused while the stream captures.
 //! - Kernels: resolved by `(module, name)` in the embedded cubins (see `modules`), launched by
 //!   `cuLaunchKernel` with each `KernelArg` packed as its C type (ptr and u64: 8 bytes; u32,
-//!   i32, f32: 4 bytes), after checking the list against the compiled signature.
+//!   i32, f32: 4 bytes), after checking the list against the compiled signature; a
+//!   `LaunchConfig::programmatic` launch goes through `cuLaunchKernelEx` with the
+//!   programmatic-stream-serialization attribute (kept as a programmatic edge under capture).
 //! - Streams: `StreamHandle::DEFAULT` is a real non-blocking stream created at start (the legacy
 //!   NULL stream cannot be captured); `create_stream` makes more.
 //! - Capture: `cuStreamBeginCapture` in thread-local mode, `cuStreamEndCapture`, then
@@ -424,6 +426,31 @@ impl GpuBackend for CudaBackend {
         }
         self.bind()?;
         let (g, b) = (config.grid, config.block);
+        if config.programmatic {
+            // SAFETY: an all-zero `CUlaunchAttribute` is a valid plain-data value (id 0, a
+            // zeroed union) that is overwritten below before use.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let launch = sys::CUlaunchConfig {
+                gridDimX: g.0,
+                gridDimY: g.1,
+                gridDimZ: g.2,
+                blockDimX: b.0,
+                blockDimY: b.1,
+                blockDimZ: b.2,
+                sharedMemBytes: config.shared_mem_bytes,
+                hStream: s,
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as for `cuLaunchKernel` below; `launch` and `attr` outlive the call, which
+            // reads them and copies the parameters before returning.
+            return check(&format!("cuLaunchKernelEx({})", entry.label), unsafe {
+                sys::cuLaunchKernelEx(&launch, entry.func, ptrs.as_mut_ptr(), std::ptr::null_mut())
+            });
+        }
         // SAFETY: `entry.func` is live (its module stays loaded while `table` is borrowed and
         // until drop); `ptrs[..args.len()]` point at 8-byte slots holding each parameter in its
         // C type's size, as checked against the compiled signature above; the driver copies the

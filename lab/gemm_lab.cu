@@ -1,0 +1,366 @@
+// GEMM lab: the decode kernels of kernels/gemm.cu beside the m <= 16 kernel they replaced
+// (old_narrow.cuh) and variants, checked bitwise against the tiled kernel (poisoned outputs) and
+// timed on the GPU machine: each projection alone (20 launches per CUDA graph, weights rotated
+// past L2, with and without programmatic dependent launch), then 36 Qwen3-8B-shaped layers and
+// the LM head with stand-in small kernels between the projections. Ceilings measured in the same
+// run (a read-only stream). Build with lab/build.sh; figures in docs/BENCHMARKS.md.
+#include "../kernels/gemm.cu"
+#include "old_narrow.cuh"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#define CK(x)                                                                                   \
+    do {                                                                                        \
+        cudaError_t e_ = (x);                                                                   \
+        if (e_ != cudaSuccess) {                                                                \
+            printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
+            exit(1);                                                                            \
+        }                                                                                       \
+    } while (0)
+
+__global__ void __launch_bounds__(256, 2)
+    lab_old_narrow(float* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k) {
+    extern __shared__ __align__(16) unsigned char sm[];
+    pdl_wait();
+    pdl_trigger();
+    linear_narrow_impl<float, true>(out, x, w, m, n, k, sm);
+}
+__global__ void __launch_bounds__(256, 1)
+    lab_old_wide(float* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k) {
+    extern __shared__ __align__(16) unsigned char sm[];
+    pdl_wait();
+    pdl_trigger();
+    linear_stream_impl<float, 2, true>(out, x, w, m, n, k, sm);
+}
+// The direct kernel with other batch sizes / occupancy (m <= 8 rows only).
+template <int B, int MINB>
+__global__ void __launch_bounds__(256, MINB)
+    lab_direct(float* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k) {
+    __shared__ float4 part[256];
+    if (blockIdx.x >= ((n + 7) / 8) * ((m + 15) / 16)) return;
+    linear_direct_impl<float, B, false, true>(out, x, w, m, n, k, part);
+}
+
+__global__ void fill_bf16(bf16* p, size_t n, uint64_t seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ (seed * 0xD1B54A32D192ED03ull);
+        h ^= h >> 31;
+        h *= 0xBF58476D1CE4E5B9ull;
+        h ^= h >> 29;
+        const float u = (float)(h >> 40) / (float)(1ull << 24);  // [0, 1)
+        p[i] = __float2bfloat16_rn((2.0f * u - 1.0f) * scale);
+    }
+}
+
+// A stand-in for the small kernels between projections: one block per 4096 elements copies a
+// constant source to `out`, after reading `prev` (the projection output before it).
+__global__ void lab_small(bf16* out, const bf16* src, const float* prev, uint32_t elems, int pdl) {
+    if (pdl) {
+        pdl_wait();
+        pdl_trigger();
+    }
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i * 8 >= elems) return;
+    uint4 v = *reinterpret_cast<const uint4*>(src + 8 * i);
+    if (prev[i] == 12345.0f) v.x = 0;
+    *reinterpret_cast<uint4*>(out + 8 * i) = v;
+}
+
+__global__ void read_kernel(const uint4* p, size_t n, uint32_t* sink) {
+    uint32_t acc = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint4 v = __ldg(p + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) *sink = acc;
+}
+
+typedef void (*KernelFn)(float*, const bf16*, const bf16*, uint32_t, uint32_t, uint32_t);
+
+struct Var {
+    const char* name;
+    const void* fn;
+    int smem;
+    int per_sm;     // blocks per SM (persistent grid = per_sm * 132), 0: tiled grid
+    int nt, rt;     // unit: 8 * nt columns by 16 * rt rows
+    int max_m;      // rows this kernel may take (any, but beyond this it is not meant to)
+};
+
+static const int SMS = 132;
+
+static void launch(const Var& v, bool pdl, cudaStream_t s, float* out, const bf16* x, const bf16* w, uint32_t m,
+                   uint32_t n, uint32_t k) {
+    cudaLaunchConfig_t cfg = {};
+    if (v.per_sm == 0) {
+        cfg.gridDim = dim3((n + 63) / 64, (m + 127) / 128, 1);
+    } else if (v.per_sm < 0) {
+        cfg.gridDim = dim3(((n + 8 * v.nt - 1) / (8 * v.nt)) * ((m + 16 * v.rt - 1) / (16 * v.rt)), 1, 1);
+    } else {
+        const uint32_t units = ((n + 8 * v.nt - 1) / (8 * v.nt)) * ((m + 16 * v.rt - 1) / (16 * v.rt));
+        cfg.gridDim = dim3(std::min<uint32_t>(units, v.per_sm * SMS), 1, 1);
+    }
+    cfg.blockDim = dim3(256, 1, 1);
+    cfg.dynamicSmemBytes = v.smem;
+    cfg.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = pdl ? attr : nullptr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    void* args[] = {&out, &x, &w, &m, &n, &k};
+    CK(cudaLaunchKernelExC(&cfg, v.fn, args));
+}
+
+static double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+// Median ms of one replay of a graph made by `record(stream)`.
+static double time_graph(cudaStream_t s, const std::function<void(cudaStream_t)>& record, int iters) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    record(s);
+    CK(cudaStreamEndCapture(s, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    std::vector<double> t;
+    for (int i = 0; i < iters + 2; ++i) {
+        CK(cudaEventRecord(a, s));
+        CK(cudaGraphLaunch(ge, s));
+        CK(cudaEventRecord(b, s));
+        CK(cudaEventSynchronize(b));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        if (i >= 2) t.push_back(ms);
+    }
+    CK(cudaGetLastError());
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
+    return median(t);
+}
+
+static bf16* alloc_fill(size_t n, uint64_t seed, float scale) {
+    bf16* p;
+    CK(cudaMalloc(&p, std::max<size_t>(n, 8) * 2));
+    fill_bf16<<<1024, 256>>>(p, n, seed, scale);
+    CK(cudaGetLastError());
+    return p;
+}
+
+int main(int argc, char** argv) {
+    const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("device %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+
+    std::vector<Var> vars = {
+        {"tiled", (const void*)linear_f32out, 4 * 192 * 32 * 2, 0, 8, 8, 1 << 30},
+        {"old_narrow", (const void*)lab_old_narrow, (96 + 4) * 1024, 2, 1, 1, 16},
+        {"old_wide", (const void*)lab_old_wide, (192 + 32) * 1024, 1, 2, 4, 64},
+        {"direct", (const void*)linear_stream_f32out, 0, -1, 1, 1, 16},
+        {"direct_b4", (const void*)lab_direct<4, 2>, 0, -1, 1, 1, 8},
+        {"direct_b4x3", (const void*)lab_direct<4, 3>, 0, -1, 1, 1, 8},
+        {"direct_b4x4", (const void*)lab_direct<4, 4>, 0, -1, 1, 1, 8},
+    };
+    for (auto& v : vars) {
+        if (v.smem > 0) CK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem));
+        cudaFuncAttributes fa;
+        CK(cudaFuncGetAttributes(&fa, v.fn));
+        printf("kernel %-18s smem %6d regs %3d local %zu\n", v.name, v.smem, fa.numRegs, fa.localSizeBytes);
+    }
+
+    // ---- 1. bitwise against the tiled kernel ----
+    {
+        struct Shape { uint32_t m, n, k; };
+        std::vector<Shape> shapes = {{1, 4096, 4096}, {1, 1004, 4096}, {5, 6144, 4096}, {16, 520, 256},
+                                     {3, 136, 96},    {17, 1000, 4096}, {32, 4096, 12288}, {64, 300, 1024},
+                                     {100, 264, 1024}, {128, 4096, 4096}, {33, 136, 64}, {8, 12352, 4096}};
+        int bad = 0, checked = 0;
+        for (auto sh : shapes) {
+            bf16* x = alloc_fill((size_t)sh.m * sh.k, sh.m * 7 + sh.k, 1.0f);
+            bf16* w = alloc_fill((size_t)sh.n * sh.k, sh.n * 13 + sh.k, sqrtf(3.0f / sh.k));
+            float *ref, *out;
+            const size_t bytes = (size_t)sh.m * sh.n * 4;
+            CK(cudaMalloc(&ref, bytes));
+            CK(cudaMalloc(&out, bytes));
+            CK(cudaDeviceSynchronize());  // the fills ran on the legacy stream
+            CK(cudaMemsetAsync(ref, 0xFF, bytes, s));
+            launch(vars[0], false, s, ref, x, w, sh.m, sh.n, sh.k);
+            std::vector<uint32_t> hr(sh.m * (size_t)sh.n), ho(hr.size());
+            CK(cudaMemcpyAsync(hr.data(), ref, bytes, cudaMemcpyDeviceToHost, s));
+            CK(cudaStreamSynchronize(s));
+            size_t unwritten = 0;
+            for (auto v : hr) unwritten += v == 0xFFFFFFFFu;
+            if (unwritten) { printf("CHECK tiled m=%u n=%u k=%u: %zu unwritten\n", sh.m, sh.n, sh.k, unwritten); ++bad; }
+            for (size_t vi = 1; vi < vars.size(); ++vi) {
+                const Var& v = vars[vi];
+                if ((int)sh.m > v.max_m) continue;
+                for (int pdl = 0; pdl < 2; ++pdl) {
+                    CK(cudaMemsetAsync(out, 0xFF, bytes, s));
+                    launch(v, pdl, s, out, x, w, sh.m, sh.n, sh.k);
+                    CK(cudaMemcpyAsync(ho.data(), out, bytes, cudaMemcpyDeviceToHost, s));
+                    CK(cudaStreamSynchronize(s));
+                    size_t diff = 0, first = 0;
+                    for (size_t i = 0; i < hr.size(); ++i)
+                        if (hr[i] != ho[i]) { if (!diff) first = i; ++diff; }
+                    ++checked;
+                    if (diff) {
+                        ++bad;
+                        float a, b;
+                        memcpy(&a, &hr[first], 4);
+                        memcpy(&b, &ho[first], 4);
+                        printf("CHECK %-18s m=%u n=%u k=%u pdl=%d: %zu differ, first [%zu] %g vs %g\n", v.name, sh.m,
+                               sh.n, sh.k, pdl, diff, first, a, b);
+                    }
+                }
+            }
+            CK(cudaFree(x)); CK(cudaFree(w)); CK(cudaFree(ref)); CK(cudaFree(out));
+        }
+        printf("bitwise: %d of %d variant runs differ from tiled\n", bad, checked);
+    }
+
+    // ---- 2. ceiling: a read-only stream of 2 GiB ----
+    double read_gbs;
+    {
+        const size_t bytes = 2ull << 30;
+        void* a;
+        CK(cudaMalloc(&a, bytes));
+        CK(cudaMemset(a, 0x3C, bytes));
+        uint32_t* sink;
+        CK(cudaMalloc(&sink, 4));
+        const double ms = time_graph(s, [&](cudaStream_t st) { read_kernel<<<SMS * 8, 512, 0, st>>>((const uint4*)a, bytes / 16, sink); }, 7);
+        read_gbs = bytes / ms / 1e6;
+        printf("ceiling: read-only stream %.0f GB/s\n", read_gbs);
+        CK(cudaFree(a));
+        CK(cudaFree(sink));
+    }
+
+    // ---- 3. each projection alone: 20 launches per graph, weights rotated ----
+    struct Proj { const char* name; uint32_t n, k; };
+    std::vector<Proj> projs = {{"qkv", 6144, 4096}, {"o", 4096, 4096}, {"gate_up", 24576, 4096},
+                               {"down", 4096, 12288}, {"lm_head", 151936, 4096}, {"gdn_in", 12352, 4096}};
+    std::vector<uint32_t> ms_list = quick ? std::vector<uint32_t>{1, 32} : std::vector<uint32_t>{1, 4, 8, 16, 32, 64};
+    std::vector<std::string> summary;
+    for (auto pj : projs) {
+        const size_t wbytes = (size_t)pj.n * pj.k * 2;
+        const int copies = (int)std::min<size_t>(8, std::max<size_t>(2, (320ull << 20) / wbytes + 1));
+        std::vector<bf16*> ws;
+        for (int c = 0; c < copies; ++c) ws.push_back(alloc_fill((size_t)pj.n * pj.k, 100 + c, 0.03f));
+        bf16* x = alloc_fill((size_t)128 * pj.k, 5, 1.0f);
+        float* out;
+        CK(cudaMalloc(&out, (size_t)128 * pj.n * 4));
+        CK(cudaDeviceSynchronize());
+        for (uint32_t m : ms_list) {
+            if (pj.n == 151936 && m > 32) continue;
+            if (pj.n == 151936 && (m == 4 || m == 16)) continue;
+            char line[1024];
+            int len = snprintf(line, sizeof line, "%-8s m=%-3u floor %6.1f us:", pj.name, m, wbytes / read_gbs / 1e3);
+            for (size_t vi = 0; vi < vars.size(); ++vi) {
+                const Var& v = vars[vi];
+                if ((int)m > v.max_m) continue;
+                if (vi == 0 && m < 32) continue;
+                if (vi == 2 && m < 16) continue;
+                for (int pdl = 0; pdl < 2; ++pdl) {
+                    const int reps = 20;
+                    double ms = time_graph(s, [&](cudaStream_t st) {
+                        for (int r = 0; r < reps; ++r) launch(v, pdl, st, out, x, ws[r % copies], m, pj.n, pj.k);
+                    }, 5) / reps;
+                    len += snprintf(line + len, sizeof line - len, " %s%s %.1f(%.0f%%)", v.name, pdl ? "+p" : "",
+                                    ms * 1e3, 100.0 * wbytes / (ms * 1e6) / read_gbs);
+                }
+            }
+            printf("%s\n", line);
+        }
+        for (auto w : ws) CK(cudaFree(w));
+        CK(cudaFree(x));
+        CK(cudaFree(out));
+    }
+
+    // ---- 4. 36 Qwen3-8B layers + LM head, small kernels between the projections ----
+    {
+        const uint32_t H = 4096, QKV = 6144, FFN = 12288, V = 151936, L = 36;
+        std::vector<bf16*> wq, wo, wgu, wd;
+        for (uint32_t l = 0; l < L; ++l) {
+            wq.push_back(alloc_fill((size_t)QKV * H, 1000 + 4 * l, 0.03f));
+            wo.push_back(alloc_fill((size_t)H * H, 1001 + 4 * l, 0.03f));
+            wgu.push_back(alloc_fill((size_t)2 * FFN * H, 1002 + 4 * l, 0.03f));
+            wd.push_back(alloc_fill((size_t)H * FFN, 1003 + 4 * l, 0.02f));
+        }
+        bf16* head = alloc_fill((size_t)V * H, 7, 0.03f);
+        const uint32_t MM = 64;
+        bf16* src = alloc_fill((size_t)MM * 2 * FFN, 9, 1.0f);
+        bf16 *xn, *xa, *xact;
+        float *o1, *o2;
+        CK(cudaMalloc(&xn, (size_t)MM * H * 2));
+        CK(cudaMalloc(&xa, (size_t)MM * H * 2));
+        CK(cudaMalloc(&xact, (size_t)MM * FFN * 2));
+        CK(cudaMalloc(&o1, (size_t)MM * 2 * FFN * 4));
+        CK(cudaMalloc(&o2, (size_t)MM * V * 4));
+        CK(cudaDeviceSynchronize());
+        const double layer_bytes = ((double)QKV * H + H * H + 2.0 * FFN * H + (double)H * FFN) * 2;
+        const double floor_ms = (L * layer_bytes + (double)V * H * 2) / read_gbs / 1e6;
+        auto run = [&](const Var& v, uint32_t m, int pdl_gemm, int pdl_small, bool smalls) {
+            auto small = [&](cudaStream_t st, bf16* out, const float* prev, uint32_t elems) {
+                if (!smalls) return;
+                cudaLaunchConfig_t cfg = {};
+                cfg.gridDim = dim3((elems / 8 + 255) / 256);
+                cfg.blockDim = dim3(256);
+                cfg.stream = st;
+                cudaLaunchAttribute attr[1];
+                attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                attr[0].val.programmaticStreamSerializationAllowed = 1;
+                cfg.attrs = pdl_small ? attr : nullptr;
+                cfg.numAttrs = pdl_small ? 1 : 0;
+                const bf16* sp = src;
+                int flag = pdl_small;
+                void* args[] = {&out, &sp, &prev, &elems, &flag};
+                CK(cudaLaunchKernelExC(&cfg, (const void*)lab_small, args));
+            };
+            return time_graph(s, [&](cudaStream_t st) {
+                for (uint32_t l = 0; l < L; ++l) {
+                    small(st, xn, o1, m * H);
+                    launch(v, pdl_gemm, st, o1, xn, wq[l], m, QKV, H);
+                    small(st, xa, o1, m * H);
+                    small(st, xa, o1, m * H);
+                    launch(v, pdl_gemm, st, o1, xa, wo[l], m, H, H);
+                    small(st, xn, o1, m * H);
+                    launch(v, pdl_gemm, st, o1, xn, wgu[l], m, 2 * FFN, H);
+                    small(st, xact, o1, m * FFN);
+                    launch(v, pdl_gemm, st, o1, xact, wd[l], m, H, FFN);
+                }
+                small(st, xn, o1, m * H);
+                launch(v, pdl_gemm, st, o2, xn, head, m, V, H);
+            }, 5);
+        };
+        for (uint32_t m : {1u, 8u, 32u}) {
+            printf("layers m=%u: weight floor %.3f ms (read-only bandwidth)\n", m, floor_ms);
+            for (size_t vi = 1; vi < vars.size(); ++vi) {
+                const Var& v = vars[vi];
+                if ((int)m > v.max_m) continue;
+                if (vi == 2 && m < 16) continue;
+                const double a = run(v, m, 0, 0, true), b = run(v, m, 1, 0, true), c = run(v, m, 1, 1, true),
+                             d = run(v, m, 0, 0, false), e = run(v, m, 1, 0, false);
+                printf("  %-18s plain %.3f | pdl gemm %.3f | pdl all %.3f | gemms only %.3f, pdl %.3f ms (%.0f%% of floor)\n",
+                       v.name, a, b, c, d, e, 100.0 * floor_ms / std::min(d, e));
+            }
+        }
+    }
+    printf("lab done\n");
+    return 0;
+}
