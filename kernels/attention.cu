@@ -1,25 +1,47 @@
-// Causal attention of each row over its sequence's paged KV cache. CPU twin:
+// Causal attention of each row over its sequence's paged KV cache, on the tensor cores. CPU twin:
 // metrale-gpu-runtime/src/cpu/kernels/attention.rs.
 //
-// Launch (ops::paged_attention): grid (ATT_SPLITS * num_q_heads / hb, rows), ATT_THREADS
-// threads, ATT_KV_STAGE bytes of dynamic shared memory; the kernel is compiled with a cluster of
-// ATT_SPLITS blocks along x. hb (`att_heads_per_block`) is the largest divisor of the GQA group size up to ATT_HB:
-// a cluster computes the hb query heads that share one key/value head for one row, so each key
-// and value vector is read once for all of them.
+// Items and clusters: an item is (row, group of hb query heads sharing one key/value head); hb
+// (`att_heads_per_block`) is the largest divisor of the GQA group size up to ATT_HB, so each key
+// and value is read from memory once for all hb heads. The kernel is compiled with clusters of
+// ATT_SPLITS blocks; cluster c of C loops over items c, c + C, c + 2C, ... (persistent: the
+// launcher, ops::paged_attention, makes C about as many clusters as are resident at once, and
+// more when a cluster would get over ATT_MAX_ITEMS items). Grid (ATT_SPLITS * C, 1), ATT_THREADS
+// (4 warps) threads, att_shared_bytes(dp, hb) of dynamic shared memory (dp: head_dim padded to
+// 32, 64, 128 or 256). Which cluster computes an item, and when, never changes its result.
 //
-// Split-KV (flash decoding): the row's context (positions 0..=pos) is cut into ATT_SPLITS
-// contiguous ranges of ceil(ctx / ATT_SPLITS) tokens; block `s` of the cluster runs an online
-// softmax in f32 over range `s` in tiles (on the vector path each tile's keys and values are
-// first copied into shared memory with cp.async, keys and values as two groups, so the values
-// arrive while the scores are computed), then the cluster combines the
-// ranges through distributed shared memory in range order (0, 1, ..., ATT_SPLITS - 1). The split
-// count is a compile-time constant, so a row's result depends on its context length alone,
-// never on the batch, and every order (scores: a power-of-two group of lanes per token reduced
-// by xor shuffles; values: groups of threads taking tokens round-robin, summed in group order;
-// ranges in range order) is fixed by (head_dim, blockDim), so results are deterministic.
+// One item: the row's context (positions 0..=pos, ctx tokens) is cut into units of ATT_UNIT (16)
+// tokens at absolute positions 16u..16u+15 (the last one partial). Block `s` of the cluster takes
+// units [s * U / ATT_SPLITS, (s + 1) * U / ATT_SPLITS) (U = ceil(ctx / 16)), and warp w of the
+// block every ATT_WARPS-th of those, starting at the w-th. Per unit a warp computes
+// - scores S = Q Kᵀ with mma.sync m16n8k16 (bf16 in, f32 accumulate): the hb query heads are the
+//   M rows 0..hb-1 (rows hb..15 are zero), the 16 tokens two n-tiles, head_dim the k steps (two
+//   accumulation chains, even and odd k steps, added at the end); queries and keys come from
+//   shared memory through ldmatrix;
+// - an online softmax in f32 (base 2, the scale folded into log2 e) per head over the quad of
+//   lanes holding its row; the probabilities are rounded to bf16 and the running sum adds the
+//   rounded values;
+// - O += P V with mma.sync (P from the score registers, V through ldmatrix.trans).
+// The block then combines its warps in warp order, and the cluster its blocks through distributed
+// shared memory in block order (0, 1, ..., ATT_SPLITS - 1); the gate (Qwen3.5) multiplies last.
+// Every split, unit and order is fixed by the row's context length and the shape (head_dim,
+// group size), never by the number of rows or clusters, so a row's result is bitwise the same
+// whatever the batch and whether it comes in a prefill chunk or a decode step, and runs are
+// deterministic.
+//
+// Streaming: each warp copies its units (the hb query rows and the 16 keys and values, cp.async
+// with zero-fill for dead tokens; plain loads when head_dim or a stride is not a multiple of 8)
+// into its own ring of ATT_STAGES stages in shared memory, one commit group per unit, reading
+// each unit's block-table entries one unit ahead, and keeps the ring full across items: while a
+// block combines item k, the copies of item k + 1 are in flight. The cluster barrier is split:
+// a block arrives once it has combined item k and waits only after its units of item k + 1, then
+// reads item k's partials from the cluster and writes its share of the outputs (the combine
+// buffers alternate by item parity), so blocks do not idle at the barrier.
 //
 // Rows whose inputs are out of range (sequence past the block tables, a context longer than
-// max_blocks, a slot past num_slots, head_dim > ATT_MAX_D) get NaN outputs (errors on the CPU).
+// max_blocks, a slot past num_slots) get NaN outputs, as does every row of a launch the kernel
+// cannot run (head_dim > ATT_MAX_D, heads that do not group, a wrong block size, too little
+// shared memory, too many items per cluster); the CPU twin fails instead.
 #include "common.cuh"
 
 #include <cooperative_groups.h>
@@ -27,17 +49,14 @@
 namespace cg = cooperative_groups;
 
 #define ATT_SPLITS 8
-#define ATT_TILE 256
-#define ATT_HB 4
-#define ATT_MAX_D 512
-#define ATT_VEC_MAX_D 256
-#define ATT_THREADS 256
-#define ATT_UNROLL 4
-// Per-group value partials: groups * d <= 8 * ATT_THREADS on the vector path, so
-// ATT_HB * 8 * ATT_THREADS floats bound every layout.
-#define ATT_PART (ATT_HB * 8 * ATT_THREADS)
-// Dynamic shared memory: a tile's keys then values (vector path), later the value partials.
-#define ATT_KV_STAGE (80 * 1024)
+#define ATT_WARPS 4
+#define ATT_THREADS (32 * ATT_WARPS)
+#define ATT_STAGES 2
+#define ATT_MAX_ITEMS 64
+#define ATT_UNIT 16
+#define ATT_HB 8
+#define ATT_MAX_D 256
+#define ATT_LOG2E 1.4426950408889634f
 
 // Query heads per cluster: the largest divisor of the group size that is at most ATT_HB (1 when
 // the heads do not group). The launcher computes the same.
@@ -49,11 +68,412 @@ MT_DEVICE uint32_t att_heads_per_block(uint32_t hq, uint32_t hkv) {
     return 1;
 }
 
+// head_dim padded to the tensor-core tile the kernel is instantiated for.
+MT_DEVICE uint32_t att_padded_dim(uint32_t d) {
+    return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256;
+}
+
+// Dynamic shared memory: every warp's ring of ATT_STAGES stages, each a unit's hb (of ATT_HB)
+// query rows, 16 key rows and 16 value rows of dp + 8 bf16 (the 16-byte pad puts the 8 rows of
+// every ldmatrix in distinct banks); then the warps' f32 partials [ATT_WARPS][hb][dp] and the
+// block's, by item parity, [2][hb][dp]. The launcher computes the same.
+MT_DEVICE uint32_t att_shared_bytes(uint32_t dp, uint32_t hb) {
+    return ATT_WARPS * ATT_STAGES * (ATT_HB + 2u * ATT_UNIT) * (dp + 8u) * 2u +
+           (ATT_WARPS + 2u) * hb * dp * 4u;
+}
+
+// d0, d1 (rows 0..7 of an m16n8k16 result) += A B, where A's rows 8..15 are zero: a0 / a2 hold
+// A row g's k 2c, 2c+1 / 2c+8, 2c+9; b0 / b1 hold B column g's same k (g = lane / 4, c = lane % 4).
+MT_DEVICE void att_mma(float& d0, float& d1, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+    float d2 = 0.0f, d3 = 0.0f;  // rows 8..15: zero in, discarded
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+
+MT_DEVICE void att_ldsm4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+MT_DEVICE void att_ldsm4_t(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+MT_DEVICE uint32_t att_pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The cluster barrier in two halves: arrive (release: this block's shared-memory writes become
+// visible to the cluster) and wait (acquire: every block of the cluster has arrived).
+MT_DEVICE void att_cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
+
+MT_DEVICE void att_cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
+
+// The launch, as one block sees it.
+struct AttLaunch {
+    bf16* out;
+    const bf16* qkv;
+    const bf16* k_cache;
+    const bf16* v_cache;
+    const uint32_t* block_tables;
+    uint32_t row_stride, q_head_stride, hq, d, block_size, max_blocks, num_slots;
+    uint32_t hb, group, groups, n_items, n_clusters, cluster, split, nk;
+    size_t width;  // elements per slot (num_kv_heads * head_dim)
+    float scale_log2;
+    bool gated, vec;
+};
+
+// Item k of this cluster: (row, group of hb query heads) number cluster + k * n_clusters, and the
+// units of it this block's warp `warp` takes.
+struct AttItem {
+    uint32_t row, h0, seq, ctx, first, mine;
+};
+
+MT_DEVICE AttItem att_item(const AttLaunch& a, uint32_t k, const uint32_t* seq_s,
+                           const uint32_t* ctx_s, uint32_t warp) {
+    AttItem it;
+    const uint32_t n = a.cluster + k * a.n_clusters;
+    it.row = n / a.groups;
+    it.h0 = (n % a.groups) * a.hb;
+    it.seq = seq_s[k];
+    it.ctx = ctx_s[k];  // 0: the row's inputs are out of range
+    const uint32_t units = (it.ctx + ATT_UNIT - 1) / ATT_UNIT;
+    const uint32_t ub = (uint32_t)((uint64_t)a.split * units / ATT_SPLITS);
+    const uint32_t ue = (uint32_t)((uint64_t)(a.split + 1) * units / ATT_SPLITS);
+    it.first = ub + warp;
+    it.mine = ue > it.first ? (ue - it.first + ATT_WARPS - 1) / ATT_WARPS : 0;
+    return it;
+}
+
+// Copy unit `unit` of item `it` into `stage`: the hb query rows (rows hb..7 stay zero), then the
+// keys and values of its 16 tokens (cp.async on the vector path, plain loads otherwise); dead
+// tokens and padded dimensions become zeros. Returns whether a slot was past the pool (uniform).
+template <int DP>
+MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry,
+                         bf16* stage, uint32_t lane) {
+    constexpr int RS = DP + 8, NCH = DP / 8;
+    bf16* qs = stage;
+    bf16* ks = stage + ATT_HB * RS;
+    bf16* vs = ks + ATT_UNIT * RS;
+    const bf16* q = a.qkv + (size_t)it.row * a.row_stride + (size_t)it.h0 * a.q_head_stride;
+    const size_t kv_at = (size_t)(it.h0 / a.group) * a.d;
+    // Lanes 0..15: the slot of token 16 * unit + lane (`entry`: its block, read ahead).
+    uint32_t slot = 0, live = 0;
+    bool bad = false;
+    const uint32_t t = unit * ATT_UNIT + lane;
+    if (lane < ATT_UNIT && t < it.ctx) {
+        const uint64_t s = (uint64_t)entry * a.block_size + t % a.block_size;
+        if (s < a.num_slots) {
+            slot = (uint32_t)s;
+            live = 1;
+        } else {
+            bad = true;
+        }
+    }
+    const bf16* kb = a.k_cache + kv_at;
+    const bf16* vb = a.v_cache + kv_at;
+    if (a.vec) {
+        for (uint32_t idx = lane; idx < a.hb * NCH; idx += 32) {
+            const uint32_t h = idx / NCH, ch = idx % NCH;
+            if (8 * ch < a.d) cp_async16(qs + h * RS + 8 * ch, q + (size_t)h * a.q_head_stride + 8 * ch, 16u);
+        }
+#pragma unroll
+        for (int i = 0; i < ATT_UNIT * NCH / 32; ++i) {
+            const uint32_t idx = lane + 32 * i, tok = idx / NCH, ch = idx % NCH;
+            const uint32_t s = __shfl_sync(0xffffffffu, slot, tok);
+            const bool on = __shfl_sync(0xffffffffu, live, tok) != 0 && 8 * ch < a.d;
+            const size_t off = on ? (size_t)s * a.width + 8 * ch : 0;
+            cp_async16(ks + tok * RS + 8 * ch, kb + off, on ? 16u : 0u);
+            cp_async16(vs + tok * RS + 8 * ch, vb + off, on ? 16u : 0u);
+        }
+    } else {
+        for (uint32_t idx = lane; idx < a.hb * DP; idx += 32) {
+            const uint32_t h = idx / DP, e = idx % DP;
+            qs[h * RS + e] = e < a.d ? q[(size_t)h * a.q_head_stride + e] : __ushort_as_bfloat16((unsigned short)0);
+        }
+#pragma unroll 1
+        for (int i = 0; i < ATT_UNIT * DP / 32; ++i) {
+            const uint32_t idx = lane + 32 * i, tok = idx / DP, e = idx % DP;
+            const uint32_t s = __shfl_sync(0xffffffffu, slot, tok);
+            const bool on = __shfl_sync(0xffffffffu, live, tok) != 0 && e < a.d;
+            const size_t off = (size_t)s * a.width + e;
+            ks[tok * RS + e] = on ? kb[off] : __ushort_as_bfloat16((unsigned short)0);
+            vs[tok * RS + e] = on ? vb[off] : __ushort_as_bfloat16((unsigned short)0);
+        }
+    }
+    return __any_sync(0xffffffffu, bad);
+}
+
+// One unit of a warp: scores, online softmax and P V into (o, m, l) of head g = lane / 4.
+template <int DP>
+MT_DEVICE void att_unit(const bf16* stage, uint32_t unit, uint32_t ctx, float scale_log2,
+                        uint32_t lane, float (&o)[DP / 8][2], float& m, float& l) {
+    constexpr int RS = DP + 8;
+    const uint32_t c = lane & 3, mat = lane >> 3, row = lane & 7;
+    const uint32_t qs = (uint32_t)__cvta_generic_to_shared(stage);
+    const uint32_t ks = qs + ATT_HB * RS * 2;
+    const uint32_t vs = ks + ATT_UNIT * RS * 2;
+
+    // S = Q Kᵀ. Query matrices: heads 0-7 x dims 8 mat.. of a 32-dim pair of k steps; key
+    // matrices: (tokens 0-7 | 8-15) x (dims 0-7 | 8-15 of the k step). Two accumulation chains
+    // (even and odd k steps), added at the end.
+    float s[2][2][2] = {};  // [chain][n-tile][c0, c1]
+    const uint32_t q_addr = qs + (row * RS + 8 * mat) * 2;
+    const uint32_t k_addr = ks + ((row + ((mat >> 1) << 3)) * RS + ((mat & 1) << 3)) * 2;
+#pragma unroll
+    for (int kp = 0; kp < DP / 32; ++kp) {
+        uint32_t qa[4], b0[4], b1[4];
+        att_ldsm4(qa, q_addr + kp * 64);
+        att_ldsm4(b0, k_addr + (2 * kp) * 32);
+        att_ldsm4(b1, k_addr + (2 * kp + 1) * 32);
+        att_mma(s[0][0][0], s[0][0][1], qa[0], qa[1], b0[0], b0[1]);
+        att_mma(s[0][1][0], s[0][1][1], qa[0], qa[1], b0[2], b0[3]);
+        att_mma(s[1][0][0], s[1][0][1], qa[2], qa[3], b1[0], b1[1]);
+        att_mma(s[1][1][0], s[1][1][1], qa[2], qa[3], b1[2], b1[3]);
+    }
+
+    // Online softmax over the quad holding head g's row.
+    float x[2][2];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const uint32_t t = unit * ATT_UNIT + 8 * n + 2 * c + e;
+            x[n][e] = t < ctx ? (s[0][n][e] + s[1][n][e]) * scale_log2 : -INFINITY;
+            mx = fmaxf(mx, x[n][e]);
+        }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m, mx);  // finite: a unit holds at least one live token
+    const float corr = exp2f(m - m_new);
+    uint32_t pa[2];
+    float sum = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+        pa[n] = att_pack_bf16(exp2f(x[n][0] - m_new), exp2f(x[n][1] - m_new));
+        sum += __uint_as_float(pa[n] << 16) + __uint_as_float(pa[n] & 0xFFFF0000u);
+    }
+    l = l * corr + sum;
+    m = m_new;
+
+    // O += P V: matrices (tokens 0-7 | 8-15) x (dims 0-7 | 8-15 of the 16-dim step), transposed.
+    const uint32_t v_addr = vs + ((row + ((mat & 1) << 3)) * RS + ((mat >> 1) << 3)) * 2;
+#pragma unroll
+    for (int dd = 0; dd < DP / 16; ++dd) {
+        uint32_t b[4];
+        att_ldsm4_t(b, v_addr + dd * 32);
+        o[2 * dd][0] *= corr;
+        o[2 * dd][1] *= corr;
+        o[2 * dd + 1][0] *= corr;
+        o[2 * dd + 1][1] *= corr;
+        att_mma(o[2 * dd][0], o[2 * dd][1], pa[0], pa[1], b[0], b[1]);
+        att_mma(o[2 * dd + 1][0], o[2 * dd + 1][1], pa[0], pa[1], b[2], b[3]);
+    }
+}
+
+// The NaN outputs of an item whose inputs are out of range (this block's share).
+MT_DEVICE void att_nan_item(const AttLaunch& a, uint32_t row, uint32_t h0) {
+    bf16* o = a.out + ((size_t)row * a.hq + h0) * a.d;
+    for (uint32_t i = a.split * ATT_THREADS + threadIdx.x; i < a.hb * a.d; i += ATT_SPLITS * ATT_THREADS)
+        o[i] = bf16_nan();
+}
+
+// Block-level shared state beside the dynamic buffers.
+struct AttShared {
+    float wm[ATT_WARPS][ATT_HB], wl[ATT_WARPS][ATT_HB];  // each warp's max and sum per head
+    float cm[2][ATT_HB], cl[2][ATT_HB];  // the block's, by item parity (read by the cluster)
+    uint32_t seq[ATT_MAX_ITEMS], ctx[ATT_MAX_ITEMS];
+    int bad[2];  // a slot past the pool was seen, by item parity
+};
+
+// The cluster's combine of one item (blocks in block order) and its output: this block's share
+// of the hb * d outputs, NaN for an item whose inputs are out of range.
+template <int DP>
+MT_DEVICE void att_output(const AttLaunch& a, const AttItem& it, uint32_t p, AttShared& sh,
+                          const float* pk) {
+    cg::cluster_group cluster = cg::this_cluster();
+    bf16* out = a.out + ((size_t)it.row * a.hq + it.h0) * a.d;
+    const bf16* gate = a.qkv + (size_t)it.row * a.row_stride + (size_t)it.h0 * a.q_head_stride + a.d;
+    for (uint32_t idx = a.split * ATT_THREADS + threadIdx.x; idx < a.hb * a.d; idx += ATT_SPLITS * ATT_THREADS) {
+        if (it.ctx == 0) {
+            out[idx] = bf16_nan();
+            continue;
+        }
+        const uint32_t h = idx / a.d, e = idx % a.d;
+        float ms[ATT_SPLITS], ls[ATT_SPLITS], ps[ATT_SPLITS];
+#pragma unroll
+        for (int s = 0; s < ATT_SPLITS; ++s) {
+            ms[s] = cluster.map_shared_rank(&sh.cm[p][0], s)[h];
+            ls[s] = cluster.map_shared_rank(&sh.cl[p][0], s)[h];
+            ps[s] = cluster.map_shared_rank(pk, s)[h * DP + e];
+        }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int s = 0; s < ATT_SPLITS; ++s) mx = fmaxf(mx, ms[s]);
+        float num = 0.0f, den = 0.0f;
+#pragma unroll
+        for (int s = 0; s < ATT_SPLITS; ++s) {
+            const float wt = ms[s] == -INFINITY ? 0.0f : exp2f(ms[s] - mx);
+            num += wt * ps[s];
+            den += wt * ls[s];
+        }
+        float val = num / den;
+        if (a.gated) val *= sigmoidf_acc(bf2f(gate[(size_t)h * a.q_head_stride + e]));
+        out[(size_t)h * a.d + e] = f2bf(val);
+    }
+}
+
+// Where a warp's stream of units stands: unit `i` of the warp's units of item `k`, with the
+// block-table entries of its 16 tokens already requested (lanes 0..15).
+struct AttCursor {
+    uint32_t k, i, entry;
+    AttItem it;
+};
+
+template <int DP>
+MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
+    constexpr uint32_t STAGE_ELEMS = (ATT_HB + 2 * ATT_UNIT) * (DP + 8);
+    const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const uint32_t g = lane >> 2, c = lane & 3;
+    bf16* ring = reinterpret_cast<bf16*>(dyn) + (size_t)warp * ATT_STAGES * STAGE_ELEMS;
+    float* ow = reinterpret_cast<float*>(dyn + ATT_WARPS * ATT_STAGES * STAGE_ELEMS * 2);  // [W][hb][DP]
+    float* part = ow + ATT_WARPS * a.hb * DP;  // [2][hb][DP], by item parity (read by the cluster)
+    // Query rows past hb and dimensions past head_dim are never copied: zero them once.
+    for (uint32_t i = lane; i < ATT_STAGES * STAGE_ELEMS / 8; i += 32)
+        store16(ring + 8 * i, make_uint4(0, 0, 0, 0));
+    __syncwarp();
+
+    // The warp's stream of units over the cluster's items runs ATT_STAGES units ahead of the
+    // computing, across items; each unit's block-table entries are read one unit earlier still.
+    AttCursor f;
+    f.k = 0;
+    f.i = 0;
+    f.entry = 0;
+    if (a.nk > 0) f.it = att_item(a, 0, sh.seq, sh.ctx, warp);
+    auto settle = [&]() {  // move to the next unit that exists and read its table entries
+        while (f.k < a.nk && f.i >= f.it.mine) {
+            ++f.k;
+            f.i = 0;
+            if (f.k < a.nk) f.it = att_item(a, f.k, sh.seq, sh.ctx, warp);
+        }
+        if (f.k < a.nk) {
+            const uint32_t t = (f.it.first + ATT_WARPS * f.i) * ATT_UNIT + lane;
+            f.entry = lane < ATT_UNIT && t < f.it.ctx
+                          ? a.block_tables[(size_t)f.it.seq * a.max_blocks + t / a.block_size]
+                          : 0u;
+        }
+    };
+    uint32_t bad_bits = 0;
+    auto issue_next = [&](uint32_t st) {
+        if (f.k < a.nk) {
+            const bool bad = att_issue<DP>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry,
+                                           ring + st * STAGE_ELEMS, lane);
+            bad_bits = (bad_bits & ~(1u << st)) | ((bad ? 1u : 0u) << st);
+            ++f.i;
+            settle();
+        }
+        cp_async_commit();
+    };
+    settle();
+#pragma unroll
+    for (uint32_t st = 0; st < ATT_STAGES; ++st) issue_next(st);
+
+    // Per item: the warps' units, then (once every block has arrived for the item before) the
+    // cluster's combine and output of the item before, then the block's combine of this item
+    // and an arrival; the cluster waits one item late, so no block idles at the barrier.
+    uint32_t consumed = 0;
+    AttItem prev;
+    prev.ctx = 0;
+    for (uint32_t k = 0; k < a.nk; ++k) {
+        const AttItem it = att_item(a, k, sh.seq, sh.ctx, warp);
+        float o[DP / 8][2];
+#pragma unroll
+        for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = 0.0f;
+        float m = -INFINITY, l = 0.0f;
+        bool bad = false;
+        for (uint32_t i = 0; i < it.mine; ++i) {
+            cp_async_wait<ATT_STAGES - 1>();
+            __syncwarp();
+            const uint32_t st = consumed % ATT_STAGES;
+            att_unit<DP>(ring + st * STAGE_ELEMS, it.first + ATT_WARPS * i, it.ctx, a.scale_log2, lane, o, m, l);
+            bad = bad || ((bad_bits >> st) & 1u) != 0;
+            __syncwarp();
+            issue_next(st);
+            ++consumed;
+        }
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+
+        const uint32_t p = k & 1;
+        if (k > 0) {
+            // Every block has combined item k - 1, and so has read all of item k - 2 (whose
+            // buffers, of parity p, this item reuses).
+            att_cluster_wait();
+            att_output<DP>(a, prev, p ^ 1u, sh, part + (p ^ 1u) * a.hb * DP);
+            if (tid == 0) sh.bad[p ^ 1u] = 0;
+        }
+
+        // The block's warps in warp order.
+        float* pk = part + p * a.hb * DP;
+        if (g < a.hb) {
+#pragma unroll
+            for (int n = 0; n < DP / 8; ++n) {
+                ow[(warp * a.hb + g) * DP + 8 * n + 2 * c] = o[n][0];
+                ow[(warp * a.hb + g) * DP + 8 * n + 2 * c + 1] = o[n][1];
+            }
+            if (c == 0) {
+                sh.wm[warp][g] = m;
+                sh.wl[warp][g] = l;
+            }
+        }
+        if (bad && lane == 0) sh.bad[p] = 1;
+        __syncthreads();
+        for (uint32_t idx = tid; idx < a.hb * DP; idx += ATT_THREADS) {
+            const uint32_t h = idx / DP;
+            float mx = -INFINITY;
+#pragma unroll
+            for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, sh.wm[w][h]);
+            float num = 0.0f, den = 0.0f;
+#pragma unroll
+            for (int w = 0; w < ATT_WARPS; ++w) {
+                const float wt = sh.wm[w][h] == -INFINITY ? 0.0f : exp2f(sh.wm[w][h] - mx);
+                num += wt * ow[w * a.hb * DP + idx];
+                den += wt * sh.wl[w][h];
+            }
+            pk[idx] = num;
+            if (idx % DP == 0) {
+                sh.cm[p][h] = mx;
+                sh.cl[p][h] = sh.bad[p] ? __int_as_float(0x7FFFFFFF) : den;
+            }
+        }
+        att_cluster_arrive();
+        prev = it;
+    }
+    cp_async_wait<0>();
+    if (a.nk > 0) {
+        att_cluster_wait();
+        const uint32_t p = (a.nk - 1) & 1;
+        att_output<DP>(a, prev, p, sh, part + p * a.hb * DP);
+    }
+    // Keep this block's shared memory alive until every block of the cluster has read it.
+    att_cluster_arrive();
+    att_cluster_wait();
+}
+
 // paged_attention(out: bf16 [rows, num_q_heads * head_dim], qkv: bf16 [rows, row_stride],
 // k_cache, v_cache: bf16 [num_slots, num_kv_heads, head_dim], block_tables: u32 [num_seqs,
 // max_blocks], row_seq: u32 [rows], positions: u32 [rows], rows, row_stride, q_head_stride,
 // num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_seqs, num_slots, scale, gated).
-extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATT_THREADS, 2)
+extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATT_THREADS)
     paged_attention(bf16* __restrict__ out, const bf16* __restrict__ qkv,
                     const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
                     const uint32_t* __restrict__ block_tables,
@@ -62,285 +482,68 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
                     uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
                     uint32_t block_size, uint32_t max_blocks, uint32_t num_seqs,
                     uint32_t num_slots, float scale, uint32_t gated) {
-    // Queries in f32; after the tile loop, the block's combined (unnormalised) partial.
-    __shared__ __align__(16) float q_s[ATT_HB * ATT_MAX_D];
-    __shared__ float p_s[ATT_HB * ATT_TILE];
-    __shared__ uint32_t slot_s[ATT_TILE];
-    extern __shared__ __align__(16) unsigned char att_dyn[];  // ATT_KV_STAGE bytes
-    float* part_s = reinterpret_cast<float*>(att_dyn);        // after the tile loop
-    __shared__ float ml_s[2 * ATT_HB];  // running max, then running sum, per head
-    __shared__ int bad_s;
+    extern __shared__ __align__(16) unsigned char att_dyn[];
+    __shared__ AttShared sh;
 
-    const uint32_t split = blockIdx.x % ATT_SPLITS;
-    const uint32_t hb = att_heads_per_block(num_q_heads, num_kv_heads);
-    const uint32_t h0 = (blockIdx.x / ATT_SPLITS) * hb, r = blockIdx.y;
-    // Uniform over the cluster (same h0 and r), so no block waits at a cluster barrier alone.
-    if (h0 >= num_q_heads || r >= rows) return;
-    const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-    const uint32_t d = head_dim;
-    const uint32_t cluster_threads = ATT_SPLITS * blockDim.x;
-    bf16* o = out + ((size_t)r * num_q_heads + h0) * d;
-
-    const uint32_t seq = row_seq[r];
-    const uint32_t ctx_len = positions[r] + 1;
-    const bool vec = d % 8 == 0 && d <= ATT_VEC_MAX_D && aligned16(k_cache) && aligned16(v_cache);
-    // Value layout: `units` threads cover a head (8 contiguous dims each on the vector path, else
-    // dims u, u + units, ...), `groups` copies of them take the tile's tokens round-robin.
-    const uint32_t units = vec ? d / 8 : (d < blockDim.x ? d : blockDim.x);
-    const uint32_t groups = units > 0 ? blockDim.x / units : 0;
-    const uint32_t per = vec ? 8 : (units > 0 ? (d + units - 1) / units : 0);
-    const bool shape_ok = num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && d > 0 &&
-                          d <= ATT_MAX_D && block_size > 0 && seq < num_seqs && ctx_len != 0 &&
-                          (ctx_len + block_size - 1) / block_size <= max_blocks &&
-                          blockDim.x % 32 == 0 && blockDim.x <= ATT_THREADS && per <= 8 &&
-                          groups * hb * d <= ATT_PART;
-    if (!shape_ok) {
-        for (uint32_t i = split * blockDim.x + tid; i < hb * d; i += cluster_threads) o[i] = bf16_nan();
+    AttLaunch a;
+    a.out = out;
+    a.qkv = qkv;
+    a.k_cache = k_cache;
+    a.v_cache = v_cache;
+    a.block_tables = block_tables;
+    a.row_stride = row_stride;
+    a.q_head_stride = q_head_stride;
+    a.hq = num_q_heads;
+    a.d = head_dim;
+    a.block_size = block_size;
+    a.max_blocks = max_blocks;
+    a.num_slots = num_slots;
+    a.hb = att_heads_per_block(num_q_heads, num_kv_heads);
+    a.group = num_kv_heads > 0 ? num_q_heads / num_kv_heads : 1;
+    a.groups = num_q_heads / a.hb;
+    a.n_items = rows * a.groups;
+    a.n_clusters = gridDim.x / ATT_SPLITS;
+    a.cluster = blockIdx.x / ATT_SPLITS;
+    a.split = blockIdx.x % ATT_SPLITS;
+    a.nk = a.cluster < a.n_items ? (a.n_items - a.cluster + a.n_clusters - 1) / a.n_clusters : 0;
+    a.width = (size_t)num_kv_heads * head_dim;
+    a.scale_log2 = scale * ATT_LOG2E;
+    a.gated = gated != 0;
+    a.vec = head_dim % 8 == 0 && q_head_stride % 8 == 0 && row_stride % 8 == 0 &&
+            aligned16(qkv) && aligned16(k_cache) && aligned16(v_cache);
+    const uint32_t dp = att_padded_dim(head_dim);
+    uint32_t dyn_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
+    // Uniform over the launch, so every block of a cluster takes the same path.
+    const bool launch_ok = num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && head_dim > 0 &&
+                           head_dim <= ATT_MAX_D && block_size > 0 && blockDim.x == ATT_THREADS &&
+                           gridDim.y == 1 &&
+                           (a.n_items + a.n_clusters - 1) / a.n_clusters <= ATT_MAX_ITEMS &&
+                           dyn_bytes >= att_shared_bytes(dp, a.hb);
+    if (!launch_ok) {
+        if (num_q_heads == 0) return;
+        for (uint32_t k = 0; k < a.nk; ++k) {
+            const uint32_t n = a.cluster + k * a.n_clusters;
+            att_nan_item(a, n / a.groups, (n % a.groups) * a.hb);
+        }
         return;
     }
-    const uint32_t group = num_q_heads / num_kv_heads;
-    const size_t width = (size_t)num_kv_heads * d;
-    const size_t kv_at = (size_t)(h0 / group) * d;
-    const bf16* qrow = qkv + (size_t)r * row_stride;
-    const uint32_t* table = block_tables + (size_t)seq * max_blocks;
-    const uint32_t chunk = (ctx_len + ATT_SPLITS - 1) / ATT_SPLITS;
-    const uint32_t t_begin = min(ctx_len, split * chunk);
-    const uint32_t t_end = min(ctx_len, t_begin + chunk);
-    // Tokens per tile: the vector path stages a tile's keys and values in `att_dyn`.
-    const uint32_t tile = vec ? min((uint32_t)ATT_TILE, (uint32_t)ATT_KV_STAGE / (4 * d)) : ATT_TILE;
-    uint4* k_s = reinterpret_cast<uint4*>(att_dyn);  // [tile][d / 8]
-    uint4* v_s = k_s + (size_t)tile * (d / 8);
 
-    for (uint32_t i = tid; i < hb * d; i += blockDim.x)
-        q_s[i] = bf2f(qrow[(size_t)(h0 + i / d) * q_head_stride + i % d]);
-    if (tid == 0) bad_s = 0;
-
-    // Score layout: `lpt` lanes per token (a power of two), `tpw` tokens per warp.
-    const uint32_t nvec = vec ? d / 8 : d;
-    uint32_t lpt = 1;
-    while (lpt < nvec && lpt < 32) lpt <<= 1;
-    const uint32_t tpw = 32 / lpt;
-    const uint32_t sub = lane / lpt, sl = lane % lpt;
-    const uint32_t unit = tid % units, grp = tid / units;
-    const bool v_active = grp < groups;
+    // Each item's sequence and context (0 when the row's inputs are out of range).
+    for (uint32_t k = threadIdx.x; k < a.nk; k += ATT_THREADS) {
+        const uint32_t r = (a.cluster + k * a.n_clusters) / a.groups;
+        const uint32_t seq = row_seq[r], ctx = positions[r] + 1;
+        const bool ok = seq < num_seqs && ctx != 0 && (ctx + block_size - 1) / block_size <= max_blocks;
+        sh.seq[k] = ok ? seq : 0;
+        sh.ctx[k] = ok ? ctx : 0;
+    }
+    if (threadIdx.x == 0) sh.bad[0] = sh.bad[1] = 0;
     __syncthreads();
 
-    // On the vector path each lane owns one 8-dim vector of every query (d <= 256 <= 8 * 32).
-    float qr[ATT_HB][8];
-#pragma unroll
-    for (int j = 0; j < ATT_HB; ++j)
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-            qr[j][e] = (vec && j < (int)hb && sl < nvec) ? q_s[j * d + 8 * sl + e] : 0.0f;
-
-    float m_run[ATT_HB], l_run[ATT_HB], acc[ATT_HB][8];
-#pragma unroll
-    for (int j = 0; j < ATT_HB; ++j) {
-        m_run[j] = -INFINITY;
-        l_run[j] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[j][e] = 0.0f;
+    switch (dp) {
+        case 32: att_run<32>(a, att_dyn, sh); break;
+        case 64: att_run<64>(a, att_dyn, sh); break;
+        case 128: att_run<128>(a, att_dyn, sh); break;
+        default: att_run<256>(a, att_dyn, sh); break;
     }
-
-    for (uint32_t start = t_begin; start < t_end; start += tile) {
-        const uint32_t n_t = min(tile, t_end - start);
-        // 1. Slots of the tile.
-        for (uint32_t i = tid; i < n_t; i += blockDim.x) {
-            const uint32_t t = start + i;
-            const uint64_t slot64 = (uint64_t)table[t / block_size] * block_size + t % block_size;
-            const bool ok = slot64 < num_slots;
-            slot_s[i] = ok ? (uint32_t)slot64 : 0u;
-            if (!ok) bad_s = 1;
-        }
-        __syncthreads();
-        if (vec) {
-            // Keys (group 1), then values (group 2) of the tile into shared memory.
-            const uint32_t nv = d / 8, tile_vecs = n_t * nv;
-            for (uint32_t idx = tid; idx < tile_vecs; idx += blockDim.x)
-                cp_async16(k_s + idx, k_cache + (size_t)slot_s[idx / nv] * width + kv_at + 8 * (idx % nv), 16u);
-            cp_async_commit();
-            for (uint32_t idx = tid; idx < tile_vecs; idx += blockDim.x)
-                cp_async16(v_s + idx, v_cache + (size_t)slot_s[idx / nv] * width + kv_at + 8 * (idx % nv), 16u);
-            cp_async_commit();
-            cp_async_wait<1>();
-            __syncthreads();
-        }
-        // 2. Scores of every head of the block.
-        if (vec) {
-            const uint32_t round = nwarps * tpw;
-            for (uint32_t base = warp * tpw; base < n_t; base += round * ATT_UNROLL) {
-                uint4 kv[ATT_UNROLL];
-#pragma unroll
-                for (int u = 0; u < ATT_UNROLL; ++u) {
-                    const uint32_t i = base + u * round + sub;
-                    kv[u] = (i < n_t && sl < nvec) ? k_s[(size_t)i * nvec + sl] : make_uint4(0, 0, 0, 0);
-                }
-#pragma unroll
-                for (int u = 0; u < ATT_UNROLL; ++u) {
-                    const uint32_t i = base + u * round + sub;
-                    float kf[8];
-                    unpack8(kv[u], kf);
-                    float dot[ATT_HB];
-#pragma unroll
-                    for (int j = 0; j < ATT_HB; ++j) {
-                        dot[j] = 0.0f;
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) dot[j] += qr[j][e] * kf[e];
-                        for (uint32_t off = lpt / 2; off > 0; off >>= 1)
-                            dot[j] += __shfl_xor_sync(0xffffffffu, dot[j], off);
-                    }
-                    if (i < n_t && sl == 0) {
-#pragma unroll
-                        for (int j = 0; j < ATT_HB; ++j)
-                            if (j < (int)hb) p_s[j * ATT_TILE + i] = dot[j] * scale;
-                    }
-                }
-            }
-        } else {
-            for (uint32_t base = warp * tpw; base < n_t; base += nwarps * tpw) {
-                const uint32_t i = base + sub;
-                const bf16* k = k_cache + (size_t)(i < n_t ? slot_s[i] : 0u) * width + kv_at;
-                for (uint32_t j = 0; j < hb; ++j) {
-                    float dot = 0.0f;
-                    if (i < n_t)
-                        for (uint32_t e = sl; e < d; e += lpt) dot += q_s[j * d + e] * bf2f(k[e]);
-                    for (uint32_t off = lpt / 2; off > 0; off >>= 1)
-                        dot += __shfl_xor_sync(0xffffffffu, dot, off);
-                    if (i < n_t && sl == 0) p_s[j * ATT_TILE + i] = dot * scale;
-                }
-            }
-        }
-        __syncthreads();
-        // 3. Tile max and probabilities per head; every warp computes the same values.
-        float m_new[ATT_HB], corr[ATT_HB];
-#pragma unroll
-        for (int j = 0; j < ATT_HB; ++j) {
-            float mx = -INFINITY;
-            if (j < (int)hb)
-                for (uint32_t i = lane; i < n_t; i += 32) mx = fmaxf(mx, p_s[j * ATT_TILE + i]);
-            mx = warp_max(mx);
-            m_new[j] = fmaxf(m_run[j], mx);
-            corr[j] = j < (int)hb ? expf(m_run[j] - m_new[j]) : 0.0f;
-        }
-        __syncthreads();
-        for (uint32_t idx = tid; idx < hb * n_t; idx += blockDim.x) {
-            const uint32_t j = idx / n_t, i = idx % n_t;
-            float mj = m_new[0];
-#pragma unroll
-            for (int jj = 1; jj < ATT_HB; ++jj)
-                if ((uint32_t)jj == j) mj = m_new[jj];
-            p_s[j * ATT_TILE + i] = expf(p_s[j * ATT_TILE + i] - mj);
-        }
-        __syncthreads();
-#pragma unroll
-        for (int j = 0; j < ATT_HB; ++j) {
-            float sum = 0.0f;
-            if (j < (int)hb)
-                for (uint32_t i = lane; i < n_t; i += 32) sum += p_s[j * ATT_TILE + i];
-            sum = warp_sum(sum);
-            l_run[j] = l_run[j] * corr[j] + sum;
-            m_run[j] = m_new[j];
-        }
-        // 4. Values.
-        if (vec) {
-            cp_async_wait<0>();
-            __syncthreads();
-        }
-        if (v_active) {
-#pragma unroll
-            for (int j = 0; j < ATT_HB; ++j)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[j][e] *= corr[j];
-            if (vec) {
-                for (uint32_t i0 = grp; i0 < n_t; i0 += groups * ATT_UNROLL) {
-                    uint4 vv[ATT_UNROLL];
-#pragma unroll
-                    for (int u = 0; u < ATT_UNROLL; ++u) {
-                        const uint32_t i = i0 + u * groups;
-                        vv[u] = i < n_t ? v_s[(size_t)i * (d / 8) + unit] : make_uint4(0, 0, 0, 0);
-                    }
-#pragma unroll
-                    for (int u = 0; u < ATT_UNROLL; ++u) {
-                        const uint32_t i = i0 + u * groups;
-                        if (i >= n_t) break;
-                        float vf[8];
-                        unpack8(vv[u], vf);
-#pragma unroll
-                        for (int j = 0; j < ATT_HB; ++j) {
-                            if (j >= (int)hb) break;
-                            const float p = p_s[j * ATT_TILE + i];
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) acc[j][e] += p * vf[e];
-                        }
-                    }
-                }
-            } else {
-                for (uint32_t i = grp; i < n_t; i += groups) {
-                    const bf16* v = v_cache + (size_t)slot_s[i] * width + kv_at;
-#pragma unroll
-                    for (int j = 0; j < ATT_HB; ++j) {
-                        if (j >= (int)hb) break;
-                        const float p = p_s[j * ATT_TILE + i];
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) {
-                            const uint32_t dim = unit + e * units;
-                            if (e < (int)per && dim < d) acc[j][e] += p * bf2f(v[dim]);
-                        }
-                    }
-                }
-            }
-        }
-        __syncthreads();
-    }
-
-    // Combine the value groups in group order into this range's partial (kept in q_s).
-    if (v_active) {
-#pragma unroll
-        for (int j = 0; j < ATT_HB; ++j) {
-            if (j >= (int)hb) break;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const uint32_t dim = vec ? 8 * unit + e : unit + e * units;
-                if (e < (int)per && dim < d) part_s[(grp * hb + j) * d + dim] = acc[j][e];
-            }
-        }
-    }
-    __syncthreads();
-    for (uint32_t idx = tid; idx < hb * d; idx += blockDim.x) {
-        const uint32_t j = idx / d, e = idx % d;
-        float a = 0.0f;
-        for (uint32_t g = 0; g < groups; ++g) a += part_s[(g * hb + j) * d + e];
-        q_s[idx] = a;
-    }
-    if (tid == 0) {
-#pragma unroll
-        for (int j = 0; j < ATT_HB; ++j) {
-            ml_s[j] = m_run[j];
-            ml_s[ATT_HB + j] = l_run[j];
-        }
-    }
-
-    // Combine the ranges across the cluster in range order; the cluster's threads share the
-    // hb * d outputs.
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();
-    for (uint32_t idx = split * blockDim.x + tid; idx < hb * d; idx += cluster_threads) {
-        const uint32_t j = idx / d, e = idx % d;
-        float mx = -INFINITY;
-        for (uint32_t s = 0; s < ATT_SPLITS; ++s) mx = fmaxf(mx, cluster.map_shared_rank(ml_s, s)[j]);
-        float num = 0.0f, den = 0.0f;
-        bool bad = false;
-        for (uint32_t s = 0; s < ATT_SPLITS; ++s) {
-            const float ms = cluster.map_shared_rank(ml_s, s)[j];
-            const float w = ms == -INFINITY ? 0.0f : expf(ms - mx);
-            den += w * cluster.map_shared_rank(ml_s, s)[ATT_HB + j];
-            num += w * cluster.map_shared_rank(q_s, s)[idx];
-            bad = bad || *cluster.map_shared_rank(&bad_s, s) != 0;
-        }
-        float val = num / den;
-        if (gated) val *= sigmoidf_acc(bf2f(qrow[(size_t)(h0 + j) * q_head_stride + d + e]));
-        o[(size_t)j * d + e] = bad ? bf16_nan() : f2bf(val);
-    }
-    // Keep this block's shared memory alive until every block of the cluster has read it.
-    cluster.sync();
 }

@@ -34,14 +34,24 @@ const SILU_THREADS: u32 = 128;
 /// into `kernels/attention.cu`. Fixed, so a row's result depends on its context alone.
 pub const ATTENTION_SPLITS: u32 = 8;
 
-/// Threads per block of `paged_attention` (`ATT_THREADS`).
-const ATTENTION_THREADS: u32 = 256;
+/// Warps per block of `paged_attention` (`ATT_WARPS`).
+const ATTENTION_WARPS: u32 = 4;
 
 /// Most query heads one `paged_attention` cluster computes (`ATT_HB`).
-const ATTENTION_HEADS_PER_BLOCK: u32 = 4;
+const ATTENTION_HEADS_PER_BLOCK: u32 = 8;
 
-/// Dynamic shared memory of `paged_attention` (`ATT_KV_STAGE`): a tile's keys and values.
-const ATTENTION_KV_STAGE: u32 = 80 * 1024;
+/// Units (of `ATT_UNIT` = 16 tokens) each warp of `paged_attention` keeps in flight
+/// (`ATT_STAGES`).
+const ATTENTION_STAGES: u32 = 2;
+
+/// Most (row, head group) items one `paged_attention` cluster takes (`ATT_MAX_ITEMS`).
+const ATTENTION_MAX_ITEMS: u32 = 64;
+
+/// `paged_attention` clusters resident at once on the H200 (clusters of 8 inside a GPC), up to
+/// head_dim 128 (two blocks per multiprocessor) and above (one): measured, 2026-11-30, as the
+/// largest counts before a cluster must wait for another to finish (30 -> 31 took a batch-32
+/// launch from 63 to 97 us; 15 -> 16 at head_dim 256 from 82 to 136 us).
+const ATTENTION_CLUSTERS: [u32; 2] = [30, 15];
 
 macro_rules! kernel_table {
     ($($field:ident => ($module:literal, $name:literal)),* $(,)?) => {
@@ -393,14 +403,20 @@ impl Ops {
         )
     }
 
-    /// Causal paged attention: a cluster of `ATTENTION_SPLITS` blocks per (row, group of query
-    /// heads sharing a key/value head), each block one contiguous range of the context.
+    /// Causal paged attention: clusters of `ATTENTION_SPLITS` blocks, each cluster looping over
+    /// (row, group of query heads sharing a key/value head) items; block `s` of a cluster takes
+    /// range `s` of the item's context.
     pub fn paged_attention(&self, s: StreamHandle, p: &PagedAttention) -> GpuResult<()> {
-        let groups = p.num_q_heads / attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
+        let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
+        let items = p.rows * (p.num_q_heads / hb);
         self.go(
             self.k.paged_attention,
-            LaunchConfig::grid2(ATTENTION_SPLITS * groups, p.rows, ATTENTION_THREADS)
-                .with_shared(ATTENTION_KV_STAGE),
+            LaunchConfig::grid2(
+                ATTENTION_SPLITS * attention_clusters(items, p.head_dim),
+                1,
+                32 * ATTENTION_WARPS,
+            )
+            .with_shared(attention_shared_bytes(p.head_dim, hb)),
             &[
                 p.out.into(),
                 p.qkv.into(),
@@ -608,6 +624,39 @@ fn linear_geometry(m: u32, n: u32) -> LaunchConfig {
             .with_shared(4 * (128 + 64) * 32 * 2),
     };
     config.with_programmatic()
+}
+
+/// Dynamic shared memory of `paged_attention` (`att_shared_bytes` in `kernels/attention.cu`):
+/// every warp's ring of `ATTENTION_STAGES` stages, each 8 query rows, 16 key rows and 16 value
+/// rows of the padded head dimension plus 8 bf16; then f32 partials for the warps and two for
+/// the block. 99,328 bytes at head_dim 128 and 4 heads per block (two blocks per
+/// multiprocessor), 193,536 at 256.
+fn attention_shared_bytes(head_dim: u32, heads_per_block: u32) -> u32 {
+    let padded = attention_padded_dim(head_dim);
+    ATTENTION_WARPS * ATTENTION_STAGES * (8 + 2 * 16) * (padded + 8) * 2
+        + (ATTENTION_WARPS + 2) * heads_per_block * padded * 4
+}
+
+/// The head dimension padded to the tensor-core tile `paged_attention` runs (`att_padded_dim`).
+fn attention_padded_dim(head_dim: u32) -> u32 {
+    match head_dim {
+        0..=32 => 32,
+        33..=64 => 64,
+        65..=128 => 128,
+        _ => 256,
+    }
+}
+
+/// Clusters of `paged_attention` for `items` (row, head group) items: as many as are resident
+/// at once (each loops over items cluster, cluster + clusters, ...), more when that would give a
+/// cluster over `ATTENTION_MAX_ITEMS`. Which cluster computes an item never changes the item's
+/// result.
+fn attention_clusters(items: u32, head_dim: u32) -> u32 {
+    let resident = ATTENTION_CLUSTERS[usize::from(attention_padded_dim(head_dim) > 128)];
+    items
+        .min(resident)
+        .max(items.div_ceil(ATTENTION_MAX_ITEMS))
+        .max(1)
 }
 
 /// Query heads per `paged_attention` cluster, as `att_heads_per_block` in

@@ -379,6 +379,119 @@ fn paged_attention_matches_over_shuffled_blocks_with_gqa_and_gates() {
         rows: vec![(0, 1024), (1, 1024), (2, 4), (3, 8), (0, 7)],
     };
     attention_case(&p, &mut rng, &decode, "hq=32 hkv=8 d=128 decode ctx 1025");
+    // The gated attention of Qwen3.5-9B: 16 / 4 heads of 256; 3000 tokens give each warp more
+    // units than its ring has stages.
+    let gated_long = AttnCase {
+        hq: 16,
+        hkv: 4,
+        d: 256,
+        gated: true,
+        seq_lens: vec![3000, 1025],
+        rows: vec![(0, 2999), (1, 1024), (0, 5), (1, 16)],
+    };
+    attention_case(
+        &p,
+        &mut rng,
+        &gated_long,
+        "hq=16 hkv=4 d=256 gated ctx 3000",
+    );
+    attention_case(
+        &p,
+        &mut rng,
+        &mixed(4, 2, 32, false),
+        "hq=4 hkv=2 d=32 (padded tile)",
+    );
+}
+
+/// CUDA alone: a row's output is bitwise the same launched alone or beside other rows (good and
+/// bad), and rows whose inputs are out of range (a position past `max_blocks`, a block past the
+/// pool) come out all NaN without touching the others.
+#[test]
+fn paged_attention_rows_are_batch_invariant_and_bad_rows_are_nan() {
+    let p = Pair::new();
+    let mut rng = Rng::new(16);
+    let (hq, hkv, d, block_size) = (8u32, 2u32, 128u32, 16u32);
+    let max_blocks = 40u32;
+    let num_blocks = 2 * max_blocks;
+    let num_slots = num_blocks * block_size;
+    let width = (hkv * d) as usize;
+    let k_cache = p.upload(&rng.bf16s(num_slots as usize * width, -2.0, 2.0));
+    let v_cache = p.upload(&rng.bf16s(num_slots as usize * width, -2.0, 2.0));
+    // Sequence 0 owns the odd blocks in reverse; sequence 1 names a block past the pool.
+    let mut tables: Vec<u32> = (0..max_blocks).map(|b| num_blocks - 1 - 2 * b).collect();
+    tables.extend((0..max_blocks).map(|b| if b == 3 { num_blocks + 7 } else { 2 * b }));
+    let tables = p.upload(&tables);
+    let row_stride = hq * d + 2 * width as u32;
+    // (sequence, position) of each row: two good rows, a position past max_blocks, a bad block.
+    let all = [
+        (0u32, 613u32),
+        (0, 77),
+        (0, max_blocks * block_size + 5),
+        (1, 100),
+    ];
+    let qkv_all = rng.bf16s(all.len() * row_stride as usize, -2.0, 2.0);
+    let run = |rows: &[usize]| -> Vec<u16> {
+        let mut qkv = Vec::new();
+        for &r in rows {
+            qkv.extend_from_slice(&qkv_all[r * row_stride as usize..(r + 1) * row_stride as usize]);
+        }
+        let qkv = p.upload(&qkv);
+        let row_seq = p.upload(&rows.iter().map(|&r| all[r].0).collect::<Vec<_>>());
+        let positions = p.upload(&rows.iter().map(|&r| all[r].1).collect::<Vec<_>>());
+        let out = p.poisoned(rows.len() * (hq * d) as usize * 2);
+        p.run_gpu(|o, at| {
+            o.paged_attention(
+                S,
+                &PagedAttention {
+                    out: at(&out),
+                    qkv: at(&qkv),
+                    k_cache: at(&k_cache),
+                    v_cache: at(&v_cache),
+                    block_tables: at(&tables),
+                    row_seq: at(&row_seq),
+                    positions: at(&positions),
+                    rows: rows.len() as u32,
+                    row_stride,
+                    q_head_stride: d,
+                    num_q_heads: hq,
+                    num_kv_heads: hkv,
+                    head_dim: d,
+                    block_size,
+                    max_blocks,
+                    num_seqs: 2,
+                    num_slots,
+                    scale: 1.0 / (d as f32).sqrt(),
+                    gated: false,
+                },
+            )
+        });
+        p.download_gpu::<u16>(&out)
+    };
+    let n = (hq * d) as usize;
+    let batched = run(&[2, 0, 3, 1]);
+    // Written NaN, not the 0xFFFF poison left where nothing was written.
+    let is_nan = |b: &u16| *b != 0xFFFF && (b & 0x7F80) == 0x7F80 && (b & 0x7F) != 0;
+    for (at, row) in [(0usize, 2usize), (2, 3)] {
+        assert!(
+            batched[at * n..(at + 1) * n].iter().all(is_nan),
+            "row {row} (out of range) is all NaN"
+        );
+    }
+    for (at, row) in [(1usize, 0usize), (3, 1)] {
+        let alone = run(&[row]);
+        assert!(
+            alone.iter().all(|b| !is_nan(b)),
+            "row {row} alone is finite"
+        );
+        assert!(
+            batched[at * n..(at + 1) * n] == alone[..],
+            "row {row}: batched beside bad rows differs bitwise from alone"
+        );
+    }
+    println!(
+        "kernel-check {:<18} {:<44} batch-invariant, bad rows NaN ok",
+        "paged_attention", "rows alone vs beside bad rows"
+    );
 }
 
 /// `x [m, k]`, `w [n, k]` scaled so outputs are of order one.
@@ -710,4 +823,10 @@ fn a_captured_step_replays_bitwise_like_eager_with_new_inputs() {
 #[ignore = "a measurement, not a check: run.sh runs it with --ignored"]
 fn measure_linear_against_rooflines() {
     bench::measure_linear();
+}
+
+#[test]
+#[ignore = "a measurement, not a check: run.sh runs it with --ignored"]
+fn measure_attention_against_its_kv_floor() {
+    bench::measure_attention();
 }

@@ -1,12 +1,15 @@
-//! A measurement, not a check: `linear`'s speed at decode and prefill shapes beside its ceilings
-//! (device-to-device copy bandwidth measured in the same run, and the H200's dense bf16 rate).
-//! Run by `run.sh` as the ignored test `measure_linear_against_rooflines`; timed with device
-//! events after a warm-up, median of several runs, weights rotated so L2 cannot serve repeats.
+//! Measurements, not checks: `linear`'s speed at decode and prefill shapes beside its ceilings
+//! (device-to-device copy bandwidth measured in the same run, and the H200's dense bf16 rate),
+//! and `paged_attention`'s at decode batches beside the bytes of KV cache it must read. Run by
+//! `run.sh` as the ignored tests `measure_linear_against_rooflines` and
+//! `measure_attention_against_its_kv_floor`; timed with device events after a warm-up, median of
+//! several runs, weights and KV caches rotated so L2 cannot serve repeats.
 
 use std::sync::Arc;
 
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuBackendExt};
 use metrale_model_layers::Ops;
+use metrale_model_layers::ops::PagedAttention;
 
 use super::harness::{Rng, S, TestCuda};
 
@@ -34,11 +37,8 @@ fn time_ms(gpu: &dyn GpuBackend, reps: usize, mut f: impl FnMut(usize)) -> f64 {
     times[reps / 2]
 }
 
-pub fn measure_linear() {
-    let gpu: Arc<dyn GpuBackend> = TestCuda::new();
-    let ops = Ops::new(gpu.clone()).expect("kernels resolve");
-    let g = gpu.as_ref();
-
+/// Device-to-device copy bandwidth over 1 GiB, GB/s (read + write): the bandwidth ceiling.
+fn copy_bandwidth(g: &dyn GpuBackend) -> f64 {
     let copy_bytes = 1usize << 30;
     let (src, dst) = (
         g.alloc(copy_bytes).expect("alloc"),
@@ -54,6 +54,14 @@ pub fn measure_linear() {
     );
     g.free(src).expect("free");
     g.free(dst).expect("free");
+    copy_gbs
+}
+
+pub fn measure_linear() {
+    let gpu: Arc<dyn GpuBackend> = TestCuda::new();
+    let ops = Ops::new(gpu.clone()).expect("kernels resolve");
+    let g = gpu.as_ref();
+    let copy_gbs = copy_bandwidth(g);
 
     let mut rng = Rng::new(12);
     for (m, n, k) in [
@@ -104,5 +112,107 @@ pub fn measure_linear() {
         }
         g.free(x).expect("free");
         g.free(out).expect("free");
+    }
+}
+
+/// Median µs of one launch of `f(i)` (i = 0, 1, ...), from a captured graph of 20 of them
+/// replayed after a warm-up (so each figure includes the in-graph launch gap, as in a step).
+fn time_graph_us(gpu: &dyn GpuBackend, f: impl Fn(usize)) -> f64 {
+    const REPS: usize = 20;
+    gpu.begin_capture(S).expect("capture");
+    (0..REPS).for_each(&f);
+    let graph = gpu.end_capture(S).expect("capture");
+    let ms = time_ms(gpu, 10, |_| gpu.launch_graph(graph, S).expect("replay"));
+    gpu.destroy_graph(graph).expect("destroy graph");
+    ms * 1e3 / REPS as f64
+}
+
+/// `paged_attention` of one layer at decode batches: every row the new token (position 1024, a
+/// context of 1025) of its own sequence, in blocks of 16; the floor is the KV bytes the rows
+/// must read (keys and values of every context token, once) over the copy bandwidth.
+pub fn measure_attention() {
+    let gpu: Arc<dyn GpuBackend> = TestCuda::new();
+    let ops = Ops::new(gpu.clone()).expect("kernels resolve");
+    let g = gpu.as_ref();
+    let copy_gbs = copy_bandwidth(g);
+    let mut rng = Rng::new(13);
+    const BLOCK: u32 = 16;
+    let position = 1024u32;
+    let max_blocks = (position + 1).div_ceil(BLOCK);
+    for (shape, hq, hkv, d, gated) in [
+        ("qwen3-8b", 32u32, 8u32, 128u32, false),
+        ("qwen3.5-9b", 16, 4, 256, true),
+    ] {
+        for batch in [1u32, 8, 32, 64, 128] {
+            let num_slots = batch * max_blocks * BLOCK;
+            let elems = num_slots as u64 * u64::from(hkv * d);
+            // Enough copies of the pools that a graph of launches cannot hit L2 (50 MB).
+            let copies = (320u64 << 20).div_ceil(4 * elems).clamp(1, 64) as usize;
+            let pools: Vec<(DevicePtr, DevicePtr)> = (0..copies)
+                .map(|c| {
+                    let k = g.alloc(2 * elems as usize).expect("alloc");
+                    let v = g.alloc(2 * elems as usize).expect("alloc");
+                    ops.fill_uniform_bf16(S, k, elems, 2 * c as u64, 0.0, 2.0)
+                        .expect("fill");
+                    ops.fill_uniform_bf16(S, v, elems, 2 * c as u64 + 1, 0.0, 2.0)
+                        .expect("fill");
+                    (k, v)
+                })
+                .collect();
+            let q_stride = if gated { 2 * d } else { d };
+            let row_stride = hq * q_stride + 2 * hkv * d;
+            let qkv = g
+                .alloc_upload(&rng.bf16s((batch * row_stride) as usize, -2.0, 2.0), S)
+                .expect("qkv");
+            let tables: Vec<u32> = (0..batch * max_blocks).collect();
+            let block_tables = g.alloc_upload(&tables, S).expect("tables");
+            let row_seq = g
+                .alloc_upload(&(0..batch).collect::<Vec<u32>>(), S)
+                .expect("row_seq");
+            let positions = g
+                .alloc_upload(&vec![position; batch as usize], S)
+                .expect("positions");
+            let out = g.alloc((batch * hq * d) as usize * 2).expect("out");
+            let params = |i: usize| PagedAttention {
+                out,
+                qkv,
+                k_cache: pools[i % copies].0,
+                v_cache: pools[i % copies].1,
+                block_tables,
+                row_seq,
+                positions,
+                rows: batch,
+                row_stride,
+                q_head_stride: q_stride,
+                num_q_heads: hq,
+                num_kv_heads: hkv,
+                head_dim: d,
+                block_size: BLOCK,
+                max_blocks,
+                num_seqs: batch,
+                num_slots,
+                scale: 1.0 / (d as f32).sqrt(),
+                gated,
+            };
+            let us = time_graph_us(g, |i| {
+                ops.paged_attention(S, &params(i)).expect("attention")
+            });
+            let bytes = f64::from(batch) * f64::from(position + 1) * f64::from(hkv * d) * 4.0;
+            let floor_us = bytes / (copy_gbs * 1e3);
+            println!(
+                "bench paged_attention {shape:<10} batch {batch:>3} ctx {}: {us:8.1} us  KV {:7.1} MB  floor {floor_us:7.1} us  {:5.2}x floor  {:5.0} GB/s",
+                position + 1,
+                bytes / 1e6,
+                us / floor_us,
+                bytes / (us * 1e3)
+            );
+            for (k, v) in pools {
+                g.free(k).expect("free");
+                g.free(v).expect("free");
+            }
+            for p in [qkv, block_tables, row_seq, positions, out] {
+                g.free(p).expect("free");
+            }
+        }
     }
 }
