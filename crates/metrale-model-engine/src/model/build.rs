@@ -122,7 +122,8 @@ impl TransformerModel {
                 (dims.rotary_dim as usize / 2).max(1),
             )
             .add("seq_start", DType::U32, s + 1)
-            .add("seq_slot", DType::U32, s);
+            .add("seq_slot", DType::U32, s)
+            .add("row_slot", DType::U32, r);
         if let Some(g) = gdn.filter(|_| ssm.is_some()) {
             let hd = g.heads;
             let (key_dim, value_dim) = (
@@ -181,6 +182,7 @@ impl TransformerModel {
             inv_freq: p("inv_freq"),
             seq_start: p("seq_start"),
             seq_slot: p("seq_slot"),
+            row_slot: p("row_slot"),
             gdn: if ssm.is_some() {
                 GdnBuffers {
                     proj: p("gdn.proj"),

@@ -305,6 +305,7 @@ impl TransformerModel {
             num_seqs: num_seqs as u32,
             max_blocks: self.max_blocks as u32,
             logit_rows: logit_rows.len() as u32,
+            verify: false,
         })
     }
 
