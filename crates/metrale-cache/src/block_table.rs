@@ -62,6 +62,23 @@ impl BlockTable {
         Some(block * block_size as u32 + (pos % block_size) as u32)
     }
 
+    /// Release the blocks wholly past the first `tokens` tokens (the tokens a rejected
+    /// speculation wrote there are dropped), keeping the rest.
+    pub fn truncate(
+        &mut self,
+        tokens: usize,
+        block_size: usize,
+        alloc: &mut BlockAllocator,
+    ) -> Result<(), CacheError> {
+        let keep = tokens.div_ceil(block_size);
+        while self.blocks.len() > keep {
+            if let Some(b) = self.blocks.pop() {
+                alloc.release(b)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Release every block to the allocator and empty the table.
     pub fn release_all(&mut self, alloc: &mut BlockAllocator) -> Result<(), CacheError> {
         for b in self.blocks.drain(..) {
@@ -87,6 +104,22 @@ mod tests {
         assert!(t.ensure(200, 16, &mut alloc).is_err());
         assert_eq!(alloc.num_free(), 5, "a failed ensure allocates nothing");
         t.release_all(&mut alloc).unwrap();
+        assert_eq!(alloc.num_free(), 7);
+    }
+
+    #[test]
+    fn truncate_releases_only_the_blocks_wholly_past_the_kept_tokens() {
+        let mut alloc = BlockAllocator::new(8);
+        let mut t = BlockTable::new();
+        t.ensure(40, 16, &mut alloc).unwrap();
+        assert_eq!(t.blocks(), &[1, 2, 3]);
+        t.truncate(33, 16, &mut alloc).unwrap();
+        assert_eq!(t.blocks(), &[1, 2, 3], "token 32 still lives in block 3");
+        t.truncate(32, 16, &mut alloc).unwrap();
+        assert_eq!(t.blocks(), &[1, 2]);
+        assert_eq!(alloc.num_free(), 5);
+        t.truncate(0, 16, &mut alloc).unwrap();
+        assert!(t.blocks().is_empty());
         assert_eq!(alloc.num_free(), 7);
     }
 }

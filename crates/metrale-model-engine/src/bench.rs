@@ -253,6 +253,7 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
         ),
         max_decode_seqs: max_batch,
         decode_graphs: true,
+        ..ModelOptions::default()
     };
     let mut model = factory::random(c.clone(), options, gpu.clone(), 0x5eed)?;
     let s = gpu.default_stream();

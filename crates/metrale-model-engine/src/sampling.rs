@@ -1,5 +1,6 @@
 //! Host-side sampling from f32 logits: greedy, temperature, top-k and top-p, driven by a seeded
-//! generator so the same seed gives the same tokens.
+//! generator so the same seed gives the same tokens. The distribution and the draw are exposed
+//! apart for the rejection sampling of speculative decoding (`speculative::accept`).
 //!
 //! Invariants:
 //! - Greedy picks the lowest index among the maxima, like the device `argmax`.
@@ -115,12 +116,26 @@ impl Sampler {
         }
     }
 
-    /// Pick a token from one row of logits.
+    /// Pick a token from one row of logits: the greedy token, or a draw from
+    /// [`Sampler::distribution`].
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = self.params;
-        if p.temperature == 0.0 || p.top_k == 1 {
+        if self.is_greedy() {
             return argmax(logits);
         }
+        let dist = self.distribution(logits);
+        self.draw(&dist)
+    }
+
+    /// Whether tokens are picked greedily (temperature 0, or top-k 1): no randomness.
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature == 0.0 || self.params.top_k == 1
+    }
+
+    /// The distribution a non-greedy `sample` draws from: `(token, probability)` by descending
+    /// logit (ties by index), after temperature, top-k and top-p, the probabilities summing to
+    /// one.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
+        let p = self.params;
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
         // Descending by logit, ties by index, so the order is total and deterministic.
         idx.sort_by(|&a, &b| {
@@ -154,15 +169,26 @@ impl Sampler {
             let total: f64 = probs.iter().sum();
             probs.iter_mut().for_each(|q| *q /= total);
         }
+        idx.into_iter().zip(probs).collect()
+    }
+
+    /// The next uniform number in [0, 1) of the sampler's generator.
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.next_f64()
+    }
+
+    /// Draw a token from `dist` (`(token, probability)`, summing to one) with one uniform
+    /// number: the first token whose cumulative probability passes it.
+    pub fn draw(&mut self, dist: &[(u32, f64)]) -> u32 {
         let u = self.rng.next_f64();
         let mut acc = 0.0;
-        for (q, &i) in probs.iter().zip(&idx) {
+        for &(i, q) in dist {
             acc += q;
             if u < acc {
                 return i;
             }
         }
-        idx[idx.len() - 1]
+        dist.last().map_or(0, |&(i, _)| i)
     }
 }
 
