@@ -134,6 +134,11 @@ pub fn write_with_mtp(src: &Path, dst: &Path) {
     safetensors::serialize_to_file(views, None, &path).unwrap();
 }
 
+/// A fixture as it is (no MTP head) on the CPU backend.
+pub fn load_plain(name: &str, options: ModelOptions) -> TransformerModel {
+    factory::load(&fixture(name), options, Arc::new(CpuBackend::default())).unwrap()
+}
+
 /// Generation parameters: `n` tokens, no stop tokens, logits kept.
 pub fn params(n: usize, sampling: SamplingParams) -> GenerateParams {
     GenerateParams {
