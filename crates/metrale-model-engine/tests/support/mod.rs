@@ -15,9 +15,15 @@ use metrale_model_engine::{ModelOptions, TransformerModel, factory};
 /// layer is MoE too).
 pub const HYBRID: &[&str] = &["qwen3_5-tiny", "qwen3_next-tiny", "qwen3_5_moe-tiny"];
 
+/// A fixture of the workspace's `tests/fixtures` (found from this crate's or the workspace's
+/// manifest directory, whichever package includes this module).
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .ancestors()
+        .map(|d| d.join("tests/fixtures"))
+        .find(|d| d.is_dir())
+        .unwrap_or_else(|| manifest.join("../../tests/fixtures"))
         .join(name)
 }
 
