@@ -4,7 +4,6 @@
 
 #![allow(clippy::unwrap_used)]
 
-#[allow(dead_code)]
 #[path = "../crates/metrale-model-engine/tests/support/mod.rs"]
 mod support;
 

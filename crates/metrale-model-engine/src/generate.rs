@@ -133,7 +133,7 @@ pub fn generate_batch(
     on_token: &mut dyn FnMut(usize, u32) -> ControlFlow<()>,
 ) -> Result<Vec<Generation>, ModelError> {
     if model.has_mtp() {
-        let mut drafter = MtpDrafter::default();
+        let mut drafter = MtpDrafter;
         return run_requests(model, requests, Some(&mut drafter), on_token).map(|r| r.0);
     }
     run_requests(model, requests, None, on_token).map(|r| r.0)

@@ -15,9 +15,14 @@ use metrale_model_engine::{ModelOptions, TransformerModel, factory};
 /// layer is MoE too).
 pub const HYBRID: &[&str] = &["qwen3_5-tiny", "qwen3_next-tiny", "qwen3_5_moe-tiny"];
 
-/// A fixture of the workspace's `tests/fixtures` (found from this crate's or the workspace's
-/// manifest directory, whichever package includes this module).
+/// A fixture of the workspace's `tests/fixtures`: under the working directory when there is one
+/// (the GPU bundle runs its tests from the tree's root), else found up from the manifest
+/// directory of whichever package includes this module.
 pub fn fixture(name: &str) -> PathBuf {
+    let here = PathBuf::from("tests/fixtures");
+    if here.is_dir() {
+        return here.join(name);
+    }
     let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     manifest
         .ancestors()
