@@ -322,8 +322,9 @@ fn run_batch(
                 } else {
                     0
                 };
+                // A chain of k drafts writes the head's KV up to position pos + k - 2.
                 l.table
-                    .ensure(l.pos + k + 1, block_size, &mut model.kv_cache().allocator)?;
+                    .ensure(l.pos + k, block_size, &mut model.kv_cache().allocator)?;
                 let mut drafts = d.draft(model, &[l.draft_input(i, 0..n, start, k)])?;
                 l.drafts = drafts.pop().unwrap_or_default();
                 l.drafts.truncate(k);

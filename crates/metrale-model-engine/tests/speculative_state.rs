@@ -1,9 +1,10 @@
 //! The state speculative decoding leaves, on the CPU backend: after a verify step that keeps
 //! `j` of `K` drafts, the sequence's SSM slot holds bitwise the bytes of a sequence that decoded
 //! only the kept tokens, the verify rows' logits are the decode steps' bitwise, and the next
-//! step's logits too (the rejected rows' KV entries and states are never read). And the MTP
+//! step's logits too (the rejected rows' KV entries and states are never read). The MTP
 //! drafter feeds its head as `model::mtp` documents: the row at position `p` reads the token at
-//! `p + 1` and the target's final-norm output of row `p`.
+//! `p + 1` and the target's final-norm output of row `p`. A verify step refuses row slots that
+//! would overwrite a state another sequence reads.
 
 #![allow(clippy::unwrap_used)]
 
@@ -273,4 +274,54 @@ fn the_mtp_head_reads_the_next_token_and_the_target_row_at_each_position() {
             "shifting the {what} by one must change the draft's logits"
         );
     }
+}
+
+#[test]
+fn a_verify_step_refuses_row_slots_that_would_corrupt_a_state() {
+    let mut model = support::load_plain(
+        "qwen3_5-tiny",
+        ModelOptions {
+            speculative: Speculative::External,
+            num_draft_tokens: 2,
+            ..Default::default()
+        },
+    );
+    let (mut a, mut b) = (Seq::new(&mut model, 2), Seq::new(&mut model, 0));
+    a.ensure(&mut model, 8);
+    b.ensure(&mut model, 8);
+    let rows: Vec<StepRow> = (0..4)
+        .map(|t| StepRow {
+            token: 5 + t,
+            position: t % 3,
+            seq: u32::from(t == 3),
+        })
+        .collect();
+    let free = model.alloc_ssm_slot().unwrap().unwrap();
+    model.free_ssm_slot(free).unwrap();
+    let (s0, s1) = (a.spares[0], a.spares[1]);
+    for (slots, why) in [
+        (
+            vec![s0, s0, a.slot, u32::MAX],
+            "two rows keep their state in one slot",
+        ),
+        (
+            vec![s0, s1, b.slot, u32::MAX],
+            "a row writes the slot another sequence reads",
+        ),
+        (
+            vec![s0, free, a.slot, u32::MAX],
+            "a row slot no sequence holds",
+        ),
+        (vec![s0, s1, a.slot], "fewer row slots than rows"),
+    ] {
+        let r = model.verify(&rows, &[&a.table, &b.table], &[a.slot, b.slot], &slots);
+        assert!(r.is_err(), "{why}");
+    }
+    let ok = model.verify(
+        &rows,
+        &[&a.table, &b.table],
+        &[a.slot, b.slot],
+        &[s0, s1, a.slot, b.slot],
+    );
+    assert!(ok.is_ok(), "{ok:?}");
 }
