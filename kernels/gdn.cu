@@ -15,6 +15,14 @@
 //   where a head's Dv columns are cut into W = ceil(Dv / 16) warp tiles of 16 columns, WB warps
 //   per block and G = ceil(W / WB) blocks per (sequence, value head).
 // - gated_rms_norm: grid (rows, Hv), one warp per (row, value head).
+// - conv_state_verify: as conv_state_update. gated_delta_verify: as gated_delta_recurrent.
+//
+// Verify steps (speculative decoding): conv_state_verify and gated_delta_verify take the step's
+// row_slot (u32 [rows]) and write the window / recurrent state after each row r to slot
+// row_slot[r] (none for u32::MAX), reading the sequence's own slot (seq_slot) and writing it only
+// where a row names it; each thread reads all of its input state before it writes any row's, so
+// a row may name its own sequence's slot. Every row is computed bitwise as the decode kernels
+// compute it. A row slot past num_slots is skipped (the CPU twin refuses it).
 //
 // The delta rule. The columns d of a head's state S[c][d] (c < Dk, d < Dv) evolve independently:
 // a token needs only column d of S, k̂, q̂ and v[d]. So a warp owns 16 columns for all Dk rows and
@@ -150,6 +158,50 @@ extern "C" __global__ void conv_state_update(float* __restrict__ conv_state,
     }
 }
 
+// Most conv taps of conv_state_verify (its thread keeps the old window in registers).
+#define GDN_MAX_CONV_HIST 15
+
+// conv_state_verify(conv_state: f32 [num_slots * slot_stride] (in/out), proj: bf16 [rows,
+// proj_width], seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], row_slot: u32 [rows],
+// rows, num_seqs, num_slots, slot_stride, Hk, Dk, Hv, Dv, kernel_size). For row t of a sequence
+// with a row slot, that slot's window becomes the last K-1 inputs of (the sequence's window ++
+// its rows 0..=t): new[i] = x(t + 1 - (K-1) + i). One thread per (sequence, channel); it reads
+// the old window (zeros for padding) into registers before writing any row's. A slot past the
+// pool, or K - 1 > GDN_MAX_CONV_HIST, writes nothing.
+extern "C" __global__ void conv_state_verify(float* __restrict__ conv_state,
+                                             const bf16* __restrict__ proj,
+                                             const uint32_t* __restrict__ seq_start,
+                                             const uint32_t* __restrict__ seq_slot,
+                                             const uint32_t* __restrict__ row_slot, uint32_t rows,
+                                             uint32_t num_seqs, uint32_t num_slots,
+                                             uint32_t slot_stride, uint32_t hk, uint32_t dk,
+                                             uint32_t hv, uint32_t dv, uint32_t kernel_size) {
+    const uint32_t cd = 2 * hk * dk + hv * dv;
+    const uint32_t pw = cd + hv * dv + 2 * hv;
+    const uint32_t s = blockIdx.x;
+    const uint32_t c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (s >= num_seqs || c >= cd || kernel_size == 0 || kernel_size - 1 > GDN_MAX_CONV_HIST) return;
+    bool bad;
+    const float* window = conv_window(conv_state, seq_slot[s], num_slots, slot_stride, bad);
+    if (bad) return;
+    const uint32_t first = min(seq_start[s], rows);
+    const uint32_t end = min(seq_start[s + 1], rows);
+    const uint32_t hist = kernel_size - 1;
+    float old[GDN_MAX_CONV_HIST];
+    for (uint32_t i = 0; i < hist; ++i) old[i] = window ? window[(size_t)i * cd + c] : 0.0f;
+    for (uint32_t r = first; r < end; ++r) {
+        const uint32_t dst = row_slot[r];
+        if (dst == GDN_NO_SLOT || dst >= num_slots) continue;
+        float* out = conv_state + (size_t)dst * slot_stride;
+        const int64_t t = (int64_t)(r - first);
+        for (uint32_t i = 0; i < hist; ++i) {
+            const int64_t u = t + 1 + i - (int64_t)hist;
+            out[(size_t)i * cd + c] =
+                u >= 0 ? bf2f(proj[(size_t)(first + u) * pw + c]) : old[hist + u];
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // q̂, k̂ and the gates.
 
@@ -208,9 +260,18 @@ struct Rule {
     const float* gates;
     const uint32_t* seq_start;
     const uint32_t* seq_slot;
+    // gated_delta_verify: the slot each row's state is kept in (NULL for the other kernels).
+    const uint32_t* row_slot;
     uint32_t rows, num_seqs, num_slots, stride;
     uint32_t hk, dk, hv, dv;
 };
+
+// The slot row r keeps its state in, or NULL: verify steps only (PER_ROW), a real slot only.
+MT_DEVICE float* row_state(const Rule& a, uint32_t r, uint32_t j) {
+    const uint32_t dst = a.row_slot[r];
+    if (dst == GDN_NO_SLOT || dst >= a.num_slots) return nullptr;
+    return a.state + (size_t)dst * a.stride + (size_t)j * a.dk * a.dv;
+}
 
 // What one token of one value head needs, for the rows and columns a fast-path lane owns.
 template <int RPT>
@@ -258,8 +319,9 @@ MT_DEVICE float row_lanes_sum(float v) {
 }
 
 // The fast path: warp tile `w` (columns 16w .. 16w+15) of head j of a sequence with `slot`, over
-// rows first .. end-1. See the header.
-template <int RPT, bool PREFETCH>
+// rows first .. end-1. See the header. PER_ROW (verify): the tile after each row goes to the
+// row's slot, and the sequence's slot is not written back.
+template <int RPT, bool PREFETCH, bool PER_ROW>
 MT_DEVICE void rule_warp(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, uint32_t first,
                          uint32_t end) {
     const uint32_t lane = threadIdx.x & 31;
@@ -313,9 +375,19 @@ MT_DEVICE void rule_warp(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, u
         if (rl == 0 && col_ok)
             *reinterpret_cast<float4*>(a.out + (size_t)r * vd + (size_t)j * a.dv + col0) =
                 make_float4(o[0], o[1], o[2], o[3]);
+        if (PER_ROW && col_ok) {
+            float* kept = row_state(a, r, j);
+            if (kept) {
+#pragma unroll
+                for (int i = 0; i < RPT; ++i)
+                    if (row0 + i < a.dk)
+                        *reinterpret_cast<float4*>(kept + (size_t)(row0 + i) * a.dv + col0) =
+                            make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
+            }
+        }
         if (PREFETCH && r + 1 < end) cur = nxt;
     }
-    if (st && col_ok && first < end) {
+    if (!PER_ROW && st && col_ok && first < end) {
 #pragma unroll
         for (int i = 0; i < RPT; ++i)
             if (row0 + i < a.dk)
@@ -324,7 +396,9 @@ MT_DEVICE void rule_warp(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, u
     }
 }
 
-// The general path: column d of head j, its Dk state entries in a local array.
+// The general path: column d of head j, its Dk state entries in a local array. PER_ROW as in
+// rule_warp.
+template <bool PER_ROW>
 MT_DEVICE void rule_column(const Rule& a, uint32_t j, uint32_t d, uint32_t slot, uint32_t first,
                            uint32_t end) {
     float col[GDN_MAX_DK];
@@ -353,15 +427,20 @@ MT_DEVICE void rule_column(const Rule& a, uint32_t j, uint32_t d, uint32_t slot,
             o = fmaf(col[c], q[c], o);
         }
         a.out[(size_t)r * vd + (size_t)j * dv + d] = o;
+        if (PER_ROW) {
+            float* kept = row_state(a, r, j);
+            if (kept)
+                for (uint32_t c = 0; c < dk; ++c) kept[(size_t)c * dv + d] = col[c];
+        }
     }
-    if (st && first < end)
+    if (!PER_ROW && st && first < end)
         for (uint32_t c = 0; c < dk; ++c) st[(size_t)c * dv] = col[c];
 }
 
 // One block of either rule kernel: (sequence blockIdx.x, value head and column group blockIdx.y).
 // PREFETCH: load the next row's inputs before computing the current one (prefill); the
-// arithmetic is the same either way.
-template <bool PREFETCH>
+// arithmetic is the same either way. PER_ROW: a verify step (see rule_warp).
+template <bool PREFETCH, bool PER_ROW>
 MT_DEVICE void rule_block(const Rule& a) {
     const uint32_t s = blockIdx.x;
     if (s >= a.num_seqs || a.hk == 0 || a.hv == 0 || a.hv % a.hk != 0) return;
@@ -385,17 +464,17 @@ MT_DEVICE void rule_block(const Rule& a) {
                       aligned16(a.qk) && aligned16(a.out);
     if (!fast) {
         for (uint32_t d = col_lo + threadIdx.x; d < col_hi; d += blockDim.x)
-            rule_column(a, j, d, slot, first, end);
+            rule_column<PER_ROW>(a, j, d, slot, first, end);
         return;
     }
     const uint32_t w = grp * wb + warp;
     if (w * GDN_WARP_COLS >= a.dv) return;
     if (a.dk <= 32) {
-        rule_warp<4, PREFETCH>(a, j, w, slot, first, end);
+        rule_warp<4, PREFETCH, PER_ROW>(a, j, w, slot, first, end);
     } else if (a.dk <= 64) {
-        rule_warp<8, PREFETCH>(a, j, w, slot, first, end);
+        rule_warp<8, PREFETCH, PER_ROW>(a, j, w, slot, first, end);
     } else {
-        rule_warp<16, PREFETCH>(a, j, w, slot, first, end);
+        rule_warp<16, PREFETCH, PER_ROW>(a, j, w, slot, first, end);
     }
 }
 
@@ -409,9 +488,9 @@ extern "C" __global__ void gated_delta_recurrent(
     const uint32_t* __restrict__ seq_start, const uint32_t* __restrict__ seq_slot, uint32_t rows,
     uint32_t num_seqs, uint32_t num_slots, uint32_t slot_stride, uint32_t hk, uint32_t dk,
     uint32_t hv, uint32_t dv) {
-    const Rule a{out,  state,    qk,        conv,        gates, seq_start, seq_slot, rows,
-                 num_seqs, num_slots, slot_stride, hk,          dk,    hv,        dv};
-    rule_block<false>(a);
+    const Rule a{out,      state,     qk,          conv, gates, seq_start, seq_slot, nullptr,
+                 rows,     num_seqs,  num_slots,   slot_stride, hk,    dk,        hv,       dv};
+    rule_block<false, false>(a);
 }
 
 // gated_delta_chunked(out, state, qk, conv, gates, seq_start, seq_slot, positions: u32 [rows],
@@ -427,9 +506,24 @@ extern "C" __global__ void gated_delta_chunked(
     uint32_t chunk_size) {
     (void)positions;
     (void)chunk_size;
-    const Rule a{out,  state,    qk,        conv,        gates, seq_start, seq_slot, rows,
-                 num_seqs, num_slots, slot_stride, hk,          dk,    hv,        dv};
-    rule_block<true>(a);
+    const Rule a{out,      state,     qk,          conv, gates, seq_start, seq_slot, nullptr,
+                 rows,     num_seqs,  num_slots,   slot_stride, hk,    dk,        hv,       dv};
+    rule_block<true, false>(a);
+}
+
+// gated_delta_verify(out, state, qk, conv, gates, seq_start, seq_slot, row_slot: u32 [rows],
+// rows, num_seqs, num_slots, slot_stride, Hk, Dk, Hv, Dv). The rows of each sequence exactly as
+// gated_delta_recurrent runs them, from the state in seq_slot; the state after row r is written
+// to row_slot[r] (none for u32::MAX) and seq_slot is written only where a row names it.
+extern "C" __global__ void gated_delta_verify(
+    float* __restrict__ out, float* __restrict__ state, const float* __restrict__ qk,
+    const bf16* __restrict__ conv, const float* __restrict__ gates,
+    const uint32_t* __restrict__ seq_start, const uint32_t* __restrict__ seq_slot,
+    const uint32_t* __restrict__ row_slot, uint32_t rows, uint32_t num_seqs, uint32_t num_slots,
+    uint32_t slot_stride, uint32_t hk, uint32_t dk, uint32_t hv, uint32_t dv) {
+    const Rule a{out,      state,     qk,          conv, gates, seq_start, seq_slot, row_slot,
+                 rows,     num_seqs,  num_slots,   slot_stride, hk,    dk,        hv,       dv};
+    rule_block<false, true>(a);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -19,10 +19,11 @@ use std::time::Duration;
 
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{CpuBackend, GpuBackend};
+use metrale_model_engine::ModelError;
 use metrale_model_engine::factory;
 use metrale_model_engine::generate::{FinishReason, GenerateParams};
 use metrale_model_engine::model_circuit::{ForwardDisclosure, ForwardSelect, ModelCircuit};
-use metrale_model_engine::options::ModelOptions;
+use metrale_model_engine::options::{ModelOptions, Speculative};
 use metrale_model_engine::scheduler::{RequestLimits, Scheduler, SeqRequest};
 
 use crate::error::{EngineError, RequestError};
@@ -110,26 +111,41 @@ pub fn make_backend(backend: Backend) -> Result<Arc<dyn GpuBackend>, EngineError
     }
 }
 
+/// The checkpoint's `tokenizer.json`, when it has one.
+pub(crate) fn load_tokenizer(
+    dir: &Path,
+) -> Result<Option<Arc<tokenizers::Tokenizer>>, EngineError> {
+    let path = dir.join("tokenizer.json");
+    if !path.exists() {
+        return Ok(None);
+    }
+    let t = tokenizers::Tokenizer::from_file(&path).map_err(|e| EngineError::Tokenizer {
+        path: path.clone(),
+        message: e.to_string(),
+    })?;
+    Ok(Some(Arc::new(t)))
+}
+
 impl Engine {
-    /// Load the checkpoint in `dir` and start the engine's scheduler thread.
+    /// Load the checkpoint in `dir` and start the engine's scheduler thread. The scheduler does
+    /// not decode speculatively yet: `options.model.speculative` must be `Off` (a single request
+    /// runs speculatively through [`crate::generate_direct`]).
     pub fn load(dir: impl AsRef<Path>, options: EngineOptions) -> Result<Engine, EngineError> {
         let dir = dir.as_ref();
+        if options.model.speculative != Speculative::Off {
+            return Err(EngineError::Model(ModelError::Options {
+                option: "speculative",
+                problem: "the engine's scheduler does not run speculative decoding yet; \
+                          `generate_direct` (`metrale generate --speculative`) runs one request \
+                          with it"
+                    .into(),
+            }));
+        }
         let gpu = make_backend(options.backend)?;
         let mut model = factory::load(dir, options.model, gpu)?;
         model.set_forward(options.forward)?;
         let forward = model.forward_disclosure()?;
-        let tok_path = dir.join("tokenizer.json");
-        let tokenizer = if tok_path.exists() {
-            let t = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| {
-                EngineError::Tokenizer {
-                    path: tok_path.clone(),
-                    message: e.to_string(),
-                }
-            })?;
-            Some(Arc::new(t))
-        } else {
-            None
-        };
+        let tokenizer = load_tokenizer(dir)?;
         let config = model.config().clone();
         let scheduler = Scheduler::new(&mut model);
         let limits = scheduler.limits();

@@ -29,7 +29,12 @@
 //! println!("{:?}", engine.metrics());
 //! # Ok::<(), metrale::EngineError>(())
 //! ```
+//!
+//! Speculative decoding (`ModelOptions::speculative`: the checkpoint's MTP head drafts, the model
+//! verifies) runs one request at a time through [`generate_direct`] for now; the scheduler does
+//! not run it yet.
 
+mod direct;
 mod engine;
 mod error;
 mod handle;
@@ -38,6 +43,7 @@ mod request;
 mod text;
 mod worker;
 
+pub use direct::generate_direct;
 pub use engine::{Backend, Engine, EngineOptions, make_backend};
 pub use metrale_model_engine::bench;
 
@@ -59,7 +65,7 @@ pub use handle::{Canceller, EventResult, RequestHandle, RequestId};
 pub use metrale_config::ModelConfig;
 pub use metrale_model_engine::generate::FinishReason;
 pub use metrale_model_engine::model_circuit::{ForwardDisclosure, ForwardSelect};
-pub use metrale_model_engine::options::ModelOptions;
+pub use metrale_model_engine::options::{MAX_DRAFT_TOKENS, ModelOptions, Speculative};
 pub use metrale_model_engine::sampling::SamplingParams;
 pub use metrics::EngineMetrics;
 pub use request::{GenerateEvent, GenerateOutput, GenerateRequest, Prompt, TokenEvent};

@@ -1,11 +1,15 @@
 //! The CUDA backend end to end (GPU machine only): every fixture reproduces transformers by the
 //! same rule as on the CPU; graph-replayed decode is bitwise eager decode; a sequence decoded
-//! beside others is bitwise the same sequence decoded alone.
+//! beside others is bitwise the same sequence decoded alone; speculative decoding (MTP head, and
+//! an oracle drafter reaching every rollback depth) gives plain greedy decoding's tokens and
+//! logits bitwise.
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 #![cfg(feature = "cuda")]
 
 mod common;
+#[path = "../crates/metrale-model-engine/tests/support/mod.rs"]
+mod support;
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
@@ -15,8 +19,12 @@ use metrale::{Backend, EngineOptions, ModelOptions};
 use metrale_gpu_runtime::GpuBackend;
 use metrale_gpu_runtime::cuda::CudaBackend;
 use metrale_model_engine::factory;
-use metrale_model_engine::generate::{GenerateParams, generate, generate_batch};
+use metrale_model_engine::generate::{
+    GenerateParams, generate, generate_batch, generate_speculative,
+};
+use metrale_model_engine::options::Speculative;
 use metrale_model_engine::sampling::SamplingParams;
+use metrale_model_engine::speculative::OracleDrafter;
 
 fn cuda_options(model: ModelOptions) -> EngineOptions {
     EngineOptions {
@@ -135,6 +143,61 @@ fn batched_decode_is_bitwise_alone_on_cuda() {
                 bits(solo.logits.as_ref().unwrap()),
                 "{name} sequence {i}: batched logits differ from solo"
             );
+        }
+    }
+}
+
+#[test]
+fn speculative_greedy_is_bitwise_plain_greedy_on_cuda() {
+    for name in support::HYBRID {
+        let fx = support::MtpFixture::new(name);
+        let prompts = fx.prompts();
+        let p = params(24, 0.0, 0);
+        let mut plain = factory::load(fx.path(), ModelOptions::default(), gpu()).unwrap();
+        let want: Vec<_> = prompts
+            .iter()
+            .map(|q| generate(&mut plain, q, &p, &mut |_| ControlFlow::Continue(())).unwrap())
+            .collect();
+        let reqs: Vec<(&[u32], &GenerateParams)> =
+            prompts.iter().map(|q| (q.as_slice(), &p)).collect();
+        for k in 1..=4 {
+            let spec = |speculative| ModelOptions {
+                speculative,
+                num_draft_tokens: k,
+                ..Default::default()
+            };
+            // The MTP head drafting, all prompts in shared verify steps.
+            let mut model = factory::load(fx.path(), spec(Speculative::Mtp), gpu()).unwrap();
+            let got =
+                generate_batch(&mut model, &reqs, &mut |_, _| ControlFlow::Continue(())).unwrap();
+            // The model's own continuation, wrong at depth (round % (k + 1)).
+            let expected: Vec<Vec<u32>> = prompts
+                .iter()
+                .zip(&want)
+                .map(|(q, g)| q.iter().chain(&g.token_ids).copied().collect())
+                .collect();
+            let mut oracle =
+                OracleDrafter::wrong_at(expected, Box::new(move |_, round| Some(round % (k + 1))));
+            let mut ext = factory::load(fx.path(), spec(Speculative::External), gpu()).unwrap();
+            let (by_oracle, stats) =
+                generate_speculative(&mut ext, &reqs, &mut oracle, &mut |_, _| {
+                    ControlFlow::Continue(())
+                })
+                .unwrap();
+            assert!(
+                stats.accepted() > 0,
+                "{name} K={k}: the oracle's drafts were kept"
+            );
+            for (i, w) in want.iter().enumerate() {
+                for (g, how) in [(&got[i], "mtp"), (&by_oracle[i], "oracle")] {
+                    assert_eq!(g.token_ids, w.token_ids, "{name} K={k} {how} prompt {i}");
+                    assert_eq!(
+                        bits(g.logits.as_ref().unwrap()),
+                        bits(w.logits.as_ref().unwrap()),
+                        "{name} K={k} {how} prompt {i}: verify logits differ from decode's"
+                    );
+                }
+            }
         }
     }
 }

@@ -64,6 +64,23 @@ impl BlockTable {
         Some(block * block_size as u32 + (pos % block_size) as u32)
     }
 
+    /// Release the blocks wholly past the first `tokens` tokens (the tokens a rejected
+    /// speculation wrote there are dropped), keeping the rest.
+    pub fn truncate(
+        &mut self,
+        tokens: usize,
+        block_size: usize,
+        alloc: &mut BlockAllocator,
+    ) -> Result<(), CacheError> {
+        let keep = tokens.div_ceil(block_size);
+        while self.blocks.len() > keep {
+            if let Some(b) = self.blocks.pop() {
+                alloc.release(b)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Release every block to the allocator and empty the table. Blocks go back last first,
     /// so of a cached prefix the deepest blocks are the least recently used and are evicted
     /// before the blocks they extend (a cached block is only reachable through its parents).
@@ -113,5 +130,21 @@ mod tests {
         assert_eq!(alloc.alloc().unwrap(), 3, "the last block goes first");
         assert_eq!(alloc.lookup(&hashes[2]), None);
         assert_eq!(alloc.lookup(&hashes[0]), Some(1));
+    }
+
+    #[test]
+    fn truncate_releases_only_the_blocks_wholly_past_the_kept_tokens() {
+        let mut alloc = BlockAllocator::new(8);
+        let mut t = BlockTable::new();
+        t.ensure(40, 16, &mut alloc).unwrap();
+        assert_eq!(t.blocks(), &[1, 2, 3]);
+        t.truncate(33, 16, &mut alloc).unwrap();
+        assert_eq!(t.blocks(), &[1, 2, 3], "token 32 still lives in block 3");
+        t.truncate(32, 16, &mut alloc).unwrap();
+        assert_eq!(t.blocks(), &[1, 2]);
+        assert_eq!(alloc.num_free(), 5);
+        t.truncate(0, 16, &mut alloc).unwrap();
+        assert!(t.blocks().is_empty());
+        assert_eq!(alloc.num_free(), 7);
     }
 }

@@ -1,5 +1,6 @@
 //! `metrale generate`: one prompt, tokens printed as they come, optionally a JSON summary line
-//! and the logits of every step in a safetensors file.
+//! and the logits of every step in a safetensors file. With `--speculative mtp` the request runs
+//! on its own through `metrale::generate_direct` (the scheduler does not speculate yet).
 
 use std::io::Write;
 use std::ops::ControlFlow;
@@ -9,8 +10,8 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use metrale::circuit::Fusions;
 use metrale::{
-    Backend, Engine, EngineOptions, ForwardSelect, GenerateRequest, ModelOptions, Prompt,
-    SamplingParams,
+    Backend, Engine, EngineOptions, ForwardSelect, GenerateRequest, ModelConfig, ModelOptions,
+    Prompt, SamplingParams, Speculative,
 };
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -43,6 +44,16 @@ impl ForwardArg {
             },
         }
     }
+}
+
+/// Speculative decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SpeculativeArg {
+    /// Plain decode, through the engine.
+    Off,
+    /// The checkpoint's multi-token-prediction head drafts, the model verifies; the request runs
+    /// on its own (`metrale::generate_direct`), not through the engine's scheduler.
+    Mtp,
 }
 
 #[derive(Debug, Args)]
@@ -96,6 +107,12 @@ pub struct GenerateArgs {
     /// Which forward runs decode steps (prefill always runs the legacy step).
     #[arg(long, value_enum, default_value_t = ForwardArg::Legacy)]
     forward: ForwardArg,
+    /// Speculative decoding.
+    #[arg(long, value_enum, default_value_t = SpeculativeArg::Off)]
+    speculative: SpeculativeArg,
+    /// Tokens drafted per sequence and verify step with `--speculative mtp` (1 to 8).
+    #[arg(long, default_value_t = ModelOptions::default().num_draft_tokens)]
+    num_draft_tokens: usize,
 }
 
 /// The engine's backend for a command-line choice.
@@ -116,6 +133,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         model: ModelOptions {
             max_batch_tokens: args.max_batch_tokens,
             max_seq_len: args.max_seq_len,
+            speculative: match args.speculative {
+                SpeculativeArg::Off => Speculative::Off,
+                SpeculativeArg::Mtp => Speculative::Mtp,
+            },
+            num_draft_tokens: args.num_draft_tokens,
             ..ModelOptions::default()
         },
         forward: args.forward.select(),
@@ -127,19 +149,6 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         (None, None) => Prompt::Text("hello".into()),
         (Some(_), Some(_)) => bail!("give either --prompt or --token-ids, not both"),
     };
-    let engine =
-        Engine::load(&dir, options).with_context(|| format!("loading {}", dir.display()))?;
-    let forward = engine.forward_disclosure().clone();
-    if args.forward != ForwardArg::Legacy {
-        eprintln!(
-            "forward {}: plan digest {}, {} launches per step",
-            forward.forward,
-            forward
-                .plan_digest
-                .map_or_else(|| "none".into(), |d| d.to_string()),
-            forward.launches_per_step
-        );
-    }
     let request = GenerateRequest {
         prompt,
         max_new_tokens: args.max_new_tokens,
@@ -156,7 +165,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     let stdout = std::io::stdout();
     let mut printed = 0usize;
-    let out = engine.generate_stream(&request, |id, text| {
+    let on_token = |id: u32, text: Option<&str>| {
         let mut lock = stdout.lock();
         // Stream the text as it grows; without a tokenizer, the ids.
         let _ = match text {
@@ -169,23 +178,41 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         };
         let _ = lock.flush();
         ControlFlow::Continue(())
-    })?;
+    };
+    let (out, forward) = if args.speculative == SpeculativeArg::Off {
+        let engine =
+            Engine::load(&dir, options).with_context(|| format!("loading {}", dir.display()))?;
+        let forward = engine.forward_disclosure().clone();
+        if args.forward != ForwardArg::Legacy {
+            eprintln!(
+                "forward {}: plan digest {}, {} launches per step",
+                forward.forward,
+                forward
+                    .plan_digest
+                    .map_or_else(|| "none".into(), |d| d.to_string()),
+                forward.launches_per_step
+            );
+        }
+        (engine.generate_stream(&request, on_token)?, Some(forward))
+    } else {
+        let out = metrale::generate_direct(&dir, options, &request, on_token)
+            .with_context(|| format!("generating with {}", dir.display()))?;
+        (out, None)
+    };
     println!();
     if let Some(path) = &args.logits_out {
-        write_logits(
-            path,
-            out.logits.as_deref().unwrap_or(&[]),
-            engine.config().vocab_size,
-        )?;
+        let vocab = ModelConfig::from_dir(&dir)?.vocab_size;
+        write_logits(path, out.logits.as_deref().unwrap_or(&[]), vocab)?;
     }
     if args.json {
         let line = serde_json::json!({
             "token_ids": out.token_ids,
             "text": out.text,
             "finish_reason": out.finish_reason.as_str(),
-            "forward": forward.forward,
-            "plan_digest": forward.plan_digest.map(|d| d.to_string()),
-            "launches_per_step": forward.launches_per_step,
+            "forward": forward.as_ref().map(|f| f.forward.to_string()),
+            "plan_digest": forward.as_ref().and_then(|f| f.plan_digest.map(|d| d.to_string())),
+            "launches_per_step": forward.as_ref().map(|f| f.launches_per_step),
+            "speculative": format!("{:?}", args.speculative).to_lowercase(),
         });
         println!("{line}");
     }

@@ -294,6 +294,7 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
         // The benchmark drives the model directly; no scheduler shares prefixes.
         prefix_caching: false,
         ssm_snapshot_slots: None,
+        ..ModelOptions::default()
     };
     let mut model = factory::random(c.clone(), options, gpu.clone(), 0x5eed)?;
     let s = gpu.default_stream();

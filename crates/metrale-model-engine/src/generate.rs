@@ -1,5 +1,8 @@
 //! One sequence from prompt to finish: chunked prefill, then one decode step per token, with
 //! stop conditions, a token callback for streaming, and the KV blocks released however it ends.
+//! With a drafter (`speculative`), decode steps are verify steps of several tokens per sequence;
+//! the tokens are the same under greedy decoding, and follow the same distribution when
+//! sampling.
 
 use std::ops::ControlFlow;
 
@@ -8,6 +11,7 @@ use metrale_cache::BlockTable;
 use crate::error::ModelError;
 use crate::model::{StepInput, StepRow, TransformerModel, prefill_chunk};
 use crate::sampling::{Sampler, SamplingParams};
+use crate::speculative::{self, DraftInput, Drafter, MtpDrafter, SpeculativeStats};
 
 /// What to generate.
 #[derive(Debug, Clone, PartialEq)]
@@ -69,27 +73,97 @@ pub fn generate(
 
 /// One sequence in flight.
 #[derive(Debug)]
-struct Live<'a> {
-    prompt: &'a [u32],
-    params: &'a GenerateParams,
-    table: BlockTable,
+pub(crate) struct Live<'a> {
+    pub prompt: &'a [u32],
+    pub params: &'a GenerateParams,
+    pub table: BlockTable,
     /// The SSM state slot (hybrid models).
-    ssm_slot: Option<u32>,
-    sampler: Sampler,
+    pub ssm_slot: Option<u32>,
+    /// Speculative decoding on a hybrid model: one more slot per draft, which a verify step
+    /// keeps the state after each of its rows in.
+    pub spare_slots: Vec<u32>,
+    /// The drafts the next verify step checks.
+    pub drafts: Vec<u32>,
+    pub sampler: Sampler,
     /// Position of the next token fed to the model.
-    pos: usize,
-    out: Generation,
-    done: bool,
+    pub pos: usize,
+    pub out: Generation,
+    pub done: bool,
+}
+
+impl Live<'_> {
+    /// Drafts the next verify step may check: at most `k_max`, no more than would finish the
+    /// sequence (`max_new_tokens`), and none past the model's `max_len`.
+    pub fn allowed_drafts(&self, k_max: usize, max_len: usize) -> usize {
+        let left = self
+            .params
+            .max_new_tokens
+            .saturating_sub(self.out.token_ids.len() + 1);
+        k_max.min(left).min(max_len.saturating_sub(self.pos + 1))
+    }
+
+    /// What the drafter sees of this sequence after a target step whose rows `rows` (at
+    /// positions from `first_position`) joined its context.
+    pub fn draft_input(
+        &self,
+        request: usize,
+        rows: std::ops::Range<u32>,
+        first_position: usize,
+        num_drafts: usize,
+    ) -> DraftInput<'_> {
+        DraftInput {
+            request,
+            prompt: self.prompt,
+            generated: &self.out.token_ids,
+            table: &self.table,
+            step_rows: rows,
+            first_position,
+            num_drafts,
+        }
+    }
 }
 
 /// Generate for several prompts together: each is prefilled on its own, then all decode in
 /// shared steps until each finishes. `on_token(i, token)` sees sequence `i`'s tokens. Each
-/// sequence's tokens and logits are those it would get alone (batch invariance).
+/// sequence's tokens and logits are those it would get alone (batch invariance). A model loaded
+/// with `speculative = Mtp` drafts with its MTP head and verifies (same greedy tokens).
 pub fn generate_batch(
     model: &mut TransformerModel,
     requests: &[(&[u32], &GenerateParams)],
     on_token: &mut dyn FnMut(usize, u32) -> ControlFlow<()>,
 ) -> Result<Vec<Generation>, ModelError> {
+    if model.has_mtp() {
+        let mut drafter = MtpDrafter;
+        return run_requests(model, requests, Some(&mut drafter), on_token).map(|r| r.0);
+    }
+    run_requests(model, requests, None, on_token).map(|r| r.0)
+}
+
+/// `generate_batch` with speculative decoding by `drafter`: each decode step verifies the
+/// drafts of every sequence at once. The model must be built for drafts
+/// (`ModelOptions::speculative` not `Off`); `num_draft_tokens` bounds each sequence's drafts.
+/// Returns the generations and the acceptance counts.
+pub fn generate_speculative(
+    model: &mut TransformerModel,
+    requests: &[(&[u32], &GenerateParams)],
+    drafter: &mut dyn Drafter,
+    on_token: &mut dyn FnMut(usize, u32) -> ControlFlow<()>,
+) -> Result<(Vec<Generation>, SpeculativeStats), ModelError> {
+    if model.options().draft_tokens() == 0 {
+        return Err(ModelError::Options {
+            option: "speculative",
+            problem: "speculative decoding needs a model built for drafts (speculative on)".into(),
+        });
+    }
+    run_requests(model, requests, Some(drafter), on_token)
+}
+
+fn run_requests(
+    model: &mut TransformerModel,
+    requests: &[(&[u32], &GenerateParams)],
+    drafter: Option<&mut dyn Drafter>,
+    on_token: &mut dyn FnMut(usize, u32) -> ControlFlow<()>,
+) -> Result<(Vec<Generation>, SpeculativeStats), ModelError> {
     let max_len = model.max_seq_len();
     for (i, (prompt, _)) in requests.iter().enumerate() {
         if prompt.is_empty() {
@@ -116,6 +190,8 @@ pub fn generate_batch(
             params,
             table: BlockTable::new(),
             ssm_slot: None,
+            spare_slots: Vec::new(),
+            drafts: Vec::new(),
             sampler: Sampler::new(params.sampling),
             pos: prompt.len(),
             out: Generation {
@@ -126,7 +202,8 @@ pub fn generate_batch(
             done: params.max_new_tokens == 0,
         })
         .collect();
-    let result = run_batch(model, &mut live, on_token);
+    let mut stats = SpeculativeStats::default();
+    let result = run_batch(model, &mut live, drafter, &mut stats, on_token);
     let mut released = Ok(());
     for l in &mut live {
         released = released.and(
@@ -134,16 +211,16 @@ pub fn generate_batch(
                 .release_all(&mut model.kv_cache().allocator)
                 .map_err(ModelError::from),
         );
-        if let Some(slot) = l.ssm_slot.take() {
+        for slot in l.ssm_slot.take().into_iter().chain(l.spare_slots.drain(..)) {
             released = released.and(model.free_ssm_slot(slot));
         }
     }
     result?;
     released?;
-    Ok(live.into_iter().map(|l| l.out).collect())
+    Ok((live.into_iter().map(|l| l.out).collect(), stats))
 }
 
-/// Record a chosen token and apply the stop conditions.
+/// Sample a token from `logits`, record it and apply the stop conditions.
 fn accept(
     l: &mut Live<'_>,
     i: usize,
@@ -152,6 +229,19 @@ fn accept(
     on_token: &mut dyn FnMut(usize, u32) -> ControlFlow<()>,
 ) {
     let token = l.sampler.sample(&logits);
+    record(l, i, token, logits, max_len, on_token);
+}
+
+/// Record a chosen token (with the logits that chose it) and apply the stop conditions; `l.pos`
+/// is already past the row that predicted it.
+pub(crate) fn record(
+    l: &mut Live<'_>,
+    i: usize,
+    token: u32,
+    logits: Vec<f32>,
+    max_len: usize,
+    on_token: &mut dyn FnMut(usize, u32) -> ControlFlow<()>,
+) {
     if let Some(all) = l.out.logits.as_mut() {
         all.push(logits);
     }
@@ -170,20 +260,35 @@ fn accept(
 fn run_batch(
     model: &mut TransformerModel,
     live: &mut [Live<'_>],
+    mut drafter: Option<&mut dyn Drafter>,
+    stats: &mut SpeculativeStats,
     on_token: &mut dyn FnMut(usize, u32) -> ControlFlow<()>,
 ) -> Result<(), ModelError> {
     let max_len = model.max_seq_len();
     let block_size = model.kv_cache().block_size();
     let chunk = model.max_rows();
     let align = model.ssm_snapshot_interval();
+    let k_max = if drafter.is_some() {
+        model.options().draft_tokens()
+    } else {
+        0
+    };
 
     // Prefill each sequence in chunks cut as the scheduler cuts them (so a loop run is bitwise a
-    // scheduled one); only its last prompt row needs logits.
+    // scheduled one); only its last prompt row needs logits. A drafter takes in every chunk's
+    // rows, and drafts after the last.
     for (i, l) in live.iter_mut().enumerate() {
         if l.done {
             continue;
         }
         l.ssm_slot = model.alloc_ssm_slot()?;
+        if l.ssm_slot.is_some() {
+            for _ in 0..k_max {
+                if let Some(s) = model.alloc_ssm_slot()? {
+                    l.spare_slots.push(s);
+                }
+            }
+        }
         let slots: Vec<u32> = l.ssm_slot.into_iter().collect();
         let mut start = 0;
         while start < l.prompt.len() {
@@ -205,13 +310,32 @@ fn run_batch(
                 logit_rows,
                 ssm_slots: &slots,
             })?;
+            let n = (end - start) as u32;
+            if end == l.prompt.len() {
+                let logits = model
+                    .logits(1)?
+                    .pop()
+                    .ok_or_else(|| ModelError::Step("no logits".into()))?;
+                accept(l, i, logits, max_len, on_token);
+            }
+            if let Some(d) = drafter.as_deref_mut().filter(|_| !l.done) {
+                let k = if end == l.prompt.len() {
+                    l.allowed_drafts(k_max, max_len)
+                } else {
+                    0
+                };
+                // A chain of k drafts writes the head's KV up to position pos + k - 2.
+                l.table
+                    .ensure(l.pos + k, block_size, &mut model.kv_cache().allocator)?;
+                let mut drafts = d.draft(model, &[l.draft_input(i, 0..n, start, k)])?;
+                l.drafts = drafts.pop().unwrap_or_default();
+                l.drafts.truncate(k);
+            }
             start = end;
         }
-        let logits = model
-            .logits(1)?
-            .pop()
-            .ok_or_else(|| ModelError::Step("no logits".into()))?;
-        accept(l, i, logits, max_len, on_token);
+    }
+    if let Some(d) = drafter {
+        return speculative::decode(model, live, d, stats, on_token);
     }
 
     // Decode every unfinished sequence in one step until all are done.

@@ -247,6 +247,7 @@ impl ModelCircuit for TransformerModel {
             num_seqs: rows,
             max_blocks: self.max_blocks as u32,
             logit_rows: rows,
+            verify: false,
         };
         let (recorder, ops) = Recorder::over(&self.ops);
         self.launch_step_with(&ops, shape)?;

@@ -1,5 +1,5 @@
-//! `ModelOptions`: the sizes a model is built for. Every buffer is allocated from these once, at
-//! load.
+//! `ModelOptions`: the sizes a model is built for, and whether it decodes speculatively. Every
+//! buffer is allocated from these once, at load.
 
 /// See the module header. Every field has a documented default.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +31,32 @@ pub struct ModelOptions {
     /// load. Default (`None`): `2 * max_decode_seqs`. With 0, or prefix caching off, none are
     /// allocated and hybrid prompts never hit; models without GDN layers allocate none.
     pub ssm_snapshot_slots: Option<usize>,
+    /// Speculative decoding (`generate` runs it; the engine's scheduler does not yet). Default
+    /// `Off`.
+    pub speculative: Speculative,
+    /// Tokens drafted per sequence for each verify step when `speculative` is on, 1 to
+    /// [`MAX_DRAFT_TOKENS`]. It sizes the logits (`max_decode_seqs * (1 + this)` rows), the SSM
+    /// state pool (each sequence holds `1 + this` slots) and the MTP head's buffers. Unused when
+    /// `speculative` is `Off`. Default 2.
+    pub num_draft_tokens: usize,
+}
+
+/// The most tokens a sequence drafts for one verify step.
+pub const MAX_DRAFT_TOKENS: usize = 8;
+
+/// How tokens are proposed ahead of the target model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Speculative {
+    /// Plain decode: one token per sequence and step. The default.
+    #[default]
+    Off,
+    /// The checkpoint's multi-token-prediction head (`mtp.*`) drafts `num_draft_tokens` tokens,
+    /// reusing itself for each; the model verifies them in one step per sequence.
+    Mtp,
+    /// Sized for `num_draft_tokens` drafts that the caller's own drafter supplies through
+    /// `generate::generate_speculative` (the oracle drafter of the tests, acceptance studies);
+    /// `generate` alone decodes plainly.
+    External,
 }
 
 impl Default for ModelOptions {
@@ -44,11 +70,22 @@ impl Default for ModelOptions {
             decode_graphs: true,
             prefix_caching: true,
             ssm_snapshot_slots: None,
+            speculative: Speculative::Off,
+            num_draft_tokens: 2,
         }
     }
 }
 
 impl ModelOptions {
+    /// Tokens drafted per sequence and verify step: `num_draft_tokens` with speculation on, 0
+    /// without.
+    pub fn draft_tokens(&self) -> usize {
+        match self.speculative {
+            Speculative::Off => 0,
+            Speculative::Mtp | Speculative::External => self.num_draft_tokens,
+        }
+    }
+
     /// The padded decode widths: powers of two below `max_decode_seqs`, then `max_decode_seqs`.
     pub fn decode_ladder(&self) -> Vec<usize> {
         let mut out = Vec::new();

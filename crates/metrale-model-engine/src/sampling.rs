@@ -1,5 +1,6 @@
 //! Host-side sampling from f32 logits: greedy, temperature, top-k and top-p, driven by a seeded
-//! generator so the same seed gives the same tokens.
+//! generator so the same seed gives the same tokens. The distribution and the draw are exposed
+//! apart for the rejection sampling of speculative decoding (`speculative::accept`).
 //!
 //! Invariants:
 //! - Greedy picks the lowest index among the maxima, like the device `argmax`.
@@ -115,23 +116,31 @@ impl Sampler {
         }
     }
 
-    /// Whether `sample` is the argmax of the logits (temperature 0 or `top_k` 1); it then
-    /// consumes no randomness.
+    /// Whether tokens are picked greedily (temperature 0, or top-k 1): the argmax of the
+    /// logits, no randomness.
     pub fn is_greedy(&self) -> bool {
         self.params.temperature == 0.0 || self.params.top_k == 1
     }
 
-    /// Pick a token from one row of logits: softmax at `temperature`, restricted to the
-    /// `top_k` most likely tokens, then to the smallest most-likely prefix whose probability
-    /// reaches `top_p`, then one draw. Tokens rank by logit, ties by lower index, so every step is
-    /// deterministic for a seed. Cost: one pass over the vocabulary plus a sort of only the
-    /// tokens `top_k` / `top_p` keep (grown geometrically until the nucleus is covered), never a
-    /// sort of the whole vocabulary.
+    /// Pick a token from one row of logits: the greedy token, or one draw from
+    /// [`Sampler::distribution`].
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = self.params;
         if self.is_greedy() {
             return argmax(logits);
         }
+        let dist = self.distribution(logits);
+        self.draw(&dist)
+    }
+
+    /// The distribution a non-greedy `sample` draws from, as `(token, probability)` summing to
+    /// one: softmax at `temperature`, restricted to the `top_k` most likely tokens, then to the
+    /// smallest most-likely prefix whose probability reaches `top_p`. Tokens rank by logit, ties
+    /// by lower index. In rank order when `top_k` or `top_p` restrict the support, else in index
+    /// order. Cost: one pass over the vocabulary plus a sort of only the tokens `top_k` /
+    /// `top_p` keep (grown geometrically until the nucleus is covered), never a sort of the
+    /// whole vocabulary.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
+        let p = self.params;
         let all: Vec<u32> = (0..logits.len() as u32).collect();
         // With `top_k` the candidates are the k best, ranked; otherwise the whole vocabulary in
         // index order.
@@ -144,22 +153,37 @@ impl Sampler {
         let max = logits[argmax(logits) as usize] as f64;
         let t = p.temperature as f64;
         let weight = |i: u32| ((logits[i as usize] as f64 - max) / t).exp();
-        let total: f64 = cands.iter().map(|&i| weight(i)).sum();
         let kept = if p.top_p < 1.0 {
+            let total: f64 = cands.iter().map(|&i| weight(i)).sum();
             nucleus(logits, &cands, ranked, p.top_p as f64 * total, &weight)
         } else {
             cands
         };
-        let kept_total: f64 = kept.iter().map(|&i| weight(i)).sum();
-        let u = self.rng.next_f64() * kept_total;
+        let weights: Vec<f64> = kept.iter().map(|&i| weight(i)).collect();
+        let total: f64 = weights.iter().sum();
+        kept.into_iter()
+            .zip(weights)
+            .map(|(i, w)| (i, w / total))
+            .collect()
+    }
+
+    /// The next uniform number in [0, 1) of the sampler's generator.
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.next_f64()
+    }
+
+    /// Draw a token from `dist` (`(token, probability)`, summing to one) with one uniform
+    /// number: the first token whose cumulative probability passes it.
+    pub fn draw(&mut self, dist: &[(u32, f64)]) -> u32 {
+        let u = self.rng.next_f64();
         let mut acc = 0.0;
-        for &i in &kept {
-            acc += weight(i);
+        for &(i, q) in dist {
+            acc += q;
             if u < acc {
                 return i;
             }
         }
-        kept[kept.len() - 1]
+        dist.last().map_or(0, |&(i, _)| i)
     }
 }
 

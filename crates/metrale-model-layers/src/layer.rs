@@ -100,6 +100,10 @@ pub struct StepShape {
     pub max_blocks: u32,
     /// Rows whose logits are computed.
     pub logit_rows: u32,
+    /// A verify step of speculative decoding: the GDN layers run each sequence's rows token by
+    /// token, bitwise as decode steps would, and keep the state after every row in that row's
+    /// `StepBuffers::row_slot` instead of advancing the sequence's own slot.
+    pub verify: bool,
 }
 
 /// The fixed buffers a step reads and writes; allocated once in the model's arena.
@@ -145,6 +149,9 @@ pub struct StepBuffers {
     /// u32 `[max_seqs]`: the SSM state slot of each step sequence (`u32::MAX`: a padding
     /// sequence, which reads zero state and writes none).
     pub seq_slot: DevicePtr,
+    /// u32 `[rows]`: in a verify step, the SSM slot that keeps the state after each row
+    /// (`u32::MAX`: none); unread otherwise.
+    pub row_slot: DevicePtr,
     /// The Gated DeltaNet layers' buffers (NULL in a model without them).
     pub gdn: GdnBuffers,
     /// The sparse-MoE layers' buffers (NULL in a model without them).

@@ -294,6 +294,38 @@ impl Ops {
         )
     }
 
+    /// A verify step's conv windows: the window after each row goes to `row_slot[row]` (u32
+    /// `[rows]`, `u32::MAX` for none), the sequences' own slots are only read. After
+    /// `causal_conv1d`, in place of `conv_state_update`. The geometry of `conv_state_update`.
+    pub fn conv_state_verify(
+        &self,
+        s: StreamHandle,
+        p: &CausalConv1d,
+        row_slot: DevicePtr,
+    ) -> GpuResult<()> {
+        let q = &p.seqs;
+        let mut args: Vec<KernelArg> = vec![
+            p.conv_state.base.into(),
+            p.proj.into(),
+            q.seq_start.into(),
+            q.seq_slot.into(),
+            row_slot.into(),
+            q.rows.into(),
+            q.num_seqs.into(),
+            p.conv_state.num_slots.into(),
+            p.conv_state.slot_stride.into(),
+        ];
+        args.extend(p.heads.args());
+        args.push(p.kernel_size.into());
+        let blocks = p.heads.conv_dim().div_ceil(CHANNEL_THREADS);
+        self.go(
+            self.k.conv_state_verify,
+            LaunchConfig::grid2(q.num_seqs, blocks, CHANNEL_THREADS),
+            &args,
+            s,
+        )
+    }
+
     /// L2-normalised q and k, and the gates β and g. One block per row.
     pub fn gdn_prepare(&self, s: StreamHandle, p: &GdnPrepare) -> GpuResult<()> {
         let mut args: Vec<KernelArg> = vec![
@@ -362,6 +394,21 @@ impl Ops {
         let mut args = Self::rule_args(p, true);
         args.push(chunk_size.into());
         self.go(self.k.gated_delta_chunked, rule_geometry(p), &args, s)
+    }
+
+    /// The gated delta rule of a verify step: each sequence's rows token by token, bitwise as
+    /// `gated_delta_recurrent`, the state after each row written to `row_slot[row]` (u32
+    /// `[rows]`, `u32::MAX` for none); the sequences' own slots are only read. The geometry of
+    /// `gated_delta_recurrent`.
+    pub fn gated_delta_verify(
+        &self,
+        s: StreamHandle,
+        p: &GatedDelta,
+        row_slot: DevicePtr,
+    ) -> GpuResult<()> {
+        let mut args = Self::rule_args(p, false);
+        args.insert(7, row_slot.into());
+        self.go(self.k.gated_delta_verify, rule_geometry(p), &args, s)
     }
 
     /// Per-head RMSNorm (plain weight) times `silu(z)`. One warp per (row, value head).

@@ -12,7 +12,8 @@
 //! on CUDA alone: the chunked rule over N rows equals N one-row recurrent launches, a one-row
 //! chunk is the recurrent step bitwise, a sequence's results do not depend on the other sequences
 //! of the step, and results repeat bitwise run to run. The expert projections are checked for
-//! batch invariance the same way.
+//! batch invariance the same way. The verify kernels of speculative decoding are in
+//! `gpu_kernels/verify.rs`.
 //!
 //! Runs only with the `cuda` feature, on the GPU machine (from `cargo xtask gpu-bundle`).
 
@@ -22,6 +23,8 @@
 #[allow(dead_code)]
 #[path = "gpu_kernels/harness.rs"]
 mod harness;
+#[path = "gpu_kernels/verify.rs"]
+mod verify;
 
 use half::bf16;
 use harness::{At, Buf, Pair, Rng, S, Tolerance, compare};

@@ -1,6 +1,8 @@
 //! `TransformerModel::new`: size and allocate everything a model's steps touch, once — the KV
 //! cache, the SSM state pool (hybrid models), and the step buffers in one arena — from the
-//! config and the options.
+//! config and the options. Speculative decoding with `K` drafts widens the logits to `1 + K`
+//! rows per sequence, gives each sequence `1 + K` SSM slots, and adds the MTP head's KV pools
+//! and input buffers.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,8 +16,9 @@ use metrale_model_layers::layers::{GdnShape, MoeShape};
 use metrale_model_layers::{ModelDims, Ops, StepBuffers, TransformerLayer};
 
 use crate::error::ModelError;
-use crate::options::ModelOptions;
+use crate::options::{MAX_DRAFT_TOKENS, ModelOptions, Speculative};
 
+use super::mtp::MtpBuffers;
 use super::{ModelWeights, TransformerModel};
 
 impl TransformerModel {
@@ -48,7 +51,12 @@ impl TransformerModel {
         }
         let max_blocks = max_seq_len.div_ceil(options.block_size);
         let max_seqs = options.max_decode_seqs;
-        let max_rows = options.max_batch_tokens.max(max_seqs);
+        let spec = check_speculative(&options, &weights)?;
+        // A verify step holds 1 + K rows per sequence, each with logits; each sequence holds
+        // 1 + K SSM slots (its own and one per draft, for rollback).
+        let per_seq = 1 + options.draft_tokens();
+        let max_logit_rows = max_seqs * per_seq;
+        let max_rows = options.max_batch_tokens.max(max_logit_rows);
         let num_blocks = options.num_kv_blocks.unwrap_or(max_seqs * max_blocks + 1);
 
         let mut kv_layer = Vec::with_capacity(layers.len());
@@ -67,7 +75,7 @@ impl TransformerModel {
         let gdn = GdnShape::from_config(&config);
         let ssm_layout = gdn.map(|g| SsmLayout {
             num_gdn_layers: n_gdn,
-            slots: max_seqs,
+            slots: max_seqs * per_seq,
             conv_dim: g.heads.conv_dim() as usize,
             conv_kernel: g.conv_kernel as usize,
             num_v_heads: g.heads.num_v_heads as usize,
@@ -94,10 +102,13 @@ impl TransformerModel {
             _ => None,
         };
         let moe = MoeShape::from_config(&config);
+        // The MTP head's layers get KV pools of their own after the model's, addressed through
+        // the same block tables.
+        let n_mtp = spec.then(|| weights.mtp.as_ref().map_or(0, |m| m.layers.len()));
         let kv = PagedKvCache::new(
             gpu.clone(),
             KvCacheLayout {
-                num_layers: n_attn,
+                num_layers: n_attn + n_mtp.unwrap_or(0),
                 num_kv_heads: config.num_key_value_heads,
                 head_dim: config.head_dim,
                 block_size: options.block_size,
@@ -120,17 +131,18 @@ impl TransformerModel {
             .add("row_seq", DType::U32, r)
             .add("slot_mapping", DType::U32, r)
             .add("block_tables", DType::U32, s * max_blocks)
-            .add("logit_rows", DType::U32, s)
-            .add("logits_in", DType::Bf16, s * h)
-            .add("logits", DType::F32, s * dims.vocab as usize)
-            .add("sampled", DType::U32, s)
+            .add("logit_rows", DType::U32, max_logit_rows)
+            .add("logits_in", DType::Bf16, max_logit_rows * h)
+            .add("logits", DType::F32, max_logit_rows * dims.vocab as usize)
+            .add("sampled", DType::U32, max_logit_rows)
             .add(
                 "inv_freq",
                 DType::F32,
                 (dims.rotary_dim as usize / 2).max(1),
             )
             .add("seq_start", DType::U32, s + 1)
-            .add("seq_slot", DType::U32, s);
+            .add("seq_slot", DType::U32, s)
+            .add("row_slot", DType::U32, r);
         if let Some(g) = gdn.filter(|_| ssm.is_some()) {
             let hd = g.heads;
             let (key_dim, value_dim) = (
@@ -167,6 +179,14 @@ impl TransformerModel {
                 .add("moe.shared_out", DType::Bf16, r * h)
                 .add("moe.shared_gate", DType::F32, r);
         }
+        if spec {
+            layout
+                .add("mtp.hidden_rows", DType::U32, r)
+                .add("mtp.hidden", DType::F32, r * h)
+                .add("mtp.cat_src", DType::Bf16, 2 * r * h)
+                .add("mtp.cat_ids", DType::U32, 2 * r)
+                .add("mtp.cat", DType::Bf16, r * 2 * h);
+        }
         let arena = BufferArena::build(gpu.clone(), &layout)?;
         let p = |n: &str| arena.get(n).ptr;
         let buf = StepBuffers {
@@ -189,6 +209,7 @@ impl TransformerModel {
             inv_freq: p("inv_freq"),
             seq_start: p("seq_start"),
             seq_slot: p("seq_slot"),
+            row_slot: p("row_slot"),
             gdn: if ssm.is_some() {
                 GdnBuffers {
                     proj: p("gdn.proj"),
@@ -218,6 +239,14 @@ impl TransformerModel {
                 MoeBuffers::default()
             },
         };
+        let mtp = spec.then(|| MtpBuffers {
+            hidden_rows: p("mtp.hidden_rows"),
+            hidden: p("mtp.hidden"),
+            cat_src: p("mtp.cat_src"),
+            cat_ids: p("mtp.cat_ids"),
+            cat: p("mtp.cat"),
+            first_kv_layer: n_attn,
+        });
         gpu.upload(buf.inv_freq, &config.rope.inv_freq(), stream)?;
         gpu.synchronize(stream)?;
         Ok(TransformerModel {
@@ -237,11 +266,41 @@ impl TransformerModel {
             buf,
             max_rows,
             max_seqs,
+            max_logit_rows,
             max_blocks,
             max_seq_len,
+            mtp,
+            last_rows: 0,
             graphs: HashMap::new(),
             circuit: None,
             _arena: arena,
         })
+    }
+}
+
+/// Check the speculative options against the weights; whether the MTP head runs.
+fn check_speculative(options: &ModelOptions, weights: &ModelWeights) -> Result<bool, ModelError> {
+    if options.speculative != Speculative::Off
+        && !(1..=MAX_DRAFT_TOKENS).contains(&options.num_draft_tokens)
+    {
+        return Err(ModelError::Options {
+            option: "num_draft_tokens",
+            problem: format!(
+                "{} drafts per step; 1 to {MAX_DRAFT_TOKENS} are allowed",
+                options.num_draft_tokens
+            ),
+        });
+    }
+    match options.speculative {
+        Speculative::Off | Speculative::External => Ok(false),
+        Speculative::Mtp => match &weights.mtp {
+            Some(m) if !m.layers.is_empty() => Ok(true),
+            _ => Err(ModelError::Options {
+                option: "speculative",
+                problem: "MTP drafting needs the checkpoint's multi-token-prediction head \
+                              (`mtp.*` tensors, with at least one layer), which it does not have"
+                    .into(),
+            }),
+        },
     }
 }

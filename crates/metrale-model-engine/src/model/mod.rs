@@ -26,8 +26,11 @@ use crate::error::ModelError;
 use crate::options::ModelOptions;
 
 mod build;
+mod mtp;
 mod prefix;
+mod verify;
 
+pub use mtp::MtpStep;
 pub use prefix::prefill_chunk;
 
 /// One row of a step.
@@ -65,8 +68,8 @@ pub struct ModelWeights {
     pub final_norm: DenseWeight,
     /// `[vocab, hidden]` (the embedding when tied).
     pub lm_head: DenseWeight,
-    /// The multi-token-prediction head, when the checkpoint ships one (kept for speculative
-    /// decoding; no forward runs it yet).
+    /// The multi-token-prediction head, when the checkpoint ships one (run by speculative
+    /// decoding, `TransformerModel::mtp_step`).
     pub mtp: Option<MtpHead>,
 }
 
@@ -93,8 +96,14 @@ pub struct TransformerModel {
     pub(crate) buf: StepBuffers,
     max_rows: usize,
     max_seqs: usize,
+    /// Rows with logits in one step: `max_seqs * (1 + K)` with `K` drafts per verify step.
+    max_logit_rows: usize,
     pub(crate) max_blocks: usize,
     max_seq_len: usize,
+    /// The MTP head's buffers and KV layers, when speculative decoding runs it.
+    mtp: Option<mtp::MtpBuffers>,
+    /// Rows of the last step run (padding included): what `normed` holds.
+    last_rows: usize,
     /// Captured decode steps by padded width, of whichever forward is selected.
     pub(crate) graphs: HashMap<u32, GraphHandle>,
     /// The circuit executor whose programs run decode; `None`: the legacy forward
@@ -139,6 +148,11 @@ impl TransformerModel {
         self.max_seqs
     }
 
+    /// Most rows with logits in one step (`max_seqs`, times `1 + K` with `K` drafts).
+    pub fn max_logit_rows(&self) -> usize {
+        self.max_logit_rows
+    }
+
     /// The KV cache (its allocator hands out blocks to sequences).
     pub fn kv_cache(&mut self) -> &mut PagedKvCache {
         &mut self.kv
@@ -173,6 +187,30 @@ impl TransformerModel {
     }
 
     fn check(&self, input: &StepInput<'_>) -> Result<(), ModelError> {
+        self.check_rows(input)?;
+        let bad = |m: String| Err(ModelError::Step(m));
+        if let Some(pool) = &self.ssm {
+            if input.ssm_slots.len() != input.tables.len() {
+                return bad(format!(
+                    "{} SSM slots for {} sequences",
+                    input.ssm_slots.len(),
+                    input.tables.len()
+                ));
+            }
+            if let Some(&s) = input.ssm_slots.iter().find(|&&s| !pool.is_held(s)) {
+                return bad(format!("SSM slot {s} is not held by a sequence"));
+            }
+            let mut sorted = input.ssm_slots.to_vec();
+            sorted.sort_unstable();
+            if sorted.windows(2).any(|w| w[0] == w[1]) {
+                return bad("two sequences of one step share an SSM slot".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// The checks of a step's rows, tables and logit rows (not its SSM slots).
+    fn check_rows(&self, input: &StepInput<'_>) -> Result<(), ModelError> {
         let bad = |m: String| Err(ModelError::Step(m));
         if input.rows.is_empty() || input.rows.len() > self.max_rows {
             return bad(format!(
@@ -188,11 +226,11 @@ impl TransformerModel {
                 self.max_seqs
             ));
         }
-        if input.logit_rows.len() > self.max_seqs {
+        if input.logit_rows.len() > self.max_logit_rows {
             return bad(format!(
                 "{} logit rows (at most {})",
                 input.logit_rows.len(),
-                self.max_seqs
+                self.max_logit_rows
             ));
         }
         let bs = self.kv.block_size();
@@ -228,33 +266,18 @@ impl TransformerModel {
         if input.rows.windows(2).any(|w| w[1].seq < w[0].seq) {
             return bad("rows must be grouped by sequence in sequence order".into());
         }
-        if let Some(pool) = &self.ssm {
-            if input.ssm_slots.len() != input.tables.len() {
-                return bad(format!(
-                    "{} SSM slots for {} sequences",
-                    input.ssm_slots.len(),
-                    input.tables.len()
-                ));
-            }
-            if let Some(&s) = input.ssm_slots.iter().find(|&&s| !pool.is_held(s)) {
-                return bad(format!("SSM slot {s} is not held by a sequence"));
-            }
-            let mut sorted = input.ssm_slots.to_vec();
-            sorted.sort_unstable();
-            if sorted.windows(2).any(|w| w[0] == w[1]) {
-                return bad("two sequences of one step share an SSM slot".into());
-            }
-        }
         Ok(())
     }
 
     /// Upload a step's metadata. With `pad_to` = W the step becomes W rows, W sequences and W
     /// logit rows: padding row `i` is its own sequence at position 0 whose block table is all
-    /// dummy blocks, writes no cache slot, and reads the dummy block's zeros.
+    /// dummy blocks, writes no cache slot, and reads the dummy block's zeros. With `row_slots`
+    /// it is a verify step keeping each row's SSM state in its slot.
     fn upload(
         &self,
         input: &StepInput<'_>,
         pad_to: Option<usize>,
+        row_slots: Option<&[u32]>,
     ) -> Result<StepShape, ModelError> {
         let (gpu, s, bs) = (&self.gpu, self.stream, self.kv.block_size());
         let n = pad_to.unwrap_or(input.rows.len());
@@ -305,11 +328,15 @@ impl TransformerModel {
         seq_slot[..input.ssm_slots.len()].copy_from_slice(input.ssm_slots);
         gpu.upload(self.buf.seq_start, &seq_start, s)?;
         gpu.upload(self.buf.seq_slot, &seq_slot, s)?;
+        if let Some(rs) = row_slots {
+            gpu.upload(self.buf.row_slot, rs, s)?;
+        }
         Ok(StepShape {
             rows: n as u32,
             num_seqs: num_seqs as u32,
             max_blocks: self.max_blocks as u32,
             logit_rows: logit_rows.len() as u32,
+            verify: row_slots.is_some(),
         })
     }
 
@@ -317,7 +344,8 @@ impl TransformerModel {
     /// Logits are left on the device; read them with [`TransformerModel::logits`].
     pub fn forward(&mut self, input: &StepInput<'_>) -> Result<(), ModelError> {
         self.check(input)?;
-        let shape = self.upload(input, None)?;
+        let shape = self.upload(input, None, None)?;
+        self.last_rows = shape.rows as usize;
         self.launch_step(shape)?;
         Ok(())
     }
@@ -351,7 +379,8 @@ impl TransformerModel {
                 self.options.max_decode_seqs
             ))
         })?;
-        let shape = self.upload(&input, Some(width))?;
+        let shape = self.upload(&input, Some(width), None)?;
+        self.last_rows = shape.rows as usize;
         if !self.options.decode_graphs {
             return self.launch_decode(shape);
         }
@@ -391,17 +420,25 @@ impl TransformerModel {
         self.launch_step_with(&self.ops, shape)
     }
 
+    /// KV-cache layer `k` (the model's attention layers, then the MTP head's), as a step sees it.
+    fn kv_binding(&self, k: usize) -> KvBinding {
+        let pools = self.kv.layer(k);
+        KvBinding {
+            k: pools.k,
+            v: pools.v,
+            block_size: self.kv.block_size() as u32,
+            num_slots: self.kv.num_slots() as u32,
+        }
+    }
+
     /// Layer `i`'s KV cache and SSM state, as its forward (and the circuit) sees them.
     pub(crate) fn layer_bindings(&self, i: usize) -> (Option<KvBinding>, Option<SsmBinding>) {
-        let kv = self.kv_layer.get(i).copied().flatten().map(|k| {
-            let pools = self.kv.layer(k);
-            KvBinding {
-                k: pools.k,
-                v: pools.v,
-                block_size: self.kv.block_size() as u32,
-                num_slots: self.kv.num_slots() as u32,
-            }
-        });
+        let kv = self
+            .kv_layer
+            .get(i)
+            .copied()
+            .flatten()
+            .map(|k| self.kv_binding(k));
         let ssm = match (self.ssm_layer.get(i).copied().flatten(), &self.ssm) {
             (Some(g), Some(pool)) => pool.layer(g).map(|p| SsmBinding {
                 conv: p.conv,
@@ -452,6 +489,12 @@ impl TransformerModel {
             d.eps,
             d.unit_offset,
         )?;
+        self.launch_lm_head(ops, shape)
+    }
+
+    /// The LM head on the step's logit rows of `normed`.
+    fn launch_lm_head(&self, ops: &Ops, shape: StepShape) -> Result<(), ModelError> {
+        let (s, b, d) = (self.stream, &self.buf, &self.dims);
         if shape.logit_rows > 0 {
             ops.gather_rows(
                 s,

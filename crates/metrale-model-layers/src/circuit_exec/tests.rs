@@ -216,6 +216,7 @@ fn fixed(a: &mut Addr, specs: &[LayerSpec]) -> Fixed {
         inv_freq: a.next(),
         seq_start: a.next(),
         seq_slot: a.next(),
+        row_slot: a.next(),
         gdn: GdnBuffers {
             proj: a.next(),
             conv: a.next(),

@@ -5,7 +5,9 @@
 //! One forward: fused input projection → causal conv + SiLU (reading each sequence's window) →
 //! window update → L2-normalised q, k and the gates β, g → gated delta rule (token by token when
 //! every sequence has one row, else in position-aligned chunks of 64) → per-head RMSNorm times
-//! `silu(z)` → output projection into `delta`.
+//! `silu(z)` → output projection into `delta`. A verify step (`StepShape::verify`) runs the rule
+//! token by token and keeps the window and state after every row in the row's own slot
+//! (`StepBuffers::row_slot`), so a rejected draft rolls back by choosing a slot.
 //!
 //! Weight layouts the loader produces (Hk key heads of Dk, Hv value heads of Dv, r = Hv / Hk,
 //! `conv_dim = 2*Hk*Dk + Hv*Dv`, K conv taps):
@@ -189,7 +191,11 @@ impl GatedDeltaNet {
             kernel_size: self.shape.conv_kernel,
         };
         ops.causal_conv1d(s, &conv)?;
-        ops.conv_state_update(s, &conv)?;
+        if cx.shape.verify {
+            ops.conv_state_verify(s, &conv, buf.row_slot)?;
+        } else {
+            ops.conv_state_update(s, &conv)?;
+        }
         ops.gdn_prepare(
             s,
             &GdnPrepare {
@@ -218,9 +224,12 @@ impl GatedDeltaNet {
             seqs,
             heads: h,
         };
-        // One row per sequence: decode. Otherwise chunks; a one-row chunk is the recurrent step
-        // bitwise, so the choice never changes a sequence's result.
-        if rows == cx.shape.num_seqs {
+        // A verify step: token by token, each row's state kept in its own slot. One row per
+        // sequence: decode. Otherwise chunks; a one-row chunk is the recurrent step bitwise, so
+        // the choice never changes a sequence's result.
+        if cx.shape.verify {
+            ops.gated_delta_verify(s, &rule, buf.row_slot)?;
+        } else if rows == cx.shape.num_seqs {
             ops.gated_delta_recurrent(s, &rule)?;
         } else {
             ops.gated_delta_chunked(s, &rule, GDN_CHUNK)?;

@@ -7,6 +7,12 @@
 //! gates β and g), `gated_delta_recurrent` (decode) or `gated_delta_chunked` (prefill), and
 //! `gated_rms_norm` (per-head RMSNorm times `silu(z)`), then the output projection.
 //!
+//! A verify step of speculative decoding (a sequence's last token and its drafts, in rows)
+//! replaces the window update and the rule with `conv_state_verify` and `gated_delta_verify`:
+//! the rule runs token by token exactly as in decode, and the window and recurrent state after
+//! every row are kept in that row's own slot (`row_slot`), so that accepting `j` drafts makes the
+//! slot of row `j` the sequence's state with no recompute and no copy.
+//!
 //! Shapes, named by the four head scalars every kernel of the family takes in this order:
 //! `num_k_heads` (Hk), `k_head_dim` (Dk), `num_v_heads` (Hv), `v_head_dim` (Dv); Hv is a multiple
 //! of Hk and value head `j` reads key head `j / (Hv / Hk)`. Derived: `key_dim = Hk*Dk`,
@@ -44,6 +50,8 @@ mod delta_rule;
 mod rule_tests;
 #[cfg(test)]
 pub(crate) mod tests;
+#[cfg(test)]
+mod verify_tests;
 
 use std::ops::Range;
 
@@ -52,7 +60,7 @@ use half::bf16;
 use super::util::{b, f, rms_scale, sigmoid, silu};
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
-pub use delta_rule::{gated_delta_chunked, gated_delta_recurrent};
+pub use delta_rule::{gated_delta_chunked, gated_delta_recurrent, gated_delta_verify};
 
 /// The slot value of a padding sequence.
 pub const NO_SLOT: u32 = u32::MAX;
@@ -275,6 +283,105 @@ pub fn conv_state_update(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
+/// Read and check `row_slot`, u32 `[rows]` (argument `at`) of a verify step: each entry is
+/// `NO_SLOT` (keep nothing) or a slot of the pool; no slot is written by two rows; and a row never
+/// writes the slot another sequence of the step reads (its own sequence's slot is allowed: every
+/// work unit reads its input state before it writes any row's).
+pub(crate) fn read_row_slots<'a>(
+    ctx: &'a KernelCtx<'a>,
+    at: usize,
+    rows: usize,
+    seqs: &Seqs<'_>,
+    num_slots: usize,
+) -> GpuResult<&'a [u32]> {
+    let row_slot = ctx.slice::<u32>(at, rows)?;
+    let mut written: Vec<(u32, usize)> = Vec::new();
+    for s in 0..seqs.len() {
+        for r in seqs.rows(s) {
+            let sl = row_slot[r];
+            if sl == NO_SLOT {
+                continue;
+            }
+            if sl as usize >= num_slots {
+                return Err(ctx.fail(format!(
+                    "row {r}: row slot {sl} is past the {num_slots} state slots"
+                )));
+            }
+            written.push((sl, s));
+        }
+    }
+    written.sort_unstable();
+    if let Some(w) = written.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(ctx.fail(format!(
+            "two rows of the step keep their state in slot {}",
+            w[0].0
+        )));
+    }
+    for &(sl, s) in &written {
+        if let Some(other) = (0..seqs.len()).find(|&o| o != s && seqs.slot(o) == Some(sl as usize))
+        {
+            return Err(ctx.fail(format!(
+                "a row of sequence {s} keeps its state in slot {sl}, which sequence {other} reads"
+            )));
+        }
+    }
+    Ok(row_slot)
+}
+
+/// `conv_state_verify(conv_state: f32 [num_slots * slot_stride] (in/out), proj: bf16 [rows,
+/// proj_width], seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], row_slot: u32 [rows],
+/// rows, num_seqs, num_slots, slot_stride, num_k_heads, k_head_dim, num_v_heads, v_head_dim,
+/// kernel_size)`.
+///
+/// The conv window after each row of a verify step (speculative decoding), kept for rollback:
+/// for row `t` of a sequence with `row_slot[first + t] != NO_SLOT`, that slot's window becomes
+/// the last `K - 1` inputs of (the window of `seq_slot` ++ the sequence's rows `0..=t`), i.e.
+/// `new[i] = x(t + 1 - (K-1) + i)` with `x` as in `causal_conv1d` — what `conv_state_update`
+/// leaves after a step of rows `0..=t`. The sequence's own slot is only read (unless a row names
+/// it). Work unit: one (sequence, channel), reading the old window before writing any row's.
+/// Run after `causal_conv1d`.
+pub fn conv_state_verify(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    ctx.expect_args(14)?;
+    let (rows, num_seqs, num_slots, stride) =
+        (ctx.usize(5)?, ctx.usize(6)?, ctx.usize(7)?, ctx.usize(8)?);
+    let h = Heads::read(ctx, 9)?;
+    let taps = ctx.usize(13)?;
+    if taps == 0 {
+        return Err(ctx.fail("kernel_size must be positive"));
+    }
+    let (cd, pw, hist) = (h.conv_dim(), h.proj_width(), taps - 1);
+    check_stride(ctx, stride, hist * cd)?;
+    let state = ctx.slice_mut::<f32>(0, num_slots * stride)?;
+    let proj = ctx.slice::<bf16>(1, rows * pw)?;
+    let seqs = Seqs::read(ctx, (2, 3), rows, num_seqs, num_slots, false)?;
+    let row_slot = read_row_slots(ctx, 4, rows, &seqs, num_slots)?;
+    let mut old = vec![0.0f32; hist * cd];
+    for s in 0..seqs.len() {
+        let range = seqs.rows(s);
+        match seqs.slot(s) {
+            Some(sl) => old.copy_from_slice(&state[sl * stride..sl * stride + hist * cd]),
+            None => old.fill(0.0),
+        }
+        for (t, r) in range.clone().enumerate() {
+            let Some(dst) = (row_slot[r] != NO_SLOT).then_some(row_slot[r] as usize) else {
+                continue;
+            };
+            let window = &mut state[dst * stride..dst * stride + hist * cd];
+            for i in 0..hist {
+                let u = (t + 1 + i) as isize - hist as isize;
+                for c in 0..cd {
+                    window[i * cd + c] = if u >= 0 {
+                        f(proj[(range.start + u as usize) * pw + c])
+                    } else {
+                        old[(hist as isize + u) as usize * cd + c]
+                    };
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `softplus(x) = ln(1 + e^x)`, linear above 20 as `torch.nn.functional.softplus`.
 #[inline]
 pub(crate) fn softplus(x: f32) -> f32 {
@@ -363,9 +470,11 @@ pub const FAMILY: super::Family = super::Family {
     kernels: &[
         ("causal_conv1d", causal_conv1d),
         ("conv_state_update", conv_state_update),
+        ("conv_state_verify", conv_state_verify),
         ("gdn_prepare", gdn_prepare),
         ("gated_delta_recurrent", gated_delta_recurrent),
         ("gated_delta_chunked", gated_delta_chunked),
+        ("gated_delta_verify", gated_delta_verify),
         ("gated_rms_norm", gated_rms_norm),
     ],
 };

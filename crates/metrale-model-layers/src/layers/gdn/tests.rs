@@ -1,6 +1,7 @@
 //! Layer-level tests of `GatedDeltaNet` on the CPU backend: a prefill followed by decode steps
-//! continues the state exactly as token-by-token steps do, and a sequence's output and state do
-//! not depend on the other sequences (or padding rows) of its step. Its helpers (`Data`, `Rig`)
+//! continues the state exactly as token-by-token steps do, a sequence's output and state do not
+//! depend on the other sequences (or padding rows) of its step, and a verify step is decode
+//! steps bitwise, keeping each row's state. Its helpers (`Data`, `Rig`)
 //! serve the MoE layer tests too.
 
 use std::sync::Arc;
@@ -90,7 +91,7 @@ impl Rig {
 const HIDDEN: usize = 32;
 const MAX_ROWS: usize = 128;
 const MAX_SEQS: usize = 4;
-const SLOTS: usize = 4;
+const SLOTS: usize = 8;
 
 /// One sequence's rows in a step: its slot, first position and inputs (`[n, HIDDEN]`).
 struct SeqRows<'a> {
@@ -165,6 +166,7 @@ impl Harness {
             row_seq: rig.buf(r * 4),
             seq_start: rig.buf((MAX_SEQS + 1) * 4),
             seq_slot: rig.buf(MAX_SEQS * 4),
+            row_slot: rig.buf(r * 4),
             gdn: GdnBuffers {
                 proj: rig.buf(r * pw * 2),
                 conv: rig.buf(r * cd * 2),
@@ -190,6 +192,12 @@ impl Harness {
 
     /// Run one step over `seqs`; returns the layer's output rows.
     fn step(&self, seqs: &[SeqRows<'_>]) -> Vec<bf16> {
+        self.run(seqs, None)
+    }
+
+    /// Run one step over `seqs`, a verify step keeping each row's state in `row_slots` when
+    /// given; returns the layer's output rows.
+    fn run(&self, seqs: &[SeqRows<'_>], row_slots: Option<&[u32]>) -> Vec<bf16> {
         let (r, b) = (&self.rig, &self.buf);
         let (mut x, mut row_seq, mut start, mut slots, mut pos) =
             (Vec::new(), Vec::new(), vec![0u32], Vec::new(), Vec::new());
@@ -207,6 +215,9 @@ impl Harness {
         r.gpu.upload(b.positions, &pos, r.s).expect("upload");
         r.gpu.upload(b.seq_start, &start, r.s).expect("upload");
         r.gpu.upload(b.seq_slot, &slots, r.s).expect("upload");
+        if let Some(rs) = row_slots {
+            r.gpu.upload(b.row_slot, rs, r.s).expect("upload");
+        }
         let p = self.pool.layer(0).expect("layer 0");
         let dims = Rig::dims(HIDDEN as u32);
         let cx = LayerCtx {
@@ -218,6 +229,7 @@ impl Harness {
                 num_seqs: seqs.len() as u32,
                 max_blocks: 1,
                 logit_rows: 0,
+                verify: row_slots.is_some(),
             },
             dims: &dims,
             kv: None,
@@ -427,6 +439,7 @@ fn a_gdn_layer_without_an_ssm_binding_is_refused() {
             num_seqs: 1,
             max_blocks: 1,
             logit_rows: 0,
+            verify: false,
         },
         dims: &dims,
         kv: None,
@@ -484,4 +497,60 @@ fn qwen3_next_rows_regroup_per_key_head_projections() {
     let got = shape.qwen3_next_in_proj_rows();
     assert_eq!(got.len(), shape.heads.proj_width() as usize);
     assert_eq!(got, want);
+}
+
+#[test]
+fn a_verify_step_is_decode_steps_bitwise_and_keeps_the_state_after_each_row() {
+    let mut d = Data(127);
+    let (n, k) = (20usize, 4usize);
+    let x = d.bf((n + k) * HIDDEN, 1.0);
+    let other = d.bf(2 * HIDDEN, 1.0);
+    let prefill = |hs: &Harness| {
+        hs.step(&[SeqRows {
+            slot: 0,
+            pos0: 0,
+            x: &x[..n * HIDDEN],
+        }])
+    };
+    // Verify: the four rows at once beside another sequence's two-row verify; rows 0..3 keep
+    // their state in slots 4..6 and the sequence's own slot 0 (so slot 0 ends as decode's).
+    let verify = Harness::new(131);
+    prefill(&verify);
+    let got = verify.run(
+        &[
+            SeqRows {
+                slot: 0,
+                pos0: n as u32,
+                x: &x[n * HIDDEN..],
+            },
+            SeqRows {
+                slot: 1,
+                pos0: 3,
+                x: &other,
+            },
+        ],
+        Some(&[4, 5, 6, 0, 7, u32::MAX]),
+    );
+    // Decode: one row per step, the state after each read from slot 0.
+    let decode = Harness::new(131);
+    prefill(&decode);
+    for t in 0..k {
+        let want = decode.step(&[SeqRows {
+            slot: 0,
+            pos0: (n + t) as u32,
+            x: &x[(n + t) * HIDDEN..(n + t + 1) * HIDDEN],
+        }]);
+        assert_eq!(
+            bits16(&got[t * HIDDEN..(t + 1) * HIDDEN]),
+            bits16(&want),
+            "row {t}: the verify output is not the decode step's"
+        );
+        let kept = [4, 5, 6, 0][t];
+        let ((cv, rv), (cd, rd)) = (verify.state(kept), decode.state(0));
+        assert_eq!(bits32(&cv), bits32(&cd), "conv window after row {t}");
+        assert_eq!(bits32(&rv), bits32(&rd), "recurrent state after row {t}");
+    }
+    // The other sequence's own slot was only read.
+    let ((c1, r1), (c1d, r1d)) = (verify.state(1), decode.state(1));
+    assert_eq!((bits32(&c1), bits32(&r1)), (bits32(&c1d), bits32(&r1d)));
 }

@@ -91,6 +91,7 @@ fn run(rig: &Rig, mlp: &MoeMlp, buf: &StepBuffers, x: &[bf16]) -> Vec<bf16> {
             num_seqs: 1,
             max_blocks: 1,
             logit_rows: 0,
+            verify: false,
         },
         dims: &dims,
         kv: None,

@@ -1,6 +1,7 @@
 //! The gated delta rule over each sequence's rows, updating its recurrent state in place: the
 //! token-by-token recurrence (decode, and the reference) and the chunked WY form (prefill), as
-//! transformers' `torch_recurrent_gated_delta_rule` and `torch_chunk_gated_delta_rule`.
+//! transformers' `torch_recurrent_gated_delta_rule` and `torch_chunk_gated_delta_rule`; and the
+//! verify form of speculative decoding, the recurrence keeping the state after every row.
 //!
 //! Per value head `j` with state `S: [Dk, Dv]`, a token `(q̂, k̂, v, β, g)` does
 //! `S ← e^g·S; S ← S + k̂·(β(v − Sᵀk̂))ᵀ; o = Sᵀq̂`.
@@ -15,7 +16,7 @@
 
 use half::bf16;
 
-use super::{Heads, Seqs, check_stride};
+use super::{Heads, NO_SLOT, Seqs, check_stride, read_row_slots};
 use crate::cpu::KernelCtx;
 use crate::cpu::kernels::util::f;
 use crate::error::GpuResult;
@@ -185,6 +186,61 @@ pub fn gated_delta_recurrent(ctx: &KernelCtx<'_>) -> GpuResult<()> {
             recurrent_step(st, inp, r, j, &mut tok, o);
         }
     });
+    Ok(())
+}
+
+/// `gated_delta_verify(out: f32 [rows, value_dim], state: f32 [num_slots * slot_stride]
+/// (in/out), qk: f32 [rows, 2*key_dim], conv: bf16 [rows, conv_dim], gates: f32 [rows, 2*Hv],
+/// seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], row_slot: u32 [rows], rows,
+/// num_seqs, num_slots, slot_stride, num_k_heads, k_head_dim, num_v_heads, v_head_dim)`.
+///
+/// The verify step of speculative decoding: each sequence's rows run token by token from the
+/// state in `seq_slot` (zeros for padding), every row computed bitwise as
+/// `gated_delta_recurrent` computes it, and after row `r` the state is written to `row_slot[r]`
+/// (nothing for `NO_SLOT`). The sequence's own slot is only read, unless a row names it: a work
+/// unit reads its input state before it writes any row's (see `read_row_slots` for what else is
+/// refused). Work unit: one (sequence, value head).
+pub fn gated_delta_verify(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    ctx.expect_args(16)?;
+    let (rows, num_seqs, num_slots, stride) =
+        (ctx.usize(8)?, ctx.usize(9)?, ctx.usize(10)?, ctx.usize(11)?);
+    let h = Heads::read(ctx, 12)?;
+    check_stride(ctx, stride, h.hv * h.dk * h.dv)?;
+    let out = ctx.slice_mut::<f32>(0, rows * h.value_dim())?;
+    let state = ctx.slice_mut::<f32>(1, num_slots * stride)?;
+    let inputs = Inputs {
+        h,
+        qk: ctx.slice::<f32>(2, rows * 2 * h.key_dim())?,
+        conv: ctx.slice::<bf16>(3, rows * h.conv_dim())?,
+        gates: ctx.slice::<f32>(4, rows * 2 * h.hv)?,
+    };
+    let seqs = Seqs::read(ctx, (5, 6), rows, num_seqs, num_slots, false)?;
+    let row_slot = read_row_slots(ctx, 7, rows, &seqs, num_slots)?;
+    let (per_head, vd) = (h.dk * h.dv, h.value_dim());
+    let mut head = vec![0.0f32; per_head];
+    let mut tok = Token {
+        v: vec![0.0; h.dv],
+        delta: vec![0.0; h.dv],
+    };
+    for s in 0..seqs.len() {
+        for j in 0..h.hv {
+            match seqs.slot(s) {
+                Some(sl) => {
+                    let at = sl * stride + j * per_head;
+                    head.copy_from_slice(&state[at..at + per_head]);
+                }
+                None => head.fill(0.0),
+            }
+            for r in seqs.rows(s) {
+                let o = &mut out[r * vd + j * h.dv..r * vd + (j + 1) * h.dv];
+                recurrent_step(&mut head, &inputs, r, j, &mut tok, o);
+                if row_slot[r] != NO_SLOT {
+                    let at = row_slot[r] as usize * stride + j * per_head;
+                    state[at..at + per_head].copy_from_slice(&head);
+                }
+            }
+        }
+    }
     Ok(())
 }
 

@@ -12,19 +12,19 @@ use crate::types::KernelArg;
 const CHUNK: usize = 64;
 
 /// One sequence's inputs to the rule.
-struct Seq {
-    slot: u32,
-    pos0: u32,
-    n: usize,
+pub(crate) struct Seq {
+    pub slot: u32,
+    pub pos0: u32,
+    pub n: usize,
     /// f32 `[n, 2*kd]`: normalised q (scaled) and k.
-    qk: Vec<f32>,
+    pub qk: Vec<f32>,
     /// bf16 `[n, vd]`.
-    v: Vec<bf16>,
+    pub v: Vec<bf16>,
     /// f32 `[n, 2*hv]`: β then g.
-    gates: Vec<f32>,
+    pub gates: Vec<f32>,
 }
 
-fn gen_seq(d: &mut Data, h: H, n: usize, slot: u32, pos0: u32) -> Seq {
+pub(crate) fn gen_seq(d: &mut Data, h: H, n: usize, slot: u32, pos0: u32) -> Seq {
     let mut qk = Vec::with_capacity(n * 2 * h.kd());
     let mut gates = Vec::with_capacity(n * 2 * h.hv);
     for _ in 0..n {
@@ -53,19 +53,32 @@ fn gen_seq(d: &mut Data, h: H, n: usize, slot: u32, pos0: u32) -> Seq {
 
 /// The pool geometry of a launch.
 #[derive(Clone, Copy)]
-struct Pool {
-    num_slots: usize,
-    stride: usize,
+pub(crate) struct Pool {
+    pub num_slots: usize,
+    pub stride: usize,
 }
 
 /// Run `kernel` over `seqs` as one step from `state`; returns the output and the new state.
-fn launch(
+pub(crate) fn launch(
     r: &Rig,
     h: H,
     kernel: &str,
     seqs: &[&Seq],
     state: &[f32],
     pool: Pool,
+) -> GpuResult<(Vec<f32>, Vec<f32>)> {
+    launch_with(r, h, kernel, seqs, state, pool, None)
+}
+
+/// `launch`, passing `row_slot` (`gated_delta_verify`) after `seq_slot`.
+pub(crate) fn launch_with(
+    r: &Rig,
+    h: H,
+    kernel: &str,
+    seqs: &[&Seq],
+    state: &[f32],
+    pool: Pool,
+    row_slot: Option<&[u32]>,
 ) -> GpuResult<(Vec<f32>, Vec<f32>)> {
     let rows: usize = seqs.iter().map(|s| s.n).sum();
     let (kd, cd, vd) = (h.kd(), h.cd(), h.vd());
@@ -100,6 +113,9 @@ fn launch(
     let chunked = kernel == "gated_delta_chunked";
     if chunked {
         args.push(r.put(&positions).into());
+    }
+    if let Some(rs) = row_slot {
+        args.push(r.put(rs).into());
     }
     args.extend([u(rows), u(seqs.len()), u(pool.num_slots), u(pool.stride)]);
     args.extend(h.args());
@@ -157,11 +173,11 @@ fn rms(v: &[f64]) -> f64 {
     (v.iter().map(|x| x * x).sum::<f64>() / v.len().max(1) as f64).sqrt()
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
+pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-const HEADS: H = H {
+pub(crate) const HEADS: H = H {
     hk: 2,
     dk: 16,
     hv: 4,

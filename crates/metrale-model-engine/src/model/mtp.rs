@@ -1,0 +1,182 @@
+//! `TransformerModel::mtp_step`: one step of the multi-token-prediction head, the drafter of
+//! speculative decoding.
+//!
+//! Which hidden state feeds the head, and at which position. A head row at position `p` reads
+//! `h_p`, the target's *final-norm output* (after `model.norm`, the LM head's input) of the row
+//! whose input token was `x_p`, together with the embedding of the next token `x_{p+1}`, and
+//! runs its layer at position `p` (RoPE and KV slot of `p`); its output predicts `x_{p+2}`:
+//! `fc([pre_fc_norm_embedding(embed(x_{p+1})) | pre_fc_norm_hidden(h_p)])`, the head's layer,
+//! `mtp.norm`, the shared LM head. For the next draft the head is reused: the row at `p + 1`
+//! reads the embedding of the draft it just made and, as its hidden state, the head's own
+//! output after `mtp.norm`. This is how vLLM (`qwen3_next_mtp.py`, whose target model returns
+//! its hidden states after `self.norm`; `eagle.py` shifts the input ids left by one and keeps
+//! the target's positions) and SGLang (`qwen3_next_mtp.py`, reading the hidden states its
+//! logits processor captures before the LM head; `EagleDraftInput.prepare_for_extend` shifts
+//! the ids the same way) feed the Qwen3-Next head. One row off in either the token or the
+//! position still runs, but its drafts are rarely accepted.
+//!
+//! Invariants:
+//! - `hidden_rows` index the rows of the step run just before (a target step or an MTP step):
+//!   the step's first launch gathers them out of `normed` (widened to f32), before anything
+//!   overwrites it.
+//! - The head's layers use KV pools of their own (`MtpBuffers::first_kv_layer` on) through the
+//!   sequences' block tables; they touch no SSM state and no target KV pool.
+
+use metrale_cache::BlockTable;
+use metrale_gpu_runtime::{DevicePtr, GpuBackendExt};
+use metrale_model_layers::{LayerCtx, StepShape, TransformerLayer};
+
+use super::{StepInput, StepRow, TransformerModel};
+use crate::error::ModelError;
+
+/// The MTP head's step buffers (rows `R` = the model's `max_rows`, hidden `H`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MtpBuffers {
+    /// u32 `[R]`: the rows of the previous step whose final-norm output each row reads.
+    pub hidden_rows: DevicePtr,
+    /// f32 `[R, H]`: those rows, widened.
+    pub hidden: DevicePtr,
+    /// bf16 `[2R, H]`: the normed embeddings (rows `0..n`), then the normed hidden states
+    /// (rows `n..2n`).
+    pub cat_src: DevicePtr,
+    /// u32 `[2R]`: `[0, n, 1, n + 1, ...]`, which interleaves `cat_src` into `cat`.
+    pub cat_ids: DevicePtr,
+    /// bf16 `[R, 2H]`: `[normed embedding | normed hidden]` per row, `fc`'s input.
+    pub cat: DevicePtr,
+    /// The KV-cache layer of the head's first layer.
+    pub first_kv_layer: usize,
+}
+
+/// One MTP step.
+#[derive(Debug, Clone, Copy)]
+pub struct MtpStep<'a> {
+    /// The rows: `position` is `p`, `token` is the token *after* it (`x_{p+1}`), `seq` indexes
+    /// `tables`; rows of a sequence contiguous and in position order.
+    pub rows: &'a [StepRow],
+    /// The block table of each sequence (the target's: the head's pools share its blocks).
+    pub tables: &'a [&'a BlockTable],
+    /// For each row, the row of the previous step whose final-norm output is its `h_p`.
+    pub hidden_rows: &'a [u32],
+    /// Rows whose logits (drafts) are wanted.
+    pub logit_rows: &'a [u32],
+    /// Which draft of a chain this step makes, from 0; the head's layer `depth % layers` runs
+    /// (one layer in the Qwen3.5 / Qwen3-Next checkpoints).
+    pub depth: usize,
+}
+
+impl TransformerModel {
+    /// Whether the MTP head is set up to run (`speculative = Mtp` and the checkpoint has one).
+    pub fn has_mtp(&self) -> bool {
+        self.mtp.is_some()
+    }
+
+    /// Run one MTP step (see the module header); its logits replace the last step's.
+    pub fn mtp_step(&mut self, step: &MtpStep<'_>) -> Result<(), ModelError> {
+        let mb = self.mtp.ok_or_else(|| {
+            ModelError::Step("the MTP head is not set up (load with speculative = Mtp)".into())
+        })?;
+        let input = StepInput {
+            rows: step.rows,
+            tables: step.tables,
+            logit_rows: step.logit_rows,
+            ssm_slots: &[],
+        };
+        self.check_rows(&input)?;
+        if step.hidden_rows.len() != step.rows.len() {
+            return Err(ModelError::Step(format!(
+                "{} hidden rows for {} MTP rows",
+                step.hidden_rows.len(),
+                step.rows.len()
+            )));
+        }
+        let prev = self.last_rows;
+        if let Some(&r) = step.hidden_rows.iter().find(|&&r| r as usize >= prev) {
+            return Err(ModelError::Step(format!(
+                "hidden row {r} is past the {prev} rows of the previous step"
+            )));
+        }
+        let (s, n, hidden) = (self.stream, step.rows.len() as u32, self.dims.hidden);
+        self.gpu.upload(mb.hidden_rows, step.hidden_rows, s)?;
+        self.ops.embedding_gather(
+            s,
+            mb.hidden,
+            self.buf.normed,
+            mb.hidden_rows,
+            n,
+            hidden,
+            prev as u32,
+        )?;
+        let shape = self.upload(&input, None, None)?;
+        let cat_ids: Vec<u32> = (0..n).flat_map(|i| [i, n + i]).collect();
+        self.gpu.upload(mb.cat_ids, &cat_ids, s)?;
+        self.last_rows = n as usize;
+        self.launch_mtp(shape, mb, step.depth)
+    }
+
+    fn launch_mtp(&self, shape: StepShape, mb: MtpBuffers, depth: usize) -> Result<(), ModelError> {
+        let head = self
+            .weights
+            .mtp
+            .as_ref()
+            .ok_or_else(|| ModelError::Step("the checkpoint has no MTP head".into()))?;
+        let (ops, s, b, d) = (&self.ops, self.stream, &self.buf, &self.dims);
+        let n = shape.rows;
+        ops.embedding_gather(
+            s,
+            b.residual,
+            self.weights.embed.ptr,
+            b.token_ids,
+            n,
+            d.hidden,
+            d.vocab,
+        )?;
+        let halves = [
+            (mb.cat_src, b.residual, head.pre_fc_norm_embedding.ptr),
+            (
+                mb.cat_src.offset(n as usize * d.hidden as usize * 2),
+                mb.hidden,
+                head.pre_fc_norm_hidden.ptr,
+            ),
+        ];
+        for (out, x, w) in halves {
+            ops.rms_norm(s, out, x, w, n, d.hidden, d.eps, d.unit_offset)?;
+        }
+        ops.gather_rows(s, mb.cat, mb.cat_src, mb.cat_ids, 2 * n, d.hidden, 2 * n)?;
+        ops.linear_f32out(
+            s,
+            b.residual,
+            mb.cat,
+            head.fc.ptr,
+            n,
+            d.hidden,
+            2 * d.hidden,
+        )?;
+        let i = depth % head.layers.len().max(1);
+        let layer = head
+            .layers
+            .get(i)
+            .ok_or_else(|| ModelError::Step("the MTP head has no layers".into()))?;
+        layer.forward(&LayerCtx {
+            ops,
+            stream: s,
+            buf: b,
+            shape,
+            dims: d,
+            kv: Some(self.kv_binding(mb.first_kv_layer + i)),
+            ssm: None,
+            first: true,
+        })?;
+        ops.add_rms_norm(
+            s,
+            b.residual,
+            b.delta,
+            head.norm.ptr,
+            b.normed,
+            n,
+            d.hidden,
+            d.eps,
+            d.unit_offset,
+        )?;
+        self.launch_lm_head(ops, shape)
+    }
+}

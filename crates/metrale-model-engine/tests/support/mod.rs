@@ -1,0 +1,182 @@
+//! Shared by the speculative-decoding tests: the hybrid fixtures with a synthetic MTP head
+//! (transformers does not save `mtp.*`), loading, and plain greedy references.
+
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use metrale_gpu_runtime::CpuBackend;
+use metrale_model_engine::generate::{GenerateParams, Generation, generate};
+use metrale_model_engine::sampling::SamplingParams;
+use metrale_model_engine::{ModelOptions, TransformerModel, factory};
+
+/// The hybrid fixtures: Qwen3.5 (dense FFN), Qwen3-Next and Qwen3.5-MoE (MoE FFNs, so the head's
+/// layer is MoE too).
+pub const HYBRID: &[&str] = &["qwen3_5-tiny", "qwen3_next-tiny", "qwen3_5_moe-tiny"];
+
+/// A fixture of the workspace's `tests/fixtures`: under the working directory when there is one
+/// (the GPU bundle runs its tests from the tree's root), else found up from the manifest
+/// directory of whichever package includes this module.
+pub fn fixture(name: &str) -> PathBuf {
+    let here = PathBuf::from("tests/fixtures");
+    if here.is_dir() {
+        return here.join(name);
+    }
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .ancestors()
+        .map(|d| d.join("tests/fixtures"))
+        .find(|d| d.is_dir())
+        .unwrap_or_else(|| manifest.join("../../tests/fixtures"))
+        .join(name)
+}
+
+/// A fixture copied into a temporary directory with a deterministic synthetic MTP head.
+pub struct MtpFixture {
+    dir: tempfile::TempDir,
+}
+
+impl MtpFixture {
+    /// `name` (a hybrid fixture) with `mtp.*` added.
+    pub fn new(name: &str) -> MtpFixture {
+        let dir = tempfile::tempdir().unwrap();
+        write_with_mtp(&fixture(name), dir.path());
+        MtpFixture { dir }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The fixture's prompts (`reference.json`).
+    pub fn prompts(&self) -> Vec<Vec<u32>> {
+        let text = std::fs::read_to_string(self.path().join("reference.json")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["prompts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                p["prompt_ids"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_u64().unwrap() as u32)
+                    .collect()
+            })
+            .collect()
+    }
+
+    pub fn load(&self, options: ModelOptions) -> TransformerModel {
+        factory::load(self.path(), options, Arc::new(CpuBackend::default())).unwrap()
+    }
+}
+
+/// Copy `src` into `dst`, adding the MTP head's tensors: `fc` `[H, 2H]` with uniform values of
+/// scale `1/sqrt(2H)`, the three norms near zero (weights near one in the zero-centred
+/// convention), and one decoder layer copied from the model's first full-attention layer (MoE
+/// in the MoE families).
+pub fn write_with_mtp(src: &Path, dst: &Path) {
+    for e in std::fs::read_dir(src).unwrap().flatten() {
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dst.join("config.json")).unwrap()).unwrap();
+    let full = cfg["layer_types"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|t| t == "full_attention")
+        .unwrap();
+    let h = cfg["hidden_size"].as_u64().unwrap() as usize;
+    let path = dst.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let prefix = format!("model.layers.{full}.");
+    for (name, view) in st.tensors() {
+        let (dtype, shape, data) = (view.dtype(), view.shape().to_vec(), view.data().to_vec());
+        if let Some(rest) = name.strip_prefix(&prefix) {
+            out.push((
+                format!("mtp.layers.0.{rest}"),
+                dtype,
+                shape.clone(),
+                data.clone(),
+            ));
+        }
+        out.push((name, dtype, shape, data));
+    }
+    let mut seed = 0x5eed_u64;
+    let mut uniform = |scale: f32| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+    };
+    let mut bf16 = |n: usize, scale: f32| -> Vec<u8> {
+        (0..n)
+            .flat_map(|_| half::bf16::from_f32(uniform(scale)).to_le_bytes())
+            .collect()
+    };
+    let fc = bf16(h * 2 * h, 1.0 / ((2 * h) as f32).sqrt());
+    out.push((
+        "mtp.fc.weight".into(),
+        safetensors::Dtype::BF16,
+        vec![h, 2 * h],
+        fc,
+    ));
+    for n in [
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "mtp.norm.weight",
+    ] {
+        out.push((n.into(), safetensors::Dtype::BF16, vec![h], bf16(h, 0.1)));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = out
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+}
+
+/// A fixture as it is (no MTP head) on the CPU backend.
+pub fn load_plain(name: &str, options: ModelOptions) -> TransformerModel {
+    factory::load(&fixture(name), options, Arc::new(CpuBackend::default())).unwrap()
+}
+
+/// Generation parameters: `n` tokens, no stop tokens, logits kept.
+pub fn params(n: usize, sampling: SamplingParams) -> GenerateParams {
+    GenerateParams {
+        max_new_tokens: n,
+        sampling,
+        stop_token_ids: Vec::new(),
+        return_logits: true,
+    }
+}
+
+pub fn greedy(n: usize) -> GenerateParams {
+    params(n, SamplingParams::default())
+}
+
+pub fn run(model: &mut TransformerModel, prompt: &[u32], p: &GenerateParams) -> Generation {
+    generate(model, prompt, p, &mut |_| {
+        std::ops::ControlFlow::Continue(())
+    })
+    .unwrap()
+}
+
+/// Bits of every logit of a generation (for bitwise comparisons).
+pub fn logit_bits(g: &Generation) -> Vec<Vec<u32>> {
+    g.logits
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|r| r.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
