@@ -91,8 +91,14 @@ fn circuit_decode_is_bitwise_legacy_where_only_bit_identical_fusions_apply() -> 
 
 #[test]
 fn circuit_programs_launch_exactly_the_legacy_steps_launches() -> Result<()> {
+    // Up to 64 sequences, so the ladder reaches every decode GEMM kernel (narrow to 16 rows,
+    // wide to 64).
+    let options = ModelOptions {
+        max_decode_seqs: 64,
+        ..Default::default()
+    };
     for dir in every_fixture() {
-        let mut model = load(&dir, ModelOptions::default(), cpu(), ForwardSelect::Legacy)?;
+        let mut model = load(&dir, options.clone(), cpu(), ForwardSelect::Legacy)?;
         let ladder = model.options().decode_ladder();
         let legacy: Vec<_> = ladder
             .iter()

@@ -4,9 +4,11 @@
 //! built with `--features cuda` when it builds, and `run.sh LOGDIR`, which needs only the NVIDIA
 //! driver (no Rust toolchain) on the machine that runs it.
 //!
-//! Layout: `bin/` (the CLI), `tests/bin/` (test binaries, one per target), `run.sh`,
-//! `manifest.txt`. The bundle runs inside its working tree: `run.sh` changes into the tree's
-//! root, so `tests/fixtures` resolves as it does in the workspace.
+//! Layout: `payload.tar.gz` (holding `bin/`, the CLI, and `tests/bin/`, test binaries one per
+//! target; compressed so bundle and tree fit the device's transfer limit), `run.sh`,
+//! `manifest.txt`. The bundle runs inside its working tree: `run.sh` unpacks the payload into a
+//! scratch directory and changes into the tree's root, so `tests/fixtures` resolves as it does in
+//! the workspace.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -117,6 +119,10 @@ pub fn gpu_bundle(root: &Path) -> anyhow::Result<()> {
     // them, and `run.sh` runs the tests from the tree's root (the device's transfer limit is
     // 64 MiB for tree and bundle together).
     manifest.push("tests/fixtures/: read from the working tree (run.sh runs from its root)".into());
+    pack(&bundle)?;
+    manifest.push(format!(
+        "{PAYLOAD}: bin/ and tests/bin/, gzip-compressed; run.sh unpacks it"
+    ));
     let run_sh = bundle.join("run.sh");
     std::fs::write(&run_sh, RUN_SH.replace("__SANITIZED__", SANITIZED_TEST))?;
     set_executable(&run_sh)?;
@@ -134,6 +140,23 @@ pub fn gpu_bundle(root: &Path) -> anyhow::Result<()> {
     if size > MAX_BUNDLE_BYTES {
         bail!("the bundle is {size} bytes, over the {MAX_BUNDLE_BYTES}-byte limit");
     }
+    Ok(())
+}
+
+/// The executables' archive inside the bundle.
+const PAYLOAD: &str = "payload.tar.gz";
+
+/// Move `bin/` and `tests/bin/` into one gzip-compressed tar ([`PAYLOAD`]): stripped Rust
+/// executables compress about threefold, which keeps the bundle and the tree within the device's
+/// transfer limit. `run.sh` unpacks it into a scratch directory on the device.
+fn pack(bundle: &Path) -> anyhow::Result<()> {
+    let status = Command::new("tar")
+        .current_dir(bundle)
+        .args(["-czf", PAYLOAD, "bin", "tests"])
+        .status()?;
+    anyhow::ensure!(status.success(), "tar -czf {PAYLOAD} failed ({status})");
+    std::fs::remove_dir_all(bundle.join("bin"))?;
+    std::fs::remove_dir_all(bundle.join("tests"))?;
     Ok(())
 }
 
@@ -293,6 +316,10 @@ BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 LOGDIR="${1:?usage: run.sh LOGDIR}"
 mkdir -p "$LOGDIR"
 LOGDIR="$(cd "$LOGDIR" && pwd)"
+# The executables travel compressed (payload.tar.gz); unpack them into a scratch directory.
+BIN_ROOT="$(mktemp -d "${TMPDIR:-/tmp}/metrale-bundle.XXXXXX")"
+trap 'rm -rf "$BIN_ROOT"' EXIT
+tar -xzf "$BUNDLE/payload.tar.gz" -C "$BIN_ROOT" || { echo "run.sh: cannot unpack $BUNDLE/payload.tar.gz" >&2; exit 2; }
 # Run from the working tree's root (target/gpu-bundle/../..), where tests/fixtures lives.
 cd "$BUNDLE/../.."
 [ -d tests/fixtures ] || { echo "run.sh: no tests/fixtures under $(pwd): run the bundle inside its working tree" >&2; exit 2; }
@@ -323,7 +350,7 @@ elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 
 { nvidia-smi || true; } > "$LOGDIR/nvidia-smi.txt" 2>&1
 
-for t in "$BUNDLE"/tests/bin/*; do
+for t in "$BIN_ROOT"/tests/bin/*; do
   [ -x "$t" ] || continue
   name="$(basename "$t")"
   log="$LOGDIR/$name.log"
@@ -339,7 +366,7 @@ for t in "$BUNDLE"/tests/bin/*; do
 done
 
 # Ignored tests are measurements (speed beside its ceilings); run them after the checks.
-for t in "$BUNDLE"/tests/bin/*; do
+for t in "$BIN_ROOT"/tests/bin/*; do
   [ -x "$t" ] || continue
   name="$(basename "$t")"
   if [ "$("$t" --list --ignored 2>/dev/null | grep -c ': test$')" -gt 0 ]; then
@@ -363,12 +390,12 @@ done
 # memory hazards). Device errors only: host API errors are the backend's own `GpuError`s, and the
 # tests provoke some on purpose.
 for tool in memcheck racecheck; do
-  [ -x "$BUNDLE/tests/bin/__SANITIZED__" ] || break
+  [ -x "$BIN_ROOT/tests/bin/__SANITIZED__" ] || break
   log="$LOGDIR/$tool.log"
   if [ -n "$SAN" ]; then
     start="$(now)"
     timeout "$TEST_TIMEOUT" "$SAN" --tool "$tool" --report-api-errors no --error-exitcode 86 \
-      "$BUNDLE/tests/bin/__SANITIZED__" --test-threads=1 > "$log" 2>&1
+      "$BIN_ROOT/tests/bin/__SANITIZED__" --test-threads=1 > "$log" 2>&1
     rc=$?
     secs="$(elapsed "$start")"
     read -r passed failed < <(counts "$log")
@@ -383,10 +410,10 @@ for tool in memcheck racecheck; do
   fi
 done
 
-if [ -x "$BUNDLE/bin/metrale" ]; then
+if [ -x "$BIN_ROOT/bin/metrale" ]; then
   log="$LOGDIR/metrale-cli.log"
   start="$(now)"
-  timeout 60 "$BUNDLE/bin/metrale" --help > "$log" 2>&1
+  timeout 60 "$BIN_ROOT/bin/metrale" --help > "$log" 2>&1
   rc=$?
   status=ok
   [ $rc -eq 0 ] || status="fail($rc)"
@@ -395,7 +422,7 @@ if [ -x "$BUNDLE/bin/metrale" ]; then
   for shape in ${BENCH_SHAPES:-qwen3-8b qwen3.5-9b}; do
     log="$LOGDIR/bench-$shape.log"
     start="$(now)"
-    timeout "${BENCH_TIMEOUT:-400}" "$BUNDLE/bin/metrale" bench --shape "$shape" --backend cuda \
+    timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --shape "$shape" --backend cuda \
       --json-out "$LOGDIR/bench-$shape.json" > "$log" 2>&1
     rc=$?
     status=ok
@@ -411,7 +438,7 @@ echo "]" >> "$JSON"
 # Per-kernel worst errors printed by the kernel tests (`kernel-check` lines).
 grep -h -o 'kernel-check.*' "$LOGDIR"/*.log 2>/dev/null > "$LOGDIR/kernel-errors.txt" || true
 if [ -s "$LOGDIR/kernel-errors.txt" ]; then
-  echo "== worst error per kernel ($BUNDLE/tests/bin/__SANITIZED__) =="
+  echo "== worst error per kernel (tests/bin/__SANITIZED__) =="
   grep -h -o 'kernel-check.*' "$LOGDIR/__SANITIZED__.log" 2>/dev/null || true
 fi
 for f in "$LOGDIR"/bench-*.log; do

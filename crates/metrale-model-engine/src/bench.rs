@@ -648,9 +648,17 @@ mod tests {
         // one breakdown batch that is also a decode batch, once for every launch of the step.
         assert_eq!(report.profiles.len(), 1);
         let p = &report.profiles[0];
-        assert!(p.parts.iter().any(|x| x.name.starts_with("gated_delta_recurrent")));
+        assert!(
+            p.parts
+                .iter()
+                .any(|x| x.name.starts_with("gated_delta_recurrent"))
+        );
         let launches: u32 = p.parts.iter().map(|x| x.per_step).sum();
-        let legacy = report.decode.iter().find(|d| d.forward == "legacy").unwrap();
+        let legacy = report
+            .decode
+            .iter()
+            .find(|d| d.forward == "legacy")
+            .unwrap();
         assert_eq!(launches as usize, legacy.launches);
     }
 }

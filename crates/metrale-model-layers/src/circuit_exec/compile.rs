@@ -49,16 +49,23 @@ impl Program {
 }
 
 /// Plan kernels whose launcher picks another kernel by shape, and those variants: `ops::linear`
-/// (and its f32-out twin) launches `linear_stream` for decode-sized row counts, which gives
-/// bitwise the rows `linear` gives. The plan names the family's kernel.
+/// (and its f32-out twin) launches `linear_stream` (m <= 16) or `linear_stream_wide` (m <= 64)
+/// for decode-sized row counts, which give bitwise the rows `linear` gives. The plan names the
+/// family's kernel.
 pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
     (
         metrale_circuit::kernels::LINEAR,
-        &[Kernel::new("gemm", "linear_stream")],
+        &[
+            Kernel::new("gemm", "linear_stream"),
+            Kernel::new("gemm", "linear_stream_wide"),
+        ],
     ),
     (
         metrale_circuit::kernels::LINEAR_F32OUT,
-        &[Kernel::new("gemm", "linear_stream_f32out")],
+        &[
+            Kernel::new("gemm", "linear_stream_f32out"),
+            Kernel::new("gemm", "linear_stream_wide_f32out"),
+        ],
     ),
 ];
 
