@@ -435,7 +435,7 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
         |n| n.to_string_lossy().into_owned(),
     );
     Ok(format!(
-        "soak {name}: {submitted} requests in {seconds:.1} s ({accepted} accepted: {completed} completed, {cancelled} cancelled and read, {dropped} dropped; {invalid} invalid refused; {retries} queue-full retries); {tokens} tokens ({tps:.0}/s), {steps} steps, {preempt} preemptions; prefix cache: {hits} of {lookups} admissions hit, {hit_tokens} of {query_tokens} prompt tokens ({rate:.0}%); leaked 0 of {kv} KV blocks and 0 of {ssm} SSM slots; {checked} of {outputs} outputs equal their solo runs without prefix caching ({solo_s:.1} s)",
+        "soak {name}: {submitted} requests in {seconds:.1} s ({accepted} accepted: {completed} completed, {cancelled} cancelled and read, {dropped} dropped; {invalid} invalid refused; {retries} queue-full retries); {tokens} tokens ({tps:.0}/s), {steps} steps, {preempt} preemptions; prefix cache: {hits} of {lookups} admissions hit, {hit_tokens} of {query_tokens} prompt tokens ({rate:.0}%); leaked 0 of {kv} KV blocks and 0 of {ssm} SSM slots; {checked} of {outputs} outputs checked against their solo runs without prefix caching, all equal ({solo_s:.1} s)",
         submitted = tally.accepted + tally.refused_invalid,
         accepted = tally.accepted,
         dropped = tally.dropped,
