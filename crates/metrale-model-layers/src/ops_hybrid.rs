@@ -9,7 +9,9 @@
 //! - The GDN kernels all end with the head scalars `num_k_heads, k_head_dim, num_v_heads,
 //!   v_head_dim` (`GdnHeads::args`), from which they derive every row width.
 
-use metrale_gpu_runtime::{DevicePtr, GpuResult, KernelArg, LaunchConfig, StreamHandle};
+use metrale_gpu_runtime::{
+    DevicePtr, GpuResult, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+};
 
 use crate::ops::Ops;
 
@@ -272,26 +274,7 @@ impl Ops {
     /// Move each sequence's conv window past its rows; after `causal_conv1d`. One thread per
     /// (sequence, channel).
     pub fn conv_state_update(&self, s: StreamHandle, p: &CausalConv1d) -> GpuResult<()> {
-        let q = &p.seqs;
-        let mut args: Vec<KernelArg> = vec![
-            p.conv_state.base.into(),
-            p.proj.into(),
-            q.seq_start.into(),
-            q.seq_slot.into(),
-            q.rows.into(),
-            q.num_seqs.into(),
-            p.conv_state.num_slots.into(),
-            p.conv_state.slot_stride.into(),
-        ];
-        args.extend(p.heads.args());
-        args.push(p.kernel_size.into());
-        let blocks = p.heads.conv_dim().div_ceil(CHANNEL_THREADS);
-        self.go(
-            self.k.conv_state_update,
-            LaunchConfig::grid2(q.num_seqs, blocks, CHANNEL_THREADS),
-            &args,
-            s,
-        )
+        self.conv_window(s, p, self.k.conv_state_update, None)
     }
 
     /// A verify step's conv windows: the window after each row goes to `row_slot[row]` (u32
@@ -303,23 +286,37 @@ impl Ops {
         p: &CausalConv1d,
         row_slot: DevicePtr,
     ) -> GpuResult<()> {
+        self.conv_window(s, p, self.k.conv_state_verify, Some(row_slot))
+    }
+
+    /// `conv_state_update` or, with `row_slot`, `conv_state_verify`: the same arguments but
+    /// for the row-slot map after the sequences' slots.
+    fn conv_window(
+        &self,
+        s: StreamHandle,
+        p: &CausalConv1d,
+        kernel: KernelHandle,
+        row_slot: Option<DevicePtr>,
+    ) -> GpuResult<()> {
         let q = &p.seqs;
         let mut args: Vec<KernelArg> = vec![
             p.conv_state.base.into(),
             p.proj.into(),
             q.seq_start.into(),
             q.seq_slot.into(),
-            row_slot.into(),
+        ];
+        args.extend(row_slot.map(KernelArg::from));
+        args.extend::<[KernelArg; 4]>([
             q.rows.into(),
             q.num_seqs.into(),
             p.conv_state.num_slots.into(),
             p.conv_state.slot_stride.into(),
-        ];
+        ]);
         args.extend(p.heads.args());
         args.push(p.kernel_size.into());
         let blocks = p.heads.conv_dim().div_ceil(CHANNEL_THREADS);
         self.go(
-            self.k.conv_state_verify,
+            kernel,
             LaunchConfig::grid2(q.num_seqs, blocks, CHANNEL_THREADS),
             &args,
             s,

@@ -241,6 +241,28 @@ pub fn causal_conv1d(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
+/// The scalars `conv_state_update` and `conv_state_verify` share, from argument `at` on (`rows,
+/// num_seqs, num_slots, slot_stride`, the four head scalars, `kernel_size`): those four, the
+/// heads and the window length `kernel_size - 1`, checked against the slot stride.
+fn window_args(
+    ctx: &KernelCtx<'_>,
+    at: usize,
+) -> GpuResult<(usize, usize, usize, usize, Heads, usize)> {
+    let (rows, num_seqs, num_slots, stride) = (
+        ctx.usize(at)?,
+        ctx.usize(at + 1)?,
+        ctx.usize(at + 2)?,
+        ctx.usize(at + 3)?,
+    );
+    let h = Heads::read(ctx, at + 4)?;
+    let taps = ctx.usize(at + 8)?;
+    if taps == 0 {
+        return Err(ctx.fail("kernel_size must be positive"));
+    }
+    check_stride(ctx, stride, (taps - 1) * h.conv_dim())?;
+    Ok((rows, num_seqs, num_slots, stride, h, taps - 1))
+}
+
 /// `conv_state_update(conv_state: f32 [num_slots * slot_stride] (in/out), proj: bf16 [rows,
 /// proj_width], seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], rows, num_seqs,
 /// num_slots, slot_stride, num_k_heads, k_head_dim, num_v_heads, v_head_dim, kernel_size)`.
@@ -250,15 +272,8 @@ pub fn causal_conv1d(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 /// no rows, or a padding one, is left alone. Run after `causal_conv1d`.
 pub fn conv_state_update(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     ctx.expect_args(13)?;
-    let (rows, num_seqs, num_slots, stride) =
-        (ctx.usize(4)?, ctx.usize(5)?, ctx.usize(6)?, ctx.usize(7)?);
-    let h = Heads::read(ctx, 8)?;
-    let taps = ctx.usize(12)?;
-    if taps == 0 {
-        return Err(ctx.fail("kernel_size must be positive"));
-    }
-    let (cd, pw, hist) = (h.conv_dim(), h.proj_width(), taps - 1);
-    check_stride(ctx, stride, hist * cd)?;
+    let (rows, num_seqs, num_slots, stride, h, hist) = window_args(ctx, 4)?;
+    let (cd, pw) = (h.conv_dim(), h.proj_width());
     let state = ctx.slice_mut::<f32>(0, num_slots * stride)?;
     let proj = ctx.slice::<bf16>(1, rows * pw)?;
     let seqs = Seqs::read(ctx, (2, 3), rows, num_seqs, num_slots, true)?;
@@ -342,15 +357,8 @@ pub(crate) fn read_row_slots<'a>(
 /// Run after `causal_conv1d`.
 pub fn conv_state_verify(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     ctx.expect_args(14)?;
-    let (rows, num_seqs, num_slots, stride) =
-        (ctx.usize(5)?, ctx.usize(6)?, ctx.usize(7)?, ctx.usize(8)?);
-    let h = Heads::read(ctx, 9)?;
-    let taps = ctx.usize(13)?;
-    if taps == 0 {
-        return Err(ctx.fail("kernel_size must be positive"));
-    }
-    let (cd, pw, hist) = (h.conv_dim(), h.proj_width(), taps - 1);
-    check_stride(ctx, stride, hist * cd)?;
+    let (rows, num_seqs, num_slots, stride, h, hist) = window_args(ctx, 5)?;
+    let (cd, pw) = (h.conv_dim(), h.proj_width());
     let state = ctx.slice_mut::<f32>(0, num_slots * stride)?;
     let proj = ctx.slice::<bf16>(1, rows * pw)?;
     let seqs = Seqs::read(ctx, (2, 3), rows, num_seqs, num_slots, false)?;
