@@ -12,6 +12,7 @@
 mod breakdown;
 mod profile;
 mod serve;
+mod table;
 
 use std::sync::Arc;
 
@@ -422,97 +423,6 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
         breakdowns,
         profiles,
     })
-}
-
-impl BenchReport {
-    /// The human-readable table: each figure beside its roofline.
-    pub fn table(&self) -> String {
-        let mut s = String::new();
-        let vendor = self
-            .vendor_gemm_tflop_s
-            .map_or("no vendor GEMM".to_string(), |v| {
-                format!("cuBLASLt bf16 GEMM {v:.1} TFLOP/s (the device ceiling)")
-            });
-        s += &format!(
-            "backend {}: copy {:.0} GB/s, {vendor}, our linear {:.1} TFLOP/s, weights {:.2} GB\n",
-            self.backend,
-            self.copy_gb_s,
-            self.gemm_tflop_s,
-            self.weight_bytes / 1e9
-        );
-        let tok_s = self.prefill_tokens as f64 / (self.prefill_ms * 1e-3);
-        s += &format!(
-            "prefill {} tokens: {:.2} ms ({:.0} tok/s); GEMM floor {:.2} ms; {:.0}% of the GEMM rate\n",
-            self.prefill_tokens,
-            self.prefill_ms,
-            tok_s,
-            self.prefill_floor_ms,
-            100.0 * self.prefill_floor_ms / self.prefill_ms
-        );
-        s += "decode  forward            launches  batch   ms/step   floor ms   x floor   tok/s   vs legacy\n";
-        for d in &self.decode {
-            let legacy = self
-                .decode
-                .iter()
-                .find(|l| l.forward == "legacy" && l.batch == d.batch)
-                .map_or(String::new(), |l| format!("{:.3}x", d.ms / l.ms));
-            s += &format!(
-                "        {:<18} {:>8} {:>6} {:>9.3} {:>10.3} {:>9.2} {:>7.0}   {legacy}\n",
-                d.forward,
-                d.launches,
-                d.batch,
-                d.ms,
-                d.floor_ms,
-                d.ms / d.floor_ms,
-                d.batch as f64 / (d.ms * 1e-3)
-            );
-        }
-        for b in &self.profiles {
-            s += &format!(
-                "decode step at batch {} ctx {}, launch by launch (eager replay of the real step, µs per launch): sum {:.3} ms\n",
-                b.batch,
-                b.context,
-                b.total_ms()
-            );
-            for p in &b.parts {
-                let ms = p.us * f64::from(p.per_step) / 1e3;
-                s += &format!(
-                    "  {:<44} {:>9.2} us x {:>3} = {:>7.3} ms ({:>4.1}%)\n",
-                    p.name,
-                    p.us,
-                    p.per_step,
-                    ms,
-                    100.0 * ms / b.total_ms()
-                );
-            }
-        }
-        for b in &self.breakdowns {
-            let step = self
-                .decode
-                .iter()
-                .find(|d| d.batch == b.batch as usize && d.forward == "legacy")
-                .map(|d| d.ms);
-            s += &format!(
-                "decode step at batch {} ctx {}, kernel by kernel (graph-replayed, µs per launch): sum {:.3} ms{}\n",
-                b.batch,
-                b.context,
-                b.total_ms(),
-                step.map_or(String::new(), |ms| format!(" of the measured {ms:.3} ms"))
-            );
-            for p in &b.parts {
-                let ms = p.us * f64::from(p.per_step) / 1e3;
-                s += &format!(
-                    "  {:<40} {:>9.2} us x {:>3} = {:>7.3} ms ({:>4.1}%)\n",
-                    p.name,
-                    p.us,
-                    p.per_step,
-                    ms,
-                    100.0 * ms / step.unwrap_or(b.total_ms())
-                );
-            }
-        }
-        s
-    }
 }
 
 /// A dense Qwen3 shape as its `config.json` would state it.
