@@ -46,18 +46,7 @@ fn dense_gqa(arch: Architecture) -> Vec<Rule> {
     let mut t = step_ends(arch.norm_weight());
     t.extend(attention(arch));
     t.extend(dense_ffn());
-    t.extend([
-        rule(
-            &[arch.rope_op(), Op::KvStore],
-            &[k::QK_NORM_ROPE_KV_STORE],
-            BitIdentical,
-        ),
-        rule(
-            &[Op::SiluMul, Op::Linear(Down)],
-            &[k::LINEAR_SILU_DOWN],
-            Differs,
-        ),
-    ]);
+    t.extend([rope_kv_store(arch), silu_down(Down, k::LINEAR_SILU_DOWN)]);
     t
 }
 
@@ -68,21 +57,9 @@ fn hybrid(arch: Architecture) -> Vec<Rule> {
     t.extend(gdn());
     t.extend(dense_ffn());
     t.extend([
-        rule(
-            &[arch.rope_op(), Op::KvStore],
-            &[k::QK_NORM_ROPE_KV_STORE],
-            BitIdentical,
-        ),
-        rule(
-            &[Op::GdnConv, Op::GdnGates, Op::GdnRecurrence],
-            &[k::GDN_DECODE_STEP],
-            Differs,
-        ),
-        rule(
-            &[Op::SiluMul, Op::Linear(Down)],
-            &[k::LINEAR_SILU_DOWN],
-            Differs,
-        ),
+        rope_kv_store(arch),
+        gdn_decode_step(),
+        silu_down(Down, k::LINEAR_SILU_DOWN),
     ]);
     t
 }
@@ -95,33 +72,36 @@ fn hybrid_moe(arch: Architecture) -> Vec<Rule> {
     t.extend(dense_ffn());
     t.extend(moe());
     t.extend([
-        rule(
-            &[arch.rope_op(), Op::KvStore],
-            &[k::QK_NORM_ROPE_KV_STORE],
-            BitIdentical,
-        ),
-        rule(
-            &[Op::GdnConv, Op::GdnGates, Op::GdnRecurrence],
-            &[k::GDN_DECODE_STEP],
-            Differs,
-        ),
-        rule(
-            &[Op::SiluMul, Op::Linear(Down)],
-            &[k::LINEAR_SILU_DOWN],
-            Differs,
-        ),
-        rule(
-            &[Op::SiluMul, Op::Linear(SharedDown)],
-            &[k::LINEAR_SILU_DOWN],
-            Differs,
-        ),
-        rule(
-            &[Op::SiluMul, Op::Linear(ExpertDown)],
-            &[k::MOE_EXPERT_LINEAR_SILU_F32OUT],
-            Differs,
-        ),
+        rope_kv_store(arch),
+        gdn_decode_step(),
+        silu_down(Down, k::LINEAR_SILU_DOWN),
+        silu_down(SharedDown, k::LINEAR_SILU_DOWN),
+        silu_down(ExpertDown, k::MOE_EXPERT_LINEAR_SILU_F32OUT),
     ]);
     t
+}
+
+/// Fused: q/k norm + RoPE and the KV-cache store in one launch, byte for byte the two.
+fn rope_kv_store(arch: Architecture) -> Rule {
+    rule(
+        &[arch.rope_op(), Op::KvStore],
+        &[k::QK_NORM_ROPE_KV_STORE],
+        BitIdentical,
+    )
+}
+
+/// Fused: the GDN conv, gates and recurrence of one token per sequence.
+fn gdn_decode_step() -> Rule {
+    rule(
+        &[Op::GdnConv, Op::GdnGates, Op::GdnRecurrence],
+        &[k::GDN_DECODE_STEP],
+        Differs,
+    )
+}
+
+/// Fused: SiLU·mul applied on load by the down projection `role` (`kernel`).
+fn silu_down(role: LinearRole, kernel: Kernel) -> Rule {
+    rule(&[Op::SiluMul, Op::Linear(role)], &[kernel], Differs)
 }
 
 /// Embedding, the decoder norms, and the head.
