@@ -10,6 +10,7 @@ pub mod layer;
 pub mod layers;
 pub mod ops;
 pub mod ops_fused;
+pub mod ops_gemm;
 pub mod ops_hybrid;
 pub mod weight_map;
 
