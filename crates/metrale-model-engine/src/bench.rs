@@ -165,17 +165,27 @@ pub struct Ceilings {
     pub vendor_gemm_tflop_s: Option<f64>,
 }
 
-/// Measure the copy bandwidth and the bf16 GEMM rates (ours, and the vendor library's).
-pub fn ceilings(gpu: &Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<Ceilings, ModelError> {
+/// The device-to-device copy bandwidth (read + write) over buffers of `bytes`, GB/s.
+pub fn copy_bandwidth(
+    gpu: &Arc<dyn GpuBackend>,
+    bytes: usize,
+    iters: usize,
+) -> Result<f64, ModelError> {
     let s = gpu.default_stream();
-    let (src, dst) = (gpu.alloc(opts.copy_bytes)?, gpu.alloc(opts.copy_bytes)?);
-    gpu.memset(src, 1, opts.copy_bytes, s)?;
-    let copy_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
-        Ok(gpu.copy_d2d(dst, src, opts.copy_bytes, s)?)
+    let (src, dst) = (gpu.alloc(bytes)?, gpu.alloc(bytes)?);
+    gpu.memset(src, 1, bytes, s)?;
+    let copy_ms = time_ms(gpu.as_ref(), s, iters, || {
+        Ok(gpu.copy_d2d(dst, src, bytes, s)?)
     })?;
     gpu.free(src)?;
     gpu.free(dst)?;
-    let copy = 2.0 * opts.copy_bytes as f64 / (copy_ms * 1e-3) / 1e9;
+    Ok(2.0 * bytes as f64 / (copy_ms * 1e-3) / 1e9)
+}
+
+/// Measure the copy bandwidth and the bf16 GEMM rates (ours, and the vendor library's).
+pub fn ceilings(gpu: &Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<Ceilings, ModelError> {
+    let s = gpu.default_stream();
+    let copy = copy_bandwidth(gpu, opts.copy_bytes, opts.iters)?;
 
     let ops = Ops::new(gpu.clone())?;
     let d = opts.gemm_dim;

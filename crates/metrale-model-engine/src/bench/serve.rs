@@ -23,13 +23,16 @@ use std::time::Instant;
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::GpuBackend;
 
-use super::{BenchOptions, ceilings, kv_bytes_per_token, median, ssm_bytes_per_seq, weight_bytes};
+use super::{copy_bandwidth, kv_bytes_per_token, median, ssm_bytes_per_seq, weight_bytes};
 use crate::error::ModelError;
 use crate::factory;
 use crate::generate::GenerateParams;
 use crate::options::ModelOptions;
 use crate::sampling::SamplingParams;
 use crate::scheduler::{Scheduler, SeqRequest, StepKind};
+
+/// Timed copies behind the bandwidth the floors use (the median is taken).
+const COPY_ITERS: usize = 10;
 
 /// What the serving ladder runs.
 #[derive(Debug, Clone)]
@@ -107,10 +110,7 @@ pub fn serve_ladder(
     opts: &ServeOptions,
 ) -> Result<ServeReport, ModelError> {
     let c = &opts.config;
-    let mut ceil_opts = BenchOptions::new(c.clone());
-    ceil_opts.copy_bytes = opts.copy_bytes;
-    ceil_opts.gemm_dim = 256;
-    let copy_gb_s = ceilings(&gpu, &ceil_opts)?.copy_gb_s;
+    let copy_gb_s = copy_bandwidth(&gpu, opts.copy_bytes, COPY_ITERS)?;
 
     let max_c = opts.concurrency.iter().copied().max().unwrap_or(1).max(1);
     let seq_len = opts.prompt_tokens + opts.output_tokens + 1;
