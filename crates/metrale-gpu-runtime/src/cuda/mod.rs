@@ -26,6 +26,7 @@
 
 mod blaslt;
 mod driver;
+mod launch;
 mod modules;
 mod staging;
 
@@ -45,9 +46,6 @@ use crate::error::{GpuError, GpuResult};
 use crate::types::{
     DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
 };
-
-/// The most arguments one launch may pass.
-const MAX_KERNEL_ARGS: usize = 32;
 
 /// Streams, events, graphs and allocations, by handle.
 #[derive(Debug, Default)]
@@ -237,18 +235,6 @@ fn new_stream() -> GpuResult<sys::CUstream> {
     Ok(s)
 }
 
-/// One argument as the bytes of its C type, in an 8-byte slot (little-endian, so a 4-byte
-/// parameter reads the low half), and the parameter size it needs.
-fn pack(arg: &KernelArg) -> (u64, usize) {
-    match *arg {
-        KernelArg::Ptr(p) => (p.0, 8),
-        KernelArg::U64(v) => (v, 8),
-        KernelArg::U32(v) => (u64::from(v), 4),
-        KernelArg::I32(v) => (u64::from(v as u32), 4),
-        KernelArg::F32(v) => (u64::from(v.to_bits()), 4),
-    }
-}
-
 impl GpuBackend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
@@ -377,99 +363,8 @@ impl GpuBackend for CudaBackend {
             .entries
             .get(kernel.0 as usize)
             .ok_or(GpuError::BadKernelHandle(kernel.0))?;
-        let bad = |index: usize, problem: String| GpuError::BadArgument {
-            kernel: entry.label.clone(),
-            index,
-            problem,
-        };
-        if args.len() > MAX_KERNEL_ARGS {
-            return Err(bad(
-                MAX_KERNEL_ARGS,
-                format!(
-                    "{} arguments, at most {MAX_KERNEL_ARGS} supported",
-                    args.len()
-                ),
-            ));
-        }
-        if let Some(params) = &entry.params
-            && params.len() != args.len()
-        {
-            return Err(bad(
-                args.len().min(params.len()),
-                format!(
-                    "the kernel takes {} arguments, the launch passed {}",
-                    params.len(),
-                    args.len()
-                ),
-            ));
-        }
-        let mut slots = [0u64; MAX_KERNEL_ARGS];
-        for (i, arg) in args.iter().enumerate() {
-            let (bits, size) = pack(arg);
-            if let Some(params) = &entry.params
-                && params[i] != size
-            {
-                return Err(bad(
-                    i,
-                    format!(
-                        "the kernel's parameter is {} bytes, the launch passed {} ({size} bytes)",
-                        params[i],
-                        arg.kind()
-                    ),
-                ));
-            }
-            slots[i] = bits;
-        }
-        let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_KERNEL_ARGS];
-        for (p, slot) in ptrs.iter_mut().zip(slots.iter_mut()) {
-            *p = slot as *mut u64 as *mut c_void;
-        }
         self.bind()?;
-        let (g, b) = (config.grid, config.block);
-        if config.programmatic {
-            // SAFETY: an all-zero `CUlaunchAttribute` is a valid plain-data value (id 0, a
-            // zeroed union) that is overwritten below before use.
-            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id =
-                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attr.value.programmaticStreamSerializationAllowed = 1;
-            let launch = sys::CUlaunchConfig {
-                gridDimX: g.0,
-                gridDimY: g.1,
-                gridDimZ: g.2,
-                blockDimX: b.0,
-                blockDimY: b.1,
-                blockDimZ: b.2,
-                sharedMemBytes: config.shared_mem_bytes,
-                hStream: s,
-                attrs: &mut attr,
-                numAttrs: 1,
-            };
-            // SAFETY: as for `cuLaunchKernel` below; `launch` and `attr` outlive the call, which
-            // reads them and copies the parameters before returning.
-            return check(&format!("cuLaunchKernelEx({})", entry.label), unsafe {
-                sys::cuLaunchKernelEx(&launch, entry.func, ptrs.as_mut_ptr(), std::ptr::null_mut())
-            });
-        }
-        // SAFETY: `entry.func` is live (its module stays loaded while `table` is borrowed and
-        // until drop); `ptrs[..args.len()]` point at 8-byte slots holding each parameter in its
-        // C type's size, as checked against the compiled signature above; the driver copies the
-        // parameters before returning, and `slots` outlives the call.
-        check(&format!("cuLaunchKernel({})", entry.label), unsafe {
-            sys::cuLaunchKernel(
-                entry.func,
-                g.0,
-                g.1,
-                g.2,
-                b.0,
-                b.1,
-                b.2,
-                config.shared_mem_bytes,
-                s,
-                ptrs.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        launch::launch(entry, config, args, s)
     }
 
     fn create_stream(&self) -> GpuResult<StreamHandle> {
