@@ -57,9 +57,13 @@
 // bitwise equality.
 #include "common.cuh"
 
+#include <cooperative_groups.h>
+
+namespace cg = cooperative_groups;
+
 #define LIN_KC 32
 #define LIN_SEGS 8
-#define LIN_SLICE_CHUNKS 8  // chunks per stage of the decode kernel's weight ring
+#define LIN_STREAM_WARPS 8  // warps of the decode kernels' blocks
 #define LIN_THREADS 256
 #define LIN_BM 128
 #define LIN_BN 64
@@ -194,66 +198,85 @@ MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m,
             }
 }
 
-// The wide decode kernel: see the header. Each lane copies exactly the 16-byte weight fragments
-// it later feeds to its own MMAs, into its own ring slots ([stage][tile][chunk][lane]), so no lane
-// reads another's copies; a slot is refilled only after the same lane read it one step earlier.
-#define LIN_STREAM_WARPS 8
-#define LIN_STREAM_RING (192 * 1024)  // wide: weight ring bytes per block (then 32 KiB of partials)
-#define LIN_STREAM_ROWS 64            // rows per unit (4 row tiles)
+// ---- The 16 < m <= 64 decode kernel (`linear_stream_wide`) ----
+// A cluster of LIN_SEGS blocks per output tile (8 * NT columns per warp, so 64 * NT per tile, by
+// LIN_W_ROWS rows); block s of the cluster computes segment s of every output of the tile. Warp w
+// takes the tile's columns 8 NT w .. 8 NT (w + 1) - 1 (NT column tiles) for all its row tiles. The block streams its segment through a ring
+// of STAGES stages in shared memory, each STAGE_CH chunks of the tile's weight rows and x rows
+// (cp.async; plain loads when unaligned), so a weight fragment is read once from memory and x
+// once per tile from L2, and every x fragment read from shared memory feeds two weight column
+// tiles. The clusters of one column tile's row blocks are neighbours in the grid, so they run
+// together and the weight is read from memory about once. At the end each warp leaves its partials in shared memory and the cluster sums them in
+// segment order through distributed shared memory, each block writing one eighth of the tile.
+#define LIN_W_ROWS 64  // rows per tile (4 row tiles)
 
-template <typename OutT, int NT, bool VEC>
-MT_DEVICE void linear_stream_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
-                                  uint32_t k, unsigned char* smem) {
-    constexpr uint32_t STAGE_VECS = NT * LIN_SLICE_CHUNKS * 32;
-    constexpr int STAGES = LIN_STREAM_RING / (LIN_STREAM_WARPS * STAGE_VECS * 16);
+// Stage layout: [chunk][row][4 vectors], the tile's BN weight rows then its x rows; vector q of a
+// row holds k 8q..8q+7 of the chunk, which is what lane (g, q) feeds its MMAs.
+template <int BN>
+MT_DEVICE uint32_t wide_slot(uint32_t ch, uint32_t row, uint32_t q) {
+    return (ch * (BN + LIN_W_ROWS) + row) * 4 + q;
+}
+
+// Queue `rows` rows of `src` ([src_rows, k], from row r0) for chunks c0 .. c0 + STAGE_CH - 1
+// (those before c_end) into stage rows base.. of `st`; consecutive threads take consecutive
+// 16-byte vectors of a row, so each row's run of the stage is one contiguous read.
+template <int BN, int STAGE_CH, bool VEC>
+MT_DEVICE void wide_issue(uint4* st, const bf16* src, uint32_t src_rows, uint32_t k, uint32_t r0,
+                          uint32_t rows, uint32_t base, uint32_t c0, uint32_t c_end) {
+    for (uint32_t i = threadIdx.x; i < rows * STAGE_CH * 4; i += blockDim.x) {
+        const uint32_t r = i / (STAGE_CH * 4), ch = (i / 4) % STAGE_CH, q = i % 4;
+        const uint32_t c = c0 + ch, grow = r0 + r, col = c * LIN_KC + q * 8;
+        uint4* dst = st + wide_slot<BN>(ch, base + r, q);
+        if (VEC) {
+            const bool in = grow < src_rows && c < c_end && col < k;
+            cp_async16(dst, in ? src + (size_t)grow * k + col : src, in ? 16u : 0u);
+        } else {
+            *dst = c < c_end ? load8(src, src_rows, k, grow, col, false) : make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+template <typename OutT, int NT, int STAGE_CH, int STAGES, bool VEC>
+MT_DEVICE void linear_wide_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
+                                uint32_t k, unsigned char* smem) {
+    constexpr uint32_t BN = 64 * NT;
+    constexpr uint32_t STAGE_VECS = STAGE_CH * (BN + LIN_W_ROWS) * 4;
+    cg::cluster_group cluster = cg::this_cluster();
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    uint4* ring = reinterpret_cast<uint4*>(smem) + (size_t)warp * STAGES * STAGE_VECS;
-    // Segment partials: [warp][row tile][tile][lane] float4.
-    float4* part = reinterpret_cast<float4*>(smem + LIN_STREAM_RING);
+    const uint32_t seg = cluster.block_rank(), tile = blockIdx.x / LIN_SEGS;
+    const uint32_t row_blocks = (m + LIN_W_ROWS - 1) / LIN_W_ROWS;
+    const uint32_t n0 = (tile / row_blocks) * BN, m0 = (tile % row_blocks) * LIN_W_ROWS;
+    const uint32_t rows = m0 < m ? min(LIN_W_ROWS, m - m0) : 0;
+    const uint32_t row_tiles = (rows + 15) / 16;
     const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
     const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
     const uint32_t nsegs = seg_chunks > 0 ? (chunks + seg_chunks - 1) / seg_chunks : 0;
-    const uint32_t c_begin = min(chunks, warp * seg_chunks);
+    const uint32_t c_begin = min(chunks, seg * seg_chunks);
     const uint32_t c_end = min(chunks, c_begin + seg_chunks);
-    // Steps (ring stages) per unit: the same for every warp, so the block stays in step.
-    const uint32_t unit_steps = seg_chunks > 0 ? (seg_chunks + LIN_SLICE_CHUNKS - 1) / LIN_SLICE_CHUNKS : 1;
-    const uint32_t col_units = (n + 8 * NT - 1) / (8 * NT);
-    const uint32_t units = col_units * ((m + LIN_STREAM_ROWS - 1) / LIN_STREAM_ROWS);
-    if (blockIdx.x >= units) return;  // uniform over the block
-    const uint32_t steps = (units - blockIdx.x + gridDim.x - 1) / gridDim.x * unit_steps;
+    const uint32_t steps = (c_end - c_begin + STAGE_CH - 1) / STAGE_CH;
+    uint4* ring = reinterpret_cast<uint4*>(smem);
 
-    // Queue the weight fragments of this warp's step j (unit j / unit_steps).
-    auto issue = [&](uint32_t j) {
-        if (j < steps) {
-            const uint32_t u = blockIdx.x + (j / unit_steps) * gridDim.x;
-            const uint32_t c0 = c_begin + (j % unit_steps) * LIN_SLICE_CHUNKS;
-            const uint32_t n0 = (u % col_units) * NT * 8;
-            uint4* st = ring + (j % STAGES) * STAGE_VECS;
-            if constexpr (VEC) {
-#pragma unroll
-                for (int t = 0; t < NT; ++t)
-#pragma unroll
-                    for (int ch = 0; ch < LIN_SLICE_CHUNKS; ++ch) {
-                        const uint32_t row = n0 + t * 8 + g, c = c0 + ch, col = c * LIN_KC + q * 8;
-                        const bool in = row < n && c < c_end && col < k;
-                        cp_async16(st + (t * LIN_SLICE_CHUNKS + ch) * 32 + lane,
-                                   in ? w + (size_t)row * k + col : w, in ? 16u : 0u);
-                    }
-            } else {
-#pragma unroll 1
-                for (int tc = 0; tc < NT * LIN_SLICE_CHUNKS; ++tc) {
-                    const int t = tc / LIN_SLICE_CHUNKS, ch = tc % LIN_SLICE_CHUNKS;
-                    const uint32_t row = n0 + t * 8 + g, c = c0 + ch;
-                    st[tc * 32 + lane] = c < c_end ? load8(w, n, k, row, c * LIN_KC + q * 8, false)
-                                                   : make_uint4(0, 0, 0, 0);
-                }
-            }
-        }
+    auto issue_w = [&](uint32_t j) {
+        if (j < steps)
+            wide_issue<BN, STAGE_CH, VEC>(ring + (j % STAGES) * STAGE_VECS, w, n, k, n0, BN, 0,
+                                      c_begin + j * STAGE_CH, c_end);
+    };
+    auto issue_x = [&](uint32_t j) {
+        if (j < steps)
+            wide_issue<BN, STAGE_CH, VEC>(ring + (j % STAGES) * STAGE_VECS, x, m, k, m0,
+                                          row_tiles * 16, BN, c_begin + j * STAGE_CH, c_end);
         cp_async_commit();  // an empty group past the end keeps the group count uniform
     };
 
+    // The weight is never written by the kernel ahead on the stream: its first stages are
+    // queued before the wait, x (that kernel's output) after it.
 #pragma unroll
-    for (int p = 0; p < STAGES - 1; ++p) issue(p);
+    for (int p = 0; p < STAGES - 1; ++p) issue_w(p);
+    pdl_wait();
+    pdl_trigger();
+#pragma unroll
+    for (int p = 0; p < STAGES - 1; ++p) issue_x(p);
+
     float acc[4][NT][4];
 #pragma unroll
     for (int rt = 0; rt < 4; ++rt)
@@ -264,109 +287,94 @@ MT_DEVICE void linear_stream_impl(OutT* out, const bf16* x, const bf16* w, uint3
 
     for (uint32_t j = 0; j < steps; ++j) {
         cp_async_wait<STAGES - 2>();
+        __syncthreads();  // stage j is complete for everyone, and stage j - 1 is read
+        issue_w(j + STAGES - 1);
+        issue_x(j + STAGES - 1);
         const uint4* st = ring + (j % STAGES) * STAGE_VECS;
-        const uint32_t u = blockIdx.x + (j / unit_steps) * gridDim.x, js = j % unit_steps;
-        const uint32_t m0 = (u / col_units) * LIN_STREAM_ROWS;
-        const uint32_t c0 = c_begin + js * LIN_SLICE_CHUNKS;
-        if constexpr (VEC) {
-            uint4 wb[NT][LIN_SLICE_CHUNKS];
 #pragma unroll
-            for (int t = 0; t < NT; ++t)
+        for (int ch = 0; ch < STAGE_CH; ++ch) {
+            if (c_begin + j * STAGE_CH + ch >= c_end) break;
+            uint4 wb[NT];
 #pragma unroll
-                for (int ch = 0; ch < LIN_SLICE_CHUNKS; ++ch)
-                    wb[t][ch] = st[(t * LIN_SLICE_CHUNKS + ch) * 32 + lane];
-            issue(j + STAGES - 1);  // refills the stage read at step j - 1
+            for (int t = 0; t < NT; ++t) wb[t] = st[wide_slot<BN>(ch, warp * 8 * NT + t * 8 + g, q)];
 #pragma unroll
             for (int rt = 0; rt < 4; ++rt) {
-                const uint32_t r0 = m0 + rt * 16;
-                if (r0 >= m) break;
-                uint4 ra[LIN_SLICE_CHUNKS], rb[LIN_SLICE_CHUNKS];
+                if ((uint32_t)rt >= row_tiles) break;
+                const uint4 ra = st[wide_slot<BN>(ch, BN + rt * 16 + g, q)];
+                const uint4 rb = st[wide_slot<BN>(ch, BN + rt * 16 + g + 8, q)];
 #pragma unroll
-                for (int ch = 0; ch < LIN_SLICE_CHUNKS; ++ch) {
-                    const uint32_t col = (c0 + ch) * LIN_KC + q * 8;
-                    ra[ch] = load8(x, m, k, r0 + g, col, true);
-                    rb[ch] = load8(x, m, k, r0 + g + 8, col, true);
-                }
-#pragma unroll
-                for (int ch = 0; ch < LIN_SLICE_CHUNKS; ++ch) {
-                    if (c0 + ch >= c_end) break;
-#pragma unroll
-                    for (int t = 0; t < NT; ++t) mma_chunk(acc[rt][t], ra[ch], rb[ch], wb[t][ch]);
-                }
+                for (int t = 0; t < NT; ++t) mma_chunk(acc[rt][t], ra, rb, wb[t]);
             }
-        } else {
-            // The same chain, one chunk at a time, weights read from the ring.
-#pragma unroll
-            for (int rt = 0; rt < 4; ++rt) {
-                const uint32_t r0 = m0 + rt * 16;
-                if (r0 >= m) break;
-#pragma unroll 1
-                for (int ch = 0; ch < LIN_SLICE_CHUNKS; ++ch) {
-                    if (c0 + ch >= c_end) break;
-                    const uint32_t col = (c0 + ch) * LIN_KC + q * 8;
-                    const uint4 ra = load8(x, m, k, r0 + g, col, false);
-                    const uint4 rb = load8(x, m, k, r0 + g + 8, col, false);
-#pragma unroll
-                    for (int t = 0; t < NT; ++t)
-                        mma_chunk(acc[rt][t], ra, rb, st[(t * LIN_SLICE_CHUNKS + ch) * 32 + lane]);
-                }
-            }
-            issue(j + STAGES - 1);  // after the reads: this lane's slots of stage j - 1 are free
-        }
-
-        if (js == unit_steps - 1) {
-            // The unit's last step: leave the segment partial, then sum the segments in order.
-#pragma unroll
-            for (int rt = 0; rt < 4; ++rt)
-#pragma unroll
-                for (int t = 0; t < NT; ++t) {
-                    part[((warp * 4 + rt) * NT + t) * 32 + lane] =
-                        make_float4(acc[rt][t][0], acc[rt][t][1], acc[rt][t][2], acc[rt][t][3]);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) acc[rt][t][i] = 0.0f;
-                }
-            __syncthreads();
-            const uint32_t n0 = (u % col_units) * NT * 8;
-            const float* pf = reinterpret_cast<const float*>(part);
-            for (uint32_t e = tid; e < 4 * NT * 128; e += blockDim.x) {
-                const uint32_t rt = e / (NT * 128), t = (e / 128) % NT, ln = (e % 128) / 4, i = e % 4;
-                const uint32_t row = m0 + rt * 16 + ln / 4 + (i >= 2 ? 8 : 0);
-                const uint32_t col = n0 + t * 8 + (ln % 4) * 2 + (i & 1);
-                if (row >= m || col >= n) continue;
-                float total = 0.0f;
-                for (uint32_t sg = 0; sg < nsegs; ++sg) total += pf[(((sg * 4 + rt) * NT + t) * 32 + ln) * 4 + i];
-                store_out(out, (size_t)row * n + col, total);
-            }
-            __syncthreads();  // the partials are read before the next unit overwrites them
         }
     }
     cp_async_wait<0>();
+    __syncthreads();  // the ring is free: the partials take its place
+
+    // Partials: [warp][row tile][column tile][lane] float4, the MMA accumulator layout.
+    float4* part = reinterpret_cast<float4*>(smem);
+#pragma unroll
+    for (int rt = 0; rt < 4; ++rt)
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+            part[((warp * 4 + rt) * NT + t) * 32 + lane] =
+                make_float4(acc[rt][t][0], acc[rt][t][1], acc[rt][t][2], acc[rt][t][3]);
+    cluster.sync();
+    // This block's share of the tile: float4 `f` of the partial layout, summed over the
+    // segments in order.
+    constexpr uint32_t PART_VECS = LIN_STREAM_WARPS * 4 * NT * 32;
+    for (uint32_t f = seg * (PART_VECS / LIN_SEGS) + tid; f < (seg + 1) * (PART_VECS / LIN_SEGS);
+         f += blockDim.x) {
+        const uint32_t ln = f % 32, t = (f / 32) % NT, rt = (f / (32 * NT)) % 4, wp = f / (128 * NT);
+        if (rt >= row_tiles) continue;
+        float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (uint32_t sg = 0; sg < nsegs; ++sg) {
+            const float4 v = cluster.map_shared_rank(part, sg)[f];
+            total.x += v.x;
+            total.y += v.y;
+            total.z += v.z;
+            total.w += v.w;
+        }
+        const float vals[4] = {total.x, total.y, total.z, total.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t row = m0 + rt * 16 + ln / 4 + (i >= 2 ? 8 : 0);
+            const uint32_t col = n0 + wp * 8 * NT + t * 8 + (ln % 4) * 2 + (i & 1);
+            if (row < m && col < n) store_out(out, (size_t)row * n + col, vals[i]);
+        }
+    }
+    cluster.sync();  // no block leaves while another still reads its partials
 }
 
-// Two column tiles per unit: each x fragment serves two weight fragments.
+#define LIN_W_NT 2        // column tiles per warp: tiles of 128 columns
+#define LIN_W_STAGE_CH 2  // chunks per stage
+#define LIN_W_STAGES 3    // 72 KiB of shared memory: three blocks per multiprocessor
+
 template <typename OutT>
 MT_DEVICE void linear_stream_wide_dispatch(OutT* out, const bf16* x, const bf16* w, uint32_t m,
                                            uint32_t n, uint32_t k) {
     extern __shared__ __align__(16) unsigned char lin_stream_smem[];
+    // Uniform over the grid, so every block of a cluster leaves together.
     if (m == 0 || n == 0 || blockDim.x != LIN_STREAM_WARPS * 32) return;
-    pdl_wait();  // launched as a programmatic dependent (ops::linear_geometry)
-    pdl_trigger();
     if (k % 8 != 0 || !aligned16(x) || !aligned16(w))
-        linear_stream_impl<OutT, 2, false>(out, x, w, m, n, k, lin_stream_smem);
+        linear_wide_impl<OutT, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, false>(out, x, w, m, n, k,
+                                                                              lin_stream_smem);
     else
-        linear_stream_impl<OutT, 2, true>(out, x, w, m, n, k, lin_stream_smem);
+        linear_wide_impl<OutT, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, true>(out, x, w, m, n, k,
+                                                                             lin_stream_smem);
 }
 
 // linear_stream_wide(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k): `linear`, the
-// decode path for 16 < m <= 64.
-extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 1)
+// decode path for 16 < m <= 128. Clusters of LIN_SEGS blocks, grid (LIN_SEGS * ceil(n / 128) *
+// ceil(m / 64)), 256 threads, LIN_W_STAGES * LIN_W_STAGE_CH * 192 * 64 bytes of dynamic shared
+// memory (72 KiB).
+extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
     linear_stream_wide(bf16* __restrict__ out, const bf16* __restrict__ x,
                        const bf16* __restrict__ w, uint32_t m, uint32_t n, uint32_t k) {
     linear_stream_wide_dispatch(out, x, w, m, n, k);
 }
 
 // linear_stream_wide_f32out(out: f32 [m, n], x, w, m, n, k): `linear_f32out`, likewise.
-extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 1)
+extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
     linear_stream_wide_f32out(float* __restrict__ out, const bf16* __restrict__ x,
                               const bf16* __restrict__ w, uint32_t m, uint32_t n, uint32_t k) {
     linear_stream_wide_dispatch(out, x, w, m, n, k);
@@ -472,7 +480,9 @@ MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint3
 #define LIN_D_B 8     // chunks per batch of the m <= 8 instance
 #define LIN_D_B_RB 4  // chunks per batch of the 8 < m <= 16 instance (x rows g + 8 as well)
 
-template <typename OutT>
+// B: chunks per batch of the aligned m <= 8 instance; BR: of the others (x rows g + 8 as well, or
+// scalar loads, which need more registers).
+template <typename OutT, int B, int BR>
 MT_DEVICE void linear_direct_dispatch(OutT* out, const bf16* x, const bf16* w, uint32_t m,
                                       uint32_t n, uint32_t k) {
     __shared__ float4 part[LIN_STREAM_WARPS * 32];
@@ -482,14 +492,14 @@ MT_DEVICE void linear_direct_dispatch(OutT* out, const bf16* x, const bf16* w, u
     const bool rb = (blockIdx.x % ((m + 15) / 16)) * 16 + 8 < m;
     if (vec) {
         if (rb)
-            linear_direct_impl<OutT, LIN_D_B_RB, true, true>(out, x, w, m, n, k, part);
+            linear_direct_impl<OutT, BR, true, true>(out, x, w, m, n, k, part);
         else
-            linear_direct_impl<OutT, LIN_D_B, false, true>(out, x, w, m, n, k, part);
+            linear_direct_impl<OutT, B, false, true>(out, x, w, m, n, k, part);
     } else {  // scalar loads need more registers: the smaller batch
         if (rb)
-            linear_direct_impl<OutT, LIN_D_B_RB, true, false>(out, x, w, m, n, k, part);
+            linear_direct_impl<OutT, BR, true, false>(out, x, w, m, n, k, part);
         else
-            linear_direct_impl<OutT, LIN_D_B_RB, false, false>(out, x, w, m, n, k, part);
+            linear_direct_impl<OutT, BR, false, false>(out, x, w, m, n, k, part);
     }
 }
 
@@ -499,14 +509,30 @@ MT_DEVICE void linear_direct_dispatch(OutT* out, const bf16* x, const bf16* w, u
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
     linear_stream(bf16* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
                   uint32_t m, uint32_t n, uint32_t k) {
-    linear_direct_dispatch(out, x, w, m, n, k);
+    linear_direct_dispatch<bf16, LIN_D_B, LIN_D_B_RB>(out, x, w, m, n, k);
 }
 
 // linear_stream_f32out(out: f32 [m, n], x, w, m, n, k): `linear_f32out`, likewise.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
     linear_stream_f32out(float* __restrict__ out, const bf16* __restrict__ x,
                          const bf16* __restrict__ w, uint32_t m, uint32_t n, uint32_t k) {
-    linear_direct_dispatch(out, x, w, m, n, k);
+    linear_direct_dispatch<float, LIN_D_B, LIN_D_B_RB>(out, x, w, m, n, k);
+}
+
+// linear_stream_b4(out: bf16 [m, n], x, w, m, n, k): `linear_stream` with batches of 4 chunks (2
+// for 16-row units and unaligned operands) and three blocks per multiprocessor, the launcher's choice for m <= 8 when n is wide (more blocks
+// in flight; where few units leave a partial last wave the 2-block kernel is faster). Same grid.
+extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
+    linear_stream_b4(bf16* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
+                     uint32_t m, uint32_t n, uint32_t k) {
+    linear_direct_dispatch<bf16, 4, 2>(out, x, w, m, n, k);
+}
+
+// linear_stream_b4_f32out(out: f32 [m, n], x, w, m, n, k): likewise, f32 out.
+extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
+    linear_stream_b4_f32out(float* __restrict__ out, const bf16* __restrict__ x,
+                            const bf16* __restrict__ w, uint32_t m, uint32_t n, uint32_t k) {
+    linear_direct_dispatch<float, 4, 2>(out, x, w, m, n, k);
 }
 
 template <typename OutT>

@@ -5,6 +5,7 @@
 // the LM head with stand-in small kernels between the projections. Ceilings measured in the same
 // run (a read-only stream). Build with lab/build.sh; figures in docs/BENCHMARKS.md.
 #include "../kernels/gemm.cu"
+#include "old_wide.cuh"
 #include "old_narrow.cuh"
 
 #include <cuda_runtime.h>
@@ -39,6 +40,13 @@ __global__ void __launch_bounds__(256, 1)
     pdl_wait();
     pdl_trigger();
     linear_stream_impl<float, 2, true>(out, x, w, m, n, k, sm);
+}
+// The cluster kernel with other stage shapes / occupancy.
+template <int NT, int SC, int ST, int MINB>
+__global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(256, MINB)
+    lab_wide(float* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k) {
+    extern __shared__ __align__(16) unsigned char sm[];
+    linear_wide_impl<float, NT, SC, ST, true>(out, x, w, m, n, k, sm);
 }
 // The direct kernel with other batch sizes / occupancy (m <= 8 rows only).
 template <int B, int MINB>
@@ -89,18 +97,29 @@ struct Var {
     const char* name;
     const void* fn;
     int smem;
-    int per_sm;     // blocks per SM (persistent grid = per_sm * 132), 0: tiled grid
+    int per_sm;     // blocks per SM (persistent grid = per_sm * 132), 0: tiled grid, -1: one block
+                    // per unit, -2: a cluster of LIN_SEGS blocks per unit
     int nt, rt;     // unit: 8 * nt columns by 16 * rt rows
     int max_m;      // rows this kernel may take (any, but beyond this it is not meant to)
 };
 
 static const int SMS = 132;
 
+// Which variants are timed at m rows (vars: 0 tiled, 1 old_wide, 2..6 cluster kernels, 7 direct,
+// 8 b4): each where the launcher could pick it.
+static bool timed(size_t vi, uint32_t m) {
+    if (vi == 0) return m >= 32;
+    if (vi <= 6) return m >= 16;
+    return m <= 16;
+}
+
 static void launch(const Var& v, bool pdl, cudaStream_t s, float* out, const bf16* x, const bf16* w, uint32_t m,
                    uint32_t n, uint32_t k) {
     cudaLaunchConfig_t cfg = {};
     if (v.per_sm == 0) {
         cfg.gridDim = dim3((n + 63) / 64, (m + 127) / 128, 1);
+    } else if (v.per_sm == -2) {
+        cfg.gridDim = dim3(LIN_SEGS * ((n + 8 * v.nt - 1) / (8 * v.nt)) * ((m + 16 * v.rt - 1) / (16 * v.rt)), 1, 1);
     } else if (v.per_sm < 0) {
         cfg.gridDim = dim3(((n + 8 * v.nt - 1) / (8 * v.nt)) * ((m + 16 * v.rt - 1) / (16 * v.rt)), 1, 1);
     } else {
@@ -171,12 +190,14 @@ int main(int argc, char** argv) {
 
     std::vector<Var> vars = {
         {"tiled", (const void*)linear_f32out, 4 * 192 * 32 * 2, 0, 8, 8, 1 << 30},
-        {"old_narrow", (const void*)lab_old_narrow, (96 + 4) * 1024, 2, 1, 1, 16},
         {"old_wide", (const void*)lab_old_wide, (192 + 32) * 1024, 1, 2, 4, 64},
+        {"wide", (const void*)linear_stream_wide_f32out, LIN_W_STAGES * LIN_W_STAGE_CH * 192 * 64, -2, 16, 4, 1 << 30},
+        {"n4s1x4", (const void*)lab_wide<4, 1, 4, 2>, 4 * 1 * 320 * 64, -2, 32, 4, 1 << 30},
+        {"n4s2x3", (const void*)lab_wide<4, 2, 3, 1>, 3 * 2 * 320 * 64, -2, 32, 4, 1 << 30},
+        {"n1s2x3", (const void*)lab_wide<1, 2, 3, 4>, 3 * 2 * 128 * 64, -2, 8, 4, 1 << 30},
+        {"n2s2x2", (const void*)lab_wide<2, 2, 2, 4>, 2 * 2 * 192 * 64, -2, 16, 4, 1 << 30},
         {"direct", (const void*)linear_stream_f32out, 0, -1, 1, 1, 16},
-        {"direct_b4", (const void*)lab_direct<4, 2>, 0, -1, 1, 1, 8},
-        {"direct_b4x3", (const void*)lab_direct<4, 3>, 0, -1, 1, 1, 8},
-        {"direct_b4x4", (const void*)lab_direct<4, 4>, 0, -1, 1, 1, 8},
+        {"b4", (const void*)linear_stream_b4_f32out, 0, -1, 1, 1, 16},
     };
     for (auto& v : vars) {
         if (v.smem > 0) CK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem));
@@ -255,7 +276,7 @@ int main(int argc, char** argv) {
     struct Proj { const char* name; uint32_t n, k; };
     std::vector<Proj> projs = {{"qkv", 6144, 4096}, {"o", 4096, 4096}, {"gate_up", 24576, 4096},
                                {"down", 4096, 12288}, {"lm_head", 151936, 4096}, {"gdn_in", 12352, 4096}};
-    std::vector<uint32_t> ms_list = quick ? std::vector<uint32_t>{1, 32} : std::vector<uint32_t>{1, 4, 8, 16, 32, 64};
+    std::vector<uint32_t> ms_list = quick ? std::vector<uint32_t>{1, 32} : std::vector<uint32_t>{1, 8, 16, 32, 64, 128};
     std::vector<std::string> summary;
     for (auto pj : projs) {
         const size_t wbytes = (size_t)pj.n * pj.k * 2;
@@ -274,8 +295,7 @@ int main(int argc, char** argv) {
             for (size_t vi = 0; vi < vars.size(); ++vi) {
                 const Var& v = vars[vi];
                 if ((int)m > v.max_m) continue;
-                if (vi == 0 && m < 32) continue;
-                if (vi == 2 && m < 16) continue;
+                if (!timed(vi, m)) continue;
                 for (int pdl = 0; pdl < 2; ++pdl) {
                     const int reps = 20;
                     double ms = time_graph(s, [&](cudaStream_t st) {
@@ -303,7 +323,7 @@ int main(int argc, char** argv) {
             wd.push_back(alloc_fill((size_t)H * FFN, 1003 + 4 * l, 0.02f));
         }
         bf16* head = alloc_fill((size_t)V * H, 7, 0.03f);
-        const uint32_t MM = 64;
+        const uint32_t MM = 128;
         bf16* src = alloc_fill((size_t)MM * 2 * FFN, 9, 1.0f);
         bf16 *xn, *xa, *xact;
         float *o1, *o2;
@@ -348,12 +368,11 @@ int main(int argc, char** argv) {
                 launch(v, pdl_gemm, st, o2, xn, head, m, V, H);
             }, 5);
         };
-        for (uint32_t m : {1u, 8u, 32u}) {
+        for (uint32_t m : {1u, 8u, 32u, 64u, 128u}) {
             printf("layers m=%u: weight floor %.3f ms (read-only bandwidth)\n", m, floor_ms);
-            for (size_t vi = 1; vi < vars.size(); ++vi) {
+            for (size_t vi = 0; vi < vars.size(); ++vi) {
                 const Var& v = vars[vi];
-                if ((int)m > v.max_m) continue;
-                if (vi == 2 && m < 16) continue;
+                if ((int)m > v.max_m || !timed(vi, m)) continue;
                 const double a = run(v, m, 0, 0, true), b = run(v, m, 1, 0, true), c = run(v, m, 1, 1, true),
                              d = run(v, m, 0, 0, false), e = run(v, m, 1, 0, false);
                 printf("  %-18s plain %.3f | pdl gemm %.3f | pdl all %.3f | gemms only %.3f, pdl %.3f ms (%.0f%% of floor)\n",

@@ -89,6 +89,8 @@ kernel_table! {
     linear_f32out => ("gemm", "linear_f32out"),
     linear_stream => ("gemm", "linear_stream"),
     linear_stream_f32out => ("gemm", "linear_stream_f32out"),
+    linear_stream_b4 => ("gemm", "linear_stream_b4"),
+    linear_stream_b4_f32out => ("gemm", "linear_stream_b4_f32out"),
     linear_stream_wide => ("gemm", "linear_stream_wide"),
     linear_stream_wide_f32out => ("gemm", "linear_stream_wide_f32out"),
     silu_mul => ("activation", "silu_mul"),

@@ -21,6 +21,7 @@ impl Ops {
     ) -> GpuResult<()> {
         let kernels = [
             self.k.linear_stream,
+            self.k.linear_stream_b4,
             self.k.linear_stream_wide,
             self.k.linear,
         ];
@@ -41,19 +42,20 @@ impl Ops {
     ) -> GpuResult<()> {
         let kernels = [
             self.k.linear_stream_f32out,
+            self.k.linear_stream_b4_f32out,
             self.k.linear_stream_wide_f32out,
             self.k.linear_f32out,
         ];
         self.gemm(s, kernels, out, x, w, m, n, k)
     }
 
-    /// One `linear` launch: `kernels` are the narrow, wide and tiled variants of one output type
-    /// (same arguments, bitwise the same rows); `m` picks which serves.
+    /// One `linear` launch: `kernels` are the narrow, narrow-b4, wide and tiled variants of one
+    /// output type (same arguments, bitwise the same rows); the shape picks which serves.
     #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
         s: StreamHandle,
-        kernels: [KernelHandle; 3],
+        kernels: [KernelHandle; 4],
         out: DevicePtr,
         x: DevicePtr,
         w: DevicePtr,
@@ -61,14 +63,16 @@ impl Ops {
         n: u32,
         k: u32,
     ) -> GpuResult<()> {
-        let kernel = match linear_path(m) {
+        let path = linear_path(m, n);
+        let kernel = match path {
             LinearPath::Narrow => kernels[0],
-            LinearPath::Wide => kernels[1],
-            LinearPath::Tiled => kernels[2],
+            LinearPath::NarrowB4 => kernels[1],
+            LinearPath::Wide => kernels[2],
+            LinearPath::Tiled => kernels[3],
         };
         self.go(
             kernel,
-            linear_geometry(m, n),
+            linear_geometry(path, m, n),
             &[out.into(), x.into(), w.into(), m.into(), n.into(), k.into()],
             s,
         )
@@ -78,21 +82,36 @@ impl Ops {
 /// Largest `m` that `linear` serves with its decode kernels (`linear_stream` up to
 /// `LINEAR_NARROW_M_MAX`, `linear_stream_wide` above, `kernels/gemm.cu`); above it the tiled
 /// tensor-core kernel runs. All give bitwise the same rows.
-pub const LINEAR_SMALL_M_MAX: u32 = 64;
+pub const LINEAR_SMALL_M_MAX: u32 = 128;
 
 /// Largest `m` that `linear_stream` (one row tile per unit) serves.
 pub const LINEAR_NARROW_M_MAX: u32 = 16;
 
-/// Which `linear` kernel serves `m` rows.
+/// `linear_stream_b4` serves m <= 8 from this many output columns up: with three blocks per
+/// multiprocessor it is 5-13 % faster on the wide projections (qkv, gate_up, the GDN input, the
+/// LM head) and 4-12 % slower where few units leave a partial last wave (o, down; H200,
+/// lab/gemm_lab.cu).
+const LINEAR_B4_MIN_N: u32 = 6144;
+
+/// The `linear` kernels: which one serves `m` rows is [`linear_path`]'s choice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum LinearPath {
+pub enum LinearPath {
+    /// `linear_stream` (one block per 8 columns by 16 rows).
     Narrow,
+    /// `linear_stream_b4`: `linear_stream`'s grid with smaller batches, three blocks per
+    /// multiprocessor.
+    NarrowB4,
+    /// `linear_stream_wide` (a cluster of 8 blocks per 128 columns by 64 rows).
     Wide,
+    /// `linear` (the tiled prefill kernel).
     Tiled,
 }
 
-fn linear_path(m: u32) -> LinearPath {
-    if m <= LINEAR_NARROW_M_MAX {
+/// The kernel the launchers run for `m` rows and `n` output columns.
+pub fn linear_path(m: u32, n: u32) -> LinearPath {
+    if m <= 8 && n >= LINEAR_B4_MIN_N {
+        LinearPath::NarrowB4
+    } else if m <= LINEAR_NARROW_M_MAX {
         LinearPath::Narrow
     } else if m <= LINEAR_SMALL_M_MAX {
         LinearPath::Wide
@@ -101,29 +120,33 @@ fn linear_path(m: u32) -> LinearPath {
     }
 }
 
-/// Multiprocessors of an H200: the persistent wide decode kernel's grid is sized by it. Any
-/// value computes the same result; this one spreads the weight streams over the whole chip.
-const SM_COUNT: u32 = 132;
+/// Blocks per cluster of `linear_stream_wide`: one per k segment (`LIN_SEGS`, kernels/gemm.cu).
+const LINEAR_WIDE_CLUSTER: u32 = 8;
 
-/// Dynamic shared memory of `linear_stream_wide`: a 192 KiB weight ring and 32 KiB for the
-/// warps' segment partials.
-const LINEAR_WIDE_SMEM: u32 = (192 + 32) * 1024;
+/// Dynamic shared memory of `linear_stream_wide`: 3 stages of 2 chunks of (128 weight + 64 x)
+/// rows of 64 bytes (the segment partials reuse the ring at the end).
+const LINEAR_WIDE_SMEM: u32 = 3 * 2 * (128 + 64) * 64;
 
 /// `linear`'s geometry, mirroring `kernels/gemm.cu` (256 threads on every path, launched as
 /// programmatic dependents: each kernel waits for the one before it in-kernel, and
 /// `linear_stream` loads its first weight fragments before that wait):
-/// - `linear_stream` (m <= 16): one block per unit of 8 columns by 16 rows, no dynamic shared
-///   memory (two blocks per multiprocessor).
-/// - `linear_stream_wide` (m <= 64): units of 16 columns by 64 rows; min(units, SM_COUNT)
-///   persistent blocks, each taking every G-th unit.
+/// - `linear_stream` (m <= 16) and `linear_stream_b4` (m <= 8, n >= 6144): one block per unit of
+///   8 columns by 16 rows, no dynamic shared memory (two and three blocks per multiprocessor).
+/// - `linear_stream_wide` (m <= 128): tiles of 128 columns by 64 rows, a cluster of 8 blocks
+///   (one per k segment, compiled into the kernel) per tile.
 /// - `linear`: 128 x 64 output tiles, grid (ceil(n / 64), ceil(m / 128)), a 4-stage pipeline of
 ///   (128 + 64) x 32 bf16 tiles in shared memory.
-fn linear_geometry(m: u32, n: u32) -> LaunchConfig {
-    let config = match linear_path(m) {
-        LinearPath::Narrow => LaunchConfig::grid2(n.div_ceil(8) * m.div_ceil(16), 1, 256),
+///
+/// Every kernel computes the whole function at any `m` with its own geometry (the tests run
+/// each of them at every m).
+pub fn linear_geometry(path: LinearPath, m: u32, n: u32) -> LaunchConfig {
+    let config = match path {
+        LinearPath::Narrow | LinearPath::NarrowB4 => {
+            LaunchConfig::grid2(n.div_ceil(8) * m.div_ceil(16), 1, 256)
+        }
         LinearPath::Wide => {
-            let units = n.div_ceil(16) * m.div_ceil(64);
-            LaunchConfig::grid2(units.min(SM_COUNT), 1, 256).with_shared(LINEAR_WIDE_SMEM)
+            let tiles = n.div_ceil(128) * m.div_ceil(64);
+            LaunchConfig::grid2(LINEAR_WIDE_CLUSTER * tiles, 1, 256).with_shared(LINEAR_WIDE_SMEM)
         }
         LinearPath::Tiled => LaunchConfig::grid2(n.div_ceil(64), m.div_ceil(128), 256)
             .with_shared(4 * (128 + 64) * 32 * 2),

@@ -22,6 +22,7 @@ use half::bf16;
 use harness::{Pair, Rng, S, Tolerance};
 use metrale_gpu_runtime::{DevicePtr, GpuError, KernelArg, LaunchConfig};
 use metrale_model_layers::ops::{KvStore, PagedAttention, QkNormRope};
+use metrale_model_layers::ops_gemm::{LinearPath, linear_geometry};
 
 #[test]
 fn embedding_gather_widens_the_rows_of_the_ids() {
@@ -593,14 +594,16 @@ fn launch_gemm(
     let (m, n, k) = mnk;
     let gpu = p.gpu.as_ref();
     let kernel = gpu.kernel("gemm", name).expect("gemm kernel resolves");
-    let cfg = if name.starts_with("linear_stream_wide") {
-        let units = n.div_ceil(16) * m.div_ceil(64);
-        LaunchConfig::grid2(units.min(132), 1, 256).with_shared((192 + 32) * 1024)
+    let path = if name.starts_with("linear_stream_wide") {
+        LinearPath::Wide
+    } else if name.starts_with("linear_stream_b4") {
+        LinearPath::NarrowB4
     } else if name.starts_with("linear_stream") {
-        LaunchConfig::grid2(n.div_ceil(8) * m.div_ceil(16), 1, 256)
+        LinearPath::Narrow
     } else {
-        LaunchConfig::grid2(n.div_ceil(64), m.div_ceil(128), 256).with_shared(4 * 192 * 32 * 2)
+        LinearPath::Tiled
     };
+    let cfg = linear_geometry(path, m, n);
     let args = [
         KernelArg::Ptr(out.gpu),
         KernelArg::Ptr(x.gpu),
@@ -631,6 +634,11 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
         (40, 300, 1024),
         (64, 1000, 4096),
         (9, 4100, 12288),
+        // The wide kernel's clusters: fewer segments than blocks (k = 64: two), unaligned
+        // operands, a long k, a last tile of few columns.
+        (33, 136, 64),
+        (20, 136, 77),
+        (48, 4100, 12288),
     ] {
         let (x, w) = linear_inputs(&mut rng, m, n, k);
         let (x, w) = (p.upload(&x), p.upload(&w));
@@ -639,11 +647,20 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
                 [
                     "linear_f32out",
                     "linear_stream_f32out",
+                    "linear_stream_b4_f32out",
                     "linear_stream_wide_f32out",
                 ],
                 4,
             ),
-            (["linear", "linear_stream", "linear_stream_wide"], 2),
+            (
+                [
+                    "linear",
+                    "linear_stream",
+                    "linear_stream_b4",
+                    "linear_stream_wide",
+                ],
+                2,
+            ),
         ] {
             let mut results = Vec::new();
             for name in names {
@@ -670,7 +687,7 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
     }
     println!(
         "kernel-check {:<18} {:<44} bitwise equal, m in 1..=130 ok",
-        "linear(kernels)", "tiled = stream = stream_wide at every m"
+        "linear(kernels)", "tiled = stream = stream_b4 = stream_wide at every m"
     );
 }
 

@@ -49,14 +49,15 @@ impl Program {
 }
 
 /// Plan kernels whose launcher picks another kernel by shape, and those variants: `ops::linear`
-/// (and its f32-out twin) launches `linear_stream` (m <= 16) or `linear_stream_wide` (m <= 64)
-/// for decode-sized row counts, which give bitwise the rows `linear` gives. The plan names the
+/// (and its f32-out twin) launches `linear_stream` / `linear_stream_b4` (m <= 16) or
+/// `linear_stream_wide` (m <= 128) for decode-sized row counts, which give bitwise the rows `linear` gives. The plan names the
 /// family's kernel.
 pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
     (
         metrale_circuit::kernels::LINEAR,
         &[
             Kernel::new("gemm", "linear_stream"),
+            Kernel::new("gemm", "linear_stream_b4"),
             Kernel::new("gemm", "linear_stream_wide"),
         ],
     ),
@@ -64,6 +65,7 @@ pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
         metrale_circuit::kernels::LINEAR_F32OUT,
         &[
             Kernel::new("gemm", "linear_stream_f32out"),
+            Kernel::new("gemm", "linear_stream_b4_f32out"),
             Kernel::new("gemm", "linear_stream_wide_f32out"),
         ],
     ),

@@ -61,6 +61,8 @@ pub const FAMILY: super::Family = super::Family {
         // The decode kernels of `kernels/gemm.cu` compute the same functions.
         ("linear_stream", linear),
         ("linear_stream_f32out", linear_f32out),
+        ("linear_stream_b4", linear),
+        ("linear_stream_b4_f32out", linear_f32out),
         ("linear_stream_wide", linear),
         ("linear_stream_wide_f32out", linear_f32out),
     ],
