@@ -1,12 +1,13 @@
 // out = x · wᵀ with a bf16 weight in the checkpoint's [out_features, in_features] layout. CPU
 // twins: metrale-gpu-runtime/src/cpu/kernels/gemm.rs.
 //
-// Three kernels per output type (bf16: `linear`, `linear_stream`, `linear_stream_wide`; f32: the
-// same with `_f32out`), each computing the whole function for any m; the launcher
-// (`ops::linear_geometry`) runs `linear_stream` for m <= 16, `linear_stream_wide` for m <= 64
+// Four kernels per output type (bf16: `linear`, `linear_stream`, `linear_stream_b4`,
+// `linear_stream_wide`; f32: the same with `_f32out`), each computing the whole function for any
+// m; the launcher (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 8 on projections of
+// 6144 columns or more, `linear_stream` for the other m <= 16, `linear_stream_wide` for m <= 128
 // (decode) and the tiled `linear` above, every one as a programmatic dependent launch: each
 // kernel calls `pdl_wait` (common.cuh) before it touches x or out, so its blocks may start while
-// the kernel ahead of it on the stream finishes, and `linear_stream` issues its first weight
+// the kernel ahead of it on the stream finishes, and the decode kernels issue their first weight
 // loads before that wait (the weight is never written by the kernel just ahead of a projection).
 // - `linear_stream` (m <= 16): one block per unit of one column tile (8 output columns) by one
 //   row tile (16 rows); grid ceil(n / 8) * ceil(m / 16), 256 threads, 4 KiB of static shared
@@ -15,35 +16,29 @@
 //   batches of LIN_D_B (8) chunks when the unit has at most 8 rows, LIN_D_B_RB (4) when it has
 //   more (x rows g + 8 too) or the operands are unaligned; two batches in flight per warp. x is
 //   read through L1. The warps leave their segment partials in shared memory and the block sums
-//   them in segment order.
-// - `linear_stream_wide` (16 < m <= 64): persistent blocks streaming the weight. A unit is 2
-//   column tiles for up to 64 rows (4 row tiles); block b takes units b, b + G, b + 2G, ...
-//   (G = gridDim.x = min(units, 132)). The block's 8 warps split the unit's k into the LIN_SEGS
-//   segments (warp w: segment w). Each lane copies the 16-byte weight fragments it will feed to
-//   its own MMAs into its own slots of a per-warp ring of 8-chunk stages in shared memory
-//   (cp.async), the next stages (and the next unit's) in flight while it computes; x comes
-//   straight from global memory (L1 / L2). At the end of a unit every warp leaves its segment's
-//   partial in shared memory and the block sums them in segment order. 192 + 32 KiB of dynamic
-//   shared memory.
+//   them in segment order. `linear_stream_b4` is the same with batches of 4 (2) chunks and three
+//   blocks per multiprocessor.
+// - `linear_stream_wide` (16 < m <= 128): a cluster of LIN_SEGS blocks per tile of 128 columns by
+//   64 rows, block s computing segment s; x and the weight staged together through a 3-stage
+//   cp.async ring; the cluster sums the segment partials in order through distributed shared
+//   memory (details at the kernel).
 // - `linear` (prefill): a tiled tensor-core kernel. 128 x 64 output tiles, 8 warps of 32 x 32, a
 //   4-stage cp.async pipeline of 32-wide k tiles. Grid (ceil(n / 64), ceil(m / 128)), 256
 //   threads, 48 KiB of dynamic shared memory.
 //
 // Measured on the H200 (2026-11-30, kernels alone, 20 launches per CUDA graph, weights rotated
-// past L2, against the 4.45 TB/s of a read-only stream; lab/gemm_lab.cu): `linear_stream` at
-// m = 1 reaches 62-92 % (o 4096x4096 62 %, qkv 6144x4096 67 %, gate_up 24576x4096 81 %, down
-// 4096x12288 78 %, LM head 151936x4096 92 %); at m = 16 it is 1.4x faster than the ring kernel
-// it replaced. `linear_stream_wide` at m = 32 reaches 32-37 % and `linear` at m >= 32 9-24 %:
-// the batch-32..128 projections are 3-10x their weight floor (x re-read from L2 for every
-// column tile, few warps per multiprocessor; see docs/BENCHMARKS.md). Tried and dropped: a
-// weight ring filled by the bulk-copy engine (cp.async.bulk, one copy of 128 B - 1 KiB per
-// weight row and stage, mbarrier completion) ran at 27-64 % at m = 1, below the cp.async ring
-// (the copy engine wants larger copies than a segment's row gives); among register-direct
-// variants, batches of 4 chunks at three blocks per multiprocessor were faster still at
-// m <= 8 (gate_up 86 %, LM head 94 %) but slower where the unit count leaves a partial last
-// wave (o, down), and were not integrated.
+// past L2, against the 4.45 TB/s of a read-only stream; lab/gemm_lab.cu; docs/BENCHMARKS.md):
+// at m = 1 the narrow kernels reach 64-96 % (o 4096x4096 64 %, qkv 6144x4096 78 %, gate_up
+// 24576x4096 88 %, down 4096x12288 77 %, LM head 151936x4096 96 %). `linear_stream_wide` at
+// m = 32 reaches 47-64 % (qkv, o, down, gate_up, LM head), at m = 64 34-47 %, at m = 128 20-24 %
+// (still 1.6x the tiled kernel there); the persistent per-warp-segment kernel it replaced ran at
+// 31-37 % at m = 32 (x re-read from L2 for every 16 columns). Tried and dropped: a weight ring
+// filled by the bulk-copy engine (cp.async.bulk, one copy of 128 B - 1 KiB per weight row and
+// stage, mbarrier completion) ran at 27-64 % at m = 1 (the copy engine wants larger copies than
+// a segment's row gives); cluster tiles of 64 or 256 columns, one-chunk stages, two-stage rings
+// (all slower than 128 columns, 2-chunk stages, 3 stages at m = 32..128).
 //
-// Numerics (the same in all three kernels, hence batch-invariant): k is cut into chunks of 32 and the
+// Numerics (the same in every kernel, hence batch-invariant): k is cut into chunks of 32 and the
 // chunks into LIN_SEGS (8) contiguous segments of ceil(chunks / 8) chunks, a count fixed by k
 // alone. A segment's partial is a chain of mma.sync m16n8k16 (bf16 in, f32 accumulate) over its
 // chunks in order, starting from zero; every output element is the f32 sum of the non-empty
