@@ -88,30 +88,36 @@ pub fn gpu_bundle(root: &Path) -> anyhow::Result<()> {
         }
     }
 
-    let mut cli = cargo(root);
-    cli.args([
-        "build",
-        "--release",
-        "--message-format=json-render-diagnostics",
-        "-p",
-        "metrale-cli",
-        "--bin",
-        "metrale",
-        "--features",
-        "cuda",
-    ]);
-    match built_executables(&mut cli, false) {
-        Ok(exes) => {
-            for exe in exes {
-                copy_stripped(&exe, &bin.join("metrale"))?;
-                manifest.push("bin/metrale  (metrale-cli --features cuda)".into());
+    // The CLI (`metrale bench`, `serve`, `generate`) and xtask (`xtask soak --backend cuda`:
+    // the soak against the CUDA engine; the GPU machine has no cargo).
+    for (package, exe_name) in [("metrale-cli", "metrale"), ("xtask", "xtask")] {
+        let mut cmd = cargo(root);
+        cmd.args([
+            "build",
+            "--release",
+            "--message-format=json-render-diagnostics",
+            "-p",
+            package,
+            "--bin",
+            exe_name,
+            "--features",
+            "cuda",
+        ]);
+        match built_executables(&mut cmd, false) {
+            Ok(exes) => {
+                for exe in exes {
+                    copy_stripped(&exe, &bin.join(exe_name))?;
+                    manifest.push(format!("bin/{exe_name}  ({package} --features cuda)"));
+                }
             }
-        }
-        Err(e) => {
-            eprintln!(
-                "gpu-bundle: warning: the metrale CLI did not build with --features cuda, leaving it out: {e:#}"
-            );
-            manifest.push("NOT BUILT: metrale-cli --bin metrale --features cuda".into());
+            Err(e) => {
+                eprintln!(
+                    "gpu-bundle: warning: {package} did not build with --features cuda, leaving it out: {e:#}"
+                );
+                manifest.push(format!(
+                    "NOT BUILT: {package} --bin {exe_name} --features cuda"
+                ));
+            }
         }
     }
 
@@ -430,6 +436,20 @@ if [ -x "$BIN_ROOT/bin/metrale" ]; then
     [ $rc -eq 124 ] && status=timeout
     record "bench $shape" "$status" 0 0 "$(elapsed "$start")" "$log"
   done
+fi
+
+# The soak (many concurrent requests with cancellations, shared prefixes and preemption; every
+# output checked against its solo run) on the CUDA engine, over the dense and hybrid fixtures.
+if [ -x "$BIN_ROOT/bin/xtask" ]; then
+  log="$LOGDIR/soak-cuda.log"
+  start="$(now)"
+  timeout "${SOAK_TIMEOUT:-300}" "$BIN_ROOT/bin/xtask" soak --backend cuda \
+    --model tests/fixtures/qwen3-tiny --model tests/fixtures/qwen3_5-tiny > "$log" 2>&1
+  rc=$?
+  status=ok
+  [ $rc -eq 0 ] || status="fail($rc)"
+  [ $rc -eq 124 ] && status=timeout
+  record "soak cuda" "$status" 0 0 "$(elapsed "$start")" "$log"
 fi
 
 echo "" >> "$JSON"
