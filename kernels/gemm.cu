@@ -3,8 +3,8 @@
 //
 // Four kernels per output type (bf16: `linear`, `linear_stream`, `linear_stream_b4`,
 // `linear_stream_wide`; f32: the same with `_f32out`), each computing the whole function for any
-// m; the launcher (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 8 on projections of
-// 6144 columns or more, `linear_stream` for the other m <= 16, `linear_stream_wide` for m <= 128
+// m; the launcher (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 16 on projections
+// of 6144 columns or more, `linear_stream` for the other m <= 16, `linear_stream_wide` for m <= 128
 // (decode) and the tiled `linear` above, every one as a programmatic dependent launch: each
 // kernel calls `pdl_wait` (common.cuh) before it touches x or out, so its blocks may start while
 // the kernel ahead of it on the stream finishes, and the decode kernels issue their first weight
@@ -515,8 +515,9 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
 }
 
 // linear_stream_b4(out: bf16 [m, n], x, w, m, n, k): `linear_stream` with batches of 4 chunks (2
-// for 16-row units and unaligned operands) and three blocks per multiprocessor, the launcher's choice for m <= 8 when n is wide (more blocks
-// in flight; where few units leave a partial last wave the 2-block kernel is faster). Same grid.
+// for 16-row units and unaligned operands) and three blocks per multiprocessor, the launcher's
+// choice for m <= 16 when n is wide (more blocks in flight; where few units leave a partial last
+// wave the 2-block kernel is faster). Same grid.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
     linear_stream_b4(bf16* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
                      uint32_t m, uint32_t n, uint32_t k) {

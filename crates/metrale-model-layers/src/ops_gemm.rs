@@ -87,10 +87,10 @@ pub const LINEAR_SMALL_M_MAX: u32 = 128;
 /// Largest `m` that `linear_stream` (one row tile per unit) serves.
 pub const LINEAR_NARROW_M_MAX: u32 = 16;
 
-/// `linear_stream_b4` serves m <= 8 from this many output columns up: with three blocks per
-/// multiprocessor it is 5-13 % faster on the wide projections (qkv, gate_up, the GDN input, the
-/// LM head) and 4-12 % slower where few units leave a partial last wave (o, down; H200,
-/// lab/gemm_lab.cu).
+/// `linear_stream_b4` serves m <= 16 from this many output columns up: with three blocks per
+/// multiprocessor it is 5-14 % faster at m = 1, 19-33 % at m = 8 and 6-9 % at m = 16 on the wide
+/// projections (qkv, gate_up, the GDN input, the LM head), and up to 20 % slower where few units
+/// leave a partial last wave (o, down; H200, lab/gemm_lab.cu).
 const LINEAR_B4_MIN_N: u32 = 6144;
 
 /// The `linear` kernels: which one serves `m` rows is [`linear_path`]'s choice.
@@ -99,7 +99,7 @@ pub enum LinearPath {
     /// `linear_stream` (one block per 8 columns by 16 rows).
     Narrow,
     /// `linear_stream_b4`: `linear_stream`'s grid with smaller batches, three blocks per
-    /// multiprocessor.
+    /// multiprocessor (m <= 16 on wide projections).
     NarrowB4,
     /// `linear_stream_wide` (a cluster of 8 blocks per 128 columns by 64 rows).
     Wide,
@@ -109,7 +109,7 @@ pub enum LinearPath {
 
 /// The kernel the launchers run for `m` rows and `n` output columns.
 pub fn linear_path(m: u32, n: u32) -> LinearPath {
-    if m <= 8 && n >= LINEAR_B4_MIN_N {
+    if m <= LINEAR_NARROW_M_MAX && n >= LINEAR_B4_MIN_N {
         LinearPath::NarrowB4
     } else if m <= LINEAR_NARROW_M_MAX {
         LinearPath::Narrow
@@ -130,7 +130,7 @@ const LINEAR_WIDE_SMEM: u32 = 3 * 2 * (128 + 64) * 64;
 /// `linear`'s geometry, mirroring `kernels/gemm.cu` (256 threads on every path, launched as
 /// programmatic dependents: each kernel waits for the one before it in-kernel, and
 /// `linear_stream` loads its first weight fragments before that wait):
-/// - `linear_stream` (m <= 16) and `linear_stream_b4` (m <= 8, n >= 6144): one block per unit of
+/// - `linear_stream` and `linear_stream_b4` (m <= 16, n >= 6144): one block per unit of
 ///   8 columns by 16 rows, no dynamic shared memory (two and three blocks per multiprocessor).
 /// - `linear_stream_wide` (m <= 128): tiles of 128 columns by 64 rows, a cluster of 8 blocks
 ///   (one per k segment, compiled into the kernel) per tile.
