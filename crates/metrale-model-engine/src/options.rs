@@ -31,6 +31,15 @@ pub struct ModelOptions {
     /// load. Default (`None`): `2 * max_decode_seqs`. With 0, or prefix caching off, none are
     /// allocated and hybrid prompts never hit; models without GDN layers allocate none.
     pub ssm_snapshot_slots: Option<usize>,
+    /// Hybrid models: prefill chunks also end at every multiple of this many tokens, so that
+    /// (with prefix caching) an SSM snapshot is kept at least that often along a prompt and a
+    /// prompt sharing only part of a cached one resumes at most this many tokens before the
+    /// shared part ends. A positive multiple of the snapshot interval `lcm(block_size, 64)`
+    /// (64 with the default blocks). Smaller strides give denser resume points for shorter
+    /// prefill steps and more snapshot entries per prompt; cuts there never change a result.
+    /// Default `None`: chunks end only every `max_batch_tokens` tokens and at the prompt's last
+    /// multiple of the interval, with a snapshot at each of those.
+    pub ssm_snapshot_stride: Option<usize>,
     /// Speculative decoding (`generate` runs it; the engine's scheduler does not yet). Default
     /// `Off`.
     pub speculative: Speculative,
@@ -70,6 +79,7 @@ impl Default for ModelOptions {
             decode_graphs: true,
             prefix_caching: true,
             ssm_snapshot_slots: None,
+            ssm_snapshot_stride: None,
             speculative: Speculative::Off,
             num_draft_tokens: 2,
         }

@@ -26,7 +26,8 @@
 //!   decoding, prefill chunks run back to back; with nothing prefilling, decode steps do.
 //! - **Chunks.** A prompt is prefilled in chunks of `max_batch_tokens` from position 0, or from
 //!   the end of its cached prefix (the last one shorter); on hybrid models a chunk that crosses
-//!   a multiple of the SSM snapshot interval ends at the last one it crosses
+//!   a multiple of the SSM snapshot interval ends at the last one it crosses, and one that
+//!   crosses a multiple of `ssm_snapshot_stride` at the first
 //!   ([`crate::model::prefill_chunk`]). A prefill step holds that one chunk of one sequence and
 //!   no decode rows. Attention rows are independent of the other rows of their step, and on
 //!   hybrid models a cut is either at a multiple of the interval (where the GDN prefill, whose
@@ -68,7 +69,7 @@ use metrale_cache::{BlockTable, CacheError};
 
 use crate::error::ModelError;
 use crate::generate::{FinishReason, Generation};
-use crate::model::{StepInput, StepRow, TransformerModel};
+use crate::model::{ChunkCuts, StepInput, StepRow, TransformerModel};
 
 pub use report::{SchedulerStats, SeqEvent, StepFailed, StepKind, StepReport};
 pub use request::{InvalidRequest, RequestLimits, SeqRequest};
@@ -98,8 +99,8 @@ pub struct Scheduler {
     limits: RequestLimits,
     /// Prefill chunk size and token budget (`max_batch_tokens`).
     chunk: usize,
-    /// Hybrid models: prefill chunks are cut at multiples of this (the SSM snapshot interval).
-    align: Option<usize>,
+    /// Hybrid models: where prefill chunks are cut (the SSM snapshot interval and stride).
+    cuts: Option<ChunkCuts>,
     max_seqs: usize,
     block_size: usize,
     eos_token_ids: Vec<u32>,
@@ -120,7 +121,7 @@ impl Scheduler {
         Scheduler {
             limits: RequestLimits::of(model),
             chunk: model.options().max_batch_tokens.min(model.max_rows()),
-            align: model.ssm_snapshot_interval(),
+            cuts: model.prefill_cuts(),
             max_seqs: model.max_seqs(),
             block_size: model.kv_cache().block_size(),
             eos_token_ids: model.config().eos_token_ids.clone(),
@@ -237,7 +238,7 @@ impl Scheduler {
             Some(i)
                 if !decoders
                     || self.prefill_since_decode
-                        + self.running[i].next_chunk(self.chunk, self.align).len()
+                        + self.running[i].next_chunk(self.chunk, self.cuts).len()
                         <= self.chunk =>
             {
                 let id = self.running[i].id;
@@ -362,7 +363,7 @@ impl Scheduler {
     ) -> Result<StepKind, ModelError> {
         let (chunk, bs) = (self.chunk, self.block_size);
         let s = &mut self.running[i];
-        let range = s.next_chunk(chunk, self.align);
+        let range = s.next_chunk(chunk, self.cuts);
         let _span = tracing::debug_span!("step", kind = "prefill", seq = %s.id, start = range.start, rows = range.len()).entered();
         s.table
             .ensure(range.end, bs, &mut model.kv_cache().allocator)?;

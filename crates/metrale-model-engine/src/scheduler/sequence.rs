@@ -17,7 +17,7 @@
 use metrale_cache::{BlockHash, BlockTable};
 
 use crate::generate::{FinishReason, GenerateParams, Generation};
-use crate::model::prefill_chunk;
+use crate::model::{ChunkCuts, prefill_chunk};
 use crate::sampling::Sampler;
 
 /// A request's id, unique for the life of its scheduler.
@@ -85,10 +85,10 @@ impl Seq {
     }
 
     /// The prompt positions of the next prefill chunk: chunks of `chunk` tokens from position 0
-    /// (or from the end of a cached prefix), cut at multiples of `align` on hybrid models (see
+    /// (or from the end of a cached prefix), cut by `cuts` on hybrid models (see
     /// [`prefill_chunk`]), so the boundaries depend on the prompt alone.
-    pub fn next_chunk(&self, chunk: usize, align: Option<usize>) -> std::ops::Range<usize> {
-        prefill_chunk(self.computed, self.prompt_len, chunk, align)
+    pub fn next_chunk(&self, chunk: usize, cuts: Option<ChunkCuts>) -> std::ops::Range<usize> {
+        prefill_chunk(self.computed, self.prompt_len, chunk, cuts)
     }
 
     /// Record a sampled token; returns why the sequence ends, if it does.
