@@ -22,9 +22,12 @@ pub struct ModelOptions {
     /// Prefix caching: the full KV blocks of prompts stay cached, keyed by a hash chain over
     /// their tokens, and a later request whose prompt starts with the same blocks shares them
     /// instead of computing them (on hybrid models, from a position where an SSM snapshot was
-    /// kept, see `ssm_snapshot_slots`). Cached blocks nobody holds are evicted least recently
-    /// used first when blocks run out. A cached run's tokens and logits are bitwise those of an
-    /// uncached one. Default true.
+    /// kept, see `ssm_snapshot_slots`). On models whose decode steps compute what prefill steps
+    /// compute (no GDN layers, the legacy or reference forward) the blocks that generated
+    /// tokens fill are cached too, so a follow-up turn whose prompt repeats the conversation so
+    /// far shares all of it. Cached blocks nobody holds are evicted least recently used first
+    /// when blocks run out. A cached run's tokens and logits are bitwise those of an uncached
+    /// one. Default true.
     pub prefix_caching: bool,
     /// SSM state snapshots kept for prefix caching on hybrid models, each the size of one
     /// sequence's SSM state (every GDN layer's conv window and recurrent state), allocated at

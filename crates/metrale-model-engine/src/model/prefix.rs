@@ -1,6 +1,7 @@
 //! The model's side of prefix caching: where hybrid prefill chunks end (`prefill_chunk`, the
-//! SSM snapshot interval and stride), saving and restoring SSM snapshots between a sequence's
-//! slot and the snapshot pool, and clearing the cache.
+//! SSM snapshot interval and stride), whether decode steps compute what prefill steps compute
+//! (so the blocks they fill can be published), saving and restoring SSM snapshots between a
+//! sequence's slot and the snapshot pool, and clearing the cache.
 //!
 //! Invariants:
 //! - On a hybrid model a prefill chunk that crosses a multiple of the snapshot interval
@@ -11,10 +12,14 @@
 //!   a snapshot at a multiple of the interval cuts the rest of its prompt exactly as a cold run
 //!   does. Hence a cached run is bitwise a cold run, with the option on or off.
 //! - Snapshot copies go on the model's stream, between the steps that produce and consume them.
+//! - `decode_matches_prefill` is true only where every kernel of a decode step computes each
+//!   row exactly as a prefill step computes it: then a KV block filled by decode steps holds the
+//!   bits a cold prefill of the same tokens writes.
 
 use std::ops::Range;
 
 use metrale_cache::{BlockAllocator, BlockHash};
+use metrale_model_layers::circuit_exec::Fusions;
 use metrale_model_layers::layers::GDN_CHUNK;
 
 use crate::error::ModelError;
@@ -82,6 +87,23 @@ impl TransformerModel {
             interval: self.ssm_snapshot_interval()?,
             stride: self.options.ssm_snapshot_stride,
         })
+    }
+
+    /// Whether a decode step computes every row bitwise as a prefill step computes the same
+    /// token at the same position over the same cache, so a KV block filled by decode steps
+    /// holds what a cold prefill of its tokens writes and may be published for prefix caching.
+    /// True for models without GDN layers on the legacy forward (or the circuit's reference
+    /// programs, bitwise the legacy forward): each kernel computes a row alone, the same way
+    /// whatever the row count. False on hybrid models, whose prefill runs the chunked delta
+    /// rule (rounded differently from decode's token-by-token recurrence, and every later
+    /// layer's KV with it), and under the fused circuit programs (some fusions round
+    /// differently from the unfused chain prefill runs).
+    pub fn decode_matches_prefill(&self) -> bool {
+        self.ssm.is_none()
+            && self
+                .circuit
+                .as_ref()
+                .is_none_or(|c| c.fusions() == Fusions::ReferenceOnly)
     }
 
     /// The KV block allocator and its prefix index, to read.

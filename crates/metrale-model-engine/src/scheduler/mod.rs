@@ -17,7 +17,10 @@
 //!   blocks are taken by reference, the snapshot is copied into the sequence's slot, and prefill
 //!   starts after it. Shared blocks count once against the free blocks. After each prefill
 //!   chunk the prompt blocks it completed are published, and on hybrid models the SSM state is
-//!   kept when the chunk ends at a multiple of the snapshot interval.
+//!   kept when the chunk ends at a multiple of the snapshot interval. On models whose decode
+//!   steps compute what prefill steps compute (not hybrid ones), a block that decode steps fill
+//!   is published after the step of its last token, so a follow-up turn repeating the
+//!   conversation shares it.
 //! - **Steps.** While a sequence prefills and others decode, prefill chunks and decode steps
 //!   alternate under the token budget `max_batch_tokens`: after a decode step, prefill chunks
 //!   run until the next chunk would take the prefill tokens since that decode step past the
@@ -476,6 +479,7 @@ impl Scheduler {
         for (&i, row) in idx.iter().zip(picked) {
             let s = &mut self.running[i];
             s.computed += 1;
+            prefix::publish_decoded(model, s)?;
             // A replayed row's token is known already; only the row of the last token samples.
             if s.computed == s.tokens.len()
                 && let Some(reason) = self.accept(i, row, events)
