@@ -118,18 +118,18 @@ pub(super) fn publish(
     Ok(())
 }
 
-/// After a decode step of `s` (its `computed` counts the row just run): publish the block the
-/// row filled, if it filled one and decode steps compute what prefill steps do.
+/// After a decode step of `s` (its `computed` counts the rows just run): publish the blocks
+/// those rows filled, if decode steps compute what prefill steps do. Any number of rows per
+/// step (a verify step accepting several tokens): every block wholly within `computed` is
+/// final.
 pub(super) fn publish_decoded(model: &mut TransformerModel, s: &mut Seq) -> Result<(), ModelError> {
     let bs = model.options().block_size;
-    if !model.options().prefix_caching
-        || !s.computed.is_multiple_of(bs)
-        || !model.decode_matches_prefill()
-    {
+    let full = s.computed / bs.max(1);
+    if !model.options().prefix_caching || full <= s.published || !model.decode_matches_prefill() {
         return Ok(());
     }
     s.hash_blocks(s.computed, bs);
-    publish_blocks(model, s, s.computed / bs)
+    publish_blocks(model, s, full)
 }
 
 /// Publish `s`'s blocks from `s.published` up to `full` (at most the blocks it has keys for).
