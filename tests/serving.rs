@@ -2,8 +2,8 @@
 //! their solo outputs; a bad request gets its typed error and the others complete; cancellation
 //! (explicit, or by dropping the handle) ends a request with `cancelled` and frees its cache;
 //! stop strings cut the text; the async stream yields what the blocking iterator does; a
-//! repeated prompt is served from the prefix cache, bitwise as without it, and the metrics count
-//! the hit.
+//! repeated prompt, and a follow-up turn repeating a conversation, are served from the prefix
+//! cache, bitwise as without it, and the metrics count the hits.
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 
@@ -211,6 +211,56 @@ fn a_repeated_prompt_is_served_from_the_prefix_cache_and_the_metrics_count_it() 
             (0, 0, 0.0)
         );
         assert_eq!((c.prefill_tokens, c.kv_blocks_cached), (100, 0));
+    }
+}
+
+#[test]
+fn a_follow_up_turn_is_served_from_the_prefix_cache_and_the_metrics_count_it() {
+    // Turn 1: 70 prompt tokens answered with 30, 99 of them fed (6 full blocks). Turn 2 repeats
+    // them and adds 9 (109 tokens). Hits: the 6 blocks, the answer's included (dense; the
+    // prompt's alone are 4); up to the prompt's SSM snapshot at 64 (hybrid). Cached after
+    // turn 2: its 114 fed tokens' 7 blocks (dense); the two prompts' 4 and 6 blocks, shared
+    // (hybrid).
+    for (fixture, hit, cached) in [("qwen3-tiny", 96u64, 7), ("qwen3_5-tiny", 64, 6)] {
+        let warm = engine(fixture, options());
+        let cold = engine(
+            fixture,
+            EngineOptions {
+                model: ModelOptions {
+                    prefix_caching: false,
+                    ..options().model
+                },
+                ..options()
+            },
+        );
+        let vocab = warm.config().vocab_size as u32;
+        let turn = |prompt: &[u32], n: usize| {
+            GenerateRequest::new(Prompt::TokenIds(prompt.to_vec()))
+                .max_new_tokens(n)
+                .ignore_eos(true)
+                .return_logits(true)
+        };
+        let mut prompt: Vec<u32> = (0..70u32).map(|t| (t * 29 + 5) % vocab).collect();
+        for (k, n) in [30, 6].into_iter().enumerate() {
+            let got = warm.generate(&turn(&prompt, n)).expect("warm");
+            let want = cold.generate(&turn(&prompt, n)).expect("cold");
+            assert_same(&got, &want, &format!("{fixture}, turn {k}"));
+            prompt.extend(&got.token_ids);
+            prompt.extend((0..9u32).map(|t| (t * 13 + 3) % vocab));
+        }
+        let m = metrics_until(&warm, |m| m.finished == 2 && m.running == 0);
+        assert_eq!((m.prefix_queries, m.prefix_hits), (2, 1), "{fixture}");
+        assert_eq!(
+            (m.prefix_query_tokens, m.prefix_hit_tokens),
+            (70 + 109, hit),
+            "{fixture}"
+        );
+        assert_eq!(m.prefill_tokens, 70 + 109 - hit, "{fixture}");
+        assert_eq!(
+            (m.kv_blocks_used, m.kv_blocks_cached),
+            (0, cached),
+            "{fixture}"
+        );
     }
 }
 

@@ -9,8 +9,12 @@
 //! leaked (`Engine::metrics` once idle: no block referenced, the prefix cache within the pool);
 //! the shared prefixes hit the prefix cache; every completed output equals its solo run on a
 //! second engine with prefix caching off (tokens, finish reason, text, logits where asked for),
-//! and every cancelled output is a prefix of that run. Short by default (CI runs it);
-//! `--requests` and `--seconds` make it long.
+//! and every cancelled output is a prefix of that run. Then, on the idle engine, multi-turn
+//! conversations (`turns`): each follow-up turn hits the cache for what the previous turn left
+//! and equals its solo run. Short by default (CI runs it); `--requests`, `--seconds` and
+//! `--conversations` make it long.
+
+mod turns;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -56,6 +60,9 @@ pub struct SoakArgs {
     /// runs; more than there are checks them all.
     #[arg(long, default_value_t = 48)]
     solo_checks: usize,
+    /// Multi-turn conversations (three turns each) run after the concurrent requests.
+    #[arg(long, default_value_t = 4)]
+    conversations: usize,
 }
 
 /// SplitMix64.
@@ -347,6 +354,7 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
         max_queued_requests: 6,
         ..EngineOptions::default()
     };
+    let block_size = options.model.block_size;
     let engine =
         Engine::load(dir, options.clone()).with_context(|| format!("loading {}", dir.display()))?;
     // The reference for every output: the same engine without prefix caching.
@@ -430,12 +438,21 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
         after.kv_blocks_used,
         after.ssm_slots_used
     );
+    let turns = turns::run(&engine, &cold, args.seed, args.conversations, block_size)
+        .context("multi-turn conversations")?;
+    let end = engine.metrics();
+    ensure!(
+        end.kv_blocks_used == 0 && end.ssm_slots_used == 0,
+        "leaked after the conversations: {} KV block(s), {} SSM slot(s)",
+        end.kv_blocks_used,
+        end.ssm_slots_used
+    );
     let name = dir.file_name().map_or_else(
         || dir.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
     Ok(format!(
-        "soak {name}: {submitted} requests in {seconds:.1} s ({accepted} accepted: {completed} completed, {cancelled} cancelled and read, {dropped} dropped; {invalid} invalid refused; {retries} queue-full retries); {tokens} tokens ({tps:.0}/s), {steps} steps, {preempt} preemptions; prefix cache: {hits} of {lookups} admissions hit, {hit_tokens} of {query_tokens} prompt tokens ({rate:.0}%); leaked 0 of {kv} KV blocks and 0 of {ssm} SSM slots; {checked} of {outputs} outputs checked against their solo runs without prefix caching, all equal ({solo_s:.1} s)",
+        "soak {name}: {submitted} requests in {seconds:.1} s ({accepted} accepted: {completed} completed, {cancelled} cancelled and read, {dropped} dropped; {invalid} invalid refused; {retries} queue-full retries); {tokens} tokens ({tps:.0}/s), {steps} steps, {preempt} preemptions; prefix cache: {hits} of {lookups} admissions hit, {hit_tokens} of {query_tokens} prompt tokens ({rate:.0}%); leaked 0 of {kv} KV blocks and 0 of {ssm} SSM slots; {checked} of {outputs} outputs checked against their solo runs without prefix caching, all equal ({solo_s:.1} s); {conversations} conversations: {follow_ups} follow-up turns hit {turn_hits} of {turn_tokens} prompt tokens, as expected, all equal to their solo runs",
         submitted = tally.accepted + tally.refused_invalid,
         accepted = tally.accepted,
         dropped = tally.dropped,
@@ -454,6 +471,10 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
         ssm = m.ssm_slots_total,
         outputs = tally.outputs.len(),
         solo_s = solo_started.elapsed().as_secs_f64(),
+        conversations = turns.conversations,
+        follow_ups = turns.follow_ups,
+        turn_hits = turns.follow_up_hit_tokens,
+        turn_tokens = turns.follow_up_tokens,
     ))
 }
 

@@ -267,7 +267,7 @@ fn run_batch(
     let max_len = model.max_seq_len();
     let block_size = model.kv_cache().block_size();
     let chunk = model.max_rows();
-    let align = model.ssm_snapshot_interval();
+    let cuts = model.prefill_cuts();
     let k_max = if drafter.is_some() {
         model.options().draft_tokens()
     } else {
@@ -292,7 +292,7 @@ fn run_batch(
         let slots: Vec<u32> = l.ssm_slot.into_iter().collect();
         let mut start = 0;
         while start < l.prompt.len() {
-            let end = prefill_chunk(start, l.prompt.len(), chunk, align).end;
+            let end = prefill_chunk(start, l.prompt.len(), chunk, cuts).end;
             l.table
                 .ensure(end, block_size, &mut model.kv_cache().allocator)?;
             let rows: Vec<StepRow> = (start..end)

@@ -22,15 +22,27 @@ pub struct ModelOptions {
     /// Prefix caching: the full KV blocks of prompts stay cached, keyed by a hash chain over
     /// their tokens, and a later request whose prompt starts with the same blocks shares them
     /// instead of computing them (on hybrid models, from a position where an SSM snapshot was
-    /// kept, see `ssm_snapshot_slots`). Cached blocks nobody holds are evicted least recently
-    /// used first when blocks run out. A cached run's tokens and logits are bitwise those of an
-    /// uncached one. Default true.
+    /// kept, see `ssm_snapshot_slots`). On models whose decode steps compute what prefill steps
+    /// compute (no GDN layers, the legacy or reference forward) the blocks that generated
+    /// tokens fill are cached too, so a follow-up turn whose prompt repeats the conversation so
+    /// far shares all of it. Cached blocks nobody holds are evicted least recently used first
+    /// when blocks run out. A cached run's tokens and logits are bitwise those of an uncached
+    /// one. Default true.
     pub prefix_caching: bool,
     /// SSM state snapshots kept for prefix caching on hybrid models, each the size of one
     /// sequence's SSM state (every GDN layer's conv window and recurrent state), allocated at
     /// load. Default (`None`): `2 * max_decode_seqs`. With 0, or prefix caching off, none are
     /// allocated and hybrid prompts never hit; models without GDN layers allocate none.
     pub ssm_snapshot_slots: Option<usize>,
+    /// Hybrid models: prefill chunks also end at every multiple of this many tokens, so that
+    /// (with prefix caching) an SSM snapshot is kept at least that often along a prompt and a
+    /// prompt sharing only part of a cached one resumes at most this many tokens before the
+    /// shared part ends. A positive multiple of the snapshot interval `lcm(block_size, 64)`
+    /// (64 with the default blocks). Smaller strides give denser resume points for shorter
+    /// prefill steps and more snapshot entries per prompt; cuts there never change a result.
+    /// Default `None`: chunks end only every `max_batch_tokens` tokens and at the prompt's last
+    /// multiple of the interval, with a snapshot at each of those.
+    pub ssm_snapshot_stride: Option<usize>,
     /// Speculative decoding (`generate` runs it; the engine's scheduler does not yet). Default
     /// `Off`.
     pub speculative: Speculative,
@@ -70,6 +82,7 @@ impl Default for ModelOptions {
             decode_graphs: true,
             prefix_caching: true,
             ssm_snapshot_slots: None,
+            ssm_snapshot_stride: None,
             speculative: Speculative::Off,
             num_draft_tokens: 2,
         }

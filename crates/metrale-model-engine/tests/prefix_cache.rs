@@ -17,7 +17,7 @@ use metrale_model_engine::generate::{FinishReason, GenerateParams, Generation};
 use metrale_model_engine::model::{StepInput, StepRow};
 use metrale_model_engine::sampling::{Rng, SamplingParams};
 use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqId, SeqRequest};
-use metrale_model_engine::{ModelOptions, TransformerModel, factory};
+use metrale_model_engine::{ModelError, ModelOptions, TransformerModel, factory};
 
 const HYBRID: [&str; 2] = ["qwen3_5-tiny", "qwen3_next-tiny"];
 
@@ -181,16 +181,20 @@ fn unsplit_first_logits(m: &mut TransformerModel, prompt: &[u32]) -> Vec<f32> {
     logits
 }
 
-fn cached_runs_are_cold_runs(name: &str, chunk: usize, want_hits: &[u64]) {
-    let mut warm = load(name, options(chunk, true, None));
-    let mut cold = load(name, options(chunk, false, None));
+fn cached_runs_are_cold_runs(name: &str, chunk: usize, stride: Option<usize>, want_hits: &[u64]) {
+    let opts = |prefix_caching| ModelOptions {
+        ssm_snapshot_stride: stride,
+        ..options(chunk, prefix_caching, None)
+    };
+    let mut warm = load(name, opts(true));
+    let mut cold = load(name, opts(false));
     let vocab = warm.config().vocab_size as u32;
     let (mut sw, mut sc) = (Scheduler::new(&mut warm), Scheduler::new(&mut cold));
     let prompts = shared_prefix_prompts(vocab);
     assert_eq!(prompts.len(), want_hits.len());
     for (i, (prompt, &want)) in prompts.iter().zip(want_hits).enumerate() {
         let what = format!(
-            "{name}, chunk {chunk}, prompt {i} ({} tokens)",
+            "{name}, chunk {chunk}, stride {stride:?}, prompt {i} ({} tokens)",
             prompt.len()
         );
         let req = request(prompt.clone(), 5, i as u64);
@@ -242,7 +246,7 @@ fn cached_runs_are_cold_runs(name: &str, chunk: usize, want_hits: &[u64]) {
 fn dense_cached_runs_are_bitwise_cold_runs() {
     let hits = [0, 192, 0, 16, 16, 48, 64, 64, 112, 128, 128];
     for chunk in [16, 512] {
-        cached_runs_are_cold_runs("qwen3-tiny", chunk, &hits);
+        cached_runs_are_cold_runs("qwen3-tiny", chunk, None, &hits);
     }
 }
 
@@ -256,9 +260,40 @@ fn hybrid_cached_runs_are_bitwise_cold_runs() {
     // 128-token one at 128, so the prompts after them hit there.
     let large = [0, 192, 0, 0, 0, 0, 0, 64, 64, 64, 128];
     for name in HYBRID {
-        cached_runs_are_cold_runs(name, 16, &small);
-        cached_runs_are_cold_runs(name, 37, &small);
-        cached_runs_are_cold_runs(name, 512, &large);
+        cached_runs_are_cold_runs(name, 16, None, &small);
+        cached_runs_are_cold_runs(name, 37, None, &small);
+        cached_runs_are_cold_runs(name, 512, None, &large);
+    }
+}
+
+#[test]
+fn a_snapshot_stride_gives_hybrid_prompts_the_resume_points_of_small_chunks() {
+    // With chunks of 512 and a stride of 64, the 200-token prompt is cut at 64, 128 and 192 and
+    // leaves a snapshot at each, as chunks of 16 do: the same hits. Its first logits still equal
+    // those of one unsplit step (checked in `cached_runs_are_cold_runs`).
+    let small = [0, 192, 0, 0, 0, 0, 64, 64, 64, 128, 128];
+    for name in HYBRID {
+        cached_runs_are_cold_runs(name, 512, Some(64), &small);
+    }
+    // A stride that is not a multiple of the snapshot interval (64) is refused at load.
+    for stride in [0, 100] {
+        let dir =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_5-tiny");
+        let opts = ModelOptions {
+            ssm_snapshot_stride: Some(stride),
+            ..options(512, true, None)
+        };
+        let err = factory::load(&dir, opts, Arc::new(CpuBackend::default())).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ModelError::Options {
+                    option: "ssm_snapshot_stride",
+                    ..
+                }
+            ),
+            "stride {stride}: {err}"
+        );
     }
 }
 

@@ -102,6 +102,11 @@ pub struct ServeArgs {
     /// `--max-decode-seqs`.
     #[arg(long)]
     pub ssm_snapshot_slots: Option<usize>,
+    /// Hybrid models: also end prefill chunks (and keep an SSM snapshot) at every multiple of
+    /// this many tokens, a multiple of 64 with the default blocks. Default: only every
+    /// `--max-batch-tokens`.
+    #[arg(long)]
+    pub ssm_snapshot_stride: Option<usize>,
 }
 
 impl ServeArgs {
@@ -122,6 +127,7 @@ impl ServeArgs {
                 block_size: self.block_size,
                 prefix_caching: !self.no_prefix_caching,
                 ssm_snapshot_slots: self.ssm_snapshot_slots,
+                ssm_snapshot_stride: self.ssm_snapshot_stride,
                 ..ModelOptions::default()
             },
             max_queued_requests: self.max_queued_requests,
@@ -218,9 +224,12 @@ mod tests {
         let default = parse(&[]).unwrap();
         assert!(default.prefix_caching);
         assert_eq!(default.ssm_snapshot_slots, None);
+        assert_eq!(default.ssm_snapshot_stride, None);
         let off = parse(&["--no-prefix-caching", "--ssm-snapshot-slots", "3"]).unwrap();
         assert!(!off.prefix_caching);
         assert_eq!(off.ssm_snapshot_slots, Some(3));
+        let strided = parse(&["--ssm-snapshot-stride", "128"]).unwrap();
+        assert_eq!(strided.ssm_snapshot_stride, Some(128));
         assert!(parse(&["--ssm-snapshot-slots", "many"]).is_err());
     }
 }

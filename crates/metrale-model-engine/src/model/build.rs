@@ -49,6 +49,19 @@ impl TransformerModel {
                 problem: "must be positive".into(),
             });
         }
+        let interval = super::prefix::snapshot_interval(options.block_size);
+        if let Some(stride) = options.ssm_snapshot_stride
+            && (stride == 0 || !stride.is_multiple_of(interval))
+        {
+            return Err(ModelError::Options {
+                option: "ssm_snapshot_stride",
+                problem: format!(
+                    "{stride} tokens; it must be a positive multiple of the snapshot interval \
+                     {interval} (lcm of block_size {} and 64)",
+                    options.block_size
+                ),
+            });
+        }
         let max_blocks = max_seq_len.div_ceil(options.block_size);
         let max_seqs = options.max_decode_seqs;
         let spec = check_speculative(&options, &weights)?;

@@ -31,7 +31,7 @@ mod prefix;
 mod verify;
 
 pub use mtp::MtpStep;
-pub use prefix::prefill_chunk;
+pub use prefix::{ChunkCuts, prefill_chunk};
 
 /// One row of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

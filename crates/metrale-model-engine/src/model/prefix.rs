@@ -1,33 +1,60 @@
 //! The model's side of prefix caching: where hybrid prefill chunks end (`prefill_chunk`, the
-//! SSM snapshot interval), saving and restoring SSM snapshots between a sequence's slot and the
-//! snapshot pool, and clearing the cache.
+//! SSM snapshot interval and stride), whether decode steps compute what prefill steps compute
+//! (so the blocks they fill can be published), saving and restoring SSM snapshots between a
+//! sequence's slot and the snapshot pool, and clearing the cache.
 //!
 //! Invariants:
 //! - On a hybrid model a prefill chunk that crosses a multiple of the snapshot interval
-//!   (`lcm(block_size, GDN_CHUNK)`) ends at the last multiple it crosses, whether prefix caching
-//!   is on or off. The GDN chunked prefill aligns its chunks to multiples of `GDN_CHUNK`, so a
-//!   cut there computes bitwise what no cut does; and a sequence restored from a snapshot at a
-//!   multiple of the interval cuts the rest of its prompt exactly as a cold run does. Hence a
-//!   cached run is bitwise a cold run, with the option on or off.
+//!   (`lcm(block_size, GDN_CHUNK)`) ends at the last multiple it crosses, and one that crosses a
+//!   multiple of `ModelOptions::ssm_snapshot_stride` ends at the first such multiple, whether
+//!   prefix caching is on or off. The GDN chunked prefill aligns its chunks to multiples of
+//!   `GDN_CHUNK`, so a cut there computes bitwise what no cut does; and a sequence restored from
+//!   a snapshot at a multiple of the interval cuts the rest of its prompt exactly as a cold run
+//!   does. Hence a cached run is bitwise a cold run, with the option on or off.
 //! - Snapshot copies go on the model's stream, between the steps that produce and consume them.
+//! - `decode_matches_prefill` is true only where every kernel of a decode step computes each
+//!   row exactly as a prefill step computes it: then a KV block filled by decode steps holds the
+//!   bits a cold prefill of the same tokens writes.
 
 use std::ops::Range;
 
 use metrale_cache::{BlockAllocator, BlockHash};
+use metrale_model_layers::circuit_exec::Fusions;
 use metrale_model_layers::layers::GDN_CHUNK;
 
 use crate::error::ModelError;
 
 use super::TransformerModel;
 
+/// Where a hybrid model's prefill chunks are cut (see the module header): both in tokens, the
+/// stride a multiple of the interval.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkCuts {
+    /// A chunk that crosses a multiple of this ends at the last one it crosses (the SSM
+    /// snapshot interval).
+    pub interval: usize,
+    /// A chunk never crosses a multiple of this (`ModelOptions::ssm_snapshot_stride`).
+    pub stride: Option<usize>,
+}
+
 /// The prompt positions of a prefill chunk that starts at `start`: at most `chunk` of them,
-/// ending at `len` at the latest, and, with `align`, cut back to the last multiple of `align`
-/// it crosses (a chunk that crosses none is left whole).
-pub fn prefill_chunk(start: usize, len: usize, chunk: usize, align: Option<usize>) -> Range<usize> {
+/// ending at `len` at the latest; with `cuts`, ending at the first multiple of the stride past
+/// `start` at the latest, then cut back to the last multiple of the interval it crosses (a
+/// chunk that crosses none is left whole).
+pub fn prefill_chunk(
+    start: usize,
+    len: usize,
+    chunk: usize,
+    cuts: Option<ChunkCuts>,
+) -> Range<usize> {
     let mut end = start.saturating_add(chunk.max(1)).min(len);
-    if let Some(a) = align.filter(|&a| a > 0) {
-        let cut = end / a * a;
-        if cut > start {
+    if let Some(c) = cuts {
+        if let Some(s) = c.stride.filter(|&s| s > 0) {
+            end = end.min((start / s).saturating_add(1).saturating_mul(s));
+        }
+        if let Some(cut) = end.checked_div(c.interval).map(|m| m * c.interval)
+            && cut > start
+        {
             end = cut;
         }
     }
@@ -38,14 +65,45 @@ fn gcd(a: usize, b: usize) -> usize {
     if b == 0 { a } else { gcd(b, a % b) }
 }
 
+/// `lcm(block_size, GDN_CHUNK)`: the positions where a hybrid prefix can end.
+pub(crate) fn snapshot_interval(block_size: usize) -> usize {
+    let g = GDN_CHUNK as usize;
+    block_size / gcd(block_size, g) * g
+}
+
 impl TransformerModel {
     /// Positions (multiples of this) at which hybrid prefill chunks end and SSM snapshots are
     /// taken: `lcm(block_size, GDN_CHUNK)`, 64 with the default blocks of 16. `None` for a
     /// model without GDN layers.
     pub fn ssm_snapshot_interval(&self) -> Option<usize> {
         self.ssm.as_ref()?;
-        let (bs, g) = (self.kv.block_size(), GDN_CHUNK as usize);
-        Some(bs / gcd(bs, g) * g)
+        Some(snapshot_interval(self.kv.block_size()))
+    }
+
+    /// Where this model's prefill chunks are cut (`None`: only by `max_batch_tokens`, on a
+    /// model without GDN layers).
+    pub fn prefill_cuts(&self) -> Option<ChunkCuts> {
+        Some(ChunkCuts {
+            interval: self.ssm_snapshot_interval()?,
+            stride: self.options.ssm_snapshot_stride,
+        })
+    }
+
+    /// Whether a decode step computes every row bitwise as a prefill step computes the same
+    /// token at the same position over the same cache, so a KV block filled by decode steps
+    /// holds what a cold prefill of its tokens writes and may be published for prefix caching.
+    /// True for models without GDN layers on the legacy forward (or the circuit's reference
+    /// programs, bitwise the legacy forward): each kernel computes a row alone, the same way
+    /// whatever the row count. False on hybrid models, whose prefill runs the chunked delta
+    /// rule (rounded differently from decode's token-by-token recurrence, and every later
+    /// layer's KV with it), and under the fused circuit programs (some fusions round
+    /// differently from the unfused chain prefill runs).
+    pub fn decode_matches_prefill(&self) -> bool {
+        self.ssm.is_none()
+            && self
+                .circuit
+                .as_ref()
+                .is_none_or(|c| c.fusions() == Fusions::ReferenceOnly)
     }
 
     /// The KV block allocator and its prefix index, to read.
@@ -119,20 +177,29 @@ impl TransformerModel {
 mod tests {
     use super::*;
 
-    fn chunks(len: usize, chunk: usize, align: Option<usize>, from: usize) -> Vec<(usize, usize)> {
+    fn chunks(
+        len: usize,
+        chunk: usize,
+        cuts: Option<ChunkCuts>,
+        from: usize,
+    ) -> Vec<(usize, usize)> {
         let mut out = Vec::new();
         let mut at = from;
         while at < len {
-            let r = prefill_chunk(at, len, chunk, align);
+            let r = prefill_chunk(at, len, chunk, cuts);
             out.push((r.start, r.end));
             at = r.end;
         }
         out
     }
 
+    fn every(interval: usize, stride: Option<usize>) -> Option<ChunkCuts> {
+        Some(ChunkCuts { interval, stride })
+    }
+
     #[test]
     fn aligned_chunks_end_at_the_last_multiple_they_cross() {
-        let a = Some(64);
+        let a = every(64, None);
         assert_eq!(chunks(150, 512, None, 0), [(0, 150)]);
         assert_eq!(chunks(150, 512, a, 0), [(0, 128), (128, 150)]);
         // The last multiple before the prompt's end is a cut too: a longer prompt that starts
@@ -155,5 +222,43 @@ mod tests {
             [(0, 64), (64, 128), (128, 192), (192, 200)]
         );
         assert_eq!(prefill_chunk(5, 5, 16, a), 5..5);
+    }
+
+    #[test]
+    fn a_stride_cuts_long_chunks_at_each_of_its_multiples() {
+        let s = every(64, Some(128));
+        // Every multiple of 128 ends a chunk (a snapshot there), and the last multiple of 64
+        // before the end still does.
+        assert_eq!(
+            chunks(600, 512, s, 0),
+            [
+                (0, 128),
+                (128, 256),
+                (256, 384),
+                (384, 512),
+                (512, 576),
+                (576, 600)
+            ]
+        );
+        // Resumed at a multiple of the interval, the next chunk ends at the next stride multiple,
+        // so later chunks fall as in the cold run.
+        assert_eq!(chunks(300, 512, s, 64), [(64, 128), (128, 256), (256, 300)]);
+        // Chunks shorter than the stride are unchanged but for the stride's multiples.
+        assert_eq!(
+            chunks(140, 37, s, 0),
+            [(0, 37), (37, 64), (64, 101), (101, 128), (128, 140)]
+        );
+        assert_eq!(
+            chunks(100, 512, every(64, Some(64)), 0),
+            [(0, 64), (64, 100)]
+        );
+    }
+
+    #[test]
+    fn the_snapshot_interval_is_a_multiple_of_the_block_and_of_the_gdn_chunk() {
+        assert_eq!(snapshot_interval(16), 64);
+        assert_eq!(snapshot_interval(64), 64);
+        assert_eq!(snapshot_interval(48), 192);
+        assert_eq!(snapshot_interval(128), 128);
     }
 }

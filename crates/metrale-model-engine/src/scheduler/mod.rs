@@ -17,7 +17,10 @@
 //!   blocks are taken by reference, the snapshot is copied into the sequence's slot, and prefill
 //!   starts after it. Shared blocks count once against the free blocks. After each prefill
 //!   chunk the prompt blocks it completed are published, and on hybrid models the SSM state is
-//!   kept when the chunk ends at a multiple of the snapshot interval.
+//!   kept when the chunk ends at a multiple of the snapshot interval. On models whose decode
+//!   steps compute what prefill steps compute (not hybrid ones), a block that decode steps fill
+//!   is published after the step of its last token, so a follow-up turn repeating the
+//!   conversation shares it.
 //! - **Steps.** While a sequence prefills and others decode, prefill chunks and decode steps
 //!   alternate under the token budget `max_batch_tokens`: after a decode step, prefill chunks
 //!   run until the next chunk would take the prefill tokens since that decode step past the
@@ -26,7 +29,8 @@
 //!   decoding, prefill chunks run back to back; with nothing prefilling, decode steps do.
 //! - **Chunks.** A prompt is prefilled in chunks of `max_batch_tokens` from position 0, or from
 //!   the end of its cached prefix (the last one shorter); on hybrid models a chunk that crosses
-//!   a multiple of the SSM snapshot interval ends at the last one it crosses
+//!   a multiple of the SSM snapshot interval ends at the last one it crosses, and one that
+//!   crosses a multiple of `ssm_snapshot_stride` at the first
 //!   ([`crate::model::prefill_chunk`]). A prefill step holds that one chunk of one sequence and
 //!   no decode rows. Attention rows are independent of the other rows of their step, and on
 //!   hybrid models a cut is either at a multiple of the interval (where the GDN prefill, whose
@@ -68,7 +72,7 @@ use metrale_cache::{BlockTable, CacheError};
 
 use crate::error::ModelError;
 use crate::generate::{FinishReason, Generation};
-use crate::model::{StepInput, StepRow, TransformerModel};
+use crate::model::{ChunkCuts, StepInput, StepRow, TransformerModel};
 
 pub use report::{SchedulerStats, SeqEvent, StepFailed, StepKind, StepReport};
 pub use request::{InvalidRequest, RequestLimits, SeqRequest};
@@ -98,8 +102,8 @@ pub struct Scheduler {
     limits: RequestLimits,
     /// Prefill chunk size and token budget (`max_batch_tokens`).
     chunk: usize,
-    /// Hybrid models: prefill chunks are cut at multiples of this (the SSM snapshot interval).
-    align: Option<usize>,
+    /// Hybrid models: where prefill chunks are cut (the SSM snapshot interval and stride).
+    cuts: Option<ChunkCuts>,
     max_seqs: usize,
     block_size: usize,
     eos_token_ids: Vec<u32>,
@@ -120,7 +124,7 @@ impl Scheduler {
         Scheduler {
             limits: RequestLimits::of(model),
             chunk: model.options().max_batch_tokens.min(model.max_rows()),
-            align: model.ssm_snapshot_interval(),
+            cuts: model.prefill_cuts(),
             max_seqs: model.max_seqs(),
             block_size: model.kv_cache().block_size(),
             eos_token_ids: model.config().eos_token_ids.clone(),
@@ -237,7 +241,7 @@ impl Scheduler {
             Some(i)
                 if !decoders
                     || self.prefill_since_decode
-                        + self.running[i].next_chunk(self.chunk, self.align).len()
+                        + self.running[i].next_chunk(self.chunk, self.cuts).len()
                         <= self.chunk =>
             {
                 let id = self.running[i].id;
@@ -362,7 +366,7 @@ impl Scheduler {
     ) -> Result<StepKind, ModelError> {
         let (chunk, bs) = (self.chunk, self.block_size);
         let s = &mut self.running[i];
-        let range = s.next_chunk(chunk, self.align);
+        let range = s.next_chunk(chunk, self.cuts);
         let _span = tracing::debug_span!("step", kind = "prefill", seq = %s.id, start = range.start, rows = range.len()).entered();
         s.table
             .ensure(range.end, bs, &mut model.kv_cache().allocator)?;
@@ -475,6 +479,7 @@ impl Scheduler {
         for (&i, row) in idx.iter().zip(picked) {
             let s = &mut self.running[i];
             s.computed += 1;
+            prefix::publish_decoded(model, s)?;
             // A replayed row's token is known already; only the row of the last token samples.
             if s.computed == s.tokens.len()
                 && let Some(reason) = self.accept(i, row, events)

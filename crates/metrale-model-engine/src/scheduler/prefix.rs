@@ -1,21 +1,27 @@
 //! Prefix caching in the scheduler: at admission, the longest prefix of a prompt the cache can
 //! serve (`lookup`) and taking it (`acquire`); after each prefill chunk, publishing the prompt
 //! blocks the chunk completed and, on a hybrid model at a snapshot position, keeping the SSM
-//! state (`publish`).
+//! state (`publish`); after each decode step, publishing the block it filled, where decode
+//! computes what prefill computes (`publish_decoded`).
 //!
 //! Policy:
-//! - Only full blocks of the prompt are published, once the step that wrote their last token
-//!   has run. Blocks holding generated tokens are not: their KV came from decode steps, and a
-//!   cold run computes those positions in a prefill, which the engine does not promise to be
-//!   bitwise the same on every backend.
+//! - A block is published once the step that wrote its last token has run: a full prompt
+//!   block after its prefill chunk; a block that decode steps filled (a multi-turn follow-up
+//!   repeats the prompt and the answer) after the decode step of its last token, on models
+//!   where `TransformerModel::decode_matches_prefill` holds, so that the block holds what a
+//!   cold prefill of its tokens writes. A sequence's last sampled token is never fed, so a
+//!   block it would complete, like a block partly filled at the end, is not published.
+//! - On hybrid models blocks filled by decode steps are not published, nor is the SSM state
+//!   after them kept: decode runs the delta rule token by token, a cold prefill in chunks of
+//!   64, and the two round differently. A follow-up turn resumes at the last snapshot of the
+//!   previous turn's prompt (at most an interval before its end) and prefills the answer, as a
+//!   cold run does; its own prefill keeps snapshots for the turn after it.
 //! - A hit leaves at least the prompt's last token to compute (its logits choose the first
 //!   token), so it covers at most `(prompt_len - 1) / block_size` blocks.
 //! - On a hybrid model a hit must end where an SSM snapshot of that prefix is kept: at a
 //!   multiple of the snapshot interval, the longest such cached prefix.
 //! - A shared block is never written: the sharer computes from the end of the hit, past every
-//!   shared block.
-
-use metrale_cache::block_hashes;
+//!   shared block; the sequence that filled a published block only writes past it.
 
 use crate::error::ModelError;
 use crate::model::TransformerModel;
@@ -37,9 +43,7 @@ pub(super) fn lookup(model: &TransformerModel, s: &mut Seq) -> Hit {
         return Hit::default();
     }
     let bs = model.options().block_size;
-    if s.block_hashes.is_empty() {
-        s.block_hashes = block_hashes(&s.tokens[..s.prompt_len], bs);
-    }
+    s.hash_blocks(s.prompt_len, bs);
     let most = (s.prompt_len.saturating_sub(1) / bs).min(s.block_hashes.len());
     let alloc = model.kv_allocator();
     let found: Vec<u32> = s.block_hashes[..most]
@@ -103,7 +107,38 @@ pub(super) fn publish(
         return Ok(());
     }
     let bs = model.options().block_size;
-    let full = (end / bs).min(s.block_hashes.len());
+    publish_blocks(model, s, end / bs)?;
+    if let (Some(interval), Some(slot)) = (model.ssm_snapshot_interval(), s.ssm_slot)
+        && end > 0
+        && end.is_multiple_of(interval)
+        && end / bs <= s.block_hashes.len()
+    {
+        model.save_ssm_snapshot(s.block_hashes[end / bs - 1], slot)?;
+    }
+    Ok(())
+}
+
+/// After a decode step of `s` (its `computed` counts the rows just run): publish the blocks
+/// those rows filled, if decode steps compute what prefill steps do. Any number of rows per
+/// step (a verify step accepting several tokens): every block wholly within `computed` is
+/// final.
+pub(super) fn publish_decoded(model: &mut TransformerModel, s: &mut Seq) -> Result<(), ModelError> {
+    let bs = model.options().block_size;
+    let full = s.computed / bs.max(1);
+    if !model.options().prefix_caching || full <= s.published || !model.decode_matches_prefill() {
+        return Ok(());
+    }
+    s.hash_blocks(s.computed, bs);
+    publish_blocks(model, s, full)
+}
+
+/// Publish `s`'s blocks from `s.published` up to `full` (at most the blocks it has keys for).
+fn publish_blocks(
+    model: &mut TransformerModel,
+    s: &mut Seq,
+    full: usize,
+) -> Result<(), ModelError> {
+    let full = full.min(s.block_hashes.len()).min(s.table.blocks().len());
     for i in s.published..full {
         let block = s.table.blocks()[i];
         // A duplicate of a block published meanwhile stays private; the chain goes on.
@@ -113,12 +148,5 @@ pub(super) fn publish(
             .publish(block, s.block_hashes[i])?;
     }
     s.published = s.published.max(full);
-    if let (Some(interval), Some(slot)) = (model.ssm_snapshot_interval(), s.ssm_slot)
-        && end > 0
-        && end.is_multiple_of(interval)
-        && end / bs <= s.block_hashes.len()
-    {
-        model.save_ssm_snapshot(s.block_hashes[end / bs - 1], slot)?;
-    }
     Ok(())
 }

@@ -9,15 +9,17 @@
 //!   before a preemption, and the logits of those rows are not sampled again.
 //! - The sampler is created once, at submission, and survives preemption: a resumed sequence
 //!   samples its next token with the generator state it had, so its output is unchanged.
-//! - With prefix caching, `block_hashes` are the keys of the prompt's full blocks (computed at
-//!   the first admission), and the first `published` blocks of `table` are in the prefix index
-//!   under them, or were computed while an equal block was (shared or duplicated, never
-//!   written again). `published * block_size <= computed`.
+//! - With prefix caching, `block_hashes` are the keys of the leading full blocks of `tokens`:
+//!   the prompt's (from the first admission on), then, on a model that publishes generated
+//!   blocks, each block decode steps filled; the hashes only grow (a preempted sequence keeps
+//!   them: they depend on its tokens alone). The first `published` blocks of `table` are in the
+//!   prefix index under them, or were computed while an equal block was (shared or duplicated,
+//!   never written again). `published * block_size <= computed`.
 
 use metrale_cache::{BlockHash, BlockTable};
 
 use crate::generate::{FinishReason, GenerateParams, Generation};
-use crate::model::prefill_chunk;
+use crate::model::{ChunkCuts, prefill_chunk};
 use crate::sampling::Sampler;
 
 /// A request's id, unique for the life of its scheduler.
@@ -45,7 +47,7 @@ pub(crate) struct Seq {
     pub computed: usize,
     /// Row `i`: the logits that chose generated token `i` (when asked for).
     pub logits: Option<Vec<Vec<f32>>>,
-    /// Prefix-cache keys of the prompt's full blocks (empty until first needed).
+    /// Prefix-cache keys of the leading full blocks of `tokens` (empty until first needed).
     pub block_hashes: Vec<BlockHash>,
     /// Leading blocks of `table` that are in the prefix index (see the module header).
     pub published: usize,
@@ -85,10 +87,23 @@ impl Seq {
     }
 
     /// The prompt positions of the next prefill chunk: chunks of `chunk` tokens from position 0
-    /// (or from the end of a cached prefix), cut at multiples of `align` on hybrid models (see
+    /// (or from the end of a cached prefix), cut by `cuts` on hybrid models (see
     /// [`prefill_chunk`]), so the boundaries depend on the prompt alone.
-    pub fn next_chunk(&self, chunk: usize, align: Option<usize>) -> std::ops::Range<usize> {
-        prefill_chunk(self.computed, self.prompt_len, chunk, align)
+    pub fn next_chunk(&self, chunk: usize, cuts: Option<ChunkCuts>) -> std::ops::Range<usize> {
+        prefill_chunk(self.computed, self.prompt_len, chunk, cuts)
+    }
+
+    /// Extend `block_hashes` over every full block of `tokens[..upto]`, continuing the chain.
+    pub fn hash_blocks(&mut self, upto: usize, block_size: usize) {
+        if block_size == 0 {
+            return;
+        }
+        let full = upto.min(self.tokens.len()) / block_size;
+        for b in self.block_hashes.len()..full {
+            let tokens = &self.tokens[b * block_size..(b + 1) * block_size];
+            let h = BlockHash::chain(self.block_hashes.last(), tokens);
+            self.block_hashes.push(h);
+        }
     }
 
     /// Record a sampled token; returns why the sequence ends, if it does.
