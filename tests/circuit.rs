@@ -38,8 +38,8 @@ fn cpu() -> Arc<dyn GpuBackend> {
 fn every_fixture() -> Vec<PathBuf> {
     let dirs = fixtures_of(FAMILIES);
     assert!(
-        dirs.len() >= 7,
-        "expected the seven fixtures under {}",
+        dirs.len() >= 10,
+        "expected the ten fixtures under {}",
         fixtures_dir().display()
     );
     dirs

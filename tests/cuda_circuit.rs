@@ -26,8 +26,8 @@ fn gpu() -> Arc<dyn GpuBackend> {
 fn every_fixture() -> Vec<std::path::PathBuf> {
     let dirs = fixtures_of(FAMILIES);
     assert!(
-        dirs.len() >= 7,
-        "expected the seven fixtures under {}",
+        dirs.len() >= 10,
+        "expected the ten fixtures under {}",
         fixtures_dir().display()
     );
     dirs

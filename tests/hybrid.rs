@@ -1,17 +1,29 @@
 //! Qwen3.5, Qwen3-Next and Qwen3.5-MoE checkpoints written by transformers (Gated DeltaNet and
-//! gated attention layers, dense and MoE FFNs) reproduce its greedy tokens and float32 logits on
-//! the CPU backend, whole and with prefill cut into chunks.
+//! gated attention layers, dense and MoE FFNs, causal-LM and multimodal-wrapper layouts)
+//! reproduce its greedy tokens and float32 logits on the CPU backend, whole and with prefill cut
+//! into chunks.
 
 mod common;
 
 use common::*;
-use metrale::{EngineOptions, ModelOptions};
+use metrale::{Engine, EngineOptions, ModelOptions};
 
-const HYBRID: &[&str] = &["qwen3_5_text", "qwen3_next", "qwen3_5_moe_text"];
+/// Every hybrid `model_type`, the multimodal wrappers (`qwen3_5`, `qwen3_5_moe`) included.
+const HYBRID: &[&str] = &[
+    "qwen3_5_text",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "qwen3_5",
+    "qwen3_5_moe",
+];
+
+/// The hybrid fixtures: the three the engine was developed against, then `qwen3_5-vl-tiny`,
+/// `qwen3_5_moe-vl-tiny` (wrappers with a vision tower) and `qwen3_next-b-tiny`.
+const HYBRID_FIXTURES: usize = 6;
 
 #[test]
 fn hybrid_fixtures_match_transformers() {
-    let worst = check_fixtures(HYBRID, 3, &EngineOptions::default());
+    let worst = check_fixtures(HYBRID, HYBRID_FIXTURES, &EngineOptions::default());
     eprintln!("worst logits relative L2 error over the hybrid fixtures: {worst:.3e}");
 }
 
@@ -25,5 +37,38 @@ fn hybrid_chunked_prefill_matches_transformers() {
         },
         ..Default::default()
     };
-    check_fixtures(HYBRID, 3, &options);
+    check_fixtures(HYBRID, HYBRID_FIXTURES, &options);
+}
+
+#[test]
+fn wrapper_checkpoints_load_their_text_model_and_say_the_vision_tower_is_skipped() {
+    let dirs = fixtures_of(&["qwen3_5", "qwen3_5_moe"]);
+    assert_eq!(dirs.len(), 2, "the two multimodal wrapper fixtures");
+    for dir in dirs {
+        // The checkpoint really carries vision weights beside `model.language_model.*`.
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let names = st.names();
+        let vision = names
+            .iter()
+            .filter(|n| n.starts_with("model.visual."))
+            .count();
+        assert!(vision > 0, "{}: no vision weights", dir.display());
+        assert!(
+            names
+                .iter()
+                .any(|n| n.starts_with("model.language_model.layers.")),
+            "{}: no model.language_model.* weights",
+            dir.display()
+        );
+        let engine = Engine::load(&dir, EngineOptions::default())
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let config = engine.config();
+        assert!(
+            config.has_vision,
+            "{}: the engine must report the vision tower it does not run",
+            dir.display()
+        );
+        assert!(config.model_type == "qwen3_5" || config.model_type == "qwen3_5_moe");
+    }
 }

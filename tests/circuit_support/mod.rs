@@ -22,6 +22,8 @@ pub const FAMILIES: &[&str] = &[
     "qwen3_5_text",
     "qwen3_next",
     "qwen3_5_moe_text",
+    "qwen3_5",
+    "qwen3_5_moe",
 ];
 
 /// `circuit-reference`.
