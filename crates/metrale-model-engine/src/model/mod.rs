@@ -128,6 +128,23 @@ impl TransformerModel {
         &self.options
     }
 
+    /// Draft up to `k` tokens per verify step from now on (`speculative` on): at most what the
+    /// model was built for (`num_draft_tokens` at load sizes the buffers and slots).
+    pub fn set_num_draft_tokens(&mut self, k: usize) -> Result<(), ModelError> {
+        let built = (self.max_logit_rows / self.max_seqs).saturating_sub(1);
+        if self.options.speculative == crate::options::Speculative::Off || !(1..=built).contains(&k)
+        {
+            return Err(ModelError::Options {
+                option: "num_draft_tokens",
+                problem: format!(
+                    "{k} drafts per step; this model was built for 1 to {built} (speculative on)"
+                ),
+            });
+        }
+        self.options.num_draft_tokens = k;
+        Ok(())
+    }
+
     /// The backend.
     pub fn gpu(&self) -> &Arc<dyn GpuBackend> {
         &self.gpu
@@ -179,6 +196,11 @@ impl TransformerModel {
             pool.free_slot(slot)?;
         }
         Ok(())
+    }
+
+    /// SSM state slots in the pool (`None` for a model without GDN layers).
+    pub fn num_ssm_slots(&self) -> Option<usize> {
+        self.ssm.as_ref().map(SsmStatePool::num_slots)
     }
 
     /// Free SSM state slots (`None` for a model without GDN layers).
