@@ -31,8 +31,8 @@ pub struct ModelOptions {
     /// load. Default (`None`): `2 * max_decode_seqs`. With 0, or prefix caching off, none are
     /// allocated and hybrid prompts never hit; models without GDN layers allocate none.
     pub ssm_snapshot_slots: Option<usize>,
-    /// Speculative decoding (`generate` runs it; the engine's scheduler does not yet). Default
-    /// `Off`.
+    /// Speculative decoding (`generate` and the scheduler run it; the engine accepts `Off` and
+    /// `Mtp`). Default `Off`.
     pub speculative: Speculative,
     /// Tokens drafted per sequence for each verify step when `speculative` is on, 1 to
     /// [`MAX_DRAFT_TOKENS`]. It sizes the logits (`max_decode_seqs * (1 + this)` rows), the SSM
