@@ -22,6 +22,7 @@ use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::ModelError;
 use metrale_model_engine::factory;
 use metrale_model_engine::generate::{FinishReason, GenerateParams};
+use metrale_model_engine::model::TransformerModel;
 use metrale_model_engine::model_circuit::{ForwardDisclosure, ForwardSelect, ModelCircuit};
 use metrale_model_engine::options::{ModelOptions, Speculative};
 use metrale_model_engine::scheduler::{RequestLimits, Scheduler, SeqRequest};
@@ -148,13 +149,23 @@ impl Engine {
             }));
         }
         let gpu = make_backend(options.backend)?;
-        let mut model = factory::load(dir, options.model, gpu)?;
+        let mut model = factory::load(dir, options.model.clone(), gpu)?;
         model.set_forward(options.forward)?;
-        let forward = model.forward_disclosure()?;
         let tokenizer = load_tokenizer(dir)?;
-        let config = model.config().clone();
         let mut scheduler = Scheduler::new(&mut model);
         scheduler.set_speculation_gate(options.speculation_gate);
+        Engine::start(model, scheduler, tokenizer, &options)
+    }
+
+    /// Start the scheduler thread over a loaded model and its scheduler.
+    pub(crate) fn start(
+        mut model: TransformerModel,
+        scheduler: Scheduler,
+        tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+        options: &EngineOptions,
+    ) -> Result<Engine, EngineError> {
+        let forward = model.forward_disclosure()?;
+        let config = model.config().clone();
         let limits = scheduler.limits();
         let shared = Arc::new(Shared::new(MetricsState::new(
             options.metrics_window,

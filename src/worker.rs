@@ -356,3 +356,7 @@ impl Worker {
         self.failed += 1;
     }
 }
+
+#[cfg(test)]
+#[path = "worker_tests.rs"]
+mod tests;
