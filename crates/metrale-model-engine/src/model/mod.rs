@@ -106,6 +106,8 @@ pub struct TransformerModel {
     last_rows: usize,
     /// Captured decode steps by padded width, of whichever forward is selected.
     pub(crate) graphs: HashMap<u32, GraphHandle>,
+    /// Captured single-sequence verify steps by row count (legacy forward).
+    pub(crate) verify_graphs: HashMap<u32, GraphHandle>,
     /// The circuit executor whose programs run decode; `None`: the legacy forward
     /// (`model_circuit.rs`). Declared before the arena so it drops first.
     pub(crate) circuit: Option<CircuitExec>,
@@ -570,7 +572,7 @@ impl TransformerModel {
 impl Drop for TransformerModel {
     fn drop(&mut self) {
         // Graphs hold the arena's and the weights' addresses: release them first.
-        for (_, g) in self.graphs.drain() {
+        for (_, g) in self.graphs.drain().chain(self.verify_graphs.drain()) {
             if let Err(e) = self.gpu.destroy_graph(g) {
                 tracing::warn!("TransformerModel: destroying a decode graph failed: {e}");
             }
