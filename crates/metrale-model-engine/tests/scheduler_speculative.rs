@@ -1,9 +1,10 @@
 //! Speculative decoding through the scheduler on the CPU backend: greedy outputs (tokens and
 //! logits, bitwise) equal the plain scheduler's for concurrent requests of different lengths,
 //! with the MTP head drafting and with an oracle drafter that reaches full acceptance and every
-//! rollback depth, stop tokens and `max_new_tokens` inside accepted runs included; every block
+//! rollback depth, stop tokens and `max_new_tokens` inside accepted runs included, and with
+//! prefix-cache hits; the MTP head drafts exactly what it drafts under `generate`; every block
 //! and slot comes back; the gate turns speculation off while an injected clock says it is
-//! slower, and on again once it is faster past the margin.
+//! slower, and on again once it is faster past the margin; sampling with drafts is valid.
 
 #![allow(clippy::unwrap_used)]
 
@@ -13,12 +14,15 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use metrale_model_engine::generate::{FinishReason, Generation};
+use metrale_model_engine::ModelError;
+use metrale_model_engine::generate::{FinishReason, Generation, generate_speculative};
 use metrale_model_engine::model::TransformerModel;
 use metrale_model_engine::options::{ModelOptions, Speculative};
 use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest, StepKind};
-use metrale_model_engine::speculative::{Clock, GateOptions, OracleDrafter};
+use metrale_model_engine::speculative::{
+    Clock, DraftInput, Drafter, GateOptions, MtpDrafter, OracleDrafter,
+};
 use support::*;
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -161,6 +165,95 @@ fn mtp_through_the_scheduler_gives_the_plain_schedulers_greedy_output() {
         assert!(stats.drafted > 0 && stats.accepted <= stats.drafted);
         assert_eq!(stats.speculation_on, Some(true));
     }
+}
+
+/// Delegates to the MTP head, recording every non-empty list of drafts it makes.
+#[derive(Clone, Default)]
+struct Recorder(Arc<Mutex<Vec<Vec<u32>>>>);
+
+impl Drafter for Recorder {
+    fn draft(
+        &mut self,
+        model: &mut TransformerModel,
+        inputs: &[DraftInput<'_>],
+    ) -> Result<Vec<Vec<u32>>, ModelError> {
+        let drafts = MtpDrafter.draft(model, inputs)?;
+        let mut seen = self.0.lock().unwrap();
+        seen.extend(drafts.iter().filter(|d| !d.is_empty()).cloned());
+        Ok(drafts)
+    }
+}
+
+/// The scheduler feeds the MTP head exactly as `generate` does (same rows, positions and
+/// hidden states): alone, a request gets the same drafts, verify after verify. An off-by-one
+/// in the scheduler's take-in would still give plain output, but other drafts.
+#[test]
+fn the_scheduler_drafts_what_generate_drafts() {
+    let fx = MtpFixture::new("qwen3_5-tiny");
+    let options = ModelOptions {
+        speculative: Speculative::Mtp,
+        num_draft_tokens: 3,
+        ..Default::default()
+    };
+    let mut m = fx.load(options);
+    let mut prompts = fx.prompts();
+    prompts.push((0..40).map(|t| (t * 17 + 3) % 250 + 1).collect());
+    for prompt in &prompts {
+        let p = greedy(30);
+        let mut by_generate = Recorder::default();
+        generate_speculative(
+            &mut m,
+            &[(prompt.as_slice(), &p)],
+            &mut by_generate,
+            &mut |_, _| std::ops::ControlFlow::Continue(()),
+        )
+        .unwrap();
+        let by_scheduler = Recorder::default();
+        let mut s = Scheduler::new(&mut m);
+        s.set_drafter(&m, Box::new(by_scheduler.clone())).unwrap();
+        s.set_speculation_gate(ALWAYS);
+        serve(&mut m, &mut s, &[request(prompt, 30, &[])], |_| {});
+        let (want, got) = (
+            by_generate.0.lock().unwrap(),
+            by_scheduler.0.lock().unwrap(),
+        );
+        assert!(want.len() > 5, "{want:?}");
+        assert_eq!(*got, *want, "prompt of {} tokens", prompt.len());
+    }
+}
+
+/// Prefix caching with speculation: requests that share a 70-token prefix hit the first one's
+/// blocks and SSM snapshot, and every output is still the plain scheduler's (whose cache holds
+/// the same prompts); generated tokens, accepted or rejected, never reach the cache.
+#[test]
+fn speculation_with_prefix_hits_gives_the_plain_output() {
+    let fx = MtpFixture::new("qwen3_5-tiny");
+    let shared: Vec<u32> = (0..70).map(|t| (t * 13 + 5) % 250 + 1).collect();
+    let reqs: Vec<SeqRequest> = (0..3)
+        .map(|i| {
+            let mut p = shared.clone();
+            p.extend((0..(2 + 3 * i)).map(|t| (t * 7 + i * 31) as u32 % 250 + 1));
+            request(&p, 12 + 5 * i, &[])
+        })
+        .collect();
+    let want = plain(fx.path(), &reqs);
+    let mut m = fx.load(ModelOptions {
+        speculative: Speculative::Mtp,
+        num_draft_tokens: 2,
+        ..Default::default()
+    });
+    let mut s = Scheduler::new(&mut m);
+    s.set_speculation_gate(ALWAYS);
+    let got = serve(&mut m, &mut s, &reqs, |_| {});
+    assert_same(&got.out, &want, "prefix hits");
+    let stats = s.stats(&mut m);
+    assert!(
+        stats.prefix_hits >= 2 && stats.verify_steps > 0,
+        "{stats:?}"
+    );
+    // Only the prompts' full blocks are cached: the 4 of the shared prefix (the prompts' fifth
+    // blocks are partial), none holding generated tokens.
+    assert_eq!(stats.kv_blocks_cached, 4, "{stats:?}");
 }
 
 /// The oracle drafts the plain continuation, wrong at depth `(round + request) % (K + 1)`

@@ -400,7 +400,6 @@ impl Scheduler {
             ssm_slots: &slots,
         })?;
         s.computed = range.end;
-        prefix::publish(model, s, range.end)?;
         let id = s.id;
         self.prefill_since_decode += range.len();
         self.stats.steps += 1;
@@ -414,9 +413,14 @@ impl Scheduler {
                 .ok_or_else(|| ModelError::Step("a prefill step returned no logits".into()))?;
             done = self.accept(i, picked, events);
         }
-        match done {
-            Some(reason) => self.retire(model, i, reason, events)?,
-            None => self.take_in(model, &[(i, 0..range.len() as u32, range.start)])?,
+        if done.is_none() {
+            self.take_in(model, &[(i, 0..range.len() as u32, range.start)])?;
+        }
+        // Published after the drafter's take-in, which writes the MTP head's KV of the chunk:
+        // a published block is never written again.
+        prefix::publish(model, &mut self.running[i], range.end)?;
+        if let Some(reason) = done {
+            self.retire(model, i, reason, events)?;
         }
         Ok(StepKind::Prefill {
             seq: id,
