@@ -1,7 +1,7 @@
 //! `generate_direct`: one request on the calling thread, through
-//! `metrale_model_engine::generate` instead of the engine's scheduler. It is how a request runs
-//! with speculative decoding (`ModelOptions::speculative`) until the scheduler runs it;
-//! `metrale generate --speculative mtp` takes this path.
+//! `metrale_model_engine::generate` instead of the engine's scheduler (speculative decoding
+//! included, without the gate: it always speculates); `metrale generate --speculative mtp`
+//! takes this path.
 //!
 //! The request is checked as `Engine::submit` checks it, stops at the model's EOS tokens unless
 //! `ignore_eos`, and at its stop strings (the text ends before the first one).

@@ -22,9 +22,11 @@ use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::ModelError;
 use metrale_model_engine::factory;
 use metrale_model_engine::generate::{FinishReason, GenerateParams};
+use metrale_model_engine::model::TransformerModel;
 use metrale_model_engine::model_circuit::{ForwardDisclosure, ForwardSelect, ModelCircuit};
 use metrale_model_engine::options::{ModelOptions, Speculative};
 use metrale_model_engine::scheduler::{RequestLimits, Scheduler, SeqRequest};
+use metrale_model_engine::speculative::GateOptions;
 
 use crate::error::{EngineError, RequestError};
 use crate::handle::{EventChannel, RequestHandle, RequestId, Sink};
@@ -64,6 +66,10 @@ pub struct EngineOptions {
     /// circuit executor's compiled programs. A model the circuit does not model fails
     /// `Engine::load`, naming what it does not model.
     pub forward: ForwardSelect,
+    /// With `model.speculative = Mtp`: when the scheduler keeps speculating (it measures
+    /// tokens/s with and without, and turns speculation off while it is slower). Default
+    /// `GateOptions::default()`.
+    pub speculation_gate: GateOptions,
 }
 
 impl Default for EngineOptions {
@@ -74,6 +80,7 @@ impl Default for EngineOptions {
             max_queued_requests: 1024,
             metrics_window: Duration::from_secs(10),
             forward: ForwardSelect::default(),
+            speculation_gate: GateOptions::default(),
         }
     }
 }
@@ -127,27 +134,38 @@ pub(crate) fn load_tokenizer(
 }
 
 impl Engine {
-    /// Load the checkpoint in `dir` and start the engine's scheduler thread. The scheduler does
-    /// not decode speculatively yet: `options.model.speculative` must be `Off` (a single request
-    /// runs speculatively through [`crate::generate_direct`]).
+    /// Load the checkpoint in `dir` and start the engine's scheduler thread. With
+    /// `options.model.speculative = Mtp` the checkpoint's MTP head drafts and decode steps
+    /// verify, behind `options.speculation_gate`; `External` (a drafter the caller supplies)
+    /// is for `generate_speculative` only, and the engine refuses it.
     pub fn load(dir: impl AsRef<Path>, options: EngineOptions) -> Result<Engine, EngineError> {
         let dir = dir.as_ref();
-        if options.model.speculative != Speculative::Off {
+        if options.model.speculative == Speculative::External {
             return Err(EngineError::Model(ModelError::Options {
                 option: "speculative",
-                problem: "the engine's scheduler does not run speculative decoding yet; \
-                          `generate_direct` (`metrale generate --speculative`) runs one request \
-                          with it"
+                problem: "the engine drafts with the MTP head (`Mtp`); `External` drafts come \
+                          from a caller's drafter through `generate_speculative`"
                     .into(),
             }));
         }
         let gpu = make_backend(options.backend)?;
-        let mut model = factory::load(dir, options.model, gpu)?;
+        let mut model = factory::load(dir, options.model.clone(), gpu)?;
         model.set_forward(options.forward)?;
-        let forward = model.forward_disclosure()?;
         let tokenizer = load_tokenizer(dir)?;
+        let mut scheduler = Scheduler::new(&mut model);
+        scheduler.set_speculation_gate(options.speculation_gate);
+        Engine::start(model, scheduler, tokenizer, &options)
+    }
+
+    /// Start the scheduler thread over a loaded model and its scheduler.
+    pub(crate) fn start(
+        mut model: TransformerModel,
+        scheduler: Scheduler,
+        tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+        options: &EngineOptions,
+    ) -> Result<Engine, EngineError> {
+        let forward = model.forward_disclosure()?;
         let config = model.config().clone();
-        let scheduler = Scheduler::new(&mut model);
         let limits = scheduler.limits();
         let shared = Arc::new(Shared::new(MetricsState::new(
             options.metrics_window,

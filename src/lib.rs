@@ -30,9 +30,10 @@
 //! # Ok::<(), metrale::EngineError>(())
 //! ```
 //!
-//! Speculative decoding (`ModelOptions::speculative`: the checkpoint's MTP head drafts, the model
-//! verifies) runs one request at a time through [`generate_direct`] for now; the scheduler does
-//! not run it yet.
+//! Speculative decoding (`ModelOptions::speculative = Mtp`: the checkpoint's MTP head drafts,
+//! the model verifies) runs in the engine's scheduler, behind a gate that keeps it only while it
+//! is faster (`EngineOptions::speculation_gate`); [`generate_direct`] runs one request with it
+//! on the calling thread.
 
 mod direct;
 mod engine;
@@ -67,6 +68,7 @@ pub use metrale_model_engine::generate::FinishReason;
 pub use metrale_model_engine::model_circuit::{ForwardDisclosure, ForwardSelect};
 pub use metrale_model_engine::options::{MAX_DRAFT_TOKENS, ModelOptions, Speculative};
 pub use metrale_model_engine::sampling::SamplingParams;
+pub use metrale_model_engine::speculative::GateOptions;
 pub use metrics::EngineMetrics;
 pub use request::{GenerateEvent, GenerateOutput, GenerateRequest, Prompt, TokenEvent};
 

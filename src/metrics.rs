@@ -57,6 +57,25 @@ pub struct EngineMetrics {
     pub ssm_snapshots_used: usize,
     /// SSM snapshot entries (hybrid models with prefix caching; 0 otherwise).
     pub ssm_snapshots_total: usize,
+    /// Verify steps since load (speculative decoding; counted in `steps` too).
+    pub verify_steps: u64,
+    /// Drafts the model checked since load.
+    pub drafted: u64,
+    /// Of those, the drafts it accepted.
+    pub accepted: u64,
+    /// `accepted / drafted` (0 before any draft).
+    pub acceptance_rate: f64,
+    /// Tokens per sequence verify that checked drafts: `1 + accepted / verifies` (0 before any).
+    pub mean_acceptance_length: f64,
+    /// Whether the speculation gate has speculation on; `None` when the engine does not
+    /// speculate.
+    pub speculation_on: Option<bool>,
+    /// Times the gate switched speculation on or off.
+    pub speculation_switches: u64,
+    /// The gate's moving average of decode tokens/s without speculation, once measured.
+    pub plain_decode_tok_s: Option<f64>,
+    /// The same with speculation.
+    pub speculative_decode_tok_s: Option<f64>,
 }
 
 /// What the scheduler thread last recorded.
@@ -149,6 +168,23 @@ impl MetricsState {
             ssm_slots_total: s.ssm_slots_total,
             ssm_snapshots_used: s.ssm_snapshots_used,
             ssm_snapshots_total: s.ssm_snapshots_total,
+            verify_steps: s.verify_steps,
+            drafted: s.drafted,
+            accepted: s.accepted,
+            acceptance_rate: if s.drafted > 0 {
+                s.accepted as f64 / s.drafted as f64
+            } else {
+                0.0
+            },
+            mean_acceptance_length: if s.draft_verifies > 0 {
+                1.0 + s.accepted as f64 / s.draft_verifies as f64
+            } else {
+                0.0
+            },
+            speculation_on: s.speculation_on,
+            speculation_switches: s.speculation_switches,
+            plain_decode_tok_s: s.plain_tok_s,
+            speculative_decode_tok_s: s.speculative_tok_s,
         }
     }
 }

@@ -8,7 +8,9 @@
 //! - Only this thread touches the model; callers reach it through the inbox, so a request is
 //!   added, cancelled or stopped only between steps.
 //! - Stop strings are checked here, on the token that completes them, and the sequence is
-//!   stopped before the next step: where a request stops depends on its own tokens alone.
+//!   stopped before the next step: where a request stops depends on its own tokens alone. A
+//!   verify step may have produced tokens past that one; they are neither sent nor kept in the
+//!   output, which ends exactly where plain decoding would have stopped it.
 //! - Every accepted request gets exactly one last event: `Finished`, or an error
 //!   (`Aborted` when a step it was in failed, `ShutDown` when the engine goes away).
 
@@ -113,6 +115,8 @@ struct Active {
     prompt_ids: Vec<u32>,
     sink: Sink,
     text: Option<TextStream>,
+    /// Tokens sent to the caller so far.
+    sent: usize,
 }
 
 /// See the module header.
@@ -230,6 +234,7 @@ impl Worker {
                         prompt_ids,
                         sink: sub.sink,
                         text,
+                        sent: 0,
                     },
                 );
             }
@@ -275,6 +280,11 @@ impl Worker {
                     let Some(a) = self.actives.get_mut(&id) else {
                         continue;
                     };
+                    if a.text.as_ref().is_some_and(TextStream::stopped) {
+                        // Past the token that completed a stop string (a verify step's run).
+                        continue;
+                    }
+                    a.sent += 1;
                     let last = finishing.contains(&id);
                     let text_delta = match (&mut a.text, &self.tokenizer) {
                         (Some(t), Some(tok)) => {
@@ -301,12 +311,18 @@ impl Worker {
     }
 
     /// Send a finished sequence's output.
-    fn complete(&mut self, seq: SeqId, g: Generation) {
+    fn complete(&mut self, seq: SeqId, mut g: Generation) {
         let Some(a) = self.actives.remove(&seq) else {
             return;
         };
         self.by_request.remove(&a.request);
         let stopped_by_string = a.text.as_ref().is_some_and(TextStream::stopped);
+        if stopped_by_string {
+            g.token_ids.truncate(a.sent);
+            if let Some(l) = g.logits.as_mut() {
+                l.truncate(a.sent);
+            }
+        }
         let text = a.text.as_ref().and_then(|t| {
             let full = self
                 .tokenizer
@@ -340,3 +356,7 @@ impl Worker {
         self.failed += 1;
     }
 }
+
+#[cfg(test)]
+#[path = "worker_tests.rs"]
+mod tests;

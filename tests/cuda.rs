@@ -2,7 +2,7 @@
 //! same rule as on the CPU; graph-replayed decode is bitwise eager decode; a sequence decoded
 //! beside others is bitwise the same sequence decoded alone; speculative decoding (MTP head, and
 //! an oracle drafter reaching every rollback depth) gives plain greedy decoding's tokens and
-//! logits bitwise.
+//! logits bitwise, through `generate` and through the scheduler.
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 #![cfg(feature = "cuda")]
@@ -24,7 +24,8 @@ use metrale_model_engine::generate::{
 };
 use metrale_model_engine::options::Speculative;
 use metrale_model_engine::sampling::SamplingParams;
-use metrale_model_engine::speculative::OracleDrafter;
+use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest};
+use metrale_model_engine::speculative::{GateOptions, OracleDrafter};
 
 fn cuda_options(model: ModelOptions) -> EngineOptions {
     EngineOptions {
@@ -218,6 +219,83 @@ fn speculative_greedy_is_bitwise_plain_greedy_on_cuda() {
                         "{name} K={k} {how} prompt {i}: verify logits differ from decode's"
                     );
                 }
+            }
+        }
+    }
+}
+
+/// Every request of `reqs` through one scheduler, in request order.
+fn scheduled(
+    model: &mut metrale_model_engine::model::TransformerModel,
+    sched: &mut Scheduler,
+    reqs: &[SeqRequest],
+) -> Vec<metrale_model_engine::generate::Generation> {
+    let ids: Vec<_> = reqs.iter().map(|r| sched.add(r.clone()).unwrap()).collect();
+    let mut done = std::collections::HashMap::new();
+    while !sched.is_idle() {
+        for e in sched.step(model).unwrap().events {
+            if let SeqEvent::Finished { id, generation } = e {
+                done.insert(id, generation);
+            }
+        }
+    }
+    ids.iter().map(|id| done.remove(id).unwrap()).collect()
+}
+
+#[test]
+fn the_scheduler_speculating_is_bitwise_the_plain_scheduler_on_cuda() {
+    let always = GateOptions {
+        enabled: false,
+        ..Default::default()
+    };
+    for name in support::HYBRID {
+        let fx = support::MtpFixture::new(name);
+        let reqs: Vec<SeqRequest> = fx
+            .prompts()
+            .into_iter()
+            .zip([5, 24, 13, 2])
+            .map(|(prompt, n)| SeqRequest {
+                prompt,
+                params: params(n, 0.0, 0),
+                ignore_eos: true,
+            })
+            .collect();
+        let mut plain = factory::load(fx.path(), ModelOptions::default(), gpu()).unwrap();
+        let mut s = Scheduler::new(&mut plain);
+        let want = scheduled(&mut plain, &mut s, &reqs);
+        let expected: Vec<Vec<u32>> = reqs
+            .iter()
+            .zip(&want)
+            .map(|(r, g)| r.prompt.iter().chain(&g.token_ids).copied().collect())
+            .collect();
+        let spec = |speculative| ModelOptions {
+            speculative,
+            num_draft_tokens: 3,
+            ..Default::default()
+        };
+        let mut mtp = factory::load(fx.path(), spec(Speculative::Mtp), gpu()).unwrap();
+        let mut s = Scheduler::new(&mut mtp);
+        s.set_speculation_gate(always);
+        let by_mtp = scheduled(&mut mtp, &mut s, &reqs);
+        let mut ext = factory::load(fx.path(), spec(Speculative::External), gpu()).unwrap();
+        let mut s = Scheduler::new(&mut ext);
+        let oracle =
+            OracleDrafter::wrong_at(expected, Box::new(|req, round| Some((req + round) % 4)));
+        s.set_drafter(&ext, Box::new(oracle)).unwrap();
+        s.set_speculation_gate(always);
+        let by_oracle = scheduled(&mut ext, &mut s, &reqs);
+        assert!(
+            s.stats(&mut ext).accepted > 0,
+            "{name}: the oracle's drafts were kept"
+        );
+        for (i, w) in want.iter().enumerate() {
+            for (g, how) in [(&by_mtp[i], "mtp"), (&by_oracle[i], "oracle")] {
+                assert_eq!(g.token_ids, w.token_ids, "{name} {how} request {i}");
+                assert_eq!(
+                    bits(g.logits.as_ref().unwrap()),
+                    bits(w.logits.as_ref().unwrap()),
+                    "{name} {how} request {i}: logits differ from the plain scheduler's"
+                );
             }
         }
     }

@@ -1,6 +1,7 @@
 //! Speculative decoding through the facade: `generate_direct` with the MTP head drafting gives
 //! the engine's plain greedy tokens and logits (bitwise) on every hybrid fixture with a
-//! synthetic head; the engine refuses speculative options it does not run yet.
+//! synthetic head; so does the engine's scheduler with the head drafting, for concurrent
+//! requests; the engine refuses external drafts.
 
 #![allow(clippy::unwrap_used)]
 
@@ -10,7 +11,8 @@ mod support;
 use std::ops::ControlFlow;
 
 use metrale::{
-    Engine, EngineOptions, GenerateRequest, ModelOptions, Prompt, Speculative, generate_direct,
+    Engine, EngineOptions, GateOptions, GenerateRequest, ModelOptions, Prompt, Speculative,
+    generate_direct,
 };
 use support::{HYBRID, MtpFixture};
 
@@ -59,12 +61,59 @@ fn generate_direct_with_mtp_gives_the_engines_greedy_output() {
     }
 }
 
+/// The engine with the MTP head drafting (the gate off, so every decode step verifies) gives
+/// the plain engine's greedy tokens and logits for concurrent requests of different lengths,
+/// and reports its drafts in the metrics.
 #[test]
-fn the_engine_refuses_speculative_options_it_does_not_run() {
+fn the_engine_with_mtp_gives_the_plain_engines_greedy_output() {
+    let fx = MtpFixture::new("qwen3_5-tiny");
+    let plain = Engine::load(fx.path(), EngineOptions::default()).unwrap();
+    let spec = Engine::load(
+        fx.path(),
+        EngineOptions {
+            model: ModelOptions {
+                speculative: Speculative::Mtp,
+                num_draft_tokens: 2,
+                ..Default::default()
+            },
+            speculation_gate: GateOptions {
+                enabled: false,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let reqs: Vec<GenerateRequest> = fx
+        .prompts()
+        .iter()
+        .zip([3, 16, 9, 1])
+        .map(|(p, n)| request(p).max_new_tokens(n))
+        .collect();
+    let handles: Vec<_> = reqs
+        .iter()
+        .map(|r| spec.submit(r.clone()).unwrap())
+        .collect();
+    for (r, h) in reqs.iter().zip(handles) {
+        let got = h.wait().unwrap();
+        let want = plain.generate(r).unwrap();
+        assert_eq!(got.token_ids, want.token_ids);
+        assert_eq!(got.finish_reason, want.finish_reason);
+        assert!(bits(got.logits.as_deref().unwrap()) == bits(want.logits.as_deref().unwrap()));
+    }
+    let m = spec.metrics();
+    assert!(m.verify_steps > 0 && m.drafted > 0, "{m:?}");
+    assert_eq!(m.speculation_on, Some(true));
+    assert!(m.mean_acceptance_length >= 1.0);
+    assert_eq!(plain.metrics().speculation_on, None);
+}
+
+#[test]
+fn the_engine_refuses_external_drafts() {
     let fx = MtpFixture::new("qwen3_5-tiny");
     let options = EngineOptions {
         model: ModelOptions {
-            speculative: Speculative::Mtp,
+            speculative: Speculative::External,
             ..Default::default()
         },
         ..Default::default()

@@ -436,6 +436,19 @@ if [ -x "$BIN_ROOT/bin/metrale" ]; then
     [ $rc -eq 124 ] && status=timeout
     record "bench $shape" "$status" 0 0 "$(elapsed "$start")" "$log"
   done
+  # Issue 7's speculative figures on the hybrid shape (SPEC_BENCH=0 skips them): verify and
+  # draft steps beside a plain decode step, projected and end-to-end tokens/s.
+  if [ "${SPEC_BENCH:-1}" != 0 ]; then
+    log="$LOGDIR/spec-bench-qwen3.5-9b.log"
+    start="$(now)"
+    timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --speculative --shape qwen3.5-9b \
+      --backend cuda --num-draft-tokens 4 --json-out "$LOGDIR/spec-bench-qwen3.5-9b.json" > "$log" 2>&1
+    rc=$?
+    status=ok
+    [ $rc -eq 0 ] || status="fail($rc)"
+    [ $rc -eq 124 ] && status=timeout
+    record "bench --speculative qwen3.5-9b" "$status" 0 0 "$(elapsed "$start")" "$log"
+  fi
 fi
 
 # The soak (many concurrent requests with cancellations, shared prefixes and preemption; every
@@ -463,6 +476,9 @@ if [ -s "$LOGDIR/kernel-errors.txt" ]; then
 fi
 for f in "$LOGDIR"/bench-*.log; do
   [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 12 "$f"; }
+done
+for f in "$LOGDIR"/spec-bench-*.log; do
+  [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 40 "$f"; }
 done
 if grep -q '^bench' "$LOGDIR"/*-measure.log 2>/dev/null; then
   echo "== measurements =="

@@ -1,5 +1,7 @@
 //! `metrale bench`: a random-weight model of a real shape on the device, its copy bandwidth and
-//! GEMM rate, prefill throughput and decode step times, each beside its roofline.
+//! GEMM rate, prefill throughput and decode step times, each beside its roofline; `--serve`
+//! runs the serving ladder instead, `--speculative` the speculative-decoding figures (verify
+//! and draft steps against a plain decode step, projected and end-to-end tokens/s).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -8,7 +10,7 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use metrale::ForwardSelect;
 use metrale::ModelConfig;
-use metrale::bench::{self, BenchOptions, ServeOptions};
+use metrale::bench::{self, BenchOptions, ServeOptions, SpecBenchOptions};
 use metrale::gpu::GpuBackend;
 
 use crate::generate::BackendArg;
@@ -65,9 +67,19 @@ pub struct BenchArgs {
     /// Serving ladder: prompt tokens per request.
     #[arg(long, default_value_t = 128)]
     prompt_tokens: usize,
-    /// Serving ladder: output tokens per request.
+    /// Serving ladder and `--speculative`: output tokens per request (per end-to-end run).
     #[arg(long, default_value_t = 512)]
     output_tokens: usize,
+    /// Run the speculative-decoding benchmark instead, at batch 1 with `--context` tokens
+    /// cached: a plain decode step (graphed and eager), verify steps of 1 + K rows, one MTP
+    /// draft, tokens/s projected at acceptance lengths 1.9 / 2.7 / 3.4 for K = 1 / 2 / 3, and
+    /// end-to-end runs of `--output-tokens` tokens (plain, oracle drafter, MTP head). A shape
+    /// without an MTP head gets a one-layer head.
+    #[arg(long)]
+    speculative: bool,
+    /// `--speculative`: verify steps are timed for K = 1 to this (1 to 8).
+    #[arg(long, default_value_t = 4)]
+    num_draft_tokens: usize,
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -82,6 +94,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let tiny = matches!(args.shape, Shape::Tiny | Shape::TinyHybrid);
     if args.serve {
         return serve(gpu, config, tiny, &args);
+    }
+    if args.speculative {
+        return speculative(gpu, config, tiny, &args);
     }
     let mut o = BenchOptions::new(config);
     o.decode_batches = args.batches.clone();
@@ -157,6 +172,63 @@ fn serve(
             "prompt_tokens": report.prompt_tokens,
             "output_tokens": report.output_tokens,
             "serve": points,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// `--speculative`: the speculative-decoding figures, printed as a table (and JSON with
+/// `--json-out`).
+fn speculative(
+    gpu: Arc<dyn GpuBackend>,
+    config: ModelConfig,
+    tiny: bool,
+    args: &BenchArgs,
+) -> Result<()> {
+    let mut o = SpecBenchOptions::new(config);
+    o.max_draft_tokens = args.num_draft_tokens;
+    o.context = args.context;
+    o.iters = args.iters;
+    o.output_tokens = args.output_tokens;
+    if tiny {
+        o.copy_bytes = 1 << 20;
+    }
+    let r = bench::speculative_bench(gpu, &o)?;
+    print!("{}", r.table());
+    if let Some(path) = &args.json_out {
+        let verify: Vec<_> = r
+            .verify
+            .iter()
+            .map(|v| serde_json::json!({"drafts": v.drafts, "ms": v.ms, "floor_ms": v.floor_ms, "vs_plain_eager": v.ms / r.plain_eager_ms, "vs_plain_graphed": v.ms / r.plain_graphed_ms}))
+            .collect();
+        let projected: Vec<_> = bench::ACCEPTANCE_LENGTHS
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &l)| {
+                r.projected_tok_s(i + 1, l).map(
+                    |t| serde_json::json!({"drafts": i + 1, "acceptance_length": l, "tok_s": t}),
+                )
+            })
+            .collect();
+        let e2e: Vec<_> = r
+            .end_to_end
+            .iter()
+            .map(|e| serde_json::json!({"name": e.name, "drafts": e.drafts, "tokens": e.tokens, "tokens_per_step": e.tokens_per_step, "tok_s": e.tok_s, "matches_plain": e.matches_plain}))
+            .collect();
+        let json = serde_json::json!({
+            "shape": format!("{:?}", args.shape),
+            "backend": r.backend,
+            "copy_gb_s": r.copy_gb_s,
+            "weight_bytes": r.weight_bytes,
+            "head_weight_bytes": r.head_weight_bytes,
+            "context": r.context,
+            "plain": {"graphed_ms": r.plain_graphed_ms, "eager_ms": r.plain_eager_ms, "floor_ms": r.plain_floor_ms},
+            "verify": verify,
+            "draft": {"ms": r.draft_ms, "floor_ms": r.draft_floor_ms},
+            "projected": projected,
+            "end_to_end": e2e,
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;

@@ -12,6 +12,7 @@
 mod breakdown;
 mod profile;
 mod serve;
+mod speculative;
 mod table;
 
 use std::sync::Arc;
@@ -24,6 +25,9 @@ use metrale_model_layers::Ops;
 pub use self::breakdown::{Breakdown, StepPart, decode_breakdown};
 pub use self::profile::step_profile;
 pub use self::serve::{ServeOptions, ServePoint, ServeReport, serve_ladder};
+pub use self::speculative::{
+    ACCEPTANCE_LENGTHS, EndToEnd, SpecBenchOptions, SpecReport, VerifyFigure, speculative_bench,
+};
 
 use metrale_config::LayerType;
 use metrale_model_layers::layers::GdnShape;
@@ -227,12 +231,18 @@ pub fn ceilings(gpu: &Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<Ceilin
     })
 }
 
-/// Matmul parameters touched per token (every projection, the LM head included).
-fn matmul_params(c: &ModelConfig) -> f64 {
+/// Matmul parameters of one full-attention mixer (QKV with the output gate, O).
+fn attention_params(c: &ModelConfig) -> f64 {
     let (h, d) = (c.hidden_size as f64, c.head_dim as f64);
     let q = c.num_attention_heads as f64 * d * if c.attn_output_gate { 2.0 } else { 1.0 };
     let kv = 2.0 * c.num_key_value_heads as f64 * d;
-    let attn = h * (q + kv) + c.num_attention_heads as f64 * d * h;
+    h * (q + kv) + c.num_attention_heads as f64 * d * h
+}
+
+/// Matmul parameters touched per token (every projection, the LM head included).
+fn matmul_params(c: &ModelConfig) -> f64 {
+    let h = c.hidden_size as f64;
+    let attn = attention_params(c);
     let gdn = GdnShape::from_config(c).map_or(0.0, |g| {
         let v = (g.heads.num_v_heads * g.heads.v_head_dim) as f64;
         h * g.heads.proj_width() as f64 + v * h
@@ -461,7 +471,8 @@ fn dense_qwen3(
 
 /// The shape of Qwen3.5-9B's text model (no download): 32 layers, 24 Gated DeltaNet and 8
 /// gated attention (every fourth), hidden 4096, 16/4 heads of 256 with a quarter rotated,
-/// linear heads 16 key / 32 value of 128, FFN 12288, vocab 248320.
+/// linear heads 16 key / 32 value of 128, FFN 12288, vocab 248320, and the one-layer MTP head
+/// the checkpoint ships (`mtp_num_hidden_layers: 1`).
 pub fn qwen3_5_9b() -> Result<ModelConfig, ModelError> {
     let text = r#"{"model_type": "qwen3_5_text", "hidden_size": 4096, "num_hidden_layers": 32,
         "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
@@ -471,14 +482,15 @@ pub fn qwen3_5_9b() -> Result<ModelConfig, ModelError> {
         "linear_num_value_heads": 32, "linear_value_head_dim": 128,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
         "max_position_embeddings": 262144, "tie_word_embeddings": false, "hidden_act": "silu",
-        "eos_token_id": 0}"#;
+        "mtp_num_hidden_layers": 1, "eos_token_id": 0}"#;
     Ok(ModelConfig::from_json_str(
         text,
         std::path::Path::new("<bench shape qwen3.5-9b>"),
     )?)
 }
 
-/// A tiny hybrid shape: the Gated DeltaNet path of the benchmark on the CPU backend.
+/// A tiny hybrid shape with a one-layer MTP head: the Gated DeltaNet and speculative paths of
+/// the benchmark on the CPU backend.
 pub fn tiny_hybrid_for_cpu() -> Result<ModelConfig, ModelError> {
     let text = r#"{"model_type": "qwen3_5_text", "hidden_size": 64, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -488,7 +500,7 @@ pub fn tiny_hybrid_for_cpu() -> Result<ModelConfig, ModelError> {
         "linear_num_value_heads": 4, "linear_value_head_dim": 8,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.5},
         "max_position_embeddings": 4096, "tie_word_embeddings": false, "hidden_act": "silu",
-        "eos_token_id": 0}"#;
+        "mtp_num_hidden_layers": 1, "eos_token_id": 0}"#;
     Ok(ModelConfig::from_json_str(
         text,
         std::path::Path::new("<bench shape tiny hybrid>"),

@@ -139,6 +139,16 @@ pub fn generate_batch(
     run_requests(model, requests, None, on_token).map(|r| r.0)
 }
 
+/// `generate_batch` without speculation, whatever the model is built for: one decode step per
+/// token (the benchmark's baseline).
+pub(crate) fn generate_plain(
+    model: &mut TransformerModel,
+    requests: &[(&[u32], &GenerateParams)],
+    on_token: &mut dyn FnMut(usize, u32) -> ControlFlow<()>,
+) -> Result<Vec<Generation>, ModelError> {
+    run_requests(model, requests, None, on_token).map(|r| r.0)
+}
+
 /// `generate_batch` with speculative decoding by `drafter`: each decode step verifies the
 /// drafts of every sequence at once. The model must be built for drafts
 /// (`ModelOptions::speculative` not `Off`); `num_draft_tokens` bounds each sequence's drafts.

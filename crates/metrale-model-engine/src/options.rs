@@ -43,8 +43,8 @@ pub struct ModelOptions {
     /// Default `None`: chunks end only every `max_batch_tokens` tokens and at the prompt's last
     /// multiple of the interval, with a snapshot at each of those.
     pub ssm_snapshot_stride: Option<usize>,
-    /// Speculative decoding (`generate` runs it; the engine's scheduler does not yet). Default
-    /// `Off`.
+    /// Speculative decoding (`generate` and the scheduler run it; the engine accepts `Off` and
+    /// `Mtp`). Default `Off`.
     pub speculative: Speculative,
     /// Tokens drafted per sequence for each verify step when `speculative` is on, 1 to
     /// [`MAX_DRAFT_TOKENS`]. It sizes the logits (`max_decode_seqs * (1 + this)` rows), the SSM

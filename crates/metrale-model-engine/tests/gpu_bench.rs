@@ -1,6 +1,9 @@
 //! `metrale bench` from the GPU bundle without the CLI: the ignored test prints the benchmark's
 //! table (ceilings, prefill, decode, the kernel-by-kernel decode breakdown) for the Qwen3-8B
 //! shape on the CUDA backend. A measurement, not a check: `run.sh` runs it with `--ignored`.
+//! The speculative benchmark's own check runs on every bundle run: on the tiny hybrid shape its
+//! end-to-end runs (oracle and MTP drafting, eager and graphed plain decode) all give the plain
+//! greedy tokens on CUDA, and the oracle keeps every draft.
 
 #![allow(clippy::unwrap_used)]
 #![cfg(feature = "cuda")]
@@ -8,7 +11,7 @@
 use std::sync::Arc;
 
 use metrale_gpu_runtime::{CudaBackend, GpuBackend};
-use metrale_model_engine::bench::{self, BenchOptions};
+use metrale_model_engine::bench::{self, BenchOptions, SpecBenchOptions};
 
 #[test]
 #[ignore = "a measurement, not a check: run.sh runs it with --ignored"]
@@ -18,4 +21,23 @@ fn bench_the_qwen3_8b_shape_on_cuda() {
     let opts = BenchOptions::new(bench::qwen3_8b().unwrap());
     let report = bench::run(gpu, &opts).unwrap();
     print!("{}", report.table());
+}
+
+#[test]
+fn the_speculative_benchmark_is_lossless_on_cuda() {
+    let gpu: Arc<dyn GpuBackend> =
+        Arc::new(CudaBackend::new(0).expect("a CUDA GPU (run this from the GPU bundle)"));
+    let mut o = SpecBenchOptions::new(bench::tiny_hybrid_for_cpu().unwrap());
+    o.context = 100;
+    o.iters = 3;
+    o.output_tokens = 40;
+    o.copy_bytes = 1 << 24;
+    let r = bench::speculative_bench(gpu, &o).unwrap();
+    print!("{}", r.table());
+    for e in &r.end_to_end {
+        assert!(e.matches_plain, "{e:?}");
+        if e.name.starts_with("oracle") {
+            assert!(e.tokens_per_step > e.drafts as f64, "{e:?}");
+        }
+    }
 }

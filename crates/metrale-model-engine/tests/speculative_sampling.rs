@@ -5,7 +5,8 @@
 //! sampling noise is about 0.02). The drafter proposes the model's most likely second token or its
 //! second most likely in turn, so drafts are kept and rejected both, often; a sampler that always kept drafts, or drew a
 //! rejected draft again, would be off by 0.2 or more. (The unit tests of `speculative::accept`
-//! check the rule itself over 200k draws.)
+//! check the rule itself over 200k draws.) The same holds through the scheduler, whose verify
+//! steps batch many requests, each with its own sampler.
 
 #![allow(clippy::unwrap_used)]
 
@@ -19,7 +20,8 @@ use metrale_model_engine::generate::generate_speculative;
 use metrale_model_engine::model::TransformerModel;
 use metrale_model_engine::options::{ModelOptions, Speculative};
 use metrale_model_engine::sampling::{Sampler, SamplingParams};
-use metrale_model_engine::speculative::{DraftInput, Drafter};
+use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest};
+use metrale_model_engine::speculative::{DraftInput, Drafter, GateOptions};
 use support::*;
 
 const RUNS: u64 = 1200;
@@ -52,8 +54,15 @@ impl Drafter for Guess {
     }
 }
 
-#[test]
-fn speculative_sampling_follows_the_plain_distribution() {
+/// The exact joint distribution of the first two tokens, and the drafter for `prompt`.
+struct Case {
+    sampling: SamplingParams,
+    prompt: Vec<u32>,
+    exact: HashMap<(u32, u32), f64>,
+    ranked: HashMap<u32, [u32; 2]>,
+}
+
+fn case() -> Case {
     let sampling = SamplingParams {
         temperature: 2.0,
         top_k: 2,
@@ -81,32 +90,24 @@ fn speculative_sampling_follows_the_plain_distribution() {
             exact.insert((x1, x2), q1 * q2);
         }
     }
-
-    let mut model = load_plain(
-        "qwen3_5-tiny",
-        ModelOptions {
-            speculative: Speculative::External,
-            num_draft_tokens: 1,
-            ..Default::default()
-        },
-    );
-    let mut drafter = Guess { ranked, calls: 0 };
-    let mut seen: HashMap<(u32, u32), usize> = HashMap::new();
-    let (mut kept, mut rejected) = (0, 0);
-    for seed in 0..RUNS {
-        let p = params(3, SamplingParams { seed, ..sampling });
-        let (out, stats) =
-            generate_speculative(&mut model, &[(&prompt, &p)], &mut drafter, &mut |_, _| {
-                ControlFlow::Continue(())
-            })
-            .unwrap();
-        let t = &out[0].token_ids;
-        *seen.entry((t[0], t[1])).or_default() += 1;
-        kept += stats.accepted();
-        rejected += stats.drafted() - stats.accepted();
+    Case {
+        sampling,
+        prompt,
+        exact,
+        ranked,
     }
+}
+
+/// The total variation between the seen pairs and the exact distribution, and the pairs seen
+/// outside its support.
+fn check(
+    exact: &HashMap<(u32, u32), f64>,
+    seen: &HashMap<(u32, u32), usize>,
+    kept: usize,
+    rejected: usize,
+) {
     let mut tv = 0.0;
-    for (key, &q) in &exact {
+    for (key, &q) in exact {
         let got = seen.get(key).copied().unwrap_or(0) as f64 / RUNS as f64;
         tv += (got - q).abs();
     }
@@ -126,4 +127,83 @@ fn speculative_sampling_follows_the_plain_distribution() {
         kept > RUNS as usize / 5 && rejected > RUNS as usize / 5,
         "both branches: {kept} kept, {rejected} rejected"
     );
+}
+
+fn spec_model() -> TransformerModel {
+    load_plain(
+        "qwen3_5-tiny",
+        ModelOptions {
+            speculative: Speculative::External,
+            num_draft_tokens: 1,
+            ..Default::default()
+        },
+    )
+}
+
+#[test]
+fn speculative_sampling_follows_the_plain_distribution() {
+    let Case {
+        sampling,
+        prompt,
+        exact,
+        ranked,
+    } = case();
+
+    let mut model = spec_model();
+    let mut drafter = Guess { ranked, calls: 0 };
+    let mut seen: HashMap<(u32, u32), usize> = HashMap::new();
+    let (mut kept, mut rejected) = (0, 0);
+    for seed in 0..RUNS {
+        let p = params(3, SamplingParams { seed, ..sampling });
+        let (out, stats) =
+            generate_speculative(&mut model, &[(&prompt, &p)], &mut drafter, &mut |_, _| {
+                ControlFlow::Continue(())
+            })
+            .unwrap();
+        let t = &out[0].token_ids;
+        *seen.entry((t[0], t[1])).or_default() += 1;
+        kept += stats.accepted();
+        rejected += stats.drafted() - stats.accepted();
+    }
+    check(&exact, &seen, kept, rejected);
+}
+
+#[test]
+fn speculative_sampling_through_the_scheduler_follows_the_plain_distribution() {
+    let Case {
+        sampling,
+        prompt,
+        exact,
+        ranked,
+    } = case();
+    let mut model = spec_model();
+    let mut sched = Scheduler::new(&mut model);
+    sched
+        .set_drafter(&model, Box::new(Guess { ranked, calls: 0 }))
+        .unwrap();
+    sched.set_speculation_gate(GateOptions {
+        enabled: false,
+        ..Default::default()
+    });
+    let mut ids = HashMap::new();
+    for seed in 0..RUNS {
+        let req = SeqRequest {
+            prompt: prompt.clone(),
+            params: params(3, SamplingParams { seed, ..sampling }),
+            ignore_eos: true,
+        };
+        ids.insert(sched.add(req).unwrap(), seed);
+    }
+    let mut seen: HashMap<(u32, u32), usize> = HashMap::new();
+    while !sched.is_idle() {
+        for e in sched.step(&mut model).unwrap().events {
+            if let SeqEvent::Finished { generation, .. } = e {
+                let t = &generation.token_ids;
+                *seen.entry((t[0], t[1])).or_default() += 1;
+            }
+        }
+    }
+    let stats = sched.stats(&mut model);
+    let (kept, drafted) = (stats.accepted as usize, stats.drafted as usize);
+    check(&exact, &seen, kept, drafted - kept);
 }

@@ -37,7 +37,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
-use metrale::{Backend, Engine, EngineOptions, ModelOptions};
+use metrale::{Backend, Engine, EngineOptions, GateOptions, ModelOptions, Speculative};
 
 pub use chat::ChatTemplate;
 pub use error::ApiError;
@@ -51,6 +51,15 @@ pub enum BackendArg {
     Cpu,
     /// An NVIDIA GPU (a build with the `cuda` feature).
     Cuda,
+}
+
+/// Speculative decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SpeculativeArg {
+    /// Plain decode.
+    Off,
+    /// The checkpoint's MTP head drafts (Qwen3.5 / Qwen3-Next).
+    Mtp,
 }
 
 /// `metrale serve`'s flags.
@@ -107,6 +116,20 @@ pub struct ServeArgs {
     /// `--max-batch-tokens`.
     #[arg(long)]
     pub ssm_snapshot_stride: Option<usize>,
+    /// Speculative decoding: with `mtp` the checkpoint's MTP head drafts and decode steps verify
+    /// the drafts, while the engine measures it faster than plain decode.
+    #[arg(long, value_enum, default_value_t = SpeculativeArg::Off)]
+    pub speculative: SpeculativeArg,
+    /// Tokens drafted per sequence and verify step with `--speculative mtp` (1 to 8).
+    #[arg(long, default_value_t = ModelOptions::default().num_draft_tokens)]
+    pub num_draft_tokens: usize,
+    /// With `--speculative mtp`: always speculate, instead of turning speculation off while it
+    /// measures slower than plain decode.
+    #[arg(long)]
+    pub no_speculation_gate: bool,
+    /// The gate switches modes when the other is faster by more than this many percent.
+    #[arg(long, default_value_t = GateOptions::default().margin_percent)]
+    pub speculation_margin_percent: u32,
 }
 
 impl ServeArgs {
@@ -128,9 +151,19 @@ impl ServeArgs {
                 prefix_caching: !self.no_prefix_caching,
                 ssm_snapshot_slots: self.ssm_snapshot_slots,
                 ssm_snapshot_stride: self.ssm_snapshot_stride,
+                speculative: match self.speculative {
+                    SpeculativeArg::Off => Speculative::Off,
+                    SpeculativeArg::Mtp => Speculative::Mtp,
+                },
+                num_draft_tokens: self.num_draft_tokens,
                 ..ModelOptions::default()
             },
             max_queued_requests: self.max_queued_requests,
+            speculation_gate: GateOptions {
+                enabled: !self.no_speculation_gate,
+                margin_percent: self.speculation_margin_percent,
+                ..GateOptions::default()
+            },
             ..EngineOptions::default()
         }
     }
@@ -231,5 +264,32 @@ mod tests {
         let strided = parse(&["--ssm-snapshot-stride", "128"]).unwrap();
         assert_eq!(strided.ssm_snapshot_stride, Some(128));
         assert!(parse(&["--ssm-snapshot-slots", "many"]).is_err());
+    }
+
+    #[test]
+    fn speculation_is_off_by_default_and_its_flags_reach_the_options() {
+        let parse = |args: &[&str]| {
+            let mut argv = vec!["metrale-serve"];
+            argv.extend(args);
+            Cli::try_parse_from(argv).map(|c| c.serve.engine_options())
+        };
+        let default = parse(&[]).unwrap();
+        assert_eq!(default.model.speculative, Speculative::Off);
+        assert!(default.speculation_gate.enabled);
+        let on = parse(&[
+            "--speculative",
+            "mtp",
+            "--num-draft-tokens",
+            "3",
+            "--no-speculation-gate",
+            "--speculation-margin-percent",
+            "9",
+        ])
+        .unwrap();
+        assert_eq!(on.model.speculative, Speculative::Mtp);
+        assert_eq!(on.model.num_draft_tokens, 3);
+        assert!(!on.speculation_gate.enabled);
+        assert_eq!(on.speculation_gate.margin_percent, 9);
+        assert!(parse(&["--speculative", "eagle"]).is_err());
     }
 }

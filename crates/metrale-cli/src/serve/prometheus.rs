@@ -18,7 +18,7 @@ pub fn render(m: &EngineMetrics) -> String {
             used as f64 / total as f64
         }
     };
-    let metrics: [(&str, &str, &str, f64); 23] = [
+    let metrics: [(&str, &str, &str, f64); 31] = [
         (
             "metrale_requests_running",
             "gauge",
@@ -157,6 +157,54 @@ pub fn render(m: &EngineMetrics) -> String {
             "SSM state snapshot entries for prefix caching (hybrid models).",
             m.ssm_snapshots_total as f64,
         ),
+        (
+            "metrale_spec_verify_steps_total",
+            "counter",
+            "Verify steps run (speculative decoding; counted in metrale_steps_total too).",
+            m.verify_steps as f64,
+        ),
+        (
+            "metrale_spec_draft_tokens_total",
+            "counter",
+            "Draft tokens the model checked.",
+            m.drafted as f64,
+        ),
+        (
+            "metrale_spec_accepted_tokens_total",
+            "counter",
+            "Draft tokens the model accepted.",
+            m.accepted as f64,
+        ),
+        (
+            "metrale_spec_mean_acceptance_length",
+            "gauge",
+            "Tokens per sequence verify that checked drafts (accepted drafts plus one).",
+            m.mean_acceptance_length,
+        ),
+        (
+            "metrale_spec_gate_on",
+            "gauge",
+            "1 while the speculation gate keeps speculation on, 0 while off or not speculating.",
+            f64::from(u8::from(m.speculation_on == Some(true))),
+        ),
+        (
+            "metrale_spec_gate_switches_total",
+            "counter",
+            "Times the speculation gate switched speculation on or off.",
+            m.speculation_switches as f64,
+        ),
+        (
+            "metrale_spec_plain_decode_tokens_per_second",
+            "gauge",
+            "The gate's moving average of decode tokens/s without speculation (0 before measured).",
+            m.plain_decode_tok_s.unwrap_or(0.0),
+        ),
+        (
+            "metrale_spec_speculative_decode_tokens_per_second",
+            "gauge",
+            "The gate's moving average of decode tokens/s with speculation (0 before measured).",
+            m.speculative_decode_tok_s.unwrap_or(0.0),
+        ),
     ];
     let mut out = String::new();
     for (name, kind, help, value) in metrics {
@@ -197,6 +245,15 @@ mod tests {
             ssm_slots_total: 4,
             ssm_snapshots_used: 3,
             ssm_snapshots_total: 8,
+            verify_steps: 43,
+            drafted: 300,
+            accepted: 120,
+            acceptance_rate: 0.4,
+            mean_acceptance_length: 2.5,
+            speculation_on: Some(true),
+            speculation_switches: 2,
+            plain_decode_tok_s: Some(50.0),
+            speculative_decode_tok_s: None,
         };
         let text = render(&m);
         for line in [
@@ -223,6 +280,14 @@ mod tests {
             "metrale_ssm_slots_used 1",
             "metrale_ssm_slots_capacity 4",
             "metrale_ssm_slots_usage_ratio 0.25",
+            "metrale_spec_verify_steps_total 43",
+            "metrale_spec_draft_tokens_total 300",
+            "metrale_spec_accepted_tokens_total 120",
+            "metrale_spec_mean_acceptance_length 2.5",
+            "metrale_spec_gate_on 1",
+            "metrale_spec_gate_switches_total 2",
+            "metrale_spec_plain_decode_tokens_per_second 50",
+            "metrale_spec_speculative_decode_tokens_per_second 0",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

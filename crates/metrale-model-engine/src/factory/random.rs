@@ -1,13 +1,14 @@
 //! `random`: a model of a given shape (dense, or hybrid with Gated DeltaNet layers) with
 //! pseudo-random weights filled on the device by `init::fill_uniform_bf16`, for benchmarks (no
-//! checkpoint, no host-side weight traffic beyond a few small f32 vectors).
+//! checkpoint, no host-side weight traffic beyond a few small f32 vectors). A config that
+//! declares an MTP head (`mtp_num_hidden_layers`) gets one, as its checkpoint would.
 
 use std::sync::Arc;
 
 use metrale_config::{LayerType, ModelConfig};
-use metrale_gpu_runtime::{DType, GpuBackend, GpuBackendExt};
+use metrale_gpu_runtime::{DType, GpuBackend, GpuBackendExt, StreamHandle};
 use metrale_model_layers::layers::{
-    Attention, DecoderLayer, Ffn, GatedDeltaNet, GdnShape, Mixer, Mlp,
+    Attention, DecoderLayer, Ffn, GatedDeltaNet, GdnShape, Mixer, Mlp, MtpHead,
 };
 use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{Ops, TransformerLayer};
@@ -16,9 +17,123 @@ use crate::error::ModelError;
 use crate::model::{ModelWeights, TransformerModel};
 use crate::options::ModelOptions;
 
+/// Fills one weight after another from consecutive seeds.
+struct Filler {
+    gpu: Arc<dyn GpuBackend>,
+    ops: Ops,
+    stream: StreamHandle,
+    seed: u64,
+    /// Norm weights are drawn around this: 1 for `x * w`, 0 for zero-centred `x * (1 + w)`.
+    norm_offset: f32,
+}
+
+impl Filler {
+    /// A bf16 weight of `shape`, uniform in `offset ± scale`.
+    fn weight(
+        &mut self,
+        shape: &[usize],
+        offset: f32,
+        scale: f32,
+    ) -> Result<DenseWeight, ModelError> {
+        let n: usize = shape.iter().product();
+        let ptr = self.gpu.alloc(n * 2)?;
+        self.seed = self.seed.wrapping_add(1);
+        self.ops
+            .fill_uniform_bf16(self.stream, ptr, n as u64, self.seed, offset, scale)?;
+        Ok(DenseWeight {
+            ptr,
+            shape: shape.to_vec(),
+            dtype: DType::Bf16,
+        })
+    }
+
+    /// A projection with `fan_in` inputs: scale `1/sqrt(fan_in)`.
+    fn proj(&mut self, shape: &[usize], fan_in: usize) -> Result<DenseWeight, ModelError> {
+        self.weight(shape, 0.0, 1.0 / (fan_in as f32).sqrt())
+    }
+
+    /// A norm weight of `n` channels.
+    fn norm(&mut self, n: usize) -> Result<DenseWeight, ModelError> {
+        self.weight(&[n], self.norm_offset, 0.1)
+    }
+
+    /// A small f32 vector uploaded as is.
+    fn small(&mut self, v: Vec<f32>) -> Result<DenseWeight, ModelError> {
+        let ptr = self.gpu.alloc_upload(&v, self.stream)?;
+        Ok(DenseWeight {
+            ptr,
+            shape: vec![v.len()],
+            dtype: DType::F32,
+        })
+    }
+
+    /// One decoder layer of `kind` with a dense FFN.
+    fn decoder_layer(
+        &mut self,
+        c: &ModelConfig,
+        kind: LayerType,
+    ) -> Result<DecoderLayer, ModelError> {
+        let (h, hq, hkv, d, f) = (
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.intermediate_size,
+        );
+        let q_rows = if c.attn_output_gate {
+            2 * hq * d
+        } else {
+            hq * d
+        };
+        let mixer = match (kind, GdnShape::from_config(c)) {
+            (LayerType::FullAttention, _) => Mixer::Attention(Attention {
+                qkv: self.proj(&[q_rows + 2 * hkv * d, h], h)?,
+                q_norm: Some(self.norm(d)?),
+                k_norm: Some(self.norm(d)?),
+                o_proj: self.proj(&[h, hq * d], hq * d)?,
+            }),
+            (LayerType::LinearAttention, Some(shape)) => {
+                let hd = shape.heads;
+                let (vh, dv) = (hd.num_v_heads as usize, hd.v_head_dim as usize);
+                Mixer::GatedDeltaNet(GatedDeltaNet {
+                    in_proj: self.proj(&[hd.proj_width() as usize, h], h)?,
+                    conv1d: self.weight(
+                        &[hd.conv_dim() as usize, 1, shape.conv_kernel as usize],
+                        0.0,
+                        0.5,
+                    )?,
+                    a_log: self
+                        .small((0..vh).map(|i| (1.0 + i as f32 / vh as f32).ln()).collect())?,
+                    dt_bias: self.small(vec![0.5; vh])?,
+                    norm: self.weight(&[dv], 1.0, 0.1)?,
+                    out_proj: self.proj(&[h, vh * dv], vh * dv)?,
+                    shape,
+                })
+            }
+            (LayerType::LinearAttention, None) => {
+                return Err(ModelError::Unsupported(
+                    "linear-attention layers without linear-attention settings".into(),
+                ));
+            }
+        };
+        let mlp = Mlp {
+            gate_up: self.proj(&[2 * f, h], h)?,
+            down: self.proj(&[h, f], f)?,
+            ffn: f as u32,
+        };
+        Ok(DecoderLayer {
+            input_norm: self.norm(h)?,
+            post_norm: self.norm(h)?,
+            mixer,
+            ffn: Ffn::Dense(mlp),
+        })
+    }
+}
+
 /// A model of `config`'s shape with weights drawn from `seed`: norm weights near 1 (near 0 for
 /// the zero-centred convention), projections uniform with scale `1/sqrt(fan_in)`. Dense FFNs
-/// only (no MoE).
+/// only (no MoE). With `config.mtp_num_layers > 0` it has an MTP head of that many
+/// full-attention layers (run when `options.speculative` is `Mtp`).
 pub fn random(
     config: ModelConfig,
     options: ModelOptions,
@@ -35,94 +150,41 @@ pub fn random(
     } else {
         1.0
     };
-    let ops = Ops::new(gpu.clone())?;
     let s = gpu.default_stream();
-    let mut next_seed = seed;
-    let mut weight =
-        |shape: &[usize], offset: f32, scale: f32| -> Result<DenseWeight, ModelError> {
-            let n: usize = shape.iter().product();
-            let ptr = gpu.alloc(n * 2)?;
-            next_seed = next_seed.wrapping_add(1);
-            ops.fill_uniform_bf16(s, ptr, n as u64, next_seed, offset, scale)?;
-            Ok(DenseWeight {
-                ptr,
-                shape: shape.to_vec(),
-                dtype: DType::Bf16,
-            })
-        };
-    let (h, v) = (config.hidden_size, config.vocab_size);
-    let (hq, hkv, d, f) = (
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.head_dim,
-        config.intermediate_size,
-    );
-    let q_rows = if config.attn_output_gate {
-        2 * hq * d
-    } else {
-        hq * d
+    let mut fill = Filler {
+        ops: Ops::new(gpu.clone())?,
+        gpu: gpu.clone(),
+        stream: s,
+        seed,
+        norm_offset,
     };
-    let proj = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
-    let embed = weight(&[v, h], 0.0, 1.0)?;
-    let final_norm = weight(&[h], norm_offset, 0.1)?;
+    let (h, v) = (config.hidden_size, config.vocab_size);
+    let embed = fill.weight(&[v, h], 0.0, 1.0)?;
+    let final_norm = fill.norm(h)?;
     let lm_head = if config.tie_word_embeddings {
         embed.clone()
     } else {
-        weight(&[v, h], 0.0, proj(h))?
+        fill.proj(&[v, h], h)?
     };
     let mut layers: Vec<Box<dyn TransformerLayer>> = Vec::with_capacity(config.num_hidden_layers);
-    let gdn = GdnShape::from_config(&config);
-    for kind in config.layer_types.clone() {
-        let mixer = match (kind, gdn) {
-            (LayerType::FullAttention, _) => Mixer::Attention(Attention {
-                qkv: weight(&[q_rows + 2 * hkv * d, h], 0.0, proj(h))?,
-                q_norm: Some(weight(&[d], norm_offset, 0.1)?),
-                k_norm: Some(weight(&[d], norm_offset, 0.1)?),
-                o_proj: weight(&[h, hq * d], 0.0, proj(hq * d))?,
-            }),
-            (LayerType::LinearAttention, Some(shape)) => {
-                let hd = shape.heads;
-                let (vh, dv) = (hd.num_v_heads as usize, hd.v_head_dim as usize);
-                let small = |v: Vec<f32>| -> Result<DenseWeight, ModelError> {
-                    let ptr = gpu.alloc_upload(&v, s)?;
-                    Ok(DenseWeight {
-                        ptr,
-                        shape: vec![v.len()],
-                        dtype: DType::F32,
-                    })
-                };
-                Mixer::GatedDeltaNet(GatedDeltaNet {
-                    in_proj: weight(&[hd.proj_width() as usize, h], 0.0, proj(h))?,
-                    conv1d: weight(
-                        &[hd.conv_dim() as usize, 1, shape.conv_kernel as usize],
-                        0.0,
-                        0.5,
-                    )?,
-                    a_log: small((0..vh).map(|i| (1.0 + i as f32 / vh as f32).ln()).collect())?,
-                    dt_bias: small(vec![0.5; vh])?,
-                    norm: weight(&[dv], 1.0, 0.1)?,
-                    out_proj: weight(&[h, vh * dv], 0.0, proj(vh * dv))?,
-                    shape,
-                })
-            }
-            (LayerType::LinearAttention, None) => {
-                return Err(ModelError::Unsupported(
-                    "linear-attention layers without linear-attention settings".into(),
-                ));
-            }
-        };
-        let mlp = Mlp {
-            gate_up: weight(&[2 * f, h], 0.0, proj(h))?,
-            down: weight(&[h, f], 0.0, proj(f))?,
-            ffn: f as u32,
-        };
-        layers.push(Box::new(DecoderLayer {
-            input_norm: weight(&[h], norm_offset, 0.1)?,
-            post_norm: weight(&[h], norm_offset, 0.1)?,
-            mixer,
-            ffn: Ffn::Dense(mlp),
-        }));
+    for &kind in &config.layer_types {
+        layers.push(Box::new(fill.decoder_layer(&config, kind)?));
     }
+    let mtp = if config.mtp_num_layers > 0 {
+        let mut head_layers = Vec::with_capacity(config.mtp_num_layers);
+        for _ in 0..config.mtp_num_layers {
+            head_layers.push(fill.decoder_layer(&config, LayerType::FullAttention)?);
+        }
+        Some(MtpHead {
+            fc: fill.proj(&[h, 2 * h], 2 * h)?,
+            pre_fc_norm_embedding: fill.norm(h)?,
+            pre_fc_norm_hidden: fill.norm(h)?,
+            layers: head_layers,
+            norm: fill.norm(h)?,
+        })
+    } else {
+        None
+    };
     gpu.synchronize(s)?;
     TransformerModel::new(
         config,
@@ -132,7 +194,7 @@ pub fn random(
             embed,
             final_norm,
             lm_head,
-            mtp: None,
+            mtp,
         },
         layers,
     )

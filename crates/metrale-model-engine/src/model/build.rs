@@ -285,6 +285,7 @@ impl TransformerModel {
             mtp,
             last_rows: 0,
             graphs: HashMap::new(),
+            verify_graphs: HashMap::new(),
             circuit: None,
             _arena: arena,
         })

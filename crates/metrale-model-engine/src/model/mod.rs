@@ -106,6 +106,8 @@ pub struct TransformerModel {
     last_rows: usize,
     /// Captured decode steps by padded width, of whichever forward is selected.
     pub(crate) graphs: HashMap<u32, GraphHandle>,
+    /// Captured single-sequence verify steps by row count (legacy forward).
+    pub(crate) verify_graphs: HashMap<u32, GraphHandle>,
     /// The circuit executor whose programs run decode; `None`: the legacy forward
     /// (`model_circuit.rs`). Declared before the arena so it drops first.
     pub(crate) circuit: Option<CircuitExec>,
@@ -126,6 +128,23 @@ impl TransformerModel {
     /// The options the model was built with.
     pub fn options(&self) -> &ModelOptions {
         &self.options
+    }
+
+    /// Draft up to `k` tokens per verify step from now on (`speculative` on): at most what the
+    /// model was built for (`num_draft_tokens` at load sizes the buffers and slots).
+    pub fn set_num_draft_tokens(&mut self, k: usize) -> Result<(), ModelError> {
+        let built = (self.max_logit_rows / self.max_seqs).saturating_sub(1);
+        if self.options.speculative == crate::options::Speculative::Off || !(1..=built).contains(&k)
+        {
+            return Err(ModelError::Options {
+                option: "num_draft_tokens",
+                problem: format!(
+                    "{k} drafts per step; this model was built for 1 to {built} (speculative on)"
+                ),
+            });
+        }
+        self.options.num_draft_tokens = k;
+        Ok(())
     }
 
     /// The backend.
@@ -179,6 +198,11 @@ impl TransformerModel {
             pool.free_slot(slot)?;
         }
         Ok(())
+    }
+
+    /// SSM state slots in the pool (`None` for a model without GDN layers).
+    pub fn num_ssm_slots(&self) -> Option<usize> {
+        self.ssm.as_ref().map(SsmStatePool::num_slots)
     }
 
     /// Free SSM state slots (`None` for a model without GDN layers).
@@ -548,7 +572,7 @@ impl TransformerModel {
 impl Drop for TransformerModel {
     fn drop(&mut self) {
         // Graphs hold the arena's and the weights' addresses: release them first.
-        for (_, g) in self.graphs.drain() {
+        for (_, g) in self.graphs.drain().chain(self.verify_graphs.drain()) {
             if let Err(e) = self.gpu.destroy_graph(g) {
                 tracing::warn!("TransformerModel: destroying a decode graph failed: {e}");
             }

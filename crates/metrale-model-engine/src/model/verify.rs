@@ -6,6 +6,11 @@
 //! the row's own SSM slot, so accepting `j` drafts makes row `j`'s slot the sequence's state:
 //! rollback is the choice of a slot, with no recompute and no copy.
 //!
+//! With `decode_graphs`, a verify step of a single sequence (batch 1, where launch overhead
+//! weighs most) is replayed from a graph captured the first time its row count runs (one per
+//! K); a verify step of several sequences, whose shapes vary with every mix of drafts, launches
+//! eagerly. Either way the launches are the same.
+//!
 //! Invariants:
 //! - A row slot is held, named by one row only, and never another sequence's own slot (a
 //!   sequence's own slot may be named by one of its rows: the kernels read it first).
@@ -40,7 +45,23 @@ impl TransformerModel {
         self.check_row_slots(&input, row_slots)?;
         let shape = self.upload(&input, None, Some(row_slots))?;
         self.last_rows = shape.rows as usize;
-        self.launch_step(shape)
+        if !self.options.decode_graphs || shape.num_seqs != 1 {
+            return self.launch_step(shape);
+        }
+        let graph = match self.verify_graphs.get(&shape.rows) {
+            Some(&g) => g,
+            None => {
+                self.gpu.begin_capture(self.stream)?;
+                let captured = self.launch_step(shape);
+                let ended = self.gpu.end_capture(self.stream);
+                captured?;
+                let g = ended?;
+                self.verify_graphs.insert(shape.rows, g);
+                g
+            }
+        };
+        self.gpu.launch_graph(graph, self.stream)?;
+        Ok(())
     }
 
     fn check_row_slots(&self, input: &StepInput<'_>, row_slots: &[u32]) -> Result<(), ModelError> {

@@ -46,6 +46,9 @@
 //!   then its generated tokens one decode row each (their logits are not sampled again), so its
 //!   state, and thus every later token and logit, is bitwise what it would have been. The oldest running sequence always makes
 //!   progress: one sequence alone always fits the cache (`RequestLimits::max_context`).
+//! - **Speculation** (a model built with `speculative = Mtp`, or a drafter set with
+//!   [`Scheduler::set_drafter`]): decode steps verify each sequence's drafts, behind a gate that
+//!   keeps speculation only while it is faster; see `speculate`.
 //! - **Stopping.** A sequence finishes on a stop token (the request's, and the model's EOS unless
 //!   `ignore_eos`), at `max_new_tokens`, or when its context is full (`Length`). A caller stops
 //!   one from outside with [`Scheduler::finish`] between steps (cancellation, stop strings):
@@ -54,7 +57,8 @@
 //! Invariants:
 //! - `running` is in admission order; at most one running sequence is in prefill, and it is the
 //!   last one (the most recently admitted).
-//! - Every SSM slot the scheduler holds belongs to exactly one running sequence, and every
+//! - Every SSM slot the scheduler holds belongs to exactly one running sequence (its own, and
+//!   with speculation on a hybrid model one spare per draft), and every
 //!   reference on a KV block to one running sequence (a shared prefix block has one per
 //!   sharer); waiting sequences hold none. When the scheduler is idle it holds none (cached
 //!   blocks nobody holds are the allocator's, evictable).
@@ -63,6 +67,7 @@ mod prefix;
 mod report;
 mod request;
 mod sequence;
+mod speculate;
 #[cfg(test)]
 mod tests;
 
@@ -76,8 +81,8 @@ use crate::model::{ChunkCuts, StepInput, StepRow, TransformerModel};
 
 pub use report::{SchedulerStats, SeqEvent, StepFailed, StepKind, StepReport};
 pub use request::{InvalidRequest, RequestLimits, SeqRequest};
-use sequence::Seq;
 pub use sequence::SeqId;
+use sequence::{Seq, release};
 
 /// A row's next token as a step delivers it: its logits, sampled on the host, or the token the
 /// device's argmax picked (when no row of the step needs host logits).
@@ -115,11 +120,14 @@ pub struct Scheduler {
     /// Prefill tokens run since the last decode step.
     prefill_since_decode: usize,
     stats: SchedulerStats,
+    /// Speculative decoding, when the model is built for it.
+    spec: Option<speculate::Speculation>,
 }
 
 impl Scheduler {
     /// A scheduler for `model`, which it then drives through `step`. The model's KV blocks and
-    /// SSM slots must not be used by anyone else while the scheduler runs.
+    /// SSM slots must not be used by anyone else while the scheduler runs. A model that runs its
+    /// MTP head (`speculative = Mtp`) decodes speculatively, behind the default gate.
     pub fn new(model: &mut TransformerModel) -> Scheduler {
         Scheduler {
             limits: RequestLimits::of(model),
@@ -134,6 +142,7 @@ impl Scheduler {
             pending: Vec::new(),
             prefill_since_decode: 0,
             stats: SchedulerStats::default(),
+            spec: speculate::Speculation::for_model(model),
         }
     }
 
@@ -203,11 +212,7 @@ impl Scheduler {
     pub fn stats(&self, model: &mut TransformerModel) -> SchedulerStats {
         let kv = model.kv_allocator();
         let (kv_total, kv_free, kv_cached) = (kv.capacity(), kv.num_free(), kv.num_cached());
-        let ssm_total = if model.has_ssm_state() {
-            model.max_seqs()
-        } else {
-            0
-        };
+        let ssm_total = model.num_ssm_slots().unwrap_or(0);
         let ssm_free = model.free_ssm_slots().unwrap_or(0);
         let (snapshots_used, snapshots_total) = model.ssm_snapshot_usage();
         SchedulerStats {
@@ -220,6 +225,10 @@ impl Scheduler {
             ssm_slots_total: ssm_total,
             ssm_snapshots_used: snapshots_used,
             ssm_snapshots_total: snapshots_total,
+            speculation_on: self.spec.as_ref().map(|s| s.gate.is_on()),
+            speculation_switches: self.spec.as_ref().map_or(0, |s| s.gate.switches()),
+            plain_tok_s: self.spec.as_ref().and_then(|s| s.gate.rates().0),
+            speculative_tok_s: self.spec.as_ref().and_then(|s| s.gate.rates().1),
             ..self.stats
         }
     }
@@ -312,9 +321,10 @@ impl Scheduler {
     /// Admit the queue head if the policy allows and it fits. On failure the head is dropped
     /// (its resources released) and named.
     fn admit(&mut self, model: &mut TransformerModel) -> Result<(), (ModelError, SeqId)> {
+        let spares = self.spec.as_ref().map_or(0, |s| s.spares);
         if self.running.len() >= self.max_seqs
             || self.running.iter().any(Seq::in_prefill)
-            || model.free_ssm_slots() == Some(0)
+            || model.free_ssm_slots().is_some_and(|f| f < 1 + spares)
         {
             return Ok(());
         }
@@ -335,6 +345,9 @@ impl Scheduler {
             return Ok(());
         };
         let admitted = prefix::acquire(model, &mut s, hit).and_then(|()| {
+            for _ in 0..spares {
+                s.spare_slots.extend(model.alloc_ssm_slot()?);
+            }
             Ok(s.table
                 .ensure(context, self.block_size, &mut model.kv_cache().allocator)?)
         });
@@ -391,20 +404,27 @@ impl Scheduler {
             ssm_slots: &slots,
         })?;
         s.computed = range.end;
-        prefix::publish(model, s, range.end)?;
         let id = s.id;
         self.prefill_since_decode += range.len();
         self.stats.steps += 1;
         self.stats.prefill_steps += 1;
         self.stats.prefill_tokens += range.len() as u64;
+        let mut done = None;
         if sample {
             let need = self.running[i].needs_logits();
             let picked = pick(model, 1, need)?
                 .pop()
                 .ok_or_else(|| ModelError::Step("a prefill step returned no logits".into()))?;
-            if let Some(reason) = self.accept(i, picked, events) {
-                self.retire(model, i, reason, events)?;
-            }
+            done = self.accept(i, picked, events);
+        }
+        if done.is_none() {
+            self.take_in(model, &[(i, 0..range.len() as u32, range.start)])?;
+        }
+        // Published after the drafter's take-in, which writes the MTP head's KV of the chunk:
+        // a published block is never written again.
+        prefix::publish(model, &mut self.running[i], range.end)?;
+        if let Some(reason) = done {
+            self.retire(model, i, reason, events)?;
         }
         Ok(StepKind::Prefill {
             seq: id,
@@ -413,14 +433,43 @@ impl Scheduler {
         })
     }
 
-    /// One decode step of every running sequence past its prompt, after making room for each
-    /// one's next row (preempting the most recently admitted when the cache is full).
+    /// One decode step of every running sequence past its prompt: a verify step when some
+    /// sequence has drafts, else a plain one; with speculation its tokens and time feed the
+    /// gate.
     fn decode(
         &mut self,
         model: &mut TransformerModel,
         events: &mut Vec<SeqEvent>,
     ) -> Result<StepKind, ModelError> {
         self.prefill_since_decode = 0;
+        let start = self.spec.as_ref().map(|s| s.clock.now());
+        let before = events.len();
+        let kind = if self.next_decode_speculates() {
+            self.verify(model, events)?
+        } else {
+            self.plain_decode(model, events)?
+        };
+        if let (Some(spec), Some(start)) = (self.spec.as_mut(), start) {
+            let tokens = events[before..]
+                .iter()
+                .filter(|e| matches!(e, SeqEvent::Token { .. }))
+                .count();
+            let speculative = matches!(kind, StepKind::Verify { .. });
+            if tokens > 0 {
+                let elapsed = spec.clock.now().saturating_sub(start);
+                spec.gate.record(speculative, tokens, elapsed);
+            }
+        }
+        Ok(kind)
+    }
+
+    /// One plain decode step of every running sequence past its prompt, after making room for
+    /// each one's next row (preempting the most recently admitted when the cache is full).
+    fn plain_decode(
+        &mut self,
+        model: &mut TransformerModel,
+        events: &mut Vec<SeqEvent>,
+    ) -> Result<StepKind, ModelError> {
         let mut i = 0;
         while i < self.running.len() {
             let s = &mut self.running[i];
@@ -475,17 +524,24 @@ impl Scheduler {
         let picked = pick(model, idx.len(), need)?;
         self.stats.steps += 1;
         self.stats.decode_steps += 1;
-        let mut done = Vec::new();
-        for (&i, row) in idx.iter().zip(picked) {
+        let (mut done, mut ran) = (Vec::new(), Vec::new());
+        for (q, (&i, row)) in idx.iter().zip(picked).enumerate() {
             let s = &mut self.running[i];
             s.computed += 1;
-            prefix::publish_decoded(model, s)?;
+            let position = s.computed - 1;
             // A replayed row's token is known already; only the row of the last token samples.
-            if s.computed == s.tokens.len()
-                && let Some(reason) = self.accept(i, row, events)
+            match (s.computed == s.tokens.len())
+                .then(|| self.accept(i, row, events))
+                .flatten()
             {
-                done.push((i, reason));
+                Some(reason) => done.push((i, reason)),
+                None => ran.push((i, q as u32..q as u32 + 1, position)),
             }
+        }
+        self.take_in(model, &ran)?;
+        // After the MTP head's take-in, which writes its own KV for these rows.
+        for &i in &idx {
+            prefix::publish_decoded(model, &mut self.running[i])?;
         }
         for (i, reason) in done.into_iter().rev() {
             self.retire(model, i, reason, events)?;
@@ -538,20 +594,4 @@ impl Scheduler {
         self.waiting.push_front(s);
         released
     }
-}
-
-/// Return a sequence's KV blocks and SSM slot; it will recompute from position 0 if it runs
-/// again.
-fn release(model: &mut TransformerModel, s: &mut Seq) -> Result<(), ModelError> {
-    let blocks = s
-        .table
-        .release_all(&mut model.kv_cache().allocator)
-        .map_err(ModelError::from);
-    let slot = match s.ssm_slot.take() {
-        Some(slot) => model.free_ssm_slot(slot),
-        None => Ok(()),
-    };
-    s.computed = 0;
-    s.published = 0;
-    blocks.and(slot)
 }

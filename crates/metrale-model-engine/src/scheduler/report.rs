@@ -26,6 +26,13 @@ pub enum StepKind {
         /// Sequences in the step.
         seqs: usize,
     },
+    /// One verify step: each running sequence past its prompt with its drafts.
+    Verify {
+        /// Sequences in the step.
+        seqs: usize,
+        /// Drafts checked (the step has `seqs + drafts` rows).
+        drafts: usize,
+    },
 }
 
 /// Something that happened to a sequence in a step.
@@ -70,7 +77,7 @@ pub struct StepFailed {
 }
 
 /// Counters and resource use, for metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct SchedulerStats {
     /// Sequences admitted and not finished.
     pub running: usize,
@@ -80,8 +87,25 @@ pub struct SchedulerStats {
     pub steps: u64,
     /// Prefill steps among them.
     pub prefill_steps: u64,
-    /// Decode steps among them.
+    /// Decode steps among them (verify steps included).
     pub decode_steps: u64,
+    /// Verify steps among those (speculative decoding).
+    pub verify_steps: u64,
+    /// Sequence verifies that checked at least one draft.
+    pub draft_verifies: u64,
+    /// Drafts checked.
+    pub drafted: u64,
+    /// Drafts accepted.
+    pub accepted: u64,
+    /// Whether the speculation gate has speculation on (`None`: the scheduler does not
+    /// speculate).
+    pub speculation_on: Option<bool>,
+    /// Times the gate switched speculation on or off.
+    pub speculation_switches: u64,
+    /// The gate's moving average of decode tokens/s without speculation.
+    pub plain_tok_s: Option<f64>,
+    /// The same with speculation.
+    pub speculative_tok_s: Option<f64>,
     /// Preemptions so far.
     pub preemptions: u64,
     /// Tokens generated so far (replayed tokens are not counted again).

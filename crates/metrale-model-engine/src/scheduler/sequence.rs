@@ -18,6 +18,9 @@
 
 use metrale_cache::{BlockHash, BlockTable};
 
+use crate::error::ModelError;
+use crate::model::TransformerModel;
+
 use crate::generate::{FinishReason, GenerateParams, Generation};
 use crate::model::{ChunkCuts, prefill_chunk};
 use crate::sampling::Sampler;
@@ -44,6 +47,11 @@ pub(crate) struct Seq {
     pub sampler: Sampler,
     pub table: BlockTable,
     pub ssm_slot: Option<u32>,
+    /// Speculation on a hybrid model: one more SSM slot per draft, where a verify step keeps
+    /// the state after each of the sequence's rows.
+    pub spare_slots: Vec<u32>,
+    /// The drafts the next decode step verifies (empty: a plain row).
+    pub drafts: Vec<u32>,
     pub computed: usize,
     /// Row `i`: the logits that chose generated token `i` (when asked for).
     pub logits: Option<Vec<Vec<f32>>>,
@@ -70,6 +78,8 @@ impl Seq {
             params,
             table: BlockTable::new(),
             ssm_slot: None,
+            spare_slots: Vec::new(),
+            drafts: Vec::new(),
             computed: 0,
             block_hashes: Vec::new(),
             published: 0,
@@ -128,6 +138,20 @@ impl Seq {
         self.push(token, max_context)
     }
 
+    /// Record a token chosen by a verify step, with the logits that chose it when the host
+    /// has them; returns why the sequence ends, if it does.
+    pub fn record(
+        &mut self,
+        token: u32,
+        logits: Option<Vec<f32>>,
+        max_context: usize,
+    ) -> (u32, Option<FinishReason>) {
+        if let (Some(all), Some(row)) = (self.logits.as_mut(), logits) {
+            all.push(row);
+        }
+        self.push(token, max_context)
+    }
+
     fn push(&mut self, token: u32, max_context: usize) -> (u32, Option<FinishReason>) {
         self.tokens.push(token);
         let reason = if self.stop_token_ids.contains(&token) {
@@ -150,4 +174,21 @@ impl Seq {
             logits: self.logits,
         }
     }
+}
+
+/// Return a sequence's KV blocks and SSM slot; it will recompute from position 0 if it runs
+/// again.
+pub(super) fn release(model: &mut TransformerModel, s: &mut Seq) -> Result<(), ModelError> {
+    let blocks = s
+        .table
+        .release_all(&mut model.kv_cache().allocator)
+        .map_err(ModelError::from);
+    let mut slot = Ok(());
+    for spare in s.ssm_slot.take().into_iter().chain(s.spare_slots.drain(..)) {
+        slot = slot.and(model.free_ssm_slot(spare));
+    }
+    s.drafts.clear();
+    s.computed = 0;
+    s.published = 0;
+    blocks.and(slot)
 }

@@ -23,6 +23,22 @@ pub struct Verdict {
     pub accepted: usize,
 }
 
+/// Greedy acceptance from the verify rows' argmax (`drafts.len() + 1` tokens, the device's):
+/// what [`verify_drafts`] picks for a greedy sampler, without the logits on the host.
+pub fn verify_greedy(argmax: &[u32], drafts: &[u32]) -> Verdict {
+    let mut tokens = Vec::with_capacity(drafts.len() + 1);
+    for (t, &g) in argmax.iter().enumerate() {
+        tokens.push(g);
+        if drafts.get(t) != Some(&g) {
+            break;
+        }
+    }
+    Verdict {
+        accepted: tokens.len().saturating_sub(1),
+        tokens,
+    }
+}
+
 /// Check `drafts` against the verify rows' logits `rows` (`drafts.len() + 1` rows: row `t`
 /// predicts the token after the `t`-th verify input, which draft `t` proposes).
 pub fn verify_drafts(sampler: &mut Sampler, rows: &[Vec<f32>], drafts: &[u32]) -> Verdict {
@@ -109,6 +125,12 @@ mod tests {
                 accepted: 0
             }
         );
+        // The device's argmax gives the same verdicts.
+        let argmax = [3, 4, 3];
+        assert_eq!(verify_greedy(&argmax, &[3, 4]), all);
+        assert_eq!(verify_greedy(&argmax, &[3, 0]), second_wrong);
+        assert_eq!(verify_greedy(&argmax, &[5, 4]), first_wrong);
+        assert_eq!(verify_greedy(&argmax[..1], &[]).tokens, vec![3]);
         let none = verify_drafts(&mut s, &rows[..1], &[]);
         assert_eq!(
             none,

@@ -12,6 +12,8 @@
 //!   sequence's state (an exchange of slot ids, no copy, no recompute). KV entries of rejected
 //!   rows sit past the accepted length and are overwritten by the next step; blocks wholly past
 //!   it go back to the allocator.
+//! - The scheduler speculates too (`scheduler::speculate`), behind a gate that measures
+//!   tokens/s with and without speculation and keeps the faster (`gate`).
 //! - Drafters: `MtpDrafter` (the checkpoint's MTP head, see `model::mtp` for which hidden
 //!   state feeds it), `OracleDrafter` (a known continuation, with chosen drafts made wrong: the
 //!   tests' way to reach every rollback depth).
@@ -22,6 +24,7 @@
 //! - A drafter is called right after the target step whose rows it reads, before any other step.
 
 mod accept;
+mod gate;
 mod mtp;
 mod oracle;
 
@@ -34,7 +37,8 @@ use crate::error::ModelError;
 use crate::generate::{Live, record};
 use crate::model::{StepRow, TransformerModel};
 
-pub use accept::{Verdict, verify_drafts};
+pub use accept::{Verdict, verify_drafts, verify_greedy};
+pub use gate::{Clock, GateOptions, SpeculationGate, WallClock};
 pub use mtp::MtpDrafter;
 pub use oracle::OracleDrafter;
 

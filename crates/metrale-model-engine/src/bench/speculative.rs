@@ -1,0 +1,541 @@
+//! The speculative-decoding benchmark behind `metrale bench --speculative` (issue 7's speed
+//! bar): on a random-weight model with an MTP head, at batch 1 and a context of `context`
+//! tokens,
+//! - a plain decode step, graph-replayed and eager;
+//! - a verify step of `1 + K` rows for K = 1..`max_draft_tokens`, graph-replayed (as a
+//!   single-sequence verify runs) and eager, and its ratios to the plain step, graphed to
+//!   graphed and eager to eager;
+//! - one draft: an MTP head step of one row with its LM head and argmax (eager: draft steps
+//!   have no graph);
+//! - tokens/s projected at the published acceptance lengths ([`ACCEPTANCE_LENGTHS`] for K =
+//!   1, 2, 3): `L / (verify(K) + K * draft)`, graphed verify and eager drafts, as they run;
+//! - end to end, `output_tokens` greedy tokens after a prompt of `context` tokens: plain decode
+//!   (graphed and eager), the oracle drafter at full acceptance (it drafts the plain run's own
+//!   tokens), and the MTP head drafting (random weights: next to no acceptance, the worst case).
+//!
+//! Every step figure is printed beside its floor: the bytes it must move over the copy
+//! bandwidth measured in the same run.
+//!
+//! Invariants:
+//! - Step times are device-event medians after warm-up (`time_ms`); end-to-end rates are host
+//!   wall time from the first token to the last, as a client sees them (prefill excluded).
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::time::Instant;
+
+use metrale_cache::BlockTable;
+use metrale_config::ModelConfig;
+use metrale_gpu_runtime::GpuBackend;
+
+use super::{
+    attention_params, copy_bandwidth, kv_bytes_per_token, ssm_bytes_per_seq, time_ms, weight_bytes,
+};
+use crate::error::ModelError;
+use crate::factory;
+use crate::generate::{GenerateParams, generate_plain, generate_speculative};
+use crate::model::{MtpStep, StepRow, TransformerModel};
+use crate::options::{MAX_DRAFT_TOKENS, ModelOptions, Speculative};
+use crate::sampling::SamplingParams;
+use crate::speculative::{Drafter, MtpDrafter, OracleDrafter};
+
+/// Tokens per verify step published for Qwen3.5's MTP head at 1, 2 and 3 drafts.
+pub const ACCEPTANCE_LENGTHS: [f64; 3] = [1.9, 2.7, 3.4];
+
+/// What the speculative benchmark runs.
+#[derive(Debug, Clone)]
+pub struct SpecBenchOptions {
+    /// The model shape; one without an MTP head gets a one-layer head.
+    pub config: ModelConfig,
+    /// Verify steps are timed for K = 1 to this. Default 4.
+    pub max_draft_tokens: usize,
+    /// Tokens in the sequence's cache. Default 1024.
+    pub context: usize,
+    /// Timed repetitions per step figure (the median is reported). Default 20.
+    pub iters: usize,
+    /// Tokens each end-to-end run generates. Default 128.
+    pub output_tokens: usize,
+    /// Bytes of each buffer of the copy-bandwidth measurement. Default 1 GiB.
+    pub copy_bytes: usize,
+}
+
+impl SpecBenchOptions {
+    /// Defaults for `config`.
+    pub fn new(config: ModelConfig) -> SpecBenchOptions {
+        SpecBenchOptions {
+            config,
+            max_draft_tokens: 4,
+            context: 1024,
+            iters: 20,
+            output_tokens: 128,
+            copy_bytes: 1 << 30,
+        }
+    }
+}
+
+/// One verify step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VerifyFigure {
+    /// Drafts verified (the step has `1 + drafts` rows).
+    pub drafts: usize,
+    /// Median step time, replayed from a graph, ms.
+    pub graphed_ms: f64,
+    /// Median step time, launched eagerly, ms.
+    pub ms: f64,
+    /// The step's bytes over the copy bandwidth, ms.
+    pub floor_ms: f64,
+}
+
+/// One end-to-end run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EndToEnd {
+    /// What decoded: `plain (graphed)`, `plain (eager)`, `oracle K=..`, `mtp K=..`.
+    pub name: String,
+    /// Drafts per verify step (0: plain decode).
+    pub drafts: usize,
+    /// Tokens generated.
+    pub tokens: usize,
+    /// Tokens per decode or verify step.
+    pub tokens_per_step: f64,
+    /// Tokens per second from the first token to the last.
+    pub tok_s: f64,
+    /// Whether the tokens equal the plain greedy run's (speculation is lossless).
+    pub matches_plain: bool,
+}
+
+/// Everything the speculative benchmark measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpecReport {
+    /// Backend name.
+    pub backend: String,
+    /// Device-to-device copy bandwidth (read + write), GB/s.
+    pub copy_gb_s: f64,
+    /// Weight bytes a target step reads.
+    pub weight_bytes: f64,
+    /// Weight bytes a draft reads (the head's layer and `fc`, and the shared LM head).
+    pub head_weight_bytes: f64,
+    /// Tokens in the cache of the timed steps.
+    pub context: usize,
+    /// Median plain decode step at batch 1, replayed from a graph, ms.
+    pub plain_graphed_ms: f64,
+    /// The same step launched eagerly, ms.
+    pub plain_eager_ms: f64,
+    /// The plain step's bytes over the copy bandwidth, ms.
+    pub plain_floor_ms: f64,
+    /// Verify steps for K = 1 up.
+    pub verify: Vec<VerifyFigure>,
+    /// Median draft (one MTP head step with logits and argmax, eager), ms.
+    pub draft_ms: f64,
+    /// The draft's bytes over the copy bandwidth, ms.
+    pub draft_floor_ms: f64,
+    /// End-to-end runs.
+    pub end_to_end: Vec<EndToEnd>,
+}
+
+impl SpecReport {
+    /// Tokens/s projected at acceptance length `length` with `k` drafts per verify step:
+    /// `length / (verify(k) + k * draft)`, the verify step graphed and the drafts eager (as
+    /// batch 1 runs them); `None` when verify(k) was not timed.
+    pub fn projected_tok_s(&self, k: usize, length: f64) -> Option<f64> {
+        let v = self.verify.iter().find(|v| v.drafts == k)?;
+        Some(length / ((v.graphed_ms + k as f64 * self.draft_ms) * 1e-3))
+    }
+}
+
+/// Weight bytes one draft reads: `fc`, the head's layer (full attention and MLP), the LM head.
+fn head_weight_bytes(c: &ModelConfig) -> f64 {
+    let h = c.hidden_size as f64;
+    let layer = attention_params(c) + 3.0 * h * c.intermediate_size as f64;
+    2.0 * (2.0 * h * h + layer + h * c.vocab_size as f64)
+}
+
+/// Run the speculative benchmark on `gpu` (see the module header).
+pub fn speculative_bench(
+    gpu: Arc<dyn GpuBackend>,
+    opts: &SpecBenchOptions,
+) -> Result<SpecReport, ModelError> {
+    let kmax = opts.max_draft_tokens;
+    if !(1..=MAX_DRAFT_TOKENS).contains(&kmax) {
+        return Err(ModelError::Options {
+            option: "max_draft_tokens",
+            problem: format!("{kmax}; 1 to {MAX_DRAFT_TOKENS} are allowed"),
+        });
+    }
+    let mut c = opts.config.clone();
+    c.mtp_num_layers = c.mtp_num_layers.max(1);
+    let copy_gb_s = copy_bandwidth(&gpu, opts.copy_bytes, opts.iters)?;
+    let floor = |bytes: f64| bytes / (copy_gb_s * 1e9) * 1e3;
+    let block_size = ModelOptions::default().block_size;
+    let max_seq_len = opts.context + opts.output_tokens + kmax + 2;
+    let options = ModelOptions {
+        max_seq_len: Some(max_seq_len),
+        block_size,
+        num_kv_blocks: Some(2 * max_seq_len.div_ceil(block_size) + 2),
+        max_decode_seqs: 1,
+        decode_graphs: true,
+        prefix_caching: false,
+        ssm_snapshot_slots: None,
+        speculative: Speculative::Mtp,
+        num_draft_tokens: kmax,
+        ..ModelOptions::default()
+    };
+    let mut model = factory::random(c.clone(), options, gpu.clone(), 0x5eed)?;
+    let s = gpu.default_stream();
+    let (weights, kv_token) = (weight_bytes(&c), kv_bytes_per_token(&c));
+    // The SSM state is read once per step and written once per row.
+    let ssm_half = ssm_bytes_per_seq(&c) / 2.0;
+
+    // One sequence with `context` tokens in its cache, its own SSM slot and one per draft.
+    let mut table = BlockTable::new();
+    table.ensure(
+        opts.context + kmax + 1,
+        block_size,
+        &mut model.kv_cache().allocator,
+    )?;
+    let own = model.alloc_ssm_slot()?;
+    let mut spares = Vec::new();
+    if own.is_some() {
+        for _ in 0..kmax {
+            spares.extend(model.alloc_ssm_slot()?);
+        }
+    }
+    let slots: Vec<u32> = own.into_iter().collect();
+    let token = |i: usize| ((i * 7919 + 13) % c.vocab_size) as u32;
+    let ctx = opts.context as u32;
+    let decode_row = [StepRow {
+        token: token(0),
+        position: ctx,
+        seq: 0,
+    }];
+    let plain_graphed_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
+        model.decode(&decode_row, &[&table], &slots)
+    })?;
+    model.options.decode_graphs = false;
+    let plain_eager_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
+        model.decode(&decode_row, &[&table], &slots)
+    })?;
+    model.options.decode_graphs = true;
+    let plain_floor_ms = floor(weights + (opts.context + 1) as f64 * kv_token + 2.0 * ssm_half);
+
+    let mut verify = Vec::with_capacity(kmax);
+    for k in 1..=kmax {
+        let rows: Vec<StepRow> = (0..=k)
+            .map(|t| StepRow {
+                token: token(t),
+                position: ctx + t as u32,
+                seq: 0,
+            })
+            .collect();
+        // Row t < k keeps its state in spare t, row k in the sequence's own slot.
+        let row_slots: Vec<u32> = match own {
+            Some(o) => spares[..k].iter().copied().chain([o]).collect(),
+            None => vec![u32::MAX; k + 1],
+        };
+        let time_verify = |model: &mut TransformerModel| {
+            time_ms(gpu.as_ref(), s, opts.iters, || {
+                model.verify(&rows, &[&table], &slots, &row_slots)
+            })
+        };
+        let graphed_ms = time_verify(&mut model)?;
+        model.options.decode_graphs = false;
+        let ms = time_verify(&mut model);
+        model.options.decode_graphs = true;
+        let ms = ms?;
+        let bytes = weights + (opts.context + k + 1) as f64 * kv_token + (k + 2) as f64 * ssm_half;
+        verify.push(VerifyFigure {
+            drafts: k,
+            graphed_ms,
+            ms,
+            floor_ms: floor(bytes),
+        });
+    }
+
+    // One draft: a head step of one row reading the previous step's row 0, with the LM head
+    // and the device's argmax, as every draft after the first of a chain runs.
+    let draft_row = [StepRow {
+        token: token(1),
+        position: ctx,
+        seq: 0,
+    }];
+    let draft_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
+        model.mtp_step(&MtpStep {
+            rows: &draft_row,
+            tables: &[&table],
+            hidden_rows: &[0],
+            logit_rows: &[0],
+            depth: 1,
+        })?;
+        model.greedy(1).map(drop)
+    })?;
+    let head_bytes = head_weight_bytes(&c);
+    let head_kv = kv_token / c.layer_types.len().max(1) as f64;
+    let draft_floor_ms = floor(head_bytes + (opts.context + 1) as f64 * head_kv);
+    table.release_all(&mut model.kv_cache().allocator)?;
+    for slot in own.into_iter().chain(spares) {
+        model.free_ssm_slot(slot)?;
+    }
+
+    let end_to_end = end_to_end(&mut model, opts, kmax)?;
+    Ok(SpecReport {
+        backend: gpu.name().to_string(),
+        copy_gb_s,
+        weight_bytes: weights,
+        head_weight_bytes: head_bytes,
+        context: opts.context,
+        plain_graphed_ms,
+        plain_eager_ms,
+        plain_floor_ms,
+        verify,
+        draft_ms,
+        draft_floor_ms,
+        end_to_end,
+    })
+}
+
+/// Tokens and the wall time from the first to the last of one greedy run.
+struct Run {
+    tokens: Vec<u32>,
+    seconds: f64,
+    /// Decode or verify steps.
+    steps: usize,
+}
+
+impl Run {
+    fn figure(&self, name: String, drafts: usize, plain: &[u32]) -> EndToEnd {
+        let n = self.tokens.len();
+        EndToEnd {
+            name,
+            drafts,
+            tokens: n,
+            // The first token comes from the prefill.
+            tokens_per_step: n.saturating_sub(1) as f64 / self.steps.max(1) as f64,
+            tok_s: n.saturating_sub(1) as f64 / self.seconds,
+            matches_plain: self.tokens == plain,
+        }
+    }
+}
+
+/// One greedy run of `prompt`: plain with `drafter` `None`, else speculative.
+fn timed_run(
+    model: &mut TransformerModel,
+    prompt: &[u32],
+    params: &GenerateParams,
+    drafter: Option<&mut dyn Drafter>,
+) -> Result<Run, ModelError> {
+    let mut times = Vec::with_capacity(params.max_new_tokens);
+    let mut on_token = |_: usize, _: u32| {
+        times.push(Instant::now());
+        ControlFlow::Continue(())
+    };
+    let reqs = [(prompt, params)];
+    let (mut out, steps) = match drafter {
+        None => {
+            let out = generate_plain(model, &reqs, &mut on_token)?;
+            let steps = out
+                .first()
+                .map_or(0, |g| g.token_ids.len().saturating_sub(1));
+            (out, steps)
+        }
+        Some(d) => {
+            let (out, stats) = generate_speculative(model, &reqs, d, &mut on_token)?;
+            (out, stats.verifies())
+        }
+    };
+    let seconds = match (times.first(), times.last()) {
+        (Some(a), Some(b)) => (*b - *a).as_secs_f64(),
+        _ => 0.0,
+    };
+    let tokens = out
+        .pop()
+        .ok_or_else(|| ModelError::Step("the benchmark run generated nothing".into()))?
+        .token_ids;
+    Ok(Run {
+        tokens,
+        seconds,
+        steps,
+    })
+}
+
+/// The end-to-end runs (see the module header).
+fn end_to_end(
+    model: &mut TransformerModel,
+    opts: &SpecBenchOptions,
+    kmax: usize,
+) -> Result<Vec<EndToEnd>, ModelError> {
+    let vocab = model.config().vocab_size;
+    let prompt: Vec<u32> = (0..opts.context.max(1))
+        .map(|p| ((p * 31 + 7) % vocab) as u32)
+        .collect();
+    let params = GenerateParams {
+        max_new_tokens: opts.output_tokens.max(2),
+        sampling: SamplingParams::default(),
+        stop_token_ids: Vec::new(),
+        return_logits: false,
+    };
+    let graphed = timed_run(model, &prompt, &params, None)?;
+    let plain = graphed.tokens.clone();
+    let mut out = vec![graphed.figure("plain (graphed)".into(), 0, &plain)];
+    model.options.decode_graphs = false;
+    let eager = timed_run(model, &prompt, &params, None);
+    model.options.decode_graphs = true;
+    out.push(eager?.figure("plain (eager)".into(), 0, &plain));
+    let expected: Vec<u32> = prompt.iter().chain(&plain).copied().collect();
+    for k in 1..=kmax {
+        model.set_num_draft_tokens(k)?;
+        let mut oracle = OracleDrafter::new(vec![expected.clone()]);
+        let run = timed_run(model, &prompt, &params, Some(&mut oracle))?;
+        out.push(run.figure(format!("oracle K={k} (free drafts)"), k, &plain));
+        let run = timed_run(model, &prompt, &params, Some(&mut MtpDrafter))?;
+        out.push(run.figure(format!("mtp K={k} (random head)"), k, &plain));
+    }
+    model.set_num_draft_tokens(kmax)?;
+    Ok(out)
+}
+
+/// The bar of issue 7: a verify step of 1 + 3 rows costs at most this many plain steps.
+pub const VERIFY_BAR: f64 = 1.15;
+
+impl SpecReport {
+    /// The human-readable table: each step figure beside its floor, the ratios to both plain
+    /// steps (eager to eager is the like-for-like one), the projections and the end-to-end runs.
+    pub fn table(&self) -> String {
+        let mut s = format!(
+            "backend {}: copy {:.0} GB/s; target weights {:.2} GB, draft weights {:.2} GB (MTP head + LM head); batch 1, context {}\n",
+            self.backend,
+            self.copy_gb_s,
+            self.weight_bytes / 1e9,
+            self.head_weight_bytes / 1e9,
+            self.context
+        );
+        s += "step                              ms/step   floor ms   x floor   / plain eager   / plain graphed\n";
+        let mut line = |name: &str, ms: f64, floor: f64| {
+            s += &format!(
+                "  {name:<30} {ms:>9.3} {floor:>10.3} {:>9.2} {:>14.3}x {:>15.3}x\n",
+                ms / floor,
+                ms / self.plain_eager_ms,
+                ms / self.plain_graphed_ms
+            );
+        };
+        line(
+            "plain decode (graphed)",
+            self.plain_graphed_ms,
+            self.plain_floor_ms,
+        );
+        line(
+            "plain decode (eager)",
+            self.plain_eager_ms,
+            self.plain_floor_ms,
+        );
+        for v in &self.verify {
+            let rows = v.drafts + 1;
+            let name = format!("verify K={} (graphed, {rows} rows)", v.drafts);
+            line(&name, v.graphed_ms, v.floor_ms);
+            let name = format!("verify K={} (eager, {rows} rows)", v.drafts);
+            line(&name, v.ms, v.floor_ms);
+        }
+        line(
+            "draft, 1 MTP step (eager)",
+            self.draft_ms,
+            self.draft_floor_ms,
+        );
+        if let Some(v) = self.verify.iter().find(|v| v.drafts == 3) {
+            let verdict = |r: f64| if r <= VERIFY_BAR { "met" } else { "NOT met" };
+            let (g, e) = (
+                v.graphed_ms / self.plain_graphed_ms,
+                v.ms / self.plain_eager_ms,
+            );
+            s += &format!(
+                "bar: verify K=3 <= {VERIFY_BAR}x a plain step: graphed/graphed {g:.3}x ({}), eager/eager {e:.3}x ({})\n",
+                verdict(g),
+                verdict(e)
+            );
+        }
+        s += &format!(
+            "projected tok/s = L / (verify(K) + K x draft), graphed verify, eager drafts; plain decode {:.1} tok/s graphed, {:.1} eager\n",
+            1e3 / self.plain_graphed_ms,
+            1e3 / self.plain_eager_ms
+        );
+        for (i, &l) in ACCEPTANCE_LENGTHS.iter().enumerate() {
+            if let Some(t) = self.projected_tok_s(i + 1, l) {
+                s += &format!(
+                    "  K={} L={l}: {t:>9.1} tok/s = {:.2}x plain graphed, {:.2}x plain eager\n",
+                    i + 1,
+                    t * self.plain_graphed_ms / 1e3,
+                    t * self.plain_eager_ms / 1e3
+                );
+            }
+        }
+        let base = self
+            .end_to_end
+            .iter()
+            .find(|e| e.drafts == 0)
+            .map_or(f64::NAN, |e| e.tok_s);
+        s += "end to end (host wall time, first token to last)   tok/s   tokens/step   / plain graphed   same tokens as plain\n";
+        for e in &self.end_to_end {
+            s += &format!(
+                "  {:<44} {:>9.1} {:>13.2} {:>16.2}x   {}\n",
+                e.name,
+                e.tok_s,
+                e.tokens_per_step,
+                e.tok_s / base,
+                if e.matches_plain { "yes" } else { "NO" }
+            );
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use metrale_gpu_runtime::CpuBackend;
+
+    /// The whole benchmark on the tiny hybrid shape: every figure is a positive time, the
+    /// ratios are finite, the oracle keeps every draft (K + 1 tokens per verify step, the
+    /// plain run's tokens), and the table states the bar and which figures are eager.
+    #[test]
+    fn the_speculative_benchmark_runs_end_to_end_on_a_tiny_hybrid_shape() {
+        let mut o = SpecBenchOptions::new(super::super::tiny_hybrid_for_cpu().unwrap());
+        o.context = 40;
+        o.iters = 2;
+        o.output_tokens = 13;
+        o.copy_bytes = 1 << 16;
+        let r = speculative_bench(Arc::new(CpuBackend::default()), &o).unwrap();
+        assert_eq!(r.verify.len(), 4);
+        let times = [r.plain_graphed_ms, r.plain_eager_ms, r.draft_ms];
+        assert!(times.iter().all(|t| *t > 0.0 && t.is_finite()), "{r:?}");
+        for v in &r.verify {
+            let ratios = [v.ms / r.plain_eager_ms, v.graphed_ms / r.plain_graphed_ms];
+            assert!(ratios.iter().all(|x| x.is_finite() && *x > 0.0), "{v:?}");
+            assert!(v.floor_ms > r.plain_floor_ms);
+        }
+        assert!(r.draft_floor_ms > 0.0 && r.draft_floor_ms < r.plain_floor_ms);
+        for k in 1..=3 {
+            let t = r.projected_tok_s(k, ACCEPTANCE_LENGTHS[k - 1]).unwrap();
+            assert!(t > 0.0 && t.is_finite());
+        }
+        // Plain graphed and eager, then oracle and MTP for each K.
+        assert_eq!(r.end_to_end.len(), 2 + 2 * 4);
+        for e in &r.end_to_end {
+            assert_eq!(e.tokens, 13, "{e:?}");
+            assert!(e.matches_plain, "{e:?}");
+            assert!(e.tok_s > 0.0 && e.tok_s.is_finite(), "{e:?}");
+        }
+        for e in r.end_to_end.iter().filter(|e| e.name.starts_with("oracle")) {
+            // 12 tokens after the first: K + 1 per verify step but the last, cut short.
+            let full = (12.0 / (e.drafts + 1) as f64).ceil();
+            assert!(e.tokens_per_step > 1.0, "{e:?}");
+            assert!((e.tokens_per_step - 12.0 / full).abs() < 1e-9, "{e:?}");
+        }
+        let table = r.table();
+        for want in [
+            "verify K=3 (graphed, 4 rows)",
+            "verify K=3 (eager, 4 rows)",
+            "bar: verify K=3",
+            "K=3 L=3.4",
+            "oracle K=4",
+        ] {
+            assert!(table.contains(want), "{want}:\n{table}");
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! `SpeculationGate`: whether the scheduler's next decode steps speculate. Speculation pays when
+//! a step is bound by reading the weights (small batches) and costs when it is bound by compute
+//! (large batches, low acceptance), so the scheduler measures both and keeps the faster.
+//!
+//! The gate keeps an exponential moving average of the tokens per second of decode steps of
+//! each mode (a step's generated tokens over its time, the drafting after it included), with
+//! weight `1 / ema_steps` per step. While one mode runs, every `probe_every` of its steps the
+//! gate runs `probe_steps` steps of the other mode, so both averages stay current (the first
+//! probe comes as soon as the first mode has `probe_steps` samples). It switches mode when the
+//! other mode's average beats the current one's by more than `margin_percent` (a band of twice
+//! that inside which it stays put, so it does not flap between modes of about equal speed), and
+//! only once both averages have at least `probe_steps` samples.
+//!
+//! The averages mix whatever batches ran; probes keep them recent, so after a change of load
+//! the gate follows within a probe period or two.
+//!
+//! Invariants:
+//! - The gate reads no clock: the scheduler hands it each step's duration from its `Clock`
+//!   (tests inject one).
+//! - With `enabled` false it always speculates (the model was built for it).
+
+use std::time::{Duration, Instant};
+
+/// Settings of the gate. Every field has a documented default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GateOptions {
+    /// Measure and switch (true), or always speculate (false). Default true.
+    pub enabled: bool,
+    /// Switch when the other mode's tokens/s exceed the current mode's by more than this many
+    /// percent. Default 5.
+    pub margin_percent: u32,
+    /// Steps the moving averages span (each step weighs `1 / ema_steps`). Default 16.
+    pub ema_steps: u32,
+    /// Steps of the current mode between two probes of the other. Default 128.
+    pub probe_every: usize,
+    /// Steps each probe runs. Default 8.
+    pub probe_steps: usize,
+}
+
+impl Default for GateOptions {
+    fn default() -> Self {
+        GateOptions {
+            enabled: true,
+            margin_percent: 5,
+            ema_steps: 16,
+            probe_every: 128,
+            probe_steps: 8,
+        }
+    }
+}
+
+/// Where the scheduler reads time (the wall clock by default; tests inject their own).
+pub trait Clock: Send + std::fmt::Debug {
+    /// Time since some fixed instant.
+    fn now(&self) -> Duration;
+}
+
+/// The wall clock.
+#[derive(Debug, Clone, Copy)]
+pub struct WallClock(Instant);
+
+impl Default for WallClock {
+    fn default() -> Self {
+        WallClock(Instant::now())
+    }
+}
+
+impl Clock for WallClock {
+    fn now(&self) -> Duration {
+        self.0.elapsed()
+    }
+}
+
+/// One mode's moving average.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Rate {
+    tok_s: f64,
+    samples: usize,
+}
+
+impl Rate {
+    fn add(&mut self, tok_s: f64, ema_steps: u32) {
+        self.samples += 1;
+        if self.samples == 1 {
+            self.tok_s = tok_s;
+        } else {
+            self.tok_s += (tok_s - self.tok_s) / f64::from(ema_steps.max(1));
+        }
+    }
+}
+
+/// See the module header.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpeculationGate {
+    opts: GateOptions,
+    /// The mode the gate has chosen (probes aside).
+    on: bool,
+    /// Steps of the chosen mode since the last probe.
+    since_probe: usize,
+    /// Probe steps left to run in the other mode.
+    probe_left: usize,
+    /// Averages without (0) and with (1) speculation.
+    rates: [Rate; 2],
+    switches: u64,
+}
+
+impl SpeculationGate {
+    /// A gate that starts speculating.
+    pub fn new(opts: GateOptions) -> SpeculationGate {
+        SpeculationGate {
+            opts,
+            on: true,
+            since_probe: 0,
+            probe_left: 0,
+            rates: [Rate::default(); 2],
+            switches: 0,
+        }
+    }
+
+    /// Whether the next decode step speculates: the chosen mode, or the other while probing.
+    pub fn speculating(&self) -> bool {
+        if !self.opts.enabled {
+            return true;
+        }
+        self.on != (self.probe_left > 0)
+    }
+
+    /// The mode the gate has chosen, probes aside.
+    pub fn is_on(&self) -> bool {
+        self.on || !self.opts.enabled
+    }
+
+    /// Times the gate changed its mind.
+    pub fn switches(&self) -> u64 {
+        self.switches
+    }
+
+    /// Moving averages of tokens/s without and with speculation (`None` before a sample).
+    pub fn rates(&self) -> (Option<f64>, Option<f64>) {
+        let r = |x: Rate| (x.samples > 0).then_some(x.tok_s);
+        (r(self.rates[0]), r(self.rates[1]))
+    }
+
+    /// A decode step ran, speculating or not, and generated `tokens` in `elapsed`.
+    pub fn record(&mut self, speculative: bool, tokens: usize, elapsed: Duration) {
+        if !self.opts.enabled {
+            return;
+        }
+        let secs = elapsed.as_secs_f64();
+        if secs > 0.0 {
+            self.rates[usize::from(speculative)].add(tokens as f64 / secs, self.opts.ema_steps);
+        }
+        if self.probe_left > 0 {
+            if speculative != self.on {
+                self.probe_left -= 1;
+            }
+        } else if speculative == self.on {
+            self.since_probe += 1;
+            if self.since_probe >= self.opts.probe_every {
+                self.since_probe = 0;
+                self.probe_left = self.opts.probe_steps.max(1);
+            }
+        }
+        self.decide();
+    }
+
+    /// Switch when the other mode is faster by more than the margin.
+    fn decide(&mut self) {
+        let enough = self.opts.probe_steps.max(1);
+        let [off, on] = self.rates;
+        if off.samples < enough || on.samples < enough {
+            // The first probe of the other mode comes at once, not after `probe_every`.
+            if self.probe_left == 0 && self.rates[usize::from(!self.on)].samples == 0 {
+                let mine = self.rates[usize::from(self.on)].samples;
+                if mine >= enough {
+                    self.probe_left = enough;
+                    self.since_probe = 0;
+                }
+            }
+            return;
+        }
+        let (mine, other) = if self.on { (on, off) } else { (off, on) };
+        if other.tok_s > mine.tok_s * (1.0 + f64::from(self.opts.margin_percent) / 100.0) {
+            self.on = !self.on;
+            self.switches += 1;
+            self.since_probe = 0;
+            self.probe_left = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// Feed the gate steps timed by `cost(speculating)` for `n` steps; returns the modes run.
+    fn run(
+        g: &mut SpeculationGate,
+        n: usize,
+        cost: impl Fn(bool) -> (usize, Duration),
+    ) -> Vec<bool> {
+        (0..n)
+            .map(|_| {
+                let spec = g.speculating();
+                let (tokens, t) = cost(spec);
+                g.record(spec, tokens, t);
+                spec
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_gate_probes_plain_decode_and_keeps_speculation_while_it_is_faster() {
+        let mut g = SpeculationGate::new(GateOptions::default());
+        // Speculation: 2 tokens in 12 ms; plain: 1 token in 10 ms.
+        let modes = run(&mut g, 300, |s| if s { (2, ms(12)) } else { (1, ms(10)) });
+        assert!(g.is_on() && g.switches() == 0);
+        // It probed plain decode right after its first 8 steps, and again every 128 steps.
+        assert!(modes[..8].iter().all(|&s| s) && modes[8..16].iter().all(|&s| !s));
+        assert_eq!(modes.iter().filter(|&&s| !s).count(), 8 * 3);
+    }
+
+    #[test]
+    fn the_gate_turns_speculation_off_while_slower_and_on_again_past_the_margin() {
+        let mut g = SpeculationGate::new(GateOptions::default());
+        // Speculation slower: 1.2 tokens per 15 ms against 1 per 10 ms.
+        run(&mut g, 40, |s| if s { (6, ms(75)) } else { (1, ms(10)) });
+        assert!(!g.is_on(), "{g:?}");
+        assert_eq!(g.switches(), 1);
+        // Speculation now 3% faster: inside the margin, the gate stays off (probing on).
+        run(
+            &mut g,
+            600,
+            |s| if s { (103, ms(1000)) } else { (1, ms(10)) },
+        );
+        assert!(!g.is_on(), "{g:?}");
+        assert_eq!(g.switches(), 1);
+        // 20% faster: the next probe's average crosses the margin and the gate turns on.
+        let modes = run(&mut g, 300, |s| if s { (12, ms(100)) } else { (1, ms(10)) });
+        assert!(g.is_on(), "{g:?}");
+        assert_eq!(g.switches(), 2);
+        assert!(modes.last() == Some(&true));
+    }
+
+    #[test]
+    fn a_disabled_gate_always_speculates() {
+        let mut g = SpeculationGate::new(GateOptions {
+            enabled: false,
+            ..Default::default()
+        });
+        let modes = run(&mut g, 50, |s| if s { (1, ms(100)) } else { (1, ms(1)) });
+        assert!(modes.iter().all(|&s| s) && g.is_on() && g.rates() == (None, None));
+    }
+}

@@ -1,0 +1,461 @@
+//! Speculative decoding through the scheduler on the CPU backend: greedy outputs (tokens and
+//! logits, bitwise) equal the plain scheduler's for concurrent requests of different lengths,
+//! with the MTP head drafting and with an oracle drafter that reaches full acceptance and every
+//! rollback depth, stop tokens and `max_new_tokens` inside accepted runs included, and with
+//! prefix-cache hits; the MTP head drafts exactly what it drafts under `generate`; every block
+//! and slot comes back; the gate turns speculation off while an injected clock says it is
+//! slower, and on again once it is faster past the margin; sampling with drafts is valid.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use metrale_model_engine::ModelError;
+use metrale_model_engine::generate::{FinishReason, Generation, generate_speculative};
+use metrale_model_engine::model::TransformerModel;
+use metrale_model_engine::options::{ModelOptions, Speculative};
+use metrale_model_engine::sampling::SamplingParams;
+use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest, StepKind};
+use metrale_model_engine::speculative::{
+    Clock, DraftInput, Drafter, GateOptions, MtpDrafter, OracleDrafter,
+};
+use support::*;
+
+fn prompts() -> Vec<Vec<u32>> {
+    (0..4)
+        .map(|i| {
+            (0..(3 + 11 * i))
+                .map(|t| ((t * 37 + i * 11) % 200) as u32 + 3)
+                .collect()
+        })
+        .collect()
+}
+
+fn request(prompt: &[u32], max_new_tokens: usize, stop: &[u32]) -> SeqRequest {
+    SeqRequest {
+        prompt: prompt.to_vec(),
+        params: metrale_model_engine::generate::GenerateParams {
+            stop_token_ids: stop.to_vec(),
+            ..greedy(max_new_tokens)
+        },
+        ignore_eos: true,
+    }
+}
+
+/// What a scheduler run produced: the generations in request order, and for each verify step
+/// the tokens each sequence got.
+struct Served {
+    out: Vec<Generation>,
+    per_verify: Vec<usize>,
+    verify_steps: usize,
+}
+
+/// Submit every request at once and step until idle; `before_step` runs before each step.
+fn serve(
+    model: &mut TransformerModel,
+    sched: &mut Scheduler,
+    reqs: &[SeqRequest],
+    mut before_step: impl FnMut(&Scheduler),
+) -> Served {
+    let ids: Vec<_> = reqs.iter().map(|r| sched.add(r.clone()).unwrap()).collect();
+    let mut done = HashMap::new();
+    let (mut per_verify, mut verify_steps) = (Vec::new(), 0);
+    let mut steps = 0;
+    while !sched.is_idle() {
+        before_step(sched);
+        let report = sched.step(model).unwrap();
+        let mut count: HashMap<_, usize> = HashMap::new();
+        for e in report.events {
+            match e {
+                SeqEvent::Token { id, .. } => *count.entry(id).or_default() += 1,
+                SeqEvent::Finished { id, generation } => {
+                    done.insert(id, generation);
+                }
+            }
+        }
+        if let StepKind::Verify { .. } = report.kind {
+            verify_steps += 1;
+            per_verify.extend(count.values());
+        }
+        steps += 1;
+        assert!(steps < 20_000, "the scheduler does not finish");
+    }
+    let stats = sched.stats(model);
+    assert_eq!(stats.kv_blocks_used, 0, "every KV block back");
+    assert_eq!(stats.ssm_slots_used, 0, "every SSM slot back");
+    Served {
+        out: ids.iter().map(|id| done.remove(id).unwrap()).collect(),
+        per_verify,
+        verify_steps,
+    }
+}
+
+fn plain(model_dir: &std::path::Path, reqs: &[SeqRequest]) -> Vec<Generation> {
+    let mut m = factory_load(model_dir, ModelOptions::default());
+    let mut s = Scheduler::new(&mut m);
+    serve(&mut m, &mut s, reqs, |_| {}).out
+}
+
+fn factory_load(dir: &std::path::Path, o: ModelOptions) -> TransformerModel {
+    metrale_model_engine::factory::load(
+        dir,
+        o,
+        Arc::new(metrale_gpu_runtime::CpuBackend::default()),
+    )
+    .unwrap()
+}
+
+fn assert_same(got: &[Generation], want: &[Generation], what: &str) {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.token_ids, w.token_ids, "{what}: request {i} tokens");
+        assert_eq!(
+            g.finish_reason, w.finish_reason,
+            "{what}: request {i} finish"
+        );
+        assert_eq!(
+            g.logits.is_some(),
+            w.logits.is_some(),
+            "{what}: request {i}"
+        );
+        if g.logits.is_some() {
+            assert!(logit_bits(g) == logit_bits(w), "{what}: request {i} logits");
+        }
+    }
+}
+
+const ALWAYS: GateOptions = GateOptions {
+    enabled: false,
+    margin_percent: 5,
+    ema_steps: 16,
+    probe_every: 128,
+    probe_steps: 8,
+};
+
+#[test]
+fn mtp_through_the_scheduler_gives_the_plain_schedulers_greedy_output() {
+    for name in ["qwen3_5-tiny", "qwen3_next-tiny"] {
+        let fx = MtpFixture::new(name);
+        let p = prompts();
+        // Lengths around K + 1 = 4 and across a KV block; two without logits (the device's
+        // argmax picks their tokens when no row of the step needs host logits).
+        let mut reqs = vec![
+            request(&p[0], 1, &[]),
+            request(&p[1], 4, &[]),
+            request(&p[2], 23, &[]),
+            request(&p[3], 9, &[]),
+        ];
+        reqs[2].params.return_logits = false;
+        reqs[3].params.return_logits = false;
+        let want = plain(fx.path(), &reqs);
+        let mut m = fx.load(ModelOptions {
+            speculative: Speculative::Mtp,
+            num_draft_tokens: 3,
+            ..Default::default()
+        });
+        let mut s = Scheduler::new(&mut m);
+        s.set_speculation_gate(ALWAYS);
+        let got = serve(&mut m, &mut s, &reqs, |_| {});
+        assert_same(&got.out, &want, name);
+        assert!(got.verify_steps > 0, "{name}: no verify step ran");
+        let stats = s.stats(&mut m);
+        assert!(stats.drafted > 0 && stats.accepted <= stats.drafted);
+        assert_eq!(stats.speculation_on, Some(true));
+    }
+}
+
+/// Delegates to the MTP head, recording every non-empty list of drafts it makes.
+#[derive(Clone, Default)]
+struct Recorder(Arc<Mutex<Vec<Vec<u32>>>>);
+
+impl Drafter for Recorder {
+    fn draft(
+        &mut self,
+        model: &mut TransformerModel,
+        inputs: &[DraftInput<'_>],
+    ) -> Result<Vec<Vec<u32>>, ModelError> {
+        let drafts = MtpDrafter.draft(model, inputs)?;
+        let mut seen = self.0.lock().unwrap();
+        seen.extend(drafts.iter().filter(|d| !d.is_empty()).cloned());
+        Ok(drafts)
+    }
+}
+
+/// The scheduler feeds the MTP head exactly as `generate` does (same rows, positions and
+/// hidden states): alone, a request gets the same drafts, verify after verify. An off-by-one
+/// in the scheduler's take-in would still give plain output, but other drafts.
+#[test]
+fn the_scheduler_drafts_what_generate_drafts() {
+    let fx = MtpFixture::new("qwen3_5-tiny");
+    let options = ModelOptions {
+        speculative: Speculative::Mtp,
+        num_draft_tokens: 3,
+        ..Default::default()
+    };
+    let mut m = fx.load(options);
+    let mut prompts = fx.prompts();
+    prompts.push((0..40).map(|t| (t * 17 + 3) % 250 + 1).collect());
+    for prompt in &prompts {
+        let p = greedy(30);
+        let mut by_generate = Recorder::default();
+        generate_speculative(
+            &mut m,
+            &[(prompt.as_slice(), &p)],
+            &mut by_generate,
+            &mut |_, _| std::ops::ControlFlow::Continue(()),
+        )
+        .unwrap();
+        let by_scheduler = Recorder::default();
+        let mut s = Scheduler::new(&mut m);
+        s.set_drafter(&m, Box::new(by_scheduler.clone())).unwrap();
+        s.set_speculation_gate(ALWAYS);
+        serve(&mut m, &mut s, &[request(prompt, 30, &[])], |_| {});
+        let (want, got) = (
+            by_generate.0.lock().unwrap(),
+            by_scheduler.0.lock().unwrap(),
+        );
+        assert!(want.len() > 5, "{want:?}");
+        assert_eq!(*got, *want, "prompt of {} tokens", prompt.len());
+    }
+}
+
+/// Prefix caching with speculation: requests that share a 70-token prefix hit the first one's
+/// blocks and SSM snapshot, and every output is still the plain scheduler's (whose cache holds
+/// the same prompts); generated tokens, accepted or rejected, never reach the cache.
+#[test]
+fn speculation_with_prefix_hits_gives_the_plain_output() {
+    let fx = MtpFixture::new("qwen3_5-tiny");
+    let shared: Vec<u32> = (0..70).map(|t| (t * 13 + 5) % 250 + 1).collect();
+    let reqs: Vec<SeqRequest> = (0..3)
+        .map(|i| {
+            let mut p = shared.clone();
+            p.extend((0..(2 + 3 * i)).map(|t| (t * 7 + i * 31) as u32 % 250 + 1));
+            request(&p, 12 + 5 * i, &[])
+        })
+        .collect();
+    let want = plain(fx.path(), &reqs);
+    let mut m = fx.load(ModelOptions {
+        speculative: Speculative::Mtp,
+        num_draft_tokens: 2,
+        ..Default::default()
+    });
+    let mut s = Scheduler::new(&mut m);
+    s.set_speculation_gate(ALWAYS);
+    let got = serve(&mut m, &mut s, &reqs, |_| {});
+    assert_same(&got.out, &want, "prefix hits");
+    let stats = s.stats(&mut m);
+    assert!(
+        stats.prefix_hits >= 2 && stats.verify_steps > 0,
+        "{stats:?}"
+    );
+    // Only the prompts' full blocks are cached: the 4 of the shared prefix (the prompts' fifth
+    // blocks are partial), none holding generated tokens.
+    assert_eq!(stats.kv_blocks_cached, 4, "{stats:?}");
+}
+
+/// The oracle drafts the plain continuation, wrong at depth `(round + request) % (K + 1)`
+/// (depth K: all right): every verify outcome 0..=K occurs, through the scheduler's batched
+/// verify, preemption-free.
+#[test]
+fn oracle_drafts_reach_full_acceptance_and_every_rollback_depth_through_the_scheduler() {
+    let dir = fixture("qwen3_5-tiny");
+    let p = prompts();
+    let long: Vec<SeqRequest> = p.iter().map(|q| request(q, 30, &[])).collect();
+    let plain_long = plain(&dir, &long);
+    let expected: Vec<Vec<u32>> = p
+        .iter()
+        .zip(&plain_long)
+        .map(|(q, g)| q.iter().chain(&g.token_ids).copied().collect())
+        .collect();
+    for k in [1, 3] {
+        let mut m = factory_load(
+            &dir,
+            ModelOptions {
+                speculative: Speculative::External,
+                num_draft_tokens: k,
+                ..Default::default()
+            },
+        );
+        let mut s = Scheduler::new(&mut m);
+        let oracle = OracleDrafter::wrong_at(
+            expected.clone(),
+            Box::new(move |req, round| Some((round + req) % (k + 1))),
+        );
+        s.set_drafter(&m, Box::new(oracle)).unwrap();
+        s.set_speculation_gate(ALWAYS);
+        let got = serve(&mut m, &mut s, &long, |_| {});
+        assert_same(&got.out, &plain_long, &format!("K={k} rollbacks"));
+        for n in 1..=k + 1 {
+            assert!(
+                got.per_verify.contains(&n),
+                "K={k}: no sequence verify kept exactly {} drafts: {:?}",
+                n - 1,
+                got.per_verify
+            );
+        }
+
+        // All drafts right; a stop token and max_new_tokens fall inside accepted runs.
+        let stop = plain_long[0].token_ids[6];
+        let cut = plain_long[0]
+            .token_ids
+            .iter()
+            .position(|&t| t == stop)
+            .unwrap();
+        let reqs = vec![
+            request(&p[0], 30, &[stop]),
+            request(&p[1], 2, &[]),
+            request(&p[2], k + 3, &[]),
+            request(&p[3], 30, &[]),
+        ];
+        let want = plain(&dir, &reqs);
+        assert_eq!(want[0].token_ids.len(), cut + 1);
+        assert_eq!(want[0].finish_reason, FinishReason::Stop);
+        let mut s = Scheduler::new(&mut m);
+        s.set_drafter(&m, Box::new(OracleDrafter::new(expected.clone())))
+            .unwrap();
+        s.set_speculation_gate(ALWAYS);
+        let got = serve(&mut m, &mut s, &reqs, |_| {});
+        assert_same(&got.out, &want, &format!("K={k} exact"));
+        let stats = s.stats(&mut m);
+        assert_eq!(stats.accepted, stats.drafted, "K={k}: every draft kept");
+        assert!(
+            got.per_verify.contains(&(k + 1)),
+            "K={k}: {:?}",
+            got.per_verify
+        );
+    }
+}
+
+/// A clock the test moves: every reading advances it by half the cost of the step to come, so
+/// a step (two readings) lasts that cost.
+#[derive(Debug, Clone, Default)]
+struct TestClock(Arc<Mutex<(Duration, Duration)>>);
+
+impl TestClock {
+    fn set_step_cost(&self, cost: Duration) {
+        self.0.lock().unwrap().1 = cost / 2;
+    }
+}
+
+impl Clock for TestClock {
+    fn now(&self) -> Duration {
+        let mut g = self.0.lock().unwrap();
+        let tick = g.1;
+        g.0 += tick;
+        g.0
+    }
+}
+
+#[test]
+fn the_gate_turns_speculation_off_while_slower_and_back_on_past_the_margin() {
+    let fx = MtpFixture::new("qwen3_5-tiny");
+    let p = prompts();
+    let reqs: Vec<SeqRequest> = p[..2].iter().map(|q| request(q, 90, &[])).collect();
+    let want = plain(fx.path(), &reqs);
+    let mut m = fx.load(ModelOptions {
+        speculative: Speculative::Mtp,
+        num_draft_tokens: 2,
+        ..Default::default()
+    });
+    let mut s = Scheduler::new(&mut m);
+    s.set_speculation_gate(GateOptions {
+        enabled: true,
+        margin_percent: 5,
+        ema_steps: 4,
+        probe_every: 16,
+        probe_steps: 4,
+    });
+    let clock = TestClock::default();
+    s.set_clock(Box::new(clock.clone()));
+    // Phase 1: a verify step costs 3 plain steps, and yields at most K + 1 = 3 tokens per
+    // sequence, so speculation never beats plain decode by the margin. Phase 2: it costs half a
+    // plain step, and at least one token per sequence doubles the rate.
+    let (mut phase, mut steps) = (1, 0);
+    let mut timeline: Vec<(usize, bool)> = Vec::new();
+    let got = serve(&mut m, &mut s, &reqs, |s| {
+        steps += 1;
+        if steps == 40 {
+            phase = 2;
+        }
+        let gate = s.speculation_gate().unwrap();
+        timeline.push((phase, gate.is_on()));
+        let verify = s.next_decode_speculates();
+        let cost = match (phase, verify) {
+            (1, true) => 30,
+            (2, true) => 5,
+            _ => 10,
+        };
+        clock.set_step_cost(Duration::from_millis(cost));
+    });
+    assert_same(&got.out, &want, "gated");
+    let on_in = |ph: usize| timeline.iter().filter(move |t| t.0 == ph).map(|t| t.1);
+    // Off before phase 1 ends, and it stays off through its last steps.
+    assert!(!on_in(1).next_back().unwrap(), "{timeline:?}");
+    // Phase 2 begins off and does not switch at once (it waits for a probe), then turns on.
+    let phase2: Vec<bool> = on_in(2).collect();
+    assert!(!phase2[0] && !phase2[1], "{timeline:?}");
+    assert!(*phase2.last().unwrap(), "{timeline:?}");
+    let stats = s.stats(&mut m);
+    assert_eq!(stats.speculation_switches, 2, "{timeline:?}");
+    assert!(stats.plain_tok_s.is_some() && stats.speculative_tok_s.is_some());
+}
+
+/// Sampling with drafts through the scheduler: valid tokens, the requested lengths, logits for
+/// each token, reproducible per seed, and drafts both kept and rejected.
+#[test]
+fn sampling_through_the_scheduler_with_drafts_gives_valid_reproducible_output() {
+    let dir = fixture("qwen3_5-tiny");
+    let p = prompts();
+    let long: Vec<SeqRequest> = p.iter().map(|q| request(q, 20, &[])).collect();
+    let expected: Vec<Vec<u32>> = p
+        .iter()
+        .zip(plain(&dir, &long))
+        .map(|(q, g)| q.iter().chain(&g.token_ids).copied().collect())
+        .collect();
+    let sampled: Vec<SeqRequest> = long
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let mut r = r.clone();
+            r.params.sampling = SamplingParams {
+                temperature: 0.7,
+                top_k: 8,
+                seed: 100 + i as u64,
+                ..Default::default()
+            };
+            r
+        })
+        .collect();
+    let mut m = factory_load(
+        &dir,
+        ModelOptions {
+            speculative: Speculative::External,
+            num_draft_tokens: 3,
+            ..Default::default()
+        },
+    );
+    let vocab = m.config().vocab_size as u32;
+    let run = |m: &mut TransformerModel| {
+        let mut s = Scheduler::new(m);
+        s.set_drafter(m, Box::new(OracleDrafter::new(expected.clone())))
+            .unwrap();
+        s.set_speculation_gate(ALWAYS);
+        let got = serve(m, &mut s, &sampled, |_| {});
+        (got.out, s.stats(m))
+    };
+    let (a, stats) = run(&mut m);
+    let (b, _) = run(&mut m);
+    for (g, h) in a.iter().zip(&b) {
+        assert_eq!(g.token_ids.len(), 20);
+        assert!(g.token_ids.iter().all(|&t| t < vocab));
+        assert_eq!(g.logits.as_ref().unwrap().len(), 20);
+        assert_eq!(g.token_ids, h.token_ids, "same seed, same tokens");
+    }
+    assert!(
+        stats.accepted > 0 && stats.accepted < stats.drafted,
+        "{stats:?}"
+    );
+}
