@@ -463,13 +463,11 @@ impl Scheduler {
         Ok(kind)
     }
 
-    /// One plain decode step of every running sequence past its prompt, after making room for
-    /// each one's next row (preempting the most recently admitted when the cache is full).
-    fn plain_decode(
-        &mut self,
-        model: &mut TransformerModel,
-        events: &mut Vec<SeqEvent>,
-    ) -> Result<StepKind, ModelError> {
+    /// Room in the KV cache for the next decode step of every running sequence past its prompt:
+    /// its next row and its drafts (a sequence whose drafts do not fit drops them; one whose
+    /// next row does not fit makes the most recently admitted sequence give way, preempted).
+    /// Returns the sequences that decode, in running order.
+    fn make_decode_room(&mut self, model: &mut TransformerModel) -> Result<Vec<usize>, ModelError> {
         let mut i = 0;
         while i < self.running.len() {
             let s = &mut self.running[i];
@@ -477,12 +475,13 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            match s.table.ensure(
-                s.computed + 1,
-                self.block_size,
-                &mut model.kv_cache().allocator,
-            ) {
+            let need = s.computed + 1 + s.drafts.len();
+            match s
+                .table
+                .ensure(need, self.block_size, &mut model.kv_cache().allocator)
+            {
                 Ok(()) => i += 1,
+                Err(CacheError::OutOfBlocks { .. }) if !s.drafts.is_empty() => s.drafts.clear(),
                 // The victim is the last running sequence: this one or a newer one, so the
                 // sequences already given room keep it.
                 Err(CacheError::OutOfBlocks { .. }) => {
@@ -491,9 +490,19 @@ impl Scheduler {
                 Err(e) => return Err(e.into()),
             }
         }
-        let idx: Vec<usize> = (0..self.running.len())
+        Ok((0..self.running.len())
             .filter(|&i| !self.running[i].in_prefill())
-            .collect();
+            .collect())
+    }
+
+    /// One plain decode step of every running sequence past its prompt, after making room for
+    /// each one's next row (preempting the most recently admitted when the cache is full).
+    fn plain_decode(
+        &mut self,
+        model: &mut TransformerModel,
+        events: &mut Vec<SeqEvent>,
+    ) -> Result<StepKind, ModelError> {
+        let idx = self.make_decode_room(model)?;
         if idx.is_empty() {
             return Ok(StepKind::Idle);
         }

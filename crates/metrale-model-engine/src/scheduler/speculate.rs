@@ -222,31 +222,7 @@ impl Scheduler {
         model: &mut TransformerModel,
         events: &mut Vec<SeqEvent>,
     ) -> Result<StepKind, ModelError> {
-        // Room for each sequence's rows: without its drafts when they do not fit, else by
-        // preempting the most recently admitted.
-        let mut i = 0;
-        while i < self.running.len() {
-            let s = &mut self.running[i];
-            if s.in_prefill() {
-                i += 1;
-                continue;
-            }
-            let need = s.computed + 1 + s.drafts.len();
-            match s
-                .table
-                .ensure(need, self.block_size, &mut model.kv_cache().allocator)
-            {
-                Ok(()) => i += 1,
-                Err(CacheError::OutOfBlocks { .. }) if !s.drafts.is_empty() => s.drafts.clear(),
-                Err(CacheError::OutOfBlocks { .. }) => {
-                    self.preempt(model, self.running.len() - 1)?
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-        let idx: Vec<usize> = (0..self.running.len())
-            .filter(|&i| !self.running[i].in_prefill())
-            .collect();
+        let idx = self.make_decode_room(model)?;
         if idx.is_empty() {
             return Ok(StepKind::Idle);
         }
