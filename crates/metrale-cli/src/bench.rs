@@ -226,7 +226,7 @@ fn speculative(
             "context": r.context,
             "plain": {"graphed_ms": r.plain_graphed_ms, "eager_ms": r.plain_eager_ms, "floor_ms": r.plain_floor_ms},
             "verify": verify,
-            "draft": {"ms": r.draft_ms, "floor_ms": r.draft_floor_ms},
+            "draft": {"ms": r.draft_ms, "eager_ms": r.draft_eager_ms, "floor_ms": r.draft_floor_ms},
             "projected": projected,
             "end_to_end": e2e,
         });

@@ -222,6 +222,37 @@ fn the_scheduler_drafts_what_generate_drafts() {
     }
 }
 
+/// A batch-1 MTP step replays a graph captured per (rows, logit rows, head layer): the drafts
+/// are the eager head's, draft after draft (outputs alone would not show a stale graph, since
+/// drafts only change acceptance).
+#[test]
+fn graphed_mtp_steps_draft_what_eager_ones_draft() {
+    let fx = MtpFixture::new("qwen3_5-tiny");
+    let options = |decode_graphs| ModelOptions {
+        speculative: Speculative::Mtp,
+        num_draft_tokens: 3,
+        decode_graphs,
+        ..Default::default()
+    };
+    let (mut graphed, mut eager) = (fx.load(options(true)), fx.load(options(false)));
+    let mut prompts = fx.prompts();
+    prompts.push((0..40).map(|t| (t * 11 + 7) % 250 + 1).collect());
+    for prompt in &prompts {
+        let p = greedy(24);
+        let drafts = |m: &mut TransformerModel| {
+            let mut rec = Recorder::default();
+            generate_speculative(m, &[(prompt.as_slice(), &p)], &mut rec, &mut |_, _| {
+                std::ops::ControlFlow::Continue(())
+            })
+            .unwrap();
+            rec.0.lock().unwrap().clone()
+        };
+        let (want, got) = (drafts(&mut eager), drafts(&mut graphed));
+        assert!(want.len() > 5, "{want:?}");
+        assert_eq!(got, want, "prompt of {} tokens", prompt.len());
+    }
+}
+
 /// Prefix caching with speculation: requests that share a 70-token prefix hit the first one's
 /// blocks and SSM snapshot, and every output is still the plain scheduler's (whose cache holds
 /// the same prompts); generated tokens, accepted or rejected, never reach the cache.

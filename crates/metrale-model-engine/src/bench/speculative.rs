@@ -5,10 +5,10 @@
 //! - a verify step of `1 + K` rows for K = 1..`max_draft_tokens`, graph-replayed (as a
 //!   single-sequence verify runs) and eager, and its ratios to the plain step, graphed to
 //!   graphed and eager to eager;
-//! - one draft: an MTP head step of one row with its LM head and argmax (eager: draft steps
-//!   have no graph);
+//! - one draft: an MTP head step of one row with its LM head and argmax, graph-replayed (as a
+//!   batch-1 draft runs) and eager;
 //! - tokens/s projected at the published acceptance lengths ([`ACCEPTANCE_LENGTHS`] for K =
-//!   1, 2, 3): `L / (verify(K) + K * draft)`, graphed verify and eager drafts, as they run;
+//!   1, 2, 3): `L / (verify(K) + K * draft)`, verify and drafts graphed, as batch 1 runs them;
 //! - end to end, `output_tokens` greedy tokens after a prompt of `context` tokens: plain decode
 //!   (graphed and eager), the oracle drafter at full acceptance (it drafts the plain run's own
 //!   tokens), and the MTP head drafting (random weights: next to no acceptance, the worst case).
@@ -124,8 +124,11 @@ pub struct SpecReport {
     pub plain_floor_ms: f64,
     /// Verify steps for K = 1 up.
     pub verify: Vec<VerifyFigure>,
-    /// Median draft (one MTP head step with logits and argmax, eager), ms.
+    /// Median draft (one MTP head step with logits and argmax), graph-replayed as a batch-1
+    /// draft runs, ms.
     pub draft_ms: f64,
+    /// The same draft launched eagerly, ms.
+    pub draft_eager_ms: f64,
     /// The draft's bytes over the copy bandwidth, ms.
     pub draft_floor_ms: f64,
     /// End-to-end runs.
@@ -134,8 +137,8 @@ pub struct SpecReport {
 
 impl SpecReport {
     /// Tokens/s projected at acceptance length `length` with `k` drafts per verify step:
-    /// `length / (verify(k) + k * draft)`, the verify step graphed and the drafts eager (as
-    /// batch 1 runs them); `None` when verify(k) was not timed.
+    /// `length / (verify(k) + k * draft)`, the verify step and the drafts graphed (as batch 1
+    /// runs them); `None` when verify(k) was not timed.
     pub fn projected_tok_s(&self, k: usize, length: f64) -> Option<f64> {
         let v = self.verify.iter().find(|v| v.drafts == k)?;
         Some(length / ((v.graphed_ms + k as f64 * self.draft_ms) * 1e-3))
@@ -257,16 +260,22 @@ pub fn speculative_bench(
         position: ctx,
         seq: 0,
     }];
-    let draft_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
-        model.mtp_step(&MtpStep {
-            rows: &draft_row,
-            tables: &[&table],
-            hidden_rows: &[0],
-            logit_rows: &[0],
-            depth: 1,
-        })?;
-        model.greedy(1).map(drop)
-    })?;
+    let time_draft = |model: &mut TransformerModel| {
+        time_ms(gpu.as_ref(), s, opts.iters, || {
+            model.mtp_step(&MtpStep {
+                rows: &draft_row,
+                tables: &[&table],
+                hidden_rows: &[0],
+                logit_rows: &[0],
+                depth: 1,
+            })?;
+            model.greedy(1).map(drop)
+        })
+    };
+    let draft_ms = time_draft(&mut model)?;
+    model.options.decode_graphs = false;
+    let draft_eager_ms = time_draft(&mut model)?;
+    model.options.decode_graphs = true;
     let head_bytes = head_weight_bytes(&c);
     let head_kv = kv_token / c.layer_types.len().max(1) as f64;
     let draft_floor_ms = floor(head_bytes + (opts.context + 1) as f64 * head_kv);
@@ -287,6 +296,7 @@ pub fn speculative_bench(
         plain_floor_ms,
         verify,
         draft_ms,
+        draft_eager_ms,
         draft_floor_ms,
         end_to_end,
     })
@@ -434,8 +444,13 @@ impl SpecReport {
             line(&name, v.ms, v.floor_ms);
         }
         line(
-            "draft, 1 MTP step (eager)",
+            "draft, 1 MTP step (graphed)",
             self.draft_ms,
+            self.draft_floor_ms,
+        );
+        line(
+            "draft, 1 MTP step (eager)",
+            self.draft_eager_ms,
             self.draft_floor_ms,
         );
         if let Some(v) = self.verify.iter().find(|v| v.drafts == 3) {
@@ -451,7 +466,7 @@ impl SpecReport {
             );
         }
         s += &format!(
-            "projected tok/s = L / (verify(K) + K x draft), graphed verify, eager drafts; plain decode {:.1} tok/s graphed, {:.1} eager\n",
+            "projected tok/s = L / (verify(K) + K x draft), graphed verify and drafts; plain decode {:.1} tok/s graphed, {:.1} eager\n",
             1e3 / self.plain_graphed_ms,
             1e3 / self.plain_eager_ms
         );
@@ -502,7 +517,12 @@ mod tests {
         o.copy_bytes = 1 << 16;
         let r = speculative_bench(Arc::new(CpuBackend::default()), &o).unwrap();
         assert_eq!(r.verify.len(), 4);
-        let times = [r.plain_graphed_ms, r.plain_eager_ms, r.draft_ms];
+        let times = [
+            r.plain_graphed_ms,
+            r.plain_eager_ms,
+            r.draft_ms,
+            r.draft_eager_ms,
+        ];
         assert!(times.iter().all(|t| *t > 0.0 && t.is_finite()), "{r:?}");
         for v in &r.verify {
             let ratios = [v.ms / r.plain_eager_ms, v.graphed_ms / r.plain_graphed_ms];

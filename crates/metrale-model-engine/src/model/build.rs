@@ -286,6 +286,7 @@ impl TransformerModel {
             last_rows: 0,
             graphs: HashMap::new(),
             verify_graphs: HashMap::new(),
+            mtp_graphs: HashMap::new(),
             circuit: None,
             _arena: arena,
         })

@@ -108,6 +108,8 @@ pub struct TransformerModel {
     pub(crate) graphs: HashMap<u32, GraphHandle>,
     /// Captured single-sequence verify steps by row count (legacy forward).
     pub(crate) verify_graphs: HashMap<u32, GraphHandle>,
+    /// Captured single-sequence MTP steps by (rows, logit rows, head layer).
+    pub(crate) mtp_graphs: HashMap<(u32, u32, usize), GraphHandle>,
     /// The circuit executor whose programs run decode; `None`: the legacy forward
     /// (`model_circuit.rs`). Declared before the arena so it drops first.
     pub(crate) circuit: Option<CircuitExec>,
@@ -572,7 +574,9 @@ impl TransformerModel {
 impl Drop for TransformerModel {
     fn drop(&mut self) {
         // Graphs hold the arena's and the weights' addresses: release them first.
-        for (_, g) in self.graphs.drain().chain(self.verify_graphs.drain()) {
+        let mtp = self.mtp_graphs.drain().map(|(_, g)| g);
+        let steps = self.graphs.drain().chain(self.verify_graphs.drain());
+        for g in steps.map(|(_, g)| g).chain(mtp) {
             if let Err(e) = self.gpu.destroy_graph(g) {
                 tracing::warn!("TransformerModel: destroying a decode graph failed: {e}");
             }

@@ -15,6 +15,12 @@
 //! the ids the same way) feed the Qwen3-Next head. One row off in either the token or the
 //! position still runs, but its drafts are rarely accepted.
 //!
+//! With `decode_graphs`, an MTP step of a single sequence (batch 1: each draft of a chain, and
+//! the take-in after a step) replays a graph captured the first time its (rows, logit rows,
+//! head layer) runs; the gather of the previous step's hidden rows, whose bound is that step's
+//! row count, stays outside it. Steps of several sequences launch eagerly. The launches are the
+//! same either way.
+//!
 //! Invariants:
 //! - `hidden_rows` index the rows of the step run just before (a target step or an MTP step):
 //!   the step's first launch gathers them out of `normed` (widened to f32), before anything
@@ -110,10 +116,34 @@ impl TransformerModel {
         let cat_ids: Vec<u32> = (0..n).flat_map(|i| [i, n + i]).collect();
         self.gpu.upload(mb.cat_ids, &cat_ids, s)?;
         self.last_rows = n as usize;
-        self.launch_mtp(shape, mb, step.depth)
+        let head = self
+            .weights
+            .mtp
+            .as_ref()
+            .ok_or_else(|| ModelError::Step("the checkpoint has no MTP head".into()))?;
+        let layer = step.depth % head.layers.len().max(1);
+        if !self.options.decode_graphs || shape.num_seqs != 1 {
+            return self.launch_mtp(shape, mb, layer);
+        }
+        let key = (shape.rows, shape.logit_rows, layer);
+        let graph = match self.mtp_graphs.get(&key) {
+            Some(&g) => g,
+            None => {
+                self.gpu.begin_capture(self.stream)?;
+                let captured = self.launch_mtp(shape, mb, layer);
+                let ended = self.gpu.end_capture(self.stream);
+                captured?;
+                let g = ended?;
+                self.mtp_graphs.insert(key, g);
+                g
+            }
+        };
+        self.gpu.launch_graph(graph, self.stream)?;
+        Ok(())
     }
 
-    fn launch_mtp(&self, shape: StepShape, mb: MtpBuffers, depth: usize) -> Result<(), ModelError> {
+    /// The head's launches for `shape`, through its layer `layer`.
+    fn launch_mtp(&self, shape: StepShape, mb: MtpBuffers, layer: usize) -> Result<(), ModelError> {
         let head = self
             .weights
             .mtp
@@ -151,7 +181,7 @@ impl TransformerModel {
             d.hidden,
             2 * d.hidden,
         )?;
-        let i = depth % head.layers.len().max(1);
+        let i = layer;
         let layer = head
             .layers
             .get(i)
