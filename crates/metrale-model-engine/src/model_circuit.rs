@@ -27,7 +27,7 @@ use metrale_model_layers::circuit_exec::{
 pub use metrale_model_layers::circuit_exec::{Digest, Fusions, plans_digest};
 
 use crate::error::ModelError;
-use crate::model::TransformerModel;
+use crate::model::{GraphKey, TransformerModel};
 use crate::options::ModelOptions;
 
 /// Which forward runs decode steps. Default: [`ForwardSelect::Legacy`].
@@ -178,7 +178,10 @@ impl TransformerModel {
     /// Destroy every captured decode graph, reporting the first failure.
     fn destroy_decode_graphs(&mut self) -> Result<(), ModelError> {
         let mut first = Ok(());
-        for (_, g) in self.graphs.drain() {
+        let decode: Vec<GraphKey> = (self.graphs.keys().copied())
+            .filter(|k| matches!(k, GraphKey::Decode(_)))
+            .collect();
+        for g in decode.iter().filter_map(|k| self.graphs.remove(k)) {
             if let Err(e) = self.gpu.destroy_graph(g)
                 && first.is_ok()
             {

@@ -12,11 +12,13 @@
 
 mod support;
 
+use support::cache::{assert_bitwise, assert_nothing_held, solo, tokens};
+
 use std::sync::Arc;
 
 use metrale_cache::block_hashes;
 use metrale_gpu_runtime::{CpuBackend, GpuBackend};
-use metrale_model_engine::generate::{GenerateParams, Generation};
+use metrale_model_engine::generate::GenerateParams;
 use metrale_model_engine::sampling::{Rng, SamplingParams};
 use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest};
 use metrale_model_engine::{ModelOptions, TransformerModel, factory};
@@ -37,12 +39,6 @@ fn load_on(backend: Backend, name: &str, prefix_caching: bool) -> TransformerMod
     };
     factory::load(&support::fixture(name), options, backend())
         .unwrap_or_else(|e| panic!("{name}: {e}"))
-}
-
-fn tokens(rng: &mut Rng, n: usize, vocab: u32) -> Vec<u32> {
-    (0..n)
-        .map(|_| (rng.next_u64() % u64::from(vocab)) as u32)
-        .collect()
 }
 
 /// A request keeping its logits, sampled (seeded) when `seed` is given, greedy otherwise.
@@ -67,61 +63,6 @@ fn request(prompt: Vec<u32>, max_new_tokens: usize, seed: Option<u64>) -> SeqReq
     }
 }
 
-/// A request run alone to its end: what it generated, and its cached and prefilled tokens.
-struct Turn {
-    generation: Generation,
-    hit_tokens: u64,
-    prefill_tokens: u64,
-}
-
-fn run(s: &mut Scheduler, m: &mut TransformerModel, req: &SeqRequest) -> Turn {
-    let before = s.stats(m);
-    let id = s.add(req.clone()).unwrap();
-    let mut out = None;
-    while !s.is_idle() {
-        for e in s.step(m).unwrap().events {
-            if let SeqEvent::Finished { id: f, generation } = e {
-                assert_eq!(f, id);
-                out = Some(generation);
-            }
-        }
-    }
-    let after = s.stats(m);
-    Turn {
-        generation: out.unwrap(),
-        hit_tokens: after.prefix_hit_tokens - before.prefix_hit_tokens,
-        prefill_tokens: after.prefill_tokens - before.prefill_tokens,
-    }
-}
-
-fn assert_bitwise(got: &Generation, cold: &Generation, what: &str) {
-    assert_eq!(got.token_ids, cold.token_ids, "{what}: tokens");
-    assert_eq!(got.finish_reason, cold.finish_reason, "{what}");
-    let (g, c) = (got.logits.as_ref().unwrap(), cold.logits.as_ref().unwrap());
-    assert_eq!(g.len(), c.len(), "{what}: logits rows");
-    for (step, (x, y)) in g.iter().zip(c).enumerate() {
-        assert!(
-            x.len() == y.len() && x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{what}: logits of step {step} differ from the cold run"
-        );
-    }
-}
-
-/// Every block and slot is free once the scheduler is idle, and clearing drops every cached one.
-fn assert_nothing_held(m: &mut TransformerModel) {
-    let a = m.kv_allocator();
-    assert_eq!(a.num_free(), a.capacity(), "a KV block is still referenced");
-    if m.has_ssm_state() {
-        assert_eq!(
-            m.free_ssm_slots(),
-            Some(m.max_seqs()),
-            "an SSM slot is held"
-        );
-    }
-    m.clear_prefix_cache();
-    assert_eq!(m.kv_allocator().num_cached(), 0);
-}
-
 /// Three turns: a 70-token prompt answered with 60 tokens; then that conversation plus 11 new
 /// tokens, answered (sampled) with 30; then all of it plus 5 more. Each turn on the warm model
 /// is bitwise the turn on the cold one, and hits the cache for `want_hits` tokens.
@@ -136,7 +77,10 @@ fn conversation(backend: Backend, name: &str, want_hits: [u64; 3]) {
     for (k, ((max_new, seed, next_user), want)) in turns.into_iter().zip(want_hits).enumerate() {
         let what = format!("{name}: turn {k} ({} prompt tokens)", prompt.len());
         let req = request(prompt.clone(), max_new, seed);
-        let (w, c) = (run(&mut sw, &mut warm, &req), run(&mut sc, &mut cold, &req));
+        let (w, c) = (
+            solo(&mut sw, &mut warm, &req),
+            solo(&mut sc, &mut cold, &req),
+        );
         assert_bitwise(&w.generation, &c.generation, &what);
         assert_eq!(w.hit_tokens, want, "{what}: cached tokens");
         assert_eq!(
@@ -182,8 +126,8 @@ fn unfinished_blocks_are_not_published(backend: Backend) {
     let mut rng = Rng::new(23);
     let mut s = Scheduler::new(&mut warm);
     let first = tokens(&mut rng, 30, vocab);
-    let a = run(&mut s, &mut warm, &request(first.clone(), 18, None));
-    let b = run(
+    let a = solo(&mut s, &mut warm, &request(first.clone(), 18, None));
+    let b = solo(
         &mut s,
         &mut warm,
         &request(tokens(&mut rng, 30, vocab), 10, Some(3)),
@@ -206,8 +150,8 @@ fn unfinished_blocks_are_not_published(backend: Backend) {
     );
     prompt.extend(tokens(&mut rng, 5, vocab));
     let req = request(prompt, 6, None);
-    let w = run(&mut s, &mut warm, &req);
-    let c = run(&mut Scheduler::new(&mut cold), &mut cold, &req);
+    let w = solo(&mut s, &mut warm, &req);
+    let c = solo(&mut Scheduler::new(&mut cold), &mut cold, &req);
     assert_bitwise(&w.generation, &c.generation, "the follow-up");
     assert_eq!(w.hit_tokens, 32);
     assert_nothing_held(&mut warm);
@@ -261,7 +205,7 @@ fn a_running_answer_is_shared(backend: Backend) {
     assert_eq!(s.stats(&mut warm).prefix_hit_tokens, 48);
     let mut sc = Scheduler::new(&mut cold);
     for (id, req) in [(id, first), (id2, second)] {
-        let c = run(&mut sc, &mut cold, &req);
+        let c = solo(&mut sc, &mut cold, &req);
         assert_bitwise(&out[&id], &c.generation, &format!("{id}"));
     }
     assert_nothing_held(&mut warm);

@@ -7,6 +7,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod support;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -18,6 +20,7 @@ use metrale_model_engine::model::{StepInput, StepRow};
 use metrale_model_engine::sampling::{Rng, SamplingParams};
 use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqId, SeqRequest};
 use metrale_model_engine::{ModelError, ModelOptions, TransformerModel, factory};
+use support::cache::{assert_bitwise, assert_nothing_held, solo, tokens};
 
 const HYBRID: [&str; 2] = ["qwen3_5-tiny", "qwen3_next-tiny"];
 
@@ -37,12 +40,6 @@ fn options(chunk: usize, prefix_caching: bool, num_kv_blocks: Option<usize>) -> 
         prefix_caching,
         ..Default::default()
     }
-}
-
-fn tokens(rng: &mut Rng, n: usize, vocab: u32) -> Vec<u32> {
-    (0..n)
-        .map(|_| (rng.next_u64() % u64::from(vocab)) as u32)
-        .collect()
 }
 
 /// A request keeping its logits; odd `i` samples (seeded), even `i` is greedy.
@@ -66,70 +63,6 @@ fn request(prompt: Vec<u32>, max_new_tokens: usize, i: u64) -> SeqRequest {
         },
         ignore_eos: true,
     }
-}
-
-/// What one request alone did: its generation, and the cached and prefilled prompt tokens.
-#[derive(Debug)]
-struct Solo {
-    generation: Generation,
-    hit_tokens: u64,
-    prefill_tokens: u64,
-}
-
-/// Run `req` alone to its end on `s`, counting its cache hits and prefill rows.
-fn solo(s: &mut Scheduler, m: &mut TransformerModel, req: &SeqRequest) -> Solo {
-    let before = s.stats(m);
-    let id = s.add(req.clone()).unwrap();
-    let mut out = None;
-    while !s.is_idle() {
-        for e in s.step(m).unwrap().events {
-            if let SeqEvent::Finished { id: f, generation } = e {
-                assert_eq!(f, id);
-                out = Some(generation);
-            }
-        }
-    }
-    let after = s.stats(m);
-    Solo {
-        generation: out.unwrap(),
-        hit_tokens: after.prefix_hit_tokens - before.prefix_hit_tokens,
-        prefill_tokens: after.prefill_tokens - before.prefill_tokens,
-    }
-}
-
-fn assert_bitwise(got: &Generation, cold: &Generation, what: &str) {
-    assert_eq!(got.token_ids, cold.token_ids, "{what}: tokens");
-    assert_eq!(
-        got.finish_reason, cold.finish_reason,
-        "{what}: finish reason"
-    );
-    let (g, c) = (got.logits.as_ref().unwrap(), cold.logits.as_ref().unwrap());
-    assert_eq!(g.len(), c.len(), "{what}: logits rows");
-    for (step, (x, y)) in g.iter().zip(c).enumerate() {
-        assert!(
-            x.len() == y.len() && x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{what}: logits of step {step} differ from the cold run"
-        );
-    }
-}
-
-/// Nothing is held: every block can be handed out, every SSM slot is free; and once the cache
-/// is cleared nothing is cached either.
-fn assert_nothing_held(m: &mut TransformerModel) {
-    let a = m.kv_allocator();
-    assert_eq!(a.num_free(), a.capacity(), "a KV block is still referenced");
-    if m.has_ssm_state() {
-        assert_eq!(
-            m.free_ssm_slots(),
-            Some(m.max_seqs()),
-            "an SSM slot is held"
-        );
-    }
-    m.clear_prefix_cache();
-    let a = m.kv_allocator();
-    assert_eq!((a.num_cached(), a.num_evictable()), (0, 0));
-    assert_eq!(a.num_free(), a.capacity());
-    assert_eq!(m.ssm_snapshot_usage().0, 0);
 }
 
 /// A prompt of 200 tokens, then the same prompt, then prompts sharing its first `n` tokens

@@ -285,8 +285,6 @@ impl TransformerModel {
             mtp,
             last_rows: 0,
             graphs: HashMap::new(),
-            verify_graphs: HashMap::new(),
-            mtp_graphs: HashMap::new(),
             circuit: None,
             _arena: arena,
         })

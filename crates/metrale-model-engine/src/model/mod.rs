@@ -73,6 +73,17 @@ pub struct ModelWeights {
     pub mtp: Option<MtpHead>,
 }
 
+/// What a captured graph replays: one kind of step at one shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum GraphKey {
+    /// A decode step of this padded width, of whichever forward is selected.
+    Decode(u32),
+    /// A single-sequence verify step of this many rows (legacy forward).
+    Verify(u32),
+    /// A single-sequence MTP step: rows, logit rows, head layer.
+    Mtp(u32, u32, usize),
+}
+
 /// See the module header.
 #[derive(Debug)]
 pub struct TransformerModel {
@@ -104,12 +115,8 @@ pub struct TransformerModel {
     mtp: Option<mtp::MtpBuffers>,
     /// Rows of the last step run (padding included): what `normed` holds.
     last_rows: usize,
-    /// Captured decode steps by padded width, of whichever forward is selected.
-    pub(crate) graphs: HashMap<u32, GraphHandle>,
-    /// Captured single-sequence verify steps by row count (legacy forward).
-    pub(crate) verify_graphs: HashMap<u32, GraphHandle>,
-    /// Captured single-sequence MTP steps by (rows, logit rows, head layer).
-    pub(crate) mtp_graphs: HashMap<(u32, u32, usize), GraphHandle>,
+    /// Captured steps (with `decode_graphs`), by what they replay.
+    pub(crate) graphs: HashMap<GraphKey, GraphHandle>,
     /// The circuit executor whose programs run decode; `None`: the legacy forward
     /// (`model_circuit.rs`). Declared before the arena so it drops first.
     pub(crate) circuit: Option<CircuitExec>,
@@ -410,15 +417,25 @@ impl TransformerModel {
         if !self.options.decode_graphs {
             return self.launch_decode(shape);
         }
-        let graph = match self.graphs.get(&shape.rows) {
+        self.replay(GraphKey::Decode(shape.rows), |m| m.launch_decode(shape))
+    }
+
+    /// Replay the graph captured under `key`, first capturing `launch`'s launches on the
+    /// model's stream when there is none.
+    pub(crate) fn replay(
+        &mut self,
+        key: GraphKey,
+        launch: impl FnOnce(&Self) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
+        let graph = match self.graphs.get(&key) {
             Some(&g) => g,
             None => {
                 self.gpu.begin_capture(self.stream)?;
-                let captured = self.launch_decode(shape);
+                let captured = launch(self);
                 let ended = self.gpu.end_capture(self.stream);
                 captured?;
                 let g = ended?;
-                self.graphs.insert(shape.rows, g);
+                self.graphs.insert(key, g);
                 g
             }
         };
@@ -546,7 +563,14 @@ impl TransformerModel {
 
     /// Decode widths captured as graphs so far.
     pub fn captured_widths(&self) -> Vec<u32> {
-        let mut w: Vec<u32> = self.graphs.keys().copied().collect();
+        let mut w: Vec<u32> = self
+            .graphs
+            .keys()
+            .filter_map(|k| match k {
+                GraphKey::Decode(w) => Some(*w),
+                _ => None,
+            })
+            .collect();
         w.sort_unstable();
         w
     }
@@ -574,9 +598,7 @@ impl TransformerModel {
 impl Drop for TransformerModel {
     fn drop(&mut self) {
         // Graphs hold the arena's and the weights' addresses: release them first.
-        let mtp = self.mtp_graphs.drain().map(|(_, g)| g);
-        let steps = self.graphs.drain().chain(self.verify_graphs.drain());
-        for g in steps.map(|(_, g)| g).chain(mtp) {
+        for (_, g) in self.graphs.drain() {
             if let Err(e) = self.gpu.destroy_graph(g) {
                 tracing::warn!("TransformerModel: destroying a decode graph failed: {e}");
             }

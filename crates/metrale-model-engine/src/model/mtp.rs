@@ -32,7 +32,7 @@ use metrale_cache::BlockTable;
 use metrale_gpu_runtime::{DevicePtr, GpuBackendExt};
 use metrale_model_layers::{LayerCtx, StepShape, TransformerLayer};
 
-use super::{StepInput, StepRow, TransformerModel};
+use super::{GraphKey, StepInput, StepRow, TransformerModel};
 use crate::error::ModelError;
 
 /// The MTP head's step buffers (rows `R` = the model's `max_rows`, hidden `H`).
@@ -125,21 +125,8 @@ impl TransformerModel {
         if !self.options.decode_graphs || shape.num_seqs != 1 {
             return self.launch_mtp(shape, mb, layer);
         }
-        let key = (shape.rows, shape.logit_rows, layer);
-        let graph = match self.mtp_graphs.get(&key) {
-            Some(&g) => g,
-            None => {
-                self.gpu.begin_capture(self.stream)?;
-                let captured = self.launch_mtp(shape, mb, layer);
-                let ended = self.gpu.end_capture(self.stream);
-                captured?;
-                let g = ended?;
-                self.mtp_graphs.insert(key, g);
-                g
-            }
-        };
-        self.gpu.launch_graph(graph, self.stream)?;
-        Ok(())
+        let key = GraphKey::Mtp(shape.rows, shape.logit_rows, layer);
+        self.replay(key, |m| m.launch_mtp(shape, mb, layer))
     }
 
     /// The head's launches for `shape`, through its layer `layer`.

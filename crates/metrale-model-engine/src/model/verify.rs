@@ -19,7 +19,7 @@
 use metrale_cache::BlockTable;
 use metrale_gpu_runtime::GpuBackendExt;
 
-use super::{StepInput, StepRow, TransformerModel};
+use super::{GraphKey, StepInput, StepRow, TransformerModel};
 use crate::error::ModelError;
 
 impl TransformerModel {
@@ -48,20 +48,7 @@ impl TransformerModel {
         if !self.options.decode_graphs || shape.num_seqs != 1 {
             return self.launch_step(shape);
         }
-        let graph = match self.verify_graphs.get(&shape.rows) {
-            Some(&g) => g,
-            None => {
-                self.gpu.begin_capture(self.stream)?;
-                let captured = self.launch_step(shape);
-                let ended = self.gpu.end_capture(self.stream);
-                captured?;
-                let g = ended?;
-                self.verify_graphs.insert(shape.rows, g);
-                g
-            }
-        };
-        self.gpu.launch_graph(graph, self.stream)?;
-        Ok(())
+        self.replay(GraphKey::Verify(shape.rows), |m| m.launch_step(shape))
     }
 
     fn check_row_slots(&self, input: &StepInput<'_>, row_slots: &[u32]) -> Result<(), ModelError> {

@@ -3,6 +3,8 @@
 
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod cache;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -78,6 +80,12 @@ impl MtpFixture {
 /// convention), and one decoder layer copied from the model's first full-attention layer (MoE
 /// in the MoE families).
 pub fn write_with_mtp(src: &Path, dst: &Path) {
+    write_with_mtp_fc(src, dst, None);
+}
+
+/// `write_with_mtp` with `fc` of shape `fc_shape` (`None`: the right `[H, 2H]`), to write a
+/// misshapen head.
+pub fn write_with_mtp_fc(src: &Path, dst: &Path, fc_shape: Option<[usize; 2]>) {
     for e in std::fs::read_dir(src).unwrap().flatten() {
         std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
     }
@@ -119,11 +127,12 @@ pub fn write_with_mtp(src: &Path, dst: &Path) {
             .flat_map(|_| half::bf16::from_f32(uniform(scale)).to_le_bytes())
             .collect()
     };
-    let fc = bf16(h * 2 * h, 1.0 / ((2 * h) as f32).sqrt());
+    let [rows, cols] = fc_shape.unwrap_or([h, 2 * h]);
+    let fc = bf16(rows * cols, 1.0 / ((2 * h) as f32).sqrt());
     out.push((
         "mtp.fc.weight".into(),
         safetensors::Dtype::BF16,
-        vec![h, 2 * h],
+        vec![rows, cols],
         fc,
     ));
     for n in [
