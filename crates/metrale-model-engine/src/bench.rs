@@ -23,7 +23,7 @@ use metrale_gpu_runtime::{DevicePtr, GpuBackend, StreamHandle, VendorGemm};
 use metrale_model_layers::Ops;
 
 pub use self::breakdown::{Breakdown, StepPart, decode_breakdown};
-pub use self::profile::step_profile;
+pub use self::profile::{launch_profile, step_profile};
 pub use self::serve::{ServeOptions, ServePoint, ServeReport, serve_ladder};
 pub use self::speculative::{
     ACCEPTANCE_LENGTHS, EndToEnd, SpecBenchOptions, SpecReport, VerifyFigure, speculative_bench,
@@ -60,6 +60,8 @@ pub struct BenchOptions {
     /// The forwards whose decode steps are timed, each at every batch. Default `legacy` and
     /// `circuit`.
     pub forwards: Vec<ForwardSelect>,
+    /// Time the prefill launch by launch as well ([`launch_profile`]). Default true.
+    pub prefill_profile: bool,
 }
 
 impl BenchOptions {
@@ -74,6 +76,7 @@ impl BenchOptions {
             copy_bytes: 1 << 30,
             gemm_dim: 8192,
             breakdown_batches: vec![1, 32],
+            prefill_profile: true,
             forwards: vec![
                 ForwardSelect::Legacy,
                 ForwardSelect::Circuit {
@@ -128,6 +131,9 @@ pub struct BenchReport {
     /// Real decode steps (the first forward's) launch by launch at the breakdown batches
     /// ([`step_profile`]), any family.
     pub profiles: Vec<Breakdown>,
+    /// The prefill launch by launch (`context` is its token count), when
+    /// [`BenchOptions::prefill_profile`] asked for it.
+    pub prefill_profile: Option<Breakdown>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -345,6 +351,21 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
             ssm_slots: &prefill_slot,
         })
     })?;
+    let prefill_profile = if opts.prefill_profile {
+        let launches = model.forward_launches(&StepInput {
+            rows: &rows,
+            tables: &[&table],
+            logit_rows: &last,
+            ssm_slots: &prefill_slot,
+        })?;
+        Some(Breakdown {
+            batch: 1,
+            context: opts.prefill_tokens as u32,
+            parts: launch_profile(gpu.as_ref(), &launches, opts.iters.min(3))?,
+        })
+    } else {
+        None
+    };
     for &slot in &prefill_slot {
         model.free_ssm_slot(slot)?;
     }
@@ -442,6 +463,7 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
         weight_bytes,
         breakdowns,
         profiles,
+        prefill_profile,
     })
 }
 

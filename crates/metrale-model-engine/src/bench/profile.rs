@@ -1,19 +1,22 @@
-//! A real decode step, launch by launch: the launches the model's selected forward makes for a
-//! decode width ([`ModelCircuit::decode_launches`]), replayed one at a time on the model's own
-//! buffers with a device event between every two, so each launch's time is what it took inside
-//! that step (its real weights, caches, SSM states and metadata, with the L2 cache as the step
-//! leaves it). It works for every family (dense, hybrid, MoE), where the synthetic
-//! [`breakdown`](super::breakdown) covers dense shapes.
+//! A real step, launch by launch: the launches the model's selected forward makes for a decode
+//! width ([`ModelCircuit::decode_launches`]), or those of a prefill
+//! ([`TransformerModel::forward_launches`]), replayed one at a time on the model's own buffers
+//! with a device event between every two, so each launch's time is what it took inside that
+//! step (its real weights, caches, SSM states and metadata, with the L2 cache as the step leaves
+//! it). It works for every family (dense, hybrid, MoE), where the synthetic
+//! [`breakdown`](super::breakdown) covers dense decode shapes.
 //!
 //! Invariants:
-//! - The caller has just run a decode step of that width, so the step's metadata (positions,
-//!   block tables, slot mapping) is on the device; replaying the launches runs that step again.
+//! - The step's metadata (positions, block tables, slot mapping) is on the device when the
+//!   launches replay: the caller has just run that decode step, or `forward_launches` uploaded
+//!   it; replaying the launches runs that step again.
 //! - Launches run eagerly: a kernel shorter than the host's launch interval (a few µs) shows the
 //!   interval instead of its own time. The sum is therefore at least the graphed step's time.
 
 use std::collections::HashMap;
 
-use metrale_gpu_runtime::{KernelArg, KernelHandle};
+use metrale_gpu_runtime::{GpuBackend, KernelArg, KernelHandle};
+use metrale_model_layers::circuit_exec::Launch;
 use metrale_model_layers::ops::Kernels;
 
 use super::StepPart;
@@ -30,13 +33,21 @@ pub fn step_profile(
     width: usize,
     iters: usize,
 ) -> Result<Vec<StepPart>, ModelError> {
-    let gpu = model.gpu().clone();
+    launch_profile(model.gpu().as_ref(), &model.decode_launches(width)?, iters)
+}
+
+/// Parts of `launches`, replayed eagerly on `gpu`'s default stream, grouped as
+/// [`step_profile`]'s.
+pub fn launch_profile(
+    gpu: &dyn GpuBackend,
+    launches: &[Launch],
+    iters: usize,
+) -> Result<Vec<StepPart>, ModelError> {
     let s = gpu.default_stream();
     let names: HashMap<KernelHandle, &str> = Kernels::NAMES
         .iter()
         .filter_map(|&(module, name)| Some((gpu.kernel(module, name).ok()?, name)))
         .collect();
-    let launches = model.decode_launches(width)?;
     let events = (0..=launches.len())
         .map(|_| gpu.create_event())
         .collect::<Result<Vec<_>, _>>()?;
@@ -44,7 +55,7 @@ pub fn step_profile(
     for _ in 0..iters.max(1) {
         for (l, &e) in launches.iter().zip(&events) {
             gpu.record_event(e, s)?;
-            l.run(gpu.as_ref(), s)?;
+            l.run(gpu, s)?;
         }
         gpu.record_event(events[launches.len()], s)?;
         gpu.synchronize(s)?;

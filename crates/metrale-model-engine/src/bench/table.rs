@@ -2,7 +2,7 @@
 //! with its launches and the ratio to legacy, then the launch-by-launch profiles and the
 //! kernel-by-kernel breakdowns).
 
-use super::BenchReport;
+use super::{BenchReport, StepPart};
 
 impl BenchReport {
     /// The human-readable table: each figure beside its roofline.
@@ -47,6 +47,15 @@ impl BenchReport {
                 d.batch as f64 / (d.ms * 1e-3)
             );
         }
+        if let Some(b) = &self.prefill_profile {
+            s += &format!(
+                "prefill of {} tokens, launch by launch (eager replay, µs per launch): sum {:.3} ms of the measured {:.3} ms\n",
+                b.context,
+                b.total_ms(),
+                self.prefill_ms
+            );
+            s += &parts_table(&b.parts, b.total_ms());
+        }
         for b in &self.profiles {
             s += &format!(
                 "decode step at batch {} ctx {}, launch by launch (eager replay of the real step, µs per launch): sum {:.3} ms\n",
@@ -54,17 +63,7 @@ impl BenchReport {
                 b.context,
                 b.total_ms()
             );
-            for p in &b.parts {
-                let ms = p.us * f64::from(p.per_step) / 1e3;
-                s += &format!(
-                    "  {:<44} {:>9.2} us x {:>3} = {:>7.3} ms ({:>4.1}%)\n",
-                    p.name,
-                    p.us,
-                    p.per_step,
-                    ms,
-                    100.0 * ms / b.total_ms()
-                );
-            }
+            s += &parts_table(&b.parts, b.total_ms());
         }
         for b in &self.breakdowns {
             let step = self
@@ -93,4 +92,21 @@ impl BenchReport {
         }
         s
     }
+}
+
+/// One line per part: its time per launch, launches, total and share of `of_ms`.
+fn parts_table(parts: &[StepPart], of_ms: f64) -> String {
+    let mut s = String::new();
+    for p in parts {
+        let ms = p.us * f64::from(p.per_step) / 1e3;
+        s += &format!(
+            "  {:<44} {:>9.2} us x {:>3} = {:>7.3} ms ({:>4.1}%)\n",
+            p.name,
+            p.us,
+            p.per_step,
+            ms,
+            100.0 * ms / of_ms
+        );
+    }
+    s
 }
