@@ -22,9 +22,12 @@
 //   64 rows, block s computing segment s; x and the weight staged together through a 3-stage
 //   cp.async ring; the cluster sums the segment partials in order through distributed shared
 //   memory (details at the kernel).
-// - `linear` (prefill): a tiled tensor-core kernel. 128 x 64 output tiles, 8 warps of 32 x 32, a
-//   4-stage cp.async pipeline of 32-wide k tiles. Grid (ceil(n / 64), ceil(m / 128)), 256
-//   threads, 48 KiB of dynamic shared memory.
+// - `linear` (prefill): a tiled tensor-core kernel. 128 x 128 output tiles, 8 warps of 64 x 32, a
+//   3-stage cp.async pipeline of 128-wide k tiles (4 chunks). Grid (ceil(n / 128),
+//   ceil(m / 128)), 256 threads, 192 KiB of dynamic shared memory, one block per multiprocessor.
+//   The lab (lab/prefill_lab.cu, 2026-11-30) measured 197-211 TFLOP/s at m = 2048 on the
+//   Qwen3-8B projections against 149-157 for the 128 x 64 tiles of 32-wide stages it replaced;
+//   128 x 256 / 256 x 128 tiles with 64 x 64 warps spill and ran at 186-206.
 //
 // Measured on the H200 (2026-11-30, kernels alone, 20 launches per CUDA graph, weights rotated
 // past L2, against the 4.45 TB/s of a read-only stream; lab/gemm_lab.cu; docs/BENCHMARKS.md):
@@ -60,9 +63,12 @@ namespace cg = cooperative_groups;
 #define LIN_SEGS 8
 #define LIN_STREAM_WARPS 8  // warps of the decode kernels' blocks
 #define LIN_THREADS 256
-#define LIN_BM 128
-#define LIN_BN 64
-#define LIN_STAGES 4
+#define LIN_BM 128     // the tiled kernel's block tile: rows
+#define LIN_BN 128     // ... and columns
+#define LIN_WM 64      // its warp tile (2 x 4 warps): rows
+#define LIN_WN 32      // ... and columns
+#define LIN_SC 4       // chunks per pipeline stage
+#define LIN_STAGES 3   // stages (3 x 4 x 256 rows x 64 bytes = 192 KiB)
 
 MT_DEVICE void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                         uint32_t b0, uint32_t b1) {
@@ -100,22 +106,28 @@ MT_DEVICE uint4 load8(const bf16* base, uint32_t rows, uint32_t k, uint32_t row,
 MT_DEVICE void store_out(bf16* out, size_t i, float v) { out[i] = f2bf(v); }
 MT_DEVICE void store_out(float* out, size_t i, float v) { out[i] = v; }
 
-// One pipeline stage: x rows [m0, m0 + 128) then w rows [n0, n0 + 64), 32 k each, as 16-byte
-// vectors (4 per row), so vector i of the stage is row i / 4, k 8 * (i % 4).
+// One pipeline stage: LIN_SC chunks of x rows [m0, m0 + LIN_BM) then w rows [n0, n0 + LIN_BN),
+// 32 k each, as 16-byte vectors laid out [chunk][row][4 vectors] (vector q of a row holds k
+// 8q..8q+7 of its chunk, what lane (g, q) feeds its MMAs; a warp's 8 rows of one vector column
+// are 512 contiguous bytes, so its shared loads are conflict-free). Consecutive threads take
+// consecutive vectors of a row, so each row's 128 bytes per stage are one contiguous read.
 MT_DEVICE void load_stage(uint4* stage, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
-                          uint32_t k, uint32_t m0, uint32_t n0, uint32_t chunk, bool vec) {
-    for (uint32_t i = threadIdx.x; i < (LIN_BM + LIN_BN) * 4; i += blockDim.x) {
-        const uint32_t row = i / 4, col = chunk * LIN_KC + (i % 4) * 8;
+                          uint32_t k, uint32_t m0, uint32_t n0, uint32_t step, bool vec) {
+    constexpr uint32_t ROWS = LIN_BM + LIN_BN;
+#pragma unroll 4
+    for (uint32_t i = threadIdx.x; i < ROWS * LIN_SC * 4; i += LIN_THREADS) {
+        const uint32_t row = i / (LIN_SC * 4), ch = (i / 4) % LIN_SC, q = i % 4;
+        const uint32_t col = (step * LIN_SC + ch) * LIN_KC + q * 8;
         const bool is_x = row < LIN_BM;
         const bf16* base = is_x ? x : w;
         const uint32_t rows = is_x ? m : n;
         const uint32_t grow = is_x ? m0 + row : n0 + (row - LIN_BM);
+        uint4* dst = stage + (ch * ROWS + row) * 4 + q;
         if (vec) {
             const bool in = grow < rows && col < k;
-            const bf16* src = in ? base + (size_t)grow * k + col : base;
-            cp_async16(stage + i, src, in ? 16u : 0u);
+            cp_async16(dst, in ? base + (size_t)grow * k + col : base, in ? 16u : 0u);
         } else {
-            stage[i] = load8(base, rows, k, grow, col, false);
+            *dst = load8(base, rows, k, grow, col, false);
         }
     }
 }
@@ -123,73 +135,82 @@ MT_DEVICE void load_stage(uint4* stage, const bf16* x, const bf16* w, uint32_t m
 template <typename OutT>
 MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
                             uint32_t k, bool vec, unsigned char* smem) {
+    constexpr int MT = LIN_WM / 16, NT = LIN_WN / 8;
+    constexpr uint32_t ROWS = LIN_BM + LIN_BN, STAGE_VECS = LIN_SC * ROWS * 4;
     uint4* stages = reinterpret_cast<uint4*>(smem);
-    const uint32_t stage_vecs = (LIN_BM + LIN_BN) * 4;
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const uint32_t m0 = blockIdx.y * LIN_BM, n0 = blockIdx.x * LIN_BN;
-    const uint32_t wm0 = (warp >> 1) * 32, wn0 = (warp & 1) * 32;
+    const uint32_t wm0 = (warp / (LIN_BN / LIN_WN)) * LIN_WM, wn0 = (warp % (LIN_BN / LIN_WN)) * LIN_WN;
     const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
     const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
+    const uint32_t steps = (chunks + LIN_SC - 1) / LIN_SC;
 
-    float acc[2][4][4], total[2][4][4];
+    float acc[MT][NT][4], total[MT][NT][4];
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int a = 0; a < MT; ++a)
 #pragma unroll
-        for (int b = 0; b < 4; ++b)
+        for (int b = 0; b < NT; ++b)
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[a][b][j] = total[a][b][j] = 0.0f;
 
 #pragma unroll
     for (int s = 0; s < LIN_STAGES - 1; ++s) {
-        if ((uint32_t)s < chunks) load_stage(stages + s * stage_vecs, x, w, m, n, k, m0, n0, s, vec);
+        if ((uint32_t)s < steps) load_stage(stages + s * STAGE_VECS, x, w, m, n, k, m0, n0, s, vec);
         cp_async_commit();
     }
-    for (uint32_t c = 0, in_seg = 1; c < chunks; ++c, ++in_seg) {
+    uint32_t in_seg = 0;
+    for (uint32_t j = 0; j < steps; ++j) {
         cp_async_wait<LIN_STAGES - 2>();
         __syncthreads();
-        const uint32_t pre = c + LIN_STAGES - 1;
-        if (pre < chunks) load_stage(stages + (pre % LIN_STAGES) * stage_vecs, x, w, m, n, k, m0, n0, pre, vec);
+        const uint32_t pre = j + LIN_STAGES - 1;
+        if (pre < steps) load_stage(stages + (pre % LIN_STAGES) * STAGE_VECS, x, w, m, n, k, m0, n0, pre, vec);
         cp_async_commit();
 
-        const uint4* sa = stages + (c % LIN_STAGES) * stage_vecs;
-        const uint4* sb = sa + LIN_BM * 4;
-        uint4 a[2][2], b[4];
+        const uint4* st = stages + (j % LIN_STAGES) * STAGE_VECS;
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-            a[mt][0] = sa[(wm0 + mt * 16 + g) * 4 + q];
-            a[mt][1] = sa[(wm0 + mt * 16 + g + 8) * 4 + q];
-        }
+        for (int ch = 0; ch < LIN_SC; ++ch) {
+            const uint32_t c = j * LIN_SC + ch;
+            if (c >= chunks) break;
+            const uint4* sa = st + ch * ROWS * 4;
+            const uint4* sb = sa + LIN_BM * 4;
+            uint4 a[MT][2], b[NT];
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) b[nt] = sb[(wn0 + nt * 8 + g) * 4 + q];
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt][0] = sa[(wm0 + mt * 16 + g) * 4 + q];
+                a[mt][1] = sa[(wm0 + mt * 16 + g + 8) * 4 + q];
+            }
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+            for (int nt = 0; nt < NT; ++nt) b[nt] = sb[(wn0 + nt * 8 + g) * 4 + q];
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) mma_chunk(acc[mt][nt], a[mt][0], a[mt][1], b[nt]);
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) mma_chunk(acc[mt][nt], a[mt][0], a[mt][1], b[nt]);
 
-        if (in_seg == seg_chunks || c + 1 == chunks) {  // a segment ends
-            in_seg = 0;
+            if (++in_seg == seg_chunks || c + 1 == chunks) {  // a segment ends
+                in_seg = 0;
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < 4; ++nt)
+                    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        total[mt][nt][j] += acc[mt][nt][j];
-                        acc[mt][nt][j] = 0.0f;
-                    }
+                        for (int jj = 0; jj < 4; ++jj) {
+                            total[mt][nt][jj] += acc[mt][nt][jj];
+                            acc[mt][nt][jj] = 0.0f;
+                        }
+            }
         }
     }
     cp_async_wait<0>();
 
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const uint32_t row = m0 + wm0 + mt * 16 + g + (j >= 2 ? 8 : 0);
-                const uint32_t col = n0 + wn0 + nt * 8 + 2 * q + (j & 1);
-                if (row < m && col < n) store_out(out, (size_t)row * n + col, total[mt][nt][j]);
+            for (int jj = 0; jj < 4; ++jj) {
+                const uint32_t row = m0 + wm0 + mt * 16 + g + (jj >= 2 ? 8 : 0);
+                const uint32_t col = n0 + wn0 + nt * 8 + 2 * q + (jj & 1);
+                if (row < m && col < n) store_out(out, (size_t)row * n + col, total[mt][nt][jj]);
             }
 }
 
@@ -543,14 +564,14 @@ MT_DEVICE void linear_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, 
 }
 
 // linear(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k).
-extern "C" __global__ void __launch_bounds__(LIN_THREADS)
+extern "C" __global__ void __launch_bounds__(LIN_THREADS, 1)
     linear(bf16* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
            uint32_t m, uint32_t n, uint32_t k) {
     linear_impl(out, x, w, m, n, k);
 }
 
 // linear_f32out(out: f32 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k): the LM head.
-extern "C" __global__ void __launch_bounds__(LIN_THREADS)
+extern "C" __global__ void __launch_bounds__(LIN_THREADS, 1)
     linear_f32out(float* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
                   uint32_t m, uint32_t n, uint32_t k) {
     linear_impl(out, x, w, m, n, k);

@@ -117,7 +117,7 @@ static void launch(const Var& v, bool pdl, cudaStream_t s, float* out, const bf1
                    uint32_t n, uint32_t k) {
     cudaLaunchConfig_t cfg = {};
     if (v.per_sm == 0) {
-        cfg.gridDim = dim3((n + 63) / 64, (m + 127) / 128, 1);
+        cfg.gridDim = dim3((n + 127) / 128, (m + 127) / 128, 1);
     } else if (v.per_sm == -2) {
         cfg.gridDim = dim3(LIN_SEGS * ((n + 8 * v.nt - 1) / (8 * v.nt)) * ((m + 16 * v.rt - 1) / (16 * v.rt)), 1, 1);
     } else if (v.per_sm < 0) {
@@ -189,7 +189,7 @@ int main(int argc, char** argv) {
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
 
     std::vector<Var> vars = {
-        {"tiled", (const void*)linear_f32out, 4 * 192 * 32 * 2, 0, 8, 8, 1 << 30},
+        {"tiled", (const void*)linear_f32out, 3 * 4 * 256 * 64, 0, 8, 8, 1 << 30},
         {"old_wide", (const void*)lab_old_wide, (192 + 32) * 1024, 1, 2, 4, 64},
         {"wide", (const void*)linear_stream_wide_f32out, LIN_W_STAGES * LIN_W_STAGE_CH * 192 * 64, -2, 16, 4, 1 << 30},
         {"n4s1x4", (const void*)lab_wide<4, 1, 4, 2>, 4 * 1 * 320 * 64, -2, 32, 4, 1 << 30},

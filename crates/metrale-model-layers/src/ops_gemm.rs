@@ -127,6 +127,10 @@ const LINEAR_WIDE_CLUSTER: u32 = 8;
 /// rows of 64 bytes (the segment partials reuse the ring at the end).
 const LINEAR_WIDE_SMEM: u32 = 3 * 2 * (128 + 64) * 64;
 
+/// Dynamic shared memory of `linear`: 3 stages of 4 chunks of (128 x + 128 weight) rows of 64
+/// bytes.
+const LINEAR_TILED_SMEM: u32 = 3 * 4 * (128 + 128) * 64;
+
 /// `linear`'s geometry, mirroring `kernels/gemm.cu` (256 threads on every path, launched as
 /// programmatic dependents: each kernel waits for the one before it in-kernel, and
 /// `linear_stream` loads its first weight fragments before that wait):
@@ -134,8 +138,8 @@ const LINEAR_WIDE_SMEM: u32 = 3 * 2 * (128 + 64) * 64;
 ///   8 columns by 16 rows, no dynamic shared memory (two and three blocks per multiprocessor).
 /// - `linear_stream_wide` (m <= 128): tiles of 128 columns by 64 rows, a cluster of 8 blocks
 ///   (one per k segment, compiled into the kernel) per tile.
-/// - `linear`: 128 x 64 output tiles, grid (ceil(n / 64), ceil(m / 128)), a 4-stage pipeline of
-///   (128 + 64) x 32 bf16 tiles in shared memory.
+/// - `linear`: 128 x 128 output tiles, grid (ceil(n / 128), ceil(m / 128)), a 3-stage pipeline of
+///   (128 + 128) x 128 bf16 tiles in shared memory (192 KiB, one block per multiprocessor).
 ///
 /// Every kernel computes the whole function at any `m` with its own geometry (the tests run
 /// each of them at every m).
@@ -148,8 +152,8 @@ pub fn linear_geometry(path: LinearPath, m: u32, n: u32) -> LaunchConfig {
             let tiles = n.div_ceil(128) * m.div_ceil(64);
             LaunchConfig::grid2(LINEAR_WIDE_CLUSTER * tiles, 1, 256).with_shared(LINEAR_WIDE_SMEM)
         }
-        LinearPath::Tiled => LaunchConfig::grid2(n.div_ceil(64), m.div_ceil(128), 256)
-            .with_shared(4 * (128 + 64) * 32 * 2),
+        LinearPath::Tiled => LaunchConfig::grid2(n.div_ceil(128), m.div_ceil(128), 256)
+            .with_shared(LINEAR_TILED_SMEM),
     };
     config.with_programmatic()
 }

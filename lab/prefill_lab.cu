@@ -1,0 +1,250 @@
+// Prefill GEMM lab: variants of the tiled kernel (`linear`, kernels/gemm.cu) with larger block and
+// warp tiles and several chunks per pipeline stage, all keeping the engine's numerics (chunks of
+// 32 k, LIN_SEGS segments, mma.sync m16n8k16 chains per segment summed in segment order), so each
+// is checked bitwise against `linear_f32out` (poisoned outputs) and then timed at prefill row
+// counts on the four Qwen3-8B projections. Build: lab/build.sh lab/prefill_lab.cu prefill_lab.
+#include "../kernels/gemm.cu"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define CK(x)                                                                                   \
+    do {                                                                                        \
+        cudaError_t e_ = (x);                                                                   \
+        if (e_ != cudaSuccess) {                                                                \
+            printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
+            exit(1);                                                                            \
+        }                                                                                       \
+    } while (0)
+
+// Block tile BM x BN, warp tile WM x WN, SC chunks (of 32 k) per stage, ST stages. Stage layout
+// [chunk][row][4 vectors]: the BM x rows, then the BN weight rows.
+template <int BM, int BN, int WM, int WN, int SC, int ST>
+__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, 1)
+    tiled2(float* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w, uint32_t m,
+           uint32_t n, uint32_t k) {
+    constexpr int THREADS = (BM / WM) * (BN / WN) * 32;
+    constexpr int MT = WM / 16, NT = WN / 8;
+    constexpr uint32_t ROWS = BM + BN, STAGE_VECS = SC * ROWS * 4;
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint4* ring = reinterpret_cast<uint4*>(smem);
+    const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const uint32_t m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const uint32_t wm0 = (warp / (BN / WN)) * WM, wn0 = (warp % (BN / WN)) * WN;
+    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
+    const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
+    const uint32_t steps = (chunks + SC - 1) / SC;
+
+    auto issue = [&](uint32_t j) {
+        if (j < steps) {
+            uint4* st = ring + (j % ST) * STAGE_VECS;
+#pragma unroll 4
+            for (uint32_t i = tid; i < ROWS * SC * 4; i += THREADS) {
+                const uint32_t r = i / (SC * 4), ch = (i / 4) % SC, qq = i % 4;
+                const uint32_t c = j * SC + ch, col = c * LIN_KC + qq * 8;
+                const bool is_x = r < BM;
+                const uint32_t grow = is_x ? m0 + r : n0 + (r - BM);
+                const bf16* base = is_x ? x : w;
+                const bool in = grow < (is_x ? m : n) && col < k;
+                cp_async16(st + (ch * ROWS + r) * 4 + qq, in ? base + (size_t)grow * k + col : base, in ? 16u : 0u);
+            }
+        }
+        cp_async_commit();
+    };
+
+    float acc[MT][NT][4], total[MT][NT][4];
+#pragma unroll
+    for (int a = 0; a < MT; ++a)
+#pragma unroll
+        for (int b = 0; b < NT; ++b)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[a][b][j] = total[a][b][j] = 0.0f;
+
+#pragma unroll
+    for (int p = 0; p < ST - 1; ++p) issue(p);
+    uint32_t in_seg = 0;
+    for (uint32_t j = 0; j < steps; ++j) {
+        cp_async_wait<ST - 2>();
+        __syncthreads();
+        issue(j + ST - 1);
+        const uint4* st = ring + (j % ST) * STAGE_VECS;
+#pragma unroll
+        for (int ch = 0; ch < SC; ++ch) {
+            const uint32_t c = j * SC + ch;
+            if (c >= chunks) break;
+            const uint4* sa = st + ch * ROWS * 4;
+            const uint4* sb = sa + BM * 4;
+            uint4 a[MT][2], b[NT];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt][0] = sa[(wm0 + mt * 16 + g) * 4 + q];
+                a[mt][1] = sa[(wm0 + mt * 16 + g + 8) * 4 + q];
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) b[nt] = sb[(wn0 + nt * 8 + g) * 4 + q];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) mma_chunk(acc[mt][nt], a[mt][0], a[mt][1], b[nt]);
+            if (++in_seg == seg_chunks || c + 1 == chunks) {
+                in_seg = 0;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int jj = 0; jj < 4; ++jj) {
+                            total[mt][nt][jj] += acc[mt][nt][jj];
+                            acc[mt][nt][jj] = 0.0f;
+                        }
+            }
+        }
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                const uint32_t row = m0 + wm0 + mt * 16 + g + (jj >= 2 ? 8 : 0);
+                const uint32_t col = n0 + wn0 + nt * 8 + 2 * q + (jj & 1);
+                if (row < m && col < n) out[(size_t)row * n + col] = total[mt][nt][jj];
+            }
+}
+
+__global__ void fill_bf16(bf16* p, size_t n, uint64_t seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed * 0xBF58476D1CE4E5B9ull;
+        z ^= z >> 31;
+        z *= 0x94D049BB133111EBull;
+        z ^= z >> 29;
+        p[i] = __float2bfloat16(((float)(z & 0xFFFFFF) / 16777216.0f * 2.0f - 1.0f) * scale);
+    }
+}
+
+struct Var {
+    const char* name;
+    const void* fn;
+    int bm, bn, threads, smem;
+};
+
+static void launch(const Var& v, cudaStream_t s, float* out, const bf16* x, const bf16* w, uint32_t m,
+                   uint32_t n, uint32_t k) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((n + v.bn - 1) / v.bn, (m + v.bm - 1) / v.bm, 1);
+    cfg.blockDim = dim3(v.threads, 1, 1);
+    cfg.dynamicSmemBytes = v.smem;
+    cfg.stream = s;
+    void* args[] = {&out, &x, &w, &m, &n, &k};
+    CK(cudaLaunchKernelExC(&cfg, v.fn, args));
+}
+
+#define VAR(BM, BN, WM, WN, SC, ST)                                                              \
+    Var {                                                                                      \
+        #BM "x" #BN " w" #WM "x" #WN " s" #SC "x" #ST, (const void*)tiled2<BM, BN, WM, WN, SC, ST>, BM, BN, \
+            (BM / WM) * (BN / WN) * 32, ST * SC * (BM + BN) * 64                               \
+    }
+
+int main() {
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    std::vector<Var> vars = {
+        {"tiled", (const void*)linear_f32out, 128, 128, 256, 3 * 4 * 256 * 64},
+        VAR(128, 64, 32, 32, 2, 4),
+        VAR(128, 128, 64, 32, 2, 4),
+        VAR(128, 128, 32, 64, 2, 4),
+        VAR(128, 128, 64, 32, 4, 3),
+        VAR(128, 256, 64, 64, 1, 4),
+        VAR(256, 128, 64, 64, 1, 4),
+        VAR(128, 128, 64, 64, 2, 4),
+        VAR(64, 128, 32, 32, 2, 4),
+    };
+    for (auto& v : vars) {
+        CK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem));
+        cudaFuncAttributes fa;
+        CK(cudaFuncGetAttributes(&fa, v.fn));
+        printf("kernel %-24s threads %3d smem %6d regs %3d local %zu\n", v.name, v.threads, v.smem, fa.numRegs,
+               fa.localSizeBytes);
+    }
+    struct Shape { uint32_t m, n, k; };
+    // Bitwise against the tiled kernel.
+    {
+        std::vector<Shape> shapes = {{2048, 6144, 4096}, {300, 4096, 12288}, {129, 1000, 4096}, {17, 136, 96},
+                                     {1000, 520, 1000}, {2048, 4096, 4096}};
+        int bad = 0, checked = 0;
+        for (auto sh : shapes) {
+            bf16 *x, *w;
+            CK(cudaMalloc(&x, (size_t)sh.m * sh.k * 2));
+            CK(cudaMalloc(&w, (size_t)sh.n * sh.k * 2));
+            fill_bf16<<<1024, 256>>>(x, (size_t)sh.m * sh.k, sh.m * 7 + sh.k, 1.0f);
+            fill_bf16<<<1024, 256>>>(w, (size_t)sh.n * sh.k, sh.n * 13 + sh.k, sqrtf(3.0f / sh.k));
+            float *ref, *out;
+            const size_t bytes = (size_t)sh.m * sh.n * 4;
+            CK(cudaMalloc(&ref, bytes));
+            CK(cudaMalloc(&out, bytes));
+            CK(cudaDeviceSynchronize());
+            CK(cudaMemsetAsync(ref, 0xFF, bytes, s));
+            launch(vars[0], s, ref, x, w, sh.m, sh.n, sh.k);
+            std::vector<uint32_t> hr(sh.m * (size_t)sh.n), ho(hr.size());
+            CK(cudaMemcpyAsync(hr.data(), ref, bytes, cudaMemcpyDeviceToHost, s));
+            CK(cudaStreamSynchronize(s));
+            for (size_t vi = 1; vi < vars.size(); ++vi) {
+                CK(cudaMemsetAsync(out, 0xFF, bytes, s));
+                launch(vars[vi], s, out, x, w, sh.m, sh.n, sh.k);
+                CK(cudaMemcpyAsync(ho.data(), out, bytes, cudaMemcpyDeviceToHost, s));
+                CK(cudaStreamSynchronize(s));
+                size_t diff = 0;
+                for (size_t i = 0; i < hr.size(); ++i) diff += hr[i] != ho[i];
+                ++checked;
+                if (diff) {
+                    ++bad;
+                    printf("CHECK %-24s m=%u n=%u k=%u: %zu differ\n", vars[vi].name, sh.m, sh.n, sh.k, diff);
+                }
+            }
+            CK(cudaFree(x)); CK(cudaFree(w)); CK(cudaFree(ref)); CK(cudaFree(out));
+        }
+        printf("bitwise: %d of %d variant runs differ from tiled\n", bad, checked);
+    }
+    // Timing at prefill row counts.
+    std::vector<Shape> projs = {{2048, 6144, 4096}, {2048, 4096, 4096}, {2048, 24576, 4096}, {2048, 4096, 12288},
+                                {512, 24576, 4096}, {8192, 4096, 4096}};
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    for (auto sh : projs) {
+        bf16 *x, *w;
+        float* out;
+        CK(cudaMalloc(&x, (size_t)sh.m * sh.k * 2));
+        CK(cudaMalloc(&w, (size_t)sh.n * sh.k * 2));
+        CK(cudaMalloc(&out, (size_t)sh.m * sh.n * 4));
+        fill_bf16<<<1024, 256>>>(x, (size_t)sh.m * sh.k, 3, 1.0f);
+        fill_bf16<<<1024, 256>>>(w, (size_t)sh.n * sh.k, 4, 0.03f);
+        CK(cudaDeviceSynchronize());
+        const double flop = 2.0 * sh.m * sh.n * sh.k;
+        printf("m=%u n=%u k=%u:", sh.m, sh.n, sh.k);
+        for (auto& v : vars) {
+            std::vector<float> t;
+            for (int i = 0; i < 7; ++i) {
+                CK(cudaEventRecord(a, s));
+                launch(v, s, out, x, w, sh.m, sh.n, sh.k);
+                CK(cudaEventRecord(b, s));
+                CK(cudaEventSynchronize(b));
+                float ms;
+                CK(cudaEventElapsedTime(&ms, a, b));
+                if (i >= 2) t.push_back(ms);
+            }
+            std::sort(t.begin(), t.end());
+            printf("  %s %.3f ms (%.0f TF)", v.name, t[2], flop / (t[2] * 1e9));
+        }
+        printf("\n");
+        CK(cudaFree(x)); CK(cudaFree(w)); CK(cudaFree(out));
+    }
+    printf("lab done\n");
+    return 0;
+}
