@@ -38,6 +38,16 @@
 // reads item k's partials from the cluster and writes its share of the outputs (the combine
 // buffers alternate by item parity), so blocks do not idle at the barrier.
 //
+// `paged_attention_prefill` runs the same code on row groups (ops::attention_row_groups, built
+// by the host for prefill chunks): up to ATT_HB / hb consecutive rows of one sequence whose
+// positions lie in one 16-token unit, so their contexts cut into the same units, splits and warp
+// shares. A group is one item: its rows' hb heads are the MMA rows (virtual head j * hb + h at
+// row j * hb + h), each row masks the tokens past its own position, and every key and value is
+// read once for the group. Each row's arithmetic is the single-row kernel's, so the two kernels
+// agree bitwise (gpu_kernels tests it); decode and verify steps, which graphs capture, keep
+// `paged_attention` (a group count depends on the positions). Measured on the H200 (2026-11-30,
+// Qwen3-8B shape, 2048-token prefill): 2.77 ms per layer against 3.45 with one row per item.
+//
 // Rows whose inputs are out of range (sequence past the block tables, a context longer than
 // max_blocks, a slot past num_slots) get NaN outputs, as does every row of a launch the kernel
 // cannot run (head_dim > ATT_MAX_D, heads that do not group, a wrong block size, too little
@@ -67,6 +77,10 @@ MT_DEVICE uint32_t att_heads_per_block(uint32_t hq, uint32_t hkv) {
         if (g % b == 0) return b;
     return 1;
 }
+
+// Rows per item of `paged_attention_prefill`: as many as fill the ATT_HB query rows of a unit's
+// MMAs beside hb heads each. The launcher computes the same.
+MT_DEVICE uint32_t att_rows_per_item(uint32_t hb) { return ATT_HB / hb; }
 
 // head_dim padded to the tensor-core tile the kernel is instantiated for.
 MT_DEVICE uint32_t att_padded_dim(uint32_t d) {
@@ -124,27 +138,41 @@ struct AttLaunch {
     const bf16* k_cache;
     const bf16* v_cache;
     const uint32_t* block_tables;
+    const uint32_t* positions;
+    const uint32_t* row_groups;  // paged_attention_prefill: [n_groups][first row, rows]; else NULL
     uint32_t row_stride, q_head_stride, hq, d, block_size, max_blocks, num_slots;
-    uint32_t hb, group, groups, n_items, n_clusters, cluster, split, nk;
+    uint32_t hb, hv, group, groups, n_items, n_clusters, cluster, split, nk;
     size_t width;  // elements per slot (num_kv_heads * head_dim)
     float scale_log2;
     bool gated, vec;
 };
 
-// Item k of this cluster: (row, group of hb query heads) number cluster + k * n_clusters, and the
-// units of it this block's warp `warp` takes.
+// Item k of this cluster: (rows, group of hb query heads) number cluster + k * n_clusters, and
+// the units of it this block's warp `warp` takes. The item's rows are `row` .. row + cnt - 1 (one
+// row in `paged_attention`; a row group of `paged_attention_prefill`, whose rows share a
+// sequence and a unit count); virtual head v = j * hb + h is head h0 + h of row row + j, and sits
+// at MMA row v. `ctx` is the largest context of the rows (0: out of range), `rctx` the context of
+// the row of lane's MMA row g.
 struct AttItem {
-    uint32_t row, h0, seq, ctx, first, mine;
+    uint32_t row, cnt, h0, seq, ctx, rctx, first, mine;
 };
 
+template <bool GROUPED>
 MT_DEVICE AttItem att_item(const AttLaunch& a, uint32_t k, const uint32_t* seq_s,
                            const uint32_t* ctx_s, uint32_t warp) {
     AttItem it;
     const uint32_t n = a.cluster + k * a.n_clusters;
-    it.row = n / a.groups;
+    const uint32_t gi = n / a.groups;
+    it.row = GROUPED ? a.row_groups[2 * gi] : gi;
+    it.cnt = GROUPED ? a.row_groups[2 * gi + 1] : 1;
     it.h0 = (n % a.groups) * a.hb;
     it.seq = seq_s[k];
     it.ctx = ctx_s[k];  // 0: the row's inputs are out of range
+    it.rctx = it.ctx;
+    if (GROUPED) {
+        const uint32_t j = ((threadIdx.x & 31) >> 2) / a.hb;
+        if (it.ctx != 0 && j < it.cnt) it.rctx = a.positions[it.row + j] + 1;
+    }
     const uint32_t units = (it.ctx + ATT_UNIT - 1) / ATT_UNIT;
     const uint32_t ub = (uint32_t)((uint64_t)a.split * units / ATT_SPLITS);
     const uint32_t ue = (uint32_t)((uint64_t)(a.split + 1) * units / ATT_SPLITS);
@@ -156,7 +184,7 @@ MT_DEVICE AttItem att_item(const AttLaunch& a, uint32_t k, const uint32_t* seq_s
 // Copy unit `unit` of item `it` into `stage`: the hb query rows (rows hb..7 stay zero), then the
 // keys and values of its 16 tokens (cp.async on the vector path, plain loads otherwise); dead
 // tokens and padded dimensions become zeros. Returns whether a slot was past the pool (uniform).
-template <int DP>
+template <int DP, bool GROUPED>
 MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry,
                          bf16* stage, uint32_t lane) {
     constexpr int RS = DP + 8, NCH = DP / 8;
@@ -164,6 +192,11 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
     bf16* ks = stage + ATT_HB * RS;
     bf16* vs = ks + ATT_UNIT * RS;
     const bf16* q = a.qkv + (size_t)it.row * a.row_stride + (size_t)it.h0 * a.q_head_stride;
+    // Virtual head v's query: head h0 + v % hb of row row + v / hb (zeros past the item's rows).
+    auto q_at = [&](uint32_t v) {
+        return GROUPED ? q + (size_t)(v / a.hb) * a.row_stride + (size_t)(v % a.hb) * a.q_head_stride
+                       : q + (size_t)v * a.q_head_stride;
+    };
     const size_t kv_at = (size_t)(it.h0 / a.group) * a.d;
     // Lanes 0..15: the slot of token 16 * unit + lane (`entry`: its block, read ahead).
     uint32_t slot = 0, live = 0;
@@ -181,9 +214,10 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
     const bf16* kb = a.k_cache + kv_at;
     const bf16* vb = a.v_cache + kv_at;
     if (a.vec) {
-        for (uint32_t idx = lane; idx < a.hb * NCH; idx += 32) {
+        for (uint32_t idx = lane; idx < a.hv * NCH; idx += 32) {
             const uint32_t h = idx / NCH, ch = idx % NCH;
-            if (8 * ch < a.d) cp_async16(qs + h * RS + 8 * ch, q + (size_t)h * a.q_head_stride + 8 * ch, 16u);
+            const bool on = !GROUPED || h / a.hb < it.cnt;
+            if (8 * ch < a.d) cp_async16(qs + h * RS + 8 * ch, on ? q_at(h) + 8 * ch : q, on ? 16u : 0u);
         }
 #pragma unroll
         for (int i = 0; i < ATT_UNIT * NCH / 32; ++i) {
@@ -195,9 +229,9 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
             cp_async16(vs + tok * RS + 8 * ch, vb + off, on ? 16u : 0u);
         }
     } else {
-        for (uint32_t idx = lane; idx < a.hb * DP; idx += 32) {
+        for (uint32_t idx = lane; idx < a.hv * DP; idx += 32) {
             const uint32_t h = idx / DP, e = idx % DP;
-            qs[h * RS + e] = e < a.d ? q[(size_t)h * a.q_head_stride + e] : __ushort_as_bfloat16((unsigned short)0);
+            qs[h * RS + e] = e < a.d && (!GROUPED || h / a.hb < it.cnt) ? q_at(h)[e] : __ushort_as_bfloat16((unsigned short)0);
         }
 #pragma unroll 1
         for (int i = 0; i < ATT_UNIT * DP / 32; ++i) {
@@ -287,6 +321,16 @@ MT_DEVICE void att_nan_item(const AttLaunch& a, uint32_t row, uint32_t h0) {
         o[i] = bf16_nan();
 }
 
+// Virtual head v of item `it`: its output (and gate) offset, or false past the item's rows.
+template <bool GROUPED>
+MT_DEVICE bool att_out_at(const AttLaunch& a, const AttItem& it, uint32_t v, size_t& out_off, size_t& in_off) {
+    const uint32_t j = GROUPED ? v / a.hb : 0, h = it.h0 + (GROUPED ? v % a.hb : v);
+    if (j >= it.cnt) return false;
+    out_off = ((size_t)(it.row + j) * a.hq + h) * a.d;
+    in_off = (size_t)(it.row + j) * a.row_stride + (size_t)h * a.q_head_stride + a.d;
+    return true;
+}
+
 // Block-level shared state beside the dynamic buffers.
 struct AttShared {
     float wm[ATT_WARPS][ATT_HB], wl[ATT_WARPS][ATT_HB];  // each warp's max and sum per head
@@ -297,18 +341,18 @@ struct AttShared {
 
 // The cluster's combine of one item (blocks in block order) and its output: this block's share
 // of the hb * d outputs, NaN for an item whose inputs are out of range.
-template <int DP>
+template <int DP, bool GROUPED>
 MT_DEVICE void att_output(const AttLaunch& a, const AttItem& it, uint32_t p, AttShared& sh,
                           const float* pk) {
     cg::cluster_group cluster = cg::this_cluster();
-    bf16* out = a.out + ((size_t)it.row * a.hq + it.h0) * a.d;
-    const bf16* gate = a.qkv + (size_t)it.row * a.row_stride + (size_t)it.h0 * a.q_head_stride + a.d;
-    for (uint32_t idx = a.split * ATT_THREADS + threadIdx.x; idx < a.hb * a.d; idx += ATT_SPLITS * ATT_THREADS) {
+    for (uint32_t idx = a.split * ATT_THREADS + threadIdx.x; idx < a.hv * a.d; idx += ATT_SPLITS * ATT_THREADS) {
+        const uint32_t h = idx / a.d, e = idx % a.d;
+        size_t out_off, gate_off;
+        if (!att_out_at<GROUPED>(a, it, h, out_off, gate_off)) continue;
         if (it.ctx == 0) {
-            out[idx] = bf16_nan();
+            a.out[out_off + e] = bf16_nan();
             continue;
         }
-        const uint32_t h = idx / a.d, e = idx % a.d;
         float ms[ATT_SPLITS], ls[ATT_SPLITS], ps[ATT_SPLITS];
 #pragma unroll
         for (int s = 0; s < ATT_SPLITS; ++s) {
@@ -327,8 +371,8 @@ MT_DEVICE void att_output(const AttLaunch& a, const AttItem& it, uint32_t p, Att
             den += wt * ls[s];
         }
         float val = num / den;
-        if (a.gated) val *= sigmoidf_acc(bf2f(gate[(size_t)h * a.q_head_stride + e]));
-        out[(size_t)h * a.d + e] = f2bf(val);
+        if (a.gated) val *= sigmoidf_acc(bf2f(a.qkv[gate_off + e]));
+        a.out[out_off + e] = f2bf(val);
     }
 }
 
@@ -339,14 +383,14 @@ struct AttCursor {
     AttItem it;
 };
 
-template <int DP>
+template <int DP, bool GROUPED>
 MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
     constexpr uint32_t STAGE_ELEMS = (ATT_HB + 2 * ATT_UNIT) * (DP + 8);
     const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const uint32_t g = lane >> 2, c = lane & 3;
     bf16* ring = reinterpret_cast<bf16*>(dyn) + (size_t)warp * ATT_STAGES * STAGE_ELEMS;
     float* ow = reinterpret_cast<float*>(dyn + ATT_WARPS * ATT_STAGES * STAGE_ELEMS * 2);  // [W][hb][DP]
-    float* part = ow + ATT_WARPS * a.hb * DP;  // [2][hb][DP], by item parity (read by the cluster)
+    float* part = ow + ATT_WARPS * a.hv * DP;  // [2][hv][DP], by item parity (read by the cluster)
     // Query rows past hb and dimensions past head_dim are never copied: zero them once.
     for (uint32_t i = lane; i < ATT_STAGES * STAGE_ELEMS / 8; i += 32)
         store16(ring + 8 * i, make_uint4(0, 0, 0, 0));
@@ -358,12 +402,12 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
     f.k = 0;
     f.i = 0;
     f.entry = 0;
-    if (a.nk > 0) f.it = att_item(a, 0, sh.seq, sh.ctx, warp);
+    if (a.nk > 0) f.it = att_item<GROUPED>(a, 0, sh.seq, sh.ctx, warp);
     auto settle = [&]() {  // move to the next unit that exists and read its table entries
         while (f.k < a.nk && f.i >= f.it.mine) {
             ++f.k;
             f.i = 0;
-            if (f.k < a.nk) f.it = att_item(a, f.k, sh.seq, sh.ctx, warp);
+            if (f.k < a.nk) f.it = att_item<GROUPED>(a, f.k, sh.seq, sh.ctx, warp);
         }
         if (f.k < a.nk) {
             const uint32_t t = (f.it.first + ATT_WARPS * f.i) * ATT_UNIT + lane;
@@ -375,7 +419,7 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
     uint32_t bad_bits = 0;
     auto issue_next = [&](uint32_t st) {
         if (f.k < a.nk) {
-            const bool bad = att_issue<DP>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry,
+            const bool bad = att_issue<DP, GROUPED>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry,
                                            ring + st * STAGE_ELEMS, lane);
             bad_bits = (bad_bits & ~(1u << st)) | ((bad ? 1u : 0u) << st);
             ++f.i;
@@ -394,7 +438,7 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
     AttItem prev;
     prev.ctx = 0;
     for (uint32_t k = 0; k < a.nk; ++k) {
-        const AttItem it = att_item(a, k, sh.seq, sh.ctx, warp);
+        const AttItem it = att_item<GROUPED>(a, k, sh.seq, sh.ctx, warp);
         float o[DP / 8][2];
 #pragma unroll
         for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = 0.0f;
@@ -404,7 +448,7 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
             cp_async_wait<ATT_STAGES - 1>();
             __syncwarp();
             const uint32_t st = consumed % ATT_STAGES;
-            att_unit<DP>(ring + st * STAGE_ELEMS, it.first + ATT_WARPS * i, it.ctx, a.scale_log2, lane, o, m, l);
+            att_unit<DP>(ring + st * STAGE_ELEMS, it.first + ATT_WARPS * i, it.rctx, a.scale_log2, lane, o, m, l);
             bad = bad || ((bad_bits >> st) & 1u) != 0;
             __syncwarp();
             issue_next(st);
@@ -418,17 +462,17 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
             // Every block has combined item k - 1, and so has read all of item k - 2 (whose
             // buffers, of parity p, this item reuses).
             att_cluster_wait();
-            att_output<DP>(a, prev, p ^ 1u, sh, part + (p ^ 1u) * a.hb * DP);
+            att_output<DP, GROUPED>(a, prev, p ^ 1u, sh, part + (p ^ 1u) * a.hv * DP);
             if (tid == 0) sh.bad[p ^ 1u] = 0;
         }
 
         // The block's warps in warp order.
-        float* pk = part + p * a.hb * DP;
-        if (g < a.hb) {
+        float* pk = part + p * a.hv * DP;
+        if (g < a.hv) {
 #pragma unroll
             for (int n = 0; n < DP / 8; ++n) {
-                ow[(warp * a.hb + g) * DP + 8 * n + 2 * c] = o[n][0];
-                ow[(warp * a.hb + g) * DP + 8 * n + 2 * c + 1] = o[n][1];
+                ow[(warp * a.hv + g) * DP + 8 * n + 2 * c] = o[n][0];
+                ow[(warp * a.hv + g) * DP + 8 * n + 2 * c + 1] = o[n][1];
             }
             if (c == 0) {
                 sh.wm[warp][g] = m;
@@ -437,7 +481,7 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
         }
         if (bad && lane == 0) sh.bad[p] = 1;
         __syncthreads();
-        for (uint32_t idx = tid; idx < a.hb * DP; idx += ATT_THREADS) {
+        for (uint32_t idx = tid; idx < a.hv * DP; idx += ATT_THREADS) {
             const uint32_t h = idx / DP;
             float mx = -INFINITY;
 #pragma unroll
@@ -446,7 +490,7 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
 #pragma unroll
             for (int w = 0; w < ATT_WARPS; ++w) {
                 const float wt = sh.wm[w][h] == -INFINITY ? 0.0f : exp2f(sh.wm[w][h] - mx);
-                num += wt * ow[w * a.hb * DP + idx];
+                num += wt * ow[w * a.hv * DP + idx];
                 den += wt * sh.wl[w][h];
             }
             pk[idx] = num;
@@ -462,26 +506,22 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
     if (a.nk > 0) {
         att_cluster_wait();
         const uint32_t p = (a.nk - 1) & 1;
-        att_output<DP>(a, prev, p, sh, part + p * a.hb * DP);
+        att_output<DP, GROUPED>(a, prev, p, sh, part + p * a.hv * DP);
     }
     // Keep this block's shared memory alive until every block of the cluster has read it.
     att_cluster_arrive();
     att_cluster_wait();
 }
 
-// paged_attention(out: bf16 [rows, num_q_heads * head_dim], qkv: bf16 [rows, row_stride],
-// k_cache, v_cache: bf16 [num_slots, num_kv_heads, head_dim], block_tables: u32 [num_seqs,
-// max_blocks], row_seq: u32 [rows], positions: u32 [rows], rows, row_stride, q_head_stride,
-// num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_seqs, num_slots, scale, gated).
-extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATT_THREADS)
-    paged_attention(bf16* __restrict__ out, const bf16* __restrict__ qkv,
-                    const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
-                    const uint32_t* __restrict__ block_tables,
-                    const uint32_t* __restrict__ row_seq, const uint32_t* __restrict__ positions,
-                    uint32_t rows, uint32_t row_stride, uint32_t q_head_stride,
-                    uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
-                    uint32_t block_size, uint32_t max_blocks, uint32_t num_seqs,
-                    uint32_t num_slots, float scale, uint32_t gated) {
+// The body of both kernels: `row_groups` NULL for one row per item (`paged_attention`), else the
+// row groups of `paged_attention_prefill` (n_groups of them).
+template <bool GROUPED>
+MT_DEVICE void att_main(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
+                        const uint32_t* block_tables, const uint32_t* row_seq, const uint32_t* positions,
+                        uint32_t rows, uint32_t row_stride, uint32_t q_head_stride, uint32_t num_q_heads,
+                        uint32_t num_kv_heads, uint32_t head_dim, uint32_t block_size, uint32_t max_blocks,
+                        uint32_t num_seqs, uint32_t num_slots, float scale, uint32_t gated,
+                        const uint32_t* row_groups, uint32_t n_groups) {
     extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ AttShared sh;
 
@@ -491,6 +531,8 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
     a.k_cache = k_cache;
     a.v_cache = v_cache;
     a.block_tables = block_tables;
+    a.positions = positions;
+    a.row_groups = row_groups;
     a.row_stride = row_stride;
     a.q_head_stride = q_head_stride;
     a.hq = num_q_heads;
@@ -499,9 +541,11 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
     a.max_blocks = max_blocks;
     a.num_slots = num_slots;
     a.hb = att_heads_per_block(num_q_heads, num_kv_heads);
+    const uint32_t rpi = GROUPED ? att_rows_per_item(a.hb) : 1;
+    a.hv = rpi * a.hb;
     a.group = num_kv_heads > 0 ? num_q_heads / num_kv_heads : 1;
     a.groups = num_q_heads / a.hb;
-    a.n_items = rows * a.groups;
+    a.n_items = (GROUPED ? n_groups : rows) * a.groups;
     a.n_clusters = gridDim.x / ATT_SPLITS;
     a.cluster = blockIdx.x / ATT_SPLITS;
     a.split = blockIdx.x % ATT_SPLITS;
@@ -519,9 +563,15 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
                            head_dim <= ATT_MAX_D && block_size > 0 && blockDim.x == ATT_THREADS &&
                            gridDim.y == 1 &&
                            (a.n_items + a.n_clusters - 1) / a.n_clusters <= ATT_MAX_ITEMS &&
-                           dyn_bytes >= att_shared_bytes(dp, a.hb);
+                           dyn_bytes >= att_shared_bytes(dp, a.hv);
     if (!launch_ok) {
         if (num_q_heads == 0) return;
+        if (GROUPED) {  // every row of the launch
+            for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x)
+                for (uint32_t i = threadIdx.x; i < num_q_heads * head_dim; i += blockDim.x)
+                    out[(size_t)r * num_q_heads * head_dim + i] = bf16_nan();
+            return;
+        }
         for (uint32_t k = 0; k < a.nk; ++k) {
             const uint32_t n = a.cluster + k * a.n_clusters;
             att_nan_item(a, n / a.groups, (n % a.groups) * a.hb);
@@ -529,11 +579,21 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
         return;
     }
 
-    // Each item's sequence and context (0 when the row's inputs are out of range).
+    // Each item's sequence and context (0 when the rows' inputs are out of range: a row group
+    // must be 1..rpi rows of one sequence whose contexts span the same units).
     for (uint32_t k = threadIdx.x; k < a.nk; k += ATT_THREADS) {
-        const uint32_t r = (a.cluster + k * a.n_clusters) / a.groups;
-        const uint32_t seq = row_seq[r], ctx = positions[r] + 1;
-        const bool ok = seq < num_seqs && ctx != 0 && (ctx + block_size - 1) / block_size <= max_blocks;
+        const uint32_t gi = (a.cluster + k * a.n_clusters) / a.groups;
+        const uint32_t r = GROUPED ? row_groups[2 * gi] : gi;
+        const uint32_t cnt = GROUPED ? row_groups[2 * gi + 1] : 1;
+        bool ok = cnt >= 1 && cnt <= rpi && r < rows && cnt <= rows - r;
+        const uint32_t seq = ok ? row_seq[r] : 0, ctx0 = ok ? positions[r] + 1 : 0;
+        uint32_t ctx = ctx0;
+        for (uint32_t j = 1; ok && j < cnt; ++j) {
+            const uint32_t cj = positions[r + j] + 1;
+            ok = row_seq[r + j] == seq && cj != 0 && (cj - 1) / ATT_UNIT == (ctx0 - 1) / ATT_UNIT;
+            ctx = max(ctx, cj);
+        }
+        ok = ok && seq < num_seqs && ctx0 != 0 && (ctx + block_size - 1) / block_size <= max_blocks;
         sh.seq[k] = ok ? seq : 0;
         sh.ctx[k] = ok ? ctx : 0;
     }
@@ -541,9 +601,47 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
     __syncthreads();
 
     switch (dp) {
-        case 32: att_run<32>(a, att_dyn, sh); break;
-        case 64: att_run<64>(a, att_dyn, sh); break;
-        case 128: att_run<128>(a, att_dyn, sh); break;
-        default: att_run<256>(a, att_dyn, sh); break;
+        case 32: att_run<32, GROUPED>(a, att_dyn, sh); break;
+        case 64: att_run<64, GROUPED>(a, att_dyn, sh); break;
+        case 128: att_run<128, GROUPED>(a, att_dyn, sh); break;
+        default: att_run<256, GROUPED>(a, att_dyn, sh); break;
     }
+}
+
+// paged_attention(out: bf16 [rows, num_q_heads * head_dim], qkv: bf16 [rows, row_stride],
+// k_cache, v_cache: bf16 [num_slots, num_kv_heads, head_dim], block_tables: u32 [num_seqs,
+// max_blocks], row_seq: u32 [rows], positions: u32 [rows], rows, row_stride, q_head_stride,
+// num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_seqs, num_slots, scale, gated).
+extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATT_THREADS)
+    paged_attention(bf16* __restrict__ out, const bf16* __restrict__ qkv,
+                    const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                    const uint32_t* __restrict__ block_tables,
+                    const uint32_t* __restrict__ row_seq, const uint32_t* __restrict__ positions,
+                    uint32_t rows, uint32_t row_stride, uint32_t q_head_stride,
+                    uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
+                    uint32_t block_size, uint32_t max_blocks, uint32_t num_seqs,
+                    uint32_t num_slots, float scale, uint32_t gated) {
+    att_main<false>(out, qkv, k_cache, v_cache, block_tables, row_seq, positions, rows, row_stride,
+                    q_head_stride, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,
+                    num_seqs, num_slots, scale, gated, nullptr, 0);
+}
+
+// paged_attention_prefill(the arguments of paged_attention, then row_groups: u32 [n_groups, 2]
+// (first row, rows), n_groups): `paged_attention` on the rows of the groups, bitwise, with the
+// rows of a group (1 .. ATT_HB / hb consecutive rows of one sequence whose positions lie in the
+// same 16-token unit, so their unit splits are the same) in one item: each key and value is read
+// once for all of them. Rows of no group are not written; a malformed group gets NaN outputs.
+extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATT_THREADS)
+    paged_attention_prefill(bf16* __restrict__ out, const bf16* __restrict__ qkv,
+                            const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                            const uint32_t* __restrict__ block_tables,
+                            const uint32_t* __restrict__ row_seq, const uint32_t* __restrict__ positions,
+                            uint32_t rows, uint32_t row_stride, uint32_t q_head_stride,
+                            uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
+                            uint32_t block_size, uint32_t max_blocks, uint32_t num_seqs,
+                            uint32_t num_slots, float scale, uint32_t gated,
+                            const uint32_t* __restrict__ row_groups, uint32_t n_groups) {
+    att_main<true>(out, qkv, k_cache, v_cache, block_tables, row_seq, positions, rows, row_stride,
+                   q_head_stride, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,
+                   num_seqs, num_slots, scale, gated, row_groups, n_groups);
 }

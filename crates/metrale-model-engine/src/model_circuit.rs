@@ -251,6 +251,7 @@ impl ModelCircuit for TransformerModel {
             max_blocks: self.max_blocks as u32,
             logit_rows: rows,
             verify: false,
+            att_groups: 0,
         };
         let (recorder, ops) = Recorder::over(&self.ops);
         self.launch_step_with(&ops, shape)?;

@@ -104,6 +104,10 @@ pub struct StepShape {
     /// token, bitwise as decode steps would, and keep the state after every row in that row's
     /// `StepBuffers::row_slot` instead of advancing the sequence's own slot.
     pub verify: bool,
+    /// Row groups uploaded to `StepBuffers::att_groups` for `paged_attention_prefill`; 0: every
+    /// row attends alone through `paged_attention` (decode and verify steps, which graphs
+    /// capture).
+    pub att_groups: u32,
 }
 
 /// The fixed buffers a step reads and writes; allocated once in the model's arena.
@@ -129,6 +133,9 @@ pub struct StepBuffers {
     pub positions: DevicePtr,
     /// u32 `[rows]`: block-table row of each row.
     pub row_seq: DevicePtr,
+    /// u32 `[rows, 2]`: the row groups of the prefill attention (`ops::attention_row_groups`),
+    /// `StepShape::att_groups` of them.
+    pub att_groups: DevicePtr,
     /// u32 `[rows]`: cache slot of each row (`u32::MAX` for padding).
     pub slot_mapping: DevicePtr,
     /// u32 `[num_seqs, max_blocks]`.

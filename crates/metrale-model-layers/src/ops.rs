@@ -85,6 +85,7 @@ kernel_table! {
     qk_norm_rope_kv_store => ("rope", "qk_norm_rope_kv_store"),
     kv_store => ("cache", "kv_store"),
     paged_attention => ("attention", "paged_attention"),
+    paged_attention_prefill => ("attention", "paged_attention_prefill"),
     linear => ("gemm", "linear"),
     linear_f32out => ("gemm", "linear_f32out"),
     linear_stream => ("gemm", "linear_stream"),
@@ -446,6 +447,56 @@ impl Ops {
         )
     }
 
+    /// `paged_attention` on the rows of `n_groups` row groups at `row_groups` (u32 `[n, 2]`:
+    /// first row, rows; [`attention_row_groups`] makes them), bitwise the same per row, each
+    /// group's rows in one item so their keys and values are read once: the prefill path.
+    pub fn paged_attention_prefill(
+        &self,
+        s: StreamHandle,
+        p: &PagedAttention,
+        row_groups: DevicePtr,
+        n_groups: u32,
+    ) -> GpuResult<()> {
+        let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
+        let items = n_groups * (p.num_q_heads / hb);
+        self.go(
+            self.k.paged_attention_prefill,
+            LaunchConfig::grid2(
+                ATTENTION_SPLITS * attention_clusters(items, p.head_dim),
+                1,
+                32 * ATTENTION_WARPS,
+            )
+            .with_shared(attention_shared_bytes(
+                p.head_dim,
+                hb * attention_rows_per_item(hb),
+            )),
+            &[
+                p.out.into(),
+                p.qkv.into(),
+                p.k_cache.into(),
+                p.v_cache.into(),
+                p.block_tables.into(),
+                p.row_seq.into(),
+                p.positions.into(),
+                p.rows.into(),
+                p.row_stride.into(),
+                p.q_head_stride.into(),
+                p.num_q_heads.into(),
+                p.num_kv_heads.into(),
+                p.head_dim.into(),
+                p.block_size.into(),
+                p.max_blocks.into(),
+                p.num_seqs.into(),
+                p.num_slots.into(),
+                p.scale.into(),
+                (p.gated as u32).into(),
+                row_groups.into(),
+                n_groups.into(),
+            ],
+            s,
+        )
+    }
+
     /// `out = silu(gate) * up` over rows of `[gate | up]`.
     pub fn silu_mul(
         &self,
@@ -538,6 +589,37 @@ fn attention_clusters(items: u32, head_dim: u32) -> u32 {
         .min(resident)
         .max(items.div_ceil(ATTENTION_MAX_ITEMS))
         .max(1)
+}
+
+/// Rows per item of `paged_attention_prefill` (`att_rows_per_item`): as many as fill the
+/// `ATTENTION_HEADS_PER_BLOCK` query rows of a unit's MMAs beside `heads_per_block` heads each.
+fn attention_rows_per_item(heads_per_block: u32) -> u32 {
+    ATTENTION_HEADS_PER_BLOCK / heads_per_block.max(1)
+}
+
+/// The row groups of `paged_attention_prefill` for a step's rows, given as (sequence, position)
+/// in row order: runs of consecutive rows of one sequence whose positions lie in one 16-token
+/// unit (so their contexts split into the same units), at most the kernel's rows per item each;
+/// flattened as (first row, rows) pairs.
+pub fn attention_row_groups(
+    rows: impl IntoIterator<Item = (u32, u32)>,
+    num_q_heads: u32,
+    num_kv_heads: u32,
+) -> Vec<u32> {
+    let most = attention_rows_per_item(attention_heads_per_block(num_q_heads, num_kv_heads));
+    let mut groups: Vec<u32> = Vec::new();
+    let mut open: Option<(u32, u32)> = None; // (sequence, unit) of the last group
+    for (r, (seq, pos)) in rows.into_iter().enumerate() {
+        let key = (seq, pos / 16);
+        let n = groups.len();
+        if open == Some(key) && groups[n - 1] < most {
+            groups[n - 1] += 1;
+        } else {
+            groups.extend([r as u32, 1]);
+            open = Some(key);
+        }
+    }
+    groups
 }
 
 /// Query heads per `paged_attention` cluster, as `att_heads_per_block` in

@@ -512,10 +512,8 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
     let pos: Vec<u32> = (0..len as u32).collect();
     let (seqp, posp) = (r.put(&seq), r.put(&pos));
     let scale = 1.0 / (dh as f32).sqrt();
-    r.run(
-        "attention",
-        "paged_attention",
-        &[
+    let args = |out: DevicePtr| {
+        vec![
             out.into(),
             qp.into(),
             kc.into(),
@@ -535,9 +533,9 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
             u(slots),
             scale.into(),
             0u32.into(),
-        ],
-    )
-    .unwrap();
+        ]
+    };
+    r.run("attention", "paged_attention", &args(out)).unwrap();
     let q = tof(&qkv);
     let mut want = vec![0.0f64; len * hq * dh];
     for t in 0..len {
@@ -567,6 +565,30 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
         1e-2,
         "paged_attention",
     );
+    // The prefill twin over row groups (2 heads per block: up to 4 rows of one unit each)
+    // gives every grouped row bitwise the same; a group of 5 rows is refused.
+    let grouped = r.out(len * hq * dh * 2);
+    let mut with_groups = args(grouped);
+    with_groups.extend([r.put(&[0u32, 4, 4, 4, 8, 2]).into(), u(3)]);
+    r.run("attention", "paged_attention_prefill", &with_groups)
+        .unwrap();
+    let bits = |p| {
+        r.get_bf(p, len * hq * dh)
+            .iter()
+            .map(|v| v.to_bits())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        bits(grouped),
+        bits(out),
+        "the prefill twin differs from paged_attention"
+    );
+    let mut too_many = args(grouped);
+    too_many.extend([r.put(&[0u32, 5]).into(), u(1)]);
+    let err = r
+        .run("attention", "paged_attention_prefill", &too_many)
+        .unwrap_err();
+    assert!(err.to_string().contains("row group 0"), "{err}");
     // A padding slot writes nothing.
     let pad = r.put(&[u32::MAX]);
     let before = r.get_bf(kc, slots * hkv * dh);

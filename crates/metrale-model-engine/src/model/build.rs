@@ -142,6 +142,7 @@ impl TransformerModel {
             .add("token_ids", DType::U32, r)
             .add("positions", DType::U32, r)
             .add("row_seq", DType::U32, r)
+            .add("att_groups", DType::U32, 2 * r)
             .add("slot_mapping", DType::U32, r)
             .add("block_tables", DType::U32, s * max_blocks)
             .add("logit_rows", DType::U32, max_logit_rows)
@@ -213,6 +214,7 @@ impl TransformerModel {
             token_ids: p("token_ids"),
             positions: p("positions"),
             row_seq: p("row_seq"),
+            att_groups: p("att_groups"),
             slot_mapping: p("slot_mapping"),
             block_tables: p("block_tables"),
             logit_rows: p("logit_rows"),

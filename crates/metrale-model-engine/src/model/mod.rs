@@ -17,6 +17,7 @@ use metrale_gpu_runtime::{BufferArena, GpuBackend, GpuBackendExt, GraphHandle, S
 use metrale_model_layers::circuit_exec::CircuitExec;
 use metrale_model_layers::layer::SsmBinding;
 use metrale_model_layers::layers::MtpHead;
+use metrale_model_layers::ops::attention_row_groups;
 use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{
     KvBinding, LayerCtx, ModelDims, Ops, StepBuffers, StepShape, TransformerLayer,
@@ -364,12 +365,27 @@ impl TransformerModel {
         if let Some(rs) = row_slots {
             gpu.upload(self.buf.row_slot, rs, s)?;
         }
+        // A step with a sequence of several rows that no graph captures (prefill chunks, not
+        // verify steps) attends through the row groups of `paged_attention_prefill`.
+        let att_groups = if pad_to.is_none() && row_slots.is_none() && n > num_seqs {
+            let d = &self.dims;
+            let groups = attention_row_groups(
+                input.rows.iter().map(|r| (r.seq, r.position)),
+                d.num_q_heads,
+                d.num_kv_heads,
+            );
+            gpu.upload(self.buf.att_groups, &groups, s)?;
+            (groups.len() / 2) as u32
+        } else {
+            0
+        };
         Ok(StepShape {
             rows: n as u32,
             num_seqs: num_seqs as u32,
             max_blocks: self.max_blocks as u32,
             logit_rows: logit_rows.len() as u32,
             verify: row_slots.is_some(),
+            att_groups,
         })
     }
 
@@ -381,6 +397,21 @@ impl TransformerModel {
         self.last_rows = shape.rows as usize;
         self.launch_step(shape)?;
         Ok(())
+    }
+
+    /// Upload `input` as [`TransformerModel::forward`] does and return the step's launches
+    /// without running them (the legacy forward, as every prefill runs): for a launch-by-launch
+    /// profile of a prefill.
+    pub fn forward_launches(
+        &mut self,
+        input: &StepInput<'_>,
+    ) -> Result<Vec<metrale_model_layers::circuit_exec::Launch>, ModelError> {
+        self.check(input)?;
+        let shape = self.upload(input, None, None)?;
+        self.last_rows = shape.rows as usize;
+        let (recorder, ops) = metrale_model_layers::circuit_exec::Recorder::over(&self.ops);
+        self.launch_step_with(&ops, shape)?;
+        Ok(recorder.take())
     }
 
     /// Run one decode step: row `i` is sequence `i`'s next token. The step is padded to the

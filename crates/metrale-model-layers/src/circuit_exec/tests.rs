@@ -237,6 +237,8 @@ fn fixed(a: &mut Addr, specs: &[LayerSpec]) -> Fixed {
             shared_out: a.next(),
             shared_gate: a.next(),
         },
+        // The prefill attention's row groups; no program reads them.
+        att_groups: a.next(),
     };
     let pools = specs
         .iter()

@@ -10,7 +10,7 @@ use super::util::{b, f, sigmoid};
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
 
-/// Arguments of `paged_attention`, in launch order.
+/// The arguments `paged_attention` and `paged_attention_prefill` share, in launch order.
 struct Shape {
     rows: usize,
     row_stride: usize,
@@ -37,6 +37,61 @@ struct Shape {
 /// `sigmoid(gate)`. Query head `h` reads key/value head `h / (num_q_heads / num_kv_heads)`.
 pub fn paged_attention(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     ctx.expect_args(19)?;
+    let s = shape(ctx)?;
+    let rows: Vec<usize> = (0..s.rows).collect();
+    attend(ctx, &s, &rows)
+}
+
+/// `paged_attention_prefill(the arguments of paged_attention, row_groups: u32 [n_groups, 2],
+/// n_groups)`: `paged_attention` on the rows of the groups (first row, rows), bitwise the same
+/// per row. A group is 1 ..= `8 / heads_per_block` consecutive rows of one sequence whose
+/// positions lie in one 16-token unit (the CUDA kernel computes a group's rows together); a
+/// malformed group fails. Rows of no group are not written.
+pub fn paged_attention_prefill(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    ctx.expect_args(21)?;
+    let s = shape(ctx)?;
+    let n_groups = ctx.usize(20)?;
+    let groups = ctx.slice::<u32>(19, 2 * n_groups)?;
+    let row_seq = ctx.slice::<u32>(5, s.rows)?;
+    let positions = ctx.slice::<u32>(6, s.rows)?;
+    let most = ATTENTION_HB / heads_per_block(s.hq, s.hkv);
+    let mut rows = Vec::new();
+    for (i, g) in groups.chunks_exact(2).enumerate() {
+        let (first, count) = (g[0] as usize, g[1] as usize);
+        if count == 0 || count > most || first + count > s.rows {
+            return Err(ctx.fail(format!(
+                "row group {i}: rows {first}..{} (at most {most}, of {} rows)",
+                first + count,
+                s.rows
+            )));
+        }
+        let unit = positions[first] / 16;
+        if (first..first + count).any(|r| row_seq[r] != row_seq[first] || positions[r] / 16 != unit)
+        {
+            return Err(ctx.fail(format!(
+                "row group {i}: rows {first}..{} are not of one sequence and one 16-token unit",
+                first + count
+            )));
+        }
+        rows.extend(first..first + count);
+    }
+    attend(ctx, &s, &rows)
+}
+
+/// Query heads per block of the CUDA kernel (`att_heads_per_block`): the largest divisor of the
+/// group size up to `ATTENTION_HB`.
+fn heads_per_block(hq: usize, hkv: usize) -> usize {
+    let group = hq / hkv;
+    (1..=ATTENTION_HB.min(group))
+        .rev()
+        .find(|b| group.is_multiple_of(*b))
+        .unwrap_or(1)
+}
+
+/// Query rows of one unit's MMAs in the CUDA kernel (`ATT_HB`).
+const ATTENTION_HB: usize = 8;
+
+fn shape(ctx: &KernelCtx<'_>) -> GpuResult<Shape> {
     let s = Shape {
         rows: ctx.usize(7)?,
         row_stride: ctx.usize(8)?,
@@ -57,6 +112,11 @@ pub fn paged_attention(ctx: &KernelCtx<'_>) -> GpuResult<()> {
             s.hq, s.hkv
         )));
     }
+    Ok(s)
+}
+
+/// Every head of each row in `rows`, written to its output row.
+fn attend(ctx: &KernelCtx<'_>, s: &Shape, rows: &[usize]) -> GpuResult<()> {
     let width = s.hkv * s.d;
     let out = ctx.slice_mut::<bf16>(0, s.rows * s.hq * s.d)?;
     let qkv = ctx.slice::<bf16>(1, s.rows * s.row_stride)?;
@@ -68,7 +128,7 @@ pub fn paged_attention(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let group = s.hq / s.hkv;
     let mut scores = Vec::new();
     let mut acc = vec![0.0f32; s.d];
-    for r in 0..s.rows {
+    for &r in rows {
         let seq = row_seq[r] as usize;
         if seq >= s.num_seqs {
             return Err(ctx.fail(format!(
@@ -140,5 +200,8 @@ pub fn paged_attention(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 /// The family table.
 pub const FAMILY: super::Family = super::Family {
     module: "attention",
-    kernels: &[("paged_attention", paged_attention)],
+    kernels: &[
+        ("paged_attention", paged_attention),
+        ("paged_attention_prefill", paged_attention_prefill),
+    ],
 };

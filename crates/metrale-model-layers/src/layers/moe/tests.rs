@@ -92,6 +92,7 @@ fn run(rig: &Rig, mlp: &MoeMlp, buf: &StepBuffers, x: &[bf16]) -> Vec<bf16> {
             max_blocks: 1,
             logit_rows: 0,
             verify: false,
+            att_groups: 0,
         },
         dims: &dims,
         kv: None,

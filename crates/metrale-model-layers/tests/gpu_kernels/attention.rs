@@ -1,0 +1,350 @@
+//! `paged_attention` and `paged_attention_prefill` against their CPU twins: shuffled blocks,
+//! grouped-query and gated heads, scalar and vector paths, long contexts; the prefill kernel's
+//! row groups bitwise the single-row kernel on each backend; batch invariance and NaN rows.
+
+use half::bf16;
+use metrale_model_layers::ops::{PagedAttention, attention_row_groups};
+
+use super::harness::{self, Pair, Rng, S, Tolerance};
+
+/// One paged-attention problem: sequences with their contexts in shuffled blocks, and rows
+/// (queries) at chosen positions of chosen sequences.
+struct AttnCase {
+    hq: u32,
+    hkv: u32,
+    d: u32,
+    gated: bool,
+    /// Context length of each sequence.
+    seq_lens: Vec<u32>,
+    /// `(sequence, position)` of each row.
+    rows: Vec<(u32, u32)>,
+}
+
+fn attention_case(p: &Pair, rng: &mut Rng, c: &AttnCase, label: &str) {
+    let block_size = 16u32;
+    let max_blocks = c
+        .seq_lens
+        .iter()
+        .map(|l| l.div_ceil(block_size))
+        .max()
+        .unwrap_or(1)
+        + 1;
+    let used_blocks: u32 = c.seq_lens.iter().map(|l| l.div_ceil(block_size)).sum();
+    let num_blocks = used_blocks + 5; // spare blocks nobody owns, poisoned
+    let num_slots = num_blocks * block_size;
+    let order = rng.permutation(num_blocks);
+    let mut tables = vec![u32::MAX; c.seq_lens.len() * max_blocks as usize];
+    let mut next = 0usize;
+    let width = (c.hkv * c.d) as usize;
+    let mut k_cache = vec![bf16::from_bits(0xFFFF); num_slots as usize * width];
+    let mut v_cache = k_cache.clone();
+    for (s, &len) in c.seq_lens.iter().enumerate() {
+        for b in 0..len.div_ceil(block_size) {
+            let block = order[next];
+            next += 1;
+            tables[s * max_blocks as usize + b as usize] = block;
+            for t in b * block_size..((b + 1) * block_size).min(len) {
+                let slot = (block * block_size + t % block_size) as usize;
+                for e in 0..width {
+                    k_cache[slot * width + e] = bf16::from_f32(rng.uniform(-2.0, 2.0));
+                    v_cache[slot * width + e] = bf16::from_f32(rng.uniform(-2.0, 2.0));
+                }
+            }
+        }
+    }
+    let q_stride = if c.gated { 2 * c.d } else { c.d };
+    let row_stride = c.hq * q_stride + 2 * width as u32;
+    let rows = c.rows.len() as u32;
+    let qkv = p.upload(&rng.bf16s((rows * row_stride) as usize, -2.0, 2.0));
+    let (kc, vc) = (p.upload(&k_cache), p.upload(&v_cache));
+    let tables = p.upload(&tables);
+    let row_seq = p.upload(&c.rows.iter().map(|r| r.0).collect::<Vec<_>>());
+    let positions = p.upload(&c.rows.iter().map(|r| r.1).collect::<Vec<_>>());
+    let out = p.poisoned((rows * c.hq * c.d) as usize * 2);
+    let params = |at: harness::At<'_>| PagedAttention {
+        out: at(&out),
+        qkv: at(&qkv),
+        k_cache: at(&kc),
+        v_cache: at(&vc),
+        block_tables: at(&tables),
+        row_seq: at(&row_seq),
+        positions: at(&positions),
+        rows,
+        row_stride,
+        q_head_stride: q_stride,
+        num_q_heads: c.hq,
+        num_kv_heads: c.hkv,
+        head_dim: c.d,
+        block_size,
+        max_blocks,
+        num_seqs: c.seq_lens.len() as u32,
+        num_slots,
+        scale: 1.0 / (c.d as f32).sqrt(),
+        gated: c.gated,
+    };
+    p.run(|o, at| o.paged_attention(S, &params(at)));
+    p.check_bf16("paged_attention", label, &out, Tolerance::BF16);
+    let first = p.download_gpu::<u16>(&out);
+    p.run_gpu(|o, at| o.paged_attention(S, &params(at)));
+    assert!(
+        first == p.download_gpu::<u16>(&out),
+        "paged_attention {label}: a second run differs"
+    );
+
+    // The prefill kernel on the same rows, in its row groups: bitwise the single-row kernel on
+    // each backend (poisoned output first).
+    let (gpu_want, cpu_want) = p.download::<u16>(&out);
+    let groups = attention_row_groups(c.rows.iter().copied(), c.hq, c.hkv);
+    let n_groups = (groups.len() / 2) as u32;
+    let groups = p.upload(&groups);
+    let out2 = p.poisoned((rows * c.hq * c.d) as usize * 2);
+    p.run(|o, at| {
+        let params = PagedAttention {
+            out: at(&out2),
+            ..params(at)
+        };
+        o.paged_attention_prefill(S, &params, at(&groups), n_groups)
+    });
+    let (gpu_got, cpu_got) = p.download::<u16>(&out2);
+    assert!(
+        gpu_got == gpu_want,
+        "paged_attention_prefill {label}: {n_groups} row groups differ bitwise from paged_attention on CUDA"
+    );
+    assert!(
+        cpu_got == cpu_want,
+        "paged_attention_prefill {label}: the CPU twin differs from paged_attention's"
+    );
+    println!(
+        "kernel-check {:<18} {:<44} bitwise paged_attention ({n_groups} row groups of {rows} rows)",
+        "paged_attention_prefill", label
+    );
+}
+
+#[test]
+fn paged_attention_matches_over_shuffled_blocks_with_gqa_and_gates() {
+    let p = Pair::new();
+    let mut rng = Rng::new(6);
+    let mixed = |hq, hkv, d, gated| AttnCase {
+        hq,
+        hkv,
+        d,
+        gated,
+        seq_lens: vec![37, 300, 1],
+        // Prefill rows of sequence 1, decode rows of 0 and 2, a row in the middle of 1.
+        rows: vec![
+            (1, 0),
+            (1, 1),
+            (1, 15),
+            (1, 16),
+            (1, 299),
+            (0, 36),
+            (2, 0),
+            (1, 150),
+        ],
+    };
+    attention_case(&p, &mut rng, &mixed(8, 2, 128, false), "hq=8 hkv=2 d=128");
+    attention_case(
+        &p,
+        &mut rng,
+        &mixed(8, 2, 128, true),
+        "hq=8 hkv=2 d=128 gated",
+    );
+    attention_case(
+        &p,
+        &mut rng,
+        &mixed(4, 4, 64, false),
+        "hq=4 hkv=4 d=64 (MHA)",
+    );
+    attention_case(
+        &p,
+        &mut rng,
+        &mixed(6, 2, 100, true),
+        "hq=6 hkv=2 d=100 gated (scalar path)",
+    );
+    attention_case(&p, &mut rng, &mixed(4, 1, 256, false), "hq=4 hkv=1 d=256");
+    let long = AttnCase {
+        hq: 4,
+        hkv: 2,
+        d: 128,
+        gated: false,
+        seq_lens: vec![2100],
+        rows: vec![(0, 2099), (0, 1000), (0, 127), (0, 128)],
+    };
+    attention_case(&p, &mut rng, &long, "long context 2100 (17 tiles)");
+    // Vector-path groups of 3 and 8 query heads per key/value head (clusters of 3 and 4 heads).
+    attention_case(
+        &p,
+        &mut rng,
+        &mixed(6, 2, 128, false),
+        "hq=6 hkv=2 d=128 (group 3)",
+    );
+    attention_case(
+        &p,
+        &mut rng,
+        &mixed(16, 2, 256, true),
+        "hq=16 hkv=2 d=256 gated (group 8)",
+    );
+    // The decode shape of Qwen3-8B: 32 / 8 heads, every row at position 1024 (a context of
+    // 1025 over 8 splits of 129), beside rows whose contexts leave splits empty.
+    let decode = AttnCase {
+        hq: 32,
+        hkv: 8,
+        d: 128,
+        gated: false,
+        seq_lens: vec![1025, 1025, 5, 9],
+        rows: vec![(0, 1024), (1, 1024), (2, 4), (3, 8), (0, 7)],
+    };
+    attention_case(&p, &mut rng, &decode, "hq=32 hkv=8 d=128 decode ctx 1025");
+    // The gated attention of Qwen3.5-9B: 16 / 4 heads of 256; 3000 tokens give each warp more
+    // units than its ring has stages.
+    let gated_long = AttnCase {
+        hq: 16,
+        hkv: 4,
+        d: 256,
+        gated: true,
+        seq_lens: vec![3000, 1025],
+        rows: vec![(0, 2999), (1, 1024), (0, 5), (1, 16)],
+    };
+    attention_case(
+        &p,
+        &mut rng,
+        &gated_long,
+        "hq=16 hkv=4 d=256 gated ctx 3000",
+    );
+    attention_case(
+        &p,
+        &mut rng,
+        &mixed(4, 2, 32, false),
+        "hq=4 hkv=2 d=32 (padded tile)",
+    );
+    // Prefill chunks: runs of consecutive positions across unit boundaries, one sequence after
+    // a cached prefix (from 30), another from 0, beside a decode row; Qwen3-8B's heads (4 per
+    // key/value head: 2 rows per group), Qwen3.5-9B's gated 256-wide ones, and MHA (8 rows).
+    let chunk = |hq, hkv, d, gated| AttnCase {
+        hq,
+        hkv,
+        d,
+        gated,
+        seq_lens: vec![140, 70, 600],
+        rows: (30..140)
+            .map(|p| (0, p))
+            .chain((0..70).map(|p| (1, p)))
+            .chain([(2, 599)])
+            .collect(),
+    };
+    attention_case(
+        &p,
+        &mut rng,
+        &chunk(32, 8, 128, false),
+        "prefill hq=32 hkv=8 d=128",
+    );
+    attention_case(
+        &p,
+        &mut rng,
+        &chunk(16, 4, 256, true),
+        "prefill hq=16 hkv=4 d=256 gated",
+    );
+    attention_case(
+        &p,
+        &mut rng,
+        &chunk(8, 8, 64, false),
+        "prefill hq=8 hkv=8 d=64 (MHA)",
+    );
+    attention_case(
+        &p,
+        &mut rng,
+        &chunk(6, 2, 100, true),
+        "prefill hq=6 hkv=2 d=100 gated (scalar)",
+    );
+}
+
+/// CUDA alone: a row's output is bitwise the same launched alone or beside other rows (good and
+/// bad), and rows whose inputs are out of range (a position past `max_blocks`, a block past the
+/// pool) come out all NaN without touching the others.
+#[test]
+fn paged_attention_rows_are_batch_invariant_and_bad_rows_are_nan() {
+    let p = Pair::new();
+    let mut rng = Rng::new(16);
+    let (hq, hkv, d, block_size) = (8u32, 2u32, 128u32, 16u32);
+    let max_blocks = 40u32;
+    let num_blocks = 2 * max_blocks;
+    let num_slots = num_blocks * block_size;
+    let width = (hkv * d) as usize;
+    let k_cache = p.upload(&rng.bf16s(num_slots as usize * width, -2.0, 2.0));
+    let v_cache = p.upload(&rng.bf16s(num_slots as usize * width, -2.0, 2.0));
+    // Sequence 0 owns the odd blocks in reverse; sequence 1 names a block past the pool.
+    let mut tables: Vec<u32> = (0..max_blocks).map(|b| num_blocks - 1 - 2 * b).collect();
+    tables.extend((0..max_blocks).map(|b| if b == 3 { num_blocks + 7 } else { 2 * b }));
+    let tables = p.upload(&tables);
+    let row_stride = hq * d + 2 * width as u32;
+    // (sequence, position) of each row: two good rows, a position past max_blocks, a bad block.
+    let all = [
+        (0u32, 613u32),
+        (0, 77),
+        (0, max_blocks * block_size + 5),
+        (1, 100),
+    ];
+    let qkv_all = rng.bf16s(all.len() * row_stride as usize, -2.0, 2.0);
+    let run = |rows: &[usize]| -> Vec<u16> {
+        let mut qkv = Vec::new();
+        for &r in rows {
+            qkv.extend_from_slice(&qkv_all[r * row_stride as usize..(r + 1) * row_stride as usize]);
+        }
+        let qkv = p.upload(&qkv);
+        let row_seq = p.upload(&rows.iter().map(|&r| all[r].0).collect::<Vec<_>>());
+        let positions = p.upload(&rows.iter().map(|&r| all[r].1).collect::<Vec<_>>());
+        let out = p.poisoned(rows.len() * (hq * d) as usize * 2);
+        p.run_gpu(|o, at| {
+            o.paged_attention(
+                S,
+                &PagedAttention {
+                    out: at(&out),
+                    qkv: at(&qkv),
+                    k_cache: at(&k_cache),
+                    v_cache: at(&v_cache),
+                    block_tables: at(&tables),
+                    row_seq: at(&row_seq),
+                    positions: at(&positions),
+                    rows: rows.len() as u32,
+                    row_stride,
+                    q_head_stride: d,
+                    num_q_heads: hq,
+                    num_kv_heads: hkv,
+                    head_dim: d,
+                    block_size,
+                    max_blocks,
+                    num_seqs: 2,
+                    num_slots,
+                    scale: 1.0 / (d as f32).sqrt(),
+                    gated: false,
+                },
+            )
+        });
+        p.download_gpu::<u16>(&out)
+    };
+    let n = (hq * d) as usize;
+    let batched = run(&[2, 0, 3, 1]);
+    // Written NaN, not the 0xFFFF poison left where nothing was written.
+    let is_nan = |b: &u16| *b != 0xFFFF && (b & 0x7F80) == 0x7F80 && (b & 0x7F) != 0;
+    for (at, row) in [(0usize, 2usize), (2, 3)] {
+        assert!(
+            batched[at * n..(at + 1) * n].iter().all(is_nan),
+            "row {row} (out of range) is all NaN"
+        );
+    }
+    for (at, row) in [(1usize, 0usize), (3, 1)] {
+        let alone = run(&[row]);
+        assert!(
+            alone.iter().all(|b| !is_nan(b)),
+            "row {row} alone is finite"
+        );
+        assert!(
+            batched[at * n..(at + 1) * n] == alone[..],
+            "row {row}: batched beside bad rows differs bitwise from alone"
+        );
+    }
+    println!(
+        "kernel-check {:<18} {:<44} batch-invariant, bad rows NaN ok",
+        "paged_attention", "rows alone vs beside bad rows"
+    );
+}
