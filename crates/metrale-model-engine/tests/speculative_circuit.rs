@@ -2,15 +2,19 @@
 //! step of `circuit-reference` (its verify program) is bitwise the legacy one, logits and the
 //! state every row keeps, for K = 1..4, eager and graphed, and launches exactly what the legacy
 //! step launches; a batched verify step replayed from a graph captured under another mix of
-//! drafts is bitwise the eager step; greedy MTP generation under `circuit` is plain greedy.
+//! drafts is bitwise the eager step; greedy MTP generation under `circuit` is plain greedy. The
+//! first two also run on CUDA (module `cuda`, with `--features cuda`).
 
 #![allow(clippy::unwrap_used)]
 
 mod support;
 
 use std::ops::ControlFlow;
+use std::sync::Arc;
 
 use metrale_cache::BlockTable;
+use metrale_gpu_runtime::{CpuBackend, GpuBackend};
+use metrale_model_engine::factory;
 use metrale_model_engine::generate::generate_batch;
 use metrale_model_engine::model::{StepInput, StepRow, TransformerModel};
 use metrale_model_engine::model_circuit::{
@@ -30,6 +34,19 @@ fn spec_options(k: usize, graphs: bool) -> ModelOptions {
         decode_graphs: graphs,
         ..Default::default()
     }
+}
+
+fn cpu() -> Arc<dyn GpuBackend> {
+    Arc::new(CpuBackend::default())
+}
+
+/// Fixture `name` (no MTP head) on `gpu`.
+fn load_on(
+    gpu: fn() -> Arc<dyn GpuBackend>,
+    name: &str,
+    options: ModelOptions,
+) -> TransformerModel {
+    factory::load(&fixture(name), options, gpu()).unwrap()
 }
 
 fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
@@ -134,10 +151,14 @@ fn verify(
 
 #[test]
 fn circuit_reference_verify_is_bitwise_legacy_logits_and_row_states_for_k_1_to_4() {
+    verify_is_bitwise_legacy(cpu);
+}
+
+fn verify_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
     for name in HYBRID {
         for graphs in [false, true] {
-            let mut legacy = load_plain(name, spec_options(4, graphs));
-            let mut circuit = load_plain(name, spec_options(4, graphs));
+            let mut legacy = load_on(gpu, name, spec_options(4, graphs));
+            let mut circuit = load_on(gpu, name, spec_options(4, graphs));
             let want: Vec<_> = (1..=5)
                 .map(|rows| circuit.verify_launches(rows).unwrap())
                 .collect();
@@ -180,10 +201,14 @@ fn circuit_reference_verify_is_bitwise_legacy_logits_and_row_states_for_k_1_to_4
 
 #[test]
 fn a_batched_verify_step_replayed_from_its_graph_is_bitwise_the_eager_step() {
+    batched_verify_graph_is_eager(cpu);
+}
+
+fn batched_verify_graph_is_eager(gpu: fn() -> Arc<dyn GpuBackend>) {
     for name in HYBRID {
-        let mut eager = load_plain(name, spec_options(3, false));
-        let mut graphed = load_plain(name, spec_options(3, true));
-        let mut circuit = load_plain(name, spec_options(3, true));
+        let mut eager = load_on(gpu, name, spec_options(3, false));
+        let mut graphed = load_on(gpu, name, spec_options(3, true));
+        let mut circuit = load_on(gpu, name, spec_options(3, true));
         circuit.set_forward(REFERENCE).unwrap();
         // Two mixes of drafts with the same rows and sequences: the second replays the graph
         // the first captured, with other positions, sequences and row slots.
@@ -275,5 +300,27 @@ fn the_disclosed_digest_covers_the_verify_plans_metrale_circuit_plan_prints() {
         let p3 =
             checkpoint_verify_plan(model.config(), &options, Fusions::ReferenceOnly, 3).unwrap();
         assert!(p3.text() == plans[5].text() && p3.text().contains("\nstep verify\nrows 3\n"));
+    }
+}
+
+/// The verify tests on CUDA: the program and the graphs replay what the eager legacy step
+/// computes there too.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use metrale_gpu_runtime::cuda::CudaBackend;
+
+    fn gpu() -> Arc<dyn GpuBackend> {
+        Arc::new(CudaBackend::new(0).expect("a CUDA device"))
+    }
+
+    #[test]
+    fn circuit_reference_verify_is_bitwise_legacy_on_cuda() {
+        verify_is_bitwise_legacy(gpu);
+    }
+
+    #[test]
+    fn a_batched_verify_step_replayed_from_its_graph_is_bitwise_eager_on_cuda() {
+        batched_verify_graph_is_eager(gpu);
     }
 }
