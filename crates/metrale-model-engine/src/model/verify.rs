@@ -18,7 +18,7 @@
 //! `2..=1 + K` rows replays the executor's verify program of that row count (compiled at boot,
 //! `CircuitExec::verify_program`); a verify step of several sequences, or of one row, runs the
 //! legacy launches, which the circuit has no program for.
-
+//!
 //! Invariants:
 //! - A row slot is held, named by one row only, and never another sequence's own slot (a
 //!   sequence's own slot may be named by one of its rows: the kernels read it first).
