@@ -1,4 +1,4 @@
-//! The circuit of each architecture: one decode step, node by node, in the order the engine's
+//! The circuit of each architecture: one decode (or verify) step, node by node, in the order the engine's
 //! legacy forward launches it (`TransformerModel::launch_step`, `DecoderLayer::forward` and the
 //! mixers and FFNs it calls).
 //!
@@ -7,15 +7,16 @@
 //! post norm (add fused), the FFN (dense or MoE), each leaving its output in `delta`; then the
 //! final norm (add fused), the logit rows, the LM head and, when asked, the argmax. What varies
 //! by architecture is which layers exist, the norm weighting, the q/k norm and the attention
-//! gate, all read from [`Architecture`].
+//! gate, all read from [`Architecture`]. A verify step differs only in its GDN layers, whose
+//! conv and rule keep the state after each row in the row's slot ([`Step::Verify`]).
 
 use crate::circuit::Builder;
-use crate::instance::{Architecture, Instance};
+use crate::instance::{Architecture, Instance, Step};
 use crate::op::{Block, FfnKind, LayerKind, LinearRole, NormRole, Op};
 use crate::tensor::Tensor as T;
 
 /// Append `instance`'s step to `b`.
-pub(crate) fn build(instance: &Instance, b: &mut Builder) {
+pub(crate) fn build(instance: &Instance, step: Step, b: &mut Builder) {
     let arch = instance.architecture;
     let norm = arch.norm_weight();
     b.node(Block::Embed, Op::Embedding, &[T::TokenIds], &[T::Residual]);
@@ -32,7 +33,7 @@ pub(crate) fn build(instance: &Instance, b: &mut Builder) {
         }
         match layer.kind {
             LayerKind::FullAttention => attention(b, blk, arch),
-            LayerKind::LinearAttention => gdn(b, blk),
+            LayerKind::LinearAttention => gdn(b, blk, step),
         }
         add_norm(b, blk, NormRole::Post, arch);
         match layer.ffn {
@@ -100,9 +101,16 @@ fn attention(b: &mut Builder, blk: Block, arch: Architecture) {
     b.node(blk, Op::Linear(LinearRole::O), &[T::AttnOut], &[T::Delta]);
 }
 
-/// Gated DeltaNet, `normed` to `delta`, one token per sequence.
-fn gdn(b: &mut Builder, blk: Block) {
+/// Gated DeltaNet, `normed` to `delta`: one token per sequence (decode), or each sequence's
+/// rows token by token with the state after each row kept in its row slot (verify).
+fn gdn(b: &mut Builder, blk: Block, step: Step) {
     const SEQS: [T; 4] = [T::RowSeq, T::SeqStart, T::SeqSlot, T::Positions];
+    let verify = step == Step::Verify;
+    let (conv, rule) = if verify {
+        (Op::GdnConvVerify, Op::GdnRecurrenceVerify)
+    } else {
+        (Op::GdnConv, Op::GdnRecurrence)
+    };
     b.node(
         blk,
         Op::Linear(LinearRole::GdnInProj),
@@ -111,7 +119,8 @@ fn gdn(b: &mut Builder, blk: Block) {
     );
     let mut reads = vec![T::GdnProj, T::ConvState];
     reads.extend(SEQS);
-    b.node(blk, Op::GdnConv, &reads, &[T::GdnConv, T::ConvState]);
+    reads.extend(verify.then_some(T::RowSlot));
+    b.node(blk, conv, &reads, &[T::GdnConv, T::ConvState]);
     b.node(
         blk,
         Op::GdnGates,
@@ -120,12 +129,8 @@ fn gdn(b: &mut Builder, blk: Block) {
     );
     let mut reads = vec![T::GdnQk, T::GdnConv, T::GdnGates, T::RecurrentState];
     reads.extend(SEQS);
-    b.node(
-        blk,
-        Op::GdnRecurrence,
-        &reads,
-        &[T::GdnCore, T::RecurrentState],
-    );
+    reads.extend(verify.then_some(T::RowSlot));
+    b.node(blk, rule, &reads, &[T::GdnCore, T::RecurrentState]);
     b.node(
         blk,
         Op::GdnGatedNorm,

@@ -1,4 +1,4 @@
-//! `Circuit`: one decode step of a model as data. Nodes (an [`Op`] in a [`Block`]) joined by
+//! `Circuit`: one step of a model as data (a decode step or a verify step, [`Step`]). Nodes (an [`Op`] in a [`Block`]) joined by
 //! typed edges ([`Value`]s: a [`Tensor`], hence a format and a shape expression), built from an
 //! [`Instance`] by the architecture's builder (`architectures.rs`).
 //!
@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use crate::error::CircuitError;
-use crate::instance::Instance;
+use crate::instance::{Instance, Step};
 use crate::op::{Block, FfnKind, LayerKind, Op};
 use crate::tensor::{Tensor, TensorKind};
 
@@ -61,6 +61,7 @@ pub struct Node {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Circuit {
     instance: Instance,
+    step: Step,
     layer_kinds: Vec<LayerKind>,
     ffn_kinds: Vec<FfnKind>,
     nodes: Vec<Node>,
@@ -68,20 +69,26 @@ pub struct Circuit {
 }
 
 impl Circuit {
-    /// The circuit of `instance`'s architecture at its dimensions; fails naming the first
-    /// invariant the instance breaks.
+    /// The decode circuit of `instance`'s architecture at its dimensions; fails naming the
+    /// first invariant the instance breaks.
     pub fn new(instance: &Instance) -> Result<Circuit, CircuitError> {
+        Circuit::for_step(instance, Step::Decode)
+    }
+
+    /// The circuit of `step` (checked at the instance's widths of that step).
+    pub fn for_step(instance: &Instance, step: Step) -> Result<Circuit, CircuitError> {
         instance.validate()?;
         let mut b = Builder::default();
-        crate::architectures::build(instance, &mut b);
+        crate::architectures::build(instance, step, &mut b);
         let circuit = Circuit {
             instance: instance.clone(),
+            step,
             layer_kinds: instance.layers.iter().map(|l| l.kind).collect(),
             ffn_kinds: instance.layers.iter().map(|l| l.ffn).collect(),
             nodes: b.nodes,
             values: b.values,
         };
-        for &w in &instance.widths {
+        for &w in instance.widths_of(step) {
             circuit.extents(w)?;
         }
         Ok(circuit)
@@ -90,6 +97,16 @@ impl Circuit {
     /// The instance it was built from.
     pub fn instance(&self) -> &Instance {
         &self.instance
+    }
+
+    /// The step it computes.
+    pub fn step(&self) -> Step {
+        self.step
+    }
+
+    /// The widths its plans are compiled at ([`Instance::widths_of`] its step).
+    pub fn widths(&self) -> &[u64] {
+        self.instance.widths_of(self.step)
     }
 
     /// Each layer's mixer.
@@ -135,7 +152,7 @@ impl Circuit {
                     .0
                     .iter()
                     .map(|e| {
-                        let n = e.eval(|d| self.instance.dim(d, rows))?;
+                        let n = e.eval(|d| self.instance.dim(d, rows, self.step))?;
                         // `Instance::dim` saturates, so u64::MAX stands for an overflow too.
                         match n {
                             Some(n) if (1..u64::MAX).contains(&n) => Ok(n),

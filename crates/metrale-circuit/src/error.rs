@@ -49,6 +49,12 @@ pub enum CircuitError {
         /// The widths given.
         widths: Vec<u64>,
     },
+    /// The instance's verify rows are not a strictly ascending list of positive numbers.
+    #[error("the instance's verify rows {rows:?} are not a strictly ascending list of rows >= 1")]
+    BadVerifyRows {
+        /// The row counts given.
+        rows: Vec<u64>,
+    },
     /// A plan was asked for zero rows.
     #[error("a plan needs at least one row")]
     ZeroRows,

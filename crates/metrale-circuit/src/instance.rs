@@ -1,10 +1,11 @@
 //! `Instance`: what fixes a circuit's shapes. The architecture, the model's dimensions, the kind
-//! of every layer, and the decode widths to compile. The caller fills it from the model's
-//! config; this crate reads no file.
+//! of every layer, the decode widths and the verify row counts to compile. The caller fills it
+//! from the model's config; this crate reads no file.
 //!
 //! Invariants (checked by [`Instance::validate`], which building a circuit runs):
 //! - at least one layer, each of a kind its architecture has;
-//! - widths non-empty, strictly ascending, each >= 1;
+//! - widths non-empty, strictly ascending, each >= 1; verify rows strictly ascending, each
+//!   >= 1 (empty: no verify step);
 //! - every dimension a circuit's edge uses is present and resolves to >= 1 (checked when the
 //!   circuit resolves its shapes).
 
@@ -162,8 +163,41 @@ pub struct Instance {
     pub layers: Vec<LayerSpec>,
     /// The decode widths (rows per step, one per sequence) to compile, ascending.
     pub widths: Vec<u64>,
+    /// The row counts of the single-sequence verify steps to compile ([`Step::Verify`]),
+    /// ascending: `2..=1 + K` with `K` drafts per step; empty without speculation.
+    pub verify_rows: Vec<u64>,
     /// The step ends with a greedy argmax of its logit rows.
     pub argmax: bool,
+}
+
+/// Which step a circuit computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Step {
+    /// One row per sequence, at [`Instance::widths`].
+    Decode,
+    /// Speculative decoding's verify step of one sequence, at [`Instance::verify_rows`]: its
+    /// last accepted token and its drafts, every row with logits, the GDN layers keeping the
+    /// state after each row in the row's own SSM slot (`row_slot`) and only reading the
+    /// sequence's.
+    Verify,
+}
+
+impl Step {
+    /// Sequences of a step of `rows` rows: one per row in decode, one in verify.
+    pub fn seqs(self, rows: u64) -> u64 {
+        match self {
+            Step::Decode => rows,
+            Step::Verify => 1,
+        }
+    }
+
+    /// The step's text name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Step::Decode => "decode",
+            Step::Verify => "verify",
+        }
+    }
 }
 
 /// The padded decode widths up to `max_seqs`: 1, 2, 4, ... up to the first power of two at or
@@ -199,11 +233,25 @@ impl Instance {
                 widths: self.widths.clone(),
             });
         }
+        let ascending = self.verify_rows.windows(2).all(|w| w[0] < w[1]);
+        if self.verify_rows.first() == Some(&0) || !ascending {
+            return Err(CircuitError::BadVerifyRows {
+                rows: self.verify_rows.clone(),
+            });
+        }
         Ok(())
     }
 
-    /// The value of `dim` at `rows` rows.
-    pub fn dim(&self, dim: Dim, rows: u64) -> Result<u64, CircuitError> {
+    /// The widths `step` is compiled at: the decode widths or the verify row counts.
+    pub fn widths_of(&self, step: Step) -> &[u64] {
+        match step {
+            Step::Decode => &self.widths,
+            Step::Verify => &self.verify_rows,
+        }
+    }
+
+    /// The value of `dim` in a `step` of `rows` rows.
+    pub fn dim(&self, dim: Dim, rows: u64, step: Step) -> Result<u64, CircuitError> {
         let d = &self.dims;
         let gdn = || d.gdn.ok_or(CircuitError::MissingDim { dim, group: "gdn" });
         let moe = || d.moe.ok_or(CircuitError::MissingDim { dim, group: "moe" });
@@ -217,6 +265,7 @@ impl Instance {
         let mul = u64::saturating_mul;
         Ok(match dim {
             Dim::Rows => rows,
+            Dim::Seqs => step.seqs(rows),
             Dim::Hidden => d.hidden,
             Dim::Vocab => d.vocab,
             Dim::Ffn => d.ffn,

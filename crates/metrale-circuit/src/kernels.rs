@@ -33,6 +33,11 @@ pub const ARGMAX: Kernel = Kernel::new("sampling", "argmax");
 pub const GDN_CAUSAL_CONV1D: Kernel = Kernel::new("gdn", "causal_conv1d");
 /// `gdn::conv_state_update`: advance each sequence's conv window.
 pub const GDN_CONV_STATE_UPDATE: Kernel = Kernel::new("gdn", "conv_state_update");
+/// `gdn::conv_state_verify`: a verify step's conv windows, each row's kept in its row slot.
+pub const GDN_CONV_STATE_VERIFY: Kernel = Kernel::new("gdn", "conv_state_verify");
+/// `gdn::gated_delta_verify`: the delta rule of a verify step, each row's state kept in its
+/// row slot.
+pub const GDN_VERIFY: Kernel = Kernel::new("gdn", "gated_delta_verify");
 /// `gdn::gdn_prepare`: L2-normalised q, k and the gates.
 pub const GDN_PREPARE: Kernel = Kernel::new("gdn", "gdn_prepare");
 /// `gdn::gated_delta_recurrent`: the delta rule, one token per sequence.

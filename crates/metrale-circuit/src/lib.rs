@@ -1,6 +1,6 @@
 //! `metrale-circuit`: the decode step of a model as data, and its lowering to kernels.
 //!
-//! - A [`Circuit`] is one decode step as a graph: nodes ([`Op`]s, such as
+//! - A [`Circuit`] is one decode step (or one sequence's verify step, [`Step`]) as a graph: nodes ([`Op`]s, such as
 //!   `Linear(LinearRole::Qkv)` or `GdnRecurrence`) joined by typed edges (a [`Tensor`] with its
 //!   [`Format`] and [`Shape`] over named [`Dim`]s). [`Circuit::new`] builds the circuit of an
 //!   [`Instance`]: an [`Architecture`], the model's [`Dims`], each layer's [`LayerKind`] and
@@ -34,7 +34,7 @@ pub use circuit::{Circuit, Node, NodeId, Value, ValueId};
 pub use error::{CircuitError, Excluded};
 pub use fuser::{Group, Lowering, fuse};
 pub use instance::{
-    Architecture, Dims, GdnDims, Instance, MoeDims, SharedExpertDims, decode_ladder,
+    Architecture, Dims, GdnDims, Instance, MoeDims, SharedExpertDims, Step, decode_ladder,
 };
 pub use op::{Block, FfnKind, Format, LayerKind, LayerSpec, LinearRole, NormRole, NormWeight, Op};
 pub use plan::{Digest, PLAN_FORMAT, Plan, plans_digest};

@@ -154,10 +154,16 @@ pub enum Op {
     },
     /// Gated DeltaNet causal conv + SiLU over each sequence's window, and the window update.
     GdnConv,
+    /// [`Op::GdnConv`] of a verify step: the sequences' windows are only read, and the window
+    /// after each row goes to the row's own slot (`row_slot`).
+    GdnConvVerify,
     /// Gated DeltaNet: L2-normalised q and k, and the gates β and g.
     GdnGates,
     /// Gated DeltaNet: the gated delta rule, one token per sequence, on the recurrent state.
     GdnRecurrence,
+    /// [`Op::GdnRecurrence`] of a verify step: each sequence's rows token by token, the state
+    /// after each row kept in the row's own slot (`row_slot`), the sequences' only read.
+    GdnRecurrenceVerify,
     /// Gated DeltaNet: per-head RMSNorm of the rule's output times `silu(z)` (plain weight).
     GdnGatedNorm,
     /// MoE: softmax top-k of the router logits, with the chosen experts' weights.
@@ -192,8 +198,10 @@ impl fmt::Display for Op {
             Op::PagedAttention { gated: false } => f.write_str("paged_attention"),
             Op::PagedAttention { gated: true } => f.write_str("paged_attention[gated]"),
             Op::GdnConv => f.write_str("gdn_conv"),
+            Op::GdnConvVerify => f.write_str("gdn_conv[verify]"),
             Op::GdnGates => f.write_str("gdn_gates"),
             Op::GdnRecurrence => f.write_str("gdn_recurrence"),
+            Op::GdnRecurrenceVerify => f.write_str("gdn_recurrence[verify]"),
             Op::GdnGatedNorm => f.write_str("gdn_gated_norm"),
             Op::MoeRoute => f.write_str("moe_route"),
             Op::MoeCombine => f.write_str("moe_combine"),

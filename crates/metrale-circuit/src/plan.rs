@@ -21,7 +21,8 @@
 //!
 //! A group line is `block | op chain (ops joined by " > ") | kernels (joined by ", ") |
 //! numerics | launches`; `tests/golden/` holds whole examples. The header has a `gdn` and a `moe` line when the instance has those
-//! dims. The fusions asked for are not in the text: two plans that launch the same kernels over
+//! dims, and a verify step's plan a `step verify` line before `rows` (a decode plan has none,
+//! so its text does not depend on whether verify steps are compiled too). The fusions asked for are not in the text: two plans that launch the same kernels over
 //! the same instance have the same text and digest, whichever mode produced them.
 //!
 //! Invariants: the text is a function of the circuit, the groups and the width only (no
@@ -36,6 +37,7 @@ use sha2::{Digest as _, Sha256};
 use crate::circuit::{Circuit, Node, ValueId};
 use crate::error::CircuitError;
 use crate::fuser::{Group, Lowering, fuse, group_chain};
+use crate::instance::Step;
 use crate::rules::{Kernel, Numerics};
 
 /// The first line of every plan text; bumped whenever the text's format or the meaning of a
@@ -86,15 +88,14 @@ impl Plan {
         Plan::with_groups(circuit, groups, rows)
     }
 
-    /// Lower `circuit` at every width of its instance, ascending.
+    /// Lower `circuit` at every width of its step ([`Circuit::widths`]), ascending.
     pub fn compile_widths(
         circuit: &Arc<Circuit>,
         lowering: &Lowering<'_>,
     ) -> Result<Vec<Plan>, CircuitError> {
         let groups = fuse(circuit, lowering)?;
         circuit
-            .instance()
-            .widths
+            .widths()
             .iter()
             .map(|&rows| Plan::with_groups(circuit, groups.clone(), rows))
             .collect()
@@ -196,6 +197,9 @@ fn render(circuit: &Circuit, groups: &[Group], rows: u64) -> String {
     s.push('\n');
     s.push_str(&circuit.instance().header());
     // Infallible: writing to a String.
+    if circuit.step() != Step::Decode {
+        let _ = writeln!(s, "step {}", circuit.step().name());
+    }
     let _ = writeln!(s, "rows {rows}");
     let mut total = 0;
     for g in groups {

@@ -10,8 +10,10 @@ use std::fmt;
 /// A named dimension a shape can use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Dim {
-    /// Rows of the step: the decode width (one row per sequence).
+    /// Rows of the step: the decode width (one row per sequence), or a verify step's rows.
     Rows,
+    /// Sequences of the step: `rows` in a decode step, 1 in a (single-sequence) verify step.
+    Seqs,
     /// Hidden size.
     Hidden,
     /// Vocabulary.
@@ -58,6 +60,7 @@ impl Dim {
     pub fn name(self) -> &'static str {
         match self {
             Dim::Rows => "rows",
+            Dim::Seqs => "seqs",
             Dim::Hidden => "hidden",
             Dim::Vocab => "vocab",
             Dim::Ffn => "ffn",

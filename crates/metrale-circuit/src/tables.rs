@@ -162,7 +162,7 @@ fn attention(arch: Architecture) -> Vec<Rule> {
     ]
 }
 
-/// Gated DeltaNet, one token per sequence.
+/// Gated DeltaNet, one token per sequence (decode) or every row kept (verify).
 fn gdn() -> Vec<Rule> {
     vec![
         rule(&[Op::Linear(GdnInProj)], &[k::LINEAR], Reference),
@@ -173,6 +173,12 @@ fn gdn() -> Vec<Rule> {
         ),
         rule(&[Op::GdnGates], &[k::GDN_PREPARE], Reference),
         rule(&[Op::GdnRecurrence], &[k::GDN_RECURRENT], Reference),
+        rule(
+            &[Op::GdnConvVerify],
+            &[k::GDN_CAUSAL_CONV1D, k::GDN_CONV_STATE_VERIFY],
+            Reference,
+        ),
+        rule(&[Op::GdnRecurrenceVerify], &[k::GDN_VERIFY], Reference),
         rule(&[Op::GdnGatedNorm], &[k::GDN_GATED_RMS_NORM], Reference),
         rule(&[Op::Linear(GdnOut)], &[k::LINEAR], Reference),
     ]

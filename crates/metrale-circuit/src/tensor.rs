@@ -40,6 +40,8 @@ pub enum Tensor {
     SeqStart,
     /// SSM state slot of each step sequence (`u32::MAX`: padding).
     SeqSlot,
+    /// A verify step's SSM slot that keeps the state after each row (`u32::MAX`: none).
+    RowSlot,
     /// Which rows get logits.
     LogitRows,
     /// The residual stream (f32).
@@ -118,6 +120,7 @@ pub struct TensorSpec {
 }
 
 const ROWS: Extent = Extent::dim(&[Rows]);
+const SEQS: Extent = Extent::dim(&[Seqs]);
 const PAIRS: Extent = Extent::dim(&[Rows, TopK]);
 
 const fn spec(
@@ -157,10 +160,11 @@ impl Tensor {
             Tensor::RowSeq => input("row_seq", const { &[ROWS] }),
             Tensor::BlockTables => input(
                 "block_tables",
-                const { &[ROWS, Extent::dim(&[BlocksPerSeq])] },
+                const { &[SEQS, Extent::dim(&[BlocksPerSeq])] },
             ),
-            Tensor::SeqStart => input("seq_start", const { &[Extent::plus(&[Rows], 1)] }),
-            Tensor::SeqSlot => input("seq_slot", const { &[ROWS] }),
+            Tensor::SeqStart => input("seq_start", const { &[Extent::plus(&[Seqs], 1)] }),
+            Tensor::SeqSlot => input("seq_slot", const { &[SEQS] }),
+            Tensor::RowSlot => input("row_slot", const { &[ROWS] }),
             Tensor::LogitRows => input("logit_rows", const { &[ROWS] }),
             Tensor::Residual => act("residual", F32, const { &[ROWS, Extent::dim(&[Hidden])] }),
             Tensor::Normed => act("normed", Bf16, const { &[ROWS, Extent::dim(&[Hidden])] }),

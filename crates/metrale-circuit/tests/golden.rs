@@ -1,6 +1,8 @@
 //! Golden plan texts: each architecture's small instance (`support::every_architecture`) at
 //! width 1, lowered with `Fusions::ReferenceOnly` and with `Fusions::All` (every kernel
-//! assumed to exist), compared byte for byte with `tests/golden/<architecture>.<fusions>.plan`.
+//! assumed to exist), compared byte for byte with `tests/golden/<architecture>.<fusions>.plan`;
+//! and the hybrid architectures' verify step of 3 rows (one sequence, two drafts) in
+//! `tests/golden/<architecture>.verify.<fusions>.plan`.
 //!
 //! To regenerate a golden file, delete it and run `cargo test -p metrale-circuit --test golden`
 //! twice: the first run writes the missing file and fails so that the new text gets reviewed
@@ -13,7 +15,7 @@ mod support;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use metrale_circuit::{Fusions, KernelSet};
+use metrale_circuit::{Fusions, KernelSet, Step};
 
 fn golden_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
@@ -58,6 +60,13 @@ fn plans_match_their_golden_texts() -> Result<()> {
         for (mode, fusions) in [("reference", Fusions::ReferenceOnly), ("all", Fusions::All)] {
             let plan = support::plan(&instance, fusions, &KernelSet::all(), 1);
             if let Some(p) = check(&format!("{stem}.{mode}.plan"), plan.text())? {
+                problems.push(p);
+            }
+            if !stem.starts_with("hybrid") {
+                continue;
+            }
+            let verify = support::step_plan(&instance, Step::Verify, fusions, &KernelSet::all(), 3);
+            if let Some(p) = check(&format!("{stem}.verify.{mode}.plan"), verify.text())? {
                 problems.push(p);
             }
         }

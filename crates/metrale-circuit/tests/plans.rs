@@ -11,7 +11,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result, ensure};
 use metrale_circuit::{
     Architecture, Block, Circuit, CircuitError, Fusions, Instance, KernelSet, LinearRole, Lowering,
-    Numerics, Op, Plan, RuleTable, TensorKind, ValueId, fuse, kernels, plans_digest,
+    Numerics, Op, Plan, RuleTable, Step, Tensor, TensorKind, ValueId, fuse, kernels, plans_digest,
 };
 use support::{FA_DENSE, LA_DENSE, LA_MOE};
 
@@ -440,4 +440,72 @@ fn tables_are_well_formed() {
             );
         }
     }
+}
+
+#[test]
+fn a_verify_plan_reads_one_sequence_keeps_every_rows_state_and_says_so() -> Result<()> {
+    let instance = support::hybrid(vec![LA_DENSE, FA_DENSE]);
+    let table = RuleTable::for_architecture(instance.architecture);
+    let kernels = support::reference_kernels(&table);
+    let verify = Arc::new(Circuit::for_step(&instance, Step::Verify)?);
+    let lowering = Lowering {
+        rules: &table,
+        fusions: Fusions::ReferenceOnly,
+        kernels: &kernels,
+    };
+    let plans = Plan::compile_widths(&verify, &lowering)?;
+    ensure!(
+        plans
+            .iter()
+            .map(Plan::rows)
+            .eq(instance.verify_rows.iter().copied())
+    );
+    let decode = support::plan(&instance, Fusions::ReferenceOnly, &kernels, 3);
+    let plan = &plans[1];
+    ensure!(plan.rows() == 3 && plan.launches_per_step() == decode.launches_per_step());
+    ensure!(plan.text().contains("\nstep verify\nrows 3\n") && !decode.text().contains("step"));
+    ensure!(plan.digest() != decode.digest());
+    // The GDN layer's conv and rule keep each row's state; nothing else changes.
+    let differ: Vec<(String, String)> = names(plan)
+        .into_iter()
+        .zip(names(&decode))
+        .filter(|(v, d)| v != d)
+        .collect();
+    ensure!(
+        differ
+            == [
+                (
+                    "gdn::conv_state_verify".into(),
+                    "gdn::conv_state_update".into()
+                ),
+                (
+                    "gdn::gated_delta_verify".into(),
+                    "gdn::gated_delta_recurrent".into()
+                ),
+            ],
+        "{differ:?}"
+    );
+    // One sequence of three rows: the per-sequence inputs have one entry, the row slots three.
+    for node in verify.nodes() {
+        for &v in &node.inputs {
+            let value = verify.value(v).context("an input value exists")?;
+            let ext = plan.extents(v);
+            match value.tensor {
+                Tensor::SeqSlot | Tensor::BlockTables => ensure!(ext[0] == 1, "{ext:?}"),
+                Tensor::SeqStart => ensure!(ext == [2], "{ext:?}"),
+                Tensor::RowSlot | Tensor::LogitRows => ensure!(ext == [3], "{ext:?}"),
+                _ => {}
+            }
+        }
+    }
+    let reads_row_slot = |op: Op| {
+        verify.nodes().iter().any(|n| {
+            n.op == op
+                && n.inputs
+                    .iter()
+                    .any(|&v| verify.value(v).is_some_and(|x| x.tensor == Tensor::RowSlot))
+        })
+    };
+    ensure!(reads_row_slot(Op::GdnConvVerify) && reads_row_slot(Op::GdnRecurrenceVerify));
+    Ok(())
 }

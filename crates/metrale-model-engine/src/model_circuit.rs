@@ -1,27 +1,32 @@
-//! `ModelCircuit`: which forward runs a `TransformerModel`'s decode steps, the legacy layer walk
-//! (`TransformerModel::launch_step`) or the circuit executor's programs, and what the model
-//! discloses about it (forward name, plan digest, launches per step). Also
+//! `ModelCircuit`: which forward runs a `TransformerModel`'s decode and single-sequence verify
+//! steps, the legacy layer walk (`TransformerModel::launch_step`) or the circuit executor's
+//! programs, and what the model discloses about it (forward name, plan digest, launches per
+//! step). Also
 //! [`checkpoint_plan`], the plan of a config without a model, for `metrale circuit plan`.
 //!
 //! The executor is built from the live model: each layer's binding
 //! (`CircuitBindings::circuit_layer`), the model's own weights, its step buffers and its KV and
-//! SSM pools, compiled at every width of the decode ladder. `decode()` then replays the
-//! program of the step's padded width, launch by launch or from a graph captured from it.
+//! SSM pools, compiled at every width of the decode ladder and, with speculation on
+//! (`ModelOptions::speculative`), at every single-sequence verify row count `2..=1 + K`
+//! ([`verify_rows`]). `decode()` then replays the program of the step's padded width, and
+//! `verify()` of one sequence the verify program of its row count, launch by launch or from a
+//! graph captured from it.
 //!
 //! Invariants:
 //! - A switch builds the next executor first, so a refused build leaves the current forward
-//!   running; then it destroys every captured decode graph, then frees the previous executor:
-//!   no graph ever replays freed memory.
+//!   running; then it destroys every captured graph (decode, verify, MTP), then frees the
+//!   previous executor: no graph ever replays freed memory, nor the previous forward.
 //! - Features the circuit does not model refuse the build, named with every other binding
 //!   problem in one [`CircuitExecError::Bindings`](metrale_model_layers::circuit_exec::CircuitExecError).
-//! - Prefill (`forward`) runs the legacy step whichever forward is selected; the circuit
-//!   compiles decode steps (one row per sequence) only.
+//! - Prefill (`forward`), verify steps of several sequences and MTP steps run the legacy
+//!   launches whichever forward is selected; the circuit compiles decode steps (one row per
+//!   sequence) and single-sequence verify steps only.
 
 use metrale_config::ModelConfig;
 use metrale_model_layers::StepShape;
 use metrale_model_layers::circuit_exec::{
     Architecture, Boot, CircuitExec, Fixed, HeadBinding, Launch, LayerPools, NormWeight, Plan,
-    Recorder, launcher_kernels, model_instance, plan_at,
+    Recorder, Step, launcher_kernels, model_instance, plan_at,
 };
 
 pub use metrale_model_layers::circuit_exec::{Digest, Fusions, plans_digest};
@@ -82,8 +87,8 @@ impl ForwardSelect {
 pub struct ForwardDisclosure {
     /// `legacy`, `circuit` or `circuit-reference`.
     pub forward: &'static str,
-    /// The digest of the circuit's plans at every decode width (`plans_digest`); `None` for
-    /// the legacy forward.
+    /// The digest of the circuit's plans at every decode width, then at every verify row
+    /// count (`plans_digest`); `None` for the legacy forward.
     pub plan_digest: Option<Digest>,
     /// Kernel launches of a single-sequence decode step.
     pub launches_per_step: usize,
@@ -104,6 +109,16 @@ pub trait ModelCircuit {
     /// The launches one decode step of `width` rows (a rung of the decode ladder) makes under
     /// the selected forward, recorded without running anything.
     fn decode_launches(&self, width: usize) -> Result<Vec<Launch>, ModelError>;
+
+    /// The launches a single-sequence verify step of `rows` rows (`1..=1 + K`) makes under the
+    /// selected forward, recorded without running anything.
+    fn verify_launches(&self, rows: usize) -> Result<Vec<Launch>, ModelError>;
+}
+
+/// The single-sequence verify row counts compiled with `draft_tokens` drafts per step:
+/// `2..=1 + draft_tokens` (none without speculation).
+pub fn verify_rows(draft_tokens: usize) -> Vec<u64> {
+    (2..=1 + draft_tokens as u64).collect()
 }
 
 impl TransformerModel {
@@ -132,10 +147,13 @@ impl TransformerModel {
     /// Build the executor of this model with `fusions`; see the module header.
     fn build_circuit(&self, fusions: Fusions) -> Result<CircuitExec, ModelError> {
         let widths = self.options.decode_ladder();
+        // The drafts the model was built for (`set_num_draft_tokens` may lower `K` later).
+        let built_drafts = (self.max_logit_rows() / self.max_seqs()).saturating_sub(1);
         let instance = model_instance(
             &self.config,
             self.max_blocks as u64,
             widths.into_iter().map(|w| w as u64).collect(),
+            verify_rows(built_drafts),
         )?;
         for layer in &self.layers {
             layer.circuit_prepare(&self.ops, self.stream)?;
@@ -175,13 +193,12 @@ impl TransformerModel {
         })?)
     }
 
-    /// Destroy every captured decode graph, reporting the first failure.
-    fn destroy_decode_graphs(&mut self) -> Result<(), ModelError> {
+    /// Destroy every captured graph (each replays the forward it was captured under),
+    /// reporting the first failure.
+    fn destroy_graphs(&mut self) -> Result<(), ModelError> {
         let mut first = Ok(());
-        let decode: Vec<GraphKey> = (self.graphs.keys().copied())
-            .filter(|k| matches!(k, GraphKey::Decode(_)))
-            .collect();
-        for g in decode.iter().filter_map(|k| self.graphs.remove(k)) {
+        let keys: Vec<GraphKey> = self.graphs.keys().copied().collect();
+        for g in keys.iter().filter_map(|k| self.graphs.remove(k)) {
             if let Err(e) = self.gpu.destroy_graph(g)
                 && first.is_ok()
             {
@@ -198,7 +215,7 @@ impl ModelCircuit for TransformerModel {
             ForwardSelect::Legacy => None,
             ForwardSelect::Circuit { fusions } => Some(self.build_circuit(fusions)?),
         };
-        let destroyed = self.destroy_decode_graphs();
+        let destroyed = self.destroy_graphs();
         let previous = std::mem::replace(&mut self.circuit, next);
         let freed = previous.map_or(Ok(()), CircuitExec::free);
         destroyed?;
@@ -257,10 +274,37 @@ impl ModelCircuit for TransformerModel {
         self.launch_step_with(&ops, shape)?;
         Ok(recorder.take())
     }
+
+    fn verify_launches(&self, rows: usize) -> Result<Vec<Launch>, ModelError> {
+        let drafts = (self.max_logit_rows() / self.max_seqs()).saturating_sub(1);
+        if rows == 0 || rows > 1 + drafts {
+            return Err(ModelError::Step(format!(
+                "a verify step of one sequence has 1 to {} rows, not {rows}",
+                1 + drafts
+            )));
+        }
+        let program = self
+            .circuit
+            .as_ref()
+            .and_then(|e| e.verify_program(rows as u64));
+        if let Some(p) = program {
+            return Ok(p.launches().to_vec());
+        }
+        let shape = StepShape {
+            rows: rows as u32,
+            num_seqs: 1,
+            max_blocks: self.max_blocks as u32,
+            logit_rows: rows as u32,
+            verify: true,
+        };
+        let (recorder, ops) = Recorder::over(&self.ops);
+        self.launch_step_with(&ops, shape)?;
+        Ok(recorder.take())
+    }
 }
 
 /// The circuit instance a model loaded with `options` compiles for `config`: the same
-/// block-table width and decode ladder.
+/// block-table width, decode ladder and verify row counts.
 fn checkpoint_instance(
     config: &ModelConfig,
     options: &ModelOptions,
@@ -277,12 +321,18 @@ fn checkpoint_instance(
         .unwrap_or(config.max_position_embeddings.min(4096));
     let blocks_per_seq = max_seq_len.div_ceil(options.block_size) as u64;
     let widths = options.decode_ladder().into_iter().map(|w| w as u64);
-    Ok(model_instance(config, blocks_per_seq, widths.collect())?)
+    let verify = verify_rows(options.draft_tokens());
+    Ok(model_instance(
+        config,
+        blocks_per_seq,
+        widths.collect(),
+        verify,
+    )?)
 }
 
-/// The plan of `config` at `rows` rows, as a model loaded with `options` compiles it, lowered
-/// with `fusions` against every kernel the engine has a launcher for. Reads no weights and
-/// needs no device.
+/// The decode plan of `config` at `rows` rows, as a model loaded with `options` compiles it,
+/// lowered with `fusions` against every kernel the engine has a launcher for. Reads no weights
+/// and needs no device.
 pub fn checkpoint_plan(
     config: &ModelConfig,
     options: &ModelOptions,
@@ -290,12 +340,37 @@ pub fn checkpoint_plan(
     rows: u64,
 ) -> Result<Plan, ModelError> {
     let instance = checkpoint_instance(config, options)?;
-    Ok(plan_at(&instance, fusions, &launcher_kernels(), rows)?)
+    Ok(plan_at(
+        &instance,
+        Step::Decode,
+        fusions,
+        &launcher_kernels(),
+        rows,
+    )?)
 }
 
-/// The plans of `config` at every width of the decode ladder of `options`, ascending: what a
-/// model loaded with them compiles, whose `plans_digest` its [`ForwardDisclosure`] reports
-/// (on a backend with every launcher's kernel).
+/// The plan of `config`'s single-sequence verify step of `rows` rows, as
+/// [`checkpoint_plan`] makes a decode plan.
+pub fn checkpoint_verify_plan(
+    config: &ModelConfig,
+    options: &ModelOptions,
+    fusions: Fusions,
+    rows: u64,
+) -> Result<Plan, ModelError> {
+    let instance = checkpoint_instance(config, options)?;
+    Ok(plan_at(
+        &instance,
+        Step::Verify,
+        fusions,
+        &launcher_kernels(),
+        rows,
+    )?)
+}
+
+/// The plans of `config` at every width of the decode ladder of `options`, ascending, then at
+/// every verify row count when `options` turn speculation on: what a model loaded with them
+/// compiles, whose `plans_digest` its [`ForwardDisclosure`] reports (on a backend with every
+/// launcher's kernel).
 pub fn checkpoint_plans(
     config: &ModelConfig,
     options: &ModelOptions,
@@ -303,10 +378,15 @@ pub fn checkpoint_plans(
 ) -> Result<Vec<Plan>, ModelError> {
     let instance = checkpoint_instance(config, options)?;
     let kernels = launcher_kernels();
-    let plans = instance
-        .widths
-        .iter()
-        .map(|&rows| plan_at(&instance, fusions, &kernels, rows))
+    let steps = [Step::Decode, Step::Verify];
+    let plans = (steps.iter())
+        .flat_map(|&step| {
+            instance
+                .widths_of(step)
+                .iter()
+                .map(move |&rows| (step, rows))
+        })
+        .map(|(step, rows)| plan_at(&instance, step, fusions, &kernels, rows))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(plans)
 }

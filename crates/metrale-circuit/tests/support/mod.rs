@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use metrale_circuit::{
     Architecture, Circuit, Dims, FfnKind, Fusions, GdnDims, Instance, KernelSet, LayerKind,
-    LayerSpec, Lowering, MoeDims, Numerics, Plan, RuleTable, SharedExpertDims,
+    LayerSpec, Lowering, MoeDims, Numerics, Plan, RuleTable, SharedExpertDims, Step,
 };
 
 pub const FA_DENSE: LayerSpec = LayerSpec {
@@ -70,6 +70,7 @@ pub fn dense(qk_norm: bool) -> Instance {
         dims: dims(),
         layers: vec![FA_DENSE; 2],
         widths: vec![1, 2, 4],
+        verify_rows: vec![2, 3],
         argmax: true,
     }
 }
@@ -84,6 +85,7 @@ pub fn hybrid(layers: Vec<LayerSpec>) -> Instance {
         },
         layers,
         widths: vec![1, 2, 4],
+        verify_rows: vec![2, 3],
         argmax: true,
     }
 }
@@ -100,6 +102,7 @@ pub fn hybrid_moe() -> Instance {
         },
         layers: vec![LA_MOE, LA_MOE, LA_MOE, FA_MOE],
         widths: vec![1, 2, 4],
+        verify_rows: vec![2, 3],
         argmax: true,
     }
 }
@@ -122,9 +125,20 @@ pub fn reference_kernels(table: &RuleTable) -> KernelSet {
     KernelSet::from_kernels(&table.kernels(Numerics::Reference))
 }
 
-/// `instance`'s plan at `rows` with its architecture's table.
+/// `instance`'s decode plan at `rows` with its architecture's table.
 pub fn plan(instance: &Instance, fusions: Fusions, kernels: &KernelSet, rows: u64) -> Plan {
-    let circuit = Arc::new(Circuit::new(instance).expect("the test instance is valid"));
+    step_plan(instance, Step::Decode, fusions, kernels, rows)
+}
+
+/// `instance`'s plan of `step` at `rows` with its architecture's table.
+pub fn step_plan(
+    instance: &Instance,
+    step: Step,
+    fusions: Fusions,
+    kernels: &KernelSet,
+    rows: u64,
+) -> Plan {
+    let circuit = Arc::new(Circuit::for_step(instance, step).expect("the test instance is valid"));
     let rules = RuleTable::for_architecture(instance.architecture);
     let lowering = Lowering {
         rules: &rules,

@@ -79,9 +79,14 @@ pub struct ModelWeights {
 pub(crate) enum GraphKey {
     /// A decode step of this padded width, of whichever forward is selected.
     Decode(u32),
-    /// A single-sequence verify step of this many rows (legacy forward).
-    Verify(u32),
-    /// A single-sequence MTP step: rows, logit rows, head layer.
+    /// A verify step of this many rows and sequences, of whichever forward is selected.
+    Verify {
+        /// Rows (every one with logits).
+        rows: u32,
+        /// Sequences.
+        seqs: u32,
+    },
+    /// A single-sequence MTP step: rows, logit rows, head layer (legacy forward).
     Mtp(u32, u32, usize),
 }
 

@@ -6,10 +6,18 @@
 //! the row's own SSM slot, so accepting `j` drafts makes row `j`'s slot the sequence's state:
 //! rollback is the choice of a slot, with no recompute and no copy.
 //!
-//! With `decode_graphs`, a verify step of a single sequence (batch 1, where launch overhead
-//! weighs most) is replayed from a graph captured the first time its row count runs (one per
-//! K); a verify step of several sequences, whose shapes vary with every mix of drafts, launches
-//! eagerly. Either way the launches are the same.
+//! With `decode_graphs`, a verify step is replayed from a graph captured the first time its
+//! (rows, sequences) runs. Its launches depend on nothing else: every kernel takes only the
+//! step's row, sequence and logit-row counts (all rows have logits) and reads the mix of drafts
+//! (which rows belong to which sequence, their positions, slots and row slots) from the step
+//! buffers `upload` fills before each step. So a batched verify step is graphed like a
+//! single-sequence one, with one graph per (rows, sequences) pair met, at most
+//! `max_seqs * (1 + K * max_seqs)` of them (no padding: a padded row would cost a verify row).
+//!
+//! With the circuit forward (`ForwardSelect::Circuit`), a single-sequence verify step of
+//! `2..=1 + K` rows replays the executor's verify program of that row count (compiled at boot,
+//! `CircuitExec::verify_program`); a verify step of several sequences, or of one row, runs the
+//! legacy launches, which the circuit has no program for.
 //!
 //! Invariants:
 //! - A row slot is held, named by one row only, and never another sequence's own slot (a
@@ -18,6 +26,7 @@
 
 use metrale_cache::BlockTable;
 use metrale_gpu_runtime::GpuBackendExt;
+use metrale_model_layers::StepShape;
 
 use super::{GraphKey, StepInput, StepRow, TransformerModel};
 use crate::error::ModelError;
@@ -45,10 +54,40 @@ impl TransformerModel {
         self.check_row_slots(&input, row_slots)?;
         let shape = self.upload(&input, None, Some(row_slots))?;
         self.last_rows = shape.rows as usize;
-        if !self.options.decode_graphs || shape.num_seqs != 1 {
-            return self.launch_step(shape);
+        if !self.options.decode_graphs {
+            return self.launch_verify(shape);
         }
-        self.replay(GraphKey::Verify(shape.rows), |m| m.launch_step(shape))
+        let key = GraphKey::Verify {
+            rows: shape.rows,
+            seqs: shape.num_seqs,
+        };
+        self.replay(key, |m| m.launch_verify(shape))
+    }
+
+    /// The launches of a verify step of the selected forward: the circuit's verify program of
+    /// a single sequence's row count when it has one, else the legacy step.
+    pub(crate) fn launch_verify(&self, shape: StepShape) -> Result<(), ModelError> {
+        let program = self
+            .circuit
+            .as_ref()
+            .filter(|_| shape.num_seqs == 1)
+            .and_then(|e| e.verify_program(u64::from(shape.rows)));
+        match program {
+            Some(p) => Ok(p.replay(self.gpu.as_ref(), self.stream)?),
+            None => self.launch_step(shape),
+        }
+    }
+
+    /// The (rows, sequences) of the verify steps captured as graphs so far, ascending.
+    pub fn captured_verify_shapes(&self) -> Vec<(u32, u32)> {
+        let mut out: Vec<(u32, u32)> = (self.graphs.keys())
+            .filter_map(|k| match *k {
+                GraphKey::Verify { rows, seqs } => Some((rows, seqs)),
+                _ => None,
+            })
+            .collect();
+        out.sort_unstable();
+        out
     }
 
     fn check_row_slots(&self, input: &StepInput<'_>, row_slots: &[u32]) -> Result<(), ModelError> {

@@ -287,7 +287,7 @@ pub(crate) fn slots_read(op: Op) -> Vec<WeightSlot> {
         Op::RmsNorm { role, .. } | Op::AddRmsNorm { role, .. } => vec![norm(role)],
         Op::Linear(role) => vec![WeightSlot::Linear(role)],
         Op::QkNormRope(_) => vec![WeightSlot::QNorm, WeightSlot::KNorm],
-        Op::GdnConv => vec![WeightSlot::GdnConv1d],
+        Op::GdnConv | Op::GdnConvVerify => vec![WeightSlot::GdnConv1d],
         Op::GdnGates => vec![WeightSlot::GdnALog, WeightSlot::GdnDtBias],
         Op::GdnGatedNorm => vec![WeightSlot::GdnNorm],
         Op::ResidualAdd
@@ -295,6 +295,7 @@ pub(crate) fn slots_read(op: Op) -> Vec<WeightSlot> {
         | Op::KvStore
         | Op::PagedAttention { .. }
         | Op::GdnRecurrence
+        | Op::GdnRecurrenceVerify
         | Op::MoeRoute
         | Op::MoeCombine
         | Op::SiluMul

@@ -1,5 +1,5 @@
-//! Compilation: a plan to a [`Program`], the flat list of launches one decode step makes at the
-//! plan's width, each group emitted through the typed launchers into a [`Recorder`].
+//! Compilation: a plan to a [`Program`], the flat list of launches one step (decode, or a
+//! single-sequence verify) makes at the plan's width, each group emitted through the typed launchers into a [`Recorder`].
 //!
 //! Invariants:
 //! - Each group emits exactly its plan kernels, in order, and the program has exactly
@@ -11,23 +11,29 @@
 
 use std::collections::BTreeMap;
 
-use metrale_circuit::{Digest, Kernel, Plan};
+use metrale_circuit::{Digest, Kernel, Plan, Step};
 use metrale_gpu_runtime::{GpuBackend, GpuResult, KernelHandle, StreamHandle};
 
 use super::emit::Emitter;
 use super::error::CircuitExecError;
 use super::record::{Launch, Recorder};
 
-/// The launches of one decode step at one width.
+/// The launches of one step at one width.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Program {
+    step: Step,
     rows: u64,
     plan_digest: Digest,
     launches: Vec<Launch>,
 }
 
 impl Program {
-    /// Rows (one per sequence) of the step it runs.
+    /// The step it runs.
+    pub fn step(&self) -> Step {
+        self.step
+    }
+
+    /// Rows of the step it runs (one per sequence in decode).
     pub fn rows(&self) -> u64 {
         self.rows
     }
@@ -130,6 +136,7 @@ pub(crate) fn compile(
         });
     }
     Ok(Program {
+        step: plan.circuit().step(),
         rows: plan.rows(),
         plan_digest: plan.digest(),
         launches,

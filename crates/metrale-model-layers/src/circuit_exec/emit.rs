@@ -426,7 +426,13 @@ impl Emitter<'_> {
                     },
                 )?;
             }
-            (Op::GdnConv, [conv @ k::GDN_CAUSAL_CONV1D, k::GDN_CONV_STATE_UPDATE]) => {
+            (
+                op @ (Op::GdnConv | Op::GdnConvVerify),
+                [
+                    conv @ k::GDN_CAUSAL_CONV1D,
+                    window @ (k::GDN_CONV_STATE_UPDATE | k::GDN_CONV_STATE_VERIFY),
+                ],
+            ) if (op == Op::GdnConvVerify) == (*window == k::GDN_CONV_STATE_VERIFY) => {
                 let g = self.gdn(b)?;
                 let ssm = self.ssm(b)?;
                 let proj = self.input(node, Tensor::GdnProj)?;
@@ -444,7 +450,11 @@ impl Emitter<'_> {
                     kernel_size: g.conv_kernel,
                 };
                 ops.causal_conv1d(s, &p)?;
-                ops.conv_state_update(s, &p)?;
+                if op == Op::GdnConvVerify {
+                    ops.conv_state_verify(s, &p, self.input(node, Tensor::RowSlot)?.ptr)?;
+                } else {
+                    ops.conv_state_update(s, &p)?;
+                }
             }
             (Op::GdnGates, [kernel @ k::GDN_PREPARE]) => {
                 let g = self.gdn(b)?;
@@ -465,26 +475,30 @@ impl Emitter<'_> {
                     },
                 )?;
             }
-            (Op::GdnRecurrence, [k::GDN_RECURRENT]) => {
+            (Op::GdnRecurrence, [k::GDN_RECURRENT])
+            | (Op::GdnRecurrenceVerify, [k::GDN_VERIFY]) => {
                 let g = self.gdn(b)?;
                 let ssm = self.ssm(b)?;
                 let qk = self.input(node, Tensor::GdnQk)?;
-                ops.gated_delta_recurrent(
-                    s,
-                    &GatedDelta {
-                        out: self.output(node, Tensor::GdnCore)?.ptr,
-                        state: StatePool {
-                            base: self.input(node, Tensor::RecurrentState)?.ptr,
-                            num_slots: ssm.num_slots,
-                            slot_stride: ssm.recurrent_slot_stride,
-                        },
-                        qk: qk.ptr,
-                        conv: self.input(node, Tensor::GdnConv)?.ptr,
-                        gates: self.input(node, Tensor::GdnGates)?.ptr,
-                        seqs: self.seqs(node, qk.rows)?,
-                        heads: g.heads,
+                let rule = GatedDelta {
+                    out: self.output(node, Tensor::GdnCore)?.ptr,
+                    state: StatePool {
+                        base: self.input(node, Tensor::RecurrentState)?.ptr,
+                        num_slots: ssm.num_slots,
+                        slot_stride: ssm.recurrent_slot_stride,
                     },
-                )?;
+                    qk: qk.ptr,
+                    conv: self.input(node, Tensor::GdnConv)?.ptr,
+                    gates: self.input(node, Tensor::GdnGates)?.ptr,
+                    seqs: self.seqs(node, qk.rows)?,
+                    heads: g.heads,
+                };
+                if node.op == Op::GdnRecurrenceVerify {
+                    let row_slot = self.input(node, Tensor::RowSlot)?.ptr;
+                    ops.gated_delta_verify(s, &rule, row_slot)?;
+                } else {
+                    ops.gated_delta_recurrent(s, &rule)?;
+                }
             }
             (Op::GdnGatedNorm, [kernel @ k::GDN_GATED_RMS_NORM]) => {
                 let g = self.gdn(b)?;

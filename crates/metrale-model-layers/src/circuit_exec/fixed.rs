@@ -50,6 +50,7 @@ impl Fixed {
             Tensor::BlockTables => b.block_tables,
             Tensor::SeqStart => b.seq_start,
             Tensor::SeqSlot => b.seq_slot,
+            Tensor::RowSlot => b.row_slot,
             Tensor::LogitRows => b.logit_rows,
             Tensor::Residual => b.residual,
             Tensor::Normed => b.normed,

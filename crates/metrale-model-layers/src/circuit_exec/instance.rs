@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use metrale_circuit::{
     Architecture, Circuit, Dims, FfnKind, Fusions, GdnDims, Instance, KernelSet, LayerKind,
-    LayerSpec, Lowering, MoeDims, Plan, RuleTable, SharedExpertDims,
+    LayerSpec, Lowering, MoeDims, Plan, RuleTable, SharedExpertDims, Step,
 };
 use metrale_config::{LayerType, ModelConfig, ModelFamily};
 
@@ -32,13 +32,15 @@ pub fn architecture(config: &ModelConfig) -> Architecture {
     }
 }
 
-/// The instance of `config` with `blocks_per_seq` block-table columns, compiled at `widths`.
+/// The instance of `config` with `blocks_per_seq` block-table columns, compiled at the decode
+/// `widths` and the single-sequence verify steps of `verify_rows` rows (empty: none).
 /// The shared expert is gated whenever there is one, as in every MoE family transformers
 /// defines; a checkpoint without the gate is refused when it is bound.
 pub fn model_instance(
     config: &ModelConfig,
     blocks_per_seq: u64,
     widths: Vec<u64>,
+    verify_rows: Vec<u64>,
 ) -> Result<Instance, CircuitExecError> {
     let u = |n: usize| n as u64;
     let gdn = config.linear.as_ref().map(|l| GdnDims {
@@ -88,6 +90,7 @@ pub fn model_instance(
         },
         layers,
         widths,
+        verify_rows,
         argmax: false,
     };
     instance.validate()?;
@@ -99,15 +102,16 @@ pub fn launcher_kernels() -> KernelSet {
     KernelSet::from_names(Kernels::NAMES.iter().copied())
 }
 
-/// `instance`'s plan at `rows` rows with its architecture's rule table, lowered with `fusions`
-/// against `kernels`.
+/// `instance`'s plan of `step` at `rows` rows with its architecture's rule table, lowered with
+/// `fusions` against `kernels`.
 pub fn plan_at(
     instance: &Instance,
+    step: Step,
     fusions: Fusions,
     kernels: &KernelSet,
     rows: u64,
 ) -> Result<Plan, CircuitExecError> {
-    let circuit = Arc::new(Circuit::new(instance)?);
+    let circuit = Arc::new(Circuit::for_step(instance, step)?);
     let rules = RuleTable::for_architecture(instance.architecture);
     let lowering = Lowering {
         rules: &rules,

@@ -1,5 +1,6 @@
 //! The circuit executor: a model's decode step compiled from its circuit (`metrale-circuit`)
-//! into fixed-address launch programs, one per decode width.
+//! into fixed-address launch programs, one per decode width, and, with speculative decoding,
+//! one per single-sequence verify row count (`Instance::verify_rows`, `Step::Verify`).
 //!
 //! - `bindings`: how layers hand the executor their weights and facts ([`CircuitBindings`],
 //!   the supertrait of `TransformerLayer`), and [`check_bindings`], which refuses a model the
@@ -10,10 +11,11 @@
 //! - `emit`, `compile`: each plan group through the same typed `ops` launchers the legacy
 //!   forward calls, into a [`Program`] whose launch count is checked against the plan's.
 //!
-//! [`CircuitExec::build`] does it all once, at boot: bind, check, lower the circuit at every
-//! width (`Fusions::All` against every launcher kernel the backend resolves), allocate one
-//! workspace sized for the largest program (none today: every emitter writes only the step
-//! buffers), and compile a program per width.
+//! [`CircuitExec::build`] does it all once, at boot: bind, check, lower the decode circuit at
+//! every width and the verify circuit at every verify row count (`Fusions::All` against every
+//! launcher kernel the backend resolves), allocate one workspace sized for the largest program
+//! (none today: every emitter writes only the step buffers), and compile a program per plan.
+//! The digest it discloses covers the decode plans, then the verify plans.
 //!
 //! Invariants:
 //! - Every address a program reads is fixed after boot, so replaying it, or a CUDA graph
@@ -32,6 +34,8 @@ mod record;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_speculative;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -48,7 +52,7 @@ pub use error::{BindingProblem, CircuitExecError, Part};
 pub use fixed::{Fixed, LayerPools};
 pub use instance::{architecture, launcher_kernels, model_instance, plan_at};
 pub use metrale_circuit::{
-    Architecture, Block, Digest, Fusions, Instance, KernelSet, NormWeight, Plan, plans_digest,
+    Architecture, Block, Digest, Fusions, Instance, KernelSet, NormWeight, Plan, Step, plans_digest,
 };
 pub use record::{Launch, Recorder};
 
@@ -62,7 +66,7 @@ pub struct Boot<'a> {
     pub ops: &'a Ops,
     /// The stream the emitters are told (recording ignores it; programs replay on any).
     pub stream: StreamHandle,
-    /// The model's circuit instance; its widths are the programs compiled.
+    /// The model's circuit instance; its widths and verify rows are the programs compiled.
     pub instance: Instance,
     /// Which rules the plans may use.
     pub fusions: Fusions,
@@ -85,6 +89,8 @@ pub struct CircuitExec {
     fusions: Fusions,
     plans: Vec<Plan>,
     programs: Vec<Program>,
+    verify_plans: Vec<Plan>,
+    verify_programs: Vec<Program>,
     digest: Digest,
     workspace: Option<DevicePtr>,
     workspace_bytes: u64,
@@ -133,8 +139,15 @@ impl CircuitExec {
             kernels: &kernels,
         };
         let plans = Plan::compile_widths(&circuit, &lowering)?;
+        let verify_plans = if boot.instance.verify_rows.is_empty() {
+            Vec::new()
+        } else {
+            let verify = Arc::new(Circuit::for_step(&boot.instance, Step::Verify)?);
+            Plan::compile_widths(&verify, &lowering)?
+        };
         let workspace_bytes = plans
             .iter()
+            .chain(&verify_plans)
             .map(|p| p.groups().iter().map(|g| emit::scratch_bytes(p, g)).sum())
             .max()
             .unwrap_or(0);
@@ -150,6 +163,7 @@ impl CircuitExec {
         let mut handles = BTreeMap::new();
         let compiled = plans
             .iter()
+            .chain(&verify_plans)
             .map(|plan| {
                 let emitter = emit::Emitter {
                     ops: &recording,
@@ -163,7 +177,7 @@ impl CircuitExec {
                 compile::compile(&emitter, &recorder, &mut handles)
             })
             .collect::<Result<Vec<_>, _>>();
-        let programs = match compiled {
+        let mut programs = match compiled {
             Ok(p) => p,
             Err(e) => {
                 if let Some(ptr) = workspace
@@ -174,12 +188,16 @@ impl CircuitExec {
                 return Err(e);
             }
         };
+        let verify_programs = programs.split_off(plans.len());
+        let all: Vec<Plan> = plans.iter().chain(&verify_plans).cloned().collect();
         Ok(CircuitExec {
-            digest: plans_digest(&plans),
+            digest: plans_digest(&all),
             gpu,
             fusions: boot.fusions,
             plans,
             programs,
+            verify_plans,
+            verify_programs,
             workspace,
             workspace_bytes,
         })
@@ -205,7 +223,24 @@ impl CircuitExec {
         self.programs.iter().find(|p| p.rows() == rows)
     }
 
-    /// The digest of every plan, concatenated in width order (`plans_digest`).
+    /// Its verify plans, one per verify row count, ascending (empty without speculation).
+    pub fn verify_plans(&self) -> &[Plan] {
+        &self.verify_plans
+    }
+
+    /// Its verify programs, one per verify row count, ascending.
+    pub fn verify_programs(&self) -> &[Program] {
+        &self.verify_programs
+    }
+
+    /// The program of a single-sequence verify step of `rows` rows, when that count was
+    /// compiled.
+    pub fn verify_program(&self, rows: u64) -> Option<&Program> {
+        self.verify_programs.iter().find(|p| p.rows() == rows)
+    }
+
+    /// The digest of every plan's text, the decode plans in width order, then the verify plans
+    /// (`plans_digest`).
     pub fn plans_digest(&self) -> Digest {
         self.digest
     }

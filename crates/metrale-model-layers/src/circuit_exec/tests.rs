@@ -20,11 +20,11 @@ use crate::layers::MoeShape;
 use crate::ops_hybrid::GdnHeads;
 use crate::weight_map::DenseWeight;
 
-const FA_MOE: LayerSpec = LayerSpec {
+pub(super) const FA_MOE: LayerSpec = LayerSpec {
     kind: LayerKind::FullAttention,
     ffn: FfnKind::Moe,
 };
-const LA_MOE: LayerSpec = LayerSpec {
+pub(super) const LA_MOE: LayerSpec = LayerSpec {
     kind: LayerKind::LinearAttention,
     ffn: FfnKind::Moe,
 };
@@ -80,6 +80,7 @@ fn instance(layers: Vec<LayerSpec>) -> Instance {
         },
         layers,
         widths: vec![1, 2, 4],
+        verify_rows: vec![2, 3, 4, 5],
         argmax: false,
     }
 }
@@ -267,15 +268,15 @@ fn fixed(a: &mut Addr, specs: &[LayerSpec]) -> Fixed {
     Fixed { buffers, pools }
 }
 
-struct Model {
-    ops: Ops,
-    instance: Instance,
-    layers: Vec<Option<CircuitLayer>>,
-    head: HeadBinding,
-    fixed: Fixed,
+pub(super) struct Model {
+    pub(super) ops: Ops,
+    pub(super) instance: Instance,
+    pub(super) layers: Vec<Option<CircuitLayer>>,
+    pub(super) head: HeadBinding,
+    pub(super) fixed: Fixed,
 }
 
-fn model(specs: &[LayerSpec]) -> Model {
+pub(super) fn model(specs: &[LayerSpec]) -> Model {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
     let mut a = Addr::default();
     Model {
@@ -288,7 +289,7 @@ fn model(specs: &[LayerSpec]) -> Model {
 }
 
 impl Model {
-    fn build(&self, fusions: Fusions) -> Result<CircuitExec, CircuitExecError> {
+    pub(super) fn build(&self, fusions: Fusions) -> Result<CircuitExec, CircuitExecError> {
         CircuitExec::build(Boot {
             ops: &self.ops,
             stream: StreamHandle::DEFAULT,
@@ -302,7 +303,7 @@ impl Model {
         })
     }
 
-    fn problems(&self) -> Vec<BindingProblem> {
+    pub(super) fn problems(&self) -> Vec<BindingProblem> {
         match self.build(Fusions::ReferenceOnly) {
             Err(CircuitExecError::Bindings { problems }) => problems,
             Err(e) => panic!("not a binding error: {e}"),

@@ -1,0 +1,326 @@
+//! Speculative decoding under the circuit forward, on the CPU backend: a single-sequence verify
+//! step of `circuit-reference` (its verify program) is bitwise the legacy one, logits and the
+//! state every row keeps, for K = 1..4, eager and graphed, and launches exactly what the legacy
+//! step launches; a batched verify step replayed from a graph captured under another mix of
+//! drafts is bitwise the eager step; greedy MTP generation under `circuit` is plain greedy. The
+//! first two also run on CUDA (module `cuda`, with `--features cuda`).
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+
+use metrale_cache::BlockTable;
+use metrale_gpu_runtime::{CpuBackend, GpuBackend};
+use metrale_model_engine::factory;
+use metrale_model_engine::generate::generate_batch;
+use metrale_model_engine::model::{StepInput, StepRow, TransformerModel};
+use metrale_model_engine::model_circuit::{
+    ForwardSelect, Fusions, ModelCircuit, checkpoint_plans, checkpoint_verify_plan, plans_digest,
+};
+use metrale_model_engine::options::{ModelOptions, Speculative};
+use support::*;
+
+const REFERENCE: ForwardSelect = ForwardSelect::Circuit {
+    fusions: Fusions::ReferenceOnly,
+};
+
+fn spec_options(k: usize, graphs: bool) -> ModelOptions {
+    ModelOptions {
+        speculative: Speculative::External,
+        num_draft_tokens: k,
+        decode_graphs: graphs,
+        ..Default::default()
+    }
+}
+
+fn cpu() -> Arc<dyn GpuBackend> {
+    Arc::new(CpuBackend::default())
+}
+
+/// Fixture `name` (no MTP head) on `gpu`.
+fn load_on(
+    gpu: fn() -> Arc<dyn GpuBackend>,
+    name: &str,
+    options: ModelOptions,
+) -> TransformerModel {
+    factory::load(&fixture(name), options, gpu()).unwrap()
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|r| r.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+/// A sequence driven by hand: its table, its SSM slot, and one row slot per verify row.
+struct Seq {
+    table: BlockTable,
+    slot: u32,
+    row_slots: Vec<u32>,
+}
+
+impl Seq {
+    /// A sequence with `prompt` prefilled, keeping verify rows' states in `rows` slots.
+    fn prefilled(model: &mut TransformerModel, prompt: &[u32], rows: usize) -> Seq {
+        let slot = model.alloc_ssm_slot().unwrap().unwrap();
+        let row_slots = (0..rows)
+            .map(|_| model.alloc_ssm_slot().unwrap().unwrap())
+            .collect();
+        let mut seq = Seq {
+            table: BlockTable::new(),
+            slot,
+            row_slots,
+        };
+        seq.ensure(model, prompt.len() + rows);
+        let step: Vec<StepRow> = (prompt.iter().enumerate())
+            .map(|(p, &token)| StepRow {
+                token,
+                position: p as u32,
+                seq: 0,
+            })
+            .collect();
+        model
+            .forward(&StepInput {
+                rows: &step,
+                tables: &[&seq.table],
+                logit_rows: &[],
+                ssm_slots: &[seq.slot],
+            })
+            .unwrap();
+        seq
+    }
+
+    fn ensure(&mut self, model: &mut TransformerModel, tokens: usize) {
+        let bs = model.kv_cache().block_size();
+        self.table
+            .ensure(tokens, bs, &mut model.kv_cache().allocator)
+            .unwrap();
+    }
+
+    fn free(self, model: &mut TransformerModel) {
+        for s in self.row_slots.into_iter().chain([self.slot]) {
+            model.free_ssm_slot(s).unwrap();
+        }
+        let bs = model.kv_cache().block_size();
+        let mut table = self.table;
+        table
+            .truncate(0, bs, &mut model.kv_cache().allocator)
+            .unwrap();
+    }
+}
+
+/// A prompt of `len` tokens, distinct per `salt`.
+fn prompt(len: u32, salt: u32) -> Vec<u32> {
+    (0..len)
+        .map(|t| (t * 29 + salt * 13 + 7) % 250 + 1)
+        .collect()
+}
+
+/// One verify step over `seqs`, sequence `i` verifying `counts[i]` rows after its prompt of
+/// `prompt_len[i]` tokens; returns every row's logits and every row slot's state.
+fn verify(
+    model: &mut TransformerModel,
+    seqs: &[&Seq],
+    prompt_lens: &[usize],
+    counts: &[usize],
+) -> (Vec<Vec<f32>>, Vec<Vec<u8>>) {
+    let mut rows = Vec::new();
+    let mut row_slots = Vec::new();
+    for (i, (&n, &c)) in prompt_lens.iter().zip(counts).enumerate() {
+        for t in 0..c {
+            rows.push(StepRow {
+                token: ((i * 31 + t * 17) % 200 + 3) as u32,
+                position: (n + t) as u32,
+                seq: i as u32,
+            });
+            row_slots.push(seqs[i].row_slots[t]);
+        }
+    }
+    let tables: Vec<&BlockTable> = seqs.iter().map(|s| &s.table).collect();
+    let slots: Vec<u32> = seqs.iter().map(|s| s.slot).collect();
+    model.verify(&rows, &tables, &slots, &row_slots).unwrap();
+    let logits = model.logits(rows.len()).unwrap();
+    let states = (row_slots.iter().chain(&slots))
+        .map(|&s| model.ssm_slot_bytes(s).unwrap())
+        .collect();
+    (logits, states)
+}
+
+#[test]
+fn circuit_reference_verify_is_bitwise_legacy_logits_and_row_states_for_k_1_to_4() {
+    verify_is_bitwise_legacy(cpu);
+}
+
+fn verify_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
+    for name in HYBRID {
+        for graphs in [false, true] {
+            let mut legacy = load_on(gpu, name, spec_options(4, graphs));
+            let mut circuit = load_on(gpu, name, spec_options(4, graphs));
+            let want: Vec<_> = (1..=5)
+                .map(|rows| circuit.verify_launches(rows).unwrap())
+                .collect();
+            circuit.set_forward(REFERENCE).unwrap();
+            for (rows, want) in (1..=5).zip(&want) {
+                let got = circuit.verify_launches(rows).unwrap();
+                assert!(
+                    got == *want,
+                    "{name}: the verify program of {rows} rows launches {} kernels, legacy {}; \
+                     first difference at {:?}",
+                    got.len(),
+                    want.len(),
+                    got.iter().zip(want).position(|(g, w)| g != w)
+                );
+            }
+            for k in 1..=4 {
+                let p = prompt(12 + k as u32, k as u32);
+                let mut want = None;
+                for model in [&mut legacy, &mut circuit] {
+                    let seq = Seq::prefilled(model, &p, k + 1);
+                    let got = verify(model, &[&seq], &[p.len()], &[k + 1]);
+                    seq.free(model);
+                    let got = (bits(&got.0), got.1);
+                    match &want {
+                        None => want = Some(got),
+                        Some(w) => assert!(
+                            *w == got,
+                            "{name} K={k} graphs {graphs}: circuit-reference verify differs"
+                        ),
+                    }
+                }
+            }
+            if graphs {
+                let shapes = [(2, 1), (3, 1), (4, 1), (5, 1)];
+                assert_eq!(circuit.captured_verify_shapes(), shapes, "{name}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_batched_verify_step_replayed_from_its_graph_is_bitwise_the_eager_step() {
+    batched_verify_graph_is_eager(cpu);
+}
+
+fn batched_verify_graph_is_eager(gpu: fn() -> Arc<dyn GpuBackend>) {
+    for name in HYBRID {
+        let mut eager = load_on(gpu, name, spec_options(3, false));
+        let mut graphed = load_on(gpu, name, spec_options(3, true));
+        let mut circuit = load_on(gpu, name, spec_options(3, true));
+        circuit.set_forward(REFERENCE).unwrap();
+        // Two mixes of drafts with the same rows and sequences: the second replays the graph
+        // the first captured, with other positions, sequences and row slots.
+        let lens = [9, 14, 21];
+        for counts in [[2, 3, 1], [4, 1, 1]] {
+            let mut want = None;
+            for model in [&mut eager, &mut graphed, &mut circuit] {
+                let seqs: Vec<Seq> = (lens.iter().enumerate())
+                    .map(|(i, &n)| Seq::prefilled(model, &prompt(n, i as u32), 4))
+                    .collect();
+                let refs: Vec<&Seq> = seqs.iter().collect();
+                let got = verify(model, &refs, &lens.map(|n| n as usize), &counts);
+                for s in seqs {
+                    s.free(model);
+                }
+                let got = (bits(&got.0), got.1);
+                match &want {
+                    None => want = Some(got),
+                    Some(w) => assert!(*w == got, "{name} {counts:?}: graphed differs from eager"),
+                }
+            }
+        }
+        assert!(eager.captured_verify_shapes().is_empty());
+        assert_eq!(graphed.captured_verify_shapes(), [(6, 3)], "{name}");
+        assert_eq!(circuit.captured_verify_shapes(), [(6, 3)], "{name}");
+    }
+}
+
+#[test]
+fn mtp_greedy_under_the_circuit_forward_is_plain_greedy() {
+    for name in HYBRID {
+        let fx = MtpFixture::new(name);
+        let prompts = fx.prompts();
+        let mut plain_model = fx.load(ModelOptions::default());
+        let plain: Vec<_> = (prompts.iter())
+            .map(|p| run(&mut plain_model, p, &greedy(12)))
+            .collect();
+        for k in [1, 4] {
+            let mut model = fx.load(ModelOptions {
+                speculative: Speculative::Mtp,
+                num_draft_tokens: k,
+                ..Default::default()
+            });
+            model
+                .set_forward(ForwardSelect::Circuit {
+                    fusions: Fusions::All,
+                })
+                .unwrap();
+            for (p, want) in prompts.iter().zip(&plain) {
+                let got = run(&mut model, p, &greedy(12));
+                assert_eq!(got.token_ids, want.token_ids, "{name} K={k}: tokens");
+            }
+            let gp = greedy(12);
+            let reqs: Vec<(&[u32], _)> = prompts.iter().map(|p| (p.as_slice(), &gp)).collect();
+            let batched =
+                generate_batch(&mut model, &reqs, &mut |_, _| ControlFlow::Continue(())).unwrap();
+            for (got, want) in batched.iter().zip(&plain) {
+                assert_eq!(got.token_ids, want.token_ids, "{name} K={k} batched");
+            }
+            assert!(
+                model.captured_verify_shapes().contains(&(1 + k as u32, 1)),
+                "{name} K={k}: single-sequence verify steps ran"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_disclosed_digest_covers_the_verify_plans_metrale_circuit_plan_prints() {
+    for name in HYBRID {
+        let options = spec_options(4, true);
+        let mut model = load_plain(name, options.clone());
+        model.set_forward(REFERENCE).unwrap();
+        let d = model.forward_disclosure().unwrap();
+        let plans = checkpoint_plans(model.config(), &options, Fusions::ReferenceOnly).unwrap();
+        let verify: Vec<u64> = plans.iter().skip(4).map(|p| p.rows()).collect();
+        assert_eq!(
+            verify,
+            [2, 3, 4, 5],
+            "{name}: decode 1, 2, 4, 8, then verify"
+        );
+        assert_eq!(d.plan_digest, Some(plans_digest(&plans)), "{name}");
+        let plain = checkpoint_plans(
+            model.config(),
+            &ModelOptions::default(),
+            Fusions::ReferenceOnly,
+        );
+        assert_ne!(d.plan_digest, Some(plans_digest(&plain.unwrap())), "{name}");
+        let p3 =
+            checkpoint_verify_plan(model.config(), &options, Fusions::ReferenceOnly, 3).unwrap();
+        assert!(p3.text() == plans[5].text() && p3.text().contains("\nstep verify\nrows 3\n"));
+    }
+}
+
+/// The verify tests on CUDA: the program and the graphs replay what the eager legacy step
+/// computes there too.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use metrale_gpu_runtime::cuda::CudaBackend;
+
+    fn gpu() -> Arc<dyn GpuBackend> {
+        Arc::new(CudaBackend::new(0).expect("a CUDA device"))
+    }
+
+    #[test]
+    fn circuit_reference_verify_is_bitwise_legacy_on_cuda() {
+        verify_is_bitwise_legacy(gpu);
+    }
+
+    #[test]
+    fn a_batched_verify_step_replayed_from_its_graph_is_bitwise_eager_on_cuda() {
+        batched_verify_graph_is_eager(gpu);
+    }
+}
