@@ -296,6 +296,7 @@ impl ModelCircuit for TransformerModel {
             max_blocks: self.max_blocks as u32,
             logit_rows: rows as u32,
             verify: true,
+            att_groups: 0,
         };
         let (recorder, ops) = Recorder::over(&self.ops);
         self.launch_step_with(&ops, shape)?;

@@ -210,12 +210,18 @@ fn batched_verify_graph_is_eager(gpu: fn() -> Arc<dyn GpuBackend>) {
         let mut graphed = load_on(gpu, name, spec_options(3, true));
         let mut circuit = load_on(gpu, name, spec_options(3, true));
         circuit.set_forward(REFERENCE).unwrap();
+        // No verify graph may be kept: every step runs eagerly, with the same results.
+        let capped = ModelOptions {
+            max_verify_graphs: 0,
+            ..spec_options(3, true)
+        };
+        let mut capped = load_on(gpu, name, capped);
         // Two mixes of drafts with the same rows and sequences: the second replays the graph
         // the first captured, with other positions, sequences and row slots.
         let lens = [9, 14, 21];
         for counts in [[2, 3, 1], [4, 1, 1]] {
             let mut want = None;
-            for model in [&mut eager, &mut graphed, &mut circuit] {
+            for model in [&mut eager, &mut graphed, &mut circuit, &mut capped] {
                 let seqs: Vec<Seq> = (lens.iter().enumerate())
                     .map(|(i, &n)| Seq::prefilled(model, &prompt(n, i as u32), 4))
                     .collect();
@@ -234,6 +240,7 @@ fn batched_verify_graph_is_eager(gpu: fn() -> Arc<dyn GpuBackend>) {
         assert!(eager.captured_verify_shapes().is_empty());
         assert_eq!(graphed.captured_verify_shapes(), [(6, 3)], "{name}");
         assert_eq!(circuit.captured_verify_shapes(), [(6, 3)], "{name}");
+        assert!(capped.captured_verify_shapes().is_empty(), "{name}: past the cap");
     }
 }
 

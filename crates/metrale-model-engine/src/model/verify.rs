@@ -11,8 +11,9 @@
 //! step's row, sequence and logit-row counts (all rows have logits) and reads the mix of drafts
 //! (which rows belong to which sequence, their positions, slots and row slots) from the step
 //! buffers `upload` fills before each step. So a batched verify step is graphed like a
-//! single-sequence one, with one graph per (rows, sequences) pair met, at most
-//! `max_seqs * (1 + K * max_seqs)` of them (no padding: a padded row would cost a verify row).
+//! single-sequence one, with one graph per (rows, sequences) pair met, up to
+//! `ModelOptions::max_verify_graphs` of them (then new shapes run eagerly; no padding: a padded
+//! row would cost a verify row).
 //!
 //! With the circuit forward (`ForwardSelect::Circuit`), a single-sequence verify step of
 //! `2..=1 + K` rows replays the executor's verify program of that row count (compiled at boot,
@@ -61,6 +62,12 @@ impl TransformerModel {
             rows: shape.rows,
             seqs: shape.num_seqs,
         };
+        let kept = (self.graphs.keys())
+            .filter(|k| matches!(k, GraphKey::Verify { .. }))
+            .count();
+        if !self.graphs.contains_key(&key) && kept >= self.options.max_verify_graphs {
+            return self.launch_verify(shape);
+        }
         self.replay(key, |m| m.launch_verify(shape))
     }
 
