@@ -140,6 +140,8 @@ struct AttLaunch {
     const uint32_t* block_tables;
     const uint32_t* positions;
     const uint32_t* row_groups;  // paged_attention_prefill: [n_groups][first row, rows]; else NULL
+    const uint32_t* grp_s;       // ... and in shared memory, per item k of the cluster:
+                                 // [k][first row, rows, each row's context (ATT_HB)]
     uint32_t row_stride, q_head_stride, hq, d, block_size, max_blocks, num_slots;
     uint32_t hb, hv, group, groups, n_items, n_clusters, cluster, split, nk;
     size_t width;  // elements per slot (num_kv_heads * head_dim)
@@ -163,15 +165,16 @@ MT_DEVICE AttItem att_item(const AttLaunch& a, uint32_t k, const uint32_t* seq_s
     AttItem it;
     const uint32_t n = a.cluster + k * a.n_clusters;
     const uint32_t gi = n / a.groups;
-    it.row = GROUPED ? a.row_groups[2 * gi] : gi;
-    it.cnt = GROUPED ? a.row_groups[2 * gi + 1] : 1;
+    const uint32_t* grp = a.grp_s + k * (2 + ATT_HB);
+    it.row = GROUPED ? grp[0] : gi;
+    it.cnt = GROUPED ? grp[1] : 1;
     it.h0 = (n % a.groups) * a.hb;
     it.seq = seq_s[k];
     it.ctx = ctx_s[k];  // 0: the row's inputs are out of range
     it.rctx = it.ctx;
     if (GROUPED) {
         const uint32_t j = ((threadIdx.x & 31) >> 2) / a.hb;
-        if (it.ctx != 0 && j < it.cnt) it.rctx = a.positions[it.row + j] + 1;
+        if (it.ctx != 0 && j < it.cnt) it.rctx = grp[2 + j];
     }
     const uint32_t units = (it.ctx + ATT_UNIT - 1) / ATT_UNIT;
     const uint32_t ub = (uint32_t)((uint64_t)a.split * units / ATT_SPLITS);
@@ -524,6 +527,7 @@ MT_DEVICE void att_main(bf16* out, const bf16* qkv, const bf16* k_cache, const b
                         const uint32_t* row_groups, uint32_t n_groups) {
     extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ AttShared sh;
+    __shared__ uint32_t grp_s[GROUPED ? ATT_MAX_ITEMS * (2 + ATT_HB) : 1];
 
     AttLaunch a;
     a.out = out;
@@ -533,6 +537,7 @@ MT_DEVICE void att_main(bf16* out, const bf16* qkv, const bf16* k_cache, const b
     a.block_tables = block_tables;
     a.positions = positions;
     a.row_groups = row_groups;
+    a.grp_s = grp_s;
     a.row_stride = row_stride;
     a.q_head_stride = q_head_stride;
     a.hq = num_q_heads;
@@ -592,6 +597,13 @@ MT_DEVICE void att_main(bf16* out, const bf16* qkv, const bf16* k_cache, const b
             const uint32_t cj = positions[r + j] + 1;
             ok = row_seq[r + j] == seq && cj != 0 && (cj - 1) / ATT_UNIT == (ctx0 - 1) / ATT_UNIT;
             ctx = max(ctx, cj);
+            if (GROUPED) grp_s[k * (2 + ATT_HB) + 2 + j] = cj;
+        }
+        if (GROUPED) {
+            grp_s[k * (2 + ATT_HB)] = r;
+            // A malformed group writes NaN to the rows it names that exist, at most rpi.
+            grp_s[k * (2 + ATT_HB) + 1] = r < rows ? min(min(cnt, rows - r), rpi) : 0;
+            grp_s[k * (2 + ATT_HB) + 2] = ctx0;
         }
         ok = ok && seq < num_seqs && ctx0 != 0 && (ctx + block_size - 1) / block_size <= max_blocks;
         sh.seq[k] = ok ? seq : 0;

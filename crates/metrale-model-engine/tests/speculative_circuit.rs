@@ -240,7 +240,10 @@ fn batched_verify_graph_is_eager(gpu: fn() -> Arc<dyn GpuBackend>) {
         assert!(eager.captured_verify_shapes().is_empty());
         assert_eq!(graphed.captured_verify_shapes(), [(6, 3)], "{name}");
         assert_eq!(circuit.captured_verify_shapes(), [(6, 3)], "{name}");
-        assert!(capped.captured_verify_shapes().is_empty(), "{name}: past the cap");
+        assert!(
+            capped.captured_verify_shapes().is_empty(),
+            "{name}: past the cap"
+        );
     }
 }
 

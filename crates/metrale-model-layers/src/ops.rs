@@ -579,16 +579,15 @@ fn attention_padded_dim(head_dim: u32) -> u32 {
     }
 }
 
-/// Clusters of `paged_attention` for `items` (row, head group) items: as many as are resident
-/// at once (each loops over items cluster, cluster + clusters, ...), more when that would give a
-/// cluster over `ATTENTION_MAX_ITEMS`. Which cluster computes an item never changes the item's
+/// Clusters of `paged_attention` for `items` items: as many as are resident at once (each loops
+/// over items cluster, cluster + clusters, ...), or, when that would give a cluster over
+/// `ATTENTION_MAX_ITEMS`, a whole number of such waves (a prefill's thousands of items), so the
+/// last wave is as full as the others. Which cluster computes an item never changes the item's
 /// result.
 fn attention_clusters(items: u32, head_dim: u32) -> u32 {
     let resident = ATTENTION_CLUSTERS[usize::from(attention_padded_dim(head_dim) > 128)];
-    items
-        .min(resident)
-        .max(items.div_ceil(ATTENTION_MAX_ITEMS))
-        .max(1)
+    let waves = items.div_ceil(resident * ATTENTION_MAX_ITEMS).max(1);
+    items.min(resident * waves).max(1)
 }
 
 /// Rows per item of `paged_attention_prefill` (`att_rows_per_item`): as many as fill the

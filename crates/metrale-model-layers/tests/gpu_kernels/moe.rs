@@ -4,8 +4,8 @@
 
 use metrale_model_layers::ops_hybrid::{ExpertLinear, MoeCombine};
 
-use super::harness::{At, Buf, Pair, Rng, S, Tolerance};
 use super::F32_ELEMENTWISE;
+use super::harness::{At, Buf, Pair, Rng, S, Tolerance};
 
 /// Compare two u32 outputs exactly, printing a `kernel-check` line.
 fn check_u32(p: &Pair, kernel: &str, case: &str, buf: &Buf) -> Vec<u32> {
