@@ -440,13 +440,15 @@ fn a_model_the_circuit_misdescribes_is_refused_naming_every_problem() -> Result<
         bail!("not a binding refusal: {text}");
     };
     let want = [
-        BindingProblem::Unbound { layer: 0 },
+        BindingProblem::Unbound {
+            part: Part::Layer(0),
+        },
         BindingProblem::Unmodelled {
             part: Part::Layer(1),
             feature: "a per-head norm on only one of q and k".into(),
         },
         BindingProblem::FactDisagrees {
-            layer: 1,
+            part: Part::Layer(1),
             fact: "the q/k norm",
             model: "false".into(),
             circuit: "true".into(),

@@ -8,41 +8,94 @@
 //! final norm (add fused), the logit rows, the LM head and, when asked, the argmax. What varies
 //! by architecture is which layers exist, the norm weighting, the q/k norm and the attention
 //! gate, all read from [`Architecture`]. A verify step differs only in its GDN layers, whose
-//! conv and rule keep the state after each row in the row's slot ([`Step::Verify`]).
+//! conv and rule keep the state after each row in the row's slot ([`Step::Verify`]). A draft
+//! step ([`Step::Draft`]) is the MTP head: the embedding, the head's two input norms, their
+//! concat and `fc`, its one decoder layer (the same subgraph a decoder layer has), its final
+//! norm, and the shared LM head on the logit row (`TransformerModel::launch_mtp`).
 
 use crate::circuit::Builder;
+use crate::error::CircuitError;
 use crate::instance::{Architecture, Instance, Step};
-use crate::op::{Block, FfnKind, LayerKind, LinearRole, NormRole, Op};
+use crate::op::{Block, FfnKind, LayerKind, LayerSpec, LinearRole, NormRole, Op};
 use crate::tensor::Tensor as T;
 
-/// Append `instance`'s step to `b`.
-pub(crate) fn build(instance: &Instance, step: Step, b: &mut Builder) {
+/// Append `instance`'s step to `b`; a draft step without a draft layer is refused.
+pub(crate) fn build(instance: &Instance, step: Step, b: &mut Builder) -> Result<(), CircuitError> {
     let arch = instance.architecture;
-    let norm = arch.norm_weight();
     b.node(Block::Embed, Op::Embedding, &[T::TokenIds], &[T::Residual]);
-    for (i, layer) in instance.layers.iter().enumerate() {
-        let blk = Block::Layer(i);
-        if i == 0 {
-            let op = Op::RmsNorm {
-                role: NormRole::Input,
-                weight: norm,
-            };
-            b.node(blk, op, &[T::Residual], &[T::Normed]);
-        } else {
-            add_norm(b, blk, NormRole::Input, arch);
+    if step == Step::Draft {
+        let layer = instance.draft_layer.ok_or(CircuitError::NoDraftLayer)?;
+        draft_head(b, instance, layer);
+    } else {
+        for (i, &layer) in instance.layers.iter().enumerate() {
+            decoder_layer(b, instance, Block::Layer(i), layer, step);
         }
-        match layer.kind {
-            LayerKind::FullAttention => attention(b, blk, arch),
-            LayerKind::LinearAttention => gdn(b, blk, step),
-        }
-        add_norm(b, blk, NormRole::Post, arch);
-        match layer.ffn {
-            FfnKind::Dense => dense_ffn(b, blk),
-            FfnKind::Moe => moe_ffn(b, blk, instance),
-        }
+        add_norm(b, Block::Head, NormRole::Final, arch);
     }
+    lm_head(b, instance);
+    Ok(())
+}
+
+/// One decoder layer, `residual` (plus `delta` after the first) to `delta`.
+fn decoder_layer(b: &mut Builder, instance: &Instance, blk: Block, layer: LayerSpec, step: Step) {
+    let arch = instance.architecture;
+    if matches!(blk, Block::Layer(0) | Block::DraftLayer(_)) {
+        let op = Op::RmsNorm {
+            role: NormRole::Input,
+            weight: arch.norm_weight(),
+        };
+        b.node(blk, op, &[T::Residual], &[T::Normed]);
+    } else {
+        add_norm(b, blk, NormRole::Input, arch);
+    }
+    match layer.kind {
+        LayerKind::FullAttention => attention(b, blk, arch),
+        LayerKind::LinearAttention => gdn(b, blk, step),
+    }
+    add_norm(b, blk, NormRole::Post, arch);
+    match layer.ffn {
+        FfnKind::Dense => dense_ffn(b, blk),
+        FfnKind::Moe => moe_ffn(b, blk, instance),
+    }
+}
+
+/// The MTP head after the embedding (`TransformerModel::launch_mtp`): the normed embedding
+/// and the normed hidden row side by side, `fc` into the residual stream, the head's layer
+/// (its first: a plain input norm), and its final norm.
+fn draft_head(b: &mut Builder, instance: &Instance, layer: LayerSpec) {
+    let (blk, weight) = (Block::Draft, instance.architecture.norm_weight());
+    let norm = |role| Op::RmsNorm { role, weight };
+    b.node(
+        blk,
+        norm(NormRole::DraftEmbedding),
+        &[T::Residual],
+        &[T::MtpNormedEmbedding],
+    );
+    b.node(
+        blk,
+        norm(NormRole::DraftHidden),
+        &[T::MtpHidden],
+        &[T::MtpNormedHidden],
+    );
+    b.node(
+        blk,
+        Op::DraftConcat,
+        &[T::MtpNormedEmbedding, T::MtpNormedHidden, T::MtpCatIds],
+        &[T::MtpCat],
+    );
+    b.node(
+        blk,
+        Op::Linear(LinearRole::Fc),
+        &[T::MtpCat],
+        &[T::Residual],
+    );
+    decoder_layer(b, instance, Block::DraftLayer(0), layer, Step::Draft);
+    add_norm(b, blk, NormRole::DraftFinal, instance.architecture);
+}
+
+/// The logit rows of `normed`, the LM head and, when asked, the argmax.
+fn lm_head(b: &mut Builder, instance: &Instance) {
     let head = Block::Head;
-    add_norm(b, head, NormRole::Final, arch);
     b.node(
         head,
         Op::GatherRows,

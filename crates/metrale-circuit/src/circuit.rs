@@ -1,4 +1,5 @@
-//! `Circuit`: one step of a model as data (a decode step or a verify step, [`Step`]). Nodes (an [`Op`] in a [`Block`]) joined by
+//! `Circuit`: one step of a model as data (a decode, verify or draft step, [`Step`]). Nodes
+//! (an [`Op`] in a [`Block`]) joined by
 //! typed edges ([`Value`]s: a [`Tensor`], hence a format and a shape expression), built from an
 //! [`Instance`] by the architecture's builder (`architectures.rs`).
 //!
@@ -79,7 +80,7 @@ impl Circuit {
     pub fn for_step(instance: &Instance, step: Step) -> Result<Circuit, CircuitError> {
         instance.validate()?;
         let mut b = Builder::default();
-        crate::architectures::build(instance, step, &mut b);
+        crate::architectures::build(instance, step, &mut b)?;
         let circuit = Circuit {
             instance: instance.clone(),
             step,

@@ -55,6 +55,25 @@ pub enum CircuitError {
         /// The row counts given.
         rows: Vec<u64>,
     },
+    /// The instance's draft rows are not a strictly ascending list of positive numbers.
+    #[error("the instance's draft rows {rows:?} are not a strictly ascending list of rows >= 1")]
+    BadDraftRows {
+        /// The row counts given.
+        rows: Vec<u64>,
+    },
+    /// Draft rows (or a draft circuit) without the MTP head's layer.
+    #[error("a draft step needs the MTP head's layer (`Instance::draft_layer`)")]
+    NoDraftLayer,
+    /// An MTP head layer that is not full attention, or not of a kind the architecture has.
+    #[error(
+        "the draft layer {spec} is not a full-attention layer the {architecture} architecture has"
+    )]
+    BadDraftLayer {
+        /// The draft layer.
+        spec: LayerSpec,
+        /// The architecture's name.
+        architecture: &'static str,
+    },
     /// A plan was asked for zero rows.
     #[error("a plan needs at least one row")]
     ZeroRows,

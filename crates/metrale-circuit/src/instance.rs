@@ -1,11 +1,14 @@
 //! `Instance`: what fixes a circuit's shapes. The architecture, the model's dimensions, the kind
-//! of every layer, the decode widths and the verify row counts to compile. The caller fills it
+//! of every layer (and of the MTP head's layer), the decode widths and the verify and draft
+//! row counts to compile. The caller fills it
 //! from the model's config; this crate reads no file.
 //!
 //! Invariants (checked by [`Instance::validate`], which building a circuit runs):
 //! - at least one layer, each of a kind its architecture has;
-//! - widths non-empty, strictly ascending, each >= 1; verify rows strictly ascending, each
-//!   >= 1 (empty: no verify step);
+//! - widths non-empty, strictly ascending, each >= 1; verify rows and draft rows strictly
+//!   ascending, each >= 1 (empty: no verify, no draft step);
+//! - draft rows only with a draft layer, which is full attention of a kind the architecture
+//!   has;
 //! - every dimension a circuit's edge uses is present and resolves to >= 1 (checked when the
 //!   circuit resolves its shapes).
 
@@ -166,6 +169,13 @@ pub struct Instance {
     /// The row counts of the single-sequence verify steps to compile ([`Step::Verify`]),
     /// ascending: `2..=1 + K` with `K` drafts per step; empty without speculation.
     pub verify_rows: Vec<u64>,
+    /// The row counts of the single-sequence draft steps (the MTP head's) to compile
+    /// ([`Step::Draft`]), ascending: `1..=1 + K` with `K` drafts per step; empty without an MTP
+    /// head that drafts.
+    pub draft_rows: Vec<u64>,
+    /// The MTP head's decoder layer (full attention, with its own KV cache); needed when
+    /// `draft_rows` is not empty.
+    pub draft_layer: Option<LayerSpec>,
     /// The step ends with a greedy argmax of its logit rows.
     pub argmax: bool,
 }
@@ -180,14 +190,27 @@ pub enum Step {
     /// state after each row in the row's own SSM slot (`row_slot`) and only reading the
     /// sequence's.
     Verify,
+    /// Speculative decoding's draft step of one sequence, at [`Instance::draft_rows`]: the
+    /// MTP head over rows that each read a token's embedding and a hidden row the step before
+    /// left (`mtp.hidden`), through `fc`, the head's one decoder layer ([`Instance::draft_layer`])
+    /// and its final norm, then the shared LM head on the last row alone.
+    Draft,
 }
 
 impl Step {
-    /// Sequences of a step of `rows` rows: one per row in decode, one in verify.
+    /// Sequences of a step of `rows` rows: one per row in decode, one in verify and draft.
     pub fn seqs(self, rows: u64) -> u64 {
         match self {
             Step::Decode => rows,
-            Step::Verify => 1,
+            Step::Verify | Step::Draft => 1,
+        }
+    }
+
+    /// Rows with logits in a step of `rows` rows: all of them, but a draft step's last row.
+    pub fn logit_rows(self, rows: u64) -> u64 {
+        match self {
+            Step::Decode | Step::Verify => rows,
+            Step::Draft => 1,
         }
     }
 
@@ -196,6 +219,7 @@ impl Step {
         match self {
             Step::Decode => "decode",
             Step::Verify => "verify",
+            Step::Draft => "draft",
         }
     }
 }
@@ -239,6 +263,22 @@ impl Instance {
                 rows: self.verify_rows.clone(),
             });
         }
+        let ascending = self.draft_rows.windows(2).all(|w| w[0] < w[1]);
+        if self.draft_rows.first() == Some(&0) || !ascending {
+            return Err(CircuitError::BadDraftRows {
+                rows: self.draft_rows.clone(),
+            });
+        }
+        match self.draft_layer {
+            None if !self.draft_rows.is_empty() => return Err(CircuitError::NoDraftLayer),
+            Some(spec) if spec.kind != LayerKind::FullAttention || !self.architecture.has(spec) => {
+                return Err(CircuitError::BadDraftLayer {
+                    spec,
+                    architecture: self.architecture.name(),
+                });
+            }
+            _ => {}
+        }
         Ok(())
     }
 
@@ -247,6 +287,7 @@ impl Instance {
         match step {
             Step::Decode => &self.widths,
             Step::Verify => &self.verify_rows,
+            Step::Draft => &self.draft_rows,
         }
     }
 
@@ -266,6 +307,7 @@ impl Instance {
         Ok(match dim {
             Dim::Rows => rows,
             Dim::Seqs => step.seqs(rows),
+            Dim::LogitRows => step.logit_rows(rows),
             Dim::Hidden => d.hidden,
             Dim::Vocab => d.vocab,
             Dim::Ffn => d.ffn,

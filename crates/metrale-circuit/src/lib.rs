@@ -1,6 +1,6 @@
 //! `metrale-circuit`: the decode step of a model as data, and its lowering to kernels.
 //!
-//! - A [`Circuit`] is one decode step (or one sequence's verify step, [`Step`]) as a graph: nodes ([`Op`]s, such as
+//! - A [`Circuit`] is one decode step (or one sequence's verify or draft step, [`Step`]) as a graph: nodes ([`Op`]s, such as
 //!   `Linear(LinearRole::Qkv)` or `GdnRecurrence`) joined by typed edges (a [`Tensor`] with its
 //!   [`Format`] and [`Shape`] over named [`Dim`]s). [`Circuit::new`] builds the circuit of an
 //!   [`Instance`]: an [`Architecture`], the model's [`Dims`], each layer's [`LayerKind`] and

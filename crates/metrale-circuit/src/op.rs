@@ -1,4 +1,4 @@
-//! The vocabulary a circuit is written in: the operations of a decode step ([`Op`]), the
+//! The vocabulary a circuit is written in: the operations of a step ([`Op`]), the
 //! projection roles of [`Op::Linear`] ([`LinearRole`]), the kinds a layer can be ([`LayerKind`],
 //! [`FfnKind`]) and the block of the step a node belongs to ([`Block`]).
 //!
@@ -27,6 +27,12 @@ pub enum NormRole {
     Post,
     /// The model's final norm, before the head.
     Final,
+    /// The MTP head's norm of the next token's embedding (`pre_fc_norm_embedding`).
+    DraftEmbedding,
+    /// The MTP head's norm of the hidden row it reads (`pre_fc_norm_hidden`).
+    DraftHidden,
+    /// The MTP head's norm after its layer (`mtp.norm`), before the shared LM head.
+    DraftFinal,
 }
 
 impl NormRole {
@@ -36,6 +42,9 @@ impl NormRole {
             NormRole::Input => "input",
             NormRole::Post => "post",
             NormRole::Final => "final",
+            NormRole::DraftEmbedding => "draft_embedding",
+            NormRole::DraftHidden => "draft_hidden",
+            NormRole::DraftFinal => "draft_final",
         }
     }
 }
@@ -69,11 +78,13 @@ pub enum LinearRole {
     SharedGate,
     /// The vocabulary projection (f32 logits).
     LmHead,
+    /// The MTP head's `fc`: `[normed embedding | normed hidden]` to the (f32) residual stream.
+    Fc,
 }
 
 impl LinearRole {
     /// Every role, in declaration order.
-    pub const ALL: [LinearRole; 13] = [
+    pub const ALL: [LinearRole; 14] = [
         LinearRole::Qkv,
         LinearRole::O,
         LinearRole::GateUp,
@@ -87,6 +98,7 @@ impl LinearRole {
         LinearRole::SharedDown,
         LinearRole::SharedGate,
         LinearRole::LmHead,
+        LinearRole::Fc,
     ];
 
     /// The role's text name.
@@ -105,6 +117,7 @@ impl LinearRole {
             LinearRole::SharedDown => "shared_down",
             LinearRole::SharedGate => "shared_gate",
             LinearRole::LmHead => "lm_head",
+            LinearRole::Fc => "fc",
         }
     }
 }
@@ -174,6 +187,9 @@ pub enum Op {
     SiluMul,
     /// Gather the rows whose logits are wanted.
     GatherRows,
+    /// The MTP head's concat: each row's normed embedding and normed hidden row, side by side
+    /// (a row gather through `mtp.cat_ids`).
+    DraftConcat,
     /// The index of each logit row's largest logit (greedy sampling).
     Argmax,
 }
@@ -207,6 +223,7 @@ impl fmt::Display for Op {
             Op::MoeCombine => f.write_str("moe_combine"),
             Op::SiluMul => f.write_str("silu_mul"),
             Op::GatherRows => f.write_str("gather_rows"),
+            Op::DraftConcat => f.write_str("draft_concat"),
             Op::Argmax => f.write_str("argmax"),
         }
     }
@@ -274,6 +291,11 @@ pub enum Block {
     Layer(usize),
     /// The final norm, the logit rows, the LM head and the argmax.
     Head,
+    /// The MTP head's own ops in a draft step: its two input norms, the concat, `fc`, and its
+    /// final norm.
+    Draft,
+    /// The MTP head's decoder layer `i` (0-based) in a draft step.
+    DraftLayer(usize),
 }
 
 impl fmt::Display for Block {
@@ -282,6 +304,8 @@ impl fmt::Display for Block {
             Block::Embed => f.write_str("embed"),
             Block::Layer(i) => write!(f, "layer {i}"),
             Block::Head => f.write_str("head"),
+            Block::Draft => f.write_str("draft"),
+            Block::DraftLayer(i) => write!(f, "draft layer {i}"),
         }
     }
 }

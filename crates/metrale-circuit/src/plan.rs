@@ -22,7 +22,8 @@
 //! A group line is `block | op chain (ops joined by " > ") | kernels (joined by ", ") |
 //! numerics | launches`; `tests/golden/` holds whole examples. The header has a `gdn` and a `moe` line when the instance has those
 //! dims, and a verify step's plan a `step verify` line before `rows` (a decode plan has none,
-//! so its text does not depend on whether verify steps are compiled too). The fusions asked for are not in the text: two plans that launch the same kernels over
+//! so its text does not depend on whether verify or draft steps are compiled too); a draft
+//! step's plan has `step draft` and `draft_layer <kind>/<ffn>` lines there. The fusions asked for are not in the text: two plans that launch the same kernels over
 //! the same instance have the same text and digest, whichever mode produced them.
 //!
 //! Invariants: the text is a function of the circuit, the groups and the width only (no
@@ -199,6 +200,9 @@ fn render(circuit: &Circuit, groups: &[Group], rows: u64) -> String {
     // Infallible: writing to a String.
     if circuit.step() != Step::Decode {
         let _ = writeln!(s, "step {}", circuit.step().name());
+    }
+    if let (Step::Draft, Some(layer)) = (circuit.step(), circuit.instance().draft_layer) {
+        let _ = writeln!(s, "draft_layer {layer}");
     }
     let _ = writeln!(s, "rows {rows}");
     let mut total = 0;

@@ -12,8 +12,11 @@ use std::fmt;
 pub enum Dim {
     /// Rows of the step: the decode width (one row per sequence), or a verify step's rows.
     Rows,
-    /// Sequences of the step: `rows` in a decode step, 1 in a (single-sequence) verify step.
+    /// Sequences of the step: `rows` in a decode step, 1 in a (single-sequence) verify or
+    /// draft step.
     Seqs,
+    /// Rows with logits: every row in decode and verify, the last one in a draft step.
+    LogitRows,
     /// Hidden size.
     Hidden,
     /// Vocabulary.
@@ -61,6 +64,7 @@ impl Dim {
         match self {
             Dim::Rows => "rows",
             Dim::Seqs => "seqs",
+            Dim::LogitRows => "logit_rows",
             Dim::Hidden => "hidden",
             Dim::Vocab => "vocab",
             Dim::Ffn => "ffn",

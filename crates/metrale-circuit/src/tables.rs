@@ -16,7 +16,7 @@ use crate::op::{LinearRole, NormRole, NormWeight, Op};
 use crate::rules::{Kernel, Numerics, Rule, RuleTable};
 
 use LinearRole::*;
-use NormRole::{Final, Input, Post};
+use NormRole::{DraftEmbedding, DraftFinal, DraftHidden, Final, Input, Post};
 use Numerics::{BitIdentical, Differs, Reference};
 
 fn rule(chain: &[Op], kernels: &[Kernel], numerics: Numerics) -> Rule {
@@ -104,7 +104,7 @@ fn silu_down(role: LinearRole, kernel: Kernel) -> Rule {
     rule(&[Op::SiluMul, Op::Linear(role)], &[kernel], Differs)
 }
 
-/// Embedding, the decoder norms, and the head.
+/// Embedding, the decoder norms, the head, and the MTP head's own ops.
 fn step_ends(w: NormWeight) -> Vec<Rule> {
     vec![
         rule(&[Op::Embedding], &[k::EMBEDDING_GATHER], Reference),
@@ -142,6 +142,33 @@ fn step_ends(w: NormWeight) -> Vec<Rule> {
         ),
         rule(&[Op::GatherRows], &[k::GATHER_ROWS], Reference),
         rule(&[Op::Linear(LmHead)], &[k::LINEAR_F32OUT], Reference),
+        // The MTP head's own ops (draft steps).
+        rule(
+            &[Op::RmsNorm {
+                role: DraftEmbedding,
+                weight: w,
+            }],
+            &[k::RMS_NORM],
+            Reference,
+        ),
+        rule(
+            &[Op::RmsNorm {
+                role: DraftHidden,
+                weight: w,
+            }],
+            &[k::RMS_NORM],
+            Reference,
+        ),
+        rule(&[Op::DraftConcat], &[k::GATHER_ROWS], Reference),
+        rule(&[Op::Linear(Fc)], &[k::LINEAR_F32OUT], Reference),
+        rule(
+            &[Op::AddRmsNorm {
+                role: DraftFinal,
+                weight: w,
+            }],
+            &[k::ADD_RMS_NORM],
+            Reference,
+        ),
         rule(&[Op::Argmax], &[k::ARGMAX], Reference),
     ]
 }

@@ -44,6 +44,18 @@ pub enum Tensor {
     RowSlot,
     /// Which rows get logits.
     LogitRows,
+    /// A draft step's hidden rows (f32): the final-norm rows of the step before that the MTP
+    /// head reads, gathered and widened before the step (`MtpStep::hidden_rows`).
+    MtpHidden,
+    /// The draft step's normed embeddings: the first half of `mtp.cat_src`.
+    MtpNormedEmbedding,
+    /// The draft step's normed hidden rows: the second half of `mtp.cat_src`, right after the
+    /// normed embeddings at the step's row count.
+    MtpNormedHidden,
+    /// Which `mtp.cat_src` row each half-row of `mtp.cat` takes: `[0, n, 1, n + 1, ...]`.
+    MtpCatIds,
+    /// `[normed embedding | normed hidden]` per row, `fc`'s input.
+    MtpCat,
     /// The residual stream (f32).
     Residual,
     /// The current norm's output.
@@ -122,6 +134,7 @@ pub struct TensorSpec {
 const ROWS: Extent = Extent::dim(&[Rows]);
 const SEQS: Extent = Extent::dim(&[Seqs]);
 const PAIRS: Extent = Extent::dim(&[Rows, TopK]);
+const LOGITS: Extent = Extent::dim(&[LogitRows]);
 
 const fn spec(
     name: &'static str,
@@ -165,7 +178,29 @@ impl Tensor {
             Tensor::SeqStart => input("seq_start", const { &[Extent::plus(&[Seqs], 1)] }),
             Tensor::SeqSlot => input("seq_slot", const { &[SEQS] }),
             Tensor::RowSlot => input("row_slot", const { &[ROWS] }),
-            Tensor::LogitRows => input("logit_rows", const { &[ROWS] }),
+            Tensor::LogitRows => input("logit_rows", const { &[LOGITS] }),
+            Tensor::MtpHidden => spec(
+                "mtp.hidden",
+                TensorKind::Input,
+                F32,
+                const { &[ROWS, Extent::dim(&[Hidden])] },
+            ),
+            Tensor::MtpNormedEmbedding => act(
+                "mtp.normed_embedding",
+                Bf16,
+                const { &[ROWS, Extent::dim(&[Hidden])] },
+            ),
+            Tensor::MtpNormedHidden => act(
+                "mtp.normed_hidden",
+                Bf16,
+                const { &[ROWS, Extent::dim(&[Hidden])] },
+            ),
+            Tensor::MtpCatIds => input("mtp.cat_ids", const { &[Extent::times(2, &[Rows])] }),
+            Tensor::MtpCat => act(
+                "mtp.cat",
+                Bf16,
+                const { &[ROWS, Extent::times(2, &[Hidden])] },
+            ),
             Tensor::Residual => act("residual", F32, const { &[ROWS, Extent::dim(&[Hidden])] }),
             Tensor::Normed => act("normed", Bf16, const { &[ROWS, Extent::dim(&[Hidden])] }),
             Tensor::Delta => act("delta", Bf16, const { &[ROWS, Extent::dim(&[Hidden])] }),
@@ -177,9 +212,13 @@ impl Tensor {
             ),
             Tensor::GateUp => act("gate_up", Bf16, const { &[ROWS, Extent::times(2, &[Ffn])] }),
             Tensor::Act => act("act", Bf16, const { &[ROWS, Extent::dim(&[Ffn])] }),
-            Tensor::LogitsIn => act("logits_in", Bf16, const { &[ROWS, Extent::dim(&[Hidden])] }),
-            Tensor::Logits => act("logits", F32, const { &[ROWS, Extent::dim(&[Vocab])] }),
-            Tensor::Sampled => act("sampled", U32, const { &[ROWS] }),
+            Tensor::LogitsIn => act(
+                "logits_in",
+                Bf16,
+                const { &[LOGITS, Extent::dim(&[Hidden])] },
+            ),
+            Tensor::Logits => act("logits", F32, const { &[LOGITS, Extent::dim(&[Vocab])] }),
+            Tensor::Sampled => act("sampled", U32, const { &[LOGITS] }),
             Tensor::KCache => state("k_cache", Bf16, const { &[Extent::dim(&[KvWidth])] }),
             Tensor::VCache => state("v_cache", Bf16, const { &[Extent::dim(&[KvWidth])] }),
             Tensor::GdnProj => act(

@@ -2,7 +2,8 @@
 //! width 1, lowered with `Fusions::ReferenceOnly` and with `Fusions::All` (every kernel
 //! assumed to exist), compared byte for byte with `tests/golden/<architecture>.<fusions>.plan`;
 //! and the hybrid architectures' verify step of 3 rows (one sequence, two drafts) in
-//! `tests/golden/<architecture>.verify.<fusions>.plan`.
+//! `tests/golden/<architecture>.verify.<fusions>.plan`; and their draft step (the MTP head) of
+//! 2 rows (a take-in after one accepted draft) in `tests/golden/<architecture>.draft.<fusions>.plan`.
 //!
 //! To regenerate a golden file, delete it and run `cargo test -p metrale-circuit --test golden`
 //! twice: the first run writes the missing file and fails so that the new text gets reviewed
@@ -67,6 +68,10 @@ fn plans_match_their_golden_texts() -> Result<()> {
             }
             let verify = support::step_plan(&instance, Step::Verify, fusions, &KernelSet::all(), 3);
             if let Some(p) = check(&format!("{stem}.verify.{mode}.plan"), verify.text())? {
+                problems.push(p);
+            }
+            let draft = support::step_plan(&instance, Step::Draft, fusions, &KernelSet::all(), 2);
+            if let Some(p) = check(&format!("{stem}.draft.{mode}.plan"), draft.text())? {
                 problems.push(p);
             }
         }

@@ -8,9 +8,11 @@
 //! (`CircuitBindings::circuit_layer`), the model's own weights, its step buffers and its KV and
 //! SSM pools, compiled at every width of the decode ladder and, with speculation on
 //! (`ModelOptions::speculative`), at every single-sequence verify row count `2..=1 + K`
-//! ([`verify_rows`]). `decode()` then replays the program of the step's padded width, and
-//! `verify()` of one sequence the verify program of its row count, launch by launch or from a
-//! graph captured from it.
+//! ([`verify_rows`]) and, when the MTP head drafts (`Speculative::Mtp`), at every
+//! single-sequence draft row count `1..=1 + K` ([`draft_rows`]). `decode()` then replays the
+//! program of the step's padded width, `verify()` of one sequence the verify program of its
+//! row count, and `mtp_step()` of one sequence with one logit row the draft program of its row
+//! count, launch by launch or from a graph captured from it.
 //!
 //! Invariants:
 //! - A switch builds the next executor first, so a refused build leaves the current forward
@@ -18,15 +20,16 @@
 //!   previous executor: no graph ever replays freed memory, nor the previous forward.
 //! - Features the circuit does not model refuse the build, named with every other binding
 //!   problem in one [`CircuitExecError::Bindings`](metrale_model_layers::circuit_exec::CircuitExecError).
-//! - Prefill (`forward`), verify steps of several sequences and MTP steps run the legacy
-//!   launches whichever forward is selected; the circuit compiles decode steps (one row per
-//!   sequence) and single-sequence verify steps only.
+//! - Prefill (`forward`), verify steps of several sequences and MTP steps of several
+//!   sequences, of no logit row or of a row count past `1 + K` run the legacy launches
+//!   whichever forward is selected; the circuit compiles decode steps (one row per sequence)
+//!   and single-sequence verify and draft steps only.
 
 use metrale_config::ModelConfig;
 use metrale_model_layers::StepShape;
 use metrale_model_layers::circuit_exec::{
-    Architecture, Boot, CircuitExec, Fixed, HeadBinding, Launch, LayerPools, NormWeight, Plan,
-    Recorder, Step, launcher_kernels, model_instance, plan_at,
+    Architecture, Boot, CircuitBindings, CircuitExec, DraftFixed, Fixed, HeadBinding, Launch,
+    LayerPools, NormWeight, Plan, Recorder, Step, launcher_kernels, model_instance, plan_at,
 };
 
 pub use metrale_model_layers::circuit_exec::{Digest, Fusions, plans_digest};
@@ -88,7 +91,7 @@ pub struct ForwardDisclosure {
     /// `legacy`, `circuit` or `circuit-reference`.
     pub forward: &'static str,
     /// The digest of the circuit's plans at every decode width, then at every verify row
-    /// count (`plans_digest`); `None` for the legacy forward.
+    /// count, then at every draft row count (`plans_digest`); `None` for the legacy forward.
     pub plan_digest: Option<Digest>,
     /// Kernel launches of a single-sequence decode step.
     pub launches_per_step: usize,
@@ -113,12 +116,27 @@ pub trait ModelCircuit {
     /// The launches a single-sequence verify step of `rows` rows (`1..=1 + K`) makes under the
     /// selected forward, recorded without running anything.
     fn verify_launches(&self, rows: usize) -> Result<Vec<Launch>, ModelError>;
+
+    /// The launches a single-sequence MTP step of `rows` rows (`1..=1 + K`) with one logit row
+    /// makes under the selected forward after its hidden-row gather (which stays outside
+    /// programs and graphs), recorded without running anything; needs the MTP head set up.
+    fn draft_launches(&self, rows: usize) -> Result<Vec<Launch>, ModelError>;
 }
 
 /// The single-sequence verify row counts compiled with `draft_tokens` drafts per step:
 /// `2..=1 + draft_tokens` (none without speculation).
 pub fn verify_rows(draft_tokens: usize) -> Vec<u64> {
     (2..=1 + draft_tokens as u64).collect()
+}
+
+/// The single-sequence draft (MTP) row counts compiled with `draft_tokens` drafts per step:
+/// `1..=1 + draft_tokens`, the take-in after a verify step that accepted `0..=K` drafts and
+/// each further draft's single row (none without drafting).
+pub fn draft_rows(draft_tokens: usize) -> Vec<u64> {
+    if draft_tokens == 0 {
+        return Vec::new();
+    }
+    (1..=1 + draft_tokens as u64).collect()
 }
 
 impl TransformerModel {
@@ -149,11 +167,13 @@ impl TransformerModel {
         let widths = self.options.decode_ladder();
         // The drafts the model was built for (`set_num_draft_tokens` may lower `K` later).
         let built_drafts = (self.max_logit_rows() / self.max_seqs()).saturating_sub(1);
+        let drafting = if self.mtp.is_some() { built_drafts } else { 0 };
         let instance = model_instance(
             &self.config,
             self.max_blocks as u64,
             widths.into_iter().map(|w| w as u64).collect(),
             verify_rows(built_drafts),
+            draft_rows(drafting),
         )?;
         for layer in &self.layers {
             layer.circuit_prepare(&self.ops, self.stream)?;
@@ -170,6 +190,29 @@ impl TransformerModel {
             lm_head: (&self.weights.lm_head).into(),
             unmodelled: Vec::new(),
         };
+        let (draft, draft_fixed) = match (&self.mtp, &self.weights.mtp) {
+            (Some(mb), Some(head)) => {
+                for layer in &head.layers {
+                    layer.circuit_prepare(&self.ops, self.stream)?;
+                }
+                let pools = (0..head.layers.len())
+                    .map(|i| LayerPools {
+                        kv: Some(self.kv_binding(mb.first_kv_layer + i)),
+                        ssm: None,
+                    })
+                    .collect();
+                let fixed = DraftFixed {
+                    hidden: mb.hidden,
+                    cat_src: mb.cat_src,
+                    cat_ids: mb.cat_ids,
+                    cat: mb.cat,
+                    pools,
+                };
+                (Some(head.circuit_binding(&self.dims)), Some(fixed))
+            }
+            _ => (None, None),
+        };
+        self.gpu.synchronize(self.stream)?;
         let fixed = Fixed {
             buffers: self.buf,
             pools: (0..self.layers.len())
@@ -178,6 +221,7 @@ impl TransformerModel {
                     LayerPools { kv, ssm }
                 })
                 .collect(),
+            draft: draft_fixed,
         };
         let unmodelled = self.circuit_unmodelled(instance.architecture);
         Ok(CircuitExec::build(Boot {
@@ -188,6 +232,7 @@ impl TransformerModel {
             dims: self.dims,
             layers,
             head,
+            draft,
             fixed,
             unmodelled,
         })?)
@@ -302,6 +347,27 @@ impl ModelCircuit for TransformerModel {
         self.launch_step_with(&ops, shape)?;
         Ok(recorder.take())
     }
+
+    fn draft_launches(&self, rows: usize) -> Result<Vec<Launch>, ModelError> {
+        let drafts = (self.max_logit_rows() / self.max_seqs()).saturating_sub(1);
+        if rows == 0 || rows > 1 + drafts {
+            return Err(ModelError::Step(format!(
+                "a draft step of one sequence has 1 to {} rows, not {rows}",
+                1 + drafts
+            )));
+        }
+        let shape = StepShape {
+            rows: rows as u32,
+            num_seqs: 1,
+            max_blocks: self.max_blocks as u32,
+            logit_rows: 1,
+            verify: false,
+            att_groups: 0,
+        };
+        let (recorder, ops) = Recorder::over(&self.ops);
+        self.launch_mtp_with(&ops, shape, 0)?;
+        Ok(recorder.take())
+    }
 }
 
 /// The circuit instance a model loaded with `options` compiles for `config`: the same
@@ -323,11 +389,16 @@ fn checkpoint_instance(
     let blocks_per_seq = max_seq_len.div_ceil(options.block_size) as u64;
     let widths = options.decode_ladder().into_iter().map(|w| w as u64);
     let verify = verify_rows(options.draft_tokens());
+    // As `TransformerModel::new` sets the head up: a model loads with MTP drafting only when
+    // its checkpoint has the head.
+    let drafting = options.speculative == crate::options::Speculative::Mtp;
+    let draft = draft_rows(if drafting { options.draft_tokens() } else { 0 });
     Ok(model_instance(
         config,
         blocks_per_seq,
         widths.collect(),
         verify,
+        draft,
     )?)
 }
 
@@ -368,8 +439,27 @@ pub fn checkpoint_verify_plan(
     )?)
 }
 
+/// The plan of `config`'s single-sequence draft step (the MTP head's) of `rows` rows, as
+/// [`checkpoint_plan`] makes a decode plan (with `options` drafting with MTP).
+pub fn checkpoint_draft_plan(
+    config: &ModelConfig,
+    options: &ModelOptions,
+    fusions: Fusions,
+    rows: u64,
+) -> Result<Plan, ModelError> {
+    let instance = checkpoint_instance(config, options)?;
+    Ok(plan_at(
+        &instance,
+        Step::Draft,
+        fusions,
+        &launcher_kernels(),
+        rows,
+    )?)
+}
+
 /// The plans of `config` at every width of the decode ladder of `options`, ascending, then at
-/// every verify row count when `options` turn speculation on: what a model loaded with them
+/// every verify row count when `options` turn speculation on, then at every draft row count
+/// when they turn MTP drafting on: what a model loaded with them
 /// compiles, whose `plans_digest` its [`ForwardDisclosure`] reports (on a backend with every
 /// launcher's kernel).
 pub fn checkpoint_plans(
@@ -379,7 +469,7 @@ pub fn checkpoint_plans(
 ) -> Result<Vec<Plan>, ModelError> {
     let instance = checkpoint_instance(config, options)?;
     let kernels = launcher_kernels();
-    let steps = [Step::Decode, Step::Verify];
+    let steps = [Step::Decode, Step::Verify, Step::Draft];
     let plans = (steps.iter())
         .flat_map(|&step| {
             instance

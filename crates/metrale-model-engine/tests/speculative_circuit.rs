@@ -2,8 +2,11 @@
 //! step of `circuit-reference` (its verify program) is bitwise the legacy one, logits and the
 //! state every row keeps, for K = 1..4, eager and graphed, and launches exactly what the legacy
 //! step launches; a batched verify step replayed from a graph captured under another mix of
-//! drafts is bitwise the eager step; greedy MTP generation under `circuit` is plain greedy. The
-//! first two also run on CUDA (module `cuda`, with `--features cuda`).
+//! drafts is bitwise the eager step; a single-sequence MTP draft step of `circuit-reference`
+//! (its draft program) is bitwise the legacy one, logits and the head's KV cache, for 1 to 5
+//! rows and the single-row draft after it, eager and graphed, launching what the legacy head
+//! launches; greedy MTP generation under `circuit` is plain greedy and runs draft programs.
+//! The bitwise and graph tests also run on CUDA (module `cuda`, with `--features cuda`).
 
 #![allow(clippy::unwrap_used)]
 
@@ -13,12 +16,13 @@ use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use metrale_cache::BlockTable;
-use metrale_gpu_runtime::{CpuBackend, GpuBackend};
+use metrale_gpu_runtime::{CpuBackend, GpuBackend, GpuBackendExt};
 use metrale_model_engine::factory;
 use metrale_model_engine::generate::generate_batch;
-use metrale_model_engine::model::{StepInput, StepRow, TransformerModel};
+use metrale_model_engine::model::{MtpStep, StepInput, StepRow, TransformerModel};
 use metrale_model_engine::model_circuit::{
-    ForwardSelect, Fusions, ModelCircuit, checkpoint_plans, checkpoint_verify_plan, plans_digest,
+    ForwardSelect, Fusions, ModelCircuit, checkpoint_draft_plan, checkpoint_plans,
+    checkpoint_verify_plan, plans_digest,
 };
 use metrale_model_engine::options::{ModelOptions, Speculative};
 use support::*;
@@ -282,6 +286,10 @@ fn mtp_greedy_under_the_circuit_forward_is_plain_greedy() {
                 model.captured_verify_shapes().contains(&(1 + k as u32, 1)),
                 "{name} K={k}: single-sequence verify steps ran"
             );
+            assert!(
+                model.draft_program_steps() > 0,
+                "{name} K={k}: drafts ran the circuit's draft programs"
+            );
         }
     }
 }
@@ -313,8 +321,145 @@ fn the_disclosed_digest_covers_the_verify_plans_metrale_circuit_plan_prints() {
     }
 }
 
-/// The verify tests on CUDA: the program and the graphs replay what the eager legacy step
-/// computes there too.
+/// The bytes of the MTP head's KV pools (the last KV-cache layer).
+fn head_kv(model: &mut TransformerModel) -> Vec<u8> {
+    let layout = *model.kv_cache().layout();
+    let pools = model.kv_cache().layer(layout.num_layers - 1);
+    let gpu = model.gpu().clone();
+    let bytes = layout.pool_bytes();
+    let s = gpu.default_stream();
+    let mut out: Vec<u8> = gpu.download(pools.k, bytes, s).unwrap();
+    out.extend(gpu.download::<u8>(pools.v, bytes, s).unwrap());
+    out
+}
+
+/// After a prefill of `p`, a take-in MTP step of its last `rows` rows (logits on the last),
+/// then the next draft's single row; each step's logits, then the head's KV pools.
+fn draft_steps(model: &mut TransformerModel, p: &[u32], rows: usize) -> (Vec<Vec<u32>>, Vec<u8>) {
+    let seq = Seq::prefilled(model, p, 0);
+    let n = p.len();
+    let take_in: Vec<StepRow> = (n - rows..n)
+        .map(|pos| StepRow {
+            token: p.get(pos + 1).copied().unwrap_or(5),
+            position: pos as u32,
+            seq: 0,
+        })
+        .collect();
+    let hidden: Vec<u32> = (n - rows..n).map(|r| r as u32).collect();
+    let mut logits = Vec::new();
+    model
+        .mtp_step(&MtpStep {
+            rows: &take_in,
+            tables: &[&seq.table],
+            hidden_rows: &hidden,
+            logit_rows: &[rows as u32 - 1],
+            depth: 0,
+        })
+        .unwrap();
+    logits.extend(bits(&model.logits(1).unwrap()));
+    let next = [StepRow {
+        token: model.greedy(1).unwrap()[0],
+        position: n as u32,
+        seq: 0,
+    }];
+    model
+        .mtp_step(&MtpStep {
+            rows: &next,
+            tables: &[&seq.table],
+            hidden_rows: &[rows as u32 - 1],
+            logit_rows: &[0],
+            depth: 1,
+        })
+        .unwrap();
+    logits.extend(bits(&model.logits(1).unwrap()));
+    let kv = head_kv(model);
+    seq.free(model);
+    (logits, kv)
+}
+
+#[test]
+fn circuit_reference_draft_steps_are_bitwise_legacy_logits_and_head_kv_for_1_to_5_rows() {
+    draft_is_bitwise_legacy(cpu);
+}
+
+fn draft_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
+    for name in HYBRID {
+        let fx = MtpFixture::new(name);
+        for graphs in [false, true] {
+            let options = ModelOptions {
+                speculative: Speculative::Mtp,
+                num_draft_tokens: 4,
+                decode_graphs: graphs,
+                ..Default::default()
+            };
+            let load = || factory::load(fx.path(), options.clone(), gpu()).unwrap();
+            let (mut legacy, mut circuit) = (load(), load());
+            let want: Vec<_> = (1..=5)
+                .map(|rows| circuit.draft_launches(rows).unwrap())
+                .collect();
+            circuit.set_forward(REFERENCE).unwrap();
+            for (rows, want) in (1..=5).zip(&want) {
+                let got = circuit.draft_launches(rows).unwrap();
+                assert!(
+                    got == *want,
+                    "{name}: the draft program of {rows} rows launches {} kernels, legacy {}; \
+                     first difference at {:?}",
+                    got.len(),
+                    want.len(),
+                    got.iter().zip(want).position(|(g, w)| g != w)
+                );
+            }
+            for rows in 1..=5 {
+                let p = prompt(9 + rows as u32, rows as u32);
+                let a = draft_steps(&mut legacy, &p, rows);
+                let b = draft_steps(&mut circuit, &p, rows);
+                assert!(
+                    a.0 == b.0,
+                    "{name} {rows} rows, graphs {graphs}: draft logits differ"
+                );
+                assert!(
+                    a.1 == b.1,
+                    "{name} {rows} rows, graphs {graphs}: the head's KV differs"
+                );
+            }
+            assert_eq!(legacy.draft_program_steps(), 0, "{name}");
+            assert_eq!(
+                circuit.draft_program_steps(),
+                10,
+                "{name}: every step ran a program"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_disclosed_digest_covers_the_draft_plans_metrale_circuit_plan_prints() {
+    for name in HYBRID {
+        let fx = MtpFixture::new(name);
+        let options = ModelOptions {
+            speculative: Speculative::Mtp,
+            num_draft_tokens: 2,
+            ..Default::default()
+        };
+        let mut model = fx.load(options.clone());
+        model.set_forward(REFERENCE).unwrap();
+        let d = model.forward_disclosure().unwrap();
+        let plans = checkpoint_plans(model.config(), &options, Fusions::ReferenceOnly).unwrap();
+        let rows: Vec<u64> = plans.iter().skip(4).map(|p| p.rows()).collect();
+        assert_eq!(
+            rows,
+            [2, 3, 1, 2, 3],
+            "{name}: verify 2, 3, then draft 1, 2, 3"
+        );
+        assert_eq!(d.plan_digest, Some(plans_digest(&plans)), "{name}");
+        let p2 = checkpoint_draft_plan(model.config(), &options, Fusions::ReferenceOnly, 2);
+        let p2 = p2.unwrap();
+        assert!(p2.text() == plans[7].text() && p2.text().contains("\nstep draft\n"));
+    }
+}
+
+/// The verify and draft tests on CUDA: the programs and the graphs replay what the eager
+/// legacy step computes there too.
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
@@ -332,5 +477,10 @@ mod cuda {
     #[test]
     fn a_batched_verify_step_replayed_from_its_graph_is_bitwise_eager_on_cuda() {
         batched_verify_graph_is_eager(gpu);
+    }
+
+    #[test]
+    fn circuit_reference_draft_steps_are_bitwise_legacy_on_cuda() {
+        draft_is_bitwise_legacy(gpu);
     }
 }

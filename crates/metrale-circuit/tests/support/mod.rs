@@ -71,6 +71,8 @@ pub fn dense(qk_norm: bool) -> Instance {
         layers: vec![FA_DENSE; 2],
         widths: vec![1, 2, 4],
         verify_rows: vec![2, 3],
+        draft_rows: vec![1, 2, 3],
+        draft_layer: Some(FA_DENSE),
         argmax: true,
     }
 }
@@ -86,6 +88,8 @@ pub fn hybrid(layers: Vec<LayerSpec>) -> Instance {
         layers,
         widths: vec![1, 2, 4],
         verify_rows: vec![2, 3],
+        draft_rows: vec![1, 2, 3],
+        draft_layer: Some(FA_DENSE),
         argmax: true,
     }
 }
@@ -103,6 +107,8 @@ pub fn hybrid_moe() -> Instance {
         layers: vec![LA_MOE, LA_MOE, LA_MOE, FA_MOE],
         widths: vec![1, 2, 4],
         verify_rows: vec![2, 3],
+        draft_rows: vec![1, 2, 3],
+        draft_layer: Some(FA_MOE),
         argmax: true,
     }
 }

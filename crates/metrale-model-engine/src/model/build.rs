@@ -286,6 +286,7 @@ impl TransformerModel {
             max_seq_len,
             mtp,
             last_rows: 0,
+            draft_program_steps: 0,
             graphs: HashMap::new(),
             circuit: None,
             _arena: arena,

@@ -86,7 +86,8 @@ pub(crate) enum GraphKey {
         /// Sequences.
         seqs: u32,
     },
-    /// A single-sequence MTP step: rows, logit rows, head layer (legacy forward).
+    /// A single-sequence MTP step: rows, logit rows, head layer, of whichever forward is
+    /// selected (the circuit's draft program, or the legacy launches).
     Mtp(u32, u32, usize),
 }
 
@@ -118,9 +119,11 @@ pub struct TransformerModel {
     pub(crate) max_blocks: usize,
     max_seq_len: usize,
     /// The MTP head's buffers and KV layers, when speculative decoding runs it.
-    mtp: Option<mtp::MtpBuffers>,
+    pub(crate) mtp: Option<mtp::MtpBuffers>,
     /// Rows of the last step run (padding included): what `normed` holds.
     last_rows: usize,
+    /// MTP steps that ran the circuit's draft program (`mtp.rs`).
+    draft_program_steps: u64,
     /// Captured steps (with `decode_graphs`), by what they replay.
     pub(crate) graphs: HashMap<GraphKey, GraphHandle>,
     /// The circuit executor whose programs run decode; `None`: the legacy forward
@@ -500,7 +503,7 @@ impl TransformerModel {
     }
 
     /// KV-cache layer `k` (the model's attention layers, then the MTP head's), as a step sees it.
-    fn kv_binding(&self, k: usize) -> KvBinding {
+    pub(crate) fn kv_binding(&self, k: usize) -> KvBinding {
         let pools = self.kv.layer(k);
         KvBinding {
             k: pools.k,

@@ -21,6 +21,14 @@
 //! row count, stays outside it. Steps of several sequences launch eagerly. The launches are the
 //! same either way.
 //!
+//! With the circuit forward (`ForwardSelect::Circuit`), an MTP step of one sequence with one
+//! logit row (each draft of a chain, and the take-in that gives draft 1) and a row count the
+//! executor compiled (`1..=1 + K`, `CircuitExec::draft_program`) replays the draft program of
+//! that row count instead of the legacy launches (graphed under the same key, since a forward
+//! switch drops every graph); other MTP steps (several sequences, no logit row, a longer
+//! take-in after a prefill chunk, a head layer past the first) run the legacy launches.
+//! `draft_program_steps` counts the steps that ran a draft program.
+//!
 //! Invariants:
 //! - `hidden_rows` index the rows of the step run just before (a target step or an MTP step):
 //!   the step's first launch gathers them out of `normed` (widened to f32), before anything
@@ -30,7 +38,7 @@
 
 use metrale_cache::BlockTable;
 use metrale_gpu_runtime::{DevicePtr, GpuBackendExt};
-use metrale_model_layers::{LayerCtx, StepShape, TransformerLayer};
+use metrale_model_layers::{LayerCtx, Ops, StepShape, TransformerLayer};
 
 use super::{GraphKey, StepInput, StepRow, TransformerModel};
 use crate::error::ModelError;
@@ -127,21 +135,60 @@ impl TransformerModel {
             .as_ref()
             .ok_or_else(|| ModelError::Step("the checkpoint has no MTP head".into()))?;
         let layer = step.depth % head.layers.len().max(1);
+        if self.draft_program(shape, layer).is_some() {
+            self.draft_program_steps += 1;
+        }
         if !self.options.decode_graphs || shape.num_seqs != 1 {
-            return self.launch_mtp(shape, mb, layer);
+            return self.launch_mtp(shape, layer);
         }
         let key = GraphKey::Mtp(shape.rows, shape.logit_rows, layer);
-        self.replay(key, |m| m.launch_mtp(shape, mb, layer))
+        self.replay(key, |m| m.launch_mtp(shape, layer))
     }
 
-    /// The head's launches for `shape`, through its layer `layer`.
-    fn launch_mtp(&self, shape: StepShape, mb: MtpBuffers, layer: usize) -> Result<(), ModelError> {
+    /// MTP steps that ran the circuit's draft program (eagerly or from a graph) so far.
+    pub fn draft_program_steps(&self) -> u64 {
+        self.draft_program_steps
+    }
+
+    /// The circuit's draft program for an MTP step of `shape` through head layer `layer`, when
+    /// the circuit forward is selected and has one (see the module header).
+    fn draft_program(
+        &self,
+        shape: StepShape,
+        layer: usize,
+    ) -> Option<&metrale_model_layers::circuit_exec::Program> {
+        let single = shape.num_seqs == 1 && shape.logit_rows == 1 && layer == 0;
+        (self.circuit.as_ref())
+            .filter(|_| single)
+            .and_then(|e| e.draft_program(u64::from(shape.rows)))
+    }
+
+    /// The head's launches for `shape` under the selected forward: the draft program when
+    /// there is one, else the legacy launches through its layer `layer`.
+    fn launch_mtp(&self, shape: StepShape, layer: usize) -> Result<(), ModelError> {
+        match self.draft_program(shape, layer) {
+            Some(p) => Ok(p.replay(self.gpu.as_ref(), self.stream)?),
+            None => self.launch_mtp_with(&self.ops, shape, layer),
+        }
+    }
+
+    /// The legacy launches of the head for `shape` through `ops`, via its layer `layer`, after
+    /// the hidden-row gather.
+    pub(crate) fn launch_mtp_with(
+        &self,
+        ops: &Ops,
+        shape: StepShape,
+        layer: usize,
+    ) -> Result<(), ModelError> {
+        let mb = self.mtp.ok_or_else(|| {
+            ModelError::Step("the MTP head is not set up (load with speculative = Mtp)".into())
+        })?;
         let head = self
             .weights
             .mtp
             .as_ref()
             .ok_or_else(|| ModelError::Step("the checkpoint has no MTP head".into()))?;
-        let (ops, s, b, d) = (&self.ops, self.stream, &self.buf, &self.dims);
+        let (s, b, d) = (self.stream, &self.buf, &self.dims);
         let n = shape.rows;
         ops.embedding_gather(
             s,

@@ -16,13 +16,12 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use metrale_circuit::{
-    Block, Circuit, FfnKind, LayerKind, LayerSpec, LinearRole, NodeId, NormRole, Op,
-};
+use metrale_circuit::{Block, Circuit, FfnKind, LayerKind, LayerSpec, LinearRole, NormRole, Op};
 use metrale_gpu_runtime::{DType, DevicePtr, GpuResult, StreamHandle};
 
 use super::error::{BindingProblem, CircuitExecError, Part};
 use super::fixed::LayerPools;
+use super::weights_check::weight_problems;
 use crate::layer::ModelDims;
 use crate::layers::MoeShape;
 use crate::ops::Ops;
@@ -55,6 +54,12 @@ pub enum WeightSlot {
     Embedding,
     /// The final RMSNorm (head binding).
     FinalNorm,
+    /// The MTP head's norm of the token embedding (`pre_fc_norm_embedding`, draft binding).
+    DraftNormEmbedding,
+    /// The MTP head's norm of the hidden row (`pre_fc_norm_hidden`, draft binding).
+    DraftNormHidden,
+    /// The MTP head's norm before the LM head (`mtp.norm`, draft binding).
+    DraftNorm,
 }
 
 impl fmt::Display for WeightSlot {
@@ -71,6 +76,9 @@ impl fmt::Display for WeightSlot {
             WeightSlot::GdnNorm => f.write_str("gdn.norm"),
             WeightSlot::Embedding => f.write_str("embedding"),
             WeightSlot::FinalNorm => f.write_str("final_norm"),
+            WeightSlot::DraftNormEmbedding => f.write_str("pre_fc_norm_embedding"),
+            WeightSlot::DraftNormHidden => f.write_str("pre_fc_norm_hidden"),
+            WeightSlot::DraftNorm => f.write_str("mtp.norm"),
         }
     }
 }
@@ -275,13 +283,21 @@ impl HeadBinding {
     }
 }
 
-/// The weights a node of `op` reads; the final norm's and the step ends' are the head's.
-pub(crate) fn slots_read(op: Op) -> Vec<WeightSlot> {
-    let norm = |role: NormRole| match role {
+/// The weight a norm of `role` reads.
+pub(crate) fn norm_slot(role: NormRole) -> WeightSlot {
+    match role {
         NormRole::Input => WeightSlot::InputNorm,
         NormRole::Post => WeightSlot::PostNorm,
         NormRole::Final => WeightSlot::FinalNorm,
-    };
+        NormRole::DraftEmbedding => WeightSlot::DraftNormEmbedding,
+        NormRole::DraftHidden => WeightSlot::DraftNormHidden,
+        NormRole::DraftFinal => WeightSlot::DraftNorm,
+    }
+}
+
+/// The weights a node of `op` reads; the final norm's and the step ends' are the head's.
+pub(crate) fn slots_read(op: Op) -> Vec<WeightSlot> {
+    let norm = norm_slot;
     match op {
         Op::Embedding => vec![WeightSlot::Embedding],
         Op::RmsNorm { role, .. } | Op::AddRmsNorm { role, .. } => vec![norm(role)],
@@ -300,120 +316,20 @@ pub(crate) fn slots_read(op: Op) -> Vec<WeightSlot> {
         | Op::MoeCombine
         | Op::SiluMul
         | Op::GatherRows
+        | Op::DraftConcat
         | Op::Argmax => Vec::new(),
     }
 }
 
-/// Elements a node reads from a weight, and the innermost dimension it reads, derived from
-/// the circuit's extents at its first width.
-fn expected_weight(
-    circuit: &Circuit,
-    extents: &[Vec<u64>],
-    node: NodeId,
-    slot: WeightSlot,
-) -> Option<(u64, Option<u64>)> {
-    let n = circuit.node(node)?;
-    let ext = |i: usize| extents.get(n.inputs.get(i)?.0).map(Vec::as_slice);
-    let out = |i: usize| extents.get(n.outputs.get(i)?.0).map(Vec::as_slice);
-    let d = &circuit.instance().dims;
-    let numel = |e: &[u64]| e.iter().product::<u64>();
-    Some(match slot {
-        WeightSlot::InputNorm | WeightSlot::PostNorm | WeightSlot::FinalNorm => (d.hidden, None),
-        WeightSlot::Embedding => (d.vocab * d.hidden, Some(d.hidden)),
-        WeightSlot::QNorm | WeightSlot::KNorm => (d.head_dim, None),
-        WeightSlot::GdnConv1d => {
-            let g = d.gdn?;
-            let conv_dim = 2 * g.num_k_heads * g.k_head_dim + g.num_v_heads * g.v_head_dim;
-            (conv_dim * g.conv_kernel, Some(g.conv_kernel))
-        }
-        WeightSlot::GdnALog | WeightSlot::GdnDtBias => (d.gdn?.num_v_heads, None),
-        WeightSlot::GdnNorm => (d.gdn?.v_head_dim, None),
-        WeightSlot::Linear(LinearRole::ExpertGateUp | LinearRole::ExpertDown) => {
-            let (x, y) = (ext(0)?, out(0)?);
-            let (k, cols) = (*x.last()?, *y.last()?);
-            (d.moe?.num_experts * cols * k, Some(k))
-        }
-        WeightSlot::Linear(_) => {
-            let (x, y) = (ext(0)?, out(0)?);
-            let (m, k) = (*x.first()?, *x.last()?);
-            (numel(y) / m.max(1) * k, Some(k))
-        }
-    })
-}
-
-/// Whether the circuit's node reads the same weights the model bound, with the shapes it
-/// reads them with; problems are pushed onto `problems`.
-fn weight_problems(
-    circuit: &Circuit,
-    layers: &[Option<CircuitLayer>],
-    agrees: &[bool],
-    head: &HeadBinding,
-    problems: &mut Vec<BindingProblem>,
-) -> Result<(), CircuitExecError> {
-    let first = circuit.instance().widths.first().copied().unwrap_or(1);
-    let extents = circuit.extents(first)?;
-    let mut read: BTreeMap<Block, Vec<WeightSlot>> = BTreeMap::new();
-    for (i, node) in circuit.nodes().iter().enumerate() {
-        for slot in slots_read(node.op) {
-            read.entry(node.block).or_default().push(slot);
-            let bound = match node.block {
-                Block::Layer(l) => match layers.get(l) {
-                    Some(Some(layer)) if agrees.get(l) == Some(&true) => layer.weights.get(&slot),
-                    // An unbound, missing or disagreeing layer is reported once, elsewhere.
-                    _ => continue,
-                },
-                Block::Embed | Block::Head => head.weight(slot),
-            };
-            let Some(bound) = bound else {
-                problems.push(BindingProblem::MissingWeight {
-                    block: node.block,
-                    slot,
-                });
-                continue;
-            };
-            let Some((expected, last)) = expected_weight(circuit, &extents, NodeId(i), slot) else {
-                continue;
-            };
-            let shape = bound.shape();
-            let numel = shape.iter().map(|&d| d as u64).product::<u64>();
-            let last_ok = last.is_none_or(|l| shape.last().map(|&d| d as u64) == Some(l));
-            if numel != expected || !last_ok {
-                problems.push(BindingProblem::WeightShape {
-                    block: node.block,
-                    slot,
-                    expected,
-                    last,
-                    found: shape.to_vec(),
-                });
-            }
-        }
-    }
-    for (i, layer) in layers.iter().enumerate() {
-        let (Some(layer), block) = (layer, Block::Layer(i)) else {
-            continue;
-        };
-        if agrees.get(i) != Some(&true) {
-            continue;
-        }
-        let reads = read.get(&block).map(Vec::as_slice).unwrap_or(&[]);
-        for &slot in layer.weights.keys() {
-            if !reads.contains(&slot) {
-                problems.push(BindingProblem::UnreadWeight { block, slot });
-            }
-        }
-    }
-    Ok(())
-}
-
-/// The facts of layer `i` that differ from the circuit's instance.
-fn fact_problems(i: usize, layer: &CircuitLayer, circuit: &Circuit) -> Vec<BindingProblem> {
+/// The facts of `layer` (at `part`) that differ from the circuit's instance.
+fn fact_problems(part: Part, layer: &CircuitLayer, circuit: &Circuit) -> Vec<BindingProblem> {
     let instance = circuit.instance();
     let (d, arch) = (&instance.dims, instance.architecture);
     let mut out = Vec::new();
     let mut fact = |fact: &'static str, model: String, circuit: String| {
         if model != circuit {
             out.push(BindingProblem::FactDisagrees {
-                layer: i,
+                part,
                 fact,
                 model,
                 circuit,
@@ -493,41 +409,26 @@ pub(crate) fn binding_problems(
     let ffns = circuit.ffn_kinds();
     for (i, l) in layers.iter().enumerate() {
         let Some(l) = l else {
-            problems.push(BindingProblem::Unbound { layer: i });
+            problems.push(BindingProblem::Unbound {
+                part: Part::Layer(i),
+            });
             continue;
         };
-        for feature in &l.unmodelled {
-            problems.push(BindingProblem::Unmodelled {
-                part: Part::Layer(i),
-                feature: feature.clone(),
-            });
-        }
         bound.push(l.clone());
         let (Some(&kind), Some(&ffn)) = (kinds.get(i), ffns.get(i)) else {
+            problems.extend(
+                l.unmodelled
+                    .iter()
+                    .map(|feature| BindingProblem::Unmodelled {
+                        part: Part::Layer(i),
+                        feature: feature.clone(),
+                    }),
+            );
             continue;
         };
+        let pool = pools.map(|p| p.get(i).copied().unwrap_or_default());
         let want = LayerSpec { kind, ffn };
-        if l.spec() != want {
-            problems.push(BindingProblem::KindDisagrees {
-                layer: i,
-                model: l.spec(),
-                circuit: want,
-            });
-            continue;
-        }
-        agrees[i] = true;
-        problems.extend(fact_problems(i, l, circuit));
-        if let Some(pools) = pools {
-            let p = pools.get(i).copied().unwrap_or_default();
-            let missing = match l.mixer {
-                MixerFacts::Attention(_) if p.kv.is_none() => Some("KV cache"),
-                MixerFacts::Gdn(_) if p.ssm.is_none() => Some("SSM state"),
-                _ => None,
-            };
-            if let Some(pool) = missing {
-                problems.push(BindingProblem::MissingPool { layer: i, pool });
-            }
-        }
+        agrees[i] = layer_problems(Part::Layer(i), l, want, pool, circuit, &mut problems);
     }
     for feature in &head.unmodelled {
         problems.push(BindingProblem::Unmodelled {
@@ -535,7 +436,19 @@ pub(crate) fn binding_problems(
             feature: feature.clone(),
         });
     }
-    weight_problems(circuit, layers, &agrees, head, &mut problems)?;
+    let lookup = |block: Block, slot: WeightSlot| match block {
+        Block::Layer(l) => match layers.get(l) {
+            Some(Some(layer)) if agrees.get(l) == Some(&true) => Some(layer.weights.get(&slot)),
+            _ => None,
+        },
+        Block::Embed | Block::Head => Some(head.weight(slot)),
+        Block::Draft | Block::DraftLayer(_) => None,
+    };
+    let checked: Vec<(Block, &CircuitLayer)> = (layers.iter().enumerate())
+        .filter(|&(i, _)| agrees[i])
+        .filter_map(|(i, l)| Some((Block::Layer(i), l.as_ref()?)))
+        .collect();
+    weight_problems(circuit, &lookup, &checked, &mut problems)?;
     if layers.len() != kinds.len() {
         problems.push(BindingProblem::LayerCount {
             model: layers.len(),
@@ -543,6 +456,45 @@ pub(crate) fn binding_problems(
         });
     }
     Ok((problems, bound))
+}
+
+/// The problems of one bound layer at `part` against the circuit's `want` (its unmodelled
+/// features, its kinds, its facts and, with `pool`, its missing cache or state pool); whether
+/// its kinds agree, so that its weights can be checked.
+pub(crate) fn layer_problems(
+    part: Part,
+    layer: &CircuitLayer,
+    want: LayerSpec,
+    pool: Option<LayerPools>,
+    circuit: &Circuit,
+    problems: &mut Vec<BindingProblem>,
+) -> bool {
+    for feature in &layer.unmodelled {
+        problems.push(BindingProblem::Unmodelled {
+            part,
+            feature: feature.clone(),
+        });
+    }
+    if layer.spec() != want {
+        problems.push(BindingProblem::KindDisagrees {
+            part,
+            model: layer.spec(),
+            circuit: want,
+        });
+        return false;
+    }
+    problems.extend(fact_problems(part, layer, circuit));
+    if let Some(p) = pool {
+        let missing = match layer.mixer {
+            MixerFacts::Attention(_) if p.kv.is_none() => Some("KV cache"),
+            MixerFacts::Gdn(_) if p.ssm.is_none() => Some("SSM state"),
+            _ => None,
+        };
+        if let Some(pool) = missing {
+            problems.push(BindingProblem::MissingPool { part, pool });
+        }
+    }
+    true
 }
 
 /// Refuse a model the circuit misdescribes, listing every problem in one

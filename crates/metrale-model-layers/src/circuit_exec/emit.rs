@@ -9,16 +9,14 @@
 //! - Every weight an emitter reads has the format family the group's kernel reads.
 
 use metrale_circuit::kernels as k;
-use metrale_circuit::{Block, Group, Kernel, Node, NormRole, NormWeight, Op, Plan, Tensor};
+use metrale_circuit::{Block, Group, Kernel, Node, NormWeight, Op, Plan, Tensor};
 use metrale_gpu_runtime::{DevicePtr, StreamHandle};
 
-use super::bindings::{
-    AttnFacts, CircuitLayer, FfnFacts, GdnFacts, HeadBinding, MixerFacts, MoeFacts, WeightSlot,
-    expected_family,
-};
-use super::error::{BindingProblem, CircuitExecError};
-use super::fixed::{Fixed, LayerPools};
-use crate::layer::{KvBinding, ModelDims, SsmBinding};
+use super::bindings::{AttnFacts, CircuitLayer, HeadBinding, WeightSlot, norm_slot};
+use super::draft::DraftBinding;
+use super::error::CircuitExecError;
+use super::fixed::Fixed;
+use crate::layer::ModelDims;
 use crate::ops::{KvStore, Ops, PagedAttention, QkNormRope};
 use crate::ops_hybrid::{
     CausalConv1d, ExpertLinear, GatedDelta, GatedRmsNorm, GdnPrepare, GdnSeqs, MoeCombine,
@@ -29,14 +27,14 @@ type Result<T> = std::result::Result<T, CircuitExecError>;
 
 /// A tensor as one node sees it: its address and its extents at the plan's width.
 #[derive(Debug, Clone, Copy)]
-struct Edge {
-    ptr: DevicePtr,
+pub(super) struct Edge {
+    pub(super) ptr: DevicePtr,
     /// The outermost extent (rows, or pairs).
-    rows: u64,
+    pub(super) rows: u64,
     /// The innermost extent.
-    cols: u64,
+    pub(super) cols: u64,
     /// Every extent multiplied.
-    numel: u64,
+    pub(super) numel: u64,
 }
 
 /// What a group's launches are built from.
@@ -54,6 +52,10 @@ pub(crate) struct Emitter<'a> {
     pub layers: &'a [CircuitLayer],
     /// The model's own weights.
     pub head: &'a HeadBinding,
+    /// The MTP draft head's own weights, when it is bound.
+    pub draft: Option<&'a DraftBinding>,
+    /// The draft head's bound layers, in order (empty without one).
+    pub draft_layers: &'a [CircuitLayer],
     /// The fixed addresses.
     pub fixed: &'a Fixed,
 }
@@ -101,8 +103,19 @@ impl Emitter<'_> {
                 block: node.block,
                 tensor: tensor.name(),
             })?;
-        let ptr = self.fixed.tensor(tensor, node.block)?;
+        let mut ptr = self.fixed.tensor(tensor, node.block)?;
         let ext = self.plan.extents(id);
+        if tensor == Tensor::MtpNormedHidden {
+            // The second half of `mtp.cat_src`, after the normed embeddings' bf16 rows.
+            let half = 2 * ext.iter().product::<u64>();
+            ptr = ptr.offset(
+                usize::try_from(half).map_err(|_| CircuitExecError::TooLarge {
+                    block: node.block,
+                    what: "mtp.cat_src half",
+                    value: half,
+                })?,
+            );
+        }
         // Every tensor's shape has at least one extent (`Tensor::spec`).
         Ok(Edge {
             ptr,
@@ -112,11 +125,11 @@ impl Emitter<'_> {
         })
     }
 
-    fn input(&self, node: &Node, tensor: Tensor) -> Result<Edge> {
+    pub(super) fn input(&self, node: &Node, tensor: Tensor) -> Result<Edge> {
         self.edge(node, tensor, false)
     }
 
-    fn output(&self, node: &Node, tensor: Tensor) -> Result<Edge> {
+    pub(super) fn output(&self, node: &Node, tensor: Tensor) -> Result<Edge> {
         self.edge(node, tensor, true)
     }
 
@@ -142,92 +155,8 @@ impl Emitter<'_> {
     }
 
     /// `value` as a 32-bit kernel argument.
-    fn u32(&self, block: Block, what: &'static str, value: u64) -> Result<u32> {
+    pub(super) fn u32(&self, block: Block, what: &'static str, value: u64) -> Result<u32> {
         u32::try_from(value).map_err(|_| CircuitExecError::TooLarge { block, what, value })
-    }
-
-    /// The weight in `slot` as `kernel` reads it.
-    fn weight(&self, block: Block, slot: WeightSlot, kernel: Kernel) -> Result<DevicePtr> {
-        let bound = match block {
-            Block::Layer(i) => self.layers.get(i).and_then(|l| l.weights.get(&slot)),
-            Block::Embed | Block::Head => self.head.weight(slot),
-        };
-        let Some(bound) = bound else {
-            return Err(CircuitExecError::Bindings {
-                problems: vec![BindingProblem::MissingWeight { block, slot }],
-            });
-        };
-        let expected = expected_family(kernel, slot);
-        if bound.family() != expected {
-            return Err(CircuitExecError::WeightFormat {
-                block,
-                slot,
-                kernel,
-                bound: bound.family(),
-                expected,
-            });
-        }
-        Ok(bound.ptr())
-    }
-
-    fn layer(&self, block: Block) -> Result<&CircuitLayer> {
-        match block {
-            Block::Layer(i) => self.layers.get(i),
-            Block::Embed | Block::Head => None,
-        }
-        .ok_or(Self::mismatch(block, "a layer binding"))
-    }
-
-    fn mismatch(block: Block, what: &'static str) -> CircuitExecError {
-        CircuitExecError::MissingFacts { block, what }
-    }
-
-    fn attn(&self, block: Block) -> Result<AttnFacts> {
-        match self.layer(block)?.mixer {
-            MixerFacts::Attention(a) => Ok(a),
-            MixerFacts::Gdn(_) => Err(Self::mismatch(block, "attention facts")),
-        }
-    }
-
-    fn gdn(&self, block: Block) -> Result<GdnFacts> {
-        match self.layer(block)?.mixer {
-            MixerFacts::Gdn(g) => Ok(g),
-            MixerFacts::Attention(_) => Err(Self::mismatch(block, "Gated DeltaNet facts")),
-        }
-    }
-
-    fn moe(&self, block: Block) -> Result<MoeFacts> {
-        match self.layer(block)?.ffn {
-            FfnFacts::Moe(m) => Ok(m),
-            FfnFacts::Dense { .. } => Err(Self::mismatch(block, "MoE facts")),
-        }
-    }
-
-    fn pools(&self, block: Block) -> LayerPools {
-        match block {
-            Block::Layer(i) => self.fixed.pools.get(i).copied().unwrap_or_default(),
-            Block::Embed | Block::Head => LayerPools::default(),
-        }
-    }
-
-    fn kv(&self, block: Block) -> Result<KvBinding> {
-        self.pools(block)
-            .kv
-            .ok_or(Self::mismatch(block, "a KV cache binding"))
-    }
-
-    fn ssm(&self, block: Block) -> Result<SsmBinding> {
-        self.pools(block)
-            .ssm
-            .ok_or(Self::mismatch(block, "an SSM state binding"))
-    }
-
-    fn norm_slot(role: NormRole) -> WeightSlot {
-        match role {
-            NormRole::Input => WeightSlot::InputNorm,
-            NormRole::Post => WeightSlot::PostNorm,
-            NormRole::Final => WeightSlot::FinalNorm,
-        }
     }
 
     /// The GDN kernels' view of the step's sequences.
@@ -244,7 +173,6 @@ impl Emitter<'_> {
         })
     }
 
-    /// Emit a one-node group; `false` when no emitter lowers `node` to `kernels`.
     /// The `qk_norm_rope` launch of a rope node (`Op::QkNormRope` or `Op::Rope`), its norm
     /// weights read as `kernel` reads them.
     fn rope_params(&self, node: &Node, kernel: Kernel) -> Result<QkNormRope> {
@@ -309,6 +237,7 @@ impl Emitter<'_> {
         })
     }
 
+    /// Emit a one-node group; `false` when no emitter lowers `node` to `kernels`.
     fn single(&self, node: &Node, kernels: &[Kernel]) -> Result<bool> {
         let (ops, s, b, eps) = (self.ops, self.stream, node.block, self.dims.eps);
         let u = |what: &'static str, v: u64| self.u32(b, what, v);
@@ -329,9 +258,10 @@ impl Emitter<'_> {
                 )?;
             }
             (Op::RmsNorm { role, weight }, [kernel @ k::RMS_NORM]) => {
-                let x = self.input(node, Tensor::Residual)?;
-                let out = self.output(node, Tensor::Normed)?;
-                let w = self.weight(b, Self::norm_slot(role), *kernel)?;
+                // The residual stream, or a draft step's hidden rows.
+                let x = self.nth(node, 0, false)?;
+                let out = self.nth(node, 0, true)?;
+                let w = self.weight(b, norm_slot(role), *kernel)?;
                 let unit = weight == NormWeight::ZeroCentred;
                 let (rows, cols) = (u("rows", x.rows)?, u("hidden", x.cols)?);
                 ops.rms_norm(s, out.ptr, x.ptr, w, rows, cols, eps, unit)?;
@@ -340,7 +270,7 @@ impl Emitter<'_> {
                 let residual = self.input(node, Tensor::Residual)?;
                 let delta = self.input(node, Tensor::Delta)?;
                 let out = self.output(node, Tensor::Normed)?;
-                let w = self.weight(b, Self::norm_slot(role), *kernel)?;
+                let w = self.weight(b, norm_slot(role), *kernel)?;
                 let unit = weight == NormWeight::ZeroCentred;
                 let (rows, cols) = (u("rows", residual.rows)?, u("hidden", residual.cols)?);
                 ops.add_rms_norm(
@@ -587,7 +517,7 @@ impl Emitter<'_> {
                     u("vocab", logits.cols)?,
                 )?;
             }
-            _ => return Ok(false),
+            _ => return self.draft_single(node, kernels),
         }
         Ok(true)
     }

@@ -9,7 +9,8 @@ use metrale_gpu_runtime::GpuError;
 
 use super::bindings::WeightSlot;
 
-/// Where a problem is: the model as a whole, a decoder layer, or its head.
+/// Where a problem is: the model as a whole, a decoder layer, its head, or the MTP draft head
+/// (its own weights, or its decoder layer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Part {
     /// The model's own settings (norm convention, attention gate, ...).
@@ -18,6 +19,10 @@ pub enum Part {
     Layer(usize),
     /// The embedding, final norm and LM head.
     Head,
+    /// The MTP draft head's own weights and settings (its norms, `fc`, its layer count).
+    Draft,
+    /// The MTP draft head's decoder layer `i` (0-based).
+    DraftLayer(usize),
 }
 
 impl fmt::Display for Part {
@@ -26,6 +31,8 @@ impl fmt::Display for Part {
             Part::Model => f.write_str("model"),
             Part::Layer(i) => write!(f, "layer {i}"),
             Part::Head => f.write_str("head"),
+            Part::Draft => f.write_str("draft head"),
+            Part::DraftLayer(i) => write!(f, "draft head layer {i}"),
         }
     }
 }
@@ -35,10 +42,10 @@ impl fmt::Display for Part {
 pub enum BindingProblem {
     /// A layer whose type gives the executor no binding (`CircuitBindings::circuit_layer`
     /// returned `None`).
-    #[error("layer {layer} has no circuit binding")]
+    #[error("{part} has no circuit binding")]
     Unbound {
-        /// The layer.
-        layer: usize,
+        /// The layer (or the draft head).
+        part: Part,
     },
     /// A feature present in the model that no node of the circuit computes.
     #[error("{part}: {feature} is not modelled by the circuit")]
@@ -49,10 +56,10 @@ pub enum BindingProblem {
         feature: String,
     },
     /// A layer whose mixer or FFN is not the one the circuit has at its index.
-    #[error("layer {layer}: the model has {model}, the circuit {circuit}")]
+    #[error("{part}: the model has {model}, the circuit {circuit}")]
     KindDisagrees {
         /// The layer.
-        layer: usize,
+        part: Part,
         /// The model's layer.
         model: LayerSpec,
         /// The circuit's layer.
@@ -68,10 +75,10 @@ pub enum BindingProblem {
     },
     /// A fact of a layer's kernels (a head count, a width, a gate) that differs from the
     /// circuit's instance.
-    #[error("layer {layer}: {fact} is {model} in the model, {circuit} in the circuit")]
+    #[error("{part}: {fact} is {model} in the model, {circuit} in the circuit")]
     FactDisagrees {
         /// The layer.
-        layer: usize,
+        part: Part,
         /// What differs.
         fact: &'static str,
         /// The model's value.
@@ -114,10 +121,10 @@ pub enum BindingProblem {
         found: Vec<usize>,
     },
     /// An attention or GDN layer without its cache or state pool in [`super::Fixed`].
-    #[error("layer {layer}: no {pool} bound")]
+    #[error("{part}: no {pool} bound")]
     MissingPool {
         /// The layer.
-        layer: usize,
+        part: Part,
         /// "KV cache" or "SSM state".
         pool: &'static str,
     },

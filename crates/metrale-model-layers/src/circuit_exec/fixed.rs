@@ -1,13 +1,16 @@
 //! `Fixed`: the device addresses a program is compiled against, other than weights: the step
-//! buffers (activations and the metadata the host uploads before each step) and each layer's
-//! KV cache or SSM state pools.
+//! buffers (activations and the metadata the host uploads before each step), each layer's
+//! KV cache or SSM state pools, and the MTP draft head's ([`DraftFixed`]: its buffers and the
+//! KV pools of its layer).
 //!
 //! Invariants:
 //! - Every address here is fixed after boot (the model's `BufferArena`, `PagedKvCache` and
 //!   `SsmStatePool` never move), so a compiled program, and a graph captured from it, stays
 //!   valid for the model's life.
 //! - Each circuit tensor maps to exactly one buffer ([`Fixed::tensor`]), the one the legacy
-//!   forward uses for it.
+//!   forward uses for it. The draft step's `mtp.normed_embedding` and `mtp.normed_hidden` are
+//!   the two halves of `mtp.cat_src`: both map to its start, and the emitter places the second
+//!   half right after the first at the plan's row count, as `launch_mtp` does.
 
 use metrale_circuit::{Block, Tensor};
 use metrale_gpu_runtime::DevicePtr;
@@ -24,6 +27,21 @@ pub struct LayerPools {
     pub ssm: Option<SsmBinding>,
 }
 
+/// The MTP draft head's fixed buffers (the engine's `MtpBuffers`) and its layers' KV pools.
+#[derive(Debug, Clone, Default)]
+pub struct DraftFixed {
+    /// f32 `[R, H]`: the hidden rows a draft step reads, gathered before the step.
+    pub hidden: DevicePtr,
+    /// bf16 `[2R, H]`: the normed embeddings (rows `0..n`), then the normed hidden rows.
+    pub cat_src: DevicePtr,
+    /// u32 `[2R]`: `[0, n, 1, n + 1, ...]`, uploaded before the step.
+    pub cat_ids: DevicePtr,
+    /// bf16 `[R, 2H]`: `fc`'s input.
+    pub cat: DevicePtr,
+    /// Each head layer's pools (a KV cache of its own), in order.
+    pub pools: Vec<LayerPools>,
+}
+
 /// See the module header.
 #[derive(Debug, Clone)]
 pub struct Fixed {
@@ -31,6 +49,8 @@ pub struct Fixed {
     pub buffers: StepBuffers,
     /// Each decoder layer's pools, in layer order.
     pub pools: Vec<LayerPools>,
+    /// The MTP draft head's; `None` without a head that drafts.
+    pub draft: Option<DraftFixed>,
 }
 
 impl Fixed {
@@ -38,10 +58,8 @@ impl Fixed {
     /// is an error naming the tensor.
     pub fn tensor(&self, tensor: Tensor, block: Block) -> Result<DevicePtr, CircuitExecError> {
         let b = &self.buffers;
-        let pools = match block {
-            Block::Layer(i) => self.pools.get(i).copied().unwrap_or_default(),
-            Block::Embed | Block::Head => LayerPools::default(),
-        };
+        let pools = self.pools(block);
+        let draft = self.draft.clone().unwrap_or_default();
         let ptr = match tensor {
             Tensor::TokenIds => b.token_ids,
             Tensor::Positions => b.positions,
@@ -52,6 +70,10 @@ impl Fixed {
             Tensor::SeqSlot => b.seq_slot,
             Tensor::RowSlot => b.row_slot,
             Tensor::LogitRows => b.logit_rows,
+            Tensor::MtpHidden => draft.hidden,
+            Tensor::MtpNormedEmbedding | Tensor::MtpNormedHidden => draft.cat_src,
+            Tensor::MtpCatIds => draft.cat_ids,
+            Tensor::MtpCat => draft.cat,
             Tensor::Residual => b.residual,
             Tensor::Normed => b.normed,
             Tensor::Delta => b.delta,
@@ -90,5 +112,15 @@ impl Fixed {
             });
         }
         Ok(ptr)
+    }
+
+    /// The pools of `block`: a decoder layer's, or a draft head layer's; none elsewhere.
+    pub fn pools(&self, block: Block) -> LayerPools {
+        let pools = match block {
+            Block::Layer(i) => self.pools.get(i),
+            Block::DraftLayer(i) => self.draft.as_ref().and_then(|d| d.pools.get(i)),
+            Block::Embed | Block::Head | Block::Draft => None,
+        };
+        pools.copied().unwrap_or_default()
     }
 }

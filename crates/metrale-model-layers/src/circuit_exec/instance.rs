@@ -33,7 +33,11 @@ pub fn architecture(config: &ModelConfig) -> Architecture {
 }
 
 /// The instance of `config` with `blocks_per_seq` block-table columns, compiled at the decode
-/// `widths` and the single-sequence verify steps of `verify_rows` rows (empty: none).
+/// `widths`, the single-sequence verify steps of `verify_rows` rows and the single-sequence
+/// draft steps of `draft_rows` rows (empty: none). The draft layer is the MTP head's when the
+/// config declares one or draft rows are asked for (the head's tensors decide whether a
+/// checkpoint has one, not always its config): full attention, with an MoE FFN in the MoE families (as the loader
+/// builds it).
 /// The shared expert is gated whenever there is one, as in every MoE family transformers
 /// defines; a checkpoint without the gate is refused when it is bound.
 pub fn model_instance(
@@ -41,6 +45,7 @@ pub fn model_instance(
     blocks_per_seq: u64,
     widths: Vec<u64>,
     verify_rows: Vec<u64>,
+    draft_rows: Vec<u64>,
 ) -> Result<Instance, CircuitExecError> {
     let u = |n: usize| n as u64;
     let gdn = config.linear.as_ref().map(|l| GdnDims {
@@ -91,6 +96,15 @@ pub fn model_instance(
         layers,
         widths,
         verify_rows,
+        draft_layer: (config.mtp_num_layers > 0 || !draft_rows.is_empty()).then_some(LayerSpec {
+            kind: LayerKind::FullAttention,
+            ffn: if config.moe.is_some() {
+                FfnKind::Moe
+            } else {
+                FfnKind::Dense
+            },
+        }),
+        draft_rows,
         argmax: false,
     };
     instance.validate()?;

@@ -1,21 +1,28 @@
 //! The circuit executor: a model's decode step compiled from its circuit (`metrale-circuit`)
 //! into fixed-address launch programs, one per decode width, and, with speculative decoding,
-//! one per single-sequence verify row count (`Instance::verify_rows`, `Step::Verify`).
+//! one per single-sequence verify row count (`Instance::verify_rows`, `Step::Verify`) and,
+//! when the MTP head drafts, one per single-sequence draft row count (`Instance::draft_rows`,
+//! `Step::Draft`).
 //!
 //! - `bindings`: how layers hand the executor their weights and facts ([`CircuitBindings`],
 //!   the supertrait of `TransformerLayer`), and [`check_bindings`], which refuses a model the
-//!   circuit would misdescribe, listing every problem at once.
-//! - `fixed`: [`Fixed`], the step buffers and state pools a program is bound to.
+//!   circuit would misdescribe, listing every problem at once; `weights_check`, the weight
+//!   part of that check; `draft`: [`DraftBinding`], the MTP head's binding, and its checks.
+//! - `fixed`: [`Fixed`], the step buffers and state pools a program is bound to, and
+//!   [`DraftFixed`], the draft head's.
 //! - `instance`: the circuit [`Instance`] of a config, and the kernels a plan may lower to.
 //! - `record`: [`Recorder`], a backend that records launches instead of running them.
-//! - `emit`, `compile`: each plan group through the same typed `ops` launchers the legacy
-//!   forward calls, into a [`Program`] whose launch count is checked against the plan's.
+//! - `emit` (with `resolve`, which binding a block reads, and `emit_draft`, the draft step's
+//!   own emitters), `compile`: each plan group through the same typed `ops` launchers the
+//!   legacy forward calls, into a [`Program`] whose launch count is checked against the plan's.
 //!
-//! [`CircuitExec::build`] does it all once, at boot: bind, check, lower the decode circuit at
-//! every width and the verify circuit at every verify row count (`Fusions::All` against every
-//! launcher kernel the backend resolves), allocate one workspace sized for the largest program
-//! (none today: every emitter writes only the step buffers), and compile a program per plan.
-//! The digest it discloses covers the decode plans, then the verify plans.
+//! [`CircuitExec::build`] does it all once, at boot: bind, check (the draft head's problems in
+//! the same error as the layers'), lower the decode circuit at every width, the verify circuit
+//! at every verify row count and the draft circuit at every draft row count (`Fusions::All`
+//! against every launcher kernel the backend resolves), allocate one workspace sized for the
+//! largest program (none today: every emitter writes only the step buffers), and compile a
+//! program per plan. The digest it discloses covers the decode plans, then the verify plans,
+//! then the draft plans.
 //!
 //! Invariants:
 //! - Every address a program reads is fixed after boot, so replaying it, or a CUDA graph
@@ -26,11 +33,15 @@
 
 mod bindings;
 mod compile;
+mod draft;
 mod emit;
+mod emit_draft;
 mod error;
 mod fixed;
 mod instance;
 mod record;
+mod resolve;
+mod weights_check;
 
 #[cfg(test)]
 mod tests;
@@ -48,8 +59,9 @@ pub use bindings::{
     MixerFacts, MoeFacts, RopeFacts, SharedFacts, WeightSlot, check_bindings,
 };
 pub use compile::Program;
+pub use draft::DraftBinding;
 pub use error::{BindingProblem, CircuitExecError, Part};
-pub use fixed::{Fixed, LayerPools};
+pub use fixed::{DraftFixed, Fixed, LayerPools};
 pub use instance::{architecture, launcher_kernels, model_instance, plan_at};
 pub use metrale_circuit::{
     Architecture, Block, Digest, Fusions, Instance, KernelSet, NormWeight, Plan, Step, plans_digest,
@@ -76,6 +88,9 @@ pub struct Boot<'a> {
     pub layers: Vec<Option<CircuitLayer>>,
     /// The model's own weights.
     pub head: HeadBinding,
+    /// The MTP draft head's binding (`MtpHead::circuit_binding`); needed when the instance
+    /// has draft rows, ignored otherwise.
+    pub draft: Option<DraftBinding>,
     /// The fixed addresses.
     pub fixed: Fixed,
     /// Model-level features the circuit does not model (refused with the layers' problems).
@@ -91,6 +106,8 @@ pub struct CircuitExec {
     programs: Vec<Program>,
     verify_plans: Vec<Plan>,
     verify_programs: Vec<Program>,
+    draft_plans: Vec<Plan>,
+    draft_programs: Vec<Program>,
     digest: Digest,
     workspace: Option<DevicePtr>,
     workspace_bytes: u64,
@@ -127,6 +144,16 @@ impl CircuitExec {
                     feature: feature.clone(),
                 }),
         );
+        let (draft, draft_layers) = if boot.instance.draft_rows.is_empty() {
+            (None, Vec::new())
+        } else {
+            let draft = Arc::new(Circuit::for_step(&boot.instance, Step::Draft)?);
+            let pools = boot.fixed.draft.as_ref().map_or(&[][..], |d| &d.pools[..]);
+            let (more, bound) =
+                draft::draft_problems(&draft, boot.draft.as_ref(), &boot.head, pools)?;
+            problems.extend(more);
+            (Some(draft), bound)
+        };
         if !problems.is_empty() {
             return Err(CircuitExecError::Bindings { problems });
         }
@@ -145,9 +172,14 @@ impl CircuitExec {
             let verify = Arc::new(Circuit::for_step(&boot.instance, Step::Verify)?);
             Plan::compile_widths(&verify, &lowering)?
         };
+        let draft_plans = match &draft {
+            Some(d) => Plan::compile_widths(d, &lowering)?,
+            None => Vec::new(),
+        };
         let workspace_bytes = plans
             .iter()
             .chain(&verify_plans)
+            .chain(&draft_plans)
             .map(|p| p.groups().iter().map(|g| emit::scratch_bytes(p, g)).sum())
             .max()
             .unwrap_or(0);
@@ -164,6 +196,7 @@ impl CircuitExec {
         let compiled = plans
             .iter()
             .chain(&verify_plans)
+            .chain(&draft_plans)
             .map(|plan| {
                 let emitter = emit::Emitter {
                     ops: &recording,
@@ -172,6 +205,8 @@ impl CircuitExec {
                     dims: &boot.dims,
                     layers: &layers,
                     head: &boot.head,
+                    draft: boot.draft.as_ref(),
+                    draft_layers: &draft_layers,
                     fixed: &boot.fixed,
                 };
                 compile::compile(&emitter, &recorder, &mut handles)
@@ -188,8 +223,11 @@ impl CircuitExec {
                 return Err(e);
             }
         };
+        let draft_programs = programs.split_off(plans.len() + verify_plans.len());
         let verify_programs = programs.split_off(plans.len());
-        let all: Vec<Plan> = plans.iter().chain(&verify_plans).cloned().collect();
+        let all: Vec<Plan> = (plans.iter().chain(&verify_plans).chain(&draft_plans))
+            .cloned()
+            .collect();
         Ok(CircuitExec {
             digest: plans_digest(&all),
             gpu,
@@ -198,6 +236,8 @@ impl CircuitExec {
             programs,
             verify_plans,
             verify_programs,
+            draft_plans,
+            draft_programs,
             workspace,
             workspace_bytes,
         })
@@ -239,8 +279,25 @@ impl CircuitExec {
         self.verify_programs.iter().find(|p| p.rows() == rows)
     }
 
-    /// The digest of every plan's text, the decode plans in width order, then the verify plans
-    /// (`plans_digest`).
+    /// Its draft plans, one per draft row count, ascending (empty without an MTP head that
+    /// drafts).
+    pub fn draft_plans(&self) -> &[Plan] {
+        &self.draft_plans
+    }
+
+    /// Its draft programs, one per draft row count, ascending.
+    pub fn draft_programs(&self) -> &[Program] {
+        &self.draft_programs
+    }
+
+    /// The program of a single-sequence draft step of `rows` rows (the last with logits), when
+    /// that count was compiled.
+    pub fn draft_program(&self, rows: u64) -> Option<&Program> {
+        self.draft_programs.iter().find(|p| p.rows() == rows)
+    }
+
+    /// The digest of every plan's text, the decode plans in width order, then the verify
+    /// plans, then the draft plans (`plans_digest`).
     pub fn plans_digest(&self) -> Digest {
         self.digest
     }

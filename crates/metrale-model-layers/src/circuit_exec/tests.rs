@@ -31,7 +31,7 @@ pub(super) const LA_MOE: LayerSpec = LayerSpec {
 
 /// Distinct fake addresses, so a launch that reads the wrong buffer shows in its arguments.
 #[derive(Debug, Default)]
-struct Addr(u64);
+pub(super) struct Addr(pub(super) u64);
 
 impl Addr {
     fn next(&mut self) -> DevicePtr {
@@ -39,7 +39,7 @@ impl Addr {
         DevicePtr(self.0)
     }
 
-    fn weight(&mut self, shape: &[usize], dtype: DType) -> BoundWeight {
+    pub(super) fn weight(&mut self, shape: &[usize], dtype: DType) -> BoundWeight {
         BoundWeight::Dense(DenseWeight {
             ptr: self.next(),
             shape: shape.to_vec(),
@@ -81,6 +81,8 @@ fn instance(layers: Vec<LayerSpec>) -> Instance {
         layers,
         widths: vec![1, 2, 4],
         verify_rows: vec![2, 3, 4, 5],
+        draft_rows: vec![1, 2, 3, 4, 5],
+        draft_layer: Some(FA_MOE),
         argmax: false,
     }
 }
@@ -265,7 +267,39 @@ fn fixed(a: &mut Addr, specs: &[LayerSpec]) -> Fixed {
             },
         })
         .collect();
-    Fixed { buffers, pools }
+    let draft = DraftFixed {
+        hidden: a.next(),
+        cat_src: a.next(),
+        cat_ids: a.next(),
+        cat: a.next(),
+        pools: vec![LayerPools {
+            kv: Some(KvBinding {
+                k: a.next(),
+                v: a.next(),
+                block_size: 16,
+                num_slots: 512,
+            }),
+            ssm: None,
+        }],
+    };
+    Fixed {
+        buffers,
+        pools,
+        draft: Some(draft),
+    }
+}
+
+/// The MTP draft head: its norms, `fc` and one full-attention MoE layer.
+pub(super) fn draft(a: &mut Addr) -> DraftBinding {
+    let b = DType::Bf16;
+    DraftBinding {
+        norm_embedding: a.weight(&[64], b),
+        norm_hidden: a.weight(&[64], b),
+        fc: a.weight(&[64, 128], b),
+        norm: a.weight(&[64], b),
+        layers: vec![Some(layer(a, FA_MOE))],
+        unmodelled: Vec::new(),
+    }
 }
 
 pub(super) struct Model {
@@ -273,6 +307,7 @@ pub(super) struct Model {
     pub(super) instance: Instance,
     pub(super) layers: Vec<Option<CircuitLayer>>,
     pub(super) head: HeadBinding,
+    pub(super) draft: Option<DraftBinding>,
     pub(super) fixed: Fixed,
 }
 
@@ -284,6 +319,7 @@ pub(super) fn model(specs: &[LayerSpec]) -> Model {
         instance: instance(specs.to_vec()),
         layers: specs.iter().map(|&s| Some(layer(&mut a, s))).collect(),
         head: head(&mut a),
+        draft: Some(draft(&mut a)),
         fixed: fixed(&mut a, specs),
     }
 }
@@ -298,6 +334,7 @@ impl Model {
             dims: dims(),
             layers: self.layers.clone(),
             head: self.head.clone(),
+            draft: self.draft.clone(),
             fixed: self.fixed.clone(),
             unmodelled: Vec::new(),
         })
@@ -405,7 +442,9 @@ fn each_binding_problem_is_named() {
         (
             "unbound",
             |m| m.layers[0] = None,
-            BindingProblem::Unbound { layer: 0 },
+            BindingProblem::Unbound {
+                part: Part::Layer(0),
+            },
         ),
         (
             "unmodelled",
@@ -422,7 +461,7 @@ fn each_binding_problem_is_named() {
                 m.layers[1] = Some(layer(&mut a, LA_MOE));
             },
             BindingProblem::KindDisagrees {
-                layer: 1,
+                part: Part::Layer(1),
                 model: LA_MOE,
                 circuit: FA_MOE,
             },
@@ -435,7 +474,7 @@ fn each_binding_problem_is_named() {
                 }
             },
             BindingProblem::FactDisagrees {
-                layer: 1,
+                part: Part::Layer(1),
                 fact: "the attention output gate",
                 model: "false".into(),
                 circuit: "true".into(),
@@ -517,18 +556,20 @@ fn every_problem_of_a_model_comes_in_one_error() {
     assert_eq!(
         problems,
         [
-            BindingProblem::Unbound { layer: 0 },
+            BindingProblem::Unbound {
+                part: Part::Layer(0)
+            },
             BindingProblem::Unmodelled {
                 part: Part::Layer(1),
                 feature: "LoRA adapters".into()
             },
             BindingProblem::KindDisagrees {
-                layer: 2,
+                part: Part::Layer(2),
                 model: FA_MOE,
                 circuit: LA_MOE
             },
             BindingProblem::MissingPool {
-                layer: 3,
+                part: Part::Layer(3),
                 pool: "KV cache"
             },
             BindingProblem::Unmodelled {

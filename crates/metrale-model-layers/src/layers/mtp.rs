@@ -3,9 +3,12 @@
 //!
 //! The head drafts the token after next: `fc([pre_fc_norm_embedding(embed(x_{t+1})) |
 //! pre_fc_norm_hidden(h_t)])`, one decoder layer with its own KV cache, `norm`, and the model's
-//! LM head. Its norms follow the family's zero-centred convention.
+//! LM head. Its norms follow the family's zero-centred convention. The circuit executor's
+//! draft programs read it through [`MtpHead::circuit_binding`].
 
 use super::DecoderLayer;
+use crate::circuit_exec::{CircuitBindings, DraftBinding};
+use crate::layer::ModelDims;
 use crate::weight_map::DenseWeight;
 
 /// See the module header.
@@ -21,4 +24,19 @@ pub struct MtpHead {
     pub layers: Vec<DecoderLayer>,
     /// `[hidden]`: the norm before the shared LM head.
     pub norm: DenseWeight,
+}
+
+impl MtpHead {
+    /// The head for the circuit executor's draft step: its norms and `fc`, and each layer's
+    /// binding (`CircuitBindings::circuit_layer`) at the model's `dims`.
+    pub fn circuit_binding(&self, dims: &ModelDims) -> DraftBinding {
+        DraftBinding {
+            norm_embedding: (&self.pre_fc_norm_embedding).into(),
+            norm_hidden: (&self.pre_fc_norm_hidden).into(),
+            fc: (&self.fc).into(),
+            norm: (&self.norm).into(),
+            layers: self.layers.iter().map(|l| l.circuit_layer(dims)).collect(),
+            unmodelled: Vec::new(),
+        }
+    }
 }

@@ -1,0 +1,101 @@
+//! Which binding, weights and pools a node of each block reads: a decoder layer's
+//! (`Block::Layer`), the model's head's (`Block::Embed`, `Block::Head`), or the MTP draft
+//! head's (`Block::Draft`: its own norms and `fc`; `Block::DraftLayer`: its decoder layer and
+//! that layer's KV pools).
+
+use metrale_circuit::{Block, Kernel};
+use metrale_gpu_runtime::DevicePtr;
+
+use super::bindings::{
+    AttnFacts, CircuitLayer, FfnFacts, GdnFacts, MixerFacts, MoeFacts, WeightSlot, expected_family,
+};
+use super::emit::Emitter;
+use super::error::{BindingProblem, CircuitExecError};
+use super::fixed::LayerPools;
+use crate::layer::{KvBinding, SsmBinding};
+
+type Result<T> = std::result::Result<T, CircuitExecError>;
+
+impl Emitter<'_> {
+    /// The weight in `slot` as `kernel` reads it.
+    pub(super) fn weight(
+        &self,
+        block: Block,
+        slot: WeightSlot,
+        kernel: Kernel,
+    ) -> Result<DevicePtr> {
+        let bound = match block {
+            Block::Layer(_) | Block::DraftLayer(_) => {
+                self.layer(block).ok().and_then(|l| l.weights.get(&slot))
+            }
+            Block::Embed | Block::Head => self.head.weight(slot),
+            Block::Draft => self.draft.and_then(|d| d.weight(slot)),
+        };
+        let Some(bound) = bound else {
+            return Err(CircuitExecError::Bindings {
+                problems: vec![BindingProblem::MissingWeight { block, slot }],
+            });
+        };
+        let expected = expected_family(kernel, slot);
+        if bound.family() != expected {
+            return Err(CircuitExecError::WeightFormat {
+                block,
+                slot,
+                kernel,
+                bound: bound.family(),
+                expected,
+            });
+        }
+        Ok(bound.ptr())
+    }
+
+    pub(super) fn layer(&self, block: Block) -> Result<&CircuitLayer> {
+        match block {
+            Block::Layer(i) => self.layers.get(i),
+            Block::DraftLayer(i) => self.draft_layers.get(i),
+            Block::Embed | Block::Head | Block::Draft => None,
+        }
+        .ok_or(Self::mismatch(block, "a layer binding"))
+    }
+
+    fn mismatch(block: Block, what: &'static str) -> CircuitExecError {
+        CircuitExecError::MissingFacts { block, what }
+    }
+
+    pub(super) fn attn(&self, block: Block) -> Result<AttnFacts> {
+        match self.layer(block)?.mixer {
+            MixerFacts::Attention(a) => Ok(a),
+            MixerFacts::Gdn(_) => Err(Self::mismatch(block, "attention facts")),
+        }
+    }
+
+    pub(super) fn gdn(&self, block: Block) -> Result<GdnFacts> {
+        match self.layer(block)?.mixer {
+            MixerFacts::Gdn(g) => Ok(g),
+            MixerFacts::Attention(_) => Err(Self::mismatch(block, "Gated DeltaNet facts")),
+        }
+    }
+
+    pub(super) fn moe(&self, block: Block) -> Result<MoeFacts> {
+        match self.layer(block)?.ffn {
+            FfnFacts::Moe(m) => Ok(m),
+            FfnFacts::Dense { .. } => Err(Self::mismatch(block, "MoE facts")),
+        }
+    }
+
+    fn pools(&self, block: Block) -> LayerPools {
+        self.fixed.pools(block)
+    }
+
+    pub(super) fn kv(&self, block: Block) -> Result<KvBinding> {
+        self.pools(block)
+            .kv
+            .ok_or(Self::mismatch(block, "a KV cache binding"))
+    }
+
+    pub(super) fn ssm(&self, block: Block) -> Result<SsmBinding> {
+        self.pools(block)
+            .ssm
+            .ok_or(Self::mismatch(block, "an SSM state binding"))
+    }
+}
