@@ -19,11 +19,11 @@ pub struct ModelOptions {
     pub max_decode_seqs: usize,
     /// Capture each decode width's step once as a graph and replay it. Default true.
     pub decode_graphs: bool,
-    /// With `decode_graphs`, most verify-step graphs kept (one per (rows, sequences) met); a
-    /// verify step of a new shape past this many runs eagerly, so the graphs' device memory
-    /// stays bounded under any mix of drafts. Default 64 (the single-sequence shapes, K <= 4,
-    /// are the first met and take 4).
-    pub max_verify_graphs: usize,
+    /// With `decode_graphs`, most graphs kept for speculative steps, verify and MTP together
+    /// (one per step shape met: rows, sequences, logit rows); a step of a new shape past this
+    /// many runs eagerly, so the graphs' device memory stays bounded under any mix of drafts.
+    /// Default 64 (the single-sequence shapes, a few per K, are the first met).
+    pub max_speculative_graphs: usize,
     /// Prefix caching: the full KV blocks of prompts stay cached, keyed by a hash chain over
     /// their tokens, and a later request whose prompt starts with the same blocks shares them
     /// instead of computing them (on hybrid models, from a position where an SSM snapshot was
@@ -85,7 +85,7 @@ impl Default for ModelOptions {
             num_kv_blocks: None,
             max_decode_seqs: 8,
             decode_graphs: true,
-            max_verify_graphs: 64,
+            max_speculative_graphs: 64,
             prefix_caching: true,
             ssm_snapshot_slots: None,
             ssm_snapshot_stride: None,

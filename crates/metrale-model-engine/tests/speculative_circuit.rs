@@ -216,7 +216,7 @@ fn batched_verify_graph_is_eager(gpu: fn() -> Arc<dyn GpuBackend>) {
         circuit.set_forward(REFERENCE).unwrap();
         // No verify graph may be kept: every step runs eagerly, with the same results.
         let capped = ModelOptions {
-            max_verify_graphs: 0,
+            max_speculative_graphs: 0,
             ..spec_options(3, true)
         };
         let mut capped = load_on(gpu, name, capped);
@@ -289,6 +289,13 @@ fn mtp_greedy_under_the_circuit_forward_is_plain_greedy() {
             assert!(
                 model.draft_program_steps() > 0,
                 "{name} K={k}: drafts ran the circuit's draft programs"
+            );
+            assert!(
+                model
+                    .captured_mtp_shapes()
+                    .iter()
+                    .any(|&(_, seqs)| seqs > 1),
+                "{name} K={k}: batched MTP steps replayed graphs"
             );
         }
     }

@@ -86,9 +86,14 @@ pub(crate) enum GraphKey {
         /// Sequences.
         seqs: u32,
     },
-    /// A single-sequence MTP step: rows, logit rows, head layer, of whichever forward is
-    /// selected (the circuit's draft program, or the legacy launches).
-    Mtp(u32, u32, usize),
+    /// An MTP step of whichever forward is selected (the circuit's draft program, or the
+    /// legacy launches).
+    Mtp {
+        rows: u32,
+        seqs: u32,
+        logit_rows: u32,
+        layer: usize,
+    },
 }
 
 /// See the module header.
@@ -480,6 +485,15 @@ impl TransformerModel {
         };
         self.gpu.launch_graph(graph, self.stream)?;
         Ok(())
+    }
+
+    /// Whether a graph may be replayed (or captured) under `key`, a verify or MTP step: it is
+    /// kept already, or fewer than `ModelOptions::max_speculative_graphs` such graphs are.
+    pub(crate) fn graph_room(&self, key: GraphKey) -> bool {
+        let kept = (self.graphs.keys())
+            .filter(|k| matches!(k, GraphKey::Verify { .. } | GraphKey::Mtp { .. }))
+            .count();
+        self.graphs.contains_key(&key) || kept < self.options.max_speculative_graphs
     }
 
     /// The launches of one decode step of the selected forward: the circuit program of its

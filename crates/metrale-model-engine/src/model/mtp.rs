@@ -15,10 +15,12 @@
 //! the ids the same way) feed the Qwen3-Next head. One row off in either the token or the
 //! position still runs, but its drafts are rarely accepted.
 //!
-//! With `decode_graphs`, an MTP step of a single sequence (batch 1: each draft of a chain, and
-//! the take-in after a step) replays a graph captured the first time its (rows, logit rows,
-//! head layer) runs; the gather of the previous step's hidden rows, whose bound is that step's
-//! row count, stays outside it. Steps of several sequences launch eagerly. The launches are the
+//! With `decode_graphs`, an MTP step replays a graph captured the first time its (rows,
+//! sequences, logit rows, head layer) runs: its launches take only those counts and read which
+//! rows belong to which sequence from the step buffers `upload` fills, so batched drafts are
+//! graphed like single ones, up to `ModelOptions::max_speculative_graphs` shapes with the
+//! verify steps' (then new shapes launch eagerly). The gather of the previous step's hidden
+//! rows, whose bound is that step's row count, stays outside the graph. The launches are the
 //! same either way.
 //!
 //! With the circuit forward (`ForwardSelect::Circuit`), an MTP step of one sequence with one
@@ -138,10 +140,15 @@ impl TransformerModel {
         if self.draft_program(shape, layer).is_some() {
             self.draft_program_steps += 1;
         }
-        if !self.options.decode_graphs || shape.num_seqs != 1 {
+        let key = GraphKey::Mtp {
+            rows: shape.rows,
+            seqs: shape.num_seqs,
+            logit_rows: shape.logit_rows,
+            layer,
+        };
+        if !self.options.decode_graphs || !self.graph_room(key) {
             return self.launch_mtp(shape, layer);
         }
-        let key = GraphKey::Mtp(shape.rows, shape.logit_rows, layer);
         self.replay(key, |m| m.launch_mtp(shape, layer))
     }
 

@@ -12,7 +12,8 @@
 //! (which rows belong to which sequence, their positions, slots and row slots) from the step
 //! buffers `upload` fills before each step. So a batched verify step is graphed like a
 //! single-sequence one, with one graph per (rows, sequences) pair met, up to
-//! `ModelOptions::max_verify_graphs` of them (then new shapes run eagerly; no padding: a padded
+//! `ModelOptions::max_speculative_graphs` of them with the MTP steps' (then new shapes run
+//! eagerly; no padding: a padded
 //! row would cost a verify row).
 //!
 //! With the circuit forward (`ForwardSelect::Circuit`), a single-sequence verify step of
@@ -62,10 +63,7 @@ impl TransformerModel {
             rows: shape.rows,
             seqs: shape.num_seqs,
         };
-        let kept = (self.graphs.keys())
-            .filter(|k| matches!(k, GraphKey::Verify { .. }))
-            .count();
-        if !self.graphs.contains_key(&key) && kept >= self.options.max_verify_graphs {
+        if !self.graph_room(key) {
             return self.launch_verify(shape);
         }
         self.replay(key, |m| m.launch_verify(shape))
@@ -94,6 +92,20 @@ impl TransformerModel {
             })
             .collect();
         out.sort_unstable();
+        out
+    }
+
+    /// The (rows, sequences) of the MTP steps captured as graphs so far, ascending, without
+    /// repeats (a shape may have graphs for several logit-row counts and head layers).
+    pub fn captured_mtp_shapes(&self) -> Vec<(u32, u32)> {
+        let mut out: Vec<(u32, u32)> = (self.graphs.keys())
+            .filter_map(|k| match *k {
+                GraphKey::Mtp { rows, seqs, .. } => Some((rows, seqs)),
+                _ => None,
+            })
+            .collect();
+        out.sort_unstable();
+        out.dedup();
         out
     }
 
