@@ -111,17 +111,18 @@ MT_DEVICE void store_out(float* out, size_t i, float v) { out[i] = v; }
 // 8q..8q+7 of its chunk, what lane (g, q) feeds its MMAs; a warp's 8 rows of one vector column
 // are 512 contiguous bytes, so its shared loads are conflict-free). Consecutive threads take
 // consecutive vectors of a row, so each row's 128 bytes per stage are one contiguous read.
+template <int BM, int BN, int SC, int THREADS>
 MT_DEVICE void load_stage(uint4* stage, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
                           uint32_t k, uint32_t m0, uint32_t n0, uint32_t step, bool vec) {
-    constexpr uint32_t ROWS = LIN_BM + LIN_BN;
+    constexpr uint32_t ROWS = BM + BN;
 #pragma unroll 4
-    for (uint32_t i = threadIdx.x; i < ROWS * LIN_SC * 4; i += LIN_THREADS) {
-        const uint32_t row = i / (LIN_SC * 4), ch = (i / 4) % LIN_SC, q = i % 4;
-        const uint32_t col = (step * LIN_SC + ch) * LIN_KC + q * 8;
-        const bool is_x = row < LIN_BM;
+    for (uint32_t i = threadIdx.x; i < ROWS * SC * 4; i += THREADS) {
+        const uint32_t row = i / (SC * 4), ch = (i / 4) % SC, q = i % 4;
+        const uint32_t col = (step * SC + ch) * LIN_KC + q * 8;
+        const bool is_x = row < BM;
         const bf16* base = is_x ? x : w;
         const uint32_t rows = is_x ? m : n;
-        const uint32_t grow = is_x ? m0 + row : n0 + (row - LIN_BM);
+        const uint32_t grow = is_x ? m0 + row : n0 + (row - BM);
         uint4* dst = stage + (ch * ROWS + row) * 4 + q;
         if (vec) {
             const bool in = grow < rows && col < k;
@@ -132,18 +133,21 @@ MT_DEVICE void load_stage(uint4* stage, const bf16* x, const bf16* w, uint32_t m
     }
 }
 
-template <typename OutT>
+// The tiled kernel's body for a BM x BN block tile of (BM / WM) x (BN / WN) warps of WM x WN,
+// SC chunks per stage and ST stages (the engine's `linear` is <LIN_BM, LIN_BN, LIN_WM, LIN_WN,
+// LIN_SC, LIN_STAGES>; lab/prefill_lab.cu times others). Every instance has the same numerics.
+template <typename OutT, int BM, int BN, int WM, int WN, int SC, int ST>
 MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
                             uint32_t k, bool vec, unsigned char* smem) {
-    constexpr int MT = LIN_WM / 16, NT = LIN_WN / 8;
-    constexpr uint32_t ROWS = LIN_BM + LIN_BN, STAGE_VECS = LIN_SC * ROWS * 4;
+    constexpr int MT = WM / 16, NT = WN / 8, THREADS = (BM / WM) * (BN / WN) * 32;
+    constexpr uint32_t ROWS = BM + BN, STAGE_VECS = SC * ROWS * 4;
     uint4* stages = reinterpret_cast<uint4*>(smem);
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const uint32_t m0 = blockIdx.y * LIN_BM, n0 = blockIdx.x * LIN_BN;
-    const uint32_t wm0 = (warp / (LIN_BN / LIN_WN)) * LIN_WM, wn0 = (warp % (LIN_BN / LIN_WN)) * LIN_WN;
+    const uint32_t m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const uint32_t wm0 = (warp / (BN / WN)) * WM, wn0 = (warp % (BN / WN)) * WN;
     const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
     const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
-    const uint32_t steps = (chunks + LIN_SC - 1) / LIN_SC;
+    const uint32_t steps = (chunks + SC - 1) / SC;
 
     float acc[MT][NT][4], total[MT][NT][4];
 #pragma unroll
@@ -154,25 +158,27 @@ MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m,
             for (int j = 0; j < 4; ++j) acc[a][b][j] = total[a][b][j] = 0.0f;
 
 #pragma unroll
-    for (int s = 0; s < LIN_STAGES - 1; ++s) {
-        if ((uint32_t)s < steps) load_stage(stages + s * STAGE_VECS, x, w, m, n, k, m0, n0, s, vec);
+    for (int s = 0; s < ST - 1; ++s) {
+        if ((uint32_t)s < steps)
+            load_stage<BM, BN, SC, THREADS>(stages + s * STAGE_VECS, x, w, m, n, k, m0, n0, s, vec);
         cp_async_commit();
     }
     uint32_t in_seg = 0;
     for (uint32_t j = 0; j < steps; ++j) {
-        cp_async_wait<LIN_STAGES - 2>();
+        cp_async_wait<ST - 2>();
         __syncthreads();
-        const uint32_t pre = j + LIN_STAGES - 1;
-        if (pre < steps) load_stage(stages + (pre % LIN_STAGES) * STAGE_VECS, x, w, m, n, k, m0, n0, pre, vec);
+        const uint32_t pre = j + ST - 1;
+        if (pre < steps)
+            load_stage<BM, BN, SC, THREADS>(stages + (pre % ST) * STAGE_VECS, x, w, m, n, k, m0, n0, pre, vec);
         cp_async_commit();
 
-        const uint4* st = stages + (j % LIN_STAGES) * STAGE_VECS;
+        const uint4* st = stages + (j % ST) * STAGE_VECS;
 #pragma unroll
-        for (int ch = 0; ch < LIN_SC; ++ch) {
-            const uint32_t c = j * LIN_SC + ch;
+        for (int ch = 0; ch < SC; ++ch) {
+            const uint32_t c = j * SC + ch;
             if (c >= chunks) break;
             const uint4* sa = st + ch * ROWS * 4;
-            const uint4* sb = sa + LIN_BM * 4;
+            const uint4* sb = sa + BM * 4;
             uint4 a[MT][2], b[NT];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
@@ -560,7 +566,7 @@ MT_DEVICE void linear_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, 
     pdl_wait();  // launched as a programmatic dependent (ops::linear_geometry)
     pdl_trigger();
     const bool vec = k % 8 == 0 && aligned16(x) && aligned16(w);
-    linear_tiled(out, x, w, m, n, k, vec, lin_smem);
+    linear_tiled<OutT, LIN_BM, LIN_BN, LIN_WM, LIN_WN, LIN_SC, LIN_STAGES>(out, x, w, m, n, k, vec, lin_smem);
 }
 
 // linear(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k).

@@ -1,8 +1,8 @@
-// Prefill GEMM lab: variants of the tiled kernel (`linear`, kernels/gemm.cu) with larger block and
-// warp tiles and several chunks per pipeline stage, all keeping the engine's numerics (chunks of
-// 32 k, LIN_SEGS segments, mma.sync m16n8k16 chains per segment summed in segment order), so each
-// is checked bitwise against `linear_f32out` (poisoned outputs) and then timed at prefill row
-// counts on the four Qwen3-8B projections. Build: lab/build.sh lab/prefill_lab.cu prefill_lab.
+// Prefill GEMM lab: the tiled kernel's body (`linear_tiled`, kernels/gemm.cu) at other block and
+// warp tiles and stage shapes, all with the engine's numerics (chunks of 32 k, LIN_SEGS segments,
+// mma.sync m16n8k16 chains per segment summed in segment order), each checked bitwise against
+// `linear_f32out` (poisoned outputs) and timed at prefill row counts on the four Qwen3-8B
+// projections. Build: lab/build.sh (target/gemm-lab/prefill_lab).
 #include "../kernels/gemm.cu"
 
 #include <cuda_runtime.h>
@@ -22,100 +22,14 @@
         }                                                                                       \
     } while (0)
 
-// Block tile BM x BN, warp tile WM x WN, SC chunks (of 32 k) per stage, ST stages. Stage layout
-// [chunk][row][4 vectors]: the BM x rows, then the BN weight rows.
+// gemm.cu's tiled body at block tile BM x BN, warp tile WM x WN, SC chunks (of 32 k) per stage,
+// ST stages.
 template <int BM, int BN, int WM, int WN, int SC, int ST>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, 1)
     tiled2(float* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w, uint32_t m,
            uint32_t n, uint32_t k) {
-    constexpr int THREADS = (BM / WM) * (BN / WN) * 32;
-    constexpr int MT = WM / 16, NT = WN / 8;
-    constexpr uint32_t ROWS = BM + BN, STAGE_VECS = SC * ROWS * 4;
     extern __shared__ __align__(16) unsigned char smem[];
-    uint4* ring = reinterpret_cast<uint4*>(smem);
-    const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const uint32_t m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-    const uint32_t wm0 = (warp / (BN / WN)) * WM, wn0 = (warp % (BN / WN)) * WN;
-    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
-    const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
-    const uint32_t steps = (chunks + SC - 1) / SC;
-
-    auto issue = [&](uint32_t j) {
-        if (j < steps) {
-            uint4* st = ring + (j % ST) * STAGE_VECS;
-#pragma unroll 4
-            for (uint32_t i = tid; i < ROWS * SC * 4; i += THREADS) {
-                const uint32_t r = i / (SC * 4), ch = (i / 4) % SC, qq = i % 4;
-                const uint32_t c = j * SC + ch, col = c * LIN_KC + qq * 8;
-                const bool is_x = r < BM;
-                const uint32_t grow = is_x ? m0 + r : n0 + (r - BM);
-                const bf16* base = is_x ? x : w;
-                const bool in = grow < (is_x ? m : n) && col < k;
-                cp_async16(st + (ch * ROWS + r) * 4 + qq, in ? base + (size_t)grow * k + col : base, in ? 16u : 0u);
-            }
-        }
-        cp_async_commit();
-    };
-
-    float acc[MT][NT][4], total[MT][NT][4];
-#pragma unroll
-    for (int a = 0; a < MT; ++a)
-#pragma unroll
-        for (int b = 0; b < NT; ++b)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[a][b][j] = total[a][b][j] = 0.0f;
-
-#pragma unroll
-    for (int p = 0; p < ST - 1; ++p) issue(p);
-    uint32_t in_seg = 0;
-    for (uint32_t j = 0; j < steps; ++j) {
-        cp_async_wait<ST - 2>();
-        __syncthreads();
-        issue(j + ST - 1);
-        const uint4* st = ring + (j % ST) * STAGE_VECS;
-#pragma unroll
-        for (int ch = 0; ch < SC; ++ch) {
-            const uint32_t c = j * SC + ch;
-            if (c >= chunks) break;
-            const uint4* sa = st + ch * ROWS * 4;
-            const uint4* sb = sa + BM * 4;
-            uint4 a[MT][2], b[NT];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                a[mt][0] = sa[(wm0 + mt * 16 + g) * 4 + q];
-                a[mt][1] = sa[(wm0 + mt * 16 + g + 8) * 4 + q];
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) b[nt] = sb[(wn0 + nt * 8 + g) * 4 + q];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) mma_chunk(acc[mt][nt], a[mt][0], a[mt][1], b[nt]);
-            if (++in_seg == seg_chunks || c + 1 == chunks) {
-                in_seg = 0;
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                        for (int jj = 0; jj < 4; ++jj) {
-                            total[mt][nt][jj] += acc[mt][nt][jj];
-                            acc[mt][nt][jj] = 0.0f;
-                        }
-            }
-        }
-    }
-    cp_async_wait<0>();
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int jj = 0; jj < 4; ++jj) {
-                const uint32_t row = m0 + wm0 + mt * 16 + g + (jj >= 2 ? 8 : 0);
-                const uint32_t col = n0 + wn0 + nt * 8 + 2 * q + (jj & 1);
-                if (row < m && col < n) out[(size_t)row * n + col] = total[mt][nt][jj];
-            }
+    linear_tiled<float, BM, BN, WM, WN, SC, ST>(out, x, w, m, n, k, true, smem);
 }
 
 __global__ void fill_bf16(bf16* p, size_t n, uint64_t seed, float scale) {

@@ -52,9 +52,9 @@ pub use metrale_model_engine::bench;
 /// (`metrale circuit plan`), and the fusions a [`ForwardSelect::Circuit`] lowers with.
 pub mod circuit {
     pub use metrale_model_engine::model_circuit::{
-        Digest, Fusions, checkpoint_plan, checkpoint_plans, checkpoint_verify_plan, plans_digest,
+        Digest, Fusions, checkpoint_plan, checkpoint_plans, plans_digest,
     };
-    pub use metrale_model_layers::circuit_exec::Plan;
+    pub use metrale_model_layers::circuit_exec::{Plan, Step};
 }
 
 /// The device layer, for tools built on the engine (benchmarks, tests).

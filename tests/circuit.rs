@@ -16,6 +16,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail, ensure};
 use circuit_support::*;
 use common::{fixtures_dir, fixtures_of};
+use metrale::circuit::Step;
 use metrale::{Engine, EngineOptions, GenerateRequest, Prompt};
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{CpuBackend, DType, GpuBackend, GpuResult};
@@ -235,7 +236,7 @@ fn plan_digests_match_their_golden_values() -> Result<()> {
     let mut texts = Vec::new();
     for dir in every_fixture() {
         let config = ModelConfig::from_dir(&dir)?;
-        let plan = checkpoint_plan(&config, &options, Fusions::ReferenceOnly, 1)?;
+        let plan = checkpoint_plan(&config, &options, Step::Decode, Fusions::ReferenceOnly, 1)?;
         let plans = checkpoint_plans(&config, &options, Fusions::ReferenceOnly)?;
         ensure!(plans[0].text() == plan.text());
         lines.push(format!(

@@ -1,14 +1,16 @@
-//! `metrale circuit plan`: the plan a checkpoint's decode step compiles to, printed as its
-//! canonical text followed by its SHA-256 digest, then the digest of the plans at every decode
-//! width (what `metrale generate --forward ... --json` reports as `plan_digest`). Read from
+//! `metrale circuit plan`: the plan a checkpoint's decode step (or, with `--step`, a single
+//! sequence's verify or MTP draft step) compiles to, printed as its canonical text followed by
+//! its SHA-256 digest, then the digest of every plan the engine compiles with these options
+//! (what `metrale generate --forward ... --json` reports as `plan_digest`). Read from
 //! `config.json` alone (no weights, no device), it is the plan `--forward circuit` (or
 //! `circuit-reference`) runs when the engine loads the checkpoint with the same sizes.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use clap::{Args, Subcommand};
-use metrale::{ForwardSelect, ModelConfig, ModelOptions};
+use clap::{Args, Subcommand, ValueEnum};
+use metrale::circuit::Step;
+use metrale::{ForwardSelect, ModelConfig, ModelOptions, Speculative};
 
 use crate::generate::ForwardArg;
 
@@ -29,9 +31,18 @@ struct PlanArgs {
     /// Checkpoint directory (its config.json is read).
     #[arg(long)]
     model: PathBuf,
-    /// Rows of the decode step (sequences, a rung of the decode ladder or not).
+    /// Which step: decode, or a single sequence's verify or draft step of speculative decoding
+    /// (their plans exist with `--num-draft-tokens` drafts; a draft plan needs the
+    /// checkpoint's MTP head).
+    #[arg(long, value_enum, default_value_t = StepArg::Decode)]
+    step: StepArg,
+    /// Rows of the step (decode: sequences, a rung of the decode ladder or not; verify: 2 to
+    /// 1 + K; draft: 1 to 1 + K).
     #[arg(long, default_value_t = 1)]
     rows: u64,
+    /// Drafts per verify step (K), which sets the verify and draft plans compiled; 0: none.
+    #[arg(long, default_value_t = 0)]
+    num_draft_tokens: usize,
     /// Which rules the plan may use.
     #[arg(long, value_enum, default_value_t = ForwardArg::Circuit)]
     forward: ForwardArg,
@@ -47,6 +58,13 @@ struct PlanArgs {
     max_decode_seqs: usize,
 }
 
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum StepArg {
+    Decode,
+    Verify,
+    Draft,
+}
+
 pub fn run(args: CircuitArgs) -> Result<()> {
     match args.command {
         CircuitCommand::Plan(p) => plan(p),
@@ -59,24 +77,35 @@ fn plan(args: PlanArgs) -> Result<()> {
     };
     let config = ModelConfig::from_dir(&args.model)
         .with_context(|| format!("reading {}", args.model.display()))?;
+    let speculative = if args.num_draft_tokens > 0 {
+        Speculative::Mtp
+    } else {
+        Speculative::Off
+    };
     let options = ModelOptions {
         max_seq_len: args.max_seq_len,
         block_size: args.block_size,
         max_decode_seqs: args.max_decode_seqs,
+        speculative,
+        num_draft_tokens: args.num_draft_tokens.max(1),
         ..ModelOptions::default()
     };
+    let step = match args.step {
+        StepArg::Decode => Step::Decode,
+        StepArg::Verify => Step::Verify,
+        StepArg::Draft => Step::Draft,
+    };
     let planning = || format!("planning {}", args.model.display());
-    let plan = metrale::circuit::checkpoint_plan(&config, &options, fusions, args.rows)
+    let plan = metrale::circuit::checkpoint_plan(&config, &options, step, fusions, args.rows)
         .with_context(planning)?;
-    let ladder =
+    let all =
         metrale::circuit::checkpoint_plans(&config, &options, fusions).with_context(planning)?;
-    let widths: Vec<String> = ladder.iter().map(|p| p.rows().to_string()).collect();
     print!("{}", plan.text());
     println!("digest {}", plan.digest());
     println!(
-        "plans_digest {} (decode widths {})",
-        metrale::circuit::plans_digest(&ladder),
-        widths.join(", ")
+        "plans_digest {} ({} plans: the decode widths, then any verify and draft row counts)",
+        metrale::circuit::plans_digest(&all),
+        all.len()
     );
     Ok(())
 }

@@ -140,6 +140,26 @@ pub fn draft_rows(draft_tokens: usize) -> Vec<u64> {
 }
 
 impl TransformerModel {
+    /// The legacy launches of a step of `shape`, recorded instead of run (the step's metadata is
+    /// whatever was uploaded last).
+    pub(crate) fn record_step(&self, shape: StepShape) -> Result<Vec<Launch>, ModelError> {
+        let (recorder, ops) = Recorder::over(&self.ops);
+        self.launch_step_with(&ops, shape)?;
+        Ok(recorder.take())
+    }
+
+    /// A `what` (verify or draft) step of one sequence has 1 to 1 + K rows.
+    fn check_speculative_rows(&self, what: &str, rows: usize) -> Result<(), ModelError> {
+        let drafts = (self.max_logit_rows() / self.max_seqs()).saturating_sub(1);
+        if rows == 0 || rows > 1 + drafts {
+            return Err(ModelError::Step(format!(
+                "a {what} step of one sequence has 1 to {} rows, not {rows}",
+                1 + drafts
+            )));
+        }
+        Ok(())
+    }
+
     /// Model features the `arch` circuit does not model.
     fn circuit_unmodelled(&self, arch: Architecture) -> Vec<String> {
         let convention = |zero_centred: bool| if zero_centred { "x * (1 + w)" } else { "x * w" };
@@ -315,19 +335,11 @@ impl ModelCircuit for TransformerModel {
             verify: false,
             att_groups: 0,
         };
-        let (recorder, ops) = Recorder::over(&self.ops);
-        self.launch_step_with(&ops, shape)?;
-        Ok(recorder.take())
+        self.record_step(shape)
     }
 
     fn verify_launches(&self, rows: usize) -> Result<Vec<Launch>, ModelError> {
-        let drafts = (self.max_logit_rows() / self.max_seqs()).saturating_sub(1);
-        if rows == 0 || rows > 1 + drafts {
-            return Err(ModelError::Step(format!(
-                "a verify step of one sequence has 1 to {} rows, not {rows}",
-                1 + drafts
-            )));
-        }
+        self.check_speculative_rows("verify", rows)?;
         let program = self
             .circuit
             .as_ref()
@@ -343,19 +355,11 @@ impl ModelCircuit for TransformerModel {
             verify: true,
             att_groups: 0,
         };
-        let (recorder, ops) = Recorder::over(&self.ops);
-        self.launch_step_with(&ops, shape)?;
-        Ok(recorder.take())
+        self.record_step(shape)
     }
 
     fn draft_launches(&self, rows: usize) -> Result<Vec<Launch>, ModelError> {
-        let drafts = (self.max_logit_rows() / self.max_seqs()).saturating_sub(1);
-        if rows == 0 || rows > 1 + drafts {
-            return Err(ModelError::Step(format!(
-                "a draft step of one sequence has 1 to {} rows, not {rows}",
-                1 + drafts
-            )));
-        }
+        self.check_speculative_rows("draft", rows)?;
         let shape = StepShape {
             rows: rows as u32,
             num_seqs: 1,
@@ -402,55 +406,21 @@ fn checkpoint_instance(
     )?)
 }
 
-/// The decode plan of `config` at `rows` rows, as a model loaded with `options` compiles it,
-/// lowered with `fusions` against every kernel the engine has a launcher for. Reads no weights
-/// and needs no device.
+/// The plan of `config`'s `step` at `rows` rows (a decode step of `rows` sequences, or a
+/// single sequence's verify or draft step of `rows` rows), as a model loaded with `options`
+/// compiles it (a draft plan needs `options` drafting with MTP), lowered with `fusions` against
+/// every kernel the engine has a launcher for. Reads no weights and needs no device.
 pub fn checkpoint_plan(
     config: &ModelConfig,
     options: &ModelOptions,
+    step: Step,
     fusions: Fusions,
     rows: u64,
 ) -> Result<Plan, ModelError> {
     let instance = checkpoint_instance(config, options)?;
     Ok(plan_at(
         &instance,
-        Step::Decode,
-        fusions,
-        &launcher_kernels(),
-        rows,
-    )?)
-}
-
-/// The plan of `config`'s single-sequence verify step of `rows` rows, as
-/// [`checkpoint_plan`] makes a decode plan.
-pub fn checkpoint_verify_plan(
-    config: &ModelConfig,
-    options: &ModelOptions,
-    fusions: Fusions,
-    rows: u64,
-) -> Result<Plan, ModelError> {
-    let instance = checkpoint_instance(config, options)?;
-    Ok(plan_at(
-        &instance,
-        Step::Verify,
-        fusions,
-        &launcher_kernels(),
-        rows,
-    )?)
-}
-
-/// The plan of `config`'s single-sequence draft step (the MTP head's) of `rows` rows, as
-/// [`checkpoint_plan`] makes a decode plan (with `options` drafting with MTP).
-pub fn checkpoint_draft_plan(
-    config: &ModelConfig,
-    options: &ModelOptions,
-    fusions: Fusions,
-    rows: u64,
-) -> Result<Plan, ModelError> {
-    let instance = checkpoint_instance(config, options)?;
-    Ok(plan_at(
-        &instance,
-        Step::Draft,
+        step,
         fusions,
         &launcher_kernels(),
         rows,

@@ -21,10 +21,10 @@ use metrale_model_engine::factory;
 use metrale_model_engine::generate::generate_batch;
 use metrale_model_engine::model::{MtpStep, StepInput, StepRow, TransformerModel};
 use metrale_model_engine::model_circuit::{
-    ForwardSelect, Fusions, ModelCircuit, checkpoint_draft_plan, checkpoint_plans,
-    checkpoint_verify_plan, plans_digest,
+    ForwardSelect, Fusions, ModelCircuit, checkpoint_plan, checkpoint_plans, plans_digest,
 };
 use metrale_model_engine::options::{ModelOptions, Speculative};
+use metrale_model_layers::circuit_exec::Step;
 use support::*;
 
 const REFERENCE: ForwardSelect = ForwardSelect::Circuit {
@@ -322,8 +322,14 @@ fn the_disclosed_digest_covers_the_verify_plans_metrale_circuit_plan_prints() {
             Fusions::ReferenceOnly,
         );
         assert_ne!(d.plan_digest, Some(plans_digest(&plain.unwrap())), "{name}");
-        let p3 =
-            checkpoint_verify_plan(model.config(), &options, Fusions::ReferenceOnly, 3).unwrap();
+        let p3 = checkpoint_plan(
+            model.config(),
+            &options,
+            Step::Verify,
+            Fusions::ReferenceOnly,
+            3,
+        )
+        .unwrap();
         assert!(p3.text() == plans[5].text() && p3.text().contains("\nstep verify\nrows 3\n"));
     }
 }
@@ -459,7 +465,13 @@ fn the_disclosed_digest_covers_the_draft_plans_metrale_circuit_plan_prints() {
             "{name}: verify 2, 3, then draft 1, 2, 3"
         );
         assert_eq!(d.plan_digest, Some(plans_digest(&plans)), "{name}");
-        let p2 = checkpoint_draft_plan(model.config(), &options, Fusions::ReferenceOnly, 2);
+        let p2 = checkpoint_plan(
+            model.config(),
+            &options,
+            Step::Draft,
+            Fusions::ReferenceOnly,
+            2,
+        );
         let p2 = p2.unwrap();
         assert!(p2.text() == plans[7].text() && p2.text().contains("\nstep draft\n"));
     }

@@ -216,6 +216,33 @@ pub struct PagedAttention {
     pub gated: bool,
 }
 
+impl PagedAttention {
+    /// The launch arguments `paged_attention` and `paged_attention_prefill` share, in order.
+    fn args(&self) -> [KernelArg; 19] {
+        [
+            self.out.into(),
+            self.qkv.into(),
+            self.k_cache.into(),
+            self.v_cache.into(),
+            self.block_tables.into(),
+            self.row_seq.into(),
+            self.positions.into(),
+            self.rows.into(),
+            self.row_stride.into(),
+            self.q_head_stride.into(),
+            self.num_q_heads.into(),
+            self.num_kv_heads.into(),
+            self.head_dim.into(),
+            self.block_size.into(),
+            self.max_blocks.into(),
+            self.num_seqs.into(),
+            self.num_slots.into(),
+            self.scale.into(),
+            (self.gated as u32).into(),
+        ]
+    }
+}
+
 /// The launchers, bound to a backend and its resolved kernels.
 #[derive(Debug, Clone)]
 pub struct Ops {
@@ -422,27 +449,7 @@ impl Ops {
                 32 * ATTENTION_WARPS,
             )
             .with_shared(attention_shared_bytes(p.head_dim, hb)),
-            &[
-                p.out.into(),
-                p.qkv.into(),
-                p.k_cache.into(),
-                p.v_cache.into(),
-                p.block_tables.into(),
-                p.row_seq.into(),
-                p.positions.into(),
-                p.rows.into(),
-                p.row_stride.into(),
-                p.q_head_stride.into(),
-                p.num_q_heads.into(),
-                p.num_kv_heads.into(),
-                p.head_dim.into(),
-                p.block_size.into(),
-                p.max_blocks.into(),
-                p.num_seqs.into(),
-                p.num_slots.into(),
-                p.scale.into(),
-                (p.gated as u32).into(),
-            ],
+            &p.args(),
             s,
         )
     }
@@ -470,29 +477,7 @@ impl Ops {
                 p.head_dim,
                 hb * attention_rows_per_item(hb),
             )),
-            &[
-                p.out.into(),
-                p.qkv.into(),
-                p.k_cache.into(),
-                p.v_cache.into(),
-                p.block_tables.into(),
-                p.row_seq.into(),
-                p.positions.into(),
-                p.rows.into(),
-                p.row_stride.into(),
-                p.q_head_stride.into(),
-                p.num_q_heads.into(),
-                p.num_kv_heads.into(),
-                p.head_dim.into(),
-                p.block_size.into(),
-                p.max_blocks.into(),
-                p.num_seqs.into(),
-                p.num_slots.into(),
-                p.scale.into(),
-                (p.gated as u32).into(),
-                row_groups.into(),
-                n_groups.into(),
-            ],
+            &[p.args().as_slice(), &[row_groups.into(), n_groups.into()]].concat(),
             s,
         )
     }

@@ -78,17 +78,7 @@ impl BenchReport {
                 b.total_ms(),
                 step.map_or(String::new(), |ms| format!(" of the measured {ms:.3} ms"))
             );
-            for p in &b.parts {
-                let ms = p.us * f64::from(p.per_step) / 1e3;
-                s += &format!(
-                    "  {:<40} {:>9.2} us x {:>3} = {:>7.3} ms ({:>4.1}%)\n",
-                    p.name,
-                    p.us,
-                    p.per_step,
-                    ms,
-                    100.0 * ms / step.unwrap_or(b.total_ms())
-                );
-            }
+            s += &parts_table(&b.parts, step.unwrap_or(b.total_ms()));
         }
         s
     }

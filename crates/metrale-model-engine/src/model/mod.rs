@@ -422,9 +422,7 @@ impl TransformerModel {
         self.check(input)?;
         let shape = self.upload(input, None, None)?;
         self.last_rows = shape.rows as usize;
-        let (recorder, ops) = metrale_model_layers::circuit_exec::Recorder::over(&self.ops);
-        self.launch_step_with(&ops, shape)?;
-        Ok(recorder.take())
+        self.record_step(shape)
     }
 
     /// Run one decode step: row `i` is sequence `i`'s next token. The step is padded to the
