@@ -111,9 +111,9 @@ MT_DEVICE void store_out(float* out, size_t i, float v) { out[i] = v; }
 // 8q..8q+7 of its chunk, what lane (g, q) feeds its MMAs; a warp's 8 rows of one vector column
 // are 512 contiguous bytes, so its shared loads are conflict-free). Consecutive threads take
 // consecutive vectors of a row, so each row's 128 bytes per stage are one contiguous read.
-template <int BM, int BN, int SC, int THREADS>
+template <int BM, int BN, int SC, int THREADS, bool VEC>
 MT_DEVICE void load_stage(uint4* stage, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
-                          uint32_t k, uint32_t m0, uint32_t n0, uint32_t step, bool vec) {
+                          uint32_t k, uint32_t m0, uint32_t n0, uint32_t step) {
     constexpr uint32_t ROWS = BM + BN;
 #pragma unroll 4
     for (uint32_t i = threadIdx.x; i < ROWS * SC * 4; i += THREADS) {
@@ -124,7 +124,7 @@ MT_DEVICE void load_stage(uint4* stage, const bf16* x, const bf16* w, uint32_t m
         const uint32_t rows = is_x ? m : n;
         const uint32_t grow = is_x ? m0 + row : n0 + (row - BM);
         uint4* dst = stage + (ch * ROWS + row) * 4 + q;
-        if (vec) {
+        if (VEC) {
             const bool in = grow < rows && col < k;
             cp_async16(dst, in ? base + (size_t)grow * k + col : base, in ? 16u : 0u);
         } else {
@@ -136,9 +136,12 @@ MT_DEVICE void load_stage(uint4* stage, const bf16* x, const bf16* w, uint32_t m
 // The tiled kernel's body for a BM x BN block tile of (BM / WM) x (BN / WN) warps of WM x WN,
 // SC chunks per stage and ST stages (the engine's `linear` is <LIN_BM, LIN_BN, LIN_WM, LIN_WN,
 // LIN_SC, LIN_STAGES>; lab/prefill_lab.cu times others). Every instance has the same numerics.
-template <typename OutT, int BM, int BN, int WM, int WN, int SC, int ST>
+// VEC: k % 8 == 0 and 16-byte aligned operands, so stages fill by cp.async; a compile-time
+// choice, since a run-time branch in the copy loop cost 13 % (lab, 2026-11-30: 177-185 against
+// 200-214 TFLOP/s at m = 2048).
+template <typename OutT, int BM, int BN, int WM, int WN, int SC, int ST, bool VEC>
 MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
-                            uint32_t k, bool vec, unsigned char* smem) {
+                            uint32_t k, unsigned char* smem) {
     constexpr int MT = WM / 16, NT = WN / 8, THREADS = (BM / WM) * (BN / WN) * 32;
     constexpr uint32_t ROWS = BM + BN, STAGE_VECS = SC * ROWS * 4;
     uint4* stages = reinterpret_cast<uint4*>(smem);
@@ -160,7 +163,7 @@ MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m,
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
         if ((uint32_t)s < steps)
-            load_stage<BM, BN, SC, THREADS>(stages + s * STAGE_VECS, x, w, m, n, k, m0, n0, s, vec);
+            load_stage<BM, BN, SC, THREADS, VEC>(stages + s * STAGE_VECS, x, w, m, n, k, m0, n0, s);
         cp_async_commit();
     }
     uint32_t in_seg = 0;
@@ -169,7 +172,7 @@ MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m,
         __syncthreads();
         const uint32_t pre = j + ST - 1;
         if (pre < steps)
-            load_stage<BM, BN, SC, THREADS>(stages + (pre % ST) * STAGE_VECS, x, w, m, n, k, m0, n0, pre, vec);
+            load_stage<BM, BN, SC, THREADS, VEC>(stages + (pre % ST) * STAGE_VECS, x, w, m, n, k, m0, n0, pre);
         cp_async_commit();
 
         const uint4* st = stages + (j % ST) * STAGE_VECS;
@@ -566,7 +569,10 @@ MT_DEVICE void linear_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, 
     pdl_wait();  // launched as a programmatic dependent (ops::linear_geometry)
     pdl_trigger();
     const bool vec = k % 8 == 0 && aligned16(x) && aligned16(w);
-    linear_tiled<OutT, LIN_BM, LIN_BN, LIN_WM, LIN_WN, LIN_SC, LIN_STAGES>(out, x, w, m, n, k, vec, lin_smem);
+    if (vec)
+        linear_tiled<OutT, LIN_BM, LIN_BN, LIN_WM, LIN_WN, LIN_SC, LIN_STAGES, true>(out, x, w, m, n, k, lin_smem);
+    else
+        linear_tiled<OutT, LIN_BM, LIN_BN, LIN_WM, LIN_WN, LIN_SC, LIN_STAGES, false>(out, x, w, m, n, k, lin_smem);
 }
 
 // linear(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k).

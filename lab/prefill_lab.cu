@@ -29,7 +29,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, 1)
     tiled2(float* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w, uint32_t m,
            uint32_t n, uint32_t k) {
     extern __shared__ __align__(16) unsigned char smem[];
-    linear_tiled<float, BM, BN, WM, WN, SC, ST>(out, x, w, m, n, k, true, smem);
+    linear_tiled<float, BM, BN, WM, WN, SC, ST, true>(out, x, w, m, n, k, smem);
 }
 
 __global__ void fill_bf16(bf16* p, size_t n, uint64_t seed, float scale) {
@@ -70,14 +70,10 @@ int main() {
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     std::vector<Var> vars = {
         {"tiled", (const void*)linear_f32out, 128, 128, 256, 3 * 4 * 256 * 64},
-        VAR(128, 64, 32, 32, 2, 4),
-        VAR(128, 128, 64, 32, 2, 4),
-        VAR(128, 128, 32, 64, 2, 4),
         VAR(128, 128, 64, 32, 4, 3),
-        VAR(128, 256, 64, 64, 1, 4),
-        VAR(256, 128, 64, 64, 1, 4),
-        VAR(128, 128, 64, 64, 2, 4),
-        VAR(64, 128, 32, 32, 2, 4),
+        VAR(128, 128, 32, 64, 4, 3),
+        VAR(128, 256, 32, 64, 2, 3),
+        VAR(128, 128, 64, 32, 6, 2),
     };
     for (auto& v : vars) {
         CK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem));
