@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use metrale_circuit::{
-    Architecture, Block, Dims, FfnKind, GdnDims, Instance, LayerKind, LayerSpec, LinearRole,
-    MoeDims, SharedExpertDims,
+    Architecture, Dims, FfnKind, GdnDims, Instance, LayerKind, LayerSpec, LinearRole, MoeDims,
+    SharedExpertDims,
 };
 use metrale_gpu_runtime::{CpuBackend, DType, DevicePtr, GpuBackend, StreamHandle};
 
@@ -50,7 +50,7 @@ impl Addr {
 
 /// A Qwen3-Next-like instance: GDN and gated attention, MoE FFNs with a gated shared expert.
 /// Every dimension differs from the others.
-fn instance(layers: Vec<LayerSpec>) -> Instance {
+pub(super) fn instance(layers: Vec<LayerSpec>) -> Instance {
     Instance {
         architecture: Architecture::HybridMoe,
         dims: Dims {
@@ -87,7 +87,7 @@ fn instance(layers: Vec<LayerSpec>) -> Instance {
     }
 }
 
-fn dims() -> ModelDims {
+pub(super) fn dims() -> ModelDims {
     ModelDims {
         hidden: 64,
         num_q_heads: 4,
@@ -102,7 +102,7 @@ fn dims() -> ModelDims {
     }
 }
 
-fn heads() -> GdnHeads {
+pub(super) fn heads() -> GdnHeads {
     GdnHeads {
         num_k_heads: 2,
         k_head_dim: 12,
@@ -111,7 +111,7 @@ fn heads() -> GdnHeads {
     }
 }
 
-fn moe_layer(a: &mut Addr, weights: &mut BTreeMap<WeightSlot, BoundWeight>) -> FfnFacts {
+pub(super) fn moe_layer(a: &mut Addr, weights: &mut BTreeMap<WeightSlot, BoundWeight>) -> FfnFacts {
     use LinearRole::*;
     let b = DType::Bf16;
     weights.insert(WeightSlot::Linear(Router), a.weight(&[8, 64], b));
@@ -134,7 +134,7 @@ fn moe_layer(a: &mut Addr, weights: &mut BTreeMap<WeightSlot, BoundWeight>) -> F
     })
 }
 
-fn layer(a: &mut Addr, spec: LayerSpec) -> CircuitLayer {
+pub(super) fn layer(a: &mut Addr, spec: LayerSpec) -> CircuitLayer {
     let b = DType::Bf16;
     let mut weights = BTreeMap::new();
     weights.insert(WeightSlot::InputNorm, a.weight(&[64], b));
@@ -189,7 +189,7 @@ fn layer(a: &mut Addr, spec: LayerSpec) -> CircuitLayer {
     }
 }
 
-fn head(a: &mut Addr) -> HeadBinding {
+pub(super) fn head(a: &mut Addr) -> HeadBinding {
     HeadBinding {
         embedding: a.weight(&[256, 64], DType::Bf16),
         final_norm: a.weight(&[64], DType::Bf16),
@@ -198,7 +198,7 @@ fn head(a: &mut Addr) -> HeadBinding {
     }
 }
 
-fn fixed(a: &mut Addr, specs: &[LayerSpec]) -> Fixed {
+pub(super) fn fixed(a: &mut Addr, specs: &[LayerSpec]) -> Fixed {
     let buffers = StepBuffers {
         residual: a.next(),
         normed: a.next(),
@@ -348,7 +348,7 @@ impl Model {
         }
     }
 
-    fn layer(&mut self, i: usize) -> &mut CircuitLayer {
+    pub(super) fn layer(&mut self, i: usize) -> &mut CircuitLayer {
         self.layers[i].as_mut().unwrap()
     }
 }
@@ -432,204 +432,6 @@ fn a_program_reads_the_bound_addresses_at_the_plans_extents() {
             U32(256),
             U32(64)
         ]
-    );
-}
-
-#[test]
-fn each_binding_problem_is_named() {
-    type Case = (&'static str, fn(&mut Model), BindingProblem);
-    let cases: [Case; 8] = [
-        (
-            "unbound",
-            |m| m.layers[0] = None,
-            BindingProblem::Unbound {
-                part: Part::Layer(0),
-            },
-        ),
-        (
-            "unmodelled",
-            |m| m.layer(1).unmodelled.push("hyper-connections".into()),
-            BindingProblem::Unmodelled {
-                part: Part::Layer(1),
-                feature: "hyper-connections".into(),
-            },
-        ),
-        (
-            "kind",
-            |m| {
-                let mut a = Addr(0x90_0000);
-                m.layers[1] = Some(layer(&mut a, LA_MOE));
-            },
-            BindingProblem::KindDisagrees {
-                part: Part::Layer(1),
-                model: LA_MOE,
-                circuit: FA_MOE,
-            },
-        ),
-        (
-            "fact",
-            |m| {
-                if let MixerFacts::Attention(a) = &mut m.layer(1).mixer {
-                    a.gated = false;
-                }
-            },
-            BindingProblem::FactDisagrees {
-                part: Part::Layer(1),
-                fact: "the attention output gate",
-                model: "false".into(),
-                circuit: "true".into(),
-            },
-        ),
-        (
-            "missing weight",
-            |m| {
-                m.layer(0).weights.remove(&WeightSlot::GdnNorm);
-            },
-            BindingProblem::MissingWeight {
-                block: Block::Layer(0),
-                slot: WeightSlot::GdnNorm,
-            },
-        ),
-        (
-            "shape",
-            |m| {
-                let slot = WeightSlot::Linear(LinearRole::O);
-                let mut a = Addr(0x80_0000);
-                m.layer(1)
-                    .weights
-                    .insert(slot, a.weight(&[64, 32], DType::Bf16));
-            },
-            BindingProblem::WeightShape {
-                block: Block::Layer(1),
-                slot: WeightSlot::Linear(LinearRole::O),
-                expected: 64 * 64,
-                last: Some(64),
-                found: vec![64, 32],
-            },
-        ),
-        (
-            "unread",
-            |m| {
-                let mut a = Addr(0x70_0000);
-                let w = a.weight(&[16], DType::Bf16);
-                m.layer(0).weights.insert(WeightSlot::QNorm, w);
-            },
-            BindingProblem::UnreadWeight {
-                block: Block::Layer(0),
-                slot: WeightSlot::QNorm,
-            },
-        ),
-        (
-            "count",
-            |m| {
-                let mut a = Addr(0x60_0000);
-                m.layers.push(Some(layer(&mut a, FA_MOE)));
-            },
-            BindingProblem::LayerCount {
-                model: 3,
-                circuit: 2,
-            },
-        ),
-    ];
-    for (name, break_it, want) in cases {
-        let mut m = model(&[LA_MOE, FA_MOE]);
-        break_it(&mut m);
-        assert_eq!(m.problems(), [want], "{name}");
-    }
-}
-
-#[test]
-fn every_problem_of_a_model_comes_in_one_error() {
-    let mut m = model(&[LA_MOE, FA_MOE, LA_MOE, FA_MOE]);
-    m.layers[0] = None;
-    m.layer(1).unmodelled.push("LoRA adapters".into());
-    let mut a = Addr(0x90_0000);
-    m.layers[2] = Some(layer(&mut a, FA_MOE));
-    m.layers.push(Some(layer(&mut a, LA_MOE)));
-    m.head.unmodelled.push("logit softcapping".into());
-    m.fixed.pools[3].kv = None;
-    let err = m.build(Fusions::ReferenceOnly).err().unwrap();
-    let text = err.to_string();
-    let CircuitExecError::Bindings { problems } = err else {
-        panic!("{text}");
-    };
-    assert_eq!(
-        problems,
-        [
-            BindingProblem::Unbound {
-                part: Part::Layer(0)
-            },
-            BindingProblem::Unmodelled {
-                part: Part::Layer(1),
-                feature: "LoRA adapters".into()
-            },
-            BindingProblem::KindDisagrees {
-                part: Part::Layer(2),
-                model: FA_MOE,
-                circuit: LA_MOE
-            },
-            BindingProblem::MissingPool {
-                part: Part::Layer(3),
-                pool: "KV cache"
-            },
-            BindingProblem::Unmodelled {
-                part: Part::Head,
-                feature: "logit softcapping".into()
-            },
-            BindingProblem::LayerCount {
-                model: 5,
-                circuit: 4
-            },
-        ]
-    );
-    assert!(
-        text.starts_with("the circuit does not model this model (6 problems):\n  - layer 0 has"),
-        "{text}"
-    );
-    assert!(
-        text.contains(
-            "\n  - layer 2: the model has full_attention/moe, the circuit linear_attention/moe"
-        ),
-        "{text}"
-    );
-    assert!(
-        text.contains("\n  - head: logit softcapping is not modelled by the circuit"),
-        "{text}"
-    );
-}
-
-#[test]
-fn check_bindings_returns_the_bound_layers_in_order() {
-    let m = model(&[LA_MOE, FA_MOE]);
-    let circuit = metrale_circuit::Circuit::new(&m.instance).unwrap();
-    let bound = check_bindings(&circuit, &m.layers, &m.head).unwrap();
-    let specs: Vec<LayerSpec> = bound.iter().map(CircuitLayer::spec).collect();
-    assert_eq!(specs, [LA_MOE, FA_MOE]);
-}
-
-#[test]
-fn a_weight_in_another_format_than_its_kernel_reads_is_refused() {
-    let mut m = model(&[LA_MOE, FA_MOE]);
-    let mut a = Addr(0x50_0000);
-    let bf16 = a.weight(&[4], DType::Bf16);
-    m.layer(0).weights.insert(WeightSlot::GdnALog, bf16);
-    let err = m.build(Fusions::ReferenceOnly).err().unwrap();
-    assert!(
-        matches!(
-            err,
-            CircuitExecError::WeightFormat {
-                block: Block::Layer(0),
-                slot: WeightSlot::GdnALog,
-                bound: "bf16",
-                expected: "f32",
-                ..
-            }
-        ),
-        "{err}"
-    );
-    assert_eq!(
-        err.to_string(),
-        "layer 0: weight gdn.a_log is bf16, but gdn::gdn_prepare reads f32"
     );
 }
 
