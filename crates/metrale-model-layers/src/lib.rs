@@ -9,6 +9,7 @@ pub mod circuit_exec;
 pub mod layer;
 pub mod layers;
 pub mod ops;
+pub mod ops_attention;
 pub mod ops_fused;
 pub mod ops_gemm;
 pub mod ops_hybrid;

@@ -30,28 +30,7 @@ const NORM_THREADS: u32 = 512;
 /// Threads per block of `silu_mul`; a row is cut over `ceil(ffn / (8 * SILU_THREADS))` blocks.
 const SILU_THREADS: u32 = 128;
 
-/// Blocks of `paged_attention` per (row, head group): the cluster size `ATT_SPLITS` compiled
-/// into `kernels/attention.cu`. Fixed, so a row's result depends on its context alone.
-pub const ATTENTION_SPLITS: u32 = 8;
-
-/// Warps per block of `paged_attention` (`ATT_WARPS`).
-const ATTENTION_WARPS: u32 = 4;
-
-/// Most query heads one `paged_attention` cluster computes (`ATT_HB`).
-const ATTENTION_HEADS_PER_BLOCK: u32 = 8;
-
-/// Units (of `ATT_UNIT` = 16 tokens) each warp of `paged_attention` keeps in flight
-/// (`ATT_STAGES`).
-const ATTENTION_STAGES: u32 = 2;
-
-/// Most (row, head group) items one `paged_attention` cluster takes (`ATT_MAX_ITEMS`).
-const ATTENTION_MAX_ITEMS: u32 = 64;
-
-/// `paged_attention` clusters resident at once on the H200 (clusters of 8 inside a GPC), up to
-/// head_dim 128 (two blocks per multiprocessor) and above (one): measured, 2026-11-30, as the
-/// largest counts before a cluster must wait for another to finish (30 -> 31 took a batch-32
-/// launch from 63 to 97 us; 15 -> 16 at head_dim 256 from 82 to 136 us).
-const ATTENTION_CLUSTERS: [u32; 2] = [30, 15];
+pub use crate::ops_attention::{ATTENTION_SPLITS, PagedAttention, attention_row_groups};
 
 macro_rules! kernel_table {
     ($($field:ident => ($module:literal, $name:literal)),* $(,)?) => {
@@ -171,76 +150,6 @@ pub struct KvStore {
     pub head_dim: u32,
     /// Slots per pool.
     pub num_slots: u32,
-}
-
-/// The parameters of `paged_attention`.
-#[derive(Debug, Clone, Copy)]
-pub struct PagedAttention {
-    /// Output `[rows, num_q_heads * head_dim]`.
-    pub out: DevicePtr,
-    /// Projection output rows holding the (rotated) queries.
-    pub qkv: DevicePtr,
-    /// K pool.
-    pub k_cache: DevicePtr,
-    /// V pool.
-    pub v_cache: DevicePtr,
-    /// `[num_seqs, max_blocks]` block ids.
-    pub block_tables: DevicePtr,
-    /// Block-table row of each row.
-    pub row_seq: DevicePtr,
-    /// Position of each row.
-    pub positions: DevicePtr,
-    /// Rows.
-    pub rows: u32,
-    /// Elements per row of `qkv`.
-    pub row_stride: u32,
-    /// Elements from one query head to the next.
-    pub q_head_stride: u32,
-    /// Query heads.
-    pub num_q_heads: u32,
-    /// KV heads.
-    pub num_kv_heads: u32,
-    /// Head dimension.
-    pub head_dim: u32,
-    /// Tokens per block.
-    pub block_size: u32,
-    /// Columns of `block_tables`.
-    pub max_blocks: u32,
-    /// Rows of `block_tables`.
-    pub num_seqs: u32,
-    /// Slots per pool.
-    pub num_slots: u32,
-    /// Softmax scale.
-    pub scale: f32,
-    /// Each query head is followed by its output gate; multiply by `sigmoid(gate)`.
-    pub gated: bool,
-}
-
-impl PagedAttention {
-    /// The launch arguments `paged_attention` and `paged_attention_prefill` share, in order.
-    fn args(&self) -> [KernelArg; 19] {
-        [
-            self.out.into(),
-            self.qkv.into(),
-            self.k_cache.into(),
-            self.v_cache.into(),
-            self.block_tables.into(),
-            self.row_seq.into(),
-            self.positions.into(),
-            self.rows.into(),
-            self.row_stride.into(),
-            self.q_head_stride.into(),
-            self.num_q_heads.into(),
-            self.num_kv_heads.into(),
-            self.head_dim.into(),
-            self.block_size.into(),
-            self.max_blocks.into(),
-            self.num_seqs.into(),
-            self.num_slots.into(),
-            self.scale.into(),
-            (self.gated as u32).into(),
-        ]
-    }
 }
 
 /// The launchers, bound to a backend and its resolved kernels.
@@ -435,53 +344,6 @@ impl Ops {
         )
     }
 
-    /// Causal paged attention: clusters of `ATTENTION_SPLITS` blocks, each cluster looping over
-    /// (row, group of query heads sharing a key/value head) items; block `s` of a cluster takes
-    /// range `s` of the item's context.
-    pub fn paged_attention(&self, s: StreamHandle, p: &PagedAttention) -> GpuResult<()> {
-        let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
-        let items = p.rows * (p.num_q_heads / hb);
-        self.go(
-            self.k.paged_attention,
-            LaunchConfig::grid2(
-                ATTENTION_SPLITS * attention_clusters(items, p.head_dim),
-                1,
-                32 * ATTENTION_WARPS,
-            )
-            .with_shared(attention_shared_bytes(p.head_dim, hb)),
-            &p.args(),
-            s,
-        )
-    }
-
-    /// `paged_attention` on the rows of `n_groups` row groups at `row_groups` (u32 `[n, 2]`:
-    /// first row, rows; [`attention_row_groups`] makes them), bitwise the same per row, each
-    /// group's rows in one item so their keys and values are read once: the prefill path.
-    pub fn paged_attention_prefill(
-        &self,
-        s: StreamHandle,
-        p: &PagedAttention,
-        row_groups: DevicePtr,
-        n_groups: u32,
-    ) -> GpuResult<()> {
-        let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
-        let items = n_groups * (p.num_q_heads / hb);
-        self.go(
-            self.k.paged_attention_prefill,
-            LaunchConfig::grid2(
-                ATTENTION_SPLITS * attention_clusters(items, p.head_dim),
-                1,
-                32 * ATTENTION_WARPS,
-            )
-            .with_shared(attention_shared_bytes(
-                p.head_dim,
-                hb * attention_rows_per_item(hb),
-            )),
-            &[p.args().as_slice(), &[row_groups.into(), n_groups.into()]].concat(),
-            s,
-        )
-    }
-
     /// `out = silu(gate) * up` over rows of `[gate | up]`.
     pub fn silu_mul(
         &self,
@@ -541,81 +403,4 @@ impl Ops {
             s,
         )
     }
-}
-
-/// Dynamic shared memory of `paged_attention` (`att_shared_bytes` in `kernels/attention.cu`):
-/// every warp's ring of `ATTENTION_STAGES` stages, each 8 query rows, 16 key rows and 16 value
-/// rows of the padded head dimension plus 8 bf16; then f32 partials for the warps and two for
-/// the block. 99,328 bytes at head_dim 128 and 4 heads per block (two blocks per
-/// multiprocessor), 193,536 at 256.
-fn attention_shared_bytes(head_dim: u32, heads_per_block: u32) -> u32 {
-    let padded = attention_padded_dim(head_dim);
-    ATTENTION_WARPS * ATTENTION_STAGES * (8 + 2 * 16) * (padded + 8) * 2
-        + (ATTENTION_WARPS + 2) * heads_per_block * padded * 4
-}
-
-/// The head dimension padded to the tensor-core tile `paged_attention` runs (`att_padded_dim`).
-fn attention_padded_dim(head_dim: u32) -> u32 {
-    match head_dim {
-        0..=32 => 32,
-        33..=64 => 64,
-        65..=128 => 128,
-        _ => 256,
-    }
-}
-
-/// Clusters of `paged_attention` for `items` items: as many as are resident at once (each loops
-/// over items cluster, cluster + clusters, ...), or, when that would give a cluster over
-/// `ATTENTION_MAX_ITEMS`, a whole number of such waves (a prefill's thousands of items), so the
-/// last wave is as full as the others. Which cluster computes an item never changes the item's
-/// result.
-fn attention_clusters(items: u32, head_dim: u32) -> u32 {
-    let resident = ATTENTION_CLUSTERS[usize::from(attention_padded_dim(head_dim) > 128)];
-    let waves = items.div_ceil(resident * ATTENTION_MAX_ITEMS).max(1);
-    items.min(resident * waves).max(1)
-}
-
-/// Rows per item of `paged_attention_prefill` (`att_rows_per_item`): as many as fill the
-/// `ATTENTION_HEADS_PER_BLOCK` query rows of a unit's MMAs beside `heads_per_block` heads each.
-fn attention_rows_per_item(heads_per_block: u32) -> u32 {
-    ATTENTION_HEADS_PER_BLOCK / heads_per_block.max(1)
-}
-
-/// The row groups of `paged_attention_prefill` for a step's rows, given as (sequence, position)
-/// in row order: runs of consecutive rows of one sequence whose positions lie in one 16-token
-/// unit (so their contexts split into the same units), at most the kernel's rows per item each;
-/// flattened as (first row, rows) pairs.
-pub fn attention_row_groups(
-    rows: impl IntoIterator<Item = (u32, u32)>,
-    num_q_heads: u32,
-    num_kv_heads: u32,
-) -> Vec<u32> {
-    let most = attention_rows_per_item(attention_heads_per_block(num_q_heads, num_kv_heads));
-    let mut groups: Vec<u32> = Vec::new();
-    let mut open: Option<(u32, u32)> = None; // (sequence, unit) of the last group
-    for (r, (seq, pos)) in rows.into_iter().enumerate() {
-        let key = (seq, pos / 16);
-        let n = groups.len();
-        if open == Some(key) && groups[n - 1] < most {
-            groups[n - 1] += 1;
-        } else {
-            groups.extend([r as u32, 1]);
-            open = Some(key);
-        }
-    }
-    groups
-}
-
-/// Query heads per `paged_attention` cluster, as `att_heads_per_block` in
-/// `kernels/attention.cu` computes it: the largest divisor of the GQA group size up to
-/// `ATTENTION_HEADS_PER_BLOCK`, or 1 when the heads do not group.
-fn attention_heads_per_block(num_q_heads: u32, num_kv_heads: u32) -> u32 {
-    if num_kv_heads == 0 || !num_q_heads.is_multiple_of(num_kv_heads) {
-        return 1;
-    }
-    let group = num_q_heads / num_kv_heads;
-    (1..=ATTENTION_HEADS_PER_BLOCK)
-        .rev()
-        .find(|b| group.is_multiple_of(*b))
-        .unwrap_or(1)
 }
