@@ -2,7 +2,8 @@
 # Build the labs with the nvcc of `cargo xtask setup-cuda` and a static CUDA runtime: the decode
 # GEMM lab (lab/gemm_lab.cu -> target/gemm-lab/gemm_lab; `gemm_lab quick` for fewer row counts)
 # and the prefill GEMM lab (lab/prefill_lab.cu -> target/gemm-lab/prefill_lab), standalone
-# binaries to copy to the GPU machine and run there. Extra arguments go to nvcc.
+# binaries to copy to the GPU machine and run there (both include lab/lab_util.cuh). Extra
+# arguments go to nvcc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NV=$(ls -d .xtask/cuda-venv/lib/python3*/site-packages/nvidia/cu13)

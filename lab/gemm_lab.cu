@@ -18,14 +18,7 @@
 #include <string>
 #include <vector>
 
-#define CK(x)                                                                                   \
-    do {                                                                                        \
-        cudaError_t e_ = (x);                                                                   \
-        if (e_ != cudaSuccess) {                                                                \
-            printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-            exit(1);                                                                            \
-        }                                                                                       \
-    } while (0)
+#include "lab_util.cuh"
 
 __global__ void __launch_bounds__(256, 2)
     lab_old_narrow(float* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k) {
@@ -55,17 +48,6 @@ __global__ void __launch_bounds__(256, MINB)
     __shared__ float4 part[256];
     if (blockIdx.x >= ((n + 7) / 8) * ((m + 15) / 16)) return;
     linear_direct_impl<float, B, false, true>(out, x, w, m, n, k, part);
-}
-
-__global__ void fill_bf16(bf16* p, size_t n, uint64_t seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ (seed * 0xD1B54A32D192ED03ull);
-        h ^= h >> 31;
-        h *= 0xBF58476D1CE4E5B9ull;
-        h ^= h >> 29;
-        const float u = (float)(h >> 40) / (float)(1ull << 24);  // [0, 1)
-        p[i] = __float2bfloat16_rn((2.0f * u - 1.0f) * scale);
-    }
 }
 
 // A stand-in for the small kernels between projections: one block per 4096 elements copies a

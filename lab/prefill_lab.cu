@@ -13,14 +13,7 @@
 #include <cstring>
 #include <vector>
 
-#define CK(x)                                                                                   \
-    do {                                                                                        \
-        cudaError_t e_ = (x);                                                                   \
-        if (e_ != cudaSuccess) {                                                                \
-            printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-            exit(1);                                                                            \
-        }                                                                                       \
-    } while (0)
+#include "lab_util.cuh"
 
 // gemm.cu's tiled body at block tile BM x BN, warp tile WM x WN, SC chunks (of 32 k) per stage,
 // ST stages.
@@ -30,16 +23,6 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, 1)
            uint32_t n, uint32_t k) {
     extern __shared__ __align__(16) unsigned char smem[];
     linear_tiled<float, BM, BN, WM, WN, SC, ST, true>(out, x, w, m, n, k, smem);
-}
-
-__global__ void fill_bf16(bf16* p, size_t n, uint64_t seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed * 0xBF58476D1CE4E5B9ull;
-        z ^= z >> 31;
-        z *= 0x94D049BB133111EBull;
-        z ^= z >> 29;
-        p[i] = __float2bfloat16(((float)(z & 0xFFFFFF) / 16777216.0f * 2.0f - 1.0f) * scale);
-    }
 }
 
 struct Var {
