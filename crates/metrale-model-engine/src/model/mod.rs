@@ -237,7 +237,7 @@ impl TransformerModel {
     /// Logits are left on the device; read them with [`TransformerModel::logits`].
     pub fn forward(&mut self, input: &StepInput<'_>) -> Result<(), ModelError> {
         self.check(input)?;
-        let shape = self.upload(input, None, None)?;
+        let shape = self.upload_forward(input)?;
         self.last_rows = shape.rows as usize;
         self.launch_step(shape)?;
         Ok(())
@@ -251,7 +251,7 @@ impl TransformerModel {
         input: &StepInput<'_>,
     ) -> Result<Vec<metrale_model_layers::circuit_exec::Launch>, ModelError> {
         self.check(input)?;
-        let shape = self.upload(input, None, None)?;
+        let shape = self.upload_forward(input)?;
         self.last_rows = shape.rows as usize;
         self.record_step(shape)
     }

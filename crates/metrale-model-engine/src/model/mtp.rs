@@ -122,12 +122,7 @@ impl TransformerModel {
             hidden,
             prev as u32,
         )?;
-        // Single-sequence MTP steps are captured as graphs keyed by their row count, so every
-        // row attends alone (the row groups of a prefill depend on the positions).
-        let shape = StepShape {
-            att_groups: 0,
-            ..self.upload(&input, None, None)?
-        };
+        let shape = self.upload(&input, None, None)?;
         let cat_ids: Vec<u32> = (0..n).flat_map(|i| [i, n + i]).collect();
         self.gpu.upload(mb.cat_ids, &cat_ids, s)?;
         self.last_rows = n as usize;

@@ -156,27 +156,35 @@ impl TransformerModel {
         if let Some(rs) = row_slots {
             gpu.upload(self.buf.row_slot, rs, s)?;
         }
-        // A step with a sequence of several rows that no graph captures (prefill chunks, not
-        // verify steps) attends through the row groups of `paged_attention_prefill`.
-        let att_groups = if pad_to.is_none() && row_slots.is_none() && n > num_seqs {
-            let d = &self.dims;
-            let groups = attention_row_groups(
-                input.rows.iter().map(|r| (r.seq, r.position)),
-                d.num_q_heads,
-                d.num_kv_heads,
-            );
-            gpu.upload(self.buf.att_groups, &groups, s)?;
-            (groups.len() / 2) as u32
-        } else {
-            0
-        };
         Ok(StepShape {
             rows: n as u32,
             num_seqs: num_seqs as u32,
             max_blocks: self.max_blocks as u32,
             logit_rows: logit_rows.len() as u32,
             verify: row_slots.is_some(),
-            att_groups,
+            att_groups: 0,
+        })
+    }
+
+    /// `upload` for a forward step (a prefill chunk, or rows of several sequences), whose
+    /// attention runs through the row groups of `paged_attention_prefill` when a sequence has
+    /// several rows. Only these steps: decode, verify and MTP steps are captured as graphs, and
+    /// a group count depends on the positions.
+    pub(super) fn upload_forward(&self, input: &StepInput<'_>) -> Result<StepShape, ModelError> {
+        let shape = self.upload(input, None, None)?;
+        if shape.rows <= shape.num_seqs {
+            return Ok(shape);
+        }
+        let d = &self.dims;
+        let groups = attention_row_groups(
+            input.rows.iter().map(|r| (r.seq, r.position)),
+            d.num_q_heads,
+            d.num_kv_heads,
+        );
+        self.gpu.upload(self.buf.att_groups, &groups, self.stream)?;
+        Ok(StepShape {
+            att_groups: (groups.len() / 2) as u32,
+            ..shape
         })
     }
 }
