@@ -19,6 +19,7 @@ typedef __nv_bfloat16 bf16;
 MT_DEVICE bool aligned16(const void* p) {
     return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
+MT_DEVICE bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7) == 0; }
 
 MT_DEVICE float bf2f(bf16 x) { return __bfloat162float(x); }
 

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 NV=$(ls -d .xtask/cuda-venv/lib/python3*/site-packages/nvidia/cu13)
 mkdir -p target/gemm-lab
-for lab in gemm_lab prefill_lab; do
+for lab in gemm_lab prefill_lab wgmma_lab; do
   "$NV/bin/nvcc" -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Xptxas=-warn-spills \
     -I"$NV/include/cccl" -I"$NV/include" -Ikernels -L"$NV/lib" -cudart static \
     -o target/gemm-lab/$lab lab/$lab.cu "$@" &

@@ -7,6 +7,7 @@
 #include "../kernels/gemm.cu"
 #include "old_wide.cuh"
 #include "old_narrow.cuh"
+#include "wg_variants.cuh"
 
 #include <cuda_runtime.h>
 
@@ -41,6 +42,14 @@ __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(256, MINB)
     extern __shared__ __align__(16) unsigned char sm[];
     linear_wide_impl<float, NT, SC, ST, true>(out, x, w, m, n, k, sm);
 }
+template <int ST, bool PIR, int MINB>
+__global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(128, MINB)
+    lab_wg(float* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k) {
+    extern __shared__ __align__(16) unsigned char sm[];
+    linear_wg_impl<float, ST, PIR>(out, x, w, m, n, k, sm);
+}
+constexpr int wg_smem(int st, bool pir) { return st * 24576 + (pir ? 0 : 32768) + 1024; }
+
 // The direct kernel with other batch sizes / occupancy (m <= 8 rows only).
 template <int B, int MINB>
 __global__ void __launch_bounds__(256, MINB)
@@ -83,15 +92,16 @@ struct Var {
                     // per unit, -2: a cluster of LIN_SEGS blocks per unit
     int nt, rt;     // unit: 8 * nt columns by 16 * rt rows
     int max_m;      // rows this kernel may take (any, but beyond this it is not meant to)
+    int threads = 256;
+    int clusters = 0;  // resident clusters of a persistent cluster kernel (per_sm -3), set at start
 };
 
 static const int SMS = 132;
 
-// Which variants are timed at m rows (vars: 0 tiled, 1 old_wide, 2..6 cluster kernels, 7 direct,
-// 8 b4): each where the launcher could pick it.
-static bool timed(size_t vi, uint32_t m) {
-    if (vi == 0) return m >= 32;
-    if (vi <= 6) return m >= 16;
+// Which variants are timed at m rows: each where the launcher could pick it.
+static bool timed(const Var& v, uint32_t m) {
+    if (v.per_sm == 0) return m >= 32;
+    if (v.per_sm <= -2) return m >= 16;
     return m <= 16;
 }
 
@@ -99,7 +109,10 @@ static void launch(const Var& v, bool pdl, cudaStream_t s, float* out, const bf1
                    uint32_t n, uint32_t k) {
     cudaLaunchConfig_t cfg = {};
     if (v.per_sm == 0) {
-        cfg.gridDim = dim3((n + 127) / 128, (m + 127) / 128, 1);
+        cfg.gridDim = dim3((n + LIN_BN - 1) / LIN_BN, (m + LIN_BM - 1) / LIN_BM, 1);
+    } else if (v.per_sm == -3) {
+        const uint32_t tiles = ((n + 8 * v.nt - 1) / (8 * v.nt)) * ((m + 16 * v.rt - 1) / (16 * v.rt));
+        cfg.gridDim = dim3(LIN_SEGS * std::min<uint32_t>(tiles, v.clusters), 1, 1);
     } else if (v.per_sm == -2) {
         cfg.gridDim = dim3(LIN_SEGS * ((n + 8 * v.nt - 1) / (8 * v.nt)) * ((m + 16 * v.rt - 1) / (16 * v.rt)), 1, 1);
     } else if (v.per_sm < 0) {
@@ -108,7 +121,7 @@ static void launch(const Var& v, bool pdl, cudaStream_t s, float* out, const bf1
         const uint32_t units = ((n + 8 * v.nt - 1) / (8 * v.nt)) * ((m + 16 * v.rt - 1) / (16 * v.rt));
         cfg.gridDim = dim3(std::min<uint32_t>(units, v.per_sm * SMS), 1, 1);
     }
-    cfg.blockDim = dim3(256, 1, 1);
+    cfg.blockDim = dim3(v.threads, 1, 1);
     cfg.dynamicSmemBytes = v.smem;
     cfg.stream = s;
     cudaLaunchAttribute attr[1];
@@ -171,18 +184,22 @@ int main(int argc, char** argv) {
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
 
     std::vector<Var> vars = {
-        {"tiled", (const void*)linear_f32out, 3 * 4 * 256 * 64, 0, 8, 8, 1 << 30},
-        {"old_wide", (const void*)lab_old_wide, (192 + 32) * 1024, 1, 2, 4, 64},
+        {"tiled", (const void*)linear_f32out, LIN_STAGES * (LIN_BM + LIN_BN) * 128 + 2048, 0, 8, 12, 1 << 30, LIN_THREADS},
         {"wide", (const void*)linear_stream_wide_f32out, LIN_W_STAGES * LIN_W_STAGE_CH * 192 * 64, -2, 16, 4, 1 << 30},
-        {"n4s1x4", (const void*)lab_wide<4, 1, 4, 2>, 4 * 1 * 320 * 64, -2, 32, 4, 1 << 30},
-        {"n4s2x3", (const void*)lab_wide<4, 2, 3, 1>, 3 * 2 * 320 * 64, -2, 32, 4, 1 << 30},
-        {"n1s2x3", (const void*)lab_wide<1, 2, 3, 4>, 3 * 2 * 128 * 64, -2, 8, 4, 1 << 30},
-        {"n2s2x2", (const void*)lab_wide<2, 2, 2, 4>, 2 * 2 * 192 * 64, -2, 16, 4, 1 << 30},
+        {"wg3r", (const void*)lab_wg<3, true, 3>, wg_smem(3, true), -2, 16, 4, 1 << 30, 128},
         {"direct", (const void*)linear_stream_f32out, 0, -1, 1, 1, 16},
         {"b4", (const void*)linear_stream_b4_f32out, 0, -1, 1, 1, 16},
     };
     for (auto& v : vars) {
         if (v.smem > 0) CK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem));
+        if (v.per_sm == -3) {
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3(LIN_SEGS * 64, 1, 1);
+            cfg.blockDim = dim3(v.threads, 1, 1);
+            cfg.dynamicSmemBytes = v.smem;
+            CK(cudaOccupancyMaxActiveClusters(&v.clusters, v.fn, &cfg));
+            printf("kernel %-18s resident clusters %d\n", v.name, v.clusters);
+        }
         cudaFuncAttributes fa;
         CK(cudaFuncGetAttributes(&fa, v.fn));
         printf("kernel %-18s smem %6d regs %3d local %zu\n", v.name, v.smem, fa.numRegs, fa.localSizeBytes);
@@ -277,7 +294,7 @@ int main(int argc, char** argv) {
             for (size_t vi = 0; vi < vars.size(); ++vi) {
                 const Var& v = vars[vi];
                 if ((int)m > v.max_m) continue;
-                if (!timed(vi, m)) continue;
+                if (!timed(v, m)) continue;
                 for (int pdl = 0; pdl < 2; ++pdl) {
                     const int reps = 20;
                     double ms = time_graph(s, [&](cudaStream_t st) {
@@ -354,7 +371,7 @@ int main(int argc, char** argv) {
             printf("layers m=%u: weight floor %.3f ms (read-only bandwidth)\n", m, floor_ms);
             for (size_t vi = 0; vi < vars.size(); ++vi) {
                 const Var& v = vars[vi];
-                if ((int)m > v.max_m || !timed(vi, m)) continue;
+                if ((int)m > v.max_m || !timed(v, m)) continue;
                 const double a = run(v, m, 0, 0, true), b = run(v, m, 1, 0, true), c = run(v, m, 1, 1, true),
                              d = run(v, m, 0, 0, false), e = run(v, m, 1, 0, false);
                 printf("  %-18s plain %.3f | pdl gemm %.3f | pdl all %.3f | gemms only %.3f, pdl %.3f ms (%.0f%% of floor)\n",

@@ -103,7 +103,7 @@ pub enum LinearPath {
     NarrowB4,
     /// `linear_stream_wide` (a cluster of 8 blocks per 128 columns by 64 rows).
     Wide,
-    /// `linear` (the tiled prefill kernel).
+    /// `linear` (the tiled prefill kernel: warp-specialized wgmma).
     Tiled,
 }
 
@@ -127,19 +127,27 @@ const LINEAR_WIDE_CLUSTER: u32 = 8;
 /// rows of 64 bytes (the segment partials reuse the ring at the end).
 const LINEAR_WIDE_SMEM: u32 = 3 * 2 * (128 + 64) * 64;
 
-/// Dynamic shared memory of `linear`: 3 stages of 4 chunks of (128 x + 128 weight) rows of 64
-/// bytes.
-const LINEAR_TILED_SMEM: u32 = 3 * 4 * (128 + 128) * 64;
+/// Rows per block of `linear` (`LIN_BM`: three consumer warpgroups of 64 rows).
+const LINEAR_TILED_ROWS: u32 = 192;
 
-/// `linear`'s geometry, mirroring `kernels/gemm.cu` (256 threads on every path, launched as
-/// programmatic dependents: each kernel waits for the one before it in-kernel, and
-/// `linear_stream` loads its first weight fragments before that wait):
-/// - `linear_stream` and `linear_stream_b4` (m <= 16, n >= 6144): one block per unit of
-///   8 columns by 16 rows, no dynamic shared memory (two and three blocks per multiprocessor).
-/// - `linear_stream_wide` (m <= 128): tiles of 128 columns by 64 rows, a cluster of 8 blocks
-///   (one per k segment, compiled into the kernel) per tile.
-/// - `linear`: 128 x 128 output tiles, grid (ceil(n / 128), ceil(m / 128)), a 3-stage pipeline of
-///   (128 + 128) x 128 bf16 tiles in shared memory (192 KiB, one block per multiprocessor).
+/// Threads per block of `linear` (`LIN_THREADS`: a producer warpgroup and three consumers).
+const LINEAR_TILED_THREADS: u32 = 512;
+
+/// Dynamic shared memory of `linear`: a ring of 5 stages of (192 x + 128 weight) rows of 128
+/// bytes (2 chunks), 1 KiB to align it to the swizzle atoms and 1 KiB for its mbarriers.
+const LINEAR_TILED_SMEM: u32 = 5 * (192 + 128) * 128 + 2048;
+
+/// `linear`'s geometry, mirroring `kernels/gemm.cu` (every path launched as programmatic
+/// dependents: each kernel waits for the one before it in-kernel, and the decode kernels load
+/// their first weight fragments before that wait):
+/// - `linear_stream` and `linear_stream_b4` (m <= 16, n >= 6144): one block of 256 threads per
+///   unit of 8 columns by 16 rows, no dynamic shared memory (two and three blocks per
+///   multiprocessor).
+/// - `linear_stream_wide` (m <= 128): tiles of 128 columns by 64 rows, a cluster of 8 blocks of
+///   256 threads (one per k segment, compiled into the kernel) per tile.
+/// - `linear`: 192 x 128 output tiles, grid (ceil(n / 128), ceil(m / 192)), 512 threads (a
+///   producer warpgroup filling a 5-stage ring of 202 KiB and three warpgroups of wgmma), one
+///   block per multiprocessor.
 ///
 /// Every kernel computes the whole function at any `m` with its own geometry (the tests run
 /// each of them at every m).
@@ -152,8 +160,12 @@ pub fn linear_geometry(path: LinearPath, m: u32, n: u32) -> LaunchConfig {
             let tiles = n.div_ceil(128) * m.div_ceil(64);
             LaunchConfig::grid2(LINEAR_WIDE_CLUSTER * tiles, 1, 256).with_shared(LINEAR_WIDE_SMEM)
         }
-        LinearPath::Tiled => LaunchConfig::grid2(n.div_ceil(128), m.div_ceil(128), 256)
-            .with_shared(LINEAR_TILED_SMEM),
+        LinearPath::Tiled => LaunchConfig::grid2(
+            n.div_ceil(128),
+            m.div_ceil(LINEAR_TILED_ROWS),
+            LINEAR_TILED_THREADS,
+        )
+        .with_shared(LINEAR_TILED_SMEM),
     };
     config.with_programmatic()
 }
