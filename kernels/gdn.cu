@@ -13,7 +13,8 @@
 // - gdn_prepare: one block per row, a warp per (q or k) head, threads over the gates.
 // - gated_delta_recurrent / gated_delta_chunked: grid (num_seqs, Hv * G), 32 * WB threads,
 //   where a head's Dv columns are cut into W = ceil(Dv / 16) warp tiles of 16 columns, WB warps
-//   per block and G = ceil(W / WB) blocks per (sequence, value head).
+//   per block and G = ceil(W / WB) blocks per (sequence, value head); gated_delta_chunked also
+//   WB * GDN_RING * GDN_TOK_BYTES of dynamic shared memory (the prefill ring).
 // - gated_rms_norm: grid (rows, Hv), one warp per (row, value head).
 // - conv_state_verify: as conv_state_update. gated_delta_verify: as gated_delta_recurrent.
 //
@@ -32,8 +33,9 @@
 // loaded and stored once per launch as 16-byte vectors (each row's 16 columns are 64 contiguous
 // bytes). Per token, the sums over c are a per-lane chain over its rows (ascending) and then an
 // xor butterfly over the 8 row lanes, which leaves bitwise the same value in all of them. The
-// chunked kernel loads the next row's q̂, k̂, v, β, g before computing the current row (the
-// recurrent one, for decode, keeps fewer registers live). This "fast" path needs Dk % 4 == 0,
+// chunked kernel streams the rows' q̂, k̂, v, β, g through a per-warp ring in shared memory,
+// GDN_RING - 1 rows ahead (`rule_warp_ring`; launched without the ring's shared memory it loads
+// one row ahead in registers); the recurrent one, for decode, loads its row when it needs it. This "fast" path needs Dk % 4 == 0,
 // Dv % 4 == 0, Dk <= 128, slot_stride % 4 == 0 and 16-byte aligned state, qk and out; otherwise
 // a thread per column keeps its column in a local array (Dk <= 256; above that the outputs are
 // NaN) and sums over c in ascending order. Both paths use only explicit fmaf for
@@ -318,6 +320,38 @@ MT_DEVICE float row_lanes_sum(float v) {
     return v;
 }
 
+// One token of the fast path on a lane's tile `s`: decay, the delta rule, the output columns o
+// (summed over the row lanes, the same bits in all of them).
+template <int RPT>
+MT_DEVICE void rule_token(float (&s)[RPT][4], const RuleTok<RPT>& cur, float (&o)[4]) {
+    const float decay = expf(cur.g);
+    float kv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            s[i][x] = __fmul_rn(s[i][x], decay);
+            kv[x] = fmaf(s[i][x], cur.k[i], kv[x]);
+        }
+    }
+    float delta[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+        delta[x] = __fmul_rn(cur.v[x] - row_lanes_sum(kv[x]), cur.beta);
+        o[x] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            s[i][x] = fmaf(cur.k[i], delta[x], s[i][x]);
+            o[x] = fmaf(s[i][x], cur.q[i], o[x]);
+        }
+    }
+#pragma unroll
+    for (int x = 0; x < 4; ++x) o[x] = row_lanes_sum(o[x]);
+}
+
 // The fast path: warp tile `w` (columns 16w .. 16w+15) of head j of a sequence with `slot`, over
 // rows first .. end-1. See the header. PER_ROW (verify): the tile after each row goes to the
 // row's slot, and the sequence's slot is not written back.
@@ -349,29 +383,8 @@ MT_DEVICE void rule_warp(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, u
         } else if (r + 1 < end) {
             load_tok<RPT>(nxt, a, r + 1, j, row0, col0);
         }
-        const float decay = expf(cur.g);
-        float kv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int i = 0; i < RPT; ++i) {
-#pragma unroll
-            for (int x = 0; x < 4; ++x) {
-                s[i][x] = __fmul_rn(s[i][x], decay);
-                kv[x] = fmaf(s[i][x], cur.k[i], kv[x]);
-            }
-        }
-        float delta[4], o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int x = 0; x < 4; ++x) delta[x] = __fmul_rn(cur.v[x] - row_lanes_sum(kv[x]), cur.beta);
-#pragma unroll
-        for (int i = 0; i < RPT; ++i) {
-#pragma unroll
-            for (int x = 0; x < 4; ++x) {
-                s[i][x] = fmaf(cur.k[i], delta[x], s[i][x]);
-                o[x] = fmaf(s[i][x], cur.q[i], o[x]);
-            }
-        }
-#pragma unroll
-        for (int x = 0; x < 4; ++x) o[x] = row_lanes_sum(o[x]);
+        float o[4];
+        rule_token<RPT>(s, cur, o);
         if (rl == 0 && col_ok)
             *reinterpret_cast<float4*>(a.out + (size_t)r * vd + (size_t)j * a.dv + col0) =
                 make_float4(o[0], o[1], o[2], o[3]);
@@ -388,6 +401,114 @@ MT_DEVICE void rule_warp(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, u
         if (PREFETCH && r + 1 < end) cur = nxt;
     }
     if (!PER_ROW && st && col_ok && first < end) {
+#pragma unroll
+        for (int i = 0; i < RPT; ++i)
+            if (row0 + i < a.dk)
+                *reinterpret_cast<float4*>(st + (size_t)(row0 + i) * a.dv + col0) =
+                    make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
+    }
+}
+
+// The prefill ring: the chunked kernel's fast path streams each token's inputs (q̂ and k̂ of the
+// head's key head, the tile's 16 v columns, β and g) into a per-warp ring of GDN_RING tokens in
+// shared memory, GDN_RING - 1 tokens ahead, so the loads of a token are in flight for several
+// tokens' arithmetic (one token ahead in registers left most of their latency exposed: 0.9 us a
+// token on the H200). The arithmetic is rule_token's, so the bits are the register path's.
+#define GDN_RING 8
+#define GDN_TOK_BYTES (2 * GDN_FAST_MAX_DK * 4 + 64)  // q̂, k̂ (f32), v (16 bf16), β, g; padded
+
+MT_DEVICE void cp_async4(void* dst, const void* src, uint32_t src_bytes) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+
+// Queue token r's inputs into `tok` (this lane's share; a group is committed by the caller).
+MT_DEVICE void ring_issue(unsigned char* tok, const Rule& a, uint32_t r, uint32_t j, uint32_t w,
+                          uint32_t lane) {
+    const uint32_t kd = a.hk * a.dk, cd = 2 * kd + a.hv * a.dv;
+    const uint32_t kh = j / (a.hv / a.hk);
+    const float* qr = a.qk + (size_t)r * 2 * kd + (size_t)kh * a.dk;
+    const uint32_t vecs = a.dk / 4;  // float4 of q̂ (then as many of k̂)
+    for (uint32_t i = lane; i < 2 * vecs; i += 32) {
+        const bool is_k = i >= vecs;
+        const uint32_t e = (is_k ? i - vecs : i) * 4;
+        cp_async16(tok + (is_k ? GDN_FAST_MAX_DK * 4 : 0) + e * 4, (is_k ? qr + kd : qr) + e, 16u);
+    }
+    if (lane < 8) {  // v columns 16w + 2 lane, + 1 (Dv % 4 == 0: both or neither exist)
+        const uint32_t col = w * GDN_WARP_COLS + 2 * lane;
+        const bf16* vr = a.conv + (size_t)r * cd + 2 * kd + (size_t)j * a.dv + col;
+        cp_async4(tok + 2 * GDN_FAST_MAX_DK * 4 + 4 * lane, col < a.dv ? vr : a.conv, col < a.dv ? 4u : 0u);
+    } else if (lane < 10) {  // β, g
+        cp_async4(tok + 2 * GDN_FAST_MAX_DK * 4 + 32 + 4 * (lane - 8),
+                  a.gates + (size_t)r * 2 * a.hv + (lane - 8) * a.hv + j, 4u);
+    }
+}
+
+template <int RPT>
+MT_DEVICE void ring_read(RuleTok<RPT>& t, const unsigned char* tok, uint32_t row0, uint32_t cq) {
+    const float* q = reinterpret_cast<const float*>(tok);
+    const float* k = q + GDN_FAST_MAX_DK;
+#pragma unroll
+    for (int m = 0; m < RPT / 4; ++m) {
+        const float4 qv = *reinterpret_cast<const float4*>(q + row0 + 4 * m);
+        const float4 kv = *reinterpret_cast<const float4*>(k + row0 + 4 * m);
+        t.q[4 * m] = qv.x; t.q[4 * m + 1] = qv.y; t.q[4 * m + 2] = qv.z; t.q[4 * m + 3] = qv.w;
+        t.k[4 * m] = kv.x; t.k[4 * m + 1] = kv.y; t.k[4 * m + 2] = kv.z; t.k[4 * m + 3] = kv.w;
+    }
+    const bf16* v = reinterpret_cast<const bf16*>(tok + 2 * GDN_FAST_MAX_DK * 4) + 4 * cq;
+#pragma unroll
+    for (int x = 0; x < 4; ++x) t.v[x] = bf2f(v[x]);
+    const float* gb = reinterpret_cast<const float*>(tok + 2 * GDN_FAST_MAX_DK * 4 + 32);
+    t.beta = gb[0];
+    t.g = gb[1];
+}
+
+// rule_warp<RPT, PREFETCH, false> through the ring at `ring` (this warp's GDN_RING tokens).
+template <int RPT>
+MT_DEVICE void rule_warp_ring(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, uint32_t first,
+                              uint32_t end, unsigned char* ring) {
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t rl = lane >> 2, cq = lane & 3;
+    const uint32_t row0 = rl * RPT;
+    const uint32_t col0 = w * GDN_WARP_COLS + 4 * cq;
+    const bool col_ok = col0 < a.dv;
+    float* st = slot == GDN_NO_SLOT
+                    ? nullptr
+                    : a.state + (size_t)slot * a.stride + (size_t)j * a.dk * a.dv;
+    // q̂ and k̂ rows past Dk (up to 8 RPT) read as zero: they are never copied.
+    for (uint32_t i = lane; i < GDN_RING * GDN_TOK_BYTES / 16; i += 32)
+        reinterpret_cast<uint4*>(ring)[i] = make_uint4(0, 0, 0, 0);
+    __syncwarp();
+    float s[RPT][4];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        float4 e = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (st && col_ok && row0 + i < a.dk)
+            e = *reinterpret_cast<const float4*>(st + (size_t)(row0 + i) * a.dv + col0);
+        s[i][0] = e.x; s[i][1] = e.y; s[i][2] = e.z; s[i][3] = e.w;
+    }
+    const size_t vd = (size_t)a.hv * a.dv;
+#pragma unroll
+    for (uint32_t p = 0; p < GDN_RING - 1; ++p) {
+        if (first + p < end) ring_issue(ring + p * GDN_TOK_BYTES, a, first + p, j, w, lane);
+        cp_async_commit();
+    }
+    for (uint32_t r = first; r < end; ++r) {
+        cp_async_wait<GDN_RING - 2>();
+        __syncwarp();  // token r is in for every lane; every lane is done with token r - 1
+        const uint32_t ahead = r + GDN_RING - 1;
+        if (ahead < end) ring_issue(ring + ((ahead - first) % GDN_RING) * GDN_TOK_BYTES, a, ahead, j, w, lane);
+        cp_async_commit();
+        RuleTok<RPT> cur;
+        ring_read<RPT>(cur, ring + ((r - first) % GDN_RING) * GDN_TOK_BYTES, row0, cq);
+        float o[4];
+        rule_token<RPT>(s, cur, o);
+        if (rl == 0 && col_ok)
+            *reinterpret_cast<float4*>(a.out + (size_t)r * vd + (size_t)j * a.dv + col0) =
+                make_float4(o[0], o[1], o[2], o[3]);
+    }
+    cp_async_wait<0>();
+    if (st && col_ok && first < end) {
 #pragma unroll
         for (int i = 0; i < RPT; ++i)
             if (row0 + i < a.dk)
@@ -469,6 +590,21 @@ MT_DEVICE void rule_block(const Rule& a) {
     }
     const uint32_t w = grp * wb + warp;
     if (w * GDN_WARP_COLS >= a.dv) return;
+    if (PREFETCH && !PER_ROW) {  // the ring, when the launch gave every warp one
+        extern __shared__ __align__(16) unsigned char gdn_ring[];
+        uint32_t dyn_bytes;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
+        if (dyn_bytes >= wb * GDN_RING * GDN_TOK_BYTES && (reinterpret_cast<uintptr_t>(a.conv) & 3) == 0) {
+            unsigned char* ring = gdn_ring + warp * GDN_RING * GDN_TOK_BYTES;
+            if (a.dk <= 32)
+                rule_warp_ring<4>(a, j, w, slot, first, end, ring);
+            else if (a.dk <= 64)
+                rule_warp_ring<8>(a, j, w, slot, first, end, ring);
+            else
+                rule_warp_ring<16>(a, j, w, slot, first, end, ring);
+            return;
+        }
+    }
     if (a.dk <= 32) {
         rule_warp<4, PREFETCH, PER_ROW>(a, j, w, slot, first, end);
     } else if (a.dk <= 64) {

@@ -23,6 +23,12 @@ const PREPARE_THREADS: u32 = 128;
 const RULE_WARP_COLS: u32 = 16;
 /// Warps per block of the delta-rule kernels.
 const RULE_WARPS_PER_BLOCK: u32 = 2;
+
+/// Dynamic shared memory per warp of `gated_delta_chunked`: a ring of `GDN_RING` (8) tokens of
+/// `GDN_TOK_BYTES` (q̂ and k̂ of up to 128 f32 each, 16 v columns, β and g: 1088 bytes), the
+/// prefill's loads several tokens ahead (`kernels/gdn.cu`). Without it the kernel falls back to
+/// loading one token ahead in registers, same bits.
+const RULE_RING_BYTES: u32 = 8 * (2 * 128 * 4 + 64);
 /// Threads per block of the expert projections (8 warps, a warp per output column at a time).
 const EXPERT_THREADS: u32 = 256;
 /// Most and fewest output columns per block of the expert projections.
@@ -380,8 +386,9 @@ impl Ops {
         )
     }
 
-    /// The gated delta rule in position-aligned chunks of `chunk_size` (prefill). The same
-    /// geometry as `gated_delta_recurrent`.
+    /// The gated delta rule in position-aligned chunks of `chunk_size` (prefill). The grid of
+    /// `gated_delta_recurrent`, plus each warp's ring of prefetched tokens in dynamic shared
+    /// memory (`RULE_RING_BYTES`).
     pub fn gated_delta_chunked(
         &self,
         s: StreamHandle,
@@ -390,7 +397,14 @@ impl Ops {
     ) -> GpuResult<()> {
         let mut args = Self::rule_args(p, true);
         args.push(chunk_size.into());
-        self.go(self.k.gated_delta_chunked, rule_geometry(p), &args, s)
+        let cfg = rule_geometry(p);
+        let warps = cfg.block.0 / 32;
+        self.go(
+            self.k.gated_delta_chunked,
+            cfg.with_shared(warps * RULE_RING_BYTES),
+            &args,
+            s,
+        )
     }
 
     /// The gated delta rule of a verify step: each sequence's rows token by token, bitwise as
