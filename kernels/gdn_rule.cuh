@@ -1,0 +1,365 @@
+// The gated delta rule's device code (the Rule arguments, the fast warp-tile path with its
+// prefill ring, the general column path, one block of either): part of gdn.cu, which includes it
+// before the rule kernels; its header says how the rule is computed.
+#pragma once
+
+// The arguments both rule kernels share.
+struct Rule {
+    float* out;
+    float* state;
+    const float* qk;
+    const bf16* conv;
+    const float* gates;
+    const uint32_t* seq_start;
+    const uint32_t* seq_slot;
+    // gated_delta_verify: the slot each row's state is kept in (NULL for the other kernels).
+    const uint32_t* row_slot;
+    uint32_t rows, num_seqs, num_slots, stride;
+    uint32_t hk, dk, hv, dv;
+};
+
+// The slot row r keeps its state in, or NULL: verify steps only (PER_ROW), a real slot only.
+MT_DEVICE float* row_state(const Rule& a, uint32_t r, uint32_t j) {
+    const uint32_t dst = a.row_slot[r];
+    if (dst == GDN_NO_SLOT || dst >= a.num_slots) return nullptr;
+    return a.state + (size_t)dst * a.stride + (size_t)j * a.dk * a.dv;
+}
+
+// What one token of one value head needs, for the rows and columns a fast-path lane owns.
+template <int RPT>
+struct RuleTok {
+    float k[RPT];
+    float q[RPT];
+    float v[4];
+    float beta;
+    float g;
+};
+
+// Load row r's token for value head j: q̂, k̂ rows row0 .. row0+RPT-1 (zero past Dk), v columns
+// col0 .. col0+3 (zero past Dv), β and g.
+template <int RPT>
+MT_DEVICE void load_tok(RuleTok<RPT>& t, const Rule& a, uint32_t r, uint32_t j, uint32_t row0,
+                        uint32_t col0) {
+    const uint32_t kd = a.hk * a.dk;
+    const uint32_t kh = j / (a.hv / a.hk);
+    const float* qr = a.qk + (size_t)r * 2 * kd + (size_t)kh * a.dk;
+    const float* kr = qr + kd;
+#pragma unroll
+    for (int m = 0; m < RPT / 4; ++m) {
+        const uint32_t c = row0 + 4 * m;
+        float4 qv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), kv = qv;
+        if (c < a.dk) {
+            qv = *reinterpret_cast<const float4*>(qr + c);
+            kv = *reinterpret_cast<const float4*>(kr + c);
+        }
+        t.q[4 * m] = qv.x; t.q[4 * m + 1] = qv.y; t.q[4 * m + 2] = qv.z; t.q[4 * m + 3] = qv.w;
+        t.k[4 * m] = kv.x; t.k[4 * m + 1] = kv.y; t.k[4 * m + 2] = kv.z; t.k[4 * m + 3] = kv.w;
+    }
+    const uint32_t cd = 2 * kd + a.hv * a.dv;
+    const bf16* vr = a.conv + (size_t)r * cd + 2 * kd + (size_t)j * a.dv + col0;
+#pragma unroll
+    for (int x = 0; x < 4; ++x) t.v[x] = col0 < a.dv ? bf2f(vr[x]) : 0.0f;
+    t.beta = a.gates[(size_t)r * 2 * a.hv + j];
+    t.g = a.gates[(size_t)r * 2 * a.hv + a.hv + j];
+}
+
+// Sum over the 8 row lanes (lane bits 2..4) of a fast-path warp; every row lane gets the same bits.
+MT_DEVICE float row_lanes_sum(float v) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// One token of the fast path on a lane's tile `s`: decay, the delta rule, the output columns o
+// (summed over the row lanes, the same bits in all of them).
+template <int RPT>
+MT_DEVICE void rule_token(float (&s)[RPT][4], const RuleTok<RPT>& cur, float (&o)[4]) {
+    const float decay = expf(cur.g);
+    float kv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            s[i][x] = __fmul_rn(s[i][x], decay);
+            kv[x] = fmaf(s[i][x], cur.k[i], kv[x]);
+        }
+    }
+    float delta[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+        delta[x] = __fmul_rn(cur.v[x] - row_lanes_sum(kv[x]), cur.beta);
+        o[x] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            s[i][x] = fmaf(cur.k[i], delta[x], s[i][x]);
+            o[x] = fmaf(s[i][x], cur.q[i], o[x]);
+        }
+    }
+#pragma unroll
+    for (int x = 0; x < 4; ++x) o[x] = row_lanes_sum(o[x]);
+}
+
+// The fast path: warp tile `w` (columns 16w .. 16w+15) of head j of a sequence with `slot`, over
+// rows first .. end-1. See the header. PER_ROW (verify): the tile after each row goes to the
+// row's slot, and the sequence's slot is not written back.
+template <int RPT, bool PREFETCH, bool PER_ROW>
+MT_DEVICE void rule_warp(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, uint32_t first,
+                         uint32_t end) {
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t rl = lane >> 2, cq = lane & 3;
+    const uint32_t row0 = rl * RPT;
+    const uint32_t col0 = w * GDN_WARP_COLS + 4 * cq;
+    const bool col_ok = col0 < a.dv;
+    float* st = slot == GDN_NO_SLOT
+                    ? nullptr
+                    : a.state + (size_t)slot * a.stride + (size_t)j * a.dk * a.dv;
+    float s[RPT][4];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        float4 e = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (st && col_ok && row0 + i < a.dk)
+            e = *reinterpret_cast<const float4*>(st + (size_t)(row0 + i) * a.dv + col0);
+        s[i][0] = e.x; s[i][1] = e.y; s[i][2] = e.z; s[i][3] = e.w;
+    }
+    const size_t vd = (size_t)a.hv * a.dv;
+    RuleTok<RPT> cur, nxt;
+    if (PREFETCH && first < end) load_tok<RPT>(cur, a, first, j, row0, col0);
+    for (uint32_t r = first; r < end; ++r) {
+        if (!PREFETCH) {
+            load_tok<RPT>(cur, a, r, j, row0, col0);
+        } else if (r + 1 < end) {
+            load_tok<RPT>(nxt, a, r + 1, j, row0, col0);
+        }
+        float o[4];
+        rule_token<RPT>(s, cur, o);
+        if (rl == 0 && col_ok)
+            *reinterpret_cast<float4*>(a.out + (size_t)r * vd + (size_t)j * a.dv + col0) =
+                make_float4(o[0], o[1], o[2], o[3]);
+        if (PER_ROW && col_ok) {
+            float* kept = row_state(a, r, j);
+            if (kept) {
+#pragma unroll
+                for (int i = 0; i < RPT; ++i)
+                    if (row0 + i < a.dk)
+                        *reinterpret_cast<float4*>(kept + (size_t)(row0 + i) * a.dv + col0) =
+                            make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
+            }
+        }
+        if (PREFETCH && r + 1 < end) cur = nxt;
+    }
+    if (!PER_ROW && st && col_ok && first < end) {
+#pragma unroll
+        for (int i = 0; i < RPT; ++i)
+            if (row0 + i < a.dk)
+                *reinterpret_cast<float4*>(st + (size_t)(row0 + i) * a.dv + col0) =
+                    make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
+    }
+}
+
+// The prefill ring: the chunked kernel's fast path streams each token's inputs (q̂ and k̂ of the
+// head's key head, the tile's 16 v columns, β and g) into a per-warp ring of GDN_RING tokens in
+// shared memory, GDN_RING - 1 tokens ahead, so the loads of a token are in flight for several
+// tokens' arithmetic (one token ahead in registers left most of their latency exposed: 0.9 us a
+// token on the H200). The arithmetic is rule_token's, so the bits are the register path's.
+#define GDN_RING 8
+#define GDN_TOK_BYTES (2 * GDN_FAST_MAX_DK * 4 + 64)  // q̂, k̂ (f32), v (16 bf16), β, g; padded
+
+MT_DEVICE void cp_async4(void* dst, const void* src, uint32_t src_bytes) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+
+// Queue token r's inputs into `tok` (this lane's share; a group is committed by the caller).
+MT_DEVICE void ring_issue(unsigned char* tok, const Rule& a, uint32_t r, uint32_t j, uint32_t w,
+                          uint32_t lane) {
+    const uint32_t kd = a.hk * a.dk, cd = 2 * kd + a.hv * a.dv;
+    const uint32_t kh = j / (a.hv / a.hk);
+    const float* qr = a.qk + (size_t)r * 2 * kd + (size_t)kh * a.dk;
+    const uint32_t vecs = a.dk / 4;  // float4 of q̂ (then as many of k̂)
+    for (uint32_t i = lane; i < 2 * vecs; i += 32) {
+        const bool is_k = i >= vecs;
+        const uint32_t e = (is_k ? i - vecs : i) * 4;
+        cp_async16(tok + (is_k ? GDN_FAST_MAX_DK * 4 : 0) + e * 4, (is_k ? qr + kd : qr) + e, 16u);
+    }
+    if (lane < 8) {  // v columns 16w + 2 lane, + 1 (Dv % 4 == 0: both or neither exist)
+        const uint32_t col = w * GDN_WARP_COLS + 2 * lane;
+        const bf16* vr = a.conv + (size_t)r * cd + 2 * kd + (size_t)j * a.dv + col;
+        cp_async4(tok + 2 * GDN_FAST_MAX_DK * 4 + 4 * lane, col < a.dv ? vr : a.conv, col < a.dv ? 4u : 0u);
+    } else if (lane < 10) {  // β, g
+        cp_async4(tok + 2 * GDN_FAST_MAX_DK * 4 + 32 + 4 * (lane - 8),
+                  a.gates + (size_t)r * 2 * a.hv + (lane - 8) * a.hv + j, 4u);
+    }
+}
+
+template <int RPT>
+MT_DEVICE void ring_read(RuleTok<RPT>& t, const unsigned char* tok, uint32_t row0, uint32_t cq) {
+    const float* q = reinterpret_cast<const float*>(tok);
+    const float* k = q + GDN_FAST_MAX_DK;
+#pragma unroll
+    for (int m = 0; m < RPT / 4; ++m) {
+        const float4 qv = *reinterpret_cast<const float4*>(q + row0 + 4 * m);
+        const float4 kv = *reinterpret_cast<const float4*>(k + row0 + 4 * m);
+        t.q[4 * m] = qv.x; t.q[4 * m + 1] = qv.y; t.q[4 * m + 2] = qv.z; t.q[4 * m + 3] = qv.w;
+        t.k[4 * m] = kv.x; t.k[4 * m + 1] = kv.y; t.k[4 * m + 2] = kv.z; t.k[4 * m + 3] = kv.w;
+    }
+    const bf16* v = reinterpret_cast<const bf16*>(tok + 2 * GDN_FAST_MAX_DK * 4) + 4 * cq;
+#pragma unroll
+    for (int x = 0; x < 4; ++x) t.v[x] = bf2f(v[x]);
+    const float* gb = reinterpret_cast<const float*>(tok + 2 * GDN_FAST_MAX_DK * 4 + 32);
+    t.beta = gb[0];
+    t.g = gb[1];
+}
+
+// rule_warp<RPT, PREFETCH, false> through the ring at `ring` (this warp's GDN_RING tokens).
+template <int RPT>
+MT_DEVICE void rule_warp_ring(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, uint32_t first,
+                              uint32_t end, unsigned char* ring) {
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t rl = lane >> 2, cq = lane & 3;
+    const uint32_t row0 = rl * RPT;
+    const uint32_t col0 = w * GDN_WARP_COLS + 4 * cq;
+    const bool col_ok = col0 < a.dv;
+    float* st = slot == GDN_NO_SLOT
+                    ? nullptr
+                    : a.state + (size_t)slot * a.stride + (size_t)j * a.dk * a.dv;
+    // q̂ and k̂ rows past Dk (up to 8 RPT) read as zero: they are never copied.
+    for (uint32_t i = lane; i < GDN_RING * GDN_TOK_BYTES / 16; i += 32)
+        reinterpret_cast<uint4*>(ring)[i] = make_uint4(0, 0, 0, 0);
+    __syncwarp();
+    float s[RPT][4];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        float4 e = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (st && col_ok && row0 + i < a.dk)
+            e = *reinterpret_cast<const float4*>(st + (size_t)(row0 + i) * a.dv + col0);
+        s[i][0] = e.x; s[i][1] = e.y; s[i][2] = e.z; s[i][3] = e.w;
+    }
+    const size_t vd = (size_t)a.hv * a.dv;
+#pragma unroll
+    for (uint32_t p = 0; p < GDN_RING - 1; ++p) {
+        if (first + p < end) ring_issue(ring + p * GDN_TOK_BYTES, a, first + p, j, w, lane);
+        cp_async_commit();
+    }
+    for (uint32_t r = first; r < end; ++r) {
+        cp_async_wait<GDN_RING - 2>();
+        __syncwarp();  // token r is in for every lane; every lane is done with token r - 1
+        const uint32_t ahead = r + GDN_RING - 1;
+        if (ahead < end) ring_issue(ring + ((ahead - first) % GDN_RING) * GDN_TOK_BYTES, a, ahead, j, w, lane);
+        cp_async_commit();
+        RuleTok<RPT> cur;
+        ring_read<RPT>(cur, ring + ((r - first) % GDN_RING) * GDN_TOK_BYTES, row0, cq);
+        float o[4];
+        rule_token<RPT>(s, cur, o);
+        if (rl == 0 && col_ok)
+            *reinterpret_cast<float4*>(a.out + (size_t)r * vd + (size_t)j * a.dv + col0) =
+                make_float4(o[0], o[1], o[2], o[3]);
+    }
+    cp_async_wait<0>();
+    if (st && col_ok && first < end) {
+#pragma unroll
+        for (int i = 0; i < RPT; ++i)
+            if (row0 + i < a.dk)
+                *reinterpret_cast<float4*>(st + (size_t)(row0 + i) * a.dv + col0) =
+                    make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
+    }
+}
+
+// The general path: column d of head j, its Dk state entries in a local array. PER_ROW as in
+// rule_warp.
+template <bool PER_ROW>
+MT_DEVICE void rule_column(const Rule& a, uint32_t j, uint32_t d, uint32_t slot, uint32_t first,
+                           uint32_t end) {
+    float col[GDN_MAX_DK];
+    const uint32_t dk = a.dk, dv = a.dv, kd = a.hk * a.dk, cd = 2 * kd + a.hv * a.dv;
+    const uint32_t kh = j / (a.hv / a.hk);
+    const size_t vd = (size_t)a.hv * dv;
+    float* st = slot == GDN_NO_SLOT
+                    ? nullptr
+                    : a.state + (size_t)slot * a.stride + (size_t)j * dk * dv + d;
+    for (uint32_t c = 0; c < dk; ++c) col[c] = st ? st[(size_t)c * dv] : 0.0f;
+    for (uint32_t r = first; r < end; ++r) {
+        const float* q = a.qk + (size_t)r * 2 * kd + (size_t)kh * dk;
+        const float* k = q + kd;
+        const float v = bf2f(a.conv[(size_t)r * cd + 2 * kd + (size_t)j * dv + d]);
+        const float beta = a.gates[(size_t)r * 2 * a.hv + j];
+        const float decay = expf(a.gates[(size_t)r * 2 * a.hv + a.hv + j]);
+        float kv = 0.0f;
+        for (uint32_t c = 0; c < dk; ++c) {
+            col[c] = __fmul_rn(col[c], decay);
+            kv = fmaf(col[c], k[c], kv);
+        }
+        const float delta = __fmul_rn(v - kv, beta);
+        float o = 0.0f;
+        for (uint32_t c = 0; c < dk; ++c) {
+            col[c] = fmaf(k[c], delta, col[c]);
+            o = fmaf(col[c], q[c], o);
+        }
+        a.out[(size_t)r * vd + (size_t)j * dv + d] = o;
+        if (PER_ROW) {
+            float* kept = row_state(a, r, j);
+            if (kept)
+                for (uint32_t c = 0; c < dk; ++c) kept[(size_t)c * dv + d] = col[c];
+        }
+    }
+    if (!PER_ROW && st && first < end)
+        for (uint32_t c = 0; c < dk; ++c) st[(size_t)c * dv] = col[c];
+}
+
+// One block of either rule kernel: (sequence blockIdx.x, value head and column group blockIdx.y).
+// PREFETCH: load the next row's inputs before computing the current one (prefill); the
+// arithmetic is the same either way. PER_ROW: a verify step (see rule_warp).
+template <bool PREFETCH, bool PER_ROW>
+MT_DEVICE void rule_block(const Rule& a) {
+    const uint32_t s = blockIdx.x;
+    if (s >= a.num_seqs || a.hk == 0 || a.hv == 0 || a.hv % a.hk != 0) return;
+    const uint32_t groups = max(gridDim.y / a.hv, 1u);
+    const uint32_t j = blockIdx.y / groups, grp = blockIdx.y % groups;
+    if (j >= a.hv) return;
+    const uint32_t first = min(a.seq_start[s], a.rows);
+    const uint32_t end = max(min(a.seq_start[s + 1], a.rows), first);
+    const uint32_t slot = a.seq_slot[s];
+    const uint32_t wb = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    const uint32_t col_lo = grp * wb * GDN_WARP_COLS;
+    const uint32_t col_hi = min(a.dv, col_lo + wb * GDN_WARP_COLS);
+    const size_t vd = (size_t)a.hv * a.dv;
+    if ((slot != GDN_NO_SLOT && slot >= a.num_slots) || a.dk > GDN_MAX_DK) {
+        for (uint32_t r = first; r < end; ++r)
+            for (uint32_t d = col_lo + threadIdx.x; d < col_hi; d += blockDim.x)
+                a.out[(size_t)r * vd + (size_t)j * a.dv + d] = f32_nan();
+        return;
+    }
+    const bool fast = a.dk <= GDN_FAST_MAX_DK && a.dk % 4 == 0 && a.dv % 4 == 0 && a.stride % 4 == 0 && aligned16(a.state) &&
+                      aligned16(a.qk) && aligned16(a.out);
+    if (!fast) {
+        for (uint32_t d = col_lo + threadIdx.x; d < col_hi; d += blockDim.x)
+            rule_column<PER_ROW>(a, j, d, slot, first, end);
+        return;
+    }
+    const uint32_t w = grp * wb + warp;
+    if (w * GDN_WARP_COLS >= a.dv) return;
+    if (PREFETCH && !PER_ROW) {  // the ring, when the launch gave every warp one
+        extern __shared__ __align__(16) unsigned char gdn_ring[];
+        uint32_t dyn_bytes;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
+        if (dyn_bytes >= wb * GDN_RING * GDN_TOK_BYTES && (reinterpret_cast<uintptr_t>(a.conv) & 3) == 0) {
+            unsigned char* ring = gdn_ring + warp * GDN_RING * GDN_TOK_BYTES;
+            if (a.dk <= 32)
+                rule_warp_ring<4>(a, j, w, slot, first, end, ring);
+            else if (a.dk <= 64)
+                rule_warp_ring<8>(a, j, w, slot, first, end, ring);
+            else
+                rule_warp_ring<16>(a, j, w, slot, first, end, ring);
+            return;
+        }
+    }
+    if (a.dk <= 32) {
+        rule_warp<4, PREFETCH, PER_ROW>(a, j, w, slot, first, end);
+    } else if (a.dk <= 64) {
+        rule_warp<8, PREFETCH, PER_ROW>(a, j, w, slot, first, end);
+    } else {
+        rule_warp<16, PREFETCH, PER_ROW>(a, j, w, slot, first, end);
+    }
+}

@@ -1,0 +1,213 @@
+// The prefill kernel's body (`linear_ws`) and its wgmma, mbarrier and copy helpers: part of
+// gemm.cu, which includes it after the decode kernels (it uses LIN_KC, LIN_SEGS, store_out and
+// the cp.async helpers from there).
+#pragma once
+
+// ---- The prefill kernel (`linear`): warp-specialized Hopper warpgroup MMAs ----
+// wgmma.mma_async gives bitwise the sums of the mma.sync chains above when each m64nNk16 takes
+// the same 16 k as the matching m16n8k16, whatever their order inside the instruction
+// (lab/wgmma_lab.cu, H200, 2026-11-30: 0 of 10 cases differ, in the mma.sync slot order and
+// sorted). A chunk's first MMA takes k 0-3, 8-11, 16-19, 24-27, so operands are staged in runs of
+// 4 k (8-byte cp.async) into 128-byte-swizzled rows whose 16-byte core-matrix units each hold two
+// such runs.
+
+MT_DEVICE void cp_async8(uint32_t dst, const void* src, uint32_t src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy (wgmma) reads.
+MT_DEVICE void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+MT_DEVICE void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+MT_DEVICE void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+MT_DEVICE void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// d[64] (+)= A · B for one warpgroup: A 64 x 16 and B 128 x 16 (k-major) through shared-memory
+// descriptors; scale_d 0 ignores d (the chain's first MMA). Thread (warp w, lane g * 4 + q) holds
+// d[4 j + e]: row 16 w + g (+ 8 for e >= 2), column 8 j + 2 q + (e & 1).
+MT_DEVICE void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db, uint32_t scale_d = 1) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// Byte offset of 8-byte piece p (k 4p..4p+3 of chunk cc of a 2-chunk stage) of row r in an
+// operand tile of 128-byte rows, 128-byte swizzled: a row holds the stage's four k16 steps
+// (chunk cc, instruction p % 2) of 32 bytes, each two 16-byte units (core matrices p / 4) of two
+// 8-byte halves ((p / 2) % 2); unit u of row r sits at u ^ (r % 8). A warp's 32 pieces of two
+// rows then fill 256 distinct bytes (no bank conflicts).
+MT_DEVICE uint32_t wg_off(uint32_t r, uint32_t cc, uint32_t p) {
+    const uint32_t u = (cc * 2 + p % 2) * 2 + p / 4;
+    return r * 128 + ((u ^ (r % 8)) << 4) + ((p / 2) % 2) * 8;
+}
+
+// The descriptor of k16 step t (chunk t / 2, instruction t % 2) of a swizzled tile at `tile`
+// (1024-byte aligned) from row group `rg`: 128-byte swizzle, 1024 bytes between row groups.
+MT_DEVICE uint64_t wg_desc_sw(uint32_t tile, uint32_t rg, uint32_t t) {
+    const uint32_t a = tile + rg * 1024 + t * 32;
+    return (uint64_t)((a & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+// mbarrier helpers (shared::cta).
+MT_DEVICE void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+MT_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+MT_DEVICE void mbar_arrive(uint32_t bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Arrive on `bar` once every cp.async this thread has issued so far has landed.
+MT_DEVICE void cp_async_mbar_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// The prefill kernel's body (`linear`): a BM x 128 output tile per block of 128 + 2 BM threads.
+// Warpgroup 0 (the producer) fills a ring of ST stages, each 2 chunks of the tile's BM x rows and
+// 128 weight rows (8-byte cp.async into the `wg_off` layout), and signals each stage's full
+// mbarrier when its copies land; warpgroup 1 + i (a consumer) runs the m64n128k16 MMAs of rows
+// 64 i .. 64 i + 63 and releases the stage through its empty mbarrier. With three consumers
+// (BM = 192) the producer gives registers to them (setmaxnreg). Numerics of `linear_tiled`.
+template <typename OutT, int ST, uint32_t BM>
+MT_DEVICE void linear_ws(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k,
+                               unsigned char* smem) {
+    constexpr uint32_t BN = 128, SCH = 2;
+    constexpr bool REG = BM > 128;
+    constexpr uint32_t A_BYTES = BM * 128, B_BYTES = BN * 128;
+    constexpr uint32_t STAGE_BYTES = A_BYTES + B_BYTES;
+    smem += (1024 - ((uint32_t)__cvta_generic_to_shared(smem) & 1023)) & 1023;  // swizzle atoms
+    const uint32_t tid = threadIdx.x, wg = tid / 128, wt = tid % 128;
+    const uint32_t m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
+    const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
+    const uint32_t steps = (chunks + SCH - 1) / SCH;
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+    const uint32_t full = sbase + ST * STAGE_BYTES, empty = full + ST * 8;
+    if (tid < ST) {
+        mbar_init(full + tid * 8, 128);
+        mbar_init(empty + tid * 8, BM * 2);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    __syncthreads();
+
+    if (wg == 0) {
+        if (REG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        // Thread (r0 = wt / 16, cc = (wt / 8) % 2, p = wt % 8) copies piece p of chunk cc of rows
+        // r0, r0 + 8, ... of the x tile then the weight tile: the swizzle term is fixed.
+        const uint32_t r0 = wt / 16, cc = (wt / 8) % SCH, p = wt % 8;
+        const uint32_t off = wg_off(r0, cc, p);
+        for (uint32_t j = 0; j < steps; ++j) {
+            const uint32_t slot = j % ST;
+            mbar_wait(empty + slot * 8, ((j / ST) & 1) ^ 1);
+            const uint32_t col = (j * SCH + cc) * LIN_KC + 4 * p;
+            const uint32_t dst = sbase + slot * STAGE_BYTES + off;
+#pragma unroll 4
+            for (uint32_t i = 0; i < BM / 8; ++i) {
+                const uint32_t row = m0 + r0 + 8 * i;
+                const bool in = row < m && col < k;
+                cp_async8(dst + i * 1024, in ? x + (size_t)row * k + col : x, in ? 8u : 0u);
+            }
+#pragma unroll 4
+            for (uint32_t i = 0; i < BN / 8; ++i) {
+                const uint32_t row = n0 + r0 + 8 * i;
+                const bool in = row < n && col < k;
+                cp_async8(dst + A_BYTES + i * 1024, in ? w + (size_t)row * k + col : w, in ? 8u : 0u);
+            }
+            cp_async_mbar_arrive(full + slot * 8);
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+
+    if (REG) asm volatile("setmaxnreg.inc.sync.aligned.u32 152;\n");
+    const uint32_t cw = wg - 1;  // consumer: rows 64 cw .. 64 cw + 63 of the tile
+    float acc[64], total[64];
+#pragma unroll
+    for (int e = 0; e < 64; ++e) acc[e] = total[e] = 0.0f;
+    if (seg_chunks % SCH == 0 && chunks % SCH == 0) {
+        // Segments end with steps: one step's MMAs stay in flight while the next is issued, and
+        // a stage is released once the MMAs after it are issued and it is read.
+        // (steps per segment: seg_chunks / SCH; the last segment may be shorter)
+        const uint32_t seg_steps = seg_chunks / SCH;
+        uint32_t j = 0;
+        while (j < steps) {
+            // A segment's chain starts from zero: its first MMA ignores the accumulator (scale-d
+            // 0), the same sums as adding to +0 (a zero's sign cannot reach `total`, which starts
+            // at +0).
+            const uint32_t j0 = j, j_end = min(steps, j + seg_steps);
+            for (; j < j_end; ++j) {
+                const uint32_t slot = j % ST;
+                mbar_wait(full + slot * 8, (j / ST) & 1);
+                fence_async_smem();
+                const uint32_t st = sbase + slot * STAGE_BYTES;
+                wg_fence();
+#pragma unroll
+                for (uint32_t cc = 0; cc < SCH; ++cc)
+#pragma unroll
+                    for (uint32_t b = 0; b < 2; ++b)
+                        wgmma_m64n128k16(acc, wg_desc_sw(st, cw * 8, cc * 2 + b),
+                                         wg_desc_sw(st + A_BYTES, 0, cc * 2 + b),
+                                         cc == 0 && b == 0 && j == j0 ? 0u : 1u);
+                wg_commit();
+                asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                if (j > 0) mbar_arrive(empty + ((j + ST - 1) % ST) * 8);  // step j - 1 is read
+            }
+            wg_wait0();
+#pragma unroll
+            for (int e = 0; e < 64; ++e) total[e] += acc[e];
+        }
+        mbar_arrive(empty + ((steps + ST - 1) % ST) * 8);
+    } else {  // a segment may end inside a stage: each step's MMAs complete before the next
+        uint32_t in_seg = 0;
+        for (uint32_t j = 0; j < steps; ++j) {
+            const uint32_t slot = j % ST;
+            mbar_wait(full + slot * 8, (j / ST) & 1);
+            fence_async_smem();
+            const uint32_t st = sbase + slot * STAGE_BYTES;
+#pragma unroll
+            for (uint32_t cc = 0; cc < SCH; ++cc) {
+                const uint32_t c = j * SCH + cc;
+                if (c >= chunks) break;
+                wg_fence();
+#pragma unroll
+                for (uint32_t b = 0; b < 2; ++b)
+                    wgmma_m64n128k16(acc, wg_desc_sw(st, cw * 8, cc * 2 + b), wg_desc_sw(st + A_BYTES, 0, cc * 2 + b));
+                wg_commit();
+                if (++in_seg == seg_chunks || c + 1 == chunks) {  // a segment ends
+                    in_seg = 0;
+                    wg_wait0();
+#pragma unroll
+                    for (int e = 0; e < 64; ++e) {
+                        total[e] += acc[e];
+                        acc[e] = 0.0f;
+                    }
+                }
+            }
+            wg_wait0();
+            mbar_arrive(empty + slot * 8);
+        }
+    }
+    const uint32_t warp = wt / 32, lane = wt % 32, g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int e = 0; e < 64; ++e) {
+        const uint32_t row = m0 + cw * 64 + warp * 16 + g + ((e % 4) >= 2 ? 8 : 0);
+        const uint32_t col = n0 + (e / 4) * 8 + 2 * q + (e & 1);
+        if (row < m && col < n) store_out(out, (size_t)row * n + col, total[e]);
+    }
+}
