@@ -172,26 +172,60 @@ MT_DEVICE void cp_async4(void* dst, const void* src, uint32_t src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
 }
 
-// Queue token r's inputs into `tok` (this lane's share; a group is committed by the caller).
-MT_DEVICE void ring_issue(unsigned char* tok, const Rule& a, uint32_t r, uint32_t j, uint32_t w,
-                          uint32_t lane) {
+// What one lane copies of every token, fixed for the warp's (head, tile): up to two 16-byte
+// vectors of q̂ / k̂ and one 4-byte piece (two v columns, or β or g), as token-0 sources and
+// per-token strides, so queueing a token is a few adds.
+struct RingLane {
+    const unsigned char* qk0[2];  // NULL: no vector
+    uint32_t qk_dst[2];
+    const unsigned char* x0;  // NULL: no piece
+    uint32_t x_dst, x_bytes;  // x_bytes 0: zero-fill (a v column past Dv)
+    size_t qk_step, x_step;   // bytes per token
+};
+
+MT_DEVICE RingLane ring_lane(const Rule& a, uint32_t j, uint32_t w, uint32_t lane) {
+    RingLane L;
     const uint32_t kd = a.hk * a.dk, cd = 2 * kd + a.hv * a.dv;
     const uint32_t kh = j / (a.hv / a.hk);
-    const float* qr = a.qk + (size_t)r * 2 * kd + (size_t)kh * a.dk;
+    const float* q0 = a.qk + (size_t)kh * a.dk;
     const uint32_t vecs = a.dk / 4;  // float4 of q̂ (then as many of k̂)
-    for (uint32_t i = lane; i < 2 * vecs; i += 32) {
-        const bool is_k = i >= vecs;
+#pragma unroll
+    for (uint32_t n = 0; n < 2; ++n) {
+        const uint32_t i = lane + 32 * n;
+        const bool is_k = i >= vecs, any = i < 2 * vecs;
         const uint32_t e = (is_k ? i - vecs : i) * 4;
-        cp_async16(tok + (is_k ? GDN_FAST_MAX_DK * 4 : 0) + e * 4, (is_k ? qr + kd : qr) + e, 16u);
+        L.qk0[n] = any ? reinterpret_cast<const unsigned char*>((is_k ? q0 + kd : q0) + e) : nullptr;
+        L.qk_dst[n] = (is_k ? GDN_FAST_MAX_DK * 4 : 0) + e * 4;
     }
+    L.qk_step = (size_t)2 * kd * 4;
+    L.x0 = nullptr;
+    L.x_dst = 0;
+    L.x_bytes = 4;
+    L.x_step = 0;
     if (lane < 8) {  // v columns 16w + 2 lane, + 1 (Dv % 4 == 0: both or neither exist)
         const uint32_t col = w * GDN_WARP_COLS + 2 * lane;
-        const bf16* vr = a.conv + (size_t)r * cd + 2 * kd + (size_t)j * a.dv + col;
-        cp_async4(tok + 2 * GDN_FAST_MAX_DK * 4 + 4 * lane, col < a.dv ? vr : a.conv, col < a.dv ? 4u : 0u);
+        L.x_dst = 2 * GDN_FAST_MAX_DK * 4 + 4 * lane;
+        if (col < a.dv) {
+            L.x0 = reinterpret_cast<const unsigned char*>(a.conv + 2 * kd + (size_t)j * a.dv + col);
+            L.x_step = (size_t)cd * 2;
+        } else {
+            L.x0 = reinterpret_cast<const unsigned char*>(a.conv);
+            L.x_bytes = 0;
+        }
     } else if (lane < 10) {  // β, g
-        cp_async4(tok + 2 * GDN_FAST_MAX_DK * 4 + 32 + 4 * (lane - 8),
-                  a.gates + (size_t)r * 2 * a.hv + (lane - 8) * a.hv + j, 4u);
+        L.x0 = reinterpret_cast<const unsigned char*>(a.gates + (lane - 8) * a.hv + j);
+        L.x_dst = 2 * GDN_FAST_MAX_DK * 4 + 32 + 4 * (lane - 8);
+        L.x_step = (size_t)2 * a.hv * 4;
     }
+    return L;
+}
+
+// Queue token r's inputs into `tok` (this lane's share; the caller commits the group).
+MT_DEVICE void ring_issue(unsigned char* tok, const RingLane& L, uint32_t r) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+        if (L.qk0[n]) cp_async16(tok + L.qk_dst[n], L.qk0[n] + r * L.qk_step, 16u);
+    if (L.x0) cp_async4(tok + L.x_dst, L.x0 + r * L.x_step, L.x_bytes);
 }
 
 template <int RPT>
@@ -238,21 +272,23 @@ MT_DEVICE void rule_warp_ring(const Rule& a, uint32_t j, uint32_t w, uint32_t sl
         s[i][0] = e.x; s[i][1] = e.y; s[i][2] = e.z; s[i][3] = e.w;
     }
     const size_t vd = (size_t)a.hv * a.dv;
+    const RingLane src = ring_lane(a, j, w, lane);
 #pragma unroll
     for (uint32_t p = 0; p < GDN_RING - 1; ++p) {
-        if (first + p < end) ring_issue(ring + p * GDN_TOK_BYTES, a, first + p, j, w, lane);
+        if (first + p < end) ring_issue(ring + p * GDN_TOK_BYTES, src, first + p);
         cp_async_commit();
     }
     for (uint32_t r = first; r < end; ++r) {
         cp_async_wait<GDN_RING - 2>();
         __syncwarp();  // token r is in for every lane; every lane is done with token r - 1
-        const uint32_t ahead = r + GDN_RING - 1;
-        if (ahead < end) ring_issue(ring + ((ahead - first) % GDN_RING) * GDN_TOK_BYTES, a, ahead, j, w, lane);
-        cp_async_commit();
         RuleTok<RPT> cur;
         ring_read<RPT>(cur, ring + ((r - first) % GDN_RING) * GDN_TOK_BYTES, row0, cq);
         float o[4];
         rule_token<RPT>(s, cur, o);
+        // Token r + GDN_RING - 1 goes to token r - 1's slot, after the arithmetic it may overlap.
+        const uint32_t ahead = r + GDN_RING - 1;
+        if (ahead < end) ring_issue(ring + ((ahead - first) % GDN_RING) * GDN_TOK_BYTES, src, ahead);
+        cp_async_commit();
         if (rl == 0 && col_ok)
             *reinterpret_cast<float4*>(a.out + (size_t)r * vd + (size_t)j * a.dv + col0) =
                 make_float4(o[0], o[1], o[2], o[3]);
