@@ -27,8 +27,8 @@
 //   m64n128k16 wgmma; grid (ceil(n / 128), ceil(m / 192)), 512 threads, 202 KiB of dynamic
 //   shared memory. The lab (lab/prefill_lab.cu, H200, 2026-11-30) measured 215-247 TFLOP/s at
 //   m = 2048 on the Qwen3-8B projections against 200-215 for the mma.sync tiles it replaced
-//   (`linear_tiled`, 128 x 128, now the fallback for operands not in 8-byte runs of 4 k). Its rate
-//   did not move with the ring depth: the 8-byte copies bound it.
+//   (`linear_tiled`, 128 x 128, now only in the compute_90 PTX). Its rate did not move with the
+//   ring depth: the 8-byte copies bound it.
 //
 // Measured on the H200 (2026-11-30, kernels alone, 20 launches per CUDA graph, weights rotated
 // past L2, against the 4.45 TB/s of a read-only stream; lab/gemm_lab.cu; docs/BENCHMARKS.md):
@@ -68,7 +68,7 @@ namespace cg = cooperative_groups;
 #define LIN_BN 128       // ... and columns
 #define LIN_THREADS 512  // a producer warpgroup and three consumers
 #define LIN_STAGES 5     // its ring: 5 x (192 + 128) rows x 128 bytes = 200 KiB (+ 2 KiB)
-#define LIN_T_WM 48      // the mma.sync fallback (unaligned operands): warp tile rows (4 x 4 warps)
+#define LIN_T_WM 48      // the mma.sync tiles of the compute_90 PTX: warp tile rows (4 x 4 warps)
 #define LIN_T_WN 32      // ... and columns
 #define LIN_T_SC 2       // chunks per stage
 #define LIN_T_ST 3       // stages (3 x 2 x 320 rows x 64 bytes = 120 KiB)
@@ -137,10 +137,9 @@ MT_DEVICE void load_stage(uint4* stage, const bf16* x, const bf16* w, uint32_t m
 }
 
 // The tiled kernel's body for a BM x BN block tile of (BM / WM) x (BN / WN) warps of WM x WN,
-// SC chunks per stage and ST stages: `linear`'s fallback for unaligned operands (<LIN_BM, LIN_BN,
-// LIN_T_WM, LIN_T_WN, LIN_T_SC, LIN_T_ST>, VEC false; it spills a few registers under the 512-thread
-// bound, a path only odd test shapes take) and, with VEC, the kernel before `linear_ws`
-// (lab/prefill_lab.cu). Every instance has the same numerics.
+// SC chunks per stage and ST stages: `linear` in the compute_90 PTX, which cannot use wgmma
+// (<LIN_BM, LIN_BN, LIN_T_WM, LIN_T_WN, LIN_T_SC, LIN_T_ST>, VEC false) and, with VEC, the kernel
+// before `linear_ws` (lab/prefill_lab.cu). Every instance has the same numerics.
 // VEC: k % 8 == 0 and 16-byte aligned operands, so stages fill by cp.async; a compile-time
 // choice, since a run-time branch in the copy loop cost 13 % (lab, 2026-11-30: 177-185 against
 // 200-214 TFLOP/s at m = 2048).
@@ -577,16 +576,15 @@ MT_DEVICE void linear_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, 
     if (m == 0 || n == 0 || blockDim.x != LIN_THREADS) return;
     pdl_wait();  // launched as a programmatic dependent (ops::linear_geometry)
     pdl_trigger();
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma and setmaxnreg: the sm_90a cubin only
-    if (k % 4 == 0 && aligned8(x) && aligned8(w)) {
-        linear_ws<OutT, LIN_STAGES, LIN_BM>(out, x, w, m, n, k, lin_smem);
-        return;
-    }
-#endif
-    // Operands not in 8-byte runs of 4 k (or the compute_90 PTX): the mma.sync tiles, same
-    // numerics, same block tile.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma and setmaxnreg: the sm_90a cubin
+    if (k % 4 == 0 && aligned8(x) && aligned8(w))
+        linear_ws<OutT, LIN_STAGES, LIN_BM, true>(out, x, w, m, n, k, lin_smem);
+    else
+        linear_ws<OutT, LIN_STAGES, LIN_BM, false>(out, x, w, m, n, k, lin_smem);
+#else  // the compute_90 PTX: the mma.sync tiles, same numerics, same block tile
     linear_tiled<OutT, LIN_BM, LIN_BN, LIN_T_WM, LIN_T_WN, LIN_T_SC, LIN_T_ST, false>(out, x, w, m, n, k,
                                                                                       lin_smem);
+#endif
 }
 
 // linear(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k).

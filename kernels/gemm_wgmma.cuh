@@ -60,6 +60,23 @@ MT_DEVICE uint64_t wg_desc_sw(uint32_t tile, uint32_t rg, uint32_t t) {
     return (uint64_t)((a & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
+// Four consecutive bf16 of row `row` of a [rows, k] matrix from column `col` (zero outside), as
+// 8 bytes; any alignment.
+MT_DEVICE uint2 load4(const bf16* base, uint32_t rows, uint32_t k, uint32_t row, uint32_t col) {
+    uint32_t h[4] = {0u, 0u, 0u, 0u};
+    if (row < rows) {
+        const bf16* p = base + (size_t)row * k;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (col + i < k) h[i] = __bfloat16_as_ushort(p[col + i]);
+    }
+    return make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+}
+
+MT_DEVICE void st_shared8(uint32_t addr, uint2 v) {
+    asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(addr), "r"(v.x), "r"(v.y) : "memory");
+}
+
 // mbarrier helpers (shared::cta).
 MT_DEVICE void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -80,11 +97,12 @@ MT_DEVICE void cp_async_mbar_arrive(uint32_t bar) {
 
 // The prefill kernel's body (`linear`): a BM x 128 output tile per block of 128 + 2 BM threads.
 // Warpgroup 0 (the producer) fills a ring of ST stages, each 2 chunks of the tile's BM x rows and
-// 128 weight rows (8-byte cp.async into the `wg_off` layout), and signals each stage's full
-// mbarrier when its copies land; warpgroup 1 + i (a consumer) runs the m64n128k16 MMAs of rows
+// 128 weight rows (8-byte cp.async into the `wg_off` layout; VEC false: operands not in aligned
+// runs of 4 k, element loads and shared stores), and signals each stage's full mbarrier when its
+// copies land; warpgroup 1 + i (a consumer) runs the m64n128k16 MMAs of rows
 // 64 i .. 64 i + 63 and releases the stage through its empty mbarrier. With three consumers
 // (BM = 192) the producer gives registers to them (setmaxnreg). Numerics of `linear_tiled`.
-template <typename OutT, int ST, uint32_t BM>
+template <typename OutT, int ST, uint32_t BM, bool VEC>
 MT_DEVICE void linear_ws(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k,
                                unsigned char* smem) {
     constexpr uint32_t BN = 128, SCH = 2;
@@ -117,19 +135,28 @@ MT_DEVICE void linear_ws(OutT* out, const bf16* x, const bf16* w, uint32_t m, ui
             mbar_wait(empty + slot * 8, ((j / ST) & 1) ^ 1);
             const uint32_t col = (j * SCH + cc) * LIN_KC + 4 * p;
             const uint32_t dst = sbase + slot * STAGE_BYTES + off;
+            if (VEC) {
 #pragma unroll 4
-            for (uint32_t i = 0; i < BM / 8; ++i) {
-                const uint32_t row = m0 + r0 + 8 * i;
-                const bool in = row < m && col < k;
-                cp_async8(dst + i * 1024, in ? x + (size_t)row * k + col : x, in ? 8u : 0u);
-            }
+                for (uint32_t i = 0; i < BM / 8; ++i) {
+                    const uint32_t row = m0 + r0 + 8 * i;
+                    const bool in = row < m && col < k;
+                    cp_async8(dst + i * 1024, in ? x + (size_t)row * k + col : x, in ? 8u : 0u);
+                }
 #pragma unroll 4
-            for (uint32_t i = 0; i < BN / 8; ++i) {
-                const uint32_t row = n0 + r0 + 8 * i;
-                const bool in = row < n && col < k;
-                cp_async8(dst + A_BYTES + i * 1024, in ? w + (size_t)row * k + col : w, in ? 8u : 0u);
+                for (uint32_t i = 0; i < BN / 8; ++i) {
+                    const uint32_t row = n0 + r0 + 8 * i;
+                    const bool in = row < n && col < k;
+                    cp_async8(dst + A_BYTES + i * 1024, in ? w + (size_t)row * k + col : w, in ? 8u : 0u);
+                }
+                cp_async_mbar_arrive(full + slot * 8);
+            } else {  // element loads (zero past k and past the rows), then stores
+                for (uint32_t i = 0; i < BM / 8; ++i)
+                    st_shared8(dst + i * 1024, load4(x, m, k, m0 + r0 + 8 * i, col));
+                for (uint32_t i = 0; i < BN / 8; ++i)
+                    st_shared8(dst + A_BYTES + i * 1024, load4(w, n, k, n0 + r0 + 8 * i, col));
+                fence_async_smem();  // the stores, before the consumers' wgmma reads them
+                mbar_arrive(full + slot * 8);
             }
-            cp_async_mbar_arrive(full + slot * 8);
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         return;

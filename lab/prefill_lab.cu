@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(128 + 2 * BM, 1)
     ws(float* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w, uint32_t m, uint32_t n,
        uint32_t k) {
     extern __shared__ __align__(16) unsigned char smem[];
-    linear_ws<float, ST, BM>(out, x, w, m, n, k, smem);
+    linear_ws<float, ST, BM, true>(out, x, w, m, n, k, smem);
 }
 
 struct Var {
