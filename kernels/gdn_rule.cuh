@@ -102,28 +102,62 @@ MT_DEVICE void rule_token(float (&s)[RPT][4], const RuleTok<RPT>& cur, float (&o
     for (int x = 0; x < 4; ++x) o[x] = row_lanes_sum(o[x]);
 }
 
+// Where a fast-path lane sits in warp tile `w` of head j: rows row0 .. row0 + RPT - 1 and
+// columns col0 .. col0 + 3 of the head's state (`st`: the sequence's, NULL for none).
+struct RuleLane {
+    uint32_t rl, cq, row0, col0;
+    bool col_ok;
+    float* st;
+};
+
+template <int RPT>
+MT_DEVICE RuleLane rule_lane(const Rule& a, uint32_t j, uint32_t w, uint32_t slot) {
+    RuleLane L;
+    const uint32_t lane = threadIdx.x & 31;
+    L.rl = lane >> 2;
+    L.cq = lane & 3;
+    L.row0 = L.rl * RPT;
+    L.col0 = w * GDN_WARP_COLS + 4 * L.cq;
+    L.col_ok = L.col0 < a.dv;
+    L.st = slot == GDN_NO_SLOT ? nullptr : a.state + (size_t)slot * a.stride + (size_t)j * a.dk * a.dv;
+    return L;
+}
+
+// The lane's part of a head state `st` (zero for none, and past Dk or Dv) into s.
+template <int RPT>
+MT_DEVICE void tile_load(float (&s)[RPT][4], const Rule& a, const RuleLane& L, const float* st) {
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        float4 e = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (st && L.col_ok && L.row0 + i < a.dk)
+            e = *reinterpret_cast<const float4*>(st + (size_t)(L.row0 + i) * a.dv + L.col0);
+        s[i][0] = e.x; s[i][1] = e.y; s[i][2] = e.z; s[i][3] = e.w;
+    }
+}
+
+// s back to the lane's part of head state `st` (which must exist; nothing past Dk or Dv).
+template <int RPT>
+MT_DEVICE void tile_store(float* st, const float (&s)[RPT][4], const Rule& a, const RuleLane& L) {
+    if (!L.col_ok) return;
+#pragma unroll
+    for (int i = 0; i < RPT; ++i)
+        if (L.row0 + i < a.dk)
+            *reinterpret_cast<float4*>(st + (size_t)(L.row0 + i) * a.dv + L.col0) =
+                make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
+}
+
 // The fast path: warp tile `w` (columns 16w .. 16w+15) of head j of a sequence with `slot`, over
 // rows first .. end-1. See the header. PER_ROW (verify): the tile after each row goes to the
 // row's slot, and the sequence's slot is not written back.
 template <int RPT, bool PREFETCH, bool PER_ROW>
 MT_DEVICE void rule_warp(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, uint32_t first,
                          uint32_t end) {
-    const uint32_t lane = threadIdx.x & 31;
-    const uint32_t rl = lane >> 2, cq = lane & 3;
-    const uint32_t row0 = rl * RPT;
-    const uint32_t col0 = w * GDN_WARP_COLS + 4 * cq;
-    const bool col_ok = col0 < a.dv;
-    float* st = slot == GDN_NO_SLOT
-                    ? nullptr
-                    : a.state + (size_t)slot * a.stride + (size_t)j * a.dk * a.dv;
+    const RuleLane L = rule_lane<RPT>(a, j, w, slot);
+    const uint32_t rl = L.rl, row0 = L.row0, col0 = L.col0;
+    const bool col_ok = L.col_ok;
+    float* st = L.st;
     float s[RPT][4];
-#pragma unroll
-    for (int i = 0; i < RPT; ++i) {
-        float4 e = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (st && col_ok && row0 + i < a.dk)
-            e = *reinterpret_cast<const float4*>(st + (size_t)(row0 + i) * a.dv + col0);
-        s[i][0] = e.x; s[i][1] = e.y; s[i][2] = e.z; s[i][3] = e.w;
-    }
+    tile_load<RPT>(s, a, L, st);
     const size_t vd = (size_t)a.hv * a.dv;
     RuleTok<RPT> cur, nxt;
     if (PREFETCH && first < end) load_tok<RPT>(cur, a, first, j, row0, col0);
@@ -138,25 +172,13 @@ MT_DEVICE void rule_warp(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, u
         if (rl == 0 && col_ok)
             *reinterpret_cast<float4*>(a.out + (size_t)r * vd + (size_t)j * a.dv + col0) =
                 make_float4(o[0], o[1], o[2], o[3]);
-        if (PER_ROW && col_ok) {
+        if (PER_ROW) {
             float* kept = row_state(a, r, j);
-            if (kept) {
-#pragma unroll
-                for (int i = 0; i < RPT; ++i)
-                    if (row0 + i < a.dk)
-                        *reinterpret_cast<float4*>(kept + (size_t)(row0 + i) * a.dv + col0) =
-                            make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
-            }
+            if (kept) tile_store<RPT>(kept, s, a, L);
         }
         if (PREFETCH && r + 1 < end) cur = nxt;
     }
-    if (!PER_ROW && st && col_ok && first < end) {
-#pragma unroll
-        for (int i = 0; i < RPT; ++i)
-            if (row0 + i < a.dk)
-                *reinterpret_cast<float4*>(st + (size_t)(row0 + i) * a.dv + col0) =
-                    make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
-    }
+    if (!PER_ROW && st && first < end) tile_store<RPT>(st, s, a, L);
 }
 
 // The prefill ring: the chunked kernel's fast path streams each token's inputs (q̂ and k̂ of the
@@ -252,25 +274,13 @@ template <int RPT>
 MT_DEVICE void rule_warp_ring(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, uint32_t first,
                               uint32_t end, unsigned char* ring) {
     const uint32_t lane = threadIdx.x & 31;
-    const uint32_t rl = lane >> 2, cq = lane & 3;
-    const uint32_t row0 = rl * RPT;
-    const uint32_t col0 = w * GDN_WARP_COLS + 4 * cq;
-    const bool col_ok = col0 < a.dv;
-    float* st = slot == GDN_NO_SLOT
-                    ? nullptr
-                    : a.state + (size_t)slot * a.stride + (size_t)j * a.dk * a.dv;
+    const RuleLane L = rule_lane<RPT>(a, j, w, slot);
     // q̂ and k̂ rows past Dk (up to 8 RPT) read as zero: they are never copied.
     for (uint32_t i = lane; i < GDN_RING * GDN_TOK_BYTES / 16; i += 32)
         reinterpret_cast<uint4*>(ring)[i] = make_uint4(0, 0, 0, 0);
     __syncwarp();
     float s[RPT][4];
-#pragma unroll
-    for (int i = 0; i < RPT; ++i) {
-        float4 e = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (st && col_ok && row0 + i < a.dk)
-            e = *reinterpret_cast<const float4*>(st + (size_t)(row0 + i) * a.dv + col0);
-        s[i][0] = e.x; s[i][1] = e.y; s[i][2] = e.z; s[i][3] = e.w;
-    }
+    tile_load<RPT>(s, a, L, L.st);
     const size_t vd = (size_t)a.hv * a.dv;
     const RingLane src = ring_lane(a, j, w, lane);
 #pragma unroll
@@ -282,25 +292,19 @@ MT_DEVICE void rule_warp_ring(const Rule& a, uint32_t j, uint32_t w, uint32_t sl
         cp_async_wait<GDN_RING - 2>();
         __syncwarp();  // token r is in for every lane; every lane is done with token r - 1
         RuleTok<RPT> cur;
-        ring_read<RPT>(cur, ring + ((r - first) % GDN_RING) * GDN_TOK_BYTES, row0, cq);
+        ring_read<RPT>(cur, ring + ((r - first) % GDN_RING) * GDN_TOK_BYTES, L.row0, L.cq);
         float o[4];
         rule_token<RPT>(s, cur, o);
         // Token r + GDN_RING - 1 goes to token r - 1's slot, after the arithmetic it may overlap.
         const uint32_t ahead = r + GDN_RING - 1;
         if (ahead < end) ring_issue(ring + ((ahead - first) % GDN_RING) * GDN_TOK_BYTES, src, ahead);
         cp_async_commit();
-        if (rl == 0 && col_ok)
-            *reinterpret_cast<float4*>(a.out + (size_t)r * vd + (size_t)j * a.dv + col0) =
+        if (L.rl == 0 && L.col_ok)
+            *reinterpret_cast<float4*>(a.out + (size_t)r * vd + (size_t)j * a.dv + L.col0) =
                 make_float4(o[0], o[1], o[2], o[3]);
     }
     cp_async_wait<0>();
-    if (st && col_ok && first < end) {
-#pragma unroll
-        for (int i = 0; i < RPT; ++i)
-            if (row0 + i < a.dk)
-                *reinterpret_cast<float4*>(st + (size_t)(row0 + i) * a.dv + col0) =
-                    make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
-    }
+    if (L.st && first < end) tile_store<RPT>(L.st, s, a, L);
 }
 
 // The general path: column d of head j, its Dk state entries in a local array. PER_ROW as in

@@ -1,11 +1,10 @@
 // Prefill GEMM lab: the engine's `linear` (the warp-specialized wgmma kernel), the mma.sync tiled
-// body (`linear_tiled`, the kernel before it: 128 x 128 tiles, 4-chunk stages) and wgmma variants
-// (lab/wg_variants.cuh, `linear_ws` at other tiles), all with the engine's numerics (chunks of 32 k, LIN_SEGS segments,
-// mma.sync m16n8k16 chains per segment summed in segment order), each checked bitwise against
+// body (`linear_tiled`, the kernel before it: 128 x 128 tiles, 4-chunk stages) and `linear_ws` at
+// other row tiles, all with the engine's numerics (chunks of 32 k, LIN_SEGS segments, a chain of
+// tensor-core MMAs per segment, summed in segment order), each checked bitwise against
 // `linear_f32out` (poisoned outputs) and timed at prefill row counts on the four Qwen3-8B
 // projections. Build: lab/build.sh (target/gemm-lab/prefill_lab).
 #include "../kernels/gemm.cu"
-#include "wg_variants.cuh"
 
 #include <cuda_runtime.h>
 
@@ -27,13 +26,6 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, 1)
     linear_tiled<float, BM, BN, WM, WN, SC, ST, true>(out, x, w, m, n, k, smem);
 }
 
-template <int ST>
-__global__ void __launch_bounds__(256, 1)
-    wgt(float* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w, uint32_t m, uint32_t n,
-        uint32_t k) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    linear_wgt_impl<float, ST>(out, x, w, m, n, k, smem);
-}
 // gemm.cu's warp-specialized body at other row tiles (BM / 64 consumer warpgroups) and rings.
 template <int ST, uint32_t BM>
 __global__ void __launch_bounds__(128 + 2 * BM, 1)
@@ -72,7 +64,6 @@ int main() {
     std::vector<Var> vars = {
         {"linear", (const void*)linear_f32out, LIN_BM, LIN_BN, LIN_THREADS, LIN_STAGES * (LIN_BM + LIN_BN) * 128 + 2048},
         VAR(128, 128, 64, 32, 4, 3),
-        {"wgt4", (const void*)wgt<4>, 128, 128, 256, 4 * 32768 + 1024},
         {"ws128x4", (const void*)ws<4, 128>, 128, 128, 384, 4 * 32768 + 2048},
         {"ws192x4", (const void*)ws<4, 192>, 192, 128, 512, 4 * 40960 + 2048},
     };

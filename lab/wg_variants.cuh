@@ -1,12 +1,11 @@
-// Lab-only wgmma variants of the `linear` kernels, kept for comparison (lab/gemm_lab.cu,
-// lab/prefill_lab.cu); they use kernels/gemm.cu's wgmma helpers and give bitwise its rows.
+// A lab-only wgmma variant of the decode `linear` kernel, kept for comparison (lab/gemm_lab.cu); it
+// uses kernels/gemm_wgmma.cuh's helpers and gives bitwise the engine's rows.
 // - linear_wg_impl: the decode cluster kernel (`linear_stream_wide`'s tiles and segments) with one
 //   warpgroup per block running m64n128k16 on stages filled by every thread: H200, 2026-11-30,
 //   48 % of the read stream at m = 32 on gate_up against the mma.sync kernel's 62 %, 43 % against
 //   46 % at m = 64 (persistent clusters and deeper rings were slower still).
-// - linear_wgt_impl: a 128 x 128 prefill tile, two warpgroups both copying and computing:
-//   176-195 TFLOP/s against the mma.sync tiled kernel's 192-209 (the warp-specialized `linear_ws`
-//   of gemm.cu is the one kept).
+// (A 128 x 128 prefill tile whose two warpgroups both copied and computed ran at 176-195 TFLOP/s
+// against the mma.sync tiles' 192-209; the warp-specialized `linear_ws` is the one kept.)
 #pragma once
 
 // One warpgroup (128 threads) per block, a cluster of LIN_SEGS blocks per tile of 128 columns by
@@ -134,88 +133,4 @@ MT_DEVICE void linear_wg_impl(OutT* out, const bf16* x, const bf16* w, uint32_t 
     }
     cp_async_wait<0>();
     (void)warp; (void)g; (void)q;
-}
-
-// The wgmma prefill kernel (lab stage): block tile 128 rows x 128 columns, two warpgroups of 64
-// rows, each one m64n128k16 per (chunk, instruction); a ring of ST stages of 2 chunks (x and
-// weight 16 KiB each), filled by 8-byte cp.async in the permuted core-matrix layout above. Per
-// segment a fresh chain, summed into `total` in segment order: the numerics of `linear_tiled`.
-template <typename OutT, int ST>
-MT_DEVICE void linear_wgt_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k,
-                               unsigned char* smem) {
-    constexpr uint32_t BM = 128, BN = 128, SCH = 2, THREADS = 256;
-    constexpr uint32_t A_BYTES = BM * 128, B_BYTES = BN * 128;
-    constexpr uint32_t STAGE_BYTES = A_BYTES + B_BYTES;
-    smem += (1024 - ((uint32_t)__cvta_generic_to_shared(smem) & 1023)) & 1023;  // swizzle atoms
-    const uint32_t tid = threadIdx.x, wg = tid / 128, wt = tid % 128;
-    const uint32_t m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
-    const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
-    const uint32_t steps = (chunks + SCH - 1) / SCH;
-    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
-
-    auto issue = [&](uint32_t j) {
-        if (j < steps) {
-            const uint32_t dst = sbase + (j % ST) * STAGE_BYTES;
-            for (uint32_t i = tid; i < (BM + BN) * SCH * 8; i += THREADS) {
-                const uint32_t r = i / (SCH * 8), cc = (i / 8) % SCH, p = i % 8;
-                const uint32_t c = j * SCH + cc, col = c * LIN_KC + 4 * p;
-                const bool is_x = r < BM;
-                const uint32_t grow = is_x ? m0 + r : n0 + (r - BM);
-                const bool in = grow < (is_x ? m : n) && col < k;
-                const bf16* base = is_x ? x : w;
-                const uint32_t off = is_x ? wg_off(r, cc, p) : A_BYTES + wg_off(r - BM, cc, p);
-                cp_async8(dst + off, in ? base + (size_t)grow * k + col : base, in ? 8u : 0u);
-            }
-        }
-        cp_async_commit();
-    };
-
-#pragma unroll
-    for (int p = 0; p < ST - 1; ++p) issue(p);
-
-    float acc[64], total[64];
-#pragma unroll
-    for (int e = 0; e < 64; ++e) acc[e] = total[e] = 0.0f;
-    uint32_t in_seg = 0;
-    for (uint32_t j = 0; j < steps; ++j) {
-        cp_async_wait<ST - 2>();
-        fence_async_smem();
-        __syncthreads();  // stage j is in; every MMA of step j - 1 is done
-        const uint32_t st = sbase + (j % ST) * STAGE_BYTES;
-        bool issued = false;
-#pragma unroll
-        for (uint32_t cc = 0; cc < SCH; ++cc) {
-            const uint32_t c = j * SCH + cc;
-            if (c >= chunks) break;
-            wg_fence();
-#pragma unroll
-            for (uint32_t b = 0; b < 2; ++b)
-                wgmma_m64n128k16(acc, wg_desc_sw(st, wg * 8, cc * 2 + b), wg_desc_sw(st + A_BYTES, 0, cc * 2 + b));
-            wg_commit();
-            if (!issued) {  // the next stage's copies go out while the MMAs run
-                issue(j + ST - 1);
-                issued = true;
-            }
-            if (++in_seg == seg_chunks || c + 1 == chunks) {  // a segment ends
-                in_seg = 0;
-                wg_wait0();
-#pragma unroll
-                for (int e = 0; e < 64; ++e) {
-                    total[e] += acc[e];
-                    acc[e] = 0.0f;
-                }
-            }
-        }
-        if (!issued) issue(j + ST - 1);
-        wg_wait0();
-    }
-    cp_async_wait<0>();
-    const uint32_t warp = wt / 32, lane = wt % 32, g = lane / 4, q = lane % 4;
-#pragma unroll
-    for (int e = 0; e < 64; ++e) {
-        const uint32_t row = m0 + wg * 64 + warp * 16 + g + ((e % 4) >= 2 ? 8 : 0);
-        const uint32_t col = n0 + (e / 4) * 8 + 2 * q + (e & 1);
-        if (row < m && col < n) store_out(out, (size_t)row * n + col, total[e]);
-    }
 }
