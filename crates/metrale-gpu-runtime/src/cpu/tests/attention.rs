@@ -1,0 +1,237 @@
+//! The CPU backend's RoPE and attention kernels against f64 references written from the
+//! definitions (part of `cpu/tests.rs`, whose generator, rig and comparison they use).
+
+use half::bf16;
+
+use super::*;
+
+/// Rotate-half RoPE of one head, in f64, from the definition.
+fn ref_rope(x: &mut [f64], pos: f64, inv_freq: &[f32], rd: usize) {
+    let h = rd / 2;
+    for i in 0..h {
+        let a = pos * inv_freq[i] as f64;
+        let (x1, x2) = (x[i], x[i + h]);
+        x[i] = x1 * a.cos() - x2 * a.sin();
+        x[i + h] = x2 * a.cos() + x1 * a.sin();
+    }
+}
+
+#[test]
+fn qk_norm_rope_normalises_and_rotates_q_and_k_only() {
+    let r = Rig::new();
+    let mut d = Data(21);
+    // Gated layout: q head stride 2*dh, partial rotary.
+    let (rows, hq, hkv, dh, rd) = (2usize, 2usize, 1usize, 8usize, 4usize);
+    let qs = 2 * dh;
+    let stride = hq * qs + 2 * hkv * dh;
+    let x = d.bf(rows * stride, 2.0);
+    let (qw, kw) = (d.bf(dh, 0.5), d.bf(dh, 0.5));
+    let inv_freq: Vec<f32> = (0..rd / 2)
+        .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / rd as f32))
+        .collect();
+    let pos = [3u32, 17];
+    let (xp, qp, kp, fp, pp) = (
+        r.put(&x),
+        r.put(&qw),
+        r.put(&kw),
+        r.put(&inv_freq),
+        r.put(&pos),
+    );
+    let u = |v: usize| KernelArg::U32(v as u32);
+    r.run(
+        "rope",
+        "qk_norm_rope",
+        &[
+            xp.into(),
+            qp.into(),
+            kp.into(),
+            fp.into(),
+            pp.into(),
+            u(rows),
+            u(stride),
+            u(hq),
+            u(qs),
+            u(hq * qs),
+            u(hkv),
+            u(dh),
+            u(rd),
+            1e-6f32.into(),
+            1u32.into(),
+        ],
+    )
+    .unwrap();
+    let got = r.get_bf(xp, rows * stride);
+    let mut want = tof(&x);
+    for (row, &p) in pos.iter().enumerate() {
+        let base = row * stride;
+        let mut heads: Vec<(usize, &[bf16])> = (0..hq).map(|h| (base + h * qs, &qw[..])).collect();
+        heads.extend((0..hkv).map(|h| (base + hq * qs + h * dh, &kw[..])));
+        for (at, w) in heads {
+            let mut v = ref_rms(&want[at..at + dh], &tof(w), 1e-6, true);
+            ref_rope(&mut v, p as f64, &inv_freq, rd);
+            want[at..at + dh].copy_from_slice(&v);
+        }
+    }
+    assert_close(&got, &want, 1e-2, "qk_norm_rope");
+    // Gates and values are untouched.
+    assert_eq!(got[dh..2 * dh], tof(&x[dh..2 * dh]));
+    let v_at = hq * qs + hkv * dh;
+    assert_eq!(got[v_at..v_at + dh], tof(&x[v_at..v_at + dh]));
+}
+
+#[test]
+fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_table() {
+    let r = Rig::new();
+    let mut d = Data(31);
+    let (hq, hkv, dh, bs) = (4usize, 2usize, 8usize, 4usize);
+    let stride = (hq + 2 * hkv) * dh;
+    let len = 10usize; // three blocks, the last partly filled
+    let num_blocks = 6usize;
+    let slots = num_blocks * bs;
+    let qkv = d.bf(len * stride, 1.5);
+    let table = [4u32, 1, 3, 0, 0];
+    let max_blocks = table.len();
+    let slot_of = |t: usize| table[t / bs] as usize * bs + t % bs;
+    let slot_map: Vec<u32> = (0..len).map(|t| slot_of(t) as u32).collect();
+    let (qp, tp, sp) = (r.put(&qkv), r.put(&table), r.put(&slot_map));
+    let kc = r.out(slots * hkv * dh * 2);
+    let vc = r.out(slots * hkv * dh * 2);
+    let u = |v: usize| KernelArg::U32(v as u32);
+    r.run(
+        "cache",
+        "kv_store",
+        &[
+            kc.into(),
+            vc.into(),
+            qp.into(),
+            sp.into(),
+            u(len),
+            u(stride),
+            u(hq * dh),
+            u((hq + hkv) * dh),
+            u(hkv),
+            u(dh),
+            u(slots),
+        ],
+    )
+    .unwrap();
+    let out = r.out(len * hq * dh * 2);
+    let seq = vec![0u32; len];
+    let pos: Vec<u32> = (0..len as u32).collect();
+    let (seqp, posp) = (r.put(&seq), r.put(&pos));
+    let scale = 1.0 / (dh as f32).sqrt();
+    let args = |out: DevicePtr| {
+        vec![
+            out.into(),
+            qp.into(),
+            kc.into(),
+            vc.into(),
+            tp.into(),
+            seqp.into(),
+            posp.into(),
+            u(len),
+            u(stride),
+            u(dh),
+            u(hq),
+            u(hkv),
+            u(dh),
+            u(bs),
+            u(max_blocks),
+            u(1),
+            u(slots),
+            scale.into(),
+            0u32.into(),
+        ]
+    };
+    r.run("attention", "paged_attention", &args(out)).unwrap();
+    let q = tof(&qkv);
+    let mut want = vec![0.0f64; len * hq * dh];
+    for t in 0..len {
+        for h in 0..hq {
+            let g = h / (hq / hkv);
+            let qv = &q[t * stride + h * dh..t * stride + (h + 1) * dh];
+            let key =
+                |s: usize| &q[s * stride + hq * dh + g * dh..s * stride + hq * dh + (g + 1) * dh];
+            let val = |s: usize| {
+                &q[s * stride + (hq + hkv) * dh + g * dh
+                    ..s * stride + (hq + hkv) * dh + (g + 1) * dh]
+            };
+            let sc: Vec<f64> = (0..=t)
+                .map(|s| qv.iter().zip(key(s)).map(|(a, b)| a * b).sum::<f64>() * scale as f64)
+                .collect();
+            let m = sc.iter().cloned().fold(f64::MIN, f64::max);
+            let e: Vec<f64> = sc.iter().map(|v| (v - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for i in 0..dh {
+                want[(t * hq + h) * dh + i] = (0..=t).map(|s| e[s] / z * val(s)[i]).sum();
+            }
+        }
+    }
+    assert_close(
+        &r.get_bf(out, len * hq * dh),
+        &want,
+        1e-2,
+        "paged_attention",
+    );
+    // The prefill twin over row groups (2 heads per block: up to 4 rows of one unit each)
+    // gives every grouped row bitwise the same and leaves the rows of no group (4..8) as
+    // poisoned; a group of 5 rows is refused.
+    let grouped = r.out(len * hq * dh * 2);
+    let mut with_groups = args(grouped);
+    with_groups.extend([r.put(&[0u32, 4, 8, 2]).into(), u(2)]);
+    r.run("attention", "paged_attention_prefill", &with_groups)
+        .unwrap();
+    let (got, want) = (
+        r.get_bf(grouped, len * hq * dh),
+        r.get_bf(out, len * hq * dh),
+    );
+    let row = hq * dh;
+    for t in 0..len {
+        let (g, w) = (&got[t * row..(t + 1) * row], &want[t * row..(t + 1) * row]);
+        if (4..8).contains(&t) {
+            assert!(
+                g.iter().all(|v| v.is_nan()),
+                "row {t} of no group was written"
+            );
+        } else {
+            let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "row {t}: the prefill twin differs from paged_attention"
+            );
+        }
+    }
+    let mut too_many = args(grouped);
+    too_many.extend([r.put(&[0u32, 5]).into(), u(1)]);
+    let err = r
+        .run("attention", "paged_attention_prefill", &too_many)
+        .unwrap_err();
+    assert!(err.to_string().contains("row group 0"), "{err}");
+    // A padding slot writes nothing.
+    let pad = r.put(&[u32::MAX]);
+    let before = r.get_bf(kc, slots * hkv * dh);
+    r.run(
+        "cache",
+        "kv_store",
+        &[
+            kc.into(),
+            vc.into(),
+            qp.into(),
+            pad.into(),
+            u(1),
+            u(stride),
+            u(hq * dh),
+            u((hq + hkv) * dh),
+            u(hkv),
+            u(dh),
+            u(slots),
+        ],
+    )
+    .unwrap();
+    let after = r.get_bf(kc, slots * hkv * dh);
+    let same = before
+        .iter()
+        .zip(&after)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same, "a padding row must not write the cache");
+}
