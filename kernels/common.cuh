@@ -90,6 +90,14 @@ MT_DEVICE void cp_async16(void* dst, const void* src, uint32_t src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes));
 }
 
+// N-byte (4 or 8) asynchronous copy global -> shared address `dst` (cp.async.ca: copies under 16
+// bytes go through L1); `src_bytes` < N zero-fills the rest.
+template <int N>
+MT_DEVICE void cp_async_ca(uint32_t dst, const void* src, uint32_t src_bytes) {
+    static_assert(N == 4 || N == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N), "r"(src_bytes));
+}
+
 MT_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Wait until at most N of this thread's committed groups are pending.

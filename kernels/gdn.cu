@@ -34,11 +34,11 @@
 // bytes). Per token, the sums over c are a per-lane chain over its rows (ascending) and then an
 // xor butterfly over the 8 row lanes, which leaves bitwise the same value in all of them. The
 // chunked kernel streams the rows' q̂, k̂, v, β, g through a per-warp ring in shared memory,
-// GDN_RING - 1 rows ahead (`rule_warp_ring`; launched without the ring's shared memory it loads
-// one row ahead in registers); the recurrent one, for decode, loads its row when it needs it. This "fast" path needs Dk % 4 == 0,
-// Dv % 4 == 0, Dk <= 128, slot_stride % 4 == 0 and 16-byte aligned state, qk and out; otherwise
-// a thread per column keeps its column in a local array (Dk <= 256; above that the outputs are
-// NaN) and sums over c in ascending order. Both paths use only explicit fmaf for
+// GDN_RING - 1 rows ahead (`rule_warp_ring`); the recurrent and verify kernels (and the chunked
+// one launched without the ring's shared memory) load each row when they need it. This "fast"
+// path needs Dk % 4 == 0, Dv % 4 == 0, Dk <= 128, slot_stride % 4 == 0 and 16-byte aligned state,
+// qk and out; otherwise a thread per column keeps its column in a local array (Dk <= 256; above
+// that the outputs are NaN) and sums over c in ascending order. Both paths use only explicit fmaf for
 // multiply-adds, so no contraction choice of the compiler can make the two kernels differ.
 //
 // gated_delta_chunked runs the same recurrence row by row (the chunked WY form of the CPU twin is

@@ -149,50 +149,36 @@ MT_DEVICE void tile_store(float* st, const float (&s)[RPT][4], const Rule& a, co
 // The fast path: warp tile `w` (columns 16w .. 16w+15) of head j of a sequence with `slot`, over
 // rows first .. end-1. See the header. PER_ROW (verify): the tile after each row goes to the
 // row's slot, and the sequence's slot is not written back.
-template <int RPT, bool PREFETCH, bool PER_ROW>
+template <int RPT, bool PER_ROW>
 MT_DEVICE void rule_warp(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, uint32_t first,
                          uint32_t end) {
     const RuleLane L = rule_lane<RPT>(a, j, w, slot);
-    const uint32_t rl = L.rl, row0 = L.row0, col0 = L.col0;
-    const bool col_ok = L.col_ok;
-    float* st = L.st;
     float s[RPT][4];
-    tile_load<RPT>(s, a, L, st);
+    tile_load<RPT>(s, a, L, L.st);
     const size_t vd = (size_t)a.hv * a.dv;
-    RuleTok<RPT> cur, nxt;
-    if (PREFETCH && first < end) load_tok<RPT>(cur, a, first, j, row0, col0);
     for (uint32_t r = first; r < end; ++r) {
-        if (!PREFETCH) {
-            load_tok<RPT>(cur, a, r, j, row0, col0);
-        } else if (r + 1 < end) {
-            load_tok<RPT>(nxt, a, r + 1, j, row0, col0);
-        }
+        RuleTok<RPT> cur;
+        load_tok<RPT>(cur, a, r, j, L.row0, L.col0);
         float o[4];
         rule_token<RPT>(s, cur, o);
-        if (rl == 0 && col_ok)
-            *reinterpret_cast<float4*>(a.out + (size_t)r * vd + (size_t)j * a.dv + col0) =
+        if (L.rl == 0 && L.col_ok)
+            *reinterpret_cast<float4*>(a.out + (size_t)r * vd + (size_t)j * a.dv + L.col0) =
                 make_float4(o[0], o[1], o[2], o[3]);
         if (PER_ROW) {
             float* kept = row_state(a, r, j);
             if (kept) tile_store<RPT>(kept, s, a, L);
         }
-        if (PREFETCH && r + 1 < end) cur = nxt;
     }
-    if (!PER_ROW && st && first < end) tile_store<RPT>(st, s, a, L);
+    if (!PER_ROW && L.st && first < end) tile_store<RPT>(L.st, s, a, L);
 }
 
 // The prefill ring: the chunked kernel's fast path streams each token's inputs (q̂ and k̂ of the
 // head's key head, the tile's 16 v columns, β and g) into a per-warp ring of GDN_RING tokens in
 // shared memory, GDN_RING - 1 tokens ahead, so the loads of a token are in flight for several
-// tokens' arithmetic (one token ahead in registers left most of their latency exposed: 0.9 us a
-// token on the H200). The arithmetic is rule_token's, so the bits are the register path's.
+// tokens' arithmetic (loading one token ahead in registers left most of their latency exposed:
+// 0.9 us a token on the H200). The arithmetic is rule_token's, so the bits are the register path's.
 #define GDN_RING 8
 #define GDN_TOK_BYTES (2 * GDN_FAST_MAX_DK * 4 + 64)  // q̂, k̂ (f32), v (16 bf16), β, g; padded
-
-MT_DEVICE void cp_async4(void* dst, const void* src, uint32_t src_bytes) {
-    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
-}
 
 // What one lane copies of every token, fixed for the warp's (head, tile): up to two 16-byte
 // vectors of q̂ / k̂ and one 4-byte piece (two v columns, or β or g), as token-0 sources and
@@ -247,7 +233,7 @@ MT_DEVICE void ring_issue(unsigned char* tok, const RingLane& L, uint32_t r) {
 #pragma unroll
     for (int n = 0; n < 2; ++n)
         if (L.qk0[n]) cp_async16(tok + L.qk_dst[n], L.qk0[n] + r * L.qk_step, 16u);
-    if (L.x0) cp_async4(tok + L.x_dst, L.x0 + r * L.x_step, L.x_bytes);
+    if (L.x0) cp_async_ca<4>((uint32_t)__cvta_generic_to_shared(tok + L.x_dst), L.x0 + r * L.x_step, L.x_bytes);
 }
 
 template <int RPT>
@@ -269,7 +255,7 @@ MT_DEVICE void ring_read(RuleTok<RPT>& t, const unsigned char* tok, uint32_t row
     t.g = gb[1];
 }
 
-// rule_warp<RPT, PREFETCH, false> through the ring at `ring` (this warp's GDN_RING tokens).
+// rule_warp<RPT, false> through the ring at `ring` (this warp's GDN_RING tokens).
 template <int RPT>
 MT_DEVICE void rule_warp_ring(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, uint32_t first,
                               uint32_t end, unsigned char* ring) {
@@ -348,10 +334,11 @@ MT_DEVICE void rule_column(const Rule& a, uint32_t j, uint32_t d, uint32_t slot,
         for (uint32_t c = 0; c < dk; ++c) st[(size_t)c * dv] = col[c];
 }
 
-// One block of either rule kernel: (sequence blockIdx.x, value head and column group blockIdx.y).
-// PREFETCH: load the next row's inputs before computing the current one (prefill); the
-// arithmetic is the same either way. PER_ROW: a verify step (see rule_warp).
-template <bool PREFETCH, bool PER_ROW>
+// One block of any rule kernel: (sequence blockIdx.x, value head and column group blockIdx.y).
+// RING: stream the rows through the prefill ring when the launch gave every warp one (the
+// chunked kernel); otherwise each row is loaded when it is needed. The arithmetic is the same
+// either way. PER_ROW: a verify step (see rule_warp).
+template <bool RING, bool PER_ROW>
 MT_DEVICE void rule_block(const Rule& a) {
     const uint32_t s = blockIdx.x;
     if (s >= a.num_seqs || a.hk == 0 || a.hv == 0 || a.hv % a.hk != 0) return;
@@ -380,7 +367,7 @@ MT_DEVICE void rule_block(const Rule& a) {
     }
     const uint32_t w = grp * wb + warp;
     if (w * GDN_WARP_COLS >= a.dv) return;
-    if (PREFETCH && !PER_ROW) {  // the ring, when the launch gave every warp one
+    if (RING) {  // the ring, when the launch gave every warp one
         extern __shared__ __align__(16) unsigned char gdn_ring[];
         uint32_t dyn_bytes;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
@@ -396,10 +383,10 @@ MT_DEVICE void rule_block(const Rule& a) {
         }
     }
     if (a.dk <= 32) {
-        rule_warp<4, PREFETCH, PER_ROW>(a, j, w, slot, first, end);
+        rule_warp<4, PER_ROW>(a, j, w, slot, first, end);
     } else if (a.dk <= 64) {
-        rule_warp<8, PREFETCH, PER_ROW>(a, j, w, slot, first, end);
+        rule_warp<8, PER_ROW>(a, j, w, slot, first, end);
     } else {
-        rule_warp<16, PREFETCH, PER_ROW>(a, j, w, slot, first, end);
+        rule_warp<16, PER_ROW>(a, j, w, slot, first, end);
     }
 }

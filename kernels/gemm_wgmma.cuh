@@ -1,6 +1,6 @@
 // The prefill kernel's body (`linear_ws`) and its wgmma, mbarrier and copy helpers: part of
-// gemm.cu, which includes it after the decode kernels (it uses LIN_KC, LIN_SEGS, store_out and
-// the cp.async helpers from there).
+// gemm.cu, which includes it after the decode kernels (it uses LIN_KC, LIN_SEGS and store_out from
+// there, the cp.async helpers from common.cuh).
 #pragma once
 
 // ---- The prefill kernel (`linear`): warp-specialized Hopper warpgroup MMAs ----
@@ -11,9 +11,6 @@
 // 4 k (8-byte cp.async) into 128-byte-swizzled rows whose 16-byte core-matrix units each hold two
 // such runs.
 
-MT_DEVICE void cp_async8(uint32_t dst, const void* src, uint32_t src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
 // Orders this thread's generic-proxy shared-memory writes before later async-proxy (wgmma) reads.
 MT_DEVICE void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 MT_DEVICE void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -140,13 +137,13 @@ MT_DEVICE void linear_ws(OutT* out, const bf16* x, const bf16* w, uint32_t m, ui
                 for (uint32_t i = 0; i < BM / 8; ++i) {
                     const uint32_t row = m0 + r0 + 8 * i;
                     const bool in = row < m && col < k;
-                    cp_async8(dst + i * 1024, in ? x + (size_t)row * k + col : x, in ? 8u : 0u);
+                    cp_async_ca<8>(dst + i * 1024, in ? x + (size_t)row * k + col : x, in ? 8u : 0u);
                 }
 #pragma unroll 4
                 for (uint32_t i = 0; i < BN / 8; ++i) {
                     const uint32_t row = n0 + r0 + 8 * i;
                     const bool in = row < n && col < k;
-                    cp_async8(dst + A_BYTES + i * 1024, in ? w + (size_t)row * k + col : w, in ? 8u : 0u);
+                    cp_async_ca<8>(dst + A_BYTES + i * 1024, in ? w + (size_t)row * k + col : w, in ? 8u : 0u);
                 }
                 cp_async_mbar_arrive(full + slot * 8);
             } else {  // element loads (zero past k and past the rows), then stores

@@ -50,7 +50,7 @@ MT_DEVICE void linear_wg_impl(OutT* out, const bf16* x, const bf16* w, uint32_t 
             const uint32_t r = i / (SCH * 8), cc = (i / 8) % SCH, p = i % 8;
             const uint32_t row = n0 + r, c = c0 + cc, col = c * LIN_KC + 4 * p;
             const bool in = row < n && c < c_end && col < k;
-            cp_async8(dst + wg_off(r, cc, p), in ? w + (size_t)row * k + col : w, in ? 8u : 0u);
+            cp_async_ca<8>(dst + wg_off(r, cc, p), in ? w + (size_t)row * k + col : w, in ? 8u : 0u);
         }
     };
     auto issue_x = [&](uint32_t j) {
@@ -62,7 +62,7 @@ MT_DEVICE void linear_wg_impl(OutT* out, const bf16* x, const bf16* w, uint32_t 
                 const uint32_t r = i / (SCH * 8), cc = (i / 8) % SCH, p = i % 8;
                 const uint32_t c = c0 + cc, col = c * LIN_KC + 4 * p;
                 const bool in = c < c_end && col < k;
-                cp_async8(dst + wg_off(r, cc, p), in ? x + (size_t)(m0 + r) * k + col : x, in ? 8u : 0u);
+                cp_async_ca<8>(dst + wg_off(r, cc, p), in ? x + (size_t)(m0 + r) * k + col : x, in ? 8u : 0u);
             }
         }
         cp_async_commit();

@@ -3,7 +3,8 @@
 // each m16n8k16 a permuted set of 16 k (kernels/gemm.cu: lane q holds k 8q..8q+7 of a 32-wide
 // chunk; the first MMA takes 8q..8q+3). Here the same k go to the same MMA slots of a wgmma (or,
 // ORDER 1, the same set in ascending order), segment by segment as the engine sums them, and
-// every output is compared with `linear_f32out` (the tiled kernel). Build with lab/build.sh.
+// every output is compared with the mma.sync tiled kernel (`linear_tiled`, the engine's prefill
+// kernel before `linear_ws`). Build with lab/build.sh.
 #include "../kernels/gemm.cu"
 
 #include <cuda_runtime.h>
@@ -30,6 +31,13 @@ MT_DEVICE void wgmma_m64n8k16(float (&d)[4], uint64_t da, uint64_t db) {
         "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "l"(da), "l"(db));
+}
+
+// The reference: gemm.cu's mma.sync tiles (128 x 128, 8 warps of 64 x 32, 3 stages of 4 chunks).
+__global__ void __launch_bounds__(256, 1)
+    mma_ref(float* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    linear_tiled<float, 128, 128, 64, 32, 4, 3, true>(out, x, w, m, n, k, smem);
 }
 
 // One warpgroup per 64 x 8 output tile; x [m, k], w [n, k], k % 32 == 0 for simplicity.
@@ -98,8 +106,8 @@ int main() {
             fill_bf16<<<256, 256>>>(w, (size_t)sh.n * sh.k, sh.n + 5 * sh.k, sqrtf(3.0f / sh.k));
             CK(cudaMemset(ref, 0xFF, (size_t)sh.m * sh.n * 4));
             CK(cudaMemset(out, 0xFF, (size_t)sh.m * sh.n * 4));
-            CK(cudaFuncSetAttribute(linear_f32out, cudaFuncAttributeMaxDynamicSharedMemorySize, 3 * 4 * 256 * 64));
-            linear_f32out<<<dim3((sh.n + 127) / 128, (sh.m + 127) / 128), 256, 3 * 4 * 256 * 64>>>(ref, x, w, sh.m, sh.n, sh.k);
+            CK(cudaFuncSetAttribute(mma_ref, cudaFuncAttributeMaxDynamicSharedMemorySize, 3 * 4 * 256 * 64));
+            mma_ref<<<dim3((sh.n + 127) / 128, (sh.m + 127) / 128), 256, 3 * 4 * 256 * 64>>>(ref, x, w, sh.m, sh.n, sh.k);
             if (order == 0)
                 wgmma_probe<0><<<dim3(sh.n / 8, (sh.m + 63) / 64), 128>>>(out, x, w, sh.m, sh.n, sh.k);
             else

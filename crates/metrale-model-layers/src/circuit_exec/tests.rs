@@ -189,6 +189,19 @@ pub(super) fn layer(a: &mut Addr, spec: LayerSpec) -> CircuitLayer {
     }
 }
 
+/// A full-attention layer's KV pools: 512 slots in blocks of 16.
+fn attention_pools(a: &mut Addr) -> LayerPools {
+    LayerPools {
+        kv: Some(KvBinding {
+            k: a.next(),
+            v: a.next(),
+            block_size: 16,
+            num_slots: 512,
+        }),
+        ssm: None,
+    }
+}
+
 pub(super) fn head(a: &mut Addr) -> HeadBinding {
     HeadBinding {
         embedding: a.weight(&[256, 64], DType::Bf16),
@@ -246,15 +259,7 @@ pub(super) fn fixed(a: &mut Addr, specs: &[LayerSpec]) -> Fixed {
     let pools = specs
         .iter()
         .map(|s| match s.kind {
-            LayerKind::FullAttention => LayerPools {
-                kv: Some(KvBinding {
-                    k: a.next(),
-                    v: a.next(),
-                    block_size: 16,
-                    num_slots: 512,
-                }),
-                ssm: None,
-            },
+            LayerKind::FullAttention => attention_pools(a),
             LayerKind::LinearAttention => LayerPools {
                 kv: None,
                 ssm: Some(SsmBinding {
@@ -272,15 +277,7 @@ pub(super) fn fixed(a: &mut Addr, specs: &[LayerSpec]) -> Fixed {
         cat_src: a.next(),
         cat_ids: a.next(),
         cat: a.next(),
-        pools: vec![LayerPools {
-            kv: Some(KvBinding {
-                k: a.next(),
-                v: a.next(),
-                block_size: 16,
-                num_slots: 512,
-            }),
-            ssm: None,
-        }],
+        pools: vec![attention_pools(a)],
     };
     Fixed {
         buffers,

@@ -97,24 +97,28 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
     let kc = r.out(slots * hkv * dh * 2);
     let vc = r.out(slots * hkv * dh * 2);
     let u = |v: usize| KernelArg::U32(v as u32);
-    r.run(
-        "cache",
-        "kv_store",
-        &[
-            kc.into(),
-            vc.into(),
-            qp.into(),
-            sp.into(),
-            u(len),
-            u(stride),
-            u(hq * dh),
-            u((hq + hkv) * dh),
-            u(hkv),
-            u(dh),
-            u(slots),
-        ],
-    )
-    .unwrap();
+    // The first `rows` rows' keys and values into the caches at `slot_mapping`.
+    let kv_store = |slot_mapping: DevicePtr, rows: usize| {
+        r.run(
+            "cache",
+            "kv_store",
+            &[
+                kc.into(),
+                vc.into(),
+                qp.into(),
+                slot_mapping.into(),
+                u(rows),
+                u(stride),
+                u(hq * dh),
+                u((hq + hkv) * dh),
+                u(hkv),
+                u(dh),
+                u(slots),
+            ],
+        )
+        .unwrap()
+    };
+    kv_store(sp, len);
     let out = r.out(len * hq * dh * 2);
     let seq = vec![0u32; len];
     let pos: Vec<u32> = (0..len as u32).collect();
@@ -210,24 +214,7 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
     // A padding slot writes nothing.
     let pad = r.put(&[u32::MAX]);
     let before = r.get_bf(kc, slots * hkv * dh);
-    r.run(
-        "cache",
-        "kv_store",
-        &[
-            kc.into(),
-            vc.into(),
-            qp.into(),
-            pad.into(),
-            u(1),
-            u(stride),
-            u(hq * dh),
-            u((hq + hkv) * dh),
-            u(hkv),
-            u(dh),
-            u(slots),
-        ],
-    )
-    .unwrap();
+    kv_store(pad, 1);
     let after = r.get_bf(kc, slots * hkv * dh);
     let same = before
         .iter()
