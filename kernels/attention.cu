@@ -38,15 +38,9 @@
 // reads item k's partials from the cluster and writes its share of the outputs (the combine
 // buffers alternate by item parity), so blocks do not idle at the barrier.
 //
-// `paged_attention_prefill` runs the same code on row groups (ops::attention_row_groups, built
-// by the host for prefill chunks): up to ATT_HB / hb consecutive rows of one sequence whose
-// positions lie in one 16-token unit, so their contexts cut into the same units, splits and warp
-// shares. A group is one item: its rows' hb heads are the MMA rows (virtual head j * hb + h at
-// row j * hb + h), each row masks the tokens past its own position, and every key and value is
-// read once for the group. Each row's arithmetic is the single-row kernel's, so the two kernels
-// agree bitwise (gpu_kernels tests it); decode and verify steps, which graphs capture, keep
-// `paged_attention` (a group count depends on the positions). Measured on the H200 (2026-11-30,
-// Qwen3-8B shape, 2048-token prefill): 2.77 ms per layer against 3.45 with one row per item.
+// `paged_attention_prefill` (attention_prefill.cuh) computes the same per-row arithmetic for the
+// rows of a prefill chunk, sixteen warps to a block and up to 64 virtual rows to an item, so each
+// key and value is read once for many rows; a row's result is bitwise this kernel's.
 //
 // Rows whose inputs are out of range (sequence past the block tables, a context longer than
 // max_blocks, a slot past num_slots) get NaN outputs, as does every row of a launch the kernel
@@ -78,10 +72,6 @@ MT_DEVICE uint32_t att_heads_per_block(uint32_t hq, uint32_t hkv) {
     return 1;
 }
 
-// Rows per item of `paged_attention_prefill`: as many as fill the ATT_HB query rows of a unit's
-// MMAs beside hb heads each. The launcher computes the same.
-MT_DEVICE uint32_t att_rows_per_item(uint32_t hb) { return ATT_HB / hb; }
-
 // head_dim padded to the tensor-core tile the kernel is instantiated for.
 MT_DEVICE uint32_t att_padded_dim(uint32_t d) {
     return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256;
@@ -96,14 +86,31 @@ MT_DEVICE uint32_t att_shared_bytes(uint32_t dp, uint32_t hb) {
            (ATT_WARPS + 2u) * hb * dp * 4u;
 }
 
-// d0, d1 (rows 0..7 of an m16n8k16 result) += A B, where A's rows 8..15 are zero: a0 / a2 hold
-// A row g's k 2c, 2c+1 / 2c+8, 2c+9; b0 / b1 hold B column g's same k (g = lane / 4, c = lane % 4).
-MT_DEVICE void att_mma(float& d0, float& d1, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-    float d2 = 0.0f, d3 = 0.0f;  // rows 8..15: zero in, discarded
+// The units of a row's context (ctx tokens) that warp `part` of block `split` takes: first,
+// first + ATT_WARPS, ... (`mine` of them). Both kernels cut a context this way.
+MT_DEVICE void att_units(uint32_t ctx, uint32_t split, uint32_t part, uint32_t& first, uint32_t& mine) {
+    const uint32_t units = (ctx + ATT_UNIT - 1) / ATT_UNIT;
+    const uint32_t ub = (uint32_t)((uint64_t)split * units / ATT_SPLITS);
+    const uint32_t ue = (uint32_t)((uint64_t)(split + 1) * units / ATT_SPLITS);
+    first = ub + part;
+    mine = ue > first ? (ue - first + ATT_WARPS - 1) / ATT_WARPS : 0;
+}
+
+// d0..d3 (an m16n8k16 result: rows g and g + 8, columns 2c, 2c + 1) += A B: a0 / a2 hold A row
+// g's k 2c, 2c+1 / 2c+8, 2c+9, a1 / a3 row g + 8's; b0 / b1 hold B column g's same k (g = lane /
+// 4, c = lane % 4).
+MT_DEVICE void att_mma16(float& d0, float& d1, float& d2, float& d3, uint32_t a0, uint32_t a1,
+                         uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Rows 0..7 only: A's rows 8..15 are zero and their results discarded.
+MT_DEVICE void att_mma(float& d0, float& d1, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+    float d2 = 0.0f, d3 = 0.0f;
+    att_mma16(d0, d1, d2, d3, a0, 0u, a2, 0u, b0, b1);
 }
 
 MT_DEVICE void att_ldsm4(uint32_t (&r)[4], uint32_t addr) {
@@ -125,6 +132,67 @@ MT_DEVICE uint32_t att_pack_bf16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// 2^x on the special-function unit, results below 2^-126 flushed to zero (exp2f's range
+// scaling costs two instructions per call, and the softmax calls it five times a row per unit).
+MT_DEVICE float att_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Whether a warp must rescale its running outputs by this unit's corrections: not on its first
+// unit of an item (the outputs are zeros) and not when every row's maximum stayed (each factor
+// is 1). Skipping is exact, and both kernels decide the same way.
+MT_DEVICE bool att_rescale(bool first, bool moved) { return !first && __any_sync(0xffffffffu, moved); }
+
+// One row's online-softmax step over a unit, on the quad of lanes holding the row: its scores
+// in two chains (s0 + s1, [n-tile][column pair]) scaled, tokens past `ctx` masked, the running
+// max `m` and sum `l` updated (the sum adds the bf16-rounded probabilities), `corr` the factor
+// for the row's running output and `pa` its probabilities as the A operand of P V. Both kernels
+// run every row through this function, so their arithmetic is the same instruction for
+// instruction.
+MT_DEVICE void att_softmax_row(const float (&s0)[2][2], const float (&s1)[2][2], uint32_t unit,
+                               uint32_t ctx, float scale_log2, uint32_t c, float& m, float& l,
+                               float& corr, uint32_t (&pa)[2]) {
+    float x[2][2];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const uint32_t t = unit * ATT_UNIT + 8 * n + 2 * c + e;
+            x[n][e] = t < ctx ? __fmul_rn(__fadd_rn(s0[n][e], s1[n][e]), scale_log2) : -INFINITY;
+            mx = fmaxf(mx, x[n][e]);
+        }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m, mx);  // finite: a unit holds at least one live token
+    corr = att_exp2(m - m_new);
+    float sum = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+        pa[n] = att_pack_bf16(att_exp2(x[n][0] - m_new), att_exp2(x[n][1] - m_new));
+        sum = __fadd_rn(sum, __fadd_rn(__uint_as_float(pa[n] << 16), __uint_as_float(pa[n] & 0xFFFF0000u)));
+    }
+    l = fmaf(l, corr, sum);
+    m = m_new;
+}
+
+// A partial's weight in a combine whose maximum is `mx` (0 for a partial that saw no token).
+MT_DEVICE float att_weight(float m, float mx) { return m == -INFINITY ? 0.0f : att_exp2(m - mx); }
+
+// One output of the cluster's combine: the splits' numerators `ps` weighted by `wt` (in split
+// order) over the denominator, times the output gate when there is one.
+MT_DEVICE bf16 att_finish(const float (&wt)[ATT_SPLITS], const float (&ps)[ATT_SPLITS], float den,
+                          const bf16* gate) {
+    float num = 0.0f;
+#pragma unroll
+    for (int s = 0; s < ATT_SPLITS; ++s) num = fmaf(wt[s], ps[s], num);
+    float val = num / den;
+    if (gate != nullptr) val *= sigmoidf_acc(bf2f(*gate));
+    return f2bf(val);
+}
+
 // The cluster barrier in two halves: arrive (release: this block's shared-memory writes become
 // visible to the cluster) and wait (acquire: every block of the cluster has arrived).
 MT_DEVICE void att_cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
@@ -138,75 +206,72 @@ struct AttLaunch {
     const bf16* k_cache;
     const bf16* v_cache;
     const uint32_t* block_tables;
-    const uint32_t* positions;
-    const uint32_t* row_groups;  // paged_attention_prefill: [n_groups][first row, rows]; else NULL
-    const uint32_t* grp_s;       // ... and in shared memory, per item k of the cluster:
-                                 // [k][first row, rows, each row's context (ATT_HB)]
     uint32_t row_stride, q_head_stride, hq, d, block_size, max_blocks, num_slots;
-    uint32_t hb, hv, group, groups, n_items, n_clusters, cluster, split, nk;
+    uint32_t bs_shift;  // log2(block_size) when it is a power of two, else 32
+    uint32_t hb, group, groups, n_items, n_clusters, cluster, split, nk;
     size_t width;  // elements per slot (num_kv_heads * head_dim)
     float scale_log2;
     bool gated, vec;
 };
 
-// Item k of this cluster: (rows, group of hb query heads) number cluster + k * n_clusters, and
-// the units of it this block's warp `warp` takes. The item's rows are `row` .. row + cnt - 1 (one
-// row in `paged_attention`; a row group of `paged_attention_prefill`, whose rows share a
-// sequence and a unit count); virtual head v = j * hb + h is head h0 + h of row row + j, and sits
-// at MMA row v. `ctx` is the largest context of the rows (0: out of range), `rctx` the context of
-// the row of lane's MMA row g.
-struct AttItem {
-    uint32_t row, cnt, h0, seq, ctx, rctx, first, mine;
-};
-
-template <bool GROUPED>
-MT_DEVICE AttItem att_item(const AttLaunch& a, uint32_t k, const uint32_t* seq_s,
-                           const uint32_t* ctx_s, uint32_t warp) {
-    AttItem it;
-    const uint32_t n = a.cluster + k * a.n_clusters;
-    const uint32_t gi = n / a.groups;
-    const uint32_t* grp = a.grp_s + k * (2 + ATT_HB);
-    it.row = GROUPED ? grp[0] : gi;
-    it.cnt = GROUPED ? grp[1] : 1;
-    it.h0 = (n % a.groups) * a.hb;
-    it.seq = seq_s[k];
-    it.ctx = ctx_s[k];  // 0: the row's inputs are out of range
-    it.rctx = it.ctx;
-    if (GROUPED) {
-        const uint32_t j = ((threadIdx.x & 31) >> 2) / a.hb;
-        if (it.ctx != 0 && j < it.cnt) it.rctx = grp[2 + j];
-    }
-    const uint32_t units = (it.ctx + ATT_UNIT - 1) / ATT_UNIT;
-    const uint32_t ub = (uint32_t)((uint64_t)a.split * units / ATT_SPLITS);
-    const uint32_t ue = (uint32_t)((uint64_t)(a.split + 1) * units / ATT_SPLITS);
-    it.first = ub + warp;
-    it.mine = ue > it.first ? (ue - it.first + ATT_WARPS - 1) / ATT_WARPS : 0;
-    return it;
+// The fields both kernels share, from the launch arguments; `rows_per_item` is 1 for
+// `paged_attention` and a row group's most rows for `paged_attention_prefill`, `items` the
+// number of rows or row groups.
+MT_DEVICE AttLaunch att_launch(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
+                               const uint32_t* block_tables, uint32_t row_stride, uint32_t q_head_stride,
+                               uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
+                               uint32_t block_size, uint32_t max_blocks, uint32_t num_slots, float scale,
+                               uint32_t gated, uint32_t items) {
+    AttLaunch a;
+    a.out = out;
+    a.qkv = qkv;
+    a.k_cache = k_cache;
+    a.v_cache = v_cache;
+    a.block_tables = block_tables;
+    a.row_stride = row_stride;
+    a.q_head_stride = q_head_stride;
+    a.hq = num_q_heads;
+    a.d = head_dim;
+    a.block_size = block_size;
+    a.max_blocks = max_blocks;
+    a.num_slots = num_slots;
+    a.bs_shift = block_size != 0 && (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : 32u;
+    a.hb = att_heads_per_block(num_q_heads, num_kv_heads);
+    a.group = num_kv_heads > 0 ? num_q_heads / num_kv_heads : 1;
+    a.groups = num_q_heads / a.hb;
+    a.n_items = items * a.groups;
+    a.n_clusters = gridDim.x / ATT_SPLITS;
+    a.cluster = blockIdx.x / ATT_SPLITS;
+    a.split = blockIdx.x % ATT_SPLITS;
+    a.nk = a.cluster < a.n_items ? (a.n_items - a.cluster + a.n_clusters - 1) / a.n_clusters : 0;
+    a.width = (size_t)num_kv_heads * head_dim;
+    a.scale_log2 = scale * ATT_LOG2E;
+    a.gated = gated != 0;
+    a.vec = head_dim % 8 == 0 && q_head_stride % 8 == 0 && row_stride % 8 == 0 &&
+            aligned16(qkv) && aligned16(k_cache) && aligned16(v_cache);
+    return a;
 }
 
-// Copy unit `unit` of item `it` into `stage`: the hb query rows (rows hb..7 stay zero), then the
-// keys and values of its 16 tokens (cp.async on the vector path, plain loads otherwise); dead
-// tokens and padded dimensions become zeros. Returns whether a slot was past the pool (uniform).
-template <int DP, bool GROUPED>
-MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry,
-                         bf16* stage, uint32_t lane) {
-    constexpr int RS = DP + 8, NCH = DP / 8;
-    bf16* qs = stage;
-    bf16* ks = stage + ATT_HB * RS;
-    bf16* vs = ks + ATT_UNIT * RS;
-    const bf16* q = a.qkv + (size_t)it.row * a.row_stride + (size_t)it.h0 * a.q_head_stride;
-    // Virtual head v's query: head h0 + v % hb of row row + v / hb (zeros past the item's rows).
-    auto q_at = [&](uint32_t v) {
-        return GROUPED ? q + (size_t)(v / a.hb) * a.row_stride + (size_t)(v % a.hb) * a.q_head_stride
-                       : q + (size_t)v * a.q_head_stride;
-    };
-    const size_t kv_at = (size_t)(it.h0 / a.group) * a.d;
-    // Lanes 0..15: the slot of token 16 * unit + lane (`entry`: its block, read ahead).
-    uint32_t slot = 0, live = 0;
-    bool bad = false;
+// Token t's block-table column and offset in its block (shifts for the usual power-of-two block
+// sizes: a division per unit costs as much as the unit's softmax).
+MT_DEVICE uint32_t att_block_col(const AttLaunch& a, uint32_t t) {
+    return a.bs_shift < 32 ? t >> a.bs_shift : t / a.block_size;
+}
+
+MT_DEVICE uint32_t att_block_off(const AttLaunch& a, uint32_t t) {
+    return a.bs_shift < 32 ? t & (a.block_size - 1) : t % a.block_size;
+}
+
+// Lanes 0..15: the slot of token 16 * unit + lane of a context of `ctx` tokens (`entry`: its
+// block, read ahead); `live` when it exists, `bad` when it is past the pool.
+MT_DEVICE void att_slot(const AttLaunch& a, uint32_t unit, uint32_t ctx, uint32_t entry, uint32_t lane,
+                        uint32_t& slot, uint32_t& live, bool& bad) {
+    slot = 0;
+    live = 0;
+    bad = false;
     const uint32_t t = unit * ATT_UNIT + lane;
-    if (lane < ATT_UNIT && t < it.ctx) {
-        const uint64_t s = (uint64_t)entry * a.block_size + t % a.block_size;
+    if (lane < ATT_UNIT && t < ctx) {
+        const uint64_t s = (uint64_t)entry * a.block_size + att_block_off(a, t);
         if (s < a.num_slots) {
             slot = (uint32_t)s;
             live = 1;
@@ -214,13 +279,47 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
             bad = true;
         }
     }
-    const bf16* kb = a.k_cache + kv_at;
-    const bf16* vb = a.v_cache + kv_at;
+}
+
+// Item k of this cluster: (row, group of hb query heads) number cluster + k * n_clusters, and
+// the units of it this block's warp `warp` takes. `ctx` is the row's context (0: out of range).
+struct AttItem {
+    uint32_t row, h0, kv, seq, ctx, first, mine;  // kv: the item's key/value head's offset in a slot
+};
+
+MT_DEVICE AttItem att_item(const AttLaunch& a, uint32_t k, const uint32_t* seq_s,
+                           const uint32_t* ctx_s, uint32_t warp) {
+    AttItem it;
+    const uint32_t n = a.cluster + k * a.n_clusters;
+    it.row = n / a.groups;
+    it.h0 = (n % a.groups) * a.hb;
+    it.kv = (it.h0 / a.group) * a.d;
+    it.seq = seq_s[k];
+    it.ctx = ctx_s[k];  // 0: the row's inputs are out of range
+    att_units(it.ctx, a.split, warp, it.first, it.mine);
+    return it;
+}
+
+// Copy unit `unit` of item `it` into `stage`: the hb query rows (rows hb..7 stay zero), then the
+// keys and values of its 16 tokens (cp.async on the vector path, plain loads otherwise); dead
+// tokens and padded dimensions become zeros. Returns whether a slot was past the pool (uniform).
+template <int DP>
+MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry,
+                         bf16* stage, uint32_t lane) {
+    constexpr int RS = DP + 8, NCH = DP / 8;
+    bf16* qs = stage;
+    bf16* ks = stage + ATT_HB * RS;
+    bf16* vs = ks + ATT_UNIT * RS;
+    const bf16* q = a.qkv + (size_t)it.row * a.row_stride + (size_t)it.h0 * a.q_head_stride;
+    uint32_t slot, live;
+    bool bad;
+    att_slot(a, unit, it.ctx, entry, lane, slot, live, bad);
+    const bf16* kb = a.k_cache + it.kv;
+    const bf16* vb = a.v_cache + it.kv;
     if (a.vec) {
-        for (uint32_t idx = lane; idx < a.hv * NCH; idx += 32) {
+        for (uint32_t idx = lane; idx < a.hb * NCH; idx += 32) {
             const uint32_t h = idx / NCH, ch = idx % NCH;
-            const bool on = !GROUPED || h / a.hb < it.cnt;
-            if (8 * ch < a.d) cp_async16(qs + h * RS + 8 * ch, on ? q_at(h) + 8 * ch : q, on ? 16u : 0u);
+            if (8 * ch < a.d) cp_async16(qs + h * RS + 8 * ch, q + (size_t)h * a.q_head_stride + 8 * ch, 16u);
         }
 #pragma unroll
         for (int i = 0; i < ATT_UNIT * NCH / 32; ++i) {
@@ -232,9 +331,9 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
             cp_async16(vs + tok * RS + 8 * ch, vb + off, on ? 16u : 0u);
         }
     } else {
-        for (uint32_t idx = lane; idx < a.hv * DP; idx += 32) {
+        for (uint32_t idx = lane; idx < a.hb * DP; idx += 32) {
             const uint32_t h = idx / DP, e = idx % DP;
-            qs[h * RS + e] = e < a.d && (!GROUPED || h / a.hb < it.cnt) ? q_at(h)[e] : __ushort_as_bfloat16((unsigned short)0);
+            qs[h * RS + e] = e < a.d ? q[(size_t)h * a.q_head_stride + e] : __ushort_as_bfloat16((unsigned short)0);
         }
 #pragma unroll 1
         for (int i = 0; i < ATT_UNIT * DP / 32; ++i) {
@@ -251,7 +350,7 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
 
 // One unit of a warp: scores, online softmax and P V into (o, m, l) of head g = lane / 4.
 template <int DP>
-MT_DEVICE void att_unit(const bf16* stage, uint32_t unit, uint32_t ctx, float scale_log2,
+MT_DEVICE void att_unit(const bf16* stage, uint32_t unit, uint32_t ctx, float scale_log2, bool first,
                         uint32_t lane, float (&o)[DP / 8][2], float& m, float& l) {
     constexpr int RS = DP + 8;
     const uint32_t c = lane & 3, mat = lane >> 3, row = lane & 7;
@@ -277,30 +376,10 @@ MT_DEVICE void att_unit(const bf16* stage, uint32_t unit, uint32_t ctx, float sc
         att_mma(s[1][1][0], s[1][1][1], qa[2], qa[3], b1[2], b1[3]);
     }
 
-    // Online softmax over the quad holding head g's row.
-    float x[2][2];
-    float mx = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const uint32_t t = unit * ATT_UNIT + 8 * n + 2 * c + e;
-            x[n][e] = t < ctx ? (s[0][n][e] + s[1][n][e]) * scale_log2 : -INFINITY;
-            mx = fmaxf(mx, x[n][e]);
-        }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m, mx);  // finite: a unit holds at least one live token
-    const float corr = exp2f(m - m_new);
+    float corr;
     uint32_t pa[2];
-    float sum = 0.0f;
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-        pa[n] = att_pack_bf16(exp2f(x[n][0] - m_new), exp2f(x[n][1] - m_new));
-        sum += __uint_as_float(pa[n] << 16) + __uint_as_float(pa[n] & 0xFFFF0000u);
-    }
-    l = l * corr + sum;
-    m = m_new;
+    att_softmax_row(s[0], s[1], unit, ctx, scale_log2, c, m, l, corr, pa);
+    const bool rescale = att_rescale(first, corr != 1.0f);
 
     // O += P V: matrices (tokens 0-7 | 8-15) x (dims 0-7 | 8-15 of the 16-dim step), transposed.
     const uint32_t v_addr = vs + ((row + ((mat & 1) << 3)) * RS + ((mat >> 1) << 3)) * 2;
@@ -308,10 +387,12 @@ MT_DEVICE void att_unit(const bf16* stage, uint32_t unit, uint32_t ctx, float sc
     for (int dd = 0; dd < DP / 16; ++dd) {
         uint32_t b[4];
         att_ldsm4_t(b, v_addr + dd * 32);
-        o[2 * dd][0] *= corr;
-        o[2 * dd][1] *= corr;
-        o[2 * dd + 1][0] *= corr;
-        o[2 * dd + 1][1] *= corr;
+        if (rescale) {
+            o[2 * dd][0] *= corr;
+            o[2 * dd][1] *= corr;
+            o[2 * dd + 1][0] *= corr;
+            o[2 * dd + 1][1] *= corr;
+        }
         att_mma(o[2 * dd][0], o[2 * dd][1], pa[0], pa[1], b[0], b[1]);
         att_mma(o[2 * dd + 1][0], o[2 * dd + 1][1], pa[0], pa[1], b[2], b[3]);
     }
@@ -324,16 +405,6 @@ MT_DEVICE void att_nan_item(const AttLaunch& a, uint32_t row, uint32_t h0) {
         o[i] = bf16_nan();
 }
 
-// Virtual head v of item `it`: its output (and gate) offset, or false past the item's rows.
-template <bool GROUPED>
-MT_DEVICE bool att_out_at(const AttLaunch& a, const AttItem& it, uint32_t v, size_t& out_off, size_t& in_off) {
-    const uint32_t j = GROUPED ? v / a.hb : 0, h = it.h0 + (GROUPED ? v % a.hb : v);
-    if (j >= it.cnt) return false;
-    out_off = ((size_t)(it.row + j) * a.hq + h) * a.d;
-    in_off = (size_t)(it.row + j) * a.row_stride + (size_t)h * a.q_head_stride + a.d;
-    return true;
-}
-
 // Block-level shared state beside the dynamic buffers.
 struct AttShared {
     float wm[ATT_WARPS][ATT_HB], wl[ATT_WARPS][ATT_HB];  // each warp's max and sum per head
@@ -344,19 +415,18 @@ struct AttShared {
 
 // The cluster's combine of one item (blocks in block order) and its output: this block's share
 // of the hb * d outputs, NaN for an item whose inputs are out of range.
-template <int DP, bool GROUPED>
+template <int DP>
 MT_DEVICE void att_output(const AttLaunch& a, const AttItem& it, uint32_t p, AttShared& sh,
                           const float* pk) {
     cg::cluster_group cluster = cg::this_cluster();
-    for (uint32_t idx = a.split * ATT_THREADS + threadIdx.x; idx < a.hv * a.d; idx += ATT_SPLITS * ATT_THREADS) {
+    for (uint32_t idx = a.split * ATT_THREADS + threadIdx.x; idx < a.hb * a.d; idx += ATT_SPLITS * ATT_THREADS) {
         const uint32_t h = idx / a.d, e = idx % a.d;
-        size_t out_off, gate_off;
-        if (!att_out_at<GROUPED>(a, it, h, out_off, gate_off)) continue;
+        const size_t out_off = ((size_t)it.row * a.hq + it.h0 + h) * a.d;
         if (it.ctx == 0) {
             a.out[out_off + e] = bf16_nan();
             continue;
         }
-        float ms[ATT_SPLITS], ls[ATT_SPLITS], ps[ATT_SPLITS];
+        float ms[ATT_SPLITS], ls[ATT_SPLITS], ps[ATT_SPLITS], wt[ATT_SPLITS];
 #pragma unroll
         for (int s = 0; s < ATT_SPLITS; ++s) {
             ms[s] = cluster.map_shared_rank(&sh.cm[p][0], s)[h];
@@ -366,16 +436,14 @@ MT_DEVICE void att_output(const AttLaunch& a, const AttItem& it, uint32_t p, Att
         float mx = -INFINITY;
 #pragma unroll
         for (int s = 0; s < ATT_SPLITS; ++s) mx = fmaxf(mx, ms[s]);
-        float num = 0.0f, den = 0.0f;
+        float den = 0.0f;
 #pragma unroll
         for (int s = 0; s < ATT_SPLITS; ++s) {
-            const float wt = ms[s] == -INFINITY ? 0.0f : exp2f(ms[s] - mx);
-            num += wt * ps[s];
-            den += wt * ls[s];
+            wt[s] = att_weight(ms[s], mx);
+            den = fmaf(wt[s], ls[s], den);
         }
-        float val = num / den;
-        if (a.gated) val *= sigmoidf_acc(bf2f(a.qkv[gate_off + e]));
-        a.out[out_off + e] = f2bf(val);
+        const size_t gate_off = (size_t)it.row * a.row_stride + (size_t)(it.h0 + h) * a.q_head_stride + a.d + e;
+        a.out[out_off + e] = att_finish(wt, ps, den, a.gated ? a.qkv + gate_off : nullptr);
     }
 }
 
@@ -386,14 +454,14 @@ struct AttCursor {
     AttItem it;
 };
 
-template <int DP, bool GROUPED>
+template <int DP>
 MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
     constexpr uint32_t STAGE_ELEMS = (ATT_HB + 2 * ATT_UNIT) * (DP + 8);
     const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const uint32_t g = lane >> 2, c = lane & 3;
     bf16* ring = reinterpret_cast<bf16*>(dyn) + (size_t)warp * ATT_STAGES * STAGE_ELEMS;
     float* ow = reinterpret_cast<float*>(dyn + ATT_WARPS * ATT_STAGES * STAGE_ELEMS * 2);  // [W][hb][DP]
-    float* part = ow + ATT_WARPS * a.hv * DP;  // [2][hv][DP], by item parity (read by the cluster)
+    float* part = ow + ATT_WARPS * a.hb * DP;  // [2][hb][DP], by item parity (read by the cluster)
     // Query rows past hb and dimensions past head_dim are never copied: zero them once.
     for (uint32_t i = lane; i < ATT_STAGES * STAGE_ELEMS / 8; i += 32)
         store16(ring + 8 * i, make_uint4(0, 0, 0, 0));
@@ -405,24 +473,24 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
     f.k = 0;
     f.i = 0;
     f.entry = 0;
-    if (a.nk > 0) f.it = att_item<GROUPED>(a, 0, sh.seq, sh.ctx, warp);
+    if (a.nk > 0) f.it = att_item(a, 0, sh.seq, sh.ctx, warp);
     auto settle = [&]() {  // move to the next unit that exists and read its table entries
         while (f.k < a.nk && f.i >= f.it.mine) {
             ++f.k;
             f.i = 0;
-            if (f.k < a.nk) f.it = att_item<GROUPED>(a, f.k, sh.seq, sh.ctx, warp);
+            if (f.k < a.nk) f.it = att_item(a, f.k, sh.seq, sh.ctx, warp);
         }
         if (f.k < a.nk) {
             const uint32_t t = (f.it.first + ATT_WARPS * f.i) * ATT_UNIT + lane;
             f.entry = lane < ATT_UNIT && t < f.it.ctx
-                          ? a.block_tables[(size_t)f.it.seq * a.max_blocks + t / a.block_size]
+                          ? a.block_tables[(size_t)f.it.seq * a.max_blocks + att_block_col(a, t)]
                           : 0u;
         }
     };
     uint32_t bad_bits = 0;
     auto issue_next = [&](uint32_t st) {
         if (f.k < a.nk) {
-            const bool bad = att_issue<DP, GROUPED>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry,
+            const bool bad = att_issue<DP>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry,
                                            ring + st * STAGE_ELEMS, lane);
             bad_bits = (bad_bits & ~(1u << st)) | ((bad ? 1u : 0u) << st);
             ++f.i;
@@ -441,7 +509,7 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
     AttItem prev;
     prev.ctx = 0;
     for (uint32_t k = 0; k < a.nk; ++k) {
-        const AttItem it = att_item<GROUPED>(a, k, sh.seq, sh.ctx, warp);
+        const AttItem it = att_item(a, k, sh.seq, sh.ctx, warp);
         float o[DP / 8][2];
 #pragma unroll
         for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = 0.0f;
@@ -451,7 +519,7 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
             cp_async_wait<ATT_STAGES - 1>();
             __syncwarp();
             const uint32_t st = consumed % ATT_STAGES;
-            att_unit<DP>(ring + st * STAGE_ELEMS, it.first + ATT_WARPS * i, it.rctx, a.scale_log2, lane, o, m, l);
+            att_unit<DP>(ring + st * STAGE_ELEMS, it.first + ATT_WARPS * i, it.ctx, a.scale_log2, i == 0, lane, o, m, l);
             bad = bad || ((bad_bits >> st) & 1u) != 0;
             __syncwarp();
             issue_next(st);
@@ -465,17 +533,17 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
             // Every block has combined item k - 1, and so has read all of item k - 2 (whose
             // buffers, of parity p, this item reuses).
             att_cluster_wait();
-            att_output<DP, GROUPED>(a, prev, p ^ 1u, sh, part + (p ^ 1u) * a.hv * DP);
+            att_output<DP>(a, prev, p ^ 1u, sh, part + (p ^ 1u) * a.hb * DP);
             if (tid == 0) sh.bad[p ^ 1u] = 0;
         }
 
         // The block's warps in warp order.
-        float* pk = part + p * a.hv * DP;
-        if (g < a.hv) {
+        float* pk = part + p * a.hb * DP;
+        if (g < a.hb) {
 #pragma unroll
             for (int n = 0; n < DP / 8; ++n) {
-                ow[(warp * a.hv + g) * DP + 8 * n + 2 * c] = o[n][0];
-                ow[(warp * a.hv + g) * DP + 8 * n + 2 * c + 1] = o[n][1];
+                ow[(warp * a.hb + g) * DP + 8 * n + 2 * c] = o[n][0];
+                ow[(warp * a.hb + g) * DP + 8 * n + 2 * c + 1] = o[n][1];
             }
             if (c == 0) {
                 sh.wm[warp][g] = m;
@@ -484,7 +552,7 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
         }
         if (bad && lane == 0) sh.bad[p] = 1;
         __syncthreads();
-        for (uint32_t idx = tid; idx < a.hv * DP; idx += ATT_THREADS) {
+        for (uint32_t idx = tid; idx < a.hb * DP; idx += ATT_THREADS) {
             const uint32_t h = idx / DP;
             float mx = -INFINITY;
 #pragma unroll
@@ -492,9 +560,9 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
             float num = 0.0f, den = 0.0f;
 #pragma unroll
             for (int w = 0; w < ATT_WARPS; ++w) {
-                const float wt = sh.wm[w][h] == -INFINITY ? 0.0f : exp2f(sh.wm[w][h] - mx);
-                num += wt * ow[w * a.hv * DP + idx];
-                den += wt * sh.wl[w][h];
+                const float wt = att_weight(sh.wm[w][h], mx);
+                num = fmaf(wt, ow[w * a.hb * DP + idx], num);
+                den = fmaf(wt, sh.wl[w][h], den);
             }
             pk[idx] = num;
             if (idx % DP == 0) {
@@ -509,115 +577,22 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
     if (a.nk > 0) {
         att_cluster_wait();
         const uint32_t p = (a.nk - 1) & 1;
-        att_output<DP, GROUPED>(a, prev, p, sh, part + p * a.hv * DP);
+        att_output<DP>(a, prev, p, sh, part + p * a.hb * DP);
     }
     // Keep this block's shared memory alive until every block of the cluster has read it.
     att_cluster_arrive();
     att_cluster_wait();
 }
 
-// The body of both kernels: `row_groups` NULL for one row per item (`paged_attention`), else the
-// row groups of `paged_attention_prefill` (n_groups of them).
-template <bool GROUPED>
-MT_DEVICE void att_main(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
-                        const uint32_t* block_tables, const uint32_t* row_seq, const uint32_t* positions,
-                        uint32_t rows, uint32_t row_stride, uint32_t q_head_stride, uint32_t num_q_heads,
-                        uint32_t num_kv_heads, uint32_t head_dim, uint32_t block_size, uint32_t max_blocks,
-                        uint32_t num_seqs, uint32_t num_slots, float scale, uint32_t gated,
-                        const uint32_t* row_groups, uint32_t n_groups) {
-    extern __shared__ __align__(16) unsigned char att_dyn[];
-    __shared__ AttShared sh;
-    __shared__ uint32_t grp_s[GROUPED ? ATT_MAX_ITEMS * (2 + ATT_HB) : 1];
-
-    AttLaunch a;
-    a.out = out;
-    a.qkv = qkv;
-    a.k_cache = k_cache;
-    a.v_cache = v_cache;
-    a.block_tables = block_tables;
-    a.positions = positions;
-    a.row_groups = row_groups;
-    a.grp_s = grp_s;
-    a.row_stride = row_stride;
-    a.q_head_stride = q_head_stride;
-    a.hq = num_q_heads;
-    a.d = head_dim;
-    a.block_size = block_size;
-    a.max_blocks = max_blocks;
-    a.num_slots = num_slots;
-    a.hb = att_heads_per_block(num_q_heads, num_kv_heads);
-    const uint32_t rpi = GROUPED ? att_rows_per_item(a.hb) : 1;
-    a.hv = rpi * a.hb;
-    a.group = num_kv_heads > 0 ? num_q_heads / num_kv_heads : 1;
-    a.groups = num_q_heads / a.hb;
-    a.n_items = (GROUPED ? n_groups : rows) * a.groups;
-    a.n_clusters = gridDim.x / ATT_SPLITS;
-    a.cluster = blockIdx.x / ATT_SPLITS;
-    a.split = blockIdx.x % ATT_SPLITS;
-    a.nk = a.cluster < a.n_items ? (a.n_items - a.cluster + a.n_clusters - 1) / a.n_clusters : 0;
-    a.width = (size_t)num_kv_heads * head_dim;
-    a.scale_log2 = scale * ATT_LOG2E;
-    a.gated = gated != 0;
-    a.vec = head_dim % 8 == 0 && q_head_stride % 8 == 0 && row_stride % 8 == 0 &&
-            aligned16(qkv) && aligned16(k_cache) && aligned16(v_cache);
-    const uint32_t dp = att_padded_dim(head_dim);
+// Whether a launch's shape is one the kernels run (uniform over the launch, so every block of a
+// cluster takes the same path): heads that group, a head_dim the tiles hold, `threads` per
+// block, items per cluster within ATT_MAX_ITEMS and at least `smem` bytes of shared memory.
+MT_DEVICE bool att_launch_ok(const AttLaunch& a, uint32_t num_kv_heads, uint32_t threads, uint32_t smem) {
     uint32_t dyn_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
-    // Uniform over the launch, so every block of a cluster takes the same path.
-    const bool launch_ok = num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && head_dim > 0 &&
-                           head_dim <= ATT_MAX_D && block_size > 0 && blockDim.x == ATT_THREADS &&
-                           gridDim.y == 1 &&
-                           (a.n_items + a.n_clusters - 1) / a.n_clusters <= ATT_MAX_ITEMS &&
-                           dyn_bytes >= att_shared_bytes(dp, a.hv);
-    if (!launch_ok) {
-        if (num_q_heads == 0) return;
-        if (GROUPED) {  // every row of the launch
-            for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x)
-                for (uint32_t i = threadIdx.x; i < num_q_heads * head_dim; i += blockDim.x)
-                    out[(size_t)r * num_q_heads * head_dim + i] = bf16_nan();
-            return;
-        }
-        for (uint32_t k = 0; k < a.nk; ++k) {
-            const uint32_t n = a.cluster + k * a.n_clusters;
-            att_nan_item(a, n / a.groups, (n % a.groups) * a.hb);
-        }
-        return;
-    }
-
-    // Each item's sequence and context (0 when the rows' inputs are out of range: a row group
-    // must be 1..rpi rows of one sequence whose contexts span the same units).
-    for (uint32_t k = threadIdx.x; k < a.nk; k += ATT_THREADS) {
-        const uint32_t gi = (a.cluster + k * a.n_clusters) / a.groups;
-        const uint32_t r = GROUPED ? row_groups[2 * gi] : gi;
-        const uint32_t cnt = GROUPED ? row_groups[2 * gi + 1] : 1;
-        bool ok = cnt >= 1 && cnt <= rpi && r < rows && cnt <= rows - r;
-        const uint32_t seq = ok ? row_seq[r] : 0, ctx0 = ok ? positions[r] + 1 : 0;
-        uint32_t ctx = ctx0;
-        for (uint32_t j = 1; ok && j < cnt; ++j) {
-            const uint32_t cj = positions[r + j] + 1;
-            ok = row_seq[r + j] == seq && cj != 0 && (cj - 1) / ATT_UNIT == (ctx0 - 1) / ATT_UNIT;
-            ctx = max(ctx, cj);
-            if (GROUPED) grp_s[k * (2 + ATT_HB) + 2 + j] = cj;
-        }
-        if (GROUPED) {
-            grp_s[k * (2 + ATT_HB)] = r;
-            // A malformed group writes NaN to the rows it names that exist, at most rpi.
-            grp_s[k * (2 + ATT_HB) + 1] = r < rows ? min(min(cnt, rows - r), rpi) : 0;
-            grp_s[k * (2 + ATT_HB) + 2] = ctx0;
-        }
-        ok = ok && seq < num_seqs && ctx0 != 0 && (ctx + block_size - 1) / block_size <= max_blocks;
-        sh.seq[k] = ok ? seq : 0;
-        sh.ctx[k] = ok ? ctx : 0;
-    }
-    if (threadIdx.x == 0) sh.bad[0] = sh.bad[1] = 0;
-    __syncthreads();
-
-    switch (dp) {
-        case 32: att_run<32, GROUPED>(a, att_dyn, sh); break;
-        case 64: att_run<64, GROUPED>(a, att_dyn, sh); break;
-        case 128: att_run<128, GROUPED>(a, att_dyn, sh); break;
-        default: att_run<256, GROUPED>(a, att_dyn, sh); break;
-    }
+    return num_kv_heads > 0 && a.hq % num_kv_heads == 0 && a.d > 0 && a.d <= ATT_MAX_D &&
+           a.block_size > 0 && blockDim.x == threads && gridDim.y == 1 &&
+           (a.n_items + a.n_clusters - 1) / a.n_clusters <= ATT_MAX_ITEMS && dyn_bytes >= smem;
 }
 
 // paged_attention(out: bf16 [rows, num_q_heads * head_dim], qkv: bf16 [rows, row_stride],
@@ -633,27 +608,38 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
                     uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
                     uint32_t block_size, uint32_t max_blocks, uint32_t num_seqs,
                     uint32_t num_slots, float scale, uint32_t gated) {
-    att_main<false>(out, qkv, k_cache, v_cache, block_tables, row_seq, positions, rows, row_stride,
-                    q_head_stride, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,
-                    num_seqs, num_slots, scale, gated, nullptr, 0);
+    extern __shared__ __align__(16) unsigned char att_dyn[];
+    __shared__ AttShared sh;
+    const AttLaunch a = att_launch(out, qkv, k_cache, v_cache, block_tables, row_stride, q_head_stride,
+                                   num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,
+                                   num_slots, scale, gated, rows);
+    const uint32_t dp = att_padded_dim(head_dim);
+    if (!att_launch_ok(a, num_kv_heads, ATT_THREADS, att_shared_bytes(dp, a.hb))) {
+        if (num_q_heads == 0) return;
+        for (uint32_t k = 0; k < a.nk; ++k) {
+            const uint32_t n = a.cluster + k * a.n_clusters;
+            att_nan_item(a, n / a.groups, (n % a.groups) * a.hb);
+        }
+        return;
+    }
+
+    // Each item's sequence and context (0 when the row's inputs are out of range).
+    for (uint32_t k = threadIdx.x; k < a.nk; k += ATT_THREADS) {
+        const uint32_t r = (a.cluster + k * a.n_clusters) / a.groups;
+        const uint32_t seq = row_seq[r], ctx = positions[r] + 1;
+        const bool ok = seq < num_seqs && ctx != 0 && (ctx + block_size - 1) / block_size <= max_blocks;
+        sh.seq[k] = ok ? seq : 0;
+        sh.ctx[k] = ok ? ctx : 0;
+    }
+    if (threadIdx.x == 0) sh.bad[0] = sh.bad[1] = 0;
+    __syncthreads();
+
+    switch (dp) {
+        case 32: att_run<32>(a, att_dyn, sh); break;
+        case 64: att_run<64>(a, att_dyn, sh); break;
+        case 128: att_run<128>(a, att_dyn, sh); break;
+        default: att_run<256>(a, att_dyn, sh); break;
+    }
 }
 
-// paged_attention_prefill(the arguments of paged_attention, then row_groups: u32 [n_groups, 2]
-// (first row, rows), n_groups): `paged_attention` on the rows of the groups, bitwise, with the
-// rows of a group (1 .. ATT_HB / hb consecutive rows of one sequence whose positions lie in the
-// same 16-token unit, so their unit splits are the same) in one item: each key and value is read
-// once for all of them. Rows of no group are not written; a malformed group gets NaN outputs.
-extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATT_THREADS)
-    paged_attention_prefill(bf16* __restrict__ out, const bf16* __restrict__ qkv,
-                            const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
-                            const uint32_t* __restrict__ block_tables,
-                            const uint32_t* __restrict__ row_seq, const uint32_t* __restrict__ positions,
-                            uint32_t rows, uint32_t row_stride, uint32_t q_head_stride,
-                            uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
-                            uint32_t block_size, uint32_t max_blocks, uint32_t num_seqs,
-                            uint32_t num_slots, float scale, uint32_t gated,
-                            const uint32_t* __restrict__ row_groups, uint32_t n_groups) {
-    att_main<true>(out, qkv, k_cache, v_cache, block_tables, row_seq, positions, rows, row_stride,
-                   q_head_stride, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,
-                   num_seqs, num_slots, scale, gated, row_groups, n_groups);
-}
+#include "attention_prefill.cuh"

@@ -18,6 +18,12 @@ const ATTENTION_WARPS: u32 = 4;
 /// Most query heads one `paged_attention` cluster computes (`ATT_HB`).
 const ATTENTION_HEADS_PER_BLOCK: u32 = 8;
 
+/// Warps per block of `paged_attention_prefill` (`ATP_WARPS`): four partitions of four.
+const PREFILL_WARPS: u32 = 16;
+
+/// Most rows of one `paged_attention_prefill` row group (`ATP_ROWS`): a 16-token unit.
+const PREFILL_ROWS: u32 = 16;
+
 /// Units (of `ATT_UNIT` = 16 tokens) each warp of `paged_attention` keeps in flight
 /// (`ATT_STAGES`).
 const ATTENTION_STAGES: u32 = 2;
@@ -124,6 +130,7 @@ impl Ops {
     /// `paged_attention` on the rows of `n_groups` row groups at `row_groups` (u32 `[n, 2]`:
     /// first row, rows; [`attention_row_groups`] makes them), bitwise the same per row, each
     /// group's rows in one item so their keys and values are read once: the prefill path.
+    /// Blocks of 16 warps, four partitions of four sharing each unit's keys and values.
     pub fn paged_attention_prefill(
         &self,
         s: StreamHandle,
@@ -133,17 +140,12 @@ impl Ops {
     ) -> GpuResult<()> {
         let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
         let items = n_groups * (p.num_q_heads / hb);
+        // One block per multiprocessor, as `paged_attention` at head_dim 256.
+        let clusters = attention_clusters_of(items, ATTENTION_CLUSTERS[1]);
         self.go(
             self.k.paged_attention_prefill,
-            LaunchConfig::grid2(
-                ATTENTION_SPLITS * attention_clusters(items, p.head_dim),
-                1,
-                32 * ATTENTION_WARPS,
-            )
-            .with_shared(attention_shared_bytes(
-                p.head_dim,
-                hb * attention_rows_per_item(hb),
-            )),
+            LaunchConfig::grid2(ATTENTION_SPLITS * clusters, 1, 32 * PREFILL_WARPS)
+                .with_shared(prefill_shared_bytes(p.head_dim)),
             &[p.args().as_slice(), &[row_groups.into(), n_groups.into()]].concat(),
             s,
         )
@@ -177,15 +179,53 @@ fn attention_padded_dim(head_dim: u32) -> u32 {
 /// last wave is as full as the others. Which cluster computes an item never changes the item's
 /// result.
 fn attention_clusters(items: u32, head_dim: u32) -> u32 {
-    let resident = ATTENTION_CLUSTERS[usize::from(attention_padded_dim(head_dim) > 128)];
+    attention_clusters_of(
+        items,
+        ATTENTION_CLUSTERS[usize::from(attention_padded_dim(head_dim) > 128)],
+    )
+}
+
+/// `attention_clusters` with `resident` clusters resident at once.
+fn attention_clusters_of(items: u32, resident: u32) -> u32 {
     let waves = items.div_ceil(resident * ATTENTION_MAX_ITEMS).max(1);
     items.min(resident * waves).max(1)
 }
 
-/// Rows per item of `paged_attention_prefill` (`att_rows_per_item`): as many as fill the
-/// `ATTENTION_HEADS_PER_BLOCK` query rows of a unit's MMAs beside `heads_per_block` heads each.
-fn attention_rows_per_item(heads_per_block: u32) -> u32 {
-    ATTENTION_HEADS_PER_BLOCK / heads_per_block.max(1)
+/// Virtual rows (row, head) of one `paged_attention_prefill` item (`atp_vrows`): four MMA tiles
+/// of 16 up to head_dim 128, two at 256.
+fn prefill_virtual_rows(head_dim: u32) -> u32 {
+    if attention_padded_dim(head_dim) > 128 {
+        32
+    } else {
+        64
+    }
+}
+
+/// Stages of each partition's ring in `paged_attention_prefill` (`atp_stages`).
+fn prefill_stages(head_dim: u32) -> u32 {
+    if attention_padded_dim(head_dim) > 128 {
+        2
+    } else {
+        3
+    }
+}
+
+/// Rows per item of `paged_attention_prefill` (`atp_rows_per_item`): as many as fill its
+/// virtual rows beside `heads_per_block` heads each, at most a unit's 16.
+fn prefill_rows_per_item(heads_per_block: u32, head_dim: u32) -> u32 {
+    (prefill_virtual_rows(head_dim) / heads_per_block.max(1)).min(PREFILL_ROWS)
+}
+
+/// Dynamic shared memory of `paged_attention_prefill` (`atp_shared_bytes`): the four
+/// partitions' rings (16 keys and 16 values of the padded head dimension plus 8 bf16 a stage),
+/// the item's queries, and the block's f32 numerators by item parity (rows padded by 8). 191,488
+/// bytes at head_dim 128, 219,648 at 256.
+fn prefill_shared_bytes(head_dim: u32) -> u32 {
+    let padded = attention_padded_dim(head_dim);
+    let vrows = prefill_virtual_rows(head_dim);
+    ATTENTION_WARPS * prefill_stages(head_dim) * 2 * 16 * (padded + 8) * 2
+        + vrows * (padded + 8) * 2
+        + 2 * vrows * (padded + 8) * 4
 }
 
 /// The row groups of `paged_attention_prefill` for a step's rows, given as (sequence, position)
@@ -196,8 +236,12 @@ pub fn attention_row_groups(
     rows: impl IntoIterator<Item = (u32, u32)>,
     num_q_heads: u32,
     num_kv_heads: u32,
+    head_dim: u32,
 ) -> Vec<u32> {
-    let most = attention_rows_per_item(attention_heads_per_block(num_q_heads, num_kv_heads));
+    let most = prefill_rows_per_item(
+        attention_heads_per_block(num_q_heads, num_kv_heads),
+        head_dim,
+    );
     let mut groups: Vec<u32> = Vec::new();
     let mut open: Option<(u32, u32)> = None; // (sequence, unit) of the last group
     for (r, (seq, pos)) in rows.into_iter().enumerate() {

@@ -180,6 +180,7 @@ impl TransformerModel {
             input.rows.iter().map(|r| (r.seq, r.position)),
             d.num_q_heads,
             d.num_kv_heads,
+            d.head_dim,
         );
         self.gpu.upload(self.buf.att_groups, &groups, self.stream)?;
         Ok(StepShape {

@@ -94,7 +94,7 @@ fn attention_case(p: &Pair, rng: &mut Rng, c: &AttnCase, label: &str) {
     // The prefill kernel on the same rows, in its row groups: bitwise the single-row kernel on
     // each backend (poisoned output first).
     let (gpu_want, cpu_want) = p.download::<u16>(&out);
-    let groups = attention_row_groups(c.rows.iter().copied(), c.hq, c.hkv);
+    let groups = attention_row_groups(c.rows.iter().copied(), c.hq, c.hkv, c.d);
     let n_groups = (groups.len() / 2) as u32;
     let groups = p.upload(&groups);
     let out2 = p.poisoned((rows * c.hq * c.d) as usize * 2);

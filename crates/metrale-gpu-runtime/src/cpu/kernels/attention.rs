@@ -44,9 +44,9 @@ pub fn paged_attention(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 
 /// `paged_attention_prefill(the arguments of paged_attention, row_groups: u32 [n_groups, 2],
 /// n_groups)`: `paged_attention` on the rows of the groups (first row, rows), bitwise the same
-/// per row. A group is 1 ..= `8 / heads_per_block` consecutive rows of one sequence whose
-/// positions lie in one 16-token unit (the CUDA kernel computes a group's rows together); a
-/// malformed group fails. Rows of no group are not written.
+/// per row. A group is 1 ..= `rows_per_item` consecutive rows of one sequence whose positions lie
+/// in one 16-token unit (the CUDA kernel computes a group's rows together); a malformed group
+/// fails. Rows of no group are not written.
 pub fn paged_attention_prefill(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     ctx.expect_args(21)?;
     let s = shape(ctx)?;
@@ -54,7 +54,7 @@ pub fn paged_attention_prefill(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let groups = ctx.slice::<u32>(19, 2 * n_groups)?;
     let row_seq = ctx.slice::<u32>(5, s.rows)?;
     let positions = ctx.slice::<u32>(6, s.rows)?;
-    let most = ATTENTION_HB / heads_per_block(s.hq, s.hkv);
+    let most = rows_per_item(heads_per_block(s.hq, s.hkv), s.d);
     let mut rows = Vec::new();
     for (i, g) in groups.chunks_exact(2).enumerate() {
         let (first, count) = (g[0] as usize, g[1] as usize);
@@ -88,8 +88,15 @@ fn heads_per_block(hq: usize, hkv: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// Query rows of one unit's MMAs in the CUDA kernel (`ATT_HB`).
+/// Most query heads one CUDA cluster computes (`ATT_HB`).
 const ATTENTION_HB: usize = 8;
+
+/// Rows per row group of the CUDA prefill kernel (`atp_rows_per_item`): its items hold 64
+/// (row, head) pairs up to head_dim 128 and 32 above, and at most one 16-token unit of rows.
+fn rows_per_item(heads_per_block: usize, head_dim: usize) -> usize {
+    let virtual_rows = if head_dim > 128 { 32 } else { 64 };
+    (virtual_rows / heads_per_block).min(16)
+}
 
 fn shape(ctx: &KernelCtx<'_>) -> GpuResult<Shape> {
     let s = Shape {

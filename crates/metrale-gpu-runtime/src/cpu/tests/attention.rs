@@ -177,9 +177,9 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
         1e-2,
         "paged_attention",
     );
-    // The prefill twin over row groups (2 heads per block: up to 4 rows of one unit each)
-    // gives every grouped row bitwise the same and leaves the rows of no group (4..8) as
-    // poisoned; a group of 5 rows is refused.
+    // The prefill twin over row groups (2 heads per block at head_dim 8: up to 16 rows of one
+    // unit each) gives every grouped row bitwise the same and leaves the rows of no group
+    // (4..8) as poisoned; a group of 17 rows is refused.
     let grouped = r.out(len * hq * dh * 2);
     let mut with_groups = args(grouped);
     with_groups.extend([r.put(&[0u32, 4, 8, 2]).into(), u(2)]);
@@ -206,7 +206,7 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
         }
     }
     let mut too_many = args(grouped);
-    too_many.extend([r.put(&[0u32, 5]).into(), u(1)]);
+    too_many.extend([r.put(&[0u32, 17]).into(), u(1)]);
     let err = r
         .run("attention", "paged_attention_prefill", &too_many)
         .unwrap_err();

@@ -1,0 +1,492 @@
+// `paged_attention_prefill`: the causal attention of a prefill chunk's rows, bitwise
+// `paged_attention` row by row, included by attention.cu (whose helpers it uses).
+//
+// Items: a row group (ops::attention_row_groups: up to ATP_ROWS consecutive rows of one sequence
+// whose positions lie in one 16-token unit, so their contexts cut into the same units) by a group
+// of hb query heads sharing a key/value head. Its virtual rows v = j * hb + h (head h0 + h of row
+// first + j) are the M rows of the item's MMA tiles: 64 virtual rows (4 tiles of 16) up to
+// head_dim 128, 32 at 256 (`atp_vrows`). Clusters of ATT_SPLITS blocks loop over the items as in
+// `paged_attention`; block s takes split s of the item's units.
+//
+// A block is ATP_WARPS (16) warps in four partitions of four: partition w takes the units warp w
+// of `paged_attention` takes (att_units), so the arithmetic of every row is that kernel's. Its
+// four warps share each unit's keys and values (each copies a quarter of the 16 tokens into the
+// partition's ring of `atp_stages` stages, under a named barrier of the four), and each computes
+// one tile of 16 virtual rows, or at head_dim 256 one half of a tile's output dimensions (both
+// halves compute the tile's scores). Scores, softmax and P V are `att_unit`'s, for rows g and
+// g + 8 of the tile (att_softmax_row for each).
+//
+// The block combines its partitions in partition order (partition w adds its weighted output to
+// the running numerator in shared memory, then w + 1), the cluster its blocks in block order as
+// `paged_attention` does (att_finish). The queries of the next item are loaded while the block
+// combines; the partitions' rings run across items; the cluster barrier is split as in
+// `paged_attention` (a block outputs item k - 1 after its units of item k).
+//
+// Grid (ATT_SPLITS * clusters, 1), ATP_THREADS threads, atp_shared_bytes(dp) of dynamic shared
+// memory: one block per multiprocessor. A malformed row group, or a launch the kernel cannot run,
+// gets NaN outputs; rows of no group are not written.
+//
+// Measured on the H200 (2026-11-30, 2048-token prefill): 697 us per Qwen3-8B layer and 1054 per
+// Qwen3.5-9B full-attention layer, against 2286 and 3494 for the 4-warp kernel with 8 virtual
+// rows an item that this one replaced.
+
+#define ATP_WARPS 16
+#define ATP_THREADS (32 * ATP_WARPS)
+#define ATP_ROWS 16
+#define ATP_MAX_VROWS 64
+
+// Virtual rows of an item, stages of a partition's ring, rows per item: the launcher computes
+// the same (ops_attention).
+MT_DEVICE uint32_t atp_vrows(uint32_t dp) { return dp > 128 ? 32u : 64u; }
+
+MT_DEVICE uint32_t atp_stages(uint32_t dp) { return dp > 128 ? 2u : 3u; }
+
+MT_DEVICE uint32_t atp_rows_per_item(uint32_t hb, uint32_t dp) { return min(ATP_ROWS, atp_vrows(dp) / hb); }
+
+// Dynamic shared memory: the four partitions' rings (each stage a unit's 16 keys then 16 values
+// of dp + 8 bf16), the item's queries [vrows][dp + 8] bf16, and the block's numerators by item
+// parity [2][vrows][dp + 8] f32 (read by the cluster; the pad spreads a quad's rows over the
+// banks).
+MT_DEVICE uint32_t atp_shared_bytes(uint32_t dp) {
+    return ATT_WARPS * atp_stages(dp) * 2u * ATT_UNIT * (dp + 8u) * 2u + atp_vrows(dp) * (dp + 8u) * 2u +
+           2u * atp_vrows(dp) * (dp + 8u) * 4u;
+}
+
+struct AtpShared {
+    float wm[ATT_WARPS][ATP_MAX_VROWS], wl[ATT_WARPS][ATP_MAX_VROWS];  // each partition's max, sum
+    float cm[2][ATP_MAX_VROWS], cl[2][ATP_MAX_VROWS];  // the block's, by item parity
+    float wt[ATP_MAX_VROWS][ATT_SPLITS + 1];  // output: each split's weight, then the denominator
+    uint32_t seq[ATT_MAX_ITEMS], ctx[ATT_MAX_ITEMS], h0[ATT_MAX_ITEMS];
+    uint32_t kv[ATT_MAX_ITEMS];  // the key/value head's offset in a slot
+    uint32_t grp[ATT_MAX_ITEMS][2 + ATP_ROWS];  // first row, rows, each row's context
+    int bad[2];  // a slot past the pool was seen, by item parity
+};
+
+// Item k of this cluster as partition `part` sees it. `ctx` is the largest context of its rows
+// (0: out of range).
+struct AtpItem {
+    uint32_t row, cnt, h0, kv, seq, ctx, first, mine;
+};
+
+MT_DEVICE AtpItem atp_item(const AttLaunch& a, uint32_t k, const AtpShared& sh, uint32_t part) {
+    AtpItem it;
+    it.row = sh.grp[k][0];
+    it.cnt = sh.grp[k][1];
+    it.h0 = sh.h0[k];
+    it.kv = sh.kv[k];
+    it.seq = sh.seq[k];
+    it.ctx = sh.ctx[k];
+    att_units(it.ctx, a.split, part, it.first, it.mine);
+    return it;
+}
+
+MT_DEVICE void atp_bar(uint32_t id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
+
+// Warp `j` of a partition copies its quarter (tokens 4j..4j+3) of unit `unit`'s keys and values
+// into `stage` (cp.async on the vector path, plain loads otherwise; dead tokens and padded
+// dimensions become zeros). Returns whether a slot was past the pool (the same in every warp).
+template <int DP>
+MT_DEVICE bool atp_issue(const AttLaunch& a, const AtpItem& it, uint32_t unit, uint32_t entry, bf16* stage,
+                         uint32_t lane, uint32_t j) {
+    constexpr int RS = DP + 8, NCH = DP / 8, PER = 4 * NCH;
+    bf16* ks = stage;
+    bf16* vs = stage + ATT_UNIT * RS;
+    uint32_t slot, live;
+    bool bad;
+    att_slot(a, unit, it.ctx, entry, lane, slot, live, bad);
+    const bf16* kb = a.k_cache + it.kv;
+    const bf16* vb = a.v_cache + it.kv;
+    if (a.vec) {
+#pragma unroll
+        for (int i = 0; i < (PER + 31) / 32; ++i) {
+            const uint32_t idx = lane + 32 * i, tok = (4 * j + idx / NCH) & (ATT_UNIT - 1), ch = idx % NCH;
+            const uint32_t s = __shfl_sync(0xffffffffu, slot, tok);
+            const bool on = __shfl_sync(0xffffffffu, live, tok) != 0 && 8 * ch < a.d;
+            if (PER % 32 == 0 || idx < PER) {
+                const size_t off = on ? (size_t)s * a.width + 8 * ch : 0;
+                cp_async16(ks + tok * RS + 8 * ch, kb + off, on ? 16u : 0u);
+                cp_async16(vs + tok * RS + 8 * ch, vb + off, on ? 16u : 0u);
+            }
+        }
+    } else {
+#pragma unroll 1
+        for (int i = 0; i < 4 * DP / 32; ++i) {
+            const uint32_t idx = lane + 32 * i, tok = 4 * j + idx / DP, e = idx % DP;
+            const uint32_t s = __shfl_sync(0xffffffffu, slot, tok);
+            const bool on = __shfl_sync(0xffffffffu, live, tok) != 0 && e < a.d;
+            const size_t off = (size_t)s * a.width + e;
+            ks[tok * RS + e] = on ? kb[off] : __ushort_as_bfloat16((unsigned short)0);
+            vs[tok * RS + e] = on ? vb[off] : __ushort_as_bfloat16((unsigned short)0);
+        }
+    }
+    return __any_sync(0xffffffffu, bad);
+}
+
+// The queries of item k into `qs` ([vrows][DP + 8]), by the whole block (cp.async on the vector
+// path: the caller waits): virtual rows past the item's rows, dimensions past head_dim and every
+// row of an out-of-range item are zeros.
+template <int DP>
+MT_DEVICE void atp_load_q(const AttLaunch& a, const AtpShared& sh, uint32_t k, bf16* qs) {
+    constexpr int RS = DP + 8, NCH = RS / 8;
+    const uint32_t vrows = atp_vrows(DP);
+    const uint32_t row = sh.grp[k][0], cnt = sh.ctx[k] != 0 ? sh.grp[k][1] : 0, h0 = sh.h0[k];
+    auto q_at = [&](uint32_t v) {
+        return a.qkv + (size_t)(row + v / a.hb) * a.row_stride + (size_t)(h0 + v % a.hb) * a.q_head_stride;
+    };
+    if (a.vec) {
+        for (uint32_t idx = threadIdx.x; idx < vrows * NCH; idx += ATP_THREADS) {
+            const uint32_t v = idx / NCH, ch = idx % NCH;
+            const bool on = v / a.hb < cnt && 8 * ch < a.d;
+            cp_async16(qs + v * RS + 8 * ch, on ? q_at(v) + 8 * ch : a.qkv, on ? 16u : 0u);
+        }
+    } else {
+        for (uint32_t idx = threadIdx.x; idx < vrows * RS; idx += ATP_THREADS) {
+            const uint32_t v = idx / RS, e = idx % RS;
+            qs[v * RS + e] = v / a.hb < cnt && e < a.d ? q_at(v)[e] : __ushort_as_bfloat16((unsigned short)0);
+        }
+    }
+}
+
+// One unit of a warp: scores of tile t's 16 virtual rows against the unit's 16 tokens, the
+// online softmax of rows g and g + 8 (contexts ctx0, ctx1) and P V into the output dimensions of
+// part hp (DH of them).
+template <int DP, int DH>
+MT_DEVICE void atp_unit(const bf16* stage, const bf16* q, uint32_t t, uint32_t hp, uint32_t unit,
+                        uint32_t ctx0, uint32_t ctx1, float scale_log2, bool first, uint32_t lane, float (&o)[DH / 8][4],
+                        float (&m)[2], float (&l)[2]) {
+    constexpr int RS = DP + 8;
+    const uint32_t c = lane & 3, mat = lane >> 3, row = lane & 7;
+    const uint32_t ks = (uint32_t)__cvta_generic_to_shared(stage);
+    const uint32_t vs = ks + ATT_UNIT * RS * 2;
+    // Query matrices: (rows 0-7 | 8-15) x (dims 0-7 | 8-15 of the k step); key matrices as in
+    // att_unit. Two accumulation chains (even and odd k steps), as there.
+    const uint32_t q_addr =
+        (uint32_t)__cvta_generic_to_shared(q) + ((16 * t + row + ((mat & 1) << 3)) * RS + ((mat >> 1) << 3)) * 2;
+    const uint32_t k_addr = ks + ((row + ((mat >> 1) << 3)) * RS + ((mat & 1) << 3)) * 2;
+    float s[2][2][2][2] = {};  // [row g | g + 8][chain][n-tile][c0, c1]
+#pragma unroll
+    for (int kp = 0; kp < DP / 32; ++kp) {
+        uint32_t qa0[4], qa1[4], b0[4], b1[4];
+        att_ldsm4(qa0, q_addr + (2 * kp) * 32);
+        att_ldsm4(qa1, q_addr + (2 * kp + 1) * 32);
+        att_ldsm4(b0, k_addr + (2 * kp) * 32);
+        att_ldsm4(b1, k_addr + (2 * kp + 1) * 32);
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            att_mma16(s[0][0][n][0], s[0][0][n][1], s[1][0][n][0], s[1][0][n][1], qa0[0], qa0[1], qa0[2],
+                      qa0[3], b0[2 * n], b0[2 * n + 1]);
+            att_mma16(s[0][1][n][0], s[0][1][n][1], s[1][1][n][0], s[1][1][n][1], qa1[0], qa1[1], qa1[2],
+                      qa1[3], b1[2 * n], b1[2 * n + 1]);
+        }
+    }
+
+    float corr[2];
+    uint32_t pa[2][2];
+    att_softmax_row(s[0][0], s[0][1], unit, ctx0, scale_log2, c, m[0], l[0], corr[0], pa[0]);
+    att_softmax_row(s[1][0], s[1][1], unit, ctx1, scale_log2, c, m[1], l[1], corr[1], pa[1]);
+    const bool rescale = att_rescale(first, corr[0] != 1.0f || corr[1] != 1.0f);
+
+    const uint32_t v_addr = vs + ((row + ((mat & 1) << 3)) * RS + ((mat >> 1) << 3) + hp * DH) * 2;
+#pragma unroll
+    for (int dd = 0; dd < DH / 16; ++dd) {
+        uint32_t b[4];
+        att_ldsm4_t(b, v_addr + dd * 32);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float(&on)[4] = o[2 * dd + h];
+            if (rescale) {
+                on[0] *= corr[0];
+                on[1] *= corr[0];
+                on[2] *= corr[1];
+                on[3] *= corr[1];
+            }
+            att_mma16(on[0], on[1], on[2], on[3], pa[0][0], pa[1][0], pa[0][1], pa[1][1], b[2 * h], b[2 * h + 1]);
+        }
+    }
+}
+
+// The cluster's combine of item `it` (parity p) and this block's share of its outputs; NaN for
+// an item whose inputs are out of range. `prep`: each virtual row's split weights and
+// denominator into sh.wt (before a block barrier), else the outputs (after it).
+template <int DP>
+MT_DEVICE void atp_output(const AttLaunch& a, const AtpItem& it, uint32_t p, AtpShared& sh, const float* pk,
+                          bool prep) {
+    cg::cluster_group cluster = cg::this_cluster();
+    const uint32_t used = it.cnt * a.hb;
+    if (prep) {
+        for (uint32_t v = threadIdx.x; v < used; v += ATP_THREADS) {
+            float ms[ATT_SPLITS], ls[ATT_SPLITS];
+#pragma unroll
+            for (int s = 0; s < ATT_SPLITS; ++s) {
+                ms[s] = cluster.map_shared_rank(&sh.cm[p][0], s)[v];
+                ls[s] = cluster.map_shared_rank(&sh.cl[p][0], s)[v];
+            }
+            float mx = -INFINITY;
+#pragma unroll
+            for (int s = 0; s < ATT_SPLITS; ++s) mx = fmaxf(mx, ms[s]);
+            float den = 0.0f;
+#pragma unroll
+            for (int s = 0; s < ATT_SPLITS; ++s) {
+                sh.wt[v][s] = att_weight(ms[s], mx);
+                den = fmaf(sh.wt[v][s], ls[s], den);
+            }
+            sh.wt[v][ATT_SPLITS] = den;
+        }
+        return;
+    }
+    // Virtual row v to block v % ATT_SPLITS (warp v / ATT_SPLITS), its dimensions to the lanes.
+    const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (uint32_t v = a.split + ATT_SPLITS * warp; v < used; v += ATT_SPLITS * ATP_WARPS) {
+        const uint32_t r = it.row + v / a.hb, h = it.h0 + v % a.hb;
+        bf16* out = a.out + ((size_t)r * a.hq + h) * a.d;
+        const bf16* gate = a.qkv + (size_t)r * a.row_stride + (size_t)h * a.q_head_stride + a.d;
+        float wt[ATT_SPLITS];
+#pragma unroll
+        for (int s = 0; s < ATT_SPLITS; ++s) wt[s] = sh.wt[v][s];
+        const float den = sh.wt[v][ATT_SPLITS];
+        for (uint32_t e = lane; e < a.d; e += 32) {
+            if (it.ctx == 0) {
+                out[e] = bf16_nan();
+                continue;
+            }
+            float ps[ATT_SPLITS];
+#pragma unroll
+            for (int s = 0; s < ATT_SPLITS; ++s) ps[s] = cluster.map_shared_rank(pk, s)[v * (DP + 8) + e];
+            out[e] = att_finish(wt, ps, den, a.gated ? gate + e : nullptr);
+        }
+    }
+}
+
+// A partition's stream of units: unit `i` of its units of item `k`, with the block-table entries
+// of its 16 tokens already requested (lanes 0..15).
+struct AtpCursor {
+    uint32_t k, i, entry;
+    AtpItem it;
+};
+
+// Not inlined: each head_dim gets its own register allocation under the 128-register bound of
+// 512 threads (inlined, the four bodies share one, and the 128-wide unit loop spilled four times
+// as much: 1026 against 697 us per Qwen3-8B layer).
+template <int DP>
+__device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpShared& sh) {
+    constexpr int HP = DP > 128 ? 2 : 1, DH = DP / HP, RS = DP + 8;
+    constexpr uint32_t STAGES = DP > 128 ? 2 : 3, VROWS = DP > 128 ? 32 : 64;
+    constexpr uint32_t UNIT_ELEMS = 2 * ATT_UNIT * RS;
+    const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const uint32_t g = lane >> 2, c = lane & 3;
+    const uint32_t part = warp / 4, j = warp % 4, t = j / HP, hp = j % HP;
+    bf16* ring = reinterpret_cast<bf16*>(dyn) + (size_t)part * STAGES * UNIT_ELEMS;
+    bf16* qs = reinterpret_cast<bf16*>(dyn) + (size_t)ATT_WARPS * STAGES * UNIT_ELEMS;
+    float* num = reinterpret_cast<float*>(qs + VROWS * RS);  // [2][VROWS][RS], by item parity
+
+    AtpCursor f;
+    f.k = 0;
+    f.i = 0;
+    f.entry = 0;
+    if (a.nk > 0) f.it = atp_item(a, 0, sh, part);
+    auto settle = [&]() {  // move to the next unit that exists and read its table entries
+        while (f.k < a.nk && f.i >= f.it.mine) {
+            ++f.k;
+            f.i = 0;
+            if (f.k < a.nk) f.it = atp_item(a, f.k, sh, part);
+        }
+        if (f.k < a.nk) {
+            const uint32_t tk = (f.it.first + ATT_WARPS * f.i) * ATT_UNIT + lane;
+            f.entry = lane < ATT_UNIT && tk < f.it.ctx
+                          ? a.block_tables[(size_t)f.it.seq * a.max_blocks + att_block_col(a, tk)]
+                          : 0u;
+        }
+    };
+    uint32_t bad_bits = 0;
+    auto issue_next = [&](uint32_t st) {
+        if (f.k < a.nk) {
+            const bool bad =
+                atp_issue<DP>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry, ring + st * UNIT_ELEMS, lane, j);
+            bad_bits = (bad_bits & ~(1u << st)) | ((bad ? 1u : 0u) << st);
+            ++f.i;
+            settle();
+        }
+        cp_async_commit();
+    };
+    settle();
+#pragma unroll
+    for (uint32_t st = 0; st + 1 < STAGES; ++st) issue_next(st);
+    if (a.nk > 0) atp_load_q<DP>(a, sh, 0, qs);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Per item: the partitions' units (a unit's copies land STAGES - 1 units ahead; one named
+    // barrier per unit makes a stage's copies visible to the partition and frees the stage read
+    // before), then the output of the item before, the next item's queries and the block's
+    // combine of this item, then an arrival at the cluster barrier.
+    uint32_t consumed = 0;
+    for (uint32_t k = 0; k < a.nk; ++k) {
+        const AtpItem it = atp_item(a, k, sh, part);
+        const uint32_t v0 = 16 * t + g, v1 = v0 + 8;
+        const uint32_t* rc = &sh.grp[k][2];
+        const uint32_t ctx0 = v0 / a.hb < it.cnt ? rc[v0 / a.hb] : it.ctx;
+        const uint32_t ctx1 = v1 / a.hb < it.cnt ? rc[v1 / a.hb] : it.ctx;
+        const bool active = 16 * t < it.cnt * a.hb;  // the tile holds a row of the item
+        float o[DH / 8][4];
+#pragma unroll
+        for (int n = 0; n < DH / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+        bool bad = false;
+        for (uint32_t i = 0; i < it.mine; ++i) {
+            cp_async_wait<STAGES - 2>();
+            atp_bar(1 + part);
+            const uint32_t st = consumed % STAGES;
+            issue_next((consumed + STAGES - 1) % STAGES);
+            if (active)
+                atp_unit<DP, DH>(ring + st * UNIT_ELEMS, qs, t, hp, it.first + ATT_WARPS * i, ctx0, ctx1,
+                                 a.scale_log2, i == 0, lane, o, m, l);
+            bad = bad || ((bad_bits >> st) & 1u) != 0;
+            ++consumed;
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        }
+
+        const uint32_t p = k & 1;
+        if (hp == 0 && c == 0) {
+            sh.wm[part][v0] = m[0];
+            sh.wl[part][v0] = l[0];
+            sh.wm[part][v1] = m[1];
+            sh.wl[part][v1] = l[1];
+        }
+        if (bad && lane == 0) sh.bad[p] = 1;
+        // Every block has combined item k - 1, and so has read all of item k - 2 (whose buffers,
+        // of parity p, this item reuses).
+        if (k > 0) att_cluster_wait();
+        __syncthreads();  // every unit of item k computed; its maxima and sums visible
+        if (k > 0) {
+            // Item k - 1's split weights (visible after the combine's first barrier).
+            atp_output<DP>(a, atp_item(a, k - 1, sh, part), p ^ 1u, sh, num + (p ^ 1u) * VROWS * RS, true);
+            if (tid == 0) sh.bad[p ^ 1u] = 0;
+        }
+        if (k + 1 < a.nk) atp_load_q<DP>(a, sh, k + 1, qs);
+        cp_async_commit();
+
+        // The block's partitions in partition order.
+        float* np = num + p * VROWS * RS;
+        float mx[2], wt[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint32_t v = r == 0 ? v0 : v1;
+            mx[r] = -INFINITY;
+#pragma unroll
+            for (int w = 0; w < ATT_WARPS; ++w) mx[r] = fmaxf(mx[r], sh.wm[w][v]);
+            wt[r] = att_weight(sh.wm[part][v], mx[r]);
+        }
+        if (tid < it.cnt * a.hb) {
+            const uint32_t v = tid;
+            float vmx = -INFINITY, den = 0.0f;
+#pragma unroll
+            for (int w = 0; w < ATT_WARPS; ++w) vmx = fmaxf(vmx, sh.wm[w][v]);
+#pragma unroll
+            for (int w = 0; w < ATT_WARPS; ++w) den = fmaf(att_weight(sh.wm[w][v], vmx), sh.wl[w][v], den);
+            sh.cm[p][v] = vmx;
+            sh.cl[p][v] = sh.bad[p] ? __int_as_float(0x7FFFFFFF) : den;
+        }
+#pragma unroll 1
+        for (uint32_t w = 0; w < ATT_WARPS; ++w) {
+            if (part == w && active) {
+#pragma unroll
+                for (int n = 0; n < DH / 8; ++n) {
+                    float* at0 = np + v0 * RS + hp * DH + 8 * n + 2 * c;
+                    float* at1 = np + v1 * RS + hp * DH + 8 * n + 2 * c;
+                    const float2 p0 = w == 0 ? make_float2(0.0f, 0.0f) : *reinterpret_cast<const float2*>(at0);
+                    const float2 p1 = w == 0 ? make_float2(0.0f, 0.0f) : *reinterpret_cast<const float2*>(at1);
+                    *reinterpret_cast<float2*>(at0) = make_float2(fmaf(wt[0], o[n][0], p0.x), fmaf(wt[0], o[n][1], p0.y));
+                    *reinterpret_cast<float2*>(at1) = make_float2(fmaf(wt[1], o[n][2], p1.x), fmaf(wt[1], o[n][3], p1.y));
+                }
+            }
+            if (w + 1 == ATT_WARPS) cp_async_wait<0>();  // the next item's queries have landed
+            __syncthreads();
+        }
+        // Item k - 1's outputs (this item's partials are in shared memory: `o` is dead).
+        if (k > 0) atp_output<DP>(a, atp_item(a, k - 1, sh, part), p ^ 1u, sh, num + (p ^ 1u) * VROWS * RS, false);
+        att_cluster_arrive();
+    }
+    cp_async_wait<0>();
+    if (a.nk > 0) {
+        const uint32_t p = (a.nk - 1) & 1;
+        const AtpItem last = atp_item(a, a.nk - 1, sh, part);
+        att_cluster_wait();
+        atp_output<DP>(a, last, p, sh, num + p * VROWS * RS, true);
+        __syncthreads();
+        atp_output<DP>(a, last, p, sh, num + p * VROWS * RS, false);
+    }
+    // Keep this block's shared memory alive until every block of the cluster has read it.
+    att_cluster_arrive();
+    att_cluster_wait();
+}
+
+// paged_attention_prefill(the arguments of paged_attention, then row_groups: u32 [n_groups, 2]
+// (first row, rows), n_groups): `paged_attention` on the rows of the groups, bitwise, each
+// group's rows (1 ..= atp_rows_per_item consecutive rows of one sequence whose positions lie in
+// the same 16-token unit) in one item, so each key and value is read once for all of them. Rows
+// of no group are not written; a malformed group gets NaN outputs.
+extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATP_THREADS, 1)
+    paged_attention_prefill(bf16* __restrict__ out, const bf16* __restrict__ qkv,
+                            const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                            const uint32_t* __restrict__ block_tables,
+                            const uint32_t* __restrict__ row_seq, const uint32_t* __restrict__ positions,
+                            uint32_t rows, uint32_t row_stride, uint32_t q_head_stride,
+                            uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
+                            uint32_t block_size, uint32_t max_blocks, uint32_t num_seqs,
+                            uint32_t num_slots, float scale, uint32_t gated,
+                            const uint32_t* __restrict__ row_groups, uint32_t n_groups) {
+    extern __shared__ __align__(16) unsigned char att_dyn[];
+    __shared__ AtpShared sh;
+    const AttLaunch a = att_launch(out, qkv, k_cache, v_cache, block_tables, row_stride, q_head_stride,
+                                   num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,
+                                   num_slots, scale, gated, n_groups);
+    const uint32_t dp = att_padded_dim(head_dim);
+    const uint32_t rpi = atp_rows_per_item(a.hb, dp);
+    if (!att_launch_ok(a, num_kv_heads, ATP_THREADS, atp_shared_bytes(dp))) {
+        if (num_q_heads == 0) return;
+        for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x)
+            for (uint32_t i = threadIdx.x; i < num_q_heads * head_dim; i += blockDim.x)
+                out[(size_t)r * num_q_heads * head_dim + i] = bf16_nan();
+        return;
+    }
+
+    // Each item's rows, sequence and context (0 when the group is malformed or its inputs are
+    // out of range: a group must be 1..rpi rows of one sequence whose contexts span the same
+    // units).
+    for (uint32_t k = threadIdx.x; k < a.nk; k += ATP_THREADS) {
+        const uint32_t gi = (a.cluster + k * a.n_clusters) / a.groups;
+        const uint32_t r = row_groups[2 * gi], cnt = row_groups[2 * gi + 1];
+        bool ok = cnt >= 1 && cnt <= rpi && r < rows && cnt <= rows - r;
+        const uint32_t seq = ok ? row_seq[r] : 0, ctx0 = ok ? positions[r] + 1 : 0;
+        uint32_t ctx = ctx0;
+        sh.grp[k][2] = ctx0;
+        for (uint32_t i = 1; ok && i < cnt; ++i) {
+            const uint32_t ci = positions[r + i] + 1;
+            ok = row_seq[r + i] == seq && ci != 0 && (ci - 1) / ATT_UNIT == (ctx0 - 1) / ATT_UNIT;
+            ctx = max(ctx, ci);
+            sh.grp[k][2 + i] = ci;
+        }
+        sh.grp[k][0] = r;
+        // A malformed group writes NaN to the rows it names that exist, at most rpi.
+        sh.grp[k][1] = r < rows ? min(min(cnt, rows - r), rpi) : 0;
+        ok = ok && seq < num_seqs && ctx0 != 0 && (ctx + block_size - 1) / block_size <= max_blocks;
+        sh.seq[k] = ok ? seq : 0;
+        sh.ctx[k] = ok ? ctx : 0;
+        sh.h0[k] = ((a.cluster + k * a.n_clusters) % a.groups) * a.hb;
+        sh.kv[k] = (sh.h0[k] / a.group) * a.d;
+    }
+    if (threadIdx.x == 0) sh.bad[0] = sh.bad[1] = 0;
+    __syncthreads();
+
+    switch (dp) {
+        case 32: atp_run<32>(a, att_dyn, sh); break;
+        case 64: atp_run<64>(a, att_dyn, sh); break;
+        case 128: atp_run<128>(a, att_dyn, sh); break;
+        default: atp_run<256>(a, att_dyn, sh); break;
+    }
+}
