@@ -18,12 +18,14 @@
 //   M rows 0..hb-1 (rows hb..15 are zero), the 16 tokens two n-tiles, head_dim the k steps (two
 //   accumulation chains, even and odd k steps, added at the end); queries and keys come from
 //   shared memory through ldmatrix;
-// - an online softmax in f32 (base 2, the scale folded into log2 e) per head over the quad of
-//   lanes holding its row; the probabilities are rounded to bf16 and the running sum adds the
-//   rounded values;
-// - O += P V with mma.sync (P from the score registers, V through ldmatrix.trans).
+// - an online softmax in f32 (base 2 on ex2.approx.ftz, the scale folded into log2 e) per head
+//   over the quad of lanes holding its row; the probabilities are rounded to bf16 and the running
+//   sum adds the rounded values;
+// - O += P V with mma.sync (P from the score registers, V through ldmatrix.trans), the running
+//   outputs rescaled first unless no row's maximum moved (multiplying by 1 is exact).
 // The block then combines its warps in warp order, and the cluster its blocks through distributed
-// shared memory in block order (0, 1, ..., ATT_SPLITS - 1); the gate (Qwen3.5) multiplies last.
+// shared memory in block order (0, 1, ..., ATT_SPLITS - 1), sums as explicit fmaf chains; the
+// gate (Qwen3.5) multiplies last.
 // Every split, unit and order is fixed by the row's context length and the shape (head_dim,
 // group size), never by the number of rows or clusters, so a row's result is bitwise the same
 // whatever the batch and whether it comes in a prefill chunk or a decode step, and runs are

@@ -26,9 +26,11 @@
 // memory: one block per multiprocessor. A malformed row group, or a launch the kernel cannot run,
 // gets NaN outputs; rows of no group are not written.
 //
-// Measured on the H200 (2026-11-30, 2048-token prefill): 697 us per Qwen3-8B layer and 1054 per
+// Measured on the H200 (2026-11-30, 2048-token prefill): 728 us per Qwen3-8B layer and 918 per
 // Qwen3.5-9B full-attention layer, against 2286 and 3494 for the 4-warp kernel with 8 virtual
-// rows an item that this one replaced.
+// rows an item that this one replaced. A wavefront combine (partition w adding column chunk
+// f - w in phase f, up to four partitions at once) measured 746 / 942 with 4 chunks and 734 / 927
+// with 2: its extra block barriers cost more than the serial steps they overlap.
 
 #define ATP_WARPS 16
 #define ATP_THREADS (32 * ATP_WARPS)
@@ -234,9 +236,11 @@ MT_DEVICE void atp_output(const AttLaunch& a, const AtpItem& it, uint32_t p, Atp
         }
         return;
     }
-    // Virtual row v to block v % ATT_SPLITS (warp v / ATT_SPLITS), its dimensions to the lanes.
-    const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (uint32_t v = a.split + ATT_SPLITS * warp; v < used; v += ATT_SPLITS * ATP_WARPS) {
+    // Virtual row v to block v % ATT_SPLITS; in the block, row split + 8 i to warps i and i + 8,
+    // each taking every other 32 dimensions.
+    const uint32_t warp = threadIdx.x >> 5, half = warp / 8;
+    const uint32_t lane = (threadIdx.x & 31) + 32 * half;
+    for (uint32_t v = a.split + ATT_SPLITS * (warp % 8); v < used; v += ATT_SPLITS * 8) {
         const uint32_t r = it.row + v / a.hb, h = it.h0 + v % a.hb;
         bf16* out = a.out + ((size_t)r * a.hq + h) * a.d;
         const bf16* gate = a.qkv + (size_t)r * a.row_stride + (size_t)h * a.q_head_stride + a.d;
@@ -244,7 +248,7 @@ MT_DEVICE void atp_output(const AttLaunch& a, const AtpItem& it, uint32_t p, Atp
 #pragma unroll
         for (int s = 0; s < ATT_SPLITS; ++s) wt[s] = sh.wt[v][s];
         const float den = sh.wt[v][ATT_SPLITS];
-        for (uint32_t e = lane; e < a.d; e += 32) {
+        for (uint32_t e = lane; e < a.d; e += 64) {
             if (it.ctx == 0) {
                 out[e] = bf16_nan();
                 continue;

@@ -217,9 +217,17 @@ fn paged_attention_matches_over_shuffled_blocks_with_gqa_and_gates() {
         &mixed(4, 2, 32, false),
         "hq=4 hkv=2 d=32 (padded tile)",
     );
-    // Prefill chunks: runs of consecutive positions across unit boundaries, one sequence after
-    // a cached prefix (from 30), another from 0, beside a decode row; Qwen3-8B's heads (4 per
-    // key/value head: 2 rows per group), Qwen3.5-9B's gated 256-wide ones, and MHA (8 rows).
+}
+
+/// Prefill chunks through `paged_attention_prefill`'s row groups (each case also checks the
+/// CPU twin and the single-row kernel on the same rows): runs of consecutive positions across
+/// unit boundaries, one sequence after a cached prefix (from 30), another from 0, beside a
+/// decode row; Qwen3-8B's heads (4 per key/value head: 16 rows a group), Qwen3.5-9B's gated
+/// 256-wide ones (8 rows), MHA (16 rows of one head) and the scalar path.
+#[test]
+fn paged_attention_prefill_row_groups_match_the_single_row_kernel() {
+    let p = Pair::new();
+    let mut rng = Rng::new(26);
     let chunk = |hq, hkv, d, gated| AttnCase {
         hq,
         hkv,
@@ -255,6 +263,35 @@ fn paged_attention_matches_over_shuffled_blocks_with_gqa_and_gates() {
         &mut rng,
         &chunk(6, 2, 100, true),
         "prefill hq=6 hkv=2 d=100 gated (scalar)",
+    );
+}
+
+/// A late chunk of a long prompt through `paged_attention_prefill`: 13 groups of 16 rows whose
+/// 57..69 units give every partition of every block several units, streamed through its ring
+/// across items, at head_dim 128 and (gated) 256.
+#[test]
+fn paged_attention_prefill_late_rows_of_a_long_prompt_match() {
+    let p = Pair::new();
+    let mut rng = Rng::new(27);
+    let late = |d, gated| AttnCase {
+        hq: 32,
+        hkv: 8,
+        d,
+        gated,
+        seq_lens: vec![1100],
+        rows: (900..1100).map(|p| (0, p)).collect(),
+    };
+    attention_case(
+        &p,
+        &mut rng,
+        &late(128, false),
+        "prefill hq=32 hkv=8 d=128 rows 900..1100",
+    );
+    attention_case(
+        &p,
+        &mut rng,
+        &late(256, true),
+        "prefill hq=32 hkv=8 d=256 gated rows 900..1100",
     );
 }
 
