@@ -1,0 +1,235 @@
+// The pieces both attention kernels share, included by attention.cu before either kernel: the
+// geometry constants, the unit split, the MMA and ldmatrix wrappers, the per-row softmax step,
+// the combine arithmetic, the launch fields and the slot lookup. A row's result is bitwise the
+// same in both kernels because its arithmetic is written once, here.
+
+#define ATT_SPLITS 8
+#define ATT_WARPS 4
+#define ATT_THREADS (32 * ATT_WARPS)
+#define ATT_STAGES 2
+#define ATT_MAX_ITEMS 64
+#define ATT_UNIT 16
+#define ATT_HB 8
+#define ATT_MAX_D 256
+#define ATT_LOG2E 1.4426950408889634f
+
+// Query heads per cluster: the largest divisor of the group size that is at most ATT_HB (1 when
+// the heads do not group). The launcher computes the same.
+MT_DEVICE uint32_t att_heads_per_block(uint32_t hq, uint32_t hkv) {
+    if (hkv == 0 || hq % hkv != 0) return 1;
+    const uint32_t g = hq / hkv;
+    for (uint32_t b = ATT_HB; b > 1; --b)
+        if (g % b == 0) return b;
+    return 1;
+}
+
+// head_dim padded to the tensor-core tile the kernel is instantiated for.
+MT_DEVICE uint32_t att_padded_dim(uint32_t d) {
+    return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256;
+}
+
+// The units of a row's context (ctx tokens) that warp `part` of block `split` takes: first,
+// first + ATT_WARPS, ... (`mine` of them). Both kernels cut a context this way.
+MT_DEVICE void att_units(uint32_t ctx, uint32_t split, uint32_t part, uint32_t& first, uint32_t& mine) {
+    const uint32_t units = (ctx + ATT_UNIT - 1) / ATT_UNIT;
+    const uint32_t ub = (uint32_t)((uint64_t)split * units / ATT_SPLITS);
+    const uint32_t ue = (uint32_t)((uint64_t)(split + 1) * units / ATT_SPLITS);
+    first = ub + part;
+    mine = ue > first ? (ue - first + ATT_WARPS - 1) / ATT_WARPS : 0;
+}
+
+// d0..d3 (an m16n8k16 result: rows g and g + 8, columns 2c, 2c + 1) += A B: a0 / a2 hold A row
+// g's k 2c, 2c+1 / 2c+8, 2c+9, a1 / a3 row g + 8's; b0 / b1 hold B column g's same k (g = lane /
+// 4, c = lane % 4).
+MT_DEVICE void att_mma16(float& d0, float& d1, float& d2, float& d3, uint32_t a0, uint32_t a1,
+                         uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Rows 0..7 only: A's rows 8..15 are zero and their results discarded.
+MT_DEVICE void att_mma(float& d0, float& d1, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+    float d2 = 0.0f, d3 = 0.0f;
+    att_mma16(d0, d1, d2, d3, a0, 0u, a2, 0u, b0, b1);
+}
+
+MT_DEVICE void att_ldsm4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+MT_DEVICE void att_ldsm4_t(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+MT_DEVICE uint32_t att_pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// 2^x on the special-function unit, results below 2^-126 flushed to zero (exp2f's range
+// scaling costs two instructions per call, and the softmax calls it five times a row per unit).
+MT_DEVICE float att_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Whether a warp must rescale its running outputs by this unit's corrections: not on its first
+// unit of an item (the outputs are zeros) and not when every row's maximum stayed (each factor
+// is 1). Skipping is exact, and both kernels decide the same way.
+MT_DEVICE bool att_rescale(bool first, bool moved) { return !first && __any_sync(0xffffffffu, moved); }
+
+// One row's online-softmax step over a unit, on the quad of lanes holding the row: its scores
+// in two chains (s0 + s1, [n-tile][column pair]) scaled, tokens past `ctx` masked, the running
+// max `m` and sum `l` updated (the sum adds the bf16-rounded probabilities), `corr` the factor
+// for the row's running output and `pa` its probabilities as the A operand of P V. Both kernels
+// run every row through this function, so their arithmetic is the same instruction for
+// instruction.
+MT_DEVICE void att_softmax_row(const float (&s0)[2][2], const float (&s1)[2][2], uint32_t unit,
+                               uint32_t ctx, float scale_log2, uint32_t c, float& m, float& l,
+                               float& corr, uint32_t (&pa)[2]) {
+    float x[2][2];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const uint32_t t = unit * ATT_UNIT + 8 * n + 2 * c + e;
+            x[n][e] = t < ctx ? __fmul_rn(__fadd_rn(s0[n][e], s1[n][e]), scale_log2) : -INFINITY;
+            mx = fmaxf(mx, x[n][e]);
+        }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m, mx);  // finite: a unit holds at least one live token
+    corr = att_exp2(m - m_new);
+    float sum = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+        pa[n] = att_pack_bf16(att_exp2(x[n][0] - m_new), att_exp2(x[n][1] - m_new));
+        sum = __fadd_rn(sum, __fadd_rn(__uint_as_float(pa[n] << 16), __uint_as_float(pa[n] & 0xFFFF0000u)));
+    }
+    l = fmaf(l, corr, sum);
+    m = m_new;
+}
+
+// A partial's weight in a combine whose maximum is `mx` (0 for a partial that saw no token).
+MT_DEVICE float att_weight(float m, float mx) { return m == -INFINITY ? 0.0f : att_exp2(m - mx); }
+
+// One output of the cluster's combine: the splits' numerators `ps` weighted by `wt` (in split
+// order) over the denominator, times the output gate when there is one.
+MT_DEVICE bf16 att_finish(const float (&wt)[ATT_SPLITS], const float (&ps)[ATT_SPLITS], float den,
+                          const bf16* gate) {
+    float num = 0.0f;
+#pragma unroll
+    for (int s = 0; s < ATT_SPLITS; ++s) num = fmaf(wt[s], ps[s], num);
+    float val = num / den;
+    if (gate != nullptr) val *= sigmoidf_acc(bf2f(*gate));
+    return f2bf(val);
+}
+
+// The cluster barrier in two halves: arrive (release: this block's shared-memory writes become
+// visible to the cluster) and wait (acquire: every block of the cluster has arrived).
+MT_DEVICE void att_cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
+
+MT_DEVICE void att_cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
+
+// The launch, as one block sees it.
+struct AttLaunch {
+    bf16* out;
+    const bf16* qkv;
+    const bf16* k_cache;
+    const bf16* v_cache;
+    const uint32_t* block_tables;
+    uint32_t row_stride, q_head_stride, hq, d, block_size, max_blocks, num_slots;
+    uint32_t bs_shift;  // log2(block_size) when it is a power of two, else 32
+    uint32_t hb, group, groups, n_items, n_clusters, cluster, split, nk;
+    size_t width;  // elements per slot (num_kv_heads * head_dim)
+    float scale_log2;
+    bool gated, vec;
+};
+
+// The fields both kernels share, from the launch arguments; `rows_per_item` is 1 for
+// `paged_attention` and a row group's most rows for `paged_attention_prefill`, `items` the
+// number of rows or row groups.
+MT_DEVICE AttLaunch att_launch(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
+                               const uint32_t* block_tables, uint32_t row_stride, uint32_t q_head_stride,
+                               uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
+                               uint32_t block_size, uint32_t max_blocks, uint32_t num_slots, float scale,
+                               uint32_t gated, uint32_t items) {
+    AttLaunch a;
+    a.out = out;
+    a.qkv = qkv;
+    a.k_cache = k_cache;
+    a.v_cache = v_cache;
+    a.block_tables = block_tables;
+    a.row_stride = row_stride;
+    a.q_head_stride = q_head_stride;
+    a.hq = num_q_heads;
+    a.d = head_dim;
+    a.block_size = block_size;
+    a.max_blocks = max_blocks;
+    a.num_slots = num_slots;
+    a.bs_shift = block_size != 0 && (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : 32u;
+    a.hb = att_heads_per_block(num_q_heads, num_kv_heads);
+    a.group = num_kv_heads > 0 ? num_q_heads / num_kv_heads : 1;
+    a.groups = num_q_heads / a.hb;
+    a.n_items = items * a.groups;
+    a.n_clusters = gridDim.x / ATT_SPLITS;
+    a.cluster = blockIdx.x / ATT_SPLITS;
+    a.split = blockIdx.x % ATT_SPLITS;
+    a.nk = a.cluster < a.n_items ? (a.n_items - a.cluster + a.n_clusters - 1) / a.n_clusters : 0;
+    a.width = (size_t)num_kv_heads * head_dim;
+    a.scale_log2 = scale * ATT_LOG2E;
+    a.gated = gated != 0;
+    a.vec = head_dim % 8 == 0 && q_head_stride % 8 == 0 && row_stride % 8 == 0 &&
+            aligned16(qkv) && aligned16(k_cache) && aligned16(v_cache);
+    return a;
+}
+
+// Token t's block-table column and offset in its block (shifts for the usual power-of-two block
+// sizes: a division per unit costs as much as the unit's softmax).
+MT_DEVICE uint32_t att_block_col(const AttLaunch& a, uint32_t t) {
+    return a.bs_shift < 32 ? t >> a.bs_shift : t / a.block_size;
+}
+
+MT_DEVICE uint32_t att_block_off(const AttLaunch& a, uint32_t t) {
+    return a.bs_shift < 32 ? t & (a.block_size - 1) : t % a.block_size;
+}
+
+// Lanes 0..15: the slot of token 16 * unit + lane of a context of `ctx` tokens (`entry`: its
+// block, read ahead); `live` when it exists, `bad` when it is past the pool.
+MT_DEVICE void att_slot(const AttLaunch& a, uint32_t unit, uint32_t ctx, uint32_t entry, uint32_t lane,
+                        uint32_t& slot, uint32_t& live, bool& bad) {
+    slot = 0;
+    live = 0;
+    bad = false;
+    const uint32_t t = unit * ATT_UNIT + lane;
+    if (lane < ATT_UNIT && t < ctx) {
+        const uint64_t s = (uint64_t)entry * a.block_size + att_block_off(a, t);
+        if (s < a.num_slots) {
+            slot = (uint32_t)s;
+            live = 1;
+        } else {
+            bad = true;
+        }
+    }
+}
+
+// Whether a launch's shape is one the kernels run (uniform over the launch, so every block of a
+// cluster takes the same path): heads that group, a head_dim the tiles hold, `threads` per
+// block, items per cluster within ATT_MAX_ITEMS and at least `smem` bytes of shared memory.
+MT_DEVICE bool att_launch_ok(const AttLaunch& a, uint32_t num_kv_heads, uint32_t threads, uint32_t smem) {
+    uint32_t dyn_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
+    return num_kv_heads > 0 && a.hq % num_kv_heads == 0 && a.d > 0 && a.d <= ATT_MAX_D &&
+           a.block_size > 0 && blockDim.x == threads && gridDim.y == 1 &&
+           (a.n_items + a.n_clusters - 1) / a.n_clusters <= ATT_MAX_ITEMS && dyn_bytes >= smem;
+}
