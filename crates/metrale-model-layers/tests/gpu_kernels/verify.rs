@@ -7,6 +7,7 @@
 
 use metrale_gpu_runtime::DevicePtr;
 
+use super::rule::RuleCase;
 use super::*;
 
 /// Rows, own slot, first position and the slot each row keeps its state in.
