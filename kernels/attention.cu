@@ -407,12 +407,7 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
     if (threadIdx.x == 0) sh.bad[0] = sh.bad[1] = 0;
     __syncthreads();
 
-    switch (dp) {
-        case 32: att_run<32>(a, att_dyn, sh); break;
-        case 64: att_run<64>(a, att_dyn, sh); break;
-        case 128: att_run<128>(a, att_dyn, sh); break;
-        default: att_run<256>(a, att_dyn, sh); break;
-    }
+    att_by_dim(dp, [&](auto dim) { att_run<decltype(dim)::value>(a, att_dyn, sh); });
 }
 
 #include "attention_prefill.cuh"

@@ -156,9 +156,8 @@ struct AttLaunch {
     bool gated, vec;
 };
 
-// The fields both kernels share, from the launch arguments; `rows_per_item` is 1 for
-// `paged_attention` and a row group's most rows for `paged_attention_prefill`, `items` the
-// number of rows or row groups.
+// The fields both kernels share, from the launch arguments; `items` is the number of rows
+// (`paged_attention`) or row groups (`paged_attention_prefill`).
 MT_DEVICE AttLaunch att_launch(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
                                const uint32_t* block_tables, uint32_t row_stride, uint32_t q_head_stride,
                                uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
@@ -220,6 +219,23 @@ MT_DEVICE void att_slot(const AttLaunch& a, uint32_t unit, uint32_t ctx, uint32_
         } else {
             bad = true;
         }
+    }
+}
+
+// The padded head dimension as a compile-time constant: run(AttDim<dp>()) for dp 32, 64, 128 or
+// 256 (att_padded_dim's values), each kernel instantiating its body per tile width.
+template <int D>
+struct AttDim {
+    static constexpr int value = D;
+};
+
+template <typename F>
+MT_DEVICE void att_by_dim(uint32_t dp, F&& run) {
+    switch (dp) {
+        case 32: run(AttDim<32>()); break;
+        case 64: run(AttDim<64>()); break;
+        case 128: run(AttDim<128>()); break;
+        default: run(AttDim<256>()); break;
     }
 }
 

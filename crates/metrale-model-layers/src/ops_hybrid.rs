@@ -26,8 +26,8 @@ const RULE_WARPS_PER_BLOCK: u32 = 2;
 
 /// Dynamic shared memory per warp of `gated_delta_chunked`: a ring of `GDN_RING` (8) tokens of
 /// `GDN_TOK_BYTES` (q̂ and k̂ of up to 128 f32 each, 16 v columns, β and g: 1088 bytes), the
-/// prefill's loads several tokens ahead (`kernels/gdn.cu`). Without it the kernel falls back to
-/// loading one token ahead in registers, same bits.
+/// prefill's loads several tokens ahead (`kernels/gdn.cu`). Without it the kernel loads each
+/// token when it needs it, as the recurrent kernel does: same bits.
 const RULE_RING_BYTES: u32 = 8 * (2 * 128 * 4 + 64);
 /// Threads per block of the expert projections (8 warps, a warp per output column at a time).
 const EXPERT_THREADS: u32 = 256;

@@ -99,11 +99,7 @@ impl Scheduler {
                 }
             })
             .collect();
-        let tables: Vec<&BlockTable> = idx.iter().map(|&i| &self.running[i].table).collect();
-        let slots: Vec<u32> = idx
-            .iter()
-            .filter_map(|&i| self.running[i].ssm_slot)
-            .collect();
+        let (tables, slots) = self.tables_and_slots(&idx);
         model.decode(&rows, &tables, &slots)?;
         // Host logits only when a row that samples now needs them (see `Seq::needs_logits`).
         let need = idx.iter().any(|&i| {
@@ -136,6 +132,17 @@ impl Scheduler {
             self.retire(model, i, reason, events)?;
         }
         Ok(StepKind::Decode { seqs: idx.len() })
+    }
+
+    /// The block tables and SSM slots of running sequences `idx`, in that order: the per-sequence
+    /// inputs of a decode or verify step.
+    pub(super) fn tables_and_slots(&self, idx: &[usize]) -> (Vec<&BlockTable>, Vec<u32>) {
+        let tables = idx.iter().map(|&i| &self.running[i].table).collect();
+        let slots = idx
+            .iter()
+            .filter_map(|&i| self.running[i].ssm_slot)
+            .collect();
+        (tables, slots)
     }
 
     /// Preempt running sequence `i` by recompute: release its cache and requeue it first.

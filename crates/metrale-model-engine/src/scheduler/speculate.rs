@@ -247,11 +247,7 @@ impl Scheduler {
         let drafts: usize = idx.iter().map(|&i| self.running[i].drafts.len()).sum();
         let _span =
             tracing::debug_span!("step", kind = "verify", seqs = idx.len(), drafts).entered();
-        let tables: Vec<_> = idx.iter().map(|&i| &self.running[i].table).collect();
-        let slots: Vec<u32> = idx
-            .iter()
-            .filter_map(|&i| self.running[i].ssm_slot)
-            .collect();
+        let (tables, slots) = self.tables_and_slots(&idx);
         model.verify(&rows, &tables, &slots, &row_slots)?;
         let need = idx.iter().any(|&i| self.running[i].needs_logits());
         let mut picked = if need {

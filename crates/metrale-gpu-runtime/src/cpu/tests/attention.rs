@@ -179,7 +179,7 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
     );
     // The prefill twin over row groups (2 heads per block at head_dim 8: up to 16 rows of one
     // unit each) gives every grouped row bitwise the same and leaves the rows of no group
-    // (4..8) as poisoned; a group of 17 rows is refused.
+    // (4..8) as poisoned; a group of 17 rows is refused, naming the limit.
     let grouped = r.out(len * hq * dh * 2);
     let mut with_groups = args(grouped);
     with_groups.extend([r.put(&[0u32, 4, 8, 2]).into(), u(2)]);
@@ -210,7 +210,12 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
     let err = r
         .run("attention", "paged_attention_prefill", &too_many)
         .unwrap_err();
-    assert!(err.to_string().contains("row group 0"), "{err}");
+    // The refusal names the kernel's limit: 16 rows (one unit) at 2 heads per block.
+    let msg = err.to_string();
+    assert!(
+        msg.contains("row group 0") && msg.contains("at most 16"),
+        "{msg}"
+    );
     // A padding slot writes nothing.
     let pad = r.put(&[u32::MAX]);
     let before = r.get_bf(kc, slots * hkv * dh);
