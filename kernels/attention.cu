@@ -95,9 +95,6 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
     bf16* ks = stage + ATT_HB * RS;
     bf16* vs = ks + ATT_UNIT * RS;
     const bf16* q = a.qkv + (size_t)it.row * a.row_stride + (size_t)it.h0 * a.q_head_stride;
-    uint32_t slot, live;
-    bool bad;
-    att_slot(a, unit, it.ctx, entry, lane, slot, live, bad);
     const bf16* kb = a.k_cache + it.kv;
     const bf16* vb = a.v_cache + it.kv;
     if (a.vec) {
@@ -105,6 +102,19 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
             const uint32_t h = idx / NCH, ch = idx % NCH;
             if (8 * ch < a.d) cp_async16(qs + h * RS + 8 * ch, q + (size_t)h * a.q_head_stride + 8 * ch, 16u);
         }
+    }
+    if (a.vec && a.unit_blocks) {
+        uint64_t base;
+        uint32_t live;
+        bool bad;
+        att_unit_run(a, unit, it.ctx, entry, base, live, bad);
+        att_copy_run<RS, ATT_UNIT * NCH / 32>(a, kb, vb, base, live, lane / NCH, 32 / NCH, lane % NCH, ks, vs);
+        return bad;
+    }
+    uint32_t slot, live;
+    bool bad;
+    att_slot(a, unit, it.ctx, entry, lane, slot, live, bad);
+    if (a.vec) {
 #pragma unroll
         for (int i = 0; i < ATT_UNIT * NCH / 32; ++i) {
             const uint32_t idx = lane + 32 * i, tok = idx / NCH, ch = idx % NCH;
@@ -197,17 +207,38 @@ struct AttShared {
     int bad[2];  // a slot past the pool was seen, by item parity
 };
 
-// The cluster's combine of one item (blocks in block order) and its output: this block's share
-// of the hb * d outputs, NaN for an item whose inputs are out of range.
+// This thread's outputs of an item, computed before the block's arrival at the cluster barrier
+// and stored after it: the arrival's release fence waits for the thread's outstanding global
+// stores, so storing first would put their latency on every item.
+#define ATT_OUT_PER (ATT_HB * ATT_MAX_D / (ATT_SPLITS * ATT_THREADS))
+struct AttOut {
+    bf16 v[ATT_OUT_PER];
+    size_t off[ATT_OUT_PER];
+    uint32_t n;
+};
+
+MT_DEVICE void att_store(const AttLaunch& a, const AttOut& o) {
+#pragma unroll
+    for (int j = 0; j < ATT_OUT_PER; ++j)
+        if ((uint32_t)j < o.n) a.out[o.off[j]] = o.v[j];
+}
+
+// The cluster's combine of one item (blocks in block order): this block's share of the hb * d
+// outputs, NaN for an item whose inputs are out of range.
 template <int DP>
-MT_DEVICE void att_output(const AttLaunch& a, const AttItem& it, uint32_t p, AttShared& sh,
-                          const float* pk) {
+MT_DEVICE AttOut att_output(const AttLaunch& a, const AttItem& it, uint32_t p, AttShared& sh, const float* pk) {
     cg::cluster_group cluster = cg::this_cluster();
-    for (uint32_t idx = a.split * ATT_THREADS + threadIdx.x; idx < a.hb * a.d; idx += ATT_SPLITS * ATT_THREADS) {
+    AttOut out;
+    out.n = 0;
+#pragma unroll
+    for (int j = 0; j < ATT_OUT_PER; ++j) {
+        const uint32_t idx = a.split * ATT_THREADS + threadIdx.x + j * ATT_SPLITS * ATT_THREADS;
+        if (idx >= a.hb * a.d) break;
         const uint32_t h = idx / a.d, e = idx % a.d;
-        const size_t out_off = ((size_t)it.row * a.hq + it.h0 + h) * a.d;
+        out.off[j] = ((size_t)it.row * a.hq + it.h0 + h) * a.d + e;
+        out.n = j + 1;
         if (it.ctx == 0) {
-            a.out[out_off + e] = bf16_nan();
+            out.v[j] = bf16_nan();
             continue;
         }
         float ms[ATT_SPLITS], ls[ATT_SPLITS], ps[ATT_SPLITS], wt[ATT_SPLITS];
@@ -227,19 +258,22 @@ MT_DEVICE void att_output(const AttLaunch& a, const AttItem& it, uint32_t p, Att
             den = fmaf(wt[s], ls[s], den);
         }
         const size_t gate_off = (size_t)it.row * a.row_stride + (size_t)(it.h0 + h) * a.q_head_stride + a.d + e;
-        a.out[out_off + e] = att_finish(wt, ps, den, a.gated ? a.qkv + gate_off : nullptr);
+        out.v[j] = att_finish(wt, ps, den, a.gated ? a.qkv + gate_off : nullptr);
     }
+    return out;
 }
 
 // Where a warp's stream of units stands: unit `i` of the warp's units of item `k`, with the
-// block-table entries of its 16 tokens already requested (lanes 0..15).
+// block-table entries it needs already requested (att_entry).
 struct AttCursor {
     uint32_t k, i, entry;
     AttItem it;
 };
 
+// Not inlined: each head_dim gets its own register allocation (inlined into one body, the four
+// shared one and the 256-wide path spilled).
 template <int DP>
-MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
+__device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttShared& sh) {
     constexpr uint32_t STAGE_ELEMS = (ATT_HB + 2 * ATT_UNIT) * (DP + 8);
     const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const uint32_t g = lane >> 2, c = lane & 3;
@@ -264,12 +298,7 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
             f.i = 0;
             if (f.k < a.nk) f.it = att_item(a, f.k, sh.seq, sh.ctx, warp);
         }
-        if (f.k < a.nk) {
-            const uint32_t t = (f.it.first + ATT_WARPS * f.i) * ATT_UNIT + lane;
-            f.entry = lane < ATT_UNIT && t < f.it.ctx
-                          ? a.block_tables[(size_t)f.it.seq * a.max_blocks + att_block_col(a, t)]
-                          : 0u;
-        }
+        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.it.first + ATT_WARPS * f.i, f.it.ctx, lane);
     };
     uint32_t bad_bits = 0;
     auto issue_next = [&](uint32_t st) {
@@ -292,6 +321,8 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
     uint32_t consumed = 0;
     AttItem prev;
     prev.ctx = 0;
+    AttOut pending;
+    pending.n = 0;
     for (uint32_t k = 0; k < a.nk; ++k) {
         const AttItem it = att_item(a, k, sh.seq, sh.ctx, warp);
         float o[DP / 8][2];
@@ -317,7 +348,7 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
             // Every block has combined item k - 1, and so has read all of item k - 2 (whose
             // buffers, of parity p, this item reuses).
             att_cluster_wait();
-            att_output<DP>(a, prev, p ^ 1u, sh, part + (p ^ 1u) * a.hb * DP);
+            pending = att_output<DP>(a, prev, p ^ 1u, sh, part + (p ^ 1u) * a.hb * DP);
             if (tid == 0) sh.bad[p ^ 1u] = 0;
         }
 
@@ -355,16 +386,19 @@ MT_DEVICE void att_run(const AttLaunch& a, unsigned char* dyn, AttShared& sh) {
             }
         }
         att_cluster_arrive();
+        att_store(a, pending);
+        pending.n = 0;
         prev = it;
     }
     cp_async_wait<0>();
     if (a.nk > 0) {
         att_cluster_wait();
         const uint32_t p = (a.nk - 1) & 1;
-        att_output<DP>(a, prev, p, sh, part + p * a.hb * DP);
+        pending = att_output<DP>(a, prev, p, sh, part + p * a.hb * DP);
     }
     // Keep this block's shared memory alive until every block of the cluster has read it.
     att_cluster_arrive();
+    att_store(a, pending);
     att_cluster_wait();
 }
 

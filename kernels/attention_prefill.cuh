@@ -11,7 +11,7 @@
 // A block is ATP_WARPS (16) warps in four partitions of four: partition w takes the units warp w
 // of `paged_attention` takes (att_units), so the arithmetic of every row is that kernel's. Its
 // four warps share each unit's keys and values (each copies a quarter of the 16 tokens into the
-// partition's ring of `atp_stages` stages, under a named barrier of the four), and each computes
+// partition's ring of `atp_stages` stages, under an mbarrier of the four), and each computes
 // one tile of 16 virtual rows, or at head_dim 256 one half of a tile's output dimensions (both
 // halves compute the tile's scores). Scores, softmax and P V are `att_unit`'s, for rows g and
 // g + 8 of the tile (att_softmax_row for each).
@@ -55,6 +55,7 @@ MT_DEVICE uint32_t atp_shared_bytes(uint32_t dp) {
 }
 
 struct AtpShared {
+    unsigned long long pbar[ATT_WARPS];  // each partition's mbarrier
     float wm[ATT_WARPS][ATP_MAX_VROWS], wl[ATT_WARPS][ATP_MAX_VROWS];  // each partition's max, sum
     float cm[2][ATP_MAX_VROWS], cl[2][ATP_MAX_VROWS];  // the block's, by item parity
     float wt[ATP_MAX_VROWS][ATT_SPLITS + 1];  // output: each split's weight, then the denominator
@@ -82,7 +83,15 @@ MT_DEVICE AtpItem atp_item(const AttLaunch& a, uint32_t k, const AtpShared& sh, 
     return it;
 }
 
-MT_DEVICE void atp_bar(uint32_t id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
+// Partition `part`'s barrier: its mbarrier, 128 arrivals a phase; `phase` is the parity of the
+// phase this sync completes (the number of earlier syncs, mod 2). Named barriers over the
+// partition's 128 threads (bar.sync 1 + part, 128) ran as fast, but compute-sanitizer's racecheck
+// does not model them and reported every ring and combine access as a hazard.
+MT_DEVICE void atp_sync(unsigned long long* bar, uint32_t phase) {
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    mbar_arrive(b);
+    mbar_wait(b, phase);
+}
 
 // Warp `j` of a partition copies its quarter (tokens 4j..4j+3) of unit `unit`'s keys and values
 // into `stage` (cp.async on the vector path, plain loads otherwise; dead tokens and padded
@@ -93,11 +102,20 @@ MT_DEVICE bool atp_issue(const AttLaunch& a, const AtpItem& it, uint32_t unit, u
     constexpr int RS = DP + 8, NCH = DP / 8, PER = 4 * NCH;
     bf16* ks = stage;
     bf16* vs = stage + ATT_UNIT * RS;
+    const bf16* kb = a.k_cache + it.kv;
+    const bf16* vb = a.v_cache + it.kv;
+    if (a.vec && a.unit_blocks) {
+        uint64_t base;
+        uint32_t live;
+        bool bad;
+        att_unit_run(a, unit, it.ctx, entry, base, live, bad);
+        if (PER >= 32 || lane < PER)
+            att_copy_run<RS, (PER + 31) / 32>(a, kb, vb, base, live, 4 * j + lane / NCH, 32 / NCH, lane % NCH, ks, vs);
+        return bad;
+    }
     uint32_t slot, live;
     bool bad;
     att_slot(a, unit, it.ctx, entry, lane, slot, live, bad);
-    const bf16* kb = a.k_cache + it.kv;
-    const bf16* vb = a.v_cache + it.kv;
     if (a.vec) {
 #pragma unroll
         for (int i = 0; i < (PER + 31) / 32; ++i) {
@@ -262,7 +280,7 @@ MT_DEVICE void atp_output(const AttLaunch& a, const AtpItem& it, uint32_t p, Atp
 }
 
 // A partition's stream of units: unit `i` of its units of item `k`, with the block-table entries
-// of its 16 tokens already requested (lanes 0..15).
+// it needs already requested (att_entry).
 struct AtpCursor {
     uint32_t k, i, entry;
     AtpItem it;
@@ -294,12 +312,7 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
             f.i = 0;
             if (f.k < a.nk) f.it = atp_item(a, f.k, sh, part);
         }
-        if (f.k < a.nk) {
-            const uint32_t tk = (f.it.first + ATT_WARPS * f.i) * ATT_UNIT + lane;
-            f.entry = lane < ATT_UNIT && tk < f.it.ctx
-                          ? a.block_tables[(size_t)f.it.seq * a.max_blocks + att_block_col(a, tk)]
-                          : 0u;
-        }
+        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.it.first + ATT_WARPS * f.i, f.it.ctx, lane);
     };
     uint32_t bad_bits = 0;
     auto issue_next = [&](uint32_t st) {
@@ -320,8 +333,8 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
     cp_async_wait<0>();
     __syncthreads();
 
-    // Per item: the partitions' units (a unit's copies land STAGES - 1 units ahead; one named
-    // barrier per unit makes a stage's copies visible to the partition and frees the stage read
+    // Per item: the partitions' units (a unit's copies land STAGES - 1 units ahead; one
+    // partition sync per unit makes a stage's copies visible to the partition and frees the stage read
     // before), then the output of the item before, the next item's queries and the block's
     // combine of this item, then an arrival at the cluster barrier.
     uint32_t consumed = 0;
@@ -339,7 +352,7 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
         bool bad = false;
         for (uint32_t i = 0; i < it.mine; ++i) {
             cp_async_wait<STAGES - 2>();
-            atp_bar(1 + part);
+            atp_sync(&sh.pbar[part], consumed & 1u);
             const uint32_t st = consumed % STAGES;
             issue_next((consumed + STAGES - 1) % STAGES);
             if (active)
@@ -485,6 +498,7 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
         sh.kv[k] = (sh.h0[k] / a.group) * a.d;
     }
     if (threadIdx.x == 0) sh.bad[0] = sh.bad[1] = 0;
+    if (threadIdx.x < ATT_WARPS) mbar_init((uint32_t)__cvta_generic_to_shared(&sh.pbar[threadIdx.x]), 128);
     __syncthreads();
 
     att_by_dim(dp, [&](auto dim) { atp_run<decltype(dim)::value>(a, att_dyn, sh); });

@@ -150,6 +150,7 @@ struct AttLaunch {
     const uint32_t* block_tables;
     uint32_t row_stride, q_head_stride, hq, d, block_size, max_blocks, num_slots;
     uint32_t bs_shift;  // log2(block_size) when it is a power of two, else 32
+    bool unit_blocks;   // block_size is a multiple of ATT_UNIT: a unit's tokens share one block
     uint32_t hb, group, groups, n_items, n_clusters, cluster, split, nk;
     size_t width;  // elements per slot (num_kv_heads * head_dim)
     float scale_log2;
@@ -177,6 +178,7 @@ MT_DEVICE AttLaunch att_launch(bf16* out, const bf16* qkv, const bf16* k_cache, 
     a.max_blocks = max_blocks;
     a.num_slots = num_slots;
     a.bs_shift = block_size != 0 && (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : 32u;
+    a.unit_blocks = block_size != 0 && block_size % ATT_UNIT == 0;
     a.hb = att_heads_per_block(num_q_heads, num_kv_heads);
     a.group = num_kv_heads > 0 ? num_q_heads / num_kv_heads : 1;
     a.groups = num_q_heads / a.hb;
@@ -201,6 +203,51 @@ MT_DEVICE uint32_t att_block_col(const AttLaunch& a, uint32_t t) {
 
 MT_DEVICE uint32_t att_block_off(const AttLaunch& a, uint32_t t) {
     return a.bs_shift < 32 ? t & (a.block_size - 1) : t % a.block_size;
+}
+
+// The block-table entry lane `lane` reads ahead for unit `unit` of a context of `ctx` tokens:
+// the unit's one block in every lane when units lie within blocks, else (lanes 0..15) the block
+// of token 16 * unit + lane.
+MT_DEVICE uint32_t att_entry(const AttLaunch& a, uint32_t seq, uint32_t unit, uint32_t ctx, uint32_t lane) {
+    const uint32_t t = unit * ATT_UNIT + (a.unit_blocks ? 0u : lane);
+    return (a.unit_blocks || lane < ATT_UNIT) && t < ctx
+               ? a.block_tables[(size_t)seq * a.max_blocks + att_block_col(a, t)]
+               : 0u;
+}
+
+// A unit inside one block (a.unit_blocks; `entry` its block): token t of the unit is slot
+// base + t, `live` of its tokens exist, and `bad` (uniform) when one of them is past the pool, in
+// which case `live` is 0 and nothing is copied.
+MT_DEVICE void att_unit_run(const AttLaunch& a, uint32_t unit, uint32_t ctx, uint32_t entry, uint64_t& base,
+                            uint32_t& live, bool& bad) {
+    const uint32_t t0 = unit * ATT_UNIT;
+    live = min((uint32_t)ATT_UNIT, ctx - t0);
+    base = (uint64_t)entry * a.block_size + att_block_off(a, t0);
+    bad = base + live > a.num_slots;
+    if (bad) live = 0;
+}
+
+// Copy N 16-byte chunks of such a unit's keys and values, dimensions 8 ch..8 ch + 7 of tokens
+// tok0, tok0 + step, ..., into rows of `ks` and `vs` (RS elements each) by cp.async; tokens past
+// `live` and dimensions past head_dim become zeros. One multiply per lane instead of a slot
+// shuffle and a 64-bit multiply per chunk (the copy was a fifth of the decode kernel's
+// instructions at batch 32).
+template <int RS, int N>
+MT_DEVICE void att_copy_run(const AttLaunch& a, const bf16* kb, const bf16* vb, uint64_t base, uint32_t live,
+                            uint32_t tok0, uint32_t step, uint32_t ch, bf16* ks, bf16* vs) {
+    const bool dim_on = 8 * ch < a.d;
+    const size_t off0 = (size_t)(base + tok0) * a.width + 8 * ch, stride = (size_t)step * a.width;
+    const bf16* kp = kb + off0;
+    const bf16* vp = vb + off0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const uint32_t tok = tok0 + i * step;
+        const bool on = dim_on && tok < live;
+        cp_async16(ks + tok * RS + 8 * ch, on ? kp : kb, on ? 16u : 0u);
+        cp_async16(vs + tok * RS + 8 * ch, on ? vp : vb, on ? 16u : 0u);
+        kp += stride;
+        vp += stride;
+    }
 }
 
 // Lanes 0..15: the slot of token 16 * unit + lane of a context of `ctx` tokens (`entry`: its

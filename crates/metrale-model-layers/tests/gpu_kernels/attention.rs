@@ -21,7 +21,28 @@ struct AttnCase {
 }
 
 fn attention_case(p: &Pair, rng: &mut Rng, c: &AttnCase, label: &str) {
-    let block_size = 16u32;
+    attention_case_in(p, rng, c, 16, label);
+}
+
+/// `attention_case` with the KV cache in blocks of `block_size` tokens; returns the CUDA output.
+/// The tokens' keys and values and the queries are drawn before the blocks are shuffled, so the
+/// same seed gives the same problem at every block size.
+fn attention_case_in(
+    p: &Pair,
+    rng: &mut Rng,
+    c: &AttnCase,
+    block_size: u32,
+    label: &str,
+) -> Vec<u16> {
+    let width = (c.hkv * c.d) as usize;
+    let tokens: Vec<Vec<bf16>> = c
+        .seq_lens
+        .iter()
+        .map(|&len| rng.bf16s(2 * len as usize * width, -2.0, 2.0))
+        .collect();
+    let q_stride = if c.gated { 2 * c.d } else { c.d };
+    let row_stride = c.hq * q_stride + 2 * width as u32;
+    let qkv = p.upload(&rng.bf16s(c.rows.len() * row_stride as usize, -2.0, 2.0));
     let max_blocks = c
         .seq_lens
         .iter()
@@ -35,7 +56,6 @@ fn attention_case(p: &Pair, rng: &mut Rng, c: &AttnCase, label: &str) {
     let order = rng.permutation(num_blocks);
     let mut tables = vec![u32::MAX; c.seq_lens.len() * max_blocks as usize];
     let mut next = 0usize;
-    let width = (c.hkv * c.d) as usize;
     let mut k_cache = vec![bf16::from_bits(0xFFFF); num_slots as usize * width];
     let mut v_cache = k_cache.clone();
     for (s, &len) in c.seq_lens.iter().enumerate() {
@@ -45,17 +65,13 @@ fn attention_case(p: &Pair, rng: &mut Rng, c: &AttnCase, label: &str) {
             tables[s * max_blocks as usize + b as usize] = block;
             for t in b * block_size..((b + 1) * block_size).min(len) {
                 let slot = (block * block_size + t % block_size) as usize;
-                for e in 0..width {
-                    k_cache[slot * width + e] = bf16::from_f32(rng.uniform(-2.0, 2.0));
-                    v_cache[slot * width + e] = bf16::from_f32(rng.uniform(-2.0, 2.0));
-                }
+                let kv = &tokens[s][2 * t as usize * width..];
+                k_cache[slot * width..(slot + 1) * width].copy_from_slice(&kv[..width]);
+                v_cache[slot * width..(slot + 1) * width].copy_from_slice(&kv[width..2 * width]);
             }
         }
     }
-    let q_stride = if c.gated { 2 * c.d } else { c.d };
-    let row_stride = c.hq * q_stride + 2 * width as u32;
     let rows = c.rows.len() as u32;
-    let qkv = p.upload(&rng.bf16s((rows * row_stride) as usize, -2.0, 2.0));
     let (kc, vc) = (p.upload(&k_cache), p.upload(&v_cache));
     let tables = p.upload(&tables);
     let row_seq = p.upload(&c.rows.iter().map(|r| r.0).collect::<Vec<_>>());
@@ -118,6 +134,7 @@ fn attention_case(p: &Pair, rng: &mut Rng, c: &AttnCase, label: &str) {
         "kernel-check {:<18} {:<44} bitwise paged_attention ({n_groups} row groups of {rows} rows)",
         "paged_attention_prefill", label
     );
+    gpu_want
 }
 
 #[test]
@@ -293,6 +310,50 @@ fn paged_attention_prefill_late_rows_of_a_long_prompt_match() {
         &late(256, true),
         "prefill hq=32 hkv=8 d=256 gated rows 900..1100",
     );
+}
+
+/// The cache's block size changes where keys and values live, never a row's result: the same
+/// rows over blocks of 8 and 24 tokens (units span blocks: a slot per token) and of 16, 32 and
+/// 48 (a unit lies in one block: one slot run per unit) give bitwise the same CUDA outputs, and
+/// each matches the CPU twin; decode rows and a prefill chunk, head_dim 128 and gated 256.
+#[test]
+fn paged_attention_is_bitwise_the_same_over_every_block_size() {
+    let p = Pair::new();
+    let cases = [
+        AttnCase {
+            hq: 32,
+            hkv: 8,
+            d: 128,
+            gated: false,
+            seq_lens: vec![1025, 300, 9],
+            rows: (250..300)
+                .map(|p| (1, p))
+                .chain([(0, 1024), (2, 8), (0, 15), (0, 16)])
+                .collect(),
+        },
+        AttnCase {
+            hq: 16,
+            hkv: 4,
+            d: 256,
+            gated: true,
+            seq_lens: vec![700, 40],
+            rows: vec![(0, 699), (1, 39), (0, 47), (0, 48), (1, 0)],
+        },
+    ];
+    for (n, c) in cases.iter().enumerate() {
+        let mut want: Option<Vec<u16>> = None;
+        for block_size in [16u32, 8, 24, 32, 48] {
+            let label = format!("d={} block_size={block_size}", c.d);
+            let got = attention_case_in(&p, &mut Rng::new(40 + n as u64), c, block_size, &label);
+            match &want {
+                None => want = Some(got),
+                Some(w) => assert!(
+                    got == *w,
+                    "paged_attention {label}: differs bitwise from block_size 16"
+                ),
+            }
+        }
+    }
 }
 
 /// CUDA alone: a row's output is bitwise the same launched alone or beside other rows (good and
