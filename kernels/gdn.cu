@@ -89,6 +89,8 @@ extern "C" __global__ void causal_conv1d(bf16* __restrict__ out, const bf16* __r
                                          uint32_t num_seqs, uint32_t num_slots,
                                          uint32_t slot_stride, uint32_t hk, uint32_t dk,
                                          uint32_t hv, uint32_t dv, uint32_t kernel_size) {
+    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
+    pdl_trigger();
     const uint32_t cd = 2 * hk * dk + hv * dv;
     const uint32_t pw = cd + hv * dv + 2 * hv;
     const uint32_t r = blockIdx.x;
@@ -140,6 +142,8 @@ extern "C" __global__ void conv_state_update(float* __restrict__ conv_state,
                                              uint32_t num_seqs, uint32_t num_slots,
                                              uint32_t slot_stride, uint32_t hk, uint32_t dk,
                                              uint32_t hv, uint32_t dv, uint32_t kernel_size) {
+    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
+    pdl_trigger();
     const uint32_t cd = 2 * hk * dk + hv * dv;
     const uint32_t pw = cd + hv * dv + 2 * hv;
     const uint32_t s = blockIdx.x;
@@ -178,6 +182,8 @@ extern "C" __global__ void conv_state_verify(float* __restrict__ conv_state,
                                              uint32_t num_seqs, uint32_t num_slots,
                                              uint32_t slot_stride, uint32_t hk, uint32_t dk,
                                              uint32_t hv, uint32_t dv, uint32_t kernel_size) {
+    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
+    pdl_trigger();
     const uint32_t cd = 2 * hk * dk + hv * dv;
     const uint32_t pw = cd + hv * dv + 2 * hv;
     const uint32_t s = blockIdx.x;
@@ -222,6 +228,8 @@ extern "C" __global__ void gdn_prepare(float* __restrict__ qk, float* __restrict
                                        const float* __restrict__ dt_bias, uint32_t rows,
                                        uint32_t hk, uint32_t dk, uint32_t hv, uint32_t dv,
                                        float l2_eps, float q_scale) {
+    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
+    pdl_trigger();
     const uint32_t r = blockIdx.x;
     if (r >= rows) return;
     const uint32_t kd = hk * dk, cd = 2 * kd + hv * dv;
@@ -265,6 +273,8 @@ extern "C" __global__ void gated_delta_recurrent(
     const uint32_t* __restrict__ seq_start, const uint32_t* __restrict__ seq_slot, uint32_t rows,
     uint32_t num_seqs, uint32_t num_slots, uint32_t slot_stride, uint32_t hk, uint32_t dk,
     uint32_t hv, uint32_t dv) {
+    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
+    pdl_trigger();
     const Rule a{out,      state,     qk,          conv, gates, seq_start, seq_slot, nullptr,
                  rows,     num_seqs,  num_slots,   slot_stride, hk,    dk,        hv,       dv};
     rule_block<false, false>(a);
@@ -281,6 +291,8 @@ extern "C" __global__ void gated_delta_chunked(
     const uint32_t* __restrict__ positions, uint32_t rows, uint32_t num_seqs, uint32_t num_slots,
     uint32_t slot_stride, uint32_t hk, uint32_t dk, uint32_t hv, uint32_t dv,
     uint32_t chunk_size) {
+    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
+    pdl_trigger();
     (void)positions;
     (void)chunk_size;
     const Rule a{out,      state,     qk,          conv, gates, seq_start, seq_slot, nullptr,
@@ -298,6 +310,8 @@ extern "C" __global__ void gated_delta_verify(
     const uint32_t* __restrict__ seq_start, const uint32_t* __restrict__ seq_slot,
     const uint32_t* __restrict__ row_slot, uint32_t rows, uint32_t num_seqs, uint32_t num_slots,
     uint32_t slot_stride, uint32_t hk, uint32_t dk, uint32_t hv, uint32_t dv) {
+    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
+    pdl_trigger();
     const Rule a{out,      state,     qk,          conv, gates, seq_start, seq_slot, row_slot,
                  rows,     num_seqs,  num_slots,   slot_stride, hk,    dk,        hv,       dv};
     rule_block<false, true>(a);
@@ -315,6 +329,8 @@ extern "C" __global__ void gated_rms_norm(bf16* __restrict__ out, const float* _
                                           const bf16* __restrict__ weight, uint32_t rows,
                                           uint32_t hk, uint32_t dk, uint32_t hv, uint32_t dv,
                                           float eps) {
+    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
+    pdl_trigger();
     const uint32_t r = blockIdx.x, j = blockIdx.y;
     if (r >= rows || j >= hv || threadIdx.x >= 32) return;
     const uint32_t cd = 2 * hk * dk + hv * dv;

@@ -76,6 +76,8 @@ extern "C" __global__ void qk_norm_rope(bf16* __restrict__ qkv, const bf16* __re
                                         uint32_t q_head_stride, uint32_t k_offset,
                                         uint32_t num_kv_heads, uint32_t head_dim,
                                         uint32_t rotary_dim, float eps, uint32_t unit_offset) {
+    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
+    pdl_trigger();
     extern __shared__ float buf[];
     const uint32_t r = blockIdx.x, hh = blockIdx.y, lane = threadIdx.x;
     if (r >= rows || hh >= num_q_heads + num_kv_heads || blockDim.x != 32) return;
@@ -108,6 +110,8 @@ extern "C" __global__ void qk_norm_rope_kv_store(
     uint32_t num_q_heads, uint32_t q_head_stride, uint32_t k_offset, uint32_t v_offset,
     uint32_t num_kv_heads, uint32_t head_dim, uint32_t rotary_dim, float eps,
     uint32_t unit_offset, uint32_t num_slots) {
+    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
+    pdl_trigger();
     extern __shared__ float buf[];
     const uint32_t r = blockIdx.x, hh = blockIdx.y, lane = threadIdx.x, d = head_dim;
     if (r >= rows || hh >= num_q_heads + 2 * num_kv_heads || blockDim.x != 32) return;

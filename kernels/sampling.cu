@@ -33,6 +33,8 @@ MT_DEVICE Best warp_best(Best b) {
 // argmax(out: u32 [rows], logits: f32 [rows, vocab], rows, vocab).
 extern "C" __global__ void argmax(uint32_t* __restrict__ out, const float* __restrict__ logits,
                                   uint32_t rows, uint32_t vocab) {
+    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
+    pdl_trigger();
     __shared__ float sv[32];
     __shared__ uint32_t si[32];
     const uint32_t r = blockIdx.x;

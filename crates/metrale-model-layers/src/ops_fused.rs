@@ -35,7 +35,8 @@ impl Ops {
         self.go(
             self.k.qk_norm_rope_kv_store,
             LaunchConfig::grid2(rope.rows, rope.num_q_heads + 2 * rope.num_kv_heads, 32)
-                .with_shared(rope.head_dim * 4),
+                .with_shared(rope.head_dim * 4)
+                .with_programmatic(),
             &[
                 rope.qkv.into(),
                 rope.q_norm.into(),

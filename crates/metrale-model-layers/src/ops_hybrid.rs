@@ -271,7 +271,7 @@ impl Ops {
         let blocks = p.heads.conv_dim().div_ceil(CHANNEL_THREADS);
         self.go(
             self.k.causal_conv1d,
-            LaunchConfig::grid2(q.rows, blocks, CHANNEL_THREADS),
+            LaunchConfig::grid2(q.rows, blocks, CHANNEL_THREADS).with_programmatic(),
             &args,
             s,
         )
@@ -323,7 +323,7 @@ impl Ops {
         let blocks = p.heads.conv_dim().div_ceil(CHANNEL_THREADS);
         self.go(
             kernel,
-            LaunchConfig::grid2(q.num_seqs, blocks, CHANNEL_THREADS),
+            LaunchConfig::grid2(q.num_seqs, blocks, CHANNEL_THREADS).with_programmatic(),
             &args,
             s,
         )
@@ -344,7 +344,7 @@ impl Ops {
         args.extend([KernelArg::F32(p.l2_eps), KernelArg::F32(p.q_scale)]);
         self.go(
             self.k.gdn_prepare,
-            LaunchConfig::linear(p.rows, PREPARE_THREADS),
+            LaunchConfig::linear(p.rows, PREPARE_THREADS).with_programmatic(),
             &args,
             s,
         )
@@ -435,7 +435,7 @@ impl Ops {
         args.push(KernelArg::F32(p.eps));
         self.go(
             self.k.gated_rms_norm,
-            LaunchConfig::grid2(p.rows, p.heads.num_v_heads, 32),
+            LaunchConfig::grid2(p.rows, p.heads.num_v_heads, 32).with_programmatic(),
             &args,
             s,
         )
@@ -511,6 +511,7 @@ fn rule_geometry(p: &GatedDelta) -> LaunchConfig {
     let warps = tiles.min(RULE_WARPS_PER_BLOCK);
     let groups = tiles.div_ceil(warps);
     LaunchConfig::grid2(p.seqs.num_seqs, p.heads.num_v_heads * groups, 32 * warps)
+        .with_programmatic()
 }
 
 /// The expert projections' grid (`kernels/moe.cu`): y over the routed experts (at most
