@@ -5,7 +5,7 @@
 
 use metrale_gpu_runtime::{GpuError, GpuResult, LaunchConfig, StreamHandle};
 
-use crate::ops::{KvStore, Ops, QkNormRope};
+use crate::ops::{KvStore, Ops, QkNormRope, step_launch};
 
 impl Ops {
     /// `rope::qk_norm_rope_kv_store`: `qk_norm_rope(rope)` then `kv_store(store)` in one launch,
@@ -34,9 +34,11 @@ impl Ops {
         }
         self.go(
             self.k.qk_norm_rope_kv_store,
-            LaunchConfig::grid2(rope.rows, rope.num_q_heads + 2 * rope.num_kv_heads, 32)
-                .with_shared(rope.head_dim * 4)
-                .with_programmatic(),
+            step_launch(
+                LaunchConfig::grid2(rope.rows, rope.num_q_heads + 2 * rope.num_kv_heads, 32)
+                    .with_shared(rope.head_dim * 4),
+                rope.rows,
+            ),
             &[
                 rope.qkv.into(),
                 rope.q_norm.into(),

@@ -13,7 +13,7 @@ use metrale_gpu_runtime::{
     DevicePtr, GpuResult, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
 };
 
-use crate::ops::Ops;
+use crate::ops::{Ops, step_launch};
 
 /// Threads per block of the channel-parallel GDN kernels (conv, conv-state update).
 const CHANNEL_THREADS: u32 = 256;
@@ -271,7 +271,7 @@ impl Ops {
         let blocks = p.heads.conv_dim().div_ceil(CHANNEL_THREADS);
         self.go(
             self.k.causal_conv1d,
-            LaunchConfig::grid2(q.rows, blocks, CHANNEL_THREADS).with_programmatic(),
+            step_launch(LaunchConfig::grid2(q.rows, blocks, CHANNEL_THREADS), q.rows),
             &args,
             s,
         )
@@ -323,7 +323,10 @@ impl Ops {
         let blocks = p.heads.conv_dim().div_ceil(CHANNEL_THREADS);
         self.go(
             kernel,
-            LaunchConfig::grid2(q.num_seqs, blocks, CHANNEL_THREADS).with_programmatic(),
+            step_launch(
+                LaunchConfig::grid2(q.num_seqs, blocks, CHANNEL_THREADS),
+                q.rows,
+            ),
             &args,
             s,
         )
@@ -344,7 +347,7 @@ impl Ops {
         args.extend([KernelArg::F32(p.l2_eps), KernelArg::F32(p.q_scale)]);
         self.go(
             self.k.gdn_prepare,
-            LaunchConfig::linear(p.rows, PREPARE_THREADS).with_programmatic(),
+            step_launch(LaunchConfig::linear(p.rows, PREPARE_THREADS), p.rows),
             &args,
             s,
         )
@@ -435,7 +438,7 @@ impl Ops {
         args.push(KernelArg::F32(p.eps));
         self.go(
             self.k.gated_rms_norm,
-            LaunchConfig::grid2(p.rows, p.heads.num_v_heads, 32).with_programmatic(),
+            step_launch(LaunchConfig::grid2(p.rows, p.heads.num_v_heads, 32), p.rows),
             &args,
             s,
         )
@@ -510,8 +513,10 @@ fn rule_geometry(p: &GatedDelta) -> LaunchConfig {
     let tiles = p.heads.v_head_dim.div_ceil(RULE_WARP_COLS).max(1);
     let warps = tiles.min(RULE_WARPS_PER_BLOCK);
     let groups = tiles.div_ceil(warps);
-    LaunchConfig::grid2(p.seqs.num_seqs, p.heads.num_v_heads * groups, 32 * warps)
-        .with_programmatic()
+    step_launch(
+        LaunchConfig::grid2(p.seqs.num_seqs, p.heads.num_v_heads * groups, 32 * warps),
+        p.seqs.rows,
+    )
 }
 
 /// The expert projections' grid (`kernels/moe.cu`): y over the routed experts (at most
