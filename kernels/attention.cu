@@ -103,14 +103,9 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
             if (8 * ch < a.d) cp_async16(qs + h * RS + 8 * ch, q + (size_t)h * a.q_head_stride + 8 * ch, 16u);
         }
     }
-    if (a.vec && a.unit_blocks) {
-        uint64_t base;
-        uint32_t live;
-        bool bad;
-        att_unit_run(a, unit, it.ctx, entry, base, live, bad);
-        att_copy_run<RS, ATT_UNIT * NCH / 32>(a, kb, vb, base, live, lane / NCH, 32 / NCH, lane % NCH, ks, vs);
-        return bad;
-    }
+    if (a.vec && a.unit_blocks)
+        return att_copy_unit<RS, ATT_UNIT * NCH / 32>(a, kb, vb, unit, it.ctx, entry, true, lane / NCH, 32 / NCH,
+                                                      lane % NCH, ks, vs);
     uint32_t slot, live;
     bool bad;
     att_slot(a, unit, it.ctx, entry, lane, slot, live, bad);

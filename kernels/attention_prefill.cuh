@@ -104,15 +104,9 @@ MT_DEVICE bool atp_issue(const AttLaunch& a, const AtpItem& it, uint32_t unit, u
     bf16* vs = stage + ATT_UNIT * RS;
     const bf16* kb = a.k_cache + it.kv;
     const bf16* vb = a.v_cache + it.kv;
-    if (a.vec && a.unit_blocks) {
-        uint64_t base;
-        uint32_t live;
-        bool bad;
-        att_unit_run(a, unit, it.ctx, entry, base, live, bad);
-        if (PER >= 32 || lane < PER)
-            att_copy_run<RS, (PER + 31) / 32>(a, kb, vb, base, live, 4 * j + lane / NCH, 32 / NCH, lane % NCH, ks, vs);
-        return bad;
-    }
+    if (a.vec && a.unit_blocks)
+        return att_copy_unit<RS, (PER + 31) / 32>(a, kb, vb, unit, it.ctx, entry, PER >= 32 || lane < PER,
+                                                  4 * j + lane / NCH, 32 / NCH, lane % NCH, ks, vs);
     uint32_t slot, live;
     bool bad;
     att_slot(a, unit, it.ctx, entry, lane, slot, live, bad);

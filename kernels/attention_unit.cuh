@@ -215,26 +215,23 @@ MT_DEVICE uint32_t att_entry(const AttLaunch& a, uint32_t seq, uint32_t unit, ui
                : 0u;
 }
 
-// A unit inside one block (a.unit_blocks; `entry` its block): token t of the unit is slot
-// base + t, `live` of its tokens exist, and `bad` (uniform) when one of them is past the pool, in
-// which case `live` is 0 and nothing is copied.
-MT_DEVICE void att_unit_run(const AttLaunch& a, uint32_t unit, uint32_t ctx, uint32_t entry, uint64_t& base,
-                            uint32_t& live, bool& bad) {
-    const uint32_t t0 = unit * ATT_UNIT;
-    live = min((uint32_t)ATT_UNIT, ctx - t0);
-    base = (uint64_t)entry * a.block_size + att_block_off(a, t0);
-    bad = base + live > a.num_slots;
-    if (bad) live = 0;
-}
-
-// Copy N 16-byte chunks of such a unit's keys and values, dimensions 8 ch..8 ch + 7 of tokens
-// tok0, tok0 + step, ..., into rows of `ks` and `vs` (RS elements each) by cp.async; tokens past
-// `live` and dimensions past head_dim become zeros. One multiply per lane instead of a slot
-// shuffle and a 64-bit multiply per chunk (the copy was a fifth of the decode kernel's
-// instructions at batch 32).
+// Copy a unit that lies inside one block (a.unit_blocks; `entry` its block, so token t of the
+// unit is slot base + t): N 16-byte chunks of its keys and values, dimensions 8 ch..8 ch + 7 of
+// tokens tok0, tok0 + step, ..., into rows of `ks` and `vs` (RS elements each) by cp.async, in
+// lanes with `copy` set; tokens past the context and dimensions past head_dim become zeros.
+// Returns (uniform) whether a live token's slot is past the pool, in which case nothing is
+// copied. One multiply per lane instead of a slot shuffle and a 64-bit multiply per chunk (the
+// copy was a fifth of the decode kernel's instructions at batch 32).
 template <int RS, int N>
-MT_DEVICE void att_copy_run(const AttLaunch& a, const bf16* kb, const bf16* vb, uint64_t base, uint32_t live,
-                            uint32_t tok0, uint32_t step, uint32_t ch, bf16* ks, bf16* vs) {
+MT_DEVICE bool att_copy_unit(const AttLaunch& a, const bf16* kb, const bf16* vb, uint32_t unit, uint32_t ctx,
+                             uint32_t entry, bool copy, uint32_t tok0, uint32_t step, uint32_t ch, bf16* ks,
+                             bf16* vs) {
+    const uint32_t t0 = unit * ATT_UNIT;
+    const uint64_t base = (uint64_t)entry * a.block_size + att_block_off(a, t0);
+    uint32_t live = min((uint32_t)ATT_UNIT, ctx - t0);
+    const bool bad = base + live > a.num_slots;
+    if (bad) live = 0;
+    if (!copy) return bad;
     const bool dim_on = 8 * ch < a.d;
     const size_t off0 = (size_t)(base + tok0) * a.width + 8 * ch, stride = (size_t)step * a.width;
     const bf16* kp = kb + off0;
@@ -248,6 +245,7 @@ MT_DEVICE void att_copy_run(const AttLaunch& a, const bf16* kb, const bf16* vb, 
         kp += stride;
         vp += stride;
     }
+    return bad;
 }
 
 // Lanes 0..15: the slot of token 16 * unit + lane of a context of `ctx` tokens (`entry`: its

@@ -27,11 +27,11 @@ use metrale_gpu_runtime::{
 };
 
 /// Rows up to which the step's small kernels (rotary and cache stores, the gated-delta-net
-/// kernels, the gathers, `argmax`) launch as programmatic dependents: decode-sized launches,
-/// where overlapping the kernel ahead saved 1-2 % of a step (H200). Above it they launch
+/// kernels, the gathers, `argmax`) launch as programmatic dependents: decode-sized launches (the
+/// rows the `linear` decode kernels serve), where overlapping the kernel ahead saved 1-2 % of a step (H200). Above it they launch
 /// plainly: a Qwen3.5-9B prefill of 2048 tokens took 178 ms with every one programmatic against
 /// 158 without.
-pub(crate) const STEP_PROGRAMMATIC_ROWS: u32 = 128;
+pub(crate) const STEP_PROGRAMMATIC_ROWS: u32 = crate::ops_gemm::LINEAR_SMALL_M_MAX;
 
 /// `config` as a programmatic dependent launch when `rows` is decode-sized
 /// ([`STEP_PROGRAMMATIC_ROWS`]); the kernel waits in-kernel either way.

@@ -78,6 +78,21 @@ impl RuleCase {
         }
     }
 
+    /// CUDA parameters for sequences `seqs` whose rows start at row `first` of this case's
+    /// per-row buffers (outputs, q/k, conv, gates).
+    pub(crate) fn params_from(&self, at: At<'_>, seqs: &SeqBufs, first: u32) -> GatedDelta {
+        let h = &self.h;
+        let row = |b: &Buf, bytes_per_row: u32| b.gpu.offset((first * bytes_per_row) as usize);
+        GatedDelta {
+            seqs: seqs.at(at),
+            out: row(&self.out, 4 * h.value_dim()),
+            qk: row(&self.qk, 8 * h.key_dim()),
+            conv: row(&self.conv, 2 * h.conv_dim()),
+            gates: row(&self.gates, 8 * h.num_v_heads),
+            ..self.params(at)
+        }
+    }
+
     /// Initial states back, outputs poisoned, on both sides.
     pub(crate) fn reset(&self, p: &Pair) {
         reset(p, &self.state, &self.state0);
@@ -210,17 +225,7 @@ fn one_row_chunks_are_the_recurrent_step_bitwise_and_sequences_do_not_see_each_o
             if n > 0 {
                 let sq = alone.upload(&p);
                 c.reset(&p);
-                let row =
-                    |b: &Buf, bytes_per_row: u32| b.gpu.offset((first * bytes_per_row) as usize);
-                p.run_gpu(|o, at| {
-                    let mut g = c.params(at);
-                    g.seqs = sq.at(at);
-                    g.out = row(&c.out, 4 * h.value_dim());
-                    g.qk = row(&c.qk, 8 * h.key_dim());
-                    g.conv = row(&c.conv, 2 * h.conv_dim());
-                    g.gates = row(&c.gates, 8 * h.num_v_heads);
-                    o.gated_delta_chunked(S, &g, CHUNK)
-                });
+                p.run_gpu(|o, at| o.gated_delta_chunked(S, &c.params_from(at, &sq, first), CHUNK));
                 let (o2, s2) = (
                     p.download_gpu::<u32>(&c.out),
                     p.download_gpu::<u32>(&c.state),
@@ -260,16 +265,7 @@ fn chunked_prefill_equals_single_row_recurrent_steps_on_cuda() {
             c.reset(&p);
             let one = StepSeqs(vec![(1, 2, 0)]).upload(&p);
             for r in 0..n {
-                let row = |b: &Buf, bytes_per_row: u32| b.gpu.offset((r * bytes_per_row) as usize);
-                p.run_gpu(|o, at| {
-                    let mut g = c.params(at);
-                    g.seqs = one.at(at);
-                    g.out = row(&c.out, 4 * h.value_dim());
-                    g.qk = row(&c.qk, 8 * h.key_dim());
-                    g.conv = row(&c.conv, 2 * h.conv_dim());
-                    g.gates = row(&c.gates, 8 * h.num_v_heads);
-                    o.gated_delta_recurrent(S, &g)
-                });
+                p.run_gpu(|o, at| o.gated_delta_recurrent(S, &c.params_from(at, &one, r)));
             }
             let (steps_out, steps_state) = (
                 p.download_gpu::<u32>(&c.out),

@@ -157,16 +157,7 @@ fn gated_delta_verify_matches_and_its_rows_are_decode_steps_bitwise() {
             let one = StepSeqs(vec![(1, slot, 0)]).upload(&p);
             for t in 0..s.0 {
                 let r = first + t;
-                let row = |b: &Buf, bytes_per_row: u32| b.gpu.offset((r * bytes_per_row) as usize);
-                p.run_gpu(|o, at| {
-                    let mut g = c.params(at);
-                    g.seqs = one.at(at);
-                    g.out = row(&c.out, 4 * h.value_dim());
-                    g.qk = row(&c.qk, 8 * h.key_dim());
-                    g.conv = row(&c.conv, 2 * h.conv_dim());
-                    g.gates = row(&c.gates, 8 * h.num_v_heads);
-                    o.gated_delta_recurrent(S, &g)
-                });
+                p.run_gpu(|o, at| o.gated_delta_recurrent(S, &c.params_from(at, &one, r)));
                 let (o1, s1) = (
                     p.download_gpu::<u32>(&c.out),
                     p.download_gpu::<u32>(&c.state),
