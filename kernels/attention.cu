@@ -104,7 +104,7 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
         }
     }
     if (a.vec && a.unit_blocks)
-        return att_copy_unit<RS, ATT_UNIT * NCH / 32>(a, kb, vb, unit, it.ctx, entry, true, lane / NCH, 32 / NCH,
+        return att_copy_unit<RS, ATT_UNIT * NCH / 32, true>(a, kb, vb, unit, it.ctx, entry, true, lane / NCH, 32 / NCH,
                                                       lane % NCH, ks, vs);
     uint32_t slot, live;
     bool bad;
@@ -392,9 +392,8 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
         pending = att_output<DP>(a, prev, p, sh, part + p * a.hb * DP);
     }
     // Keep this block's shared memory alive until every block of the cluster has read it.
-    att_cluster_arrive();
     att_store(a, pending);
-    att_cluster_wait();
+    cluster_leave_barrier();
 }
 
 // paged_attention(out: bf16 [rows, num_q_heads * head_dim], qkv: bf16 [rows, row_stride],

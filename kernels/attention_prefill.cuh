@@ -432,8 +432,7 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
         atp_output<DP>(a, last, p, sh, num + p * VROWS * RS, false);
     }
     // Keep this block's shared memory alive until every block of the cluster has read it.
-    att_cluster_arrive();
-    att_cluster_wait();
+    cluster_leave_barrier();
 }
 
 // paged_attention_prefill(the arguments of paged_attention, then row_groups: u32 [n_groups, 2]

@@ -221,8 +221,9 @@ MT_DEVICE uint32_t att_entry(const AttLaunch& a, uint32_t seq, uint32_t unit, ui
 // lanes with `copy` set; tokens past the context and dimensions past head_dim become zeros.
 // Returns (uniform) whether a live token's slot is past the pool, in which case nothing is
 // copied. One multiply per lane instead of a slot shuffle and a 64-bit multiply per chunk (the
-// copy was a fifth of the decode kernel's instructions at batch 32).
-template <int RS, int N>
+// copy was a fifth of the decode kernel's instructions at batch 32). STREAM: the copies are
+// evicted from L2 first (decode reads each key once a step; a prefill's items share them).
+template <int RS, int N, bool STREAM = false>
 MT_DEVICE bool att_copy_unit(const AttLaunch& a, const bf16* kb, const bf16* vb, uint32_t unit, uint32_t ctx,
                              uint32_t entry, bool copy, uint32_t tok0, uint32_t step, uint32_t ch, bf16* ks,
                              bf16* vs) {
@@ -236,12 +237,18 @@ MT_DEVICE bool att_copy_unit(const AttLaunch& a, const bf16* kb, const bf16* vb,
     const size_t off0 = (size_t)(base + tok0) * a.width + 8 * ch, stride = (size_t)step * a.width;
     const bf16* kp = kb + off0;
     const bf16* vp = vb + off0;
+    const uint64_t policy = STREAM ? l2_evict_first_policy() : 0;
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         const uint32_t tok = tok0 + i * step;
         const bool on = dim_on && tok < live;
-        cp_async16(ks + tok * RS + 8 * ch, on ? kp : kb, on ? 16u : 0u);
-        cp_async16(vs + tok * RS + 8 * ch, on ? vp : vb, on ? 16u : 0u);
+        if (STREAM) {
+            cp_async16_hint(ks + tok * RS + 8 * ch, on ? kp : kb, on ? 16u : 0u, policy);
+            cp_async16_hint(vs + tok * RS + 8 * ch, on ? vp : vb, on ? 16u : 0u, policy);
+        } else {
+            cp_async16(ks + tok * RS + 8 * ch, on ? kp : kb, on ? 16u : 0u);
+            cp_async16(vs + tok * RS + 8 * ch, on ? vp : vb, on ? 16u : 0u);
+        }
         kp += stride;
         vp += stride;
     }

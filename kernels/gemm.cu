@@ -371,7 +371,7 @@ MT_DEVICE void linear_wide_impl(OutT* out, const bf16* x, const bf16* w, uint32_
             if (row < m && col < n) store_out(out, (size_t)row * n + col, vals[i]);
         }
     }
-    cluster.sync();  // no block leaves while another still reads its partials
+    cluster_leave_barrier();  // no block leaves while another still reads its partials
 }
 
 
