@@ -135,9 +135,10 @@ MT_DEVICE bf16 att_finish(const float (&wt)[ATT_SPLITS], const float (&ps)[ATT_S
     return f2bf(val);
 }
 
-// The cluster barrier in two halves: arrive (release: this block's shared-memory writes become
-// visible to the cluster) and wait (acquire: every block of the cluster has arrived).
-MT_DEVICE void att_cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
+// The cluster barrier in two halves: arrive (this block's shared-memory writes become visible
+// to the cluster: `cluster_publish_arrive`) and wait (acquire: every block of the cluster has
+// arrived).
+MT_DEVICE void att_cluster_arrive() { cluster_publish_arrive(); }
 
 MT_DEVICE void att_cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
 

@@ -150,6 +150,18 @@ MT_DEVICE void pdl_trigger() {
 #endif
 }
 
+// Arrive at the cluster barrier after writing shared memory the cluster's other blocks read once
+// they have waited: a release fence restricted to this block's shared memory, then a relaxed
+// arrival. (A release arrival compiles to MEMBAR.ALL.GPU, which also waits for every global
+// store the thread has in flight; the restricted fence is MEMBAR.ALL.CTA.)
+MT_DEVICE void cluster_publish_arrive() {
+    asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+
+// Wait until every block of the cluster has arrived (acquire); every thread of the block calls it.
+MT_DEVICE void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+
 // The last cluster barrier of a kernel that read other blocks' shared memory: arrive relaxed
 // (the remote reads it must follow have returned their values; a release arrival would also
 // wait for the thread's global stores to reach memory, about half a microsecond), then wait.
@@ -157,7 +169,7 @@ MT_DEVICE void pdl_trigger() {
 // 1.45 us a block.
 MT_DEVICE void cluster_leave_barrier() {
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+    cluster_wait();
 }
 
 // mbarrier helpers (shared::cta; `bar` a shared-memory address): init with the arrivals a phase

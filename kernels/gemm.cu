@@ -347,7 +347,8 @@ MT_DEVICE void linear_wide_impl(OutT* out, const bf16* x, const bf16* w, uint32_
         for (int t = 0; t < NT; ++t)
             part[((warp * 4 + rt) * NT + t) * 32 + lane] =
                 make_float4(acc[rt][t][0], acc[rt][t][1], acc[rt][t][2], acc[rt][t][3]);
-    cluster.sync();
+    cluster_publish_arrive();
+    cluster_wait();
     // This block's share of the tile: float4 `f` of the partial layout, summed over the
     // segments in order.
     constexpr uint32_t PART_VECS = LIN_STREAM_WARPS * 4 * NT * 32;
