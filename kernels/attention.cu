@@ -411,6 +411,12 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
                     uint32_t num_slots, float scale, uint32_t gated) {
     extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ AttShared sh;
+    // A programmatic dependent at decode sizes (ops_attention.rs). The cache store ahead of it
+    // does not trigger early, so these blocks are placed once its blocks have left: two blocks
+    // of this kernel take nearly all of a multiprocessor's registers, and a cluster that cannot
+    // be placed waits for a whole other cluster to finish.
+    pdl_wait();
+    pdl_trigger();
     const AttLaunch a = att_launch(out, qkv, k_cache, v_cache, block_tables, row_stride, q_head_stride,
                                    num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,
                                    num_slots, scale, gated, rows);

@@ -110,8 +110,10 @@ extern "C" __global__ void qk_norm_rope_kv_store(
     uint32_t num_q_heads, uint32_t q_head_stride, uint32_t k_offset, uint32_t v_offset,
     uint32_t num_kv_heads, uint32_t head_dim, uint32_t rotary_dim, float eps,
     uint32_t unit_offset, uint32_t num_slots) {
-    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
-    pdl_trigger();
+    // A programmatic dependent (ops): the kernel ahead has finished. No early trigger: the
+    // attention launched after this kernel fills every multiprocessor, and its clusters must not
+    // be placed beside this kernel's blocks (see `paged_attention`).
+    pdl_wait();
     extern __shared__ float buf[];
     const uint32_t r = blockIdx.x, hh = blockIdx.y, lane = threadIdx.x, d = head_dim;
     if (r >= rows || hh >= num_q_heads + 2 * num_kv_heads || blockDim.x != 32) return;

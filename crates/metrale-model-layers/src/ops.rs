@@ -9,16 +9,17 @@
 //! - Launch geometry depends only on the shapes passed in, never on data, so a captured launch
 //!   stays valid when the inputs at its addresses change.
 //! - Kernels launched as programmatic dependents (`LaunchConfig::programmatic`: every kernel of
-//!   a decode step but attention: the `linear` family, the norms, `silu_mul`, and at decode
-//!   sizes (`step_launch`) rotary and cache stores, the gated-delta-net kernels, the gathers and
-//!   `argmax`) wait in-kernel (`pdl_wait`,
-//!   kernels/common.cuh) for the kernel ahead of them before they touch memory, so each one's
-//!   launch overlaps the tail of the one before. A launcher may set the flag only for a kernel
-//!   that waits first. The attention kernels launch plainly: their persistent clusters are sized
-//!   to be resident at once, and launched early beside the kernel ahead they were not (Qwen3-8B
-//!   batch 128: 28.4 against 23.1 ms a step, H200). The `linear` decode kernels load their weight
-//!   before the wait, so a weight must never be written by the kernel launched just before a
-//!   projection on its stream.
+//!   a decode step: the `linear` family, the norms, `silu_mul`, and at decode sizes
+//!   (`step_launch`) rotary and cache stores, decode attention, the gated-delta-net kernels, the
+//!   gathers and `argmax`) wait in-kernel (`pdl_wait`, kernels/common.cuh) for the kernel ahead
+//!   of them before they touch memory, so each one's launch overlaps the tail of the one before.
+//!   A launcher may set the flag only for a kernel that waits first. Decode attention's
+//!   persistent clusters are sized to be resident at once, so the cache stores ahead of it
+//!   (`kv_store`, `qk_norm_rope_kv_store`) do not trigger early: its clusters are placed once
+//!   their blocks have left (placed beside them, some did not fit: Qwen3-8B batch 128 took 28.4
+//!   against 23.1 ms a step, H200). Prefill attention launches plainly. The `linear` decode
+//!   kernels load their weight before the wait, so a weight must never be written by the kernel
+//!   launched just before a projection on its stream.
 
 use std::sync::Arc;
 
@@ -27,8 +28,9 @@ use metrale_gpu_runtime::{
 };
 
 /// Rows up to which the step's small kernels (rotary and cache stores, the gated-delta-net
-/// kernels, the gathers, `argmax`) launch as programmatic dependents: decode-sized launches (the
-/// rows the `linear` decode kernels serve), where overlapping the kernel ahead saved 1-2 % of a step (H200). Above it they launch
+/// kernels, the gathers, `argmax`) and decode attention launch as programmatic dependents:
+/// decode-sized launches (the rows the `linear` decode kernels serve), where overlapping the
+/// kernel ahead saved 1-2 % of a step (H200). Above it they launch
 /// plainly: a Qwen3.5-9B prefill of 2048 tokens took 178 ms with every one programmatic against
 /// 158 without.
 pub(crate) const STEP_PROGRAMMATIC_ROWS: u32 = crate::ops_gemm::LINEAR_SMALL_M_MAX;
