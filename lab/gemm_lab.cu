@@ -121,50 +121,8 @@ static void launch(const Var& v, bool pdl, cudaStream_t s, float* out, const bf1
         const uint32_t units = ((n + 8 * v.nt - 1) / (8 * v.nt)) * ((m + 16 * v.rt - 1) / (16 * v.rt));
         cfg.gridDim = dim3(std::min<uint32_t>(units, v.per_sm * SMS), 1, 1);
     }
-    cfg.blockDim = dim3(v.threads, 1, 1);
-    cfg.dynamicSmemBytes = v.smem;
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = pdl ? attr : nullptr;
-    cfg.numAttrs = pdl ? 1 : 0;
     void* args[] = {&out, &x, &w, &m, &n, &k};
-    CK(cudaLaunchKernelExC(&cfg, v.fn, args));
-}
-
-static double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
-// Median ms of one replay of a graph made by `record(stream)`.
-static double time_graph(cudaStream_t s, const std::function<void(cudaStream_t)>& record, int iters) {
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    record(s);
-    CK(cudaStreamEndCapture(s, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    std::vector<double> t;
-    for (int i = 0; i < iters + 2; ++i) {
-        CK(cudaEventRecord(a, s));
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaEventRecord(b, s));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        if (i >= 2) t.push_back(ms);
-    }
-    CK(cudaGetLastError());
-    CK(cudaGraphExecDestroy(ge));
-    CK(cudaGraphDestroy(g));
-    CK(cudaEventDestroy(a));
-    CK(cudaEventDestroy(b));
-    return median(t);
+    launch_ex(v.fn, cfg.gridDim, dim3(v.threads, 1, 1), v.smem, pdl, s, args);
 }
 
 static bf16* alloc_fill(size_t n, uint64_t seed, float scale) {
@@ -337,19 +295,10 @@ int main(int argc, char** argv) {
         auto run = [&](const Var& v, uint32_t m, int pdl_gemm, int pdl_small, bool smalls) {
             auto small = [&](cudaStream_t st, bf16* out, const float* prev, uint32_t elems) {
                 if (!smalls) return;
-                cudaLaunchConfig_t cfg = {};
-                cfg.gridDim = dim3((elems / 8 + 255) / 256);
-                cfg.blockDim = dim3(256);
-                cfg.stream = st;
-                cudaLaunchAttribute attr[1];
-                attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                attr[0].val.programmaticStreamSerializationAllowed = 1;
-                cfg.attrs = pdl_small ? attr : nullptr;
-                cfg.numAttrs = pdl_small ? 1 : 0;
                 const bf16* sp = src;
                 int flag = pdl_small;
                 void* args[] = {&out, &sp, &prev, &elems, &flag};
-                CK(cudaLaunchKernelExC(&cfg, (const void*)lab_small, args));
+                launch_ex((const void*)lab_small, dim3((elems / 8 + 255) / 256), dim3(256), 0, pdl_small != 0, st, args);
             };
             return time_graph(s, [&](cudaStream_t st) {
                 for (uint32_t l = 0; l < L; ++l) {

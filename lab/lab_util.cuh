@@ -1,11 +1,15 @@
-// What the labs share: CK (exit on a CUDA error, naming the call) and fill_bf16 (uniform values
-// in [-scale, scale) from a hash of the index and seed).
+// What the labs share: CK (exit on a CUDA error, naming the call), fill_bf16 (uniform values
+// in [-scale, scale) from a hash of the index and seed), launch_ex (a launch, optionally as a
+// programmatic dependent) and time_graph (the median time of a captured graph's replay).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <vector>
 
 #define CK(x)                                                                                   \
     do {                                                                                        \
@@ -25,4 +29,53 @@ __global__ void fill_bf16(bf16* p, size_t n, uint64_t seed, float scale) {
         const float u = (float)(h >> 40) / (float)(1ull << 24);  // [0, 1)
         p[i] = __float2bfloat16_rn((2.0f * u - 1.0f) * scale);
     }
+}
+
+static double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+// Launch `fn` with `args`, as a programmatic dependent when `pdl`.
+static void launch_ex(const void* fn, dim3 grid, dim3 block, int smem, bool pdl, cudaStream_t s, void** args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = pdl ? attr : nullptr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    CK(cudaLaunchKernelExC(&cfg, fn, args));
+}
+
+// Median ms of one replay of a graph made by `record(stream)`.
+static double time_graph(cudaStream_t s, const std::function<void(cudaStream_t)>& record, int iters) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    record(s);
+    CK(cudaStreamEndCapture(s, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    std::vector<double> t;
+    for (int i = 0; i < iters + 2; ++i) {
+        CK(cudaEventRecord(a, s));
+        CK(cudaGraphLaunch(ge, s));
+        CK(cudaEventRecord(b, s));
+        CK(cudaEventSynchronize(b));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        if (i >= 2) t.push_back(ms);
+    }
+    CK(cudaGetLastError());
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
+    return median(t);
 }

@@ -17,6 +17,9 @@
 
 #include "lab_util.cuh"
 
+// Dynamic shared memory of `linear_stream_wide` (ops_gemm.rs).
+static const int WIDE_SMEM = LIN_W_STAGES * LIN_W_STAGE_CH * 192 * 64;
+
 // Bytes each `cp.async.bulk.prefetch.L2` of `l2_prefetch` asks for.
 #define L2_PREFETCH_CHUNK (32u * 1024u)
 
@@ -66,52 +69,24 @@ __global__ void spin(uint64_t ns, const uint8_t* src, uint64_t bytes, int mode) 
     }
 }
 
-static void launch(const void* fn, dim3 grid, dim3 block, bool pdl, cudaStream_t s, void** args) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = pdl ? attr : nullptr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    CK(cudaLaunchKernelExC(&cfg, fn, args));
-}
-
-static double time_graph(cudaStream_t s, const std::function<void(cudaStream_t)>& record, int iters) {
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    record(s);
-    CK(cudaStreamEndCapture(s, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    std::vector<double> t;
-    for (int i = 0; i < iters + 2; ++i) {
-        CK(cudaEventRecord(a, s));
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaEventRecord(b, s));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        if (i >= 2) t.push_back(ms);
-    }
-    CK(cudaGetLastError());
-    CK(cudaGraphExecDestroy(ge));
-    CK(cudaGraphDestroy(g));
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
+// One decode projection of the engine's launcher (ops_gemm::linear_path), as a programmatic
+// dependent: the m <= 16 kernels (`linear_stream_b4` from 6144 columns) when `narrow`, else the
+// wide cluster kernel.
+static void launch_projection(cudaStream_t s, bool narrow, bf16* out, const bf16* x, const bf16* w, uint32_t m,
+                              uint32_t n, uint32_t k) {
+    void* args[] = {&out, (void*)&x, (void*)&w, &m, &n, &k};
+    if (narrow)
+        launch_ex(n >= 6144 ? (const void*)linear_stream_b4 : (const void*)linear_stream,
+                  dim3((n + 7) / 8 * ((m + 15) / 16)), dim3(256), 0, true, s, args);
+    else
+        launch_ex((const void*)linear_stream_wide, dim3(LIN_SEGS * ((n + 127) / 128) * ((m + 63) / 64)),
+                  dim3(LIN_STREAM_WARPS * 32), WIDE_SMEM, true, s, args);
 }
 
 // The decode projections from device memory (weights rotated past L2) against the same weight
 // every launch (read from L2): how much of each launch is bytes, how much is the kernel's own
 // latency.
 static void hot_cold(cudaStream_t s) {
-    CK(cudaFuncSetAttribute((const void*)linear_stream_wide, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            LIN_W_STAGES * LIN_W_STAGE_CH * 192 * 64));
     struct Shape { const char* name; uint32_t n, k; };
     printf("projection, m: cold us (device memory) / hot us (L2) / floor us at 4.45 TB/s\n");
     for (Shape sh : {Shape{"qkv", 6144, 4096}, Shape{"o", 4096, 4096}, Shape{"gate_up", 24576, 4096},
@@ -133,29 +108,7 @@ static void hot_cold(cudaStream_t s) {
             // 1000 + m: the m <= 16 kernel (b4) at m rows.
             uint32_t m = mm > 1000 ? mm - 1000 : mm;
             const bool narrow = mm > 1000 || m <= 16;
-            auto gemv = [&](cudaStream_t st, int i) {
-                const bf16* w = ws[i];
-                void* args[] = {&out, &x, (void*)&w, &m, &n, &k};
-                cudaLaunchConfig_t cfg = {};
-                cfg.stream = st;
-                cudaLaunchAttribute attr[1];
-                attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                attr[0].val.programmaticStreamSerializationAllowed = 1;
-                cfg.attrs = attr;
-                cfg.numAttrs = 1;
-                const void* fn;
-                if (narrow) {
-                    fn = n >= 6144 ? (const void*)linear_stream_b4 : (const void*)linear_stream;
-                    cfg.gridDim = dim3((n + 7) / 8 * ((m + 15) / 16));
-                    cfg.blockDim = dim3(256);
-                } else {
-                    fn = (const void*)linear_stream_wide;
-                    cfg.gridDim = dim3(LIN_SEGS * ((n + 127) / 128) * ((m + 63) / 64));
-                    cfg.blockDim = dim3(LIN_STREAM_WARPS * 32);
-                    cfg.dynamicSmemBytes = LIN_W_STAGES * LIN_W_STAGE_CH * 192 * 64;
-                }
-                CK(cudaLaunchKernelExC(&cfg, fn, args));
-            };
+            auto gemv = [&](cudaStream_t st, int i) { launch_projection(st, narrow, out, x, ws[i], m, n, k); };
             const double cold = time_graph(s, [&](cudaStream_t st) { for (int i = 0; i < 20; ++i) gemv(st, i % R); }, 20) * 1e3 / 20;
             const double hot = time_graph(s, [&](cudaStream_t st) { for (int i = 0; i < 20; ++i) gemv(st, 0); }, 20) * 1e3 / 20;
             printf(" | %sm%-3u %6.1f / %6.1f", mm > 1000 ? "b4 " : "", m, cold, hot);
@@ -168,6 +121,7 @@ static void hot_cold(cudaStream_t s) {
 }
 
 int main(int argc, char** argv) {
+    CK(cudaFuncSetAttribute((const void*)linear_stream_wide, cudaFuncAttributeMaxDynamicSharedMemorySize, WIDE_SMEM));
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     if (argc < 2 || strcmp(argv[1], "prefetch") != 0) {
@@ -190,37 +144,17 @@ int main(int argc, char** argv) {
         CK(cudaMalloc(&out, (size_t)m * n * 2));
         CK(cudaDeviceSynchronize());
         const uint64_t bytes = (uint64_t)n * k * 2;
-        auto gemv = [&](cudaStream_t st, int i) {
-            const bf16* w = ws[i];
-            void* args[] = {&out, &x, (void*)&w, &m, &n, &k};
-            if (m <= 16)
-                launch((const void*)linear_stream, dim3((n + 7) / 8 * ((m + 15) / 16)), dim3(256), true, st, args);
-            else {
-                cudaLaunchConfig_t cfg = {};
-                cfg.gridDim = dim3(LIN_SEGS * ((n + 127) / 128) * ((m + 63) / 64));
-                cfg.blockDim = dim3(LIN_STREAM_WARPS * 32);
-                cfg.dynamicSmemBytes = LIN_W_STAGES * LIN_W_STAGE_CH * 192 * 64;
-                cfg.stream = st;
-                cudaLaunchAttribute attr[1];
-                attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                attr[0].val.programmaticStreamSerializationAllowed = 1;
-                cfg.attrs = attr;
-                cfg.numAttrs = 1;
-                CK(cudaLaunchKernelExC(&cfg, (const void*)linear_stream_wide, args));
-            }
-        };
-        CK(cudaFuncSetAttribute((const void*)linear_stream_wide, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                LIN_W_STAGES * LIN_W_STAGE_CH * 192 * 64));
+        auto gemv = [&](cudaStream_t st, int i) { launch_projection(st, m <= 16, out, x, ws[i], m, n, k); };
         auto spin_k = [&](cudaStream_t st, uint64_t ns, int i, int mode, uint64_t pbytes) {
             const uint8_t* src = (const uint8_t*)ws[i];
             void* args[] = {&ns, (void*)&src, &pbytes, &mode};
-            launch((const void*)spin, dim3(264), dim3(128), false, st, args);
+            launch_ex((const void*)spin, dim3(264), dim3(128), 0, false, st, args);
         };
         auto pf_k = [&](cudaStream_t st, int i, uint64_t pbytes) {
             const uint8_t* src = (const uint8_t*)ws[i];
             const uint32_t blocks = (uint32_t)std::min<uint64_t>(132, std::max<uint64_t>(1, (pbytes / 32768 + 31) / 32));
             void* args[] = {(void*)&src, &pbytes};
-            launch((const void*)l2_prefetch, dim3(blocks), dim3(32), true, st, args);
+            launch_ex((const void*)l2_prefetch, dim3(blocks), dim3(32), 0, true, st, args);
         };
         printf("== %s %ux%u m=%u (%.1f MB)\n", sh.name, n, k, m, bytes / 1e6);
         const double alone = time_graph(s, [&](cudaStream_t st) { for (int i = 0; i < R; ++i) gemv(st, i); }, 20) * 1e3 / R;

@@ -1,5 +1,5 @@
 // Timeline lab: where a `linear_stream_wide` launch's time goes. A copy of the engine's
-// linear_wide_impl (extracted by script from kernels/gemm.cu, with timestamps added) records, per
+// linear_wide_impl (generated from kernels/gemm.cu, with timestamps added) records, per
 // block, %globaltimer (ns) and clock64 at entry, after the wait, after the k loop, after the
 // first cluster barrier and at exit; the host prints the launch's span, how block starts spread
 // (waves), and the median phases. One launch at a time, weights hot in L2 or cold.
@@ -22,121 +22,9 @@
         }                                                                                  \
     } while (0)
 
-template <typename OutT, int NT, int STAGE_CH, int STAGES, bool VEC>
-MT_DEVICE void timed_wide_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
-                                uint32_t k, unsigned char* smem, unsigned long long* ts) {
-    STAMP(0);
-    constexpr uint32_t BN = 64 * NT;
-    constexpr uint32_t STAGE_VECS = STAGE_CH * (BN + LIN_W_ROWS) * 4;
-    cg::cluster_group cluster = cg::this_cluster();
-    const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const uint32_t seg = cluster.block_rank(), tile = blockIdx.x / LIN_SEGS;
-    const uint32_t row_blocks = (m + LIN_W_ROWS - 1) / LIN_W_ROWS;
-    const uint32_t n0 = (tile / row_blocks) * BN, m0 = (tile % row_blocks) * LIN_W_ROWS;
-    const uint32_t rows = m0 < m ? min(LIN_W_ROWS, m - m0) : 0;
-    const uint32_t row_tiles = (rows + 15) / 16;
-    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
-    const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
-    const uint32_t nsegs = seg_chunks > 0 ? (chunks + seg_chunks - 1) / seg_chunks : 0;
-    const uint32_t c_begin = min(chunks, seg * seg_chunks);
-    const uint32_t c_end = min(chunks, c_begin + seg_chunks);
-    const uint32_t steps = (c_end - c_begin + STAGE_CH - 1) / STAGE_CH;
-    uint4* ring = reinterpret_cast<uint4*>(smem);
-
-    auto issue_w = [&](uint32_t j) {
-        if (j < steps)
-            wide_issue<BN, STAGE_CH, VEC>(ring + (j % STAGES) * STAGE_VECS, w, n, k, n0, BN, 0,
-                                      c_begin + j * STAGE_CH, c_end);
-    };
-    auto issue_x = [&](uint32_t j) {
-        if (j < steps)
-            wide_issue<BN, STAGE_CH, VEC>(ring + (j % STAGES) * STAGE_VECS, x, m, k, m0,
-                                          row_tiles * 16, BN, c_begin + j * STAGE_CH, c_end);
-        cp_async_commit();  // an empty group past the end keeps the group count uniform
-    };
-
-    // The weight is never written by the kernel ahead on the stream: its first stages are
-    // queued before the wait, x (that kernel's output) after it.
-#pragma unroll
-    for (int p = 0; p < STAGES - 1; ++p) issue_w(p);
-    pdl_wait();
-    pdl_trigger();
-    STAMP(1);
-#pragma unroll
-    for (int p = 0; p < STAGES - 1; ++p) issue_x(p);
-
-    float acc[4][NT][4];
-#pragma unroll
-    for (int rt = 0; rt < 4; ++rt)
-#pragma unroll
-        for (int t = 0; t < NT; ++t)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[rt][t][i] = 0.0f;
-
-    for (uint32_t j = 0; j < steps; ++j) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // stage j is complete for everyone, and stage j - 1 is read
-        issue_w(j + STAGES - 1);
-        issue_x(j + STAGES - 1);
-        const uint4* st = ring + (j % STAGES) * STAGE_VECS;
-#pragma unroll
-        for (int ch = 0; ch < STAGE_CH; ++ch) {
-            if (c_begin + j * STAGE_CH + ch >= c_end) break;
-            uint4 wb[NT];
-#pragma unroll
-            for (int t = 0; t < NT; ++t) wb[t] = st[wide_slot<BN>(ch, warp * 8 * NT + t * 8 + g, q)];
-#pragma unroll
-            for (int rt = 0; rt < 4; ++rt) {
-                if ((uint32_t)rt >= row_tiles) break;
-                const uint4 ra = st[wide_slot<BN>(ch, BN + rt * 16 + g, q)];
-                const uint4 rb = st[wide_slot<BN>(ch, BN + rt * 16 + g + 8, q)];
-#pragma unroll
-                for (int t = 0; t < NT; ++t) mma_chunk(acc[rt][t], ra, rb, wb[t]);
-            }
-        }
-    }
-    STAMP(2);
-    cp_async_wait<0>();
-    __syncthreads();  // the ring is free: the partials take its place
-
-    // Partials: [warp][row tile][column tile][lane] float4, the MMA accumulator layout.
-    float4* part = reinterpret_cast<float4*>(smem);
-#pragma unroll
-    for (int rt = 0; rt < 4; ++rt)
-#pragma unroll
-        for (int t = 0; t < NT; ++t)
-            part[((warp * 4 + rt) * NT + t) * 32 + lane] =
-                make_float4(acc[rt][t][0], acc[rt][t][1], acc[rt][t][2], acc[rt][t][3]);
-    cluster_publish_arrive();
-    cluster_wait();
-    STAMP(3);
-    // This block's share of the tile: float4 `f` of the partial layout, summed over the
-    // segments in order.
-    constexpr uint32_t PART_VECS = LIN_STREAM_WARPS * 4 * NT * 32;
-    for (uint32_t f = seg * (PART_VECS / LIN_SEGS) + tid; f < (seg + 1) * (PART_VECS / LIN_SEGS);
-         f += blockDim.x) {
-        const uint32_t ln = f % 32, t = (f / 32) % NT, rt = (f / (32 * NT)) % 4, wp = f / (128 * NT);
-        if (rt >= row_tiles) continue;
-        float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (uint32_t sg = 0; sg < nsegs; ++sg) {
-            const float4 v = cluster.map_shared_rank(part, sg)[f];
-            total.x += v.x;
-            total.y += v.y;
-            total.z += v.z;
-            total.w += v.w;
-        }
-        const float vals[4] = {total.x, total.y, total.z, total.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const uint32_t row = m0 + rt * 16 + ln / 4 + (i >= 2 ? 8 : 0);
-            const uint32_t col = n0 + wp * 8 * NT + t * 8 + (ln % 4) * 2 + (i & 1);
-            if (row < m && col < n) store_out(out, (size_t)row * n + col, vals[i]);
-        }
-    }
-    cluster_leave_barrier();  // no block leaves while another still reads its partials
-    STAMP(4);
-}
-
+// timed_wide_impl: linear_wide_impl with the stamps, written by lab/timeline_gen.py (lab/build.sh
+// runs it) into target/gemm-lab, so the copy never drifts from kernels/gemm.cu.
+#include "timeline_wide.cuh"
 
 extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
     timed_wide(float* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k, unsigned long long* ts) {
@@ -177,13 +65,8 @@ int main() {
             for (int it = 0; it < 6; ++it) {
                 const bf16* w = ws[hot ? 0 : it % R];
                 void* args[] = {&out, &x, (void*)&w, &m, &n, &k, &ts};
-                cudaLaunchConfig_t cfg = {};
-                cfg.gridDim = dim3(blocks);
-                cfg.blockDim = dim3(LIN_STREAM_WARPS * 32);
-                cfg.dynamicSmemBytes = SMEM;
-                cfg.stream = s;
                 CK(cudaEventRecord(a, s));
-                CK(cudaLaunchKernelExC(&cfg, (const void*)timed_wide, args));
+                launch_ex((const void*)timed_wide, dim3(blocks), dim3(LIN_STREAM_WARPS * 32), SMEM, false, s, args);
                 CK(cudaEventRecord(b, s));
                 CK(cudaEventSynchronize(b));
                 float ms;
