@@ -342,7 +342,7 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
         if (k > 0) {
             // Every block has combined item k - 1, and so has read all of item k - 2 (whose
             // buffers, of parity p, this item reuses).
-            att_cluster_wait();
+            cluster_wait();
             pending = att_output<DP>(a, prev, p ^ 1u, sh, part + (p ^ 1u) * a.hb * DP);
             if (tid == 0) sh.bad[p ^ 1u] = 0;
         }
@@ -380,14 +380,14 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
                 sh.cl[p][h] = sh.bad[p] ? __int_as_float(0x7FFFFFFF) : den;
             }
         }
-        att_cluster_arrive();
+        cluster_publish_arrive();
         att_store(a, pending);
         pending.n = 0;
         prev = it;
     }
     cp_async_wait<0>();
     if (a.nk > 0) {
-        att_cluster_wait();
+        cluster_wait();
         const uint32_t p = (a.nk - 1) & 1;
         pending = att_output<DP>(a, prev, p, sh, part + p * a.hb * DP);
     }

@@ -371,7 +371,7 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
         if (bad && lane == 0) sh.bad[p] = 1;
         // Every block has combined item k - 1, and so has read all of item k - 2 (whose buffers,
         // of parity p, this item reuses).
-        if (k > 0) att_cluster_wait();
+        if (k > 0) cluster_wait();
         __syncthreads();  // every unit of item k computed; its maxima and sums visible
         if (k > 0) {
             // Item k - 1's split weights (visible after the combine's first barrier).
@@ -420,13 +420,13 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
         }
         // Item k - 1's outputs (this item's partials are in shared memory: `o` is dead).
         if (k > 0) atp_output<DP>(a, atp_item(a, k - 1, sh, part), p ^ 1u, sh, num + (p ^ 1u) * VROWS * RS, false);
-        att_cluster_arrive();
+        cluster_publish_arrive();
     }
     cp_async_wait<0>();
     if (a.nk > 0) {
         const uint32_t p = (a.nk - 1) & 1;
         const AtpItem last = atp_item(a, a.nk - 1, sh, part);
-        att_cluster_wait();
+        cluster_wait();
         atp_output<DP>(a, last, p, sh, num + p * VROWS * RS, true);
         __syncthreads();
         atp_output<DP>(a, last, p, sh, num + p * VROWS * RS, false);

@@ -135,13 +135,6 @@ MT_DEVICE bf16 att_finish(const float (&wt)[ATT_SPLITS], const float (&ps)[ATT_S
     return f2bf(val);
 }
 
-// The cluster barrier in two halves: arrive (this block's shared-memory writes become visible
-// to the cluster: `cluster_publish_arrive`) and wait (acquire: every block of the cluster has
-// arrived).
-MT_DEVICE void att_cluster_arrive() { cluster_publish_arrive(); }
-
-MT_DEVICE void att_cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
-
 // The launch, as one block sees it.
 struct AttLaunch {
     bf16* out;
@@ -239,17 +232,18 @@ MT_DEVICE bool att_copy_unit(const AttLaunch& a, const bf16* kb, const bf16* vb,
     const bf16* kp = kb + off0;
     const bf16* vp = vb + off0;
     const uint64_t policy = STREAM ? l2_evict_first_policy() : 0;
+    auto copy16 = [&](bf16* dst, const bf16* src, uint32_t bytes) {
+        if (STREAM)
+            cp_async16_hint(dst, src, bytes, policy);
+        else
+            cp_async16(dst, src, bytes);
+    };
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         const uint32_t tok = tok0 + i * step;
         const bool on = dim_on && tok < live;
-        if (STREAM) {
-            cp_async16_hint(ks + tok * RS + 8 * ch, on ? kp : kb, on ? 16u : 0u, policy);
-            cp_async16_hint(vs + tok * RS + 8 * ch, on ? vp : vb, on ? 16u : 0u, policy);
-        } else {
-            cp_async16(ks + tok * RS + 8 * ch, on ? kp : kb, on ? 16u : 0u);
-            cp_async16(vs + tok * RS + 8 * ch, on ? vp : vb, on ? 16u : 0u);
-        }
+        copy16(ks + tok * RS + 8 * ch, on ? kp : kb, on ? 16u : 0u);
+        copy16(vs + tok * RS + 8 * ch, on ? vp : vb, on ? 16u : 0u);
         kp += stride;
         vp += stride;
     }

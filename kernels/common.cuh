@@ -159,8 +159,9 @@ MT_DEVICE void cluster_publish_arrive() {
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
 
-// Wait until every block of the cluster has arrived (acquire); every thread of the block calls it.
-MT_DEVICE void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+// The other half of a cluster barrier: wait until every block of the cluster has arrived
+// (acquire: what they published is visible).
+MT_DEVICE void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
 
 // The last cluster barrier of a kernel that read other blocks' shared memory: arrive relaxed
 // (the remote reads it must follow have returned their values; a release arrival would also

@@ -5,7 +5,8 @@
 // L2. Variants: `l2_prefetch` (below; tried in the engine and dropped) as a programmatic kernel
 // before the stand-in; the prefetch issued inside the stand-in (bulk, or one
 // `prefetch.global.L2` per 128-byte line). `prefetch_lab prefetch` runs these.
-// Without arguments: the decode projections cold (device memory) and hot (L2), m = 1 .. 128.
+// Without arguments: the decode projections cold (device memory) and hot (the same weight every
+// launch), m = 1 .. 128; only `o` (33.5 MB) fits the 50 MB L2, so only its hot column reads L2.
 #include "../kernels/gemm.cu"
 
 #include <cuda_runtime.h>
