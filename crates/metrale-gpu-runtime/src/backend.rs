@@ -114,6 +114,20 @@ pub trait GpuBackend: Send + Sync + std::fmt::Debug {
     /// Bytes of device memory free now (the CPU backend reports the host's budget).
     fn free_memory(&self) -> GpuResult<usize>;
 
+    /// How many clusters of `kernel` (compiled with a cluster size) can be resident on the
+    /// device at once with `config`'s block size and dynamic shared memory: the most a launch of
+    /// persistent clusters should use, since a cluster that does not fit waits for a whole other
+    /// cluster to finish. `None` where the backend has no such limit (the CPU backend runs a
+    /// launch's blocks one after another).
+    fn max_active_clusters(
+        &self,
+        kernel: KernelHandle,
+        config: &LaunchConfig,
+    ) -> Option<GpuResult<u32>> {
+        let _ = (kernel, config);
+        None
+    }
+
     /// Queue the vendor library's bf16 GEMM (cuBLASLt on CUDA) on `stream`: the device's GEMM
     /// ceiling for the benchmark, never a path of the engine (its rounding changes with the
     /// shape). `None` where the backend has no such library.

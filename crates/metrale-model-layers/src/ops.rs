@@ -21,11 +21,13 @@
 //!   kernels load their weight before the wait, so a weight must never be written by the kernel
 //!   launched just before a projection on its stream.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use metrale_gpu_runtime::{
     DevicePtr, GpuBackend, GpuResult, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
 };
+use parking_lot::Mutex;
 
 /// Rows up to which the step's small kernels (rotary and cache stores, the gated-delta-net
 /// kernels, the gathers, `argmax`) and decode attention launch as programmatic dependents:
@@ -178,18 +180,28 @@ pub struct KvStore {
     pub num_slots: u32,
 }
 
+/// Resident clusters by (kernel, threads, dynamic shared memory bytes): the backend's answers,
+/// shared by an `Ops` and its clones.
+pub(crate) type ResidentClusters = Arc<Mutex<HashMap<(KernelHandle, u32, u32), u32>>>;
+
 /// The launchers, bound to a backend and its resolved kernels.
 #[derive(Debug, Clone)]
 pub struct Ops {
     pub(crate) gpu: Arc<dyn GpuBackend>,
     pub(crate) k: Kernels,
+    /// Asked of the backend once per key (`ops_attention`'s persistent launches).
+    pub(crate) resident: ResidentClusters,
 }
 
 impl Ops {
     /// Resolve every kernel on `gpu`.
     pub fn new(gpu: Arc<dyn GpuBackend>) -> GpuResult<Ops> {
         let k = Kernels::resolve(gpu.as_ref())?;
-        Ok(Ops { gpu, k })
+        Ok(Ops {
+            gpu,
+            k,
+            resident: Arc::default(),
+        })
     }
 
     /// The backend.

@@ -4,7 +4,9 @@
 //! `kernels/attention.cu` expects (cluster counts, shared memory, heads and rows per item), with
 //! the host side of the row groups (`attention_row_groups`).
 
-use metrale_gpu_runtime::{DevicePtr, GpuResult, KernelArg, LaunchConfig, StreamHandle};
+use metrale_gpu_runtime::{
+    DevicePtr, GpuResult, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+};
 
 use crate::ops::{Ops, step_launch};
 
@@ -31,10 +33,11 @@ const ATTENTION_STAGES: u32 = 2;
 /// Most (row, head group) items one `paged_attention` cluster takes (`ATT_MAX_ITEMS`).
 const ATTENTION_MAX_ITEMS: u32 = 64;
 
-/// `paged_attention` clusters resident at once on the H200 (clusters of 8 inside a GPC), up to
-/// head_dim 128 (two blocks per multiprocessor) and above (one): measured, 2026-11-30, as the
-/// largest counts before a cluster must wait for another to finish (30 -> 31 took a batch-32
-/// launch from 63 to 97 us; 15 -> 16 at head_dim 256 from 82 to 136 us).
+/// Clusters of 8 resident at once on the H200 (inside a GPC) at two blocks per multiprocessor
+/// and at one: what a backend without an occupancy query (the CPU) is given. On CUDA the
+/// launchers ask the driver (`GpuBackend::max_active_clusters`), which reports these on the
+/// H200 for both attention kernels; a launch over the count is slow (30 -> 31 clusters took a
+/// batch-32 launch from 63 to 97 us; 15 -> 16 at head_dim 256 from 82 to 136 us).
 const ATTENTION_CLUSTERS: [u32; 2] = [30, 15];
 
 /// The parameters of `paged_attention`.
@@ -120,12 +123,15 @@ impl Ops {
         // waited for another to finish (Qwen3-8B batch 128: 28.4 against 23.1 ms a step on the
         // H200, 2026-11-30). As it is, batch 8 went from 5.81 to 5.72 ms and batch 64 from 12.13
         // to 12.03 (Qwen3-8B), neutral at batch 1 and on Qwen3.5-9B.
+        let smem = attention_shared_bytes(p.head_dim, hb);
+        let resident =
+            self.attention_resident_clusters(p.num_q_heads, p.num_kv_heads, p.head_dim)?;
         let config = LaunchConfig::grid2(
-            ATTENTION_SPLITS * attention_clusters(items, p.head_dim),
+            ATTENTION_SPLITS * attention_clusters_of(items, resident),
             1,
             32 * ATTENTION_WARPS,
         )
-        .with_shared(attention_shared_bytes(p.head_dim, hb));
+        .with_shared(smem);
         self.go(
             self.k.paged_attention,
             step_launch(config, p.rows),
@@ -148,11 +154,18 @@ impl Ops {
         let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
         let items = n_groups * (p.num_q_heads / hb);
         // One block per multiprocessor, as `paged_attention` at head_dim 256.
-        let clusters = attention_clusters_of(items, ATTENTION_CLUSTERS[1]);
+        let smem = prefill_shared_bytes(p.head_dim);
+        let resident = self.resident_clusters(
+            self.k.paged_attention_prefill,
+            32 * PREFILL_WARPS,
+            smem,
+            ATTENTION_CLUSTERS[1],
+        )?;
+        let clusters = attention_clusters_of(items, resident);
         self.go(
             self.k.paged_attention_prefill,
             LaunchConfig::grid2(ATTENTION_SPLITS * clusters, 1, 32 * PREFILL_WARPS)
-                .with_shared(prefill_shared_bytes(p.head_dim)),
+                .with_shared(smem),
             &[p.args().as_slice(), &[row_groups.into(), n_groups.into()]].concat(),
             s,
         )
@@ -180,19 +193,54 @@ fn attention_padded_dim(head_dim: u32) -> u32 {
     }
 }
 
-/// Clusters of `paged_attention` for `items` items: as many as are resident at once (each loops
-/// over items cluster, cluster + clusters, ...), or, when that would give a cluster over
-/// `ATTENTION_MAX_ITEMS`, a whole number of such waves (a prefill's thousands of items), so the
-/// last wave is as full as the others. Which cluster computes an item never changes the item's
-/// result.
-fn attention_clusters(items: u32, head_dim: u32) -> u32 {
-    attention_clusters_of(
-        items,
-        ATTENTION_CLUSTERS[usize::from(attention_padded_dim(head_dim) > 128)],
-    )
+impl Ops {
+    /// Clusters of `paged_attention` resident at once for these heads (the most its persistent
+    /// launches use).
+    pub fn attention_resident_clusters(
+        &self,
+        num_q_heads: u32,
+        num_kv_heads: u32,
+        head_dim: u32,
+    ) -> GpuResult<u32> {
+        let hb = attention_heads_per_block(num_q_heads, num_kv_heads);
+        self.resident_clusters(
+            self.k.paged_attention,
+            32 * ATTENTION_WARPS,
+            attention_shared_bytes(head_dim, hb),
+            ATTENTION_CLUSTERS[usize::from(attention_padded_dim(head_dim) > 128)],
+        )
+    }
+
+    /// Clusters of `kernel` resident at once with `threads` threads and `smem` bytes of dynamic
+    /// shared memory a block: the backend's answer, asked once per (kernel, threads, smem) and
+    /// kept, or `fallback` where the backend has no limit (CPU) or reports none.
+    fn resident_clusters(
+        &self,
+        kernel: KernelHandle,
+        threads: u32,
+        smem: u32,
+        fallback: u32,
+    ) -> GpuResult<u32> {
+        let key = (kernel, threads, smem);
+        if let Some(&n) = self.resident.lock().get(&key) {
+            return Ok(n);
+        }
+        let config = LaunchConfig::grid2(ATTENTION_SPLITS, 1, threads).with_shared(smem);
+        let n = match self.gpu.max_active_clusters(kernel, &config) {
+            Some(n) => n?,
+            None => fallback,
+        };
+        let n = if n == 0 { fallback } else { n };
+        self.resident.lock().insert(key, n);
+        Ok(n)
+    }
 }
 
-/// `attention_clusters` with `resident` clusters resident at once.
+/// Clusters of a persistent attention launch for `items` items with `resident` clusters
+/// resident at once: as many as are resident (each loops over items cluster, cluster +
+/// clusters, ...), or, when that would give a cluster over `ATTENTION_MAX_ITEMS`, a whole number
+/// of such waves (a prefill's thousands of items), so the last wave is as full as the others.
+/// Which cluster computes an item never changes the item's result.
 fn attention_clusters_of(items: u32, resident: u32) -> u32 {
     let waves = items.div_ceil(resident * ATTENTION_MAX_ITEMS).max(1);
     items.min(resident * waves).max(1)

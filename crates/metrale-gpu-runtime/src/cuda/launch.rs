@@ -126,3 +126,30 @@ pub(super) fn launch(
         )
     })
 }
+
+/// Clusters of `entry` resident at once with `config`'s geometry (the caller has bound the
+/// context): `cuOccupancyMaxActiveClusters`, the cluster size taken from the kernel's compiled
+/// `__cluster_dims__`.
+pub(super) fn max_active_clusters(entry: &KernelEntry, config: &LaunchConfig) -> GpuResult<u32> {
+    let (g, b) = (config.grid, config.block);
+    let query = sys::CUlaunchConfig {
+        gridDimX: g.0,
+        gridDimY: g.1,
+        gridDimZ: g.2,
+        blockDimX: b.0,
+        blockDimY: b.1,
+        blockDimZ: b.2,
+        sharedMemBytes: config.shared_mem_bytes,
+        hStream: std::ptr::null_mut(),
+        attrs: std::ptr::null_mut(),
+        numAttrs: 0,
+    };
+    let mut clusters: std::ffi::c_int = 0;
+    // SAFETY: `entry.func` is live (see `launch`); `query` and `clusters` outlive the call, which
+    // only reads the one and writes the other.
+    check(
+        &format!("cuOccupancyMaxActiveClusters({})", entry.label),
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, entry.func, &query) },
+    )?;
+    Ok(clusters.max(0) as u32)
+}

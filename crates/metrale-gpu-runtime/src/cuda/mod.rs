@@ -367,6 +367,21 @@ impl GpuBackend for CudaBackend {
         launch::launch(entry, config, args, s)
     }
 
+    fn max_active_clusters(
+        &self,
+        kernel: KernelHandle,
+        config: &LaunchConfig,
+    ) -> Option<GpuResult<u32>> {
+        let table = self.kernels.read();
+        let Some(entry) = table.entries.get(kernel.0 as usize) else {
+            return Some(Err(GpuError::BadKernelHandle(kernel.0)));
+        };
+        Some(
+            self.bind()
+                .and_then(|()| launch::max_active_clusters(entry, config)),
+        )
+    }
+
     fn create_stream(&self) -> GpuResult<StreamHandle> {
         self.bind()?;
         let s = new_stream()?;

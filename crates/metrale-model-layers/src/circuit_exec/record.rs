@@ -54,6 +54,7 @@ impl Recorder {
         let recording = Ops {
             gpu: recorder.clone(),
             k: ops.k,
+            resident: ops.resident.clone(),
         };
         (recorder, recording)
     }
@@ -191,5 +192,13 @@ impl GpuBackend for Recorder {
 
     fn free_memory(&self) -> GpuResult<usize> {
         self.inner.free_memory()
+    }
+
+    fn max_active_clusters(
+        &self,
+        kernel: KernelHandle,
+        config: &LaunchConfig,
+    ) -> Option<GpuResult<u32>> {
+        self.inner.max_active_clusters(kernel, config)
     }
 }

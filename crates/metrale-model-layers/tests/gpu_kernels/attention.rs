@@ -137,6 +137,26 @@ fn attention_case_in(
     gpu_want
 }
 
+/// The persistent attention launches size themselves by the driver's count of resident clusters:
+/// on CUDA it answers (at least one cluster), a larger head dimension (more shared memory a
+/// block) fits no more, and the CPU backend, which has no such limit, gets the H200's counts.
+#[test]
+fn attention_launches_know_how_many_clusters_fit() {
+    let p = Pair::new();
+    let (cuda_ops, cpu_ops) = (&p.gpu_ops, &p.cpu_ops);
+    let fits = |o: &metrale_model_layers::Ops, hq, hkv, d| {
+        o.attention_resident_clusters(hq, hkv, d)
+            .expect("resident clusters")
+    };
+    let (c128, c256) = (fits(cuda_ops, 32, 8, 128), fits(cuda_ops, 16, 4, 256));
+    println!("resident paged_attention clusters on CUDA: head_dim 128 {c128}, 256 {c256}");
+    assert!(c256 >= 1 && c128 >= c256, "{c128} at 128, {c256} at 256");
+    assert_eq!(
+        (fits(cpu_ops, 32, 8, 128), fits(cpu_ops, 16, 4, 256)),
+        (30, 15)
+    );
+}
+
 #[test]
 fn paged_attention_matches_over_shuffled_blocks_with_gqa_and_gates() {
     let p = Pair::new();

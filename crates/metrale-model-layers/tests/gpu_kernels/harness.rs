@@ -283,6 +283,13 @@ impl GpuBackend for TestCuda {
     fn free_memory(&self) -> GpuResult<usize> {
         self.inner.free_memory()
     }
+    fn max_active_clusters(
+        &self,
+        kernel: KernelHandle,
+        config: &LaunchConfig,
+    ) -> Option<GpuResult<u32>> {
+        self.inner.max_active_clusters(kernel, config)
+    }
 }
 
 impl Pair {
