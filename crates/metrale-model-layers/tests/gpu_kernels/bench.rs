@@ -129,7 +129,9 @@ fn time_graph_us(gpu: &dyn GpuBackend, f: impl Fn(usize)) -> f64 {
 
 /// `paged_attention` of one layer at decode batches: every row the new token (position 1024, a
 /// context of 1025) of its own sequence, in blocks of 16; the floor is the KV bytes the rows
-/// must read (keys and values of every context token, once) over the copy bandwidth.
+/// must read (keys and values of every context token, once) over the copy bandwidth. Beside the
+/// ladder's batches, the batches whose items fill whole rounds of the resident clusters (each
+/// cluster loops over items): the step from a whole number of rounds to one partial round more.
 pub fn measure_attention() {
     let gpu: Arc<dyn GpuBackend> = TestCuda::new();
     let ops = Ops::new(gpu.clone()).expect("kernels resolve");
@@ -143,7 +145,25 @@ pub fn measure_attention() {
         ("qwen3-8b", 32u32, 8u32, 128u32, false),
         ("qwen3.5-9b", 16, 4, 256, true),
     ] {
-        for batch in [1u32, 8, 32, 64, 128] {
+        let resident = ops
+            .attention_resident_clusters(hq, hkv, d)
+            .expect("resident clusters");
+        // Items (row, group of heads sharing a key/value head) a row: one per key/value head
+        // for these shapes (groups of 4 heads).
+        let per_row = hkv;
+        let mut batches = vec![1u32, 8, 32, 64, 128];
+        batches.extend(
+            [4, 8, 16]
+                .map(|k| k * resident)
+                .into_iter()
+                .filter(|items| items.is_multiple_of(per_row))
+                .map(|items| items / per_row),
+        );
+        batches.sort_unstable();
+        batches.dedup();
+        for batch in batches {
+            let items = batch * per_row;
+            let rounds = items.div_ceil(resident);
             let num_slots = batch * max_blocks * BLOCK;
             let elems = num_slots as u64 * u64::from(hkv * d);
             // Enough copies of the pools that a graph of launches cannot hit L2 (50 MB).
@@ -200,7 +220,7 @@ pub fn measure_attention() {
             let bytes = f64::from(batch) * f64::from(position + 1) * f64::from(hkv * d) * 4.0;
             let floor_us = bytes / (copy_gbs * 1e3);
             println!(
-                "bench paged_attention {shape:<10} batch {batch:>3} ctx {}: {us:8.1} us  KV {:7.1} MB  floor {floor_us:7.1} us  {:5.2}x floor  {:5.0} GB/s",
+                "bench paged_attention {shape:<10} batch {batch:>3} ctx {}: {us:8.1} us  KV {:7.1} MB  floor {floor_us:7.1} us  {:5.2}x floor  {:5.0} GB/s  {items} items, {rounds} rounds of {resident} clusters",
                 position + 1,
                 bytes / 1e6,
                 us / floor_us,
