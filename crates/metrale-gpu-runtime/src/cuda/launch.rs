@@ -88,18 +88,7 @@ pub(super) fn launch(
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attr.value.programmaticStreamSerializationAllowed = 1;
-        let launch = sys::CUlaunchConfig {
-            gridDimX: g.0,
-            gridDimY: g.1,
-            gridDimZ: g.2,
-            blockDimX: b.0,
-            blockDimY: b.1,
-            blockDimZ: b.2,
-            sharedMemBytes: config.shared_mem_bytes,
-            hStream: s,
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
+        let launch = driver_config(config, s, &mut attr, 1);
         // SAFETY: as for `cuLaunchKernel` below; `launch` and `attr` outlive the call, which
         // reads them and copies the parameters before returning.
         return check(&format!("cuLaunchKernelEx({})", entry.label), unsafe {
@@ -127,12 +116,16 @@ pub(super) fn launch(
     })
 }
 
-/// Clusters of `entry` resident at once with `config`'s geometry (the caller has bound the
-/// context): `cuOccupancyMaxActiveClusters`, the cluster size taken from the kernel's compiled
-/// `__cluster_dims__`.
-pub(super) fn max_active_clusters(entry: &KernelEntry, config: &LaunchConfig) -> GpuResult<u32> {
+/// `config` as the driver's extended launch configuration on stream `s`, with `num_attrs`
+/// attributes at `attrs`.
+fn driver_config(
+    config: &LaunchConfig,
+    s: sys::CUstream,
+    attrs: *mut sys::CUlaunchAttribute,
+    num_attrs: u32,
+) -> sys::CUlaunchConfig {
     let (g, b) = (config.grid, config.block);
-    let query = sys::CUlaunchConfig {
+    sys::CUlaunchConfig {
         gridDimX: g.0,
         gridDimY: g.1,
         gridDimZ: g.2,
@@ -140,10 +133,17 @@ pub(super) fn max_active_clusters(entry: &KernelEntry, config: &LaunchConfig) ->
         blockDimY: b.1,
         blockDimZ: b.2,
         sharedMemBytes: config.shared_mem_bytes,
-        hStream: std::ptr::null_mut(),
-        attrs: std::ptr::null_mut(),
-        numAttrs: 0,
-    };
+        hStream: s,
+        attrs,
+        numAttrs: num_attrs,
+    }
+}
+
+/// Clusters of `entry` resident at once with `config`'s geometry (the caller has bound the
+/// context): `cuOccupancyMaxActiveClusters`, the cluster size taken from the kernel's compiled
+/// `__cluster_dims__`.
+pub(super) fn max_active_clusters(entry: &KernelEntry, config: &LaunchConfig) -> GpuResult<u32> {
+    let query = driver_config(config, std::ptr::null_mut(), std::ptr::null_mut(), 0);
     let mut clusters: std::ffi::c_int = 0;
     // SAFETY: `entry.func` is live (see `launch`); `query` and `clusters` outlive the call, which
     // only reads the one and writes the other.
