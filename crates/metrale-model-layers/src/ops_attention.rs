@@ -124,8 +124,7 @@ impl Ops {
         // H200, 2026-11-30). As it is, batch 8 went from 5.81 to 5.72 ms and batch 64 from 12.13
         // to 12.03 (Qwen3-8B), neutral at batch 1 and on Qwen3.5-9B.
         let smem = attention_shared_bytes(p.head_dim, hb);
-        let resident =
-            self.attention_resident_clusters(p.num_q_heads, p.num_kv_heads, p.head_dim)?;
+        let resident = self.decode_resident_clusters(p.head_dim, smem)?;
         let config = LaunchConfig::grid2(
             ATTENTION_SPLITS * attention_clusters_of(items, resident),
             1,
@@ -203,10 +202,15 @@ impl Ops {
         head_dim: u32,
     ) -> GpuResult<u32> {
         let hb = attention_heads_per_block(num_q_heads, num_kv_heads);
+        self.decode_resident_clusters(head_dim, attention_shared_bytes(head_dim, hb))
+    }
+
+    /// `attention_resident_clusters` for a launch whose shared memory is already known.
+    fn decode_resident_clusters(&self, head_dim: u32, smem: u32) -> GpuResult<u32> {
         self.resident_clusters(
             self.k.paged_attention,
             32 * ATTENTION_WARPS,
-            attention_shared_bytes(head_dim, hb),
+            smem,
             ATTENTION_CLUSTERS[usize::from(attention_padded_dim(head_dim) > 128)],
         )
     }

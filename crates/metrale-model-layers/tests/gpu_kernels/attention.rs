@@ -3,7 +3,8 @@
 //! row groups bitwise the single-row kernel on each backend; batch invariance and NaN rows.
 
 use half::bf16;
-use metrale_model_layers::ops::{PagedAttention, attention_row_groups};
+use metrale_gpu_runtime::LaunchConfig;
+use metrale_model_layers::ops::{ATTENTION_SPLITS, PagedAttention, attention_row_groups};
 
 use super::harness::{self, Pair, Rng, S, Tolerance};
 
@@ -138,8 +139,10 @@ fn attention_case_in(
 }
 
 /// The persistent attention launches size themselves by the driver's count of resident clusters:
-/// on CUDA it answers (at least one cluster), a larger head dimension (more shared memory a
-/// block) fits no more, and the CPU backend, which has no such limit, gets the H200's counts.
+/// on CUDA the backend answers (the test backend forwards the query; without it the launchers
+/// would fall back to the H200's constants), no shared memory fits at least as many clusters as
+/// the launches' shared memory, a larger head dimension (more shared memory a block) fits no
+/// more, and the CPU backend, which has no such limit, gets the H200's counts.
 #[test]
 fn attention_launches_know_how_many_clusters_fit() {
     let p = Pair::new();
@@ -151,6 +154,20 @@ fn attention_launches_know_how_many_clusters_fit() {
     let (c128, c256) = (fits(cuda_ops, 32, 8, 128), fits(cuda_ops, 16, 4, 256));
     println!("resident paged_attention clusters on CUDA: head_dim 128 {c128}, 256 {c256}");
     assert!(c256 >= 1 && c128 >= c256, "{c128} at 128, {c256} at 256");
+    let kernel = p
+        .gpu
+        .kernel("attention", "paged_attention")
+        .expect("kernel");
+    let bare = LaunchConfig::grid2(ATTENTION_SPLITS, 1, 128);
+    let most = p
+        .gpu
+        .max_active_clusters(kernel, &bare)
+        .expect("the CUDA backend answers the query")
+        .expect("query");
+    assert!(
+        most >= c128,
+        "{most} clusters without shared memory, {c128} with"
+    );
     assert_eq!(
         (fits(cpu_ops, 32, 8, 128), fits(cpu_ops, 16, 4, 256)),
         (30, 15)
