@@ -30,3 +30,30 @@ extern "C" __global__ void silu_mul(bf16* __restrict__ out, const bf16* __restri
         for (uint32_t i = first; i < ffn; i += stride) o[i] = f2bf(siluf_acc(bf2f(g[i])) * bf2f(u[i]));
     }
 }
+
+// silu_mul_staged(out: stage images of [rows, ffn], gate_up: bf16 [rows, 2 * ffn], rows, ffn):
+// `silu_mul` written as `linear_tma`'s stage images (kernels/common.cuh) rather than rows, for
+// the down projection to read without `permute_k32_tiles`. Image rows past `rows` (and k past
+// ffn, when ffn % 64 != 0) are not written: the launcher stages only ffn % 64 == 0. Needs
+// ffn % 8 == 0 and a 16-byte aligned gate_up; same grid as `silu_mul`.
+extern "C" __global__ void silu_mul_staged(bf16* __restrict__ out, const bf16* __restrict__ gate_up,
+                                           uint32_t rows, uint32_t ffn) {
+    pdl_wait();  // launched as a programmatic dependent (ops::silu_mul_staged)
+    pdl_trigger();
+    const uint32_t r = blockIdx.x;
+    if (r >= rows || ffn % 8 != 0) return;
+    const bf16* g = gate_up + (size_t)r * 2 * ffn;
+    const bf16* u = g + ffn;
+    if (!aligned16(g)) return;
+    unsigned char* img = reinterpret_cast<unsigned char*>(out);
+    const uint32_t steps = ((ffn + 31) / 32 + 1) / 2;
+    const uint32_t first = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
+    for (uint32_t v = first; v < ffn / 8; v += stride) {
+        float gf[8], uf[8], of[8];
+        unpack8(load16(g + 8 * v), gf);
+        unpack8(load16(u + 8 * v), uf);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) of[j] = siluf_acc(gf[j]) * uf[j];
+        store_k32_unit(img, r, v / 4, v % 4, steps, pack8(of));
+    }
+}

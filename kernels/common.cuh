@@ -83,6 +83,31 @@ MT_DEVICE float block_sum(float v, float* scratch) {
     return t;
 }
 
+// The stage images `linear_tma` reads x from (`permute_k32_tiles`, kernels/gemm.cu, and the
+// `_staged` producers): byte offset of 16-byte unit t (0..3, `k32_pairs` order) of chunk c (32
+// k) of row `row`, for `steps` two-chunk stages per 128-row tile.
+MT_DEVICE size_t img_offset(uint32_t row, uint32_t c, uint32_t t, uint32_t steps) {
+    const uint32_t r = row % 128, cc = c % 2;
+    return ((size_t)(row / 128) * steps + c / 2) * 16384 + r * 128 + (((cc * 4 + t) ^ (r % 8)) << 4);
+}
+
+// Chunk c of row `row` (v[u]: k 8u..8u+7 of the chunk) into the stage images: unit t holds the
+// chunk's 4-byte pairs t, t + 4, t + 8, t + 12.
+MT_DEVICE void store_k32_pairs(unsigned char* img, uint32_t row, uint32_t c, uint32_t steps, const uint4 (&v)[4]) {
+    const uint4 o[4] = {make_uint4(v[0].x, v[1].x, v[2].x, v[3].x), make_uint4(v[0].y, v[1].y, v[2].y, v[3].y),
+                        make_uint4(v[0].z, v[1].z, v[2].z, v[3].z), make_uint4(v[0].w, v[1].w, v[2].w, v[3].w)};
+#pragma unroll
+    for (uint32_t t = 0; t < 4; ++t) *reinterpret_cast<uint4*>(img + img_offset(row, c, t, steps)) = o[t];
+}
+
+// Natural unit q (k 8q..8q+7) of chunk c of row `row` into the stage images: its pairs are
+// position q of units 0..3.
+MT_DEVICE void store_k32_unit(unsigned char* img, uint32_t row, uint32_t c, uint32_t q, uint32_t steps, uint4 v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (uint32_t t = 0; t < 4; ++t) *reinterpret_cast<uint32_t*>(img + img_offset(row, c, t, steps) + q * 4) = w[t];
+}
+
 // 16-byte asynchronous copy global -> shared (cp.async.cg, L2 only); `src_bytes` < 16 zero-fills
 // the rest (0: nothing is read, `src` need only be a valid address).
 MT_DEVICE void cp_async16(void* dst, const void* src, uint32_t src_bytes) {

@@ -106,6 +106,18 @@ MT_DEVICE uint4 load8(const bf16* base, uint32_t rows, uint32_t k, uint32_t row,
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// `load8` of x from its stage images: k 8q..8q+7 of a chunk are pairs 4q..4q+3, pair 4q + i the
+// 4 bytes at position q of image unit i.
+MT_DEVICE uint4 load8_img(const bf16* xt, uint32_t m, uint32_t k, uint32_t row, uint32_t col) {
+    if (row >= m || col >= k) return make_uint4(0, 0, 0, 0);
+    const uint32_t steps = ((k + LIN_KC - 1) / LIN_KC + 1) / 2, c = col / LIN_KC, q = (col % LIN_KC) / 8;
+    const unsigned char* base = reinterpret_cast<const unsigned char*>(xt);
+    uint32_t v[4];
+#pragma unroll
+    for (uint32_t i = 0; i < 4; ++i) v[i] = *reinterpret_cast<const uint32_t*>(base + img_offset(row, c, i, steps) + q * 4);
+    return make_uint4(v[0], v[1], v[2], v[3]);
+}
+
 MT_DEVICE void store_out(bf16* out, size_t i, float v) { out[i] = f2bf(v); }
 MT_DEVICE void store_out(float* out, size_t i, float v) { out[i] = v; }
 
@@ -114,7 +126,7 @@ MT_DEVICE void store_out(float* out, size_t i, float v) { out[i] = v; }
 // 8q..8q+7 of its chunk, what lane (g, q) feeds its MMAs; a warp's 8 rows of one vector column
 // are 512 contiguous bytes, so its shared loads are conflict-free). Consecutive threads take
 // consecutive vectors of a row, so each row's 128 bytes per stage are one contiguous read.
-template <int BM, int BN, int SC, int THREADS, bool VEC>
+template <int BM, int BN, int SC, int THREADS, bool VEC, bool XIMG = false>
 MT_DEVICE void load_stage(uint4* stage, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
                           uint32_t k, uint32_t m0, uint32_t n0, uint32_t step) {
     constexpr uint32_t ROWS = BM + BN;
@@ -130,6 +142,8 @@ MT_DEVICE void load_stage(uint4* stage, const bf16* x, const bf16* w, uint32_t m
         if (VEC) {
             const bool in = grow < rows && col < k;
             cp_async16(dst, in ? base + (size_t)grow * k + col : base, in ? 16u : 0u);
+        } else if (XIMG && is_x) {
+            *dst = load8_img(x, m, k, grow, col);
         } else {
             *dst = load8(base, rows, k, grow, col, false);
         }
@@ -143,14 +157,16 @@ MT_DEVICE void load_stage(uint4* stage, const bf16* x, const bf16* w, uint32_t m
 // VEC: k % 8 == 0 and 16-byte aligned operands, so stages fill by cp.async; a compile-time
 // choice, since a run-time branch in the copy loop cost 13 % (lab, 2026-11-30: 177-185 against
 // 200-214 TFLOP/s at m = 2048).
-template <typename OutT, int BM, int BN, int WM, int WN, int SC, int ST, bool VEC>
+// XIMG: x is given as `permute_k32_tiles`'s stage images, and grid x runs over the row tiles
+// (the compute_90 body of `linear_tma`).
+template <typename OutT, int BM, int BN, int WM, int WN, int SC, int ST, bool VEC, bool XIMG = false>
 MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
                             uint32_t k, unsigned char* smem) {
     constexpr int MT = WM / 16, NT = WN / 8, THREADS = (BM / WM) * (BN / WN) * 32;
     constexpr uint32_t ROWS = BM + BN, STAGE_VECS = SC * ROWS * 4;
     uint4* stages = reinterpret_cast<uint4*>(smem);
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const uint32_t m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const uint32_t m0 = (XIMG ? blockIdx.x : blockIdx.y) * BM, n0 = (XIMG ? blockIdx.y : blockIdx.x) * BN;
     const uint32_t wm0 = (warp / (BN / WN)) * WM, wn0 = (warp % (BN / WN)) * WN;
     const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
     const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
@@ -167,7 +183,7 @@ MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m,
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
         if ((uint32_t)s < steps)
-            load_stage<BM, BN, SC, THREADS, VEC>(stages + s * STAGE_VECS, x, w, m, n, k, m0, n0, s);
+            load_stage<BM, BN, SC, THREADS, VEC, XIMG>(stages + s * STAGE_VECS, x, w, m, n, k, m0, n0, s);
         cp_async_commit();
     }
     uint32_t in_seg = 0;
@@ -176,7 +192,7 @@ MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m,
         __syncthreads();
         const uint32_t pre = j + ST - 1;
         if (pre < steps)
-            load_stage<BM, BN, SC, THREADS, VEC>(stages + (pre % ST) * STAGE_VECS, x, w, m, n, k, m0, n0, pre);
+            load_stage<BM, BN, SC, THREADS, VEC, XIMG>(stages + (pre % ST) * STAGE_VECS, x, w, m, n, k, m0, n0, pre);
         cp_async_commit();
 
         const uint4* st = stages + (j % ST) * STAGE_VECS;
@@ -600,4 +616,73 @@ extern "C" __global__ void __launch_bounds__(LIN_THREADS, 1)
     linear_f32out(float* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
                   uint32_t m, uint32_t n, uint32_t k) {
     linear_impl(out, x, w, m, n, k);
+}
+
+// ---- `linear_tma`: the prefill kernel of the sm_90a cubin where the shape allows ----
+
+// permute_k32_tiles(out: bf16 image, x: bf16 [m, k], m, k): x as the stage images `linear_tma`
+// copies whole. For row tile tt (128 rows) and stage j (chunks 2j, 2j + 1 of 32 k), 16 KiB of
+// 128 rows x 128 bytes; in a row, 16-byte unit t of chunk c sits at (4 (c % 2) + t) ^ (r % 8)
+// (the 128-byte swizzle) and holds, in `k32_pairs` order, the chunk's 4-byte pairs t, t + 4,
+// t + 8, t + 12 (k 2t, 2t + 1, 2t + 8, ...). Rows past m (to the tile) and k past the end (to the
+// stage) are zero. Needs k % 8 == 0 and a 16-byte aligned x; the image takes
+// ceil(m / 128) * ceil(k / 64) * 16 KiB. Grid-stride, one thread per (row, chunk), chunks
+// fastest. (Tried on the H200, 2026-12-01, at 2048 x 4096: this 18 us; a thread per (row,
+// stage) 28 us, rows fastest or stages fastest.)
+extern "C" __global__ void __launch_bounds__(256)
+    permute_k32_tiles(bf16* __restrict__ out, const bf16* __restrict__ x, uint32_t m, uint32_t k) {
+    pdl_wait();
+    pdl_trigger();
+    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC, steps = (chunks + 1) / 2, slots = 2 * steps;
+    const size_t total = (size_t)((m + 127) / 128 * 128) * slots;
+    unsigned char* img = reinterpret_cast<unsigned char*>(out);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        const uint32_t row = (uint32_t)(i / slots), c = (uint32_t)(i % slots);
+        uint4 v[4];
+#pragma unroll
+        for (uint32_t u = 0; u < 4; ++u) {
+            const uint32_t col = c * LIN_KC + u * 8;
+            v[u] = row < m && col < k ? load16(x + (size_t)row * k + col) : make_uint4(0, 0, 0, 0);
+        }
+        store_k32_pairs(img, row, c, steps, v);
+    }
+}
+
+template <typename OutT>
+MT_DEVICE void linear_tma_impl(OutT* out, const bf16* xt, const bf16* w, const void* wmap, uint32_t m, uint32_t n,
+                               uint32_t k) {
+    extern __shared__ __align__(16) unsigned char lin_tma_smem[];
+    if (m == 0 || n == 0 || blockDim.x != 384) return;
+    pdl_wait();  // launched as a programmatic dependent, like `linear`
+    pdl_trigger();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    (void)w;
+    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC, seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
+    if (seg_chunks % 2 == 0 && chunks % 2 == 0)  // segments end with stages (uniform over the grid)
+        linear_tma_body<OutT, LIN_TMA_STAGES, false>(out, xt, wmap, m, n, k, lin_tma_smem);
+    else
+        linear_tma_body<OutT, LIN_TMA_STAGES, true>(out, xt, wmap, m, n, k, lin_tma_smem);
+#else  // the compute_90 PTX: the mma.sync tiles reading x from the images (no tensor map)
+    (void)wmap;
+    // 8 warps of 64 x 32 per 128 x 128 tile; the other four leave (barriers count the rest).
+    if (threadIdx.x >= 256) return;
+    linear_tiled<OutT, LIN_TMA_TILE, LIN_TMA_TILE, 64, 32, 2, 3, false, true>(out, xt, w, m, n, k, lin_tma_smem);
+#endif
+}
+
+// linear_tma(out: bf16 [m, n], xt: `permute_k32_tiles` of x [m, k], w: bf16 [n, k], wmap: a 2-D
+// tensor map of w (bf16, dims (k, n), box 64 x 128, 128-byte swizzle) in device memory, m, n, k):
+// `linear`. Grid (ceil(m / 128), ceil(n / 128)), 384 threads, LIN_TMA_STAGES * 32 KiB + 2 KiB of
+// dynamic shared memory. Needs k % 8 == 0 and 16-byte aligned operands.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    linear_tma(bf16* __restrict__ out, const bf16* __restrict__ xt, const bf16* __restrict__ w,
+               const void* __restrict__ wmap, uint32_t m, uint32_t n, uint32_t k) {
+    linear_tma_impl(out, xt, w, wmap, m, n, k);
+}
+
+// linear_tma_f32out(out: f32 [m, n], xt, w, wmap, m, n, k): `linear_f32out`, likewise.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    linear_tma_f32out(float* __restrict__ out, const bf16* __restrict__ xt, const bf16* __restrict__ w,
+                      const void* __restrict__ wmap, uint32_t m, uint32_t n, uint32_t k) {
+    linear_tma_impl(out, xt, w, wmap, m, n, k);
 }

@@ -222,3 +222,202 @@ MT_DEVICE void linear_ws(OutT* out, const bf16* x, const bf16* w, uint32_t m, ui
         if (row < m && col < n) store_out(out, (size_t)row * n + col, total[e]);
     }
 }
+
+// ---- The prefill kernel with the weight as the register operand (`linear_tma`) ----
+// `linear_ws` stages both operands in 8-byte pieces, because a k16 step takes half of every 8-k
+// run (k 8q..8q+3 of lane q) while a shared-memory operand's core matrices hold 8 consecutive k;
+// its copies bound it. Here the weight is wgmma's A operand, in registers: lane (g, q) reads k
+// 8q..8q+7 of its rows with one 16-byte shared load, the decode kernels' fragment, so the weight
+// tile arrives whole by the tensor memory accelerator (a 2-D tensor map, 128-byte swizzle). x is
+// the B operand, read by descriptor in `k32_pairs` order, in which each 16-byte unit is one
+// core-matrix row of a step; `permute_k32_tiles` writes that order once per launch as the images
+// of the stages, so one bulk copy brings a stage's x. Same k sets per step, same chains and
+// segments: bitwise `linear_ws` (lab/prefill_lab.cu, H200, 2026-12-01: 0 of 55 runs differ;
+// 510-616 TFLOP/s at m = 2048 on the Qwen3-8B projections against 215-248).
+
+// d[64] (+)= A · B: A 64 x 16 from registers (per warp mma.sync's A fragment: a0 row g k 2q, a1
+// row g + 8, a2 row g k 2q + 8, a3 row g + 8 k 2q + 8) and B 128 x 16 (k-major) by descriptor.
+MT_DEVICE void wgmma_m64n128k16_rs(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                   uint64_t db, uint32_t scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(scale_d));
+}
+
+// Keeps `v` in its registers up to this point: a register operand of an asynchronous wgmma must
+// not be reused before the wgmma has completed, which the compiler cannot see.
+MT_DEVICE void keep_live(uint4& v) { asm volatile("" : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)::"memory"); }
+
+MT_DEVICE void keep_live4(uint4 (&v)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) keep_live(v[i]);
+}
+
+MT_DEVICE void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+// A bulk copy of `bytes` (a multiple of 16) global -> shared, completing on `bar`'s byte count.
+MT_DEVICE void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+// The box (cols, rows) of the 2-D tensor map `map` at column `c0`, row `r0` -> shared `dst`,
+// completing on `bar` (rows past the tensor's are zero).
+MT_DEVICE void tma_load_2d(uint32_t dst, const void* map, uint32_t c0, uint32_t r0, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(r0), "r"(bar)
+        : "memory");
+}
+
+#define LIN_TMA_TILE 128        // output tile: weight rows and x rows
+#define LIN_TMA_STAGES 6        // ring: 6 x 32 KiB
+#define LIN_TMA_IMG_BYTES 16384  // one stage of x: 128 rows x 2 chunks
+
+// `linear_tma`'s body: a 128 x 128 output tile (x rows of grid x by weight rows of grid y) per
+// block of 384 threads. Thread 0 of warpgroup 0 queues each stage of the ST-stage ring: the
+// weight tile's 128 rows x 64 k by tensor map (`wmap`, a 2-D bf16 map of w with a 64 x 128 box,
+// 128-byte swizzle) and the x tile's stage image (`xt`, `permute_k32_tiles`) by one bulk copy.
+// Warpgroup 1 + c computes weight rows 64 c .. 64 c + 63 with m64n128k16 wgmma from register A
+// fragments: lane (g, q) takes tile row ra = ... + g / 2 + 4 (g % 2), so the two rows a quarter
+// warp loads fall in different halves of the swizzle. Chunks past k and rows past m (zero in the
+// image) or n (zero by the map) add nothing; SPLIT: a segment may end inside a stage.
+// ncu (H200, 2026-12-01, gate_up at m = 2048): tensor pipe 69 %, L2 throughput 80 %. Pairs of
+// blocks sharing the x tile by multicast (half the x copies) were no faster (500-582 against
+// 487-595 TFLOP/s on the lab's shapes), and with release arrivals on the other block's
+// barriers (MEMBAR.ALL.GPU each) 2.4x slower.
+template <typename OutT, int ST, bool SPLIT>
+MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const void* wmap, uint32_t m, uint32_t n, uint32_t k,
+                               unsigned char* smem) {
+    constexpr uint32_t W_BYTES = LIN_TMA_TILE * 128, STAGE_BYTES = W_BYTES + LIN_TMA_IMG_BYTES;
+    smem += (1024 - ((uint32_t)__cvta_generic_to_shared(smem) & 1023)) & 1023;  // swizzle atoms
+    const uint32_t tid = threadIdx.x, wg = tid / 128, wt = tid % 128;
+    const uint32_t t0 = blockIdx.x * LIN_TMA_TILE, n0 = blockIdx.y * LIN_TMA_TILE;
+    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC, seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
+    const uint32_t steps = (chunks + 1) / 2;
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+    const uint32_t full = sbase + ST * STAGE_BYTES, empty = full + ST * 8;
+    if (tid < ST) {
+        mbar_init(full + tid * 8, 1);
+        mbar_init(empty + tid * 8, 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    __syncthreads();
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+        if (wt != 0) return;
+        // The map was written by a copy before the launch: order that before the tensor
+        // memory accelerator reads it.
+        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(wmap) : "memory");
+        const unsigned char* img = reinterpret_cast<const unsigned char*>(xt) + (size_t)blockIdx.x * steps * LIN_TMA_IMG_BYTES;
+        for (uint32_t j = 0; j < steps; ++j) {
+            const uint32_t slot = j % ST, bar = full + slot * 8, st = sbase + slot * STAGE_BYTES;
+            mbar_wait(empty + slot * 8, ((j / ST) & 1) ^ 1);
+            mbar_expect_tx(bar, STAGE_BYTES);
+            tma_load_2d(st, wmap, j * 64, n0, bar);
+            bulk_g2s(st + W_BYTES, img + (size_t)j * LIN_TMA_IMG_BYTES, LIN_TMA_IMG_BYTES, bar);
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+    const uint32_t cw = wg - 1, warp = wt / 32, lane = wt % 32, g = lane / 4, q = lane % 4;
+    const uint32_t sg = (g >> 1) | ((g & 1) << 2);
+    const uint32_t ra = cw * 64 + warp * 16 + sg;  // fragment row g; row g + 8 is ra + 8
+    const uint32_t a_off0 = ra * 128 + ((q ^ sg) << 4), a_off1 = ra * 128 + (((4 + q) ^ sg) << 4);
+    float acc[64], total[64];
+#pragma unroll
+    for (int e = 0; e < 64; ++e) acc[e] = total[e] = 0.0f;
+    uint4 A0[4], A1[4];  // a stage's fragments: chunk 0 rows g, g + 8, chunk 1 rows g, g + 8
+
+    // !SPLIT: segments end with stages (an even number of chunks each, and in all), so a
+    // segment's steps run, then its total is taken; SPLIT: every step checks its chunks.
+    const uint32_t seg_steps = SPLIT ? steps : seg_chunks / 2;
+    // Step j: wait for its stage, load its fragments into `cur`, issue its MMAs (the first of a
+    // segment with scale-d 0; where a segment ends inside the stage, or SPLIT, the chain is
+    // closed there: wait, add to the total), then wait for step j - 1's MMAs (whose fragments
+    // are `prev`) and release step j - 1's stage.
+    auto step = [&](uint32_t j, uint4 (&cur)[4], uint4 (&prev)[4], bool first) {
+        const uint32_t slot = j % ST;
+        mbar_wait(full + slot * 8, (j / ST) & 1);
+        const uint32_t st = sbase + slot * STAGE_BYTES;
+        const uint32_t offs[4] = {a_off0, a_off0 + 1024, a_off1, a_off1 + 1024};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(cur[i].x), "=r"(cur[i].y), "=r"(cur[i].z), "=r"(cur[i].w)
+                         : "r"(st + offs[i]));
+        wg_fence();
+        const uint32_t xb = st + W_BYTES;
+        if constexpr (SPLIT) {
+#pragma unroll
+            for (uint32_t cc = 0; cc < 2; ++cc) {
+                const uint32_t c = 2 * j + cc;
+                if (c >= chunks) break;
+                wgmma_m64n128k16_rs(acc, cur[2 * cc].x, cur[2 * cc + 1].x, cur[2 * cc].y, cur[2 * cc + 1].y,
+                                    wg_desc_sw(xb, 0, 2 * cc), c % seg_chunks == 0 ? 0u : 1u);
+                wgmma_m64n128k16_rs(acc, cur[2 * cc].z, cur[2 * cc + 1].z, cur[2 * cc].w, cur[2 * cc + 1].w,
+                                    wg_desc_sw(xb, 0, 2 * cc + 1), 1u);
+                if ((c + 1) % seg_chunks == 0 || c + 1 == chunks) {  // a segment ends
+                    wg_commit();
+                    wg_wait0();
+                    keep_live4(cur);
+                    keep_live4(prev);
+#pragma unroll
+                    for (int e = 0; e < 64; ++e) total[e] += acc[e];
+                    wg_fence();
+                }
+            }
+        } else {
+            wgmma_m64n128k16_rs(acc, cur[0].x, cur[1].x, cur[0].y, cur[1].y, wg_desc_sw(xb, 0, 0), first ? 0u : 1u);
+            wgmma_m64n128k16_rs(acc, cur[0].z, cur[1].z, cur[0].w, cur[1].w, wg_desc_sw(xb, 0, 1), 1u);
+            wgmma_m64n128k16_rs(acc, cur[2].x, cur[3].x, cur[2].y, cur[3].y, wg_desc_sw(xb, 0, 2), 1u);
+            wgmma_m64n128k16_rs(acc, cur[2].z, cur[3].z, cur[2].w, cur[3].w, wg_desc_sw(xb, 0, 3), 1u);
+        }
+        wg_commit();
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        keep_live4(prev);
+        if (j > 0) mbar_arrive(empty + ((j + ST - 1) % ST) * 8);
+    };
+    for (uint32_t j = 0; j < steps;) {
+        const uint32_t j_end = min(steps, j + seg_steps);
+        for (const uint32_t j0 = j; j < j_end; ++j) {
+            if (j & 1)
+                step(j, A1, A0, j == j0);
+            else
+                step(j, A0, A1, j == j0);
+        }
+        wg_wait0();
+        keep_live4(A0);
+        keep_live4(A1);
+        if constexpr (!SPLIT) {
+#pragma unroll
+            for (int e = 0; e < 64; ++e) total[e] += acc[e];
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 64; ++e) {
+        const uint32_t col = n0 + ra + ((e % 4) >= 2 ? 8 : 0);
+        const uint32_t row = t0 + (e / 4) * 8 + 2 * q + (e & 1);
+        if (row < m && col < n) store_out(out, (size_t)row * n + col, total[e]);
+    }
+}

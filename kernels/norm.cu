@@ -24,9 +24,11 @@ MT_DEVICE float row_sumsq(const float* x, uint32_t cols, bool vec, float* scratc
     return block_sum(ss, scratch);
 }
 
-// out = bf16(x * s * w'), 8 columns per thread step on the vector path.
+// out = bf16(x * s * w'), 8 columns per thread step on the vector path; with `img`, also (or,
+// with a null `out`, only) row `row` of `linear_tma`'s stage images (kernels/common.cuh;
+// vector path only).
 MT_DEVICE void normalize_row(bf16* out, const float* x, const bf16* w, uint32_t cols, float s,
-                             bool unit, bool vec) {
+                             bool unit, bool vec, unsigned char* img = nullptr, uint32_t row = 0) {
     if (vec) {
         for (uint32_t v = threadIdx.x; v < cols / 8; v += blockDim.x) {
             const float4 a = *reinterpret_cast<const float4*>(x + 8 * v);
@@ -37,7 +39,9 @@ MT_DEVICE void normalize_row(bf16* out, const float* x, const bf16* w, uint32_t 
             float o[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) o[j] = xv[j] * s * (unit ? 1.0f + wf[j] : wf[j]);
-            store16(out + 8 * v, pack8(o));
+            const uint4 p = pack8(o);
+            if (out != nullptr) store16(out + 8 * v, p);
+            if (img != nullptr) store_k32_unit(img, row, v / 4, v % 4, ((cols + 31) / 32 + 1) / 2, p);
         }
     } else {
         for (uint32_t i = threadIdx.x; i < cols; i += blockDim.x)
@@ -63,22 +67,17 @@ extern "C" __global__ void rms_norm(bf16* __restrict__ out, const float* __restr
     normalize_row(o, xr, w, cols, s, unit_offset != 0, vec);
 }
 
-// add_rms_norm(residual: f32 [rows, cols] (in/out), delta: bf16 [rows, cols], w: bf16 [cols],
-// out: bf16 [rows, cols], rows, cols, eps, unit_offset): residual += delta, then
-// out = rms_norm(residual). Each thread rereads only the residual elements it wrote itself.
-extern "C" __global__ void add_rms_norm(float* __restrict__ residual, const bf16* __restrict__ delta,
-                                        const bf16* __restrict__ w, bf16* __restrict__ out,
-                                        uint32_t rows, uint32_t cols, float eps,
-                                        uint32_t unit_offset) {
+// add_rms_norm's body; with `img`, the normalized row also goes to the stage images.
+MT_DEVICE void add_rms_norm_row(float* residual, const bf16* delta, const bf16* w, bf16* out, unsigned char* img,
+                                uint32_t rows, uint32_t cols, float eps, uint32_t unit_offset) {
     __shared__ float scratch[32];
-    pdl_wait();  // launched as a programmatic dependent (ops::add_rms_norm)
-    pdl_trigger();
     const uint32_t r = blockIdx.x;
     if (r >= rows) return;
     float* xr = residual + (size_t)r * cols;
     const bf16* d = delta + (size_t)r * cols;
     bf16* o = out + (size_t)r * cols;
     const bool vec = cols % 8 == 0 && aligned16(xr) && aligned16(d) && aligned16(o) && aligned16(w);
+    if (img != nullptr && !vec) return;  // the launcher stages only aligned rows of 8k columns
     float ss = 0.0f;
     if (vec) {
         for (uint32_t v = threadIdx.x; v < cols / 8; v += blockDim.x) {
@@ -103,5 +102,32 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ residual, const bf16
     }
     ss = block_sum(ss, scratch);
     const float s = 1.0f / sqrtf(ss / (float)cols + eps);
-    normalize_row(o, xr, w, cols, s, unit_offset != 0, vec);
+    normalize_row(o, xr, w, cols, s, unit_offset != 0, vec, img, r);
+}
+
+// add_rms_norm(residual: f32 [rows, cols] (in/out), delta: bf16 [rows, cols], w: bf16 [cols],
+// out: bf16 [rows, cols], rows, cols, eps, unit_offset): residual += delta, then
+// out = rms_norm(residual). Each thread rereads only the residual elements it wrote itself.
+extern "C" __global__ void add_rms_norm(float* __restrict__ residual, const bf16* __restrict__ delta,
+                                        const bf16* __restrict__ w, bf16* __restrict__ out,
+                                        uint32_t rows, uint32_t cols, float eps,
+                                        uint32_t unit_offset) {
+    pdl_wait();  // launched as a programmatic dependent (ops::add_rms_norm)
+    pdl_trigger();
+    add_rms_norm_row(residual, delta, w, out, nullptr, rows, cols, eps, unit_offset);
+}
+
+// add_rms_norm_staged(residual, delta, w, out, img: stage images of [rows, cols], rows, cols,
+// eps, unit_offset): `add_rms_norm`, the normalized rows written to `out` and also as
+// `linear_tma`'s stage images (kernels/common.cuh), so the projection after it reads them
+// without `permute_k32_tiles`. Image rows past `rows` (and k past cols, when cols % 64 != 0)
+// are not written: the launcher stages only cols % 64 == 0 with 16-byte aligned operands.
+extern "C" __global__ void add_rms_norm_staged(float* __restrict__ residual, const bf16* __restrict__ delta,
+                                               const bf16* __restrict__ w, bf16* __restrict__ out,
+                                               bf16* __restrict__ img, uint32_t rows, uint32_t cols, float eps,
+                                               uint32_t unit_offset) {
+    pdl_wait();  // launched as a programmatic dependent (ops::add_rms_norm_staged)
+    pdl_trigger();
+    add_rms_norm_row(residual, delta, w, out, reinterpret_cast<unsigned char*>(img), rows, cols, eps,
+                     unit_offset);
 }

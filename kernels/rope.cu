@@ -2,8 +2,10 @@
 // the first rotary_dim dims), in place on the projection output row. CPU twin:
 // metrale-gpu-runtime/src/cpu/kernels/rope.rs.
 //
-// Launch: grid (rows, num_q_heads + num_kv_heads), one warp (32 threads) per head, and
-// head_dim * 4 bytes of dynamic shared memory (the head in f32). `qk_norm_rope_kv_store` fuses
+// Launch: one warp per head: grid (rows, ceil((num_q_heads + num_kv_heads) / W)), W warps
+// (32 W threads) per block, W * head_dim * 4 bytes of dynamic shared memory (each warp's head
+// in f32); the launcher takes W = 1 at decode sizes and 8 for prefill, where one-warp blocks
+// left the 2048-row Qwen3-8B launch at 103 us, block scheduling bound (H200, 2026-12-01). `qk_norm_rope_kv_store` fuses
 // the cache store (kernels/cache.cu) into the same launch; see it below.
 // Row layout: query head h starts at h * q_head_stride; key head h at k_offset + h * head_dim.
 // Values are left alone. Shapes the CPU twin rejects (odd or too large rotary_dim, heads that
@@ -78,9 +80,11 @@ extern "C" __global__ void qk_norm_rope(bf16* __restrict__ qkv, const bf16* __re
                                         uint32_t rotary_dim, float eps, uint32_t unit_offset) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
-    extern __shared__ float buf[];
-    const uint32_t r = blockIdx.x, hh = blockIdx.y, lane = threadIdx.x;
-    if (r >= rows || hh >= num_q_heads + num_kv_heads || blockDim.x != 32) return;
+    extern __shared__ float bufs[];
+    const uint32_t warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t r = blockIdx.x, hh = blockIdx.y * warps + warp;
+    if (r >= rows || hh >= num_q_heads + num_kv_heads || blockDim.x % 32 != 0) return;
+    float* buf = bufs + warp * head_dim;
     if (!heads_fit(row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, head_dim,
                    rotary_dim))
         return;

@@ -1,6 +1,7 @@
 // Prefill GEMM lab: the engine's `linear` (the warp-specialized wgmma kernel), the mma.sync tiled
-// body (`linear_tiled`, the kernel before it: 128 x 128 tiles, 4-chunk stages) and `linear_ws` at
-// other row tiles, all with the engine's numerics (chunks of 32 k, LIN_SEGS segments, a chain of
+// body (`linear_tiled`, the kernel before it: 128 x 128 tiles, 4-chunk stages), `linear_ws` at
+// other row tiles and `linear_tma` (after `permute_k32_tiles`, timed together; `prefill_lab prof`
+// launches each variant once for ncu), all with the engine's numerics (chunks of 32 k, LIN_SEGS segments, a chain of
 // tensor-core MMAs per segment, summed in segment order), each checked bitwise against
 // `linear_f32out` (poisoned outputs) and timed at prefill row counts on the four Qwen3-8B
 // projections. Build: lab/build.sh (target/gemm-lab/prefill_lab).
@@ -35,21 +36,65 @@ __global__ void __launch_bounds__(128 + 2 * BM, 1)
     linear_ws<float, ST, BM, true>(out, x, w, m, n, k, smem);
 }
 
+#include <cuda.h>
+
+// The tensor map `linear_tma` reads the weight through (as the engine's CUDA backend encodes it),
+// copied to device memory.
+typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+static void* weight_map(const bf16* w, uint32_t n, uint32_t k) {
+    static EncodeTiled enc = nullptr;
+    static void* dev = nullptr;
+    static const bf16* last_w = nullptr;
+    static uint32_t last_n = 0, last_k = 0;
+    if (enc && w == last_w && n == last_n && k == last_k) return dev;  // uploaded already (untimed)
+    last_w = w, last_n = n, last_k = k;
+    if (!enc) {
+        cudaDriverEntryPointQueryResult q;
+        CK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", (void**)&enc, cudaEnableDefault, &q));
+        CK(cudaMalloc(&dev, 128));
+    }
+    CUtensorMap map;
+    cuuint64_t dims[2] = {k, n}, strides[1] = {(cuuint64_t)k * 2};
+    cuuint32_t box[2] = {64, 128}, es[2] = {1, 1};
+    CUresult r = enc(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)w, dims, strides, box, es,
+                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        printf("cuTensorMapEncodeTiled failed: %d\n", (int)r);
+        exit(1);
+    }
+    CK(cudaMemcpy(dev, &map, 128, cudaMemcpyHostToDevice));
+    return dev;
+}
+
+static bf16* g_xp = nullptr;  // the stage images of `linear_tma`
+
 struct Var {
     const char* name;
     const void* fn;
     int bm, bn, threads, smem;
+    bool tma = false;  // `linear_tma`: x to stage images first, the weight's map as an argument
 };
 
 static void launch(const Var& v, cudaStream_t s, float* out, const bf16* x, const bf16* w, uint32_t m,
                    uint32_t n, uint32_t k) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((n + v.bn - 1) / v.bn, (m + v.bm - 1) / v.bm, 1);
+    void* map = nullptr;
+    if (v.tma) {
+        permute_k32_tiles<<<(unsigned)std::min<size_t>(4096, ((m + 127) / 128 * 128 * ((k + 63) / 64) + 255) / 256), 256, 0, s>>>(g_xp, x, m, k);
+        cfg.gridDim = dim3((m + v.bm - 1) / v.bm, (n + v.bn - 1) / v.bn, 1);
+        x = g_xp;
+        map = weight_map(w, n, k);
+    }
     cfg.blockDim = dim3(v.threads, 1, 1);
     cfg.dynamicSmemBytes = v.smem;
     cfg.stream = s;
+    void* args_tma[] = {&out, &x, &w, &map, &m, &n, &k};
     void* args[] = {&out, &x, &w, &m, &n, &k};
-    CK(cudaLaunchKernelExC(&cfg, v.fn, args));
+    CK(cudaLaunchKernelExC(&cfg, v.fn, v.tma ? args_tma : args));
 }
 
 #define VAR(BM, BN, WM, WN, SC, ST)                                                              \
@@ -58,7 +103,8 @@ static void launch(const Var& v, cudaStream_t s, float* out, const bf16* x, cons
             (BM / WM) * (BN / WN) * 32, ST * SC * (BM + BN) * 64                               \
     }
 
-int main() {
+int main(int argc, char** argv) {
+    const bool prof = argc > 1 && strcmp(argv[1], "prof") == 0;  // one launch per variant (for ncu)
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     std::vector<Var> vars = {
@@ -66,7 +112,9 @@ int main() {
         VAR(128, 128, 64, 32, 4, 3),
         {"ws128x4", (const void*)ws<4, 128>, 128, 128, 384, 4 * 32768 + 2048},
         {"ws192x4", (const void*)ws<4, 192>, 192, 128, 512, 4 * 40960 + 2048},
+        {"tma", (const void*)linear_tma_f32out, LIN_TMA_TILE, LIN_TMA_TILE, 384, LIN_TMA_STAGES * 32768 + 2048, true},
     };
+    CK(cudaMalloc(&g_xp, (size_t)8192 * 12288 * 2));
     for (auto& v : vars) {
         CK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem));
         cudaFuncAttributes fa;
@@ -75,10 +123,24 @@ int main() {
                fa.localSizeBytes);
     }
     struct Shape { uint32_t m, n, k; };
+    if (prof) {
+        const uint32_t m = 2048, n = 24576, k = 4096;
+        bf16 *x, *w;
+        float* out;
+        CK(cudaMalloc(&x, (size_t)m * k * 2));
+        CK(cudaMalloc(&w, (size_t)n * k * 2));
+        CK(cudaMalloc(&out, (size_t)m * n * 4));
+        fill_bf16<<<1024, 256>>>(x, (size_t)m * k, 3, 1.0f);
+        fill_bf16<<<1024, 256>>>(w, (size_t)n * k, 4, 0.03f);
+        for (auto& v : vars) launch(v, s, out, x, w, m, n, k);
+        CK(cudaStreamSynchronize(s));
+        return 0;
+    }
     // Bitwise against the tiled kernel.
     {
         std::vector<Shape> shapes = {{2048, 6144, 4096}, {300, 4096, 12288}, {129, 1000, 4096}, {17, 136, 96},
-                                     {1000, 520, 1000}, {2048, 4096, 4096}};
+                                     {1000, 520, 1000}, {2048, 4096, 4096},
+                                     {130, 136, 512}, {2048, 24576, 4096}, {777, 300, 2048}};
         int bad = 0, checked = 0;
         for (auto sh : shapes) {
             bf16 *x, *w;
@@ -97,6 +159,7 @@ int main() {
             CK(cudaMemcpyAsync(hr.data(), ref, bytes, cudaMemcpyDeviceToHost, s));
             CK(cudaStreamSynchronize(s));
             for (size_t vi = 1; vi < vars.size(); ++vi) {
+                if (vars[vi].tma && sh.k % 8 != 0) continue;
                 CK(cudaMemsetAsync(out, 0xFF, bytes, s));
                 launch(vars[vi], s, out, x, w, sh.m, sh.n, sh.k);
                 CK(cudaMemcpyAsync(ho.data(), out, bytes, cudaMemcpyDeviceToHost, s));
@@ -143,6 +206,20 @@ int main() {
             }
             std::sort(t.begin(), t.end());
             printf("  %s %.3f ms (%.0f TF)", v.name, t[2], flop / (t[2] * 1e9));
+        }
+        {
+            std::vector<float> t;
+            for (int i = 0; i < 7; ++i) {
+                CK(cudaEventRecord(a, s));
+                permute_k32_tiles<<<(unsigned)std::min<size_t>(4096, ((sh.m + 127) / 128 * 128 * ((sh.k + 63) / 64) + 255) / 256), 256, 0, s>>>(g_xp, x, sh.m, sh.k);
+                CK(cudaEventRecord(b, s));
+                CK(cudaEventSynchronize(b));
+                float ms;
+                CK(cudaEventElapsedTime(&ms, a, b));
+                if (i >= 2) t.push_back(ms);
+            }
+            std::sort(t.begin(), t.end());
+            printf("  (permute alone %.3f ms)", t[2]);
         }
         printf("\n");
         CK(cudaFree(x)); CK(cudaFree(w)); CK(cudaFree(out));

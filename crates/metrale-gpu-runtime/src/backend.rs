@@ -128,6 +128,23 @@ pub trait GpuBackend: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// The 128-byte tensor map through which a kernel's tensor memory accelerator copies boxes of
+    /// `box_rows` x `box_cols` (with the 128-byte swizzle; rows past the end read as zero) from
+    /// the row-major bf16 matrix `[rows, cols]` at `base` (16-byte aligned, `cols` a multiple of
+    /// 8): `linear_tma`'s weight. `None` where the backend has no such unit (the CPU twins do
+    /// not read the map).
+    fn tensor_map_bf16(
+        &self,
+        base: DevicePtr,
+        rows: u32,
+        cols: u32,
+        box_rows: u32,
+        box_cols: u32,
+    ) -> Option<GpuResult<[u8; 128]>> {
+        let _ = (base, rows, cols, box_rows, box_cols);
+        None
+    }
+
     /// Queue the vendor library's bf16 GEMM (cuBLASLt on CUDA) on `stream`: the device's GEMM
     /// ceiling for the benchmark, never a path of the engine (its rounding changes with the
     /// shape). `None` where the backend has no such library.

@@ -207,9 +207,15 @@ pub fn ceilings(gpu: &Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<Ceilin
     ops.fill_uniform_bf16(s, bufs[1], (d * d) as u64, 1, 0.0, 0.5)?;
     ops.fill_uniform_bf16(s, bufs[2], (d * d) as u64, 2, 0.0, 0.5)?;
     let dd = d as u32;
+    // The engine's prefill path: x staged for `linear_tma` as a model's step buffers do.
+    let staging_bytes = metrale_model_layers::ops_gemm::linear_staging_bytes(dd, dd);
+    let staging = gpu.alloc(staging_bytes)?;
+    ops.set_linear_staging(Some((staging, staging_bytes)));
     let gemm_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
         Ok(ops.linear(s, bufs[0], bufs[1], bufs[2], dd, dd, dd)?)
-    })?;
+    });
+    gpu.free(staging)?;
+    let gemm_ms = gemm_ms?;
     let vendor = VendorGemm {
         out: bufs[0],
         x: bufs[1],

@@ -53,7 +53,7 @@ const ROW_THREADS: u32 = 256;
 /// Threads per block of the RMSNorm kernels: one 8-wide vector per thread for a 4096-wide row,
 /// so a decode row is one round of loads. (The reduction order follows the block size, the same
 /// for every row whatever the batch.)
-const NORM_THREADS: u32 = 512;
+pub(crate) const NORM_THREADS: u32 = 512;
 
 /// Threads per block of `silu_mul`; a row is cut over `ceil(ffn / (8 * SILU_THREADS))` blocks.
 const SILU_THREADS: u32 = 128;
@@ -88,6 +88,7 @@ kernel_table! {
     gather_rows => ("embed", "gather_rows"),
     rms_norm => ("norm", "rms_norm"),
     add_rms_norm => ("norm", "add_rms_norm"),
+    add_rms_norm_staged => ("norm", "add_rms_norm_staged"),
     qk_norm_rope => ("rope", "qk_norm_rope"),
     qk_norm_rope_kv_store => ("rope", "qk_norm_rope_kv_store"),
     kv_store => ("cache", "kv_store"),
@@ -101,7 +102,11 @@ kernel_table! {
     linear_stream_b4_f32out => ("gemm", "linear_stream_b4_f32out"),
     linear_stream_wide => ("gemm", "linear_stream_wide"),
     linear_stream_wide_f32out => ("gemm", "linear_stream_wide_f32out"),
+    permute_k32_tiles => ("gemm", "permute_k32_tiles"),
+    linear_tma => ("gemm", "linear_tma"),
+    linear_tma_f32out => ("gemm", "linear_tma_f32out"),
     silu_mul => ("activation", "silu_mul"),
+    silu_mul_staged => ("activation", "silu_mul_staged"),
     argmax => ("sampling", "argmax"),
     causal_conv1d => ("gdn", "causal_conv1d"),
     conv_state_update => ("gdn", "conv_state_update"),
@@ -191,6 +196,9 @@ pub struct Ops {
     pub(crate) k: Kernels,
     /// Asked of the backend once per key (`ops_attention`'s persistent launches).
     pub(crate) resident: ResidentClusters,
+    /// `linear`'s prefill kernel: x's staging buffer and the weights' tensor maps
+    /// (`ops_gemm`).
+    pub(crate) tma: Arc<crate::ops_gemm::LinearTma>,
 }
 
 impl Ops {
@@ -198,6 +206,7 @@ impl Ops {
     pub fn new(gpu: Arc<dyn GpuBackend>) -> GpuResult<Ops> {
         let k = Kernels::resolve(gpu.as_ref())?;
         Ok(Ops {
+            tma: Arc::new(crate::ops_gemm::LinearTma::new(gpu.clone())),
             gpu,
             k,
             resident: Arc::default(),
@@ -335,11 +344,18 @@ impl Ops {
 
     /// Per-head q/k RMSNorm and rotary embedding, in place. One block per row, one warp per head.
     pub fn qk_norm_rope(&self, s: StreamHandle, p: &QkNormRope) -> GpuResult<()> {
+        // One warp per head; prefill-sized launches put 8 in a block (fewer, larger blocks).
+        let warps = if p.rows > STEP_PROGRAMMATIC_ROWS {
+            8
+        } else {
+            1
+        };
+        let heads = p.num_q_heads + p.num_kv_heads;
         self.go(
             self.k.qk_norm_rope,
             step_launch(
-                LaunchConfig::grid2(p.rows, p.num_q_heads + p.num_kv_heads, 32)
-                    .with_shared(p.head_dim * 4),
+                LaunchConfig::grid2(p.rows, heads.div_ceil(warps), 32 * warps)
+                    .with_shared(warps * p.head_dim * 4),
                 p.rows,
             ),
             &[
@@ -396,8 +412,7 @@ impl Ops {
     ) -> GpuResult<()> {
         self.go(
             self.k.silu_mul,
-            LaunchConfig::grid2(rows, ffn.div_ceil(8 * SILU_THREADS), SILU_THREADS)
-                .with_programmatic(),
+            silu_geometry(rows, ffn),
             &[out.into(), gate_up.into(), rows.into(), ffn.into()],
             s,
         )
@@ -444,4 +459,10 @@ impl Ops {
             s,
         )
     }
+}
+
+/// `silu_mul`'s (and `silu_mul_staged`'s) geometry: a row per grid row, 8-column vectors split
+/// over blocks of `SILU_THREADS`; a programmatic dependent.
+pub(crate) fn silu_geometry(rows: u32, ffn: u32) -> LaunchConfig {
+    LaunchConfig::grid2(rows, ffn.div_ceil(8 * SILU_THREADS), SILU_THREADS).with_programmatic()
 }

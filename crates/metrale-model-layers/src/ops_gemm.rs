@@ -1,10 +1,74 @@
 //! The `linear` launchers (bf16 and f32 out): one entry per output type, picking among the
 //! narrow, wide and tiled kernels of `kernels/gemm.cu` by `m` (all give bitwise the same rows);
 //! a fourth `impl Ops` block beside `ops`, `ops_hybrid` and `ops_fused`, under `ops`'s rules.
+//!
+//! Prefill-sized calls run `linear_tma` where they can: x is first written as the stage images
+//! the kernel copies whole (`permute_k32_tiles`, into the staging buffer the model gives with
+//! [`Ops::set_linear_staging`]), and the weight is read through a tensor map, encoded by the
+//! backend and uploaded once per (weight, shape), then kept until the `Ops` (and its clones)
+//! are dropped. Without a staging buffer large enough, an unaligned operand or `k % 8 != 0`, the
+//! tiled kernel `linear` runs instead (bitwise the same rows).
+//!
+//! A layer may skip the permute: where [`Ops::linear_staging`] offers the buffer, the producer
+//! of a projection's input writes the images itself (`add_rms_norm_staged`,
+//! `silu_mul_staged`) and [`Ops::linear_staged`] runs the projection from them.
 
-use metrale_gpu_runtime::{DevicePtr, GpuResult, KernelHandle, LaunchConfig, StreamHandle};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use metrale_gpu_runtime::{
+    DevicePtr, GpuBackend, GpuResult, KernelHandle, LaunchConfig, StreamHandle,
+};
+use parking_lot::Mutex;
 
 use crate::ops::Ops;
+
+/// `linear_tma`'s state, shared by an `Ops` and its clones: where x's stage images go, and the
+/// tensor map of every weight it has read (device buffers of 128 bytes, freed on drop).
+#[derive(Debug)]
+pub(crate) struct LinearTma {
+    gpu: Arc<dyn GpuBackend>,
+    state: Mutex<TmaState>,
+}
+
+#[derive(Debug, Default)]
+struct TmaState {
+    /// The staging buffer and its bytes.
+    images: Option<(DevicePtr, usize)>,
+    /// By (weight address, rows, columns).
+    maps: HashMap<(u64, u32, u32), DevicePtr>,
+}
+
+impl LinearTma {
+    pub(crate) fn new(gpu: Arc<dyn GpuBackend>) -> LinearTma {
+        LinearTma {
+            gpu,
+            state: Mutex::default(),
+        }
+    }
+}
+
+impl Drop for LinearTma {
+    fn drop(&mut self) {
+        for (_, map) in self.state.get_mut().maps.drain() {
+            // Nothing to report to: a failed free leaks 128 bytes.
+            let _ = self.gpu.free(map);
+        }
+    }
+}
+
+/// Rows of `linear_tma`'s output tile (x rows and weight rows; `LIN_TMA_TILE`).
+const LINEAR_TMA_TILE: u32 = 128;
+
+/// Dynamic shared memory of `linear_tma`: 6 stages of 32 KiB (128 weight rows and 128 x rows of
+/// 128 bytes), 1 KiB to align them to the swizzle atoms and 1 KiB for the mbarriers.
+const LINEAR_TMA_SMEM: u32 = 6 * 32768 + 2048;
+
+/// Bytes of the stage images of an `[m, k]` x (`permute_k32_tiles`): 16 KiB per 128-row tile
+/// and stage of 64 k.
+pub fn linear_staging_bytes(m: u32, k: u32) -> usize {
+    m.div_ceil(LINEAR_TMA_TILE) as usize * k.div_ceil(64) as usize * 16384
+}
 
 impl Ops {
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ`, bf16 out.
@@ -24,6 +88,7 @@ impl Ops {
             self.k.linear_stream_b4,
             self.k.linear_stream_wide,
             self.k.linear,
+            self.k.linear_tma,
         ];
         self.gemm(s, kernels, out, x, w, m, n, k)
     }
@@ -45,17 +110,179 @@ impl Ops {
             self.k.linear_stream_b4_f32out,
             self.k.linear_stream_wide_f32out,
             self.k.linear_f32out,
+            self.k.linear_tma_f32out,
         ];
         self.gemm(s, kernels, out, x, w, m, n, k)
     }
 
-    /// One `linear` launch: `kernels` are the narrow, narrow-b4, wide and tiled variants of one
-    /// output type (same arguments, bitwise the same rows); the shape picks which serves.
+    /// Gives `linear` a staging buffer (address, bytes) for x's stage images, so calls of more
+    /// than [`LINEAR_SMALL_M_MAX`] rows whose images fit ([`linear_staging_bytes`]) run
+    /// `linear_tma`; `None` takes it back. The buffer must stay allocated, and be used by
+    /// nothing else, while this `Ops` (or a clone) launches `linear` with it; one stream at a
+    /// time may use it.
+    pub fn set_linear_staging(&self, staging: Option<(DevicePtr, usize)>) {
+        self.tma.state.lock().images = staging;
+    }
+
+    /// Where x's stage images go for a prefill-sized call that `linear_tma` can run: a staging
+    /// buffer large enough, 16-byte aligned operands, `k` a positive multiple of 8.
+    fn linear_tma_images(&self, x: DevicePtr, w: DevicePtr, m: u32, k: u32) -> Option<DevicePtr> {
+        let (images, bytes) = self.tma.state.lock().images?;
+        let fits = k > 0
+            && k.is_multiple_of(8)
+            && x.0.is_multiple_of(16)
+            && w.0.is_multiple_of(16)
+            && bytes >= linear_staging_bytes(m, k);
+        fits.then_some(images)
+    }
+
+    /// The device copy of `w`'s tensor map (`[n, k]`, boxes of 64 k by 128 rows), encoded and
+    /// uploaded on first use through the backend the state was made with (a circuit recorder's
+    /// launchers share it, so the map is never recorded). A backend without tensor maps (the
+    /// CPU) gets zeros, which its twins do not read.
+    fn linear_tma_map(
+        &self,
+        s: StreamHandle,
+        w: DevicePtr,
+        n: u32,
+        k: u32,
+    ) -> GpuResult<DevicePtr> {
+        let gpu = &self.tma.gpu;
+        let mut state = self.tma.state.lock();
+        if let Some(&map) = state.maps.get(&(w.0, n, k)) {
+            return Ok(map);
+        }
+        let bytes = match gpu.tensor_map_bf16(w, n, k, LINEAR_TMA_TILE, 64) {
+            Some(encoded) => encoded?,
+            None => [0u8; 128],
+        };
+        let map = gpu.alloc(bytes.len())?;
+        if let Err(e) = gpu.copy_h2d(map, &bytes, s) {
+            let _ = gpu.free(map);
+            return Err(e);
+        }
+        state.maps.insert((w.0, n, k), map);
+        Ok(map)
+    }
+
+    /// The staging buffer, where a projection of `m` rows by `k` inputs on weight `w` runs
+    /// `linear_tma` from x written as stage images by its producer (`_staged` launchers, then
+    /// [`Ops::linear_staged`]): prefill-sized `m`, `k` a multiple of 64 (the producers write
+    /// every k of every stage, no padding), a 16-byte aligned weight, images that fit.
+    pub fn linear_staging(&self, w: DevicePtr, m: u32, k: u32) -> Option<DevicePtr> {
+        let (images, bytes) = self.tma.state.lock().images?;
+        let fits = m > LINEAR_SMALL_M_MAX
+            && k > 0
+            && k.is_multiple_of(64)
+            && w.0.is_multiple_of(16)
+            && bytes >= linear_staging_bytes(m, k);
+        fits.then_some(images)
+    }
+
+    /// `linear` (bf16 out) of an x that its producer wrote as stage images at `images` (see
+    /// [`Ops::linear_staging`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_staged(
+        &self,
+        s: StreamHandle,
+        out: DevicePtr,
+        images: DevicePtr,
+        w: DevicePtr,
+        m: u32,
+        n: u32,
+        k: u32,
+    ) -> GpuResult<()> {
+        self.linear_tma_launch(s, self.k.linear_tma, out, images, w, (m, n, k))
+    }
+
+    /// `add_rms_norm` that also writes `out`'s rows as stage images at `images` (see
+    /// [`Ops::linear_staging`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm_staged(
+        &self,
+        s: StreamHandle,
+        residual: DevicePtr,
+        delta: DevicePtr,
+        w: DevicePtr,
+        out: DevicePtr,
+        images: DevicePtr,
+        rows: u32,
+        cols: u32,
+        eps: f32,
+        unit_offset: bool,
+    ) -> GpuResult<()> {
+        self.go(
+            self.k.add_rms_norm_staged,
+            LaunchConfig::linear(rows, crate::ops::NORM_THREADS).with_programmatic(),
+            &[
+                residual.into(),
+                delta.into(),
+                w.into(),
+                out.into(),
+                images.into(),
+                rows.into(),
+                cols.into(),
+                eps.into(),
+                (unit_offset as u32).into(),
+            ],
+            s,
+        )
+    }
+
+    /// `silu_mul` written as stage images at `images` instead of rows (see
+    /// [`Ops::linear_staging`]).
+    pub fn silu_mul_staged(
+        &self,
+        s: StreamHandle,
+        images: DevicePtr,
+        gate_up: DevicePtr,
+        rows: u32,
+        ffn: u32,
+    ) -> GpuResult<()> {
+        self.go(
+            self.k.silu_mul_staged,
+            crate::ops::silu_geometry(rows, ffn),
+            &[images.into(), gate_up.into(), rows.into(), ffn.into()],
+            s,
+        )
+    }
+
+    /// `linear_tma` (`kernel`: bf16 or f32 out) of x's stage images, the weight read through its
+    /// tensor map.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_tma_launch(
+        &self,
+        s: StreamHandle,
+        kernel: KernelHandle,
+        out: DevicePtr,
+        images: DevicePtr,
+        w: DevicePtr,
+        (m, n, k): (u32, u32, u32),
+    ) -> GpuResult<()> {
+        let map = self.linear_tma_map(s, w, n, k)?;
+        self.go(
+            kernel,
+            linear_tma_geometry(m, n),
+            &[
+                out.into(),
+                images.into(),
+                w.into(),
+                map.into(),
+                m.into(),
+                n.into(),
+                k.into(),
+            ],
+            s,
+        )
+    }
+
+    /// One `linear` launch: `kernels` are the narrow, narrow-b4, wide, tiled and tensor-map
+    /// variants of one output type (bitwise the same rows); the shape picks which serves.
     #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
         s: StreamHandle,
-        kernels: [KernelHandle; 4],
+        kernels: [KernelHandle; 5],
         out: DevicePtr,
         x: DevicePtr,
         w: DevicePtr,
@@ -64,6 +291,17 @@ impl Ops {
         k: u32,
     ) -> GpuResult<()> {
         let path = linear_path(m, n);
+        if path == LinearPath::Tiled
+            && let Some(images) = self.linear_tma_images(x, w, m, k)
+        {
+            self.go(
+                self.k.permute_k32_tiles,
+                permute_geometry(m, k),
+                &[images.into(), x.into(), m.into(), k.into()],
+                s,
+            )?;
+            return self.linear_tma_launch(s, kernels[4], out, images, w, (m, n, k));
+        }
         let kernel = match path {
             LinearPath::Narrow => kernels[0],
             LinearPath::NarrowB4 => kernels[1],
@@ -150,7 +388,7 @@ const LINEAR_TILED_SMEM: u32 = 5 * (192 + 128) * 128 + 2048;
 ///   block per multiprocessor.
 ///
 /// Every kernel computes the whole function at any `m` with its own geometry (the tests run
-/// each of them at every m).
+/// each of them at every m). `linear_tma`'s geometry is [`linear_tma_geometry`].
 pub fn linear_geometry(path: LinearPath, m: u32, n: u32) -> LaunchConfig {
     let config = match path {
         LinearPath::Narrow | LinearPath::NarrowB4 => {
@@ -168,4 +406,25 @@ pub fn linear_geometry(path: LinearPath, m: u32, n: u32) -> LaunchConfig {
         .with_shared(LINEAR_TILED_SMEM),
     };
     config.with_programmatic()
+}
+
+/// `linear_tma`'s geometry (after `permute_k32_tiles`): grid (ceil(m / 128), ceil(n / 128)), so
+/// the blocks running together share a weight tile; 384 threads (a warpgroup whose first thread
+/// queues the copies, two of wgmma); 194 KiB of dynamic shared memory; a programmatic
+/// dependent like `linear`.
+pub fn linear_tma_geometry(m: u32, n: u32) -> LaunchConfig {
+    LaunchConfig::grid2(
+        m.div_ceil(LINEAR_TMA_TILE),
+        n.div_ceil(LINEAR_TMA_TILE),
+        384,
+    )
+    .with_shared(LINEAR_TMA_SMEM)
+    .with_programmatic()
+}
+
+/// `permute_k32_tiles`'s geometry: a thread per (row of the padded tiles, chunk of 32 k, two a
+/// stage), 256 a block, grid-stride past 4096 blocks; a programmatic dependent.
+pub fn permute_geometry(m: u32, k: u32) -> LaunchConfig {
+    let threads = m.div_ceil(LINEAR_TMA_TILE) * LINEAR_TMA_TILE * 2 * k.div_ceil(64);
+    LaunchConfig::linear(threads.div_ceil(256).clamp(1, 4096), 256).with_programmatic()
 }

@@ -302,6 +302,167 @@ fn linear_matches_a_naive_matmul() {
 }
 
 #[test]
+fn linear_tma_on_stage_images_is_linear() {
+    let r = Rig::new();
+    let mut d = Data(6);
+    // k = 200: seven chunks, the last partial and the last stage half empty; m = 130: a second
+    // row tile of two rows.
+    for (m, n, k) in [(130usize, 7usize, 200usize), (5, 9, 64)] {
+        let x = d.bf(m * k, 1.0);
+        let w = d.bf(n * k, 0.5);
+        let (xp, wp) = (r.put(&x), r.put(&w));
+        let img_bytes = super::kernels::gemm::stage_image_bytes(m, k);
+        let img = r.out(img_bytes);
+        let sc: [KernelArg; 3] = [(m as u32).into(), (n as u32).into(), (k as u32).into()];
+        r.run(
+            "gemm",
+            "permute_k32_tiles",
+            &[img.into(), xp.into(), sc[0], sc[2]],
+        )
+        .unwrap();
+        // Layout: in row 0, pair 1 (k 2, 3) is the first 4 bytes of unit 1; pair 4 (k 8, 9) the
+        // second of unit 0; row 1 swaps units 0 and 1 (the swizzle).
+        let words = r.gpu.download::<u32>(img, img_bytes / 4, r.s).unwrap();
+        let pair = |row: usize, p: usize| {
+            x[row * k + 2 * p].to_bits() as u32 | (x[row * k + 2 * p + 1].to_bits() as u32) << 16
+        };
+        assert_eq!(words[4], pair(0, 1));
+        assert_eq!(words[1], pair(0, 4));
+        assert_eq!(words[32], pair(1, 1));
+        // Past k (row 0, stage 3: chunk 6 holds pairs 96..99, position 0 of its units; chunk 7
+        // is empty) and past m (rows 130..256) the images are zero.
+        if k == 200 {
+            let stage3 = &words[3 * 4096..3 * 4096 + 32];
+            assert!(
+                stage3
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &v)| (v == 0) == (i >= 16 || i % 4 != 0))
+            );
+        }
+        assert!((m..m.div_ceil(128) * 128).all(|row| {
+            let base = (row / 128) * k.div_ceil(64) * 4096 + (row % 128) * 32;
+            words[base..base + 32].iter().all(|&v| v == 0)
+        }));
+        let map = r.out(128);
+        for (name, via, bytes) in [
+            ("linear", "linear_tma", 2),
+            ("linear_f32out", "linear_tma_f32out", 4),
+        ] {
+            let (want, got) = (r.out(m * n * bytes), r.out(m * n * bytes));
+            r.run(
+                "gemm",
+                name,
+                &[want.into(), xp.into(), wp.into(), sc[0], sc[1], sc[2]],
+            )
+            .unwrap();
+            r.run(
+                "gemm",
+                via,
+                &[
+                    got.into(),
+                    img.into(),
+                    wp.into(),
+                    map.into(),
+                    sc[0],
+                    sc[1],
+                    sc[2],
+                ],
+            )
+            .unwrap();
+            let want = r.gpu.download::<u8>(want, m * n * bytes, r.s).unwrap();
+            let got = r.gpu.download::<u8>(got, m * n * bytes, r.s).unwrap();
+            assert!(
+                want == got,
+                "{via} differs from {name} at m={m} n={n} k={k}"
+            );
+        }
+    }
+}
+
+#[test]
+fn staged_producers_write_what_permute_writes() {
+    let r = Rig::new();
+    let mut d = Data(7);
+    let (m, k) = (3usize, 128usize);
+    let bytes = super::kernels::gemm::stage_image_bytes(m, k);
+    let sc: [KernelArg; 2] = [(m as u32).into(), (k as u32).into()];
+    // The permuted natural rows, over zeros; the staged images over zeros too (the producers
+    // leave padding alone, and here the padding is zero on both sides).
+    let images_of = |x: DevicePtr| {
+        let img = r.out(bytes);
+        r.run(
+            "gemm",
+            "permute_k32_tiles",
+            &[img.into(), x.into(), sc[0], sc[1]],
+        )
+        .unwrap();
+        r.gpu.download::<u8>(img, bytes, r.s).unwrap()
+    };
+    let zeroed = || {
+        let img = r.out(bytes);
+        r.gpu.memset(img, 0, bytes, r.s).unwrap();
+        img
+    };
+    let gu = r.put(&d.bf(m * 2 * k, 3.0));
+    let act = r.out(m * k * 2);
+    r.run(
+        "activation",
+        "silu_mul",
+        &[act.into(), gu.into(), sc[0], sc[1]],
+    )
+    .unwrap();
+    let staged = zeroed();
+    r.run(
+        "activation",
+        "silu_mul_staged",
+        &[staged.into(), gu.into(), sc[0], sc[1]],
+    )
+    .unwrap();
+    assert!(r.gpu.download::<u8>(staged, bytes, r.s).unwrap() == images_of(act));
+
+    let residual: Vec<f32> = d.vec(m * k, 2.0);
+    let (res1, res2) = (r.put(&residual), r.put(&residual));
+    let (delta, w) = (r.put(&d.bf(m * k, 1.0)), r.put(&d.bf(k, 1.0)));
+    let (out1, out2) = (r.out(m * k * 2), r.out(m * k * 2));
+    let tail: [KernelArg; 4] = [sc[0], sc[1], 1e-6f32.into(), 1u32.into()];
+    r.run(
+        "norm",
+        "add_rms_norm",
+        &[
+            res1.into(),
+            delta.into(),
+            w.into(),
+            out1.into(),
+            tail[0],
+            tail[1],
+            tail[2],
+            tail[3],
+        ],
+    )
+    .unwrap();
+    let staged = zeroed();
+    r.run(
+        "norm",
+        "add_rms_norm_staged",
+        &[
+            res2.into(),
+            delta.into(),
+            w.into(),
+            out2.into(),
+            staged.into(),
+            tail[0],
+            tail[1],
+            tail[2],
+            tail[3],
+        ],
+    )
+    .unwrap();
+    assert_eq!(r.get_bf(out1, m * k), r.get_bf(out2, m * k));
+    assert!(r.gpu.download::<u8>(staged, bytes, r.s).unwrap() == images_of(out1));
+}
+
+#[test]
 fn embedding_gather_rows_silu_and_argmax() {
     let r = Rig::new();
     let mut d = Data(9);

@@ -10,7 +10,7 @@ use cudarc::driver::sys;
 use super::driver::check;
 use super::modules::KernelEntry;
 use crate::error::{GpuError, GpuResult};
-use crate::types::{KernelArg, LaunchConfig};
+use crate::types::{DevicePtr, KernelArg, LaunchConfig};
 
 /// The most arguments one launch may pass.
 const MAX_KERNEL_ARGS: usize = 32;
@@ -152,4 +152,46 @@ pub(super) fn max_active_clusters(entry: &KernelEntry, config: &LaunchConfig) ->
         unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, entry.func, &query) },
     )?;
     Ok(clusters.max(0) as u32)
+}
+
+/// `cuTensorMapEncodeTiled` for a row-major bf16 `[rows, cols]` matrix at `base`, boxes of
+/// `box_rows` x `box_cols`, 128-byte swizzle, zero past the ends (see
+/// `GpuBackend::tensor_map_bf16`).
+pub(super) fn tensor_map_bf16(
+    base: DevicePtr,
+    rows: u32,
+    cols: u32,
+    box_rows: u32,
+    box_cols: u32,
+) -> GpuResult<[u8; 128]> {
+    let dims: [sys::cuuint64_t; 2] = [cols as u64, rows as u64];
+    let strides: [sys::cuuint64_t; 1] = [cols as u64 * 2];
+    let boxes: [sys::cuuint32_t; 2] = [box_cols, box_rows];
+    let steps: [sys::cuuint32_t; 2] = [1, 1];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every array outlives the call, which reads them and writes `map`; the driver
+    // checks the address, sizes and strides and reports what it refuses.
+    check(
+        &format!(
+            "cuTensorMapEncodeTiled([{rows}, {cols}] bf16 at {:#x})",
+            base.0
+        ),
+        unsafe {
+            sys::cuTensorMapEncodeTiled(
+                &mut map,
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                2,
+                base.0 as *mut c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                steps.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        },
+    )?;
+    Ok(bytemuck::cast(map.opaque))
 }

@@ -382,6 +382,20 @@ impl GpuBackend for CudaBackend {
         )
     }
 
+    fn tensor_map_bf16(
+        &self,
+        base: DevicePtr,
+        rows: u32,
+        cols: u32,
+        box_rows: u32,
+        box_cols: u32,
+    ) -> Option<GpuResult<[u8; 128]>> {
+        Some(
+            self.bind()
+                .and_then(|()| launch::tensor_map_bf16(base, rows, cols, box_rows, box_cols)),
+        )
+    }
+
     fn create_stream(&self) -> GpuResult<StreamHandle> {
         self.bind()?;
         let s = new_stream()?;

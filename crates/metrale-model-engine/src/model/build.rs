@@ -13,6 +13,7 @@ use metrale_gpu_runtime::arena::ArenaLayout;
 use metrale_gpu_runtime::{BufferArena, DType, GpuBackend, GpuBackendExt};
 use metrale_model_layers::layer::{GdnBuffers, MoeBuffers};
 use metrale_model_layers::layers::{GdnShape, MoeShape};
+use metrale_model_layers::ops_gemm::{self, LINEAR_SMALL_M_MAX};
 use metrale_model_layers::{ModelDims, Ops, StepBuffers, TransformerLayer};
 
 use crate::error::ModelError;
@@ -201,8 +202,31 @@ impl TransformerModel {
                 .add("mtp.cat_ids", DType::U32, 2 * r)
                 .add("mtp.cat", DType::Bf16, r * 2 * h);
         }
+        // `linear`'s prefill kernel stages x here (`Ops::set_linear_staging`): rows up to the
+        // step's, k up to the widest input of any projection.
+        let value_dim = gdn
+            .filter(|_| ssm.is_some())
+            .map_or(0, |g| g.heads.num_v_heads * g.heads.v_head_dim);
+        let widest_input = [
+            dims.hidden * if spec { 2 } else { 1 },
+            dims.ffn,
+            dims.attn_out_width(),
+            value_dim,
+            u32::try_from(shared_ffn).unwrap_or(u32::MAX),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        let staging = (r as u32 > LINEAR_SMALL_M_MAX)
+            .then(|| ops_gemm::linear_staging_bytes(r as u32, widest_input));
+        if let Some(bytes) = staging {
+            layout.add("linear_staging", DType::Bf16, bytes / 2);
+        }
         let arena = BufferArena::build(gpu.clone(), &layout)?;
         let p = |n: &str| arena.get(n).ptr;
+        if let Some(bytes) = staging {
+            ops.set_linear_staging(Some((p("linear_staging"), bytes)));
+        }
         let buf = StepBuffers {
             residual: p("residual"),
             normed: p("normed"),

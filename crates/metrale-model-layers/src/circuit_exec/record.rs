@@ -55,6 +55,7 @@ impl Recorder {
             gpu: recorder.clone(),
             k: ops.k,
             resident: ops.resident.clone(),
+            tma: ops.tma.clone(),
         };
         (recorder, recording)
     }
@@ -200,5 +201,17 @@ impl GpuBackend for Recorder {
         config: &LaunchConfig,
     ) -> Option<GpuResult<u32>> {
         self.inner.max_active_clusters(kernel, config)
+    }
+
+    fn tensor_map_bf16(
+        &self,
+        base: DevicePtr,
+        rows: u32,
+        cols: u32,
+        box_rows: u32,
+        box_cols: u32,
+    ) -> Option<GpuResult<[u8; 128]>> {
+        self.inner
+            .tensor_map_bf16(base, rows, cols, box_rows, box_cols)
     }
 }

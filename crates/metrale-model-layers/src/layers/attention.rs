@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use metrale_circuit::LinearRole;
-use metrale_gpu_runtime::{GpuError, GpuResult};
+use metrale_gpu_runtime::{DevicePtr, GpuError, GpuResult};
 
 use crate::circuit_exec::{AttnFacts, BoundWeight, RopeFacts, WeightSlot};
 use crate::layer::{LayerCtx, ModelDims};
@@ -31,8 +31,10 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// Run attention on `normed`, leaving the projected output in `delta`.
-    pub fn forward(&self, cx: &LayerCtx<'_>) -> GpuResult<()> {
+    /// Run attention on `normed`, leaving the projected output in `delta`. `staged`: `normed`
+    /// was also written as stage images there (`Ops::linear_staging`), which the qkv projection
+    /// reads.
+    pub fn forward(&self, cx: &LayerCtx<'_>, staged: Option<DevicePtr>) -> GpuResult<()> {
         let (ops, s, buf, d) = (cx.ops, cx.stream, cx.buf, cx.dims);
         let kv = cx.kv.ok_or_else(|| GpuError::KernelFailed {
             kernel: "Attention::forward".into(),
@@ -40,7 +42,12 @@ impl Attention {
         })?;
         let rows = cx.shape.rows;
         let width = d.qkv_width();
-        ops.linear(s, buf.qkv, buf.normed, self.qkv.ptr, rows, width, d.hidden)?;
+        match staged {
+            Some(images) => {
+                ops.linear_staged(s, buf.qkv, images, self.qkv.ptr, rows, width, d.hidden)?
+            }
+            None => ops.linear(s, buf.qkv, buf.normed, self.qkv.ptr, rows, width, d.hidden)?,
+        }
         ops.qk_norm_rope(
             s,
             &QkNormRope {

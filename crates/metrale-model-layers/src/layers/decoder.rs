@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use metrale_gpu_runtime::GpuResult;
+use metrale_gpu_runtime::{DevicePtr, GpuResult};
 
 use super::{Attention, GatedDeltaNet, Mlp, MoeMlp};
 use crate::circuit_exec::{CircuitBindings, CircuitLayer, MixerFacts, WeightSlot};
@@ -55,36 +55,27 @@ impl TransformerLayer for DecoderLayer {
                 d.eps,
                 d.unit_offset,
             )?;
-        } else {
-            ops.add_rms_norm(
-                s,
-                buf.residual,
-                buf.delta,
-                self.input_norm.ptr,
-                buf.normed,
-                rows,
-                d.hidden,
-                d.eps,
-                d.unit_offset,
-            )?;
+        }
+        // At prefill sizes the norm ahead of a dense projection also writes its rows as the
+        // projection's stage images (`Ops::linear_staging`), sparing the projection's permute.
+        let mixer_staged = match &self.mixer {
+            Mixer::Attention(a) if !cx.first => ops.linear_staging(a.qkv.ptr, rows, d.hidden),
+            _ => None,
+        };
+        if !cx.first {
+            self.residual_norm(cx, self.input_norm.ptr, mixer_staged)?;
         }
         match &self.mixer {
-            Mixer::Attention(a) => a.forward(cx)?,
+            Mixer::Attention(a) => a.forward(cx, mixer_staged)?,
             Mixer::GatedDeltaNet(g) => g.forward(cx)?,
         }
-        ops.add_rms_norm(
-            s,
-            buf.residual,
-            buf.delta,
-            self.post_norm.ptr,
-            buf.normed,
-            rows,
-            d.hidden,
-            d.eps,
-            d.unit_offset,
-        )?;
+        let ffn_staged = match &self.ffn {
+            Ffn::Dense(m) => ops.linear_staging(m.gate_up.ptr, rows, d.hidden),
+            Ffn::Moe(_) => None,
+        };
+        self.residual_norm(cx, self.post_norm.ptr, ffn_staged)?;
         match &self.ffn {
-            Ffn::Dense(m) => m.forward(cx),
+            Ffn::Dense(m) => m.forward(cx, ffn_staged),
             Ffn::Moe(m) => m.forward(cx),
         }
     }
@@ -120,5 +111,43 @@ impl CircuitBindings for DecoderLayer {
             weights,
             unmodelled,
         })
+    }
+}
+
+impl DecoderLayer {
+    /// `residual += delta; normed = rms_norm(residual) · norm`, the rows also written as stage
+    /// images at `staged` when given.
+    fn residual_norm(
+        &self,
+        cx: &LayerCtx<'_>,
+        norm: DevicePtr,
+        staged: Option<DevicePtr>,
+    ) -> GpuResult<()> {
+        let (ops, s, buf, d, rows) = (cx.ops, cx.stream, cx.buf, cx.dims, cx.shape.rows);
+        match staged {
+            Some(images) => ops.add_rms_norm_staged(
+                s,
+                buf.residual,
+                buf.delta,
+                norm,
+                buf.normed,
+                images,
+                rows,
+                d.hidden,
+                d.eps,
+                d.unit_offset,
+            ),
+            None => ops.add_rms_norm(
+                s,
+                buf.residual,
+                buf.delta,
+                norm,
+                buf.normed,
+                rows,
+                d.hidden,
+                d.eps,
+                d.unit_offset,
+            ),
+        }
     }
 }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use metrale_circuit::LinearRole;
-use metrale_gpu_runtime::GpuResult;
+use metrale_gpu_runtime::{DevicePtr, GpuResult};
 
 use crate::circuit_exec::{BoundWeight, FfnFacts, WeightSlot};
 use crate::layer::LayerCtx;
@@ -22,18 +22,31 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    /// Run the MLP on `normed`, leaving the result in `delta`.
-    pub fn forward(&self, cx: &LayerCtx<'_>) -> GpuResult<()> {
+    /// Run the MLP on `normed`, leaving the result in `delta`. `staged`: `normed` was also
+    /// written as stage images there (`Ops::linear_staging`), which the gate/up projection
+    /// reads. At prefill sizes the SwiGLU writes the down projection's input as stage images
+    /// too, where the staging buffer serves it.
+    pub fn forward(&self, cx: &LayerCtx<'_>, staged: Option<DevicePtr>) -> GpuResult<()> {
         let (ops, s, buf, d, rows) = (cx.ops, cx.stream, cx.buf, cx.dims, cx.shape.rows);
-        ops.linear(
-            s,
-            buf.gate_up,
-            buf.normed,
-            self.gate_up.ptr,
-            rows,
-            2 * self.ffn,
-            d.hidden,
-        )?;
+        let (n, k) = (2 * self.ffn, d.hidden);
+        match staged {
+            Some(images) => {
+                ops.linear_staged(s, buf.gate_up, images, self.gate_up.ptr, rows, n, k)?
+            }
+            None => ops.linear(s, buf.gate_up, buf.normed, self.gate_up.ptr, rows, n, k)?,
+        }
+        if let Some(images) = ops.linear_staging(self.down.ptr, rows, self.ffn) {
+            ops.silu_mul_staged(s, images, buf.gate_up, rows, self.ffn)?;
+            return ops.linear_staged(
+                s,
+                buf.delta,
+                images,
+                self.down.ptr,
+                rows,
+                d.hidden,
+                self.ffn,
+            );
+        }
         ops.silu_mul(s, buf.act, buf.gate_up, rows, self.ffn)?;
         ops.linear(
             s,

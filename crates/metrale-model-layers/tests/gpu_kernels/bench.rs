@@ -62,6 +62,10 @@ pub fn measure_linear() {
     let ops = Ops::new(gpu.clone()).expect("kernels resolve");
     let g = gpu.as_ref();
     let copy_gbs = copy_bandwidth(g);
+    // Prefill-sized rows run `linear_tma`, as in a model (a staging buffer for the largest).
+    let staging_bytes = metrale_model_layers::ops_gemm::linear_staging_bytes(4096, 12288);
+    let staging = g.alloc(staging_bytes).expect("staging");
+    ops.set_linear_staging(Some((staging, staging_bytes)));
 
     let mut rng = Rng::new(12);
     for (m, n, k) in [

@@ -290,6 +290,18 @@ impl GpuBackend for TestCuda {
     ) -> Option<GpuResult<u32>> {
         self.inner.max_active_clusters(kernel, config)
     }
+
+    fn tensor_map_bf16(
+        &self,
+        base: DevicePtr,
+        rows: u32,
+        cols: u32,
+        box_rows: u32,
+        box_cols: u32,
+    ) -> Option<GpuResult<[u8; 128]>> {
+        self.inner
+            .tensor_map_bf16(base, rows, cols, box_rows, box_cols)
+    }
 }
 
 impl Pair {
@@ -309,6 +321,23 @@ impl Pair {
             cpu_ops,
             gpu_ops,
             live: Default::default(),
+        }
+    }
+
+    /// Give both sides' `linear` a staging buffer for `m` rows of up to `k` (prefill-sized calls
+    /// then run `linear_tma`), or take it back (`None`).
+    pub fn stage_linear(&self, rows_k: Option<(u32, u32)>) {
+        match rows_k {
+            Some((m, k)) => {
+                let bytes = metrale_model_layers::ops_gemm::linear_staging_bytes(m, k);
+                let buf = self.poisoned(bytes);
+                self.cpu_ops.set_linear_staging(Some((buf.cpu, bytes)));
+                self.gpu_ops.set_linear_staging(Some((buf.gpu, bytes)));
+            }
+            None => {
+                self.cpu_ops.set_linear_staging(None);
+                self.gpu_ops.set_linear_staging(None);
+            }
         }
     }
 

@@ -22,8 +22,30 @@ pub fn silu_mul(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
+/// `silu_mul_staged(out: stage images of [rows, ffn], gate_up: bf16 [rows, 2 * ffn], rows,
+/// ffn)`: `silu_mul` written as `linear_tma`'s stage images (padding left as it was).
+pub fn silu_mul_staged(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    ctx.expect_args(4)?;
+    let (rows, ffn) = (ctx.usize(2)?, ctx.usize(3)?);
+    if ffn % 8 != 0 {
+        return Err(ctx.fail(format!("ffn = {ffn} is not a multiple of 8")));
+    }
+    let img = ctx.slice_mut::<bf16>(0, super::gemm::stage_image_bytes(rows, ffn) / 2)?;
+    let gu = ctx.slice::<bf16>(1, rows * 2 * ffn)?;
+    for r in 0..rows {
+        let (g, u) = gu[r * 2 * ffn..(r + 1) * 2 * ffn].split_at(ffn);
+        let row: Vec<bf16> = g
+            .iter()
+            .zip(u)
+            .map(|(&gv, &uv)| b(silu(f(gv)) * f(uv)))
+            .collect();
+        super::gemm::store_image_row(img, r, &row);
+    }
+    Ok(())
+}
+
 /// The family table.
 pub const FAMILY: super::Family = super::Family {
     module: "activation",
-    kernels: &[("silu_mul", silu_mul)],
+    kernels: &[("silu_mul", silu_mul), ("silu_mul_staged", silu_mul_staged)],
 };

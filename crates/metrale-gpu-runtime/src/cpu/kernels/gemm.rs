@@ -11,6 +11,16 @@ use crate::error::GpuResult;
 fn gemm(ctx: &KernelCtx<'_>, store: impl Fn(usize, f32) -> GpuResult<()>) -> GpuResult<()> {
     let (m, n, k) = (ctx.usize(3)?, ctx.usize(4)?, ctx.usize(5)?);
     let x = ctx.slice::<bf16>(1, m * k)?;
+    gemm_of(ctx, x, (m, n, k), store)
+}
+
+/// `out = x · wᵀ` for x given (rows of `k`), the weight at argument 2.
+fn gemm_of(
+    ctx: &KernelCtx<'_>,
+    x: &[bf16],
+    (m, n, k): (usize, usize, usize),
+    store: impl Fn(usize, f32) -> GpuResult<()>,
+) -> GpuResult<()> {
     let w = ctx.slice::<bf16>(2, n * k)?;
     let wf: Vec<f32> = w.iter().map(|&e| f(e)).collect();
     let mut xr = vec![0.0f32; k];
@@ -52,6 +62,95 @@ pub fn linear_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     })
 }
 
+/// Bytes of `permute_k32_tiles`'s stage images of an `[m, k]` matrix: per 128-row tile, one
+/// 16 KiB image per stage of 64 k (the rows and k past the ends zero).
+pub fn stage_image_bytes(m: usize, k: usize) -> usize {
+    m.div_ceil(128) * k.div_ceil(64) * 16384
+}
+
+/// Byte offset in the stage images of 16-byte unit `t` (`k32_pairs` order) of chunk `c` (32 k)
+/// of row `row`, `steps` stages of 64 k per row tile: kernels/gemm.cu's `img_offset`.
+fn image_offset(row: usize, c: usize, t: usize, steps: usize) -> usize {
+    let (r, cc) = (row % 128, c % 2);
+    ((row / 128) * steps + c / 2) * 16384 + r * 128 + (((cc * 4 + t) ^ (r % 8)) << 4)
+}
+
+/// Row `row` of an `[m, k]` bf16 matrix (`values`, k of them) into its stage images `img`
+/// (halfwords): what the `_staged` producers write.
+pub(crate) fn store_image_row(img: &mut [bf16], row: usize, values: &[bf16]) {
+    let steps = values.len().div_ceil(64);
+    for (col, &v) in values.iter().enumerate() {
+        let byte = pair_offset(row, col / 32, (col % 32) / 2, steps) + (col % 2) * 2;
+        img[byte / 2] = v;
+    }
+}
+
+/// The 4-byte pair `p` (k 2p, 2p + 1) of a 32-k chunk sits in unit p % 4 at position p / 4.
+fn pair_offset(row: usize, c: usize, p: usize, steps: usize) -> usize {
+    image_offset(row, c, p % 4, steps) + (p / 4) * 4
+}
+
+/// `permute_k32_tiles(out: image, x: bf16 [m, k], m, k)`: x as `linear_tma`'s stage images
+/// (layout at kernels/gemm.cu).
+pub fn permute_k32_tiles(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    ctx.expect_args(4)?;
+    let (m, k) = (ctx.usize(2)?, ctx.usize(3)?);
+    if k % 8 != 0 {
+        return Err(ctx.fail(format!("k = {k} is not a multiple of 8")));
+    }
+    let x = ctx.slice::<u32>(1, m * k / 2)?;
+    let img = ctx.slice_mut::<u32>(0, stage_image_bytes(m, k) / 4)?;
+    img.fill(0);
+    let steps = k.div_ceil(64);
+    for row in 0..m {
+        for pair in 0..k / 2 {
+            let (c, p) = (pair / 16, pair % 16);
+            img[pair_offset(row, c, p, steps) / 4] = x[row * k / 2 + pair];
+        }
+    }
+    Ok(())
+}
+
+/// x back from the stage images of an `[m, k]` matrix.
+fn x_from_images(ctx: &KernelCtx<'_>, m: usize, k: usize) -> GpuResult<Vec<bf16>> {
+    let img = ctx.slice::<u32>(1, stage_image_bytes(m, k) / 4)?;
+    let steps = k.div_ceil(64);
+    let mut x = vec![bf16::ZERO; m * k];
+    for row in 0..m {
+        for pair in 0..k / 2 {
+            let v = img[pair_offset(row, pair / 16, pair % 16, steps) / 4];
+            x[row * k + 2 * pair] = bf16::from_bits(v as u16);
+            x[row * k + 2 * pair + 1] = bf16::from_bits((v >> 16) as u16);
+        }
+    }
+    Ok(x)
+}
+
+/// `linear_tma(out: bf16 [m, n], xt: stage images of x, w: bf16 [n, k], wmap, m, n, k)`:
+/// `linear` with x from `permute_k32_tiles`; the tensor map is the device's and not read here.
+pub fn linear_tma(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    ctx.expect_args(7)?;
+    let (m, n, k) = (ctx.usize(4)?, ctx.usize(5)?, ctx.usize(6)?);
+    let x = x_from_images(ctx, m, k)?;
+    let out = std::cell::RefCell::new(ctx.slice_mut::<bf16>(0, m * n)?);
+    gemm_of(ctx, &x, (m, n, k), |i, v| {
+        out.borrow_mut()[i] = b(v);
+        Ok(())
+    })
+}
+
+/// `linear_tma_f32out(out: f32 [m, n], xt, w, wmap, m, n, k)`: likewise, f32 out.
+pub fn linear_tma_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    ctx.expect_args(7)?;
+    let (m, n, k) = (ctx.usize(4)?, ctx.usize(5)?, ctx.usize(6)?);
+    let x = x_from_images(ctx, m, k)?;
+    let out = std::cell::RefCell::new(ctx.slice_mut::<f32>(0, m * n)?);
+    gemm_of(ctx, &x, (m, n, k), |i, v| {
+        out.borrow_mut()[i] = v;
+        Ok(())
+    })
+}
+
 /// The family table.
 pub const FAMILY: super::Family = super::Family {
     module: "gemm",
@@ -65,5 +164,8 @@ pub const FAMILY: super::Family = super::Family {
         ("linear_stream_b4_f32out", linear_f32out),
         ("linear_stream_wide", linear),
         ("linear_stream_wide_f32out", linear_f32out),
+        ("permute_k32_tiles", permute_k32_tiles),
+        ("linear_tma", linear_tma),
+        ("linear_tma_f32out", linear_tma_f32out),
     ],
 };

@@ -55,8 +55,37 @@ pub fn add_rms_norm(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
+/// `add_rms_norm_staged(residual, delta, w, out, img: stage images of [rows, cols], rows, cols,
+/// eps, unit_offset)`: `add_rms_norm`, the rows of `out` also written as `linear_tma`'s stage
+/// images (padding left as it was).
+pub fn add_rms_norm_staged(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    ctx.expect_args(9)?;
+    let (rows, cols, eps, unit) = (ctx.usize(5)?, ctx.usize(6)?, ctx.f32(7)?, ctx.u32(8)? != 0);
+    if cols % 8 != 0 {
+        return Err(ctx.fail(format!("cols = {cols} is not a multiple of 8")));
+    }
+    let residual = ctx.slice_mut::<f32>(0, rows * cols)?;
+    let delta = ctx.slice::<bf16>(1, rows * cols)?;
+    let w = ctx.slice::<bf16>(2, cols)?;
+    let out = ctx.slice_mut::<bf16>(3, rows * cols)?;
+    let img = ctx.slice_mut::<bf16>(4, super::gemm::stage_image_bytes(rows, cols) / 2)?;
+    for (r, d) in residual.iter_mut().zip(delta) {
+        *r += f(*d);
+    }
+    for r in 0..rows {
+        let row = r * cols..(r + 1) * cols;
+        normalize_row(&mut out[row.clone()], &residual[row.clone()], w, eps, unit);
+        super::gemm::store_image_row(img, r, &out[row]);
+    }
+    Ok(())
+}
+
 /// The family table.
 pub const FAMILY: super::Family = super::Family {
     module: "norm",
-    kernels: &[("rms_norm", rms_norm), ("add_rms_norm", add_rms_norm)],
+    kernels: &[
+        ("rms_norm", rms_norm),
+        ("add_rms_norm", add_rms_norm),
+        ("add_rms_norm_staged", add_rms_norm_staged),
+    ],
 };
