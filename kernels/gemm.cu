@@ -1,11 +1,12 @@
 // out = x · wᵀ with a bf16 weight in the checkpoint's [out_features, in_features] layout. CPU
 // twins: metrale-gpu-runtime/src/cpu/kernels/gemm.rs.
 //
-// Four kernels per output type (bf16: `linear`, `linear_stream`, `linear_stream_b4`,
-// `linear_stream_wide`; f32: the same with `_f32out`), each computing the whole function for any
-// m; the launcher (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 16 on projections
-// of 6144 columns or more, `linear_stream` for the other m <= 16, `linear_stream_wide` for m <= 128
-// (decode) and the tiled `linear` above, every one as a programmatic dependent launch: each
+// Five kernels per output type (bf16: `linear`, `linear_stream`, `linear_stream_b4`,
+// `linear_stream_wide`, `linear_tma`; f32: the same with `_f32out`), each computing the whole
+// function for any m; the launcher (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 16
+// on projections of 6144 columns or more, `linear_stream` for the other m <= 16,
+// `linear_stream_wide` for m <= 128 (decode) and `linear_tma` or the tiled `linear` above, every
+// one as a programmatic dependent launch: each
 // kernel calls `pdl_wait` (common.cuh) before it touches x or out, so its blocks may start while
 // the kernel ahead of it on the stream finishes, and the decode kernels issue their first weight
 // loads before that wait (the weight is never written by the kernel just ahead of a projection).
@@ -22,7 +23,11 @@
 //   64 rows, block s computing segment s; x and the weight staged together through a 3-stage
 //   cp.async ring; the cluster sums the segment partials in order through distributed shared
 //   memory (details at the kernel).
-// - `linear` (prefill, m > 128): warp-specialized Hopper warpgroup MMAs (`linear_ws`): 192 x 128
+// - `linear_tma` (prefill, m > 128, where the launcher has a staging buffer for x and the shape
+//   allows: k % 8 == 0, 16-byte aligned operands): after `permute_k32_tiles` writes x as stage
+//   images (or a `_staged` producer did), the weight as wgmma's register operand through a
+//   tensor map, 128 x 128 tiles (kernels/gemm_wgmma.cuh); 490-600 TFLOP/s at m = 2048.
+// - `linear` (prefill, m > 128, otherwise): warp-specialized Hopper warpgroup MMAs (`linear_ws`): 192 x 128
 //   output tiles, a producer warpgroup filling a 5-stage ring and three consumer warpgroups of
 //   m64n128k16 wgmma; grid (ceil(n / 128), ceil(m / 192)), 512 threads, 202 KiB of dynamic
 //   shared memory. The lab (lab/prefill_lab.cu, H200, 2026-11-30) measured 215-247 TFLOP/s at

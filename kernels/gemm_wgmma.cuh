@@ -300,10 +300,12 @@ MT_DEVICE void tma_load_2d(uint32_t dst, const void* map, uint32_t c0, uint32_t 
 // fragments: lane (g, q) takes tile row ra = ... + g / 2 + 4 (g % 2), so the two rows a quarter
 // warp loads fall in different halves of the swizzle. Chunks past k and rows past m (zero in the
 // image) or n (zero by the map) add nothing; SPLIT: a segment may end inside a stage.
-// ncu (H200, 2026-12-01, gate_up at m = 2048): tensor pipe 69 %, L2 throughput 80 %. Pairs of
-// blocks sharing the x tile by multicast (half the x copies) were no faster (500-582 against
-// 487-595 TFLOP/s on the lab's shapes), and with release arrivals on the other block's
-// barriers (MEMBAR.ALL.GPU each) 2.4x slower.
+// ncu (H200, 2026-12-01, gate_up at m = 2048): tensor pipe 69 %, L2 throughput 80 %. Tried and
+// dropped (lab/prefill_lab.cu): clusters of two blocks sharing the x tile by multicast, half the
+// x copies (500-582 against 487-597 TFLOP/s on the lab's shapes; with release arrivals on the
+// other block's barriers, MEMBAR.ALL.GPU each, 2.4x slower); two steps' MMAs in flight with
+// three fragment sets (487-582); the weight by 16-byte cp.async from a producer warpgroup
+// (414-473); every row by a 128-byte bulk copy (64).
 template <typename OutT, int ST, bool SPLIT>
 MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const void* wmap, uint32_t m, uint32_t n, uint32_t k,
                                unsigned char* smem) {
