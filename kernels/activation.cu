@@ -5,6 +5,16 @@
 // never changes a result.
 #include "common.cuh"
 
+// Columns 8v..8v+7 of silu(gate) * up, rounded to bf16 and packed (16-byte aligned rows).
+MT_DEVICE uint4 silu_mul8(const bf16* g, const bf16* u, uint32_t v) {
+    float gf[8], uf[8], of[8];
+    unpack8(load16(g + 8 * v), gf);
+    unpack8(load16(u + 8 * v), uf);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) of[j] = siluf_acc(gf[j]) * uf[j];
+    return pack8(of);
+}
+
 // silu_mul(out: bf16 [rows, ffn], gate_up: bf16 [rows, 2 * ffn], rows, ffn):
 // out = silu(gate) * up with silu(x) = x / (1 + exp(-x)) in f32.
 extern "C" __global__ void silu_mul(bf16* __restrict__ out, const bf16* __restrict__ gate_up,
@@ -18,14 +28,7 @@ extern "C" __global__ void silu_mul(bf16* __restrict__ out, const bf16* __restri
     bf16* o = out + (size_t)r * ffn;
     const uint32_t first = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
     if (ffn % 8 == 0 && aligned16(g) && aligned16(o)) {
-        for (uint32_t v = first; v < ffn / 8; v += stride) {
-            float gf[8], uf[8], of[8];
-            unpack8(load16(g + 8 * v), gf);
-            unpack8(load16(u + 8 * v), uf);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) of[j] = siluf_acc(gf[j]) * uf[j];
-            store16(o + 8 * v, pack8(of));
-        }
+        for (uint32_t v = first; v < ffn / 8; v += stride) store16(o + 8 * v, silu_mul8(g, u, v));
     } else {
         for (uint32_t i = first; i < ffn; i += stride) o[i] = f2bf(siluf_acc(bf2f(g[i])) * bf2f(u[i]));
     }
@@ -48,12 +51,5 @@ extern "C" __global__ void silu_mul_staged(bf16* __restrict__ out, const bf16* _
     unsigned char* img = reinterpret_cast<unsigned char*>(out);
     const uint32_t steps = ((ffn + 31) / 32 + 1) / 2;
     const uint32_t first = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
-    for (uint32_t v = first; v < ffn / 8; v += stride) {
-        float gf[8], uf[8], of[8];
-        unpack8(load16(g + 8 * v), gf);
-        unpack8(load16(u + 8 * v), uf);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) of[j] = siluf_acc(gf[j]) * uf[j];
-        store_k32_unit(img, r, v / 4, v % 4, steps, pack8(of));
-    }
+    for (uint32_t v = first; v < ffn / 8; v += stride) store_k32_unit(img, r, v / 4, v % 4, steps, silu_mul8(g, u, v));
 }
