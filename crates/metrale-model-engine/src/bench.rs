@@ -22,6 +22,7 @@ use metrale_cache::BlockTable;
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, StreamHandle, VendorGemm};
 use metrale_model_layers::Ops;
+use metrale_model_layers::ops_gemm::{self, LinearStaging};
 
 pub use self::breakdown::{Breakdown, StepPart, decode_breakdown};
 pub use self::profile::{launch_profile, step_profile};
@@ -208,9 +209,9 @@ pub fn ceilings(gpu: &Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<Ceilin
     ops.fill_uniform_bf16(s, bufs[2], (d * d) as u64, 2, 0.0, 0.5)?;
     let dd = d as u32;
     // The engine's prefill path: x staged for `linear_tma` as a model's step buffers do.
-    let staging_bytes = metrale_model_layers::ops_gemm::linear_staging_bytes(dd, dd);
-    let staging = gpu.alloc(staging_bytes)?;
-    ops.set_linear_staging(Some((staging, staging_bytes)));
+    let image_bytes = ops_gemm::linear_staging_bytes(dd, dd);
+    let staging = gpu.alloc(LinearStaging::bytes(image_bytes, 1))?;
+    ops.set_linear_staging(Some(LinearStaging::at(staging, image_bytes, 1)));
     let gemm_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
         Ok(ops.linear(s, bufs[0], bufs[1], bufs[2], dd, dd, dd)?)
     });

@@ -3,11 +3,12 @@
 //! a fourth `impl Ops` block beside `ops`, `ops_hybrid` and `ops_fused`, under `ops`'s rules.
 //!
 //! Prefill-sized calls run `linear_tma` where they can: x is first written as the stage images
-//! the kernel copies whole (`permute_k32_tiles`, into the staging buffer the model gives with
+//! the kernel copies whole (`permute_k32_tiles`, into the staging memory the model gives with
 //! [`Ops::set_linear_staging`]), and the weight is read through a tensor map, encoded by the
-//! backend and uploaded once per (weight, shape), then kept until the `Ops` (and its clones)
-//! are dropped. Without a staging buffer large enough, an unaligned operand or `k % 8 != 0`, the
-//! tiled kernel `linear` runs instead (bitwise the same rows).
+//! backend and uploaded once per (weight, shape) into a slot of that memory. Without staging
+//! memory large enough, an unaligned operand, `k % 8 != 0`, no free map slot, or a map that
+//! would have to be uploaded while the stream captures a graph, the tiled kernel `linear` runs
+//! instead (bitwise the same rows).
 //!
 //! A layer may skip the permute: where [`Ops::linear_staging`] offers the buffer, the producer
 //! of a projection's input writes the images itself (`add_rms_norm_staged`,
@@ -17,14 +18,51 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use metrale_gpu_runtime::{
-    DevicePtr, GpuBackend, GpuResult, KernelHandle, LaunchConfig, StreamHandle,
+    DevicePtr, GpuBackend, GpuError, GpuResult, KernelHandle, LaunchConfig, StreamHandle,
 };
 use parking_lot::Mutex;
 
 use crate::ops::Ops;
 
-/// `linear_tma`'s state, shared by an `Ops` and its clones: where x's stage images go, and the
-/// tensor map of every weight it has read (device buffers of 128 bytes, freed on drop).
+/// What `linear_tma` needs beside its operands, in device memory the caller owns (a model's
+/// arena): room for x's stage images and for the weights' tensor maps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearStaging {
+    /// x's stage images (`permute_k32_tiles` or a `_staged` producer writes them).
+    pub images: DevicePtr,
+    /// Their bytes: [`linear_staging_bytes`] of the largest call that should run `linear_tma`.
+    pub image_bytes: usize,
+    /// Room for `map_slots` tensor maps of [`LINEAR_TMA_MAP_BYTES`] (128-byte aligned), one per
+    /// weight `linear_tma` has read.
+    pub maps: DevicePtr,
+    /// How many maps fit; once they are taken, other weights run `linear`'s tiled kernel.
+    pub map_slots: usize,
+}
+
+/// Bytes of one weight's tensor map.
+pub const LINEAR_TMA_MAP_BYTES: usize = 128;
+
+impl LinearStaging {
+    /// Bytes of one allocation holding `image_bytes` of images (a [`linear_staging_bytes`],
+    /// a multiple of 16 KiB) and then `map_slots` maps.
+    pub fn bytes(image_bytes: usize, map_slots: usize) -> usize {
+        image_bytes + map_slots * LINEAR_TMA_MAP_BYTES
+    }
+
+    /// The staging memory laid out in one allocation of [`LinearStaging::bytes`] at `base`
+    /// (128-byte aligned): the images, then the maps.
+    pub fn at(base: DevicePtr, image_bytes: usize, map_slots: usize) -> LinearStaging {
+        LinearStaging {
+            images: base,
+            image_bytes,
+            maps: DevicePtr(base.0 + image_bytes as u64),
+            map_slots,
+        }
+    }
+}
+
+/// `linear_tma`'s state, shared by an `Ops` and its clones: the staging memory and which map
+/// slot holds which weight's tensor map.
 #[derive(Debug)]
 pub(crate) struct LinearTma {
     gpu: Arc<dyn GpuBackend>,
@@ -33,9 +71,8 @@ pub(crate) struct LinearTma {
 
 #[derive(Debug, Default)]
 struct TmaState {
-    /// The staging buffer and its bytes.
-    images: Option<(DevicePtr, usize)>,
-    /// By (weight address, rows, columns).
+    staging: Option<LinearStaging>,
+    /// Map slots by (weight address, rows, columns).
     maps: HashMap<(u64, u32, u32), DevicePtr>,
 }
 
@@ -44,15 +81,6 @@ impl LinearTma {
         LinearTma {
             gpu,
             state: Mutex::default(),
-        }
-    }
-}
-
-impl Drop for LinearTma {
-    fn drop(&mut self) {
-        for (_, map) in self.state.get_mut().maps.drain() {
-            // Nothing to report to: a failed free leaks 128 bytes.
-            let _ = self.gpu.free(map);
         }
     }
 }
@@ -115,68 +143,95 @@ impl Ops {
         self.gemm(s, kernels, out, x, w, m, n, k)
     }
 
-    /// Gives `linear` a staging buffer (address, bytes) for x's stage images, so calls of more
-    /// than [`LINEAR_SMALL_M_MAX`] rows whose images fit ([`linear_staging_bytes`]) run
-    /// `linear_tma`; `None` takes it back. The buffer must stay allocated, and be used by
-    /// nothing else, while this `Ops` (or a clone) launches `linear` with it; one stream at a
-    /// time may use it.
-    pub fn set_linear_staging(&self, staging: Option<(DevicePtr, usize)>) {
-        self.tma.state.lock().images = staging;
+    /// Gives `linear` its prefill kernel's staging memory (see [`LinearStaging`]), so calls of
+    /// more than [`LINEAR_SMALL_M_MAX`] rows whose images fit ([`linear_staging_bytes`]) run
+    /// `linear_tma`; `None` takes it back (and with it every map). The memory must stay
+    /// allocated, and be used by nothing else, while this `Ops` (or a clone) launches `linear`
+    /// with it; one stream at a time may use it.
+    pub fn set_linear_staging(&self, staging: Option<LinearStaging>) {
+        let mut state = self.tma.state.lock();
+        state.staging = staging;
+        state.maps.clear();
     }
 
     /// Where x's stage images go for a prefill-sized call that `linear_tma` can run: a staging
     /// buffer large enough, 16-byte aligned operands, `k` a positive multiple of 8.
     fn linear_tma_images(&self, x: DevicePtr, w: DevicePtr, m: u32, k: u32) -> Option<DevicePtr> {
-        let (images, bytes) = self.tma.state.lock().images?;
+        let staging = self.tma.state.lock().staging?;
         let fits = k > 0
             && k.is_multiple_of(8)
             && x.0.is_multiple_of(16)
             && w.0.is_multiple_of(16)
-            && bytes >= linear_staging_bytes(m, k);
-        fits.then_some(images)
+            && staging.image_bytes >= linear_staging_bytes(m, k);
+        fits.then_some(staging.images)
     }
 
-    /// The device copy of `w`'s tensor map (`[n, k]`, boxes of 64 k by 128 rows), encoded and
-    /// uploaded on first use through the backend the state was made with (a circuit recorder's
-    /// launchers share it, so the map is never recorded). A backend without tensor maps (the
-    /// CPU) gets zeros, which its twins do not read.
+    /// The device copy of `w`'s tensor map (`[n, k]`, boxes of 64 k by 128 rows) in a slot of
+    /// the staging memory, encoded and uploaded on first use through the backend the state was
+    /// made with (a circuit recorder's launchers share it, so the upload is never recorded). A
+    /// backend without tensor maps (the CPU) gets zeros, which its twins do not read. `None`
+    /// where there is no staging memory, every slot is taken, or the stream is capturing a
+    /// graph (an upload is refused then, before it reaches the driver); the caller then runs
+    /// the tiled kernel, whose rows are the same.
     fn linear_tma_map(
         &self,
         s: StreamHandle,
         w: DevicePtr,
         n: u32,
         k: u32,
-    ) -> GpuResult<DevicePtr> {
-        let gpu = &self.tma.gpu;
+    ) -> GpuResult<Option<DevicePtr>> {
         let mut state = self.tma.state.lock();
         if let Some(&map) = state.maps.get(&(w.0, n, k)) {
-            return Ok(map);
+            return Ok(Some(map));
         }
+        let Some(staging) = state.staging else {
+            return Ok(None);
+        };
+        let slot = state.maps.len();
+        if slot >= staging.map_slots {
+            return Ok(None);
+        }
+        let gpu = &self.tma.gpu;
         let bytes = match gpu.tensor_map_bf16(w, n, k, LINEAR_TMA_TILE, 64) {
             Some(encoded) => encoded?,
-            None => [0u8; 128],
+            None => [0u8; LINEAR_TMA_MAP_BYTES],
         };
-        let map = gpu.alloc(bytes.len())?;
-        if let Err(e) = gpu.copy_h2d(map, &bytes, s) {
-            let _ = gpu.free(map);
-            return Err(e);
+        let map = DevicePtr(staging.maps.0 + (slot * LINEAR_TMA_MAP_BYTES) as u64);
+        match gpu.copy_h2d(map, &bytes, s) {
+            Ok(()) => {}
+            Err(GpuError::Capture(_)) => return Ok(None),
+            Err(e) => return Err(e),
         }
         state.maps.insert((w.0, n, k), map);
-        Ok(map)
+        Ok(Some(map))
     }
 
-    /// The staging buffer, where a projection of `m` rows by `k` inputs on weight `w` runs
-    /// `linear_tma` from x written as stage images by its producer (`_staged` launchers, then
-    /// [`Ops::linear_staged`]): prefill-sized `m`, `k` a multiple of 64 (the producers write
-    /// every k of every stage, no padding), a 16-byte aligned weight, images that fit.
-    pub fn linear_staging(&self, w: DevicePtr, m: u32, k: u32) -> Option<DevicePtr> {
-        let (images, bytes) = self.tma.state.lock().images?;
+    /// The staging buffer, where a projection of `m` rows by `k` inputs on weight `w` (`n`
+    /// rows) runs `linear_tma` from x written as stage images by its producer (`_staged`
+    /// launchers, then [`Ops::linear_staged`]): prefill-sized `m`, `k` a multiple of 64 (the
+    /// producers write every k of every stage, no padding), a 16-byte aligned weight, images
+    /// that fit, and the weight's tensor map in place (made here if need be). `None`: the
+    /// producer writes rows and the projection runs [`Ops::linear`].
+    pub fn linear_staging(
+        &self,
+        s: StreamHandle,
+        w: DevicePtr,
+        m: u32,
+        n: u32,
+        k: u32,
+    ) -> GpuResult<Option<DevicePtr>> {
+        let Some(staging) = self.tma.state.lock().staging else {
+            return Ok(None);
+        };
         let fits = m > LINEAR_SMALL_M_MAX
             && k > 0
             && k.is_multiple_of(64)
             && w.0.is_multiple_of(16)
-            && bytes >= linear_staging_bytes(m, k);
-        fits.then_some(images)
+            && staging.image_bytes >= linear_staging_bytes(m, k);
+        if !fits || self.linear_tma_map(s, w, n, k)?.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(staging.images))
     }
 
     /// `linear` (bf16 out) of an x that its producer wrote as stage images at `images` (see
@@ -192,7 +247,17 @@ impl Ops {
         n: u32,
         k: u32,
     ) -> GpuResult<()> {
-        self.linear_tma_launch(s, self.k.linear_tma, out, images, w, (m, n, k))
+        let map = self
+            .linear_tma_map(s, w, n, k)?
+            .ok_or_else(|| GpuError::KernelFailed {
+                kernel: "linear_tma".into(),
+                problem: format!(
+                    "no tensor map for the [{n}, {k}] weight at {:#x}: linear_staged without \
+                 linear_staging",
+                    w.0
+                ),
+            })?;
+        self.linear_tma_launch(s, self.k.linear_tma, out, images, w, map, (m, n, k))
     }
 
     /// `add_rms_norm` that also writes `out`'s rows as stage images at `images` (see
@@ -257,9 +322,9 @@ impl Ops {
         out: DevicePtr,
         images: DevicePtr,
         w: DevicePtr,
+        map: DevicePtr,
         (m, n, k): (u32, u32, u32),
     ) -> GpuResult<()> {
-        let map = self.linear_tma_map(s, w, n, k)?;
         self.go(
             kernel,
             linear_tma_geometry(m, n),
@@ -293,6 +358,7 @@ impl Ops {
         let path = linear_path(m, n);
         if path == LinearPath::Tiled
             && let Some(images) = self.linear_tma_images(x, w, m, k)
+            && let Some(map) = self.linear_tma_map(s, w, n, k)?
         {
             self.go(
                 self.k.permute_k32_tiles,
@@ -300,7 +366,7 @@ impl Ops {
                 &[images.into(), x.into(), m.into(), k.into()],
                 s,
             )?;
-            return self.linear_tma_launch(s, kernels[4], out, images, w, (m, n, k));
+            return self.linear_tma_launch(s, kernels[4], out, images, w, map, (m, n, k));
         }
         let kernel = match path {
             LinearPath::Narrow => kernels[0],
@@ -427,4 +493,67 @@ pub fn linear_tma_geometry(m: u32, n: u32) -> LaunchConfig {
 pub fn permute_geometry(m: u32, k: u32) -> LaunchConfig {
     let threads = m.div_ceil(LINEAR_TMA_TILE) * LINEAR_TMA_TILE * 2 * k.div_ceil(64);
     LaunchConfig::linear(threads.div_ceil(256).clamp(1, 4096), 256).with_programmatic()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use metrale_gpu_runtime::{CpuBackend, GpuBackend, KernelHandle};
+
+    use super::*;
+    use crate::circuit_exec::Recorder;
+
+    /// The kernels `f` launches through launchers recording over `ops`.
+    fn kernels_of(ops: &Ops, f: impl Fn(&Ops) -> GpuResult<()>) -> Vec<KernelHandle> {
+        let (recorder, recording) = Recorder::over(ops);
+        f(&recording).expect("the launches record");
+        recorder.take().into_iter().map(|l| l.kernel).collect()
+    }
+
+    #[test]
+    fn linear_tma_runs_where_its_map_can_be_made_and_the_tiled_kernel_elsewhere() {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+        let ops = Ops::new(gpu.clone()).expect("kernels resolve");
+        let s = gpu.default_stream();
+        let (m, n, k) = (130u32, 8u32, 64u32);
+        let alloc = |bytes: usize| gpu.alloc(bytes).expect("alloc");
+        let (x, out) = (alloc((m * k * 2) as usize), alloc((m * n * 2) as usize));
+        let (w1, w2) = (alloc((n * k * 2) as usize), alloc((n * k * 2) as usize));
+        let images = linear_staging_bytes(m, k);
+        let base = alloc(LinearStaging::bytes(images, 4));
+        let tma = vec![ops.k.permute_k32_tiles, ops.k.linear_tma];
+        let tiled = vec![ops.k.linear];
+        let linear = |w: DevicePtr| move |o: &Ops| o.linear(s, out, x, w, m, n, k);
+
+        // Without staging memory, and with it while the weight's map has no slot left.
+        assert_eq!(kernels_of(&ops, linear(w1)), tiled);
+        ops.set_linear_staging(Some(LinearStaging::at(base, images, 1)));
+        assert_eq!(kernels_of(&ops, linear(w1)), tma);
+        assert_eq!(kernels_of(&ops, linear(w2)), tiled, "the one slot is w1's");
+        assert_eq!(kernels_of(&ops, linear(w1)), tma, "w1's map stays");
+
+        // While the stream captures a graph no map can be uploaded: the tiled kernel serves, and
+        // the launch does not fail. Afterwards the map is made.
+        ops.set_linear_staging(Some(LinearStaging::at(base, images, 4)));
+        gpu.begin_capture(s).expect("capture");
+        assert_eq!(kernels_of(&ops, linear(w2)), tiled);
+        let graph = gpu.end_capture(s).expect("capture ends");
+        gpu.destroy_graph(graph).expect("destroy");
+        assert_eq!(kernels_of(&ops, linear(w2)), tma);
+
+        // A producer stages only prefill-sized calls with k a multiple of 64.
+        let staging = |m: u32, k: u32| ops.linear_staging(s, w1, m, n, k).expect("no error");
+        assert_eq!(staging(m, k), Some(base));
+        assert_eq!(staging(LINEAR_SMALL_M_MAX, k), None);
+        assert_eq!(staging(m, 32), None);
+        assert_eq!(staging(4 * m, k), None, "the images would not fit");
+        // Without a map (here, no slots), a staged projection is refused, not run unmapped.
+        ops.set_linear_staging(Some(LinearStaging::at(base, images, 0)));
+        let refused = ops.linear_staged(s, out, base, w1, m, n, k);
+        assert!(
+            matches!(&refused, Err(GpuError::KernelFailed { problem, .. }) if problem.contains("no tensor map")),
+            "{refused:?}"
+        );
+    }
 }

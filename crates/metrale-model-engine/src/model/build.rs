@@ -13,7 +13,7 @@ use metrale_gpu_runtime::arena::ArenaLayout;
 use metrale_gpu_runtime::{BufferArena, DType, GpuBackend, GpuBackendExt};
 use metrale_model_layers::layer::{GdnBuffers, MoeBuffers};
 use metrale_model_layers::layers::{GdnShape, MoeShape};
-use metrale_model_layers::ops_gemm::{self, LINEAR_SMALL_M_MAX};
+use metrale_model_layers::ops_gemm::{self, LINEAR_SMALL_M_MAX, LinearStaging};
 use metrale_model_layers::{ModelDims, Ops, StepBuffers, TransformerLayer};
 
 use crate::error::ModelError;
@@ -217,15 +217,20 @@ impl TransformerModel {
         .into_iter()
         .max()
         .unwrap_or(0);
+        // A map slot per projection: at most eight a layer (MoE: router, shared expert's three;
+        // GDN: its input projections and output), the MTP head's layers and the LM head.
+        let map_slots = 8 * (layers.len() + n_mtp.unwrap_or(0) + 1);
         let staging = (r as u32 > LINEAR_SMALL_M_MAX)
             .then(|| ops_gemm::linear_staging_bytes(r as u32, widest_input));
         if let Some(bytes) = staging {
-            layout.add("linear_staging", DType::Bf16, bytes / 2);
+            let total = LinearStaging::bytes(bytes, map_slots);
+            layout.add("linear_staging", DType::U32, total.div_ceil(4));
         }
         let arena = BufferArena::build(gpu.clone(), &layout)?;
         let p = |n: &str| arena.get(n).ptr;
         if let Some(bytes) = staging {
-            ops.set_linear_staging(Some((p("linear_staging"), bytes)));
+            let base = p("linear_staging");
+            ops.set_linear_staging(Some(LinearStaging::at(base, bytes, map_slots)));
         }
         let buf = StepBuffers {
             residual: p("residual"),

@@ -59,7 +59,9 @@ impl TransformerLayer for DecoderLayer {
         // At prefill sizes the norm ahead of a dense projection also writes its rows as the
         // projection's stage images (`Ops::linear_staging`), sparing the projection's permute.
         let mixer_staged = match &self.mixer {
-            Mixer::Attention(a) if !cx.first => ops.linear_staging(a.qkv.ptr, rows, d.hidden),
+            Mixer::Attention(a) if !cx.first => {
+                ops.linear_staging(s, a.qkv.ptr, rows, d.qkv_width(), d.hidden)?
+            }
             _ => None,
         };
         if !cx.first {
@@ -70,7 +72,7 @@ impl TransformerLayer for DecoderLayer {
             Mixer::GatedDeltaNet(g) => g.forward(cx)?,
         }
         let ffn_staged = match &self.ffn {
-            Ffn::Dense(m) => ops.linear_staging(m.gate_up.ptr, rows, d.hidden),
+            Ffn::Dense(m) => ops.linear_staging(s, m.gate_up.ptr, rows, 2 * m.ffn, d.hidden)?,
             Ffn::Moe(_) => None,
         };
         self.residual_norm(cx, self.post_norm.ptr, ffn_staged)?;

@@ -35,7 +35,7 @@ impl Mlp {
             }
             None => ops.linear(s, buf.gate_up, buf.normed, self.gate_up.ptr, rows, n, k)?,
         }
-        if let Some(images) = ops.linear_staging(self.down.ptr, rows, self.ffn) {
+        if let Some(images) = ops.linear_staging(s, self.down.ptr, rows, d.hidden, self.ffn)? {
             ops.silu_mul_staged(s, images, buf.gate_up, rows, self.ffn)?;
             return ops.linear_staged(
                 s,

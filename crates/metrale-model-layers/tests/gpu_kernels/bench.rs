@@ -10,6 +10,7 @@ use std::sync::Arc;
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuBackendExt};
 use metrale_model_layers::Ops;
 use metrale_model_layers::ops::PagedAttention;
+use metrale_model_layers::ops_gemm::{LinearStaging, linear_staging_bytes};
 
 use super::harness::{Rng, S, TestCuda};
 
@@ -63,9 +64,9 @@ pub fn measure_linear() {
     let g = gpu.as_ref();
     let copy_gbs = copy_bandwidth(g);
     // Prefill-sized rows run `linear_tma`, as in a model (a staging buffer for the largest).
-    let staging_bytes = metrale_model_layers::ops_gemm::linear_staging_bytes(4096, 12288);
-    let staging = g.alloc(staging_bytes).expect("staging");
-    ops.set_linear_staging(Some((staging, staging_bytes)));
+    let images = linear_staging_bytes(4096, 12288);
+    let staging = g.alloc(LinearStaging::bytes(images, 64)).expect("staging");
+    ops.set_linear_staging(Some(LinearStaging::at(staging, images, 64)));
 
     let mut rng = Rng::new(12);
     for (m, n, k) in [

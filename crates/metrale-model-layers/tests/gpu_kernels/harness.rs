@@ -11,6 +11,7 @@ use metrale_gpu_runtime::{
     GpuResult, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
 };
 use metrale_model_layers::Ops;
+use metrale_model_layers::ops_gemm::{LinearStaging, linear_staging_bytes};
 
 /// The stream every test uses.
 pub const S: StreamHandle = StreamHandle::DEFAULT;
@@ -329,10 +330,11 @@ impl Pair {
     pub fn stage_linear(&self, rows_k: Option<(u32, u32)>) {
         match rows_k {
             Some((m, k)) => {
-                let bytes = metrale_model_layers::ops_gemm::linear_staging_bytes(m, k);
-                let buf = self.poisoned(bytes);
-                self.cpu_ops.set_linear_staging(Some((buf.cpu, bytes)));
-                self.gpu_ops.set_linear_staging(Some((buf.gpu, bytes)));
+                let images = linear_staging_bytes(m, k);
+                let buf = self.poisoned(LinearStaging::bytes(images, 4));
+                for (ops, base) in [(&self.cpu_ops, buf.cpu), (&self.gpu_ops, buf.gpu)] {
+                    ops.set_linear_staging(Some(LinearStaging::at(base, images, 4)));
+                }
             }
             None => {
                 self.cpu_ops.set_linear_staging(None);
