@@ -325,19 +325,40 @@ impl Ops {
         eps: f32,
         unit_offset: bool,
     ) -> GpuResult<()> {
+        let norm = RowNorm {
+            residual,
+            delta,
+            w,
+            out,
+            rows,
+            cols,
+            eps,
+            unit_offset,
+        };
+        self.add_rms_norm_launch(s, self.k.add_rms_norm, &norm, None)
+    }
+
+    /// `add_rms_norm` or its staged variant (which takes the stage images after `out`).
+    pub(crate) fn add_rms_norm_launch(
+        &self,
+        s: StreamHandle,
+        kernel: KernelHandle,
+        n: &RowNorm,
+        images: Option<DevicePtr>,
+    ) -> GpuResult<()> {
+        let mut args: Vec<KernelArg> =
+            vec![n.residual.into(), n.delta.into(), n.w.into(), n.out.into()];
+        args.extend(images.map(KernelArg::from));
+        args.extend::<[KernelArg; 4]>([
+            n.rows.into(),
+            n.cols.into(),
+            n.eps.into(),
+            (n.unit_offset as u32).into(),
+        ]);
         self.go(
-            self.k.add_rms_norm,
-            LaunchConfig::linear(rows, NORM_THREADS).with_programmatic(),
-            &[
-                residual.into(),
-                delta.into(),
-                w.into(),
-                out.into(),
-                rows.into(),
-                cols.into(),
-                eps.into(),
-                (unit_offset as u32).into(),
-            ],
+            kernel,
+            LaunchConfig::linear(n.rows, NORM_THREADS).with_programmatic(),
+            &args,
             s,
         )
     }
@@ -465,4 +486,18 @@ impl Ops {
 /// over blocks of `SILU_THREADS`; a programmatic dependent.
 pub(crate) fn silu_geometry(rows: u32, ffn: u32) -> LaunchConfig {
     LaunchConfig::grid2(rows, ffn.div_ceil(8 * SILU_THREADS), SILU_THREADS).with_programmatic()
+}
+
+/// The operands of `add_rms_norm` (and its staged variant): `residual += delta`, then
+/// `out = rms_norm(residual) · w`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RowNorm {
+    pub residual: DevicePtr,
+    pub delta: DevicePtr,
+    pub w: DevicePtr,
+    pub out: DevicePtr,
+    pub rows: u32,
+    pub cols: u32,
+    pub eps: f32,
+    pub unit_offset: bool,
 }

@@ -276,22 +276,17 @@ impl Ops {
         eps: f32,
         unit_offset: bool,
     ) -> GpuResult<()> {
-        self.go(
-            self.k.add_rms_norm_staged,
-            LaunchConfig::linear(rows, crate::ops::NORM_THREADS).with_programmatic(),
-            &[
-                residual.into(),
-                delta.into(),
-                w.into(),
-                out.into(),
-                images.into(),
-                rows.into(),
-                cols.into(),
-                eps.into(),
-                (unit_offset as u32).into(),
-            ],
-            s,
-        )
+        let norm = crate::ops::RowNorm {
+            residual,
+            delta,
+            w,
+            out,
+            rows,
+            cols,
+            eps,
+            unit_offset,
+        };
+        self.add_rms_norm_launch(s, self.k.add_rms_norm_staged, &norm, Some(images))
     }
 
     /// `silu_mul` written as stage images at `images` instead of rows (see
