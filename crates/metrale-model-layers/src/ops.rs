@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use metrale_gpu_runtime::{
-    DevicePtr, GpuBackend, GpuResult, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+    DevicePtr, GpuBackend, GpuError, GpuResult, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
 };
 use parking_lot::Mutex;
 
@@ -53,7 +53,7 @@ const ROW_THREADS: u32 = 256;
 /// Threads per block of the RMSNorm kernels: one 8-wide vector per thread for a 4096-wide row,
 /// so a decode row is one round of loads. (The reduction order follows the block size, the same
 /// for every row whatever the batch.)
-pub(crate) const NORM_THREADS: u32 = 512;
+const NORM_THREADS: u32 = 512;
 
 /// Threads per block of `silu_mul`; a row is cut over `ceil(ffn / (8 * SILU_THREADS))` blocks.
 const SILU_THREADS: u32 = 128;
@@ -325,7 +325,9 @@ impl Ops {
         eps: f32,
         unit_offset: bool,
     ) -> GpuResult<()> {
-        let norm = RowNorm {
+        self.add_rms_norm_into(
+            s,
+            None,
             residual,
             delta,
             w,
@@ -334,30 +336,80 @@ impl Ops {
             cols,
             eps,
             unit_offset,
-        };
-        self.add_rms_norm_launch(s, self.k.add_rms_norm, &norm, None)
+        )
     }
 
-    /// `add_rms_norm` or its staged variant (which takes the stage images after `out`).
-    pub(crate) fn add_rms_norm_launch(
+    /// `add_rms_norm` that also writes `out`'s rows as stage images at `images`, for the
+    /// projection after it (`add_rms_norm_staged`; see `Ops::linear_staging`). The kernel stages
+    /// on its vector path only, so unaligned operands or `cols % 8 != 0` are an error here
+    /// rather than rows left unwritten.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm_staged(
         &self,
         s: StreamHandle,
-        kernel: KernelHandle,
-        n: &RowNorm,
-        images: Option<DevicePtr>,
+        residual: DevicePtr,
+        delta: DevicePtr,
+        w: DevicePtr,
+        out: DevicePtr,
+        images: DevicePtr,
+        rows: u32,
+        cols: u32,
+        eps: f32,
+        unit_offset: bool,
     ) -> GpuResult<()> {
-        let mut args: Vec<KernelArg> =
-            vec![n.residual.into(), n.delta.into(), n.w.into(), n.out.into()];
+        let operands = [
+            ("residual", residual),
+            ("delta", delta),
+            ("w", w),
+            ("out", out),
+            ("images", images),
+        ];
+        check_staged("add_rms_norm_staged", &operands, cols)?;
+        let staged = Some(images);
+        self.add_rms_norm_into(
+            s,
+            staged,
+            residual,
+            delta,
+            w,
+            out,
+            rows,
+            cols,
+            eps,
+            unit_offset,
+        )
+    }
+
+    /// `add_rms_norm`, or `add_rms_norm_staged` with `images` (its argument after `out`).
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm_into(
+        &self,
+        s: StreamHandle,
+        images: Option<DevicePtr>,
+        residual: DevicePtr,
+        delta: DevicePtr,
+        w: DevicePtr,
+        out: DevicePtr,
+        rows: u32,
+        cols: u32,
+        eps: f32,
+        unit_offset: bool,
+    ) -> GpuResult<()> {
+        let kernel = match images {
+            Some(_) => self.k.add_rms_norm_staged,
+            None => self.k.add_rms_norm,
+        };
+        let mut args: Vec<KernelArg> = vec![residual.into(), delta.into(), w.into(), out.into()];
         args.extend(images.map(KernelArg::from));
         args.extend::<[KernelArg; 4]>([
-            n.rows.into(),
-            n.cols.into(),
-            n.eps.into(),
-            (n.unit_offset as u32).into(),
+            rows.into(),
+            cols.into(),
+            eps.into(),
+            (unit_offset as u32).into(),
         ]);
         self.go(
             kernel,
-            LaunchConfig::linear(n.rows, NORM_THREADS).with_programmatic(),
+            LaunchConfig::linear(rows, NORM_THREADS).with_programmatic(),
             &args,
             s,
         )
@@ -439,6 +491,27 @@ impl Ops {
         )
     }
 
+    /// `silu_mul` written as stage images at `images` instead of rows, for the down projection
+    /// (`silu_mul_staged`; see `Ops::linear_staging`). The kernel has only a vector path, so an
+    /// unaligned `gate_up` or `ffn % 8 != 0` is an error here rather than rows left unwritten.
+    pub fn silu_mul_staged(
+        &self,
+        s: StreamHandle,
+        images: DevicePtr,
+        gate_up: DevicePtr,
+        rows: u32,
+        ffn: u32,
+    ) -> GpuResult<()> {
+        let operands = [("images", images), ("gate_up", gate_up)];
+        check_staged("silu_mul_staged", &operands, ffn)?;
+        self.go(
+            self.k.silu_mul_staged,
+            silu_geometry(rows, ffn),
+            &[images.into(), gate_up.into(), rows.into(), ffn.into()],
+            s,
+        )
+    }
+
     /// Greedy token of each row.
     pub fn argmax(
         &self,
@@ -484,20 +557,23 @@ impl Ops {
 
 /// `silu_mul`'s (and `silu_mul_staged`'s) geometry: a row per grid row, 8-column vectors split
 /// over blocks of `SILU_THREADS`; a programmatic dependent.
-pub(crate) fn silu_geometry(rows: u32, ffn: u32) -> LaunchConfig {
+fn silu_geometry(rows: u32, ffn: u32) -> LaunchConfig {
     LaunchConfig::grid2(rows, ffn.div_ceil(8 * SILU_THREADS), SILU_THREADS).with_programmatic()
 }
 
-/// The operands of `add_rms_norm` (and its staged variant): `residual += delta`, then
-/// `out = rms_norm(residual) · w`.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RowNorm {
-    pub residual: DevicePtr,
-    pub delta: DevicePtr,
-    pub w: DevicePtr,
-    pub out: DevicePtr,
-    pub rows: u32,
-    pub cols: u32,
-    pub eps: f32,
-    pub unit_offset: bool,
+/// A staged producer's operands (`_staged` kernels stage on their 16-byte vector path only):
+/// each 16-byte aligned, rows of a multiple of 8 columns; else an error naming the first that
+/// is not.
+fn check_staged(kernel: &str, operands: &[(&str, DevicePtr)], cols: u32) -> GpuResult<()> {
+    let problem = if let Some((name, p)) = operands.iter().find(|(_, p)| !p.0.is_multiple_of(16)) {
+        format!("{name} at {:#x} is not 16-byte aligned", p.0)
+    } else if !cols.is_multiple_of(8) {
+        format!("rows of {cols} columns are not a multiple of 8")
+    } else {
+        return Ok(());
+    };
+    Err(GpuError::KernelFailed {
+        kernel: kernel.into(),
+        problem,
+    })
 }

@@ -154,16 +154,16 @@ impl Ops {
         state.maps.clear();
     }
 
-    /// Where x's stage images go for a prefill-sized call that `linear_tma` can run: a staging
-    /// buffer large enough, 16-byte aligned operands, `k` a positive multiple of 8.
-    fn linear_tma_images(&self, x: DevicePtr, w: DevicePtr, m: u32, k: u32) -> Option<DevicePtr> {
+    /// The staging memory, where a call of `m` rows by `k` inputs on weight `w` fits it: staging
+    /// memory given, `k` a positive multiple of `k_step`, a 16-byte aligned weight, images that
+    /// fit.
+    fn staging_for(&self, w: DevicePtr, m: u32, k: u32, k_step: u32) -> Option<LinearStaging> {
         let staging = self.tma.state.lock().staging?;
         let fits = k > 0
-            && k.is_multiple_of(8)
-            && x.0.is_multiple_of(16)
+            && k.is_multiple_of(k_step)
             && w.0.is_multiple_of(16)
             && staging.image_bytes >= linear_staging_bytes(m, k);
-        fits.then_some(staging.images)
+        fits.then_some(staging)
     }
 
     /// The device copy of `w`'s tensor map (`[n, k]`, boxes of 64 k by 128 rows) in a slot of
@@ -220,18 +220,14 @@ impl Ops {
         n: u32,
         k: u32,
     ) -> GpuResult<Option<DevicePtr>> {
-        let Some(staging) = self.tma.state.lock().staging else {
-            return Ok(None);
-        };
-        let fits = m > LINEAR_SMALL_M_MAX
-            && k > 0
-            && k.is_multiple_of(64)
-            && w.0.is_multiple_of(16)
-            && staging.image_bytes >= linear_staging_bytes(m, k);
-        if !fits || self.linear_tma_map(s, w, n, k)?.is_none() {
+        // Decode sizes ask every layer: answer them before any lock.
+        if m <= LINEAR_SMALL_M_MAX {
             return Ok(None);
         }
-        Ok(Some(staging.images))
+        let Some(staging) = self.staging_for(w, m, k, 64) else {
+            return Ok(None);
+        };
+        Ok(self.linear_tma_map(s, w, n, k)?.map(|_| staging.images))
     }
 
     /// `linear` (bf16 out) of an x that its producer wrote as stage images at `images` (see
@@ -258,53 +254,6 @@ impl Ops {
                 ),
             })?;
         self.linear_tma_launch(s, self.k.linear_tma, out, images, w, map, (m, n, k))
-    }
-
-    /// `add_rms_norm` that also writes `out`'s rows as stage images at `images` (see
-    /// [`Ops::linear_staging`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn add_rms_norm_staged(
-        &self,
-        s: StreamHandle,
-        residual: DevicePtr,
-        delta: DevicePtr,
-        w: DevicePtr,
-        out: DevicePtr,
-        images: DevicePtr,
-        rows: u32,
-        cols: u32,
-        eps: f32,
-        unit_offset: bool,
-    ) -> GpuResult<()> {
-        let norm = crate::ops::RowNorm {
-            residual,
-            delta,
-            w,
-            out,
-            rows,
-            cols,
-            eps,
-            unit_offset,
-        };
-        self.add_rms_norm_launch(s, self.k.add_rms_norm_staged, &norm, Some(images))
-    }
-
-    /// `silu_mul` written as stage images at `images` instead of rows (see
-    /// [`Ops::linear_staging`]).
-    pub fn silu_mul_staged(
-        &self,
-        s: StreamHandle,
-        images: DevicePtr,
-        gate_up: DevicePtr,
-        rows: u32,
-        ffn: u32,
-    ) -> GpuResult<()> {
-        self.go(
-            self.k.silu_mul_staged,
-            crate::ops::silu_geometry(rows, ffn),
-            &[images.into(), gate_up.into(), rows.into(), ffn.into()],
-            s,
-        )
     }
 
     /// `linear_tma` (`kernel`: bf16 or f32 out) of x's stage images, the weight read through its
@@ -351,10 +300,14 @@ impl Ops {
         k: u32,
     ) -> GpuResult<()> {
         let path = linear_path(m, n);
+        // `linear_tma` where it can: `permute_k32_tiles` writes any k % 8 == 0 (zeros past k)
+        // from a 16-byte aligned x.
         if path == LinearPath::Tiled
-            && let Some(images) = self.linear_tma_images(x, w, m, k)
+            && x.0.is_multiple_of(16)
+            && let Some(staging) = self.staging_for(w, m, k, 8)
             && let Some(map) = self.linear_tma_map(s, w, n, k)?
         {
+            let images = staging.images;
             self.go(
                 self.k.permute_k32_tiles,
                 permute_geometry(m, k),
@@ -550,5 +503,46 @@ mod tests {
             matches!(&refused, Err(GpuError::KernelFailed { problem, .. }) if problem.contains("no tensor map")),
             "{refused:?}"
         );
+    }
+
+    #[test]
+    fn staged_producers_refuse_operands_off_their_vector_path() {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+        let ops = Ops::new(gpu.clone()).expect("kernels resolve");
+        let s = gpu.default_stream();
+        let (rows, cols) = (2u32, 64u32);
+        let alloc = |bytes: usize| gpu.alloc(bytes).expect("alloc");
+        let images = alloc(linear_staging_bytes(rows, cols));
+        let gate_up = alloc((rows * 2 * cols * 2) as usize);
+        gpu.memset(gate_up, 0x3c, (rows * 2 * cols * 2) as usize, s)
+            .expect("fill");
+        let problem = |r: GpuResult<()>| match r {
+            Err(GpuError::KernelFailed { problem, .. }) => problem,
+            other => panic!("expected a refusal, got {other:?}"),
+        };
+        ops.silu_mul_staged(s, images, gate_up, rows, cols)
+            .expect("aligned operands stage");
+        let shifted = DevicePtr(gate_up.0 + 2);
+        assert!(problem(ops.silu_mul_staged(s, images, shifted, rows, cols)).contains("gate_up"));
+        assert!(problem(ops.silu_mul_staged(s, images, gate_up, rows, 60)).contains("60 columns"));
+
+        let residual = alloc((rows * cols * 4) as usize);
+        let (delta, out) = (
+            alloc((rows * cols * 2) as usize),
+            alloc((rows * cols * 2) as usize),
+        );
+        let w = alloc(cols as usize * 2);
+        for (p, bytes) in [
+            (residual, rows * cols * 4),
+            (delta, rows * cols * 2),
+            (w, cols * 2),
+        ] {
+            gpu.memset(p, 0x3c, bytes as usize, s).expect("fill");
+        }
+        let norm = |out: DevicePtr| {
+            ops.add_rms_norm_staged(s, residual, delta, w, out, images, rows, cols, 1e-6, false)
+        };
+        norm(out).expect("aligned operands stage");
+        assert!(problem(norm(DevicePtr(out.0 + 8))).contains("out at"));
     }
 }

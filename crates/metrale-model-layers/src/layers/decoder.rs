@@ -44,6 +44,14 @@ pub struct DecoderLayer {
 impl TransformerLayer for DecoderLayer {
     fn forward(&self, cx: &LayerCtx<'_>) -> GpuResult<()> {
         let (ops, s, buf, d, rows) = (cx.ops, cx.stream, cx.buf, cx.dims, cx.shape.rows);
+        // At prefill sizes the norm ahead of a dense projection also writes its rows as the
+        // projection's stage images (`Ops::linear_staging`), sparing the projection's permute.
+        let mixer_staged = match &self.mixer {
+            Mixer::Attention(a) if !cx.first => {
+                ops.linear_staging(s, a.qkv.ptr, rows, d.qkv_width(), d.hidden)?
+            }
+            _ => None,
+        };
         if cx.first {
             ops.rms_norm(
                 s,
@@ -55,16 +63,7 @@ impl TransformerLayer for DecoderLayer {
                 d.eps,
                 d.unit_offset,
             )?;
-        }
-        // At prefill sizes the norm ahead of a dense projection also writes its rows as the
-        // projection's stage images (`Ops::linear_staging`), sparing the projection's permute.
-        let mixer_staged = match &self.mixer {
-            Mixer::Attention(a) if !cx.first => {
-                ops.linear_staging(s, a.qkv.ptr, rows, d.qkv_width(), d.hidden)?
-            }
-            _ => None,
-        };
-        if !cx.first {
+        } else {
             self.residual_norm(cx, self.input_norm.ptr, mixer_staged)?;
         }
         match &self.mixer {

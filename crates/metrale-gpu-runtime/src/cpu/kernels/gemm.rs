@@ -8,22 +8,16 @@ use super::util::{b, f};
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
 
-fn gemm(ctx: &KernelCtx<'_>, store: impl Fn(usize, f32) -> GpuResult<()>) -> GpuResult<()> {
-    let (m, n, k) = (ctx.usize(3)?, ctx.usize(4)?, ctx.usize(5)?);
-    let x = ctx.slice::<bf16>(1, m * k)?;
-    gemm_of(ctx, x, (m, n, k), store)
-}
-
-/// `out = x · wᵀ` for x given (rows of `k`), the weight at argument 2.
+/// `x · wᵀ` in f32, `[m, n]` row-major, for x given (rows of `k`) and the weight at argument 2.
 fn gemm_of(
     ctx: &KernelCtx<'_>,
     x: &[bf16],
     (m, n, k): (usize, usize, usize),
-    store: impl Fn(usize, f32) -> GpuResult<()>,
-) -> GpuResult<()> {
+) -> GpuResult<Vec<f32>> {
     let w = ctx.slice::<bf16>(2, n * k)?;
     let wf: Vec<f32> = w.iter().map(|&e| f(e)).collect();
     let mut xr = vec![0.0f32; k];
+    let mut out = Vec::with_capacity(m * n);
     for i in 0..m {
         for (dst, &src) in xr.iter_mut().zip(&x[i * k..(i + 1) * k]) {
             *dst = f(src);
@@ -33,33 +27,46 @@ fn gemm_of(
             for (a, c) in xr.iter().zip(&wf[j * k..(j + 1) * k]) {
                 acc += a * c;
             }
-            store(i * n + j, acc)?;
+            out.push(acc);
+        }
+    }
+    Ok(out)
+}
+
+/// `x · wᵀ` into argument 0: bf16, or f32 (`f32_out`: the LM head's logits).
+fn store_gemm(
+    ctx: &KernelCtx<'_>,
+    x: &[bf16],
+    dims: (usize, usize, usize),
+    f32_out: bool,
+) -> GpuResult<()> {
+    let acc = gemm_of(ctx, x, dims)?;
+    if f32_out {
+        ctx.slice_mut::<f32>(0, acc.len())?.copy_from_slice(&acc);
+    } else {
+        for (o, &v) in ctx.slice_mut::<bf16>(0, acc.len())?.iter_mut().zip(&acc) {
+            *o = b(v);
         }
     }
     Ok(())
 }
 
+/// `linear` and `linear_f32out`: x at argument 1, then w, m, n, k.
+fn linear_any(ctx: &KernelCtx<'_>, f32_out: bool) -> GpuResult<()> {
+    ctx.expect_args(6)?;
+    let (m, n, k) = (ctx.usize(3)?, ctx.usize(4)?, ctx.usize(5)?);
+    store_gemm(ctx, ctx.slice::<bf16>(1, m * k)?, (m, n, k), f32_out)
+}
+
 /// `linear(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k)`.
 pub fn linear(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(6)?;
-    let (m, n) = (ctx.usize(3)?, ctx.usize(4)?);
-    let out = std::cell::RefCell::new(ctx.slice_mut::<bf16>(0, m * n)?);
-    gemm(ctx, |i, v| {
-        out.borrow_mut()[i] = b(v);
-        Ok(())
-    })
+    linear_any(ctx, false)
 }
 
 /// `linear_f32out(out: f32 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k)`: the LM head,
 /// whose logits stay f32.
 pub fn linear_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(6)?;
-    let (m, n) = (ctx.usize(3)?, ctx.usize(4)?);
-    let out = std::cell::RefCell::new(ctx.slice_mut::<f32>(0, m * n)?);
-    gemm(ctx, |i, v| {
-        out.borrow_mut()[i] = v;
-        Ok(())
-    })
+    linear_any(ctx, true)
 }
 
 /// Bytes of `permute_k32_tiles`'s stage images of an `[m, k]` matrix: per 128-row tile, one
@@ -126,29 +133,23 @@ fn x_from_images(ctx: &KernelCtx<'_>, m: usize, k: usize) -> GpuResult<Vec<bf16>
     Ok(x)
 }
 
-/// `linear_tma(out: bf16 [m, n], xt: stage images of x, w: bf16 [n, k], wmap, m, n, k)`:
-/// `linear` with x from `permute_k32_tiles`; the tensor map is the device's and not read here.
-pub fn linear_tma(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+/// `linear_tma` and `linear_tma_f32out`: x from its stage images at argument 1, then w, the
+/// tensor map (the device's, not read here), m, n, k.
+fn linear_tma_any(ctx: &KernelCtx<'_>, f32_out: bool) -> GpuResult<()> {
     ctx.expect_args(7)?;
     let (m, n, k) = (ctx.usize(4)?, ctx.usize(5)?, ctx.usize(6)?);
-    let x = x_from_images(ctx, m, k)?;
-    let out = std::cell::RefCell::new(ctx.slice_mut::<bf16>(0, m * n)?);
-    gemm_of(ctx, &x, (m, n, k), |i, v| {
-        out.borrow_mut()[i] = b(v);
-        Ok(())
-    })
+    store_gemm(ctx, &x_from_images(ctx, m, k)?, (m, n, k), f32_out)
+}
+
+/// `linear_tma(out: bf16 [m, n], xt: stage images of x, w: bf16 [n, k], wmap, m, n, k)`:
+/// `linear` with x from `permute_k32_tiles`.
+pub fn linear_tma(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    linear_tma_any(ctx, false)
 }
 
 /// `linear_tma_f32out(out: f32 [m, n], xt, w, wmap, m, n, k)`: likewise, f32 out.
 pub fn linear_tma_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(7)?;
-    let (m, n, k) = (ctx.usize(4)?, ctx.usize(5)?, ctx.usize(6)?);
-    let x = x_from_images(ctx, m, k)?;
-    let out = std::cell::RefCell::new(ctx.slice_mut::<f32>(0, m * n)?);
-    gemm_of(ctx, &x, (m, n, k), |i, v| {
-        out.borrow_mut()[i] = v;
-        Ok(())
-    })
+    linear_tma_any(ctx, true)
 }
 
 /// The family table.

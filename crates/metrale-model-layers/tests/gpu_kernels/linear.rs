@@ -1,0 +1,376 @@
+//! The `linear` family against its CPU twins and itself: every kernel (narrow, wide, tiled,
+//! `linear_tma`) bitwise the others at every m, rows independent of the rows beside them, and
+//! the staged producers' images bitwise `permute_k32_tiles` of the plain kernels' rows.
+
+use half::bf16;
+use metrale_gpu_runtime::KernelArg;
+use metrale_model_layers::ops_gemm::{
+    LINEAR_SMALL_M_MAX, LinearPath, linear_geometry, linear_staging_bytes, linear_tma_geometry,
+    permute_geometry,
+};
+
+use super::harness::{self, Pair, Rng, S, Tolerance};
+
+/// `x [m, k]`, `w [n, k]` scaled so outputs are of order one.
+fn linear_inputs(rng: &mut Rng, m: u32, n: u32, k: u32) -> (Vec<bf16>, Vec<bf16>) {
+    let s = (3.0 / k as f32).sqrt();
+    (
+        rng.bf16s((m * k) as usize, -1.0, 1.0),
+        rng.bf16s((n * k) as usize, -s, s),
+    )
+}
+
+#[test]
+fn linear_matches_on_both_paths_and_odd_shapes() {
+    let p = Pair::new();
+    let mut rng = Rng::new(7);
+    let shapes = [
+        (1u32, 4096u32, 4096u32),
+        (3, 1000, 1003),
+        (16, 520, 256),
+        (2, 512, 12288),
+        (64, 300, 1000),
+        (17, 1000, 4096),
+        (33, 136, 520),
+        (65, 260, 520),
+        (48, 520, 1024),
+        (200, 1030, 4096),
+        (129, 70, 77),
+        // `linear_tma` (with a staging buffer): segments ending with stages, a partial last
+        // stage, an odd chunk count (segments ending inside stages).
+        (140, 520, 4096),
+        (300, 264, 1000),
+        (257, 136, 96),
+    ];
+    for (m, n, k) in shapes {
+        let (x, w) = linear_inputs(&mut rng, m, n, k);
+        let (x, w) = (p.upload(&x), p.upload(&w));
+        let out = p.poisoned((m * n) as usize * 2);
+        let logits = p.poisoned((m * n) as usize * 4);
+        let case = format!("m={m} n={n} k={k}");
+        p.run(|o, at| o.linear(S, at(&out), at(&x), at(&w), m, n, k));
+        p.check_bf16("linear", &case, &out, Tolerance::BF16);
+        p.run(|o, at| o.linear_f32out(S, at(&logits), at(&x), at(&w), m, n, k));
+        p.check_f32("linear_f32out", &case, &logits, Tolerance::F32_DOT);
+        let first = p.download_gpu::<u32>(&logits);
+        p.run_gpu(|o, at| o.linear_f32out(S, at(&logits), at(&x), at(&w), m, n, k));
+        assert!(
+            first == p.download_gpu::<u32>(&logits),
+            "linear_f32out {case}: a second run differs"
+        );
+        if m > LINEAR_SMALL_M_MAX && k.is_multiple_of(8) {
+            // The same call through `linear_tma` and its twin: close to the CPU, bitwise the
+            // tiled kernel.
+            p.stage_linear(Some((m, k)));
+            let tma = p.poisoned((m * n) as usize * 4);
+            p.run(|o, at| o.linear_f32out(S, at(&tma), at(&x), at(&w), m, n, k));
+            p.check_f32("linear_f32out(tma)", &case, &tma, Tolerance::F32_DOT);
+            assert!(
+                first == p.download_gpu::<u32>(&tma),
+                "linear_f32out {case}: linear_tma differs bitwise from linear"
+            );
+            p.stage_linear(None);
+        }
+    }
+}
+
+#[test]
+fn linear_rows_do_not_depend_on_how_many_rows_share_the_launch() {
+    let p = Pair::new();
+    let mut rng = Rng::new(8);
+    let (n, k) = (264u32, 1000u32);
+    let big_m = 200u32;
+    let (x, w) = linear_inputs(&mut rng, big_m, n, k);
+    let (xb, wb) = (p.upload(&x), p.upload(&w));
+    // Prefill-sized launches run `linear_tma`, as in a model.
+    p.stage_linear(Some((big_m, k)));
+    let full = p.poisoned((big_m * n) as usize * 4);
+    p.run_gpu(|o, at| o.linear_f32out(S, at(&full), at(&xb), at(&wb), big_m, n, k));
+    let full = p.download_gpu::<u32>(&full);
+    // The same rows, launched in smaller batches (both paths), each starting at a row offset.
+    for (start, m) in [
+        (0u32, 1u32),
+        (7, 1),
+        (13, 5),
+        (20, 16),
+        (21, 17),
+        (60, 33),
+        (40, 64),
+        (100, 65),
+        (199, 1),
+        (3, 130),
+    ] {
+        let xs = p.upload(&x[(start * k) as usize..((start + m) * k) as usize]);
+        let out = p.poisoned((m * n) as usize * 4);
+        p.run_gpu(|o, at| o.linear_f32out(S, at(&out), at(&xs), at(&wb), m, n, k));
+        let got = p.download_gpu::<u32>(&out);
+        assert!(
+            got[..] == full[(start * n) as usize..((start + m) * n) as usize],
+            "rows {start}..{} differ bitwise between m={m} and m={big_m}",
+            start + m
+        );
+    }
+    println!(
+        "kernel-check {:<18} {:<44} bitwise equal for m in 1..=200 ok",
+        "linear(batch-inv)",
+        format!("n={n} k={k}")
+    );
+}
+
+/// Launch `gemm::<name>` directly (bypassing the launcher's choice of kernel by m), with the
+/// geometry that kernel expects.
+fn launch_gemm(
+    p: &Pair,
+    name: &str,
+    out: &harness::Buf,
+    x: &harness::Buf,
+    w: &harness::Buf,
+    mnk: (u32, u32, u32),
+) {
+    let (m, n, k) = mnk;
+    let gpu = p.gpu.as_ref();
+    let kernel = gpu.kernel("gemm", name).expect("gemm kernel resolves");
+    let path = if name.starts_with("linear_stream_wide") {
+        LinearPath::Wide
+    } else if name.starts_with("linear_stream_b4") {
+        LinearPath::NarrowB4
+    } else if name.starts_with("linear_stream") {
+        LinearPath::Narrow
+    } else {
+        LinearPath::Tiled
+    };
+    let cfg = linear_geometry(path, m, n);
+    let args = [
+        KernelArg::Ptr(out.gpu),
+        KernelArg::Ptr(x.gpu),
+        KernelArg::Ptr(w.gpu),
+        KernelArg::U32(m),
+        KernelArg::U32(n),
+        KernelArg::U32(k),
+    ];
+    gpu.launch(kernel, &cfg, &args, S).expect("launch");
+    gpu.synchronize(S).expect("the gemm kernel ran");
+}
+
+/// `permute_k32_tiles` then `gemm::linear_tma` (or `_f32out` for 4-byte outputs) directly, at
+/// any m, with the weight's tensor map from the backend; the output's halfwords.
+fn linear_tma(
+    p: &Pair,
+    bytes: usize,
+    x: &harness::Buf,
+    w: &harness::Buf,
+    mnk: (u32, u32, u32),
+) -> Vec<u16> {
+    let (m, n, k) = mnk;
+    let gpu = p.gpu.as_ref();
+    let images = p.upload(&permuted_images(p, x, m, k));
+    let map = p.upload(
+        &gpu.tensor_map_bf16(w.gpu, n, k, 128, 64)
+            .expect("CUDA has tensor maps")
+            .expect("the weight's map encodes"),
+    );
+    let out = p.poisoned((m * n) as usize * bytes);
+    let name = if bytes == 4 {
+        "linear_tma_f32out"
+    } else {
+        "linear_tma"
+    };
+    let kernel = gpu.kernel("gemm", name).expect("resolves");
+    let args = [
+        KernelArg::Ptr(out.gpu),
+        KernelArg::Ptr(images.gpu),
+        KernelArg::Ptr(w.gpu),
+        KernelArg::Ptr(map.gpu),
+        KernelArg::U32(m),
+        KernelArg::U32(n),
+        KernelArg::U32(k),
+    ];
+    gpu.launch(kernel, &linear_tma_geometry(m, n), &args, S)
+        .expect("launch");
+    gpu.synchronize(S).expect("linear_tma ran");
+    p.download_gpu::<u16>(&out)
+}
+
+/// The halfwords of rows `0..m` of stage images of `[m, k]` (the padding rows dropped).
+fn image_rows(img: &[u16], m: u32, k: u32) -> Vec<u16> {
+    let steps = k.div_ceil(64) as usize;
+    let mut rows = Vec::new();
+    for row in 0..m as usize {
+        for j in 0..steps {
+            let at = ((row / 128) * steps + j) * 8192 + (row % 128) * 64;
+            rows.extend_from_slice(&img[at..at + 64]);
+        }
+    }
+    rows
+}
+
+#[test]
+fn staged_producers_write_the_images_permute_would() {
+    let p = Pair::new();
+    let mut rng = Rng::new(12);
+    for (m, k) in [(130u32, 1024u32), (300, 4096)] {
+        let images = linear_staging_bytes(m, k);
+        let case = format!("m={m} k={k}");
+        // silu_mul: the staged kernel against silu_mul then permute_k32_tiles.
+        let gu = p.upload(&rng.bf16s((m * 2 * k) as usize, -4.0, 4.0));
+        let act = p.poisoned((m * k) as usize * 2);
+        let staged = p.poisoned(images);
+        p.run(|o, at| o.silu_mul_staged(S, at(&staged), at(&gu), m, k));
+        p.check_bf16("silu_mul_staged", &case, &staged, Tolerance::BF16);
+        p.run_gpu(|o, at| o.silu_mul(S, at(&act), at(&gu), m, k));
+        let permuted = permuted_images(&p, &act, m, k);
+        assert!(
+            image_rows(&p.download_gpu::<u16>(&staged), m, k) == image_rows(&permuted, m, k),
+            "silu_mul_staged {case}: the images differ from silu_mul's rows permuted"
+        );
+        // add_rms_norm: the staged kernel's rows and images against the plain kernel's.
+        let residual = rng.f32s((m * k) as usize, -2.0, 2.0);
+        let (r1, r2) = (p.upload(&residual), p.upload(&residual));
+        let delta = p.upload(&rng.bf16s((m * k) as usize, -1.0, 1.0));
+        let w = p.upload(&rng.bf16s(k as usize, 0.5, 1.5));
+        let (out1, out2) = (
+            p.poisoned((m * k) as usize * 2),
+            p.poisoned((m * k) as usize * 2),
+        );
+        let staged = p.poisoned(images);
+        p.run(|o, at| {
+            o.add_rms_norm_staged(
+                S,
+                at(&r1),
+                at(&delta),
+                at(&w),
+                at(&out1),
+                at(&staged),
+                m,
+                k,
+                1e-6,
+                true,
+            )
+        });
+        p.check_bf16("add_rms_norm_staged", &case, &out1, Tolerance::BF16);
+        p.check_bf16(
+            "add_rms_norm_staged",
+            &format!("{case} images"),
+            &staged,
+            Tolerance::BF16,
+        );
+        p.run_gpu(|o, at| {
+            o.add_rms_norm(S, at(&r2), at(&delta), at(&w), at(&out2), m, k, 1e-6, true)
+        });
+        assert!(
+            p.download_gpu::<u16>(&out1) == p.download_gpu::<u16>(&out2),
+            "add_rms_norm_staged {case}: rows differ from add_rms_norm's"
+        );
+        let permuted = permuted_images(&p, &out2, m, k);
+        assert!(
+            image_rows(&p.download_gpu::<u16>(&staged), m, k) == image_rows(&permuted, m, k),
+            "add_rms_norm_staged {case}: the images differ from add_rms_norm's rows permuted"
+        );
+    }
+}
+
+/// `permute_k32_tiles` of `x [m, k]` on the GPU: the images' halfwords.
+fn permuted_images(p: &Pair, x: &harness::Buf, m: u32, k: u32) -> Vec<u16> {
+    let gpu = p.gpu.as_ref();
+    let images = p.poisoned(linear_staging_bytes(m, k));
+    let permute = gpu.kernel("gemm", "permute_k32_tiles").expect("resolves");
+    gpu.launch(
+        permute,
+        &permute_geometry(m, k),
+        &[images.gpu.into(), x.gpu.into(), m.into(), k.into()],
+        S,
+    )
+    .expect("permute launch");
+    gpu.synchronize(S).expect("permute ran");
+    p.download_gpu::<u16>(&images)
+}
+
+#[test]
+fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
+    let p = Pair::new();
+    let mut rng = Rng::new(11);
+    for (m, n, k) in [
+        (1u32, 1000u32, 4096u32),
+        (8, 264, 1000),
+        (17, 136, 520),
+        (64, 300, 1000),
+        (100, 264, 1000),
+        (130, 70, 77),
+        // Vector loads on the decode paths: segments of unequal batch counts, empty segments,
+        // partial column and row tiles, m on both sides of 8 (x rows g + 8).
+        (3, 136, 96),
+        (16, 520, 256),
+        (40, 300, 1024),
+        (64, 1000, 4096),
+        (9, 4100, 12288),
+        // The wide kernel's clusters: fewer segments than blocks (k = 64: two), unaligned
+        // operands, a long k, a last tile of few columns.
+        (33, 136, 64),
+        (20, 136, 77),
+        (48, 1000, 12288),
+        // `linear_tma` too: segments ending with stages (k = 4096, 12288), a partial last stage
+        // (k = 1000), segments ending inside stages (k = 96: three chunks), partial row and
+        // column tiles.
+        (129, 1000, 4096),
+        (300, 264, 1000),
+        (257, 136, 96),
+        (200, 4100, 12288),
+    ] {
+        let (x, w) = linear_inputs(&mut rng, m, n, k);
+        let (x, w) = (p.upload(&x), p.upload(&w));
+        for (names, bytes) in [
+            (
+                [
+                    "linear_f32out",
+                    "linear_stream_f32out",
+                    "linear_stream_b4_f32out",
+                    "linear_stream_wide_f32out",
+                ],
+                4,
+            ),
+            (
+                [
+                    "linear",
+                    "linear_stream",
+                    "linear_stream_b4",
+                    "linear_stream_wide",
+                ],
+                2,
+            ),
+        ] {
+            let mut results = Vec::new();
+            for name in names {
+                let out = p.poisoned((m * n) as usize * bytes);
+                launch_gemm(&p, name, &out, &x, &w, (m, n, k));
+                results.push(p.download_gpu::<u16>(&out));
+            }
+            for (name, got) in names.iter().zip(&results).skip(1) {
+                assert!(
+                    *got == results[0],
+                    "m={m} n={n} k={k}: {name} differs bitwise from {}",
+                    names[0]
+                );
+            }
+            if k.is_multiple_of(8) {
+                let tma = linear_tma(&p, bytes, &x, &w, (m, n, k));
+                assert!(
+                    tma == results[0],
+                    "m={m} n={n} k={k}: linear_tma differs bitwise from {}",
+                    names[0]
+                );
+            }
+            // Poison is all-ones: a NaN in either format, which no output of finite inputs is.
+            assert!(
+                results[0]
+                    .chunks(bytes / 2)
+                    .all(|e| e.iter().any(|&h| h != 0xFFFF)),
+                "m={m} n={n} k={k}: an output of {} was not written",
+                names[0]
+            );
+        }
+    }
+    println!(
+        "kernel-check {:<18} {:<44} bitwise equal, m in 1..=130 ok",
+        "linear(kernels)", "tiled = stream = stream_b4 = stream_wide at every m"
+    );
+}
