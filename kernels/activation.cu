@@ -19,8 +19,7 @@ MT_DEVICE uint4 silu_mul8(const bf16* g, const bf16* u, uint32_t v) {
 // out = silu(gate) * up with silu(x) = x / (1 + exp(-x)) in f32.
 extern "C" __global__ void silu_mul(bf16* __restrict__ out, const bf16* __restrict__ gate_up,
                                     uint32_t rows, uint32_t ffn) {
-    pdl_wait();  // launched as a programmatic dependent (ops::silu_mul)
-    pdl_trigger();
+    pdl_enter(rows);  // launched as a programmatic dependent (common.cuh)
     const uint32_t r = blockIdx.x;
     if (r >= rows) return;
     const bf16* g = gate_up + (size_t)r * 2 * ffn;

@@ -63,6 +63,11 @@ struct AtpShared {
     uint32_t kv[ATT_MAX_ITEMS];  // the key/value head's offset in a slot
     uint32_t grp[ATT_MAX_ITEMS][2 + ATP_ROWS];  // first row, rows, each row's context
     int bad[2];  // a slot past the pool was seen, by item parity
+    // The staged kernel's output: the o projection's stage images (null: `out`), with their 64-k
+    // stages a row tile. Here rather than in AttLaunch, whose every field costs the unit loop
+    // registers.
+    unsigned char* img;
+    uint32_t img_steps;
 };
 
 // Item k of this cluster as partition `part` sees it. `ctx` is the largest context of its rows
@@ -219,6 +224,20 @@ MT_DEVICE void atp_unit(const bf16* stage, const bf16* q, uint32_t t, uint32_t h
     }
 }
 
+// Output element `col` of row `r` (rows of `width`): into `out`, or for the staged kernel
+// into the o projection's stage images `img` (`steps` 64-k stages a row tile).
+MT_DEVICE void atp_store(bf16* out, unsigned char* img, uint32_t steps, uint32_t width, uint32_t r, uint32_t col,
+                         bf16 v) {
+    if (img != nullptr)
+        *reinterpret_cast<bf16*>(img + img_elem_offset(r, col, steps)) = v;
+    else
+        out[(size_t)r * width + col] = v;
+}
+
+MT_DEVICE void atp_put(const AttLaunch& a, const AtpShared& sh, uint32_t r, uint32_t col, bf16 v) {
+    atp_store(a.out, sh.img, sh.img_steps, a.hq * a.d, r, col, v);
+}
+
 // The cluster's combine of item `it` (parity p) and this block's share of its outputs; NaN for
 // an item whose inputs are out of range. `prep`: each virtual row's split weights and
 // denominator into sh.wt (before a block barrier), else the outputs (after it).
@@ -254,7 +273,7 @@ MT_DEVICE void atp_output(const AttLaunch& a, const AtpItem& it, uint32_t p, Atp
     const uint32_t lane = (threadIdx.x & 31) + 32 * half;
     for (uint32_t v = a.split + ATT_SPLITS * (warp % 8); v < used; v += ATT_SPLITS * 8) {
         const uint32_t r = it.row + v / a.hb, h = it.h0 + v % a.hb;
-        bf16* out = a.out + ((size_t)r * a.hq + h) * a.d;
+        const uint32_t col0 = h * a.d;
         const bf16* gate = a.qkv + (size_t)r * a.row_stride + (size_t)h * a.q_head_stride + a.d;
         float wt[ATT_SPLITS];
 #pragma unroll
@@ -262,13 +281,13 @@ MT_DEVICE void atp_output(const AttLaunch& a, const AtpItem& it, uint32_t p, Atp
         const float den = sh.wt[v][ATT_SPLITS];
         for (uint32_t e = lane; e < a.d; e += 64) {
             if (it.ctx == 0) {
-                out[e] = bf16_nan();
+                atp_put(a, sh, r, col0 + e, bf16_nan());
                 continue;
             }
             float ps[ATT_SPLITS];
 #pragma unroll
             for (int s = 0; s < ATT_SPLITS; ++s) ps[s] = cluster.map_shared_rank(pk, s)[v * (DP + 8) + e];
-            out[e] = att_finish(wt, ps, den, a.gated ? gate + e : nullptr);
+            atp_put(a, sh, r, col0 + e, att_finish(wt, ps, den, a.gated ? gate + e : nullptr));
         }
     }
 }
@@ -435,33 +454,40 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
     cluster_leave_barrier();
 }
 
+// The kernel arguments after the output, as parameters and as arguments.
+#define ATP_ARGS qkv, k_cache, v_cache, block_tables, row_seq, positions, rows, row_stride, q_head_stride, \
+    num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_seqs, num_slots, scale, gated, row_groups, n_groups
+#define ATP_PARAMS const bf16* __restrict__ qkv, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache, \
+    const uint32_t* __restrict__ block_tables, const uint32_t* __restrict__ row_seq,                                   \
+    const uint32_t* __restrict__ positions, uint32_t rows, uint32_t row_stride, uint32_t q_head_stride,                \
+    uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim, uint32_t block_size, uint32_t max_blocks,           \
+    uint32_t num_seqs, uint32_t num_slots, float scale, uint32_t gated, const uint32_t* __restrict__ row_groups,       \
+    uint32_t n_groups
+
 // paged_attention_prefill(the arguments of paged_attention, then row_groups: u32 [n_groups, 2]
 // (first row, rows), n_groups): `paged_attention` on the rows of the groups, bitwise, each
 // group's rows (1 ..= atp_rows_per_item consecutive rows of one sequence whose positions lie in
 // the same 16-token unit) in one item, so each key and value is read once for all of them. Rows
 // of no group are not written; a malformed group gets NaN outputs.
-extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATP_THREADS, 1)
-    paged_attention_prefill(bf16* __restrict__ out, const bf16* __restrict__ qkv,
-                            const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
-                            const uint32_t* __restrict__ block_tables,
-                            const uint32_t* __restrict__ row_seq, const uint32_t* __restrict__ positions,
-                            uint32_t rows, uint32_t row_stride, uint32_t q_head_stride,
-                            uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
-                            uint32_t block_size, uint32_t max_blocks, uint32_t num_seqs,
-                            uint32_t num_slots, float scale, uint32_t gated,
-                            const uint32_t* __restrict__ row_groups, uint32_t n_groups) {
-    extern __shared__ __align__(16) unsigned char att_dyn[];
+//
+// paged_attention_prefill_staged(img, then the same arguments): the same rows written as the o
+// projection's stage images of [rows, num_q_heads * head_dim] (kernels/common.cuh) instead of
+// `out`, so `linear_tma` reads them without `permute_k32_tiles`; the launcher stages only
+// num_q_heads * head_dim % 64 == 0. Image rows of no group are not written.
+MT_DEVICE void atp_kernel(bf16* __restrict__ out, unsigned char* __restrict__ img, ATP_PARAMS) {
+    extern __shared__ __align__(16) unsigned char atp_dyn[];
     __shared__ AtpShared sh;
     const AttLaunch a = att_launch(out, qkv, k_cache, v_cache, block_tables, row_stride, q_head_stride,
-                                   num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,
-                                   num_slots, scale, gated, n_groups);
+                             num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_slots, scale,
+                             gated, n_groups);
+    const uint32_t width = num_q_heads * head_dim, steps = (width + 63) / 64;
     const uint32_t dp = att_padded_dim(head_dim);
     const uint32_t rpi = atp_rows_per_item(a.hb, dp);
     if (!att_launch_ok(a, num_kv_heads, ATP_THREADS, atp_shared_bytes(dp))) {
         if (num_q_heads == 0) return;
         for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x)
-            for (uint32_t i = threadIdx.x; i < num_q_heads * head_dim; i += blockDim.x)
-                out[(size_t)r * num_q_heads * head_dim + i] = bf16_nan();
+            for (uint32_t i = threadIdx.x; i < width; i += blockDim.x)
+                atp_store(out, img, steps, width, r, i, bf16_nan());
         return;
     }
 
@@ -490,9 +516,23 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
         sh.h0[k] = ((a.cluster + k * a.n_clusters) % a.groups) * a.hb;
         sh.kv[k] = (sh.h0[k] / a.group) * a.d;
     }
-    if (threadIdx.x == 0) sh.bad[0] = sh.bad[1] = 0;
+    if (threadIdx.x == 0) {
+        sh.bad[0] = sh.bad[1] = 0;
+        sh.img = img;
+        sh.img_steps = steps;
+    }
     if (threadIdx.x < ATT_WARPS) mbar_init((uint32_t)__cvta_generic_to_shared(&sh.pbar[threadIdx.x]), 128);
     __syncthreads();
 
-    att_by_dim(dp, [&](auto dim) { atp_run<decltype(dim)::value>(a, att_dyn, sh); });
+    att_by_dim(dp, [&](auto dim) { atp_run<decltype(dim)::value>(a, atp_dyn, sh); });
+}
+
+extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATP_THREADS, 1)
+    paged_attention_prefill(bf16* __restrict__ out, ATP_PARAMS) {
+    atp_kernel(out, nullptr, ATP_ARGS);
+}
+
+extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATP_THREADS, 1)
+    paged_attention_prefill_staged(bf16* __restrict__ img, ATP_PARAMS) {
+    atp_kernel(nullptr, reinterpret_cast<unsigned char*>(img), ATP_ARGS);
 }

@@ -100,6 +100,13 @@ MT_DEVICE void store_k32_pairs(unsigned char* img, uint32_t row, uint32_t c, uin
     for (uint32_t t = 0; t < 4; ++t) *reinterpret_cast<uint4*>(img + img_offset(row, c, t, steps)) = o[t];
 }
 
+// Byte offset of element `col` of row `row` in the stage images: its 4-byte pair p (k 2p, 2p + 1
+// of its chunk) sits in unit p % 4 at position p / 4.
+MT_DEVICE size_t img_elem_offset(uint32_t row, uint32_t col, uint32_t steps) {
+    const uint32_t p = (col % 32) / 2;
+    return img_offset(row, col / 32, p % 4, steps) + (p / 4) * 4 + (col % 2) * 2;
+}
+
 // Natural unit q (k 8q..8q+7) of chunk c of row `row` into the stage images: its pairs are
 // position q of units 0..3.
 MT_DEVICE void store_k32_unit(unsigned char* img, uint32_t row, uint32_t c, uint32_t q, uint32_t steps, uint4 v) {
@@ -160,9 +167,10 @@ MT_DEVICE float norm_weight(bf16 w, bool unit_offset) {
 // attribute may start before the kernel ahead of it on the stream has finished; `pdl_wait`
 // blocks until that kernel has completed and its memory is visible, so it must come before the
 // first access to anything an earlier kernel writes or reads. `pdl_trigger` lets the next
-// kernel (if launched with the attribute) start; kernels here call it only after their own
-// `pdl_wait`, so at most one kernel runs ahead of its wait. Both are no-ops in a kernel launched
-// without the attribute.
+// kernel (if launched with the attribute) start; kernels here call it after their own `pdl_wait`
+// (so at most one kernel runs ahead of its wait), except the small kernels ahead of a decode
+// projection at 17..64 rows (`pdl_enter`). Both are no-ops in a kernel launched without the
+// attribute.
 MT_DEVICE void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -173,6 +181,20 @@ MT_DEVICE void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+// The entry of a small kernel ahead of a projection (norms, `silu_mul`, `gather_rows`,
+// `gated_rms_norm`) over `rows` rows: at 17..64 rows, where `linear_stream_wide` runs, it lets
+// the projection start before it waits, so the projection's first weight loads (issued before
+// its own wait) overlap this kernel and the one ahead; elsewhere it waits, then triggers. H200
+// (2026-12-01, Qwen3-8B): early everywhere made batch 32 and 64 faster (8.217 -> 8.143, 11.996
+// -> 11.931 ms a step) but batch 1 and 8 slower (5.017 -> 5.626, 5.709 -> 6.755), and Qwen3.5-9B
+// batch 128 slower (22.395 -> 22.565).
+MT_DEVICE void pdl_enter(uint32_t rows) {
+    const bool early = rows > 16 && rows <= 64;
+    if (early) pdl_trigger();
+    pdl_wait();
+    if (!early) pdl_trigger();
 }
 
 // Arrive at the cluster barrier after writing shared memory the cluster's other blocks read once

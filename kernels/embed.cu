@@ -40,8 +40,7 @@ extern "C" __global__ void embedding_gather(float* __restrict__ out, const bf16*
 extern "C" __global__ void gather_rows(bf16* __restrict__ out, const bf16* __restrict__ x,
                                        const uint32_t* __restrict__ row_ids, uint32_t n,
                                        uint32_t cols, uint32_t src_rows) {
-    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
-    pdl_trigger();
+    pdl_enter(n);  // a programmatic dependent (common.cuh)
     const uint32_t i = blockIdx.x;
     if (i >= n) return;
     bf16* o = out + (size_t)i * cols;

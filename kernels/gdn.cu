@@ -329,8 +329,7 @@ extern "C" __global__ void gated_rms_norm(bf16* __restrict__ out, const float* _
                                           const bf16* __restrict__ weight, uint32_t rows,
                                           uint32_t hk, uint32_t dk, uint32_t hv, uint32_t dv,
                                           float eps) {
-    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
-    pdl_trigger();
+    pdl_enter(rows);  // a programmatic dependent (common.cuh)
     const uint32_t r = blockIdx.x, j = blockIdx.y;
     if (r >= rows || j >= hv || threadIdx.x >= 32) return;
     const uint32_t cd = 2 * hk * dk + hv * dv;

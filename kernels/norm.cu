@@ -55,8 +55,7 @@ extern "C" __global__ void rms_norm(bf16* __restrict__ out, const float* __restr
                                     const bf16* __restrict__ w, uint32_t rows, uint32_t cols,
                                     float eps, uint32_t unit_offset) {
     __shared__ float scratch[32];
-    pdl_wait();  // launched as a programmatic dependent (ops::rms_norm)
-    pdl_trigger();
+    pdl_enter(rows);  // launched as a programmatic dependent (common.cuh)
     const uint32_t r = blockIdx.x;
     if (r >= rows) return;
     const float* xr = x + (size_t)r * cols;
@@ -112,8 +111,7 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ residual, const bf16
                                         const bf16* __restrict__ w, bf16* __restrict__ out,
                                         uint32_t rows, uint32_t cols, float eps,
                                         uint32_t unit_offset) {
-    pdl_wait();  // launched as a programmatic dependent (ops::add_rms_norm)
-    pdl_trigger();
+    pdl_enter(rows);  // launched as a programmatic dependent (common.cuh)
     add_rms_norm_row(residual, delta, w, out, nullptr, rows, cols, eps, unit_offset);
 }
 

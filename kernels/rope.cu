@@ -2,22 +2,35 @@
 // the first rotary_dim dims), in place on the projection output row. CPU twin:
 // metrale-gpu-runtime/src/cpu/kernels/rope.rs.
 //
-// Launch: one warp per head: grid (rows, ceil((num_q_heads + num_kv_heads) / W)), W warps
-// (32 W threads) per block, W * head_dim * 4 bytes of dynamic shared memory (each warp's head
-// in f32); the launcher takes W = 1 at decode sizes and 8 for prefill, where one-warp blocks
-// left the 2048-row Qwen3-8B launch at 103 us, block scheduling bound (H200, 2026-12-01). `qk_norm_rope_kv_store` fuses
-// the cache store (kernels/cache.cu) into the same launch; see it below.
+// Launch: one warp per head, a block's warps on heads of one row: grid (rows, ceil(heads / W)),
+// W warps (32 W threads) per block, (W + 1) * head_dim * 4 bytes of dynamic shared memory (the
+// row's rotation table, then each warp's head in f32); the launcher takes W = 1 at decode sizes
+// and 8 for prefill, where one-warp blocks left the 2048-row Qwen3-8B launch at 103 us, block
+// scheduling bound (H200, 2026-12-01). The block computes the row's sines and cosines once
+// (`rope_table`) for all its warps: the same sincosf of the same product each head computed
+// before. `qk_norm_rope_kv_store` fuses the cache store (kernels/cache.cu) into the same launch;
+// see it below.
 // Row layout: query head h starts at h * q_head_stride; key head h at k_offset + h * head_dim.
 // Values are left alone. Shapes the CPU twin rejects (odd or too large rotary_dim, heads that
 // do not fit the row) leave the row untouched.
 #include "common.cuh"
 
+// The rotation of position `pos`: table[i] = (sin, cos) of pos * inv_freq[i], i < rd / 2, by the
+// whole block, which then synchronizes (every thread of the block must call it).
+MT_DEVICE void rope_table(float2* table, const float* inv_freq, float pos, uint32_t rd) {
+    for (uint32_t i = threadIdx.x; i < rd / 2; i += blockDim.x) {
+        float sn, cs;
+        sincosf(pos * inv_freq[i], &sn, &cs);
+        table[i] = make_float2(sn, cs);
+    }
+    __syncthreads();
+}
+
 // One head of one row: load it into shared memory as f32, RMSNorm it when `nw` is set, rotate
-// the first rd dims, and write it back in place (and to `copy` too, when set: the fused kernel's
-// cache slot). One warp.
-MT_DEVICE void norm_rope_head(bf16* x, bf16* copy, const bf16* nw, const float* inv_freq,
-                              float pos, uint32_t d, uint32_t rd, float eps, bool unit,
-                              float* buf, uint32_t lane) {
+// the first rd dims by `table` (rope_table's), and write it back in place (and to `copy` too,
+// when set: the fused kernel's cache slot). One warp.
+MT_DEVICE void norm_rope_head(bf16* x, bf16* copy, const bf16* nw, const float2* table, uint32_t d,
+                              uint32_t rd, float eps, bool unit, float* buf, uint32_t lane) {
     const bool vec = d % 8 == 0 && aligned16(x);
     if (vec) {
         for (uint32_t v = lane; v < d / 8; v += 32) {
@@ -43,8 +56,7 @@ MT_DEVICE void norm_rope_head(bf16* x, bf16* copy, const bf16* nw, const float* 
 
     const uint32_t half = rd / 2;
     for (uint32_t i = lane; i < half; i += 32) {
-        float sn, cs;
-        sincosf(pos * inv_freq[i], &sn, &cs);
+        const float sn = table[i].x, cs = table[i].y;
         const float x1 = buf[i], x2 = buf[i + half];
         buf[i] = x1 * cs - x2 * sn;
         buf[i + half] = x2 * cs + x1 * sn;
@@ -83,16 +95,17 @@ extern "C" __global__ void qk_norm_rope(bf16* __restrict__ qkv, const bf16* __re
     extern __shared__ float bufs[];
     const uint32_t warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint32_t r = blockIdx.x, hh = blockIdx.y * warps + warp;
-    if (r >= rows || hh >= num_q_heads + num_kv_heads || blockDim.x % 32 != 0) return;
-    float* buf = bufs + warp * head_dim;
-    if (!heads_fit(row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, head_dim,
-                   rotary_dim))
-        return;
+    if (r >= rows || blockDim.x % 32 != 0 ||
+        !heads_fit(row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, head_dim, rotary_dim))
+        return;  // uniform over the block
+    float2* table = reinterpret_cast<float2*>(bufs);
+    rope_table(table, inv_freq, (float)positions[r], rotary_dim);
+    if (hh >= num_q_heads + num_kv_heads) return;
     const bool is_q = hh < num_q_heads;
     bf16* x = qkv + (size_t)r * row_stride +
               (is_q ? hh * q_head_stride : k_offset + (hh - num_q_heads) * head_dim);
-    norm_rope_head(x, nullptr, is_q ? q_norm_w : k_norm_w, inv_freq, (float)positions[r],
-                   head_dim, rotary_dim, eps, unit_offset != 0, buf, lane);
+    norm_rope_head(x, nullptr, is_q ? q_norm_w : k_norm_w, table, head_dim, rotary_dim, eps, unit_offset != 0,
+                   bufs + (1 + warp) * head_dim, lane);
 }
 
 // qk_norm_rope_kv_store(qkv: bf16 [rows, row_stride] (in/out), q_norm_w, k_norm_w: bf16
@@ -101,11 +114,12 @@ extern "C" __global__ void qk_norm_rope(bf16* __restrict__ qkv, const bf16* __re
 // num_q_heads, q_head_stride, k_offset, v_offset, num_kv_heads, head_dim, rotary_dim, eps,
 // unit_offset, num_slots).
 //
-// `qk_norm_rope` followed by `kv_store` (kernels/cache.cu) in one launch, byte for byte: grid
-// (rows, num_q_heads + 2 * num_kv_heads), one warp per block. Blocks of q and k heads run the
-// same per-head code as `qk_norm_rope` and a k head also writes its rounded result to the cache
-// slot; the last num_kv_heads blocks copy the row's value heads. A padding slot (u32::MAX) or a
-// slot past num_slots writes no cache (the row is still rotated, as the two launches would).
+// `qk_norm_rope` followed by `kv_store` (kernels/cache.cu) in one launch, byte for byte, laid
+// out as `qk_norm_rope` with num_q_heads + 2 * num_kv_heads heads a row: warps of q and k heads
+// run the same per-head code as `qk_norm_rope` and a k head also writes its rounded result to the
+// cache slot; the last num_kv_heads warps copy the row's value heads. A padding slot
+// (u32::MAX) or a slot past num_slots writes no cache (the row is still rotated, as the two
+// launches would).
 extern "C" __global__ void qk_norm_rope_kv_store(
     bf16* __restrict__ qkv, const bf16* __restrict__ q_norm_w, const bf16* __restrict__ k_norm_w,
     const float* __restrict__ inv_freq, const uint32_t* __restrict__ positions,
@@ -118,24 +132,28 @@ extern "C" __global__ void qk_norm_rope_kv_store(
     // attention launched after this kernel fills every multiprocessor, and its clusters must not
     // be placed beside this kernel's blocks (see `paged_attention`).
     pdl_wait();
-    extern __shared__ float buf[];
-    const uint32_t r = blockIdx.x, hh = blockIdx.y, lane = threadIdx.x, d = head_dim;
-    if (r >= rows || hh >= num_q_heads + 2 * num_kv_heads || blockDim.x != 32) return;
-    if (!heads_fit(row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, d, rotary_dim) ||
+    extern __shared__ float bufs[];
+    const uint32_t warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32, d = head_dim;
+    const uint32_t r = blockIdx.x, hh = blockIdx.y * warps + warp;
+    if (r >= rows || blockDim.x % 32 != 0 ||
+        !heads_fit(row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, d, rotary_dim) ||
         v_offset + num_kv_heads * d > row_stride)
-        return;
+        return;  // uniform over the block
+    float2* table = reinterpret_cast<float2*>(bufs);
+    rope_table(table, inv_freq, (float)positions[r], rotary_dim);
+    if (hh >= num_q_heads + 2 * num_kv_heads) return;
+    float* buf = bufs + (1 + warp) * d;
     const uint32_t slot = slot_mapping[r];
     const bool store = slot != 0xFFFFFFFFu && slot < num_slots;
     bf16* row = qkv + (size_t)r * row_stride;
     const size_t slot_base = (size_t)slot * num_kv_heads * d;
     if (hh < num_q_heads) {
-        norm_rope_head(row + hh * q_head_stride, nullptr, q_norm_w, inv_freq,
-                       (float)positions[r], d, rotary_dim, eps, unit_offset != 0, buf, lane);
+        norm_rope_head(row + hh * q_head_stride, nullptr, q_norm_w, table, d, rotary_dim, eps, unit_offset != 0,
+                       buf, lane);
     } else if (hh < num_q_heads + num_kv_heads) {
         const uint32_t h = hh - num_q_heads;
-        norm_rope_head(row + k_offset + h * d, store ? k_cache + slot_base + h * d : nullptr,
-                       k_norm_w, inv_freq, (float)positions[r], d, rotary_dim, eps,
-                       unit_offset != 0, buf, lane);
+        norm_rope_head(row + k_offset + h * d, store ? k_cache + slot_base + h * d : nullptr, k_norm_w, table, d,
+                       rotary_dim, eps, unit_offset != 0, buf, lane);
     } else if (store) {
         const uint32_t h = hh - num_q_heads - num_kv_heads;
         const bf16* src = row + v_offset + h * d;

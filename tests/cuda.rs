@@ -74,6 +74,13 @@ fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
 }
 
 #[test]
+fn a_prompt_prefilled_whole_is_the_prompt_prefilled_in_chunks_on_cuda() {
+    for name in ["qwen3-tiny", "qwen3-gqa4-hd128"] {
+        check_staged_prefill(&fixtures_dir().join(name), gpu);
+    }
+}
+
+#[test]
 fn graphed_decode_is_bitwise_eager_decode_on_cuda() {
     for name in [
         "qwen3-gqa4-hd128",

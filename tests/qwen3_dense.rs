@@ -27,6 +27,15 @@ fn dense_fixtures_match_transformers() {
 }
 
 #[test]
+fn a_prompt_prefilled_whole_is_the_prompt_prefilled_in_chunks() {
+    for name in ["qwen3-tiny", "qwen3-gqa4-hd128"] {
+        check_staged_prefill(&fixtures_dir().join(name), || {
+            std::sync::Arc::new(metrale_gpu_runtime::CpuBackend::default())
+        });
+    }
+}
+
+#[test]
 fn chunked_prefill_gives_the_same_result() {
     // Prefill chunks of 5 tokens cut every prompt (and every block) in odd places.
     let options = EngineOptions {

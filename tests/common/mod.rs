@@ -16,7 +16,10 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use metrale::{Engine, GenerateRequest, Prompt};
+use metrale::{Engine, GenerateRequest, ModelOptions, Prompt};
+use metrale_gpu_runtime::GpuBackend;
+use metrale_model_engine::factory;
+use metrale_model_engine::generate::{GenerateParams, generate};
 
 /// Below this top-1 margin transformers' own choice is a near tie and may flip under rounding.
 pub const MARGIN: f32 = 0.1;
@@ -257,4 +260,46 @@ pub fn check_fixtures(types: &[&str], min: usize, options: &metrale::EngineOptio
     }
     assert!(failures.is_empty(), "{failures:#?}");
     worst
+}
+
+/// A 300-token prompt prefilled in one step (past the decode sizes: `linear_tma` reads the stage
+/// images that the norms, `silu_mul` and attention write) gives bitwise the logits and tokens of
+/// the same prompt prefilled in steps of 64 rows (decode-sized kernels, no images), on a dense
+/// model (every row computes alone, whichever kernel runs it). Panics naming the fixture.
+pub fn check_staged_prefill(dir: &Path, gpu: impl Fn() -> std::sync::Arc<dyn GpuBackend>) {
+    let prompt: Vec<u32> = (0..300u32).map(|i| 1 + (i * 37 + i / 7) % 300).collect();
+    let params = GenerateParams {
+        max_new_tokens: 4,
+        sampling: Default::default(),
+        stop_token_ids: Vec::new(),
+        return_logits: true,
+    };
+    let run = |max_batch_tokens: usize| {
+        let options = ModelOptions {
+            max_batch_tokens,
+            ..Default::default()
+        };
+        let mut model =
+            factory::load(dir, options, gpu()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let out = generate(&mut model, &prompt, &params, &mut |_| {
+            std::ops::ControlFlow::Continue(())
+        })
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let bits: Vec<Vec<u32>> = (out.logits.unwrap_or_default().iter())
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect();
+        (out.token_ids, bits)
+    };
+    let (whole, chunked) = (run(512), run(64));
+    assert_eq!(
+        whole.1.len(),
+        params.max_new_tokens,
+        "{}: logits",
+        dir.display()
+    );
+    assert!(
+        whole == chunked,
+        "{}: the prompt prefilled whole differs from it prefilled in chunks of 64",
+        dir.display()
+    );
 }

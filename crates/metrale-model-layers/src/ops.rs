@@ -47,6 +47,22 @@ pub(crate) fn step_launch(config: LaunchConfig, rows: u32) -> LaunchConfig {
     }
 }
 
+/// The launch of `qk_norm_rope` and `qk_norm_rope_kv_store` over `heads` warps a row: one warp
+/// per head, 8 in a block at prefill sizes (one-warp blocks there were block-scheduling bound)
+/// and 1 at decode sizes; shared memory for the row's rotation table and each warp's head.
+pub(crate) fn rope_launch(p: &QkNormRope, heads: u32) -> LaunchConfig {
+    let warps = if p.rows > STEP_PROGRAMMATIC_ROWS {
+        8
+    } else {
+        1
+    };
+    step_launch(
+        LaunchConfig::grid2(p.rows, heads.div_ceil(warps), 32 * warps)
+            .with_shared((warps + 1) * p.head_dim * 4),
+        p.rows,
+    )
+}
+
 /// Threads per block of the row-wise kernels (embedding, activation).
 const ROW_THREADS: u32 = 256;
 
@@ -94,6 +110,7 @@ kernel_table! {
     kv_store => ("cache", "kv_store"),
     paged_attention => ("attention", "paged_attention"),
     paged_attention_prefill => ("attention", "paged_attention_prefill"),
+    paged_attention_prefill_staged => ("attention", "paged_attention_prefill_staged"),
     linear => ("gemm", "linear"),
     linear_f32out => ("gemm", "linear_f32out"),
     linear_stream => ("gemm", "linear_stream"),
@@ -415,22 +432,12 @@ impl Ops {
         )
     }
 
-    /// Per-head q/k RMSNorm and rotary embedding, in place. One block per row, one warp per head.
+    /// Per-head q/k RMSNorm and rotary embedding, in place. One warp per head, a block's warps
+    /// on one row ([`rope_launch`]).
     pub fn qk_norm_rope(&self, s: StreamHandle, p: &QkNormRope) -> GpuResult<()> {
-        // One warp per head; prefill-sized launches put 8 in a block (fewer, larger blocks).
-        let warps = if p.rows > STEP_PROGRAMMATIC_ROWS {
-            8
-        } else {
-            1
-        };
-        let heads = p.num_q_heads + p.num_kv_heads;
         self.go(
             self.k.qk_norm_rope,
-            step_launch(
-                LaunchConfig::grid2(p.rows, heads.div_ceil(warps), 32 * warps)
-                    .with_shared(warps * p.head_dim * 4),
-                p.rows,
-            ),
+            rope_launch(p, p.num_q_heads + p.num_kv_heads),
             &[
                 p.qkv.into(),
                 p.q_norm.into(),

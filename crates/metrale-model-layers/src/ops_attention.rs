@@ -5,7 +5,7 @@
 //! the host side of the row groups (`attention_row_groups`).
 
 use metrale_gpu_runtime::{
-    DevicePtr, GpuResult, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+    DevicePtr, GpuError, GpuResult, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
 };
 
 use crate::ops::{Ops, step_launch};
@@ -143,12 +143,16 @@ impl Ops {
     /// first row, rows; [`attention_row_groups`] makes them), bitwise the same per row, each
     /// group's rows in one item so their keys and values are read once: the prefill path.
     /// Blocks of 16 warps, four partitions of four sharing each unit's keys and values.
+    /// `images`: the rows go there, as the o projection's stage images ([`Ops::linear_staging`]
+    /// of `[rows, num_q_heads * head_dim]`), instead of to `p.out`
+    /// (`paged_attention_prefill_staged`).
     pub fn paged_attention_prefill(
         &self,
         s: StreamHandle,
         p: &PagedAttention,
         row_groups: DevicePtr,
         n_groups: u32,
+        images: Option<DevicePtr>,
     ) -> GpuResult<()> {
         let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
         let items = n_groups * (p.num_q_heads / hb);
@@ -161,11 +165,28 @@ impl Ops {
             ATTENTION_CLUSTERS[1],
         )?;
         let clusters = attention_clusters_of(items, resident);
+        let (kernel, out) = match images {
+            Some(images) => {
+                if !(p.num_q_heads * p.head_dim).is_multiple_of(64) {
+                    return Err(GpuError::KernelFailed {
+                        kernel: "attention::paged_attention_prefill_staged".into(),
+                        problem: format!(
+                            "{} query heads of {} dims are not whole 64-wide stages",
+                            p.num_q_heads, p.head_dim
+                        ),
+                    });
+                }
+                (self.k.paged_attention_prefill_staged, images)
+            }
+            None => (self.k.paged_attention_prefill, p.out),
+        };
+        let mut args = p.args();
+        args[0] = out.into();
         self.go(
-            self.k.paged_attention_prefill,
+            kernel,
             LaunchConfig::grid2(ATTENTION_SPLITS * clusters, 1, 32 * PREFILL_WARPS)
                 .with_shared(smem),
-            &[p.args().as_slice(), &[row_groups.into(), n_groups.into()]].concat(),
+            &[args.as_slice(), &[row_groups.into(), n_groups.into()]].concat(),
             s,
         )
     }

@@ -1,11 +1,11 @@
-//! Launchers of fused kernels that only the circuit executor's `Fusions::All` programs launch
-//! (the legacy forward keeps one launch per op, so `circuit-reference` can reproduce it): a
-//! third `impl Ops` block beside `ops` and `ops_hybrid`, under the same rules (one launcher per
+//! Launchers of fused kernels that the circuit executor's `Fusions::All` programs launch, and
+//! the legacy forward only at prefill sizes, which no circuit program covers (at decode sizes it
+//! keeps one launch per op, so `circuit-reference` can reproduce it): a third `impl Ops` block beside `ops` and `ops_hybrid`, under the same rules (one launcher per
 //! kernel, the CPU twin's argument order, geometry from shapes alone).
 
-use metrale_gpu_runtime::{GpuError, GpuResult, LaunchConfig, StreamHandle};
+use metrale_gpu_runtime::{GpuError, GpuResult, StreamHandle};
 
-use crate::ops::{KvStore, Ops, QkNormRope, step_launch};
+use crate::ops::{KvStore, Ops, QkNormRope, rope_launch};
 
 impl Ops {
     /// `rope::qk_norm_rope_kv_store`: `qk_norm_rope(rope)` then `kv_store(store)` in one launch,
@@ -34,11 +34,7 @@ impl Ops {
         }
         self.go(
             self.k.qk_norm_rope_kv_store,
-            step_launch(
-                LaunchConfig::grid2(rope.rows, rope.num_q_heads + 2 * rope.num_kv_heads, 32)
-                    .with_shared(rope.head_dim * 4),
-                rope.rows,
-            ),
+            rope_launch(rope, rope.num_q_heads + 2 * rope.num_kv_heads),
             &[
                 rope.qkv.into(),
                 rope.q_norm.into(),

@@ -9,7 +9,7 @@ use metrale_gpu_runtime::{DevicePtr, GpuError, GpuResult};
 
 use crate::circuit_exec::{AttnFacts, BoundWeight, RopeFacts, WeightSlot};
 use crate::layer::{LayerCtx, ModelDims};
-use crate::ops::{KvStore, PagedAttention, QkNormRope};
+use crate::ops::{KvStore, PagedAttention, QkNormRope, STEP_PROGRAMMATIC_ROWS};
 use crate::weight_map::DenseWeight;
 
 /// The softmax scale of attention heads of `head_dim`: `1 / sqrt(head_dim)`.
@@ -48,42 +48,44 @@ impl Attention {
             }
             None => ops.linear(s, buf.qkv, buf.normed, self.qkv.ptr, rows, width, d.hidden)?,
         }
-        ops.qk_norm_rope(
-            s,
-            &QkNormRope {
-                qkv: buf.qkv,
-                q_norm: self.q_norm.as_ref().map_or(Default::default(), |w| w.ptr),
-                k_norm: self.k_norm.as_ref().map_or(Default::default(), |w| w.ptr),
-                inv_freq: buf.inv_freq,
-                positions: buf.positions,
-                rows,
-                row_stride: width,
-                num_q_heads: d.num_q_heads,
-                q_head_stride: d.q_head_stride(),
-                k_offset: d.k_offset(),
-                num_kv_heads: d.num_kv_heads,
-                head_dim: d.head_dim,
-                rotary_dim: d.rotary_dim,
-                eps: d.eps,
-                unit_offset: d.unit_offset,
-            },
-        )?;
-        ops.kv_store(
-            s,
-            &KvStore {
-                k_cache: kv.k,
-                v_cache: kv.v,
-                qkv: buf.qkv,
-                slot_mapping: buf.slot_mapping,
-                rows,
-                row_stride: width,
-                k_offset: d.k_offset(),
-                v_offset: d.v_offset(),
-                num_kv_heads: d.num_kv_heads,
-                head_dim: d.head_dim,
-                num_slots: kv.num_slots,
-            },
-        )?;
+        let rope = QkNormRope {
+            qkv: buf.qkv,
+            q_norm: self.q_norm.as_ref().map_or(Default::default(), |w| w.ptr),
+            k_norm: self.k_norm.as_ref().map_or(Default::default(), |w| w.ptr),
+            inv_freq: buf.inv_freq,
+            positions: buf.positions,
+            rows,
+            row_stride: width,
+            num_q_heads: d.num_q_heads,
+            q_head_stride: d.q_head_stride(),
+            k_offset: d.k_offset(),
+            num_kv_heads: d.num_kv_heads,
+            head_dim: d.head_dim,
+            rotary_dim: d.rotary_dim,
+            eps: d.eps,
+            unit_offset: d.unit_offset,
+        };
+        let store = KvStore {
+            k_cache: kv.k,
+            v_cache: kv.v,
+            qkv: buf.qkv,
+            slot_mapping: buf.slot_mapping,
+            rows,
+            row_stride: width,
+            k_offset: d.k_offset(),
+            v_offset: d.v_offset(),
+            num_kv_heads: d.num_kv_heads,
+            head_dim: d.head_dim,
+            num_slots: kv.num_slots,
+        };
+        // Prefill sizes (outside every circuit program) store the cache in the rotation's
+        // launch; decode sizes keep the two launches `circuit-reference` reproduces.
+        if rows > STEP_PROGRAMMATIC_ROWS {
+            ops.qk_norm_rope_kv_store(s, &rope, &store)?;
+        } else {
+            ops.qk_norm_rope(s, &rope)?;
+            ops.kv_store(s, &store)?;
+        }
         let attention = PagedAttention {
             out: buf.attn_out,
             qkv: buf.qkv,
@@ -105,9 +107,26 @@ impl Attention {
             scale: softmax_scale(d.head_dim),
             gated: d.attn_gated,
         };
+        let (o_rows, o_width) = (d.hidden, d.attn_out_width());
         match cx.shape.att_groups {
             0 => ops.paged_attention(s, &attention)?,
-            n => ops.paged_attention_prefill(s, &attention, buf.att_groups, n)?,
+            n => {
+                // At prefill sizes the attention writes the o projection's stage images itself
+                // (no permute launch) when the projection can read them.
+                let images = ops.linear_staging(s, self.o_proj.ptr, rows, o_rows, o_width)?;
+                ops.paged_attention_prefill(s, &attention, buf.att_groups, n, images)?;
+                if let Some(images) = images {
+                    return ops.linear_staged(
+                        s,
+                        buf.delta,
+                        images,
+                        self.o_proj.ptr,
+                        rows,
+                        o_rows,
+                        o_width,
+                    );
+                }
+            }
         }
         ops.linear(
             s,
@@ -115,8 +134,8 @@ impl Attention {
             buf.attn_out,
             self.o_proj.ptr,
             rows,
-            d.hidden,
-            d.attn_out_width(),
+            o_rows,
+            o_width,
         )
     }
 

@@ -5,8 +5,10 @@
 use half::bf16;
 use metrale_gpu_runtime::LaunchConfig;
 use metrale_model_layers::ops::{ATTENTION_SPLITS, PagedAttention, attention_row_groups};
+use metrale_model_layers::ops_gemm::linear_staging_bytes;
 
 use super::harness::{self, Pair, Rng, S, Tolerance};
+use super::linear::{image_rows, permuted_pair};
 
 /// One paged-attention problem: sequences with their contexts in shuffled blocks, and rows
 /// (queries) at chosen positions of chosen sequences.
@@ -120,7 +122,7 @@ fn attention_case_in(
             out: at(&out2),
             ..params(at)
         };
-        o.paged_attention_prefill(S, &params, at(&groups), n_groups)
+        o.paged_attention_prefill(S, &params, at(&groups), n_groups, None)
     });
     let (gpu_got, cpu_got) = p.download::<u16>(&out2);
     assert!(
@@ -135,6 +137,25 @@ fn attention_case_in(
         "kernel-check {:<18} {:<44} bitwise paged_attention ({n_groups} row groups of {rows} rows)",
         "paged_attention_prefill", label
     );
+
+    // The staged kernel: its images are the prefill kernel's rows permuted, on both backends.
+    let width = c.hq * c.d;
+    if width.is_multiple_of(64) {
+        let images = p.poisoned(linear_staging_bytes(rows, width));
+        p.run(|o, at| {
+            o.paged_attention_prefill(S, &params(at), at(&groups), n_groups, Some(at(&images)))
+        });
+        let (gpu_perm, cpu_perm) = permuted_pair(p, &out2, rows, width);
+        let (gpu_img, cpu_img) = p.download::<u16>(&images);
+        assert!(
+            image_rows(&gpu_img, rows, width) == image_rows(&gpu_perm, rows, width),
+            "paged_attention_prefill_staged {label}: the images differ from the prefill rows permuted"
+        );
+        assert!(
+            image_rows(&cpu_img, rows, width) == image_rows(&cpu_perm, rows, width),
+            "paged_attention_prefill_staged {label}: the CPU twin's images differ from its rows permuted"
+        );
+    }
     gpu_want
 }
 

@@ -192,7 +192,7 @@ fn linear_tma(
 }
 
 /// The halfwords of rows `0..m` of stage images of `[m, k]` (the padding rows dropped).
-fn image_rows(img: &[u16], m: u32, k: u32) -> Vec<u16> {
+pub(super) fn image_rows(img: &[u16], m: u32, k: u32) -> Vec<u16> {
     let steps = k.div_ceil(64) as usize;
     let mut rows = Vec::new();
     for row in 0..m as usize {
@@ -271,18 +271,27 @@ fn staged_producers_write_the_images_permute_would() {
 
 /// `permute_k32_tiles` of `x [m, k]` on the GPU: the images' halfwords.
 fn permuted_images(p: &Pair, x: &harness::Buf, m: u32, k: u32) -> Vec<u16> {
-    let gpu = p.gpu.as_ref();
+    permuted_pair(p, x, m, k).0
+}
+
+/// `permute_k32_tiles` of `x [m, k]` on both sides: the images' halfwords, `(cuda, cpu)`.
+pub(super) fn permuted_pair(p: &Pair, x: &harness::Buf, m: u32, k: u32) -> (Vec<u16>, Vec<u16>) {
     let images = p.poisoned(linear_staging_bytes(m, k));
-    let permute = gpu.kernel("gemm", "permute_k32_tiles").expect("resolves");
-    gpu.launch(
-        permute,
-        &permute_geometry(m, k),
-        &[images.gpu.into(), x.gpu.into(), m.into(), k.into()],
-        S,
-    )
-    .expect("permute launch");
-    gpu.synchronize(S).expect("permute ran");
-    p.download_gpu::<u16>(&images)
+    for (gpu, ximg, xin) in [
+        (p.gpu.as_ref(), images.gpu, x.gpu),
+        (p.cpu.as_ref(), images.cpu, x.cpu),
+    ] {
+        let permute = gpu.kernel("gemm", "permute_k32_tiles").expect("resolves");
+        gpu.launch(
+            permute,
+            &permute_geometry(m, k),
+            &[ximg.into(), xin.into(), m.into(), k.into()],
+            S,
+        )
+        .expect("permute launch");
+        gpu.synchronize(S).expect("permute ran");
+    }
+    p.download::<u16>(&images)
 }
 
 #[test]

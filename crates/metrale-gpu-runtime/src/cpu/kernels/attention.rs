@@ -6,6 +6,7 @@
 
 use half::bf16;
 
+use super::gemm::{stage_image_bytes, store_image_row};
 use super::util::{b, f, sigmoid};
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
@@ -39,7 +40,12 @@ pub fn paged_attention(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     ctx.expect_args(19)?;
     let s = shape(ctx)?;
     let rows: Vec<usize> = (0..s.rows).collect();
-    attend(ctx, &s, &rows)
+    attend(
+        ctx,
+        &s,
+        &rows,
+        ctx.slice_mut::<bf16>(0, s.rows * s.hq * s.d)?,
+    )
 }
 
 /// `paged_attention_prefill(the arguments of paged_attention, row_groups: u32 [n_groups, 2],
@@ -48,8 +54,42 @@ pub fn paged_attention(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 /// in one 16-token unit (the CUDA kernel computes a group's rows together); a malformed group
 /// fails. Rows of no group are not written.
 pub fn paged_attention_prefill(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(21)?;
     let s = shape(ctx)?;
+    let rows = prefill_rows(ctx, &s)?;
+    attend(
+        ctx,
+        &s,
+        &rows,
+        ctx.slice_mut::<bf16>(0, s.rows * s.hq * s.d)?,
+    )
+}
+
+/// `paged_attention_prefill_staged(img: stage images of [rows, num_q_heads * head_dim], then
+/// the arguments of paged_attention_prefill after `out`)`: the same rows written as the o
+/// projection's stage images (`linear_tma`'s x), which `permute_k32_tiles` of the prefill
+/// kernel's output would give. num_q_heads * head_dim must be a multiple of 64.
+pub fn paged_attention_prefill_staged(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    let s = shape(ctx)?;
+    let width = s.hq * s.d;
+    if !width.is_multiple_of(64) {
+        return Err(ctx.fail(format!(
+            "an output row of {width} is not whole 64-wide stages"
+        )));
+    }
+    let rows = prefill_rows(ctx, &s)?;
+    let mut out = vec![bf16::ZERO; s.rows * width];
+    attend(ctx, &s, &rows, &mut out)?;
+    let img = ctx.slice_mut::<bf16>(0, stage_image_bytes(s.rows, width) / 2)?;
+    for &r in &rows {
+        store_image_row(img, r, &out[r * width..(r + 1) * width]);
+    }
+    Ok(())
+}
+
+/// The rows of the prefill kernels' row groups (arguments 19 and 20), checked as the CUDA
+/// kernel's items: 1 ..= `rows_per_item` consecutive rows of one sequence in one 16-token unit.
+fn prefill_rows(ctx: &KernelCtx<'_>, s: &Shape) -> GpuResult<Vec<usize>> {
+    ctx.expect_args(21)?;
     let n_groups = ctx.usize(20)?;
     let groups = ctx.slice::<u32>(19, 2 * n_groups)?;
     let row_seq = ctx.slice::<u32>(5, s.rows)?;
@@ -75,7 +115,7 @@ pub fn paged_attention_prefill(ctx: &KernelCtx<'_>) -> GpuResult<()> {
         }
         rows.extend(first..first + count);
     }
-    attend(ctx, &s, &rows)
+    Ok(rows)
 }
 
 /// Query heads per block of the CUDA kernel (`att_heads_per_block`): the largest divisor of the
@@ -122,10 +162,10 @@ fn shape(ctx: &KernelCtx<'_>) -> GpuResult<Shape> {
     Ok(s)
 }
 
-/// Every head of each row in `rows`, written to its output row.
-fn attend(ctx: &KernelCtx<'_>, s: &Shape, rows: &[usize]) -> GpuResult<()> {
+/// Every head of each row in `rows`, written to its row of `out` (`[rows, num_q_heads *
+/// head_dim]`).
+fn attend(ctx: &KernelCtx<'_>, s: &Shape, rows: &[usize], out: &mut [bf16]) -> GpuResult<()> {
     let width = s.hkv * s.d;
-    let out = ctx.slice_mut::<bf16>(0, s.rows * s.hq * s.d)?;
     let qkv = ctx.slice::<bf16>(1, s.rows * s.row_stride)?;
     let k_cache = ctx.slice::<bf16>(2, s.num_slots * width)?;
     let v_cache = ctx.slice::<bf16>(3, s.num_slots * width)?;
@@ -210,5 +250,9 @@ pub const FAMILY: super::Family = super::Family {
     kernels: &[
         ("paged_attention", paged_attention),
         ("paged_attention_prefill", paged_attention_prefill),
+        (
+            "paged_attention_prefill_staged",
+            paged_attention_prefill_staged,
+        ),
     ],
 };
