@@ -26,11 +26,103 @@ MT_DEVICE void rope_table(float2* table, const float* inv_freq, float pos, uint3
     __syncthreads();
 }
 
+// `norm_rope_head` with the head in registers: lane l holds dims E l .. E l + E - 1 (E = d / 32),
+// read and written E at a time; the rotation's partner dims (i + rd / 2, or i - rd / 2) sit in
+// lane l ^ (rd / 2E), one shuffle a dim. The shared-memory path below did three times the
+// instructions (ncu, H200, 2026-12-01: the 2048-row Qwen3-8B launch compute-bound at 73 %, 54
+// us). The caller checks the layout (`lanes_fit`).
+template <int E>
+MT_DEVICE void norm_rope_lanes(bf16* x, bf16* copy, const bf16* nw, const float2* table, uint32_t d, uint32_t rd,
+                               float eps, bool unit, uint32_t lane) {
+    const uint32_t i0 = E * lane;
+    float f[E];
+    __align__(16) bf16 h[E];
+    if constexpr (E == 8) {
+        *reinterpret_cast<uint4*>(h) = *reinterpret_cast<const uint4*>(x + i0);
+    } else if constexpr (E == 4) {
+        *reinterpret_cast<uint2*>(h) = *reinterpret_cast<const uint2*>(x + i0);
+    } else if constexpr (E == 2) {
+        *reinterpret_cast<uint32_t*>(h) = *reinterpret_cast<const uint32_t*>(x + i0);
+    } else {
+        h[0] = x[i0];
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) f[j] = bf2f(h[j]);
+    if (nw != nullptr) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < E; ++j) ss += f[j] * f[j];
+        ss = warp_sum(ss);
+        const float s = 1.0f / sqrtf(ss / (float)d + eps);
+#pragma unroll
+        for (int j = 0; j < E; ++j) f[j] = f[j] * s * norm_weight(nw[i0 + j], unit);
+    }
+    const uint32_t half = rd / 2;
+    if (half > 0) {
+        const uint32_t mate = half / E;
+        float o[E];
+#pragma unroll
+        for (int j = 0; j < E; ++j) o[j] = __shfl_xor_sync(0xffffffffu, f[j], mate);
+        if (i0 < rd) {
+#pragma unroll
+            for (int j = 0; j < E; ++j) {
+                const uint32_t i = i0 + j;
+                if (i < half) {
+                    const float2 t = table[i];
+                    f[j] = f[j] * t.y - o[j] * t.x;
+                } else {
+                    const float2 t = table[i - half];
+                    f[j] = f[j] * t.y + o[j] * t.x;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) h[j] = f2bf(f[j]);
+    bf16* dsts[2] = {x, copy};
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        bf16* dst = dsts[c];
+        if (dst == nullptr) continue;
+        if constexpr (E == 8) {
+            *reinterpret_cast<uint4*>(dst + i0) = *reinterpret_cast<const uint4*>(h);
+        } else if constexpr (E == 4) {
+            *reinterpret_cast<uint2*>(dst + i0) = *reinterpret_cast<const uint2*>(h);
+        } else if constexpr (E == 2) {
+            *reinterpret_cast<uint32_t*>(dst + i0) = *reinterpret_cast<const uint32_t*>(h);
+        } else {
+            dst[i0] = h[0];
+        }
+    }
+}
+
+// Whether `norm_rope_lanes` takes a head of d dims (E = d / 32 of 1, 2, 4 or 8, its E-dim runs
+// aligned in `x` and `copy`) rotated over rd: the partner lane is lane ^ (rd / 2E), which needs
+// rd / 2 a multiple of E and rd / 2E a power of two (rd = d always is; Qwen3.5's rd = d / 4 is).
+MT_DEVICE bool lanes_fit(const bf16* x, const bf16* copy, uint32_t d, uint32_t rd) {
+    const uint32_t e = d / 32, half = rd / 2;
+    if (d % 32 != 0 || (e != 1 && e != 2 && e != 4 && e != 8)) return false;
+    const uintptr_t mask = 2 * e - 1;
+    if (((uintptr_t)x & mask) != 0 || ((uintptr_t)copy & mask) != 0) return false;
+    if (half == 0) return true;
+    const uint32_t mate = half / e;
+    return half % e == 0 && mate <= 16 && (mate & (mate - 1)) == 0;
+}
+
 // One head of one row: load it into shared memory as f32, RMSNorm it when `nw` is set, rotate
 // the first rd dims by `table` (rope_table's), and write it back in place (and to `copy` too,
-// when set: the fused kernel's cache slot). One warp.
+// when set: the fused kernel's cache slot). One warp. Heads `lanes_fit` takes run in registers
+// (`norm_rope_lanes`); the shared-memory path serves the other shapes.
 MT_DEVICE void norm_rope_head(bf16* x, bf16* copy, const bf16* nw, const float2* table, uint32_t d,
                               uint32_t rd, float eps, bool unit, float* buf, uint32_t lane) {
+    if (lanes_fit(x, copy, d, rd)) {
+        switch (d / 32) {
+            case 1: norm_rope_lanes<1>(x, copy, nw, table, d, rd, eps, unit, lane); return;
+            case 2: norm_rope_lanes<2>(x, copy, nw, table, d, rd, eps, unit, lane); return;
+            case 4: norm_rope_lanes<4>(x, copy, nw, table, d, rd, eps, unit, lane); return;
+            default: norm_rope_lanes<8>(x, copy, nw, table, d, rd, eps, unit, lane); return;
+        }
+    }
     const bool vec = d % 8 == 0 && aligned16(x);
     if (vec) {
         for (uint32_t v = lane; v < d / 8; v += 32) {
