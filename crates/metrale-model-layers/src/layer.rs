@@ -15,7 +15,7 @@ use metrale_config::{ModelConfig, NormConvention};
 use metrale_gpu_runtime::{DevicePtr, GpuResult, StreamHandle};
 
 use crate::circuit_exec::CircuitBindings;
-use crate::ops::Ops;
+use crate::ops::{KvStore, Ops, QkNormRope};
 
 /// The dimensions every layer of a model shares, derived once from its config.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -86,6 +86,60 @@ impl ModelDims {
     /// Width of the attention output (`o_proj` input).
     pub fn attn_out_width(&self) -> u32 {
         self.num_q_heads * self.head_dim
+    }
+
+    /// `qk_norm_rope`'s parameters over `rows` rows of a qkv buffer laid out by these dims;
+    /// `norms`: the q and k norm weights (NULL: none).
+    pub fn rope_params(
+        &self,
+        qkv: DevicePtr,
+        norms: (DevicePtr, DevicePtr),
+        inv_freq: DevicePtr,
+        positions: DevicePtr,
+        rows: u32,
+    ) -> QkNormRope {
+        QkNormRope {
+            qkv,
+            q_norm: norms.0,
+            k_norm: norms.1,
+            inv_freq,
+            positions,
+            rows,
+            row_stride: self.qkv_width(),
+            num_q_heads: self.num_q_heads,
+            q_head_stride: self.q_head_stride(),
+            k_offset: self.k_offset(),
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            rotary_dim: self.rotary_dim,
+            eps: self.eps,
+            unit_offset: self.unit_offset,
+        }
+    }
+
+    /// `kv_store`'s parameters: the keys and values of `rows` rows of a qkv buffer laid out by
+    /// these dims into the cache (`k_cache`, `v_cache` of `num_slots` slots).
+    pub fn store_params(
+        &self,
+        qkv: DevicePtr,
+        cache: (DevicePtr, DevicePtr),
+        slot_mapping: DevicePtr,
+        rows: u32,
+        num_slots: u32,
+    ) -> KvStore {
+        KvStore {
+            k_cache: cache.0,
+            v_cache: cache.1,
+            qkv,
+            slot_mapping,
+            rows,
+            row_stride: self.qkv_width(),
+            k_offset: self.k_offset(),
+            v_offset: self.v_offset(),
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            num_slots,
+        }
     }
 }
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuBackendExt, StreamHandle};
-use metrale_model_layers::ops::{KvStore, PagedAttention, QkNormRope};
+use metrale_model_layers::ops::PagedAttention;
 use metrale_model_layers::{ModelDims, Ops};
 
 use super::median;
@@ -239,39 +239,11 @@ pub fn decode_breakdown(
         )?)
     })?);
     parts.push(linear("qkv", qkv, normed, &w_qkv, d.qkv_width(), d.hidden)?);
-    let rope = QkNormRope {
-        qkv,
-        q_norm: head_norm,
-        k_norm: head_norm,
-        inv_freq,
-        positions,
-        rows: batch,
-        row_stride: d.qkv_width(),
-        num_q_heads: d.num_q_heads,
-        q_head_stride: d.q_head_stride(),
-        k_offset: d.k_offset(),
-        num_kv_heads: d.num_kv_heads,
-        head_dim: d.head_dim,
-        rotary_dim: d.rotary_dim,
-        eps: d.eps,
-        unit_offset: d.unit_offset,
-    };
+    let rope = d.rope_params(qkv, (head_norm, head_norm), inv_freq, positions, batch);
     parts.push(part("qk_norm_rope", layers, &|_| {
         Ok(ops.qk_norm_rope(s, &rope)?)
     })?);
-    let store = KvStore {
-        k_cache,
-        v_cache,
-        qkv,
-        slot_mapping,
-        rows: batch,
-        row_stride: d.qkv_width(),
-        k_offset: d.k_offset(),
-        v_offset: d.v_offset(),
-        num_kv_heads: d.num_kv_heads,
-        head_dim: d.head_dim,
-        num_slots,
-    };
+    let store = d.store_params(qkv, (k_cache, v_cache), slot_mapping, batch, num_slots);
     parts.push(part("kv_store", layers, &|_| Ok(ops.kv_store(s, &store)?))?);
     let attention = PagedAttention {
         out: attn_out,

@@ -9,7 +9,7 @@ use metrale_gpu_runtime::{DevicePtr, GpuError, GpuResult};
 
 use crate::circuit_exec::{AttnFacts, BoundWeight, RopeFacts, WeightSlot};
 use crate::layer::{LayerCtx, ModelDims};
-use crate::ops::{KvStore, PagedAttention, QkNormRope, STEP_PROGRAMMATIC_ROWS};
+use crate::ops::{PagedAttention, STEP_PROGRAMMATIC_ROWS};
 use crate::weight_map::DenseWeight;
 
 /// The softmax scale of attention heads of `head_dim`: `1 / sqrt(head_dim)`.
@@ -48,36 +48,12 @@ impl Attention {
             }
             None => ops.linear(s, buf.qkv, buf.normed, self.qkv.ptr, rows, width, d.hidden)?,
         }
-        let rope = QkNormRope {
-            qkv: buf.qkv,
-            q_norm: self.q_norm.as_ref().map_or(Default::default(), |w| w.ptr),
-            k_norm: self.k_norm.as_ref().map_or(Default::default(), |w| w.ptr),
-            inv_freq: buf.inv_freq,
-            positions: buf.positions,
-            rows,
-            row_stride: width,
-            num_q_heads: d.num_q_heads,
-            q_head_stride: d.q_head_stride(),
-            k_offset: d.k_offset(),
-            num_kv_heads: d.num_kv_heads,
-            head_dim: d.head_dim,
-            rotary_dim: d.rotary_dim,
-            eps: d.eps,
-            unit_offset: d.unit_offset,
-        };
-        let store = KvStore {
-            k_cache: kv.k,
-            v_cache: kv.v,
-            qkv: buf.qkv,
-            slot_mapping: buf.slot_mapping,
-            rows,
-            row_stride: width,
-            k_offset: d.k_offset(),
-            v_offset: d.v_offset(),
-            num_kv_heads: d.num_kv_heads,
-            head_dim: d.head_dim,
-            num_slots: kv.num_slots,
-        };
+        let norms = (
+            self.q_norm.as_ref().map_or(Default::default(), |w| w.ptr),
+            self.k_norm.as_ref().map_or(Default::default(), |w| w.ptr),
+        );
+        let rope = d.rope_params(buf.qkv, norms, buf.inv_freq, buf.positions, rows);
+        let store = d.store_params(buf.qkv, (kv.k, kv.v), buf.slot_mapping, rows, kv.num_slots);
         // Prefill sizes (outside every circuit program) store the cache in the rotation's
         // launch; decode sizes keep the two launches `circuit-reference` reproduces.
         if rows > STEP_PROGRAMMATIC_ROWS {
