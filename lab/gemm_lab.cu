@@ -8,6 +8,7 @@
 #include "old_wide.cuh"
 #include "old_narrow.cuh"
 #include "wg_variants.cuh"
+#include "direct_rt.cuh"
 
 #include <cuda_runtime.h>
 
@@ -100,6 +101,7 @@ static const int SMS = 132;
 
 // Which variants are timed at m rows: each where the launcher could pick it.
 static bool timed(const Var& v, uint32_t m) {
+    if (v.per_sm == -4) return m > 16 && m <= 16 * (uint32_t)v.rt;
     if (v.per_sm == 0) return m >= 32;
     if (v.per_sm <= -2) return m >= 16;
     return m <= 16;
@@ -115,7 +117,7 @@ static void launch(const Var& v, bool pdl, cudaStream_t s, float* out, const bf1
         cfg.gridDim = dim3(LIN_SEGS * std::min<uint32_t>(tiles, v.clusters), 1, 1);
     } else if (v.per_sm == -2) {
         cfg.gridDim = dim3(LIN_SEGS * ((n + 8 * v.nt - 1) / (8 * v.nt)) * ((m + 16 * v.rt - 1) / (16 * v.rt)), 1, 1);
-    } else if (v.per_sm < 0) {
+    } else if (v.per_sm < 0) {  // -1 and -4: one block per unit
         cfg.gridDim = dim3(((n + 8 * v.nt - 1) / (8 * v.nt)) * ((m + 16 * v.rt - 1) / (16 * v.rt)), 1, 1);
     } else {
         const uint32_t units = ((n + 8 * v.nt - 1) / (8 * v.nt)) * ((m + 16 * v.rt - 1) / (16 * v.rt));
@@ -147,6 +149,11 @@ int main(int argc, char** argv) {
         {"wg3r", (const void*)lab_wg<3, true, 3>, wg_smem(3, true), -2, 16, 4, 1 << 30, 128},
         {"direct", (const void*)linear_stream_f32out, 0, -1, 1, 1, 16},
         {"b4", (const void*)linear_stream_b4_f32out, 0, -1, 1, 1, 16},
+        {"d4x2b2", (const void*)lab_drt<float, 2, 4, 2, 1>, 0, -4, 4, 2, 1 << 30},
+        {"d4x2b2m2", (const void*)lab_drt<float, 2, 4, 2, 2>, 0, -4, 4, 2, 1 << 30},
+        {"d2x2b4", (const void*)lab_drt<float, 4, 2, 2, 1>, 0, -4, 2, 2, 1 << 30},
+        {"d4x4b1", (const void*)lab_drt<float, 1, 4, 4, 1>, 0, -4, 4, 4, 1 << 30},
+        {"d8x2b1", (const void*)lab_drt<float, 1, 8, 2, 1>, 0, -4, 8, 2, 1 << 30},
     };
     for (auto& v : vars) {
         if (v.smem > 0) CK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem));
