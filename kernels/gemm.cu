@@ -483,15 +483,28 @@ MT_DEVICE void direct_batch(float (&acc)[4], const uint4 (&wr)[B], const bf16* x
     }
 }
 
+// Segment `seg` of k: its chunks [c_begin, c_end) (empty past the last), and how many segments
+// hold chunks (the numerics above).
+struct LinSegment {
+    uint32_t c_begin, c_end, nsegs;
+};
+
+MT_DEVICE LinSegment lin_segment(uint32_t k, uint32_t seg) {
+    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
+    const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
+    LinSegment s;
+    s.nsegs = seg_chunks > 0 ? (chunks + seg_chunks - 1) / seg_chunks : 0;
+    s.c_begin = min(chunks, seg * seg_chunks);
+    s.c_end = min(chunks, s.c_begin + seg_chunks);
+    return s;
+}
+
 template <typename OutT, int B, bool RB, bool VEC>
 MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
                                   uint32_t k, float4* part) {
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
-    const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
-    const uint32_t nsegs = seg_chunks > 0 ? (chunks + seg_chunks - 1) / seg_chunks : 0;
-    const uint32_t c_begin = min(chunks, warp * seg_chunks);
-    const uint32_t c_end = min(chunks, c_begin + seg_chunks);
+    const LinSegment span = lin_segment(k, warp);
+    const uint32_t nsegs = span.nsegs, c_begin = span.c_begin, c_end = span.c_end;
     // Row tiles of one column tile are neighbouring blocks, so they run together and all but
     // the first read the weight tile from L2 (the launcher sends only m <= 16, one row tile, here;
     // serving m = 32 / 64 this way measured 12.9 / 25.0 ms per Qwen3-8B step against the wide

@@ -47,11 +47,8 @@ __global__ void __launch_bounds__(256, MINB)
     lab_drt(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k) {
     __shared__ float4 part[LIN_STREAM_WARPS][RT][NT][32];
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
-    const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
-    const uint32_t nsegs = seg_chunks > 0 ? (chunks + seg_chunks - 1) / seg_chunks : 0;
-    const uint32_t c_begin = min(chunks, warp * seg_chunks);
-    const uint32_t c_end = min(chunks, c_begin + seg_chunks);
+    const LinSegment span = lin_segment(k, warp);
+    const uint32_t nsegs = span.nsegs, c_begin = span.c_begin, c_end = span.c_end;
     const uint32_t row_units = (m + 16 * RT - 1) / (16 * RT);
     const uint32_t n0 = (blockIdx.x / row_units) * 8 * NT, m0 = (blockIdx.x % row_units) * 16 * RT;
     const uint32_t nb = (c_end - c_begin + B - 1) / B;
