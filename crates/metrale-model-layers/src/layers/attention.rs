@@ -83,13 +83,13 @@ impl Attention {
             scale: softmax_scale(d.head_dim),
             gated: d.attn_gated,
         };
-        let (o_rows, o_width) = (d.hidden, d.attn_out_width());
+        let (o_out, o_in) = (d.hidden, d.attn_out_width());
         match cx.shape.att_groups {
             0 => ops.paged_attention(s, &attention)?,
             n => {
                 // At prefill sizes the attention writes the o projection's stage images itself
                 // (no permute launch) when the projection can read them.
-                let images = ops.linear_staging(s, self.o_proj.ptr, rows, o_rows, o_width)?;
+                let images = ops.linear_staging(s, self.o_proj.ptr, rows, o_out, o_in)?;
                 ops.paged_attention_prefill(s, &attention, buf.att_groups, n, images)?;
                 if let Some(images) = images {
                     return ops.linear_staged(
@@ -98,8 +98,8 @@ impl Attention {
                         images,
                         self.o_proj.ptr,
                         rows,
-                        o_rows,
-                        o_width,
+                        o_out,
+                        o_in,
                     );
                 }
             }
@@ -110,8 +110,8 @@ impl Attention {
             buf.attn_out,
             self.o_proj.ptr,
             rows,
-            o_rows,
-            o_width,
+            o_out,
+            o_in,
         )
     }
 
