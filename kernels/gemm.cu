@@ -286,6 +286,22 @@ MT_DEVICE void wide_issue(uint4* st, const bf16* src, uint32_t src_rows, uint32_
     }
 }
 
+// Segment `seg` of k: its chunks [c_begin, c_end) (empty past the last), and how many segments
+// hold chunks (the numerics above).
+struct LinSegment {
+    uint32_t c_begin, c_end, nsegs;
+};
+
+MT_DEVICE LinSegment lin_segment(uint32_t k, uint32_t seg) {
+    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
+    const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
+    LinSegment s;
+    s.nsegs = seg_chunks > 0 ? (chunks + seg_chunks - 1) / seg_chunks : 0;
+    s.c_begin = min(chunks, seg * seg_chunks);
+    s.c_end = min(chunks, s.c_begin + seg_chunks);
+    return s;
+}
+
 template <typename OutT, int NT, int STAGE_CH, int STAGES, bool VEC>
 MT_DEVICE void linear_wide_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
                                 uint32_t k, unsigned char* smem) {
@@ -298,11 +314,8 @@ MT_DEVICE void linear_wide_impl(OutT* out, const bf16* x, const bf16* w, uint32_
     const uint32_t n0 = (tile / row_blocks) * BN, m0 = (tile % row_blocks) * LIN_W_ROWS;
     const uint32_t rows = m0 < m ? min(LIN_W_ROWS, m - m0) : 0;
     const uint32_t row_tiles = (rows + 15) / 16;
-    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
-    const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
-    const uint32_t nsegs = seg_chunks > 0 ? (chunks + seg_chunks - 1) / seg_chunks : 0;
-    const uint32_t c_begin = min(chunks, seg * seg_chunks);
-    const uint32_t c_end = min(chunks, c_begin + seg_chunks);
+    const LinSegment span = lin_segment(k, seg);
+    const uint32_t nsegs = span.nsegs, c_begin = span.c_begin, c_end = span.c_end;
     const uint32_t steps = (c_end - c_begin + STAGE_CH - 1) / STAGE_CH;
     uint4* ring = reinterpret_cast<uint4*>(smem);
 
@@ -481,22 +494,6 @@ MT_DEVICE void direct_batch(float (&acc)[4], const uint4 (&wr)[B], const bf16* x
         if (c0 + ch >= c_end) break;
         mma_chunk(acc, ra[ch], rb[ch], wr[ch]);
     }
-}
-
-// Segment `seg` of k: its chunks [c_begin, c_end) (empty past the last), and how many segments
-// hold chunks (the numerics above).
-struct LinSegment {
-    uint32_t c_begin, c_end, nsegs;
-};
-
-MT_DEVICE LinSegment lin_segment(uint32_t k, uint32_t seg) {
-    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
-    const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
-    LinSegment s;
-    s.nsegs = seg_chunks > 0 ? (chunks + seg_chunks - 1) / seg_chunks : 0;
-    s.c_begin = min(chunks, seg * seg_chunks);
-    s.c_end = min(chunks, s.c_begin + seg_chunks);
-    return s;
 }
 
 template <typename OutT, int B, bool RB, bool VEC>

@@ -26,6 +26,20 @@ MT_DEVICE void rope_table(float2* table, const float* inv_freq, float pos, uint3
     __syncthreads();
 }
 
+// E consecutive bf16 (E of 1, 2, 4 or 8) from `src` to `dst`, both aligned to 2E bytes, in one
+// access each.
+template <int E>
+MT_DEVICE void copy_run(bf16* dst, const bf16* src) {
+    if constexpr (E == 8)
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    else if constexpr (E == 4)
+        *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
+    else if constexpr (E == 2)
+        *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(src);
+    else
+        dst[0] = src[0];
+}
+
 // `norm_rope_head` with the head in registers: lane l holds dims E l .. E l + E - 1 (E = d / 32),
 // read and written E at a time; the rotation's partner dims (i + rd / 2, or i - rd / 2) sit in
 // lane l ^ (rd / 2E), one shuffle a dim. The shared-memory path below did three times the
@@ -37,15 +51,7 @@ MT_DEVICE void norm_rope_lanes(bf16* x, bf16* copy, const bf16* nw, const float2
     const uint32_t i0 = E * lane;
     float f[E];
     __align__(16) bf16 h[E];
-    if constexpr (E == 8) {
-        *reinterpret_cast<uint4*>(h) = *reinterpret_cast<const uint4*>(x + i0);
-    } else if constexpr (E == 4) {
-        *reinterpret_cast<uint2*>(h) = *reinterpret_cast<const uint2*>(x + i0);
-    } else if constexpr (E == 2) {
-        *reinterpret_cast<uint32_t*>(h) = *reinterpret_cast<const uint32_t*>(x + i0);
-    } else {
-        h[0] = x[i0];
-    }
+    copy_run<E>(h, x + i0);
 #pragma unroll
     for (int j = 0; j < E; ++j) f[j] = bf2f(h[j]);
     if (nw != nullptr) {
@@ -79,21 +85,8 @@ MT_DEVICE void norm_rope_lanes(bf16* x, bf16* copy, const bf16* nw, const float2
     }
 #pragma unroll
     for (int j = 0; j < E; ++j) h[j] = f2bf(f[j]);
-    bf16* dsts[2] = {x, copy};
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        bf16* dst = dsts[c];
-        if (dst == nullptr) continue;
-        if constexpr (E == 8) {
-            *reinterpret_cast<uint4*>(dst + i0) = *reinterpret_cast<const uint4*>(h);
-        } else if constexpr (E == 4) {
-            *reinterpret_cast<uint2*>(dst + i0) = *reinterpret_cast<const uint2*>(h);
-        } else if constexpr (E == 2) {
-            *reinterpret_cast<uint32_t*>(dst + i0) = *reinterpret_cast<const uint32_t*>(h);
-        } else {
-            dst[i0] = h[0];
-        }
-    }
+    copy_run<E>(x + i0, h);
+    if (copy != nullptr) copy_run<E>(copy + i0, h);
 }
 
 // Whether `norm_rope_lanes` takes a head of d dims (E = d / 32 of 1, 2, 4 or 8, its E-dim runs

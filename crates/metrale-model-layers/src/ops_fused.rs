@@ -1,7 +1,8 @@
 //! Launchers of fused kernels that the circuit executor's `Fusions::All` programs launch, and
-//! the legacy forward only at prefill sizes, which no circuit program covers (at decode sizes it
-//! keeps one launch per op, so `circuit-reference` can reproduce it): a third `impl Ops` block beside `ops` and `ops_hybrid`, under the same rules (one launcher per
-//! kernel, the CPU twin's argument order, geometry from shapes alone).
+//! the legacy forward only at prefill sizes, which no circuit program covers (at decode sizes
+//! it keeps one launch per op, so `circuit-reference` can reproduce it): a third `impl Ops`
+//! block beside `ops` and `ops_hybrid`, under the same rules (one launcher per kernel, the CPU
+//! twin's argument order, geometry from shapes alone).
 
 use metrale_gpu_runtime::{GpuError, GpuResult, StreamHandle};
 

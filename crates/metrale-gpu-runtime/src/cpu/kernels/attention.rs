@@ -40,12 +40,7 @@ pub fn paged_attention(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     ctx.expect_args(19)?;
     let s = shape(ctx)?;
     let rows: Vec<usize> = (0..s.rows).collect();
-    attend(
-        ctx,
-        &s,
-        &rows,
-        ctx.slice_mut::<bf16>(0, s.rows * s.hq * s.d)?,
-    )
+    attend_out(ctx, &s, &rows)
 }
 
 /// `paged_attention_prefill(the arguments of paged_attention, row_groups: u32 [n_groups, 2],
@@ -54,14 +49,9 @@ pub fn paged_attention(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 /// in one 16-token unit (the CUDA kernel computes a group's rows together); a malformed group
 /// fails. Rows of no group are not written.
 pub fn paged_attention_prefill(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    ctx.expect_args(21)?;
     let s = shape(ctx)?;
-    let rows = prefill_rows(ctx, &s)?;
-    attend(
-        ctx,
-        &s,
-        &rows,
-        ctx.slice_mut::<bf16>(0, s.rows * s.hq * s.d)?,
-    )
+    attend_out(ctx, &s, &prefill_rows(ctx, &s)?)
 }
 
 /// `paged_attention_prefill_staged(img: stage images of [rows, num_q_heads * head_dim], then
@@ -69,6 +59,7 @@ pub fn paged_attention_prefill(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 /// projection's stage images (`linear_tma`'s x), which `permute_k32_tiles` of the prefill
 /// kernel's output would give. num_q_heads * head_dim must be a multiple of 64.
 pub fn paged_attention_prefill_staged(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    ctx.expect_args(21)?;
     let s = shape(ctx)?;
     let width = s.hq * s.d;
     if !width.is_multiple_of(64) {
@@ -89,7 +80,6 @@ pub fn paged_attention_prefill_staged(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 /// The rows of the prefill kernels' row groups (arguments 19 and 20), checked as the CUDA
 /// kernel's items: 1 ..= `rows_per_item` consecutive rows of one sequence in one 16-token unit.
 fn prefill_rows(ctx: &KernelCtx<'_>, s: &Shape) -> GpuResult<Vec<usize>> {
-    ctx.expect_args(21)?;
     let n_groups = ctx.usize(20)?;
     let groups = ctx.slice::<u32>(19, 2 * n_groups)?;
     let row_seq = ctx.slice::<u32>(5, s.rows)?;
@@ -160,6 +150,11 @@ fn shape(ctx: &KernelCtx<'_>) -> GpuResult<Shape> {
         )));
     }
     Ok(s)
+}
+
+/// [`attend`] into the output rows at argument 0 (`[rows, num_q_heads * head_dim]`).
+fn attend_out(ctx: &KernelCtx<'_>, s: &Shape, rows: &[usize]) -> GpuResult<()> {
+    attend(ctx, s, rows, ctx.slice_mut::<bf16>(0, s.rows * s.hq * s.d)?)
 }
 
 /// Every head of each row in `rows`, written to its row of `out` (`[rows, num_q_heads *
