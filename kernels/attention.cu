@@ -14,15 +14,20 @@
 // tokens at absolute positions 16u..16u+15 (the last one partial). Block `s` of the cluster takes
 // units [s * U / ATT_SPLITS, (s + 1) * U / ATT_SPLITS) (U = ceil(ctx / 16)), and warp w of the
 // block every ATT_WARPS-th of those, starting at the w-th. Per unit a warp computes
-// - scores S = Q Kᵀ with mma.sync m16n8k16 (bf16 in, f32 accumulate): the hb query heads are the
-//   M rows 0..hb-1 (rows hb..15 are zero), the 16 tokens two n-tiles, head_dim the k steps (two
-//   accumulation chains, even and odd k steps, added at the end); queries and keys come from
-//   shared memory through ldmatrix;
-// - an online softmax in f32 (base 2 on ex2.approx.ftz, the scale folded into log2 e) per head
-//   over the quad of lanes holding its row; the probabilities are rounded to bf16 and the running
-//   sum adds the rounded values;
-// - O += P V with mma.sync (P from the score registers, V through ldmatrix.trans), the running
-//   outputs rescaled first unless no row's maximum moved (multiplying by 1 is exact).
+// - scores S = Q Kᵀ with mma.sync m16n8k16 (bf16 in, f32 accumulate) as Sᵀ = K Qᵀ: the 16 tokens
+//   are the M rows, the query heads (up to 8; those past hb are zero) the n-tile, head_dim the k
+//   steps (two accumulation chains, even and odd k steps, added at the end); queries and keys
+//   come from shared memory through ldmatrix;
+// - an online softmax in f32 (base 2 on ex2.approx.ftz, the scale folded into log2 e) per head;
+//   the probabilities are rounded to bf16 and the running sum adds the rounded values, as four
+//   partial sums per head (tokens 2i, 2i + 1, 2i + 8, 2i + 9 of each unit) added at the end;
+// - O += P V as Oᵀ += Vᵀ Pᵀ (V through ldmatrix.trans, Pᵀ from the score registers through
+//   movmatrix), the running outputs rescaled first unless no head's maximum moved (multiplying by
+//   1 is exact).
+// The transposed tiles hold no zero rows (the hb heads padded to 16 M rows did: twice the MMAs
+// and the register moves to zero them). An MMA's output is the same sum of the same products
+// whichever operand is A, so the arithmetic, and every bit of the result, is that of the
+// untransposed layout `paged_attention_prefill` keeps (att_softmax_row).
 // The block then combines its warps in warp order, and the cluster its blocks through distributed
 // shared memory in block order (0, 1, ..., ATT_SPLITS - 1), sums as explicit fmaf chains; the
 // gate (Qwen3.5) multiplies last.
@@ -31,14 +36,17 @@
 // whatever the batch and whether it comes in a prefill chunk or a decode step, and runs are
 // deterministic.
 //
-// Streaming: each warp copies its units (the hb query rows and the 16 keys and values, cp.async
-// with zero-fill for dead tokens; plain loads when head_dim or a stride is not a multiple of 8)
-// into its own ring of ATT_STAGES stages in shared memory, one commit group per unit, reading
-// each unit's block-table entries one unit ahead, and keeps the ring full across items: while a
-// block combines item k, the copies of item k + 1 are in flight. The cluster barrier is split:
-// a block arrives once it has combined item k and waits only after its units of item k + 1, then
-// reads item k's partials from the cluster and writes its share of the outputs (the combine
-// buffers alternate by item parity), so blocks do not idle at the barrier.
+// Streaming: each warp copies its units (the 16 keys and values, cp.async with zero-fill for
+// dead tokens; plain loads when head_dim or a stride is not a multiple of 8) into its own ring of
+// ATT_STAGES stages in shared memory, one commit group per unit, reading each unit's block-table
+// entries one unit ahead, and keeps the ring full across items: while a block combines item k,
+// the copies of item k + 1 are in flight. An item's hb query rows are copied once per warp, with
+// its first unit, into one of the warp's two query slots (alternating over the items the warp
+// has units of: the ring holds units of at most two items). Each item's row, heads, sequence,
+// context and unit range are worked out once per launch, into shared memory. The cluster barrier
+// is split: a block arrives once it has combined item k and waits only after its units of item
+// k + 1, then reads item k's partials from the cluster and writes its share of the outputs (the
+// combine buffers alternate by item parity), so blocks do not idle at the barrier.
 //
 // `paged_attention_prefill` (attention_prefill.cuh) computes the same per-row arithmetic for the
 // rows of a prefill chunk, sixteen warps to a block and up to 64 virtual rows to an item, so each
@@ -56,53 +64,74 @@ namespace cg = cooperative_groups;
 
 #include "attention_unit.cuh"
 
-// Dynamic shared memory: every warp's ring of ATT_STAGES stages, each a unit's hb (of ATT_HB)
-// query rows, 16 key rows and 16 value rows of dp + 8 bf16 (the 16-byte pad puts the 8 rows of
-// every ldmatrix in distinct banks); then the warps' f32 partials [ATT_WARPS][hb][dp] and the
-// block's, by item parity, [2][hb][dp]. The launcher computes the same.
+// Query slots per warp: an item's query rows stay while its units are computed, and the ring of
+// ATT_STAGES = 2 units holds units of at most two items.
+#define ATT_QSLOTS 2
+
+// Dynamic shared memory: every warp's ring of ATT_STAGES stages, each a unit's 16 key rows and
+// 16 value rows of dp + 8 bf16 (the 16-byte pad puts the 8 rows of every ldmatrix in distinct
+// banks), then its ATT_QSLOTS query slots of ATT_HB rows; then the warps' f32 partials
+// [ATT_WARPS][hb][dp] and the block's, by item parity, [2][hb][dp]. The launcher computes the
+// same.
 MT_DEVICE uint32_t att_shared_bytes(uint32_t dp, uint32_t hb) {
-    return ATT_WARPS * ATT_STAGES * (ATT_HB + 2u * ATT_UNIT) * (dp + 8u) * 2u +
+    return ATT_WARPS * (ATT_STAGES * 2u * ATT_UNIT + ATT_QSLOTS * ATT_HB) * (dp + 8u) * 2u +
            (ATT_WARPS + 2u) * hb * dp * 4u;
 }
 
-// Item k of this cluster: (row, group of hb query heads) number cluster + k * n_clusters, and
-// the units of it this block's warp `warp` takes. `ctx` is the row's context (0: out of range).
-struct AttItem {
-    uint32_t row, h0, kv, seq, ctx, first, mine;  // kv: the item's key/value head's offset in a slot
+// Item k of this cluster, as the launch's first barrier leaves it in shared memory: (row, group
+// of hb query heads) number cluster + k * n_clusters, its key/value head's offset in a slot, the
+// row's sequence and context (0: out of range), and the units [ub, ue) of this block's split.
+struct __align__(16) AttItemRec {
+    uint32_t row, h0, kv, seq, ctx, ub, ue, pad;
 };
 
-MT_DEVICE AttItem att_item(const AttLaunch& a, uint32_t k, const uint32_t* seq_s,
-                           const uint32_t* ctx_s, uint32_t warp) {
+// Item k as warp `warp` sees it: the record and the units of it the warp takes.
+struct AttItem {
+    uint32_t row, h0, kv, seq, ctx, first, mine;
+};
+
+MT_DEVICE AttItem att_item(const AttItemRec* recs, uint32_t k, uint32_t warp) {
+    const AttItemRec r = recs[k];
     AttItem it;
-    const uint32_t n = a.cluster + k * a.n_clusters;
-    it.row = n / a.groups;
-    it.h0 = (n % a.groups) * a.hb;
-    it.kv = (it.h0 / a.group) * a.d;
-    it.seq = seq_s[k];
-    it.ctx = ctx_s[k];  // 0: the row's inputs are out of range
-    att_units(it.ctx, a.split, warp, it.first, it.mine);
+    it.row = r.row;
+    it.h0 = r.h0;
+    it.kv = r.kv;
+    it.seq = r.seq;
+    it.ctx = r.ctx;
+    att_part_units(r.ub, r.ue, warp, it.first, it.mine);
     return it;
 }
 
-// Copy unit `unit` of item `it` into `stage`: the hb query rows (rows hb..7 stay zero), then the
-// keys and values of its 16 tokens (cp.async on the vector path, plain loads otherwise); dead
-// tokens and padded dimensions become zeros. Returns whether a slot was past the pool (uniform).
+// Copy the hb query rows of item `it` into query slot `qs` (rows hb..7 stay zero; cp.async on
+// the vector path, plain loads otherwise).
 template <int DP>
-MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry,
-                         bf16* stage, uint32_t lane) {
+MT_DEVICE void att_issue_queries(const AttLaunch& a, const AttItem& it, bf16* qs, uint32_t lane) {
     constexpr int RS = DP + 8, NCH = DP / 8;
-    bf16* qs = stage;
-    bf16* ks = stage + ATT_HB * RS;
-    bf16* vs = ks + ATT_UNIT * RS;
     const bf16* q = a.qkv + (size_t)it.row * a.row_stride + (size_t)it.h0 * a.q_head_stride;
-    const bf16* kb = a.k_cache + it.kv;
-    const bf16* vb = a.v_cache + it.kv;
     if (a.vec) {
         for (uint32_t idx = lane; idx < a.hb * NCH; idx += 32) {
             const uint32_t h = idx / NCH, ch = idx % NCH;
             if (8 * ch < a.d) cp_async16(qs + h * RS + 8 * ch, q + (size_t)h * a.q_head_stride + 8 * ch, 16u);
         }
+    } else {
+        for (uint32_t idx = lane; idx < a.hb * DP; idx += 32) {
+            const uint32_t h = idx / DP, e = idx % DP;
+            qs[h * RS + e] = e < a.d ? q[(size_t)h * a.q_head_stride + e] : __ushort_as_bfloat16((unsigned short)0);
+        }
     }
+}
+
+// Copy the keys and values of unit `unit` of item `it` (its 16 tokens) into `stage` (cp.async on
+// the vector path, plain loads otherwise); dead tokens and padded dimensions become zeros.
+// Returns whether a slot was past the pool (uniform).
+template <int DP>
+MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry,
+                         bf16* stage, uint32_t lane) {
+    constexpr int RS = DP + 8, NCH = DP / 8;
+    bf16* ks = stage;
+    bf16* vs = ks + ATT_UNIT * RS;
+    const bf16* kb = a.k_cache + it.kv;
+    const bf16* vb = a.v_cache + it.kv;
     if (a.vec && a.unit_blocks)
         return att_copy_unit<RS, ATT_UNIT * NCH / 32, true>(a, kb, vb, unit, it.ctx, entry, true, lane / NCH, 32 / NCH,
                                                       lane % NCH, ks, vs);
@@ -120,10 +149,6 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
             cp_async16(vs + tok * RS + 8 * ch, vb + off, on ? 16u : 0u);
         }
     } else {
-        for (uint32_t idx = lane; idx < a.hb * DP; idx += 32) {
-            const uint32_t h = idx / DP, e = idx % DP;
-            qs[h * RS + e] = e < a.d ? q[(size_t)h * a.q_head_stride + e] : __ushort_as_bfloat16((unsigned short)0);
-        }
 #pragma unroll 1
         for (int i = 0; i < ATT_UNIT * DP / 32; ++i) {
             const uint32_t idx = lane + 32 * i, tok = idx / DP, e = idx % DP;
@@ -137,53 +162,94 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
     return __any_sync(0xffffffffu, bad);
 }
 
-// One unit of a warp: scores, online softmax and P V into (o, m, l) of head g = lane / 4.
+// One unit of a warp (its keys and values in `stage`, the item's queries in slot `qslot`), with
+// every tile transposed so no MMA carries zero rows: scores Sᵀ = K Qᵀ (tokens x heads), the
+// online softmax of heads 2c and 2c + 1 (m, l: lane (g, c) holds their maxima, and their
+// partial sums over tokens 2(g / 2), +1, +8, +9), and Oᵀ += Vᵀ Pᵀ into `o` (o[t] holds dims
+// 16 t + g and 16 t + g + 8 of heads 2c and 2c + 1). Each score, probability, partial sum and
+// output is computed by the same operations on the same operands, in the same order, as
+// att_softmax_row's layout computes it (paged_attention_prefill uses that one), so the two
+// kernels stay bitwise equal; only which lane holds what differs.
 template <int DP>
-MT_DEVICE void att_unit(const bf16* stage, uint32_t unit, uint32_t ctx, float scale_log2, bool first,
-                        uint32_t lane, float (&o)[DP / 8][2], float& m, float& l) {
+MT_DEVICE void att_unit(const bf16* stage, const bf16* qslot, uint32_t unit, uint32_t ctx, float scale_log2,
+                        bool first, uint32_t lane, float (&o)[DP / 16][4], float (&m)[2], float (&l)[2]) {
     constexpr int RS = DP + 8;
-    const uint32_t c = lane & 3, mat = lane >> 3, row = lane & 7;
-    const uint32_t qs = (uint32_t)__cvta_generic_to_shared(stage);
-    const uint32_t ks = qs + ATT_HB * RS * 2;
+    const uint32_t g = lane >> 2, mat = lane >> 3, row = lane & 7;
+    const uint32_t qs = (uint32_t)__cvta_generic_to_shared(qslot);
+    const uint32_t ks = (uint32_t)__cvta_generic_to_shared(stage);
     const uint32_t vs = ks + ATT_UNIT * RS * 2;
 
-    // S = Q Kᵀ. Query matrices: heads 0-7 x dims 8 mat.. of a 32-dim pair of k steps; key
-    // matrices: (tokens 0-7 | 8-15) x (dims 0-7 | 8-15 of the k step). Two accumulation chains
-    // (even and odd k steps), added at the end.
-    float s[2][2][2] = {};  // [chain][n-tile][c0, c1]
+    // Sᵀ = K Qᵀ, a k step of 16 dims at a time. A: key matrices (tokens 0-7 | 8-15) x (dims 0-7
+    // | 8-15 of the step); B: query matrices heads 0-7 x dims 8 mat.. of a 32-dim pair of steps.
+    // Two accumulation chains (even and odd k steps), added at the end. s[chain]: tokens g
+    // (0, 1) and g + 8 (2, 3) of heads 2c (0, 2) and 2c + 1 (1, 3).
+    float s[2][4] = {};
     const uint32_t q_addr = qs + (row * RS + 8 * mat) * 2;
-    const uint32_t k_addr = ks + ((row + ((mat >> 1) << 3)) * RS + ((mat & 1) << 3)) * 2;
+    const uint32_t k_addr = ks + ((row + ((mat & 1) << 3)) * RS + ((mat >> 1) << 3)) * 2;
 #pragma unroll
     for (int kp = 0; kp < DP / 32; ++kp) {
-        uint32_t qa[4], b0[4], b1[4];
-        att_ldsm4(qa, q_addr + kp * 64);
-        att_ldsm4(b0, k_addr + (2 * kp) * 32);
-        att_ldsm4(b1, k_addr + (2 * kp + 1) * 32);
-        att_mma(s[0][0][0], s[0][0][1], qa[0], qa[1], b0[0], b0[1]);
-        att_mma(s[0][1][0], s[0][1][1], qa[0], qa[1], b0[2], b0[3]);
-        att_mma(s[1][0][0], s[1][0][1], qa[2], qa[3], b1[0], b1[1]);
-        att_mma(s[1][1][0], s[1][1][1], qa[2], qa[3], b1[2], b1[3]);
+        uint32_t qb[4], ka[4], kb[4];
+        att_ldsm4(qb, q_addr + kp * 64);
+        att_ldsm4(ka, k_addr + (2 * kp) * 32);
+        att_ldsm4(kb, k_addr + (2 * kp + 1) * 32);
+        att_mma16(s[0][0], s[0][1], s[0][2], s[0][3], ka[0], ka[1], ka[2], ka[3], qb[0], qb[1]);
+        att_mma16(s[1][0], s[1][1], s[1][2], s[1][3], kb[0], kb[1], kb[2], kb[3], qb[2], qb[3]);
     }
 
-    float corr;
-    uint32_t pa[2];
-    att_softmax_row(s[0], s[1], unit, ctx, scale_log2, c, m, l, corr, pa);
-    const bool rescale = att_rescale(first, corr != 1.0f);
-
-    // O += P V: matrices (tokens 0-7 | 8-15) x (dims 0-7 | 8-15 of the 16-dim step), transposed.
-    const uint32_t v_addr = vs + ((row + ((mat & 1) << 3)) * RS + ((mat >> 1) << 3)) * 2;
+    // The online softmax of heads 2c + j over tokens g + 8e.
+    float x[2][2], mx[2], corr[2];
 #pragma unroll
-    for (int dd = 0; dd < DP / 16; ++dd) {
-        uint32_t b[4];
-        att_ldsm4_t(b, v_addr + dd * 32);
-        if (rescale) {
-            o[2 * dd][0] *= corr;
-            o[2 * dd][1] *= corr;
-            o[2 * dd + 1][0] *= corr;
-            o[2 * dd + 1][1] *= corr;
+    for (int j = 0; j < 2; ++j) {
+        mx[j] = -INFINITY;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const uint32_t t = unit * ATT_UNIT + g + 8 * e;
+            x[j][e] = t < ctx ? __fmul_rn(__fadd_rn(s[0][2 * e + j], s[1][2 * e + j]), scale_log2) : -INFINITY;
+            mx[j] = fmaxf(mx[j], x[j][e]);
         }
-        att_mma(o[2 * dd][0], o[2 * dd][1], pa[0], pa[1], b[0], b[1]);
-        att_mma(o[2 * dd + 1][0], o[2 * dd + 1][1], pa[0], pa[1], b[2], b[3]);
+#pragma unroll
+        for (int d = 4; d < 32; d *= 2) mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], d));
+    }
+    float m_new[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        m_new[j] = fmaxf(m[j], mx[j]);  // finite: a unit holds at least one live token
+        corr[j] = att_exp2(m[j] - m_new[j]);
+    }
+    // pt[e]: token g + 8e's probabilities of heads 2c and 2c + 1, rounded to bf16: the lane's
+    // part of Pᵀ, and (with the neighbouring token, from lane g ^ 1) of each head's sum.
+    uint32_t pt[2];
+    float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        pt[e] = att_pack_bf16(att_exp2(x[0][e] - m_new[0]), att_exp2(x[1][e] - m_new[1]));
+        const uint32_t nb = __shfl_xor_sync(0xffffffffu, pt[e], 4);
+        sum[0] = __fadd_rn(sum[0], __fadd_rn(__uint_as_float(pt[e] << 16), __uint_as_float(nb << 16)));
+        sum[1] = __fadd_rn(sum[1], __fadd_rn(__uint_as_float(pt[e] & 0xFFFF0000u), __uint_as_float(nb & 0xFFFF0000u)));
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        l[j] = fmaf(l[j], corr[j], sum[j]);
+        m[j] = m_new[j];
+    }
+    const bool rescale = att_rescale(first, corr[0] != 1.0f || corr[1] != 1.0f);
+
+    // Oᵀ += Vᵀ Pᵀ, 16 dims a tile: A is Vᵀ through ldmatrix.trans (matrices (tokens 0-7 |
+    // 8-15) x (dims 0-7 | 8-15 of the tile)); B is Pᵀ's two 8x8 halves transposed back into the
+    // MMA's column layout (heads g, tokens 2c, 2c + 1 and 2c + 8, 2c + 9).
+    const uint32_t pb0 = att_transpose8(pt[0]), pb1 = att_transpose8(pt[1]);
+    const uint32_t v_addr = vs + ((row + ((mat >> 1) << 3)) * RS + ((mat & 1) << 3)) * 2;
+#pragma unroll
+    for (int t = 0; t < DP / 16; ++t) {
+        uint32_t va[4];
+        att_ldsm4_t(va, v_addr + t * 32);
+        if (rescale) {
+            o[t][0] *= corr[0];
+            o[t][1] *= corr[1];
+            o[t][2] *= corr[0];
+            o[t][3] *= corr[1];
+        }
+        att_mma16(o[t][0], o[t][1], o[t][2], o[t][3], va[0], va[1], va[2], va[3], pb0, pb1);
     }
 }
 
@@ -198,7 +264,7 @@ MT_DEVICE void att_nan_item(const AttLaunch& a, uint32_t row, uint32_t h0) {
 struct AttShared {
     float wm[ATT_WARPS][ATT_HB], wl[ATT_WARPS][ATT_HB];  // each warp's max and sum per head
     float cm[2][ATT_HB], cl[2][ATT_HB];  // the block's, by item parity (read by the cluster)
-    uint32_t seq[ATT_MAX_ITEMS], ctx[ATT_MAX_ITEMS];
+    AttItemRec item[ATT_MAX_ITEMS];
     int bad[2];  // a slot past the pool was seen, by item parity
 };
 
@@ -259,9 +325,10 @@ MT_DEVICE AttOut att_output(const AttLaunch& a, const AttItem& it, uint32_t p, A
 }
 
 // Where a warp's stream of units stands: unit `i` of the warp's units of item `k`, with the
-// block-table entries it needs already requested (att_entry).
+// block-table entries it needs already requested (att_entry); `qn` counts the items whose
+// queries it has copied (the next goes to slot qn % ATT_QSLOTS).
 struct AttCursor {
-    uint32_t k, i, entry;
+    uint32_t k, i, entry, qn;
     AttItem it;
 };
 
@@ -269,15 +336,16 @@ struct AttCursor {
 // shared one and the 256-wide path spilled).
 template <int DP>
 __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttShared& sh) {
-    constexpr uint32_t STAGE_ELEMS = (ATT_HB + 2 * ATT_UNIT) * (DP + 8);
+    constexpr uint32_t STAGE_ELEMS = 2 * ATT_UNIT * (DP + 8), QSLOT_ELEMS = ATT_HB * (DP + 8);
+    constexpr uint32_t WARP_ELEMS = ATT_STAGES * STAGE_ELEMS + ATT_QSLOTS * QSLOT_ELEMS;
     const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const uint32_t g = lane >> 2, c = lane & 3;
-    bf16* ring = reinterpret_cast<bf16*>(dyn) + (size_t)warp * ATT_STAGES * STAGE_ELEMS;
-    float* ow = reinterpret_cast<float*>(dyn + ATT_WARPS * ATT_STAGES * STAGE_ELEMS * 2);  // [W][hb][DP]
+    bf16* ring = reinterpret_cast<bf16*>(dyn) + (size_t)warp * WARP_ELEMS;
+    bf16* qslots = ring + ATT_STAGES * STAGE_ELEMS;
+    float* ow = reinterpret_cast<float*>(dyn + ATT_WARPS * WARP_ELEMS * 2);  // [W][hb][DP]
     float* part = ow + ATT_WARPS * a.hb * DP;  // [2][hb][DP], by item parity (read by the cluster)
     // Query rows past hb and dimensions past head_dim are never copied: zero them once.
-    for (uint32_t i = lane; i < ATT_STAGES * STAGE_ELEMS / 8; i += 32)
-        store16(ring + 8 * i, make_uint4(0, 0, 0, 0));
+    for (uint32_t i = lane; i < WARP_ELEMS / 8; i += 32) store16(ring + 8 * i, make_uint4(0, 0, 0, 0));
     __syncwarp();
 
     // The warp's stream of units over the cluster's items runs ATT_STAGES units ahead of the
@@ -286,18 +354,20 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
     f.k = 0;
     f.i = 0;
     f.entry = 0;
-    if (a.nk > 0) f.it = att_item(a, 0, sh.seq, sh.ctx, warp);
+    f.qn = 0;
+    if (a.nk > 0) f.it = att_item(sh.item, 0, warp);
     auto settle = [&]() {  // move to the next unit that exists and read its table entries
         while (f.k < a.nk && f.i >= f.it.mine) {
             ++f.k;
             f.i = 0;
-            if (f.k < a.nk) f.it = att_item(a, f.k, sh.seq, sh.ctx, warp);
+            if (f.k < a.nk) f.it = att_item(sh.item, f.k, warp);
         }
         if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.it.first + ATT_WARPS * f.i, f.it.ctx, lane);
     };
     uint32_t bad_bits = 0;
     auto issue_next = [&](uint32_t st) {
         if (f.k < a.nk) {
+            if (f.i == 0) att_issue_queries<DP>(a, f.it, qslots + (f.qn++ % ATT_QSLOTS) * QSLOT_ELEMS, lane);
             const bool bad = att_issue<DP>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry,
                                            ring + st * STAGE_ELEMS, lane);
             bad_bits = (bad_bits & ~(1u << st)) | ((bad ? 1u : 0u) << st);
@@ -313,30 +383,37 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
     // Per item: the warps' units, then (once every block has arrived for the item before) the
     // cluster's combine and output of the item before, then the block's combine of this item
     // and an arrival; the cluster waits one item late, so no block idles at the barrier.
-    uint32_t consumed = 0;
+    uint32_t consumed = 0, qused = 0;
     AttItem prev;
     prev.ctx = 0;
     AttOut pending;
     pending.n = 0;
     for (uint32_t k = 0; k < a.nk; ++k) {
-        const AttItem it = att_item(a, k, sh.seq, sh.ctx, warp);
-        float o[DP / 8][2];
+        const AttItem it = att_item(sh.item, k, warp);
+        const bf16* qslot = qslots + (qused % ATT_QSLOTS) * QSLOT_ELEMS;
+        if (it.mine > 0) ++qused;
+        float o[DP / 16][4];
 #pragma unroll
-        for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = 0.0f;
-        float m = -INFINITY, l = 0.0f;
+        for (int t = 0; t < DP / 16; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
         bool bad = false;
         for (uint32_t i = 0; i < it.mine; ++i) {
             cp_async_wait<ATT_STAGES - 1>();
             __syncwarp();
             const uint32_t st = consumed % ATT_STAGES;
-            att_unit<DP>(ring + st * STAGE_ELEMS, it.first + ATT_WARPS * i, it.ctx, a.scale_log2, i == 0, lane, o, m, l);
+            att_unit<DP>(ring + st * STAGE_ELEMS, qslot, it.first + ATT_WARPS * i, it.ctx, a.scale_log2, i == 0, lane,
+                         o, m, l);
             bad = bad || ((bad_bits >> st) & 1u) != 0;
             __syncwarp();
             issue_next(st);
             ++consumed;
         }
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        // Each head's four partial sums (lanes g = 0, 2, 4, 6) in att_softmax_row's order.
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            l[j] += __shfl_xor_sync(0xffffffffu, l[j], 8);
+            l[j] += __shfl_xor_sync(0xffffffffu, l[j], 16);
+        }
 
         const uint32_t p = k & 1;
         if (k > 0) {
@@ -349,17 +426,24 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
 
         // The block's warps in warp order.
         float* pk = part + p * a.hb * DP;
-        if (g < a.hb) {
 #pragma unroll
-            for (int n = 0; n < DP / 8; ++n) {
-                ow[(warp * a.hb + g) * DP + 8 * n + 2 * c] = o[n][0];
-                ow[(warp * a.hb + g) * DP + 8 * n + 2 * c + 1] = o[n][1];
-            }
-            if (c == 0) {
-                sh.wm[warp][g] = m;
-                sh.wl[warp][g] = l;
+        for (uint32_t j = 0; j < 2; ++j) {
+            const uint32_t h = 2 * c + j;
+            if (h < a.hb) {
+                float* w = ow + (warp * a.hb + h) * DP + g;
+#pragma unroll
+                for (int t = 0; t < DP / 16; ++t) {
+                    w[16 * t] = o[t][j];
+                    w[16 * t + 8] = o[t][2 + j];
+                }
             }
         }
+#pragma unroll
+        for (uint32_t j = 0; j < 2; ++j)
+            if (g == 0 && 2 * c + j < a.hb) {
+                sh.wm[warp][2 * c + j] = m[j];
+                sh.wl[warp][2 * c + j] = l[j];
+            }
         if (bad && lane == 0) sh.bad[p] = 1;
         __syncthreads();
         for (uint32_t idx = tid; idx < a.hb * DP; idx += ATT_THREADS) {
@@ -413,7 +497,7 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
     __shared__ AttShared sh;
     // A programmatic dependent at decode sizes (ops_attention.rs). The cache store ahead of it
     // does not trigger early, so these blocks are placed once its blocks have left: two blocks
-    // of this kernel take nearly all of a multiprocessor's registers, and a cluster that cannot
+    // of this kernel take nearly all of a multiprocessor's shared memory, and a cluster that cannot
     // be placed waits for a whole other cluster to finish.
     pdl_wait();
     pdl_trigger();
@@ -430,13 +514,20 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
         return;
     }
 
-    // Each item's sequence and context (0 when the row's inputs are out of range).
+    // Each item's record (context 0 when the row's inputs are out of range).
     for (uint32_t k = threadIdx.x; k < a.nk; k += ATT_THREADS) {
-        const uint32_t r = (a.cluster + k * a.n_clusters) / a.groups;
-        const uint32_t seq = row_seq[r], ctx = positions[r] + 1;
+        const uint32_t n = a.cluster + k * a.n_clusters;
+        AttItemRec r;
+        r.row = n / a.groups;
+        r.h0 = (n % a.groups) * a.hb;
+        r.kv = (r.h0 / a.group) * a.d;
+        const uint32_t seq = row_seq[r.row], ctx = positions[r.row] + 1;
         const bool ok = seq < num_seqs && ctx != 0 && (ctx + block_size - 1) / block_size <= max_blocks;
-        sh.seq[k] = ok ? seq : 0;
-        sh.ctx[k] = ok ? ctx : 0;
+        r.seq = ok ? seq : 0;
+        r.ctx = ok ? ctx : 0;
+        att_split_units(r.ctx, a.split, r.ub, r.ue);
+        r.pad = 0;
+        sh.item[k] = r;
     }
     if (threadIdx.x == 0) sh.bad[0] = sh.bad[1] = 0;
     __syncthreads();

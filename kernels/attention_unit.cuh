@@ -28,14 +28,26 @@ MT_DEVICE uint32_t att_padded_dim(uint32_t d) {
     return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256;
 }
 
-// The units of a row's context (ctx tokens) that warp `part` of block `split` takes: first,
-// first + ATT_WARPS, ... (`mine` of them). Both kernels cut a context this way.
-MT_DEVICE void att_units(uint32_t ctx, uint32_t split, uint32_t part, uint32_t& first, uint32_t& mine) {
+// The units [ub, ue) of a row's context (ctx tokens) that block `split` takes.
+MT_DEVICE void att_split_units(uint32_t ctx, uint32_t split, uint32_t& ub, uint32_t& ue) {
     const uint32_t units = (ctx + ATT_UNIT - 1) / ATT_UNIT;
-    const uint32_t ub = (uint32_t)((uint64_t)split * units / ATT_SPLITS);
-    const uint32_t ue = (uint32_t)((uint64_t)(split + 1) * units / ATT_SPLITS);
+    ub = (uint32_t)((uint64_t)split * units / ATT_SPLITS);
+    ue = (uint32_t)((uint64_t)(split + 1) * units / ATT_SPLITS);
+}
+
+// Of a split's units [ub, ue), those warp `part` takes: first, first + ATT_WARPS, ... (`mine` of
+// them).
+MT_DEVICE void att_part_units(uint32_t ub, uint32_t ue, uint32_t part, uint32_t& first, uint32_t& mine) {
     first = ub + part;
     mine = ue > first ? (ue - first + ATT_WARPS - 1) / ATT_WARPS : 0;
+}
+
+// The units of a row's context (ctx tokens) that warp `part` of block `split` takes. Both kernels
+// cut a context this way.
+MT_DEVICE void att_units(uint32_t ctx, uint32_t split, uint32_t part, uint32_t& first, uint32_t& mine) {
+    uint32_t ub, ue;
+    att_split_units(ctx, split, ub, ue);
+    att_part_units(ub, ue, part, first, mine);
 }
 
 // d0..d3 (an m16n8k16 result: rows g and g + 8, columns 2c, 2c + 1) += A B: a0 / a2 hold A row
@@ -47,12 +59,6 @@ MT_DEVICE void att_mma16(float& d0, float& d1, float& d2, float& d3, uint32_t a0
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Rows 0..7 only: A's rows 8..15 are zero and their results discarded.
-MT_DEVICE void att_mma(float& d0, float& d1, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-    float d2 = 0.0f, d3 = 0.0f;
-    att_mma16(d0, d1, d2, d3, a0, 0u, a2, 0u, b0, b1);
 }
 
 MT_DEVICE void att_ldsm4(uint32_t (&r)[4], uint32_t addr) {
@@ -67,6 +73,14 @@ MT_DEVICE void att_ldsm4_t(uint32_t (&r)[4], uint32_t addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr)
                  : "memory");
+}
+
+// The fragment of the transpose of the 8x8 bf16 matrix whose fragment (row g, columns 2c and
+// 2c + 1 in each lane) is `x` (movmatrix).
+MT_DEVICE uint32_t att_transpose8(uint32_t x) {
+    uint32_t y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
 }
 
 MT_DEVICE uint32_t att_pack_bf16(float lo, float hi) {
@@ -215,8 +229,10 @@ MT_DEVICE uint32_t att_entry(const AttLaunch& a, uint32_t seq, uint32_t unit, ui
 // lanes with `copy` set; tokens past the context and dimensions past head_dim become zeros.
 // Returns (uniform) whether a live token's slot is past the pool, in which case nothing is
 // copied. One multiply per lane instead of a slot shuffle and a 64-bit multiply per chunk (the
-// copy was a fifth of the decode kernel's instructions at batch 32). STREAM: the copies are
-// evicted from L2 first (decode reads each key once a step; a prefill's items share them).
+// copy was a fifth of the decode kernel's instructions at batch 32). A dead chunk's copy keeps
+// its (possibly out-of-range) address and reads no byte: choosing a safe address cost four
+// selects a chunk. STREAM: the copies are evicted from L2 first (decode reads each key once a
+// step; a prefill's items share them).
 template <int RS, int N, bool STREAM = false>
 MT_DEVICE bool att_copy_unit(const AttLaunch& a, const bf16* kb, const bf16* vb, uint32_t unit, uint32_t ctx,
                              uint32_t entry, bool copy, uint32_t tok0, uint32_t step, uint32_t ch, bf16* ks,
@@ -242,8 +258,8 @@ MT_DEVICE bool att_copy_unit(const AttLaunch& a, const bf16* kb, const bf16* vb,
     for (int i = 0; i < N; ++i) {
         const uint32_t tok = tok0 + i * step;
         const bool on = dim_on && tok < live;
-        copy16(ks + tok * RS + 8 * ch, on ? kp : kb, on ? 16u : 0u);
-        copy16(vs + tok * RS + 8 * ch, on ? vp : vb, on ? 16u : 0u);
+        copy16(ks + tok * RS + 8 * ch, kp, on ? 16u : 0u);
+        copy16(vs + tok * RS + 8 * ch, vp, on ? 16u : 0u);
         kp += stride;
         vp += stride;
     }

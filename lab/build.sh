@@ -4,15 +4,16 @@
 # the prefill GEMM lab (lab/prefill_lab.cu -> target/gemm-lab/prefill_lab), the residency lab
 # (prefetch_lab: decode projections from memory and from L2, and L2 prefetch) and the timeline
 # lab (timeline_lab: the decode GEMM's phases per block, on a copy of the kernel that
-# lab/timeline_gen.py writes from kernels/gemm.cu), standalone
-# binaries to copy to the GPU machine and run there (each includes lab/lab_util.cuh). Extra
-# arguments go to nvcc.
+# lab/timeline_gen.py writes from kernels/gemm.cu) and the decode attention lab (attention_lab:
+# `paged_attention` from two cubins, bitwise against each other and timed; see its header),
+# standalone binaries to copy to the GPU machine and run there (each includes lab/lab_util.cuh).
+# Extra arguments go to nvcc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NV=$(ls -d .xtask/cuda-venv/lib/python3*/site-packages/nvidia/cu13)
 mkdir -p target/gemm-lab
 python3 lab/timeline_gen.py
-for lab in gemm_lab prefill_lab wgmma_lab prefetch_lab timeline_lab; do
+for lab in gemm_lab prefill_lab wgmma_lab prefetch_lab timeline_lab attention_lab; do
   "$NV/bin/nvcc" -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Xptxas=-warn-spills \
     -I"$NV/include/cccl" -I"$NV/include" -Ikernels -Itarget/gemm-lab -L"$NV/lib" -cudart static \
     -o target/gemm-lab/$lab lab/$lab.cu "$@" &

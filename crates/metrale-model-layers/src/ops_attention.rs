@@ -30,6 +30,10 @@ const PREFILL_ROWS: u32 = 16;
 /// (`ATT_STAGES`).
 const ATTENTION_STAGES: u32 = 2;
 
+/// Query slots of each warp of `paged_attention` (`ATT_QSLOTS`): an item's query rows are
+/// copied once per warp and stay while the ring holds its units.
+const ATTENTION_QUERY_SLOTS: u32 = 2;
+
 /// Most (row, head group) items one `paged_attention` cluster takes (`ATT_MAX_ITEMS`).
 const ATTENTION_MAX_ITEMS: u32 = 64;
 
@@ -193,13 +197,13 @@ impl Ops {
 }
 
 /// Dynamic shared memory of `paged_attention` (`att_shared_bytes` in `kernels/attention.cu`):
-/// every warp's ring of `ATTENTION_STAGES` stages, each 8 query rows, 16 key rows and 16 value
-/// rows of the padded head dimension plus 8 bf16; then f32 partials for the warps and two for
-/// the block. 99,328 bytes at head_dim 128 and 4 heads per block (two blocks per
-/// multiprocessor), 193,536 at 256.
+/// every warp's ring of `ATTENTION_STAGES` stages, each 16 key rows and 16 value rows of the
+/// padded head dimension plus 8 bf16, and its `ATTENTION_QUERY_SLOTS` slots of 8 query rows;
+/// then f32 partials for the warps and two for the block. 99,328 bytes at head_dim 128 and 4
+/// heads per block (two blocks per multiprocessor), 193,536 at 256.
 fn attention_shared_bytes(head_dim: u32, heads_per_block: u32) -> u32 {
     let padded = attention_padded_dim(head_dim);
-    ATTENTION_WARPS * ATTENTION_STAGES * (8 + 2 * 16) * (padded + 8) * 2
+    ATTENTION_WARPS * (ATTENTION_STAGES * 2 * 16 + ATTENTION_QUERY_SLOTS * 8) * (padded + 8) * 2
         + (ATTENTION_WARPS + 2) * heads_per_block * padded * 4
 }
 
