@@ -109,9 +109,11 @@ MT_DEVICE void att_issue_queries(const AttLaunch& a, const AttItem& it, bf16* qs
     constexpr int RS = DP + 8, NCH = DP / 8;
     const bf16* q = a.qkv + (size_t)it.row * a.row_stride + (size_t)it.h0 * a.q_head_stride;
     if (a.vec) {
-        for (uint32_t idx = lane; idx < a.hb * NCH; idx += 32) {
-            const uint32_t h = idx / NCH, ch = idx % NCH;
-            if (8 * ch < a.d) cp_async16(qs + h * RS + 8 * ch, q + (size_t)h * a.q_head_stride + 8 * ch, 16u);
+#pragma unroll
+        for (uint32_t i = 0; i < (ATT_HB * NCH + 31) / 32; ++i) {
+            const uint32_t idx = lane + 32 * i, h = idx / NCH, ch = idx % NCH;
+            if (h < a.hb && 8 * ch < a.d)
+                cp_async16(qs + h * RS + 8 * ch, q + (size_t)h * a.q_head_stride + 8 * ch, 16u);
         }
     } else {
         for (uint32_t idx = lane; idx < a.hb * DP; idx += 32) {
@@ -119,6 +121,42 @@ MT_DEVICE void att_issue_queries(const AttLaunch& a, const AttItem& it, bf16* qs
             qs[h * RS + e] = e < a.d ? q[(size_t)h * a.q_head_stride + e] : __ushort_as_bfloat16((unsigned short)0);
         }
     }
+}
+
+// att_copy_unit's copy for one warp (a unit inside one block, the vector path), each lane on
+// fixed chunks of a few rows: L = min(8, dp / 8) lanes to a row, so a warp-wide copy reads 32 / L
+// rows of 16 L contiguous bytes, and a lane's chunks of one row sit at offsets the compiler knows
+// (the row stride, num_kv_heads * head_dim, is a launch argument: stepping it costs two 64-bit
+// adds, once per row group instead of once per chunk).
+// The copies are evicted from L2 first (a decode step reads each key once). Returns whether a
+// slot is past the pool (uniform).
+template <int DP>
+MT_DEVICE bool att_copy_rows(const AttLaunch& a, const bf16* kb, const bf16* vb, uint32_t unit, uint32_t ctx,
+                             uint32_t entry, uint32_t lane, bf16* ks, bf16* vs) {
+    constexpr uint32_t RS = DP + 8, NCH = DP / 8, L = NCH < 8 ? NCH : 8, RPI = 32 / L, H = NCH / L;
+    uint64_t base;
+    uint32_t live;
+    const bool bad = att_unit_span(a, unit, ctx, entry, base, live);
+    const uint32_t r0 = lane / L, c0 = lane % L;
+    const size_t off0 = (size_t)(base + r0) * a.width + 8 * c0, step = (size_t)RPI * a.width;
+    const bf16* kp = kb + off0;
+    const bf16* vp = vb + off0;
+    const uint64_t policy = l2_evict_first_policy();
+#pragma unroll
+    for (uint32_t rg = 0; rg < ATT_UNIT / RPI; ++rg) {
+        const uint32_t row = rg * RPI + r0;
+        const bool on = row < live;
+#pragma unroll
+        for (uint32_t h = 0; h < H; ++h) {
+            const uint32_t col = 8 * (c0 + L * h);
+            const uint32_t bytes = on && col < a.d ? 16u : 0u;
+            cp_async16_hint(ks + row * RS + col, kp + L * 8 * h, bytes, policy);
+            cp_async16_hint(vs + row * RS + col, vp + L * 8 * h, bytes, policy);
+        }
+        kp += step;
+        vp += step;
+    }
+    return bad;
 }
 
 // Copy the keys and values of unit `unit` of item `it` (its 16 tokens) into `stage` (cp.async on
@@ -132,9 +170,7 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
     bf16* vs = ks + ATT_UNIT * RS;
     const bf16* kb = a.k_cache + it.kv;
     const bf16* vb = a.v_cache + it.kv;
-    if (a.vec && a.unit_blocks)
-        return att_copy_unit<RS, ATT_UNIT * NCH / 32, true>(a, kb, vb, unit, it.ctx, entry, true, lane / NCH, 32 / NCH,
-                                                      lane % NCH, ks, vs);
+    if (a.vec && a.unit_blocks) return att_copy_rows<DP>(a, kb, vb, unit, it.ctx, entry, lane, ks, vs);
     uint32_t slot, live;
     bool bad;
     att_slot(a, unit, it.ctx, entry, lane, slot, live, bad);

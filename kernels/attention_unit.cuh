@@ -223,43 +223,44 @@ MT_DEVICE uint32_t att_entry(const AttLaunch& a, uint32_t seq, uint32_t unit, ui
                : 0u;
 }
 
-// Copy a unit that lies inside one block (a.unit_blocks; `entry` its block, so token t of the
-// unit is slot base + t): N 16-byte chunks of its keys and values, dimensions 8 ch..8 ch + 7 of
-// tokens tok0, tok0 + step, ..., into rows of `ks` and `vs` (RS elements each) by cp.async, in
-// lanes with `copy` set; tokens past the context and dimensions past head_dim become zeros.
-// Returns (uniform) whether a live token's slot is past the pool, in which case nothing is
-// copied. One multiply per lane instead of a slot shuffle and a 64-bit multiply per chunk (the
-// copy was a fifth of the decode kernel's instructions at batch 32). A dead chunk's copy keeps
-// its (possibly out-of-range) address and reads no byte: choosing a safe address cost four
-// selects a chunk. STREAM: the copies are evicted from L2 first (decode reads each key once a
-// step; a prefill's items share them).
-template <int RS, int N, bool STREAM = false>
+// A unit that lies inside one block (a.unit_blocks; `entry` its block): the slot of its token 0
+// (`base`, so token t is slot base + t) and its live tokens, none when a live token's slot is
+// past the pool, which is what it returns (uniform).
+MT_DEVICE bool att_unit_span(const AttLaunch& a, uint32_t unit, uint32_t ctx, uint32_t entry, uint64_t& base,
+                             uint32_t& live) {
+    const uint32_t t0 = unit * ATT_UNIT;
+    base = (uint64_t)entry * a.block_size + att_block_off(a, t0);
+    live = min((uint32_t)ATT_UNIT, ctx - t0);
+    const bool bad = base + live > a.num_slots;
+    if (bad) live = 0;
+    return bad;
+}
+
+// Copy a unit that lies inside one block (att_unit_span): N 16-byte chunks of its keys and
+// values, dimensions 8 ch..8 ch + 7 of tokens tok0, tok0 + step, ..., into rows of `ks` and `vs`
+// (RS elements each) by cp.async, in lanes with `copy` set; tokens past the context and
+// dimensions past head_dim become zeros. Returns (uniform) whether a live token's slot is past
+// the pool, in which case nothing is copied. One multiply per lane instead of a slot shuffle and
+// a 64-bit multiply per chunk. A dead chunk's copy keeps its (possibly out-of-range) address and
+// reads no byte: choosing a safe address cost four selects a chunk.
+template <int RS, int N>
 MT_DEVICE bool att_copy_unit(const AttLaunch& a, const bf16* kb, const bf16* vb, uint32_t unit, uint32_t ctx,
                              uint32_t entry, bool copy, uint32_t tok0, uint32_t step, uint32_t ch, bf16* ks,
                              bf16* vs) {
-    const uint32_t t0 = unit * ATT_UNIT;
-    const uint64_t base = (uint64_t)entry * a.block_size + att_block_off(a, t0);
-    uint32_t live = min((uint32_t)ATT_UNIT, ctx - t0);
-    const bool bad = base + live > a.num_slots;
-    if (bad) live = 0;
+    uint64_t base;
+    uint32_t live;
+    const bool bad = att_unit_span(a, unit, ctx, entry, base, live);
     if (!copy) return bad;
     const bool dim_on = 8 * ch < a.d;
     const size_t off0 = (size_t)(base + tok0) * a.width + 8 * ch, stride = (size_t)step * a.width;
     const bf16* kp = kb + off0;
     const bf16* vp = vb + off0;
-    const uint64_t policy = STREAM ? l2_evict_first_policy() : 0;
-    auto copy16 = [&](bf16* dst, const bf16* src, uint32_t bytes) {
-        if (STREAM)
-            cp_async16_hint(dst, src, bytes, policy);
-        else
-            cp_async16(dst, src, bytes);
-    };
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         const uint32_t tok = tok0 + i * step;
         const bool on = dim_on && tok < live;
-        copy16(ks + tok * RS + 8 * ch, kp, on ? 16u : 0u);
-        copy16(vs + tok * RS + 8 * ch, vp, on ? 16u : 0u);
+        cp_async16(ks + tok * RS + 8 * ch, kp, on ? 16u : 0u);
+        cp_async16(vs + tok * RS + 8 * ch, vp, on ? 16u : 0u);
         kp += stride;
         vp += stride;
     }

@@ -134,8 +134,9 @@ static bool check(cudaKernel_t base, cudaKernel_t cand, const Shape& s, uint32_t
 
 // us per launch of `kern` at `rows` rows of context 1025 (block size 16, sequential tables),
 // cycling through enough copies of the pools that L2 holds none of them.
-static void time_both(cudaKernel_t base, cudaKernel_t cand, const Shape& s, uint32_t rows, cudaStream_t st) {
-    const uint32_t position = 1024, block = 16, max_blocks = (position + 1 + block - 1) / block;
+static void time_both(cudaKernel_t base, cudaKernel_t cand, const Shape& s, uint32_t rows, cudaStream_t st,
+                      uint32_t position = 1024) {
+    const uint32_t block = 16, max_blocks = (position + 1 + block - 1) / block;
     const uint32_t num_slots = rows * max_blocks * block;
     const size_t pool = (size_t)num_slots * s.hkv * s.d;
     const int copies = (int)std::min<size_t>(64, std::max<size_t>(1, ((size_t)320 << 20) / (4 * pool) + 1));
@@ -184,8 +185,8 @@ static void time_both(cudaKernel_t base, cudaKernel_t cand, const Shape& s, uint
         us[which] = 1000.0 * ms / per_graph;
     }
     const double floor_us = 2.0 * rows * (position + 1) * s.hkv * s.d * 2 / 4.2e6;  // bytes over 4.2 TB/s
-    printf("time  %-10s batch %3u: base %7.2f us  candidate %7.2f us  (%.3fx)  kv floor at 4.2 TB/s %6.2f us\n", s.name,
-           rows, us[0], us[1], us[1] / us[0], floor_us);
+    printf("time  %-10s ctx %4u batch %3u: base %7.2f us  candidate %7.2f us  (%.3fx)  kv floor at 4.2 TB/s %6.2f us\n", s.name,
+           position + 1, rows, us[0], us[1], us[1] / us[0], floor_us);
     for (auto& l : ls) {
         CK(cudaFree(l.k));
         CK(cudaFree(l.v));
@@ -214,7 +215,7 @@ int main(int argc, char** argv) {
     cudaKernel_t base = load(argv[1]), cand = load(argv[2]);
     const bool quick = argc > 3 && strcmp(argv[3], "quick") == 0;
     const Shape shapes[] = {{"qwen3-8b", 32, 8, 128, false, 30}, {"qwen3.5-9b", 16, 4, 256, true, 15},
-                            {"gqa-hd64", 16, 2, 64, false, 30}};
+                            {"gqa-hd64", 16, 2, 64, false, 30}, {"hd32", 8, 8, 32, false, 30}};
     if (argc > 3 && strcmp(argv[3], "profile") == 0) {
         // For a profiler: the candidate alone at Qwen3-8B batch 32 (the timing's setup), launch 3
         // of 3 the one to look at.
@@ -234,5 +235,8 @@ int main(int argc, char** argv) {
     for (const Shape& s : {shapes[0], shapes[1]})
         for (uint32_t rows : quick ? std::vector<uint32_t>{1, 32} : std::vector<uint32_t>{1, 8, 32, 64, 128})
             time_both(base, cand, s, rows, st);
+    // The same bytes as batch 32 at context 1025 in half the items, each twice as long.
+    time_both(base, cand, shapes[0], 16, st, 2048);
+    time_both(base, cand, shapes[0], 8, st, 4096);
     return ok ? 0 : 1;
 }
