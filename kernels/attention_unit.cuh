@@ -1,7 +1,10 @@
 // The pieces both attention kernels share, included by attention.cu before either kernel: the
-// geometry constants, the unit split, the MMA and ldmatrix wrappers, the per-row softmax step,
-// the combine arithmetic, the launch fields and the slot lookup. A row's result is bitwise the
-// same in both kernels because its arithmetic is written once, here.
+// geometry constants, the unit split, the MMA, ldmatrix and movmatrix wrappers, the per-row
+// softmax step, the combine arithmetic, the launch fields and the slot lookup. A row's result is
+// bitwise the same in both kernels: its split, its combine and, operation for operation, its
+// softmax are the same (the prefill kernel runs att_softmax_row; the decode kernel holds its
+// tiles transposed and runs the same operations on the same operands from other lanes, in
+// att_unit); the GPU tests compare the two kernels bit for bit.
 
 #define ATT_SPLITS 8
 #define ATT_WARPS 4
@@ -104,9 +107,9 @@ MT_DEVICE bool att_rescale(bool first, bool moved) { return !first && __any_sync
 // One row's online-softmax step over a unit, on the quad of lanes holding the row: its scores
 // in two chains (s0 + s1, [n-tile][column pair]) scaled, tokens past `ctx` masked, the running
 // max `m` and sum `l` updated (the sum adds the bf16-rounded probabilities), `corr` the factor
-// for the row's running output and `pa` its probabilities as the A operand of P V. Both kernels
-// run every row through this function, so their arithmetic is the same instruction for
-// instruction.
+// for the row's running output and `pa` its probabilities as the A operand of P V. The prefill
+// kernel runs every row through this function; the decode kernel's transposed att_unit repeats
+// its operations, in this order, for each value.
 MT_DEVICE void att_softmax_row(const float (&s0)[2][2], const float (&s1)[2][2], uint32_t unit,
                                uint32_t ctx, float scale_log2, uint32_t c, float& m, float& l,
                                float& corr, uint32_t (&pa)[2]) {
