@@ -413,6 +413,8 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
         cp_async_commit();
     };
     settle();
+    pdl_wait();  // the cache store ahead has written the step's keys and values
+    pdl_trigger();
 #pragma unroll
     for (uint32_t st = 0; st < ATT_STAGES; ++st) issue_next(st);
 
@@ -532,16 +534,20 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
     extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ AttShared sh;
     // A programmatic dependent at decode sizes (ops_attention.rs). The cache store ahead of it
-    // does not trigger early, so these blocks are placed once its blocks have left: two blocks
-    // of this kernel take nearly all of a multiprocessor's shared memory, and a cluster that cannot
-    // be placed waits for a whole other cluster to finish.
-    pdl_wait();
-    pdl_trigger();
+    // lets these blocks start only once it has waited for its own predecessor, and at more than
+    // two rows only when it ends (pdl_enter_store: two blocks of this kernel take nearly all of a
+    // multiprocessor's shared memory, and a cluster that cannot be placed beside that kernel's
+    // blocks waits for a whole other cluster). So everything but the cache slots the store
+    // writes is in place when this kernel starts: the step's inputs (row sequences, positions,
+    // block tables; no kernel writes them) are read before pdl_wait (here and in att_run), the
+    // queries, keys and values after it.
     const AttLaunch a = att_launch(out, qkv, k_cache, v_cache, block_tables, row_stride, q_head_stride,
                                    num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,
                                    num_slots, scale, gated, rows);
     const uint32_t dp = att_padded_dim(head_dim);
     if (!att_launch_ok(a, num_kv_heads, ATT_THREADS, att_shared_bytes(dp, a.hb))) {
+        pdl_wait();
+        pdl_trigger();
         if (num_q_heads == 0) return;
         for (uint32_t k = 0; k < a.nk; ++k) {
             const uint32_t n = a.cluster + k * a.n_clusters;

@@ -14,10 +14,9 @@ extern "C" __global__ void kv_store(bf16* __restrict__ k_cache, bf16* __restrict
                                     const uint32_t* __restrict__ slot_mapping, uint32_t rows,
                                     uint32_t row_stride, uint32_t k_offset, uint32_t v_offset,
                                     uint32_t num_kv_heads, uint32_t head_dim, uint32_t num_slots) {
-    // A programmatic dependent (ops): the kernel ahead has finished. No early trigger: the
-    // attention launched after this kernel fills every multiprocessor, and its clusters must not
-    // be placed beside this kernel's blocks (see `paged_attention`).
-    pdl_wait();
+    // A programmatic dependent (ops): the kernel ahead has finished. The attention after it
+    // starts early at one or two rows only (pdl_enter_store).
+    pdl_enter_store(rows);
     const uint32_t r = blockIdx.x;
     if (r >= rows) return;
     const uint32_t slot = slot_mapping[r];

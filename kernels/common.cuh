@@ -183,6 +183,18 @@ MT_DEVICE void pdl_trigger() {
 #endif
 }
 
+// The entry of the cache store ahead of decode attention (`kv_store`, `qk_norm_rope_kv_store`)
+// over `rows` rows: it waits, then, at one or two rows, lets the attention start, whose blocks
+// read the step's inputs (item records, block-table entries) before their own wait. At more rows
+// the attention's clusters, placed beside this kernel's many blocks, ran slower: H200
+// (2026-12-01, Qwen3-8B circuit), triggering at every size took batch 1 from 4.977 / 5.014 to
+// 4.934 / 4.947 ms but batch 8 from 5.59 to 5.81 and 64 from 11.6 to 12.0.
+#define STORE_EARLY_ROWS 2
+MT_DEVICE void pdl_enter_store(uint32_t rows) {
+    pdl_wait();
+    if (rows <= STORE_EARLY_ROWS) pdl_trigger();
+}
+
 // The entry of a small kernel ahead of a projection (norms, `silu_mul`, `gather_rows`,
 // `gated_rms_norm`) over `rows` rows: at 17..64 rows, where `linear_stream_wide` runs, it lets
 // the projection start before it waits, so the projection's first weight loads (issued before

@@ -213,10 +213,9 @@ extern "C" __global__ void qk_norm_rope_kv_store(
     uint32_t num_q_heads, uint32_t q_head_stride, uint32_t k_offset, uint32_t v_offset,
     uint32_t num_kv_heads, uint32_t head_dim, uint32_t rotary_dim, float eps,
     uint32_t unit_offset, uint32_t num_slots) {
-    // A programmatic dependent (ops): the kernel ahead has finished. No early trigger: the
-    // attention launched after this kernel fills every multiprocessor, and its clusters must not
-    // be placed beside this kernel's blocks (see `paged_attention`).
-    pdl_wait();
+    // A programmatic dependent (ops): the kernel ahead has finished. The attention after it
+    // starts early at one or two rows only (pdl_enter_store).
+    pdl_enter_store(rows);
     extern __shared__ float bufs[];
     const uint32_t warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32, d = head_dim;
     const uint32_t r = blockIdx.x, hh = blockIdx.y * warps + warp;
