@@ -550,19 +550,17 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
         pdl_trigger();
         if (num_q_heads == 0) return;
         for (uint32_t k = 0; k < a.nk; ++k) {
-            const uint32_t n = a.cluster + k * a.n_clusters;
-            att_nan_item(a, n / a.groups, (n % a.groups) * a.hb);
+            uint32_t row, h0, kv;
+            att_item_at(a, k, row, h0, kv);
+            att_nan_item(a, row, h0);
         }
         return;
     }
 
     // Each item's record (context 0 when the row's inputs are out of range).
     for (uint32_t k = threadIdx.x; k < a.nk; k += ATT_THREADS) {
-        const uint32_t n = a.cluster + k * a.n_clusters;
         AttItemRec r;
-        r.row = n / a.groups;
-        r.h0 = (n % a.groups) * a.hb;
-        r.kv = (r.h0 / a.group) * a.d;
+        att_item_at(a, k, r.row, r.h0, r.kv);
         const uint32_t seq = row_seq[r.row], ctx = positions[r.row] + 1;
         const bool ok = seq < num_seqs && ctx != 0 && (ctx + block_size - 1) / block_size <= max_blocks;
         r.seq = ok ? seq : 0;

@@ -495,7 +495,8 @@ MT_DEVICE void atp_kernel(bf16* __restrict__ out, unsigned char* __restrict__ im
     // out of range: a group must be 1..rpi rows of one sequence whose contexts span the same
     // units).
     for (uint32_t k = threadIdx.x; k < a.nk; k += ATP_THREADS) {
-        const uint32_t gi = (a.cluster + k * a.n_clusters) / a.groups;
+        uint32_t gi, h0, kv;
+        att_item_at(a, k, gi, h0, kv);
         const uint32_t r = row_groups[2 * gi], cnt = row_groups[2 * gi + 1];
         bool ok = cnt >= 1 && cnt <= rpi && r < rows && cnt <= rows - r;
         const uint32_t seq = ok ? row_seq[r] : 0, ctx0 = ok ? positions[r] + 1 : 0;
@@ -513,8 +514,8 @@ MT_DEVICE void atp_kernel(bf16* __restrict__ out, unsigned char* __restrict__ im
         ok = ok && seq < num_seqs && ctx0 != 0 && (ctx + block_size - 1) / block_size <= max_blocks;
         sh.seq[k] = ok ? seq : 0;
         sh.ctx[k] = ok ? ctx : 0;
-        sh.h0[k] = ((a.cluster + k * a.n_clusters) % a.groups) * a.hb;
-        sh.kv[k] = (sh.h0[k] / a.group) * a.d;
+        sh.h0[k] = h0;
+        sh.kv[k] = kv;
     }
     if (threadIdx.x == 0) {
         sh.bad[0] = sh.bad[1] = 0;

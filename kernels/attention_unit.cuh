@@ -206,6 +206,16 @@ MT_DEVICE AttLaunch att_launch(bf16* out, const bf16* qkv, const bf16* k_cache, 
     return a;
 }
 
+// Item k of this cluster (number cluster + k * n_clusters): its row (`paged_attention`) or row
+// group (`paged_attention_prefill`) `ri`, its first query head `h0` and its key/value head's
+// offset `kv` in a slot.
+MT_DEVICE void att_item_at(const AttLaunch& a, uint32_t k, uint32_t& ri, uint32_t& h0, uint32_t& kv) {
+    const uint32_t n = a.cluster + k * a.n_clusters;
+    ri = n / a.groups;
+    h0 = (n % a.groups) * a.hb;
+    kv = (h0 / a.group) * a.d;
+}
+
 // Token t's block-table column and offset in its block (shifts for the usual power-of-two block
 // sizes: a division per unit costs as much as the unit's softmax).
 MT_DEVICE uint32_t att_block_col(const AttLaunch& a, uint32_t t) {

@@ -120,8 +120,8 @@ static bool check(cudaKernel_t base, cudaKernel_t cand, const Shape& s, uint32_t
     size_t nan_row = 0;
     for (size_t i = (size_t)(rows / 2) * s.hq * s.d; i < (size_t)(rows / 2 + 1) * s.hq * s.d; ++i)
         nan_row += (got[1][i] & 0x7FFF) > 0x7F80;
-    printf("check %-10s rows %3u block %2u: %zu of %zu outputs differ%s, bad row NaN %s\n", s.name, rows, block_size,
-           diff, out_elems, diff ? " (FIRST AT " : "", nan_row == (size_t)s.hq * s.d ? "yes" : "NO");
+    printf("check %-10s rows %3u block %2u: %zu of %zu outputs differ, bad row NaN %s\n", s.name, rows, block_size,
+           diff, out_elems, nan_row == (size_t)s.hq * s.d ? "yes" : "NO");
     if (diff) printf("  first diff at %zu: %04x vs %04x\n", first, got[0][first], got[1][first]);
     CK(cudaFree(l.k));
     CK(cudaFree(l.v));
