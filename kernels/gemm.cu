@@ -1,12 +1,14 @@
 // out = x · wᵀ with a bf16 weight in the checkpoint's [out_features, in_features] layout. CPU
 // twins: metrale-gpu-runtime/src/cpu/kernels/gemm.rs.
 //
-// Five kernels per output type (bf16: `linear`, `linear_stream`, `linear_stream_b4`,
-// `linear_stream_wide`, `linear_tma`; f32: the same with `_f32out`), each computing the whole
-// function for any m; the launcher (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 16
-// on projections of 6144 columns or more, `linear_stream` for the other m <= 16,
-// `linear_stream_wide` for m <= 128 (decode) and `linear_tma` or the tiled `linear` above, every
-// one as a programmatic dependent launch: each
+// Six kernels per output type (bf16: `linear`, `linear_stream`, `linear_stream_b4`,
+// `linear_stream_wide`, `linear_stream_tma`, `linear_tma`; f32: the same with `_f32out`), each
+// computing the whole function (`linear_stream_tma` for m <= 64); the launcher
+// (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 16 on projections of 6144 columns or
+// more, `linear_stream` for the other m <= 16, `linear_stream_tma` for 17..64 rows where the
+// weight has a tensor map and x's segment fits, `linear_stream_wide` for the other m <= 128
+// (decode) and `linear_tma` or the tiled `linear` above, every one as a programmatic dependent
+// launch: each
 // kernel calls `pdl_wait` (common.cuh) before it touches x or out, so its blocks may start while
 // the kernel ahead of it on the stream finishes, and the decode kernels issue their first weight
 // loads before that wait (the weight is never written by the kernel just ahead of a projection).
@@ -23,6 +25,11 @@
 //   64 rows, block s computing segment s; x and the weight staged together through a 3-stage
 //   cp.async ring; the cluster sums the segment partials in order through distributed shared
 //   memory (details at the kernel).
+// - `linear_stream_tma` (17 <= m <= 64 where the weight has a tensor map): persistent clusters of
+//   LIN_SEGS blocks, one a multiprocessor, taking tiles of 128 columns in turn; the weight by
+//   tensor map into a ring that runs on across tiles, as wgmma's register operand; each block's
+//   segment of x copied once into shared memory (kernels/gemm_wgmma.cuh). At 64 rows on the
+//   Qwen3-8B projections 39-65 % of the read stream against `linear_stream_wide`'s 34-47 %.
 // - `linear_tma` (prefill, m > 128, where the launcher has a staging buffer for x and the shape
 //   allows: k % 8 == 0, 16-byte aligned operands): after `permute_k32_tiles` writes x as stage
 //   images (or a `_staged` producer did), the weight as wgmma's register operand through a
@@ -302,14 +309,30 @@ MT_DEVICE LinSegment lin_segment(uint32_t k, uint32_t seg) {
     return s;
 }
 
+// `tile`: the cluster's tile (its index over the grid's clusters but for the compute_90 body of
+// the persistent `linear_stream_tma`, whose clusters take tiles in turn).
+// float4 `f` of the partials `part` summed over the cluster's first `nsegs` blocks (the
+// segments) in order, from +0: the decode kernels' last step.
+MT_DEVICE float4 cluster_segment_sum(cg::cluster_group& cluster, const float4* part, uint32_t f, uint32_t nsegs) {
+    float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (uint32_t s = 0; s < nsegs; ++s) {
+        const float4 v = cluster.map_shared_rank(part, s)[f];
+        total.x += v.x;
+        total.y += v.y;
+        total.z += v.z;
+        total.w += v.w;
+    }
+    return total;
+}
+
 template <typename OutT, int NT, int STAGE_CH, int STAGES, bool VEC>
 MT_DEVICE void linear_wide_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
-                                uint32_t k, unsigned char* smem) {
+                                uint32_t k, unsigned char* smem, uint32_t tile) {
     constexpr uint32_t BN = 64 * NT;
     constexpr uint32_t STAGE_VECS = STAGE_CH * (BN + LIN_W_ROWS) * 4;
     cg::cluster_group cluster = cg::this_cluster();
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const uint32_t seg = cluster.block_rank(), tile = blockIdx.x / LIN_SEGS;
+    const uint32_t seg = cluster.block_rank();
     const uint32_t row_blocks = (m + LIN_W_ROWS - 1) / LIN_W_ROWS;
     const uint32_t n0 = (tile / row_blocks) * BN, m0 = (tile % row_blocks) * LIN_W_ROWS;
     const uint32_t rows = m0 < m ? min(LIN_W_ROWS, m - m0) : 0;
@@ -390,14 +413,7 @@ MT_DEVICE void linear_wide_impl(OutT* out, const bf16* x, const bf16* w, uint32_
          f += blockDim.x) {
         const uint32_t ln = f % 32, t = (f / 32) % NT, rt = (f / (32 * NT)) % 4, wp = f / (128 * NT);
         if (rt >= row_tiles) continue;
-        float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (uint32_t sg = 0; sg < nsegs; ++sg) {
-            const float4 v = cluster.map_shared_rank(part, sg)[f];
-            total.x += v.x;
-            total.y += v.y;
-            total.z += v.z;
-            total.w += v.w;
-        }
+        const float4 total = cluster_segment_sum(cluster, part, f, nsegs);
         const float vals[4] = {total.x, total.y, total.z, total.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -422,10 +438,10 @@ MT_DEVICE void linear_stream_wide_dispatch(OutT* out, const bf16* x, const bf16*
     if (m == 0 || n == 0 || blockDim.x != LIN_STREAM_WARPS * 32) return;
     if (k % 8 != 0 || !aligned16(x) || !aligned16(w))
         linear_wide_impl<OutT, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, false>(out, x, w, m, n, k,
-                                                                              lin_stream_smem);
+                                                                              lin_stream_smem, blockIdx.x / LIN_SEGS);
     else
         linear_wide_impl<OutT, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, true>(out, x, w, m, n, k,
-                                                                             lin_stream_smem);
+                                                                             lin_stream_smem, blockIdx.x / LIN_SEGS);
 }
 
 // linear_stream_wide(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k): `linear`, the
@@ -700,4 +716,56 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     linear_tma_f32out(float* __restrict__ out, const bf16* __restrict__ xt, const bf16* __restrict__ w,
                       const void* __restrict__ wmap, uint32_t m, uint32_t n, uint32_t k) {
     linear_tma_impl(out, xt, w, wmap, m, n, k);
+}
+
+// ---- `linear_stream_tma`: the decode kernel of the sm_90a cubin where a weight map exists ----
+
+template <typename OutT>
+MT_DEVICE void linear_stream_tma_impl(OutT* out, const bf16* x, const bf16* w, const void* wmap, uint32_t m,
+                                      uint32_t n, uint32_t k) {
+    extern __shared__ __align__(1024) unsigned char lin_dec_smem[];
+    // Uniform over the grid, so every block of a cluster leaves together.
+    if (m == 0 || n == 0 || blockDim.x != LIN_DEC_THREADS) return;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    (void)w;
+    unsigned char* smem = lin_dec_smem + ((1024 - ((uint32_t)__cvta_generic_to_shared(lin_dec_smem) & 1023)) & 1023);
+    if (m <= 8)
+        linear_dec_body<OutT, 8>(out, x, wmap, m, n, k, smem);
+    else if (m <= 16)
+        linear_dec_body<OutT, 16>(out, x, wmap, m, n, k, smem);
+    else if (m <= 32)
+        linear_dec_body<OutT, 32>(out, x, wmap, m, n, k, smem);
+    else if (m <= LIN_DEC_ROWS)
+        linear_dec_body<OutT, 64>(out, x, wmap, m, n, k, smem);
+    else
+        __trap();  // the launcher runs it up to LIN_DEC_ROWS rows
+#else  // the compute_90 PTX: `linear_stream_wide`'s body (no wgmma, no tensor map) on each of the
+       // cluster's tiles in turn; the warps past its eight compute partials nobody sums.
+    (void)wmap;
+    const uint32_t tiles = (n + 127) / 128 * ((m + LIN_W_ROWS - 1) / LIN_W_ROWS);
+    for (uint32_t t = blockIdx.x / LIN_SEGS; t < tiles; t += gridDim.x / LIN_SEGS) {
+        if (k % 8 != 0 || !aligned16(x) || !aligned16(w))
+            linear_wide_impl<OutT, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, false>(out, x, w, m, n, k, lin_dec_smem, t);
+        else
+            linear_wide_impl<OutT, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, true>(out, x, w, m, n, k, lin_dec_smem, t);
+    }
+#endif
+}
+
+// linear_stream_tma(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], wmap: `linear_tma`'s
+// tensor map of w, m, n, k): `linear`, the decode path (m <= 128) where the weight has a map.
+// Persistent clusters of LIN_SEGS blocks (grid LIN_SEGS * the clusters that fit, at most one per
+// tile of 128 columns), LIN_DEC_THREADS threads, LIN_DEC_SPACE + 2 KiB of dynamic shared memory
+// (one block a multiprocessor). Needs k % 8 == 0 and 16-byte aligned operands.
+extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_DEC_THREADS, 1)
+    linear_stream_tma(bf16* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
+                      const void* __restrict__ wmap, uint32_t m, uint32_t n, uint32_t k) {
+    linear_stream_tma_impl(out, x, w, wmap, m, n, k);
+}
+
+// linear_stream_tma_f32out(out: f32 [m, n], x, w, wmap, m, n, k): `linear_f32out`, likewise.
+extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_DEC_THREADS, 1)
+    linear_stream_tma_f32out(float* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
+                             const void* __restrict__ wmap, uint32_t m, uint32_t n, uint32_t k) {
+    linear_stream_tma_impl(out, x, w, wmap, m, n, k);
 }

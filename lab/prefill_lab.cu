@@ -36,35 +36,18 @@ __global__ void __launch_bounds__(128 + 2 * BM, 1)
     linear_ws<float, ST, BM, true>(out, x, w, m, n, k, smem);
 }
 
-#include <cuda.h>
+#include "lab_tmap.cuh"
 
-// The tensor map `linear_tma` reads the weight through (as the engine's CUDA backend encodes it),
-// copied to device memory.
-typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+// The tensor map `linear_tma` reads the weight through, copied to device memory (the last
+// weight's, kept).
 static void* weight_map(const bf16* w, uint32_t n, uint32_t k) {
-    static EncodeTiled enc = nullptr;
     static void* dev = nullptr;
     static const bf16* last_w = nullptr;
     static uint32_t last_n = 0, last_k = 0;
-    if (enc && w == last_w && n == last_n && k == last_k) return dev;  // uploaded already (untimed)
+    if (dev && w == last_w && n == last_n && k == last_k) return dev;  // uploaded already (untimed)
     last_w = w, last_n = n, last_k = k;
-    if (!enc) {
-        cudaDriverEntryPointQueryResult q;
-        CK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", (void**)&enc, cudaEnableDefault, &q));
-        CK(cudaMalloc(&dev, 128));
-    }
-    CUtensorMap map;
-    cuuint64_t dims[2] = {k, n}, strides[1] = {(cuuint64_t)k * 2};
-    cuuint32_t box[2] = {64, 128}, es[2] = {1, 1};
-    CUresult r = enc(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)w, dims, strides, box, es,
-                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        printf("cuTensorMapEncodeTiled failed: %d\n", (int)r);
-        exit(1);
-    }
+    if (!dev) CK(cudaMalloc(&dev, 128));
+    CUtensorMap map = encode_weight_map(w, n, k);
     CK(cudaMemcpy(dev, &map, 128, cudaMemcpyHostToDevice));
     return dev;
 }

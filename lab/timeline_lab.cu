@@ -29,7 +29,7 @@
 extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
     timed_wide(float* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k, unsigned long long* ts) {
     extern __shared__ __align__(16) unsigned char sm[];
-    timed_wide_impl<float, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, true>(out, x, w, m, n, k, sm, ts);
+    timed_wide_impl<float, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, true>(out, x, w, m, n, k, sm, blockIdx.x / LIN_SEGS, ts);
 }
 
 int main() {

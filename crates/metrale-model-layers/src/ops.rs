@@ -122,6 +122,8 @@ kernel_table! {
     permute_k32_tiles => ("gemm", "permute_k32_tiles"),
     linear_tma => ("gemm", "linear_tma"),
     linear_tma_f32out => ("gemm", "linear_tma_f32out"),
+    linear_stream_tma => ("gemm", "linear_stream_tma"),
+    linear_stream_tma_f32out => ("gemm", "linear_stream_tma_f32out"),
     silu_mul => ("activation", "silu_mul"),
     silu_mul_staged => ("activation", "silu_mul_staged"),
     argmax => ("sampling", "argmax"),

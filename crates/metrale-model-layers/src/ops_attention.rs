@@ -243,7 +243,7 @@ impl Ops {
     /// Clusters of `kernel` resident at once with `threads` threads and `smem` bytes of dynamic
     /// shared memory a block: the backend's answer, asked once per (kernel, threads, smem) and
     /// kept, or `fallback` where the backend has no limit (CPU) or reports none.
-    fn resident_clusters(
+    pub(crate) fn resident_clusters(
         &self,
         kernel: KernelHandle,
         threads: u32,

@@ -117,6 +117,7 @@ impl Ops {
             self.k.linear_stream_wide,
             self.k.linear,
             self.k.linear_tma,
+            self.k.linear_stream_tma,
         ];
         self.gemm(s, kernels, out, x, w, m, n, k)
     }
@@ -139,6 +140,7 @@ impl Ops {
             self.k.linear_stream_wide_f32out,
             self.k.linear_f32out,
             self.k.linear_tma_f32out,
+            self.k.linear_stream_tma_f32out,
         ];
         self.gemm(s, kernels, out, x, w, m, n, k)
     }
@@ -285,13 +287,14 @@ impl Ops {
         )
     }
 
-    /// One `linear` launch: `kernels` are the narrow, narrow-b4, wide, tiled and tensor-map
-    /// variants of one output type (bitwise the same rows); the shape picks which serves.
+    /// One `linear` launch: `kernels` are the narrow, narrow-b4, wide, tiled, tensor-map
+    /// prefill and tensor-map decode variants of one output type (bitwise the same rows); the
+    /// shape picks which serves.
     #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
         s: StreamHandle,
-        kernels: [KernelHandle; 5],
+        kernels: [KernelHandle; 6],
         out: DevicePtr,
         x: DevicePtr,
         w: DevicePtr,
@@ -315,6 +318,32 @@ impl Ops {
                 s,
             )?;
             return self.linear_tma_launch(s, kernels[4], out, images, w, map, (m, n, k));
+        }
+        // `linear_stream_tma` for the wide kernel's rows where it serves (see
+        // [`linear_stream_tma_fits`]) and the weight has a map.
+        if path == LinearPath::Wide
+            && linear_stream_tma_fits(m, k)
+            && x.0.is_multiple_of(16)
+            && w.0.is_multiple_of(16)
+            && let Some(map) = self.linear_tma_map(s, w, n, k)?
+        {
+            let smem = LINEAR_STREAM_TMA_SMEM;
+            let resident =
+                self.resident_clusters(kernels[5], LINEAR_STREAM_TMA_THREADS, smem, 16)?;
+            return self.go(
+                kernels[5],
+                linear_stream_tma_geometry(n, resident),
+                &[
+                    out.into(),
+                    x.into(),
+                    w.into(),
+                    map.into(),
+                    m.into(),
+                    n.into(),
+                    k.into(),
+                ],
+                s,
+            );
         }
         let kernel = match path {
             LinearPath::Narrow => kernels[0],
@@ -436,6 +465,61 @@ pub fn linear_tma_geometry(m: u32, n: u32) -> LaunchConfig {
     .with_programmatic()
 }
 
+/// Rows `linear_stream_tma` serves: from here (below, the narrow kernels, which can start on a
+/// multiprocessor beside the kernel ahead, were faster in a chain of projections) ...
+pub const LINEAR_STREAM_TMA_M_MIN: u32 = 17;
+
+/// ... to here (`LIN_DEC_ROWS`: the largest wgmma N it instantiates).
+pub const LINEAR_STREAM_TMA_M_MAX: u32 = 64;
+
+/// Shared memory `linear_stream_tma` shares out (`LIN_DEC_SPACE`): x's segment, two buffers of
+/// partials, the ring of 16 KiB weight stages.
+const LINEAR_STREAM_TMA_SPACE: u32 = 229_376;
+
+/// Its dynamic shared memory: the space, 1 KiB to align it to the swizzle atoms and 1 KiB for
+/// the mbarriers (one block a multiprocessor).
+const LINEAR_STREAM_TMA_SMEM: u32 = LINEAR_STREAM_TMA_SPACE + 2048;
+
+/// Threads of a `linear_stream_tma` block: a producer warpgroup and two consumers.
+const LINEAR_STREAM_TMA_THREADS: u32 = 384;
+
+/// Weight stages `linear_stream_tma` must have room for (`LIN_DEC_MIN_STAGES`).
+const LINEAR_STREAM_TMA_MIN_STAGES: u32 = 4;
+
+/// Whether `linear_stream_tma` serves `m` rows by `k` inputs: `m` in
+/// [`LINEAR_STREAM_TMA_M_MIN`]..=[`LINEAR_STREAM_TMA_M_MAX`], `k` a positive multiple of 8, and
+/// room for x's segment (the wgmma's N rows, 8 .. 64, by a segment's stages of 64 k), the two
+/// buffers of partials and four weight stages, as kernels/gemm_wgmma.cuh lays them out. (Qwen3-8B:
+/// every projection up to 64 rows but the down projection's 12288 inputs above 32.)
+pub fn linear_stream_tma_fits(m: u32, k: u32) -> bool {
+    (LINEAR_STREAM_TMA_M_MIN..=LINEAR_STREAM_TMA_M_MAX).contains(&m) && linear_stream_tma_room(m, k)
+}
+
+/// Whether the kernel itself can run `m` rows (1 ..= 64) by `k` inputs (a positive multiple of
+/// 8): its shared memory holds x's segment, the partials and four weight stages.
+pub fn linear_stream_tma_room(m: u32, k: u32) -> bool {
+    if !(1..=LINEAR_STREAM_TMA_M_MAX).contains(&m) || k == 0 || !k.is_multiple_of(8) {
+        return false;
+    }
+    let rows = m.next_power_of_two().max(8);
+    let seg_steps = k.div_ceil(32).div_ceil(8).div_ceil(2) as u64;
+    let x = seg_steps * u64::from(rows) * 128;
+    let used = x + u64::from(rows) * 1024 + u64::from(LINEAR_STREAM_TMA_MIN_STAGES) * 16384;
+    used <= u64::from(LINEAR_STREAM_TMA_SPACE)
+}
+
+/// `linear_stream_tma`'s geometry for `n` output columns with `resident` clusters of
+/// `LIN_SEGS` (8) blocks resident at once: a cluster per tile of 128 columns, at most as many as
+/// are resident (each takes tiles cluster, cluster + clusters, ...; which cluster computes a
+/// tile never changes its rows); 384 threads, one block a multiprocessor; a programmatic
+/// dependent.
+pub fn linear_stream_tma_geometry(n: u32, resident: u32) -> LaunchConfig {
+    let clusters = n.div_ceil(128).min(resident.max(1));
+    LaunchConfig::grid2(LINEAR_WIDE_CLUSTER * clusters, 1, LINEAR_STREAM_TMA_THREADS)
+        .with_shared(LINEAR_STREAM_TMA_SMEM)
+        .with_programmatic()
+}
+
 /// `permute_k32_tiles`'s geometry: a thread per (row of the padded tiles, chunk of 32 k, two a
 /// stage), 256 a block, grid-stride past 4096 blocks; a programmatic dependent.
 pub fn permute_geometry(m: u32, k: u32) -> LaunchConfig {
@@ -503,6 +587,44 @@ mod tests {
             matches!(&refused, Err(GpuError::KernelFailed { problem, .. }) if problem.contains("no tensor map")),
             "{refused:?}"
         );
+    }
+
+    #[test]
+    fn linear_stream_tma_serves_17_to_64_rows_where_x_fits_and_a_map_exists() {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+        let ops = Ops::new(gpu.clone()).expect("kernels resolve");
+        let s = gpu.default_stream();
+        let n = 8u32;
+        let alloc = |bytes: usize| gpu.alloc(bytes).expect("alloc");
+        let (x, out) = (alloc(64 * 12288 * 2), alloc(64 * 8 * 4));
+        let w = alloc(8 * 12288 * 2);
+        let tma = vec![ops.k.linear_stream_tma];
+        let wide = vec![ops.k.linear_stream_wide];
+        let linear = |m: u32, k: u32| move |o: &Ops| o.linear(s, out, x, w, m, n, k);
+
+        // No staging memory, so no map: the wide kernel.
+        assert_eq!(kernels_of(&ops, linear(32, 4096)), wide);
+        let base = alloc(LinearStaging::bytes(0, 4));
+        ops.set_linear_staging(Some(LinearStaging::at(base, 0, 4)));
+        assert_eq!(kernels_of(&ops, linear(17, 4096)), tma);
+        assert_eq!(kernels_of(&ops, linear(64, 4096)), tma);
+        let f32out = kernels_of(&ops, |o: &Ops| o.linear_f32out(s, out, x, w, 40, n, 4096));
+        assert_eq!(f32out, vec![ops.k.linear_stream_tma_f32out]);
+        // 12288 inputs: 32 rows fit, 64 do not (x's segment would take 192 KiB).
+        assert_eq!(kernels_of(&ops, linear(32, 12288)), tma);
+        assert_eq!(kernels_of(&ops, linear(64, 12288)), wide);
+        // Outside its rows, and k off the tensor map's 16-byte strides.
+        assert_eq!(
+            kernels_of(&ops, linear(16, 4096)),
+            vec![ops.k.linear_stream]
+        );
+        assert_eq!(kernels_of(&ops, linear(65, 4096)), wide);
+        assert_eq!(kernels_of(&ops, linear(32, 4092)), wide);
+        assert!(linear_stream_tma_fits(64, 4096) && !linear_stream_tma_fits(64, 12288));
+        assert!(!linear_stream_tma_fits(64, 0) && !linear_stream_tma_fits(8, 4096));
+        // Which clusters run a tile never changes its rows; at most one a tile of 128 columns.
+        assert_eq!(linear_stream_tma_geometry(4096, 15).grid.0, 8 * 15);
+        assert_eq!(linear_stream_tma_geometry(200, 15).grid.0, 8 * 2);
     }
 
     #[test]

@@ -290,7 +290,27 @@ impl TransformerModel {
         if !self.options.decode_graphs {
             return self.launch_decode(shape);
         }
-        self.replay(GraphKey::Decode(shape.rows), |m| m.launch_decode(shape))
+        let key = GraphKey::Decode(shape.rows);
+        if self.circuit.is_none() {
+            self.map_before_capture(key, shape)?;
+        }
+        self.replay(key, |m| m.launch_decode(shape))
+    }
+
+    /// Before the first capture under `key` of a step that runs the legacy launches: record
+    /// them once (nothing runs), which uploads the tensor maps its projections read
+    /// (`Ops::linear` makes a weight's map on first use, but not while a graph is captured,
+    /// and runs a slower kernel with the same rows instead). A circuit program made its maps
+    /// when it was compiled.
+    pub(crate) fn map_before_capture(
+        &self,
+        key: GraphKey,
+        shape: StepShape,
+    ) -> Result<(), ModelError> {
+        if !self.graphs.contains_key(&key) {
+            self.record_step(shape)?;
+        }
+        Ok(())
     }
 
     /// Replay the graph captured under `key`, first capturing `launch`'s launches on the

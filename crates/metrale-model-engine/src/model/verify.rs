@@ -66,6 +66,7 @@ impl TransformerModel {
         if !self.graph_room(key) {
             return self.launch_verify(shape);
         }
+        self.map_before_capture(key, shape)?;
         self.replay(key, |m| m.launch_verify(shape))
     }
 

@@ -3,10 +3,10 @@
 //! the staged producers' images bitwise `permute_k32_tiles` of the plain kernels' rows.
 
 use half::bf16;
-use metrale_gpu_runtime::KernelArg;
+use metrale_gpu_runtime::{KernelArg, LaunchConfig};
 use metrale_model_layers::ops_gemm::{
-    LINEAR_SMALL_M_MAX, LinearPath, linear_geometry, linear_staging_bytes, linear_tma_geometry,
-    permute_geometry,
+    LINEAR_SMALL_M_MAX, LinearPath, linear_geometry, linear_staging_bytes,
+    linear_stream_tma_geometry, linear_stream_tma_room, linear_tma_geometry, permute_geometry,
 };
 
 use super::harness::{self, Pair, Rng, S, Tolerance};
@@ -152,18 +152,19 @@ fn launch_gemm(
     gpu.synchronize(S).expect("the gemm kernel ran");
 }
 
-/// `permute_k32_tiles` then `gemm::linear_tma` (or `_f32out` for 4-byte outputs) directly, at
-/// any m, with the weight's tensor map from the backend; the output's halfwords.
-fn linear_tma(
+/// `gemm::<name>` (`_f32out` appended for 4-byte outputs) of `src` (x or its stage images) and
+/// `w`, with the weight's tensor map from the backend, launched with `cfg`; the output's
+/// halfwords.
+fn launch_mapped(
     p: &Pair,
+    name: &str,
+    cfg: &LaunchConfig,
     bytes: usize,
-    x: &harness::Buf,
+    src: &harness::Buf,
     w: &harness::Buf,
-    mnk: (u32, u32, u32),
+    (m, n, k): (u32, u32, u32),
 ) -> Vec<u16> {
-    let (m, n, k) = mnk;
     let gpu = p.gpu.as_ref();
-    let images = p.upload(&permuted_images(p, x, m, k));
     let map = p.upload(
         &gpu.tensor_map_bf16(w.gpu, n, k, 128, 64)
             .expect("CUDA has tensor maps")
@@ -171,24 +172,59 @@ fn linear_tma(
     );
     let out = p.poisoned((m * n) as usize * bytes);
     let name = if bytes == 4 {
-        "linear_tma_f32out"
+        format!("{name}_f32out")
     } else {
-        "linear_tma"
+        name.to_string()
     };
-    let kernel = gpu.kernel("gemm", name).expect("resolves");
+    let kernel = gpu.kernel("gemm", &name).expect("resolves");
     let args = [
         KernelArg::Ptr(out.gpu),
-        KernelArg::Ptr(images.gpu),
+        KernelArg::Ptr(src.gpu),
         KernelArg::Ptr(w.gpu),
         KernelArg::Ptr(map.gpu),
         KernelArg::U32(m),
         KernelArg::U32(n),
         KernelArg::U32(k),
     ];
-    gpu.launch(kernel, &linear_tma_geometry(m, n), &args, S)
-        .expect("launch");
-    gpu.synchronize(S).expect("linear_tma ran");
+    gpu.launch(kernel, cfg, &args, S).expect("launch");
+    gpu.synchronize(S).expect("the gemm kernel ran");
     p.download_gpu::<u16>(&out)
+}
+
+/// `permute_k32_tiles` then `gemm::linear_tma` (or `_f32out` for 4-byte outputs) directly, at
+/// any m; the output's halfwords.
+fn linear_tma(
+    p: &Pair,
+    bytes: usize,
+    x: &harness::Buf,
+    w: &harness::Buf,
+    (m, n, k): (u32, u32, u32),
+) -> Vec<u16> {
+    let images = p.upload(&permuted_images(p, x, m, k));
+    let cfg = linear_tma_geometry(m, n);
+    launch_mapped(p, "linear_tma", &cfg, bytes, &images, w, (m, n, k))
+}
+
+/// `gemm::linear_stream_tma` (or `_f32out` for 4-byte outputs) directly on `clusters`
+/// persistent clusters (a few, so each takes many tiles, or as many as are resident); the
+/// output's halfwords.
+fn linear_stream_tma(
+    p: &Pair,
+    bytes: usize,
+    x: &harness::Buf,
+    w: &harness::Buf,
+    (m, n, k): (u32, u32, u32),
+    clusters: Option<u32>,
+) -> Vec<u16> {
+    let gpu = p.gpu.as_ref();
+    let clusters = clusters.unwrap_or_else(|| {
+        let kernel = gpu.kernel("gemm", "linear_stream_tma").expect("resolves");
+        gpu.max_active_clusters(kernel, &linear_stream_tma_geometry(n, 1))
+            .expect("CUDA reports resident clusters")
+            .expect("the query succeeds")
+    });
+    let cfg = linear_stream_tma_geometry(n, clusters);
+    launch_mapped(p, "linear_stream_tma", &cfg, bytes, x, w, (m, n, k))
 }
 
 /// The halfwords of rows `0..m` of stage images of `[m, k]` (the padding rows dropped).
@@ -317,6 +353,11 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
         (33, 136, 64),
         (20, 136, 77),
         (48, 1000, 12288),
+        // `linear_stream_tma`: an odd chunk count in a segment (k = 4104: 129 chunks, segments of
+        // 17), N of 8, 16, 32 and 64 rows, 12288 inputs at 32 rows.
+        (5, 1000, 4104),
+        (32, 4100, 12288),
+        (57, 520, 4096),
         // `linear_tma` too: segments ending with stages (k = 4096, 12288), a partial last stage
         // (k = 1000), segments ending inside stages (k = 96: three chunks), partial row and
         // column tiles.
@@ -368,6 +409,17 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
                     names[0]
                 );
             }
+            if linear_stream_tma_room(m, k) {
+                for clusters in [Some(1), Some(3), None] {
+                    let got = linear_stream_tma(&p, bytes, &x, &w, (m, n, k), clusters);
+                    assert!(
+                        got == results[0],
+                        "m={m} n={n} k={k}: linear_stream_tma on {clusters:?} clusters differs \
+                         bitwise from {}",
+                        names[0]
+                    );
+                }
+            }
             // Poison is all-ones: a NaN in either format, which no output of finite inputs is.
             assert!(
                 results[0]
@@ -380,6 +432,6 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
     }
     println!(
         "kernel-check {:<18} {:<44} bitwise equal, m in 1..=130 ok",
-        "linear(kernels)", "tiled = stream = stream_b4 = stream_wide at every m"
+        "linear(kernels)", "tiled = stream = b4 = wide = tma = stream_tma, every m"
     );
 }

@@ -152,6 +152,25 @@ pub fn linear_tma_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     linear_tma_any(ctx, true)
 }
 
+/// `linear_stream_tma` and its f32-out twin: x at argument 1, then w, the tensor map (the
+/// device's, not read here), m, n, k.
+fn linear_stream_tma_any(ctx: &KernelCtx<'_>, f32_out: bool) -> GpuResult<()> {
+    ctx.expect_args(7)?;
+    let (m, n, k) = (ctx.usize(4)?, ctx.usize(5)?, ctx.usize(6)?);
+    store_gemm(ctx, ctx.slice::<bf16>(1, m * k)?, (m, n, k), f32_out)
+}
+
+/// `linear_stream_tma(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], wmap, m, n, k)`:
+/// `linear`, the weight read on the device through its tensor map.
+pub fn linear_stream_tma(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    linear_stream_tma_any(ctx, false)
+}
+
+/// `linear_stream_tma_f32out(out: f32 [m, n], x, w, wmap, m, n, k)`: likewise, f32 out.
+pub fn linear_stream_tma_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    linear_stream_tma_any(ctx, true)
+}
+
 /// The family table.
 pub const FAMILY: super::Family = super::Family {
     module: "gemm",
@@ -168,5 +187,7 @@ pub const FAMILY: super::Family = super::Family {
         ("permute_k32_tiles", permute_k32_tiles),
         ("linear_tma", linear_tma),
         ("linear_tma_f32out", linear_tma_f32out),
+        ("linear_stream_tma", linear_stream_tma),
+        ("linear_stream_tma_f32out", linear_stream_tma_f32out),
     ],
 };

@@ -1,0 +1,53 @@
+// What the labs with tensor maps share: `encode_weight_map`, `linear_tma`'s map of a bf16 [n, k]
+// weight (boxes of 64 k by 128 rows, 128-byte swizzle) as the engine's CUDA backend encodes it,
+// and `read_ceiling_gbs`, the rate of a read-only stream of 2 GiB (the labs' floor).
+#pragma once
+
+#include <cuda.h>
+
+#include "lab_util.cuh"
+
+typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static CUtensorMap encode_weight_map(const bf16* w, uint32_t n, uint32_t k) {
+    static EncodeTiled enc = nullptr;
+    if (!enc) {
+        cudaDriverEntryPointQueryResult q;
+        CK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", (void**)&enc, cudaEnableDefault, &q));
+    }
+    CUtensorMap map;
+    cuuint64_t dims[2] = {k, n}, strides[1] = {(cuuint64_t)k * 2};
+    cuuint32_t box[2] = {64, 128}, es[2] = {1, 1};
+    CUresult r = enc(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)w, dims, strides, box, es,
+                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        printf("cuTensorMapEncodeTiled failed: %d\n", (int)r);
+        exit(1);
+    }
+    return map;
+}
+
+__global__ void lab_read_kernel(const uint4* p, size_t n, uint32_t* sink) {
+    uint32_t acc = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint4 v = __ldg(p + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) *sink = acc;
+}
+
+static double read_ceiling_gbs(cudaStream_t s) {
+    const size_t bytes = 2ull << 30;
+    void* a;
+    CK(cudaMalloc(&a, bytes));
+    CK(cudaMemset(a, 0x3C, bytes));
+    uint32_t* sink;
+    CK(cudaMalloc(&sink, 4));
+    const double ms = time_graph(s, [&](cudaStream_t st) { lab_read_kernel<<<132 * 8, 512, 0, st>>>((const uint4*)a, bytes / 16, sink); }, 7);
+    CK(cudaFree(a));
+    CK(cudaFree(sink));
+    return bytes / ms / 1e6;
+}
