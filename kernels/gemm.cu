@@ -5,7 +5,7 @@
 // `linear_stream_wide`, `linear_stream_tma`, `linear_tma`; f32: the same with `_f32out`), each
 // computing the whole function (`linear_stream_tma` for m <= 64); the launcher
 // (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 16 on projections of 6144 columns or
-// more, `linear_stream` for the other m <= 16, `linear_stream_tma` for 17..64 rows where the
+// more, `linear_stream` for the other m <= 16, `linear_stream_tma` for 9..64 rows where the
 // weight has a tensor map and x's segment fits, `linear_stream_wide` for the other m <= 128
 // (decode) and `linear_tma` or the tiled `linear` above, every one as a programmatic dependent
 // launch: each
@@ -25,11 +25,14 @@
 //   64 rows, block s computing segment s; x and the weight staged together through a 3-stage
 //   cp.async ring; the cluster sums the segment partials in order through distributed shared
 //   memory (details at the kernel).
-// - `linear_stream_tma` (17 <= m <= 64 where the weight has a tensor map): persistent clusters of
+// - `linear_stream_tma` (9 <= m <= 64 where the weight has a tensor map): persistent clusters of
 //   LIN_SEGS blocks, one a multiprocessor, taking tiles of 128 columns in turn; the weight by
 //   tensor map into a ring that runs on across tiles, as wgmma's register operand; each block's
-//   segment of x copied once into shared memory (kernels/gemm_wgmma.cuh). At 64 rows on the
-//   Qwen3-8B projections 39-65 % of the read stream against `linear_stream_wide`'s 34-47 %.
+//   segment of x (or of a row block of x, where the whole segment would not fit) copied once
+//   into shared memory (kernels/gemm_wgmma.cuh). H200 (lab/decode_tma_lab.cu, 2026-12-01), share
+//   of the read stream at 64 rows on the Qwen3-8B projections, against `linear_stream_wide`:
+//   qkv 51 / 35 %, o 43 / 34 %, gate_up 76 / 48 %, down 50 / 39 % (two row blocks of 32); LM
+//   head at 32 rows 91 / 70 %; 36 layers and the LM head at 64 rows 5.96 against 8.33 ms.
 // - `linear_tma` (prefill, m > 128, where the launcher has a staging buffer for x and the shape
 //   allows: k % 8 == 0, 16-byte aligned operands): after `permute_k32_tiles` writes x as stage
 //   images (or a `_staged` producer did), the weight as wgmma's register operand through a
@@ -312,15 +315,28 @@ MT_DEVICE LinSegment lin_segment(uint32_t k, uint32_t seg) {
 // `tile`: the cluster's tile (its index over the grid's clusters but for the compute_90 body of
 // the persistent `linear_stream_tma`, whose clusters take tiles in turn).
 // float4 `f` of the partials `part` summed over the cluster's first `nsegs` blocks (the
-// segments) in order, from +0: the decode kernels' last step.
+// segments) in order, from +0: the decode kernels' last step. BATCH: every block's float4 is read
+// before the first add, so the remote reads overlap (`linear_stream_tma`, which has the
+// registers; `linear_stream_wide` at three blocks a multiprocessor would spill).
+template <bool BATCH>
 MT_DEVICE float4 cluster_segment_sum(cg::cluster_group& cluster, const float4* part, uint32_t f, uint32_t nsegs) {
     float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (uint32_t s = 0; s < nsegs; ++s) {
-        const float4 v = cluster.map_shared_rank(part, s)[f];
+    auto add = [&](const float4& v) {
         total.x += v.x;
         total.y += v.y;
         total.z += v.z;
         total.w += v.w;
+    };
+    if constexpr (BATCH) {
+        float4 v[LIN_SEGS];
+#pragma unroll
+        for (uint32_t s = 0; s < LIN_SEGS; ++s)
+            if (s < nsegs) v[s] = cluster.map_shared_rank(part, s)[f];
+#pragma unroll
+        for (uint32_t s = 0; s < LIN_SEGS; ++s)
+            if (s < nsegs) add(v[s]);
+    } else {
+        for (uint32_t s = 0; s < nsegs; ++s) add(cluster.map_shared_rank(part, s)[f]);
     }
     return total;
 }
@@ -413,7 +429,7 @@ MT_DEVICE void linear_wide_impl(OutT* out, const bf16* x, const bf16* w, uint32_
          f += blockDim.x) {
         const uint32_t ln = f % 32, t = (f / 32) % NT, rt = (f / (32 * NT)) % 4, wp = f / (128 * NT);
         if (rt >= row_tiles) continue;
-        const float4 total = cluster_segment_sum(cluster, part, f, nsegs);
+        const float4 total = cluster_segment_sum<false>(cluster, part, f, nsegs);
         const float vals[4] = {total.x, total.y, total.z, total.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -729,16 +745,23 @@ MT_DEVICE void linear_stream_tma_impl(OutT* out, const bf16* x, const bf16* w, c
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     (void)w;
     unsigned char* smem = lin_dec_smem + ((1024 - ((uint32_t)__cvta_generic_to_shared(lin_dec_smem) & 1023)) & 1023);
-    if (m <= 8)
-        linear_dec_body<OutT, 8>(out, x, wmap, m, n, k, smem);
-    else if (m <= 16)
-        linear_dec_body<OutT, 16>(out, x, wmap, m, n, k, smem);
-    else if (m <= 32)
-        linear_dec_body<OutT, 32>(out, x, wmap, m, n, k, smem);
-    else if (m <= LIN_DEC_ROWS)
-        linear_dec_body<OutT, 64>(out, x, wmap, m, n, k, smem);
+    // N: x's rows a block holds (a power of two, 8 .. LIN_DEC_ROWS), halved while x's segment,
+    // the partials and LIN_DEC_MIN_STAGES weight stages would not fit; then as many row blocks
+    // as m needs (`ops_gemm::linear_stream_tma_rows` mirrors this).
+    uint32_t rows = 8;
+    while (rows < m && rows < LIN_DEC_ROWS) rows *= 2;
+    const uint32_t seg_steps = (lin_segment(k, 0).c_end + 1) / 2;
+    while (rows > 8 && seg_steps * rows * 128 + rows * 1024 + LIN_DEC_MIN_STAGES * LIN_DEC_COLS * 128 > LIN_DEC_SPACE)
+        rows /= 2;
+    const uint32_t row_blocks = (m + rows - 1) / rows;
+    if (rows == 8)
+        linear_dec_body<OutT, 8>(out, x, wmap, m, n, k, row_blocks, smem);
+    else if (rows == 16)
+        linear_dec_body<OutT, 16>(out, x, wmap, m, n, k, row_blocks, smem);
+    else if (rows == 32)
+        linear_dec_body<OutT, 32>(out, x, wmap, m, n, k, row_blocks, smem);
     else
-        __trap();  // the launcher runs it up to LIN_DEC_ROWS rows
+        linear_dec_body<OutT, 64>(out, x, wmap, m, n, k, row_blocks, smem);
 #else  // the compute_90 PTX: `linear_stream_wide`'s body (no wgmma, no tensor map) on each of the
        // cluster's tiles in turn; the warps past its eight compute partials nobody sums.
     (void)wmap;

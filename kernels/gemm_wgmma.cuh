@@ -425,8 +425,11 @@ MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const void* wmap, uint
 // reads its segment of x once, at the start, into shared memory in the `k32_pairs` order of
 // `permute_k32_tiles`'s images (every stage's image resident), so the consumers are
 // `linear_tma_body`'s. The row count picks the wgmma's N (8 .. 64), so one row multiplies 8 rows,
-// not 64. Copying x with every stage instead (4-byte cp.async by a producer warpgroup) took
-// gate_up at 64 rows from 61 to 108 us (H200, lab/decode_tma_lab.cu).
+// not 64; where N rows of the segment would not fit, x goes in row blocks of fewer rows, each
+// row block's clusters beside the other's on the same column tiles (the down projection's 12288
+// inputs at 64 rows: two blocks of 32). Copying x with every stage instead (4-byte cp.async by a
+// producer warpgroup) took gate_up at 64 rows from 61 to 108 us (H200, lab/decode_tma_lab.cu);
+// the tile sum waiting on every block at each tile, and acquiring waits, cost about as much.
 #define LIN_DEC_COLS 128      // weight rows per tile: two consumer warpgroups of 64
 #define LIN_DEC_ROWS 64       // x rows at most (the largest N)
 #define LIN_DEC_SPACE 229376  // bytes of x's segment, the partials and the ring: 224 KiB
@@ -517,10 +520,14 @@ MT_DEVICE void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
 // slowest at each tile), store it, and tell every block that buffer is read.
 template <typename OutT, uint32_t N>
 MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint32_t m, uint32_t n, uint32_t k,
-                               unsigned char* smem) {
+                               uint32_t row_blocks, unsigned char* smem) {
     constexpr uint32_t W_BYTES = LIN_DEC_COLS * 128, X_STAGE = N * 128, PART_BYTES = N * 1024;
     const uint32_t tid = threadIdx.x, seg = blockIdx.x % LIN_SEGS;
-    const uint32_t cid = blockIdx.x / LIN_SEGS, ncl = gridDim.x / LIN_SEGS;
+    // Cluster c takes rows N (c % row_blocks).. and the column tiles c / row_blocks, + ncol, ...:
+    // the clusters of one column tile's row blocks are neighbours and read its weight together
+    // (the second from L2). The launcher makes the clusters a multiple of row_blocks.
+    const uint32_t cid = blockIdx.x / LIN_SEGS / row_blocks, ncl = gridDim.x / LIN_SEGS / row_blocks;
+    const uint32_t m0 = (blockIdx.x / LIN_SEGS % row_blocks) * N;
     const uint32_t tiles = (n + LIN_DEC_COLS - 1) / LIN_DEC_COLS;
     const uint32_t my_tiles = cid < tiles ? (tiles - cid + ncl - 1) / ncl : 0;  // the same in the cluster
     const LinSegment span = lin_segment(k, seg);
@@ -561,18 +568,33 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
     // x's segment: unit u (16 bytes: k 8q..8q+7 of chunk cc of row r, pairs 4q..4q+3) goes
     // pair by pair to its `k32_pairs` places (pair 4q + i: unit i, position q).
     {
+        // Batches of XB units a thread: the loads of a batch are all in flight before its stores.
+        constexpr uint32_t XB = 8;
         const uint32_t units = N * seg_steps * 8;
-        for (uint32_t u = tid; u < units; u += LIN_DEC_THREADS) {
-            const uint32_t q = u % 4, cc = (u / 4) % (2 * seg_steps), r = u / (8 * seg_steps);
-            const uint32_t c = span.c_begin + cc, col = c * LIN_KC + 8 * q;
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (r < m && c < span.c_end && col < k) v = ld_cg16(x + (size_t)r * k + col);
-            const uint32_t at = xs + (cc / 2) * X_STAGE + r * 128 + q * 4;
-            const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+        for (uint32_t u0 = tid; u0 < units; u0 += XB * LIN_DEC_THREADS) {
+            uint4 v[XB];
 #pragma unroll
-            for (uint32_t i = 0; i < 4; ++i)
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at + (((4 * (cc % 2) + i) ^ (r % 8)) << 4)), "r"(words[i])
-                             : "memory");
+            for (uint32_t b = 0; b < XB; ++b) {
+                const uint32_t u = u0 + b * LIN_DEC_THREADS;
+                const uint32_t q = u % 4, cc = (u / 4) % (2 * seg_steps), r = u / (8 * seg_steps);
+                const uint32_t c = span.c_begin + cc, col = c * LIN_KC + 8 * q;
+                v[b] = make_uint4(0, 0, 0, 0);
+                if (u < units && m0 + r < m && c < span.c_end && col < k)
+                    v[b] = ld_cg16(x + (size_t)(m0 + r) * k + col);
+            }
+#pragma unroll
+            for (uint32_t b = 0; b < XB; ++b) {
+                const uint32_t u = u0 + b * LIN_DEC_THREADS;
+                if (u >= units) break;
+                const uint32_t q = u % 4, cc = (u / 4) % (2 * seg_steps), r = u / (8 * seg_steps);
+                const uint32_t at = xs + (cc / 2) * X_STAGE + r * 128 + q * 4;
+                const uint32_t words[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
+#pragma unroll
+                for (uint32_t i = 0; i < 4; ++i)
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at + (((4 * (cc % 2) + i) ^ (r % 8)) << 4)),
+                                 "r"(words[i])
+                                 : "memory");
+            }
         }
         fence_async_smem();  // the stores, before the consumers' wgmma reads them
     }
@@ -580,9 +602,10 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
     if (tid < 128) {
         pdl_trigger();
         if (tid != 0) return;
-        for (uint32_t g = ST; g < total; ++g) {
-            mbar_wait(empty + (g % ST) * 8, ((g / ST) & 1) ^ 1);
+        for (uint32_t g = ST, slot = 0, phase = 0; g < total; ++g) {
+            mbar_wait(empty + slot * 8, phase);
             queue_w(g);
+            if (++slot == ST) slot = 0, phase ^= 1;
         }
         return;
     }
@@ -601,9 +624,13 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
     // chunk's MMAs still run (a branch around them would serialize every wgmma), on zero
     // fragments and the zeros x holds there, adding +0 products: at most a partial's zero
     // changes sign, which the sum from +0 cannot see.
-    auto step = [&](uint32_t g, uint32_t j, uint4 (&cur)[4], uint4 (&prev)[4]) {
-        const uint32_t slot = g % ST, st = ring + slot * W_BYTES, xb = xs + j * X_STAGE;
-        mbar_wait(full + slot * 8, (g / ST) & 1);
+    // The ring position of stage g, kept by counters (a division by the run-time ST each stage
+    // showed in the stall samples): `slot` = g % ST, `phase` = (g / ST) & 1, `prev_slot` the
+    // slot of stage g - 1.
+    uint32_t slot = 0, phase = 0, prev_slot = ST - 1;
+    auto step = [&](uint32_t j, uint4 (&cur)[4], uint4 (&prev)[4]) {
+        const uint32_t st = ring + slot * W_BYTES, xb = xs + j * X_STAGE;
+        mbar_wait(full + slot * 8, phase);
         const uint32_t offs[4] = {a_off0, a_off0 + 1024, a_off1, a_off1 + 1024};
 #pragma unroll
         for (int i = 0; i < 4; ++i)
@@ -619,7 +646,9 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
         wg_commit();
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         keep_live4(prev);
-        if (j > 0) mbar_arrive(empty + ((g + ST - 1) % ST) * 8);
+        if (j > 0) mbar_arrive(empty + prev_slot * 8);
+        prev_slot = slot;
+        if (++slot == ST) slot = 0, phase ^= 1;
     };
     cg::cluster_group cluster = cg::this_cluster();
     // Sum the cluster's partials of tile `it` (buffer it % 2) over the segments in order and
@@ -632,8 +661,8 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
         for (uint32_t f = seg * (N * 4) + ct; f < (seg + 1) * (N * 4); f += 256) {
             const uint32_t t = f % 256, jn = f / 256, ln = t % 32, lq = ln % 4, lg = ln / 4;
             const uint32_t col0 = n0 + (t / 128) * 64 + ((t % 128) / 32) * 16 + ((lg >> 1) | ((lg & 1) << 2));
-            const uint32_t row0 = jn * 8 + 2 * lq;
-            const float4 sum = cluster_segment_sum(cluster, src, f, span.nsegs);
+            const uint32_t row0 = m0 + jn * 8 + 2 * lq;
+            const float4 sum = cluster_segment_sum<true>(cluster, src, f, span.nsegs);
             const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
             for (uint32_t e = 0; e < 4; ++e) {
@@ -650,14 +679,14 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
         for (uint32_t e = 0; e < N / 2; ++e) acc[e] = 0.0f;
         for (uint32_t j = 0; j < steps; ++j, ++g) {
             if (g & 1)
-                step(g, j, A1, A0);
+                step(j, A1, A0);
             else
-                step(g, j, A0, A1);
+                step(j, A0, A1);
         }
         wg_wait0();
         keep_live4(A0);
         keep_live4(A1);
-        if (steps > 0) mbar_arrive(empty + ((g + ST - 1) % ST) * 8);
+        if (steps > 0) mbar_arrive(empty + prev_slot * 8);
         // The previous tile's sum runs now, a tile late.
         if (it > 0) reduce(it - 1);
         // Buffer it % 2 is free once the cluster has read tile it - 2 from it.

@@ -56,13 +56,24 @@ static void launch_ref(bool pdl, cudaStream_t s, OutT* out, const bf16* x, const
 static const int TMA_SMEM = LIN_DEC_SPACE + 2048;
 static int g_clusters = 0;  // resident clusters of linear_stream_tma
 
-// Where the launcher would run `linear_stream_tma`: up to LIN_DEC_ROWS rows, x's segment, the
-// partials and LIN_DEC_MIN_STAGES weight stages fit.
+// x's rows a `linear_stream_tma` block holds and the row blocks (ops_gemm::linear_stream_tma_rows;
+// rows 0: none fit), and where the launcher would run the kernel: up to LIN_DEC_ROWS rows in at
+// most two row blocks.
+static uint32_t tma_rows(uint32_t m, uint32_t k, uint32_t* blocks) {
+    const uint32_t steps = (((k + 31) / 32 + 7) / 8 + 1) / 2;
+    auto room = [&](uint32_t rows) {
+        return (uint64_t)steps * rows * 128 + rows * 1024 + LIN_DEC_MIN_STAGES * 16384 <= LIN_DEC_SPACE;
+    };
+    uint32_t rows = 8;
+    while (rows < m && rows < LIN_DEC_ROWS) rows *= 2;
+    while (rows > 8 && !room(rows)) rows /= 2;
+    if (!room(rows)) return 0;
+    *blocks = (m + rows - 1) / rows;
+    return rows;
+}
 static bool tma_fits(uint32_t m, uint32_t k) {
-    const uint32_t nrows = m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64;
-    const uint32_t chunks = (k + 31) / 32, seg_chunks = (chunks + 7) / 8, seg_steps = (seg_chunks + 1) / 2;
-    const uint64_t used = (uint64_t)seg_steps * nrows * 128 + nrows * 1024 + LIN_DEC_MIN_STAGES * 16384;
-    return m <= LIN_DEC_ROWS && used <= LIN_DEC_SPACE;
+    uint32_t blocks = 0;
+    return m <= LIN_DEC_ROWS && k % 8 == 0 && tma_rows(m, k, &blocks) != 0 && blocks <= 2;
 }
 
 template <typename OutT>
@@ -73,9 +84,11 @@ static void launch_tma(bool pdl, cudaStream_t s, OutT* out, const bf16* x, const
     void* map = weight_map(w, n, k);
     void* args[] = {&out, &x, &w, &map, &m, &n, &k};
     const void* fn = f32 ? (const void*)linear_stream_tma_f32out : (const void*)linear_stream_tma;
+    uint32_t blocks = 1;
+    tma_rows(m, k, &blocks);
     const uint32_t tiles = (n + 127) / 128;
-    launch_ex(fn, dim3(LIN_SEGS * std::min<uint32_t>(tiles, g_clusters)), dim3(LIN_DEC_THREADS), TMA_SMEM, pdl, s,
-              args);
+    const uint32_t clusters = std::min<uint32_t>(tiles, std::max<uint32_t>(g_clusters / blocks, 1)) * blocks;
+    launch_ex(fn, dim3(LIN_SEGS * clusters), dim3(LIN_DEC_THREADS), TMA_SMEM, pdl, s, args);
 }
 
 static bf16* alloc_fill(size_t n, uint64_t seed, float scale) {
@@ -177,7 +190,8 @@ int main(int argc, char** argv) {
                                      {8, 520, 256},    {9, 136, 96},     {16, 4096, 12288}, {17, 1000, 4096},
                                      {32, 4096, 12288}, {33, 136, 64},   {64, 300, 1024},  {65, 264, 1032},
                                      {100, 264, 1024}, {128, 4096, 4096}, {1, 151936, 4096}, {3, 8, 8},
-                                     {40, 24576, 4096}, {1, 12352, 4104}, {7, 200, 488}};
+                                     {40, 24576, 4096}, {1, 12352, 4104}, {7, 200, 488}, {64, 4096, 12288},
+                                     {48, 1000, 12288}};
         int bad = 0, runs = 0;
         for (auto sh : shapes)
             for (int pdl = 0; pdl < 2; ++pdl) {

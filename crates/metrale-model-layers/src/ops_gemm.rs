@@ -319,9 +319,9 @@ impl Ops {
             )?;
             return self.linear_tma_launch(s, kernels[4], out, images, w, map, (m, n, k));
         }
-        // `linear_stream_tma` for the wide kernel's rows where it serves (see
-        // [`linear_stream_tma_fits`]) and the weight has a map.
-        if path == LinearPath::Wide
+        // `linear_stream_tma` for the decode rows it serves (see [`linear_stream_tma_fits`])
+        // where the weight has a map.
+        if path != LinearPath::Tiled
             && linear_stream_tma_fits(m, k)
             && x.0.is_multiple_of(16)
             && w.0.is_multiple_of(16)
@@ -330,9 +330,10 @@ impl Ops {
             let smem = LINEAR_STREAM_TMA_SMEM;
             let resident =
                 self.resident_clusters(kernels[5], LINEAR_STREAM_TMA_THREADS, smem, 16)?;
+            let row_blocks = linear_stream_tma_rows(m, k).map_or(1, |(_, blocks)| blocks);
             return self.go(
                 kernels[5],
-                linear_stream_tma_geometry(n, resident),
+                linear_stream_tma_geometry(n, row_blocks, resident),
                 &[
                     out.into(),
                     x.into(),
@@ -465,9 +466,11 @@ pub fn linear_tma_geometry(m: u32, n: u32) -> LaunchConfig {
     .with_programmatic()
 }
 
-/// Rows `linear_stream_tma` serves: from here (below, the narrow kernels, which can start on a
-/// multiprocessor beside the kernel ahead, were faster in a chain of projections) ...
-pub const LINEAR_STREAM_TMA_M_MIN: u32 = 17;
+/// Rows `linear_stream_tma` serves: from here (at 8 rows and below the narrow kernels, which can
+/// start on a multiprocessor beside the kernel ahead, were faster in a chain of projections:
+/// lab/decode_tma_lab.cu, 36 Qwen3-8B layers at 8 rows 4.79 against 4.95 ms, at 16 rows 5.21
+/// against 5.00) ...
+pub const LINEAR_STREAM_TMA_M_MIN: u32 = 9;
 
 /// ... to here (`LIN_DEC_ROWS`: the largest wgmma N it instantiates).
 pub const LINEAR_STREAM_TMA_M_MAX: u32 = 64;
@@ -487,34 +490,52 @@ const LINEAR_STREAM_TMA_THREADS: u32 = 384;
 const LINEAR_STREAM_TMA_MIN_STAGES: u32 = 4;
 
 /// Whether `linear_stream_tma` serves `m` rows by `k` inputs: `m` in
-/// [`LINEAR_STREAM_TMA_M_MIN`]..=[`LINEAR_STREAM_TMA_M_MAX`], `k` a positive multiple of 8, and
-/// room for x's segment (the wgmma's N rows, 8 .. 64, by a segment's stages of 64 k), the two
-/// buffers of partials and four weight stages, as kernels/gemm_wgmma.cuh lays them out. (Qwen3-8B:
-/// every projection up to 64 rows but the down projection's 12288 inputs above 32.)
+/// [`LINEAR_STREAM_TMA_M_MIN`]..=[`LINEAR_STREAM_TMA_M_MAX`], and x's rows in at most two row
+/// blocks ([`linear_stream_tma_rows`]; the second reads the weight from L2 as the first brings
+/// it). Qwen3-8B: every projection, the down projection's 12288 inputs above 32 rows in two
+/// blocks of 32.
 pub fn linear_stream_tma_fits(m: u32, k: u32) -> bool {
-    (LINEAR_STREAM_TMA_M_MIN..=LINEAR_STREAM_TMA_M_MAX).contains(&m) && linear_stream_tma_room(m, k)
+    (LINEAR_STREAM_TMA_M_MIN..=LINEAR_STREAM_TMA_M_MAX).contains(&m)
+        && linear_stream_tma_rows(m, k).is_some_and(|(_, blocks)| blocks <= 2)
 }
 
-/// Whether the kernel itself can run `m` rows (1 ..= 64) by `k` inputs (a positive multiple of
-/// 8): its shared memory holds x's segment, the partials and four weight stages.
+/// Whether the kernel itself can run `m` rows (1 ..= 64) by `k` inputs at all (in any number
+/// of row blocks).
 pub fn linear_stream_tma_room(m: u32, k: u32) -> bool {
-    if !(1..=LINEAR_STREAM_TMA_M_MAX).contains(&m) || k == 0 || !k.is_multiple_of(8) {
-        return false;
-    }
-    let rows = m.next_power_of_two().max(8);
-    let seg_steps = k.div_ceil(32).div_ceil(8).div_ceil(2) as u64;
-    let x = seg_steps * u64::from(rows) * 128;
-    let used = x + u64::from(rows) * 1024 + u64::from(LINEAR_STREAM_TMA_MIN_STAGES) * 16384;
-    used <= u64::from(LINEAR_STREAM_TMA_SPACE)
+    (1..=LINEAR_STREAM_TMA_M_MAX).contains(&m) && linear_stream_tma_rows(m, k).is_some()
 }
 
-/// `linear_stream_tma`'s geometry for `n` output columns with `resident` clusters of
-/// `LIN_SEGS` (8) blocks resident at once: a cluster per tile of 128 columns, at most as many as
-/// are resident (each takes tiles cluster, cluster + clusters, ...; which cluster computes a
-/// tile never changes its rows); 384 threads, one block a multiprocessor; a programmatic
-/// dependent.
-pub fn linear_stream_tma_geometry(n: u32, resident: u32) -> LaunchConfig {
-    let clusters = n.div_ceil(128).min(resident.max(1));
+/// The rows of x a `linear_stream_tma` block holds for `m` rows by `k` inputs (k a positive
+/// multiple of 8), and the row blocks that makes, as the kernel works them out: the power of
+/// two from 8 that covers `m` (at most 64), halved while its share of x's segment (a segment's
+/// stages of 64 k), the two buffers of partials and four weight stages would not fit the
+/// kernel's shared memory. `None` where not even 8 rows fit, or k is not a positive multiple of 8.
+pub fn linear_stream_tma_rows(m: u32, k: u32) -> Option<(u32, u32)> {
+    if m == 0 || k == 0 || !k.is_multiple_of(8) {
+        return None;
+    }
+    let seg_steps = u64::from(k.div_ceil(32).div_ceil(8).div_ceil(2));
+    let room = |rows: u32| {
+        let rows = u64::from(rows);
+        seg_steps * rows * 128 + rows * 1024 + u64::from(LINEAR_STREAM_TMA_MIN_STAGES) * 16384
+            <= u64::from(LINEAR_STREAM_TMA_SPACE)
+    };
+    let mut rows = m.next_power_of_two().clamp(8, LINEAR_STREAM_TMA_M_MAX);
+    while rows > 8 && !room(rows) {
+        rows /= 2;
+    }
+    room(rows).then(|| (rows, m.div_ceil(rows)))
+}
+
+/// `linear_stream_tma`'s geometry for `n` output columns, x in `row_blocks` row blocks
+/// ([`linear_stream_tma_rows`]) and `resident` clusters of `LIN_SEGS` (8) blocks resident at
+/// once: per row block a cluster per tile of 128 columns, at most as many as are resident (each
+/// takes tiles cluster, cluster + clusters, ...; which cluster computes a tile never changes its
+/// rows), the clusters a multiple of the row blocks; 384 threads, one block a multiprocessor; a
+/// programmatic dependent.
+pub fn linear_stream_tma_geometry(n: u32, row_blocks: u32, resident: u32) -> LaunchConfig {
+    let row_blocks = row_blocks.max(1);
+    let clusters = n.div_ceil(128).min((resident / row_blocks).max(1)) * row_blocks;
     LaunchConfig::grid2(LINEAR_WIDE_CLUSTER * clusters, 1, LINEAR_STREAM_TMA_THREADS)
         .with_shared(LINEAR_STREAM_TMA_SMEM)
         .with_programmatic()
@@ -590,7 +611,7 @@ mod tests {
     }
 
     #[test]
-    fn linear_stream_tma_serves_17_to_64_rows_where_x_fits_and_a_map_exists() {
+    fn linear_stream_tma_serves_9_to_64_rows_where_x_fits_and_a_map_exists() {
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
         let ops = Ops::new(gpu.clone()).expect("kernels resolve");
         let s = gpu.default_stream();
@@ -610,21 +631,32 @@ mod tests {
         assert_eq!(kernels_of(&ops, linear(64, 4096)), tma);
         let f32out = kernels_of(&ops, |o: &Ops| o.linear_f32out(s, out, x, w, 40, n, 4096));
         assert_eq!(f32out, vec![ops.k.linear_stream_tma_f32out]);
-        // 12288 inputs: 32 rows fit, 64 do not (x's segment would take 192 KiB).
+        // 12288 inputs: 32 rows fit, 64 go in two row blocks of 32 (x's whole segment would
+        // take 192 KiB); a k whose 8 rows do not fit runs the wide kernel.
         assert_eq!(kernels_of(&ops, linear(32, 12288)), tma);
-        assert_eq!(kernels_of(&ops, linear(64, 12288)), wide);
-        // Outside its rows, and k off the tensor map's 16-byte strides.
-        assert_eq!(
-            kernels_of(&ops, linear(16, 4096)),
-            vec![ops.k.linear_stream]
+        assert_eq!(kernels_of(&ops, linear(64, 12288)), tma);
+        assert_eq!(linear_stream_tma_rows(64, 12288), Some((32, 2)));
+        assert_eq!(linear_stream_tma_rows(64, 4096), Some((64, 1)));
+        assert_eq!(linear_stream_tma_rows(5, 4096), Some((8, 1)));
+        assert_eq!(linear_stream_tma_rows(64, 40960), Some((8, 8)));
+        assert!(
+            !linear_stream_tma_fits(64, 40960),
+            "eight row blocks: eight weight reads"
         );
+        assert_eq!(linear_stream_tma_rows(1, 1 << 20), None);
+        // Outside its rows, and k off the tensor map's 16-byte strides.
+        assert_eq!(kernels_of(&ops, linear(9, 4096)), tma);
+        assert_eq!(kernels_of(&ops, linear(8, 4096)), vec![ops.k.linear_stream]);
         assert_eq!(kernels_of(&ops, linear(65, 4096)), wide);
         assert_eq!(kernels_of(&ops, linear(32, 4092)), wide);
-        assert!(linear_stream_tma_fits(64, 4096) && !linear_stream_tma_fits(64, 12288));
+        assert!(linear_stream_tma_fits(64, 4096) && linear_stream_tma_fits(64, 12288));
         assert!(!linear_stream_tma_fits(64, 0) && !linear_stream_tma_fits(8, 4096));
-        // Which clusters run a tile never changes its rows; at most one a tile of 128 columns.
-        assert_eq!(linear_stream_tma_geometry(4096, 15).grid.0, 8 * 15);
-        assert_eq!(linear_stream_tma_geometry(200, 15).grid.0, 8 * 2);
+        // Which clusters run a tile never changes its rows; at most one a tile of 128 columns
+        // and row block, a multiple of the row blocks.
+        assert_eq!(linear_stream_tma_geometry(4096, 1, 15).grid.0, 8 * 15);
+        assert_eq!(linear_stream_tma_geometry(200, 1, 15).grid.0, 8 * 2);
+        assert_eq!(linear_stream_tma_geometry(4096, 2, 15).grid.0, 8 * 14);
+        assert_eq!(linear_stream_tma_geometry(4096, 2, 1).grid.0, 8 * 2);
     }
 
     #[test]

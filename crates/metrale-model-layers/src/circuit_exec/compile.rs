@@ -56,7 +56,7 @@ impl Program {
 
 /// Plan kernels whose launcher picks another kernel by shape, and those variants: `ops::linear`
 /// (and its f32-out twin) launches `linear_stream` / `linear_stream_b4` (m <= 16),
-/// `linear_stream_tma` (17..64 rows where x's segment fits and the weight has a tensor map) or
+/// `linear_stream_tma` (9..64 rows where x's segment fits and the weight has a tensor map) or
 /// `linear_stream_wide` (m <= 128) for decode-sized row counts, which give bitwise the rows
 /// `linear` gives. The plan names the family's kernel.
 pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[

@@ -6,7 +6,8 @@ use half::bf16;
 use metrale_gpu_runtime::{KernelArg, LaunchConfig};
 use metrale_model_layers::ops_gemm::{
     LINEAR_SMALL_M_MAX, LinearPath, linear_geometry, linear_staging_bytes,
-    linear_stream_tma_geometry, linear_stream_tma_room, linear_tma_geometry, permute_geometry,
+    linear_stream_tma_geometry, linear_stream_tma_room, linear_stream_tma_rows,
+    linear_tma_geometry, permute_geometry,
 };
 
 use super::harness::{self, Pair, Rng, S, Tolerance};
@@ -219,11 +220,12 @@ fn linear_stream_tma(
     let gpu = p.gpu.as_ref();
     let clusters = clusters.unwrap_or_else(|| {
         let kernel = gpu.kernel("gemm", "linear_stream_tma").expect("resolves");
-        gpu.max_active_clusters(kernel, &linear_stream_tma_geometry(n, 1))
+        gpu.max_active_clusters(kernel, &linear_stream_tma_geometry(n, 1, 1))
             .expect("CUDA reports resident clusters")
             .expect("the query succeeds")
     });
-    let cfg = linear_stream_tma_geometry(n, clusters);
+    let (_, row_blocks) = linear_stream_tma_rows(m, k).expect("the kernel has room");
+    let cfg = linear_stream_tma_geometry(n, row_blocks, clusters);
     launch_mapped(p, "linear_stream_tma", &cfg, bytes, x, w, (m, n, k))
 }
 
@@ -354,10 +356,12 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
         (20, 136, 77),
         (48, 1000, 12288),
         // `linear_stream_tma`: an odd chunk count in a segment (k = 4104: 129 chunks, segments of
-        // 17), N of 8, 16, 32 and 64 rows, 12288 inputs at 32 rows.
+        // 17), N of 8, 16, 32 and 64 rows, 12288 inputs at 32 rows and at 64 (two row blocks of
+        // 32; also 48 above: a second block of 16 real rows).
         (5, 1000, 4104),
         (32, 4100, 12288),
         (57, 520, 4096),
+        (64, 1000, 12288),
         // `linear_tma` too: segments ending with stages (k = 4096, 12288), a partial last stage
         // (k = 1000), segments ending inside stages (k = 96: three chunks), partial row and
         // column tiles.
