@@ -1,12 +1,15 @@
 //! Decode steps shared by several sequences give each sequence bitwise the tokens and logits it
-//! gets alone, at every padded width; graph-replayed decode is bitwise eager decode.
+//! gets alone, at every padded width; graph-replayed decode is bitwise eager decode, and its
+//! graphs run the decode GEMM that reads weights through tensor maps.
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use metrale_gpu_runtime::CpuBackend;
+use metrale_gpu_runtime::cpu::KernelCtx;
+use metrale_gpu_runtime::cpu::kernels::gemm;
+use metrale_gpu_runtime::{CpuBackend, GpuResult};
 use metrale_model_engine::generate::{GenerateParams, Generation, generate, generate_batch};
 use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::{ModelOptions, TransformerModel, factory};
@@ -109,6 +112,44 @@ fn graphed_decode_is_bitwise_eager_decode() {
             "graph replay differs from eager"
         );
     }
+}
+
+static STREAM_TMA_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// `gemm::linear_stream_tma`'s twin, counted.
+fn counted_stream_tma(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    STREAM_TMA_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    gemm::linear_stream_tma(ctx)
+}
+
+/// A decode graph is captured on its width's first step, when a weight's tensor map cannot be
+/// uploaded; prompts too short for the prefill kernel that maps weights leave none made. The
+/// model records the step first, so the graph of 16 rows still runs the decode GEMM that reads
+/// the weights through their maps (the serve bench's concurrency 64 ran 10.6 ms steps without
+/// it, 9.3 with it, on the H200).
+#[test]
+fn graphed_decode_of_9_rows_and_more_reads_the_weights_through_their_maps() {
+    let mut backend = CpuBackend::default();
+    backend.register("gemm", "linear_stream_tma", counted_stream_tma);
+    let options = ModelOptions {
+        max_decode_seqs: 16,
+        ..Default::default()
+    };
+    let mut model = factory::load(&fixture("qwen3-tiny"), options, Arc::new(backend)).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..16u32).map(|i| vec![i + 1, 2 * i + 3, 7]).collect();
+    let p = params(3, 0.0, 0);
+    let reqs: Vec<(&[u32], &GenerateParams)> = prompts.iter().map(|q| (q.as_slice(), &p)).collect();
+    let before = STREAM_TMA_RUNS.load(std::sync::atomic::Ordering::SeqCst);
+    generate_batch(&mut model, &reqs, &mut |_, _| {
+        std::ops::ControlFlow::Continue(())
+    })
+    .unwrap();
+    assert!(model.captured_widths().contains(&16));
+    let runs = STREAM_TMA_RUNS.load(std::sync::atomic::Ordering::SeqCst) - before;
+    assert!(
+        runs > 0,
+        "the graphed 16-row decode never ran linear_stream_tma"
+    );
 }
 
 #[test]
