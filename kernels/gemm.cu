@@ -776,10 +776,12 @@ MT_DEVICE void linear_stream_tma_impl(OutT* out, const bf16* x, const bf16* w, c
 }
 
 // linear_stream_tma(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], wmap: `linear_tma`'s
-// tensor map of w, m, n, k): `linear`, the decode path (m <= 128) where the weight has a map.
-// Persistent clusters of LIN_SEGS blocks (grid LIN_SEGS * the clusters that fit, at most one per
-// tile of 128 columns), LIN_DEC_THREADS threads, LIN_DEC_SPACE + 2 KiB of dynamic shared memory
-// (one block a multiprocessor). Needs k % 8 == 0 and 16-byte aligned operands.
+// tensor map of w, m, n, k): `linear`, the decode path (9..64 rows) where the weight has a map.
+// Persistent clusters of LIN_SEGS blocks: grid LIN_SEGS * clusters, the clusters a multiple of
+// the row blocks (`ops_gemm::linear_stream_tma_geometry`: per row block at most one a tile of
+// 128 columns and no more than are resident), LIN_DEC_THREADS threads, LIN_DEC_SPACE + 2 KiB of
+// dynamic shared memory (one block a multiprocessor). Needs k % 8 == 0 and 16-byte aligned
+// operands.
 extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_DEC_THREADS, 1)
     linear_stream_tma(bf16* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
                       const void* __restrict__ wmap, uint32_t m, uint32_t n, uint32_t k) {
