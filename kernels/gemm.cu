@@ -312,8 +312,6 @@ MT_DEVICE LinSegment lin_segment(uint32_t k, uint32_t seg) {
     return s;
 }
 
-// `tile`: the cluster's tile (its index over the grid's clusters but for the compute_90 body of
-// the persistent `linear_stream_tma`, whose clusters take tiles in turn).
 // float4 `f` of the partials `part` summed over the cluster's first `nsegs` blocks (the
 // segments) in order, from +0: the decode kernels' last step. BATCH: every block's float4 is read
 // before the first add, so the remote reads overlap (`linear_stream_tma`, which has the
@@ -341,6 +339,8 @@ MT_DEVICE float4 cluster_segment_sum(cg::cluster_group& cluster, const float4* p
     return total;
 }
 
+// `tile`: the cluster's tile (its index over the grid's clusters but for the compute_90 body of
+// the persistent `linear_stream_tma`, whose clusters take tiles in turn).
 template <typename OutT, int NT, int STAGE_CH, int STAGES, bool VEC>
 MT_DEVICE void linear_wide_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
                                 uint32_t k, unsigned char* smem, uint32_t tile) {

@@ -248,6 +248,33 @@ MT_DEVICE void wgmma_m64n128k16_rs(float (&d)[64], uint32_t a0, uint32_t a1, uin
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(scale_d));
 }
 
+// Where lane (g, q) of warp `warp` of consumer warpgroup `cw` reads its weight fragments in a
+// stage of 128 swizzled 128-byte rows: tile row ra = 64 cw + 16 warp + g / 2 + 4 (g % 2) (so the
+// two rows a quarter warp loads fall in different halves of the swizzle; row g + 8 is ra + 8),
+// 16-byte unit q of chunk 0 (`off0`) and of chunk 1 (`off1`).
+struct WgFragRows {
+    uint32_t ra, off0, off1;
+};
+
+MT_DEVICE WgFragRows wg_frag_rows(uint32_t cw, uint32_t warp, uint32_t g, uint32_t q) {
+    const uint32_t sg = (g >> 1) | ((g & 1) << 2);
+    WgFragRows f;
+    f.ra = cw * 64 + warp * 16 + sg;
+    f.off0 = f.ra * 128 + ((q ^ sg) << 4);
+    f.off1 = f.ra * 128 + (((4 + q) ^ sg) << 4);
+    return f;
+}
+
+// A stage's weight fragments at shared address `st`: chunk 0 rows g, g + 8, chunk 1 rows g, g + 8.
+MT_DEVICE void wg_load_frags(uint4 (&cur)[4], uint32_t st, const WgFragRows& f) {
+    const uint32_t offs[4] = {f.off0, f.off0 + 1024, f.off1, f.off1 + 1024};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(cur[i].x), "=r"(cur[i].y), "=r"(cur[i].z), "=r"(cur[i].w)
+                     : "r"(st + offs[i]));
+}
+
 // Keeps `v` in its registers up to this point: a register operand of an asynchronous wgmma must
 // not be reused before the wgmma has completed, which the compiler cannot see.
 MT_DEVICE void keep_live(uint4& v) { asm volatile("" : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)::"memory"); }
@@ -333,9 +360,7 @@ MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const void* wmap, uint
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
     const uint32_t cw = wg - 1, warp = wt / 32, lane = wt % 32, g = lane / 4, q = lane % 4;
-    const uint32_t sg = (g >> 1) | ((g & 1) << 2);
-    const uint32_t ra = cw * 64 + warp * 16 + sg;  // fragment row g; row g + 8 is ra + 8
-    const uint32_t a_off0 = ra * 128 + ((q ^ sg) << 4), a_off1 = ra * 128 + (((4 + q) ^ sg) << 4);
+    const WgFragRows fr = wg_frag_rows(cw, warp, g, q);
     float acc[64], total[64];
 #pragma unroll
     for (int e = 0; e < 64; ++e) acc[e] = total[e] = 0.0f;
@@ -352,12 +377,7 @@ MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const void* wmap, uint
         const uint32_t slot = j % ST;
         mbar_wait(full + slot * 8, (j / ST) & 1);
         const uint32_t st = sbase + slot * STAGE_BYTES;
-        const uint32_t offs[4] = {a_off0, a_off0 + 1024, a_off1, a_off1 + 1024};
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(cur[i].x), "=r"(cur[i].y), "=r"(cur[i].z), "=r"(cur[i].w)
-                         : "r"(st + offs[i]));
+        wg_load_frags(cur, st, fr);
         wg_fence();
         const uint32_t xb = st + W_BYTES;
         if constexpr (SPLIT) {
@@ -408,7 +428,7 @@ MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const void* wmap, uint
     }
 #pragma unroll
     for (int e = 0; e < 64; ++e) {
-        const uint32_t col = n0 + ra + ((e % 4) >= 2 ? 8 : 0);
+        const uint32_t col = n0 + fr.ra + ((e % 4) >= 2 ? 8 : 0);
         const uint32_t row = t0 + (e / 4) * 8 + 2 * q + (e & 1);
         if (row < m && col < n) store_out(out, (size_t)row * n + col, total[e]);
     }
@@ -464,10 +484,8 @@ MT_DEVICE void wgmma_m64nNk16_rs(float (&d)[N / 2], uint32_t a0, uint32_t a1, ui
             "%8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
             : WG_ACC16(d, 0)
             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(scale_d));
-    } else if constexpr (N == 128) {
-        wgmma_m64n128k16_rs(d, a0, a1, a2, a3, db, scale_d);
     } else {
-        static_assert(N == 64, "N is 8, 16, 32, 64 or 128");
+        static_assert(N == 64, "N is 8, 16, 32 or 64");
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, "
@@ -477,7 +495,6 @@ MT_DEVICE void wgmma_m64nNk16_rs(float (&d)[N / 2], uint32_t a0, uint32_t a1, ui
             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(scale_d));
     }
 }
-
 
 // 16 bytes of x (written by the kernel ahead), from L2.
 MT_DEVICE uint4 ld_cg16(const bf16* p) {
@@ -497,7 +514,7 @@ MT_DEVICE void mbar_arrive_remote(uint32_t bar, uint32_t rank) {
 
 // Wait until the phase of parity `parity` of `bar` completes, then acquire at cluster scope what
 // the arriving blocks published in their shared memory (an acquiring wait would also invalidate
-// L1: CCTL.IVALL, a third of the decode GEMM's stall samples at one row).
+// L1: CCTL.IVALL, 10-13 % of the decode GEMM's stall samples when it waited so).
 MT_DEVICE void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
     asm volatile(
         "{\n.reg .pred done;\nWAIT_%=:\n"
@@ -610,33 +627,26 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
         return;
     }
 
-    const uint32_t ct = tid - 128, cw = ct / 128, wt = ct % 128, warp = wt / 32, lane = wt % 32;
-    const uint32_t g8 = lane / 4, q = lane % 4, sg = (g8 >> 1) | ((g8 & 1) << 2);
-    const uint32_t ra = cw * 64 + warp * 16 + sg;
-    const uint32_t a_off0 = ra * 128 + ((q ^ sg) << 4), a_off1 = ra * 128 + (((4 + q) ^ sg) << 4);
+    const uint32_t ct = tid - 128, wt = ct % 128, lane = wt % 32;
+    const WgFragRows fr = wg_frag_rows(ct / 128, wt / 32, lane / 4, lane % 4);
     float4* part = reinterpret_cast<float4*>(smem + x_bytes);
     float acc[N / 2];
     uint4 A0[4], A1[4];
-    // Stage g (step j of its tile): wait for it, load its fragments into `cur`, issue its MMAs
-    // (the chain's first with scale-d 0) on x's image of step j, then wait for stage g - 1's
-    // MMAs (fragments `prev`) and release it (within the tile; the tile's last stage is released
-    // at its end). A segment of an odd chunk count ends inside its last stage: the second
-    // chunk's MMAs still run (a branch around them would serialize every wgmma), on zero
+    // The ring position of the next stage, kept by counters (a division by the run-time ST each
+    // stage showed in the stall samples): `slot`, its `phase`, and `prev_slot`, the stage's
+    // before it.
+    uint32_t slot = 0, phase = 0, prev_slot = ST - 1;
+    // The next stage (step j of its tile): wait for it, load its fragments into `cur`, issue its
+    // MMAs (the chain's first with scale-d 0) on x's image of step j, then wait for the MMAs of
+    // the stage before (fragments `prev`) and release it (within the tile; the tile's last stage
+    // is released at its end). A segment of an odd chunk count ends inside its last stage: the
+    // second chunk's MMAs still run (a branch around them would serialize every wgmma), on zero
     // fragments and the zeros x holds there, adding +0 products: at most a partial's zero
     // changes sign, which the sum from +0 cannot see.
-    // The ring position of stage g, kept by counters (a division by the run-time ST each stage
-    // showed in the stall samples): `slot` = g % ST, `phase` = (g / ST) & 1, `prev_slot` the
-    // slot of stage g - 1.
-    uint32_t slot = 0, phase = 0, prev_slot = ST - 1;
     auto step = [&](uint32_t j, uint4 (&cur)[4], uint4 (&prev)[4]) {
         const uint32_t st = ring + slot * W_BYTES, xb = xs + j * X_STAGE;
         mbar_wait(full + slot * 8, phase);
-        const uint32_t offs[4] = {a_off0, a_off0 + 1024, a_off1, a_off1 + 1024};
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(cur[i].x), "=r"(cur[i].y), "=r"(cur[i].z), "=r"(cur[i].w)
-                         : "r"(st + offs[i]));
+        wg_load_frags(cur, st, fr);
         if (2 * j + 1 >= nch) cur[2] = cur[3] = make_uint4(0, 0, 0, 0);  // past the segment
         wg_fence();
         wgmma_m64nNk16_rs<N>(acc, cur[0].x, cur[1].x, cur[0].y, cur[1].y, wg_desc_sw(xb, 0, 0), j == 0 ? 0u : 1u);
@@ -659,9 +669,10 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
         const float4* src = part + b * (N * 32);
         const uint32_t n0 = (cid + it * ncl) * LIN_DEC_COLS;
         for (uint32_t f = seg * (N * 4) + ct; f < (seg + 1) * (N * 4); f += 256) {
-            const uint32_t t = f % 256, jn = f / 256, ln = t % 32, lq = ln % 4, lg = ln / 4;
-            const uint32_t col0 = n0 + (t / 128) * 64 + ((t % 128) / 32) * 16 + ((lg >> 1) | ((lg & 1) << 2));
-            const uint32_t row0 = m0 + jn * 8 + 2 * lq;
+            // float4 jn of consumer t: its fragment row's columns, x rows 8 jn + 2 q (+ 1).
+            const uint32_t t = f % 256, jn = f / 256, ln = t % 32;
+            const uint32_t col0 = n0 + wg_frag_rows(t / 128, (t % 128) / 32, ln / 4, ln % 4).ra;
+            const uint32_t row0 = m0 + jn * 8 + 2 * (ln % 4);
             const float4 sum = cluster_segment_sum<true>(cluster, src, f, span.nsegs);
             const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll

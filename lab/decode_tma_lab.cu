@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "lab_tmap.cuh"
+#include "lab_layers.cuh"
 
 static const int SMS = 132;
 
@@ -89,25 +90,6 @@ static void launch_tma(bool pdl, cudaStream_t s, OutT* out, const bf16* x, const
     const uint32_t tiles = (n + 127) / 128;
     const uint32_t clusters = std::min<uint32_t>(tiles, std::max<uint32_t>(g_clusters / blocks, 1)) * blocks;
     launch_ex(fn, dim3(LIN_SEGS * clusters), dim3(LIN_DEC_THREADS), TMA_SMEM, pdl, s, args);
-}
-
-static bf16* alloc_fill(size_t n, uint64_t seed, float scale) {
-    bf16* p;
-    CK(cudaMalloc(&p, n * 2));
-    fill_bf16<<<1024, 256>>>(p, n, seed, scale);
-    CK(cudaGetLastError());
-    return p;
-}
-
-// A stand-in for the small kernels between projections (as in gemm_lab).
-__global__ void lab_small(bf16* out, const bf16* src, const float* prev, uint32_t elems) {
-    pdl_wait();
-    pdl_trigger();
-    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i * 8 >= elems) return;
-    uint4 v = *reinterpret_cast<const uint4*>(src + 8 * i);
-    if (prev[i] == 12345.0f) v.x = 0;
-    *reinterpret_cast<uint4*>(out + 8 * i) = v;
 }
 
 template <typename OutT>
@@ -250,60 +232,25 @@ int main(int argc, char** argv) {
 
     // ---- 4. 36 Qwen3-8B layers + LM head, small kernels between ----
     {
-        const uint32_t H = 4096, QKV = 6144, FFN = 12288, V = 151936, L = 36;
-        std::vector<bf16*> wq, wo, wgu, wd;
-        for (uint32_t l = 0; l < L; ++l) {
-            wq.push_back(alloc_fill((size_t)QKV * H, 1000 + 4 * l, 0.03f));
-            wo.push_back(alloc_fill((size_t)H * H, 1001 + 4 * l, 0.03f));
-            wgu.push_back(alloc_fill((size_t)2 * FFN * H, 1002 + 4 * l, 0.03f));
-            wd.push_back(alloc_fill((size_t)H * FFN, 1003 + 4 * l, 0.02f));
-            weight_map(wq[l], QKV, H);
-            weight_map(wo[l], H, H);
-            weight_map(wgu[l], 2 * FFN, H);
-            weight_map(wd[l], H, FFN);
+        const LabLayers layers;
+        for (uint32_t l = 0; l < LabLayers::L; ++l) {
+            weight_map(layers.wq[l], LabLayers::QKV, LabLayers::H);
+            weight_map(layers.wo[l], LabLayers::H, LabLayers::H);
+            weight_map(layers.wgu[l], 2 * LabLayers::FFN, LabLayers::H);
+            weight_map(layers.wd[l], LabLayers::H, LabLayers::FFN);
         }
-        bf16* head = alloc_fill((size_t)V * H, 7, 0.03f);
-        weight_map(head, V, H);
-        const uint32_t MM = 128;
-        bf16* src = alloc_fill((size_t)MM * 2 * FFN, 9, 1.0f);
-        bf16 *xn, *xa, *xact;
-        float *o1, *o2;
-        CK(cudaMalloc(&xn, (size_t)MM * H * 2));
-        CK(cudaMalloc(&xa, (size_t)MM * H * 2));
-        CK(cudaMalloc(&xact, (size_t)MM * FFN * 2));
-        CK(cudaMalloc(&o1, (size_t)MM * 2 * FFN * 4));
-        CK(cudaMalloc(&o2, (size_t)MM * V * 4));
-        CK(cudaDeviceSynchronize());
-        const double layer_bytes = ((double)QKV * H + H * H + 2.0 * FFN * H + (double)H * FFN) * 2;
-        const double floor_ms = (L * layer_bytes + (double)V * H * 2) / read_gbs / 1e6;
+        weight_map(layers.head, LabLayers::V, LabLayers::H);
+        const double floor_ms = LabLayers::floor_ms(read_gbs);
         for (uint32_t m : {1u, 8u, 16u, 32u, 64u, 128u}) {
             double t[2];
-            for (int v = 0; v < 2; ++v) {
-                auto gemm = [&](cudaStream_t st, float* out, const bf16* x, const bf16* w, uint32_t n, uint32_t k) {
-                    if (v == 0) launch_ref<float>(true, st, out, x, w, m, n, k);
-                    else launch_tma<float>(true, st, out, x, w, m, n, k);
-                };
-                auto small = [&](cudaStream_t st, bf16* out, const float* prev, uint32_t elems) {
-                    const bf16* sp = src;
-                    void* args[] = {&out, &sp, &prev, &elems};
-                    launch_ex((const void*)lab_small, dim3((elems / 8 + 255) / 256), dim3(256), 0, true, st, args);
-                };
+            for (int v = 0; v < 2; ++v)
                 t[v] = time_graph(s, [&](cudaStream_t st) {
-                    for (uint32_t l = 0; l < L; ++l) {
-                        small(st, xn, o1, m * H);
-                        gemm(st, o1, xn, wq[l], QKV, H);
-                        small(st, xa, o1, m * H);
-                        small(st, xa, o1, m * H);
-                        gemm(st, o1, xa, wo[l], H, H);
-                        small(st, xn, o1, m * H);
-                        gemm(st, o1, xn, wgu[l], 2 * FFN, H);
-                        small(st, xact, o1, m * FFN);
-                        gemm(st, o1, xact, wd[l], H, FFN);
-                    }
-                    small(st, xn, o1, m * H);
-                    gemm(st, o2, xn, head, V, H);
+                    layers.enqueue(st, m, true, true,
+                                   [&](cudaStream_t q, float* out, const bf16* x, const bf16* w, uint32_t n, uint32_t k) {
+                                       if (v == 0) launch_ref<float>(true, q, out, x, w, m, n, k);
+                                       else launch_tma<float>(true, q, out, x, w, m, n, k);
+                                   });
                 }, 5);
-            }
             printf("layers m=%-3u weight floor %.3f ms: ref %.3f ms (%.2fx)  tma %.3f ms (%.2fx)\n", m, floor_ms, t[0],
                    t[0] / floor_ms, t[1], t[1] / floor_ms);
         }

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "lab_tmap.cuh"
+#include "lab_layers.cuh"
 
 __global__ void __launch_bounds__(256, 2)
     lab_old_narrow(float* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k) {
@@ -58,20 +59,6 @@ __global__ void __launch_bounds__(256, MINB)
     __shared__ float4 part[256];
     if (blockIdx.x >= ((n + 7) / 8) * ((m + 15) / 16)) return;
     linear_direct_impl<float, B, false, true>(out, x, w, m, n, k, part);
-}
-
-// A stand-in for the small kernels between projections: one block per 4096 elements copies a
-// constant source to `out`, after reading `prev` (the projection output before it).
-__global__ void lab_small(bf16* out, const bf16* src, const float* prev, uint32_t elems, int pdl) {
-    if (pdl) {
-        pdl_wait();
-        pdl_trigger();
-    }
-    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i * 8 >= elems) return;
-    uint4 v = *reinterpret_cast<const uint4*>(src + 8 * i);
-    if (prev[i] == 12345.0f) v.x = 0;
-    *reinterpret_cast<uint4*>(out + 8 * i) = v;
 }
 
 typedef void (*KernelFn)(float*, const bf16*, const bf16*, uint32_t, uint32_t, uint32_t);
@@ -116,14 +103,6 @@ static void launch(const Var& v, bool pdl, cudaStream_t s, float* out, const bf1
     }
     void* args[] = {&out, &x, &w, &m, &n, &k};
     launch_ex(v.fn, cfg.gridDim, dim3(v.threads, 1, 1), v.smem, pdl, s, args);
-}
-
-static bf16* alloc_fill(size_t n, uint64_t seed, float scale) {
-    bf16* p;
-    CK(cudaMalloc(&p, std::max<size_t>(n, 8) * 2));
-    fill_bf16<<<1024, 256>>>(p, n, seed, scale);
-    CK(cudaGetLastError());
-    return p;
 }
 
 int main(int argc, char** argv) {
@@ -257,49 +236,14 @@ int main(int argc, char** argv) {
 
     // ---- 4. 36 Qwen3-8B layers + LM head, small kernels between the projections ----
     {
-        const uint32_t H = 4096, QKV = 6144, FFN = 12288, V = 151936, L = 36;
-        std::vector<bf16*> wq, wo, wgu, wd;
-        for (uint32_t l = 0; l < L; ++l) {
-            wq.push_back(alloc_fill((size_t)QKV * H, 1000 + 4 * l, 0.03f));
-            wo.push_back(alloc_fill((size_t)H * H, 1001 + 4 * l, 0.03f));
-            wgu.push_back(alloc_fill((size_t)2 * FFN * H, 1002 + 4 * l, 0.03f));
-            wd.push_back(alloc_fill((size_t)H * FFN, 1003 + 4 * l, 0.02f));
-        }
-        bf16* head = alloc_fill((size_t)V * H, 7, 0.03f);
-        const uint32_t MM = 128;
-        bf16* src = alloc_fill((size_t)MM * 2 * FFN, 9, 1.0f);
-        bf16 *xn, *xa, *xact;
-        float *o1, *o2;
-        CK(cudaMalloc(&xn, (size_t)MM * H * 2));
-        CK(cudaMalloc(&xa, (size_t)MM * H * 2));
-        CK(cudaMalloc(&xact, (size_t)MM * FFN * 2));
-        CK(cudaMalloc(&o1, (size_t)MM * 2 * FFN * 4));
-        CK(cudaMalloc(&o2, (size_t)MM * V * 4));
-        CK(cudaDeviceSynchronize());
-        const double layer_bytes = ((double)QKV * H + H * H + 2.0 * FFN * H + (double)H * FFN) * 2;
-        const double floor_ms = (L * layer_bytes + (double)V * H * 2) / read_gbs / 1e6;
+        const LabLayers layers;
+        const double floor_ms = LabLayers::floor_ms(read_gbs);
         auto run = [&](const Var& v, uint32_t m, int pdl_gemm, int pdl_small, bool smalls) {
-            auto small = [&](cudaStream_t st, bf16* out, const float* prev, uint32_t elems) {
-                if (!smalls) return;
-                const bf16* sp = src;
-                int flag = pdl_small;
-                void* args[] = {&out, &sp, &prev, &elems, &flag};
-                launch_ex((const void*)lab_small, dim3((elems / 8 + 255) / 256), dim3(256), 0, pdl_small != 0, st, args);
-            };
             return time_graph(s, [&](cudaStream_t st) {
-                for (uint32_t l = 0; l < L; ++l) {
-                    small(st, xn, o1, m * H);
-                    launch(v, pdl_gemm, st, o1, xn, wq[l], m, QKV, H);
-                    small(st, xa, o1, m * H);
-                    small(st, xa, o1, m * H);
-                    launch(v, pdl_gemm, st, o1, xa, wo[l], m, H, H);
-                    small(st, xn, o1, m * H);
-                    launch(v, pdl_gemm, st, o1, xn, wgu[l], m, 2 * FFN, H);
-                    small(st, xact, o1, m * FFN);
-                    launch(v, pdl_gemm, st, o1, xact, wd[l], m, H, FFN);
-                }
-                small(st, xn, o1, m * H);
-                launch(v, pdl_gemm, st, o2, xn, head, m, V, H);
+                layers.enqueue(st, m, smalls, pdl_small != 0,
+                               [&](cudaStream_t q, float* out, const bf16* x, const bf16* w, uint32_t n, uint32_t k) {
+                                   launch(v, pdl_gemm, q, out, x, w, m, n, k);
+                               });
             }, 5);
         };
         for (uint32_t m : {1u, 8u, 32u, 64u, 128u}) {

@@ -18,7 +18,7 @@
 
 #include "lab_util.cuh"
 
-// Dynamic shared memory of `linear_stream_wide` (ops_gemm.rs).
+// Dynamic shared memory of `linear_stream_wide` (ops_gemm/geometry.rs).
 static const int WIDE_SMEM = LIN_W_STAGES * LIN_W_STAGE_CH * 192 * 64;
 
 // Bytes each `cp.async.bulk.prefetch.L2` of `l2_prefetch` asks for.

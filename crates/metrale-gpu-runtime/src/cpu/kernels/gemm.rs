@@ -53,8 +53,18 @@ fn store_gemm(
 
 /// `linear` and `linear_f32out`: x at argument 1, then w, m, n, k.
 fn linear_any(ctx: &KernelCtx<'_>, f32_out: bool) -> GpuResult<()> {
-    ctx.expect_args(6)?;
-    let (m, n, k) = (ctx.usize(3)?, ctx.usize(4)?, ctx.usize(5)?);
+    plain_x_gemm(ctx, 6, f32_out)
+}
+
+/// A GEMM of `args` arguments whose last three are m, n, k, x plain at argument 1 (the weight at
+/// 2; between them and m, nothing the twin reads).
+fn plain_x_gemm(ctx: &KernelCtx<'_>, args: usize, f32_out: bool) -> GpuResult<()> {
+    ctx.expect_args(args)?;
+    let (m, n, k) = (
+        ctx.usize(args - 3)?,
+        ctx.usize(args - 2)?,
+        ctx.usize(args - 1)?,
+    );
     store_gemm(ctx, ctx.slice::<bf16>(1, m * k)?, (m, n, k), f32_out)
 }
 
@@ -152,23 +162,15 @@ pub fn linear_tma_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     linear_tma_any(ctx, true)
 }
 
-/// `linear_stream_tma` and its f32-out twin: x at argument 1, then w, the tensor map (the
-/// device's, not read here), m, n, k.
-fn linear_stream_tma_any(ctx: &KernelCtx<'_>, f32_out: bool) -> GpuResult<()> {
-    ctx.expect_args(7)?;
-    let (m, n, k) = (ctx.usize(4)?, ctx.usize(5)?, ctx.usize(6)?);
-    store_gemm(ctx, ctx.slice::<bf16>(1, m * k)?, (m, n, k), f32_out)
-}
-
 /// `linear_stream_tma(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], wmap, m, n, k)`:
-/// `linear`, the weight read on the device through its tensor map.
+/// `linear`, the weight read on the device through its tensor map (not read here).
 pub fn linear_stream_tma(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    linear_stream_tma_any(ctx, false)
+    plain_x_gemm(ctx, 7, false)
 }
 
 /// `linear_stream_tma_f32out(out: f32 [m, n], x, w, wmap, m, n, k)`: likewise, f32 out.
 pub fn linear_stream_tma_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    linear_stream_tma_any(ctx, true)
+    plain_x_gemm(ctx, 7, true)
 }
 
 /// The family table.

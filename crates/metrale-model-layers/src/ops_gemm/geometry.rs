@@ -1,0 +1,210 @@
+//! Which `linear` kernel serves a call and its launch geometry, mirroring `kernels/gemm.cu`:
+//! pure functions of the shape (and, for `linear_stream_tma`, the resident clusters), which the
+//! launchers in the parent module and the GPU tests share.
+
+use metrale_gpu_runtime::LaunchConfig;
+
+use super::LINEAR_TMA_TILE;
+
+/// Dynamic shared memory of `linear_tma`: 6 stages of 32 KiB (128 weight rows and 128 x rows of
+/// 128 bytes), 1 KiB to align them to the swizzle atoms and 1 KiB for the mbarriers.
+const LINEAR_TMA_SMEM: u32 = 6 * 32768 + 2048;
+
+/// Largest `m` that `linear` serves with its decode kernels (`linear_stream` up to
+/// `LINEAR_NARROW_M_MAX`, `linear_stream_wide` above, `kernels/gemm.cu`); above it the tiled
+/// tensor-core kernel runs. All give bitwise the same rows.
+pub const LINEAR_SMALL_M_MAX: u32 = 128;
+
+/// Largest `m` that `linear_stream` (one row tile per unit) serves.
+pub const LINEAR_NARROW_M_MAX: u32 = 16;
+
+/// `linear_stream_b4` serves m <= 16 from this many output columns up: with three blocks per
+/// multiprocessor it is 5-14 % faster at m = 1, 19-33 % at m = 8 and 6-9 % at m = 16 on the wide
+/// projections (qkv, gate_up, the GDN input, the LM head), and up to 20 % slower where few units
+/// leave a partial last wave (o, down; H200, lab/gemm_lab.cu).
+const LINEAR_B4_MIN_N: u32 = 6144;
+
+/// The `linear` kernels: which one serves `m` rows is [`linear_path`]'s choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinearPath {
+    /// `linear_stream` (one block per 8 columns by 16 rows).
+    Narrow,
+    /// `linear_stream_b4`: `linear_stream`'s grid with smaller batches, three blocks per
+    /// multiprocessor (m <= 16 on wide projections).
+    NarrowB4,
+    /// `linear_stream_wide` (a cluster of 8 blocks per 128 columns by 64 rows).
+    Wide,
+    /// `linear` (the tiled prefill kernel: warp-specialized wgmma).
+    Tiled,
+}
+
+/// The kernel the launchers run for `m` rows and `n` output columns.
+pub fn linear_path(m: u32, n: u32) -> LinearPath {
+    if m <= LINEAR_NARROW_M_MAX && n >= LINEAR_B4_MIN_N {
+        LinearPath::NarrowB4
+    } else if m <= LINEAR_NARROW_M_MAX {
+        LinearPath::Narrow
+    } else if m <= LINEAR_SMALL_M_MAX {
+        LinearPath::Wide
+    } else {
+        LinearPath::Tiled
+    }
+}
+
+/// Blocks per cluster of `linear_stream_wide`: one per k segment (`LIN_SEGS`, kernels/gemm.cu).
+const LINEAR_WIDE_CLUSTER: u32 = 8;
+
+/// Dynamic shared memory of `linear_stream_wide`: 3 stages of 2 chunks of (128 weight + 64 x)
+/// rows of 64 bytes (the segment partials reuse the ring at the end).
+const LINEAR_WIDE_SMEM: u32 = 3 * 2 * (128 + 64) * 64;
+
+/// Rows per block of `linear` (`LIN_BM`: three consumer warpgroups of 64 rows).
+const LINEAR_TILED_ROWS: u32 = 192;
+
+/// Threads per block of `linear` (`LIN_THREADS`: a producer warpgroup and three consumers).
+const LINEAR_TILED_THREADS: u32 = 512;
+
+/// Dynamic shared memory of `linear`: a ring of 5 stages of (192 x + 128 weight) rows of 128
+/// bytes (2 chunks), 1 KiB to align it to the swizzle atoms and 1 KiB for its mbarriers.
+const LINEAR_TILED_SMEM: u32 = 5 * (192 + 128) * 128 + 2048;
+
+/// `linear`'s geometry, mirroring `kernels/gemm.cu` (every path launched as programmatic
+/// dependents: each kernel waits for the one before it in-kernel, and the decode kernels load
+/// their first weight fragments before that wait):
+/// - `linear_stream` and `linear_stream_b4` (m <= 16, n >= 6144): one block of 256 threads per
+///   unit of 8 columns by 16 rows, no dynamic shared memory (two and three blocks per
+///   multiprocessor).
+/// - `linear_stream_wide` (m <= 128): tiles of 128 columns by 64 rows, a cluster of 8 blocks of
+///   256 threads (one per k segment, compiled into the kernel) per tile.
+/// - `linear`: 192 x 128 output tiles, grid (ceil(n / 128), ceil(m / 192)), 512 threads (a
+///   producer warpgroup filling a 5-stage ring of 202 KiB and three warpgroups of wgmma), one
+///   block per multiprocessor.
+///
+/// Every kernel computes the whole function at any `m` with its own geometry (the tests run
+/// each of them at every m). `linear_tma`'s geometry is [`linear_tma_geometry`].
+pub fn linear_geometry(path: LinearPath, m: u32, n: u32) -> LaunchConfig {
+    let config = match path {
+        LinearPath::Narrow | LinearPath::NarrowB4 => {
+            LaunchConfig::grid2(n.div_ceil(8) * m.div_ceil(16), 1, 256)
+        }
+        LinearPath::Wide => {
+            let tiles = n.div_ceil(128) * m.div_ceil(64);
+            LaunchConfig::grid2(LINEAR_WIDE_CLUSTER * tiles, 1, 256).with_shared(LINEAR_WIDE_SMEM)
+        }
+        LinearPath::Tiled => LaunchConfig::grid2(
+            n.div_ceil(128),
+            m.div_ceil(LINEAR_TILED_ROWS),
+            LINEAR_TILED_THREADS,
+        )
+        .with_shared(LINEAR_TILED_SMEM),
+    };
+    config.with_programmatic()
+}
+
+/// `linear_tma`'s geometry (after `permute_k32_tiles`): grid (ceil(m / 128), ceil(n / 128)), so
+/// the blocks running together share a weight tile; 384 threads (a warpgroup whose first thread
+/// queues the copies, two of wgmma); 194 KiB of dynamic shared memory; a programmatic
+/// dependent like `linear`.
+pub fn linear_tma_geometry(m: u32, n: u32) -> LaunchConfig {
+    LaunchConfig::grid2(
+        m.div_ceil(LINEAR_TMA_TILE),
+        n.div_ceil(LINEAR_TMA_TILE),
+        384,
+    )
+    .with_shared(LINEAR_TMA_SMEM)
+    .with_programmatic()
+}
+
+/// Rows `linear_stream_tma` serves: from here (at 8 rows and below the narrow kernels, which can
+/// start on a multiprocessor beside the kernel ahead, were faster in a chain of projections:
+/// lab/decode_tma_lab.cu, 36 Qwen3-8B layers at 8 rows 4.79 against 4.95 ms, at 16 rows 5.21
+/// against 5.00) ...
+pub const LINEAR_STREAM_TMA_M_MIN: u32 = 9;
+
+/// ... to here (`LIN_DEC_ROWS`: the largest wgmma N it instantiates).
+pub const LINEAR_STREAM_TMA_M_MAX: u32 = 64;
+
+/// Shared memory `linear_stream_tma` shares out (`LIN_DEC_SPACE`): x's segment, two buffers of
+/// partials, the ring of 16 KiB weight stages.
+const LINEAR_STREAM_TMA_SPACE: u32 = 229_376;
+
+/// Its dynamic shared memory: the space, 1 KiB to align it to the swizzle atoms and 1 KiB for
+/// the mbarriers (one block a multiprocessor).
+pub(super) const LINEAR_STREAM_TMA_SMEM: u32 = LINEAR_STREAM_TMA_SPACE + 2048;
+
+/// Threads of a `linear_stream_tma` block: a producer warpgroup and two consumers.
+pub(super) const LINEAR_STREAM_TMA_THREADS: u32 = 384;
+
+/// Weight stages `linear_stream_tma` must have room for (`LIN_DEC_MIN_STAGES`) ...
+const LINEAR_STREAM_TMA_MIN_STAGES: u32 = 4;
+
+/// ... of 128 weight rows by 64 k (`LIN_DEC_COLS` rows of 128 bytes).
+const LINEAR_STREAM_TMA_STAGE_BYTES: u64 = 128 * 128;
+
+/// Whether `linear_stream_tma` serves `m` rows by `k` inputs: `m` in
+/// [`LINEAR_STREAM_TMA_M_MIN`]..=[`LINEAR_STREAM_TMA_M_MAX`], and x's rows in at most two row
+/// blocks ([`linear_stream_tma_rows`]; the second reads the weight from L2 as the first brings
+/// it). Qwen3-8B: every projection, the down projection's 12288 inputs above 32 rows in two
+/// blocks of 32.
+pub fn linear_stream_tma_fits(m: u32, k: u32) -> bool {
+    linear_stream_tma_row_blocks(m, k).is_some()
+}
+
+/// The row blocks `linear_stream_tma` runs `m` rows by `k` inputs in, where it serves them
+/// ([`linear_stream_tma_fits`]).
+pub(super) fn linear_stream_tma_row_blocks(m: u32, k: u32) -> Option<u32> {
+    let (_, blocks) = linear_stream_tma_rows(m, k)?;
+    ((LINEAR_STREAM_TMA_M_MIN..=LINEAR_STREAM_TMA_M_MAX).contains(&m) && blocks <= 2)
+        .then_some(blocks)
+}
+
+/// Whether the kernel itself can run `m` rows (1 ..= 64) by `k` inputs at all (in any number
+/// of row blocks).
+pub fn linear_stream_tma_room(m: u32, k: u32) -> bool {
+    (1..=LINEAR_STREAM_TMA_M_MAX).contains(&m) && linear_stream_tma_rows(m, k).is_some()
+}
+
+/// The rows of x a `linear_stream_tma` block holds for `m` rows by `k` inputs (k a positive
+/// multiple of 8), and the row blocks that makes, as the kernel works them out: the power of
+/// two from 8 that covers `m` (at most 64), halved while its share of x's segment (a segment's
+/// stages of 64 k), the two buffers of partials and four weight stages would not fit the
+/// kernel's shared memory. `None` where not even 8 rows fit, or k is not a positive multiple of 8.
+pub fn linear_stream_tma_rows(m: u32, k: u32) -> Option<(u32, u32)> {
+    if m == 0 || k == 0 || !k.is_multiple_of(8) {
+        return None;
+    }
+    let seg_steps = u64::from(k.div_ceil(32).div_ceil(8).div_ceil(2));
+    let room = |rows: u32| {
+        let rows = u64::from(rows);
+        seg_steps * rows * 128
+            + rows * 1024
+            + u64::from(LINEAR_STREAM_TMA_MIN_STAGES) * LINEAR_STREAM_TMA_STAGE_BYTES
+            <= u64::from(LINEAR_STREAM_TMA_SPACE)
+    };
+    let mut rows = m.next_power_of_two().clamp(8, LINEAR_STREAM_TMA_M_MAX);
+    while rows > 8 && !room(rows) {
+        rows /= 2;
+    }
+    room(rows).then(|| (rows, m.div_ceil(rows)))
+}
+
+/// `linear_stream_tma`'s geometry for `n` output columns, x in `row_blocks` row blocks
+/// ([`linear_stream_tma_rows`]) and `resident` clusters of `LIN_SEGS` (8) blocks resident at
+/// once: per row block a cluster per tile of 128 columns, at most as many as are resident (each
+/// takes tiles cluster, cluster + clusters, ...; which cluster computes a tile never changes its
+/// rows), the clusters a multiple of the row blocks; 384 threads, one block a multiprocessor; a
+/// programmatic dependent.
+pub fn linear_stream_tma_geometry(n: u32, row_blocks: u32, resident: u32) -> LaunchConfig {
+    let row_blocks = row_blocks.max(1);
+    let clusters = n.div_ceil(128).min((resident / row_blocks).max(1)) * row_blocks;
+    LaunchConfig::grid2(LINEAR_WIDE_CLUSTER * clusters, 1, LINEAR_STREAM_TMA_THREADS)
+        .with_shared(LINEAR_STREAM_TMA_SMEM)
+        .with_programmatic()
+}
+
+/// `permute_k32_tiles`'s geometry: a thread per (row of the padded tiles, chunk of 32 k, two a
+/// stage), 256 a block, grid-stride past 4096 blocks; a programmatic dependent.
+pub fn permute_geometry(m: u32, k: u32) -> LaunchConfig {
+    let threads = m.div_ceil(LINEAR_TMA_TILE) * LINEAR_TMA_TILE * 2 * k.div_ceil(64);
+    LaunchConfig::linear(threads.div_ceil(256).clamp(1, 4096), 256).with_programmatic()
+}
