@@ -48,6 +48,9 @@
 // k + 1, then reads item k's partials from the cluster and writes its share of the outputs (the
 // combine buffers alternate by item parity), so blocks do not idle at the barrier.
 //
+// `paged_attention_flat` (below) computes the same items without the cluster: a block takes
+// whole items, its splits one after another, for steps with an item for every block.
+//
 // `paged_attention_prefill` (attention_prefill.cuh) computes the same per-row arithmetic for the
 // rows of a prefill chunk, sixteen warps to a block and up to 64 virtual rows to an item, so each
 // key and value is read once for many rows; a row's result is bitwise this kernel's.
@@ -289,11 +292,91 @@ MT_DEVICE void att_unit(const bf16* stage, const bf16* qslot, uint32_t unit, uin
     }
 }
 
-// The NaN outputs of an item whose inputs are out of range (this block's share).
-MT_DEVICE void att_nan_item(const AttLaunch& a, uint32_t row, uint32_t h0) {
+// The NaN outputs of an item whose inputs are out of range: this block's share, block `part` of
+// the `parts` that write the item.
+MT_DEVICE void att_nan_item(const AttLaunch& a, uint32_t row, uint32_t h0, uint32_t part, uint32_t parts) {
     bf16* o = a.out + ((size_t)row * a.hq + h0) * a.d;
-    for (uint32_t i = a.split * ATT_THREADS + threadIdx.x; i < a.hb * a.d; i += ATT_SPLITS * ATT_THREADS)
+    for (uint32_t i = part * ATT_THREADS + threadIdx.x; i < a.hb * a.d; i += parts * ATT_THREADS)
         o[i] = bf16_nan();
+}
+
+// Output `e` of query head `h` of row `row` from its splits' maxima `ms`, sums `ls` and
+// numerators `ps`, combined in split order (the last step of both decode kernels).
+MT_DEVICE bf16 att_combine_splits(const AttLaunch& a, uint32_t row, uint32_t h, uint32_t e,
+                                  const float (&ms)[ATT_SPLITS], const float (&ls)[ATT_SPLITS],
+                                  const float (&ps)[ATT_SPLITS]) {
+    float wt[ATT_SPLITS];
+    const float den = att_split_weights(ms, ls, wt);
+    const size_t gate_off = (size_t)row * a.row_stride + (size_t)h * a.q_head_stride + a.d + e;
+    return att_finish(wt, ps, den, a.gated ? a.qkv + gate_off : nullptr);
+}
+
+// A warp's partial of an item's split after its units (outputs `o`, per-head maxima `m` and the
+// lanes' partial sums `l`, as att_unit leaves them) into the block's buffers: its outputs into
+// `ow` [ATT_WARPS][hb][DP], its maxima and sums (each head's four partial sums added in
+// att_softmax_row's order) into `wm`, `wl`.
+template <int DP>
+MT_DEVICE void att_warp_partial(const AttLaunch& a, const float (&o)[DP / 16][4], const float (&m)[2], float (&l)[2],
+                                float* ow, float (&wm)[ATT_WARPS][ATT_HB], float (&wl)[ATT_WARPS][ATT_HB],
+                                uint32_t warp, uint32_t lane) {
+    const uint32_t g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        l[j] += __shfl_xor_sync(0xffffffffu, l[j], 8);
+        l[j] += __shfl_xor_sync(0xffffffffu, l[j], 16);
+    }
+#pragma unroll
+    for (uint32_t j = 0; j < 2; ++j) {
+        const uint32_t h = 2 * c + j;
+        if (h < a.hb) {
+            float* w = ow + (warp * a.hb + h) * DP + g;
+#pragma unroll
+            for (int t = 0; t < DP / 16; ++t) {
+                w[16 * t] = o[t][j];
+                w[16 * t + 8] = o[t][2 + j];
+            }
+        }
+    }
+#pragma unroll
+    for (uint32_t j = 0; j < 2; ++j)
+        if (g == 0 && 2 * c + j < a.hb) {
+            wm[warp][2 * c + j] = m[j];
+            wl[warp][2 * c + j] = l[j];
+        }
+}
+
+// The block's combine of its warps' partials of one split, in warp order (after a barrier that
+// follows every warp's att_warp_partial): the numerators into `pk` [hb][DP], each head's
+// maximum and sum into `cm`, `cl` (a NaN sum when a slot was past the pool). Warp w takes heads
+// w, w + ATT_WARPS, ...: each lane works out a head's weights once and applies them to its DP / 32
+// dimensions (weights worked out per output cost a third of the flat kernel's time).
+template <int DP>
+MT_DEVICE void att_block_combine(const AttLaunch& a, const float* ow, const float (&wm)[ATT_WARPS][ATT_HB],
+                                 const float (&wl)[ATT_WARPS][ATT_HB], bool bad, float* pk, float* cm, float* cl) {
+    const uint32_t lane = threadIdx.x & 31;
+    for (uint32_t h = threadIdx.x >> 5; h < a.hb; h += ATT_WARPS) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, wm[w][h]);
+        float wt[ATT_WARPS];
+        float den = 0.0f;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) {
+            wt[w] = att_weight(wm[w][h], mx);
+            den = fmaf(wt[w], wl[w][h], den);
+        }
+#pragma unroll
+        for (uint32_t e = lane; e < DP; e += 32) {
+            float num = 0.0f;
+#pragma unroll
+            for (int w = 0; w < ATT_WARPS; ++w) num = fmaf(wt[w], ow[(w * a.hb + h) * DP + e], num);
+            pk[h * DP + e] = num;
+        }
+        if (lane == 0) {
+            cm[h] = mx;
+            cl[h] = bad ? __int_as_float(0x7FFFFFFF) : den;
+        }
+    }
 }
 
 // Block-level shared state beside the dynamic buffers.
@@ -338,26 +421,98 @@ MT_DEVICE AttOut att_output(const AttLaunch& a, const AttItem& it, uint32_t p, A
             out.v[j] = bf16_nan();
             continue;
         }
-        float ms[ATT_SPLITS], ls[ATT_SPLITS], ps[ATT_SPLITS], wt[ATT_SPLITS];
+        float ms[ATT_SPLITS], ls[ATT_SPLITS], ps[ATT_SPLITS];
 #pragma unroll
         for (int s = 0; s < ATT_SPLITS; ++s) {
             ms[s] = cluster.map_shared_rank(&sh.cm[p][0], s)[h];
             ls[s] = cluster.map_shared_rank(&sh.cl[p][0], s)[h];
             ps[s] = cluster.map_shared_rank(pk, s)[h * DP + e];
         }
-        float mx = -INFINITY;
-#pragma unroll
-        for (int s = 0; s < ATT_SPLITS; ++s) mx = fmaxf(mx, ms[s]);
-        float den = 0.0f;
-#pragma unroll
-        for (int s = 0; s < ATT_SPLITS; ++s) {
-            wt[s] = att_weight(ms[s], mx);
-            den = fmaf(wt[s], ls[s], den);
-        }
-        const size_t gate_off = (size_t)it.row * a.row_stride + (size_t)(it.h0 + h) * a.q_head_stride + a.d + e;
-        out.v[j] = att_finish(wt, ps, den, a.gated ? a.qkv + gate_off : nullptr);
+        out.v[j] = att_combine_splits(a, it.row, it.h0 + h, e, ms, ls, ps);
     }
     return out;
+}
+
+// A warp's slice of the decode kernels' dynamic shared memory, in bf16 elements: ATT_STAGES
+// stages of a unit's 16 key rows and 16 value rows, then ATT_QSLOTS query slots of ATT_HB rows
+// (rows dp + 8 wide: the 16-byte pad puts the 8 rows of every ldmatrix in distinct banks).
+template <int DP>
+struct AttWarpLayout {
+    static constexpr uint32_t STAGE = 2 * ATT_UNIT * (DP + 8), QSLOT = ATT_HB * (DP + 8);
+    static constexpr uint32_t WARP = ATT_STAGES * STAGE + ATT_QSLOTS * QSLOT;
+};
+
+// The decode kernels' buffers in the dynamic shared memory: this warp's ring and query slots
+// (zeroed: query rows past hb and dimensions past head_dim are never copied, so they stay zero),
+// then the block's f32 partials, the warps' `ow` [ATT_WARPS][hb][DP] and the kernel's `part`.
+struct AttBuffers {
+    bf16* ring;
+    bf16* qslots;
+    float* ow;
+    float* part;
+};
+
+template <int DP>
+MT_DEVICE AttBuffers att_buffers(unsigned char* dyn, uint32_t hb, uint32_t warp, uint32_t lane) {
+    using L = AttWarpLayout<DP>;
+    AttBuffers b;
+    b.ring = reinterpret_cast<bf16*>(dyn) + (size_t)warp * L::WARP;
+    b.qslots = b.ring + ATT_STAGES * L::STAGE;
+    b.ow = reinterpret_cast<float*>(dyn + ATT_WARPS * L::WARP * 2);
+    b.part = b.ow + ATT_WARPS * hb * DP;
+    for (uint32_t i = lane; i < L::WARP / 8; i += 32) store16(b.ring + 8 * i, make_uint4(0, 0, 0, 0));
+    __syncwarp();
+    return b;
+}
+
+// A warp's units first, first + ATT_WARPS, ... (`mine` of them) of a context of `ctx` tokens,
+// from its ring, into fresh running outputs `o`, maxima `m` and sums `l` (att_unit's); `issue`
+// refills each stage once it has been read. `consumed` counts the warp's units (its ring
+// position). Returns whether a unit's slot was past the pool (`bad_bits`, by stage, as the
+// issuing left them).
+template <int DP, typename Issue>
+MT_DEVICE bool att_warp_units(const AttLaunch& a, const bf16* ring, const bf16* qslot, uint32_t first,
+                              uint32_t mine, uint32_t ctx, const uint32_t& bad_bits, uint32_t& consumed,
+                              uint32_t lane, float (&o)[DP / 16][4], float (&m)[2], float (&l)[2],
+                              Issue&& issue) {
+#pragma unroll
+    for (int t = 0; t < DP / 16; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.0f;
+    bool bad = false;
+    for (uint32_t i = 0; i < mine; ++i) {
+        cp_async_wait<ATT_STAGES - 1>();
+        __syncwarp();
+        const uint32_t st = consumed % ATT_STAGES;
+        att_unit<DP>(ring + st * AttWarpLayout<DP>::STAGE, qslot, first + ATT_WARPS * i, ctx, a.scale_log2, i == 0,
+                     lane, o, m, l);
+        bad = bad || ((bad_bits >> st) & 1u) != 0;
+        __syncwarp();
+        issue(st);
+        ++consumed;
+    }
+    return bad;
+}
+
+// Copy unit `unit` of item `it` into stage `st` of `ring` (att_issue), recording in `bad_bits`
+// (a bit per stage) whether one of its slots was past the pool.
+template <int DP>
+MT_DEVICE void att_issue_stage(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry, bf16* ring,
+                               uint32_t st, uint32_t lane, uint32_t& bad_bits) {
+    const bool bad = att_issue<DP>(a, it, unit, entry, ring + st * AttWarpLayout<DP>::STAGE, lane);
+    bad_bits = (bad_bits & ~(1u << st)) | ((bad ? 1u : 0u) << st);
+}
+
+// The start of a warp's stream of units: its first unit's table entries (`settle`, step inputs
+// no kernel writes), the wait for the kernel ahead (the cache store), then ATT_STAGES units
+// queued (`issue`).
+template <typename Settle, typename Issue>
+MT_DEVICE void att_stream_start(Settle&& settle, Issue&& issue) {
+    settle();
+    pdl_wait();  // the cache store ahead has written the step's keys and values
+    pdl_trigger();
+#pragma unroll
+    for (uint32_t st = 0; st < ATT_STAGES; ++st) issue(st);
 }
 
 // Where a warp's stream of units stands: unit `i` of the warp's units of item `k`, with the
@@ -372,25 +527,14 @@ struct AttCursor {
 // shared one and the 256-wide path spilled).
 template <int DP>
 __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttShared& sh) {
-    constexpr uint32_t STAGE_ELEMS = 2 * ATT_UNIT * (DP + 8), QSLOT_ELEMS = ATT_HB * (DP + 8);
-    constexpr uint32_t WARP_ELEMS = ATT_STAGES * STAGE_ELEMS + ATT_QSLOTS * QSLOT_ELEMS;
+    using L = AttWarpLayout<DP>;
     const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const uint32_t g = lane >> 2, c = lane & 3;
-    bf16* ring = reinterpret_cast<bf16*>(dyn) + (size_t)warp * WARP_ELEMS;
-    bf16* qslots = ring + ATT_STAGES * STAGE_ELEMS;
-    float* ow = reinterpret_cast<float*>(dyn + ATT_WARPS * WARP_ELEMS * 2);  // [W][hb][DP]
-    float* part = ow + ATT_WARPS * a.hb * DP;  // [2][hb][DP], by item parity (read by the cluster)
-    // Query rows past hb and dimensions past head_dim are never copied: zero them once.
-    for (uint32_t i = lane; i < WARP_ELEMS / 8; i += 32) store16(ring + 8 * i, make_uint4(0, 0, 0, 0));
-    __syncwarp();
+    // The partials: buf.part is [2][hb][DP], by item parity (read by the cluster).
+    const AttBuffers buf = att_buffers<DP>(dyn, a.hb, warp, lane);
 
     // The warp's stream of units over the cluster's items runs ATT_STAGES units ahead of the
     // computing, across items; each unit's block-table entries are read one unit earlier still.
-    AttCursor f;
-    f.k = 0;
-    f.i = 0;
-    f.entry = 0;
-    f.qn = 0;
+    AttCursor f{};
     if (a.nk > 0) f.it = att_item(sh.item, 0, warp);
     auto settle = [&]() {  // move to the next unit that exists and read its table entries
         while (f.k < a.nk && f.i >= f.it.mine) {
@@ -403,20 +547,14 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
     uint32_t bad_bits = 0;
     auto issue_next = [&](uint32_t st) {
         if (f.k < a.nk) {
-            if (f.i == 0) att_issue_queries<DP>(a, f.it, qslots + (f.qn++ % ATT_QSLOTS) * QSLOT_ELEMS, lane);
-            const bool bad = att_issue<DP>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry,
-                                           ring + st * STAGE_ELEMS, lane);
-            bad_bits = (bad_bits & ~(1u << st)) | ((bad ? 1u : 0u) << st);
+            if (f.i == 0) att_issue_queries<DP>(a, f.it, buf.qslots + (f.qn++ % ATT_QSLOTS) * L::QSLOT, lane);
+            att_issue_stage<DP>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry, buf.ring, st, lane, bad_bits);
             ++f.i;
             settle();
         }
         cp_async_commit();
     };
-    settle();
-    pdl_wait();  // the cache store ahead has written the step's keys and values
-    pdl_trigger();
-#pragma unroll
-    for (uint32_t st = 0; st < ATT_STAGES; ++st) issue_next(st);
+    att_stream_start(settle, issue_next);
 
     // Per item: the warps' units, then (once every block has arrived for the item before) the
     // cluster's combine and output of the item before, then the block's combine of this item
@@ -428,80 +566,26 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
     pending.n = 0;
     for (uint32_t k = 0; k < a.nk; ++k) {
         const AttItem it = att_item(sh.item, k, warp);
-        const bf16* qslot = qslots + (qused % ATT_QSLOTS) * QSLOT_ELEMS;
+        const bf16* qslot = buf.qslots + (qused % ATT_QSLOTS) * L::QSLOT;
         if (it.mine > 0) ++qused;
-        float o[DP / 16][4];
-#pragma unroll
-        for (int t = 0; t < DP / 16; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
-        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-        bool bad = false;
-        for (uint32_t i = 0; i < it.mine; ++i) {
-            cp_async_wait<ATT_STAGES - 1>();
-            __syncwarp();
-            const uint32_t st = consumed % ATT_STAGES;
-            att_unit<DP>(ring + st * STAGE_ELEMS, qslot, it.first + ATT_WARPS * i, it.ctx, a.scale_log2, i == 0, lane,
-                         o, m, l);
-            bad = bad || ((bad_bits >> st) & 1u) != 0;
-            __syncwarp();
-            issue_next(st);
-            ++consumed;
-        }
-        // Each head's four partial sums (lanes g = 0, 2, 4, 6) in att_softmax_row's order.
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            l[j] += __shfl_xor_sync(0xffffffffu, l[j], 8);
-            l[j] += __shfl_xor_sync(0xffffffffu, l[j], 16);
-        }
-
+        float o[DP / 16][4], m[2], l[2];
+        const bool bad =
+            att_warp_units<DP>(a, buf.ring, qslot, it.first, it.mine, it.ctx, bad_bits, consumed, lane, o, m, l, issue_next);
         const uint32_t p = k & 1;
         if (k > 0) {
             // Every block has combined item k - 1, and so has read all of item k - 2 (whose
             // buffers, of parity p, this item reuses).
             cluster_wait();
-            pending = att_output<DP>(a, prev, p ^ 1u, sh, part + (p ^ 1u) * a.hb * DP);
+            pending = att_output<DP>(a, prev, p ^ 1u, sh, buf.part + (p ^ 1u) * a.hb * DP);
             if (tid == 0) sh.bad[p ^ 1u] = 0;
         }
 
         // The block's warps in warp order.
-        float* pk = part + p * a.hb * DP;
-#pragma unroll
-        for (uint32_t j = 0; j < 2; ++j) {
-            const uint32_t h = 2 * c + j;
-            if (h < a.hb) {
-                float* w = ow + (warp * a.hb + h) * DP + g;
-#pragma unroll
-                for (int t = 0; t < DP / 16; ++t) {
-                    w[16 * t] = o[t][j];
-                    w[16 * t + 8] = o[t][2 + j];
-                }
-            }
-        }
-#pragma unroll
-        for (uint32_t j = 0; j < 2; ++j)
-            if (g == 0 && 2 * c + j < a.hb) {
-                sh.wm[warp][2 * c + j] = m[j];
-                sh.wl[warp][2 * c + j] = l[j];
-            }
+        float* pk = buf.part + p * a.hb * DP;
+        att_warp_partial<DP>(a, o, m, l, buf.ow, sh.wm, sh.wl, warp, lane);
         if (bad && lane == 0) sh.bad[p] = 1;
         __syncthreads();
-        for (uint32_t idx = tid; idx < a.hb * DP; idx += ATT_THREADS) {
-            const uint32_t h = idx / DP;
-            float mx = -INFINITY;
-#pragma unroll
-            for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, sh.wm[w][h]);
-            float num = 0.0f, den = 0.0f;
-#pragma unroll
-            for (int w = 0; w < ATT_WARPS; ++w) {
-                const float wt = att_weight(sh.wm[w][h], mx);
-                num = fmaf(wt, ow[w * a.hb * DP + idx], num);
-                den = fmaf(wt, sh.wl[w][h], den);
-            }
-            pk[idx] = num;
-            if (idx % DP == 0) {
-                sh.cm[p][h] = mx;
-                sh.cl[p][h] = sh.bad[p] ? __int_as_float(0x7FFFFFFF) : den;
-            }
-        }
+        att_block_combine<DP>(a, buf.ow, sh.wm, sh.wl, sh.bad[p] != 0, pk, sh.cm[p], sh.cl[p]);
         cluster_publish_arrive();
         att_store(a, pending);
         pending.n = 0;
@@ -511,7 +595,7 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
     if (a.nk > 0) {
         cluster_wait();
         const uint32_t p = (a.nk - 1) & 1;
-        pending = att_output<DP>(a, prev, p, sh, part + p * a.hb * DP);
+        pending = att_output<DP>(a, prev, p, sh, buf.part + p * a.hb * DP);
     }
     // Keep this block's shared memory alive until every block of the cluster has read it.
     att_store(a, pending);
@@ -552,7 +636,7 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
         for (uint32_t k = 0; k < a.nk; ++k) {
             uint32_t row, h0, kv;
             att_item_at(a, k, row, h0, kv);
-            att_nan_item(a, row, h0);
+            att_nan_item(a, row, h0, a.split, ATT_SPLITS);
         }
         return;
     }
@@ -573,6 +657,212 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
     __syncthreads();
 
     att_by_dim(dp, [&](auto dim) { att_run<decltype(dim)::value>(a, att_dyn, sh); });
+}
+
+// ---------------------------------------------------------------------------------------------
+// paged_attention_flat: the same function as paged_attention, bitwise, without the cluster.
+//
+// A block computes whole items: its warps take the units paged_attention's warps take in every
+// split, one split after another (warp w of split s takes att_units(ctx, s, w)), and the block
+// combines each split's warps in warp order (att_block_combine, into that split's numerators in
+// shared memory), then an item's splits in split order (att_split_weights, att_finish). So every partial,
+// and every combine, is paged_attention's, in the same order: only the places differ (shared
+// memory of one block instead of the cluster's distributed shared memory). Blocks are
+// persistent: block b of B takes items b, b + B, ...; each warp's ring runs across splits and
+// items as in paged_attention.
+//
+// Why: at short contexts each block of a paged_attention cluster gets a unit or two of an item,
+// and the cluster's barrier and combine cost more than the units (Qwen3-8B, 64 rows of context
+// 385: 55 us against 24 at the copy rate; this kernel 37). Here a block's items are its own, and
+// many blocks' items are in flight at once. At one row and a few rows the cluster kernel keeps
+// every multiprocessor busy where this one would not (an item here is a chain of eight splits,
+// each waiting on its units: 17 us for one row of context 385): the launcher (ops_attention)
+// picks by items.
+//
+// Grid (B, 1), cluster dims (1, 1, 1) (so the launcher can ask the driver how many blocks are
+// resident), ATT_THREADS threads, atf_shared_bytes(dp, hb) of dynamic shared memory.
+
+// Dynamic shared memory: every warp's ring and query slots as in paged_attention, the warps'
+// partials of one split [ATT_WARPS][hb][dp] and the item's split numerators [ATT_SPLITS][hb][dp]
+// (f32). The launcher computes the same.
+MT_DEVICE uint32_t atf_shared_bytes(uint32_t dp, uint32_t hb) {
+    return ATT_WARPS * (ATT_STAGES * 2u * ATT_UNIT + ATT_QSLOTS * ATT_HB) * (dp + 8u) * 2u +
+           (ATT_WARPS + ATT_SPLITS) * hb * dp * 4u;
+}
+
+// Item k of this block: (row, group of hb query heads), its key/value head's offset in a slot,
+// the row's sequence and context (0: out of range).
+struct AtfItemRec {
+    uint32_t row, h0, kv, seq, ctx;
+};
+
+struct AtfShared {
+    float wm[ATT_WARPS][ATT_HB], wl[ATT_WARPS][ATT_HB];  // each warp's max and sum per head
+    float cm[ATT_SPLITS][ATT_HB], cl[ATT_SPLITS][ATT_HB];  // each split's, of the current item
+    AtfItemRec item[ATT_MAX_ITEMS];
+    int bad[2];  // a slot past the pool was seen, by split parity
+};
+
+// Whether warp `warp` takes any unit of a context of `ctx` tokens in any split.
+MT_DEVICE bool atf_warp_has_units(uint32_t ctx, uint32_t warp) {
+    bool any = false;
+#pragma unroll
+    for (uint32_t s = 0; s < ATT_SPLITS; ++s) {
+        uint32_t first, mine;
+        att_units(ctx, s, warp, first, mine);
+        any = any || mine > 0;
+    }
+    return any;
+}
+
+// Where a warp's stream of units stands: unit `i` of its units in split `s` of item `k` (`first`,
+// `mine`: that split's units of the warp), with the block-table entries it needs already
+// requested; `qk` is the item whose queries it copied last, `qn` counts the items whose queries
+// it has copied.
+struct AtfCursor {
+    uint32_t k, s, i, first, mine, entry, qk, qn;
+    AtfItemRec it;
+};
+
+template <int DP>
+__device__ __noinline__ void atf_run(const AttLaunch a, unsigned char* dyn, AtfShared& sh) {
+    using L = AttWarpLayout<DP>;
+    const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // The partials: buf.part is [ATT_SPLITS][hb][DP], an item's splits.
+    const AttBuffers buf = att_buffers<DP>(dyn, a.hb, warp, lane);
+
+    AtfCursor f{};
+    f.qk = 0xFFFFFFFFu;  // no item's queries copied yet
+    if (a.nk > 0) {
+        f.it = sh.item[0];
+        att_units(f.it.ctx, 0, warp, f.first, f.mine);
+    }
+    // Move to the next unit that exists and read its table entries. (Written with a `break`
+    // out of the loop at the last item, nvcc 13 compiled the next item's record load at the
+    // wrong index and the blocks stopped after their first item.)
+    auto settle = [&]() {
+        while (f.k < a.nk && f.i >= f.mine) {
+            f.i = 0;
+            ++f.s;
+            if (f.s == ATT_SPLITS) {
+                f.s = 0;
+                ++f.k;
+                if (f.k < a.nk) f.it = sh.item[f.k];
+            }
+            if (f.k < a.nk) att_units(f.it.ctx, f.s, warp, f.first, f.mine);
+        }
+        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.first + ATT_WARPS * f.i, f.it.ctx, lane);
+    };
+    uint32_t bad_bits = 0;
+    auto issue_next = [&](uint32_t st) {
+        if (f.k < a.nk) {
+            AttItem it;
+            it.row = f.it.row;
+            it.h0 = f.it.h0;
+            it.kv = f.it.kv;
+            it.seq = f.it.seq;
+            it.ctx = f.it.ctx;
+            if (f.qk != f.k) {
+                att_issue_queries<DP>(a, it, buf.qslots + (f.qn++ % ATT_QSLOTS) * L::QSLOT, lane);
+                f.qk = f.k;
+            }
+            att_issue_stage<DP>(a, it, f.first + ATT_WARPS * f.i, f.entry, buf.ring, st, lane, bad_bits);
+            ++f.i;
+            settle();
+        }
+        cp_async_commit();
+    };
+    att_stream_start(settle, issue_next);
+
+    uint32_t consumed = 0, qused = 0;
+    for (uint32_t k = 0; k < a.nk; ++k) {
+        const AtfItemRec it = sh.item[k];
+        const bf16* qslot = buf.qslots + (qused % ATT_QSLOTS) * L::QSLOT;
+        if (atf_warp_has_units(it.ctx, warp)) ++qused;
+        for (uint32_t s = 0; s < ATT_SPLITS; ++s) {
+            uint32_t first, mine;
+            att_units(it.ctx, s, warp, first, mine);
+            float o[DP / 16][4], m[2], l[2];
+            const bool bad =
+                att_warp_units<DP>(a, buf.ring, qslot, first, mine, it.ctx, bad_bits, consumed, lane, o, m, l, issue_next);
+            att_warp_partial<DP>(a, o, m, l, buf.ow, sh.wm, sh.wl, warp, lane);
+            if (bad && lane == 0) sh.bad[s & 1] = 1;
+            __syncthreads();
+            att_block_combine<DP>(a, buf.ow, sh.wm, sh.wl, sh.bad[s & 1] != 0, buf.part + s * a.hb * DP, sh.cm[s], sh.cl[s]);
+            // Every thread has read the warps' partials (rewritten for the next split) and this
+            // split's flag (set again two splits on, after the next barrier).
+            __syncthreads();
+            if (tid == 0) sh.bad[s & 1] = 0;
+        }
+        // The item's outputs: its splits in split order, warp w taking heads w, w + ATT_WARPS,
+        // ... (a head's split weights worked out once a lane).
+        for (uint32_t h = warp; h < a.hb; h += ATT_WARPS) {
+            float ms[ATT_SPLITS], ls[ATT_SPLITS], wt[ATT_SPLITS];
+#pragma unroll
+            for (int s = 0; s < ATT_SPLITS; ++s) {
+                ms[s] = sh.cm[s][h];
+                ls[s] = sh.cl[s][h];
+            }
+            const float den = att_split_weights(ms, ls, wt);
+            bf16* o = a.out + ((size_t)it.row * a.hq + it.h0 + h) * a.d;
+            const bf16* gate = a.qkv + (size_t)it.row * a.row_stride + (size_t)(it.h0 + h) * a.q_head_stride + a.d;
+            for (uint32_t e = lane; e < a.d; e += 32) {
+                float ps[ATT_SPLITS];
+#pragma unroll
+                for (int s = 0; s < ATT_SPLITS; ++s) ps[s] = buf.part[(s * a.hb + h) * DP + e];
+                o[e] = it.ctx != 0 ? att_finish(wt, ps, den, a.gated ? gate + e : nullptr) : bf16_nan();
+            }
+        }
+    }
+    cp_async_wait<0>();
+}
+
+// paged_attention_flat(the arguments of paged_attention): paged_attention's outputs, bitwise.
+extern "C" __global__ void __cluster_dims__(1, 1, 1) __launch_bounds__(ATT_THREADS)
+    paged_attention_flat(bf16* __restrict__ out, const bf16* __restrict__ qkv,
+                         const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                         const uint32_t* __restrict__ block_tables,
+                         const uint32_t* __restrict__ row_seq, const uint32_t* __restrict__ positions,
+                         uint32_t rows, uint32_t row_stride, uint32_t q_head_stride,
+                         uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
+                         uint32_t block_size, uint32_t max_blocks, uint32_t num_seqs,
+                         uint32_t num_slots, float scale, uint32_t gated) {
+    extern __shared__ __align__(16) unsigned char att_dyn[];
+    __shared__ AtfShared sh;
+    // A programmatic dependent as paged_attention is (see there): step inputs before pdl_wait.
+    AttLaunch a = att_launch(out, qkv, k_cache, v_cache, block_tables, row_stride, q_head_stride,
+                             num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_slots,
+                             scale, gated, rows);
+    // Blocks, not clusters, take the items.
+    a.n_clusters = gridDim.x;
+    a.cluster = blockIdx.x;
+    a.split = 0;
+    a.nk = a.cluster < a.n_items ? (a.n_items - a.cluster + a.n_clusters - 1) / a.n_clusters : 0;
+    const uint32_t dp = att_padded_dim(head_dim);
+    if (!att_launch_ok(a, num_kv_heads, ATT_THREADS, atf_shared_bytes(dp, a.hb))) {
+        pdl_wait();
+        pdl_trigger();
+        if (num_q_heads == 0) return;
+        for (uint32_t k = 0; k < a.nk; ++k) {
+            uint32_t row, h0, kv;
+            att_item_at(a, k, row, h0, kv);
+            att_nan_item(a, row, h0, 0, 1);
+        }
+        return;
+    }
+    for (uint32_t k = threadIdx.x; k < a.nk; k += ATT_THREADS) {
+        AtfItemRec r;
+        att_item_at(a, k, r.row, r.h0, r.kv);
+        const uint32_t seq = row_seq[r.row], ctx = positions[r.row] + 1;
+        const bool ok = seq < num_seqs && ctx != 0 && (ctx + block_size - 1) / block_size <= max_blocks;
+        r.seq = ok ? seq : 0;
+        r.ctx = ok ? ctx : 0;
+        sh.item[k] = r;
+    }
+    if (threadIdx.x == 0) sh.bad[0] = sh.bad[1] = 0;
+    __syncthreads();
+
+    att_by_dim(dp, [&](auto dim) { atf_run<decltype(dim)::value>(a, att_dyn, sh); });
 }
 
 #include "attention_prefill.cuh"

@@ -254,16 +254,7 @@ MT_DEVICE void atp_output(const AttLaunch& a, const AtpItem& it, uint32_t p, Atp
                 ms[s] = cluster.map_shared_rank(&sh.cm[p][0], s)[v];
                 ls[s] = cluster.map_shared_rank(&sh.cl[p][0], s)[v];
             }
-            float mx = -INFINITY;
-#pragma unroll
-            for (int s = 0; s < ATT_SPLITS; ++s) mx = fmaxf(mx, ms[s]);
-            float den = 0.0f;
-#pragma unroll
-            for (int s = 0; s < ATT_SPLITS; ++s) {
-                sh.wt[v][s] = att_weight(ms[s], mx);
-                den = fmaf(sh.wt[v][s], ls[s], den);
-            }
-            sh.wt[v][ATT_SPLITS] = den;
+            sh.wt[v][ATT_SPLITS] = att_split_weights(ms, ls, sh.wt[v]);
         }
         return;
     }

@@ -140,6 +140,21 @@ MT_DEVICE void att_softmax_row(const float (&s0)[2][2], const float (&s1)[2][2],
 // A partial's weight in a combine whose maximum is `mx` (0 for a partial that saw no token).
 MT_DEVICE float att_weight(float m, float mx) { return m == -INFINITY ? 0.0f : att_exp2(m - mx); }
 
+// The weights of a combine's splits, each against their maximum (att_weight), into `wt`; returns
+// the denominator, their sums `ls` weighted in split order.
+MT_DEVICE float att_split_weights(const float (&ms)[ATT_SPLITS], const float (&ls)[ATT_SPLITS], float* wt) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < ATT_SPLITS; ++s) mx = fmaxf(mx, ms[s]);
+    float den = 0.0f;
+#pragma unroll
+    for (int s = 0; s < ATT_SPLITS; ++s) {
+        wt[s] = att_weight(ms[s], mx);
+        den = fmaf(wt[s], ls[s], den);
+    }
+    return den;
+}
+
 // One output of the cluster's combine: the splits' numerators `ps` weighted by `wt` (in split
 // order) over the denominator, times the output gate when there is one.
 MT_DEVICE bf16 att_finish(const float (&wt)[ATT_SPLITS], const float (&ps)[ATT_SPLITS], float den,

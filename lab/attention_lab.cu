@@ -1,18 +1,24 @@
 // The decode attention lab: `paged_attention` from two cubins (a baseline and a candidate,
 // usually the committed kernel and a working copy of kernels/attention.cu), checked bitwise
-// against each other on mixed contexts, block sizes and bad rows, then timed alone per batch at
-// context 1025 with the KV pools rotated past L2, like `gpu_kernels --ignored
-// measure_attention_against_its_kv_floor`.
+// against each other on mixed contexts, block sizes and bad rows (naming the items that differ),
+// then timed alone per batch at contexts 385 and 1025 with the KV pools rotated past L2, like
+// `gpu_kernels --ignored measure_attention_against_its_kv_floor`.
 //
-// attention_lab BASE.cubin CANDIDATE.cubin   (lab/build.sh builds it; the cubins come from
-// `cargo xtask kernels`, target/kernels/attention.cubin)
+// attention_lab BASE.cubin[:KERNEL] CANDIDATE.cubin[:KERNEL] [quick|onegrid|profile [ROWS [POS]]]
+// (lab/build.sh builds it; the cubins come from `cargo xtask kernels`,
+// target/kernels/attention.cubin). KERNEL defaults to paged_attention; paged_attention_flat is
+// launched as its launcher does (persistent blocks, as many as are resident), or with `onegrid`
+// one block per item (the quick checks only), which tells a fault of the loop over items from
+// one of an item's arithmetic.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 typedef __nv_bfloat16 bf16;
@@ -44,11 +50,34 @@ struct Launch {
     uint32_t rows, row_stride, q_stride, block_size, max_blocks, num_seqs, num_slots;
 };
 
-static void launch(cudaKernel_t kern, const Shape& s, const Launch& l, cudaStream_t st) {
+static uint32_t flat_shared_bytes(uint32_t d, uint32_t hb) {
+    const uint32_t dp = padded(d);
+    return 4 * (2 * 2 * 16 + 2 * 8) * (dp + 8) * 2 + (4 + 8) * hb * dp * 4;
+}
+
+// Lab switch: the flat kernel gets one block per item (no persistence).
+static bool g_flat_one_per_item = false;
+
+// A kernel and how it is launched.
+struct Kern {
+    cudaKernel_t k;
+    bool flat;
+};
+
+static void launch(const Kern& kern, const Shape& s, const Launch& l, cudaStream_t st) {
     const uint32_t hb = heads_per_block(s.hq, s.hkv);
     const uint32_t items = l.rows * (s.hq / hb);
-    const uint32_t waves = std::max(1u, (items + s.resident * 64 - 1) / (s.resident * 64));
-    const uint32_t clusters = std::max(1u, std::min(items, s.resident * waves));
+    uint32_t resident = s.resident, per = 8, smem = shared_bytes(s.d, hb);
+    if (kern.flat) {
+        smem = flat_shared_bytes(s.d, hb);
+        int blocks = 0, sms = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, (const void*)kern.k, 128, smem));
+        CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        resident = g_flat_one_per_item ? items : (uint32_t)(blocks * sms);
+        per = 1;
+    }
+    const uint32_t waves = std::max(1u, (items + resident * 64 - 1) / (resident * 64));
+    const uint32_t clusters = std::max(1u, std::min(items, resident * waves));
     float scale = 1.0f / sqrtf((float)s.d);
     uint32_t hq = s.hq, hkv = s.hkv, d = s.d, gated = s.gated;
     void* args[] = {(void*)&l.out,       (void*)&l.qkv,       (void*)&l.k,          (void*)&l.v,
@@ -56,7 +85,7 @@ static void launch(cudaKernel_t kern, const Shape& s, const Launch& l, cudaStrea
                     (void*)&l.row_stride, (void*)&l.q_stride, (void*)&hq,           (void*)&hkv,
                     (void*)&d,           (void*)&l.block_size, (void*)&l.max_blocks, (void*)&l.num_seqs,
                     (void*)&l.num_slots, (void*)&scale,       (void*)&gated};
-    launch_ex((const void*)kern, dim3(8 * clusters), dim3(128), shared_bytes(s.d, hb), false, st, args);
+    launch_ex((const void*)kern.k, dim3(per * clusters), dim3(128), smem, false, st, args);
 }
 
 template <typename T>
@@ -69,7 +98,7 @@ static T* upload(const std::vector<T>& h) {
 
 // Rows of random contexts over shuffled blocks (and one row past its table: NaN in both), the
 // two kernels' outputs compared byte for byte.
-static bool check(cudaKernel_t base, cudaKernel_t cand, const Shape& s, uint32_t rows, uint32_t block_size,
+static bool check(const Kern& base, const Kern& cand, const Shape& s, uint32_t rows, uint32_t block_size,
                   uint32_t seed) {
     std::mt19937 rng(seed);
     const uint32_t max_ctx = 2100, max_blocks = (max_ctx + block_size - 1) / block_size;
@@ -122,7 +151,21 @@ static bool check(cudaKernel_t base, cudaKernel_t cand, const Shape& s, uint32_t
         nan_row += (got[1][i] & 0x7FFF) > 0x7F80;
     printf("check %-10s rows %3u block %2u: %zu of %zu outputs differ, bad row NaN %s\n", s.name, rows, block_size,
            diff, out_elems, nan_row == (size_t)s.hq * s.d ? "yes" : "NO");
-    if (diff) printf("  first diff at %zu: %04x vs %04x\n", first, got[0][first], got[1][first]);
+    if (diff) {
+        printf("  first diff at %zu: %04x vs %04x\n", first, got[0][first], got[1][first]);
+        const uint32_t hb = heads_per_block(s.hq, s.hkv), per_item = hb * s.d;
+        printf("  differing items:");
+        int shown = 0;
+        for (size_t it = 0; it < out_elems / per_item && shown < 40; ++it) {
+            size_t n = 0;
+            for (size_t i = it * per_item; i < (it + 1) * per_item; ++i) n += got[0][i] != got[1][i];
+            if (n) {
+                printf(" %zu(ctx %u)", it, pos[it / (s.hq / hb)] + 1);
+                ++shown;
+            }
+        }
+        printf("\n");
+    }
     CK(cudaFree(l.k));
     CK(cudaFree(l.v));
     CK(cudaFree(l.qkv));
@@ -134,7 +177,7 @@ static bool check(cudaKernel_t base, cudaKernel_t cand, const Shape& s, uint32_t
 
 // us per launch of `kern` at `rows` rows of context 1025 (block size 16, sequential tables),
 // cycling through enough copies of the pools that L2 holds none of them.
-static void time_both(cudaKernel_t base, cudaKernel_t cand, const Shape& s, uint32_t rows, cudaStream_t st,
+static void time_both(const Kern& base, const Kern& cand, const Shape& s, uint32_t rows, cudaStream_t st,
                       uint32_t position = 1024) {
     const uint32_t block = 16, max_blocks = (position + 1 + block - 1) / block;
     const uint32_t num_slots = rows * max_blocks * block;
@@ -176,7 +219,7 @@ static void time_both(cudaKernel_t base, cudaKernel_t cand, const Shape& s, uint
     const int per_graph = std::max(copies, 20);
     double us[2];
     for (int which = 0; which < 2; ++which) {
-        cudaKernel_t k = which == 0 ? base : cand;
+        const Kern& k = which == 0 ? base : cand;
         const double ms = time_graph(
             st, [&](cudaStream_t s2) {
                 for (int i = 0; i < per_graph; ++i) launch(k, s, ls[i % copies], s2);
@@ -198,12 +241,19 @@ static void time_both(cudaKernel_t base, cudaKernel_t cand, const Shape& s, uint
     CK(cudaFree(ps));
 }
 
-static cudaKernel_t load(const char* path) {
+static Kern load(const char* arg) {
+    std::string path(arg), name("paged_attention");
+    const size_t colon = path.find(':');
+    if (colon != std::string::npos) {
+        name = path.substr(colon + 1);
+        path = path.substr(0, colon);
+    }
     cudaLibrary_t lib;
-    CK(cudaLibraryLoadFromFile(&lib, path, nullptr, nullptr, 0, nullptr, nullptr, 0));
-    cudaKernel_t k;
-    CK(cudaLibraryGetKernel(&k, lib, "paged_attention"));
-    CK(cudaFuncSetAttribute((const void*)k, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    CK(cudaLibraryLoadFromFile(&lib, path.c_str(), nullptr, nullptr, 0, nullptr, nullptr, 0));
+    Kern k;
+    CK(cudaLibraryGetKernel(&k.k, lib, name.c_str()));
+    CK(cudaFuncSetAttribute((const void*)k.k, cudaFuncAttributeMaxDynamicSharedMemorySize, 224 * 1024));
+    k.flat = name.find("flat") != std::string::npos;
     return k;
 }
 
@@ -212,16 +262,19 @@ int main(int argc, char** argv) {
         printf("usage: attention_lab BASE.cubin CANDIDATE.cubin [quick]\n");
         return 2;
     }
-    cudaKernel_t base = load(argv[1]), cand = load(argv[2]);
-    const bool quick = argc > 3 && strcmp(argv[3], "quick") == 0;
+    const Kern base = load(argv[1]), cand = load(argv[2]);
+    const bool quick = argc > 3 && (strcmp(argv[3], "quick") == 0 || strcmp(argv[3], "onegrid") == 0);
+    g_flat_one_per_item = argc > 3 && strcmp(argv[3], "onegrid") == 0;
     const Shape shapes[] = {{"qwen3-8b", 32, 8, 128, false, 30}, {"qwen3.5-9b", 16, 4, 256, true, 15},
                             {"gqa-hd64", 16, 2, 64, false, 30}, {"hd32", 8, 8, 32, false, 30}};
     if (argc > 3 && strcmp(argv[3], "profile") == 0) {
-        // For a profiler: the candidate alone at Qwen3-8B batch 32 (the timing's setup), launch 3
-        // of 3 the one to look at.
+        // For a profiler: the candidate alone on Qwen3-8B heads (`profile [ROWS [POSITION]]`,
+        // default 32 rows at position 1024: the timing's setup).
+        const uint32_t rows = argc > 4 ? (uint32_t)atoi(argv[4]) : 32;
+        const uint32_t position = argc > 5 ? (uint32_t)atoi(argv[5]) : 1024;
         cudaStream_t st;
         CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-        time_both(cand, cand, shapes[0], 32, st);
+        time_both(cand, cand, shapes[0], rows, st, position);
         return 0;
     }
     bool ok = true;
@@ -233,8 +286,9 @@ int main(int argc, char** argv) {
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     for (const Shape& s : {shapes[0], shapes[1]})
-        for (uint32_t rows : quick ? std::vector<uint32_t>{1, 32} : std::vector<uint32_t>{1, 8, 32, 64, 128})
-            time_both(base, cand, s, rows, st);
+        for (uint32_t position : {384u, 1024u})
+            for (uint32_t rows : quick ? std::vector<uint32_t>{1, 32} : std::vector<uint32_t>{1, 4, 8, 16, 32, 64, 128})
+                time_both(base, cand, s, rows, st, position);
     // The same bytes as batch 32 at context 1025 in half the items, each twice as long.
     time_both(base, cand, shapes[0], 16, st, 2048);
     time_both(base, cand, shapes[0], 8, st, 4096);

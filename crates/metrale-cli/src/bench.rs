@@ -46,6 +46,10 @@ pub struct BenchArgs {
     /// Context length of each decoding sequence.
     #[arg(long, default_value_t = 1024)]
     context: usize,
+    /// Decode batches (of `--batches`) also timed launch by launch, and for dense shapes
+    /// kernel by kernel.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 32])]
+    breakdown_batches: Vec<usize>,
     /// Prefill tokens.
     #[arg(long, default_value_t = 2048)]
     prefill_tokens: usize,
@@ -101,6 +105,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut o = BenchOptions::new(config);
     o.decode_batches = args.batches.clone();
     o.context = args.context;
+    o.breakdown_batches = args.breakdown_batches.clone();
     o.prefill_tokens = args.prefill_tokens;
     o.iters = args.iters;
     o.forwards = args

@@ -74,7 +74,9 @@ const NORM_THREADS: u32 = 512;
 /// Threads per block of `silu_mul`; a row is cut over `ceil(ffn / (8 * SILU_THREADS))` blocks.
 const SILU_THREADS: u32 = 128;
 
-pub use crate::ops_attention::{ATTENTION_SPLITS, PagedAttention, attention_row_groups};
+pub use crate::ops_attention::{
+    ATTENTION_SPLITS, DecodeAttention, PagedAttention, attention_blocks_fit, attention_row_groups,
+};
 
 macro_rules! kernel_table {
     ($($field:ident => ($module:literal, $name:literal)),* $(,)?) => {
@@ -109,6 +111,7 @@ kernel_table! {
     qk_norm_rope_kv_store => ("rope", "qk_norm_rope_kv_store"),
     kv_store => ("cache", "kv_store"),
     paged_attention => ("attention", "paged_attention"),
+    paged_attention_flat => ("attention", "paged_attention_flat"),
     paged_attention_prefill => ("attention", "paged_attention_prefill"),
     paged_attention_prefill_staged => ("attention", "paged_attention_prefill_staged"),
     linear => ("gemm", "linear"),

@@ -1,5 +1,6 @@
 //! The causal paged-attention launchers, a third `impl Ops` block beside `ops` and
-//! `ops_hybrid`: `paged_attention` (one row per item: decode and verify steps) and
+//! `ops_hybrid`: `paged_attention` (one row per item: decode and verify steps, through the
+//! cluster kernel or `paged_attention_flat`) and
 //! `paged_attention_prefill` (row groups of a prefill chunk), their parameters, and the geometry
 //! `kernels/attention.cu` expects (cluster counts, shared memory, heads and rows per item), with
 //! the host side of the row groups (`attention_row_groups`).
@@ -43,6 +44,30 @@ const ATTENTION_MAX_ITEMS: u32 = 64;
 /// H200 for both attention kernels; a launch over the count is slow (30 -> 31 clusters took a
 /// batch-32 launch from 63 to 97 us; 15 -> 16 at head_dim 256 from 82 to 136 us).
 const ATTENTION_CLUSTERS: [u32; 2] = [30, 15];
+
+/// Blocks of `paged_attention_flat` resident at once on the H200 at head_dim up to 128 (two a
+/// multiprocessor) and at 256 (one): the fallback where the backend reports no occupancy (the
+/// CPU).
+const FLAT_BLOCKS: [u32; 2] = [264, 132];
+
+/// Most dynamic shared memory a `paged_attention_flat` block may ask for: the H200's 227 KiB a
+/// block, less its static shared memory (about 2 KiB) and some room. Shapes that need more run
+/// `paged_attention`.
+const FLAT_MAX_SHARED: u32 = 224 << 10;
+
+/// Which decode attention kernel a launch of [`Ops::paged_attention`] runs. Both give every row
+/// bitwise the same result (the same partials, combined in the same order); they differ in where
+/// an item's splits run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeAttention {
+    /// `paged_attention`: a cluster of `ATTENTION_SPLITS` blocks per item, one split each, the
+    /// splits combined through the cluster's shared memory. Spreads few items over many
+    /// multiprocessors.
+    Clusters,
+    /// `paged_attention_flat`: a block per item, its splits one after another, combined in the
+    /// block. No cluster barrier per item: faster once every block has an item.
+    Blocks,
+}
 
 /// The parameters of `paged_attention`.
 #[derive(Debug, Clone, Copy)]
@@ -115,32 +140,85 @@ impl PagedAttention {
 }
 
 impl Ops {
-    /// Causal paged attention: clusters of `ATTENTION_SPLITS` blocks, each cluster looping over
-    /// (row, group of query heads sharing a key/value head) items; block `s` of a cluster takes
-    /// range `s` of the item's context.
+    /// Causal paged attention of decode and verify rows over (row, group of query heads sharing
+    /// a key/value head) items, each row's context cut into `ATTENTION_SPLITS` ranges combined
+    /// in order; through `paged_attention` (a cluster per item, block `s` taking range `s`) or
+    /// `paged_attention_flat` (a block per item), as [`Ops::decode_attention_kind`] picks. Every
+    /// row is bitwise the same either way.
     pub fn paged_attention(&self, s: StreamHandle, p: &PagedAttention) -> GpuResult<()> {
+        let kind = self.decode_attention_kind(p)?;
+        self.paged_attention_as(s, p, kind)
+    }
+
+    /// The kernel `paged_attention` runs for `p`: blocks (`paged_attention_flat`) when the
+    /// items (rows x head groups) are at least half the resident blocks and its shared memory
+    /// fits, clusters otherwise. On the H200 (lab, context 385 and 1025): at 64 rows of Qwen3-8B
+    /// heads 37 against 55 us and 76 against 83; Qwen3.5-9B 47 against 74 and 82 against 119; at
+    /// 16 rows about even, and at fewer rows the clusters are faster (an item in one block is a
+    /// chain of eight splits: 17 against 6 us at one row).
+    pub fn decode_attention_kind(&self, p: &PagedAttention) -> GpuResult<DecodeAttention> {
         let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
         let items = p.rows * (p.num_q_heads / hb);
-        // A programmatic dependent at decode sizes, like the small kernels. The cache store ahead
+        if !attention_blocks_fit(p.num_q_heads, p.num_kv_heads, p.head_dim) {
+            return Ok(DecodeAttention::Clusters);
+        }
+        let smem = flat_shared_bytes(p.head_dim, hb);
+        let resident = self.flat_resident_blocks(p.head_dim, smem)?;
+        Ok(if 2 * items >= resident {
+            DecodeAttention::Blocks
+        } else {
+            DecodeAttention::Clusters
+        })
+    }
+
+    /// `paged_attention` through the chosen kernel (the tests run both). `Blocks` is refused
+    /// for heads whose block would not fit in shared memory ([`attention_blocks_fit`]).
+    pub fn paged_attention_as(
+        &self,
+        s: StreamHandle,
+        p: &PagedAttention,
+        kind: DecodeAttention,
+    ) -> GpuResult<()> {
+        let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
+        if kind == DecodeAttention::Blocks
+            && !attention_blocks_fit(p.num_q_heads, p.num_kv_heads, p.head_dim)
+        {
+            return Err(GpuError::KernelFailed {
+                kernel: "attention::paged_attention_flat".into(),
+                problem: format!(
+                    "{} query heads over {} key/value heads of {} dims need {} bytes of shared \
+                     memory a block, over the {FLAT_MAX_SHARED} it may use",
+                    p.num_q_heads,
+                    p.num_kv_heads,
+                    p.head_dim,
+                    flat_shared_bytes(p.head_dim, hb)
+                ),
+            });
+        }
+        let items = p.rows * (p.num_q_heads / hb);
+        // Persistent: each cluster (each block of the flat kernel) loops over items. A
+        // programmatic dependent at decode sizes, like the small kernels. The cache store ahead
         // of it triggers only when it ends, so every cluster is placed on free multiprocessors:
         // started beside that kernel's blocks (which triggered early), a cluster that did not fit
         // waited for another to finish (Qwen3-8B batch 128: 28.4 against 23.1 ms a step on the
         // H200, 2026-11-30). As it is, batch 8 went from 5.81 to 5.72 ms and batch 64 from 12.13
         // to 12.03 (Qwen3-8B), neutral at batch 1 and on Qwen3.5-9B.
-        let smem = attention_shared_bytes(p.head_dim, hb);
-        let resident = self.decode_resident_clusters(p.head_dim, smem)?;
-        let config = LaunchConfig::grid2(
-            ATTENTION_SPLITS * attention_clusters_of(items, resident),
-            1,
-            32 * ATTENTION_WARPS,
-        )
-        .with_shared(smem);
-        self.go(
-            self.k.paged_attention,
-            step_launch(config, p.rows),
-            &p.args(),
-            s,
-        )
+        let (kernel, smem, blocks) = match kind {
+            DecodeAttention::Blocks => {
+                let smem = flat_shared_bytes(p.head_dim, hb);
+                let resident = self.flat_resident_blocks(p.head_dim, smem)?;
+                let blocks = attention_clusters_of(items, resident);
+                (self.k.paged_attention_flat, smem, blocks)
+            }
+            DecodeAttention::Clusters => {
+                let smem = attention_shared_bytes(p.head_dim, hb);
+                let resident = self.decode_resident_clusters(p.head_dim, smem)?;
+                let blocks = ATTENTION_SPLITS * attention_clusters_of(items, resident);
+                (self.k.paged_attention, smem, blocks)
+            }
+        };
+        let config = LaunchConfig::grid2(blocks, 1, 32 * ATTENTION_WARPS).with_shared(smem);
+        self.go(kernel, step_launch(config, p.rows), &p.args(), s)
     }
 
     /// `paged_attention` on the rows of `n_groups` row groups at `row_groups` (u32 `[n, 2]`:
@@ -207,6 +285,24 @@ fn attention_shared_bytes(head_dim: u32, heads_per_block: u32) -> u32 {
         + (ATTENTION_WARPS + 2) * heads_per_block * padded * 4
 }
 
+/// Whether `paged_attention_flat` can run these heads: its block's shared memory (which grows
+/// with the head dimension and the query heads a block computes) fits. Qwen3-8B's and
+/// Qwen3.5-9B's heads do; 8 query heads a key/value head at head_dim 256 do not.
+pub fn attention_blocks_fit(num_q_heads: u32, num_kv_heads: u32, head_dim: u32) -> bool {
+    let hb = attention_heads_per_block(num_q_heads, num_kv_heads);
+    flat_shared_bytes(head_dim, hb) <= FLAT_MAX_SHARED
+}
+
+/// Dynamic shared memory of `paged_attention_flat` (`atf_shared_bytes`): the warps' rings and
+/// query slots as `paged_attention`'s, then f32 partials for the warps of one split and for the
+/// item's `ATTENTION_SPLITS` splits. 111,616 bytes at head_dim 128 and 4 heads per block (two
+/// blocks a multiprocessor), 218,112 at 256.
+fn flat_shared_bytes(head_dim: u32, heads_per_block: u32) -> u32 {
+    let padded = attention_padded_dim(head_dim);
+    ATTENTION_WARPS * (ATTENTION_STAGES * 2 * 16 + ATTENTION_QUERY_SLOTS * 8) * (padded + 8) * 2
+        + (ATTENTION_WARPS + ATTENTION_SPLITS) * heads_per_block * padded * 4
+}
+
 /// The head dimension padded to the tensor-core tile `paged_attention` runs (`att_padded_dim`).
 fn attention_padded_dim(head_dim: u32) -> u32 {
     match head_dim {
@@ -228,6 +324,18 @@ impl Ops {
     ) -> GpuResult<u32> {
         let hb = attention_heads_per_block(num_q_heads, num_kv_heads);
         self.decode_resident_clusters(head_dim, attention_shared_bytes(head_dim, hb))
+    }
+
+    /// Blocks of `paged_attention_flat` resident at once with `smem` bytes of dynamic shared
+    /// memory (the kernel is compiled with clusters of one block, so the cluster query counts
+    /// blocks).
+    fn flat_resident_blocks(&self, head_dim: u32, smem: u32) -> GpuResult<u32> {
+        self.resident_clusters(
+            self.k.paged_attention_flat,
+            32 * ATTENTION_WARPS,
+            smem,
+            FLAT_BLOCKS[usize::from(attention_padded_dim(head_dim) > 128)],
+        )
     }
 
     /// `attention_resident_clusters` for a launch whose shared memory is already known.
@@ -353,4 +461,70 @@ fn attention_heads_per_block(num_q_heads: u32, num_kv_heads: u32) -> u32 {
         .rev()
         .find(|b| group.is_multiple_of(*b))
         .unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use metrale_gpu_runtime::{CpuBackend, DevicePtr, GpuBackend};
+
+    use super::*;
+
+    /// A decode step's attention over `rows` rows of these heads (addresses never read: the
+    /// kernel choice depends on the shape only).
+    fn step(rows: u32, hq: u32, hkv: u32, d: u32) -> PagedAttention {
+        let none = DevicePtr(0);
+        PagedAttention {
+            out: none,
+            qkv: none,
+            k_cache: none,
+            v_cache: none,
+            block_tables: none,
+            row_seq: none,
+            positions: none,
+            rows,
+            row_stride: 0,
+            q_head_stride: d,
+            num_q_heads: hq,
+            num_kv_heads: hkv,
+            head_dim: d,
+            block_size: 16,
+            max_blocks: 1,
+            num_seqs: rows,
+            num_slots: 16,
+            scale: 1.0,
+            gated: false,
+        }
+    }
+
+    /// The block kernel serves steps with an item for every other resident block (the H200's
+    /// counts on the CPU backend): Qwen3-8B's heads from 32 rows, Qwen3.5-9B's from 32; fewer
+    /// rows, and heads whose block would not fit in shared memory, get the cluster kernel, and
+    /// forcing the block kernel on those heads is refused with an error naming it.
+    #[test]
+    fn decode_attention_takes_blocks_once_every_other_block_has_an_item() {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+        let ops = Ops::new(gpu.clone()).expect("kernels resolve");
+        let kind = |rows, hq, hkv, d| {
+            ops.decode_attention_kind(&step(rows, hq, hkv, d))
+                .expect("kind")
+        };
+        use DecodeAttention::{Blocks, Clusters};
+        assert_eq!(
+            [1, 16, 32, 64, 128].map(|rows| kind(rows, 32, 8, 128)),
+            [Clusters, Clusters, Blocks, Blocks, Blocks]
+        );
+        assert_eq!(
+            [1, 16, 32, 64].map(|rows| kind(rows, 16, 4, 256)),
+            [Clusters, Clusters, Blocks, Blocks]
+        );
+        assert!(!attention_blocks_fit(16, 2, 256));
+        assert_eq!(kind(128, 16, 2, 256), Clusters);
+        let refused = ops.paged_attention_as(gpu.default_stream(), &step(128, 16, 2, 256), Blocks);
+        assert!(
+            matches!(&refused, Err(GpuError::KernelFailed { kernel, .. }) if kernel.contains("paged_attention_flat")),
+            "{refused:?}"
+        );
+    }
 }

@@ -58,8 +58,13 @@ impl Program {
 /// (and its f32-out twin) launches `linear_stream` / `linear_stream_b4` (m <= 16),
 /// `linear_stream_tma` (9..64 rows where x's segment fits and the weight has a tensor map) or
 /// `linear_stream_wide` (m <= 128) for decode-sized row counts, which give bitwise the rows
-/// `linear` gives. The plan names the family's kernel.
+/// `linear` gives; `ops::paged_attention` launches `paged_attention_flat` where a step has
+/// items enough for every block (bitwise the same rows). The plan names the family's kernel.
 pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
+    (
+        metrale_circuit::kernels::PAGED_ATTENTION,
+        &[Kernel::new("attention", "paged_attention_flat")],
+    ),
     (
         metrale_circuit::kernels::LINEAR,
         &[

@@ -4,7 +4,9 @@
 
 use half::bf16;
 use metrale_gpu_runtime::LaunchConfig;
-use metrale_model_layers::ops::{ATTENTION_SPLITS, PagedAttention, attention_row_groups};
+use metrale_model_layers::ops::{
+    ATTENTION_SPLITS, DecodeAttention, PagedAttention, attention_blocks_fit, attention_row_groups,
+};
 use metrale_model_layers::ops_gemm::linear_staging_bytes;
 
 use super::harness::{self, Pair, Rng, S, Tolerance};
@@ -110,9 +112,33 @@ fn attention_case_in(
         "paged_attention {label}: a second run differs"
     );
 
+    // Both decode kernels (where the block kernel fits the heads), whichever the launcher
+    // picked: bitwise the same rows on each backend.
+    let (gpu_want, cpu_want) = p.download::<u16>(&out);
+    let mut kinds = vec![DecodeAttention::Clusters];
+    if attention_blocks_fit(c.hq, c.hkv, c.d) {
+        kinds.push(DecodeAttention::Blocks);
+    }
+    for kind in kinds {
+        let out_k = p.poisoned((rows * c.hq * c.d) as usize * 2);
+        p.run(|o, at| {
+            let params = PagedAttention {
+                out: at(&out_k),
+                ..params(at)
+            };
+            o.paged_attention_as(S, &params, kind)
+        });
+        let (gpu_got, cpu_got) = p.download::<u16>(&out_k);
+        assert!(
+            gpu_got == gpu_want && cpu_got == cpu_want,
+            "paged_attention {label}: the {kind:?} kernel differs bitwise (CUDA {}, CPU {})",
+            gpu_got == gpu_want,
+            cpu_got == cpu_want
+        );
+    }
+
     // The prefill kernel on the same rows, in its row groups: bitwise the single-row kernel on
     // each backend (poisoned output first).
-    let (gpu_want, cpu_want) = p.download::<u16>(&out);
     let groups = attention_row_groups(c.rows.iter().copied(), c.hq, c.hkv, c.d);
     let n_groups = (groups.len() / 2) as u32;
     let groups = p.upload(&groups);
@@ -292,6 +318,35 @@ fn paged_attention_matches_over_shuffled_blocks_with_gqa_and_gates() {
         &mixed(4, 2, 32, false),
         "hq=4 hkv=2 d=32 (padded tile)",
     );
+}
+
+/// A decode step with more items than resident blocks, so each block of `paged_attention_flat`
+/// loops over several items (its ring and query slots running from one item into the next) and
+/// each cluster of `paged_attention` over many: random contexts, some leaving splits and warps
+/// without units, on Qwen3-8B's and Qwen3.5-9B's heads. `attention_case` checks both kernels
+/// bitwise against each other and the CPU twin.
+#[test]
+fn paged_attention_blocks_loop_over_many_items() {
+    let p = Pair::new();
+    let mut rng = Rng::new(61);
+    for (hq, hkv, d, gated, rows) in [(32, 8, 128, false, 72), (16, 4, 256, true, 72)] {
+        let seq_lens: Vec<u32> = (0..rows).map(|_| 1 + rng.below(700)).collect();
+        let rows: Vec<(u32, u32)> = seq_lens
+            .iter()
+            .enumerate()
+            .map(|(s, &len)| (s as u32, len - 1))
+            .collect();
+        let case = AttnCase {
+            hq,
+            hkv,
+            d,
+            gated,
+            seq_lens,
+            rows,
+        };
+        let label = format!("hq={hq} hkv={hkv} d={d} {} decode rows", case.rows.len());
+        attention_case(&p, &mut rng, &case, &label);
+    }
 }
 
 /// Prefill chunks through `paged_attention_prefill`'s row groups (each case also checks the

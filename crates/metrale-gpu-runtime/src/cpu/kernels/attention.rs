@@ -43,6 +43,13 @@ pub fn paged_attention(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     attend_out(ctx, &s, &rows)
 }
 
+/// `paged_attention_flat(the arguments of paged_attention)`: `paged_attention`'s rows, bitwise
+/// (the CUDA kernel computes each item in one block instead of a cluster; the arithmetic is the
+/// same).
+pub fn paged_attention_flat(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    paged_attention(ctx)
+}
+
 /// `paged_attention_prefill(the arguments of paged_attention, row_groups: u32 [n_groups, 2],
 /// n_groups)`: `paged_attention` on the rows of the groups (first row, rows), bitwise the same
 /// per row. A group is 1 ..= `rows_per_item` consecutive rows of one sequence whose positions lie
@@ -244,6 +251,7 @@ pub const FAMILY: super::Family = super::Family {
     module: "attention",
     kernels: &[
         ("paged_attention", paged_attention),
+        ("paged_attention_flat", paged_attention_flat),
         ("paged_attention_prefill", paged_attention_prefill),
         (
             "paged_attention_prefill_staged",
