@@ -151,13 +151,11 @@ impl Ops {
     }
 
     /// The kernel `paged_attention` runs for `p`: blocks (`paged_attention_flat`) when the
-    /// items (rows x head groups) are at least a quarter of the resident blocks and its shared
-    /// memory fits, clusters otherwise. On the H200 (lab, cluster against flat, context 385 and
-    /// 1025): at 64 rows of Qwen3-8B heads 55 against 37 us and 83 against 76; Qwen3.5-9B 74
-    /// against 47 and 119 against 82; at 16 rows (a quarter) Qwen3-8B 19.2 against 16.9 and 28.3
-    /// against 27.1, Qwen3.5-9B 25.0 against 24.4 and 38.0 against 39.3; at fewer rows the
-    /// clusters are faster (an item in one block is a chain of eight splits: 6 against 17 us at
-    /// one row).
+    /// items (rows x head groups) are at least half the resident blocks and its shared memory
+    /// fits, clusters otherwise. On the H200 (lab, context 385 and 1025): at 64 rows of Qwen3-8B
+    /// heads 37 against 55 us and 76 against 83; Qwen3.5-9B 47 against 74 and 82 against 119; at
+    /// 16 rows about even, and at fewer rows the clusters are faster (an item in one block is a
+    /// chain of eight splits: 17 against 6 us at one row).
     pub fn decode_attention_kind(&self, p: &PagedAttention) -> GpuResult<DecodeAttention> {
         let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
         let items = p.rows * (p.num_q_heads / hb);
@@ -166,7 +164,7 @@ impl Ops {
         }
         let smem = flat_shared_bytes(p.head_dim, hb);
         let resident = self.flat_resident_blocks(p.head_dim, smem)?;
-        Ok(if 4 * items >= resident {
+        Ok(if 2 * items >= resident {
             DecodeAttention::Blocks
         } else {
             DecodeAttention::Clusters
@@ -500,12 +498,12 @@ mod tests {
         }
     }
 
-    /// The block kernel serves steps with an item for every fourth resident block (the H200's
-    /// counts on the CPU backend): Qwen3-8B's heads from 16 rows, Qwen3.5-9B's from 16; fewer
+    /// The block kernel serves steps with an item for every other resident block (the H200's
+    /// counts on the CPU backend): Qwen3-8B's heads from 32 rows, Qwen3.5-9B's from 32; fewer
     /// rows, and heads whose block would not fit in shared memory, get the cluster kernel, and
     /// forcing the block kernel on those heads is refused with an error naming it.
     #[test]
-    fn decode_attention_takes_blocks_once_every_fourth_block_has_an_item() {
+    fn decode_attention_takes_blocks_once_every_other_block_has_an_item() {
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
         let ops = Ops::new(gpu.clone()).expect("kernels resolve");
         let kind = |rows, hq, hkv, d| {
@@ -514,12 +512,12 @@ mod tests {
         };
         use DecodeAttention::{Blocks, Clusters};
         assert_eq!(
-            [1, 8, 16, 32, 64, 128].map(|rows| kind(rows, 32, 8, 128)),
-            [Clusters, Clusters, Blocks, Blocks, Blocks, Blocks]
+            [1, 16, 32, 64, 128].map(|rows| kind(rows, 32, 8, 128)),
+            [Clusters, Clusters, Blocks, Blocks, Blocks]
         );
         assert_eq!(
-            [1, 8, 16, 32, 64].map(|rows| kind(rows, 16, 4, 256)),
-            [Clusters, Clusters, Blocks, Blocks, Blocks]
+            [1, 16, 32, 64].map(|rows| kind(rows, 16, 4, 256)),
+            [Clusters, Clusters, Blocks, Blocks]
         );
         assert!(!attention_blocks_fit(16, 2, 256));
         assert_eq!(kind(128, 16, 2, 256), Clusters);
