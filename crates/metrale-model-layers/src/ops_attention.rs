@@ -330,22 +330,23 @@ impl Ops {
     /// memory (the kernel is compiled with clusters of one block, so the cluster query counts
     /// blocks).
     fn flat_resident_blocks(&self, head_dim: u32, smem: u32) -> GpuResult<u32> {
-        self.resident_clusters(
-            self.k.paged_attention_flat,
-            32 * ATTENTION_WARPS,
-            smem,
-            FLAT_BLOCKS[usize::from(attention_padded_dim(head_dim) > 128)],
-        )
+        self.decode_resident(DecodeAttention::Blocks, head_dim, smem)
     }
 
     /// `attention_resident_clusters` for a launch whose shared memory is already known.
     fn decode_resident_clusters(&self, head_dim: u32, smem: u32) -> GpuResult<u32> {
-        self.resident_clusters(
-            self.k.paged_attention,
-            32 * ATTENTION_WARPS,
-            smem,
-            ATTENTION_CLUSTERS[usize::from(attention_padded_dim(head_dim) > 128)],
-        )
+        self.decode_resident(DecodeAttention::Clusters, head_dim, smem)
+    }
+
+    /// Clusters (of one block for the flat kernel) of a decode attention kernel resident at once,
+    /// or the H200's counts where the backend reports none.
+    fn decode_resident(&self, kind: DecodeAttention, head_dim: u32, smem: u32) -> GpuResult<u32> {
+        let (kernel, fallback) = match kind {
+            DecodeAttention::Clusters => (self.k.paged_attention, ATTENTION_CLUSTERS),
+            DecodeAttention::Blocks => (self.k.paged_attention_flat, FLAT_BLOCKS),
+        };
+        let wide = usize::from(attention_padded_dim(head_dim) > 128);
+        self.resident_clusters(kernel, 32 * ATTENTION_WARPS, smem, fallback[wide])
     }
 
     /// Clusters of `kernel` resident at once with `threads` threads and `smem` bytes of dynamic
