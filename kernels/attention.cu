@@ -7,7 +7,7 @@
 // ATT_SPLITS blocks; cluster c of C loops over items c, c + C, c + 2C, ... (persistent: the
 // launcher, ops::paged_attention, makes C about as many clusters as are resident at once, and
 // more when a cluster would get over ATT_MAX_ITEMS items). Grid (ATT_SPLITS * C, 1), ATT_THREADS
-// (4 warps) threads, att_shared_bytes(dp, hb) of dynamic shared memory (dp: head_dim padded to
+// (4 warps) threads, att_dyn_bytes(dp, hb, 2) of dynamic shared memory (dp: head_dim padded to
 // 32, 64, 128 or 256). Which cluster computes an item, and when, never changes its result.
 //
 // One item: the row's context (positions 0..=pos, ctx tokens) is cut into units of ATT_UNIT (16)
@@ -71,14 +71,26 @@ namespace cg = cooperative_groups;
 // ATT_STAGES = 2 units holds units of at most two items.
 #define ATT_QSLOTS 2
 
-// Dynamic shared memory: every warp's ring of ATT_STAGES stages, each a unit's 16 key rows and
-// 16 value rows of dp + 8 bf16 (the 16-byte pad puts the 8 rows of every ldmatrix in distinct
-// banks), then its ATT_QSLOTS query slots of ATT_HB rows; then the warps' f32 partials
-// [ATT_WARPS][hb][dp] and the block's, by item parity, [2][hb][dp]. The launcher computes the
-// same.
-MT_DEVICE uint32_t att_shared_bytes(uint32_t dp, uint32_t hb) {
+// Dynamic shared memory of both decode kernels: every warp's ring of ATT_STAGES stages, each a
+// unit's 16 key rows and 16 value rows of dp + 8 bf16 (the 16-byte pad puts the 8 rows of every
+// ldmatrix in distinct banks), then its ATT_QSLOTS query slots of ATT_HB rows; then the warps'
+// f32 partials [ATT_WARPS][hb][dp] and the kernel's own, `partials` of [hb][dp]
+// (paged_attention: 2, by item parity; paged_attention_flat: one per split). The launcher
+// computes the same.
+MT_DEVICE uint32_t att_dyn_bytes(uint32_t dp, uint32_t hb, uint32_t partials) {
     return ATT_WARPS * (ATT_STAGES * 2u * ATT_UNIT + ATT_QSLOTS * ATT_HB) * (dp + 8u) * 2u +
-           (ATT_WARPS + 2u) * hb * dp * 4u;
+           (ATT_WARPS + partials) * hb * dp * 4u;
+}
+
+// The sequence and context (positions[row] + 1) of decode row `row`, both 0 when its inputs are
+// out of range (a sequence past the block tables, a context longer than max_blocks).
+MT_DEVICE void att_row_context(const uint32_t* row_seq, const uint32_t* positions, uint32_t row, uint32_t num_seqs,
+                               uint32_t block_size, uint32_t max_blocks, uint32_t& seq, uint32_t& ctx) {
+    seq = row_seq[row];
+    ctx = positions[row] + 1;
+    const bool ok = seq < num_seqs && ctx != 0 && (ctx + block_size - 1) / block_size <= max_blocks;
+    seq = ok ? seq : 0;
+    ctx = ok ? ctx : 0;
 }
 
 // Item k of this cluster, as the launch's first barrier leaves it in shared memory: (row, group
@@ -292,12 +304,19 @@ MT_DEVICE void att_unit(const bf16* stage, const bf16* qslot, uint32_t unit, uin
     }
 }
 
-// The NaN outputs of an item whose inputs are out of range: this block's share, block `part` of
-// the `parts` that write the item.
-MT_DEVICE void att_nan_item(const AttLaunch& a, uint32_t row, uint32_t h0, uint32_t part, uint32_t parts) {
-    bf16* o = a.out + ((size_t)row * a.hq + h0) * a.d;
-    for (uint32_t i = part * ATT_THREADS + threadIdx.x; i < a.hb * a.d; i += parts * ATT_THREADS)
-        o[i] = bf16_nan();
+// A launch a decode kernel cannot run: after the wait for the kernel ahead, NaN for this
+// block's share of its items' outputs, block `part` of the `parts` that write each item.
+MT_DEVICE void att_nan_items(const AttLaunch& a, uint32_t part, uint32_t parts) {
+    pdl_wait();
+    pdl_trigger();
+    if (a.hq == 0) return;
+    for (uint32_t k = 0; k < a.nk; ++k) {
+        uint32_t row, h0, kv;
+        att_item_at(a, k, row, h0, kv);
+        bf16* o = a.out + ((size_t)row * a.hq + h0) * a.d;
+        for (uint32_t i = part * ATT_THREADS + threadIdx.x; i < a.hb * a.d; i += parts * ATT_THREADS)
+            o[i] = bf16_nan();
+    }
 }
 
 // Output `e` of query head `h` of row `row` from its splits' maxima `ms`, sums `ls` and
@@ -629,15 +648,8 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
                                    num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,
                                    num_slots, scale, gated, rows);
     const uint32_t dp = att_padded_dim(head_dim);
-    if (!att_launch_ok(a, num_kv_heads, ATT_THREADS, att_shared_bytes(dp, a.hb))) {
-        pdl_wait();
-        pdl_trigger();
-        if (num_q_heads == 0) return;
-        for (uint32_t k = 0; k < a.nk; ++k) {
-            uint32_t row, h0, kv;
-            att_item_at(a, k, row, h0, kv);
-            att_nan_item(a, row, h0, a.split, ATT_SPLITS);
-        }
+    if (!att_launch_ok(a, num_kv_heads, ATT_THREADS, att_dyn_bytes(dp, a.hb, 2))) {
+        att_nan_items(a, a.split, ATT_SPLITS);
         return;
     }
 
@@ -645,10 +657,7 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
     for (uint32_t k = threadIdx.x; k < a.nk; k += ATT_THREADS) {
         AttItemRec r;
         att_item_at(a, k, r.row, r.h0, r.kv);
-        const uint32_t seq = row_seq[r.row], ctx = positions[r.row] + 1;
-        const bool ok = seq < num_seqs && ctx != 0 && (ctx + block_size - 1) / block_size <= max_blocks;
-        r.seq = ok ? seq : 0;
-        r.ctx = ok ? ctx : 0;
+        att_row_context(row_seq, positions, r.row, num_seqs, block_size, max_blocks, r.seq, r.ctx);
         att_split_units(r.ctx, a.split, r.ub, r.ue);
         r.pad = 0;
         sh.item[k] = r;
@@ -680,15 +689,7 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
 // picks by items.
 //
 // Grid (B, 1), cluster dims (1, 1, 1) (so the launcher can ask the driver how many blocks are
-// resident), ATT_THREADS threads, atf_shared_bytes(dp, hb) of dynamic shared memory.
-
-// Dynamic shared memory: every warp's ring and query slots as in paged_attention, the warps'
-// partials of one split [ATT_WARPS][hb][dp] and the item's split numerators [ATT_SPLITS][hb][dp]
-// (f32). The launcher computes the same.
-MT_DEVICE uint32_t atf_shared_bytes(uint32_t dp, uint32_t hb) {
-    return ATT_WARPS * (ATT_STAGES * 2u * ATT_UNIT + ATT_QSLOTS * ATT_HB) * (dp + 8u) * 2u +
-           (ATT_WARPS + ATT_SPLITS) * hb * dp * 4u;
-}
+// resident), ATT_THREADS threads, att_dyn_bytes(dp, hb, ATT_SPLITS) of dynamic shared memory.
 
 // Item k of this block: (row, group of hb query heads), its key/value head's offset in a slot,
 // the row's sequence and context (0: out of range).
@@ -839,24 +840,14 @@ extern "C" __global__ void __cluster_dims__(1, 1, 1) __launch_bounds__(ATT_THREA
     a.split = 0;
     a.nk = a.cluster < a.n_items ? (a.n_items - a.cluster + a.n_clusters - 1) / a.n_clusters : 0;
     const uint32_t dp = att_padded_dim(head_dim);
-    if (!att_launch_ok(a, num_kv_heads, ATT_THREADS, atf_shared_bytes(dp, a.hb))) {
-        pdl_wait();
-        pdl_trigger();
-        if (num_q_heads == 0) return;
-        for (uint32_t k = 0; k < a.nk; ++k) {
-            uint32_t row, h0, kv;
-            att_item_at(a, k, row, h0, kv);
-            att_nan_item(a, row, h0, 0, 1);
-        }
+    if (!att_launch_ok(a, num_kv_heads, ATT_THREADS, att_dyn_bytes(dp, a.hb, ATT_SPLITS))) {
+        att_nan_items(a, 0, 1);
         return;
     }
     for (uint32_t k = threadIdx.x; k < a.nk; k += ATT_THREADS) {
         AtfItemRec r;
         att_item_at(a, k, r.row, r.h0, r.kv);
-        const uint32_t seq = row_seq[r.row], ctx = positions[r.row] + 1;
-        const bool ok = seq < num_seqs && ctx != 0 && (ctx + block_size - 1) / block_size <= max_blocks;
-        r.seq = ok ? seq : 0;
-        r.ctx = ok ? ctx : 0;
+        att_row_context(row_seq, positions, r.row, num_seqs, block_size, max_blocks, r.seq, r.ctx);
         sh.item[k] = r;
     }
     if (threadIdx.x == 0) sh.bad[0] = sh.bad[1] = 0;

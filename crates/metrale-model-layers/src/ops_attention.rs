@@ -162,8 +162,7 @@ impl Ops {
         if !attention_blocks_fit(p.num_q_heads, p.num_kv_heads, p.head_dim) {
             return Ok(DecodeAttention::Clusters);
         }
-        let smem = flat_shared_bytes(p.head_dim, hb);
-        let resident = self.flat_resident_blocks(p.head_dim, smem)?;
+        let (_, _, resident) = self.decode_kernel(DecodeAttention::Blocks, p.head_dim, hb)?;
         Ok(if 2 * items >= resident {
             DecodeAttention::Blocks
         } else {
@@ -191,7 +190,7 @@ impl Ops {
                     p.num_q_heads,
                     p.num_kv_heads,
                     p.head_dim,
-                    flat_shared_bytes(p.head_dim, hb)
+                    decode_shared_bytes(kind, p.head_dim, hb)
                 ),
             });
         }
@@ -203,20 +202,12 @@ impl Ops {
         // waited for another to finish (Qwen3-8B batch 128: 28.4 against 23.1 ms a step on the
         // H200, 2026-11-30). As it is, batch 8 went from 5.81 to 5.72 ms and batch 64 from 12.13
         // to 12.03 (Qwen3-8B), neutral at batch 1 and on Qwen3.5-9B.
-        let (kernel, smem, blocks) = match kind {
-            DecodeAttention::Blocks => {
-                let smem = flat_shared_bytes(p.head_dim, hb);
-                let resident = self.flat_resident_blocks(p.head_dim, smem)?;
-                let blocks = attention_clusters_of(items, resident);
-                (self.k.paged_attention_flat, smem, blocks)
-            }
-            DecodeAttention::Clusters => {
-                let smem = attention_shared_bytes(p.head_dim, hb);
-                let resident = self.decode_resident_clusters(p.head_dim, smem)?;
-                let blocks = ATTENTION_SPLITS * attention_clusters_of(items, resident);
-                (self.k.paged_attention, smem, blocks)
-            }
+        let (kernel, smem, resident) = self.decode_kernel(kind, p.head_dim, hb)?;
+        let per_cluster = match kind {
+            DecodeAttention::Clusters => ATTENTION_SPLITS,
+            DecodeAttention::Blocks => 1,
         };
+        let blocks = per_cluster * attention_clusters_of(items, resident);
         let config = LaunchConfig::grid2(blocks, 1, 32 * ATTENTION_WARPS).with_shared(smem);
         self.go(kernel, step_launch(config, p.rows), &p.args(), s)
     }
@@ -274,15 +265,21 @@ impl Ops {
     }
 }
 
-/// Dynamic shared memory of `paged_attention` (`att_shared_bytes` in `kernels/attention.cu`):
-/// every warp's ring of `ATTENTION_STAGES` stages, each 16 key rows and 16 value rows of the
-/// padded head dimension plus 8 bf16, and its `ATTENTION_QUERY_SLOTS` slots of 8 query rows;
-/// then f32 partials for the warps and two for the block. 99,328 bytes at head_dim 128 and 4
-/// heads per block (two blocks per multiprocessor), 193,536 at 256.
-fn attention_shared_bytes(head_dim: u32, heads_per_block: u32) -> u32 {
+/// Dynamic shared memory of a decode attention kernel (`att_dyn_bytes` in
+/// `kernels/attention.cu`): every warp's ring of `ATTENTION_STAGES` stages, each 16 key rows and
+/// 16 value rows of the padded head dimension plus 8 bf16, and its `ATTENTION_QUERY_SLOTS` slots
+/// of 8 query rows; then f32 partials for the warps and the kernel's own: two (by item parity)
+/// for `paged_attention`, one per split for `paged_attention_flat`. At head_dim 128 and 4 heads
+/// per block 99,328 and 111,616 bytes (two blocks per multiprocessor), at 256 193,536 and
+/// 218,112.
+fn decode_shared_bytes(kind: DecodeAttention, head_dim: u32, heads_per_block: u32) -> u32 {
     let padded = attention_padded_dim(head_dim);
+    let partials = match kind {
+        DecodeAttention::Clusters => 2,
+        DecodeAttention::Blocks => ATTENTION_SPLITS,
+    };
     ATTENTION_WARPS * (ATTENTION_STAGES * 2 * 16 + ATTENTION_QUERY_SLOTS * 8) * (padded + 8) * 2
-        + (ATTENTION_WARPS + 2) * heads_per_block * padded * 4
+        + (ATTENTION_WARPS + partials) * heads_per_block * padded * 4
 }
 
 /// Whether `paged_attention_flat` can run these heads: its block's shared memory (which grows
@@ -290,17 +287,7 @@ fn attention_shared_bytes(head_dim: u32, heads_per_block: u32) -> u32 {
 /// Qwen3.5-9B's heads do; 8 query heads a key/value head at head_dim 256 do not.
 pub fn attention_blocks_fit(num_q_heads: u32, num_kv_heads: u32, head_dim: u32) -> bool {
     let hb = attention_heads_per_block(num_q_heads, num_kv_heads);
-    flat_shared_bytes(head_dim, hb) <= FLAT_MAX_SHARED
-}
-
-/// Dynamic shared memory of `paged_attention_flat` (`atf_shared_bytes`): the warps' rings and
-/// query slots as `paged_attention`'s, then f32 partials for the warps of one split and for the
-/// item's `ATTENTION_SPLITS` splits. 111,616 bytes at head_dim 128 and 4 heads per block (two
-/// blocks a multiprocessor), 218,112 at 256.
-fn flat_shared_bytes(head_dim: u32, heads_per_block: u32) -> u32 {
-    let padded = attention_padded_dim(head_dim);
-    ATTENTION_WARPS * (ATTENTION_STAGES * 2 * 16 + ATTENTION_QUERY_SLOTS * 8) * (padded + 8) * 2
-        + (ATTENTION_WARPS + ATTENTION_SPLITS) * heads_per_block * padded * 4
+    decode_shared_bytes(DecodeAttention::Blocks, head_dim, hb) <= FLAT_MAX_SHARED
 }
 
 /// The head dimension padded to the tensor-core tile `paged_attention` runs (`att_padded_dim`).
@@ -323,30 +310,30 @@ impl Ops {
         head_dim: u32,
     ) -> GpuResult<u32> {
         let hb = attention_heads_per_block(num_q_heads, num_kv_heads);
-        self.decode_resident_clusters(head_dim, attention_shared_bytes(head_dim, hb))
+        Ok(self
+            .decode_kernel(DecodeAttention::Clusters, head_dim, hb)?
+            .2)
     }
 
-    /// Blocks of `paged_attention_flat` resident at once with `smem` bytes of dynamic shared
-    /// memory (the kernel is compiled with clusters of one block, so the cluster query counts
-    /// blocks).
-    fn flat_resident_blocks(&self, head_dim: u32, smem: u32) -> GpuResult<u32> {
-        self.decode_resident(DecodeAttention::Blocks, head_dim, smem)
-    }
-
-    /// `attention_resident_clusters` for a launch whose shared memory is already known.
-    fn decode_resident_clusters(&self, head_dim: u32, smem: u32) -> GpuResult<u32> {
-        self.decode_resident(DecodeAttention::Clusters, head_dim, smem)
-    }
-
-    /// Clusters (of one block for the flat kernel) of a decode attention kernel resident at once,
-    /// or the H200's counts where the backend reports none.
-    fn decode_resident(&self, kind: DecodeAttention, head_dim: u32, smem: u32) -> GpuResult<u32> {
+    /// A decode attention kernel for heads of `head_dim` with `heads_per_block` query heads an
+    /// item: its handle, dynamic shared memory, and clusters resident at once (blocks for the
+    /// flat kernel, whose clusters are of one block), or the H200's counts where the backend
+    /// reports none.
+    fn decode_kernel(
+        &self,
+        kind: DecodeAttention,
+        head_dim: u32,
+        heads_per_block: u32,
+    ) -> GpuResult<(KernelHandle, u32, u32)> {
         let (kernel, fallback) = match kind {
             DecodeAttention::Clusters => (self.k.paged_attention, ATTENTION_CLUSTERS),
             DecodeAttention::Blocks => (self.k.paged_attention_flat, FLAT_BLOCKS),
         };
+        let smem = decode_shared_bytes(kind, head_dim, heads_per_block);
         let wide = usize::from(attention_padded_dim(head_dim) > 128);
-        self.resident_clusters(kernel, 32 * ATTENTION_WARPS, smem, fallback[wide])
+        let resident =
+            self.resident_clusters(kernel, 32 * ATTENTION_WARPS, smem, fallback[wide])?;
+        Ok((kernel, smem, resident))
     }
 
     /// Clusters of `kernel` resident at once with `threads` threads and `smem` bytes of dynamic

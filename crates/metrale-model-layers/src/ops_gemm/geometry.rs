@@ -135,6 +135,10 @@ pub(super) const LINEAR_STREAM_TMA_SMEM: u32 = LINEAR_STREAM_TMA_SPACE + 2048;
 /// Threads of a `linear_stream_tma` block: a producer warpgroup and two consumers.
 pub(super) const LINEAR_STREAM_TMA_THREADS: u32 = 384;
 
+/// Clusters of `linear_stream_tma` assumed resident where the backend reports none (the CPU,
+/// which runs a launch's blocks in turn: any count gives the same rows; the H200 reports 15).
+pub(super) const LINEAR_STREAM_TMA_CLUSTERS: u32 = 16;
+
 /// Weight stages `linear_stream_tma` must have room for (`LIN_DEC_MIN_STAGES`) ...
 const LINEAR_STREAM_TMA_MIN_STAGES: u32 = 4;
 

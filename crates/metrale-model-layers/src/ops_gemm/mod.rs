@@ -113,15 +113,7 @@ impl Ops {
         n: u32,
         k: u32,
     ) -> GpuResult<()> {
-        let kernels = [
-            self.k.linear_stream,
-            self.k.linear_stream_b4,
-            self.k.linear_stream_wide,
-            self.k.linear,
-            self.k.linear_tma,
-            self.k.linear_stream_tma,
-        ];
-        self.gemm(s, kernels, out, x, w, m, n, k)
+        self.gemm(s, false, out, x, w, m, n, k)
     }
 
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ`, f32 out (logits).
@@ -136,15 +128,7 @@ impl Ops {
         n: u32,
         k: u32,
     ) -> GpuResult<()> {
-        let kernels = [
-            self.k.linear_stream_f32out,
-            self.k.linear_stream_b4_f32out,
-            self.k.linear_stream_wide_f32out,
-            self.k.linear_f32out,
-            self.k.linear_tma_f32out,
-            self.k.linear_stream_tma_f32out,
-        ];
-        self.gemm(s, kernels, out, x, w, m, n, k)
+        self.gemm(s, true, out, x, w, m, n, k)
     }
 
     /// Gives `linear` its prefill kernel's staging memory (see [`LinearStaging`]), so calls of
@@ -289,14 +273,38 @@ impl Ops {
         )
     }
 
-    /// One `linear` launch: `kernels` are the narrow, narrow-b4, wide, tiled, tensor-map
-    /// prefill and tensor-map decode variants of one output type (bitwise the same rows); the
-    /// shape picks which serves.
+    /// The narrow, narrow-b4, wide, tiled, tensor-map prefill and tensor-map decode variants of
+    /// `linear` (bitwise the same rows), bf16 or f32 out.
+    fn gemm_kernels(&self, f32_out: bool) -> [KernelHandle; 6] {
+        let k = &self.k;
+        if f32_out {
+            [
+                k.linear_stream_f32out,
+                k.linear_stream_b4_f32out,
+                k.linear_stream_wide_f32out,
+                k.linear_f32out,
+                k.linear_tma_f32out,
+                k.linear_stream_tma_f32out,
+            ]
+        } else {
+            [
+                k.linear_stream,
+                k.linear_stream_b4,
+                k.linear_stream_wide,
+                k.linear,
+                k.linear_tma,
+                k.linear_stream_tma,
+            ]
+        }
+    }
+
+    /// One `linear` launch through [`Ops::gemm_kernels`]`(f32_out)`; the shape picks which
+    /// serves.
     #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
         s: StreamHandle,
-        kernels: [KernelHandle; 6],
+        f32_out: bool,
         out: DevicePtr,
         x: DevicePtr,
         w: DevicePtr,
@@ -304,6 +312,7 @@ impl Ops {
         n: u32,
         k: u32,
     ) -> GpuResult<()> {
+        let kernels = self.gemm_kernels(f32_out);
         let path = linear_path(m, n);
         // `linear_tma` where it can: `permute_k32_tiles` writes any k % 8 == 0 (zeros past k)
         // from a 16-byte aligned x.
@@ -329,9 +338,12 @@ impl Ops {
             && w.0.is_multiple_of(16)
             && let Some(map) = self.linear_tma_map(s, w, n, k)?
         {
-            let smem = LINEAR_STREAM_TMA_SMEM;
-            let resident =
-                self.resident_clusters(kernels[5], LINEAR_STREAM_TMA_THREADS, smem, 16)?;
+            let resident = self.resident_clusters(
+                kernels[5],
+                LINEAR_STREAM_TMA_THREADS,
+                LINEAR_STREAM_TMA_SMEM,
+                LINEAR_STREAM_TMA_CLUSTERS,
+            )?;
             return self.go(
                 kernels[5],
                 linear_stream_tma_geometry(n, row_blocks, resident),
