@@ -154,6 +154,13 @@ MT_DEVICE void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Bytes of dynamic shared memory the launch gave this block.
+MT_DEVICE uint32_t dynamic_smem_bytes() {
+    uint32_t n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
+
 MT_DEVICE float sigmoidf_acc(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 MT_DEVICE float siluf_acc(float x) { return x / (1.0f + expf(-x)); }
@@ -246,3 +253,21 @@ MT_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
 MT_DEVICE void mbar_arrive(uint32_t bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
 }
+
+// Arrive at `bar` and add `bytes` to the transfer count its phase waits for.
+MT_DEVICE void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+// A bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) global -> shared,
+// completing on `bar`'s byte count.
+MT_DEVICE void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones (a
+// wgmma's reads, a bulk copy's writes).
+MT_DEVICE void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

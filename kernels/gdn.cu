@@ -15,6 +15,9 @@
 //   where a head's Dv columns are cut into W = ceil(Dv / 16) warp tiles of 16 columns, WB warps
 //   per block and G = ceil(W / WB) blocks per (sequence, value head); gated_delta_chunked also
 //   WB * GDN_RING * GDN_TOK_BYTES of dynamic shared memory (the prefill ring).
+// - gated_delta_streamed: grid (min(num_seqs * Hv, resident blocks)), 32 * ceil(Dv / 16)
+//   threads (a warp per warp tile of a whole value head), GDN_STREAM_BARS + 2 head states of
+//   dynamic shared memory (one where two would not fit).
 // - gated_rms_norm: grid (rows, Hv), one warp per (row, value head).
 // - conv_state_verify: as conv_state_update. gated_delta_verify: as gated_delta_recurrent.
 //
@@ -278,6 +281,47 @@ extern "C" __global__ void gated_delta_recurrent(
     const Rule a{out,      state,     qk,          conv, gates, seq_start, seq_slot, nullptr,
                  rows,     num_seqs,  num_slots,   slot_stride, hk,    dk,        hv,       dv};
     rule_block<false, false>(a);
+}
+
+// gated_delta_streamed(the arguments of gated_delta_recurrent): the same rows and states, bitwise,
+// from persistent blocks of ceil(Dv / 16) warps that stream each (sequence, value head)'s state
+// into shared memory by bulk copies, several items ahead (see rule_streamed). Dynamic shared
+// memory: GDN_STREAM_BARS + up to GDN_STREAM_MAX_BUFS head buffers of Dk * Dv * 4 bytes. A
+// launch without room for one buffer, or with shapes or addresses off the fast path, runs each
+// item as gated_delta_recurrent's blocks would (with this block's warps).
+// One-block clusters, so the launcher's occupancy query (cuOccupancyMaxActiveClusters) counts
+// resident blocks.
+extern "C" __global__ void __cluster_dims__(1, 1, 1) gated_delta_streamed(
+    float* __restrict__ out, float* __restrict__ state, const float* __restrict__ qk,
+    const bf16* __restrict__ conv, const float* __restrict__ gates,
+    const uint32_t* __restrict__ seq_start, const uint32_t* __restrict__ seq_slot, uint32_t rows,
+    uint32_t num_seqs, uint32_t num_slots, uint32_t slot_stride, uint32_t hk, uint32_t dk,
+    uint32_t hv, uint32_t dv) {
+    pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
+    pdl_trigger();
+    const Rule a{out,      state,     qk,          conv, gates, seq_start, seq_slot, nullptr,
+                 rows,     num_seqs,  num_slots,   slot_stride, hk,    dk,        hv,       dv};
+    if (a.hk == 0 || a.hv == 0 || a.hv % a.hk != 0) return;
+    extern __shared__ __align__(16) unsigned char gdn_stream[];
+    const uint32_t head_bytes = a.dk * a.dv * 4;
+    const uint32_t bufs = stream_bufs(dynamic_smem_bytes(), head_bytes);
+    const uint32_t tiles = (a.dv + GDN_WARP_COLS - 1) / GDN_WARP_COLS;
+    if (bufs > 0 && rule_fast(a) && (blockDim.x >> 5) >= tiles) {
+        if (a.dk <= 32)
+            rule_streamed<4>(a, gdn_stream, bufs, head_bytes);
+        else if (a.dk <= 64)
+            rule_streamed<8>(a, gdn_stream, bufs, head_bytes);
+        else
+            rule_streamed<16>(a, gdn_stream, bufs, head_bytes);
+        return;
+    }
+    const uint32_t groups = (tiles + (blockDim.x >> 5) - 1) / (blockDim.x >> 5);
+    for (uint32_t it = blockIdx.x; it < num_seqs * hv; it += gridDim.x) {
+        const uint32_t s = it / hv;
+        uint32_t first, end;
+        seq_rows(a, s, first, end);
+        for (uint32_t grp = 0; grp < groups; ++grp) rule_head<false, false>(a, it % hv, grp, seq_slot[s], first, end);
+    }
 }
 
 // gated_delta_chunked(out, state, qk, conv, gates, seq_start, seq_slot, positions: u32 [rows],

@@ -146,15 +146,11 @@ MT_DEVICE void tile_store(float* st, const float (&s)[RPT][4], const Rule& a, co
                 make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
 }
 
-// The fast path: warp tile `w` (columns 16w .. 16w+15) of head j of a sequence with `slot`, over
-// rows first .. end-1. See the header. PER_ROW (verify): the tile after each row goes to the
-// row's slot, and the sequence's slot is not written back.
+// The fast path's rows first .. end-1 of head j on a lane's tile `s`, the outputs stored. PER_ROW
+// (verify): the tile after each row goes to the row's slot.
 template <int RPT, bool PER_ROW>
-MT_DEVICE void rule_warp(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, uint32_t first,
+MT_DEVICE void rule_rows(float (&s)[RPT][4], const Rule& a, const RuleLane& L, uint32_t j, uint32_t first,
                          uint32_t end) {
-    const RuleLane L = rule_lane<RPT>(a, j, w, slot);
-    float s[RPT][4];
-    tile_load<RPT>(s, a, L, L.st);
     const size_t vd = (size_t)a.hv * a.dv;
     for (uint32_t r = first; r < end; ++r) {
         RuleTok<RPT> cur;
@@ -169,6 +165,18 @@ MT_DEVICE void rule_warp(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, u
             if (kept) tile_store<RPT>(kept, s, a, L);
         }
     }
+}
+
+// The fast path: warp tile `w` (columns 16w .. 16w+15) of head j of a sequence with `slot`, over
+// rows first .. end-1. See the header. PER_ROW (verify): the tile after each row goes to the
+// row's slot, and the sequence's slot is not written back.
+template <int RPT, bool PER_ROW>
+MT_DEVICE void rule_warp(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, uint32_t first,
+                         uint32_t end) {
+    const RuleLane L = rule_lane<RPT>(a, j, w, slot);
+    float s[RPT][4];
+    tile_load<RPT>(s, a, L, L.st);
+    rule_rows<RPT, PER_ROW>(s, a, L, j, first, end);
     if (!PER_ROW && L.st && first < end) tile_store<RPT>(L.st, s, a, L);
 }
 
@@ -293,6 +301,12 @@ MT_DEVICE void rule_warp_ring(const Rule& a, uint32_t j, uint32_t w, uint32_t sl
     if (L.st && first < end) tile_store<RPT>(L.st, s, a, L);
 }
 
+// Whether the fast (warp-tile) path runs: see the header.
+MT_DEVICE bool rule_fast(const Rule& a) {
+    return a.dk <= GDN_FAST_MAX_DK && a.dk % 4 == 0 && a.dv % 4 == 0 && a.stride % 4 == 0 && aligned16(a.state) &&
+           aligned16(a.qk) && aligned16(a.out);
+}
+
 // The general path: column d of head j, its Dk state entries in a local array. PER_ROW as in
 // rule_warp.
 template <bool PER_ROW>
@@ -334,20 +348,13 @@ MT_DEVICE void rule_column(const Rule& a, uint32_t j, uint32_t d, uint32_t slot,
         for (uint32_t c = 0; c < dk; ++c) st[(size_t)c * dv] = col[c];
 }
 
-// One block of any rule kernel: (sequence blockIdx.x, value head and column group blockIdx.y).
-// RING: stream the rows through the prefill ring when the launch gave every warp one (the
-// chunked kernel); otherwise each row is loaded when it is needed. The arithmetic is the same
-// either way. PER_ROW: a verify step (see rule_warp).
+// The rows first .. end-1 of a sequence's value head j, columns of group `grp` (this block's
+// warps' tiles), on a sequence with `slot` (checked here). RING: stream the rows through the
+// prefill ring when the launch gave every warp one (the chunked kernel); otherwise each row is
+// loaded when it is needed. The arithmetic is the same either way. PER_ROW: a verify step (see
+// rule_warp).
 template <bool RING, bool PER_ROW>
-MT_DEVICE void rule_block(const Rule& a) {
-    const uint32_t s = blockIdx.x;
-    if (s >= a.num_seqs || a.hk == 0 || a.hv == 0 || a.hv % a.hk != 0) return;
-    const uint32_t groups = max(gridDim.y / a.hv, 1u);
-    const uint32_t j = blockIdx.y / groups, grp = blockIdx.y % groups;
-    if (j >= a.hv) return;
-    const uint32_t first = min(a.seq_start[s], a.rows);
-    const uint32_t end = max(min(a.seq_start[s + 1], a.rows), first);
-    const uint32_t slot = a.seq_slot[s];
+MT_DEVICE void rule_head(const Rule& a, uint32_t j, uint32_t grp, uint32_t slot, uint32_t first, uint32_t end) {
     const uint32_t wb = blockDim.x >> 5, warp = threadIdx.x >> 5;
     const uint32_t col_lo = grp * wb * GDN_WARP_COLS;
     const uint32_t col_hi = min(a.dv, col_lo + wb * GDN_WARP_COLS);
@@ -358,9 +365,7 @@ MT_DEVICE void rule_block(const Rule& a) {
                 a.out[(size_t)r * vd + (size_t)j * a.dv + d] = f32_nan();
         return;
     }
-    const bool fast = a.dk <= GDN_FAST_MAX_DK && a.dk % 4 == 0 && a.dv % 4 == 0 && a.stride % 4 == 0 && aligned16(a.state) &&
-                      aligned16(a.qk) && aligned16(a.out);
-    if (!fast) {
+    if (!rule_fast(a)) {
         for (uint32_t d = col_lo + threadIdx.x; d < col_hi; d += blockDim.x)
             rule_column<PER_ROW>(a, j, d, slot, first, end);
         return;
@@ -369,9 +374,7 @@ MT_DEVICE void rule_block(const Rule& a) {
     if (w * GDN_WARP_COLS >= a.dv) return;
     if (RING) {  // the ring, when the launch gave every warp one
         extern __shared__ __align__(16) unsigned char gdn_ring[];
-        uint32_t dyn_bytes;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
-        if (dyn_bytes >= wb * GDN_RING * GDN_TOK_BYTES && (reinterpret_cast<uintptr_t>(a.conv) & 3) == 0) {
+        if (dynamic_smem_bytes() >= wb * GDN_RING * GDN_TOK_BYTES && (reinterpret_cast<uintptr_t>(a.conv) & 3) == 0) {
             unsigned char* ring = gdn_ring + warp * GDN_RING * GDN_TOK_BYTES;
             if (a.dk <= 32)
                 rule_warp_ring<4>(a, j, w, slot, first, end, ring);
@@ -388,5 +391,104 @@ MT_DEVICE void rule_block(const Rule& a) {
         rule_warp<8, PER_ROW>(a, j, w, slot, first, end);
     } else {
         rule_warp<16, PER_ROW>(a, j, w, slot, first, end);
+    }
+}
+
+// Sequence s's rows, clamped to the step's: first .. end-1 (none when end == first).
+MT_DEVICE void seq_rows(const Rule& a, uint32_t s, uint32_t& first, uint32_t& end) {
+    first = min(a.seq_start[s], a.rows);
+    end = max(min(a.seq_start[s + 1], a.rows), first);
+}
+
+// One block of the rule kernels' grid: (sequence blockIdx.x, value head and column group
+// blockIdx.y).
+template <bool RING, bool PER_ROW>
+MT_DEVICE void rule_block(const Rule& a) {
+    const uint32_t s = blockIdx.x;
+    if (s >= a.num_seqs || a.hk == 0 || a.hv == 0 || a.hv % a.hk != 0) return;
+    const uint32_t groups = max(gridDim.y / a.hv, 1u);
+    const uint32_t j = blockIdx.y / groups, grp = blockIdx.y % groups;
+    if (j >= a.hv) return;
+    uint32_t first, end;
+    seq_rows(a, s, first, end);
+    rule_head<RING, PER_ROW>(a, j, grp, a.seq_slot[s], first, end);
+}
+
+// The streamed decode kernel (gated_delta_streamed): persistent blocks of ceil(Dv / 16) warps,
+// block b taking the (sequence, value head) items b, b + gridDim.x, ... (item i is sequence
+// i / Hv, head i % Hv). A head's whole state (Dk x Dv f32, contiguous) comes into shared memory
+// by one bulk copy, `bufs` items ahead, so the state streams from memory in 64 KiB pieces
+// (Qwen3.5 heads) while earlier items compute; each warp then takes its fast-path tile from the
+// copy (the lane layout and arithmetic of rule_warp, so every bit is gated_delta_recurrent's)
+// and writes the new state straight back to the slot. Shared memory: GDN_STREAM_BARS bytes of
+// mbarriers, then `bufs` head buffers.
+#define GDN_STREAM_BARS 64
+#define GDN_STREAM_MAX_BUFS 4
+
+// Head buffers a launch with `dyn` bytes of dynamic shared memory holds for heads of `head_bytes`.
+MT_DEVICE uint32_t stream_bufs(uint32_t dyn, uint32_t head_bytes) {
+    if (dyn < GDN_STREAM_BARS + head_bytes) return 0;
+    return min((dyn - GDN_STREAM_BARS) / head_bytes, (uint32_t)GDN_STREAM_MAX_BUFS);
+}
+
+// Whether item `it`'s state is read from its slot: a real slot in the pool, and rows to run.
+MT_DEVICE bool stream_loads(const Rule& a, uint32_t it) {
+    const uint32_t s = it / a.hv, slot = a.seq_slot[s];
+    uint32_t first, end;
+    seq_rows(a, s, first, end);
+    return slot != GDN_NO_SLOT && slot < a.num_slots && first < end;
+}
+
+// Queue item `it`'s head state into buffer `buf`, completing barrier `bar`'s phase (at once when
+// the item reads none). One thread.
+MT_DEVICE void stream_issue(const Rule& a, uint32_t it, uint32_t buf, uint32_t bar, uint32_t head_bytes) {
+    const bool load = stream_loads(a, it);
+    mbar_expect_tx(bar, load ? head_bytes : 0);
+    if (load) {
+        const uint32_t s = it / a.hv, j = it % a.hv;
+        bulk_g2s(buf, a.state + (size_t)a.seq_slot[s] * a.stride + (size_t)j * a.dk * a.dv, head_bytes, bar);
+    }
+}
+
+template <int RPT>
+MT_DEVICE void rule_streamed(const Rule& a, unsigned char* smem, uint32_t bufs, uint32_t head_bytes) {
+    const uint32_t items = a.num_seqs * a.hv, warp = threadIdx.x >> 5;
+    const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(smem);
+    unsigned char* buf0 = smem + GDN_STREAM_BARS;
+    const uint32_t buf0_s = bar0 + GDN_STREAM_BARS;
+    if (threadIdx.x == 0) {
+        for (uint32_t b = 0; b < bufs; ++b) mbar_init(bar0 + 8 * b, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        for (uint32_t b = 0; b < bufs; ++b) {
+            const uint32_t it = blockIdx.x + b * gridDim.x;
+            if (it < items) stream_issue(a, it, buf0_s + b * head_bytes, bar0 + 8 * b, head_bytes);
+        }
+    }
+    __syncthreads();
+    const size_t vd = (size_t)a.hv * a.dv;
+    uint32_t k = 0;
+    for (uint32_t it = blockIdx.x; it < items; it += gridDim.x, ++k) {
+        const uint32_t b = k % bufs, s = it / a.hv, j = it % a.hv, slot = a.seq_slot[s];
+        uint32_t first, end;
+        seq_rows(a, s, first, end);
+        const bool loads = stream_loads(a, it);
+        const RuleLane L = rule_lane<RPT>(a, j, warp, slot);
+        float st[RPT][4];
+        mbar_wait(bar0 + 8 * b, (k / bufs) & 1);
+        tile_load<RPT>(st, a, L, loads ? reinterpret_cast<const float*>(buf0 + b * head_bytes) : nullptr);
+        __syncthreads();  // every warp has its tile: the buffer takes the item `bufs` ahead
+        const uint32_t next = it + bufs * gridDim.x;
+        if (threadIdx.x == 0 && next < items) {
+            fence_async_smem();  // the reads above, before the copy's writes
+            stream_issue(a, next, buf0_s + b * head_bytes, bar0 + 8 * b, head_bytes);
+        }
+        if (slot != GDN_NO_SLOT && slot >= a.num_slots) {
+            for (uint32_t r = first; r < end; ++r)
+                for (uint32_t d = threadIdx.x; d < a.dv; d += blockDim.x)
+                    a.out[(size_t)r * vd + (size_t)j * a.dv + d] = f32_nan();
+            continue;
+        }
+        rule_rows<RPT, false>(st, a, L, j, first, end);
+        if (loads) tile_store<RPT>(L.st, st, a, L);
     }
 }

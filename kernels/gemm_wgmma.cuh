@@ -1,6 +1,6 @@
 // The prefill kernel's body (`linear_ws`) and its wgmma, mbarrier and copy helpers: part of
 // gemm.cu, which includes it after the decode kernels (it uses LIN_KC, LIN_SEGS and store_out from
-// there, the cp.async helpers from common.cuh).
+// there, the cp.async, mbarrier and bulk-copy helpers from common.cuh).
 #pragma once
 
 // ---- The prefill kernel (`linear`): warp-specialized Hopper warpgroup MMAs ----
@@ -11,8 +11,6 @@
 // 4 k (8-byte cp.async) into 128-byte-swizzled rows whose 16-byte core-matrix units each hold two
 // such runs.
 
-// Orders this thread's generic-proxy shared-memory writes before later async-proxy (wgmma) reads.
-MT_DEVICE void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 MT_DEVICE void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 MT_DEVICE void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 MT_DEVICE void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -282,18 +280,6 @@ MT_DEVICE void keep_live(uint4& v) { asm volatile("" : "+r"(v.x), "+r"(v.y), "+r
 MT_DEVICE void keep_live4(uint4 (&v)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) keep_live(v[i]);
-}
-
-MT_DEVICE void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-
-// A bulk copy of `bytes` (a multiple of 16) global -> shared, completing on `bar`'s byte count.
-MT_DEVICE void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
 }
 
 // The box (cols, rows) of the 2-D tensor map `map` at column `c0`, row `r0` -> shared `dst`,

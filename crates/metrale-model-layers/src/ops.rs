@@ -135,6 +135,7 @@ kernel_table! {
     conv_state_verify => ("gdn", "conv_state_verify"),
     gdn_prepare => ("gdn", "gdn_prepare"),
     gated_delta_recurrent => ("gdn", "gated_delta_recurrent"),
+    gated_delta_streamed => ("gdn", "gated_delta_streamed"),
     gated_delta_chunked => ("gdn", "gated_delta_chunked"),
     gated_delta_verify => ("gdn", "gated_delta_verify"),
     gated_rms_norm => ("gdn", "gated_rms_norm"),

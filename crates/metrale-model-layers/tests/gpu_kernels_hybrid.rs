@@ -34,7 +34,7 @@ use half::bf16;
 use harness::{At, Buf, Pair, Rng, S, Tolerance, compare};
 use metrale_gpu_runtime::GpuBackendExt;
 use metrale_model_layers::ops_hybrid::{
-    CausalConv1d, GatedDelta, GatedRmsNorm, GdnHeads, GdnPrepare, GdnSeqs, StatePool,
+    CausalConv1d, DecodeRule, GatedDelta, GatedRmsNorm, GdnHeads, GdnPrepare, GdnSeqs, StatePool,
 };
 
 /// The slot of a padding sequence.

@@ -59,11 +59,17 @@ impl Program {
 /// `linear_stream_tma` (9..64 rows where x's segment fits and the weight has a tensor map) or
 /// `linear_stream_wide` (m <= 128) for decode-sized row counts, which give bitwise the rows
 /// `linear` gives; `ops::paged_attention` launches `paged_attention_flat` where a step has
-/// items enough for every block (bitwise the same rows). The plan names the family's kernel.
+/// items enough for every block, and `ops::gated_delta_recurrent` launches
+/// `gated_delta_streamed` where it has several items a block (bitwise the same rows and states).
+/// The plan names the family's kernel.
 pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
     (
         metrale_circuit::kernels::PAGED_ATTENTION,
         &[Kernel::new("attention", "paged_attention_flat")],
+    ),
+    (
+        metrale_circuit::kernels::GDN_RECURRENT,
+        &[Kernel::new("gdn", "gated_delta_streamed")],
     ),
     (
         metrale_circuit::kernels::LINEAR,

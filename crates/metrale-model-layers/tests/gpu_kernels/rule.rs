@@ -1,4 +1,5 @@
-//! The delta rule's kernels (`gated_delta_recurrent`, `gated_delta_chunked`), part of
+//! The delta rule's kernels (`gated_delta_recurrent`, `gated_delta_streamed`,
+//! `gated_delta_chunked`), part of
 //! `gpu_kernels_hybrid.rs`: CUDA against the CPU twin on steps that mix sequence lengths across
 //! the 64-row chunks, padding sequences and sequences without rows, over head shapes of the fast
 //! and the general path; and on CUDA alone, bitwise, one-row chunks against the recurrent step,
@@ -19,12 +20,24 @@ pub(crate) struct RuleCase {
     pub(crate) state: Buf,
     pub(crate) state0: Vec<f32>,
     pub(crate) stride: u32,
+    pub(crate) slots: u32,
 }
 
 impl RuleCase {
     /// Realistic inputs: unit-norm k̂, q̂ of norm `1/√Dk`, β in (0, 1), g < 0 (decays from
     /// e^-1.5 to nearly 1), v and the initial states of order one.
     pub(crate) fn new(p: &Pair, rng: &mut Rng, h: GdnHeads, seqs: StepSeqs) -> RuleCase {
+        RuleCase::with_slots(p, rng, h, seqs, NUM_SLOTS)
+    }
+
+    /// `new` with a pool of `slots` states.
+    pub(crate) fn with_slots(
+        p: &Pair,
+        rng: &mut Rng,
+        h: GdnHeads,
+        seqs: StepSeqs,
+        slots: u32,
+    ) -> RuleCase {
         let rows = seqs.rows();
         let (kd, dk) = (h.key_dim() as usize, h.k_head_dim as usize);
         let mut qk = rng.f32s(rows as usize * 2 * kd, -1.0, 1.0);
@@ -47,7 +60,7 @@ impl RuleCase {
         }
         // A slot stride past one slot's state (and a multiple of 4, which the fast path needs).
         let stride = h.num_v_heads * h.k_head_dim * h.v_head_dim + 8;
-        let state0 = rng.f32s((NUM_SLOTS * stride) as usize, -1.0, 1.0);
+        let state0 = rng.f32s((slots * stride) as usize, -1.0, 1.0);
         RuleCase {
             h,
             sq: seqs.upload(p),
@@ -59,6 +72,7 @@ impl RuleCase {
             state: p.upload(&state0),
             state0,
             stride,
+            slots,
         }
     }
 
@@ -67,7 +81,7 @@ impl RuleCase {
             out: at(&self.out),
             state: StatePool {
                 base: at(&self.state),
-                num_slots: NUM_SLOTS,
+                num_slots: self.slots,
                 slot_stride: self.stride,
             },
             qk: at(&self.qk),
@@ -113,7 +127,7 @@ impl RuleCase {
     /// sequence without rows writes nothing).
     fn assert_untouched_slots(&self, p: &Pair, case: &str) {
         let got = p.download_gpu::<f32>(&self.state);
-        for slot in 0..NUM_SLOTS {
+        for slot in 0..self.slots {
             let written = self.seqs.0.iter().any(|&(n, s, _)| s == slot && n > 0);
             if !written {
                 let at = (slot * self.stride) as usize..((slot + 1) * self.stride) as usize;
@@ -127,9 +141,12 @@ impl RuleCase {
 }
 
 /// Which rule kernel to launch.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 enum Rule {
+    /// `gated_delta_recurrent` (the decode launcher forced to its block kernel).
     Recurrent,
+    /// `gated_delta_streamed` (the decode launcher forced to its streamed kernel).
+    Streamed,
     Chunked,
 }
 
@@ -137,6 +154,7 @@ impl Rule {
     fn name(self) -> &'static str {
         match self {
             Rule::Recurrent => "gated_delta_recurrent",
+            Rule::Streamed => "gated_delta_streamed",
             Rule::Chunked => "gated_delta_chunked",
         }
     }
@@ -147,12 +165,15 @@ impl Rule {
         g: &GatedDelta,
     ) -> metrale_gpu_runtime::GpuResult<()> {
         match self {
-            Rule::Recurrent => o.gated_delta_recurrent(S, g),
+            Rule::Recurrent => o.gated_delta_recurrent_as(S, g, DecodeRule::Blocks),
+            Rule::Streamed => o.gated_delta_recurrent_as(S, g, DecodeRule::Streamed),
             Rule::Chunked => o.gated_delta_chunked(S, g, CHUNK),
         }
     }
 }
 
+/// Both decode kernels against the CPU twin, and against each other bitwise on CUDA, on every
+/// head shape (the streamed kernel's own path where the shape takes it, its fallback elsewhere).
 #[test]
 fn gated_delta_recurrent_matches_on_decode_and_multi_row_steps() {
     let p = Pair::new();
@@ -160,9 +181,35 @@ fn gated_delta_recurrent_matches_on_decode_and_multi_row_steps() {
     for (h, what) in gdn_shapes() {
         for (seqs, step) in [(StepSeqs::decode(), "decode"), (StepSeqs::mixed(), "mixed")] {
             let c = RuleCase::new(&p, &mut rng, h, seqs);
-            c.check(&p, Rule::Recurrent, &label(&h, &format!("{step} ({what})")));
+            let case = label(&h, &format!("{step} ({what})"));
+            c.check(&p, Rule::Recurrent, &case);
+            c.check(&p, Rule::Streamed, &case);
+            assert!(
+                cuda_rule(&p, &c, Rule::Streamed) == cuda_rule(&p, &c, Rule::Recurrent),
+                "{case}: the streamed and the recurrent kernel differ"
+            );
         }
     }
+}
+
+/// The streamed kernel's blocks loop over many items (a state buffer refilled again and again,
+/// its barrier through many phases): a decode step of 72 sequences (and a padding one) of
+/// Qwen3.5-9B's heads, 2336 items, against the CPU twin and bitwise against the recurrent
+/// kernel.
+#[test]
+fn gated_delta_streamed_loops_over_many_items() {
+    let p = Pair::new();
+    let mut rng = Rng::new(108);
+    let h = heads(16, 128, 32, 128);
+    let mut seqs: Vec<(u32, u32, u32)> = (0..72).map(|s| (1, (s * 5) % 72, s)).collect();
+    seqs.insert(40, (1, NO_SLOT, 0));
+    let c = RuleCase::with_slots(&p, &mut rng, h, StepSeqs(seqs), 72);
+    let case = label(&h, "72 sequences and a padding one");
+    c.check(&p, Rule::Streamed, &case);
+    assert!(
+        cuda_rule(&p, &c, Rule::Streamed) == cuda_rule(&p, &c, Rule::Recurrent),
+        "{case}: the streamed and the recurrent kernel differ"
+    );
 }
 
 #[test]

@@ -472,6 +472,13 @@ pub fn gated_rms_norm(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
+/// `gated_delta_streamed(the arguments of gated_delta_recurrent)`: `gated_delta_recurrent`'s
+/// outputs and states, bitwise (the CUDA kernel streams each head's state through shared memory
+/// in persistent blocks; the arithmetic is the same).
+pub fn gated_delta_streamed(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    gated_delta_recurrent(ctx)
+}
+
 /// The family table.
 pub const FAMILY: super::Family = super::Family {
     module: "gdn",
@@ -481,6 +488,7 @@ pub const FAMILY: super::Family = super::Family {
         ("conv_state_verify", conv_state_verify),
         ("gdn_prepare", gdn_prepare),
         ("gated_delta_recurrent", gated_delta_recurrent),
+        ("gated_delta_streamed", gated_delta_streamed),
         ("gated_delta_chunked", gated_delta_chunked),
         ("gated_delta_verify", gated_delta_verify),
         ("gated_rms_norm", gated_rms_norm),
