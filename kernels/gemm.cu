@@ -3,10 +3,11 @@
 //
 // Six kernels per output type (bf16: `linear`, `linear_stream`, `linear_stream_b4`,
 // `linear_stream_wide`, `linear_stream_tma`, `linear_tma`; f32: the same with `_f32out`), each
-// computing the whole function (`linear_stream_tma` for m <= 64); the launcher
+// computing the whole function; the launcher
 // (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 16 on projections of 6144 columns or
-// more, `linear_stream` for the other m <= 16, `linear_stream_tma` for 9..64 rows where the
-// weight has a tensor map and x's segment fits, `linear_stream_wide` for the other m <= 128
+// more, `linear_stream` for the other m <= 16, `linear_stream_tma` for 9..128 rows where the
+// weight has a tensor map and x fits in at most four row blocks, `linear_stream_wide` for the
+// other m <= 128
 // (decode) and `linear_tma` or the tiled `linear` above, every one as a programmatic dependent
 // launch: each
 // kernel calls `pdl_wait` (common.cuh) before it touches x or out, so its blocks may start while
@@ -25,7 +26,7 @@
 //   64 rows, block s computing segment s; x and the weight staged together through a 3-stage
 //   cp.async ring; the cluster sums the segment partials in order through distributed shared
 //   memory (details at the kernel).
-// - `linear_stream_tma` (9 <= m <= 64 where the weight has a tensor map): persistent clusters of
+// - `linear_stream_tma` (9 <= m <= 128 where the weight has a tensor map): persistent clusters of
 //   LIN_SEGS blocks, one a multiprocessor, taking tiles of 128 columns in turn; the weight by
 //   tensor map into a ring that runs on across tiles, as wgmma's register operand; each block's
 //   segment of x (or of a row block of x, where the whole segment would not fit) copied once
@@ -776,7 +777,7 @@ MT_DEVICE void linear_stream_tma_impl(OutT* out, const bf16* x, const bf16* w, c
 }
 
 // linear_stream_tma(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], wmap: `linear_tma`'s
-// tensor map of w, m, n, k): `linear`, the decode path (9..64 rows) where the weight has a map.
+// tensor map of w, m, n, k): `linear`, the decode path (9..128 rows) where the weight has a map.
 // Persistent clusters of LIN_SEGS blocks: grid LIN_SEGS * clusters, the clusters a multiple of
 // the row blocks (`ops_gemm::linear_stream_tma_geometry`: per row block at most one a tile of
 // 128 columns and no more than are resident), LIN_DEC_THREADS threads, LIN_DEC_SPACE + 2 KiB of

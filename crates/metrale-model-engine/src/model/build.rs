@@ -219,7 +219,7 @@ impl TransformerModel {
         .unwrap_or(0);
         // A map slot per projection: at most eight a layer (MoE: router, shared expert's three;
         // GDN: its input projections and output), the MTP head's layers and the LM head. The
-        // slots come whatever the step's rows: decode projections of 9..64 rows read their
+        // slots come whatever the step's rows: decode projections of 9..128 rows read their
         // weights through the maps too (`linear_stream_tma`); only the images need prefill-sized
         // steps. (Without the slots, a model of `max_batch_tokens` <= 128 ran every such
         // projection through the map-less kernel: Qwen3.5-9B's batch-64 step 11.5 against 9.0 ms

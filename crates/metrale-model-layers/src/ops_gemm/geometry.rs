@@ -121,8 +121,20 @@ pub fn linear_tma_geometry(m: u32, n: u32) -> LaunchConfig {
 /// against 5.00) ...
 pub const LINEAR_STREAM_TMA_M_MIN: u32 = 9;
 
-/// ... to here (`LIN_DEC_ROWS`: the largest wgmma N it instantiates).
+/// The most x rows one of its blocks holds (`LIN_DEC_ROWS`: the largest wgmma N it
+/// instantiates); more rows go in row blocks ...
 pub const LINEAR_STREAM_TMA_M_MAX: u32 = 64;
+
+/// ... up to here (the wide kernel, which served 65..128 rows before, ran at 20-24 % of the read
+/// stream there; Qwen3.5-9B's batch-128 step took 21 ms) ...
+pub const LINEAR_STREAM_TMA_SERVE_MAX: u32 = 128;
+
+/// ... in at most this many row blocks: every block after the first multiplies the weight from
+/// L2 as the first brings it, each in its own clusters. H200 (2026-12-01, batch 128, context
+/// 384): Qwen3-8B's step 18.0 ms on the wide kernel, 13.4 with two row blocks of 64 (the down
+/// projection, whose 12288 inputs take row blocks of 32, on the wide kernel), 13.0 with four
+/// (the down projection too); Qwen3.5-9B 20.6, 15.9, 15.4.
+const LINEAR_STREAM_TMA_MAX_ROW_BLOCKS: u32 = 4;
 
 /// Shared memory `linear_stream_tma` shares out (`LIN_DEC_SPACE`): x's segment, two buffers of
 /// partials, the ring of 16 KiB weight stages.
@@ -146,10 +158,10 @@ const LINEAR_STREAM_TMA_MIN_STAGES: u32 = 4;
 const LINEAR_STREAM_TMA_STAGE_BYTES: u64 = 128 * 128;
 
 /// Whether `linear_stream_tma` serves `m` rows by `k` inputs: `m` in
-/// [`LINEAR_STREAM_TMA_M_MIN`]..=[`LINEAR_STREAM_TMA_M_MAX`], and x's rows in at most two row
-/// blocks ([`linear_stream_tma_rows`]; the second reads the weight from L2 as the first brings
-/// it). Qwen3-8B: every projection, the down projection's 12288 inputs above 32 rows in two
-/// blocks of 32.
+/// [`LINEAR_STREAM_TMA_M_MIN`]..=[`LINEAR_STREAM_TMA_SERVE_MAX`], and x's rows in at most
+/// `LINEAR_STREAM_TMA_MAX_ROW_BLOCKS` row blocks ([`linear_stream_tma_rows`]). Qwen3-8B: every
+/// projection; the down projection's 12288 inputs in blocks of 32 rows, the others in blocks of
+/// 64.
 pub fn linear_stream_tma_fits(m: u32, k: u32) -> bool {
     linear_stream_tma_row_blocks(m, k).is_some()
 }
@@ -158,14 +170,15 @@ pub fn linear_stream_tma_fits(m: u32, k: u32) -> bool {
 /// ([`linear_stream_tma_fits`]).
 pub(super) fn linear_stream_tma_row_blocks(m: u32, k: u32) -> Option<u32> {
     let (_, blocks) = linear_stream_tma_rows(m, k)?;
-    ((LINEAR_STREAM_TMA_M_MIN..=LINEAR_STREAM_TMA_M_MAX).contains(&m) && blocks <= 2)
+    ((LINEAR_STREAM_TMA_M_MIN..=LINEAR_STREAM_TMA_SERVE_MAX).contains(&m)
+        && blocks <= LINEAR_STREAM_TMA_MAX_ROW_BLOCKS)
         .then_some(blocks)
 }
 
-/// Whether the kernel itself can run `m` rows (1 ..= 64) by `k` inputs at all (in any number
-/// of row blocks).
+/// Whether the kernel itself can run `m` rows (1 ..= 128, the decode sizes) by `k` inputs at
+/// all (in any number of row blocks).
 pub fn linear_stream_tma_room(m: u32, k: u32) -> bool {
-    (1..=LINEAR_STREAM_TMA_M_MAX).contains(&m) && linear_stream_tma_rows(m, k).is_some()
+    (1..=LINEAR_STREAM_TMA_SERVE_MAX).contains(&m) && linear_stream_tma_rows(m, k).is_some()
 }
 
 /// The rows of x a `linear_stream_tma` block holds for `m` rows by `k` inputs (k a positive

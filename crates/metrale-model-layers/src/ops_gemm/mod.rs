@@ -14,7 +14,7 @@
 //! of a projection's input writes the images itself (`add_rms_norm_staged`,
 //! `silu_mul_staged`) and [`Ops::linear_staged`] runs the projection from them.
 //!
-//! Decode-sized calls of 9..64 rows run `linear_stream_tma` where the weight has a map (the same
+//! Decode-sized calls of 9..128 rows run `linear_stream_tma` where the weight has a map (the same
 //! slots) and x fits it ([`linear_stream_tma_fits`]). Which kernel serves a shape, and each
 //! kernel's launch geometry, are in `geometry` (re-exported here).
 
@@ -437,7 +437,7 @@ mod tests {
     }
 
     #[test]
-    fn linear_stream_tma_serves_9_to_64_rows_where_x_fits_and_a_map_exists() {
+    fn linear_stream_tma_serves_9_to_128_rows_in_four_row_blocks_at_most_where_a_map_exists() {
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
         let ops = Ops::new(gpu.clone()).expect("kernels resolve");
         let s = gpu.default_stream();
@@ -469,11 +469,17 @@ mod tests {
             !linear_stream_tma_fits(64, 40960),
             "eight row blocks: eight weight reads"
         );
+        assert!(!linear_stream_tma_fits(129, 4096), "past the decode sizes");
         assert_eq!(linear_stream_tma_rows(1, 1 << 20), None);
         // Outside its rows, and k off the tensor map's 16-byte strides.
         assert_eq!(kernels_of(&ops, linear(9, 4096)), tma);
         assert_eq!(kernels_of(&ops, linear(8, 4096)), vec![ops.k.linear_stream]);
-        assert_eq!(kernels_of(&ops, linear(65, 4096)), wide);
+        assert_eq!(kernels_of(&ops, linear(65, 4096)), tma);
+        assert_eq!(kernels_of(&ops, linear(128, 4096)), tma);
+        assert_eq!(linear_stream_tma_rows(128, 4096), Some((64, 2)));
+        // 128 rows of 12288 inputs: four row blocks of 32.
+        assert_eq!(kernels_of(&ops, linear(128, 12288)), tma);
+        assert_eq!(linear_stream_tma_rows(128, 12288), Some((32, 4)));
         assert_eq!(kernels_of(&ops, linear(32, 4092)), wide);
         assert!(linear_stream_tma_fits(64, 4096) && linear_stream_tma_fits(64, 12288));
         assert!(!linear_stream_tma_fits(64, 0) && !linear_stream_tma_fits(8, 4096));
