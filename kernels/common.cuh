@@ -203,12 +203,13 @@ MT_DEVICE void pdl_enter_store(uint32_t rows) {
 }
 
 // The entry of a small kernel ahead of a projection (norms, `silu_mul`, `gather_rows`,
-// `gated_rms_norm`) over `rows` rows: at 17..64 rows, where `linear_stream_wide` runs, it lets
-// the projection start before it waits, so the projection's first weight loads (issued before
-// its own wait) overlap this kernel and the one ahead; elsewhere it waits, then triggers. H200
-// (2026-12-01, Qwen3-8B): early everywhere made batch 32 and 64 faster (8.217 -> 8.143, 11.996
-// -> 11.931 ms a step) but batch 1 and 8 slower (5.017 -> 5.626, 5.709 -> 6.755), and Qwen3.5-9B
-// batch 128 slower (22.395 -> 22.565).
+// `gated_rms_norm`) over `rows` rows: at 17..64 rows it lets the projection start before it
+// waits, so the projection's first weight loads (issued before its own wait) overlap this kernel
+// and the one ahead; elsewhere it waits, then triggers. H200 (2026-12-01, Qwen3-8B, when
+// `linear_stream_wide` served those rows): early everywhere made batch 32 and 64 faster (8.217 ->
+// 8.143, 11.996 -> 11.931 ms a step) but batch 1 and 8 slower (5.017 -> 5.626, 5.709 -> 6.755),
+// and Qwen3.5-9B batch 128 slower (22.395 -> 22.565). With `linear_stream_tma` at 65..128 rows,
+// early up to 128 was within noise (session 22).
 MT_DEVICE void pdl_enter(uint32_t rows) {
     const bool early = rows > 16 && rows <= 64;
     if (early) pdl_trigger();

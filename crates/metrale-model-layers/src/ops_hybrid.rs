@@ -579,6 +579,7 @@ pub enum DecodeRule {
 /// H200 (64 sequences: 76.6 against 75.7 us), and one a block (three blocks a multiprocessor)
 /// slower (78.0).
 const RULE_STREAM_BUFS: u32 = 2;
+/// The barriers' bytes ahead of the buffers (`GDN_STREAM_BARS`).
 const RULE_STREAM_BARS: u32 = 64;
 
 /// Most dynamic shared memory a `gated_delta_streamed` block may ask for (the H200's 227 KiB a
