@@ -9,6 +9,7 @@
 # decode TMA lab (decode_tma_lab: `linear_stream_tma` bitwise against the map-less decode kernels,
 # timed per projection and over 36 Qwen3-8B-shaped layers), the delta-rule decode lab (gdn_lab:
 # `gated_delta_streamed` bitwise against `gated_delta_recurrent`, both compiled in, and timed),
+# the weight-stream lab (tma_stream_lab: the decode GEMM's tensor-map stream without the GEMM),
 # standalone binaries to copy to the GPU machine and run there (each includes lab/lab_util.cuh).
 # Extra arguments go to nvcc.
 set -euo pipefail
@@ -16,7 +17,7 @@ cd "$(dirname "$0")/.."
 NV=$(ls -d .xtask/cuda-venv/lib/python3*/site-packages/nvidia/cu13)
 mkdir -p target/gemm-lab
 python3 lab/timeline_gen.py
-for lab in gemm_lab prefill_lab wgmma_lab prefetch_lab timeline_lab attention_lab decode_tma_lab gdn_lab; do
+for lab in gemm_lab prefill_lab wgmma_lab prefetch_lab timeline_lab attention_lab decode_tma_lab gdn_lab tma_stream_lab; do
   "$NV/bin/nvcc" -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Xptxas=-warn-spills \
     -I"$NV/include/cccl" -I"$NV/include" -Ikernels -Itarget/gemm-lab -L"$NV/lib" -cudart static \
     -o target/gemm-lab/$lab lab/$lab.cu "$@" &
