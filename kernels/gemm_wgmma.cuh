@@ -442,6 +442,7 @@ MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const void* wmap, uint
 #define LIN_DEC_THREADS 384   // a producer warpgroup, then two consumer warpgroups
 #define LIN_DEC_MIN_STAGES 4  // the launcher runs the kernel where at least this many fit
 #define LIN_DEC_MAX_STAGES 12
+#define LIN_DEC_SUM_THREADS 96  // the producer warpgroup's warps 1-3: the tile sums
 
 // d[N / 2] (+)= A · B for one warpgroup: A 64 x 16 from registers (mma.sync's A fragment per
 // warp, as `wgmma_m64n128k16_rs`), B N x 16 (k-major) by descriptor. Thread (warp w, lane g * 4
@@ -513,14 +514,13 @@ MT_DEVICE void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
 // j * N * 128), two buffers of partials, the ring of weight stages, the mbarriers. Thread 0
 // queues the ring's first stages before the programmatic wait (the weight is never written by
 // the kernel ahead), then every thread copies its share of x's segment (zeros past m and past
-// the segment) and the producer warpgroup but thread 0 leaves; thread 0 queues the rest, each
-// stage's full barrier taking the box's bytes, its empty barrier the 256 consumers' arrivals.
-// Warpgroups 1 and 2 consume (weight rows 64 c .. 64 c + 63 of the tile, fragment rows as in
-// `linear_tma_body`). At a tile's end the consumers write their partials into one of two
-// buffers (once the cluster has read that buffer's previous tile: `pfree`) and tell every block
-// (`pready`); they sum their share of a tile over the segments, in order, a tile later, after
-// the next tile's MMAs, when every block has long since published it (no block waits for the
-// slowest at each tile), store it, and tell every block that buffer is read.
+// the segment); then thread 0 queues the rest, each stage's full barrier taking the box's bytes,
+// its empty barrier the 256 consumers' arrivals. Warpgroups 1 and 2 consume (weight rows 64 c ..
+// 64 c + 63 of the tile, fragment rows as in `linear_tma_body`). At a tile's end the consumers
+// write their partials into one of two buffers (once the cluster has read that buffer's
+// previous tile: `pfree`), tell every block (`pready`) and go on to the next tile; the producer
+// warpgroup's warps 1-3 sum this block's share of each tile over the segments, in order, once
+// every block has published it, store it, and tell every block that buffer is read.
 template <typename OutT, uint32_t N>
 MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint32_t m, uint32_t n, uint32_t k,
                                uint32_t row_blocks, unsigned char* smem) {
@@ -602,20 +602,54 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
         fence_async_smem();  // the stores, before the consumers' wgmma reads them
     }
     __syncthreads();
+    float4* part = reinterpret_cast<float4*>(smem + x_bytes);
+    cg::cluster_group cluster = cg::this_cluster();
+    // Sum the cluster's partials of tile `it` (buffer it % 2) over the segments in order and
+    // store this block's share; then tell every block that buffer is read. Run by the producer
+    // warpgroup's warps 1-3 (LIN_DEC_SUM_THREADS), so the consumers go on to the next tile's
+    // MMAs meanwhile (summed by the consumers between their tiles, the sums took 5 us of a
+    // 17 us o projection at 64 rows: lab/decode_tma_lab.cu, 2026-12-01).
+    auto reduce = [&](uint32_t it, uint32_t rt) {
+        const uint32_t b = it & 1;
+        mbar_wait_cluster(pready + b * 8, (it >> 1) & 1);
+        const float4* src = part + b * (N * 32);
+        const uint32_t n0 = (cid + it * ncl) * LIN_DEC_COLS;
+        for (uint32_t f = seg * (N * 4) + rt; f < (seg + 1) * (N * 4); f += LIN_DEC_SUM_THREADS) {
+            // float4 jn of consumer t: its fragment row's columns, x rows 8 jn + 2 q (+ 1).
+            const uint32_t t = f % 256, jn = f / 256, ln = t % 32;
+            const uint32_t col0 = n0 + wg_frag_rows(t / 128, (t % 128) / 32, ln / 4, ln % 4).ra;
+            const uint32_t row0 = m0 + jn * 8 + 2 * (ln % 4);
+            const float4 sum = cluster_segment_sum<true>(cluster, src, f, span.nsegs);
+            const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+            for (uint32_t e = 0; e < 4; ++e) {
+                const uint32_t row = row0 + (e & 1), col = col0 + (e >= 2 ? 8 : 0);
+                if (row < m && col < n) store_out(out, (size_t)row * n + col, vals[e]);
+            }
+        }
+        asm volatile("bar.sync 2, %0;\n" ::"n"(LIN_DEC_SUM_THREADS) : "memory");  // every read has returned
+        if (rt < LIN_SEGS) mbar_arrive_remote(pfree + b * 8, rt);
+    };
     if (tid < 128) {
         pdl_trigger();
-        if (tid != 0) return;
-        for (uint32_t g = ST, slot = 0, phase = 0; g < total; ++g) {
-            mbar_wait(empty + slot * 8, phase);
-            queue_w(g);
-            if (++slot == ST) slot = 0, phase ^= 1;
+        if (tid == 0) {
+            for (uint32_t g = ST, slot = 0, phase = 0; g < total; ++g) {
+                mbar_wait(empty + slot * 8, phase);
+                queue_w(g);
+                if (++slot == ST) slot = 0, phase ^= 1;
+            }
+        } else if (tid >= 32) {
+            for (uint32_t it = 0; it < my_tiles; ++it) reduce(it, tid - 32);
+            // No block leaves while another may still read its partials (the last use of each
+            // buffer).
+            for (uint32_t it = my_tiles > 2 ? my_tiles - 2 : 0; it < my_tiles; ++it)
+                mbar_wait_cluster(pfree + (it & 1) * 8, (it >> 1) & 1);
         }
         return;
     }
 
     const uint32_t ct = tid - 128, wt = ct % 128, lane = wt % 32;
     const WgFragRows fr = wg_frag_rows(ct / 128, wt / 32, lane / 4, lane % 4);
-    float4* part = reinterpret_cast<float4*>(smem + x_bytes);
     float acc[N / 2];
     uint4 A0[4], A1[4];
     // The ring position of the next stage, kept by counters (a division by the run-time ST each
@@ -646,30 +680,6 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
         prev_slot = slot;
         if (++slot == ST) slot = 0, phase ^= 1;
     };
-    cg::cluster_group cluster = cg::this_cluster();
-    // Sum the cluster's partials of tile `it` (buffer it % 2) over the segments in order and
-    // store this block's share; then tell every block its buffer is read.
-    auto reduce = [&](uint32_t it) {
-        const uint32_t b = it & 1;
-        mbar_wait_cluster(pready + b * 8, (it >> 1) & 1);
-        const float4* src = part + b * (N * 32);
-        const uint32_t n0 = (cid + it * ncl) * LIN_DEC_COLS;
-        for (uint32_t f = seg * (N * 4) + ct; f < (seg + 1) * (N * 4); f += 256) {
-            // float4 jn of consumer t: its fragment row's columns, x rows 8 jn + 2 q (+ 1).
-            const uint32_t t = f % 256, jn = f / 256, ln = t % 32;
-            const uint32_t col0 = n0 + wg_frag_rows(t / 128, (t % 128) / 32, ln / 4, ln % 4).ra;
-            const uint32_t row0 = m0 + jn * 8 + 2 * (ln % 4);
-            const float4 sum = cluster_segment_sum<true>(cluster, src, f, span.nsegs);
-            const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
-#pragma unroll
-            for (uint32_t e = 0; e < 4; ++e) {
-                const uint32_t row = row0 + (e & 1), col = col0 + (e >= 2 ? 8 : 0);
-                if (row < m && col < n) store_out(out, (size_t)row * n + col, vals[e]);
-            }
-        }
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every read has returned
-        if (ct < LIN_SEGS) mbar_arrive_remote(pfree + b * 8, ct);
-    };
     uint32_t g = 0;
     for (uint32_t it = 0; it < my_tiles; ++it) {
 #pragma unroll
@@ -684,8 +694,6 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
         keep_live4(A0);
         keep_live4(A1);
         if (steps > 0) mbar_arrive(empty + prev_slot * 8);
-        // The previous tile's sum runs now, a tile late.
-        if (it > 0) reduce(it - 1);
         // Buffer it % 2 is free once the cluster has read tile it - 2 from it.
         const uint32_t b = it & 1;
         mbar_wait_cluster(pfree + b * 8, ((it >> 1) & 1) ^ 1);
@@ -697,8 +705,4 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
         asm volatile("bar.sync 1, 256;\n" ::: "memory");
         if (ct < LIN_SEGS) mbar_arrive_remote(pready + b * 8, ct);
     }
-    if (my_tiles > 0) reduce(my_tiles - 1);
-    // No block leaves while another may still read its partials (the last use of each buffer).
-    for (uint32_t it = my_tiles > 2 ? my_tiles - 2 : 0; it < my_tiles; ++it)
-        mbar_wait_cluster(pfree + (it & 1) * 8, (it >> 1) & 1);
 }
