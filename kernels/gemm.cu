@@ -30,10 +30,11 @@
 //   LIN_SEGS blocks, one a multiprocessor, taking tiles of 128 columns in turn; the weight by
 //   tensor map into a ring that runs on across tiles, as wgmma's register operand; each block's
 //   segment of x (or of a row block of x, where the whole segment would not fit) copied once
-//   into shared memory (kernels/gemm_wgmma.cuh). H200 (lab/decode_tma_lab.cu, 2026-12-01), share
-//   of the read stream at 64 rows on the Qwen3-8B projections, against `linear_stream_wide`:
-//   qkv 51 / 35 %, o 43 / 34 %, gate_up 76 / 48 %, down 50 / 39 % (two row blocks of 32); LM
-//   head at 32 rows 91 / 70 %; 36 layers and the LM head at 64 rows 5.96 against 8.33 ms.
+//   into shared memory; the producer warpgroup's idle warps sum the tiles' segment partials
+//   (kernels/gemm_wgmma.cuh). H200 (lab/decode_tma_lab.cu, 2026-12-01), share of the read
+//   stream at 64 rows on the Qwen3-8B projections, against `linear_stream_wide`: qkv 54 / 35 %,
+//   o 48 / 34 %, gate_up 79 / 48 %, down 52 / 38 % (two row blocks of 32); LM head at 32 rows
+//   91 / 69 %.
 // - `linear_tma` (prefill, m > 128, where the launcher has a staging buffer for x and the shape
 //   allows: k % 8 == 0, 16-byte aligned operands): after `permute_k32_tiles` writes x as stage
 //   images (or a `_staged` producer did), the weight as wgmma's register operand through a
