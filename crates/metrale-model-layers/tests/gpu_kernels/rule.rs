@@ -183,13 +183,18 @@ fn gated_delta_recurrent_matches_on_decode_and_multi_row_steps() {
             let c = RuleCase::new(&p, &mut rng, h, seqs);
             let case = label(&h, &format!("{step} ({what})"));
             c.check(&p, Rule::Recurrent, &case);
-            c.check(&p, Rule::Streamed, &case);
-            assert!(
-                cuda_rule(&p, &c, Rule::Streamed) == cuda_rule(&p, &c, Rule::Recurrent),
-                "{case}: the streamed and the recurrent kernel differ"
-            );
+            check_streamed(&p, &c, &case);
         }
     }
+}
+
+/// The streamed kernel against the CPU twin, and bitwise against the recurrent kernel on CUDA.
+fn check_streamed(p: &Pair, c: &RuleCase, case: &str) {
+    c.check(p, Rule::Streamed, case);
+    assert!(
+        cuda_rule(p, c, Rule::Streamed) == cuda_rule(p, c, Rule::Recurrent),
+        "{case}: the streamed and the recurrent kernel differ"
+    );
 }
 
 /// The streamed kernel's blocks loop over many items (a state buffer refilled again and again,
@@ -204,12 +209,7 @@ fn gated_delta_streamed_loops_over_many_items() {
     let mut seqs: Vec<(u32, u32, u32)> = (0..72).map(|s| (1, (s * 5) % 72, s)).collect();
     seqs.insert(40, (1, NO_SLOT, 0));
     let c = RuleCase::with_slots(&p, &mut rng, h, StepSeqs(seqs), 72);
-    let case = label(&h, "72 sequences and a padding one");
-    c.check(&p, Rule::Streamed, &case);
-    assert!(
-        cuda_rule(&p, &c, Rule::Streamed) == cuda_rule(&p, &c, Rule::Recurrent),
-        "{case}: the streamed and the recurrent kernel differ"
-    );
+    check_streamed(&p, &c, &label(&h, "72 sequences and a padding one"));
 }
 
 #[test]
