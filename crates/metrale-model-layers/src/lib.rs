@@ -13,6 +13,7 @@ pub mod ops_attention;
 pub mod ops_fused;
 pub mod ops_gemm;
 pub mod ops_hybrid;
+pub mod ops_moe;
 pub mod weight_map;
 
 pub use layer::{KvBinding, LayerCtx, ModelDims, StepBuffers, StepShape, TransformerLayer};

@@ -1,7 +1,8 @@
-//! The launchers of the hybrid families' kernels: Gated DeltaNet (`gdn::*`) and sparse MoE
-//! (`moe::*`), a second `impl Ops` block beside the dense ones in `ops`. Each builds its kernel's
-//! flat argument list in the order the CPU twin in `metrale-gpu-runtime::cpu::kernels::{gdn,
-//! moe}` documents (pointers, then scalars) and picks the launch geometry the CUDA source expects.
+//! The launchers of the Gated DeltaNet kernels (`gdn::*`), an `impl Ops` block beside the dense
+//! ones in `ops`; the sparse-MoE launchers (`moe::*`) are in `ops_moe`, whose parameter types are
+//! re-exported here. Each builds its kernel's flat argument list in the order the CPU twin in
+//! `metrale-gpu-runtime::cpu::kernels::gdn` documents (pointers, then scalars) and picks the
+//! launch geometry the CUDA source expects.
 //!
 //! Invariants:
 //! - As in `ops`: one launcher per kernel, argument order is the kernel's signature, and launch
@@ -14,6 +15,7 @@ use metrale_gpu_runtime::{
 };
 
 use crate::ops::{Ops, step_launch};
+pub use crate::ops_moe::{ExpertLinear, MoeCombine};
 
 /// Threads per block of the channel-parallel GDN kernels (conv, conv-state update).
 const CHANNEL_THREADS: u32 = 256;
@@ -30,13 +32,6 @@ const RULE_WARPS_PER_BLOCK: u32 = 2;
 /// prefill's loads several tokens ahead (`kernels/gdn.cu`). Without it the kernel loads each
 /// token when it needs it, as the recurrent kernel does: same bits.
 const RULE_RING_BYTES: u32 = 8 * (2 * 128 * 4 + 64);
-/// Threads per block of the expert projections (8 warps, a warp per output column at a time).
-const EXPERT_THREADS: u32 = 256;
-/// Most and fewest output columns per block of the expert projections.
-const EXPERT_MAX_COLS_PER_BLOCK: u32 = 32;
-const EXPERT_MIN_COLS_PER_BLOCK: u32 = 8;
-/// Blocks the expert projections aim for before widening their column blocks.
-const EXPERT_TARGET_BLOCKS: u32 = 1024;
 
 /// The head shape of a GDN layer: `Hk` key heads of `Dk`, `Hv` value heads of `Dv`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,66 +184,6 @@ pub struct GatedRmsNorm {
     pub eps: f32,
 }
 
-/// The parameters of `expert_linear` and `expert_linear_f32out`.
-#[derive(Debug, Clone, Copy)]
-pub struct ExpertLinear {
-    /// bf16 (or f32) `[pairs, n]`.
-    pub out: DevicePtr,
-    /// bf16 `[pairs / pairs_per_x_row, k]`.
-    pub x: DevicePtr,
-    /// bf16 `[num_experts, n, k]`.
-    pub w: DevicePtr,
-    /// u32 `[pairs]`: the expert of each pair.
-    pub expert_ids: DevicePtr,
-    /// (row, choice) pairs.
-    pub pairs: u32,
-    /// Output columns.
-    pub n: u32,
-    /// Input columns.
-    pub k: u32,
-    /// Experts in `w`.
-    pub num_experts: u32,
-    /// Pairs that share one row of `x` (`top_k` for the gate|up projection, 1 for down).
-    pub pairs_per_x_row: u32,
-}
-
-impl ExpertLinear {
-    fn args(&self) -> [KernelArg; 9] {
-        [
-            self.out.into(),
-            self.x.into(),
-            self.w.into(),
-            self.expert_ids.into(),
-            self.pairs.into(),
-            self.n.into(),
-            self.k.into(),
-            self.num_experts.into(),
-            self.pairs_per_x_row.into(),
-        ]
-    }
-}
-
-/// The parameters of `moe_combine`.
-#[derive(Debug, Clone, Copy)]
-pub struct MoeCombine {
-    /// bf16 `[rows, hidden]`.
-    pub out: DevicePtr,
-    /// f32 `[rows * top_k, hidden]`.
-    pub expert_out: DevicePtr,
-    /// f32 `[rows, top_k]`.
-    pub topk_weights: DevicePtr,
-    /// bf16 `[rows, hidden]`, or NULL without a shared expert.
-    pub shared_out: DevicePtr,
-    /// f32 `[rows]` gate logits, or NULL for an ungated shared expert.
-    pub shared_gate: DevicePtr,
-    /// Rows.
-    pub rows: u32,
-    /// Hidden size.
-    pub hidden: u32,
-    /// Experts per row.
-    pub top_k: u32,
-}
-
 impl Ops {
     /// Causal depthwise conv + SiLU of each row's conv channels, reading earlier inputs from the
     /// step or the slot's window. One thread per (row, channel).
@@ -384,8 +319,8 @@ impl Ops {
     /// The gated delta rule token by token (decode), through the kernel
     /// [`Ops::decode_rule_kind`] picks; both give every output and state bitwise the same.
     pub fn gated_delta_recurrent(&self, s: StreamHandle, p: &GatedDelta) -> GpuResult<()> {
-        let kind = self.decode_rule_kind(p)?;
-        self.gated_delta_recurrent_as(s, p, kind)
+        let stream = self.rule_stream(p)?;
+        self.decode_rule(s, p, stream.kind(p), &stream)
     }
 
     /// The decode rule kernel for `p`: `gated_delta_streamed` when its shapes take the streamed
@@ -395,21 +330,7 @@ impl Ops {
     /// 64 82.9 -> 75.7, 128 162.6 -> 145.8; 16 about even (23.2 / 23.3); at 8 and fewer the
     /// recurrent kernel's many small blocks are faster (12.5 / 13.2 at 8, 3.8 / 5.7 at one).
     pub fn decode_rule_kind(&self, p: &GatedDelta) -> GpuResult<DecodeRule> {
-        let Some(smem) = rule_stream_shared_bytes(p) else {
-            return Ok(DecodeRule::Blocks);
-        };
-        let resident = self.resident_clusters(
-            self.k.gated_delta_streamed,
-            rule_stream_threads(p),
-            smem,
-            RULE_STREAM_BLOCKS,
-        )?;
-        let items = p.seqs.num_seqs * p.heads.num_v_heads;
-        Ok(if items >= RULE_STREAM_ITEMS_PER_BLOCK * resident {
-            DecodeRule::Streamed
-        } else {
-            DecodeRule::Blocks
-        })
+        Ok(self.rule_stream(p)?.kind(p))
     }
 
     /// `gated_delta_recurrent` through the chosen kernel (the tests run both). `Streamed` on
@@ -421,18 +342,48 @@ impl Ops {
         p: &GatedDelta,
         kind: DecodeRule,
     ) -> GpuResult<()> {
+        let stream = self.rule_stream(p)?;
+        self.decode_rule(s, p, kind, &stream)
+    }
+
+    /// `gated_delta_streamed`'s launch for `p`, its resident blocks asked once.
+    fn rule_stream(&self, p: &GatedDelta) -> GpuResult<RuleStream> {
+        let threads = rule_stream_threads(p);
+        let smem = rule_stream_shared_bytes(p);
+        let resident = self.resident_clusters(
+            self.k.gated_delta_streamed,
+            threads,
+            smem.unwrap_or(0),
+            RULE_STREAM_BLOCKS,
+        )?;
+        Ok(RuleStream {
+            threads,
+            smem,
+            resident,
+        })
+    }
+
+    /// The decode rule through `kind`'s kernel (`stream`: the streamed kernel's launch).
+    fn decode_rule(
+        &self,
+        s: StreamHandle,
+        p: &GatedDelta,
+        kind: DecodeRule,
+        stream: &RuleStream,
+    ) -> GpuResult<()> {
         let args = Self::rule_args(p, false);
         match kind {
             DecodeRule::Blocks => self.go(self.k.gated_delta_recurrent, rule_geometry(p), &args, s),
             DecodeRule::Streamed => {
-                let kernel = self.k.gated_delta_streamed;
-                let threads = rule_stream_threads(p);
-                let smem = rule_stream_shared_bytes(p).unwrap_or(0);
-                let resident = self.resident_clusters(kernel, threads, smem, RULE_STREAM_BLOCKS)?;
-                let items = p.seqs.num_seqs * p.heads.num_v_heads;
-                let cfg =
-                    LaunchConfig::grid2(items.min(resident).max(1), 1, threads).with_shared(smem);
-                self.go(kernel, step_launch(cfg, p.seqs.rows), &args, s)
+                let items = rule_items(p);
+                let cfg = LaunchConfig::grid2(items.min(stream.resident).max(1), 1, stream.threads)
+                    .with_shared(stream.smem.unwrap_or(0));
+                self.go(
+                    self.k.gated_delta_streamed,
+                    step_launch(cfg, p.seqs.rows),
+                    &args,
+                    s,
+                )
             }
         }
     }
@@ -491,66 +442,6 @@ impl Ops {
             s,
         )
     }
-
-    /// Softmax over the router logits, top-k, optional renormalisation. One warp per row.
-    #[allow(clippy::too_many_arguments)]
-    pub fn topk_route(
-        &self,
-        s: StreamHandle,
-        topk_ids: DevicePtr,
-        topk_weights: DevicePtr,
-        logits: DevicePtr,
-        rows: u32,
-        num_experts: u32,
-        top_k: u32,
-        renormalize: bool,
-    ) -> GpuResult<()> {
-        let args: [KernelArg; 7] = [
-            topk_ids.into(),
-            topk_weights.into(),
-            logits.into(),
-            rows.into(),
-            num_experts.into(),
-            top_k.into(),
-            (renormalize as u32).into(),
-        ];
-        self.go(self.k.topk_route, LaunchConfig::linear(rows, 32), &args, s)
-    }
-
-    /// Each (row, choice) pair through its expert's slice of a stacked weight, bf16 out.
-    pub fn expert_linear(&self, s: StreamHandle, p: &ExpertLinear) -> GpuResult<()> {
-        self.go(self.k.expert_linear, expert_geometry(p), &p.args(), s)
-    }
-
-    /// As `expert_linear`, f32 out (the down projection, kept for the weighted sum).
-    pub fn expert_linear_f32out(&self, s: StreamHandle, p: &ExpertLinear) -> GpuResult<()> {
-        self.go(
-            self.k.expert_linear_f32out,
-            expert_geometry(p),
-            &p.args(),
-            s,
-        )
-    }
-
-    /// The weighted sum of each row's experts plus its gated shared expert, bf16 out.
-    pub fn moe_combine(&self, s: StreamHandle, p: &MoeCombine) -> GpuResult<()> {
-        let args: [KernelArg; 8] = [
-            p.out.into(),
-            p.expert_out.into(),
-            p.topk_weights.into(),
-            p.shared_out.into(),
-            p.shared_gate.into(),
-            p.rows.into(),
-            p.hidden.into(),
-            p.top_k.into(),
-        ];
-        self.go(
-            self.k.moe_combine,
-            LaunchConfig::linear(p.rows, 256),
-            &args,
-            s,
-        )
-    }
 }
 
 /// Threads of a `gdn_prepare` block: a warp per q and k head of the row, so each head's norm is
@@ -594,6 +485,30 @@ const RULE_STREAM_ITEMS_PER_BLOCK: u32 = 4;
 /// one a multiprocessor at Qwen3.5 heads.
 const RULE_STREAM_BLOCKS: u32 = 132;
 
+/// `gated_delta_streamed`'s launch: threads, dynamic shared memory (`None`: shapes off its
+/// streamed path, which it runs from no shared memory) and blocks resident at once.
+struct RuleStream {
+    threads: u32,
+    smem: Option<u32>,
+    resident: u32,
+}
+
+impl RuleStream {
+    /// The kernel [`Ops::decode_rule_kind`] picks for `p`.
+    fn kind(&self, p: &GatedDelta) -> DecodeRule {
+        if self.smem.is_some() && rule_items(p) >= RULE_STREAM_ITEMS_PER_BLOCK * self.resident {
+            DecodeRule::Streamed
+        } else {
+            DecodeRule::Blocks
+        }
+    }
+}
+
+/// The decode rule's (sequence, value head) items.
+fn rule_items(p: &GatedDelta) -> u32 {
+    p.seqs.num_seqs * p.heads.num_v_heads
+}
+
 /// Threads of a `gated_delta_streamed` block: a warp per 16 value columns of a head.
 fn rule_stream_threads(p: &GatedDelta) -> u32 {
     32 * p.heads.v_head_dim.div_ceil(RULE_WARP_COLS).max(1)
@@ -632,21 +547,6 @@ fn rule_geometry(p: &GatedDelta) -> LaunchConfig {
         LaunchConfig::grid2(p.seqs.num_seqs, p.heads.num_v_heads * groups, 32 * warps),
         p.seqs.rows,
     )
-}
-
-/// The expert projections' grid (`kernels/moe.cu`): y over the routed experts (at most
-/// `min(num_experts, pairs)`; block y serves the y-th routed expert, the others return at once),
-/// x over blocks of output columns, 32 of them, or fewer (down to 8) while the grid has fewer than
-/// `EXPERT_TARGET_BLOCKS` blocks; a bitmap of the experts in dynamic shared memory. A pair's
-/// outputs do not depend on the grid.
-fn expert_geometry(p: &ExpertLinear) -> LaunchConfig {
-    let experts = p.num_experts.min(p.pairs).max(1);
-    let mut cols = EXPERT_MAX_COLS_PER_BLOCK;
-    while cols > EXPERT_MIN_COLS_PER_BLOCK && p.n.div_ceil(cols) * experts < EXPERT_TARGET_BLOCKS {
-        cols /= 2;
-    }
-    LaunchConfig::grid2(p.n.div_ceil(cols), experts, EXPERT_THREADS)
-        .with_shared(p.num_experts.div_ceil(32).max(1) * 4)
 }
 
 #[cfg(test)]
