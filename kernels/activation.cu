@@ -33,22 +33,28 @@ extern "C" __global__ void silu_mul(bf16* __restrict__ out, const bf16* __restri
     }
 }
 
-// silu_mul_staged(out: stage images of [rows, ffn], gate_up: bf16 [rows, 2 * ffn], rows, ffn):
-// `silu_mul` written as `linear_tma`'s stage images (kernels/common.cuh) rather than rows, for
-// the down projection to read without `permute_k32_tiles`. Image rows past `rows` (and k past
-// ffn, when ffn % 64 != 0) are not written: the launcher stages only ffn % 64 == 0. Needs
-// ffn % 8 == 0 and a 16-byte aligned gate_up; same grid as `silu_mul`.
-extern "C" __global__ void silu_mul_staged(bf16* __restrict__ out, const bf16* __restrict__ gate_up,
-                                           uint32_t rows, uint32_t ffn) {
-    pdl_wait();  // launched as a programmatic dependent (ops::silu_mul_staged)
-    pdl_trigger();
+// silu_mul_staged(img: stage images of [rows, ffn], act: bf16 [rows, ffn] or NULL, gate_up: bf16
+// [rows, 2 * ffn], rows, ffn): `silu_mul` written as `linear_tma`'s stage images
+// (kernels/common.cuh), for the down projection to read without `permute_k32_tiles` (prefill
+// sizes) or to bulk-copy (`linear_stream_tma`, decode sizes); and, where `act`
+// is given, as rows too (what `linear_stream_tma` reads where it cannot use the images). Image
+// rows past `rows` (and k past ffn, when ffn % 64 != 0) are not written: the launcher stages only
+// ffn % 64 == 0. Needs ffn % 8 == 0 and 16-byte aligned gate_up and act; same grid as `silu_mul`.
+extern "C" __global__ void silu_mul_staged(bf16* __restrict__ img, bf16* __restrict__ act,
+                                           const bf16* __restrict__ gate_up, uint32_t rows, uint32_t ffn) {
+    pdl_enter(rows);  // launched as a programmatic dependent, like `silu_mul`
     const uint32_t r = blockIdx.x;
     if (r >= rows || ffn % 8 != 0) return;
     const bf16* g = gate_up + (size_t)r * 2 * ffn;
     const bf16* u = g + ffn;
-    if (!aligned16(g)) return;
-    unsigned char* img = reinterpret_cast<unsigned char*>(out);
+    if (!aligned16(g) || (act != nullptr && !aligned16(act))) return;
+    unsigned char* im = reinterpret_cast<unsigned char*>(img);
+    bf16* o = act != nullptr ? act + (size_t)r * ffn : nullptr;
     const uint32_t steps = ((ffn + 31) / 32 + 1) / 2;
     const uint32_t first = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
-    for (uint32_t v = first; v < ffn / 8; v += stride) store_k32_unit(img, r, v / 4, v % 4, steps, silu_mul8(g, u, v));
+    for (uint32_t v = first; v < ffn / 8; v += stride) {
+        const uint4 h = silu_mul8(g, u, v);
+        store_k32_unit(im, r, v / 4, v % 4, steps, h);
+        if (o != nullptr) store16(o + 8 * v, h);
+    }
 }

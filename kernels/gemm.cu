@@ -30,7 +30,8 @@
 //   LIN_SEGS blocks, one a multiprocessor, taking tiles of 128 columns in turn; the weight by
 //   tensor map into a ring that runs on across tiles, as wgmma's register operand; each block's
 //   segment of x (or of a row block of x, where the whole segment would not fit) copied once
-//   into shared memory; the producer warpgroup's idle warps sum the tiles' segment partials
+//   into shared memory, by bulk copies from the stage images its producer wrote where the
+//   launcher gives them (17..128 rows); the producer warpgroup's idle warps sum the tiles' segment partials
 //   (kernels/gemm_wgmma.cuh). H200 (lab/decode_tma_lab.cu, 2026-12-01), share of the read
 //   stream at 64 rows on the Qwen3-8B projections, against `linear_stream_wide`: qkv 54 / 35 %,
 //   o 48 / 34 %, gate_up 79 / 48 %, down 52 / 38 % (two row blocks of 32); LM head at 32 rows
@@ -739,8 +740,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 // ---- `linear_stream_tma`: the decode kernel of the sm_90a cubin where a weight map exists ----
 
 template <typename OutT>
-MT_DEVICE void linear_stream_tma_impl(OutT* out, const bf16* x, const bf16* w, const void* wmap, uint32_t m,
-                                      uint32_t n, uint32_t k) {
+MT_DEVICE void linear_stream_tma_impl(OutT* out, const bf16* x, const bf16* ximg, const bf16* w, const void* wmap,
+                                      uint32_t m, uint32_t n, uint32_t k) {
     extern __shared__ __align__(1024) unsigned char lin_dec_smem[];
     // Uniform over the grid, so every block of a cluster leaves together.
     if (m == 0 || n == 0 || blockDim.x != LIN_DEC_THREADS) return;
@@ -756,17 +757,20 @@ MT_DEVICE void linear_stream_tma_impl(OutT* out, const bf16* x, const bf16* w, c
     while (rows > 8 && seg_steps * rows * 128 + rows * 1024 + LIN_DEC_MIN_STAGES * LIN_DEC_COLS * 128 > LIN_DEC_SPACE)
         rows /= 2;
     const uint32_t row_blocks = (m + rows - 1) / rows;
+    const unsigned char* xi = reinterpret_cast<const unsigned char*>(ximg);
     if (rows == 8)
-        linear_dec_body<OutT, 8>(out, x, wmap, m, n, k, row_blocks, smem);
+        linear_dec_body<OutT, 8>(out, x, xi, wmap, m, n, k, row_blocks, smem);
     else if (rows == 16)
-        linear_dec_body<OutT, 16>(out, x, wmap, m, n, k, row_blocks, smem);
+        linear_dec_body<OutT, 16>(out, x, xi, wmap, m, n, k, row_blocks, smem);
     else if (rows == 32)
-        linear_dec_body<OutT, 32>(out, x, wmap, m, n, k, row_blocks, smem);
+        linear_dec_body<OutT, 32>(out, x, xi, wmap, m, n, k, row_blocks, smem);
     else
-        linear_dec_body<OutT, 64>(out, x, wmap, m, n, k, row_blocks, smem);
+        linear_dec_body<OutT, 64>(out, x, xi, wmap, m, n, k, row_blocks, smem);
 #else  // the compute_90 PTX: `linear_stream_wide`'s body (no wgmma, no tensor map) on each of the
-       // cluster's tiles in turn; the warps past its eight compute partials nobody sums.
+       // cluster's tiles in turn, from x's rows (never its images); the warps past its eight
+       // compute partials nobody sums.
     (void)wmap;
+    (void)ximg;
     const uint32_t tiles = (n + 127) / 128 * ((m + LIN_W_ROWS - 1) / LIN_W_ROWS);
     for (uint32_t t = blockIdx.x / LIN_SEGS; t < tiles; t += gridDim.x / LIN_SEGS) {
         if (k % 8 != 0 || !aligned16(x) || !aligned16(w))
@@ -777,22 +781,30 @@ MT_DEVICE void linear_stream_tma_impl(OutT* out, const bf16* x, const bf16* w, c
 #endif
 }
 
-// linear_stream_tma(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], wmap: `linear_tma`'s
-// tensor map of w, m, n, k): `linear`, the decode path (9..128 rows) where the weight has a map.
-// Persistent clusters of LIN_SEGS blocks: grid LIN_SEGS * clusters, the clusters a multiple of
-// the row blocks (`ops_gemm::linear_stream_tma_geometry`: per row block at most one a tile of
-// 128 columns and no more than are resident), LIN_DEC_THREADS threads, LIN_DEC_SPACE + 2 KiB of
-// dynamic shared memory (one block a multiprocessor). Needs k % 8 == 0 and 16-byte aligned
-// operands.
+// linear_stream_tma(out: bf16 [m, n], x: bf16 [m, k], ximg: x's stage images or NULL, w: bf16
+// [n, k], wmap: `linear_tma`'s tensor map of w, m, n, k): `linear`, the decode path (9..128 rows)
+// where the weight has a map. Where `ximg` is given (its producer wrote x both as rows and as
+// `linear_tma`'s stage images: `add_rms_norm_staged`, `silu_mul_staged`), k % 64 == 0 and each
+// of the k segments is whole stages, a block takes its segment of x from the images by bulk
+// copies instead of copying x's rows itself (the same bytes in shared memory, so the same rows
+// out; m <= 128, so the images are one row tile). Persistent clusters of LIN_SEGS blocks: grid
+// LIN_SEGS * clusters, the clusters a multiple of the row blocks
+// (`ops_gemm::linear_stream_tma_geometry`: per row block at most one a tile of 128 columns and
+// no more than are resident), LIN_DEC_THREADS threads, LIN_DEC_SPACE + 2 KiB of dynamic shared
+// memory (one block a multiprocessor). Needs k % 8 == 0 and 16-byte aligned operands (128-byte
+// aligned images).
 extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_DEC_THREADS, 1)
-    linear_stream_tma(bf16* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
-                      const void* __restrict__ wmap, uint32_t m, uint32_t n, uint32_t k) {
-    linear_stream_tma_impl(out, x, w, wmap, m, n, k);
+    linear_stream_tma(bf16* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ ximg,
+                      const bf16* __restrict__ w, const void* __restrict__ wmap, uint32_t m, uint32_t n,
+                      uint32_t k) {
+    linear_stream_tma_impl(out, x, ximg, w, wmap, m, n, k);
 }
 
-// linear_stream_tma_f32out(out: f32 [m, n], x, w, wmap, m, n, k): `linear_f32out`, likewise.
+// linear_stream_tma_f32out(out: f32 [m, n], x, ximg, w, wmap, m, n, k): `linear_f32out`,
+// likewise.
 extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_DEC_THREADS, 1)
-    linear_stream_tma_f32out(float* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
-                             const void* __restrict__ wmap, uint32_t m, uint32_t n, uint32_t k) {
-    linear_stream_tma_impl(out, x, w, wmap, m, n, k);
+    linear_stream_tma_f32out(float* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ ximg,
+                             const bf16* __restrict__ w, const void* __restrict__ wmap, uint32_t m, uint32_t n,
+                             uint32_t k) {
+    linear_stream_tma_impl(out, x, ximg, w, wmap, m, n, k);
 }

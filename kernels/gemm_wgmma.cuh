@@ -429,7 +429,9 @@ MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const void* wmap, uint
 // boxes of 64 k by 128 rows, 128-byte swizzle) into a ring that runs on across tiles, and is
 // wgmma's register operand. x, the B operand, is the same for every tile of a block: the block
 // reads its segment of x once, at the start, into shared memory in the `k32_pairs` order of
-// `permute_k32_tiles`'s images (every stage's image resident), so the consumers are
+// `permute_k32_tiles`'s images (every stage's image resident; taken from those images by bulk
+// copies where the producer of x wrote them: rows past m then hold whatever the images hold,
+// which reaches only those rows' outputs, never stored), so the consumers are
 // `linear_tma_body`'s. The row count picks the wgmma's N (8 .. 64), so one row multiplies 8 rows,
 // not 64; where N rows of the segment would not fit, x goes in row blocks of fewer rows, each
 // row block's clusters beside the other's on the same column tiles (the down projection's 12288
@@ -513,8 +515,10 @@ MT_DEVICE void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
 // `linear_stream_tma`'s body for N-row wgmmas. Shared memory: x's segment (stage j's image at
 // j * N * 128), two buffers of partials, the ring of weight stages, the mbarriers. Thread 0
 // queues the ring's first stages before the programmatic wait (the weight is never written by
-// the kernel ahead), then every thread copies its share of x's segment (zeros past m and past
-// the segment); then thread 0 queues the rest, each stage's full barrier taking the box's bytes,
+// the kernel ahead), then either thread 0 queues bulk copies of x's segment from its stage
+// images (`ximg`: one a stage, completing on `xfull`, which the consumers wait for) or every
+// thread copies its share of x's rows (zeros past m and past the segment); then thread 0 queues
+// the rest, each stage's full barrier taking the box's bytes,
 // its empty barrier the 256 consumers' arrivals. Warpgroups 1 and 2 consume (weight rows 64 c ..
 // 64 c + 63 of the tile, fragment rows as in `linear_tma_body`). At a tile's end the consumers
 // write their partials into one of two buffers (once the cluster has read that buffer's
@@ -522,8 +526,8 @@ MT_DEVICE void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
 // warpgroup's warps 1-3 sum this block's share of each tile over the segments, in order, once
 // every block has published it, store it, and tell every block that buffer is read.
 template <typename OutT, uint32_t N>
-MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint32_t m, uint32_t n, uint32_t k,
-                               uint32_t row_blocks, unsigned char* smem) {
+MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const unsigned char* ximg, const void* wmap, uint32_t m,
+                               uint32_t n, uint32_t k, uint32_t row_blocks, unsigned char* smem) {
     constexpr uint32_t W_BYTES = LIN_DEC_COLS * 128, X_STAGE = N * 128, PART_BYTES = N * 1024;
     const uint32_t tid = threadIdx.x, seg = blockIdx.x % LIN_SEGS;
     // Cluster c takes rows N (c % row_blocks).. and the column tiles c / row_blocks, + ncol, ...:
@@ -543,7 +547,10 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
     const uint32_t xs = sbase, ring = sbase + x_bytes + PART_BYTES;
     const uint32_t full = ring + ST * W_BYTES, empty = full + LIN_DEC_MAX_STAGES * 8;
-    const uint32_t pready = empty + LIN_DEC_MAX_STAGES * 8, pfree = pready + 16;
+    const uint32_t pready = empty + LIN_DEC_MAX_STAGES * 8, pfree = pready + 16, xfull = pfree + 16;
+    // x's segment from its stage images: where they are given and every segment starts and
+    // ends with a stage (uniform over the grid).
+    const bool staged = ximg != nullptr && k % 64 == 0 && lin_segment(k, 0).c_end % 2 == 0;
     if (tid < ST) {
         mbar_init(full + tid * 8, 1);
         mbar_init(empty + tid * 8, 256);
@@ -552,6 +559,7 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
         mbar_init(pready + tid * 8, LIN_SEGS);
         mbar_init(pfree + tid * 8, LIN_SEGS);
     }
+    if (tid == 0) mbar_init(xfull, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     // Every block's barriers are set before any block arrives on them.
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
@@ -568,9 +576,18 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
         for (uint32_t g = 0; g < total && g < ST; ++g) queue_w(g);
     }
     pdl_wait();
-    // x's segment: unit u (16 bytes: k 8q..8q+7 of chunk cc of row r, pairs 4q..4q+3) goes
-    // pair by pair to its `k32_pairs` places (pair 4q + i: unit i, position q).
-    {
+    if (staged) {
+        // The images hold every row of the one 128-row tile (m <= 128): stage j of this
+        // segment is N * 128 contiguous bytes of image span.c_begin / 2 + j, from row m0, in
+        // the order and swizzle the consumers read. One bulk copy a stage, all on `xfull`.
+        if (tid == 0) {
+            mbar_expect_tx(xfull, steps * X_STAGE);
+            for (uint32_t j = 0; j < steps; ++j)
+                bulk_g2s(xs + j * X_STAGE, ximg + ((size_t)(span.c_begin / 2 + j) * 16384 + m0 * 128), X_STAGE, xfull);
+        }
+    } else {
+        // x's segment: unit u (16 bytes: k 8q..8q+7 of chunk cc of row r, pairs 4q..4q+3)
+        // goes pair by pair to its `k32_pairs` places (pair 4q + i: unit i, position q).
         // Batches of XB units a thread: the loads of a batch are all in flight before its stores.
         constexpr uint32_t XB = 8;
         const uint32_t units = N * seg_steps * 8;
@@ -680,6 +697,7 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const void* wmap, uint3
         prev_slot = slot;
         if (++slot == ST) slot = 0, phase ^= 1;
     };
+    if (staged) mbar_wait(xfull, 0);
     uint32_t g = 0;
     for (uint32_t it = 0; it < my_tiles; ++it) {
 #pragma unroll

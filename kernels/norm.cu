@@ -118,14 +118,15 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ residual, const bf16
 // add_rms_norm_staged(residual, delta, w, out, img: stage images of [rows, cols], rows, cols,
 // eps, unit_offset): `add_rms_norm`, the normalized rows written to `out` and also as
 // `linear_tma`'s stage images (kernels/common.cuh), so the projection after it reads them
-// without `permute_k32_tiles`. Image rows past `rows` (and k past cols, when cols % 64 != 0)
-// are not written: the launcher stages only cols % 64 == 0 with 16-byte aligned operands.
+// without `permute_k32_tiles` (prefill sizes) or copies its segments of them whole
+// (`linear_stream_tma`, decode sizes). Image rows past `rows` (and k past cols, when
+// cols % 64 != 0) are not written: the launcher stages only cols % 64 == 0 with 16-byte aligned
+// operands.
 extern "C" __global__ void add_rms_norm_staged(float* __restrict__ residual, const bf16* __restrict__ delta,
                                                const bf16* __restrict__ w, bf16* __restrict__ out,
                                                bf16* __restrict__ img, uint32_t rows, uint32_t cols, float eps,
                                                uint32_t unit_offset) {
-    pdl_wait();  // launched as a programmatic dependent (ops::add_rms_norm_staged)
-    pdl_trigger();
+    pdl_enter(rows);  // launched as a programmatic dependent, like `add_rms_norm`
     add_rms_norm_row(residual, delta, w, out, reinterpret_cast<unsigned char*>(img), rows, cols, eps,
                      unit_offset);
 }

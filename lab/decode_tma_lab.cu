@@ -3,7 +3,10 @@
 // `linear_stream_wide`): bitwise on mixed shapes (poisoned outputs, f32 and bf16 out), then
 // timed per projection (20 launches per CUDA graph, programmatic dependents, weights rotated past
 // L2) and over 36 Qwen3-8B-shaped layers and the LM head with stand-in small kernels between the
-// projections. Build with lab/build.sh; `decode_tma_lab quick` skips the layer runs.
+// projections. Each check and each timing runs the kernel twice: x from its rows, and x from
+// `permute_k32_tiles`'s stage images (what `add_rms_norm_staged` / `silu_mul_staged` write at
+// decode sizes), where every k segment is whole stages. Build with lab/build.sh;
+// `decode_tma_lab quick` skips the layer runs.
 #include "../kernels/gemm.cu"
 
 #include <cuda.h>
@@ -55,6 +58,26 @@ static void launch_ref(bool pdl, cudaStream_t s, OutT* out, const bf16* x, const
 }
 
 static const int TMA_SMEM = LIN_DEC_SPACE + 2048;
+
+// x's stage images for `linear_stream_tma` (NULL: it copies x's rows), and whether the kernel
+// takes them at k inputs (k % 64 == 0, segments of whole stages).
+static const bf16* g_ximg = nullptr;
+static bool takes_images(uint32_t k) { return k % 64 == 0 && ((k / 32 + 7) / 8) % 2 == 0; }
+
+// `permute_k32_tiles` of x [m, k] (m <= 128) into a new buffer, rows past m NaN (stale, as a
+// decode step finds them); the caller frees it.
+static bf16* stage_images(const bf16* x, uint32_t m, uint32_t k) {
+    const size_t bytes = (size_t)((k + 63) / 64) * 16384;
+    bf16* img;
+    CK(cudaMalloc(&img, bytes));
+    CK(cudaMemset(img, 0xFF, bytes));
+    void* args[] = {&img, &x, &m, &k};
+    launch_ex((const void*)permute_k32_tiles, dim3(256), dim3(256), 0, false, 0, args);
+    CK(cudaDeviceSynchronize());
+    for (uint32_t j = 0; j < (k + 63) / 64; ++j)
+        CK(cudaMemset(reinterpret_cast<char*>(img) + (size_t)j * 16384 + m * 128, 0xFF, (128 - m) * 128));
+    return img;
+}
 static int g_clusters = 0;  // resident clusters of linear_stream_tma
 
 // x's rows a `linear_stream_tma` block holds and the row blocks (ops_gemm::linear_stream_tma_rows;
@@ -83,7 +106,8 @@ static void launch_tma(bool pdl, cudaStream_t s, OutT* out, const bf16* x, const
     if (!tma_fits(m, k)) return launch_ref<OutT>(pdl, s, out, x, w, m, n, k);
     const bool f32 = sizeof(OutT) == 4;
     void* map = weight_map(w, n, k);
-    void* args[] = {&out, &x, &w, &map, &m, &n, &k};
+    const bf16* ximg = g_ximg;
+    void* args[] = {&out, &x, &ximg, &w, &map, &m, &n, &k};
     const void* fn = f32 ? (const void*)linear_stream_tma_f32out : (const void*)linear_stream_tma;
     uint32_t blocks = 1;
     tma_rows(m, k, &blocks);
@@ -93,7 +117,7 @@ static void launch_tma(bool pdl, cudaStream_t s, OutT* out, const bf16* x, const
 }
 
 template <typename OutT>
-static int check(cudaStream_t s, uint32_t m, uint32_t n, uint32_t k, int pdl) {
+static int check(cudaStream_t s, uint32_t m, uint32_t n, uint32_t k, int pdl, bool images) {
     bf16* x = alloc_fill((size_t)m * k, m * 7 + k, 1.0f);
     bf16* w = alloc_fill((size_t)n * k, n * 13 + k, sqrtf(3.0f / k));
     OutT *ref, *out;
@@ -104,7 +128,18 @@ static int check(cudaStream_t s, uint32_t m, uint32_t n, uint32_t k, int pdl) {
     CK(cudaMemsetAsync(ref, 0xFF, bytes, s));
     CK(cudaMemsetAsync(out, 0xFF, bytes, s));
     launch_ref<OutT>(pdl, s, ref, x, w, m, n, k);
+    bf16* img = images && m <= 128 && takes_images(k) ? stage_images(x, m, k) : nullptr;
+    if (images && !img) {  // nothing to check from images
+        CK(cudaStreamSynchronize(s));
+        CK(cudaFree(x));
+        CK(cudaFree(w));
+        CK(cudaFree(ref));
+        CK(cudaFree(out));
+        return 0;
+    }
+    g_ximg = img;
     launch_tma<OutT>(pdl, s, out, x, w, m, n, k);
+    g_ximg = nullptr;
     std::vector<unsigned char> hr(bytes), ho(bytes);
     CK(cudaMemcpyAsync(hr.data(), ref, bytes, cudaMemcpyDeviceToHost, s));
     CK(cudaMemcpyAsync(ho.data(), out, bytes, cudaMemcpyDeviceToHost, s));
@@ -121,8 +156,10 @@ static int check(cudaStream_t s, uint32_t m, uint32_t n, uint32_t k, int pdl) {
         }
     }
     if (diff || unwritten)
-        printf("CHECK %s m=%u n=%u k=%u pdl=%d: %zu differ (first [%zu] row %zu col %zu), %zu unwritten\n",
-               E == 4 ? "f32" : "bf16", m, n, k, pdl, diff, first, first / n, first % n, unwritten);
+        printf("CHECK %s m=%u n=%u k=%u pdl=%d%s: %zu differ (first [%zu] row %zu col %zu), %zu unwritten\n",
+               E == 4 ? "f32" : "bf16", m, n, k, pdl, img ? " images" : "", diff, first, first / n, first % n,
+               unwritten);
+    if (img) CK(cudaFree(img));
     CK(cudaFree(x));
     CK(cudaFree(w));
     CK(cudaFree(ref));
@@ -176,11 +213,12 @@ int main(int argc, char** argv) {
                                      {48, 1000, 12288}};
         int bad = 0, runs = 0;
         for (auto sh : shapes)
-            for (int pdl = 0; pdl < 2; ++pdl) {
-                bad += check<float>(s, sh.m, sh.n, sh.k, pdl);
-                bad += check<bf16>(s, sh.m, sh.n, sh.k, pdl);
-                runs += 2;
-            }
+            for (int pdl = 0; pdl < 2; ++pdl)
+                for (bool images : {false, true}) {
+                    bad += check<float>(s, sh.m, sh.n, sh.k, pdl, images);
+                    bad += check<bf16>(s, sh.m, sh.n, sh.k, pdl, images);
+                    runs += 2;
+                }
         printf("bitwise: %d of %d runs differ from the map-less kernels\n", bad, runs);
     }
 
@@ -207,21 +245,25 @@ int main(int argc, char** argv) {
             if (speed && (m == 4 || m == 16 || pj.n == 151936 || pj.n == 12352)) continue;
             if (brief && m != 1 && m != 64) continue;
             const int reps = brief ? 3 : 20;
-            double t[2];
-            for (int v = 0; v < 2; ++v) {
-                printf("(%s m=%u %s)\n", pj.name, m, v ? "tma" : "ref");
+            // ref, tma from x's rows, tma from x's images (where it takes them)
+            bf16* img = m <= 128 && takes_images(pj.k) ? stage_images(x, m, pj.k) : nullptr;
+            double t[3] = {0, 0, 0};
+            for (int v = 0; v < (img ? 3 : 2); ++v) {
+                printf("(%s m=%u %s)\n", pj.name, m, v == 0 ? "ref" : v == 1 ? "tma" : "tma images");
                 fflush(stdout);
+                g_ximg = v == 2 ? img : nullptr;
                 t[v] = time_graph(s, [&](cudaStream_t st) {
                     for (int r = 0; r < reps; ++r) {
                         if (v == 0) launch_ref<bf16>(true, st, out, x, ws[r % copies], m, pj.n, pj.k);
                         else launch_tma<bf16>(true, st, out, x, ws[r % copies], m, pj.n, pj.k);
                     }
                 }, brief ? 1 : 5) / reps * 1e3;
+                g_ximg = nullptr;
             }
-            printf("%-8s m=%-3u floor %6.1f us: ref %6.1f (%3.0f%%)  tma%s %6.1f (%3.0f%%)\n", pj.name, m,
-                   wbytes / read_gbs / 1e3, t[0], 100.0 * wbytes / (t[0] * 1e3) / read_gbs,
-                   tma_fits(m, pj.k) ? "" : "(ref)", t[1],
-                   100.0 * wbytes / (t[1] * 1e3) / read_gbs);
+            if (img) CK(cudaFree(img));
+            printf("%-8s m=%-3u floor %6.1f us: ref %6.1f (%3.0f%%)  tma%s %6.1f (%3.0f%%)  images %6.1f\n", pj.name,
+                   m, wbytes / read_gbs / 1e3, t[0], 100.0 * wbytes / (t[0] * 1e3) / read_gbs,
+                   tma_fits(m, pj.k) ? "" : "(ref)", t[1], 100.0 * wbytes / (t[1] * 1e3) / read_gbs, t[2]);
         }
         for (auto w : ws) CK(cudaFree(w));
         CK(cudaFree(x));

@@ -11,8 +11,9 @@ use metrale_gpu_runtime::cpu::KernelCtx;
 use metrale_gpu_runtime::cpu::kernels::gemm;
 use metrale_gpu_runtime::{CpuBackend, GpuResult};
 use metrale_model_engine::generate::{GenerateParams, Generation, generate, generate_batch};
+use metrale_model_engine::model_circuit::Fusions;
 use metrale_model_engine::sampling::SamplingParams;
-use metrale_model_engine::{ModelOptions, TransformerModel, factory};
+use metrale_model_engine::{ForwardSelect, ModelCircuit, ModelOptions, TransformerModel, factory};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -166,4 +167,104 @@ fn kv_blocks_are_returned_after_every_generation() {
     let prompt: Vec<u32> = (1..50).collect();
     alone(&mut model, &prompt, &params(20, 0.0, 0));
     assert_eq!(model.kv_cache().allocator.num_free(), free);
+}
+
+static STAGED_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// `activation::silu_mul_staged`'s twin, counted.
+fn counted_silu_staged(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    STAGED_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    metrale_gpu_runtime::cpu::kernels::activation::silu_mul_staged(ctx)
+}
+
+/// Decode steps of 17..128 rows give the qkv (or GDN input), gate/up and down projections their
+/// x as stage images written by the kernel ahead (`add_rms_norm_staged`, `silu_mul_staged`)
+/// wherever every k segment is whole stages; the tiny checkpoints' widths (64..256 inputs:
+/// segments of one chunk) never are. Random Qwen3 and Qwen3.5 models of 512 and 1024 inputs
+/// (segments of two and four chunks): twenty sequences batched (steps of 32 rows, which stage)
+/// give bitwise what each gives alone (one row: no staging), under the legacy, reference and
+/// fused forwards.
+#[test]
+fn decode_steps_staging_x_as_images_are_bitwise_alone() {
+    let dense = r#"{"model_type": "qwen3", "hidden_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+        "intermediate_size": 1024, "vocab_size": 256, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": false,
+        "hidden_act": "silu", "eos_token_id": 0}"#;
+    let hybrid = r#"{"model_type": "qwen3_5_text", "hidden_size": 512, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+        "intermediate_size": 1024, "vocab_size": 256, "rms_norm_eps": 1e-6,
+        "full_attention_interval": 4, "attn_output_gate": true,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_value_head_dim": 128,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 4096, "tie_word_embeddings": false, "hidden_act": "silu",
+        "eos_token_id": 0}"#;
+    for text in [dense, hybrid] {
+        let config = metrale_config::ModelConfig::from_json_str(
+            text,
+            std::path::Path::new("<staged shape>"),
+        )
+        .unwrap();
+        staged_decode_is_bitwise_alone(&config);
+    }
+}
+
+fn staged_decode_is_bitwise_alone(config: &metrale_config::ModelConfig) {
+    let forwards = [
+        ForwardSelect::Legacy,
+        ForwardSelect::Circuit {
+            fusions: Fusions::ReferenceOnly,
+        },
+        ForwardSelect::Circuit {
+            fusions: Fusions::All,
+        },
+    ];
+    for forward in forwards {
+        let mut backend = CpuBackend::default();
+        backend.register("activation", "silu_mul_staged", counted_silu_staged);
+        let options = ModelOptions {
+            max_decode_seqs: 32,
+            ..Default::default()
+        };
+        let mut model = factory::random(config.clone(), options, Arc::new(backend), 7).unwrap();
+        model.set_forward(forward).unwrap();
+        let prompts: Vec<Vec<u32>> = (0..20u32)
+            .map(|i| {
+                (0..3 + i % 5)
+                    .map(|t| (t * 37 + i * 11) % 250 + 1)
+                    .collect()
+            })
+            .collect();
+        let p = params(3, 0.0, 0);
+        let reqs: Vec<(&[u32], &GenerateParams)> =
+            prompts.iter().map(|q| (q.as_slice(), &p)).collect();
+        let before = STAGED_RUNS.load(std::sync::atomic::Ordering::SeqCst);
+        let batched = generate_batch(&mut model, &reqs, &mut |_, _| {
+            std::ops::ControlFlow::Continue(())
+        })
+        .unwrap();
+        let staged = STAGED_RUNS.load(std::sync::atomic::Ordering::SeqCst) - before;
+        assert!(
+            staged > 0,
+            "{forward:?}: no decode step staged the down projection's x"
+        );
+        for (i, (prompt, p)) in reqs.iter().enumerate() {
+            let solo = alone(&mut model, prompt, p);
+            assert_eq!(
+                batched[i].token_ids, solo.token_ids,
+                "{forward:?} sequence {i}"
+            );
+            let (b, s) = (
+                batched[i].logits.as_ref().unwrap(),
+                solo.logits.as_ref().unwrap(),
+            );
+            for (step, (x, y)) in b.iter().zip(s).enumerate() {
+                assert!(
+                    x.iter().zip(y).all(|(a, c)| a.to_bits() == c.to_bits()),
+                    "{forward:?} sequence {i} step {step}: batched logits differ from solo"
+                );
+            }
+        }
+    }
 }

@@ -504,23 +504,33 @@ impl Ops {
         )
     }
 
-    /// `silu_mul` written as stage images at `images` instead of rows, for the down projection
-    /// (`silu_mul_staged`; see `Ops::linear_staging`). The kernel has only a vector path, so an
-    /// unaligned `gate_up` or `ffn % 8 != 0` is an error here rather than rows left unwritten.
+    /// `silu_mul` written as stage images at `images` for the down projection (`silu_mul_staged`;
+    /// see `Ops::linear_staging`), and as rows at `act` where given (decode sizes, where
+    /// `linear_stream_tma` may read the rows instead). The kernel has only a vector path, so an
+    /// unaligned `gate_up` or `act` or `ffn % 8 != 0` is an error here rather than rows left
+    /// unwritten.
     pub fn silu_mul_staged(
         &self,
         s: StreamHandle,
         images: DevicePtr,
+        act: Option<DevicePtr>,
         gate_up: DevicePtr,
         rows: u32,
         ffn: u32,
     ) -> GpuResult<()> {
-        let operands = [("images", images), ("gate_up", gate_up)];
+        let act = act.unwrap_or(DevicePtr::NULL);
+        let operands = [("images", images), ("act", act), ("gate_up", gate_up)];
         check_staged("silu_mul_staged", &operands, ffn)?;
         self.go(
             self.k.silu_mul_staged,
             silu_geometry(rows, ffn),
-            &[images.into(), gate_up.into(), rows.into(), ffn.into()],
+            &[
+                images.into(),
+                act.into(),
+                gate_up.into(),
+                rows.into(),
+                ffn.into(),
+            ],
             s,
         )
     }

@@ -412,14 +412,31 @@ fn staged_producers_write_what_permute_writes() {
         &[act.into(), gu.into(), sc[0], sc[1]],
     )
     .unwrap();
+    // Images only, then images and rows.
     let staged = zeroed();
     r.run(
         "activation",
         "silu_mul_staged",
-        &[staged.into(), gu.into(), sc[0], sc[1]],
+        &[
+            staged.into(),
+            DevicePtr::NULL.into(),
+            gu.into(),
+            sc[0],
+            sc[1],
+        ],
     )
     .unwrap();
     assert!(r.gpu.download::<u8>(staged, bytes, r.s).unwrap() == images_of(act));
+    let (staged, rows) = (zeroed(), r.out(m * k * 2));
+    r.run(
+        "activation",
+        "silu_mul_staged",
+        &[staged.into(), rows.into(), gu.into(), sc[0], sc[1]],
+    )
+    .unwrap();
+    assert!(r.gpu.download::<u8>(staged, bytes, r.s).unwrap() == images_of(act));
+    let rows_of = |p| r.gpu.download::<u8>(p, m * k * 2, r.s).unwrap();
+    assert!(rows_of(rows) == rows_of(act), "silu_mul_staged's rows");
 
     let residual: Vec<f32> = d.vec(m * k, 2.0);
     let (res1, res2) = (r.put(&residual), r.put(&residual));

@@ -13,7 +13,7 @@ use metrale_gpu_runtime::arena::ArenaLayout;
 use metrale_gpu_runtime::{BufferArena, DType, GpuBackend, GpuBackendExt};
 use metrale_model_layers::layer::{GdnBuffers, MoeBuffers};
 use metrale_model_layers::layers::{GdnShape, MoeShape};
-use metrale_model_layers::ops_gemm::{self, LINEAR_SMALL_M_MAX, LinearStaging};
+use metrale_model_layers::ops_gemm::{self, LinearStaging};
 use metrale_model_layers::{ModelDims, Ops, StepBuffers, TransformerLayer};
 
 use crate::error::ModelError;
@@ -219,17 +219,13 @@ impl TransformerModel {
         .unwrap_or(0);
         // A map slot per projection: at most eight a layer (MoE: router, shared expert's three;
         // GDN: its input projections and output), the MTP head's layers and the LM head. The
-        // slots come whatever the step's rows: decode projections of 9..128 rows read their
-        // weights through the maps too (`linear_stream_tma`); only the images need prefill-sized
-        // steps. (Without the slots, a model of `max_batch_tokens` <= 128 ran every such
-        // projection through the map-less kernel: Qwen3.5-9B's batch-64 step 11.5 against 9.0 ms
-        // on the H200.)
+        // slots and the images come whatever the step's rows: decode projections of 9..128 rows
+        // read their weights through the maps too (`linear_stream_tma`), and most of them their
+        // x from images their producer writes. (Without the slots, a model of
+        // `max_batch_tokens` <= 128 ran every such projection through the map-less kernel:
+        // Qwen3.5-9B's batch-64 step 11.5 against 9.0 ms on the H200.)
         let map_slots = 8 * (layers.len() + n_mtp.unwrap_or(0) + 1);
-        let image_bytes = if r as u32 > LINEAR_SMALL_M_MAX {
-            ops_gemm::linear_staging_bytes(r as u32, widest_input)
-        } else {
-            0
-        };
+        let image_bytes = ops_gemm::linear_staging_bytes(r as u32, widest_input);
         let total = LinearStaging::bytes(image_bytes, map_slots);
         layout.add("linear_staging", DType::U32, total.div_ceil(4));
         let arena = BufferArena::build(gpu.clone(), &layout)?;

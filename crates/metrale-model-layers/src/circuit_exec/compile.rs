@@ -60,9 +60,19 @@ impl Program {
 /// `linear_stream_wide` (m <= 128) for decode-sized row counts, which give bitwise the rows
 /// `linear` gives; `ops::paged_attention` launches `paged_attention_flat` where a step has
 /// items enough for every block, and `ops::gated_delta_recurrent` launches
-/// `gated_delta_streamed` where it has several items a block (bitwise the same rows and states).
-/// The plan names the family's kernel.
+/// `gated_delta_streamed` where it has several items a block (bitwise the same rows and states);
+/// `ops::add_rms_norm` and `ops::silu_mul` launch their `_staged` variants where the projection
+/// after them reads its x as stage images (`Ops::linear_staging`: the same rows, and the
+/// images). The plan names the family's kernel.
 pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
+    (
+        metrale_circuit::kernels::ADD_RMS_NORM,
+        &[Kernel::new("norm", "add_rms_norm_staged")],
+    ),
+    (
+        metrale_circuit::kernels::SILU_MUL,
+        &[Kernel::new("activation", "silu_mul_staged")],
+    ),
     (
         metrale_circuit::kernels::PAGED_ATTENTION,
         &[Kernel::new("attention", "paged_attention_flat")],

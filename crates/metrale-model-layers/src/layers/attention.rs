@@ -43,9 +43,16 @@ impl Attention {
         let rows = cx.shape.rows;
         let width = d.qkv_width();
         match staged {
-            Some(images) => {
-                ops.linear_staged(s, buf.qkv, images, self.qkv.ptr, rows, width, d.hidden)?
-            }
+            Some(images) => ops.linear_staged(
+                s,
+                buf.qkv,
+                buf.normed,
+                images,
+                self.qkv.ptr,
+                rows,
+                width,
+                d.hidden,
+            )?,
             None => ops.linear(s, buf.qkv, buf.normed, self.qkv.ptr, rows, width, d.hidden)?,
         }
         let norms = (
@@ -95,6 +102,7 @@ impl Attention {
                     return ops.linear_staged(
                         s,
                         buf.delta,
+                        buf.attn_out,
                         images,
                         self.o_proj.ptr,
                         rows,

@@ -44,13 +44,19 @@ pub struct DecoderLayer {
 impl TransformerLayer for DecoderLayer {
     fn forward(&self, cx: &LayerCtx<'_>) -> GpuResult<()> {
         let (ops, s, buf, d, rows) = (cx.ops, cx.stream, cx.buf, cx.dims, cx.shape.rows);
-        // At prefill sizes the norm ahead of a dense projection also writes its rows as the
-        // projection's stage images (`Ops::linear_staging`), sparing the projection's permute.
+        // The norm ahead of a dense projection also writes its rows as the projection's stage
+        // images where the staging buffer serves it (`Ops::linear_staging`): prefill sizes
+        // (sparing the projection's permute) and most decode sizes (the projection's blocks
+        // bulk-copy their segments of x).
         let mixer_staged = match &self.mixer {
-            Mixer::Attention(a) if !cx.first => {
+            _ if cx.first => None,
+            Mixer::Attention(a) => {
                 ops.linear_staging(s, a.qkv.ptr, rows, d.qkv_width(), d.hidden)?
             }
-            _ => None,
+            Mixer::GatedDeltaNet(g) => {
+                let width = g.shape.heads.proj_width();
+                ops.linear_staging(s, g.in_proj.ptr, rows, width, d.hidden)?
+            }
         };
         if cx.first {
             ops.rms_norm(
@@ -68,7 +74,7 @@ impl TransformerLayer for DecoderLayer {
         }
         match &self.mixer {
             Mixer::Attention(a) => a.forward(cx, mixer_staged)?,
-            Mixer::GatedDeltaNet(g) => g.forward(cx)?,
+            Mixer::GatedDeltaNet(g) => g.forward(cx, mixer_staged)?,
         }
         let ffn_staged = match &self.ffn {
             Ffn::Dense(m) => ops.linear_staging(s, m.gate_up.ptr, rows, 2 * m.ffn, d.hidden)?,

@@ -34,7 +34,7 @@ use std::collections::BTreeMap;
 
 use metrale_circuit::LinearRole;
 use metrale_config::ModelConfig;
-use metrale_gpu_runtime::{GpuError, GpuResult};
+use metrale_gpu_runtime::{DevicePtr, GpuError, GpuResult};
 
 use crate::circuit_exec::{BoundWeight, GdnFacts, WeightSlot};
 use crate::layer::LayerCtx;
@@ -152,8 +152,9 @@ pub struct GatedDeltaNet {
 
 impl GatedDeltaNet {
     /// Run the mixer on `normed`, leaving the projected output in `delta` and each sequence's
-    /// state advanced past its rows.
-    pub fn forward(&self, cx: &LayerCtx<'_>) -> GpuResult<()> {
+    /// state advanced past its rows. `staged`: `normed` was also written as stage images there
+    /// (`Ops::linear_staging`), which the input projection reads.
+    pub fn forward(&self, cx: &LayerCtx<'_>, staged: Option<DevicePtr>) -> GpuResult<()> {
         let (ops, s, buf, d) = (cx.ops, cx.stream, cx.buf, cx.dims);
         let ssm = cx.ssm.ok_or_else(|| GpuError::KernelFailed {
             kernel: "GatedDeltaNet::forward".into(),
@@ -168,15 +169,13 @@ impl GatedDeltaNet {
             rows,
             num_seqs: cx.shape.num_seqs,
         };
-        ops.linear(
-            s,
-            g.proj,
-            buf.normed,
-            self.in_proj.ptr,
-            rows,
-            h.proj_width(),
-            d.hidden,
-        )?;
+        let (w, width) = (self.in_proj.ptr, h.proj_width());
+        match staged {
+            Some(images) => {
+                ops.linear_staged(s, g.proj, buf.normed, images, w, rows, width, d.hidden)?
+            }
+            None => ops.linear(s, g.proj, buf.normed, w, rows, width, d.hidden)?,
+        }
         let conv = CausalConv1d {
             out: g.conv,
             proj: g.proj,

@@ -8,6 +8,7 @@ use metrale_gpu_runtime::{DevicePtr, GpuResult};
 
 use crate::circuit_exec::{BoundWeight, FfnFacts, WeightSlot};
 use crate::layer::LayerCtx;
+use crate::ops_gemm::LINEAR_SMALL_M_MAX;
 use crate::weight_map::DenseWeight;
 
 /// One MLP's weights.
@@ -24,22 +25,33 @@ pub struct Mlp {
 impl Mlp {
     /// Run the MLP on `normed`, leaving the result in `delta`. `staged`: `normed` was also
     /// written as stage images there (`Ops::linear_staging`), which the gate/up projection
-    /// reads. At prefill sizes the SwiGLU writes the down projection's input as stage images
-    /// too, where the staging buffer serves it.
+    /// reads. The SwiGLU writes the down projection's input as stage images too where the
+    /// staging buffer serves it (`Ops::linear_staging`: prefill sizes, and decode sizes that
+    /// `linear_stream_tma` takes from images).
     pub fn forward(&self, cx: &LayerCtx<'_>, staged: Option<DevicePtr>) -> GpuResult<()> {
         let (ops, s, buf, d, rows) = (cx.ops, cx.stream, cx.buf, cx.dims, cx.shape.rows);
         let (n, k) = (2 * self.ffn, d.hidden);
         match staged {
-            Some(images) => {
-                ops.linear_staged(s, buf.gate_up, images, self.gate_up.ptr, rows, n, k)?
-            }
+            Some(images) => ops.linear_staged(
+                s,
+                buf.gate_up,
+                buf.normed,
+                images,
+                self.gate_up.ptr,
+                rows,
+                n,
+                k,
+            )?,
             None => ops.linear(s, buf.gate_up, buf.normed, self.gate_up.ptr, rows, n, k)?,
         }
         if let Some(images) = ops.linear_staging(s, self.down.ptr, rows, d.hidden, self.ffn)? {
-            ops.silu_mul_staged(s, images, buf.gate_up, rows, self.ffn)?;
+            // Decode sizes write the rows too (`Ops::linear_staged`).
+            let act = (rows <= LINEAR_SMALL_M_MAX).then_some(buf.act);
+            ops.silu_mul_staged(s, images, act, buf.gate_up, rows, self.ffn)?;
             return ops.linear_staged(
                 s,
                 buf.delta,
+                buf.act,
                 images,
                 self.down.ptr,
                 rows,

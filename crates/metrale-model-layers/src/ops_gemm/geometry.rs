@@ -175,6 +175,27 @@ pub(super) fn linear_stream_tma_row_blocks(m: u32, k: u32) -> Option<u32> {
         .then_some(blocks)
 }
 
+/// Rows from which decode projections take x from stage images its producer writes (the
+/// producer's scattered image stores cost more than the bulk copies save below). H200
+/// (2026-12-01, circuit, context 384, two rounds, ms a step), rows -> images: Qwen3-8B batch 16
+/// 5.646 / 5.599 -> 5.711 / 5.710, batch 32 5.908 / 5.884 -> 5.725 / 5.770, batch 64 7.207 /
+/// 7.164 -> 6.963 / 6.988; Qwen3.5-9B batch 16 6.049 / 6.025 -> 6.136 / 6.178, batch 32 6.698 /
+/// 6.718 -> 6.572 / 6.570.
+pub const LINEAR_STREAM_TMA_IMAGES_M_MIN: u32 = 17;
+
+/// Whether `linear_stream_tma` serves `m` rows by `k` inputs ([`linear_stream_tma_fits`]) and
+/// takes x from stage images there: from [`LINEAR_STREAM_TMA_IMAGES_M_MIN`] rows, `k` a multiple
+/// of 64 and every k segment (`LIN_SEGS` of ceil(k / 32 / 8) chunks of 32) whole stages of two
+/// chunks, so a block's segment is its stages' images, each one bulk copy
+/// (kernels/gemm_wgmma.cuh `linear_dec_body`). Qwen3-8B: every projection (4096 and 12288
+/// inputs).
+pub fn linear_stream_tma_takes_images(m: u32, k: u32) -> bool {
+    m >= LINEAR_STREAM_TMA_IMAGES_M_MIN
+        && linear_stream_tma_fits(m, k)
+        && k.is_multiple_of(64)
+        && (k / 32).div_ceil(8).is_multiple_of(2)
+}
+
 /// Whether the kernel itself can run `m` rows (1 ..= 128, the decode sizes) by `k` inputs at
 /// all (in any number of row blocks).
 pub fn linear_stream_tma_room(m: u32, k: u32) -> bool {

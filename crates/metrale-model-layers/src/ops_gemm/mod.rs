@@ -91,6 +91,13 @@ impl LinearTma {
     }
 }
 
+/// `linear_stream_tma`'s x: its rows, and its stage images or NULL.
+#[derive(Debug, Clone, Copy)]
+struct StreamTmaX {
+    rows: DevicePtr,
+    images: DevicePtr,
+}
+
 /// Rows of `linear_tma`'s output tile (x rows and weight rows; `LIN_TMA_TILE`).
 const LINEAR_TMA_TILE: u32 = 128;
 
@@ -195,11 +202,13 @@ impl Ops {
     }
 
     /// The staging buffer, where a projection of `m` rows by `k` inputs on weight `w` (`n`
-    /// rows) runs `linear_tma` from x written as stage images by its producer (`_staged`
-    /// launchers, then [`Ops::linear_staged`]): prefill-sized `m`, `k` a multiple of 64 (the
-    /// producers write every k of every stage, no padding), a 16-byte aligned weight, images
-    /// that fit, and the weight's tensor map in place (made here if need be). `None`: the
-    /// producer writes rows and the projection runs [`Ops::linear`].
+    /// rows) can read x written as stage images by its producer (`_staged` launchers, then
+    /// [`Ops::linear_staged`]): prefill-sized `m` (`linear_tma` reads the images), or decode
+    /// rows that `linear_stream_tma` serves with every k segment whole stages
+    /// ([`linear_stream_tma_takes_images`]: its blocks bulk-copy their segments); `k` a multiple
+    /// of 64 (the producers write every k of every stage, no padding), a 16-byte aligned weight,
+    /// images that fit, and the weight's tensor map in place (made here if need be). `None`:
+    /// the producer writes rows only and the projection runs [`Ops::linear`].
     pub fn linear_staging(
         &self,
         s: StreamHandle,
@@ -208,8 +217,7 @@ impl Ops {
         n: u32,
         k: u32,
     ) -> GpuResult<Option<DevicePtr>> {
-        // Decode sizes ask every layer: answer them before any lock.
-        if m <= LINEAR_SMALL_M_MAX {
+        if m <= LINEAR_SMALL_M_MAX && !linear_stream_tma_takes_images(m, k) {
             return Ok(None);
         }
         let Some(staging) = self.staging_for(w, m, k, 64) else {
@@ -219,29 +227,81 @@ impl Ops {
     }
 
     /// `linear` (bf16 out) of an x that its producer wrote as stage images at `images` (see
-    /// [`Ops::linear_staging`]).
+    /// [`Ops::linear_staging`]): `linear_tma` at prefill sizes (from the images alone),
+    /// `linear_stream_tma` at decode sizes (the images, and x's rows at `x`, which the kernel
+    /// reads where it cannot take the images: the producer wrote both).
     #[allow(clippy::too_many_arguments)]
     pub fn linear_staged(
         &self,
         s: StreamHandle,
         out: DevicePtr,
+        x: DevicePtr,
         images: DevicePtr,
         w: DevicePtr,
         m: u32,
         n: u32,
         k: u32,
     ) -> GpuResult<()> {
-        let map = self
-            .linear_tma_map(s, w, n, k)?
-            .ok_or_else(|| GpuError::KernelFailed {
-                kernel: "linear_tma".into(),
+        let decode = m <= LINEAR_SMALL_M_MAX;
+        let map = self.linear_tma_map(s, w, n, k)?;
+        match (
+            map,
+            decode.then(|| linear_stream_tma_row_blocks(m, k)).flatten(),
+        ) {
+            (Some(map), None) if !decode => {
+                self.linear_tma_launch(s, self.k.linear_tma, out, images, w, map, (m, n, k))
+            }
+            (Some(map), Some(row_blocks)) if linear_stream_tma_takes_images(m, k) => {
+                let kernel = self.k.linear_stream_tma;
+                let x = StreamTmaX { rows: x, images };
+                self.linear_stream_tma_launch(s, kernel, out, x, w, map, (m, n, k), row_blocks)
+            }
+            _ => Err(GpuError::KernelFailed {
+                kernel: "linear_staged".into(),
                 problem: format!(
-                    "no tensor map for the [{n}, {k}] weight at {:#x}: linear_staged without \
-                 linear_staging",
+                    "{m} rows of the [{n}, {k}] weight at {:#x} cannot be read from stage \
+                     images (no tensor map, or a shape `linear_staging` does not offer)",
                     w.0
                 ),
-            })?;
-        self.linear_tma_launch(s, self.k.linear_tma, out, images, w, map, (m, n, k))
+            }),
+        }
+    }
+
+    /// `linear_stream_tma` (`kernel`: bf16 or f32 out) in `row_blocks` row blocks, the weight
+    /// through its tensor map.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_stream_tma_launch(
+        &self,
+        s: StreamHandle,
+        kernel: KernelHandle,
+        out: DevicePtr,
+        x: StreamTmaX,
+        w: DevicePtr,
+        map: DevicePtr,
+        (m, n, k): (u32, u32, u32),
+        row_blocks: u32,
+    ) -> GpuResult<()> {
+        let resident = self.resident_clusters(
+            kernel,
+            LINEAR_STREAM_TMA_THREADS,
+            LINEAR_STREAM_TMA_SMEM,
+            LINEAR_STREAM_TMA_CLUSTERS,
+        )?;
+        self.go(
+            kernel,
+            linear_stream_tma_geometry(n, row_blocks, resident),
+            &[
+                out.into(),
+                x.rows.into(),
+                x.images.into(),
+                w.into(),
+                map.into(),
+                m.into(),
+                n.into(),
+                k.into(),
+            ],
+            s,
+        )
     }
 
     /// `linear_tma` (`kernel`: bf16 or f32 out) of x's stage images, the weight read through its
@@ -338,25 +398,19 @@ impl Ops {
             && w.0.is_multiple_of(16)
             && let Some(map) = self.linear_tma_map(s, w, n, k)?
         {
-            let resident = self.resident_clusters(
-                kernels[5],
-                LINEAR_STREAM_TMA_THREADS,
-                LINEAR_STREAM_TMA_SMEM,
-                LINEAR_STREAM_TMA_CLUSTERS,
-            )?;
-            return self.go(
-                kernels[5],
-                linear_stream_tma_geometry(n, row_blocks, resident),
-                &[
-                    out.into(),
-                    x.into(),
-                    w.into(),
-                    map.into(),
-                    m.into(),
-                    n.into(),
-                    k.into(),
-                ],
+            let x = StreamTmaX {
+                rows: x,
+                images: DevicePtr::NULL,
+            };
+            return self.linear_stream_tma_launch(
                 s,
+                kernels[5],
+                out,
+                x,
+                w,
+                map,
+                (m, n, k),
+                row_blocks,
             );
         }
         let kernel = match path {
@@ -421,7 +475,8 @@ mod tests {
         gpu.destroy_graph(graph).expect("destroy");
         assert_eq!(kernels_of(&ops, linear(w2)), tma);
 
-        // A producer stages only prefill-sized calls with k a multiple of 64.
+        // A producer stages prefill-sized calls with k a multiple of 64 (and decode sizes whose
+        // segments are whole stages: not k = 64, two chunks for eight segments).
         let staging = |m: u32, k: u32| ops.linear_staging(s, w1, m, n, k).expect("no error");
         assert_eq!(staging(m, k), Some(base));
         assert_eq!(staging(LINEAR_SMALL_M_MAX, k), None);
@@ -429,7 +484,7 @@ mod tests {
         assert_eq!(staging(4 * m, k), None, "the images would not fit");
         // Without a map (here, no slots), a staged projection is refused, not run unmapped.
         ops.set_linear_staging(Some(LinearStaging::at(base, images, 0)));
-        let refused = ops.linear_staged(s, out, base, w1, m, n, k);
+        let refused = ops.linear_staged(s, out, x, base, w1, m, n, k);
         assert!(
             matches!(&refused, Err(GpuError::KernelFailed { problem, .. }) if problem.contains("no tensor map")),
             "{refused:?}"
@@ -492,6 +547,45 @@ mod tests {
     }
 
     #[test]
+    fn decode_projections_take_x_from_images_where_every_segment_is_whole_stages() {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+        let ops = Ops::new(gpu.clone()).expect("kernels resolve");
+        let s = gpu.default_stream();
+        let (m, n, k) = (64u32, 8u32, 1024u32);
+        let alloc = |bytes: usize| gpu.alloc(bytes).expect("alloc");
+        let (x, out, w) = (
+            alloc((m * k * 2) as usize),
+            alloc((m * n * 2) as usize),
+            alloc((n * k * 2) as usize),
+        );
+        let images = linear_staging_bytes(LINEAR_SMALL_M_MAX, k);
+        let base = alloc(LinearStaging::bytes(images, 4));
+        ops.set_linear_staging(Some(LinearStaging::at(base, images, 4)));
+        let staging = |m: u32, k: u32| ops.linear_staging(s, w, m, n, k).expect("no error");
+        // 17..128 rows of k = 1024 (32 chunks: segments of 4) stage; 16 rows, k = 1000 and
+        // k = 256 (segments of one chunk) do not.
+        for rows in [LINEAR_STREAM_TMA_IMAGES_M_MIN, 64, LINEAR_SMALL_M_MAX] {
+            assert_eq!(staging(rows, k), Some(base), "{rows} rows");
+        }
+        assert_eq!(staging(16, k), None);
+        assert_eq!(staging(m, 1000), None);
+        assert_eq!(staging(m, 256), None);
+        // The projection is `linear_stream_tma` given both x's rows and the images; where the
+        // shape takes none, `linear_staged` refuses.
+        let (recorder, recording) = Recorder::over(&ops);
+        recording
+            .linear_staged(s, out, x, base, w, m, n, k)
+            .expect("staged");
+        let launches = recorder.take();
+        assert_eq!(launches.len(), 1);
+        assert_eq!(launches[0].kernel, ops.k.linear_stream_tma);
+        assert!(
+            ops.linear_staged(s, out, x, base, w, 16, n, k).is_err(),
+            "16 rows are not read from images"
+        );
+    }
+
+    #[test]
     fn staged_producers_refuse_operands_off_their_vector_path() {
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
         let ops = Ops::new(gpu.clone()).expect("kernels resolve");
@@ -506,11 +600,14 @@ mod tests {
             Err(GpuError::KernelFailed { problem, .. }) => problem,
             other => panic!("expected a refusal, got {other:?}"),
         };
-        ops.silu_mul_staged(s, images, gate_up, rows, cols)
+        let act = alloc((rows * cols * 2) as usize);
+        ops.silu_mul_staged(s, images, Some(act), gate_up, rows, cols)
             .expect("aligned operands stage");
         let shifted = DevicePtr(gate_up.0 + 2);
-        assert!(problem(ops.silu_mul_staged(s, images, shifted, rows, cols)).contains("gate_up"));
-        assert!(problem(ops.silu_mul_staged(s, images, gate_up, rows, 60)).contains("60 columns"));
+        let silu = |act, gate_up, cols| ops.silu_mul_staged(s, images, act, gate_up, rows, cols);
+        assert!(problem(silu(None, shifted, cols)).contains("gate_up"));
+        assert!(problem(silu(Some(DevicePtr(act.0 + 2)), gate_up, cols)).contains("act"));
+        assert!(problem(silu(None, gate_up, 60)).contains("60 columns"));
 
         let residual = alloc((rows * cols * 4) as usize);
         let (delta, out) = (

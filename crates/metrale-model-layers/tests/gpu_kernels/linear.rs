@@ -3,7 +3,7 @@
 //! the staged producers' images bitwise `permute_k32_tiles` of the plain kernels' rows.
 
 use half::bf16;
-use metrale_gpu_runtime::{KernelArg, LaunchConfig};
+use metrale_gpu_runtime::{DevicePtr, KernelArg, LaunchConfig};
 use metrale_model_layers::ops_gemm::{
     LINEAR_SMALL_M_MAX, LinearPath, linear_geometry, linear_staging_bytes,
     linear_stream_tma_geometry, linear_stream_tma_room, linear_stream_tma_rows,
@@ -154,14 +154,17 @@ fn launch_gemm(
 }
 
 /// `gemm::<name>` (`_f32out` appended for 4-byte outputs) of `src` (x or its stage images) and
-/// `w`, with the weight's tensor map from the backend, launched with `cfg`; the output's
-/// halfwords.
+/// `w`, with the weight's tensor map from the backend, launched with `cfg`; `ximg`: the
+/// argument after `src` for `linear_stream_tma` (x's stage images, or `None` for NULL), absent
+/// for `linear_tma`. The output's halfwords.
+#[allow(clippy::too_many_arguments)]
 fn launch_mapped(
     p: &Pair,
     name: &str,
     cfg: &LaunchConfig,
     bytes: usize,
     src: &harness::Buf,
+    ximg: Option<Option<&harness::Buf>>,
     w: &harness::Buf,
     (m, n, k): (u32, u32, u32),
 ) -> Vec<u16> {
@@ -178,15 +181,17 @@ fn launch_mapped(
         name.to_string()
     };
     let kernel = gpu.kernel("gemm", &name).expect("resolves");
-    let args = [
-        KernelArg::Ptr(out.gpu),
-        KernelArg::Ptr(src.gpu),
+    let mut args = vec![KernelArg::Ptr(out.gpu), KernelArg::Ptr(src.gpu)];
+    if let Some(ximg) = ximg {
+        args.push(KernelArg::Ptr(ximg.map_or(DevicePtr::NULL, |b| b.gpu)));
+    }
+    args.extend([
         KernelArg::Ptr(w.gpu),
         KernelArg::Ptr(map.gpu),
         KernelArg::U32(m),
         KernelArg::U32(n),
         KernelArg::U32(k),
-    ];
+    ]);
     gpu.launch(kernel, cfg, &args, S).expect("launch");
     gpu.synchronize(S).expect("the gemm kernel ran");
     p.download_gpu::<u16>(&out)
@@ -203,16 +208,18 @@ fn linear_tma(
 ) -> Vec<u16> {
     let images = p.upload(&permuted_images(p, x, m, k));
     let cfg = linear_tma_geometry(m, n);
-    launch_mapped(p, "linear_tma", &cfg, bytes, &images, w, (m, n, k))
+    launch_mapped(p, "linear_tma", &cfg, bytes, &images, None, w, (m, n, k))
 }
 
 /// `gemm::linear_stream_tma` (or `_f32out` for 4-byte outputs) directly on `clusters`
-/// persistent clusters (a few, so each takes many tiles, or as many as are resident); the
-/// output's halfwords.
+/// persistent clusters (a few, so each takes many tiles, or as many as are resident), from x's
+/// rows or also its stage images (`ximg`); the output's halfwords.
+#[allow(clippy::too_many_arguments)]
 fn linear_stream_tma(
     p: &Pair,
     bytes: usize,
     x: &harness::Buf,
+    ximg: Option<&harness::Buf>,
     w: &harness::Buf,
     (m, n, k): (u32, u32, u32),
     clusters: Option<u32>,
@@ -226,7 +233,16 @@ fn linear_stream_tma(
     });
     let (_, row_blocks) = linear_stream_tma_rows(m, k).expect("the kernel has room");
     let cfg = linear_stream_tma_geometry(n, row_blocks, clusters);
-    launch_mapped(p, "linear_stream_tma", &cfg, bytes, x, w, (m, n, k))
+    launch_mapped(
+        p,
+        "linear_stream_tma",
+        &cfg,
+        bytes,
+        x,
+        Some(ximg),
+        w,
+        (m, n, k),
+    )
 }
 
 /// The halfwords of rows `0..m` of stage images of `[m, k]` (the padding rows dropped).
@@ -246,16 +262,33 @@ pub(super) fn image_rows(img: &[u16], m: u32, k: u32) -> Vec<u16> {
 fn staged_producers_write_the_images_permute_would() {
     let p = Pair::new();
     let mut rng = Rng::new(12);
-    for (m, k) in [(130u32, 1024u32), (300, 4096)] {
+    // Prefill sizes (images only), and a decode size (the rows too).
+    for (m, k) in [(130u32, 1024u32), (300, 4096), (64, 4096)] {
         let images = linear_staging_bytes(m, k);
         let case = format!("m={m} k={k}");
         // silu_mul: the staged kernel against silu_mul then permute_k32_tiles.
         let gu = p.upload(&rng.bf16s((m * 2 * k) as usize, -4.0, 4.0));
         let act = p.poisoned((m * k) as usize * 2);
         let staged = p.poisoned(images);
-        p.run(|o, at| o.silu_mul_staged(S, at(&staged), at(&gu), m, k));
+        let staged_rows = (m <= LINEAR_SMALL_M_MAX).then(|| p.poisoned((m * k) as usize * 2));
+        p.run(|o, at| {
+            let rows = staged_rows.as_ref().map(at);
+            o.silu_mul_staged(S, at(&staged), rows, at(&gu), m, k)
+        });
         p.check_bf16("silu_mul_staged", &case, &staged, Tolerance::BF16);
         p.run_gpu(|o, at| o.silu_mul(S, at(&act), at(&gu), m, k));
+        if let Some(rows) = &staged_rows {
+            p.check_bf16(
+                "silu_mul_staged",
+                &format!("{case} rows"),
+                rows,
+                Tolerance::BF16,
+            );
+            assert!(
+                p.download_gpu::<u16>(rows) == p.download_gpu::<u16>(&act),
+                "silu_mul_staged {case}: its rows differ from silu_mul's"
+            );
+        }
         let permuted = permuted_images(&p, &act, m, k);
         assert!(
             image_rows(&p.download_gpu::<u16>(&staged), m, k) == image_rows(&permuted, m, k),
@@ -305,6 +338,26 @@ fn staged_producers_write_the_images_permute_would() {
             "add_rms_norm_staged {case}: the images differ from add_rms_norm's rows permuted"
         );
     }
+}
+
+/// Whether `linear_stream_tma` takes x from stage images at `k` inputs (the kernel's own test:
+/// k % 64 == 0 and segments of an even chunk count; the launcher adds the rows it serves).
+fn takes_images(k: u32) -> bool {
+    k.is_multiple_of(64) && (k / 32).div_ceil(8).is_multiple_of(2)
+}
+
+/// The stage images of `x [m, k]` (m <= 128: one row tile), uploaded with NaN in every row past
+/// m.
+fn nan_padded_images(p: &Pair, x: &harness::Buf, m: u32, k: u32) -> harness::Buf {
+    let mut img = permuted_images(p, x, m, k);
+    let steps = k.div_ceil(64) as usize;
+    for j in 0..steps {
+        for row in m as usize..128 {
+            let at = j * 8192 + row * 64;
+            img[at..at + 64].fill(0xFFFF);
+        }
+    }
+    p.upload(&img)
 }
 
 /// `permute_k32_tiles` of `x [m, k]` on the GPU: the images' halfwords.
@@ -414,14 +467,20 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
                 );
             }
             if linear_stream_tma_room(m, k) {
-                for clusters in [Some(1), Some(3), None] {
-                    let got = linear_stream_tma(&p, bytes, &x, &w, (m, n, k), clusters);
-                    assert!(
-                        got == results[0],
-                        "m={m} n={n} k={k}: linear_stream_tma on {clusters:?} clusters differs \
-                         bitwise from {}",
-                        names[0]
-                    );
+                // From x's rows, and (where every k segment is whole stages) from its stage
+                // images, whose rows past m hold NaN: what a decode step finds there is stale.
+                let images = takes_images(k).then(|| nan_padded_images(&p, &x, m, k));
+                for ximg in [None, images.as_ref()] {
+                    for clusters in [Some(1), Some(3), None] {
+                        let got = linear_stream_tma(&p, bytes, &x, ximg, &w, (m, n, k), clusters);
+                        assert!(
+                            got == results[0],
+                            "m={m} n={n} k={k}: linear_stream_tma on {clusters:?} clusters \
+                             (images: {}) differs bitwise from {}",
+                            ximg.is_some(),
+                            names[0]
+                        );
+                    }
                 }
             }
             // Poison is all-ones: a NaN in either format, which no output of finite inputs is.

@@ -22,24 +22,28 @@ pub fn silu_mul(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
-/// `silu_mul_staged(out: stage images of [rows, ffn], gate_up: bf16 [rows, 2 * ffn], rows,
-/// ffn)`: `silu_mul` written as `linear_tma`'s stage images (padding left as it was).
+/// `silu_mul_staged(img: stage images of [rows, ffn], act: bf16 [rows, ffn] or NULL, gate_up:
+/// bf16 [rows, 2 * ffn], rows, ffn)`: `silu_mul` written as `linear_tma`'s stage images (padding
+/// left as it was), and as rows at `act` where it is not NULL.
 pub fn silu_mul_staged(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(4)?;
-    let (rows, ffn) = (ctx.usize(2)?, ctx.usize(3)?);
+    ctx.expect_args(5)?;
+    let (rows, ffn) = (ctx.usize(3)?, ctx.usize(4)?);
     if ffn % 8 != 0 {
         return Err(ctx.fail(format!("ffn = {ffn} is not a multiple of 8")));
     }
+    let gu = ctx.slice::<bf16>(2, rows * 2 * ffn)?;
+    let act: Vec<bf16> = (0..rows)
+        .flat_map(|r| {
+            let (g, u) = gu[r * 2 * ffn..(r + 1) * 2 * ffn].split_at(ffn);
+            g.iter().zip(u).map(|(&gv, &uv)| b(silu(f(gv)) * f(uv)))
+        })
+        .collect();
     let img = ctx.slice_mut::<bf16>(0, super::gemm::stage_image_bytes(rows, ffn) / 2)?;
-    let gu = ctx.slice::<bf16>(1, rows * 2 * ffn)?;
-    for r in 0..rows {
-        let (g, u) = gu[r * 2 * ffn..(r + 1) * 2 * ffn].split_at(ffn);
-        let row: Vec<bf16> = g
-            .iter()
-            .zip(u)
-            .map(|(&gv, &uv)| b(silu(f(gv)) * f(uv)))
-            .collect();
-        super::gemm::store_image_row(img, r, &row);
+    for (r, row) in act.chunks(ffn.max(1)).enumerate() {
+        super::gemm::store_image_row(img, r, row);
+    }
+    if !ctx.ptr(1)?.is_null() {
+        ctx.slice_mut::<bf16>(1, rows * ffn)?.copy_from_slice(&act);
     }
     Ok(())
 }

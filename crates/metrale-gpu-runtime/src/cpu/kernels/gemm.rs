@@ -8,13 +8,15 @@ use super::util::{b, f};
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
 
-/// `x · wᵀ` in f32, `[m, n]` row-major, for x given (rows of `k`) and the weight at argument 2.
+/// `x · wᵀ` in f32, `[m, n]` row-major, for x given (rows of `k`) and the weight at argument
+/// `w_arg`.
 fn gemm_of(
     ctx: &KernelCtx<'_>,
     x: &[bf16],
+    w_arg: usize,
     (m, n, k): (usize, usize, usize),
 ) -> GpuResult<Vec<f32>> {
-    let w = ctx.slice::<bf16>(2, n * k)?;
+    let w = ctx.slice::<bf16>(w_arg, n * k)?;
     let wf: Vec<f32> = w.iter().map(|&e| f(e)).collect();
     let mut xr = vec![0.0f32; k];
     let mut out = Vec::with_capacity(m * n);
@@ -33,14 +35,16 @@ fn gemm_of(
     Ok(out)
 }
 
-/// `x · wᵀ` into argument 0: bf16, or f32 (`f32_out`: the LM head's logits).
+/// `x · wᵀ` (the weight at argument `w_arg`) into argument 0: bf16, or f32 (`f32_out`: the LM
+/// head's logits).
 fn store_gemm(
     ctx: &KernelCtx<'_>,
     x: &[bf16],
+    w_arg: usize,
     dims: (usize, usize, usize),
     f32_out: bool,
 ) -> GpuResult<()> {
-    let acc = gemm_of(ctx, x, dims)?;
+    let acc = gemm_of(ctx, x, w_arg, dims)?;
     if f32_out {
         ctx.slice_mut::<f32>(0, acc.len())?.copy_from_slice(&acc);
     } else {
@@ -53,19 +57,9 @@ fn store_gemm(
 
 /// `linear` and `linear_f32out`: x at argument 1, then w, m, n, k.
 fn linear_any(ctx: &KernelCtx<'_>, f32_out: bool) -> GpuResult<()> {
-    plain_x_gemm(ctx, 6, f32_out)
-}
-
-/// A GEMM of `args` arguments whose last three are m, n, k, x plain at argument 1 (the weight at
-/// 2; between them and m, nothing the twin reads).
-fn plain_x_gemm(ctx: &KernelCtx<'_>, args: usize, f32_out: bool) -> GpuResult<()> {
-    ctx.expect_args(args)?;
-    let (m, n, k) = (
-        ctx.usize(args - 3)?,
-        ctx.usize(args - 2)?,
-        ctx.usize(args - 1)?,
-    );
-    store_gemm(ctx, ctx.slice::<bf16>(1, m * k)?, (m, n, k), f32_out)
+    ctx.expect_args(6)?;
+    let (m, n, k) = (ctx.usize(3)?, ctx.usize(4)?, ctx.usize(5)?);
+    store_gemm(ctx, ctx.slice::<bf16>(1, m * k)?, 2, (m, n, k), f32_out)
 }
 
 /// `linear(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k)`.
@@ -128,9 +122,9 @@ pub fn permute_k32_tiles(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
-/// x back from the stage images of an `[m, k]` matrix.
-fn x_from_images(ctx: &KernelCtx<'_>, m: usize, k: usize) -> GpuResult<Vec<bf16>> {
-    let img = ctx.slice::<u32>(1, stage_image_bytes(m, k) / 4)?;
+/// x back from the stage images of an `[m, k]` matrix at argument `index`.
+fn x_from_images(ctx: &KernelCtx<'_>, index: usize, m: usize, k: usize) -> GpuResult<Vec<bf16>> {
+    let img = ctx.slice::<u32>(index, stage_image_bytes(m, k) / 4)?;
     let steps = k.div_ceil(64);
     let mut x = vec![bf16::ZERO; m * k];
     for row in 0..m {
@@ -148,7 +142,7 @@ fn x_from_images(ctx: &KernelCtx<'_>, m: usize, k: usize) -> GpuResult<Vec<bf16>
 fn linear_tma_any(ctx: &KernelCtx<'_>, f32_out: bool) -> GpuResult<()> {
     ctx.expect_args(7)?;
     let (m, n, k) = (ctx.usize(4)?, ctx.usize(5)?, ctx.usize(6)?);
-    store_gemm(ctx, &x_from_images(ctx, m, k)?, (m, n, k), f32_out)
+    store_gemm(ctx, &x_from_images(ctx, 1, m, k)?, 2, (m, n, k), f32_out)
 }
 
 /// `linear_tma(out: bf16 [m, n], xt: stage images of x, w: bf16 [n, k], wmap, m, n, k)`:
@@ -162,15 +156,29 @@ pub fn linear_tma_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     linear_tma_any(ctx, true)
 }
 
-/// `linear_stream_tma(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], wmap, m, n, k)`:
-/// `linear`, the weight read on the device through its tensor map (not read here).
-pub fn linear_stream_tma(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    plain_x_gemm(ctx, 7, false)
+/// `linear_stream_tma` and `linear_stream_tma_f32out`: x's rows at argument 1, or, where
+/// argument 2 is not NULL, x from its stage images there (what the device reads when the shape
+/// lets it: the producer wrote both, so checking the images here checks what the H200 reads);
+/// then w, the tensor map (the device's, not read here), m, n, k.
+fn linear_stream_tma_any(ctx: &KernelCtx<'_>, f32_out: bool) -> GpuResult<()> {
+    ctx.expect_args(8)?;
+    let (m, n, k) = (ctx.usize(5)?, ctx.usize(6)?, ctx.usize(7)?);
+    if ctx.ptr(2)?.is_null() {
+        store_gemm(ctx, ctx.slice::<bf16>(1, m * k)?, 3, (m, n, k), f32_out)
+    } else {
+        store_gemm(ctx, &x_from_images(ctx, 2, m, k)?, 3, (m, n, k), f32_out)
+    }
 }
 
-/// `linear_stream_tma_f32out(out: f32 [m, n], x, w, wmap, m, n, k)`: likewise, f32 out.
+/// `linear_stream_tma(out: bf16 [m, n], x: bf16 [m, k], ximg: x's stage images or NULL, w:
+/// bf16 [n, k], wmap, m, n, k)`: `linear`, the weight read on the device through its tensor map.
+pub fn linear_stream_tma(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    linear_stream_tma_any(ctx, false)
+}
+
+/// `linear_stream_tma_f32out(out: f32 [m, n], x, ximg, w, wmap, m, n, k)`: likewise, f32 out.
 pub fn linear_stream_tma_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    plain_x_gemm(ctx, 7, true)
+    linear_stream_tma_any(ctx, true)
 }
 
 /// The family table.

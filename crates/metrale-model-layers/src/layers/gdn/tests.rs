@@ -243,7 +243,7 @@ impl Harness {
             }),
             first: false,
         };
-        self.layer.forward(&cx).expect("forward");
+        self.layer.forward(&cx, None).expect("forward");
         r.gpu
             .download(b.delta, rows as usize * HIDDEN, r.s)
             .expect("download")
@@ -448,7 +448,7 @@ fn a_gdn_layer_without_an_ssm_binding_is_refused() {
         ssm: None,
         first: false,
     };
-    assert!(hs.layer.forward(&cx).is_err());
+    assert!(hs.layer.forward(&cx, None).is_err());
 }
 
 #[test]
