@@ -15,8 +15,11 @@
 //! `silu_mul_staged`) and [`Ops::linear_staged`] runs the projection from them.
 //!
 //! Decode-sized calls of 9..128 rows run `linear_stream_tma` where the weight has a map (the same
-//! slots) and x fits it ([`linear_stream_tma_fits`]). Which kernel serves a shape, and each
-//! kernel's launch geometry, are in `geometry` (re-exported here).
+//! slots) and x fits it ([`linear_stream_tma_fits`]); from 17 rows, where every k segment is
+//! whole stages ([`linear_stream_tma_takes_images`]), `linear_staging` offers the buffer at
+//! decode sizes too, and the kernel's blocks bulk-copy their segments of x from the images
+//! instead of copying x's rows (which the producer writes as well). Which kernel serves a shape,
+//! and each kernel's launch geometry, are in `geometry` (re-exported here).
 
 use std::collections::HashMap;
 use std::sync::Arc;
