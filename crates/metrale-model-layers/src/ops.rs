@@ -439,7 +439,7 @@ impl Ops {
     }
 
     /// Per-head q/k RMSNorm and rotary embedding, in place. One warp per head, a block's warps
-    /// on one row ([`rope_launch`]).
+    /// on one row (`rope_launch`).
     pub fn qk_norm_rope(&self, s: StreamHandle, p: &QkNormRope) -> GpuResult<()> {
         self.go(
             self.k.qk_norm_rope,
