@@ -179,33 +179,13 @@ fn counted_silu_staged(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 
 /// Decode steps of 17..128 rows give the qkv (or GDN input), gate/up and down projections their
 /// x as stage images written by the kernel ahead (`add_rms_norm_staged`, `silu_mul_staged`)
-/// wherever every k segment is whole stages; the tiny checkpoints' widths (64..256 inputs:
-/// segments of one chunk) never are. Random Qwen3 and Qwen3.5 models of 512 and 1024 inputs
-/// (segments of two and four chunks): twenty sequences batched (steps of 32 rows, which stage)
-/// give bitwise what each gives alone (one row: no staging), under the legacy, reference and
-/// fused forwards.
+/// wherever every k segment is whole stages, which the tiny checkpoints' widths never are. On
+/// random Qwen3 and Qwen3.5 models of 512 and 1024 inputs (`decode_staging_shapes_for_cpu`),
+/// twenty sequences batched (steps of 32 rows, which stage) give bitwise what each gives alone
+/// (one row: no staging), under the legacy, reference and fused forwards.
 #[test]
 fn decode_steps_staging_x_as_images_are_bitwise_alone() {
-    let dense = r#"{"model_type": "qwen3", "hidden_size": 512, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
-        "intermediate_size": 1024, "vocab_size": 256, "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": false,
-        "hidden_act": "silu", "eos_token_id": 0}"#;
-    let hybrid = r#"{"model_type": "qwen3_5_text", "hidden_size": 512, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
-        "intermediate_size": 1024, "vocab_size": 256, "rms_norm_eps": 1e-6,
-        "full_attention_interval": 4, "attn_output_gate": true,
-        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4, "linear_value_head_dim": 128,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        "max_position_embeddings": 4096, "tie_word_embeddings": false, "hidden_act": "silu",
-        "eos_token_id": 0}"#;
-    for text in [dense, hybrid] {
-        let config = metrale_config::ModelConfig::from_json_str(
-            text,
-            std::path::Path::new("<staged shape>"),
-        )
-        .unwrap();
+    for config in metrale_model_engine::bench::decode_staging_shapes_for_cpu().unwrap() {
         staged_decode_is_bitwise_alone(&config);
     }
 }

@@ -1,6 +1,7 @@
 //! The model shapes the benchmark builds with random weights, as their `config.json` files
-//! would state them: Qwen3-8B and Qwen3.5-9B for the GPU, and tiny dense and hybrid shapes that
-//! run the same code on the CPU backend.
+//! would state them: Qwen3-8B and Qwen3.5-9B for the GPU, tiny dense and hybrid shapes that
+//! run the same code on the CPU backend, and small ones wide enough for the decode GEMM's
+//! staged input (`decode_staging_shapes_for_cpu`).
 
 use metrale_config::ModelConfig;
 
@@ -30,42 +31,91 @@ fn dense_qwen3(
     )?)
 }
 
+/// A Qwen3.5 hybrid shape (every fourth layer gated attention, the others Gated DeltaNet, a
+/// causal conv of 4) as its `config.json` would state it.
+struct Hybrid {
+    hidden: usize,
+    layers: usize,
+    /// Query and key/value heads of the attention layers, and their width.
+    heads: (usize, usize, usize),
+    ffn: usize,
+    vocab: usize,
+    /// Key heads, value heads and the width of both, of the GDN layers.
+    linear: (usize, usize, usize),
+    /// Share of each attention head's dimensions rotated.
+    rotary: f32,
+    max_positions: usize,
+    mtp_layers: usize,
+}
+
+impl Hybrid {
+    fn config(&self, name: &str) -> Result<ModelConfig, ModelError> {
+        let Hybrid {
+            hidden,
+            layers,
+            heads: (heads, kv_heads, head_dim),
+            ffn,
+            vocab,
+            linear: (k_heads, v_heads, linear_dim),
+            rotary,
+            max_positions,
+            mtp_layers,
+        } = *self;
+        let text = format!(
+            r#"{{"model_type": "qwen3_5_text", "hidden_size": {hidden}, "num_hidden_layers": {layers},
+            "num_attention_heads": {heads}, "num_key_value_heads": {kv_heads}, "head_dim": {head_dim},
+            "intermediate_size": {ffn}, "vocab_size": {vocab}, "rms_norm_eps": 1e-6,
+            "full_attention_interval": 4, "attn_output_gate": true,
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": {linear_dim},
+            "linear_num_key_heads": {k_heads}, "linear_num_value_heads": {v_heads},
+            "linear_value_head_dim": {linear_dim},
+            "rope_parameters": {{"rope_type": "default", "rope_theta": 10000000.0,
+                "partial_rotary_factor": {rotary}}},
+            "max_position_embeddings": {max_positions}, "tie_word_embeddings": false,
+            "hidden_act": "silu", "mtp_num_hidden_layers": {mtp_layers}, "eos_token_id": 0}}"#
+        );
+        let path = format!("<bench shape {name}>");
+        Ok(ModelConfig::from_json_str(
+            &text,
+            std::path::Path::new(&path),
+        )?)
+    }
+}
+
 /// The shape of Qwen3.5-9B's text model (no download): 32 layers, 24 Gated DeltaNet and 8
 /// gated attention (every fourth), hidden 4096, 16/4 heads of 256 with a quarter rotated,
 /// linear heads 16 key / 32 value of 128, FFN 12288, vocab 248320, and the one-layer MTP head
 /// the checkpoint ships (`mtp_num_hidden_layers: 1`).
 pub fn qwen3_5_9b() -> Result<ModelConfig, ModelError> {
-    let text = r#"{"model_type": "qwen3_5_text", "hidden_size": 4096, "num_hidden_layers": 32,
-        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
-        "intermediate_size": 12288, "vocab_size": 248320, "rms_norm_eps": 1e-6,
-        "full_attention_interval": 4, "attn_output_gate": true,
-        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32, "linear_value_head_dim": 128,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        "max_position_embeddings": 262144, "tie_word_embeddings": false, "hidden_act": "silu",
-        "mtp_num_hidden_layers": 1, "eos_token_id": 0}"#;
-    Ok(ModelConfig::from_json_str(
-        text,
-        std::path::Path::new("<bench shape qwen3.5-9b>"),
-    )?)
+    Hybrid {
+        hidden: 4096,
+        layers: 32,
+        heads: (16, 4, 256),
+        ffn: 12288,
+        vocab: 248320,
+        linear: (16, 32, 128),
+        rotary: 0.25,
+        max_positions: 262144,
+        mtp_layers: 1,
+    }
+    .config("qwen3.5-9b")
 }
 
 /// A tiny hybrid shape with a one-layer MTP head: the Gated DeltaNet and speculative paths of
 /// the benchmark on the CPU backend.
 pub fn tiny_hybrid_for_cpu() -> Result<ModelConfig, ModelError> {
-    let text = r#"{"model_type": "qwen3_5_text", "hidden_size": 64, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "intermediate_size": 96, "vocab_size": 256, "rms_norm_eps": 1e-6,
-        "full_attention_interval": 4, "attn_output_gate": true,
-        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8, "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4, "linear_value_head_dim": 8,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.5},
-        "max_position_embeddings": 4096, "tie_word_embeddings": false, "hidden_act": "silu",
-        "mtp_num_hidden_layers": 1, "eos_token_id": 0}"#;
-    Ok(ModelConfig::from_json_str(
-        text,
-        std::path::Path::new("<bench shape tiny hybrid>"),
-    )?)
+    Hybrid {
+        hidden: 64,
+        layers: 4,
+        heads: (4, 2, 16),
+        ffn: 96,
+        vocab: 256,
+        linear: (2, 4, 8),
+        rotary: 0.5,
+        max_positions: 4096,
+        mtp_layers: 1,
+    }
+    .config("tiny hybrid")
 }
 
 /// The shape of Qwen3-8B (no download).
@@ -76,4 +126,26 @@ pub fn qwen3_8b() -> Result<ModelConfig, ModelError> {
 /// A tiny dense shape: the same code path on the CPU backend.
 pub fn tiny_for_cpu() -> Result<ModelConfig, ModelError> {
     dense_qwen3(64, 2, 4, 2, 16, 128, 256)
+}
+
+/// A dense and a hybrid shape small enough for the CPU backend whose projections' inputs (512
+/// and 1024) cut into k segments of whole stages, so decode steps of 17..128 rows give the
+/// decode GEMM its x as stage images (`ops_gemm::linear_stream_tma_takes_images`); the tiny
+/// shapes' (64..256 inputs: segments of one chunk) never do.
+pub fn decode_staging_shapes_for_cpu() -> Result<[ModelConfig; 2], ModelError> {
+    let hybrid = Hybrid {
+        hidden: 512,
+        layers: 4,
+        heads: (4, 2, 128),
+        ffn: 1024,
+        vocab: 256,
+        linear: (2, 4, 128),
+        rotary: 0.25,
+        max_positions: 4096,
+        mtp_layers: 0,
+    };
+    Ok([
+        dense_qwen3(512, 2, 4, 2, 128, 1024, 256)?,
+        hybrid.config("staged hybrid")?,
+    ])
 }
