@@ -254,7 +254,9 @@ impl Ops {
             (Some(map), None) if !decode => {
                 self.linear_tma_launch(s, self.k.linear_tma, out, images, w, map, (m, n, k))
             }
-            (Some(map), Some(row_blocks)) if linear_stream_tma_takes_images(m, k) => {
+            (Some(map), Some(row_blocks))
+                if linear_stream_tma_takes_images(m, k) && x.0.is_multiple_of(16) =>
+            {
                 let kernel = self.k.linear_stream_tma;
                 let x = StreamTmaX { rows: x, images };
                 self.linear_stream_tma_launch(s, kernel, out, x, w, map, (m, n, k), row_blocks)
@@ -263,7 +265,8 @@ impl Ops {
                 kernel: "linear_staged".into(),
                 problem: format!(
                     "{m} rows of the [{n}, {k}] weight at {:#x} cannot be read from stage \
-                     images (no tensor map, or a shape `linear_staging` does not offer)",
+                     images (no tensor map, a shape `linear_staging` does not offer, or x's rows \
+                     not 16-byte aligned)",
                     w.0
                 ),
             }),
