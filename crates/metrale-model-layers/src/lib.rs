@@ -11,6 +11,7 @@ pub mod layers;
 pub mod ops;
 pub mod ops_attention;
 pub mod ops_fused;
+pub mod ops_gdn_decode;
 pub mod ops_gemm;
 pub mod ops_hybrid;
 pub mod ops_moe;

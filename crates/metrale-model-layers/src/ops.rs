@@ -505,20 +505,25 @@ impl Ops {
     }
 
     /// `silu_mul` written as stage images at `images` for the down projection (`silu_mul_staged`;
-    /// see `Ops::linear_staging`), and as rows at `act` where given (decode sizes, where
-    /// `linear_stream_tma` may read the rows instead). The kernel has only a vector path, so an
-    /// unaligned `gate_up` or `act` or `ffn % 8 != 0` is an error here rather than rows left
+    /// see `Ops::linear_staging`), and at decode sizes (up to `LINEAR_SMALL_M_MAX` rows) as rows
+    /// at `act` too, which `linear_stream_tma` reads where it cannot take the images; prefill
+    /// sizes (`linear_tma`, images only) leave `act` alone. The kernel has only a vector path, so
+    /// an unaligned `gate_up` or `act` or `ffn % 8 != 0` is an error here rather than rows left
     /// unwritten.
     pub fn silu_mul_staged(
         &self,
         s: StreamHandle,
         images: DevicePtr,
-        act: Option<DevicePtr>,
+        act: DevicePtr,
         gate_up: DevicePtr,
         rows: u32,
         ffn: u32,
     ) -> GpuResult<()> {
-        let act = act.unwrap_or(DevicePtr::NULL);
+        let act = if rows <= crate::ops_gemm::LINEAR_SMALL_M_MAX {
+            act
+        } else {
+            DevicePtr::NULL
+        };
         let operands = [("images", images), ("act", act), ("gate_up", gate_up)];
         check_staged("silu_mul_staged", &operands, ffn)?;
         self.go(

@@ -9,9 +9,7 @@
 //! - Every weight an emitter reads has the format family the group's kernel reads.
 
 use metrale_circuit::kernels as k;
-use metrale_circuit::{
-    Block, Group, Kernel, LinearRole, Node, NormRole, NormWeight, Op, Plan, Tensor,
-};
+use metrale_circuit::{Block, Group, Kernel, Node, NormWeight, Op, Plan, Tensor};
 use metrale_gpu_runtime::{DevicePtr, StreamHandle};
 
 use super::bindings::{AttnFacts, CircuitLayer, HeadBinding, WeightSlot, norm_slot};
@@ -20,7 +18,6 @@ use super::error::CircuitExecError;
 use super::fixed::Fixed;
 use crate::layer::ModelDims;
 use crate::ops::{KvStore, Ops, PagedAttention, QkNormRope};
-use crate::ops_gemm::LINEAR_SMALL_M_MAX;
 use crate::ops_hybrid::{
     CausalConv1d, ExpertLinear, GatedDelta, GatedRmsNorm, GdnPrepare, GdnSeqs, MoeCombine,
     StatePool,
@@ -137,7 +134,7 @@ impl Emitter<'_> {
     }
 
     /// The tensor of the node's `i`-th input (or output).
-    fn nth(&self, node: &Node, i: usize, outputs: bool) -> Result<Edge> {
+    pub(super) fn nth(&self, node: &Node, i: usize, outputs: bool) -> Result<Edge> {
         let ids = if outputs { &node.outputs } else { &node.inputs };
         let tensor = ids
             .get(i)
@@ -238,80 +235,6 @@ impl Emitter<'_> {
             head_dim: a.head_dim,
             num_slots: kv.num_slots,
         })
-    }
-
-    /// A `Linear` node's weight (read as `kernel` reads it) and its m, n, k.
-    fn linear_shape(&self, node: &Node, kernel: Kernel) -> Result<(DevicePtr, u32, u32, u32)> {
-        let (b, x, out) = (
-            node.block,
-            self.nth(node, 0, false)?,
-            self.nth(node, 0, true)?,
-        );
-        let Op::Linear(role) = node.op else {
-            return Err(CircuitExecError::NoBuffer {
-                block: b,
-                tensor: "(a projection's weight)",
-            });
-        };
-        Ok((
-            self.weight(b, WeightSlot::Linear(role), kernel)?,
-            self.u32(b, "rows", x.rows)?,
-            self.u32(b, "output columns", out.numel / x.rows.max(1))?,
-            self.u32(b, "input columns", x.cols)?,
-        ))
-    }
-
-    /// The stage images a `Linear` node reads its x from, as the legacy forward stages it
-    /// (`DecoderLayer`, `Mlp`): the qkv or GDN input projection after the residual norm, the gate/up
-    /// projection after the post-attention norm and the down projection after `silu_mul`,
-    /// wherever `Ops::linear_staging` offers the buffer for the projection's shape.
-    fn staged_x(&self, linear: &Node) -> Result<Option<DevicePtr>> {
-        let circuit = self.plan.circuit();
-        let producer = linear
-            .inputs
-            .first()
-            .and_then(|&v| circuit.value(v)?.producer)
-            .and_then(|id| circuit.node(id))
-            .map(|p| p.op);
-        let staged = matches!(
-            (producer, linear.op),
-            (
-                Some(Op::AddRmsNorm {
-                    role: NormRole::Input,
-                    ..
-                }),
-                Op::Linear(LinearRole::Qkv | LinearRole::GdnInProj)
-            ) | (
-                Some(Op::AddRmsNorm {
-                    role: NormRole::Post,
-                    ..
-                }),
-                Op::Linear(LinearRole::GateUp)
-            ) | (Some(Op::SiluMul), Op::Linear(LinearRole::Down))
-        );
-        if !staged {
-            return Ok(None);
-        }
-        let (w, m, n, kk) = self.linear_shape(linear, k::LINEAR)?;
-        Ok(self.ops.linear_staging(self.stream, w, m, n, kk)?)
-    }
-
-    /// The stage images `producer` writes its output as, for the projection reading it (see
-    /// [`Emitter::staged_x`]); `None`: rows only.
-    fn staged_for(&self, producer: &Node) -> Result<Option<DevicePtr>> {
-        let circuit = self.plan.circuit();
-        for node in circuit.nodes() {
-            let reads_it = node
-                .inputs
-                .first()
-                .and_then(|&v| circuit.value(v)?.producer)
-                .and_then(|id| circuit.node(id))
-                .is_some_and(|p| std::ptr::eq(p, producer));
-            if reads_it && let Some(images) = self.staged_x(node)? {
-                return Ok(Some(images));
-            }
-        }
-        Ok(None)
     }
 
     /// Emit a one-node group; `false` when no emitter lowers `node` to `kernels`.
@@ -539,11 +462,7 @@ impl Emitter<'_> {
                 let out = self.nth(node, 0, true)?;
                 let (rows, ffn) = (u("rows", x.rows)?, u("width", out.cols)?);
                 match self.staged_for(node)? {
-                    Some(images) => {
-                        // As `Mlp::forward`: decode sizes write the rows too.
-                        let act = (rows <= LINEAR_SMALL_M_MAX).then_some(out.ptr);
-                        ops.silu_mul_staged(s, images, act, x.ptr, rows, ffn)?;
-                    }
+                    Some(images) => ops.silu_mul_staged(s, images, out.ptr, x.ptr, rows, ffn)?,
                     None => ops.silu_mul(s, out.ptr, x.ptr, rows, ffn)?,
                 }
             }

@@ -36,6 +36,7 @@ mod compile;
 mod draft;
 mod emit;
 mod emit_draft;
+mod emit_staged;
 mod error;
 mod fixed;
 mod instance;

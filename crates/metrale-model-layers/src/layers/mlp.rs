@@ -8,7 +8,6 @@ use metrale_gpu_runtime::{DevicePtr, GpuResult};
 
 use crate::circuit_exec::{BoundWeight, FfnFacts, WeightSlot};
 use crate::layer::LayerCtx;
-use crate::ops_gemm::LINEAR_SMALL_M_MAX;
 use crate::weight_map::DenseWeight;
 
 /// One MLP's weights.
@@ -45,9 +44,7 @@ impl Mlp {
             None => ops.linear(s, buf.gate_up, buf.normed, self.gate_up.ptr, rows, n, k)?,
         }
         if let Some(images) = ops.linear_staging(s, self.down.ptr, rows, d.hidden, self.ffn)? {
-            // Decode sizes write the rows too (`Ops::linear_staged`).
-            let act = (rows <= LINEAR_SMALL_M_MAX).then_some(buf.act);
-            ops.silu_mul_staged(s, images, act, buf.gate_up, rows, self.ffn)?;
+            ops.silu_mul_staged(s, images, buf.act, buf.gate_up, rows, self.ffn)?;
             return ops.linear_staged(
                 s,
                 buf.delta,

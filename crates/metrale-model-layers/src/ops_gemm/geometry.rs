@@ -192,8 +192,13 @@ pub const LINEAR_STREAM_TMA_IMAGES_M_MIN: u32 = 17;
 pub fn linear_stream_tma_takes_images(m: u32, k: u32) -> bool {
     m >= LINEAR_STREAM_TMA_IMAGES_M_MIN
         && linear_stream_tma_fits(m, k)
-        && k.is_multiple_of(64)
-        && (k / 32).div_ceil(8).is_multiple_of(2)
+        && segments_are_whole_stages(k)
+}
+
+/// The kernel's own test for taking x from images at `k` inputs, whatever the rows: `k` a
+/// multiple of 64 and every k segment an even number of 32-k chunks.
+pub fn segments_are_whole_stages(k: u32) -> bool {
+    k.is_multiple_of(64) && (k / 32).div_ceil(8).is_multiple_of(2)
 }
 
 /// Whether the kernel itself can run `m` rows (1 ..= 128, the decode sizes) by `k` inputs at

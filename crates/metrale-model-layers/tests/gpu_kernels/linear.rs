@@ -7,7 +7,7 @@ use metrale_gpu_runtime::{DevicePtr, KernelArg, LaunchConfig};
 use metrale_model_layers::ops_gemm::{
     LINEAR_SMALL_M_MAX, LinearPath, linear_geometry, linear_staging_bytes,
     linear_stream_tma_geometry, linear_stream_tma_room, linear_stream_tma_rows,
-    linear_tma_geometry, permute_geometry,
+    linear_tma_geometry, permute_geometry, segments_are_whole_stages,
 };
 
 use super::harness::{self, Pair, Rng, S, Tolerance};
@@ -270,22 +270,15 @@ fn staged_producers_write_the_images_permute_would() {
         let gu = p.upload(&rng.bf16s((m * 2 * k) as usize, -4.0, 4.0));
         let act = p.poisoned((m * k) as usize * 2);
         let staged = p.poisoned(images);
-        let staged_rows = (m <= LINEAR_SMALL_M_MAX).then(|| p.poisoned((m * k) as usize * 2));
-        p.run(|o, at| {
-            let rows = staged_rows.as_ref().map(at);
-            o.silu_mul_staged(S, at(&staged), rows, at(&gu), m, k)
-        });
+        let rows = p.poisoned((m * k) as usize * 2);
+        p.run(|o, at| o.silu_mul_staged(S, at(&staged), at(&rows), at(&gu), m, k));
         p.check_bf16("silu_mul_staged", &case, &staged, Tolerance::BF16);
         p.run_gpu(|o, at| o.silu_mul(S, at(&act), at(&gu), m, k));
-        if let Some(rows) = &staged_rows {
-            p.check_bf16(
-                "silu_mul_staged",
-                &format!("{case} rows"),
-                rows,
-                Tolerance::BF16,
-            );
+        if m <= LINEAR_SMALL_M_MAX {
+            let rows_case = format!("{case} rows");
+            p.check_bf16("silu_mul_staged", &rows_case, &rows, Tolerance::BF16);
             assert!(
-                p.download_gpu::<u16>(rows) == p.download_gpu::<u16>(&act),
+                p.download_gpu::<u16>(&rows) == p.download_gpu::<u16>(&act),
                 "silu_mul_staged {case}: its rows differ from silu_mul's"
             );
         }
@@ -338,12 +331,6 @@ fn staged_producers_write_the_images_permute_would() {
             "add_rms_norm_staged {case}: the images differ from add_rms_norm's rows permuted"
         );
     }
-}
-
-/// Whether `linear_stream_tma` takes x from stage images at `k` inputs (the kernel's own test:
-/// k % 64 == 0 and segments of an even chunk count; the launcher adds the rows it serves).
-fn takes_images(k: u32) -> bool {
-    k.is_multiple_of(64) && (k / 32).div_ceil(8).is_multiple_of(2)
 }
 
 /// The stage images of `x [m, k]` (m <= 128: one row tile), uploaded with NaN in every row past
@@ -469,7 +456,7 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
             if linear_stream_tma_room(m, k) {
                 // From x's rows, and (where every k segment is whole stages) from its stage
                 // images, whose rows past m hold NaN: what a decode step finds there is stale.
-                let images = takes_images(k).then(|| nan_padded_images(&p, &x, m, k));
+                let images = segments_are_whole_stages(k).then(|| nan_padded_images(&p, &x, m, k));
                 for ximg in [None, images.as_ref()] {
                     for clusters in [Some(1), Some(3), None] {
                         let got = linear_stream_tma(&p, bytes, &x, ximg, &w, (m, n, k), clusters);

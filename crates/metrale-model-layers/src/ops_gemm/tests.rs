@@ -1,0 +1,200 @@
+//! The `linear` launchers' choices and refusals, on the CPU backend.
+
+use std::sync::Arc;
+
+use metrale_gpu_runtime::{CpuBackend, GpuBackend, KernelHandle};
+
+use super::*;
+use crate::circuit_exec::Recorder;
+
+/// A CPU backend, launchers over it and its stream.
+fn cpu() -> (Arc<dyn GpuBackend>, Ops, StreamHandle) {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+    let ops = Ops::new(gpu.clone()).expect("kernels resolve");
+    let s = gpu.default_stream();
+    (gpu, ops, s)
+}
+
+/// The kernels `f` launches through launchers recording over `ops`.
+fn kernels_of(ops: &Ops, f: impl Fn(&Ops) -> GpuResult<()>) -> Vec<KernelHandle> {
+    let (recorder, recording) = Recorder::over(ops);
+    f(&recording).expect("the launches record");
+    recorder.take().into_iter().map(|l| l.kernel).collect()
+}
+
+#[test]
+fn linear_tma_runs_where_its_map_can_be_made_and_the_tiled_kernel_elsewhere() {
+    let (gpu, ops, s) = cpu();
+    let (m, n, k) = (130u32, 8u32, 64u32);
+    let alloc = |bytes: usize| gpu.alloc(bytes).expect("alloc");
+    let (x, out) = (alloc((m * k * 2) as usize), alloc((m * n * 2) as usize));
+    let (w1, w2) = (alloc((n * k * 2) as usize), alloc((n * k * 2) as usize));
+    let images = linear_staging_bytes(m, k);
+    let base = alloc(LinearStaging::bytes(images, 4));
+    let tma = vec![ops.k.permute_k32_tiles, ops.k.linear_tma];
+    let tiled = vec![ops.k.linear];
+    let linear = |w: DevicePtr| move |o: &Ops| o.linear(s, out, x, w, m, n, k);
+
+    // Without staging memory, and with it while the weight's map has no slot left.
+    assert_eq!(kernels_of(&ops, linear(w1)), tiled);
+    ops.set_linear_staging(Some(LinearStaging::at(base, images, 1)));
+    assert_eq!(kernels_of(&ops, linear(w1)), tma);
+    assert_eq!(kernels_of(&ops, linear(w2)), tiled, "the one slot is w1's");
+    assert_eq!(kernels_of(&ops, linear(w1)), tma, "w1's map stays");
+
+    // While the stream captures a graph no map can be uploaded: the tiled kernel serves, and
+    // the launch does not fail. Afterwards the map is made.
+    ops.set_linear_staging(Some(LinearStaging::at(base, images, 4)));
+    gpu.begin_capture(s).expect("capture");
+    assert_eq!(kernels_of(&ops, linear(w2)), tiled);
+    let graph = gpu.end_capture(s).expect("capture ends");
+    gpu.destroy_graph(graph).expect("destroy");
+    assert_eq!(kernels_of(&ops, linear(w2)), tma);
+
+    // A producer stages prefill-sized calls with k a multiple of 64 (and decode sizes whose
+    // segments are whole stages: not k = 64, two chunks for eight segments).
+    let staging = |m: u32, k: u32| ops.linear_staging(s, w1, m, n, k).expect("no error");
+    assert_eq!(staging(m, k), Some(base));
+    assert_eq!(staging(LINEAR_SMALL_M_MAX, k), None);
+    assert_eq!(staging(m, 32), None);
+    assert_eq!(staging(4 * m, k), None, "the images would not fit");
+    // Without a map (here, no slots), a staged projection is refused, not run unmapped.
+    ops.set_linear_staging(Some(LinearStaging::at(base, images, 0)));
+    let refused = ops.linear_staged(s, out, x, base, w1, m, n, k);
+    assert!(
+        matches!(&refused, Err(GpuError::KernelFailed { problem, .. }) if problem.contains("no tensor map")),
+        "{refused:?}"
+    );
+}
+
+#[test]
+fn linear_stream_tma_serves_9_to_128_rows_in_four_row_blocks_at_most_where_a_map_exists() {
+    let (gpu, ops, s) = cpu();
+    let n = 8u32;
+    let alloc = |bytes: usize| gpu.alloc(bytes).expect("alloc");
+    let (x, out) = (alloc(64 * 12288 * 2), alloc(64 * 8 * 4));
+    let w = alloc(8 * 12288 * 2);
+    let tma = vec![ops.k.linear_stream_tma];
+    let wide = vec![ops.k.linear_stream_wide];
+    let linear = |m: u32, k: u32| move |o: &Ops| o.linear(s, out, x, w, m, n, k);
+
+    // No staging memory, so no map: the wide kernel.
+    assert_eq!(kernels_of(&ops, linear(32, 4096)), wide);
+    let base = alloc(LinearStaging::bytes(0, 4));
+    ops.set_linear_staging(Some(LinearStaging::at(base, 0, 4)));
+    assert_eq!(kernels_of(&ops, linear(17, 4096)), tma);
+    assert_eq!(kernels_of(&ops, linear(64, 4096)), tma);
+    let f32out = kernels_of(&ops, |o: &Ops| o.linear_f32out(s, out, x, w, 40, n, 4096));
+    assert_eq!(f32out, vec![ops.k.linear_stream_tma_f32out]);
+    // 12288 inputs: 32 rows fit, 64 go in two row blocks of 32 (x's whole segment would
+    // take 192 KiB); a k whose 8 rows do not fit runs the wide kernel.
+    assert_eq!(kernels_of(&ops, linear(32, 12288)), tma);
+    assert_eq!(kernels_of(&ops, linear(64, 12288)), tma);
+    assert_eq!(linear_stream_tma_rows(64, 12288), Some((32, 2)));
+    assert_eq!(linear_stream_tma_rows(64, 4096), Some((64, 1)));
+    assert_eq!(linear_stream_tma_rows(5, 4096), Some((8, 1)));
+    assert_eq!(linear_stream_tma_rows(64, 40960), Some((8, 8)));
+    assert!(
+        !linear_stream_tma_fits(64, 40960),
+        "eight row blocks: eight weight reads"
+    );
+    assert!(!linear_stream_tma_fits(129, 4096), "past the decode sizes");
+    assert_eq!(linear_stream_tma_rows(1, 1 << 20), None);
+    // Outside its rows, and k off the tensor map's 16-byte strides.
+    assert_eq!(kernels_of(&ops, linear(9, 4096)), tma);
+    assert_eq!(kernels_of(&ops, linear(8, 4096)), vec![ops.k.linear_stream]);
+    assert_eq!(kernels_of(&ops, linear(65, 4096)), tma);
+    assert_eq!(kernels_of(&ops, linear(128, 4096)), tma);
+    assert_eq!(linear_stream_tma_rows(128, 4096), Some((64, 2)));
+    // 128 rows of 12288 inputs: four row blocks of 32.
+    assert_eq!(kernels_of(&ops, linear(128, 12288)), tma);
+    assert_eq!(linear_stream_tma_rows(128, 12288), Some((32, 4)));
+    assert_eq!(kernels_of(&ops, linear(32, 4092)), wide);
+    assert!(linear_stream_tma_fits(64, 4096) && linear_stream_tma_fits(64, 12288));
+    assert!(!linear_stream_tma_fits(64, 0) && !linear_stream_tma_fits(8, 4096));
+    // Which clusters run a tile never changes its rows; at most one a tile of 128 columns
+    // and row block, a multiple of the row blocks.
+    assert_eq!(linear_stream_tma_geometry(4096, 1, 15).grid.0, 8 * 15);
+    assert_eq!(linear_stream_tma_geometry(200, 1, 15).grid.0, 8 * 2);
+    assert_eq!(linear_stream_tma_geometry(4096, 2, 15).grid.0, 8 * 14);
+    assert_eq!(linear_stream_tma_geometry(4096, 2, 1).grid.0, 8 * 2);
+}
+
+#[test]
+fn decode_projections_take_x_from_images_where_every_segment_is_whole_stages() {
+    let (gpu, ops, s) = cpu();
+    let (m, n, k) = (64u32, 8u32, 1024u32);
+    let alloc = |bytes: usize| gpu.alloc(bytes).expect("alloc");
+    let (x, out, w) = (
+        alloc((m * k * 2) as usize),
+        alloc((m * n * 2) as usize),
+        alloc((n * k * 2) as usize),
+    );
+    let images = linear_staging_bytes(LINEAR_SMALL_M_MAX, k);
+    let base = alloc(LinearStaging::bytes(images, 4));
+    ops.set_linear_staging(Some(LinearStaging::at(base, images, 4)));
+    let staging = |m: u32, k: u32| ops.linear_staging(s, w, m, n, k).expect("no error");
+    // 17..128 rows of k = 1024 (32 chunks: segments of 4) stage; 16 rows, k = 1000 and
+    // k = 256 (segments of one chunk) do not.
+    for rows in [LINEAR_STREAM_TMA_IMAGES_M_MIN, 64, LINEAR_SMALL_M_MAX] {
+        assert_eq!(staging(rows, k), Some(base), "{rows} rows");
+    }
+    assert_eq!(staging(16, k), None);
+    assert_eq!(staging(m, 1000), None);
+    assert_eq!(staging(m, 256), None);
+    // The projection is `linear_stream_tma` given both x's rows and the images; where the
+    // shape takes none, `linear_staged` refuses.
+    let (recorder, recording) = Recorder::over(&ops);
+    recording
+        .linear_staged(s, out, x, base, w, m, n, k)
+        .expect("staged");
+    let launches = recorder.take();
+    assert_eq!(launches.len(), 1);
+    assert_eq!(launches[0].kernel, ops.k.linear_stream_tma);
+    assert!(
+        ops.linear_staged(s, out, x, base, w, 16, n, k).is_err(),
+        "16 rows are not read from images"
+    );
+}
+
+#[test]
+fn staged_producers_refuse_operands_off_their_vector_path() {
+    let (gpu, ops, s) = cpu();
+    let (rows, cols) = (2u32, 64u32);
+    let alloc = |bytes: usize| gpu.alloc(bytes).expect("alloc");
+    let images = alloc(linear_staging_bytes(rows, cols));
+    let gate_up = alloc((rows * 2 * cols * 2) as usize);
+    gpu.memset(gate_up, 0x3c, (rows * 2 * cols * 2) as usize, s)
+        .expect("fill");
+    let problem = |r: GpuResult<()>| match r {
+        Err(GpuError::KernelFailed { problem, .. }) => problem,
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    let act = alloc((rows * cols * 2) as usize);
+    ops.silu_mul_staged(s, images, act, gate_up, rows, cols)
+        .expect("aligned operands stage");
+    let shifted = DevicePtr(gate_up.0 + 2);
+    let silu = |act, gate_up, cols| ops.silu_mul_staged(s, images, act, gate_up, rows, cols);
+    assert!(problem(silu(act, shifted, cols)).contains("gate_up"));
+    assert!(problem(silu(DevicePtr(act.0 + 2), gate_up, cols)).contains("act"));
+    assert!(problem(silu(act, gate_up, 60)).contains("60 columns"));
+
+    let residual = alloc((rows * cols * 4) as usize);
+    let (delta, out) = (
+        alloc((rows * cols * 2) as usize),
+        alloc((rows * cols * 2) as usize),
+    );
+    let w = alloc(cols as usize * 2);
+    for (p, bytes) in [
+        (residual, rows * cols * 4),
+        (delta, rows * cols * 2),
+        (w, cols * 2),
+    ] {
+        gpu.memset(p, 0x3c, bytes as usize, s).expect("fill");
+    }
+    let norm = |out: DevicePtr| {
+        ops.add_rms_norm_staged(s, residual, delta, w, out, images, rows, cols, 1e-6, false)
+    };
+    norm(out).expect("aligned operands stage");
+    assert!(problem(norm(DevicePtr(out.0 + 8))).contains("out at"));
+}
