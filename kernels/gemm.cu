@@ -4,8 +4,8 @@
 // Six kernels per output type (bf16: `linear`, `linear_stream`, `linear_stream_b4`,
 // `linear_stream_wide`, `linear_stream_tma`, `linear_tma`; f32: the same with `_f32out`), each
 // computing the whole function; the launcher
-// (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 16 on projections of 6144 columns or
-// more, `linear_stream` for the other m <= 16, `linear_stream_tma` for 9..128 rows where the
+// (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 16 on projections of 65536 columns or
+// more (LM heads), `linear_stream` for the other m <= 16, `linear_stream_tma` for 9..128 rows where the
 // weight has a tensor map and x fits in at most four row blocks, `linear_stream_wide` for the
 // other m <= 128
 // (decode) and `linear_tma` or the tiled `linear` above, every one as a programmatic dependent
@@ -13,15 +13,16 @@
 // kernel calls `pdl_wait` (common.cuh) before it touches x or out, so its blocks may start while
 // the kernel ahead of it on the stream finishes, and the decode kernels issue their first weight
 // loads before that wait (the weight is never written by the kernel just ahead of a projection).
-// - `linear_stream` (m <= 16): one block per unit of one column tile (8 output columns) by one
-//   row tile (16 rows); grid ceil(n / 8) * ceil(m / 16), 256 threads, 4 KiB of static shared
-//   memory, two blocks per multiprocessor. Warp w computes segment w, loading its 16-byte weight
-//   fragments straight into registers (ld.global.nc, no L1 allocation, a 256-byte L2 prefetch):
-//   batches of LIN_D_B (8) chunks when the unit has at most 8 rows, LIN_D_B_RB (4) when it has
-//   more (x rows g + 8 too) or the operands are unaligned; two batches in flight per warp. x is
-//   read through L1. The warps leave their segment partials in shared memory and the block sums
-//   them in segment order. `linear_stream_b4` is the same with batches of 4 (2) chunks and three
-//   blocks per multiprocessor.
+// - `linear_stream` (m <= 16): persistent blocks taking units of one column tile (8 output
+//   columns) by one row tile (16 rows) in turn; as many blocks as are resident (two a
+//   multiprocessor), 256 threads, 8 KiB of static shared memory. Warp w computes segment w,
+//   loading its 16-byte weight fragments straight into registers (ld.global.nc, no L1
+//   allocation, a 256-byte L2 prefetch): batches of LIN_D_B (8) chunks at m <= 8, LIN_D_B_RB (4)
+//   above (x rows g + 8 too) or where the operands are unaligned; two batches in flight per
+//   warp, running on from one unit into the next. x is read through L1. The warps leave their
+//   segment partials in shared memory and the block sums them in segment order.
+//   `linear_stream_b4` is the same with batches of 4 (2) chunks and three blocks per
+//   multiprocessor.
 // - `linear_stream_wide` (16 < m <= 128): a cluster of LIN_SEGS blocks per tile of 128 columns by
 //   64 rows, block s computing segment s; x and the weight staged together through a 3-stage
 //   cp.async ring; the cluster sums the segment partials in order through distributed shared
@@ -48,10 +49,13 @@
 //   (`linear_tiled`, 128 x 128, now only in the compute_90 PTX). Its rate did not move with the
 //   ring depth: the 8-byte copies bound it.
 //
-// Measured on the H200 (2026-11-30, kernels alone, 20 launches per CUDA graph, weights rotated
-// past L2, against the 4.45 TB/s of a read-only stream; lab/gemm_lab.cu; docs/BENCHMARKS.md):
-// at m = 1 the narrow kernels reach 64-96 % (o 4096x4096 64 %, qkv 6144x4096 78 %, gate_up
-// 24576x4096 88 %, down 4096x12288 77 %, LM head 151936x4096 96 %). `linear_stream_wide` at
+// Measured on the H200 (kernels alone, 20 launches per CUDA graph, weights rotated past L2,
+// programmatic launches, against a read-only stream; lab/gemm_lab.cu; docs/BENCHMARKS.md): at
+// m = 1 the persistent narrow kernels (2026-12-01) reach 75-96 % (o 4096x4096 75 %, qkv
+// 6144x4096 82 %, gate_up 24576x4096 92 %, down 4096x12288 85 %, LM head 151936x4096 96 %),
+// where a block per unit reached 61-95 % (61, 77, 88, 77, 95: the next unit's loads waited for
+// a block to retire and another to start). In the lab's chain of 36 Qwen3-8B layers (stand-in
+// small kernels between the projections) one row took 4.231 ms against 4.446-4.754. (2026-11-30:) `linear_stream_wide` at
 // m = 32 reaches 47-64 % (qkv, o, down, gate_up, LM head), at m = 64 34-47 %, at m = 128 20-24 %
 // (still 1.6x the tiled kernel there); the persistent per-warp-segment kernel it replaced ran at
 // 31-37 % at m = 32 (x re-read from L2 for every 16 columns). Tried and dropped: a weight ring
@@ -481,13 +485,16 @@ extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LI
 }
 
 // ---- The m <= 16 decode kernel (`linear_stream`) ----
-// One block per unit of one column tile (8 output columns) by one row tile (16 rows); warp w
-// computes segment w, loading its weight fragments straight into registers: a batch is B chunks
-// (one 16-byte load per lane and chunk, 8 weight rows x 64 bytes per warp-wide load), and two
-// batches are in flight per warp while it computes. The first two batches are loaded before
-// `pdl_wait` (the weight is never written by the kernel ahead on the stream). x comes through
-// L1 (it is small and every block rereads it). The warps leave their segment partials in shared
-// memory and the block sums them in segment order.
+// Persistent blocks: block b takes the units (one column tile of 8 output columns by one row tile
+// of 16 rows) b, b + gridDim.x, ...; warp w computes segment w of each, loading its weight
+// fragments straight into registers: a batch is B chunks (one 16-byte load per lane and chunk, 8
+// weight rows x 64 bytes per warp-wide load), and two batches are in flight per warp while it
+// computes. The batches run on across the block's units, so the next unit's first two batches
+// are loading while this unit's last two are computed and summed; the first two are loaded
+// before `pdl_wait` (the weight is never written by the kernel ahead on the stream). x comes
+// through L1 (it is small and every block rereads it). The warps leave their segment partials
+// in shared memory (two buffers, by unit parity: one barrier a unit) and the block sums them in
+// segment order.
 
 // 16 weight bytes, read once: past L1, asking L2 for the whole 256-byte span (the rest of the
 // row's bytes are read by the next loads of this warp and its neighbours).
@@ -513,7 +520,7 @@ MT_DEVICE void direct_load_w(uint4 (&dst)[B], const bf16* w, uint32_t n, uint32_
 }
 
 // The MMAs of one batch (chunks c0 .. c0 + B - 1 of this warp's segment, those before c_end).
-// RB: the unit has rows past its first 8 (x rows g + 8 are loaded).
+// RB: x rows g + 8 are loaded too (a unit may have rows past its first 8).
 template <int B, bool RB, bool VEC>
 MT_DEVICE void direct_batch(float (&acc)[4], const uint4 (&wr)[B], const bf16* x, uint32_t m,
                             uint32_t k, uint32_t m0, uint32_t c0, uint32_t c_end, uint32_t g, uint32_t q) {
@@ -531,62 +538,82 @@ MT_DEVICE void direct_batch(float (&acc)[4], const uint4 (&wr)[B], const bf16* x
     }
 }
 
+// The block's units in turn: blockIdx.x, blockIdx.x + gridDim.x, ... A warp's batch count is
+// rounded up to even (an empty batch loads nothing and adds nothing), so every unit starts in
+// the same register buffer. Which block computes a unit, and with which batch size, never
+// changes its chain of MMAs. The block lets the next kernel start (`pdl_trigger`) only as it
+// begins its last unit, as a block per unit did once the last of them had started: triggering
+// at the start, Qwen3-8B's batch-1 step went from 4.90 to 5.62 ms (H200, 2026-12-01; the
+// norms, cache store and attention behind the projections then took their multiprocessors
+// early, as at batch 1 in the session-16 note at `pdl_enter`). Blocks taking their units from
+// an atomic counter instead (so that one which started late would take fewer) were slower
+// still: 4.82 with the claim's answer read at once, 5.04 with it read a unit later, against
+// 4.70 taking them in turn.
 template <typename OutT, int B, bool RB, bool VEC>
 MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
-                                  uint32_t k, float4* part) {
+                                  uint32_t k, float4 (*part)[LIN_STREAM_WARPS * 32]) {
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const LinSegment span = lin_segment(k, warp);
     const uint32_t nsegs = span.nsegs, c_begin = span.c_begin, c_end = span.c_end;
-    // Row tiles of one column tile are neighbouring blocks, so they run together and all but
-    // the first read the weight tile from L2 (the launcher sends only m <= 16, one row tile, here;
-    // serving m = 32 / 64 this way measured 12.9 / 25.0 ms per Qwen3-8B step against the wide
-    // kernel's 12.7 / 19.1 on the H200, 2026-11-30).
-    const uint32_t row_units = (m + 15) / 16;
-    const uint32_t n0 = (blockIdx.x / row_units) * 8, m0 = (blockIdx.x % row_units) * 16;
-    const uint32_t nb = (c_end - c_begin + B - 1) / B;  // this warp's batches
+    // Row tiles of one column tile are neighbouring units, so they run together and all but the
+    // first read the weight tile from L2 (the launcher sends only m <= 16, one row tile, here).
+    const uint32_t row_units = (m + 15) / 16, units = ((n + 7) / 8) * row_units;
+    const uint32_t nb = (c_end - c_begin + B - 1) / B, nbe = nb + (nb & 1);  // this warp's batches
+    // Batch bb of unit `u`, where bb may run past it into the block's next unit.
+    auto load = [&](uint4 (&dst)[B], uint32_t u, uint32_t bb) {
+        if (bb >= nbe) {
+            u += gridDim.x;
+            bb -= nbe;
+        }
+        if (u < units) direct_load_w<B, VEC>(dst, w, n, k, (u / row_units) * 8 + g, c_begin + bb * B, c_end, q);
+    };
 
     uint4 wa[B], wb[B];
-    if (nb > 0) direct_load_w<B, VEC>(wa, w, n, k, n0 + g, c_begin, c_end, q);
-    if (nb > 1) direct_load_w<B, VEC>(wb, w, n, k, n0 + g, c_begin + B, c_end, q);
-    pdl_wait();  // x and out belong to the kernels around this one
-    pdl_trigger();
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (uint32_t b = 0; b < nb; b += 2) {
-        direct_batch<B, RB, VEC>(acc, wa, x, m, k, m0, c_begin + b * B, c_end, g, q);
-        if (b + 2 < nb) direct_load_w<B, VEC>(wa, w, n, k, n0 + g, c_begin + (b + 2) * B, c_end, q);
-        if (b + 1 < nb) {
-            direct_batch<B, RB, VEC>(acc, wb, x, m, k, m0, c_begin + (b + 1) * B, c_end, g, q);
-            if (b + 3 < nb) direct_load_w<B, VEC>(wb, w, n, k, n0 + g, c_begin + (b + 3) * B, c_end, q);
-        }
+    if (nbe > 0) {
+        load(wa, blockIdx.x, 0);
+        load(wb, blockIdx.x, 1);
     }
-    part[warp * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    __syncthreads();
-    if (tid < 128) {
-        const uint32_t ln = tid / 4, i = tid % 4;
-        const uint32_t row = m0 + ln / 4 + (i >= 2 ? 8 : 0);
-        const uint32_t col = n0 + (ln % 4) * 2 + (i & 1);
-        if (row < m && col < n) {
-            const float* pf = reinterpret_cast<const float*>(part);
-            float total = 0.0f;
-            for (uint32_t sg = 0; sg < nsegs; ++sg) total += pf[(sg * 32 + ln) * 4 + i];
-            store_out(out, (size_t)row * n + col, total);
+    pdl_wait();  // x and out belong to the kernels around this one
+    for (uint32_t u = blockIdx.x, i = 0; u < units; u += gridDim.x, ++i) {  // caller: blockIdx.x < units
+        if (u + gridDim.x >= units) pdl_trigger();
+        const uint32_t m0 = (u % row_units) * 16;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (uint32_t b = 0; b < nbe; b += 2) {
+            direct_batch<B, RB, VEC>(acc, wa, x, m, k, m0, c_begin + b * B, c_end, g, q);
+            load(wa, u, b + 2);
+            direct_batch<B, RB, VEC>(acc, wb, x, m, k, m0, c_begin + (b + 1) * B, c_end, g, q);
+            load(wb, u, b + 3);
+        }
+        float4* pp = part[i & 1];
+        pp[warp * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        __syncthreads();  // also orders this buffer's reads below before its writes two units on
+        if (tid < 128) {
+            const uint32_t ln = tid / 4, e = tid % 4;
+            const uint32_t row = m0 + ln / 4 + (e >= 2 ? 8 : 0);
+            const uint32_t col = (u / row_units) * 8 + (ln % 4) * 2 + (e & 1);
+            if (row < m && col < n) {
+                const float* pf = reinterpret_cast<const float*>(pp);
+                float total = 0.0f;
+                for (uint32_t sg = 0; sg < nsegs; ++sg) total += pf[(sg * 32 + ln) * 4 + e];
+                store_out(out, (size_t)row * n + col, total);
+            }
         }
     }
 }
 
 #define LIN_D_B 8     // chunks per batch of the m <= 8 instance
-#define LIN_D_B_RB 4  // chunks per batch of the 8 < m <= 16 instance (x rows g + 8 as well)
+#define LIN_D_B_RB 4  // chunks per batch of the m > 8 instance (x rows g + 8 as well)
 
 // B: chunks per batch of the aligned m <= 8 instance; BR: of the others (x rows g + 8 as well, or
-// scalar loads, which need more registers).
+// scalar loads, which need more registers). The choice is the launch's, uniform over its blocks.
 template <typename OutT, int B, int BR>
 MT_DEVICE void linear_direct_dispatch(OutT* out, const bf16* x, const bf16* w, uint32_t m,
                                       uint32_t n, uint32_t k) {
-    __shared__ float4 part[LIN_STREAM_WARPS * 32];
+    __shared__ float4 part[2][LIN_STREAM_WARPS * 32];
     if (m == 0 || n == 0 || blockDim.x != LIN_STREAM_WARPS * 32) return;
     if (blockIdx.x >= ((n + 7) / 8) * ((m + 15) / 16)) return;  // uniform over the block
     const bool vec = k % 8 == 0 && aligned16(x) && aligned16(w);
-    const bool rb = (blockIdx.x % ((m + 15) / 16)) * 16 + 8 < m;
+    const bool rb = m > 8;
     if (vec) {
         if (rb)
             linear_direct_impl<OutT, BR, true, true>(out, x, w, m, n, k, part);
@@ -601,8 +628,8 @@ MT_DEVICE void linear_direct_dispatch(OutT* out, const bf16* x, const bf16* w, u
 }
 
 // linear_stream(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k): `linear`, the
-// decode path for m <= 16. Grid (ceil(n / 8) * ceil(m / 16)), 256 threads, no dynamic shared
-// memory.
+// decode path for m <= 16. Grid: any number of blocks up to the units (ceil(n / 8) *
+// ceil(m / 16)), the launcher's as many as are resident; 256 threads, no dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
     linear_stream(bf16* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
                   uint32_t m, uint32_t n, uint32_t k) {
@@ -618,8 +645,8 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
 
 // linear_stream_b4(out: bf16 [m, n], x, w, m, n, k): `linear_stream` with batches of 4 chunks (2
 // for 16-row units and unaligned operands) and three blocks per multiprocessor, the launcher's
-// choice for m <= 16 when n is wide (more blocks in flight; where few units leave a partial last
-// wave the 2-block kernel is faster). Same grid.
+// choice for m <= 16 on vocabulary-wide projections (the LM head: 285.7 against 296.3 us at one
+// row; everywhere else the 2-block kernel is as fast or faster). Same grid.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
     linear_stream_b4(bf16* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
                      uint32_t m, uint32_t n, uint32_t k) {

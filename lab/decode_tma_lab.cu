@@ -47,8 +47,8 @@ static void launch_ref(bool pdl, cudaStream_t s, OutT* out, const bf16* x, const
     const bool f32 = sizeof(OutT) == 4;
     void* args[] = {&out, &x, &w, &m, &n, &k};
     if (m <= 16) {
-        const void* fn = n >= 6144 ? (f32 ? (const void*)linear_stream_b4_f32out : (const void*)linear_stream_b4)
-                                   : (f32 ? (const void*)linear_stream_f32out : (const void*)linear_stream);
+        const void* fn = n >= 65536 ? (f32 ? (const void*)linear_stream_b4_f32out : (const void*)linear_stream_b4)
+                                    : (f32 ? (const void*)linear_stream_f32out : (const void*)linear_stream);
         launch_ex(fn, dim3(((n + 7) / 8) * ((m + 15) / 16)), dim3(256), 0, pdl, s, args);
     } else {
         const void* fn = f32 ? (const void*)linear_stream_wide_f32out : (const void*)linear_stream_wide;

@@ -52,15 +52,6 @@ __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(128, MINB)
 }
 constexpr int wg_smem(int st, bool pir) { return st * 24576 + (pir ? 0 : 32768) + 1024; }
 
-// The direct kernel with other batch sizes / occupancy (m <= 8 rows only).
-template <int B, int MINB>
-__global__ void __launch_bounds__(256, MINB)
-    lab_direct(float* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k) {
-    __shared__ float4 part[256];
-    if (blockIdx.x >= ((n + 7) / 8) * ((m + 15) / 16)) return;
-    linear_direct_impl<float, B, false, true>(out, x, w, m, n, k, part);
-}
-
 typedef void (*KernelFn)(float*, const bf16*, const bf16*, uint32_t, uint32_t, uint32_t);
 
 struct Var {
@@ -117,14 +108,22 @@ int main(int argc, char** argv) {
         {"tiled", (const void*)linear_f32out, LIN_STAGES * (LIN_BM + LIN_BN) * 128 + 2048, 0, 8, 12, 1 << 30, LIN_THREADS},
         {"wide", (const void*)linear_stream_wide_f32out, LIN_W_STAGES * LIN_W_STAGE_CH * 192 * 64, -2, 16, 4, 1 << 30},
         {"wg3r", (const void*)lab_wg<3, true, 3>, wg_smem(3, true), -2, 16, 4, 1 << 30, 128},
-        {"direct", (const void*)linear_stream_f32out, 0, -1, 1, 1, 16},
-        {"b4", (const void*)linear_stream_b4_f32out, 0, -1, 1, 1, 16},
+        // The narrow kernels: persistent (as many blocks as are resident), and a block per unit
+        // (how they ran before 2026-12-01).
+        {"direct", (const void*)linear_stream_f32out, 0, 2, 1, 1, 16},
+        {"b4", (const void*)linear_stream_b4_f32out, 0, 3, 1, 1, 16},
+        {"direct-units", (const void*)linear_stream_f32out, 0, -1, 1, 1, 16},
+        {"b4-units", (const void*)linear_stream_b4_f32out, 0, -1, 1, 1, 16},
         {"d4x2b2", (const void*)lab_drt<float, 2, 4, 2, 1>, 0, -4, 4, 2, 1 << 30},
         {"d4x2b2m2", (const void*)lab_drt<float, 2, 4, 2, 2>, 0, -4, 4, 2, 1 << 30},
         {"d2x2b4", (const void*)lab_drt<float, 4, 2, 2, 1>, 0, -4, 2, 2, 1 << 30},
         {"d4x4b1", (const void*)lab_drt<float, 1, 4, 4, 1>, 0, -4, 4, 4, 1 << 30},
         {"d8x2b1", (const void*)lab_drt<float, 1, 8, 2, 1>, 0, -4, 8, 2, 1 << 30},
     };
+    // `narrow`: only the m <= 16 kernels, at 1 and 8 rows.
+    const bool narrow = argc > 1 && strcmp(argv[1], "narrow") == 0;
+    if (narrow)
+        vars.erase(std::remove_if(vars.begin() + 1, vars.end(), [](const Var& v) { return v.per_sm < -1; }), vars.end());
     for (auto& v : vars) {
         if (v.smem > 0) CK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem));
         if (v.per_sm == -3) {
@@ -198,7 +197,9 @@ int main(int argc, char** argv) {
     struct Proj { const char* name; uint32_t n, k; };
     std::vector<Proj> projs = {{"qkv", 6144, 4096}, {"o", 4096, 4096}, {"gate_up", 24576, 4096},
                                {"down", 4096, 12288}, {"lm_head", 151936, 4096}, {"gdn_in", 12352, 4096}};
-    std::vector<uint32_t> ms_list = quick ? std::vector<uint32_t>{1, 32} : std::vector<uint32_t>{1, 8, 16, 32, 64, 128};
+    std::vector<uint32_t> ms_list = narrow  ? std::vector<uint32_t>{1, 8}
+                                    : quick ? std::vector<uint32_t>{1, 32}
+                                            : std::vector<uint32_t>{1, 8, 16, 32, 64, 128};
     std::vector<std::string> summary;
     for (auto pj : projs) {
         const size_t wbytes = (size_t)pj.n * pj.k * 2;
@@ -246,7 +247,7 @@ int main(int argc, char** argv) {
                                });
             }, 5);
         };
-        for (uint32_t m : {1u, 8u, 32u, 64u, 128u}) {
+        for (uint32_t m : narrow ? std::vector<uint32_t>{1, 8} : std::vector<uint32_t>{1, 8, 32, 64, 128}) {
             printf("layers m=%u: weight floor %.3f ms (read-only bandwidth)\n", m, floor_ms);
             for (size_t vi = 0; vi < vars.size(); ++vi) {
                 const Var& v = vars[vi];

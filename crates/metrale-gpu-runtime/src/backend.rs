@@ -128,6 +128,19 @@ pub trait GpuBackend: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// How many blocks of `kernel` can be resident on the device at once with `config`'s block
+    /// size and dynamic shared memory (its registers and static shared memory as compiled):
+    /// the most a launch of persistent blocks should use. `None` where the backend has no such
+    /// limit (the CPU backend runs a launch's blocks one after another).
+    fn max_active_blocks(
+        &self,
+        kernel: KernelHandle,
+        config: &LaunchConfig,
+    ) -> Option<GpuResult<u32>> {
+        let _ = (kernel, config);
+        None
+    }
+
     /// The 128-byte tensor map through which a kernel's tensor memory accelerator copies boxes of
     /// `box_rows` x `box_cols` (with the 128-byte swizzle; rows past the end read as zero) from
     /// the row-major bf16 matrix `[rows, cols]` at `base` (16-byte aligned, `cols` a multiple of

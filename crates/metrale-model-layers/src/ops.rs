@@ -208,8 +208,8 @@ pub struct KvStore {
     pub num_slots: u32,
 }
 
-/// Resident clusters by (kernel, threads, dynamic shared memory bytes): the backend's answers,
-/// shared by an `Ops` and its clones.
+/// Resident clusters (or, for kernels without a cluster size, blocks) by (kernel, threads,
+/// dynamic shared memory bytes): the backend's answers, shared by an `Ops` and its clones.
 pub(crate) type ResidentClusters = Arc<Mutex<HashMap<(KernelHandle, u32, u32), u32>>>;
 
 /// The launchers, bound to a backend and its resolved kernels.
@@ -217,7 +217,8 @@ pub(crate) type ResidentClusters = Arc<Mutex<HashMap<(KernelHandle, u32, u32), u
 pub struct Ops {
     pub(crate) gpu: Arc<dyn GpuBackend>,
     pub(crate) k: Kernels,
-    /// Asked of the backend once per key (`ops_attention`'s persistent launches).
+    /// Asked of the backend once per key (the persistent launches of `ops_attention`,
+    /// `ops_gemm` and `ops_gdn_decode`).
     pub(crate) resident: ResidentClusters,
     /// `linear`'s prefill kernel: x's staging buffer and the weights' tensor maps
     /// (`ops_gemm`).

@@ -6,7 +6,7 @@
 //! the host side of the row groups (`attention_row_groups`).
 
 use metrale_gpu_runtime::{
-    DevicePtr, GpuError, GpuResult, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+    DevicePtr, GpuBackend, GpuError, GpuResult, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
 };
 
 use crate::ops::{Ops, step_launch};
@@ -346,12 +346,41 @@ impl Ops {
         smem: u32,
         fallback: u32,
     ) -> GpuResult<u32> {
+        self.resident_of(kernel, threads, smem, fallback, |gpu, config| {
+            gpu.max_active_clusters(kernel, config)
+        })
+    }
+
+    /// Blocks of `kernel` (compiled without a cluster size) resident at once, likewise.
+    pub(crate) fn resident_blocks(
+        &self,
+        kernel: KernelHandle,
+        threads: u32,
+        smem: u32,
+        fallback: u32,
+    ) -> GpuResult<u32> {
+        self.resident_of(kernel, threads, smem, fallback, |gpu, config| {
+            gpu.max_active_blocks(kernel, config)
+        })
+    }
+
+    /// `ask`'s answer for `kernel` at `threads` and `smem`, kept per key; `fallback` where it
+    /// has none or reports 0. A kernel is asked either for clusters or for blocks, never both,
+    /// so the two share the key space.
+    fn resident_of(
+        &self,
+        kernel: KernelHandle,
+        threads: u32,
+        smem: u32,
+        fallback: u32,
+        ask: impl FnOnce(&dyn GpuBackend, &LaunchConfig) -> Option<GpuResult<u32>>,
+    ) -> GpuResult<u32> {
         let key = (kernel, threads, smem);
         if let Some(&n) = self.resident.lock().get(&key) {
             return Ok(n);
         }
         let config = LaunchConfig::grid2(ATTENTION_SPLITS, 1, threads).with_shared(smem);
-        let n = match self.gpu.max_active_clusters(kernel, &config) {
+        let n = match ask(self.gpu.as_ref(), &config) {
             Some(n) => n?,
             None => fallback,
         };

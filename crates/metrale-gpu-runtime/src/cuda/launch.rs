@@ -154,6 +154,44 @@ pub(super) fn max_active_clusters(entry: &KernelEntry, config: &LaunchConfig) ->
     Ok(clusters.max(0) as u32)
 }
 
+/// Blocks of `entry` resident at once on `device` with `config`'s block size and dynamic shared
+/// memory (the caller has bound the context): `cuOccupancyMaxActiveBlocksPerMultiprocessor`
+/// times the multiprocessors.
+pub(super) fn max_active_blocks(
+    entry: &KernelEntry,
+    config: &LaunchConfig,
+    device: sys::CUdevice,
+) -> GpuResult<u32> {
+    let (bx, by, bz) = config.block;
+    let threads = std::ffi::c_int::try_from(bx * by * bz).unwrap_or(std::ffi::c_int::MAX);
+    let (mut per_sm, mut sms): (std::ffi::c_int, std::ffi::c_int) = (0, 0);
+    // SAFETY: `entry.func` is live (see `launch`) and `device` valid; the out-pointers outlive
+    // the calls, which only write them.
+    check(
+        &format!(
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor({})",
+            entry.label
+        ),
+        unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut per_sm,
+                entry.func,
+                threads,
+                config.shared_mem_bytes as usize,
+            )
+        },
+    )?;
+    // SAFETY: as above.
+    check("cuDeviceGetAttribute", unsafe {
+        sys::cuDeviceGetAttribute(
+            &mut sms,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            device,
+        )
+    })?;
+    Ok((per_sm.max(0) as u32).saturating_mul(sms.max(0) as u32))
+}
+
 /// `cuTensorMapEncodeTiled` for a row-major bf16 `[rows, cols]` matrix at `base`, boxes of
 /// `box_rows` x `box_cols`, 128-byte swizzle, zero past the ends (see
 /// `GpuBackend::tensor_map_bf16`).

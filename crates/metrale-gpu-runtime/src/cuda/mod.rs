@@ -382,6 +382,21 @@ impl GpuBackend for CudaBackend {
         )
     }
 
+    fn max_active_blocks(
+        &self,
+        kernel: KernelHandle,
+        config: &LaunchConfig,
+    ) -> Option<GpuResult<u32>> {
+        let table = self.kernels.read();
+        let Some(entry) = table.entries.get(kernel.0 as usize) else {
+            return Some(Err(GpuError::BadKernelHandle(kernel.0)));
+        };
+        Some(
+            self.bind()
+                .and_then(|()| launch::max_active_blocks(entry, config, self.device)),
+        )
+    }
+
     fn tensor_map_bf16(
         &self,
         base: DevicePtr,

@@ -18,19 +18,24 @@ pub const LINEAR_SMALL_M_MAX: u32 = 128;
 /// Largest `m` that `linear_stream` (one row tile per unit) serves.
 pub const LINEAR_NARROW_M_MAX: u32 = 16;
 
-/// `linear_stream_b4` serves m <= 16 from this many output columns up: with three blocks per
-/// multiprocessor it is 5-14 % faster at m = 1, 19-33 % at m = 8 and 6-9 % at m = 16 on the wide
-/// projections (qkv, gate_up, the GDN input, the LM head), and up to 20 % slower where few units
-/// leave a partial last wave (o, down; H200, lab/gemm_lab.cu).
-const LINEAR_B4_MIN_N: u32 = 6144;
+/// `linear_stream_b4` serves m <= 16 from this many output columns up (LM heads). Both narrow
+/// kernels are persistent; at one row the 3-block kernel is faster only on the LM head (H200,
+/// lab/gemm_lab.cu, 2026-12-01, us with programmatic launches, 2-block / 3-block): qkv 13.5 /
+/// 14.0, o 9.9 / 12.2, gate_up 48.6 / 48.3, down 26.1 / 33.4, GDN input 25.7 / 25.7, LM head
+/// 296.3 / 285.7; at 8 rows the 2-block kernel is as fast or faster on every one.
+const LINEAR_B4_MIN_N: u32 = 65_536;
+
+/// Blocks of the narrow kernels assumed resident where the backend reports none (the CPU, which
+/// runs a launch's blocks in turn: any count gives the same rows; the H200 reports 264 and 396).
+pub(super) const LINEAR_NARROW_RESIDENT: u32 = 264;
 
 /// The `linear` kernels: which one serves `m` rows is [`linear_path`]'s choice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LinearPath {
-    /// `linear_stream` (one block per 8 columns by 16 rows).
+    /// `linear_stream` (persistent blocks taking units of 8 columns by 16 rows).
     Narrow,
-    /// `linear_stream_b4`: `linear_stream`'s grid with smaller batches, three blocks per
-    /// multiprocessor (m <= 16 on wide projections).
+    /// `linear_stream_b4`: `linear_stream` with smaller batches, three blocks per
+    /// multiprocessor (m <= 16 on LM heads).
     NarrowB4,
     /// `linear_stream_wide` (a cluster of 8 blocks per 128 columns by 64 rows).
     Wide,
@@ -50,6 +55,9 @@ pub fn linear_path(m: u32, n: u32) -> LinearPath {
         LinearPath::Tiled
     }
 }
+
+/// Threads of a narrow kernel's block (`LIN_STREAM_WARPS` warps).
+pub const LINEAR_NARROW_THREADS: u32 = 256;
 
 /// Blocks per cluster of `linear_stream_wide`: one per k segment (`LIN_SEGS`, kernels/gemm.cu).
 const LINEAR_WIDE_CLUSTER: u32 = 8;
@@ -71,9 +79,10 @@ const LINEAR_TILED_SMEM: u32 = 5 * (192 + 128) * 128 + 2048;
 /// `linear`'s geometry, mirroring `kernels/gemm.cu` (every path launched as programmatic
 /// dependents: each kernel waits for the one before it in-kernel, and the decode kernels load
 /// their first weight fragments before that wait):
-/// - `linear_stream` and `linear_stream_b4` (m <= 16, n >= 6144): one block of 256 threads per
-///   unit of 8 columns by 16 rows, no dynamic shared memory (two and three blocks per
-///   multiprocessor).
+/// - `linear_stream` and `linear_stream_b4` (m <= 16, n >= 65536): persistent blocks of 256
+///   threads taking units of 8 columns by 16 rows in turn, as many as are resident
+///   (`resident`: two and three a multiprocessor) or as there are units; no dynamic shared
+///   memory. `resident` is ignored on the other paths.
 /// - `linear_stream_wide` (m <= 128): tiles of 128 columns by 64 rows, a cluster of 8 blocks of
 ///   256 threads (one per k segment, compiled into the kernel) per tile.
 /// - `linear`: 192 x 128 output tiles, grid (ceil(n / 128), ceil(m / 192)), 512 threads (a
@@ -81,11 +90,13 @@ const LINEAR_TILED_SMEM: u32 = 5 * (192 + 128) * 128 + 2048;
 ///   block per multiprocessor.
 ///
 /// Every kernel computes the whole function at any `m` with its own geometry (the tests run
-/// each of them at every m). `linear_tma`'s geometry is [`linear_tma_geometry`].
-pub fn linear_geometry(path: LinearPath, m: u32, n: u32) -> LaunchConfig {
+/// each of them at every m, the narrow ones on 1, 3 and all resident blocks). `linear_tma`'s
+/// geometry is [`linear_tma_geometry`].
+pub fn linear_geometry(path: LinearPath, m: u32, n: u32, resident: u32) -> LaunchConfig {
     let config = match path {
         LinearPath::Narrow | LinearPath::NarrowB4 => {
-            LaunchConfig::grid2(n.div_ceil(8) * m.div_ceil(16), 1, 256)
+            let units = n.div_ceil(8) * m.div_ceil(16);
+            LaunchConfig::grid2(units.min(resident.max(1)), 1, LINEAR_NARROW_THREADS)
         }
         LinearPath::Wide => {
             let tiles = n.div_ceil(128) * m.div_ceil(64);

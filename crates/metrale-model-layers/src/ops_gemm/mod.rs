@@ -402,9 +402,15 @@ impl Ops {
             LinearPath::Wide => kernels[2],
             LinearPath::Tiled => kernels[3],
         };
+        let resident = match path {
+            LinearPath::Narrow | LinearPath::NarrowB4 => {
+                self.resident_blocks(kernel, LINEAR_NARROW_THREADS, 0, LINEAR_NARROW_RESIDENT)?
+            }
+            LinearPath::Wide | LinearPath::Tiled => 0,
+        };
         self.go(
             kernel,
-            linear_geometry(path, m, n),
+            linear_geometry(path, m, n, resident),
             &[out.into(), x.into(), w.into(), m.into(), n.into(), k.into()],
             s,
         )

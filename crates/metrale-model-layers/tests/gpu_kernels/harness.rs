@@ -292,6 +292,14 @@ impl GpuBackend for TestCuda {
         self.inner.max_active_clusters(kernel, config)
     }
 
+    fn max_active_blocks(
+        &self,
+        kernel: KernelHandle,
+        config: &LaunchConfig,
+    ) -> Option<GpuResult<u32>> {
+        self.inner.max_active_blocks(kernel, config)
+    }
+
     fn tensor_map_bf16(
         &self,
         base: DevicePtr,

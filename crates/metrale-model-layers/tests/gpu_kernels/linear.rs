@@ -5,7 +5,7 @@
 use half::bf16;
 use metrale_gpu_runtime::{DevicePtr, KernelArg, LaunchConfig};
 use metrale_model_layers::ops_gemm::{
-    LINEAR_SMALL_M_MAX, LinearPath, linear_geometry, linear_staging_bytes,
+    LINEAR_NARROW_THREADS, LINEAR_SMALL_M_MAX, LinearPath, linear_geometry, linear_staging_bytes,
     linear_stream_tma_geometry, linear_stream_tma_room, linear_stream_tma_rows,
     linear_tma_geometry, permute_geometry, segments_are_whole_stages,
 };
@@ -118,20 +118,18 @@ fn linear_rows_do_not_depend_on_how_many_rows_share_the_launch() {
     );
 }
 
-/// Launch `gemm::<name>` directly (bypassing the launcher's choice of kernel by m), with the
-/// geometry that kernel expects.
-fn launch_gemm(
-    p: &Pair,
-    name: &str,
-    out: &harness::Buf,
-    x: &harness::Buf,
-    w: &harness::Buf,
-    mnk: (u32, u32, u32),
-) {
-    let (m, n, k) = mnk;
+/// Blocks of the narrow kernel `gemm::<name>` resident at once, as the launcher asks.
+fn resident_blocks(p: &Pair, name: &str) -> u32 {
     let gpu = p.gpu.as_ref();
     let kernel = gpu.kernel("gemm", name).expect("gemm kernel resolves");
-    let path = if name.starts_with("linear_stream_wide") {
+    gpu.max_active_blocks(kernel, &LaunchConfig::grid2(1, 1, LINEAR_NARROW_THREADS))
+        .expect("CUDA knows its occupancy")
+        .expect("the occupancy query runs")
+}
+
+/// `gemm::<name>`'s path, as `launch_gemm` launches it.
+fn gemm_path(name: &str) -> LinearPath {
+    if name.starts_with("linear_stream_wide") {
         LinearPath::Wide
     } else if name.starts_with("linear_stream_b4") {
         LinearPath::NarrowB4
@@ -139,8 +137,25 @@ fn launch_gemm(
         LinearPath::Narrow
     } else {
         LinearPath::Tiled
-    };
-    let cfg = linear_geometry(path, m, n);
+    }
+}
+
+/// Launch `gemm::<name>` directly (bypassing the launcher's choice of kernel by m), with the
+/// geometry that kernel expects; a narrow kernel on `resident` persistent blocks (or as many as
+/// there are units).
+fn launch_gemm(
+    p: &Pair,
+    name: &str,
+    out: &harness::Buf,
+    x: &harness::Buf,
+    w: &harness::Buf,
+    mnk: (u32, u32, u32),
+    resident: u32,
+) {
+    let (m, n, k) = mnk;
+    let gpu = p.gpu.as_ref();
+    let kernel = gpu.kernel("gemm", name).expect("gemm kernel resolves");
+    let cfg = linear_geometry(gemm_path(name), m, n, resident);
     let args = [
         KernelArg::Ptr(out.gpu),
         KernelArg::Ptr(x.gpu),
@@ -432,23 +447,39 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
                 2,
             ),
         ] {
-            let mut results = Vec::new();
+            let mut results: Vec<(String, Vec<u16>)> = Vec::new();
             for name in names {
-                let out = p.poisoned((m * n) as usize * bytes);
-                launch_gemm(&p, name, &out, &x, &w, (m, n, k));
-                results.push(p.download_gpu::<u16>(&out));
+                // The narrow kernels on one block (every unit in turn), three, and as many as
+                // are resident.
+                let narrow = matches!(gemm_path(name), LinearPath::Narrow | LinearPath::NarrowB4);
+                let counts = if narrow {
+                    vec![1, 3, resident_blocks(&p, name)]
+                } else {
+                    vec![0]
+                };
+                for blocks in counts {
+                    let out = p.poisoned((m * n) as usize * bytes);
+                    launch_gemm(&p, name, &out, &x, &w, (m, n, k), blocks);
+                    let label = if narrow {
+                        format!("{name} on {blocks} blocks")
+                    } else {
+                        name.to_string()
+                    };
+                    results.push((label, p.download_gpu::<u16>(&out)));
+                }
             }
-            for (name, got) in names.iter().zip(&results).skip(1) {
+            for (label, got) in results.iter().skip(1) {
                 assert!(
-                    *got == results[0],
-                    "m={m} n={n} k={k}: {name} differs bitwise from {}",
+                    *got == results[0].1,
+                    "m={m} n={n} k={k}: {label} differs bitwise from {}",
                     names[0]
                 );
             }
+            let reference = &results[0].1;
             if k.is_multiple_of(8) {
                 let tma = linear_tma(&p, bytes, &x, &w, (m, n, k));
                 assert!(
-                    tma == results[0],
+                    tma == *reference,
                     "m={m} n={n} k={k}: linear_tma differs bitwise from {}",
                     names[0]
                 );
@@ -461,7 +492,7 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
                     for clusters in [Some(1), Some(3), None] {
                         let got = linear_stream_tma(&p, bytes, &x, ximg, &w, (m, n, k), clusters);
                         assert!(
-                            got == results[0],
+                            got == *reference,
                             "m={m} n={n} k={k}: linear_stream_tma on {clusters:?} clusters \
                              (images: {}) differs bitwise from {}",
                             ximg.is_some(),
@@ -472,7 +503,7 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
             }
             // Poison is all-ones: a NaN in either format, which no output of finite inputs is.
             assert!(
-                results[0]
+                reference
                     .chunks(bytes / 2)
                     .all(|e| e.iter().any(|&h| h != 0xFFFF)),
                 "m={m} n={n} k={k}: an output of {} was not written",
