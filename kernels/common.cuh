@@ -176,7 +176,7 @@ MT_DEVICE float norm_weight(bf16 w, bool unit_offset) {
 // first access to anything an earlier kernel writes or reads. `pdl_trigger` lets the next
 // kernel (if launched with the attribute) start; kernels here call it after their own `pdl_wait`
 // (so at most one kernel runs ahead of its wait), except the small kernels ahead of a decode
-// projection at 17..64 rows (`pdl_enter`). Both are no-ops in a kernel launched without the
+// projection at 9..64 rows (`pdl_enter`). Both are no-ops in a kernel launched without the
 // attribute.
 MT_DEVICE void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -203,15 +203,18 @@ MT_DEVICE void pdl_enter_store(uint32_t rows) {
 }
 
 // The entry of a small kernel ahead of a projection (norms, `silu_mul`, `gather_rows`,
-// `gated_rms_norm`) over `rows` rows: at 17..64 rows it lets the projection start before it
-// waits, so the projection's first weight loads (issued before its own wait) overlap this kernel
-// and the one ahead; elsewhere it waits, then triggers. H200 (2026-12-01, Qwen3-8B, when
-// `linear_stream_wide` served those rows): early everywhere made batch 32 and 64 faster (8.217 ->
-// 8.143, 11.996 -> 11.931 ms a step) but batch 1 and 8 slower (5.017 -> 5.626, 5.709 -> 6.755),
-// and Qwen3.5-9B batch 128 slower (22.395 -> 22.565). With `linear_stream_tma` at 65..128 rows,
-// early up to 128 was within noise (session 22).
+// `gated_rms_norm`) over `rows` rows: at 9..64 rows (where `linear_stream_tma` serves the
+// projections) it lets the projection start before it waits, so the projection's first weight
+// loads (issued before its own wait) overlap this kernel and the one ahead; elsewhere it waits,
+// then triggers. H200 (2026-12-01, Qwen3-8B, when `linear_stream_wide` served those rows): early
+// everywhere made batch 32 and 64 faster (8.217 -> 8.143, 11.996 -> 11.931 ms a step) but batch
+// 1 and 8 slower (5.017 -> 5.626, 5.709 -> 6.755), and Qwen3.5-9B batch 128 slower (22.395 ->
+// 22.565). With `linear_stream_tma` at 65..128 rows, early up to 128 was within noise (session
+// 22). Session 24, context 1024, two rounds: early from 9 rows took batch 16 from 6.034 / 6.026
+// to 5.849 / 5.820 ms (Qwen3.5-9B 6.247 / 6.270 to 6.063 / 6.075); early at 1..8 rows too took
+// Qwen3-8B batch 1 from 4.62 to 6.03.
 MT_DEVICE void pdl_enter(uint32_t rows) {
-    const bool early = rows > 16 && rows <= 64;
+    const bool early = rows > 8 && rows <= 64;
     if (early) pdl_trigger();
     pdl_wait();
     if (!early) pdl_trigger();

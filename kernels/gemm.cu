@@ -4,8 +4,8 @@
 // Six kernels per output type (bf16: `linear`, `linear_stream`, `linear_stream_b4`,
 // `linear_stream_wide`, `linear_stream_tma`, `linear_tma`; f32: the same with `_f32out`), each
 // computing the whole function; the launcher
-// (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 16 on projections of 65536 columns or
-// more (LM heads), `linear_stream` for the other m <= 16, `linear_stream_tma` for 9..128 rows where the
+// (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 16 on projections of 6144 columns or
+// more, `linear_stream` for the other m <= 16, `linear_stream_tma` for 9..128 rows where the
 // weight has a tensor map and x fits in at most four row blocks, `linear_stream_wide` for the
 // other m <= 128
 // (decode) and `linear_tma` or the tiled `linear` above, every one as a programmatic dependent
@@ -645,8 +645,8 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
 
 // linear_stream_b4(out: bf16 [m, n], x, w, m, n, k): `linear_stream` with batches of 4 chunks (2
 // for 16-row units and unaligned operands) and three blocks per multiprocessor, the launcher's
-// choice for m <= 16 on vocabulary-wide projections (the LM head: 285.7 against 296.3 us at one
-// row; everywhere else the 2-block kernel is as fast or faster). Same grid.
+// choice for m <= 16 on projections of 6144 columns or more (qkv, gate/up, the GDN input, LM
+// heads: `ops_gemm::LINEAR_B4_MIN_N`). Same grid.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
     linear_stream_b4(bf16* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
                      uint32_t m, uint32_t n, uint32_t k) {

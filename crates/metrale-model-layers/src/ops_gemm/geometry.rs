@@ -18,12 +18,15 @@ pub const LINEAR_SMALL_M_MAX: u32 = 128;
 /// Largest `m` that `linear_stream` (one row tile per unit) serves.
 pub const LINEAR_NARROW_M_MAX: u32 = 16;
 
-/// `linear_stream_b4` serves m <= 16 from this many output columns up (LM heads). Both narrow
-/// kernels are persistent; at one row the 3-block kernel is faster only on the LM head (H200,
-/// lab/gemm_lab.cu, 2026-12-01, us with programmatic launches, 2-block / 3-block): qkv 13.5 /
-/// 14.0, o 9.9 / 12.2, gate_up 48.6 / 48.3, down 26.1 / 33.4, GDN input 25.7 / 25.7, LM head
-/// 296.3 / 285.7; at 8 rows the 2-block kernel is as fast or faster on every one.
-const LINEAR_B4_MIN_N: u32 = 65_536;
+/// `linear_stream_b4` serves m <= 16 from this many output columns up (qkv, gate/up, the GDN
+/// input, LM heads), `linear_stream` below (o, down). Both are persistent; whole steps chose
+/// (H200, 2026-12-01, circuit, context 1024, two rounds, ms, b4 from 65536 / 12288 / 6144
+/// columns): Qwen3-8B batch 1 4.635, 4.654 / 4.616, 4.619 / 4.582, 4.604, batch 8 5.333, 5.380
+/// / 5.257, 5.295 / 5.247, 5.280; Qwen3.5-9B batch 1 4.885, 4.880 / 4.850, 4.857 / 4.871, 4.880,
+/// batch 8 5.641, 5.611 / 5.545, 5.549 / 5.563, 5.551. Alone at one row (lab/gemm_lab.cu) the
+/// 3-block kernel is 1-2 us faster on qkv, gate/up and the GDN input, 1.5 and 5 us slower on o
+/// and down.
+const LINEAR_B4_MIN_N: u32 = 6144;
 
 /// Blocks of the narrow kernels assumed resident where the backend reports none (the CPU, which
 /// runs a launch's blocks in turn: any count gives the same rows; the H200 reports 264 and 396).
@@ -35,7 +38,7 @@ pub enum LinearPath {
     /// `linear_stream` (persistent blocks taking units of 8 columns by 16 rows).
     Narrow,
     /// `linear_stream_b4`: `linear_stream` with smaller batches, three blocks per
-    /// multiprocessor (m <= 16 on LM heads).
+    /// multiprocessor (m <= 16 on projections of 6144 columns or more).
     NarrowB4,
     /// `linear_stream_wide` (a cluster of 8 blocks per 128 columns by 64 rows).
     Wide,
@@ -79,7 +82,7 @@ const LINEAR_TILED_SMEM: u32 = 5 * (192 + 128) * 128 + 2048;
 /// `linear`'s geometry, mirroring `kernels/gemm.cu` (every path launched as programmatic
 /// dependents: each kernel waits for the one before it in-kernel, and the decode kernels load
 /// their first weight fragments before that wait):
-/// - `linear_stream` and `linear_stream_b4` (m <= 16, n >= 65536): persistent blocks of 256
+/// - `linear_stream` and `linear_stream_b4` (m <= 16, n >= 6144): persistent blocks of 256
 ///   threads taking units of 8 columns by 16 rows in turn, as many as are resident
 ///   (`resident`: two and three a multiprocessor) or as there are units; no dynamic shared
 ///   memory. `resident` is ignored on the other paths.
