@@ -51,13 +51,13 @@
 //
 // Measured on the H200 (kernels alone, 20 launches per CUDA graph, weights rotated past L2,
 // programmatic launches, against a read-only stream; lab/gemm_lab.cu; docs/BENCHMARKS.md): at
-// m = 1 the persistent narrow kernels (2026-12-01) reach 75-96 % (o 4096x4096 75 %, qkv
-// 6144x4096 82 %, gate_up 24576x4096 92 %, down 4096x12288 85 %, LM head 151936x4096 96 %),
-// where a block per unit reached 61-95 % (61, 77, 88, 77, 95: the next unit's loads waited for
-// a block to retire and another to start). In the lab's chain of 36 Qwen3-8B layers (stand-in
-// small kernels between the projections) one row took 4.231 ms against 4.446-4.754. (2026-11-30:) `linear_stream_wide` at
-// m = 32 reaches 47-64 % (qkv, o, down, gate_up, LM head), at m = 64 34-47 %, at m = 128 20-24 %
-// (still 1.6x the tiled kernel there); the persistent per-warp-segment kernel it replaced ran at
+// m = 1 the persistent narrow kernels the launcher picks (2026-12-01) reach 75-97 % (qkv
+// 6144x4096 81 %, o 4096x4096 75 %, gate_up 24576x4096 93 %, down 4096x12288 85 %, LM head
+// 151936x4096 97 %), where a block per unit reached 65-92 % (75, 65, 85, 82, 92: the next
+// unit's loads waited for a block to retire and another to start); the lab's chain of 36
+// Qwen3-8B layers (stand-in small kernels between the projections) at one row took 4.220 ms
+// against 4.614. (2026-11-30:) `linear_stream_wide` at m = 32 reaches 47-64 % (qkv, o, down,
+// gate_up, LM head), at m = 64 34-47 %, at m = 128 20-24 % (still 1.6x the tiled kernel there); the persistent per-warp-segment kernel it replaced ran at
 // 31-37 % at m = 32 (x re-read from L2 for every 16 columns). Tried and dropped: a weight ring
 // filled by the bulk-copy engine (cp.async.bulk, one copy of 128 B - 1 KiB per weight row and
 // stage, mbarrier completion) ran at 27-64 % at m = 1 (the copy engine wants larger copies than

@@ -12,7 +12,8 @@
 
 use crate::error::GpuResult;
 use crate::types::{
-    DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+    DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, Residency,
+    StreamHandle,
 };
 
 /// A reference GEMM `out[m, n] = x[m, k] · w[n, k]ᵀ`, bf16 operands and output, row-major.
@@ -114,30 +115,19 @@ pub trait GpuBackend: Send + Sync + std::fmt::Debug {
     /// Bytes of device memory free now (the CPU backend reports the host's budget).
     fn free_memory(&self) -> GpuResult<usize>;
 
-    /// How many clusters of `kernel` (compiled with a cluster size) can be resident on the
-    /// device at once with `config`'s block size and dynamic shared memory: the most a launch of
-    /// persistent clusters should use, since a cluster that does not fit waits for a whole other
-    /// cluster to finish. `None` where the backend has no such limit (the CPU backend runs a
-    /// launch's blocks one after another).
-    fn max_active_clusters(
+    /// How many clusters (`Residency::Clusters`, for a kernel compiled with a cluster size) or
+    /// blocks (`Residency::Blocks`) of `kernel` can be resident on the device at once with
+    /// `config`'s block size and dynamic shared memory: the most a launch of persistent clusters
+    /// or blocks should use, since one that does not fit waits for another to finish. `None`
+    /// where the backend has no such limit (the CPU backend runs a launch's blocks one after
+    /// another).
+    fn max_resident(
         &self,
         kernel: KernelHandle,
         config: &LaunchConfig,
+        unit: Residency,
     ) -> Option<GpuResult<u32>> {
-        let _ = (kernel, config);
-        None
-    }
-
-    /// How many blocks of `kernel` can be resident on the device at once with `config`'s block
-    /// size and dynamic shared memory (its registers and static shared memory as compiled):
-    /// the most a launch of persistent blocks should use. `None` where the backend has no such
-    /// limit (the CPU backend runs a launch's blocks one after another).
-    fn max_active_blocks(
-        &self,
-        kernel: KernelHandle,
-        config: &LaunchConfig,
-    ) -> Option<GpuResult<u32>> {
-        let _ = (kernel, config);
+        let _ = (kernel, config, unit);
         None
     }
 

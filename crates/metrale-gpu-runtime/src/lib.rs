@@ -19,5 +19,6 @@ pub use cpu::{CpuBackend, CpuBackendOptions};
 pub use cuda::CudaBackend;
 pub use error::{GpuError, GpuResult};
 pub use types::{
-    DType, DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+    DType, DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, Residency,
+    StreamHandle,
 };

@@ -50,6 +50,15 @@ pub struct EventHandle(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GraphHandle(pub u64);
 
+/// What a residency query counts ([`crate::GpuBackend::max_resident`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Residency {
+    /// Clusters of a kernel compiled with a cluster size (`__cluster_dims__`).
+    Clusters,
+    /// Blocks of a kernel compiled without one.
+    Blocks,
+}
+
 /// Grid, block and dynamic shared memory of one launch. The CPU backend ignores the geometry
 /// (its kernels loop over the whole problem) but checks nothing else differs from CUDA.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -6,7 +6,7 @@
 //! the host side of the row groups (`attention_row_groups`).
 
 use metrale_gpu_runtime::{
-    DevicePtr, GpuBackend, GpuError, GpuResult, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+    DevicePtr, GpuError, GpuResult, KernelArg, KernelHandle, LaunchConfig, Residency, StreamHandle,
 };
 
 use crate::ops::{Ops, step_launch};
@@ -40,7 +40,7 @@ const ATTENTION_MAX_ITEMS: u32 = 64;
 
 /// Clusters of 8 resident at once on the H200 (inside a GPC) at two blocks per multiprocessor
 /// and at one: what a backend without an occupancy query (the CPU) is given. On CUDA the
-/// launchers ask the driver (`GpuBackend::max_active_clusters`), which reports these on the
+/// launchers ask the driver (`GpuBackend::max_resident`), which reports these on the
 /// H200 for both attention kernels; a launch over the count is slow (30 -> 31 clusters took a
 /// batch-32 launch from 63 to 97 us; 15 -> 16 at head_dim 256 from 82 to 136 us).
 const ATTENTION_CLUSTERS: [u32; 2] = [30, 15];
@@ -231,11 +231,12 @@ impl Ops {
         let items = n_groups * (p.num_q_heads / hb);
         // One block per multiprocessor, as `paged_attention` at head_dim 256.
         let smem = prefill_shared_bytes(p.head_dim);
-        let resident = self.resident_clusters(
+        let resident = self.resident(
             self.k.paged_attention_prefill,
             32 * PREFILL_WARPS,
             smem,
             ATTENTION_CLUSTERS[1],
+            Residency::Clusters,
         )?;
         let clusters = attention_clusters_of(items, resident);
         let (kernel, out) = match images {
@@ -331,56 +332,34 @@ impl Ops {
         };
         let smem = decode_shared_bytes(kind, head_dim, heads_per_block);
         let wide = usize::from(attention_padded_dim(head_dim) > 128);
-        let resident =
-            self.resident_clusters(kernel, 32 * ATTENTION_WARPS, smem, fallback[wide])?;
+        let resident = self.resident(
+            kernel,
+            32 * ATTENTION_WARPS,
+            smem,
+            fallback[wide],
+            Residency::Clusters,
+        )?;
         Ok((kernel, smem, resident))
     }
 
-    /// Clusters of `kernel` resident at once with `threads` threads and `smem` bytes of dynamic
-    /// shared memory a block: the backend's answer, asked once per (kernel, threads, smem) and
-    /// kept, or `fallback` where the backend has no limit (CPU) or reports none.
-    pub(crate) fn resident_clusters(
+    /// Clusters (or blocks, by `unit`) of `kernel` resident at once with `threads` threads and
+    /// `smem` bytes of dynamic shared memory a block: the backend's answer, asked once per
+    /// (kernel, threads, smem) and kept (a kernel is asked for one unit only), or `fallback`
+    /// where the backend has no limit (CPU) or reports none.
+    pub(crate) fn resident(
         &self,
         kernel: KernelHandle,
         threads: u32,
         smem: u32,
         fallback: u32,
-    ) -> GpuResult<u32> {
-        self.resident_of(kernel, threads, smem, fallback, |gpu, config| {
-            gpu.max_active_clusters(kernel, config)
-        })
-    }
-
-    /// Blocks of `kernel` (compiled without a cluster size) resident at once, likewise.
-    pub(crate) fn resident_blocks(
-        &self,
-        kernel: KernelHandle,
-        threads: u32,
-        smem: u32,
-        fallback: u32,
-    ) -> GpuResult<u32> {
-        self.resident_of(kernel, threads, smem, fallback, |gpu, config| {
-            gpu.max_active_blocks(kernel, config)
-        })
-    }
-
-    /// `ask`'s answer for `kernel` at `threads` and `smem`, kept per key; `fallback` where it
-    /// has none or reports 0. A kernel is asked either for clusters or for blocks, never both,
-    /// so the two share the key space.
-    fn resident_of(
-        &self,
-        kernel: KernelHandle,
-        threads: u32,
-        smem: u32,
-        fallback: u32,
-        ask: impl FnOnce(&dyn GpuBackend, &LaunchConfig) -> Option<GpuResult<u32>>,
+        unit: Residency,
     ) -> GpuResult<u32> {
         let key = (kernel, threads, smem);
         if let Some(&n) = self.resident.lock().get(&key) {
             return Ok(n);
         }
         let config = LaunchConfig::grid2(ATTENTION_SPLITS, 1, threads).with_shared(smem);
-        let n = match ask(self.gpu.as_ref(), &config) {
+        let n = match self.gpu.max_resident(kernel, &config, unit) {
             Some(n) => n?,
             None => fallback,
         };

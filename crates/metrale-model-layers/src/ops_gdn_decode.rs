@@ -3,7 +3,7 @@
 //! kernel's launch; an `impl Ops` block beside `ops_hybrid`, whose argument list and geometry
 //! of the rule kernels it shares. `DecodeRule` is re-exported from `ops_hybrid`.
 
-use metrale_gpu_runtime::{GpuResult, LaunchConfig, StreamHandle};
+use metrale_gpu_runtime::{GpuResult, LaunchConfig, Residency, StreamHandle};
 
 use crate::ops::{Ops, step_launch};
 use crate::ops_hybrid::{GatedDelta, RULE_WARP_COLS, rule_geometry};
@@ -43,11 +43,12 @@ impl Ops {
     fn rule_stream(&self, p: &GatedDelta) -> GpuResult<RuleStream> {
         let threads = rule_stream_threads(p);
         let smem = rule_stream_shared_bytes(p);
-        let resident = self.resident_clusters(
+        let resident = self.resident(
             self.k.gated_delta_streamed,
             threads,
             smem.unwrap_or(0),
             RULE_STREAM_BLOCKS,
+            Residency::Clusters,
         )?;
         Ok(RuleStream {
             threads,

@@ -44,7 +44,8 @@ use self::staging::{STAGING_MAX_COPY, Staging};
 use crate::backend::{GpuBackend, VendorGemm};
 use crate::error::{GpuError, GpuResult};
 use crate::types::{
-    DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+    DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, Residency,
+    StreamHandle,
 };
 
 /// Streams, events, graphs and allocations, by handle.
@@ -367,34 +368,20 @@ impl GpuBackend for CudaBackend {
         launch::launch(entry, config, args, s)
     }
 
-    fn max_active_clusters(
+    fn max_resident(
         &self,
         kernel: KernelHandle,
         config: &LaunchConfig,
+        unit: Residency,
     ) -> Option<GpuResult<u32>> {
         let table = self.kernels.read();
         let Some(entry) = table.entries.get(kernel.0 as usize) else {
             return Some(Err(GpuError::BadKernelHandle(kernel.0)));
         };
-        Some(
-            self.bind()
-                .and_then(|()| launch::max_active_clusters(entry, config)),
-        )
-    }
-
-    fn max_active_blocks(
-        &self,
-        kernel: KernelHandle,
-        config: &LaunchConfig,
-    ) -> Option<GpuResult<u32>> {
-        let table = self.kernels.read();
-        let Some(entry) = table.entries.get(kernel.0 as usize) else {
-            return Some(Err(GpuError::BadKernelHandle(kernel.0)));
-        };
-        Some(
-            self.bind()
-                .and_then(|()| launch::max_active_blocks(entry, config, self.device)),
-        )
+        Some(self.bind().and_then(|()| match unit {
+            Residency::Clusters => launch::max_active_clusters(entry, config),
+            Residency::Blocks => launch::max_active_blocks(entry, config, self.device),
+        }))
     }
 
     fn tensor_map_bf16(

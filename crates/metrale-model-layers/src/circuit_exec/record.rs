@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use metrale_gpu_runtime::{
     DevicePtr, EventHandle, GpuBackend, GpuError, GpuResult, GraphHandle, KernelArg, KernelHandle,
-    LaunchConfig, StreamHandle,
+    LaunchConfig, Residency, StreamHandle,
 };
 
 use crate::ops::Ops;
@@ -195,20 +195,13 @@ impl GpuBackend for Recorder {
         self.inner.free_memory()
     }
 
-    fn max_active_clusters(
+    fn max_resident(
         &self,
         kernel: KernelHandle,
         config: &LaunchConfig,
+        unit: Residency,
     ) -> Option<GpuResult<u32>> {
-        self.inner.max_active_clusters(kernel, config)
-    }
-
-    fn max_active_blocks(
-        &self,
-        kernel: KernelHandle,
-        config: &LaunchConfig,
-    ) -> Option<GpuResult<u32>> {
-        self.inner.max_active_blocks(kernel, config)
+        self.inner.max_resident(kernel, config, unit)
     }
 
     fn tensor_map_bf16(

@@ -24,7 +24,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuError, GpuResult, KernelHandle, StreamHandle};
+use metrale_gpu_runtime::{
+    DevicePtr, GpuBackend, GpuError, GpuResult, KernelHandle, Residency, StreamHandle,
+};
 use parking_lot::Mutex;
 
 use crate::ops::Ops;
@@ -275,11 +277,12 @@ impl Ops {
         (m, n, k): (u32, u32, u32),
         row_blocks: u32,
     ) -> GpuResult<()> {
-        let resident = self.resident_clusters(
+        let resident = self.resident(
             kernel,
             LINEAR_STREAM_TMA_THREADS,
             LINEAR_STREAM_TMA_SMEM,
             LINEAR_STREAM_TMA_CLUSTERS,
+            Residency::Clusters,
         )?;
         self.go(
             kernel,
@@ -404,7 +407,14 @@ impl Ops {
         };
         let resident = match path {
             LinearPath::Narrow | LinearPath::NarrowB4 => {
-                self.resident_blocks(kernel, LINEAR_NARROW_THREADS, 0, LINEAR_NARROW_RESIDENT)?
+                let threads = LINEAR_NARROW_THREADS;
+                self.resident(
+                    kernel,
+                    threads,
+                    0,
+                    LINEAR_NARROW_RESIDENT,
+                    Residency::Blocks,
+                )?
             }
             LinearPath::Wide | LinearPath::Tiled => 0,
         };

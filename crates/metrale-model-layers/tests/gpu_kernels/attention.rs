@@ -3,7 +3,7 @@
 //! row groups bitwise the single-row kernel on each backend; batch invariance and NaN rows.
 
 use half::bf16;
-use metrale_gpu_runtime::LaunchConfig;
+use metrale_gpu_runtime::{LaunchConfig, Residency};
 use metrale_model_layers::ops::{
     ATTENTION_SPLITS, DecodeAttention, PagedAttention, attention_blocks_fit, attention_row_groups,
 };
@@ -208,7 +208,7 @@ fn attention_launches_know_how_many_clusters_fit() {
     let bare = LaunchConfig::grid2(ATTENTION_SPLITS, 1, 128);
     let most = p
         .gpu
-        .max_active_clusters(kernel, &bare)
+        .max_resident(kernel, &bare, Residency::Clusters)
         .expect("the CUDA backend answers the query")
         .expect("query");
     assert!(

@@ -8,7 +8,7 @@ use half::bf16;
 use metrale_gpu_runtime::cuda::embedded_modules;
 use metrale_gpu_runtime::{
     CpuBackend, CudaBackend, DevicePtr, EventHandle, GpuBackend, GpuBackendExt, GpuError,
-    GpuResult, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+    GpuResult, GraphHandle, KernelArg, KernelHandle, LaunchConfig, Residency, StreamHandle,
 };
 use metrale_model_layers::Ops;
 use metrale_model_layers::ops_gemm::{LinearStaging, linear_staging_bytes};
@@ -284,20 +284,13 @@ impl GpuBackend for TestCuda {
     fn free_memory(&self) -> GpuResult<usize> {
         self.inner.free_memory()
     }
-    fn max_active_clusters(
+    fn max_resident(
         &self,
         kernel: KernelHandle,
         config: &LaunchConfig,
+        unit: Residency,
     ) -> Option<GpuResult<u32>> {
-        self.inner.max_active_clusters(kernel, config)
-    }
-
-    fn max_active_blocks(
-        &self,
-        kernel: KernelHandle,
-        config: &LaunchConfig,
-    ) -> Option<GpuResult<u32>> {
-        self.inner.max_active_blocks(kernel, config)
+        self.inner.max_resident(kernel, config, unit)
     }
 
     fn tensor_map_bf16(

@@ -3,7 +3,7 @@
 //! the staged producers' images bitwise `permute_k32_tiles` of the plain kernels' rows.
 
 use half::bf16;
-use metrale_gpu_runtime::{DevicePtr, KernelArg, LaunchConfig};
+use metrale_gpu_runtime::{DevicePtr, KernelArg, LaunchConfig, Residency};
 use metrale_model_layers::ops_gemm::{
     LINEAR_NARROW_THREADS, LINEAR_SMALL_M_MAX, LinearPath, linear_geometry, linear_staging_bytes,
     linear_stream_tma_geometry, linear_stream_tma_room, linear_stream_tma_rows,
@@ -122,7 +122,8 @@ fn linear_rows_do_not_depend_on_how_many_rows_share_the_launch() {
 fn resident_blocks(p: &Pair, name: &str) -> u32 {
     let gpu = p.gpu.as_ref();
     let kernel = gpu.kernel("gemm", name).expect("gemm kernel resolves");
-    gpu.max_active_blocks(kernel, &LaunchConfig::grid2(1, 1, LINEAR_NARROW_THREADS))
+    let config = LaunchConfig::grid2(1, 1, LINEAR_NARROW_THREADS);
+    gpu.max_resident(kernel, &config, Residency::Blocks)
         .expect("CUDA knows its occupancy")
         .expect("the occupancy query runs")
 }
@@ -242,7 +243,8 @@ fn linear_stream_tma(
     let gpu = p.gpu.as_ref();
     let clusters = clusters.unwrap_or_else(|| {
         let kernel = gpu.kernel("gemm", "linear_stream_tma").expect("resolves");
-        gpu.max_active_clusters(kernel, &linear_stream_tma_geometry(n, 1, 1))
+        let config = linear_stream_tma_geometry(n, 1, 1);
+        gpu.max_resident(kernel, &config, Residency::Clusters)
             .expect("CUDA reports resident clusters")
             .expect("the query succeeds")
     });
