@@ -518,9 +518,9 @@ MT_DEVICE void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
 // the kernel ahead), then either thread 0 queues bulk copies of x's segment from its stage
 // images (`ximg`: one a stage, completing on `xfull`, which the consumers wait for) or every
 // thread copies its share of x's rows (zeros past m and past the segment); then thread 0 queues
-// the rest, each stage's full barrier taking the box's bytes,
-// its empty barrier the 256 consumers' arrivals. Warpgroups 1 and 2 consume (weight rows 64 c ..
-// 64 c + 63 of the tile, fragment rows as in `linear_tma_body`). At a tile's end the consumers
+// the rest, each stage's full barrier taking the box's bytes, its empty barrier the 256
+// consumers' arrivals. Warpgroups 1 and 2 consume (weight rows 64 c .. 64 c + 63 of the tile,
+// fragment rows as in `linear_tma_body`). At a tile's end the consumers
 // write their partials into one of two buffers (once the cluster has read that buffer's
 // previous tile: `pfree`), tell every block (`pready`) and go on to the next tile; the producer
 // warpgroup's warps 1-3 sum this block's share of each tile over the segments, in order, once

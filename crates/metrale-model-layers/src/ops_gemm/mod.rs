@@ -406,16 +406,13 @@ impl Ops {
             LinearPath::Tiled => kernels[3],
         };
         let resident = match path {
-            LinearPath::Narrow | LinearPath::NarrowB4 => {
-                let threads = LINEAR_NARROW_THREADS;
-                self.resident(
-                    kernel,
-                    threads,
-                    0,
-                    LINEAR_NARROW_RESIDENT,
-                    Residency::Blocks,
-                )?
-            }
+            LinearPath::Narrow | LinearPath::NarrowB4 => self.resident(
+                kernel,
+                LINEAR_NARROW_THREADS,
+                0,
+                LINEAR_NARROW_RESIDENT,
+                Residency::Blocks,
+            )?,
             LinearPath::Wide | LinearPath::Tiled => 0,
         };
         self.go(

@@ -6,19 +6,24 @@ use super::util::{b, f, silu};
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
 
+/// `silu(gate) * up` rounded to bf16 for each of `rows` rows of `gate_up` (gate then up, `ffn`
+/// each): what both kernels write.
+fn silu_mul_rows(gate_up: &[bf16], rows: usize, ffn: usize) -> Vec<bf16> {
+    (0..rows)
+        .flat_map(|r| {
+            let (g, u) = gate_up[r * 2 * ffn..(r + 1) * 2 * ffn].split_at(ffn);
+            g.iter().zip(u).map(|(&gv, &uv)| b(silu(f(gv)) * f(uv)))
+        })
+        .collect()
+}
+
 /// `silu_mul(out: bf16 [rows, ffn], gate_up: bf16 [rows, 2 * ffn], rows, ffn)`: each row of
 /// `gate_up` holds the gate projection then the up projection (the fused `[gate; up]` weight).
 pub fn silu_mul(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     ctx.expect_args(4)?;
     let (rows, ffn) = (ctx.usize(2)?, ctx.usize(3)?);
-    let out = ctx.slice_mut::<bf16>(0, rows * ffn)?;
-    let gu = ctx.slice::<bf16>(1, rows * 2 * ffn)?;
-    for r in 0..rows {
-        let (g, u) = gu[r * 2 * ffn..(r + 1) * 2 * ffn].split_at(ffn);
-        for ((o, &gv), &uv) in out[r * ffn..(r + 1) * ffn].iter_mut().zip(g).zip(u) {
-            *o = b(silu(f(gv)) * f(uv));
-        }
-    }
+    let act = silu_mul_rows(ctx.slice::<bf16>(1, rows * 2 * ffn)?, rows, ffn);
+    ctx.slice_mut::<bf16>(0, rows * ffn)?.copy_from_slice(&act);
     Ok(())
 }
 
@@ -31,13 +36,7 @@ pub fn silu_mul_staged(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     if ffn % 8 != 0 {
         return Err(ctx.fail(format!("ffn = {ffn} is not a multiple of 8")));
     }
-    let gu = ctx.slice::<bf16>(2, rows * 2 * ffn)?;
-    let act: Vec<bf16> = (0..rows)
-        .flat_map(|r| {
-            let (g, u) = gu[r * 2 * ffn..(r + 1) * 2 * ffn].split_at(ffn);
-            g.iter().zip(u).map(|(&gv, &uv)| b(silu(f(gv)) * f(uv)))
-        })
-        .collect();
+    let act = silu_mul_rows(ctx.slice::<bf16>(2, rows * 2 * ffn)?, rows, ffn);
     let img = ctx.slice_mut::<bf16>(0, super::gemm::stage_image_bytes(rows, ffn) / 2)?;
     for (r, row) in act.chunks(ffn.max(1)).enumerate() {
         super::gemm::store_image_row(img, r, row);
