@@ -549,7 +549,11 @@ MT_DEVICE void direct_batch(float (&acc)[4], const uint4 (&wr)[B], const bf16* x
 // an atomic counter instead (so that one which started late would take fewer) were slower
 // still: 4.82 with the claim's answer read at once, 5.04 with it read a unit later, against
 // 4.70 taking them in turn.
-template <typename OutT, int B, bool RB, bool VEC>
+// SWIGLU (`linear_swiglu`): w is [2n, k], gate rows then up rows. A block takes pairs of units,
+// the gate tile of 8 columns and then the up tile of the same columns, and writes silu(gate) *
+// up of the two, each summed as `linear` sums it and rounded to bf16 as `linear` writes it: the
+// thread that sums an output's gate column keeps the total for its up column, the next unit.
+template <typename OutT, int B, bool RB, bool VEC, bool SWIGLU>
 MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
                                   uint32_t k, float4 (*part)[LIN_STREAM_WARPS * 32]) {
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
@@ -557,32 +561,44 @@ MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint3
     const uint32_t nsegs = span.nsegs, c_begin = span.c_begin, c_end = span.c_end;
     // Row tiles of one column tile are neighbouring units, so they run together and all but the
     // first read the weight tile from L2 (the launcher sends only m <= 16, one row tile, here).
-    const uint32_t row_units = (m + 15) / 16, units = ((n + 7) / 8) * row_units;
+    // Under SWIGLU a unit is half h of tile pair u / 2: its gate (h = 0) or up (h = 1) rows.
+    const uint32_t row_units = (m + 15) / 16, tiles = ((n + 7) / 8) * row_units;
+    const uint32_t units = SWIGLU ? 2 * tiles : tiles;
+    // The block's i-th unit: blockIdx.x, blockIdx.x + gridDim.x, ... (pairs of them, SWIGLU).
+    auto unit_of = [&](uint32_t i) -> uint32_t {
+        return SWIGLU ? 2 * (blockIdx.x + (i >> 1) * gridDim.x) + (i & 1) : blockIdx.x + i * gridDim.x;
+    };
+    auto w_row = [&](uint32_t u) -> uint32_t {  // the unit's weight row g - g
+        return SWIGLU ? (u & 1) * n + ((u >> 1) / row_units) * 8 : (u / row_units) * 8;
+    };
     const uint32_t nb = (c_end - c_begin + B - 1) / B, nbe = nb + (nb & 1);  // this warp's batches
-    // Batch bb of unit `u`, where bb may run past it into the block's next unit.
-    auto load = [&](uint4 (&dst)[B], uint32_t u, uint32_t bb) {
+    // Batch bb of the block's unit i, where bb may run past it into the block's next unit.
+    auto load = [&](uint4 (&dst)[B], uint32_t i, uint32_t bb) {
         if (bb >= nbe) {
-            u += gridDim.x;
+            ++i;
             bb -= nbe;
         }
-        if (u < units) direct_load_w<B, VEC>(dst, w, n, k, (u / row_units) * 8 + g, c_begin + bb * B, c_end, q);
+        const uint32_t u = unit_of(i);
+        if (u < units) direct_load_w<B, VEC>(dst, w, SWIGLU ? 2 * n : n, k, w_row(u) + g, c_begin + bb * B, c_end, q);
     };
 
     uint4 wa[B], wb[B];
     if (nbe > 0) {
-        load(wa, blockIdx.x, 0);
-        load(wb, blockIdx.x, 1);
+        load(wa, 0, 0);
+        load(wb, 0, 1);
     }
     pdl_wait();  // x and out belong to the kernels around this one
-    for (uint32_t u = blockIdx.x, i = 0; u < units; u += gridDim.x, ++i) {  // caller: blockIdx.x < units
-        if (u + gridDim.x >= units) pdl_trigger();
-        const uint32_t m0 = (u % row_units) * 16;
+    float gate = 0.0f;  // SWIGLU: this thread's gate total, from the pair's first unit
+    for (uint32_t i = 0, u = unit_of(0); u < units; u = unit_of(++i)) {  // caller: blockIdx.x < tiles
+        if (unit_of(i + 1) >= units) pdl_trigger();
+        const uint32_t tile = SWIGLU ? u >> 1 : u;
+        const uint32_t m0 = (tile % row_units) * 16;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (uint32_t b = 0; b < nbe; b += 2) {
             direct_batch<B, RB, VEC>(acc, wa, x, m, k, m0, c_begin + b * B, c_end, g, q);
-            load(wa, u, b + 2);
+            load(wa, i, b + 2);
             direct_batch<B, RB, VEC>(acc, wb, x, m, k, m0, c_begin + (b + 1) * B, c_end, g, q);
-            load(wb, u, b + 3);
+            load(wb, i, b + 3);
         }
         float4* pp = part[i & 1];
         pp[warp * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
@@ -590,12 +606,17 @@ MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint3
         if (tid < 128) {
             const uint32_t ln = tid / 4, e = tid % 4;
             const uint32_t row = m0 + ln / 4 + (e >= 2 ? 8 : 0);
-            const uint32_t col = (u / row_units) * 8 + (ln % 4) * 2 + (e & 1);
+            const uint32_t col = (tile / row_units) * 8 + (ln % 4) * 2 + (e & 1);
             if (row < m && col < n) {
                 const float* pf = reinterpret_cast<const float*>(pp);
                 float total = 0.0f;
                 for (uint32_t sg = 0; sg < nsegs; ++sg) total += pf[(sg * 32 + ln) * 4 + e];
-                store_out(out, (size_t)row * n + col, total);
+                if (!SWIGLU)
+                    store_out(out, (size_t)row * n + col, total);
+                else if ((u & 1) == 0)
+                    gate = total;
+                else
+                    store_out(out, (size_t)row * n + col, siluf_acc(bf2f(f2bf(gate))) * bf2f(f2bf(total)));
             }
         }
     }
@@ -606,7 +627,8 @@ MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint3
 
 // B: chunks per batch of the aligned m <= 8 instance; BR: of the others (x rows g + 8 as well, or
 // scalar loads, which need more registers). The choice is the launch's, uniform over its blocks.
-template <typename OutT, int B, int BR>
+// SWIGLU: `linear_swiglu` (see `linear_direct_impl`).
+template <typename OutT, int B, int BR, bool SWIGLU = false>
 MT_DEVICE void linear_direct_dispatch(OutT* out, const bf16* x, const bf16* w, uint32_t m,
                                       uint32_t n, uint32_t k) {
     __shared__ float4 part[2][LIN_STREAM_WARPS * 32];
@@ -616,14 +638,14 @@ MT_DEVICE void linear_direct_dispatch(OutT* out, const bf16* x, const bf16* w, u
     const bool rb = m > 8;
     if (vec) {
         if (rb)
-            linear_direct_impl<OutT, BR, true, true>(out, x, w, m, n, k, part);
+            linear_direct_impl<OutT, BR, true, true, SWIGLU>(out, x, w, m, n, k, part);
         else
-            linear_direct_impl<OutT, B, false, true>(out, x, w, m, n, k, part);
+            linear_direct_impl<OutT, B, false, true, SWIGLU>(out, x, w, m, n, k, part);
     } else {  // scalar loads need more registers: the smaller batch
         if (rb)
-            linear_direct_impl<OutT, BR, true, false>(out, x, w, m, n, k, part);
+            linear_direct_impl<OutT, BR, true, false, SWIGLU>(out, x, w, m, n, k, part);
         else
-            linear_direct_impl<OutT, BR, false, false>(out, x, w, m, n, k, part);
+            linear_direct_impl<OutT, BR, false, false, SWIGLU>(out, x, w, m, n, k, part);
     }
 }
 
@@ -658,6 +680,19 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
     linear_stream_b4_f32out(float* __restrict__ out, const bf16* __restrict__ x,
                             const bf16* __restrict__ w, uint32_t m, uint32_t n, uint32_t k) {
     linear_direct_dispatch<float, 4, 2>(out, x, w, m, n, k);
+}
+
+// linear_swiglu(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [2 n, k], m, n, k): `linear` (gate rows
+// then up rows of w) then `silu_mul`, in one launch, the rows of the two bit for bit: each
+// output is silu(gate) * up of the gate and up columns `linear` would write, rounded to bf16 as
+// it writes them, and the gate/up rows are never written. The circuit's `linear(gate_up) >
+// silu_mul` at the narrow decode widths. `linear_stream_b4`'s batches and residency; a block
+// takes pairs of units (a gate tile, then its up tile), so the grid is any number of blocks up
+// to ceil(n / 8) * ceil(m / 16), as `linear_stream`'s for n columns.
+extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
+    linear_swiglu(bf16* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w,
+                  uint32_t m, uint32_t n, uint32_t k) {
+    linear_direct_dispatch<bf16, 4, 2, true>(out, x, w, m, n, k);
 }
 
 

@@ -29,6 +29,7 @@ use metrale_model_layers::circuit_exec::{
     BindingProblem, Block, CircuitBindings, CircuitExecError, Part, WeightSlot,
 };
 use metrale_model_layers::layers::{Attention, DecoderLayer, Ffn, Mixer, Mlp};
+use metrale_model_layers::ops_fused::LINEAR_SWIGLU_M_MAX;
 use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{LayerCtx, Ops, TransformerLayer};
 
@@ -90,6 +91,29 @@ fn circuit_decode_is_bitwise_legacy_where_only_bit_identical_fusions_apply() -> 
     Ok(())
 }
 
+/// How many launches fewer than legacy `Fusions::All` takes a step at `rows` rows: the fused
+/// rules whose kernels exist today are `qk_norm_rope_kv_store` (each attention layer's rotation
+/// and cache store in one launch) and, at the narrow widths only, `linear_swiglu` (the SwiGLU
+/// in the gate/up projection of a dense FFN or a shared expert, one launch fewer each).
+fn fused_launches(config: &ModelConfig, rows: usize) -> usize {
+    let attention_layers = config
+        .layer_types
+        .iter()
+        .filter(|t| **t == metrale_config::LayerType::FullAttention)
+        .count();
+    if rows > LINEAR_SWIGLU_M_MAX as usize {
+        return attention_layers;
+    }
+    let shared = config
+        .moe
+        .as_ref()
+        .is_some_and(|m| m.shared_expert_intermediate_size > 0);
+    let swiglus = (0..config.layer_types.len())
+        .filter(|&i| !config.layer_is_moe(i) || shared)
+        .count();
+    attention_layers + swiglus
+}
+
 #[test]
 fn circuit_programs_launch_exactly_the_legacy_steps_launches() -> Result<()> {
     // Up to 64 sequences, so the ladder reaches every decode GEMM kernel (narrow to 16 rows,
@@ -105,21 +129,14 @@ fn circuit_programs_launch_exactly_the_legacy_steps_launches() -> Result<()> {
             .iter()
             .map(|&w| model.decode_launches(w))
             .collect::<Result<_, _>>()?;
-        let attention_layers = model
-            .config()
-            .layer_types
-            .iter()
-            .filter(|t| **t == metrale_config::LayerType::FullAttention)
-            .count();
+        let config = model.config().clone();
         for forward in [REFERENCE, ALL] {
             model.set_forward(forward)?;
             for (&w, want) in ladder.iter().zip(&legacy) {
                 let got = model.decode_launches(w)?;
                 if forward == ALL {
-                    // The only fused kernel today folds each attention layer's rotation and
-                    // cache store into one launch.
                     ensure!(
-                        got.len() + attention_layers == want.len(),
+                        got.len() + fused_launches(&config, w) == want.len(),
                         "{} circuit at width {w}: {} launches, legacy {}",
                         name(&dir),
                         got.len(),
@@ -192,15 +209,9 @@ fn the_disclosure_names_the_forward_its_plans_and_launches() -> Result<()> {
                 name(&dir)
             );
             ensure!(d.launches_per_step == plans[0].launches_per_step());
-            // Of the fused rules only `qk_norm_rope_kv_store` has its kernel today: one launch
-            // fewer per attention layer.
-            let attention_layers = config
-                .layer_types
-                .iter()
-                .filter(|t| **t == metrale_config::LayerType::FullAttention)
-                .count();
+            // The disclosure counts the one-row program.
             let fused = if fusions == Fusions::All {
-                attention_layers
+                fused_launches(&config, 1)
             } else {
                 0
             };

@@ -56,9 +56,10 @@ pub const MOE_COMBINE: Kernel = Kernel::new("moe", "moe_combine");
 /// `rope::qk_norm_rope_kv_store` (fused, proposed): q/k norm + RoPE and the cache store in one
 /// launch, the same arithmetic.
 pub const QK_NORM_ROPE_KV_STORE: Kernel = Kernel::new("rope", "qk_norm_rope_kv_store");
-/// `gemm::linear_silu_down` (fused, proposed): the down projection reading `[gate | up]` and
-/// applying `silu(gate) * up` on load, without rounding the activation to bf16.
-pub const LINEAR_SILU_DOWN: Kernel = Kernel::new("gemm", "linear_silu_down");
+/// `gemm::linear_swiglu` (fused): the `[gate ; up]` projection writing `silu(gate) * up` of its
+/// columns, each rounded to bf16 first as `linear` writes them (byte for byte the two launches).
+/// The executor lowers to it only at the narrow decode widths (up to 8 rows).
+pub const LINEAR_SWIGLU: Kernel = Kernel::new("gemm", "linear_swiglu");
 /// `gdn::gdn_decode_step` (fused, proposed): conv, gates and the recurrent rule of one token
 /// per sequence in one launch.
 pub const GDN_DECODE_STEP: Kernel = Kernel::new("gdn", "gdn_decode_step");

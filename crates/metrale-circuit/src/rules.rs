@@ -149,12 +149,17 @@ impl RuleTable {
 pub struct KernelSet {
     /// `None`: every kernel any rule names.
     names: Option<BTreeSet<(String, String)>>,
+    /// Taken out of `names` (or of every kernel) by [`KernelSet::without`].
+    excluded: BTreeSet<(String, String)>,
 }
 
 impl KernelSet {
     /// Every kernel exists: for printing and comparing plans without a backend.
     pub fn all() -> KernelSet {
-        KernelSet { names: None }
+        KernelSet {
+            names: None,
+            excluded: BTreeSet::new(),
+        }
     }
 
     /// Exactly the kernels `(module, name)` listed.
@@ -171,7 +176,15 @@ impl KernelSet {
                     .map(|(m, n)| (m.into(), n.into()))
                     .collect(),
             ),
+            excluded: BTreeSet::new(),
         }
+    }
+
+    /// This set less `kernel` (a caller's kernel that serves only some widths, at the others).
+    pub fn without(mut self, kernel: Kernel) -> KernelSet {
+        self.excluded
+            .insert((kernel.module.to_string(), kernel.name.to_string()));
+        self
     }
 
     /// Exactly `kernels`.
@@ -181,10 +194,8 @@ impl KernelSet {
 
     /// Whether `kernel` exists.
     pub fn contains(&self, kernel: Kernel) -> bool {
-        match &self.names {
-            None => true,
-            Some(set) => set.contains(&(kernel.module.to_string(), kernel.name.to_string())),
-        }
+        let key = (kernel.module.to_string(), kernel.name.to_string());
+        !self.excluded.contains(&key) && self.names.as_ref().is_none_or(|set| set.contains(&key))
     }
 }
 

@@ -46,7 +46,7 @@ fn dense_gqa(arch: Architecture) -> Vec<Rule> {
     let mut t = step_ends(arch.norm_weight());
     t.extend(attention(arch));
     t.extend(dense_ffn());
-    t.extend([rope_kv_store(arch), silu_down(Down, k::LINEAR_SILU_DOWN)]);
+    t.extend([rope_kv_store(arch), swiglu(GateUp)]);
     t
 }
 
@@ -56,11 +56,7 @@ fn hybrid(arch: Architecture) -> Vec<Rule> {
     t.extend(attention(arch));
     t.extend(gdn());
     t.extend(dense_ffn());
-    t.extend([
-        rope_kv_store(arch),
-        gdn_decode_step(),
-        silu_down(Down, k::LINEAR_SILU_DOWN),
-    ]);
+    t.extend([rope_kv_store(arch), gdn_decode_step(), swiglu(GateUp)]);
     t
 }
 
@@ -74,9 +70,9 @@ fn hybrid_moe(arch: Architecture) -> Vec<Rule> {
     t.extend([
         rope_kv_store(arch),
         gdn_decode_step(),
-        silu_down(Down, k::LINEAR_SILU_DOWN),
-        silu_down(SharedDown, k::LINEAR_SILU_DOWN),
-        silu_down(ExpertDown, k::MOE_EXPERT_LINEAR_SILU_F32OUT),
+        swiglu(GateUp),
+        swiglu(SharedGateUp),
+        expert_silu_down(),
     ]);
     t
 }
@@ -99,9 +95,25 @@ fn gdn_decode_step() -> Rule {
     )
 }
 
-/// Fused: SiLU·mul applied on load by the down projection `role` (`kernel`).
-fn silu_down(role: LinearRole, kernel: Kernel) -> Rule {
-    rule(&[Op::SiluMul, Op::Linear(role)], &[kernel], Differs)
+/// Fused: the `[gate ; up]` projection `role` with SiLU·mul in its epilogue
+/// (`gemm::linear_swiglu`), byte for byte the two launches: each gate and up column is summed
+/// and rounded to bf16 as `linear` writes it before the activation.
+fn swiglu(role: LinearRole) -> Rule {
+    rule(
+        &[Op::Linear(role), Op::SiluMul],
+        &[k::LINEAR_SWIGLU],
+        BitIdentical,
+    )
+}
+
+/// Fused (proposed): the experts' down projection applying SiLU·mul on load, the activation
+/// kept in f32.
+fn expert_silu_down() -> Rule {
+    rule(
+        &[Op::SiluMul, Op::Linear(ExpertDown)],
+        &[k::MOE_EXPERT_LINEAR_SILU_F32OUT],
+        Differs,
+    )
 }
 
 /// Embedding, the decoder norms, the head, and the MTP head's own ops.

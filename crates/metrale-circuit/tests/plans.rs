@@ -248,7 +248,14 @@ fn all_fusions_launch_fewer_kernels_only_when_fused_kernels_exist() {
             fused.launches_per_step(),
             reference.launches_per_step()
         );
-        assert_eq!(fused.numerics(), Numerics::Differs, "{stem}");
+        // The dense tables' fused kernels are all bit-identical (the rotation with the cache
+        // store, the gate/up projection with the SwiGLU); the hybrids' fused GDN step differs.
+        let expected = if matches!(instance.architecture, Architecture::DenseGqa { .. }) {
+            Numerics::BitIdentical
+        } else {
+            Numerics::Differs
+        };
+        assert_eq!(fused.numerics(), expected, "{stem}");
     }
 }
 

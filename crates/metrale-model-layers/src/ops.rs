@@ -127,6 +127,7 @@ kernel_table! {
     linear_tma_f32out => ("gemm", "linear_tma_f32out"),
     linear_stream_tma => ("gemm", "linear_stream_tma"),
     linear_stream_tma_f32out => ("gemm", "linear_stream_tma_f32out"),
+    linear_swiglu => ("gemm", "linear_swiglu"),
     silu_mul => ("activation", "silu_mul"),
     silu_mul_staged => ("activation", "silu_mul_staged"),
     argmax => ("sampling", "argmax"),

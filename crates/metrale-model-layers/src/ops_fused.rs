@@ -4,9 +4,10 @@
 //! block beside `ops` and `ops_hybrid`, under the same rules (one launcher per kernel, the CPU
 //! twin's argument order, geometry from shapes alone).
 
-use metrale_gpu_runtime::{GpuError, GpuResult, StreamHandle};
+use metrale_gpu_runtime::{DevicePtr, GpuError, GpuResult, Residency, StreamHandle};
 
 use crate::ops::{KvStore, Ops, QkNormRope, rope_launch};
+use crate::ops_gemm::{LINEAR_NARROW_RESIDENT, LINEAR_NARROW_THREADS, LinearPath, linear_geometry};
 
 impl Ops {
     /// `rope::qk_norm_rope_kv_store`: `qk_norm_rope(rope)` then `kv_store(store)` in one launch,
@@ -61,4 +62,42 @@ impl Ops {
             s,
         )
     }
+
+    /// `gemm::linear_swiglu`: `linear(x, w)` into `[gate | up]` (`w` is `[2 n, k]`, gate rows
+    /// then up rows) then `silu_mul` into `out` (`[m, n]`), in one launch, byte for byte the two
+    /// launches' rows; the gate/up rows are never written. The narrow decode kernel with two
+    /// weight tiles a unit, meant for the widths it serves ([`LINEAR_SWIGLU_M_MAX`] rows); any
+    /// `m` gives the same rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_swiglu(
+        &self,
+        s: StreamHandle,
+        out: DevicePtr,
+        x: DevicePtr,
+        w: DevicePtr,
+        m: u32,
+        n: u32,
+        k: u32,
+    ) -> GpuResult<()> {
+        let kernel = self.k.linear_swiglu;
+        let threads = LINEAR_NARROW_THREADS;
+        let resident = self.resident(
+            kernel,
+            threads,
+            0,
+            LINEAR_NARROW_RESIDENT,
+            Residency::Blocks,
+        )?;
+        self.go(
+            kernel,
+            linear_geometry(LinearPath::Narrow, m, n, resident),
+            &[out.into(), x.into(), w.into(), m.into(), n.into(), k.into()],
+            s,
+        )
+    }
 }
+
+/// The most rows `linear_swiglu` should serve: the narrow kernel's widths in a model (from 9
+/// rows `linear_stream_tma` reads the gate/up weight, and `silu_mul_staged` writes the down
+/// projection's input images).
+pub const LINEAR_SWIGLU_M_MAX: u32 = 8;

@@ -1,8 +1,9 @@
 //! The fused kernels of the circuit's `bit_identical` rules on the CPU backend (CI): the CPU twin
 //! of `rope::qk_norm_rope_kv_store` leaves byte for byte what `qk_norm_rope` then `kv_store`
 //! leave, on random inputs (never zeros) with poisoned caches and padding slots; and a fused
-//! launch whose two halves describe different rows is refused. The CUDA kernel is held to the
-//! same in `gpu_kernels_fused.rs` on the GPU machine.
+//! launch whose two halves describe different rows is refused; the CPU twin of
+//! `gemm::linear_swiglu` leaves what `linear` then `silu_mul` leave. The CUDA kernels are held
+//! to the same in `gpu_kernels_fused.rs` on the GPU machine.
 
 #![allow(clippy::unwrap_used)]
 
@@ -134,5 +135,46 @@ fn the_cpu_twin_of_qk_norm_rope_kv_store_is_the_two_launches_byte_for_byte() {
             ops.qk_norm_rope_kv_store(S, &rope(sets[1].0), &other)
                 .is_err()
         );
+    }
+}
+
+#[test]
+fn the_cpu_twin_of_linear_swiglu_is_linear_then_silu_mul_byte_for_byte() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+    let ops = Ops::new(gpu.clone()).unwrap();
+    let up = |v: &[bf16]| {
+        let b = gpu.alloc(v.len() * 2).unwrap();
+        gpu.upload(b, v, S).unwrap();
+        b
+    };
+    let poisoned = |halves: usize| {
+        let b = gpu.alloc(halves * 2).unwrap();
+        gpu.memset(b, 0xFF, halves * 2, S).unwrap();
+        b
+    };
+    // (rows, ffn, hidden): one row, and rows, ffn and hidden none of them multiples of 8.
+    for (m, n, k) in [(1u32, 24u32, 96u32), (5, 41, 1003)] {
+        let x = up(&values((m * k) as usize, u64::from(k)));
+        let w: Vec<bf16> = values((2 * n * k) as usize, 5)
+            .into_iter()
+            .map(|v| bf16::from_f32(v.to_f32() * 0.05))
+            .collect();
+        let w = up(&w);
+        let (gate_up, chained, fused) = (
+            poisoned((m * 2 * n) as usize),
+            poisoned((m * n) as usize),
+            poisoned((m * n) as usize),
+        );
+        ops.linear(S, gate_up, x, w, m, 2 * n, k).unwrap();
+        ops.silu_mul(S, chained, gate_up, m, n).unwrap();
+        ops.linear_swiglu(S, fused, x, w, m, n, k).unwrap();
+        let halves = (m * n) as usize;
+        let chained: Vec<u16> = gpu.download(chained, halves, S).unwrap();
+        let fused: Vec<u16> = gpu.download(fused, halves, S).unwrap();
+        assert!(
+            chained.iter().all(|&h| h != 0xFFFF),
+            "m={m} n={n} k={k}: the chain left an output unwritten"
+        );
+        assert_eq!(fused, chained, "m={m} n={n} k={k}");
     }
 }

@@ -3,7 +3,8 @@
 //! (the rotated rows and both cache pools), on CUDA and on the CPU twin, and CUDA against the CPU
 //! within the bf16 tolerance. Random inputs (never zeros), poisoned caches, padding slots, the
 //! scalar path (head_dim not a multiple of 8), partial rotary with gated queries, and no q/k
-//! norms (Llama).
+//! norms (Llama); `gemm::linear_swiglu` leaves byte for byte what `linear` then `silu_mul`
+//! leave, on CUDA and on the CPU twin.
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 #![cfg(feature = "cuda")]
@@ -119,5 +120,43 @@ fn qk_norm_rope_kv_store_is_the_two_launches_byte_for_byte() {
         p.check_bf16("qk_norm_rope_kv_store", &case, &fused.qkv, Tolerance::BF16);
         p.check_bf16("qk_norm_rope_kv_store", &case, &fused.kc, Tolerance::BF16);
         p.check_bf16("qk_norm_rope_kv_store", &case, &fused.vc, Tolerance::EXACT);
+    }
+}
+
+#[test]
+fn linear_swiglu_is_linear_then_silu_mul_byte_for_byte() {
+    let p = Pair::new();
+    let mut rng = Rng::new(43);
+    // (rows, ffn, hidden): a Qwen3-8B-shaped gate/up projection at one and eight rows, a row
+    // tile of 16 (x rows g + 8), ffn not a multiple of 8 (a unit past the end), hidden not a
+    // multiple of 8 (scalar loads), a short hidden (empty segments).
+    for (m, n, k) in [
+        (1u32, 12288u32, 4096u32),
+        (8, 1000, 4096),
+        (13, 136, 1000),
+        (3, 41, 1003),
+        (2, 72, 96),
+    ] {
+        let x = p.upload(&rng.bf16s((m * k) as usize, -4.0, 4.0));
+        let s = (3.0 / k as f32).sqrt();
+        let w = p.upload(&rng.bf16s((2 * n * k) as usize, -s, s));
+        let gate_up = p.poisoned((m * 2 * n) as usize * 2);
+        let chained = p.poisoned((m * n) as usize * 2);
+        let fused = p.poisoned((m * n) as usize * 2);
+        p.run(|o, at| o.linear(S, at(&gate_up), at(&x), at(&w), m, 2 * n, k));
+        p.run(|o, at| o.silu_mul(S, at(&chained), at(&gate_up), m, n));
+        p.run(|o, at| o.linear_swiglu(S, at(&fused), at(&x), at(&w), m, n, k));
+        let case = format!("m={m} n={n} k={k}");
+        let (gf, cf) = p.download::<u16>(&fused);
+        let (gc, cc) = p.download::<u16>(&chained);
+        assert!(
+            gf == gc,
+            "{case}: CUDA linear_swiglu differs from linear + silu_mul"
+        );
+        assert!(
+            cf == cc,
+            "{case}: the CPU twin differs from linear + silu_mul"
+        );
+        p.check_bf16("linear_swiglu", &case, &fused, Tolerance::BF16);
     }
 }

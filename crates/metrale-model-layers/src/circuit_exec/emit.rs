@@ -9,7 +9,7 @@
 //! - Every weight an emitter reads has the format family the group's kernel reads.
 
 use metrale_circuit::kernels as k;
-use metrale_circuit::{Block, Group, Kernel, Node, NormWeight, Op, Plan, Tensor};
+use metrale_circuit::{Block, Group, Kernel, LinearRole, Node, NormWeight, Op, Plan, Tensor};
 use metrale_gpu_runtime::{DevicePtr, StreamHandle};
 
 use super::bindings::{AttnFacts, CircuitLayer, HeadBinding, WeightSlot, norm_slot};
@@ -76,6 +76,23 @@ impl Emitter<'_> {
             {
                 let (r, st) = (self.rope_params(rope, *kernel)?, self.store_params(store)?);
                 self.ops.qk_norm_rope_kv_store(self.stream, &r, &st)?;
+                true
+            }
+            ([gate_up, silu], [kernel @ k::LINEAR_SWIGLU])
+                if silu.op == Op::SiluMul
+                    && matches!(
+                        gate_up.op,
+                        Op::Linear(LinearRole::GateUp | LinearRole::SharedGateUp)
+                    ) =>
+            {
+                // The projection's input and weight, the activation's output: the gate/up rows
+                // are never written. Only the narrow widths lower to this kernel
+                // (`kernels_at`), where no producer writes stage images.
+                let x = self.nth(gate_up, 0, false)?;
+                let act = self.nth(silu, 0, true)?;
+                let (w, m, n, kk) = self.linear_shape(gate_up, *kernel)?;
+                self.ops
+                    .linear_swiglu(self.stream, act.ptr, x.ptr, w, m, n / 2, kk)?;
                 true
             }
             _ => false,

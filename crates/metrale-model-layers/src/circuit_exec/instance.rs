@@ -18,6 +18,7 @@ use metrale_config::{LayerType, ModelConfig, ModelFamily};
 
 use super::error::CircuitExecError;
 use crate::ops::Kernels;
+use crate::ops_fused::LINEAR_SWIGLU_M_MAX;
 
 /// The circuit architecture of a config's family: Qwen3 is dense GQA with q/k norms, Llama
 /// without; Qwen3.5 is the dense hybrid; Qwen3-Next and Qwen3.5-MoE the MoE hybrid.
@@ -117,7 +118,7 @@ pub fn launcher_kernels() -> KernelSet {
 }
 
 /// `instance`'s plan of `step` at `rows` rows with its architecture's rule table, lowered with
-/// `fusions` against `kernels`.
+/// `fusions` against `kernels` as the executor lowers that width ([`kernels_at`]).
 pub fn plan_at(
     instance: &Instance,
     step: Step,
@@ -127,10 +128,47 @@ pub fn plan_at(
 ) -> Result<Plan, CircuitExecError> {
     let circuit = Arc::new(Circuit::for_step(instance, step)?);
     let rules = RuleTable::for_architecture(instance.architecture);
+    let kernels = kernels_at(kernels, rows);
     let lowering = Lowering {
         rules: &rules,
         fusions,
-        kernels,
+        kernels: &kernels,
     };
     Ok(Plan::compile(&circuit, &lowering, rows)?)
+}
+
+/// The kernels a plan of `rows` rows may lower to: `kernels` less those that serve only fewer
+/// rows. `gemm::linear_swiglu` is a narrow decode kernel: above [`LINEAR_SWIGLU_M_MAX`] rows
+/// the gate/up projection's own kernel (through its tensor map) then `silu_mul_staged` (writing
+/// the down projection's input images) is the faster path.
+pub fn kernels_at(kernels: &KernelSet, rows: u64) -> KernelSet {
+    if rows > u64::from(LINEAR_SWIGLU_M_MAX) {
+        kernels
+            .clone()
+            .without(metrale_circuit::kernels::LINEAR_SWIGLU)
+    } else {
+        kernels.clone()
+    }
+}
+
+/// Every width of `circuit` lowered with `rules` and `fusions` against [`kernels_at`] that width.
+pub(crate) fn plans_by_width(
+    circuit: &Arc<Circuit>,
+    rules: &RuleTable,
+    fusions: Fusions,
+    kernels: &KernelSet,
+) -> Result<Vec<Plan>, CircuitExecError> {
+    circuit
+        .widths()
+        .iter()
+        .map(|&rows| {
+            let kernels = kernels_at(kernels, rows);
+            let lowering = Lowering {
+                rules,
+                fusions,
+                kernels: &kernels,
+            };
+            Ok(Plan::compile(circuit, &lowering, rows)?)
+        })
+        .collect()
 }

@@ -54,7 +54,7 @@ mod tests_speculative;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use metrale_circuit::{Circuit, Lowering, RuleTable};
+use metrale_circuit::{Circuit, RuleTable};
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuResult, StreamHandle};
 
 pub use bindings::{
@@ -65,7 +65,8 @@ pub use compile::Program;
 pub use draft::DraftBinding;
 pub use error::{BindingProblem, CircuitExecError, Part};
 pub use fixed::{DraftFixed, Fixed, LayerPools};
-pub use instance::{architecture, launcher_kernels, model_instance, plan_at};
+use instance::plans_by_width;
+pub use instance::{architecture, kernels_at, launcher_kernels, model_instance, plan_at};
 pub use metrale_circuit::{
     Architecture, Block, Digest, Fusions, Instance, KernelSet, NormWeight, Plan, Step, plans_digest,
 };
@@ -163,20 +164,15 @@ impl CircuitExec {
 
         let table = RuleTable::for_architecture(boot.instance.architecture);
         let kernels = available_kernels(gpu.as_ref());
-        let lowering = Lowering {
-            rules: &table,
-            fusions: boot.fusions,
-            kernels: &kernels,
-        };
-        let plans = Plan::compile_widths(&circuit, &lowering)?;
+        let lower = |c: &Arc<Circuit>| plans_by_width(c, &table, boot.fusions, &kernels);
+        let plans = lower(&circuit)?;
         let verify_plans = if boot.instance.verify_rows.is_empty() {
             Vec::new()
         } else {
-            let verify = Arc::new(Circuit::for_step(&boot.instance, Step::Verify)?);
-            Plan::compile_widths(&verify, &lowering)?
+            lower(&Arc::new(Circuit::for_step(&boot.instance, Step::Verify)?))?
         };
         let draft_plans = match &draft {
-            Some(d) => Plan::compile_widths(d, &lowering)?,
+            Some(d) => lower(d)?,
             None => Vec::new(),
         };
         let workspace_bytes = plans

@@ -364,18 +364,27 @@ fn a_bound_model_compiles_a_program_per_width_with_the_plans_launches() {
     // head: 3.
     assert_eq!(exec.launches_per_step(), 1 + 19 + 17 + 3);
     assert_eq!(exec.workspace_bytes(), 0);
-    // `All` folds the attention layer's rotation and cache store into one launch.
+    // `All` folds the attention layer's rotation and cache store into one launch, and at the
+    // narrow widths each shared expert's gate/up projection and SwiGLU into another.
     let all = m.build(Fusions::All).unwrap();
     assert_ne!(all.plans_digest(), exec.plans_digest());
-    assert_eq!(all.launches_per_step(), exec.launches_per_step() - 1);
-    let fused = m.ops.k.qk_norm_rope_kv_store;
-    for program in all.programs() {
-        let n = program
+    assert_eq!(all.launches_per_step(), exec.launches_per_step() - 3);
+    let count = |program: &Program, kernel| {
+        program
             .launches()
             .iter()
-            .filter(|l| l.kernel == fused)
-            .count();
-        assert_eq!(n, 1, "one fused launch per attention layer");
+            .filter(|l| l.kernel == kernel)
+            .count()
+    };
+    for program in all.programs() {
+        let swiglus = if program.rows() <= u64::from(crate::ops_fused::LINEAR_SWIGLU_M_MAX) {
+            2
+        } else {
+            0
+        };
+        let (rope, swiglu) = (m.ops.k.qk_norm_rope_kv_store, m.ops.k.linear_swiglu);
+        assert_eq!(count(program, rope), 1, "one per attention layer");
+        assert_eq!(count(program, swiglu), swiglus, "{} rows", program.rows());
     }
 }
 

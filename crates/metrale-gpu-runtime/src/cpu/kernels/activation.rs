@@ -7,8 +7,8 @@ use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
 
 /// `silu(gate) * up` rounded to bf16 for each of `rows` rows of `gate_up` (gate then up, `ffn`
-/// each): what both kernels write.
-fn silu_mul_rows(gate_up: &[bf16], rows: usize, ffn: usize) -> Vec<bf16> {
+/// each): what `silu_mul` writes, and `linear_swiglu`.
+pub(crate) fn silu_mul_rows(gate_up: &[bf16], rows: usize, ffn: usize) -> Vec<bf16> {
     (0..rows)
         .flat_map(|r| {
             let (g, u) = gate_up[r * 2 * ffn..(r + 1) * 2 * ffn].split_at(ffn);

@@ -73,6 +73,22 @@ pub fn linear_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     linear_any(ctx, true)
 }
 
+/// `linear_swiglu(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [2 n, k], m, n, k)`: `linear` into
+/// `[gate | up]` rows of `2 n` (rounded to bf16 as `linear` writes them), then `silu_mul`'s
+/// twin, in one launch.
+pub fn linear_swiglu(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    ctx.expect_args(6)?;
+    let (m, n, k) = (ctx.usize(3)?, ctx.usize(4)?, ctx.usize(5)?);
+    let x = ctx.slice::<bf16>(1, m * k)?;
+    let gate_up: Vec<bf16> = gemm_of(ctx, x, 2, (m, 2 * n, k))?
+        .into_iter()
+        .map(b)
+        .collect();
+    let act = super::activation::silu_mul_rows(&gate_up, m, n);
+    ctx.slice_mut::<bf16>(0, m * n)?.copy_from_slice(&act);
+    Ok(())
+}
+
 /// Bytes of `permute_k32_tiles`'s stage images of an `[m, k]` matrix: per 128-row tile, one
 /// 16 KiB image per stage of 64 k (the rows and k past the ends zero).
 pub fn stage_image_bytes(m: usize, k: usize) -> usize {
@@ -192,6 +208,7 @@ pub const FAMILY: super::Family = super::Family {
         ("linear_stream_f32out", linear_f32out),
         ("linear_stream_b4", linear),
         ("linear_stream_b4_f32out", linear_f32out),
+        ("linear_swiglu", linear_swiglu),
         ("linear_stream_wide", linear),
         ("linear_stream_wide_f32out", linear_f32out),
         ("permute_k32_tiles", permute_k32_tiles),
