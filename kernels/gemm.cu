@@ -582,6 +582,10 @@ MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint3
         if (u < units) direct_load_w<B, VEC>(dst, w, SWIGLU ? 2 * n : n, k, w_row(u) + g, c_begin + bb * B, c_end, q);
     };
 
+    // Two batches load before the wait. H200 (2026-12-02, circuit, context 1024): one batch
+    // before it took Qwen3-8B batch 1 from 4.551 / 4.565 to 4.603 / 4.614 ms, none to 4.615 /
+    // 4.622; asking L2 for more of the block's weight as well (cp.async.bulk.prefetch.L2, 24,
+    // 48 or 96 KiB a block) to 4.68-4.72, 4.83-4.85 and 5.06-5.11.
     uint4 wa[B], wb[B];
     if (nbe > 0) {
         load(wa, 0, 0);

@@ -73,6 +73,23 @@ extern "C" __global__ void rms_norm(bf16* __restrict__ out, const float* __restr
     normalize_row(o, xr, w, cols, s, unit_offset != 0, vec);
 }
 
+// Columns 8v..8v+7 of the residual row `xr` plus the delta row `d`, stored back and left in
+// `x`, their squares added to `ss` in `row_sumsq`'s float4 order (a, then b).
+MT_DEVICE void add8(float* xr, const bf16* d, uint32_t v, float (&x)[8], float& ss) {
+    float4 a = *reinterpret_cast<const float4*>(xr + 8 * v);
+    float4 b = *reinterpret_cast<const float4*>(xr + 8 * v + 4);
+    float df[8];
+    unpack8(load16(d + 8 * v), df);
+    a.x += df[0]; a.y += df[1]; a.z += df[2]; a.w += df[3];
+    b.x += df[4]; b.y += df[5]; b.z += df[6]; b.w += df[7];
+    *reinterpret_cast<float4*>(xr + 8 * v) = a;
+    *reinterpret_cast<float4*>(xr + 8 * v + 4) = b;
+    ss += a.x * a.x; ss += a.y * a.y; ss += a.z * a.z; ss += a.w * a.w;
+    ss += b.x * b.x; ss += b.y * b.y; ss += b.z * b.z; ss += b.w * b.w;
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+
 // add_rms_norm's body; with `img`, the normalized row also goes to the stage images.
 // `regs`: `wv` holds w's vectors threadIdx.x + j * blockDim.x (j < NORM_REG_VECS), loaded before
 // the wait, and every vector of the row is one of them (the aligned path): the row then stays in
@@ -94,19 +111,7 @@ MT_DEVICE void add_rms_norm_row(float* residual, const bf16* delta, const bf16* 
         for (int j = 0; j < NORM_REG_VECS; ++j) {
             const uint32_t v = threadIdx.x + j * blockDim.x;
             if (v >= cols / 8) break;
-            float4 a = *reinterpret_cast<const float4*>(xr + 8 * v);
-            float4 b = *reinterpret_cast<const float4*>(xr + 8 * v + 4);
-            float df[8];
-            unpack8(load16(d + 8 * v), df);
-            a.x += df[0]; a.y += df[1]; a.z += df[2]; a.w += df[3];
-            b.x += df[4]; b.y += df[5]; b.z += df[6]; b.w += df[7];
-            *reinterpret_cast<float4*>(xr + 8 * v) = a;
-            *reinterpret_cast<float4*>(xr + 8 * v + 4) = b;
-            ss += a.x * a.x; ss += a.y * a.y; ss += a.z * a.z; ss += a.w * a.w;
-            ss += b.x * b.x; ss += b.y * b.y; ss += b.z * b.z; ss += b.w * b.w;
-            const float t[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int e = 0; e < 8; ++e) xs[j][e] = t[e];
+            add8(xr, d, v, xs[j], ss);
         }
         ss = block_sum(ss, scratch);
         const float s = 1.0f / sqrtf(ss / (float)cols + eps);
@@ -126,17 +131,8 @@ MT_DEVICE void add_rms_norm_row(float* residual, const bf16* delta, const bf16* 
     float ss = 0.0f;
     if (vec) {
         for (uint32_t v = threadIdx.x; v < cols / 8; v += blockDim.x) {
-            float4 a = *reinterpret_cast<const float4*>(xr + 8 * v);
-            float4 b = *reinterpret_cast<const float4*>(xr + 8 * v + 4);
-            float df[8];
-            unpack8(load16(d + 8 * v), df);
-            a.x += df[0]; a.y += df[1]; a.z += df[2]; a.w += df[3];
-            b.x += df[4]; b.y += df[5]; b.z += df[6]; b.w += df[7];
-            *reinterpret_cast<float4*>(xr + 8 * v) = a;
-            *reinterpret_cast<float4*>(xr + 8 * v + 4) = b;
-            // Same order of squares as `row_sumsq`'s float4 steps: a, then b.
-            ss += a.x * a.x; ss += a.y * a.y; ss += a.z * a.z; ss += a.w * a.w;
-            ss += b.x * b.x; ss += b.y * b.y; ss += b.z * b.z; ss += b.w * b.w;
+            float x8[8];
+            add8(xr, d, v, x8, ss);
         }
     } else {
         for (uint32_t i = threadIdx.x; i < cols; i += blockDim.x) {

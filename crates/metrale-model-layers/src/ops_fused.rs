@@ -4,10 +4,10 @@
 //! block beside `ops` and `ops_hybrid`, under the same rules (one launcher per kernel, the CPU
 //! twin's argument order, geometry from shapes alone).
 
-use metrale_gpu_runtime::{DevicePtr, GpuError, GpuResult, Residency, StreamHandle};
+use metrale_gpu_runtime::{DevicePtr, GpuError, GpuResult, StreamHandle};
 
 use crate::ops::{KvStore, Ops, QkNormRope, rope_launch};
-use crate::ops_gemm::{LINEAR_NARROW_RESIDENT, LINEAR_NARROW_THREADS, LinearPath, linear_geometry};
+use crate::ops_gemm::LinearPath;
 
 impl Ops {
     /// `rope::qk_norm_rope_kv_store`: `qk_norm_rope(rope)` then `kv_store(store)` in one launch,
@@ -65,9 +65,10 @@ impl Ops {
 
     /// `gemm::linear_swiglu`: `linear(x, w)` into `[gate | up]` (`w` is `[2 n, k]`, gate rows
     /// then up rows) then `silu_mul` into `out` (`[m, n]`), in one launch, byte for byte the two
-    /// launches' rows; the gate/up rows are never written. The narrow decode kernel with two
-    /// weight tiles a unit, meant for the widths it serves ([`LINEAR_SWIGLU_M_MAX`] rows); any
-    /// `m` gives the same rows.
+    /// launches' rows; the gate/up rows are never written. The narrow decode kernel, its blocks
+    /// taking pairs of units (8 gate columns, then the same 8 up columns), meant for the widths
+    /// it serves ([`LINEAR_SWIGLU_M_MAX`] rows); any `m` gives the same rows. Same grid as
+    /// `linear` of `n` columns on the narrow path.
     #[allow(clippy::too_many_arguments)]
     pub fn linear_swiglu(
         &self,
@@ -80,20 +81,7 @@ impl Ops {
         k: u32,
     ) -> GpuResult<()> {
         let kernel = self.k.linear_swiglu;
-        let threads = LINEAR_NARROW_THREADS;
-        let resident = self.resident(
-            kernel,
-            threads,
-            0,
-            LINEAR_NARROW_RESIDENT,
-            Residency::Blocks,
-        )?;
-        self.go(
-            kernel,
-            linear_geometry(LinearPath::Narrow, m, n, resident),
-            &[out.into(), x.into(), w.into(), m.into(), n.into(), k.into()],
-            s,
-        )
+        self.linear_direct_launch(s, kernel, LinearPath::Narrow, out, x, w, (m, n, k))
     }
 }
 

@@ -30,7 +30,7 @@ const LINEAR_B4_MIN_N: u32 = 6144;
 
 /// Blocks of the narrow kernels assumed resident where the backend reports none (the CPU, which
 /// runs a launch's blocks in turn: any count gives the same rows; the H200 reports 264 and 396).
-pub(crate) const LINEAR_NARROW_RESIDENT: u32 = 264;
+pub(super) const LINEAR_NARROW_RESIDENT: u32 = 264;
 
 /// The `linear` kernels: which one serves `m` rows is [`linear_path`]'s choice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

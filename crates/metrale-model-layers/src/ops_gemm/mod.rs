@@ -405,6 +405,22 @@ impl Ops {
             LinearPath::Wide => kernels[2],
             LinearPath::Tiled => kernels[3],
         };
+        self.linear_direct_launch(s, kernel, path, out, x, w, (m, n, k))
+    }
+
+    /// `kernel`, a direct-load kernel of `path` with `linear`'s arguments (out, x, w, m, n,
+    /// k): the grid from the shapes, the narrow kernels' on as many blocks as are resident.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn linear_direct_launch(
+        &self,
+        s: StreamHandle,
+        kernel: KernelHandle,
+        path: LinearPath,
+        out: DevicePtr,
+        x: DevicePtr,
+        w: DevicePtr,
+        (m, n, k): (u32, u32, u32),
+    ) -> GpuResult<()> {
         let resident = match path {
             LinearPath::Narrow | LinearPath::NarrowB4 => self.resident(
                 kernel,
