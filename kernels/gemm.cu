@@ -568,7 +568,7 @@ MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint3
     auto unit_of = [&](uint32_t i) -> uint32_t {
         return SWIGLU ? 2 * (blockIdx.x + (i >> 1) * gridDim.x) + (i & 1) : blockIdx.x + i * gridDim.x;
     };
-    auto w_row = [&](uint32_t u) -> uint32_t {  // the unit's weight row g - g
+    auto w_row = [&](uint32_t u) -> uint32_t {  // the unit's first weight row (lane g reads + g)
         return SWIGLU ? (u & 1) * n + ((u >> 1) / row_units) * 8 : (u / row_units) * 8;
     };
     const uint32_t nb = (c_end - c_begin + B - 1) / B, nbe = nb + (nb & 1);  // this warp's batches
