@@ -28,6 +28,20 @@ fn values(n: usize, seed: u64) -> Vec<bf16> {
         .collect()
 }
 
+/// `v` in a new buffer.
+fn upload(gpu: &Arc<dyn GpuBackend>, v: &[bf16]) -> DevicePtr {
+    let b = gpu.alloc(v.len() * 2).unwrap();
+    gpu.upload(b, v, S).unwrap();
+    b
+}
+
+/// A new buffer of `halves` bf16, every one 0xFFFF (a NaN no kernel writes).
+fn poisoned(gpu: &Arc<dyn GpuBackend>, halves: usize) -> DevicePtr {
+    let b = gpu.alloc(halves * 2).unwrap();
+    gpu.memset(b, 0xFF, halves * 2, S).unwrap();
+    b
+}
+
 #[test]
 fn the_cpu_twin_of_qk_norm_rope_kv_store_is_the_two_launches_byte_for_byte() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
@@ -43,11 +57,7 @@ fn the_cpu_twin_of_qk_norm_rope_kv_store_is_the_two_launches_byte_for_byte() {
         let v_offset = k_offset + hkv * d;
         let stride = v_offset + hkv * d;
         let input = values((rows * stride) as usize, u64::from(d));
-        let up = |v: &[bf16]| {
-            let b = gpu.alloc(v.len() * 2).unwrap();
-            gpu.upload(b, v, S).unwrap();
-            b
-        };
+        let up = |v: &[bf16]| upload(&gpu, v);
         let qn = up(&values(d as usize, 7));
         let kn = up(&values(d as usize, 8));
         let freqs: Vec<f32> = (0..rd / 2)
@@ -142,16 +152,8 @@ fn the_cpu_twin_of_qk_norm_rope_kv_store_is_the_two_launches_byte_for_byte() {
 fn the_cpu_twin_of_linear_swiglu_is_linear_then_silu_mul_byte_for_byte() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
     let ops = Ops::new(gpu.clone()).unwrap();
-    let up = |v: &[bf16]| {
-        let b = gpu.alloc(v.len() * 2).unwrap();
-        gpu.upload(b, v, S).unwrap();
-        b
-    };
-    let poisoned = |halves: usize| {
-        let b = gpu.alloc(halves * 2).unwrap();
-        gpu.memset(b, 0xFF, halves * 2, S).unwrap();
-        b
-    };
+    let up = |v: &[bf16]| upload(&gpu, v);
+    let poisoned = |halves: usize| poisoned(&gpu, halves);
     // (rows, ffn, hidden): one row, and rows, ffn and hidden none of them multiples of 8.
     for (m, n, k) in [(1u32, 24u32, 96u32), (5, 41, 1003)] {
         let x = up(&values((m * k) as usize, u64::from(k)));

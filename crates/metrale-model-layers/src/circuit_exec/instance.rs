@@ -128,13 +128,24 @@ pub fn plan_at(
 ) -> Result<Plan, CircuitExecError> {
     let circuit = Arc::new(Circuit::for_step(instance, step)?);
     let rules = RuleTable::for_architecture(instance.architecture);
+    plan_of_width(&circuit, &rules, fusions, kernels, rows)
+}
+
+/// `circuit` at `rows` rows lowered with `rules` and `fusions` against [`kernels_at`] that width.
+fn plan_of_width(
+    circuit: &Arc<Circuit>,
+    rules: &RuleTable,
+    fusions: Fusions,
+    kernels: &KernelSet,
+    rows: u64,
+) -> Result<Plan, CircuitExecError> {
     let kernels = kernels_at(kernels, rows);
     let lowering = Lowering {
-        rules: &rules,
+        rules,
         fusions,
         kernels: &kernels,
     };
-    Ok(Plan::compile(&circuit, &lowering, rows)?)
+    Ok(Plan::compile(circuit, &lowering, rows)?)
 }
 
 /// The kernels a plan of `rows` rows may lower to: `kernels` less those that serve only fewer
@@ -161,14 +172,6 @@ pub(crate) fn plans_by_width(
     circuit
         .widths()
         .iter()
-        .map(|&rows| {
-            let kernels = kernels_at(kernels, rows);
-            let lowering = Lowering {
-                rules,
-                fusions,
-                kernels: &kernels,
-            };
-            Ok(Plan::compile(circuit, &lowering, rows)?)
-        })
+        .map(|&rows| plan_of_width(circuit, rules, fusions, kernels, rows))
         .collect()
 }

@@ -20,9 +20,8 @@
 //! the same error as the layers'), lower the decode circuit at every width, the verify circuit
 //! at every verify row count and the draft circuit at every draft row count (`Fusions::All`
 //! against every launcher kernel the backend resolves that serves that width: `kernels_at`),
-//! allocate one workspace sized for the
-//! largest program (none today: every emitter writes only the step buffers), and compile a
-//! program per plan. The digest it discloses covers the decode plans, then the verify plans,
+//! allocate one workspace sized for the largest program (none today: every emitter writes only
+//! the step buffers), and compile a program per plan. The digest it discloses covers the decode plans, then the verify plans,
 //! then the draft plans.
 //!
 //! Invariants:

@@ -376,13 +376,13 @@ fn a_bound_model_compiles_a_program_per_width_with_the_plans_launches() {
             .filter(|l| l.kernel == kernel)
             .count()
     };
+    let (rope, swiglu) = (m.ops.k.qk_norm_rope_kv_store, m.ops.k.linear_swiglu);
     for program in all.programs() {
         let swiglus = if program.rows() <= u64::from(crate::ops_fused::LINEAR_SWIGLU_M_MAX) {
             2
         } else {
             0
         };
-        let (rope, swiglu) = (m.ops.k.qk_norm_rope_kv_store, m.ops.k.linear_swiglu);
         assert_eq!(count(program, rope), 1, "one per attention layer");
         assert_eq!(count(program, swiglu), swiglus, "{} rows", program.rows());
     }
