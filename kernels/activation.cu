@@ -17,8 +17,7 @@ MT_DEVICE uint4 silu_mul8(const bf16* g, const bf16* u, uint32_t v) {
 
 // silu_mul(out: bf16 [rows, ffn], gate_up: bf16 [rows, 2 * ffn], rows, ffn):
 // out = silu(gate) * up with silu(x) = x / (1 + exp(-x)) in f32.
-extern "C" __global__ void silu_mul(bf16* __restrict__ out, const bf16* __restrict__ gate_up,
-                                    uint32_t rows, uint32_t ffn) {
+extern "C" __global__ void silu_mul(SILU_MUL_PARAMS) {
     pdl_enter(rows);  // launched as a programmatic dependent (common.cuh)
     const uint32_t r = blockIdx.x;
     if (r >= rows) return;
@@ -40,14 +39,20 @@ extern "C" __global__ void silu_mul(bf16* __restrict__ out, const bf16* __restri
 // is given, as rows too (what `linear_stream_tma` reads where it cannot use the images). Image
 // rows past `rows` (and k past ffn, when ffn % 64 != 0) are not written: the launcher stages only
 // ffn % 64 == 0. Needs ffn % 8 == 0 and 16-byte aligned gate_up and act; same grid as `silu_mul`.
-extern "C" __global__ void silu_mul_staged(bf16* __restrict__ img, bf16* __restrict__ act,
-                                           const bf16* __restrict__ gate_up, uint32_t rows, uint32_t ffn) {
+extern "C" __global__ void silu_mul_staged(SILU_MUL_STAGED_PARAMS) {
     pdl_enter(rows);  // launched as a programmatic dependent, like `silu_mul`
     const uint32_t r = blockIdx.x;
-    if (r >= rows || ffn % 8 != 0) return;
+    if (r >= rows) return;
+    if (ffn % 8 != 0) {
+        mt_fault(MT_KERNEL_SILU_MUL_STAGED, MT_FAULT_SHAPE);
+        return;
+    }
     const bf16* g = gate_up + (size_t)r * 2 * ffn;
     const bf16* u = g + ffn;
-    if (!aligned16(g) || (act != nullptr && !aligned16(act))) return;
+    if (!aligned16(g) || (act != nullptr && !aligned16(act))) {
+        mt_fault(MT_KERNEL_SILU_MUL_STAGED, MT_FAULT_ALIGNMENT);
+        return;
+    }
     unsigned char* im = reinterpret_cast<unsigned char*>(img);
     bf16* o = act != nullptr ? act + (size_t)r * ffn : nullptr;
     const uint32_t steps = ((ffn + 31) / 32 + 1) / 2;

@@ -24,17 +24,15 @@
 //
 // Grid (ATT_SPLITS * clusters, 1), ATP_THREADS threads, atp_shared_bytes(dp) of dynamic shared
 // memory: one block per multiprocessor. A malformed row group, or a launch the kernel cannot run,
-// gets NaN outputs; rows of no group are not written.
+// gets NaN outputs (the latter also reports a GEOMETRY fault); rows of no group are not written.
 //
-// Measured on the H200 (2026-11-30, 2048-token prefill): 728 us per Qwen3-8B layer and 918 per
-// Qwen3.5-9B full-attention layer, against 2286 and 3494 for the 4-warp kernel with 8 virtual
-// rows an item that this one replaced. A wavefront combine (partition w adding column chunk
-// f - w in phase f, up to four partitions at once) measured 746 / 942 with 4 chunks and 734 / 927
-// with 2: its extra block barriers cost more than the serial steps they overlap.
+// Sixteen warps and up to 64 virtual rows an item read each key and value once for many more
+// rows than `paged_attention`'s four warps could, about three times faster on a long prefill.
+// The partitions combine one after another: a wavefront combine (partition w adding column
+// chunk f - w in phase f) needs extra block barriers that cost more than the serial steps they
+// overlap.
 
-#define ATP_WARPS 16
 #define ATP_THREADS (32 * ATP_WARPS)
-#define ATP_ROWS 16
 #define ATP_MAX_VROWS 64
 
 // Virtual rows of an item, stages of a partition's ring, rows per item: the launcher computes
@@ -291,8 +289,8 @@ struct AtpCursor {
 };
 
 // Not inlined: each head_dim gets its own register allocation under the 128-register bound of
-// 512 threads (inlined, the four bodies share one, and the 128-wide unit loop spilled four times
-// as much: 1026 against 697 us per Qwen3-8B layer).
+// 512 threads (inlined, the four bodies share one, and the 128-wide unit loop spills four times
+// as much, which makes the layer markedly slower).
 template <int DP>
 __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpShared& sh) {
     constexpr int HP = DP > 128 ? 2 : 1, DH = DP / HP, RS = DP + 8;
@@ -475,6 +473,8 @@ MT_DEVICE void atp_kernel(bf16* __restrict__ out, unsigned char* __restrict__ im
     const uint32_t dp = att_padded_dim(head_dim);
     const uint32_t rpi = atp_rows_per_item(a.hb, dp);
     if (!att_launch_ok(a, num_kv_heads, ATP_THREADS, atp_shared_bytes(dp))) {
+        mt_fault(out != nullptr ? MT_KERNEL_PAGED_ATTENTION_PREFILL : MT_KERNEL_PAGED_ATTENTION_PREFILL_STAGED,
+                 MT_FAULT_GEOMETRY);
         if (num_q_heads == 0) return;
         for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x)
             for (uint32_t i = threadIdx.x; i < width; i += blockDim.x)
@@ -520,11 +520,11 @@ MT_DEVICE void atp_kernel(bf16* __restrict__ out, unsigned char* __restrict__ im
 }
 
 extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATP_THREADS, 1)
-    paged_attention_prefill(bf16* __restrict__ out, ATP_PARAMS) {
+    paged_attention_prefill(PAGED_ATTENTION_PREFILL_PARAMS) {
     atp_kernel(out, nullptr, ATP_ARGS);
 }
 
 extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATP_THREADS, 1)
-    paged_attention_prefill_staged(bf16* __restrict__ img, ATP_PARAMS) {
-    atp_kernel(nullptr, reinterpret_cast<unsigned char*>(img), ATP_ARGS);
+    paged_attention_prefill_staged(PAGED_ATTENTION_PREFILL_PARAMS) {
+    atp_kernel(nullptr, reinterpret_cast<unsigned char*>(out), ATP_ARGS);  // `out`: the images
 }

@@ -6,14 +6,7 @@
 // tiles transposed and runs the same operations on the same operands from other lanes, in
 // att_unit); the GPU tests compare the two kernels bit for bit.
 
-#define ATT_SPLITS 8
-#define ATT_WARPS 4
 #define ATT_THREADS (32 * ATT_WARPS)
-#define ATT_STAGES 2
-#define ATT_MAX_ITEMS 64
-#define ATT_UNIT 16
-#define ATT_HB 8
-#define ATT_MAX_D 256
 #define ATT_LOG2E 1.4426950408889634f
 
 // Query heads per cluster: the largest divisor of the group size that is at most ATT_HB (1 when
@@ -340,4 +333,11 @@ MT_DEVICE bool att_launch_ok(const AttLaunch& a, uint32_t num_kv_heads, uint32_t
     return num_kv_heads > 0 && a.hq % num_kv_heads == 0 && a.d > 0 && a.d <= ATT_MAX_D &&
            a.block_size > 0 && blockDim.x == threads && gridDim.y == 1 &&
            (a.n_items + a.n_clusters - 1) / a.n_clusters <= ATT_MAX_ITEMS && dyn_bytes >= smem;
+}
+
+// Record why att_launch_ok refused kernel `kernel`'s launch: heads or a head dimension the
+// kernels do not take (a shape), or else the geometry.
+MT_DEVICE void att_refuse(uint32_t kernel, const AttLaunch& a, uint32_t num_kv_heads) {
+    const bool shape = num_kv_heads == 0 || a.hq % num_kv_heads != 0 || a.d == 0 || a.d > ATT_MAX_D || a.block_size == 0;
+    mt_fault(kernel, shape ? MT_FAULT_SHAPE : MT_FAULT_GEOMETRY);
 }

@@ -9,20 +9,23 @@
 // kv_store(k_cache, v_cache: bf16 [num_slots, num_kv_heads, head_dim], qkv: bf16 [rows,
 // row_stride], slot_mapping: u32 [rows], rows, row_stride, k_offset, v_offset, num_kv_heads,
 // head_dim, num_slots).
-extern "C" __global__ void kv_store(bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
-                                    const bf16* __restrict__ qkv,
-                                    const uint32_t* __restrict__ slot_mapping, uint32_t rows,
-                                    uint32_t row_stride, uint32_t k_offset, uint32_t v_offset,
-                                    uint32_t num_kv_heads, uint32_t head_dim, uint32_t num_slots) {
+extern "C" __global__ void kv_store(KV_STORE_PARAMS) {
     // A programmatic dependent (ops): the kernel ahead has finished. The attention after it
     // starts early at one or two rows only (pdl_enter_store).
     pdl_enter_store(rows);
     const uint32_t r = blockIdx.x;
     if (r >= rows) return;
     const uint32_t slot = slot_mapping[r];
-    if (slot == 0xFFFFFFFFu || slot >= num_slots) return;
+    if (slot == 0xFFFFFFFFu) return;
+    if (slot >= num_slots) {
+        mt_fault(MT_KERNEL_KV_STORE, MT_FAULT_INDEX);
+        return;
+    }
     const uint32_t width = num_kv_heads * head_dim;
-    if (k_offset + width > row_stride || v_offset + width > row_stride) return;
+    if (k_offset + width > row_stride || v_offset + width > row_stride) {
+        mt_fault(MT_KERNEL_KV_STORE, MT_FAULT_SHAPE);
+        return;
+    }
     const bf16* ks = qkv + (size_t)r * row_stride + k_offset;
     const bf16* vs = qkv + (size_t)r * row_stride + v_offset;
     bf16* kd = k_cache + (size_t)slot * width;

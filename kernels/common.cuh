@@ -12,9 +12,9 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#define MT_DEVICE __device__ __forceinline__
+#include "abi.cuh"  // bf16, the shared constants, the parameter structs' macros, mt_fault
 
-typedef __nv_bfloat16 bf16;
+#define MT_DEVICE __device__ __forceinline__
 
 MT_DEVICE bool aligned16(const void* p) {
     return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
@@ -193,9 +193,8 @@ MT_DEVICE void pdl_trigger() {
 // The entry of the cache store ahead of decode attention (`kv_store`, `qk_norm_rope_kv_store`)
 // over `rows` rows: it waits, then, at one or two rows, lets the attention start, whose blocks
 // read the step's inputs (item records, block-table entries) before their own wait. At more rows
-// the attention's clusters, placed beside this kernel's many blocks, ran slower: H200
-// (2026-12-01, Qwen3-8B circuit), triggering at every size took batch 1 from 4.977 / 5.014 to
-// 4.934 / 4.947 ms but batch 8 from 5.59 to 5.81 and 64 from 11.6 to 12.0.
+// it triggers only when it ends: the attention's clusters, placed beside this kernel's many
+// blocks, run slower than the time an early start saves.
 #define STORE_EARLY_ROWS 2
 MT_DEVICE void pdl_enter_store(uint32_t rows) {
     pdl_wait();
@@ -206,13 +205,9 @@ MT_DEVICE void pdl_enter_store(uint32_t rows) {
 // `gated_rms_norm`) over `rows` rows: at 9..64 rows (where `linear_stream_tma` serves the
 // projections) it lets the projection start before it waits, so the projection's first weight
 // loads (issued before its own wait) overlap this kernel and the one ahead; elsewhere it waits,
-// then triggers. H200 (2026-12-01, Qwen3-8B, when `linear_stream_wide` served those rows): early
-// everywhere made batch 32 and 64 faster (8.217 -> 8.143, 11.996 -> 11.931 ms a step) but batch
-// 1 and 8 slower (5.017 -> 5.626, 5.709 -> 6.755), and Qwen3.5-9B batch 128 slower (22.395 ->
-// 22.565). With `linear_stream_tma` at 65..128 rows, early up to 128 was within noise (session
-// 22). Session 24, context 1024, two rounds: early from 9 rows took batch 16 from 6.034 / 6.026
-// to 5.849 / 5.820 ms (Qwen3.5-9B 6.247 / 6.270 to 6.063 / 6.075); early at 1..8 rows too took
-// Qwen3-8B batch 1 from 4.62 to 6.03.
+// then triggers. At 1..8 rows an early start lets the narrow projection's persistent blocks take
+// the multiprocessors this kernel and the ones ahead still need, which slows the whole step;
+// above 64 rows it saves nothing measurable.
 MT_DEVICE void pdl_enter(uint32_t rows) {
     const bool early = rows > 8 && rows <= 64;
     if (early) pdl_trigger();
@@ -235,9 +230,8 @@ MT_DEVICE void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" :
 
 // The last cluster barrier of a kernel that read other blocks' shared memory: arrive relaxed
 // (the remote reads it must follow have returned their values; a release arrival would also
-// wait for the thread's global stores to reach memory, about half a microsecond), then wait.
-// The gemm lab (H200, 2026-11-30) measured the decode GEMM's closing phase at 0.95 against
-// 1.45 us a block.
+// wait for the thread's global stores to reach memory, which lengthens the decode GEMM's closing
+// phase by about half), then wait.
 MT_DEVICE void cluster_leave_barrier() {
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
     cluster_wait();

@@ -7,9 +7,7 @@
 
 // embedding_gather(out: f32 [rows, hidden], table: bf16 [vocab, hidden], ids: u32 [rows], rows,
 // hidden, vocab): out[r] = table[ids[r]] widened to f32.
-extern "C" __global__ void embedding_gather(float* __restrict__ out, const bf16* __restrict__ table,
-                                            const uint32_t* __restrict__ ids, uint32_t rows,
-                                            uint32_t hidden, uint32_t vocab) {
+extern "C" __global__ void embedding_gather(EMBEDDING_GATHER_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
     const uint32_t r = blockIdx.x;
@@ -17,6 +15,7 @@ extern "C" __global__ void embedding_gather(float* __restrict__ out, const bf16*
     float* o = out + (size_t)r * hidden;
     const uint32_t id = ids[r];
     if (id >= vocab) {
+        mt_fault(MT_KERNEL_EMBEDDING_GATHER, MT_FAULT_INDEX);
         for (uint32_t i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = __int_as_float(0x7fc00000);
         return;
     }
@@ -37,15 +36,14 @@ extern "C" __global__ void embedding_gather(float* __restrict__ out, const bf16*
 
 // gather_rows(out: bf16 [n, cols], x: bf16 [src_rows, cols], row_ids: u32 [n], n, cols,
 // src_rows): out[i] = x[row_ids[i]].
-extern "C" __global__ void gather_rows(bf16* __restrict__ out, const bf16* __restrict__ x,
-                                       const uint32_t* __restrict__ row_ids, uint32_t n,
-                                       uint32_t cols, uint32_t src_rows) {
+extern "C" __global__ void gather_rows(GATHER_ROWS_PARAMS) {
     pdl_enter(n);  // a programmatic dependent (common.cuh)
     const uint32_t i = blockIdx.x;
     if (i >= n) return;
     bf16* o = out + (size_t)i * cols;
     const uint32_t r = row_ids[i];
     if (r >= src_rows) {
+        mt_fault(MT_KERNEL_GATHER_ROWS, MT_FAULT_INDEX);
         for (uint32_t c = threadIdx.x; c < cols; c += blockDim.x) o[c] = bf16_nan();
         return;
     }

@@ -53,12 +53,8 @@
 // thread layout from its own sequence's rows and state only, in a fixed order.
 #include "common.cuh"
 
-#define GDN_NO_SLOT 0xFFFFFFFFu
 // Largest Dk of the general delta-rule path, and of the fast one.
-#define GDN_MAX_DK 256
-#define GDN_FAST_MAX_DK 128
 // Columns of a head per warp of the delta-rule kernels.
-#define GDN_WARP_COLS 16
 
 MT_DEVICE float f32_nan() { return __int_as_float(0x7FFFFFFF); }
 
@@ -83,15 +79,7 @@ MT_DEVICE const float* conv_window(const float* state, uint32_t slot, uint32_t n
 // [num_seqs + 1], seq_slot: u32 [num_seqs], rows, num_seqs, num_slots, slot_stride, Hk, Dk, Hv,
 // Dv, kernel_size). out[r][c] = silu(Σ_i weight[c][i] * x(t - (K-1) + i)) in f32, x(u) from the
 // step's rows for u >= 0 and from the window (zero for padding) for u < 0.
-extern "C" __global__ void causal_conv1d(bf16* __restrict__ out, const bf16* __restrict__ proj,
-                                         const float* __restrict__ conv_state,
-                                         const bf16* __restrict__ weight,
-                                         const uint32_t* __restrict__ row_seq,
-                                         const uint32_t* __restrict__ seq_start,
-                                         const uint32_t* __restrict__ seq_slot, uint32_t rows,
-                                         uint32_t num_seqs, uint32_t num_slots,
-                                         uint32_t slot_stride, uint32_t hk, uint32_t dk,
-                                         uint32_t hv, uint32_t dv, uint32_t kernel_size) {
+extern "C" __global__ void causal_conv1d(CAUSAL_CONV1D_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
     const uint32_t cd = 2 * hk * dk + hv * dv;
@@ -102,17 +90,20 @@ extern "C" __global__ void causal_conv1d(bf16* __restrict__ out, const bf16* __r
     bf16* o = out + (size_t)r * cd + c;
     const uint32_t s = row_seq[r];
     if (s >= num_seqs || kernel_size == 0) {
+        mt_fault(MT_KERNEL_CAUSAL_CONV1D, kernel_size == 0 ? MT_FAULT_SHAPE : MT_FAULT_INDEX);
         *o = bf16_nan();
         return;
     }
     const uint32_t first = seq_start[s];
     if (r < first || r >= seq_start[s + 1]) {
+        mt_fault(MT_KERNEL_CAUSAL_CONV1D, MT_FAULT_INDEX);
         *o = bf16_nan();
         return;
     }
     bool bad;
     const float* window = conv_window(conv_state, seq_slot[s], num_slots, slot_stride, bad);
     if (bad) {
+        mt_fault(MT_KERNEL_CAUSAL_CONV1D, MT_FAULT_INDEX);
         *o = bf16_nan();
         return;
     }
@@ -138,22 +129,24 @@ extern "C" __global__ void causal_conv1d(bf16* __restrict__ out, const bf16* __r
 // num_slots, slot_stride, Hk, Dk, Hv, Dv, kernel_size). A real sequence with n rows keeps the
 // last K-1 inputs of (old window ++ its rows): new[i] = x(n - (K-1) + i). Each thread owns one
 // channel of one window and walks i ascending, so old row i + n is read before it is rewritten.
-extern "C" __global__ void conv_state_update(float* __restrict__ conv_state,
-                                             const bf16* __restrict__ proj,
-                                             const uint32_t* __restrict__ seq_start,
-                                             const uint32_t* __restrict__ seq_slot, uint32_t rows,
-                                             uint32_t num_seqs, uint32_t num_slots,
-                                             uint32_t slot_stride, uint32_t hk, uint32_t dk,
-                                             uint32_t hv, uint32_t dv, uint32_t kernel_size) {
+extern "C" __global__ void conv_state_update(CONV_STATE_UPDATE_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
     const uint32_t cd = 2 * hk * dk + hv * dv;
     const uint32_t pw = cd + hv * dv + 2 * hv;
     const uint32_t s = blockIdx.x;
     const uint32_t c = blockIdx.y * blockDim.x + threadIdx.x;
-    if (s >= num_seqs || c >= cd || kernel_size == 0) return;
+    if (s >= num_seqs || c >= cd) return;
+    if (kernel_size == 0) {
+        mt_fault(MT_KERNEL_CONV_STATE_UPDATE, MT_FAULT_SHAPE);
+        return;
+    }
     const uint32_t slot = seq_slot[s];
-    if (slot == GDN_NO_SLOT || slot >= num_slots) return;
+    if (slot == GDN_NO_SLOT) return;
+    if (slot >= num_slots) {
+        mt_fault(MT_KERNEL_CONV_STATE_UPDATE, MT_FAULT_INDEX);
+        return;
+    }
     const uint32_t first = min(seq_start[s], rows);
     const uint32_t end = min(seq_start[s + 1], rows);
     if (end <= first) return;
@@ -167,9 +160,6 @@ extern "C" __global__ void conv_state_update(float* __restrict__ conv_state,
     }
 }
 
-// Most conv taps of conv_state_verify (its thread keeps the old window in registers).
-#define GDN_MAX_CONV_HIST 15
-
 // conv_state_verify(conv_state: f32 [num_slots * slot_stride] (in/out), proj: bf16 [rows,
 // proj_width], seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], row_slot: u32 [rows],
 // rows, num_seqs, num_slots, slot_stride, Hk, Dk, Hv, Dv, kernel_size). For row t of a sequence
@@ -177,24 +167,24 @@ extern "C" __global__ void conv_state_update(float* __restrict__ conv_state,
 // its rows 0..=t): new[i] = x(t + 1 - (K-1) + i). One thread per (sequence, channel); it reads
 // the old window (zeros for padding) into registers before writing any row's. A slot past the
 // pool, or K - 1 > GDN_MAX_CONV_HIST, writes nothing.
-extern "C" __global__ void conv_state_verify(float* __restrict__ conv_state,
-                                             const bf16* __restrict__ proj,
-                                             const uint32_t* __restrict__ seq_start,
-                                             const uint32_t* __restrict__ seq_slot,
-                                             const uint32_t* __restrict__ row_slot, uint32_t rows,
-                                             uint32_t num_seqs, uint32_t num_slots,
-                                             uint32_t slot_stride, uint32_t hk, uint32_t dk,
-                                             uint32_t hv, uint32_t dv, uint32_t kernel_size) {
+extern "C" __global__ void conv_state_verify(CONV_STATE_VERIFY_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
     const uint32_t cd = 2 * hk * dk + hv * dv;
     const uint32_t pw = cd + hv * dv + 2 * hv;
     const uint32_t s = blockIdx.x;
     const uint32_t c = blockIdx.y * blockDim.x + threadIdx.x;
-    if (s >= num_seqs || c >= cd || kernel_size == 0 || kernel_size - 1 > GDN_MAX_CONV_HIST) return;
+    if (s >= num_seqs || c >= cd) return;
+    if (kernel_size == 0 || kernel_size - 1 > GDN_MAX_CONV_HIST) {
+        mt_fault(MT_KERNEL_CONV_STATE_VERIFY, MT_FAULT_SHAPE);
+        return;
+    }
     bool bad;
     const float* window = conv_window(conv_state, seq_slot[s], num_slots, slot_stride, bad);
-    if (bad) return;
+    if (bad) {
+        mt_fault(MT_KERNEL_CONV_STATE_VERIFY, MT_FAULT_INDEX);
+        return;
+    }
     const uint32_t first = min(seq_start[s], rows);
     const uint32_t end = min(seq_start[s + 1], rows);
     const uint32_t hist = kernel_size - 1;
@@ -202,7 +192,11 @@ extern "C" __global__ void conv_state_verify(float* __restrict__ conv_state,
     for (uint32_t i = 0; i < hist; ++i) old[i] = window ? window[(size_t)i * cd + c] : 0.0f;
     for (uint32_t r = first; r < end; ++r) {
         const uint32_t dst = row_slot[r];
-        if (dst == GDN_NO_SLOT || dst >= num_slots) continue;
+        if (dst == GDN_NO_SLOT) continue;
+        if (dst >= num_slots) {
+            mt_fault(MT_KERNEL_CONV_STATE_VERIFY, MT_FAULT_INDEX);
+            continue;
+        }
         float* out = conv_state + (size_t)dst * slot_stride;
         const int64_t t = (int64_t)(r - first);
         for (uint32_t i = 0; i < hist; ++i) {
@@ -224,13 +218,7 @@ MT_DEVICE float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 // l2_eps, q_scale). q̂ = q / sqrt(Σq² + eps) * q_scale, k̂ = k / sqrt(Σk² + eps) per key head;
 // β = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias) per value head. One block per row,
 // a warp per head (lanes over Dk, then the butterfly), threads over the gates.
-extern "C" __global__ void gdn_prepare(float* __restrict__ qk, float* __restrict__ gates,
-                                       const bf16* __restrict__ conv,
-                                       const bf16* __restrict__ proj,
-                                       const float* __restrict__ a_log,
-                                       const float* __restrict__ dt_bias, uint32_t rows,
-                                       uint32_t hk, uint32_t dk, uint32_t hv, uint32_t dv,
-                                       float l2_eps, float q_scale) {
+extern "C" __global__ void gdn_prepare(GDN_PREPARE_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
     const uint32_t r = blockIdx.x;
@@ -270,16 +258,12 @@ extern "C" __global__ void gdn_prepare(float* __restrict__ qk, float* __restrict
 // (in/out), qk: f32 [rows, 2*key_dim], conv: bf16 [rows, conv_dim], gates: f32 [rows, 2*Hv],
 // seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], rows, num_seqs, num_slots,
 // slot_stride, Hk, Dk, Hv, Dv). Each sequence's rows in order, one token step each.
-extern "C" __global__ void gated_delta_recurrent(
-    float* __restrict__ out, float* __restrict__ state, const float* __restrict__ qk,
-    const bf16* __restrict__ conv, const float* __restrict__ gates,
-    const uint32_t* __restrict__ seq_start, const uint32_t* __restrict__ seq_slot, uint32_t rows,
-    uint32_t num_seqs, uint32_t num_slots, uint32_t slot_stride, uint32_t hk, uint32_t dk,
-    uint32_t hv, uint32_t dv) {
+extern "C" __global__ void gated_delta_recurrent(GATED_DELTA_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
-    const Rule a{out,      state,     qk,          conv, gates, seq_start, seq_slot, nullptr,
-                 rows,     num_seqs,  num_slots,   slot_stride, hk,    dk,        hv,       dv};
+    const Rule a{out,  state,    qk,        conv,        gates, seq_start, seq_slot, nullptr,
+                 rows, num_seqs, num_slots, slot_stride, hk,    dk,        hv,       dv,
+                 MT_KERNEL_GATED_DELTA_RECURRENT};
     rule_block<false, false>(a);
 }
 
@@ -291,17 +275,16 @@ extern "C" __global__ void gated_delta_recurrent(
 // item as gated_delta_recurrent's blocks would (with this block's warps).
 // One-block clusters, so the launcher's occupancy query (cuOccupancyMaxActiveClusters) counts
 // resident blocks.
-extern "C" __global__ void __cluster_dims__(1, 1, 1) gated_delta_streamed(
-    float* __restrict__ out, float* __restrict__ state, const float* __restrict__ qk,
-    const bf16* __restrict__ conv, const float* __restrict__ gates,
-    const uint32_t* __restrict__ seq_start, const uint32_t* __restrict__ seq_slot, uint32_t rows,
-    uint32_t num_seqs, uint32_t num_slots, uint32_t slot_stride, uint32_t hk, uint32_t dk,
-    uint32_t hv, uint32_t dv) {
+extern "C" __global__ void __cluster_dims__(1, 1, 1) gated_delta_streamed(GATED_DELTA_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
-    const Rule a{out,      state,     qk,          conv, gates, seq_start, seq_slot, nullptr,
-                 rows,     num_seqs,  num_slots,   slot_stride, hk,    dk,        hv,       dv};
-    if (a.hk == 0 || a.hv == 0 || a.hv % a.hk != 0) return;
+    const Rule a{out,  state,    qk,        conv,        gates, seq_start, seq_slot, nullptr,
+                 rows, num_seqs, num_slots, slot_stride, hk,    dk,        hv,       dv,
+                 MT_KERNEL_GATED_DELTA_STREAMED};
+    if (a.hk == 0 || a.hv == 0 || a.hv % a.hk != 0) {
+        mt_fault(MT_KERNEL_GATED_DELTA_STREAMED, MT_FAULT_SHAPE);
+        return;
+    }
     extern __shared__ __align__(16) unsigned char gdn_stream[];
     const uint32_t head_bytes = a.dk * a.dv * 4;
     const uint32_t bufs = stream_bufs(dynamic_smem_bytes(), head_bytes);
@@ -328,19 +311,14 @@ extern "C" __global__ void __cluster_dims__(1, 1, 1) gated_delta_streamed(
 // rows, num_seqs, num_slots, slot_stride, Hk, Dk, Hv, Dv, chunk_size). The same function as
 // gated_delta_recurrent; computed here by the same recurrence (see the header), so any chunking
 // of the positions gives these bits.
-extern "C" __global__ void gated_delta_chunked(
-    float* __restrict__ out, float* __restrict__ state, const float* __restrict__ qk,
-    const bf16* __restrict__ conv, const float* __restrict__ gates,
-    const uint32_t* __restrict__ seq_start, const uint32_t* __restrict__ seq_slot,
-    const uint32_t* __restrict__ positions, uint32_t rows, uint32_t num_seqs, uint32_t num_slots,
-    uint32_t slot_stride, uint32_t hk, uint32_t dk, uint32_t hv, uint32_t dv,
-    uint32_t chunk_size) {
+extern "C" __global__ void gated_delta_chunked(GATED_DELTA_CHUNKED_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
     (void)positions;
     (void)chunk_size;
-    const Rule a{out,      state,     qk,          conv, gates, seq_start, seq_slot, nullptr,
-                 rows,     num_seqs,  num_slots,   slot_stride, hk,    dk,        hv,       dv};
+    const Rule a{out,  state,    qk,        conv,        gates, seq_start, seq_slot, nullptr,
+                 rows, num_seqs, num_slots, slot_stride, hk,    dk,        hv,       dv,
+                 MT_KERNEL_GATED_DELTA_CHUNKED};
     rule_block<true, false>(a);
 }
 
@@ -348,16 +326,12 @@ extern "C" __global__ void gated_delta_chunked(
 // rows, num_seqs, num_slots, slot_stride, Hk, Dk, Hv, Dv). The rows of each sequence exactly as
 // gated_delta_recurrent runs them, from the state in seq_slot; the state after row r is written
 // to row_slot[r] (none for u32::MAX) and seq_slot is written only where a row names it.
-extern "C" __global__ void gated_delta_verify(
-    float* __restrict__ out, float* __restrict__ state, const float* __restrict__ qk,
-    const bf16* __restrict__ conv, const float* __restrict__ gates,
-    const uint32_t* __restrict__ seq_start, const uint32_t* __restrict__ seq_slot,
-    const uint32_t* __restrict__ row_slot, uint32_t rows, uint32_t num_seqs, uint32_t num_slots,
-    uint32_t slot_stride, uint32_t hk, uint32_t dk, uint32_t hv, uint32_t dv) {
+extern "C" __global__ void gated_delta_verify(GATED_DELTA_VERIFY_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
-    const Rule a{out,      state,     qk,          conv, gates, seq_start, seq_slot, row_slot,
-                 rows,     num_seqs,  num_slots,   slot_stride, hk,    dk,        hv,       dv};
+    const Rule a{out,  state,    qk,        conv,        gates, seq_start, seq_slot, row_slot,
+                 rows, num_seqs, num_slots, slot_stride, hk,    dk,        hv,       dv,
+                 MT_KERNEL_GATED_DELTA_VERIFY};
     rule_block<false, true>(a);
 }
 
@@ -368,11 +342,7 @@ extern "C" __global__ void gated_delta_verify(
 // proj_width], weight: bf16 [Dv], rows, Hk, Dk, Hv, Dv, eps). Per (row, value head):
 // out = core * (1 / sqrt(mean(core²) + eps)) * weight * silu(z), z at conv_dim + j*Dv of the
 // projection row. One warp per (row blockIdx.x, head blockIdx.y); lanes over Dv.
-extern "C" __global__ void gated_rms_norm(bf16* __restrict__ out, const float* __restrict__ core,
-                                          const bf16* __restrict__ proj,
-                                          const bf16* __restrict__ weight, uint32_t rows,
-                                          uint32_t hk, uint32_t dk, uint32_t hv, uint32_t dv,
-                                          float eps) {
+extern "C" __global__ void gated_rms_norm(GATED_RMS_NORM_PARAMS) {
     pdl_enter(rows);  // a programmatic dependent (common.cuh)
     const uint32_t r = blockIdx.x, j = blockIdx.y;
     if (r >= rows || j >= hv || threadIdx.x >= 32) return;

@@ -16,12 +16,17 @@ struct Rule {
     const uint32_t* row_slot;
     uint32_t rows, num_seqs, num_slots, stride;
     uint32_t hk, dk, hv, dv;
+    uint32_t kernel;  // MT_KERNEL_* of the launch, for its faults
 };
 
 // The slot row r keeps its state in, or NULL: verify steps only (PER_ROW), a real slot only.
 MT_DEVICE float* row_state(const Rule& a, uint32_t r, uint32_t j) {
     const uint32_t dst = a.row_slot[r];
-    if (dst == GDN_NO_SLOT || dst >= a.num_slots) return nullptr;
+    if (dst == GDN_NO_SLOT) return nullptr;
+    if (dst >= a.num_slots) {
+        mt_fault(a.kernel, MT_FAULT_INDEX);
+        return nullptr;
+    }
     return a.state + (size_t)dst * a.stride + (size_t)j * a.dk * a.dv;
 }
 
@@ -183,10 +188,8 @@ MT_DEVICE void rule_warp(const Rule& a, uint32_t j, uint32_t w, uint32_t slot, u
 // The prefill ring: the chunked kernel's fast path streams each token's inputs (q̂ and k̂ of the
 // head's key head, the tile's 16 v columns, β and g) into a per-warp ring of GDN_RING tokens in
 // shared memory, GDN_RING - 1 tokens ahead, so the loads of a token are in flight for several
-// tokens' arithmetic (loading one token ahead in registers left most of their latency exposed:
-// 0.9 us a token on the H200). The arithmetic is rule_token's, so the bits are the register path's.
-#define GDN_RING 8
-#define GDN_TOK_BYTES (2 * GDN_FAST_MAX_DK * 4 + 64)  // q̂, k̂ (f32), v (16 bf16), β, g; padded
+// tokens' arithmetic (loading one token ahead in registers leaves most of their latency
+// exposed). The arithmetic is rule_token's, so the bits are the register path's.
 
 // What one lane copies of every token, fixed for the warp's (head, tile): up to two 16-byte
 // vectors of q̂ / k̂ and one 4-byte piece (two v columns, or β or g), as token-0 sources and
@@ -360,6 +363,7 @@ MT_DEVICE void rule_head(const Rule& a, uint32_t j, uint32_t grp, uint32_t slot,
     const uint32_t col_hi = min(a.dv, col_lo + wb * GDN_WARP_COLS);
     const size_t vd = (size_t)a.hv * a.dv;
     if ((slot != GDN_NO_SLOT && slot >= a.num_slots) || a.dk > GDN_MAX_DK) {
+        mt_fault(a.kernel, a.dk > GDN_MAX_DK ? MT_FAULT_SHAPE : MT_FAULT_INDEX);
         for (uint32_t r = first; r < end; ++r)
             for (uint32_t d = col_lo + threadIdx.x; d < col_hi; d += blockDim.x)
                 a.out[(size_t)r * vd + (size_t)j * a.dv + d] = f32_nan();
@@ -405,7 +409,11 @@ MT_DEVICE void seq_rows(const Rule& a, uint32_t s, uint32_t& first, uint32_t& en
 template <bool RING, bool PER_ROW>
 MT_DEVICE void rule_block(const Rule& a) {
     const uint32_t s = blockIdx.x;
-    if (s >= a.num_seqs || a.hk == 0 || a.hv == 0 || a.hv % a.hk != 0) return;
+    if (s >= a.num_seqs) return;
+    if (a.hk == 0 || a.hv == 0 || a.hv % a.hk != 0) {
+        mt_fault(a.kernel, MT_FAULT_SHAPE);
+        return;
+    }
     const uint32_t groups = max(gridDim.y / a.hv, 1u);
     const uint32_t j = blockIdx.y / groups, grp = blockIdx.y % groups;
     if (j >= a.hv) return;
@@ -422,8 +430,6 @@ MT_DEVICE void rule_block(const Rule& a) {
 // copy (the lane layout and arithmetic of rule_warp, so every bit is gated_delta_recurrent's)
 // and writes the new state straight back to the slot. Shared memory: GDN_STREAM_BARS bytes of
 // mbarriers, then `bufs` head buffers.
-#define GDN_STREAM_BARS 64
-#define GDN_STREAM_MAX_BUFS 4
 
 // Head buffers a launch with `dyn` bytes of dynamic shared memory holds for heads of `head_bytes`.
 MT_DEVICE uint32_t stream_bufs(uint32_t dyn, uint32_t head_bytes) {
@@ -483,6 +489,7 @@ MT_DEVICE void rule_streamed(const Rule& a, unsigned char* smem, uint32_t bufs, 
             stream_issue(a, next, buf0_s + b * head_bytes, bar0 + 8 * b, head_bytes);
         }
         if (slot != GDN_NO_SLOT && slot >= a.num_slots) {
+            mt_fault(a.kernel, MT_FAULT_INDEX);
             for (uint32_t r = first; r < end; ++r)
                 for (uint32_t d = threadIdx.x; d < a.dv; d += blockDim.x)
                     a.out[(size_t)r * vd + (size_t)j * a.dv + d] = f32_nan();

@@ -16,8 +16,7 @@ MT_DEVICE uint64_t splitmix(uint64_t index, uint64_t seed) {
 
 // fill_uniform_bf16(out: bf16 [n], n: u64, seed: u64, offset: f32, scale: f32):
 // out[i] = offset + uniform(i, seed, scale), uniform in [-scale, scale).
-extern "C" __global__ void fill_uniform_bf16(bf16* __restrict__ out, uint64_t n, uint64_t seed,
-                                             float offset, float scale) {
+extern "C" __global__ void fill_uniform_bf16(FILL_UNIFORM_BF16_PARAMS) {
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const float u = (float)(uint32_t)(splitmix(i, seed) >> 40) * (1.0f / 16777216.0f);

@@ -40,11 +40,7 @@ MT_DEVICE bool route_before(float v, uint32_t i, float bv, uint32_t bi) {
 // order). Choice c is the first expert after choice c - 1 in the order (p desc, index asc), found
 // by a lane-strided scan and an xor-butterfly arg-max, so every lane agrees bitwise. Rows whose
 // probabilities hold a NaN (a NaN logit) get the id num_experts (out of range) and NaN weights.
-extern "C" __global__ void topk_route(uint32_t* __restrict__ topk_ids,
-                                      float* __restrict__ topk_weights,
-                                      const float* __restrict__ logits, uint32_t rows,
-                                      uint32_t num_experts, uint32_t top_k,
-                                      uint32_t renormalize) {
+extern "C" __global__ void topk_route(TOPK_ROUTE_PARAMS) {
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= rows) return;
@@ -52,6 +48,7 @@ extern "C" __global__ void topk_route(uint32_t* __restrict__ topk_ids,
     uint32_t* ids = topk_ids + (size_t)r * k;
     float* weights = topk_weights + (size_t)r * k;
     if (k == 0 || k > e) {
+        mt_fault(MT_KERNEL_TOPK_ROUTE, MT_FAULT_SHAPE);
         for (uint32_t c = lane; c < k; c += 32) {
             ids[c] = e;
             weights[c] = moe_f32_nan();
@@ -181,7 +178,12 @@ MT_DEVICE void expert_block(OUT* __restrict__ out, const bf16* __restrict__ x,
     extern __shared__ uint32_t routed[];  // ceil(num_experts / 32) words
     __shared__ uint32_t list[MOE_LIST];
     __shared__ uint32_t list_len, scan_at, expert;
-    if (per == 0 || n == 0) return;
+    constexpr uint32_t kernel = sizeof(OUT) == 2 ? MT_KERNEL_EXPERT_LINEAR : MT_KERNEL_EXPERT_LINEAR_F32OUT;
+    if (n == 0) return;
+    if (per == 0) {
+        mt_fault(kernel, MT_FAULT_SHAPE);
+        return;
+    }
     const uint32_t words = (num_experts + 31) / 32;
     const uint32_t cpb = (n + gridDim.x - 1) / gridDim.x;
     const uint32_t c0 = blockIdx.x * cpb, c1 = min(n, c0 + cpb);
@@ -193,6 +195,7 @@ MT_DEVICE void expert_block(OUT* __restrict__ out, const bf16* __restrict__ x,
         if (id < num_experts) {
             atomicOr(&routed[id >> 5], 1u << (id & 31));
         } else if (blockIdx.y == 0) {
+            mt_fault(kernel, MT_FAULT_INDEX);
             for (uint32_t c = c0; c < c1; ++c) store_nan(out + (size_t)p * n + c);
         }
     }
@@ -268,21 +271,12 @@ MT_DEVICE void expert_block(OUT* __restrict__ out, const bf16* __restrict__ x,
 // [num_experts, n, k], expert_ids: u32 [pairs], pairs, n, k, num_experts, pairs_per_x_row):
 // out[p] = x[p / pairs_per_x_row] · w[expert_ids[p]]ᵀ. Pairs with an expert id past
 // num_experts get NaN outputs.
-extern "C" __global__ void expert_linear(bf16* __restrict__ out, const bf16* __restrict__ x,
-                                         const bf16* __restrict__ w,
-                                         const uint32_t* __restrict__ expert_ids, uint32_t pairs,
-                                         uint32_t n, uint32_t k, uint32_t num_experts,
-                                         uint32_t pairs_per_x_row) {
+extern "C" __global__ void expert_linear(EXPERT_LINEAR_PARAMS(bf16)) {
     expert_block(out, x, w, expert_ids, pairs, n, k, num_experts, pairs_per_x_row);
 }
 
 // expert_linear_f32out: as expert_linear, f32 out.
-extern "C" __global__ void expert_linear_f32out(float* __restrict__ out,
-                                                const bf16* __restrict__ x,
-                                                const bf16* __restrict__ w,
-                                                const uint32_t* __restrict__ expert_ids,
-                                                uint32_t pairs, uint32_t n, uint32_t k,
-                                                uint32_t num_experts, uint32_t pairs_per_x_row) {
+extern "C" __global__ void expert_linear_f32out(EXPERT_LINEAR_PARAMS(float)) {
     expert_block(out, x, w, expert_ids, pairs, n, k, num_experts, pairs_per_x_row);
 }
 
@@ -293,11 +287,7 @@ extern "C" __global__ void expert_linear_f32out(float* __restrict__ out,
 // f32 [rows, top_k], shared_out: bf16 [rows, hidden] or NULL, shared_gate: f32 [rows] or NULL,
 // rows, hidden, top_k): out[r] = Σ_choice weight · expert_out (choice in order)
 // + sigmoid(gate) · shared (gate factor 1 without a gate, no term without shared_out).
-extern "C" __global__ void moe_combine(bf16* __restrict__ out, const float* __restrict__ expert_out,
-                                       const float* __restrict__ topk_weights,
-                                       const bf16* __restrict__ shared_out,
-                                       const float* __restrict__ shared_gate, uint32_t rows,
-                                       uint32_t hidden, uint32_t top_k) {
+extern "C" __global__ void moe_combine(MOE_COMBINE_PARAMS) {
     const uint32_t r = blockIdx.x;
     if (r >= rows) return;
     const float* wt = topk_weights + (size_t)r * top_k;

@@ -1,7 +1,8 @@
 // RMSNorm over the f32 residual stream, plain or fused with the residual add. CPU twins:
 // metrale-gpu-runtime/src/cpu/kernels/norm.rs.
 //
-// Launch: one block per row, a multiple of 32 threads (the launcher uses 256).
+// Launch: one block per row, a multiple of 32 threads (the launcher uses 512, `NORM_THREADS` in
+// ops_rows.rs: one 8-wide vector a thread for a 4096-wide row).
 // out = bf16(x * s * w') with s = 1 / sqrt(mean(x^2) + eps) and w' = w, or 1 + w when
 // unit_offset != 0, all in f32. The sum of squares is reduced in an order fixed by the block
 // size, so results are deterministic and independent of `rows`.
@@ -58,9 +59,7 @@ MT_DEVICE void normalize_row(bf16* out, const float* x, const bf16* w, uint32_t 
 
 // rms_norm(out: bf16 [rows, cols], x: f32 [rows, cols], w: bf16 [cols], rows, cols, eps,
 // unit_offset).
-extern "C" __global__ void rms_norm(bf16* __restrict__ out, const float* __restrict__ x,
-                                    const bf16* __restrict__ w, uint32_t rows, uint32_t cols,
-                                    float eps, uint32_t unit_offset) {
+extern "C" __global__ void rms_norm(RMS_NORM_PARAMS) {
     __shared__ float scratch[32];
     pdl_enter(rows);  // launched as a programmatic dependent (common.cuh)
     const uint32_t r = blockIdx.x;
@@ -127,7 +126,10 @@ MT_DEVICE void add_rms_norm_row(float* residual, const bf16* delta, const bf16* 
     const bf16* d = delta + (size_t)r * cols;
     bf16* o = out + (size_t)r * cols;
     const bool vec = cols % 8 == 0 && aligned16(xr) && aligned16(d) && aligned16(o) && aligned16(w);
-    if (img != nullptr && !vec) return;  // the launcher stages only aligned rows of 8k columns
+    if (img != nullptr && !vec) {  // the launcher stages only aligned rows of 8k columns
+        mt_fault(MT_KERNEL_ADD_RMS_NORM_STAGED, MT_FAULT_ALIGNMENT);
+        return;
+    }
     float ss = 0.0f;
     if (vec) {
         for (uint32_t v = threadIdx.x; v < cols / 8; v += blockDim.x) {
@@ -164,10 +166,7 @@ MT_DEVICE bool add_rms_norm_preload(uint4 (&wv)[NORM_REG_VECS], const float* res
 // add_rms_norm(residual: f32 [rows, cols] (in/out), delta: bf16 [rows, cols], w: bf16 [cols],
 // out: bf16 [rows, cols], rows, cols, eps, unit_offset): residual += delta, then
 // out = rms_norm(residual). Each thread rereads only the residual elements it wrote itself.
-extern "C" __global__ void add_rms_norm(float* __restrict__ residual, const bf16* __restrict__ delta,
-                                        const bf16* __restrict__ w, bf16* __restrict__ out,
-                                        uint32_t rows, uint32_t cols, float eps,
-                                        uint32_t unit_offset) {
+extern "C" __global__ void add_rms_norm(ADD_RMS_NORM_PARAMS) {
     uint4 wv[NORM_REG_VECS];
     const bool regs = add_rms_norm_preload(wv, residual, delta, w, out, cols);
     pdl_enter(rows);  // launched as a programmatic dependent (common.cuh)
@@ -181,10 +180,7 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ residual, const bf16
 // (`linear_stream_tma`, decode sizes). Image rows past `rows` (and k past cols, when
 // cols % 64 != 0) are not written: the launcher stages only cols % 64 == 0 with 16-byte aligned
 // operands.
-extern "C" __global__ void add_rms_norm_staged(float* __restrict__ residual, const bf16* __restrict__ delta,
-                                               const bf16* __restrict__ w, bf16* __restrict__ out,
-                                               bf16* __restrict__ img, uint32_t rows, uint32_t cols, float eps,
-                                               uint32_t unit_offset) {
+extern "C" __global__ void add_rms_norm_staged(ADD_RMS_NORM_STAGED_PARAMS) {
     uint4 wv[NORM_REG_VECS];
     const bool regs = add_rms_norm_preload(wv, residual, delta, w, out, cols);
     pdl_enter(rows);  // launched as a programmatic dependent, like `add_rms_norm`

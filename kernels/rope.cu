@@ -5,14 +5,14 @@
 // Launch: one warp per head, a block's warps on heads of one row: grid (rows, ceil(heads / W)),
 // W warps (32 W threads) per block, (W + 1) * head_dim * 4 bytes of dynamic shared memory (the
 // row's rotation table, then each warp's head in f32); the launcher takes W = 1 at decode sizes
-// and 8 for prefill, where one-warp blocks left the 2048-row Qwen3-8B launch at 103 us, block
-// scheduling bound (H200, 2026-12-01). The block computes the row's sines and cosines once
-// (`rope_table`) for all its warps: the same sincosf of the same product each head computed
-// before. `qk_norm_rope_kv_store` fuses the cache store (kernels/cache.cu) into the same launch;
-// see it below.
+// and 8 for prefill, where one-warp blocks would leave a long launch bound by block
+// scheduling. The block computes the row's sines and cosines once (`rope_table`) for all its
+// warps: the same sincosf of the same product for every head. `qk_norm_rope_kv_store` fuses the
+// cache store (kernels/cache.cu) into the same launch; see it below.
 // Row layout: query head h starts at h * q_head_stride; key head h at k_offset + h * head_dim.
-// Values are left alone. Shapes the CPU twin rejects (odd or too large rotary_dim, heads that
-// do not fit the row) leave the row untouched.
+// Values are left alone. Shapes the kernel cannot take (odd or too large rotary_dim, heads that
+// do not fit the row) leave the row untouched and report a SHAPE fault, a grid or block it is
+// not written for a GEOMETRY fault; the CPU twin rejects both.
 #include "common.cuh"
 
 // The rotation of position `pos`: table[i] = (sin, cos) of pos * inv_freq[i], i < rd / 2, by the
@@ -42,9 +42,8 @@ MT_DEVICE void copy_run(bf16* dst, const bf16* src) {
 
 // `norm_rope_head` with the head in registers: lane l holds dims E l .. E l + E - 1 (E = d / 32),
 // read and written E at a time; the rotation's partner dims (i + rd / 2, or i - rd / 2) sit in
-// lane l ^ (rd / 2E), one shuffle a dim. The shared-memory path below did three times the
-// instructions (ncu, H200, 2026-12-01: the 2048-row Qwen3-8B launch compute-bound at 73 %, 54
-// us). The caller checks the layout (`lanes_fit`).
+// lane l ^ (rd / 2E), one shuffle a dim: a third of the instructions of the shared-memory path
+// below, which leaves a long launch compute-bound. The caller checks the layout (`lanes_fit`).
 template <int E>
 MT_DEVICE void norm_rope_lanes(bf16* x, bf16* copy, const bf16* nw, const float2* table, uint32_t d, uint32_t rd,
                                float eps, bool unit, uint32_t lane) {
@@ -167,22 +166,19 @@ MT_DEVICE bool heads_fit(uint32_t row_stride, uint32_t num_q_heads, uint32_t q_h
 // k_norm_w: bf16 [head_dim] or NULL, inv_freq: f32 [rotary_dim / 2], positions: u32 [rows],
 // rows, row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, head_dim, rotary_dim,
 // eps, unit_offset).
-extern "C" __global__ void qk_norm_rope(bf16* __restrict__ qkv, const bf16* __restrict__ q_norm_w,
-                                        const bf16* __restrict__ k_norm_w,
-                                        const float* __restrict__ inv_freq,
-                                        const uint32_t* __restrict__ positions, uint32_t rows,
-                                        uint32_t row_stride, uint32_t num_q_heads,
-                                        uint32_t q_head_stride, uint32_t k_offset,
-                                        uint32_t num_kv_heads, uint32_t head_dim,
-                                        uint32_t rotary_dim, float eps, uint32_t unit_offset) {
+extern "C" __global__ void qk_norm_rope(QK_NORM_ROPE_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
     extern __shared__ float bufs[];
     const uint32_t warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint32_t r = blockIdx.x, hh = blockIdx.y * warps + warp;
+    // A launch has one block per row (at least one): past `rows` only when there are none.
     if (r >= rows || blockDim.x % 32 != 0 ||
-        !heads_fit(row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, head_dim, rotary_dim))
+        !heads_fit(row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, head_dim, rotary_dim)) {
+        if (rows != 0)
+            mt_fault(MT_KERNEL_QK_NORM_ROPE, r >= rows || blockDim.x % 32 != 0 ? MT_FAULT_GEOMETRY : MT_FAULT_SHAPE);
         return;  // uniform over the block
+    }
     float2* table = reinterpret_cast<float2*>(bufs);
     rope_table(table, inv_freq, (float)positions[r], rotary_dim);
     if (hh >= num_q_heads + num_kv_heads) return;
@@ -203,32 +199,31 @@ extern "C" __global__ void qk_norm_rope(bf16* __restrict__ qkv, const bf16* __re
 // out as `qk_norm_rope` with num_q_heads + 2 * num_kv_heads heads a row: warps of q and k heads
 // run the same per-head code as `qk_norm_rope` and a k head also writes its rounded result to the
 // cache slot; the last num_kv_heads warps copy the row's value heads. A padding slot
-// (u32::MAX) or a slot past num_slots writes no cache (the row is still rotated, as the two
-// launches would).
-extern "C" __global__ void qk_norm_rope_kv_store(
-    bf16* __restrict__ qkv, const bf16* __restrict__ q_norm_w, const bf16* __restrict__ k_norm_w,
-    const float* __restrict__ inv_freq, const uint32_t* __restrict__ positions,
-    bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
-    const uint32_t* __restrict__ slot_mapping, uint32_t rows, uint32_t row_stride,
-    uint32_t num_q_heads, uint32_t q_head_stride, uint32_t k_offset, uint32_t v_offset,
-    uint32_t num_kv_heads, uint32_t head_dim, uint32_t rotary_dim, float eps,
-    uint32_t unit_offset, uint32_t num_slots) {
+// (u32::MAX) writes no cache; nor does a slot past num_slots, which also reports an INDEX fault
+// as `kv_store` does (the row is still rotated, as the two launches would).
+extern "C" __global__ void qk_norm_rope_kv_store(QK_NORM_ROPE_KV_STORE_PARAMS) {
     // A programmatic dependent (ops): the kernel ahead has finished. The attention after it
     // starts early at one or two rows only (pdl_enter_store).
     pdl_enter_store(rows);
     extern __shared__ float bufs[];
     const uint32_t warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32, d = head_dim;
     const uint32_t r = blockIdx.x, hh = blockIdx.y * warps + warp;
+    // A launch has one block per row (at least one): past `rows` only when there are none.
     if (r >= rows || blockDim.x % 32 != 0 ||
         !heads_fit(row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, d, rotary_dim) ||
-        v_offset + num_kv_heads * d > row_stride)
+        v_offset + num_kv_heads * d > row_stride) {
+        if (rows != 0)
+            mt_fault(MT_KERNEL_QK_NORM_ROPE_KV_STORE,
+                     r >= rows || blockDim.x % 32 != 0 ? MT_FAULT_GEOMETRY : MT_FAULT_SHAPE);
         return;  // uniform over the block
+    }
     float2* table = reinterpret_cast<float2*>(bufs);
     rope_table(table, inv_freq, (float)positions[r], rotary_dim);
     if (hh >= num_q_heads + 2 * num_kv_heads) return;
     float* buf = bufs + (1 + warp) * d;
     const uint32_t slot = slot_mapping[r];
     const bool store = slot != 0xFFFFFFFFu && slot < num_slots;
+    if (slot != 0xFFFFFFFFu && !store && hh == num_q_heads) mt_fault(MT_KERNEL_QK_NORM_ROPE_KV_STORE, MT_FAULT_INDEX);
     bf16* row = qkv + (size_t)r * row_stride;
     const size_t slot_base = (size_t)slot * num_kv_heads * d;
     if (hh < num_q_heads) {

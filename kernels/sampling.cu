@@ -31,8 +31,7 @@ MT_DEVICE Best warp_best(Best b) {
 }
 
 // argmax(out: u32 [rows], logits: f32 [rows, vocab], rows, vocab).
-extern "C" __global__ void argmax(uint32_t* __restrict__ out, const float* __restrict__ logits,
-                                  uint32_t rows, uint32_t vocab) {
+extern "C" __global__ void argmax(ARGMAX_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
     __shared__ float sv[32];

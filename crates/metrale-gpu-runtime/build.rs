@@ -1,7 +1,10 @@
 //! With the `cuda` feature, embeds the compiled kernels: for every `kernels/<module>.cu` of the
 //! workspace, `target/kernels/<module>.cubin` and `<module>.ptx` (written by `cargo xtask
-//! kernels`) become `(module, cubin, ptx)` entries of `$OUT_DIR/embedded_kernels.rs`. Without
-//! the feature it writes nothing and embeds nothing.
+//! kernels`) become `(module, cubin, ptx)` entries of `$OUT_DIR/embedded_kernels.rs`, after
+//! checking each module's entry points against the kernel manifest (`metrale-kernel-abi`): a
+//! kernel the manifest lists that no module defines, an entry it does not list, or a signature
+//! that is not its parameter struct's fails the build. Without the feature it writes nothing and
+//! embeds nothing.
 
 use std::path::{Path, PathBuf};
 
@@ -67,6 +70,28 @@ fn main() {
         ));
     }
     entries.push_str("]\n");
+    let mut problems = Vec::new();
+    for module in metrale_kernel_abi::manifest::modules() {
+        if !modules.iter().any(|(m, _)| m == module) {
+            problems.push(format!(
+                "the manifest lists kernels of `{module}`, but there is no kernels/{module}.cu"
+            ));
+        }
+    }
+    for (module, _) in &modules {
+        let ptx = compiled.join(format!("{module}.ptx"));
+        if let Ok(text) = std::fs::read_to_string(&ptx)
+            && let Err(p) = metrale_kernel_abi::check_module_entries(module, &text)
+        {
+            problems.extend(p);
+        }
+    }
+    if !problems.is_empty() {
+        panic!(
+            "the compiled kernels disagree with the kernel manifest:\n  {}\nrun `cargo xtask kernels` after changing a kernel or the manifest",
+            problems.join("\n  ")
+        );
+    }
     if !missing.is_empty() {
         panic!(
             "the `cuda` feature embeds the compiled kernels, but these are missing:\n  {}\nrun `cargo xtask kernels` (after `cargo xtask setup-cuda` on a fresh machine)",

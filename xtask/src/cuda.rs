@@ -1,8 +1,12 @@
 //! `cargo xtask setup-cuda` and `cargo xtask kernels`: CUDA's compiler from the Python package
 //! registry, pinned to the GPU machine's version (docs/GPU.md), in the git-ignored virtual
-//! environment `.xtask/cuda-venv`; then every `kernels/*.cu` compiled to
-//! `target/kernels/<family>.cubin` (sm_90a) and `target/kernels/<family>.ptx` (compute_90, the
-//! driver's fallback), which `metrale-gpu-runtime`'s build script embeds under `--features cuda`.
+//! environment `.xtask/cuda-venv`; then `kernels/abi.cuh` written from `metrale-kernel-abi`
+//! (`c_header`), every `kernels/*.cu` compiled to `target/kernels/<family>.cubin` (sm_90a) and
+//! `target/kernels/<family>.ptx` (compute_90, the driver's fallback), which
+//! `metrale-gpu-runtime`'s build script embeds under `--features cuda`, and each module's entry
+//! points checked against the kernel manifest (`check_module_entries`): a kernel the manifest
+//! lists but no `.cu` defines, an entry the manifest does not list, or a signature that is not
+//! its parameter struct's fails the command.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -114,9 +118,55 @@ struct Job {
     args: Vec<String>,
 }
 
-/// Compile every `kernels/*.cu` to `target/kernels/<family>.cubin` and `.ptx`. Shows every
-/// warning; fails (removing that output) on any compile error.
+/// Write `kernels/abi.cuh` from the kernel ABI crate, leaving the file (and its modification
+/// time) alone when it already holds that text.
+pub fn write_abi_header(root: &Path) -> anyhow::Result<()> {
+    let path = root.join(metrale_kernel_abi::header::HEADER_PATH);
+    let text = metrale_kernel_abi::c_header();
+    if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("kernels: wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// Every module's PTX entry points against the manifest; and every module of the manifest has a
+/// `.cu` source.
+fn check_manifest(out_dir: &Path, sources: &[PathBuf]) -> anyhow::Result<()> {
+    let mut problems = Vec::new();
+    let stems: Vec<String> = sources
+        .iter()
+        .filter_map(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .collect();
+    for module in metrale_kernel_abi::manifest::modules() {
+        if !stems.iter().any(|s| s == module) {
+            problems.push(format!(
+                "the manifest lists kernels of module `{module}`, but there is no kernels/{module}.cu"
+            ));
+        }
+    }
+    for stem in &stems {
+        let ptx = out_dir.join(format!("{stem}.ptx"));
+        let text =
+            std::fs::read_to_string(&ptx).with_context(|| format!("reading {}", ptx.display()))?;
+        if let Err(p) = metrale_kernel_abi::check_module_entries(stem, &text) {
+            problems.extend(p);
+        }
+    }
+    if !problems.is_empty() {
+        bail!(
+            "the compiled kernels disagree with the kernel manifest:\n  {}",
+            problems.join("\n  ")
+        );
+    }
+    Ok(())
+}
+
+/// Write `kernels/abi.cuh`, compile every `kernels/*.cu` to `target/kernels/<family>.cubin` and
+/// `.ptx`, and check the entry points against the manifest. Shows every warning; fails
+/// (removing that output) on any compile error.
 pub fn kernels(root: &Path) -> anyhow::Result<()> {
+    write_abi_header(root)?;
     let nvcc = setup_cuda(root)?;
     let home = nvcc
         .parent()
@@ -228,6 +278,7 @@ pub fn kernels(root: &Path) -> anyhow::Result<()> {
     if !failed.is_empty() {
         bail!("nvcc failed for: {}", failed.join(", "));
     }
+    check_manifest(&out_dir, &sources)?;
     eprintln!(
         "kernels: {} families compiled to {} in {:.1} s",
         sources.len(),

@@ -88,8 +88,18 @@ pub trait GpuBackend: Send + Sync + std::fmt::Debug {
     /// A new stream.
     fn create_stream(&self) -> GpuResult<StreamHandle>;
 
-    /// Wait until all work queued on `stream` has finished.
+    /// Wait until all work queued on `stream` has finished. A backend that checks kernel
+    /// faults at synchronization (`CudaBackendOptions::check_kernel_errors`) then also reports
+    /// one as [`GpuError::KernelFault`](crate::GpuError::KernelFault).
     fn synchronize(&self, stream: StreamHandle) -> GpuResult<()>;
+
+    /// Wait for all queued work, then report (and clear) the first launch a kernel refused on
+    /// the device since the last call, as [`GpuError::KernelFault`](crate::GpuError::KernelFault).
+    /// Refused while a stream captures. The CPU backend's kernels fail their launch instead, so
+    /// it has none to report.
+    fn take_kernel_error(&self) -> GpuResult<()> {
+        Ok(())
+    }
 
     /// A new event.
     fn create_event(&self) -> GpuResult<EventHandle>;

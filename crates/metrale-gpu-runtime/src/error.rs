@@ -1,5 +1,7 @@
 //! `GpuError`: everything a backend call can fail with, each variant naming what and where.
 
+use metrale_kernel_abi::FaultReason;
+
 use crate::types::DevicePtr;
 
 /// An error from a `GpuBackend` call.
@@ -51,6 +53,17 @@ pub enum GpuError {
         /// What was wrong.
         problem: String,
     },
+    /// A launcher's operands do not fit together (a dtype, a shape that differs from what
+    /// another operand says): refused before anything is launched.
+    #[error("kernel `{kernel}`: operand `{operand}`: {problem}")]
+    BadOperand {
+        /// `module::name`.
+        kernel: String,
+        /// The operand's name in the launcher.
+        operand: &'static str,
+        /// What does not fit.
+        problem: String,
+    },
     /// A kernel found its inputs inconsistent (a shape, an index out of range).
     #[error("kernel `{kernel}`: {problem}")]
     KernelFailed {
@@ -58,6 +71,16 @@ pub enum GpuError {
         kernel: String,
         /// What was wrong.
         problem: String,
+    },
+    /// A kernel refused its launch on the device: it wrote its fault code (its manifest index
+    /// and the reason) into the backend's fault word instead of computing, and the backend read
+    /// it back ([`crate::GpuBackend::take_kernel_error`]).
+    #[error("kernel `{kernel}` refused its launch: it was {}", .reason.describe())]
+    KernelFault {
+        /// `module::name`, or the raw code where no kernel of the manifest wrote it.
+        kernel: String,
+        /// Why.
+        reason: FaultReason,
     },
     /// Two buffers of one launch overlap where the kernel needs them apart.
     #[error("kernel `{kernel}`: buffers overlap ({problem})")]

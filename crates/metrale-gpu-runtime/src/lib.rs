@@ -16,9 +16,10 @@ pub use arena::BufferArena;
 pub use backend::{GpuBackend, GpuBackendExt, VendorGemm};
 pub use cpu::{CpuBackend, CpuBackendOptions};
 #[cfg(feature = "cuda")]
-pub use cuda::CudaBackend;
+pub use cuda::{CudaBackend, CudaBackendOptions};
 pub use error::{GpuError, GpuResult};
+pub use metrale_kernel_abi::FaultReason;
 pub use types::{
-    DType, DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, Residency,
-    StreamHandle,
+    DType, DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, ParamBlock,
+    Residency, StreamHandle,
 };

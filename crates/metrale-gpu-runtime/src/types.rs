@@ -4,30 +4,14 @@
 //! Invariants:
 //! - A `DevicePtr` is a byte address in the backend's address space; `DevicePtr::NULL` (0) is
 //!   never a live allocation.
-//! - A kernel's argument list is flat and ordered: device pointers first, then scalars, exactly as
-//!   its typed launcher in `metrale-model-layers::ops` builds it.
+//! - A kernel's arguments are its parameter struct (`metrale-kernel-abi`), passed as one
+//!   [`KernelArg::Params`]: the struct's bytes are the kernel's parameter buffer. A flat list of
+//!   scalars and pointers is still accepted by the CUDA backend (checked against the compiled
+//!   signature), which the tests of bad launches use; every launcher passes its struct.
 
-use bytemuck::{Pod, Zeroable};
+use metrale_kernel_abi::{KernelParams, MAX_PARAMS_BYTES, ParamsLayout};
 
-/// A byte address in a backend's device memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Pod, Zeroable)]
-#[repr(transparent)]
-pub struct DevicePtr(pub u64);
-
-impl DevicePtr {
-    /// The null address; never a live allocation.
-    pub const NULL: DevicePtr = DevicePtr(0);
-
-    /// The address `bytes` past this one.
-    pub fn offset(self, bytes: usize) -> DevicePtr {
-        DevicePtr(self.0 + bytes as u64)
-    }
-
-    /// Whether this is [`DevicePtr::NULL`].
-    pub fn is_null(self) -> bool {
-        self.0 == 0
-    }
-}
+pub use metrale_kernel_abi::DevicePtr;
 
 /// A kernel resolved by `GpuBackend::kernel`; an index into the backend's own table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -111,9 +95,87 @@ impl LaunchConfig {
     }
 }
 
-/// One entry of a kernel's flat argument list.
+/// A kernel's parameter struct as bytes, kept inline (a launch recorded for a graph or a
+/// program owns its arguments), with the layout of the struct they came from.
+#[derive(Clone, Copy)]
+pub struct ParamBlock {
+    layout: &'static ParamsLayout,
+    len: u8,
+    bytes: [u8; MAX_PARAMS_BYTES],
+}
+
+impl ParamBlock {
+    /// The bytes of `params`.
+    pub fn new<P: KernelParams>(params: &P) -> ParamBlock {
+        let src = bytemuck::bytes_of(params);
+        let mut bytes = [0u8; MAX_PARAMS_BYTES];
+        bytes[..src.len()].copy_from_slice(src);
+        ParamBlock {
+            layout: &P::LAYOUT,
+            len: src.len() as u8,
+            bytes,
+        }
+    }
+
+    /// The layout of the struct the bytes came from.
+    pub fn layout(&self) -> &'static ParamsLayout {
+        self.layout
+    }
+
+    /// The struct's bytes: the kernel's parameter buffer.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
+
+    /// The struct, when it is a `P`.
+    pub fn get<P: KernelParams>(&self) -> Option<P> {
+        (self.layout.name == P::LAYOUT.name && self.bytes().len() == std::mem::size_of::<P>())
+            .then(|| bytemuck::pod_read_unaligned(self.bytes()))
+    }
+
+    /// Each device pointer by name, in order.
+    pub fn ptr_fields(&self) -> impl Iterator<Item = (&'static str, DevicePtr)> + '_ {
+        self.layout
+            .fields
+            .iter()
+            .filter(|f| f.kind == metrale_kernel_abi::FieldKind::Ptr)
+            .map(|f| {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(&self.bytes[f.offset..f.offset + 8]);
+                (f.name, DevicePtr(u64::from_le_bytes(b)))
+            })
+    }
+
+    /// Each 4-byte unsigned field by name, in order (the shape scalars of most kernels).
+    pub fn u32_fields(&self) -> impl Iterator<Item = (&'static str, u32)> + '_ {
+        self.layout
+            .fields
+            .iter()
+            .filter(|f| f.kind == metrale_kernel_abi::FieldKind::U32)
+            .map(|f| {
+                let b = &self.bytes[f.offset..f.offset + 4];
+                (f.name, u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            })
+    }
+}
+
+impl PartialEq for ParamBlock {
+    fn eq(&self, other: &ParamBlock) -> bool {
+        self.layout.name == other.layout.name && self.bytes() == other.bytes()
+    }
+}
+
+impl std::fmt::Debug for ParamBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}({} bytes)", self.layout.name, self.len)
+    }
+}
+
+/// One launch argument: a kernel's parameter struct, or one entry of a flat argument list.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum KernelArg {
+    /// The kernel's parameter struct; the launch's only argument.
+    Params(ParamBlock),
     /// A device address.
     Ptr(DevicePtr),
     /// A 32-bit unsigned scalar.
@@ -127,9 +189,15 @@ pub enum KernelArg {
 }
 
 impl KernelArg {
+    /// The argument list of a kernel taking `params`.
+    pub fn params<P: KernelParams>(params: &P) -> KernelArg {
+        KernelArg::Params(ParamBlock::new(params))
+    }
+
     /// The argument's name in error messages.
     pub fn kind(&self) -> &'static str {
         match self {
+            KernelArg::Params(p) => p.layout().name,
             KernelArg::Ptr(_) => "ptr",
             KernelArg::U32(_) => "u32",
             KernelArg::I32(_) => "i32",

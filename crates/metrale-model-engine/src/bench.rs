@@ -22,6 +22,7 @@ use metrale_cache::BlockTable;
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, StreamHandle, VendorGemm};
 use metrale_model_layers::Ops;
+use metrale_model_layers::ops::Matrix;
 use metrale_model_layers::ops_gemm::{self, LinearStaging};
 
 pub use self::breakdown::{Breakdown, StepPart, decode_breakdown};
@@ -215,7 +216,8 @@ pub fn ceilings(gpu: &Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<Ceilin
     let staging = gpu.alloc(LinearStaging::bytes(image_bytes, 1))?;
     ops.set_linear_staging(Some(LinearStaging::at(staging, image_bytes, 1)));
     let gemm_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
-        Ok(ops.linear(s, bufs[0], bufs[1], bufs[2], dd, dd, dd)?)
+        let [out, x, w] = [bufs[0], bufs[1], bufs[2]].map(|p| Matrix::bf16(p, dd, dd));
+        Ok(ops.linear(s, out, x, w)?)
     });
     gpu.free(staging)?;
     let gemm_ms = gemm_ms?;

@@ -15,7 +15,7 @@ use metrale_config::{ModelConfig, NormConvention};
 use metrale_gpu_runtime::{DevicePtr, GpuResult, StreamHandle};
 
 use crate::circuit_exec::CircuitBindings;
-use crate::ops::{KvStore, Ops, QkNormRope};
+use crate::ops::{KvStore, Norm, Ops, QkNormRope};
 
 /// The dimensions every layer of a model shares, derived once from its config.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -86,6 +86,15 @@ impl ModelDims {
     /// Width of the attention output (`o_proj` input).
     pub fn attn_out_width(&self) -> u32 {
         self.num_q_heads * self.head_dim
+    }
+
+    /// The model's RMSNorm with weight `w` (its epsilon and weight convention).
+    pub fn norm(&self, w: DevicePtr) -> Norm {
+        Norm {
+            w,
+            eps: self.eps,
+            unit_offset: self.unit_offset,
+        }
     }
 
     /// `qk_norm_rope`'s parameters over `rows` rows of a qkv buffer laid out by these dims;

@@ -15,6 +15,8 @@ pub mod ops_gdn_decode;
 pub mod ops_gemm;
 pub mod ops_hybrid;
 pub mod ops_moe;
+pub mod ops_rows;
+pub mod ops_view;
 pub mod weight_map;
 
 pub use layer::{KvBinding, LayerCtx, ModelDims, StepBuffers, StepShape, TransformerLayer};

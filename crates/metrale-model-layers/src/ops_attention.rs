@@ -6,43 +6,27 @@
 //! the host side of the row groups (`attention_row_groups`).
 
 use metrale_gpu_runtime::{
-    DevicePtr, GpuError, GpuResult, KernelArg, KernelHandle, LaunchConfig, Residency, StreamHandle,
+    DevicePtr, GpuError, GpuResult, KernelHandle, LaunchConfig, Residency, StreamHandle,
+};
+use metrale_kernel_abi::attention::{
+    decode_shared_bytes as att_dyn_bytes, heads_per_block, padded_dim, prefill_rows_per_item,
+    prefill_shared_bytes as atp_shared_bytes,
+};
+use metrale_kernel_abi::{
+    ATP_WARPS, ATT_MAX_ITEMS, ATT_WARPS, PagedAttentionParams, PagedAttentionPrefillParams,
 };
 
 use crate::ops::{Ops, step_launch};
 
 /// Blocks of `paged_attention` per (row, head group): the cluster size `ATT_SPLITS` compiled
 /// into `kernels/attention.cu`. Fixed, so a row's result depends on its context alone.
-pub const ATTENTION_SPLITS: u32 = 8;
-
-/// Warps per block of `paged_attention` (`ATT_WARPS`).
-const ATTENTION_WARPS: u32 = 4;
-
-/// Most query heads one `paged_attention` cluster computes (`ATT_HB`).
-const ATTENTION_HEADS_PER_BLOCK: u32 = 8;
-
-/// Warps per block of `paged_attention_prefill` (`ATP_WARPS`): four partitions of four.
-const PREFILL_WARPS: u32 = 16;
-
-/// Most rows of one `paged_attention_prefill` row group (`ATP_ROWS`): a 16-token unit.
-const PREFILL_ROWS: u32 = 16;
-
-/// Units (of `ATT_UNIT` = 16 tokens) each warp of `paged_attention` keeps in flight
-/// (`ATT_STAGES`).
-const ATTENTION_STAGES: u32 = 2;
-
-/// Query slots of each warp of `paged_attention` (`ATT_QSLOTS`): an item's query rows are
-/// copied once per warp and stay while the ring holds its units.
-const ATTENTION_QUERY_SLOTS: u32 = 2;
-
-/// Most (row, head group) items one `paged_attention` cluster takes (`ATT_MAX_ITEMS`).
-const ATTENTION_MAX_ITEMS: u32 = 64;
+pub const ATTENTION_SPLITS: u32 = metrale_kernel_abi::ATT_SPLITS;
 
 /// Clusters of 8 resident at once on the H200 (inside a GPC) at two blocks per multiprocessor
 /// and at one: what a backend without an occupancy query (the CPU) is given. On CUDA the
-/// launchers ask the driver (`GpuBackend::max_resident`), which reports these on the
-/// H200 for both attention kernels; a launch over the count is slow (30 -> 31 clusters took a
-/// batch-32 launch from 63 to 97 us; 15 -> 16 at head_dim 256 from 82 to 136 us).
+/// launchers ask the driver (`GpuBackend::max_resident`), which reports these on the H200 for
+/// both attention kernels; a launch of one cluster more than fit waits for a whole cluster to
+/// finish.
 const ATTENTION_CLUSTERS: [u32; 2] = [30, 15];
 
 /// Blocks of `paged_attention_flat` resident at once on the H200 at head_dim up to 128 (two a
@@ -113,29 +97,63 @@ pub struct PagedAttention {
 }
 
 impl PagedAttention {
-    /// The launch arguments `paged_attention` and `paged_attention_prefill` share, in order.
-    fn args(&self) -> [KernelArg; 19] {
-        [
-            self.out.into(),
-            self.qkv.into(),
-            self.k_cache.into(),
-            self.v_cache.into(),
-            self.block_tables.into(),
-            self.row_seq.into(),
-            self.positions.into(),
-            self.rows.into(),
-            self.row_stride.into(),
-            self.q_head_stride.into(),
-            self.num_q_heads.into(),
-            self.num_kv_heads.into(),
-            self.head_dim.into(),
-            self.block_size.into(),
-            self.max_blocks.into(),
-            self.num_seqs.into(),
-            self.num_slots.into(),
-            self.scale.into(),
-            (self.gated as u32).into(),
-        ]
+    /// The decode kernels' parameter struct.
+    fn params(&self) -> PagedAttentionParams {
+        PagedAttentionParams {
+            out: self.out,
+            qkv: self.qkv,
+            k_cache: self.k_cache,
+            v_cache: self.v_cache,
+            block_tables: self.block_tables,
+            row_seq: self.row_seq,
+            positions: self.positions,
+            rows: self.rows,
+            row_stride: self.row_stride,
+            q_head_stride: self.q_head_stride,
+            num_q_heads: self.num_q_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            block_size: self.block_size,
+            max_blocks: self.max_blocks,
+            num_seqs: self.num_seqs,
+            num_slots: self.num_slots,
+            scale: self.scale,
+            gated: self.gated as u32,
+        }
+    }
+
+    /// The prefill kernels' parameter struct: rows (or, staged, the images) to `out`, and the
+    /// `n_groups` row groups at `row_groups`.
+    fn prefill_params(
+        &self,
+        out: DevicePtr,
+        row_groups: DevicePtr,
+        n_groups: u32,
+    ) -> PagedAttentionPrefillParams {
+        let p = self.params();
+        PagedAttentionPrefillParams {
+            out,
+            qkv: p.qkv,
+            k_cache: p.k_cache,
+            v_cache: p.v_cache,
+            block_tables: p.block_tables,
+            row_seq: p.row_seq,
+            positions: p.positions,
+            row_groups,
+            rows: p.rows,
+            row_stride: p.row_stride,
+            q_head_stride: p.q_head_stride,
+            num_q_heads: p.num_q_heads,
+            num_kv_heads: p.num_kv_heads,
+            head_dim: p.head_dim,
+            block_size: p.block_size,
+            max_blocks: p.max_blocks,
+            num_seqs: p.num_seqs,
+            num_slots: p.num_slots,
+            scale: p.scale,
+            gated: p.gated,
+            n_groups,
+        }
     }
 }
 
@@ -152,10 +170,9 @@ impl Ops {
 
     /// The kernel `paged_attention` runs for `p`: blocks (`paged_attention_flat`) when the
     /// items (rows x head groups) are at least half the resident blocks and its shared memory
-    /// fits, clusters otherwise. On the H200 (lab, context 385 and 1025): at 64 rows of Qwen3-8B
-    /// heads 37 against 55 us and 76 against 83; Qwen3.5-9B 47 against 74 and 82 against 119; at
-    /// 16 rows about even, and at fewer rows the clusters are faster (an item in one block is a
-    /// chain of eight splits: 17 against 6 us at one row).
+    /// fits, clusters otherwise. With an item for every other block the flat kernel, which
+    /// needs no cluster barrier per item, is faster; with fewer items the clusters are (an item
+    /// in one block is a chain of eight splits where a cluster runs them side by side).
     pub fn decode_attention_kind(&self, p: &PagedAttention) -> GpuResult<DecodeAttention> {
         let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
         let items = p.rows * (p.num_q_heads / hb);
@@ -197,19 +214,17 @@ impl Ops {
         let items = p.rows * (p.num_q_heads / hb);
         // Persistent: each cluster (each block of the flat kernel) loops over items. A
         // programmatic dependent at decode sizes, like the small kernels. The cache store ahead
-        // of it triggers only when it ends, so every cluster is placed on free multiprocessors:
-        // started beside that kernel's blocks (which triggered early), a cluster that did not fit
-        // waited for another to finish (Qwen3-8B batch 128: 28.4 against 23.1 ms a step on the
-        // H200, 2026-11-30). As it is, batch 8 went from 5.81 to 5.72 ms and batch 64 from 12.13
-        // to 12.03 (Qwen3-8B), neutral at batch 1 and on Qwen3.5-9B.
+        // of it triggers only when it ends (above two rows), so every cluster is placed on free
+        // multiprocessors: started beside that kernel's blocks, a cluster that did not fit
+        // would wait for another to finish.
         let (kernel, smem, resident) = self.decode_kernel(kind, p.head_dim, hb)?;
         let per_cluster = match kind {
             DecodeAttention::Clusters => ATTENTION_SPLITS,
             DecodeAttention::Blocks => 1,
         };
         let blocks = per_cluster * attention_clusters_of(items, resident);
-        let config = LaunchConfig::grid2(blocks, 1, 32 * ATTENTION_WARPS).with_shared(smem);
-        self.go(kernel, step_launch(config, p.rows), &p.args(), s)
+        let config = LaunchConfig::grid2(blocks, 1, 32 * ATT_WARPS).with_shared(smem);
+        self.go(kernel, step_launch(config, p.rows), &p.params(), s)
     }
 
     /// `paged_attention` on the rows of `n_groups` row groups at `row_groups` (u32 `[n, 2]`:
@@ -233,7 +248,7 @@ impl Ops {
         let smem = prefill_shared_bytes(p.head_dim);
         let resident = self.resident(
             self.k.paged_attention_prefill,
-            32 * PREFILL_WARPS,
+            32 * ATP_WARPS,
             smem,
             ATTENTION_CLUSTERS[1],
             Residency::Clusters,
@@ -254,33 +269,27 @@ impl Ops {
             }
             None => (self.k.paged_attention_prefill, p.out),
         };
-        let mut args = p.args();
-        args[0] = out.into();
+        let config =
+            LaunchConfig::grid2(ATTENTION_SPLITS * clusters, 1, 32 * ATP_WARPS).with_shared(smem);
         self.go(
             kernel,
-            LaunchConfig::grid2(ATTENTION_SPLITS * clusters, 1, 32 * PREFILL_WARPS)
-                .with_shared(smem),
-            &[args.as_slice(), &[row_groups.into(), n_groups.into()]].concat(),
+            config,
+            &p.prefill_params(out, row_groups, n_groups),
             s,
         )
     }
 }
 
-/// Dynamic shared memory of a decode attention kernel (`att_dyn_bytes` in
-/// `kernels/attention.cu`): every warp's ring of `ATTENTION_STAGES` stages, each 16 key rows and
-/// 16 value rows of the padded head dimension plus 8 bf16, and its `ATTENTION_QUERY_SLOTS` slots
-/// of 8 query rows; then f32 partials for the warps and the kernel's own: two (by item parity)
-/// for `paged_attention`, one per split for `paged_attention_flat`. At head_dim 128 and 4 heads
-/// per block 99,328 and 111,616 bytes (two blocks per multiprocessor), at 256 193,536 and
-/// 218,112.
+/// Dynamic shared memory of a decode attention kernel (`att_dyn_bytes`): two combine buffers
+/// (by item parity) for `paged_attention`, one per split for `paged_attention_flat`. At
+/// head_dim 128 and 4 heads per block 99,328 and 111,616 bytes (two blocks per
+/// multiprocessor), at 256 193,536 and 218,112.
 fn decode_shared_bytes(kind: DecodeAttention, head_dim: u32, heads_per_block: u32) -> u32 {
-    let padded = attention_padded_dim(head_dim);
     let partials = match kind {
         DecodeAttention::Clusters => 2,
         DecodeAttention::Blocks => ATTENTION_SPLITS,
     };
-    ATTENTION_WARPS * (ATTENTION_STAGES * 2 * 16 + ATTENTION_QUERY_SLOTS * 8) * (padded + 8) * 2
-        + (ATTENTION_WARPS + partials) * heads_per_block * padded * 4
+    att_dyn_bytes(padded_dim(head_dim), heads_per_block, partials)
 }
 
 /// Whether `paged_attention_flat` can run these heads: its block's shared memory (which grows
@@ -289,16 +298,6 @@ fn decode_shared_bytes(kind: DecodeAttention, head_dim: u32, heads_per_block: u3
 pub fn attention_blocks_fit(num_q_heads: u32, num_kv_heads: u32, head_dim: u32) -> bool {
     let hb = attention_heads_per_block(num_q_heads, num_kv_heads);
     decode_shared_bytes(DecodeAttention::Blocks, head_dim, hb) <= FLAT_MAX_SHARED
-}
-
-/// The head dimension padded to the tensor-core tile `paged_attention` runs (`att_padded_dim`).
-fn attention_padded_dim(head_dim: u32) -> u32 {
-    match head_dim {
-        0..=32 => 32,
-        33..=64 => 64,
-        65..=128 => 128,
-        _ => 256,
-    }
 }
 
 impl Ops {
@@ -331,10 +330,10 @@ impl Ops {
             DecodeAttention::Blocks => (self.k.paged_attention_flat, FLAT_BLOCKS),
         };
         let smem = decode_shared_bytes(kind, head_dim, heads_per_block);
-        let wide = usize::from(attention_padded_dim(head_dim) > 128);
+        let wide = usize::from(padded_dim(head_dim) > 128);
         let resident = self.resident(
             kernel,
-            32 * ATTENTION_WARPS,
+            32 * ATT_WARPS,
             smem,
             fallback[wide],
             Residency::Clusters,
@@ -371,49 +370,18 @@ impl Ops {
 
 /// Clusters of a persistent attention launch for `items` items with `resident` clusters
 /// resident at once: as many as are resident (each loops over items cluster, cluster +
-/// clusters, ...), or, when that would give a cluster over `ATTENTION_MAX_ITEMS`, a whole number
+/// clusters, ...), or, when that would give a cluster over `ATT_MAX_ITEMS`, a whole number
 /// of such waves (a prefill's thousands of items), so the last wave is as full as the others.
 /// Which cluster computes an item never changes the item's result.
 fn attention_clusters_of(items: u32, resident: u32) -> u32 {
-    let waves = items.div_ceil(resident * ATTENTION_MAX_ITEMS).max(1);
+    let waves = items.div_ceil(resident * ATT_MAX_ITEMS).max(1);
     items.min(resident * waves).max(1)
 }
 
-/// Virtual rows (row, head) of one `paged_attention_prefill` item (`atp_vrows`): four MMA tiles
-/// of 16 up to head_dim 128, two at 256.
-fn prefill_virtual_rows(head_dim: u32) -> u32 {
-    if attention_padded_dim(head_dim) > 128 {
-        32
-    } else {
-        64
-    }
-}
-
-/// Stages of each partition's ring in `paged_attention_prefill` (`atp_stages`).
-fn prefill_stages(head_dim: u32) -> u32 {
-    if attention_padded_dim(head_dim) > 128 {
-        2
-    } else {
-        3
-    }
-}
-
-/// Rows per item of `paged_attention_prefill` (`atp_rows_per_item`): as many as fill its
-/// virtual rows beside `heads_per_block` heads each, at most a unit's 16.
-fn prefill_rows_per_item(heads_per_block: u32, head_dim: u32) -> u32 {
-    (prefill_virtual_rows(head_dim) / heads_per_block.max(1)).min(PREFILL_ROWS)
-}
-
-/// Dynamic shared memory of `paged_attention_prefill` (`atp_shared_bytes`): the four
-/// partitions' rings (16 keys and 16 values of the padded head dimension plus 8 bf16 a stage),
-/// the item's queries, and the block's f32 numerators by item parity (rows padded by 8). 191,488
-/// bytes at head_dim 128, 219,648 at 256.
+/// Dynamic shared memory of `paged_attention_prefill` (`atp_shared_bytes`): 191,488 bytes at
+/// head_dim 128, 219,648 at 256.
 fn prefill_shared_bytes(head_dim: u32) -> u32 {
-    let padded = attention_padded_dim(head_dim);
-    let vrows = prefill_virtual_rows(head_dim);
-    ATTENTION_WARPS * prefill_stages(head_dim) * 2 * 16 * (padded + 8) * 2
-        + vrows * (padded + 8) * 2
-        + 2 * vrows * (padded + 8) * 4
+    atp_shared_bytes(padded_dim(head_dim))
 }
 
 /// The row groups of `paged_attention_prefill` for a step's rows, given as (sequence, position)
@@ -428,7 +396,7 @@ pub fn attention_row_groups(
 ) -> Vec<u32> {
     let most = prefill_rows_per_item(
         attention_heads_per_block(num_q_heads, num_kv_heads),
-        head_dim,
+        padded_dim(head_dim),
     );
     let mut groups: Vec<u32> = Vec::new();
     let mut open: Option<(u32, u32)> = None; // (sequence, unit) of the last group
@@ -445,18 +413,9 @@ pub fn attention_row_groups(
     groups
 }
 
-/// Query heads per `paged_attention` cluster, as `att_heads_per_block` in
-/// `kernels/attention.cu` computes it: the largest divisor of the GQA group size up to
-/// `ATTENTION_HEADS_PER_BLOCK`, or 1 when the heads do not group.
+/// Query heads per `paged_attention` item, as `att_heads_per_block` computes it.
 fn attention_heads_per_block(num_q_heads: u32, num_kv_heads: u32) -> u32 {
-    if num_kv_heads == 0 || !num_q_heads.is_multiple_of(num_kv_heads) {
-        return 1;
-    }
-    let group = num_q_heads / num_kv_heads;
-    (1..=ATTENTION_HEADS_PER_BLOCK)
-        .rev()
-        .find(|b| group.is_multiple_of(*b))
-        .unwrap_or(1)
+    heads_per_block(num_q_heads, num_kv_heads)
 }
 
 #[cfg(test)]

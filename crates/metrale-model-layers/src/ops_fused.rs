@@ -1,13 +1,16 @@
 //! Launchers of fused kernels that the circuit executor's `Fusions::All` programs launch, and
 //! the legacy forward only at prefill sizes, which no circuit program covers (at decode sizes
 //! it keeps one launch per op, so `circuit-reference` can reproduce it): a third `impl Ops`
-//! block beside `ops` and `ops_hybrid`, under the same rules (one launcher per kernel, the CPU
-//! twin's argument order, geometry from shapes alone).
+//! block beside `ops_rows` and `ops_hybrid`, under the same rules (one launcher per kernel, its
+//! parameter struct, geometry from shapes alone).
 
-use metrale_gpu_runtime::{DevicePtr, GpuError, GpuResult, StreamHandle};
+use metrale_gpu_runtime::{DType, GpuError, GpuResult, StreamHandle};
+use metrale_kernel_abi::{LinearParams, QkNormRopeKvStoreParams};
 
-use crate::ops::{KvStore, Ops, QkNormRope, rope_launch};
+use crate::ops::{KvStore, Ops, QkNormRope};
 use crate::ops_gemm::LinearPath;
+use crate::ops_rows::rope_launch;
+use crate::ops_view::{Matrix, Operands};
 
 impl Ops {
     /// `rope::qk_norm_rope_kv_store`: `qk_norm_rope(rope)` then `kv_store(store)` in one launch,
@@ -20,12 +23,13 @@ impl Ops {
         rope: &QkNormRope,
         store: &KvStore,
     ) -> GpuResult<()> {
-        let same = rope.qkv == store.qkv
-            && rope.rows == store.rows
-            && rope.row_stride == store.row_stride
-            && rope.k_offset == store.k_offset
-            && rope.num_kv_heads == store.num_kv_heads
-            && rope.head_dim == store.head_dim;
+        let st = *store;
+        let same = rope.qkv == { st.qkv }
+            && rope.rows == st.rows
+            && rope.row_stride == st.row_stride
+            && rope.k_offset == st.k_offset
+            && rope.num_kv_heads == st.num_kv_heads
+            && rope.head_dim == st.head_dim;
         if !same {
             return Err(GpuError::KernelFailed {
                 kernel: "rope::qk_norm_rope_kv_store".into(),
@@ -34,33 +38,31 @@ impl Ops {
                 ),
             });
         }
-        self.go(
-            self.k.qk_norm_rope_kv_store,
-            rope_launch(rope, rope.num_q_heads + 2 * rope.num_kv_heads),
-            &[
-                rope.qkv.into(),
-                rope.q_norm.into(),
-                rope.k_norm.into(),
-                rope.inv_freq.into(),
-                rope.positions.into(),
-                store.k_cache.into(),
-                store.v_cache.into(),
-                store.slot_mapping.into(),
-                rope.rows.into(),
-                rope.row_stride.into(),
-                rope.num_q_heads.into(),
-                rope.q_head_stride.into(),
-                rope.k_offset.into(),
-                store.v_offset.into(),
-                rope.num_kv_heads.into(),
-                rope.head_dim.into(),
-                rope.rotary_dim.into(),
-                rope.eps.into(),
-                (rope.unit_offset as u32).into(),
-                store.num_slots.into(),
-            ],
-            s,
-        )
+        let r = rope.params();
+        let p = QkNormRopeKvStoreParams {
+            qkv: r.qkv,
+            q_norm_w: r.q_norm_w,
+            k_norm_w: r.k_norm_w,
+            inv_freq: r.inv_freq,
+            positions: r.positions,
+            k_cache: store.k_cache,
+            v_cache: store.v_cache,
+            slot_mapping: store.slot_mapping,
+            rows: r.rows,
+            row_stride: r.row_stride,
+            num_q_heads: r.num_q_heads,
+            q_head_stride: r.q_head_stride,
+            k_offset: r.k_offset,
+            v_offset: store.v_offset,
+            num_kv_heads: r.num_kv_heads,
+            head_dim: r.head_dim,
+            rotary_dim: r.rotary_dim,
+            eps: r.eps,
+            unit_offset: r.unit_offset,
+            num_slots: store.num_slots,
+        };
+        let cfg = rope_launch(rope, rope.num_q_heads + 2 * rope.num_kv_heads);
+        self.go(self.k.qk_norm_rope_kv_store, cfg, &p, s)
     }
 
     /// `gemm::linear_swiglu`: `linear(x, w)` into `[gate | up]` (`w` is `[2 n, k]`, gate rows
@@ -68,20 +70,37 @@ impl Ops {
     /// launches' rows; the gate/up rows are never written. The narrow decode kernel, its blocks
     /// taking pairs of units (8 gate columns, then the same 8 up columns), meant for the widths
     /// it serves ([`LINEAR_SWIGLU_M_MAX`] rows); any `m` gives the same rows. Same grid as
-    /// `linear` of `n` columns on the narrow path.
-    #[allow(clippy::too_many_arguments)]
+    /// `linear` of `n` columns on the narrow path. `out` bf16 `[m, n]`, `x` bf16 `[m, k]`, `w`
+    /// bf16 `[2 n, k]`.
     pub fn linear_swiglu(
         &self,
         s: StreamHandle,
-        out: DevicePtr,
-        x: DevicePtr,
-        w: DevicePtr,
-        m: u32,
-        n: u32,
-        k: u32,
+        out: Matrix,
+        x: Matrix,
+        w: Matrix,
     ) -> GpuResult<()> {
-        let kernel = self.k.linear_swiglu;
-        self.linear_direct_launch(s, kernel, LinearPath::Narrow, out, x, w, (m, n, k))
+        let check = Operands {
+            kernel: "gemm::linear_swiglu",
+        };
+        check.dtype("x", &x, DType::Bf16)?;
+        check.exactly("w", &w, DType::Bf16, (w.rows, x.cols), "x")?;
+        check.exactly("out", &out, DType::Bf16, (x.rows, w.rows / 2), "x and w")?;
+        if !w.rows.is_multiple_of(2) {
+            return Err(GpuError::BadOperand {
+                kernel: check.kernel.into(),
+                operand: "w",
+                problem: format!("has {} rows, not gate and up rows of one width", w.rows),
+            });
+        }
+        let p = LinearParams {
+            out: out.ptr,
+            x: x.ptr,
+            w: w.ptr,
+            m: x.rows,
+            n: out.cols,
+            k: x.cols,
+        };
+        self.linear_direct_launch(s, self.k.linear_swiglu, LinearPath::Narrow, &p)
     }
 }
 

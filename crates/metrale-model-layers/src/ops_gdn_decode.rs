@@ -6,7 +6,7 @@
 use metrale_gpu_runtime::{GpuResult, LaunchConfig, Residency, StreamHandle};
 
 use crate::ops::{Ops, step_launch};
-use crate::ops_hybrid::{GatedDelta, RULE_WARP_COLS, rule_geometry};
+use crate::ops_hybrid::{GatedDelta, RULE_WARP_COLS, rule_geometry, rule_params};
 
 impl Ops {
     /// The gated delta rule token by token (decode), through the kernel
@@ -18,10 +18,9 @@ impl Ops {
 
     /// The decode rule kernel for `p`: `gated_delta_streamed` when its shapes take the streamed
     /// path and the (sequence, value head) items are at least `RULE_STREAM_ITEMS_PER_BLOCK`
-    /// times its resident blocks, `gated_delta_recurrent` otherwise. On the H200 (lab/gdn_lab.cu,
-    /// Qwen3.5-9B's 32 value heads of 128, one row a sequence): 32 sequences 43.3 -> 40.6 us,
-    /// 64 82.9 -> 75.7, 128 162.6 -> 145.8; 16 about even (23.2 / 23.3); at 8 and fewer the
-    /// recurrent kernel's many small blocks are faster (12.5 / 13.2 at 8, 3.8 / 5.7 at one).
+    /// times its resident blocks, `gated_delta_recurrent` otherwise: streaming the states pays
+    /// once every block has several heads to overlap; with fewer items the recurrent kernel's
+    /// many small blocks are faster.
     pub fn decode_rule_kind(&self, p: &GatedDelta) -> GpuResult<DecodeRule> {
         Ok(self.rule_stream(p)?.kind(p))
     }
@@ -65,19 +64,17 @@ impl Ops {
         kind: DecodeRule,
         stream: &RuleStream,
     ) -> GpuResult<()> {
-        let args = Self::rule_args(p, false);
+        let params = rule_params(p);
         match kind {
-            DecodeRule::Blocks => self.go(self.k.gated_delta_recurrent, rule_geometry(p), &args, s),
+            DecodeRule::Blocks => {
+                self.go(self.k.gated_delta_recurrent, rule_geometry(p), &params, s)
+            }
             DecodeRule::Streamed => {
                 let items = rule_items(p);
                 let cfg = LaunchConfig::grid2(items.min(stream.resident).max(1), 1, stream.threads)
                     .with_shared(stream.smem.unwrap_or(0));
-                self.go(
-                    self.k.gated_delta_streamed,
-                    step_launch(cfg, p.seqs.rows),
-                    &args,
-                    s,
-                )
+                let cfg = step_launch(cfg, p.seqs.rows);
+                self.go(self.k.gated_delta_streamed, cfg, &params, s)
             }
         }
     }
@@ -97,19 +94,17 @@ pub enum DecodeRule {
 }
 
 /// Head buffers of `gated_delta_streamed` (`GDN_STREAM_BARS` bytes of barriers come first):
-/// two, the state of the item after the one computing in flight. Three were no faster on the
-/// H200 (64 sequences: 76.6 against 75.7 us), and one a block (three blocks a multiprocessor)
-/// slower (78.0).
+/// two, the state of the item after the one computing in flight (a third buffer gains no
+/// more overlap; one buffer a block does not hide the copy).
 const RULE_STREAM_BUFS: u32 = 2;
-/// The barriers' bytes ahead of the buffers (`GDN_STREAM_BARS`).
-const RULE_STREAM_BARS: u32 = 64;
+/// The barriers' bytes ahead of the buffers.
+const RULE_STREAM_BARS: u32 = metrale_kernel_abi::GDN_STREAM_BARS;
 
 /// Most dynamic shared memory a `gated_delta_streamed` block may ask for (the H200's 227 KiB a
 /// block, less some room).
 const RULE_STREAM_MAX_SHARED: u32 = 224 << 10;
 
-/// The streamed rule needs this many items a resident block (`Ops::decode_rule_kind`): 16
-/// sequences of Qwen3.5-9B heads (512 items, 3.9 a block) are even, 32 (7.8) faster.
+/// The streamed rule needs this many items a resident block (`Ops::decode_rule_kind`).
 const RULE_STREAM_ITEMS_PER_BLOCK: u32 = 4;
 
 /// Resident `gated_delta_streamed` blocks where the backend reports none (the CPU): the H200's
@@ -150,7 +145,7 @@ fn rule_stream_threads(p: &GatedDelta) -> u32 {
 /// multiple of 4) or too large for one buffer, or more than 32 warps a head.
 fn rule_stream_shared_bytes(p: &GatedDelta) -> Option<u32> {
     let h = &p.heads;
-    let fast = h.k_head_dim <= 128
+    let fast = h.k_head_dim <= metrale_kernel_abi::GDN_FAST_MAX_DK
         && h.k_head_dim.is_multiple_of(4)
         && h.v_head_dim.is_multiple_of(4)
         && p.state.slot_stride.is_multiple_of(4)

@@ -1,23 +1,25 @@
 //! The launchers of the Gated DeltaNet kernels (`gdn::*`), an `impl Ops` block beside the dense
 //! ones in `ops`; the decode step's delta rule (which of its two kernels runs) is in
 //! `ops_gdn_decode`, and the sparse-MoE launchers (`moe::*`) in `ops_moe`, whose public types are
-//! re-exported here. Each builds its kernel's flat argument list in the order the CPU twin in
-//! `metrale-gpu-runtime::cpu::kernels::gdn` documents (pointers, then scalars) and picks the
-//! launch geometry the CUDA source expects.
+//! re-exported here. Each fills its kernel's parameter struct (`metrale-kernel-abi`) from the
+//! typed parameters below and picks the launch geometry the CUDA source expects.
 //!
 //! Invariants:
-//! - As in `ops`: one launcher per kernel, argument order is the kernel's signature, and launch
-//!   geometry depends only on shapes, never on data.
-//! - The GDN kernels all end with the head scalars `num_k_heads, k_head_dim, num_v_heads,
-//!   v_head_dim` (`GdnHeads::args`), from which they derive every row width.
+//! - As in `ops`: one launcher per kernel, and launch geometry depends only on shapes, never on
+//!   data.
+//! - Every GDN kernel takes the head scalars `hk, dk, hv, dv` (`GdnHeads`), from which it
+//!   derives every row width.
 
-use metrale_gpu_runtime::{
-    DevicePtr, GpuResult, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+use metrale_gpu_runtime::{DevicePtr, GpuResult, LaunchConfig, StreamHandle};
+use metrale_kernel_abi::{
+    CausalConv1dParams, ConvStateUpdateParams, ConvStateVerifyParams, GDN_RING, GDN_TOK_BYTES,
+    GDN_WARP_COLS, GatedDeltaChunkedParams, GatedDeltaParams, GatedDeltaVerifyParams,
+    GatedRmsNormParams, GdnPrepareParams,
 };
 
 use crate::ops::{Ops, step_launch};
 pub use crate::ops_gdn_decode::DecodeRule;
-pub use crate::ops_moe::{ExpertLinear, MoeCombine};
+pub use crate::ops_moe::{ExpertLinear, MoeCombine, TopkRoute};
 
 /// Threads per block of the channel-parallel GDN kernels (conv, conv-state update).
 const CHANNEL_THREADS: u32 = 256;
@@ -25,15 +27,15 @@ const CHANNEL_THREADS: u32 = 256;
 /// block; past that a warp takes several heads in turn).
 const PREPARE_MAX_WARPS: u32 = 32;
 /// Columns of a value head per warp of the delta-rule kernels (`kernels/gdn.cu`).
-pub(crate) const RULE_WARP_COLS: u32 = 16;
+pub(crate) const RULE_WARP_COLS: u32 = GDN_WARP_COLS;
 /// Warps per block of the delta-rule kernels.
 const RULE_WARPS_PER_BLOCK: u32 = 2;
 
-/// Dynamic shared memory per warp of `gated_delta_chunked`: a ring of `GDN_RING` (8) tokens of
-/// `GDN_TOK_BYTES` (q̂ and k̂ of up to 128 f32 each, 16 v columns, β and g: 1088 bytes), the
-/// prefill's loads several tokens ahead (`kernels/gdn.cu`). Without it the kernel loads each
-/// token when it needs it, as the recurrent kernel does: same bits.
-const RULE_RING_BYTES: u32 = 8 * (2 * 128 * 4 + 64);
+/// Dynamic shared memory per warp of `gated_delta_chunked`: a ring of `GDN_RING` tokens of
+/// `GDN_TOK_BYTES` (q̂ and k̂ of up to 128 f32 each, 16 v columns, β and g), the prefill's loads
+/// several tokens ahead (`kernels/gdn.cu`). Without it the kernel loads each token when it
+/// needs it, as the recurrent kernel does: same bits.
+const RULE_RING_BYTES: u32 = GDN_RING * GDN_TOK_BYTES;
 
 /// The head shape of a GDN layer: `Hk` key heads of `Dk`, `Hv` value heads of `Dv`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,14 +67,14 @@ impl GdnHeads {
     pub fn proj_width(&self) -> u32 {
         self.conv_dim() + self.value_dim() + 2 * self.num_v_heads
     }
-    /// The four trailing head scalars of every GDN kernel.
-    pub fn args(&self) -> [KernelArg; 4] {
-        [
-            self.num_k_heads.into(),
-            self.k_head_dim.into(),
-            self.num_v_heads.into(),
-            self.v_head_dim.into(),
-        ]
+    /// `(hk, dk, hv, dv)`, the head scalars every GDN kernel takes.
+    pub fn scalars(&self) -> (u32, u32, u32, u32) {
+        (
+            self.num_k_heads,
+            self.k_head_dim,
+            self.num_v_heads,
+            self.v_head_dim,
+        )
     }
 }
 
@@ -191,34 +193,35 @@ impl Ops {
     /// step or the slot's window. One thread per (row, channel).
     pub fn causal_conv1d(&self, s: StreamHandle, p: &CausalConv1d) -> GpuResult<()> {
         let q = &p.seqs;
-        let mut args: Vec<KernelArg> = vec![
-            p.out.into(),
-            p.proj.into(),
-            p.conv_state.base.into(),
-            p.weight.into(),
-            q.row_seq.into(),
-            q.seq_start.into(),
-            q.seq_slot.into(),
-            q.rows.into(),
-            q.num_seqs.into(),
-            p.conv_state.num_slots.into(),
-            p.conv_state.slot_stride.into(),
-        ];
-        args.extend(p.heads.args());
-        args.push(p.kernel_size.into());
+        let (hk, dk, hv, dv) = p.heads.scalars();
+        let params = CausalConv1dParams {
+            out: p.out,
+            proj: p.proj,
+            conv_state: p.conv_state.base,
+            weight: p.weight,
+            row_seq: q.row_seq,
+            seq_start: q.seq_start,
+            seq_slot: q.seq_slot,
+            rows: q.rows,
+            num_seqs: q.num_seqs,
+            num_slots: p.conv_state.num_slots,
+            slot_stride: p.conv_state.slot_stride,
+            hk,
+            dk,
+            hv,
+            dv,
+            kernel_size: p.kernel_size,
+        };
         let blocks = p.heads.conv_dim().div_ceil(CHANNEL_THREADS);
-        self.go(
-            self.k.causal_conv1d,
-            step_launch(LaunchConfig::grid2(q.rows, blocks, CHANNEL_THREADS), q.rows),
-            &args,
-            s,
-        )
+        let cfg = LaunchConfig::grid2(q.rows, blocks, CHANNEL_THREADS);
+        self.go(self.k.causal_conv1d, step_launch(cfg, q.rows), &params, s)
     }
 
     /// Move each sequence's conv window past its rows; after `causal_conv1d`. One thread per
     /// (sequence, channel).
     pub fn conv_state_update(&self, s: StreamHandle, p: &CausalConv1d) -> GpuResult<()> {
-        self.conv_window(s, p, self.k.conv_state_update, None)
+        let params = window_params(p);
+        self.go(self.k.conv_state_update, window_geometry(p), &params, s)
     }
 
     /// A verify step's conv windows: the window after each row goes to `row_slot[row]` (u32
@@ -230,92 +233,46 @@ impl Ops {
         p: &CausalConv1d,
         row_slot: DevicePtr,
     ) -> GpuResult<()> {
-        self.conv_window(s, p, self.k.conv_state_verify, Some(row_slot))
-    }
-
-    /// `conv_state_update` or, with `row_slot`, `conv_state_verify`: the same arguments but
-    /// for the row-slot map after the sequences' slots.
-    fn conv_window(
-        &self,
-        s: StreamHandle,
-        p: &CausalConv1d,
-        kernel: KernelHandle,
-        row_slot: Option<DevicePtr>,
-    ) -> GpuResult<()> {
-        let q = &p.seqs;
-        let mut args: Vec<KernelArg> = vec![
-            p.conv_state.base.into(),
-            p.proj.into(),
-            q.seq_start.into(),
-            q.seq_slot.into(),
-        ];
-        args.extend(row_slot.map(KernelArg::from));
-        args.extend::<[KernelArg; 4]>([
-            q.rows.into(),
-            q.num_seqs.into(),
-            p.conv_state.num_slots.into(),
-            p.conv_state.slot_stride.into(),
-        ]);
-        args.extend(p.heads.args());
-        args.push(p.kernel_size.into());
-        let blocks = p.heads.conv_dim().div_ceil(CHANNEL_THREADS);
-        self.go(
-            kernel,
-            step_launch(
-                LaunchConfig::grid2(q.num_seqs, blocks, CHANNEL_THREADS),
-                q.rows,
-            ),
-            &args,
-            s,
-        )
+        let w = window_params(p);
+        let params = ConvStateVerifyParams {
+            conv_state: w.conv_state,
+            proj: w.proj,
+            seq_start: w.seq_start,
+            seq_slot: w.seq_slot,
+            row_slot,
+            rows: w.rows,
+            num_seqs: w.num_seqs,
+            num_slots: w.num_slots,
+            slot_stride: w.slot_stride,
+            hk: w.hk,
+            dk: w.dk,
+            hv: w.hv,
+            dv: w.dv,
+            kernel_size: w.kernel_size,
+        };
+        self.go(self.k.conv_state_verify, window_geometry(p), &params, s)
     }
 
     /// L2-normalised q and k, and the gates β and g. One block per row.
     pub fn gdn_prepare(&self, s: StreamHandle, p: &GdnPrepare) -> GpuResult<()> {
-        let mut args: Vec<KernelArg> = vec![
-            p.qk.into(),
-            p.gates.into(),
-            p.conv.into(),
-            p.proj.into(),
-            p.a_log.into(),
-            p.dt_bias.into(),
-            p.rows.into(),
-        ];
-        args.extend(p.heads.args());
-        args.extend([KernelArg::F32(p.l2_eps), KernelArg::F32(p.q_scale)]);
-        self.go(
-            self.k.gdn_prepare,
-            step_launch(
-                LaunchConfig::linear(p.rows, prepare_threads(&p.heads)),
-                p.rows,
-            ),
-            &args,
-            s,
-        )
-    }
-
-    pub(crate) fn rule_args(p: &GatedDelta, positions: bool) -> Vec<KernelArg> {
-        let q = &p.seqs;
-        let mut args: Vec<KernelArg> = vec![
-            p.out.into(),
-            p.state.base.into(),
-            p.qk.into(),
-            p.conv.into(),
-            p.gates.into(),
-            q.seq_start.into(),
-            q.seq_slot.into(),
-        ];
-        if positions {
-            args.push(q.positions.into());
-        }
-        args.extend::<[KernelArg; 4]>([
-            q.rows.into(),
-            q.num_seqs.into(),
-            p.state.num_slots.into(),
-            p.state.slot_stride.into(),
-        ]);
-        args.extend(p.heads.args());
-        args
+        let (hk, dk, hv, dv) = p.heads.scalars();
+        let params = GdnPrepareParams {
+            qk: p.qk,
+            gates: p.gates,
+            conv: p.conv,
+            proj: p.proj,
+            a_log: p.a_log,
+            dt_bias: p.dt_bias,
+            rows: p.rows,
+            hk,
+            dk,
+            hv,
+            dv,
+            l2_eps: p.l2_eps,
+            q_scale: p.q_scale,
+        };
+        let cfg = LaunchConfig::linear(p.rows, prepare_threads(&p.heads));
+        self.go(self.k.gdn_prepare, step_launch(cfg, p.rows), &params, s)
     }
 
     /// The gated delta rule in position-aligned chunks of `chunk_size` (prefill). The grid of
@@ -327,16 +284,30 @@ impl Ops {
         p: &GatedDelta,
         chunk_size: u32,
     ) -> GpuResult<()> {
-        let mut args = Self::rule_args(p, true);
-        args.push(chunk_size.into());
+        let r = rule_params(p);
+        let params = GatedDeltaChunkedParams {
+            out: r.out,
+            state: r.state,
+            qk: r.qk,
+            conv: r.conv,
+            gates: r.gates,
+            seq_start: r.seq_start,
+            seq_slot: r.seq_slot,
+            positions: p.seqs.positions,
+            rows: r.rows,
+            num_seqs: r.num_seqs,
+            num_slots: r.num_slots,
+            slot_stride: r.slot_stride,
+            hk: r.hk,
+            dk: r.dk,
+            hv: r.hv,
+            dv: r.dv,
+            chunk_size,
+        };
         let cfg = rule_geometry(p);
         let warps = cfg.block.0 / 32;
-        self.go(
-            self.k.gated_delta_chunked,
-            cfg.with_shared(warps * RULE_RING_BYTES),
-            &args,
-            s,
-        )
+        let cfg = cfg.with_shared(warps * RULE_RING_BYTES);
+        self.go(self.k.gated_delta_chunked, cfg, &params, s)
     }
 
     /// The gated delta rule of a verify step: each sequence's rows token by token, bitwise as
@@ -349,35 +320,103 @@ impl Ops {
         p: &GatedDelta,
         row_slot: DevicePtr,
     ) -> GpuResult<()> {
-        let mut args = Self::rule_args(p, false);
-        args.insert(7, row_slot.into());
-        self.go(self.k.gated_delta_verify, rule_geometry(p), &args, s)
+        let r = rule_params(p);
+        let params = GatedDeltaVerifyParams {
+            out: r.out,
+            state: r.state,
+            qk: r.qk,
+            conv: r.conv,
+            gates: r.gates,
+            seq_start: r.seq_start,
+            seq_slot: r.seq_slot,
+            row_slot,
+            rows: r.rows,
+            num_seqs: r.num_seqs,
+            num_slots: r.num_slots,
+            slot_stride: r.slot_stride,
+            hk: r.hk,
+            dk: r.dk,
+            hv: r.hv,
+            dv: r.dv,
+        };
+        self.go(self.k.gated_delta_verify, rule_geometry(p), &params, s)
     }
 
     /// Per-head RMSNorm (plain weight) times `silu(z)`. One warp per (row, value head).
     pub fn gated_rms_norm(&self, s: StreamHandle, p: &GatedRmsNorm) -> GpuResult<()> {
-        let mut args: Vec<KernelArg> = vec![
-            p.out.into(),
-            p.core.into(),
-            p.proj.into(),
-            p.weight.into(),
-            p.rows.into(),
-        ];
-        args.extend(p.heads.args());
-        args.push(KernelArg::F32(p.eps));
-        self.go(
-            self.k.gated_rms_norm,
-            step_launch(LaunchConfig::grid2(p.rows, p.heads.num_v_heads, 32), p.rows),
-            &args,
-            s,
-        )
+        let (hk, dk, hv, dv) = p.heads.scalars();
+        let params = GatedRmsNormParams {
+            out: p.out,
+            core: p.core,
+            proj: p.proj,
+            weight: p.weight,
+            rows: p.rows,
+            hk,
+            dk,
+            hv,
+            dv,
+            eps: p.eps,
+        };
+        let cfg = LaunchConfig::grid2(p.rows, hv, 32);
+        self.go(self.k.gated_rms_norm, step_launch(cfg, p.rows), &params, s)
+    }
+}
+
+/// `conv_state_update`'s parameters (`conv_state_verify`'s but for the row slots).
+fn window_params(p: &CausalConv1d) -> ConvStateUpdateParams {
+    let q = &p.seqs;
+    let (hk, dk, hv, dv) = p.heads.scalars();
+    ConvStateUpdateParams {
+        conv_state: p.conv_state.base,
+        proj: p.proj,
+        seq_start: q.seq_start,
+        seq_slot: q.seq_slot,
+        rows: q.rows,
+        num_seqs: q.num_seqs,
+        num_slots: p.conv_state.num_slots,
+        slot_stride: p.conv_state.slot_stride,
+        hk,
+        dk,
+        hv,
+        dv,
+        kernel_size: p.kernel_size,
+    }
+}
+
+/// The conv-window kernels' grid: (sequences, blocks of `CHANNEL_THREADS` channels).
+fn window_geometry(p: &CausalConv1d) -> LaunchConfig {
+    let blocks = p.heads.conv_dim().div_ceil(CHANNEL_THREADS);
+    let cfg = LaunchConfig::grid2(p.seqs.num_seqs, blocks, CHANNEL_THREADS);
+    step_launch(cfg, p.seqs.rows)
+}
+
+/// The parameters `gated_delta_recurrent` and `gated_delta_streamed` take (and the other rule
+/// kernels share).
+pub(crate) fn rule_params(p: &GatedDelta) -> GatedDeltaParams {
+    let q = &p.seqs;
+    let (hk, dk, hv, dv) = p.heads.scalars();
+    GatedDeltaParams {
+        out: p.out,
+        state: p.state.base,
+        qk: p.qk,
+        conv: p.conv,
+        gates: p.gates,
+        seq_start: q.seq_start,
+        seq_slot: q.seq_slot,
+        rows: q.rows,
+        num_seqs: q.num_seqs,
+        num_slots: p.state.num_slots,
+        slot_stride: p.state.slot_stride,
+        hk,
+        dk,
+        hv,
+        dv,
     }
 }
 
 /// Threads of a `gdn_prepare` block: a warp per q and k head of the row, so each head's norm is
-/// one warp's chain of loads and sum (which warp takes a head changes no bit). Four warps taking
-/// Qwen3.5-9B's 32 heads eight at a time in turn, one block per row, ran 9.9 us at 64 rows
-/// (eager, H200).
+/// one warp's chain of loads and sum (which warp takes a head changes no bit), all heads in
+/// flight at once rather than a few warps taking them in turn.
 fn prepare_threads(h: &GdnHeads) -> u32 {
     32 * (2 * h.num_k_heads).clamp(1, PREPARE_MAX_WARPS)
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use half::bf16;
 use metrale_gpu_runtime::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt, StreamHandle};
 use metrale_model_layers::Ops;
-use metrale_model_layers::ops::{KvStore, QkNormRope};
+use metrale_model_layers::ops::{KvStore, Matrix, QkNormRope};
 
 const S: StreamHandle = StreamHandle::DEFAULT;
 
@@ -167,9 +167,13 @@ fn the_cpu_twin_of_linear_swiglu_is_linear_then_silu_mul_byte_for_byte() {
             poisoned((m * n) as usize),
             poisoned((m * n) as usize),
         );
-        ops.linear(S, gate_up, x, w, m, 2 * n, k).unwrap();
-        ops.silu_mul(S, chained, gate_up, m, n).unwrap();
-        ops.linear_swiglu(S, fused, x, w, m, n, k).unwrap();
+        let (x, w) = (Matrix::bf16(x, m, k), Matrix::bf16(w, 2 * n, k));
+        let gate_up = Matrix::bf16(gate_up, m, 2 * n);
+        ops.linear(S, gate_up, x, w).unwrap();
+        ops.silu_mul(S, Matrix::bf16(chained, m, n), gate_up)
+            .unwrap();
+        ops.linear_swiglu(S, Matrix::bf16(fused, m, n), x, w)
+            .unwrap();
         let halves = (m * n) as usize;
         let chained: Vec<u16> = gpu.download(chained, halves, S).unwrap();
         let fused: Vec<u16> = gpu.download(fused, halves, S).unwrap();

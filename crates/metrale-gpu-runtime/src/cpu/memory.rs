@@ -1,5 +1,5 @@
 //! Host memory standing in for device memory, and `KernelCtx`, the checked view a CPU kernel has
-//! of its launch: its arguments, and slices of the buffers they point at.
+//! of its launch: its parameter struct, its geometry, and slices of the buffers it points at.
 //!
 //! Invariants:
 //! - A `DevicePtr` of the CPU backend is the host address of a byte inside a live allocation;
@@ -14,6 +14,8 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 
 use crate::error::{GpuError, GpuResult};
+use metrale_kernel_abi::KernelParams;
+
 use crate::types::{DevicePtr, KernelArg, LaunchConfig};
 
 /// Alignment of every allocation, bytes.
@@ -146,7 +148,8 @@ pub struct KernelCtx<'a> {
     pub(crate) args: &'a [KernelArg],
     pub(crate) config: &'a LaunchConfig,
     memory: &'a HostMemory,
-    borrowed: RefCell<Vec<(u64, u64, bool, usize)>>,
+    /// Slices handed out so far: (start, end, mutable, operand).
+    borrowed: RefCell<Vec<(u64, u64, bool, &'static str)>>,
 }
 
 impl<'a> KernelCtx<'a> {
@@ -165,7 +168,7 @@ impl<'a> KernelCtx<'a> {
         }
     }
 
-    /// The launch geometry (CPU kernels rarely need it).
+    /// The launch geometry.
     pub fn config(&self) -> &LaunchConfig {
         self.config
     }
@@ -178,89 +181,61 @@ impl<'a> KernelCtx<'a> {
         }
     }
 
-    fn arg(&self, index: usize) -> GpuResult<KernelArg> {
-        self.args
-            .get(index)
-            .copied()
-            .ok_or_else(|| GpuError::BadArgument {
-                kernel: self.name.to_string(),
-                index,
-                problem: format!("missing (the launch passed {} arguments)", self.args.len()),
-            })
-    }
-
-    fn wrong(&self, index: usize, want: &str, got: KernelArg) -> GpuError {
-        GpuError::BadArgument {
+    /// The launch's parameter struct: its one argument, which must be a `P`.
+    pub fn params<P: KernelParams>(&self) -> GpuResult<P> {
+        let bad = |problem: String| GpuError::BadArgument {
             kernel: self.name.to_string(),
-            index,
-            problem: format!("expected {want}, found {}", got.kind()),
+            index: 0,
+            problem,
+        };
+        match self.args {
+            [KernelArg::Params(block)] => block.get::<P>().ok_or_else(|| {
+                bad(format!(
+                    "the kernel takes {}, the launch passed {}",
+                    P::LAYOUT.name,
+                    block.layout().name
+                ))
+            }),
+            _ => Err(bad(format!(
+                "the kernel takes one {}, the launch passed {} arguments",
+                P::LAYOUT.name,
+                self.args.len()
+            ))),
         }
     }
 
-    /// Check that the launch passed exactly `n` arguments.
-    pub fn expect_args(&self, n: usize) -> GpuResult<()> {
-        if self.args.len() != n {
-            return Err(GpuError::BadArgument {
-                kernel: self.name.to_string(),
-                index: self.args.len().min(n),
-                problem: format!("expected {n} arguments, found {}", self.args.len()),
-            });
+    /// Fails unless the launch's blocks have `threads` threads: the block size the CUDA kernel
+    /// is written for (it refuses any other).
+    pub fn require_block(&self, threads: u32) -> GpuResult<()> {
+        if self.config.block != (threads, 1, 1) {
+            return Err(self.fail(format!(
+                "launched with blocks of {:?} threads; the kernel is written for {threads}",
+                self.config.block
+            )));
         }
         Ok(())
     }
 
-    /// Argument `index` as a device pointer.
-    pub fn ptr(&self, index: usize) -> GpuResult<DevicePtr> {
-        match self.arg(index)? {
-            KernelArg::Ptr(p) => Ok(p),
-            other => Err(self.wrong(index, "ptr", other)),
-        }
-    }
-
-    /// Argument `index` as a u32, widened to usize.
-    pub fn usize(&self, index: usize) -> GpuResult<usize> {
-        Ok(self.u32(index)? as usize)
-    }
-
-    /// Argument `index` as a u32.
-    pub fn u32(&self, index: usize) -> GpuResult<u32> {
-        match self.arg(index)? {
-            KernelArg::U32(v) => Ok(v),
-            other => Err(self.wrong(index, "u32", other)),
-        }
-    }
-
-    /// Argument `index` as an f32.
-    pub fn f32(&self, index: usize) -> GpuResult<f32> {
-        match self.arg(index)? {
-            KernelArg::F32(v) => Ok(v),
-            other => Err(self.wrong(index, "f32", other)),
-        }
-    }
-
-    /// Argument `index` as a u64.
-    pub fn u64(&self, index: usize) -> GpuResult<u64> {
-        match self.arg(index)? {
-            KernelArg::U64(v) => Ok(v),
-            other => Err(self.wrong(index, "u64", other)),
-        }
-    }
-
-    fn claim<T>(&self, index: usize, len: usize, mutable: bool) -> GpuResult<Option<*mut T>> {
-        let ptr = self.ptr(index)?;
+    fn claim<T>(
+        &self,
+        what: &'static str,
+        ptr: DevicePtr,
+        len: usize,
+        mutable: bool,
+    ) -> GpuResult<Option<*mut T>> {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
-            .ok_or_else(|| self.fail(format!("argument {index}: length {len} overflows")))?;
+            .ok_or_else(|| self.fail(format!("operand `{what}`: length {len} overflows")))?;
         if bytes == 0 {
             return Ok(None);
         }
         self.memory.check(
             ptr,
             bytes,
-            &format!("kernel `{}` argument {index}", self.name),
+            &format!("kernel `{}` operand `{what}`", self.name),
         )?;
         if !(ptr.0 as usize).is_multiple_of(std::mem::align_of::<T>()) {
-            return Err(self.fail(format!("argument {index}: {:#x} is misaligned", ptr.0)));
+            return Err(self.fail(format!("operand `{what}`: {:#x} is misaligned", ptr.0)));
         }
         let (start, end) = (ptr.0, ptr.0 + bytes as u64);
         let mut borrowed = self.borrowed.borrow_mut();
@@ -268,17 +243,22 @@ impl<'a> KernelCtx<'a> {
             if start < e && s < end && (mutable || m) {
                 return Err(GpuError::Aliasing {
                     kernel: self.name.to_string(),
-                    problem: format!("argument {index} overlaps argument {other}"),
+                    problem: format!("operand `{what}` overlaps operand `{other}`"),
                 });
             }
         }
-        borrowed.push((start, end, mutable, index));
+        borrowed.push((start, end, mutable, what));
         Ok(Some(ptr.0 as *mut T))
     }
 
-    /// `len` elements read through argument `index`.
-    pub fn slice<T: bytemuck::Pod>(&self, index: usize, len: usize) -> GpuResult<&[T]> {
-        match self.claim::<T>(index, len, false)? {
+    /// `len` elements read at `ptr`, the operand `what` (its name in errors).
+    pub fn slice<T: bytemuck::Pod>(
+        &self,
+        what: &'static str,
+        ptr: DevicePtr,
+        len: usize,
+    ) -> GpuResult<&[T]> {
+        match self.claim::<T>(what, ptr, len, false)? {
             // SAFETY: `claim` checked that the range lies in a live allocation (which outlives
             // this launch: the backend's memory lock is held), is aligned for `T`, and overlaps
             // no mutable slice of this launch. Any bit pattern is a valid `T: Pod`.
@@ -287,14 +267,33 @@ impl<'a> KernelCtx<'a> {
         }
     }
 
-    /// `len` elements written (and possibly read) through argument `index`.
+    /// `len` elements written (and possibly read) at `ptr`, the operand `what`.
     #[allow(clippy::mut_from_ref)]
-    pub fn slice_mut<T: bytemuck::Pod>(&self, index: usize, len: usize) -> GpuResult<&mut [T]> {
-        match self.claim::<T>(index, len, true)? {
+    pub fn slice_mut<T: bytemuck::Pod>(
+        &self,
+        what: &'static str,
+        ptr: DevicePtr,
+        len: usize,
+    ) -> GpuResult<&mut [T]> {
+        match self.claim::<T>(what, ptr, len, true)? {
             // SAFETY: as in `slice`, and the range overlaps no other slice of this launch, so
             // this is the only reference to these bytes while the kernel runs.
             Some(p) => Ok(unsafe { std::slice::from_raw_parts_mut(p, len) }),
             None => Ok(&mut []),
+        }
+    }
+
+    /// [`KernelCtx::slice`], or `None` for a null `ptr` (an operand the kernel may go without).
+    pub fn slice_opt<T: bytemuck::Pod>(
+        &self,
+        what: &'static str,
+        ptr: DevicePtr,
+        len: usize,
+    ) -> GpuResult<Option<&[T]>> {
+        if ptr.is_null() {
+            Ok(None)
+        } else {
+            self.slice(what, ptr, len).map(Some)
         }
     }
 }

@@ -1,6 +1,6 @@
-//! `CpuBackend`: the reference backend. Device memory is host memory; each kernel is a Rust
-//! function registered under the `(module, name)` of its CUDA twin and reads the same flat
-//! argument list. Work runs synchronously on the calling thread, so streams and events only keep
+//! `CpuBackend`: the reference backend. Device memory is host memory; each kernel of the manifest
+//! is a Rust function registered under the `(module, name)` of its CUDA twin and reads the same
+//! parameter struct. Work runs synchronously on the calling thread, so streams and events only keep
 //! their bookkeeping; capture records launches, copies and memsets, and replay runs them in order.
 //!
 //! Invariants:
@@ -75,9 +75,18 @@ struct Bookkeeping {
 pub struct CpuBackend {
     options: CpuBackendOptions,
     memory: Mutex<memory::HostMemory>,
-    table: Vec<(String, CpuKernelFn)>,
+    table: Vec<Registered>,
     index: HashMap<(String, String), u32>,
     book: Mutex<Bookkeeping>,
+}
+
+/// A registered kernel: its `module::name`, its function, and the parameter struct the manifest
+/// gives it (none for a kernel the manifest does not list).
+#[derive(Debug)]
+struct Registered {
+    label: String,
+    f: CpuKernelFn,
+    params: Option<&'static metrale_kernel_abi::ParamsLayout>,
 }
 
 impl Default for CpuBackend {
@@ -101,23 +110,26 @@ impl CpuBackend {
                 ..Default::default()
             }),
         };
-        for family in kernels::FAMILIES {
-            for &(name, f) in family.kernels {
-                backend.register(family.module, name, f);
-            }
+        for &(module, name, f) in kernels::TWINS {
+            backend.register(module, name, f);
         }
         backend
     }
 
-    /// Register (or replace) a kernel under `module::name`.
+    /// Register (or replace) a kernel under `module::name`. A kernel of the manifest is launched
+    /// with its parameter struct only.
     pub fn register(&mut self, module: &str, name: &str, f: CpuKernelFn) {
         let key = (module.to_string(), name.to_string());
-        let label = format!("{module}::{name}");
+        let entry = Registered {
+            label: format!("{module}::{name}"),
+            f,
+            params: metrale_kernel_abi::kernel_info(module, name).map(|k| k.params),
+        };
         match self.index.get(&key) {
-            Some(&i) => self.table[i as usize] = (label, f),
+            Some(&i) => self.table[i as usize] = entry,
             None => {
                 self.index.insert(key, self.table.len() as u32);
-                self.table.push((label, f));
+                self.table.push(entry);
             }
         }
     }
@@ -174,12 +186,12 @@ impl CpuBackend {
                 config,
                 args,
             } => {
-                let (label, f) = self
+                let k = self
                     .table
                     .get(kernel.0 as usize)
                     .ok_or(GpuError::BadKernelHandle(kernel.0))?;
-                let ctx = KernelCtx::new(label, args, config, &mem);
-                f(&ctx)
+                let ctx = KernelCtx::new(&k.label, args, config, &mem);
+                (k.f)(&ctx)
             }
             Op::Copy { dst, src, bytes } => mem.copy(*dst, *src, *bytes),
             Op::Fill { dst, value, bytes } => mem.fill(*dst, *value, *bytes),
@@ -268,8 +280,22 @@ impl GpuBackend for CpuBackend {
         args: &[KernelArg],
         stream: StreamHandle,
     ) -> GpuResult<()> {
-        if kernel.0 as usize >= self.table.len() {
-            return Err(GpuError::BadKernelHandle(kernel.0));
+        let k = self
+            .table
+            .get(kernel.0 as usize)
+            .ok_or(GpuError::BadKernelHandle(kernel.0))?;
+        if let (Some(want), [KernelArg::Params(block)]) = (k.params, args)
+            && block.layout().name != want.name
+        {
+            return Err(GpuError::BadArgument {
+                kernel: k.label.clone(),
+                index: 0,
+                problem: format!(
+                    "the kernel takes {}, the launch passed {}",
+                    want.name,
+                    block.layout().name
+                ),
+            });
         }
         self.submit(
             Op::Launch {
@@ -395,5 +421,7 @@ impl GpuBackend for CpuBackend {
     }
 }
 
+#[cfg(test)]
+pub(crate) mod test_rig;
 #[cfg(test)]
 mod tests;

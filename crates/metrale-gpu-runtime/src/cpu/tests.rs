@@ -1,126 +1,84 @@
-//! Tests of the CPU backend: memory checking, capture and replay, and every CPU kernel against a
-//! naive f64 reference written independently of the kernel, on random inputs with poisoned
-//! outputs.
+//! Tests of the CPU backend: memory checking, parameter structs, capture and replay, and every
+//! CPU kernel against a naive f64 reference (or, for layouts, the documented formula) written
+//! independently of the kernel, on random inputs with poisoned outputs.
 
 use half::bf16;
+use metrale_kernel_abi::{
+    AddRmsNormParams, AddRmsNormStagedParams, ArgmaxParams, EmbeddingGatherParams,
+    GatherRowsParams, LinearParams, LinearTmaParams, PermuteK32TilesParams, RmsNormParams,
+    SiluMulParams, SiluMulStagedParams,
+};
 
+use super::test_rig::{Data, Rig, assert_close, image_byte, tof};
 use super::*;
 use crate::backend::GpuBackendExt;
 
 mod attention;
+mod manifest;
 
-/// A seeded generator for test data (never zeros, distinct per element).
-struct Data(u64);
-
-impl Data {
-    fn next(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.next() * scale).collect()
-    }
-    fn bf(&mut self, n: usize, scale: f32) -> Vec<bf16> {
-        self.vec(n, scale).into_iter().map(bf16::from_f32).collect()
-    }
+fn ref_rms(x: &[f64], w: &[f64], eps: f64, unit: bool) -> Vec<f64> {
+    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    let inv = 1.0 / (ms + eps).sqrt();
+    x.iter()
+        .zip(w)
+        .map(|(v, w)| v * inv * if unit { 1.0 + w } else { *w })
+        .collect()
 }
 
-fn tof(v: &[bf16]) -> Vec<f64> {
-    v.iter().map(|x| x.to_f64()).collect()
-}
-
-struct Rig {
-    gpu: CpuBackend,
-    s: StreamHandle,
-}
-
-impl Rig {
-    fn new() -> Rig {
-        Rig {
-            gpu: CpuBackend::default(),
-            s: StreamHandle::DEFAULT,
-        }
-    }
-    fn put<T: bytemuck::Pod>(&self, v: &[T]) -> DevicePtr {
-        self.gpu.alloc_upload(v, self.s).unwrap()
-    }
-    /// An output buffer, poisoned with 0xFF.
-    fn out(&self, bytes: usize) -> DevicePtr {
-        let p = self.gpu.alloc(bytes).unwrap();
-        self.gpu.memset(p, 0xFF, bytes, self.s).unwrap();
-        p
-    }
-    fn run(&self, module: &str, name: &str, args: &[KernelArg]) -> GpuResult<()> {
-        let k = self.gpu.kernel(module, name)?;
-        self.gpu
-            .launch(k, &LaunchConfig::linear(1, 1), args, self.s)
-    }
-    fn get_bf(&self, p: DevicePtr, n: usize) -> Vec<f64> {
-        tof(&self.gpu.download::<bf16>(p, n, self.s).unwrap())
-    }
-    fn get_f32(&self, p: DevicePtr, n: usize) -> Vec<f32> {
-        self.gpu.download::<f32>(p, n, self.s).unwrap()
-    }
-}
-
-fn assert_close(got: &[f64], want: &[f64], rel: f64, what: &str) {
-    assert_eq!(got.len(), want.len());
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(g.is_finite(), "{what}[{i}] = {g} (poison left?)");
-        let tol = rel * w.abs().max(1.0);
-        assert!((g - w).abs() <= tol, "{what}[{i}]: got {g}, want {w}");
+fn rms(out: DevicePtr, x: DevicePtr, w: DevicePtr, rows: u32, cols: u32) -> RmsNormParams {
+    RmsNormParams {
+        out,
+        x,
+        w,
+        rows,
+        cols,
+        eps: 1e-6,
+        unit_offset: 0,
     }
 }
 
 #[test]
-fn out_of_bounds_and_aliasing_are_caught() {
+fn out_of_bounds_aliasing_and_wrong_structs_are_caught() {
     let r = Rig::new();
     let x = r.put(&[1.0f32; 4]);
     let out = r.out(4 * 2);
     let w = r.put(&[bf16::ONE; 4]);
     // rows = 2 reads 8 floats from a 4-float buffer.
-    let e = r.run(
-        "norm",
-        "rms_norm",
-        &[
-            out.into(),
-            x.into(),
-            w.into(),
-            2u32.into(),
-            4u32.into(),
-            1e-6f32.into(),
-            0u32.into(),
-        ],
-    );
+    let e = r.run("norm", "rms_norm", &rms(out, x, w, 2, 4));
     assert!(matches!(e, Err(GpuError::InvalidAccess { .. })), "{e:?}");
     let e = r.run(
         "gemm",
         "linear",
-        &[
-            w.into(),
-            w.into(),
-            w.into(),
-            1u32.into(),
-            1u32.into(),
-            4u32.into(),
-        ],
+        &LinearParams {
+            out: w,
+            x: w,
+            w,
+            m: 1,
+            n: 1,
+            k: 4,
+        },
     );
-    assert!(matches!(e, Err(GpuError::Aliasing { .. })), "{e:?}");
-    let e = r.run(
-        "norm",
-        "rms_norm",
-        &[
-            out.into(),
-            x.into(),
-            w.into(),
-            1u32.into(),
-            4u32.into(),
-            1e-6f32.into(),
-        ],
+    assert!(
+        matches!(&e, Err(GpuError::Aliasing { problem, .. }) if problem.contains("overlaps operand")),
+        "{e:?}"
     );
+    // A struct other than the kernel's, and a flat list, are refused before the twin runs.
+    let k = r.gpu.kernel("norm", "rms_norm").unwrap();
+    let cfg = LaunchConfig::linear(1, 32);
+    let wrong = [KernelArg::params(&SiluMulParams {
+        out,
+        gate_up: w,
+        rows: 1,
+        ffn: 2,
+    })];
+    let e = r.gpu.launch(k, &cfg, &wrong, r.s);
+    assert!(
+        matches!(&e, Err(GpuError::BadArgument { problem, .. }) if problem.contains("RmsNormParams")),
+        "{e:?}"
+    );
+    let e = r
+        .gpu
+        .launch(k, &cfg, &[out.into(), x.into(), w.into()], r.s);
     assert!(matches!(e, Err(GpuError::BadArgument { .. })), "{e:?}");
     assert!(matches!(
         r.gpu.kernel("norm", "nope"),
@@ -132,6 +90,55 @@ fn out_of_bounds_and_aliasing_are_caught() {
     ));
 }
 
+/// The twins refuse the launches the CUDA kernels refuse (the device writes its fault word for
+/// these): a block size the kernel is not written for, an offset past the row, a slot past the
+/// pool.
+#[test]
+fn launches_the_cuda_kernels_refuse_fail_on_the_cpu_too() {
+    let r = Rig::new();
+    let mut d = Data(4);
+    let (m, n, k) = (2u32, 3u32, 16u32);
+    let (x, w) = (r.put(&d.bf(32, 1.0)), r.put(&d.bf(48, 1.0)));
+    let out = r.out(12);
+    let p = LinearParams { out, x, w, m, n, k };
+    let e = r.run_with("gemm", "linear", LaunchConfig::linear(1, 256), &p);
+    assert!(
+        matches!(&e, Err(GpuError::KernelFailed { kernel, problem }) if kernel == "gemm::linear" && problem.contains("written for 512")),
+        "{e:?}"
+    );
+    r.run("gemm", "linear", &p).unwrap();
+    let e = r.run_with("gemm", "linear_stream", LaunchConfig::linear(1, 512), &p);
+    assert!(matches!(e, Err(GpuError::KernelFailed { .. })), "{e:?}");
+
+    let (kc, vc) = (r.out(8 * 4 * 2), r.out(8 * 4 * 2));
+    let qkv = r.put(&d.bf(2 * 12, 1.0));
+    let store = |slot: u32, v_offset: u32| {
+        r.run(
+            "cache",
+            "kv_store",
+            &metrale_kernel_abi::KvStoreParams {
+                k_cache: kc,
+                v_cache: vc,
+                qkv,
+                slot_mapping: r.put(&[slot]),
+                rows: 1,
+                row_stride: 12,
+                k_offset: 4,
+                v_offset,
+                num_kv_heads: 1,
+                head_dim: 4,
+                num_slots: 8,
+            },
+        )
+    };
+    store(3, 8).unwrap();
+    let e = store(8, 8).unwrap_err();
+    assert!(e.to_string().contains("past the 8 cache slots"), "{e}");
+    let e = store(3, 9).unwrap_err();
+    assert!(e.to_string().contains("do not fit a row of 12"), "{e}");
+    store(u32::MAX, 8).unwrap();
+}
+
 #[test]
 fn capture_records_and_replay_reads_current_inputs() {
     let r = Rig::new();
@@ -141,24 +148,11 @@ fn capture_records_and_replay_reads_current_inputs() {
     let x = r.put(&xv);
     let w = r.put(&d.bf(8, 1.0));
     let out = r.out(16);
-    let args: [KernelArg; 7] = [
-        out.into(),
-        x.into(),
-        w.into(),
-        1u32.into(),
-        8u32.into(),
-        1e-6f32.into(),
-        0u32.into(),
-    ];
+    let args = [KernelArg::params(&rms(out, x, w, 1, 8))];
+    let k = r.gpu.kernel("norm", "rms_norm").unwrap();
+    let cfg = LaunchConfig::linear(1, 32);
     r.gpu.begin_capture(s).unwrap();
-    r.gpu
-        .launch(
-            r.gpu.kernel("norm", "rms_norm").unwrap(),
-            &LaunchConfig::linear(1, 1),
-            &args,
-            s,
-        )
-        .unwrap();
+    r.gpu.launch(k, &cfg, &args, s).unwrap();
     assert!(
         r.gpu.synchronize(s).is_err(),
         "a sync is refused while capturing, as on CUDA"
@@ -174,7 +168,7 @@ fn capture_records_and_replay_reads_current_inputs() {
     );
     r.gpu.launch_graph(g, s).unwrap();
     let first = r.get_bf(out, 8);
-    r.run("norm", "rms_norm", &args).unwrap();
+    r.gpu.launch(k, &cfg, &args, r.s).unwrap();
     assert_eq!(first, r.get_bf(out, 8), "replay equals eager");
     let x2: Vec<f32> = xv.iter().map(|v| v * -3.0 + 0.5).collect();
     r.gpu.upload(x, &x2, s).unwrap();
@@ -182,15 +176,10 @@ fn capture_records_and_replay_reads_current_inputs() {
     assert_ne!(first, r.get_bf(out, 8), "replay reads the new input");
     r.gpu.destroy_graph(g).unwrap();
     assert!(r.gpu.launch_graph(g, s).is_err());
-}
-
-fn ref_rms(x: &[f64], w: &[f64], eps: f64, unit: bool) -> Vec<f64> {
-    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
-    let inv = 1.0 / (ms + eps).sqrt();
-    x.iter()
-        .zip(w)
-        .map(|(v, w)| v * inv * if unit { 1.0 + w } else { *w })
-        .collect()
+    assert!(
+        r.gpu.take_kernel_error().is_ok(),
+        "the CPU has no fault word"
+    );
 }
 
 #[test]
@@ -204,21 +193,9 @@ fn rms_norm_and_add_rms_norm_match_the_reference_in_both_conventions() {
         let w = d.bf(cols, 1.5);
         let (xp, dp, wp) = (r.put(&x), r.put(&delta), r.put(&w));
         let out = r.out(rows * cols * 2);
-        let sc = [rows as u32, cols as u32];
-        r.run(
-            "norm",
-            "rms_norm",
-            &[
-                out.into(),
-                xp.into(),
-                wp.into(),
-                sc[0].into(),
-                sc[1].into(),
-                1e-5f32.into(),
-                (unit as u32).into(),
-            ],
-        )
-        .unwrap();
+        let mut p = rms(out, xp, wp, rows as u32, cols as u32);
+        (p.eps, p.unit_offset) = (1e-5, unit as u32);
+        r.run("norm", "rms_norm", &p).unwrap();
         let wf = tof(&w);
         let mut want = Vec::new();
         for row in x.chunks(cols) {
@@ -229,65 +206,42 @@ fn rms_norm_and_add_rms_norm_match_the_reference_in_both_conventions() {
                 unit,
             ));
         }
-        assert_close(&r.get_bf(out, rows * cols), &want, 8e-3, "rms_norm");
+        assert_close(&r.get_bf(out, rows * cols), &want, 8e-3, 1.0, "rms_norm");
 
-        r.run(
-            "norm",
-            "add_rms_norm",
-            &[
-                xp.into(),
-                dp.into(),
-                wp.into(),
-                out.into(),
-                sc[0].into(),
-                sc[1].into(),
-                1e-5f32.into(),
-                (unit as u32).into(),
-            ],
-        )
-        .unwrap();
+        let p = AddRmsNormParams {
+            residual: xp,
+            delta: dp,
+            w: wp,
+            out,
+            rows: rows as u32,
+            cols: cols as u32,
+            eps: 1e-5,
+            unit_offset: unit as u32,
+        };
+        r.run("norm", "add_rms_norm", &p).unwrap();
         let summed: Vec<f64> = x
             .iter()
             .zip(&delta)
             .map(|(a, b)| *a as f64 + b.to_f64())
             .collect();
-        let got_res: Vec<f64> = r
-            .get_f32(xp, rows * cols)
-            .iter()
-            .map(|&v| v as f64)
-            .collect();
-        assert_close(&got_res, &summed, 1e-6, "residual");
+        let got_res: Vec<f64> = r.f32s(xp, rows * cols).iter().map(|&v| v as f64).collect();
+        assert_close(&got_res, &summed, 1e-6, 1.0, "residual");
         let mut want = Vec::new();
         for row in summed.chunks(cols) {
             want.extend(ref_rms(row, &wf, 1e-5, unit));
         }
-        assert_close(&r.get_bf(out, rows * cols), &want, 8e-3, "add_rms_norm");
+        assert_close(
+            &r.get_bf(out, rows * cols),
+            &want,
+            8e-3,
+            1.0,
+            "add_rms_norm",
+        );
     }
 }
 
-#[test]
-fn linear_matches_a_naive_matmul() {
-    let r = Rig::new();
-    let mut d = Data(5);
-    let (m, n, k) = (3usize, 7usize, 33usize);
-    let x = d.bf(m * k, 1.0);
-    let w = d.bf(n * k, 0.5);
-    let (xp, wp) = (r.put(&x), r.put(&w));
-    let out = r.out(m * n * 2);
-    let out32 = r.out(m * n * 4);
-    let sc: [KernelArg; 3] = [(m as u32).into(), (n as u32).into(), (k as u32).into()];
-    r.run(
-        "gemm",
-        "linear",
-        &[out.into(), xp.into(), wp.into(), sc[0], sc[1], sc[2]],
-    )
-    .unwrap();
-    r.run(
-        "gemm",
-        "linear_f32out",
-        &[out32.into(), xp.into(), wp.into(), sc[0], sc[1], sc[2]],
-    )
-    .unwrap();
+/// `x · wᵀ` of bf16 matrices in f64.
+fn ref_matmul(x: &[bf16], w: &[bf16], (m, n, k): (usize, usize, usize)) -> Vec<f64> {
     let mut want = vec![0.0f64; m * n];
     for i in 0..m {
         for j in 0..n {
@@ -296,13 +250,52 @@ fn linear_matches_a_naive_matmul() {
                 .sum();
         }
     }
-    assert_close(&r.get_bf(out, m * n), &want, 8e-3, "linear");
-    let got32: Vec<f64> = r.get_f32(out32, m * n).iter().map(|&v| v as f64).collect();
-    assert_close(&got32, &want, 1e-5, "linear_f32out");
+    want
 }
 
 #[test]
-fn linear_tma_on_stage_images_is_linear() {
+fn every_linear_kernel_matches_a_naive_matmul() {
+    let r = Rig::new();
+    let mut d = Data(5);
+    let (m, n, k) = (3usize, 7usize, 33usize);
+    let x = d.bf(m * k, 1.0);
+    let w = d.bf(n * k, 0.5);
+    let (xp, wp) = (r.put(&x), r.put(&w));
+    let want = ref_matmul(&x, &w, (m, n, k));
+    for name in [
+        "linear",
+        "linear_stream",
+        "linear_stream_b4",
+        "linear_stream_wide",
+    ] {
+        for f32_out in [false, true] {
+            let out = r.out(m * n * 4);
+            let p = LinearParams {
+                out,
+                x: xp,
+                w: wp,
+                m: m as u32,
+                n: n as u32,
+                k: k as u32,
+            };
+            let name = if f32_out {
+                format!("{name}_f32out")
+            } else {
+                name.to_string()
+            };
+            r.run("gemm", &name, &p).unwrap();
+            if f32_out {
+                let got: Vec<f64> = r.f32s(out, m * n).iter().map(|&v| v as f64).collect();
+                assert_close(&got, &want, 1e-5, 1.0, &name);
+            } else {
+                assert_close(&r.get_bf(out, m * n), &want, 8e-3, 1.0, &name);
+            }
+        }
+    }
+}
+
+#[test]
+fn permute_writes_the_documented_images_and_linear_tma_reads_them() {
     let r = Rig::new();
     let mut d = Data(6);
     // k = 200: seven chunks, the last partial and the last stage half empty; m = 130: a second
@@ -311,176 +304,149 @@ fn linear_tma_on_stage_images_is_linear() {
         let x = d.bf(m * k, 1.0);
         let w = d.bf(n * k, 0.5);
         let (xp, wp) = (r.put(&x), r.put(&w));
-        let img_bytes = super::kernels::gemm::stage_image_bytes(m, k);
+        let img_bytes = m.div_ceil(128) * k.div_ceil(64) * 16384;
         let img = r.out(img_bytes);
-        let sc: [KernelArg; 3] = [(m as u32).into(), (n as u32).into(), (k as u32).into()];
-        r.run(
-            "gemm",
-            "permute_k32_tiles",
-            &[img.into(), xp.into(), sc[0], sc[2]],
-        )
-        .unwrap();
-        // Layout: in row 0, pair 1 (k 2, 3) is the first 4 bytes of unit 1; pair 4 (k 8, 9) the
-        // second of unit 0; row 1 swaps units 0 and 1 (the swizzle).
-        let words = r.gpu.download::<u32>(img, img_bytes / 4, r.s).unwrap();
-        let pair = |row: usize, p: usize| {
-            x[row * k + 2 * p].to_bits() as u32 | (x[row * k + 2 * p + 1].to_bits() as u32) << 16
+        let p = PermuteK32TilesParams {
+            out: img,
+            x: xp,
+            m: m as u32,
+            k: k as u32,
         };
-        assert_eq!(words[4], pair(0, 1));
-        assert_eq!(words[1], pair(0, 4));
-        assert_eq!(words[32], pair(1, 1));
-        // Past k (row 0, stage 3: chunk 6 holds pairs 96..99, position 0 of its units; chunk 7
-        // is empty) and past m (rows 130..256) the images are zero.
-        if k == 200 {
-            let stage3 = &words[3 * 4096..3 * 4096 + 32];
-            assert!(
-                stage3
-                    .iter()
-                    .enumerate()
-                    .all(|(i, &v)| (v == 0) == (i >= 16 || i % 4 != 0))
-            );
+        r.run("gemm", "permute_k32_tiles", &p).unwrap();
+        // Every element where the layout puts it, and zeros everywhere else (past k to the
+        // stage, past m to the tile).
+        let bytes = r.bytes(img, img_bytes);
+        let mut want = vec![0u8; img_bytes];
+        for row in 0..m {
+            for col in 0..k {
+                let at = image_byte(row, col, k);
+                want[at..at + 2].copy_from_slice(&x[row * k + col].to_bits().to_le_bytes());
+            }
         }
-        assert!((m..m.div_ceil(128) * 128).all(|row| {
-            let base = (row / 128) * k.div_ceil(64) * 4096 + (row % 128) * 32;
-            words[base..base + 32].iter().all(|&v| v == 0)
-        }));
+        assert!(bytes == want, "permute_k32_tiles at m={m} k={k}");
         let map = r.out(128);
-        for (name, via, bytes) in [
-            ("linear", "linear_tma", 2),
-            ("linear_f32out", "linear_tma_f32out", 4),
-        ] {
-            let (want, got) = (r.out(m * n * bytes), r.out(m * n * bytes));
-            r.run(
-                "gemm",
-                name,
-                &[want.into(), xp.into(), wp.into(), sc[0], sc[1], sc[2]],
-            )
-            .unwrap();
-            r.run(
-                "gemm",
-                via,
-                &[
-                    got.into(),
-                    img.into(),
-                    wp.into(),
-                    map.into(),
-                    sc[0],
-                    sc[1],
-                    sc[2],
-                ],
-            )
-            .unwrap();
-            let want = r.gpu.download::<u8>(want, m * n * bytes, r.s).unwrap();
-            let got = r.gpu.download::<u8>(got, m * n * bytes, r.s).unwrap();
-            assert!(
-                want == got,
-                "{via} differs from {name} at m={m} n={n} k={k}"
-            );
+        let reference = ref_matmul(&x, &w, (m, n, k));
+        for (name, bytes) in [("linear_tma", 2), ("linear_tma_f32out", 4)] {
+            let out = r.out(m * n * bytes);
+            let p = LinearTmaParams {
+                out,
+                xt: img,
+                w: wp,
+                wmap: map,
+                m: m as u32,
+                n: n as u32,
+                k: k as u32,
+            };
+            r.run("gemm", name, &p).unwrap();
+            let got = if bytes == 2 {
+                r.get_bf(out, m * n)
+            } else {
+                r.f32s(out, m * n).iter().map(|&v| v as f64).collect()
+            };
+            let rel = if bytes == 2 { 8e-3 } else { 1e-5 };
+            assert_close(&got, &reference, rel, 1.0, name);
         }
     }
 }
 
-#[test]
-fn staged_producers_write_what_permute_writes() {
-    let r = Rig::new();
-    let mut d = Data(7);
-    let (m, k) = (3usize, 128usize);
-    let bytes = super::kernels::gemm::stage_image_bytes(m, k);
-    let sc: [KernelArg; 2] = [(m as u32).into(), (k as u32).into()];
-    // The permuted natural rows, over zeros; the staged images over zeros too (the producers
-    // leave padding alone, and here the padding is zero on both sides).
-    let images_of = |x: DevicePtr| {
-        let img = r.out(bytes);
-        r.run(
-            "gemm",
-            "permute_k32_tiles",
-            &[img.into(), x.into(), sc[0], sc[1]],
-        )
-        .unwrap();
-        r.gpu.download::<u8>(img, bytes, r.s).unwrap()
-    };
-    let zeroed = || {
-        let img = r.out(bytes);
-        r.gpu.memset(img, 0, bytes, r.s).unwrap();
-        img
-    };
-    let gu = r.put(&d.bf(m * 2 * k, 3.0));
-    let act = r.out(m * k * 2);
-    r.run(
-        "activation",
-        "silu_mul",
-        &[act.into(), gu.into(), sc[0], sc[1]],
-    )
-    .unwrap();
-    // Images only, then images and rows.
-    let staged = zeroed();
-    r.run(
-        "activation",
-        "silu_mul_staged",
-        &[
-            staged.into(),
-            DevicePtr::NULL.into(),
-            gu.into(),
-            sc[0],
-            sc[1],
-        ],
-    )
-    .unwrap();
-    assert!(r.gpu.download::<u8>(staged, bytes, r.s).unwrap() == images_of(act));
-    let (staged, rows) = (zeroed(), r.out(m * k * 2));
-    r.run(
-        "activation",
-        "silu_mul_staged",
-        &[staged.into(), rows.into(), gu.into(), sc[0], sc[1]],
-    )
-    .unwrap();
-    assert!(r.gpu.download::<u8>(staged, bytes, r.s).unwrap() == images_of(act));
-    let rows_of = |p| r.gpu.download::<u8>(p, m * k * 2, r.s).unwrap();
-    assert!(rows_of(rows) == rows_of(act), "silu_mul_staged's rows");
-
-    let residual: Vec<f32> = d.vec(m * k, 2.0);
-    let (res1, res2) = (r.put(&residual), r.put(&residual));
-    let (delta, w) = (r.put(&d.bf(m * k, 1.0)), r.put(&d.bf(k, 1.0)));
-    let (out1, out2) = (r.out(m * k * 2), r.out(m * k * 2));
-    let tail: [KernelArg; 4] = [sc[0], sc[1], 1e-6f32.into(), 1u32.into()];
-    r.run(
-        "norm",
-        "add_rms_norm",
-        &[
-            res1.into(),
-            delta.into(),
-            w.into(),
-            out1.into(),
-            tail[0],
-            tail[1],
-            tail[2],
-            tail[3],
-        ],
-    )
-    .unwrap();
-    let staged = zeroed();
-    r.run(
-        "norm",
-        "add_rms_norm_staged",
-        &[
-            res2.into(),
-            delta.into(),
-            w.into(),
-            out2.into(),
-            staged.into(),
-            tail[0],
-            tail[1],
-            tail[2],
-            tail[3],
-        ],
-    )
-    .unwrap();
-    assert_eq!(r.get_bf(out1, m * k), r.get_bf(out2, m * k));
-    assert!(r.gpu.download::<u8>(staged, bytes, r.s).unwrap() == images_of(out1));
+/// Stage images of `rows` (each `k` bf16) written where the documented layout puts them, over
+/// `base`.
+fn images_of(rows: &[bf16], k: usize, base: &[u8]) -> Vec<u8> {
+    let mut img = base.to_vec();
+    for (i, v) in rows.iter().enumerate() {
+        let at = image_byte(i / k, i % k, k);
+        img[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+    }
+    img
 }
 
 #[test]
-fn embedding_gather_rows_silu_and_argmax() {
+fn staged_producers_write_their_rows_where_the_layout_puts_them() {
+    let r = Rig::new();
+    let mut d = Data(7);
+    let (m, k) = (3usize, 128usize);
+    let bytes = m.div_ceil(128) * k.div_ceil(64) * 16384;
+    // Images over a pattern, so padding left alone shows.
+    let pattern: Vec<u8> = (0..bytes).map(|i| (i * 7 % 251) as u8).collect();
+    let patterned = || r.put(&pattern);
+    let gate_up = d.bf(m * 2 * k, 3.0);
+    let gu = r.put(&gate_up);
+    let act = r.out(m * k * 2);
+    let silu = |p: &SiluMulStagedParams| r.run("activation", "silu_mul_staged", p);
+    r.run(
+        "activation",
+        "silu_mul",
+        &SiluMulParams {
+            out: act,
+            gate_up: gu,
+            rows: m as u32,
+            ffn: k as u32,
+        },
+    )
+    .unwrap();
+    let act_rows = r.bf(act, m * k);
+    let mut want_act = Vec::new();
+    for row in gate_up.chunks(2 * k) {
+        for j in 0..k {
+            let g = row[j].to_f64();
+            want_act.push(g / (1.0 + (-g).exp()) * row[k + j].to_f64());
+        }
+    }
+    assert_close(&tof(&act_rows), &want_act, 8e-3, 1.0, "silu_mul");
+    // Images only, then images and rows.
+    let (staged, rows) = (patterned(), r.out(m * k * 2));
+    let mut p = SiluMulStagedParams {
+        img: staged,
+        act: DevicePtr::NULL,
+        gate_up: gu,
+        rows: m as u32,
+        ffn: k as u32,
+    };
+    silu(&p).unwrap();
+    assert!(r.bytes(staged, bytes) == images_of(&act_rows, k, &pattern));
+    (p.img, p.act) = (patterned(), rows);
+    silu(&p).unwrap();
+    assert!(r.bytes(p.img, bytes) == images_of(&act_rows, k, &pattern));
+    assert!(r.bf(rows, m * k) == act_rows, "silu_mul_staged's rows");
+    p.ffn = 12;
+    assert!(
+        silu(&p).is_err(),
+        "a row of 12 columns is not whole vectors of 8"
+    );
+
+    let residual: Vec<f32> = d.vec(m * k, 2.0);
+    let (delta, w) = (r.put(&d.bf(m * k, 1.0)), r.put(&d.bf(k, 1.0)));
+    let out1 = r.out(m * k * 2);
+    let plain = AddRmsNormParams {
+        residual: r.put(&residual),
+        delta,
+        w,
+        out: out1,
+        rows: m as u32,
+        cols: k as u32,
+        eps: 1e-6,
+        unit_offset: 1,
+    };
+    r.run("norm", "add_rms_norm", &plain).unwrap();
+    let staged = AddRmsNormStagedParams {
+        residual: r.put(&residual),
+        delta,
+        w,
+        out: r.out(m * k * 2),
+        img: patterned(),
+        rows: m as u32,
+        cols: k as u32,
+        eps: 1e-6,
+        unit_offset: 1,
+    };
+    r.run("norm", "add_rms_norm_staged", &staged).unwrap();
+    let normed = r.bf(out1, m * k);
+    assert!(r.bf(staged.out, m * k) == normed);
+    assert!(r.bytes(staged.img, bytes) == images_of(&normed, k, &pattern));
+}
+
+#[test]
+fn embedding_gather_rows_and_argmax() {
     let r = Rig::new();
     let mut d = Data(9);
     let (vocab, hidden) = (10usize, 6usize);
@@ -488,20 +454,16 @@ fn embedding_gather_rows_silu_and_argmax() {
     let ids = [7u32, 0, 7, 3];
     let (tp, ip) = (r.put(&table), r.put(&ids));
     let out = r.out(ids.len() * hidden * 4);
-    r.run(
-        "embed",
-        "embedding_gather",
-        &[
-            out.into(),
-            tp.into(),
-            ip.into(),
-            4u32.into(),
-            (hidden as u32).into(),
-            (vocab as u32).into(),
-        ],
-    )
-    .unwrap();
-    let got = r.get_f32(out, ids.len() * hidden);
+    let mut p = EmbeddingGatherParams {
+        out,
+        table: tp,
+        ids: ip,
+        rows: 4,
+        hidden: hidden as u32,
+        vocab: vocab as u32,
+    };
+    r.run("embed", "embedding_gather", &p).unwrap();
+    let got = r.f32s(out, ids.len() * hidden);
     for (i, &id) in ids.iter().enumerate() {
         for j in 0..hidden {
             assert_eq!(
@@ -510,69 +472,46 @@ fn embedding_gather_rows_silu_and_argmax() {
             );
         }
     }
-    let bad = r.put(&[10u32]);
-    assert!(
-        r.run(
-            "embed",
-            "embedding_gather",
-            &[
-                out.into(),
-                tp.into(),
-                bad.into(),
-                1u32.into(),
-                (hidden as u32).into(),
-                (vocab as u32).into()
-            ]
-        )
-        .is_err()
-    );
+    (p.ids, p.rows) = (r.put(&[10u32]), 1);
+    assert!(r.run("embed", "embedding_gather", &p).is_err());
 
     let rows_out = r.out(2 * hidden * 2);
-    let sel = r.put(&[2u32, 0]);
-    r.run(
-        "embed",
-        "gather_rows",
-        &[
-            rows_out.into(),
-            tp.into(),
-            sel.into(),
-            2u32.into(),
-            (hidden as u32).into(),
-            (vocab as u32).into(),
-        ],
-    )
-    .unwrap();
+    let mut p = GatherRowsParams {
+        out: rows_out,
+        x: tp,
+        row_ids: r.put(&[2u32, 0]),
+        n: 2,
+        cols: hidden as u32,
+        src_rows: vocab as u32,
+    };
+    r.run("embed", "gather_rows", &p).unwrap();
     let got = r.get_bf(rows_out, 2 * hidden);
     assert_eq!(got[..hidden], tof(&table[2 * hidden..3 * hidden]));
     assert_eq!(got[hidden..], tof(&table[..hidden]));
+    p.row_ids = r.put(&[2u32, 10]);
+    assert!(r.run("embed", "gather_rows", &p).is_err());
 
-    let ffn = 5usize;
-    let gu = d.bf(2 * 2 * ffn, 3.0);
-    let gup = r.put(&gu);
-    let act = r.out(2 * ffn * 2);
-    r.run(
-        "activation",
-        "silu_mul",
-        &[act.into(), gup.into(), 2u32.into(), (ffn as u32).into()],
-    )
-    .unwrap();
-    let mut want = Vec::new();
-    for row in gu.chunks(2 * ffn) {
-        for j in 0..ffn {
-            let g = row[j].to_f64();
-            want.push(g / (1.0 + (-g).exp()) * row[ffn + j].to_f64());
-        }
-    }
-    assert_close(&r.get_bf(act, 2 * ffn), &want, 8e-3, "silu_mul");
-
-    let logits = [0.5f32, 3.0, 3.0, -1.0, f32::NAN, 2.0, 9.0, 9.0];
-    let lp = r.put(&logits);
-    let am = r.out(8);
-    r.run(
-        "sampling",
-        "argmax",
-        &[am.into(), lp.into(), 2u32.into(), 4u32.into()],
-    )
-    .unwrap();
-    assert_eq!(r.gpu.download::<u32>(am, 2, r.s).unwrap(), vec![1, 2]);
+    let logits = [
+        0.5f32,
+        3.0,
+        3.0,
+        -1.0,
+        f32::NAN,
+        2.0,
+        9.0,
+        9.0,
+        f32::NAN,
+        f32::NAN,
+        f32::NAN,
+        f32::NAN,
+    ];
+    let am = r.out(12);
+    let p = ArgmaxParams {
+        out: am,
+        logits: r.put(&logits),
+        rows: 3,
+        vocab: 4,
+    };
+    r.run("sampling", "argmax", &p).unwrap();
+    assert_eq!(r.gpu.download::<u32>(am, 3, r.s).unwrap(), vec![1, 2, 0]);
 }

@@ -1,7 +1,7 @@
-//! One kernel launch on the driver: the argument list checked against the kernel's compiled
-//! parameter sizes (where the driver reports them), packed into 8-byte slots, and launched with
-//! `cuLaunchKernel`, or `cuLaunchKernelEx` with programmatic stream serialization when the
-//! launch asks for it (`LaunchConfig::programmatic`).
+//! One kernel launch on the driver: the kernel's parameter struct (or a flat argument list)
+//! checked against the kernel's compiled parameters (offsets and sizes, where the driver reports
+//! them), and launched with `cuLaunchKernel`, or `cuLaunchKernelEx` with programmatic stream
+//! serialization when the launch asks for it (`LaunchConfig::programmatic`).
 
 use std::ffi::c_void;
 
@@ -10,7 +10,7 @@ use cudarc::driver::sys;
 use super::driver::check;
 use super::modules::KernelEntry;
 use crate::error::{GpuError, GpuResult};
-use crate::types::{DevicePtr, KernelArg, LaunchConfig};
+use crate::types::{DevicePtr, KernelArg, LaunchConfig, ParamBlock};
 
 /// The most arguments one launch may pass.
 const MAX_KERNEL_ARGS: usize = 32;
@@ -24,7 +24,50 @@ fn pack(arg: &KernelArg) -> (u64, usize) {
         KernelArg::U32(v) => (u64::from(v), 4),
         KernelArg::I32(v) => (u64::from(v as u32), 4),
         KernelArg::F32(v) => (u64::from(v.to_bits()), 4),
+        KernelArg::Params(_) => (0, 0),
     }
+}
+
+/// Pointers to each parameter inside `block`'s bytes, at the offsets the compiled kernel has
+/// (`entry.params`, or the struct's own where the driver cannot say), after checking that the
+/// struct lays its fields out there.
+fn param_pointers(
+    entry: &KernelEntry,
+    block: &ParamBlock,
+    ptrs: &mut [*mut c_void; MAX_KERNEL_ARGS],
+) -> GpuResult<()> {
+    let layout = block.layout();
+    if let Some(manifest) = entry.struct_layout
+        && manifest.name != layout.name
+    {
+        return Err(GpuError::BadArgument {
+            kernel: entry.label.clone(),
+            index: 0,
+            problem: format!(
+                "the kernel takes {}, the launch passed {}",
+                manifest.name, layout.name
+            ),
+        });
+    }
+    let want: Vec<(usize, usize)> = layout.params().collect();
+    let have = entry.params.as_deref().unwrap_or(&want);
+    if have != want.as_slice() || have.len() > MAX_KERNEL_ARGS {
+        return Err(GpuError::BadArgument {
+            kernel: entry.label.clone(),
+            index: 0,
+            problem: format!(
+                "the compiled kernel's parameters (offset, bytes) are {have:?}; {} lays out {want:?}",
+                layout.name
+            ),
+        });
+    }
+    let base = block.bytes().as_ptr() as *mut u8;
+    for (p, &(offset, _)) in ptrs.iter_mut().zip(have) {
+        // SAFETY: every offset lies inside the struct's bytes (the struct's own layout, checked
+        // equal above), so the pointer stays inside `block`.
+        *p = unsafe { base.add(offset) } as *mut c_void;
+    }
+    Ok(())
 }
 
 /// Launch `entry` on stream `s` (the caller has bound the context).
@@ -34,11 +77,73 @@ pub(super) fn launch(
     args: &[KernelArg],
     s: sys::CUstream,
 ) -> GpuResult<()> {
+    let mut slots = [0u64; MAX_KERNEL_ARGS];
+    let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_KERNEL_ARGS];
+    if let [KernelArg::Params(block)] = args {
+        param_pointers(entry, block, &mut ptrs)?;
+    } else {
+        flat_pointers(entry, args, &mut slots, &mut ptrs)?;
+    }
+    let (g, b) = (config.grid, config.block);
+    if config.programmatic {
+        // SAFETY: an all-zero `CUlaunchAttribute` is a valid plain-data value (id 0, a
+        // zeroed union) that is overwritten below before use.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let launch = driver_config(config, s, &mut attr, 1);
+        // SAFETY: as for `cuLaunchKernel` below; `launch` and `attr` outlive the call, which
+        // reads them and copies the parameters before returning.
+        return check(&format!("cuLaunchKernelEx({})", entry.label), unsafe {
+            sys::cuLaunchKernelEx(&launch, entry.func, ptrs.as_mut_ptr(), std::ptr::null_mut())
+        });
+    }
+    // SAFETY: `entry.func` is live (its module stays loaded while the caller holds the kernel
+    // table, and until drop); `ptrs` point at each parameter's bytes in its C type's size (in
+    // `slots`, or in the parameter struct at its compiled offset), as checked against the
+    // compiled signature above; the driver copies the parameters before returning, and `slots`
+    // and `args` outlive the call.
+    check(&format!("cuLaunchKernel({})", entry.label), unsafe {
+        sys::cuLaunchKernel(
+            entry.func,
+            g.0,
+            g.1,
+            g.2,
+            b.0,
+            b.1,
+            b.2,
+            config.shared_mem_bytes,
+            s,
+            ptrs.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    })
+}
+
+/// Pointers to each flat argument, packed into `slots` as its C type, after checking the list
+/// against the compiled parameter sizes. A kernel of the manifest takes its parameter struct
+/// only, so a flat list for one is refused.
+fn flat_pointers(
+    entry: &KernelEntry,
+    args: &[KernelArg],
+    slots: &mut [u64; MAX_KERNEL_ARGS],
+    ptrs: &mut [*mut c_void; MAX_KERNEL_ARGS],
+) -> GpuResult<()> {
     let bad = |index: usize, problem: String| GpuError::BadArgument {
         kernel: entry.label.clone(),
         index,
         problem,
     };
+    if let Some(manifest) = entry.struct_layout {
+        return Err(bad(
+            0,
+            format!(
+                "the kernel takes one {}, the launch passed {} arguments",
+                manifest.name,
+                args.len()
+            ),
+        ));
+    }
     if args.len() > MAX_KERNEL_ARGS {
         return Err(bad(
             MAX_KERNEL_ARGS,
@@ -60,60 +165,25 @@ pub(super) fn launch(
             ),
         ));
     }
-    let mut slots = [0u64; MAX_KERNEL_ARGS];
     for (i, arg) in args.iter().enumerate() {
         let (bits, size) = pack(arg);
-        if let Some(params) = &entry.params
-            && params[i] != size
-        {
+        let compiled = entry.params.as_ref().map(|p| p[i].1);
+        if size == 0 || compiled.is_some_and(|c| c != size) {
             return Err(bad(
                 i,
                 format!(
                     "the kernel's parameter is {} bytes, the launch passed {} ({size} bytes)",
-                    params[i],
+                    compiled.unwrap_or(0),
                     arg.kind()
                 ),
             ));
         }
         slots[i] = bits;
     }
-    let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_KERNEL_ARGS];
     for (p, slot) in ptrs.iter_mut().zip(slots.iter_mut()) {
         *p = slot as *mut u64 as *mut c_void;
     }
-    let (g, b) = (config.grid, config.block);
-    if config.programmatic {
-        // SAFETY: an all-zero `CUlaunchAttribute` is a valid plain-data value (id 0, a
-        // zeroed union) that is overwritten below before use.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let launch = driver_config(config, s, &mut attr, 1);
-        // SAFETY: as for `cuLaunchKernel` below; `launch` and `attr` outlive the call, which
-        // reads them and copies the parameters before returning.
-        return check(&format!("cuLaunchKernelEx({})", entry.label), unsafe {
-            sys::cuLaunchKernelEx(&launch, entry.func, ptrs.as_mut_ptr(), std::ptr::null_mut())
-        });
-    }
-    // SAFETY: `entry.func` is live (its module stays loaded while the caller holds the kernel
-    // table, and until drop); `ptrs[..args.len()]` point at 8-byte slots holding each parameter
-    // in its C type's size, as checked against the compiled signature above; the driver copies the
-    // parameters before returning, and `slots` outlives the call.
-    check(&format!("cuLaunchKernel({})", entry.label), unsafe {
-        sys::cuLaunchKernel(
-            entry.func,
-            g.0,
-            g.1,
-            g.2,
-            b.0,
-            b.1,
-            b.2,
-            config.shared_mem_bytes,
-            s,
-            ptrs.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    })
+    Ok(())
 }
 
 /// `config` as the driver's extended launch configuration on stream `s`, with `num_attrs`

@@ -8,11 +8,15 @@
 //!   and queues `cuMemcpyHtoDAsync` from there without waiting; a larger one queues it from the
 //!   caller's slice and waits for the stream. Either way the host slice may be reused on return.
 //!   `copy_d2h` waits for the stream. Both are refused while the stream captures.
-//! - Kernels: resolved by `(module, name)` in the embedded cubins (see `modules`), launched by
-//!   `cuLaunchKernel` with each `KernelArg` packed as its C type (ptr and u64: 8 bytes; u32,
-//!   i32, f32: 4 bytes), after checking the list against the compiled signature; a
-//!   `LaunchConfig::programmatic` launch goes through `cuLaunchKernelEx` with the
+//! - Kernels: resolved by `(module, name)` in the embedded cubins (see `modules`; a kernel of
+//!   the manifest compiled with another parameter layout than its struct's is refused), launched
+//!   by `cuLaunchKernel` with the parameter struct's bytes at the compiled offsets (or a flat
+//!   list, each `KernelArg` packed as its C type), after checking them against the compiled
+//!   signature; a `LaunchConfig::programmatic` launch goes through `cuLaunchKernelEx` with the
 //!   programmatic-stream-serialization attribute (kept as a programmatic edge under capture).
+//! - Faults: a kernel that refuses its launch writes its code into the fault word (`faults`);
+//!   `take_kernel_error` reads it back as `GpuError::KernelFault`, and so does `synchronize`
+//!   when `CudaBackendOptions::check_kernel_errors` is on (debug builds by default).
 //! - Streams: `StreamHandle::DEFAULT` is a real non-blocking stream created at start (the legacy
 //!   NULL stream cannot be captured); `create_stream` makes more.
 //! - Capture: `cuStreamBeginCapture` in thread-local mode, `cuStreamEndCapture`, then
@@ -26,8 +30,10 @@
 
 mod blaslt;
 mod driver;
+mod faults;
 mod launch;
 mod modules;
+mod open;
 mod staging;
 
 use std::collections::{HashMap, HashSet};
@@ -38,6 +44,7 @@ use parking_lot::{Mutex, RwLock};
 
 use self::blaslt::Blaslt;
 use self::driver::{bind, check};
+use self::faults::{FaultWord, fault_result};
 use self::modules::KernelTable;
 pub use self::modules::{ModuleSource, embedded_modules};
 use self::staging::{STAGING_MAX_COPY, Staging};
@@ -76,6 +83,36 @@ pub struct CudaBackend {
     staging: Mutex<Staging>,
     /// cuBLASLt, loaded on first use (`None` inside: the library is absent).
     blaslt: Mutex<Option<Option<Blaslt>>>,
+    /// The word kernels write their faults to (`faults`).
+    faults: FaultWord,
+    options: CudaBackendOptions,
+}
+
+/// Settings of the CUDA backend.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct CudaBackendOptions {
+    /// Read the device fault word at every `synchronize` and report a launch a kernel refused as
+    /// `GpuError::KernelFault` (one 4-byte copy per synchronize). Default: on in debug builds
+    /// (`cfg!(debug_assertions)`), off in release builds, where `take_kernel_error` asks
+    /// explicitly.
+    pub check_kernel_errors: bool,
+}
+
+impl Default for CudaBackendOptions {
+    fn default() -> Self {
+        CudaBackendOptions {
+            check_kernel_errors: cfg!(debug_assertions),
+        }
+    }
+}
+
+impl CudaBackendOptions {
+    /// These options with `check_kernel_errors` set to `on`.
+    pub fn check_kernel_errors(mut self, on: bool) -> Self {
+        self.check_kernel_errors = on;
+        self
+    }
 }
 
 // SAFETY: the raw handles are process-wide driver objects, valid on any thread once the context
@@ -86,99 +123,6 @@ unsafe impl Send for CudaBackend {}
 unsafe impl Sync for CudaBackend {}
 
 impl CudaBackend {
-    /// Open GPU `device_ordinal`: retain its primary context, create the default stream.
-    /// `GpuError::Unavailable` when the driver library cannot be loaded or there is no such GPU.
-    pub fn new(device_ordinal: usize) -> GpuResult<CudaBackend> {
-        // SAFETY: only tries to open the driver library; no driver call is made.
-        if !unsafe { sys::is_culib_present() } {
-            return Err(GpuError::Unavailable(
-                "cuda".into(),
-                "the CUDA driver library (libcuda.so) could not be loaded; is the NVIDIA driver installed and on LD_LIBRARY_PATH?".into(),
-            ));
-        }
-        // SAFETY: cuInit may be called any number of times, from any thread.
-        check("cuInit", unsafe { sys::cuInit(0) })?;
-        let mut count = 0i32;
-        // SAFETY: `count` is a valid out-pointer.
-        check("cuDeviceGetCount", unsafe {
-            sys::cuDeviceGetCount(&mut count)
-        })?;
-        if device_ordinal >= count.max(0) as usize {
-            return Err(GpuError::Unavailable(
-                "cuda".into(),
-                format!("GPU {device_ordinal} asked for, but the driver sees {count} GPU(s)"),
-            ));
-        }
-        let mut device: sys::CUdevice = 0;
-        // SAFETY: the ordinal was checked against the device count; `device` is an out-pointer.
-        check("cuDeviceGet", unsafe {
-            sys::cuDeviceGet(&mut device, device_ordinal as i32)
-        })?;
-        let mut name = [0 as std::ffi::c_char; 256];
-        // SAFETY: `name` holds 256 bytes and the driver writes at most `len` of them, NUL included.
-        check("cuDeviceGetName", unsafe {
-            sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, device)
-        })?;
-        // SAFETY: the driver NUL-terminated the name inside the buffer.
-        let device_name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
-            .to_string_lossy()
-            .into_owned();
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: `device` is valid; `ctx` is an out-pointer; released once in `Drop`.
-        check("cuDevicePrimaryCtxRetain", unsafe {
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, device)
-        })?;
-        let instance = driver::next_instance_id();
-        let mut backend = CudaBackend {
-            instance,
-            ordinal: device_ordinal,
-            device,
-            device_name,
-            ctx,
-            default_stream: std::ptr::null_mut(),
-            max_dynamic_smem: 48 << 10,
-            handles: Mutex::new(Handles {
-                next_stream: 1,
-                next_event: 1,
-                next_graph: 1,
-                ..Default::default()
-            }),
-            kernels: RwLock::new(KernelTable::default()),
-            staging: Mutex::new(Staging::default()),
-            blaslt: Mutex::new(None),
-        };
-        // From here `Drop` releases the context (and destroys the stream once made).
-        bind(instance, ctx)?;
-        backend.default_stream = new_stream()?;
-        let mut smem = 0i32;
-        // SAFETY: `device` is valid; `smem` is an out-pointer.
-        check("cuDeviceGetAttribute", unsafe {
-            sys::cuDeviceGetAttribute(
-                &mut smem,
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-                device,
-            )
-        })?;
-        backend.max_dynamic_smem = smem;
-        tracing::debug!(ordinal = device_ordinal, name = %backend.device_name, "CUDA backend ready");
-        Ok(backend)
-    }
-
-    /// The GPU's ordinal.
-    pub fn ordinal(&self) -> usize {
-        self.ordinal
-    }
-
-    /// The GPU's name as the driver reports it.
-    pub fn device_name(&self) -> &str {
-        &self.device_name
-    }
-
-    /// The modules loaded so far and whether each came from its cubin or its PTX.
-    pub fn loaded_modules(&self) -> Vec<(String, ModuleSource)> {
-        self.kernels.read().sources()
-    }
-
     fn bind(&self) -> GpuResult<()> {
         bind(self.instance, self.ctx)
     }
@@ -348,7 +292,7 @@ impl GpuBackend for CudaBackend {
         self.bind()?;
         self.kernels
             .write()
-            .resolve(module, name, self.max_dynamic_smem)
+            .resolve(module, name, self.max_dynamic_smem, &self.faults)
     }
 
     fn launch(
@@ -412,7 +356,23 @@ impl GpuBackend for CudaBackend {
         self.refuse_in_capture(stream, "synchronize")?;
         let s = self.stream(stream)?;
         self.bind()?;
-        self.sync_stream("cuStreamSynchronize", s)
+        self.sync_stream("cuStreamSynchronize", s)?;
+        if self.options.check_kernel_errors {
+            return fault_result(self.faults.take()?);
+        }
+        Ok(())
+    }
+
+    fn take_kernel_error(&self) -> GpuResult<()> {
+        if !self.handles.lock().capturing.is_empty() {
+            return Err(GpuError::Capture(
+                "reading the kernel fault word is not allowed while a stream captures".into(),
+            ));
+        }
+        self.bind()?;
+        // SAFETY: the context is current; waits for all queued work.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
+        fault_result(self.faults.take()?)
     }
 
     fn create_event(&self) -> GpuResult<EventHandle> {
@@ -562,45 +522,5 @@ impl GpuBackend for CudaBackend {
             }
         };
         run().transpose()
-    }
-}
-
-impl Drop for CudaBackend {
-    fn drop(&mut self) {
-        if self.bind().is_err() {
-            return;
-        }
-        // Errors are ignored from here on: there is nobody left to report them to.
-        // SAFETY: the context is current; waits for all queued work before anything is freed.
-        let _ = unsafe { sys::cuCtxSynchronize() };
-        let h = std::mem::take(self.handles.get_mut());
-        // SAFETY (whole block): every handle below was created by this backend, is listed once,
-        // and is destroyed once; the device is idle (synchronised above).
-        unsafe {
-            for (_, (g, exec)) in h.graphs {
-                let _ = sys::cuGraphExecDestroy(exec);
-                let _ = sys::cuGraphDestroy(g);
-            }
-            for (_, e) in h.events {
-                let _ = sys::cuEventDestroy_v2(e);
-            }
-            for (_, s) in h.streams {
-                let _ = sys::cuStreamDestroy_v2(s);
-            }
-            if !self.default_stream.is_null() {
-                let _ = sys::cuStreamDestroy_v2(self.default_stream);
-            }
-            for (p, _) in h.allocations {
-                let _ = sys::cuMemFree_v2(p);
-            }
-        }
-        self.staging.get_mut().release();
-        if let Some(Some(lt)) = self.blaslt.get_mut() {
-            lt.release();
-        }
-        self.kernels.get_mut().unload_all();
-        // SAFETY: retained once in `new`, released once here; nothing of the context is used
-        // after this.
-        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
     }
 }

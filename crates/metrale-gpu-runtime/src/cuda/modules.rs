@@ -7,8 +7,11 @@
 //! Invariants:
 //! - A module is loaded at most once and stays loaded until the backend drops, so every
 //!   `CUfunction` in the table stays valid; handles index `entries` and are never reused.
-//! - Each entry records its parameter sizes as the driver reports them (`cuFuncGetParamInfo`),
-//!   so a launch whose flat argument list does not match the compiled signature is refused.
+//! - Each entry records its parameters' offsets and sizes as the driver reports them
+//!   (`cuFuncGetParamInfo`); a kernel of the manifest whose compiled parameters are not its
+//!   parameter struct's layout is refused when it is resolved, and a launch whose arguments do
+//!   not match the compiled signature is refused.
+//! - Every loaded module's `mt_fault_word` points at the backend's fault word (`faults`).
 
 use std::collections::HashMap;
 use std::ffi::{CString, c_void};
@@ -16,6 +19,7 @@ use std::ffi::{CString, c_void};
 use cudarc::driver::sys;
 
 use super::driver::{check, describe};
+use super::faults::FaultWord;
 use crate::error::{GpuError, GpuResult};
 use crate::types::KernelHandle;
 
@@ -37,8 +41,10 @@ pub(super) struct KernelEntry {
     pub label: String,
     /// The function; valid while its module is loaded (until the backend drops).
     pub func: sys::CUfunction,
-    /// Byte size of each parameter, or `None` where the driver cannot say.
-    pub params: Option<Vec<usize>>,
+    /// `(offset, bytes)` of each parameter, or `None` where the driver cannot say.
+    pub params: Option<Vec<(usize, usize)>>,
+    /// The parameter struct the manifest gives the kernel (`None` for a kernel outside it).
+    pub struct_layout: Option<&'static metrale_kernel_abi::ParamsLayout>,
 }
 
 /// Which image a module was loaded from.
@@ -77,19 +83,21 @@ impl KernelTable {
         v
     }
 
-    /// Resolve `module::name`, loading the module if needed. The backend's context must be
-    /// current on this thread. `max_dynamic_smem` is the device's opt-in shared-memory limit per
-    /// block; each function is allowed all of it that its static shared memory leaves.
+    /// Resolve `module::name`, loading the module if needed (and pointing it at `faults`). The
+    /// backend's context must be current on this thread. `max_dynamic_smem` is the device's
+    /// opt-in shared-memory limit per block; each function is allowed all of it that its static
+    /// shared memory leaves.
     pub fn resolve(
         &mut self,
         module: &str,
         name: &str,
         max_dynamic_smem: i32,
+        faults: &FaultWord,
     ) -> GpuResult<KernelHandle> {
         if let Some(h) = self.lookup(module, name) {
             return Ok(h);
         }
-        let cu_module = self.load_module(module)?;
+        let cu_module = self.load_module(module, faults)?;
         let unknown = |hint: String| GpuError::UnknownKernel {
             module: module.to_string(),
             name: name.to_string(),
@@ -107,20 +115,22 @@ impl KernelTable {
             )));
         }
         check(&format!("cuModuleGetFunction({module}::{name})"), code)?;
-        let params = param_sizes(func);
+        let params = param_layout(func);
+        check_manifest_params(module, name, params.as_deref())?;
         allow_dynamic_smem(func, max_dynamic_smem, module, name)?;
         let handle = KernelHandle(self.entries.len() as u32);
         self.entries.push(KernelEntry {
             label: format!("{module}::{name}"),
             func,
             params,
+            struct_layout: metrale_kernel_abi::kernel_info(module, name).map(|k| k.params),
         });
         self.index
             .insert((module.to_string(), name.to_string()), handle.0);
         Ok(handle)
     }
 
-    fn load_module(&mut self, module: &str) -> GpuResult<sys::CUmodule> {
+    fn load_module(&mut self, module: &str, faults: &FaultWord) -> GpuResult<sys::CUmodule> {
         if let Some(&(m, _)) = self.modules.get(module) {
             return Ok(m);
         }
@@ -150,6 +160,7 @@ impl KernelTable {
             },
         };
         self.modules.insert(module.to_string(), (m, source));
+        faults.attach(m, module)?;
         Ok(m)
     }
 
@@ -187,20 +198,46 @@ fn load_image(image: &[u8], nul_terminate: bool) -> Result<sys::CUmodule, String
     }
 }
 
-/// The byte size of each of `func`'s parameters, in order; `None` when the driver cannot say.
-fn param_sizes(func: sys::CUfunction) -> Option<Vec<usize>> {
-    let mut sizes = Vec::new();
+/// `(offset, bytes)` of each of `func`'s parameters, in order; `None` when the driver cannot
+/// say.
+fn param_layout(func: sys::CUfunction) -> Option<Vec<(usize, usize)>> {
+    let mut params = Vec::new();
     for index in 0..256 {
         let (mut offset, mut size) = (0usize, 0usize);
         // SAFETY: `func` is a live function handle; both out-pointers are valid.
         let code = unsafe { sys::cuFuncGetParamInfo(func, index, &mut offset, &mut size) };
         match code {
-            sys::CUresult::CUDA_SUCCESS => sizes.push(size),
-            sys::CUresult::CUDA_ERROR_INVALID_VALUE => return Some(sizes),
+            sys::CUresult::CUDA_SUCCESS => params.push((offset, size)),
+            sys::CUresult::CUDA_ERROR_INVALID_VALUE => return Some(params),
             _ => return None,
         }
     }
     None
+}
+
+/// A kernel of the manifest must have been compiled with its parameter struct's layout (the
+/// embedded module is older than the manifest otherwise).
+fn check_manifest_params(
+    module: &str,
+    name: &str,
+    params: Option<&[(usize, usize)]>,
+) -> GpuResult<()> {
+    let (Some(info), Some(have)) = (metrale_kernel_abi::kernel_info(module, name), params) else {
+        return Ok(());
+    };
+    let want: Vec<(usize, usize)> = info.params.params().collect();
+    if have == want.as_slice() {
+        return Ok(());
+    }
+    Err(GpuError::BadArgument {
+        kernel: info.label(),
+        index: 0,
+        problem: format!(
+            "compiled with parameters (offset, bytes) {have:?}, but its struct {} lays out \
+             {want:?} (rebuild with `cargo xtask kernels`)",
+            info.params.name
+        ),
+    })
 }
 
 /// Let `func` take up to the device's opt-in limit of dynamic shared memory.

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuBackendExt, StreamHandle};
-use metrale_model_layers::ops::PagedAttention;
+use metrale_model_layers::ops::{Matrix, PagedAttention};
 use metrale_model_layers::{ModelDims, Ops};
 
 use super::median;
@@ -207,7 +207,8 @@ pub fn decode_breakdown(
 
     let linear = |name: &str, out, x, w: &[DevicePtr], n, k| {
         let f = |i: usize| -> Result<(), ModelError> {
-            Ok(ops.linear(s, out, x, w[i % w.len()], batch, n, k)?)
+            let (out, x) = (Matrix::bf16(out, batch, n), Matrix::bf16(x, batch, k));
+            Ok(ops.linear(s, out, x, Matrix::bf16(w[i % w.len()], n, k))?)
         };
         Ok::<_, ModelError>(StepPart {
             name: format!("linear {name} {n}x{k}"),
@@ -222,21 +223,16 @@ pub fn decode_breakdown(
             us: time_launch(g, s, iters, f)?,
         })
     };
+    let rows = |p, cols| Matrix::bf16(p, batch, cols);
+    let table = Matrix::bf16(lm_head, d.vocab, d.hidden);
     let mut parts = vec![part("embedding_gather", 1, &|_| {
-        Ok(ops.embedding_gather(s, residual, lm_head, token_ids, batch, d.hidden, d.vocab)?)
+        let out = Matrix::f32(residual, batch, d.hidden);
+        Ok(ops.embedding_gather(s, out, table, token_ids)?)
     })?];
     parts.push(part("add_rms_norm", 2 * layers, &|_| {
-        Ok(ops.add_rms_norm(
-            s,
-            residual,
-            delta,
-            norm_w,
-            normed,
-            batch,
-            d.hidden,
-            d.eps,
-            d.unit_offset,
-        )?)
+        let r = Matrix::f32(residual, batch, d.hidden);
+        let (dl, n) = (rows(delta, d.hidden), rows(normed, d.hidden));
+        Ok(ops.add_rms_norm(s, r, dl, n, &d.norm(norm_w))?)
     })?);
     parts.push(linear("qkv", qkv, normed, &w_qkv, d.qkv_width(), d.hidden)?);
     let rope = d.rope_params(qkv, (head_norm, head_norm), inv_freq, positions, batch);
@@ -288,16 +284,24 @@ pub fn decode_breakdown(
         d.hidden,
     )?);
     parts.push(part("silu_mul", layers, &|_| {
-        Ok(ops.silu_mul(s, act, gate_up, batch, d.ffn)?)
+        Ok(ops.silu_mul(s, rows(act, d.ffn), rows(gate_up, 2 * d.ffn))?)
     })?);
     parts.push(linear("down", delta, act, &w_down, d.hidden, d.ffn)?);
     parts.push(part("gather_rows", 1, &|_| {
-        Ok(ops.gather_rows(s, logits_in, normed, row_seq, batch, d.hidden, batch)?)
+        Ok(ops.gather_rows(
+            s,
+            rows(logits_in, d.hidden),
+            rows(normed, d.hidden),
+            row_seq,
+        )?)
     })?);
     parts.push(part(
         &format!("linear_f32out lm_head {}x{}", d.vocab, d.hidden),
         1,
-        &|_| Ok(ops.linear_f32out(s, logits, logits_in, lm_head, batch, d.vocab, d.hidden)?),
+        &|_| {
+            let out = Matrix::f32(logits, batch, d.vocab);
+            Ok(ops.linear_f32out(s, out, rows(logits_in, d.hidden), table)?)
+        },
     )?);
     g.synchronize(s)?;
     Ok(Breakdown {

@@ -71,9 +71,10 @@ pub fn launch_profile(
         let dims: Vec<String> = l
             .args
             .iter()
-            .filter_map(|a| match a {
-                KernelArg::U32(v) => Some(v.to_string()),
-                _ => None,
+            .flat_map(|a| match a {
+                KernelArg::U32(v) => vec![v.to_string()],
+                KernelArg::Params(p) => p.u32_fields().map(|(_, v)| v.to_string()).collect(),
+                _ => Vec::new(),
             })
             .take(3)
             .collect();

@@ -17,6 +17,7 @@ use metrale_gpu_runtime::{BufferArena, GpuBackend, GpuBackendExt, GraphHandle, S
 use metrale_model_layers::circuit_exec::CircuitExec;
 use metrale_model_layers::layer::SsmBinding;
 use metrale_model_layers::layers::MtpHead;
+use metrale_model_layers::ops::Matrix;
 use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{
     KvBinding, LayerCtx, ModelDims, Ops, StepBuffers, StepShape, TransformerLayer,
@@ -400,15 +401,8 @@ impl TransformerModel {
     /// The legacy step through `ops` (the model's launchers, or recording ones).
     pub(crate) fn launch_step_with(&self, ops: &Ops, shape: StepShape) -> Result<(), ModelError> {
         let (s, b, d) = (self.stream, &self.buf, &self.dims);
-        ops.embedding_gather(
-            s,
-            b.residual,
-            self.weights.embed.ptr,
-            b.token_ids,
-            shape.rows,
-            d.hidden,
-            d.vocab,
-        )?;
+        let residual = Matrix::f32(b.residual, shape.rows, d.hidden);
+        ops.embedding_gather(s, residual, self.weights.embed.matrix(), b.token_ids)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let (kv, ssm) = self.layer_bindings(i);
             let cx = LayerCtx {
@@ -423,17 +417,12 @@ impl TransformerModel {
             };
             layer.forward(&cx)?;
         }
-        ops.add_rms_norm(
-            s,
-            b.residual,
-            b.delta,
-            self.weights.final_norm.ptr,
-            b.normed,
-            shape.rows,
-            d.hidden,
-            d.eps,
-            d.unit_offset,
-        )?;
+        let (delta, normed) = (
+            Matrix::bf16(b.delta, shape.rows, d.hidden),
+            Matrix::bf16(b.normed, shape.rows, d.hidden),
+        );
+        let norm = d.norm(self.weights.final_norm.ptr);
+        ops.add_rms_norm(s, residual, delta, normed, &norm)?;
         self.launch_lm_head(ops, shape)
     }
 
@@ -441,24 +430,11 @@ impl TransformerModel {
     fn launch_lm_head(&self, ops: &Ops, shape: StepShape) -> Result<(), ModelError> {
         let (s, b, d) = (self.stream, &self.buf, &self.dims);
         if shape.logit_rows > 0 {
-            ops.gather_rows(
-                s,
-                b.logits_in,
-                b.normed,
-                b.logit_rows,
-                shape.logit_rows,
-                d.hidden,
-                shape.rows,
-            )?;
-            ops.linear_f32out(
-                s,
-                b.logits,
-                b.logits_in,
-                self.weights.lm_head.ptr,
-                shape.logit_rows,
-                d.vocab,
-                d.hidden,
-            )?;
+            let logits_in = Matrix::bf16(b.logits_in, shape.logit_rows, d.hidden);
+            let normed = Matrix::bf16(b.normed, shape.rows, d.hidden);
+            ops.gather_rows(s, logits_in, normed, b.logit_rows)?;
+            let logits = Matrix::f32(b.logits, shape.logit_rows, d.vocab);
+            ops.linear_f32out(s, logits, logits_in, self.weights.lm_head.matrix())?;
         }
         Ok(())
     }
@@ -486,13 +462,8 @@ impl TransformerModel {
 
     /// Greedy tokens of the last step's first `n` logit rows, computed on the device.
     pub fn greedy(&self, n: usize) -> Result<Vec<u32>, ModelError> {
-        self.ops.argmax(
-            self.stream,
-            self.buf.sampled,
-            self.buf.logits,
-            n as u32,
-            self.dims.vocab,
-        )?;
+        let logits = Matrix::f32(self.buf.logits, n as u32, self.dims.vocab);
+        self.ops.argmax(self.stream, self.buf.sampled, logits)?;
         Ok(self.gpu.download(self.buf.sampled, n, self.stream)?)
     }
 }

@@ -40,6 +40,7 @@
 
 use metrale_cache::BlockTable;
 use metrale_gpu_runtime::{DevicePtr, GpuBackendExt};
+use metrale_model_layers::ops::Matrix;
 use metrale_model_layers::{LayerCtx, Ops, StepShape, TransformerLayer};
 
 use super::{GraphKey, StepInput, StepRow, TransformerModel};
@@ -113,15 +114,12 @@ impl TransformerModel {
         }
         let (s, n, hidden) = (self.stream, step.rows.len() as u32, self.dims.hidden);
         self.gpu.upload(mb.hidden_rows, step.hidden_rows, s)?;
-        self.ops.embedding_gather(
-            s,
-            mb.hidden,
-            self.buf.normed,
-            mb.hidden_rows,
-            n,
-            hidden,
-            prev as u32,
-        )?;
+        let (hidden_rows, normed) = (
+            Matrix::f32(mb.hidden, n, hidden),
+            Matrix::bf16(self.buf.normed, prev as u32, hidden),
+        );
+        self.ops
+            .embedding_gather(s, hidden_rows, normed, mb.hidden_rows)?;
         let shape = self.upload(&input, None, None)?;
         let cat_ids: Vec<u32> = (0..n).flat_map(|i| [i, n + i]).collect();
         self.gpu.upload(mb.cat_ids, &cat_ids, s)?;
@@ -192,15 +190,8 @@ impl TransformerModel {
             .ok_or_else(|| ModelError::Step("the checkpoint has no MTP head".into()))?;
         let (s, b, d) = (self.stream, &self.buf, &self.dims);
         let n = shape.rows;
-        ops.embedding_gather(
-            s,
-            b.residual,
-            self.weights.embed.ptr,
-            b.token_ids,
-            n,
-            d.hidden,
-            d.vocab,
-        )?;
+        let residual = Matrix::f32(b.residual, n, d.hidden);
+        ops.embedding_gather(s, residual, self.weights.embed.matrix(), b.token_ids)?;
         let halves = [
             (mb.cat_src, b.residual, head.pre_fc_norm_embedding.ptr),
             (
@@ -210,18 +201,16 @@ impl TransformerModel {
             ),
         ];
         for (out, x, w) in halves {
-            ops.rms_norm(s, out, x, w, n, d.hidden, d.eps, d.unit_offset)?;
+            let (out, x) = (Matrix::bf16(out, n, d.hidden), Matrix::f32(x, n, d.hidden));
+            ops.rms_norm(s, out, x, &d.norm(w))?;
         }
-        ops.gather_rows(s, mb.cat, mb.cat_src, mb.cat_ids, 2 * n, d.hidden, 2 * n)?;
-        ops.linear_f32out(
-            s,
-            b.residual,
-            mb.cat,
-            head.fc.ptr,
-            n,
-            d.hidden,
-            2 * d.hidden,
-        )?;
+        let (cat, cat_src) = (
+            Matrix::bf16(mb.cat, 2 * n, d.hidden),
+            Matrix::bf16(mb.cat_src, 2 * n, d.hidden),
+        );
+        ops.gather_rows(s, cat, cat_src, mb.cat_ids)?;
+        let cat = Matrix::bf16(mb.cat, n, 2 * d.hidden);
+        ops.linear_f32out(s, residual, cat, head.fc.matrix())?;
         let i = layer;
         let layer = head
             .layers
@@ -237,17 +226,11 @@ impl TransformerModel {
             ssm: None,
             first: true,
         })?;
-        ops.add_rms_norm(
-            s,
-            b.residual,
-            b.delta,
-            head.norm.ptr,
-            b.normed,
-            n,
-            d.hidden,
-            d.eps,
-            d.unit_offset,
-        )?;
+        let (delta, normed) = (
+            Matrix::bf16(b.delta, n, d.hidden),
+            Matrix::bf16(b.normed, n, d.hidden),
+        );
+        ops.add_rms_norm(s, residual, delta, normed, &d.norm(head.norm.ptr))?;
         self.launch_lm_head(ops, shape)
     }
 }

@@ -9,19 +9,22 @@
 //! - Every weight an emitter reads has the format family the group's kernel reads.
 
 use metrale_circuit::kernels as k;
-use metrale_circuit::{Block, Group, Kernel, LinearRole, Node, NormWeight, Op, Plan, Tensor};
-use metrale_gpu_runtime::{DevicePtr, StreamHandle};
+use metrale_circuit::{
+    Block, Format, Group, Kernel, LinearRole, Node, NormWeight, Op, Plan, Tensor,
+};
+use metrale_gpu_runtime::{DType, DevicePtr, StreamHandle};
 
 use super::bindings::{AttnFacts, CircuitLayer, HeadBinding, WeightSlot, norm_slot};
 use super::draft::DraftBinding;
 use super::error::CircuitExecError;
 use super::fixed::Fixed;
 use crate::layer::ModelDims;
-use crate::ops::{KvStore, Ops, PagedAttention, QkNormRope};
+use crate::ops::{KvStore, Matrix, Norm, Ops, PagedAttention, QkNormRope};
 use crate::ops_hybrid::{
     CausalConv1d, ExpertLinear, GatedDelta, GatedRmsNorm, GdnPrepare, GdnSeqs, MoeCombine,
     StatePool,
 };
+use crate::ops_moe::TopkRoute;
 
 type Result<T> = std::result::Result<T, CircuitExecError>;
 
@@ -35,6 +38,8 @@ pub(super) struct Edge {
     pub(super) cols: u64,
     /// Every extent multiplied.
     pub(super) numel: u64,
+    /// Element format.
+    pub(super) format: Format,
 }
 
 /// What a group's launches are built from.
@@ -88,11 +93,11 @@ impl Emitter<'_> {
                 // The projection's input and weight, the activation's output: the gate/up rows
                 // are never written. Only the narrow widths lower to this kernel
                 // (`kernels_at`), where no producer writes stage images.
-                let x = self.nth(gate_up, 0, false)?;
-                let act = self.nth(silu, 0, true)?;
-                let (w, m, n, kk) = self.linear_shape(gate_up, *kernel)?;
-                self.ops
-                    .linear_swiglu(self.stream, act.ptr, x.ptr, w, m, n / 2, kk)?;
+                let b = gate_up.block;
+                let x = self.view(b, &self.nth(gate_up, 0, false)?)?;
+                let act = self.view(b, &self.nth(silu, 0, true)?)?;
+                let w = self.linear_weight(gate_up, *kernel)?;
+                self.ops.linear_swiglu(self.stream, act, x, w)?;
                 true
             }
             _ => false,
@@ -139,7 +144,23 @@ impl Emitter<'_> {
             rows: ext.first().copied().unwrap_or(1),
             cols: ext.last().copied().unwrap_or(1),
             numel: ext.iter().product(),
+            format: tensor.spec().format,
         })
+    }
+
+    /// `e` as the launchers' matrix view: `rows` rows of the rest of its elements.
+    pub(super) fn view(&self, block: Block, e: &Edge) -> Result<Matrix> {
+        let dtype = match e.format {
+            Format::Bf16 => DType::Bf16,
+            Format::F32 => DType::F32,
+            Format::U32 => DType::U32,
+        };
+        Ok(Matrix::new(
+            e.ptr,
+            dtype,
+            self.u32(block, "rows", e.rows)?,
+            self.u32(block, "columns", e.numel / e.rows.max(1))?,
+        ))
     }
 
     pub(super) fn input(&self, node: &Node, tensor: Tensor) -> Result<Edge> {
@@ -261,53 +282,49 @@ impl Emitter<'_> {
         match (node.op, kernels) {
             (Op::Embedding, [kernel @ k::EMBEDDING_GATHER]) => {
                 let ids = self.input(node, Tensor::TokenIds)?;
-                let out = self.output(node, Tensor::Residual)?;
+                let out = self.view(b, &self.output(node, Tensor::Residual)?)?;
                 let table = self.weight(b, WeightSlot::Embedding, *kernel)?;
-                let vocab = self.plan.circuit().instance().dims.vocab;
-                ops.embedding_gather(
-                    s,
-                    out.ptr,
-                    table,
-                    ids.ptr,
-                    u("rows", out.rows)?,
-                    u("hidden", out.cols)?,
-                    u("vocab", vocab)?,
-                )?;
+                let vocab = u("vocab", self.plan.circuit().instance().dims.vocab)?;
+                let table = Matrix::bf16(table, vocab, out.cols);
+                ops.embedding_gather(s, out, table, ids.ptr)?;
             }
             (Op::RmsNorm { role, weight }, [kernel @ k::RMS_NORM]) => {
                 // The residual stream, or a draft step's hidden rows.
-                let x = self.nth(node, 0, false)?;
-                let out = self.nth(node, 0, true)?;
-                let w = self.weight(b, norm_slot(role), *kernel)?;
-                let unit = weight == NormWeight::ZeroCentred;
-                let (rows, cols) = (u("rows", x.rows)?, u("hidden", x.cols)?);
-                ops.rms_norm(s, out.ptr, x.ptr, w, rows, cols, eps, unit)?;
+                let x = self.view(b, &self.nth(node, 0, false)?)?;
+                let out = self.view(b, &self.nth(node, 0, true)?)?;
+                let norm = Norm {
+                    w: self.weight(b, norm_slot(role), *kernel)?,
+                    eps,
+                    unit_offset: weight == NormWeight::ZeroCentred,
+                };
+                ops.rms_norm(s, out, x, &norm)?;
             }
             (Op::AddRmsNorm { role, weight }, [kernel @ k::ADD_RMS_NORM]) => {
-                let residual = self.input(node, Tensor::Residual)?;
-                let delta = self.input(node, Tensor::Delta)?;
-                let out = self.output(node, Tensor::Normed)?;
-                let w = self.weight(b, norm_slot(role), *kernel)?;
-                let unit = weight == NormWeight::ZeroCentred;
-                let (rows, cols) = (u("rows", residual.rows)?, u("hidden", residual.cols)?);
-                let (r, d) = (residual.ptr, delta.ptr);
+                let residual = self.view(b, &self.input(node, Tensor::Residual)?)?;
+                let delta = self.view(b, &self.input(node, Tensor::Delta)?)?;
+                let out = self.view(b, &self.output(node, Tensor::Normed)?)?;
+                let norm = Norm {
+                    w: self.weight(b, norm_slot(role), *kernel)?,
+                    eps,
+                    unit_offset: weight == NormWeight::ZeroCentred,
+                };
                 match self.staged_for(node)? {
                     Some(images) => {
-                        let o = out.ptr;
-                        ops.add_rms_norm_staged(s, r, d, w, o, images, rows, cols, eps, unit)?;
+                        ops.add_rms_norm_staged(s, (residual, delta, out), images, &norm)?
                     }
-                    None => ops.add_rms_norm(s, r, d, w, out.ptr, rows, cols, eps, unit)?,
+                    None => ops.add_rms_norm(s, residual, delta, out, &norm)?,
                 }
             }
             (Op::Linear(_), [kernel @ (k::LINEAR | k::LINEAR_F32OUT)]) => {
-                let (x, out) = (self.nth(node, 0, false)?, self.nth(node, 0, true)?);
-                let (w, m, n, kk) = self.linear_shape(node, *kernel)?;
+                let x = self.view(b, &self.nth(node, 0, false)?)?;
+                let out = self.view(b, &self.nth(node, 0, true)?)?;
+                let w = self.linear_weight(node, *kernel)?;
                 if *kernel == k::LINEAR_F32OUT {
-                    ops.linear_f32out(s, out.ptr, x.ptr, w, m, n, kk)?;
+                    ops.linear_f32out(s, out, x, w)?;
                 } else if let Some(images) = self.staged_x(node)? {
-                    ops.linear_staged(s, out.ptr, x.ptr, images, w, m, n, kk)?;
+                    ops.linear_staged(s, (out, x, w), images)?;
                 } else {
-                    ops.linear(s, out.ptr, x.ptr, w, m, n, kk)?;
+                    ops.linear(s, out, x, w)?;
                 }
             }
             (Op::Linear(role), [kernel @ (k::MOE_EXPERT_LINEAR | k::MOE_EXPERT_LINEAR_F32OUT)]) => {
@@ -463,24 +480,23 @@ impl Emitter<'_> {
                 let logits = self.input(node, Tensor::MoeRouterLogits)?;
                 let ids = self.output(node, Tensor::MoeTopkIds)?;
                 let weights = self.output(node, Tensor::MoeTopkWeights)?;
-                ops.topk_route(
-                    s,
-                    ids.ptr,
-                    weights.ptr,
-                    logits.ptr,
-                    u("rows", logits.rows)?,
-                    u("experts", logits.cols)?,
-                    u("experts per token", ids.cols)?,
-                    moe.shape.renormalize,
-                )?;
+                let route = TopkRoute {
+                    topk_ids: ids.ptr,
+                    topk_weights: weights.ptr,
+                    logits: logits.ptr,
+                    rows: u("rows", logits.rows)?,
+                    num_experts: u("experts", logits.cols)?,
+                    top_k: u("experts per token", ids.cols)?,
+                    renormalize: moe.shape.renormalize as u32,
+                };
+                ops.topk_route(s, &route)?;
             }
             (Op::SiluMul, [k::SILU_MUL]) => {
-                let x = self.nth(node, 0, false)?;
-                let out = self.nth(node, 0, true)?;
-                let (rows, ffn) = (u("rows", x.rows)?, u("width", out.cols)?);
+                let x = self.view(b, &self.nth(node, 0, false)?)?;
+                let out = self.view(b, &self.nth(node, 0, true)?)?;
                 match self.staged_for(node)? {
-                    Some(images) => ops.silu_mul_staged(s, images, out.ptr, x.ptr, rows, ffn)?,
-                    None => ops.silu_mul(s, out.ptr, x.ptr, rows, ffn)?,
+                    Some(images) => ops.silu_mul_staged(s, images, out, x)?,
+                    None => ops.silu_mul(s, out, x)?,
                 }
             }
             (Op::MoeCombine, [k::MOE_COMBINE]) => {
@@ -508,29 +524,15 @@ impl Emitter<'_> {
                 )?;
             }
             (Op::GatherRows, [k::GATHER_ROWS]) => {
-                let x = self.input(node, Tensor::Normed)?;
+                let x = self.view(b, &self.input(node, Tensor::Normed)?)?;
                 let rows = self.input(node, Tensor::LogitRows)?;
-                let out = self.output(node, Tensor::LogitsIn)?;
-                ops.gather_rows(
-                    s,
-                    out.ptr,
-                    x.ptr,
-                    rows.ptr,
-                    u("logit rows", out.rows)?,
-                    u("hidden", x.cols)?,
-                    u("rows", x.rows)?,
-                )?;
+                let out = self.view(b, &self.output(node, Tensor::LogitsIn)?)?;
+                ops.gather_rows(s, out, x, rows.ptr)?;
             }
             (Op::Argmax, [k::ARGMAX]) => {
-                let logits = self.input(node, Tensor::Logits)?;
+                let logits = self.view(b, &self.input(node, Tensor::Logits)?)?;
                 let out = self.output(node, Tensor::Sampled)?;
-                ops.argmax(
-                    s,
-                    out.ptr,
-                    logits.ptr,
-                    u("logit rows", logits.rows)?,
-                    u("vocab", logits.cols)?,
-                )?;
+                ops.argmax(s, out.ptr, logits)?;
             }
             _ => return self.draft_single(node, kernels),
         }

@@ -11,6 +11,7 @@ use metrale_circuit::{Kernel, Node, Op, Tensor};
 
 use super::emit::Emitter;
 use super::error::CircuitExecError;
+use crate::ops::Matrix;
 
 impl Emitter<'_> {
     /// Emit a one-node group of the draft step; `false` when no emitter lowers `node` to
@@ -30,15 +31,10 @@ impl Emitter<'_> {
                 let ids = self.input(node, Tensor::MtpCatIds)?;
                 let out = self.output(node, Tensor::MtpCat)?;
                 let half_rows = u("concat rows", ids.numel)?;
-                self.ops.gather_rows(
-                    self.stream,
-                    out.ptr,
-                    src.ptr,
-                    ids.ptr,
-                    half_rows,
-                    u("hidden", src.cols)?,
-                    half_rows,
-                )?;
+                let hidden = u("hidden", src.cols)?;
+                let out = Matrix::bf16(out.ptr, half_rows, hidden);
+                let src = Matrix::bf16(src.ptr, half_rows, hidden);
+                self.ops.gather_rows(self.stream, out, src, ids.ptr)?;
                 Ok(true)
             }
             _ => Ok(false),

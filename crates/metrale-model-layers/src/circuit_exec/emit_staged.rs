@@ -11,10 +11,17 @@ use metrale_gpu_runtime::DevicePtr;
 use super::bindings::WeightSlot;
 use super::emit::Emitter;
 use super::error::CircuitExecError;
+use crate::ops::Matrix;
 
 type Result<T> = std::result::Result<T, CircuitExecError>;
 
 impl Emitter<'_> {
+    /// A `Linear` node's weight (read as `kernel` reads it), bf16 `[n, k]`.
+    pub(super) fn linear_weight(&self, node: &Node, kernel: Kernel) -> Result<Matrix> {
+        let (w, _, n, kk) = self.linear_shape(node, kernel)?;
+        Ok(Matrix::bf16(w, n, kk))
+    }
+
     /// A `Linear` node's weight (read as `kernel` reads it) and its m, n, k.
     pub(super) fn linear_shape(
         &self,
@@ -66,7 +73,8 @@ impl Emitter<'_> {
             return Ok(None);
         }
         let (w, m, n, kk) = self.linear_shape(linear, k::LINEAR)?;
-        Ok(self.ops.linear_staging(self.stream, w, m, n, kk)?)
+        let w = Matrix::bf16(w, n, kk);
+        Ok(self.ops.linear_staging(self.stream, w, m)?)
     }
 
     /// The stage images `producer` writes its output as, for the projection reading it (see

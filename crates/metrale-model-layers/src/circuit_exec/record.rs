@@ -25,11 +25,19 @@ pub struct Launch {
     pub kernel: KernelHandle,
     /// Its geometry.
     pub config: LaunchConfig,
-    /// Its flat argument list.
+    /// Its arguments: the kernel's parameter struct.
     pub args: Vec<KernelArg>,
 }
 
 impl Launch {
+    /// Its parameter struct, when it is a `P`.
+    pub fn params<P: metrale_kernel_abi::KernelParams>(&self) -> Option<P> {
+        match self.args.as_slice() {
+            [KernelArg::Params(block)] => block.get::<P>(),
+            _ => None,
+        }
+    }
+
     /// Launch it on `gpu`.
     pub fn run(&self, gpu: &dyn GpuBackend, stream: StreamHandle) -> GpuResult<()> {
         gpu.launch(self.kernel, &self.config, &self.args, stream)

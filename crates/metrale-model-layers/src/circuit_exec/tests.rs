@@ -399,29 +399,28 @@ fn a_program_reads_the_bound_addresses_at_the_plans_extents() {
         .iter()
         .find(|l| l.kernel == m.ops.k.paged_attention)
         .unwrap();
-    use metrale_gpu_runtime::KernelArg::{F32, Ptr, U32};
-    assert_eq!(attention.args[0], Ptr(m.fixed.buffers.attn_out));
-    assert_eq!(attention.args[2], Ptr(kv.k));
-    assert_eq!(attention.args[3], Ptr(kv.v));
+    let p: metrale_kernel_abi::PagedAttentionParams = attention.params().unwrap();
+    assert_eq!(
+        (p.out, p.k_cache, p.v_cache),
+        (m.fixed.buffers.attn_out, kv.k, kv.v)
+    );
     // rows, row stride (gated q), q head stride, heads, head dim, block size, blocks per
     // sequence, sequences, slots, scale, gated.
-    assert_eq!(
-        attention.args[7..],
-        [
-            U32(4),
-            U32(192),
-            U32(32),
-            U32(4),
-            U32(2),
-            U32(16),
-            U32(16),
-            U32(8),
-            U32(4),
-            U32(512),
-            F32(0.25),
-            U32(1)
-        ]
-    );
+    let scalars = [
+        p.rows,
+        p.row_stride,
+        p.q_head_stride,
+        p.num_q_heads,
+        p.num_kv_heads,
+        p.head_dim,
+        p.block_size,
+        p.max_blocks,
+        p.num_seqs,
+        p.num_slots,
+        p.gated,
+    ];
+    assert_eq!(scalars, [4, 192, 32, 4, 2, 16, 16, 8, 4, 512, 1]);
+    assert_eq!({ p.scale }, 0.25);
     let lm_head = program.launches().last().unwrap();
     let f32out: Vec<_> = ["linear_f32out", "linear_stream_f32out"]
         .iter()
@@ -429,15 +428,15 @@ fn a_program_reads_the_bound_addresses_at_the_plans_extents() {
         .collect();
     assert!(f32out.contains(&lm_head.kernel));
     assert_eq!(
-        lm_head.args,
-        [
-            Ptr(m.fixed.buffers.logits),
-            Ptr(m.fixed.buffers.logits_in),
-            Ptr(m.head.lm_head.ptr()),
-            U32(4),
-            U32(256),
-            U32(64)
-        ]
+        lm_head.params(),
+        Some(metrale_kernel_abi::LinearParams {
+            out: m.fixed.buffers.logits,
+            x: m.fixed.buffers.logits_in,
+            w: m.head.lm_head.ptr(),
+            m: 4,
+            n: 256,
+            k: 64,
+        })
     );
 }
 
@@ -448,7 +447,11 @@ fn the_recorder_records_launches_and_refuses_memory() {
     let (recorder, recording) = Recorder::over(&ops);
     let (out, x) = (DevicePtr(0x1000), DevicePtr(0x2000));
     recording
-        .silu_mul(StreamHandle::DEFAULT, out, x, 3, 5)
+        .silu_mul(
+            StreamHandle::DEFAULT,
+            crate::ops::Matrix::bf16(out, 3, 5),
+            crate::ops::Matrix::bf16(x, 3, 10),
+        )
         .unwrap();
     assert_eq!(recorder.len(), 1);
     let launches = recorder.take();

@@ -6,12 +6,23 @@
 
 #![allow(clippy::unwrap_used)]
 
-use metrale_gpu_runtime::KernelArg::{Ptr, U32};
+use metrale_circuit::{Block, LinearRole};
+use metrale_gpu_runtime::{DType, DevicePtr, KernelArg};
+use metrale_kernel_abi::{
+    ConvStateVerifyParams, GatedDeltaVerifyParams, GatherRowsParams, LinearParams,
+    PagedAttentionParams, RmsNormParams,
+};
 
 use super::tests::{Addr, FA_MOE, LA_MOE, model};
 use super::*;
-use metrale_circuit::{Block, LinearRole};
-use metrale_gpu_runtime::DType;
+
+/// Whether `l` passes `p` as one of its pointers.
+fn reads(l: &Launch, p: DevicePtr) -> bool {
+    l.args.iter().any(|a| match a {
+        KernelArg::Params(block) => block.ptr_fields().any(|(_, q)| q == p),
+        _ => false,
+    })
+}
 
 #[test]
 fn verify_programs_keep_each_rows_state_and_read_one_sequence() {
@@ -39,22 +50,24 @@ fn verify_programs_keep_each_rows_state_and_read_one_sequence() {
             .find(|l| l.kernel == kernel)
             .unwrap()
     };
-    let window = find(k.conv_state_verify);
-    // pool, proj, seq_start, seq_slot, row_slot; rows, sequences, slots, slot stride.
-    assert_eq!(window.args[0], Ptr(ssm.conv));
-    assert_eq!(window.args[4], Ptr(row_slot));
-    assert_eq!(window.args[5..9], [U32(4), U32(1), U32(4), U32(3 * 88)]);
-    let rule = find(k.gated_delta_verify);
-    // out, pool, qk, conv, gates, seq_start, seq_slot, row_slot; rows, sequences.
-    assert_eq!(rule.args[1], Ptr(ssm.recurrent));
-    assert_eq!(rule.args[7], Ptr(row_slot));
-    assert_eq!(rule.args[8..10], [U32(4), U32(1)]);
+    let window: ConvStateVerifyParams = find(k.conv_state_verify).params().unwrap();
+    assert_eq!((window.conv_state, window.row_slot), (ssm.conv, row_slot));
+    let shape = [
+        window.rows,
+        window.num_seqs,
+        window.num_slots,
+        window.slot_stride,
+    ];
+    assert_eq!(shape, [4, 1, 4, 3 * 88]);
+    let rule: GatedDeltaVerifyParams = find(k.gated_delta_verify).params().unwrap();
+    assert_eq!((rule.state, rule.row_slot), (ssm.recurrent, row_slot));
+    assert_eq!([rule.rows, rule.num_seqs], [4, 1]);
     for kernel in [k.conv_state_update, k.gated_delta_recurrent] {
         assert!(verify.launches().iter().all(|l| l.kernel != kernel));
     }
     // Attention reads the one sequence's block table.
-    let attention = find(k.paged_attention);
-    assert_eq!(attention.args[15], U32(1));
+    let attention: PagedAttentionParams = find(k.paged_attention).params().unwrap();
+    assert_eq!({ attention.num_seqs }, 1);
     // The digest covers the verify plans: without them it is the decode plans' alone.
     let mut plain = model(&[LA_MOE, FA_MOE]);
     plain.instance.verify_rows.clear();
@@ -91,57 +104,47 @@ fn draft_programs_run_the_mtp_head_on_its_buffers_weights_and_kv_pool() {
     assert_eq!(l[0].kernel, k.embedding_gather);
     let residual = m.fixed.buffers.residual;
     assert_eq!((l[1].kernel, l[2].kernel), (k.rms_norm, k.rms_norm));
-    assert_eq!(
-        l[1].args[..3],
-        [
-            Ptr(d.cat_src),
-            Ptr(residual),
-            Ptr(draft.norm_embedding.ptr())
-        ]
-    );
+    let norm = |i: usize| {
+        let p: RmsNormParams = l[i].params().unwrap();
+        (p.out, p.x, p.w)
+    };
+    assert_eq!(norm(1), (d.cat_src, residual, draft.norm_embedding.ptr()));
     let second_half = d.cat_src.offset(3 * 64 * 2);
-    assert_eq!(
-        l[2].args[..3],
-        [
-            Ptr(second_half),
-            Ptr(d.hidden),
-            Ptr(draft.norm_hidden.ptr())
-        ]
-    );
+    assert_eq!(norm(2), (second_half, d.hidden, draft.norm_hidden.ptr()));
     // The concat: 6 half-rows of 64 gathered out of cat_src's 6 rows by cat_ids.
     assert_eq!(l[3].kernel, k.gather_rows);
     assert_eq!(
-        l[3].args,
-        [
-            Ptr(d.cat),
-            Ptr(d.cat_src),
-            Ptr(d.cat_ids),
-            U32(6),
-            U32(64),
-            U32(6)
-        ]
+        l[3].params(),
+        Some(GatherRowsParams {
+            out: d.cat,
+            x: d.cat_src,
+            row_ids: d.cat_ids,
+            n: 6,
+            cols: 64,
+            src_rows: 6,
+        })
     );
     // fc: cat -> residual (f32 out), 3 x 64 from 128.
-    assert_eq!(
-        l[4].args[..3],
-        [Ptr(residual), Ptr(d.cat), Ptr(draft.fc.ptr())]
-    );
+    let fc: LinearParams = l[4].params().unwrap();
+    assert_eq!((fc.out, fc.x, fc.w), (residual, d.cat, draft.fc.ptr()));
+    assert_eq!([fc.m, fc.n, fc.k], [3, 64, 128]);
     // The head layer's attention writes and reads the draft pool, over one sequence.
     let kv = d.pools[0].kv.unwrap();
     let attention = l.iter().find(|x| x.kernel == k.paged_attention).unwrap();
-    assert_eq!(attention.args[2..4], [Ptr(kv.k), Ptr(kv.v)]);
-    assert_eq!(attention.args[15], U32(1));
+    let a: PagedAttentionParams = attention.params().unwrap();
+    assert_eq!((a.k_cache, a.v_cache, a.num_seqs), (kv.k, kv.v, 1));
     let store = l.iter().find(|x| x.kernel == k.kv_store).unwrap();
-    assert!(store.args.contains(&Ptr(kv.k)));
+    assert!(reads(store, kv.k));
     let target_kv = m.fixed.pools[1].kv.unwrap();
-    assert!(l.iter().all(|x| !x.args.contains(&Ptr(target_kv.k))));
+    assert!(l.iter().all(|x| !reads(x, target_kv.k)));
     // mtp.norm, then the shared LM head on one logit row.
     let n = l.len();
     assert_eq!(l[n - 3].kernel, k.add_rms_norm);
-    assert!(l[n - 3].args.contains(&Ptr(draft.norm.ptr())));
+    assert!(reads(&l[n - 3], draft.norm.ptr()));
     assert_eq!(l[n - 2].kernel, k.gather_rows);
-    assert_eq!(l[n - 2].args[3..], [U32(1), U32(64), U32(3)]);
-    assert!(l[n - 1].args.contains(&Ptr(m.head.lm_head.ptr())));
+    let gather: GatherRowsParams = l[n - 2].params().unwrap();
+    assert_eq!([gather.n, gather.cols, gather.src_rows], [1, 64, 3]);
+    assert!(reads(&l[n - 1], m.head.lm_head.ptr()));
     // The digest covers the draft plans.
     let mut plain = model(&[LA_MOE, FA_MOE]);
     plain.instance.draft_rows.clear();

@@ -9,7 +9,7 @@ use metrale_gpu_runtime::{DevicePtr, GpuError, GpuResult};
 
 use crate::circuit_exec::{AttnFacts, BoundWeight, RopeFacts, WeightSlot};
 use crate::layer::{LayerCtx, ModelDims};
-use crate::ops::{PagedAttention, STEP_PROGRAMMATIC_ROWS};
+use crate::ops::{Matrix, PagedAttention, STEP_PROGRAMMATIC_ROWS};
 use crate::weight_map::DenseWeight;
 
 /// The softmax scale of attention heads of `head_dim`: `1 / sqrt(head_dim)`.
@@ -42,18 +42,11 @@ impl Attention {
         })?;
         let rows = cx.shape.rows;
         let width = d.qkv_width();
+        let qkv = Matrix::bf16(buf.qkv, rows, width);
+        let normed = Matrix::bf16(buf.normed, rows, d.hidden);
         match staged {
-            Some(images) => ops.linear_staged(
-                s,
-                buf.qkv,
-                buf.normed,
-                images,
-                self.qkv.ptr,
-                rows,
-                width,
-                d.hidden,
-            )?,
-            None => ops.linear(s, buf.qkv, buf.normed, self.qkv.ptr, rows, width, d.hidden)?,
+            Some(images) => ops.linear_staged(s, (qkv, normed, self.qkv.matrix()), images)?,
+            None => ops.linear(s, qkv, normed, self.qkv.matrix())?,
         }
         let norms = (
             self.q_norm.as_ref().map_or(Default::default(), |w| w.ptr),
@@ -90,37 +83,22 @@ impl Attention {
             scale: softmax_scale(d.head_dim),
             gated: d.attn_gated,
         };
-        let (o_out, o_in) = (d.hidden, d.attn_out_width());
+        let delta = Matrix::bf16(buf.delta, rows, d.hidden);
+        let attn_out = Matrix::bf16(buf.attn_out, rows, d.attn_out_width());
+        let o_proj = self.o_proj.matrix();
         match cx.shape.att_groups {
             0 => ops.paged_attention(s, &attention)?,
             n => {
                 // At prefill sizes the attention writes the o projection's stage images itself
                 // (no permute launch) when the projection can read them.
-                let images = ops.linear_staging(s, self.o_proj.ptr, rows, o_out, o_in)?;
+                let images = ops.linear_staging(s, o_proj, rows)?;
                 ops.paged_attention_prefill(s, &attention, buf.att_groups, n, images)?;
                 if let Some(images) = images {
-                    return ops.linear_staged(
-                        s,
-                        buf.delta,
-                        buf.attn_out,
-                        images,
-                        self.o_proj.ptr,
-                        rows,
-                        o_out,
-                        o_in,
-                    );
+                    return ops.linear_staged(s, (delta, attn_out, o_proj), images);
                 }
             }
         }
-        ops.linear(
-            s,
-            buf.delta,
-            buf.attn_out,
-            self.o_proj.ptr,
-            rows,
-            o_out,
-            o_in,
-        )
+        ops.linear(s, delta, attn_out, o_proj)
     }
 
     /// Bind the layer's weights into `weights` and return the facts its kernels read; a q norm

@@ -8,6 +8,7 @@ use metrale_gpu_runtime::{DevicePtr, GpuResult};
 use super::{Attention, GatedDeltaNet, Mlp, MoeMlp};
 use crate::circuit_exec::{CircuitBindings, CircuitLayer, MixerFacts, WeightSlot};
 use crate::layer::{LayerCtx, ModelDims, TransformerLayer};
+use crate::ops::Matrix;
 use crate::weight_map::DenseWeight;
 
 /// The token mixer of a layer.
@@ -50,25 +51,13 @@ impl TransformerLayer for DecoderLayer {
         // bulk-copy their segments of x).
         let mixer_staged = match &self.mixer {
             _ if cx.first => None,
-            Mixer::Attention(a) => {
-                ops.linear_staging(s, a.qkv.ptr, rows, d.qkv_width(), d.hidden)?
-            }
-            Mixer::GatedDeltaNet(g) => {
-                let width = g.shape.heads.proj_width();
-                ops.linear_staging(s, g.in_proj.ptr, rows, width, d.hidden)?
-            }
+            Mixer::Attention(a) => ops.linear_staging(s, a.qkv.matrix(), rows)?,
+            Mixer::GatedDeltaNet(g) => ops.linear_staging(s, g.in_proj.matrix(), rows)?,
         };
         if cx.first {
-            ops.rms_norm(
-                s,
-                buf.normed,
-                buf.residual,
-                self.input_norm.ptr,
-                rows,
-                d.hidden,
-                d.eps,
-                d.unit_offset,
-            )?;
+            let normed = Matrix::bf16(buf.normed, rows, d.hidden);
+            let residual = Matrix::f32(buf.residual, rows, d.hidden);
+            ops.rms_norm(s, normed, residual, &d.norm(self.input_norm.ptr))?;
         } else {
             self.residual_norm(cx, self.input_norm.ptr, mixer_staged)?;
         }
@@ -77,7 +66,7 @@ impl TransformerLayer for DecoderLayer {
             Mixer::GatedDeltaNet(g) => g.forward(cx, mixer_staged)?,
         }
         let ffn_staged = match &self.ffn {
-            Ffn::Dense(m) => ops.linear_staging(s, m.gate_up.ptr, rows, 2 * m.ffn, d.hidden)?,
+            Ffn::Dense(m) => ops.linear_staging(s, m.gate_up.matrix(), rows)?,
             Ffn::Moe(_) => None,
         };
         self.residual_norm(cx, self.post_norm.ptr, ffn_staged)?;
@@ -131,30 +120,14 @@ impl DecoderLayer {
         staged: Option<DevicePtr>,
     ) -> GpuResult<()> {
         let (ops, s, buf, d, rows) = (cx.ops, cx.stream, cx.buf, cx.dims, cx.shape.rows);
+        let residual = Matrix::f32(buf.residual, rows, d.hidden);
+        let delta = Matrix::bf16(buf.delta, rows, d.hidden);
+        let normed = Matrix::bf16(buf.normed, rows, d.hidden);
         match staged {
-            Some(images) => ops.add_rms_norm_staged(
-                s,
-                buf.residual,
-                buf.delta,
-                norm,
-                buf.normed,
-                images,
-                rows,
-                d.hidden,
-                d.eps,
-                d.unit_offset,
-            ),
-            None => ops.add_rms_norm(
-                s,
-                buf.residual,
-                buf.delta,
-                norm,
-                buf.normed,
-                rows,
-                d.hidden,
-                d.eps,
-                d.unit_offset,
-            ),
+            Some(images) => {
+                ops.add_rms_norm_staged(s, (residual, delta, normed), images, &d.norm(norm))
+            }
+            None => ops.add_rms_norm(s, residual, delta, normed, &d.norm(norm)),
         }
     }
 }

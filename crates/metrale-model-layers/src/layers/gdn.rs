@@ -38,6 +38,7 @@ use metrale_gpu_runtime::{DevicePtr, GpuError, GpuResult};
 
 use crate::circuit_exec::{BoundWeight, GdnFacts, WeightSlot};
 use crate::layer::LayerCtx;
+use crate::ops::Matrix;
 use crate::ops_hybrid::{
     CausalConv1d, GatedDelta, GatedRmsNorm, GdnHeads, GdnPrepare, GdnSeqs, StatePool,
 };
@@ -169,12 +170,11 @@ impl GatedDeltaNet {
             rows,
             num_seqs: cx.shape.num_seqs,
         };
-        let (w, width) = (self.in_proj.ptr, h.proj_width());
+        let proj = Matrix::bf16(g.proj, rows, h.proj_width());
+        let normed = Matrix::bf16(buf.normed, rows, d.hidden);
         match staged {
-            Some(images) => {
-                ops.linear_staged(s, g.proj, buf.normed, images, w, rows, width, d.hidden)?
-            }
-            None => ops.linear(s, g.proj, buf.normed, w, rows, width, d.hidden)?,
+            Some(images) => ops.linear_staged(s, (proj, normed, self.in_proj.matrix()), images)?,
+            None => ops.linear(s, proj, normed, self.in_proj.matrix())?,
         }
         let conv = CausalConv1d {
             out: g.conv,
@@ -245,15 +245,9 @@ impl GatedDeltaNet {
                 eps: self.shape.eps,
             },
         )?;
-        ops.linear(
-            s,
-            buf.delta,
-            g.normed,
-            self.out_proj.ptr,
-            rows,
-            d.hidden,
-            h.value_dim(),
-        )
+        let delta = Matrix::bf16(buf.delta, rows, d.hidden);
+        let normed = Matrix::bf16(g.normed, rows, h.value_dim());
+        ops.linear(s, delta, normed, self.out_proj.matrix())
     }
 
     /// Bind the mixer's weights into `weights` and return the facts its kernels read.

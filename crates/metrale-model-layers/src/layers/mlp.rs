@@ -8,6 +8,7 @@ use metrale_gpu_runtime::{DevicePtr, GpuResult};
 
 use crate::circuit_exec::{BoundWeight, FfnFacts, WeightSlot};
 use crate::layer::LayerCtx;
+use crate::ops::Matrix;
 use crate::weight_map::DenseWeight;
 
 /// One MLP's weights.
@@ -29,43 +30,23 @@ impl Mlp {
     /// `linear_stream_tma` takes from images).
     pub fn forward(&self, cx: &LayerCtx<'_>, staged: Option<DevicePtr>) -> GpuResult<()> {
         let (ops, s, buf, d, rows) = (cx.ops, cx.stream, cx.buf, cx.dims, cx.shape.rows);
-        let (n, k) = (2 * self.ffn, d.hidden);
+        let gate_up = Matrix::bf16(buf.gate_up, rows, 2 * self.ffn);
+        let normed = Matrix::bf16(buf.normed, rows, d.hidden);
+        let (act, delta) = (
+            Matrix::bf16(buf.act, rows, self.ffn),
+            Matrix::bf16(buf.delta, rows, d.hidden),
+        );
+        let (w_gate_up, w_down) = (self.gate_up.matrix(), self.down.matrix());
         match staged {
-            Some(images) => ops.linear_staged(
-                s,
-                buf.gate_up,
-                buf.normed,
-                images,
-                self.gate_up.ptr,
-                rows,
-                n,
-                k,
-            )?,
-            None => ops.linear(s, buf.gate_up, buf.normed, self.gate_up.ptr, rows, n, k)?,
+            Some(images) => ops.linear_staged(s, (gate_up, normed, w_gate_up), images)?,
+            None => ops.linear(s, gate_up, normed, w_gate_up)?,
         }
-        if let Some(images) = ops.linear_staging(s, self.down.ptr, rows, d.hidden, self.ffn)? {
-            ops.silu_mul_staged(s, images, buf.act, buf.gate_up, rows, self.ffn)?;
-            return ops.linear_staged(
-                s,
-                buf.delta,
-                buf.act,
-                images,
-                self.down.ptr,
-                rows,
-                d.hidden,
-                self.ffn,
-            );
+        if let Some(images) = ops.linear_staging(s, w_down, rows)? {
+            ops.silu_mul_staged(s, images, act, gate_up)?;
+            return ops.linear_staged(s, (delta, act, w_down), images);
         }
-        ops.silu_mul(s, buf.act, buf.gate_up, rows, self.ffn)?;
-        ops.linear(
-            s,
-            buf.delta,
-            buf.act,
-            self.down.ptr,
-            rows,
-            d.hidden,
-            self.ffn,
-        )
+        ops.silu_mul(s, act, gate_up)?;
+        ops.linear(s, delta, act, w_down)
     }
 
     /// Bind the MLP's weights into `weights` and return the facts its kernels read.

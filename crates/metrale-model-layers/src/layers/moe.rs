@@ -31,7 +31,9 @@ use metrale_gpu_runtime::{DevicePtr, GpuResult};
 
 use crate::circuit_exec::{BoundWeight, FfnFacts, MoeFacts, SharedFacts, WeightSlot};
 use crate::layer::LayerCtx;
+use crate::ops::Matrix;
 use crate::ops_hybrid::{ExpertLinear, MoeCombine};
+use crate::ops_moe::TopkRoute;
 use crate::weight_map::DenseWeight;
 
 /// The dimensions of a MoE layer.
@@ -95,25 +97,19 @@ impl MoeMlp {
         let (m, sh) = (&buf.moe, &self.shape);
         let (e, k, f) = (sh.num_experts, sh.top_k, sh.expert_ffn);
         let pairs = rows * k;
-        ops.linear_f32out(
-            s,
-            m.router_logits,
-            buf.normed,
-            self.router.ptr,
+        let normed = Matrix::bf16(buf.normed, rows, d.hidden);
+        let logits = Matrix::f32(m.router_logits, rows, e);
+        ops.linear_f32out(s, logits, normed, self.router.matrix())?;
+        let route = TopkRoute {
+            topk_ids: m.topk_ids,
+            topk_weights: m.topk_weights,
+            logits: m.router_logits,
             rows,
-            e,
-            d.hidden,
-        )?;
-        ops.topk_route(
-            s,
-            m.topk_ids,
-            m.topk_weights,
-            m.router_logits,
-            rows,
-            e,
-            k,
-            sh.renormalize,
-        )?;
+            num_experts: e,
+            top_k: k,
+            renormalize: sh.renormalize as u32,
+        };
+        ops.topk_route(s, &route)?;
         ops.expert_linear(
             s,
             &ExpertLinear {
@@ -128,7 +124,8 @@ impl MoeMlp {
                 pairs_per_x_row: k,
             },
         )?;
-        ops.silu_mul(s, m.expert_act, m.expert_gate_up, pairs, f)?;
+        let expert_act = Matrix::bf16(m.expert_act, pairs, f);
+        ops.silu_mul(s, expert_act, Matrix::bf16(m.expert_gate_up, pairs, 2 * f))?;
         ops.expert_linear_f32out(
             s,
             &ExpertLinear {
@@ -145,28 +142,16 @@ impl MoeMlp {
         )?;
         let (mut shared_out, mut shared_gate) = (DevicePtr::NULL, DevicePtr::NULL);
         if let Some(se) = &self.shared {
-            ops.linear(
-                s,
-                m.shared_gate_up,
-                buf.normed,
-                se.gate_up.ptr,
-                rows,
-                2 * se.ffn,
-                d.hidden,
-            )?;
-            ops.silu_mul(s, m.shared_act, m.shared_gate_up, rows, se.ffn)?;
-            ops.linear(
-                s,
-                m.shared_out,
-                m.shared_act,
-                se.down.ptr,
-                rows,
-                d.hidden,
-                se.ffn,
-            )?;
+            let gate_up = Matrix::bf16(m.shared_gate_up, rows, 2 * se.ffn);
+            let act = Matrix::bf16(m.shared_act, rows, se.ffn);
+            ops.linear(s, gate_up, normed, se.gate_up.matrix())?;
+            ops.silu_mul(s, act, gate_up)?;
+            let out = Matrix::bf16(m.shared_out, rows, d.hidden);
+            ops.linear(s, out, act, se.down.matrix())?;
             shared_out = m.shared_out;
             if let Some(g) = &se.gate {
-                ops.linear_f32out(s, m.shared_gate, buf.normed, g.ptr, rows, 1, d.hidden)?;
+                let gate = Matrix::f32(m.shared_gate, rows, 1);
+                ops.linear_f32out(s, gate, normed, g.matrix())?;
                 shared_gate = m.shared_gate;
             }
         }

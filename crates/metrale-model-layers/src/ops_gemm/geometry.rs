@@ -1,35 +1,37 @@
-//! Which `linear` kernel serves a call and its launch geometry, mirroring `kernels/gemm.cu`:
-//! pure functions of the shape (and, for `linear_stream_tma`, the resident clusters), which the
-//! launchers in the parent module and the GPU tests share.
+//! Which `linear` kernel serves a call and its launch geometry, from the constants the kernels
+//! share with the launchers (`metrale-kernel-abi`): pure functions of the shape (and, for
+//! `linear_stream_tma`, the resident clusters), which the launchers in the parent module and
+//! the GPU tests share.
 
 use metrale_gpu_runtime::LaunchConfig;
+use metrale_kernel_abi::{
+    LIN_BM, LIN_BN, LIN_DEC_COLS, LIN_DEC_MIN_STAGES, LIN_DEC_ROWS, LIN_DEC_SPACE, LIN_DEC_THREADS,
+    LIN_KC, LIN_SEGS, LIN_STAGES, LIN_STREAM_WARPS, LIN_THREADS, LIN_TMA_STAGES, LIN_TMA_THREADS,
+    LIN_TMA_TILE, LIN_W_NT, LIN_W_ROWS, LIN_W_STAGE_CH, LIN_W_STAGES,
+};
 
-use super::LINEAR_TMA_TILE;
-
-/// Dynamic shared memory of `linear_tma`: 6 stages of 32 KiB (128 weight rows and 128 x rows of
-/// 128 bytes), 1 KiB to align them to the swizzle atoms and 1 KiB for the mbarriers.
-const LINEAR_TMA_SMEM: u32 = 6 * 32768 + 2048;
+/// Dynamic shared memory of `linear_tma`: `LIN_TMA_STAGES` stages of (128 weight rows and 128
+/// x rows of 128 bytes), 1 KiB to align them to the swizzle atoms and 1 KiB for the mbarriers.
+const LINEAR_TMA_SMEM: u32 = LIN_TMA_STAGES * 2 * LIN_TMA_TILE * 128 + 2048;
 
 /// Largest `m` that `linear` serves with its decode kernels (`linear_stream` up to
-/// `LINEAR_NARROW_M_MAX`, `linear_stream_wide` above, `kernels/gemm.cu`); above it the tiled
-/// tensor-core kernel runs. All give bitwise the same rows.
+/// `LINEAR_NARROW_M_MAX`, `linear_stream_wide` or `linear_stream_tma` above); above it the
+/// prefill kernels run. All give bitwise the same rows.
 pub const LINEAR_SMALL_M_MAX: u32 = 128;
 
 /// Largest `m` that `linear_stream` (one row tile per unit) serves.
 pub const LINEAR_NARROW_M_MAX: u32 = 16;
 
 /// `linear_stream_b4` serves m <= 16 from this many output columns up (qkv, gate/up, the GDN
-/// input, LM heads), `linear_stream` below (o, down). Both are persistent; whole steps chose
-/// (H200, 2026-12-01, circuit, context 1024, two rounds, ms, b4 from 65536 / 12288 / 6144
-/// columns): Qwen3-8B batch 1 4.635, 4.654 / 4.616, 4.619 / 4.582, 4.604, batch 8 5.333, 5.380
-/// / 5.257, 5.295 / 5.247, 5.280; Qwen3.5-9B batch 1 4.885, 4.880 / 4.850, 4.857 / 4.871, 4.880,
-/// batch 8 5.641, 5.611 / 5.545, 5.549 / 5.563, 5.551. Alone at one row (lab/gemm_lab.cu) the
-/// 3-block kernel is 1-2 us faster on qkv, gate/up and the GDN input, 1.5 and 5 us slower on o
-/// and down.
+/// input, LM heads), `linear_stream` below (o, down). Both are persistent: on the wide
+/// projections the smaller batches of three blocks a multiprocessor keep more weight loads in
+/// flight, on the narrow ones the two larger blocks do (docs/BENCHMARKS.md has the whole-step
+/// comparison).
 const LINEAR_B4_MIN_N: u32 = 6144;
 
 /// Blocks of the narrow kernels assumed resident where the backend reports none (the CPU, which
-/// runs a launch's blocks in turn: any count gives the same rows; the H200 reports 264 and 396).
+/// runs a launch's blocks in turn: any count gives the same rows): the H200's two a
+/// multiprocessor.
 pub(super) const LINEAR_NARROW_RESIDENT: u32 = 264;
 
 /// The `linear` kernels: which one serves `m` rows is [`linear_path`]'s choice.
@@ -59,25 +61,18 @@ pub fn linear_path(m: u32, n: u32) -> LinearPath {
     }
 }
 
-/// Threads of a narrow kernel's block (`LIN_STREAM_WARPS` warps).
-pub const LINEAR_NARROW_THREADS: u32 = 256;
+/// Threads of a narrow or wide kernel's block.
+pub const LINEAR_NARROW_THREADS: u32 = LIN_STREAM_WARPS * 32;
 
-/// Blocks per cluster of `linear_stream_wide`: one per k segment (`LIN_SEGS`, kernels/gemm.cu).
-const LINEAR_WIDE_CLUSTER: u32 = 8;
+/// Dynamic shared memory of `linear_stream_wide`: `LIN_W_STAGES` stages of `LIN_W_STAGE_CH`
+/// chunks of (128 weight + 64 x) rows of 64 bytes (the segment partials reuse the ring at the
+/// end).
+const LINEAR_WIDE_SMEM: u32 = LIN_W_STAGES * LIN_W_STAGE_CH * (64 * LIN_W_NT + LIN_W_ROWS) * 64;
 
-/// Dynamic shared memory of `linear_stream_wide`: 3 stages of 2 chunks of (128 weight + 64 x)
-/// rows of 64 bytes (the segment partials reuse the ring at the end).
-const LINEAR_WIDE_SMEM: u32 = 3 * 2 * (128 + 64) * 64;
-
-/// Rows per block of `linear` (`LIN_BM`: three consumer warpgroups of 64 rows).
-const LINEAR_TILED_ROWS: u32 = 192;
-
-/// Threads per block of `linear` (`LIN_THREADS`: a producer warpgroup and three consumers).
-const LINEAR_TILED_THREADS: u32 = 512;
-
-/// Dynamic shared memory of `linear`: a ring of 5 stages of (192 x + 128 weight) rows of 128
-/// bytes (2 chunks), 1 KiB to align it to the swizzle atoms and 1 KiB for its mbarriers.
-const LINEAR_TILED_SMEM: u32 = 5 * (192 + 128) * 128 + 2048;
+/// Dynamic shared memory of `linear`: a ring of `LIN_STAGES` stages of (`LIN_BM` x + `LIN_BN`
+/// weight) rows of 128 bytes (2 chunks), 1 KiB to align it to the swizzle atoms and 1 KiB for
+/// its mbarriers.
+const LINEAR_TILED_SMEM: u32 = LIN_STAGES * (LIN_BM + LIN_BN) * 128 + 2048;
 
 /// `linear`'s geometry, mirroring `kernels/gemm.cu` (every path launched as programmatic
 /// dependents: each kernel waits for the one before it in-kernel, and the decode kernels load
@@ -86,11 +81,11 @@ const LINEAR_TILED_SMEM: u32 = 5 * (192 + 128) * 128 + 2048;
 ///   threads taking units of 8 columns by 16 rows in turn, as many as are resident
 ///   (`resident`: two and three a multiprocessor) or as there are units; no dynamic shared
 ///   memory. `resident` is ignored on the other paths.
-/// - `linear_stream_wide` (m <= 128): tiles of 128 columns by 64 rows, a cluster of 8 blocks of
-///   256 threads (one per k segment, compiled into the kernel) per tile.
-/// - `linear`: 192 x 128 output tiles, grid (ceil(n / 128), ceil(m / 192)), 512 threads (a
-///   producer warpgroup filling a 5-stage ring of 202 KiB and three warpgroups of wgmma), one
-///   block per multiprocessor.
+/// - `linear_stream_wide` (m <= 128): tiles of 128 columns by 64 rows, a cluster of
+///   `LIN_SEGS` blocks of 256 threads (one per k segment, compiled into the kernel) per tile.
+/// - `linear`: `LIN_BM` x `LIN_BN` output tiles, grid (ceil(n / 128), ceil(m / 192)),
+///   `LIN_THREADS` threads (a producer warpgroup filling the ring and three warpgroups of
+///   wgmma), one block per multiprocessor.
 ///
 /// Every kernel computes the whole function at any `m` with its own geometry (the tests run
 /// each of them at every m, the narrow ones on 1, 3 and all resident blocks). `linear_tma`'s
@@ -102,74 +97,61 @@ pub fn linear_geometry(path: LinearPath, m: u32, n: u32, resident: u32) -> Launc
             LaunchConfig::grid2(units.min(resident.max(1)), 1, LINEAR_NARROW_THREADS)
         }
         LinearPath::Wide => {
-            let tiles = n.div_ceil(128) * m.div_ceil(64);
-            LaunchConfig::grid2(LINEAR_WIDE_CLUSTER * tiles, 1, 256).with_shared(LINEAR_WIDE_SMEM)
+            let tiles = n.div_ceil(64 * LIN_W_NT) * m.div_ceil(LIN_W_ROWS);
+            LaunchConfig::grid2(LIN_SEGS * tiles, 1, LINEAR_NARROW_THREADS)
+                .with_shared(LINEAR_WIDE_SMEM)
         }
-        LinearPath::Tiled => LaunchConfig::grid2(
-            n.div_ceil(128),
-            m.div_ceil(LINEAR_TILED_ROWS),
-            LINEAR_TILED_THREADS,
-        )
-        .with_shared(LINEAR_TILED_SMEM),
+        LinearPath::Tiled => {
+            LaunchConfig::grid2(n.div_ceil(LIN_BN), m.div_ceil(LIN_BM), LIN_THREADS)
+                .with_shared(LINEAR_TILED_SMEM)
+        }
     };
     config.with_programmatic()
 }
 
 /// `linear_tma`'s geometry (after `permute_k32_tiles`): grid (ceil(m / 128), ceil(n / 128)), so
-/// the blocks running together share a weight tile; 384 threads (a warpgroup whose first thread
-/// queues the copies, two of wgmma); 194 KiB of dynamic shared memory; a programmatic
-/// dependent like `linear`.
+/// the blocks running together share a weight tile; `LIN_TMA_THREADS` threads (a warpgroup whose
+/// first thread queues the copies, two of wgmma); `LINEAR_TMA_SMEM` of dynamic shared memory; a
+/// programmatic dependent like `linear`.
 pub fn linear_tma_geometry(m: u32, n: u32) -> LaunchConfig {
     LaunchConfig::grid2(
-        m.div_ceil(LINEAR_TMA_TILE),
-        n.div_ceil(LINEAR_TMA_TILE),
-        384,
+        m.div_ceil(LIN_TMA_TILE),
+        n.div_ceil(LIN_TMA_TILE),
+        LIN_TMA_THREADS,
     )
     .with_shared(LINEAR_TMA_SMEM)
     .with_programmatic()
 }
 
-/// Rows `linear_stream_tma` serves: from here (at 8 rows and below the narrow kernels, which can
-/// start on a multiprocessor beside the kernel ahead, were faster in a chain of projections:
-/// lab/decode_tma_lab.cu, 36 Qwen3-8B layers at 8 rows 4.79 against 4.95 ms, at 16 rows 5.21
-/// against 5.00) ...
+/// Rows `linear_stream_tma` serves from: at 8 rows and below the narrow kernels, which can start
+/// on a multiprocessor beside the kernel ahead, are faster in a chain of projections ...
 pub const LINEAR_STREAM_TMA_M_MIN: u32 = 9;
 
 /// The most x rows one of its blocks holds (`LIN_DEC_ROWS`: the largest wgmma N it
 /// instantiates); more rows go in row blocks ...
-pub const LINEAR_STREAM_TMA_M_MAX: u32 = 64;
+pub const LINEAR_STREAM_TMA_M_MAX: u32 = LIN_DEC_ROWS;
 
-/// ... up to here (the wide kernel, which served 65..128 rows before, ran at 20-24 % of the read
-/// stream there; Qwen3.5-9B's batch-128 step took 21 ms) ...
+/// ... up to here (at 65..128 rows the wide kernel reaches a quarter of the read stream, which
+/// row blocks of the weight-map kernel multiply from L2) ...
 pub const LINEAR_STREAM_TMA_SERVE_MAX: u32 = 128;
 
 /// ... in at most this many row blocks: every block after the first multiplies the weight from
-/// L2 as the first brings it, each in its own clusters. H200 (2026-12-01, batch 128, context
-/// 384): Qwen3-8B's step 18.0 ms on the wide kernel, 13.4 with two row blocks of 64 (the down
-/// projection, whose 12288 inputs take row blocks of 32, on the wide kernel), 13.0 with four
-/// (the down projection too); Qwen3.5-9B 20.6, 15.9, 15.4.
+/// L2 as the first brings it, each in its own clusters.
 const LINEAR_STREAM_TMA_MAX_ROW_BLOCKS: u32 = 4;
 
-/// Shared memory `linear_stream_tma` shares out (`LIN_DEC_SPACE`): x's segment, two buffers of
-/// partials, the ring of 16 KiB weight stages.
-const LINEAR_STREAM_TMA_SPACE: u32 = 229_376;
-
-/// Its dynamic shared memory: the space, 1 KiB to align it to the swizzle atoms and 1 KiB for
-/// the mbarriers (one block a multiprocessor).
-pub(super) const LINEAR_STREAM_TMA_SMEM: u32 = LINEAR_STREAM_TMA_SPACE + 2048;
+/// Its dynamic shared memory: `LIN_DEC_SPACE`, 1 KiB to align it to the swizzle atoms and 1 KiB
+/// for the mbarriers (one block a multiprocessor).
+pub(super) const LINEAR_STREAM_TMA_SMEM: u32 = LIN_DEC_SPACE + 2048;
 
 /// Threads of a `linear_stream_tma` block: a producer warpgroup and two consumers.
-pub(super) const LINEAR_STREAM_TMA_THREADS: u32 = 384;
+pub(super) const LINEAR_STREAM_TMA_THREADS: u32 = LIN_DEC_THREADS;
 
 /// Clusters of `linear_stream_tma` assumed resident where the backend reports none (the CPU,
-/// which runs a launch's blocks in turn: any count gives the same rows; the H200 reports 15).
+/// which runs a launch's blocks in turn: any count gives the same rows).
 pub(super) const LINEAR_STREAM_TMA_CLUSTERS: u32 = 16;
 
-/// Weight stages `linear_stream_tma` must have room for (`LIN_DEC_MIN_STAGES`) ...
-const LINEAR_STREAM_TMA_MIN_STAGES: u32 = 4;
-
-/// ... of 128 weight rows by 64 k (`LIN_DEC_COLS` rows of 128 bytes).
-const LINEAR_STREAM_TMA_STAGE_BYTES: u64 = 128 * 128;
+/// Bytes of one of its weight stages: `LIN_DEC_COLS` weight rows by 64 k.
+const LINEAR_STREAM_TMA_STAGE_BYTES: u64 = LIN_DEC_COLS as u64 * 128;
 
 /// Whether `linear_stream_tma` serves `m` rows by `k` inputs: `m` in
 /// [`LINEAR_STREAM_TMA_M_MIN`]..=[`LINEAR_STREAM_TMA_SERVE_MAX`], and x's rows in at most
@@ -189,12 +171,8 @@ pub(super) fn linear_stream_tma_row_blocks(m: u32, k: u32) -> Option<u32> {
         .then_some(blocks)
 }
 
-/// Rows from which decode projections take x from stage images its producer writes (the
-/// producer's scattered image stores cost more than the bulk copies save below). H200
-/// (2026-12-01, circuit, context 384, two rounds, ms a step), rows -> images: Qwen3-8B batch 16
-/// 5.646 / 5.599 -> 5.711 / 5.710, batch 32 5.908 / 5.884 -> 5.725 / 5.770, batch 64 7.207 /
-/// 7.164 -> 6.963 / 6.988; Qwen3.5-9B batch 16 6.049 / 6.025 -> 6.136 / 6.178, batch 32 6.698 /
-/// 6.718 -> 6.572 / 6.570.
+/// Rows from which decode projections take x from stage images its producer writes: below it
+/// the producer's scattered image stores cost more than the bulk copies save.
 pub const LINEAR_STREAM_TMA_IMAGES_M_MIN: u32 = 17;
 
 /// Whether `linear_stream_tma` serves `m` rows by `k` inputs ([`linear_stream_tma_fits`]) and
@@ -212,7 +190,7 @@ pub fn linear_stream_tma_takes_images(m: u32, k: u32) -> bool {
 /// The kernel's own test for taking x from images at `k` inputs, whatever the rows: `k` a
 /// multiple of 64 and every k segment an even number of 32-k chunks.
 pub fn segments_are_whole_stages(k: u32) -> bool {
-    k.is_multiple_of(64) && (k / 32).div_ceil(8).is_multiple_of(2)
+    k.is_multiple_of(2 * LIN_KC) && (k / LIN_KC).div_ceil(LIN_SEGS).is_multiple_of(2)
 }
 
 /// Whether the kernel itself can run `m` rows (1 ..= 128, the decode sizes) by `k` inputs at
@@ -223,20 +201,21 @@ pub fn linear_stream_tma_room(m: u32, k: u32) -> bool {
 
 /// The rows of x a `linear_stream_tma` block holds for `m` rows by `k` inputs (k a positive
 /// multiple of 8), and the row blocks that makes, as the kernel works them out: the power of
-/// two from 8 that covers `m` (at most 64), halved while its share of x's segment (a segment's
-/// stages of 64 k), the two buffers of partials and four weight stages would not fit the
-/// kernel's shared memory. `None` where not even 8 rows fit, or k is not a positive multiple of 8.
+/// two from 8 that covers `m` (at most `LIN_DEC_ROWS`), halved while its share of x's segment
+/// (a segment's stages of 64 k), the two buffers of partials and `LIN_DEC_MIN_STAGES` weight
+/// stages would not fit `LIN_DEC_SPACE`. `None` where not even 8 rows fit, or k is not a
+/// positive multiple of 8.
 pub fn linear_stream_tma_rows(m: u32, k: u32) -> Option<(u32, u32)> {
     if m == 0 || k == 0 || !k.is_multiple_of(8) {
         return None;
     }
-    let seg_steps = u64::from(k.div_ceil(32).div_ceil(8).div_ceil(2));
+    let seg_steps = u64::from(k.div_ceil(LIN_KC).div_ceil(LIN_SEGS).div_ceil(2));
     let room = |rows: u32| {
         let rows = u64::from(rows);
         seg_steps * rows * 128
             + rows * 1024
-            + u64::from(LINEAR_STREAM_TMA_MIN_STAGES) * LINEAR_STREAM_TMA_STAGE_BYTES
-            <= u64::from(LINEAR_STREAM_TMA_SPACE)
+            + u64::from(LIN_DEC_MIN_STAGES) * LINEAR_STREAM_TMA_STAGE_BYTES
+            <= u64::from(LIN_DEC_SPACE)
     };
     let mut rows = m.next_power_of_two().clamp(8, LINEAR_STREAM_TMA_M_MAX);
     while rows > 8 && !room(rows) {
@@ -246,15 +225,15 @@ pub fn linear_stream_tma_rows(m: u32, k: u32) -> Option<(u32, u32)> {
 }
 
 /// `linear_stream_tma`'s geometry for `n` output columns, x in `row_blocks` row blocks
-/// ([`linear_stream_tma_rows`]) and `resident` clusters of `LIN_SEGS` (8) blocks resident at
-/// once: per row block a cluster per tile of 128 columns, at most as many as are resident (each
-/// takes tiles cluster, cluster + clusters, ...; which cluster computes a tile never changes its
-/// rows), the clusters a multiple of the row blocks; 384 threads, one block a multiprocessor; a
-/// programmatic dependent.
+/// ([`linear_stream_tma_rows`]) and `resident` clusters of `LIN_SEGS` blocks resident at once:
+/// per row block a cluster per tile of 128 columns, at most as many as are resident (each takes
+/// tiles cluster, cluster + clusters, ...; which cluster computes a tile never changes its
+/// rows), the clusters a multiple of the row blocks; `LIN_DEC_THREADS` threads, one block a
+/// multiprocessor; a programmatic dependent.
 pub fn linear_stream_tma_geometry(n: u32, row_blocks: u32, resident: u32) -> LaunchConfig {
     let row_blocks = row_blocks.max(1);
-    let clusters = n.div_ceil(128).min((resident / row_blocks).max(1)) * row_blocks;
-    LaunchConfig::grid2(LINEAR_WIDE_CLUSTER * clusters, 1, LINEAR_STREAM_TMA_THREADS)
+    let clusters = n.div_ceil(LIN_DEC_COLS).min((resident / row_blocks).max(1)) * row_blocks;
+    LaunchConfig::grid2(LIN_SEGS * clusters, 1, LINEAR_STREAM_TMA_THREADS)
         .with_shared(LINEAR_STREAM_TMA_SMEM)
         .with_programmatic()
 }
@@ -262,6 +241,6 @@ pub fn linear_stream_tma_geometry(n: u32, row_blocks: u32, resident: u32) -> Lau
 /// `permute_k32_tiles`'s geometry: a thread per (row of the padded tiles, chunk of 32 k, two a
 /// stage), 256 a block, grid-stride past 4096 blocks; a programmatic dependent.
 pub fn permute_geometry(m: u32, k: u32) -> LaunchConfig {
-    let threads = m.div_ceil(LINEAR_TMA_TILE) * LINEAR_TMA_TILE * 2 * k.div_ceil(64);
+    let threads = m.div_ceil(LIN_TMA_TILE) * LIN_TMA_TILE * 2 * k.div_ceil(2 * LIN_KC);
     LaunchConfig::linear(threads.div_ceil(256).clamp(1, 4096), 256).with_programmatic()
 }

@@ -1,6 +1,7 @@
 //! The `linear` launchers (bf16 and f32 out): one entry per output type, picking among the
 //! narrow, wide and tiled kernels of `kernels/gemm.cu` by `m` (all give bitwise the same rows);
-//! a fourth `impl Ops` block beside `ops`, `ops_hybrid` and `ops_fused`, under `ops`'s rules.
+//! an `impl Ops` block beside `ops_rows`, `ops_hybrid` and `ops_fused`, under `ops`'s rules.
+//! The operands are typed views (`Matrix`), checked against each other before anything runs.
 //!
 //! Prefill-sized calls run `linear_tma` where they can: x is first written as the stage images
 //! the kernel copies whole (`permute_k32_tiles`, into the staging memory the model gives with
@@ -25,11 +26,16 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use metrale_gpu_runtime::{
-    DevicePtr, GpuBackend, GpuError, GpuResult, KernelHandle, Residency, StreamHandle,
+    DType, DevicePtr, GpuBackend, GpuError, GpuResult, KernelHandle, Residency, StreamHandle,
+};
+use metrale_kernel_abi::{
+    LIN_KC, LIN_TMA_IMG_BYTES, LIN_TMA_TILE, LinearParams, LinearStreamTmaParams, LinearTmaParams,
+    PermuteK32TilesParams,
 };
 use parking_lot::Mutex;
 
 use crate::ops::Ops;
+use crate::ops_view::{Matrix, Operands};
 
 mod geometry;
 
@@ -96,44 +102,52 @@ impl LinearTma {
     }
 }
 
-/// Rows of `linear_tma`'s output tile (x rows and weight rows; `LIN_TMA_TILE`).
-const LINEAR_TMA_TILE: u32 = 128;
-
-/// Bytes of the stage images of an `[m, k]` x (`permute_k32_tiles`): 16 KiB per 128-row tile
-/// and stage of 64 k.
+/// Bytes of the stage images of an `[m, k]` x (`permute_k32_tiles`): `LIN_TMA_IMG_BYTES` per
+/// 128-row tile and stage of 64 k.
 pub fn linear_staging_bytes(m: u32, k: u32) -> usize {
-    m.div_ceil(LINEAR_TMA_TILE) as usize * k.div_ceil(64) as usize * 16384
+    m.div_ceil(LIN_TMA_TILE) as usize * k.div_ceil(2 * LIN_KC) as usize * LIN_TMA_IMG_BYTES as usize
+}
+
+/// The shape of `out = x · wᵀ` from its checked operands: x bf16 `[m, k]`, w bf16 `[n, k]`, out
+/// `out_dtype` `[m, n]`.
+fn linear_operands(
+    kernel: &'static str,
+    out_dtype: DType,
+    out: &Matrix,
+    x: &Matrix,
+    w: &Matrix,
+) -> GpuResult<LinearParams> {
+    let check = Operands { kernel };
+    check.dtype("x", x, DType::Bf16)?;
+    check.exactly("w", w, DType::Bf16, (w.rows, x.cols), "x")?;
+    check.exactly("out", out, out_dtype, (x.rows, w.rows), "x and w")?;
+    Ok(LinearParams {
+        out: out.ptr,
+        x: x.ptr,
+        w: w.ptr,
+        m: x.rows,
+        n: w.rows,
+        k: x.cols,
+    })
 }
 
 impl Ops {
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ`, bf16 out.
-    #[allow(clippy::too_many_arguments)]
-    pub fn linear(
-        &self,
-        s: StreamHandle,
-        out: DevicePtr,
-        x: DevicePtr,
-        w: DevicePtr,
-        m: u32,
-        n: u32,
-        k: u32,
-    ) -> GpuResult<()> {
-        self.gemm(s, false, out, x, w, m, n, k)
+    pub fn linear(&self, s: StreamHandle, out: Matrix, x: Matrix, w: Matrix) -> GpuResult<()> {
+        let p = linear_operands("gemm::linear", DType::Bf16, &out, &x, &w)?;
+        self.gemm(s, false, &p)
     }
 
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ`, f32 out (logits).
-    #[allow(clippy::too_many_arguments)]
     pub fn linear_f32out(
         &self,
         s: StreamHandle,
-        out: DevicePtr,
-        x: DevicePtr,
-        w: DevicePtr,
-        m: u32,
-        n: u32,
-        k: u32,
+        out: Matrix,
+        x: Matrix,
+        w: Matrix,
     ) -> GpuResult<()> {
-        self.gemm(s, true, out, x, w, m, n, k)
+        let p = linear_operands("gemm::linear_f32out", DType::F32, &out, &x, &w)?;
+        self.gemm(s, true, &p)
     }
 
     /// Gives `linear` its prefill kernel's staging memory (see [`LinearStaging`]), so calls of
@@ -185,7 +199,7 @@ impl Ops {
             return Ok(None);
         }
         let gpu = &self.tma.gpu;
-        let bytes = match gpu.tensor_map_bf16(w, n, k, LINEAR_TMA_TILE, 64) {
+        let bytes = match gpu.tensor_map_bf16(w, n, k, LIN_TMA_TILE, 2 * LIN_KC) {
             Some(encoded) => encoded?,
             None => [0u8; LINEAR_TMA_MAP_BYTES],
         };
@@ -199,8 +213,8 @@ impl Ops {
         Ok(Some(map))
     }
 
-    /// The staging buffer, where a projection of `m` rows by `k` inputs on weight `w` (`n`
-    /// rows) can read x written as stage images by its producer (`_staged` launchers, then
+    /// The staging buffer, where a projection of `m` rows by the weight `w` (`[n, k]`) can read
+    /// x written as stage images by its producer (`_staged` launchers, then
     /// [`Ops::linear_staged`]): prefill-sized `m` (`linear_tma` reads the images), or decode
     /// rows that `linear_stream_tma` serves with every k segment whole stages
     /// ([`linear_stream_tma_takes_images`]: its blocks bulk-copy their segments); `k` a multiple
@@ -210,71 +224,70 @@ impl Ops {
     pub fn linear_staging(
         &self,
         s: StreamHandle,
-        w: DevicePtr,
+        w: Matrix,
         m: u32,
-        n: u32,
-        k: u32,
     ) -> GpuResult<Option<DevicePtr>> {
+        let (n, k) = w.shape();
         if m <= LINEAR_SMALL_M_MAX && !linear_stream_tma_takes_images(m, k) {
             return Ok(None);
         }
-        let Some(staging) = self.staging_for(w, m, k, 64) else {
+        let Some(staging) = self.staging_for(w.ptr, m, k, 2 * LIN_KC) else {
             return Ok(None);
         };
-        Ok(self.linear_tma_map(s, w, n, k)?.map(|_| staging.images))
+        Ok(self.linear_tma_map(s, w.ptr, n, k)?.map(|_| staging.images))
     }
 
     /// `linear` (bf16 out) of an x that its producer wrote as stage images at `images` (see
     /// [`Ops::linear_staging`]): `linear_tma` at prefill sizes (from the images alone),
-    /// `linear_stream_tma` at decode sizes (the images, and x's rows at `x`, which the kernel
-    /// reads where it cannot take the images: the producer wrote both).
-    #[allow(clippy::too_many_arguments)]
+    /// `linear_stream_tma` at decode sizes (the images, and x's rows, which the kernel reads
+    /// where it cannot take the images: the producer wrote both).
     pub fn linear_staged(
         &self,
         s: StreamHandle,
-        out: DevicePtr,
-        x: DevicePtr,
+        (out, x, w): (Matrix, Matrix, Matrix),
         images: DevicePtr,
-        w: DevicePtr,
-        m: u32,
-        n: u32,
-        k: u32,
     ) -> GpuResult<()> {
+        let p = linear_operands("gemm::linear", DType::Bf16, &out, &x, &w)?;
+        let (m, n, k) = (p.m, p.n, p.k);
         let refused = || GpuError::KernelFailed {
             kernel: "linear_staged".into(),
             problem: format!(
                 "{m} rows of the [{n}, {k}] weight at {:#x} cannot be read from stage images (no \
                  tensor map, a shape `linear_staging` does not offer, or x's rows not 16-byte \
                  aligned)",
-                w.0
+                w.ptr.0
             ),
         };
-        let map = self.linear_tma_map(s, w, n, k)?.ok_or_else(refused)?;
+        let map = self.linear_tma_map(s, p.w, n, k)?.ok_or_else(refused)?;
         if m > LINEAR_SMALL_M_MAX {
-            return self.linear_tma_launch(s, self.k.linear_tma, out, images, w, map, (m, n, k));
+            return self.linear_tma_launch(s, self.k.linear_tma, &p, images, map);
         }
         match linear_stream_tma_row_blocks(m, k) {
-            Some(row_blocks) if linear_stream_tma_takes_images(m, k) && x.0.is_multiple_of(16) => {
-                let kernel = self.k.linear_stream_tma;
-                let x = (x, images);
-                self.linear_stream_tma_launch(s, kernel, out, x, w, map, (m, n, k), row_blocks)
+            Some(row_blocks)
+                if linear_stream_tma_takes_images(m, k) && p.x.0.is_multiple_of(16) =>
+            {
+                let q = LinearStreamTmaParams {
+                    out: p.out,
+                    x: p.x,
+                    ximg: images,
+                    w: p.w,
+                    wmap: map,
+                    m,
+                    n,
+                    k,
+                };
+                self.linear_stream_tma_launch(s, self.k.linear_stream_tma, &q, row_blocks)
             }
             _ => Err(refused()),
         }
     }
 
-    /// `linear_stream_tma` (`kernel`: bf16 or f32 out) of x's rows and its stage images (or
-    /// NULL) in `row_blocks` row blocks, the weight through its tensor map.
-    #[allow(clippy::too_many_arguments)]
+    /// `linear_stream_tma` (`kernel`: bf16 or f32 out) of `p`, x in `row_blocks` row blocks.
     fn linear_stream_tma_launch(
         &self,
         s: StreamHandle,
         kernel: KernelHandle,
-        out: DevicePtr,
-        (x, images): (DevicePtr, DevicePtr),
-        w: DevicePtr,
-        map: DevicePtr,
-        (m, n, k): (u32, u32, u32),
+        p: &LinearStreamTmaParams,
         row_blocks: u32,
     ) -> GpuResult<()> {
         let resident = self.resident(
@@ -284,50 +297,30 @@ impl Ops {
             LINEAR_STREAM_TMA_CLUSTERS,
             Residency::Clusters,
         )?;
-        self.go(
-            kernel,
-            linear_stream_tma_geometry(n, row_blocks, resident),
-            &[
-                out.into(),
-                x.into(),
-                images.into(),
-                w.into(),
-                map.into(),
-                m.into(),
-                n.into(),
-                k.into(),
-            ],
-            s,
-        )
+        let cfg = linear_stream_tma_geometry(p.n, row_blocks, resident);
+        self.go(kernel, cfg, p, s)
     }
 
-    /// `linear_tma` (`kernel`: bf16 or f32 out) of x's stage images, the weight read through its
-    /// tensor map.
-    #[allow(clippy::too_many_arguments)]
+    /// `linear_tma` (`kernel`: bf16 or f32 out) of `p`'s x from its stage images at `images`,
+    /// the weight read through its tensor map `map`.
     fn linear_tma_launch(
         &self,
         s: StreamHandle,
         kernel: KernelHandle,
-        out: DevicePtr,
+        p: &LinearParams,
         images: DevicePtr,
-        w: DevicePtr,
         map: DevicePtr,
-        (m, n, k): (u32, u32, u32),
     ) -> GpuResult<()> {
-        self.go(
-            kernel,
-            linear_tma_geometry(m, n),
-            &[
-                out.into(),
-                images.into(),
-                w.into(),
-                map.into(),
-                m.into(),
-                n.into(),
-                k.into(),
-            ],
-            s,
-        )
+        let q = LinearTmaParams {
+            out: p.out,
+            xt: images,
+            w: p.w,
+            wmap: map,
+            m: p.m,
+            n: p.n,
+            k: p.k,
+        };
+        self.go(kernel, linear_tma_geometry(p.m, p.n), &q, s)
     }
 
     /// The narrow, narrow-b4, wide, tiled, tensor-map prefill and tensor-map decode variants of
@@ -355,21 +348,11 @@ impl Ops {
         }
     }
 
-    /// One `linear` launch through [`Ops::gemm_kernels`]`(f32_out)`; the shape picks which
-    /// serves.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        &self,
-        s: StreamHandle,
-        f32_out: bool,
-        out: DevicePtr,
-        x: DevicePtr,
-        w: DevicePtr,
-        m: u32,
-        n: u32,
-        k: u32,
-    ) -> GpuResult<()> {
+    /// One `linear` launch of checked operands `p` through [`Ops::gemm_kernels`]`(f32_out)`;
+    /// the shape picks which serves.
+    fn gemm(&self, s: StreamHandle, f32_out: bool, p: &LinearParams) -> GpuResult<()> {
         let kernels = self.gemm_kernels(f32_out);
+        let (m, n, k, x, w) = (p.m, p.n, p.k, p.x, p.w);
         let path = linear_path(m, n);
         // `linear_tma` where it can: `permute_k32_tiles` writes any k % 8 == 0 (zeros past k)
         // from a 16-byte aligned x.
@@ -379,13 +362,19 @@ impl Ops {
             && let Some(map) = self.linear_tma_map(s, w, n, k)?
         {
             let images = staging.images;
+            let permute = PermuteK32TilesParams {
+                out: images,
+                x,
+                m,
+                k,
+            };
             self.go(
                 self.k.permute_k32_tiles,
                 permute_geometry(m, k),
-                &[images.into(), x.into(), m.into(), k.into()],
+                &permute,
                 s,
             )?;
-            return self.linear_tma_launch(s, kernels[4], out, images, w, map, (m, n, k));
+            return self.linear_tma_launch(s, kernels[4], p, images, map);
         }
         // `linear_stream_tma` for the decode rows it serves (see [`linear_stream_tma_fits`])
         // where the weight has a map.
@@ -395,9 +384,17 @@ impl Ops {
             && w.0.is_multiple_of(16)
             && let Some(map) = self.linear_tma_map(s, w, n, k)?
         {
-            let x = (x, DevicePtr::NULL);
-            let kernel = kernels[5];
-            return self.linear_stream_tma_launch(s, kernel, out, x, w, map, (m, n, k), row_blocks);
+            let q = LinearStreamTmaParams {
+                out: p.out,
+                x,
+                ximg: DevicePtr::NULL,
+                w,
+                wmap: map,
+                m,
+                n,
+                k,
+            };
+            return self.linear_stream_tma_launch(s, kernels[5], &q, row_blocks);
         }
         let kernel = match path {
             LinearPath::Narrow => kernels[0],
@@ -405,21 +402,17 @@ impl Ops {
             LinearPath::Wide => kernels[2],
             LinearPath::Tiled => kernels[3],
         };
-        self.linear_direct_launch(s, kernel, path, out, x, w, (m, n, k))
+        self.linear_direct_launch(s, kernel, path, p)
     }
 
-    /// `kernel`, a direct-load kernel of `path` with `linear`'s arguments (out, x, w, m, n,
-    /// k): the grid from the shapes, the narrow kernels' on as many blocks as are resident.
-    #[allow(clippy::too_many_arguments)]
+    /// `kernel`, a direct-load kernel of `path`, with `linear`'s parameters `p`: the grid from
+    /// the shapes, the narrow kernels' on as many blocks as are resident.
     pub(crate) fn linear_direct_launch(
         &self,
         s: StreamHandle,
         kernel: KernelHandle,
         path: LinearPath,
-        out: DevicePtr,
-        x: DevicePtr,
-        w: DevicePtr,
-        (m, n, k): (u32, u32, u32),
+        p: &LinearParams,
     ) -> GpuResult<()> {
         let resident = match path {
             LinearPath::Narrow | LinearPath::NarrowB4 => self.resident(
@@ -431,12 +424,7 @@ impl Ops {
             )?,
             LinearPath::Wide | LinearPath::Tiled => 0,
         };
-        self.go(
-            kernel,
-            linear_geometry(path, m, n, resident),
-            &[out.into(), x.into(), w.into(), m.into(), n.into(), k.into()],
-            s,
-        )
+        self.go(kernel, linear_geometry(path, p.m, p.n, resident), p, s)
     }
 }
 

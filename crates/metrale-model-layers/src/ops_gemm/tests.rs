@@ -6,6 +6,7 @@ use metrale_gpu_runtime::{CpuBackend, GpuBackend, KernelHandle};
 
 use super::*;
 use crate::circuit_exec::Recorder;
+use crate::ops::Norm;
 
 /// A CPU backend, launchers over it and its stream.
 fn cpu() -> (Arc<dyn GpuBackend>, Ops, StreamHandle) {
@@ -33,7 +34,12 @@ fn linear_tma_runs_where_its_map_can_be_made_and_the_tiled_kernel_elsewhere() {
     let base = alloc(LinearStaging::bytes(images, 4));
     let tma = vec![ops.k.permute_k32_tiles, ops.k.linear_tma];
     let tiled = vec![ops.k.linear];
-    let linear = |w: DevicePtr| move |o: &Ops| o.linear(s, out, x, w, m, n, k);
+    let linear = |w: DevicePtr| {
+        move |o: &Ops| {
+            let w = Matrix::bf16(w, n, k);
+            o.linear(s, Matrix::bf16(out, m, n), Matrix::bf16(x, m, k), w)
+        }
+    };
 
     // Without staging memory, and with it while the weight's map has no slot left.
     assert_eq!(kernels_of(&ops, linear(w1)), tiled);
@@ -53,14 +59,22 @@ fn linear_tma_runs_where_its_map_can_be_made_and_the_tiled_kernel_elsewhere() {
 
     // A producer stages prefill-sized calls with k a multiple of 64 (and decode sizes whose
     // segments are whole stages: not k = 64, two chunks for eight segments).
-    let staging = |m: u32, k: u32| ops.linear_staging(s, w1, m, n, k).expect("no error");
+    let staging = |m: u32, k: u32| {
+        ops.linear_staging(s, Matrix::bf16(w1, n, k), m)
+            .expect("no error")
+    };
     assert_eq!(staging(m, k), Some(base));
     assert_eq!(staging(LINEAR_SMALL_M_MAX, k), None);
     assert_eq!(staging(m, 32), None);
     assert_eq!(staging(4 * m, k), None, "the images would not fit");
     // Without a map (here, no slots), a staged projection is refused, not run unmapped.
     ops.set_linear_staging(Some(LinearStaging::at(base, images, 0)));
-    let refused = ops.linear_staged(s, out, x, base, w1, m, n, k);
+    let operands = (
+        Matrix::bf16(out, m, n),
+        Matrix::bf16(x, m, k),
+        Matrix::bf16(w1, n, k),
+    );
+    let refused = ops.linear_staged(s, operands, base);
     assert!(
         matches!(&refused, Err(GpuError::KernelFailed { problem, .. }) if problem.contains("no tensor map")),
         "{refused:?}"
@@ -76,7 +90,12 @@ fn linear_stream_tma_serves_9_to_128_rows_in_four_row_blocks_at_most_where_a_map
     let w = alloc(8 * 12288 * 2);
     let tma = vec![ops.k.linear_stream_tma];
     let wide = vec![ops.k.linear_stream_wide];
-    let linear = |m: u32, k: u32| move |o: &Ops| o.linear(s, out, x, w, m, n, k);
+    let linear = |m: u32, k: u32| {
+        move |o: &Ops| {
+            let w = Matrix::bf16(w, n, k);
+            o.linear(s, Matrix::bf16(out, m, n), Matrix::bf16(x, m, k), w)
+        }
+    };
 
     // No staging memory, so no map: the wide kernel.
     assert_eq!(kernels_of(&ops, linear(32, 4096)), wide);
@@ -84,7 +103,10 @@ fn linear_stream_tma_serves_9_to_128_rows_in_four_row_blocks_at_most_where_a_map
     ops.set_linear_staging(Some(LinearStaging::at(base, 0, 4)));
     assert_eq!(kernels_of(&ops, linear(17, 4096)), tma);
     assert_eq!(kernels_of(&ops, linear(64, 4096)), tma);
-    let f32out = kernels_of(&ops, |o: &Ops| o.linear_f32out(s, out, x, w, 40, n, 4096));
+    let f32out = kernels_of(&ops, |o: &Ops| {
+        let (x, w) = (Matrix::bf16(x, 40, 4096), Matrix::bf16(w, n, 4096));
+        o.linear_f32out(s, Matrix::f32(out, 40, n), x, w)
+    });
     assert_eq!(f32out, vec![ops.k.linear_stream_tma_f32out]);
     // 12288 inputs: 32 rows fit, 64 go in two row blocks of 32 (x's whole segment would
     // take 192 KiB); a k whose 8 rows do not fit runs the wide kernel.
@@ -133,7 +155,10 @@ fn decode_projections_take_x_from_images_where_every_segment_is_whole_stages() {
     let images = linear_staging_bytes(LINEAR_SMALL_M_MAX, k);
     let base = alloc(LinearStaging::bytes(images, 4));
     ops.set_linear_staging(Some(LinearStaging::at(base, images, 4)));
-    let staging = |m: u32, k: u32| ops.linear_staging(s, w, m, n, k).expect("no error");
+    let staging = |m: u32, k: u32| {
+        ops.linear_staging(s, Matrix::bf16(w, n, k), m)
+            .expect("no error")
+    };
     // 17..128 rows of k = 1024 (32 chunks: segments of 4) stage; 16 rows, k = 1000 and
     // k = 256 (segments of one chunk) do not.
     for rows in [LINEAR_STREAM_TMA_IMAGES_M_MIN, 64, LINEAR_SMALL_M_MAX] {
@@ -145,14 +170,21 @@ fn decode_projections_take_x_from_images_where_every_segment_is_whole_stages() {
     // The projection is `linear_stream_tma` given both x's rows and the images; where the
     // shape takes none, `linear_staged` refuses.
     let (recorder, recording) = Recorder::over(&ops);
+    let operands = |m: u32| {
+        (
+            Matrix::bf16(out, m, n),
+            Matrix::bf16(x, m, k),
+            Matrix::bf16(w, n, k),
+        )
+    };
     recording
-        .linear_staged(s, out, x, base, w, m, n, k)
+        .linear_staged(s, operands(m), base)
         .expect("staged");
     let launches = recorder.take();
     assert_eq!(launches.len(), 1);
     assert_eq!(launches[0].kernel, ops.k.linear_stream_tma);
     assert!(
-        ops.linear_staged(s, out, x, base, w, 16, n, k).is_err(),
+        ops.linear_staged(s, operands(16), base).is_err(),
         "16 rows are not read from images"
     );
 }
@@ -171,10 +203,12 @@ fn staged_producers_refuse_operands_off_their_vector_path() {
         other => panic!("expected a refusal, got {other:?}"),
     };
     let act = alloc((rows * cols * 2) as usize);
-    ops.silu_mul_staged(s, images, act, gate_up, rows, cols)
-        .expect("aligned operands stage");
+    let silu = |act: DevicePtr, gate_up: DevicePtr, cols: u32| {
+        let act = Matrix::bf16(act, rows, cols);
+        ops.silu_mul_staged(s, images, act, Matrix::bf16(gate_up, rows, 2 * cols))
+    };
+    silu(act, gate_up, cols).expect("aligned operands stage");
     let shifted = DevicePtr(gate_up.0 + 2);
-    let silu = |act, gate_up, cols| ops.silu_mul_staged(s, images, act, gate_up, rows, cols);
     assert!(problem(silu(act, shifted, cols)).contains("gate_up"));
     assert!(problem(silu(DevicePtr(act.0 + 2), gate_up, cols)).contains("act"));
     assert!(problem(silu(act, gate_up, 60)).contains("60 columns"));
@@ -193,7 +227,17 @@ fn staged_producers_refuse_operands_off_their_vector_path() {
         gpu.memset(p, 0x3c, bytes as usize, s).expect("fill");
     }
     let norm = |out: DevicePtr| {
-        ops.add_rms_norm_staged(s, residual, delta, w, out, images, rows, cols, 1e-6, false)
+        let operands = (
+            Matrix::f32(residual, rows, cols),
+            Matrix::bf16(delta, rows, cols),
+            Matrix::bf16(out, rows, cols),
+        );
+        let norm = Norm {
+            w,
+            eps: 1e-6,
+            unit_offset: false,
+        };
+        ops.add_rms_norm_staged(s, operands, images, &norm)
     };
     norm(out).expect("aligned operands stage");
     assert!(problem(norm(DevicePtr(out.0 + 8))).contains("out at"));

@@ -1,6 +1,7 @@
 //! `paged_attention` and `paged_attention_prefill` against their CPU twins: shuffled blocks,
 //! grouped-query and gated heads, scalar and vector paths, long contexts; the prefill kernel's
 //! row groups bitwise the single-row kernel on each backend; batch invariance and NaN rows.
+//! `small` runs `attention_case` at the sanitizer's sizes.
 
 use half::bf16;
 use metrale_gpu_runtime::{LaunchConfig, Residency};
@@ -23,6 +24,40 @@ struct AttnCase {
     seq_lens: Vec<u32>,
     /// `(sequence, position)` of each row.
     rows: Vec<(u32, u32)>,
+}
+
+/// Short contexts through every attention kernel (the sanitizer set): decode rows and a
+/// prefill run across units, the vector path (grouped queries, gated and not, head_dim 128 and
+/// 256) and the scalar one; `attention_case` runs the cluster, block, prefill and staged prefill
+/// kernels on each.
+pub(super) fn small(p: &Pair) {
+    let mut rng = Rng::new(1003);
+    let case = |hq, hkv, d, gated| AttnCase {
+        hq,
+        hkv,
+        d,
+        gated,
+        seq_lens: vec![37, 70, 1],
+        rows: vec![(1, 0), (1, 15), (1, 16), (1, 17), (1, 69), (0, 36), (2, 0)],
+    };
+    attention_case(
+        p,
+        &mut rng,
+        &case(4, 2, 128, false),
+        "small hq=4 hkv=2 d=128",
+    );
+    attention_case(
+        p,
+        &mut rng,
+        &case(4, 1, 256, true),
+        "small hq=4 hkv=1 d=256 gated",
+    );
+    attention_case(
+        p,
+        &mut rng,
+        &case(6, 2, 100, true),
+        "small hq=6 hkv=2 d=100 (scalar)",
+    );
 }
 
 fn attention_case(p: &Pair, rng: &mut Rng, c: &AttnCase, label: &str) {

@@ -2,14 +2,15 @@
 //! presets, and `Pair`, which holds the same buffers on `CpuBackend` and `CudaBackend` and runs one
 //! `Ops` launcher on both.
 
-use std::sync::{Arc, OnceLock};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use half::bf16;
-use metrale_gpu_runtime::cuda::embedded_modules;
 use metrale_gpu_runtime::{
-    CpuBackend, CudaBackend, DevicePtr, EventHandle, GpuBackend, GpuBackendExt, GpuError,
+    CpuBackend, CudaBackend, CudaBackendOptions, DevicePtr, EventHandle, GpuBackend, GpuBackendExt,
     GpuResult, GraphHandle, KernelArg, KernelHandle, LaunchConfig, Residency, StreamHandle,
 };
+use metrale_kernel_abi::KernelParams;
 use metrale_model_layers::Ops;
 use metrale_model_layers::ops_gemm::{LinearStaging, linear_staging_bytes};
 
@@ -87,6 +88,12 @@ impl Tolerance {
         rel: 1e-3,
         abs: 1e-3,
     };
+    /// f32 results of short element-wise formulas (norm scales, gates, softmax): a few ulps
+    /// apart after sums in another order and `expf` against Rust's `exp`.
+    pub const F32_ELEMENTWISE: Tolerance = Tolerance {
+        rel: 1e-5,
+        abs: 1e-6,
+    };
 }
 
 /// The worst deviation seen in one comparison.
@@ -158,44 +165,56 @@ pub type At<'a> = &'a dyn Fn(&Buf) -> DevicePtr;
 pub struct Pair {
     pub cpu: Arc<dyn GpuBackend>,
     pub gpu: Arc<dyn GpuBackend>,
+    /// The CUDA side, which remembers the kernels launched.
+    pub cuda: Arc<TestCuda>,
     pub cpu_ops: Ops,
     pub gpu_ops: Ops,
     live: std::cell::RefCell<Vec<Buf>>,
 }
 
-/// The one CUDA backend of this test process.
+/// The one CUDA backend of this test process, with `check_kernel_errors` on: a launch a kernel
+/// refuses fails the `synchronize` after it.
 pub fn cuda() -> Arc<CudaBackend> {
     static GPU: OnceLock<Arc<CudaBackend>> = OnceLock::new();
     GPU.get_or_init(|| {
-        Arc::new(CudaBackend::new(0).expect("a CUDA GPU (run this from the GPU bundle)"))
+        let options = CudaBackendOptions::default().check_kernel_errors(true);
+        Arc::new(
+            CudaBackend::with_options(0, options)
+                .expect("a CUDA GPU (run this from the GPU bundle)"),
+        )
     })
     .clone()
 }
 
-/// `CudaBackend` for `Ops::new`, which resolves every kernel the model may launch: a kernel of a
-/// family that has no `kernels/<family>.cu` yet resolves to a placeholder handle whose launch
-/// fails, so the families that do exist can be tested meanwhile. Everything else is the real
-/// backend's.
+/// `CudaBackend` that remembers the kernels launched through it (`launched`), so a test can
+/// check that it reached every kernel of the manifest. Everything else is the real backend's.
 #[derive(Debug)]
 pub struct TestCuda {
     inner: Arc<CudaBackend>,
-    missing: std::sync::Mutex<Vec<String>>,
+    /// `module::name` of every handle `kernel` returned.
+    names: Mutex<HashMap<u32, String>>,
+    /// The handles launched.
+    launched: Mutex<BTreeSet<u32>>,
 }
-
-/// Placeholder handles count down from here.
-const MISSING_BASE: u32 = u32::MAX - 4096;
 
 impl TestCuda {
     pub fn new() -> Arc<TestCuda> {
         Arc::new(TestCuda {
             inner: cuda(),
-            missing: Default::default(),
+            names: Default::default(),
+            launched: Default::default(),
         })
     }
 
-    /// The kernels that resolved to placeholders.
-    pub fn missing(&self) -> Vec<String> {
-        self.missing.lock().expect("lock").clone()
+    /// `module::name` of every kernel launched through this backend.
+    pub fn launched(&self) -> BTreeSet<String> {
+        let names = self.names.lock().expect("lock");
+        self.launched
+            .lock()
+            .expect("lock")
+            .iter()
+            .filter_map(|h| names.get(h).cloned())
+            .collect()
     }
 }
 
@@ -228,14 +247,12 @@ impl GpuBackend for TestCuda {
         self.inner.memset(dst, value, bytes, s)
     }
     fn kernel(&self, module: &str, name: &str) -> GpuResult<KernelHandle> {
-        match self.inner.kernel(module, name) {
-            Err(GpuError::UnknownKernel { .. }) if !embedded_modules().contains(&module) => {
-                let mut missing = self.missing.lock().expect("lock");
-                missing.push(format!("{module}::{name}"));
-                Ok(KernelHandle(MISSING_BASE + missing.len() as u32 - 1))
-            }
-            other => other,
-        }
+        let handle = self.inner.kernel(module, name)?;
+        self.names
+            .lock()
+            .expect("lock")
+            .insert(handle.0, format!("{module}::{name}"));
+        Ok(handle)
     }
     fn launch(
         &self,
@@ -244,14 +261,7 @@ impl GpuBackend for TestCuda {
         args: &[KernelArg],
         s: StreamHandle,
     ) -> GpuResult<()> {
-        if k.0 >= MISSING_BASE {
-            let name = self.missing.lock().expect("lock")[(k.0 - MISSING_BASE) as usize].clone();
-            return Err(GpuError::UnknownKernel {
-                module: name,
-                name: String::new(),
-                hint: " (no kernels/*.cu yet)".into(),
-            });
-        }
+        self.launched.lock().expect("lock").insert(k.0);
         self.inner.launch(k, cfg, args, s)
     }
     fn create_stream(&self) -> GpuResult<StreamHandle> {
@@ -259,6 +269,9 @@ impl GpuBackend for TestCuda {
     }
     fn synchronize(&self, s: StreamHandle) -> GpuResult<()> {
         self.inner.synchronize(s)
+    }
+    fn take_kernel_error(&self) -> GpuResult<()> {
+        self.inner.take_kernel_error()
     }
     fn create_event(&self) -> GpuResult<EventHandle> {
         self.inner.create_event()
@@ -309,17 +322,14 @@ impl GpuBackend for TestCuda {
 impl Pair {
     pub fn new() -> Pair {
         let cpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
-        let test_cuda = TestCuda::new();
-        let gpu: Arc<dyn GpuBackend> = test_cuda.clone();
+        let cuda = TestCuda::new();
+        let gpu: Arc<dyn GpuBackend> = cuda.clone();
         let cpu_ops = Ops::new(cpu.clone()).expect("CPU kernels resolve");
-        let gpu_ops = Ops::new(gpu.clone()).expect("every embedded kernel resolves on CUDA");
-        let missing = test_cuda.missing();
-        if !missing.is_empty() {
-            println!("note: no CUDA source yet for {}", missing.join(", "));
-        }
+        let gpu_ops = Ops::new(gpu.clone()).expect("every kernel resolves on CUDA");
         Pair {
             cpu,
             gpu,
+            cuda,
             cpu_ops,
             gpu_ops,
             live: Default::default(),
@@ -389,6 +399,39 @@ impl Pair {
         self.gpu
             .synchronize(S)
             .expect("CUDA kernel ran without a device error");
+    }
+
+    /// Launch `module::name` directly (bypassing its launcher) with `params(at)` and `cfg`, on
+    /// the CPU, then on CUDA (and wait for it).
+    pub fn launch<P: KernelParams>(
+        &self,
+        (module, name): (&str, &str),
+        cfg: &LaunchConfig,
+        params: impl Fn(At<'_>) -> P,
+    ) {
+        let (cpu_at, gpu_at) = (|b: &Buf| b.cpu, |b: &Buf| b.gpu);
+        let sides: [(&dyn GpuBackend, At<'_>); 2] =
+            [(self.cpu.as_ref(), &cpu_at), (self.gpu.as_ref(), &gpu_at)];
+        for (gpu, at) in sides {
+            let kernel = gpu.kernel(module, name).expect("the kernel resolves");
+            let args = [KernelArg::params(&params(at))];
+            gpu.launch(kernel, cfg, &args, S).expect("launch");
+            gpu.synchronize(S).expect("the kernel ran");
+        }
+    }
+
+    /// `launch` on CUDA only.
+    pub fn launch_gpu<P: KernelParams>(
+        &self,
+        (module, name): (&str, &str),
+        cfg: &LaunchConfig,
+        params: &P,
+    ) {
+        let gpu = self.gpu.as_ref();
+        let kernel = gpu.kernel(module, name).expect("the kernel resolves");
+        gpu.launch(kernel, cfg, &[KernelArg::params(params)], S)
+            .expect("launch");
+        gpu.synchronize(S).expect("the kernel ran");
     }
 
     /// Both sides' contents, `(cuda, cpu)`.

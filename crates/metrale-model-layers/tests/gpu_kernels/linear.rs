@@ -1,9 +1,14 @@
 //! The `linear` family against its CPU twins and itself: every kernel (narrow, wide, tiled,
 //! `linear_tma`) bitwise the others at every m, rows independent of the rows beside them, and
-//! the staged producers' images bitwise `permute_k32_tiles` of the plain kernels' rows.
+//! the staged producers' images bitwise `permute_k32_tiles` of the plain kernels' rows. Each
+//! check takes its shapes, so `small` runs the same checks at the sanitizer's sizes.
 
 use half::bf16;
-use metrale_gpu_runtime::{DevicePtr, KernelArg, LaunchConfig, Residency};
+use metrale_gpu_runtime::{DevicePtr, LaunchConfig, Residency};
+use metrale_kernel_abi::{
+    LinearParams, LinearStreamTmaParams, LinearTmaParams, PermuteK32TilesParams,
+};
+use metrale_model_layers::ops::{Matrix, Norm};
 use metrale_model_layers::ops_gemm::{
     LINEAR_NARROW_THREADS, LINEAR_SMALL_M_MAX, LinearPath, linear_geometry, linear_staging_bytes,
     linear_stream_tma_geometry, linear_stream_tma_room, linear_stream_tma_rows,
@@ -21,10 +26,18 @@ fn linear_inputs(rng: &mut Rng, m: u32, n: u32, k: u32) -> (Vec<bf16>, Vec<bf16>
     )
 }
 
+/// Every check below at small shapes (the sanitizer set): the launchers' decode and prefill
+/// paths, every kernel of the family directly (a k of whole stages, so `linear_stream_tma` also
+/// reads stage images), the staged producers at a decode and a prefill size.
+pub(super) fn small(p: &Pair) {
+    let rng = &mut Rng::new(1002);
+    launcher_paths(p, rng, &[(3, 136, 96), (130, 70, 128)]);
+    kernels_agree(p, rng, &[(3, 136, 96), (20, 72, 2048)]);
+    staged_producers(p, rng, &[(130, 256), (5, 256)]);
+}
+
 #[test]
 fn linear_matches_on_both_paths_and_odd_shapes() {
-    let p = Pair::new();
-    let mut rng = Rng::new(7);
     let shapes = [
         (1u32, 4096u32, 4096u32),
         (3, 1000, 1003),
@@ -43,18 +56,40 @@ fn linear_matches_on_both_paths_and_odd_shapes() {
         (300, 264, 1000),
         (257, 136, 96),
     ];
-    for (m, n, k) in shapes {
-        let (x, w) = linear_inputs(&mut rng, m, n, k);
+    launcher_paths(&Pair::new(), &mut Rng::new(7), &shapes);
+}
+
+/// `linear` and `linear_f32out` through the launchers at `(m, n, k)` each: against the CPU,
+/// run to run, and (prefill sizes with k a multiple of 8) through `linear_tma` bitwise the
+/// tiled kernel.
+fn launcher_paths(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
+    for &(m, n, k) in shapes {
+        let (x, w) = linear_inputs(rng, m, n, k);
         let (x, w) = (p.upload(&x), p.upload(&w));
         let out = p.poisoned((m * n) as usize * 2);
         let logits = p.poisoned((m * n) as usize * 4);
         let case = format!("m={m} n={n} k={k}");
-        p.run(|o, at| o.linear(S, at(&out), at(&x), at(&w), m, n, k));
+        let views = |at: harness::At<'_>, out: &harness::Buf, f32out: bool| {
+            let out = if f32out {
+                Matrix::f32(at(out), m, n)
+            } else {
+                Matrix::bf16(at(out), m, n)
+            };
+            (out, Matrix::bf16(at(&x), m, k), Matrix::bf16(at(&w), n, k))
+        };
+        p.run(|o, at| {
+            let (out, x, w) = views(at, &out, false);
+            o.linear(S, out, x, w)
+        });
         p.check_bf16("linear", &case, &out, Tolerance::BF16);
-        p.run(|o, at| o.linear_f32out(S, at(&logits), at(&x), at(&w), m, n, k));
+        let f32out = |o: &metrale_model_layers::Ops, at: harness::At<'_>, out: &harness::Buf| {
+            let (out, x, w) = views(at, out, true);
+            o.linear_f32out(S, out, x, w)
+        };
+        p.run(|o, at| f32out(o, at, &logits));
         p.check_f32("linear_f32out", &case, &logits, Tolerance::F32_DOT);
         let first = p.download_gpu::<u32>(&logits);
-        p.run_gpu(|o, at| o.linear_f32out(S, at(&logits), at(&x), at(&w), m, n, k));
+        p.run_gpu(|o, at| f32out(o, at, &logits));
         assert!(
             first == p.download_gpu::<u32>(&logits),
             "linear_f32out {case}: a second run differs"
@@ -64,7 +99,7 @@ fn linear_matches_on_both_paths_and_odd_shapes() {
             // tiled kernel.
             p.stage_linear(Some((m, k)));
             let tma = p.poisoned((m * n) as usize * 4);
-            p.run(|o, at| o.linear_f32out(S, at(&tma), at(&x), at(&w), m, n, k));
+            p.run(|o, at| f32out(o, at, &tma));
             p.check_f32("linear_f32out(tma)", &case, &tma, Tolerance::F32_DOT);
             assert!(
                 first == p.download_gpu::<u32>(&tma),
@@ -86,7 +121,11 @@ fn linear_rows_do_not_depend_on_how_many_rows_share_the_launch() {
     // Prefill-sized launches run `linear_tma`, as in a model.
     p.stage_linear(Some((big_m, k)));
     let full = p.poisoned((big_m * n) as usize * 4);
-    p.run_gpu(|o, at| o.linear_f32out(S, at(&full), at(&xb), at(&wb), big_m, n, k));
+    let f32out = |o: &metrale_model_layers::Ops, out: DevicePtr, x: DevicePtr, m: u32| {
+        let w = Matrix::bf16(wb.gpu, n, k);
+        o.linear_f32out(S, Matrix::f32(out, m, n), Matrix::bf16(x, m, k), w)
+    };
+    p.run_gpu(|o, at| f32out(o, at(&full), at(&xb), big_m));
     let full = p.download_gpu::<u32>(&full);
     // The same rows, launched in smaller batches (both paths), each starting at a row offset.
     for (start, m) in [
@@ -103,7 +142,7 @@ fn linear_rows_do_not_depend_on_how_many_rows_share_the_launch() {
     ] {
         let xs = p.upload(&x[(start * k) as usize..((start + m) * k) as usize]);
         let out = p.poisoned((m * n) as usize * 4);
-        p.run_gpu(|o, at| o.linear_f32out(S, at(&out), at(&xs), at(&wb), m, n, k));
+        p.run_gpu(|o, at| f32out(o, at(&out), at(&xs), m));
         let got = p.download_gpu::<u32>(&out);
         assert!(
             got[..] == full[(start * n) as usize..((start + m) * n) as usize],
@@ -154,62 +193,74 @@ fn launch_gemm(
     resident: u32,
 ) {
     let (m, n, k) = mnk;
-    let gpu = p.gpu.as_ref();
-    let kernel = gpu.kernel("gemm", name).expect("gemm kernel resolves");
     let cfg = linear_geometry(gemm_path(name), m, n, resident);
-    let args = [
-        KernelArg::Ptr(out.gpu),
-        KernelArg::Ptr(x.gpu),
-        KernelArg::Ptr(w.gpu),
-        KernelArg::U32(m),
-        KernelArg::U32(n),
-        KernelArg::U32(k),
-    ];
-    gpu.launch(kernel, &cfg, &args, S).expect("launch");
-    gpu.synchronize(S).expect("the gemm kernel ran");
+    let params = LinearParams {
+        out: out.gpu,
+        x: x.gpu,
+        w: w.gpu,
+        m,
+        n,
+        k,
+    };
+    p.launch_gpu(("gemm", name), &cfg, &params);
 }
 
-/// `gemm::<name>` (`_f32out` appended for 4-byte outputs) of `src` (x or its stage images) and
-/// `w`, with the weight's tensor map from the backend, launched with `cfg`; `ximg`: the
-/// argument after `src` for `linear_stream_tma` (x's stage images, or `None` for NULL), absent
-/// for `linear_tma`. The output's halfwords.
-#[allow(clippy::too_many_arguments)]
+/// Where `gemm::linear_tma` or `gemm::linear_stream_tma` reads x from.
+#[derive(Clone, Copy)]
+enum MappedX<'a> {
+    /// `linear_tma`: x's stage images.
+    Images(&'a harness::Buf),
+    /// `linear_stream_tma`: x's rows, and its stage images or none.
+    Rows(&'a harness::Buf, Option<&'a harness::Buf>),
+}
+
+/// `gemm::linear_tma` or `gemm::linear_stream_tma` (by `x`; `_f32out` appended for 4-byte
+/// outputs) of x and `w`, with the weight's tensor map from the backend, launched with `cfg`.
+/// The output's halfwords.
 fn launch_mapped(
     p: &Pair,
-    name: &str,
     cfg: &LaunchConfig,
     bytes: usize,
-    src: &harness::Buf,
-    ximg: Option<Option<&harness::Buf>>,
+    x: MappedX<'_>,
     w: &harness::Buf,
     (m, n, k): (u32, u32, u32),
 ) -> Vec<u16> {
-    let gpu = p.gpu.as_ref();
     let map = p.upload(
-        &gpu.tensor_map_bf16(w.gpu, n, k, 128, 64)
+        &p.gpu
+            .tensor_map_bf16(w.gpu, n, k, 128, 64)
             .expect("CUDA has tensor maps")
             .expect("the weight's map encodes"),
     );
     let out = p.poisoned((m * n) as usize * bytes);
-    let name = if bytes == 4 {
-        format!("{name}_f32out")
-    } else {
-        name.to_string()
-    };
-    let kernel = gpu.kernel("gemm", &name).expect("resolves");
-    let mut args = vec![KernelArg::Ptr(out.gpu), KernelArg::Ptr(src.gpu)];
-    if let Some(ximg) = ximg {
-        args.push(KernelArg::Ptr(ximg.map_or(DevicePtr::NULL, |b| b.gpu)));
+    let suffix = if bytes == 4 { "_f32out" } else { "" };
+    match x {
+        MappedX::Images(xt) => {
+            let params = LinearTmaParams {
+                out: out.gpu,
+                xt: xt.gpu,
+                w: w.gpu,
+                wmap: map.gpu,
+                m,
+                n,
+                k,
+            };
+            p.launch_gpu(("gemm", &format!("linear_tma{suffix}")), cfg, &params);
+        }
+        MappedX::Rows(rows, ximg) => {
+            let params = LinearStreamTmaParams {
+                out: out.gpu,
+                x: rows.gpu,
+                ximg: ximg.map_or(DevicePtr::NULL, |b| b.gpu),
+                w: w.gpu,
+                wmap: map.gpu,
+                m,
+                n,
+                k,
+            };
+            let name = format!("linear_stream_tma{suffix}");
+            p.launch_gpu(("gemm", &name), cfg, &params);
+        }
     }
-    args.extend([
-        KernelArg::Ptr(w.gpu),
-        KernelArg::Ptr(map.gpu),
-        KernelArg::U32(m),
-        KernelArg::U32(n),
-        KernelArg::U32(k),
-    ]);
-    gpu.launch(kernel, cfg, &args, S).expect("launch");
-    gpu.synchronize(S).expect("the gemm kernel ran");
     p.download_gpu::<u16>(&out)
 }
 
@@ -224,18 +275,16 @@ fn linear_tma(
 ) -> Vec<u16> {
     let images = p.upload(&permuted_images(p, x, m, k));
     let cfg = linear_tma_geometry(m, n);
-    launch_mapped(p, "linear_tma", &cfg, bytes, &images, None, w, (m, n, k))
+    launch_mapped(p, &cfg, bytes, MappedX::Images(&images), w, (m, n, k))
 }
 
 /// `gemm::linear_stream_tma` (or `_f32out` for 4-byte outputs) directly on `clusters`
 /// persistent clusters (a few, so each takes many tiles, or as many as are resident), from x's
-/// rows or also its stage images (`ximg`); the output's halfwords.
-#[allow(clippy::too_many_arguments)]
+/// rows or also its stage images (`x`); the output's halfwords.
 fn linear_stream_tma(
     p: &Pair,
     bytes: usize,
-    x: &harness::Buf,
-    ximg: Option<&harness::Buf>,
+    x: MappedX<'_>,
     w: &harness::Buf,
     (m, n, k): (u32, u32, u32),
     clusters: Option<u32>,
@@ -250,16 +299,7 @@ fn linear_stream_tma(
     });
     let (_, row_blocks) = linear_stream_tma_rows(m, k).expect("the kernel has room");
     let cfg = linear_stream_tma_geometry(n, row_blocks, clusters);
-    launch_mapped(
-        p,
-        "linear_stream_tma",
-        &cfg,
-        bytes,
-        x,
-        Some(ximg),
-        w,
-        (m, n, k),
-    )
+    launch_mapped(p, &cfg, bytes, x, w, (m, n, k))
 }
 
 /// The halfwords of rows `0..m` of stage images of `[m, k]` (the padding rows dropped).
@@ -277,10 +317,15 @@ pub(super) fn image_rows(img: &[u16], m: u32, k: u32) -> Vec<u16> {
 
 #[test]
 fn staged_producers_write_the_images_permute_would() {
-    let p = Pair::new();
-    let mut rng = Rng::new(12);
     // Prefill sizes (images only), and a decode size (the rows too).
-    for (m, k) in [(130u32, 1024u32), (300, 4096), (64, 4096)] {
+    let shapes = [(130, 1024), (300, 4096), (64, 4096)];
+    staged_producers(&Pair::new(), &mut Rng::new(12), &shapes);
+}
+
+/// `silu_mul_staged` and `add_rms_norm_staged` at `(m, k)` each: against the CPU, their rows
+/// bitwise the plain kernels', their images bitwise those rows permuted.
+fn staged_producers(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32)]) {
+    for &(m, k) in shapes {
         let images = linear_staging_bytes(m, k);
         let case = format!("m={m} k={k}");
         // silu_mul: the staged kernel against silu_mul then permute_k32_tiles.
@@ -288,9 +333,12 @@ fn staged_producers_write_the_images_permute_would() {
         let act = p.poisoned((m * k) as usize * 2);
         let staged = p.poisoned(images);
         let rows = p.poisoned((m * k) as usize * 2);
-        p.run(|o, at| o.silu_mul_staged(S, at(&staged), at(&rows), at(&gu), m, k));
+        let gate_up = |at: harness::At<'_>| Matrix::bf16(at(&gu), m, 2 * k);
+        p.run(|o, at| {
+            o.silu_mul_staged(S, at(&staged), Matrix::bf16(at(&rows), m, k), gate_up(at))
+        });
         p.check_bf16("silu_mul_staged", &case, &staged, Tolerance::BF16);
-        p.run_gpu(|o, at| o.silu_mul(S, at(&act), at(&gu), m, k));
+        p.run_gpu(|o, at| o.silu_mul(S, Matrix::bf16(at(&act), m, k), gate_up(at)));
         if m <= LINEAR_SMALL_M_MAX {
             let rows_case = format!("{case} rows");
             p.check_bf16("silu_mul_staged", &rows_case, &rows, Tolerance::BF16);
@@ -299,7 +347,7 @@ fn staged_producers_write_the_images_permute_would() {
                 "silu_mul_staged {case}: its rows differ from silu_mul's"
             );
         }
-        let permuted = permuted_images(&p, &act, m, k);
+        let permuted = permuted_images(p, &act, m, k);
         assert!(
             image_rows(&p.download_gpu::<u16>(&staged), m, k) == image_rows(&permuted, m, k),
             "silu_mul_staged {case}: the images differ from silu_mul's rows permuted"
@@ -314,20 +362,19 @@ fn staged_producers_write_the_images_permute_would() {
             p.poisoned((m * k) as usize * 2),
         );
         let staged = p.poisoned(images);
-        p.run(|o, at| {
-            o.add_rms_norm_staged(
-                S,
-                at(&r1),
-                at(&delta),
-                at(&w),
-                at(&out1),
-                at(&staged),
-                m,
-                k,
-                1e-6,
-                true,
+        let norm = |at: harness::At<'_>| Norm {
+            w: at(&w),
+            eps: 1e-6,
+            unit_offset: true,
+        };
+        let operands = |at: harness::At<'_>, r, out| {
+            (
+                Matrix::f32(at(r), m, k),
+                Matrix::bf16(at(&delta), m, k),
+                Matrix::bf16(at(out), m, k),
             )
-        });
+        };
+        p.run(|o, at| o.add_rms_norm_staged(S, operands(at, &r1, &out1), at(&staged), &norm(at)));
         p.check_bf16("add_rms_norm_staged", &case, &out1, Tolerance::BF16);
         p.check_bf16(
             "add_rms_norm_staged",
@@ -336,13 +383,14 @@ fn staged_producers_write_the_images_permute_would() {
             Tolerance::BF16,
         );
         p.run_gpu(|o, at| {
-            o.add_rms_norm(S, at(&r2), at(&delta), at(&w), at(&out2), m, k, 1e-6, true)
+            let (r, d, out) = operands(at, &r2, &out2);
+            o.add_rms_norm(S, r, d, out, &norm(at))
         });
         assert!(
             p.download_gpu::<u16>(&out1) == p.download_gpu::<u16>(&out2),
             "add_rms_norm_staged {case}: rows differ from add_rms_norm's"
         );
-        let permuted = permuted_images(&p, &out2, m, k);
+        let permuted = permuted_images(p, &out2, m, k);
         assert!(
             image_rows(&p.download_gpu::<u16>(&staged), m, k) == image_rows(&permuted, m, k),
             "add_rms_norm_staged {case}: the images differ from add_rms_norm's rows permuted"
@@ -372,28 +420,22 @@ fn permuted_images(p: &Pair, x: &harness::Buf, m: u32, k: u32) -> Vec<u16> {
 /// `permute_k32_tiles` of `x [m, k]` on both sides: the images' halfwords, `(cuda, cpu)`.
 pub(super) fn permuted_pair(p: &Pair, x: &harness::Buf, m: u32, k: u32) -> (Vec<u16>, Vec<u16>) {
     let images = p.poisoned(linear_staging_bytes(m, k));
-    for (gpu, ximg, xin) in [
-        (p.gpu.as_ref(), images.gpu, x.gpu),
-        (p.cpu.as_ref(), images.cpu, x.cpu),
-    ] {
-        let permute = gpu.kernel("gemm", "permute_k32_tiles").expect("resolves");
-        gpu.launch(
-            permute,
-            &permute_geometry(m, k),
-            &[ximg.into(), xin.into(), m.into(), k.into()],
-            S,
-        )
-        .expect("permute launch");
-        gpu.synchronize(S).expect("permute ran");
-    }
+    p.launch(
+        ("gemm", "permute_k32_tiles"),
+        &permute_geometry(m, k),
+        |at| PermuteK32TilesParams {
+            out: at(&images),
+            x: at(x),
+            m,
+            k,
+        },
+    );
     p.download::<u16>(&images)
 }
 
 #[test]
 fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
-    let p = Pair::new();
-    let mut rng = Rng::new(11);
-    for (m, n, k) in [
+    let shapes = [
         (1u32, 1000u32, 4096u32),
         (8, 264, 1000),
         (17, 136, 520),
@@ -426,8 +468,21 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
         (300, 264, 1000),
         (257, 136, 96),
         (200, 4100, 12288),
-    ] {
-        let (x, w) = linear_inputs(&mut rng, m, n, k);
+    ];
+    kernels_agree(&Pair::new(), &mut Rng::new(11), &shapes);
+    println!(
+        "kernel-check {:<18} {:<44} bitwise equal, m in 1..=130 ok",
+        "linear(kernels)", "tiled = stream = b4 = wide = tma = stream_tma, every m"
+    );
+}
+
+/// Every kernel of the family launched directly at `(m, n, k)` each, bitwise the tiled kernel:
+/// the narrow ones on one, three and every resident block, `linear_tma` from x's images
+/// (k a multiple of 8), `linear_stream_tma` from x's rows and images on one, three and every
+/// resident cluster (where it has room).
+fn kernels_agree(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
+    for &(m, n, k) in shapes {
+        let (x, w) = linear_inputs(rng, m, n, k);
         let (x, w) = (p.upload(&x), p.upload(&w));
         for (names, bytes) in [
             (
@@ -455,13 +510,13 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
                 // are resident.
                 let narrow = matches!(gemm_path(name), LinearPath::Narrow | LinearPath::NarrowB4);
                 let counts = if narrow {
-                    vec![1, 3, resident_blocks(&p, name)]
+                    vec![1, 3, resident_blocks(p, name)]
                 } else {
                     vec![0]
                 };
                 for blocks in counts {
                     let out = p.poisoned((m * n) as usize * bytes);
-                    launch_gemm(&p, name, &out, &x, &w, (m, n, k), blocks);
+                    launch_gemm(p, name, &out, &x, &w, (m, n, k), blocks);
                     let label = if narrow {
                         format!("{name} on {blocks} blocks")
                     } else {
@@ -479,7 +534,7 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
             }
             let reference = &results[0].1;
             if k.is_multiple_of(8) {
-                let tma = linear_tma(&p, bytes, &x, &w, (m, n, k));
+                let tma = linear_tma(p, bytes, &x, &w, (m, n, k));
                 assert!(
                     tma == *reference,
                     "m={m} n={n} k={k}: linear_tma differs bitwise from {}",
@@ -489,10 +544,11 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
             if linear_stream_tma_room(m, k) {
                 // From x's rows, and (where every k segment is whole stages) from its stage
                 // images, whose rows past m hold NaN: what a decode step finds there is stale.
-                let images = segments_are_whole_stages(k).then(|| nan_padded_images(&p, &x, m, k));
+                let images = segments_are_whole_stages(k).then(|| nan_padded_images(p, &x, m, k));
                 for ximg in [None, images.as_ref()] {
                     for clusters in [Some(1), Some(3), None] {
-                        let got = linear_stream_tma(&p, bytes, &x, ximg, &w, (m, n, k), clusters);
+                        let from = MappedX::Rows(&x, ximg);
+                        let got = linear_stream_tma(p, bytes, from, &w, (m, n, k), clusters);
                         assert!(
                             got == *reference,
                             "m={m} n={n} k={k}: linear_stream_tma on {clusters:?} clusters \
@@ -513,8 +569,4 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
             );
         }
     }
-    println!(
-        "kernel-check {:<18} {:<44} bitwise equal, m in 1..=130 ok",
-        "linear(kernels)", "tiled = stream = b4 = wide = tma = stream_tma, every m"
-    );
 }

@@ -1,11 +1,20 @@
 //! The MoE kernels (`kernels/moe.cu`) against their CPU twins: top-k routing with ties, the
 //! expert projections (and their batch invariance on CUDA), and the weighted combine with the
-//! gated shared expert.
+//! gated shared expert. Each check takes its shapes, so `small` runs them at the sanitizer's
+//! sizes.
 
-use metrale_model_layers::ops_hybrid::{ExpertLinear, MoeCombine};
+use metrale_gpu_runtime::DevicePtr;
+use metrale_model_layers::ops_hybrid::{ExpertLinear, MoeCombine, TopkRoute};
 
-use super::F32_ELEMENTWISE;
 use super::harness::{At, Buf, Pair, Rng, S, Tolerance};
+
+/// Every check below at small shapes (the sanitizer set).
+pub(super) fn small(p: &Pair) {
+    let rng = &mut Rng::new(1005);
+    topk_route(p, rng, &[(60, 4, 3), (16, 1, 3)]);
+    expert_linear(p, rng, &[(2, 4, 8, 40, 96), (3, 2, 8, 24, 101)]);
+    moe_combine(p, rng, &[(3, 256, 4), (2, 101, 2)]);
+}
 
 /// Compare two u32 outputs exactly, printing a `kernel-check` line.
 fn check_u32(p: &Pair, kernel: &str, case: &str, buf: &Buf) -> Vec<u32> {
@@ -27,9 +36,14 @@ fn check_u32(p: &Pair, kernel: &str, case: &str, buf: &Buf) -> Vec<u32> {
 
 #[test]
 fn topk_route_picks_the_largest_probabilities_with_ties_to_the_lower_index() {
-    let p = Pair::new();
-    let mut rng = Rng::new(201);
-    for (experts, top_k, rows) in [(64u32, 8u32, 6u32), (512, 10, 5), (60, 4, 3), (128, 1, 4)] {
+    let shapes = [(64, 8, 6), (512, 10, 5), (60, 4, 3), (128, 1, 4)];
+    topk_route(&Pair::new(), &mut Rng::new(201), &shapes);
+}
+
+/// `(experts, top_k, rows)` each (rows >= 3), renormalised and not: row 1 a three-way tie at
+/// the top, row 2 a tie at the edge of the top-k.
+fn topk_route(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
+    for &(experts, top_k, rows) in shapes {
         for renormalize in [true, false] {
             let e = experts as usize;
             let mut logits = rng.f32s(rows as usize * e, -4.0, 4.0);
@@ -52,22 +66,29 @@ fn topk_route_picks_the_largest_probabilities_with_ties_to_the_lower_index() {
             p.run(|o, at| {
                 o.topk_route(
                     S,
-                    at(&ids),
-                    at(&weights),
-                    at(&lg),
-                    rows,
-                    experts,
-                    top_k,
-                    renormalize,
+                    &TopkRoute {
+                        topk_ids: at(&ids),
+                        topk_weights: at(&weights),
+                        logits: at(&lg),
+                        rows,
+                        num_experts: experts,
+                        top_k,
+                        renormalize: renormalize as u32,
+                    },
                 )
             });
             let case = format!("E={experts} k={top_k} rows={rows} renorm={renormalize}");
-            let got = check_u32(&p, "topk_route.ids", &case, &ids);
+            let got = check_u32(p, "topk_route.ids", &case, &ids);
             if top_k >= 3 {
                 let k = top_k as usize;
                 assert_eq!(&got[k..k + 3], &[5, 40, experts - 1], "{case}: tie order");
             }
-            p.check_f32("topk_route.weights", &case, &weights, F32_ELEMENTWISE);
+            p.check_f32(
+                "topk_route.weights",
+                &case,
+                &weights,
+                Tolerance::F32_ELEMENTWISE,
+            );
         }
     }
 }
@@ -133,16 +154,36 @@ fn expert_linear_projects_each_pair_through_its_expert() {
     let mut rng = Rng::new(202);
     // (rows, top_k, experts, n, k): decode-like, odd k (scalar path), k not a multiple of 256.
     let shapes = [
-        (1u32, 8u32, 64u32, 256u32, 512u32),
+        (1, 8, 64, 256, 512),
         (9, 4, 16, 130, 1003),
         (33, 4, 16, 256, 520),
         (3, 2, 8, 64, 2048),
     ];
-    for (rows, top_k, experts, n, k) in shapes {
+    expert_linear(&p, &mut rng, &shapes);
+    // One expert taking most of 600 pairs (more than a block collects at once), and an expert
+    // index at the top of the range.
+    let ids: Vec<u32> = (0..600u32)
+        .map(|i| match i % 7 {
+            0 => rng.below(16),
+            1 => 15,
+            _ => 3,
+        })
+        .collect();
+    let c = ExpertCase::new(&p, &mut rng, ids, (96, 256, 16, 1));
+    let case = "600 pairs, ~430 on expert 3";
+    let out32 = p.poisoned((c.pairs * c.n) as usize * 4);
+    p.run(|o, at| o.expert_linear_f32out(S, &c.params(at, &out32)));
+    p.check_f32("expert_linear_f32out", case, &out32, Tolerance::F32_DOT);
+}
+
+/// `(rows, top_k, experts, n, k)` each, for the gate|up projection (`pairs_per_x_row` =
+/// `top_k`: pairs share x rows) and the down projection (1): bf16 and f32 out against the CPU,
+/// run to run.
+fn expert_linear(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32, u32, u32)]) {
+    for &(rows, top_k, experts, n, k) in shapes {
         for per in [top_k, 1] {
-            // per = top_k: the gate|up projection (pairs share x rows); 1: the down projection.
-            let ids = routing(&mut rng, rows, experts, top_k);
-            let c = ExpertCase::new(&p, &mut rng, ids, (n, k, experts, per));
+            let ids = routing(rng, rows, experts, top_k);
+            let c = ExpertCase::new(p, rng, ids, (n, k, experts, per));
             let case = format!("rows={rows} k_top={top_k} E={experts} n={n} k={k} per={per}");
             let out = p.poisoned((c.pairs * n) as usize * 2);
             p.run(|o, at| o.expert_linear(S, &c.params(at, &out)));
@@ -158,20 +199,6 @@ fn expert_linear_projects_each_pair_through_its_expert() {
             );
         }
     }
-    // One expert taking most of 600 pairs (more than a block collects at once), and an expert
-    // index at the top of the range.
-    let ids: Vec<u32> = (0..600u32)
-        .map(|i| match i % 7 {
-            0 => rng.below(16),
-            1 => 15,
-            _ => 3,
-        })
-        .collect();
-    let c = ExpertCase::new(&p, &mut rng, ids, (96, 256, 16, 1));
-    let case = "600 pairs, ~430 on expert 3";
-    let out32 = p.poisoned((c.pairs * c.n) as usize * 4);
-    p.run(|o, at| o.expert_linear_f32out(S, &c.params(at, &out32)));
-    p.check_f32("expert_linear_f32out", case, &out32, Tolerance::F32_DOT);
 }
 
 #[test]
@@ -218,9 +245,16 @@ fn expert_linear_pairs_do_not_depend_on_the_other_pairs_of_the_launch() {
 
 #[test]
 fn moe_combine_weighs_the_experts_and_gates_the_shared_expert() {
-    let p = Pair::new();
-    let mut rng = Rng::new(204);
-    for (rows, hidden, top_k) in [(5u32, 2048u32, 8u32), (3, 1003, 4)] {
+    moe_combine(
+        &Pair::new(),
+        &mut Rng::new(204),
+        &[(5, 2048, 8), (3, 1003, 4)],
+    );
+}
+
+/// `(rows, hidden, top_k)` each, with a gated, an ungated and no shared expert.
+fn moe_combine(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
+    for &(rows, hidden, top_k) in shapes {
         let expert_out = p.upload(&rng.f32s((rows * top_k * hidden) as usize, -2.0, 2.0));
         let weights = p.upload(&rng.f32s((rows * top_k) as usize, 0.01, 0.3));
         let shared = p.upload(&rng.bf16s((rows * hidden) as usize, -2.0, 2.0));
@@ -237,12 +271,12 @@ fn moe_combine_weighs_the_experts_and_gates_the_shared_expert() {
                         shared_out: if with_shared {
                             at(&shared)
                         } else {
-                            metrale_gpu_runtime::DevicePtr::NULL
+                            DevicePtr::NULL
                         },
                         shared_gate: if with_gate {
                             at(&gate)
                         } else {
-                            metrale_gpu_runtime::DevicePtr::NULL
+                            DevicePtr::NULL
                         },
                         rows,
                         hidden,

@@ -1,6 +1,5 @@
 //! The delta rule's kernels (`gated_delta_recurrent`, `gated_delta_streamed`,
-//! `gated_delta_chunked`), part of
-//! `gpu_kernels_hybrid.rs`: CUDA against the CPU twin on steps that mix sequence lengths across
+//! `gated_delta_chunked`), part of `hybrid.rs`: CUDA against the CPU twin on steps that mix sequence lengths across
 //! the 64-row chunks, padding sequences and sequences without rows, over head shapes of the fast
 //! and the general path; and on CUDA alone, bitwise, one-row chunks against the recurrent step,
 //! sequences independent of each other, and a chunked prefill against one-row recurrent steps.
@@ -174,16 +173,27 @@ impl Rule {
 
 /// Both decode kernels against the CPU twin, and against each other bitwise on CUDA, on every
 /// head shape (the streamed kernel's own path where the shape takes it, its fallback elsewhere).
+/// The decode kernels and the chunked one at the sanitizer's sizes.
+pub(super) fn small(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
+    let steps = [(StepSeqs::decode(), "decode"), (StepSeqs::short(), "short")];
+    recurrent(p, rng, shapes, &steps);
+    chunked(p, rng, shapes, &steps[1..]);
+}
+
 #[test]
 fn gated_delta_recurrent_matches_on_decode_and_multi_row_steps() {
-    let p = Pair::new();
-    let mut rng = Rng::new(104);
-    for (h, what) in gdn_shapes() {
-        for (seqs, step) in [(StepSeqs::decode(), "decode"), (StepSeqs::mixed(), "mixed")] {
-            let c = RuleCase::new(&p, &mut rng, h, seqs);
+    let steps = [(StepSeqs::decode(), "decode"), (StepSeqs::mixed(), "mixed")];
+    recurrent(&Pair::new(), &mut Rng::new(104), &gdn_shapes(), &steps);
+}
+
+/// Both decode kernels on every head shape and step.
+fn recurrent(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)], steps: &[(StepSeqs, &str)]) {
+    for &(h, what) in shapes {
+        for (seqs, step) in steps {
+            let c = RuleCase::new(p, rng, h, seqs.clone());
             let case = label(&h, &format!("{step} ({what})"));
-            c.check(&p, Rule::Recurrent, &case);
-            check_streamed(&p, &c, &case);
+            c.check(p, Rule::Recurrent, &case);
+            check_streamed(p, &c, &case);
         }
     }
 }
@@ -214,22 +224,26 @@ fn gated_delta_streamed_loops_over_many_items() {
 
 #[test]
 fn gated_delta_chunked_matches_across_chunk_boundaries() {
-    let p = Pair::new();
-    let mut rng = Rng::new(105);
-    for (h, what) in gdn_shapes() {
-        for (seqs, step) in [
-            (StepSeqs::mixed(), "mixed"),
-            (StepSeqs::decode(), "one-row chunks"),
-        ] {
-            let c = RuleCase::new(&p, &mut rng, h, seqs);
+    let steps = [
+        (StepSeqs::mixed(), "mixed"),
+        (StepSeqs::decode(), "one-row chunks"),
+    ];
+    chunked(&Pair::new(), &mut Rng::new(105), &gdn_shapes(), &steps);
+}
+
+/// The chunked kernel on every head shape and step, against the CPU and run to run.
+fn chunked(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)], steps: &[(StepSeqs, &str)]) {
+    for &(h, what) in shapes {
+        for (seqs, step) in steps {
+            let c = RuleCase::new(p, rng, h, seqs.clone());
             let case = label(&h, &format!("{step} ({what})"));
-            c.check(&p, Rule::Chunked, &case);
+            c.check(p, Rule::Chunked, &case);
             // Run to run, bitwise.
             let (out, state) = (
                 p.download_gpu::<u32>(&c.out),
                 p.download_gpu::<u32>(&c.state),
             );
-            c.reset(&p);
+            c.reset(p);
             p.run_gpu(|o, at| o.gated_delta_chunked(S, &c.params(at), CHUNK));
             assert!(
                 out == p.download_gpu::<u32>(&c.out) && state == p.download_gpu::<u32>(&c.state),

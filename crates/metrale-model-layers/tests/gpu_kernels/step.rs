@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuBackendExt, GpuResult};
 use metrale_model_layers::Ops;
-use metrale_model_layers::ops::{KvStore, PagedAttention, QkNormRope};
+use metrale_model_layers::ops::{KvStore, Matrix, Norm, PagedAttention, QkNormRope};
 
 use super::harness::{Rng, S, TestCuda};
 
@@ -126,20 +126,19 @@ impl Step {
     /// The step: every launch reads and writes fixed addresses only.
     fn launch(&self) -> GpuResult<()> {
         let (o, b) = (&self.ops, |n: &str| self.at(n));
-        let eps = 1e-6;
+        let rows = |n: &str, cols: u32| Matrix::bf16(b(n), ROWS, cols);
+        let weight = |n: &str, out: u32, inputs: u32| Matrix::bf16(b(n), out, inputs);
+        let residual = Matrix::f32(b("residual"), ROWS, HIDDEN);
+        let norm = |n: &str| Norm {
+            w: b(n),
+            eps: 1e-6,
+            unit_offset: false,
+        };
         self.gpu
             .copy_d2d(b("residual"), b("input"), (ROWS * HIDDEN * 4) as usize, S)?;
-        o.rms_norm(
-            S,
-            b("normed"),
-            b("residual"),
-            b("w_norm1"),
-            ROWS,
-            HIDDEN,
-            eps,
-            false,
-        )?;
-        o.linear(S, b("qkv"), b("normed"), b("w_qkv"), ROWS, QKV, HIDDEN)?;
+        o.rms_norm(S, rows("normed", HIDDEN), residual, &norm("w_norm1"))?;
+        let normed = rows("normed", HIDDEN);
+        o.linear(S, rows("qkv", QKV), normed, weight("w_qkv", QKV, HIDDEN))?;
         let k_offset = HQ * Q_STRIDE;
         o.qk_norm_rope(
             S,
@@ -157,7 +156,7 @@ impl Step {
                 num_kv_heads: HKV,
                 head_dim: D,
                 rotary_dim: D,
-                eps,
+                eps: 1e-6,
                 unit_offset: true,
             },
         )?;
@@ -201,42 +200,20 @@ impl Step {
                 gated: true,
             },
         )?;
-        o.linear(S, b("o"), b("attn"), b("w_o"), ROWS, HIDDEN, HQ * D)?;
-        o.add_rms_norm(
-            S,
-            b("residual"),
-            b("o"),
-            b("w_norm2"),
-            b("normed2"),
-            ROWS,
-            HIDDEN,
-            eps,
-            false,
-        )?;
-        o.linear(
-            S,
-            b("gu"),
-            b("normed2"),
-            b("w_gate_up"),
-            ROWS,
-            2 * FFN,
-            HIDDEN,
-        )?;
-        o.silu_mul(S, b("act"), b("gu"), ROWS, FFN)?;
-        o.linear(S, b("down"), b("act"), b("w_down"), ROWS, HIDDEN, FFN)?;
-        o.add_rms_norm(
-            S,
-            b("residual"),
-            b("down"),
-            b("w_norm3"),
-            b("normed3"),
-            ROWS,
-            HIDDEN,
-            eps,
-            false,
-        )?;
-        o.linear_f32out(S, b("logits"), b("normed3"), b("w_lm"), ROWS, VOCAB, HIDDEN)?;
-        o.argmax(S, b("tokens"), b("logits"), ROWS, VOCAB)
+        let attn = rows("attn", HQ * D);
+        o.linear(S, rows("o", HIDDEN), attn, weight("w_o", HIDDEN, HQ * D))?;
+        let (o_rows, normed2) = (rows("o", HIDDEN), rows("normed2", HIDDEN));
+        o.add_rms_norm(S, residual, o_rows, normed2, &norm("w_norm2"))?;
+        let gate_up = weight("w_gate_up", 2 * FFN, HIDDEN);
+        o.linear(S, rows("gu", 2 * FFN), normed2, gate_up)?;
+        o.silu_mul(S, rows("act", FFN), rows("gu", 2 * FFN))?;
+        let down = weight("w_down", HIDDEN, FFN);
+        o.linear(S, rows("down", HIDDEN), rows("act", FFN), down)?;
+        let (down_rows, normed3) = (rows("down", HIDDEN), rows("normed3", HIDDEN));
+        o.add_rms_norm(S, residual, down_rows, normed3, &norm("w_norm3"))?;
+        let logits = Matrix::f32(b("logits"), ROWS, VOCAB);
+        o.linear_f32out(S, logits, normed3, weight("w_lm", VOCAB, HIDDEN))?;
+        o.argmax(S, b("tokens"), logits)
     }
 
     /// Everything the step writes, as raw bits.
@@ -265,7 +242,8 @@ impl Step {
     }
 }
 
-pub fn captured_step_equals_eager() {
+#[test]
+fn a_captured_step_replays_bitwise_like_eager_with_new_inputs() {
     let mut rng = Rng::new(11);
     let step = Step::new(&mut rng);
     step.gpu.begin_capture(S).expect("begin capture");

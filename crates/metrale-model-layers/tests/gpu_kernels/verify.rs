@@ -1,5 +1,5 @@
 //! The verify kernels of speculative decoding (`conv_state_verify`, `gated_delta_verify`),
-//! part of `gpu_kernels_hybrid.rs`: CUDA against the CPU twin on a step that mixes a multi-row
+//! part of `hybrid.rs`: CUDA against the CPU twin on a step that mixes a multi-row
 //! verify keeping its last row in its own slot, a one-row verify, a padding sequence keeping
 //! some rows, a sequence without rows and one keeping only its last row (outputs poisoned,
 //! states random first); and on CUDA alone, bitwise, every row's output and kept state equal
@@ -37,20 +37,29 @@ fn reference_slot(s: &VerifySeq) -> u32 {
     if s.1 == NO_SLOT { 2 } else { s.1 }
 }
 
+/// Both verify kernels at the sanitizer's head shapes.
+pub(super) fn small(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
+    conv_verify(p, rng, shapes);
+    rule_verify(p, rng, shapes);
+}
+
 #[test]
 fn conv_state_verify_matches_and_keeps_the_window_decode_leaves_after_each_row() {
-    let p = Pair::new();
-    let mut rng = Rng::new(301);
+    conv_verify(&Pair::new(), &mut Rng::new(301), &gdn_shapes());
+}
+
+/// `conv_state_verify` on every head shape, 4 and 2 taps.
+fn conv_verify(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
     let spec = verify_seqs();
     let seqs = step_of(&spec);
     let rs = p.upload(&row_slots(&spec));
-    for (h, what) in gdn_shapes() {
+    for &(h, what) in shapes {
         for taps in [4u32, 2] {
             let (cd, pw, hist) = (h.conv_dim(), h.proj_width(), taps - 1);
             let stride = hist * cd + 3;
             let rows = seqs.rows();
-            let sq = seqs.upload(&p);
-            let proj_v = proj_values(&mut rng, rows, &h);
+            let sq = seqs.upload(p);
+            let proj_v = proj_values(rng, rows, &h);
             let proj = p.upload(&proj_v);
             let weight = p.upload(&rng.bf16s((cd * taps) as usize, -0.6, 0.6));
             let state0 = rng.f32s((NUM_SLOTS * stride) as usize, -1.0, 1.0);
@@ -83,8 +92,8 @@ fn conv_state_verify_matches_and_keeps_the_window_decode_leaves_after_each_row()
                     let at = (slot * stride) as usize;
                     init[at..at + (hist * cd) as usize].fill(0.0);
                 }
-                reset(&p, &state, &init);
-                let one = StepSeqs(vec![(1, slot, 0)]).upload(&p);
+                reset(p, &state, &init);
+                let one = StepSeqs(vec![(1, slot, 0)]).upload(p);
                 for t in 0..s.0 {
                     let r = first + t;
                     p.run_gpu(|o, at| {
@@ -128,14 +137,17 @@ fn conv_state_verify_matches_and_keeps_the_window_decode_leaves_after_each_row()
 
 #[test]
 fn gated_delta_verify_matches_and_its_rows_are_decode_steps_bitwise() {
-    let p = Pair::new();
-    let mut rng = Rng::new(302);
+    rule_verify(&Pair::new(), &mut Rng::new(302), &gdn_shapes());
+}
+
+/// `gated_delta_verify` on every head shape.
+fn rule_verify(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
     let spec = verify_seqs();
     let rs = p.upload(&row_slots(&spec));
-    for (h, what) in gdn_shapes() {
+    for &(h, what) in shapes {
         let case = label(&h, what);
-        let c = RuleCase::new(&p, &mut rng, h, step_of(&spec));
-        c.reset(&p);
+        let c = RuleCase::new(p, rng, h, step_of(&spec));
+        c.reset(p);
         p.run(|o, at| o.gated_delta_verify(S, &c.params(at), at(&rs)));
         p.check_f32("gated_delta_verify.out", &case, &c.out, F32_RULE);
         p.check_f32("gated_delta_verify.state", &case, &c.state, F32_RULE);
@@ -152,9 +164,9 @@ fn gated_delta_verify_matches_and_its_rows_are_decode_steps_bitwise() {
                 let at = slot as usize * per_slot;
                 init[at..at + per_slot].fill(0.0);
             }
-            reset(&p, &c.state, &init);
-            poison(&p, &c.out);
-            let one = StepSeqs(vec![(1, slot, 0)]).upload(&p);
+            reset(p, &c.state, &init);
+            poison(p, &c.out);
+            let one = StepSeqs(vec![(1, slot, 0)]).upload(p);
             for t in 0..s.0 {
                 let r = first + t;
                 p.run_gpu(|o, at| o.gated_delta_recurrent(S, &c.params_from(at, &one, r)));

@@ -1,6 +1,7 @@
 //! CPU twin of `kernels/activation.cu`: the SwiGLU gate, `silu(gate) * up`.
 
 use half::bf16;
+use metrale_kernel_abi::{SiluMulParams, SiluMulStagedParams};
 
 use super::util::{b, f, silu};
 use crate::cpu::KernelCtx;
@@ -17,38 +18,45 @@ pub(crate) fn silu_mul_rows(gate_up: &[bf16], rows: usize, ffn: usize) -> Vec<bf
         .collect()
 }
 
-/// `silu_mul(out: bf16 [rows, ffn], gate_up: bf16 [rows, 2 * ffn], rows, ffn)`: each row of
-/// `gate_up` holds the gate projection then the up projection (the fused `[gate; up]` weight).
+/// `silu_mul` ([`SiluMulParams`]): each row of `gate_up` holds the gate projection then the up
+/// projection (the fused `[gate; up]` weight).
 pub fn silu_mul(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(4)?;
-    let (rows, ffn) = (ctx.usize(2)?, ctx.usize(3)?);
-    let act = silu_mul_rows(ctx.slice::<bf16>(1, rows * 2 * ffn)?, rows, ffn);
-    ctx.slice_mut::<bf16>(0, rows * ffn)?.copy_from_slice(&act);
+    let p: SiluMulParams = ctx.params()?;
+    let (rows, ffn) = (p.rows as usize, p.ffn as usize);
+    let act = silu_mul_rows(
+        ctx.slice::<bf16>("gate_up", p.gate_up, rows * 2 * ffn)?,
+        rows,
+        ffn,
+    );
+    ctx.slice_mut::<bf16>("out", p.out, rows * ffn)?
+        .copy_from_slice(&act);
     Ok(())
 }
 
-/// `silu_mul_staged(img: stage images of [rows, ffn], act: bf16 [rows, ffn] or NULL, gate_up:
-/// bf16 [rows, 2 * ffn], rows, ffn)`: `silu_mul` written as `linear_tma`'s stage images (padding
-/// left as it was), and as rows at `act` where it is not NULL.
+/// `silu_mul_staged` ([`SiluMulStagedParams`]): `silu_mul` written as `linear_tma`'s stage
+/// images (padding left as it was), and as rows at `act` where it is not null. The kernel has
+/// only its vector path: `ffn % 8 == 0` and 16-byte aligned `gate_up` and `act`, else it fails.
 pub fn silu_mul_staged(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(5)?;
-    let (rows, ffn) = (ctx.usize(3)?, ctx.usize(4)?);
+    let p: SiluMulStagedParams = ctx.params()?;
+    let (rows, ffn) = (p.rows as usize, p.ffn as usize);
     if ffn % 8 != 0 {
         return Err(ctx.fail(format!("ffn = {ffn} is not a multiple of 8")));
     }
-    let act = silu_mul_rows(ctx.slice::<bf16>(2, rows * 2 * ffn)?, rows, ffn);
-    let img = ctx.slice_mut::<bf16>(0, super::gemm::stage_image_bytes(rows, ffn) / 2)?;
+    if !p.gate_up.0.is_multiple_of(16) || !p.act.0.is_multiple_of(16) {
+        return Err(ctx.fail("gate_up and act must be 16-byte aligned"));
+    }
+    let act = silu_mul_rows(
+        ctx.slice::<bf16>("gate_up", p.gate_up, rows * 2 * ffn)?,
+        rows,
+        ffn,
+    );
+    let img = ctx.slice_mut::<bf16>("img", p.img, super::gemm::stage_image_bytes(rows, ffn) / 2)?;
     for (r, row) in act.chunks(ffn.max(1)).enumerate() {
         super::gemm::store_image_row(img, r, row);
     }
-    if !ctx.ptr(1)?.is_null() {
-        ctx.slice_mut::<bf16>(1, rows * ffn)?.copy_from_slice(&act);
+    if !p.act.is_null() {
+        ctx.slice_mut::<bf16>("act", p.act, rows * ffn)?
+            .copy_from_slice(&act);
     }
     Ok(())
 }
-
-/// The family table.
-pub const FAMILY: super::Family = super::Family {
-    module: "activation",
-    kernels: &[("silu_mul", silu_mul), ("silu_mul_staged", silu_mul_staged)],
-};

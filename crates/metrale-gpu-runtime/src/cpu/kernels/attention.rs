@@ -5,14 +5,29 @@
 //! the other rows of the step (batch invariance).
 
 use half::bf16;
+use metrale_kernel_abi::attention::{
+    decode_shared_bytes, heads_per_block, padded_dim, prefill_rows_per_item, prefill_shared_bytes,
+};
+use metrale_kernel_abi::{
+    ATP_WARPS, ATT_MAX_D, ATT_MAX_ITEMS, ATT_SPLITS, ATT_WARPS, PagedAttentionParams,
+    PagedAttentionPrefillParams,
+};
 
 use super::gemm::{stage_image_bytes, store_image_row};
 use super::util::{b, f, sigmoid};
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
+use crate::types::DevicePtr;
 
-/// The arguments `paged_attention` and `paged_attention_prefill` share, in launch order.
+/// What `paged_attention` and `paged_attention_prefill` share: the operands and the shape.
+#[derive(Debug, Clone, Copy)]
 struct Shape {
+    qkv: DevicePtr,
+    k_cache: DevicePtr,
+    v_cache: DevicePtr,
+    block_tables: DevicePtr,
+    row_seq: DevicePtr,
+    positions: DevicePtr,
     rows: usize,
     row_stride: usize,
     q_head_stride: usize,
@@ -27,71 +42,196 @@ struct Shape {
     gate: bool,
 }
 
-/// `paged_attention(out: bf16 [rows, num_q_heads * head_dim], qkv: bf16 [rows, row_stride],
-/// k_cache, v_cache: bf16 [num_slots, num_kv_heads, head_dim], block_tables: u32 [num_seqs,
-/// max_blocks], row_seq: u32 [rows], positions: u32 [rows], rows, row_stride, q_head_stride,
-/// num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_seqs, num_slots, scale,
-/// gated)`.
+impl Shape {
+    fn decode(p: &PagedAttentionParams) -> Shape {
+        Shape {
+            qkv: p.qkv,
+            k_cache: p.k_cache,
+            v_cache: p.v_cache,
+            block_tables: p.block_tables,
+            row_seq: p.row_seq,
+            positions: p.positions,
+            rows: p.rows as usize,
+            row_stride: p.row_stride as usize,
+            q_head_stride: p.q_head_stride as usize,
+            hq: p.num_q_heads as usize,
+            hkv: p.num_kv_heads as usize,
+            d: p.head_dim as usize,
+            block_size: p.block_size as usize,
+            max_blocks: p.max_blocks as usize,
+            num_seqs: p.num_seqs as usize,
+            num_slots: p.num_slots as usize,
+            scale: p.scale,
+            gate: p.gated != 0,
+        }
+    }
+
+    fn prefill(p: &PagedAttentionPrefillParams) -> Shape {
+        Shape {
+            qkv: p.qkv,
+            k_cache: p.k_cache,
+            v_cache: p.v_cache,
+            block_tables: p.block_tables,
+            row_seq: p.row_seq,
+            positions: p.positions,
+            rows: p.rows as usize,
+            row_stride: p.row_stride as usize,
+            q_head_stride: p.q_head_stride as usize,
+            hq: p.num_q_heads as usize,
+            hkv: p.num_kv_heads as usize,
+            d: p.head_dim as usize,
+            block_size: p.block_size as usize,
+            max_blocks: p.max_blocks as usize,
+            num_seqs: p.num_seqs as usize,
+            num_slots: p.num_slots as usize,
+            scale: p.scale,
+            gate: p.gated != 0,
+        }
+    }
+
+    /// Query heads per item, as the CUDA kernels group them.
+    fn heads_per_block(&self) -> usize {
+        heads_per_block(self.hq as u32, self.hkv as u32) as usize
+    }
+
+    /// The launch the CUDA kernels run, as `att_launch_ok` checks it: heads that group, a head
+    /// dimension up to `ATT_MAX_D`, blocks of `threads`, one grid row, clusters of `cluster`
+    /// blocks taking at most `ATT_MAX_ITEMS` of `items` each, and `smem` bytes of dynamic
+    /// shared memory.
+    fn check_launch(
+        &self,
+        ctx: &KernelCtx<'_>,
+        items: usize,
+        (threads, cluster, smem): (u32, u32, u32),
+    ) -> GpuResult<()> {
+        if self.hkv == 0 || !self.hq.is_multiple_of(self.hkv) {
+            return Err(ctx.fail(format!(
+                "{} query heads do not group over {} kv heads",
+                self.hq, self.hkv
+            )));
+        }
+        if self.d == 0 || self.d > ATT_MAX_D as usize || self.block_size == 0 {
+            return Err(ctx.fail(format!(
+                "head_dim {} (1..={ATT_MAX_D}) or block_size {} the kernels do not take",
+                self.d, self.block_size
+            )));
+        }
+        let c = ctx.config();
+        let clusters = (c.grid.0 / cluster) as usize;
+        let per_cluster = if clusters == 0 {
+            usize::MAX
+        } else {
+            items.div_ceil(clusters)
+        };
+        if c.block != (threads, 1, 1)
+            || c.grid.1 != 1
+            || per_cluster > ATT_MAX_ITEMS as usize
+            || c.shared_mem_bytes < smem
+        {
+            return Err(ctx.fail(format!(
+                "launch {:?} x {:?} with {} bytes of shared memory for {items} items: the kernel \
+                 takes blocks of {threads}, clusters of {cluster} of at most {ATT_MAX_ITEMS} items \
+                 and {smem} bytes",
+                c.grid, c.block, c.shared_mem_bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Causal paged attention of decode and verify rows ([`PagedAttentionParams`]), through
+/// clusters of `cluster` blocks each keeping `partials` combine buffers.
+fn decode(ctx: &KernelCtx<'_>, cluster: u32, partials: u32) -> GpuResult<()> {
+    let p: PagedAttentionParams = ctx.params()?;
+    let s = Shape::decode(&p);
+    let hb = s.heads_per_block();
+    let smem = decode_shared_bytes(padded_dim(p.head_dim), hb as u32, partials);
+    let items = s.rows * (s.hq / hb.max(1));
+    s.check_launch(ctx, items, (32 * ATT_WARPS, cluster, smem))?;
+    let rows: Vec<usize> = (0..s.rows).collect();
+    attend(
+        ctx,
+        &s,
+        &rows,
+        ctx.slice_mut::<bf16>("out", p.out, s.rows * s.hq * s.d)?,
+    )
+}
+
+/// `paged_attention` ([`PagedAttentionParams`]).
 ///
 /// Query head `h` is read at `h * q_head_stride`; with `gated` = 1 its output gate follows it
 /// (`[q | gate]`, `q_head_stride = 2 * head_dim`) and the output is multiplied by
 /// `sigmoid(gate)`. Query head `h` reads key/value head `h / (num_q_heads / num_kv_heads)`.
 pub fn paged_attention(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(19)?;
-    let s = shape(ctx)?;
-    let rows: Vec<usize> = (0..s.rows).collect();
-    attend_out(ctx, &s, &rows)
+    decode(ctx, ATT_SPLITS, 2)
 }
 
-/// `paged_attention_flat(the arguments of paged_attention)`: `paged_attention`'s rows, bitwise
-/// (the CUDA kernel computes each item in one block instead of a cluster; the arithmetic is the
+/// `paged_attention_flat` ([`PagedAttentionParams`]): `paged_attention`'s rows, bitwise (the
+/// CUDA kernel computes each item in one block instead of a cluster; the arithmetic is the
 /// same).
 pub fn paged_attention_flat(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    paged_attention(ctx)
+    decode(ctx, 1, ATT_SPLITS)
 }
 
-/// `paged_attention_prefill(the arguments of paged_attention, row_groups: u32 [n_groups, 2],
-/// n_groups)`: `paged_attention` on the rows of the groups (first row, rows), bitwise the same
-/// per row. A group is 1 ..= `rows_per_item` consecutive rows of one sequence whose positions lie
-/// in one 16-token unit (the CUDA kernel computes a group's rows together); a malformed group
-/// fails. Rows of no group are not written.
+/// The prefill kernels' shape, launch check and rows.
+fn prefill(ctx: &KernelCtx<'_>) -> GpuResult<(PagedAttentionPrefillParams, Shape, Vec<usize>)> {
+    let p: PagedAttentionPrefillParams = ctx.params()?;
+    let s = Shape::prefill(&p);
+    let items = p.n_groups as usize * (s.hq / s.heads_per_block().max(1));
+    let smem = prefill_shared_bytes(padded_dim(p.head_dim));
+    s.check_launch(ctx, items, (32 * ATP_WARPS, ATT_SPLITS, smem))?;
+    let rows = prefill_rows(ctx, &s, p.row_groups, p.n_groups as usize)?;
+    Ok((p, s, rows))
+}
+
+/// `paged_attention_prefill` ([`PagedAttentionPrefillParams`]): `paged_attention` on the rows of
+/// the row groups (first row, rows), bitwise the same per row. A group is 1 ..=
+/// `rows_per_item` consecutive rows of one sequence whose positions lie in one 16-token unit
+/// (the CUDA kernel computes a group's rows together); a malformed group fails. Rows of no group
+/// are not written.
 pub fn paged_attention_prefill(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(21)?;
-    let s = shape(ctx)?;
-    attend_out(ctx, &s, &prefill_rows(ctx, &s)?)
+    let (p, s, rows) = prefill(ctx)?;
+    attend(
+        ctx,
+        &s,
+        &rows,
+        ctx.slice_mut::<bf16>("out", p.out, s.rows * s.hq * s.d)?,
+    )
 }
 
-/// `paged_attention_prefill_staged(img: stage images of [rows, num_q_heads * head_dim], then
-/// the arguments of paged_attention_prefill after `out`)`: the same rows written as the o
-/// projection's stage images (`linear_tma`'s x), which `permute_k32_tiles` of the prefill
-/// kernel's output would give. num_q_heads * head_dim must be a multiple of 64.
+/// `paged_attention_prefill_staged` ([`PagedAttentionPrefillParams`], `out` the stage images of
+/// `[rows, num_q_heads * head_dim]`): the same rows written as the o projection's stage images
+/// (`linear_tma`'s x), which `permute_k32_tiles` of the prefill kernel's output would give.
+/// num_q_heads * head_dim must be a multiple of 64.
 pub fn paged_attention_prefill_staged(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(21)?;
-    let s = shape(ctx)?;
+    let (p, s, rows) = prefill(ctx)?;
     let width = s.hq * s.d;
     if !width.is_multiple_of(64) {
         return Err(ctx.fail(format!(
             "an output row of {width} is not whole 64-wide stages"
         )));
     }
-    let rows = prefill_rows(ctx, &s)?;
     let mut out = vec![bf16::ZERO; s.rows * width];
     attend(ctx, &s, &rows, &mut out)?;
-    let img = ctx.slice_mut::<bf16>(0, stage_image_bytes(s.rows, width) / 2)?;
+    let img = ctx.slice_mut::<bf16>("out", p.out, stage_image_bytes(s.rows, width) / 2)?;
     for &r in &rows {
         store_image_row(img, r, &out[r * width..(r + 1) * width]);
     }
     Ok(())
 }
 
-/// The rows of the prefill kernels' row groups (arguments 19 and 20), checked as the CUDA
+/// The rows of the prefill kernels' `n_groups` row groups at `groups`, checked as the CUDA
 /// kernel's items: 1 ..= `rows_per_item` consecutive rows of one sequence in one 16-token unit.
-fn prefill_rows(ctx: &KernelCtx<'_>, s: &Shape) -> GpuResult<Vec<usize>> {
-    let n_groups = ctx.usize(20)?;
-    let groups = ctx.slice::<u32>(19, 2 * n_groups)?;
-    let row_seq = ctx.slice::<u32>(5, s.rows)?;
-    let positions = ctx.slice::<u32>(6, s.rows)?;
-    let most = rows_per_item(heads_per_block(s.hq, s.hkv), s.d);
+fn prefill_rows(
+    ctx: &KernelCtx<'_>,
+    s: &Shape,
+    groups: DevicePtr,
+    n_groups: usize,
+) -> GpuResult<Vec<usize>> {
+    let groups = ctx.slice::<u32>("row_groups", groups, 2 * n_groups)?;
+    let row_seq = ctx.slice::<u32>("row_seq", s.row_seq, s.rows)?;
+    let positions = ctx.slice::<u32>("positions", s.positions, s.rows)?;
+    let most = prefill_rows_per_item(s.heads_per_block() as u32, padded_dim(s.d as u32)) as usize;
     let mut rows = Vec::new();
     for (i, g) in groups.chunks_exact(2).enumerate() {
         let (first, count) = (g[0] as usize, g[1] as usize);
@@ -115,65 +255,16 @@ fn prefill_rows(ctx: &KernelCtx<'_>, s: &Shape) -> GpuResult<Vec<usize>> {
     Ok(rows)
 }
 
-/// Query heads per block of the CUDA kernel (`att_heads_per_block`): the largest divisor of the
-/// group size up to `ATTENTION_HB`.
-fn heads_per_block(hq: usize, hkv: usize) -> usize {
-    let group = hq / hkv;
-    (1..=ATTENTION_HB.min(group))
-        .rev()
-        .find(|b| group.is_multiple_of(*b))
-        .unwrap_or(1)
-}
-
-/// Most query heads one CUDA cluster computes (`ATT_HB`).
-const ATTENTION_HB: usize = 8;
-
-/// Rows per row group of the CUDA prefill kernel (`atp_rows_per_item`): its items hold 64
-/// (row, head) pairs up to head_dim 128 and 32 above, and at most one 16-token unit of rows.
-fn rows_per_item(heads_per_block: usize, head_dim: usize) -> usize {
-    let virtual_rows = if head_dim > 128 { 32 } else { 64 };
-    (virtual_rows / heads_per_block).min(16)
-}
-
-fn shape(ctx: &KernelCtx<'_>) -> GpuResult<Shape> {
-    let s = Shape {
-        rows: ctx.usize(7)?,
-        row_stride: ctx.usize(8)?,
-        q_head_stride: ctx.usize(9)?,
-        hq: ctx.usize(10)?,
-        hkv: ctx.usize(11)?,
-        d: ctx.usize(12)?,
-        block_size: ctx.usize(13)?,
-        max_blocks: ctx.usize(14)?,
-        num_seqs: ctx.usize(15)?,
-        num_slots: ctx.usize(16)?,
-        scale: ctx.f32(17)?,
-        gate: ctx.u32(18)? != 0,
-    };
-    if s.hkv == 0 || !s.hq.is_multiple_of(s.hkv) {
-        return Err(ctx.fail(format!(
-            "{} query heads do not group over {} kv heads",
-            s.hq, s.hkv
-        )));
-    }
-    Ok(s)
-}
-
-/// [`attend`] into the output rows at argument 0 (`[rows, num_q_heads * head_dim]`).
-fn attend_out(ctx: &KernelCtx<'_>, s: &Shape, rows: &[usize]) -> GpuResult<()> {
-    attend(ctx, s, rows, ctx.slice_mut::<bf16>(0, s.rows * s.hq * s.d)?)
-}
-
 /// Every head of each row in `rows`, written to its row of `out` (`[rows, num_q_heads *
 /// head_dim]`).
 fn attend(ctx: &KernelCtx<'_>, s: &Shape, rows: &[usize], out: &mut [bf16]) -> GpuResult<()> {
     let width = s.hkv * s.d;
-    let qkv = ctx.slice::<bf16>(1, s.rows * s.row_stride)?;
-    let k_cache = ctx.slice::<bf16>(2, s.num_slots * width)?;
-    let v_cache = ctx.slice::<bf16>(3, s.num_slots * width)?;
-    let tables = ctx.slice::<u32>(4, s.num_seqs * s.max_blocks)?;
-    let row_seq = ctx.slice::<u32>(5, s.rows)?;
-    let positions = ctx.slice::<u32>(6, s.rows)?;
+    let qkv = ctx.slice::<bf16>("qkv", s.qkv, s.rows * s.row_stride)?;
+    let k_cache = ctx.slice::<bf16>("k_cache", s.k_cache, s.num_slots * width)?;
+    let v_cache = ctx.slice::<bf16>("v_cache", s.v_cache, s.num_slots * width)?;
+    let tables = ctx.slice::<u32>("block_tables", s.block_tables, s.num_seqs * s.max_blocks)?;
+    let row_seq = ctx.slice::<u32>("row_seq", s.row_seq, s.rows)?;
+    let positions = ctx.slice::<u32>("positions", s.positions, s.rows)?;
     let group = s.hq / s.hkv;
     let mut scores = Vec::new();
     let mut acc = vec![0.0f32; s.d];
@@ -245,17 +336,3 @@ fn attend(ctx: &KernelCtx<'_>, s: &Shape, rows: &[usize], out: &mut [bf16]) -> G
     }
     Ok(())
 }
-
-/// The family table.
-pub const FAMILY: super::Family = super::Family {
-    module: "attention",
-    kernels: &[
-        ("paged_attention", paged_attention),
-        ("paged_attention_flat", paged_attention_flat),
-        ("paged_attention_prefill", paged_attention_prefill),
-        (
-            "paged_attention_prefill_staged",
-            paged_attention_prefill_staged,
-        ),
-    ],
-};

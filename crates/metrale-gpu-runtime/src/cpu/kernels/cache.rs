@@ -5,34 +5,34 @@
 //! writes nothing.
 
 use half::bf16;
+use metrale_kernel_abi::KvStoreParams;
 
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
 
-/// `kv_store(k_cache, v_cache: bf16 [num_slots, num_kv_heads, head_dim], qkv: bf16 [rows,
-/// row_stride], slot_mapping: u32 [rows], rows, row_stride, k_offset, v_offset, num_kv_heads,
-/// head_dim, num_slots)`.
+/// `kv_store` ([`KvStoreParams`]): each row's k and v to its slot; a slot past the pool, or k
+/// or v past the row, fails the launch.
 pub fn kv_store(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(11)?;
-    let (rows, stride, k_off, v_off, hkv, d, slots) = (
-        ctx.usize(4)?,
-        ctx.usize(5)?,
-        ctx.usize(6)?,
-        ctx.usize(7)?,
-        ctx.usize(8)?,
-        ctx.usize(9)?,
-        ctx.usize(10)?,
+    let p: KvStoreParams = ctx.params()?;
+    let (rows, stride, k_off, v_off) = (
+        p.rows as usize,
+        p.row_stride as usize,
+        p.k_offset as usize,
+        p.v_offset as usize,
     );
-    let width = hkv * d;
+    let (width, slots) = (
+        p.num_kv_heads as usize * p.head_dim as usize,
+        p.num_slots as usize,
+    );
     if k_off + width > stride || v_off + width > stride {
         return Err(ctx.fail(format!(
             "k/v ({k_off}, {v_off} + {width}) do not fit a row of {stride}"
         )));
     }
-    let k_cache = ctx.slice_mut::<bf16>(0, slots * width)?;
-    let v_cache = ctx.slice_mut::<bf16>(1, slots * width)?;
-    let qkv = ctx.slice::<bf16>(2, rows * stride)?;
-    let slot_mapping = ctx.slice::<u32>(3, rows)?;
+    let k_cache = ctx.slice_mut::<bf16>("k_cache", p.k_cache, slots * width)?;
+    let v_cache = ctx.slice_mut::<bf16>("v_cache", p.v_cache, slots * width)?;
+    let qkv = ctx.slice::<bf16>("qkv", p.qkv, rows * stride)?;
+    let slot_mapping = ctx.slice::<u32>("slot_mapping", p.slot_mapping, rows)?;
     let g = StoreGeometry {
         stride,
         k_off,
@@ -79,9 +79,3 @@ pub(super) fn store_rows(
     }
     Ok(())
 }
-
-/// The family table.
-pub const FAMILY: super::Family = super::Family {
-    module: "cache",
-    kernels: &[("kv_store", kv_store)],
-};

@@ -1,19 +1,20 @@
 //! CPU twins of `kernels/embed.cu`: token embedding gather and row gather.
 
 use half::bf16;
+use metrale_kernel_abi::{EmbeddingGatherParams, GatherRowsParams};
 
 use super::util::f;
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
 
-/// `embedding_gather(out: f32 [rows, hidden], table: bf16 [vocab, hidden], ids: u32 [rows],
-/// rows, hidden, vocab)`: `out[r] = table[ids[r]]`, widened to f32 (the residual stream).
+/// `embedding_gather` ([`EmbeddingGatherParams`]): `out[r] = table[ids[r]]`, widened to f32 (the
+/// residual stream). An id past the vocabulary fails the launch.
 pub fn embedding_gather(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(6)?;
-    let (rows, hidden, vocab) = (ctx.usize(3)?, ctx.usize(4)?, ctx.usize(5)?);
-    let out = ctx.slice_mut::<f32>(0, rows * hidden)?;
-    let table = ctx.slice::<bf16>(1, vocab * hidden)?;
-    let ids = ctx.slice::<u32>(2, rows)?;
+    let p: EmbeddingGatherParams = ctx.params()?;
+    let (rows, hidden, vocab) = (p.rows as usize, p.hidden as usize, p.vocab as usize);
+    let out = ctx.slice_mut::<f32>("out", p.out, rows * hidden)?;
+    let table = ctx.slice::<bf16>("table", p.table, vocab * hidden)?;
+    let ids = ctx.slice::<u32>("ids", p.ids, rows)?;
     for (r, &id) in ids.iter().enumerate() {
         let id = id as usize;
         if id >= vocab {
@@ -29,14 +30,14 @@ pub fn embedding_gather(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
-/// `gather_rows(out: bf16 [n, cols], x: bf16 [src_rows, cols], row_ids: u32 [n], n, cols,
-/// src_rows)`: `out[i] = x[row_ids[i]]`.
+/// `gather_rows` ([`GatherRowsParams`]): `out[i] = x[row_ids[i]]`. A row id past the source
+/// fails the launch.
 pub fn gather_rows(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(6)?;
-    let (n, cols, src_rows) = (ctx.usize(3)?, ctx.usize(4)?, ctx.usize(5)?);
-    let out = ctx.slice_mut::<bf16>(0, n * cols)?;
-    let x = ctx.slice::<bf16>(1, src_rows * cols)?;
-    let ids = ctx.slice::<u32>(2, n)?;
+    let p: GatherRowsParams = ctx.params()?;
+    let (n, cols, src_rows) = (p.n as usize, p.cols as usize, p.src_rows as usize);
+    let out = ctx.slice_mut::<bf16>("out", p.out, n * cols)?;
+    let x = ctx.slice::<bf16>("x", p.x, src_rows * cols)?;
+    let ids = ctx.slice::<u32>("row_ids", p.row_ids, n)?;
     for (i, &r) in ids.iter().enumerate() {
         let r = r as usize;
         if r >= src_rows {
@@ -48,12 +49,3 @@ pub fn gather_rows(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     }
     Ok(())
 }
-
-/// The family table.
-pub const FAMILY: super::Family = super::Family {
-    module: "embed",
-    kernels: &[
-        ("embedding_gather", embedding_gather),
-        ("gather_rows", gather_rows),
-    ],
-};

@@ -56,14 +56,19 @@ mod verify_tests;
 use std::ops::Range;
 
 use half::bf16;
+use metrale_kernel_abi::{
+    CausalConv1dParams, ConvStateUpdateParams, ConvStateVerifyParams, GDN_MAX_CONV_HIST,
+    GDN_MAX_DK, GatedDeltaParams, GatedRmsNormParams, GdnPrepareParams,
+};
 
 use super::util::{b, f, rms_scale, sigmoid, silu};
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
+use crate::types::DevicePtr;
 pub use delta_rule::{gated_delta_chunked, gated_delta_recurrent, gated_delta_verify};
 
 /// The slot value of a padding sequence.
-pub const NO_SLOT: u32 = u32::MAX;
+pub const NO_SLOT: u32 = metrale_kernel_abi::GDN_NO_SLOT;
 
 /// The head shape: the `num_k_heads, k_head_dim, num_v_heads, v_head_dim` scalars.
 #[derive(Debug, Clone, Copy)]
@@ -75,19 +80,23 @@ pub(crate) struct Heads {
 }
 
 impl Heads {
-    /// Read the four head scalars starting at argument `at`.
-    pub fn read(ctx: &KernelCtx<'_>, at: usize) -> GpuResult<Heads> {
+    /// The four head scalars `(hk, dk, hv, dv)`, checked: all positive, Hv a multiple of Hk, and
+    /// Dk at most `GDN_MAX_DK` (the CUDA rule's largest).
+    pub fn new(ctx: &KernelCtx<'_>, (hk, dk, hv, dv): (u32, u32, u32, u32)) -> GpuResult<Heads> {
         let h = Heads {
-            hk: ctx.usize(at)?,
-            dk: ctx.usize(at + 1)?,
-            hv: ctx.usize(at + 2)?,
-            dv: ctx.usize(at + 3)?,
+            hk: hk as usize,
+            dk: dk as usize,
+            hv: hv as usize,
+            dv: dv as usize,
         };
         if h.hk == 0 || h.dk == 0 || h.dv == 0 || h.hv == 0 || !h.hv.is_multiple_of(h.hk) {
             return Err(ctx.fail(format!(
                 "heads Hk={} Dk={} Hv={} Dv={}: all must be positive and Hv a multiple of Hk",
                 h.hk, h.dk, h.hv, h.dv
             )));
+        }
+        if h.dk > GDN_MAX_DK as usize {
+            return Err(ctx.fail(format!("Dk={} is over {GDN_MAX_DK}", h.dk)));
         }
         Ok(h)
     }
@@ -117,18 +126,18 @@ pub(crate) struct Seqs<'a> {
 }
 
 impl<'a> Seqs<'a> {
-    /// Read and check `seq_start` (argument `start_at`) and `seq_slot` (`slot_at`). With
-    /// `writes`, refuse two sequences on one slot.
+    /// Read and check `seq_start` and `seq_slot`. With `writes`, refuse two sequences on one
+    /// slot.
     pub fn read(
         ctx: &'a KernelCtx<'a>,
-        (start_at, slot_at): (usize, usize),
+        (seq_start, seq_slot): (DevicePtr, DevicePtr),
         rows: usize,
         num_seqs: usize,
         num_slots: usize,
         writes: bool,
     ) -> GpuResult<Seqs<'a>> {
-        let start = ctx.slice::<u32>(start_at, num_seqs + 1)?;
-        let slot = ctx.slice::<u32>(slot_at, num_seqs)?;
+        let start = ctx.slice::<u32>("seq_start", seq_start, num_seqs + 1)?;
+        let slot = ctx.slice::<u32>("seq_slot", seq_slot, num_seqs)?;
         if start.first().copied().unwrap_or(0) != 0 || start[num_seqs] as usize != rows {
             return Err(ctx.fail(format!(
                 "seq_start must run from 0 to rows ({rows}), found {:?}..{}",
@@ -186,10 +195,7 @@ pub(crate) fn check_stride(ctx: &KernelCtx<'_>, stride: usize, per_slot: usize) 
     Ok(())
 }
 
-/// `causal_conv1d(out: bf16 [rows, conv_dim], proj: bf16 [rows, proj_width], conv_state: f32
-/// [num_slots * slot_stride], weight: bf16 [conv_dim, K], row_seq: u32 [rows], seq_start: u32
-/// [num_seqs + 1], seq_slot: u32 [num_seqs], rows, num_seqs, num_slots, slot_stride, num_k_heads,
-/// k_head_dim, num_v_heads, v_head_dim, kernel_size)`.
+/// `causal_conv1d` ([`CausalConv1dParams`]).
 ///
 /// For channel `c` of row `r`, `t` rows into its sequence:
 /// `out[r][c] = silu(Σ_{i=0}^{K-1} weight[c][i] * x(t - (K-1) + i))`, summed in f32 in `i` order,
@@ -197,22 +203,33 @@ pub(crate) fn check_stride(ctx: &KernelCtx<'_>, stride: usize, per_slot: usize) 
 /// (zero for a padding sequence). `weight[c][K-1]` multiplies the row's own input, as
 /// `nn.Conv1d` with `padding = K - 1` does. The conv state is only read.
 pub fn causal_conv1d(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(16)?;
-    let (rows, num_seqs, num_slots, stride) =
-        (ctx.usize(7)?, ctx.usize(8)?, ctx.usize(9)?, ctx.usize(10)?);
-    let h = Heads::read(ctx, 11)?;
-    let taps = ctx.usize(15)?;
+    let p: CausalConv1dParams = ctx.params()?;
+    let (rows, num_seqs, num_slots, stride) = (
+        p.rows as usize,
+        p.num_seqs as usize,
+        p.num_slots as usize,
+        p.slot_stride as usize,
+    );
+    let h = Heads::new(ctx, (p.hk, p.dk, p.hv, p.dv))?;
+    let taps = p.kernel_size as usize;
     if taps == 0 {
         return Err(ctx.fail("kernel_size must be positive"));
     }
     let (cd, pw, hist) = (h.conv_dim(), h.proj_width(), taps - 1);
     check_stride(ctx, stride, hist * cd)?;
-    let out = ctx.slice_mut::<bf16>(0, rows * cd)?;
-    let proj = ctx.slice::<bf16>(1, rows * pw)?;
-    let state = ctx.slice::<f32>(2, num_slots * stride)?;
-    let weight = ctx.slice::<bf16>(3, cd * taps)?;
-    let row_seq = ctx.slice::<u32>(4, rows)?;
-    let seqs = Seqs::read(ctx, (5, 6), rows, num_seqs, num_slots, false)?;
+    let out = ctx.slice_mut::<bf16>("out", p.out, rows * cd)?;
+    let proj = ctx.slice::<bf16>("proj", p.proj, rows * pw)?;
+    let state = ctx.slice::<f32>("conv_state", p.conv_state, num_slots * stride)?;
+    let weight = ctx.slice::<bf16>("weight", p.weight, cd * taps)?;
+    let row_seq = ctx.slice::<u32>("row_seq", p.row_seq, rows)?;
+    let seqs = Seqs::read(
+        ctx,
+        (p.seq_start, p.seq_slot),
+        rows,
+        num_seqs,
+        num_slots,
+        false,
+    )?;
     for r in 0..rows {
         let s = row_seq[r] as usize;
         if s >= num_seqs || !seqs.rows(s).contains(&r) {
@@ -241,42 +258,59 @@ pub fn causal_conv1d(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
-/// The scalars `conv_state_update` and `conv_state_verify` share, from argument `at` on (`rows,
-/// num_seqs, num_slots, slot_stride`, the four head scalars, `kernel_size`): those four, the
-/// heads and the window length `kernel_size - 1`, checked against the slot stride.
-fn window_args(
-    ctx: &KernelCtx<'_>,
-    at: usize,
-) -> GpuResult<(usize, usize, usize, usize, Heads, usize)> {
-    let (rows, num_seqs, num_slots, stride) = (
-        ctx.usize(at)?,
-        ctx.usize(at + 1)?,
-        ctx.usize(at + 2)?,
-        ctx.usize(at + 3)?,
-    );
-    let h = Heads::read(ctx, at + 4)?;
-    let taps = ctx.usize(at + 8)?;
-    if taps == 0 {
-        return Err(ctx.fail("kernel_size must be positive"));
-    }
-    check_stride(ctx, stride, (taps - 1) * h.conv_dim())?;
-    Ok((rows, num_seqs, num_slots, stride, h, taps - 1))
+/// What `conv_state_update` and `conv_state_verify` share.
+struct Windows {
+    conv_state: DevicePtr,
+    proj: DevicePtr,
+    seqs: (DevicePtr, DevicePtr),
+    rows: usize,
+    num_seqs: usize,
+    num_slots: usize,
+    stride: usize,
+    heads: (u32, u32, u32, u32),
+    kernel_size: u32,
 }
 
-/// `conv_state_update(conv_state: f32 [num_slots * slot_stride] (in/out), proj: bf16 [rows,
-/// proj_width], seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], rows, num_seqs,
-/// num_slots, slot_stride, num_k_heads, k_head_dim, num_v_heads, v_head_dim, kernel_size)`.
+impl Windows {
+    /// The heads and the window length `kernel_size - 1` (1 ..= `GDN_MAX_CONV_HIST` + 1 taps,
+    /// as the CUDA kernels take them), checked against the slot stride.
+    fn check(&self, ctx: &KernelCtx<'_>) -> GpuResult<(Heads, usize)> {
+        let h = Heads::new(ctx, self.heads)?;
+        let taps = self.kernel_size as usize;
+        if taps == 0 || taps - 1 > GDN_MAX_CONV_HIST as usize {
+            return Err(ctx.fail(format!(
+                "kernel_size {taps} must be in 1..={}",
+                GDN_MAX_CONV_HIST + 1
+            )));
+        }
+        check_stride(ctx, self.stride, (taps - 1) * h.conv_dim())?;
+        Ok((h, taps - 1))
+    }
+}
+
+/// `conv_state_update` ([`ConvStateUpdateParams`]).
 ///
 /// Each real sequence with `n` rows keeps the last `K - 1` inputs of (old window ++ its rows'
 /// conv channels): `new[i] = x(n - (K-1) + i)` with `x` as in `causal_conv1d`. A sequence with
 /// no rows, or a padding one, is left alone. Run after `causal_conv1d`.
 pub fn conv_state_update(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(13)?;
-    let (rows, num_seqs, num_slots, stride, h, hist) = window_args(ctx, 4)?;
-    let (cd, pw) = (h.conv_dim(), h.proj_width());
-    let state = ctx.slice_mut::<f32>(0, num_slots * stride)?;
-    let proj = ctx.slice::<bf16>(1, rows * pw)?;
-    let seqs = Seqs::read(ctx, (2, 3), rows, num_seqs, num_slots, true)?;
+    let p: ConvStateUpdateParams = ctx.params()?;
+    let w = Windows {
+        conv_state: p.conv_state,
+        proj: p.proj,
+        seqs: (p.seq_start, p.seq_slot),
+        rows: p.rows as usize,
+        num_seqs: p.num_seqs as usize,
+        num_slots: p.num_slots as usize,
+        stride: p.slot_stride as usize,
+        heads: (p.hk, p.dk, p.hv, p.dv),
+        kernel_size: p.kernel_size,
+    };
+    let (h, hist) = w.check(ctx)?;
+    let (cd, pw, stride) = (h.conv_dim(), h.proj_width(), w.stride);
+    let state = ctx.slice_mut::<f32>("conv_state", w.conv_state, w.num_slots * stride)?;
+    let proj = ctx.slice::<bf16>("proj", w.proj, w.rows * pw)?;
+    let seqs = Seqs::read(ctx, w.seqs, w.rows, w.num_seqs, w.num_slots, true)?;
     for s in 0..seqs.len() {
         let (Some(sl), range) = (seqs.slot(s), seqs.rows(s)) else {
             continue;
@@ -298,18 +332,18 @@ pub fn conv_state_update(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
-/// Read and check `row_slot`, u32 `[rows]` (argument `at`) of a verify step: each entry is
+/// Read and check `row_slot`, u32 `[rows]`, of a verify step: each entry is
 /// `NO_SLOT` (keep nothing) or a slot of the pool; no slot is written by two rows; and a row never
 /// writes the slot another sequence of the step reads (its own sequence's slot is allowed: every
 /// work unit reads its input state before it writes any row's).
 pub(crate) fn read_row_slots<'a>(
     ctx: &'a KernelCtx<'a>,
-    at: usize,
+    row_slot: DevicePtr,
     rows: usize,
     seqs: &Seqs<'_>,
     num_slots: usize,
 ) -> GpuResult<&'a [u32]> {
-    let row_slot = ctx.slice::<u32>(at, rows)?;
+    let row_slot = ctx.slice::<u32>("row_slot", row_slot, rows)?;
     let mut written: Vec<(u32, usize)> = Vec::new();
     for s in 0..seqs.len() {
         for r in seqs.rows(s) {
@@ -343,10 +377,7 @@ pub(crate) fn read_row_slots<'a>(
     Ok(row_slot)
 }
 
-/// `conv_state_verify(conv_state: f32 [num_slots * slot_stride] (in/out), proj: bf16 [rows,
-/// proj_width], seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], row_slot: u32 [rows],
-/// rows, num_seqs, num_slots, slot_stride, num_k_heads, k_head_dim, num_v_heads, v_head_dim,
-/// kernel_size)`.
+/// `conv_state_verify` ([`ConvStateVerifyParams`]).
 ///
 /// The conv window after each row of a verify step (speculative decoding), kept for rollback:
 /// for row `t` of a sequence with `row_slot[first + t] != NO_SLOT`, that slot's window becomes
@@ -356,13 +387,24 @@ pub(crate) fn read_row_slots<'a>(
 /// it). Work unit: one (sequence, channel), reading the old window before writing any row's.
 /// Run after `causal_conv1d`.
 pub fn conv_state_verify(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(14)?;
-    let (rows, num_seqs, num_slots, stride, h, hist) = window_args(ctx, 5)?;
-    let (cd, pw) = (h.conv_dim(), h.proj_width());
-    let state = ctx.slice_mut::<f32>(0, num_slots * stride)?;
-    let proj = ctx.slice::<bf16>(1, rows * pw)?;
-    let seqs = Seqs::read(ctx, (2, 3), rows, num_seqs, num_slots, false)?;
-    let row_slot = read_row_slots(ctx, 4, rows, &seqs, num_slots)?;
+    let p: ConvStateVerifyParams = ctx.params()?;
+    let w = Windows {
+        conv_state: p.conv_state,
+        proj: p.proj,
+        seqs: (p.seq_start, p.seq_slot),
+        rows: p.rows as usize,
+        num_seqs: p.num_seqs as usize,
+        num_slots: p.num_slots as usize,
+        stride: p.slot_stride as usize,
+        heads: (p.hk, p.dk, p.hv, p.dv),
+        kernel_size: p.kernel_size,
+    };
+    let (h, hist) = w.check(ctx)?;
+    let (cd, pw, stride, rows) = (h.conv_dim(), h.proj_width(), w.stride, w.rows);
+    let state = ctx.slice_mut::<f32>("conv_state", w.conv_state, w.num_slots * stride)?;
+    let proj = ctx.slice::<bf16>("proj", w.proj, rows * pw)?;
+    let seqs = Seqs::read(ctx, w.seqs, rows, w.num_seqs, w.num_slots, false)?;
+    let row_slot = read_row_slots(ctx, p.row_slot, rows, &seqs, w.num_slots)?;
     let mut old = vec![0.0f32; hist * cd];
     for s in 0..seqs.len() {
         let range = seqs.rows(s);
@@ -396,27 +438,25 @@ pub(crate) fn softplus(x: f32) -> f32 {
     if x > 20.0 { x } else { x.exp().ln_1p() }
 }
 
-/// `gdn_prepare(qk: f32 [rows, 2*key_dim], gates: f32 [rows, 2*Hv], conv: bf16 [rows, conv_dim],
-/// proj: bf16 [rows, proj_width], a_log: f32 [Hv], dt_bias: f32 [Hv], rows, num_k_heads,
-/// k_head_dim, num_v_heads, v_head_dim, l2_eps, q_scale)`.
+/// `gdn_prepare` ([`GdnPrepareParams`]).
 ///
 /// Per row and key head: `q̂ = q * rsqrt(Σq² + l2_eps) * q_scale`, `k̂ = k * rsqrt(Σk² + l2_eps)`
 /// (transformers' `l2norm`, eps 1e-6; `q_scale = 1/√Dk`), from the conv output. Per row and
 /// value head `j`: `β = sigmoid(b_j)`, `g = -exp(a_log[j]) * softplus(a_j + dt_bias[j])`, with
 /// `b`, `a` read from the projection row. All in f32.
 pub fn gdn_prepare(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(13)?;
-    let rows = ctx.usize(6)?;
-    let h = Heads::read(ctx, 7)?;
-    let (eps, q_scale) = (ctx.f32(11)?, ctx.f32(12)?);
+    let p: GdnPrepareParams = ctx.params()?;
+    let rows = p.rows as usize;
+    let h = Heads::new(ctx, (p.hk, p.dk, p.hv, p.dv))?;
+    let (eps, q_scale) = (p.l2_eps, p.q_scale);
     let (kd, cd, pw, hv) = (h.key_dim(), h.conv_dim(), h.proj_width(), h.hv);
     let b_at = cd + h.value_dim();
-    let qk = ctx.slice_mut::<f32>(0, rows * 2 * kd)?;
-    let gates = ctx.slice_mut::<f32>(1, rows * 2 * hv)?;
-    let conv = ctx.slice::<bf16>(2, rows * cd)?;
-    let proj = ctx.slice::<bf16>(3, rows * pw)?;
-    let a_log = ctx.slice::<f32>(4, hv)?;
-    let dt_bias = ctx.slice::<f32>(5, hv)?;
+    let qk = ctx.slice_mut::<f32>("qk", p.qk, rows * 2 * kd)?;
+    let gates = ctx.slice_mut::<f32>("gates", p.gates, rows * 2 * hv)?;
+    let conv = ctx.slice::<bf16>("conv", p.conv, rows * cd)?;
+    let proj = ctx.slice::<bf16>("proj", p.proj, rows * pw)?;
+    let a_log = ctx.slice::<f32>("a_log", p.a_log, hv)?;
+    let dt_bias = ctx.slice::<f32>("dt_bias", p.dt_bias, hv)?;
     for r in 0..rows {
         let src = &conv[r * cd..r * cd + 2 * kd];
         let dst = &mut qk[r * 2 * kd..(r + 1) * 2 * kd];
@@ -442,22 +482,21 @@ pub fn gdn_prepare(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
-/// `gated_rms_norm(out: bf16 [rows, value_dim], core: f32 [rows, value_dim], proj: bf16 [rows,
-/// proj_width], weight: bf16 [Dv], rows, num_k_heads, k_head_dim, num_v_heads, v_head_dim, eps)`.
+/// `gated_rms_norm` ([`GatedRmsNormParams`]).
 ///
 /// Per row and value head: `out = core * rsqrt(mean(core²) + eps) * weight * silu(z)`, with the
 /// plain weight (not `1 + w`) and `z` read from the projection row at `conv_dim + j*Dv`; f32
 /// throughout, bf16 out.
 pub fn gated_rms_norm(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(10)?;
-    let rows = ctx.usize(4)?;
-    let h = Heads::read(ctx, 5)?;
-    let eps = ctx.f32(9)?;
+    let p: GatedRmsNormParams = ctx.params()?;
+    let rows = p.rows as usize;
+    let h = Heads::new(ctx, (p.hk, p.dk, p.hv, p.dv))?;
+    let eps = p.eps;
     let (vd, pw, z_at, dv) = (h.value_dim(), h.proj_width(), h.conv_dim(), h.dv);
-    let out = ctx.slice_mut::<bf16>(0, rows * vd)?;
-    let core = ctx.slice::<f32>(1, rows * vd)?;
-    let proj = ctx.slice::<bf16>(2, rows * pw)?;
-    let weight = ctx.slice::<bf16>(3, dv)?;
+    let out = ctx.slice_mut::<bf16>("out", p.out, rows * vd)?;
+    let core = ctx.slice::<f32>("core", p.core, rows * vd)?;
+    let proj = ctx.slice::<bf16>("proj", p.proj, rows * pw)?;
+    let weight = ctx.slice::<bf16>("weight", p.weight, dv)?;
     for r in 0..rows {
         for j in 0..h.hv {
             let at = r * vd + j * dv;
@@ -472,25 +511,10 @@ pub fn gated_rms_norm(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
-/// `gated_delta_streamed(the arguments of gated_delta_recurrent)`: `gated_delta_recurrent`'s
-/// outputs and states, bitwise (the CUDA kernel streams each head's state through shared memory
-/// in persistent blocks; the arithmetic is the same).
+/// `gated_delta_streamed` ([`GatedDeltaParams`]): `gated_delta_recurrent`'s outputs and
+/// states, bitwise (the CUDA kernel streams each head's state through shared memory in
+/// persistent blocks; the arithmetic is the same).
 pub fn gated_delta_streamed(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    let _: GatedDeltaParams = ctx.params()?;
     gated_delta_recurrent(ctx)
 }
-
-/// The family table.
-pub const FAMILY: super::Family = super::Family {
-    module: "gdn",
-    kernels: &[
-        ("causal_conv1d", causal_conv1d),
-        ("conv_state_update", conv_state_update),
-        ("conv_state_verify", conv_state_verify),
-        ("gdn_prepare", gdn_prepare),
-        ("gated_delta_recurrent", gated_delta_recurrent),
-        ("gated_delta_streamed", gated_delta_streamed),
-        ("gated_delta_chunked", gated_delta_chunked),
-        ("gated_delta_verify", gated_delta_verify),
-        ("gated_rms_norm", gated_rms_norm),
-    ],
-};

@@ -3,20 +3,24 @@
 //! output element is computed the same way whatever `m` is.
 
 use half::bf16;
+use metrale_kernel_abi::{
+    LIN_DEC_THREADS, LIN_STREAM_WARPS, LIN_THREADS, LIN_TMA_THREADS, LinearParams,
+    LinearStreamTmaParams, LinearTmaParams, PermuteK32TilesParams,
+};
 
 use super::util::{b, f};
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
+use crate::types::DevicePtr;
 
-/// `x · wᵀ` in f32, `[m, n]` row-major, for x given (rows of `k`) and the weight at argument
-/// `w_arg`.
+/// `x · wᵀ` in f32, `[m, n]` row-major, for x given (rows of `k`) and the weight at `w`.
 fn gemm_of(
     ctx: &KernelCtx<'_>,
     x: &[bf16],
-    w_arg: usize,
+    w: DevicePtr,
     (m, n, k): (usize, usize, usize),
 ) -> GpuResult<Vec<f32>> {
-    let w = ctx.slice::<bf16>(w_arg, n * k)?;
+    let w = ctx.slice::<bf16>("w", w, n * k)?;
     let wf: Vec<f32> = w.iter().map(|&e| f(e)).collect();
     let mut xr = vec![0.0f32; k];
     let mut out = Vec::with_capacity(m * n);
@@ -35,57 +39,104 @@ fn gemm_of(
     Ok(out)
 }
 
-/// `x · wᵀ` (the weight at argument `w_arg`) into argument 0: bf16, or f32 (`f32_out`: the LM
-/// head's logits).
+/// `x · wᵀ` into `out`: bf16, or f32 (`f32_out`: the LM head's logits).
 fn store_gemm(
     ctx: &KernelCtx<'_>,
-    x: &[bf16],
-    w_arg: usize,
+    (out, x, w): (DevicePtr, &[bf16], DevicePtr),
     dims: (usize, usize, usize),
     f32_out: bool,
 ) -> GpuResult<()> {
-    let acc = gemm_of(ctx, x, w_arg, dims)?;
+    let acc = gemm_of(ctx, x, w, dims)?;
     if f32_out {
-        ctx.slice_mut::<f32>(0, acc.len())?.copy_from_slice(&acc);
+        ctx.slice_mut::<f32>("out", out, acc.len())?
+            .copy_from_slice(&acc);
     } else {
-        for (o, &v) in ctx.slice_mut::<bf16>(0, acc.len())?.iter_mut().zip(&acc) {
+        for (o, &v) in ctx
+            .slice_mut::<bf16>("out", out, acc.len())?
+            .iter_mut()
+            .zip(&acc)
+        {
             *o = b(v);
         }
     }
     Ok(())
 }
 
-/// `linear` and `linear_f32out`: x at argument 1, then w, m, n, k.
-fn linear_any(ctx: &KernelCtx<'_>, f32_out: bool) -> GpuResult<()> {
-    ctx.expect_args(6)?;
-    let (m, n, k) = (ctx.usize(3)?, ctx.usize(4)?, ctx.usize(5)?);
-    store_gemm(ctx, ctx.slice::<bf16>(1, m * k)?, 2, (m, n, k), f32_out)
+/// The shape `(m, n, k)`, after checking the block size the CUDA kernel is written for
+/// (`threads`; a launch of no rows or no columns does nothing, whatever its geometry).
+fn dims(
+    ctx: &KernelCtx<'_>,
+    (m, n, k): (u32, u32, u32),
+    threads: u32,
+) -> GpuResult<(usize, usize, usize)> {
+    if m > 0 && n > 0 {
+        ctx.require_block(threads)?;
+    }
+    Ok((m as usize, n as usize, k as usize))
 }
 
-/// `linear(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k)`.
+/// `linear` and its direct-load variants ([`LinearParams`]) on blocks of `threads`.
+fn linear_any(ctx: &KernelCtx<'_>, f32_out: bool, threads: u32) -> GpuResult<()> {
+    let p: LinearParams = ctx.params()?;
+    let (m, n, k) = dims(ctx, (p.m, p.n, p.k), threads)?;
+    let x = ctx.slice::<bf16>("x", p.x, m * k)?;
+    store_gemm(ctx, (p.out, x, p.w), (m, n, k), f32_out)
+}
+
+/// `linear`: `out[m, n] = x[m, k] · w[n, k]ᵀ`, bf16 out; the tiled prefill kernel's blocks of
+/// `LIN_THREADS`.
 pub fn linear(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    linear_any(ctx, false)
+    linear_any(ctx, false, LIN_THREADS)
 }
 
-/// `linear_f32out(out: f32 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k)`: the LM head,
-/// whose logits stay f32.
+/// `linear_f32out`: `linear` with f32 out (the LM head, whose logits stay f32).
 pub fn linear_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    linear_any(ctx, true)
+    linear_any(ctx, true, LIN_THREADS)
 }
 
-/// `linear_swiglu(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [2 n, k], m, n, k)`: `linear` into
-/// `[gate | up]` rows of `2 n` (rounded to bf16 as `linear` writes them), then `silu_mul`'s
-/// twin, in one launch.
+/// `linear_stream`: `linear` from the narrow decode kernel's blocks.
+pub fn linear_stream(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    linear_any(ctx, false, LIN_STREAM_WARPS * 32)
+}
+
+/// `linear_stream_f32out`: `linear_f32out` from the narrow decode kernel's blocks.
+pub fn linear_stream_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    linear_any(ctx, true, LIN_STREAM_WARPS * 32)
+}
+
+/// `linear_stream_b4`: `linear` from the narrow decode kernel of smaller batches.
+pub fn linear_stream_b4(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    linear_any(ctx, false, LIN_STREAM_WARPS * 32)
+}
+
+/// `linear_stream_b4_f32out`: likewise, f32 out.
+pub fn linear_stream_b4_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    linear_any(ctx, true, LIN_STREAM_WARPS * 32)
+}
+
+/// `linear_stream_wide`: `linear` from the wide decode kernel's clusters.
+pub fn linear_stream_wide(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    linear_any(ctx, false, LIN_STREAM_WARPS * 32)
+}
+
+/// `linear_stream_wide_f32out`: likewise, f32 out.
+pub fn linear_stream_wide_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    linear_any(ctx, true, LIN_STREAM_WARPS * 32)
+}
+
+/// `linear_swiglu` ([`LinearParams`], w `[2 n, k]`): `linear` into `[gate | up]` rows of `2 n`
+/// (rounded to bf16 as `linear` writes them), then `silu_mul`'s twin, in one launch.
 pub fn linear_swiglu(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(6)?;
-    let (m, n, k) = (ctx.usize(3)?, ctx.usize(4)?, ctx.usize(5)?);
-    let x = ctx.slice::<bf16>(1, m * k)?;
-    let gate_up: Vec<bf16> = gemm_of(ctx, x, 2, (m, 2 * n, k))?
+    let p: LinearParams = ctx.params()?;
+    let (m, n, k) = dims(ctx, (p.m, p.n, p.k), LIN_STREAM_WARPS * 32)?;
+    let x = ctx.slice::<bf16>("x", p.x, m * k)?;
+    let gate_up: Vec<bf16> = gemm_of(ctx, x, p.w, (m, 2 * n, k))?
         .into_iter()
         .map(b)
         .collect();
     let act = super::activation::silu_mul_rows(&gate_up, m, n);
-    ctx.slice_mut::<bf16>(0, m * n)?.copy_from_slice(&act);
+    ctx.slice_mut::<bf16>("out", p.out, m * n)?
+        .copy_from_slice(&act);
     Ok(())
 }
 
@@ -117,16 +168,16 @@ fn pair_offset(row: usize, c: usize, p: usize, steps: usize) -> usize {
     image_offset(row, c, p % 4, steps) + (p / 4) * 4
 }
 
-/// `permute_k32_tiles(out: image, x: bf16 [m, k], m, k)`: x as `linear_tma`'s stage images
-/// (layout at kernels/gemm.cu).
+/// `permute_k32_tiles` ([`PermuteK32TilesParams`]): x as `linear_tma`'s stage images (layout at
+/// kernels/gemm.cu).
 pub fn permute_k32_tiles(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(4)?;
-    let (m, k) = (ctx.usize(2)?, ctx.usize(3)?);
+    let p: PermuteK32TilesParams = ctx.params()?;
+    let (m, k) = (p.m as usize, p.k as usize);
     if k % 8 != 0 {
         return Err(ctx.fail(format!("k = {k} is not a multiple of 8")));
     }
-    let x = ctx.slice::<u32>(1, m * k / 2)?;
-    let img = ctx.slice_mut::<u32>(0, stage_image_bytes(m, k) / 4)?;
+    let x = ctx.slice::<u32>("x", p.x, m * k / 2)?;
+    let img = ctx.slice_mut::<u32>("out", p.out, stage_image_bytes(m, k) / 4)?;
     img.fill(0);
     let steps = k.div_ceil(64);
     for row in 0..m {
@@ -138,9 +189,9 @@ pub fn permute_k32_tiles(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
-/// x back from the stage images of an `[m, k]` matrix at argument `index`.
-fn x_from_images(ctx: &KernelCtx<'_>, index: usize, m: usize, k: usize) -> GpuResult<Vec<bf16>> {
-    let img = ctx.slice::<u32>(index, stage_image_bytes(m, k) / 4)?;
+/// x back from the stage images `img` of an `[m, k]` matrix.
+fn x_from_images(ctx: &KernelCtx<'_>, img: DevicePtr, m: usize, k: usize) -> GpuResult<Vec<bf16>> {
+    let img = ctx.slice::<u32>("images", img, stage_image_bytes(m, k) / 4)?;
     let steps = k.div_ceil(64);
     let mut x = vec![bf16::ZERO; m * k];
     for row in 0..m {
@@ -153,68 +204,47 @@ fn x_from_images(ctx: &KernelCtx<'_>, index: usize, m: usize, k: usize) -> GpuRe
     Ok(x)
 }
 
-/// `linear_tma` and `linear_tma_f32out`: x from its stage images at argument 1, then w, the
-/// tensor map (the device's, not read here), m, n, k.
+/// `linear_tma` and `linear_tma_f32out` ([`LinearTmaParams`]): x from its stage images (the
+/// tensor map is the device's, not read here).
 fn linear_tma_any(ctx: &KernelCtx<'_>, f32_out: bool) -> GpuResult<()> {
-    ctx.expect_args(7)?;
-    let (m, n, k) = (ctx.usize(4)?, ctx.usize(5)?, ctx.usize(6)?);
-    store_gemm(ctx, &x_from_images(ctx, 1, m, k)?, 2, (m, n, k), f32_out)
+    let p: LinearTmaParams = ctx.params()?;
+    let (m, n, k) = dims(ctx, (p.m, p.n, p.k), LIN_TMA_THREADS)?;
+    let x = x_from_images(ctx, p.xt, m, k)?;
+    store_gemm(ctx, (p.out, &x, p.w), (m, n, k), f32_out)
 }
 
-/// `linear_tma(out: bf16 [m, n], xt: stage images of x, w: bf16 [n, k], wmap, m, n, k)`:
-/// `linear` with x from `permute_k32_tiles`.
+/// `linear_tma`: `linear` with x from `permute_k32_tiles`.
 pub fn linear_tma(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     linear_tma_any(ctx, false)
 }
 
-/// `linear_tma_f32out(out: f32 [m, n], xt, w, wmap, m, n, k)`: likewise, f32 out.
+/// `linear_tma_f32out`: likewise, f32 out.
 pub fn linear_tma_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     linear_tma_any(ctx, true)
 }
 
-/// `linear_stream_tma` and `linear_stream_tma_f32out`: x's rows at argument 1, or, where
-/// argument 2 is not NULL, x from its stage images there (what the device reads when the shape
-/// lets it: the producer wrote both, so checking the images here checks what the H200 reads);
-/// then w, the tensor map (the device's, not read here), m, n, k.
+/// `linear_stream_tma` and `linear_stream_tma_f32out` ([`LinearStreamTmaParams`]): x's rows, or,
+/// where `ximg` is not null, x from its stage images there (what the device reads when the shape
+/// lets it: the producer wrote both, so checking the images here checks what the device reads);
+/// the tensor map is the device's, not read here.
 fn linear_stream_tma_any(ctx: &KernelCtx<'_>, f32_out: bool) -> GpuResult<()> {
-    ctx.expect_args(8)?;
-    let (m, n, k) = (ctx.usize(5)?, ctx.usize(6)?, ctx.usize(7)?);
-    if ctx.ptr(2)?.is_null() {
-        store_gemm(ctx, ctx.slice::<bf16>(1, m * k)?, 3, (m, n, k), f32_out)
+    let p: LinearStreamTmaParams = ctx.params()?;
+    let (m, n, k) = dims(ctx, (p.m, p.n, p.k), LIN_DEC_THREADS)?;
+    if p.ximg.is_null() {
+        let x = ctx.slice::<bf16>("x", p.x, m * k)?;
+        store_gemm(ctx, (p.out, x, p.w), (m, n, k), f32_out)
     } else {
-        store_gemm(ctx, &x_from_images(ctx, 2, m, k)?, 3, (m, n, k), f32_out)
+        let x = x_from_images(ctx, p.ximg, m, k)?;
+        store_gemm(ctx, (p.out, &x, p.w), (m, n, k), f32_out)
     }
 }
 
-/// `linear_stream_tma(out: bf16 [m, n], x: bf16 [m, k], ximg: x's stage images or NULL, w:
-/// bf16 [n, k], wmap, m, n, k)`: `linear`, the weight read on the device through its tensor map.
+/// `linear_stream_tma`: `linear`, the weight read on the device through its tensor map.
 pub fn linear_stream_tma(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     linear_stream_tma_any(ctx, false)
 }
 
-/// `linear_stream_tma_f32out(out: f32 [m, n], x, ximg, w, wmap, m, n, k)`: likewise, f32 out.
+/// `linear_stream_tma_f32out`: likewise, f32 out.
 pub fn linear_stream_tma_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     linear_stream_tma_any(ctx, true)
 }
-
-/// The family table.
-pub const FAMILY: super::Family = super::Family {
-    module: "gemm",
-    kernels: &[
-        ("linear", linear),
-        ("linear_f32out", linear_f32out),
-        // The decode kernels of `kernels/gemm.cu` compute the same functions.
-        ("linear_stream", linear),
-        ("linear_stream_f32out", linear_f32out),
-        ("linear_stream_b4", linear),
-        ("linear_stream_b4_f32out", linear_f32out),
-        ("linear_swiglu", linear_swiglu),
-        ("linear_stream_wide", linear),
-        ("linear_stream_wide_f32out", linear_f32out),
-        ("permute_k32_tiles", permute_k32_tiles),
-        ("linear_tma", linear_tma),
-        ("linear_tma_f32out", linear_tma_f32out),
-        ("linear_stream_tma", linear_stream_tma),
-        ("linear_stream_tma_f32out", linear_stream_tma_f32out),
-    ],
-};

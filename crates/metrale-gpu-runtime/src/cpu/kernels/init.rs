@@ -3,6 +3,7 @@
 //! checkpoint (and the CPU and CUDA fills agree bit for bit).
 
 use half::bf16;
+use metrale_kernel_abi::FillUniformBf16Params;
 
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
@@ -22,24 +23,15 @@ pub fn uniform(index: u64, seed: u64, scale: f32) -> f32 {
     (2.0 * u - 1.0) * scale
 }
 
-/// `fill_uniform_bf16(out: bf16 [n], n: u64, seed: u64, offset: f32, scale: f32)`:
-/// `out[i] = offset + uniform(i, seed, scale)`.
+/// `fill_uniform_bf16` ([`FillUniformBf16Params`]): `out[i] = offset + uniform(i, seed, scale)`.
 pub fn fill_uniform_bf16(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(5)?;
-    let n = ctx.u64(1)? as usize;
-    let (seed, offset, scale) = (ctx.u64(2)?, ctx.f32(3)?, ctx.f32(4)?);
-    let out = ctx.slice_mut::<bf16>(0, n)?;
+    let p: FillUniformBf16Params = ctx.params()?;
+    let out = ctx.slice_mut::<bf16>("out", p.out, p.n as usize)?;
     for (i, o) in out.iter_mut().enumerate() {
-        *o = bf16::from_f32(offset + uniform(i as u64, seed, scale));
+        *o = bf16::from_f32(p.offset + uniform(i as u64, p.seed, p.scale));
     }
     Ok(())
 }
-
-/// The family table.
-pub const FAMILY: super::Family = super::Family {
-    module: "init",
-    kernels: &[("fill_uniform_bf16", fill_uniform_bf16)],
-};
 
 #[cfg(test)]
 mod tests {

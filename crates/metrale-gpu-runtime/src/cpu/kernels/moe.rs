@@ -27,34 +27,34 @@
 mod tests;
 
 use half::bf16;
+use metrale_kernel_abi::{ExpertLinearParams, MoeCombineParams, TopkRouteParams};
 
 use super::util::{b, f, sigmoid};
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
 
-/// `topk_route(topk_ids: u32 [rows, top_k], topk_weights: f32 [rows, top_k], logits: f32 [rows,
-/// num_experts], rows, num_experts, top_k, renormalize)`.
+/// `topk_route` ([`TopkRouteParams`]).
 ///
 /// Per row: `p = softmax(logits)` in f32 (max subtracted, sums in index order); the `top_k`
 /// largest `p` by descending value (ties: lower index first); weights `p_i`, or
 /// `p_i / Σ_chosen p` (summed in choice order) when `renormalize` is 1 (`norm_topk_prob`;
 /// always on for Qwen3.5-MoE).
 pub fn topk_route(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(7)?;
+    let p: TopkRouteParams = ctx.params()?;
     let (rows, e, k, renorm) = (
-        ctx.usize(3)?,
-        ctx.usize(4)?,
-        ctx.usize(5)?,
-        ctx.u32(6)? != 0,
+        p.rows as usize,
+        p.num_experts as usize,
+        p.top_k as usize,
+        p.renormalize != 0,
     );
     if k == 0 || k > e {
         return Err(ctx.fail(format!(
             "top_k {k} must be in 1..={e} (the number of experts)"
         )));
     }
-    let ids = ctx.slice_mut::<u32>(0, rows * k)?;
-    let weights = ctx.slice_mut::<f32>(1, rows * k)?;
-    let logits = ctx.slice::<f32>(2, rows * e)?;
+    let ids = ctx.slice_mut::<u32>("topk_ids", p.topk_ids, rows * k)?;
+    let weights = ctx.slice_mut::<f32>("topk_weights", p.topk_weights, rows * k)?;
+    let logits = ctx.slice::<f32>("logits", p.logits, rows * e)?;
     let mut probs = vec![0.0f32; e];
     let mut taken = vec![false; e];
     for r in 0..rows {
@@ -100,22 +100,26 @@ pub fn topk_route(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 
 /// The shared body of the two expert projections: `store(p, col, acc)` for every pair and
 /// output column, `acc = Σ_i x[p / pairs_per_x_row][i] · w[ids[p]][col][i]` in f32, `i` in order.
-fn expert_gemm(ctx: &KernelCtx<'_>, mut store: impl FnMut(usize, f32)) -> GpuResult<()> {
+fn expert_gemm(
+    ctx: &KernelCtx<'_>,
+    p: &ExpertLinearParams,
+    mut store: impl FnMut(usize, f32),
+) -> GpuResult<()> {
     let (pairs, n, k, e, per) = (
-        ctx.usize(4)?,
-        ctx.usize(5)?,
-        ctx.usize(6)?,
-        ctx.usize(7)?,
-        ctx.usize(8)?,
+        p.pairs as usize,
+        p.n as usize,
+        p.k as usize,
+        p.num_experts as usize,
+        p.pairs_per_x_row as usize,
     );
     if per == 0 || !pairs.is_multiple_of(per) {
         return Err(ctx.fail(format!(
             "{pairs} pairs are not whole rows of {per} pairs per input row"
         )));
     }
-    let x = ctx.slice::<bf16>(1, pairs / per * k)?;
-    let w = ctx.slice::<bf16>(2, e * n * k)?;
-    let ids = ctx.slice::<u32>(3, pairs)?;
+    let x = ctx.slice::<bf16>("x", p.x, pairs / per * k)?;
+    let w = ctx.slice::<bf16>("w", p.w, e * n * k)?;
+    let ids = ctx.slice::<u32>("expert_ids", p.expert_ids, pairs)?;
     let mut xr = vec![0.0f32; k];
     for (p, &id) in ids.iter().enumerate() {
         let id = id as usize;
@@ -138,49 +142,35 @@ fn expert_gemm(ctx: &KernelCtx<'_>, mut store: impl FnMut(usize, f32)) -> GpuRes
     Ok(())
 }
 
-/// `expert_linear(out: bf16 [pairs, n], x: bf16 [pairs / pairs_per_x_row, k], w: bf16
-/// [num_experts, n, k], expert_ids: u32 [pairs], pairs, n, k, num_experts, pairs_per_x_row)`:
-/// `out[p] = x[p / pairs_per_x_row] · w[expert_ids[p]]ᵀ`. With `pairs_per_x_row = top_k` and
+/// `expert_linear` ([`ExpertLinearParams`]): `out[p] = x[p / pairs_per_x_row] ·
+/// w[expert_ids[p]]ᵀ`. With `pairs_per_x_row = top_k` and
 /// `expert_ids = topk_ids` this is the experts' gate|up projection of each (row, choice) pair.
 pub fn expert_linear(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(9)?;
-    let (pairs, n) = (ctx.usize(4)?, ctx.usize(5)?);
-    let out = ctx.slice_mut::<bf16>(0, pairs * n)?;
-    expert_gemm(ctx, |i, v| out[i] = b(v))
+    let p: ExpertLinearParams = ctx.params()?;
+    let out = ctx.slice_mut::<bf16>("out", p.out, p.pairs as usize * p.n as usize)?;
+    expert_gemm(ctx, &p, |i, v| out[i] = b(v))
 }
 
-/// `expert_linear_f32out(out: f32 [pairs, n], x, w, expert_ids, pairs, n, k, num_experts,
-/// pairs_per_x_row)`: as `expert_linear` with an f32 output; the experts' down projection
+/// `expert_linear_f32out` ([`ExpertLinearParams`]): as `expert_linear` with an f32 output; the experts' down projection
 /// (`pairs_per_x_row = 1`), kept in f32 until the weighted sum.
 pub fn expert_linear_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(9)?;
-    let (pairs, n) = (ctx.usize(4)?, ctx.usize(5)?);
-    let out = ctx.slice_mut::<f32>(0, pairs * n)?;
-    expert_gemm(ctx, |i, v| out[i] = v)
+    let p: ExpertLinearParams = ctx.params()?;
+    let out = ctx.slice_mut::<f32>("out", p.out, p.pairs as usize * p.n as usize)?;
+    expert_gemm(ctx, &p, |i, v| out[i] = v)
 }
 
-/// `moe_combine(out: bf16 [rows, hidden], expert_out: f32 [rows * top_k, hidden], topk_weights:
-/// f32 [rows, top_k], shared_out: bf16 [rows, hidden] or NULL, shared_gate: f32 [rows] or NULL,
-/// rows, hidden, top_k)`:
+/// `moe_combine` ([`MoeCombineParams`]):
 /// `out[r] = Σ_choice topk_weights[r][choice] · expert_out[r·top_k + choice]` (choice in order)
 /// `+ sigmoid(shared_gate[r]) · shared_out[r]` (the gate factor is 1 when `shared_gate` is NULL;
 /// no shared term when `shared_out` is NULL), in f32, bf16 out.
 pub fn moe_combine(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(8)?;
-    let (rows, hidden, k) = (ctx.usize(5)?, ctx.usize(6)?, ctx.usize(7)?);
-    let out = ctx.slice_mut::<bf16>(0, rows * hidden)?;
-    let expert_out = ctx.slice::<f32>(1, rows * k * hidden)?;
-    let weights = ctx.slice::<f32>(2, rows * k)?;
-    let shared = if ctx.ptr(3)?.is_null() {
-        None
-    } else {
-        Some(ctx.slice::<bf16>(3, rows * hidden)?)
-    };
-    let gate = if ctx.ptr(4)?.is_null() {
-        None
-    } else {
-        Some(ctx.slice::<f32>(4, rows)?)
-    };
+    let p: MoeCombineParams = ctx.params()?;
+    let (rows, hidden, k) = (p.rows as usize, p.hidden as usize, p.top_k as usize);
+    let out = ctx.slice_mut::<bf16>("out", p.out, rows * hidden)?;
+    let expert_out = ctx.slice::<f32>("expert_out", p.expert_out, rows * k * hidden)?;
+    let weights = ctx.slice::<f32>("topk_weights", p.topk_weights, rows * k)?;
+    let shared = ctx.slice_opt::<bf16>("shared_out", p.shared_out, rows * hidden)?;
+    let gate = ctx.slice_opt::<f32>("shared_gate", p.shared_gate, rows)?;
     for r in 0..rows {
         let g = gate.map_or(1.0, |g| sigmoid(g[r]));
         for c in 0..hidden {
@@ -196,14 +186,3 @@ pub fn moe_combine(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     }
     Ok(())
 }
-
-/// The family table.
-pub const FAMILY: super::Family = super::Family {
-    module: "moe",
-    kernels: &[
-        ("topk_route", topk_route),
-        ("expert_linear", expert_linear),
-        ("expert_linear_f32out", expert_linear_f32out),
-        ("moe_combine", moe_combine),
-    ],
-};

@@ -6,30 +6,24 @@
 //! gate follows each query head); key head `h` at `k_offset + h * head_dim`. Values are left alone.
 
 use half::bf16;
+use metrale_kernel_abi::{QkNormRopeKvStoreParams, QkNormRopeParams};
 
 use super::util::{b, f, norm_weight, rms_scale};
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
 
-#[allow(clippy::too_many_arguments)]
-fn head(
-    x: &mut [bf16],
-    norm_w: Option<&[bf16]>,
-    inv_freq: &[f32],
-    pos: f32,
-    rotary_dim: usize,
-    eps: f32,
-    unit: bool,
-) {
+/// One head `x` of a row at position `pos`: normalised by `norm_w` (if any), then rotated over
+/// its first `h.rd` dims.
+fn head(x: &mut [bf16], norm_w: Option<&[bf16]>, inv_freq: &[f32], pos: f32, h: &Heads) {
     let d = x.len();
     let mut v: Vec<f32> = x.iter().map(|&e| f(e)).collect();
     if let Some(w) = norm_w {
-        let s = rms_scale(v.iter().copied(), d, eps);
+        let s = rms_scale(v.iter().copied(), d, h.eps);
         for (e, &wi) in v.iter_mut().zip(w) {
-            *e = *e * s * norm_weight(wi, unit);
+            *e = *e * s * norm_weight(wi, h.unit);
         }
     }
-    let half = rotary_dim / 2;
+    let half = h.rd / 2;
     for i in 0..half {
         let angle = pos * inv_freq[i];
         let (sin, cos) = angle.sin_cos();
@@ -58,7 +52,18 @@ struct Heads {
 }
 
 impl Heads {
+    /// The launch's geometry and the heads' fit in a row, as the CUDA kernels check them: blocks
+    /// of whole warps, no more blocks of rows than rows, even `rotary_dim` up to `head_dim`, and
+    /// every head inside the row.
     fn check(&self, ctx: &KernelCtx<'_>) -> GpuResult<()> {
+        let c = ctx.config();
+        if !c.block.0.is_multiple_of(32) || (self.rows > 0 && c.grid.0 as usize > self.rows) {
+            return Err(ctx.fail(format!(
+                "launched as {:?} blocks of {:?} threads: the kernel takes whole warps and a block \
+                 of rows per row",
+                c.grid, c.block
+            )));
+        }
         let Heads {
             stride,
             hq,
@@ -81,15 +86,6 @@ impl Heads {
     }
 }
 
-/// The optional norm weight at argument `index`.
-fn norm_arg<'a>(ctx: &'a KernelCtx<'_>, index: usize, d: usize) -> GpuResult<Option<&'a [bf16]>> {
-    Ok(if ctx.ptr(index)?.is_null() {
-        None
-    } else {
-        Some(ctx.slice::<bf16>(index, d)?)
-    })
-}
-
 /// Normalise and rotate every q and k head of every row, in place.
 fn rope_rows(
     qkv: &mut [bf16],
@@ -103,65 +99,62 @@ fn rope_rows(
         let pos = positions[r] as f32;
         for i in 0..h.hq {
             let s = i * h.q_stride;
-            head(&mut row[s..s + h.d], qw, inv_freq, pos, h.rd, h.eps, h.unit);
+            head(&mut row[s..s + h.d], qw, inv_freq, pos, &h);
         }
         for i in 0..h.hkv {
             let s = h.k_off + i * h.d;
-            head(&mut row[s..s + h.d], kw, inv_freq, pos, h.rd, h.eps, h.unit);
+            head(&mut row[s..s + h.d], kw, inv_freq, pos, &h);
         }
     }
 }
 
-/// `qk_norm_rope(qkv: bf16 [rows, row_stride] (in/out), q_norm_w: bf16 [head_dim] or NULL,
-/// k_norm_w: bf16 [head_dim] or NULL, inv_freq: f32 [rotary_dim / 2], positions: u32 [rows],
-/// rows, row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, head_dim, rotary_dim,
-/// eps, unit_offset)`.
+/// `qk_norm_rope` ([`QkNormRopeParams`]): every q and k head of every row normalised (where a
+/// norm weight is given) and rotated, in place.
 pub fn qk_norm_rope(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(15)?;
+    let p: QkNormRopeParams = ctx.params()?;
     let h = Heads {
-        rows: ctx.usize(5)?,
-        stride: ctx.usize(6)?,
-        hq: ctx.usize(7)?,
-        q_stride: ctx.usize(8)?,
-        k_off: ctx.usize(9)?,
-        hkv: ctx.usize(10)?,
-        d: ctx.usize(11)?,
-        rd: ctx.usize(12)?,
-        eps: ctx.f32(13)?,
-        unit: ctx.u32(14)? != 0,
+        rows: p.rows as usize,
+        stride: p.row_stride as usize,
+        hq: p.num_q_heads as usize,
+        q_stride: p.q_head_stride as usize,
+        k_off: p.k_offset as usize,
+        hkv: p.num_kv_heads as usize,
+        d: p.head_dim as usize,
+        rd: p.rotary_dim as usize,
+        eps: p.eps,
+        unit: p.unit_offset != 0,
     };
     h.check(ctx)?;
-    let qkv = ctx.slice_mut::<bf16>(0, h.rows * h.stride)?;
-    let norms = (norm_arg(ctx, 1, h.d)?, norm_arg(ctx, 2, h.d)?);
-    let inv_freq = ctx.slice::<f32>(3, h.rd / 2)?;
-    let positions = ctx.slice::<u32>(4, h.rows)?;
+    let qkv = ctx.slice_mut::<bf16>("qkv", p.qkv, h.rows * h.stride)?;
+    let norms = (
+        ctx.slice_opt::<bf16>("q_norm_w", p.q_norm_w, h.d)?,
+        ctx.slice_opt::<bf16>("k_norm_w", p.k_norm_w, h.d)?,
+    );
+    let inv_freq = ctx.slice::<f32>("inv_freq", p.inv_freq, h.rd / 2)?;
+    let positions = ctx.slice::<u32>("positions", p.positions, h.rows)?;
     rope_rows(qkv, norms, inv_freq, positions, h);
     Ok(())
 }
 
-/// `qk_norm_rope_kv_store(qkv: bf16 [rows, row_stride] (in/out), q_norm_w, k_norm_w: bf16
-/// [head_dim] or NULL, inv_freq: f32 [rotary_dim / 2], positions: u32 [rows], k_cache, v_cache:
-/// bf16 [num_slots, num_kv_heads, head_dim], slot_mapping: u32 [rows], rows, row_stride,
-/// num_q_heads, q_head_stride, k_offset, v_offset, num_kv_heads, head_dim, rotary_dim, eps,
-/// unit_offset, num_slots)`: `qk_norm_rope` then `kv_store` in one launch, byte for byte what
-/// the two launches leave (the row keeps its rotated q and k; the cache gets the rotated k and
-/// the untouched v).
+/// `qk_norm_rope_kv_store` ([`QkNormRopeKvStoreParams`]): `qk_norm_rope` then `kv_store` in one
+/// launch, byte for byte what the two launches leave (the row keeps its rotated q and k; the
+/// cache gets the rotated k and the untouched v).
 pub fn qk_norm_rope_kv_store(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(20)?;
+    let p: QkNormRopeKvStoreParams = ctx.params()?;
     let h = Heads {
-        rows: ctx.usize(8)?,
-        stride: ctx.usize(9)?,
-        hq: ctx.usize(10)?,
-        q_stride: ctx.usize(11)?,
-        k_off: ctx.usize(12)?,
-        hkv: ctx.usize(14)?,
-        d: ctx.usize(15)?,
-        rd: ctx.usize(16)?,
-        eps: ctx.f32(17)?,
-        unit: ctx.u32(18)? != 0,
+        rows: p.rows as usize,
+        stride: p.row_stride as usize,
+        hq: p.num_q_heads as usize,
+        q_stride: p.q_head_stride as usize,
+        k_off: p.k_offset as usize,
+        hkv: p.num_kv_heads as usize,
+        d: p.head_dim as usize,
+        rd: p.rotary_dim as usize,
+        eps: p.eps,
+        unit: p.unit_offset != 0,
     };
     h.check(ctx)?;
-    let (v_off, slots) = (ctx.usize(13)?, ctx.usize(19)?);
+    let (v_off, slots) = (p.v_offset as usize, p.num_slots as usize);
     let width = h.hkv * h.d;
     if v_off + width > h.stride {
         return Err(ctx.fail(format!(
@@ -169,13 +162,16 @@ pub fn qk_norm_rope_kv_store(ctx: &KernelCtx<'_>) -> GpuResult<()> {
             h.stride
         )));
     }
-    let qkv = ctx.slice_mut::<bf16>(0, h.rows * h.stride)?;
-    let norms = (norm_arg(ctx, 1, h.d)?, norm_arg(ctx, 2, h.d)?);
-    let inv_freq = ctx.slice::<f32>(3, h.rd / 2)?;
-    let positions = ctx.slice::<u32>(4, h.rows)?;
-    let k_cache = ctx.slice_mut::<bf16>(5, slots * width)?;
-    let v_cache = ctx.slice_mut::<bf16>(6, slots * width)?;
-    let slot_mapping = ctx.slice::<u32>(7, h.rows)?;
+    let qkv = ctx.slice_mut::<bf16>("qkv", p.qkv, h.rows * h.stride)?;
+    let norms = (
+        ctx.slice_opt::<bf16>("q_norm_w", p.q_norm_w, h.d)?,
+        ctx.slice_opt::<bf16>("k_norm_w", p.k_norm_w, h.d)?,
+    );
+    let inv_freq = ctx.slice::<f32>("inv_freq", p.inv_freq, h.rd / 2)?;
+    let positions = ctx.slice::<u32>("positions", p.positions, h.rows)?;
+    let k_cache = ctx.slice_mut::<bf16>("k_cache", p.k_cache, slots * width)?;
+    let v_cache = ctx.slice_mut::<bf16>("v_cache", p.v_cache, slots * width)?;
+    let slot_mapping = ctx.slice::<u32>("slot_mapping", p.slot_mapping, h.rows)?;
     rope_rows(qkv, norms, inv_freq, positions, h);
     let store = super::cache::StoreGeometry {
         stride: h.stride,
@@ -186,12 +182,3 @@ pub fn qk_norm_rope_kv_store(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     };
     super::cache::store_rows(ctx, (k_cache, v_cache), qkv, slot_mapping, store)
 }
-
-/// The family table.
-pub const FAMILY: super::Family = super::Family {
-    module: "rope",
-    kernels: &[
-        ("qk_norm_rope", qk_norm_rope),
-        ("qk_norm_rope_kv_store", qk_norm_rope_kv_store),
-    ],
-};

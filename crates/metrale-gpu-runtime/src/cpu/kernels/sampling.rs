@@ -1,15 +1,17 @@
 //! CPU twin of `kernels/sampling.cu`: greedy argmax over f32 logits on the device.
 
+use metrale_kernel_abi::ArgmaxParams;
+
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
 
-/// `argmax(out: u32 [rows], logits: f32 [rows, vocab], rows, vocab)`: the lowest index of each
-/// row's maximum (NaN never wins).
+/// `argmax` ([`ArgmaxParams`]): the lowest index of each row's maximum (NaN never wins; an
+/// all-NaN row gives 0).
 pub fn argmax(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(4)?;
-    let (rows, vocab) = (ctx.usize(2)?, ctx.usize(3)?);
-    let out = ctx.slice_mut::<u32>(0, rows)?;
-    let logits = ctx.slice::<f32>(1, rows * vocab)?;
+    let p: ArgmaxParams = ctx.params()?;
+    let (rows, vocab) = (p.rows as usize, p.vocab as usize);
+    let out = ctx.slice_mut::<u32>("out", p.out, rows)?;
+    let logits = ctx.slice::<f32>("logits", p.logits, rows * vocab)?;
     for (r, o) in out.iter_mut().enumerate() {
         let row = &logits[r * vocab..(r + 1) * vocab];
         let mut best = 0usize;
@@ -22,9 +24,3 @@ pub fn argmax(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     }
     Ok(())
 }
-
-/// The family table.
-pub const FAMILY: super::Family = super::Family {
-    module: "sampling",
-    kernels: &[("argmax", argmax)],
-};

@@ -2,6 +2,11 @@
 //! definitions (part of `cpu/tests.rs`, whose generator, rig and comparison they use).
 
 use half::bf16;
+use metrale_kernel_abi::attention::{decode_shared_bytes, padded_dim, prefill_shared_bytes};
+use metrale_kernel_abi::{
+    ATP_WARPS, ATT_SPLITS, ATT_WARPS, KvStoreParams, PagedAttentionParams,
+    PagedAttentionPrefillParams, QkNormRopeParams,
+};
 
 use super::*;
 
@@ -37,29 +42,24 @@ fn qk_norm_rope_normalises_and_rotates_q_and_k_only() {
         r.put(&inv_freq),
         r.put(&pos),
     );
-    let u = |v: usize| KernelArg::U32(v as u32);
-    r.run(
-        "rope",
-        "qk_norm_rope",
-        &[
-            xp.into(),
-            qp.into(),
-            kp.into(),
-            fp.into(),
-            pp.into(),
-            u(rows),
-            u(stride),
-            u(hq),
-            u(qs),
-            u(hq * qs),
-            u(hkv),
-            u(dh),
-            u(rd),
-            1e-6f32.into(),
-            1u32.into(),
-        ],
-    )
-    .unwrap();
+    let p = QkNormRopeParams {
+        qkv: xp,
+        q_norm_w: qp,
+        k_norm_w: kp,
+        inv_freq: fp,
+        positions: pp,
+        rows: rows as u32,
+        row_stride: stride as u32,
+        num_q_heads: hq as u32,
+        q_head_stride: qs as u32,
+        k_offset: (hq * qs) as u32,
+        num_kv_heads: hkv as u32,
+        head_dim: dh as u32,
+        rotary_dim: rd as u32,
+        eps: 1e-6,
+        unit_offset: 1,
+    };
+    r.run("rope", "qk_norm_rope", &p).unwrap();
     let got = r.get_bf(xp, rows * stride);
     let mut want = tof(&x);
     for (row, &p) in pos.iter().enumerate() {
@@ -72,11 +72,22 @@ fn qk_norm_rope_normalises_and_rotates_q_and_k_only() {
             want[at..at + dh].copy_from_slice(&v);
         }
     }
-    assert_close(&got, &want, 1e-2, "qk_norm_rope");
+    assert_close(&got, &want, 1e-2, 1.0, "qk_norm_rope");
     // Gates and values are untouched.
     assert_eq!(got[dh..2 * dh], tof(&x[dh..2 * dh]));
     let v_at = hq * qs + hkv * dh;
     assert_eq!(got[v_at..v_at + dh], tof(&x[v_at..v_at + dh]));
+    // Heads past the row, and blocks of other than whole warps, are refused (the CUDA kernel
+    // writes its fault word for them).
+    let bad = QkNormRopeParams {
+        row_stride: (hq * qs) as u32,
+        ..p
+    };
+    assert!(r.run("rope", "qk_norm_rope", &bad).is_err());
+    assert!(
+        r.run_with("rope", "qk_norm_rope", LaunchConfig::linear(1, 48), &p)
+            .is_err()
+    );
 }
 
 #[test]
@@ -96,27 +107,22 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
     let (qp, tp, sp) = (r.put(&qkv), r.put(&table), r.put(&slot_map));
     let kc = r.out(slots * hkv * dh * 2);
     let vc = r.out(slots * hkv * dh * 2);
-    let u = |v: usize| KernelArg::U32(v as u32);
     // The first `rows` rows' keys and values into the caches at `slot_mapping`.
     let kv_store = |slot_mapping: DevicePtr, rows: usize| {
-        r.run(
-            "cache",
-            "kv_store",
-            &[
-                kc.into(),
-                vc.into(),
-                qp.into(),
-                slot_mapping.into(),
-                u(rows),
-                u(stride),
-                u(hq * dh),
-                u((hq + hkv) * dh),
-                u(hkv),
-                u(dh),
-                u(slots),
-            ],
-        )
-        .unwrap()
+        let p = KvStoreParams {
+            k_cache: kc,
+            v_cache: vc,
+            qkv: qp,
+            slot_mapping,
+            rows: rows as u32,
+            row_stride: stride as u32,
+            k_offset: (hq * dh) as u32,
+            v_offset: ((hq + hkv) * dh) as u32,
+            num_kv_heads: hkv as u32,
+            head_dim: dh as u32,
+            num_slots: slots as u32,
+        };
+        r.run("cache", "kv_store", &p).unwrap()
     };
     kv_store(sp, len);
     let out = r.out(len * hq * dh * 2);
@@ -124,30 +130,33 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
     let pos: Vec<u32> = (0..len as u32).collect();
     let (seqp, posp) = (r.put(&seq), r.put(&pos));
     let scale = 1.0 / (dh as f32).sqrt();
-    let args = |out: DevicePtr| {
-        vec![
-            out.into(),
-            qp.into(),
-            kc.into(),
-            vc.into(),
-            tp.into(),
-            seqp.into(),
-            posp.into(),
-            u(len),
-            u(stride),
-            u(dh),
-            u(hq),
-            u(hkv),
-            u(dh),
-            u(bs),
-            u(max_blocks),
-            u(1),
-            u(slots),
-            scale.into(),
-            0u32.into(),
-        ]
+    let decode = PagedAttentionParams {
+        out,
+        qkv: qp,
+        k_cache: kc,
+        v_cache: vc,
+        block_tables: tp,
+        row_seq: seqp,
+        positions: posp,
+        rows: len as u32,
+        row_stride: stride as u32,
+        q_head_stride: dh as u32,
+        num_q_heads: hq as u32,
+        num_kv_heads: hkv as u32,
+        head_dim: dh as u32,
+        block_size: bs as u32,
+        max_blocks: max_blocks as u32,
+        num_seqs: 1,
+        num_slots: slots as u32,
+        scale,
+        gated: 0,
     };
-    r.run("attention", "paged_attention", &args(out)).unwrap();
+    // Two heads per item at head_dim 8: 2 items a row; clusters of ATT_SPLITS blocks.
+    let (dp, hb) = (padded_dim(dh as u32), 2);
+    let clusters = LaunchConfig::grid2(ATT_SPLITS * 4, 1, 32 * ATT_WARPS)
+        .with_shared(decode_shared_bytes(dp, hb, 2));
+    r.run_with("attention", "paged_attention", clusters, &decode)
+        .unwrap();
     let q = tof(&qkv);
     let mut want = vec![0.0f64; len * hq * dh];
     for t in 0..len {
@@ -175,40 +184,100 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
         &r.get_bf(out, len * hq * dh),
         &want,
         1e-2,
+        1.0,
         "paged_attention",
     );
-    // The prefill twin over row groups (2 heads per block at head_dim 8: up to 16 rows of one
-    // unit each) gives every grouped row bitwise the same and leaves the rows of no group
-    // (4..8) as poisoned; a group of 17 rows is refused, naming the limit.
-    let grouped = r.out(len * hq * dh * 2);
-    let mut with_groups = args(grouped);
-    with_groups.extend([r.put(&[0u32, 4, 8, 2]).into(), u(2)]);
-    r.run("attention", "paged_attention_prefill", &with_groups)
+    // The flat kernel: a block per item, one partial per split.
+    let flat_out = r.out(len * hq * dh * 2);
+    let blocks = LaunchConfig::grid2(8, 1, 32 * ATT_WARPS)
+        .with_shared(decode_shared_bytes(dp, hb, ATT_SPLITS));
+    let flat = PagedAttentionParams {
+        out: flat_out,
+        ..decode
+    };
+    r.run_with("attention", "paged_attention_flat", blocks, &flat)
         .unwrap();
-    let (got, want) = (
-        r.get_bf(grouped, len * hq * dh),
-        r.get_bf(out, len * hq * dh),
+    assert_close(
+        &r.get_bf(flat_out, len * hq * dh),
+        &want,
+        1e-2,
+        1.0,
+        "paged_attention_flat",
     );
+    // Too little shared memory, a block of other than the kernel's threads, or more than
+    // ATT_MAX_ITEMS items a cluster are refused (the CUDA kernel writes its fault word).
+    for bad in [
+        clusters.with_shared(decode_shared_bytes(dp, hb, 2) - 16),
+        LaunchConfig::grid2(ATT_SPLITS * 4, 1, 64).with_shared(decode_shared_bytes(dp, hb, 2)),
+    ] {
+        assert!(
+            r.run_with("attention", "paged_attention", bad, &decode)
+                .is_err()
+        );
+    }
+    let one_cluster = LaunchConfig::grid2(ATT_SPLITS, 1, 32 * ATT_WARPS)
+        .with_shared(decode_shared_bytes(dp, hb, 2));
+    let many_rows = PagedAttentionParams { rows: 33, ..decode };
+    let e = r.run_with("attention", "paged_attention", one_cluster, &many_rows);
+    assert!(e.is_err(), "66 items on one cluster");
+
+    // The prefill twin over row groups (2 heads per block at head_dim 8: up to 16 rows of one
+    // unit each) gives every grouped row the reference's and leaves the rows of no group (4..8)
+    // as poisoned; a group of 17 rows is refused, naming the limit.
+    let grouped = r.out(len * hq * dh * 2);
+    let prefill_launch =
+        LaunchConfig::grid2(ATT_SPLITS, 1, 32 * ATP_WARPS).with_shared(prefill_shared_bytes(dp));
+    let prefill = |row_groups: &[u32]| PagedAttentionPrefillParams {
+        out: grouped,
+        qkv: qp,
+        k_cache: kc,
+        v_cache: vc,
+        block_tables: tp,
+        row_seq: seqp,
+        positions: posp,
+        row_groups: r.put(row_groups),
+        rows: len as u32,
+        row_stride: stride as u32,
+        q_head_stride: dh as u32,
+        num_q_heads: hq as u32,
+        num_kv_heads: hkv as u32,
+        head_dim: dh as u32,
+        block_size: bs as u32,
+        max_blocks: max_blocks as u32,
+        num_seqs: 1,
+        num_slots: slots as u32,
+        scale,
+        gated: 0,
+        n_groups: (row_groups.len() / 2) as u32,
+    };
+    r.run_with(
+        "attention",
+        "paged_attention_prefill",
+        prefill_launch,
+        &prefill(&[0, 4, 8, 2]),
+    )
+    .unwrap();
+    let got = r.get_bf(grouped, len * hq * dh);
     let row = hq * dh;
     for t in 0..len {
-        let (g, w) = (&got[t * row..(t + 1) * row], &want[t * row..(t + 1) * row]);
+        let g = &got[t * row..(t + 1) * row];
         if (4..8).contains(&t) {
             assert!(
                 g.iter().all(|v| v.is_nan()),
                 "row {t} of no group was written"
             );
         } else {
-            let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(
-                same,
-                "row {t}: the prefill twin differs from paged_attention"
-            );
+            let w = &want[t * row..(t + 1) * row];
+            assert_close(g, w, 1e-2, 1.0, "paged_attention_prefill");
         }
     }
-    let mut too_many = args(grouped);
-    too_many.extend([r.put(&[0u32, 17]).into(), u(1)]);
     let err = r
-        .run("attention", "paged_attention_prefill", &too_many)
+        .run_with(
+            "attention",
+            "paged_attention_prefill",
+            prefill_launch,
+            &prefill(&[0, 17]),
+        )
         .unwrap_err();
     // The refusal names the kernel's limit: 16 rows (one unit) at 2 heads per block.
     let msg = err.to_string();

@@ -15,11 +15,13 @@
 //!   step's other sequences needed.
 
 use half::bf16;
+use metrale_kernel_abi::{GatedDeltaChunkedParams, GatedDeltaParams, GatedDeltaVerifyParams};
 
 use super::{Heads, NO_SLOT, Seqs, check_stride, read_row_slots};
 use crate::cpu::KernelCtx;
 use crate::cpu::kernels::util::f;
 use crate::error::GpuResult;
+use crate::types::DevicePtr;
 
 /// The step's per-row inputs of the rule.
 struct Inputs<'a> {
@@ -63,29 +65,67 @@ struct Launch<'a> {
     seqs: Seqs<'a>,
 }
 
-/// Read `out, state, qk, conv, gates, seq_start, seq_slot` (arguments 0..7), then `rows,
-/// num_seqs, num_slots, slot_stride` at `scalars` and the four head scalars after them.
-fn read_launch<'a>(ctx: &'a KernelCtx<'a>, scalars: usize) -> GpuResult<Launch<'a>> {
-    let (rows, num_seqs, num_slots, stride) = (
-        ctx.usize(scalars)?,
-        ctx.usize(scalars + 1)?,
-        ctx.usize(scalars + 2)?,
-        ctx.usize(scalars + 3)?,
-    );
-    let h = Heads::read(ctx, scalars + 4)?;
-    check_stride(ctx, stride, h.hv * h.dk * h.dv)?;
+/// The operands and scalars the three rule kernels share.
+#[derive(Debug, Clone, Copy)]
+struct RuleArgs {
+    out: DevicePtr,
+    state: DevicePtr,
+    qk: DevicePtr,
+    conv: DevicePtr,
+    gates: DevicePtr,
+    seqs: (DevicePtr, DevicePtr),
+    rows: usize,
+    num_seqs: usize,
+    num_slots: usize,
+    stride: usize,
+    heads: (u32, u32, u32, u32),
+}
+
+macro_rules! rule_args {
+    ($p:expr) => {
+        RuleArgs {
+            out: $p.out,
+            state: $p.state,
+            qk: $p.qk,
+            conv: $p.conv,
+            gates: $p.gates,
+            seqs: ($p.seq_start, $p.seq_slot),
+            rows: $p.rows as usize,
+            num_seqs: $p.num_seqs as usize,
+            num_slots: $p.num_slots as usize,
+            stride: $p.slot_stride as usize,
+            heads: ($p.hk, $p.dk, $p.hv, $p.dv),
+        }
+    };
+}
+
+/// The heads, checked against the slot stride.
+fn rule_heads(ctx: &KernelCtx<'_>, a: &RuleArgs) -> GpuResult<Heads> {
+    let h = Heads::new(ctx, a.heads)?;
+    check_stride(ctx, a.stride, h.hv * h.dk * h.dv)?;
+    Ok(h)
+}
+
+/// The step's inputs of the rule.
+fn rule_inputs<'a>(ctx: &'a KernelCtx<'a>, a: &RuleArgs, h: Heads) -> GpuResult<Inputs<'a>> {
+    Ok(Inputs {
+        h,
+        qk: ctx.slice::<f32>("qk", a.qk, a.rows * 2 * h.key_dim())?,
+        conv: ctx.slice::<bf16>("conv", a.conv, a.rows * h.conv_dim())?,
+        gates: ctx.slice::<f32>("gates", a.gates, a.rows * 2 * h.hv)?,
+    })
+}
+
+/// The slices of a launch that updates each sequence's state in place.
+fn read_launch<'a>(ctx: &'a KernelCtx<'a>, a: RuleArgs) -> GpuResult<Launch<'a>> {
+    let h = rule_heads(ctx, &a)?;
     Ok(Launch {
-        rows,
-        stride,
-        out: ctx.slice_mut::<f32>(0, rows * h.value_dim())?,
-        state: ctx.slice_mut::<f32>(1, num_slots * stride)?,
-        inputs: Inputs {
-            h,
-            qk: ctx.slice::<f32>(2, rows * 2 * h.key_dim())?,
-            conv: ctx.slice::<bf16>(3, rows * h.conv_dim())?,
-            gates: ctx.slice::<f32>(4, rows * 2 * h.hv)?,
-        },
-        seqs: Seqs::read(ctx, (5, 6), rows, num_seqs, num_slots, true)?,
+        rows: a.rows,
+        stride: a.stride,
+        out: ctx.slice_mut::<f32>("out", a.out, a.rows * h.value_dim())?,
+        state: ctx.slice_mut::<f32>("state", a.state, a.num_slots * a.stride)?,
+        inputs: rule_inputs(ctx, &a, h)?,
+        seqs: Seqs::read(ctx, a.seqs, a.rows, a.num_seqs, a.num_slots, true)?,
     })
 }
 
@@ -163,17 +203,14 @@ fn recurrent_step(
     }
 }
 
-/// `gated_delta_recurrent(out: f32 [rows, value_dim], state: f32 [num_slots * slot_stride]
-/// (in/out), qk: f32 [rows, 2*key_dim], conv: bf16 [rows, conv_dim], gates: f32 [rows, 2*Hv],
-/// seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], rows, num_seqs, num_slots,
-/// slot_stride, num_k_heads, k_head_dim, num_v_heads, v_head_dim)`.
+/// `gated_delta_recurrent` ([`GatedDeltaParams`]).
 ///
 /// Each sequence's rows in order, one token step each (see the module header); `v` is read from
 /// the conv output at `2*key_dim + j*Dv`, q̂ and k̂ from `qk`, β and g from `gates`. Work unit:
 /// one (sequence, value head).
 pub fn gated_delta_recurrent(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(15)?;
-    let mut l = read_launch(ctx, 7)?;
+    let p: GatedDeltaParams = ctx.params()?;
+    let mut l = read_launch(ctx, rule_args!(p))?;
     let h = l.inputs.h;
     let mut tok = Token {
         v: vec![0.0; h.dv],
@@ -189,10 +226,7 @@ pub fn gated_delta_recurrent(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
-/// `gated_delta_verify(out: f32 [rows, value_dim], state: f32 [num_slots * slot_stride]
-/// (in/out), qk: f32 [rows, 2*key_dim], conv: bf16 [rows, conv_dim], gates: f32 [rows, 2*Hv],
-/// seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], row_slot: u32 [rows], rows,
-/// num_seqs, num_slots, slot_stride, num_k_heads, k_head_dim, num_v_heads, v_head_dim)`.
+/// `gated_delta_verify` ([`GatedDeltaVerifyParams`]).
 ///
 /// The verify step of speculative decoding: each sequence's rows run token by token from the
 /// state in `seq_slot` (zeros for padding), every row computed bitwise as
@@ -201,21 +235,15 @@ pub fn gated_delta_recurrent(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 /// unit reads its input state before it writes any row's (see `read_row_slots` for what else is
 /// refused). Work unit: one (sequence, value head).
 pub fn gated_delta_verify(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(16)?;
-    let (rows, num_seqs, num_slots, stride) =
-        (ctx.usize(8)?, ctx.usize(9)?, ctx.usize(10)?, ctx.usize(11)?);
-    let h = Heads::read(ctx, 12)?;
-    check_stride(ctx, stride, h.hv * h.dk * h.dv)?;
-    let out = ctx.slice_mut::<f32>(0, rows * h.value_dim())?;
-    let state = ctx.slice_mut::<f32>(1, num_slots * stride)?;
-    let inputs = Inputs {
-        h,
-        qk: ctx.slice::<f32>(2, rows * 2 * h.key_dim())?,
-        conv: ctx.slice::<bf16>(3, rows * h.conv_dim())?,
-        gates: ctx.slice::<f32>(4, rows * 2 * h.hv)?,
-    };
-    let seqs = Seqs::read(ctx, (5, 6), rows, num_seqs, num_slots, false)?;
-    let row_slot = read_row_slots(ctx, 7, rows, &seqs, num_slots)?;
+    let p: GatedDeltaVerifyParams = ctx.params()?;
+    let a = rule_args!(p);
+    let (rows, num_slots, stride) = (a.rows, a.num_slots, a.stride);
+    let h = rule_heads(ctx, &a)?;
+    let out = ctx.slice_mut::<f32>("out", a.out, rows * h.value_dim())?;
+    let state = ctx.slice_mut::<f32>("state", a.state, num_slots * stride)?;
+    let inputs = rule_inputs(ctx, &a, h)?;
+    let seqs = Seqs::read(ctx, a.seqs, rows, a.num_seqs, num_slots, false)?;
+    let row_slot = read_row_slots(ctx, p.row_slot, rows, &seqs, num_slots)?;
     let (per_head, vd) = (h.dk * h.dv, h.value_dim());
     let mut head = vec![0.0f32; per_head];
     let mut tok = Token {
@@ -354,24 +382,20 @@ fn chunk_step(
     }
 }
 
-/// `gated_delta_chunked(out: f32 [rows, value_dim], state: f32 [num_slots * slot_stride]
-/// (in/out), qk: f32 [rows, 2*key_dim], conv: bf16 [rows, conv_dim], gates: f32 [rows, 2*Hv],
-/// seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], positions: u32 [rows], rows,
-/// num_seqs, num_slots, slot_stride, num_k_heads, k_head_dim, num_v_heads, v_head_dim,
-/// chunk_size)`.
+/// `gated_delta_chunked` ([`GatedDeltaChunkedParams`]).
 ///
 /// The same function as `gated_delta_recurrent`, computed chunk by chunk (see `chunk_step`);
 /// chunks are aligned to positions that are multiples of `chunk_size` (64 for these families)
 /// and a one-row chunk runs the recurrent step. Positions of a sequence's rows must be
 /// consecutive. Work unit: one (sequence, value head), walking its chunks in order.
 pub fn gated_delta_chunked(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    ctx.expect_args(17)?;
-    let chunk = ctx.usize(16)?;
+    let p: GatedDeltaChunkedParams = ctx.params()?;
+    let chunk = p.chunk_size as usize;
     if chunk == 0 {
         return Err(ctx.fail("chunk_size must be positive"));
     }
-    let mut l = read_launch(ctx, 8)?;
-    let positions = ctx.slice::<u32>(7, l.rows)?;
+    let mut l = read_launch(ctx, rule_args!(p))?;
+    let positions = ctx.slice::<u32>("positions", p.positions, l.rows)?;
     for s in 0..l.seqs.len() {
         let range = l.seqs.rows(s);
         for r in range.clone().skip(1) {

@@ -1,13 +1,13 @@
-//! Tests of the gated delta rule kernels: both against an f64 token-by-token recurrence, the
-//! chunked form against the recurrent one, and the bitwise properties the engine relies on
-//! (batch invariance, one-row chunks, prefills split at chunk boundaries, padding sequences).
+//! Tests of the gated delta rule kernels: each against an f64 token-by-token recurrence
+//! (sequences of one-row chunks among them), and the bitwise properties the engine relies on
+//! (batch invariance, prefills split at chunk boundaries, padding sequences).
 
 use half::bf16;
+use metrale_kernel_abi::{GatedDeltaChunkedParams, GatedDeltaParams, GatedDeltaVerifyParams};
 
 use super::NO_SLOT;
-use super::tests::{Data, H, Rig, assert_close, u};
+use super::tests::{Data, H, Rig, assert_close};
 use crate::error::GpuResult;
-use crate::types::KernelArg;
 
 const CHUNK: usize = 64;
 
@@ -101,29 +101,71 @@ pub(crate) fn launch_with(
     }
     let out = r.out(rows * vd * 4);
     let sp = r.put(state);
-    let mut args: Vec<KernelArg> = vec![
-        out.into(),
-        sp.into(),
-        r.put(&qk).into(),
-        r.put(&conv).into(),
-        r.put(&gates).into(),
-        r.put(&start).into(),
-        r.put(&slots).into(),
-    ];
-    let chunked = kernel == "gated_delta_chunked";
-    if chunked {
-        args.push(r.put(&positions).into());
-    }
-    if let Some(rs) = row_slot {
-        args.push(r.put(rs).into());
-    }
-    args.extend([u(rows), u(seqs.len()), u(pool.num_slots), u(pool.stride)]);
-    args.extend(h.args());
-    if chunked {
-        args.push(u(CHUNK));
-    }
+    let (hk, dk, hv, dv) = h.u32s();
+    let p = GatedDeltaParams {
+        out,
+        state: sp,
+        qk: r.put(&qk),
+        conv: r.put(&conv),
+        gates: r.put(&gates),
+        seq_start: r.put(&start),
+        seq_slot: r.put(&slots),
+        rows: rows as u32,
+        num_seqs: seqs.len() as u32,
+        num_slots: pool.num_slots as u32,
+        slot_stride: pool.stride as u32,
+        hk,
+        dk,
+        hv,
+        dv,
+    };
     debug_assert_eq!(cd, 2 * kd + vd);
-    r.run(kernel, &args)?;
+    match (kernel, row_slot) {
+        ("gated_delta_chunked", _) => {
+            let c = GatedDeltaChunkedParams {
+                out: p.out,
+                state: p.state,
+                qk: p.qk,
+                conv: p.conv,
+                gates: p.gates,
+                seq_start: p.seq_start,
+                seq_slot: p.seq_slot,
+                positions: r.put(&positions),
+                rows: p.rows,
+                num_seqs: p.num_seqs,
+                num_slots: p.num_slots,
+                slot_stride: p.slot_stride,
+                hk,
+                dk,
+                hv,
+                dv,
+                chunk_size: CHUNK as u32,
+            };
+            r.run("gdn", kernel, &c)?;
+        }
+        (_, Some(rs)) => {
+            let v = GatedDeltaVerifyParams {
+                out: p.out,
+                state: p.state,
+                qk: p.qk,
+                conv: p.conv,
+                gates: p.gates,
+                seq_start: p.seq_start,
+                seq_slot: p.seq_slot,
+                row_slot: r.put(rs),
+                rows: p.rows,
+                num_seqs: p.num_seqs,
+                num_slots: p.num_slots,
+                slot_stride: p.slot_stride,
+                hk,
+                dk,
+                hv,
+                dv,
+            };
+            r.run("gdn", kernel, &v)?;
+        }
+        _ => r.run("gdn", kernel, &p)?,
+    }
     Ok((
         r.f32s(out, rows * vd),
         r.f32s(sp, pool.num_slots * pool.stride),
@@ -131,7 +173,7 @@ pub(crate) fn launch_with(
 }
 
 /// The f64 recurrence over one sequence from `state` (its slot's `[hv, dk, dv]`, or zeros).
-fn reference(h: H, s: &Seq, state: &[f32]) -> (Vec<f64>, Vec<f64>) {
+pub(crate) fn reference(h: H, s: &Seq, state: &[f32]) -> (Vec<f64>, Vec<f64>) {
     let (kd, vd, dk, dv) = (h.kd(), h.vd(), h.dk, h.dv);
     let mut st: Vec<f64> = state.iter().map(|&x| x as f64).collect();
     let mut out = vec![0.0f64; s.n * vd];
@@ -169,7 +211,7 @@ fn slot_state(state: &[f32], pool: Pool, per_slot: usize, slot: u32) -> Vec<f32>
 }
 
 /// The root mean square of `v`: the scale relative errors are measured against.
-fn rms(v: &[f64]) -> f64 {
+pub(crate) fn rms(v: &[f64]) -> f64 {
     (v.iter().map(|x| x * x).sum::<f64>() / v.len().max(1) as f64).sqrt()
 }
 
@@ -191,10 +233,11 @@ fn chunked_and_recurrent_equal_the_f64_recurrence_over_many_lengths() {
     let h = HEADS;
     let per_slot = h.hv * h.dk * h.dv;
     let pool = Pool {
-        num_slots: 8,
+        num_slots: 10,
         stride: per_slot + 5,
     };
-    // Lengths around the chunk size; starts aligned and not; a padding sequence among them.
+    // Lengths around the chunk size; starts aligned and not; two rows straddling a chunk
+    // boundary and a row at one (one-row chunks); a padding sequence among them.
     let spec = [
         (1usize, 4u32, 17u32),
         (63, 0, 0),
@@ -202,6 +245,8 @@ fn chunked_and_recurrent_equal_the_f64_recurrence_over_many_lengths() {
         (65, 5, 5),
         (130, 1, 0),
         (200, 3, 128),
+        (2, 6, 63),
+        (1, 7, 64),
         (7, NO_SLOT, 0),
     ];
     let seqs: Vec<Seq> = spec
@@ -210,7 +255,11 @@ fn chunked_and_recurrent_equal_the_f64_recurrence_over_many_lengths() {
         .collect();
     let refs: Vec<&Seq> = seqs.iter().collect();
     let state0 = d.vec(pool.num_slots * pool.stride, 0.5);
-    for kernel in ["gated_delta_recurrent", "gated_delta_chunked"] {
+    for kernel in [
+        "gated_delta_recurrent",
+        "gated_delta_streamed",
+        "gated_delta_chunked",
+    ] {
         let (out, state) = launch(&r, h, kernel, &refs, &state0, pool).unwrap();
         let mut row = 0;
         for s in &seqs {
@@ -231,9 +280,9 @@ fn chunked_and_recurrent_equal_the_f64_recurrence_over_many_lengths() {
             }
             row += s.n;
         }
-        // Slots no sequence holds (6, 7) and slot padding past each state stay untouched.
+        // Slots no sequence holds (8, 9) and slot padding past each state stay untouched.
         let untouched = (0..pool.num_slots).all(|sl| {
-            let from = if sl >= 6 { 0 } else { per_slot };
+            let from = if sl >= 8 { 0 } else { per_slot };
             let at = sl * pool.stride;
             bits(&state[at + from..at + pool.stride]) == bits(&state0[at + from..at + pool.stride])
         });
@@ -282,30 +331,6 @@ fn a_sequence_computes_the_same_bits_alone_or_in_a_batch() {
             row += s.n;
         }
     }
-}
-
-#[test]
-fn one_row_chunks_are_the_recurrent_step_bitwise() {
-    let r = Rig::new();
-    let mut d = Data(61);
-    let h = HEADS;
-    let per_slot = h.hv * h.dk * h.dv;
-    let pool = Pool {
-        num_slots: 3,
-        stride: per_slot,
-    };
-    let state0 = d.vec(pool.num_slots * pool.stride, 0.5);
-    // Decode rows, and a two-row sequence straddling a chunk boundary (two one-row chunks).
-    let seqs = [
-        gen_seq(&mut d, h, 1, 1, 5),
-        gen_seq(&mut d, h, 2, 0, 63),
-        gen_seq(&mut d, h, 1, 2, 64),
-    ];
-    let all: Vec<&Seq> = seqs.iter().collect();
-    let a = launch(&r, h, "gated_delta_recurrent", &all, &state0, pool).unwrap();
-    let b = launch(&r, h, "gated_delta_chunked", &all, &state0, pool).unwrap();
-    assert_eq!(bits(&a.0), bits(&b.0));
-    assert_eq!(bits(&a.1), bits(&b.1));
 }
 
 #[test]

@@ -3,82 +3,13 @@
 //! serve the delta-rule and MoE kernel tests too.
 
 use half::bf16;
+use metrale_kernel_abi::{
+    CausalConv1dParams, ConvStateUpdateParams, GatedRmsNormParams, GdnPrepareParams,
+};
 
 use super::NO_SLOT;
-use crate::backend::{GpuBackend, GpuBackendExt};
-use crate::cpu::CpuBackend;
+pub(crate) use crate::cpu::test_rig::{Data, Rig, assert_close};
 use crate::error::GpuError;
-use crate::types::{DevicePtr, KernelArg, LaunchConfig, StreamHandle};
-
-/// A seeded generator for test data (never zeros, distinct per element).
-pub(crate) struct Data(pub u64);
-
-impl Data {
-    pub fn next(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-    }
-    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.next() * scale).collect()
-    }
-    pub fn bf(&mut self, n: usize, scale: f32) -> Vec<bf16> {
-        self.vec(n, scale).into_iter().map(bf16::from_f32).collect()
-    }
-}
-
-pub(crate) struct Rig {
-    pub gpu: CpuBackend,
-    pub s: StreamHandle,
-}
-
-impl Rig {
-    pub fn new() -> Rig {
-        Rig {
-            gpu: CpuBackend::default(),
-            s: StreamHandle::DEFAULT,
-        }
-    }
-    pub fn put<T: bytemuck::Pod>(&self, v: &[T]) -> DevicePtr {
-        self.gpu.alloc_upload(v, self.s).expect("upload")
-    }
-    /// An output buffer, poisoned with 0xFF (NaN in every float format).
-    pub fn out(&self, bytes: usize) -> DevicePtr {
-        let p = self.gpu.alloc(bytes).expect("alloc");
-        self.gpu.memset(p, 0xFF, bytes, self.s).expect("memset");
-        p
-    }
-    pub fn run(&self, name: &str, args: &[KernelArg]) -> Result<(), GpuError> {
-        self.run_in("gdn", name, args)
-    }
-    pub fn run_in(&self, module: &str, name: &str, args: &[KernelArg]) -> Result<(), GpuError> {
-        let k = self.gpu.kernel(module, name)?;
-        self.gpu
-            .launch(k, &LaunchConfig::linear(1, 1), args, self.s)
-    }
-    pub fn bf(&self, p: DevicePtr, n: usize) -> Vec<bf16> {
-        self.gpu.download::<bf16>(p, n, self.s).expect("download")
-    }
-    pub fn f32s(&self, p: DevicePtr, n: usize) -> Vec<f32> {
-        self.gpu.download::<f32>(p, n, self.s).expect("download")
-    }
-}
-
-pub(crate) fn u(v: usize) -> KernelArg {
-    KernelArg::U32(v as u32)
-}
-
-/// `|got - want| <= rel * max(|want|, floor)`, and no poison left.
-pub(crate) fn assert_close(got: &[f64], want: &[f64], rel: f64, floor: f64, what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(g.is_finite(), "{what}[{i}] = {g} (poison left?)");
-        let tol = rel * w.abs().max(floor);
-        assert!((g - w).abs() <= tol, "{what}[{i}]: got {g}, want {w}");
-    }
-}
 
 fn f64s_bf(v: &[bf16]) -> Vec<f64> {
     v.iter().map(|x| x.to_f64()).collect()
@@ -114,8 +45,14 @@ impl H {
     pub fn pw(&self) -> usize {
         self.cd() + self.vd() + 2 * self.hv
     }
-    pub fn args(&self) -> [KernelArg; 4] {
-        [u(self.hk), u(self.dk), u(self.hv), u(self.dv)]
+    /// `(hk, dk, hv, dv)` as the parameter structs take them.
+    pub fn u32s(&self) -> (u32, u32, u32, u32) {
+        (
+            self.hk as u32,
+            self.dk as u32,
+            self.hv as u32,
+            self.dv as u32,
+        )
     }
 }
 
@@ -154,20 +91,26 @@ fn causal_conv1d_reads_the_window_and_the_update_moves_it() {
     let (pp, sp, wp) = (r.put(&proj), r.put(&state0), r.put(&w));
     let (rsp, ssp, slp) = (r.put(&row_seq), r.put(&start), r.put(&slots));
     let out = r.out(rows * cd * 2);
-    let scal = [u(rows), u(lens.len()), u(num_slots), u(stride)];
-    let mut args = vec![
-        out.into(),
-        pp.into(),
-        sp.into(),
-        wp.into(),
-        rsp.into(),
-        ssp.into(),
-        slp.into(),
-    ];
-    args.extend(scal);
-    args.extend(h.args());
-    args.push(u(taps));
-    r.run("causal_conv1d", &args).unwrap();
+    let (hk, dk, hv, dv) = h.u32s();
+    let conv = CausalConv1dParams {
+        out,
+        proj: pp,
+        conv_state: sp,
+        weight: wp,
+        row_seq: rsp,
+        seq_start: ssp,
+        seq_slot: slp,
+        rows: rows as u32,
+        num_seqs: lens.len() as u32,
+        num_slots: num_slots as u32,
+        slot_stride: stride as u32,
+        hk,
+        dk,
+        hv,
+        dv,
+        kernel_size: taps as u32,
+    };
+    r.run("gdn", "causal_conv1d", &conv).unwrap();
 
     // Reference: each sequence's inputs are its window (or zeros) followed by its rows.
     let mut want = vec![0.0f64; rows * cd];
@@ -211,11 +154,22 @@ fn causal_conv1d_reads_the_window_and_the_update_moves_it() {
         "causal_conv1d",
     );
 
-    let mut args = vec![sp.into(), pp.into(), ssp.into(), slp.into()];
-    args.extend(scal);
-    args.extend(h.args());
-    args.push(u(taps));
-    r.run("conv_state_update", &args).unwrap();
+    let update = ConvStateUpdateParams {
+        conv_state: sp,
+        proj: pp,
+        seq_start: ssp,
+        seq_slot: slp,
+        rows: rows as u32,
+        num_seqs: lens.len() as u32,
+        num_slots: num_slots as u32,
+        slot_stride: stride as u32,
+        hk,
+        dk,
+        hv,
+        dv,
+        kernel_size: taps as u32,
+    };
+    r.run("gdn", "conv_state_update", &update).unwrap();
     let got = r.f32s(sp, num_slots * stride);
     let same = got
         .iter()
@@ -227,15 +181,26 @@ fn causal_conv1d_reads_the_window_and_the_update_moves_it() {
     );
 
     // Two sequences on one slot are refused by the state-writing kernel.
-    let dup = r.put(&[3u32, 0, 3, 1, NO_SLOT]);
-    let mut args = vec![sp.into(), pp.into(), ssp.into(), dup.into()];
-    args.extend(scal);
-    args.extend(h.args());
-    args.push(u(taps));
+    let dup = ConvStateUpdateParams {
+        seq_slot: r.put(&[3u32, 0, 3, 1, NO_SLOT]),
+        ..update
+    };
     assert!(matches!(
-        r.run("conv_state_update", &args),
+        r.run("gdn", "conv_state_update", &dup),
         Err(GpuError::KernelFailed { .. })
     ));
+    // So are a slot past the pool (the CUDA kernels write their fault word for it) and a
+    // sequence whose rows do not hold a row naming it.
+    let past = ConvStateUpdateParams {
+        seq_slot: r.put(&[3u32, 0, 6, 1, NO_SLOT]),
+        ..update
+    };
+    assert!(r.run("gdn", "conv_state_update", &past).is_err());
+    let stray = CausalConv1dParams {
+        row_seq: r.put(&[1u32; 11]),
+        ..conv
+    };
+    assert!(r.run("gdn", "causal_conv1d", &stray).is_err());
 }
 
 #[test]
@@ -258,18 +223,23 @@ fn gdn_prepare_normalises_q_k_and_computes_the_gates() {
     let (eps, q_scale) = (1e-6f32, 1.0 / (h.dk as f32).sqrt());
     let qk = r.out(rows * 2 * kd * 4);
     let gates = r.out(rows * 2 * hv * 4);
-    let mut args = vec![
-        qk.into(),
-        gates.into(),
-        r.put(&conv).into(),
-        r.put(&proj).into(),
-        r.put(&a_log).into(),
-        r.put(&dt_bias).into(),
-        u(rows),
-    ];
-    args.extend(h.args());
-    args.extend([KernelArg::F32(eps), KernelArg::F32(q_scale)]);
-    r.run("gdn_prepare", &args).unwrap();
+    let (hk, dk, hv_, dv) = h.u32s();
+    let p = GdnPrepareParams {
+        qk,
+        gates,
+        conv: r.put(&conv),
+        proj: r.put(&proj),
+        a_log: r.put(&a_log),
+        dt_bias: r.put(&dt_bias),
+        rows: rows as u32,
+        hk,
+        dk,
+        hv: hv_,
+        dv,
+        l2_eps: eps,
+        q_scale,
+    };
+    r.run("gdn", "gdn_prepare", &p).unwrap();
     let mut want_qk = Vec::new();
     let mut want_g = Vec::new();
     for row in 0..rows {
@@ -322,16 +292,20 @@ fn gated_rms_norm_uses_the_plain_weight_and_silu_of_z() {
     let proj = d.bf(rows * pw, 2.0);
     let w = d.bf(h.dv, 1.5);
     let out = r.out(rows * vd * 2);
-    let mut args = vec![
-        out.into(),
-        r.put(&core).into(),
-        r.put(&proj).into(),
-        r.put(&w).into(),
-        u(rows),
-    ];
-    args.extend(h.args());
-    args.push(eps.into());
-    r.run("gated_rms_norm", &args).unwrap();
+    let (hk, dk, hv, dv) = h.u32s();
+    let p = GatedRmsNormParams {
+        out,
+        core: r.put(&core),
+        proj: r.put(&proj),
+        weight: r.put(&w),
+        rows: rows as u32,
+        hk,
+        dk,
+        hv,
+        dv,
+        eps,
+    };
+    r.run("gdn", "gated_rms_norm", &p).unwrap();
     let mut want = Vec::new();
     for row in 0..rows {
         for j in 0..h.hv {

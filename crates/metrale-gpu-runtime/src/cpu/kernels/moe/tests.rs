@@ -3,11 +3,14 @@
 //! `Qwen3NextSparseMoeBlock`, plus batch invariance of a row's result.
 
 use half::bf16;
+use metrale_kernel_abi::{
+    ExpertLinearParams, LinearParams, MoeCombineParams, SiluMulParams, TopkRouteParams,
+};
 
 use crate::backend::GpuBackendExt;
-use crate::cpu::kernels::gdn::tests::{Data, Rig, assert_close, u};
+use crate::cpu::test_rig::{Data, Rig, assert_close};
 use crate::error::GpuError;
-use crate::types::{DevicePtr, KernelArg};
+use crate::types::DevicePtr;
 
 fn softmax(row: &[f64]) -> Vec<f64> {
     let m = row.iter().cloned().fold(f64::MIN, f64::max);
@@ -41,16 +44,16 @@ fn topk_route_picks_the_largest_probabilities_and_renormalises() {
     let lp = r.put(&logits);
     for (k, renorm) in [(2usize, true), (3, false), (1, true)] {
         let (ids, ws) = (r.out(rows * k * 4), r.out(rows * k * 4));
-        let args = [
-            ids.into(),
-            ws.into(),
-            lp.into(),
-            u(rows),
-            u(e),
-            u(k),
-            u(renorm as usize),
-        ];
-        r.run_in("moe", "topk_route", &args).unwrap();
+        let p = TopkRouteParams {
+            topk_ids: ids,
+            topk_weights: ws,
+            logits: lp,
+            rows: rows as u32,
+            num_experts: e as u32,
+            top_k: k as u32,
+            renormalize: renorm as u32,
+        };
+        r.run("moe", "topk_route", &p).unwrap();
         let got_ids = r.gpu.download::<u32>(ids, rows * k, r.s).unwrap();
         let got_w: Vec<f64> = r.f32s(ws, rows * k).iter().map(|&x| x as f64).collect();
         let (mut want_ids, mut want_w) = (Vec::new(), Vec::new());
@@ -63,17 +66,17 @@ fn topk_route_picks_the_largest_probabilities_and_renormalises() {
         assert_eq!(got_ids, want_ids, "top-{k} experts");
         assert_close(&got_w, &want_w, 1e-5, 1e-3, "top-k weights");
     }
-    let bad = [
-        r.out(4).into(),
-        r.out(4).into(),
-        lp.into(),
-        u(1),
-        u(e),
-        u(e + 1),
-        u(1),
-    ];
+    let bad = TopkRouteParams {
+        topk_ids: r.out(4 * (e + 1)),
+        topk_weights: r.out(4 * (e + 1)),
+        logits: lp,
+        rows: 1,
+        num_experts: e as u32,
+        top_k: e as u32 + 1,
+        renormalize: 1,
+    };
     assert!(
-        r.run_in("moe", "topk_route", &bad).is_err(),
+        r.run("moe", "topk_route", &bad).is_err(),
         "top_k past the experts"
     );
 }
@@ -147,70 +150,69 @@ fn run_block(r: &Rig, w: &Block, x: &[bf16], rows: usize) -> Result<Vec<bf16>, G
     );
     let out = r.out(rows * h * 2);
     let gemm = |name: &str, o: DevicePtr, i: DevicePtr, wt: DevicePtr, n: usize, kk: usize| {
-        r.run_in(
-            "gemm",
-            name,
-            &[o.into(), i.into(), wt.into(), u(rows), u(n), u(kk)],
-        )
+        let p = LinearParams {
+            out: o,
+            x: i,
+            w: wt,
+            m: rows as u32,
+            n: n as u32,
+            k: kk as u32,
+        };
+        r.run("gemm", name, &p)
     };
     gemm("linear_f32out", logits, xp, router, e, h)?;
-    r.run_in(
-        "moe",
-        "topk_route",
-        &[
-            ids.into(),
-            weights.into(),
-            logits.into(),
-            u(rows),
-            u(e),
-            u(k),
-            u(1),
-        ],
-    )?;
+    let route = TopkRouteParams {
+        topk_ids: ids,
+        topk_weights: weights,
+        logits,
+        rows: rows as u32,
+        num_experts: e as u32,
+        top_k: k as u32,
+        renormalize: 1,
+    };
+    r.run("moe", "topk_route", &route)?;
     let expert =
         |name: &str, o: DevicePtr, i: DevicePtr, wt: DevicePtr, n: usize, kk: usize, per: usize| {
-            let args: [KernelArg; 9] = [
-                o.into(),
-                i.into(),
-                wt.into(),
-                ids.into(),
-                u(pairs),
-                u(n),
-                u(kk),
-                u(e),
-                u(per),
-            ];
-            r.run_in("moe", name, &args)
+            let p = ExpertLinearParams {
+                out: o,
+                x: i,
+                w: wt,
+                expert_ids: ids,
+                pairs: pairs as u32,
+                n: n as u32,
+                k: kk as u32,
+                num_experts: e as u32,
+                pairs_per_x_row: per as u32,
+            };
+            r.run("moe", name, &p)
         };
+    let silu = |out: DevicePtr, gate_up: DevicePtr, rows: usize, ffn: usize| {
+        let p = SiluMulParams {
+            out,
+            gate_up,
+            rows: rows as u32,
+            ffn: ffn as u32,
+        };
+        r.run("activation", "silu_mul", &p)
+    };
     expert("expert_linear", egu, xp, gate_up, 2 * f, h, k)?;
-    r.run_in(
-        "activation",
-        "silu_mul",
-        &[eact.into(), egu.into(), u(pairs), u(f)],
-    )?;
+    silu(eact, egu, pairs, f)?;
     expert("expert_linear_f32out", eout, eact, down, h, f, 1)?;
     gemm("linear", sgu, xp, s_gate_up, 2 * fs, h)?;
-    r.run_in(
-        "activation",
-        "silu_mul",
-        &[sact.into(), sgu.into(), u(rows), u(fs)],
-    )?;
+    silu(sact, sgu, rows, fs)?;
     gemm("linear", sout, sact, s_down, h, fs)?;
     gemm("linear_f32out", sg, xp, s_gate, 1, h)?;
-    r.run_in(
-        "moe",
-        "moe_combine",
-        &[
-            out.into(),
-            eout.into(),
-            weights.into(),
-            sout.into(),
-            sg.into(),
-            u(rows),
-            u(h),
-            u(k),
-        ],
-    )?;
+    let combine = MoeCombineParams {
+        out,
+        expert_out: eout,
+        topk_weights: weights,
+        shared_out: sout,
+        shared_gate: sg,
+        rows: rows as u32,
+        hidden: h as u32,
+        top_k: k as u32,
+    };
+    r.run("moe", "moe_combine", &combine)?;
     Ok(r.bf(out, rows * h))
 }
 
@@ -288,17 +290,17 @@ fn moe_combine_without_a_shared_expert_and_bad_expert_ids() {
     let eo = d.vec(rows * k * h, 2.0);
     let wts = d.vec(rows * k, 1.0);
     let out = r.out(rows * h * 2);
-    let args = [
-        out.into(),
-        r.put(&eo).into(),
-        r.put(&wts).into(),
-        DevicePtr::NULL.into(),
-        DevicePtr::NULL.into(),
-        u(rows),
-        u(h),
-        u(k),
-    ];
-    r.run_in("moe", "moe_combine", &args).unwrap();
+    let p = MoeCombineParams {
+        out,
+        expert_out: r.put(&eo),
+        topk_weights: r.put(&wts),
+        shared_out: DevicePtr::NULL,
+        shared_gate: DevicePtr::NULL,
+        rows: rows as u32,
+        hidden: h as u32,
+        top_k: k as u32,
+    };
+    r.run("moe", "moe_combine", &p).unwrap();
     let want: Vec<f64> = (0..rows * h)
         .map(|i| {
             let (row, c) = (i / h, i % h);
@@ -314,19 +316,19 @@ fn moe_combine_without_a_shared_expert_and_bad_expert_ids() {
     let wt = r.put(&d.bf(3 * 2 * 4, 1.0));
     let ids = r.put(&[0u32, 3]);
     let o = r.out(2 * 2 * 2);
-    let args = [
-        o.into(),
-        x.into(),
-        wt.into(),
-        ids.into(),
-        u(2),
-        u(2),
-        u(4),
-        u(3),
-        u(1),
-    ];
+    let p = ExpertLinearParams {
+        out: o,
+        x,
+        w: wt,
+        expert_ids: ids,
+        pairs: 2,
+        n: 2,
+        k: 4,
+        num_experts: 3,
+        pairs_per_x_row: 1,
+    };
     assert!(matches!(
-        r.run_in("moe", "expert_linear", &args),
+        r.run("moe", "expert_linear", &p),
         Err(GpuError::KernelFailed { .. })
     ));
 }

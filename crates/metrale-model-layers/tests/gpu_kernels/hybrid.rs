@@ -1,41 +1,30 @@
-//! The hybrid families' CUDA kernels (`kernels/gdn.cu`, `kernels/moe.cu`) against their CPU
-//! twins, through the same `Ops` launchers, with the harness of `gpu_kernels.rs`: random inputs
-//! (never zeros), outputs and states poisoned or randomised on both sides first, a `Tolerance` per
-//! output, each case printing its worst error as a `kernel-check` line.
+//! The hybrid families' kernels (`kernels/gdn.cu`) against their CPU twins, through the same
+//! `Ops` launchers: random inputs (never zeros), outputs and states poisoned or randomised on
+//! both sides first, a `Tolerance` per output, each case printing its worst error as a
+//! `kernel-check` line.
 //!
 //! The GDN steps mix sequences of different lengths in one launch: lengths crossing the
 //! 64-row chunk boundaries (63, 64, 65, 130, a sequence starting mid-chunk), a decode row at
 //! position 63, a padding sequence (slot `u32::MAX`: zero state, nothing written), a sequence
 //! with no rows (its state untouched), non-zero initial states, and value heads sharing key heads
 //! (Hv = 2 Hk). Head shapes cover the fast path of the delta rule (Dk <= 128, Dk and Dv multiples
-//! of 4, with full, partial and masked warp tiles) and its general path (odd Dk, Dk > 128). Also,
-//! on CUDA alone: the chunked rule over N rows equals N one-row recurrent launches, a one-row
-//! chunk is the recurrent step bitwise, a sequence's results do not depend on the other sequences
-//! of the step, and results repeat bitwise run to run. The expert projections are checked for
-//! batch invariance the same way. The delta rule's tests are in `gpu_kernels/rule.rs`, the verify
-//! kernels of speculative decoding in `gpu_kernels/verify.rs`.
-//!
-//! Runs only with the `cuda` feature, on the GPU machine (from `cargo xtask gpu-bundle`).
+//! of 4, with full, partial and masked warp tiles) and its general path (odd Dk, Dk > 128). The
+//! delta rule's tests are in `rule.rs`, the verify kernels of speculative decoding in
+//! `verify.rs`; each check takes its head shapes and steps, so `small` runs them all at the
+//! sanitizer's sizes.
 
-#![allow(clippy::unwrap_used, clippy::type_complexity)]
-#![cfg(feature = "cuda")]
-
-#[allow(dead_code)]
-#[path = "gpu_kernels/harness.rs"]
-mod harness;
-#[path = "gpu_kernels/moe.rs"]
-mod moe;
-#[path = "gpu_kernels/rule.rs"]
+#[path = "rule.rs"]
 mod rule;
-#[path = "gpu_kernels/verify.rs"]
+#[path = "verify.rs"]
 mod verify;
 
 use half::bf16;
-use harness::{At, Buf, Pair, Rng, S, Tolerance, compare};
 use metrale_gpu_runtime::GpuBackendExt;
 use metrale_model_layers::ops_hybrid::{
     CausalConv1d, DecodeRule, GatedDelta, GatedRmsNorm, GdnHeads, GdnPrepare, GdnSeqs, StatePool,
 };
+
+use super::harness::{At, Buf, Pair, Rng, S, Tolerance, compare};
 
 /// The slot of a padding sequence.
 const NO_SLOT: u32 = u32::MAX;
@@ -44,12 +33,6 @@ const CHUNK: u32 = 64;
 /// State slots of every GDN case.
 const NUM_SLOTS: u32 = 8;
 
-/// f32 results of short element-wise formulas (norm scales, gates, softmax): a few ulps apart
-/// after sums in another order and `expf` against Rust's `exp`.
-const F32_ELEMENTWISE: Tolerance = Tolerance {
-    rel: 1e-5,
-    abs: 1e-6,
-};
 /// The delta rule's outputs and states: f32 state carried over up to 130 rows, sums over Dk in
 /// another order, and the CPU's chunked WY form against CUDA's recurrence.
 const F32_RULE: Tolerance = Tolerance {
@@ -67,7 +50,7 @@ fn heads(hk: u32, dk: u32, hv: u32, dv: u32) -> GdnHeads {
 }
 
 /// The head shapes every GDN kernel runs on, with what each exercises.
-fn gdn_shapes() -> Vec<(GdnHeads, &'static str)> {
+pub(super) fn gdn_shapes() -> Vec<(GdnHeads, &'static str)> {
     vec![
         (heads(2, 128, 4, 128), "Qwen3.5-like, fast path, 8 tiles"),
         (heads(1, 64, 2, 48), "fast, 3 tiles, an idle warp"),
@@ -75,6 +58,30 @@ fn gdn_shapes() -> Vec<(GdnHeads, &'static str)> {
         (heads(1, 18, 2, 10), "general path (Dk % 4 != 0)"),
         (heads(1, 160, 1, 32), "general path (Dk > 128)"),
     ]
+}
+
+/// The sanitizer's head shapes: the fast path with a masked tile, the general path twice.
+fn small_shapes() -> Vec<(GdnHeads, &'static str)> {
+    vec![
+        (heads(2, 20, 4, 36), "fast, masked rows, partial tile"),
+        (heads(1, 18, 2, 10), "general path (Dk % 4 != 0)"),
+        (heads(1, 160, 1, 32), "general path (Dk > 128)"),
+    ]
+}
+
+/// Every check of the GDN kernels at small shapes (the sanitizer set).
+pub(super) fn small(p: &Pair) {
+    let rng = &mut Rng::new(1004);
+    let shapes = small_shapes();
+    let steps = [
+        (4, StepSeqs::short(), "short"),
+        (2, StepSeqs::decode(), "decode"),
+    ];
+    conv(p, rng, &shapes, &steps);
+    prepare(p, rng, &shapes);
+    gated_norm(p, rng, &shapes);
+    rule::small(p, rng, &shapes);
+    verify::small(p, rng, &shapes);
 }
 
 fn label(h: &GdnHeads, what: &str) -> String {
@@ -113,6 +120,19 @@ impl StepSeqs {
             (0, 2, 5),
             (1, 7, 64),
             (1, 1, 0),
+        ])
+    }
+
+    /// Prefill and decode at the sanitizer's sizes: 70 rows from 0 (one chunk and a part), a
+    /// decode row at 63, a padding sequence, a sequence with no rows, 5 rows from 60 (crossing
+    /// 64).
+    fn short() -> StepSeqs {
+        StepSeqs(vec![
+            (70, 3, 0),
+            (1, 5, 63),
+            (3, NO_SLOT, 0),
+            (0, 2, 7),
+            (5, 6, 60),
         ])
     }
 
@@ -189,21 +209,26 @@ fn proj_values(rng: &mut Rng, rows: u32, h: &GdnHeads) -> Vec<bf16> {
 
 #[test]
 fn causal_conv1d_and_conv_state_update_match_over_mixed_steps() {
-    let p = Pair::new();
-    let mut rng = Rng::new(101);
-    for (h, what) in gdn_shapes() {
-        for (taps, seqs, step) in [
-            (4u32, StepSeqs::mixed(), "mixed"),
-            (4, StepSeqs::decode(), "decode"),
-            (2, StepSeqs::mixed(), "mixed K=2"),
-        ] {
+    let steps = [
+        (4, StepSeqs::mixed(), "mixed"),
+        (4, StepSeqs::decode(), "decode"),
+        (2, StepSeqs::mixed(), "mixed K=2"),
+    ];
+    conv(&Pair::new(), &mut Rng::new(101), &gdn_shapes(), &steps);
+}
+
+/// `causal_conv1d` and `conv_state_update` on every head shape and `(taps, step)`.
+fn conv(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)], steps: &[(u32, StepSeqs, &str)]) {
+    for &(h, what) in shapes {
+        for (taps, seqs, step) in steps {
+            let taps = *taps;
             let cd = h.conv_dim();
             let hist = taps - 1;
             // A slot stride past the window, so the padding between slots shows stray writes.
             let stride = hist * cd + 3;
             let rows = seqs.rows();
-            let sq = seqs.upload(&p);
-            let proj = p.upload(&proj_values(&mut rng, rows, &h));
+            let sq = seqs.upload(p);
+            let proj = p.upload(&proj_values(rng, rows, &h));
             let weight = p.upload(&rng.bf16s((cd * taps) as usize, -0.6, 0.6));
             let state0 = rng.f32s((NUM_SLOTS * stride) as usize, -1.0, 1.0);
             let state = p.upload(&state0);
@@ -245,12 +270,15 @@ fn causal_conv1d_and_conv_state_update_match_over_mixed_steps() {
 
 #[test]
 fn gdn_prepare_normalises_q_and_k_and_computes_the_gates() {
-    let p = Pair::new();
-    let mut rng = Rng::new(102);
-    for (h, what) in gdn_shapes() {
+    prepare(&Pair::new(), &mut Rng::new(102), &gdn_shapes());
+}
+
+/// `gdn_prepare` of 7 rows on every head shape.
+fn prepare(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
+    for &(h, what) in shapes {
         let rows = 7u32;
         let conv = p.upload(&rng.bf16s((rows * h.conv_dim()) as usize, -2.0, 2.0));
-        let mut proj = proj_values(&mut rng, rows, &h);
+        let mut proj = proj_values(rng, rows, &h);
         // Row 2's `a` of head 0 past softplus' linear threshold (20).
         let a_at = (h.conv_dim() + h.value_dim() + h.num_v_heads) as usize;
         proj[2 * h.proj_width() as usize + a_at] = bf16::from_f32(25.0);
@@ -278,16 +306,24 @@ fn gdn_prepare_normalises_q_and_k_and_computes_the_gates() {
             )
         });
         let case = label(&h, what);
-        p.check_f32("gdn_prepare.qk", &case, &qk, F32_ELEMENTWISE);
-        p.check_f32("gdn_prepare.gates", &case, &gates, F32_ELEMENTWISE);
+        p.check_f32("gdn_prepare.qk", &case, &qk, Tolerance::F32_ELEMENTWISE);
+        p.check_f32(
+            "gdn_prepare.gates",
+            &case,
+            &gates,
+            Tolerance::F32_ELEMENTWISE,
+        );
     }
 }
 
 #[test]
 fn gated_rms_norm_scales_each_head_and_gates_it_with_silu_z() {
-    let p = Pair::new();
-    let mut rng = Rng::new(103);
-    for (h, what) in gdn_shapes() {
+    gated_norm(&Pair::new(), &mut Rng::new(103), &gdn_shapes());
+}
+
+/// `gated_rms_norm` of 5 rows on every head shape.
+fn gated_norm(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
+    for &(h, what) in shapes {
         let rows = 5u32;
         let core = p.upload(&rng.f32s((rows * h.value_dim()) as usize, -2.0, 2.0));
         let proj = p.upload(&rng.bf16s((rows * h.proj_width()) as usize, -4.0, 4.0));
@@ -310,6 +346,3 @@ fn gated_rms_norm_scales_each_head_and_gates_it_with_silu_z() {
         p.check_bf16("gated_rms_norm", &label(&h, what), &out, Tolerance::BF16);
     }
 }
-
-// ------------------------------------------------------------------------------------------------
-// The gated delta rule.

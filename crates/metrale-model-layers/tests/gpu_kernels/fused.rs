@@ -4,18 +4,28 @@
 //! within the bf16 tolerance. Random inputs (never zeros), poisoned caches, padding slots, the
 //! scalar path (head_dim not a multiple of 8), partial rotary with gated queries, and no q/k
 //! norms (Llama); `gemm::linear_swiglu` leaves byte for byte what `linear` then `silu_mul`
-//! leave, on CUDA and on the CPU twin.
+//! leave, on CUDA and on the CPU twin. Each check takes its shapes, so `small` runs them at the
+//! sanitizer's sizes.
 
-#![allow(clippy::unwrap_used, clippy::type_complexity)]
-#![cfg(feature = "cuda")]
-
-#[allow(dead_code)]
-#[path = "gpu_kernels/harness.rs"]
-mod harness;
-
-use harness::{Buf, Pair, Rng, S, Tolerance};
 use metrale_gpu_runtime::DevicePtr;
-use metrale_model_layers::ops::{KvStore, QkNormRope};
+use metrale_model_layers::ops::{KvStore, Matrix, QkNormRope};
+
+use super::harness::{Buf, Pair, Rng, S, Tolerance};
+use super::rows::inv_freq;
+
+/// Both checks at small shapes (the sanitizer set).
+pub(super) fn small(p: &Pair) {
+    let rng = &mut Rng::new(1006);
+    rope_store(
+        p,
+        rng,
+        &[
+            (128, 64, 4, 1, true, true, true),
+            (100, 64, 3, 1, false, false, false),
+        ],
+    );
+    swiglu(p, rng, &[(2, 72, 96), (3, 41, 101)]);
+}
 
 /// One set of buffers the chain or the fused kernel writes.
 struct Set {
@@ -26,16 +36,18 @@ struct Set {
 
 #[test]
 fn qk_norm_rope_kv_store_is_the_two_launches_byte_for_byte() {
-    let p = Pair::new();
-    let mut rng = Rng::new(41);
-    // (head_dim, rotary_dim, q heads, kv heads, gated queries, q/k norms, zero-centred)
     let cases = [
-        (128u32, 128u32, 8u32, 2u32, false, true, false),
+        (128, 128, 8, 2, false, true, false),
         (256, 64, 4, 1, true, true, true),
         (100, 64, 3, 1, false, true, false),
         (64, 64, 4, 4, false, false, false),
     ];
-    for (d, rd, hq, hkv, gated, norms, unit) in cases {
+    rope_store(&Pair::new(), &mut Rng::new(41), &cases);
+}
+
+/// `(head_dim, rotary_dim, q heads, kv heads, gated queries, q/k norms, zero-centred)` each.
+fn rope_store(p: &Pair, rng: &mut Rng, cases: &[(u32, u32, u32, u32, bool, bool, bool)]) {
+    for &(d, rd, hq, hkv, gated, norms, unit) in cases {
         let (rows, num_slots) = (6u32, 48u32);
         let q_stride = if gated { 2 * d } else { d };
         let k_offset = hq * q_stride;
@@ -44,10 +56,7 @@ fn qk_norm_rope_kv_store_is_the_two_launches_byte_for_byte() {
         let input = rng.bf16s((rows * stride) as usize, -3.0, 3.0);
         let qn = p.upload(&rng.bf16s(d as usize, 0.5, 1.5));
         let kn = p.upload(&rng.bf16s(d as usize, 0.5, 1.5));
-        let freqs: Vec<f32> = (0..rd / 2)
-            .map(|i| 1.0 / 1_000_000f32.powf(2.0 * i as f32 / rd as f32))
-            .collect();
-        let freqs = p.upload(&freqs);
+        let freqs = p.upload(&inv_freq(rd, 1_000_000.0));
         let positions: Vec<u32> = (0..rows).map(|_| rng.below(30_000)).collect();
         let positions = p.upload(&positions);
         let mut slots: Vec<u32> = rng.permutation(num_slots)[..rows as usize].to_vec();
@@ -125,27 +134,41 @@ fn qk_norm_rope_kv_store_is_the_two_launches_byte_for_byte() {
 
 #[test]
 fn linear_swiglu_is_linear_then_silu_mul_byte_for_byte() {
-    let p = Pair::new();
-    let mut rng = Rng::new(43);
     // (rows, ffn, hidden): a Qwen3-8B-shaped gate/up projection at one and eight rows, a row
     // tile of 16 (x rows g + 8), ffn not a multiple of 8 (a unit past the end), hidden not a
     // multiple of 8 (scalar loads), a short hidden (empty segments).
-    for (m, n, k) in [
-        (1u32, 12288u32, 4096u32),
+    let shapes = [
+        (1, 12288, 4096),
         (8, 1000, 4096),
         (13, 136, 1000),
         (3, 41, 1003),
         (2, 72, 96),
-    ] {
+    ];
+    swiglu(&Pair::new(), &mut Rng::new(43), &shapes);
+}
+
+/// `linear_swiglu` against `linear` then `silu_mul` at `(rows, ffn, hidden)` each.
+fn swiglu(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
+    for &(m, n, k) in shapes {
         let x = p.upload(&rng.bf16s((m * k) as usize, -4.0, 4.0));
         let s = (3.0 / k as f32).sqrt();
         let w = p.upload(&rng.bf16s((2 * n * k) as usize, -s, s));
         let gate_up = p.poisoned((m * 2 * n) as usize * 2);
         let chained = p.poisoned((m * n) as usize * 2);
         let fused = p.poisoned((m * n) as usize * 2);
-        p.run(|o, at| o.linear(S, at(&gate_up), at(&x), at(&w), m, 2 * n, k));
-        p.run(|o, at| o.silu_mul(S, at(&chained), at(&gate_up), m, n));
-        p.run(|o, at| o.linear_swiglu(S, at(&fused), at(&x), at(&w), m, n, k));
+        let gu = |at: super::harness::At<'_>| Matrix::bf16(at(&gate_up), m, 2 * n);
+        let xw = |at: super::harness::At<'_>| {
+            (Matrix::bf16(at(&x), m, k), Matrix::bf16(at(&w), 2 * n, k))
+        };
+        p.run(|o, at| {
+            let (x, w) = xw(at);
+            o.linear(S, gu(at), x, w)
+        });
+        p.run(|o, at| o.silu_mul(S, Matrix::bf16(at(&chained), m, n), gu(at)));
+        p.run(|o, at| {
+            let (x, w) = xw(at);
+            o.linear_swiglu(S, Matrix::bf16(at(&fused), m, n), x, w)
+        });
         let case = format!("m={m} n={n} k={k}");
         let (gf, cf) = p.download::<u16>(&fused);
         let (gc, cc) = p.download::<u16>(&chained);

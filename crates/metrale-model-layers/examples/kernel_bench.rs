@@ -1,21 +1,61 @@
-//! Measurements, not checks: `linear`'s speed at decode and prefill shapes beside its ceilings
-//! (device-to-device copy bandwidth measured in the same run, and the H200's dense bf16 rate),
-//! and `paged_attention`'s at decode batches beside the bytes of KV cache it must read. Run by
-//! `run.sh` as the ignored tests `measure_linear_against_rooflines` and
-//! `measure_attention_against_its_kv_floor`; timed with device events after a warm-up, median of
-//! several runs, weights and KV caches rotated so L2 cannot serve repeats.
+//! `kernel_bench`: the speed of `linear` at decode and prefill shapes beside its ceilings, and
+//! of `paged_attention` at decode batches beside the bytes of KV cache it must read. Both
+//! ceilings come from the same run: the device-to-device copy bandwidth and the vendor BLAS's
+//! bf16 GEMM rate (cuBLASLt, 8192³). Timed with device events after a warm-up, median of several
+//! runs, weights and KV caches rotated so L2 cannot serve repeats. A measurement, not a check:
+//! `run.sh` of the GPU bundle runs it and collects its `bench` lines.
+//!
+//! `cargo run --release --features cuda -p metrale-model-layers --example kernel_bench
+//! [linear|attention]` (both without an argument).
 
 use std::sync::Arc;
 
-use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuBackendExt};
+use half::bf16;
+use metrale_gpu_runtime::{
+    CudaBackend, DevicePtr, GpuBackend, GpuBackendExt, StreamHandle, VendorGemm,
+};
 use metrale_model_layers::Ops;
-use metrale_model_layers::ops::PagedAttention;
+use metrale_model_layers::ops::{Matrix, PagedAttention};
 use metrale_model_layers::ops_gemm::{LinearStaging, linear_staging_bytes};
 
-use super::harness::{Rng, S, TestCuda};
+/// The stream every launch uses.
+const S: StreamHandle = StreamHandle::DEFAULT;
 
-/// Dense bf16 tensor-core rate of an H200 (measured about 790 TFLOP/s through cuBLAS).
-const BF16_TFLOPS: f64 = 790.0;
+/// SplitMix64 inputs: every element distinct, the same every run.
+struct Rng(u64);
+
+impl Rng {
+    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        let u = ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32;
+        lo + (hi - lo) * u
+    }
+
+    fn bf16s(&mut self, n: usize, lo: f32, hi: f32) -> Vec<bf16> {
+        (0..n)
+            .map(|_| bf16::from_f32(self.uniform(lo, hi)))
+            .collect()
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let which = std::env::args().nth(1);
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CudaBackend::new(0)?);
+    let ops = Ops::new(gpu.clone())?;
+    let g = gpu.as_ref();
+    let copy_gbs = copy_bandwidth(g);
+    if which.as_deref().is_none_or(|w| w == "linear") {
+        let tflops = vendor_tflops(g);
+        measure_linear(&ops, g, copy_gbs, tflops);
+    }
+    if which.as_deref().is_none_or(|w| w == "attention") {
+        measure_attention(&ops, g, copy_gbs);
+    }
+    Ok(())
+}
 
 /// Median milliseconds of `reps` timed calls of `f(i)`, after 3 warm-up calls.
 fn time_ms(gpu: &dyn GpuBackend, reps: usize, mut f: impl FnMut(usize)) -> f64 {
@@ -58,17 +98,49 @@ fn copy_bandwidth(g: &dyn GpuBackend) -> f64 {
     copy_gbs
 }
 
-pub fn measure_linear() {
-    let gpu: Arc<dyn GpuBackend> = TestCuda::new();
-    let ops = Ops::new(gpu.clone()).expect("kernels resolve");
-    let g = gpu.as_ref();
-    let copy_gbs = copy_bandwidth(g);
+/// The vendor BLAS's bf16 GEMM rate at 8192³, TFLOP/s: the compute ceiling (`None` where the
+/// backend has no vendor GEMM).
+fn vendor_tflops(g: &dyn GpuBackend) -> Option<f64> {
+    let d = 8192u32;
+    let bytes = (d as usize).pow(2) * 2;
+    let bufs: Vec<DevicePtr> = (0..3).map(|_| g.alloc(bytes).expect("alloc")).collect();
+    for &b in &bufs {
+        g.memset(b, 0x3C, bytes, S).expect("memset");
+    }
+    let gemm = VendorGemm {
+        out: bufs[0],
+        x: bufs[1],
+        w: bufs[2],
+        m: d,
+        n: d,
+        k: d,
+    };
+    let tflops = g.vendor_gemm_bf16(&gemm, S).map(|first| {
+        first.expect("vendor gemm");
+        let ms = time_ms(g, 10, |_| {
+            g.vendor_gemm_bf16(&gemm, S)
+                .expect("the vendor gemm ran before")
+                .expect("vendor gemm")
+        });
+        2.0 * f64::from(d).powi(3) / ms / 1e9
+    });
+    for b in bufs {
+        g.free(b).expect("free");
+    }
+    if let Some(t) = tflops {
+        println!("bench vendor gemm bf16 8192^3: {t:.0} TFLOP/s = the compute ceiling");
+    }
+    tflops
+}
+
+/// `linear` at decode and prefill shapes: time, bandwidth and rate beside the ceilings.
+fn measure_linear(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64, tflops: Option<f64>) {
     // Prefill-sized rows run `linear_tma`, as in a model (a staging buffer for the largest).
     let images = linear_staging_bytes(4096, 12288);
     let staging = g.alloc(LinearStaging::bytes(images, 64)).expect("staging");
     ops.set_linear_staging(Some(LinearStaging::at(staging, images, 64)));
 
-    let mut rng = Rng::new(12);
+    let mut rng = Rng(12);
     for (m, n, k) in [
         (1u32, 12288u32, 4096u32),
         (1, 4096, 12288),
@@ -96,19 +168,21 @@ pub fn measure_linear() {
             .expect("x");
         let out = g.alloc(m as usize * n as usize * 2).expect("out");
         let ms = time_ms(g, 20, |i| {
-            ops.linear(S, out, x, weights[i % copies], m, n, k)
+            let w = Matrix::bf16(weights[i % copies], n, k);
+            ops.linear(S, Matrix::bf16(out, m, n), Matrix::bf16(x, m, k), w)
                 .expect("linear")
         });
         let bytes = (w_bytes + (m * k) as usize * 2 + (m * n) as usize * 2) as f64;
         let gbs = bytes / ms / 1e6;
-        let tflops = 2.0 * f64::from(m) * f64::from(n) * f64::from(k) / ms / 1e9;
-        let floor_ms = (bytes / (copy_gbs * 1e6))
-            .max(2.0 * f64::from(m) * f64::from(n) * f64::from(k) / (BF16_TFLOPS * 1e9));
+        let flops = 2.0 * f64::from(m) * f64::from(n) * f64::from(k);
+        let rate = flops / ms / 1e9;
+        let floor_ms = (bytes / (copy_gbs * 1e6)).max(tflops.map_or(0.0, |t| flops / (t * 1e9)));
+        let of_compute =
+            tflops.map_or(String::from("-"), |t| format!("{:5.1} %", 100.0 * rate / t));
         println!(
-            "bench linear m={m:<5} n={n:<6} k={k:<5}: {:8.1} us  {gbs:6.0} GB/s ({:5.1} % of copy)  {tflops:6.1} TFLOP/s ({:5.1} % of {BF16_TFLOPS})  roofline {:6.1} us ({:5.1} %)",
+            "bench linear m={m:<5} n={n:<6} k={k:<5}: {:8.1} us  {gbs:6.0} GB/s ({:5.1} % of copy)  {rate:6.1} TFLOP/s ({of_compute} of vendor)  roofline {:6.1} us ({:5.1} %)",
             ms * 1e3,
             100.0 * gbs / copy_gbs,
-            100.0 * tflops / BF16_TFLOPS,
             floor_ms * 1e3,
             100.0 * floor_ms / ms
         );
@@ -118,6 +192,8 @@ pub fn measure_linear() {
         g.free(x).expect("free");
         g.free(out).expect("free");
     }
+    ops.set_linear_staging(None);
+    g.free(staging).expect("free");
 }
 
 /// Median µs of one launch of `f(i)` (i = 0, 1, ...), from a captured graph of 20 of them
@@ -137,12 +213,8 @@ fn time_graph_us(gpu: &dyn GpuBackend, f: impl Fn(usize)) -> f64 {
 /// must read (keys and values of every context token, once) over the copy bandwidth. Beside the
 /// ladder's batches, the batches whose items fill whole rounds of the resident clusters (each
 /// cluster loops over items): the step from a whole number of rounds to one partial round more.
-pub fn measure_attention() {
-    let gpu: Arc<dyn GpuBackend> = TestCuda::new();
-    let ops = Ops::new(gpu.clone()).expect("kernels resolve");
-    let g = gpu.as_ref();
-    let copy_gbs = copy_bandwidth(g);
-    let mut rng = Rng::new(13);
+fn measure_attention(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64) {
+    let mut rng = Rng(13);
     const BLOCK: u32 = 16;
     let position = 1024u32;
     let max_blocks = (position + 1).div_ceil(BLOCK);

@@ -1,0 +1,280 @@
+//! Parameters of the row-wise kernels: embedding and row gathers, the norms, rotary embedding,
+//! the cache store, the SwiGLU gate, argmax and the random fill.
+
+use crate::kernel_params;
+
+kernel_params! {
+    /// `embed::embedding_gather`: `out[r] = table[ids[r]]` widened to f32.
+    pub struct EmbeddingGatherParams("EMBEDDING_GATHER_PARAMS") {
+        /// f32 `[rows, hidden]`.
+        out: ptr "float* __restrict__",
+        /// bf16 `[vocab, hidden]`.
+        table: ptr "const bf16* __restrict__",
+        /// u32 `[rows]`, each below `vocab`.
+        ids: ptr "const uint32_t* __restrict__",
+        /// Rows.
+        rows: u32,
+        /// Columns.
+        hidden: u32,
+        /// Rows of `table`.
+        vocab: u32,
+    }
+}
+
+kernel_params! {
+    /// `embed::gather_rows`: `out[i] = x[row_ids[i]]`.
+    pub struct GatherRowsParams("GATHER_ROWS_PARAMS") {
+        /// bf16 `[n, cols]`.
+        out: ptr "bf16* __restrict__",
+        /// bf16 `[src_rows, cols]`.
+        x: ptr "const bf16* __restrict__",
+        /// u32 `[n]`, each below `src_rows`.
+        row_ids: ptr "const uint32_t* __restrict__",
+        /// Rows gathered.
+        n: u32,
+        /// Columns.
+        cols: u32,
+        /// Rows of `x`.
+        src_rows: u32,
+    }
+}
+
+kernel_params! {
+    /// `norm::rms_norm`: `out = rms_norm(x) * w` (or `* (1 + w)` with `unit_offset`).
+    pub struct RmsNormParams("RMS_NORM_PARAMS") {
+        /// bf16 `[rows, cols]`.
+        out: ptr "bf16* __restrict__",
+        /// f32 `[rows, cols]`.
+        x: ptr "const float* __restrict__",
+        /// bf16 `[cols]`.
+        w: ptr "const bf16* __restrict__",
+        /// Rows.
+        rows: u32,
+        /// Columns.
+        cols: u32,
+        /// Epsilon.
+        eps: f32,
+        /// 1: the zero-centred weight `1 + w`.
+        unit_offset: u32,
+    }
+}
+
+kernel_params! {
+    /// `norm::add_rms_norm`: `residual += delta`, then `out = rms_norm(residual) * w`.
+    pub struct AddRmsNormParams("ADD_RMS_NORM_PARAMS") {
+        /// f32 `[rows, cols]`, read and written.
+        residual: ptr "float* __restrict__",
+        /// bf16 `[rows, cols]`.
+        delta: ptr "const bf16* __restrict__",
+        /// bf16 `[cols]`.
+        w: ptr "const bf16* __restrict__",
+        /// bf16 `[rows, cols]`.
+        out: ptr "bf16* __restrict__",
+        /// Rows.
+        rows: u32,
+        /// Columns.
+        cols: u32,
+        /// Epsilon.
+        eps: f32,
+        /// 1: the zero-centred weight `1 + w`.
+        unit_offset: u32,
+    }
+}
+
+kernel_params! {
+    /// `norm::add_rms_norm_staged`: `add_rms_norm`, its output rows also written as the next
+    /// projection's stage images.
+    pub struct AddRmsNormStagedParams("ADD_RMS_NORM_STAGED_PARAMS") {
+        /// f32 `[rows, cols]`, read and written.
+        residual: ptr "float* __restrict__",
+        /// bf16 `[rows, cols]`.
+        delta: ptr "const bf16* __restrict__",
+        /// bf16 `[cols]`.
+        w: ptr "const bf16* __restrict__",
+        /// bf16 `[rows, cols]`.
+        out: ptr "bf16* __restrict__",
+        /// The stage images of `[rows, cols]`.
+        img: ptr "bf16* __restrict__",
+        /// Rows.
+        rows: u32,
+        /// Columns, a multiple of 8.
+        cols: u32,
+        /// Epsilon.
+        eps: f32,
+        /// 1: the zero-centred weight `1 + w`.
+        unit_offset: u32,
+    }
+}
+
+kernel_params! {
+    /// `rope::qk_norm_rope`: per-head q/k RMSNorm (none with null weights) and rotary
+    /// embedding, in place.
+    pub struct QkNormRopeParams("QK_NORM_ROPE_PARAMS") {
+        /// bf16 `[rows, row_stride]`: q heads, then k heads at `k_offset`.
+        qkv: ptr "bf16* __restrict__",
+        /// bf16 `[head_dim]` or null.
+        q_norm_w: ptr "const bf16* __restrict__",
+        /// bf16 `[head_dim]` or null.
+        k_norm_w: ptr "const bf16* __restrict__",
+        /// f32 `[rotary_dim / 2]`.
+        inv_freq: ptr "const float* __restrict__",
+        /// u32 `[rows]`.
+        positions: ptr "const uint32_t* __restrict__",
+        /// Rows.
+        rows: u32,
+        /// Elements per row of `qkv`.
+        row_stride: u32,
+        /// Query heads.
+        num_q_heads: u32,
+        /// Elements from one query head to the next.
+        q_head_stride: u32,
+        /// Element offset of the first key head.
+        k_offset: u32,
+        /// Key heads.
+        num_kv_heads: u32,
+        /// Head dimension.
+        head_dim: u32,
+        /// Rotated dimensions per head.
+        rotary_dim: u32,
+        /// Norm epsilon.
+        eps: f32,
+        /// 1: zero-centred norm weights.
+        unit_offset: u32,
+    }
+}
+
+kernel_params! {
+    /// `rope::qk_norm_rope_kv_store`: `qk_norm_rope`, then `kv_store` of the rotated keys and the
+    /// values, in one launch.
+    pub struct QkNormRopeKvStoreParams("QK_NORM_ROPE_KV_STORE_PARAMS") {
+        /// bf16 `[rows, row_stride]`.
+        qkv: ptr "bf16* __restrict__",
+        /// bf16 `[head_dim]` or null.
+        q_norm_w: ptr "const bf16* __restrict__",
+        /// bf16 `[head_dim]` or null.
+        k_norm_w: ptr "const bf16* __restrict__",
+        /// f32 `[rotary_dim / 2]`.
+        inv_freq: ptr "const float* __restrict__",
+        /// u32 `[rows]`.
+        positions: ptr "const uint32_t* __restrict__",
+        /// K pool, bf16 `[num_slots, num_kv_heads, head_dim]`.
+        k_cache: ptr "bf16* __restrict__",
+        /// V pool, likewise.
+        v_cache: ptr "bf16* __restrict__",
+        /// u32 `[rows]`: each row's slot (`u32::MAX`: none).
+        slot_mapping: ptr "const uint32_t* __restrict__",
+        /// Rows.
+        rows: u32,
+        /// Elements per row of `qkv`.
+        row_stride: u32,
+        /// Query heads.
+        num_q_heads: u32,
+        /// Elements from one query head to the next.
+        q_head_stride: u32,
+        /// Element offset of the first key head.
+        k_offset: u32,
+        /// Element offset of the first value head.
+        v_offset: u32,
+        /// Key/value heads.
+        num_kv_heads: u32,
+        /// Head dimension.
+        head_dim: u32,
+        /// Rotated dimensions per head.
+        rotary_dim: u32,
+        /// Norm epsilon.
+        eps: f32,
+        /// 1: zero-centred norm weights.
+        unit_offset: u32,
+        /// Slots per pool.
+        num_slots: u32,
+    }
+}
+
+kernel_params! {
+    /// `cache::kv_store`: each row's k and v copied to its cache slot.
+    pub struct KvStoreParams("KV_STORE_PARAMS") {
+        /// K pool, bf16 `[num_slots, num_kv_heads, head_dim]`.
+        k_cache: ptr "bf16* __restrict__",
+        /// V pool, likewise.
+        v_cache: ptr "bf16* __restrict__",
+        /// bf16 `[rows, row_stride]`.
+        qkv: ptr "const bf16* __restrict__",
+        /// u32 `[rows]`: each row's slot (`u32::MAX`: a padding row, nothing written).
+        slot_mapping: ptr "const uint32_t* __restrict__",
+        /// Rows.
+        rows: u32,
+        /// Elements per row of `qkv`.
+        row_stride: u32,
+        /// Element offset of k in a row.
+        k_offset: u32,
+        /// Element offset of v in a row.
+        v_offset: u32,
+        /// Key/value heads.
+        num_kv_heads: u32,
+        /// Head dimension.
+        head_dim: u32,
+        /// Slots per pool.
+        num_slots: u32,
+    }
+}
+
+kernel_params! {
+    /// `activation::silu_mul`: `out = silu(gate) * up` over rows of `[gate | up]`.
+    pub struct SiluMulParams("SILU_MUL_PARAMS") {
+        /// bf16 `[rows, ffn]`.
+        out: ptr "bf16* __restrict__",
+        /// bf16 `[rows, 2 * ffn]`.
+        gate_up: ptr "const bf16* __restrict__",
+        /// Rows.
+        rows: u32,
+        /// Columns of `out`.
+        ffn: u32,
+    }
+}
+
+kernel_params! {
+    /// `activation::silu_mul_staged`: `silu_mul` written as the down projection's stage images,
+    /// and as rows where `act` is given.
+    pub struct SiluMulStagedParams("SILU_MUL_STAGED_PARAMS") {
+        /// The stage images of `[rows, ffn]`.
+        img: ptr "bf16* __restrict__",
+        /// bf16 `[rows, ffn]` or null.
+        act: ptr "bf16* __restrict__",
+        /// bf16 `[rows, 2 * ffn]`.
+        gate_up: ptr "const bf16* __restrict__",
+        /// Rows.
+        rows: u32,
+        /// Columns of the output, a multiple of 8.
+        ffn: u32,
+    }
+}
+
+kernel_params! {
+    /// `sampling::argmax`: the lowest index of each row's maximum (NaN never wins).
+    pub struct ArgmaxParams("ARGMAX_PARAMS") {
+        /// u32 `[rows]`.
+        out: ptr "uint32_t* __restrict__",
+        /// f32 `[rows, vocab]`.
+        logits: ptr "const float* __restrict__",
+        /// Rows.
+        rows: u32,
+        /// Columns.
+        vocab: u32,
+    }
+}
+
+kernel_params! {
+    /// `init::fill_uniform_bf16`: `out[i] = offset + uniform(i, seed) * scale`.
+    pub struct FillUniformBf16Params("FILL_UNIFORM_BF16_PARAMS") {
+        /// bf16 `[n]`.
+        out: ptr "bf16* __restrict__",
+        /// Elements.
+        n: u64,
+        /// Seed of the counter-based hash.
+        seed: u64,
+        /// Centre of the range.
+        offset: f32,
+        /// Half-width of the range.
+        scale: f32,
+    }
+}

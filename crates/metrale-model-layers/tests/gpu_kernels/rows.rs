@@ -1,0 +1,364 @@
+//! The row-wise kernels against their CPU twins: embedding and row gathers, the RMSNorms, rotary
+//! embedding with the q/k norms, the cache store, the SwiGLU gate, argmax and the random fill.
+//! Each check takes its shapes, so `small` runs the same checks at the sanitizer's sizes.
+
+use metrale_gpu_runtime::DevicePtr;
+use metrale_model_layers::ops::{KvStore, Matrix, Norm, QkNormRope};
+
+use super::harness::{Pair, Rng, S, Tolerance};
+
+/// Every check below at small shapes (the sanitizer set).
+pub(super) fn small(p: &Pair) {
+    let rng = &mut Rng::new(1001);
+    embedding_gather(p, rng, &[(256, 30, 3), (101, 7, 2)]);
+    gather_rows(p, rng, &[(256, 9, 3), (101, 5, 2)]);
+    norms(p, rng, &[(256, 2), (101, 2)]);
+    qk_norm_rope(p, rng, &ROPE_SMALL, &[(false, 2), (true, 130)]);
+    kv_store(p, rng, &[(4, 2, 64), (3, 1, 100)]);
+    silu_mul(p, rng, &[(256, 2), (101, 1)]);
+    argmax(p, rng, &[1001]);
+    fill_uniform(p, &[(1003, 3, 0.0, 1.0)]);
+}
+
+#[test]
+fn embedding_gather_widens_the_rows_of_the_ids() {
+    embedding_gather(
+        &Pair::new(),
+        &mut Rng::new(1),
+        &[(4096, 300, 5), (1003, 77, 3)],
+    );
+}
+
+/// `(hidden, vocab, rows)` each.
+fn embedding_gather(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
+    for &(hidden, vocab, rows) in shapes {
+        let table = p.upload(&rng.bf16s((vocab * hidden) as usize, -2.0, 2.0));
+        let mut ids: Vec<u32> = (0..rows).map(|_| rng.below(vocab)).collect();
+        ids[0] = vocab - 1;
+        let ids = p.upload(&ids);
+        let out = p.poisoned((rows * hidden) as usize * 4);
+        p.run(|o, at| {
+            o.embedding_gather(
+                S,
+                Matrix::f32(at(&out), rows, hidden),
+                Matrix::bf16(at(&table), vocab, hidden),
+                at(&ids),
+            )
+        });
+        p.check_f32(
+            "embedding_gather",
+            &format!("hidden={hidden} rows={rows}"),
+            &out,
+            Tolerance::EXACT,
+        );
+    }
+}
+
+#[test]
+fn gather_rows_copies_the_named_rows() {
+    gather_rows(
+        &Pair::new(),
+        &mut Rng::new(2),
+        &[(4096, 20, 7), (1003, 9, 4)],
+    );
+}
+
+/// `(cols, source rows, rows gathered)` each.
+fn gather_rows(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
+    for &(cols, src_rows, n) in shapes {
+        let x = p.upload(&rng.bf16s((src_rows * cols) as usize, -3.0, 3.0));
+        let ids: Vec<u32> = (0..n)
+            .map(|i| if i == 1 { 0 } else { rng.below(src_rows) })
+            .collect();
+        let ids = p.upload(&ids);
+        let out = p.poisoned((n * cols) as usize * 2);
+        p.run(|o, at| {
+            o.gather_rows(
+                S,
+                Matrix::bf16(at(&out), n, cols),
+                Matrix::bf16(at(&x), src_rows, cols),
+                at(&ids),
+            )
+        });
+        p.check_bf16(
+            "gather_rows",
+            &format!("cols={cols} n={n}"),
+            &out,
+            Tolerance::EXACT,
+        );
+    }
+}
+
+#[test]
+fn rms_norm_and_add_rms_norm_match_in_both_conventions() {
+    norms(
+        &Pair::new(),
+        &mut Rng::new(3),
+        &[(4096, 3), (1003, 2), (2048, 5)],
+    );
+}
+
+/// `rms_norm` and `add_rms_norm` over `(cols, rows)` each, in both weight conventions.
+fn norms(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32)]) {
+    for &(cols, rows) in shapes {
+        for unit in [false, true] {
+            let n = (rows * cols) as usize;
+            let (lo, hi) = if unit { (-0.3, 0.3) } else { (0.5, 1.5) };
+            let w = p.upload(&rng.bf16s(cols as usize, lo, hi));
+            let x = p.upload(&rng.f32s(n, -4.0, 4.0));
+            let out = p.poisoned(n * 2);
+            let case = format!("rows={rows} cols={cols} unit_offset={unit}");
+            let norm = |w| Norm {
+                w,
+                eps: 1e-6,
+                unit_offset: unit,
+            };
+            p.run(|o, at| {
+                o.rms_norm(
+                    S,
+                    Matrix::bf16(at(&out), rows, cols),
+                    Matrix::f32(at(&x), rows, cols),
+                    &norm(at(&w)),
+                )
+            });
+            p.check_bf16("rms_norm", &case, &out, Tolerance::BF16);
+
+            let residual = p.upload(&rng.f32s(n, -4.0, 4.0));
+            let delta = p.upload(&rng.bf16s(n, -2.0, 2.0));
+            let out2 = p.poisoned(n * 2);
+            p.run(|o, at| {
+                o.add_rms_norm(
+                    S,
+                    Matrix::f32(at(&residual), rows, cols),
+                    Matrix::bf16(at(&delta), rows, cols),
+                    Matrix::bf16(at(&out2), rows, cols),
+                    &norm(at(&w)),
+                )
+            });
+            p.check_f32("add_rms_norm.res", &case, &residual, Tolerance::EXACT);
+            p.check_bf16("add_rms_norm", &case, &out2, Tolerance::BF16);
+        }
+    }
+}
+
+/// `rotary_dim / 2` inverse frequencies for base `theta`.
+pub(super) fn inv_freq(rotary_dim: u32, theta: f32) -> Vec<f32> {
+    (0..rotary_dim / 2)
+        .map(|i| 1.0 / theta.powf(2.0 * i as f32 / rotary_dim as f32))
+        .collect()
+}
+
+/// `(head_dim, rotary_dim, q heads, kv heads, gated, norms)` of the rotary cases.
+type RopeShape = (u32, u32, u32, u32, bool, bool);
+
+/// The sanitizer's rotary shapes: the vector path with gated queries and partial rotary, the
+/// scalar path without norms.
+const ROPE_SMALL: [RopeShape; 2] = [(128, 64, 4, 1, true, true), (100, 64, 3, 1, false, false)];
+
+#[test]
+fn qk_norm_rope_rotates_queries_and_keys_in_place() {
+    let cases = [
+        (128, 128, 8, 2, false, true),
+        (128, 64, 4, 1, true, true),
+        (100, 64, 3, 1, false, true),
+        (64, 64, 4, 4, false, false),
+        (256, 64, 2, 1, true, true),
+    ];
+    // 130 rows: the prefill launch (8 heads a block, the last block part empty).
+    let rows = [(false, 4), (true, 4), (false, 130), (true, 130)];
+    qk_norm_rope(&Pair::new(), &mut Rng::new(4), &cases, &rows);
+}
+
+/// Every rotary shape at every `(unit_offset, rows)`.
+fn qk_norm_rope(p: &Pair, rng: &mut Rng, cases: &[RopeShape], rows_cases: &[(bool, u32)]) {
+    for &(d, rd, hq, hkv, gated, norms) in cases {
+        for &(unit, rows) in rows_cases {
+            let q_stride = if gated { 2 * d } else { d };
+            let k_offset = hq * q_stride;
+            let stride = k_offset + 2 * hkv * d + 3; // k, v, and a few columns nothing reads
+            let qkv = p.upload(&rng.bf16s((rows * stride) as usize, -3.0, 3.0));
+            let qn = p.upload(&rng.bf16s(d as usize, 0.5, 1.5));
+            let kn = p.upload(&rng.bf16s(d as usize, 0.5, 1.5));
+            let freqs = p.upload(&inv_freq(rd, 1_000_000.0));
+            let positions: Vec<u32> = (0..rows)
+                .map(|r| if r == 0 { 0 } else { rng.below(40_000) })
+                .collect();
+            let positions = p.upload(&positions);
+            p.run(|o, at| {
+                o.qk_norm_rope(
+                    S,
+                    &QkNormRope {
+                        qkv: at(&qkv),
+                        q_norm: if norms { at(&qn) } else { DevicePtr::NULL },
+                        k_norm: if norms { at(&kn) } else { DevicePtr::NULL },
+                        inv_freq: at(&freqs),
+                        positions: at(&positions),
+                        rows,
+                        row_stride: stride,
+                        num_q_heads: hq,
+                        q_head_stride: q_stride,
+                        k_offset,
+                        num_kv_heads: hkv,
+                        head_dim: d,
+                        rotary_dim: rd,
+                        eps: 1e-6,
+                        unit_offset: unit,
+                    },
+                )
+            });
+            let case = format!(
+                "rows={rows} d={d} rd={rd} hq={hq} hkv={hkv} gated={gated} norms={norms} unit={unit}"
+            );
+            p.check_bf16("qk_norm_rope", &case, &qkv, Tolerance::BF16);
+        }
+    }
+}
+
+#[test]
+fn kv_store_writes_each_row_at_its_slot_and_skips_padding() {
+    kv_store(&Pair::new(), &mut Rng::new(5), &[(8, 2, 128), (3, 1, 100)]);
+}
+
+/// `(q heads, kv heads, head_dim)` each.
+fn kv_store(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
+    for &(hq, hkv, d) in shapes {
+        let (rows, num_slots) = (6u32, 64u32);
+        let k_offset = hq * d;
+        let v_offset = k_offset + hkv * d;
+        let stride = v_offset + hkv * d;
+        let qkv = p.upload(&rng.bf16s((rows * stride) as usize, -2.0, 2.0));
+        let mut slots: Vec<u32> = rng.permutation(num_slots)[..rows as usize].to_vec();
+        slots[2] = u32::MAX;
+        slots[5] = u32::MAX;
+        let slot_mapping = p.upload(&slots);
+        let cache_bytes = (num_slots * hkv * d) as usize * 2;
+        let (kc, vc) = (p.poisoned(cache_bytes), p.poisoned(cache_bytes));
+        p.run(|o, at| {
+            o.kv_store(
+                S,
+                &KvStore {
+                    k_cache: at(&kc),
+                    v_cache: at(&vc),
+                    qkv: at(&qkv),
+                    slot_mapping: at(&slot_mapping),
+                    rows,
+                    row_stride: stride,
+                    k_offset,
+                    v_offset,
+                    num_kv_heads: hkv,
+                    head_dim: d,
+                    num_slots,
+                },
+            )
+        });
+        for (name, buf) in [("k", &kc), ("v", &vc)] {
+            let (g, c) = p.download::<u16>(buf);
+            assert!(
+                g == c,
+                "kv_store {name} cache (hkv={hkv}, d={d}) differs bitwise"
+            );
+            let written = g.iter().filter(|&&b| b != 0xFFFF).count();
+            assert_eq!(
+                written,
+                4 * (hkv * d) as usize,
+                "exactly the 4 non-padding rows are written"
+            );
+        }
+        println!(
+            "kernel-check {:<18} {:<44} exact (bitwise, padding untouched) ok",
+            "kv_store",
+            format!("hkv={hkv} d={d}")
+        );
+    }
+}
+
+#[test]
+fn silu_mul_gates_the_up_projection() {
+    silu_mul(
+        &Pair::new(),
+        &mut Rng::new(9),
+        &[(4096, 3), (1003, 2), (12288, 2), (3001, 1)],
+    );
+}
+
+/// `(ffn, rows)` each.
+fn silu_mul(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32)]) {
+    for &(ffn, rows) in shapes {
+        let gu = p.upload(&rng.bf16s((rows * 2 * ffn) as usize, -6.0, 6.0));
+        let out = p.poisoned((rows * ffn) as usize * 2);
+        p.run(|o, at| {
+            o.silu_mul(
+                S,
+                Matrix::bf16(at(&out), rows, ffn),
+                Matrix::bf16(at(&gu), rows, 2 * ffn),
+            )
+        });
+        p.check_bf16(
+            "silu_mul",
+            &format!("rows={rows} ffn={ffn}"),
+            &out,
+            Tolerance::BF16,
+        );
+    }
+}
+
+#[test]
+fn argmax_takes_the_lowest_index_of_the_maximum_and_skips_nan() {
+    argmax(&Pair::new(), &mut Rng::new(10), &[151_936, 1001]);
+}
+
+/// Five rows of each vocabulary size: a tie, NaNs, all NaN, the maximum last.
+fn argmax(p: &Pair, rng: &mut Rng, vocabs: &[u32]) {
+    for &vocab in vocabs {
+        let rows = 5u32;
+        let mut logits = rng.f32s((rows * vocab) as usize, -20.0, 20.0);
+        let v = vocab as usize;
+        // Row 1: a tie (the lower index must win); row 2: NaNs, one at the front; row 3: all NaN;
+        // row 4: the maximum is the last element.
+        logits[v + 17] = 50.0;
+        logits[v + v / 2] = 50.0;
+        logits[2 * v] = f32::NAN;
+        logits[2 * v + 9] = f32::NAN;
+        logits[2 * v + 11] = 60.0;
+        logits[3 * v..4 * v].fill(f32::NAN);
+        logits[5 * v - 1] = 70.0;
+        let lg = p.upload(&logits);
+        let out = p.poisoned(rows as usize * 4);
+        p.run(|o, at| o.argmax(S, at(&out), Matrix::f32(at(&lg), rows, vocab)));
+        let (g, c) = p.download::<u32>(&out);
+        assert_eq!(g, c, "argmax vocab={vocab}");
+        assert_eq!(&g[1..], &[17, 11, 0, vocab - 1]);
+        println!(
+            "kernel-check {:<18} {:<44} exact {:?} ok",
+            "argmax",
+            format!("vocab={vocab}"),
+            g
+        );
+    }
+}
+
+#[test]
+fn fill_uniform_bf16_is_bit_identical() {
+    fill_uniform(
+        &Pair::new(),
+        &[
+            (100_003, 42, 0.0, 0.02),
+            (4096, 7, 1.0, 0.1),
+            (13, 1, -0.5, 3.0),
+        ],
+    );
+}
+
+/// `(n, seed, offset, scale)` each.
+fn fill_uniform(p: &Pair, cases: &[(u64, u64, f32, f32)]) {
+    for &(n, seed, offset, scale) in cases {
+        let out = p.poisoned(n as usize * 2);
+        p.run(|o, at| o.fill_uniform_bf16(S, at(&out), n, seed, offset, scale));
+        p.check_bf16(
+            "fill_uniform_bf16",
+            &format!("n={n} seed={seed}"),
+            &out,
+            Tolerance::EXACT,
+        );
+    }
+}

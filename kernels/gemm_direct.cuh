@@ -1,0 +1,141 @@
+// `linear_stream`'s and `linear_stream_b4`'s body, also `linear_swiglu`'s (kernels/gemm.cu has
+// the family's numerics). Included by gemm.cu only.
+
+// ---- The m <= 16 decode kernel (`linear_stream`) ----
+// Persistent blocks: block b takes the units (one column tile of 8 output columns by one row tile
+// of 16 rows) b, b + gridDim.x, ...; warp w computes segment w of each, loading its weight
+// fragments straight into registers: a batch is B chunks (one 16-byte load per lane and chunk, 8
+// weight rows x 64 bytes per warp-wide load), and two batches are in flight per warp while it
+// computes. The batches run on across the block's units, so the next unit's first two batches
+// are loading while this unit's last two are computed and summed; the first two are loaded
+// before `pdl_wait` (the weight is never written by the kernel ahead on the stream). x comes
+// through L1 (it is small and every block rereads it). The warps leave their segment partials
+// in shared memory (two buffers, by unit parity: one barrier a unit) and the block sums them in
+// segment order.
+
+// 16 weight bytes, read once: past L1, asking L2 for the whole 256-byte span (the rest of the
+// row's bytes are read by the next loads of this warp and its neighbours).
+MT_DEVICE uint4 ldg_stream16(const bf16* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+template <int B, bool VEC>
+MT_DEVICE void direct_load_w(uint4 (&dst)[B], const bf16* w, uint32_t n, uint32_t k, uint32_t row,
+                             uint32_t c0, uint32_t c_end, uint32_t q) {
+#pragma unroll
+    for (int ch = 0; ch < B; ++ch) {
+        const uint32_t c = c0 + ch, col = c * LIN_KC + q * 8;
+        if (VEC)
+            dst[ch] = c < c_end && row < n && col < k ? ldg_stream16(w + (size_t)row * k + col) : make_uint4(0, 0, 0, 0);
+        else
+            dst[ch] = c < c_end ? load8(w, n, k, row, col, false) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// The MMAs of one batch (chunks c0 .. c0 + B - 1 of this warp's segment, those before c_end).
+// RB: x rows g + 8 are loaded too (a unit may have rows past its first 8).
+template <int B, bool RB, bool VEC>
+MT_DEVICE void direct_batch(float (&acc)[4], const uint4 (&wr)[B], const bf16* x, uint32_t m,
+                            uint32_t k, uint32_t m0, uint32_t c0, uint32_t c_end, uint32_t g, uint32_t q) {
+    uint4 ra[B], rb[B];
+#pragma unroll
+    for (int ch = 0; ch < B; ++ch) {
+        const uint32_t c = c0 + ch, col = c * LIN_KC + q * 8;
+        ra[ch] = c < c_end ? load8(x, m, k, m0 + g, col, VEC) : make_uint4(0, 0, 0, 0);
+        rb[ch] = RB && c < c_end ? load8(x, m, k, m0 + g + 8, col, VEC) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int ch = 0; ch < B; ++ch) {
+        if (c0 + ch >= c_end) break;
+        mma_chunk(acc, ra[ch], rb[ch], wr[ch]);
+    }
+}
+
+// The block's units in turn: blockIdx.x, blockIdx.x + gridDim.x, ... A warp's batch count is
+// rounded up to even (an empty batch loads nothing and adds nothing), so every unit starts in
+// the same register buffer. Which block computes a unit, and with which batch size, never
+// changes its chain of MMAs. The block lets the next kernel start (`pdl_trigger`) only as it
+// begins its last unit: triggering at the start lets the norms, cache store and attention
+// behind the projection take its multiprocessors while its weight stream still needs them,
+// which slows the whole decode step (see `pdl_enter` in common.cuh). Blocks take their units in
+// turn rather than from an atomic counter: the claim's round trip costs more than the balance
+// it buys.
+// SWIGLU (`linear_swiglu`): w is [2n, k], gate rows then up rows. A block takes pairs of units,
+// the gate tile of 8 columns and then the up tile of the same columns, and writes silu(gate) *
+// up of the two, each summed as `linear` sums it and rounded to bf16 as `linear` writes it: the
+// thread that sums an output's gate column keeps the total for its up column, the next unit.
+template <typename OutT, int B, bool RB, bool VEC, bool SWIGLU>
+MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
+                                  uint32_t k, float4 (*part)[LIN_STREAM_WARPS * 32]) {
+    const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const LinSegment span = lin_segment(k, warp);
+    const uint32_t nsegs = span.nsegs, c_begin = span.c_begin, c_end = span.c_end;
+    // Row tiles of one column tile are neighbouring units, so they run together and all but the
+    // first read the weight tile from L2 (the launcher sends only m <= 16, one row tile, here).
+    // Under SWIGLU a unit is half h of tile pair u / 2: its gate (h = 0) or up (h = 1) rows.
+    const uint32_t row_units = (m + 15) / 16, tiles = ((n + 7) / 8) * row_units;
+    const uint32_t units = SWIGLU ? 2 * tiles : tiles;
+    // The block's i-th unit: blockIdx.x, blockIdx.x + gridDim.x, ... (pairs of them, SWIGLU).
+    auto unit_of = [&](uint32_t i) -> uint32_t {
+        return SWIGLU ? 2 * (blockIdx.x + (i >> 1) * gridDim.x) + (i & 1) : blockIdx.x + i * gridDim.x;
+    };
+    auto w_row = [&](uint32_t u) -> uint32_t {  // the unit's first weight row (lane g reads + g)
+        return SWIGLU ? (u & 1) * n + ((u >> 1) / row_units) * 8 : (u / row_units) * 8;
+    };
+    const uint32_t nb = (c_end - c_begin + B - 1) / B, nbe = nb + (nb & 1);  // this warp's batches
+    // Batch bb of the block's unit i, where bb may run past it into the block's next unit.
+    auto load = [&](uint4 (&dst)[B], uint32_t i, uint32_t bb) {
+        if (bb >= nbe) {
+            ++i;
+            bb -= nbe;
+        }
+        const uint32_t u = unit_of(i);
+        if (u < units) direct_load_w<B, VEC>(dst, w, SWIGLU ? 2 * n : n, k, w_row(u) + g, c_begin + bb * B, c_end, q);
+    };
+
+    // Two batches load before the wait, so the weight stream is busy while the kernel ahead
+    // finishes (fewer leave it idle; asking L2 for more of the block's weight as well, by a
+    // bulk prefetch, competes with the kernel ahead and slows the step).
+    uint4 wa[B], wb[B];
+    if (nbe > 0) {
+        load(wa, 0, 0);
+        load(wb, 0, 1);
+    }
+    pdl_wait();  // x and out belong to the kernels around this one
+    float gate = 0.0f;  // SWIGLU: this thread's gate total, from the pair's first unit
+    for (uint32_t i = 0, u = unit_of(0); u < units; u = unit_of(++i)) {  // caller: blockIdx.x < tiles
+        if (unit_of(i + 1) >= units) pdl_trigger();
+        const uint32_t tile = SWIGLU ? u >> 1 : u;
+        const uint32_t m0 = (tile % row_units) * 16;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (uint32_t b = 0; b < nbe; b += 2) {
+            direct_batch<B, RB, VEC>(acc, wa, x, m, k, m0, c_begin + b * B, c_end, g, q);
+            load(wa, i, b + 2);
+            direct_batch<B, RB, VEC>(acc, wb, x, m, k, m0, c_begin + (b + 1) * B, c_end, g, q);
+            load(wb, i, b + 3);
+        }
+        float4* pp = part[i & 1];
+        pp[warp * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        __syncthreads();  // also orders this buffer's reads below before its writes two units on
+        if (tid < 128) {
+            const uint32_t ln = tid / 4, e = tid % 4;
+            const uint32_t row = m0 + ln / 4 + (e >= 2 ? 8 : 0);
+            const uint32_t col = (tile / row_units) * 8 + (ln % 4) * 2 + (e & 1);
+            if (row < m && col < n) {
+                const float* pf = reinterpret_cast<const float*>(pp);
+                float total = 0.0f;
+                for (uint32_t sg = 0; sg < nsegs; ++sg) total += pf[(sg * 32 + ln) * 4 + e];
+                if (!SWIGLU)
+                    store_out(out, (size_t)row * n + col, total);
+                else if ((u & 1) == 0)
+                    gate = total;
+                else
+                    store_out(out, (size_t)row * n + col, siluf_acc(bf2f(f2bf(gate))) * bf2f(f2bf(total)));
+            }
+        }
+    }
+}

@@ -1,0 +1,223 @@
+// The mma.sync building blocks of the `linear` family (kernels/gemm.cu, whose header has the
+// numerics every kernel shares): the m16n8k16 MMA and a 32-wide k chunk of two, the 8-element
+// loads with their zero fill, the stage images' loads, the tiled body of the compute_90 PTX,
+// and the segments of k with their cluster sum. Included by gemm.cu only.
+
+#define LIN_T_WM 48      // the mma.sync tiles of the compute_90 PTX: warp tile rows (4 x 4 warps)
+#define LIN_T_WN 32      // ... and columns
+#define LIN_T_SC 2       // chunks per stage
+#define LIN_T_ST 3       // stages (3 x 2 x 320 rows x 64 bytes = 120 KiB)
+
+MT_DEVICE void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                        uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The two MMAs of one 32-wide k chunk: x rows g (`ra`) and g + 8 (`rb`) and weight row g
+// (`wb`), each holding k 8q..8q+7 of the chunk.
+MT_DEVICE void mma_chunk(float (&c)[4], uint4 ra, uint4 rb, uint4 wb) {
+    mma16816(c, ra.x, rb.x, ra.y, rb.y, wb.x, wb.y);
+    mma16816(c, ra.z, rb.z, ra.w, rb.w, wb.z, wb.w);
+}
+
+// Eight consecutive bf16 of row `row` of a [rows, k] matrix from column `col`; zero outside.
+// `vec`: k % 8 == 0 and the base is 16-byte aligned, so the 8 lie in one aligned vector.
+MT_DEVICE uint4 load8(const bf16* base, uint32_t rows, uint32_t k, uint32_t row, uint32_t col,
+                      bool vec) {
+    if (row >= rows || col >= k) return make_uint4(0, 0, 0, 0);
+    const bf16* p = base + (size_t)row * k + col;
+    if (vec) return load16(p);
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t lo = col + 2 * i < k ? __bfloat16_as_ushort(p[2 * i]) : 0u;
+        const uint32_t hi = col + 2 * i + 1 < k ? __bfloat16_as_ushort(p[2 * i + 1]) : 0u;
+        w[i] = lo | (hi << 16);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// `load8` of x from its stage images: k 8q..8q+7 of a chunk are pairs 4q..4q+3, pair 4q + i the
+// 4 bytes at position q of image unit i.
+MT_DEVICE uint4 load8_img(const bf16* xt, uint32_t m, uint32_t k, uint32_t row, uint32_t col) {
+    if (row >= m || col >= k) return make_uint4(0, 0, 0, 0);
+    const uint32_t steps = ((k + LIN_KC - 1) / LIN_KC + 1) / 2, c = col / LIN_KC, q = (col % LIN_KC) / 8;
+    const unsigned char* base = reinterpret_cast<const unsigned char*>(xt);
+    uint32_t v[4];
+#pragma unroll
+    for (uint32_t i = 0; i < 4; ++i) v[i] = *reinterpret_cast<const uint32_t*>(base + img_offset(row, c, i, steps) + q * 4);
+    return make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+MT_DEVICE void store_out(bf16* out, size_t i, float v) { out[i] = f2bf(v); }
+MT_DEVICE void store_out(float* out, size_t i, float v) { out[i] = v; }
+
+// One pipeline stage: SC chunks of x rows [m0, m0 + BM) then w rows [n0, n0 + BN),
+// 32 k each, as 16-byte vectors laid out [chunk][row][4 vectors] (vector q of a row holds k
+// 8q..8q+7 of its chunk, what lane (g, q) feeds its MMAs; a warp's 8 rows of one vector column
+// are 512 contiguous bytes, so its shared loads are conflict-free). Consecutive threads take
+// consecutive vectors of a row, so each row's 128 bytes per stage are one contiguous read.
+template <int BM, int BN, int SC, int THREADS, bool VEC, bool XIMG = false>
+MT_DEVICE void load_stage(uint4* stage, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
+                          uint32_t k, uint32_t m0, uint32_t n0, uint32_t step) {
+    constexpr uint32_t ROWS = BM + BN;
+#pragma unroll 4
+    for (uint32_t i = threadIdx.x; i < ROWS * SC * 4; i += THREADS) {
+        const uint32_t row = i / (SC * 4), ch = (i / 4) % SC, q = i % 4;
+        const uint32_t col = (step * SC + ch) * LIN_KC + q * 8;
+        const bool is_x = row < BM;
+        const bf16* base = is_x ? x : w;
+        const uint32_t rows = is_x ? m : n;
+        const uint32_t grow = is_x ? m0 + row : n0 + (row - BM);
+        uint4* dst = stage + (ch * ROWS + row) * 4 + q;
+        if (VEC) {
+            const bool in = grow < rows && col < k;
+            cp_async16(dst, in ? base + (size_t)grow * k + col : base, in ? 16u : 0u);
+        } else if (XIMG && is_x) {
+            *dst = load8_img(x, m, k, grow, col);
+        } else {
+            *dst = load8(base, rows, k, grow, col, false);
+        }
+    }
+}
+
+// The tiled kernel's body for a BM x BN block tile of (BM / WM) x (BN / WN) warps of WM x WN,
+// SC chunks per stage and ST stages: `linear` in the compute_90 PTX, which cannot use wgmma
+// (<LIN_BM, LIN_BN, LIN_T_WM, LIN_T_WN, LIN_T_SC, LIN_T_ST>, VEC false). Every instance has the
+// same numerics.
+// VEC: k % 8 == 0 and 16-byte aligned operands, so stages fill by cp.async; a compile-time
+// choice, since a run-time branch in the copy loop slows every stage. The kernels here run the
+// scalar loads (VEC false): the compute_90 PTX is the fallback where the sm_90a cubin cannot
+// load.
+// XIMG: x is given as `permute_k32_tiles`'s stage images, and grid x runs over the row tiles
+// (the compute_90 body of `linear_tma`).
+template <typename OutT, int BM, int BN, int WM, int WN, int SC, int ST, bool VEC, bool XIMG = false>
+MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
+                            uint32_t k, unsigned char* smem) {
+    constexpr int MT = WM / 16, NT = WN / 8, THREADS = (BM / WM) * (BN / WN) * 32;
+    constexpr uint32_t ROWS = BM + BN, STAGE_VECS = SC * ROWS * 4;
+    uint4* stages = reinterpret_cast<uint4*>(smem);
+    const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const uint32_t m0 = (XIMG ? blockIdx.x : blockIdx.y) * BM, n0 = (XIMG ? blockIdx.y : blockIdx.x) * BN;
+    const uint32_t wm0 = (warp / (BN / WN)) * WM, wn0 = (warp % (BN / WN)) * WN;
+    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
+    const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
+    const uint32_t steps = (chunks + SC - 1) / SC;
+
+    float acc[MT][NT][4], total[MT][NT][4];
+#pragma unroll
+    for (int a = 0; a < MT; ++a)
+#pragma unroll
+        for (int b = 0; b < NT; ++b)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[a][b][j] = total[a][b][j] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) {
+        if ((uint32_t)s < steps)
+            load_stage<BM, BN, SC, THREADS, VEC, XIMG>(stages + s * STAGE_VECS, x, w, m, n, k, m0, n0, s);
+        cp_async_commit();
+    }
+    uint32_t in_seg = 0;
+    for (uint32_t j = 0; j < steps; ++j) {
+        cp_async_wait<ST - 2>();
+        __syncthreads();
+        const uint32_t pre = j + ST - 1;
+        if (pre < steps)
+            load_stage<BM, BN, SC, THREADS, VEC, XIMG>(stages + (pre % ST) * STAGE_VECS, x, w, m, n, k, m0, n0, pre);
+        cp_async_commit();
+
+        const uint4* st = stages + (j % ST) * STAGE_VECS;
+#pragma unroll
+        for (int ch = 0; ch < SC; ++ch) {
+            const uint32_t c = j * SC + ch;
+            if (c >= chunks) break;
+            const uint4* sa = st + ch * ROWS * 4;
+            const uint4* sb = sa + BM * 4;
+            uint4 a[MT][2], b[NT];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt][0] = sa[(wm0 + mt * 16 + g) * 4 + q];
+                a[mt][1] = sa[(wm0 + mt * 16 + g + 8) * 4 + q];
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) b[nt] = sb[(wn0 + nt * 8 + g) * 4 + q];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) mma_chunk(acc[mt][nt], a[mt][0], a[mt][1], b[nt]);
+
+            if (++in_seg == seg_chunks || c + 1 == chunks) {  // a segment ends
+                in_seg = 0;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int jj = 0; jj < 4; ++jj) {
+                            total[mt][nt][jj] += acc[mt][nt][jj];
+                            acc[mt][nt][jj] = 0.0f;
+                        }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                const uint32_t row = m0 + wm0 + mt * 16 + g + (jj >= 2 ? 8 : 0);
+                const uint32_t col = n0 + wn0 + nt * 8 + 2 * q + (jj & 1);
+                if (row < m && col < n) store_out(out, (size_t)row * n + col, total[mt][nt][jj]);
+            }
+}
+
+// Segment `seg` of k: its chunks [c_begin, c_end) (empty past the last), and how many segments
+// hold chunks (the numerics above).
+struct LinSegment {
+    uint32_t c_begin, c_end, nsegs;
+};
+
+MT_DEVICE LinSegment lin_segment(uint32_t k, uint32_t seg) {
+    const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
+    const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
+    LinSegment s;
+    s.nsegs = seg_chunks > 0 ? (chunks + seg_chunks - 1) / seg_chunks : 0;
+    s.c_begin = min(chunks, seg * seg_chunks);
+    s.c_end = min(chunks, s.c_begin + seg_chunks);
+    return s;
+}
+
+// float4 `f` of the partials `part` summed over the cluster's first `nsegs` blocks (the
+// segments) in order, from +0: the decode kernels' last step. BATCH: every block's float4 is read
+// before the first add, so the remote reads overlap (`linear_stream_tma`, which has the
+// registers; `linear_stream_wide` at three blocks a multiprocessor would spill).
+template <bool BATCH>
+MT_DEVICE float4 cluster_segment_sum(cg::cluster_group& cluster, const float4* part, uint32_t f, uint32_t nsegs) {
+    float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    auto add = [&](const float4& v) {
+        total.x += v.x;
+        total.y += v.y;
+        total.z += v.z;
+        total.w += v.w;
+    };
+    if constexpr (BATCH) {
+        float4 v[LIN_SEGS];
+#pragma unroll
+        for (uint32_t s = 0; s < LIN_SEGS; ++s)
+            if (s < nsegs) v[s] = cluster.map_shared_rank(part, s)[f];
+#pragma unroll
+        for (uint32_t s = 0; s < LIN_SEGS; ++s)
+            if (s < nsegs) add(v[s]);
+    } else {
+        for (uint32_t s = 0; s < nsegs; ++s) add(cluster.map_shared_rank(part, s)[f]);
+    }
+    return total;
+}
