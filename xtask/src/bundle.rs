@@ -1,10 +1,11 @@
 //! `cargo xtask gpu-bundle`: everything a run on the GPU machine needs, in the git-ignored folder
 //! `target/gpu-bundle/` (docs/GPU.md): the compiled kernels are embedded in release CUDA test
-//! binaries (every integration test file with code under `cfg(feature = "cuda")`), the `metrale` CLI
-//! built with `--features cuda` when it builds, and `run.sh LOGDIR`, which needs only the NVIDIA
-//! driver (no Rust toolchain) on the machine that runs it.
+//! binaries (every integration test file with code under `cfg(feature = "cuda")`), the kernel
+//! measurements (`metrale-model-layers`' example `kernel_bench`), the `metrale` CLI and xtask
+//! built with `--features cuda` when they build, and `run.sh LOGDIR` (`bundle/run.sh`), which
+//! needs only the NVIDIA driver (no Rust toolchain) on the machine that runs it.
 //!
-//! Layout: `payload.tar.gz` (holding `bin/`, the CLI, and `tests/bin/`, test binaries one per
+//! Layout: `payload.tar.gz` (holding `bin/`, the tools, and `tests/bin/`, test binaries one per
 //! target; compressed so bundle and tree fit the device's transfer limit), `run.sh`,
 //! `manifest.txt`. The bundle runs inside its working tree: `run.sh` unpacks the payload into a
 //! scratch directory and changes into the tree's root, so `tests/fixtures` resolves as it does in
@@ -18,8 +19,13 @@ use anyhow::{Context, bail};
 /// The bundle must stay under this size (it travels to the GPU machine with the working tree).
 const MAX_BUNDLE_BYTES: u64 = 60 * 1024 * 1024;
 
-/// The test binary that `run.sh` also runs under `compute-sanitizer --tool memcheck`.
+/// The test binary whose sanitizer set `run.sh` runs under compute-sanitizer's memcheck and
+/// racecheck.
 const SANITIZED_TEST: &str = "gpu_kernels";
+
+/// The test filter that selects the sanitizer set in [`SANITIZED_TEST`]: every kernel at small
+/// shapes, within the sanitizers' time budget.
+const SANITIZER_SET: &str = "sanitizer_set";
 
 /// An integration test target that exercises the GPU.
 #[derive(Debug)]
@@ -41,6 +47,43 @@ pub fn gpu_bundle(root: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(&test_bin)?;
     std::fs::create_dir_all(&bin)?;
 
+    let mut manifest = build_tests(root, &test_bin)?;
+    manifest.extend(build_tools(root, &bin)?);
+    // The fixtures are not copied: the bundle travels inside the working tree, which holds
+    // them, and `run.sh` runs the tests from the tree's root (the device's transfer limit is
+    // 64 MiB for tree and bundle together).
+    manifest.push("tests/fixtures/: read from the working tree (run.sh runs from its root)".into());
+    pack(&bundle)?;
+    manifest.push(format!(
+        "{PAYLOAD}: bin/ and tests/bin/, gzip-compressed; run.sh unpacks it"
+    ));
+    let run_sh = bundle.join("run.sh");
+    let script = RUN_SH
+        .replace("__SANITIZED__", SANITIZED_TEST)
+        .replace("__SANITIZER_SET__", SANITIZER_SET);
+    std::fs::write(&run_sh, script)?;
+    set_executable(&run_sh)?;
+    std::fs::write(bundle.join("manifest.txt"), manifest.join("\n") + "\n")?;
+
+    let size = dir_size(&bundle)?;
+    eprintln!(
+        "gpu-bundle: {} ({:.1} MB)",
+        bundle.display(),
+        size as f64 / 1e6
+    );
+    for line in &manifest {
+        eprintln!("  {line}");
+    }
+    if size > MAX_BUNDLE_BYTES {
+        bail!("the bundle is {size} bytes, over the {MAX_BUNDLE_BYTES}-byte limit");
+    }
+    Ok(())
+}
+
+/// Build every GPU test target in release with `--features cuda` into `test_bin`; the manifest's
+/// lines. A package whose tests do not build is left out (noted), unless it holds
+/// [`SANITIZED_TEST`].
+fn build_tests(root: &Path, test_bin: &Path) -> anyhow::Result<Vec<String>> {
     let tests = gpu_tests(root)?;
     if tests.is_empty() {
         bail!("no integration test has code under `cfg(feature = \"cuda\")`; nothing to bundle");
@@ -82,15 +125,24 @@ pub fn gpu_bundle(root: &Path) -> anyhow::Result<()> {
         };
         for exe in exes {
             let name = target_name(&exe);
-            let dst = test_bin.join(&name);
-            copy_stripped(&exe, &dst)?;
+            copy_stripped(&exe, &test_bin.join(&name))?;
             manifest.push(format!("tests/bin/{name}  ({package}, test target)"));
         }
     }
+    Ok(manifest)
+}
 
-    // The CLI (`metrale bench`, `serve`, `generate`) and xtask (`xtask soak --backend cuda`:
-    // the soak against the CUDA engine; the GPU machine has no cargo).
-    for (package, exe_name) in [("metrale-cli", "metrale"), ("xtask", "xtask")] {
+/// Build the tools `run.sh` runs into `bin`, each with `--features cuda`: the kernel
+/// measurements (`kernel_bench`), the CLI (`metrale bench`, `serve`, `generate`) and xtask
+/// (`xtask soak --backend cuda`: the soak against the CUDA engine; the GPU machine has no
+/// cargo). One that does not build is left out (noted in the manifest).
+fn build_tools(root: &Path, bin: &Path) -> anyhow::Result<Vec<String>> {
+    let mut manifest = Vec::new();
+    for (package, kind, exe_name) in [
+        ("metrale-model-layers", "--example", "kernel_bench"),
+        ("metrale-cli", "--bin", "metrale"),
+        ("xtask", "--bin", "xtask"),
+    ] {
         let mut cmd = cargo(root);
         cmd.args([
             "build",
@@ -98,7 +150,7 @@ pub fn gpu_bundle(root: &Path) -> anyhow::Result<()> {
             "--message-format=json-render-diagnostics",
             "-p",
             package,
-            "--bin",
+            kind,
             exe_name,
             "--features",
             "cuda",
@@ -112,41 +164,15 @@ pub fn gpu_bundle(root: &Path) -> anyhow::Result<()> {
             }
             Err(e) => {
                 eprintln!(
-                    "gpu-bundle: warning: {package} did not build with --features cuda, leaving it out: {e:#}"
+                    "gpu-bundle: warning: {package} {kind} {exe_name} did not build with --features cuda, leaving it out: {e:#}"
                 );
                 manifest.push(format!(
-                    "NOT BUILT: {package} --bin {exe_name} --features cuda"
+                    "NOT BUILT: {package} {kind} {exe_name} --features cuda"
                 ));
             }
         }
     }
-
-    // The fixtures are not copied: the bundle travels inside the working tree, which holds
-    // them, and `run.sh` runs the tests from the tree's root (the device's transfer limit is
-    // 64 MiB for tree and bundle together).
-    manifest.push("tests/fixtures/: read from the working tree (run.sh runs from its root)".into());
-    pack(&bundle)?;
-    manifest.push(format!(
-        "{PAYLOAD}: bin/ and tests/bin/, gzip-compressed; run.sh unpacks it"
-    ));
-    let run_sh = bundle.join("run.sh");
-    std::fs::write(&run_sh, RUN_SH.replace("__SANITIZED__", SANITIZED_TEST))?;
-    set_executable(&run_sh)?;
-    std::fs::write(bundle.join("manifest.txt"), manifest.join("\n") + "\n")?;
-
-    let size = dir_size(&bundle)?;
-    eprintln!(
-        "gpu-bundle: {} ({:.1} MB)",
-        bundle.display(),
-        size as f64 / 1e6
-    );
-    for line in &manifest {
-        eprintln!("  {line}");
-    }
-    if size > MAX_BUNDLE_BYTES {
-        bail!("the bundle is {size} bytes, over the {MAX_BUNDLE_BYTES}-byte limit");
-    }
-    Ok(())
+    Ok(manifest)
 }
 
 /// The executables' archive inside the bundle.
@@ -309,189 +335,9 @@ fn dir_size(dir: &Path) -> anyhow::Result<u64> {
     Ok(total)
 }
 
-/// `run.sh LOGDIR`: runs every test binary (one test at a time, output uncaptured), then its
-/// ignored tests (measurements), the kernel tests again under compute-sanitizer's memcheck (device
-/// memory errors only: host API errors are the backend's own `GpuError`s, and the tests provoke
-/// some on purpose), and a CLI smoke run; writes each full log and
-/// `results.json` to LOGDIR; prints a short summary table last. Exits non-zero if anything failed.
-const RUN_SH: &str = r#"#!/usr/bin/env bash
-# Run the metrale GPU bundle: bash run.sh LOGDIR  (written by `cargo xtask gpu-bundle`).
-# Needs the NVIDIA driver; CUDA's tools (compute-sanitizer) are used when found.
-set -uo pipefail
-BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-LOGDIR="${1:?usage: run.sh LOGDIR}"
-mkdir -p "$LOGDIR"
-LOGDIR="$(cd "$LOGDIR" && pwd)"
-# The executables travel compressed (payload.tar.gz); unpack them into a scratch directory.
-BIN_ROOT="$(mktemp -d "${TMPDIR:-/tmp}/metrale-bundle.XXXXXX")"
-trap 'rm -rf "$BIN_ROOT"' EXIT
-tar -xzf "$BUNDLE/payload.tar.gz" -C "$BIN_ROOT" || { echo "run.sh: cannot unpack $BUNDLE/payload.tar.gz" >&2; exit 2; }
-# Run from the working tree's root (target/gpu-bundle/../..), where tests/fixtures lives.
-cd "$BUNDLE/../.."
-[ -d tests/fixtures ] || { echo "run.sh: no tests/fixtures under $(pwd): run the bundle inside its working tree" >&2; exit 2; }
-TEST_TIMEOUT="${TEST_TIMEOUT:-300}"
-
-declare -a ROWS=()
-JSON="$LOGDIR/results.json"
-echo "[" > "$JSON"
-FIRST=1
-FAILED=0
-
-record() { # name status passed failed seconds log
-  ROWS+=("$(printf '%-28s %-8s %7s %7s %9s' "$1" "$2" "$3" "$4" "$5")")
-  [ $FIRST -eq 1 ] || echo "," >> "$JSON"
-  FIRST=0
-  printf '  {"name": "%s", "status": "%s", "passed": %s, "failed": %s, "seconds": %s, "log": "%s"}' \
-    "$1" "$2" "$3" "$4" "$5" "$6" >> "$JSON"
-  [ "$2" = "ok" ] || FAILED=1
-}
-
-counts() { # log -> "passed failed" summed over every `test result:` line
-  awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
-       END { printf "%d %d", p, f }' "$1"
-}
-
-now() { date +%s.%N; }
-elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
-
-{ nvidia-smi || true; } > "$LOGDIR/nvidia-smi.txt" 2>&1
-
-for t in "$BIN_ROOT"/tests/bin/*; do
-  [ -x "$t" ] || continue
-  name="$(basename "$t")"
-  log="$LOGDIR/$name.log"
-  start="$(now)"
-  timeout "$TEST_TIMEOUT" "$t" --test-threads=1 --nocapture > "$log" 2>&1
-  rc=$?
-  secs="$(elapsed "$start")"
-  read -r passed failed < <(counts "$log")
-  status=ok
-  [ $rc -eq 0 ] || status="fail($rc)"
-  [ $rc -eq 124 ] && status=timeout
-  record "$name" "$status" "$passed" "$failed" "$secs" "$log"
-done
-
-# Ignored tests are measurements (speed beside its ceilings); run them after the checks.
-for t in "$BIN_ROOT"/tests/bin/*; do
-  [ -x "$t" ] || continue
-  name="$(basename "$t")"
-  if [ "$("$t" --list --ignored 2>/dev/null | grep -c ': test$')" -gt 0 ]; then
-    log="$LOGDIR/$name-measure.log"
-    start="$(now)"
-    timeout "$TEST_TIMEOUT" "$t" --ignored --test-threads=1 --nocapture > "$log" 2>&1
-    rc=$?
-    read -r passed failed < <(counts "$log")
-    status=ok
-    [ $rc -eq 0 ] || status="fail($rc)"
-    [ $rc -eq 124 ] && status=timeout
-    record "$name --ignored" "$status" "$passed" "$failed" "$(elapsed "$start")" "$log"
-  fi
-done
-
-SAN=""
-for c in compute-sanitizer /usr/local/cuda/bin/compute-sanitizer; do
-  if command -v "$c" > /dev/null 2>&1; then SAN="$c"; break; fi
-done
-# compute-sanitizer over the kernel tests: memcheck (the bundle's gate) and racecheck (shared
-# memory hazards). Device errors only: host API errors are the backend's own `GpuError`s, and the
-# tests provoke some on purpose.
-for tool in memcheck racecheck; do
-  [ -x "$BIN_ROOT/tests/bin/__SANITIZED__" ] || break
-  log="$LOGDIR/$tool.log"
-  if [ -n "$SAN" ]; then
-    start="$(now)"
-    timeout "$TEST_TIMEOUT" "$SAN" --tool "$tool" --report-api-errors no --error-exitcode 86 \
-      "$BIN_ROOT/tests/bin/__SANITIZED__" --test-threads=1 > "$log" 2>&1
-    rc=$?
-    secs="$(elapsed "$start")"
-    read -r passed failed < <(counts "$log")
-    errors="$(grep -o -E '(ERROR SUMMARY: [0-9]+ error|RACECHECK SUMMARY: [0-9]+ hazard)' "$log" | tail -n 1 | grep -o -E '[0-9]+' || true)"
-    status=ok
-    [ $rc -eq 0 ] || status="fail($rc)"
-    [ $rc -eq 124 ] && status=timeout
-    record "$tool:__SANITIZED__(${errors:-?}err)" "$status" "$passed" "$failed" "$secs" "$log"
-  else
-    echo "compute-sanitizer not found" > "$log"
-    record "$tool:__SANITIZED__" "skipped" 0 0 0 "$log"
-  fi
-done
-
-if [ -x "$BIN_ROOT/bin/metrale" ]; then
-  log="$LOGDIR/metrale-cli.log"
-  start="$(now)"
-  timeout 60 "$BIN_ROOT/bin/metrale" --help > "$log" 2>&1
-  rc=$?
-  status=ok
-  [ $rc -eq 0 ] || status="fail($rc)"
-  record "metrale --help" "$status" 0 0 "$(elapsed "$start")" "$log"
-  # The benchmark (BENCH_SHAPES, default qwen3-8b and qwen3.5-9b): each figure beside its roofline.
-  for shape in ${BENCH_SHAPES:-qwen3-8b qwen3.5-9b}; do
-    log="$LOGDIR/bench-$shape.log"
-    start="$(now)"
-    timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --shape "$shape" --backend cuda \
-      --json-out "$LOGDIR/bench-$shape.json" > "$log" 2>&1
-    rc=$?
-    status=ok
-    [ $rc -eq 0 ] || status="fail($rc)"
-    [ $rc -eq 124 ] && status=timeout
-    record "bench $shape" "$status" 0 0 "$(elapsed "$start")" "$log"
-  done
-  # Issue 7's speculative figures on the hybrid shape (SPEC_BENCH=0 skips them): verify and
-  # draft steps beside a plain decode step, projected and end-to-end tokens/s.
-  if [ "${SPEC_BENCH:-1}" != 0 ]; then
-    log="$LOGDIR/spec-bench-qwen3.5-9b.log"
-    start="$(now)"
-    timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --speculative --shape qwen3.5-9b \
-      --backend cuda --num-draft-tokens 4 --json-out "$LOGDIR/spec-bench-qwen3.5-9b.json" > "$log" 2>&1
-    rc=$?
-    status=ok
-    [ $rc -eq 0 ] || status="fail($rc)"
-    [ $rc -eq 124 ] && status=timeout
-    record "bench --speculative qwen3.5-9b" "$status" 0 0 "$(elapsed "$start")" "$log"
-  fi
-fi
-
-# The soak (many concurrent requests with cancellations, shared prefixes and preemption; every
-# output checked against its solo run) on the CUDA engine, over the dense and hybrid fixtures.
-if [ -x "$BIN_ROOT/bin/xtask" ]; then
-  log="$LOGDIR/soak-cuda.log"
-  start="$(now)"
-  timeout "${SOAK_TIMEOUT:-300}" "$BIN_ROOT/bin/xtask" soak --backend cuda \
-    --model tests/fixtures/qwen3-tiny --model tests/fixtures/qwen3_5-tiny > "$log" 2>&1
-  rc=$?
-  status=ok
-  [ $rc -eq 0 ] || status="fail($rc)"
-  [ $rc -eq 124 ] && status=timeout
-  record "soak cuda" "$status" 0 0 "$(elapsed "$start")" "$log"
-fi
-
-echo "" >> "$JSON"
-echo "]" >> "$JSON"
-
-# Per-kernel worst errors printed by the kernel tests (`kernel-check` lines).
-grep -h -o 'kernel-check.*' "$LOGDIR"/*.log 2>/dev/null > "$LOGDIR/kernel-errors.txt" || true
-if [ -s "$LOGDIR/kernel-errors.txt" ]; then
-  echo "== worst error per kernel (tests/bin/__SANITIZED__) =="
-  grep -h -o 'kernel-check.*' "$LOGDIR/__SANITIZED__.log" 2>/dev/null || true
-fi
-for f in "$LOGDIR"/bench-*.log; do
-  [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 12 "$f"; }
-done
-for f in "$LOGDIR"/spec-bench-*.log; do
-  [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 40 "$f"; }
-done
-if grep -q '^bench' "$LOGDIR"/*-measure.log 2>/dev/null; then
-  echo "== measurements =="
-  grep -h '^bench' "$LOGDIR"/*-measure.log
-fi
-echo "== failures =="
-grep -h -A1 -E 'panicked at' "$LOGDIR"/*.log 2>/dev/null | grep -v -E '^(--|stack backtrace:)$' | head -n 40 || true
-grep '^NOT BUILT' "$BUNDLE/manifest.txt" 2>/dev/null || true
-echo "== summary (logs in $LOGDIR) =="
-printf '%-28s %-8s %7s %7s %9s\n' "binary" "status" "passed" "failed" "seconds"
-for r in "${ROWS[@]}"; do echo "$r"; done
-exit $FAILED
-"#;
+/// `run.sh LOGDIR`, with `__SANITIZED__` and `__SANITIZER_SET__` to fill in: what it runs is
+/// in its header.
+const RUN_SH: &str = include_str!("bundle/run.sh");
 
 #[cfg(test)]
 mod tests {
@@ -511,6 +357,17 @@ mod tests {
         assert_eq!(
             target_name(Path::new("/t/release/deps/eager-vs-graph")),
             "eager-vs-graph"
+        );
+    }
+
+    #[test]
+    fn run_sh_runs_a_sanitizer_set_that_exists() {
+        assert!(RUN_SH.contains("__SANITIZED__") && RUN_SH.contains("__SANITIZER_SET__"));
+        let tests = include_str!("../../crates/metrale-model-layers/tests/gpu_kernels/sanitize.rs");
+        assert!(tests.contains(&format!("fn {SANITIZER_SET}")));
+        assert!(
+            tests.contains("KERNELS"),
+            "the sanitizer set checks it reached every kernel"
         );
     }
 

@@ -148,7 +148,7 @@ pub enum Op {
         /// How it applies its weight.
         weight: NormWeight,
     },
-    /// `residual += delta` alone. No circuit uses it today (the engine folds every add into
+    /// `residual += delta` alone. No circuit uses it (the engine folds every add into
     /// the next norm) and no table lowers it; it is here for circuits that need it.
     ResidualAdd,
     /// A projection by role.

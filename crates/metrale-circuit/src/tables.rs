@@ -90,7 +90,7 @@ fn rope_kv_store(arch: Architecture) -> Rule {
 fn gdn_decode_step() -> Rule {
     rule(
         &[Op::GdnConv, Op::GdnGates, Op::GdnRecurrence],
-        &[k::GDN_DECODE_STEP],
+        &[k::proposed::GDN_DECODE_STEP],
         Differs,
     )
 }
@@ -111,7 +111,7 @@ fn swiglu(role: LinearRole) -> Rule {
 fn expert_silu_down() -> Rule {
     rule(
         &[Op::SiluMul, Op::Linear(ExpertDown)],
-        &[k::MOE_EXPERT_LINEAR_SILU_F32OUT],
+        &[k::proposed::EXPERT_LINEAR_SILU_F32OUT],
         Differs,
     )
 }
@@ -207,18 +207,22 @@ fn gdn() -> Vec<Rule> {
         rule(&[Op::Linear(GdnInProj)], &[k::LINEAR], Reference),
         rule(
             &[Op::GdnConv],
-            &[k::GDN_CAUSAL_CONV1D, k::GDN_CONV_STATE_UPDATE],
+            &[k::CAUSAL_CONV1D, k::CONV_STATE_UPDATE],
             Reference,
         ),
         rule(&[Op::GdnGates], &[k::GDN_PREPARE], Reference),
-        rule(&[Op::GdnRecurrence], &[k::GDN_RECURRENT], Reference),
+        rule(&[Op::GdnRecurrence], &[k::GATED_DELTA_RECURRENT], Reference),
         rule(
             &[Op::GdnConvVerify],
-            &[k::GDN_CAUSAL_CONV1D, k::GDN_CONV_STATE_VERIFY],
+            &[k::CAUSAL_CONV1D, k::CONV_STATE_VERIFY],
             Reference,
         ),
-        rule(&[Op::GdnRecurrenceVerify], &[k::GDN_VERIFY], Reference),
-        rule(&[Op::GdnGatedNorm], &[k::GDN_GATED_RMS_NORM], Reference),
+        rule(
+            &[Op::GdnRecurrenceVerify],
+            &[k::GATED_DELTA_VERIFY],
+            Reference,
+        ),
+        rule(&[Op::GdnGatedNorm], &[k::GATED_RMS_NORM], Reference),
         rule(&[Op::Linear(GdnOut)], &[k::LINEAR], Reference),
     ]
 }
@@ -236,15 +240,11 @@ fn dense_ffn() -> Vec<Rule> {
 fn moe() -> Vec<Rule> {
     vec![
         rule(&[Op::Linear(Router)], &[k::LINEAR_F32OUT], Reference),
-        rule(&[Op::MoeRoute], &[k::MOE_TOPK_ROUTE], Reference),
-        rule(
-            &[Op::Linear(ExpertGateUp)],
-            &[k::MOE_EXPERT_LINEAR],
-            Reference,
-        ),
+        rule(&[Op::MoeRoute], &[k::TOPK_ROUTE], Reference),
+        rule(&[Op::Linear(ExpertGateUp)], &[k::EXPERT_LINEAR], Reference),
         rule(
             &[Op::Linear(ExpertDown)],
-            &[k::MOE_EXPERT_LINEAR_F32OUT],
+            &[k::EXPERT_LINEAR_F32OUT],
             Reference,
         ),
         rule(&[Op::Linear(SharedGateUp)], &[k::LINEAR], Reference),

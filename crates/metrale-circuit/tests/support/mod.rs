@@ -126,7 +126,7 @@ pub fn every_architecture() -> Vec<(&'static str, Instance)> {
     ]
 }
 
-/// The kernels the engine has today: every kernel the table's reference rules name.
+/// The reference kernels: every kernel the table's reference rules name (no fused kernel).
 pub fn reference_kernels(table: &RuleTable) -> KernelSet {
     KernelSet::from_kernels(&table.kernels(Numerics::Reference))
 }

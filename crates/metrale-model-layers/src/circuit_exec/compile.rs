@@ -78,7 +78,7 @@ pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
         &[Kernel::new("attention", "paged_attention_flat")],
     ),
     (
-        metrale_circuit::kernels::GDN_RECURRENT,
+        metrale_circuit::kernels::GATED_DELTA_RECURRENT,
         &[Kernel::new("gdn", "gated_delta_streamed")],
     ),
     (

@@ -327,7 +327,7 @@ impl Emitter<'_> {
                     ops.linear(s, out, x, w)?;
                 }
             }
-            (Op::Linear(role), [kernel @ (k::MOE_EXPERT_LINEAR | k::MOE_EXPERT_LINEAR_F32OUT)]) => {
+            (Op::Linear(role), [kernel @ (k::EXPERT_LINEAR | k::EXPERT_LINEAR_F32OUT)]) => {
                 let x = self.nth(node, 0, false)?;
                 let ids = self.input(node, Tensor::MoeTopkIds)?;
                 let out = self.nth(node, 0, true)?;
@@ -343,7 +343,7 @@ impl Emitter<'_> {
                     num_experts: moe.shape.num_experts,
                     pairs_per_x_row: u("pairs per row", out.rows / x.rows.max(1))?,
                 };
-                if *kernel == k::MOE_EXPERT_LINEAR {
+                if *kernel == k::EXPERT_LINEAR {
                     ops.expert_linear(s, &p)?;
                 } else {
                     ops.expert_linear_f32out(s, &p)?;
@@ -388,10 +388,10 @@ impl Emitter<'_> {
             (
                 op @ (Op::GdnConv | Op::GdnConvVerify),
                 [
-                    conv @ k::GDN_CAUSAL_CONV1D,
-                    window @ (k::GDN_CONV_STATE_UPDATE | k::GDN_CONV_STATE_VERIFY),
+                    conv @ k::CAUSAL_CONV1D,
+                    window @ (k::CONV_STATE_UPDATE | k::CONV_STATE_VERIFY),
                 ],
-            ) if (op == Op::GdnConvVerify) == (*window == k::GDN_CONV_STATE_VERIFY) => {
+            ) if (op == Op::GdnConvVerify) == (*window == k::CONV_STATE_VERIFY) => {
                 let g = self.gdn(b)?;
                 let ssm = self.ssm(b)?;
                 let proj = self.input(node, Tensor::GdnProj)?;
@@ -434,8 +434,8 @@ impl Emitter<'_> {
                     },
                 )?;
             }
-            (Op::GdnRecurrence, [k::GDN_RECURRENT])
-            | (Op::GdnRecurrenceVerify, [k::GDN_VERIFY]) => {
+            (Op::GdnRecurrence, [k::GATED_DELTA_RECURRENT])
+            | (Op::GdnRecurrenceVerify, [k::GATED_DELTA_VERIFY]) => {
                 let g = self.gdn(b)?;
                 let ssm = self.ssm(b)?;
                 let qk = self.input(node, Tensor::GdnQk)?;
@@ -459,7 +459,7 @@ impl Emitter<'_> {
                     ops.gated_delta_recurrent(s, &rule)?;
                 }
             }
-            (Op::GdnGatedNorm, [kernel @ k::GDN_GATED_RMS_NORM]) => {
+            (Op::GdnGatedNorm, [kernel @ k::GATED_RMS_NORM]) => {
                 let g = self.gdn(b)?;
                 let core = self.input(node, Tensor::GdnCore)?;
                 ops.gated_rms_norm(
@@ -475,7 +475,7 @@ impl Emitter<'_> {
                     },
                 )?;
             }
-            (Op::MoeRoute, [k::MOE_TOPK_ROUTE]) => {
+            (Op::MoeRoute, [k::TOPK_ROUTE]) => {
                 let moe = self.moe(b)?;
                 let logits = self.input(node, Tensor::MoeRouterLogits)?;
                 let ids = self.output(node, Tensor::MoeTopkIds)?;

@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# Run the metrale GPU bundle: bash run.sh LOGDIR  (written by `cargo xtask gpu-bundle`).
+# Needs the NVIDIA driver; CUDA's tools (compute-sanitizer) are used when found.
+#
+# Runs every test binary (one test at a time, output uncaptured); the kernel tests' sanitizer set
+# (`__SANITIZED__ __SANITIZER_SET__`: every kernel at small shapes) under compute-sanitizer's
+# memcheck and racecheck, each within SANITIZER_TIMEOUT; the kernel measurements
+# (bin/kernel_bench); the CLI's benchmark and a smoke run; the soak. Writes each full log and
+# results.json to LOGDIR and prints a short summary last. Exits non-zero if anything failed.
+set -uo pipefail
+BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+LOGDIR="${1:?usage: run.sh LOGDIR}"
+mkdir -p "$LOGDIR"
+LOGDIR="$(cd "$LOGDIR" && pwd)"
+# The executables travel compressed (payload.tar.gz); unpack them into a scratch directory.
+BIN_ROOT="$(mktemp -d "${TMPDIR:-/tmp}/metrale-bundle.XXXXXX")"
+trap 'rm -rf "$BIN_ROOT"' EXIT
+tar -xzf "$BUNDLE/payload.tar.gz" -C "$BIN_ROOT" || { echo "run.sh: cannot unpack $BUNDLE/payload.tar.gz" >&2; exit 2; }
+# Run from the working tree's root (target/gpu-bundle/../..), where tests/fixtures lives.
+cd "$BUNDLE/../.."
+[ -d tests/fixtures ] || { echo "run.sh: no tests/fixtures under $(pwd): run the bundle inside its working tree" >&2; exit 2; }
+TEST_TIMEOUT="${TEST_TIMEOUT:-300}"
+SANITIZER_TIMEOUT="${SANITIZER_TIMEOUT:-300}"
+
+declare -a ROWS=()
+declare -a SANITIZED=()
+JSON="$LOGDIR/results.json"
+echo "[" > "$JSON"
+FIRST=1
+FAILED=0
+
+record() { # name status passed failed seconds log
+  ROWS+=("$(printf '%-28s %-8s %7s %7s %9s' "$1" "$2" "$3" "$4" "$5")")
+  [ $FIRST -eq 1 ] || echo "," >> "$JSON"
+  FIRST=0
+  printf '  {"name": "%s", "status": "%s", "passed": %s, "failed": %s, "seconds": %s, "log": "%s"}' \
+    "$1" "$2" "$3" "$4" "$5" "$6" >> "$JSON"
+  [ "$2" = "ok" ] || FAILED=1
+}
+
+counts() { # log -> "passed failed" summed over every `test result:` line
+  awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+       END { printf "%d %d", p, f }' "$1"
+}
+
+status_of() { # exit code -> ok / fail(N) / timeout
+  case "$1" in
+    0) echo ok ;;
+    124) echo timeout ;;
+    *) echo "fail($1)" ;;
+  esac
+}
+
+now() { date +%s.%N; }
+elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+
+{ nvidia-smi || true; } > "$LOGDIR/nvidia-smi.txt" 2>&1
+
+for t in "$BIN_ROOT"/tests/bin/*; do
+  [ -x "$t" ] || continue
+  name="$(basename "$t")"
+  log="$LOGDIR/$name.log"
+  start="$(now)"
+  timeout "$TEST_TIMEOUT" "$t" --test-threads=1 --nocapture > "$log" 2>&1
+  rc=$?
+  secs="$(elapsed "$start")"
+  read -r passed failed < <(counts "$log")
+  record "$name" "$(status_of $rc)" "$passed" "$failed" "$secs" "$log"
+done
+
+# compute-sanitizer over the kernel tests' sanitizer set: memcheck (device memory errors) and
+# racecheck (shared-memory hazards). Host API errors are not reported: they are the backend's
+# own `GpuError`s.
+SAN=""
+for c in compute-sanitizer /usr/local/cuda/bin/compute-sanitizer; do
+  if command -v "$c" > /dev/null 2>&1; then SAN="$c"; break; fi
+done
+for tool in memcheck racecheck; do
+  [ -x "$BIN_ROOT/tests/bin/__SANITIZED__" ] || break
+  log="$LOGDIR/$tool.log"
+  if [ -z "$SAN" ]; then
+    echo "compute-sanitizer not found" > "$log"
+    record "$tool" "skipped" 0 0 0 "$log"
+    SANITIZED+=("$tool: skipped (no compute-sanitizer)")
+    continue
+  fi
+  start="$(now)"
+  timeout "$SANITIZER_TIMEOUT" "$SAN" --tool "$tool" --report-api-errors no --error-exitcode 86 \
+    "$BIN_ROOT/tests/bin/__SANITIZED__" __SANITIZER_SET__ --test-threads=1 > "$log" 2>&1
+  rc=$?
+  secs="$(elapsed "$start")"
+  read -r passed failed < <(counts "$log")
+  if [ "$tool" = memcheck ]; then
+    found="$(grep -o -E 'ERROR SUMMARY: [0-9]+ error' "$log" | tail -n 1 | grep -o -E '[0-9]+' || true)"
+    unit=errors
+  else
+    found="$(grep -o -E 'RACECHECK SUMMARY: [0-9]+ hazard' "$log" | tail -n 1 | grep -o -E '[0-9]+' || true)"
+    unit=hazards
+  fi
+  status="$(status_of $rc)"
+  # A run that passed but reported no summary line did not run under the tool as expected.
+  [ "$status" = ok ] && [ -z "$found" ] && status="no-summary"
+  [ "$passed" -gt 0 ] || status="${status/ok/no-tests}"
+  record "$tool" "$status" "$passed" "$failed" "$secs" "$log"
+  SANITIZED+=("$tool: ${found:-?} $unit in ${secs} s ($status)")
+done
+
+if [ -x "$BIN_ROOT/bin/kernel_bench" ]; then
+  log="$LOGDIR/kernel-bench.log"
+  start="$(now)"
+  timeout "$TEST_TIMEOUT" "$BIN_ROOT/bin/kernel_bench" > "$log" 2>&1
+  record "kernel_bench" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+fi
+
+if [ -x "$BIN_ROOT/bin/metrale" ]; then
+  log="$LOGDIR/metrale-cli.log"
+  start="$(now)"
+  timeout 60 "$BIN_ROOT/bin/metrale" --help > "$log" 2>&1
+  record "metrale --help" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+  # The benchmark (BENCH_SHAPES, default qwen3-8b and qwen3.5-9b): each figure beside its roofline.
+  for shape in ${BENCH_SHAPES:-qwen3-8b qwen3.5-9b}; do
+    log="$LOGDIR/bench-$shape.log"
+    start="$(now)"
+    timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --shape "$shape" --backend cuda \
+      --json-out "$LOGDIR/bench-$shape.json" > "$log" 2>&1
+    record "bench $shape" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+  done
+  # The speculative figures on the hybrid shape (SPEC_BENCH=0 skips them): verify and draft
+  # steps beside a plain decode step, projected and end-to-end tokens/s.
+  if [ "${SPEC_BENCH:-1}" != 0 ]; then
+    log="$LOGDIR/spec-bench-qwen3.5-9b.log"
+    start="$(now)"
+    timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --speculative --shape qwen3.5-9b \
+      --backend cuda --num-draft-tokens 4 --json-out "$LOGDIR/spec-bench-qwen3.5-9b.json" > "$log" 2>&1
+    record "bench --speculative qwen3.5-9b" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+  fi
+fi
+
+# The soak (many concurrent requests with cancellations, shared prefixes and preemption; every
+# output checked against its solo run) on the CUDA engine, over the dense and hybrid fixtures.
+if [ -x "$BIN_ROOT/bin/xtask" ]; then
+  log="$LOGDIR/soak-cuda.log"
+  start="$(now)"
+  timeout "${SOAK_TIMEOUT:-300}" "$BIN_ROOT/bin/xtask" soak --backend cuda \
+    --model tests/fixtures/qwen3-tiny --model tests/fixtures/qwen3_5-tiny > "$log" 2>&1
+  record "soak cuda" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+fi
+
+echo "" >> "$JSON"
+echo "]" >> "$JSON"
+
+# Per-kernel worst errors printed by the kernel tests (`kernel-check` lines).
+grep -h -o 'kernel-check.*' "$LOGDIR"/*.log 2>/dev/null > "$LOGDIR/kernel-errors.txt" || true
+if [ -s "$LOGDIR/kernel-errors.txt" ]; then
+  echo "== worst error per kernel (tests/bin/__SANITIZED__) =="
+  grep -h -o 'kernel-check.*' "$LOGDIR/__SANITIZED__.log" 2>/dev/null || true
+fi
+for f in "$LOGDIR"/bench-*.log; do
+  [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 12 "$f"; }
+done
+for f in "$LOGDIR"/spec-bench-*.log; do
+  [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 40 "$f"; }
+done
+if grep -q '^bench' "$LOGDIR/kernel-bench.log" 2>/dev/null; then
+  echo "== kernel measurements =="
+  grep -h '^bench' "$LOGDIR/kernel-bench.log"
+fi
+echo "== failures =="
+grep -h -A1 -E 'panicked at' "$LOGDIR"/*.log 2>/dev/null | grep -v -E '^(--|stack backtrace:)$' | head -n 40 || true
+grep '^NOT BUILT' "$BUNDLE/manifest.txt" 2>/dev/null || true
+if [ ${#SANITIZED[@]} -gt 0 ]; then
+  echo "== sanitizers (tests/bin/__SANITIZED__ __SANITIZER_SET__) =="
+  for r in "${SANITIZED[@]}"; do echo "$r"; done
+fi
+echo "== summary (logs in $LOGDIR) =="
+printf '%-28s %-8s %7s %7s %9s\n' "binary" "status" "passed" "failed" "seconds"
+for r in "${ROWS[@]}"; do echo "$r"; done
+exit $FAILED
