@@ -38,7 +38,8 @@ extern "C" __global__ void silu_mul(SILU_MUL_PARAMS) {
 // sizes) or to bulk-copy (`linear_stream_tma`, decode sizes); and, where `act`
 // is given, as rows too (what `linear_stream_tma` reads where it cannot use the images). Image
 // rows past `rows` (and k past ffn, when ffn % 64 != 0) are not written: the launcher stages only
-// ffn % 64 == 0. Needs ffn % 8 == 0 and 16-byte aligned gate_up and act; same grid as `silu_mul`.
+// ffn % 64 == 0. Needs ffn % 8 == 0 (else a SHAPE fault) and 16-byte aligned gate_up and act
+// (else an ALIGNMENT fault); same grid as `silu_mul`.
 extern "C" __global__ void silu_mul_staged(SILU_MUL_STAGED_PARAMS) {
     pdl_enter(rows);  // launched as a programmatic dependent, like `silu_mul`
     const uint32_t r = blockIdx.x;

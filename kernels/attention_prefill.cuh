@@ -288,6 +288,54 @@ struct AtpCursor {
     AtpItem it;
 };
 
+// The block's combine of one item (after its units): each virtual row's maximum and sum over
+// the partitions into `sh.cm[p]`, `sh.cl[p]` (threads below `vrows`), and the partitions'
+// outputs `o`, each weighed by its partition's share, summed in partition order into the
+// numerators `np` (thread rows v0 and v0 + 8 of partition `part`, where `active`). Ends with
+// the block synchronized, the next item's queries landed.
+template <int DP, int DH>
+MT_DEVICE void atp_combine(AtpShared& sh, float* np, uint32_t p, uint32_t vrows, const float (&o)[DH / 8][4],
+                           uint32_t v0, bool active) {
+    constexpr int HP = DP > 128 ? 2 : 1, RS = DP + 8;
+    const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const uint32_t c = lane & 3, part = warp / 4, hp = (warp % 4) % HP, v1 = v0 + 8;
+    float mx[2], wt[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t v = r == 0 ? v0 : v1;
+        mx[r] = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) mx[r] = fmaxf(mx[r], sh.wm[w][v]);
+        wt[r] = att_weight(sh.wm[part][v], mx[r]);
+    }
+    if (tid < vrows) {
+        const uint32_t v = tid;
+        float vmx = -INFINITY, den = 0.0f;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) vmx = fmaxf(vmx, sh.wm[w][v]);
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) den = fmaf(att_weight(sh.wm[w][v], vmx), sh.wl[w][v], den);
+        sh.cm[p][v] = vmx;
+        sh.cl[p][v] = sh.bad[p] ? __int_as_float(0x7FFFFFFF) : den;
+    }
+#pragma unroll 1
+    for (uint32_t w = 0; w < ATT_WARPS; ++w) {
+        if (part == w && active) {
+#pragma unroll
+            for (int n = 0; n < DH / 8; ++n) {
+                float* at0 = np + v0 * RS + hp * DH + 8 * n + 2 * c;
+                float* at1 = np + v1 * RS + hp * DH + 8 * n + 2 * c;
+                const float2 p0 = w == 0 ? make_float2(0.0f, 0.0f) : *reinterpret_cast<const float2*>(at0);
+                const float2 p1 = w == 0 ? make_float2(0.0f, 0.0f) : *reinterpret_cast<const float2*>(at1);
+                *reinterpret_cast<float2*>(at0) = make_float2(fmaf(wt[0], o[n][0], p0.x), fmaf(wt[0], o[n][1], p0.y));
+                *reinterpret_cast<float2*>(at1) = make_float2(fmaf(wt[1], o[n][2], p1.x), fmaf(wt[1], o[n][3], p1.y));
+            }
+        }
+        if (w + 1 == ATT_WARPS) cp_async_wait<0>();  // the next item's queries have landed
+        __syncthreads();
+    }
+}
+
 // Not inlined: each head_dim gets its own register allocation under the 128-register bound of
 // 512 threads (inlined, the four bodies share one, and the 128-wide unit loop spills four times
 // as much, which makes the layer markedly slower).
@@ -389,43 +437,7 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
         if (k + 1 < a.nk) atp_load_q<DP>(a, sh, k + 1, qs);
         cp_async_commit();
 
-        // The block's partitions in partition order.
-        float* np = num + p * VROWS * RS;
-        float mx[2], wt[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const uint32_t v = r == 0 ? v0 : v1;
-            mx[r] = -INFINITY;
-#pragma unroll
-            for (int w = 0; w < ATT_WARPS; ++w) mx[r] = fmaxf(mx[r], sh.wm[w][v]);
-            wt[r] = att_weight(sh.wm[part][v], mx[r]);
-        }
-        if (tid < it.cnt * a.hb) {
-            const uint32_t v = tid;
-            float vmx = -INFINITY, den = 0.0f;
-#pragma unroll
-            for (int w = 0; w < ATT_WARPS; ++w) vmx = fmaxf(vmx, sh.wm[w][v]);
-#pragma unroll
-            for (int w = 0; w < ATT_WARPS; ++w) den = fmaf(att_weight(sh.wm[w][v], vmx), sh.wl[w][v], den);
-            sh.cm[p][v] = vmx;
-            sh.cl[p][v] = sh.bad[p] ? __int_as_float(0x7FFFFFFF) : den;
-        }
-#pragma unroll 1
-        for (uint32_t w = 0; w < ATT_WARPS; ++w) {
-            if (part == w && active) {
-#pragma unroll
-                for (int n = 0; n < DH / 8; ++n) {
-                    float* at0 = np + v0 * RS + hp * DH + 8 * n + 2 * c;
-                    float* at1 = np + v1 * RS + hp * DH + 8 * n + 2 * c;
-                    const float2 p0 = w == 0 ? make_float2(0.0f, 0.0f) : *reinterpret_cast<const float2*>(at0);
-                    const float2 p1 = w == 0 ? make_float2(0.0f, 0.0f) : *reinterpret_cast<const float2*>(at1);
-                    *reinterpret_cast<float2*>(at0) = make_float2(fmaf(wt[0], o[n][0], p0.x), fmaf(wt[0], o[n][1], p0.y));
-                    *reinterpret_cast<float2*>(at1) = make_float2(fmaf(wt[1], o[n][2], p1.x), fmaf(wt[1], o[n][3], p1.y));
-                }
-            }
-            if (w + 1 == ATT_WARPS) cp_async_wait<0>();  // the next item's queries have landed
-            __syncthreads();
-        }
+        atp_combine<DP, DH>(sh, num + p * VROWS * RS, p, it.cnt * a.hb, o, v0, active);
         // Item k - 1's outputs (this item's partials are in shared memory: `o` is dead).
         if (k > 0) atp_output<DP>(a, atp_item(a, k - 1, sh, part), p ^ 1u, sh, num + (p ^ 1u) * VROWS * RS, false);
         cluster_publish_arrive();
@@ -453,8 +465,9 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
     uint32_t num_seqs, uint32_t num_slots, float scale, uint32_t gated, const uint32_t* __restrict__ row_groups,       \
     uint32_t n_groups
 
-// paged_attention_prefill(the arguments of paged_attention, then row_groups: u32 [n_groups, 2]
-// (first row, rows), n_groups): `paged_attention` on the rows of the groups, bitwise, each
+// paged_attention_prefill(the arguments of paged_attention, with row_groups: u32 [n_groups, 2]
+// (first row, rows) after the pointers and n_groups last): `paged_attention` on the rows of the
+// groups, bitwise, each
 // group's rows (1 ..= atp_rows_per_item consecutive rows of one sequence whose positions lie in
 // the same 16-token unit) in one item, so each key and value is read once for all of them. Rows
 // of no group are not written; a malformed group gets NaN outputs.

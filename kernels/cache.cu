@@ -3,7 +3,8 @@
 //
 // Launch: one block per row (any block size). Cache layout per layer:
 // [num_slots, num_kv_heads, head_dim] bf16. A slot of u32::MAX is a padding row and writes
-// nothing; a slot past `num_slots` (an error on the CPU) also writes nothing.
+// nothing; a slot past `num_slots` writes nothing and reports an INDEX fault, k or v not
+// fitting the row a SHAPE fault (the CPU twin fails both launches).
 #include "common.cuh"
 
 // kv_store(k_cache, v_cache: bf16 [num_slots, num_kv_heads, head_dim], qkv: bf16 [rows,

@@ -1,8 +1,8 @@
 // Token embedding gather and row gather. CPU twins: metrale-gpu-runtime/src/cpu/kernels/embed.rs.
 //
 // Launch: one block per output row (any block size that is a multiple of 32).
-// An id outside the table cannot be reported from the device: that row is filled with NaN
-// instead (the CPU twin returns an error).
+// An id outside the table fills its row with NaN and reports an INDEX fault (`mt_fault`); the
+// CPU twin fails the launch.
 #include "common.cuh"
 
 // embedding_gather(out: f32 [rows, hidden], table: bf16 [vocab, hidden], ids: u32 [rows], rows,

@@ -5,7 +5,9 @@
 // Head scalars, as every kernel here takes them: Hk (num_k_heads), Dk, Hv, Dv; key_dim = Hk*Dk,
 // value_dim = Hv*Dv, conv_dim = 2*key_dim + value_dim, proj_width = conv_dim + value_dim + 2*Hv.
 // A sequence whose slot is u32::MAX (padding) reads zero states and writes none; a slot past
-// num_slots (which the CPU twin refuses) writes NaN outputs and leaves every state alone.
+// num_slots writes NaN outputs, leaves every state alone and reports an INDEX fault
+// (`mt_fault`), as does a row slot past num_slots; a shape a kernel does not take reports a
+// SHAPE fault. The CPU twins refuse the same launches.
 //
 // Launch geometry (ops_hybrid.rs builds it from shapes only):
 // - causal_conv1d: grid (rows, ceil(conv_dim / T)), T threads, one thread per (row, channel).
@@ -26,7 +28,7 @@
 // row_slot[r] (none for u32::MAX), reading the sequence's own slot (seq_slot) and writing it only
 // where a row names it; each thread reads all of its input state before it writes any row's, so
 // a row may name its own sequence's slot. Every row is computed bitwise as the decode kernels
-// compute it. A row slot past num_slots is skipped (the CPU twin refuses it).
+// compute it. A row slot past num_slots is skipped (and reported, as above).
 //
 // The delta rule. The columns d of a head's state S[c][d] (c < Dk, d < Dv) evolve independently:
 // a token needs only column d of S, k̂, q̂ and v[d]. So a warp owns 16 columns for all Dk rows and
@@ -166,7 +168,7 @@ extern "C" __global__ void conv_state_update(CONV_STATE_UPDATE_PARAMS) {
 // with a row slot, that slot's window becomes the last K-1 inputs of (the sequence's window ++
 // its rows 0..=t): new[i] = x(t + 1 - (K-1) + i). One thread per (sequence, channel); it reads
 // the old window (zeros for padding) into registers before writing any row's. A slot past the
-// pool, or K - 1 > GDN_MAX_CONV_HIST, writes nothing.
+// pool (INDEX) or K - 1 > GDN_MAX_CONV_HIST (SHAPE) writes nothing and reports a fault.
 extern "C" __global__ void conv_state_verify(CONV_STATE_VERIFY_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();

@@ -91,70 +91,16 @@ MT_DEVICE void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
         "fence.acquire.sync_restrict::shared::cluster.cluster;\n" ::"r"(bar), "r"(parity) : "memory");
 }
 
-// `linear_stream_tma`'s body for N-row wgmmas. Shared memory: x's segment (stage j's image at
-// j * N * 128), two buffers of partials, the ring of weight stages, the mbarriers. Thread 0
-// queues the ring's first stages before the programmatic wait (the weight is never written by
-// the kernel ahead), then either thread 0 queues bulk copies of x's segment from its stage
-// images (`ximg`: one a stage, completing on `xfull`, which the consumers wait for) or every
-// thread copies its share of x's rows (zeros past m and past the segment); then thread 0 queues
-// the rest, each stage's full barrier taking the box's bytes, its empty barrier the 256
-// consumers' arrivals. Warpgroups 1 and 2 consume (weight rows 64 c .. 64 c + 63 of the tile,
-// fragment rows as in `linear_tma_body`). At a tile's end the consumers
-// write their partials into one of two buffers (once the cluster has read that buffer's
-// previous tile: `pfree`), tell every block (`pready`) and go on to the next tile; the producer
-// warpgroup's warps 1-3 sum this block's share of each tile over the segments, in order, once
-// every block has published it, store it, and tell every block that buffer is read.
-template <typename OutT, uint32_t N>
-MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const unsigned char* ximg, const void* wmap, uint32_t m,
-                               uint32_t n, uint32_t k, uint32_t row_blocks, unsigned char* smem) {
-    constexpr uint32_t W_BYTES = LIN_DEC_COLS * 128, X_STAGE = N * 128, PART_BYTES = N * 1024;
-    const uint32_t tid = threadIdx.x, seg = blockIdx.x % LIN_SEGS;
-    // Cluster c takes rows N (c % row_blocks).. and the column tiles c / row_blocks, + ncol, ...:
-    // the clusters of one column tile's row blocks are neighbours and read its weight together
-    // (the second from L2). The launcher makes the clusters a multiple of row_blocks.
-    const uint32_t cid = blockIdx.x / LIN_SEGS / row_blocks, ncl = gridDim.x / LIN_SEGS / row_blocks;
-    const uint32_t m0 = (blockIdx.x / LIN_SEGS % row_blocks) * N;
-    const uint32_t tiles = (n + LIN_DEC_COLS - 1) / LIN_DEC_COLS;
-    const uint32_t my_tiles = cid < tiles ? (tiles - cid + ncl - 1) / ncl : 0;  // the same in the cluster
-    const LinSegment span = lin_segment(k, seg);
-    const uint32_t seg_steps = (lin_segment(k, 0).c_end + 1) / 2;  // x's room: the longest segment
-    const uint32_t nch = span.c_end - span.c_begin, steps = (nch + 1) / 2, total = my_tiles * steps;
-    const uint32_t x_bytes = seg_steps * X_STAGE;
-    const uint32_t st_fit = (LIN_DEC_SPACE - x_bytes - PART_BYTES) / W_BYTES;
-    const uint32_t ST = st_fit < LIN_DEC_MAX_STAGES ? st_fit : LIN_DEC_MAX_STAGES;
-    if (ST < 2) __trap();  // the launcher keeps to LIN_DEC_MIN_STAGES
-    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
-    const uint32_t xs = sbase, ring = sbase + x_bytes + PART_BYTES;
-    const uint32_t full = ring + ST * W_BYTES, empty = full + LIN_DEC_MAX_STAGES * 8;
-    const uint32_t pready = empty + LIN_DEC_MAX_STAGES * 8, pfree = pready + 16, xfull = pfree + 16;
-    // x's segment from its stage images: where they are given and every segment starts and
-    // ends with a stage (uniform over the grid).
-    const bool staged = ximg != nullptr && k % 64 == 0 && lin_segment(k, 0).c_end % 2 == 0;
-    if (tid < ST) {
-        mbar_init(full + tid * 8, 1);
-        mbar_init(empty + tid * 8, 256);
-    }
-    if (tid < 2) {
-        mbar_init(pready + tid * 8, LIN_SEGS);
-        mbar_init(pfree + tid * 8, LIN_SEGS);
-    }
-    if (tid == 0) mbar_init(xfull, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    // Every block's barriers are set before any block arrives on them.
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
-
-    auto queue_w = [&](uint32_t g) {  // stage g: step g % steps of tile g / steps
-        const uint32_t slot = g % ST, bar = full + slot * 8;
-        mbar_expect_tx(bar, W_BYTES);
-        tma_load_2d(ring + slot * W_BYTES, wmap, (span.c_begin + 2 * (g % steps)) * LIN_KC,
-                    (cid + (g / steps) * ncl) * LIN_DEC_COLS, bar);
-    };
-    if (tid == 0) {
-        // The map was written by a copy before the launch.
-        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(wmap) : "memory");
-        for (uint32_t g = 0; g < total && g < ST; ++g) queue_w(g);
-    }
-    pdl_wait();
+// Block `tid`'s share of copying its segment of x (`span`, rows m0..m0 + N) into shared memory
+// at `xs`, in the `k32_pairs` order and swizzle the consumers read (stage j at j * N * 128): by
+// bulk copies from the stage images where `staged` (completing on `xfull`), else from x's rows
+// (zeros past m and past the segment).
+template <uint32_t N>
+MT_DEVICE void dec_load_x(const bf16* x, const unsigned char* ximg, uint32_t m, uint32_t k, uint32_t m0,
+                          const LinSegment& span, uint32_t seg_steps, bool staged, uint32_t xs, uint32_t xfull) {
+    constexpr uint32_t X_STAGE = N * 128;
+    const uint32_t tid = threadIdx.x;
+    const uint32_t steps = (span.c_end - span.c_begin + 1) / 2;
     if (staged) {
         // The images hold every row of the one 128-row tile (m <= 128): stage j of this
         // segment is N * 128 contiguous bytes of image span.c_begin / 2 + j, from row m0, in
@@ -197,6 +143,151 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const unsigned char* xi
         }
         fence_async_smem();  // the stores, before the consumers' wgmma reads them
     }
+}
+
+// The shared-memory barriers of `linear_dec_body`: each ring stage's full and empty barrier (at
+// full + 8 s, empty + 8 s), the two partial buffers' ready and free barriers, x's.
+struct DecBars {
+    uint32_t full, empty, pready, pfree, xfull;
+};
+
+// The consumer warpgroups' part of `linear_dec_body` (threads 128..383): every stage of every
+// tile of the block's through wgmma (weight rows 64 c .. 64 c + 63 of the tile, fragment rows
+// as in `linear_tma_body`, x's image of the step from `xs`), the tile's partials into buffer
+// it % 2 of `part` once the cluster has read that buffer's tile before, then published to every
+// block.
+template <uint32_t N>
+MT_DEVICE void dec_consume(float4* part, uint32_t ring, uint32_t xs, const DecBars& bars, uint32_t ST,
+                           uint32_t nch, uint32_t my_tiles, bool staged) {
+    constexpr uint32_t W_BYTES = LIN_DEC_COLS * 128, X_STAGE = N * 128;
+    const uint32_t full = bars.full, empty = bars.empty, pready = bars.pready, pfree = bars.pfree;
+    const uint32_t tid = threadIdx.x, steps = (nch + 1) / 2;
+    const uint32_t ct = tid - 128, wt = ct % 128, lane = wt % 32;
+    const WgFragRows fr = wg_frag_rows(ct / 128, wt / 32, lane / 4, lane % 4);
+    float acc[N / 2];
+    uint4 A0[4], A1[4];
+    // The ring position of the next stage, kept by counters (a division by the run-time ST each
+    // stage showed in the stall samples): `slot`, its `phase`, and `prev_slot`, the stage's
+    // before it.
+    uint32_t slot = 0, phase = 0, prev_slot = ST - 1;
+    // The next stage (step j of its tile): wait for it, load its fragments into `cur`, issue its
+    // MMAs (the chain's first with scale-d 0) on x's image of step j, then wait for the MMAs of
+    // the stage before (fragments `prev`) and release it (within the tile; the tile's last stage
+    // is released at its end). A segment of an odd chunk count ends inside its last stage: the
+    // second chunk's MMAs still run (a branch around them would serialize every wgmma), on zero
+    // fragments and the zeros x holds there, adding +0 products: at most a partial's zero
+    // changes sign, which the sum from +0 cannot see.
+    auto step = [&](uint32_t j, uint4 (&cur)[4], uint4 (&prev)[4]) {
+        const uint32_t st = ring + slot * W_BYTES, xb = xs + j * X_STAGE;
+        mbar_wait(full + slot * 8, phase);
+        wg_load_frags(cur, st, fr);
+        if (2 * j + 1 >= nch) cur[2] = cur[3] = make_uint4(0, 0, 0, 0);  // past the segment
+        wg_fence();
+        wgmma_m64nNk16_rs<N>(acc, cur[0].x, cur[1].x, cur[0].y, cur[1].y, wg_desc_sw(xb, 0, 0), j == 0 ? 0u : 1u);
+        wgmma_m64nNk16_rs<N>(acc, cur[0].z, cur[1].z, cur[0].w, cur[1].w, wg_desc_sw(xb, 0, 1), 1u);
+        wgmma_m64nNk16_rs<N>(acc, cur[2].x, cur[3].x, cur[2].y, cur[3].y, wg_desc_sw(xb, 0, 2), 1u);
+        wgmma_m64nNk16_rs<N>(acc, cur[2].z, cur[3].z, cur[2].w, cur[3].w, wg_desc_sw(xb, 0, 3), 1u);
+        wg_commit();
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        keep_live4(prev);
+        if (j > 0) mbar_arrive(empty + prev_slot * 8);
+        prev_slot = slot;
+        if (++slot == ST) slot = 0, phase ^= 1;
+    };
+    if (staged) mbar_wait(bars.xfull, 0);
+    uint32_t g = 0;
+    for (uint32_t it = 0; it < my_tiles; ++it) {
+#pragma unroll
+        for (uint32_t e = 0; e < N / 2; ++e) acc[e] = 0.0f;
+        for (uint32_t j = 0; j < steps; ++j, ++g) {
+            if (g & 1)
+                step(j, A1, A0);
+            else
+                step(j, A0, A1);
+        }
+        wg_wait0();
+        keep_live4(A0);
+        keep_live4(A1);
+        if (steps > 0) mbar_arrive(empty + prev_slot * 8);
+        // Buffer it % 2 is free once the cluster has read tile it - 2 from it.
+        const uint32_t b = it & 1;
+        mbar_wait_cluster(pfree + b * 8, ((it >> 1) & 1) ^ 1);
+        float4* dst = part + b * (N * 32);
+#pragma unroll
+        for (uint32_t jn = 0; jn < N / 8; ++jn)
+            dst[jn * 256 + ct] = make_float4(acc[4 * jn], acc[4 * jn + 1], acc[4 * jn + 2], acc[4 * jn + 3]);
+        asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        if (ct < LIN_SEGS) mbar_arrive_remote(pready + b * 8, ct);
+    }
+}
+
+// `linear_stream_tma`'s body for N-row wgmmas. Shared memory: x's segment (stage j's image at
+// j * N * 128), two buffers of partials, the ring of weight stages, the mbarriers. Thread 0
+// queues the ring's first stages before the programmatic wait (the weight is never written by
+// the kernel ahead), then either thread 0 queues bulk copies of x's segment from its stage
+// images (`ximg`: one a stage, completing on `xfull`, which the consumers wait for) or every
+// thread copies its share of x's rows (zeros past m and past the segment); then thread 0 queues
+// the rest, each stage's full barrier taking the box's bytes, its empty barrier the 256
+// consumers' arrivals. Warpgroups 1 and 2 consume (weight rows 64 c .. 64 c + 63 of the tile,
+// fragment rows as in `linear_tma_body`). At a tile's end the consumers
+// write their partials into one of two buffers (once the cluster has read that buffer's
+// previous tile: `pfree`), tell every block (`pready`) and go on to the next tile; the producer
+// warpgroup's warps 1-3 sum this block's share of each tile over the segments, in order, once
+// every block has published it, store it, and tell every block that buffer is read.
+template <typename OutT, uint32_t N>
+MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const unsigned char* ximg, const void* wmap, uint32_t m,
+                               uint32_t n, uint32_t k, uint32_t row_blocks, unsigned char* smem) {
+    constexpr uint32_t W_BYTES = LIN_DEC_COLS * 128, X_STAGE = N * 128, PART_BYTES = N * 1024;
+    const uint32_t tid = threadIdx.x, seg = blockIdx.x % LIN_SEGS;
+    // Cluster c takes rows N (c % row_blocks).. and the column tiles c / row_blocks, + ncol, ...:
+    // the clusters of one column tile's row blocks are neighbours and read its weight together
+    // (the second from L2). The launcher makes the clusters a multiple of row_blocks.
+    const uint32_t cid = blockIdx.x / LIN_SEGS / row_blocks, ncl = gridDim.x / LIN_SEGS / row_blocks;
+    const uint32_t m0 = (blockIdx.x / LIN_SEGS % row_blocks) * N;
+    const uint32_t tiles = (n + LIN_DEC_COLS - 1) / LIN_DEC_COLS;
+    const uint32_t my_tiles = cid < tiles ? (tiles - cid + ncl - 1) / ncl : 0;  // the same in the cluster
+    const LinSegment span = lin_segment(k, seg);
+    const uint32_t seg_steps = (lin_segment(k, 0).c_end + 1) / 2;  // x's room: the longest segment
+    const uint32_t nch = span.c_end - span.c_begin, steps = (nch + 1) / 2, total = my_tiles * steps;
+    const uint32_t x_bytes = seg_steps * X_STAGE;
+    const uint32_t st_fit = (LIN_DEC_SPACE - x_bytes - PART_BYTES) / W_BYTES;
+    const uint32_t ST = st_fit < LIN_DEC_MAX_STAGES ? st_fit : LIN_DEC_MAX_STAGES;
+    if (ST < 2) __trap();  // the launcher keeps to LIN_DEC_MIN_STAGES
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+    const uint32_t xs = sbase, ring = sbase + x_bytes + PART_BYTES;
+    const uint32_t full = ring + ST * W_BYTES, empty = full + LIN_DEC_MAX_STAGES * 8;
+    const uint32_t pready = empty + LIN_DEC_MAX_STAGES * 8, pfree = pready + 16, xfull = pfree + 16;
+    const DecBars bars = {full, empty, pready, pfree, xfull};
+    // x's segment from its stage images: where they are given and every segment starts and
+    // ends with a stage (uniform over the grid).
+    const bool staged = ximg != nullptr && k % 64 == 0 && lin_segment(k, 0).c_end % 2 == 0;
+    if (tid < ST) {
+        mbar_init(full + tid * 8, 1);
+        mbar_init(empty + tid * 8, 256);
+    }
+    if (tid < 2) {
+        mbar_init(pready + tid * 8, LIN_SEGS);
+        mbar_init(pfree + tid * 8, LIN_SEGS);
+    }
+    if (tid == 0) mbar_init(xfull, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    // Every block's barriers are set before any block arrives on them.
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+
+    auto queue_w = [&](uint32_t g) {  // stage g: step g % steps of tile g / steps
+        const uint32_t slot = g % ST, bar = full + slot * 8;
+        mbar_expect_tx(bar, W_BYTES);
+        tma_load_2d(ring + slot * W_BYTES, wmap, (span.c_begin + 2 * (g % steps)) * LIN_KC,
+                    (cid + (g / steps) * ncl) * LIN_DEC_COLS, bar);
+    };
+    if (tid == 0) {
+        // The map was written by a copy before the launch.
+        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(wmap) : "memory");
+        for (uint32_t g = 0; g < total && g < ST; ++g) queue_w(g);
+    }
+    pdl_wait();
+    dec_load_x<N>(x, ximg, m, k, m0, span, seg_steps, staged, xs, xfull);
     __syncthreads();
     float4* part = reinterpret_cast<float4*>(smem + x_bytes);
     cg::cluster_group cluster = cg::this_cluster();
@@ -244,62 +335,5 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const unsigned char* xi
         return;
     }
 
-    const uint32_t ct = tid - 128, wt = ct % 128, lane = wt % 32;
-    const WgFragRows fr = wg_frag_rows(ct / 128, wt / 32, lane / 4, lane % 4);
-    float acc[N / 2];
-    uint4 A0[4], A1[4];
-    // The ring position of the next stage, kept by counters (a division by the run-time ST each
-    // stage showed in the stall samples): `slot`, its `phase`, and `prev_slot`, the stage's
-    // before it.
-    uint32_t slot = 0, phase = 0, prev_slot = ST - 1;
-    // The next stage (step j of its tile): wait for it, load its fragments into `cur`, issue its
-    // MMAs (the chain's first with scale-d 0) on x's image of step j, then wait for the MMAs of
-    // the stage before (fragments `prev`) and release it (within the tile; the tile's last stage
-    // is released at its end). A segment of an odd chunk count ends inside its last stage: the
-    // second chunk's MMAs still run (a branch around them would serialize every wgmma), on zero
-    // fragments and the zeros x holds there, adding +0 products: at most a partial's zero
-    // changes sign, which the sum from +0 cannot see.
-    auto step = [&](uint32_t j, uint4 (&cur)[4], uint4 (&prev)[4]) {
-        const uint32_t st = ring + slot * W_BYTES, xb = xs + j * X_STAGE;
-        mbar_wait(full + slot * 8, phase);
-        wg_load_frags(cur, st, fr);
-        if (2 * j + 1 >= nch) cur[2] = cur[3] = make_uint4(0, 0, 0, 0);  // past the segment
-        wg_fence();
-        wgmma_m64nNk16_rs<N>(acc, cur[0].x, cur[1].x, cur[0].y, cur[1].y, wg_desc_sw(xb, 0, 0), j == 0 ? 0u : 1u);
-        wgmma_m64nNk16_rs<N>(acc, cur[0].z, cur[1].z, cur[0].w, cur[1].w, wg_desc_sw(xb, 0, 1), 1u);
-        wgmma_m64nNk16_rs<N>(acc, cur[2].x, cur[3].x, cur[2].y, cur[3].y, wg_desc_sw(xb, 0, 2), 1u);
-        wgmma_m64nNk16_rs<N>(acc, cur[2].z, cur[3].z, cur[2].w, cur[3].w, wg_desc_sw(xb, 0, 3), 1u);
-        wg_commit();
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        keep_live4(prev);
-        if (j > 0) mbar_arrive(empty + prev_slot * 8);
-        prev_slot = slot;
-        if (++slot == ST) slot = 0, phase ^= 1;
-    };
-    if (staged) mbar_wait(xfull, 0);
-    uint32_t g = 0;
-    for (uint32_t it = 0; it < my_tiles; ++it) {
-#pragma unroll
-        for (uint32_t e = 0; e < N / 2; ++e) acc[e] = 0.0f;
-        for (uint32_t j = 0; j < steps; ++j, ++g) {
-            if (g & 1)
-                step(j, A1, A0);
-            else
-                step(j, A0, A1);
-        }
-        wg_wait0();
-        keep_live4(A0);
-        keep_live4(A1);
-        if (steps > 0) mbar_arrive(empty + prev_slot * 8);
-        // Buffer it % 2 is free once the cluster has read tile it - 2 from it.
-        const uint32_t b = it & 1;
-        mbar_wait_cluster(pfree + b * 8, ((it >> 1) & 1) ^ 1);
-        float4* dst = part + b * (N * 32);
-#pragma unroll
-        for (uint32_t jn = 0; jn < N / 8; ++jn)
-            dst[jn * 256 + ct] = make_float4(acc[4 * jn], acc[4 * jn + 1], acc[4 * jn + 2], acc[4 * jn + 3]);
-        asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");
-        if (ct < LIN_SEGS) mbar_arrive_remote(pready + b * 8, ct);
-    }
+    dec_consume<N>(part, ring, xs, bars, ST, nch, my_tiles, staged);
 }

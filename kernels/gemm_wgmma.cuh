@@ -77,6 +77,53 @@ MT_DEVICE void cp_async_mbar_arrive(uint32_t bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
+// The producer warpgroup of `linear_ws` (thread `wt` of warpgroup 0): every step's x and weight
+// tiles into ring slot j % ST at `sbase` once its empty barrier says it is free, each stage's
+// full barrier signalled when its copies land. With three consumers it hands registers to them.
+template <int ST, uint32_t BM, bool VEC>
+MT_DEVICE void ws_produce(const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k, uint32_t m0,
+                          uint32_t n0, uint32_t steps, uint32_t sbase, uint32_t full, uint32_t empty,
+                          uint32_t wt) {
+    constexpr uint32_t BN = 128, SCH = 2;
+    constexpr bool REG = BM > 128;
+    constexpr uint32_t A_BYTES = BM * 128, B_BYTES = BN * 128;
+    constexpr uint32_t STAGE_BYTES = A_BYTES + B_BYTES;
+    if (REG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    // Thread (r0 = wt / 16, cc = (wt / 8) % 2, p = wt % 8) copies piece p of chunk cc of rows
+    // r0, r0 + 8, ... of the x tile then the weight tile: the swizzle term is fixed.
+    const uint32_t r0 = wt / 16, cc = (wt / 8) % SCH, p = wt % 8;
+    const uint32_t off = wg_off(r0, cc, p);
+    for (uint32_t j = 0; j < steps; ++j) {
+        const uint32_t slot = j % ST;
+        mbar_wait(empty + slot * 8, ((j / ST) & 1) ^ 1);
+        const uint32_t col = (j * SCH + cc) * LIN_KC + 4 * p;
+        const uint32_t dst = sbase + slot * STAGE_BYTES + off;
+        if (VEC) {
+#pragma unroll 4
+            for (uint32_t i = 0; i < BM / 8; ++i) {
+                const uint32_t row = m0 + r0 + 8 * i;
+                const bool in = row < m && col < k;
+                cp_async_ca<8>(dst + i * 1024, in ? x + (size_t)row * k + col : x, in ? 8u : 0u);
+            }
+#pragma unroll 4
+            for (uint32_t i = 0; i < BN / 8; ++i) {
+                const uint32_t row = n0 + r0 + 8 * i;
+                const bool in = row < n && col < k;
+                cp_async_ca<8>(dst + A_BYTES + i * 1024, in ? w + (size_t)row * k + col : w, in ? 8u : 0u);
+            }
+            cp_async_mbar_arrive(full + slot * 8);
+        } else {  // element loads (zero past k and past the rows), then stores
+            for (uint32_t i = 0; i < BM / 8; ++i)
+                st_shared8(dst + i * 1024, load4(x, m, k, m0 + r0 + 8 * i, col));
+            for (uint32_t i = 0; i < BN / 8; ++i)
+                st_shared8(dst + A_BYTES + i * 1024, load4(w, n, k, n0 + r0 + 8 * i, col));
+            fence_async_smem();  // the stores, before the consumers' wgmma reads them
+            mbar_arrive(full + slot * 8);
+        }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
 // The prefill kernel's body (`linear`): a BM x 128 output tile per block of 128 + 2 BM threads.
 // Warpgroup 0 (the producer) fills a ring of ST stages, each 2 chunks of the tile's BM x rows and
 // 128 weight rows (8-byte cp.async into the `wg_off` layout; VEC false: operands not in aligned
@@ -107,40 +154,7 @@ MT_DEVICE void linear_ws(OutT* out, const bf16* x, const bf16* w, uint32_t m, ui
     __syncthreads();
 
     if (wg == 0) {
-        if (REG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-        // Thread (r0 = wt / 16, cc = (wt / 8) % 2, p = wt % 8) copies piece p of chunk cc of rows
-        // r0, r0 + 8, ... of the x tile then the weight tile: the swizzle term is fixed.
-        const uint32_t r0 = wt / 16, cc = (wt / 8) % SCH, p = wt % 8;
-        const uint32_t off = wg_off(r0, cc, p);
-        for (uint32_t j = 0; j < steps; ++j) {
-            const uint32_t slot = j % ST;
-            mbar_wait(empty + slot * 8, ((j / ST) & 1) ^ 1);
-            const uint32_t col = (j * SCH + cc) * LIN_KC + 4 * p;
-            const uint32_t dst = sbase + slot * STAGE_BYTES + off;
-            if (VEC) {
-#pragma unroll 4
-                for (uint32_t i = 0; i < BM / 8; ++i) {
-                    const uint32_t row = m0 + r0 + 8 * i;
-                    const bool in = row < m && col < k;
-                    cp_async_ca<8>(dst + i * 1024, in ? x + (size_t)row * k + col : x, in ? 8u : 0u);
-                }
-#pragma unroll 4
-                for (uint32_t i = 0; i < BN / 8; ++i) {
-                    const uint32_t row = n0 + r0 + 8 * i;
-                    const bool in = row < n && col < k;
-                    cp_async_ca<8>(dst + A_BYTES + i * 1024, in ? w + (size_t)row * k + col : w, in ? 8u : 0u);
-                }
-                cp_async_mbar_arrive(full + slot * 8);
-            } else {  // element loads (zero past k and past the rows), then stores
-                for (uint32_t i = 0; i < BM / 8; ++i)
-                    st_shared8(dst + i * 1024, load4(x, m, k, m0 + r0 + 8 * i, col));
-                for (uint32_t i = 0; i < BN / 8; ++i)
-                    st_shared8(dst + A_BYTES + i * 1024, load4(w, n, k, n0 + r0 + 8 * i, col));
-                fence_async_smem();  // the stores, before the consumers' wgmma reads them
-                mbar_arrive(full + slot * 8);
-            }
-        }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        ws_produce<ST, BM, VEC>(x, w, m, n, k, m0, n0, steps, sbase, full, empty, wt);
         return;
     }
 

@@ -188,8 +188,32 @@ pub fn kernels(root: &Path) -> anyhow::Result<()> {
     }
 
     let include = format!("-I{}", cccl.display());
+    let jobs = compile_jobs(&sources, &out_dir, &include, &sources_dir)?;
+    let started = std::time::Instant::now();
+    let results = run_jobs(&nvcc, &jobs);
+    let failed = report(&nvcc, &jobs, results);
+    if !failed.is_empty() {
+        bail!("nvcc failed for: {}", failed.join(", "));
+    }
+    check_manifest(&out_dir, &sources)?;
+    eprintln!(
+        "kernels: {} families compiled to {} in {:.1} s",
+        sources.len(),
+        out_dir.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// One cubin and one PTX job for each source, into `out_dir`.
+fn compile_jobs(
+    sources: &[PathBuf],
+    out_dir: &Path,
+    include: &str,
+    sources_dir: &Path,
+) -> anyhow::Result<Vec<Job>> {
     let mut jobs = Vec::new();
-    for source in &sources {
+    for source in sources {
         let stem = source
             .file_stem()
             .context("a .cu file has a stem")?
@@ -201,7 +225,7 @@ pub fn kernels(root: &Path) -> anyhow::Result<()> {
             let output = out_dir.join(format!("{stem}.{kind}"));
             let mut args: Vec<String> = target.iter().map(|s| s.to_string()).collect();
             args.extend(COMMON_FLAGS.iter().map(|s| s.to_string()));
-            args.push(include.clone());
+            args.push(include.to_string());
             args.push(format!("-I{}", sources_dir.display()));
             args.push("-o".into());
             args.push(output.display().to_string());
@@ -213,14 +237,17 @@ pub fn kernels(root: &Path) -> anyhow::Result<()> {
             });
         }
     }
+    Ok(jobs)
+}
 
-    let started = std::time::Instant::now();
+/// Run the jobs on every core; each job's index with its output, in job order.
+fn run_jobs(nvcc: &Path, jobs: &[Job]) -> Vec<(usize, std::io::Result<Output>)> {
     let workers = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)
         .min(jobs.len());
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let results: Vec<(usize, std::io::Result<Output>)> = std::thread::scope(|scope| {
+    let mut results: Vec<(usize, std::io::Result<Output>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..workers)
             .map(|_| {
                 scope.spawn(|| {
@@ -228,7 +255,7 @@ pub fn kernels(root: &Path) -> anyhow::Result<()> {
                     loop {
                         let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         let Some(job) = jobs.get(i) else { break };
-                        done.push((i, Command::new(&nvcc).args(&job.args).output()));
+                        done.push((i, Command::new(nvcc).args(&job.args).output()));
                     }
                     done
                 })
@@ -239,9 +266,16 @@ pub fn kernels(root: &Path) -> anyhow::Result<()> {
             .flat_map(|h| h.join().unwrap_or_default())
             .collect()
     });
-
-    let mut results = results;
     results.sort_by_key(|(i, _)| *i);
+    results
+}
+
+/// Print every job's diagnostics; the outputs that failed (each removed).
+fn report(
+    nvcc: &Path,
+    jobs: &[Job],
+    results: Vec<(usize, std::io::Result<Output>)>,
+) -> Vec<String> {
     let mut failed = Vec::new();
     for (i, result) in results {
         let job = &jobs[i];
@@ -275,15 +309,5 @@ pub fn kernels(root: &Path) -> anyhow::Result<()> {
             }
         }
     }
-    if !failed.is_empty() {
-        bail!("nvcc failed for: {}", failed.join(", "));
-    }
-    check_manifest(&out_dir, &sources)?;
-    eprintln!(
-        "kernels: {} families compiled to {} in {:.1} s",
-        sources.len(),
-        out_dir.display(),
-        started.elapsed().as_secs_f64()
-    );
-    Ok(())
+    failed
 }

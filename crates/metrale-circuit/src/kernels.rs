@@ -26,7 +26,7 @@ macro_rules! manifest_kernels {
 
 metrale_kernel_abi::for_each_kernel!(manifest_kernels);
 
-/// Fused kernels that `Differs` rules name and no backend has yet.
+/// Fused kernels that `Differs` rules name and no backend has.
 pub mod proposed {
     use crate::rules::Kernel;
 

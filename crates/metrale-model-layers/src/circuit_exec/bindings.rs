@@ -245,7 +245,7 @@ impl CircuitLayer {
 /// A supertrait of `TransformerLayer`; see the module header.
 pub trait CircuitBindings {
     /// Build whatever the bound kernels read that the layer builds lazily, so a binding can
-    /// hand it out; queued on `stream`. Nothing is built lazily today.
+    /// hand it out; queued on `stream`. Nothing is built lazily.
     fn circuit_prepare(&self, _ops: &Ops, _stream: StreamHandle) -> GpuResult<()> {
         Ok(())
     }

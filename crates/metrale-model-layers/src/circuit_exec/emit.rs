@@ -20,11 +20,6 @@ use super::error::CircuitExecError;
 use super::fixed::Fixed;
 use crate::layer::ModelDims;
 use crate::ops::{KvStore, Matrix, Norm, Ops, PagedAttention, QkNormRope};
-use crate::ops_hybrid::{
-    CausalConv1d, ExpertLinear, GatedDelta, GatedRmsNorm, GdnPrepare, GdnSeqs, MoeCombine,
-    StatePool,
-};
-use crate::ops_moe::TopkRoute;
 
 type Result<T> = std::result::Result<T, CircuitExecError>;
 
@@ -65,7 +60,7 @@ pub(crate) struct Emitter<'a> {
     pub fixed: &'a Fixed,
 }
 
-/// Scratch bytes `group` needs beyond the step buffers at `plan`'s width. None today: every
+/// Scratch bytes `group` needs beyond the step buffers at `plan`'s width. None: every
 /// emitter writes the step buffer the legacy forward writes for its op.
 pub(crate) fn scratch_bytes(_plan: &Plan, _group: &Group) -> u64 {
     0
@@ -185,7 +180,8 @@ impl Emitter<'_> {
         self.edge(node, tensor, outputs)
     }
 
-    fn reads(&self, node: &Node, tensor: Tensor) -> bool {
+    /// Whether `node` reads `tensor` (an optional input).
+    pub(super) fn reads(&self, node: &Node, tensor: Tensor) -> bool {
         let circuit = self.plan.circuit();
         node.inputs
             .iter()
@@ -195,20 +191,6 @@ impl Emitter<'_> {
     /// `value` as a 32-bit kernel argument.
     pub(super) fn u32(&self, block: Block, what: &'static str, value: u64) -> Result<u32> {
         u32::try_from(value).map_err(|_| CircuitExecError::TooLarge { block, what, value })
-    }
-
-    /// The GDN kernels' view of the step's sequences.
-    fn seqs(&self, node: &Node, rows: u64) -> Result<GdnSeqs> {
-        let b = node.block;
-        let slot = self.input(node, Tensor::SeqSlot)?;
-        Ok(GdnSeqs {
-            row_seq: self.input(node, Tensor::RowSeq)?.ptr,
-            seq_start: self.input(node, Tensor::SeqStart)?.ptr,
-            seq_slot: slot.ptr,
-            positions: self.input(node, Tensor::Positions)?.ptr,
-            rows: self.u32(b, "rows", rows)?,
-            num_seqs: self.u32(b, "sequences", slot.rows)?,
-        })
     }
 
     /// The `qk_norm_rope` launch of a rope node (`Op::QkNormRope` or `Op::Rope`), its norm
@@ -327,28 +309,6 @@ impl Emitter<'_> {
                     ops.linear(s, out, x, w)?;
                 }
             }
-            (Op::Linear(role), [kernel @ (k::EXPERT_LINEAR | k::EXPERT_LINEAR_F32OUT)]) => {
-                let x = self.nth(node, 0, false)?;
-                let ids = self.input(node, Tensor::MoeTopkIds)?;
-                let out = self.nth(node, 0, true)?;
-                let moe = self.moe(b)?;
-                let p = ExpertLinear {
-                    out: out.ptr,
-                    x: x.ptr,
-                    w: self.weight(b, WeightSlot::Linear(role), *kernel)?,
-                    expert_ids: ids.ptr,
-                    pairs: u("pairs", out.rows)?,
-                    n: u("output columns", out.cols)?,
-                    k: u("input columns", x.cols)?,
-                    num_experts: moe.shape.num_experts,
-                    pairs_per_x_row: u("pairs per row", out.rows / x.rows.max(1))?,
-                };
-                if *kernel == k::EXPERT_LINEAR {
-                    ops.expert_linear(s, &p)?;
-                } else {
-                    ops.expert_linear_f32out(s, &p)?;
-                }
-            }
             (Op::QkNormRope(_) | Op::Rope, [kernel @ k::QK_NORM_ROPE]) => {
                 ops.qk_norm_rope(s, &self.rope_params(node, *kernel)?)?;
             }
@@ -385,112 +345,6 @@ impl Emitter<'_> {
                     },
                 )?;
             }
-            (
-                op @ (Op::GdnConv | Op::GdnConvVerify),
-                [
-                    conv @ k::CAUSAL_CONV1D,
-                    window @ (k::CONV_STATE_UPDATE | k::CONV_STATE_VERIFY),
-                ],
-            ) if (op == Op::GdnConvVerify) == (*window == k::CONV_STATE_VERIFY) => {
-                let g = self.gdn(b)?;
-                let ssm = self.ssm(b)?;
-                let proj = self.input(node, Tensor::GdnProj)?;
-                let p = CausalConv1d {
-                    out: self.output(node, Tensor::GdnConv)?.ptr,
-                    proj: proj.ptr,
-                    conv_state: StatePool {
-                        base: self.input(node, Tensor::ConvState)?.ptr,
-                        num_slots: ssm.num_slots,
-                        slot_stride: ssm.conv_slot_stride,
-                    },
-                    weight: self.weight(b, WeightSlot::GdnConv1d, *conv)?,
-                    seqs: self.seqs(node, proj.rows)?,
-                    heads: g.heads,
-                    kernel_size: g.conv_kernel,
-                };
-                ops.causal_conv1d(s, &p)?;
-                if op == Op::GdnConvVerify {
-                    ops.conv_state_verify(s, &p, self.input(node, Tensor::RowSlot)?.ptr)?;
-                } else {
-                    ops.conv_state_update(s, &p)?;
-                }
-            }
-            (Op::GdnGates, [kernel @ k::GDN_PREPARE]) => {
-                let g = self.gdn(b)?;
-                let conv = self.input(node, Tensor::GdnConv)?;
-                ops.gdn_prepare(
-                    s,
-                    &GdnPrepare {
-                        qk: self.output(node, Tensor::GdnQk)?.ptr,
-                        gates: self.output(node, Tensor::GdnGates)?.ptr,
-                        conv: conv.ptr,
-                        proj: self.input(node, Tensor::GdnProj)?.ptr,
-                        a_log: self.weight(b, WeightSlot::GdnALog, *kernel)?,
-                        dt_bias: self.weight(b, WeightSlot::GdnDtBias, *kernel)?,
-                        rows: u("rows", conv.rows)?,
-                        heads: g.heads,
-                        l2_eps: g.l2_eps,
-                        q_scale: g.q_scale,
-                    },
-                )?;
-            }
-            (Op::GdnRecurrence, [k::GATED_DELTA_RECURRENT])
-            | (Op::GdnRecurrenceVerify, [k::GATED_DELTA_VERIFY]) => {
-                let g = self.gdn(b)?;
-                let ssm = self.ssm(b)?;
-                let qk = self.input(node, Tensor::GdnQk)?;
-                let rule = GatedDelta {
-                    out: self.output(node, Tensor::GdnCore)?.ptr,
-                    state: StatePool {
-                        base: self.input(node, Tensor::RecurrentState)?.ptr,
-                        num_slots: ssm.num_slots,
-                        slot_stride: ssm.recurrent_slot_stride,
-                    },
-                    qk: qk.ptr,
-                    conv: self.input(node, Tensor::GdnConv)?.ptr,
-                    gates: self.input(node, Tensor::GdnGates)?.ptr,
-                    seqs: self.seqs(node, qk.rows)?,
-                    heads: g.heads,
-                };
-                if node.op == Op::GdnRecurrenceVerify {
-                    let row_slot = self.input(node, Tensor::RowSlot)?.ptr;
-                    ops.gated_delta_verify(s, &rule, row_slot)?;
-                } else {
-                    ops.gated_delta_recurrent(s, &rule)?;
-                }
-            }
-            (Op::GdnGatedNorm, [kernel @ k::GATED_RMS_NORM]) => {
-                let g = self.gdn(b)?;
-                let core = self.input(node, Tensor::GdnCore)?;
-                ops.gated_rms_norm(
-                    s,
-                    &GatedRmsNorm {
-                        out: self.output(node, Tensor::GdnNormed)?.ptr,
-                        core: core.ptr,
-                        proj: self.input(node, Tensor::GdnProj)?.ptr,
-                        weight: self.weight(b, WeightSlot::GdnNorm, *kernel)?,
-                        rows: u("rows", core.rows)?,
-                        heads: g.heads,
-                        eps: g.eps,
-                    },
-                )?;
-            }
-            (Op::MoeRoute, [k::TOPK_ROUTE]) => {
-                let moe = self.moe(b)?;
-                let logits = self.input(node, Tensor::MoeRouterLogits)?;
-                let ids = self.output(node, Tensor::MoeTopkIds)?;
-                let weights = self.output(node, Tensor::MoeTopkWeights)?;
-                let route = TopkRoute {
-                    topk_ids: ids.ptr,
-                    topk_weights: weights.ptr,
-                    logits: logits.ptr,
-                    rows: u("rows", logits.rows)?,
-                    num_experts: u("experts", logits.cols)?,
-                    top_k: u("experts per token", ids.cols)?,
-                    renormalize: moe.shape.renormalize as u32,
-                };
-                ops.topk_route(s, &route)?;
-            }
             (Op::SiluMul, [k::SILU_MUL]) => {
                 let x = self.view(b, &self.nth(node, 0, false)?)?;
                 let out = self.view(b, &self.nth(node, 0, true)?)?;
@@ -498,30 +352,6 @@ impl Emitter<'_> {
                     Some(images) => ops.silu_mul_staged(s, images, out, x)?,
                     None => ops.silu_mul(s, out, x)?,
                 }
-            }
-            (Op::MoeCombine, [k::MOE_COMBINE]) => {
-                let out = self.output(node, Tensor::Delta)?;
-                let weights = self.input(node, Tensor::MoeTopkWeights)?;
-                let optional = |t: Tensor| -> Result<DevicePtr> {
-                    if self.reads(node, t) {
-                        Ok(self.input(node, t)?.ptr)
-                    } else {
-                        Ok(DevicePtr::NULL)
-                    }
-                };
-                ops.moe_combine(
-                    s,
-                    &MoeCombine {
-                        out: out.ptr,
-                        expert_out: self.input(node, Tensor::MoeExpertOut)?.ptr,
-                        topk_weights: weights.ptr,
-                        shared_out: optional(Tensor::MoeSharedOut)?,
-                        shared_gate: optional(Tensor::MoeSharedGate)?,
-                        rows: u("rows", out.rows)?,
-                        hidden: u("hidden", out.cols)?,
-                        top_k: u("experts per token", weights.cols)?,
-                    },
-                )?;
             }
             (Op::GatherRows, [k::GATHER_ROWS]) => {
                 let x = self.view(b, &self.input(node, Tensor::Normed)?)?;
@@ -534,7 +364,7 @@ impl Emitter<'_> {
                 let out = self.output(node, Tensor::Sampled)?;
                 ops.argmax(s, out.ptr, logits)?;
             }
-            _ => return self.draft_single(node, kernels),
+            _ => return self.hybrid_single(node, kernels),
         }
         Ok(true)
     }

@@ -12,15 +12,16 @@
 //!   [`DraftFixed`], the draft head's.
 //! - `instance`: the circuit [`Instance`] of a config, and the kernels a plan may lower to.
 //! - `record`: [`Recorder`], a backend that records launches instead of running them.
-//! - `emit` (with `resolve`, which binding a block reads, and `emit_draft`, the draft step's
-//!   own emitters), `compile`: each plan group through the same typed `ops` launchers the
+//! - `emit` (with `resolve`, which binding a block reads, `emit_hybrid`, the GDN and MoE ops'
+//!   emitters, `emit_staged`, the staged producers', and `emit_draft`, the draft step's own
+//!   emitters), `compile`: each plan group through the same typed `ops` launchers the
 //!   legacy forward calls, into a [`Program`] whose launch count is checked against the plan's.
 //!
 //! [`CircuitExec::build`] does it all once, at boot: bind, check (the draft head's problems in
 //! the same error as the layers'), lower the decode circuit at every width, the verify circuit
 //! at every verify row count and the draft circuit at every draft row count (`Fusions::All`
 //! against every launcher kernel the backend resolves that serves that width: `kernels_at`),
-//! allocate one workspace sized for the largest program (none today: every emitter writes only
+//! allocate one workspace sized for the largest program (none: every emitter writes only
 //! the step buffers), and compile a program per plan. The digest it discloses covers the decode plans, then the verify plans,
 //! then the draft plans.
 //!
@@ -36,6 +37,7 @@ mod compile;
 mod draft;
 mod emit;
 mod emit_draft;
+mod emit_hybrid;
 mod emit_staged;
 mod error;
 mod fixed;
