@@ -14,8 +14,9 @@ use metrale_model_engine::generate::{FinishReason, GenerateParams, generate};
 use metrale_model_engine::model_circuit::ModelCircuit;
 use metrale_model_engine::scheduler::{RequestLimits, SeqRequest};
 
-use crate::engine::{EngineOptions, load_tokenizer, make_backend};
+use crate::engine::{load_tokenizer, make_backend};
 use crate::error::{EngineError, RequestError};
+use crate::options::EngineOptions;
 use crate::request::{GenerateOutput, GenerateRequest, Prompt};
 use crate::text::TextStream;
 

@@ -15,7 +15,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{CpuBackend, GpuBackend};
@@ -23,67 +22,16 @@ use metrale_model_engine::ModelError;
 use metrale_model_engine::factory;
 use metrale_model_engine::generate::{FinishReason, GenerateParams};
 use metrale_model_engine::model::TransformerModel;
-use metrale_model_engine::model_circuit::{ForwardDisclosure, ForwardSelect, ModelCircuit};
-use metrale_model_engine::options::{ModelOptions, Speculative};
+use metrale_model_engine::model_circuit::{ForwardDisclosure, ModelCircuit};
+use metrale_model_engine::options::Speculative;
 use metrale_model_engine::scheduler::{RequestLimits, Scheduler, SeqRequest};
-use metrale_model_engine::speculative::GateOptions;
 
 use crate::error::{EngineError, RequestError};
 use crate::handle::{EventChannel, RequestHandle, RequestId, Sink};
 use crate::metrics::{EngineMetrics, MetricsState};
+use crate::options::{Backend, EngineOptions};
 use crate::request::{GenerateEvent, GenerateOutput, GenerateRequest, Prompt};
 use crate::worker::{Shared, Submission, Worker};
-
-/// Where the model runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Backend {
-    /// The CPU reference backend. The default.
-    #[default]
-    Cpu,
-    /// An NVIDIA GPU by ordinal (needs the `cuda` feature).
-    Cuda {
-        /// Device ordinal.
-        device: usize,
-    },
-}
-
-/// How to load and run a model.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EngineOptions {
-    /// Where the model runs. Default CPU.
-    pub backend: Backend,
-    /// Buffer and cache sizes; `max_batch_tokens` is also the scheduler's prefill chunk and
-    /// token budget between decode steps, `max_decode_seqs` the most requests running at once,
-    /// `prefix_caching` (default on) whether requests share the KV blocks (and, on hybrid
-    /// models, SSM state snapshots) of prompt prefixes computed before.
-    pub model: ModelOptions,
-    /// Most requests waiting for admission (submitted, not yet running); `submit` refuses more
-    /// with `EngineError::QueueFull`. Default 1024.
-    pub max_queued_requests: usize,
-    /// The window `EngineMetrics::tokens_per_second` averages over. Default 10 s.
-    pub metrics_window: Duration,
-    /// Which forward runs decode steps: the layers' own (`Legacy`, the default) or the
-    /// circuit executor's compiled programs. A model the circuit does not model fails
-    /// `Engine::load`, naming what it does not model.
-    pub forward: ForwardSelect,
-    /// With `model.speculative = Mtp`: when the scheduler keeps speculating (it measures
-    /// tokens/s with and without, and turns speculation off while it is slower). Default
-    /// `GateOptions::default()`.
-    pub speculation_gate: GateOptions,
-}
-
-impl Default for EngineOptions {
-    fn default() -> Self {
-        EngineOptions {
-            backend: Backend::default(),
-            model: ModelOptions::default(),
-            max_queued_requests: 1024,
-            metrics_window: Duration::from_secs(10),
-            forward: ForwardSelect::default(),
-            speculation_gate: GateOptions::default(),
-        }
-    }
-}
 
 /// See the module header.
 #[derive(Debug)]
@@ -95,10 +43,12 @@ pub struct Engine {
     limits: RequestLimits,
     max_queued_requests: usize,
     next_request: AtomicU64,
+    #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
     forward: ForwardDisclosure,
 }
 
-/// The device for `backend`.
+/// The device for `backend`. Development tooling (the raw backend): public only with the
+/// `unstable` feature.
 pub fn make_backend(backend: Backend) -> Result<Arc<dyn GpuBackend>, EngineError> {
     match backend {
         Backend::Cpu => Ok(Arc::new(CpuBackend::default())),
@@ -193,7 +143,9 @@ impl Engine {
         &self.config
     }
 
-    /// Which forward runs decode steps, its plan digest and launches per step.
+    /// Which forward runs decode steps, its plan digest and launches per step. Development
+    /// tooling: only with the `unstable` feature.
+    #[cfg(feature = "unstable")]
     pub fn forward_disclosure(&self) -> &ForwardDisclosure {
         &self.forward
     }

@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 
 use metrale_model_engine::scheduler::SchedulerStats;
 
-/// A snapshot of the engine's counters and resource use.
+/// A snapshot of the engine's counters and resource use. More figures may come: read the
+/// fields (or start from `EngineMetrics::default()`, all zero, and assign them).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[non_exhaustive]
 pub struct EngineMetrics {
     /// Requests admitted to the model and not finished.
     pub running: usize,

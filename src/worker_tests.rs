@@ -14,7 +14,8 @@ use metrale_model_engine::options::{ModelOptions, Speculative};
 use metrale_model_engine::scheduler::Scheduler;
 use metrale_model_engine::speculative::{GateOptions, OracleDrafter};
 
-use crate::engine::{Engine, EngineOptions, load_tokenizer};
+use crate::engine::{Engine, load_tokenizer};
+use crate::options::EngineOptions;
 use crate::request::{GenerateEvent, GenerateRequest, Prompt};
 
 fn fixture(name: &str) -> PathBuf {
@@ -26,18 +27,16 @@ fn fixture(name: &str) -> PathBuf {
 /// The Qwen3.5 fixture with the dense fixture's tokenizer (its vocabulary covers the 256 ids);
 /// `drafts`: the oracle's continuations, or plain decoding.
 fn engine(drafts: Option<Vec<Vec<u32>>>) -> Engine {
-    let options = EngineOptions {
-        model: ModelOptions {
-            speculative: if drafts.is_some() {
-                Speculative::External
-            } else {
-                Speculative::Off
-            },
-            num_draft_tokens: 3,
-            ..Default::default()
-        },
-        ..Default::default()
+    let speculative = if drafts.is_some() {
+        Speculative::External
+    } else {
+        Speculative::Off
     };
+    let options = EngineOptions::default().model(
+        ModelOptions::default()
+            .speculative(speculative)
+            .num_draft_tokens(3),
+    );
     let mut model = factory::load(
         &fixture("qwen3_5-tiny"),
         options.model.clone(),
@@ -49,10 +48,7 @@ fn engine(drafts: Option<Vec<Vec<u32>>>) -> Engine {
         scheduler
             .set_drafter(&model, Box::new(OracleDrafter::new(expected)))
             .unwrap();
-        scheduler.set_speculation_gate(GateOptions {
-            enabled: false,
-            ..Default::default()
-        });
+        scheduler.set_speculation_gate(GateOptions::default().enabled(false));
     }
     let tokenizer = load_tokenizer(&fixture("qwen3-tiny")).unwrap();
     Engine::start(model, scheduler, tokenizer, &options).unwrap()

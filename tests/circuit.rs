@@ -57,10 +57,7 @@ fn name(dir: &Path) -> String {
 fn circuit_reference_decode_is_bitwise_legacy_on_every_fixture() -> Result<()> {
     for dir in every_fixture() {
         for graphs in [false, true] {
-            let options = ModelOptions {
-                decode_graphs: graphs,
-                ..Default::default()
-            };
+            let options = ModelOptions::default().decode_graphs(graphs);
             let model = bitwise_same(&dir, &options, &cpu, REFERENCE)
                 .with_context(|| format!("decode graphs {graphs}"))?;
             let d = model.forward_disclosure()?;
@@ -80,10 +77,7 @@ fn circuit_decode_is_bitwise_legacy_where_only_bit_identical_fusions_apply() -> 
     // the legacy step's bytes on every fixture, eager and graphed.
     for dir in every_fixture() {
         for graphs in [false, true] {
-            let options = ModelOptions {
-                decode_graphs: graphs,
-                ..Default::default()
-            };
+            let options = ModelOptions::default().decode_graphs(graphs);
             bitwise_same(&dir, &options, &cpu, ALL)
                 .with_context(|| format!("decode graphs {graphs}"))?;
         }
@@ -118,10 +112,7 @@ fn fused_launches(config: &ModelConfig, rows: usize) -> usize {
 fn circuit_programs_launch_exactly_the_legacy_steps_launches() -> Result<()> {
     // Up to 64 sequences, so the ladder reaches every decode GEMM kernel (narrow to 16 rows,
     // wide to 64).
-    let options = ModelOptions {
-        max_decode_seqs: 64,
-        ..Default::default()
-    };
+    let options = ModelOptions::default().max_decode_seqs(64);
     for dir in every_fixture() {
         let mut model = load(&dir, options.clone(), cpu(), ForwardSelect::Legacy)?;
         let ladder = model.options().decode_ladder();
@@ -313,13 +304,7 @@ fn the_facade_runs_the_forward_it_was_given() -> Result<()> {
     for fixture in ["qwen3-tiny", "qwen3_next-tiny"] {
         let dir = fixtures_dir().join(fixture);
         let run = |forward: ForwardSelect| -> Result<(String, Vec<u32>, Vec<Vec<u32>>)> {
-            let engine = Engine::load(
-                &dir,
-                EngineOptions {
-                    forward,
-                    ..Default::default()
-                },
-            )?;
+            let engine = Engine::load(&dir, EngineOptions::default().forward(forward))?;
             let out = engine.generate(
                 &GenerateRequest::new(Prompt::TokenIds(vec![3, 14, 15, 92, 65, 35]))
                     .max_new_tokens(8)

@@ -28,11 +28,9 @@ use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest};
 use metrale_model_engine::speculative::{GateOptions, OracleDrafter};
 
 fn cuda_options(model: ModelOptions) -> EngineOptions {
-    EngineOptions {
-        backend: Backend::Cuda { device: 0 },
-        model,
-        ..Default::default()
-    }
+    EngineOptions::default()
+        .backend(Backend::cuda(0))
+        .model(model)
 }
 
 #[test]
@@ -53,11 +51,9 @@ fn every_fixture_matches_transformers_on_cuda() {
 fn params(n: usize, temperature: f32, seed: u64) -> GenerateParams {
     GenerateParams {
         max_new_tokens: n,
-        sampling: SamplingParams {
-            temperature,
-            seed,
-            ..Default::default()
-        },
+        sampling: SamplingParams::default()
+            .temperature(temperature)
+            .seed(seed),
         stop_token_ids: Vec::new(),
         return_logits: true,
     }
@@ -94,15 +90,8 @@ fn graphed_decode_is_bitwise_eager_decode_on_cuda() {
         let prompt: Vec<u32> = (1..40).collect();
         let p = params(16, 0.0, 0);
         let mut graphed = factory::load(&dir, ModelOptions::default(), gpu()).unwrap();
-        let mut eager = factory::load(
-            &dir,
-            ModelOptions {
-                decode_graphs: false,
-                ..Default::default()
-            },
-            gpu(),
-        )
-        .unwrap();
+        let mut eager =
+            factory::load(&dir, ModelOptions::default().decode_graphs(false), gpu()).unwrap();
         let g = generate(
             &mut graphed,
             &prompt,
@@ -141,15 +130,8 @@ fn batched_decode_is_bitwise_alone_on_cuda() {
             .unwrap()
             .vocab_size
             .min(256);
-        let mut model = factory::load(
-            &dir,
-            ModelOptions {
-                max_decode_seqs: 8,
-                ..Default::default()
-            },
-            gpu(),
-        )
-        .unwrap();
+        let mut model =
+            factory::load(&dir, ModelOptions::default().max_decode_seqs(8), gpu()).unwrap();
         let prompts: Vec<Vec<u32>> = (0..6)
             .map(|i| {
                 (0..(2 + 9 * i))
@@ -190,10 +172,10 @@ fn speculative_greedy_is_bitwise_plain_greedy_on_cuda() {
         let reqs: Vec<(&[u32], &GenerateParams)> =
             prompts.iter().map(|q| (q.as_slice(), &p)).collect();
         for k in 1..=4 {
-            let spec = |speculative| ModelOptions {
-                speculative,
-                num_draft_tokens: k,
-                ..Default::default()
+            let spec = |speculative| {
+                ModelOptions::default()
+                    .speculative(speculative)
+                    .num_draft_tokens(k)
             };
             // The MTP head drafting, all prompts in shared verify steps.
             let mut model = factory::load(fx.path(), spec(Speculative::Mtp), gpu()).unwrap();
@@ -251,10 +233,7 @@ fn scheduled(
 
 #[test]
 fn the_scheduler_speculating_is_bitwise_the_plain_scheduler_on_cuda() {
-    let always = GateOptions {
-        enabled: false,
-        ..Default::default()
-    };
+    let always = GateOptions::default().enabled(false);
     for name in support::HYBRID {
         let fx = support::MtpFixture::new(name);
         let reqs: Vec<SeqRequest> = fx
@@ -275,10 +254,10 @@ fn the_scheduler_speculating_is_bitwise_the_plain_scheduler_on_cuda() {
             .zip(&want)
             .map(|(r, g)| r.prompt.iter().chain(&g.token_ids).copied().collect())
             .collect();
-        let spec = |speculative| ModelOptions {
-            speculative,
-            num_draft_tokens: 3,
-            ..Default::default()
+        let spec = |speculative| {
+            ModelOptions::default()
+                .speculative(speculative)
+                .num_draft_tokens(3)
         };
         let mut mtp = factory::load(fx.path(), spec(Speculative::Mtp), gpu()).unwrap();
         let mut s = Scheduler::new(&mut mtp);

@@ -37,10 +37,7 @@ fn every_fixture() -> Vec<std::path::PathBuf> {
 fn circuit_reference_decode_is_bitwise_legacy_on_cuda() -> Result<()> {
     for dir in every_fixture() {
         for graphs in [false, true] {
-            let options = ModelOptions {
-                decode_graphs: graphs,
-                ..Default::default()
-            };
+            let options = ModelOptions::default().decode_graphs(graphs);
             let model = bitwise_same(&dir, &options, &gpu, REFERENCE)
                 .with_context(|| format!("cuda, decode graphs {graphs}"))?;
             eprintln!(
@@ -80,10 +77,7 @@ fn circuit_is_bitwise_legacy_on_cuda_with_fewer_launches() -> Result<()> {
     // so `circuit` must give the legacy bytes, eager and graphed, in fewer launches.
     for dir in every_fixture() {
         for graphs in [false, true] {
-            let options = ModelOptions {
-                decode_graphs: graphs,
-                ..Default::default()
-            };
+            let options = ModelOptions::default().decode_graphs(graphs);
             let all = bitwise_same(&dir, &options, &gpu, ALL)
                 .with_context(|| format!("cuda, decode graphs {graphs}"))?;
             let reference = load(&dir, options, gpu(), REFERENCE)?;

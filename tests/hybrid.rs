@@ -30,13 +30,7 @@ fn hybrid_fixtures_match_transformers() {
 #[test]
 fn hybrid_chunked_prefill_matches_transformers() {
     // 37-token chunks split GDN chunks of 64 and KV blocks of 16 in odd places.
-    let options = EngineOptions {
-        model: ModelOptions {
-            max_batch_tokens: 37,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
+    let options = EngineOptions::default().model(ModelOptions::default().max_batch_tokens(37));
     check_fixtures(HYBRID, HYBRID_FIXTURES, &options);
 }
 

@@ -26,14 +26,11 @@ fn engine(fixture: &str, options: EngineOptions) -> Engine {
 }
 
 fn options() -> EngineOptions {
-    EngineOptions {
-        model: ModelOptions {
-            max_batch_tokens: 16,
-            max_decode_seqs: 8,
-            ..Default::default()
-        },
-        ..Default::default()
-    }
+    EngineOptions::default().model(
+        ModelOptions::default()
+            .max_batch_tokens(16)
+            .max_decode_seqs(8),
+    )
 }
 
 /// Request `i` of a varied set: prompts of 1 to 60 tokens, greedy and sampled, some stopping at
@@ -45,17 +42,12 @@ fn request(i: usize, vocab: u32) -> GenerateRequest {
         .collect();
     let sampling = match i % 3 {
         0 => SamplingParams::default(),
-        1 => SamplingParams {
-            temperature: 0.8,
-            seed: i as u64,
-            ..Default::default()
-        },
-        _ => SamplingParams {
-            temperature: 1.2,
-            top_k: 30,
-            top_p: 0.95,
-            seed: 1000 + i as u64,
-        },
+        1 => SamplingParams::default().temperature(0.8).seed(i as u64),
+        _ => SamplingParams::default()
+            .temperature(1.2)
+            .top_k(30)
+            .top_p(0.95)
+            .seed(1000 + i as u64),
     };
     GenerateRequest::new(Prompt::TokenIds(prompt))
         .max_new_tokens(8 + (i * 7) % 25)
@@ -170,13 +162,7 @@ fn a_repeated_prompt_is_served_from_the_prefix_cache_and_the_metrics_count_it() 
         let warm = engine(fixture, options());
         let cold = engine(
             fixture,
-            EngineOptions {
-                model: ModelOptions {
-                    prefix_caching: false,
-                    ..options().model
-                },
-                ..options()
-            },
+            options().model(options().model.prefix_caching(false)),
         );
         let vocab = warm.config().vocab_size as u32;
         let prompt: Vec<u32> = (0..100u32).map(|t| (t * 53 + 11) % vocab).collect();
@@ -225,13 +211,7 @@ fn a_follow_up_turn_is_served_from_the_prefix_cache_and_the_metrics_count_it() {
         let warm = engine(fixture, options());
         let cold = engine(
             fixture,
-            EngineOptions {
-                model: ModelOptions {
-                    prefix_caching: false,
-                    ..options().model
-                },
-                ..options()
-            },
+            options().model(options().model.prefix_caching(false)),
         );
         let vocab = warm.config().vocab_size as u32;
         let turn = |prompt: &[u32], n: usize| {
@@ -266,13 +246,7 @@ fn a_follow_up_turn_is_served_from_the_prefix_cache_and_the_metrics_count_it() {
 
 #[test]
 fn a_bad_request_among_good_ones_gets_its_error_and_the_others_complete() {
-    let options = EngineOptions {
-        model: ModelOptions {
-            max_seq_len: Some(64),
-            ..options().model
-        },
-        ..options()
-    };
+    let options = options().model(options().model.max_seq_len(64));
     let solo_engine = engine("qwen3-tiny", options.clone());
     let e = engine("qwen3-tiny", options);
     let vocab = e.config().vocab_size as u32;
@@ -290,10 +264,8 @@ fn a_bad_request_among_good_ones_gets_its_error_and_the_others_complete() {
             |e| matches!(e, RequestError::TokenOutOfVocab { index: 2, .. }),
         ),
         (
-            GenerateRequest::new(Prompt::TokenIds(vec![1])).sampling(SamplingParams {
-                temperature: f32::NAN,
-                ..Default::default()
-            }),
+            GenerateRequest::new(Prompt::TokenIds(vec![1]))
+                .sampling(SamplingParams::default().temperature(f32::NAN)),
             |e| matches!(e, RequestError::Sampling(s) if s.field == "temperature"),
         ),
         (
@@ -335,6 +307,7 @@ fn cancel_stops_a_request_and_frees_its_cache_and_state() {
         match h.next().expect("an event").expect("no error") {
             GenerateEvent::Token(t) => tokens.push(t.token_id),
             GenerateEvent::Finished { .. } => panic!("finished before it was cancelled"),
+            other => panic!("unexpected {other:?}"),
         }
     }
     let busy = e.metrics();
@@ -428,6 +401,7 @@ fn a_stop_string_cuts_the_text_and_the_deltas_add_up() {
         match ev.expect("no error") {
             GenerateEvent::Token(t) => deltas.push_str(&t.text_delta.expect("text")),
             GenerateEvent::Finished { output } => out = Some(output),
+            other => panic!("unexpected {other:?}"),
         }
     }
     let out = out.expect("finished");
@@ -448,7 +422,7 @@ fn a_stop_string_cuts_the_text_and_the_deltas_add_up() {
         .expect("valid")
         .filter_map(|ev| match ev.expect("no error") {
             GenerateEvent::Token(t) => t.text_delta,
-            GenerateEvent::Finished { .. } => None,
+            _ => None,
         })
         .collect();
     assert_eq!(deltas, text);
@@ -456,17 +430,11 @@ fn a_stop_string_cuts_the_text_and_the_deltas_add_up() {
 
 #[test]
 fn the_queue_limit_refuses_requests_with_queue_full() {
-    let model = ModelOptions {
-        max_decode_seqs: 1,
-        ..options().model
-    };
     let e = engine(
         "qwen3-tiny",
-        EngineOptions {
-            model,
-            max_queued_requests: 2,
-            ..options()
-        },
+        options()
+            .model(options().model.max_decode_seqs(1))
+            .max_queued_requests(2),
     );
     let req = GenerateRequest::new(Prompt::TokenIds(vec![1, 2, 3]))
         .max_new_tokens(60)

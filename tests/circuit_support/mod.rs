@@ -39,11 +39,9 @@ pub const ALL: ForwardSelect = ForwardSelect::Circuit {
 pub fn params(n: usize, temperature: f32, seed: u64) -> GenerateParams {
     GenerateParams {
         max_new_tokens: n,
-        sampling: SamplingParams {
-            temperature,
-            seed,
-            ..Default::default()
-        },
+        sampling: SamplingParams::default()
+            .temperature(temperature)
+            .seed(seed),
         stop_token_ids: Vec::new(),
         return_logits: true,
     }

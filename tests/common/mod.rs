@@ -275,10 +275,7 @@ pub fn check_staged_prefill(dir: &Path, gpu: impl Fn() -> std::sync::Arc<dyn Gpu
         return_logits: true,
     };
     let run = |max_batch_tokens: usize| {
-        let options = ModelOptions {
-            max_batch_tokens,
-            ..Default::default()
-        };
+        let options = ModelOptions::default().max_batch_tokens(max_batch_tokens);
         let mut model =
             factory::load(dir, options, gpu()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         let out = generate(&mut model, &prompt, &params, &mut |_| {

@@ -15,7 +15,7 @@ use std::io::Read;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use metrale::{EngineOptions, GenerateRequest, Prompt, SamplingParams};
+use metrale::{GenerateRequest, Prompt, SamplingParams};
 use serde_json::{Value, json};
 
 use serve_support::*;
@@ -48,12 +48,11 @@ fn completions_from_text_and_token_ids_equal_engine_generate() {
     assert_completion(&reply, &want, "token-id prompt");
 
     // Seeded sampling with every knob, and stop strings cut from the greedy text.
-    let sampling = SamplingParams {
-        temperature: 0.9,
-        top_k: 40,
-        top_p: 0.9,
-        seed: 1234,
-    };
+    let sampling = SamplingParams::default()
+        .temperature(0.9)
+        .top_k(40)
+        .top_p(0.9)
+        .seed(1234);
     let want = server
         .engine
         .generate(
@@ -386,10 +385,7 @@ fn bad_requests_get_4xx_json_errors_and_the_server_keeps_serving() {
     // A full queue is 429 with Retry-After.
     let full = start_with(
         &metrale::bundled_checkpoint(),
-        EngineOptions {
-            max_queued_requests: 0,
-            ..options()
-        },
+        options().max_queued_requests(0),
     );
     let reply = post(&full, "/v1/completions", &good);
     assert_eq!(reply.status, 429, "{}", reply.body);

@@ -60,11 +60,7 @@ pub(super) fn run(
             let sampling = if rng.chance(0.5) {
                 SamplingParams::default()
             } else {
-                SamplingParams {
-                    temperature: 0.8,
-                    seed: rng.next(),
-                    ..SamplingParams::default()
-                }
+                SamplingParams::default().temperature(0.8).seed(rng.next())
             };
             let req = GenerateRequest::new(Prompt::TokenIds(prompt.clone()))
                 .max_new_tokens(rng.range(8, 24))

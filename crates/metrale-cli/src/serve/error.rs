@@ -109,6 +109,7 @@ impl From<RequestError> for ApiError {
             }
             RequestError::Sampling(s) => ApiError::invalid(message, Some(s.field)),
             RequestError::EmptyStopString { .. } => ApiError::invalid(message, Some("stop")),
+            _ => ApiError::invalid(message, None),
         }
     }
 }

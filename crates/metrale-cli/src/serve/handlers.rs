@@ -169,13 +169,12 @@ impl Settings {
                 )
             })?,
         };
-        let sampling = SamplingParams {
-            temperature: body.temperature.unwrap_or(1.0),
-            top_k,
-            top_p: body.top_p.unwrap_or(1.0),
+        let sampling = SamplingParams::default()
+            .temperature(body.temperature.unwrap_or(1.0))
+            .top_k(top_k)
+            .top_p(body.top_p.unwrap_or(1.0))
             // A negative seed is a seed too: its bits are taken as they are.
-            seed: body.seed.map_or_else(|| state.fresh_seed(), |s| s as u64),
-        };
+            .seed(body.seed.map_or_else(|| state.fresh_seed(), |s| s as u64));
         sampling.validate().map_err(|e| {
             let field = e.field;
             ApiError::invalid(e.to_string(), Some(field))
@@ -238,7 +237,8 @@ async fn wait(mut handle: RequestHandle) -> Result<GenerateOutput, EngineError> 
     loop {
         match std::future::poll_fn(|cx| Pin::new(&mut handle).poll_next(cx)).await {
             Some(Ok(GenerateEvent::Finished { output })) => return Ok(output),
-            Some(Ok(GenerateEvent::Token(_))) => {}
+            // Tokens (and any event this server does not know) until the output.
+            Some(Ok(_)) => {}
             Some(Err(e)) => return Err(e),
             None => return Err(EngineError::ShutDown),
         }

@@ -135,37 +135,33 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// The engine options these flags give.
     pub fn engine_options(&self) -> EngineOptions {
-        EngineOptions {
-            backend: match self.backend {
-                BackendArg::Cpu => Backend::Cpu,
-                BackendArg::Cuda => Backend::Cuda {
-                    device: self.device,
-                },
-            },
-            model: ModelOptions {
-                max_batch_tokens: self.max_batch_tokens,
-                max_decode_seqs: self.max_decode_seqs,
-                max_seq_len: self.max_seq_len,
-                num_kv_blocks: self.num_kv_blocks,
-                block_size: self.block_size,
-                prefix_caching: !self.no_prefix_caching,
-                ssm_snapshot_slots: self.ssm_snapshot_slots,
-                ssm_snapshot_stride: self.ssm_snapshot_stride,
-                speculative: match self.speculative {
-                    SpeculativeArg::Off => Speculative::Off,
-                    SpeculativeArg::Mtp => Speculative::Mtp,
-                },
-                num_draft_tokens: self.num_draft_tokens,
-                ..ModelOptions::default()
-            },
-            max_queued_requests: self.max_queued_requests,
-            speculation_gate: GateOptions {
-                enabled: !self.no_speculation_gate,
-                margin_percent: self.speculation_margin_percent,
-                ..GateOptions::default()
-            },
-            ..EngineOptions::default()
-        }
+        let backend = match self.backend {
+            BackendArg::Cpu => Backend::Cpu,
+            BackendArg::Cuda => Backend::cuda(self.device),
+        };
+        let speculative = match self.speculative {
+            SpeculativeArg::Off => Speculative::Off,
+            SpeculativeArg::Mtp => Speculative::Mtp,
+        };
+        let model = ModelOptions::default()
+            .max_batch_tokens(self.max_batch_tokens)
+            .max_decode_seqs(self.max_decode_seqs)
+            .max_seq_len(self.max_seq_len)
+            .num_kv_blocks(self.num_kv_blocks)
+            .block_size(self.block_size)
+            .prefix_caching(!self.no_prefix_caching)
+            .ssm_snapshot_slots(self.ssm_snapshot_slots)
+            .ssm_snapshot_stride(self.ssm_snapshot_stride)
+            .speculative(speculative)
+            .num_draft_tokens(self.num_draft_tokens);
+        let gate = GateOptions::default()
+            .enabled(!self.no_speculation_gate)
+            .margin_percent(self.speculation_margin_percent);
+        EngineOptions::default()
+            .backend(backend)
+            .model(model)
+            .max_queued_requests(self.max_queued_requests)
+            .speculation_gate(gate)
     }
 }
 

@@ -223,38 +223,37 @@ mod tests {
 
     #[test]
     fn every_field_has_its_sample() {
-        let m = EngineMetrics {
-            running: 3,
-            queued: 5,
-            finished: 7,
-            failed: 11,
-            tokens_generated: 13,
-            tokens_per_second: 2.5,
-            steps: 17,
-            preemptions: 19,
-            prefill_tokens: 29,
-            prefix_queries: 31,
-            prefix_hits: 37,
-            prefix_query_tokens: 400,
-            prefix_hit_tokens: 100,
-            prefix_hit_rate: 0.25,
-            kv_blocks_used: 23,
-            kv_blocks_total: 46,
-            kv_blocks_cached: 41,
-            ssm_slots_used: 1,
-            ssm_slots_total: 4,
-            ssm_snapshots_used: 3,
-            ssm_snapshots_total: 8,
-            verify_steps: 43,
-            drafted: 300,
-            accepted: 120,
-            acceptance_rate: 0.4,
-            mean_acceptance_length: 2.5,
-            speculation_on: Some(true),
-            speculation_switches: 2,
-            plain_decode_tok_s: Some(50.0),
-            speculative_decode_tok_s: None,
-        };
+        let mut m = EngineMetrics::default();
+        m.running = 3;
+        m.queued = 5;
+        m.finished = 7;
+        m.failed = 11;
+        m.tokens_generated = 13;
+        m.tokens_per_second = 2.5;
+        m.steps = 17;
+        m.preemptions = 19;
+        m.prefill_tokens = 29;
+        m.prefix_queries = 31;
+        m.prefix_hits = 37;
+        m.prefix_query_tokens = 400;
+        m.prefix_hit_tokens = 100;
+        m.prefix_hit_rate = 0.25;
+        m.kv_blocks_used = 23;
+        m.kv_blocks_total = 46;
+        m.kv_blocks_cached = 41;
+        m.ssm_slots_used = 1;
+        m.ssm_slots_total = 4;
+        m.ssm_snapshots_used = 3;
+        m.ssm_snapshots_total = 8;
+        m.verify_steps = 43;
+        m.drafted = 300;
+        m.accepted = 120;
+        m.acceptance_rate = 0.4;
+        m.mean_acceptance_length = 2.5;
+        m.speculation_on = Some(true);
+        m.speculation_switches = 2;
+        m.plain_decode_tok_s = Some(50.0);
+        m.speculative_decode_tok_s = None;
         let text = render(&m);
         for line in [
             "metrale_requests_running 3",

@@ -28,14 +28,11 @@ pub struct Server {
 }
 
 pub fn options() -> EngineOptions {
-    EngineOptions {
-        model: ModelOptions {
-            max_batch_tokens: 32,
-            max_decode_seqs: 8,
-            ..ModelOptions::default()
-        },
-        ..EngineOptions::default()
-    }
+    EngineOptions::default().model(
+        ModelOptions::default()
+            .max_batch_tokens(32)
+            .max_decode_seqs(8),
+    )
 }
 
 pub fn start_with(dir: &Path, options: EngineOptions) -> Server {
