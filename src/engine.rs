@@ -26,6 +26,7 @@ use metrale_model_engine::model_circuit::{ForwardDisclosure, ModelCircuit};
 use metrale_model_engine::options::Speculative;
 use metrale_model_engine::scheduler::{RequestLimits, Scheduler, SeqRequest};
 
+use crate::chat::{ChatMessage, ChatOptions, ChatTemplate, ChatTemplateError};
 use crate::error::{EngineError, RequestError};
 use crate::handle::{EventChannel, RequestHandle, RequestId, Sink};
 use crate::metrics::{EngineMetrics, MetricsState};
@@ -39,6 +40,7 @@ pub struct Engine {
     shared: Arc<Shared>,
     worker: Option<JoinHandle<()>>,
     tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+    chat: Option<ChatTemplate>,
     config: ModelConfig,
     limits: RequestLimits,
     max_queued_requests: usize,
@@ -84,7 +86,8 @@ pub(crate) fn load_tokenizer(
 }
 
 impl Engine {
-    /// Load the checkpoint in `dir` and start the engine's scheduler thread. With
+    /// Load the checkpoint in `dir` (its chat template too, when it has one: one that does not
+    /// compile fails the load) and start the engine's scheduler thread. With
     /// `options.model.speculative = Mtp` the checkpoint's MTP head drafts and decode steps
     /// verify, behind `options.speculation_gate`; `External` (a drafter the caller supplies)
     /// is for `generate_speculative` only, and the engine refuses it.
@@ -98,13 +101,16 @@ impl Engine {
                     .into(),
             }));
         }
+        let chat = ChatTemplate::load(dir)?;
         let gpu = make_backend(options.backend)?;
         let mut model = factory::load(dir, options.model.clone(), gpu)?;
         model.set_forward(options.forward)?;
         let tokenizer = load_tokenizer(dir)?;
         let mut scheduler = Scheduler::new(&mut model);
         scheduler.set_speculation_gate(options.speculation_gate);
-        Engine::start(model, scheduler, tokenizer, &options)
+        let mut engine = Engine::start(model, scheduler, tokenizer, &options)?;
+        engine.chat = chat;
+        Ok(engine)
     }
 
     /// Start the scheduler thread over a loaded model and its scheduler.
@@ -130,6 +136,7 @@ impl Engine {
             shared,
             worker: Some(handle),
             tokenizer,
+            chat: None,
             config,
             limits,
             max_queued_requests: options.max_queued_requests,
@@ -159,6 +166,25 @@ impl Engine {
     /// Whether text prompts and outputs work.
     pub fn has_tokenizer(&self) -> bool {
         self.tokenizer.is_some()
+    }
+
+    /// The checkpoint's chat template (`tokenizer_config.json` or `chat_template.jinja`), when
+    /// it has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat.as_ref()
+    }
+
+    /// The prompt the checkpoint's chat template makes of `messages` (text, special tokens
+    /// included: `Prompt::Text` of it encodes them as the model's). See [`crate::chat`].
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        options: &ChatOptions,
+    ) -> Result<String, ChatTemplateError> {
+        self.chat
+            .as_ref()
+            .ok_or(ChatTemplateError::NoTemplate)?
+            .render(messages, options)
     }
 
     /// Encode text with the checkpoint's tokenizer.

@@ -100,6 +100,9 @@ pub enum EngineError {
     /// The engine's scheduler thread could not be started.
     #[error("cannot start the engine's scheduler thread: {0}")]
     Thread(#[source] std::io::Error),
+    /// The checkpoint's chat template could not be loaded.
+    #[error(transparent)]
+    ChatTemplate(#[from] crate::chat::ChatTemplateError),
     /// The backend asked for is not in this build or not on this machine.
     #[error("backend `{backend}` is not available: {why}")]
     BackendUnavailable {

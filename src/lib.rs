@@ -1,8 +1,9 @@
 //! metrale: an LLM inference engine for Qwen3 dense and the hybrid Qwen3.5 / Qwen3-Next families.
 //!
 //! This crate is the public facade: [`Engine`] loads a Hugging Face checkpoint directory
-//! (`config.json`, safetensors, optionally `tokenizer.json`) onto a backend and generates tokens
-//! for many requests at once (continuous batching on a scheduler thread of its own).
+//! (`config.json`, safetensors, optionally `tokenizer.json` and a chat template) onto a backend
+//! and generates tokens for many requests at once (continuous batching on a scheduler thread of
+//! its own).
 //!
 //! ```no_run
 //! use metrale::{Engine, EngineOptions, GenerateRequest, ModelOptions, SamplingParams};
@@ -56,6 +57,7 @@
 //!   layers' own, is the same with or without the feature), `Engine::forward_disclosure` and
 //!   `ForwardDisclosure`.
 
+pub mod chat;
 mod direct;
 mod engine;
 mod error;

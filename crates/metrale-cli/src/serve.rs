@@ -1,57 +1,14 @@
-//! `metrale serve`: an OpenAI-compatible HTTP server over one [`metrale::Engine`].
-//!
-//! Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (chat
-//! template from the checkpoint's `tokenizer_config.json`), server-sent events when a request
-//! asks to `stream`, `GET /metrics` (Prometheus text) and `GET /health`.
-//!
-//! This is a library (`metrale_serve`) so that its integration tests run the server in-process;
-//! the `metrale` binary's `serve` subcommand calls [`run`]. Code map:
-//! - `router`: the routes, the shared [`AppState`], `/v1/models`, `/metrics`, `/health`;
-//! - `handlers`: the two generation endpoints, from OpenAI request to `GenerateRequest` and back;
-//! - `openai`: the OpenAI wire types;
-//! - `sse`: a request's events as a server-sent-event body;
-//! - `chat`: the chat template (minijinja);
-//! - `prometheus`: `EngineMetrics` as Prometheus text;
-//! - `error`: `ApiError`, OpenAI's error JSON with its HTTP status.
-//!
-//! Invariants:
-//! - The async runtime never blocks: tokenizing and submitting run in `spawn_blocking`, and a
-//!   request's events are awaited through the handle's `Stream`.
-//! - Every request owns its `RequestHandle` until it has finished; when the client goes away
-//!   (its connection closes, so the handler future or the SSE body is dropped), the handle is
-//!   dropped with it and the engine cancels the request.
-//! - Client mistakes get 4xx with OpenAI's error JSON; 5xx means the engine itself failed.
+//! `metrale serve`: the flags of the OpenAI-compatible server, turned into
+//! `metrale_server::ServerOptions`; without `--model` it serves the bundled tiny checkpoint.
 
-mod chat;
-mod error;
-mod handlers;
-mod openai;
-mod prometheus;
-mod router;
-mod sse;
-
-use std::future::Future;
-use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Args, ValueEnum};
-use metrale::{Backend, Engine, EngineOptions, GateOptions, ModelOptions, Speculative};
+use metrale::{EngineOptions, GateOptions, ModelOptions, Speculative};
+use metrale_server::{Server, ServerOptions};
 
-pub use chat::ChatTemplate;
-pub use error::ApiError;
-pub use prometheus::render as prometheus_text;
-pub use router::{AppState, router};
-
-/// Where the model runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum BackendArg {
-    /// The CPU reference backend.
-    Cpu,
-    /// An NVIDIA GPU (a build with the `cuda` feature).
-    Cuda,
-}
+use crate::generate::{BackendArg, backend};
 
 /// Speculative decoding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -135,10 +92,6 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// The engine options these flags give.
     pub fn engine_options(&self) -> EngineOptions {
-        let backend = match self.backend {
-            BackendArg::Cpu => Backend::Cpu,
-            BackendArg::Cuda => Backend::cuda(self.device),
-        };
         let speculative = match self.speculative {
             SpeculativeArg::Off => Speculative::Off,
             SpeculativeArg::Mtp => Speculative::Mtp,
@@ -158,77 +111,41 @@ impl ServeArgs {
             .enabled(!self.no_speculation_gate)
             .margin_percent(self.speculation_margin_percent);
         EngineOptions::default()
-            .backend(backend)
+            .backend(backend(self.backend, self.device))
             .model(model)
             .max_queued_requests(self.max_queued_requests)
             .speculation_gate(gate)
+    }
+
+    /// The server options these flags give, serving `model` (the flag's, or the bundled
+    /// checkpoint).
+    pub fn server_options(&self, model: PathBuf) -> ServerOptions {
+        ServerOptions::new(model)
+            .served_model_name(self.served_model_name.clone())
+            .host(self.host.clone())
+            .port(self.port)
+            .engine(self.engine_options())
     }
 }
 
 /// Load the checkpoint, listen, and serve until Ctrl-C (SIGINT) or SIGTERM; requests in flight
 /// finish first.
 pub fn run(args: ServeArgs) -> Result<()> {
-    let dir = args
+    let model = args
         .model
         .clone()
         .unwrap_or_else(metrale::bundled_checkpoint);
-    let engine = Engine::load(&dir, args.engine_options())
-        .with_context(|| format!("loading {}", dir.display()))?;
-    let state = AppState::new(Arc::new(engine), &dir, args.served_model_name.clone())?;
-    let model_id = state.model_id().to_string();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_io()
-        .thread_name("metrale-serve")
-        .build()
-        .context("starting the async runtime")?;
-    runtime.block_on(async move {
-        let addr = format!("{}:{}", args.host, args.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .with_context(|| format!("listening on {addr}"))?;
-        let local: SocketAddr = listener.local_addr().context("reading the bound address")?;
-        println!("metrale serve: model `{model_id}` on http://{local}");
-        axum::serve(listener, router(Arc::new(state)))
-            .with_graceful_shutdown(shutdown_signal())
-            .await
-            .context("serving")
-    })
-}
-
-/// Resolves on Ctrl-C or, on Unix, SIGTERM. A signal that cannot be listened for is logged and
-/// never fires.
-async fn shutdown_signal() {
-    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
-    let mut ctrl_c_live = true;
-    #[cfg(unix)]
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => Some(s),
-        Err(e) => {
-            tracing::error!("cannot listen for SIGTERM: {e}");
-            None
-        }
-    };
-    std::future::poll_fn(|cx| {
-        if ctrl_c_live {
-            match ctrl_c.as_mut().poll(cx) {
-                std::task::Poll::Ready(Ok(())) => return std::task::Poll::Ready(()),
-                std::task::Poll::Ready(Err(e)) => {
-                    tracing::error!("cannot listen for Ctrl-C: {e}");
-                    ctrl_c_live = false;
-                }
-                std::task::Poll::Pending => {}
-            }
-        }
-        #[cfg(unix)]
-        if let Some(t) = term.as_mut()
-            && t.poll_recv(cx).is_ready()
-        {
-            return std::task::Poll::Ready(());
-        }
-        std::task::Poll::Pending
-    })
-    .await;
-    eprintln!("metrale serve: shutting down");
+    let server = Server::bind(args.server_options(model))?;
+    println!(
+        "metrale serve: model `{}` on http://{}",
+        server.model_id(),
+        server.local_addr()
+    );
+    server.run_until(async {
+        metrale_server::shutdown_signal().await;
+        eprintln!("metrale serve: shutting down");
+    })?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -243,36 +160,34 @@ mod tests {
         serve: ServeArgs,
     }
 
+    fn parse(args: &[&str]) -> Result<ServeArgs, clap::Error> {
+        let mut argv = vec!["metrale-serve"];
+        argv.extend(args);
+        Cli::try_parse_from(argv).map(|c| c.serve)
+    }
+
     #[test]
     fn prefix_caching_is_on_by_default_and_the_flags_reach_the_options() {
-        let parse = |args: &[&str]| {
-            let mut argv = vec!["metrale-serve"];
-            argv.extend(args);
-            Cli::try_parse_from(argv).map(|c| c.serve.engine_options().model)
-        };
-        let default = parse(&[]).unwrap();
+        let model = |args: &[&str]| parse(args).map(|a| a.engine_options().model);
+        let default = model(&[]).expect("no flags");
         assert!(default.prefix_caching);
         assert_eq!(default.ssm_snapshot_slots, None);
         assert_eq!(default.ssm_snapshot_stride, None);
-        let off = parse(&["--no-prefix-caching", "--ssm-snapshot-slots", "3"]).unwrap();
+        let off = model(&["--no-prefix-caching", "--ssm-snapshot-slots", "3"]).expect("valid");
         assert!(!off.prefix_caching);
         assert_eq!(off.ssm_snapshot_slots, Some(3));
-        let strided = parse(&["--ssm-snapshot-stride", "128"]).unwrap();
+        let strided = model(&["--ssm-snapshot-stride", "128"]).expect("valid");
         assert_eq!(strided.ssm_snapshot_stride, Some(128));
-        assert!(parse(&["--ssm-snapshot-slots", "many"]).is_err());
+        assert!(model(&["--ssm-snapshot-slots", "many"]).is_err());
     }
 
     #[test]
     fn speculation_is_off_by_default_and_its_flags_reach_the_options() {
-        let parse = |args: &[&str]| {
-            let mut argv = vec!["metrale-serve"];
-            argv.extend(args);
-            Cli::try_parse_from(argv).map(|c| c.serve.engine_options())
-        };
-        let default = parse(&[]).unwrap();
+        let engine = |args: &[&str]| parse(args).map(|a| a.engine_options());
+        let default = engine(&[]).expect("no flags");
         assert_eq!(default.model.speculative, Speculative::Off);
         assert!(default.speculation_gate.enabled);
-        let on = parse(&[
+        let on = engine(&[
             "--speculative",
             "mtp",
             "--num-draft-tokens",
@@ -281,11 +196,33 @@ mod tests {
             "--speculation-margin-percent",
             "9",
         ])
-        .unwrap();
+        .expect("valid");
         assert_eq!(on.model.speculative, Speculative::Mtp);
         assert_eq!(on.model.num_draft_tokens, 3);
         assert!(!on.speculation_gate.enabled);
         assert_eq!(on.speculation_gate.margin_percent, 9);
-        assert!(parse(&["--speculative", "eagle"]).is_err());
+        assert!(engine(&["--speculative", "eagle"]).is_err());
+    }
+
+    #[test]
+    fn the_address_and_name_flags_reach_the_server_options() {
+        let args = parse(&[
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+            "--served-model-name",
+            "m",
+        ])
+        .expect("valid");
+        let o = args.server_options(PathBuf::from("ckpt"));
+        assert_eq!((o.host.as_str(), o.port), ("0.0.0.0", 0));
+        assert_eq!(o.model_id(), "m");
+        assert_eq!(o.model, PathBuf::from("ckpt"));
+        let default = parse(&[])
+            .expect("no flags")
+            .server_options(PathBuf::from("x"));
+        assert_eq!((default.host.as_str(), default.port), ("127.0.0.1", 8000));
+        assert_eq!(default.engine, EngineOptions::default());
     }
 }

@@ -1,5 +1,5 @@
-//! `metrale serve` end to end: the server runs in-process on 127.0.0.1 (port 0) over the bundled
-//! tiny checkpoint on the CPU, and a minimal HTTP/1.1 client talks to it over loopback.
+//! The server end to end: it runs in-process on 127.0.0.1 (port 0) over the tiny test
+//! checkpoint on the CPU, and a minimal HTTP/1.1 client talks to it over loopback.
 //!
 //! What a user would notice: a completion (text or token ids, greedy or seeded) equal to
 //! `Engine::generate` for the same request, alone or beside 7 others; streaming giving the same
@@ -16,6 +16,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use metrale::{GenerateRequest, Prompt, SamplingParams};
+use metrale_server::{ServerError, ServerOptions};
 use serde_json::{Value, json};
 
 use serve_support::*;
@@ -383,10 +384,7 @@ fn bad_requests_get_4xx_json_errors_and_the_server_keeps_serving() {
     );
 
     // A full queue is 429 with Retry-After.
-    let full = start_with(
-        &metrale::bundled_checkpoint(),
-        options().max_queued_requests(0),
-    );
+    let full = start_with(&tiny(), options().max_queued_requests(0));
     let reply = post(&full, "/v1/completions", &good);
     assert_eq!(reply.status, 429, "{}", reply.body);
     assert_eq!(reply.json()["error"]["code"], "queue_full");
@@ -530,4 +528,39 @@ fn metrics_and_models_endpoints() {
     let one = http(server.addr, "GET", "/v1/models/qwen3-tiny", None);
     assert_eq!(one.status, 200);
     assert_eq!(http(server.addr, "GET", "/health", None).status, 200);
+}
+
+#[test]
+fn a_server_bound_from_options_serves_under_its_name_until_told_to_stop() {
+    let missing = std::env::temp_dir().join("metrale-no-such-checkpoint");
+    match metrale_server::Server::bind(ServerOptions::new(&missing)) {
+        Err(e @ ServerError::Load { .. }) => {
+            assert!(e.to_string().contains(&*missing.to_string_lossy()), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+
+    let options = ServerOptions::new(tiny())
+        .port(0)
+        .served_model_name("tiny".to_string())
+        .engine(options());
+    let server = metrale_server::Server::bind(options).unwrap();
+    let addr = server.local_addr();
+    assert_eq!(server.model_id(), "tiny");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = std::thread::spawn(move || {
+        server.run_until(async {
+            let _ = stopped.await;
+        })
+    });
+    assert_eq!(
+        http(addr, "GET", "/v1/models", None).json()["data"][0]["id"],
+        "tiny"
+    );
+    let body = json!({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": true});
+    let reply = http(addr, "POST", "/v1/completions", Some(&body.to_string()));
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(token_ids(&reply.json()["choices"][0]["token_ids"]).len(), 3);
+    stop.send(()).unwrap();
+    serving.join().unwrap().unwrap();
 }
