@@ -105,9 +105,3 @@ pub mod circuit {
 pub mod gpu {
     pub use metrale_gpu_runtime::{CpuBackend, GpuBackend, GpuError};
 }
-
-/// The bundled tiny checkpoint (a random Qwen3 with a small tokenizer), for trying the engine
-/// without downloading anything.
-pub fn bundled_checkpoint() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3-tiny")
-}

@@ -1,6 +1,7 @@
 //! `metrale generate`: one prompt, tokens printed as they come, optionally a JSON summary line
 //! and the logits of every step in a safetensors file. With `--speculative mtp` the request runs
-//! on its own through `metrale::generate_direct`.
+//! on its own through `metrale::generate_direct`. Without `--model` it runs the bundled tiny
+//! checkpoint.
 
 use std::io::Write;
 use std::ops::ControlFlow;
@@ -127,10 +128,10 @@ pub fn backend(arg: BackendArg, device: usize) -> Backend {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    let dir = args
-        .model
-        .clone()
-        .unwrap_or_else(metrale::bundled_checkpoint);
+    let dir = match &args.model {
+        Some(dir) => dir.clone(),
+        None => crate::bundled::checkpoint()?,
+    };
     let speculative = match args.speculative {
         SpeculativeArg::Off => Speculative::Off,
         SpeculativeArg::Mtp => Speculative::Mtp,

@@ -3,6 +3,7 @@
 //! (the facade's `unstable` surface).
 
 mod bench;
+mod bundled;
 mod circuit;
 mod generate;
 mod serve;

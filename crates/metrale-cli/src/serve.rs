@@ -131,10 +131,10 @@ impl ServeArgs {
 /// Load the checkpoint, listen, and serve until Ctrl-C (SIGINT) or SIGTERM; requests in flight
 /// finish first.
 pub fn run(args: ServeArgs) -> Result<()> {
-    let model = args
-        .model
-        .clone()
-        .unwrap_or_else(metrale::bundled_checkpoint);
+    let model = match &args.model {
+        Some(dir) => dir.clone(),
+        None => crate::bundled::checkpoint()?,
+    };
     let server = Server::bind(args.server_options(model))?;
     println!(
         "metrale serve: model `{}` on http://{}",
