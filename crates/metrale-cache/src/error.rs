@@ -2,7 +2,7 @@
 
 use metrale_gpu_runtime::GpuError;
 
-/// An error of the KV cache.
+/// An error of the cache: its KV blocks, SSM state slots, layouts or device operations.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
     /// Every block is in use.
