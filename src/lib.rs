@@ -38,6 +38,7 @@
 mod direct;
 mod engine;
 mod error;
+mod frontend;
 mod handle;
 mod metrics;
 mod request;
@@ -51,7 +52,7 @@ pub use metrale_model_engine::bench;
 /// The circuit a checkpoint's decode step is compiled from: its plan without loading weights
 /// (`metrale circuit plan`), and the fusions a [`ForwardSelect::Circuit`] lowers with.
 pub mod circuit {
-    pub use metrale_model_engine::model_circuit::{
+    pub use metrale_model_engine::runner::{
         Digest, Fusions, checkpoint_plan, checkpoint_plans, plans_digest,
     };
     pub use metrale_model_layers::circuit_exec::{Plan, Step};
@@ -65,11 +66,12 @@ pub use error::{EngineError, RequestError};
 pub use handle::{Canceller, EventResult, RequestHandle, RequestId};
 pub use metrale_config::ModelConfig;
 pub use metrale_model_engine::generate::FinishReason;
-pub use metrale_model_engine::model_circuit::{ForwardDisclosure, ForwardSelect};
 pub use metrale_model_engine::options::{MAX_DRAFT_TOKENS, ModelOptions, Speculative};
+pub use metrale_model_engine::runner::{ForwardDisclosure, ForwardSelect};
 pub use metrale_model_engine::sampling::SamplingParams;
+pub use metrale_model_engine::scheduler::{CacheUsage, PrefixStats, SnapshotUsage, StepCounts};
 pub use metrale_model_engine::speculative::GateOptions;
-pub use metrics::EngineMetrics;
+pub use metrics::{EngineMetrics, RequestCounts, SpeculationMetrics};
 pub use request::{GenerateEvent, GenerateOutput, GenerateRequest, Prompt, TokenEvent};
 
 /// The bundled tiny checkpoint (a random Qwen3 with a small tokenizer), for trying the engine

@@ -18,8 +18,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use metrale::{Engine, GenerateRequest, ModelOptions, Prompt};
 use metrale_gpu_runtime::GpuBackend;
+use metrale_model_engine::Scheduler;
 use metrale_model_engine::factory;
-use metrale_model_engine::generate::{GenerateParams, generate};
+use metrale_model_engine::generate::{GenerateParams, SeqRequest, generate};
 
 /// Below this top-1 margin transformers' own choice is a near tie and may flip under rounding.
 pub const MARGIN: f32 = 0.1;
@@ -279,11 +280,19 @@ pub fn check_staged_prefill(dir: &Path, gpu: impl Fn() -> std::sync::Arc<dyn Gpu
             max_batch_tokens,
             ..Default::default()
         };
-        let mut model =
-            factory::load(dir, options, gpu()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-        let out = generate(&mut model, &prompt, &params, &mut |_| {
-            std::ops::ControlFlow::Continue(())
-        })
+        let model = factory::load(dir, gpu()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let mut sched =
+            Scheduler::new(model, options).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let req = SeqRequest {
+            prompt: prompt.clone(),
+            params: params.clone(),
+            ignore_eos: true,
+        };
+        let out = generate(
+            &mut sched,
+            req,
+            &mut |_| std::ops::ControlFlow::Continue(()),
+        )
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         let bits: Vec<Vec<u32>> = (out.logits.unwrap_or_default().iter())
             .map(|r| r.iter().map(|x| x.to_bits()).collect())

@@ -31,6 +31,9 @@ pub enum CacheError {
         /// Slots in the pool.
         total: usize,
     },
+    /// A prefix hit asked for an SSM snapshot that is not kept.
+    #[error("no SSM snapshot is kept for the prefix")]
+    NoSnapshot,
     /// A layout the cache cannot hold.
     #[error("invalid KV cache layout: {0}")]
     Layout(String),

@@ -36,6 +36,9 @@ pub enum ModelError {
     /// The circuit executor refused the model or failed to compile it.
     #[error(transparent)]
     Circuit(#[from] CircuitExecError),
+    /// A request the scheduler refused.
+    #[error(transparent)]
+    Request(#[from] crate::scheduler::InvalidRequest),
     /// A model feature this engine does not run yet.
     #[error("unsupported model: {0}")]
     Unsupported(String),

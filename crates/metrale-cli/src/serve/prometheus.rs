@@ -18,36 +18,37 @@ pub fn render(m: &EngineMetrics) -> String {
             used as f64 / total as f64
         }
     };
+    let sp = m.speculation.unwrap_or_default();
     let metrics: [(&str, &str, &str, f64); 31] = [
         (
             "metrale_requests_running",
             "gauge",
             "Requests admitted to the model and not finished.",
-            m.running as f64,
+            m.requests.running as f64,
         ),
         (
             "metrale_requests_queued",
             "gauge",
             "Requests submitted and not yet admitted (preempted ones included).",
-            m.queued as f64,
+            m.requests.queued as f64,
         ),
         (
             "metrale_requests_finished_total",
             "counter",
             "Requests that finished with an output (cancelled ones included).",
-            m.finished as f64,
+            m.requests.finished as f64,
         ),
         (
             "metrale_requests_failed_total",
             "counter",
             "Requests that ended with an engine error after they were accepted.",
-            m.failed as f64,
+            m.requests.failed as f64,
         ),
         (
             "metrale_generation_tokens_total",
             "counter",
             "Tokens generated since the engine started.",
-            m.tokens_generated as f64,
+            m.steps.tokens_generated as f64,
         ),
         (
             "metrale_generation_tokens_per_second",
@@ -59,31 +60,31 @@ pub fn render(m: &EngineMetrics) -> String {
             "metrale_steps_total",
             "counter",
             "Model steps run (prefill chunks and decode steps).",
-            m.steps as f64,
+            m.steps.steps as f64,
         ),
         (
             "metrale_preemptions_total",
             "counter",
             "Requests preempted by recompute because the KV cache ran out.",
-            m.preemptions as f64,
+            m.steps.preemptions as f64,
         ),
         (
             "metrale_prefill_tokens_total",
             "counter",
             "Prompt tokens computed in prefill steps (not those served from the prefix cache).",
-            m.prefill_tokens as f64,
+            m.steps.prefill_tokens as f64,
         ),
         (
             "metrale_prefix_cache_queries_total",
             "counter",
             "Prompt tokens looked up in the prefix cache, at each admission to the model.",
-            m.prefix_query_tokens as f64,
+            m.steps.prefix.query_tokens as f64,
         ),
         (
             "metrale_prefix_cache_hits_total",
             "counter",
             "Prompt tokens served from the prefix cache instead of computed.",
-            m.prefix_hit_tokens as f64,
+            m.steps.prefix.hit_tokens as f64,
         ),
         (
             "metrale_prefix_cache_hit_rate",
@@ -95,115 +96,115 @@ pub fn render(m: &EngineMetrics) -> String {
             "metrale_prefix_cache_lookups_total",
             "counter",
             "Prefix-cache lookups: admissions to the model (readmissions after preemption included).",
-            m.prefix_queries as f64,
+            m.steps.prefix.queries as f64,
         ),
         (
             "metrale_prefix_cache_lookup_hits_total",
             "counter",
             "Prefix-cache lookups that reused a cached prefix.",
-            m.prefix_hits as f64,
+            m.steps.prefix.hits as f64,
         ),
         (
             "metrale_kv_blocks_used",
             "gauge",
             "KV-cache blocks referenced by running requests.",
-            m.kv_blocks_used as f64,
+            m.cache.kv_blocks_used as f64,
         ),
         (
             "metrale_kv_blocks_capacity",
             "gauge",
             "KV-cache blocks in the pool.",
-            m.kv_blocks_total as f64,
+            m.cache.kv_blocks_total as f64,
         ),
         (
             "metrale_kv_cache_usage_ratio",
             "gauge",
             "Fraction of the KV-cache blocks in use.",
-            ratio(m.kv_blocks_used, m.kv_blocks_total),
+            ratio(m.cache.kv_blocks_used, m.cache.kv_blocks_total),
         ),
         (
             "metrale_kv_blocks_cached",
             "gauge",
             "KV-cache blocks in the prefix cache, referenced or evictable.",
-            m.kv_blocks_cached as f64,
+            m.cache.kv_blocks_cached as f64,
         ),
         (
             "metrale_ssm_slots_used",
             "gauge",
             "SSM state slots in use (hybrid models).",
-            m.ssm_slots_used as f64,
+            m.cache.ssm_slots_used as f64,
         ),
         (
             "metrale_ssm_slots_capacity",
             "gauge",
             "SSM state slots in the pool (hybrid models).",
-            m.ssm_slots_total as f64,
+            m.cache.ssm_slots_total as f64,
         ),
         (
             "metrale_ssm_slots_usage_ratio",
             "gauge",
             "Fraction of the SSM state slots in use (hybrid models).",
-            ratio(m.ssm_slots_used, m.ssm_slots_total),
+            ratio(m.cache.ssm_slots_used, m.cache.ssm_slots_total),
         ),
         (
             "metrale_ssm_snapshots_used",
             "gauge",
             "SSM state snapshots kept for prefix caching (hybrid models).",
-            m.ssm_snapshots_used as f64,
+            m.cache.snapshots.used as f64,
         ),
         (
             "metrale_ssm_snapshots_capacity",
             "gauge",
             "SSM state snapshot entries for prefix caching (hybrid models).",
-            m.ssm_snapshots_total as f64,
+            m.cache.snapshots.total as f64,
         ),
         (
             "metrale_spec_verify_steps_total",
             "counter",
             "Verify steps run (speculative decoding; counted in metrale_steps_total too).",
-            m.verify_steps as f64,
+            m.steps.verify_steps as f64,
         ),
         (
             "metrale_spec_draft_tokens_total",
             "counter",
             "Draft tokens the model checked.",
-            m.drafted as f64,
+            sp.drafted as f64,
         ),
         (
             "metrale_spec_accepted_tokens_total",
             "counter",
             "Draft tokens the model accepted.",
-            m.accepted as f64,
+            sp.accepted as f64,
         ),
         (
             "metrale_spec_mean_acceptance_length",
             "gauge",
             "Tokens per sequence verify that checked drafts (accepted drafts plus one).",
-            m.mean_acceptance_length,
+            sp.mean_acceptance_length,
         ),
         (
             "metrale_spec_gate_on",
             "gauge",
             "1 while the speculation gate keeps speculation on, 0 while off or not speculating.",
-            f64::from(u8::from(m.speculation_on == Some(true))),
+            f64::from(u8::from(m.speculation.is_some_and(|s| s.on))),
         ),
         (
             "metrale_spec_gate_switches_total",
             "counter",
             "Times the speculation gate switched speculation on or off.",
-            m.speculation_switches as f64,
+            sp.switches as f64,
         ),
         (
             "metrale_spec_plain_decode_tokens_per_second",
             "gauge",
             "The gate's moving average of decode tokens/s without speculation (0 before measured).",
-            m.plain_decode_tok_s.unwrap_or(0.0),
+            sp.plain_decode_tok_s.unwrap_or(0.0),
         ),
         (
             "metrale_spec_speculative_decode_tokens_per_second",
             "gauge",
             "The gate's moving average of decode tokens/s with speculation (0 before measured).",
-            m.speculative_decode_tok_s.unwrap_or(0.0),
+            sp.speculative_decode_tok_s.unwrap_or(0.0),
         ),
     ];
     let mut out = String::new();
@@ -220,41 +221,29 @@ pub fn render(m: &EngineMetrics) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use metrale::SpeculationMetrics;
 
     #[test]
     fn every_field_has_its_sample() {
-        let m = EngineMetrics {
-            running: 3,
-            queued: 5,
-            finished: 7,
-            failed: 11,
-            tokens_generated: 13,
-            tokens_per_second: 2.5,
-            steps: 17,
-            preemptions: 19,
-            prefill_tokens: 29,
-            prefix_queries: 31,
-            prefix_hits: 37,
-            prefix_query_tokens: 400,
-            prefix_hit_tokens: 100,
-            prefix_hit_rate: 0.25,
-            kv_blocks_used: 23,
-            kv_blocks_total: 46,
-            kv_blocks_cached: 41,
-            ssm_slots_used: 1,
-            ssm_slots_total: 4,
-            ssm_snapshots_used: 3,
-            ssm_snapshots_total: 8,
-            verify_steps: 43,
-            drafted: 300,
-            accepted: 120,
-            acceptance_rate: 0.4,
-            mean_acceptance_length: 2.5,
-            speculation_on: Some(true),
-            speculation_switches: 2,
-            plain_decode_tok_s: Some(50.0),
-            speculative_decode_tok_s: None,
-        };
+        let mut m = EngineMetrics::default();
+        (m.requests.running, m.requests.queued) = (3, 5);
+        (m.requests.finished, m.requests.failed) = (7, 11);
+        m.steps.tokens_generated = 13;
+        m.tokens_per_second = 2.5;
+        (m.steps.steps, m.steps.preemptions, m.steps.prefill_tokens) = (17, 19, 29);
+        m.steps.verify_steps = 43;
+        let p = &mut m.steps.prefix;
+        (p.queries, p.hits, p.query_tokens, p.hit_tokens) = (31, 37, 400, 100);
+        m.prefix_hit_rate = 0.25;
+        let c = &mut m.cache;
+        (c.kv_blocks_used, c.kv_blocks_total, c.kv_blocks_cached) = (23, 46, 41);
+        (c.ssm_slots_used, c.ssm_slots_total) = (1, 4);
+        (c.snapshots.used, c.snapshots.total) = (3, 8);
+        let mut sp = SpeculationMetrics::default();
+        (sp.drafted, sp.accepted, sp.acceptance_rate) = (300, 120, 0.4);
+        (sp.mean_acceptance_length, sp.on, sp.switches) = (2.5, true, 2);
+        sp.plain_decode_tok_s = Some(50.0);
+        m.speculation = Some(sp);
         let text = render(&m);
         for line in [
             "metrale_requests_running 3",
