@@ -28,9 +28,9 @@ pub const MARGIN: f32 = 0.1;
 /// keeps activations in bf16 between kernels, so it cannot match float32 more closely than bf16
 /// rounding of the activations allows: the worst seen is 1.5% on the dense fixtures, 1.7% on
 /// Qwen3.5 and 2.7% on Qwen3.5-MoE, where most of it is the rounding of the GDN input projection
-/// (keeping that projection in f32 brings the MoE fixtures to about 1.2%); 2.2% on the fixtures
-/// added after the engine was written (`qwen3_5-vl-tiny`, `qwen3_5_moe-vl-tiny`,
-/// `qwen3_next-b-tiny`). Every broken checkpoint in `tests/mutations.rs` errs by far more.
+/// (keeping that projection in f32 brings the MoE fixtures to about 1.2%); 2.2% on
+/// `qwen3_5-vl-tiny`, `qwen3_5_moe-vl-tiny` and `qwen3_next-b-tiny`. Every broken checkpoint in
+/// `tests/mutations.rs` errs by far more.
 pub const LOGITS_REL_L2: f64 = 3e-2;
 /// Below this gap between the k-th and (k+1)-th router probability, an expert choice may flip
 /// under bf16 rounding.

@@ -39,7 +39,7 @@ pub enum ModelError {
     /// A request the scheduler refused.
     #[error(transparent)]
     Request(#[from] crate::scheduler::InvalidRequest),
-    /// A model feature this engine does not run yet.
+    /// A model feature this engine does not run.
     #[error("unsupported model: {0}")]
     Unsupported(String),
 }
