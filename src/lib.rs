@@ -61,6 +61,7 @@ pub mod chat;
 mod direct;
 mod engine;
 mod error;
+mod frontend;
 mod handle;
 mod metrics;
 mod options;
@@ -76,8 +77,9 @@ pub use metrale_config::ModelConfig;
 pub use metrale_model_engine::generate::FinishReason;
 pub use metrale_model_engine::options::{MAX_DRAFT_TOKENS, ModelOptions, Speculative};
 pub use metrale_model_engine::sampling::SamplingParams;
+pub use metrale_model_engine::scheduler::{CacheUsage, PrefixStats, SnapshotUsage, StepCounts};
 pub use metrale_model_engine::speculative::GateOptions;
-pub use metrics::EngineMetrics;
+pub use metrics::{EngineMetrics, RequestCounts, SpeculationMetrics};
 pub use options::{Backend, EngineOptions};
 pub use request::{GenerateEvent, GenerateOutput, GenerateRequest, Prompt, TokenEvent};
 
@@ -86,14 +88,14 @@ pub use engine::make_backend;
 #[cfg(feature = "unstable")]
 pub use metrale_model_engine::bench;
 #[cfg(feature = "unstable")]
-pub use metrale_model_engine::model_circuit::{ForwardDisclosure, ForwardSelect};
+pub use metrale_model_engine::runner::{ForwardDisclosure, ForwardSelect};
 
 /// The circuit a checkpoint's decode step is compiled from: its plan without loading weights
 /// (`metrale circuit plan`), and the fusions a [`ForwardSelect::Circuit`] lowers with. Only with
 /// the `unstable` feature.
 #[cfg(feature = "unstable")]
 pub mod circuit {
-    pub use metrale_model_engine::model_circuit::{
+    pub use metrale_model_engine::runner::{
         Digest, Fusions, checkpoint_plan, checkpoint_plans, plans_digest,
     };
     pub use metrale_model_layers::circuit_exec::{Plan, Step};

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use metrale_model_engine::model_circuit::ForwardSelect;
 use metrale_model_engine::options::ModelOptions;
+use metrale_model_engine::runner::ForwardSelect;
 use metrale_model_engine::speculative::GateOptions;
 
 /// Where the model runs.

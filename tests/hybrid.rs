@@ -17,8 +17,9 @@ const HYBRID: &[&str] = &[
     "qwen3_5_moe",
 ];
 
-/// The hybrid fixtures: the three the engine was developed against, then `qwen3_5-vl-tiny`,
-/// `qwen3_5_moe-vl-tiny` (wrappers with a vision tower) and `qwen3_next-b-tiny`.
+/// The hybrid fixtures: `qwen3_5-tiny`, `qwen3_next-tiny`, `qwen3_5_moe-tiny`, then
+/// `qwen3_5-vl-tiny`, `qwen3_5_moe-vl-tiny` (wrappers with a vision tower) and
+/// `qwen3_next-b-tiny`.
 const HYBRID_FIXTURES: usize = 6;
 
 #[test]

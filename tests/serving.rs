@@ -109,7 +109,7 @@ fn concurrent_submits_from_several_threads_get_their_solo_outputs() {
         .iter()
         .map(|r| solo_engine.generate(r).expect("solo"))
         .collect();
-    let solo_steps = solo_engine.metrics().steps;
+    let solo_steps = solo_engine.metrics().steps.steps;
 
     let shared = Arc::new(engine("qwen3-tiny", options()));
     let barrier = Arc::new(Barrier::new(4));
@@ -143,15 +143,22 @@ fn concurrent_submits_from_several_threads_get_their_solo_outputs() {
         }
     }
     assert_eq!(seen, requests.len());
-    let m = metrics_until(&shared, |m| m.finished == requests.len() as u64);
+    let m = metrics_until(&shared, |m| m.requests.finished == requests.len() as u64);
     assert!(
-        m.steps < solo_steps,
+        m.steps.steps < solo_steps,
         "{} steps together, {solo_steps} alone: the requests were never batched",
-        m.steps
+        m.steps.steps
     );
     let total: usize = solo.iter().map(|o| o.token_ids.len()).sum();
-    assert_eq!(m.tokens_generated, total as u64);
-    assert_eq!((m.running, m.queued, m.kv_blocks_used), (0, 0, 0));
+    assert_eq!(m.steps.tokens_generated, total as u64);
+    assert_eq!(
+        (
+            m.requests.running,
+            m.requests.queued,
+            m.cache.kv_blocks_used
+        ),
+        (0, 0, 0)
+    );
 }
 
 #[test]
@@ -175,28 +182,46 @@ fn a_repeated_prompt_is_served_from_the_prefix_cache_and_the_metrics_count_it() 
             let got = warm.generate(&req).expect("warm");
             assert_same(&got, &want, &format!("{fixture}, run {run}"));
         }
-        let m = metrics_until(&warm, |m| m.finished == 2 && m.running == 0);
-        assert_eq!((m.prefix_queries, m.prefix_hits), (2, 1), "{fixture}");
-        assert_eq!((m.prefix_query_tokens, m.prefix_hit_tokens), (200, hit));
+        let m = metrics_until(&warm, |m| {
+            m.requests.finished == 2 && m.requests.running == 0
+        });
+        assert_eq!(
+            (m.steps.prefix.queries, m.steps.prefix.hits),
+            (2, 1),
+            "{fixture}"
+        );
+        assert_eq!(
+            (m.steps.prefix.query_tokens, m.steps.prefix.hit_tokens),
+            (200, hit)
+        );
         assert_eq!(m.prefix_hit_rate, hit as f64 / 200.0);
         assert_eq!(
-            m.prefill_tokens,
+            m.steps.prefill_tokens,
             200 - hit,
             "{fixture}: the hit skips prefill"
         );
-        assert!(m.kv_blocks_cached >= 6 && m.kv_blocks_used == 0, "{m:?}");
+        assert!(
+            m.cache.kv_blocks_cached >= 6 && m.cache.kv_blocks_used == 0,
+            "{m:?}"
+        );
         if fixture == "qwen3_5-tiny" {
             assert!(
-                m.ssm_snapshots_used >= 1 && m.ssm_snapshots_total == 16,
+                m.cache.snapshots.used >= 1 && m.cache.snapshots.total == 16,
                 "{m:?}"
             );
         }
-        let c = metrics_until(&cold, |m| m.finished == 1 && m.running == 0);
+        let c = metrics_until(&cold, |m| {
+            m.requests.finished == 1 && m.requests.running == 0
+        });
         assert_eq!(
-            (c.prefix_queries, c.prefix_hit_tokens, c.prefix_hit_rate),
+            (
+                c.steps.prefix.queries,
+                c.steps.prefix.hit_tokens,
+                c.prefix_hit_rate
+            ),
             (0, 0, 0.0)
         );
-        assert_eq!((c.prefill_tokens, c.kv_blocks_cached), (100, 0));
+        assert_eq!((c.steps.prefill_tokens, c.cache.kv_blocks_cached), (100, 0));
     }
 }
 
@@ -228,16 +253,22 @@ fn a_follow_up_turn_is_served_from_the_prefix_cache_and_the_metrics_count_it() {
             prompt.extend(&got.token_ids);
             prompt.extend((0..9u32).map(|t| (t * 13 + 3) % vocab));
         }
-        let m = metrics_until(&warm, |m| m.finished == 2 && m.running == 0);
-        assert_eq!((m.prefix_queries, m.prefix_hits), (2, 1), "{fixture}");
+        let m = metrics_until(&warm, |m| {
+            m.requests.finished == 2 && m.requests.running == 0
+        });
         assert_eq!(
-            (m.prefix_query_tokens, m.prefix_hit_tokens),
+            (m.steps.prefix.queries, m.steps.prefix.hits),
+            (2, 1),
+            "{fixture}"
+        );
+        assert_eq!(
+            (m.steps.prefix.query_tokens, m.steps.prefix.hit_tokens),
             (70 + 109, hit),
             "{fixture}"
         );
-        assert_eq!(m.prefill_tokens, 70 + 109 - hit, "{fixture}");
+        assert_eq!(m.steps.prefill_tokens, 70 + 109 - hit, "{fixture}");
         assert_eq!(
-            (m.kv_blocks_used, m.kv_blocks_cached),
+            (m.cache.kv_blocks_used, m.cache.kv_blocks_cached),
             (0, cached),
             "{fixture}"
         );
@@ -312,7 +343,7 @@ fn cancel_stops_a_request_and_frees_its_cache_and_state() {
     }
     let busy = e.metrics();
     assert!(
-        busy.kv_blocks_used > 0 && busy.ssm_slots_used > 0,
+        busy.cache.kv_blocks_used > 0 && busy.cache.ssm_slots_used > 0,
         "{busy:?}"
     );
     h.cancel();
@@ -339,14 +370,21 @@ fn cancel_stops_a_request_and_frees_its_cache_and_state() {
     let dropped = e.submit(long).expect("valid");
     std::thread::sleep(Duration::from_millis(20));
     drop(dropped);
-    let m = metrics_until(&e, |m| m.finished == 3 && m.running == 0);
-    assert_eq!((m.finished, m.running, m.queued), (3, 0, 0), "{m:?}");
+    let m = metrics_until(&e, |m| m.requests.finished == 3 && m.requests.running == 0);
     assert_eq!(
-        (m.kv_blocks_used, m.ssm_slots_used),
+        (m.requests.finished, m.requests.running, m.requests.queued),
+        (3, 0, 0),
+        "{m:?}"
+    );
+    assert_eq!(
+        (m.cache.kv_blocks_used, m.cache.ssm_slots_used),
         (0, 0),
         "every block and slot is free: {m:?}"
     );
-    assert!(m.kv_blocks_total > 0 && m.ssm_slots_total == 8, "{m:?}");
+    assert!(
+        m.cache.kv_blocks_total > 0 && m.cache.ssm_slots_total == 8,
+        "{m:?}"
+    );
 }
 
 #[test]

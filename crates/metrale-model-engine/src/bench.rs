@@ -39,9 +39,8 @@ use metrale_model_layers::layers::GdnShape;
 
 use crate::error::ModelError;
 use crate::factory;
-use crate::model::{StepInput, StepRow};
-use crate::model_circuit::{ForwardSelect, Fusions, ModelCircuit};
 use crate::options::ModelOptions;
+use crate::runner::{ForwardSelect, Fusions, ModelCircuit, StepInput, StepRow, StepRunner};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -334,17 +333,14 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
         ssm_snapshot_slots: None,
         ..ModelOptions::default()
     };
-    let mut model = factory::random(c.clone(), options, gpu.clone(), 0x5eed)?;
+    let model = factory::random(c.clone(), gpu.clone(), 0x5eed)?;
+    let (mut runner, mut cache) = StepRunner::new(model, options)?;
     let s = gpu.default_stream();
     let weight_bytes = weight_bytes(c);
 
     // Prefill: one sequence of `prefill_tokens` tokens from position 0.
     let mut table = BlockTable::new();
-    table.ensure(
-        opts.prefill_tokens,
-        block_size,
-        &mut model.kv_cache().allocator,
-    )?;
+    cache.ensure(&mut table, opts.prefill_tokens)?;
     let rows: Vec<StepRow> = (0..opts.prefill_tokens)
         .map(|p| StepRow {
             token: (p * 7 % c.vocab_size) as u32,
@@ -353,22 +349,28 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
         })
         .collect();
     let last = [(rows.len() - 1) as u32];
-    let prefill_slot: Vec<u32> = model.alloc_ssm_slot()?.into_iter().collect();
+    let prefill_slot: Vec<u32> = cache.alloc_ssm_slot(None)?.into_iter().collect();
     let prefill_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
-        model.forward(&StepInput {
-            rows: &rows,
-            tables: &[&table],
-            logit_rows: &last,
-            ssm_slots: &prefill_slot,
-        })
+        runner.forward(
+            &cache,
+            &StepInput {
+                rows: &rows,
+                tables: &[&table],
+                logit_rows: &last,
+                ssm_slots: &prefill_slot,
+            },
+        )
     })?;
     let prefill_profile = if opts.prefill_profile {
-        let launches = model.forward_launches(&StepInput {
-            rows: &rows,
-            tables: &[&table],
-            logit_rows: &last,
-            ssm_slots: &prefill_slot,
-        })?;
+        let launches = runner.forward_launches(
+            &cache,
+            &StepInput {
+                rows: &rows,
+                tables: &[&table],
+                logit_rows: &last,
+                ssm_slots: &prefill_slot,
+            },
+        )?;
         Some(Breakdown {
             batch: 1,
             context: opts.prefill_tokens as u32,
@@ -378,34 +380,30 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
         None
     };
     for &slot in &prefill_slot {
-        model.free_ssm_slot(slot)?;
+        cache.free_ssm_slot(slot)?;
     }
     let prefill_flops = 2.0 * matmul_params(c) * opts.prefill_tokens as f64;
     let prefill_floor_ms = prefill_flops / (device_tflop_s * 1e12) * 1e3;
-    table.release_all(&mut model.kv_cache().allocator)?;
+    cache.release(&mut table)?;
 
     // Decode: `batch` sequences, each with `context` tokens in its cache.
     let kv_bytes_per_token = kv_bytes_per_token(c);
     let mut decode = Vec::new();
     let mut profiles = Vec::new();
     for (nth, &forward) in opts.forwards.iter().enumerate() {
-        model.set_forward(forward)?;
-        let launches = model.forward_disclosure()?.launches_per_step;
+        runner.set_forward(forward)?;
+        let launches = runner.forward_disclosure()?.launches_per_step;
         for &batch in &opts.decode_batches {
             let mut tables = Vec::with_capacity(batch);
             for _ in 0..batch {
                 let mut t = BlockTable::new();
-                t.ensure(
-                    opts.context + 1,
-                    block_size,
-                    &mut model.kv_cache().allocator,
-                )?;
+                cache.ensure(&mut t, opts.context + 1)?;
                 tables.push(t);
             }
             let refs: Vec<&BlockTable> = tables.iter().collect();
             let mut slots = Vec::with_capacity(batch);
             for _ in 0..batch {
-                slots.extend(model.alloc_ssm_slot()?);
+                slots.extend(cache.alloc_ssm_slot(None)?);
             }
             let rows: Vec<StepRow> = (0..batch)
                 .map(|i| StepRow {
@@ -415,18 +413,18 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
                 })
                 .collect();
             let ms = time_ms(gpu.as_ref(), s, opts.iters, || {
-                model.decode(&rows, &refs, &slots)
+                runner.decode(&cache, &rows, &refs, &slots)
             })?;
             if nth == 0 && opts.breakdown_batches.contains(&batch) {
-                let width = model.options().decode_width(batch).unwrap_or(batch);
+                let width = runner.options().decode_width(batch).unwrap_or(batch);
                 profiles.push(Breakdown {
                     batch: batch as u32,
                     context: opts.context as u32,
-                    parts: step_profile(&model, width, opts.iters)?,
+                    parts: step_profile(&runner, width, opts.iters)?,
                 });
             }
             for &slot in &slots {
-                model.free_ssm_slot(slot)?;
+                cache.free_ssm_slot(slot)?;
             }
             let bytes = weight_bytes
                 + batch as f64
@@ -440,11 +438,11 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
                 floor_ms: bytes / (copy_gb_s * 1e9) * 1e3,
             });
             for mut t in tables {
-                t.release_all(&mut model.kv_cache().allocator)?;
+                cache.release(&mut t)?;
             }
         }
     }
-    drop(model);
+    drop((runner, cache));
     let dense = c
         .layer_types
         .iter()

@@ -36,7 +36,10 @@ pub enum ModelError {
     /// The circuit executor refused the model or failed to compile it.
     #[error(transparent)]
     Circuit(#[from] CircuitExecError),
-    /// A model feature this engine does not run yet.
+    /// A request the scheduler refused.
+    #[error(transparent)]
+    Request(#[from] crate::scheduler::InvalidRequest),
+    /// A model feature this engine does not run.
     #[error("unsupported model: {0}")]
     Unsupported(String),
 }

@@ -172,7 +172,7 @@ fn streaming_gives_the_same_tokens_and_text_and_ends_with_done() {
         assert_eq!(usage.as_ref(), Some(&whole["usage"]), "{body}");
     }
     let m = wait_idle(&server.engine, 6);
-    assert_eq!((m.finished, m.failed), (6, 0));
+    assert_eq!((m.requests.finished, m.requests.failed), (6, 0));
 }
 
 #[test]
@@ -378,7 +378,7 @@ fn bad_requests_get_4xx_json_errors_and_the_server_keeps_serving() {
     }
     let m = wait_idle(&server.engine, 20);
     assert_eq!(
-        (m.finished, m.failed),
+        (m.requests.finished, m.requests.failed),
         (20, 0),
         "only the good requests reached the engine"
     );
@@ -417,12 +417,20 @@ fn a_client_that_disconnects_mid_stream_frees_its_request() {
     assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"));
     drop(s);
     let m = wait_idle(&server.engine, 1);
-    assert_eq!((m.running, m.queued, m.kv_blocks_used), (0, 0, 0), "{m:?}");
-    assert_eq!((m.finished, m.failed), (1, 0), "{m:?}");
+    assert_eq!(
+        (
+            m.requests.running,
+            m.requests.queued,
+            m.cache.kv_blocks_used
+        ),
+        (0, 0, 0),
+        "{m:?}"
+    );
+    assert_eq!((m.requests.finished, m.requests.failed), (1, 0), "{m:?}");
     assert!(
-        m.tokens_generated < max_tokens as u64,
+        m.steps.tokens_generated < max_tokens as u64,
         "the request ran to the end ({} tokens) instead of being cancelled",
-        m.tokens_generated
+        m.steps.tokens_generated
     );
 
     // Without streaming too: hanging up while waiting for the whole response cancels it.
@@ -435,19 +443,23 @@ fn a_client_that_disconnects_mid_stream_frees_its_request() {
         Some(&whole.to_string()),
     );
     let deadline = Instant::now() + Duration::from_secs(30);
-    while server.engine.metrics().tokens_generated == m.tokens_generated {
+    while server.engine.metrics().steps.tokens_generated == m.steps.tokens_generated {
         assert!(Instant::now() < deadline, "the request never started");
         std::thread::sleep(Duration::from_millis(5));
     }
     drop(s);
     let m2 = wait_idle(&server.engine, 2);
     assert_eq!(
-        (m2.running, m2.kv_blocks_used, m2.failed),
+        (
+            m2.requests.running,
+            m2.cache.kv_blocks_used,
+            m2.requests.failed
+        ),
         (0, 0, 0),
         "{m2:?}"
     );
     assert!(
-        m2.tokens_generated - m.tokens_generated < max_tokens as u64,
+        m2.steps.tokens_generated - m.steps.tokens_generated < max_tokens as u64,
         "the request ran to the end instead of being cancelled: {m2:?}"
     );
 

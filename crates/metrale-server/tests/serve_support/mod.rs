@@ -198,7 +198,10 @@ pub fn wait_idle(engine: &Engine, done: u64) -> EngineMetrics {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let m = engine.metrics();
-        if m.finished + m.failed >= done && m.running == 0 && m.queued == 0 {
+        if m.requests.finished + m.requests.failed >= done
+            && m.requests.running == 0
+            && m.requests.queued == 0
+        {
             return m;
         }
         assert!(
