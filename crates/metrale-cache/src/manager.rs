@@ -38,6 +38,7 @@ pub struct CacheLayout {
 
 /// SSM snapshots in use and in the pool.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SnapshotUsage {
     /// Entries holding a snapshot.
     pub used: usize,

@@ -8,6 +8,7 @@ use metrale_model_layers::weight_map::WeightError;
 
 /// An error of the model engine.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ModelError {
     /// The checkpoint's config.
     #[error(transparent)]

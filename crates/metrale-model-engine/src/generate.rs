@@ -34,10 +34,7 @@ pub fn generate_speculative(
 ) -> Result<(Vec<Generation>, SpeculativeStats), ModelError> {
     scheduler.set_drafter(Some(drafter))?;
     if let Some(spec) = scheduler.speculation() {
-        spec.set_gate(GateOptions {
-            enabled: false,
-            ..GateOptions::default()
-        });
+        spec.set_gate(GateOptions::default().enabled(false));
     }
     let out = scheduler.run(requests, on_token)?;
     let stats = (scheduler.speculation())

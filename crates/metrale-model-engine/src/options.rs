@@ -3,6 +3,7 @@
 
 /// See the module header. Every field has a documented default.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ModelOptions {
     /// Most tokens one step processes (prefill chunks are cut to this). Default 512.
     pub max_batch_tokens: usize,
@@ -63,6 +64,7 @@ pub const MAX_DRAFT_TOKENS: usize = 8;
 
 /// How tokens are proposed ahead of the target model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Speculative {
     /// Plain decode: one token per sequence and step. The default.
     #[default]

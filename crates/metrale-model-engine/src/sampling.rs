@@ -8,6 +8,7 @@
 
 /// How to pick the next token.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct SamplingParams {
     /// 0 means greedy. Default 0.
     pub temperature: f32,

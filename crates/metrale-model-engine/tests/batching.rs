@@ -44,11 +44,9 @@ fn batch(model: &mut Scheduler, reqs: &[(&[u32], &GenerateParams)]) -> Vec<Gener
 fn params(n: usize, temperature: f32, seed: u64) -> GenerateParams {
     GenerateParams {
         max_new_tokens: n,
-        sampling: SamplingParams {
-            temperature,
-            seed,
-            ..Default::default()
-        },
+        sampling: SamplingParams::default()
+            .temperature(temperature)
+            .seed(seed),
         stop_token_ids: Vec::new(),
         return_logits: true,
     }
@@ -63,10 +61,7 @@ fn alone(model: &mut Scheduler, prompt: &[u32], p: &GenerateParams) -> Generatio
 
 #[test]
 fn batched_decode_is_bitwise_alone() {
-    let options = ModelOptions {
-        max_decode_seqs: 8,
-        ..Default::default()
-    };
+    let options = ModelOptions::default().max_decode_seqs(8);
     let mut model = load("qwen3-gqa4-hd128", options);
     // Five sequences of different lengths and lifetimes: widths 8, then 4, 2, 1 as they finish.
     let prompts: Vec<Vec<u32>> = (0..5)
@@ -108,13 +103,7 @@ fn graphed_decode_is_bitwise_eager_decode() {
     let prompt: Vec<u32> = (1..40).collect();
     let p = params(10, 0.0, 0);
     let mut graphed = load("qwen3-tiny", ModelOptions::default());
-    let mut eager = load(
-        "qwen3-tiny",
-        ModelOptions {
-            decode_graphs: false,
-            ..Default::default()
-        },
-    );
+    let mut eager = load("qwen3-tiny", ModelOptions::default().decode_graphs(false));
     let g = alone(&mut graphed, &prompt, &p);
     let e = alone(&mut eager, &prompt, &p);
     assert_eq!(graphed.runner().graphs().decode_widths(), vec![1]);
@@ -147,11 +136,9 @@ fn graphed_decode_of_9_rows_and_more_reads_the_weights_through_their_maps() {
     for max_batch_tokens in [ModelOptions::default().max_batch_tokens, 64] {
         let mut backend = CpuBackend::default();
         backend.register("gemm", "linear_stream_tma", counted_stream_tma);
-        let options = ModelOptions {
-            max_decode_seqs: 16,
-            max_batch_tokens,
-            ..Default::default()
-        };
+        let options = ModelOptions::default()
+            .max_decode_seqs(16)
+            .max_batch_tokens(max_batch_tokens);
         let model = factory::load(&fixture("qwen3-tiny"), Arc::new(backend)).unwrap();
         let mut model = Scheduler::new(model, options).unwrap();
         let prompts: Vec<Vec<u32>> = (0..16u32).map(|i| vec![i + 1, 2 * i + 3, 7]).collect();
@@ -213,10 +200,7 @@ fn staged_decode_is_bitwise_alone(config: &metrale_config::ModelConfig) {
     for forward in forwards {
         let mut backend = CpuBackend::default();
         backend.register("activation", "silu_mul_staged", counted_silu_staged);
-        let options = ModelOptions {
-            max_decode_seqs: 32,
-            ..Default::default()
-        };
+        let options = ModelOptions::default().max_decode_seqs(32);
         let model = factory::random(config.clone(), Arc::new(backend), 7).unwrap();
         let mut model = Scheduler::new(model, options).unwrap();
         model.runner_mut().set_forward(forward).unwrap();

@@ -31,12 +31,10 @@ fn cpu() -> Arc<dyn GpuBackend> {
 }
 
 fn load_on(backend: Backend, name: &str, prefix_caching: bool) -> Scheduler {
-    let options = ModelOptions {
-        max_batch_tokens: 16,
-        max_decode_seqs: 4,
-        prefix_caching,
-        ..Default::default()
-    };
+    let options = ModelOptions::default()
+        .max_batch_tokens(16)
+        .max_decode_seqs(4)
+        .prefix_caching(prefix_caching);
     let model =
         factory::load(&support::fixture(name), backend()).unwrap_or_else(|e| panic!("{name}: {e}"));
     Scheduler::new(model, options).unwrap()
@@ -45,11 +43,7 @@ fn load_on(backend: Backend, name: &str, prefix_caching: bool) -> Scheduler {
 /// A request keeping its logits, sampled (seeded) when `seed` is given, greedy otherwise.
 fn request(prompt: Vec<u32>, max_new_tokens: usize, seed: Option<u64>) -> SeqRequest {
     let sampling = match seed {
-        Some(seed) => SamplingParams {
-            temperature: 0.9,
-            seed,
-            ..Default::default()
-        },
+        Some(seed) => SamplingParams::default().temperature(0.9).seed(seed),
         None => SamplingParams::default(),
     };
     SeqRequest {

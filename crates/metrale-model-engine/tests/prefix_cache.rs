@@ -37,23 +37,17 @@ fn load(name: &str, options: ModelOptions) -> Scheduler {
 }
 
 fn options(chunk: usize, prefix_caching: bool, num_kv_blocks: Option<usize>) -> ModelOptions {
-    ModelOptions {
-        max_batch_tokens: chunk,
-        max_decode_seqs: 4,
-        num_kv_blocks,
-        prefix_caching,
-        ..Default::default()
-    }
+    ModelOptions::default()
+        .max_batch_tokens(chunk)
+        .max_decode_seqs(4)
+        .num_kv_blocks(num_kv_blocks)
+        .prefix_caching(prefix_caching)
 }
 
 /// A request keeping its logits; odd `i` samples (seeded), even `i` is greedy.
 fn request(prompt: Vec<u32>, max_new_tokens: usize, i: u64) -> SeqRequest {
     let sampling = if i % 2 == 1 {
-        SamplingParams {
-            temperature: 0.8,
-            seed: i,
-            ..Default::default()
-        }
+        SamplingParams::default().temperature(0.8).seed(i)
     } else {
         SamplingParams::default()
     };
@@ -118,10 +112,7 @@ fn unsplit_first_logits(name: &str, options: ModelOptions, prompt: &[u32]) -> Ve
 }
 
 fn cached_runs_are_cold_runs(name: &str, chunk: usize, stride: Option<usize>, want_hits: &[u64]) {
-    let opts = |prefix_caching| ModelOptions {
-        ssm_snapshot_stride: stride,
-        ..options(chunk, prefix_caching, None)
-    };
+    let opts = |prefix_caching| options(chunk, prefix_caching, None).ssm_snapshot_stride(stride);
     let mut warm = load(name, opts(true));
     let mut cold = load(name, opts(false));
     let vocab = warm.runner().model().config().vocab_size as u32;
@@ -211,10 +202,7 @@ fn a_snapshot_stride_gives_hybrid_prompts_the_resume_points_of_small_chunks() {
     for stride in [0, 100] {
         let dir =
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_5-tiny");
-        let opts = ModelOptions {
-            ssm_snapshot_stride: Some(stride),
-            ..options(512, true, None)
-        };
+        let opts = options(512, true, None).ssm_snapshot_stride(Some(stride));
         let model = factory::load(&dir, Arc::new(CpuBackend::default())).unwrap();
         let err = Scheduler::new(model, opts).unwrap_err();
         assert!(
@@ -263,13 +251,7 @@ fn least_recently_used_blocks_are_evicted_and_hits_stay_bitwise_cold() {
 #[test]
 fn the_least_recently_used_ssm_snapshot_is_dropped_when_the_pool_is_full() {
     for name in HYBRID {
-        let mut warm = load(
-            name,
-            ModelOptions {
-                ssm_snapshot_slots: Some(1),
-                ..options(16, true, None)
-            },
-        );
+        let mut warm = load(name, options(16, true, None).ssm_snapshot_slots(Some(1)));
         let mut cold = load(name, options(16, false, None));
         let usage = warm.cache().snapshot_usage();
         assert_eq!((usage.used, usage.total), (0, 1));

@@ -62,17 +62,14 @@ fn arrivals(n: usize, vocab: u32, seed: u64, cancel: bool) -> Vec<Arrival> {
                 .collect();
             let sampling = match i % 3 {
                 0 => SamplingParams::default(),
-                1 => SamplingParams {
-                    temperature: 0.9,
-                    seed: rng.next_u64(),
-                    ..Default::default()
-                },
-                _ => SamplingParams {
-                    temperature: 1.3,
-                    top_k: 20,
-                    top_p: 0.9,
-                    seed: rng.next_u64(),
-                },
+                1 => SamplingParams::default()
+                    .temperature(0.9)
+                    .seed(rng.next_u64()),
+                _ => SamplingParams::default()
+                    .temperature(1.3)
+                    .top_k(20)
+                    .top_p(0.9)
+                    .seed(rng.next_u64()),
             };
             let params = GenerateParams {
                 max_new_tokens: 4 + (rng.next_u64() % 27) as usize,
@@ -244,12 +241,10 @@ fn assert_all_free(model: &mut Scheduler, stats: &SchedulerStats) {
 }
 
 fn options(num_kv_blocks: Option<usize>) -> ModelOptions {
-    ModelOptions {
-        max_batch_tokens: 16,
-        max_decode_seqs: 8,
-        num_kv_blocks,
-        ..Default::default()
-    }
+    ModelOptions::default()
+        .max_batch_tokens(16)
+        .max_decode_seqs(8)
+        .num_kv_blocks(num_kv_blocks)
 }
 
 fn traffic_with_cancellations_is_bitwise_solo(backend: Backend, name: &str) {
@@ -298,10 +293,10 @@ fn preemption_is_bitwise_solo(backend: Backend, name: &str) {
 /// two hit the cache (on a hybrid model through an SSM snapshot copied device to device). With
 /// chunks of 512 the cold and cached prefills also cut the prompt into steps of other sizes.
 fn prefix_hits_are_bitwise_cold(backend: Backend, name: &str) {
-    let opts = |prefix_caching| ModelOptions {
-        max_batch_tokens: 512,
-        prefix_caching,
-        ..options(None)
+    let opts = |prefix_caching| {
+        options(None)
+            .max_batch_tokens(512)
+            .prefix_caching(prefix_caching)
     };
     let mut warm = load_on(backend, name, opts(true));
     let mut cold = load_on(backend, name, opts(false));
@@ -317,11 +312,7 @@ fn prefix_hits_are_bitwise_cold(backend: Backend, name: &str) {
             prompt,
             params: GenerateParams {
                 max_new_tokens: 6,
-                sampling: SamplingParams {
-                    temperature: 0.9,
-                    seed: i as u64,
-                    ..Default::default()
-                },
+                sampling: SamplingParams::default().temperature(0.9).seed(i as u64),
                 stop_token_ids: Vec::new(),
                 return_logits: true,
             },

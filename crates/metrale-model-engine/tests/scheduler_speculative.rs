@@ -108,7 +108,9 @@ fn always(s: &mut Scheduler, drafter: Option<Box<dyn Drafter + Send>>) {
     if drafter.is_some() {
         s.set_drafter(drafter).unwrap();
     }
-    s.speculation().unwrap().set_gate(ALWAYS);
+    s.speculation()
+        .unwrap()
+        .set_gate(GateOptions::default().enabled(false));
 }
 
 fn assert_same(got: &[Generation], want: &[Generation], what: &str) {
@@ -129,14 +131,6 @@ fn assert_same(got: &[Generation], want: &[Generation], what: &str) {
     }
 }
 
-const ALWAYS: GateOptions = GateOptions {
-    enabled: false,
-    margin_percent: 5,
-    ema_steps: 16,
-    probe_every: 128,
-    probe_steps: 8,
-};
-
 #[test]
 fn mtp_through_the_scheduler_gives_the_plain_schedulers_greedy_output() {
     for name in ["qwen3_5-tiny", "qwen3_next-tiny"] {
@@ -153,11 +147,11 @@ fn mtp_through_the_scheduler_gives_the_plain_schedulers_greedy_output() {
         reqs[2].params.return_logits = false;
         reqs[3].params.return_logits = false;
         let want = plain(fx.path(), &reqs);
-        let mut s = fx.load(ModelOptions {
-            speculative: Speculative::Mtp,
-            num_draft_tokens: 3,
-            ..Default::default()
-        });
+        let mut s = fx.load(
+            ModelOptions::default()
+                .speculative(Speculative::Mtp)
+                .num_draft_tokens(3),
+        );
         always(&mut s, None);
         let got = serve(&mut s, &reqs, |_| {});
         assert_same(&got.out, &want, name);
@@ -196,11 +190,11 @@ impl Drafter for PerRequest {
 #[test]
 fn a_batched_request_drafts_what_it_drafts_alone() {
     let fx = MtpFixture::new("qwen3_5-tiny");
-    let options = |decode_graphs| ModelOptions {
-        speculative: Speculative::Mtp,
-        num_draft_tokens: 3,
-        decode_graphs,
-        ..Default::default()
+    let options = |decode_graphs| {
+        ModelOptions::default()
+            .speculative(Speculative::Mtp)
+            .num_draft_tokens(3)
+            .decode_graphs(decode_graphs)
     };
     let mut prompts = fx.prompts();
     prompts.push((0..40).map(|t| (t * 17 + 3) % 250 + 1).collect());
@@ -242,11 +236,11 @@ fn speculation_with_prefix_hits_gives_the_plain_output() {
         })
         .collect();
     let want = plain(fx.path(), &reqs);
-    let mut s = fx.load(ModelOptions {
-        speculative: Speculative::Mtp,
-        num_draft_tokens: 2,
-        ..Default::default()
-    });
+    let mut s = fx.load(
+        ModelOptions::default()
+            .speculative(Speculative::Mtp)
+            .num_draft_tokens(2),
+    );
     always(&mut s, None);
     let got = serve(&mut s, &reqs, |_| {});
     assert_same(&got.out, &want, "prefix hits");
@@ -277,11 +271,9 @@ fn oracle_drafts_reach_full_acceptance_and_every_rollback_depth_through_the_sche
     for k in [1, 3] {
         let mut s = factory_load(
             &dir,
-            ModelOptions {
-                speculative: Speculative::External,
-                num_draft_tokens: k,
-                ..Default::default()
-            },
+            ModelOptions::default()
+                .speculative(Speculative::External)
+                .num_draft_tokens(k),
         );
         let oracle = OracleDrafter::wrong_at(
             expected.clone(),
@@ -354,19 +346,20 @@ fn the_gate_turns_speculation_off_while_slower_and_back_on_past_the_margin() {
     let p = prompts();
     let reqs: Vec<SeqRequest> = p[..2].iter().map(|q| request(q, 90, &[])).collect();
     let want = plain(fx.path(), &reqs);
-    let mut s = fx.load(ModelOptions {
-        speculative: Speculative::Mtp,
-        num_draft_tokens: 2,
-        ..Default::default()
-    });
+    let mut s = fx.load(
+        ModelOptions::default()
+            .speculative(Speculative::Mtp)
+            .num_draft_tokens(2),
+    );
     let spec = s.speculation().unwrap();
-    spec.set_gate(GateOptions {
-        enabled: true,
-        margin_percent: 5,
-        ema_steps: 4,
-        probe_every: 16,
-        probe_steps: 4,
-    });
+    spec.set_gate(
+        GateOptions::default()
+            .enabled(true)
+            .margin_percent(5)
+            .ema_steps(4)
+            .probe_every(16)
+            .probe_steps(4),
+    );
     let clock = TestClock::default();
     spec.set_clock(Box::new(clock.clone()));
     // Phase 1: a verify step costs 3 plain steps, and yields at most K + 1 = 3 tokens per
@@ -419,23 +412,19 @@ fn sampling_through_the_scheduler_with_drafts_gives_valid_reproducible_output() 
         .enumerate()
         .map(|(i, r)| {
             let mut r = r.clone();
-            r.params.sampling = SamplingParams {
-                temperature: 0.7,
-                top_k: 8,
-                seed: 100 + i as u64,
-                ..Default::default()
-            };
+            r.params.sampling = SamplingParams::default()
+                .temperature(0.7)
+                .top_k(8)
+                .seed(100 + i as u64);
             r
         })
         .collect();
     let load = || {
         factory_load(
             &dir,
-            ModelOptions {
-                speculative: Speculative::External,
-                num_draft_tokens: 3,
-                ..Default::default()
-            },
+            ModelOptions::default()
+                .speculative(Speculative::External)
+                .num_draft_tokens(3),
         )
     };
     let run = |mut s: Scheduler| {

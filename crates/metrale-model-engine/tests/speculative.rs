@@ -20,11 +20,9 @@ use support::*;
 const NEW_TOKENS: usize = 24;
 
 fn spec_options(speculative: Speculative, k: usize) -> ModelOptions {
-    ModelOptions {
-        speculative,
-        num_draft_tokens: k,
-        ..Default::default()
-    }
+    ModelOptions::default()
+        .speculative(speculative)
+        .num_draft_tokens(k)
 }
 
 #[test]
@@ -232,15 +230,9 @@ fn stop_tokens_and_cancellation_end_a_speculative_sequence_where_plain_decode_do
         "cancelled after 5"
     );
     // A sequence near max_seq_len drafts only what fits.
-    let mut short = fx.load(ModelOptions {
-        max_seq_len: Some(prompt.len() + 6),
-        ..spec_options(Speculative::Mtp, 4)
-    });
+    let mut short = fx.load(spec_options(Speculative::Mtp, 4).max_seq_len(Some(prompt.len() + 6)));
     let got = run(&mut short, prompt, &greedy(NEW_TOKENS));
-    let mut plain_short = fx.load(ModelOptions {
-        max_seq_len: Some(prompt.len() + 6),
-        ..Default::default()
-    });
+    let mut plain_short = fx.load(ModelOptions::default().max_seq_len(Some(prompt.len() + 6)));
     assert_eq!(
         got.token_ids,
         run(&mut plain_short, prompt, &greedy(NEW_TOKENS)).token_ids

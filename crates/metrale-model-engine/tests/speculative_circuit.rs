@@ -30,12 +30,10 @@ const REFERENCE: ForwardSelect = ForwardSelect::Circuit {
 };
 
 fn spec_options(k: usize, graphs: bool) -> ModelOptions {
-    ModelOptions {
-        speculative: Speculative::External,
-        num_draft_tokens: k,
-        decode_graphs: graphs,
-        ..Default::default()
-    }
+    ModelOptions::default()
+        .speculative(Speculative::External)
+        .num_draft_tokens(k)
+        .decode_graphs(graphs)
 }
 
 fn cpu() -> Arc<dyn GpuBackend> {
@@ -204,10 +202,7 @@ fn batched_verify_graph_is_eager(gpu: fn() -> Arc<dyn GpuBackend>) {
         let mut circuit = load_on(gpu, name, spec_options(3, true));
         circuit.runner.set_forward(REFERENCE).unwrap();
         // No verify graph may be kept: every step runs eagerly, with the same results.
-        let capped = ModelOptions {
-            max_speculative_graphs: 0,
-            ..spec_options(3, true)
-        };
+        let capped = spec_options(3, true).max_speculative_graphs(0);
         let mut capped = load_on(gpu, name, capped);
         // Two mixes of drafts with the same rows and sequences: the second replays the graph
         // the first captured, with other positions, sequences and row slots.
@@ -250,11 +245,11 @@ fn mtp_greedy_under_the_circuit_forward_is_plain_greedy() {
             .map(|p| run(&mut plain_model, p, &greedy(12)))
             .collect();
         for k in [1, 4] {
-            let mut model = fx.load(ModelOptions {
-                speculative: Speculative::Mtp,
-                num_draft_tokens: k,
-                ..Default::default()
-            });
+            let mut model = fx.load(
+                ModelOptions::default()
+                    .speculative(Speculative::Mtp)
+                    .num_draft_tokens(k),
+            );
             model
                 .runner_mut()
                 .set_forward(ForwardSelect::Circuit {
@@ -383,12 +378,10 @@ fn draft_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
     for name in HYBRID {
         let fx = MtpFixture::new(name);
         for graphs in [false, true] {
-            let options = ModelOptions {
-                speculative: Speculative::Mtp,
-                num_draft_tokens: 4,
-                decode_graphs: graphs,
-                ..Default::default()
-            };
+            let options = ModelOptions::default()
+                .speculative(Speculative::Mtp)
+                .num_draft_tokens(4)
+                .decode_graphs(graphs);
             let load = || Rig::load_on(fx.path(), options.clone(), gpu());
             let (mut legacy, mut circuit) = (load(), load());
             let want: Vec<_> = (1..=5)
@@ -433,11 +426,9 @@ fn draft_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
 fn the_disclosed_digest_covers_the_draft_plans_metrale_circuit_plan_prints() {
     for name in HYBRID {
         let fx = MtpFixture::new(name);
-        let options = ModelOptions {
-            speculative: Speculative::Mtp,
-            num_draft_tokens: 2,
-            ..Default::default()
-        };
+        let options = ModelOptions::default()
+            .speculative(Speculative::Mtp)
+            .num_draft_tokens(2);
         let mut model = Rig::load(fx.path(), options.clone());
         model.runner.set_forward(REFERENCE).unwrap();
         let d = model.runner.forward_disclosure().unwrap();

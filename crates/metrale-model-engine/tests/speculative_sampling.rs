@@ -64,11 +64,7 @@ struct Case {
 }
 
 fn case() -> Case {
-    let sampling = SamplingParams {
-        temperature: 2.0,
-        top_k: 2,
-        ..Default::default()
-    };
+    let sampling = SamplingParams::default().temperature(2.0).top_k(2);
     let mut plain = load_plain("qwen3_5-tiny", ModelOptions::default());
     let prompt: Vec<u32> = (0..16).map(|t| (t * 41 + 5) % 250 + 1).collect();
     let dist = Sampler::new(sampling);
@@ -134,18 +130,13 @@ fn check(
 fn spec_model(drafter: Guess) -> Scheduler {
     let mut s = load_plain(
         "qwen3_5-tiny",
-        ModelOptions {
-            speculative: Speculative::External,
-            num_draft_tokens: 1,
-            ..Default::default()
-        },
+        ModelOptions::default()
+            .speculative(Speculative::External)
+            .num_draft_tokens(1),
     );
     s.set_drafter(Some(Box::new(drafter))).unwrap();
     let spec = s.speculation().unwrap();
-    spec.set_gate(GateOptions {
-        enabled: false,
-        ..Default::default()
-    });
+    spec.set_gate(GateOptions::default().enabled(false));
     s
 }
 
@@ -161,7 +152,7 @@ fn speculative_sampling_follows_the_plain_distribution() {
     let mut model = spec_model(Guess { ranked, calls: 0 });
     let mut seen: HashMap<(u32, u32), usize> = HashMap::new();
     for seed in 0..RUNS {
-        let p = params(3, SamplingParams { seed, ..sampling });
+        let p = params(3, sampling.seed(seed));
         let out = model
             .run(vec![request(&prompt, &p)], &mut |_, _| {
                 ControlFlow::Continue(())
@@ -192,7 +183,7 @@ fn speculative_sampling_through_the_scheduler_follows_the_plain_distribution() {
     for seed in 0..RUNS {
         let req = SeqRequest {
             prompt: prompt.clone(),
-            params: params(3, SamplingParams { seed, ..sampling }),
+            params: params(3, sampling.seed(seed)),
             ignore_eos: true,
         };
         ids.insert(sched.add(req).unwrap(), seed);

@@ -87,11 +87,9 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn rollback_case(name: &str, k: usize, j: usize) {
     let mut model = Rig::load(
         &fixture(name),
-        ModelOptions {
-            speculative: Speculative::External,
-            num_draft_tokens: k,
-            ..Default::default()
-        },
+        ModelOptions::default()
+            .speculative(Speculative::External)
+            .num_draft_tokens(k),
     );
     // 14 prompt tokens: the verify rows cross the 16-token KV block boundary.
     let prompt: Vec<u32> = (0..14).map(|t| (t * 29 + 7) % 250 + 1).collect();
@@ -208,11 +206,9 @@ fn the_mtp_head_reads_the_next_token_and_the_target_row_at_each_position() {
     let fx = MtpFixture::new("qwen3_5-tiny");
     let mut model = Rig::load(
         fx.path(),
-        ModelOptions {
-            speculative: Speculative::Mtp,
-            num_draft_tokens: 1,
-            ..Default::default()
-        },
+        ModelOptions::default()
+            .speculative(Speculative::Mtp)
+            .num_draft_tokens(1),
     );
     let prompt = fx.prompts()[1].clone();
     let n = prompt.len();
@@ -285,11 +281,9 @@ fn the_mtp_head_reads_the_next_token_and_the_target_row_at_each_position() {
 fn a_verify_step_refuses_row_slots_that_would_corrupt_a_state() {
     let mut model = Rig::load(
         &fixture("qwen3_5-tiny"),
-        ModelOptions {
-            speculative: Speculative::External,
-            num_draft_tokens: 2,
-            ..Default::default()
-        },
+        ModelOptions::default()
+            .speculative(Speculative::External)
+            .num_draft_tokens(2),
     );
     let (mut a, mut b) = (Seq::new(&mut model, 2), Seq::new(&mut model, 0));
     a.ensure(&mut model, 8);

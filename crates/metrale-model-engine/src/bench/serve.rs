@@ -117,13 +117,11 @@ pub fn serve_ladder(
     let block_size = ModelOptions::default().block_size;
     // Every sequence's whole context, plus the admission headroom of one block per sequence.
     let blocks = max_c * (seq_len.div_ceil(block_size) + 1) + 2;
-    let options = ModelOptions {
-        max_batch_tokens: opts.max_batch_tokens,
-        max_seq_len: Some(seq_len),
-        num_kv_blocks: Some(blocks),
-        max_decode_seqs: max_c,
-        ..ModelOptions::default()
-    };
+    let options = ModelOptions::default()
+        .max_batch_tokens(opts.max_batch_tokens)
+        .max_seq_len(Some(seq_len))
+        .num_kv_blocks(Some(blocks))
+        .max_decode_seqs(max_c);
     let model = factory::random(c.clone(), gpu.clone(), 0x5eed)?;
     let weights = weight_bytes(c);
     let per_seq = (opts.prompt_tokens as f64 + opts.output_tokens as f64 / 2.0)

@@ -170,18 +170,16 @@ pub fn speculative_bench(
     let floor = |bytes: f64| bytes / (copy_gb_s * 1e9) * 1e3;
     let block_size = ModelOptions::default().block_size;
     let max_seq_len = opts.context + opts.output_tokens + kmax + 2;
-    let options = ModelOptions {
-        max_seq_len: Some(max_seq_len),
-        block_size,
-        num_kv_blocks: Some(2 * max_seq_len.div_ceil(block_size) + 2),
-        max_decode_seqs: 1,
-        decode_graphs: true,
-        prefix_caching: false,
-        ssm_snapshot_slots: None,
-        speculative: Speculative::Mtp,
-        num_draft_tokens: kmax,
-        ..ModelOptions::default()
-    };
+    let options = ModelOptions::default()
+        .max_seq_len(Some(max_seq_len))
+        .block_size(block_size)
+        .num_kv_blocks(Some(2 * max_seq_len.div_ceil(block_size) + 2))
+        .max_decode_seqs(1)
+        .decode_graphs(true)
+        .prefix_caching(false)
+        .ssm_snapshot_slots(None)
+        .speculative(Speculative::Mtp)
+        .num_draft_tokens(kmax);
     let model = factory::random(c.clone(), gpu.clone(), 0x5eed)?;
     let (mut runner, mut cache) = StepRunner::new(model, options)?;
     let s = gpu.default_stream();

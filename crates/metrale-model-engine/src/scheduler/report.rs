@@ -80,6 +80,7 @@ pub struct StepFailed {
 
 /// Counters and resource use, for metrics.
 #[derive(Debug, Clone, PartialEq, Default)]
+#[non_exhaustive]
 pub struct SchedulerStats {
     /// Sequences admitted and not finished.
     pub running: usize,
@@ -95,6 +96,7 @@ pub struct SchedulerStats {
 
 /// What the steps so far ran and produced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct StepCounts {
     /// Steps run (idle steps excluded).
     pub steps: u64,
@@ -116,6 +118,7 @@ pub struct StepCounts {
 
 /// Prefix-cache lookups and hits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct PrefixStats {
     /// Lookups: admissions with prefix caching on (a preempted sequence's readmission
     /// included).
@@ -130,6 +133,7 @@ pub struct PrefixStats {
 
 /// The cache in use now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct CacheUsage {
     /// KV blocks referenced by running sequences (cached blocks nobody holds are free).
     pub kv_blocks_used: usize,

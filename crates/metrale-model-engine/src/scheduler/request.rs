@@ -27,6 +27,7 @@ pub struct GenerateParams {
 
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum FinishReason {
     /// `max_new_tokens`, or the model's context, was reached.
     Length,

@@ -42,10 +42,7 @@ fn drain(s: &mut Scheduler) -> Vec<StepKind> {
 
 #[test]
 fn a_long_prompt_alternates_with_decode_in_budget_sized_chunks() {
-    let mut s = scheduler(ModelOptions {
-        max_batch_tokens: 8,
-        ..Default::default()
-    });
+    let mut s = scheduler(ModelOptions::default().max_batch_tokens(8));
     let a = s.add(request(3, 40)).expect("valid");
     // A: one prefill chunk, then it decodes alone.
     assert!(
@@ -81,10 +78,7 @@ fn a_long_prompt_alternates_with_decode_in_budget_sized_chunks() {
 
 #[test]
 fn short_prompts_share_one_budget_between_decode_steps() {
-    let mut s = scheduler(ModelOptions {
-        max_batch_tokens: 8,
-        ..Default::default()
-    });
+    let mut s = scheduler(ModelOptions::default().max_batch_tokens(8));
     s.add(request(2, 30)).expect("valid");
     s.step().expect("prefill");
     s.step().expect("decode");
@@ -114,11 +108,11 @@ fn short_prompts_share_one_budget_between_decode_steps() {
 #[test]
 fn admission_waits_for_blocks_and_a_decode_slot() {
     // 6 usable blocks of 16 tokens; each request needs 3 (40 prompt tokens plus one).
-    let mut s = scheduler(ModelOptions {
-        num_kv_blocks: Some(7),
-        max_decode_seqs: 4,
-        ..Default::default()
-    });
+    let mut s = scheduler(
+        ModelOptions::default()
+            .num_kv_blocks(Some(7))
+            .max_decode_seqs(4),
+    );
     for _ in 0..3 {
         s.add(request(40, 2)).expect("valid");
     }
@@ -137,10 +131,7 @@ fn admission_waits_for_blocks_and_a_decode_slot() {
 
 #[test]
 fn bad_requests_are_refused_with_what_is_wrong() {
-    let mut s = scheduler(ModelOptions {
-        max_seq_len: Some(32),
-        ..Default::default()
-    });
+    let mut s = scheduler(ModelOptions::default().max_seq_len(Some(32)));
     assert_eq!(s.add(request(0, 1)), Err(InvalidRequest::EmptyPrompt));
     assert_eq!(
         s.add(request(33, 1)),
@@ -165,10 +156,7 @@ fn bad_requests_are_refused_with_what_is_wrong() {
 #[test]
 fn the_context_is_capped_by_what_the_cache_holds() {
     // 2 usable blocks of 16: a sequence alone can hold 32 tokens, whatever max_seq_len says.
-    let mut s = scheduler(ModelOptions {
-        num_kv_blocks: Some(3),
-        ..Default::default()
-    });
+    let mut s = scheduler(ModelOptions::default().num_kv_blocks(Some(3)));
     assert_eq!(RequestLimits::of(s.runner(), s.cache()).max_context, 32);
     let id = s.add(request(20, 100)).expect("valid");
     let mut out = None;

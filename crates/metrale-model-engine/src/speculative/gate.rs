@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 /// Settings of the gate. Every field has a documented default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GateOptions {
     /// Measure and switch (true), or always speculate (false). Default true.
     pub enabled: bool,

@@ -95,6 +95,7 @@ pub trait Drafter {
 
 /// Acceptance counts of speculative decoding, and its gate's state.
 #[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
 pub struct SpeculativeStats {
     /// `(drafts, accepted)` → how many sequence verifies checked that many drafts and kept
     /// that many (a sequence without drafts in a verify step counts as `(0, 0)`).
