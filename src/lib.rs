@@ -101,6 +101,13 @@ pub mod circuit {
     pub use metrale_model_layers::circuit_exec::{Plan, Step};
 }
 
+/// Internals that the crate's own benchmarks (`benches/`) drive directly. Not part of the API:
+/// hidden from the documentation, and free to change with any release.
+#[doc(hidden)]
+pub mod bench_internals {
+    pub use crate::text::TextStream;
+}
+
 /// The device layer, for tools built on the engine (benchmarks, tests). Only with the
 /// `unstable` feature.
 #[cfg(feature = "unstable")]
