@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Build the labs with the nvcc of `cargo xtask setup-cuda` and a static CUDA runtime: the decode
-# GEMM lab (lab/gemm_lab.cu -> target/gemm-lab/gemm_lab; `gemm_lab quick` for fewer row counts),
-# the prefill GEMM lab (lab/prefill_lab.cu -> target/gemm-lab/prefill_lab), the residency lab
-# (prefetch_lab: decode projections from memory and from L2, and L2 prefetch) and the timeline
-# lab (timeline_lab: the decode GEMM's phases per block, on a copy of the kernel that
-# lab/timeline_gen.py writes from kernels/gemm.cu) and the decode attention lab (attention_lab:
-# `paged_attention` from two cubins, bitwise against each other and timed; see its header), the
-# decode TMA lab (decode_tma_lab: `linear_stream_tma` bitwise against the map-less decode kernels,
-# timed per projection and over 36 Qwen3-8B-shaped layers), the delta-rule decode lab (gdn_lab:
-# `gated_delta_streamed` bitwise against `gated_delta_recurrent`, both compiled in, and timed),
-# the weight-stream lab (tma_stream_lab: the decode GEMM's tensor-map stream without the GEMM),
-# standalone binaries to copy to the GPU machine and run there (each includes lab/lab_util.cuh).
-# Extra arguments go to nvcc.
+# Build the labs, standalone binaries to copy to the GPU machine and run there, with the nvcc of
+# `cargo xtask setup-cuda` and a static CUDA runtime, into target/gemm-lab/:
+# - gemm_lab: the decode GEMMs and lab variants, bitwise against the tiled kernel, timed per
+#   projection and over 36 Qwen3-8B-shaped layers (`gemm_lab quick`, `gemm_lab narrow`);
+# - prefill_lab: the prefill GEMMs at prefill row counts;
+# - wgmma_lab: whether wgmma reproduces the mma.sync chains' sums bit for bit;
+# - prefetch_lab: decode projections from device memory and from L2, and L2 prefetch;
+# - timeline_lab: the phases of `linear_stream_wide`'s blocks, on a copy of the kernel that
+#   lab/timeline_gen.py writes from kernels/gemm.cu;
+# - attention_lab: `paged_attention` from two cubins, bitwise against each other and timed;
+# - decode_tma_lab: `linear_stream_tma` against the map-less decode kernels, bitwise and timed;
+# - gdn_lab: `gated_delta_streamed` against `gated_delta_recurrent`, bitwise and timed;
+# - tma_stream_lab: the decode GEMM's tensor-map weight stream without the GEMM.
+# Each program's header says what it measures and which arguments it takes. Extra arguments go
+# to nvcc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NV=$(ls -d .xtask/cuda-venv/lib/python3*/site-packages/nvidia/cu13)

@@ -81,8 +81,8 @@ static bf16* stage_images(const bf16* x, uint32_t m, uint32_t k) {
 static int g_clusters = 0;  // resident clusters of linear_stream_tma
 
 // x's rows a `linear_stream_tma` block holds and the row blocks (ops_gemm::linear_stream_tma_rows;
-// rows 0: none fit), and where the launcher would run the kernel: up to LIN_DEC_ROWS rows in at
-// most two row blocks.
+// rows 0: none fit), and where this lab runs the kernel: up to LIN_DEC_ROWS rows in at most two
+// row blocks (the launcher takes it to 128 rows in up to four: ops_gemm::linear_stream_tma_fits).
 static uint32_t tma_rows(uint32_t m, uint32_t k, uint32_t* blocks) {
     const uint32_t steps = (((k + 31) / 32 + 7) / 8 + 1) / 2;
     auto room = [&](uint32_t rows) {

@@ -1,13 +1,10 @@
 // Lab: the m <= 16 direct kernel widened to NT column tiles (8 NT columns) by RT row tiles (16 RT
 // rows) per block: warp w computes segment w of the whole unit, each weight fragment (loaded
-// straight into registers, as `linear_stream`) feeding RT MMA pairs and each x fragment NT. The
-// question: does the register-direct weight stream keep its m = 1 rate at 32-64 rows once x
-// traffic per weight byte is held at 2 RT / NT? Numerics of every `linear` kernel.
-// H200, 2026-12-01 (us with programmatic launch, `wide` = linear_stream_wide): NT 4 x RT 2, B 2
-// won on o (15.2 -> 13.8) and down (41.2 -> 37.6) at m = 32, NT 4 x RT 4 on o (21.8 -> 18.3) and
-// down (57.9 -> 48.4) at 64 (kernels/gemm.cu's `linear_stream_rows` is these two); NT 8 x RT 2
-// won on qkv (23.0 -> 21.1) and gate_up (67.1 -> 65.1) at 32 but lost on the GDN input (37.5 ->
-// 40.5); two blocks a multiprocessor (128 registers) spilled and lost everywhere.
+// straight into registers, as `linear_stream`) feeding RT MMA pairs and each x fragment NT. It
+// measures whether the register-direct weight stream keeps its m = 1 rate at 32-64 rows once x
+// traffic per weight byte is held at 2 RT / NT. Numerics of every `linear` kernel. A block takes
+// a whole multiprocessor's registers, so in a decode step it cannot start beside the kernel
+// ahead: judge it by whole steps, not by the lab's back-to-back launches.
 template <int B, int NT, int RT, bool VEC>
 MT_DEVICE void drt_load_w(uint4 (&dst)[B][NT], const bf16* w, uint32_t n, uint32_t k, uint32_t n0, uint32_t g,
                           uint32_t c0, uint32_t c_end, uint32_t q) {

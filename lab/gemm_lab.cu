@@ -1,12 +1,11 @@
-// GEMM lab: the decode kernels of kernels/gemm.cu beside the m <= 16 kernel they replaced
-// (old_narrow.cuh) and variants, checked bitwise against the tiled kernel (poisoned outputs) and
-// timed on the GPU machine: each projection alone (20 launches per CUDA graph, weights rotated
-// past L2, with and without programmatic dependent launch), then 36 Qwen3-8B-shaped layers and
-// the LM head with stand-in small kernels between the projections. Ceilings measured in the same
-// run (a read-only stream). Build with lab/build.sh; figures in docs/BENCHMARKS.md.
+// GEMM lab: the decode kernels of kernels/gemm.cu and lab variants of them (wg_variants.cuh,
+// direct_rt.cuh), checked bitwise against the tiled kernel (poisoned outputs) and timed on the
+// GPU machine: each projection alone (20 launches per CUDA graph, weights rotated past L2, with
+// and without programmatic dependent launch), then 36 Qwen3-8B-shaped layers and the LM head
+// with stand-in small kernels between the projections. Ceilings measured in the same run (a
+// read-only stream). `gemm_lab quick`: fewer row counts; `gemm_lab narrow`: the m <= 16 kernels
+// (and the tiled reference) at 1 and 8 rows. Build with lab/build.sh.
 #include "../kernels/gemm.cu"
-#include "old_wide.cuh"
-#include "old_narrow.cuh"
 #include "wg_variants.cuh"
 #include "direct_rt.cuh"
 
@@ -23,20 +22,6 @@
 #include "lab_tmap.cuh"
 #include "lab_layers.cuh"
 
-__global__ void __launch_bounds__(256, 2)
-    lab_old_narrow(float* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k) {
-    extern __shared__ __align__(16) unsigned char sm[];
-    pdl_wait();
-    pdl_trigger();
-    linear_narrow_impl<float, true>(out, x, w, m, n, k, sm);
-}
-__global__ void __launch_bounds__(256, 1)
-    lab_old_wide(float* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n, uint32_t k) {
-    extern __shared__ __align__(16) unsigned char sm[];
-    pdl_wait();
-    pdl_trigger();
-    linear_stream_impl<float, 2, true>(out, x, w, m, n, k, sm);
-}
 // The cluster kernel with other stage shapes / occupancy.
 template <int NT, int SC, int ST, int MINB>
 __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(256, MINB)
@@ -108,8 +93,8 @@ int main(int argc, char** argv) {
         {"tiled", (const void*)linear_f32out, LIN_STAGES * (LIN_BM + LIN_BN) * 128 + 2048, 0, 8, 12, 1 << 30, LIN_THREADS},
         {"wide", (const void*)linear_stream_wide_f32out, LIN_W_STAGES * LIN_W_STAGE_CH * 192 * 64, -2, 16, 4, 1 << 30},
         {"wg3r", (const void*)lab_wg<3, true, 3>, wg_smem(3, true), -2, 16, 4, 1 << 30, 128},
-        // The narrow kernels: persistent (as many blocks as are resident), and a block per unit
-        // (how they ran before 2026-12-01).
+        // The narrow kernels: persistent (as many blocks as are resident, as the launcher runs
+        // them), and a block per unit.
         {"direct", (const void*)linear_stream_f32out, 0, 2, 1, 1, 16},
         {"b4", (const void*)linear_stream_b4_f32out, 0, 3, 1, 1, 16},
         {"direct-units", (const void*)linear_stream_f32out, 0, -1, 1, 1, 16},

@@ -2,7 +2,7 @@
 // kernel that leaves device memory idle (a stand-in spinning for a fixed time, like decode
 // attention at batch 1), make the projection after it faster? The projection is the engine's
 // m <= 16 kernel (`linear_stream`) on a Qwen3-8B o_proj (4096 x 4096), 20 weights rotated past
-// L2. Variants: `l2_prefetch` (below; tried in the engine and dropped) as a programmatic kernel
+// L2. Variants: `l2_prefetch` (below; lab only) as a programmatic kernel
 // before the stand-in; the prefetch issued inside the stand-in (bulk, or one
 // `prefetch.global.L2` per 128-byte line). `prefetch_lab prefetch` runs these.
 // Without arguments: the decode projections cold (device memory) and hot (the same weight every

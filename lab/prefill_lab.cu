@@ -1,10 +1,10 @@
 // Prefill GEMM lab: the engine's `linear` (the warp-specialized wgmma kernel), the mma.sync tiled
-// body (`linear_tiled`, the kernel before it: 128 x 128 tiles, 4-chunk stages), `linear_ws` at
-// other row tiles and `linear_tma` (after `permute_k32_tiles`, timed together; `prefill_lab prof`
-// launches each variant once for ncu), all with the engine's numerics (chunks of 32 k, LIN_SEGS segments, a chain of
-// tensor-core MMAs per segment, summed in segment order), each checked bitwise against
-// `linear_f32out` (poisoned outputs) and timed at prefill row counts on the four Qwen3-8B
-// projections. Build: lab/build.sh (target/gemm-lab/prefill_lab).
+// body (`linear_tiled`, the compute_90 PTX's `linear`: 128 x 128 tiles, 4-chunk stages),
+// `linear_ws` at other row tiles and `linear_tma` (after `permute_k32_tiles`, timed together;
+// `prefill_lab prof` launches each variant once for ncu), all with the engine's numerics (chunks
+// of 32 k, LIN_SEGS segments, a chain of tensor-core MMAs per segment, summed in segment order),
+// each checked bitwise against `linear_f32out` (poisoned outputs) and timed at prefill row counts
+// on the four Qwen3-8B projections. Build: lab/build.sh (target/gemm-lab/prefill_lab).
 #include "../kernels/gemm.cu"
 
 #include <cuda_runtime.h>

@@ -1,8 +1,7 @@
 // The decode GEMM's weight stream without the GEMM: how fast can blocks pull a projection's weight
 // through the tensor memory accelerator in `linear_stream_tma`'s order, and in other orders, with
 // no arithmetic and no cluster sums? Separates what the access pattern and the multiprocessor
-// count cost from what the kernel's consumers and cluster barriers cost (docs/BENCHMARKS.md,
-// session 22: at 64 rows the kernel streams gate_up at about 75 % of the copy rate).
+// count cost from what the kernel's consumers and cluster barriers cost.
 //
 // Patterns, each a persistent grid with a ring of STAGES 16 KiB stages a block, one thread
 // queueing copies and one waiting for them:

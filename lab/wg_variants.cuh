@@ -1,11 +1,8 @@
-// A lab-only wgmma variant of the decode `linear` kernel, kept for comparison (lab/gemm_lab.cu); it
+// A lab-only wgmma variant of the decode `linear` kernel, for comparison in lab/gemm_lab.cu; it
 // uses kernels/gemm_wgmma.cuh's helpers and gives bitwise the engine's rows.
 // - linear_wg_impl: the decode cluster kernel (`linear_stream_wide`'s tiles and segments) with one
-//   warpgroup per block running m64n128k16 on stages filled by every thread: H200, 2026-11-30,
-//   48 % of the read stream at m = 32 on gate_up against the mma.sync kernel's 62 %, 43 % against
-//   46 % at m = 64 (persistent clusters and deeper rings were slower still).
-// (A 128 x 128 prefill tile whose two warpgroups both copied and computed ran at 176-195 TFLOP/s
-// against the mma.sync tiles' 192-209; the warp-specialized `linear_ws` is the one kept.)
+//   warpgroup per block running m64n128k16 on stages filled by every thread (slower than the
+//   mma.sync kernel at 32 and 64 rows).
 #pragma once
 
 // One warpgroup (128 threads) per block, a cluster of LIN_SEGS blocks per tile of 128 columns by

@@ -3,8 +3,8 @@
 // each m16n8k16 a permuted set of 16 k (kernels/gemm.cu: lane q holds k 8q..8q+7 of a 32-wide
 // chunk; the first MMA takes 8q..8q+3). Here the same k go to the same MMA slots of a wgmma (or,
 // ORDER 1, the same set in ascending order), segment by segment as the engine sums them, and
-// every output is compared with the mma.sync tiled kernel (`linear_tiled`, the engine's prefill
-// kernel before `linear_ws`). Build with lab/build.sh.
+// every output is compared with the mma.sync tiled kernel (`linear_tiled`, the prefill kernel of
+// the compute_90 PTX, which cannot use wgmma). Build with lab/build.sh.
 #include "../kernels/gemm.cu"
 
 #include <cuda_runtime.h>

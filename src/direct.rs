@@ -1,23 +1,25 @@
-//! `generate_direct`: one request on the calling thread, through
-//! `metrale_model_engine::generate` instead of the engine's scheduler (speculative decoding
-//! included, without the gate: it always speculates); `metrale generate --speculative mtp`
-//! takes this path.
-//!
-//! The request is checked as `Engine::submit` checks it, stops at the model's EOS tokens unless
-//! `ignore_eos`, and at its stop strings (the text ends before the first one).
+//! `generate_direct`: one request on the calling thread. It loads the checkpoint as
+//! `Engine::load` does, checks the request as `Engine::submit` does (`Frontend::prepare`), and
+//! drives the same worker and scheduler on this thread instead of the engine's own (speculative
+//! decoding included, without the gate: with `speculative = Mtp` every decode step verifies);
+//! `metrale generate` takes this path. Events reach `on_token` as `Engine::generate_stream`
+//! delivers them (`Follow`): stop strings and EOS as there, the text so far with each token.
 
 use std::ops::ControlFlow;
 use std::path::Path;
+use std::sync::Arc;
+use std::task::Poll;
 
-use metrale_model_engine::factory;
-use metrale_model_engine::generate::{FinishReason, GenerateParams, generate};
-use metrale_model_engine::model_circuit::ModelCircuit;
-use metrale_model_engine::scheduler::{RequestLimits, SeqRequest};
+use metrale_model_engine::scheduler::RequestLimits;
 
-use crate::engine::{EngineOptions, load_tokenizer, make_backend};
-use crate::error::{EngineError, RequestError};
-use crate::request::{GenerateOutput, GenerateRequest, Prompt};
-use crate::text::TextStream;
+use crate::engine::load_scheduler;
+use crate::error::EngineError;
+use crate::frontend::{Follow, Frontend};
+use crate::handle::{EventChannel, RequestHandle, RequestId, Sink};
+use crate::metrics::MetricsState;
+use crate::options::EngineOptions;
+use crate::request::{GenerateOutput, GenerateRequest};
+use crate::worker::{Shared, Submission, Worker};
 
 /// Load the checkpoint in `dir` and generate for `req` on this thread, calling
 /// `on_token(token_id, text_so_far)` as each token is chosen (`ControlFlow::Break` stops after
@@ -28,83 +30,46 @@ pub fn generate_direct(
     req: &GenerateRequest,
     mut on_token: impl FnMut(u32, Option<&str>) -> ControlFlow<()>,
 ) -> Result<GenerateOutput, EngineError> {
-    let dir = dir.as_ref();
-    let gpu = make_backend(options.backend)?;
-    let mut model = factory::load(dir, options.model, gpu)?;
-    model.set_forward(options.forward)?;
-    let tokenizer = load_tokenizer(dir)?;
-    let prompt = match &req.prompt {
-        Prompt::TokenIds(ids) => ids.clone(),
-        Prompt::Text(t) => {
-            let tok = tokenizer.as_ref().ok_or(RequestError::NoTokenizer)?;
-            let enc = tok
-                .encode(t.as_str(), false)
-                .map_err(|e| RequestError::Tokenize(e.to_string()))?;
-            enc.get_ids().to_vec()
-        }
+    let gate = options.speculation_gate.enabled(false);
+    let options = options.speculation_gate(gate);
+    let (scheduler, tokenizer) = load_scheduler(dir.as_ref(), &options)?;
+    let front = Frontend {
+        tokenizer: tokenizer.clone(),
+        limits: RequestLimits::of(scheduler.runner(), scheduler.cache()),
     };
-    if !req.stop_strings.is_empty() && tokenizer.is_none() {
-        return Err(RequestError::NoTokenizer.into());
-    }
-    if let Some(index) = req.stop_strings.iter().position(String::is_empty) {
-        return Err(RequestError::EmptyStopString { index }.into());
-    }
-    let mut stop_token_ids = req.stop_token_ids.clone();
-    if !req.ignore_eos {
-        stop_token_ids.extend(&model.config().eos_token_ids);
-    }
-    let seq = SeqRequest {
-        prompt,
-        params: GenerateParams {
-            max_new_tokens: req.max_new_tokens,
-            sampling: req.sampling,
-            stop_token_ids,
-            return_logits: req.return_logits,
-        },
-        ignore_eos: req.ignore_eos,
+    let (seq, stop_strings) = front.prepare(req.clone())?;
+    let shared = Arc::new(Shared::new(MetricsState::new(
+        options.metrics_window,
+        scheduler.stats(),
+    )));
+    let mut worker = Worker::new(shared.clone(), scheduler, tokenizer);
+    let id = RequestId(0);
+    let channel = Arc::new(EventChannel::default());
+    let sub = Submission {
+        id,
+        req: seq,
+        stop_strings,
+        sink: Sink::new(channel.clone()),
     };
-    RequestLimits::of(&mut model)
-        .check(&seq)
-        .map_err(RequestError::from)?;
-
-    let mut text = tokenizer
-        .as_ref()
-        .map(|_| (TextStream::new(req.stop_strings.clone()), String::new()));
-    let (mut by_string, mut by_caller) = (false, false);
-    let g = generate(&mut model, &seq.prompt, &seq.params, &mut |token| {
-        let so_far = match (text.as_mut(), tokenizer.as_ref()) {
-            (Some((stream, acc)), Some(tok)) => {
-                let delta = stream.push(token, false, |ids| {
-                    tok.decode(ids, true).unwrap_or_default()
-                });
-                acc.push_str(&delta);
-                by_string = stream.stopped();
-                Some(acc.as_str())
+    shared.submit(sub, 1)?;
+    let mut handle = RequestHandle::new(id, channel, shared);
+    let mut follow = Follow::new(front.tokenizer.is_some());
+    let canceller = handle.canceller();
+    loop {
+        let working = worker.serve();
+        while let Poll::Ready(ev) = handle.try_next() {
+            let Some(ev) = ev else {
+                return Err(EngineError::ShutDown);
+            };
+            if let Some(out) = follow.event(ev?, &front, &mut on_token, &|| canceller.cancel()) {
+                worker.shut_down();
+                return Ok(out);
             }
-            _ => None,
-        };
-        if on_token(token, so_far).is_break() {
-            by_caller = true;
         }
-        if by_string || by_caller {
-            ControlFlow::Break(())
-        } else {
-            ControlFlow::Continue(())
+        if !working {
+            // Idle with the request unfinished: it cannot come back.
+            worker.shut_down();
+            return Err(EngineError::ShutDown);
         }
-    })?;
-    let full = tokenizer
-        .as_ref()
-        .and_then(|tok| tok.decode(&g.token_ids, true).ok());
-    let finish_reason = if by_string && !by_caller {
-        FinishReason::Stop
-    } else {
-        g.finish_reason
-    };
-    Ok(GenerateOutput {
-        prompt_ids: seq.prompt,
-        token_ids: g.token_ids,
-        text: text.and_then(|(stream, _)| stream.final_text(full)),
-        finish_reason,
-        logits: g.logits,
-    })
+    }
 }

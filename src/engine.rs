@@ -1,9 +1,10 @@
 //! `Engine`: a loaded checkpoint on a backend, with its tokenizer, serving generation requests
 //! through continuous batching.
 //!
-//! `Engine::load` moves the model into a scheduler thread (see `worker`); `submit` checks a
-//! request on the caller's thread and hands it over, returning a `RequestHandle` for its events.
-//! `generate` and `generate_stream` are thin wrappers over `submit`.
+//! `Engine::load` moves the model's scheduler into a thread of its own (see `worker`); `submit`
+//! checks a request on the caller's thread (`Frontend::prepare`) and hands it over, returning a
+//! `RequestHandle` for its events. `generate` and `generate_stream` are thin wrappers over
+//! `submit`.
 //!
 //! Invariants:
 //! - A request is validated completely before it reaches the scheduler; a refused request
@@ -15,90 +16,39 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{CpuBackend, GpuBackend};
-use metrale_model_engine::ModelError;
-use metrale_model_engine::factory;
-use metrale_model_engine::generate::{FinishReason, GenerateParams};
-use metrale_model_engine::model::TransformerModel;
-use metrale_model_engine::model_circuit::{ForwardDisclosure, ForwardSelect, ModelCircuit};
-use metrale_model_engine::options::{ModelOptions, Speculative};
-use metrale_model_engine::scheduler::{RequestLimits, Scheduler, SeqRequest};
-use metrale_model_engine::speculative::GateOptions;
+use metrale_model_engine::options::Speculative;
+use metrale_model_engine::runner::{ForwardDisclosure, ModelCircuit};
+use metrale_model_engine::scheduler::RequestLimits;
+use metrale_model_engine::{ModelError, Scheduler, factory};
 
+use crate::chat::{ChatMessage, ChatOptions, ChatTemplate, ChatTemplateError};
 use crate::error::{EngineError, RequestError};
+use crate::frontend::{Follow, Frontend, load_tokenizer};
 use crate::handle::{EventChannel, RequestHandle, RequestId, Sink};
 use crate::metrics::{EngineMetrics, MetricsState};
-use crate::request::{GenerateEvent, GenerateOutput, GenerateRequest, Prompt};
+use crate::options::{Backend, EngineOptions};
+use crate::request::{GenerateOutput, GenerateRequest};
 use crate::worker::{Shared, Submission, Worker};
-
-/// Where the model runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Backend {
-    /// The CPU reference backend. The default.
-    #[default]
-    Cpu,
-    /// An NVIDIA GPU by ordinal (needs the `cuda` feature).
-    Cuda {
-        /// Device ordinal.
-        device: usize,
-    },
-}
-
-/// How to load and run a model.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EngineOptions {
-    /// Where the model runs. Default CPU.
-    pub backend: Backend,
-    /// Buffer and cache sizes; `max_batch_tokens` is also the scheduler's prefill chunk and
-    /// token budget between decode steps, `max_decode_seqs` the most requests running at once,
-    /// `prefix_caching` (default on) whether requests share the KV blocks (and, on hybrid
-    /// models, SSM state snapshots) of prompt prefixes computed before.
-    pub model: ModelOptions,
-    /// Most requests waiting for admission (submitted, not yet running); `submit` refuses more
-    /// with `EngineError::QueueFull`. Default 1024.
-    pub max_queued_requests: usize,
-    /// The window `EngineMetrics::tokens_per_second` averages over. Default 10 s.
-    pub metrics_window: Duration,
-    /// Which forward runs decode steps: the layers' own (`Legacy`, the default) or the
-    /// circuit executor's compiled programs. A model the circuit does not model fails
-    /// `Engine::load`, naming what it does not model.
-    pub forward: ForwardSelect,
-    /// With `model.speculative = Mtp`: when the scheduler keeps speculating (it measures
-    /// tokens/s with and without, and turns speculation off while it is slower). Default
-    /// `GateOptions::default()`.
-    pub speculation_gate: GateOptions,
-}
-
-impl Default for EngineOptions {
-    fn default() -> Self {
-        EngineOptions {
-            backend: Backend::default(),
-            model: ModelOptions::default(),
-            max_queued_requests: 1024,
-            metrics_window: Duration::from_secs(10),
-            forward: ForwardSelect::default(),
-            speculation_gate: GateOptions::default(),
-        }
-    }
-}
 
 /// See the module header.
 #[derive(Debug)]
 pub struct Engine {
     shared: Arc<Shared>,
     worker: Option<JoinHandle<()>>,
-    tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+    front: Frontend,
+    chat: Option<ChatTemplate>,
     config: ModelConfig,
-    limits: RequestLimits,
     max_queued_requests: usize,
     next_request: AtomicU64,
+    #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
     forward: ForwardDisclosure,
 }
 
-/// The device for `backend`.
+/// The device for `backend`. Development tooling (the raw backend): public only with the
+/// `unstable` feature.
 pub fn make_backend(backend: Backend) -> Result<Arc<dyn GpuBackend>, EngineError> {
     match backend {
         Backend::Cpu => Ok(Arc::new(CpuBackend::default())),
@@ -118,60 +68,61 @@ pub fn make_backend(backend: Backend) -> Result<Arc<dyn GpuBackend>, EngineError
     }
 }
 
-/// The checkpoint's `tokenizer.json`, when it has one.
-pub(crate) fn load_tokenizer(
+/// The scheduler of the checkpoint in `dir` loaded with `options` (its forward and gate set),
+/// and its tokenizer: what both the engine's thread and `generate_direct` drive.
+pub(crate) fn load_scheduler(
     dir: &Path,
-) -> Result<Option<Arc<tokenizers::Tokenizer>>, EngineError> {
-    let path = dir.join("tokenizer.json");
-    if !path.exists() {
-        return Ok(None);
+    options: &EngineOptions,
+) -> Result<(Scheduler, Option<Arc<tokenizers::Tokenizer>>), EngineError> {
+    if options.model.speculative == Speculative::External {
+        return Err(EngineError::Model(ModelError::Options {
+            option: "speculative",
+            problem: "the engine drafts with the MTP head (`Mtp`); `External` drafts come from \
+                      a caller's drafter through `generate_speculative`"
+                .into(),
+        }));
     }
-    let t = tokenizers::Tokenizer::from_file(&path).map_err(|e| EngineError::Tokenizer {
-        path: path.clone(),
-        message: e.to_string(),
-    })?;
-    Ok(Some(Arc::new(t)))
+    let gpu = make_backend(options.backend)?;
+    let model = factory::load(dir, gpu)?;
+    let mut scheduler = Scheduler::new(model, options.model.clone())?;
+    scheduler.runner_mut().set_forward(options.forward)?;
+    if let Some(spec) = scheduler.speculation() {
+        spec.set_gate(options.speculation_gate);
+    }
+    Ok((scheduler, load_tokenizer(dir)?))
 }
 
 impl Engine {
-    /// Load the checkpoint in `dir` and start the engine's scheduler thread. With
+    /// Load the checkpoint in `dir` (its chat template too, when it has one: one that does not
+    /// compile fails the load) and start the engine's scheduler thread. With
     /// `options.model.speculative = Mtp` the checkpoint's MTP head drafts and decode steps
     /// verify, behind `options.speculation_gate`; `External` (a drafter the caller supplies)
     /// is for `generate_speculative` only, and the engine refuses it.
     pub fn load(dir: impl AsRef<Path>, options: EngineOptions) -> Result<Engine, EngineError> {
-        let dir = dir.as_ref();
-        if options.model.speculative == Speculative::External {
-            return Err(EngineError::Model(ModelError::Options {
-                option: "speculative",
-                problem: "the engine drafts with the MTP head (`Mtp`); `External` drafts come \
-                          from a caller's drafter through `generate_speculative`"
-                    .into(),
-            }));
-        }
-        let gpu = make_backend(options.backend)?;
-        let mut model = factory::load(dir, options.model.clone(), gpu)?;
-        model.set_forward(options.forward)?;
-        let tokenizer = load_tokenizer(dir)?;
-        let mut scheduler = Scheduler::new(&mut model);
-        scheduler.set_speculation_gate(options.speculation_gate);
-        Engine::start(model, scheduler, tokenizer, &options)
+        let chat = ChatTemplate::load(dir.as_ref())?;
+        let (scheduler, tokenizer) = load_scheduler(dir.as_ref(), &options)?;
+        let mut engine = Engine::start(scheduler, tokenizer, &options)?;
+        engine.chat = chat;
+        Ok(engine)
     }
 
-    /// Start the scheduler thread over a loaded model and its scheduler.
+    /// Start the scheduler thread over a loaded scheduler.
     pub(crate) fn start(
-        mut model: TransformerModel,
         scheduler: Scheduler,
         tokenizer: Option<Arc<tokenizers::Tokenizer>>,
         options: &EngineOptions,
     ) -> Result<Engine, EngineError> {
-        let forward = model.forward_disclosure()?;
-        let config = model.config().clone();
-        let limits = scheduler.limits();
+        let forward = scheduler.runner().forward_disclosure()?;
+        let config = scheduler.runner().model().config().clone();
+        let front = Frontend {
+            tokenizer: tokenizer.clone(),
+            limits: RequestLimits::of(scheduler.runner(), scheduler.cache()),
+        };
         let shared = Arc::new(Shared::new(MetricsState::new(
             options.metrics_window,
-            scheduler.stats(&mut model),
+            scheduler.stats(),
         )));
-        let worker = Worker::new(shared.clone(), model, scheduler, tokenizer.clone());
+        let worker = Worker::new(shared.clone(), scheduler, tokenizer);
         let handle = std::thread::Builder::new()
             .name("metrale-scheduler".into())
             .spawn(move || worker.run())
@@ -179,9 +130,9 @@ impl Engine {
         Ok(Engine {
             shared,
             worker: Some(handle),
-            tokenizer,
+            front,
+            chat: None,
             config,
-            limits,
             max_queued_requests: options.max_queued_requests,
             next_request: AtomicU64::new(0),
             forward,
@@ -193,7 +144,9 @@ impl Engine {
         &self.config
     }
 
-    /// Which forward runs decode steps, its plan digest and launches per step.
+    /// Which forward runs decode steps, its plan digest and launches per step. Development
+    /// tooling: only with the `unstable` feature.
+    #[cfg(feature = "unstable")]
     pub fn forward_disclosure(&self) -> &ForwardDisclosure {
         &self.forward
     }
@@ -201,61 +154,48 @@ impl Engine {
     /// The longest context a request may have (prompt plus output): the smaller of
     /// `max_seq_len` and the tokens the KV cache holds.
     pub fn max_context(&self) -> usize {
-        self.limits.max_context
+        self.front.limits.max_context
     }
 
     /// Whether text prompts and outputs work.
     pub fn has_tokenizer(&self) -> bool {
-        self.tokenizer.is_some()
+        self.front.tokenizer.is_some()
+    }
+
+    /// The checkpoint's chat template (`tokenizer_config.json` or `chat_template.jinja`), when
+    /// it has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat.as_ref()
+    }
+
+    /// The prompt the checkpoint's chat template makes of `messages` (text, special tokens
+    /// included: `Prompt::Text` of it encodes them as the model's). See [`crate::chat`].
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        options: &ChatOptions,
+    ) -> Result<String, ChatTemplateError> {
+        self.chat
+            .as_ref()
+            .ok_or(ChatTemplateError::NoTemplate)?
+            .render(messages, options)
     }
 
     /// Encode text with the checkpoint's tokenizer.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, RequestError> {
-        let tok = self.tokenizer.as_ref().ok_or(RequestError::NoTokenizer)?;
-        let enc = tok
-            .encode(text, false)
-            .map_err(|e| RequestError::Tokenize(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        self.front.encode(text)
     }
 
     /// Decode token ids to text; `None` without a tokenizer.
     pub fn decode(&self, ids: &[u32]) -> Option<String> {
-        self.tokenizer
-            .as_ref()
-            .and_then(|t| t.decode(ids, true).ok())
-    }
-
-    /// Check a request completely and turn it into the scheduler's form.
-    fn prepare(&self, req: GenerateRequest) -> Result<(SeqRequest, Vec<String>), RequestError> {
-        let ids = match req.prompt {
-            Prompt::Text(t) => self.encode(&t)?,
-            Prompt::TokenIds(ids) => ids,
-        };
-        if !req.stop_strings.is_empty() && self.tokenizer.is_none() {
-            return Err(RequestError::NoTokenizer);
-        }
-        if let Some(index) = req.stop_strings.iter().position(String::is_empty) {
-            return Err(RequestError::EmptyStopString { index });
-        }
-        let seq = SeqRequest {
-            prompt: ids,
-            params: GenerateParams {
-                max_new_tokens: req.max_new_tokens,
-                sampling: req.sampling,
-                stop_token_ids: req.stop_token_ids,
-                return_logits: req.return_logits,
-            },
-            ignore_eos: req.ignore_eos,
-        };
-        self.limits.check(&seq)?;
-        Ok((seq, req.stop_strings))
+        self.front.decode(ids)
     }
 
     /// Submit a request. It is checked first (a bad one gets its `RequestError` and changes
     /// nothing), then joins the running batch at a step boundary. The handle yields its tokens
     /// as they come and then its output; dropping the handle cancels the request.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle, EngineError> {
-        let (seq, stop_strings) = self.prepare(req)?;
+        let (seq, stop_strings) = self.front.prepare(req)?;
         let id = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
         let channel = Arc::new(EventChannel::default());
         let sub = Submission {
@@ -287,36 +227,12 @@ impl Engine {
         mut on_token: impl FnMut(u32, Option<&str>) -> ControlFlow<()>,
     ) -> Result<GenerateOutput, EngineError> {
         let mut handle = self.submit(req.clone())?;
-        let mut text = self.tokenizer.as_ref().map(|_| String::new());
-        let (mut seen, mut broke_at) = (0usize, None);
-        while let Some(ev) = handle.next() {
-            match ev? {
-                GenerateEvent::Token(t) => {
-                    if broke_at.is_some() {
-                        continue;
-                    }
-                    seen += 1;
-                    if let (Some(text), Some(delta)) = (text.as_mut(), t.text_delta.as_deref()) {
-                        text.push_str(delta);
-                    }
-                    if on_token(t.token_id, text.as_deref()).is_break() {
-                        broke_at = Some(seen);
-                        handle.cancel();
-                    }
-                }
-                GenerateEvent::Finished { mut output } => {
-                    // The cancellation lands at the next step boundary; the caller asked to stop
-                    // right after the token it broke on.
-                    if let Some(n) = broke_at {
-                        output.token_ids.truncate(n);
-                        if let Some(l) = output.logits.as_mut() {
-                            l.truncate(n);
-                        }
-                        output.text = self.decode(&output.token_ids);
-                        output.finish_reason = FinishReason::Cancelled;
-                    }
-                    return Ok(output);
-                }
+        let mut follow = Follow::new(self.has_tokenizer());
+        let canceller = handle.canceller();
+        for ev in &mut handle {
+            if let Some(out) = follow.event(ev?, &self.front, &mut on_token, &|| canceller.cancel())
+            {
+                return Ok(out);
             }
         }
         Err(EngineError::ShutDown)

@@ -6,8 +6,10 @@ use metrale_model_engine::error::ModelError;
 use metrale_model_engine::sampling::SamplingError;
 use metrale_model_engine::scheduler::InvalidRequest;
 
-/// A request the engine refuses; the engine itself is unaffected.
+/// A request the engine refuses; the engine itself is unaffected. More kinds of refusal may
+/// come: matches keep a wildcard arm.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RequestError {
     /// The prompt has no tokens.
     #[error("the prompt is empty")]
@@ -63,8 +65,9 @@ impl From<InvalidRequest> for RequestError {
     }
 }
 
-/// An error of the engine.
+/// An error of the engine. More kinds may come: matches keep a wildcard arm.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EngineError {
     /// The request was refused.
     #[error("invalid request: {0}")]
@@ -97,6 +100,9 @@ pub enum EngineError {
     /// The engine's scheduler thread could not be started.
     #[error("cannot start the engine's scheduler thread: {0}")]
     Thread(#[source] std::io::Error),
+    /// The checkpoint's chat template could not be loaded.
+    #[error(transparent)]
+    ChatTemplate(#[from] crate::chat::ChatTemplateError),
     /// The backend asked for is not in this build or not on this machine.
     #[error("backend `{backend}` is not available: {why}")]
     BackendUnavailable {

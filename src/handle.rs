@@ -80,6 +80,16 @@ impl EventChannel {
         }
     }
 
+    /// The next event if one is queued, without waiting: `Ready(None)` once closed.
+    fn try_recv(&self) -> Poll<Option<EventResult>> {
+        let mut st = self.state.lock();
+        match st.events.pop_front() {
+            Some(e) => Poll::Ready(Some(e)),
+            None if st.closed => Poll::Ready(None),
+            None => Poll::Pending,
+        }
+    }
+
     fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<Option<EventResult>> {
         let mut st = self.state.lock();
         if let Some(e) = st.events.pop_front() {
@@ -200,6 +210,17 @@ impl RequestHandle {
             }
         }
         Err(EngineError::ShutDown)
+    }
+
+    /// The next event if one has come, without waiting (`Ready(None)` after the last one).
+    pub(crate) fn try_next(&mut self) -> Poll<Option<EventResult>> {
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        match self.channel.try_recv() {
+            Poll::Ready(ev) => Poll::Ready(self.note(ev)),
+            Poll::Pending => Poll::Pending,
+        }
     }
 
     fn note(&mut self, ev: Option<EventResult>) -> Option<EventResult> {

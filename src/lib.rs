@@ -1,14 +1,19 @@
 //! metrale: an LLM inference engine for Qwen3 dense and the hybrid Qwen3.5 / Qwen3-Next families.
 //!
 //! This crate is the public facade: [`Engine`] loads a Hugging Face checkpoint directory
-//! (`config.json`, safetensors, optionally `tokenizer.json`) onto a backend and generates tokens
-//! for many requests at once (continuous batching on a scheduler thread of its own).
+//! (`config.json`, safetensors, optionally `tokenizer.json` and a chat template) onto a backend
+//! and generates tokens for many requests at once (continuous batching on a scheduler thread of
+//! its own).
 //!
 //! ```no_run
-//! use metrale::{Engine, EngineOptions, GenerateRequest, Prompt};
+//! use metrale::{Engine, EngineOptions, GenerateRequest, ModelOptions, SamplingParams};
 //!
-//! let engine = Engine::load("path/to/checkpoint", EngineOptions::default())?;
-//! let out = engine.generate(&GenerateRequest::new(Prompt::Text("hello".into())).max_new_tokens(8))?;
+//! let options = EngineOptions::default().model(ModelOptions::default().max_decode_seqs(16));
+//! let engine = Engine::load("path/to/checkpoint", options)?;
+//! let request = GenerateRequest::new("hello")
+//!     .max_new_tokens(8)
+//!     .sampling(SamplingParams::default().temperature(0.7).seed(1));
+//! let out = engine.generate(&request)?;
 //! println!("{:?} {:?}", out.token_ids, out.text);
 //! # Ok::<(), metrale::EngineError>(())
 //! ```
@@ -24,6 +29,7 @@
 //!     match event? {
 //!         GenerateEvent::Token(t) => print!("{}", t.text_delta.unwrap_or_default()),
 //!         GenerateEvent::Finished { output } => println!(" [{}]", output.finish_reason.as_str()),
+//!         _ => {}
 //!     }
 //! }
 //! println!("{:?}", engine.metrics());
@@ -34,46 +40,77 @@
 //! the model verifies) runs in the engine's scheduler, behind a gate that keeps it only while it
 //! is faster (`EngineOptions::speculation_gate`); [`generate_direct`] runs one request with it
 //! on the calling thread.
+//!
+//! # A surface that grows
+//! The option, request, output, event and error types are `#[non_exhaustive]`: build options
+//! from `Default` and requests from `GenerateRequest::new`, then change what differs with the
+//! setters; matches on the enums keep a wildcard arm. New fields and variants then break no
+//! caller.
+//!
+//! # The `unstable` feature
+//! Development tooling stays out of the default surface. The cargo feature `unstable` adds it,
+//! with no stability promise (it changes with the engine's internals):
+//! - `metrale::bench`: the benchmarks of `metrale bench` (random-weight models on the device);
+//! - `metrale::circuit`: circuit plans and their digests (`metrale circuit plan`);
+//! - `metrale::gpu` and `make_backend`: the raw device backend;
+//! - forward selection: `ForwardSelect`, `EngineOptions::forward` (the default forward, the
+//!   layers' own, is the same with or without the feature), `Engine::forward_disclosure` and
+//!   `ForwardDisclosure`.
 
+pub mod chat;
 mod direct;
 mod engine;
 mod error;
+mod frontend;
 mod handle;
 mod metrics;
+mod options;
 mod request;
 mod text;
 mod worker;
 
 pub use direct::generate_direct;
-pub use engine::{Backend, Engine, EngineOptions, make_backend};
+pub use engine::Engine;
+pub use error::{EngineError, RequestError};
+pub use handle::{Canceller, EventResult, RequestHandle, RequestId};
+pub use metrale_config::ModelConfig;
+pub use metrale_model_engine::generate::FinishReason;
+pub use metrale_model_engine::options::{MAX_DRAFT_TOKENS, ModelOptions, Speculative};
+pub use metrale_model_engine::sampling::SamplingParams;
+pub use metrale_model_engine::scheduler::{CacheUsage, PrefixStats, SnapshotUsage, StepCounts};
+pub use metrale_model_engine::speculative::GateOptions;
+pub use metrics::{EngineMetrics, RequestCounts, SpeculationMetrics};
+pub use options::{Backend, EngineOptions};
+pub use request::{GenerateEvent, GenerateOutput, GenerateRequest, Prompt, TokenEvent};
+
+#[cfg(feature = "unstable")]
+pub use engine::make_backend;
+#[cfg(feature = "unstable")]
 pub use metrale_model_engine::bench;
+#[cfg(feature = "unstable")]
+pub use metrale_model_engine::runner::{ForwardDisclosure, ForwardSelect};
 
 /// The circuit a checkpoint's decode step is compiled from: its plan without loading weights
-/// (`metrale circuit plan`), and the fusions a [`ForwardSelect::Circuit`] lowers with.
+/// (`metrale circuit plan`), and the fusions a [`ForwardSelect::Circuit`] lowers with. Only with
+/// the `unstable` feature.
+#[cfg(feature = "unstable")]
 pub mod circuit {
-    pub use metrale_model_engine::model_circuit::{
+    pub use metrale_model_engine::runner::{
         Digest, Fusions, checkpoint_plan, checkpoint_plans, plans_digest,
     };
     pub use metrale_model_layers::circuit_exec::{Plan, Step};
 }
 
-/// The device layer, for tools built on the engine (benchmarks, tests).
+/// Internals that the crate's own benchmarks (`benches/`) drive directly. Not part of the API:
+/// hidden from the documentation, and free to change with any release.
+#[doc(hidden)]
+pub mod bench_internals {
+    pub use crate::text::TextStream;
+}
+
+/// The device layer, for tools built on the engine (benchmarks, tests). Only with the
+/// `unstable` feature.
+#[cfg(feature = "unstable")]
 pub mod gpu {
     pub use metrale_gpu_runtime::{CpuBackend, GpuBackend, GpuError};
-}
-pub use error::{EngineError, RequestError};
-pub use handle::{Canceller, EventResult, RequestHandle, RequestId};
-pub use metrale_config::ModelConfig;
-pub use metrale_model_engine::generate::FinishReason;
-pub use metrale_model_engine::model_circuit::{ForwardDisclosure, ForwardSelect};
-pub use metrale_model_engine::options::{MAX_DRAFT_TOKENS, ModelOptions, Speculative};
-pub use metrale_model_engine::sampling::SamplingParams;
-pub use metrale_model_engine::speculative::GateOptions;
-pub use metrics::EngineMetrics;
-pub use request::{GenerateEvent, GenerateOutput, GenerateRequest, Prompt, TokenEvent};
-
-/// The bundled tiny checkpoint (a random Qwen3 with a small tokenizer), for trying the engine
-/// without downloading anything.
-pub fn bundled_checkpoint() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3-tiny")
 }

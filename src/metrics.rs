@@ -5,11 +5,32 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use metrale_model_engine::scheduler::SchedulerStats;
+use metrale_model_engine::scheduler::{CacheUsage, SchedulerStats, StepCounts};
 
 /// A snapshot of the engine's counters and resource use.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
+#[non_exhaustive]
 pub struct EngineMetrics {
+    /// Requests running, queued, finished and failed.
+    pub requests: RequestCounts,
+    /// Tokens generated per second over the last `EngineOptions::metrics_window`.
+    pub tokens_per_second: f64,
+    /// What the model's steps ran and produced since load: steps of each kind, tokens
+    /// generated, prompt tokens prefilled, preemptions, prefix-cache lookups and hits.
+    pub steps: StepCounts,
+    /// `steps.prefix.hit_tokens / steps.prefix.query_tokens`: the share of looked-up prompt
+    /// tokens the prefix cache served (0 before any lookup).
+    pub prefix_hit_rate: f64,
+    /// The KV blocks, SSM slots and SSM snapshots in use now.
+    pub cache: CacheUsage,
+    /// Speculative decoding's acceptance and gate; `None` when the engine does not speculate.
+    pub speculation: Option<SpeculationMetrics>,
+}
+
+/// Requests by state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct RequestCounts {
     /// Requests admitted to the model and not finished.
     pub running: usize,
     /// Requests submitted and not yet admitted (preempted ones included).
@@ -18,64 +39,33 @@ pub struct EngineMetrics {
     pub finished: u64,
     /// Requests that ended with an error after they were accepted (a failed step, shutdown).
     pub failed: u64,
-    /// Tokens generated since load.
-    pub tokens_generated: u64,
-    /// Tokens generated per second over the last `EngineOptions::metrics_window`.
-    pub tokens_per_second: f64,
-    /// Model steps run since load (prefill chunks and decode steps).
-    pub steps: u64,
-    /// Preemptions by recompute since load.
-    pub preemptions: u64,
-    /// Prompt tokens computed in prefill steps since load (a preempted request's replay
-    /// included; tokens served from the prefix cache excluded).
-    pub prefill_tokens: u64,
-    /// Prefix-cache lookups since load: one per admission to the model with prefix caching on
-    /// (a preempted request's readmission included).
-    pub prefix_queries: u64,
-    /// Lookups that reused a cached prefix.
-    pub prefix_hits: u64,
-    /// Prompt tokens of the lookups.
-    pub prefix_query_tokens: u64,
-    /// Of those, the tokens whose KV cache (and SSM state) came from the prefix cache instead of
-    /// being computed.
-    pub prefix_hit_tokens: u64,
-    /// `prefix_hit_tokens / prefix_query_tokens`: the share of looked-up prompt tokens the cache
-    /// served (0 before any lookup).
-    pub prefix_hit_rate: f64,
-    /// KV-cache blocks referenced by running requests (cached blocks nobody holds are not in
-    /// use: they are evicted when blocks are needed).
-    pub kv_blocks_used: usize,
-    /// KV-cache blocks in the pool (the dummy block excluded).
-    pub kv_blocks_total: usize,
-    /// KV-cache blocks in the prefix cache, referenced or not.
-    pub kv_blocks_cached: usize,
-    /// SSM state slots in use (hybrid models; 0 otherwise).
-    pub ssm_slots_used: usize,
-    /// SSM state slots in the pool (hybrid models; 0 otherwise).
-    pub ssm_slots_total: usize,
-    /// SSM state snapshots kept for prefix caching (hybrid models; 0 otherwise).
-    pub ssm_snapshots_used: usize,
-    /// SSM snapshot entries (hybrid models with prefix caching; 0 otherwise).
-    pub ssm_snapshots_total: usize,
-    /// Verify steps since load (speculative decoding; counted in `steps` too).
-    pub verify_steps: u64,
-    /// Drafts the model checked since load.
+}
+
+/// Speculative decoding since load.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[non_exhaustive]
+pub struct SpeculationMetrics {
+    /// Drafts the model checked.
     pub drafted: u64,
     /// Of those, the drafts it accepted.
     pub accepted: u64,
     /// `accepted / drafted` (0 before any draft).
     pub acceptance_rate: f64,
-    /// Tokens per sequence verify that checked drafts: `1 + accepted / verifies` (0 before any).
+    /// Tokens per sequence verify that checked drafts: `1 + accepted / verifies` (0 before
+    /// any).
     pub mean_acceptance_length: f64,
-    /// Whether the speculation gate has speculation on; `None` when the engine does not
-    /// speculate.
-    pub speculation_on: Option<bool>,
+    /// Whether the gate has speculation on.
+    pub on: bool,
     /// Times the gate switched speculation on or off.
-    pub speculation_switches: u64,
+    pub switches: u64,
     /// The gate's moving average of decode tokens/s without speculation, once measured.
     pub plain_decode_tok_s: Option<f64>,
     /// The same with speculation.
     pub speculative_decode_tok_s: Option<f64>,
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b > 0 { a as f64 / b as f64 } else { 0.0 }
 }
 
 /// What the scheduler thread last recorded.
@@ -106,9 +96,8 @@ impl MetricsState {
     /// since the last record.
     pub(crate) fn record(&mut self, stats: SchedulerStats, finished: u64, failed: u64) {
         let now = Instant::now();
-        let new_tokens = stats
-            .tokens_generated
-            .saturating_sub(self.stats.tokens_generated);
+        let new_tokens =
+            (stats.steps.tokens_generated).saturating_sub(self.stats.steps.tokens_generated);
         if new_tokens > 0 {
             self.recent.push_back((now, new_tokens));
         }
@@ -138,53 +127,40 @@ impl MetricsState {
             .as_secs_f64();
         let tokens: u64 = self.recent.iter().map(|&(_, n)| n).sum();
         let s = &self.stats;
+        let prefix = s.steps.prefix;
         EngineMetrics {
-            running: s.running,
-            queued: s.waiting + inbox,
-            finished: self.finished,
-            failed: self.failed,
-            tokens_generated: s.tokens_generated,
+            requests: RequestCounts {
+                running: s.running,
+                queued: s.waiting + inbox,
+                finished: self.finished,
+                failed: self.failed,
+            },
             tokens_per_second: if span > 0.0 {
                 tokens as f64 / span
             } else {
                 0.0
             },
             steps: s.steps,
-            preemptions: s.preemptions,
-            prefill_tokens: s.prefill_tokens,
-            prefix_queries: s.prefix_queries,
-            prefix_hits: s.prefix_hits,
-            prefix_query_tokens: s.prefix_query_tokens,
-            prefix_hit_tokens: s.prefix_hit_tokens,
-            prefix_hit_rate: if s.prefix_query_tokens > 0 {
-                s.prefix_hit_tokens as f64 / s.prefix_query_tokens as f64
-            } else {
-                0.0
-            },
-            kv_blocks_used: s.kv_blocks_used,
-            kv_blocks_total: s.kv_blocks_total,
-            kv_blocks_cached: s.kv_blocks_cached,
-            ssm_slots_used: s.ssm_slots_used,
-            ssm_slots_total: s.ssm_slots_total,
-            ssm_snapshots_used: s.ssm_snapshots_used,
-            ssm_snapshots_total: s.ssm_snapshots_total,
-            verify_steps: s.verify_steps,
-            drafted: s.drafted,
-            accepted: s.accepted,
-            acceptance_rate: if s.drafted > 0 {
-                s.accepted as f64 / s.drafted as f64
-            } else {
-                0.0
-            },
-            mean_acceptance_length: if s.draft_verifies > 0 {
-                1.0 + s.accepted as f64 / s.draft_verifies as f64
-            } else {
-                0.0
-            },
-            speculation_on: s.speculation_on,
-            speculation_switches: s.speculation_switches,
-            plain_decode_tok_s: s.plain_tok_s,
-            speculative_decode_tok_s: s.speculative_tok_s,
+            prefix_hit_rate: ratio(prefix.hit_tokens, prefix.query_tokens),
+            cache: s.cache,
+            speculation: s.speculation.as_ref().map(|sp| {
+                let (drafted, accepted) = (sp.drafted() as u64, sp.accepted() as u64);
+                let verifies = sp.draft_verifies() as u64;
+                SpeculationMetrics {
+                    drafted,
+                    accepted,
+                    acceptance_rate: ratio(accepted, drafted),
+                    mean_acceptance_length: if verifies > 0 {
+                        1.0 + ratio(accepted, verifies)
+                    } else {
+                        0.0
+                    },
+                    on: sp.on,
+                    switches: sp.switches,
+                    plain_decode_tok_s: sp.plain_tok_s,
+                    speculative_decode_tok_s: sp.speculative_tok_s,
+                }
+            }),
         }
     }
 }

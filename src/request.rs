@@ -1,11 +1,16 @@
 //! `GenerateRequest` and `GenerateOutput`: one generation's input and result; `GenerateEvent`
 //! and `TokenEvent`: what a request's handle yields as it runs.
+//!
+//! All of them grow with the engine, so they are `#[non_exhaustive]`: a request is built with
+//! `GenerateRequest::new` and its setters; outputs and events are read, and matches on the enums
+//! keep a wildcard arm.
 
 use metrale_model_engine::generate::FinishReason;
 use metrale_model_engine::sampling::SamplingParams;
 
 /// The prompt: text (needs a tokenizer) or token ids (always works).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Prompt {
     /// Text, encoded with the checkpoint's tokenizer.
     Text(String),
@@ -13,8 +18,37 @@ pub enum Prompt {
     TokenIds(Vec<u32>),
 }
 
-/// One generation request. Build with [`GenerateRequest::new`] and the setters.
+impl From<String> for Prompt {
+    fn from(text: String) -> Prompt {
+        Prompt::Text(text)
+    }
+}
+
+impl From<&str> for Prompt {
+    fn from(text: &str) -> Prompt {
+        Prompt::Text(text.to_string())
+    }
+}
+
+impl From<Vec<u32>> for Prompt {
+    fn from(ids: Vec<u32>) -> Prompt {
+        Prompt::TokenIds(ids)
+    }
+}
+
+/// One generation request. Build with [`GenerateRequest::new`] and the setters:
+///
+/// ```
+/// use metrale::{GenerateRequest, SamplingParams};
+///
+/// let request = GenerateRequest::new("The capital of France is")
+///     .max_new_tokens(32)
+///     .sampling(SamplingParams::default().temperature(0.7).top_p(0.9).seed(42))
+///     .stop_strings(vec!["\n".into()]);
+/// assert_eq!(request.max_new_tokens, 32);
+/// ```
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct GenerateRequest {
     /// The prompt.
     pub prompt: Prompt,
@@ -35,10 +69,11 @@ pub struct GenerateRequest {
 }
 
 impl GenerateRequest {
-    /// A request with every other field at its default.
-    pub fn new(prompt: Prompt) -> GenerateRequest {
+    /// A request for `prompt` (a [`Prompt`], text or token ids) with every other field at its
+    /// default.
+    pub fn new(prompt: impl Into<Prompt>) -> GenerateRequest {
         GenerateRequest {
-            prompt,
+            prompt: prompt.into(),
             max_new_tokens: 16,
             sampling: SamplingParams::default(),
             ignore_eos: false,
@@ -87,6 +122,7 @@ impl GenerateRequest {
 
 /// What a generation produced.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct GenerateOutput {
     /// The prompt's token ids.
     pub prompt_ids: Vec<u32>,
@@ -102,6 +138,7 @@ pub struct GenerateOutput {
 
 /// One generated token, as it is chosen.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TokenEvent {
     /// The token.
     pub token_id: u32,
@@ -113,6 +150,7 @@ pub struct TokenEvent {
 
 /// What a request's handle yields: its tokens in order, then `Finished` once.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum GenerateEvent {
     /// A token was generated.
     Token(TokenEvent),

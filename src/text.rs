@@ -7,10 +7,13 @@
 //! the new one and emit the difference, so the cost per token does not grow with the output and
 //! tokenizers that merge across token boundaries (byte-level BPE, SentencePiece spaces) still
 //! give the right text.
+//!
+//! The module is private; `TextStream` reaches outside the crate only through the hidden
+//! `bench_internals` module, for the crate's benchmarks.
 
 /// See the module header.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct TextStream {
+pub struct TextStream {
     ids: Vec<u32>,
     /// `ids[prefix..read]` were decoded last time as the context of the new tokens.
     prefix: usize,
@@ -25,7 +28,8 @@ pub(crate) struct TextStream {
 }
 
 impl TextStream {
-    pub(crate) fn new(stop_strings: Vec<String>) -> TextStream {
+    /// An empty stream whose text ends before the first of `stop_strings` (none: never).
+    pub fn new(stop_strings: Vec<String>) -> TextStream {
         TextStream {
             stop_strings,
             ..TextStream::default()
@@ -33,18 +37,13 @@ impl TextStream {
     }
 
     /// Whether a stop string has been found.
-    pub(crate) fn stopped(&self) -> bool {
+    pub fn stopped(&self) -> bool {
         self.stop_at.is_some()
     }
 
     /// Add a token; returns the text it releases. `last`: the output ends with this token, so
     /// nothing is held back any more.
-    pub(crate) fn push(
-        &mut self,
-        token: u32,
-        last: bool,
-        decode: impl Fn(&[u32]) -> String,
-    ) -> String {
+    pub fn push(&mut self, token: u32, last: bool, decode: impl Fn(&[u32]) -> String) -> String {
         self.ids.push(token);
         if self.stop_at.is_some() {
             return String::new();
@@ -85,7 +84,7 @@ impl TextStream {
 
     /// The output text: up to the stop string when one was found, else `full` (the decode of
     /// every token at once).
-    pub(crate) fn final_text(&self, full: Option<String>) -> Option<String> {
+    pub fn final_text(&self, full: Option<String>) -> Option<String> {
         match self.stop_at {
             Some(at) => Some(self.text[..at].to_string()),
             None => full,

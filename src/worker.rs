@@ -1,11 +1,12 @@
-//! The scheduler thread: one per engine, started by `Engine::load` and stopped when the engine
-//! is dropped. It owns the model and the `Scheduler`, takes new requests and cancellations from
-//! the `Shared` inbox between steps, runs steps while there is work (and sleeps on a condition
-//! variable when there is none), and turns the scheduler's events into each request's events:
-//! text deltas, stop strings, the final output.
+//! The worker: owns the `Scheduler` (and through it the model and its cache), takes new requests
+//! and cancellations from the `Shared` inbox between steps, runs steps while there is work, and
+//! turns the scheduler's events into each request's events: text deltas, stop strings, the final
+//! output. The engine runs it on a scheduler thread of its own (`run`, which sleeps on a
+//! condition variable when there is no work); `generate_direct` drives it on the caller's
+//! thread (`serve`).
 //!
 //! Invariants:
-//! - Only this thread touches the model; callers reach it through the inbox, so a request is
+//! - Only the worker touches the model; callers reach it through the inbox, so a request is
 //!   added, cancelled or stopped only between steps.
 //! - Stop strings are checked here, on the token that completes them, and the sequence is
 //!   stopped before the next step: where a request stops depends on its own tokens alone. A
@@ -20,9 +21,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::{Condvar, Mutex};
 
+use metrale_model_engine::Scheduler;
 use metrale_model_engine::generate::{FinishReason, Generation};
-use metrale_model_engine::model::TransformerModel;
-use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqId, SeqRequest};
+use metrale_model_engine::scheduler::{SeqEvent, SeqId, SeqRequest};
 
 use crate::error::EngineError;
 use crate::handle::{RequestId, Sink};
@@ -122,7 +123,6 @@ struct Active {
 /// See the module header.
 pub(crate) struct Worker {
     pub shared: Arc<Shared>,
-    pub model: TransformerModel,
     pub scheduler: Scheduler,
     pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     actives: HashMap<SeqId, Active>,
@@ -152,13 +152,11 @@ impl Drop for AliveGuard {
 impl Worker {
     pub(crate) fn new(
         shared: Arc<Shared>,
-        model: TransformerModel,
         scheduler: Scheduler,
         tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     ) -> Worker {
         Worker {
             shared,
-            model,
             scheduler,
             tokenizer,
             actives: HashMap::new(),
@@ -168,11 +166,11 @@ impl Worker {
         }
     }
 
-    /// The thread's body: serve until shutdown.
+    /// The scheduler thread's body: serve until shutdown, sleeping while there is no work.
     pub(crate) fn run(mut self) {
         let _alive = AliveGuard(self.shared.clone());
         loop {
-            let (submits, cancels) = {
+            let shutdown = {
                 let mut inbox = self.shared.inbox.lock();
                 while inbox.submits.is_empty()
                     && inbox.cancels.is_empty()
@@ -181,35 +179,51 @@ impl Worker {
                 {
                     self.shared.wake.wait(&mut inbox);
                 }
-                if inbox.shutdown {
-                    break;
-                }
-                (
-                    std::mem::take(&mut inbox.submits),
-                    std::mem::take(&mut inbox.cancels),
-                )
+                inbox.shutdown
             };
-            for sub in submits {
-                self.accept(sub);
+            if shutdown {
+                break;
             }
-            for id in cancels {
-                if let Some(&seq) = self.by_request.get(&id) {
-                    self.stop(seq, FinishReason::Cancelled);
-                }
-            }
-            if !self.scheduler.is_idle() {
-                self.step();
-            }
-            self.record_metrics();
+            self.serve();
         }
-        let ids = self.scheduler.abort_all(&mut self.model);
+        self.shut_down();
+    }
+
+    /// One round: take the inbox's submissions and cancellations, run one step if there is
+    /// work, and record the metrics. Returns whether work is left.
+    pub(crate) fn serve(&mut self) -> bool {
+        let (submits, cancels) = {
+            let mut inbox = self.shared.inbox.lock();
+            (
+                std::mem::take(&mut inbox.submits),
+                std::mem::take(&mut inbox.cancels),
+            )
+        };
+        for sub in submits {
+            self.accept(sub);
+        }
+        for id in cancels {
+            if let Some(&seq) = self.by_request.get(&id) {
+                self.stop(seq, FinishReason::Cancelled);
+            }
+        }
+        if !self.scheduler.is_idle() {
+            self.step();
+        }
+        self.record_metrics();
+        !self.scheduler.is_idle()
+    }
+
+    /// Abort whatever runs; the actives' sinks, dropped, tell their handles the engine has
+    /// shut down.
+    pub(crate) fn shut_down(&mut self) {
+        let ids = self.scheduler.abort_all();
         tracing::debug!(aborted = ids.len(), "engine shutting down");
-        // Dropping the actives' sinks tells their handles the engine has shut down.
         self.actives.clear();
     }
 
     fn record_metrics(&mut self) {
-        let stats = self.scheduler.stats(&mut self.model);
+        let stats = self.scheduler.stats();
         self.shared.waiting.store(stats.waiting, Ordering::Relaxed);
         self.shared
             .metrics
@@ -245,7 +259,7 @@ impl Worker {
 
     /// Stop a sequence between steps and send its output.
     fn stop(&mut self, seq: SeqId, reason: FinishReason) {
-        match self.scheduler.finish(&mut self.model, seq, reason) {
+        match self.scheduler.finish(seq, reason) {
             Ok(Some(g)) => self.complete(seq, g),
             Ok(None) => {}
             Err(e) => self.fail(seq, Arc::new(e)),
@@ -253,7 +267,7 @@ impl Worker {
     }
 
     fn step(&mut self) {
-        match self.scheduler.step(&mut self.model) {
+        match self.scheduler.step() {
             Ok(report) => self.dispatch(report.events),
             Err(failed) => {
                 tracing::error!("{failed}");

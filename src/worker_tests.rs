@@ -9,12 +9,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use metrale_gpu_runtime::CpuBackend;
+use metrale_model_engine::Scheduler;
 use metrale_model_engine::factory;
 use metrale_model_engine::options::{ModelOptions, Speculative};
-use metrale_model_engine::scheduler::Scheduler;
 use metrale_model_engine::speculative::{GateOptions, OracleDrafter};
 
-use crate::engine::{Engine, EngineOptions, load_tokenizer};
+use crate::engine::Engine;
+use crate::frontend::load_tokenizer;
+use crate::options::EngineOptions;
 use crate::request::{GenerateEvent, GenerateRequest, Prompt};
 
 fn fixture(name: &str) -> PathBuf {
@@ -26,36 +28,25 @@ fn fixture(name: &str) -> PathBuf {
 /// The Qwen3.5 fixture with the dense fixture's tokenizer (its vocabulary covers the 256 ids);
 /// `drafts`: the oracle's continuations, or plain decoding.
 fn engine(drafts: Option<Vec<Vec<u32>>>) -> Engine {
-    let options = EngineOptions {
-        model: ModelOptions {
-            speculative: if drafts.is_some() {
-                Speculative::External
-            } else {
-                Speculative::Off
-            },
-            num_draft_tokens: 3,
-            ..Default::default()
-        },
-        ..Default::default()
+    let speculative = if drafts.is_some() {
+        Speculative::External
+    } else {
+        Speculative::Off
     };
-    let mut model = factory::load(
-        &fixture("qwen3_5-tiny"),
-        options.model.clone(),
-        Arc::new(CpuBackend::default()),
-    )
-    .unwrap();
-    let mut scheduler = Scheduler::new(&mut model);
+    let options = EngineOptions::default().model(
+        ModelOptions::default()
+            .speculative(speculative)
+            .num_draft_tokens(3),
+    );
+    let model = factory::load(&fixture("qwen3_5-tiny"), Arc::new(CpuBackend::default())).unwrap();
+    let mut scheduler = Scheduler::new(model, options.model.clone()).unwrap();
     if let Some(expected) = drafts {
-        scheduler
-            .set_drafter(&model, Box::new(OracleDrafter::new(expected)))
-            .unwrap();
-        scheduler.set_speculation_gate(GateOptions {
-            enabled: false,
-            ..Default::default()
-        });
+        let drafter = Box::new(OracleDrafter::new(expected));
+        scheduler.set_drafter(Some(drafter)).unwrap();
+        (scheduler.speculation().unwrap()).set_gate(GateOptions::default().enabled(false));
     }
     let tokenizer = load_tokenizer(&fixture("qwen3-tiny")).unwrap();
-    Engine::start(model, scheduler, tokenizer, &options).unwrap()
+    Engine::start(scheduler, tokenizer, &options).unwrap()
 }
 
 #[test]
@@ -96,6 +87,6 @@ fn a_stop_string_inside_an_accepted_run_ends_the_output_where_plain_decoding_doe
     // Every verify keeps all 3 drafts (4 tokens), so a cut not right after a run's last token
     // falls inside a run.
     assert!(cuts > 0);
-    let m = spec.metrics();
+    let m = spec.metrics().speculation.unwrap();
     assert!(m.accepted > 0 && m.accepted == m.drafted, "{m:?}");
 }

@@ -110,13 +110,7 @@ fn a_missing_checkpoint_dir_is_named() {
 
 #[test]
 fn bad_requests_are_refused_and_the_engine_keeps_serving() {
-    let options = EngineOptions {
-        model: ModelOptions {
-            max_seq_len: Some(64),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
+    let options = EngineOptions::default().model(ModelOptions::default().max_seq_len(64));
     let engine = Engine::load(fixtures_dir().join("qwen3-tiny"), options).unwrap();
     let vocab = engine.config().vocab_size as u32;
     let good = GenerateRequest::new(Prompt::TokenIds(vec![1, 2, 3]))
@@ -136,17 +130,13 @@ fn bad_requests_are_refused_and_the_engine_keeps_serving() {
             |e| matches!(e, RequestError::TokenOutOfVocab { index: 1, .. }),
         ),
         (
-            GenerateRequest::new(Prompt::TokenIds(vec![1])).sampling(SamplingParams {
-                temperature: -0.5,
-                ..Default::default()
-            }),
+            GenerateRequest::new(Prompt::TokenIds(vec![1]))
+                .sampling(SamplingParams::default().temperature(-0.5)),
             |e| matches!(e, RequestError::Sampling(s) if s.field == "temperature"),
         ),
         (
-            GenerateRequest::new(Prompt::TokenIds(vec![1])).sampling(SamplingParams {
-                top_p: 1.5,
-                ..Default::default()
-            }),
+            GenerateRequest::new(Prompt::TokenIds(vec![1]))
+                .sampling(SamplingParams::default().top_p(1.5)),
             |e| matches!(e, RequestError::Sampling(s) if s.field == "top_p"),
         ),
     ];
@@ -165,13 +155,7 @@ fn bad_requests_are_refused_and_the_engine_keeps_serving() {
 
 #[test]
 fn generation_stops_at_max_seq_len() {
-    let options = EngineOptions {
-        model: ModelOptions {
-            max_seq_len: Some(20),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
+    let options = EngineOptions::default().model(ModelOptions::default().max_seq_len(20));
     let engine = Engine::load(fixtures_dir().join("qwen3-tiny"), options).unwrap();
     let out = engine
         .generate(
@@ -188,10 +172,7 @@ fn generation_stops_at_max_seq_len() {
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn the_cuda_backend_without_cuda_says_so() {
-    let options = EngineOptions {
-        backend: metrale::Backend::Cuda { device: 0 },
-        ..Default::default()
-    };
+    let options = EngineOptions::default().backend(metrale::Backend::cuda(0));
     match Engine::load(fixtures_dir().join("qwen3-tiny"), options) {
         Err(EngineError::BackendUnavailable {
             backend: "cuda",

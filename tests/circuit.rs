@@ -21,10 +21,10 @@ use metrale::{Engine, EngineOptions, GenerateRequest, Prompt};
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{CpuBackend, DType, GpuBackend, GpuResult};
 use metrale_model_engine::model::ModelWeights;
-use metrale_model_engine::model_circuit::{
+use metrale_model_engine::runner::{
     ForwardSelect, Fusions, ModelCircuit, checkpoint_plan, checkpoint_plans, plans_digest,
 };
-use metrale_model_engine::{ModelError, ModelOptions, TransformerModel};
+use metrale_model_engine::{Model, ModelError, ModelOptions, Scheduler};
 use metrale_model_layers::circuit_exec::{
     BindingProblem, Block, CircuitBindings, CircuitExecError, Part, WeightSlot,
 };
@@ -57,13 +57,10 @@ fn name(dir: &Path) -> String {
 fn circuit_reference_decode_is_bitwise_legacy_on_every_fixture() -> Result<()> {
     for dir in every_fixture() {
         for graphs in [false, true] {
-            let options = ModelOptions {
-                decode_graphs: graphs,
-                ..Default::default()
-            };
+            let options = ModelOptions::default().decode_graphs(graphs);
             let model = bitwise_same(&dir, &options, &cpu, REFERENCE)
                 .with_context(|| format!("decode graphs {graphs}"))?;
-            let d = model.forward_disclosure()?;
+            let d = model.runner().forward_disclosure()?;
             eprintln!(
                 "{}: circuit-reference bitwise legacy (graphs {graphs}), {} launches per step",
                 name(&dir),
@@ -80,10 +77,7 @@ fn circuit_decode_is_bitwise_legacy_where_only_bit_identical_fusions_apply() -> 
     // the legacy step's bytes on every fixture, eager and graphed.
     for dir in every_fixture() {
         for graphs in [false, true] {
-            let options = ModelOptions {
-                decode_graphs: graphs,
-                ..Default::default()
-            };
+            let options = ModelOptions::default().decode_graphs(graphs);
             bitwise_same(&dir, &options, &cpu, ALL)
                 .with_context(|| format!("decode graphs {graphs}"))?;
         }
@@ -118,22 +112,19 @@ fn fused_launches(config: &ModelConfig, rows: usize) -> usize {
 fn circuit_programs_launch_exactly_the_legacy_steps_launches() -> Result<()> {
     // Up to 64 sequences, so the ladder reaches every decode GEMM kernel (narrow to 16 rows,
     // wide to 64).
-    let options = ModelOptions {
-        max_decode_seqs: 64,
-        ..Default::default()
-    };
+    let options = ModelOptions::default().max_decode_seqs(64);
     for dir in every_fixture() {
         let mut model = load(&dir, options.clone(), cpu(), ForwardSelect::Legacy)?;
-        let ladder = model.options().decode_ladder();
+        let ladder = model.runner().options().decode_ladder();
         let legacy: Vec<_> = ladder
             .iter()
-            .map(|&w| model.decode_launches(w))
+            .map(|&w| model.runner().decode_launches(w))
             .collect::<Result<_, _>>()?;
-        let config = model.config().clone();
+        let config = model.runner().model().config().clone();
         for forward in [REFERENCE, ALL] {
-            model.set_forward(forward)?;
+            model.runner_mut().set_forward(forward)?;
             for (&w, want) in ladder.iter().zip(&legacy) {
-                let got = model.decode_launches(w)?;
+                let got = model.runner().decode_launches(w)?;
                 if forward == ALL {
                     ensure!(
                         got.len() + fused_launches(&config, w) == want.len(),
@@ -165,7 +156,7 @@ fn the_disclosure_names_the_forward_its_plans_and_launches() -> Result<()> {
         let config = ModelConfig::from_dir(&dir)?;
         let options = ModelOptions::default();
         let mut model = load(&dir, options.clone(), cpu(), ForwardSelect::Legacy)?;
-        let legacy = model.forward_disclosure()?;
+        let legacy = model.runner().forward_disclosure()?;
         ensure!(legacy.forward == "legacy" && legacy.plan_digest.is_none());
         // embed; per layer two norms, then the mixer's and the FFN's launches; the head's 3.
         let per_layer: usize = config
@@ -197,9 +188,9 @@ fn the_disclosure_names_the_forward_its_plans_and_launches() -> Result<()> {
             ("circuit", Fusions::All),
         ] {
             let select = ForwardSelect::Circuit { fusions };
-            model.set_forward(select)?;
-            ensure!(model.forward_select() == select);
-            let d = model.forward_disclosure()?;
+            model.runner_mut().set_forward(select)?;
+            ensure!(model.runner().forward_select() == select);
+            let d = model.runner().forward_disclosure()?;
             // The plans `metrale circuit plan` prints from config.json alone.
             let plans = checkpoint_plans(&config, &options, fusions)?;
             ensure!(d.forward == forward, "{d:?}");
@@ -287,16 +278,16 @@ fn switching_forward_drops_captured_graphs_and_keeps_the_output() -> Result<()> 
     let dir = fixtures_dir().join("qwen3_5-tiny");
     let mut model = load(&dir, ModelOptions::default(), cpu(), ForwardSelect::Legacy)?;
     let legacy = workload(&mut model)?;
-    ensure!(model.captured_widths() == [1, 2, 4]);
+    ensure!(model.runner().graphs().decode_widths() == [1, 2, 4]);
     for forward in [REFERENCE, ForwardSelect::Legacy, ALL] {
-        model.set_forward(forward)?;
+        model.runner_mut().set_forward(forward)?;
         ensure!(
-            model.captured_widths().is_empty(),
+            model.runner().graphs().decode_widths().is_empty(),
             "graphs survived a switch to {}",
             forward.name()
         );
         let again = workload(&mut model)?;
-        ensure!(model.captured_widths() == [1, 2, 4]);
+        ensure!(model.runner().graphs().decode_widths() == [1, 2, 4]);
         for (a, b) in legacy.iter().zip(&again) {
             ensure!(
                 bits(a) == bits(b),
@@ -313,13 +304,7 @@ fn the_facade_runs_the_forward_it_was_given() -> Result<()> {
     for fixture in ["qwen3-tiny", "qwen3_next-tiny"] {
         let dir = fixtures_dir().join(fixture);
         let run = |forward: ForwardSelect| -> Result<(String, Vec<u32>, Vec<Vec<u32>>)> {
-            let engine = Engine::load(
-                &dir,
-                EngineOptions {
-                    forward,
-                    ..Default::default()
-                },
-            )?;
+            let engine = Engine::load(&dir, EngineOptions::default().forward(forward))?;
             let out = engine.generate(
                 &GenerateRequest::new(Prompt::TokenIds(vec![3, 14, 15, 92, 65, 35]))
                     .max_new_tokens(8)
@@ -365,7 +350,7 @@ impl CircuitBindings for Opaque {}
 fn random_model(
     layer: &dyn Fn(usize, DecoderLayer) -> Box<dyn TransformerLayer>,
     count: usize,
-) -> Result<TransformerModel> {
+) -> Result<Scheduler> {
     let config = ModelConfig::from_dir(&fixtures_dir().join("qwen3-tiny"))?;
     let gpu = cpu();
     let ops = Ops::new(gpu.clone())?;
@@ -419,13 +404,8 @@ fn random_model(
         mtp: None,
     };
     gpu.synchronize(s)?;
-    Ok(TransformerModel::new(
-        config,
-        ModelOptions::default(),
-        gpu,
-        weights,
-        layers,
-    )?)
+    let model = Model::new(config, gpu, weights, layers)?;
+    Ok(Scheduler::new(model, ModelOptions::default())?)
 }
 
 #[test]
@@ -446,7 +426,11 @@ fn a_model_the_circuit_misdescribes_is_refused_naming_every_problem() -> Result<
         5,
     )?;
     let before = workload(&mut model)?;
-    let err = model.set_forward(REFERENCE).err().context("refused")?;
+    let err = model
+        .runner_mut()
+        .set_forward(REFERENCE)
+        .err()
+        .context("refused")?;
     let text = err.to_string();
     let ModelError::Circuit(CircuitExecError::Bindings { problems }) = err else {
         bail!("not a binding refusal: {text}");
@@ -478,7 +462,7 @@ fn a_model_the_circuit_misdescribes_is_refused_naming_every_problem() -> Result<
     ensure!(text.contains("(5 problems)"), "{text}");
     eprintln!("{text}");
     // The refused build left the legacy forward running.
-    ensure!(model.forward_select() == ForwardSelect::Legacy);
+    ensure!(model.runner().forward_select() == ForwardSelect::Legacy);
     let after = workload(&mut model)?;
     ensure!(before.iter().zip(&after).all(|(a, b)| bits(a) == bits(b)));
     Ok(())

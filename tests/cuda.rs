@@ -18,21 +18,17 @@ use common::*;
 use metrale::{Backend, EngineOptions, ModelOptions};
 use metrale_gpu_runtime::GpuBackend;
 use metrale_gpu_runtime::cuda::CudaBackend;
-use metrale_model_engine::factory;
-use metrale_model_engine::generate::{
-    GenerateParams, generate, generate_batch, generate_speculative,
-};
+use metrale_model_engine::generate::{GenerateParams, Generation, generate, generate_speculative};
 use metrale_model_engine::options::Speculative;
 use metrale_model_engine::sampling::SamplingParams;
-use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest};
+use metrale_model_engine::scheduler::{SeqEvent, SeqRequest};
 use metrale_model_engine::speculative::{GateOptions, OracleDrafter};
+use metrale_model_engine::{Scheduler, factory};
 
 fn cuda_options(model: ModelOptions) -> EngineOptions {
-    EngineOptions {
-        backend: Backend::Cuda { device: 0 },
-        model,
-        ..Default::default()
-    }
+    EngineOptions::default()
+        .backend(Backend::cuda(0))
+        .model(model)
 }
 
 #[test]
@@ -53,11 +49,9 @@ fn every_fixture_matches_transformers_on_cuda() {
 fn params(n: usize, temperature: f32, seed: u64) -> GenerateParams {
     GenerateParams {
         max_new_tokens: n,
-        sampling: SamplingParams {
-            temperature,
-            seed,
-            ..Default::default()
-        },
+        sampling: SamplingParams::default()
+            .temperature(temperature)
+            .seed(seed),
         stop_token_ids: Vec::new(),
         return_logits: true,
     }
@@ -65,6 +59,29 @@ fn params(n: usize, temperature: f32, seed: u64) -> GenerateParams {
 
 fn gpu() -> Arc<dyn GpuBackend> {
     Arc::new(CudaBackend::new(0).expect("a CUDA device"))
+}
+
+/// The checkpoint in `dir` on the GPU, sized by `options`.
+fn load(dir: &std::path::Path, options: ModelOptions) -> Scheduler {
+    Scheduler::new(factory::load(dir, gpu()).unwrap(), options).unwrap()
+}
+
+fn request(prompt: &[u32], p: &GenerateParams) -> SeqRequest {
+    SeqRequest {
+        prompt: prompt.to_vec(),
+        params: p.clone(),
+        ignore_eos: true,
+    }
+}
+
+/// One request alone, to its end.
+fn alone(s: &mut Scheduler, prompt: &[u32], p: &GenerateParams) -> Generation {
+    generate(s, request(prompt, p), &mut |_| ControlFlow::Continue(())).unwrap()
+}
+
+/// Every request at once, to their ends.
+fn batch(s: &mut Scheduler, reqs: Vec<SeqRequest>) -> Vec<Generation> {
+    s.run(reqs, &mut |_, _| ControlFlow::Continue(())).unwrap()
 }
 
 fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
@@ -93,26 +110,12 @@ fn graphed_decode_is_bitwise_eager_decode_on_cuda() {
         let dir = fixtures_dir().join(name);
         let prompt: Vec<u32> = (1..40).collect();
         let p = params(16, 0.0, 0);
-        let mut graphed = factory::load(&dir, ModelOptions::default(), gpu()).unwrap();
-        let mut eager = factory::load(
-            &dir,
-            ModelOptions {
-                decode_graphs: false,
-                ..Default::default()
-            },
-            gpu(),
-        )
-        .unwrap();
-        let g = generate(
-            &mut graphed,
-            &prompt,
-            &p,
-            &mut |_| ControlFlow::Continue(()),
-        )
-        .unwrap();
-        let e = generate(&mut eager, &prompt, &p, &mut |_| ControlFlow::Continue(())).unwrap();
+        let mut graphed = load(&dir, ModelOptions::default());
+        let mut eager = load(&dir, ModelOptions::default().decode_graphs(false));
+        let g = alone(&mut graphed, &prompt, &p);
+        let e = alone(&mut eager, &prompt, &p);
         assert_eq!(
-            graphed.captured_widths(),
+            graphed.runner().graphs().decode_widths(),
             vec![1],
             "{name}: decode ran from a graph"
         );
@@ -141,15 +144,7 @@ fn batched_decode_is_bitwise_alone_on_cuda() {
             .unwrap()
             .vocab_size
             .min(256);
-        let mut model = factory::load(
-            &dir,
-            ModelOptions {
-                max_decode_seqs: 8,
-                ..Default::default()
-            },
-            gpu(),
-        )
-        .unwrap();
+        let mut model = load(&dir, ModelOptions::default().max_decode_seqs(8));
         let prompts: Vec<Vec<u32>> = (0..6)
             .map(|i| {
                 (0..(2 + 9 * i))
@@ -160,12 +155,14 @@ fn batched_decode_is_bitwise_alone_on_cuda() {
         let ps: Vec<GenerateParams> = (0..6)
             .map(|i| params(3 + 2 * i, if i % 2 == 0 { 0.0 } else { 0.7 }, i as u64))
             .collect();
-        let reqs: Vec<(&[u32], &GenerateParams)> =
-            prompts.iter().map(Vec::as_slice).zip(&ps).collect();
-        let batched =
-            generate_batch(&mut model, &reqs, &mut |_, _| ControlFlow::Continue(())).unwrap();
-        for (i, (prompt, p)) in reqs.iter().enumerate() {
-            let solo = generate(&mut model, prompt, p, &mut |_| ControlFlow::Continue(())).unwrap();
+        let reqs: Vec<SeqRequest> = prompts
+            .iter()
+            .zip(&ps)
+            .map(|(q, p)| request(q, p))
+            .collect();
+        let batched = batch(&mut model, reqs);
+        for (i, (prompt, p)) in prompts.iter().zip(&ps).enumerate() {
+            let solo = alone(&mut model, prompt, p);
             assert_eq!(batched[i].token_ids, solo.token_ids, "{name} sequence {i}");
             assert_eq!(
                 bits(batched[i].logits.as_ref().unwrap()),
@@ -182,34 +179,29 @@ fn speculative_greedy_is_bitwise_plain_greedy_on_cuda() {
         let fx = support::MtpFixture::new(name);
         let prompts = fx.prompts();
         let p = params(24, 0.0, 0);
-        let mut plain = factory::load(fx.path(), ModelOptions::default(), gpu()).unwrap();
-        let want: Vec<_> = prompts
-            .iter()
-            .map(|q| generate(&mut plain, q, &p, &mut |_| ControlFlow::Continue(())).unwrap())
-            .collect();
-        let reqs: Vec<(&[u32], &GenerateParams)> =
-            prompts.iter().map(|q| (q.as_slice(), &p)).collect();
+        let mut plain = load(fx.path(), ModelOptions::default());
+        let want: Vec<_> = prompts.iter().map(|q| alone(&mut plain, q, &p)).collect();
+        let reqs: Vec<SeqRequest> = prompts.iter().map(|q| request(q, &p)).collect();
         for k in 1..=4 {
-            let spec = |speculative| ModelOptions {
-                speculative,
-                num_draft_tokens: k,
-                ..Default::default()
+            let spec = |speculative| {
+                ModelOptions::default()
+                    .speculative(speculative)
+                    .num_draft_tokens(k)
             };
             // The MTP head drafting, all prompts in shared verify steps.
-            let mut model = factory::load(fx.path(), spec(Speculative::Mtp), gpu()).unwrap();
-            let got =
-                generate_batch(&mut model, &reqs, &mut |_, _| ControlFlow::Continue(())).unwrap();
+            let mut model = load(fx.path(), spec(Speculative::Mtp));
+            let got = batch(&mut model, reqs.clone());
             // The model's own continuation, wrong at depth (round % (k + 1)).
             let expected: Vec<Vec<u32>> = prompts
                 .iter()
                 .zip(&want)
                 .map(|(q, g)| q.iter().chain(&g.token_ids).copied().collect())
                 .collect();
-            let mut oracle =
+            let oracle =
                 OracleDrafter::wrong_at(expected, Box::new(move |_, round| Some(round % (k + 1))));
-            let mut ext = factory::load(fx.path(), spec(Speculative::External), gpu()).unwrap();
+            let mut ext = load(fx.path(), spec(Speculative::External));
             let (by_oracle, stats) =
-                generate_speculative(&mut ext, &reqs, &mut oracle, &mut |_, _| {
+                generate_speculative(&mut ext, reqs.clone(), Box::new(oracle), &mut |_, _| {
                     ControlFlow::Continue(())
                 })
                 .unwrap();
@@ -231,16 +223,12 @@ fn speculative_greedy_is_bitwise_plain_greedy_on_cuda() {
     }
 }
 
-/// Every request of `reqs` through one scheduler, in request order.
-fn scheduled(
-    model: &mut metrale_model_engine::model::TransformerModel,
-    sched: &mut Scheduler,
-    reqs: &[SeqRequest],
-) -> Vec<metrale_model_engine::generate::Generation> {
+/// Every request of `reqs` through the scheduler stepped by hand, in request order.
+fn scheduled(sched: &mut Scheduler, reqs: &[SeqRequest]) -> Vec<Generation> {
     let ids: Vec<_> = reqs.iter().map(|r| sched.add(r.clone()).unwrap()).collect();
     let mut done = std::collections::HashMap::new();
     while !sched.is_idle() {
-        for e in sched.step(model).unwrap().events {
+        for e in sched.step().unwrap().events {
             if let SeqEvent::Finished { id, generation } = e {
                 done.insert(id, generation);
             }
@@ -251,10 +239,7 @@ fn scheduled(
 
 #[test]
 fn the_scheduler_speculating_is_bitwise_the_plain_scheduler_on_cuda() {
-    let always = GateOptions {
-        enabled: false,
-        ..Default::default()
-    };
+    let always = GateOptions::default().enabled(false);
     for name in support::HYBRID {
         let fx = support::MtpFixture::new(name);
         let reqs: Vec<SeqRequest> = fx
@@ -267,32 +252,29 @@ fn the_scheduler_speculating_is_bitwise_the_plain_scheduler_on_cuda() {
                 ignore_eos: true,
             })
             .collect();
-        let mut plain = factory::load(fx.path(), ModelOptions::default(), gpu()).unwrap();
-        let mut s = Scheduler::new(&mut plain);
-        let want = scheduled(&mut plain, &mut s, &reqs);
+        let mut plain = load(fx.path(), ModelOptions::default());
+        let want = scheduled(&mut plain, &reqs);
         let expected: Vec<Vec<u32>> = reqs
             .iter()
             .zip(&want)
             .map(|(r, g)| r.prompt.iter().chain(&g.token_ids).copied().collect())
             .collect();
-        let spec = |speculative| ModelOptions {
-            speculative,
-            num_draft_tokens: 3,
-            ..Default::default()
+        let spec = |speculative| {
+            ModelOptions::default()
+                .speculative(speculative)
+                .num_draft_tokens(3)
         };
-        let mut mtp = factory::load(fx.path(), spec(Speculative::Mtp), gpu()).unwrap();
-        let mut s = Scheduler::new(&mut mtp);
-        s.set_speculation_gate(always);
-        let by_mtp = scheduled(&mut mtp, &mut s, &reqs);
-        let mut ext = factory::load(fx.path(), spec(Speculative::External), gpu()).unwrap();
-        let mut s = Scheduler::new(&mut ext);
+        let mut mtp = load(fx.path(), spec(Speculative::Mtp));
+        mtp.speculation().unwrap().set_gate(always);
+        let by_mtp = scheduled(&mut mtp, &reqs);
+        let mut ext = load(fx.path(), spec(Speculative::External));
         let oracle =
             OracleDrafter::wrong_at(expected, Box::new(|req, round| Some((req + round) % 4)));
-        s.set_drafter(&ext, Box::new(oracle)).unwrap();
-        s.set_speculation_gate(always);
-        let by_oracle = scheduled(&mut ext, &mut s, &reqs);
+        ext.set_drafter(Some(Box::new(oracle))).unwrap();
+        ext.speculation().unwrap().set_gate(always);
+        let by_oracle = scheduled(&mut ext, &reqs);
         assert!(
-            s.stats(&mut ext).accepted > 0,
+            ext.stats().speculation.unwrap().accepted() > 0,
             "{name}: the oracle's drafts were kept"
         );
         for (i, w) in want.iter().enumerate() {

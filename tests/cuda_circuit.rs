@@ -17,7 +17,7 @@ use common::{fixtures_dir, fixtures_of};
 use metrale_gpu_runtime::GpuBackend;
 use metrale_gpu_runtime::cuda::CudaBackend;
 use metrale_model_engine::ModelOptions;
-use metrale_model_engine::model_circuit::{ForwardSelect, ModelCircuit};
+use metrale_model_engine::runner::{ForwardSelect, ModelCircuit};
 
 fn gpu() -> Arc<dyn GpuBackend> {
     Arc::new(CudaBackend::new(0).expect("a CUDA device"))
@@ -37,16 +37,13 @@ fn every_fixture() -> Vec<std::path::PathBuf> {
 fn circuit_reference_decode_is_bitwise_legacy_on_cuda() -> Result<()> {
     for dir in every_fixture() {
         for graphs in [false, true] {
-            let options = ModelOptions {
-                decode_graphs: graphs,
-                ..Default::default()
-            };
+            let options = ModelOptions::default().decode_graphs(graphs);
             let model = bitwise_same(&dir, &options, &gpu, REFERENCE)
                 .with_context(|| format!("cuda, decode graphs {graphs}"))?;
             eprintln!(
                 "cuda {}: circuit-reference bitwise legacy (graphs {graphs}), {} launches per step",
                 dir.display(),
-                model.forward_disclosure()?.launches_per_step
+                model.runner().forward_disclosure()?.launches_per_step
             );
         }
     }
@@ -57,15 +54,15 @@ fn circuit_reference_decode_is_bitwise_legacy_on_cuda() -> Result<()> {
 fn circuit_programs_launch_exactly_the_legacy_steps_launches_on_cuda() -> Result<()> {
     for dir in every_fixture() {
         let mut model = load(&dir, ModelOptions::default(), gpu(), ForwardSelect::Legacy)?;
-        let ladder = model.options().decode_ladder();
+        let ladder = model.runner().options().decode_ladder();
         let legacy: Vec<_> = ladder
             .iter()
-            .map(|&w| model.decode_launches(w))
+            .map(|&w| model.runner().decode_launches(w))
             .collect::<Result<_, _>>()?;
-        model.set_forward(REFERENCE)?;
+        model.runner_mut().set_forward(REFERENCE)?;
         for (&w, want) in ladder.iter().zip(&legacy) {
             ensure!(
-                model.decode_launches(w)? == *want,
+                model.runner().decode_launches(w)? == *want,
                 "{} at width {w}",
                 dir.display()
             );
@@ -80,14 +77,14 @@ fn circuit_is_bitwise_legacy_on_cuda_with_fewer_launches() -> Result<()> {
     // so `circuit` must give the legacy bytes, eager and graphed, in fewer launches.
     for dir in every_fixture() {
         for graphs in [false, true] {
-            let options = ModelOptions {
-                decode_graphs: graphs,
-                ..Default::default()
-            };
+            let options = ModelOptions::default().decode_graphs(graphs);
             let all = bitwise_same(&dir, &options, &gpu, ALL)
                 .with_context(|| format!("cuda, decode graphs {graphs}"))?;
             let reference = load(&dir, options, gpu(), REFERENCE)?;
-            let (a, r) = (all.forward_disclosure()?, reference.forward_disclosure()?);
+            let (a, r) = (
+                all.runner().forward_disclosure()?,
+                reference.runner().forward_disclosure()?,
+            );
             ensure!(a.launches_per_step < r.launches_per_step, "{a:?} vs {r:?}");
             eprintln!(
                 "cuda {}: circuit bitwise legacy (graphs {graphs}), {} launches per step, circuit-reference {}",

@@ -17,8 +17,9 @@ const HYBRID: &[&str] = &[
     "qwen3_5_moe",
 ];
 
-/// The hybrid fixtures: the three the engine was developed against, then `qwen3_5-vl-tiny`,
-/// `qwen3_5_moe-vl-tiny` (wrappers with a vision tower) and `qwen3_next-b-tiny`.
+/// The hybrid fixtures: `qwen3_5-tiny`, `qwen3_next-tiny`, `qwen3_5_moe-tiny`, then
+/// `qwen3_5-vl-tiny`, `qwen3_5_moe-vl-tiny` (wrappers with a vision tower) and
+/// `qwen3_next-b-tiny`.
 const HYBRID_FIXTURES: usize = 6;
 
 #[test]
@@ -30,13 +31,7 @@ fn hybrid_fixtures_match_transformers() {
 #[test]
 fn hybrid_chunked_prefill_matches_transformers() {
     // 37-token chunks split GDN chunks of 64 and KV blocks of 16 in odd places.
-    let options = EngineOptions {
-        model: ModelOptions {
-            max_batch_tokens: 37,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
+    let options = EngineOptions::default().model(ModelOptions::default().max_batch_tokens(37));
     check_fixtures(HYBRID, HYBRID_FIXTURES, &options);
 }
 

@@ -38,13 +38,7 @@ fn a_prompt_prefilled_whole_is_the_prompt_prefilled_in_chunks() {
 #[test]
 fn chunked_prefill_gives_the_same_result() {
     // Prefill chunks of 5 tokens cut every prompt (and every block) in odd places.
-    let options = EngineOptions {
-        model: ModelOptions {
-            max_batch_tokens: 5,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
+    let options = EngineOptions::default().model(ModelOptions::default().max_batch_tokens(5));
     for dir in fixtures_of(&["qwen3"]).iter().take(2) {
         for o in check_fixture(dir, options.clone()) {
             assert!(

@@ -26,14 +26,11 @@ fn engine(fixture: &str, options: EngineOptions) -> Engine {
 }
 
 fn options() -> EngineOptions {
-    EngineOptions {
-        model: ModelOptions {
-            max_batch_tokens: 16,
-            max_decode_seqs: 8,
-            ..Default::default()
-        },
-        ..Default::default()
-    }
+    EngineOptions::default().model(
+        ModelOptions::default()
+            .max_batch_tokens(16)
+            .max_decode_seqs(8),
+    )
 }
 
 /// Request `i` of a varied set: prompts of 1 to 60 tokens, greedy and sampled, some stopping at
@@ -45,17 +42,12 @@ fn request(i: usize, vocab: u32) -> GenerateRequest {
         .collect();
     let sampling = match i % 3 {
         0 => SamplingParams::default(),
-        1 => SamplingParams {
-            temperature: 0.8,
-            seed: i as u64,
-            ..Default::default()
-        },
-        _ => SamplingParams {
-            temperature: 1.2,
-            top_k: 30,
-            top_p: 0.95,
-            seed: 1000 + i as u64,
-        },
+        1 => SamplingParams::default().temperature(0.8).seed(i as u64),
+        _ => SamplingParams::default()
+            .temperature(1.2)
+            .top_k(30)
+            .top_p(0.95)
+            .seed(1000 + i as u64),
     };
     GenerateRequest::new(Prompt::TokenIds(prompt))
         .max_new_tokens(8 + (i * 7) % 25)
@@ -117,7 +109,7 @@ fn concurrent_submits_from_several_threads_get_their_solo_outputs() {
         .iter()
         .map(|r| solo_engine.generate(r).expect("solo"))
         .collect();
-    let solo_steps = solo_engine.metrics().steps;
+    let solo_steps = solo_engine.metrics().steps.steps;
 
     let shared = Arc::new(engine("qwen3-tiny", options()));
     let barrier = Arc::new(Barrier::new(4));
@@ -151,15 +143,22 @@ fn concurrent_submits_from_several_threads_get_their_solo_outputs() {
         }
     }
     assert_eq!(seen, requests.len());
-    let m = metrics_until(&shared, |m| m.finished == requests.len() as u64);
+    let m = metrics_until(&shared, |m| m.requests.finished == requests.len() as u64);
     assert!(
-        m.steps < solo_steps,
+        m.steps.steps < solo_steps,
         "{} steps together, {solo_steps} alone: the requests were never batched",
-        m.steps
+        m.steps.steps
     );
     let total: usize = solo.iter().map(|o| o.token_ids.len()).sum();
-    assert_eq!(m.tokens_generated, total as u64);
-    assert_eq!((m.running, m.queued, m.kv_blocks_used), (0, 0, 0));
+    assert_eq!(m.steps.tokens_generated, total as u64);
+    assert_eq!(
+        (
+            m.requests.running,
+            m.requests.queued,
+            m.cache.kv_blocks_used
+        ),
+        (0, 0, 0)
+    );
 }
 
 #[test]
@@ -170,13 +169,7 @@ fn a_repeated_prompt_is_served_from_the_prefix_cache_and_the_metrics_count_it() 
         let warm = engine(fixture, options());
         let cold = engine(
             fixture,
-            EngineOptions {
-                model: ModelOptions {
-                    prefix_caching: false,
-                    ..options().model
-                },
-                ..options()
-            },
+            options().model(options().model.prefix_caching(false)),
         );
         let vocab = warm.config().vocab_size as u32;
         let prompt: Vec<u32> = (0..100u32).map(|t| (t * 53 + 11) % vocab).collect();
@@ -189,28 +182,46 @@ fn a_repeated_prompt_is_served_from_the_prefix_cache_and_the_metrics_count_it() 
             let got = warm.generate(&req).expect("warm");
             assert_same(&got, &want, &format!("{fixture}, run {run}"));
         }
-        let m = metrics_until(&warm, |m| m.finished == 2 && m.running == 0);
-        assert_eq!((m.prefix_queries, m.prefix_hits), (2, 1), "{fixture}");
-        assert_eq!((m.prefix_query_tokens, m.prefix_hit_tokens), (200, hit));
+        let m = metrics_until(&warm, |m| {
+            m.requests.finished == 2 && m.requests.running == 0
+        });
+        assert_eq!(
+            (m.steps.prefix.queries, m.steps.prefix.hits),
+            (2, 1),
+            "{fixture}"
+        );
+        assert_eq!(
+            (m.steps.prefix.query_tokens, m.steps.prefix.hit_tokens),
+            (200, hit)
+        );
         assert_eq!(m.prefix_hit_rate, hit as f64 / 200.0);
         assert_eq!(
-            m.prefill_tokens,
+            m.steps.prefill_tokens,
             200 - hit,
             "{fixture}: the hit skips prefill"
         );
-        assert!(m.kv_blocks_cached >= 6 && m.kv_blocks_used == 0, "{m:?}");
+        assert!(
+            m.cache.kv_blocks_cached >= 6 && m.cache.kv_blocks_used == 0,
+            "{m:?}"
+        );
         if fixture == "qwen3_5-tiny" {
             assert!(
-                m.ssm_snapshots_used >= 1 && m.ssm_snapshots_total == 16,
+                m.cache.snapshots.used >= 1 && m.cache.snapshots.total == 16,
                 "{m:?}"
             );
         }
-        let c = metrics_until(&cold, |m| m.finished == 1 && m.running == 0);
+        let c = metrics_until(&cold, |m| {
+            m.requests.finished == 1 && m.requests.running == 0
+        });
         assert_eq!(
-            (c.prefix_queries, c.prefix_hit_tokens, c.prefix_hit_rate),
+            (
+                c.steps.prefix.queries,
+                c.steps.prefix.hit_tokens,
+                c.prefix_hit_rate
+            ),
             (0, 0, 0.0)
         );
-        assert_eq!((c.prefill_tokens, c.kv_blocks_cached), (100, 0));
+        assert_eq!((c.steps.prefill_tokens, c.cache.kv_blocks_cached), (100, 0));
     }
 }
 
@@ -225,13 +236,7 @@ fn a_follow_up_turn_is_served_from_the_prefix_cache_and_the_metrics_count_it() {
         let warm = engine(fixture, options());
         let cold = engine(
             fixture,
-            EngineOptions {
-                model: ModelOptions {
-                    prefix_caching: false,
-                    ..options().model
-                },
-                ..options()
-            },
+            options().model(options().model.prefix_caching(false)),
         );
         let vocab = warm.config().vocab_size as u32;
         let turn = |prompt: &[u32], n: usize| {
@@ -248,16 +253,22 @@ fn a_follow_up_turn_is_served_from_the_prefix_cache_and_the_metrics_count_it() {
             prompt.extend(&got.token_ids);
             prompt.extend((0..9u32).map(|t| (t * 13 + 3) % vocab));
         }
-        let m = metrics_until(&warm, |m| m.finished == 2 && m.running == 0);
-        assert_eq!((m.prefix_queries, m.prefix_hits), (2, 1), "{fixture}");
+        let m = metrics_until(&warm, |m| {
+            m.requests.finished == 2 && m.requests.running == 0
+        });
         assert_eq!(
-            (m.prefix_query_tokens, m.prefix_hit_tokens),
+            (m.steps.prefix.queries, m.steps.prefix.hits),
+            (2, 1),
+            "{fixture}"
+        );
+        assert_eq!(
+            (m.steps.prefix.query_tokens, m.steps.prefix.hit_tokens),
             (70 + 109, hit),
             "{fixture}"
         );
-        assert_eq!(m.prefill_tokens, 70 + 109 - hit, "{fixture}");
+        assert_eq!(m.steps.prefill_tokens, 70 + 109 - hit, "{fixture}");
         assert_eq!(
-            (m.kv_blocks_used, m.kv_blocks_cached),
+            (m.cache.kv_blocks_used, m.cache.kv_blocks_cached),
             (0, cached),
             "{fixture}"
         );
@@ -266,13 +277,7 @@ fn a_follow_up_turn_is_served_from_the_prefix_cache_and_the_metrics_count_it() {
 
 #[test]
 fn a_bad_request_among_good_ones_gets_its_error_and_the_others_complete() {
-    let options = EngineOptions {
-        model: ModelOptions {
-            max_seq_len: Some(64),
-            ..options().model
-        },
-        ..options()
-    };
+    let options = options().model(options().model.max_seq_len(64));
     let solo_engine = engine("qwen3-tiny", options.clone());
     let e = engine("qwen3-tiny", options);
     let vocab = e.config().vocab_size as u32;
@@ -290,10 +295,8 @@ fn a_bad_request_among_good_ones_gets_its_error_and_the_others_complete() {
             |e| matches!(e, RequestError::TokenOutOfVocab { index: 2, .. }),
         ),
         (
-            GenerateRequest::new(Prompt::TokenIds(vec![1])).sampling(SamplingParams {
-                temperature: f32::NAN,
-                ..Default::default()
-            }),
+            GenerateRequest::new(Prompt::TokenIds(vec![1]))
+                .sampling(SamplingParams::default().temperature(f32::NAN)),
             |e| matches!(e, RequestError::Sampling(s) if s.field == "temperature"),
         ),
         (
@@ -335,11 +338,12 @@ fn cancel_stops_a_request_and_frees_its_cache_and_state() {
         match h.next().expect("an event").expect("no error") {
             GenerateEvent::Token(t) => tokens.push(t.token_id),
             GenerateEvent::Finished { .. } => panic!("finished before it was cancelled"),
+            other => panic!("unexpected {other:?}"),
         }
     }
     let busy = e.metrics();
     assert!(
-        busy.kv_blocks_used > 0 && busy.ssm_slots_used > 0,
+        busy.cache.kv_blocks_used > 0 && busy.cache.ssm_slots_used > 0,
         "{busy:?}"
     );
     h.cancel();
@@ -366,14 +370,21 @@ fn cancel_stops_a_request_and_frees_its_cache_and_state() {
     let dropped = e.submit(long).expect("valid");
     std::thread::sleep(Duration::from_millis(20));
     drop(dropped);
-    let m = metrics_until(&e, |m| m.finished == 3 && m.running == 0);
-    assert_eq!((m.finished, m.running, m.queued), (3, 0, 0), "{m:?}");
+    let m = metrics_until(&e, |m| m.requests.finished == 3 && m.requests.running == 0);
     assert_eq!(
-        (m.kv_blocks_used, m.ssm_slots_used),
+        (m.requests.finished, m.requests.running, m.requests.queued),
+        (3, 0, 0),
+        "{m:?}"
+    );
+    assert_eq!(
+        (m.cache.kv_blocks_used, m.cache.ssm_slots_used),
         (0, 0),
         "every block and slot is free: {m:?}"
     );
-    assert!(m.kv_blocks_total > 0 && m.ssm_slots_total == 8, "{m:?}");
+    assert!(
+        m.cache.kv_blocks_total > 0 && m.cache.ssm_slots_total == 8,
+        "{m:?}"
+    );
 }
 
 #[test]
@@ -428,6 +439,7 @@ fn a_stop_string_cuts_the_text_and_the_deltas_add_up() {
         match ev.expect("no error") {
             GenerateEvent::Token(t) => deltas.push_str(&t.text_delta.expect("text")),
             GenerateEvent::Finished { output } => out = Some(output),
+            other => panic!("unexpected {other:?}"),
         }
     }
     let out = out.expect("finished");
@@ -448,7 +460,7 @@ fn a_stop_string_cuts_the_text_and_the_deltas_add_up() {
         .expect("valid")
         .filter_map(|ev| match ev.expect("no error") {
             GenerateEvent::Token(t) => t.text_delta,
-            GenerateEvent::Finished { .. } => None,
+            _ => None,
         })
         .collect();
     assert_eq!(deltas, text);
@@ -456,17 +468,11 @@ fn a_stop_string_cuts_the_text_and_the_deltas_add_up() {
 
 #[test]
 fn the_queue_limit_refuses_requests_with_queue_full() {
-    let model = ModelOptions {
-        max_decode_seqs: 1,
-        ..options().model
-    };
     let e = engine(
         "qwen3-tiny",
-        EngineOptions {
-            model,
-            max_queued_requests: 2,
-            ..options()
-        },
+        options()
+            .model(options().model.max_decode_seqs(1))
+            .max_queued_requests(2),
     );
     let req = GenerateRequest::new(Prompt::TokenIds(vec![1, 2, 3]))
         .max_new_tokens(60)

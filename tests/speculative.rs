@@ -34,14 +34,11 @@ fn generate_direct_with_mtp_gives_the_engines_greedy_output() {
     for name in HYBRID {
         let fx = MtpFixture::new(name);
         let engine = Engine::load(fx.path(), EngineOptions::default()).unwrap();
-        let options = EngineOptions {
-            model: ModelOptions {
-                speculative: Speculative::Mtp,
-                num_draft_tokens: 3,
-                ..Default::default()
-            },
-            ..Default::default()
-        };
+        let options = EngineOptions::default().model(
+            ModelOptions::default()
+                .speculative(Speculative::Mtp)
+                .num_draft_tokens(3),
+        );
         for prompt in fx.prompts().iter().take(2) {
             let want = engine.generate(&request(prompt)).unwrap();
             let mut streamed = Vec::new();
@@ -70,18 +67,13 @@ fn the_engine_with_mtp_gives_the_plain_engines_greedy_output() {
     let plain = Engine::load(fx.path(), EngineOptions::default()).unwrap();
     let spec = Engine::load(
         fx.path(),
-        EngineOptions {
-            model: ModelOptions {
-                speculative: Speculative::Mtp,
-                num_draft_tokens: 2,
-                ..Default::default()
-            },
-            speculation_gate: GateOptions {
-                enabled: false,
-                ..Default::default()
-            },
-            ..Default::default()
-        },
+        EngineOptions::default()
+            .model(
+                ModelOptions::default()
+                    .speculative(Speculative::Mtp)
+                    .num_draft_tokens(2),
+            )
+            .speculation_gate(GateOptions::default().enabled(false)),
     )
     .unwrap();
     let reqs: Vec<GenerateRequest> = fx
@@ -102,22 +94,18 @@ fn the_engine_with_mtp_gives_the_plain_engines_greedy_output() {
         assert!(bits(got.logits.as_deref().unwrap()) == bits(want.logits.as_deref().unwrap()));
     }
     let m = spec.metrics();
-    assert!(m.verify_steps > 0 && m.drafted > 0, "{m:?}");
-    assert_eq!(m.speculation_on, Some(true));
-    assert!(m.mean_acceptance_length >= 1.0);
-    assert_eq!(plain.metrics().speculation_on, None);
+    let sp = m.speculation.unwrap();
+    assert!(m.steps.verify_steps > 0 && sp.drafted > 0, "{m:?}");
+    assert!(sp.on);
+    assert!(sp.mean_acceptance_length >= 1.0);
+    assert_eq!(plain.metrics().speculation, None);
 }
 
 #[test]
 fn the_engine_refuses_external_drafts() {
     let fx = MtpFixture::new("qwen3_5-tiny");
-    let options = EngineOptions {
-        model: ModelOptions {
-            speculative: Speculative::External,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
+    let options =
+        EngineOptions::default().model(ModelOptions::default().speculative(Speculative::External));
     let e = Engine::load(fx.path(), options).unwrap_err().to_string();
     assert!(e.contains("speculative"), "{e}");
 }

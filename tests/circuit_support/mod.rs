@@ -10,10 +10,10 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, ensure};
 use metrale_gpu_runtime::GpuBackend;
-use metrale_model_engine::generate::{GenerateParams, Generation, generate, generate_batch};
-use metrale_model_engine::model_circuit::{ForwardSelect, Fusions, ModelCircuit};
+use metrale_model_engine::generate::{GenerateParams, Generation, SeqRequest, generate};
+use metrale_model_engine::runner::{ForwardSelect, Fusions, ModelCircuit};
 use metrale_model_engine::sampling::SamplingParams;
-use metrale_model_engine::{ModelOptions, TransformerModel, factory};
+use metrale_model_engine::{ModelOptions, Scheduler, factory};
 
 /// Every family's fixtures (`reference.json` `model_type`s).
 pub const FAMILIES: &[&str] = &[
@@ -39,11 +39,9 @@ pub const ALL: ForwardSelect = ForwardSelect::Circuit {
 pub fn params(n: usize, temperature: f32, seed: u64) -> GenerateParams {
     GenerateParams {
         max_new_tokens: n,
-        sampling: SamplingParams {
-            temperature,
-            seed,
-            ..Default::default()
-        },
+        sampling: SamplingParams::default()
+            .temperature(temperature)
+            .seed(seed),
         stop_token_ids: Vec::new(),
         return_logits: true,
     }
@@ -67,10 +65,11 @@ pub fn load(
     options: ModelOptions,
     gpu: Arc<dyn GpuBackend>,
     forward: ForwardSelect,
-) -> Result<TransformerModel> {
-    let mut model =
-        factory::load(dir, options, gpu).with_context(|| format!("loading {}", dir.display()))?;
+) -> Result<Scheduler> {
+    let model = factory::load(dir, gpu).with_context(|| format!("loading {}", dir.display()))?;
+    let mut model = Scheduler::new(model, options)?;
     model
+        .runner_mut()
         .set_forward(forward)
         .with_context(|| format!("{}: selecting {}", dir.display(), forward.name()))?;
     Ok(model)
@@ -78,29 +77,29 @@ pub fn load(
 
 /// One sequence alone (width 1), then three together (widths 4, then 2 and 1 as they
 /// finish), greedy and sampled, every logit kept.
-pub fn workload(model: &mut TransformerModel) -> Result<Vec<Generation>> {
-    let vocab = model.config().vocab_size as u32;
+pub fn workload(model: &mut Scheduler) -> Result<Vec<Generation>> {
+    let vocab = model.runner().model().config().vocab_size as u32;
     let prompt = |len: u32, salt: u32| -> Vec<u32> {
         (0..len)
             .map(|t| (t * 37 + salt * 11) % (vocab - 1) + 1)
             .collect()
     };
+    let request = |prompt: Vec<u32>, params: GenerateParams| SeqRequest {
+        prompt,
+        params,
+        ignore_eos: true,
+    };
     let mut out = vec![generate(
         model,
-        &prompt(9, 1),
-        &params(6, 0.0, 0),
+        request(prompt(9, 1), params(6, 0.0, 0)),
         &mut |_| ControlFlow::Continue(()),
     )?];
-    let prompts = [prompt(5, 2), prompt(11, 3), prompt(17, 4)];
-    let ps = [params(6, 0.0, 0), params(3, 0.8, 7), params(8, 0.0, 0)];
-    let requests: Vec<(&[u32], &GenerateParams)> = prompts
-        .iter()
-        .zip(&ps)
-        .map(|(p, q)| (p.as_slice(), q))
-        .collect();
-    out.extend(generate_batch(model, &requests, &mut |_, _| {
-        ControlFlow::Continue(())
-    })?);
+    let requests = vec![
+        request(prompt(5, 2), params(6, 0.0, 0)),
+        request(prompt(11, 3), params(3, 0.8, 7)),
+        request(prompt(17, 4), params(8, 0.0, 0)),
+    ];
+    out.extend(model.run(requests, &mut |_, _| ControlFlow::Continue(()))?);
     Ok(out)
 }
 
@@ -111,7 +110,7 @@ pub fn bitwise_same(
     options: &ModelOptions,
     gpu: &dyn Fn() -> Arc<dyn GpuBackend>,
     circuit: ForwardSelect,
-) -> Result<TransformerModel> {
+) -> Result<Scheduler> {
     let mut legacy = load(dir, options.clone(), gpu(), ForwardSelect::Legacy)?;
     let mut compiled = load(dir, options.clone(), gpu(), circuit)?;
     let want = workload(&mut legacy)?;
@@ -129,18 +128,18 @@ pub fn bitwise_same(
         ensure!(!g.token_ids.is_empty(), "sequence {i} generated nothing");
     }
     ensure!(
-        legacy.captured_widths() == compiled.captured_widths(),
+        legacy.runner().graphs().decode_widths() == compiled.runner().graphs().decode_widths(),
         "{}: graphs of widths {:?} (legacy {:?})",
         dir.display(),
-        compiled.captured_widths(),
-        legacy.captured_widths()
+        compiled.runner().graphs().decode_widths(),
+        legacy.runner().graphs().decode_widths()
     );
     if options.decode_graphs {
         ensure!(
-            compiled.captured_widths() == [1, 2, 4],
+            compiled.runner().graphs().decode_widths() == [1, 2, 4],
             "{}: decode ran from graphs of widths {:?}",
             dir.display(),
-            compiled.captured_widths()
+            compiled.runner().graphs().decode_widths()
         );
     }
     Ok(compiled)

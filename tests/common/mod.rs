@@ -18,8 +18,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use metrale::{Engine, GenerateRequest, ModelOptions, Prompt};
 use metrale_gpu_runtime::GpuBackend;
+use metrale_model_engine::Scheduler;
 use metrale_model_engine::factory;
-use metrale_model_engine::generate::{GenerateParams, generate};
+use metrale_model_engine::generate::{GenerateParams, SeqRequest, generate};
 
 /// Below this top-1 margin transformers' own choice is a near tie and may flip under rounding.
 pub const MARGIN: f32 = 0.1;
@@ -27,9 +28,9 @@ pub const MARGIN: f32 = 0.1;
 /// keeps activations in bf16 between kernels, so it cannot match float32 more closely than bf16
 /// rounding of the activations allows: the worst seen is 1.5% on the dense fixtures, 1.7% on
 /// Qwen3.5 and 2.7% on Qwen3.5-MoE, where most of it is the rounding of the GDN input projection
-/// (keeping that projection in f32 brings the MoE fixtures to about 1.2%); 2.2% on the fixtures
-/// added after the engine was written (`qwen3_5-vl-tiny`, `qwen3_5_moe-vl-tiny`,
-/// `qwen3_next-b-tiny`). Every broken checkpoint in `tests/mutations.rs` errs by far more.
+/// (keeping that projection in f32 brings the MoE fixtures to about 1.2%); 2.2% on
+/// `qwen3_5-vl-tiny`, `qwen3_5_moe-vl-tiny` and `qwen3_next-b-tiny`. Every broken checkpoint in
+/// `tests/mutations.rs` errs by far more.
 pub const LOGITS_REL_L2: f64 = 3e-2;
 /// Below this gap between the k-th and (k+1)-th router probability, an expert choice may flip
 /// under bf16 rounding.
@@ -275,15 +276,20 @@ pub fn check_staged_prefill(dir: &Path, gpu: impl Fn() -> std::sync::Arc<dyn Gpu
         return_logits: true,
     };
     let run = |max_batch_tokens: usize| {
-        let options = ModelOptions {
-            max_batch_tokens,
-            ..Default::default()
+        let options = ModelOptions::default().max_batch_tokens(max_batch_tokens);
+        let model = factory::load(dir, gpu()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let mut sched =
+            Scheduler::new(model, options).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let req = SeqRequest {
+            prompt: prompt.clone(),
+            params: params.clone(),
+            ignore_eos: true,
         };
-        let mut model =
-            factory::load(dir, options, gpu()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-        let out = generate(&mut model, &prompt, &params, &mut |_| {
-            std::ops::ControlFlow::Continue(())
-        })
+        let out = generate(
+            &mut sched,
+            req,
+            &mut |_| std::ops::ControlFlow::Continue(()),
+        )
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         let bits: Vec<Vec<u32>> = (out.logits.unwrap_or_default().iter())
             .map(|r| r.iter().map(|x| x.to_bits()).collect())

@@ -1,4 +1,4 @@
-//! `cargo xtask`: kernels, fixtures, gpu-bundle, bench, soak.
+//! `cargo xtask`: setup-cuda, kernels, fixtures, gpu-bundle, bench, soak.
 
 mod bundle;
 mod cuda;

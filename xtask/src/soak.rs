@@ -140,17 +140,14 @@ fn make_request(
     };
     let sampling = match rng.range(0, 9) {
         0..=4 => SamplingParams::default(),
-        5..=7 => SamplingParams {
-            temperature: 0.7 + 0.1 * rng.range(0, 6) as f32,
-            seed: rng.next(),
-            ..SamplingParams::default()
-        },
-        _ => SamplingParams {
-            temperature: 1.0,
-            top_k: rng.range(1, 50),
-            top_p: 0.8 + 0.05 * rng.range(0, 4) as f32,
-            seed: rng.next(),
-        },
+        5..=7 => SamplingParams::default()
+            .temperature(0.7 + 0.1 * rng.range(0, 6) as f32)
+            .seed(rng.next()),
+        _ => SamplingParams::default()
+            .temperature(1.0)
+            .top_k(rng.range(1, 50))
+            .top_p(0.8 + 0.05 * rng.range(0, 4) as f32)
+            .seed(rng.next()),
     };
     let mut req = GenerateRequest::new(Prompt::TokenIds(prompt))
         .max_new_tokens(max_new_tokens)
@@ -265,6 +262,8 @@ fn client(
                     }
                 }
                 Ok(GenerateEvent::Finished { output: o }) => output = Some(o),
+                // Events this soak does not know yet say nothing about the output.
+                Ok(_) => {}
                 Err(e) => lock(tally).errors.push(format!("request {index}: {e}")),
             }
         }
@@ -288,7 +287,10 @@ fn wait_idle(engine: &Engine, done: u64) -> Result<metrale::EngineMetrics> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let m = engine.metrics();
-        if m.finished + m.failed >= done && m.running == 0 && m.queued == 0 {
+        if m.requests.finished + m.requests.failed >= done
+            && m.requests.running == 0
+            && m.requests.queued == 0
+        {
             return Ok(m);
         }
         ensure!(
@@ -335,25 +337,53 @@ fn check_solo(cold: &Engine, req: &GenerateRequest, got: &GenerateOutput) -> Res
     Ok(())
 }
 
+/// Once the run's requests have ended: every accepted one finished and none failed, no KV block
+/// or SSM slot is leaked, the prefix cache stays within its pools and the shared prefixes hit
+/// it. Returns the engine's metrics then.
+fn check_idle_after_run(engine: &Engine, tally: &Tally) -> Result<metrale::EngineMetrics> {
+    let m = wait_idle(engine, tally.accepted as u64)?;
+    ensure!(
+        m.requests.finished == tally.accepted as u64 && m.requests.failed == 0,
+        "{} requests accepted, but the engine counts {} finished and {} failed",
+        tally.accepted,
+        m.requests.finished,
+        m.requests.failed
+    );
+    ensure!(
+        m.cache.kv_blocks_used == 0 && m.cache.ssm_slots_used == 0,
+        "leaked after the run: {} KV block(s), {} SSM slot(s)",
+        m.cache.kv_blocks_used,
+        m.cache.ssm_slots_used
+    );
+    ensure!(
+        m.cache.kv_blocks_cached <= m.cache.kv_blocks_total
+            && m.cache.snapshots.used <= m.cache.snapshots.total,
+        "the prefix cache outgrew its pools: {m:?}"
+    );
+    ensure!(
+        m.steps.prefix.hits > 0 && m.steps.prefix.hit_tokens > 0,
+        "requests sharing prefixes never hit the prefix cache: {m:?}"
+    );
+    Ok(m)
+}
+
 /// Soak one checkpoint; returns its summary line.
 fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
-    let mut options = EngineOptions {
-        backend: match args.backend {
-            BackendArg::Cpu => Backend::Cpu,
-            BackendArg::Cuda => Backend::Cuda { device: 0 },
-        },
-        model: ModelOptions {
-            max_batch_tokens: 16,
-            max_decode_seqs: 8,
-            max_seq_len: Some(256),
-            // 17 blocks of 16 tokens: fewer than 8 long requests need, so some get preempted.
-            num_kv_blocks: Some(17),
-            ..ModelOptions::default()
-        },
-        // Fewer than the clients, so `submit` sometimes finds the queue full.
-        max_queued_requests: 6,
-        ..EngineOptions::default()
+    let backend = match args.backend {
+        BackendArg::Cpu => Backend::Cpu,
+        BackendArg::Cuda => Backend::cuda(0),
     };
+    let model = ModelOptions::default()
+        .max_batch_tokens(16)
+        .max_decode_seqs(8)
+        .max_seq_len(256)
+        // 17 blocks of 16 tokens: fewer than 8 long requests need, so some get preempted.
+        .num_kv_blocks(17);
+    let mut options = EngineOptions::default()
+        .backend(backend)
+        .model(model)
+        // Fewer than the clients, so `submit` sometimes finds the queue full.
+        .max_queued_requests(6);
     let block_size = options.model.block_size;
     let engine =
         Engine::load(dir, options.clone()).with_context(|| format!("loading {}", dir.display()))?;
@@ -393,29 +423,8 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
             tally.errors.len()
         );
     }
-    let m = wait_idle(&engine, tally.accepted as u64)?;
+    let m = check_idle_after_run(&engine, &tally)?;
     let seconds = started.elapsed().as_secs_f64();
-    ensure!(
-        m.finished == tally.accepted as u64 && m.failed == 0,
-        "{} requests accepted, but the engine counts {} finished and {} failed",
-        tally.accepted,
-        m.finished,
-        m.failed
-    );
-    ensure!(
-        m.kv_blocks_used == 0 && m.ssm_slots_used == 0,
-        "leaked after the run: {} KV block(s), {} SSM slot(s)",
-        m.kv_blocks_used,
-        m.ssm_slots_used
-    );
-    ensure!(
-        m.kv_blocks_cached <= m.kv_blocks_total && m.ssm_snapshots_used <= m.ssm_snapshots_total,
-        "the prefix cache outgrew its pools: {m:?}"
-    );
-    ensure!(
-        m.prefix_hits > 0 && m.prefix_hit_tokens > 0,
-        "requests sharing prefixes never hit the prefix cache: {m:?}"
-    );
     let cancelled = tally
         .outputs
         .iter()
@@ -433,19 +442,19 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
     }
     let after = wait_idle(&cold, checked as u64)?;
     ensure!(
-        after.kv_blocks_used == 0 && after.ssm_slots_used == 0,
+        after.cache.kv_blocks_used == 0 && after.cache.ssm_slots_used == 0,
         "leaked after the solo runs: {} KV block(s), {} SSM slot(s)",
-        after.kv_blocks_used,
-        after.ssm_slots_used
+        after.cache.kv_blocks_used,
+        after.cache.ssm_slots_used
     );
     let turns = turns::run(&engine, &cold, args.seed, args.conversations, block_size)
         .context("multi-turn conversations")?;
     let end = engine.metrics();
     ensure!(
-        end.kv_blocks_used == 0 && end.ssm_slots_used == 0,
+        end.cache.kv_blocks_used == 0 && end.cache.ssm_slots_used == 0,
         "leaked after the conversations: {} KV block(s), {} SSM slot(s)",
-        end.kv_blocks_used,
-        end.ssm_slots_used
+        end.cache.kv_blocks_used,
+        end.cache.ssm_slots_used
     );
     let name = dir.file_name().map_or_else(
         || dir.display().to_string(),
@@ -458,17 +467,17 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
         dropped = tally.dropped,
         invalid = tally.refused_invalid,
         retries = tally.queue_full_retries,
-        tokens = m.tokens_generated,
-        tps = m.tokens_generated as f64 / seconds,
-        steps = m.steps,
-        preempt = m.preemptions,
-        hits = m.prefix_hits,
-        lookups = m.prefix_queries,
-        hit_tokens = m.prefix_hit_tokens,
-        query_tokens = m.prefix_query_tokens,
+        tokens = m.steps.tokens_generated,
+        tps = m.steps.tokens_generated as f64 / seconds,
+        steps = m.steps.steps,
+        preempt = m.steps.preemptions,
+        hits = m.steps.prefix.hits,
+        lookups = m.steps.prefix.queries,
+        hit_tokens = m.steps.prefix.hit_tokens,
+        query_tokens = m.steps.prefix.query_tokens,
         rate = 100.0 * m.prefix_hit_rate,
-        kv = m.kv_blocks_total,
-        ssm = m.ssm_slots_total,
+        kv = m.cache.kv_blocks_total,
+        ssm = m.cache.ssm_slots_total,
         outputs = tally.outputs.len(),
         solo_s = solo_started.elapsed().as_secs_f64(),
         conversations = turns.conversations,

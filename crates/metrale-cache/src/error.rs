@@ -2,7 +2,7 @@
 
 use metrale_gpu_runtime::GpuError;
 
-/// An error of the KV cache.
+/// An error of the cache: its KV blocks, SSM state slots, layouts or device operations.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
     /// Every block is in use.
@@ -31,6 +31,9 @@ pub enum CacheError {
         /// Slots in the pool.
         total: usize,
     },
+    /// A prefix hit asked for an SSM snapshot that is not kept.
+    #[error("no SSM snapshot is kept for the prefix")]
+    NoSnapshot,
     /// A layout the cache cannot hold.
     #[error("invalid KV cache layout: {0}")]
     Layout(String),

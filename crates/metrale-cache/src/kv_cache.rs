@@ -56,8 +56,8 @@ pub struct PagedKvCache {
     gpu: Arc<dyn GpuBackend>,
     layout: KvCacheLayout,
     layers: Vec<KvLayerPools>,
-    /// Block bookkeeping; the model's scheduler allocates and releases through it.
-    pub allocator: BlockAllocator,
+    /// Block bookkeeping; `CacheManager` allocates and releases through it.
+    pub(crate) allocator: BlockAllocator,
 }
 
 impl PagedKvCache {

@@ -206,7 +206,7 @@ fn speculative(
         let verify: Vec<_> = r
             .verify
             .iter()
-            .map(|v| serde_json::json!({"drafts": v.drafts, "ms": v.ms, "floor_ms": v.floor_ms, "vs_plain_eager": v.ms / r.plain_eager_ms, "vs_plain_graphed": v.ms / r.plain_graphed_ms}))
+            .map(|v| serde_json::json!({"drafts": v.drafts, "ms": v.ms, "floor_ms": v.floor_ms, "vs_plain_eager": v.ms / r.plain.eager_ms, "vs_plain_graphed": v.ms / r.plain.graphed_ms}))
             .collect();
         let projected: Vec<_> = bench::ACCEPTANCE_LENGTHS
             .iter()
@@ -229,9 +229,9 @@ fn speculative(
             "weight_bytes": r.weight_bytes,
             "head_weight_bytes": r.head_weight_bytes,
             "context": r.context,
-            "plain": {"graphed_ms": r.plain_graphed_ms, "eager_ms": r.plain_eager_ms, "floor_ms": r.plain_floor_ms},
+            "plain": {"graphed_ms": r.plain.graphed_ms, "eager_ms": r.plain.eager_ms, "floor_ms": r.plain.floor_ms},
             "verify": verify,
-            "draft": {"ms": r.draft_ms, "eager_ms": r.draft_eager_ms, "floor_ms": r.draft_floor_ms},
+            "draft": {"ms": r.draft.graphed_ms, "eager_ms": r.draft.eager_ms, "floor_ms": r.draft.floor_ms},
             "projected": projected,
             "end_to_end": e2e,
         });

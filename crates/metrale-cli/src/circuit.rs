@@ -82,14 +82,12 @@ fn plan(args: PlanArgs) -> Result<()> {
     } else {
         Speculative::Off
     };
-    let options = ModelOptions {
-        max_seq_len: args.max_seq_len,
-        block_size: args.block_size,
-        max_decode_seqs: args.max_decode_seqs,
-        speculative,
-        num_draft_tokens: args.num_draft_tokens.max(1),
-        ..ModelOptions::default()
-    };
+    let options = ModelOptions::default()
+        .max_seq_len(args.max_seq_len)
+        .block_size(args.block_size)
+        .max_decode_seqs(args.max_decode_seqs)
+        .speculative(speculative)
+        .num_draft_tokens(args.num_draft_tokens.max(1));
     let step = match args.step {
         StepArg::Decode => Step::Decode,
         StepArg::Verify => Step::Verify,

@@ -1,6 +1,7 @@
 //! `metrale generate`: one prompt, tokens printed as they come, optionally a JSON summary line
 //! and the logits of every step in a safetensors file. With `--speculative mtp` the request runs
-//! on its own through `metrale::generate_direct` (the scheduler does not speculate yet).
+//! on its own through `metrale::generate_direct`. Without `--model` it runs the bundled tiny
+//! checkpoint.
 
 use std::io::Write;
 use std::ops::ControlFlow;
@@ -14,9 +15,12 @@ use metrale::{
     Prompt, SamplingParams, Speculative,
 };
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BackendArg {
+    /// The CPU reference backend.
     Cpu,
+    /// An NVIDIA GPU (a build with the `cuda` feature).
     Cuda,
 }
 
@@ -119,50 +123,44 @@ pub struct GenerateArgs {
 pub fn backend(arg: BackendArg, device: usize) -> Backend {
     match arg {
         BackendArg::Cpu => Backend::Cpu,
-        BackendArg::Cuda => Backend::Cuda { device },
+        BackendArg::Cuda => Backend::cuda(device),
     }
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    let dir = args
-        .model
-        .clone()
-        .unwrap_or_else(metrale::bundled_checkpoint);
-    let options = EngineOptions {
-        backend: backend(args.backend, args.device),
-        model: ModelOptions {
-            max_batch_tokens: args.max_batch_tokens,
-            max_seq_len: args.max_seq_len,
-            speculative: match args.speculative {
-                SpeculativeArg::Off => Speculative::Off,
-                SpeculativeArg::Mtp => Speculative::Mtp,
-            },
-            num_draft_tokens: args.num_draft_tokens,
-            ..ModelOptions::default()
-        },
-        forward: args.forward.select(),
-        ..EngineOptions::default()
+    let dir = match &args.model {
+        Some(dir) => dir.clone(),
+        None => crate::bundled::checkpoint()?,
     };
+    let speculative = match args.speculative {
+        SpeculativeArg::Off => Speculative::Off,
+        SpeculativeArg::Mtp => Speculative::Mtp,
+    };
+    let model = ModelOptions::default()
+        .max_batch_tokens(args.max_batch_tokens)
+        .max_seq_len(args.max_seq_len)
+        .speculative(speculative)
+        .num_draft_tokens(args.num_draft_tokens);
+    let options = EngineOptions::default()
+        .backend(backend(args.backend, args.device))
+        .model(model)
+        .forward(args.forward.select());
     let prompt = match (&args.prompt, &args.token_ids) {
         (Some(t), None) => Prompt::Text(t.clone()),
         (None, Some(ids)) => Prompt::TokenIds(ids.clone()),
         (None, None) => Prompt::Text("hello".into()),
         (Some(_), Some(_)) => bail!("give either --prompt or --token-ids, not both"),
     };
-    let request = GenerateRequest {
-        prompt,
-        max_new_tokens: args.max_new_tokens,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            seed: args.seed,
-        },
-        ignore_eos: args.ignore_eos,
-        stop_token_ids: Vec::new(),
-        stop_strings: Vec::new(),
-        return_logits: args.logits_out.is_some(),
-    };
+    let sampling = SamplingParams::default()
+        .temperature(args.temperature)
+        .top_k(args.top_k)
+        .top_p(args.top_p)
+        .seed(args.seed);
+    let request = GenerateRequest::new(prompt)
+        .max_new_tokens(args.max_new_tokens)
+        .sampling(sampling)
+        .ignore_eos(args.ignore_eos)
+        .return_logits(args.logits_out.is_some());
     let stdout = std::io::stdout();
     let mut printed = 0usize;
     let on_token = |id: u32, text: Option<&str>| {

@@ -1,8 +1,12 @@
-//! The `metrale` command line: `generate` runs one prompt through a checkpoint.
+//! The `metrale` command line: `generate` runs one prompt through a checkpoint, `serve` serves
+//! it over HTTP (the `metrale-server` crate), `bench` and `circuit plan` are development tools
+//! (the facade's `unstable` surface).
 
 mod bench;
+mod bundled;
 mod circuit;
 mod generate;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -23,7 +27,7 @@ enum Command {
     /// Inspect the circuit a checkpoint's decode step compiles to.
     Circuit(circuit::CircuitArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
-    Serve(metrale_serve::ServeArgs),
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -36,7 +40,7 @@ fn main() -> std::process::ExitCode {
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Circuit(args) => circuit::run(args),
-        Command::Serve(args) => metrale_serve::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

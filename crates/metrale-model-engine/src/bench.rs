@@ -18,7 +18,7 @@ mod table;
 
 use std::sync::Arc;
 
-use metrale_cache::BlockTable;
+use metrale_cache::{BlockTable, CacheManager};
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, StreamHandle, VendorGemm};
 use metrale_model_layers::Ops;
@@ -40,9 +40,8 @@ use metrale_model_layers::layers::GdnShape;
 
 use crate::error::ModelError;
 use crate::factory;
-use crate::model::{StepInput, StepRow};
-use crate::model_circuit::{ForwardSelect, Fusions, ModelCircuit};
 use crate::options::ModelOptions;
+use crate::runner::{ForwardSelect, Fusions, ModelCircuit, StepInput, StepRow, StepRunner};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -315,142 +314,28 @@ fn ssm_bytes_per_seq(c: &ModelConfig) -> f64 {
 /// Run the whole benchmark on `gpu`.
 pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport, ModelError> {
     let ceil = ceilings(&gpu, opts)?;
-    let (copy_gb_s, gemm_tflop_s) = (ceil.copy_gb_s, ceil.gemm_tflop_s);
-    let device_tflop_s = ceil.vendor_gemm_tflop_s.unwrap_or(gemm_tflop_s);
+    let device_tflop_s = ceil.vendor_gemm_tflop_s.unwrap_or(ceil.gemm_tflop_s);
     let c = &opts.config;
     let max_batch = opts.decode_batches.iter().copied().max().unwrap_or(1);
-    let max_seq_len = opts.prefill_tokens.max(opts.context + 1);
     let block_size = 16;
     let blocks_per_seq = (opts.context + 1).div_ceil(block_size);
-    let options = ModelOptions {
-        max_batch_tokens: opts.prefill_tokens,
-        max_seq_len: Some(max_seq_len),
-        block_size,
-        num_kv_blocks: Some(
-            max_batch * blocks_per_seq + opts.prefill_tokens.div_ceil(block_size) + 1,
-        ),
-        max_decode_seqs: max_batch,
-        decode_graphs: true,
-        // The benchmark drives the model directly; no scheduler shares prefixes.
-        prefix_caching: false,
-        ssm_snapshot_slots: None,
-        ..ModelOptions::default()
-    };
-    let mut model = factory::random(c.clone(), options, gpu.clone(), 0x5eed)?;
-    let s = gpu.default_stream();
-    let weight_bytes = weight_bytes(c);
-
-    // Prefill: one sequence of `prefill_tokens` tokens from position 0.
-    let mut table = BlockTable::new();
-    table.ensure(
-        opts.prefill_tokens,
-        block_size,
-        &mut model.kv_cache().allocator,
-    )?;
-    let rows: Vec<StepRow> = (0..opts.prefill_tokens)
-        .map(|p| StepRow {
-            token: (p * 7 % c.vocab_size) as u32,
-            position: p as u32,
-            seq: 0,
-        })
-        .collect();
-    let last = [(rows.len() - 1) as u32];
-    let prefill_slot: Vec<u32> = model.alloc_ssm_slot()?.into_iter().collect();
-    let prefill_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
-        model.forward(&StepInput {
-            rows: &rows,
-            tables: &[&table],
-            logit_rows: &last,
-            ssm_slots: &prefill_slot,
-        })
-    })?;
-    let prefill_profile = if opts.prefill_profile {
-        let launches = model.forward_launches(&StepInput {
-            rows: &rows,
-            tables: &[&table],
-            logit_rows: &last,
-            ssm_slots: &prefill_slot,
-        })?;
-        Some(Breakdown {
-            batch: 1,
-            context: opts.prefill_tokens as u32,
-            parts: launch_profile(gpu.as_ref(), &launches, opts.iters.min(3))?,
-        })
-    } else {
-        None
-    };
-    for &slot in &prefill_slot {
-        model.free_ssm_slot(slot)?;
-    }
+    let num_kv_blocks = max_batch * blocks_per_seq + opts.prefill_tokens.div_ceil(block_size) + 1;
+    // The benchmark drives the runner directly; no scheduler shares prefixes.
+    let options = ModelOptions::default()
+        .max_batch_tokens(opts.prefill_tokens)
+        .max_seq_len(opts.prefill_tokens.max(opts.context + 1))
+        .block_size(block_size)
+        .num_kv_blocks(num_kv_blocks)
+        .max_decode_seqs(max_batch)
+        .decode_graphs(true)
+        .prefix_caching(false);
+    let model = factory::random(c.clone(), gpu.clone(), 0x5eed)?;
+    let (mut runner, mut cache) = StepRunner::new(model, options)?;
+    let prefill = prefill(&mut runner, &mut cache, opts)?;
     let prefill_flops = 2.0 * matmul_params(c) * opts.prefill_tokens as f64;
-    let prefill_floor_ms = prefill_flops / (device_tflop_s * 1e12) * 1e3;
-    table.release_all(&mut model.kv_cache().allocator)?;
-
-    // Decode: `batch` sequences, each with `context` tokens in its cache.
-    let kv_bytes_per_token = kv_bytes_per_token(c);
-    let mut decode = Vec::new();
-    let mut profiles = Vec::new();
-    for (nth, &forward) in opts.forwards.iter().enumerate() {
-        model.set_forward(forward)?;
-        let launches = model.forward_disclosure()?.launches_per_step;
-        for &batch in &opts.decode_batches {
-            let mut tables = Vec::with_capacity(batch);
-            for _ in 0..batch {
-                let mut t = BlockTable::new();
-                t.ensure(
-                    opts.context + 1,
-                    block_size,
-                    &mut model.kv_cache().allocator,
-                )?;
-                tables.push(t);
-            }
-            let refs: Vec<&BlockTable> = tables.iter().collect();
-            let mut slots = Vec::with_capacity(batch);
-            for _ in 0..batch {
-                slots.extend(model.alloc_ssm_slot()?);
-            }
-            let rows: Vec<StepRow> = (0..batch)
-                .map(|i| StepRow {
-                    token: (i * 13 % c.vocab_size) as u32,
-                    position: opts.context as u32,
-                    seq: i as u32,
-                })
-                .collect();
-            let ms = time_ms(gpu.as_ref(), s, opts.iters, || {
-                model.decode(&rows, &refs, &slots)
-            })?;
-            if nth == 0 && opts.breakdown_batches.contains(&batch) {
-                let width = model.options().decode_width(batch).unwrap_or(batch);
-                profiles.push(Breakdown {
-                    batch: batch as u32,
-                    context: opts.context as u32,
-                    parts: step_profile(&model, width, opts.iters)?,
-                });
-            }
-            for &slot in &slots {
-                model.free_ssm_slot(slot)?;
-            }
-            let bytes = weight_bytes
-                + batch as f64
-                    * ((opts.context + 1) as f64 * kv_bytes_per_token + ssm_bytes_per_seq(c));
-            decode.push(DecodeFigure {
-                forward: forward.name(),
-                launches,
-                batch,
-                ms,
-                bytes,
-                floor_ms: bytes / (copy_gb_s * 1e9) * 1e3,
-            });
-            for mut t in tables {
-                t.release_all(&mut model.kv_cache().allocator)?;
-            }
-        }
-    }
-    drop(model);
-    let dense = c
-        .layer_types
-        .iter()
-        .all(|t| *t == metrale_config::LayerType::FullAttention)
+    let (decode, profiles) = decode(&mut runner, &mut cache, opts, ceil.copy_gb_s)?;
+    drop((runner, cache));
+    let dense = (c.layer_types.iter()).all(|t| *t == metrale_config::LayerType::FullAttention)
         && c.moe.is_none();
     let mut breakdowns = Vec::new();
     if dense {
@@ -466,18 +351,130 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
     }
     Ok(BenchReport {
         backend: gpu.name().to_string(),
-        copy_gb_s,
-        gemm_tflop_s,
+        copy_gb_s: ceil.copy_gb_s,
+        gemm_tflop_s: ceil.gemm_tflop_s,
         vendor_gemm_tflop_s: ceil.vendor_gemm_tflop_s,
         prefill_tokens: opts.prefill_tokens,
-        prefill_ms,
-        prefill_floor_ms,
+        prefill_ms: prefill.0,
+        prefill_floor_ms: prefill_flops / (device_tflop_s * 1e12) * 1e3,
         decode,
-        weight_bytes,
+        weight_bytes: weight_bytes(c),
         breakdowns,
         profiles,
-        prefill_profile,
+        prefill_profile: prefill.1,
     })
+}
+
+/// One prefill of `prefill_tokens` tokens from position 0, timed, and launch by launch when
+/// asked.
+fn prefill(
+    runner: &mut StepRunner,
+    cache: &mut CacheManager,
+    opts: &BenchOptions,
+) -> Result<(f64, Option<Breakdown>), ModelError> {
+    let gpu = runner.model().gpu().clone();
+    let s = gpu.default_stream();
+    let mut table = BlockTable::new();
+    cache.ensure(&mut table, opts.prefill_tokens)?;
+    let vocab = opts.config.vocab_size;
+    let rows: Vec<StepRow> = (0..opts.prefill_tokens)
+        .map(|p| StepRow {
+            token: (p * 7 % vocab) as u32,
+            position: p as u32,
+            seq: 0,
+        })
+        .collect();
+    let last = [(rows.len() - 1) as u32];
+    let slot: Vec<u32> = cache.alloc_ssm_slot(None)?.into_iter().collect();
+    let input = StepInput {
+        rows: &rows,
+        tables: &[&table],
+        logit_rows: &last,
+        ssm_slots: &slot,
+    };
+    let ms = time_ms(gpu.as_ref(), s, opts.iters, || {
+        runner.forward(cache, &input)
+    })?;
+    let profile = if opts.prefill_profile {
+        let launches = runner.forward_launches(cache, &input)?;
+        Some(Breakdown {
+            batch: 1,
+            context: opts.prefill_tokens as u32,
+            parts: launch_profile(gpu.as_ref(), &launches, opts.iters.min(3))?,
+        })
+    } else {
+        None
+    };
+    for &slot in &slot {
+        cache.free_ssm_slot(slot)?;
+    }
+    cache.release(&mut table)?;
+    Ok((ms, profile))
+}
+
+/// Decode steps of every batch of `decode_batches` under every forward of `forwards`, each
+/// sequence holding `context` tokens, beside their floors at `copy_gb_s`; and the first
+/// forward's steps launch by launch at the breakdown batches.
+fn decode(
+    runner: &mut StepRunner,
+    cache: &mut CacheManager,
+    opts: &BenchOptions,
+    copy_gb_s: f64,
+) -> Result<(Vec<DecodeFigure>, Vec<Breakdown>), ModelError> {
+    let c = &opts.config;
+    let gpu = runner.model().gpu().clone();
+    let s = gpu.default_stream();
+    let (mut decode, mut profiles) = (Vec::new(), Vec::new());
+    for (nth, &forward) in opts.forwards.iter().enumerate() {
+        runner.set_forward(forward)?;
+        let launches = runner.forward_disclosure()?.launches_per_step;
+        for &batch in &opts.decode_batches {
+            let mut tables = Vec::with_capacity(batch);
+            let mut slots = Vec::with_capacity(batch);
+            for _ in 0..batch {
+                let mut t = BlockTable::new();
+                cache.ensure(&mut t, opts.context + 1)?;
+                tables.push(t);
+                slots.extend(cache.alloc_ssm_slot(None)?);
+            }
+            let refs: Vec<&BlockTable> = tables.iter().collect();
+            let rows: Vec<StepRow> = (0..batch)
+                .map(|i| StepRow {
+                    token: (i * 13 % c.vocab_size) as u32,
+                    position: opts.context as u32,
+                    seq: i as u32,
+                })
+                .collect();
+            let ms = time_ms(gpu.as_ref(), s, opts.iters, || {
+                runner.decode(cache, &rows, &refs, &slots)
+            })?;
+            if nth == 0 && opts.breakdown_batches.contains(&batch) {
+                let width = runner.options().decode_width(batch).unwrap_or(batch);
+                profiles.push(Breakdown {
+                    batch: batch as u32,
+                    context: opts.context as u32,
+                    parts: step_profile(runner, width, opts.iters)?,
+                });
+            }
+            for &slot in &slots {
+                cache.free_ssm_slot(slot)?;
+            }
+            for mut t in tables {
+                cache.release(&mut t)?;
+            }
+            let per_seq = (opts.context + 1) as f64 * kv_bytes_per_token(c) + ssm_bytes_per_seq(c);
+            let bytes = weight_bytes(c) + batch as f64 * per_seq;
+            decode.push(DecodeFigure {
+                forward: forward.name(),
+                launches,
+                batch,
+                ms,
+                bytes,
+                floor_ms: bytes / (copy_gb_s * 1e9) * 1e3,
+            });
+        }
+    }
+    Ok((decode, profiles))
 }
 
 /// A bench report run on a tiny shape on the CPU backend, used by the tests.

@@ -8,6 +8,7 @@ use metrale_model_layers::weight_map::WeightError;
 
 /// An error of the model engine.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ModelError {
     /// The checkpoint's config.
     #[error(transparent)]
@@ -36,7 +37,10 @@ pub enum ModelError {
     /// The circuit executor refused the model or failed to compile it.
     #[error(transparent)]
     Circuit(#[from] CircuitExecError),
-    /// A model feature this engine does not run yet.
+    /// A request the scheduler refused.
+    #[error(transparent)]
+    Request(#[from] crate::scheduler::InvalidRequest),
+    /// A model feature this engine does not run.
     #[error("unsupported model: {0}")]
     Unsupported(String),
 }

@@ -1,21 +1,25 @@
-//! The model engine: `TransformerModel` (one step of rows through every layer), `model_circuit`
-//! (which forward runs its decode steps: the legacy layer walk or the circuit executor), `factory`
-//! (a checkpoint directory to a model on a backend), `generate` (one sequence from prompt to
-//! finish, plainly or with `speculative` decoding), `scheduler` (continuous batching of many
-//! requests) and host-side `sampling`.
+//! The model engine: `Model` (a checkpoint's weights and the launches of one step through them),
+//! `runner` (`StepRunner`: a step's buffers, graphs and forward choice — the legacy layer walk or
+//! the circuit executor, `ModelCircuit`), the `CacheManager` it steps over (from
+//! `metrale-cache`), `factory` (a checkpoint directory to a model on a backend), `scheduler`
+//! (continuous batching and the one generation loop, speculative decoding included), `generate`
+//! (that loop on the caller's thread), `speculative` (drafters, acceptance, the gate) and
+//! host-side `sampling`.
 
 pub mod bench;
 pub mod error;
 pub mod factory;
 pub mod generate;
 pub mod model;
-pub mod model_circuit;
 pub mod options;
+pub mod runner;
 pub mod sampling;
 pub mod scheduler;
 pub mod speculative;
 
 pub use error::ModelError;
-pub use model::TransformerModel;
-pub use model_circuit::{ForwardDisclosure, ForwardSelect, ModelCircuit};
+pub use metrale_cache::CacheManager;
+pub use model::Model;
 pub use options::ModelOptions;
+pub use runner::{ForwardDisclosure, ForwardSelect, ModelCircuit, StepRunner};
+pub use scheduler::Scheduler;

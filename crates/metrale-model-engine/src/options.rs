@@ -3,6 +3,7 @@
 
 /// See the module header. Every field has a documented default.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ModelOptions {
     /// Most tokens one step processes (prefill chunks are cut to this). Default 512.
     pub max_batch_tokens: usize,
@@ -63,6 +64,7 @@ pub const MAX_DRAFT_TOKENS: usize = 8;
 
 /// How tokens are proposed ahead of the target model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Speculative {
     /// Plain decode: one token per sequence and step. The default.
     #[default]
@@ -96,6 +98,78 @@ impl Default for ModelOptions {
 }
 
 impl ModelOptions {
+    /// Set `max_batch_tokens`.
+    pub fn max_batch_tokens(mut self, n: usize) -> Self {
+        self.max_batch_tokens = n;
+        self
+    }
+
+    /// Set `max_seq_len` (`None`: the config's, capped at 4096).
+    pub fn max_seq_len(mut self, n: impl Into<Option<usize>>) -> Self {
+        self.max_seq_len = n.into();
+        self
+    }
+
+    /// Set `block_size`.
+    pub fn block_size(mut self, n: usize) -> Self {
+        self.block_size = n;
+        self
+    }
+
+    /// Set `num_kv_blocks` (`None`: enough for `max_decode_seqs` sequences of `max_seq_len`).
+    pub fn num_kv_blocks(mut self, n: impl Into<Option<usize>>) -> Self {
+        self.num_kv_blocks = n.into();
+        self
+    }
+
+    /// Set `max_decode_seqs`.
+    pub fn max_decode_seqs(mut self, n: usize) -> Self {
+        self.max_decode_seqs = n;
+        self
+    }
+
+    /// Set `decode_graphs`.
+    pub fn decode_graphs(mut self, on: bool) -> Self {
+        self.decode_graphs = on;
+        self
+    }
+
+    /// Set `max_speculative_graphs`.
+    pub fn max_speculative_graphs(mut self, n: usize) -> Self {
+        self.max_speculative_graphs = n;
+        self
+    }
+
+    /// Set `prefix_caching`.
+    pub fn prefix_caching(mut self, on: bool) -> Self {
+        self.prefix_caching = on;
+        self
+    }
+
+    /// Set `ssm_snapshot_slots` (`None`: `2 * max_decode_seqs`).
+    pub fn ssm_snapshot_slots(mut self, n: impl Into<Option<usize>>) -> Self {
+        self.ssm_snapshot_slots = n.into();
+        self
+    }
+
+    /// Set `ssm_snapshot_stride` (`None`: chunks end only every `max_batch_tokens`).
+    pub fn ssm_snapshot_stride(mut self, n: impl Into<Option<usize>>) -> Self {
+        self.ssm_snapshot_stride = n.into();
+        self
+    }
+
+    /// Set `speculative`.
+    pub fn speculative(mut self, s: Speculative) -> Self {
+        self.speculative = s;
+        self
+    }
+
+    /// Set `num_draft_tokens`.
+    pub fn num_draft_tokens(mut self, n: usize) -> Self {
+        self.num_draft_tokens = n;
+        self
+    }
+
     /// Tokens drafted per sequence and verify step: `num_draft_tokens` with speculation on, 0
     /// without.
     pub fn draft_tokens(&self) -> usize {
@@ -134,6 +208,34 @@ impl ModelOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_setters_set_their_field_and_keep_the_others_at_their_defaults() {
+        let o = ModelOptions::default()
+            .max_batch_tokens(32)
+            .max_seq_len(256)
+            .num_kv_blocks(Some(40))
+            .max_decode_seqs(4)
+            .prefix_caching(false)
+            .ssm_snapshot_stride(128)
+            .speculative(Speculative::Mtp)
+            .num_draft_tokens(3);
+        assert_eq!(
+            o,
+            ModelOptions {
+                max_batch_tokens: 32,
+                max_seq_len: Some(256),
+                num_kv_blocks: Some(40),
+                max_decode_seqs: 4,
+                prefix_caching: false,
+                ssm_snapshot_stride: Some(128),
+                speculative: Speculative::Mtp,
+                num_draft_tokens: 3,
+                ..ModelOptions::default()
+            }
+        );
+        assert_eq!(o.clone().max_seq_len(None).max_seq_len, None);
+    }
 
     #[test]
     fn the_ladder_doubles_up_to_the_maximum() {

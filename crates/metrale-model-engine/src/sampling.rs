@@ -8,6 +8,7 @@
 
 /// How to pick the next token.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct SamplingParams {
     /// 0 means greedy. Default 0.
     pub temperature: f32,
@@ -44,6 +45,35 @@ pub struct SamplingError {
 }
 
 impl SamplingParams {
+    /// Greedy decoding: the most likely token at every step (the default).
+    pub fn greedy() -> SamplingParams {
+        SamplingParams::default()
+    }
+
+    /// Set `temperature` (0: greedy).
+    pub fn temperature(mut self, t: f32) -> Self {
+        self.temperature = t;
+        self
+    }
+
+    /// Set `top_k` (0: all tokens).
+    pub fn top_k(mut self, k: usize) -> Self {
+        self.top_k = k;
+        self
+    }
+
+    /// Set `top_p` (1: all tokens).
+    pub fn top_p(mut self, p: f32) -> Self {
+        self.top_p = p;
+        self
+    }
+
+    /// Set `seed`.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
     /// Check every field's range.
     pub fn validate(&self) -> Result<(), SamplingError> {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
@@ -240,6 +270,23 @@ mod tests {
 
     fn logits() -> Vec<f32> {
         vec![0.5, 2.0, -1.0, 1.9, 0.0, 2.0, -3.0, 1.0]
+    }
+
+    #[test]
+    fn the_setters_set_their_field() {
+        let p = SamplingParams::greedy()
+            .temperature(0.7)
+            .top_k(5)
+            .top_p(0.9)
+            .seed(42);
+        let want = SamplingParams {
+            temperature: 0.7,
+            top_k: 5,
+            top_p: 0.9,
+            seed: 42,
+        };
+        assert_eq!(p, want);
+        assert_eq!(SamplingParams::greedy(), SamplingParams::default());
     }
 
     #[test]

@@ -10,10 +10,10 @@ use std::sync::Arc;
 use metrale_gpu_runtime::cpu::KernelCtx;
 use metrale_gpu_runtime::cpu::kernels::gemm;
 use metrale_gpu_runtime::{CpuBackend, GpuResult};
-use metrale_model_engine::generate::{GenerateParams, Generation, generate, generate_batch};
-use metrale_model_engine::model_circuit::Fusions;
+use metrale_model_engine::generate::{GenerateParams, Generation, SeqRequest, generate};
+use metrale_model_engine::runner::Fusions;
 use metrale_model_engine::sampling::SamplingParams;
-use metrale_model_engine::{ForwardSelect, ModelCircuit, ModelOptions, TransformerModel, factory};
+use metrale_model_engine::{ForwardSelect, ModelCircuit, ModelOptions, Scheduler, factory};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -21,25 +21,39 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-fn load(name: &str, options: ModelOptions) -> TransformerModel {
-    factory::load(&fixture(name), options, Arc::new(CpuBackend::default())).unwrap()
+fn load(name: &str, options: ModelOptions) -> Scheduler {
+    let model = factory::load(&fixture(name), Arc::new(CpuBackend::default())).unwrap();
+    Scheduler::new(model, options).unwrap()
+}
+
+fn request(prompt: &[u32], p: &GenerateParams) -> SeqRequest {
+    SeqRequest {
+        prompt: prompt.to_vec(),
+        params: p.clone(),
+        ignore_eos: true,
+    }
+}
+
+fn batch(model: &mut Scheduler, reqs: &[(&[u32], &GenerateParams)]) -> Vec<Generation> {
+    let reqs = reqs.iter().map(|(q, p)| request(q, p)).collect();
+    model
+        .run(reqs, &mut |_, _| std::ops::ControlFlow::Continue(()))
+        .unwrap()
 }
 
 fn params(n: usize, temperature: f32, seed: u64) -> GenerateParams {
     GenerateParams {
         max_new_tokens: n,
-        sampling: SamplingParams {
-            temperature,
-            seed,
-            ..Default::default()
-        },
+        sampling: SamplingParams::default()
+            .temperature(temperature)
+            .seed(seed),
         stop_token_ids: Vec::new(),
         return_logits: true,
     }
 }
 
-fn alone(model: &mut TransformerModel, prompt: &[u32], p: &GenerateParams) -> Generation {
-    generate(model, prompt, p, &mut |_| {
+fn alone(model: &mut Scheduler, prompt: &[u32], p: &GenerateParams) -> Generation {
+    generate(model, request(prompt, p), &mut |_| {
         std::ops::ControlFlow::Continue(())
     })
     .unwrap()
@@ -47,10 +61,7 @@ fn alone(model: &mut TransformerModel, prompt: &[u32], p: &GenerateParams) -> Ge
 
 #[test]
 fn batched_decode_is_bitwise_alone() {
-    let options = ModelOptions {
-        max_decode_seqs: 8,
-        ..Default::default()
-    };
+    let options = ModelOptions::default().max_decode_seqs(8);
     let mut model = load("qwen3-gqa4-hd128", options);
     // Five sequences of different lengths and lifetimes: widths 8, then 4, 2, 1 as they finish.
     let prompts: Vec<Vec<u32>> = (0..5)
@@ -64,12 +75,9 @@ fn batched_decode_is_bitwise_alone() {
         .map(|i| params(4 + 3 * i, if i % 2 == 0 { 0.0 } else { 0.8 }, i as u64))
         .collect();
     let reqs: Vec<(&[u32], &GenerateParams)> = prompts.iter().map(Vec::as_slice).zip(&ps).collect();
-    let batched = generate_batch(&mut model, &reqs, &mut |_, _| {
-        std::ops::ControlFlow::Continue(())
-    })
-    .unwrap();
+    let batched = batch(&mut model, &reqs);
     assert_eq!(
-        model.captured_widths(),
+        model.runner().graphs().decode_widths(),
         vec![1, 2, 4, 8],
         "every ladder width ran"
     );
@@ -95,17 +103,11 @@ fn graphed_decode_is_bitwise_eager_decode() {
     let prompt: Vec<u32> = (1..40).collect();
     let p = params(10, 0.0, 0);
     let mut graphed = load("qwen3-tiny", ModelOptions::default());
-    let mut eager = load(
-        "qwen3-tiny",
-        ModelOptions {
-            decode_graphs: false,
-            ..Default::default()
-        },
-    );
+    let mut eager = load("qwen3-tiny", ModelOptions::default().decode_graphs(false));
     let g = alone(&mut graphed, &prompt, &p);
     let e = alone(&mut eager, &prompt, &p);
-    assert_eq!(graphed.captured_widths(), vec![1]);
-    assert!(eager.captured_widths().is_empty());
+    assert_eq!(graphed.runner().graphs().decode_widths(), vec![1]);
+    assert!(eager.runner().graphs().decode_widths().is_empty());
     assert_eq!(g.token_ids, e.token_ids);
     for (x, y) in g.logits.unwrap().iter().zip(e.logits.as_ref().unwrap()) {
         assert!(
@@ -126,31 +128,26 @@ fn counted_stream_tma(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 /// A decode graph is captured on its width's first step, when a weight's tensor map cannot be
 /// uploaded; prompts too short for the prefill kernel that maps weights leave none made. The
 /// model records the step first, so the graph of 16 rows still runs the decode GEMM that reads
-/// the weights through their maps (the serve bench's concurrency 64 ran 10.6 ms steps without
-/// it, 9.3 with it, on the H200). So does a model whose steps never reach the prefill kernel's
-/// size (`max_batch_tokens` 64), which has map slots without staging images (it had neither,
-/// and ran the map-less kernel: Qwen3.5-9B's batch-64 step 11.5 against 9.0 ms).
+/// the weights through their maps, the faster decode GEMM. So does a model whose steps never
+/// reach the prefill kernel's size (`max_batch_tokens` 64), which has map slots without staging
+/// images.
 #[test]
 fn graphed_decode_of_9_rows_and_more_reads_the_weights_through_their_maps() {
     for max_batch_tokens in [ModelOptions::default().max_batch_tokens, 64] {
         let mut backend = CpuBackend::default();
         backend.register("gemm", "linear_stream_tma", counted_stream_tma);
-        let options = ModelOptions {
-            max_decode_seqs: 16,
-            max_batch_tokens,
-            ..Default::default()
-        };
-        let mut model = factory::load(&fixture("qwen3-tiny"), options, Arc::new(backend)).unwrap();
+        let options = ModelOptions::default()
+            .max_decode_seqs(16)
+            .max_batch_tokens(max_batch_tokens);
+        let model = factory::load(&fixture("qwen3-tiny"), Arc::new(backend)).unwrap();
+        let mut model = Scheduler::new(model, options).unwrap();
         let prompts: Vec<Vec<u32>> = (0..16u32).map(|i| vec![i + 1, 2 * i + 3, 7]).collect();
         let p = params(3, 0.0, 0);
         let reqs: Vec<(&[u32], &GenerateParams)> =
             prompts.iter().map(|q| (q.as_slice(), &p)).collect();
         let before = STREAM_TMA_RUNS.load(std::sync::atomic::Ordering::SeqCst);
-        generate_batch(&mut model, &reqs, &mut |_, _| {
-            std::ops::ControlFlow::Continue(())
-        })
-        .unwrap();
-        assert!(model.captured_widths().contains(&16));
+        batch(&mut model, &reqs);
+        assert!(model.runner().graphs().decode_widths().contains(&16));
         let runs = STREAM_TMA_RUNS.load(std::sync::atomic::Ordering::SeqCst) - before;
         assert!(
             runs > 0,
@@ -163,10 +160,10 @@ fn graphed_decode_of_9_rows_and_more_reads_the_weights_through_their_maps() {
 #[test]
 fn kv_blocks_are_returned_after_every_generation() {
     let mut model = load("llama-tiny", ModelOptions::default());
-    let free = model.kv_cache().allocator.num_free();
+    let free = model.cache().blocks().num_free();
     let prompt: Vec<u32> = (1..50).collect();
     alone(&mut model, &prompt, &params(20, 0.0, 0));
-    assert_eq!(model.kv_cache().allocator.num_free(), free);
+    assert_eq!(model.cache().blocks().num_free(), free);
 }
 
 static STAGED_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -203,12 +200,10 @@ fn staged_decode_is_bitwise_alone(config: &metrale_config::ModelConfig) {
     for forward in forwards {
         let mut backend = CpuBackend::default();
         backend.register("activation", "silu_mul_staged", counted_silu_staged);
-        let options = ModelOptions {
-            max_decode_seqs: 32,
-            ..Default::default()
-        };
-        let mut model = factory::random(config.clone(), options, Arc::new(backend), 7).unwrap();
-        model.set_forward(forward).unwrap();
+        let options = ModelOptions::default().max_decode_seqs(32);
+        let model = factory::random(config.clone(), Arc::new(backend), 7).unwrap();
+        let mut model = Scheduler::new(model, options).unwrap();
+        model.runner_mut().set_forward(forward).unwrap();
         let prompts: Vec<Vec<u32>> = (0..20u32)
             .map(|i| {
                 (0..3 + i % 5)
@@ -220,10 +215,7 @@ fn staged_decode_is_bitwise_alone(config: &metrale_config::ModelConfig) {
         let reqs: Vec<(&[u32], &GenerateParams)> =
             prompts.iter().map(|q| (q.as_slice(), &p)).collect();
         let before = STAGED_RUNS.load(std::sync::atomic::Ordering::SeqCst);
-        let batched = generate_batch(&mut model, &reqs, &mut |_, _| {
-            std::ops::ControlFlow::Continue(())
-        })
-        .unwrap();
+        let batched = batch(&mut model, &reqs);
         let staged = STAGED_RUNS.load(std::sync::atomic::Ordering::SeqCst) - before;
         assert!(
             staged > 0,

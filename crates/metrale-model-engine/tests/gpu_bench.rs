@@ -1,9 +1,7 @@
-//! `metrale bench` from the GPU bundle without the CLI: the ignored test prints the benchmark's
-//! table (ceilings, prefill, decode, the kernel-by-kernel decode breakdown) for the Qwen3-8B
-//! shape on the CUDA backend. A measurement, not a check: `run.sh` runs it with `--ignored`.
-//! The speculative benchmark's own check runs on every bundle run: on the tiny hybrid shape its
+//! The speculative benchmark's own check, on every GPU bundle run: on the tiny hybrid shape its
 //! end-to-end runs (oracle and MTP drafting, eager and graphed plain decode) all give the plain
-//! greedy tokens on CUDA, and the oracle keeps every draft.
+//! greedy tokens on CUDA, and the oracle keeps every draft. (The benchmark's figures come from
+//! `metrale bench`, which the bundle's `run.sh` runs.)
 
 #![allow(clippy::unwrap_used)]
 #![cfg(feature = "cuda")]
@@ -11,17 +9,7 @@
 use std::sync::Arc;
 
 use metrale_gpu_runtime::{CudaBackend, GpuBackend};
-use metrale_model_engine::bench::{self, BenchOptions, SpecBenchOptions};
-
-#[test]
-#[ignore = "a measurement, not a check: run.sh runs it with --ignored"]
-fn bench_the_qwen3_8b_shape_on_cuda() {
-    let gpu: Arc<dyn GpuBackend> =
-        Arc::new(CudaBackend::new(0).expect("a CUDA GPU (run this from the GPU bundle)"));
-    let opts = BenchOptions::new(bench::qwen3_8b().unwrap());
-    let report = bench::run(gpu, &opts).unwrap();
-    print!("{}", report.table());
-}
+use metrale_model_engine::bench::{self, SpecBenchOptions};
 
 #[test]
 fn the_speculative_benchmark_is_lossless_on_cuda() {

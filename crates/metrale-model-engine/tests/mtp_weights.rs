@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use metrale_gpu_runtime::CpuBackend;
-use metrale_model_engine::{ModelOptions, factory};
+use metrale_model_engine::factory;
 
 fn fixture() -> PathBuf {
     support::fixture("qwen3_5-tiny")
@@ -25,23 +25,13 @@ fn hidden() -> usize {
 
 #[test]
 fn an_mtp_head_loads_and_a_checkpoint_without_one_loads_as_before() {
-    let plain = factory::load(
-        &fixture(),
-        ModelOptions::default(),
-        Arc::new(CpuBackend::default()),
-    )
-    .unwrap();
+    let plain = factory::load(&fixture(), Arc::new(CpuBackend::default())).unwrap();
     assert!(plain.mtp_head().is_none());
 
     let tmp = tempfile::tempdir().unwrap();
     let h = hidden();
     support::write_with_mtp(&fixture(), tmp.path());
-    let model = factory::load(
-        tmp.path(),
-        ModelOptions::default(),
-        Arc::new(CpuBackend::default()),
-    )
-    .unwrap();
+    let model = factory::load(tmp.path(), Arc::new(CpuBackend::default())).unwrap();
     let head = model.mtp_head().expect("the MTP head is kept");
     assert_eq!(head.layers.len(), 1);
     assert_eq!(head.fc.shape, vec![h, 2 * h]);
@@ -52,12 +42,8 @@ fn a_misshapen_mtp_tensor_is_named() {
     let tmp = tempfile::tempdir().unwrap();
     let h = hidden();
     support::write_with_mtp_fc(&fixture(), tmp.path(), Some([h, h]));
-    let err = factory::load(
-        tmp.path(),
-        ModelOptions::default(),
-        Arc::new(CpuBackend::default()),
-    )
-    .unwrap_err()
-    .to_string();
+    let err = factory::load(tmp.path(), Arc::new(CpuBackend::default()))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("mtp.fc.weight"), "{err}");
 }

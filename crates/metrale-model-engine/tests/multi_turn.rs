@@ -21,7 +21,7 @@ use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::generate::GenerateParams;
 use metrale_model_engine::sampling::{Rng, SamplingParams};
 use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest};
-use metrale_model_engine::{ModelOptions, TransformerModel, factory};
+use metrale_model_engine::{ModelOptions, factory};
 
 /// Where the model runs.
 type Backend = fn() -> Arc<dyn GpuBackend>;
@@ -30,25 +30,20 @@ fn cpu() -> Arc<dyn GpuBackend> {
     Arc::new(CpuBackend::default())
 }
 
-fn load_on(backend: Backend, name: &str, prefix_caching: bool) -> TransformerModel {
-    let options = ModelOptions {
-        max_batch_tokens: 16,
-        max_decode_seqs: 4,
-        prefix_caching,
-        ..Default::default()
-    };
-    factory::load(&support::fixture(name), options, backend())
-        .unwrap_or_else(|e| panic!("{name}: {e}"))
+fn load_on(backend: Backend, name: &str, prefix_caching: bool) -> Scheduler {
+    let options = ModelOptions::default()
+        .max_batch_tokens(16)
+        .max_decode_seqs(4)
+        .prefix_caching(prefix_caching);
+    let model =
+        factory::load(&support::fixture(name), backend()).unwrap_or_else(|e| panic!("{name}: {e}"));
+    Scheduler::new(model, options).unwrap()
 }
 
 /// A request keeping its logits, sampled (seeded) when `seed` is given, greedy otherwise.
 fn request(prompt: Vec<u32>, max_new_tokens: usize, seed: Option<u64>) -> SeqRequest {
     let sampling = match seed {
-        Some(seed) => SamplingParams {
-            temperature: 0.9,
-            seed,
-            ..Default::default()
-        },
+        Some(seed) => SamplingParams::default().temperature(0.9).seed(seed),
         None => SamplingParams::default(),
     };
     SeqRequest {
@@ -69,18 +64,14 @@ fn request(prompt: Vec<u32>, max_new_tokens: usize, seed: Option<u64>) -> SeqReq
 fn conversation(backend: Backend, name: &str, want_hits: [u64; 3]) {
     let mut warm = load_on(backend, name, true);
     let mut cold = load_on(backend, name, false);
-    let vocab = warm.config().vocab_size as u32;
+    let vocab = warm.runner().model().config().vocab_size as u32;
     let mut rng = Rng::new(11);
-    let (mut sw, mut sc) = (Scheduler::new(&mut warm), Scheduler::new(&mut cold));
     let mut prompt = tokens(&mut rng, 70, vocab);
     let turns = [(60, None, 11), (30, Some(7), 5), (4, None, 0)];
     for (k, ((max_new, seed, next_user), want)) in turns.into_iter().zip(want_hits).enumerate() {
         let what = format!("{name}: turn {k} ({} prompt tokens)", prompt.len());
         let req = request(prompt.clone(), max_new, seed);
-        let (w, c) = (
-            solo(&mut sw, &mut warm, &req),
-            solo(&mut sc, &mut cold, &req),
-        );
+        let (w, c) = (solo(&mut warm, &req), solo(&mut cold, &req));
         assert_bitwise(&w.generation, &c.generation, &what);
         assert_eq!(w.hit_tokens, want, "{what}: cached tokens");
         assert_eq!(
@@ -92,7 +83,7 @@ fn conversation(backend: Backend, name: &str, want_hits: [u64; 3]) {
         prompt.extend(&w.generation.token_ids);
         prompt.extend(tokens(&mut rng, next_user, vocab));
     }
-    assert_eq!(cold.kv_allocator().num_cached(), 0);
+    assert_eq!(cold.cache().blocks().num_cached(), 0);
     assert_nothing_held(&mut warm);
 }
 
@@ -122,13 +113,11 @@ fn a_hybrid_follow_up_resumes_at_the_previous_prompts_snapshot_and_is_bitwise_co
 fn unfinished_blocks_are_not_published(backend: Backend) {
     let mut warm = load_on(backend, "qwen3-tiny", true);
     let mut cold = load_on(backend, "qwen3-tiny", false);
-    let vocab = warm.config().vocab_size as u32;
+    let vocab = warm.runner().model().config().vocab_size as u32;
     let mut rng = Rng::new(23);
-    let mut s = Scheduler::new(&mut warm);
     let first = tokens(&mut rng, 30, vocab);
-    let a = solo(&mut s, &mut warm, &request(first.clone(), 18, None));
+    let a = solo(&mut warm, &request(first.clone(), 18, None));
     let b = solo(
-        &mut s,
         &mut warm,
         &request(tokens(&mut rng, 30, vocab), 10, Some(3)),
     );
@@ -136,12 +125,16 @@ fn unfinished_blocks_are_not_published(backend: Backend) {
         (a.generation.token_ids.len(), b.generation.token_ids.len()),
         (18, 10)
     );
-    assert_eq!(warm.kv_allocator().num_cached(), 4, "two full blocks each");
+    assert_eq!(
+        warm.cache().blocks().num_cached(),
+        4,
+        "two full blocks each"
+    );
     // The first conversation's 48 tokens hash to three blocks; the third is not cached.
     let mut prompt = first;
     prompt.extend(&a.generation.token_ids);
     let hashes = block_hashes(&prompt, 16);
-    let alloc = warm.kv_allocator();
+    let alloc = warm.cache().blocks();
     assert!(alloc.lookup(&hashes[0]).is_some() && alloc.lookup(&hashes[1]).is_some());
     assert_eq!(
         alloc.lookup(&hashes[2]),
@@ -150,8 +143,8 @@ fn unfinished_blocks_are_not_published(backend: Backend) {
     );
     prompt.extend(tokens(&mut rng, 5, vocab));
     let req = request(prompt, 6, None);
-    let w = solo(&mut s, &mut warm, &req);
-    let c = solo(&mut Scheduler::new(&mut cold), &mut cold, &req);
+    let w = solo(&mut warm, &req);
+    let c = solo(&mut cold, &req);
     assert_bitwise(&w.generation, &c.generation, "the follow-up");
     assert_eq!(w.hit_tokens, 32);
     assert_nothing_held(&mut warm);
@@ -167,14 +160,13 @@ fn a_block_not_filled_by_fed_tokens_is_not_published() {
 fn a_running_answer_is_shared(backend: Backend) {
     let mut warm = load_on(backend, "qwen3-tiny", true);
     let mut cold = load_on(backend, "qwen3-tiny", false);
-    let vocab = warm.config().vocab_size as u32;
+    let vocab = warm.runner().model().config().vocab_size as u32;
     let mut rng = Rng::new(31);
     let first = request(tokens(&mut rng, 20, vocab), 60, None);
-    let mut s = Scheduler::new(&mut warm);
-    let id = s.add(first.clone()).unwrap();
+    let id = warm.add(first.clone()).unwrap();
     let mut answer = Vec::new();
     while answer.len() < 40 {
-        for e in s.step(&mut warm).unwrap().events {
+        for e in warm.step().unwrap().events {
             if let SeqEvent::Token { id: t, token } = e {
                 assert_eq!(t, id);
                 answer.push(token);
@@ -185,27 +177,30 @@ fn a_running_answer_is_shared(backend: Backend) {
     let mut prompt = first.prompt.clone();
     prompt.extend(&answer);
     let hashes = block_hashes(&prompt, 16);
-    let shared = warm.kv_allocator().lookup(&hashes[2]).unwrap();
+    let shared = warm.cache().blocks().lookup(&hashes[2]).unwrap();
     prompt.extend(tokens(&mut rng, 3, vocab));
     let second = request(prompt, 8, Some(5));
-    let id2 = s.add(second.clone()).unwrap();
+    let id2 = warm.add(second.clone()).unwrap();
     let mut out = std::collections::HashMap::new();
     let mut steps = 0;
-    while !s.is_idle() {
-        for e in s.step(&mut warm).unwrap().events {
+    while !warm.is_idle() {
+        for e in warm.step().unwrap().events {
             if let SeqEvent::Finished { id, generation } = e {
                 out.insert(id, generation);
             }
         }
         if steps == 0 {
-            assert_eq!(warm.kv_allocator().refcount(shared), 2, "both hold block 2");
+            assert_eq!(
+                warm.cache().blocks().refcount(shared),
+                2,
+                "both hold block 2"
+            );
         }
         steps += 1;
     }
-    assert_eq!(s.stats(&mut warm).prefix_hit_tokens, 48);
-    let mut sc = Scheduler::new(&mut cold);
+    assert_eq!(warm.stats().steps.prefix.hit_tokens, 48);
     for (id, req) in [(id, first), (id2, second)] {
-        let c = solo(&mut sc, &mut cold, &req);
+        let c = solo(&mut cold, &req);
         assert_bitwise(&out[&id], &c.generation, &format!("{id}"));
     }
     assert_nothing_held(&mut warm);

@@ -16,40 +16,38 @@ use std::sync::Arc;
 use metrale_cache::{BlockTable, block_hashes};
 use metrale_gpu_runtime::CpuBackend;
 use metrale_model_engine::generate::{FinishReason, GenerateParams, Generation};
-use metrale_model_engine::model::{StepInput, StepRow};
+use metrale_model_engine::runner::{StepInput, StepRow};
 use metrale_model_engine::sampling::{Rng, SamplingParams};
-use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqId, SeqRequest};
-use metrale_model_engine::{ModelError, ModelOptions, TransformerModel, factory};
+use metrale_model_engine::scheduler::{SeqEvent, SeqId, SeqRequest};
+use metrale_model_engine::{ModelError, ModelOptions, Scheduler, StepRunner, factory};
 use support::cache::{assert_bitwise, assert_nothing_held, solo, tokens};
 
 const HYBRID: [&str; 2] = ["qwen3_5-tiny", "qwen3_next-tiny"];
 
-fn load(name: &str, options: ModelOptions) -> TransformerModel {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures")
-        .join(name);
-    factory::load(&dir, options, Arc::new(CpuBackend::default()))
-        .unwrap_or_else(|e| panic!("{name}: {e}"))
+        .join(name)
+}
+
+fn load(name: &str, options: ModelOptions) -> Scheduler {
+    let model = factory::load(&fixture(name), Arc::new(CpuBackend::default()))
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    Scheduler::new(model, options).unwrap()
 }
 
 fn options(chunk: usize, prefix_caching: bool, num_kv_blocks: Option<usize>) -> ModelOptions {
-    ModelOptions {
-        max_batch_tokens: chunk,
-        max_decode_seqs: 4,
-        num_kv_blocks,
-        prefix_caching,
-        ..Default::default()
-    }
+    ModelOptions::default()
+        .max_batch_tokens(chunk)
+        .max_decode_seqs(4)
+        .num_kv_blocks(num_kv_blocks)
+        .prefix_caching(prefix_caching)
 }
 
 /// A request keeping its logits; odd `i` samples (seeded), even `i` is greedy.
 fn request(prompt: Vec<u32>, max_new_tokens: usize, i: u64) -> SeqRequest {
     let sampling = if i % 2 == 1 {
-        SamplingParams {
-            temperature: 0.8,
-            seed: i,
-            ..Default::default()
-        }
+        SamplingParams::default().temperature(0.8).seed(i)
     } else {
         SamplingParams::default()
     };
@@ -81,14 +79,14 @@ fn shared_prefix_prompts(vocab: u32) -> Vec<Vec<u32>> {
     out
 }
 
-/// The first token's logits of `prompt` prefilled in one step (no cut at all).
-fn unsplit_first_logits(m: &mut TransformerModel, prompt: &[u32]) -> Vec<f32> {
-    let slot = m.alloc_ssm_slot().unwrap();
+/// The first token's logits of `prompt` prefilled in one step (no cut at all), on a fresh
+/// model of the fixture `name`.
+fn unsplit_first_logits(name: &str, options: ModelOptions, prompt: &[u32]) -> Vec<f32> {
+    let model = factory::load(&fixture(name), Arc::new(CpuBackend::default())).unwrap();
+    let (mut runner, mut cache) = StepRunner::new(model, options).unwrap();
+    let slot = cache.alloc_ssm_slot(None).unwrap();
     let mut table = BlockTable::new();
-    let bs = m.kv_cache().block_size();
-    table
-        .ensure(prompt.len(), bs, &mut m.kv_cache().allocator)
-        .unwrap();
+    cache.ensure(&mut table, prompt.len()).unwrap();
     let rows: Vec<StepRow> = prompt
         .iter()
         .enumerate()
@@ -99,30 +97,25 @@ fn unsplit_first_logits(m: &mut TransformerModel, prompt: &[u32]) -> Vec<f32> {
         })
         .collect();
     let slots: Vec<u32> = slot.into_iter().collect();
-    m.forward(&StepInput {
-        rows: &rows,
-        tables: &[&table],
-        logit_rows: &[(rows.len() - 1) as u32],
-        ssm_slots: &slots,
-    })
-    .unwrap();
-    let logits = m.logits(1).unwrap().pop().unwrap();
-    table.release_all(&mut m.kv_cache().allocator).unwrap();
-    if let Some(s) = slot {
-        m.free_ssm_slot(s).unwrap();
-    }
-    logits
+    runner
+        .forward(
+            &cache,
+            &StepInput {
+                rows: &rows,
+                tables: &[&table],
+                logit_rows: &[(rows.len() - 1) as u32],
+                ssm_slots: &slots,
+            },
+        )
+        .unwrap();
+    runner.logits(1).unwrap().pop().unwrap()
 }
 
 fn cached_runs_are_cold_runs(name: &str, chunk: usize, stride: Option<usize>, want_hits: &[u64]) {
-    let opts = |prefix_caching| ModelOptions {
-        ssm_snapshot_stride: stride,
-        ..options(chunk, prefix_caching, None)
-    };
+    let opts = |prefix_caching| options(chunk, prefix_caching, None).ssm_snapshot_stride(stride);
     let mut warm = load(name, opts(true));
     let mut cold = load(name, opts(false));
-    let vocab = warm.config().vocab_size as u32;
-    let (mut sw, mut sc) = (Scheduler::new(&mut warm), Scheduler::new(&mut cold));
+    let vocab = warm.runner().model().config().vocab_size as u32;
     let prompts = shared_prefix_prompts(vocab);
     assert_eq!(prompts.len(), want_hits.len());
     for (i, (prompt, &want)) in prompts.iter().zip(want_hits).enumerate() {
@@ -131,10 +124,7 @@ fn cached_runs_are_cold_runs(name: &str, chunk: usize, stride: Option<usize>, wa
             prompt.len()
         );
         let req = request(prompt.clone(), 5, i as u64);
-        let (w, c) = (
-            solo(&mut sw, &mut warm, &req),
-            solo(&mut sc, &mut cold, &req),
-        );
+        let (w, c) = (solo(&mut warm, &req), solo(&mut cold, &req));
         assert_bitwise(&w.generation, &c.generation, &what);
         assert_eq!(w.hit_tokens, want, "{what}: cached tokens");
         assert_eq!(c.hit_tokens, 0, "{what}: the cold model never hits");
@@ -146,13 +136,13 @@ fn cached_runs_are_cold_runs(name: &str, chunk: usize, stride: Option<usize>, wa
         );
         assert_eq!(c.prefill_tokens, len, "{what}");
     }
-    let stats = sw.stats(&mut warm);
-    assert_eq!(stats.prefix_queries, prompts.len() as u64);
+    let stats = warm.stats();
+    assert_eq!(stats.steps.prefix.queries, prompts.len() as u64);
     assert_eq!(
-        stats.prefix_hits,
+        stats.steps.prefix.hits,
         want_hits.iter().filter(|&&h| h > 0).count() as u64
     );
-    assert_eq!(cold.kv_allocator().num_cached(), 0);
+    assert_eq!(cold.cache().blocks().num_cached(), 0);
     assert_nothing_held(&mut warm);
     // The aligned cut of a hybrid prefill changes nothing: with chunks of 512 the 200-token
     // prompt is cut at 192 only, and its first logits equal those of one unsplit step. (Cuts
@@ -161,8 +151,8 @@ fn cached_runs_are_cold_runs(name: &str, chunk: usize, stride: Option<usize>, wa
     if chunk < prompts[0].len() {
         return;
     }
-    let first = solo(&mut sc, &mut cold, &request(prompts[0].clone(), 1, 0));
-    let unsplit = unsplit_first_logits(&mut cold, &prompts[0]);
+    let first = solo(&mut cold, &request(prompts[0].clone(), 1, 0));
+    let unsplit = unsplit_first_logits(name, opts(false), &prompts[0]);
     assert_bitwise(
         &first.generation,
         &Generation {
@@ -212,11 +202,9 @@ fn a_snapshot_stride_gives_hybrid_prompts_the_resume_points_of_small_chunks() {
     for stride in [0, 100] {
         let dir =
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_5-tiny");
-        let opts = ModelOptions {
-            ssm_snapshot_stride: Some(stride),
-            ..options(512, true, None)
-        };
-        let err = factory::load(&dir, opts, Arc::new(CpuBackend::default())).unwrap_err();
+        let opts = options(512, true, None).ssm_snapshot_stride(Some(stride));
+        let model = factory::load(&dir, Arc::new(CpuBackend::default())).unwrap();
+        let err = Scheduler::new(model, opts).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -235,10 +223,9 @@ fn least_recently_used_blocks_are_evicted_and_hits_stay_bitwise_cold() {
     // 12 usable blocks; each 33-token prompt holds 3 while it runs and leaves 2 cached.
     let mut warm = load("qwen3-tiny", options(16, true, Some(13)));
     let mut cold = load("qwen3-tiny", options(16, false, Some(13)));
-    let vocab = warm.config().vocab_size as u32;
+    let vocab = warm.runner().model().config().vocab_size as u32;
     let mut rng = Rng::new(7);
     let prompts: Vec<Vec<u32>> = (0..6).map(|_| tokens(&mut rng, 33, vocab)).collect();
-    let (mut sw, mut sc) = (Scheduler::new(&mut warm), Scheduler::new(&mut cold));
     // Six distinct prompts (12 blocks to cache, 10 fit), then the first, fifth and second again.
     let order = [0, 1, 2, 3, 4, 5, 0, 4, 1];
     // The sixth prompt evicts the least recently released block: the first prompt's second
@@ -247,39 +234,30 @@ fn least_recently_used_blocks_are_evicted_and_hits_stay_bitwise_cold() {
     let want = [0, 0, 0, 0, 0, 0, 16, 32, 16];
     for (k, (&p, &hit)) in order.iter().zip(&want).enumerate() {
         let req = request(prompts[p].clone(), 3, k as u64);
-        let (w, c) = (
-            solo(&mut sw, &mut warm, &req),
-            solo(&mut sc, &mut cold, &req),
-        );
+        let (w, c) = (solo(&mut warm, &req), solo(&mut cold, &req));
         assert_bitwise(
             &w.generation,
             &c.generation,
             &format!("run {k} (prompt {p})"),
         );
         assert_eq!(w.hit_tokens, hit, "run {k} (prompt {p}): cached tokens");
-        let a = warm.kv_allocator();
+        let a = warm.cache().blocks();
         assert!(a.num_cached() <= a.capacity());
     }
-    assert_eq!(warm.kv_allocator().evictions(), 3);
+    assert_eq!(warm.cache().blocks().evictions(), 3);
     assert_nothing_held(&mut warm);
 }
 
 #[test]
 fn the_least_recently_used_ssm_snapshot_is_dropped_when_the_pool_is_full() {
     for name in HYBRID {
-        let mut warm = load(
-            name,
-            ModelOptions {
-                ssm_snapshot_slots: Some(1),
-                ..options(16, true, None)
-            },
-        );
+        let mut warm = load(name, options(16, true, None).ssm_snapshot_slots(Some(1)));
         let mut cold = load(name, options(16, false, None));
-        assert_eq!(warm.ssm_snapshot_usage(), (0, 1));
-        let vocab = warm.config().vocab_size as u32;
+        let usage = warm.cache().snapshot_usage();
+        assert_eq!((usage.used, usage.total), (0, 1));
+        let vocab = warm.runner().model().config().vocab_size as u32;
         let mut rng = Rng::new(3);
         let prompts: Vec<Vec<u32>> = (0..2).map(|_| tokens(&mut rng, 70, vocab)).collect();
-        let (mut sw, mut sc) = (Scheduler::new(&mut warm), Scheduler::new(&mut cold));
         // The second prompt's snapshot at 64 replaces the first's: the first prompt's blocks
         // are still cached, but without the SSM state there it cannot resume.
         for (k, (p, hit)) in [(0, 0), (1, 0), (0, 0), (0, 64), (1, 0)]
@@ -287,10 +265,7 @@ fn the_least_recently_used_ssm_snapshot_is_dropped_when_the_pool_is_full() {
             .enumerate()
         {
             let req = request(prompts[p].clone(), 3, k as u64);
-            let (w, c) = (
-                solo(&mut sw, &mut warm, &req),
-                solo(&mut sc, &mut cold, &req),
-            );
+            let (w, c) = (solo(&mut warm, &req), solo(&mut cold, &req));
             assert_bitwise(&w.generation, &c.generation, &format!("{name}: run {k}"));
             assert_eq!(w.hit_tokens, hit, "{name}: run {k} (prompt {p})");
         }
@@ -328,25 +303,24 @@ fn traffic_leaks_nothing(name: &str) {
     // happens, and cached blocks are evicted under the pressure, yet many admissions hit.
     let mut warm = load(name, options(16, true, Some(18)));
     let mut cold = load(name, options(16, false, None));
-    let vocab = warm.config().vocab_size as u32;
+    let vocab = warm.runner().model().config().vocab_size as u32;
     let traffic = shared_traffic(vocab);
-    let mut s = Scheduler::new(&mut warm);
     let mut ids: Vec<Option<SeqId>> = vec![None; traffic.len()];
     let mut out: HashMap<SeqId, Generation> = HashMap::new();
     let mut step = 0;
-    while ids.iter().any(Option::is_none) || !s.is_idle() {
+    while ids.iter().any(Option::is_none) || !warm.is_idle() {
         for (i, (req, at, cancel)) in traffic.iter().enumerate() {
             if *at == step {
-                ids[i] = Some(s.add(req.clone()).unwrap());
+                ids[i] = Some(warm.add(req.clone()).unwrap());
             }
             if let (Some(id), Some(after)) = (ids[i], cancel)
                 && at + after == step
-                && let Some(g) = s.finish(&mut warm, id, FinishReason::Cancelled).unwrap()
+                && let Some(g) = warm.finish(id, FinishReason::Cancelled).unwrap()
             {
                 out.insert(id, g);
             }
         }
-        for e in s.step(&mut warm).unwrap().events {
+        for e in warm.step().unwrap().events {
             if let SeqEvent::Finished { id, generation } = e {
                 out.insert(id, generation);
             }
@@ -354,28 +328,33 @@ fn traffic_leaks_nothing(name: &str) {
         step += 1;
         assert!(step < 100_000, "{name}: the scheduler does not finish");
     }
-    let stats = s.stats(&mut warm);
+    let stats = warm.stats();
     eprintln!(
         "{name}: {} preemptions, {} of {} admissions hit ({} of {} prompt tokens)",
-        stats.preemptions,
-        stats.prefix_hits,
-        stats.prefix_queries,
-        stats.prefix_hit_tokens,
-        stats.prefix_query_tokens
+        stats.steps.preemptions,
+        stats.steps.prefix.hits,
+        stats.steps.prefix.queries,
+        stats.steps.prefix.hit_tokens,
+        stats.steps.prefix.query_tokens
     );
-    assert!(stats.preemptions >= 2, "{name}: the cache hardly ran out");
     assert!(
-        stats.prefix_hits >= 6,
-        "{name}: only {} hits",
-        stats.prefix_hits
+        stats.steps.preemptions >= 2,
+        "{name}: the cache hardly ran out"
     );
-    assert_eq!((stats.kv_blocks_used, stats.ssm_slots_used), (0, 0));
+    assert!(
+        stats.steps.prefix.hits >= 6,
+        "{name}: only {} hits",
+        stats.steps.prefix.hits
+    );
+    assert_eq!(
+        (stats.cache.kv_blocks_used, stats.cache.ssm_slots_used),
+        (0, 0)
+    );
     assert_nothing_held(&mut warm);
-    let mut sc = Scheduler::new(&mut cold);
     let mut cancelled = 0;
     for (i, (req, _, _)) in traffic.iter().enumerate() {
         let got = &out[&ids[i].unwrap()];
-        let c = solo(&mut sc, &mut cold, req).generation;
+        let c = solo(&mut cold, req).generation;
         if got.finish_reason == FinishReason::Cancelled {
             cancelled += 1;
             assert!(
@@ -400,44 +379,50 @@ fn a_request_sharing_blocks_with_a_cancelled_one_completes_bitwise_cold() {
     for name in ["qwen3-tiny", "qwen3_5-tiny"] {
         let mut warm = load(name, options(16, true, None));
         let mut cold = load(name, options(16, false, None));
-        let vocab = warm.config().vocab_size as u32;
+        let vocab = warm.runner().model().config().vocab_size as u32;
         let mut rng = Rng::new(5);
         let a = tokens(&mut rng, 100, vocab);
         let mut b = a[..80].to_vec();
         b.extend(tokens(&mut rng, 12, vocab));
         let hashes = block_hashes(&a, 16);
-        let mut s = Scheduler::new(&mut warm);
-        let ida = s.add(request(a, 40, 1)).unwrap();
+        let ida = warm.add(request(a, 40, 1)).unwrap();
         // A's prefill (7 chunks of 16) and a few decode steps.
         for _ in 0..10 {
-            s.step(&mut warm).unwrap();
+            warm.step().unwrap();
         }
-        let idb = s.add(request(b.clone(), 12, 2)).unwrap();
-        s.step(&mut warm).unwrap();
-        let stats = s.stats(&mut warm);
+        let idb = warm.add(request(b.clone(), 12, 2)).unwrap();
+        warm.step().unwrap();
+        let stats = warm.stats();
         // Dense: 5 blocks (80 tokens); hybrid: up to the snapshot at 64.
-        let shared = if warm.has_ssm_state() { 4 } else { 5 };
-        assert_eq!(stats.prefix_hit_tokens, 16 * shared as u64, "{name}");
-        let first = warm.kv_allocator().lookup(&hashes[0]).unwrap();
+        let shared = if warm.cache().ssm_slots().is_some() {
+            4
+        } else {
+            5
+        };
+        assert_eq!(stats.steps.prefix.hit_tokens, 16 * shared as u64, "{name}");
+        let first = warm.cache().blocks().lookup(&hashes[0]).unwrap();
         assert_eq!(
-            warm.kv_allocator().refcount(first),
+            warm.cache().blocks().refcount(first),
             2,
             "{name}: A and B share"
         );
-        let ga = s.finish(&mut warm, ida, FinishReason::Cancelled).unwrap();
+        let ga = warm.finish(ida, FinishReason::Cancelled).unwrap();
         assert!(ga.is_some(), "{name}: A was running");
-        assert_eq!(warm.kv_allocator().refcount(first), 1, "{name}: B holds on");
+        assert_eq!(
+            warm.cache().blocks().refcount(first),
+            1,
+            "{name}: B holds on"
+        );
         let mut gb = None;
-        while !s.is_idle() {
-            for e in s.step(&mut warm).unwrap().events {
+        while !warm.is_idle() {
+            for e in warm.step().unwrap().events {
                 if let SeqEvent::Finished { id, generation } = e {
                     assert_eq!(id, idb);
                     gb = Some(generation);
                 }
             }
         }
-        let mut sc = Scheduler::new(&mut cold);
-        let c = solo(&mut sc, &mut cold, &request(b, 12, 2));
+        let c = solo(&mut cold, &request(b, 12, 2));
         assert_bitwise(&gb.unwrap(), &c.generation, name);
         assert_nothing_held(&mut warm);
     }

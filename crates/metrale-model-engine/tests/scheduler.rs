@@ -17,7 +17,7 @@ use metrale_model_engine::sampling::{Rng, SamplingParams};
 use metrale_model_engine::scheduler::{
     Scheduler, SchedulerStats, SeqEvent, SeqId, SeqRequest, StepKind,
 };
-use metrale_model_engine::{ModelOptions, TransformerModel, factory};
+use metrale_model_engine::{ModelOptions, factory};
 
 /// Where the model runs.
 type Backend = fn() -> Arc<dyn GpuBackend>;
@@ -26,14 +26,15 @@ fn cpu() -> Arc<dyn GpuBackend> {
     Arc::new(CpuBackend::default())
 }
 
-fn load_on(backend: Backend, name: &str, options: ModelOptions) -> TransformerModel {
+fn load_on(backend: Backend, name: &str, options: ModelOptions) -> Scheduler {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures")
         .join(name);
-    factory::load(&dir, options, backend()).unwrap_or_else(|e| panic!("{name}: {e}"))
+    let model = factory::load(&dir, backend()).unwrap_or_else(|e| panic!("{name}: {e}"));
+    Scheduler::new(model, options).unwrap()
 }
 
-fn load(name: &str, options: ModelOptions) -> TransformerModel {
+fn load(name: &str, options: ModelOptions) -> Scheduler {
     load_on(cpu, name, options)
 }
 
@@ -61,17 +62,14 @@ fn arrivals(n: usize, vocab: u32, seed: u64, cancel: bool) -> Vec<Arrival> {
                 .collect();
             let sampling = match i % 3 {
                 0 => SamplingParams::default(),
-                1 => SamplingParams {
-                    temperature: 0.9,
-                    seed: rng.next_u64(),
-                    ..Default::default()
-                },
-                _ => SamplingParams {
-                    temperature: 1.3,
-                    top_k: 20,
-                    top_p: 0.9,
-                    seed: rng.next_u64(),
-                },
+                1 => SamplingParams::default()
+                    .temperature(0.9)
+                    .seed(rng.next_u64()),
+                _ => SamplingParams::default()
+                    .temperature(1.3)
+                    .top_k(20)
+                    .top_p(0.9)
+                    .seed(rng.next_u64()),
             };
             let params = GenerateParams {
                 max_new_tokens: 4 + (rng.next_u64() % 27) as usize,
@@ -103,13 +101,12 @@ fn arrivals(n: usize, vocab: u32, seed: u64, cancel: bool) -> Vec<Arrival> {
 /// each token event matches the generation it ends in.
 fn run_until_idle(
     s: &mut Scheduler,
-    model: &mut TransformerModel,
     out: &mut HashMap<SeqId, Generation>,
     tokens: &mut HashMap<SeqId, Vec<u32>>,
 ) {
     let mut steps = 0;
     while !s.is_idle() {
-        collect(s.step(model).expect("step").events, out, tokens);
+        collect(s.step().expect("step").events, out, tokens);
         steps += 1;
         assert!(steps < 100_000, "the scheduler does not finish");
     }
@@ -130,21 +127,16 @@ fn collect(
     }
 }
 
-/// The request alone in a fresh scheduler on the same model.
-fn solo(model: &mut TransformerModel, req: &SeqRequest) -> Generation {
-    let mut s = Scheduler::new(model);
+/// The request alone on an idle scheduler.
+fn solo(s: &mut Scheduler, req: &SeqRequest) -> Generation {
     let id = s.add(req.clone()).expect("a valid request");
     let (mut out, mut tokens) = (HashMap::new(), HashMap::new());
-    run_until_idle(&mut s, model, &mut out, &mut tokens);
+    run_until_idle(s, &mut out, &mut tokens);
     out.remove(&id).expect("the solo run finished")
 }
 
 /// Run `arrivals` together; returns each one's generation (by index) and the final stats.
-fn mixed(
-    model: &mut TransformerModel,
-    arrivals: &[Arrival],
-) -> (Vec<Generation>, SchedulerStats, usize) {
-    let mut s = Scheduler::new(model);
+fn mixed(s: &mut Scheduler, arrivals: &[Arrival]) -> (Vec<Generation>, SchedulerStats, usize) {
     let (mut out, mut tokens) = (HashMap::new(), HashMap::new());
     let mut ids: Vec<Option<SeqId>> = vec![None; arrivals.len()];
     let mut widest = 0;
@@ -156,14 +148,12 @@ fn mixed(
             }
             if let (Some(id), Some(after)) = (ids[i], a.cancel_after)
                 && a.at_step + after == step
-                && let Some(g) = s
-                    .finish(model, id, FinishReason::Cancelled)
-                    .expect("release")
+                && let Some(g) = s.finish(id, FinishReason::Cancelled).expect("release")
             {
                 assert!(out.insert(id, g).is_none());
             }
         }
-        let report = s.step(model).expect("step");
+        let report = s.step().expect("step");
         if let StepKind::Decode { seqs } = report.kind {
             widest = widest.max(seqs);
         }
@@ -186,7 +176,7 @@ fn mixed(
             g
         })
         .collect();
-    (gens, s.stats(model), widest)
+    (gens, s.stats(), widest)
 }
 
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
@@ -195,7 +185,7 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
 
 /// Every completed request equals its solo run bitwise; a cancelled one is a prefix of it.
 fn assert_solo_equivalent(
-    model: &mut TransformerModel,
+    model: &mut Scheduler,
     arrivals: &[Arrival],
     got: &[Generation],
 ) -> usize {
@@ -239,33 +229,27 @@ fn assert_solo_equivalent(
     cancelled
 }
 
-fn assert_all_free(model: &mut TransformerModel, stats: &SchedulerStats) {
-    let kv = &model.kv_cache().allocator;
+fn assert_all_free(model: &mut Scheduler, stats: &SchedulerStats) {
+    let kv = model.cache().blocks();
     assert_eq!(kv.num_free(), kv.capacity(), "every KV block is free again");
-    assert_eq!(stats.kv_blocks_used, 0);
-    if model.has_ssm_state() {
-        assert_eq!(
-            model.free_ssm_slots(),
-            Some(model.max_seqs()),
-            "every SSM slot is free again"
-        );
-        assert_eq!(stats.ssm_slots_used, 0);
+    assert_eq!(stats.cache.kv_blocks_used, 0);
+    if let Some((total, free)) = model.cache().ssm_slots() {
+        assert_eq!(free, total, "every SSM slot is free again");
+        assert_eq!(stats.cache.ssm_slots_used, 0);
     }
     assert_eq!((stats.running, stats.waiting), (0, 0));
 }
 
 fn options(num_kv_blocks: Option<usize>) -> ModelOptions {
-    ModelOptions {
-        max_batch_tokens: 16,
-        max_decode_seqs: 8,
-        num_kv_blocks,
-        ..Default::default()
-    }
+    ModelOptions::default()
+        .max_batch_tokens(16)
+        .max_decode_seqs(8)
+        .num_kv_blocks(num_kv_blocks)
 }
 
 fn traffic_with_cancellations_is_bitwise_solo(backend: Backend, name: &str) {
     let mut model = load_on(backend, name, options(None));
-    let vocab = model.config().vocab_size as u32;
+    let vocab = model.runner().model().config().vocab_size as u32;
     let arrivals = arrivals(20, vocab, 11, true);
     let (got, stats, widest) = mixed(&mut model, &arrivals);
     assert_all_free(&mut model, &stats);
@@ -274,7 +258,7 @@ fn traffic_with_cancellations_is_bitwise_solo(backend: Backend, name: &str) {
         "{name}: at most {widest} sequences decoded together; the test needs real batches"
     );
     assert_eq!(
-        stats.preemptions, 0,
+        stats.steps.preemptions, 0,
         "{name}: the default cache holds every sequence"
     );
     let cancelled = assert_solo_equivalent(&mut model, &arrivals, &got);
@@ -288,7 +272,7 @@ fn traffic_with_cancellations_is_bitwise_solo(backend: Backend, name: &str) {
 fn preemption_is_bitwise_solo(backend: Backend, name: &str) {
     // 11 usable blocks of 16 tokens for up to 8 sequences of up to 100 tokens.
     let mut model = load_on(backend, name, options(Some(12)));
-    let vocab = model.config().vocab_size as u32;
+    let vocab = model.runner().model().config().vocab_size as u32;
     let mut arrivals = arrivals(12, vocab, 5, false);
     for a in &mut arrivals {
         a.at_step /= 4;
@@ -297,9 +281,9 @@ fn preemption_is_bitwise_solo(backend: Backend, name: &str) {
     let (got, stats, _) = mixed(&mut model, &arrivals);
     assert_all_free(&mut model, &stats);
     assert!(
-        stats.preemptions >= 3,
+        stats.steps.preemptions >= 3,
         "{name}: only {} preemptions; the test needs a cache under pressure",
-        stats.preemptions
+        stats.steps.preemptions
     );
     assert_solo_equivalent(&mut model, &arrivals, &got);
 }
@@ -309,39 +293,34 @@ fn preemption_is_bitwise_solo(backend: Backend, name: &str) {
 /// two hit the cache (on a hybrid model through an SSM snapshot copied device to device). With
 /// chunks of 512 the cold and cached prefills also cut the prompt into steps of other sizes.
 fn prefix_hits_are_bitwise_cold(backend: Backend, name: &str) {
-    let opts = |prefix_caching| ModelOptions {
-        max_batch_tokens: 512,
-        prefix_caching,
-        ..options(None)
+    let opts = |prefix_caching| {
+        options(None)
+            .max_batch_tokens(512)
+            .prefix_caching(prefix_caching)
     };
     let mut warm = load_on(backend, name, opts(true));
     let mut cold = load_on(backend, name, opts(false));
-    let vocab = warm.config().vocab_size as u32;
+    let vocab = warm.runner().model().config().vocab_size as u32;
     let mut rng = Rng::new(17);
     let a: Vec<u32> = (0..150)
         .map(|_| (rng.next_u64() % u64::from(vocab)) as u32)
         .collect();
     let mut b = a[..128].to_vec();
     b.extend([(a[128] + 1) % vocab, 3, 1, 4]);
-    let mut s = Scheduler::new(&mut warm);
     for (i, prompt) in [a.clone(), a, b].into_iter().enumerate() {
         let req = SeqRequest {
             prompt,
             params: GenerateParams {
                 max_new_tokens: 6,
-                sampling: SamplingParams {
-                    temperature: 0.9,
-                    seed: i as u64,
-                    ..Default::default()
-                },
+                sampling: SamplingParams::default().temperature(0.9).seed(i as u64),
                 stop_token_ids: Vec::new(),
                 return_logits: true,
             },
             ignore_eos: true,
         };
-        let id = s.add(req.clone()).unwrap();
+        let id = warm.add(req.clone()).unwrap();
         let (mut out, mut tokens) = (HashMap::new(), HashMap::new());
-        run_until_idle(&mut s, &mut warm, &mut out, &mut tokens);
+        run_until_idle(&mut warm, &mut out, &mut tokens);
         let got = out.remove(&id).unwrap();
         let want = solo(&mut cold, &req);
         assert_eq!(got.token_ids, want.token_ids, "{name}: prompt {i}");
@@ -354,19 +333,19 @@ fn prefix_hits_are_bitwise_cold(backend: Backend, name: &str) {
             assert!(same_bits(x, y), "{name}: prompt {i}: logits differ");
         }
     }
-    let stats = s.stats(&mut warm);
+    let stats = warm.stats();
     // Dense: 144 (9 blocks), then 128; hybrid: 128 (the snapshot at its cut), then 128.
-    let want = if warm.has_ssm_state() {
+    let want = if warm.cache().ssm_slots().is_some() {
         128 + 128
     } else {
         144 + 128
     };
     assert_eq!(
-        (stats.prefix_hits, stats.prefix_hit_tokens),
+        (stats.steps.prefix.hits, stats.steps.prefix.hit_tokens),
         (2, want),
         "{name}"
     );
-    assert_eq!(stats.kv_blocks_used, 0, "{name}");
+    assert_eq!(stats.cache.kv_blocks_used, 0, "{name}");
 }
 
 #[test]
@@ -395,8 +374,10 @@ fn hybrid_preemption_is_bitwise_solo() {
     preemption_is_bitwise_solo(cpu, "qwen3_5-tiny");
 }
 
+/// `generate` (the scheduler driven on the caller's thread, with a token callback) gives
+/// bitwise what stepping the scheduler by hand gives.
 #[test]
-fn a_solo_scheduler_run_is_bitwise_the_single_sequence_loop() {
+fn generate_on_the_callers_thread_is_bitwise_the_stepped_scheduler() {
     for name in [
         "qwen3-tiny",
         "qwen3_5-tiny",
@@ -404,17 +385,19 @@ fn a_solo_scheduler_run_is_bitwise_the_single_sequence_loop() {
         "qwen3_5_moe-tiny",
     ] {
         let mut model = load(name, options(None));
-        let vocab = model.config().vocab_size as u32;
+        let vocab = model.runner().model().config().vocab_size as u32;
         for a in arrivals(4, vocab, 3, false) {
             let scheduled = solo(&mut model, &a.req);
-            let mut params = a.req.params.clone();
-            if !a.req.ignore_eos {
-                params.stop_token_ids.extend(&model.config().eos_token_ids);
-            }
-            let looped = generate(&mut model, &a.req.prompt, &params, &mut |_| {
+            let mut streamed = Vec::new();
+            let looped = generate(&mut model, a.req.clone(), &mut |t| {
+                streamed.push(t);
                 std::ops::ControlFlow::Continue(())
             })
             .expect("generate");
+            assert_eq!(
+                streamed, looped.token_ids,
+                "{name}: the callback saw every token"
+            );
             assert_eq!(scheduled.token_ids, looped.token_ids, "{name}");
             assert_eq!(scheduled.finish_reason, looped.finish_reason, "{name}");
             for (x, y) in scheduled

@@ -2,7 +2,8 @@
 //! logits, bitwise) equal the plain scheduler's for concurrent requests of different lengths,
 //! with the MTP head drafting and with an oracle drafter that reaches full acceptance and every
 //! rollback depth, stop tokens and `max_new_tokens` inside accepted runs included, and with
-//! prefix-cache hits; the MTP head drafts exactly what it drafts under `generate`; every block
+//! prefix-cache hits; the MTP head drafts for a request in a batch exactly what it drafts for
+//! it alone, graphed or eager; every block
 //! and slot comes back; the gate turns speculation off while an injected clock says it is
 //! slower, and on again once it is faster past the margin; sampling with drafts is valid.
 
@@ -14,15 +15,14 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use metrale_model_engine::ModelError;
-use metrale_model_engine::generate::{FinishReason, Generation, generate_speculative};
-use metrale_model_engine::model::TransformerModel;
+use metrale_model_engine::generate::{FinishReason, Generation};
 use metrale_model_engine::options::{ModelOptions, Speculative};
 use metrale_model_engine::sampling::SamplingParams;
-use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest, StepKind};
+use metrale_model_engine::scheduler::{SeqEvent, SeqRequest, StepKind};
 use metrale_model_engine::speculative::{
     Clock, DraftInput, Drafter, GateOptions, MtpDrafter, OracleDrafter,
 };
+use metrale_model_engine::{ModelError, Scheduler, StepRunner};
 use support::*;
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -56,10 +56,9 @@ struct Served {
 
 /// Submit every request at once and step until idle; `before_step` runs before each step.
 fn serve(
-    model: &mut TransformerModel,
     sched: &mut Scheduler,
     reqs: &[SeqRequest],
-    mut before_step: impl FnMut(&Scheduler),
+    mut before_step: impl FnMut(&mut Scheduler),
 ) -> Served {
     let ids: Vec<_> = reqs.iter().map(|r| sched.add(r.clone()).unwrap()).collect();
     let mut done = HashMap::new();
@@ -67,7 +66,7 @@ fn serve(
     let mut steps = 0;
     while !sched.is_idle() {
         before_step(sched);
-        let report = sched.step(model).unwrap();
+        let report = sched.step().unwrap();
         let mut count: HashMap<_, usize> = HashMap::new();
         for e in report.events {
             match e {
@@ -84,9 +83,9 @@ fn serve(
         steps += 1;
         assert!(steps < 20_000, "the scheduler does not finish");
     }
-    let stats = sched.stats(model);
-    assert_eq!(stats.kv_blocks_used, 0, "every KV block back");
-    assert_eq!(stats.ssm_slots_used, 0, "every SSM slot back");
+    let stats = sched.stats();
+    assert_eq!(stats.cache.kv_blocks_used, 0, "every KV block back");
+    assert_eq!(stats.cache.ssm_slots_used, 0, "every SSM slot back");
     Served {
         out: ids.iter().map(|id| done.remove(id).unwrap()).collect(),
         per_verify,
@@ -95,18 +94,23 @@ fn serve(
 }
 
 fn plain(model_dir: &std::path::Path, reqs: &[SeqRequest]) -> Vec<Generation> {
-    let mut m = factory_load(model_dir, ModelOptions::default());
-    let mut s = Scheduler::new(&mut m);
-    serve(&mut m, &mut s, reqs, |_| {}).out
+    let mut s = factory_load(model_dir, ModelOptions::default());
+    serve(&mut s, reqs, |_| {}).out
 }
 
-fn factory_load(dir: &std::path::Path, o: ModelOptions) -> TransformerModel {
-    metrale_model_engine::factory::load(
-        dir,
-        o,
-        Arc::new(metrale_gpu_runtime::CpuBackend::default()),
-    )
-    .unwrap()
+fn factory_load(dir: &std::path::Path, o: ModelOptions) -> Scheduler {
+    let gpu = Arc::new(metrale_gpu_runtime::CpuBackend::default());
+    Scheduler::new(metrale_model_engine::factory::load(dir, gpu).unwrap(), o).unwrap()
+}
+
+/// Speculate at every decode step, with `drafter` when given (else the MTP head).
+fn always(s: &mut Scheduler, drafter: Option<Box<dyn Drafter + Send>>) {
+    if drafter.is_some() {
+        s.set_drafter(drafter).unwrap();
+    }
+    s.speculation()
+        .unwrap()
+        .set_gate(GateOptions::default().enabled(false));
 }
 
 fn assert_same(got: &[Generation], want: &[Generation], what: &str) {
@@ -127,14 +131,6 @@ fn assert_same(got: &[Generation], want: &[Generation], what: &str) {
     }
 }
 
-const ALWAYS: GateOptions = GateOptions {
-    enabled: false,
-    margin_percent: 5,
-    ema_steps: 16,
-    probe_every: 128,
-    probe_steps: 8,
-};
-
 #[test]
 fn mtp_through_the_scheduler_gives_the_plain_schedulers_greedy_output() {
     for name in ["qwen3_5-tiny", "qwen3_next-tiny"] {
@@ -151,105 +147,77 @@ fn mtp_through_the_scheduler_gives_the_plain_schedulers_greedy_output() {
         reqs[2].params.return_logits = false;
         reqs[3].params.return_logits = false;
         let want = plain(fx.path(), &reqs);
-        let mut m = fx.load(ModelOptions {
-            speculative: Speculative::Mtp,
-            num_draft_tokens: 3,
-            ..Default::default()
-        });
-        let mut s = Scheduler::new(&mut m);
-        s.set_speculation_gate(ALWAYS);
-        let got = serve(&mut m, &mut s, &reqs, |_| {});
+        let mut s = fx.load(
+            ModelOptions::default()
+                .speculative(Speculative::Mtp)
+                .num_draft_tokens(3),
+        );
+        always(&mut s, None);
+        let got = serve(&mut s, &reqs, |_| {});
         assert_same(&got.out, &want, name);
         assert!(got.verify_steps > 0, "{name}: no verify step ran");
-        let stats = s.stats(&mut m);
-        assert!(stats.drafted > 0 && stats.accepted <= stats.drafted);
-        assert_eq!(stats.speculation_on, Some(true));
+        let stats = s.stats().speculation.unwrap();
+        assert!(stats.drafted() > 0 && stats.accepted() <= stats.drafted());
+        assert!(stats.on);
     }
 }
 
-/// Delegates to the MTP head, recording every non-empty list of drafts it makes.
+/// Delegates to the MTP head, recording each request's drafts (by request id) in order.
 #[derive(Clone, Default)]
-struct Recorder(Arc<Mutex<Vec<Vec<u32>>>>);
+struct PerRequest(Arc<Mutex<HashMap<usize, Vec<Vec<u32>>>>>);
 
-impl Drafter for Recorder {
+impl Drafter for PerRequest {
     fn draft(
         &mut self,
-        model: &mut TransformerModel,
+        runner: &mut StepRunner,
         inputs: &[DraftInput<'_>],
     ) -> Result<Vec<Vec<u32>>, ModelError> {
-        let drafts = MtpDrafter.draft(model, inputs)?;
+        let drafts = MtpDrafter.draft(runner, inputs)?;
         let mut seen = self.0.lock().unwrap();
-        seen.extend(drafts.iter().filter(|d| !d.is_empty()).cloned());
+        for (inp, d) in inputs.iter().zip(&drafts) {
+            if !d.is_empty() {
+                seen.entry(inp.request).or_default().push(d.clone());
+            }
+        }
         Ok(drafts)
     }
 }
 
-/// The scheduler feeds the MTP head exactly as `generate` does (same rows, positions and
-/// hidden states): alone, a request gets the same drafts, verify after verify. An off-by-one
-/// in the scheduler's take-in would still give plain output, but other drafts.
+/// The scheduler feeds the MTP head each sequence's own rows, positions and hidden states: a
+/// request batched with others gets the drafts it gets alone, verify after verify, from graphed
+/// head steps as from eager ones. An off-by-one in the batched take-in would still give plain
+/// output, but other drafts.
 #[test]
-fn the_scheduler_drafts_what_generate_drafts() {
+fn a_batched_request_drafts_what_it_drafts_alone() {
     let fx = MtpFixture::new("qwen3_5-tiny");
-    let options = ModelOptions {
-        speculative: Speculative::Mtp,
-        num_draft_tokens: 3,
-        ..Default::default()
+    let options = |decode_graphs| {
+        ModelOptions::default()
+            .speculative(Speculative::Mtp)
+            .num_draft_tokens(3)
+            .decode_graphs(decode_graphs)
     };
-    let mut m = fx.load(options);
     let mut prompts = fx.prompts();
     prompts.push((0..40).map(|t| (t * 17 + 3) % 250 + 1).collect());
-    for prompt in &prompts {
-        let p = greedy(30);
-        let mut by_generate = Recorder::default();
-        generate_speculative(
-            &mut m,
-            &[(prompt.as_slice(), &p)],
-            &mut by_generate,
-            &mut |_, _| std::ops::ControlFlow::Continue(()),
-        )
-        .unwrap();
-        let by_scheduler = Recorder::default();
-        let mut s = Scheduler::new(&mut m);
-        s.set_drafter(&m, Box::new(by_scheduler.clone())).unwrap();
-        s.set_speculation_gate(ALWAYS);
-        serve(&mut m, &mut s, &[request(prompt, 30, &[])], |_| {});
-        let (want, got) = (
-            by_generate.0.lock().unwrap(),
-            by_scheduler.0.lock().unwrap(),
-        );
-        assert!(want.len() > 5, "{want:?}");
-        assert_eq!(*got, *want, "prompt of {} tokens", prompt.len());
+    let reqs: Vec<SeqRequest> = prompts.iter().map(|p| request(p, 30, &[])).collect();
+    let mut alone = Vec::new();
+    for r in &reqs {
+        let mut s = fx.load(options(false));
+        let rec = PerRequest::default();
+        always(&mut s, Some(Box::new(rec.clone())));
+        serve(&mut s, std::slice::from_ref(r), |_| {});
+        let mut seen = rec.0.lock().unwrap();
+        alone.push(seen.remove(&0).unwrap_or_default());
     }
-}
-
-/// A batch-1 MTP step replays a graph captured per (rows, logit rows, head layer): the drafts
-/// are the eager head's, draft after draft (outputs alone would not show a stale graph, since
-/// drafts only change acceptance).
-#[test]
-fn graphed_mtp_steps_draft_what_eager_ones_draft() {
-    let fx = MtpFixture::new("qwen3_5-tiny");
-    let options = |decode_graphs| ModelOptions {
-        speculative: Speculative::Mtp,
-        num_draft_tokens: 3,
-        decode_graphs,
-        ..Default::default()
-    };
-    let (mut graphed, mut eager) = (fx.load(options(true)), fx.load(options(false)));
-    let mut prompts = fx.prompts();
-    prompts.push((0..40).map(|t| (t * 11 + 7) % 250 + 1).collect());
-    for prompt in &prompts {
-        let p = greedy(24);
-        let drafts = |m: &mut TransformerModel| {
-            let mut rec = Recorder::default();
-            generate_speculative(m, &[(prompt.as_slice(), &p)], &mut rec, &mut |_, _| {
-                std::ops::ControlFlow::Continue(())
-            })
-            .unwrap();
-            rec.0.lock().unwrap().clone()
-        };
-        let (want, got) = (drafts(&mut eager), drafts(&mut graphed));
-        assert!(want.len() > 5, "{want:?}");
-        assert_eq!(got, want, "prompt of {} tokens", prompt.len());
+    for graphs in [false, true] {
+        let mut s = fx.load(options(graphs));
+        let rec = PerRequest::default();
+        always(&mut s, Some(Box::new(rec.clone())));
+        serve(&mut s, &reqs, |_| {});
+        let seen = rec.0.lock().unwrap();
+        for (i, want) in alone.iter().enumerate() {
+            assert!(want.len() > 5, "{want:?}");
+            assert_eq!(seen.get(&i), Some(want), "graphs {graphs}: request {i}");
+        }
     }
 }
 
@@ -268,23 +236,22 @@ fn speculation_with_prefix_hits_gives_the_plain_output() {
         })
         .collect();
     let want = plain(fx.path(), &reqs);
-    let mut m = fx.load(ModelOptions {
-        speculative: Speculative::Mtp,
-        num_draft_tokens: 2,
-        ..Default::default()
-    });
-    let mut s = Scheduler::new(&mut m);
-    s.set_speculation_gate(ALWAYS);
-    let got = serve(&mut m, &mut s, &reqs, |_| {});
+    let mut s = fx.load(
+        ModelOptions::default()
+            .speculative(Speculative::Mtp)
+            .num_draft_tokens(2),
+    );
+    always(&mut s, None);
+    let got = serve(&mut s, &reqs, |_| {});
     assert_same(&got.out, &want, "prefix hits");
-    let stats = s.stats(&mut m);
+    let stats = s.stats();
     assert!(
-        stats.prefix_hits >= 2 && stats.verify_steps > 0,
+        stats.steps.prefix.hits >= 2 && stats.steps.verify_steps > 0,
         "{stats:?}"
     );
     // Only the prompts' full blocks are cached: the 4 of the shared prefix (the prompts' fifth
     // blocks are partial), none holding generated tokens.
-    assert_eq!(stats.kv_blocks_cached, 4, "{stats:?}");
+    assert_eq!(stats.cache.kv_blocks_cached, 4, "{stats:?}");
 }
 
 /// The oracle drafts the plain continuation, wrong at depth `(round + request) % (K + 1)`
@@ -302,22 +269,18 @@ fn oracle_drafts_reach_full_acceptance_and_every_rollback_depth_through_the_sche
         .map(|(q, g)| q.iter().chain(&g.token_ids).copied().collect())
         .collect();
     for k in [1, 3] {
-        let mut m = factory_load(
+        let mut s = factory_load(
             &dir,
-            ModelOptions {
-                speculative: Speculative::External,
-                num_draft_tokens: k,
-                ..Default::default()
-            },
+            ModelOptions::default()
+                .speculative(Speculative::External)
+                .num_draft_tokens(k),
         );
-        let mut s = Scheduler::new(&mut m);
         let oracle = OracleDrafter::wrong_at(
             expected.clone(),
             Box::new(move |req, round| Some((round + req) % (k + 1))),
         );
-        s.set_drafter(&m, Box::new(oracle)).unwrap();
-        s.set_speculation_gate(ALWAYS);
-        let got = serve(&mut m, &mut s, &long, |_| {});
+        always(&mut s, Some(Box::new(oracle)));
+        let got = serve(&mut s, &long, |_| {});
         assert_same(&got.out, &plain_long, &format!("K={k} rollbacks"));
         for n in 1..=k + 1 {
             assert!(
@@ -344,14 +307,11 @@ fn oracle_drafts_reach_full_acceptance_and_every_rollback_depth_through_the_sche
         let want = plain(&dir, &reqs);
         assert_eq!(want[0].token_ids.len(), cut + 1);
         assert_eq!(want[0].finish_reason, FinishReason::Stop);
-        let mut s = Scheduler::new(&mut m);
-        s.set_drafter(&m, Box::new(OracleDrafter::new(expected.clone())))
-            .unwrap();
-        s.set_speculation_gate(ALWAYS);
-        let got = serve(&mut m, &mut s, &reqs, |_| {});
+        always(&mut s, Some(Box::new(OracleDrafter::new(expected.clone()))));
+        let got = serve(&mut s, &reqs, |_| {});
         assert_same(&got.out, &want, &format!("K={k} exact"));
-        let stats = s.stats(&mut m);
-        assert_eq!(stats.accepted, stats.drafted, "K={k}: every draft kept");
+        let stats = s.stats().speculation.unwrap();
+        assert_eq!(stats.accepted(), stats.drafted(), "K={k}: every draft kept");
         assert!(
             got.per_verify.contains(&(k + 1)),
             "K={k}: {:?}",
@@ -386,33 +346,34 @@ fn the_gate_turns_speculation_off_while_slower_and_back_on_past_the_margin() {
     let p = prompts();
     let reqs: Vec<SeqRequest> = p[..2].iter().map(|q| request(q, 90, &[])).collect();
     let want = plain(fx.path(), &reqs);
-    let mut m = fx.load(ModelOptions {
-        speculative: Speculative::Mtp,
-        num_draft_tokens: 2,
-        ..Default::default()
-    });
-    let mut s = Scheduler::new(&mut m);
-    s.set_speculation_gate(GateOptions {
-        enabled: true,
-        margin_percent: 5,
-        ema_steps: 4,
-        probe_every: 16,
-        probe_steps: 4,
-    });
+    let mut s = fx.load(
+        ModelOptions::default()
+            .speculative(Speculative::Mtp)
+            .num_draft_tokens(2),
+    );
+    let spec = s.speculation().unwrap();
+    spec.set_gate(
+        GateOptions::default()
+            .enabled(true)
+            .margin_percent(5)
+            .ema_steps(4)
+            .probe_every(16)
+            .probe_steps(4),
+    );
     let clock = TestClock::default();
-    s.set_clock(Box::new(clock.clone()));
+    spec.set_clock(Box::new(clock.clone()));
     // Phase 1: a verify step costs 3 plain steps, and yields at most K + 1 = 3 tokens per
     // sequence, so speculation never beats plain decode by the margin. Phase 2: it costs half a
     // plain step, and at least one token per sequence doubles the rate.
     let (mut phase, mut steps) = (1, 0);
     let mut timeline: Vec<(usize, bool)> = Vec::new();
-    let got = serve(&mut m, &mut s, &reqs, |s| {
+    let got = serve(&mut s, &reqs, |s| {
         steps += 1;
         if steps == 40 {
             phase = 2;
         }
-        let gate = s.speculation_gate().unwrap();
-        timeline.push((phase, gate.is_on()));
+        let on = s.speculation().unwrap().gate().is_on();
+        timeline.push((phase, on));
         let verify = s.next_decode_speculates();
         let cost = match (phase, verify) {
             (1, true) => 30,
@@ -429,8 +390,8 @@ fn the_gate_turns_speculation_off_while_slower_and_back_on_past_the_margin() {
     let phase2: Vec<bool> = on_in(2).collect();
     assert!(!phase2[0] && !phase2[1], "{timeline:?}");
     assert!(*phase2.last().unwrap(), "{timeline:?}");
-    let stats = s.stats(&mut m);
-    assert_eq!(stats.speculation_switches, 2, "{timeline:?}");
+    let stats = s.stats().speculation.unwrap();
+    assert_eq!(stats.switches, 2, "{timeline:?}");
     assert!(stats.plain_tok_s.is_some() && stats.speculative_tok_s.is_some());
 }
 
@@ -451,34 +412,29 @@ fn sampling_through_the_scheduler_with_drafts_gives_valid_reproducible_output() 
         .enumerate()
         .map(|(i, r)| {
             let mut r = r.clone();
-            r.params.sampling = SamplingParams {
-                temperature: 0.7,
-                top_k: 8,
-                seed: 100 + i as u64,
-                ..Default::default()
-            };
+            r.params.sampling = SamplingParams::default()
+                .temperature(0.7)
+                .top_k(8)
+                .seed(100 + i as u64);
             r
         })
         .collect();
-    let mut m = factory_load(
-        &dir,
-        ModelOptions {
-            speculative: Speculative::External,
-            num_draft_tokens: 3,
-            ..Default::default()
-        },
-    );
-    let vocab = m.config().vocab_size as u32;
-    let run = |m: &mut TransformerModel| {
-        let mut s = Scheduler::new(m);
-        s.set_drafter(m, Box::new(OracleDrafter::new(expected.clone())))
-            .unwrap();
-        s.set_speculation_gate(ALWAYS);
-        let got = serve(m, &mut s, &sampled, |_| {});
-        (got.out, s.stats(m))
+    let load = || {
+        factory_load(
+            &dir,
+            ModelOptions::default()
+                .speculative(Speculative::External)
+                .num_draft_tokens(3),
+        )
     };
-    let (a, stats) = run(&mut m);
-    let (b, _) = run(&mut m);
+    let run = |mut s: Scheduler| {
+        always(&mut s, Some(Box::new(OracleDrafter::new(expected.clone()))));
+        let got = serve(&mut s, &sampled, |_| {});
+        (got.out, s.stats().speculation.unwrap())
+    };
+    let vocab = load().runner().model().config().vocab_size as u32;
+    let (a, stats) = run(load());
+    let (b, _) = run(load());
     for (g, h) in a.iter().zip(&b) {
         assert_eq!(g.token_ids.len(), 20);
         assert!(g.token_ids.iter().all(|&t| t < vocab));
@@ -486,7 +442,7 @@ fn sampling_through_the_scheduler_with_drafts_gives_valid_reproducible_output() 
         assert_eq!(g.token_ids, h.token_ids, "same seed, same tokens");
     }
     assert!(
-        stats.accepted > 0 && stats.accepted < stats.drafted,
+        stats.accepted() > 0 && stats.accepted() < stats.drafted(),
         "{stats:?}"
     );
 }

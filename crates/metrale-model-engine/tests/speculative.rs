@@ -10,22 +10,19 @@ mod support;
 
 use std::ops::ControlFlow;
 
-use metrale_model_engine::generate::{generate_batch, generate_speculative};
-use metrale_model_engine::model::TransformerModel;
+use metrale_model_engine::generate::generate_speculative;
 use metrale_model_engine::options::{ModelOptions, Speculative};
 use metrale_model_engine::speculative::{DraftInput, Drafter, OracleDrafter, SpeculativeStats};
-use metrale_model_engine::{ModelError, factory};
+use metrale_model_engine::{ModelError, Scheduler, StepRunner, factory};
 use support::*;
 
 /// Tokens generated per prompt: several verify rounds, crossing a KV block boundary.
 const NEW_TOKENS: usize = 24;
 
 fn spec_options(speculative: Speculative, k: usize) -> ModelOptions {
-    ModelOptions {
-        speculative,
-        num_draft_tokens: k,
-        ..Default::default()
-    }
+    ModelOptions::default()
+        .speculative(speculative)
+        .num_draft_tokens(k)
 }
 
 #[test]
@@ -40,7 +37,7 @@ fn mtp_greedy_equals_plain_greedy_on_every_hybrid_fixture_for_k_1_to_4() {
             .collect();
         for k in 1..=4 {
             let mut model = fx.load(spec_options(Speculative::Mtp, k));
-            assert!(model.has_mtp());
+            assert!(model.runner().has_mtp());
             for (p, want) in prompts.iter().zip(&plain) {
                 let got = run(&mut model, p, &greedy(NEW_TOKENS));
                 assert_eq!(got.token_ids, want.token_ids, "{name} K={k}: tokens");
@@ -51,14 +48,20 @@ fn mtp_greedy_equals_plain_greedy_on_every_hybrid_fixture_for_k_1_to_4() {
             }
             // All prompts at once: verify steps over several sequences.
             let gp = greedy(NEW_TOKENS);
-            let reqs: Vec<(&[u32], _)> = prompts.iter().map(|p| (p.as_slice(), &gp)).collect();
-            let batched =
-                generate_batch(&mut model, &reqs, &mut |_, _| ControlFlow::Continue(())).unwrap();
+            let reqs = prompts.iter().map(|p| request(p, &gp)).collect();
+            let batched = model
+                .run(reqs, &mut |_, _| ControlFlow::Continue(()))
+                .unwrap();
             for (got, want) in batched.iter().zip(&plain) {
                 assert_eq!(got.token_ids, want.token_ids, "{name} K={k} batched");
                 assert!(logit_bits(got) == logit_bits(want), "{name} K={k} batched");
             }
-            assert_eq!(model.free_ssm_slots(), Some(8 * (1 + k)), "every slot back");
+            let all = 8 * (1 + k);
+            assert_eq!(
+                model.cache().ssm_slots(),
+                Some((all, all)),
+                "every slot back"
+            );
         }
     }
 }
@@ -74,7 +77,7 @@ struct Checked<D> {
 impl<D: Drafter> Drafter for Checked<D> {
     fn draft(
         &mut self,
-        model: &mut TransformerModel,
+        runner: &mut StepRunner,
         inputs: &[DraftInput<'_>],
     ) -> Result<Vec<Vec<u32>>, ModelError> {
         for inp in inputs {
@@ -88,7 +91,7 @@ impl<D: Drafter> Drafter for Checked<D> {
             );
         }
         self.calls += 1;
-        self.inner.draft(model, inputs)
+        self.inner.draft(runner, inputs)
     }
 }
 
@@ -104,12 +107,8 @@ fn oracle_case(name: &str, with_mtp_file: bool, k: usize) {
         fixture(name)
     };
     let load = |o: ModelOptions| {
-        factory::load(
-            &dir,
-            o,
-            std::sync::Arc::new(metrale_gpu_runtime::CpuBackend::default()),
-        )
-        .unwrap()
+        let gpu = std::sync::Arc::new(metrale_gpu_runtime::CpuBackend::default());
+        Scheduler::new(factory::load(&dir, gpu).unwrap(), o).unwrap()
     };
     let prompts: Vec<Vec<u32>> = (0..3)
         .map(|i| {
@@ -130,24 +129,25 @@ fn oracle_case(name: &str, with_mtp_file: bool, k: usize) {
         .map(|(p, g)| p.iter().chain(&g.token_ids).copied().collect())
         .collect();
     let mut model = load(spec_options(Speculative::External, k));
-    let block_size = model.kv_cache().block_size();
-    let free_before = model.kv_cache().allocator.num_free();
+    let block_size = model.cache().block_size();
+    let free_before = model.cache().blocks().num_free();
     let kk = k;
     let oracle = OracleDrafter::wrong_at(
         expected.clone(),
         Box::new(move |req, round| Some((round + req) % (kk + 1))),
     );
-    let mut drafter = Checked {
+    let drafter = Checked {
         inner: oracle,
         block_size,
         calls: 0,
     };
     let gp = greedy(n);
-    let reqs: Vec<(&[u32], _)> = prompts.iter().map(|p| (p.as_slice(), &gp)).collect();
-    let (out, stats) = generate_speculative(&mut model, &reqs, &mut drafter, &mut |_, _| {
-        ControlFlow::Continue(())
-    })
-    .unwrap();
+    let reqs: Vec<_> = prompts.iter().map(|p| request(p, &gp)).collect();
+    let (out, stats) =
+        generate_speculative(&mut model, reqs.clone(), Box::new(drafter), &mut |_, _| {
+            ControlFlow::Continue(())
+        })
+        .unwrap();
     for (got, want) in out.iter().zip(&plain) {
         assert_eq!(got.token_ids, want.token_ids, "{name} K={k}: tokens");
         assert!(logit_bits(got) == logit_bits(want), "{name} K={k}: logits");
@@ -160,15 +160,15 @@ fn oracle_case(name: &str, with_mtp_file: bool, k: usize) {
         );
     }
     assert_eq!(
-        model.kv_cache().allocator.num_free(),
+        model.cache().blocks().num_free(),
         free_before,
         "every block back"
     );
 
     // All drafts right: K + 1 tokens per verify while drafts last.
-    let mut exact = OracleDrafter::new(expected);
+    let exact = OracleDrafter::new(expected);
     let (out, stats): (_, SpeculativeStats) =
-        generate_speculative(&mut model, &reqs, &mut exact, &mut |_, _| {
+        generate_speculative(&mut model, reqs, Box::new(exact), &mut |_, _| {
             ControlFlow::Continue(())
         })
         .unwrap();
@@ -213,8 +213,7 @@ fn stop_tokens_and_cancellation_end_a_speculative_sequence_where_plain_decode_do
     let mut seen = 0;
     let got = metrale_model_engine::generate::generate(
         &mut model,
-        prompt,
-        &greedy(NEW_TOKENS),
+        request(prompt, &greedy(NEW_TOKENS)),
         &mut |_| {
             seen += 1;
             if seen == 5 {
@@ -231,15 +230,9 @@ fn stop_tokens_and_cancellation_end_a_speculative_sequence_where_plain_decode_do
         "cancelled after 5"
     );
     // A sequence near max_seq_len drafts only what fits.
-    let mut short = fx.load(ModelOptions {
-        max_seq_len: Some(prompt.len() + 6),
-        ..spec_options(Speculative::Mtp, 4)
-    });
+    let mut short = fx.load(spec_options(Speculative::Mtp, 4).max_seq_len(Some(prompt.len() + 6)));
     let got = run(&mut short, prompt, &greedy(NEW_TOKENS));
-    let mut plain_short = fx.load(ModelOptions {
-        max_seq_len: Some(prompt.len() + 6),
-        ..Default::default()
-    });
+    let mut plain_short = fx.load(ModelOptions::default().max_seq_len(Some(prompt.len() + 6)));
     assert_eq!(
         got.token_ids,
         run(&mut plain_short, prompt, &greedy(NEW_TOKENS)).token_ids
@@ -248,35 +241,29 @@ fn stop_tokens_and_cancellation_end_a_speculative_sequence_where_plain_decode_do
 
 #[test]
 fn bad_speculative_options_are_named() {
-    let no_head = factory::load(
-        &fixture("qwen3_5-tiny"),
-        spec_options(Speculative::Mtp, 2),
-        std::sync::Arc::new(metrale_gpu_runtime::CpuBackend::default()),
-    )
-    .unwrap_err()
-    .to_string();
+    let cpu = || std::sync::Arc::new(metrale_gpu_runtime::CpuBackend::default());
+    let model = factory::load(&fixture("qwen3_5-tiny"), cpu()).unwrap();
+    let no_head = Scheduler::new(model, spec_options(Speculative::Mtp, 2))
+        .unwrap_err()
+        .to_string();
     assert!(
         no_head.contains("speculative") && no_head.contains("mtp"),
         "{no_head}"
     );
     let fx = MtpFixture::new("qwen3_5-tiny");
     for k in [0, 9] {
-        let e = factory::load(
-            fx.path(),
-            spec_options(Speculative::Mtp, k),
-            std::sync::Arc::new(metrale_gpu_runtime::CpuBackend::default()),
-        )
-        .unwrap_err()
-        .to_string();
+        let model = factory::load(fx.path(), cpu()).unwrap();
+        let e = Scheduler::new(model, spec_options(Speculative::Mtp, k))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("num_draft_tokens"), "{e}");
     }
     let mut plain = fx.load(ModelOptions::default());
-    let mut oracle = OracleDrafter::new(vec![]);
-    let gp = greedy(3);
+    let oracle = OracleDrafter::new(vec![]);
     let e = generate_speculative(
         &mut plain,
-        &[(&[1, 2][..], &gp)],
-        &mut oracle,
+        vec![request(&[1, 2], &greedy(3))],
+        Box::new(oracle),
         &mut |_, _| ControlFlow::Continue(()),
     )
     .unwrap_err()

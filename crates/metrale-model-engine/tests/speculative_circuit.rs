@@ -17,13 +17,11 @@ use std::sync::Arc;
 
 use metrale_cache::BlockTable;
 use metrale_gpu_runtime::{CpuBackend, GpuBackend, GpuBackendExt};
-use metrale_model_engine::factory;
-use metrale_model_engine::generate::generate_batch;
-use metrale_model_engine::model::{MtpStep, StepInput, StepRow, TransformerModel};
-use metrale_model_engine::model_circuit::{
-    ForwardSelect, Fusions, ModelCircuit, checkpoint_plan, checkpoint_plans, plans_digest,
-};
 use metrale_model_engine::options::{ModelOptions, Speculative};
+use metrale_model_engine::runner::{
+    ForwardSelect, Fusions, ModelCircuit, MtpStep, StepInput, StepRow, checkpoint_plan,
+    checkpoint_plans, plans_digest,
+};
 use metrale_model_layers::circuit_exec::Step;
 use support::*;
 
@@ -32,12 +30,10 @@ const REFERENCE: ForwardSelect = ForwardSelect::Circuit {
 };
 
 fn spec_options(k: usize, graphs: bool) -> ModelOptions {
-    ModelOptions {
-        speculative: Speculative::External,
-        num_draft_tokens: k,
-        decode_graphs: graphs,
-        ..Default::default()
-    }
+    ModelOptions::default()
+        .speculative(Speculative::External)
+        .num_draft_tokens(k)
+        .decode_graphs(graphs)
 }
 
 fn cpu() -> Arc<dyn GpuBackend> {
@@ -45,12 +41,8 @@ fn cpu() -> Arc<dyn GpuBackend> {
 }
 
 /// Fixture `name` (no MTP head) on `gpu`.
-fn load_on(
-    gpu: fn() -> Arc<dyn GpuBackend>,
-    name: &str,
-    options: ModelOptions,
-) -> TransformerModel {
-    factory::load(&fixture(name), options, gpu()).unwrap()
+fn load_on(gpu: fn() -> Arc<dyn GpuBackend>, name: &str, options: ModelOptions) -> Rig {
+    Rig::load_on(&fixture(name), options, gpu())
 }
 
 fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
@@ -68,10 +60,10 @@ struct Seq {
 
 impl Seq {
     /// A sequence with `prompt` prefilled, keeping verify rows' states in `rows` slots.
-    fn prefilled(model: &mut TransformerModel, prompt: &[u32], rows: usize) -> Seq {
-        let slot = model.alloc_ssm_slot().unwrap().unwrap();
+    fn prefilled(model: &mut Rig, prompt: &[u32], rows: usize) -> Seq {
+        let slot = model.cache.alloc_ssm_slot(None).unwrap().unwrap();
         let row_slots = (0..rows)
-            .map(|_| model.alloc_ssm_slot().unwrap().unwrap())
+            .map(|_| model.cache.alloc_ssm_slot(None).unwrap().unwrap())
             .collect();
         let mut seq = Seq {
             table: BlockTable::new(),
@@ -86,33 +78,26 @@ impl Seq {
                 seq: 0,
             })
             .collect();
-        model
-            .forward(&StepInput {
-                rows: &step,
-                tables: &[&seq.table],
-                logit_rows: &[],
-                ssm_slots: &[seq.slot],
-            })
-            .unwrap();
+        let input = StepInput {
+            rows: &step,
+            tables: &[&seq.table],
+            logit_rows: &[],
+            ssm_slots: &[seq.slot],
+        };
+        model.runner.forward(&model.cache, &input).unwrap();
         seq
     }
 
-    fn ensure(&mut self, model: &mut TransformerModel, tokens: usize) {
-        let bs = model.kv_cache().block_size();
-        self.table
-            .ensure(tokens, bs, &mut model.kv_cache().allocator)
-            .unwrap();
+    fn ensure(&mut self, model: &mut Rig, tokens: usize) {
+        model.cache.ensure(&mut self.table, tokens).unwrap();
     }
 
-    fn free(self, model: &mut TransformerModel) {
+    fn free(self, model: &mut Rig) {
         for s in self.row_slots.into_iter().chain([self.slot]) {
-            model.free_ssm_slot(s).unwrap();
+            model.cache.free_ssm_slot(s).unwrap();
         }
-        let bs = model.kv_cache().block_size();
         let mut table = self.table;
-        table
-            .truncate(0, bs, &mut model.kv_cache().allocator)
-            .unwrap();
+        model.cache.release(&mut table).unwrap();
     }
 }
 
@@ -126,7 +111,7 @@ fn prompt(len: u32, salt: u32) -> Vec<u32> {
 /// One verify step over `seqs`, sequence `i` verifying `counts[i]` rows after its prompt of
 /// `prompt_len[i]` tokens; returns every row's logits and every row slot's state.
 fn verify(
-    model: &mut TransformerModel,
+    model: &mut Rig,
     seqs: &[&Seq],
     prompt_lens: &[usize],
     counts: &[usize],
@@ -145,10 +130,12 @@ fn verify(
     }
     let tables: Vec<&BlockTable> = seqs.iter().map(|s| &s.table).collect();
     let slots: Vec<u32> = seqs.iter().map(|s| s.slot).collect();
-    model.verify(&rows, &tables, &slots, &row_slots).unwrap();
-    let logits = model.logits(rows.len()).unwrap();
+    (model.runner)
+        .verify(&model.cache, &rows, &tables, &slots, &row_slots)
+        .unwrap();
+    let logits = model.runner.logits(rows.len()).unwrap();
     let states = (row_slots.iter().chain(&slots))
-        .map(|&s| model.ssm_slot_bytes(s).unwrap())
+        .map(|&s| model.cache.ssm_slot_bytes(s).unwrap())
         .collect();
     (logits, states)
 }
@@ -164,11 +151,11 @@ fn verify_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
             let mut legacy = load_on(gpu, name, spec_options(4, graphs));
             let mut circuit = load_on(gpu, name, spec_options(4, graphs));
             let want: Vec<_> = (1..=5)
-                .map(|rows| circuit.verify_launches(rows).unwrap())
+                .map(|rows| circuit.runner.verify_launches(rows).unwrap())
                 .collect();
-            circuit.set_forward(REFERENCE).unwrap();
+            circuit.runner.set_forward(REFERENCE).unwrap();
             for (rows, want) in (1..=5).zip(&want) {
-                let got = circuit.verify_launches(rows).unwrap();
+                let got = circuit.runner.verify_launches(rows).unwrap();
                 assert!(
                     got == *want,
                     "{name}: the verify program of {rows} rows launches {} kernels, legacy {}; \
@@ -197,7 +184,7 @@ fn verify_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
             }
             if graphs {
                 let shapes = [(2, 1), (3, 1), (4, 1), (5, 1)];
-                assert_eq!(circuit.captured_verify_shapes(), shapes, "{name}");
+                assert_eq!(circuit.runner.graphs().verify_shapes(), shapes, "{name}");
             }
         }
     }
@@ -213,12 +200,9 @@ fn batched_verify_graph_is_eager(gpu: fn() -> Arc<dyn GpuBackend>) {
         let mut eager = load_on(gpu, name, spec_options(3, false));
         let mut graphed = load_on(gpu, name, spec_options(3, true));
         let mut circuit = load_on(gpu, name, spec_options(3, true));
-        circuit.set_forward(REFERENCE).unwrap();
+        circuit.runner.set_forward(REFERENCE).unwrap();
         // No verify graph may be kept: every step runs eagerly, with the same results.
-        let capped = ModelOptions {
-            max_speculative_graphs: 0,
-            ..spec_options(3, true)
-        };
+        let capped = spec_options(3, true).max_speculative_graphs(0);
         let mut capped = load_on(gpu, name, capped);
         // Two mixes of drafts with the same rows and sequences: the second replays the graph
         // the first captured, with other positions, sequences and row slots.
@@ -241,11 +225,11 @@ fn batched_verify_graph_is_eager(gpu: fn() -> Arc<dyn GpuBackend>) {
                 }
             }
         }
-        assert!(eager.captured_verify_shapes().is_empty());
-        assert_eq!(graphed.captured_verify_shapes(), [(6, 3)], "{name}");
-        assert_eq!(circuit.captured_verify_shapes(), [(6, 3)], "{name}");
+        assert!(eager.runner.graphs().verify_shapes().is_empty());
+        assert_eq!(graphed.runner.graphs().verify_shapes(), [(6, 3)], "{name}");
+        assert_eq!(circuit.runner.graphs().verify_shapes(), [(6, 3)], "{name}");
         assert!(
-            capped.captured_verify_shapes().is_empty(),
+            capped.runner.graphs().verify_shapes().is_empty(),
             "{name}: past the cap"
         );
     }
@@ -261,12 +245,13 @@ fn mtp_greedy_under_the_circuit_forward_is_plain_greedy() {
             .map(|p| run(&mut plain_model, p, &greedy(12)))
             .collect();
         for k in [1, 4] {
-            let mut model = fx.load(ModelOptions {
-                speculative: Speculative::Mtp,
-                num_draft_tokens: k,
-                ..Default::default()
-            });
+            let mut model = fx.load(
+                ModelOptions::default()
+                    .speculative(Speculative::Mtp)
+                    .num_draft_tokens(k),
+            );
             model
+                .runner_mut()
                 .set_forward(ForwardSelect::Circuit {
                     fusions: Fusions::All,
                 })
@@ -276,23 +261,26 @@ fn mtp_greedy_under_the_circuit_forward_is_plain_greedy() {
                 assert_eq!(got.token_ids, want.token_ids, "{name} K={k}: tokens");
             }
             let gp = greedy(12);
-            let reqs: Vec<(&[u32], _)> = prompts.iter().map(|p| (p.as_slice(), &gp)).collect();
-            let batched =
-                generate_batch(&mut model, &reqs, &mut |_, _| ControlFlow::Continue(())).unwrap();
+            let reqs = prompts.iter().map(|p| request(p, &gp)).collect();
+            let batched = model
+                .run(reqs, &mut |_, _| ControlFlow::Continue(()))
+                .unwrap();
             for (got, want) in batched.iter().zip(&plain) {
                 assert_eq!(got.token_ids, want.token_ids, "{name} K={k} batched");
             }
+            let runner = model.runner();
             assert!(
-                model.captured_verify_shapes().contains(&(1 + k as u32, 1)),
+                runner.graphs().verify_shapes().contains(&(1 + k as u32, 1)),
                 "{name} K={k}: single-sequence verify steps ran"
             );
             assert!(
-                model.draft_program_steps() > 0,
+                runner.draft_program_steps() > 0,
                 "{name} K={k}: drafts ran the circuit's draft programs"
             );
             assert!(
-                model
-                    .captured_mtp_shapes()
+                runner
+                    .graphs()
+                    .mtp_shapes()
                     .iter()
                     .any(|&(_, seqs)| seqs > 1),
                 "{name} K={k}: batched MTP steps replayed graphs"
@@ -305,10 +293,11 @@ fn mtp_greedy_under_the_circuit_forward_is_plain_greedy() {
 fn the_disclosed_digest_covers_the_verify_plans_metrale_circuit_plan_prints() {
     for name in HYBRID {
         let options = spec_options(4, true);
-        let mut model = load_plain(name, options.clone());
-        model.set_forward(REFERENCE).unwrap();
-        let d = model.forward_disclosure().unwrap();
-        let plans = checkpoint_plans(model.config(), &options, Fusions::ReferenceOnly).unwrap();
+        let mut model = Rig::load(&fixture(name), options.clone());
+        model.runner.set_forward(REFERENCE).unwrap();
+        let d = model.runner.forward_disclosure().unwrap();
+        let config = model.runner.model().config();
+        let plans = checkpoint_plans(config, &options, Fusions::ReferenceOnly).unwrap();
         let verify: Vec<u64> = plans.iter().skip(4).map(|p| p.rows()).collect();
         assert_eq!(
             verify,
@@ -316,29 +305,19 @@ fn the_disclosed_digest_covers_the_verify_plans_metrale_circuit_plan_prints() {
             "{name}: decode 1, 2, 4, 8, then verify"
         );
         assert_eq!(d.plan_digest, Some(plans_digest(&plans)), "{name}");
-        let plain = checkpoint_plans(
-            model.config(),
-            &ModelOptions::default(),
-            Fusions::ReferenceOnly,
-        );
+        let plain = checkpoint_plans(config, &ModelOptions::default(), Fusions::ReferenceOnly);
         assert_ne!(d.plan_digest, Some(plans_digest(&plain.unwrap())), "{name}");
-        let p3 = checkpoint_plan(
-            model.config(),
-            &options,
-            Step::Verify,
-            Fusions::ReferenceOnly,
-            3,
-        )
-        .unwrap();
+        let p3 =
+            checkpoint_plan(config, &options, Step::Verify, Fusions::ReferenceOnly, 3).unwrap();
         assert!(p3.text() == plans[5].text() && p3.text().contains("\nstep verify\nrows 3\n"));
     }
 }
 
 /// The bytes of the MTP head's KV pools (the last KV-cache layer).
-fn head_kv(model: &mut TransformerModel) -> Vec<u8> {
-    let layout = *model.kv_cache().layout();
-    let pools = model.kv_cache().layer(layout.num_layers - 1);
-    let gpu = model.gpu().clone();
+fn head_kv(model: &mut Rig) -> Vec<u8> {
+    let layout = *model.cache.kv_layout();
+    let pools = model.cache.kv_layer(layout.num_layers - 1);
+    let gpu = model.runner.model().gpu().clone();
     let bytes = layout.pool_bytes();
     let s = gpu.default_stream();
     let mut out: Vec<u8> = gpu.download(pools.k, bytes, s).unwrap();
@@ -348,7 +327,7 @@ fn head_kv(model: &mut TransformerModel) -> Vec<u8> {
 
 /// After a prefill of `p`, a take-in MTP step of its last `rows` rows (logits on the last),
 /// then the next draft's single row; each step's logits, then the head's KV pools.
-fn draft_steps(model: &mut TransformerModel, p: &[u32], rows: usize) -> (Vec<Vec<u32>>, Vec<u8>) {
+fn draft_steps(model: &mut Rig, p: &[u32], rows: usize) -> (Vec<Vec<u32>>, Vec<u8>) {
     let seq = Seq::prefilled(model, p, 0);
     let n = p.len();
     let take_in: Vec<StepRow> = (n - rows..n)
@@ -360,7 +339,7 @@ fn draft_steps(model: &mut TransformerModel, p: &[u32], rows: usize) -> (Vec<Vec
         .collect();
     let hidden: Vec<u32> = (n - rows..n).map(|r| r as u32).collect();
     let mut logits = Vec::new();
-    model
+    (model.runner)
         .mtp_step(&MtpStep {
             rows: &take_in,
             tables: &[&seq.table],
@@ -369,13 +348,13 @@ fn draft_steps(model: &mut TransformerModel, p: &[u32], rows: usize) -> (Vec<Vec
             depth: 0,
         })
         .unwrap();
-    logits.extend(bits(&model.logits(1).unwrap()));
+    logits.extend(bits(&model.runner.logits(1).unwrap()));
     let next = [StepRow {
-        token: model.greedy(1).unwrap()[0],
+        token: model.runner.greedy(1).unwrap()[0],
         position: n as u32,
         seq: 0,
     }];
-    model
+    (model.runner)
         .mtp_step(&MtpStep {
             rows: &next,
             tables: &[&seq.table],
@@ -384,7 +363,7 @@ fn draft_steps(model: &mut TransformerModel, p: &[u32], rows: usize) -> (Vec<Vec
             depth: 1,
         })
         .unwrap();
-    logits.extend(bits(&model.logits(1).unwrap()));
+    logits.extend(bits(&model.runner.logits(1).unwrap()));
     let kv = head_kv(model);
     seq.free(model);
     (logits, kv)
@@ -399,20 +378,18 @@ fn draft_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
     for name in HYBRID {
         let fx = MtpFixture::new(name);
         for graphs in [false, true] {
-            let options = ModelOptions {
-                speculative: Speculative::Mtp,
-                num_draft_tokens: 4,
-                decode_graphs: graphs,
-                ..Default::default()
-            };
-            let load = || factory::load(fx.path(), options.clone(), gpu()).unwrap();
+            let options = ModelOptions::default()
+                .speculative(Speculative::Mtp)
+                .num_draft_tokens(4)
+                .decode_graphs(graphs);
+            let load = || Rig::load_on(fx.path(), options.clone(), gpu());
             let (mut legacy, mut circuit) = (load(), load());
             let want: Vec<_> = (1..=5)
-                .map(|rows| circuit.draft_launches(rows).unwrap())
+                .map(|rows| circuit.runner.draft_launches(rows).unwrap())
                 .collect();
-            circuit.set_forward(REFERENCE).unwrap();
+            circuit.runner.set_forward(REFERENCE).unwrap();
             for (rows, want) in (1..=5).zip(&want) {
-                let got = circuit.draft_launches(rows).unwrap();
+                let got = circuit.runner.draft_launches(rows).unwrap();
                 assert!(
                     got == *want,
                     "{name}: the draft program of {rows} rows launches {} kernels, legacy {}; \
@@ -435,9 +412,9 @@ fn draft_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
                     "{name} {rows} rows, graphs {graphs}: the head's KV differs"
                 );
             }
-            assert_eq!(legacy.draft_program_steps(), 0, "{name}");
+            assert_eq!(legacy.runner.draft_program_steps(), 0, "{name}");
             assert_eq!(
-                circuit.draft_program_steps(),
+                circuit.runner.draft_program_steps(),
                 10,
                 "{name}: every step ran a program"
             );
@@ -449,15 +426,14 @@ fn draft_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
 fn the_disclosed_digest_covers_the_draft_plans_metrale_circuit_plan_prints() {
     for name in HYBRID {
         let fx = MtpFixture::new(name);
-        let options = ModelOptions {
-            speculative: Speculative::Mtp,
-            num_draft_tokens: 2,
-            ..Default::default()
-        };
-        let mut model = fx.load(options.clone());
-        model.set_forward(REFERENCE).unwrap();
-        let d = model.forward_disclosure().unwrap();
-        let plans = checkpoint_plans(model.config(), &options, Fusions::ReferenceOnly).unwrap();
+        let options = ModelOptions::default()
+            .speculative(Speculative::Mtp)
+            .num_draft_tokens(2);
+        let mut model = Rig::load(fx.path(), options.clone());
+        model.runner.set_forward(REFERENCE).unwrap();
+        let d = model.runner.forward_disclosure().unwrap();
+        let config = model.runner.model().config();
+        let plans = checkpoint_plans(config, &options, Fusions::ReferenceOnly).unwrap();
         let rows: Vec<u64> = plans.iter().skip(4).map(|p| p.rows()).collect();
         assert_eq!(
             rows,
@@ -465,13 +441,7 @@ fn the_disclosed_digest_covers_the_draft_plans_metrale_circuit_plan_prints() {
             "{name}: verify 2, 3, then draft 1, 2, 3"
         );
         assert_eq!(d.plan_digest, Some(plans_digest(&plans)), "{name}");
-        let p2 = checkpoint_plan(
-            model.config(),
-            &options,
-            Step::Draft,
-            Fusions::ReferenceOnly,
-            2,
-        );
+        let p2 = checkpoint_plan(config, &options, Step::Draft, Fusions::ReferenceOnly, 2);
         let p2 = p2.unwrap();
         assert!(p2.text() == plans[7].text() && p2.text().contains("\nstep draft\n"));
     }

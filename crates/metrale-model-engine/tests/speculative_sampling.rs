@@ -15,13 +15,11 @@ mod support;
 use std::collections::HashMap;
 use std::ops::ControlFlow;
 
-use metrale_model_engine::ModelError;
-use metrale_model_engine::generate::generate_speculative;
-use metrale_model_engine::model::TransformerModel;
 use metrale_model_engine::options::{ModelOptions, Speculative};
 use metrale_model_engine::sampling::{Sampler, SamplingParams};
-use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest};
+use metrale_model_engine::scheduler::{SeqEvent, SeqRequest};
 use metrale_model_engine::speculative::{DraftInput, Drafter, GateOptions};
+use metrale_model_engine::{ModelError, Scheduler, StepRunner};
 use support::*;
 
 const RUNS: u64 = 1200;
@@ -38,15 +36,18 @@ struct Guess {
 impl Drafter for Guess {
     fn draft(
         &mut self,
-        _model: &mut TransformerModel,
+        _runner: &mut StepRunner,
         inputs: &[DraftInput<'_>],
     ) -> Result<Vec<Vec<u32>>, ModelError> {
-        self.calls += 1;
+        // Alternate per draft made (take-ins that draft nothing do not count).
         Ok(inputs
             .iter()
             .map(
                 |inp| match (inp.generated, self.ranked.get(&inp.generated[0])) {
-                    ([_], Some(r)) => vec![r[self.calls % 2]; inp.num_drafts],
+                    ([_], Some(r)) if inp.num_drafts > 0 => {
+                        self.calls += 1;
+                        vec![r[self.calls % 2]; inp.num_drafts]
+                    }
                     _ => Vec::new(),
                 },
             )
@@ -63,11 +64,7 @@ struct Case {
 }
 
 fn case() -> Case {
-    let sampling = SamplingParams {
-        temperature: 2.0,
-        top_k: 2,
-        ..Default::default()
-    };
+    let sampling = SamplingParams::default().temperature(2.0).top_k(2);
     let mut plain = load_plain("qwen3_5-tiny", ModelOptions::default());
     let prompt: Vec<u32> = (0..16).map(|t| (t * 41 + 5) % 250 + 1).collect();
     let dist = Sampler::new(sampling);
@@ -129,15 +126,18 @@ fn check(
     );
 }
 
-fn spec_model() -> TransformerModel {
-    load_plain(
+/// The Qwen3.5 fixture built for one draft, drafting with `drafter` at every decode step.
+fn spec_model(drafter: Guess) -> Scheduler {
+    let mut s = load_plain(
         "qwen3_5-tiny",
-        ModelOptions {
-            speculative: Speculative::External,
-            num_draft_tokens: 1,
-            ..Default::default()
-        },
-    )
+        ModelOptions::default()
+            .speculative(Speculative::External)
+            .num_draft_tokens(1),
+    );
+    s.set_drafter(Some(Box::new(drafter))).unwrap();
+    let spec = s.speculation().unwrap();
+    spec.set_gate(GateOptions::default().enabled(false));
+    s
 }
 
 #[test]
@@ -149,23 +149,25 @@ fn speculative_sampling_follows_the_plain_distribution() {
         ranked,
     } = case();
 
-    let mut model = spec_model();
-    let mut drafter = Guess { ranked, calls: 0 };
+    let mut model = spec_model(Guess { ranked, calls: 0 });
     let mut seen: HashMap<(u32, u32), usize> = HashMap::new();
-    let (mut kept, mut rejected) = (0, 0);
     for seed in 0..RUNS {
-        let p = params(3, SamplingParams { seed, ..sampling });
-        let (out, stats) =
-            generate_speculative(&mut model, &[(&prompt, &p)], &mut drafter, &mut |_, _| {
+        let p = params(3, sampling.seed(seed));
+        let out = model
+            .run(vec![request(&prompt, &p)], &mut |_, _| {
                 ControlFlow::Continue(())
             })
             .unwrap();
         let t = &out[0].token_ids;
         *seen.entry((t[0], t[1])).or_default() += 1;
-        kept += stats.accepted();
-        rejected += stats.drafted() - stats.accepted();
     }
-    check(&exact, &seen, kept, rejected);
+    let stats = model.speculation().unwrap().stats();
+    check(
+        &exact,
+        &seen,
+        stats.accepted(),
+        stats.drafted() - stats.accepted(),
+    );
 }
 
 #[test]
@@ -176,34 +178,26 @@ fn speculative_sampling_through_the_scheduler_follows_the_plain_distribution() {
         exact,
         ranked,
     } = case();
-    let mut model = spec_model();
-    let mut sched = Scheduler::new(&mut model);
-    sched
-        .set_drafter(&model, Box::new(Guess { ranked, calls: 0 }))
-        .unwrap();
-    sched.set_speculation_gate(GateOptions {
-        enabled: false,
-        ..Default::default()
-    });
+    let mut sched = spec_model(Guess { ranked, calls: 0 });
     let mut ids = HashMap::new();
     for seed in 0..RUNS {
         let req = SeqRequest {
             prompt: prompt.clone(),
-            params: params(3, SamplingParams { seed, ..sampling }),
+            params: params(3, sampling.seed(seed)),
             ignore_eos: true,
         };
         ids.insert(sched.add(req).unwrap(), seed);
     }
     let mut seen: HashMap<(u32, u32), usize> = HashMap::new();
     while !sched.is_idle() {
-        for e in sched.step(&mut model).unwrap().events {
+        for e in sched.step().unwrap().events {
             if let SeqEvent::Finished { generation, .. } = e {
                 let t = &generation.token_ids;
                 *seen.entry((t[0], t[1])).or_default() += 1;
             }
         }
     }
-    let stats = sched.stats(&mut model);
-    let (kept, drafted) = (stats.accepted as usize, stats.drafted as usize);
+    let stats = sched.stats().speculation.unwrap();
+    let (kept, drafted) = (stats.accepted(), stats.drafted());
     check(&exact, &seen, kept, drafted - kept);
 }

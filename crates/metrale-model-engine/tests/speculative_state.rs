@@ -2,7 +2,7 @@
 //! `j` of `K` drafts, the sequence's SSM slot holds bitwise the bytes of a sequence that decoded
 //! only the kept tokens, the verify rows' logits are the decode steps' bitwise, and the next
 //! step's logits too (the rejected rows' KV entries and states are never read). The MTP
-//! drafter feeds its head as `model::mtp` documents: the row at position `p` reads the token at
+//! drafter feeds its head as `runner::mtp` documents: the row at position `p` reads the token at
 //! `p + 1` and the target's final-norm output of row `p`. A verify step refuses row slots that
 //! would overwrite a state another sequence reads.
 
@@ -11,8 +11,9 @@
 mod support;
 
 use metrale_cache::BlockTable;
-use metrale_model_engine::model::{MtpStep, StepInput, StepRow, TransformerModel};
+use metrale_model_engine::StepRunner;
 use metrale_model_engine::options::{ModelOptions, Speculative};
+use metrale_model_engine::runner::{MtpStep, StepInput, StepRow};
 use metrale_model_engine::sampling::{Sampler, SamplingParams, argmax};
 use metrale_model_engine::speculative::{DraftInput, Drafter, MtpDrafter, verify_drafts};
 use support::*;
@@ -25,10 +26,10 @@ struct Seq {
 }
 
 impl Seq {
-    fn new(model: &mut TransformerModel, spares: usize) -> Seq {
-        let slot = model.alloc_ssm_slot().unwrap().unwrap();
+    fn new(rig: &mut Rig, spares: usize) -> Seq {
+        let slot = rig.cache.alloc_ssm_slot(None).unwrap().unwrap();
         let spares = (0..spares)
-            .map(|_| model.alloc_ssm_slot().unwrap().unwrap())
+            .map(|_| rig.cache.alloc_ssm_slot(None).unwrap().unwrap())
             .collect();
         Seq {
             table: BlockTable::new(),
@@ -37,16 +38,13 @@ impl Seq {
         }
     }
 
-    fn ensure(&mut self, model: &mut TransformerModel, tokens: usize) {
-        let bs = model.kv_cache().block_size();
-        self.table
-            .ensure(tokens, bs, &mut model.kv_cache().allocator)
-            .unwrap();
+    fn ensure(&mut self, rig: &mut Rig, tokens: usize) {
+        rig.cache.ensure(&mut self.table, tokens).unwrap();
     }
 
     /// Prefill `prompt`; returns the last row's logits.
-    fn prefill(&mut self, model: &mut TransformerModel, prompt: &[u32]) -> Vec<f32> {
-        self.ensure(model, prompt.len());
+    fn prefill(&mut self, rig: &mut Rig, prompt: &[u32]) -> Vec<f32> {
+        self.ensure(rig, prompt.len());
         let rows: Vec<StepRow> = prompt
             .iter()
             .enumerate()
@@ -56,27 +54,28 @@ impl Seq {
                 seq: 0,
             })
             .collect();
-        model
-            .forward(&StepInput {
-                rows: &rows,
-                tables: &[&self.table],
-                logit_rows: &[prompt.len() as u32 - 1],
-                ssm_slots: &[self.slot],
-            })
-            .unwrap();
-        model.logits(1).unwrap().pop().unwrap()
+        let input = StepInput {
+            rows: &rows,
+            tables: &[&self.table],
+            logit_rows: &[prompt.len() as u32 - 1],
+            ssm_slots: &[self.slot],
+        };
+        rig.runner.forward(&rig.cache, &input).unwrap();
+        rig.runner.logits(1).unwrap().pop().unwrap()
     }
 
     /// One decode step of `token` at `pos`; returns its logits.
-    fn decode(&mut self, model: &mut TransformerModel, token: u32, pos: usize) -> Vec<f32> {
-        self.ensure(model, pos + 1);
+    fn decode(&mut self, rig: &mut Rig, token: u32, pos: usize) -> Vec<f32> {
+        self.ensure(rig, pos + 1);
         let row = StepRow {
             token,
             position: pos as u32,
             seq: 0,
         };
-        model.decode(&[row], &[&self.table], &[self.slot]).unwrap();
-        model.logits(1).unwrap().pop().unwrap()
+        (rig.runner)
+            .decode(&rig.cache, &[row], &[&self.table], &[self.slot])
+            .unwrap();
+        rig.runner.logits(1).unwrap().pop().unwrap()
     }
 }
 
@@ -86,13 +85,11 @@ fn bits(v: &[f32]) -> Vec<u32> {
 
 /// Keep `j` of `k` drafts on fixture `name` and compare against plain decode.
 fn rollback_case(name: &str, k: usize, j: usize) {
-    let mut model = support::load_plain(
-        name,
-        ModelOptions {
-            speculative: Speculative::External,
-            num_draft_tokens: k,
-            ..Default::default()
-        },
+    let mut model = Rig::load(
+        &fixture(name),
+        ModelOptions::default()
+            .speculative(Speculative::External)
+            .num_draft_tokens(k),
     );
     // 14 prompt tokens: the verify rows cross the 16-token KV block boundary.
     let prompt: Vec<u32> = (0..14).map(|t| (t * 29 + 7) % 250 + 1).collect();
@@ -106,7 +103,7 @@ fn rollback_case(name: &str, k: usize, j: usize) {
         let l = plain.decode(&mut model, g[t], n + t);
         g.push(argmax(&l));
         logits.push(l);
-        states.push(model.ssm_slot_bytes(plain.slot).unwrap());
+        states.push(model.cache.ssm_slot_bytes(plain.slot).unwrap());
     }
 
     // The speculative one: drafts right up to depth j, wrong from there.
@@ -126,10 +123,16 @@ fn rollback_case(name: &str, k: usize, j: usize) {
         })
         .collect();
     let row_slots: Vec<u32> = spec.spares.iter().copied().chain([spec.slot]).collect();
-    model
-        .verify(&rows, &[&spec.table], &[spec.slot], &row_slots)
+    (model.runner)
+        .verify(
+            &model.cache,
+            &rows,
+            &[&spec.table],
+            &[spec.slot],
+            &row_slots,
+        )
         .unwrap();
-    let vlogits = model.logits(k + 1).unwrap();
+    let vlogits = model.runner.logits(k + 1).unwrap();
     let verdict = verify_drafts(
         &mut Sampler::new(SamplingParams::default()),
         &vlogits,
@@ -149,12 +152,9 @@ fn rollback_case(name: &str, k: usize, j: usize) {
         std::mem::swap(&mut spec.slot, &mut spec.spares[j]);
     }
     let kept = n + j + 1;
-    let bs = model.kv_cache().block_size();
-    spec.table
-        .truncate(kept, bs, &mut model.kv_cache().allocator)
-        .unwrap();
+    model.cache.truncate(&mut spec.table, kept).unwrap();
     assert!(
-        model.ssm_slot_bytes(spec.slot).unwrap() == states[j],
+        model.cache.ssm_slot_bytes(spec.slot).unwrap() == states[j],
         "{case}: the kept slot is not the state of a run that decoded only the kept tokens"
     );
     // The next step: the token the verify chose, at the first free position.
@@ -164,7 +164,7 @@ fn rollback_case(name: &str, k: usize, j: usize) {
         "{case}: the step after the rollback sees the rejected tokens"
     );
     assert!(
-        model.ssm_slot_bytes(spec.slot).unwrap() == states[j + 1],
+        model.cache.ssm_slot_bytes(spec.slot).unwrap() == states[j + 1],
         "{case}: the state after the next step"
     );
 }
@@ -191,12 +191,12 @@ struct Spy {
 impl Drafter for Spy {
     fn draft(
         &mut self,
-        model: &mut TransformerModel,
+        runner: &mut StepRunner,
         inputs: &[DraftInput<'_>],
     ) -> Result<Vec<Vec<u32>>, metrale_model_engine::ModelError> {
-        let d = self.inner.draft(model, inputs)?;
+        let d = self.inner.draft(runner, inputs)?;
         // With one draft the head's last step is the one that takes in the rows.
-        self.first_logits = Some(model.logits(1)?.pop().unwrap_or_default());
+        self.first_logits = Some(runner.logits(1)?.pop().unwrap_or_default());
         Ok(d)
     }
 }
@@ -204,11 +204,12 @@ impl Drafter for Spy {
 #[test]
 fn the_mtp_head_reads_the_next_token_and_the_target_row_at_each_position() {
     let fx = MtpFixture::new("qwen3_5-tiny");
-    let mut model = fx.load(ModelOptions {
-        speculative: Speculative::Mtp,
-        num_draft_tokens: 1,
-        ..Default::default()
-    });
+    let mut model = Rig::load(
+        fx.path(),
+        ModelOptions::default()
+            .speculative(Speculative::Mtp)
+            .num_draft_tokens(1),
+    );
     let prompt = fx.prompts()[1].clone();
     let n = prompt.len();
     let mut seq = Seq::new(&mut model, 0);
@@ -228,7 +229,7 @@ fn the_mtp_head_reads_the_next_token_and_the_target_row_at_each_position() {
         first_position: 0,
         num_drafts: 1,
     };
-    spy.draft(&mut model, &[input]).unwrap();
+    spy.draft(&mut model.runner, &[input]).unwrap();
     let drafted = spy.first_logits.unwrap();
 
     // The same head step by hand: at position p, the token at p + 1 and the target's row p.
@@ -249,7 +250,7 @@ fn the_mtp_head_reads_the_next_token_and_the_target_row_at_each_position() {
         let hidden: Vec<u32> = (0..n as u32)
             .map(|p| p.saturating_sub(hidden_shift as u32))
             .collect();
-        model
+        (model.runner)
             .mtp_step(&MtpStep {
                 rows: &rows,
                 tables: &[&seq.table],
@@ -258,7 +259,7 @@ fn the_mtp_head_reads_the_next_token_and_the_target_row_at_each_position() {
                 depth: 0,
             })
             .unwrap();
-        model.logits(1).unwrap().pop().unwrap()
+        model.runner.logits(1).unwrap().pop().unwrap()
     };
     assert!(
         bits(&by_hand(0, 0, 0)) == bits(&drafted),
@@ -278,13 +279,11 @@ fn the_mtp_head_reads_the_next_token_and_the_target_row_at_each_position() {
 
 #[test]
 fn a_verify_step_refuses_row_slots_that_would_corrupt_a_state() {
-    let mut model = support::load_plain(
-        "qwen3_5-tiny",
-        ModelOptions {
-            speculative: Speculative::External,
-            num_draft_tokens: 2,
-            ..Default::default()
-        },
+    let mut model = Rig::load(
+        &fixture("qwen3_5-tiny"),
+        ModelOptions::default()
+            .speculative(Speculative::External)
+            .num_draft_tokens(2),
     );
     let (mut a, mut b) = (Seq::new(&mut model, 2), Seq::new(&mut model, 0));
     a.ensure(&mut model, 8);
@@ -296,8 +295,8 @@ fn a_verify_step_refuses_row_slots_that_would_corrupt_a_state() {
             seq: u32::from(t == 3),
         })
         .collect();
-    let free = model.alloc_ssm_slot().unwrap().unwrap();
-    model.free_ssm_slot(free).unwrap();
+    let free = model.cache.alloc_ssm_slot(None).unwrap().unwrap();
+    model.cache.free_ssm_slot(free).unwrap();
     let (s0, s1) = (a.spares[0], a.spares[1]);
     for (slots, why) in [
         (
@@ -314,10 +313,12 @@ fn a_verify_step_refuses_row_slots_that_would_corrupt_a_state() {
         ),
         (vec![s0, s1, a.slot], "fewer row slots than rows"),
     ] {
-        let r = model.verify(&rows, &[&a.table, &b.table], &[a.slot, b.slot], &slots);
+        let tables = [&a.table, &b.table];
+        let r = (model.runner).verify(&model.cache, &rows, &tables, &[a.slot, b.slot], &slots);
         assert!(r.is_err(), "{why}");
     }
-    let ok = model.verify(
+    let ok = model.runner.verify(
+        &model.cache,
         &rows,
         &[&a.table, &b.table],
         &[a.slot, b.slot],

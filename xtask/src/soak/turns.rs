@@ -42,7 +42,7 @@ pub(super) fn run(
     block_size: usize,
 ) -> Result<TurnsSummary> {
     let vocab = engine.config().vocab_size as u64;
-    let hybrid = engine.metrics().ssm_slots_total > 0;
+    let hybrid = engine.metrics().cache.ssm_slots_total > 0;
     let mut summary = TurnsSummary {
         conversations,
         follow_ups: 0,
@@ -50,7 +50,10 @@ pub(super) fn run(
         follow_up_hit_tokens: 0,
     };
     let mut rng = Rng(seed ^ 0x7E2A);
-    let (mut done, mut cold_done) = (engine.metrics().finished, cold.metrics().finished);
+    let (mut done, mut cold_done) = (
+        engine.metrics().requests.finished,
+        cold.metrics().requests.finished,
+    );
     for c in 0..conversations {
         let mut prompt: Vec<u32> = (0..rng.range(40, 80))
             .map(|_| (rng.next() % vocab) as u32)
@@ -60,11 +63,7 @@ pub(super) fn run(
             let sampling = if rng.chance(0.5) {
                 SamplingParams::default()
             } else {
-                SamplingParams {
-                    temperature: 0.8,
-                    seed: rng.next(),
-                    ..SamplingParams::default()
-                }
+                SamplingParams::default().temperature(0.8).seed(rng.next())
             };
             let req = GenerateRequest::new(Prompt::TokenIds(prompt.clone()))
                 .max_new_tokens(rng.range(8, 24))
@@ -75,7 +74,7 @@ pub(super) fn run(
             let out = engine.generate(&req).context("a conversation's turn")?;
             done += 1;
             let after = wait_idle(engine, done)?;
-            let hit = after.prefix_hit_tokens - before.prefix_hit_tokens;
+            let hit = after.steps.prefix.hit_tokens - before.steps.prefix.hit_tokens;
             let what = format!("conversation {c}, turn {turn} ({} tokens)", prompt.len());
             check_solo(cold, &req, &out).with_context(|| what.clone())?;
             cold_done += 1;

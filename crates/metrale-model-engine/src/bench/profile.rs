@@ -1,6 +1,6 @@
 //! A real step, launch by launch: the launches the model's selected forward makes for a decode
 //! width ([`ModelCircuit::decode_launches`]), or those of a prefill
-//! ([`TransformerModel::forward_launches`]), replayed one at a time on the model's own buffers
+//! ([`StepRunner::forward_launches`]), replayed one at a time on the model's own buffers
 //! with a device event between every two, so each launch's time is what it took inside that
 //! step (its real weights, caches, SSM states and metadata, with the L2 cache as the step leaves
 //! it). It works for every family (dense, hybrid, MoE), where the synthetic
@@ -22,18 +22,18 @@ use metrale_model_layers::ops::Kernels;
 use super::StepPart;
 use super::median;
 use crate::error::ModelError;
-use crate::model::TransformerModel;
-use crate::model_circuit::ModelCircuit;
+use crate::runner::{ModelCircuit, StepRunner};
 
 /// Parts of one step at `width`, grouped by kernel and its first three integer arguments, in order of first
 /// launch; each part's `us` is the median over `iters` replays of one launch, averaged over
 /// the launches in its group.
 pub fn step_profile(
-    model: &TransformerModel,
+    runner: &StepRunner,
     width: usize,
     iters: usize,
 ) -> Result<Vec<StepPart>, ModelError> {
-    launch_profile(model.gpu().as_ref(), &model.decode_launches(width)?, iters)
+    let gpu = runner.model().gpu();
+    launch_profile(gpu.as_ref(), &runner.decode_launches(width)?, iters)
 }
 
 /// Parts of `launches`, replayed eagerly on `gpu`'s default stream, grouped as

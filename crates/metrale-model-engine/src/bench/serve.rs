@@ -117,19 +117,17 @@ pub fn serve_ladder(
     let block_size = ModelOptions::default().block_size;
     // Every sequence's whole context, plus the admission headroom of one block per sequence.
     let blocks = max_c * (seq_len.div_ceil(block_size) + 1) + 2;
-    let options = ModelOptions {
-        max_batch_tokens: opts.max_batch_tokens,
-        max_seq_len: Some(seq_len),
-        num_kv_blocks: Some(blocks),
-        max_decode_seqs: max_c,
-        ..ModelOptions::default()
-    };
-    let mut model = factory::random(c.clone(), options, gpu.clone(), 0x5eed)?;
+    let options = ModelOptions::default()
+        .max_batch_tokens(opts.max_batch_tokens)
+        .max_seq_len(Some(seq_len))
+        .num_kv_blocks(Some(blocks))
+        .max_decode_seqs(max_c);
+    let model = factory::random(c.clone(), gpu.clone(), 0x5eed)?;
     let weights = weight_bytes(c);
     let per_seq = (opts.prompt_tokens as f64 + opts.output_tokens as f64 / 2.0)
         * kv_bytes_per_token(c)
         + ssm_bytes_per_seq(c);
-    let mut sched = Scheduler::new(&mut model);
+    let mut sched = Scheduler::new(model, options)?;
     let mut points = Vec::with_capacity(opts.concurrency.len());
     for (rung, &n) in opts.concurrency.iter().enumerate() {
         for i in 0..n {
@@ -154,7 +152,7 @@ pub fn serve_ladder(
         let start = Instant::now();
         while !sched.is_idle() {
             let t = Instant::now();
-            let report = sched.step(&mut model).map_err(|f| *f.error)?;
+            let report = sched.step().map_err(|f| *f.error)?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
             steps += 1;
             if report.kind == (StepKind::Decode { seqs: n }) {
@@ -167,11 +165,11 @@ pub fn serve_ladder(
                 .count();
         }
         let wall_s = start.elapsed().as_secs_f64();
-        let stats = sched.stats(&mut model);
-        if stats.kv_blocks_used != 0 || stats.ssm_slots_used != 0 {
+        let used = sched.stats().cache;
+        if used.kv_blocks_used != 0 || used.ssm_slots_used != 0 {
             return Err(ModelError::Step(format!(
                 "serve bench: {} KV blocks and {} SSM slots still held after rung {n}",
-                stats.kv_blocks_used, stats.ssm_slots_used
+                used.kv_blocks_used, used.ssm_slots_used
             )));
         }
         let step_bytes = weights + n as f64 * per_seq;

@@ -1,6 +1,5 @@
-//! The speculative-decoding benchmark behind `metrale bench --speculative` (issue 7's speed
-//! bar): on a random-weight model with an MTP head, at batch 1 and a context of `context`
-//! tokens,
+//! The speculative-decoding benchmark behind `metrale bench --speculative`: on a random-weight
+//! model with an MTP head, at batch 1 and a context of `context` tokens,
 //! - a plain decode step, graph-replayed and eager;
 //! - a verify step of `1 + K` rows for K = 1..`max_draft_tokens`, graph-replayed (as a
 //!   single-sequence verify runs) and eager, and its ratios to the plain step, graphed to
@@ -24,7 +23,7 @@ use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Instant;
 
-use metrale_cache::BlockTable;
+use metrale_cache::{BlockTable, CacheManager};
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::GpuBackend;
 
@@ -33,10 +32,11 @@ use super::{
 };
 use crate::error::ModelError;
 use crate::factory;
-use crate::generate::{GenerateParams, generate_plain, generate_speculative};
-use crate::model::{MtpStep, StepRow, TransformerModel};
+use crate::generate::{GenerateParams, SeqRequest, generate_speculative};
 use crate::options::{MAX_DRAFT_TOKENS, ModelOptions, Speculative};
+use crate::runner::{MtpStep, StepRow, StepRunner};
 use crate::sampling::SamplingParams;
+use crate::scheduler::Scheduler;
 use crate::speculative::{Drafter, MtpDrafter, OracleDrafter};
 
 /// Tokens per verify step published for Qwen3.5's MTP head at 1, 2 and 3 drafts.
@@ -116,23 +116,27 @@ pub struct SpecReport {
     pub head_weight_bytes: f64,
     /// Tokens in the cache of the timed steps.
     pub context: usize,
-    /// Median plain decode step at batch 1, replayed from a graph, ms.
-    pub plain_graphed_ms: f64,
-    /// The same step launched eagerly, ms.
-    pub plain_eager_ms: f64,
-    /// The plain step's bytes over the copy bandwidth, ms.
-    pub plain_floor_ms: f64,
+    /// The plain decode step at batch 1.
+    pub plain: StepTimes,
     /// Verify steps for K = 1 up.
     pub verify: Vec<VerifyFigure>,
-    /// Median draft (one MTP head step with logits and argmax), graph-replayed as a batch-1
-    /// draft runs, ms.
-    pub draft_ms: f64,
-    /// The same draft launched eagerly, ms.
-    pub draft_eager_ms: f64,
-    /// The draft's bytes over the copy bandwidth, ms.
-    pub draft_floor_ms: f64,
+    /// One draft: an MTP head step with logits and argmax (graph-replayed as a batch-1 draft
+    /// runs).
+    pub draft: StepTimes,
     /// End-to-end runs.
     pub end_to_end: Vec<EndToEnd>,
+}
+
+/// A step's median time replayed from a graph and launched eagerly, and its floor (its bytes
+/// over the copy bandwidth), ms.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepTimes {
+    /// Replayed from a graph.
+    pub graphed_ms: f64,
+    /// Launched eagerly.
+    pub eager_ms: f64,
+    /// The floor.
+    pub floor_ms: f64,
 }
 
 impl SpecReport {
@@ -141,7 +145,7 @@ impl SpecReport {
     /// runs them); `None` when verify(k) was not timed.
     pub fn projected_tok_s(&self, k: usize, length: f64) -> Option<f64> {
         let v = self.verify.iter().find(|v| v.drafts == k)?;
-        Some(length / ((v.graphed_ms + k as f64 * self.draft_ms) * 1e-3))
+        Some(length / ((v.graphed_ms + k as f64 * self.draft.graphed_ms) * 1e-3))
     }
 }
 
@@ -167,83 +171,100 @@ pub fn speculative_bench(
     let mut c = opts.config.clone();
     c.mtp_num_layers = c.mtp_num_layers.max(1);
     let copy_gb_s = copy_bandwidth(&gpu, opts.copy_bytes, opts.iters)?;
-    let floor = |bytes: f64| bytes / (copy_gb_s * 1e9) * 1e3;
     let block_size = ModelOptions::default().block_size;
     let max_seq_len = opts.context + opts.output_tokens + kmax + 2;
-    let options = ModelOptions {
-        max_seq_len: Some(max_seq_len),
-        block_size,
-        num_kv_blocks: Some(2 * max_seq_len.div_ceil(block_size) + 2),
-        max_decode_seqs: 1,
-        decode_graphs: true,
-        prefix_caching: false,
-        ssm_snapshot_slots: None,
-        speculative: Speculative::Mtp,
-        num_draft_tokens: kmax,
-        ..ModelOptions::default()
-    };
-    let mut model = factory::random(c.clone(), options, gpu.clone(), 0x5eed)?;
-    let s = gpu.default_stream();
-    let (weights, kv_token) = (weight_bytes(&c), kv_bytes_per_token(&c));
-    // The SSM state is read once per step and written once per row.
-    let ssm_half = ssm_bytes_per_seq(&c) / 2.0;
+    let options = ModelOptions::default()
+        .max_seq_len(max_seq_len)
+        .block_size(block_size)
+        .num_kv_blocks(2 * max_seq_len.div_ceil(block_size) + 2)
+        .max_decode_seqs(1)
+        .decode_graphs(true)
+        .prefix_caching(false)
+        .speculative(Speculative::Mtp)
+        .num_draft_tokens(kmax);
+    let model = factory::random(c.clone(), gpu.clone(), 0x5eed)?;
+    let (mut runner, mut cache) = StepRunner::new(model, options)?;
+    let steps = step_times(&mut runner, &mut cache, opts, &c, copy_gb_s)?;
+    let end_to_end = end_to_end(&mut Scheduler::from_parts(runner, cache), opts, kmax)?;
+    Ok(SpecReport {
+        backend: gpu.name().to_string(),
+        copy_gb_s,
+        weight_bytes: weight_bytes(&c),
+        head_weight_bytes: head_weight_bytes(&c),
+        context: opts.context,
+        plain: steps.0,
+        verify: steps.1,
+        draft: steps.2,
+        end_to_end,
+    })
+}
 
-    // One sequence with `context` tokens in its cache, its own SSM slot and one per draft.
+/// `step` timed replayed from graphs, then launched eagerly (medians of `iters`), ms.
+fn graphed_and_eager(
+    runner: &mut StepRunner,
+    iters: usize,
+    mut step: impl FnMut(&mut StepRunner) -> Result<(), ModelError>,
+) -> Result<(f64, f64), ModelError> {
+    let gpu = runner.model().gpu().clone();
+    let s = gpu.default_stream();
+    let graphed = time_ms(gpu.as_ref(), s, iters, || step(runner))?;
+    runner.set_decode_graphs(false);
+    let eager = time_ms(gpu.as_ref(), s, iters, || step(runner));
+    runner.set_decode_graphs(true);
+    Ok((graphed, eager?))
+}
+
+/// The step figures (see the module header) on one sequence with `context` tokens in its
+/// cache, its own SSM slot and one per draft: the plain step, the verify steps, one draft.
+fn step_times(
+    runner: &mut StepRunner,
+    cache: &mut CacheManager,
+    opts: &SpecBenchOptions,
+    c: &ModelConfig,
+    copy_gb_s: f64,
+) -> Result<(StepTimes, Vec<VerifyFigure>, StepTimes), ModelError> {
+    let kmax = opts.max_draft_tokens;
+    let floor = |bytes: f64| bytes / (copy_gb_s * 1e9) * 1e3;
+    let (weights, kv_token) = (weight_bytes(c), kv_bytes_per_token(c));
+    // The SSM state is read once per step and written once per row.
+    let ssm_half = ssm_bytes_per_seq(c) / 2.0;
     let mut table = BlockTable::new();
-    table.ensure(
-        opts.context + kmax + 1,
-        block_size,
-        &mut model.kv_cache().allocator,
-    )?;
-    let own = model.alloc_ssm_slot()?;
+    cache.ensure(&mut table, opts.context + kmax + 1)?;
+    let own = cache.alloc_ssm_slot(None)?;
     let mut spares = Vec::new();
     if own.is_some() {
         for _ in 0..kmax {
-            spares.extend(model.alloc_ssm_slot()?);
+            spares.extend(cache.alloc_ssm_slot(None)?);
         }
     }
     let slots: Vec<u32> = own.into_iter().collect();
     let token = |i: usize| ((i * 7919 + 13) % c.vocab_size) as u32;
     let ctx = opts.context as u32;
-    let decode_row = [StepRow {
-        token: token(0),
-        position: ctx,
+    let row = |t: usize| StepRow {
+        token: token(t),
+        position: ctx + t as u32,
         seq: 0,
-    }];
-    let plain_graphed_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
-        model.decode(&decode_row, &[&table], &slots)
+    };
+    let tables = [&table];
+    let (graphed_ms, eager_ms) = graphed_and_eager(runner, opts.iters, |r| {
+        r.decode(cache, &[row(0)], &tables, &slots)
     })?;
-    model.options.decode_graphs = false;
-    let plain_eager_ms = time_ms(gpu.as_ref(), s, opts.iters, || {
-        model.decode(&decode_row, &[&table], &slots)
-    })?;
-    model.options.decode_graphs = true;
-    let plain_floor_ms = floor(weights + (opts.context + 1) as f64 * kv_token + 2.0 * ssm_half);
-
+    let plain = StepTimes {
+        graphed_ms,
+        eager_ms,
+        floor_ms: floor(weights + (opts.context + 1) as f64 * kv_token + 2.0 * ssm_half),
+    };
     let mut verify = Vec::with_capacity(kmax);
     for k in 1..=kmax {
-        let rows: Vec<StepRow> = (0..=k)
-            .map(|t| StepRow {
-                token: token(t),
-                position: ctx + t as u32,
-                seq: 0,
-            })
-            .collect();
+        let rows: Vec<StepRow> = (0..=k).map(row).collect();
         // Row t < k keeps its state in spare t, row k in the sequence's own slot.
         let row_slots: Vec<u32> = match own {
             Some(o) => spares[..k].iter().copied().chain([o]).collect(),
             None => vec![u32::MAX; k + 1],
         };
-        let time_verify = |model: &mut TransformerModel| {
-            time_ms(gpu.as_ref(), s, opts.iters, || {
-                model.verify(&rows, &[&table], &slots, &row_slots)
-            })
-        };
-        let graphed_ms = time_verify(&mut model)?;
-        model.options.decode_graphs = false;
-        let ms = time_verify(&mut model);
-        model.options.decode_graphs = true;
-        let ms = ms?;
+        let (graphed_ms, ms) = graphed_and_eager(runner, opts.iters, |r| {
+            r.verify(cache, &rows, &tables, &slots, &row_slots)
+        })?;
         let bytes = weights + (opts.context + k + 1) as f64 * kv_token + (k + 2) as f64 * ssm_half;
         verify.push(VerifyFigure {
             drafts: k,
@@ -252,54 +273,33 @@ pub fn speculative_bench(
             floor_ms: floor(bytes),
         });
     }
-
     // One draft: a head step of one row reading the previous step's row 0, with the LM head
     // and the device's argmax, as every draft after the first of a chain runs.
     let draft_row = [StepRow {
-        token: token(1),
         position: ctx,
-        seq: 0,
+        ..row(1)
     }];
-    let time_draft = |model: &mut TransformerModel| {
-        time_ms(gpu.as_ref(), s, opts.iters, || {
-            model.mtp_step(&MtpStep {
-                rows: &draft_row,
-                tables: &[&table],
-                hidden_rows: &[0],
-                logit_rows: &[0],
-                depth: 1,
-            })?;
-            model.greedy(1).map(drop)
-        })
-    };
-    let draft_ms = time_draft(&mut model)?;
-    model.options.decode_graphs = false;
-    let draft_eager_ms = time_draft(&mut model)?;
-    model.options.decode_graphs = true;
-    let head_bytes = head_weight_bytes(&c);
+    let (graphed_ms, eager_ms) = graphed_and_eager(runner, opts.iters, |r| {
+        r.mtp_step(&MtpStep {
+            rows: &draft_row,
+            tables: &tables,
+            hidden_rows: &[0],
+            logit_rows: &[0],
+            depth: 1,
+        })?;
+        r.greedy(1).map(drop)
+    })?;
     let head_kv = kv_token / c.layer_types.len().max(1) as f64;
-    let draft_floor_ms = floor(head_bytes + (opts.context + 1) as f64 * head_kv);
-    table.release_all(&mut model.kv_cache().allocator)?;
+    let draft = StepTimes {
+        graphed_ms,
+        eager_ms,
+        floor_ms: floor(head_weight_bytes(c) + (opts.context + 1) as f64 * head_kv),
+    };
+    cache.release(&mut table)?;
     for slot in own.into_iter().chain(spares) {
-        model.free_ssm_slot(slot)?;
+        cache.free_ssm_slot(slot)?;
     }
-
-    let end_to_end = end_to_end(&mut model, opts, kmax)?;
-    Ok(SpecReport {
-        backend: gpu.name().to_string(),
-        copy_gb_s,
-        weight_bytes: weights,
-        head_weight_bytes: head_bytes,
-        context: opts.context,
-        plain_graphed_ms,
-        plain_eager_ms,
-        plain_floor_ms,
-        verify,
-        draft_ms,
-        draft_eager_ms,
-        draft_floor_ms,
-        end_to_end,
-    })
+    Ok((plain, verify, draft))
 }
 
 /// Tokens and the wall time from the first to the last of one greedy run.
@@ -325,32 +325,33 @@ impl Run {
     }
 }
 
-/// One greedy run of `prompt`: plain with `drafter` `None`, else speculative.
+/// One greedy run of `prompt`: plain with `drafter` `None`, else speculative (every decode
+/// step a verify step).
 fn timed_run(
-    model: &mut TransformerModel,
+    sched: &mut Scheduler,
     prompt: &[u32],
     params: &GenerateParams,
-    drafter: Option<&mut dyn Drafter>,
+    drafter: Option<Box<dyn Drafter + Send>>,
 ) -> Result<Run, ModelError> {
     let mut times = Vec::with_capacity(params.max_new_tokens);
     let mut on_token = |_: usize, _: u32| {
         times.push(Instant::now());
         ControlFlow::Continue(())
     };
-    let reqs = [(prompt, params)];
-    let (mut out, steps) = match drafter {
+    let reqs = vec![SeqRequest {
+        prompt: prompt.to_vec(),
+        params: params.clone(),
+        ignore_eos: true,
+    }];
+    let before = sched.stats().steps.decode_steps;
+    let mut out = match drafter {
         None => {
-            let out = generate_plain(model, &reqs, &mut on_token)?;
-            let steps = out
-                .first()
-                .map_or(0, |g| g.token_ids.len().saturating_sub(1));
-            (out, steps)
+            sched.set_drafter(None)?;
+            sched.run(reqs, &mut on_token)?
         }
-        Some(d) => {
-            let (out, stats) = generate_speculative(model, &reqs, d, &mut on_token)?;
-            (out, stats.verifies())
-        }
+        Some(d) => generate_speculative(sched, reqs, d, &mut on_token)?.0,
     };
+    let steps = (sched.stats().steps.decode_steps - before) as usize;
     let seconds = match (times.first(), times.last()) {
         (Some(a), Some(b)) => (*b - *a).as_secs_f64(),
         _ => 0.0,
@@ -368,11 +369,11 @@ fn timed_run(
 
 /// The end-to-end runs (see the module header).
 fn end_to_end(
-    model: &mut TransformerModel,
+    sched: &mut Scheduler,
     opts: &SpecBenchOptions,
     kmax: usize,
 ) -> Result<Vec<EndToEnd>, ModelError> {
-    let vocab = model.config().vocab_size;
+    let vocab = sched.runner().model().config().vocab_size;
     let prompt: Vec<u32> = (0..opts.context.max(1))
         .map(|p| ((p * 31 + 7) % vocab) as u32)
         .collect();
@@ -382,27 +383,33 @@ fn end_to_end(
         stop_token_ids: Vec::new(),
         return_logits: false,
     };
-    let graphed = timed_run(model, &prompt, &params, None)?;
+    // Each run starts cold: no prefix of an earlier run is reused.
+    let run = |sched: &mut Scheduler, drafter: Option<Box<dyn Drafter + Send>>| {
+        sched.clear_prefix_cache();
+        timed_run(sched, &prompt, &params, drafter)
+    };
+    let graphed = run(sched, None)?;
     let plain = graphed.tokens.clone();
     let mut out = vec![graphed.figure("plain (graphed)".into(), 0, &plain)];
-    model.options.decode_graphs = false;
-    let eager = timed_run(model, &prompt, &params, None);
-    model.options.decode_graphs = true;
+    sched.runner_mut().set_decode_graphs(false);
+    let eager = run(sched, None);
+    sched.runner_mut().set_decode_graphs(true);
     out.push(eager?.figure("plain (eager)".into(), 0, &plain));
     let expected: Vec<u32> = prompt.iter().chain(&plain).copied().collect();
     for k in 1..=kmax {
-        model.set_num_draft_tokens(k)?;
-        let mut oracle = OracleDrafter::new(vec![expected.clone()]);
-        let run = timed_run(model, &prompt, &params, Some(&mut oracle))?;
-        out.push(run.figure(format!("oracle K={k} (free drafts)"), k, &plain));
-        let run = timed_run(model, &prompt, &params, Some(&mut MtpDrafter))?;
-        out.push(run.figure(format!("mtp K={k} (random head)"), k, &plain));
+        sched.runner_mut().set_num_draft_tokens(k)?;
+        let oracle = OracleDrafter::new(vec![expected.clone()]);
+        let r = run(sched, Some(Box::new(oracle)))?;
+        out.push(r.figure(format!("oracle K={k} (free drafts)"), k, &plain));
+        let r = run(sched, Some(Box::new(MtpDrafter)))?;
+        out.push(r.figure(format!("mtp K={k} (random head)"), k, &plain));
     }
-    model.set_num_draft_tokens(kmax)?;
+    sched.runner_mut().set_num_draft_tokens(kmax)?;
     Ok(out)
 }
 
-/// The bar of issue 7: a verify step of 1 + 3 rows costs at most this many plain steps.
+/// The target the table checks: a verify step of 1 + 3 rows costs at most this many plain
+/// steps.
 pub const VERIFY_BAR: f64 = 1.15;
 
 impl SpecReport {
@@ -422,19 +429,19 @@ impl SpecReport {
             s += &format!(
                 "  {name:<30} {ms:>9.3} {floor:>10.3} {:>9.2} {:>14.3}x {:>15.3}x\n",
                 ms / floor,
-                ms / self.plain_eager_ms,
-                ms / self.plain_graphed_ms
+                ms / self.plain.eager_ms,
+                ms / self.plain.graphed_ms
             );
         };
         line(
             "plain decode (graphed)",
-            self.plain_graphed_ms,
-            self.plain_floor_ms,
+            self.plain.graphed_ms,
+            self.plain.floor_ms,
         );
         line(
             "plain decode (eager)",
-            self.plain_eager_ms,
-            self.plain_floor_ms,
+            self.plain.eager_ms,
+            self.plain.floor_ms,
         );
         for v in &self.verify {
             let rows = v.drafts + 1;
@@ -445,19 +452,19 @@ impl SpecReport {
         }
         line(
             "draft, 1 MTP step (graphed)",
-            self.draft_ms,
-            self.draft_floor_ms,
+            self.draft.graphed_ms,
+            self.draft.floor_ms,
         );
         line(
             "draft, 1 MTP step (eager)",
-            self.draft_eager_ms,
-            self.draft_floor_ms,
+            self.draft.eager_ms,
+            self.draft.floor_ms,
         );
         if let Some(v) = self.verify.iter().find(|v| v.drafts == 3) {
             let verdict = |r: f64| if r <= VERIFY_BAR { "met" } else { "NOT met" };
             let (g, e) = (
-                v.graphed_ms / self.plain_graphed_ms,
-                v.ms / self.plain_eager_ms,
+                v.graphed_ms / self.plain.graphed_ms,
+                v.ms / self.plain.eager_ms,
             );
             s += &format!(
                 "bar: verify K=3 <= {VERIFY_BAR}x a plain step: graphed/graphed {g:.3}x ({}), eager/eager {e:.3}x ({})\n",
@@ -467,16 +474,16 @@ impl SpecReport {
         }
         s += &format!(
             "projected tok/s = L / (verify(K) + K x draft), graphed verify and drafts; plain decode {:.1} tok/s graphed, {:.1} eager\n",
-            1e3 / self.plain_graphed_ms,
-            1e3 / self.plain_eager_ms
+            1e3 / self.plain.graphed_ms,
+            1e3 / self.plain.eager_ms
         );
         for (i, &l) in ACCEPTANCE_LENGTHS.iter().enumerate() {
             if let Some(t) = self.projected_tok_s(i + 1, l) {
                 s += &format!(
                     "  K={} L={l}: {t:>9.1} tok/s = {:.2}x plain graphed, {:.2}x plain eager\n",
                     i + 1,
-                    t * self.plain_graphed_ms / 1e3,
-                    t * self.plain_eager_ms / 1e3
+                    t * self.plain.graphed_ms / 1e3,
+                    t * self.plain.eager_ms / 1e3
                 );
             }
         }
@@ -518,18 +525,18 @@ mod tests {
         let r = speculative_bench(Arc::new(CpuBackend::default()), &o).unwrap();
         assert_eq!(r.verify.len(), 4);
         let times = [
-            r.plain_graphed_ms,
-            r.plain_eager_ms,
-            r.draft_ms,
-            r.draft_eager_ms,
+            r.plain.graphed_ms,
+            r.plain.eager_ms,
+            r.draft.graphed_ms,
+            r.draft.eager_ms,
         ];
         assert!(times.iter().all(|t| *t > 0.0 && t.is_finite()), "{r:?}");
         for v in &r.verify {
-            let ratios = [v.ms / r.plain_eager_ms, v.graphed_ms / r.plain_graphed_ms];
+            let ratios = [v.ms / r.plain.eager_ms, v.graphed_ms / r.plain.graphed_ms];
             assert!(ratios.iter().all(|x| x.is_finite() && *x > 0.0), "{v:?}");
-            assert!(v.floor_ms > r.plain_floor_ms);
+            assert!(v.floor_ms > r.plain.floor_ms);
         }
-        assert!(r.draft_floor_ms > 0.0 && r.draft_floor_ms < r.plain_floor_ms);
+        assert!(r.draft.floor_ms > 0.0 && r.draft.floor_ms < r.plain.floor_ms);
         for k in 1..=3 {
             let t = r.projected_tok_s(k, ACCEPTANCE_LENGTHS[k - 1]).unwrap();
             assert!(t > 0.0 && t.is_finite());

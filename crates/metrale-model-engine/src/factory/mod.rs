@@ -1,5 +1,7 @@
-//! `load`: a Hugging Face checkpoint directory to a `TransformerModel` on a backend; `random`: a
-//! model of a given shape with pseudo-random weights filled on the device (benchmarks).
+//! `load`: a Hugging Face checkpoint directory to a `Model` (its weights) on a backend;
+//! `random`: a model of a given shape with pseudo-random weights filled on the device
+//! (benchmarks). A `StepRunner` and a `CacheManager` (`StepRunner::new`), or a `Scheduler`
+//! (`Scheduler::new`), run it.
 //!
 //! Loading reads the config, picks the family's name table, and builds each layer from its kind
 //! (full attention or Gated DeltaNet) and FFN (dense or MoE), fusing projections that run as one
@@ -18,17 +20,12 @@ use metrale_model_layers::layers::MtpHead;
 use metrale_model_layers::weight_map::{SafetensorsSource, WeightLoader, WeightNames};
 
 use crate::error::ModelError;
-use crate::model::{ModelWeights, TransformerModel};
-use crate::options::ModelOptions;
+use crate::model::{Model, ModelWeights};
 
 pub use random::random;
 
 /// Load the checkpoint in `dir` onto `gpu`.
-pub fn load(
-    dir: &Path,
-    options: ModelOptions,
-    gpu: Arc<dyn GpuBackend>,
-) -> Result<TransformerModel, ModelError> {
+pub fn load(dir: &Path, gpu: Arc<dyn GpuBackend>) -> Result<Model, ModelError> {
     let config = ModelConfig::from_dir(dir)?;
     if config.has_vision {
         tracing::info!(
@@ -88,9 +85,8 @@ pub fn load(
         None => None,
     };
     gpu.synchronize(gpu.default_stream())?;
-    TransformerModel::new(
+    Model::new(
         config,
-        options,
         gpu,
         ModelWeights {
             embed,

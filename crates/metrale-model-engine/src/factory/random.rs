@@ -14,8 +14,7 @@ use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{Ops, TransformerLayer};
 
 use crate::error::ModelError;
-use crate::model::{ModelWeights, TransformerModel};
-use crate::options::ModelOptions;
+use crate::model::{Model, ModelWeights};
 
 /// Fills one weight after another from consecutive seeds.
 struct Filler {
@@ -133,13 +132,12 @@ impl Filler {
 /// A model of `config`'s shape with weights drawn from `seed`: norm weights near 1 (near 0 for
 /// the zero-centred convention), projections uniform with scale `1/sqrt(fan_in)`. Dense FFNs
 /// only (no MoE). With `config.mtp_num_layers > 0` it has an MTP head of that many
-/// full-attention layers (run when `options.speculative` is `Mtp`).
+/// full-attention layers (run when the runner's `speculative` is `Mtp`).
 pub fn random(
     config: ModelConfig,
-    options: ModelOptions,
     gpu: Arc<dyn GpuBackend>,
     seed: u64,
-) -> Result<TransformerModel, ModelError> {
+) -> Result<Model, ModelError> {
     if config.moe.is_some() {
         return Err(ModelError::Unsupported(
             "random weights are built for dense-FFN models only".into(),
@@ -186,9 +184,8 @@ pub fn random(
         None
     };
     gpu.synchronize(s)?;
-    TransformerModel::new(
+    Model::new(
         config,
-        options,
         gpu,
         ModelWeights {
             embed,

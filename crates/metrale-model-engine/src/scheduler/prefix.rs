@@ -8,7 +8,7 @@
 //! - A block is published once the step that wrote its last token has run: a full prompt
 //!   block after its prefill chunk; a block that decode steps filled (a multi-turn follow-up
 //!   repeats the prompt and the answer) after the decode step of its last token, on models
-//!   where `TransformerModel::decode_matches_prefill` holds, so that the block holds what a
+//!   where `StepRunner::decode_matches_prefill` holds, so that the block holds what a
 //!   cold prefill of its tokens writes. A sequence's last sampled token is never fed, so a
 //!   block it would complete, like a block partly filled at the end, is not published.
 //! - On hybrid models blocks filled by decode steps are not published, nor is the SSM state
@@ -23,10 +23,11 @@
 //! - A shared block is never written: the sharer computes from the end of the hit, past every
 //!   shared block; the sequence that filled a published block only writes past it.
 
-use crate::error::ModelError;
-use crate::model::TransformerModel;
+use metrale_cache::CacheManager;
 
 use super::sequence::Seq;
+use crate::error::ModelError;
+use crate::runner::StepRunner;
 
 /// What the cache can serve of a prompt.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -38,27 +39,28 @@ pub(super) struct Hit {
 }
 
 /// The longest usable cached prefix of `s`'s prompt (nothing with prefix caching off).
-pub(super) fn lookup(model: &TransformerModel, s: &mut Seq) -> Hit {
-    if !model.options().prefix_caching {
+pub(super) fn lookup(cache: &CacheManager, caching: bool, s: &mut Seq) -> Hit {
+    if !caching {
         return Hit::default();
     }
-    let bs = model.options().block_size;
+    let bs = cache.block_size();
     s.hash_blocks(s.prompt_len, bs);
-    let most = (s.prompt_len.saturating_sub(1) / bs).min(s.block_hashes.len());
-    let alloc = model.kv_allocator();
-    let found: Vec<u32> = s.block_hashes[..most]
+    let hashes = &s.cache.block_hashes;
+    let most = (s.prompt_len.saturating_sub(1) / bs).min(hashes.len());
+    let alloc = cache.blocks();
+    let found: Vec<u32> = hashes[..most]
         .iter()
         .map_while(|h| alloc.lookup(h))
         .collect();
-    let blocks = match model.ssm_snapshot_interval() {
-        None => found.len(),
-        Some(_) if !model.keeps_ssm_snapshots() => 0,
-        Some(interval) => (1..=found.len())
+    let blocks = if cache.ssm_slots().is_none() {
+        found.len()
+    } else {
+        // A hybrid hit ends where a snapshot of its prefix is kept (at a multiple of the
+        // snapshot interval, where every snapshot is taken).
+        (1..=found.len())
             .rev()
-            .find(|&k| {
-                (k * bs).is_multiple_of(interval) && model.has_ssm_snapshot(&s.block_hashes[k - 1])
-            })
-            .unwrap_or(0),
+            .find(|&k| cache.has_snapshot(&hashes[k - 1]))
+            .unwrap_or(0)
     };
     Hit {
         blocks,
@@ -71,82 +73,80 @@ pub(super) fn lookup(model: &TransformerModel, s: &mut Seq) -> Hit {
 
 /// Take the hit for `s`, which holds nothing yet: share its blocks and take an SSM slot (the
 /// snapshot restored into it on a hybrid hit, zeroed otherwise); `s` resumes after the hit.
-pub(super) fn acquire(
-    model: &mut TransformerModel,
-    s: &mut Seq,
-    hit: Hit,
-) -> Result<(), ModelError> {
-    let bs = model.options().block_size;
-    for h in &s.block_hashes[..hit.blocks] {
-        let block = model
-            .kv_cache()
-            .allocator
-            .acquire(h)
+pub(super) fn acquire(cache: &mut CacheManager, s: &mut Seq, hit: Hit) -> Result<(), ModelError> {
+    let c = &mut s.cache;
+    for h in &c.block_hashes[..hit.blocks] {
+        cache
+            .acquire_cached(&mut c.table, h)
             .ok_or_else(|| ModelError::Step(format!("cached block {h:?} vanished")))?;
-        s.table.push(block);
     }
-    s.published = hit.blocks;
-    let snapshot = hit
-        .blocks
-        .checked_sub(1)
-        .filter(|_| model.has_ssm_state())
-        .map(|last| s.block_hashes[last]);
-    s.ssm_slot = model.alloc_ssm_slot_from(snapshot.as_ref())?;
-    s.computed = hit.blocks * bs;
+    c.published = hit.blocks;
+    let snapshot = (hit.blocks.checked_sub(1))
+        .filter(|_| cache.ssm_slots().is_some())
+        .map(|last| c.block_hashes[last]);
+    c.ssm_slot = cache.alloc_ssm_slot(snapshot.as_ref())?;
+    s.computed = hit.blocks * cache.block_size();
     Ok(())
 }
 
 /// After a prefill chunk of `s` that ended at prompt position `end`: publish the prompt blocks
-/// it completed, and keep the SSM state when `end` is a snapshot position.
+/// it completed, and keep the SSM state when `end` is a multiple of the snapshot `interval`.
 pub(super) fn publish(
-    model: &mut TransformerModel,
+    cache: &mut CacheManager,
+    caching: bool,
+    interval: Option<usize>,
     s: &mut Seq,
     end: usize,
 ) -> Result<(), ModelError> {
-    if !model.options().prefix_caching {
+    if !caching {
         return Ok(());
     }
-    let bs = model.options().block_size;
-    publish_blocks(model, s, end / bs)?;
-    if let (Some(interval), Some(slot)) = (model.ssm_snapshot_interval(), s.ssm_slot)
+    let bs = cache.block_size();
+    publish_blocks(cache, s, end / bs)?;
+    let c = &s.cache;
+    if let (Some(interval), Some(slot)) = (interval, c.ssm_slot)
         && end > 0
         && end.is_multiple_of(interval)
-        && end / bs <= s.block_hashes.len()
+        && end / bs <= c.block_hashes.len()
     {
-        model.save_ssm_snapshot(s.block_hashes[end / bs - 1], slot)?;
+        cache.save_snapshot(c.block_hashes[end / bs - 1], slot)?;
     }
     Ok(())
 }
 
-/// After a decode step of `s` (its `computed` counts the rows just run): publish the blocks
-/// those rows filled, if decode steps compute what prefill steps do. Any number of rows per
-/// step (a verify step accepting several tokens): every block wholly within `computed` is
-/// final.
-pub(super) fn publish_decoded(model: &mut TransformerModel, s: &mut Seq) -> Result<(), ModelError> {
-    let bs = model.options().block_size;
-    let full = s.computed / bs.max(1);
-    if !model.options().prefix_caching || full <= s.published || !model.decode_matches_prefill() {
+/// After a decode or verify step of the sequences `idx` of `running` (their `computed` counts
+/// the rows just run): publish the blocks those rows filled, where `runner`'s decode steps
+/// compute what prefill steps do. Any number of rows per step (a verify step accepting several
+/// tokens): every block wholly within `computed` is final.
+pub(super) fn publish_decoded(
+    runner: &StepRunner,
+    cache: &mut CacheManager,
+    running: &mut [Seq],
+    idx: &[usize],
+) -> Result<(), ModelError> {
+    if !runner.options().prefix_caching || !runner.decode_matches_prefill() {
         return Ok(());
     }
-    s.hash_blocks(s.computed, bs);
-    publish_blocks(model, s, full)
+    let bs = cache.block_size();
+    for &i in idx {
+        let s = &mut running[i];
+        let full = s.computed / bs.max(1);
+        if full > s.cache.published {
+            s.hash_blocks(s.computed, bs);
+            publish_blocks(cache, s, full)?;
+        }
+    }
+    Ok(())
 }
 
-/// Publish `s`'s blocks from `s.published` up to `full` (at most the blocks it has keys for).
-fn publish_blocks(
-    model: &mut TransformerModel,
-    s: &mut Seq,
-    full: usize,
-) -> Result<(), ModelError> {
-    let full = full.min(s.block_hashes.len()).min(s.table.blocks().len());
-    for i in s.published..full {
-        let block = s.table.blocks()[i];
+/// Publish `s`'s blocks from `published` up to `full` (at most the blocks it has keys for).
+fn publish_blocks(cache: &mut CacheManager, s: &mut Seq, full: usize) -> Result<(), ModelError> {
+    let c = &mut s.cache;
+    let full = full.min(c.block_hashes.len()).min(c.table.blocks().len());
+    for i in c.published..full {
         // A duplicate of a block published meanwhile stays private; the chain goes on.
-        model
-            .kv_cache()
-            .allocator
-            .publish(block, s.block_hashes[i])?;
+        cache.publish(c.table.blocks()[i], c.block_hashes[i])?;
     }
-    s.published = s.published.max(full);
+    c.published = c.published.max(full);
     Ok(())
 }

@@ -2,10 +2,12 @@
 //! (`SeqEvent`), a step's result or failure (`StepReport`, `StepFailed`), and the counters and
 //! resource use for metrics (`SchedulerStats`).
 
-use crate::error::ModelError;
-use crate::generate::Generation;
+use metrale_cache::{CacheManager, SnapshotUsage};
 
 use super::SeqId;
+use super::request::Generation;
+use super::speculate::SpeculativeStats;
+use crate::error::ModelError;
 
 /// What one step ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,12 +79,25 @@ pub struct StepFailed {
 }
 
 /// Counters and resource use, for metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
+#[non_exhaustive]
 pub struct SchedulerStats {
     /// Sequences admitted and not finished.
     pub running: usize,
     /// Sequences waiting for admission (preempted ones included).
     pub waiting: usize,
+    /// What the steps so far ran and produced.
+    pub steps: StepCounts,
+    /// Speculative decoding's acceptance and gate (`None`: the scheduler does not speculate).
+    pub speculation: Option<SpeculativeStats>,
+    /// The cache in use now.
+    pub cache: CacheUsage,
+}
+
+/// What the steps so far ran and produced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct StepCounts {
     /// Steps run (idle steps excluded).
     pub steps: u64,
     /// Prefill steps among them.
@@ -91,36 +106,35 @@ pub struct SchedulerStats {
     pub decode_steps: u64,
     /// Verify steps among those (speculative decoding).
     pub verify_steps: u64,
-    /// Sequence verifies that checked at least one draft.
-    pub draft_verifies: u64,
-    /// Drafts checked.
-    pub drafted: u64,
-    /// Drafts accepted.
-    pub accepted: u64,
-    /// Whether the speculation gate has speculation on (`None`: the scheduler does not
-    /// speculate).
-    pub speculation_on: Option<bool>,
-    /// Times the gate switched speculation on or off.
-    pub speculation_switches: u64,
-    /// The gate's moving average of decode tokens/s without speculation.
-    pub plain_tok_s: Option<f64>,
-    /// The same with speculation.
-    pub speculative_tok_s: Option<f64>,
     /// Preemptions so far.
     pub preemptions: u64,
     /// Tokens generated so far (replayed tokens are not counted again).
     pub tokens_generated: u64,
     /// Prompt tokens computed in prefill steps (a preempted sequence's replay included).
     pub prefill_tokens: u64,
-    /// Prefix-cache lookups: admissions with prefix caching on (a preempted sequence's
-    /// readmission included).
-    pub prefix_queries: u64,
+    /// Prefix-cache lookups and hits.
+    pub prefix: PrefixStats,
+}
+
+/// Prefix-cache lookups and hits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct PrefixStats {
+    /// Lookups: admissions with prefix caching on (a preempted sequence's readmission
+    /// included).
+    pub queries: u64,
     /// Lookups that reused a cached prefix.
-    pub prefix_hits: u64,
+    pub hits: u64,
     /// Prompt tokens of the lookups.
-    pub prefix_query_tokens: u64,
+    pub query_tokens: u64,
     /// Of those, the tokens whose KV (and SSM state) came from the cache instead of prefill.
-    pub prefix_hit_tokens: u64,
+    pub hit_tokens: u64,
+}
+
+/// The cache in use now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct CacheUsage {
     /// KV blocks referenced by running sequences (cached blocks nobody holds are free).
     pub kv_blocks_used: usize,
     /// KV blocks that can be handed out.
@@ -131,8 +145,22 @@ pub struct SchedulerStats {
     pub ssm_slots_used: usize,
     /// SSM state slots (0 for models without GDN layers).
     pub ssm_slots_total: usize,
-    /// SSM snapshots kept for prefix caching (hybrid models).
-    pub ssm_snapshots_used: usize,
-    /// SSM snapshot entries (0 without GDN layers or with prefix caching off).
-    pub ssm_snapshots_total: usize,
+    /// SSM snapshots kept for prefix caching (hybrid models), and the entries there are.
+    pub snapshots: SnapshotUsage,
+}
+
+impl CacheUsage {
+    /// What `cache` holds now.
+    pub fn of(cache: &CacheManager) -> CacheUsage {
+        let blocks = cache.blocks();
+        let (ssm_total, ssm_free) = cache.ssm_slots().unwrap_or((0, 0));
+        CacheUsage {
+            kv_blocks_used: blocks.capacity() - blocks.num_free(),
+            kv_blocks_total: blocks.capacity(),
+            kv_blocks_cached: blocks.num_cached(),
+            ssm_slots_used: ssm_total.saturating_sub(ssm_free),
+            ssm_slots_total: ssm_total,
+            snapshots: cache.snapshot_usage(),
+        }
+    }
 }

@@ -1,14 +1,63 @@
-//! What a caller hands the scheduler: `SeqRequest` (a prompt and how to generate from it), and
-//! `RequestLimits`, the checks a request must pass before it reaches the model, with the typed
-//! `InvalidRequest` that names what is wrong.
+//! What a caller hands the scheduler and gets back: `SeqRequest` (a prompt and how to generate
+//! from it, `GenerateParams`), `Generation` (the tokens, with a `FinishReason`), and
+//! `RequestLimits`, the one set of checks a request must pass before it reaches the model, with
+//! the typed `InvalidRequest` that names what is wrong.
 //!
 //! Invariants:
 //! - A request that passes `RequestLimits::check` can never make a step fail: its tokens are in
 //!   the vocabulary and its whole context fits both `max_seq_len` and the KV cache.
 
-use crate::generate::GenerateParams;
-use crate::model::TransformerModel;
-use crate::sampling::SamplingError;
+use metrale_cache::CacheManager;
+
+use crate::runner::StepRunner;
+use crate::sampling::{SamplingError, SamplingParams};
+
+/// What to generate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateParams {
+    /// Most tokens to generate.
+    pub max_new_tokens: usize,
+    /// How to pick tokens.
+    pub sampling: SamplingParams,
+    /// Tokens that end generation (included in the output).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep each step's logits in the output.
+    pub return_logits: bool,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FinishReason {
+    /// `max_new_tokens`, or the model's context, was reached.
+    Length,
+    /// A stop token was generated.
+    Stop,
+    /// The caller stopped it (a cancellation, a stop string, a token callback).
+    Cancelled,
+}
+
+impl FinishReason {
+    /// "length", "stop" or "cancelled".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// What generation produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    /// Generated tokens.
+    pub token_ids: Vec<u32>,
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+    /// Row `i`: the logits that chose `token_ids[i]` (when asked for).
+    pub logits: Option<Vec<Vec<f32>>>,
+}
 
 /// One generation request for the scheduler.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,15 +113,12 @@ pub struct RequestLimits {
 }
 
 impl RequestLimits {
-    /// The limits of `model`.
-    pub fn of(model: &mut TransformerModel) -> RequestLimits {
-        let vocab = model.config().vocab_size;
-        let max_seq_len = model.max_seq_len();
-        let kv = model.kv_cache();
-        let cache_tokens = kv.allocator.capacity() * kv.block_size();
+    /// The limits of a runner over `cache`.
+    pub fn of(runner: &StepRunner, cache: &CacheManager) -> RequestLimits {
+        let cache_tokens = cache.blocks().capacity() * cache.block_size();
         RequestLimits {
-            vocab,
-            max_context: max_seq_len.min(cache_tokens),
+            vocab: runner.model().config().vocab_size,
+            max_context: runner.sizes().max_seq_len.min(cache_tokens),
         }
     }
 

@@ -1,5 +1,6 @@
 //! `Seq`: one request inside the scheduler: its tokens so far, how far the model has computed
-//! them, its KV blocks and SSM slot while it runs, and its sampler.
+//! them, what it holds in the cache while it runs (`SeqCache`), its sampler, and the one rule
+//! that ends it (`StopRule`).
 //!
 //! Invariants:
 //! - `tokens` is the prompt followed by every generated token; `computed` tokens of it have
@@ -16,14 +17,13 @@
 //!   prefix index under them, or were computed while an equal block was (shared or duplicated,
 //!   never written again). `published * block_size <= computed`.
 
-use metrale_cache::{BlockHash, BlockTable};
+use metrale_cache::{BlockHash, BlockTable, CacheManager};
 
+use super::request::{FinishReason, Generation};
 use crate::error::ModelError;
-use crate::model::TransformerModel;
-
-use crate::generate::{FinishReason, GenerateParams, Generation};
-use crate::model::{ChunkCuts, prefill_chunk};
+use crate::runner::{ChunkCuts, prefill_chunk};
 use crate::sampling::Sampler;
+use crate::speculative::Verdict;
 
 /// A request's id, unique for the life of its scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -35,54 +35,88 @@ impl std::fmt::Display for SeqId {
     }
 }
 
-/// See the module header.
-#[derive(Debug)]
-pub(crate) struct Seq {
-    pub id: SeqId,
-    pub tokens: Vec<u32>,
-    pub prompt_len: usize,
-    /// Stop token ids: the request's, then the model's EOS unless `ignore_eos`.
+/// When a sequence ends: the one rule every step applies to each token it records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StopRule {
+    /// Tokens that end it (included in the output): the request's, then the model's EOS unless
+    /// `ignore_eos`.
     pub stop_token_ids: Vec<u32>,
-    pub params: GenerateParams,
-    pub sampler: Sampler,
+    /// Most tokens to generate.
+    pub max_new_tokens: usize,
+    /// Longest context (prompt plus output).
+    pub max_context: usize,
+}
+
+impl StopRule {
+    /// Why a sequence of `len` tokens, `generated` of them generated and `last` the newest,
+    /// ends, if it does: a stop token, `max_new_tokens`, or a full context (the next input
+    /// would sit at position `len - 1`, past it).
+    pub fn reason(&self, last: u32, generated: usize, len: usize) -> Option<FinishReason> {
+        if self.stop_token_ids.contains(&last) {
+            Some(FinishReason::Stop)
+        } else if generated >= self.max_new_tokens || len > self.max_context {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+
+    /// Drafts a sequence of `len` tokens, `generated` of them generated, may verify next: no
+    /// more than `k`, nor than would reach `max_new_tokens` or the context.
+    pub fn drafts_allowed(&self, k: usize, generated: usize, len: usize) -> usize {
+        let left = self.max_new_tokens.saturating_sub(generated + 1);
+        k.min(left).min(self.max_context.saturating_sub(len))
+    }
+}
+
+/// What a sequence holds in the cache while it runs.
+#[derive(Debug, Default)]
+pub(crate) struct SeqCache {
     pub table: BlockTable,
     pub ssm_slot: Option<u32>,
     /// Speculation on a hybrid model: one more SSM slot per draft, where a verify step keeps
     /// the state after each of the sequence's rows.
     pub spare_slots: Vec<u32>,
-    /// The drafts the next decode step verifies (empty: a plain row).
-    pub drafts: Vec<u32>,
-    pub computed: usize,
-    /// Row `i`: the logits that chose generated token `i` (when asked for).
-    pub logits: Option<Vec<Vec<f32>>>,
     /// Prefix-cache keys of the leading full blocks of `tokens` (empty until first needed).
     pub block_hashes: Vec<BlockHash>,
     /// Leading blocks of `table` that are in the prefix index (see the module header).
     pub published: usize,
 }
 
+/// See the module header.
+#[derive(Debug)]
+pub(crate) struct Seq {
+    pub id: SeqId,
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub stop: StopRule,
+    pub sampler: Sampler,
+    pub cache: SeqCache,
+    /// The drafts the next decode step verifies (empty: a plain row).
+    pub drafts: Vec<u32>,
+    pub computed: usize,
+    /// Row `i`: the logits that chose generated token `i` (when asked for).
+    pub logits: Option<Vec<Vec<f32>>>,
+}
+
 impl Seq {
     pub fn new(
         id: SeqId,
         prompt: Vec<u32>,
-        params: GenerateParams,
-        stop_token_ids: Vec<u32>,
+        sampler: Sampler,
+        stop: StopRule,
+        keep_logits: bool,
     ) -> Seq {
         Seq {
             id,
             prompt_len: prompt.len(),
             tokens: prompt,
-            stop_token_ids,
-            sampler: Sampler::new(params.sampling),
-            logits: params.return_logits.then(Vec::new),
-            params,
-            table: BlockTable::new(),
-            ssm_slot: None,
-            spare_slots: Vec::new(),
+            stop,
+            sampler,
+            cache: SeqCache::default(),
             drafts: Vec::new(),
             computed: 0,
-            block_hashes: Vec::new(),
-            published: 0,
+            logits: keep_logits.then(Vec::new),
         }
     }
 
@@ -94,6 +128,11 @@ impl Seq {
     /// Tokens generated so far.
     pub fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// Caught up: past its prompt and not replaying generated tokens; its next row samples.
+    pub fn caught_up(&self) -> bool {
+        self.computed + 1 == self.tokens.len() && !self.in_prefill()
     }
 
     /// The prompt positions of the next prefill chunk: chunks of `chunk` tokens from position 0
@@ -109,20 +148,12 @@ impl Seq {
             return;
         }
         let full = upto.min(self.tokens.len()) / block_size;
-        for b in self.block_hashes.len()..full {
+        let hashes = &mut self.cache.block_hashes;
+        for b in hashes.len()..full {
             let tokens = &self.tokens[b * block_size..(b + 1) * block_size];
-            let h = BlockHash::chain(self.block_hashes.last(), tokens);
-            self.block_hashes.push(h);
+            let h = BlockHash::chain(hashes.last(), tokens);
+            hashes.push(h);
         }
-    }
-
-    /// Record a sampled token; returns why the sequence ends, if it does.
-    pub fn accept(&mut self, logits: Vec<f32>, max_context: usize) -> (u32, Option<FinishReason>) {
-        let token = self.sampler.sample(&logits);
-        if let Some(all) = self.logits.as_mut() {
-            all.push(logits);
-        }
-        self.push(token, max_context)
     }
 
     /// Whether picking this sequence's next token needs its logits on the host: it samples, or
@@ -131,39 +162,53 @@ impl Seq {
         self.logits.is_some() || !self.sampler.is_greedy()
     }
 
-    /// Record a token the device picked by argmax (only when `!needs_logits()`); returns why
-    /// the sequence ends, if it does.
-    pub fn accept_greedy(&mut self, token: u32, max_context: usize) -> (u32, Option<FinishReason>) {
-        debug_assert!(!self.needs_logits());
-        self.push(token, max_context)
-    }
-
-    /// Record a token chosen by a verify step, with the logits that chose it when the host
-    /// has them; returns why the sequence ends, if it does.
-    pub fn record(
-        &mut self,
-        token: u32,
-        logits: Option<Vec<f32>>,
-        max_context: usize,
-    ) -> (u32, Option<FinishReason>) {
+    /// Record the next token, chosen by the device's argmax (`Picked::Token`, only when
+    /// `!needs_logits()`) or sampled from its logits, or a token a verify step chose with the
+    /// logits that chose it; returns the token and why the sequence ends, if it does.
+    pub fn record(&mut self, picked: Picked) -> (u32, Option<FinishReason>) {
+        let (token, logits) = match picked {
+            Picked::Logits(logits) => (self.sampler.sample(&logits), Some(logits)),
+            Picked::Token(token) => (token, None),
+            Picked::Chosen(token, logits) => (token, logits),
+        };
         if let (Some(all), Some(row)) = (self.logits.as_mut(), logits) {
             all.push(row);
         }
-        self.push(token, max_context)
+        self.tokens.push(token);
+        let reason = self.stop.reason(token, self.generated(), self.tokens.len());
+        (token, reason)
     }
 
-    fn push(&mut self, token: u32, max_context: usize) -> (u32, Option<FinishReason>) {
-        self.tokens.push(token);
-        let reason = if self.stop_token_ids.contains(&token) {
-            Some(FinishReason::Stop)
-        } else if self.generated() >= self.params.max_new_tokens || self.tokens.len() > max_context
+    /// Keep what a verify step accepted of this sequence's drafts: roll its SSM state back to
+    /// the last kept row (its slot exchanged with that row's spare) and record the verdict's
+    /// tokens (with `logits`, the rows that chose them, when the host has them) under the stop
+    /// rule, which may end the run early. Returns the tokens recorded and why the sequence
+    /// ends, if it does; the caller releases the KV blocks past `computed`.
+    pub fn keep(
+        &mut self,
+        verdict: &Verdict,
+        mut logits: Vec<Vec<f32>>,
+    ) -> (Vec<u32>, Option<FinishReason>) {
+        let (j, k) = (verdict.accepted, self.drafts.len());
+        let c = &mut self.cache;
+        if let Some(own) = c.ssm_slot.as_mut()
+            && j < k
         {
-            // The next input would sit at position `tokens.len() - 1`, past the context.
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
-        (token, reason)
+            // Row j's slot holds the state after the last kept token.
+            std::mem::swap(own, &mut c.spare_slots[j]);
+        }
+        self.drafts.clear();
+        let mut tokens = Vec::with_capacity(verdict.tokens.len());
+        for (t, &token) in verdict.tokens.iter().enumerate() {
+            self.computed += 1;
+            let row = logits.get_mut(t).map(std::mem::take);
+            let (token, reason) = self.record(Picked::Chosen(token, row));
+            tokens.push(token);
+            if reason.is_some() {
+                return (tokens, reason);
+            }
+        }
+        (tokens, None)
     }
 
     /// The result, with `reason`. The sequence must hold no resources any more.
@@ -174,21 +219,29 @@ impl Seq {
             logits: self.logits,
         }
     }
+
+    /// Return the sequence's KV blocks and SSM slots; it recomputes from position 0 if it runs
+    /// again. Everything is returned even when one release fails; the first error is reported.
+    pub fn release(&mut self, cache: &mut CacheManager) -> Result<(), ModelError> {
+        let c = &mut self.cache;
+        let mut result = cache.release(&mut c.table).map_err(ModelError::from);
+        for slot in c.ssm_slot.take().into_iter().chain(c.spare_slots.drain(..)) {
+            result = result.and(cache.free_ssm_slot(slot).map_err(ModelError::from));
+        }
+        self.drafts.clear();
+        self.computed = 0;
+        c.published = 0;
+        result
+    }
 }
 
-/// Return a sequence's KV blocks and SSM slot; it will recompute from position 0 if it runs
-/// again.
-pub(super) fn release(model: &mut TransformerModel, s: &mut Seq) -> Result<(), ModelError> {
-    let blocks = s
-        .table
-        .release_all(&mut model.kv_cache().allocator)
-        .map_err(ModelError::from);
-    let mut slot = Ok(());
-    for spare in s.ssm_slot.take().into_iter().chain(s.spare_slots.drain(..)) {
-        slot = slot.and(model.free_ssm_slot(spare));
-    }
-    s.drafts.clear();
-    s.computed = 0;
-    s.published = 0;
-    blocks.and(slot)
+/// A row's next token as a step delivers it.
+#[derive(Debug)]
+pub(crate) enum Picked {
+    /// Its logits, to sample on the host.
+    Logits(Vec<f32>),
+    /// The token the device's argmax picked (no row of the step needed host logits).
+    Token(u32),
+    /// A token a verify step accepted, with the logits that chose it when the host has them.
+    Chosen(u32, Option<Vec<f32>>),
 }

@@ -1,5 +1,5 @@
 //! Speculative decoding in the scheduler (`ModelOptions::speculative` on, with the MTP head or a
-//! drafter the caller sets).
+//! drafter the caller sets): the one take-in / draft / verify / accept / rollback of the engine.
 //!
 //! # Policy
 //! - **Take-in.** Right after every target step (prefill chunk, decode or verify step) the
@@ -8,55 +8,56 @@
 //!   has no LM head (a few percent of a target step).
 //! - **Drafts.** While the gate speculates, each sequence that is caught up (not replaying after
 //!   a preemption) drafts up to `K` tokens with its take-in: never more than would pass
-//!   `max_new_tokens` or the context, and fewer (none) when the KV cache cannot hold them.
+//!   `max_new_tokens` or the context (`StopRule::drafts_allowed`), and fewer (none) when the KV
+//!   cache cannot hold them.
 //! - **Verify.** A decode step in which some sequence has drafts is a verify step
-//!   ([`TransformerModel::verify`]): each decoding sequence's last token and its drafts, one
-//!   row per token. Acceptance per sequence: greedy (the device's argmax unless the sequence
-//!   needs host logits) or rejection sampling with its own sampler, so its tokens follow its
-//!   plain distribution. The accepted tokens are recorded one by one under the stop
-//!   conditions: a stop token or `max_new_tokens` inside the run ends the output exactly there.
+//!   ([`StepRunner::verify`](crate::runner::StepRunner::verify)): each decoding sequence's last
+//!   token and its drafts, one row per token. Acceptance per sequence: greedy (the device's
+//!   argmax unless the sequence needs host logits) or rejection sampling with its own sampler,
+//!   so its tokens follow its plain distribution. The accepted tokens are recorded one by one
+//!   under the stop rule: a stop token or `max_new_tokens` inside the run ends the output
+//!   exactly there.
 //! - **Rollback.** A hybrid sequence holds `1 + K` SSM slots; row `t < k` keeps its state in
 //!   spare slot `t`, row `k` in the sequence's own, and accepting `j < k` drafts exchanges the
 //!   own slot with spare `j`. KV blocks wholly past the kept tokens go back to the allocator
-//!   (entries of rejected rows inside a kept block are overwritten by later steps). Only prompt
-//!   blocks are ever published to the prefix cache, so no rejected token reaches it.
+//!   (entries of rejected rows inside a kept block are overwritten by later steps). Blocks are
+//!   published to the prefix cache only once final, so no rejected token reaches it.
 //! - **Gate** ([`SpeculationGate`]): each decode step's tokens and duration (the drafting after
 //!   it included), read from the scheduler's [`Clock`], feed the gate, which picks the mode of
-//!   the steps that follow.
+//!   the steps that follow. A disabled gate always speculates.
 //! - **Prefix hits.** The head's KV at a shared prefix's positions is the cache's: at the last
 //!   position of a hit it was computed with the next token of the prompt that published it,
 //!   which may differ. This can cost acceptance, never output.
 
 use std::ops::Range;
+use std::time::Duration;
 
 use metrale_cache::CacheError;
 
+use super::Scheduler;
+use super::decode::tables_and_slots;
+use super::report::{SeqEvent, StepKind};
+use super::sequence::Seq;
 use crate::error::ModelError;
-use crate::model::{StepRow, TransformerModel};
+use crate::runner::{StepRow, StepRunner};
 use crate::speculative::{
     Clock, DraftInput, Drafter, GateOptions, MtpDrafter, SpeculationGate, Verdict, WallClock,
     verify_drafts, verify_greedy,
 };
 
-use super::Scheduler;
-use super::report::{SeqEvent, StepKind};
+pub use crate::speculative::SpeculativeStats;
 
-/// A verify step's rows as the host sees them: every row's logits (some sequence samples or
-/// keeps logits), or only the device's argmax of each.
-enum PickedRows {
-    Logits(Vec<Vec<f32>>),
-    Tokens(Vec<u32>),
-}
-
-/// The scheduler's speculative state.
-pub(super) struct Speculation {
-    pub drafter: Box<dyn Drafter + Send>,
-    /// Drafts per verify step (the model's `num_draft_tokens`).
-    pub k: usize,
+/// The scheduler's speculative state: the drafter, the gate and its clock, and the acceptance
+/// counts.
+pub struct Speculation {
+    drafter: Box<dyn Drafter + Send>,
+    /// Drafts per verify step (the runner's `num_draft_tokens`).
+    k: usize,
     /// SSM slots each sequence holds besides its own: `k` on hybrid models, else 0.
-    pub spares: usize,
-    pub gate: SpeculationGate,
-    pub clock: Box<dyn Clock>,
+    spares: usize,
+    gate: SpeculationGate,
+    clock: Box<dyn Clock>,
+    outcomes: SpeculativeStats,
 }
 
 impl std::fmt::Debug for Speculation {
@@ -70,24 +71,69 @@ impl std::fmt::Debug for Speculation {
 }
 
 impl Speculation {
-    /// Speculation with `drafter` for a model built for drafts; `None` when it is not.
-    pub fn new(model: &TransformerModel, drafter: Box<dyn Drafter + Send>) -> Option<Speculation> {
-        let k = model.options().draft_tokens();
+    /// Speculation with `drafter` for a runner built for drafts; `None` when it is not.
+    fn new(runner: &StepRunner, drafter: Box<dyn Drafter + Send>) -> Option<Speculation> {
+        let k = runner.options().draft_tokens();
+        let hybrid = runner.model().cache_layers().num_ssm > 0;
         (k > 0).then(|| Speculation {
             drafter,
             k,
-            spares: if model.has_ssm_state() { k } else { 0 },
+            spares: if hybrid { k } else { 0 },
             gate: SpeculationGate::new(GateOptions::default()),
             clock: Box::new(WallClock::default()),
+            outcomes: SpeculativeStats::default(),
         })
     }
 
-    /// The MTP head's speculation when the model runs it.
-    pub fn for_model(model: &TransformerModel) -> Option<Speculation> {
-        model
-            .has_mtp()
-            .then(|| Speculation::new(model, Box::new(MtpDrafter)))
+    /// The MTP head's speculation when the runner runs it.
+    pub(super) fn for_runner(runner: &StepRunner) -> Option<Speculation> {
+        (runner.has_mtp())
+            .then(|| Speculation::new(runner, Box::new(MtpDrafter)))
             .flatten()
+    }
+
+    /// SSM slots each sequence holds besides its own.
+    pub(super) fn spares(&self) -> usize {
+        self.spares
+    }
+
+    /// Set the gate's settings (it starts afresh, speculating).
+    pub fn set_gate(&mut self, opts: GateOptions) {
+        self.gate = SpeculationGate::new(opts);
+    }
+
+    /// Read time from `clock` (tests inject one).
+    pub fn set_clock(&mut self, clock: Box<dyn Clock>) {
+        self.clock = clock;
+    }
+
+    /// The gate.
+    pub fn gate(&self) -> &SpeculationGate {
+        &self.gate
+    }
+
+    /// Acceptance counts so far and the gate's state.
+    pub fn stats(&self) -> SpeculativeStats {
+        let (plain, speculative) = self.gate.rates();
+        SpeculativeStats {
+            on: self.gate.is_on(),
+            switches: self.gate.switches(),
+            plain_tok_s: plain,
+            speculative_tok_s: speculative,
+            ..self.outcomes.clone()
+        }
+    }
+
+    pub(super) fn now(&self) -> Duration {
+        self.clock.now()
+    }
+
+    /// A decode step that started at `start` generated `tokens`, speculating or not.
+    pub(super) fn record_step(&mut self, speculative: bool, tokens: usize, start: Duration) {
+        if tokens > 0 {
+            let elapsed = self.clock.now().saturating_sub(start);
+            self.gate.record(speculative, tokens, elapsed);
+        }
     }
 }
 
@@ -95,17 +141,31 @@ impl Speculation {
 /// the rows, and the position of the first.
 pub(super) type TakeIn = (usize, Range<u32>, usize);
 
+/// A verify step's rows as the host sees them: every row's logits (some sequence samples or
+/// keeps logits), or only the device's argmax of each.
+enum PickedRows {
+    Logits(Vec<Vec<f32>>),
+    Tokens(Vec<u32>),
+}
+
 impl Scheduler {
-    /// Draft with `drafter` (the model must be built for drafts, `speculative` not `Off`),
-    /// replacing the MTP head; only while the scheduler is idle.
+    /// Draft with `drafter` (the runner must be built for drafts, `speculative` not `Off`),
+    /// replacing the MTP head, or decode plainly (`None`); only while the scheduler is idle.
+    /// The gate's settings and clock are kept.
     pub fn set_drafter(
         &mut self,
-        model: &TransformerModel,
-        drafter: Box<dyn Drafter + Send>,
+        drafter: Option<Box<dyn Drafter + Send>>,
     ) -> Result<(), ModelError> {
-        self.check_idle("set a drafter")?;
+        if !self.is_idle() {
+            return Err(ModelError::Step(
+                "cannot change the drafter while requests are in flight".into(),
+            ));
+        }
         let old = self.spec.take();
-        let mut spec = Speculation::new(model, drafter).ok_or(ModelError::Options {
+        let Some(drafter) = drafter else {
+            return Ok(());
+        };
+        let mut spec = Speculation::new(&self.runner, drafter).ok_or(ModelError::Options {
             option: "speculative",
             problem: "a drafter needs a model built for drafts (speculative on)".into(),
         })?;
@@ -116,47 +176,19 @@ impl Scheduler {
         Ok(())
     }
 
-    /// The gate's settings (it starts afresh, speculating).
-    pub fn set_speculation_gate(&mut self, opts: GateOptions) {
-        if let Some(spec) = self.spec.as_mut() {
-            spec.gate = SpeculationGate::new(opts);
-        }
-    }
-
-    /// Where the gate reads time (tests inject a clock).
-    pub fn set_clock(&mut self, clock: Box<dyn Clock>) {
-        if let Some(spec) = self.spec.as_mut() {
-            spec.clock = clock;
-        }
-    }
-
-    /// The speculation gate, when the scheduler speculates.
-    pub fn speculation_gate(&self) -> Option<&SpeculationGate> {
-        self.spec.as_ref().map(|s| &s.gate)
-    }
-
     /// Whether the next decode step is a verify step (some running sequence has drafts).
     pub fn next_decode_speculates(&self) -> bool {
         self.running.iter().any(|s| !s.drafts.is_empty())
     }
 
-    fn check_idle(&self, what: &str) -> Result<(), ModelError> {
-        if self.is_idle() {
-            Ok(())
-        } else {
-            Err(ModelError::Step(format!(
-                "cannot {what} while requests are in flight"
-            )))
-        }
+    /// Speculative decoding's state (gate, clock, counts), when the scheduler speculates.
+    pub fn speculation(&mut self) -> Option<&mut Speculation> {
+        self.spec.as_mut()
     }
 
     /// After a target step: the listed sequences take in their rows and, while the gate
     /// speculates, draft for their next step.
-    pub(super) fn take_in(
-        &mut self,
-        model: &mut TransformerModel,
-        ran: &[TakeIn],
-    ) -> Result<(), ModelError> {
+    pub(super) fn take_in(&mut self, ran: &[TakeIn]) -> Result<(), ModelError> {
         let Some(spec) = self.spec.as_mut() else {
             return Ok(());
         };
@@ -167,23 +199,13 @@ impl Scheduler {
         let mut wanted = Vec::with_capacity(ran.len());
         for &(i, _, _) in ran {
             let s = &mut self.running[i];
-            let caught_up = s.computed + 1 == s.tokens.len() && !s.in_prefill();
-            let left = s
-                .params
-                .max_new_tokens
-                .saturating_sub(s.generated() + 1)
-                .min(self.limits.max_context.saturating_sub(s.tokens.len()));
-            let mut k = if speculating && caught_up {
-                spec.k.min(left)
+            let mut k = if speculating && s.caught_up() {
+                (s.stop).drafts_allowed(spec.k, s.generated(), s.tokens.len())
             } else {
                 0
             };
             if k > 0 {
-                match s.table.ensure(
-                    s.computed + k + 1,
-                    self.block_size,
-                    &mut model.kv_cache().allocator,
-                ) {
+                match self.cache.ensure(&mut s.cache.table, s.computed + k + 1) {
                     Ok(()) => {}
                     Err(CacheError::OutOfBlocks { .. }) => k = 0,
                     Err(e) => return Err(e.into()),
@@ -191,23 +213,21 @@ impl Scheduler {
             }
             wanted.push(k);
         }
-        let inputs: Vec<DraftInput<'_>> = ran
-            .iter()
-            .zip(&wanted)
+        let inputs: Vec<DraftInput<'_>> = (ran.iter().zip(&wanted))
             .map(|(&(i, ref rows, first), &k)| {
                 let s = &self.running[i];
                 DraftInput {
                     request: s.id.0 as usize,
                     prompt: &s.tokens[..s.prompt_len],
                     generated: &s.tokens[s.prompt_len..],
-                    table: &s.table,
+                    table: &s.cache.table,
                     step_rows: rows.clone(),
                     first_position: first,
                     num_drafts: k,
                 }
             })
             .collect();
-        let drafts = spec.drafter.draft(model, &inputs)?;
+        let drafts = spec.drafter.draft(&mut self.runner, &inputs)?;
         drop(inputs);
         for ((&(i, ..), &k), mut d) in ran.iter().zip(&wanted).zip(drafts) {
             d.truncate(k);
@@ -217,12 +237,8 @@ impl Scheduler {
     }
 
     /// One verify step of every running sequence past its prompt (see the module header).
-    pub(super) fn verify(
-        &mut self,
-        model: &mut TransformerModel,
-        events: &mut Vec<SeqEvent>,
-    ) -> Result<StepKind, ModelError> {
-        let idx = self.make_decode_room(model)?;
+    pub(super) fn verify(&mut self, events: &mut Vec<SeqEvent>) -> Result<StepKind, ModelError> {
+        let idx = self.make_decode_room()?;
         if idx.is_empty() {
             return Ok(StepKind::Idle);
         }
@@ -239,94 +255,83 @@ impl Scheduler {
                     seq: q as u32,
                 });
             }
-            match s.ssm_slot {
-                Some(own) => row_slots.extend(s.spare_slots[..k].iter().copied().chain([own])),
+            // Row t < k keeps its state in spare slot t, row k in the sequence's own slot.
+            match s.cache.ssm_slot {
+                Some(own) => {
+                    row_slots.extend(s.cache.spare_slots[..k].iter().copied().chain([own]))
+                }
                 None => row_slots.extend(std::iter::repeat_n(u32::MAX, k + 1)),
             }
         }
         let drafts: usize = idx.iter().map(|&i| self.running[i].drafts.len()).sum();
         let _span =
             tracing::debug_span!("step", kind = "verify", seqs = idx.len(), drafts).entered();
-        let (tables, slots) = self.tables_and_slots(&idx);
-        model.verify(&rows, &tables, &slots, &row_slots)?;
+        let (tables, slots) = tables_and_slots(&self.running, &idx);
+        self.runner
+            .verify(&self.cache, &rows, &tables, &slots, &row_slots)?;
         let need = idx.iter().any(|&i| self.running[i].needs_logits());
         let mut picked = if need {
-            PickedRows::Logits(model.logits(rows.len())?)
+            PickedRows::Logits(self.runner.logits(rows.len())?)
         } else {
-            PickedRows::Tokens(model.greedy(rows.len())?)
+            PickedRows::Tokens(self.runner.greedy(rows.len())?)
         };
         self.stats.steps += 1;
         self.stats.decode_steps += 1;
         self.stats.verify_steps += 1;
-
         let (mut done, mut ran) = (Vec::new(), Vec::new());
-        let max = self.limits.max_context;
         for (q, &i) in idx.iter().enumerate() {
-            let s = &mut self.running[i];
-            let (pos0, k, f) = (s.computed, s.drafts.len(), first[q]);
+            let (f, s) = (first[q], &mut self.running[i]);
+            let pos0 = s.computed;
             if s.computed + 1 < s.tokens.len() {
                 // Replaying a preempted sequence's known token: nothing to sample.
                 s.computed += 1;
                 ran.push((i, f as u32..f as u32 + 1, pos0));
                 continue;
             }
-            let mine = f..f + k + 1;
-            let (verdict, mut logits): (Verdict, Vec<Vec<f32>>) = match &mut picked {
-                PickedRows::Logits(all) => {
-                    let rows: Vec<Vec<f32>> = all[mine].iter_mut().map(std::mem::take).collect();
-                    (verify_drafts(&mut s.sampler, &rows, &s.drafts), rows)
-                }
-                PickedRows::Tokens(argmax) => (verify_greedy(&argmax[mine], &s.drafts), Vec::new()),
-            };
+            let k = s.drafts.len();
+            let (verdict, logits) = verdict_of(s, f, &mut picked);
             let j = verdict.accepted;
-            if k > 0 {
-                self.stats.draft_verifies += 1;
-                self.stats.drafted += k as u64;
-                self.stats.accepted += j as u64;
+            if let Some(spec) = self.spec.as_mut() {
+                *spec.outcomes.outcomes.entry((k, j)).or_default() += 1;
             }
-            if let Some(own) = s.ssm_slot.as_mut()
-                && j < k
-            {
-                // Row j's slot holds the state after the last kept token.
-                std::mem::swap(own, &mut s.spare_slots[j]);
-            }
-            s.drafts.clear();
-            let mut reason = None;
-            for (t, &token) in verdict.tokens.iter().enumerate() {
-                s.computed += 1;
-                let row = logits.get_mut(t).map(std::mem::take);
-                let (token, r) = s.record(token, row, max);
-                self.stats.tokens_generated += 1;
-                events.push(SeqEvent::Token { id: s.id, token });
-                if r.is_some() {
-                    reason = r;
-                    break;
-                }
-            }
+            let (tokens, reason) = s.keep(&verdict, logits);
+            self.stats.tokens_generated += tokens.len() as u64;
+            events.extend(
+                tokens
+                    .into_iter()
+                    .map(|token| SeqEvent::Token { id: s.id, token }),
+            );
             match reason {
                 Some(r) => done.push((i, r)),
                 None => {
-                    s.table.truncate(
-                        s.computed,
-                        self.block_size,
-                        &mut model.kv_cache().allocator,
-                    )?;
+                    self.cache.truncate(&mut s.cache.table, s.computed)?;
                     ran.push((i, f as u32..(f + j + 1) as u32, pos0));
                 }
             }
         }
-        self.take_in(model, &ran)?;
+        self.take_in(&ran)?;
         // The kept rows' blocks (where decode steps compute what prefill steps do), after the
         // MTP head's take-in has written its KV for them.
-        for &i in &idx {
-            super::prefix::publish_decoded(model, &mut self.running[i])?;
-        }
+        super::prefix::publish_decoded(&self.runner, &mut self.cache, &mut self.running, &idx)?;
         for (i, reason) in done.into_iter().rev() {
-            self.retire(model, i, reason, events)?;
+            self.retire(i, reason, events)?;
         }
         Ok(StepKind::Verify {
             seqs: idx.len(),
             drafts,
         })
+    }
+}
+
+/// The verdict on `s`'s drafts from its verify rows (step rows `f..f + 1 + drafts`): greedy on
+/// the device's argmax, or rejection sampling on the host logits, which it takes.
+fn verdict_of(s: &mut Seq, f: usize, picked: &mut PickedRows) -> (Verdict, Vec<Vec<f32>>) {
+    let mine = f..f + s.drafts.len() + 1;
+    match picked {
+        PickedRows::Logits(all) => {
+            let rows: Vec<Vec<f32>> = all[mine].iter_mut().map(std::mem::take).collect();
+            (verify_drafts(&mut s.sampler, &rows, &s.drafts), rows)
+        }
+        PickedRows::Tokens(argmax) => (verify_greedy(&argmax[mine], &s.drafts), Vec::new()),
     }
 }

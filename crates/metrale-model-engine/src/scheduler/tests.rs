@@ -7,14 +7,14 @@ use std::sync::Arc;
 use metrale_gpu_runtime::CpuBackend;
 
 use super::*;
-use crate::generate::GenerateParams;
 use crate::options::ModelOptions;
 use crate::sampling::SamplingParams;
 
-fn model(options: ModelOptions) -> TransformerModel {
+fn scheduler(options: ModelOptions) -> Scheduler {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3-tiny");
-    crate::factory::load(&dir, options, Arc::new(CpuBackend::default()))
-        .expect("the qwen3-tiny fixture loads")
+    let model = crate::factory::load(&dir, Arc::new(CpuBackend::default()))
+        .expect("the qwen3-tiny fixture loads");
+    Scheduler::new(model, options).expect("the options fit")
 }
 
 fn request(prompt_len: usize, max_new_tokens: usize) -> SeqRequest {
@@ -31,10 +31,10 @@ fn request(prompt_len: usize, max_new_tokens: usize) -> SeqRequest {
 }
 
 /// Step until idle, returning every step's kind.
-fn drain(s: &mut Scheduler, m: &mut TransformerModel) -> Vec<StepKind> {
+fn drain(s: &mut Scheduler) -> Vec<StepKind> {
     let mut kinds = Vec::new();
     while !s.is_idle() {
-        kinds.push(s.step(m).expect("step").kind);
+        kinds.push(s.step().expect("step").kind);
         assert!(kinds.len() < 10_000, "the scheduler does not finish");
     }
     kinds
@@ -42,22 +42,15 @@ fn drain(s: &mut Scheduler, m: &mut TransformerModel) -> Vec<StepKind> {
 
 #[test]
 fn a_long_prompt_alternates_with_decode_in_budget_sized_chunks() {
-    let mut m = model(ModelOptions {
-        max_batch_tokens: 8,
-        ..Default::default()
-    });
-    let mut s = Scheduler::new(&mut m);
+    let mut s = scheduler(ModelOptions::default().max_batch_tokens(8));
     let a = s.add(request(3, 40)).expect("valid");
     // A: one prefill chunk, then it decodes alone.
     assert!(
-        matches!(s.step(&mut m).expect("step").kind, StepKind::Prefill { seq, start: 0, rows: 3 } if seq == a)
+        matches!(s.step().expect("step").kind, StepKind::Prefill { seq, start: 0, rows: 3 } if seq == a)
     );
-    assert_eq!(
-        s.step(&mut m).expect("step").kind,
-        StepKind::Decode { seqs: 1 }
-    );
+    assert_eq!(s.step().expect("step").kind, StepKind::Decode { seqs: 1 });
     let b = s.add(request(30, 2)).expect("valid");
-    let kinds: Vec<StepKind> = (0..8).map(|_| s.step(&mut m).expect("step").kind).collect();
+    let kinds: Vec<StepKind> = (0..8).map(|_| s.step().expect("step").kind).collect();
     let chunk = |start, rows| StepKind::Prefill {
         seq: b,
         start,
@@ -79,28 +72,21 @@ fn a_long_prompt_alternates_with_decode_in_budget_sized_chunks() {
             StepKind::Decode { seqs: 2 }
         ]
     );
-    drain(&mut s, &mut m);
-    assert_eq!(
-        m.kv_cache().allocator.num_free(),
-        m.kv_cache().allocator.capacity()
-    );
+    drain(&mut s);
+    assert_eq!(s.cache().blocks().num_free(), s.cache().blocks().capacity());
 }
 
 #[test]
 fn short_prompts_share_one_budget_between_decode_steps() {
-    let mut m = model(ModelOptions {
-        max_batch_tokens: 8,
-        ..Default::default()
-    });
-    let mut s = Scheduler::new(&mut m);
+    let mut s = scheduler(ModelOptions::default().max_batch_tokens(8));
     s.add(request(2, 30)).expect("valid");
-    s.step(&mut m).expect("prefill");
-    s.step(&mut m).expect("decode");
+    s.step().expect("prefill");
+    s.step().expect("decode");
     let ids: Vec<SeqId> = [3, 4, 5]
         .into_iter()
         .map(|n| s.add(request(n, 30)).expect("valid"))
         .collect();
-    let kinds: Vec<StepKind> = (0..5).map(|_| s.step(&mut m).expect("step").kind).collect();
+    let kinds: Vec<StepKind> = (0..5).map(|_| s.step().expect("step").kind).collect();
     let p = |i: usize, rows| StepKind::Prefill {
         seq: ids[i],
         start: 0,
@@ -122,32 +108,30 @@ fn short_prompts_share_one_budget_between_decode_steps() {
 #[test]
 fn admission_waits_for_blocks_and_a_decode_slot() {
     // 6 usable blocks of 16 tokens; each request needs 3 (40 prompt tokens plus one).
-    let mut m = model(ModelOptions {
-        num_kv_blocks: Some(7),
-        max_decode_seqs: 4,
-        ..Default::default()
-    });
-    let mut s = Scheduler::new(&mut m);
+    let mut s = scheduler(
+        ModelOptions::default()
+            .num_kv_blocks(Some(7))
+            .max_decode_seqs(4),
+    );
     for _ in 0..3 {
         s.add(request(40, 2)).expect("valid");
     }
-    s.step(&mut m).expect("step");
-    assert_eq!((s.num_running(), s.num_waiting()), (1, 2));
+    s.step().expect("step");
+    let stats = s.stats();
+    assert_eq!((stats.running, stats.waiting), (1, 2));
     // 3 blocks free, but the second request needs 3 plus one of headroom for the first.
-    let stats = s.stats(&mut m);
-    assert_eq!((stats.kv_blocks_used, stats.kv_blocks_total), (3, 6));
-    drain(&mut s, &mut m);
-    assert_eq!(s.stats(&mut m).kv_blocks_used, 0);
-    assert_eq!(s.stats(&mut m).tokens_generated, 6);
+    assert_eq!(
+        (stats.cache.kv_blocks_used, stats.cache.kv_blocks_total),
+        (3, 6)
+    );
+    drain(&mut s);
+    assert_eq!(s.stats().cache.kv_blocks_used, 0);
+    assert_eq!(s.stats().steps.tokens_generated, 6);
 }
 
 #[test]
 fn bad_requests_are_refused_with_what_is_wrong() {
-    let mut m = model(ModelOptions {
-        max_seq_len: Some(32),
-        ..Default::default()
-    });
-    let mut s = Scheduler::new(&mut m);
+    let mut s = scheduler(ModelOptions::default().max_seq_len(Some(32)));
     assert_eq!(s.add(request(0, 1)), Err(InvalidRequest::EmptyPrompt));
     assert_eq!(
         s.add(request(33, 1)),
@@ -172,16 +156,12 @@ fn bad_requests_are_refused_with_what_is_wrong() {
 #[test]
 fn the_context_is_capped_by_what_the_cache_holds() {
     // 2 usable blocks of 16: a sequence alone can hold 32 tokens, whatever max_seq_len says.
-    let mut m = model(ModelOptions {
-        num_kv_blocks: Some(3),
-        ..Default::default()
-    });
-    let mut s = Scheduler::new(&mut m);
-    assert_eq!(s.limits().max_context, 32);
+    let mut s = scheduler(ModelOptions::default().num_kv_blocks(Some(3)));
+    assert_eq!(RequestLimits::of(s.runner(), s.cache()).max_context, 32);
     let id = s.add(request(20, 100)).expect("valid");
     let mut out = None;
     while !s.is_idle() {
-        for e in s.step(&mut m).expect("step").events {
+        for e in s.step().expect("step").events {
             if let SeqEvent::Finished { id: f, generation } = e {
                 assert_eq!(f, id);
                 out = Some(generation);
@@ -198,13 +178,12 @@ fn the_context_is_capped_by_what_the_cache_holds() {
 
 #[test]
 fn finish_releases_a_running_sequence_at_once() {
-    let mut m = model(ModelOptions::default());
-    let mut s = Scheduler::new(&mut m);
+    let mut s = scheduler(ModelOptions::default());
     let id = s.add(request(10, 50)).expect("valid");
-    s.step(&mut m).expect("prefill");
-    s.step(&mut m).expect("decode");
+    s.step().expect("prefill");
+    s.step().expect("decode");
     let g = s
-        .finish(&mut m, id, FinishReason::Cancelled)
+        .finish(id, FinishReason::Cancelled)
         .expect("release")
         .expect("it was running");
     assert_eq!(
@@ -212,10 +191,6 @@ fn finish_releases_a_running_sequence_at_once() {
         (2, FinishReason::Cancelled)
     );
     assert!(s.is_idle());
-    assert_eq!(s.stats(&mut m).kv_blocks_used, 0);
-    assert_eq!(
-        s.finish(&mut m, id, FinishReason::Cancelled)
-            .expect("no-op"),
-        None
-    );
+    assert_eq!(s.stats().cache.kv_blocks_used, 0);
+    assert_eq!(s.finish(id, FinishReason::Cancelled).expect("no-op"), None);
 }

@@ -163,47 +163,21 @@ mod tests {
     fn rejection_sampling_emits_the_plain_distribution() {
         const N: usize = 200_000;
         let cases = [
+            (SamplingParams::default().temperature(0.9).seed(1), 3u32),
+            (SamplingParams::default().temperature(0.9).seed(2), 1),
             (
-                SamplingParams {
-                    temperature: 0.9,
-                    seed: 1,
-                    ..Default::default()
-                },
-                3u32,
-            ),
-            (
-                SamplingParams {
-                    temperature: 0.9,
-                    seed: 2,
-                    ..Default::default()
-                },
-                1,
-            ),
-            (
-                SamplingParams {
-                    temperature: 1.3,
-                    top_k: 4,
-                    seed: 3,
-                    ..Default::default()
-                },
+                SamplingParams::default().temperature(1.3).top_k(4).seed(3),
                 4,
             ),
             (
-                SamplingParams {
-                    temperature: 1.0,
-                    top_k: 4,
-                    seed: 4,
-                    ..Default::default()
-                },
+                SamplingParams::default().temperature(1.0).top_k(4).seed(4),
                 2,
             ),
             (
-                SamplingParams {
-                    temperature: 0.7,
-                    top_p: 0.8,
-                    seed: 5,
-                    ..Default::default()
-                },
+                SamplingParams::default()
+                    .temperature(0.7)
+                    .top_p(0.8)
+                    .seed(5),
                 0,
             ),
         ];

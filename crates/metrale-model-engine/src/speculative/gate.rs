@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 /// Settings of the gate. Every field has a documented default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GateOptions {
     /// Measure and switch (true), or always speculate (false). Default true.
     pub enabled: bool,
@@ -46,6 +47,38 @@ impl Default for GateOptions {
             probe_every: 128,
             probe_steps: 8,
         }
+    }
+}
+
+impl GateOptions {
+    /// Set `enabled` (false: always speculate).
+    pub fn enabled(mut self, on: bool) -> Self {
+        self.enabled = on;
+        self
+    }
+
+    /// Set `margin_percent`.
+    pub fn margin_percent(mut self, percent: u32) -> Self {
+        self.margin_percent = percent;
+        self
+    }
+
+    /// Set `ema_steps`.
+    pub fn ema_steps(mut self, steps: u32) -> Self {
+        self.ema_steps = steps;
+        self
+    }
+
+    /// Set `probe_every`.
+    pub fn probe_every(mut self, steps: usize) -> Self {
+        self.probe_every = steps;
+        self
+    }
+
+    /// Set `probe_steps`.
+    pub fn probe_steps(mut self, steps: usize) -> Self {
+        self.probe_steps = steps;
+        self
     }
 }
 
@@ -192,6 +225,24 @@ impl SpeculationGate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_setters_set_their_field() {
+        let o = GateOptions::default()
+            .enabled(false)
+            .margin_percent(9)
+            .ema_steps(4)
+            .probe_every(32)
+            .probe_steps(2);
+        let want = GateOptions {
+            enabled: false,
+            margin_percent: 9,
+            ema_steps: 4,
+            probe_every: 32,
+            probe_steps: 2,
+        };
+        assert_eq!(o, want);
+    }
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)

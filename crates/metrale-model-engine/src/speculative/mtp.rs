@@ -1,5 +1,5 @@
 //! `MtpDrafter`: drafts with the checkpoint's multi-token-prediction head
-//! (`TransformerModel::mtp_step`; `model::mtp` says which hidden state feeds it and why).
+//! (`StepRunner::mtp_step`; `runner::mtp` says which hidden state feeds it and why).
 //!
 //! After a target step, one head step takes in every row that joined a sequence's context:
 //! the row at position `p` reads the target's final-norm output of that row and the token at
@@ -10,7 +10,7 @@
 
 use super::{DraftInput, Drafter};
 use crate::error::ModelError;
-use crate::model::{MtpStep, StepRow, TransformerModel};
+use crate::runner::{MtpStep, StepRow, StepRunner};
 
 /// See the module header.
 #[derive(Debug, Default)]
@@ -27,7 +27,7 @@ struct Chain {
 impl Drafter for MtpDrafter {
     fn draft(
         &mut self,
-        model: &mut TransformerModel,
+        runner: &mut StepRunner,
         inputs: &[DraftInput<'_>],
     ) -> Result<Vec<Vec<u32>>, ModelError> {
         let mut drafts = vec![Vec::new(); inputs.len()];
@@ -64,14 +64,14 @@ impl Drafter for MtpDrafter {
             }
         }
         let tables: Vec<_> = inputs.iter().map(|i| i.table).collect();
-        model.mtp_step(&MtpStep {
+        runner.mtp_step(&MtpStep {
             rows: &rows,
             tables: &tables,
             hidden_rows: &hidden_rows,
             logit_rows: &logit_rows,
             depth: 0,
         })?;
-        for (c, t) in chains.iter().zip(model.greedy(chains.len())?) {
+        for (c, t) in chains.iter().zip(runner.greedy(chains.len())?) {
             drafts[c.input].push(t);
         }
         // Reuse the head for each further draft.
@@ -92,7 +92,7 @@ impl Drafter for MtpDrafter {
             let hidden_rows: Vec<u32> = chains.iter().map(|c| c.prev_row).collect();
             let logit_rows: Vec<u32> = (0..chains.len() as u32).collect();
             let tables: Vec<_> = chains.iter().map(|c| inputs[c.input].table).collect();
-            model.mtp_step(&MtpStep {
+            runner.mtp_step(&MtpStep {
                 rows: &rows,
                 tables: &tables,
                 hidden_rows: &hidden_rows,
@@ -101,7 +101,7 @@ impl Drafter for MtpDrafter {
             })?;
             for (q, (c, t)) in chains
                 .iter_mut()
-                .zip(model.greedy(logit_rows.len())?)
+                .zip(runner.greedy(logit_rows.len())?)
                 .enumerate()
             {
                 drafts[c.input].push(t);

@@ -5,7 +5,7 @@
 
 use super::{DraftInput, Drafter};
 use crate::error::ModelError;
-use crate::model::TransformerModel;
+use crate::runner::StepRunner;
 
 /// Chooses, for `(request, round)`, the depth at which the drafts go wrong (`None`: all right).
 pub type WrongAt = Box<dyn FnMut(usize, usize) -> Option<usize> + Send>;
@@ -29,7 +29,8 @@ impl std::fmt::Debug for OracleDrafter {
 }
 
 impl OracleDrafter {
-    /// Draft `expected[request]` (prompt then continuation) exactly.
+    /// Draft `expected[request]` (prompt then continuation) exactly. A request is matched to
+    /// the script of its index when it follows it, else to the first script it follows.
     pub fn new(expected: Vec<Vec<u32>>) -> OracleDrafter {
         OracleDrafter::wrong_at(expected, Box::new(|_, _| None))
     }
@@ -49,13 +50,22 @@ impl OracleDrafter {
 impl Drafter for OracleDrafter {
     fn draft(
         &mut self,
-        model: &mut TransformerModel,
+        runner: &mut StepRunner,
         inputs: &[DraftInput<'_>],
     ) -> Result<Vec<Vec<u32>>, ModelError> {
-        let vocab = model.config().vocab_size as u32;
+        let vocab = runner.model().config().vocab_size as u32;
         let mut out = Vec::with_capacity(inputs.len());
         for inp in inputs {
-            let Some(expected) = self.expected.get(inp.request) else {
+            let follows = |e: &Vec<u32>| (0..inp.len()).all(|p| e.get(p).copied() == inp.token(p));
+            // The script of the request's own index when it follows it (a fresh scheduler
+            // numbers requests from 0), else the first script it follows.
+            let own = self.expected.get(inp.request).filter(|e| follows(e));
+            let index = match own {
+                Some(_) => Some(inp.request),
+                None => (self.expected.iter().position(follows))
+                    .or_else(|| (inp.request < self.expected.len()).then_some(inp.request)),
+            };
+            let Some(i) = index else {
                 out.push(Vec::new());
                 continue;
             };
@@ -63,8 +73,9 @@ impl Drafter for OracleDrafter {
                 out.push(Vec::new());
                 continue;
             }
+            let expected = &self.expected[i];
             // Off the script (the sequence diverged): nothing to propose.
-            let on_script = (0..inp.len()).all(|p| expected.get(p).copied() == inp.token(p));
+            let on_script = follows(expected);
             let mut drafts: Vec<u32> = if on_script {
                 expected
                     .iter()
@@ -75,8 +86,8 @@ impl Drafter for OracleDrafter {
             } else {
                 Vec::new()
             };
-            let round = &mut self.rounds[inp.request];
-            if let Some(w) = (self.wrong_at)(inp.request, *round)
+            let round = &mut self.rounds[i];
+            if let Some(w) = (self.wrong_at)(i, *round)
                 && let Some(d) = drafts.get_mut(w)
             {
                 *d = (*d + 1) % vocab.max(1);

@@ -1,7 +1,6 @@
 //! Shared by the prefix-cache tests: random prompts, a request run alone with its cache
 //! figures, bitwise comparison with a cold run, and "nothing is held".
 
-use metrale_model_engine::TransformerModel;
 use metrale_model_engine::generate::Generation;
 use metrale_model_engine::sampling::Rng;
 use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest};
@@ -22,22 +21,22 @@ pub struct Solo {
 }
 
 /// Run `req` alone to its end on `s`, counting its cache hits and prefill rows.
-pub fn solo(s: &mut Scheduler, m: &mut TransformerModel, req: &SeqRequest) -> Solo {
-    let before = s.stats(m);
+pub fn solo(s: &mut Scheduler, req: &SeqRequest) -> Solo {
+    let before = s.stats().steps;
     let id = s.add(req.clone()).unwrap();
     let mut out = None;
     while !s.is_idle() {
-        for e in s.step(m).unwrap().events {
+        for e in s.step().unwrap().events {
             if let SeqEvent::Finished { id: f, generation } = e {
                 assert_eq!(f, id);
                 out = Some(generation);
             }
         }
     }
-    let after = s.stats(m);
+    let after = s.stats().steps;
     Solo {
         generation: out.unwrap(),
-        hit_tokens: after.prefix_hit_tokens - before.prefix_hit_tokens,
+        hit_tokens: after.prefix.hit_tokens - before.prefix.hit_tokens,
         prefill_tokens: after.prefill_tokens - before.prefill_tokens,
     }
 }
@@ -61,19 +60,15 @@ pub fn assert_bitwise(got: &Generation, cold: &Generation, what: &str) {
 
 /// Nothing is held: every block can be handed out, every SSM slot is free; and once the cache
 /// is cleared nothing is cached either.
-pub fn assert_nothing_held(m: &mut TransformerModel) {
-    let a = m.kv_allocator();
+pub fn assert_nothing_held(s: &mut Scheduler) {
+    let a = s.cache().blocks();
     assert_eq!(a.num_free(), a.capacity(), "a KV block is still referenced");
-    if m.has_ssm_state() {
-        assert_eq!(
-            m.free_ssm_slots(),
-            Some(m.max_seqs()),
-            "an SSM slot is held"
-        );
+    if let Some((total, free)) = s.cache().ssm_slots() {
+        assert_eq!(free, total, "an SSM slot is held");
     }
-    m.clear_prefix_cache();
-    let a = m.kv_allocator();
+    s.clear_prefix_cache();
+    let a = s.cache().blocks();
     assert_eq!((a.num_cached(), a.num_evictable()), (0, 0));
     assert_eq!(a.num_free(), a.capacity());
-    assert_eq!(m.ssm_snapshot_usage().0, 0);
+    assert_eq!(s.cache().snapshot_usage().used, 0);
 }

@@ -9,9 +9,33 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use metrale_gpu_runtime::CpuBackend;
-use metrale_model_engine::generate::{GenerateParams, Generation, generate};
+use metrale_model_engine::generate::{GenerateParams, Generation, SeqRequest, generate};
 use metrale_model_engine::sampling::SamplingParams;
-use metrale_model_engine::{ModelOptions, TransformerModel, factory};
+use metrale_model_engine::{CacheManager, ModelOptions, Scheduler, StepRunner, factory};
+
+/// A step runner and its cache, driven by hand (no scheduler).
+pub struct Rig {
+    pub runner: StepRunner,
+    pub cache: CacheManager,
+}
+
+impl Rig {
+    /// The checkpoint in `dir` on the CPU backend, sized by `options`.
+    pub fn load(dir: &Path, options: ModelOptions) -> Rig {
+        Rig::load_on(dir, options, Arc::new(CpuBackend::default()))
+    }
+
+    /// The checkpoint in `dir` on `gpu`, sized by `options`.
+    pub fn load_on(
+        dir: &Path,
+        options: ModelOptions,
+        gpu: Arc<dyn metrale_gpu_runtime::GpuBackend>,
+    ) -> Rig {
+        let model = factory::load(dir, gpu).unwrap();
+        let (runner, cache) = StepRunner::new(model, options).unwrap();
+        Rig { runner, cache }
+    }
+}
 
 /// The hybrid fixtures: Qwen3.5 (dense FFN), Qwen3-Next and Qwen3.5-MoE (MoE FFNs, so the head's
 /// layer is MoE too).
@@ -70,8 +94,9 @@ impl MtpFixture {
             .collect()
     }
 
-    pub fn load(&self, options: ModelOptions) -> TransformerModel {
-        factory::load(self.path(), options, Arc::new(CpuBackend::default())).unwrap()
+    pub fn load(&self, options: ModelOptions) -> Scheduler {
+        let model = factory::load(self.path(), Arc::new(CpuBackend::default())).unwrap();
+        Scheduler::new(model, options).unwrap()
     }
 }
 
@@ -155,8 +180,18 @@ pub fn write_with_mtp_fc(src: &Path, dst: &Path, fc_shape: Option<[usize; 2]>) {
 }
 
 /// A fixture as it is (no MTP head) on the CPU backend.
-pub fn load_plain(name: &str, options: ModelOptions) -> TransformerModel {
-    factory::load(&fixture(name), options, Arc::new(CpuBackend::default())).unwrap()
+pub fn load_plain(name: &str, options: ModelOptions) -> Scheduler {
+    let model = factory::load(&fixture(name), Arc::new(CpuBackend::default())).unwrap();
+    Scheduler::new(model, options).unwrap()
+}
+
+/// A request for `prompt` with `p`, stopping only at `p`'s stop tokens (not the model's EOS).
+pub fn request(prompt: &[u32], p: &GenerateParams) -> SeqRequest {
+    SeqRequest {
+        prompt: prompt.to_vec(),
+        params: p.clone(),
+        ignore_eos: true,
+    }
 }
 
 /// Generation parameters: `n` tokens, no stop tokens, logits kept.
@@ -173,8 +208,8 @@ pub fn greedy(n: usize) -> GenerateParams {
     params(n, SamplingParams::default())
 }
 
-pub fn run(model: &mut TransformerModel, prompt: &[u32], p: &GenerateParams) -> Generation {
-    generate(model, prompt, p, &mut |_| {
+pub fn run(sched: &mut Scheduler, prompt: &[u32], p: &GenerateParams) -> Generation {
+    generate(sched, request(prompt, p), &mut |_| {
         std::ops::ControlFlow::Continue(())
     })
     .unwrap()

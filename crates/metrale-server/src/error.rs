@@ -7,11 +7,13 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use metrale::chat::ChatTemplateError;
 use metrale::{EngineError, RequestError};
 use serde_json::json;
 
 /// See the module header.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct ApiError {
     /// The HTTP status.
     pub status: StatusCode,
@@ -26,15 +28,22 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    /// A 400 `invalid_request_error`.
-    pub fn invalid(message: impl Into<String>, param: Option<&str>) -> ApiError {
+    /// An error of `status` and OpenAI type `kind`, without a param or code.
+    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
         ApiError {
-            status: StatusCode::BAD_REQUEST,
+            status,
             message: message.into(),
-            kind: "invalid_request_error",
-            param: param.map(str::to_string),
+            kind,
+            param: None,
             code: None,
         }
+    }
+
+    /// A 400 `invalid_request_error`.
+    pub fn invalid(message: impl Into<String>, param: Option<&str>) -> ApiError {
+        let mut e = ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message);
+        e.param = param.map(str::to_string);
+        e
     }
 
     /// Set the code.
@@ -45,24 +54,12 @@ impl ApiError {
 
     /// A 404 for a path, or a model, that does not exist.
     pub fn not_found(message: impl Into<String>, code: &'static str) -> ApiError {
-        ApiError {
-            status: StatusCode::NOT_FOUND,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param: None,
-            code: Some(code),
-        }
+        ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", message).code(code)
     }
 
     /// A 500: the server failed.
     pub fn internal(message: impl Into<String>) -> ApiError {
-        ApiError {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            message: message.into(),
-            kind: "server_error",
-            param: None,
-            code: None,
-        }
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
     }
 
     /// The JSON body, `{"error": {...}}`.
@@ -109,6 +106,7 @@ impl From<RequestError> for ApiError {
             }
             RequestError::Sampling(s) => ApiError::invalid(message, Some(s.field)),
             RequestError::EmptyStopString { .. } => ApiError::invalid(message, Some("stop")),
+            _ => ApiError::invalid(message, None),
         }
     }
 }
@@ -118,24 +116,37 @@ impl From<EngineError> for ApiError {
         let message = e.to_string();
         match e {
             EngineError::Request(r) => r.into(),
-            EngineError::QueueFull { .. } => ApiError {
-                status: StatusCode::TOO_MANY_REQUESTS,
-                message,
-                kind: "rate_limit_error",
-                param: None,
-                code: Some("queue_full"),
-            },
-            EngineError::ShutDown => ApiError {
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                message,
-                kind: "server_error",
-                param: None,
-                code: Some("engine_shut_down"),
-            },
+            EngineError::QueueFull { .. } => {
+                ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+                    .code("queue_full")
+            }
+            EngineError::ShutDown => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
+                    .code("engine_shut_down")
+            }
             other => {
                 tracing::error!("engine error: {other}");
                 ApiError::internal(message)
             }
+        }
+    }
+}
+
+impl From<ChatTemplateError> for ApiError {
+    /// Rendering a chat request: a checkpoint without a template, no messages and a template
+    /// that fails on the messages (its own `raise_exception` included) are the client's
+    /// mistakes; anything else is the server's.
+    fn from(e: ChatTemplateError) -> ApiError {
+        let message = e.to_string();
+        match e {
+            ChatTemplateError::NoTemplate => {
+                ApiError::invalid(message, Some("messages")).code("no_chat_template")
+            }
+            ChatTemplateError::NoMessages => {
+                ApiError::invalid("`messages` is empty", Some("messages"))
+            }
+            ChatTemplateError::Render { .. } => ApiError::invalid(message, Some("messages")),
+            _ => ApiError::internal(message),
         }
     }
 }

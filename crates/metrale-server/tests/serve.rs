@@ -1,5 +1,5 @@
-//! `metrale serve` end to end: the server runs in-process on 127.0.0.1 (port 0) over the bundled
-//! tiny checkpoint on the CPU, and a minimal HTTP/1.1 client talks to it over loopback.
+//! The server end to end: it runs in-process on 127.0.0.1 (port 0) over the tiny test
+//! checkpoint on the CPU, and a minimal HTTP/1.1 client talks to it over loopback.
 //!
 //! What a user would notice: a completion (text or token ids, greedy or seeded) equal to
 //! `Engine::generate` for the same request, alone or beside 7 others; streaming giving the same
@@ -15,7 +15,8 @@ use std::io::Read;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use metrale::{EngineOptions, GenerateRequest, Prompt, SamplingParams};
+use metrale::{GenerateRequest, Prompt, SamplingParams};
+use metrale_server::{ServerError, ServerOptions};
 use serde_json::{Value, json};
 
 use serve_support::*;
@@ -48,12 +49,11 @@ fn completions_from_text_and_token_ids_equal_engine_generate() {
     assert_completion(&reply, &want, "token-id prompt");
 
     // Seeded sampling with every knob, and stop strings cut from the greedy text.
-    let sampling = SamplingParams {
-        temperature: 0.9,
-        top_k: 40,
-        top_p: 0.9,
-        seed: 1234,
-    };
+    let sampling = SamplingParams::default()
+        .temperature(0.9)
+        .top_k(40)
+        .top_p(0.9)
+        .seed(1234);
     let want = server
         .engine
         .generate(
@@ -172,7 +172,7 @@ fn streaming_gives_the_same_tokens_and_text_and_ends_with_done() {
         assert_eq!(usage.as_ref(), Some(&whole["usage"]), "{body}");
     }
     let m = wait_idle(&server.engine, 6);
-    assert_eq!((m.finished, m.failed), (6, 0));
+    assert_eq!((m.requests.finished, m.requests.failed), (6, 0));
 }
 
 #[test]
@@ -378,19 +378,13 @@ fn bad_requests_get_4xx_json_errors_and_the_server_keeps_serving() {
     }
     let m = wait_idle(&server.engine, 20);
     assert_eq!(
-        (m.finished, m.failed),
+        (m.requests.finished, m.requests.failed),
         (20, 0),
         "only the good requests reached the engine"
     );
 
     // A full queue is 429 with Retry-After.
-    let full = start_with(
-        &metrale::bundled_checkpoint(),
-        EngineOptions {
-            max_queued_requests: 0,
-            ..options()
-        },
-    );
+    let full = start_with(&tiny(), options().max_queued_requests(0));
     let reply = post(&full, "/v1/completions", &good);
     assert_eq!(reply.status, 429, "{}", reply.body);
     assert_eq!(reply.json()["error"]["code"], "queue_full");
@@ -423,12 +417,20 @@ fn a_client_that_disconnects_mid_stream_frees_its_request() {
     assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"));
     drop(s);
     let m = wait_idle(&server.engine, 1);
-    assert_eq!((m.running, m.queued, m.kv_blocks_used), (0, 0, 0), "{m:?}");
-    assert_eq!((m.finished, m.failed), (1, 0), "{m:?}");
+    assert_eq!(
+        (
+            m.requests.running,
+            m.requests.queued,
+            m.cache.kv_blocks_used
+        ),
+        (0, 0, 0),
+        "{m:?}"
+    );
+    assert_eq!((m.requests.finished, m.requests.failed), (1, 0), "{m:?}");
     assert!(
-        m.tokens_generated < max_tokens as u64,
+        m.steps.tokens_generated < max_tokens as u64,
         "the request ran to the end ({} tokens) instead of being cancelled",
-        m.tokens_generated
+        m.steps.tokens_generated
     );
 
     // Without streaming too: hanging up while waiting for the whole response cancels it.
@@ -441,19 +443,23 @@ fn a_client_that_disconnects_mid_stream_frees_its_request() {
         Some(&whole.to_string()),
     );
     let deadline = Instant::now() + Duration::from_secs(30);
-    while server.engine.metrics().tokens_generated == m.tokens_generated {
+    while server.engine.metrics().steps.tokens_generated == m.steps.tokens_generated {
         assert!(Instant::now() < deadline, "the request never started");
         std::thread::sleep(Duration::from_millis(5));
     }
     drop(s);
     let m2 = wait_idle(&server.engine, 2);
     assert_eq!(
-        (m2.running, m2.kv_blocks_used, m2.failed),
+        (
+            m2.requests.running,
+            m2.cache.kv_blocks_used,
+            m2.requests.failed
+        ),
         (0, 0, 0),
         "{m2:?}"
     );
     assert!(
-        m2.tokens_generated - m.tokens_generated < max_tokens as u64,
+        m2.steps.tokens_generated - m.steps.tokens_generated < max_tokens as u64,
         "the request ran to the end instead of being cancelled: {m2:?}"
     );
 
@@ -534,4 +540,39 @@ fn metrics_and_models_endpoints() {
     let one = http(server.addr, "GET", "/v1/models/qwen3-tiny", None);
     assert_eq!(one.status, 200);
     assert_eq!(http(server.addr, "GET", "/health", None).status, 200);
+}
+
+#[test]
+fn a_server_bound_from_options_serves_under_its_name_until_told_to_stop() {
+    let missing = std::env::temp_dir().join("metrale-no-such-checkpoint");
+    match metrale_server::Server::bind(ServerOptions::new(&missing)) {
+        Err(e @ ServerError::Load { .. }) => {
+            assert!(e.to_string().contains(&*missing.to_string_lossy()), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+
+    let options = ServerOptions::new(tiny())
+        .port(0)
+        .served_model_name("tiny".to_string())
+        .engine(options());
+    let server = metrale_server::Server::bind(options).unwrap();
+    let addr = server.local_addr();
+    assert_eq!(server.model_id(), "tiny");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = std::thread::spawn(move || {
+        server.run_until(async {
+            let _ = stopped.await;
+        })
+    });
+    assert_eq!(
+        http(addr, "GET", "/v1/models", None).json()["data"][0]["id"],
+        "tiny"
+    );
+    let body = json!({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": true});
+    let reply = http(addr, "POST", "/v1/completions", Some(&body.to_string()));
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(token_ids(&reply.json()["choices"][0]["token_ids"]).len(), 3);
+    stop.send(()).unwrap();
+    serving.join().unwrap().unwrap();
 }

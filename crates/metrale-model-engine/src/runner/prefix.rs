@@ -1,7 +1,6 @@
-//! The model's side of prefix caching: where hybrid prefill chunks end (`prefill_chunk`, the
-//! SSM snapshot interval and stride), whether decode steps compute what prefill steps compute
-//! (so the blocks they fill can be published), saving and restoring SSM snapshots between a
-//! sequence's slot and the snapshot pool, and clearing the cache.
+//! The step runner's side of prefix caching: where hybrid prefill chunks end (`prefill_chunk`,
+//! the SSM snapshot interval and stride), and whether decode steps compute what prefill steps
+//! compute (so the blocks they fill can be published).
 //!
 //! Invariants:
 //! - On a hybrid model a prefill chunk that crosses a multiple of the snapshot interval
@@ -11,20 +10,16 @@
 //!   `GDN_CHUNK`, so a cut there computes bitwise what no cut does; and a sequence restored from
 //!   a snapshot at a multiple of the interval cuts the rest of its prompt exactly as a cold run
 //!   does. Hence a cached run is bitwise a cold run, with the option on or off.
-//! - Snapshot copies go on the model's stream, between the steps that produce and consume them.
 //! - `decode_matches_prefill` is true only where every kernel of a decode step computes each
 //!   row exactly as a prefill step computes it: then a KV block filled by decode steps holds the
 //!   bits a cold prefill of the same tokens writes.
 
 use std::ops::Range;
 
-use metrale_cache::{BlockAllocator, BlockHash};
 use metrale_model_layers::circuit_exec::Fusions;
 use metrale_model_layers::layers::GDN_CHUNK;
 
-use crate::error::ModelError;
-
-use super::TransformerModel;
+use super::StepRunner;
 
 /// Where a hybrid model's prefill chunks are cut (see the module header): both in tokens, the
 /// stride a multiple of the interval.
@@ -71,13 +66,12 @@ pub(crate) fn snapshot_interval(block_size: usize) -> usize {
     block_size / gcd(block_size, g) * g
 }
 
-impl TransformerModel {
+impl StepRunner {
     /// Positions (multiples of this) at which hybrid prefill chunks end and SSM snapshots are
     /// taken: `lcm(block_size, GDN_CHUNK)`, 64 with the default blocks of 16. `None` for a
     /// model without GDN layers.
     pub fn ssm_snapshot_interval(&self) -> Option<usize> {
-        self.ssm.as_ref()?;
-        Some(snapshot_interval(self.kv.block_size()))
+        (self.model().cache_layers().num_ssm > 0).then(|| snapshot_interval(self.sizes.block_size))
     }
 
     /// Where this model's prefill chunks are cut (`None`: only by `max_batch_tokens`, on a
@@ -99,77 +93,8 @@ impl TransformerModel {
     /// layer's KV with it), and under the fused circuit programs (some fusions round
     /// differently from the unfused chain prefill runs).
     pub fn decode_matches_prefill(&self) -> bool {
-        self.ssm.is_none()
-            && self
-                .circuit
-                .as_ref()
-                .is_none_or(|c| c.fusions() == Fusions::ReferenceOnly)
-    }
-
-    /// The KV block allocator and its prefix index, to read.
-    pub fn kv_allocator(&self) -> &BlockAllocator {
-        &self.kv.allocator
-    }
-
-    /// Whether a snapshot of the state after the prefix whose last block is `key` is kept.
-    pub fn has_ssm_snapshot(&self, key: &BlockHash) -> bool {
-        self.ssm_snapshots.as_ref().is_some_and(|p| p.contains(key))
-    }
-
-    /// Whether hybrid prefixes can hit: the model keeps SSM state and snapshots of it.
-    pub fn keeps_ssm_snapshots(&self) -> bool {
-        self.ssm_snapshots.is_some()
-    }
-
-    /// Keep a copy of held slot `slot`'s state as the state after the prefix whose last block
-    /// is `key` (queued after the step that computed it). Returns whether a copy was made (not
-    /// when one is kept already, or the model keeps no snapshots).
-    pub fn save_ssm_snapshot(&mut self, key: BlockHash, slot: u32) -> Result<bool, ModelError> {
-        match (&mut self.ssm_snapshots, &self.ssm) {
-            (Some(snaps), Some(pool)) => Ok(snaps.save(key, pool, slot, self.stream)?),
-            _ => Ok(false),
-        }
-    }
-
-    /// A fresh SSM slot for a new sequence: holding the snapshot under `snapshot` when given
-    /// (a prefix hit), zeroed otherwise. `None` for a model without GDN layers.
-    pub fn alloc_ssm_slot_from(
-        &mut self,
-        snapshot: Option<&BlockHash>,
-    ) -> Result<Option<u32>, ModelError> {
-        let Some(key) = snapshot else {
-            return self.alloc_ssm_slot();
-        };
-        let (Some(pool), Some(snaps)) = (self.ssm.as_mut(), self.ssm_snapshots.as_mut()) else {
-            return Err(ModelError::Step(
-                "an SSM snapshot was asked of a model that keeps none".into(),
-            ));
-        };
-        let slot = pool.alloc_slot()?;
-        match snaps.restore(key, pool, slot, self.stream) {
-            Ok(true) => Ok(Some(slot)),
-            other => {
-                pool.free_slot(slot)?;
-                other?;
-                Err(ModelError::Step(format!("no SSM snapshot under {key:?}")))
-            }
-        }
-    }
-
-    /// SSM snapshots kept now, and the entries there are (0 and 0 without a snapshot pool).
-    pub fn ssm_snapshot_usage(&self) -> (usize, usize) {
-        self.ssm_snapshots
-            .as_ref()
-            .map_or((0, 0), |p| (p.num_used(), p.capacity()))
-    }
-
-    /// Drop every cached prefix nobody holds: evictable KV blocks become free and every SSM
-    /// snapshot is dropped. Returns the KV blocks evicted.
-    pub fn clear_prefix_cache(&mut self) -> usize {
-        if let Some(p) = self.ssm_snapshots.as_mut() {
-            p.clear();
-        }
-        self.kv.allocator.evict_all()
+        self.model().cache_layers().num_ssm == 0
+            && (self.forward.circuit.as_ref()).is_none_or(|c| c.fusions() == Fusions::ReferenceOnly)
     }
 }
 

@@ -16,12 +16,14 @@ use axum::extract::rejection::BytesRejection;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use futures_core::Stream;
+use metrale::chat::{ChatMessage, ChatOptions};
 use metrale::{
     EngineError, GenerateEvent, GenerateOutput, GenerateRequest, Prompt, RequestHandle,
     SamplingParams,
 };
 
 use super::error::ApiError;
+use super::messages::chat_messages;
 use super::openai::{
     ChatChoice, ChatMessageOut, CompletionChoice, Envelope, GenerationBody, PromptInput, Usage,
     parse_prompt,
@@ -54,19 +56,19 @@ async fn generate(
     body: Result<Bytes, BytesRejection>,
     flavor: Flavor,
 ) -> Result<Response, ApiError> {
-    let bytes = body.map_err(|rejection| ApiError {
-        status: rejection.status(),
-        message: rejection.body_text(),
-        kind: "invalid_request_error",
-        param: None,
-        code: None,
+    let bytes = body.map_err(|rejection| {
+        ApiError::new(
+            rejection.status(),
+            "invalid_request_error",
+            rejection.body_text(),
+        )
     })?;
     let body = GenerationBody::parse(&bytes)?;
     state.check_model(body.model.as_deref())?;
     let prompt = match flavor {
         Flavor::Completion => Source::Prompt(parse_prompt(body.prompt.as_ref())?),
         Flavor::Chat => {
-            if state.chat_template().is_none() {
+            if state.engine().chat_template().is_none() {
                 return Err(ApiError::invalid(
                     format!(
                         "the model `{}` has no chat template (no `chat_template` in its \
@@ -79,11 +81,13 @@ async fn generate(
             }
             let messages = body
                 .messages
-                .clone()
+                .as_deref()
                 .ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
+            let options = ChatOptions::default()
+                .kwargs(body.chat_template_kwargs.clone().unwrap_or_default());
             Source::Chat {
-                messages,
-                kwargs: body.chat_template_kwargs.clone(),
+                messages: chat_messages(messages)?,
+                options,
             }
         }
     };
@@ -169,13 +173,12 @@ impl Settings {
                 )
             })?,
         };
-        let sampling = SamplingParams {
-            temperature: body.temperature.unwrap_or(1.0),
-            top_k,
-            top_p: body.top_p.unwrap_or(1.0),
+        let sampling = SamplingParams::default()
+            .temperature(body.temperature.unwrap_or(1.0))
+            .top_k(top_k)
+            .top_p(body.top_p.unwrap_or(1.0))
             // A negative seed is a seed too: its bits are taken as they are.
-            seed: body.seed.map_or_else(|| state.fresh_seed(), |s| s as u64),
-        };
+            .seed(body.seed.map_or_else(|| state.fresh_seed(), |s| s as u64));
         sampling.validate().map_err(|e| {
             let field = e.field;
             ApiError::invalid(e.to_string(), Some(field))
@@ -198,21 +201,18 @@ enum Source {
     Prompt(PromptInput),
     /// `/v1/chat/completions`' `messages`, for the chat template.
     Chat {
-        messages: Vec<serde_json::Value>,
-        kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+        messages: Vec<ChatMessage>,
+        options: ChatOptions,
     },
 }
 
-/// Render the chat template, tokenize and submit (blocking: run it off the async runtime).
+/// Render the chat template (the engine's), tokenize and submit (blocking: run it off the async runtime).
 fn submit(state: &AppState, source: Source, s: Settings) -> Result<RequestHandle, ApiError> {
     let engine = state.engine();
     let prompt = match source {
         Source::Prompt(p) => p,
-        Source::Chat { messages, kwargs } => {
-            let template = state
-                .chat_template()
-                .ok_or_else(|| ApiError::internal("the chat template is gone"))?;
-            PromptInput::Text(template.render(&messages, kwargs.as_ref())?)
+        Source::Chat { messages, options } => {
+            PromptInput::Text(engine.apply_chat_template(&messages, &options)?)
         }
     };
     let ids = match prompt {
@@ -238,7 +238,8 @@ async fn wait(mut handle: RequestHandle) -> Result<GenerateOutput, EngineError> 
     loop {
         match std::future::poll_fn(|cx| Pin::new(&mut handle).poll_next(cx)).await {
             Some(Ok(GenerateEvent::Finished { output })) => return Ok(output),
-            Some(Ok(GenerateEvent::Token(_))) => {}
+            // Tokens (and any event this server does not know) until the output.
+            Some(Ok(_)) => {}
             Some(Err(e)) => return Err(e),
             None => return Err(EngineError::ShutDown),
         }

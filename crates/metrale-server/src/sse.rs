@@ -174,6 +174,8 @@ impl SseStream {
                 }
                 self.push_done();
             }
+            // An event this server does not know yet adds nothing to the stream.
+            Some(Ok(_)) => {}
             Some(Err(e)) => {
                 let body = ApiError::from(e).body();
                 self.push_data(&body);

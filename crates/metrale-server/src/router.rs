@@ -1,13 +1,11 @@
-//! The routes and what they share: [`AppState`] (the engine, the served model's name, its chat
-//! template) and [`router`]; the small endpoints (`/v1/models`, `/metrics`, `/health`) and the
+//! The routes and what they share: [`AppState`] (the engine and the served model's name) and
+//! [`router`]; the small endpoints (`/v1/models`, `/metrics`, `/health`) and the
 //! JSON 404 and 405 answers live here, the generation endpoints in `handlers`.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::Result;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, Path as UrlPath, State};
 use axum::http::{StatusCode, header};
@@ -16,7 +14,6 @@ use axum::routing::{get, post};
 use metrale::Engine;
 use serde_json::json;
 
-use super::chat::ChatTemplate;
 use super::error::ApiError;
 use super::{handlers, prometheus};
 
@@ -28,7 +25,6 @@ const MAX_BODY_BYTES: usize = 16 << 20;
 pub struct AppState {
     engine: Arc<Engine>,
     model_id: String,
-    chat: Option<ChatTemplate>,
     /// Unix seconds when the server started (`created` of the model).
     started: u64,
     /// Seeds requests that do not name one.
@@ -36,24 +32,16 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// Serve `engine`, loaded from `dir` (whose `tokenizer_config.json` may hold a chat
-    /// template), as `model_id` (default: the directory's name). Fails when the chat template
-    /// does not compile.
-    pub fn new(engine: Arc<Engine>, dir: &Path, model_id: Option<String>) -> Result<AppState> {
-        let model_id = model_id.unwrap_or_else(|| {
-            std::fs::canonicalize(dir)
-                .ok()
-                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
-                .unwrap_or_else(|| "metrale".into())
-        });
+    /// Serve `engine` as `model_id` (`ServerOptions::model_id` names a checkpoint by its
+    /// directory).
+    pub fn new(engine: Arc<Engine>, model_id: impl Into<String>) -> AppState {
         let started = unix_seconds();
-        Ok(AppState {
+        AppState {
             engine,
-            model_id,
-            chat: ChatTemplate::load(dir)?,
+            model_id: model_id.into(),
             started,
             seeds: AtomicU64::new(started ^ 0x6d65_7472_616c_6521),
-        })
+        }
     }
 
     /// The served model's name.
@@ -64,11 +52,6 @@ impl AppState {
     /// The engine.
     pub fn engine(&self) -> &Arc<Engine> {
         &self.engine
-    }
-
-    /// The chat template, when the checkpoint has one.
-    pub(crate) fn chat_template(&self) -> Option<&ChatTemplate> {
-        self.chat.as_ref()
     }
 
     /// A 404 unless `model` is absent or the served one.
@@ -116,13 +99,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(|| async { "ok" }))
         .fallback(|| async { ApiError::not_found("no such endpoint", "not_found").into_response() })
         .method_not_allowed_fallback(|| async {
-            ApiError {
-                status: StatusCode::METHOD_NOT_ALLOWED,
-                message: "this endpoint does not take that method".into(),
-                kind: "invalid_request_error",
-                param: None,
-                code: Some("method_not_allowed"),
-            }
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "this endpoint does not take that method",
+            )
+            .code("method_not_allowed")
             .into_response()
         })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

@@ -1,12 +1,12 @@
-//! The harness of `serve.rs`: an in-process `metrale serve` on 127.0.0.1 (port 0) over a
-//! checkpoint on the CPU, a minimal HTTP/1.1 client, and the comparisons with `Engine::generate`.
+//! The harness of `serve.rs`: an in-process server on 127.0.0.1 (port 0) over a checkpoint on
+//! the CPU, a minimal HTTP/1.1 client, and the comparisons with `Engine::generate`.
 
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::collections::HashSet;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,7 +14,7 @@ use metrale::{
     Engine, EngineMetrics, EngineOptions, GenerateOutput, GenerateRequest, ModelOptions, Prompt,
     SamplingParams,
 };
-use metrale_serve::{AppState, router};
+use metrale_server::{AppState, ServerOptions, router};
 use serde_json::{Value, json};
 
 /// Every socket read gives up after this, so a hung server fails the test instead of hanging it.
@@ -27,20 +27,34 @@ pub struct Server {
     _runtime: tokio::runtime::Runtime,
 }
 
+/// The test checkpoint `name`: under `tests/fixtures` of the working directory when there is one
+/// (the GPU bundle runs its test binaries from the tree's root), else of the workspace.
+pub fn fixture(name: &str) -> PathBuf {
+    let here = PathBuf::from("tests/fixtures");
+    let root = if here.is_dir() {
+        here
+    } else {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+    };
+    root.join(name)
+}
+
+/// The tiny dense checkpoint (tokenizer, no chat template).
+pub fn tiny() -> PathBuf {
+    fixture("qwen3-tiny")
+}
+
 pub fn options() -> EngineOptions {
-    EngineOptions {
-        model: ModelOptions {
-            max_batch_tokens: 32,
-            max_decode_seqs: 8,
-            ..ModelOptions::default()
-        },
-        ..EngineOptions::default()
-    }
+    EngineOptions::default().model(
+        ModelOptions::default()
+            .max_batch_tokens(32)
+            .max_decode_seqs(8),
+    )
 }
 
 pub fn start_with(dir: &Path, options: EngineOptions) -> Server {
     let engine = Arc::new(Engine::load(dir, options).unwrap());
-    let state = AppState::new(engine.clone(), dir, None).unwrap();
+    let state = AppState::new(engine.clone(), ServerOptions::new(dir).model_id());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_io()
@@ -59,7 +73,7 @@ pub fn start_with(dir: &Path, options: EngineOptions) -> Server {
 }
 
 pub fn start() -> Server {
-    start_with(&metrale::bundled_checkpoint(), options())
+    start_with(&tiny(), options())
 }
 
 /// An HTTP response.
@@ -184,7 +198,10 @@ pub fn wait_idle(engine: &Engine, done: u64) -> EngineMetrics {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let m = engine.metrics();
-        if m.finished + m.failed >= done && m.running == 0 && m.queued == 0 {
+        if m.requests.finished + m.requests.failed >= done
+            && m.requests.running == 0
+            && m.requests.queued == 0
+        {
             return m;
         }
         assert!(
@@ -295,7 +312,7 @@ pub fn collect_stream(reply: &Reply, chat: bool) -> (Vec<u32>, String, String, O
 /// A copy of the bundled checkpoint with a chat template.
 pub fn chat_checkpoint(template: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    let src = metrale::bundled_checkpoint();
+    let src = tiny();
     for f in [
         "config.json",
         "generation_config.json",

@@ -1,12 +1,12 @@
-//! `ModelCircuit`: which forward runs a `TransformerModel`'s decode and single-sequence verify
-//! steps, the legacy layer walk (`TransformerModel::launch_step`) or the circuit executor's
-//! programs, and what the model discloses about it (forward name, plan digest, launches per
-//! step). Also
-//! [`checkpoint_plan`], the plan of a config without a model, for `metrale circuit plan`.
+//! `ModelCircuit`: which forward runs a `StepRunner`'s decode and single-sequence verify and
+//! draft steps, the legacy layer walk (`Model::launch_step`) or the circuit executor's
+//! programs, and what the runner discloses about it (forward name, plan digest, launches per
+//! step). Also [`checkpoint_plan`], the plan of a config without a model, for `metrale circuit
+//! plan`.
 //!
-//! The executor is built from the live model: each layer's binding
-//! (`CircuitBindings::circuit_layer`), the model's own weights, its step buffers and its KV and
-//! SSM pools, compiled at every width of the decode ladder and, with speculation on
+//! The executor is built from the live runner: each layer's binding
+//! (`CircuitBindings::circuit_layer`), the model's own weights, the step buffers and the cache's
+//! KV and SSM pools, compiled at every width of the decode ladder and, with speculation on
 //! (`ModelOptions::speculative`), at every single-sequence verify row count `2..=1 + K`
 //! ([`verify_rows`]) and, when the MTP head drafts (`Speculative::Mtp`), at every
 //! single-sequence draft row count `1..=1 + K` ([`draft_rows`]). `decode()` then replays the
@@ -34,9 +34,13 @@ use metrale_model_layers::circuit_exec::{
 
 pub use metrale_model_layers::circuit_exec::{Digest, Fusions, plans_digest};
 
+use metrale_model_layers::ModelDims;
+
+use super::StepRunner;
+use super::forward::Forward;
+use super::sizes::{StepSizes, max_blocks};
 use crate::error::ModelError;
-use crate::model::{GraphKey, TransformerModel};
-use crate::options::ModelOptions;
+use crate::options::{ModelOptions, Speculative};
 
 /// Which forward runs decode steps. Default: [`ForwardSelect::Legacy`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -139,117 +143,109 @@ pub fn draft_rows(draft_tokens: usize) -> Vec<u64> {
     (1..=1 + draft_tokens as u64).collect()
 }
 
-impl TransformerModel {
-    /// The legacy launches of a step of `shape`, recorded instead of run (the step's metadata is
-    /// whatever was uploaded last).
-    pub(crate) fn record_step(&self, shape: StepShape) -> Result<Vec<Launch>, ModelError> {
-        let (recorder, ops) = Recorder::over(&self.ops);
-        self.launch_step_with(&ops, shape)?;
-        Ok(recorder.take())
+/// A `what` (verify or draft) step of one sequence has 1 to 1 + K rows.
+fn check_speculative_rows(sizes: &StepSizes, what: &str, rows: usize) -> Result<(), ModelError> {
+    if rows == 0 || rows > 1 + sizes.drafts {
+        return Err(ModelError::Step(format!(
+            "a {what} step of one sequence has 1 to {} rows, not {rows}",
+            1 + sizes.drafts
+        )));
     }
+    Ok(())
+}
 
-    /// A `what` (verify or draft) step of one sequence has 1 to 1 + K rows.
-    fn check_speculative_rows(&self, what: &str, rows: usize) -> Result<(), ModelError> {
-        let drafts = (self.max_logit_rows() / self.max_seqs()).saturating_sub(1);
-        if rows == 0 || rows > 1 + drafts {
-            return Err(ModelError::Step(format!(
-                "a {what} step of one sequence has 1 to {} rows, not {rows}",
-                1 + drafts
-            )));
-        }
-        Ok(())
+/// Model features the `arch` circuit does not model.
+fn circuit_unmodelled(dims: &ModelDims, arch: Architecture) -> Vec<String> {
+    let convention = |zero_centred: bool| if zero_centred { "x * (1 + w)" } else { "x * w" };
+    let circuit_zc = arch.norm_weight() == NormWeight::ZeroCentred;
+    let mut out = Vec::new();
+    if dims.unit_offset != circuit_zc {
+        out.push(format!(
+            "RMSNorm weights applied as {} (the {arch} circuit applies {})",
+            convention(dims.unit_offset),
+            convention(circuit_zc)
+        ));
     }
-
-    /// Model features the `arch` circuit does not model.
-    fn circuit_unmodelled(&self, arch: Architecture) -> Vec<String> {
-        let convention = |zero_centred: bool| if zero_centred { "x * (1 + w)" } else { "x * w" };
-        let circuit_zc = arch.norm_weight() == NormWeight::ZeroCentred;
-        let mut out = Vec::new();
-        if self.dims.unit_offset != circuit_zc {
-            out.push(format!(
-                "RMSNorm weights applied as {} (the {arch} circuit applies {})",
-                convention(self.dims.unit_offset),
-                convention(circuit_zc)
-            ));
-        }
-        if self.dims.attn_gated != arch.attention_gated() {
-            out.push(format!(
-                "an attention output gate set to {} (the {arch} circuit's is {})",
-                self.dims.attn_gated,
-                arch.attention_gated()
-            ));
-        }
-        out
+    if dims.attn_gated != arch.attention_gated() {
+        out.push(format!(
+            "an attention output gate set to {} (the {arch} circuit's is {})",
+            dims.attn_gated,
+            arch.attention_gated()
+        ));
     }
+    out
+}
 
-    /// Build the executor of this model with `fusions`; see the module header.
-    fn build_circuit(&self, fusions: Fusions) -> Result<CircuitExec, ModelError> {
-        let widths = self.options.decode_ladder();
-        // The drafts the model was built for (`set_num_draft_tokens` may lower `K` later).
-        let built_drafts = (self.max_logit_rows() / self.max_seqs()).saturating_sub(1);
-        let drafting = if self.mtp.is_some() { built_drafts } else { 0 };
+impl Forward {
+    /// Build the executor of this forward's model with `fusions` at the runner's decode ladder
+    /// and speculative row counts; see the module header.
+    fn build_circuit(
+        &self,
+        fusions: Fusions,
+        options: &ModelOptions,
+        sizes: &StepSizes,
+    ) -> Result<CircuitExec, ModelError> {
+        let model = &self.model;
+        let (ops, stream, dims) = (model.ops(), model.stream(), model.dims());
+        let widths = options.decode_ladder();
+        // The drafts the runner was built for (`set_num_draft_tokens` may lower `K` later).
+        let drafting = if self.mtp.is_some() { sizes.drafts } else { 0 };
         let instance = model_instance(
-            &self.config,
-            self.max_blocks as u64,
+            model.config(),
+            sizes.max_blocks as u64,
             widths.into_iter().map(|w| w as u64).collect(),
-            verify_rows(built_drafts),
+            verify_rows(sizes.drafts),
             draft_rows(drafting),
         )?;
-        for layer in &self.layers {
-            layer.circuit_prepare(&self.ops, self.stream)?;
+        for layer in model.layers() {
+            layer.circuit_prepare(ops, stream)?;
         }
-        self.gpu.synchronize(self.stream)?;
-        let layers = self
-            .layers
+        let layers = model
+            .layers()
             .iter()
-            .map(|l| l.circuit_layer(&self.dims))
+            .map(|l| l.circuit_layer(dims))
             .collect();
+        let weights = model.weights();
         let head = HeadBinding {
-            embedding: (&self.weights.embed).into(),
-            final_norm: (&self.weights.final_norm).into(),
-            lm_head: (&self.weights.lm_head).into(),
+            embedding: (&weights.embed).into(),
+            final_norm: (&weights.final_norm).into(),
+            lm_head: (&weights.lm_head).into(),
             unmodelled: Vec::new(),
         };
-        let (draft, draft_fixed) = match (&self.mtp, &self.weights.mtp) {
+        let (draft, draft_fixed) = match (&self.mtp, model.mtp_head()) {
             (Some(mb), Some(head)) => {
                 for layer in &head.layers {
-                    layer.circuit_prepare(&self.ops, self.stream)?;
+                    layer.circuit_prepare(ops, stream)?;
                 }
-                let pools = (0..head.layers.len())
-                    .map(|i| LayerPools {
-                        kv: Some(self.kv_binding(mb.first_kv_layer + i)),
-                        ssm: None,
-                    })
-                    .collect();
                 let fixed = DraftFixed {
                     hidden: mb.hidden,
                     cat_src: mb.cat_src,
                     cat_ids: mb.cat_ids,
                     cat: mb.cat,
-                    pools,
+                    pools: (self.head_pools.iter())
+                        .map(|&kv| LayerPools {
+                            kv: Some(kv),
+                            ssm: None,
+                        })
+                        .collect(),
                 };
-                (Some(head.circuit_binding(&self.dims)), Some(fixed))
+                (Some(head.circuit_binding(dims)), Some(fixed))
             }
             _ => (None, None),
         };
-        self.gpu.synchronize(self.stream)?;
+        model.gpu().synchronize(stream)?;
         let fixed = Fixed {
             buffers: self.buf,
-            pools: (0..self.layers.len())
-                .map(|i| {
-                    let (kv, ssm) = self.layer_bindings(i);
-                    LayerPools { kv, ssm }
-                })
-                .collect(),
+            pools: self.pools.clone(),
             draft: draft_fixed,
         };
-        let unmodelled = self.circuit_unmodelled(instance.architecture);
+        let unmodelled = circuit_unmodelled(dims, instance.architecture);
         Ok(CircuitExec::build(Boot {
-            ops: &self.ops,
-            stream: self.stream,
+            ops,
+            stream,
             instance,
             fusions,
-            dims: self.dims,
+            dims: *dims,
             layers,
             head,
             draft,
@@ -257,38 +253,27 @@ impl TransformerModel {
             unmodelled,
         })?)
     }
-
-    /// Destroy every captured graph (each replays the forward it was captured under),
-    /// reporting the first failure.
-    fn destroy_graphs(&mut self) -> Result<(), ModelError> {
-        let mut first = Ok(());
-        let keys: Vec<GraphKey> = self.graphs.keys().copied().collect();
-        for g in keys.iter().filter_map(|k| self.graphs.remove(k)) {
-            if let Err(e) = self.gpu.destroy_graph(g)
-                && first.is_ok()
-            {
-                first = Err(e.into());
-            }
-        }
-        first
-    }
 }
 
-impl ModelCircuit for TransformerModel {
+impl ModelCircuit for StepRunner {
     fn set_forward(&mut self, select: ForwardSelect) -> Result<(), ModelError> {
         let next = match select {
             ForwardSelect::Legacy => None,
-            ForwardSelect::Circuit { fusions } => Some(self.build_circuit(fusions)?),
+            ForwardSelect::Circuit { fusions } => Some(self.forward.build_circuit(
+                fusions,
+                &self.options,
+                &self.sizes,
+            )?),
         };
-        let destroyed = self.destroy_graphs();
-        let previous = std::mem::replace(&mut self.circuit, next);
+        let destroyed = self.graphs.clear();
+        let previous = std::mem::replace(&mut self.forward.circuit, next);
         let freed = previous.map_or(Ok(()), CircuitExec::free);
         destroyed?;
         Ok(freed?)
     }
 
     fn forward_select(&self) -> ForwardSelect {
-        match &self.circuit {
+        match &self.forward.circuit {
             None => ForwardSelect::Legacy,
             Some(e) => ForwardSelect::Circuit {
                 fusions: e.fusions(),
@@ -298,7 +283,7 @@ impl ModelCircuit for TransformerModel {
 
     fn forward_disclosure(&self) -> Result<ForwardDisclosure, ModelError> {
         let forward = self.forward_select().name();
-        Ok(match &self.circuit {
+        Ok(match &self.forward.circuit {
             None => ForwardDisclosure {
                 forward,
                 plan_digest: None,
@@ -319,7 +304,7 @@ impl ModelCircuit for TransformerModel {
                 self.options.decode_ladder()
             )));
         }
-        if let Some(e) = &self.circuit {
+        if let Some(e) = &self.forward.circuit {
             return e
                 .program(width as u64)
                 .map(|p| p.launches().to_vec())
@@ -327,50 +312,40 @@ impl ModelCircuit for TransformerModel {
         }
         let rows = u32::try_from(width)
             .map_err(|_| ModelError::Step(format!("{width} rows do not fit a step")))?;
-        let shape = StepShape {
-            rows,
-            num_seqs: rows,
-            max_blocks: self.max_blocks as u32,
-            logit_rows: rows,
-            verify: false,
-            att_groups: 0,
-        };
-        self.record_step(shape)
+        self.forward
+            .record_step(self.shape(rows, rows, rows, false))
     }
 
     fn verify_launches(&self, rows: usize) -> Result<Vec<Launch>, ModelError> {
-        self.check_speculative_rows("verify", rows)?;
-        let program = self
-            .circuit
-            .as_ref()
-            .and_then(|e| e.verify_program(rows as u64));
+        check_speculative_rows(&self.sizes, "verify", rows)?;
+        let program = (self.forward.circuit.as_ref()).and_then(|e| e.verify_program(rows as u64));
         if let Some(p) = program {
             return Ok(p.launches().to_vec());
         }
-        let shape = StepShape {
-            rows: rows as u32,
-            num_seqs: 1,
-            max_blocks: self.max_blocks as u32,
-            logit_rows: rows as u32,
-            verify: true,
-            att_groups: 0,
-        };
-        self.record_step(shape)
+        let rows = rows as u32;
+        self.forward.record_step(self.shape(rows, 1, rows, true))
     }
 
     fn draft_launches(&self, rows: usize) -> Result<Vec<Launch>, ModelError> {
-        self.check_speculative_rows("draft", rows)?;
-        let shape = StepShape {
-            rows: rows as u32,
-            num_seqs: 1,
-            max_blocks: self.max_blocks as u32,
-            logit_rows: 1,
-            verify: false,
-            att_groups: 0,
-        };
-        let (recorder, ops) = Recorder::over(&self.ops);
-        self.launch_mtp_with(&ops, shape, 0)?;
+        check_speculative_rows(&self.sizes, "draft", rows)?;
+        let (recorder, ops) = Recorder::over(self.model().ops());
+        let shape = self.shape(rows as u32, 1, 1, false);
+        self.forward.legacy_mtp(&ops, shape, 0)?;
         Ok(recorder.take())
+    }
+}
+
+impl StepRunner {
+    /// The shape of a step of `rows` rows of `num_seqs` sequences, without prefill row groups.
+    fn shape(&self, rows: u32, num_seqs: u32, logit_rows: u32, verify: bool) -> StepShape {
+        StepShape {
+            rows,
+            num_seqs,
+            max_blocks: self.sizes.max_blocks as u32,
+            logit_rows,
+            verify,
+            att_groups: 0,
+        }
     }
 }
 
@@ -380,22 +355,13 @@ fn checkpoint_instance(
     config: &ModelConfig,
     options: &ModelOptions,
 ) -> Result<metrale_model_layers::circuit_exec::Instance, ModelError> {
-    if options.block_size == 0 {
-        return Err(ModelError::Options {
-            option: "block_size",
-            problem: "must be positive".into(),
-        });
-    }
-    // As `TransformerModel::new` sizes the block tables.
-    let max_seq_len = options
-        .max_seq_len
-        .unwrap_or(config.max_position_embeddings.min(4096));
-    let blocks_per_seq = max_seq_len.div_ceil(options.block_size) as u64;
+    // As `StepRunner::new` sizes the block tables.
+    let blocks_per_seq = max_blocks(config, options)? as u64;
     let widths = options.decode_ladder().into_iter().map(|w| w as u64);
     let verify = verify_rows(options.draft_tokens());
-    // As `TransformerModel::new` sets the head up: a model loads with MTP drafting only when
-    // its checkpoint has the head.
-    let drafting = options.speculative == crate::options::Speculative::Mtp;
+    // As `StepRunner::new` sets the head up: a model loads with MTP drafting only when its
+    // checkpoint has the head.
+    let drafting = options.speculative == Speculative::Mtp;
     let draft = draft_rows(if drafting { options.draft_tokens() } else { 0 });
     Ok(model_instance(
         config,

@@ -1,0 +1,228 @@
+//! `metrale serve`: the flags of the OpenAI-compatible server, turned into
+//! `metrale_server::ServerOptions`; without `--model` it serves the bundled tiny checkpoint.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, ValueEnum};
+use metrale::{EngineOptions, GateOptions, ModelOptions, Speculative};
+use metrale_server::{Server, ServerOptions};
+
+use crate::generate::{BackendArg, backend};
+
+/// Speculative decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SpeculativeArg {
+    /// Plain decode.
+    Off,
+    /// The checkpoint's MTP head drafts (Qwen3.5 / Qwen3-Next).
+    Mtp,
+}
+
+/// `metrale serve`'s flags.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Checkpoint directory (config.json + safetensors, tokenizer.json for text). Default: the
+    /// bundled tiny checkpoint.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// The model's name in the API (`/v1/models`, the requests' `model`). Default: the
+    /// checkpoint directory's name.
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the address is printed).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Where the model runs.
+    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+    pub backend: BackendArg,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Most tokens per step (prefill chunk size and token budget).
+    #[arg(long, default_value_t = ModelOptions::default().max_batch_tokens)]
+    pub max_batch_tokens: usize,
+    /// Most requests running at once (the widest decode step).
+    #[arg(long, default_value_t = ModelOptions::default().max_decode_seqs)]
+    pub max_decode_seqs: usize,
+    /// Longest sequence, prompt plus output. Default: the model's, capped at 4096.
+    #[arg(long)]
+    pub max_seq_len: Option<usize>,
+    /// KV-cache blocks. Default: enough for `max_decode_seqs` sequences of `max_seq_len`.
+    #[arg(long)]
+    pub num_kv_blocks: Option<usize>,
+    /// Tokens per KV-cache block.
+    #[arg(long, default_value_t = ModelOptions::default().block_size)]
+    pub block_size: usize,
+    /// Most requests waiting for admission; more get 429.
+    #[arg(long, default_value_t = EngineOptions::default().max_queued_requests)]
+    pub max_queued_requests: usize,
+    /// Turn prefix caching off: every prompt is computed from its first token, and no KV block
+    /// or SSM snapshot is kept for later requests.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// SSM state snapshots kept for prefix caching on hybrid models. Default: twice
+    /// `--max-decode-seqs`.
+    #[arg(long)]
+    pub ssm_snapshot_slots: Option<usize>,
+    /// Hybrid models: also end prefill chunks (and keep an SSM snapshot) at every multiple of
+    /// this many tokens, a multiple of 64 with the default blocks. Default: only every
+    /// `--max-batch-tokens`.
+    #[arg(long)]
+    pub ssm_snapshot_stride: Option<usize>,
+    /// Speculative decoding: with `mtp` the checkpoint's MTP head drafts and decode steps verify
+    /// the drafts, while the engine measures it faster than plain decode.
+    #[arg(long, value_enum, default_value_t = SpeculativeArg::Off)]
+    pub speculative: SpeculativeArg,
+    /// Tokens drafted per sequence and verify step with `--speculative mtp` (1 to 8).
+    #[arg(long, default_value_t = ModelOptions::default().num_draft_tokens)]
+    pub num_draft_tokens: usize,
+    /// With `--speculative mtp`: always speculate, instead of turning speculation off while it
+    /// measures slower than plain decode.
+    #[arg(long)]
+    pub no_speculation_gate: bool,
+    /// The gate switches modes when the other is faster by more than this many percent.
+    #[arg(long, default_value_t = GateOptions::default().margin_percent)]
+    pub speculation_margin_percent: u32,
+}
+
+impl ServeArgs {
+    /// The engine options these flags give.
+    pub fn engine_options(&self) -> EngineOptions {
+        let speculative = match self.speculative {
+            SpeculativeArg::Off => Speculative::Off,
+            SpeculativeArg::Mtp => Speculative::Mtp,
+        };
+        let model = ModelOptions::default()
+            .max_batch_tokens(self.max_batch_tokens)
+            .max_decode_seqs(self.max_decode_seqs)
+            .max_seq_len(self.max_seq_len)
+            .num_kv_blocks(self.num_kv_blocks)
+            .block_size(self.block_size)
+            .prefix_caching(!self.no_prefix_caching)
+            .ssm_snapshot_slots(self.ssm_snapshot_slots)
+            .ssm_snapshot_stride(self.ssm_snapshot_stride)
+            .speculative(speculative)
+            .num_draft_tokens(self.num_draft_tokens);
+        let gate = GateOptions::default()
+            .enabled(!self.no_speculation_gate)
+            .margin_percent(self.speculation_margin_percent);
+        EngineOptions::default()
+            .backend(backend(self.backend, self.device))
+            .model(model)
+            .max_queued_requests(self.max_queued_requests)
+            .speculation_gate(gate)
+    }
+
+    /// The server options these flags give, serving `model` (the flag's, or the bundled
+    /// checkpoint).
+    pub fn server_options(&self, model: PathBuf) -> ServerOptions {
+        ServerOptions::new(model)
+            .served_model_name(self.served_model_name.clone())
+            .host(self.host.clone())
+            .port(self.port)
+            .engine(self.engine_options())
+    }
+}
+
+/// Load the checkpoint, listen, and serve until Ctrl-C (SIGINT) or SIGTERM; requests in flight
+/// finish first.
+pub fn run(args: ServeArgs) -> Result<()> {
+    let model = match &args.model {
+        Some(dir) => dir.clone(),
+        None => crate::bundled::checkpoint()?,
+    };
+    let server = Server::bind(args.server_options(model))?;
+    println!(
+        "metrale serve: model `{}` on http://{}",
+        server.model_id(),
+        server.local_addr()
+    );
+    server.run_until(async {
+        metrale_server::shutdown_signal().await;
+        eprintln!("metrale serve: shutting down");
+    })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<ServeArgs, clap::Error> {
+        let mut argv = vec!["metrale-serve"];
+        argv.extend(args);
+        Cli::try_parse_from(argv).map(|c| c.serve)
+    }
+
+    #[test]
+    fn prefix_caching_is_on_by_default_and_the_flags_reach_the_options() {
+        let model = |args: &[&str]| parse(args).map(|a| a.engine_options().model);
+        let default = model(&[]).expect("no flags");
+        assert!(default.prefix_caching);
+        assert_eq!(default.ssm_snapshot_slots, None);
+        assert_eq!(default.ssm_snapshot_stride, None);
+        let off = model(&["--no-prefix-caching", "--ssm-snapshot-slots", "3"]).expect("valid");
+        assert!(!off.prefix_caching);
+        assert_eq!(off.ssm_snapshot_slots, Some(3));
+        let strided = model(&["--ssm-snapshot-stride", "128"]).expect("valid");
+        assert_eq!(strided.ssm_snapshot_stride, Some(128));
+        assert!(model(&["--ssm-snapshot-slots", "many"]).is_err());
+    }
+
+    #[test]
+    fn speculation_is_off_by_default_and_its_flags_reach_the_options() {
+        let engine = |args: &[&str]| parse(args).map(|a| a.engine_options());
+        let default = engine(&[]).expect("no flags");
+        assert_eq!(default.model.speculative, Speculative::Off);
+        assert!(default.speculation_gate.enabled);
+        let on = engine(&[
+            "--speculative",
+            "mtp",
+            "--num-draft-tokens",
+            "3",
+            "--no-speculation-gate",
+            "--speculation-margin-percent",
+            "9",
+        ])
+        .expect("valid");
+        assert_eq!(on.model.speculative, Speculative::Mtp);
+        assert_eq!(on.model.num_draft_tokens, 3);
+        assert!(!on.speculation_gate.enabled);
+        assert_eq!(on.speculation_gate.margin_percent, 9);
+        assert!(engine(&["--speculative", "eagle"]).is_err());
+    }
+
+    #[test]
+    fn the_address_and_name_flags_reach_the_server_options() {
+        let args = parse(&[
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+            "--served-model-name",
+            "m",
+        ])
+        .expect("valid");
+        let o = args.server_options(PathBuf::from("ckpt"));
+        assert_eq!((o.host.as_str(), o.port), ("0.0.0.0", 0));
+        assert_eq!(o.model_id(), "m");
+        assert_eq!(o.model, PathBuf::from("ckpt"));
+        let default = parse(&[])
+            .expect("no flags")
+            .server_options(PathBuf::from("x"));
+        assert_eq!((default.host.as_str(), default.port), ("127.0.0.1", 8000));
+        assert_eq!(default.engine, EngineOptions::default());
+    }
+}

@@ -1,0 +1,287 @@
+//! `StepRunner`: runs one step of rows through a `Model` — prefill chunks (`forward`), padded
+//! decode steps (`decode`), verify steps of speculative decoding (`verify`) and MTP head steps
+//! (`mtp_step`) — and leaves logits for the rows that asked for them. It owns what a step needs
+//! besides the weights and the caches: the step buffers (one arena, allocated at load), the
+//! captured graphs, and the forward choice (legacy launches or the circuit executor's programs,
+//! `circuit.rs`). The caches belong to the `CacheManager` the caller passes in; the runner only
+//! reads its pools' fixed addresses and checks the slots a step names.
+//!
+//! Invariants:
+//! - Every buffer a step touches was allocated at load; a step allocates nothing on the device
+//!   and only uploads its metadata to fixed addresses (`upload.rs`).
+//! - A row's result depends only on its token, position and sequence cache, never on the other
+//!   rows of the step.
+//! - With `decode_graphs`, decode, verify and MTP steps replay a graph captured the first time
+//!   their shape runs; their launches depend on the shape alone.
+
+mod build;
+pub(crate) mod circuit;
+mod forward;
+mod graphs;
+mod mtp;
+pub(crate) mod prefix;
+mod sizes;
+mod upload;
+mod verify;
+
+use metrale_cache::{BlockTable, CacheManager};
+use metrale_gpu_runtime::{BufferArena, GpuBackendExt};
+use metrale_model_layers::circuit_exec::{Launch, LayerPools};
+use metrale_model_layers::layer::SsmBinding;
+use metrale_model_layers::ops::Matrix;
+use metrale_model_layers::{KvBinding, StepShape};
+
+use crate::error::ModelError;
+use crate::model::Model;
+use crate::options::{ModelOptions, Speculative};
+
+pub use circuit::{
+    Digest, ForwardDisclosure, ForwardSelect, Fusions, ModelCircuit, checkpoint_plan,
+    checkpoint_plans, draft_rows, plans_digest, verify_rows,
+};
+pub use graphs::GraphCache;
+pub use mtp::MtpStep;
+pub use prefix::{ChunkCuts, prefill_chunk};
+pub use sizes::StepSizes;
+pub use upload::{StepInput, StepRow};
+
+use forward::Forward;
+use graphs::GraphKey;
+use upload::Io;
+
+/// See the module header.
+#[derive(Debug)]
+pub struct StepRunner {
+    /// Declared first: graphs replay the buffers and weights below, so they go first.
+    graphs: GraphCache,
+    forward: Forward,
+    options: ModelOptions,
+    sizes: StepSizes,
+    /// Rows of the last step run (padding included): what `normed` holds for the MTP head.
+    last_rows: usize,
+    /// MTP steps that ran the circuit's draft program.
+    draft_program_steps: u64,
+    _arena: BufferArena,
+}
+
+impl StepRunner {
+    /// Size `model`'s steps and caches for `options` and allocate both: the runner's buffers
+    /// and the cache manager's pools.
+    pub fn new(
+        model: Model,
+        options: ModelOptions,
+    ) -> Result<(StepRunner, CacheManager), ModelError> {
+        let (sizes, layout) = sizes::size(&model, &options)?;
+        let cache = CacheManager::new(model.gpu().clone(), layout, model.stream())?;
+        let buffers = build::allocate(&model, &sizes)?;
+        let (pools, head_pools) = pools(&model, &cache);
+        let runner = StepRunner {
+            graphs: GraphCache::new(
+                model.gpu().clone(),
+                model.stream(),
+                options.max_speculative_graphs,
+            ),
+            forward: Forward {
+                circuit: None,
+                model,
+                buf: buffers.step,
+                mtp: buffers.mtp,
+                pools,
+                head_pools: if sizes.drafting {
+                    head_pools
+                } else {
+                    Vec::new()
+                },
+            },
+            options,
+            sizes,
+            last_rows: 0,
+            draft_program_steps: 0,
+            _arena: buffers.arena,
+        };
+        Ok((runner, cache))
+    }
+
+    /// The model (weights and layers).
+    pub fn model(&self) -> &Model {
+        &self.forward.model
+    }
+
+    /// The options the runner was built with (`num_draft_tokens` as set since).
+    pub fn options(&self) -> &ModelOptions {
+        &self.options
+    }
+
+    /// The limits of a step.
+    pub fn sizes(&self) -> &StepSizes {
+        &self.sizes
+    }
+
+    /// The captured graphs.
+    pub fn graphs(&self) -> &GraphCache {
+        &self.graphs
+    }
+
+    /// Draft up to `k` tokens per verify step from now on (`speculative` on): at most what the
+    /// runner was built for (`num_draft_tokens` at load sizes the buffers and slots).
+    pub fn set_num_draft_tokens(&mut self, k: usize) -> Result<(), ModelError> {
+        let built = self.sizes.drafts;
+        if self.options.speculative == Speculative::Off || !(1..=built).contains(&k) {
+            return Err(ModelError::Options {
+                option: "num_draft_tokens",
+                problem: format!(
+                    "{k} drafts per step; this model was built for 1 to {built} (speculative on)"
+                ),
+            });
+        }
+        self.options.num_draft_tokens = k;
+        Ok(())
+    }
+
+    /// Replay decode, verify and MTP steps from graphs (`true`, the default from
+    /// `ModelOptions::decode_graphs`) or launch them eagerly.
+    pub fn set_decode_graphs(&mut self, on: bool) {
+        self.options.decode_graphs = on;
+    }
+
+    fn io(&self) -> Io<'_> {
+        let model = &self.forward.model;
+        Io {
+            gpu: model.gpu().as_ref(),
+            stream: model.stream(),
+            buf: &self.forward.buf,
+            sizes: &self.sizes,
+            dims: model.dims(),
+        }
+    }
+
+    /// Run one step: embed, every layer, the final norm, and the LM head on the logit rows.
+    /// Logits are left on the device; read them with [`StepRunner::logits`].
+    pub fn forward(
+        &mut self,
+        cache: &CacheManager,
+        input: &StepInput<'_>,
+    ) -> Result<(), ModelError> {
+        self.io().check(cache, input)?;
+        let shape = self.io().upload_forward(input)?;
+        self.last_rows = shape.rows as usize;
+        self.forward.legacy_step(self.forward.model.ops(), shape)
+    }
+
+    /// Upload `input` as [`StepRunner::forward`] does and return the step's launches without
+    /// running them (the legacy forward, as every prefill runs): for a launch-by-launch profile
+    /// of a prefill.
+    pub fn forward_launches(
+        &mut self,
+        cache: &CacheManager,
+        input: &StepInput<'_>,
+    ) -> Result<Vec<Launch>, ModelError> {
+        self.io().check(cache, input)?;
+        let shape = self.io().upload_forward(input)?;
+        self.last_rows = shape.rows as usize;
+        self.forward.record_step(shape)
+    }
+
+    /// Run one decode step: row `i` is sequence `i`'s next token. The step is padded to the
+    /// decode ladder width and, with `decode_graphs`, replayed from a graph captured the first
+    /// time that width runs. Logit row `i` belongs to sequence `i`.
+    pub fn decode(
+        &mut self,
+        cache: &CacheManager,
+        rows: &[StepRow],
+        tables: &[&BlockTable],
+        ssm_slots: &[u32],
+    ) -> Result<(), ModelError> {
+        if rows.iter().enumerate().any(|(i, r)| r.seq as usize != i) || rows.len() != tables.len() {
+            return Err(ModelError::Step(
+                "a decode step has one row per sequence, row i for sequence i".into(),
+            ));
+        }
+        let logit_rows: Vec<u32> = (0..rows.len() as u32).collect();
+        let input = StepInput {
+            rows,
+            tables,
+            logit_rows: &logit_rows,
+            ssm_slots,
+        };
+        self.io().check(cache, &input)?;
+        let width = self.options.decode_width(rows.len()).ok_or_else(|| {
+            ModelError::Step(format!(
+                "{} sequences exceed max_decode_seqs {}",
+                rows.len(),
+                self.options.max_decode_seqs
+            ))
+        })?;
+        let shape = self.io().upload(&input, Some(width), None)?;
+        self.last_rows = shape.rows as usize;
+        if !self.options.decode_graphs {
+            return self.forward.decode(shape);
+        }
+        let key = GraphKey::Decode(shape.rows);
+        if self.forward.circuit.is_none() {
+            self.map_before_capture(key, shape)?;
+        }
+        let forward = &self.forward;
+        self.graphs.replay(key, || forward.decode(shape))
+    }
+
+    /// Before the first capture under `key` of a step that runs the legacy launches: record
+    /// them once (nothing runs), which uploads the tensor maps its projections read
+    /// (`Ops::linear` makes a weight's map on first use, but not while a graph is captured, and
+    /// runs a slower kernel with the same rows instead). A circuit program made its maps when
+    /// it was compiled.
+    fn map_before_capture(&self, key: GraphKey, shape: StepShape) -> Result<(), ModelError> {
+        if !self.graphs.contains(key) {
+            self.forward.record_step(shape)?;
+        }
+        Ok(())
+    }
+
+    /// The logits of the last step's first `n` logit rows, `[n][vocab]`.
+    pub fn logits(&self, n: usize) -> Result<Vec<Vec<f32>>, ModelError> {
+        let model = &self.forward.model;
+        let v = model.dims().vocab as usize;
+        let flat: Vec<f32> =
+            (model.gpu()).download(self.forward.buf.logits, n * v, model.stream())?;
+        Ok(flat.chunks(v).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Greedy tokens of the last step's first `n` logit rows, computed on the device.
+    pub fn greedy(&self, n: usize) -> Result<Vec<u32>, ModelError> {
+        let (model, buf) = (&self.forward.model, &self.forward.buf);
+        let logits = Matrix::f32(buf.logits, n as u32, model.dims().vocab);
+        model.ops().argmax(model.stream(), buf.sampled, logits)?;
+        Ok(model.gpu().download(buf.sampled, n, model.stream())?)
+    }
+}
+
+/// Each layer's KV and SSM pools as its forward and the circuit see them, and the KV pools of
+/// the MTP head's layers (after the model's attention layers).
+fn pools(model: &Model, cache: &CacheManager) -> (Vec<LayerPools>, Vec<KvBinding>) {
+    let layout = cache.kv_layout();
+    let kv_binding = |k: usize| {
+        let p = cache.kv_layer(k);
+        KvBinding {
+            k: p.k,
+            v: p.v,
+            block_size: layout.block_size as u32,
+            num_slots: (layout.num_blocks * layout.block_size) as u32,
+        }
+    };
+    let (total, _) = cache.ssm_slots().unwrap_or((0, 0));
+    let layers = model.cache_layers();
+    let pools = (layers.kv.iter().zip(&layers.ssm))
+        .map(|(kv, ssm)| LayerPools {
+            kv: kv.map(kv_binding),
+            ssm: ssm.and_then(|g| cache.ssm_layer(g)).map(|p| SsmBinding {
+                conv: p.conv,
+                recurrent: p.recurrent,
+                conv_slot_stride: (p.conv_slot_bytes / 4) as u32,
+                recurrent_slot_stride: (p.recurrent_slot_bytes / 4) as u32,
+                num_slots: total as u32,
+            }),
+        })
+        .collect();
+    let head = (layers.num_kv..layout.num_layers).map(kv_binding).collect();
+    (pools, head)
+}

@@ -1,0 +1,123 @@
+//! `StepRunner::mtp_step`: one step of the multi-token-prediction head, the drafter of
+//! speculative decoding (`model/mtp.rs` has its launches).
+//!
+//! Which hidden state feeds the head, and at which position. A head row at position `p` reads
+//! `h_p`, the target's *final-norm output* (after `model.norm`, the LM head's input) of the row
+//! whose input token was `x_p`, together with the embedding of the next token `x_{p+1}`, and
+//! runs its layer at position `p` (RoPE and KV slot of `p`); its output predicts `x_{p+2}`. For
+//! the next draft the head is reused: the row at `p + 1` reads the embedding of the draft it
+//! just made and, as its hidden state, the head's own output after `mtp.norm`. This is how vLLM
+//! (`qwen3_next_mtp.py`, whose target model returns its hidden states after `self.norm`;
+//! `eagle.py` shifts the input ids left by one and keeps the target's positions) and SGLang
+//! (`qwen3_next_mtp.py`; `EagleDraftInput.prepare_for_extend` shifts the ids the same way) feed
+//! the Qwen3-Next head. One row off in either the token or the position still runs, but its
+//! drafts are rarely accepted.
+//!
+//! With `decode_graphs`, an MTP step replays a graph captured the first time its (rows,
+//! sequences, logit rows, head layer) runs: its launches take only those counts and read which
+//! rows belong to which sequence from the step buffers, so batched drafts are graphed like
+//! single ones, up to `ModelOptions::max_speculative_graphs` shapes with the verify steps'. The
+//! gather of the previous step's hidden rows, whose bound is that step's row count, stays
+//! outside the graph. With the circuit forward, an MTP step of one sequence with one logit row
+//! through the head's first layer (each draft of a chain, and the take-in that gives draft 1)
+//! replays the executor's draft program of its row count; `draft_program_steps` counts them.
+//!
+//! Invariants:
+//! - `hidden_rows` index the rows of the step run just before (a target step or an MTP step):
+//!   the step's first launch gathers them out of `normed` (widened to f32), before anything
+//!   overwrites it.
+//! - The head's layers use KV pools of their own through the sequences' block tables; they
+//!   touch no SSM state and no target KV pool.
+
+use metrale_cache::BlockTable;
+use metrale_gpu_runtime::GpuBackendExt;
+use metrale_model_layers::ops::Matrix;
+
+use super::{GraphKey, StepInput, StepRow, StepRunner};
+use crate::error::ModelError;
+
+/// One MTP step.
+#[derive(Debug, Clone, Copy)]
+pub struct MtpStep<'a> {
+    /// The rows: `position` is `p`, `token` is the token *after* it (`x_{p+1}`), `seq` indexes
+    /// `tables`; rows of a sequence contiguous and in position order.
+    pub rows: &'a [StepRow],
+    /// The block table of each sequence (the target's: the head's pools share its blocks).
+    pub tables: &'a [&'a BlockTable],
+    /// For each row, the row of the previous step whose final-norm output is its `h_p`.
+    pub hidden_rows: &'a [u32],
+    /// Rows whose logits (drafts) are wanted.
+    pub logit_rows: &'a [u32],
+    /// Which draft of a chain this step makes, from 0; the head's layer `depth % layers` runs
+    /// (one layer in the Qwen3.5 / Qwen3-Next checkpoints).
+    pub depth: usize,
+}
+
+impl StepRunner {
+    /// Whether the MTP head is set up to run (`speculative = Mtp` and the checkpoint has one).
+    pub fn has_mtp(&self) -> bool {
+        self.forward.mtp.is_some()
+    }
+
+    /// MTP steps that ran the circuit's draft program (eagerly or from a graph) so far.
+    pub fn draft_program_steps(&self) -> u64 {
+        self.draft_program_steps
+    }
+
+    /// Run one MTP step (see the module header); its logits replace the last step's.
+    pub fn mtp_step(&mut self, step: &MtpStep<'_>) -> Result<(), ModelError> {
+        let mb = self.forward.mtp.ok_or_else(|| {
+            ModelError::Step("the MTP head is not set up (load with speculative = Mtp)".into())
+        })?;
+        let input = StepInput {
+            rows: step.rows,
+            tables: step.tables,
+            logit_rows: step.logit_rows,
+            ssm_slots: &[],
+        };
+        self.io().check_rows(&input)?;
+        if step.hidden_rows.len() != step.rows.len() {
+            return Err(ModelError::Step(format!(
+                "{} hidden rows for {} MTP rows",
+                step.hidden_rows.len(),
+                step.rows.len()
+            )));
+        }
+        let prev = self.last_rows;
+        if let Some(&r) = step.hidden_rows.iter().find(|&&r| r as usize >= prev) {
+            return Err(ModelError::Step(format!(
+                "hidden row {r} is past the {prev} rows of the previous step"
+            )));
+        }
+        let model = &self.forward.model;
+        let (s, n, hidden) = (model.stream(), step.rows.len() as u32, model.dims().hidden);
+        model.gpu().upload(mb.hidden_rows, step.hidden_rows, s)?;
+        let (hidden_rows, normed) = (
+            Matrix::f32(mb.hidden, n, hidden),
+            Matrix::bf16(self.forward.buf.normed, prev as u32, hidden),
+        );
+        model
+            .ops()
+            .embedding_gather(s, hidden_rows, normed, mb.hidden_rows)?;
+        let shape = self.io().upload(&input, None, None)?;
+        let cat_ids: Vec<u32> = (0..n).flat_map(|i| [i, n + i]).collect();
+        model.gpu().upload(mb.cat_ids, &cat_ids, s)?;
+        self.last_rows = n as usize;
+        let layers = self.forward.head_pools.len().max(1);
+        let layer = step.depth % layers;
+        if self.forward.draft_program(shape, layer).is_some() {
+            self.draft_program_steps += 1;
+        }
+        let key = GraphKey::Mtp {
+            rows: shape.rows,
+            seqs: shape.num_seqs,
+            logit_rows: shape.logit_rows,
+            layer,
+        };
+        if !self.options.decode_graphs || !self.graphs.has_room(key) {
+            return self.forward.mtp(shape, layer);
+        }
+        let forward = &self.forward;
+        self.graphs.replay(key, || forward.mtp(shape, layer))
+    }
+}
