@@ -3,7 +3,7 @@
 //! leave, on random inputs (never zeros) with poisoned caches and padding slots; and a fused
 //! launch whose two halves describe different rows is refused; the CPU twin of
 //! `gemm::linear_swiglu` leaves what `linear` then `silu_mul` leave. The CUDA kernels are held
-//! to the same in `gpu_kernels_fused.rs` on the GPU machine.
+//! to the same in `gpu_kernels/fused.rs` on the GPU machine.
 
 #![allow(clippy::unwrap_used)]
 
