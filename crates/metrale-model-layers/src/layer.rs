@@ -176,6 +176,23 @@ pub struct StepShape {
 /// The fixed buffers a step reads and writes; allocated once in the model's arena.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StepBuffers {
+    /// The activations every layer reads and writes.
+    pub acts: Activations,
+    /// The step's metadata, written by the host before the step (`upload`).
+    pub meta: StepMeta,
+    /// The LM head's input and output rows.
+    pub head: HeadBuffers,
+    /// f32 `[rotary_dim / 2]`: RoPE inverse frequencies.
+    pub inv_freq: DevicePtr,
+    /// The Gated DeltaNet layers' buffers (NULL in a model without them).
+    pub gdn: GdnBuffers,
+    /// The sparse-MoE layers' buffers (NULL in a model without them).
+    pub moe: MoeBuffers,
+}
+
+/// The activations of a step's rows.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Activations {
     /// f32 `[rows, hidden]`: the residual stream.
     pub residual: DevicePtr,
     /// bf16 `[rows, hidden]`: the current norm's output.
@@ -190,6 +207,11 @@ pub struct StepBuffers {
     pub gate_up: DevicePtr,
     /// bf16 `[rows, ffn]`.
     pub act: DevicePtr,
+}
+
+/// A step's metadata: which rows, at which positions, of which sequences, in which slots.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepMeta {
     /// u32 `[rows]`: token ids.
     pub token_ids: DevicePtr,
     /// u32 `[rows]`: positions.
@@ -205,14 +227,6 @@ pub struct StepBuffers {
     pub block_tables: DevicePtr,
     /// u32 `[logit_rows]`: which rows get logits.
     pub logit_rows: DevicePtr,
-    /// bf16 `[logit_rows, hidden]`: the gathered final-norm rows.
-    pub logits_in: DevicePtr,
-    /// f32 `[logit_rows, vocab]`.
-    pub logits: DevicePtr,
-    /// u32 `[logit_rows]`: greedy tokens.
-    pub sampled: DevicePtr,
-    /// f32 `[rotary_dim / 2]`: RoPE inverse frequencies.
-    pub inv_freq: DevicePtr,
     /// u32 `[max_seqs + 1]`: the first row of each step sequence (the row order of `row_seq`),
     /// then `rows`. Read by the per-sequence kernels (GDN).
     pub seq_start: DevicePtr,
@@ -222,10 +236,17 @@ pub struct StepBuffers {
     /// u32 `[rows]`: in a verify step, the SSM slot that keeps the state after each row
     /// (`u32::MAX`: none); unread otherwise.
     pub row_slot: DevicePtr,
-    /// The Gated DeltaNet layers' buffers (NULL in a model without them).
-    pub gdn: GdnBuffers,
-    /// The sparse-MoE layers' buffers (NULL in a model without them).
-    pub moe: MoeBuffers,
+}
+
+/// The LM head's buffers.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HeadBuffers {
+    /// bf16 `[logit_rows, hidden]`: the gathered final-norm rows.
+    pub logits_in: DevicePtr,
+    /// f32 `[logit_rows, vocab]`.
+    pub logits: DevicePtr,
+    /// u32 `[logit_rows]`: greedy tokens.
+    pub sampled: DevicePtr,
 }
 
 /// The per-step buffers of the GDN layers, for `R` = max rows and the GDN shape (`Hk` key heads

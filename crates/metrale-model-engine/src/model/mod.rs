@@ -152,8 +152,8 @@ impl Model {
         shape: StepShape,
     ) -> Result<(), ModelError> {
         let (s, d) = (self.stream, &self.dims);
-        let residual = Matrix::f32(buf.residual, shape.rows, d.hidden);
-        ops.embedding_gather(s, residual, self.weights.embed.matrix(), buf.token_ids)?;
+        let residual = Matrix::f32(buf.acts.residual, shape.rows, d.hidden);
+        ops.embedding_gather(s, residual, self.weights.embed.matrix(), buf.meta.token_ids)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let p = pools.get(i).cloned().unwrap_or_default();
             layer.forward(&LayerCtx {
@@ -168,8 +168,8 @@ impl Model {
             })?;
         }
         let (delta, normed) = (
-            Matrix::bf16(buf.delta, shape.rows, d.hidden),
-            Matrix::bf16(buf.normed, shape.rows, d.hidden),
+            Matrix::bf16(buf.acts.delta, shape.rows, d.hidden),
+            Matrix::bf16(buf.acts.normed, shape.rows, d.hidden),
         );
         let norm = d.norm(self.weights.final_norm.ptr);
         ops.add_rms_norm(s, residual, delta, normed, &norm)?;
@@ -185,10 +185,10 @@ impl Model {
     ) -> Result<(), ModelError> {
         let (s, d) = (self.stream, &self.dims);
         if shape.logit_rows > 0 {
-            let logits_in = Matrix::bf16(buf.logits_in, shape.logit_rows, d.hidden);
-            let normed = Matrix::bf16(buf.normed, shape.rows, d.hidden);
-            ops.gather_rows(s, logits_in, normed, buf.logit_rows)?;
-            let logits = Matrix::f32(buf.logits, shape.logit_rows, d.vocab);
+            let logits_in = Matrix::bf16(buf.head.logits_in, shape.logit_rows, d.hidden);
+            let normed = Matrix::bf16(buf.acts.normed, shape.rows, d.hidden);
+            ops.gather_rows(s, logits_in, normed, buf.meta.logit_rows)?;
+            let logits = Matrix::f32(buf.head.logits, shape.logit_rows, d.vocab);
             ops.linear_f32out(s, logits, logits_in, self.weights.lm_head.matrix())?;
         }
         Ok(())

@@ -46,10 +46,10 @@ impl Model {
             .ok_or_else(|| ModelError::Step("the checkpoint has no MTP head".into()))?;
         let (s, d) = (self.stream, &self.dims);
         let n = shape.rows;
-        let residual = Matrix::f32(buf.residual, n, d.hidden);
-        ops.embedding_gather(s, residual, self.weights.embed.matrix(), buf.token_ids)?;
+        let residual = Matrix::f32(buf.acts.residual, n, d.hidden);
+        ops.embedding_gather(s, residual, self.weights.embed.matrix(), buf.meta.token_ids)?;
         let halves = [
-            (mtp.cat_src, buf.residual, head.pre_fc_norm_embedding.ptr),
+            (mtp.cat_src, buf.acts.residual, head.pre_fc_norm_embedding.ptr),
             (
                 mtp.cat_src.offset(n as usize * d.hidden as usize * 2),
                 mtp.hidden,
@@ -82,8 +82,8 @@ impl Model {
             first: true,
         })?;
         let (delta, normed) = (
-            Matrix::bf16(buf.delta, n, d.hidden),
-            Matrix::bf16(buf.normed, n, d.hidden),
+            Matrix::bf16(buf.acts.delta, n, d.hidden),
+            Matrix::bf16(buf.acts.normed, n, d.hidden),
         );
         ops.add_rms_norm(s, residual, delta, normed, &d.norm(head.norm.ptr))?;
         self.launch_lm_head(ops, buf, shape)

@@ -5,7 +5,7 @@
 use metrale_gpu_runtime::arena::ArenaLayout;
 use metrale_gpu_runtime::{BufferArena, DType, GpuBackendExt};
 use metrale_model_layers::StepBuffers;
-use metrale_model_layers::layer::{GdnBuffers, MoeBuffers};
+use metrale_model_layers::layer::{Activations, GdnBuffers, HeadBuffers, MoeBuffers, StepMeta};
 use metrale_model_layers::layers::{GdnShape, MoeShape};
 use metrale_model_layers::ops_gemm::{self, LinearStaging};
 
@@ -151,27 +151,33 @@ pub(crate) fn allocate(model: &Model, sizes: &StepSizes) -> Result<Buffers, Mode
     )));
     let has = |n: &str| arena.buffers().any(|(m, _)| m == n);
     let step = StepBuffers {
-        residual: p("residual"),
-        normed: p("normed"),
-        delta: p("delta"),
-        qkv: p("qkv"),
-        attn_out: p("attn_out"),
-        gate_up: p("gate_up"),
-        act: p("act"),
-        token_ids: p("token_ids"),
-        positions: p("positions"),
-        row_seq: p("row_seq"),
-        att_groups: p("att_groups"),
-        slot_mapping: p("slot_mapping"),
-        block_tables: p("block_tables"),
-        logit_rows: p("logit_rows"),
-        logits_in: p("logits_in"),
-        logits: p("logits"),
-        sampled: p("sampled"),
+        acts: Activations {
+            residual: p("residual"),
+            normed: p("normed"),
+            delta: p("delta"),
+            qkv: p("qkv"),
+            attn_out: p("attn_out"),
+            gate_up: p("gate_up"),
+            act: p("act"),
+        },
+        meta: StepMeta {
+            token_ids: p("token_ids"),
+            positions: p("positions"),
+            row_seq: p("row_seq"),
+            att_groups: p("att_groups"),
+            slot_mapping: p("slot_mapping"),
+            block_tables: p("block_tables"),
+            logit_rows: p("logit_rows"),
+            seq_start: p("seq_start"),
+            seq_slot: p("seq_slot"),
+            row_slot: p("row_slot"),
+        },
+        head: HeadBuffers {
+            logits_in: p("logits_in"),
+            logits: p("logits"),
+            sampled: p("sampled"),
+        },
         inv_freq: p("inv_freq"),
-        seq_start: p("seq_start"),
-        seq_slot: p("seq_slot"),
-        row_slot: p("row_slot"),
         gdn: if has("gdn.proj") {
             GdnBuffers {
                 proj: p("gdn.proj"),

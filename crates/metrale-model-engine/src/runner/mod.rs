@@ -242,16 +242,16 @@ impl StepRunner {
         let model = &self.forward.model;
         let v = model.dims().vocab as usize;
         let flat: Vec<f32> =
-            (model.gpu()).download(self.forward.buf.logits, n * v, model.stream())?;
+            (model.gpu()).download(self.forward.buf.head.logits, n * v, model.stream())?;
         Ok(flat.chunks(v).map(<[f32]>::to_vec).collect())
     }
 
     /// Greedy tokens of the last step's first `n` logit rows, computed on the device.
     pub fn greedy(&self, n: usize) -> Result<Vec<u32>, ModelError> {
         let (model, buf) = (&self.forward.model, &self.forward.buf);
-        let logits = Matrix::f32(buf.logits, n as u32, model.dims().vocab);
-        model.ops().argmax(model.stream(), buf.sampled, logits)?;
-        Ok(model.gpu().download(buf.sampled, n, model.stream())?)
+        let logits = Matrix::f32(buf.head.logits, n as u32, model.dims().vocab);
+        model.ops().argmax(model.stream(), buf.head.sampled, logits)?;
+        Ok(model.gpu().download(buf.head.sampled, n, model.stream())?)
     }
 }
 

@@ -94,7 +94,7 @@ impl StepRunner {
         model.gpu().upload(mb.hidden_rows, step.hidden_rows, s)?;
         let (hidden_rows, normed) = (
             Matrix::f32(mb.hidden, n, hidden),
-            Matrix::bf16(self.forward.buf.normed, prev as u32, hidden),
+            Matrix::bf16(self.forward.buf.acts.normed, prev as u32, hidden),
         );
         model
             .ops()

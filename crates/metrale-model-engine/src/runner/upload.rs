@@ -220,12 +220,12 @@ impl Io<'_> {
             tables[i * z.max_blocks..i * z.max_blocks + blocks.len()].copy_from_slice(blocks);
         }
         let b = self.buf;
-        gpu.upload(b.token_ids, &ids, s)?;
-        gpu.upload(b.positions, &pos, s)?;
-        gpu.upload(b.row_seq, &seq, s)?;
-        gpu.upload(b.slot_mapping, &slots, s)?;
-        gpu.upload(b.block_tables, &tables, s)?;
-        gpu.upload(b.logit_rows, &logit_rows, s)?;
+        gpu.upload(b.meta.token_ids, &ids, s)?;
+        gpu.upload(b.meta.positions, &pos, s)?;
+        gpu.upload(b.meta.row_seq, &seq, s)?;
+        gpu.upload(b.meta.slot_mapping, &slots, s)?;
+        gpu.upload(b.meta.block_tables, &tables, s)?;
+        gpu.upload(b.meta.logit_rows, &logit_rows, s)?;
         let mut seq_start = vec![0u32; num_seqs + 1];
         for (i, &q) in seq.iter().enumerate().rev() {
             seq_start[q as usize] = i as u32;
@@ -238,10 +238,10 @@ impl Io<'_> {
         }
         let mut seq_slot = vec![u32::MAX; num_seqs];
         seq_slot[..input.ssm_slots.len()].copy_from_slice(input.ssm_slots);
-        gpu.upload(b.seq_start, &seq_start, s)?;
-        gpu.upload(b.seq_slot, &seq_slot, s)?;
+        gpu.upload(b.meta.seq_start, &seq_start, s)?;
+        gpu.upload(b.meta.seq_slot, &seq_slot, s)?;
         if let Some(rs) = row_slots {
-            gpu.upload(b.row_slot, rs, s)?;
+            gpu.upload(b.meta.row_slot, rs, s)?;
         }
         Ok(StepShape {
             rows: n as u32,
@@ -269,7 +269,7 @@ impl Io<'_> {
             d.num_kv_heads,
             d.head_dim,
         );
-        self.gpu.upload(self.buf.att_groups, &groups, self.stream)?;
+        self.gpu.upload(self.buf.meta.att_groups, &groups, self.stream)?;
         Ok(StepShape {
             att_groups: (groups.len() / 2) as u32,
             ..shape

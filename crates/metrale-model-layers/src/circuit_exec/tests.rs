@@ -15,7 +15,9 @@ use metrale_circuit::{
 use metrale_gpu_runtime::{CpuBackend, DType, DevicePtr, GpuBackend, StreamHandle};
 
 use super::*;
-use crate::layer::{GdnBuffers, KvBinding, MoeBuffers, SsmBinding, StepBuffers};
+use crate::layer::{
+    Activations, GdnBuffers, HeadBuffers, KvBinding, MoeBuffers, SsmBinding, StepBuffers, StepMeta,
+};
 use crate::layers::MoeShape;
 use crate::ops_hybrid::GdnHeads;
 use crate::weight_map::DenseWeight;
@@ -213,26 +215,34 @@ pub(super) fn head(a: &mut Addr) -> HeadBinding {
 
 pub(super) fn fixed(a: &mut Addr, specs: &[LayerSpec]) -> Fixed {
     let buffers = StepBuffers {
-        residual: a.next(),
-        normed: a.next(),
-        delta: a.next(),
-        qkv: a.next(),
-        attn_out: a.next(),
-        gate_up: a.next(),
-        act: a.next(),
-        token_ids: a.next(),
-        positions: a.next(),
-        row_seq: a.next(),
-        slot_mapping: a.next(),
-        block_tables: a.next(),
-        logit_rows: a.next(),
-        logits_in: a.next(),
-        logits: a.next(),
-        sampled: a.next(),
+        acts: Activations {
+            residual: a.next(),
+            normed: a.next(),
+            delta: a.next(),
+            qkv: a.next(),
+            attn_out: a.next(),
+            gate_up: a.next(),
+            act: a.next(),
+        },
+        meta: StepMeta {
+            token_ids: a.next(),
+            positions: a.next(),
+            row_seq: a.next(),
+            slot_mapping: a.next(),
+            block_tables: a.next(),
+            logit_rows: a.next(),
+            seq_start: a.next(),
+            seq_slot: a.next(),
+            row_slot: a.next(),
+            // The prefill attention's row groups; no program reads them.
+            att_groups: a.next(),
+        },
+        head: HeadBuffers {
+            logits_in: a.next(),
+            logits: a.next(),
+            sampled: a.next(),
+        },
         inv_freq: a.next(),
-        seq_start: a.next(),
-        seq_slot: a.next(),
-        row_slot: a.next(),
         gdn: GdnBuffers {
             proj: a.next(),
             conv: a.next(),
@@ -253,8 +263,6 @@ pub(super) fn fixed(a: &mut Addr, specs: &[LayerSpec]) -> Fixed {
             shared_out: a.next(),
             shared_gate: a.next(),
         },
-        // The prefill attention's row groups; no program reads them.
-        att_groups: a.next(),
     };
     let pools = specs
         .iter()
@@ -402,7 +410,7 @@ fn a_program_reads_the_bound_addresses_at_the_plans_extents() {
     let p: metrale_kernel_abi::PagedAttentionParams = attention.params().unwrap();
     assert_eq!(
         (p.out, p.k_cache, p.v_cache),
-        (m.fixed.buffers.attn_out, kv.k, kv.v)
+        (m.fixed.buffers.acts.attn_out, kv.k, kv.v)
     );
     // rows, row stride (gated q), q head stride, heads, head dim, block size, blocks per
     // sequence, sequences, slots, scale, gated.
@@ -430,8 +438,8 @@ fn a_program_reads_the_bound_addresses_at_the_plans_extents() {
     assert_eq!(
         lm_head.params(),
         Some(metrale_kernel_abi::LinearParams {
-            out: m.fixed.buffers.logits,
-            x: m.fixed.buffers.logits_in,
+            out: m.fixed.buffers.head.logits,
+            x: m.fixed.buffers.head.logits_in,
             w: m.head.lm_head.ptr(),
             m: 4,
             n: 256,

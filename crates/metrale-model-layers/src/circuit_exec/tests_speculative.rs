@@ -42,7 +42,7 @@ fn verify_programs_keep_each_rows_state_and_read_one_sequence() {
     assert_eq!(decode.launches().len(), verify.launches().len());
     let k = &m.ops.k;
     let ssm = m.fixed.pools[0].ssm.unwrap();
-    let row_slot = m.fixed.buffers.row_slot;
+    let row_slot = m.fixed.buffers.meta.row_slot;
     let find = |kernel| {
         verify
             .launches()
@@ -102,7 +102,7 @@ fn draft_programs_run_the_mtp_head_on_its_buffers_weights_and_kv_pool() {
     let l = program.launches();
     // embedding; norm_e: residual -> cat_src; norm_h: mtp.hidden -> cat_src + 3 bf16 rows.
     assert_eq!(l[0].kernel, k.embedding_gather);
-    let residual = m.fixed.buffers.residual;
+    let residual = m.fixed.buffers.acts.residual;
     assert_eq!((l[1].kernel, l[2].kernel), (k.rms_norm, k.rms_norm));
     let norm = |i: usize| {
         let p: RmsNormParams = l[i].params().unwrap();

@@ -42,8 +42,8 @@ impl Attention {
         })?;
         let rows = cx.shape.rows;
         let width = d.qkv_width();
-        let qkv = Matrix::bf16(buf.qkv, rows, width);
-        let normed = Matrix::bf16(buf.normed, rows, d.hidden);
+        let qkv = Matrix::bf16(buf.acts.qkv, rows, width);
+        let normed = Matrix::bf16(buf.acts.normed, rows, d.hidden);
         match staged {
             Some(images) => ops.linear_staged(s, (qkv, normed, self.qkv.matrix()), images)?,
             None => ops.linear(s, qkv, normed, self.qkv.matrix())?,
@@ -52,8 +52,14 @@ impl Attention {
             self.q_norm.as_ref().map_or(Default::default(), |w| w.ptr),
             self.k_norm.as_ref().map_or(Default::default(), |w| w.ptr),
         );
-        let rope = d.rope_params(buf.qkv, norms, buf.inv_freq, buf.positions, rows);
-        let store = d.store_params(buf.qkv, (kv.k, kv.v), buf.slot_mapping, rows, kv.num_slots);
+        let rope = d.rope_params(buf.acts.qkv, norms, buf.inv_freq, buf.meta.positions, rows);
+        let store = d.store_params(
+            buf.acts.qkv,
+            (kv.k, kv.v),
+            buf.meta.slot_mapping,
+            rows,
+            kv.num_slots,
+        );
         // Prefill sizes (outside every circuit program) store the cache in the rotation's
         // launch; decode sizes keep the two launches `circuit-reference` reproduces.
         if rows > STEP_PROGRAMMATIC_ROWS {
@@ -63,13 +69,13 @@ impl Attention {
             ops.kv_store(s, &store)?;
         }
         let attention = PagedAttention {
-            out: buf.attn_out,
-            qkv: buf.qkv,
+            out: buf.acts.attn_out,
+            qkv: buf.acts.qkv,
             k_cache: kv.k,
             v_cache: kv.v,
-            block_tables: buf.block_tables,
-            row_seq: buf.row_seq,
-            positions: buf.positions,
+            block_tables: buf.meta.block_tables,
+            row_seq: buf.meta.row_seq,
+            positions: buf.meta.positions,
             rows,
             row_stride: width,
             q_head_stride: d.q_head_stride(),
@@ -83,8 +89,8 @@ impl Attention {
             scale: softmax_scale(d.head_dim),
             gated: d.attn_gated,
         };
-        let delta = Matrix::bf16(buf.delta, rows, d.hidden);
-        let attn_out = Matrix::bf16(buf.attn_out, rows, d.attn_out_width());
+        let delta = Matrix::bf16(buf.acts.delta, rows, d.hidden);
+        let attn_out = Matrix::bf16(buf.acts.attn_out, rows, d.attn_out_width());
         let o_proj = self.o_proj.matrix();
         match cx.shape.att_groups {
             0 => ops.paged_attention(s, &attention)?,
@@ -92,7 +98,7 @@ impl Attention {
                 // At prefill sizes the attention writes the o projection's stage images itself
                 // (no permute launch) when the projection can read them.
                 let images = ops.linear_staging(s, o_proj, rows)?;
-                ops.paged_attention_prefill(s, &attention, buf.att_groups, n, images)?;
+                ops.paged_attention_prefill(s, &attention, buf.meta.att_groups, n, images)?;
                 if let Some(images) = images {
                     return ops.linear_staged(s, (delta, attn_out, o_proj), images);
                 }

@@ -55,8 +55,8 @@ impl TransformerLayer for DecoderLayer {
             Mixer::GatedDeltaNet(g) => ops.linear_staging(s, g.in_proj.matrix(), rows)?,
         };
         if cx.first {
-            let normed = Matrix::bf16(buf.normed, rows, d.hidden);
-            let residual = Matrix::f32(buf.residual, rows, d.hidden);
+            let normed = Matrix::bf16(buf.acts.normed, rows, d.hidden);
+            let residual = Matrix::f32(buf.acts.residual, rows, d.hidden);
             ops.rms_norm(s, normed, residual, &d.norm(self.input_norm.ptr))?;
         } else {
             self.residual_norm(cx, self.input_norm.ptr, mixer_staged)?;
@@ -120,9 +120,9 @@ impl DecoderLayer {
         staged: Option<DevicePtr>,
     ) -> GpuResult<()> {
         let (ops, s, buf, d, rows) = (cx.ops, cx.stream, cx.buf, cx.dims, cx.shape.rows);
-        let residual = Matrix::f32(buf.residual, rows, d.hidden);
-        let delta = Matrix::bf16(buf.delta, rows, d.hidden);
-        let normed = Matrix::bf16(buf.normed, rows, d.hidden);
+        let residual = Matrix::f32(buf.acts.residual, rows, d.hidden);
+        let delta = Matrix::bf16(buf.acts.delta, rows, d.hidden);
+        let normed = Matrix::bf16(buf.acts.normed, rows, d.hidden);
         match staged {
             Some(images) => {
                 ops.add_rms_norm_staged(s, (residual, delta, normed), images, &d.norm(norm))

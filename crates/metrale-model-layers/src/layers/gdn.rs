@@ -163,15 +163,15 @@ impl GatedDeltaNet {
         })?;
         let (rows, h, g) = (cx.shape.rows, self.shape.heads, &buf.gdn);
         let seqs = GdnSeqs {
-            row_seq: buf.row_seq,
-            seq_start: buf.seq_start,
-            seq_slot: buf.seq_slot,
-            positions: buf.positions,
+            row_seq: buf.meta.row_seq,
+            seq_start: buf.meta.seq_start,
+            seq_slot: buf.meta.seq_slot,
+            positions: buf.meta.positions,
             rows,
             num_seqs: cx.shape.num_seqs,
         };
         let proj = Matrix::bf16(g.proj, rows, h.proj_width());
-        let normed = Matrix::bf16(buf.normed, rows, d.hidden);
+        let normed = Matrix::bf16(buf.acts.normed, rows, d.hidden);
         match staged {
             Some(images) => ops.linear_staged(s, (proj, normed, self.in_proj.matrix()), images)?,
             None => ops.linear(s, proj, normed, self.in_proj.matrix())?,
@@ -191,7 +191,7 @@ impl GatedDeltaNet {
         };
         ops.causal_conv1d(s, &conv)?;
         if cx.shape.verify {
-            ops.conv_state_verify(s, &conv, buf.row_slot)?;
+            ops.conv_state_verify(s, &conv, buf.meta.row_slot)?;
         } else {
             ops.conv_state_update(s, &conv)?;
         }
@@ -227,7 +227,7 @@ impl GatedDeltaNet {
         // sequence: decode. Otherwise chunks; a one-row chunk is the recurrent step bitwise, so
         // the choice never changes a sequence's result.
         if cx.shape.verify {
-            ops.gated_delta_verify(s, &rule, buf.row_slot)?;
+            ops.gated_delta_verify(s, &rule, buf.meta.row_slot)?;
         } else if rows == cx.shape.num_seqs {
             ops.gated_delta_recurrent(s, &rule)?;
         } else {
@@ -245,7 +245,7 @@ impl GatedDeltaNet {
                 eps: self.shape.eps,
             },
         )?;
-        let delta = Matrix::bf16(buf.delta, rows, d.hidden);
+        let delta = Matrix::bf16(buf.acts.delta, rows, d.hidden);
         let normed = Matrix::bf16(g.normed, rows, h.value_dim());
         ops.linear(s, delta, normed, self.out_proj.matrix())
     }

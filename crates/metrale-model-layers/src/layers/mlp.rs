@@ -30,11 +30,11 @@ impl Mlp {
     /// `linear_stream_tma` takes from images).
     pub fn forward(&self, cx: &LayerCtx<'_>, staged: Option<DevicePtr>) -> GpuResult<()> {
         let (ops, s, buf, d, rows) = (cx.ops, cx.stream, cx.buf, cx.dims, cx.shape.rows);
-        let gate_up = Matrix::bf16(buf.gate_up, rows, 2 * self.ffn);
-        let normed = Matrix::bf16(buf.normed, rows, d.hidden);
+        let gate_up = Matrix::bf16(buf.acts.gate_up, rows, 2 * self.ffn);
+        let normed = Matrix::bf16(buf.acts.normed, rows, d.hidden);
         let (act, delta) = (
-            Matrix::bf16(buf.act, rows, self.ffn),
-            Matrix::bf16(buf.delta, rows, d.hidden),
+            Matrix::bf16(buf.acts.act, rows, self.ffn),
+            Matrix::bf16(buf.acts.delta, rows, d.hidden),
         );
         let (w_gate_up, w_down) = (self.gate_up.matrix(), self.down.matrix());
         match staged {

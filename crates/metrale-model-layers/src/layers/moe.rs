@@ -97,7 +97,7 @@ impl MoeMlp {
         let (m, sh) = (&buf.moe, &self.shape);
         let (e, k, f) = (sh.num_experts, sh.top_k, sh.expert_ffn);
         let pairs = rows * k;
-        let normed = Matrix::bf16(buf.normed, rows, d.hidden);
+        let normed = Matrix::bf16(buf.acts.normed, rows, d.hidden);
         let logits = Matrix::f32(m.router_logits, rows, e);
         ops.linear_f32out(s, logits, normed, self.router.matrix())?;
         let route = TopkRoute {
@@ -114,7 +114,7 @@ impl MoeMlp {
             s,
             &ExpertLinear {
                 out: m.expert_gate_up,
-                x: buf.normed,
+                x: buf.acts.normed,
                 w: self.experts_gate_up.ptr,
                 expert_ids: m.topk_ids,
                 pairs,
@@ -158,7 +158,7 @@ impl MoeMlp {
         ops.moe_combine(
             s,
             &MoeCombine {
-                out: buf.delta,
+                out: buf.acts.delta,
                 expert_out: m.expert_out,
                 topk_weights: m.topk_weights,
                 shared_out,

@@ -11,7 +11,9 @@ use metrale_cache::{SsmLayout, SsmStatePool};
 use metrale_gpu_runtime::{CpuBackend, DType, DevicePtr, GpuBackend, GpuBackendExt, StreamHandle};
 
 use super::{GatedDeltaNet, GdnShape, InProjSource};
-use crate::layer::{GdnBuffers, LayerCtx, ModelDims, SsmBinding, StepBuffers, StepShape};
+use crate::layer::{
+    Activations, GdnBuffers, LayerCtx, ModelDims, SsmBinding, StepBuffers, StepMeta, StepShape,
+};
 use crate::ops::Ops;
 use crate::ops_hybrid::GdnHeads;
 use crate::weight_map::DenseWeight;
@@ -160,13 +162,19 @@ impl Harness {
         .expect("pool");
         let r = MAX_ROWS;
         let buf = StepBuffers {
-            normed: rig.buf(r * HIDDEN * 2),
-            delta: rig.buf(r * HIDDEN * 2),
-            positions: rig.buf(r * 4),
-            row_seq: rig.buf(r * 4),
-            seq_start: rig.buf((MAX_SEQS + 1) * 4),
-            seq_slot: rig.buf(MAX_SEQS * 4),
-            row_slot: rig.buf(r * 4),
+            acts: Activations {
+                normed: rig.buf(r * HIDDEN * 2),
+                delta: rig.buf(r * HIDDEN * 2),
+                ..Default::default()
+            },
+            meta: StepMeta {
+                positions: rig.buf(r * 4),
+                row_seq: rig.buf(r * 4),
+                seq_start: rig.buf((MAX_SEQS + 1) * 4),
+                seq_slot: rig.buf(MAX_SEQS * 4),
+                row_slot: rig.buf(r * 4),
+                ..Default::default()
+            },
             gdn: GdnBuffers {
                 proj: rig.buf(r * pw * 2),
                 conv: rig.buf(r * cd * 2),
@@ -210,13 +218,13 @@ impl Harness {
             slots.push(q.slot);
         }
         let rows = row_seq.len() as u32;
-        r.gpu.upload(b.normed, &x, r.s).expect("upload");
-        r.gpu.upload(b.row_seq, &row_seq, r.s).expect("upload");
-        r.gpu.upload(b.positions, &pos, r.s).expect("upload");
-        r.gpu.upload(b.seq_start, &start, r.s).expect("upload");
-        r.gpu.upload(b.seq_slot, &slots, r.s).expect("upload");
+        r.gpu.upload(b.acts.normed, &x, r.s).expect("upload");
+        r.gpu.upload(b.meta.row_seq, &row_seq, r.s).expect("upload");
+        r.gpu.upload(b.meta.positions, &pos, r.s).expect("upload");
+        r.gpu.upload(b.meta.seq_start, &start, r.s).expect("upload");
+        r.gpu.upload(b.meta.seq_slot, &slots, r.s).expect("upload");
         if let Some(rs) = row_slots {
-            r.gpu.upload(b.row_slot, rs, r.s).expect("upload");
+            r.gpu.upload(b.meta.row_slot, rs, r.s).expect("upload");
         }
         let p = self.pool.layer(0).expect("layer 0");
         let dims = Rig::dims(HIDDEN as u32);
@@ -245,7 +253,7 @@ impl Harness {
         };
         self.layer.forward(&cx, None).expect("forward");
         r.gpu
-            .download(b.delta, rows as usize * HIDDEN, r.s)
+            .download(b.acts.delta, rows as usize * HIDDEN, r.s)
             .expect("download")
     }
 

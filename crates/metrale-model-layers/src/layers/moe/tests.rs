@@ -6,7 +6,7 @@ use half::bf16;
 use metrale_gpu_runtime::GpuBackendExt;
 
 use super::{MoeMlp, MoeShape, SharedExpert};
-use crate::layer::{LayerCtx, MoeBuffers, StepBuffers, StepShape};
+use crate::layer::{Activations, LayerCtx, MoeBuffers, StepBuffers, StepShape};
 use crate::layers::gdn::tests::{Data, Rig};
 
 const H: usize = 32;
@@ -60,8 +60,11 @@ fn buffers(rig: &Rig, shape: MoeShape) -> StepBuffers {
         12usize,
     );
     StepBuffers {
-        normed: rig.buf(r * H * 2),
-        delta: rig.buf(r * H * 2),
+        acts: Activations {
+            normed: rig.buf(r * H * 2),
+            delta: rig.buf(r * H * 2),
+            ..Default::default()
+        },
         moe: MoeBuffers {
             router_logits: rig.buf(r * e * 4),
             topk_ids: rig.buf(r * k * 4),
@@ -80,7 +83,7 @@ fn buffers(rig: &Rig, shape: MoeShape) -> StepBuffers {
 
 fn run(rig: &Rig, mlp: &MoeMlp, buf: &StepBuffers, x: &[bf16]) -> Vec<bf16> {
     let rows = x.len() / H;
-    rig.gpu.upload(buf.normed, x, rig.s).expect("upload");
+    rig.gpu.upload(buf.acts.normed, x, rig.s).expect("upload");
     let dims = Rig::dims(H as u32);
     let cx = LayerCtx {
         ops: &rig.ops,
@@ -101,7 +104,7 @@ fn run(rig: &Rig, mlp: &MoeMlp, buf: &StepBuffers, x: &[bf16]) -> Vec<bf16> {
     };
     mlp.forward(&cx).expect("forward");
     rig.gpu
-        .download(buf.delta, rows * H, rig.s)
+        .download(buf.acts.delta, rows * H, rig.s)
         .expect("download")
 }
 
