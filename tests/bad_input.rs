@@ -112,7 +112,7 @@ fn a_missing_checkpoint_dir_is_named() {
 fn bad_requests_are_refused_and_the_engine_keeps_serving() {
     let options = EngineOptions::default().model(ModelOptions::default().max_seq_len(64));
     let engine = Engine::load(fixtures_dir().join("qwen3-tiny"), options).unwrap();
-    let vocab = engine.config().vocab_size as u32;
+    let vocab = engine.config().tokens.vocab_size as u32;
     let good = GenerateRequest::new(Prompt::TokenIds(vec![1, 2, 3]))
         .max_new_tokens(4)
         .ignore_eos(true);

@@ -369,13 +369,13 @@ fn random_model(
     };
     let (h, v, f) = (
         config.hidden_size,
-        config.vocab_size,
+        config.tokens.vocab_size,
         config.intermediate_size,
     );
     let (hq, hkv, d) = (
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.head_dim,
+        config.attention.num_attention_heads,
+        config.attention.num_key_value_heads,
+        config.attention.head_dim,
     );
     let mut layers = Vec::new();
     for i in 0..count {

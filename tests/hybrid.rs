@@ -60,10 +60,13 @@ fn wrapper_checkpoints_load_their_text_model_and_say_the_vision_tower_is_skipped
             .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         let config = engine.config();
         assert!(
-            config.has_vision,
+            config.checkpoint.has_vision,
             "{}: the engine must report the vision tower it does not run",
             dir.display()
         );
-        assert!(config.model_type == "qwen3_5" || config.model_type == "qwen3_5_moe");
+        assert!(
+            config.checkpoint.model_type == "qwen3_5"
+                || config.checkpoint.model_type == "qwen3_5_moe"
+        );
     }
 }

@@ -103,7 +103,7 @@ fn the_engine_is_send_and_sync() {
 #[test]
 fn concurrent_submits_from_several_threads_get_their_solo_outputs() {
     let solo_engine = engine("qwen3-tiny", options());
-    let vocab = solo_engine.config().vocab_size as u32;
+    let vocab = solo_engine.config().tokens.vocab_size as u32;
     let requests: Vec<GenerateRequest> = (0..16).map(|i| request(i, vocab)).collect();
     let solo: Vec<GenerateOutput> = requests
         .iter()
@@ -171,7 +171,7 @@ fn a_repeated_prompt_is_served_from_the_prefix_cache_and_the_metrics_count_it() 
             fixture,
             options().model(options().model.prefix_caching(false)),
         );
-        let vocab = warm.config().vocab_size as u32;
+        let vocab = warm.config().tokens.vocab_size as u32;
         let prompt: Vec<u32> = (0..100u32).map(|t| (t * 53 + 11) % vocab).collect();
         let req = GenerateRequest::new(Prompt::TokenIds(prompt))
             .max_new_tokens(6)
@@ -238,7 +238,7 @@ fn a_follow_up_turn_is_served_from_the_prefix_cache_and_the_metrics_count_it() {
             fixture,
             options().model(options().model.prefix_caching(false)),
         );
-        let vocab = warm.config().vocab_size as u32;
+        let vocab = warm.config().tokens.vocab_size as u32;
         let turn = |prompt: &[u32], n: usize| {
             GenerateRequest::new(Prompt::TokenIds(prompt.to_vec()))
                 .max_new_tokens(n)
@@ -280,7 +280,7 @@ fn a_bad_request_among_good_ones_gets_its_error_and_the_others_complete() {
     let options = options().model(options().model.max_seq_len(64));
     let solo_engine = engine("qwen3-tiny", options.clone());
     let e = engine("qwen3-tiny", options);
-    let vocab = e.config().vocab_size as u32;
+    let vocab = e.config().tokens.vocab_size as u32;
     let good: Vec<GenerateRequest> = (0..6).map(|i| request(i, vocab)).collect();
     let mut handles = Vec::new();
     let bad: Vec<(GenerateRequest, Expected)> = vec![

@@ -78,7 +78,7 @@ pub fn load(
 /// One sequence alone (width 1), then three together (widths 4, then 2 and 1 as they
 /// finish), greedy and sampled, every logit kept.
 pub fn workload(model: &mut Scheduler) -> Result<Vec<Generation>> {
-    let vocab = model.runner().model().config().vocab_size as u32;
+    let vocab = model.runner().model().config().tokens.vocab_size as u32;
     let prompt = |len: u32, salt: u32| -> Vec<u32> {
         (0..len)
             .map(|t| (t * 37 + salt * 11) % (vocab - 1) + 1)

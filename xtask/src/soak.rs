@@ -191,7 +191,7 @@ fn client(
     prefixes: &[Vec<u32>],
     tally: &Mutex<Tally>,
 ) {
-    let vocab = engine.config().vocab_size;
+    let vocab = engine.config().tokens.vocab_size;
     let deadline = started + Duration::from_secs_f64(args.seconds);
     loop {
         let index = next.fetch_add(1, Ordering::Relaxed);
@@ -390,7 +390,7 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
     // The reference for every output: the same engine without prefix caching.
     options.model.prefix_caching = false;
     let cold = Engine::load(dir, options).with_context(|| format!("loading {}", dir.display()))?;
-    let vocab = engine.config().vocab_size;
+    let vocab = engine.config().tokens.vocab_size;
     let mut rng = Rng(args.seed ^ 0x5EED);
     let prefixes: Vec<Vec<u32>> = [8usize, 16, 33, 64]
         .iter()

@@ -133,7 +133,7 @@ mod tests {
         assert_eq!(dir.file_name().and_then(|n| n.to_str()), Some(NAME));
         assert!(holds_the_files(&dir));
         let config = metrale::ModelConfig::from_dir(&dir).expect("a checkpoint's config");
-        assert!(config.vocab_size > 0);
+        assert!(config.tokens.vocab_size > 0);
 
         // Found again, at the same place; nothing else left behind.
         assert_eq!(checkpoint_in(base.path()).expect("found"), dir);

@@ -199,7 +199,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     println!();
     if let Some(path) = &args.logits_out {
-        let vocab = ModelConfig::from_dir(&dir)?.vocab_size;
+        let vocab = ModelConfig::from_dir(&dir)?.tokens.vocab_size;
         write_logits(path, out.logits.as_deref().unwrap_or(&[]), vocab)?;
     }
     if args.json {

@@ -15,7 +15,7 @@ mod rope;
 pub use error::ConfigError;
 pub use family::{ModelFamily, NormConvention, supported_model_types};
 pub use layers::{LayerType, LinearAttentionConfig, MoeConfig};
-pub use model::ModelConfig;
+pub use model::{AttentionConfig, CheckpointInfo, ModelConfig, TokenConfig};
 pub use rope::{RopeConfig, RopeScaling};
 
 #[cfg(test)]

@@ -30,39 +30,22 @@ use crate::rope::{RopeConfig, parse_rope};
 pub struct ModelConfig {
     /// The architecture family.
     pub family: ModelFamily,
-    /// The top-level `model_type` of `config.json` (`qwen3_5` for a multimodal wrapper).
-    pub model_type: String,
     /// Residual stream width.
     pub hidden_size: usize,
     /// Decoder layers (the MTP head's layers not included).
     pub num_hidden_layers: usize,
-    /// Query heads of the full-attention layers.
-    pub num_attention_heads: usize,
-    /// Key/value heads of the full-attention layers.
-    pub num_key_value_heads: usize,
-    /// Size of one attention head.
-    pub head_dim: usize,
     /// Dense MLP intermediate size; 0 when the family has no dense MLP (Qwen3.5-MoE) and the
     /// config gives none.
     pub intermediate_size: usize,
-    /// Rows of the embedding and of the LM head.
-    pub vocab_size: usize,
     /// Epsilon of every RMSNorm.
     pub rms_norm_eps: f32,
-    /// Rotary embedding of the full-attention layers.
-    pub rope: RopeConfig,
-    /// Longest context the model was configured for.
-    pub max_position_embeddings: usize,
-    /// The LM head shares the embedding matrix.
-    pub tie_word_embeddings: bool,
-    /// The mixer of each decoder layer.
-    pub layer_types: Vec<LayerType>,
     /// How the decoder, q/k, final and MTP norms apply their weights. The gated norm inside
     /// Gated DeltaNet is always [`NormConvention::Standard`] (see [`ModelConfig::gdn_norm`]).
     pub norm: NormConvention,
-    /// Gated attention: `q_proj` yields `[q | gate]` per head (`2 * head_dim` rows per head)
-    /// and the attention output is multiplied by `sigmoid(gate)` before `o_proj`.
-    pub attn_output_gate: bool,
+    /// The mixer of each decoder layer.
+    pub layer_types: Vec<LayerType>,
+    /// The full-attention layers: heads, head size, output gate, rotary embedding.
+    pub attention: AttentionConfig,
     /// Gated DeltaNet sizes (hybrid families).
     pub linear: Option<LinearAttentionConfig>,
     /// Sparse-MoE settings (Qwen3-Next, Qwen3.5-MoE).
@@ -70,10 +53,48 @@ pub struct ModelConfig {
     /// Layers of the multi-token-prediction head the config declares (`mtp_num_hidden_layers`,
     /// else `num_nextn_predict_layers`); 0 when absent.
     pub mtp_num_layers: usize,
+    /// The vocabulary: its size, the special ids, whether the LM head is the embedding.
+    pub tokens: TokenConfig,
+    /// What the checkpoint declares besides the text model's architecture.
+    pub checkpoint: CheckpointInfo,
+}
+
+/// The full-attention layers' settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionConfig {
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads.
+    pub num_key_value_heads: usize,
+    /// Size of one attention head.
+    pub head_dim: usize,
+    /// Gated attention: `q_proj` yields `[q | gate]` per head (`2 * head_dim` rows per head)
+    /// and the attention output is multiplied by `sigmoid(gate)` before `o_proj`.
+    pub attn_output_gate: bool,
+    /// Rotary embedding.
+    pub rope: RopeConfig,
+    /// Longest context the model was configured for.
+    pub max_position_embeddings: usize,
+}
+
+/// The vocabulary's settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenConfig {
+    /// Rows of the embedding and of the LM head.
+    pub vocab_size: usize,
+    /// The LM head shares the embedding matrix.
+    pub tie_word_embeddings: bool,
     /// End-of-sequence ids: config.json's first, then generation_config.json's, deduplicated.
     pub eos_token_ids: Vec<u32>,
     /// Beginning-of-sequence id.
     pub bos_token_id: Option<u32>,
+}
+
+/// What a checkpoint declares besides its text model's architecture.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointInfo {
+    /// The top-level `model_type` of `config.json` (`qwen3_5` for a multimodal wrapper).
+    pub model_type: String,
     /// A multimodal wrapper that carries a `vision_config` (the vision tower is not run here).
     pub has_vision: bool,
     /// The checkpoint's declared dtype (`dtype`, or the older `torch_dtype`).
@@ -113,11 +134,12 @@ impl ModelConfig {
     ) -> Result<(), ConfigError> {
         let value = parse_json(text, path_for_errors)?;
         let root = Fields::root(&value, path_for_errors)?;
-        let mut eos = std::mem::take(&mut self.eos_token_ids);
+        let tokens = &mut self.tokens;
+        let mut eos = std::mem::take(&mut tokens.eos_token_ids);
         eos.extend(root.token_ids("eos_token_id")?);
-        self.eos_token_ids = dedup_in_order(eos);
-        if self.bos_token_id.is_none() {
-            self.bos_token_id = root.token_ids("bos_token_id")?.first().copied();
+        tokens.eos_token_ids = dedup_in_order(eos);
+        if tokens.bos_token_id.is_none() {
+            tokens.bos_token_id = root.token_ids("bos_token_id")?.first().copied();
         }
         Ok(())
     }
@@ -202,33 +224,6 @@ fn parse_config(root: &Fields<'_>) -> Result<ModelConfig, ConfigError> {
 
     let hidden_size = positive(&text, "hidden_size", spec.hidden_size)?;
     let num_hidden_layers = positive(&text, "num_hidden_layers", spec.num_hidden_layers)?;
-    let num_attention_heads = positive(&text, "num_attention_heads", spec.num_attention_heads)?;
-    let num_key_value_heads = match (
-        &spec.num_key_value_heads,
-        text.is_null("num_key_value_heads"),
-    ) {
-        (_, true) | (KvHeadsDefault::SameAsHeads, false) => {
-            positive(&text, "num_key_value_heads", num_attention_heads)?
-        }
-        (KvHeadsDefault::Fixed(n), false) => positive(&text, "num_key_value_heads", *n)?,
-    };
-    let head_dim = match (&spec.head_dim, text.opt_usize("head_dim")?) {
-        (_, Some(_)) => positive(&text, "head_dim", 0)?,
-        (HeadDimDefault::Fixed(n), None) if !text.is_null("head_dim") => *n,
-        _ => hidden_size / num_attention_heads,
-    };
-    if head_dim == 0 {
-        let found = Value::from(hidden_size);
-        return Err(text.invalid("hidden_size", "at least num_attention_heads", &found));
-    }
-    let intermediate_size =
-        text.usize_or("intermediate_size", spec.intermediate_size.unwrap_or(0))?;
-    let vocab_size = positive(&text, "vocab_size", spec.vocab_size)?;
-    let max_position_embeddings = positive(
-        &text,
-        "max_position_embeddings",
-        spec.max_position_embeddings,
-    )?;
     let eps = text.opt_f64("rms_norm_eps")?.unwrap_or(spec.rms_norm_eps);
     let rms_norm_eps = eps as f32;
     if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
@@ -238,26 +233,91 @@ fn parse_config(root: &Fields<'_>) -> Result<ModelConfig, ConfigError> {
             &Value::from(eps),
         ));
     }
-    let tie_word_embeddings = if entry.wrapper {
-        root.bool_or("tie_word_embeddings", false)?
-    } else {
-        text.bool_or("tie_word_embeddings", false)?
-    };
-
-    let layer_types = parse_layer_types(&text, spec, num_hidden_layers)?;
-    let rope = parse_rope(
-        &text,
-        head_dim,
-        max_position_embeddings,
-        spec.partial_rotary_factor,
-    )?;
-    let linear = parse_linear(&text, spec)?;
-    let moe = parse_moe(&text, spec)?;
     let mtp_num_layers = match text.opt_usize("mtp_num_hidden_layers")? {
         Some(n) => n,
         None => text.usize_or("num_nextn_predict_layers", 0)?,
     };
+    let config = ModelConfig {
+        family: spec.family,
+        hidden_size,
+        num_hidden_layers,
+        intermediate_size: text
+            .usize_or("intermediate_size", spec.intermediate_size.unwrap_or(0))?,
+        rms_norm_eps,
+        norm: spec.norm,
+        layer_types: parse_layer_types(&text, spec, num_hidden_layers)?,
+        attention: parse_attention(&text, spec, hidden_size)?,
+        linear: parse_linear(&text, spec)?,
+        moe: parse_moe(&text, spec)?,
+        mtp_num_layers,
+        tokens: parse_tokens(root, &text, spec, entry.wrapper)?,
+        checkpoint: CheckpointInfo {
+            model_type: model_type.to_string(),
+            has_vision: entry.wrapper && root.has("vision_config"),
+            torch_dtype: parse_dtype(root, &text)?,
+        },
+    };
+    validate(&config, &text, spec)?;
+    Ok(config)
+}
 
+/// The full-attention settings of the text model `text`.
+fn parse_attention(
+    text: &Fields<'_>,
+    spec: &FamilySpec,
+    hidden_size: usize,
+) -> Result<AttentionConfig, ConfigError> {
+    let num_attention_heads = positive(text, "num_attention_heads", spec.num_attention_heads)?;
+    let num_key_value_heads = match (
+        &spec.num_key_value_heads,
+        text.is_null("num_key_value_heads"),
+    ) {
+        (_, true) | (KvHeadsDefault::SameAsHeads, false) => {
+            positive(text, "num_key_value_heads", num_attention_heads)?
+        }
+        (KvHeadsDefault::Fixed(n), false) => positive(text, "num_key_value_heads", *n)?,
+    };
+    let head_dim = match (&spec.head_dim, text.opt_usize("head_dim")?) {
+        (_, Some(_)) => positive(text, "head_dim", 0)?,
+        (HeadDimDefault::Fixed(n), None) if !text.is_null("head_dim") => *n,
+        _ => hidden_size / num_attention_heads,
+    };
+    if head_dim == 0 {
+        let found = Value::from(hidden_size);
+        return Err(text.invalid("hidden_size", "at least num_attention_heads", &found));
+    }
+    let max_position_embeddings = positive(
+        text,
+        "max_position_embeddings",
+        spec.max_position_embeddings,
+    )?;
+    Ok(AttentionConfig {
+        num_attention_heads,
+        num_key_value_heads,
+        head_dim,
+        attn_output_gate: spec.attn_output_gate,
+        rope: parse_rope(
+            text,
+            head_dim,
+            max_position_embeddings,
+            spec.partial_rotary_factor,
+        )?,
+        max_position_embeddings,
+    })
+}
+
+/// The vocabulary settings: the text model's, with a wrapper's own ids and tying.
+fn parse_tokens(
+    root: &Fields<'_>,
+    text: &Fields<'_>,
+    spec: &FamilySpec,
+    wrapper: bool,
+) -> Result<TokenConfig, ConfigError> {
+    let tie_word_embeddings = if wrapper {
+        root.bool_or("tie_word_embeddings", false)?
+    } else {
+        text.bool_or("tie_word_embeddings", false)?
+    };
     let mut eos_token_ids: Vec<u32> = if text.has("eos_token_id") || text.is_null("eos_token_id") {
         text.token_ids("eos_token_id")?
     } else {
@@ -268,54 +328,34 @@ fn parse_config(root: &Fields<'_>) -> Result<ModelConfig, ConfigError> {
     } else {
         spec.bos_token_id
     };
-    if entry.wrapper {
+    if wrapper {
         eos_token_ids.extend(root.token_ids("eos_token_id")?);
         if bos_token_id.is_none() {
             bos_token_id = root.token_ids("bos_token_id")?.first().copied();
         }
     }
-    let eos_token_ids = dedup_in_order(eos_token_ids);
+    Ok(TokenConfig {
+        vocab_size: positive(text, "vocab_size", spec.vocab_size)?,
+        tie_word_embeddings,
+        eos_token_ids: dedup_in_order(eos_token_ids),
+        bos_token_id,
+    })
+}
+
+/// The declared dtype (`dtype`, else `torch_dtype`), the wrapper's before the text model's.
+fn parse_dtype(root: &Fields<'_>, text: &Fields<'_>) -> Result<Option<String>, ConfigError> {
     let dtype_of = |f: &Fields<'_>| -> Result<Option<String>, ConfigError> {
         Ok(match f.opt_str("dtype")? {
             Some(d) => Some(d.to_string()),
             None => f.opt_str("torch_dtype")?.map(str::to_string),
         })
     };
-    let torch_dtype = match dtype_of(root)? {
-        Some(d) => Some(d),
-        None => dtype_of(&text)?,
-    };
-
-    let config = ModelConfig {
-        family: spec.family,
-        model_type: model_type.to_string(),
-        hidden_size,
-        num_hidden_layers,
-        num_attention_heads,
-        num_key_value_heads,
-        head_dim,
-        intermediate_size,
-        vocab_size,
-        rms_norm_eps,
-        rope,
-        max_position_embeddings,
-        tie_word_embeddings,
-        layer_types,
-        norm: spec.norm,
-        attn_output_gate: spec.attn_output_gate,
-        linear,
-        moe,
-        mtp_num_layers,
-        eos_token_ids,
-        bos_token_id,
-        has_vision: entry.wrapper && root.has("vision_config"),
-        torch_dtype,
-    };
-    validate(&config, &text, spec)?;
-    Ok(config)
+    match dtype_of(root)? {
+        Some(d) => Ok(Some(d)),
+        None => dtype_of(text),
+    }
 }
 
-/// Refuse settings that would make the model compute something this engine does not.
 fn refuse_unmodelled(text: &Fields<'_>, spec: &FamilySpec) -> Result<(), ConfigError> {
     if let Some(act) = text.opt_str("hidden_act")?
         && act != "silu"
@@ -355,18 +395,26 @@ fn refuse_unmodelled(text: &Fields<'_>, spec: &FamilySpec) -> Result<(), ConfigE
 
 /// Cross-field checks; see the module invariants.
 fn validate(c: &ModelConfig, text: &Fields<'_>, spec: &FamilySpec) -> Result<(), ConfigError> {
-    if !c.num_attention_heads.is_multiple_of(c.num_key_value_heads) {
+    if !c
+        .attention
+        .num_attention_heads
+        .is_multiple_of(c.attention.num_key_value_heads)
+    {
         let expected = format!(
             "a divisor of num_attention_heads ({})",
-            c.num_attention_heads
+            c.attention.num_attention_heads
         );
-        let found = Value::from(c.num_key_value_heads);
+        let found = Value::from(c.attention.num_key_value_heads);
         return Err(text.invalid("num_key_value_heads", &expected, &found));
     }
-    if spec.hidden_divisible_by_heads && !c.hidden_size.is_multiple_of(c.num_attention_heads) {
+    if spec.hidden_divisible_by_heads
+        && !c
+            .hidden_size
+            .is_multiple_of(c.attention.num_attention_heads)
+    {
         let expected = format!(
             "a multiple of num_attention_heads ({})",
-            c.num_attention_heads
+            c.attention.num_attention_heads
         );
         return Err(text.invalid("hidden_size", &expected, &Value::from(c.hidden_size)));
     }

@@ -251,10 +251,16 @@ pub fn ceilings(gpu: &Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<Ceilin
 
 /// Matmul parameters of one full-attention mixer (QKV with the output gate, O).
 fn attention_params(c: &ModelConfig) -> f64 {
-    let (h, d) = (c.hidden_size as f64, c.head_dim as f64);
-    let q = c.num_attention_heads as f64 * d * if c.attn_output_gate { 2.0 } else { 1.0 };
-    let kv = 2.0 * c.num_key_value_heads as f64 * d;
-    h * (q + kv) + c.num_attention_heads as f64 * d * h
+    let (h, d) = (c.hidden_size as f64, c.attention.head_dim as f64);
+    let q = c.attention.num_attention_heads as f64
+        * d
+        * if c.attention.attn_output_gate {
+            2.0
+        } else {
+            1.0
+        };
+    let kv = 2.0 * c.attention.num_key_value_heads as f64 * d;
+    h * (q + kv) + c.attention.num_attention_heads as f64 * d * h
 }
 
 /// Matmul parameters touched per token (every projection, the LM head included).
@@ -274,14 +280,18 @@ fn matmul_params(c: &ModelConfig) -> f64 {
             LayerType::LinearAttention => gdn,
         })
         .sum();
-    mixers + c.num_hidden_layers as f64 * mlp + h * c.vocab_size as f64
+    mixers + c.num_hidden_layers as f64 * mlp + h * c.tokens.vocab_size as f64
 }
 
 /// Weight bytes a decode step reads: every projection and the LM head (the embedding table too
 /// when it is not tied to the LM head, counted once, as `matmul_params` counts the LM head).
 fn weight_bytes(c: &ModelConfig) -> f64 {
-    let untied = if c.tie_word_embeddings { 0.0 } else { 1.0 };
-    2.0 * (matmul_params(c) + (c.vocab_size * c.hidden_size) as f64 * untied)
+    let untied = if c.tokens.tie_word_embeddings {
+        0.0
+    } else {
+        1.0
+    };
+    2.0 * (matmul_params(c) + (c.tokens.vocab_size * c.hidden_size) as f64 * untied)
 }
 
 /// KV-cache bytes of one token over every attention layer (bf16 keys and values).
@@ -291,7 +301,7 @@ fn kv_bytes_per_token(c: &ModelConfig) -> f64 {
         .iter()
         .filter(|t| **t == LayerType::FullAttention)
         .count() as f64;
-    2.0 * 2.0 * (c.num_key_value_heads * c.head_dim) as f64 * layers
+    2.0 * 2.0 * (c.attention.num_key_value_heads * c.attention.head_dim) as f64 * layers
 }
 
 /// Bytes of SSM state one sequence reads and writes per decode step (every GDN layer's
@@ -376,7 +386,7 @@ fn prefill(
     let s = gpu.default_stream();
     let mut table = BlockTable::new();
     cache.ensure(&mut table, opts.prefill_tokens)?;
-    let vocab = opts.config.vocab_size;
+    let vocab = opts.config.tokens.vocab_size;
     let rows: Vec<StepRow> = (0..opts.prefill_tokens)
         .map(|p| StepRow {
             token: (p * 7 % vocab) as u32,
@@ -440,7 +450,7 @@ fn decode(
             let refs: Vec<&BlockTable> = tables.iter().collect();
             let rows: Vec<StepRow> = (0..batch)
                 .map(|i| StepRow {
-                    token: (i * 13 % c.vocab_size) as u32,
+                    token: (i * 13 % c.tokens.vocab_size) as u32,
                     position: opts.context as u32,
                     seq: i as u32,
                 })

@@ -64,7 +64,7 @@ fn request(prompt: Vec<u32>, max_new_tokens: usize, seed: Option<u64>) -> SeqReq
 fn conversation(backend: Backend, name: &str, want_hits: [u64; 3]) {
     let mut warm = load_on(backend, name, true);
     let mut cold = load_on(backend, name, false);
-    let vocab = warm.runner().model().config().vocab_size as u32;
+    let vocab = warm.runner().model().config().tokens.vocab_size as u32;
     let mut rng = Rng::new(11);
     let mut prompt = tokens(&mut rng, 70, vocab);
     let turns = [(60, None, 11), (30, Some(7), 5), (4, None, 0)];
@@ -113,7 +113,7 @@ fn a_hybrid_follow_up_resumes_at_the_previous_prompts_snapshot_and_is_bitwise_co
 fn unfinished_blocks_are_not_published(backend: Backend) {
     let mut warm = load_on(backend, "qwen3-tiny", true);
     let mut cold = load_on(backend, "qwen3-tiny", false);
-    let vocab = warm.runner().model().config().vocab_size as u32;
+    let vocab = warm.runner().model().config().tokens.vocab_size as u32;
     let mut rng = Rng::new(23);
     let first = tokens(&mut rng, 30, vocab);
     let a = solo(&mut warm, &request(first.clone(), 18, None));
@@ -160,7 +160,7 @@ fn a_block_not_filled_by_fed_tokens_is_not_published() {
 fn a_running_answer_is_shared(backend: Backend) {
     let mut warm = load_on(backend, "qwen3-tiny", true);
     let mut cold = load_on(backend, "qwen3-tiny", false);
-    let vocab = warm.runner().model().config().vocab_size as u32;
+    let vocab = warm.runner().model().config().tokens.vocab_size as u32;
     let mut rng = Rng::new(31);
     let first = request(tokens(&mut rng, 20, vocab), 60, None);
     let id = warm.add(first.clone()).unwrap();

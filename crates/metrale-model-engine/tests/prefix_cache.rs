@@ -115,7 +115,7 @@ fn cached_runs_are_cold_runs(name: &str, chunk: usize, stride: Option<usize>, wa
     let opts = |prefix_caching| options(chunk, prefix_caching, None).ssm_snapshot_stride(stride);
     let mut warm = load(name, opts(true));
     let mut cold = load(name, opts(false));
-    let vocab = warm.runner().model().config().vocab_size as u32;
+    let vocab = warm.runner().model().config().tokens.vocab_size as u32;
     let prompts = shared_prefix_prompts(vocab);
     assert_eq!(prompts.len(), want_hits.len());
     for (i, (prompt, &want)) in prompts.iter().zip(want_hits).enumerate() {
@@ -223,7 +223,7 @@ fn least_recently_used_blocks_are_evicted_and_hits_stay_bitwise_cold() {
     // 12 usable blocks; each 33-token prompt holds 3 while it runs and leaves 2 cached.
     let mut warm = load("qwen3-tiny", options(16, true, Some(13)));
     let mut cold = load("qwen3-tiny", options(16, false, Some(13)));
-    let vocab = warm.runner().model().config().vocab_size as u32;
+    let vocab = warm.runner().model().config().tokens.vocab_size as u32;
     let mut rng = Rng::new(7);
     let prompts: Vec<Vec<u32>> = (0..6).map(|_| tokens(&mut rng, 33, vocab)).collect();
     // Six distinct prompts (12 blocks to cache, 10 fit), then the first, fifth and second again.
@@ -255,7 +255,7 @@ fn the_least_recently_used_ssm_snapshot_is_dropped_when_the_pool_is_full() {
         let mut cold = load(name, options(16, false, None));
         let usage = warm.cache().snapshot_usage();
         assert_eq!((usage.used, usage.total), (0, 1));
-        let vocab = warm.runner().model().config().vocab_size as u32;
+        let vocab = warm.runner().model().config().tokens.vocab_size as u32;
         let mut rng = Rng::new(3);
         let prompts: Vec<Vec<u32>> = (0..2).map(|_| tokens(&mut rng, 70, vocab)).collect();
         // The second prompt's snapshot at 64 replaces the first's: the first prompt's blocks
@@ -303,7 +303,7 @@ fn traffic_leaks_nothing(name: &str) {
     // happens, and cached blocks are evicted under the pressure, yet many admissions hit.
     let mut warm = load(name, options(16, true, Some(18)));
     let mut cold = load(name, options(16, false, None));
-    let vocab = warm.runner().model().config().vocab_size as u32;
+    let vocab = warm.runner().model().config().tokens.vocab_size as u32;
     let traffic = shared_traffic(vocab);
     let mut ids: Vec<Option<SeqId>> = vec![None; traffic.len()];
     let mut out: HashMap<SeqId, Generation> = HashMap::new();
@@ -379,7 +379,7 @@ fn a_request_sharing_blocks_with_a_cancelled_one_completes_bitwise_cold() {
     for name in ["qwen3-tiny", "qwen3_5-tiny"] {
         let mut warm = load(name, options(16, true, None));
         let mut cold = load(name, options(16, false, None));
-        let vocab = warm.runner().model().config().vocab_size as u32;
+        let vocab = warm.runner().model().config().tokens.vocab_size as u32;
         let mut rng = Rng::new(5);
         let a = tokens(&mut rng, 100, vocab);
         let mut b = a[..80].to_vec();

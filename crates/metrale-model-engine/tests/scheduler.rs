@@ -249,7 +249,7 @@ fn options(num_kv_blocks: Option<usize>) -> ModelOptions {
 
 fn traffic_with_cancellations_is_bitwise_solo(backend: Backend, name: &str) {
     let mut model = load_on(backend, name, options(None));
-    let vocab = model.runner().model().config().vocab_size as u32;
+    let vocab = model.runner().model().config().tokens.vocab_size as u32;
     let arrivals = arrivals(20, vocab, 11, true);
     let (got, stats, widest) = mixed(&mut model, &arrivals);
     assert_all_free(&mut model, &stats);
@@ -272,7 +272,7 @@ fn traffic_with_cancellations_is_bitwise_solo(backend: Backend, name: &str) {
 fn preemption_is_bitwise_solo(backend: Backend, name: &str) {
     // 11 usable blocks of 16 tokens for up to 8 sequences of up to 100 tokens.
     let mut model = load_on(backend, name, options(Some(12)));
-    let vocab = model.runner().model().config().vocab_size as u32;
+    let vocab = model.runner().model().config().tokens.vocab_size as u32;
     let mut arrivals = arrivals(12, vocab, 5, false);
     for a in &mut arrivals {
         a.at_step /= 4;
@@ -300,7 +300,7 @@ fn prefix_hits_are_bitwise_cold(backend: Backend, name: &str) {
     };
     let mut warm = load_on(backend, name, opts(true));
     let mut cold = load_on(backend, name, opts(false));
-    let vocab = warm.runner().model().config().vocab_size as u32;
+    let vocab = warm.runner().model().config().tokens.vocab_size as u32;
     let mut rng = Rng::new(17);
     let a: Vec<u32> = (0..150)
         .map(|_| (rng.next_u64() % u64::from(vocab)) as u32)
@@ -385,7 +385,7 @@ fn generate_on_the_callers_thread_is_bitwise_the_stepped_scheduler() {
         "qwen3_5_moe-tiny",
     ] {
         let mut model = load(name, options(None));
-        let vocab = model.runner().model().config().vocab_size as u32;
+        let vocab = model.runner().model().config().tokens.vocab_size as u32;
         for a in arrivals(4, vocab, 3, false) {
             let scheduled = solo(&mut model, &a.req);
             let mut streamed = Vec::new();

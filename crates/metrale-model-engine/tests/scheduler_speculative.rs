@@ -432,7 +432,7 @@ fn sampling_through_the_scheduler_with_drafts_gives_valid_reproducible_output() 
         let got = serve(&mut s, &sampled, |_| {});
         (got.out, s.stats().speculation.unwrap())
     };
-    let vocab = load().runner().model().config().vocab_size as u32;
+    let vocab = load().runner().model().config().tokens.vocab_size as u32;
     let (a, stats) = run(load());
     let (b, _) = run(load());
     for (g, h) in a.iter().zip(&b) {

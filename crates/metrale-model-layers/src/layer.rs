@@ -47,13 +47,13 @@ impl ModelDims {
     pub fn from_config(config: &ModelConfig) -> ModelDims {
         ModelDims {
             hidden: config.hidden_size as u32,
-            num_q_heads: config.num_attention_heads as u32,
-            num_kv_heads: config.num_key_value_heads as u32,
-            head_dim: config.head_dim as u32,
-            rotary_dim: config.rope.rotary_dim as u32,
-            attn_gated: config.attn_output_gate,
+            num_q_heads: config.attention.num_attention_heads as u32,
+            num_kv_heads: config.attention.num_key_value_heads as u32,
+            head_dim: config.attention.head_dim as u32,
+            rotary_dim: config.attention.rope.rotary_dim as u32,
+            attn_gated: config.attention.attn_output_gate,
             ffn: config.intermediate_size as u32,
-            vocab: config.vocab_size as u32,
+            vocab: config.tokens.vocab_size as u32,
             eps: config.rms_norm_eps,
             unit_offset: config.norm == NormConvention::ZeroCentred,
         }

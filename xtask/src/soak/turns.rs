@@ -41,7 +41,7 @@ pub(super) fn run(
     conversations: usize,
     block_size: usize,
 ) -> Result<TurnsSummary> {
-    let vocab = engine.config().vocab_size as u64;
+    let vocab = engine.config().tokens.vocab_size as u64;
     let hybrid = engine.metrics().cache.ssm_slots_total > 0;
     let mut summary = TurnsSummary {
         conversations,

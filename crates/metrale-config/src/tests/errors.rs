@@ -60,7 +60,7 @@ fn field_of(err: &ConfigError) -> &str {
 fn the_base_configs_are_valid() {
     parse_value(&qwen3()).unwrap();
     let c = parse_value(&qwen3_5()).unwrap();
-    assert!(!c.has_vision, "no vision_config given");
+    assert!(!c.checkpoint.has_vision, "no vision_config given");
 }
 
 #[test]

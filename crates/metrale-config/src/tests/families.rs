@@ -22,37 +22,49 @@ fn every_fourth_full(layers: usize) -> Vec<LayerType> {
 fn qwen3_8b_published_config_with_generation_config() {
     let mut c = parse(include_str!("../../testdata/qwen3_8b.json")).unwrap();
     assert_eq!(c.family, ModelFamily::Qwen3);
-    assert_eq!(c.model_type, "qwen3");
+    assert_eq!(c.checkpoint.model_type, "qwen3");
     assert_eq!(
         (c.hidden_size, c.num_hidden_layers, c.intermediate_size),
         (4096, 36, 12288)
     );
     assert_eq!(
-        (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+        (
+            c.attention.num_attention_heads,
+            c.attention.num_key_value_heads,
+            c.attention.head_dim
+        ),
         (32, 8, 128)
     );
-    assert_eq!((c.vocab_size, c.max_position_embeddings), (151936, 40960));
-    assert_eq!(c.rms_norm_eps, 1e-6);
-    assert_eq!(c.rope.theta, 1.0e6);
     assert_eq!(
-        (c.rope.rotary_dim, c.rope.scaling.clone()),
+        (c.tokens.vocab_size, c.attention.max_position_embeddings),
+        (151936, 40960)
+    );
+    assert_eq!(c.rms_norm_eps, 1e-6);
+    assert_eq!(c.attention.rope.theta, 1.0e6);
+    assert_eq!(
+        (
+            c.attention.rope.rotary_dim,
+            c.attention.rope.scaling.clone()
+        ),
         (128, RopeScaling::None)
     );
     assert_eq!(c.layer_types, vec![F; 36]);
     assert_eq!(c.norm, NormConvention::Standard);
-    assert!(!c.attn_output_gate && !c.tie_word_embeddings && !c.has_vision);
+    assert!(
+        !c.attention.attn_output_gate && !c.tokens.tie_word_embeddings && !c.checkpoint.has_vision
+    );
     assert!(c.linear.is_none() && c.moe.is_none());
     assert_eq!(c.mtp_num_layers, 0);
-    assert_eq!(c.torch_dtype.as_deref(), Some("bfloat16"));
+    assert_eq!(c.checkpoint.torch_dtype.as_deref(), Some("bfloat16"));
     assert_eq!(
-        (c.bos_token_id, c.eos_token_ids.clone()),
+        (c.tokens.bos_token_id, c.tokens.eos_token_ids.clone()),
         (Some(151643), vec![151645])
     );
     let generation = include_str!("../../testdata/qwen3_8b_generation.json");
     c.apply_generation_config(generation, Path::new("/ckpt/generation_config.json"))
         .unwrap();
     assert_eq!(
-        c.eos_token_ids,
+        c.tokens.eos_token_ids,
         vec![151645, 151643],
         "config first, then generation, deduped"
     );
@@ -62,13 +74,22 @@ fn qwen3_8b_published_config_with_generation_config() {
 fn llama3_1_8b_published_config() {
     let c = parse(include_str!("../../testdata/llama3_1_8b.json")).unwrap();
     assert_eq!(c.family, ModelFamily::Llama);
-    assert_eq!((c.num_attention_heads, c.num_key_value_heads), (32, 8));
-    assert_eq!(c.head_dim, 128, "hidden_size / num_attention_heads");
-    assert_eq!((c.intermediate_size, c.vocab_size), (14336, 128256));
-    assert_eq!(c.rms_norm_eps, 1e-5);
-    assert_eq!(c.rope.theta, 500000.0);
     assert_eq!(
-        c.rope.scaling,
+        (
+            c.attention.num_attention_heads,
+            c.attention.num_key_value_heads
+        ),
+        (32, 8)
+    );
+    assert_eq!(
+        c.attention.head_dim, 128,
+        "hidden_size / num_attention_heads"
+    );
+    assert_eq!((c.intermediate_size, c.tokens.vocab_size), (14336, 128256));
+    assert_eq!(c.rms_norm_eps, 1e-5);
+    assert_eq!(c.attention.rope.theta, 500000.0);
+    assert_eq!(
+        c.attention.rope.scaling,
         RopeScaling::Llama3 {
             factor: 8.0,
             low_freq_factor: 1.0,
@@ -76,8 +97,8 @@ fn llama3_1_8b_published_config() {
             original_max_position_embeddings: 8192,
         }
     );
-    assert_eq!(c.eos_token_ids, vec![128001, 128008, 128009]);
-    assert_eq!(c.bos_token_id, Some(128000));
+    assert_eq!(c.tokens.eos_token_ids, vec![128001, 128008, 128009]);
+    assert_eq!(c.tokens.bos_token_id, Some(128000));
     assert_eq!(c.layer_types, vec![F; 32]);
     assert_eq!(c.norm, NormConvention::Standard);
 }
@@ -88,14 +109,24 @@ fn llama_defaults_follow_transformers() {
     let c =
         parse_value(&json!({"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4}))
             .unwrap();
-    assert_eq!((c.num_key_value_heads, c.head_dim), (4, 64));
     assert_eq!(
-        (c.bos_token_id, c.eos_token_ids.clone()),
+        (c.attention.num_key_value_heads, c.attention.head_dim),
+        (4, 64)
+    );
+    assert_eq!(
+        (c.tokens.bos_token_id, c.tokens.eos_token_ids.clone()),
         (Some(1), vec![2])
     );
-    assert_eq!((c.rope.theta, c.rope.rotary_dim), (10000.0, 64));
     assert_eq!(
-        (c.vocab_size, c.max_position_embeddings, c.intermediate_size),
+        (c.attention.rope.theta, c.attention.rope.rotary_dim),
+        (10000.0, 64)
+    );
+    assert_eq!(
+        (
+            c.tokens.vocab_size,
+            c.attention.max_position_embeddings,
+            c.intermediate_size
+        ),
         (32000, 2048, 11008)
     );
 }
@@ -104,22 +135,26 @@ fn llama_defaults_follow_transformers() {
 fn qwen3_5_9b_multimodal_wrapper_reads_text_config() {
     let c = parse(include_str!("../../testdata/qwen3_5_9b.json")).unwrap();
     assert_eq!(c.family, ModelFamily::Qwen35);
-    assert_eq!(c.model_type, "qwen3_5");
-    assert!(c.has_vision);
+    assert_eq!(c.checkpoint.model_type, "qwen3_5");
+    assert!(c.checkpoint.has_vision);
     assert_eq!(
         (c.hidden_size, c.num_hidden_layers, c.intermediate_size),
         (4096, 32, 12288)
     );
     assert_eq!(
-        (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+        (
+            c.attention.num_attention_heads,
+            c.attention.num_key_value_heads,
+            c.attention.head_dim
+        ),
         (16, 4, 256)
     );
-    assert_eq!(c.vocab_size, 248320);
+    assert_eq!(c.tokens.vocab_size, 248320);
     assert_eq!(c.layer_types, every_fourth_full(32));
     assert_eq!(c.num_layers_of(F), 8);
     assert_eq!(c.norm, NormConvention::ZeroCentred);
     assert_eq!(c.gdn_norm(), NormConvention::Standard);
-    assert!(c.attn_output_gate);
+    assert!(c.attention.attn_output_gate);
     let lin = c.linear.clone().unwrap();
     assert_eq!((lin.num_key_heads, lin.num_value_heads), (16, 32));
     assert_eq!(
@@ -130,21 +165,21 @@ fn qwen3_5_9b_multimodal_wrapper_reads_text_config() {
     assert!(c.moe.is_none() && !c.layer_is_moe(0));
     assert_eq!(
         (
-            c.rope.theta,
-            c.rope.partial_rotary_factor,
-            c.rope.rotary_dim
+            c.attention.rope.theta,
+            c.attention.rope.partial_rotary_factor,
+            c.attention.rope.rotary_dim
         ),
         (1.0e7, 0.25, 64)
     );
-    assert_eq!(c.rope.mrope_section, Some(vec![11, 11, 10]));
-    assert!(c.rope.mrope_interleaved);
+    assert_eq!(c.attention.rope.mrope_section, Some(vec![11, 11, 10]));
+    assert!(c.attention.rope.mrope_interleaved);
     assert_eq!(c.mtp_num_layers, 1);
     assert_eq!(
-        (c.eos_token_ids.clone(), c.bos_token_id),
+        (c.tokens.eos_token_ids.clone(), c.tokens.bos_token_id),
         (vec![248044], None)
     );
-    assert_eq!(c.torch_dtype.as_deref(), Some("bfloat16"));
-    assert!(!c.tie_word_embeddings);
+    assert_eq!(c.checkpoint.torch_dtype.as_deref(), Some("bfloat16"));
+    assert!(!c.tokens.tie_word_embeddings);
 }
 
 #[test]
@@ -155,11 +190,15 @@ fn qwen3_5_text_only_config_matches_the_wrapper() {
     text["tie_word_embeddings"] = json!(false);
     let c = parse_value(&text).unwrap();
     let w = parse_value(&wrapper).unwrap();
-    assert_eq!(c.model_type, "qwen3_5_text");
-    assert!(!c.has_vision);
+    assert_eq!(c.checkpoint.model_type, "qwen3_5_text");
+    assert!(!c.checkpoint.has_vision);
     assert_eq!(
-        (c.layer_types.clone(), c.rope.clone(), c.linear.clone()),
-        (w.layer_types, w.rope, w.linear)
+        (
+            c.layer_types.clone(),
+            c.attention.rope.clone(),
+            c.linear.clone()
+        ),
+        (w.layer_types, w.attention.rope, w.linear)
     );
 }
 
@@ -172,7 +211,11 @@ fn qwen3_next_80b_published_config() {
         (2048, 48, 5120)
     );
     assert_eq!(
-        (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+        (
+            c.attention.num_attention_heads,
+            c.attention.num_key_value_heads,
+            c.attention.head_dim
+        ),
         (16, 2, 256)
     );
     assert_eq!(
@@ -181,12 +224,12 @@ fn qwen3_next_80b_published_config() {
         "full_attention_interval 4"
     );
     assert_eq!(
-        (c.rope.theta, c.rope.rotary_dim),
+        (c.attention.rope.theta, c.attention.rope.rotary_dim),
         (1.0e7, 64),
         "top-level partial_rotary_factor"
     );
     assert_eq!(c.norm, NormConvention::ZeroCentred);
-    assert!(c.attn_output_gate);
+    assert!(c.attention.attn_output_gate);
     let moe = c.moe.clone().unwrap();
     let expected = MoeConfig {
         num_experts: 512,
@@ -204,7 +247,7 @@ fn qwen3_next_80b_published_config() {
         "the published config declares no MTP layer count"
     );
     assert_eq!(
-        (c.bos_token_id, c.eos_token_ids.clone()),
+        (c.tokens.bos_token_id, c.tokens.eos_token_ids.clone()),
         (Some(151643), vec![151645])
     );
 }
@@ -215,22 +258,30 @@ fn qwen3_next_tiny_config_written_by_transformers() {
     assert_eq!(c.family, ModelFamily::Qwen3Next);
     assert_eq!(c.layer_types, vec![L, L, L, F]);
     assert_eq!(
-        (c.head_dim, c.rope.rotary_dim, c.rope.theta),
+        (
+            c.attention.head_dim,
+            c.attention.rope.rotary_dim,
+            c.attention.rope.theta
+        ),
         (8, 2, 10000.0)
     );
     let moe: Vec<bool> = (0..4).map(|i| c.layer_is_moe(i)).collect();
     assert_eq!(moe, vec![true, false, true, true], "mlp_only_layers [1]");
-    assert_eq!(c.torch_dtype.as_deref(), Some("float32"));
-    assert!(c.eos_token_ids.is_empty() && c.bos_token_id.is_none());
+    assert_eq!(c.checkpoint.torch_dtype.as_deref(), Some("float32"));
+    assert!(c.tokens.eos_token_ids.is_empty() && c.tokens.bos_token_id.is_none());
 }
 
 #[test]
 fn qwen3_5_moe_35b_a3b_published_wrapper() {
     let c = parse(include_str!("../../testdata/qwen3_5_35b_a3b.json")).unwrap();
     assert_eq!(c.family, ModelFamily::Qwen35Moe);
-    assert!(c.has_vision);
+    assert!(c.checkpoint.has_vision);
     assert_eq!(
-        (c.hidden_size, c.num_hidden_layers, c.num_key_value_heads),
+        (
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.attention.num_key_value_heads
+        ),
         (2048, 40, 2)
     );
     assert_eq!(c.intermediate_size, 0, "no dense MLP in this family");
@@ -257,10 +308,10 @@ fn qwen3_5_moe_35b_a3b_published_wrapper() {
 fn qwen3_5_moe_tiny_wrapper_written_by_transformers() {
     let c = parse(include_str!("../../testdata/tiny_qwen3_5_moe.json")).unwrap();
     assert_eq!(
-        (c.family, c.model_type.as_str()),
+        (c.family, c.checkpoint.model_type.as_str()),
         (ModelFamily::Qwen35Moe, "qwen3_5_moe")
     );
-    assert!(c.has_vision);
+    assert!(c.checkpoint.has_vision);
     assert_eq!(c.layer_types, vec![L, L, L, F]);
     let moe = c.moe.clone().unwrap();
     assert_eq!(
@@ -283,8 +334,12 @@ fn from_dir_reads_both_files() {
     let generation_path = dir.path().join(ModelConfig::GENERATION_CONFIG_FILE);
     std::fs::write(generation_path, generation.to_string()).unwrap();
     let c = ModelConfig::from_dir(dir.path()).unwrap();
-    assert_eq!(c.eos_token_ids, vec![151645, 7]);
-    assert_eq!(c.bos_token_id, Some(151643), "the config's bos is kept");
+    assert_eq!(c.tokens.eos_token_ids, vec![151645, 7]);
+    assert_eq!(
+        c.tokens.bos_token_id,
+        Some(151643),
+        "the config's bos is kept"
+    );
 }
 
 #[test]

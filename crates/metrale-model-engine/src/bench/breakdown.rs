@@ -171,8 +171,8 @@ pub fn decode_breakdown(
     let act = pool.bf16(b * d.ffn as usize, 0.0, 2.0)?;
     let norm_w = pool.bf16(h, 1.0, 0.2)?;
     let head_norm = pool.bf16(d.head_dim as usize, 1.0, 0.2)?;
-    let inv_freq = pool.raw(c.rope.inv_freq().len() * 4)?;
-    g.upload(inv_freq, &c.rope.inv_freq(), s)?;
+    let inv_freq = pool.raw(c.attention.rope.inv_freq().len() * 4)?;
+    g.upload(inv_freq, &c.attention.rope.inv_freq(), s)?;
     let w_qkv = pool.weights(d.qkv_width(), d.hidden)?;
     let w_o = pool.weights(d.hidden, d.attn_out_width())?;
     let w_gate_up = pool.weights(2 * d.ffn, d.hidden)?;

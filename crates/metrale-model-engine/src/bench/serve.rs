@@ -132,7 +132,7 @@ pub fn serve_ladder(
     for (rung, &n) in opts.concurrency.iter().enumerate() {
         for i in 0..n {
             let prompt = (0..opts.prompt_tokens)
-                .map(|p| ((rung * 7919 + i * 104_729 + p * 31) % c.vocab_size) as u32)
+                .map(|p| ((rung * 7919 + i * 104_729 + p * 31) % c.tokens.vocab_size) as u32)
                 .collect();
             let req = SeqRequest {
                 prompt,

@@ -153,7 +153,7 @@ impl SpecReport {
 fn head_weight_bytes(c: &ModelConfig) -> f64 {
     let h = c.hidden_size as f64;
     let layer = attention_params(c) + 3.0 * h * c.intermediate_size as f64;
-    2.0 * (2.0 * h * h + layer + h * c.vocab_size as f64)
+    2.0 * (2.0 * h * h + layer + h * c.tokens.vocab_size as f64)
 }
 
 /// Run the speculative benchmark on `gpu` (see the module header).
@@ -238,7 +238,7 @@ fn step_times(
         }
     }
     let slots: Vec<u32> = own.into_iter().collect();
-    let token = |i: usize| ((i * 7919 + 13) % c.vocab_size) as u32;
+    let token = |i: usize| ((i * 7919 + 13) % c.tokens.vocab_size) as u32;
     let ctx = opts.context as u32;
     let row = |t: usize| StepRow {
         token: token(t),
@@ -373,7 +373,7 @@ fn end_to_end(
     opts: &SpecBenchOptions,
     kmax: usize,
 ) -> Result<Vec<EndToEnd>, ModelError> {
-    let vocab = sched.runner().model().config().vocab_size;
+    let vocab = sched.runner().model().config().tokens.vocab_size;
     let prompt: Vec<u32> = (0..opts.context.max(1))
         .map(|p| ((p * 31 + 7) % vocab) as u32)
         .collect();

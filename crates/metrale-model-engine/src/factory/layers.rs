@@ -51,11 +51,11 @@ pub fn attention(
 ) -> Result<Attention, ModelError> {
     let (h, hq, hkv, d) = (
         c.hidden_size,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        c.head_dim,
+        c.attention.num_attention_heads,
+        c.attention.num_key_value_heads,
+        c.attention.head_dim,
     );
-    let q_rows = if c.attn_output_gate {
+    let q_rows = if c.attention.attn_output_gate {
         2 * hq * d
     } else {
         hq * d

@@ -27,7 +27,7 @@ pub use random::random;
 /// Load the checkpoint in `dir` onto `gpu`.
 pub fn load(dir: &Path, gpu: Arc<dyn GpuBackend>) -> Result<Model, ModelError> {
     let config = ModelConfig::from_dir(dir)?;
-    if config.has_vision {
+    if config.checkpoint.has_vision {
         tracing::info!(
             "{}: the checkpoint has a vision tower; metrale runs its text model only",
             dir.display()
@@ -36,10 +36,10 @@ pub fn load(dir: &Path, gpu: Arc<dyn GpuBackend>) -> Result<Model, ModelError> {
     let source = SafetensorsSource::open(dir)?;
     let names = WeightNames::detect(&source, &config)?;
     let loader = WeightLoader::new(&source, gpu.as_ref(), gpu.default_stream());
-    let (h, v) = (config.hidden_size, config.vocab_size);
+    let (h, v) = (config.hidden_size, config.tokens.vocab_size);
     let embed = loader.upload_bf16(&names.embed_tokens(), &[v, h])?;
     let final_norm = loader.upload_bf16(&names.final_norm(), &[h])?;
-    let lm_head = if config.tie_word_embeddings {
+    let lm_head = if config.tokens.tie_word_embeddings {
         embed.clone()
     } else {
         loader.upload_bf16(&names.lm_head(), &[v, h])?

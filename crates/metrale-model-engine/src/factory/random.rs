@@ -74,12 +74,12 @@ impl Filler {
     ) -> Result<DecoderLayer, ModelError> {
         let (h, hq, hkv, d, f) = (
             c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
+            c.attention.num_attention_heads,
+            c.attention.num_key_value_heads,
+            c.attention.head_dim,
             c.intermediate_size,
         );
-        let q_rows = if c.attn_output_gate {
+        let q_rows = if c.attention.attn_output_gate {
             2 * hq * d
         } else {
             hq * d
@@ -156,10 +156,10 @@ pub fn random(
         seed,
         norm_offset,
     };
-    let (h, v) = (config.hidden_size, config.vocab_size);
+    let (h, v) = (config.hidden_size, config.tokens.vocab_size);
     let embed = fill.weight(&[v, h], 0.0, 1.0)?;
     let final_norm = fill.norm(h)?;
-    let lm_head = if config.tie_word_embeddings {
+    let lm_head = if config.tokens.tie_word_embeddings {
         embed.clone()
     } else {
         fill.proj(&[v, h], h)?

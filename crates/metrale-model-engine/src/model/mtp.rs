@@ -49,7 +49,11 @@ impl Model {
         let residual = Matrix::f32(buf.acts.residual, n, d.hidden);
         ops.embedding_gather(s, residual, self.weights.embed.matrix(), buf.meta.token_ids)?;
         let halves = [
-            (mtp.cat_src, buf.acts.residual, head.pre_fc_norm_embedding.ptr),
+            (
+                mtp.cat_src,
+                buf.acts.residual,
+                head.pre_fc_norm_embedding.ptr,
+            ),
             (
                 mtp.cat_src.offset(n as usize * d.hidden as usize * 2),
                 mtp.hidden,

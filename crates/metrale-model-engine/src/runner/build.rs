@@ -215,7 +215,11 @@ pub(crate) fn allocate(model: &Model, sizes: &StepSizes) -> Result<Buffers, Mode
         cat: p("mtp.cat"),
     });
     let stream = model.stream();
-    gpu.upload(step.inv_freq, &model.config().rope.inv_freq(), stream)?;
+    gpu.upload(
+        step.inv_freq,
+        &model.config().attention.rope.inv_freq(),
+        stream,
+    )?;
     gpu.synchronize(stream)?;
     Ok(Buffers { step, mtp, arena })
 }

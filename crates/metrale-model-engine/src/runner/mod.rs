@@ -250,7 +250,9 @@ impl StepRunner {
     pub fn greedy(&self, n: usize) -> Result<Vec<u32>, ModelError> {
         let (model, buf) = (&self.forward.model, &self.forward.buf);
         let logits = Matrix::f32(buf.head.logits, n as u32, model.dims().vocab);
-        model.ops().argmax(model.stream(), buf.head.sampled, logits)?;
+        model
+            .ops()
+            .argmax(model.stream(), buf.head.sampled, logits)?;
         Ok(model.gpu().download(buf.head.sampled, n, model.stream())?)
     }
 }

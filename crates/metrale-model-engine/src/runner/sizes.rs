@@ -39,7 +39,7 @@ pub struct StepSizes {
 pub(crate) fn max_seq_len(config: &ModelConfig, options: &ModelOptions) -> usize {
     options
         .max_seq_len
-        .unwrap_or(config.max_position_embeddings.min(4096))
+        .unwrap_or(config.attention.max_position_embeddings.min(4096))
 }
 
 /// Block-table columns per sequence (`max_seq_len / block_size`, rounded up).
@@ -130,8 +130,8 @@ pub(crate) fn size(
     let layout = CacheLayout {
         kv: KvCacheLayout {
             num_layers: layers.num_kv + head_layers,
-            num_kv_heads: config.num_key_value_heads,
-            head_dim: config.head_dim,
+            num_kv_heads: config.attention.num_key_value_heads,
+            head_dim: config.attention.head_dim,
             block_size: options.block_size,
             num_blocks: options.num_kv_blocks.unwrap_or(max_seqs * max_blocks + 1),
         },

@@ -269,7 +269,8 @@ impl Io<'_> {
             d.num_kv_heads,
             d.head_dim,
         );
-        self.gpu.upload(self.buf.meta.att_groups, &groups, self.stream)?;
+        self.gpu
+            .upload(self.buf.meta.att_groups, &groups, self.stream)?;
         Ok(StepShape {
             att_groups: (groups.len() / 2) as u32,
             ..shape

@@ -149,7 +149,7 @@ impl Scheduler {
                 .min(runner.sizes().max_rows),
             cuts: runner.prefill_cuts(),
             max_seqs: runner.sizes().max_seqs,
-            eos_token_ids: runner.model().config().eos_token_ids.clone(),
+            eos_token_ids: runner.model().config().tokens.eos_token_ids.clone(),
         };
         let spec = Speculation::for_runner(&runner);
         Scheduler {

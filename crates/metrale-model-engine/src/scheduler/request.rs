@@ -117,7 +117,7 @@ impl RequestLimits {
     pub fn of(runner: &StepRunner, cache: &CacheManager) -> RequestLimits {
         let cache_tokens = cache.blocks().capacity() * cache.block_size();
         RequestLimits {
-            vocab: runner.model().config().vocab_size,
+            vocab: runner.model().config().tokens.vocab_size,
             max_context: runner.sizes().max_seq_len.min(cache_tokens),
         }
     }

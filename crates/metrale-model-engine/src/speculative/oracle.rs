@@ -53,7 +53,7 @@ impl Drafter for OracleDrafter {
         runner: &mut StepRunner,
         inputs: &[DraftInput<'_>],
     ) -> Result<Vec<Vec<u32>>, ModelError> {
-        let vocab = runner.model().config().vocab_size as u32;
+        let vocab = runner.model().config().tokens.vocab_size as u32;
         let mut out = Vec::with_capacity(inputs.len());
         for inp in inputs {
             let follows = |e: &Vec<u32>| (0..inp.len()).all(|p| e.get(p).copied() == inp.token(p));

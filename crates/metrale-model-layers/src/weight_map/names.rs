@@ -147,7 +147,7 @@ impl WeightNames {
         WeightNames {
             layout,
             table: table(config.family),
-            tie_word_embeddings: config.tie_word_embeddings,
+            tie_word_embeddings: config.tokens.tie_word_embeddings,
             layer_types: config.layer_types.clone(),
             moe_layers: (0..config.num_hidden_layers)
                 .map(|i| config.layer_is_moe(i))

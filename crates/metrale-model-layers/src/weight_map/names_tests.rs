@@ -85,7 +85,10 @@ fn qwen3_names_match_transformers() {
     );
     assert_eq!(
         shape(&source, &a.q_proj),
-        [c.num_attention_heads * c.head_dim, c.hidden_size]
+        [
+            c.attention.num_attention_heads * c.attention.head_dim,
+            c.hidden_size
+        ]
     );
     assert_eq!(names.lm_head(), "lm_head.weight");
 }
@@ -93,7 +96,7 @@ fn qwen3_names_match_transformers() {
 #[test]
 fn llama_names_have_no_qk_norm_and_tie_the_head() {
     let (names, _, c) = model!("llama_tied");
-    assert!(c.tie_word_embeddings);
+    assert!(c.tokens.tie_word_embeddings);
     assert_eq!(names.lm_head(), names.embed_tokens());
     assert_eq!(names.layer(0).attention().q_norm, None);
 }
@@ -130,14 +133,17 @@ fn qwen3_5_text_names_match_transformers() {
     let q = names.layer(1).q_proj();
     assert_eq!(
         shape(&source, &q),
-        [2 * c.num_attention_heads * c.head_dim, c.hidden_size]
+        [
+            2 * c.attention.num_attention_heads * c.attention.head_dim,
+            c.hidden_size
+        ]
     );
 }
 
 #[test]
 fn qwen3_5_wrapper_names_use_the_language_model_prefix() {
     let (names, _, c) = model!("qwen3_5");
-    assert!(c.has_vision);
+    assert!(c.checkpoint.has_vision);
     assert_eq!(names.layout().prefix, ModelPrefix::Multimodal);
     assert_eq!(
         names.embed_tokens(),
