@@ -142,6 +142,7 @@ fn batched_decode_is_bitwise_alone_on_cuda() {
         // Token ids stay below every fixture's vocabulary (200 for qwen3_next-b-tiny).
         let vocab = metrale_config::ModelConfig::from_dir(&dir)
             .unwrap()
+            .tokens
             .vocab_size
             .min(256);
         let mut model = load(&dir, ModelOptions::default().max_decode_seqs(8));
