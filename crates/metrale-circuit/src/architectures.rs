@@ -1,5 +1,5 @@
 //! The circuit of each architecture: one decode (or verify) step, node by node, in the order the engine's
-//! legacy forward launches it (`TransformerModel::launch_step`, `DecoderLayer::forward` and the
+//! legacy forward launches it (`Model::launch_step`, `DecoderLayer::forward` and the
 //! mixers and FFNs it calls).
 //!
 //! The step is: embedding; per layer the input norm (a plain RMSNorm on the first layer, the
@@ -11,7 +11,7 @@
 //! conv and rule keep the state after each row in the row's slot ([`Step::Verify`]). A draft
 //! step ([`Step::Draft`]) is the MTP head: the embedding, the head's two input norms, their
 //! concat and `fc`, its one decoder layer (the same subgraph a decoder layer has), its final
-//! norm, and the shared LM head on the logit row (`TransformerModel::launch_mtp`).
+//! norm, and the shared LM head on the logit row (`Model::launch_mtp`).
 
 use crate::circuit::Builder;
 use crate::error::CircuitError;
@@ -59,7 +59,7 @@ fn decoder_layer(b: &mut Builder, instance: &Instance, blk: Block, layer: LayerS
     }
 }
 
-/// The MTP head after the embedding (`TransformerModel::launch_mtp`): the normed embedding
+/// The MTP head after the embedding (`Model::launch_mtp`): the normed embedding
 /// and the normed hidden row side by side, `fc` into the residual stream, the head's layer
 /// (its first: a plain input norm), and its final norm.
 fn draft_head(b: &mut Builder, instance: &Instance, layer: LayerSpec) {

@@ -1,6 +1,6 @@
 //! The emitters only a draft step (the MTP head, `Step::Draft`) has: its concat, the row
 //! gather that interleaves each row's normed embedding and normed hidden row into `fc`'s
-//! input through `mtp.cat_ids` (`TransformerModel::launch_mtp`'s `gather_rows`). The head's
+//! input through `mtp.cat_ids` (`Model::launch_mtp`'s `gather_rows`). The head's
 //! norms, `fc`, its layer and the LM head go through the decode step's emitters.
 //!
 //! Invariant: as every emitter, a launch here is the legacy launch for the same op, argument
