@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuBackendExt, StreamHandle};
-use metrale_model_layers::ops::{Matrix, PagedAttention};
+use metrale_model_layers::ops::{KvStore, Matrix, PagedAttention, QkNormRope};
 use metrale_model_layers::{ModelDims, Ops};
 
 use super::median;
@@ -67,6 +67,8 @@ struct Pool<'a> {
     s: StreamHandle,
     live: Vec<DevicePtr>,
     seed: u64,
+    /// Timed replays of each part's graph.
+    iters: usize,
 }
 
 impl Pool<'_> {
@@ -83,6 +85,27 @@ impl Pool<'_> {
         self.ops
             .fill_uniform_bf16(self.s, p, n as u64, self.seed, offset, scale)?;
         Ok(p)
+    }
+
+    /// A device copy of `values`.
+    fn upload(&mut self, values: &[impl bytemuck::Pod]) -> Result<DevicePtr, ModelError> {
+        let p = self.raw(std::mem::size_of_val(values))?;
+        self.gpu.upload(p, values, self.s)?;
+        Ok(p)
+    }
+
+    /// `name`, run `per_step` times a step, timed by `time_launch`.
+    fn part(
+        &self,
+        name: &str,
+        per_step: u32,
+        f: &dyn Fn(usize) -> Result<(), ModelError>,
+    ) -> Result<StepPart, ModelError> {
+        Ok(StepPart {
+            name: name.to_string(),
+            per_step,
+            us: time_launch(self.gpu, self.s, self.iters, f)?,
+        })
     }
 
     /// `bytes` set to a non-zero pattern (f32 0.0115 everywhere).
@@ -160,6 +183,7 @@ pub fn decode_breakdown(
         s,
         live: Vec::new(),
         seed: 0xb5ea4,
+        iters,
     };
     let (b, h) = (batch as usize, d.hidden as usize);
     let residual = pool.pattern(b * h * 4)?;
@@ -170,9 +194,6 @@ pub fn decode_breakdown(
     let gate_up = pool.bf16(b * 2 * d.ffn as usize, 0.0, 4.0)?;
     let act = pool.bf16(b * d.ffn as usize, 0.0, 2.0)?;
     let norm_w = pool.bf16(h, 1.0, 0.2)?;
-    let head_norm = pool.bf16(d.head_dim as usize, 1.0, 0.2)?;
-    let inv_freq = pool.raw(c.attention.rope.inv_freq().len() * 4)?;
-    g.upload(inv_freq, &c.attention.rope.inv_freq(), s)?;
     let w_qkv = pool.weights(d.qkv_width(), d.hidden)?;
     let w_o = pool.weights(d.hidden, d.attn_out_width())?;
     let w_gate_up = pool.weights(2 * d.ffn, d.hidden)?;
@@ -180,133 +201,143 @@ pub fn decode_breakdown(
     let lm_head = pool.bf16(d.vocab as usize * h, 0.0, (3.0 / h as f32).sqrt())?;
     let logits = pool.raw(b * d.vocab as usize * 4)?;
     let logits_in = pool.bf16(b * h, 0.0, 2.0)?;
-
-    // Sequence i owns blocks i * max_blocks .. (i + 1) * max_blocks; its new token sits at
-    // position `context`.
-    let max_blocks = (context + 1).div_ceil(BLOCK);
-    let num_slots = batch * max_blocks * BLOCK;
-    let kv_elems = num_slots as usize * (d.num_kv_heads * d.head_dim) as usize;
-    let k_cache = pool.bf16(kv_elems, 0.0, 2.0)?;
-    let v_cache = pool.bf16(kv_elems, 0.0, 2.0)?;
-    let tables: Vec<u32> = (0..batch * max_blocks).collect();
-    let rows: Vec<u32> = (0..batch).collect();
-    let slots: Vec<u32> = (0..batch)
-        .map(|i| i * max_blocks * BLOCK + context)
-        .collect();
-    let block_tables = pool.raw(tables.len() * 4)?;
-    g.upload(block_tables, &tables, s)?;
-    let row_seq = pool.raw(b * 4)?;
-    g.upload(row_seq, &rows, s)?;
-    let token_ids = pool.raw(b * 4)?;
-    g.upload(token_ids, &rows, s)?;
-    let positions = pool.raw(b * 4)?;
-    g.upload(positions, &vec![context; b], s)?;
-    let slot_mapping = pool.raw(b * 4)?;
-    g.upload(slot_mapping, &slots, s)?;
+    // Row i is sequence i, and reads token i.
+    let seqs: Vec<u32> = (0..batch).collect();
+    let row_seq = pool.upload(&seqs)?;
+    let token_ids = pool.upload(&seqs)?;
+    let io = AttentionIo {
+        qkv,
+        attn_out,
+        row_seq,
+    };
+    let attention = AttentionStep::new(&mut pool, c, batch, context, io)?;
     g.synchronize(s)?;
 
     let linear = |name: &str, out, x, w: &[DevicePtr], n, k| {
-        let f = |i: usize| -> Result<(), ModelError> {
+        pool.part(&format!("linear {name} {n}x{k}"), layers, &|i| {
             let (out, x) = (Matrix::bf16(out, batch, n), Matrix::bf16(x, batch, k));
             Ok(ops.linear(s, out, x, Matrix::bf16(w[i % w.len()], n, k))?)
-        };
-        Ok::<_, ModelError>(StepPart {
-            name: format!("linear {name} {n}x{k}"),
-            per_step: layers,
-            us: time_launch(g, s, iters, &f)?,
-        })
-    };
-    let part = |name: &str, per_step: u32, f: &dyn Fn(usize) -> Result<(), ModelError>| {
-        Ok::<_, ModelError>(StepPart {
-            name: name.to_string(),
-            per_step,
-            us: time_launch(g, s, iters, f)?,
         })
     };
     let rows = |p, cols| Matrix::bf16(p, batch, cols);
     let table = Matrix::bf16(lm_head, d.vocab, d.hidden);
-    let mut parts = vec![part("embedding_gather", 1, &|_| {
+    let mut parts = vec![pool.part("embedding_gather", 1, &|_| {
         let out = Matrix::f32(residual, batch, d.hidden);
         Ok(ops.embedding_gather(s, out, table, token_ids)?)
     })?];
-    parts.push(part("add_rms_norm", 2 * layers, &|_| {
+    parts.push(pool.part("add_rms_norm", 2 * layers, &|_| {
         let r = Matrix::f32(residual, batch, d.hidden);
         let (dl, n) = (rows(delta, d.hidden), rows(normed, d.hidden));
         Ok(ops.add_rms_norm(s, r, dl, n, &d.norm(norm_w))?)
     })?);
     parts.push(linear("qkv", qkv, normed, &w_qkv, d.qkv_width(), d.hidden)?);
-    let rope = d.rope_params(qkv, (head_norm, head_norm), inv_freq, positions, batch);
-    parts.push(part("qk_norm_rope", layers, &|_| {
-        Ok(ops.qk_norm_rope(s, &rope)?)
-    })?);
-    let store = d.store_params(qkv, (k_cache, v_cache), slot_mapping, batch, num_slots);
-    parts.push(part("kv_store", layers, &|_| Ok(ops.kv_store(s, &store)?))?);
-    let attention = PagedAttention {
-        out: attn_out,
-        qkv,
-        k_cache,
-        v_cache,
-        block_tables,
-        row_seq,
-        positions,
-        rows: batch,
-        row_stride: d.qkv_width(),
-        q_head_stride: d.q_head_stride(),
-        num_q_heads: d.num_q_heads,
-        num_kv_heads: d.num_kv_heads,
-        head_dim: d.head_dim,
-        block_size: BLOCK,
-        max_blocks,
-        num_seqs: batch,
-        num_slots,
-        scale: 1.0 / (d.head_dim as f32).sqrt(),
-        gated: d.attn_gated,
-    };
-    parts.push(part(
-        &format!("paged_attention ctx {}", context + 1),
-        layers,
-        &|_| Ok(ops.paged_attention(s, &attention)?),
-    )?);
-    parts.push(linear(
-        "o",
-        delta,
-        attn_out,
-        &w_o,
-        d.hidden,
-        d.attn_out_width(),
-    )?);
-    parts.push(linear(
-        "gate_up",
-        gate_up,
-        normed,
-        &w_gate_up,
-        2 * d.ffn,
-        d.hidden,
-    )?);
-    parts.push(part("silu_mul", layers, &|_| {
+    parts.extend(attention.parts(&pool, layers)?);
+    let o_width = d.attn_out_width();
+    parts.push(linear("o", delta, attn_out, &w_o, d.hidden, o_width)?);
+    let (up, ffn2) = (&w_gate_up, 2 * d.ffn);
+    parts.push(linear("gate_up", gate_up, normed, up, ffn2, d.hidden)?);
+    parts.push(pool.part("silu_mul", layers, &|_| {
         Ok(ops.silu_mul(s, rows(act, d.ffn), rows(gate_up, 2 * d.ffn))?)
     })?);
     parts.push(linear("down", delta, act, &w_down, d.hidden, d.ffn)?);
-    parts.push(part("gather_rows", 1, &|_| {
-        Ok(ops.gather_rows(
-            s,
-            rows(logits_in, d.hidden),
-            rows(normed, d.hidden),
-            row_seq,
-        )?)
+    parts.push(pool.part("gather_rows", 1, &|_| {
+        let (out, x) = (rows(logits_in, d.hidden), rows(normed, d.hidden));
+        Ok(ops.gather_rows(s, out, x, row_seq)?)
     })?);
-    parts.push(part(
-        &format!("linear_f32out lm_head {}x{}", d.vocab, d.hidden),
-        1,
-        &|_| {
-            let out = Matrix::f32(logits, batch, d.vocab);
-            Ok(ops.linear_f32out(s, out, rows(logits_in, d.hidden), table)?)
-        },
-    )?);
+    let head = format!("linear_f32out lm_head {}x{}", d.vocab, d.hidden);
+    parts.push(pool.part(&head, 1, &|_| {
+        let out = Matrix::f32(logits, batch, d.vocab);
+        Ok(ops.linear_f32out(s, out, rows(logits_in, d.hidden), table)?)
+    })?);
     g.synchronize(s)?;
     Ok(Breakdown {
         batch,
         context: context + 1,
         parts,
     })
+}
+
+/// The step buffers the attention kernels share with the rest of the layer.
+struct AttentionIo {
+    qkv: DevicePtr,
+    attn_out: DevicePtr,
+    row_seq: DevicePtr,
+}
+
+/// The attention block's kernels (rotation, cache store, paged attention) with the KV cache,
+/// block tables and positions of `batch` sequences of `context` tokens: sequence i owns blocks
+/// i * max_blocks .. (i + 1) * max_blocks, and its new token sits at position `context`.
+struct AttentionStep {
+    rope: QkNormRope,
+    store: KvStore,
+    attention: PagedAttention,
+    context: u32,
+}
+
+impl AttentionStep {
+    fn new(
+        pool: &mut Pool<'_>,
+        c: &ModelConfig,
+        batch: u32,
+        context: u32,
+        io: AttentionIo,
+    ) -> Result<Self, ModelError> {
+        let d = ModelDims::from_config(c);
+        let head_norm = pool.bf16(d.head_dim as usize, 1.0, 0.2)?;
+        let inv_freq = pool.upload(&c.attention.rope.inv_freq())?;
+        let max_blocks = (context + 1).div_ceil(BLOCK);
+        let num_slots = batch * max_blocks * BLOCK;
+        let kv_elems = num_slots as usize * (d.num_kv_heads * d.head_dim) as usize;
+        let k_cache = pool.bf16(kv_elems, 0.0, 2.0)?;
+        let v_cache = pool.bf16(kv_elems, 0.0, 2.0)?;
+        let tables: Vec<u32> = (0..batch * max_blocks).collect();
+        let block_tables = pool.upload(&tables)?;
+        let positions = pool.upload(&vec![context; batch as usize])?;
+        let slots: Vec<u32> = (0..batch)
+            .map(|i| i * max_blocks * BLOCK + context)
+            .collect();
+        let slot_mapping = pool.upload(&slots)?;
+        let norms = (head_norm, head_norm);
+        Ok(Self {
+            rope: d.rope_params(io.qkv, norms, inv_freq, positions, batch),
+            store: d.store_params(io.qkv, (k_cache, v_cache), slot_mapping, batch, num_slots),
+            attention: PagedAttention {
+                out: io.attn_out,
+                qkv: io.qkv,
+                k_cache,
+                v_cache,
+                block_tables,
+                row_seq: io.row_seq,
+                positions,
+                rows: batch,
+                row_stride: d.qkv_width(),
+                q_head_stride: d.q_head_stride(),
+                num_q_heads: d.num_q_heads,
+                num_kv_heads: d.num_kv_heads,
+                head_dim: d.head_dim,
+                block_size: BLOCK,
+                max_blocks,
+                num_seqs: batch,
+                num_slots,
+                scale: 1.0 / (d.head_dim as f32).sqrt(),
+                gated: d.attn_gated,
+            },
+            context,
+        })
+    }
+
+    /// The three kernels, each run `layers` times a step.
+    fn parts(&self, pool: &Pool<'_>, layers: u32) -> Result<Vec<StepPart>, ModelError> {
+        let (ops, s) = (pool.ops, pool.s);
+        let name = format!("paged_attention ctx {}", self.context + 1);
+        Ok(vec![
+            pool.part("qk_norm_rope", layers, &|_| {
+                Ok(ops.qk_norm_rope(s, &self.rope)?)
+            })?,
+            pool.part("kv_store", layers, &|_| Ok(ops.kv_store(s, &self.store)?))?,
+            pool.part(&name, layers, &|_| {
+                Ok(ops.paged_attention(s, &self.attention)?)
+            })?,
+        ])
+    }
 }

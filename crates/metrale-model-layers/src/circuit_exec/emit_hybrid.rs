@@ -20,34 +20,11 @@ use crate::ops_hybrid::{
 type Result<T> = std::result::Result<T, CircuitExecError>;
 
 impl Emitter<'_> {
-    /// Emit a one-node group of a hybrid or MoE op; `false` when no emitter lowers `node` to
-    /// `kernels`.
+    /// Emit a one-node group of a GDN op; otherwise on to the MoE emitters.
     pub(super) fn hybrid_single(&self, node: &Node, kernels: &[Kernel]) -> Result<bool> {
         let (ops, s, b) = (self.ops, self.stream, node.block);
         let u = |what: &'static str, v: u64| self.u32(b, what, v);
         match (node.op, kernels) {
-            (Op::Linear(role), [kernel @ (k::EXPERT_LINEAR | k::EXPERT_LINEAR_F32OUT)]) => {
-                let x = self.nth(node, 0, false)?;
-                let ids = self.input(node, Tensor::MoeTopkIds)?;
-                let out = self.nth(node, 0, true)?;
-                let moe = self.moe(b)?;
-                let p = ExpertLinear {
-                    out: out.ptr,
-                    x: x.ptr,
-                    w: self.weight(b, WeightSlot::Linear(role), *kernel)?,
-                    expert_ids: ids.ptr,
-                    pairs: u("pairs", out.rows)?,
-                    n: u("output columns", out.cols)?,
-                    k: u("input columns", x.cols)?,
-                    num_experts: moe.shape.num_experts,
-                    pairs_per_x_row: u("pairs per row", out.rows / x.rows.max(1))?,
-                };
-                if *kernel == k::EXPERT_LINEAR {
-                    ops.expert_linear(s, &p)?;
-                } else {
-                    ops.expert_linear_f32out(s, &p)?;
-                }
-            }
             (
                 op @ (Op::GdnConv | Op::GdnConvVerify),
                 [
@@ -137,6 +114,39 @@ impl Emitter<'_> {
                         eps: g.eps,
                     },
                 )?;
+            }
+            _ => return self.moe_single(node, kernels),
+        }
+        Ok(true)
+    }
+
+    /// Emit a one-node group of an MoE op; `false` when no emitter lowers `node` to `kernels`
+    /// (after the draft step's emitters).
+    fn moe_single(&self, node: &Node, kernels: &[Kernel]) -> Result<bool> {
+        let (ops, s, b) = (self.ops, self.stream, node.block);
+        let u = |what: &'static str, v: u64| self.u32(b, what, v);
+        match (node.op, kernels) {
+            (Op::Linear(role), [kernel @ (k::EXPERT_LINEAR | k::EXPERT_LINEAR_F32OUT)]) => {
+                let x = self.nth(node, 0, false)?;
+                let ids = self.input(node, Tensor::MoeTopkIds)?;
+                let out = self.nth(node, 0, true)?;
+                let moe = self.moe(b)?;
+                let p = ExpertLinear {
+                    out: out.ptr,
+                    x: x.ptr,
+                    w: self.weight(b, WeightSlot::Linear(role), *kernel)?,
+                    expert_ids: ids.ptr,
+                    pairs: u("pairs", out.rows)?,
+                    n: u("output columns", out.cols)?,
+                    k: u("input columns", x.cols)?,
+                    num_experts: moe.shape.num_experts,
+                    pairs_per_x_row: u("pairs per row", out.rows / x.rows.max(1))?,
+                };
+                if *kernel == k::EXPERT_LINEAR {
+                    ops.expert_linear(s, &p)?;
+                } else {
+                    ops.expert_linear_f32out(s, &p)?;
+                }
             }
             (Op::MoeRoute, [k::TOPK_ROUTE]) => {
                 let moe = self.moe(b)?;
