@@ -21,6 +21,7 @@ use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::options::Speculative;
 use metrale_model_engine::runner::{ForwardDisclosure, ModelCircuit};
+use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::RequestLimits;
 use metrale_model_engine::{ModelError, Scheduler, factory};
 
@@ -151,6 +152,13 @@ impl Engine {
         &self.forward
     }
 
+    /// Sampling as the checkpoint's `generation_config.json` recommends it (temperature, top-p
+    /// and top-k where the file sets them; otherwise `SamplingParams::default()`, greedy), with
+    /// a fresh seed per request. A request that should follow the model card starts from it.
+    pub fn sampling_defaults(&self) -> SamplingParams {
+        SamplingParams::default().with_checkpoint_defaults(&self.config.checkpoint.generation)
+    }
+
     /// The longest context a request may have (prompt plus output): the smaller of
     /// `max_seq_len` and the tokens the KV cache holds.
     pub fn max_context(&self) -> usize {
@@ -184,6 +192,29 @@ impl Engine {
     /// Encode text with the checkpoint's tokenizer.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, RequestError> {
         self.front.encode(text)
+    }
+
+    /// Encode text with the checkpoint's tokenizer, adding its special tokens or not
+    /// (`encode` and text prompts add none).
+    pub fn tokenize(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, RequestError> {
+        self.front.tokenize(text, add_special_tokens)
+    }
+
+    /// Each id's token as the tokenizer's vocabulary spells it (byte-level pieces as stored,
+    /// an empty string for an id it lacks); `None` without a tokenizer.
+    pub fn token_strs(&self, ids: &[u32]) -> Option<Vec<String>> {
+        self.front.token_strs(ids)
+    }
+
+    /// Decode token ids to text with the checkpoint's tokenizer, keeping special tokens (the
+    /// chat template's markers) or skipping them. An id outside the tokenizer's vocabulary is a
+    /// `TokenOutOfVocab` naming its index.
+    pub fn detokenize(
+        &self,
+        ids: &[u32],
+        skip_special_tokens: bool,
+    ) -> Result<String, RequestError> {
+        self.front.detokenize(ids, skip_special_tokens)
     }
 
     /// Decode token ids to text; `None` without a tokenizer.

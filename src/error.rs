@@ -25,10 +25,11 @@ pub enum RequestError {
         /// The limit.
         max: usize,
     },
-    /// A prompt token id outside the vocabulary.
-    #[error("prompt token {index} is id {id}, outside the vocabulary of {vocab}")]
+    /// A token id outside the vocabulary (of the model for a prompt, of the tokenizer for
+    /// detokenizing).
+    #[error("token {index} is id {id}, outside the vocabulary of {vocab}")]
     TokenOutOfVocab {
-        /// Position in the prompt.
+        /// Position in the list (the prompt, or the ids to decode).
         index: usize,
         /// The id.
         id: u32,

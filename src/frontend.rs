@@ -42,13 +42,46 @@ pub(crate) fn load_tokenizer(
 }
 
 impl Frontend {
-    /// Encode text with the checkpoint's tokenizer.
+    /// Encode text with the checkpoint's tokenizer, as a text prompt is (no special tokens
+    /// added: the text or the chat template writes its own).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, RequestError> {
+        self.tokenize(text, false)
+    }
+
+    /// Encode text, with the tokenizer's special tokens (a BOS, for some) added or not.
+    pub fn tokenize(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, RequestError> {
         let tok = self.tokenizer.as_ref().ok_or(RequestError::NoTokenizer)?;
         let enc = tok
-            .encode(text, false)
+            .encode(text, add_special_tokens)
             .map_err(|e| RequestError::Tokenize(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Each id's token as the tokenizer's vocabulary spells it; `None` without a tokenizer.
+    pub fn token_strs(&self, ids: &[u32]) -> Option<Vec<String>> {
+        let tok = self.tokenizer.as_ref()?;
+        Some(
+            ids.iter()
+                .map(|&id| tok.id_to_token(id).unwrap_or_default())
+                .collect(),
+        )
+    }
+
+    /// Decode token ids to text, special tokens kept or skipped; every id must be in the
+    /// tokenizer's vocabulary.
+    pub fn detokenize(
+        &self,
+        ids: &[u32],
+        skip_special_tokens: bool,
+    ) -> Result<String, RequestError> {
+        let tok = self.tokenizer.as_ref().ok_or(RequestError::NoTokenizer)?;
+        let vocab = tok.get_vocab_size(true);
+        if let Some(index) = ids.iter().position(|&id| id as usize >= vocab) {
+            let id = ids[index];
+            return Err(RequestError::TokenOutOfVocab { index, id, vocab });
+        }
+        tok.decode(ids, skip_special_tokens)
+            .map_err(|e| RequestError::Tokenize(e.to_string()))
     }
 
     /// Decode token ids to text; `None` without a tokenizer.

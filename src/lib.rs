@@ -73,7 +73,7 @@ pub use direct::generate_direct;
 pub use engine::Engine;
 pub use error::{EngineError, RequestError};
 pub use handle::{Canceller, EventResult, RequestHandle, RequestId};
-pub use metrale_config::ModelConfig;
+pub use metrale_config::{GenerationDefaults, ModelConfig};
 pub use metrale_model_engine::generate::FinishReason;
 pub use metrale_model_engine::options::{MAX_DRAFT_TOKENS, ModelOptions, Speculative};
 pub use metrale_model_engine::sampling::SamplingParams;

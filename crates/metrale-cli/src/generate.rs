@@ -83,9 +83,9 @@ pub struct GenerateArgs {
     /// Nucleus sampling threshold (1 = all).
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
-    /// Seed of the sampler.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Seed of the sampler (without one, a fresh seed per run).
+    #[arg(long)]
+    seed: Option<u64>,
     /// Do not stop at the model's EOS tokens.
     #[arg(long)]
     ignore_eos: bool,
@@ -151,11 +151,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         (None, None) => Prompt::Text("hello".into()),
         (Some(_), Some(_)) => bail!("give either --prompt or --token-ids, not both"),
     };
-    let sampling = SamplingParams::default()
+    let mut sampling = SamplingParams::default()
         .temperature(args.temperature)
         .top_k(args.top_k)
-        .top_p(args.top_p)
-        .seed(args.seed);
+        .top_p(args.top_p);
+    sampling.seed = args.seed;
     let request = GenerateRequest::new(prompt)
         .max_new_tokens(args.max_new_tokens)
         .sampling(sampling)

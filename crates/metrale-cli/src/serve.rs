@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use metrale::{EngineOptions, GateOptions, ModelOptions, Speculative};
-use metrale_server::{Server, ServerOptions};
+use metrale_server::{GenerationConfig, Server, ServerOptions};
 
 use crate::generate::{BackendArg, backend};
 
@@ -17,6 +17,16 @@ pub enum SpeculativeArg {
     Off,
     /// The checkpoint's MTP head drafts (Qwen3.5 / Qwen3-Next).
     Mtp,
+}
+
+/// Where a request's omitted sampling fields come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GenerationConfigArg {
+    /// The checkpoint's generation_config.json (temperature, top_p, top_k), then OpenAI's
+    /// defaults.
+    Auto,
+    /// OpenAI's defaults only (temperature 1, top_p 1, every token).
+    None,
 }
 
 /// `metrale serve`'s flags.
@@ -87,6 +97,9 @@ pub struct ServeArgs {
     /// The gate switches modes when the other is faster by more than this many percent.
     #[arg(long, default_value_t = GateOptions::default().margin_percent)]
     pub speculation_margin_percent: u32,
+    /// Where the sampling fields a request leaves out come from.
+    #[arg(long, value_enum, default_value_t = GenerationConfigArg::Auto)]
+    pub generation_config: GenerationConfigArg,
 }
 
 impl ServeArgs {
@@ -125,6 +138,10 @@ impl ServeArgs {
             .host(self.host.clone())
             .port(self.port)
             .engine(self.engine_options())
+            .generation_config(match self.generation_config {
+                GenerationConfigArg::Auto => GenerationConfig::Auto,
+                GenerationConfigArg::None => GenerationConfig::Ignore,
+            })
     }
 }
 

@@ -7,6 +7,7 @@
 
 mod error;
 mod family;
+mod generation;
 mod json;
 mod layers;
 mod model;
@@ -14,6 +15,7 @@ mod rope;
 
 pub use error::ConfigError;
 pub use family::{ModelFamily, NormConvention, supported_model_types};
+pub use generation::GenerationDefaults;
 pub use layers::{LayerType, LinearAttentionConfig, MoeConfig};
 pub use model::{AttentionConfig, CheckpointInfo, ModelConfig, TokenConfig};
 pub use rope::{RopeConfig, RopeScaling};

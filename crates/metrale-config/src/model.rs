@@ -18,6 +18,7 @@ use crate::error::ConfigError;
 use crate::family::{
     self, FamilySpec, HeadDimDefault, KvHeadsDefault, ModelFamily, NormConvention,
 };
+use crate::generation::{GenerationDefaults, parse_generation_defaults};
 use crate::json::Fields;
 use crate::layers::{
     LayerType, LinearAttentionConfig, MoeConfig, parse_layer_types, parse_linear, parse_moe,
@@ -99,6 +100,8 @@ pub struct CheckpointInfo {
     pub has_vision: bool,
     /// The checkpoint's declared dtype (`dtype`, or the older `torch_dtype`).
     pub torch_dtype: Option<String>,
+    /// The sampling settings `generation_config.json` recommends (empty without the file).
+    pub generation: GenerationDefaults,
 }
 
 impl ModelConfig {
@@ -126,7 +129,8 @@ impl ModelConfig {
     }
 
     /// Merge the text of a `generation_config.json`: its `eos_token_id` (an id or a list) is
-    /// appended to the config's, skipping duplicates, and its `bos_token_id` fills a missing one.
+    /// appended to the config's, skipping duplicates, its `bos_token_id` fills a missing one,
+    /// and its sampling fields become `checkpoint.generation`.
     pub fn apply_generation_config(
         &mut self,
         text: &str,
@@ -141,6 +145,7 @@ impl ModelConfig {
         if tokens.bos_token_id.is_none() {
             tokens.bos_token_id = root.token_ids("bos_token_id")?.first().copied();
         }
+        self.checkpoint.generation = parse_generation_defaults(&root)?;
         Ok(())
     }
 
@@ -255,6 +260,7 @@ fn parse_config(root: &Fields<'_>) -> Result<ModelConfig, ConfigError> {
             model_type: model_type.to_string(),
             has_vision: entry.wrapper && root.has("vision_config"),
             torch_dtype: parse_dtype(root, &text)?,
+            generation: GenerationDefaults::default(),
         },
     };
     validate(&config, &text, spec)?;

@@ -4,7 +4,10 @@
 //!
 //! Invariants:
 //! - Greedy picks the lowest index among the maxima, like the device `argmax`.
-//! - Sampling never reads the clock or the environment: its only randomness is the seed.
+//! - A sampler's only randomness is its seed: the request's, or, for a request without one, a
+//!   fresh one from [`fresh_seed`] (never the clock or the environment).
+
+use metrale_config::GenerationDefaults;
 
 /// How to pick the next token.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -17,8 +20,9 @@ pub struct SamplingParams {
     /// Keep the smallest set of tokens whose probability reaches `top_p`; 1 keeps all.
     /// Default 1.
     pub top_p: f32,
-    /// Seed of the generator. Default 0.
-    pub seed: u64,
+    /// Seed of the generator; `None` (the default) draws a fresh one per request, so two
+    /// sampled requests without a seed differ. A given seed reproduces its tokens.
+    pub seed: Option<u64>,
 }
 
 impl Default for SamplingParams {
@@ -27,7 +31,7 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
-            seed: 0,
+            seed: None,
         }
     }
 }
@@ -68,9 +72,25 @@ impl SamplingParams {
         self
     }
 
-    /// Set `seed`.
+    /// Set `seed`: the same seed, prompt and parameters give the same tokens.
     pub fn seed(mut self, seed: u64) -> Self {
-        self.seed = seed;
+        self.seed = Some(seed);
+        self
+    }
+
+    /// These parameters with the sampling a checkpoint recommends in its
+    /// `generation_config.json` (temperature, top-p, top-k) put over them wherever the file sets
+    /// one. The file's `min_p` and `repetition_penalty` are not applied: the sampler has neither.
+    pub fn with_checkpoint_defaults(mut self, defaults: &GenerationDefaults) -> Self {
+        if let Some(t) = defaults.temperature {
+            self.temperature = t;
+        }
+        if let Some(p) = defaults.top_p {
+            self.top_p = p;
+        }
+        if let Some(k) = defaults.top_k {
+            self.top_k = k;
+        }
         self
     }
 
@@ -119,6 +139,18 @@ impl Rng {
     }
 }
 
+/// A seed for a request that names none: different at every call, in this process and across
+/// processes (the standard library's per-process random hasher keys, over a counter).
+pub fn fresh_seed() -> u64 {
+    use std::hash::BuildHasher;
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static KEYS: OnceLock<std::hash::RandomState> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    KEYS.get_or_init(std::hash::RandomState::new).hash_one(n)
+}
+
 /// The index of the first maximum (NaN never wins).
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0usize;
@@ -142,7 +174,7 @@ impl Sampler {
     pub fn new(params: SamplingParams) -> Sampler {
         Sampler {
             params,
-            rng: Rng::new(params.seed),
+            rng: Rng::new(params.seed.unwrap_or_else(fresh_seed)),
         }
     }
 
@@ -283,7 +315,7 @@ mod tests {
             temperature: 0.7,
             top_k: 5,
             top_p: 0.9,
-            seed: 42,
+            seed: Some(42),
         };
         assert_eq!(p, want);
         assert_eq!(SamplingParams::greedy(), SamplingParams::default());
@@ -299,7 +331,7 @@ mod tests {
     fn same_seed_same_tokens_other_seed_other_tokens() {
         let p = SamplingParams {
             temperature: 1.5,
-            seed: 7,
+            seed: Some(7),
             ..Default::default()
         };
         let run = |p: SamplingParams| {
@@ -307,7 +339,7 @@ mod tests {
             (0..64).map(|_| s.sample(&logits())).collect::<Vec<_>>()
         };
         assert_eq!(run(p), run(p));
-        assert_ne!(run(p), run(SamplingParams { seed: 8, ..p }));
+        assert_ne!(run(p), run(SamplingParams { seed: Some(8), ..p }));
     }
 
     #[test]
@@ -315,7 +347,7 @@ mod tests {
         let mut s = Sampler::new(SamplingParams {
             temperature: 5.0,
             top_k: 3,
-            seed: 1,
+            seed: Some(1),
             ..Default::default()
         });
         for _ in 0..200 {
@@ -324,7 +356,7 @@ mod tests {
         let mut s = Sampler::new(SamplingParams {
             temperature: 1.0,
             top_p: 0.3,
-            seed: 1,
+            seed: Some(1),
             ..Default::default()
         });
         for _ in 0..200 {
@@ -340,7 +372,7 @@ mod tests {
         let l = [0.0f32, (3.0f32).ln()];
         let mut s = Sampler::new(SamplingParams {
             temperature: 1.0,
-            seed: 3,
+            seed: Some(3),
             ..Default::default()
         });
         let ones = (0..20000).filter(|_| s.sample(&l) == 1).count() as f64 / 20000.0;
@@ -355,7 +387,7 @@ mod tests {
         let mut s = Sampler::new(SamplingParams {
             temperature: 1.0,
             top_p: 0.5,
-            seed: 7,
+            seed: Some(7),
             ..Default::default()
         });
         let draws: Vec<u32> = (0..4000).map(|_| s.sample(&logits)).collect();

@@ -3,7 +3,9 @@
 //! off the async runtime), and its output comes back as one JSON response or as server-sent
 //! events.
 //!
-//! Defaults are OpenAI's: `max_tokens` 16 for completions and the rest of the context for chat,
+//! A field the request leaves out takes, in order: the checkpoint's `generation_config.json`
+//! (`temperature`, `top_p`, `top_k`; with `GenerationConfig::Auto`, the default), then OpenAI's
+//! defaults: `max_tokens` 16 for completions and the rest of the context for chat,
 //! `temperature` 1, `top_p` 1, all tokens (`top_k` 0), a fresh seed per request. A `max_tokens`
 //! past the end of the context is allowed; generation then ends there with `length`.
 
@@ -164,21 +166,30 @@ struct Settings {
 
 impl Settings {
     fn of(body: &GenerationBody, flavor: Flavor, state: &AppState) -> Result<Settings, ApiError> {
-        let top_k = match body.top_k {
-            None | Some(-1) => 0,
-            Some(k) => usize::try_from(k).map_err(|_| {
-                ApiError::invalid(
-                    format!("`top_k` = {k}: must be >= 0 (0 or -1: all tokens)"),
-                    Some("top_k"),
-                )
-            })?,
-        };
-        let sampling = SamplingParams::default()
-            .temperature(body.temperature.unwrap_or(1.0))
-            .top_k(top_k)
-            .top_p(body.top_p.unwrap_or(1.0))
-            // A negative seed is a seed too: its bits are taken as they are.
-            .seed(body.seed.map_or_else(|| state.fresh_seed(), |s| s as u64));
+        let mut sampling = state.sampling_base();
+        match body.top_k {
+            None => {}
+            Some(-1) => sampling = sampling.top_k(0),
+            Some(k) => {
+                sampling = sampling.top_k(usize::try_from(k).map_err(|_| {
+                    ApiError::invalid(
+                        format!("`top_k` = {k}: must be >= 0 (0 or -1: all tokens)"),
+                        Some("top_k"),
+                    )
+                })?)
+            }
+        }
+        if let Some(t) = body.temperature {
+            sampling = sampling.temperature(t);
+        }
+        if let Some(p) = body.top_p {
+            sampling = sampling.top_p(p);
+        }
+        // A negative seed is a seed too: its bits are taken as they are. Without one the engine
+        // draws a fresh seed for the request.
+        if let Some(seed) = body.seed {
+            sampling = sampling.seed(seed as u64);
+        }
         sampling.validate().map_err(|e| {
             let field = e.field;
             ApiError::invalid(e.to_string(), Some(field))

@@ -44,6 +44,7 @@ mod options;
 mod prometheus;
 mod router;
 mod sse;
+mod tokenize;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -52,7 +53,7 @@ use std::sync::Arc;
 use metrale::Engine;
 
 pub use error::ApiError;
-pub use options::{ServerError, ServerOptions};
+pub use options::{GenerationConfig, ServerError, ServerOptions};
 pub use prometheus::render as prometheus_text;
 pub use router::{AppState, router};
 
@@ -76,7 +77,9 @@ impl Server {
                 source: Box::new(source),
             }
         })?;
-        let state = Arc::new(AppState::new(Arc::new(engine), model_id));
+        let state =
+            AppState::new(Arc::new(engine), model_id).generation_config(options.generation_config);
+        let state = Arc::new(state);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .enable_io()
             .thread_name("metrale-serve")

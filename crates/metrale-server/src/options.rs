@@ -22,6 +22,22 @@ pub struct ServerOptions {
     pub port: u16,
     /// How the engine loads and runs the model. Default `EngineOptions::default()`.
     pub engine: EngineOptions,
+    /// Where the sampling fields a request leaves out come from. Default
+    /// [`GenerationConfig::Auto`].
+    pub generation_config: GenerationConfig,
+}
+
+/// Where the sampling fields a request leaves out (`temperature`, `top_p`, `top_k`) come from.
+/// A field the request sets always wins.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GenerationConfig {
+    /// The checkpoint's `generation_config.json` where it sets the field, else OpenAI's default
+    /// (temperature 1, top-p 1, every token). The default.
+    #[default]
+    Auto,
+    /// OpenAI's defaults only.
+    Ignore,
 }
 
 impl ServerOptions {
@@ -33,6 +49,7 @@ impl ServerOptions {
             host: "127.0.0.1".into(),
             port: 8000,
             engine: EngineOptions::default(),
+            generation_config: GenerationConfig::default(),
         }
     }
 
@@ -57,6 +74,12 @@ impl ServerOptions {
     /// Set `engine`.
     pub fn engine(mut self, engine: EngineOptions) -> Self {
         self.engine = engine;
+        self
+    }
+
+    /// Set `generation_config`.
+    pub fn generation_config(mut self, source: GenerationConfig) -> Self {
+        self.generation_config = source;
         self
     }
 

@@ -1,9 +1,9 @@
 //! The routes and what they share: [`AppState`] (the engine and the served model's name) and
 //! [`router`]; the small endpoints (`/v1/models`, `/metrics`, `/health`) and the
-//! JSON 404 and 405 answers live here, the generation endpoints in `handlers`.
+//! JSON 404 and 405 answers live here, the generation endpoints in `handlers`, `/tokenize` and
+//! `/detokenize` in `tokenize`.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
@@ -11,11 +11,12 @@ use axum::extract::{DefaultBodyLimit, Path as UrlPath, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use metrale::Engine;
+use metrale::{Engine, SamplingParams};
 use serde_json::json;
 
 use super::error::ApiError;
-use super::{handlers, prometheus};
+use super::options::GenerationConfig;
+use super::{handlers, prometheus, tokenize};
 
 /// Largest request body accepted (a long prompt as a token-id array fits many times over).
 const MAX_BODY_BYTES: usize = 16 << 20;
@@ -27,21 +28,51 @@ pub struct AppState {
     model_id: String,
     /// Unix seconds when the server started (`created` of the model).
     started: u64,
-    /// Seeds requests that do not name one.
-    seeds: AtomicU64,
+    /// The sampling of a request that sets no sampling field (`GenerationConfig`).
+    sampling_base: SamplingParams,
 }
 
 impl AppState {
     /// Serve `engine` as `model_id` (`ServerOptions::model_id` names a checkpoint by its
-    /// directory).
+    /// directory), with [`GenerationConfig::Auto`].
     pub fn new(engine: Arc<Engine>, model_id: impl Into<String>) -> AppState {
         let started = unix_seconds();
         AppState {
             engine,
             model_id: model_id.into(),
             started,
-            seeds: AtomicU64::new(started ^ 0x6d65_7472_616c_6521),
+            sampling_base: SamplingParams::default(),
         }
+        .generation_config(GenerationConfig::Auto)
+    }
+
+    /// Take the sampling defaults from `source`. With `Auto`, the checkpoint's `min_p` and
+    /// `repetition_penalty` are not applied (the sampler has neither): a warning names them.
+    pub fn generation_config(mut self, source: GenerationConfig) -> AppState {
+        // OpenAI's defaults: temperature 1, top-p 1, every token.
+        let openai = SamplingParams::default().temperature(1.0);
+        self.sampling_base = match source {
+            GenerationConfig::Ignore => openai,
+            _ => {
+                let g = &self.engine.config().checkpoint.generation;
+                if g.min_p.is_some_and(|p| p > 0.0)
+                    || g.repetition_penalty.is_some_and(|r| r != 1.0)
+                {
+                    tracing::warn!(
+                        min_p = ?g.min_p,
+                        repetition_penalty = ?g.repetition_penalty,
+                        "generation_config.json: min_p and repetition_penalty are not applied"
+                    );
+                }
+                openai.with_checkpoint_defaults(g)
+            }
+        };
+        self
+    }
+
+    /// The sampling of a request that sets no sampling field.
+    pub(crate) fn sampling_base(&self) -> SamplingParams {
+        self.sampling_base
     }
 
     /// The served model's name.
@@ -67,18 +98,6 @@ impl AppState {
             _ => Ok(()),
         }
     }
-
-    /// A seed for a request that names none: different for every request.
-    pub(crate) fn fresh_seed(&self) -> u64 {
-        // SplitMix64 over a counter started from the clock.
-        let mut z = self
-            .seeds
-            .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
-            .wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
 }
 
 /// Unix seconds now.
@@ -95,6 +114,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/completions", post(handlers::completions))
         .route("/v1/chat/completions", post(handlers::chat_completions))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/metrics", get(metrics))
         .route("/health", get(|| async { "ok" }))
         .fallback(|| async { ApiError::not_found("no such endpoint", "not_found").into_response() })

@@ -254,4 +254,18 @@ fn bad_generation_config_names_its_own_file() {
     assert!(err.to_string().contains("generation_config.json"), "{err}");
     let err = c.apply_generation_config("[1, 2", path).unwrap_err();
     assert!(matches!(err, ConfigError::Json { .. }));
+    for (text, field) in [
+        (r#"{"temperature": -0.5}"#, "temperature"),
+        (r#"{"top_p": 0}"#, "top_p"),
+        (r#"{"top_p": 1.5}"#, "top_p"),
+        (r#"{"top_k": -1}"#, "top_k"),
+        (r#"{"min_p": "0.1"}"#, "min_p"),
+        (r#"{"repetition_penalty": 0}"#, "repetition_penalty"),
+    ] {
+        let err = c.apply_generation_config(text, path).unwrap_err();
+        assert_eq!(field_of(&err), field, "{text}");
+    }
+    c.apply_generation_config(r#"{"temperature": null, "top_k": null}"#, path)
+        .unwrap();
+    assert!(c.checkpoint.generation.is_empty(), "null is unset");
 }

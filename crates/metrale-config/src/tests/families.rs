@@ -68,6 +68,18 @@ fn qwen3_8b_published_config_with_generation_config() {
         vec![151645, 151643],
         "config first, then generation, deduped"
     );
+    // Qwen3-8B's card: temperature 0.6, top-p 0.95, top-k 20.
+    let g = &c.checkpoint.generation;
+    assert_eq!(
+        (
+            g.temperature,
+            g.top_p,
+            g.top_k,
+            g.min_p,
+            g.repetition_penalty
+        ),
+        (Some(0.6), Some(0.95), Some(20), None, None)
+    );
 }
 
 #[test]

@@ -14,7 +14,7 @@ use metrale::{
     Engine, EngineMetrics, EngineOptions, GenerateOutput, GenerateRequest, ModelOptions, Prompt,
     SamplingParams,
 };
-use metrale_server::{AppState, ServerOptions, router};
+use metrale_server::{AppState, GenerationConfig, ServerOptions, router};
 use serde_json::{Value, json};
 
 /// Every socket read gives up after this, so a hung server fails the test instead of hanging it.
@@ -53,8 +53,14 @@ pub fn options() -> EngineOptions {
 }
 
 pub fn start_with(dir: &Path, options: EngineOptions) -> Server {
+    start_from(dir, options, GenerationConfig::Auto)
+}
+
+/// A server whose requests' omitted sampling fields come from `generation`.
+pub fn start_from(dir: &Path, options: EngineOptions, generation: GenerationConfig) -> Server {
     let engine = Arc::new(Engine::load(dir, options).unwrap());
-    let state = AppState::new(engine.clone(), ServerOptions::new(dir).model_id());
+    let state = AppState::new(engine.clone(), ServerOptions::new(dir).model_id())
+        .generation_config(generation);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_io()
