@@ -1201,11 +1201,12 @@ struct QkNormRopeParams {
     uint32_t num_kv_heads;
     uint32_t head_dim;
     uint32_t rotary_dim;
+    float attention_scaling;
     float eps;
     uint32_t unit_offset;
 };
 #pragma pack(pop)
-static_assert(sizeof(QkNormRopeParams) == 80, "QkNormRopeParams: not the layout of metrale-kernel-abi");
+static_assert(sizeof(QkNormRopeParams) == 84, "QkNormRopeParams: not the layout of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeParams, qkv) == 0, "QkNormRopeParams::qkv: not the offset of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeParams, q_norm_w) == 8, "QkNormRopeParams::q_norm_w: not the offset of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeParams, k_norm_w) == 16, "QkNormRopeParams::k_norm_w: not the offset of metrale-kernel-abi");
@@ -1219,8 +1220,9 @@ static_assert(offsetof(QkNormRopeParams, k_offset) == 56, "QkNormRopeParams::k_o
 static_assert(offsetof(QkNormRopeParams, num_kv_heads) == 60, "QkNormRopeParams::num_kv_heads: not the offset of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeParams, head_dim) == 64, "QkNormRopeParams::head_dim: not the offset of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeParams, rotary_dim) == 68, "QkNormRopeParams::rotary_dim: not the offset of metrale-kernel-abi");
-static_assert(offsetof(QkNormRopeParams, eps) == 72, "QkNormRopeParams::eps: not the offset of metrale-kernel-abi");
-static_assert(offsetof(QkNormRopeParams, unit_offset) == 76, "QkNormRopeParams::unit_offset: not the offset of metrale-kernel-abi");
+static_assert(offsetof(QkNormRopeParams, attention_scaling) == 72, "QkNormRopeParams::attention_scaling: not the offset of metrale-kernel-abi");
+static_assert(offsetof(QkNormRopeParams, eps) == 76, "QkNormRopeParams::eps: not the offset of metrale-kernel-abi");
+static_assert(offsetof(QkNormRopeParams, unit_offset) == 80, "QkNormRopeParams::unit_offset: not the offset of metrale-kernel-abi");
 #define QK_NORM_ROPE_PARAMS \
     bf16* __restrict__ qkv, \
     const bf16* __restrict__ q_norm_w, \
@@ -1235,6 +1237,7 @@ static_assert(offsetof(QkNormRopeParams, unit_offset) == 76, "QkNormRopeParams::
     uint32_t num_kv_heads, \
     uint32_t head_dim, \
     uint32_t rotary_dim, \
+    float attention_scaling, \
     float eps, \
     uint32_t unit_offset
 
@@ -1259,12 +1262,13 @@ struct QkNormRopeKvStoreParams {
     uint32_t num_kv_heads;
     uint32_t head_dim;
     uint32_t rotary_dim;
+    float attention_scaling;
     float eps;
     uint32_t unit_offset;
     uint32_t num_slots;
 };
 #pragma pack(pop)
-static_assert(sizeof(QkNormRopeKvStoreParams) == 112, "QkNormRopeKvStoreParams: not the layout of metrale-kernel-abi");
+static_assert(sizeof(QkNormRopeKvStoreParams) == 116, "QkNormRopeKvStoreParams: not the layout of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeKvStoreParams, qkv) == 0, "QkNormRopeKvStoreParams::qkv: not the offset of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeKvStoreParams, q_norm_w) == 8, "QkNormRopeKvStoreParams::q_norm_w: not the offset of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeKvStoreParams, k_norm_w) == 16, "QkNormRopeKvStoreParams::k_norm_w: not the offset of metrale-kernel-abi");
@@ -1282,9 +1286,10 @@ static_assert(offsetof(QkNormRopeKvStoreParams, v_offset) == 84, "QkNormRopeKvSt
 static_assert(offsetof(QkNormRopeKvStoreParams, num_kv_heads) == 88, "QkNormRopeKvStoreParams::num_kv_heads: not the offset of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeKvStoreParams, head_dim) == 92, "QkNormRopeKvStoreParams::head_dim: not the offset of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeKvStoreParams, rotary_dim) == 96, "QkNormRopeKvStoreParams::rotary_dim: not the offset of metrale-kernel-abi");
-static_assert(offsetof(QkNormRopeKvStoreParams, eps) == 100, "QkNormRopeKvStoreParams::eps: not the offset of metrale-kernel-abi");
-static_assert(offsetof(QkNormRopeKvStoreParams, unit_offset) == 104, "QkNormRopeKvStoreParams::unit_offset: not the offset of metrale-kernel-abi");
-static_assert(offsetof(QkNormRopeKvStoreParams, num_slots) == 108, "QkNormRopeKvStoreParams::num_slots: not the offset of metrale-kernel-abi");
+static_assert(offsetof(QkNormRopeKvStoreParams, attention_scaling) == 100, "QkNormRopeKvStoreParams::attention_scaling: not the offset of metrale-kernel-abi");
+static_assert(offsetof(QkNormRopeKvStoreParams, eps) == 104, "QkNormRopeKvStoreParams::eps: not the offset of metrale-kernel-abi");
+static_assert(offsetof(QkNormRopeKvStoreParams, unit_offset) == 108, "QkNormRopeKvStoreParams::unit_offset: not the offset of metrale-kernel-abi");
+static_assert(offsetof(QkNormRopeKvStoreParams, num_slots) == 112, "QkNormRopeKvStoreParams::num_slots: not the offset of metrale-kernel-abi");
 #define QK_NORM_ROPE_KV_STORE_PARAMS \
     bf16* __restrict__ qkv, \
     const bf16* __restrict__ q_norm_w, \
@@ -1303,6 +1308,7 @@ static_assert(offsetof(QkNormRopeKvStoreParams, num_slots) == 108, "QkNormRopeKv
     uint32_t num_kv_heads, \
     uint32_t head_dim, \
     uint32_t rotary_dim, \
+    float attention_scaling, \
     float eps, \
     uint32_t unit_offset, \
     uint32_t num_slots

@@ -1,6 +1,6 @@
 // Per-head RMSNorm of q and k (optional) followed by rotary embedding (rotate-half layout over
-// the first rotary_dim dims), in place on the projection output row. CPU twin:
-// metrale-gpu-runtime/src/cpu/kernels/rope.rs.
+// the first rotary_dim dims, cos and sin times attention_scaling), in place on the projection
+// output row. CPU twin: metrale-gpu-runtime/src/cpu/kernels/rope.rs.
 //
 // Launch: one warp per head, a block's warps on heads of one row: grid (rows, ceil(heads / W)),
 // W warps (32 W threads) per block, (W + 1) * head_dim * 4 bytes of dynamic shared memory (the
@@ -15,13 +15,14 @@
 // not written for a GEOMETRY fault; the CPU twin rejects both.
 #include "common.cuh"
 
-// The rotation of position `pos`: table[i] = (sin, cos) of pos * inv_freq[i], i < rd / 2, by the
+// The rotation of position `pos`: table[i] = (sin, cos) of pos * inv_freq[i], i < rd / 2, each
+// multiplied by `scale` (YaRN's attention factor; 1 otherwise, which leaves them exact), by the
 // whole block, which then synchronizes (every thread of the block must call it).
-MT_DEVICE void rope_table(float2* table, const float* inv_freq, float pos, uint32_t rd) {
+MT_DEVICE void rope_table(float2* table, const float* inv_freq, float pos, uint32_t rd, float scale) {
     for (uint32_t i = threadIdx.x; i < rd / 2; i += blockDim.x) {
         float sn, cs;
         sincosf(pos * inv_freq[i], &sn, &cs);
-        table[i] = make_float2(sn, cs);
+        table[i] = make_float2(sn * scale, cs * scale);
     }
     __syncthreads();
 }
@@ -165,7 +166,7 @@ MT_DEVICE bool heads_fit(uint32_t row_stride, uint32_t num_q_heads, uint32_t q_h
 // qk_norm_rope(qkv: bf16 [rows, row_stride] (in/out), q_norm_w: bf16 [head_dim] or NULL,
 // k_norm_w: bf16 [head_dim] or NULL, inv_freq: f32 [rotary_dim / 2], positions: u32 [rows],
 // rows, row_stride, num_q_heads, q_head_stride, k_offset, num_kv_heads, head_dim, rotary_dim,
-// eps, unit_offset).
+// attention_scaling, eps, unit_offset).
 extern "C" __global__ void qk_norm_rope(QK_NORM_ROPE_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
@@ -180,7 +181,7 @@ extern "C" __global__ void qk_norm_rope(QK_NORM_ROPE_PARAMS) {
         return;  // uniform over the block
     }
     float2* table = reinterpret_cast<float2*>(bufs);
-    rope_table(table, inv_freq, (float)positions[r], rotary_dim);
+    rope_table(table, inv_freq, (float)positions[r], rotary_dim, attention_scaling);
     if (hh >= num_q_heads + num_kv_heads) return;
     const bool is_q = hh < num_q_heads;
     bf16* x = qkv + (size_t)r * row_stride +
@@ -192,8 +193,8 @@ extern "C" __global__ void qk_norm_rope(QK_NORM_ROPE_PARAMS) {
 // qk_norm_rope_kv_store(qkv: bf16 [rows, row_stride] (in/out), q_norm_w, k_norm_w: bf16
 // [head_dim] or NULL, inv_freq: f32 [rotary_dim / 2], positions: u32 [rows], k_cache, v_cache:
 // bf16 [num_slots, num_kv_heads, head_dim], slot_mapping: u32 [rows], rows, row_stride,
-// num_q_heads, q_head_stride, k_offset, v_offset, num_kv_heads, head_dim, rotary_dim, eps,
-// unit_offset, num_slots).
+// num_q_heads, q_head_stride, k_offset, v_offset, num_kv_heads, head_dim, rotary_dim,
+// attention_scaling, eps, unit_offset, num_slots).
 //
 // `qk_norm_rope` followed by `kv_store` (kernels/cache.cu) in one launch, byte for byte, laid
 // out as `qk_norm_rope` with num_q_heads + 2 * num_kv_heads heads a row: warps of q and k heads
@@ -218,7 +219,7 @@ extern "C" __global__ void qk_norm_rope_kv_store(QK_NORM_ROPE_KV_STORE_PARAMS) {
         return;  // uniform over the block
     }
     float2* table = reinterpret_cast<float2*>(bufs);
-    rope_table(table, inv_freq, (float)positions[r], rotary_dim);
+    rope_table(table, inv_freq, (float)positions[r], rotary_dim, attention_scaling);
     if (hh >= num_q_heads + 2 * num_kv_heads) return;
     float* buf = bufs + (1 + warp) * d;
     const uint32_t slot = slot_mapping[r];

@@ -40,8 +40,8 @@ fn cpu() -> Arc<dyn GpuBackend> {
 fn every_fixture() -> Vec<PathBuf> {
     let dirs = fixtures_of(FAMILIES);
     assert!(
-        dirs.len() >= 10,
-        "expected the ten fixtures under {}",
+        dirs.len() >= 11,
+        "expected the eleven fixtures under {}",
         fixtures_dir().display()
     );
     dirs

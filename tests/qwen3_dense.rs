@@ -22,8 +22,44 @@ fn check_fixture(dir: &Path, options: EngineOptions) -> Vec<Outcome> {
 
 #[test]
 fn dense_fixtures_match_transformers() {
-    let worst = check_fixtures(&["qwen3", "llama"], 4, &EngineOptions::default());
+    let worst = check_fixtures(&["qwen3", "llama"], 5, &EngineOptions::default());
     eprintln!("worst logits relative L2 error over all dense fixtures: {worst:.3e}");
+}
+
+#[test]
+fn yarn_fixture_matches_transformers_past_its_original_context() {
+    // `qwen3-yarn-tiny`: YaRN with factor 4 over an original context of 32 positions; one
+    // prompt runs past it. Both the frequencies and the factor on cos and sin must match.
+    let dir = fixtures_dir().join("qwen3-yarn-tiny");
+    let config = metrale_config::ModelConfig::from_dir(&dir).unwrap();
+    let rope = &config.attention.rope;
+    let metrale_config::RopeScaling::Yarn {
+        original_max_position_embeddings,
+        ..
+    } = rope.scaling
+    else {
+        panic!(
+            "{}: not a YaRN checkpoint: {:?}",
+            dir.display(),
+            rope.scaling
+        );
+    };
+    assert!(rope.attention_scaling() > 1.0);
+    let prompts = read_reference(&dir).unwrap();
+    assert!(
+        prompts
+            .iter()
+            .any(|p| p.prompt_ids.len() > original_max_position_embeddings)
+    );
+    for o in check_fixture(&dir, EngineOptions::default()) {
+        assert!(o.failure.is_none(), "{}: {:?}", o.prompt, o.failure);
+        assert!(
+            o.steps >= 4,
+            "{}: only {} steps compared",
+            o.prompt,
+            o.steps
+        );
+    }
 }
 
 #[test]

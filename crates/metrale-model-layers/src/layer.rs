@@ -30,6 +30,9 @@ pub struct ModelDims {
     pub head_dim: u32,
     /// Rotated dims per head.
     pub rotary_dim: u32,
+    /// Factor on the rotary embedding's cos and sin (`RopeConfig::attention_scaling`: YaRN's
+    /// attention factor, exactly 1 otherwise).
+    pub rope_attention_scaling: f32,
     /// Attention output gate after each query head (`[q | gate]`).
     pub attn_gated: bool,
     /// Dense FFN width.
@@ -51,6 +54,7 @@ impl ModelDims {
             num_kv_heads: config.attention.num_key_value_heads as u32,
             head_dim: config.attention.head_dim as u32,
             rotary_dim: config.attention.rope.rotary_dim as u32,
+            rope_attention_scaling: config.attention.rope.attention_scaling(),
             attn_gated: config.attention.attn_output_gate,
             ffn: config.intermediate_size as u32,
             vocab: config.tokens.vocab_size as u32,
@@ -121,6 +125,7 @@ impl ModelDims {
             num_kv_heads: self.num_kv_heads,
             head_dim: self.head_dim,
             rotary_dim: self.rotary_dim,
+            attention_scaling: self.rope_attention_scaling,
             eps: self.eps,
             unit_offset: self.unit_offset,
         }

@@ -57,6 +57,7 @@ impl Ops {
             num_kv_heads: r.num_kv_heads,
             head_dim: r.head_dim,
             rotary_dim: r.rotary_dim,
+            attention_scaling: r.attention_scaling,
             eps: r.eps,
             unit_offset: r.unit_offset,
             num_slots: store.num_slots,

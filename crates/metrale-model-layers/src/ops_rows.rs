@@ -63,6 +63,9 @@ pub struct QkNormRope {
     pub head_dim: u32,
     /// Rotated dimensions per head.
     pub rotary_dim: u32,
+    /// Factor on every cos and sin (`RopeConfig::attention_scaling`: YaRN's attention factor,
+    /// exactly 1 otherwise).
+    pub attention_scaling: f32,
     /// Norm epsilon.
     pub eps: f32,
     /// Zero-centred norm weights (`1 + w`).
@@ -86,6 +89,7 @@ impl QkNormRope {
             num_kv_heads: self.num_kv_heads,
             head_dim: self.head_dim,
             rotary_dim: self.rotary_dim,
+            attention_scaling: self.attention_scaling,
             eps: self.eps,
             unit_offset: self.unit_offset as u32,
         }

@@ -46,10 +46,11 @@ fn poisoned(gpu: &Arc<dyn GpuBackend>, halves: usize) -> DevicePtr {
 fn the_cpu_twin_of_qk_norm_rope_kv_store_is_the_two_launches_byte_for_byte() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
     let ops = Ops::new(gpu.clone()).unwrap();
-    // (head_dim, rotary_dim, q heads, kv heads, gated queries, zero-centred norms)
-    for (d, rd, hq, hkv, gated, unit) in [
-        (32u32, 32u32, 4u32, 2u32, false, false),
-        (24, 8, 2, 1, true, true),
+    // (head_dim, rotary_dim, q heads, kv heads, gated queries, zero-centred norms, the factor
+    // on cos and sin: 1, or YaRN's)
+    for (d, rd, hq, hkv, gated, unit, attention_scaling) in [
+        (32u32, 32u32, 4u32, 2u32, false, false, 1.0f32),
+        (24, 8, 2, 1, true, true, 1.138_629_4),
     ] {
         let (rows, num_slots) = (5u32, 20u32);
         let q_stride = if gated { 2 * d } else { d };
@@ -91,6 +92,7 @@ fn the_cpu_twin_of_qk_norm_rope_kv_store_is_the_two_launches_byte_for_byte() {
             num_kv_heads: hkv,
             head_dim: d,
             rotary_dim: rd,
+            attention_scaling,
             eps: 1e-6,
             unit_offset: unit,
         };

@@ -209,7 +209,7 @@ fn unsupported_rope_type_is_refused() {
     let scaling = json!({"rope_type": "dynamic", "factor": 2.0});
     let err = parse_value(&with(qwen3(), "/rope_scaling", scaling)).unwrap_err();
     assert_eq!(field_of(&err), "rope_scaling.rope_type");
-    message(&err, &["\"dynamic\"", "default, linear, llama3"]);
+    message(&err, &["\"dynamic\"", "default, linear, llama3, yarn"]);
 }
 
 #[test]

@@ -136,6 +136,8 @@ kernel_params! {
         head_dim: u32,
         /// Rotated dimensions per head.
         rotary_dim: u32,
+        /// Factor on every cos and sin (YaRN's attention factor; exactly 1 otherwise).
+        attention_scaling: f32,
         /// Norm epsilon.
         eps: f32,
         /// 1: zero-centred norm weights.
@@ -181,6 +183,8 @@ kernel_params! {
         head_dim: u32,
         /// Rotated dimensions per head.
         rotary_dim: u32,
+        /// Factor on every cos and sin (YaRN's attention factor; exactly 1 otherwise).
+        attention_scaling: f32,
         /// Norm epsilon.
         eps: f32,
         /// 1: zero-centred norm weights.

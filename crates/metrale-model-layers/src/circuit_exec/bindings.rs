@@ -124,6 +124,8 @@ impl From<&DenseWeight> for BoundWeight {
 pub struct RopeFacts {
     /// Rotated dims per head (the inverse frequencies are the model's `StepBuffers::inv_freq`).
     pub rotary_dim: u32,
+    /// Factor on every cos and sin (`ModelDims::rope_attention_scaling`).
+    pub attention_scaling: f32,
 }
 
 /// What a full-attention layer's kernels need beyond its weights.

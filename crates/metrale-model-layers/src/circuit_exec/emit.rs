@@ -230,6 +230,7 @@ impl Emitter<'_> {
             num_kv_heads: a.num_kv_heads,
             head_dim: a.head_dim,
             rotary_dim: a.rope.rotary_dim,
+            attention_scaling: a.rope.attention_scaling,
             eps: self.dims.eps,
             unit_offset,
         })

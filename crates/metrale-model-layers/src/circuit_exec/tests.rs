@@ -96,6 +96,7 @@ pub(super) fn dims() -> ModelDims {
         num_kv_heads: 2,
         head_dim: 16,
         rotary_dim: 8,
+        rope_attention_scaling: 1.25,
         attn_gated: true,
         ffn: 0,
         vocab: 256,
@@ -154,7 +155,10 @@ pub(super) fn layer(a: &mut Addr, spec: LayerSpec) -> CircuitLayer {
                 head_dim: 16,
                 gated: true,
                 qk_norm: true,
-                rope: RopeFacts { rotary_dim: 8 },
+                rope: RopeFacts {
+                    rotary_dim: 8,
+                    attention_scaling: 1.25,
+                },
                 softmax_scale: 0.25,
             })
         }
@@ -429,6 +433,21 @@ fn a_program_reads_the_bound_addresses_at_the_plans_extents() {
     ];
     assert_eq!(scalars, [4, 192, 32, 4, 2, 16, 16, 8, 4, 512, 1]);
     assert_eq!({ p.scale }, 0.25);
+    let rope = program
+        .launches()
+        .iter()
+        .find(|l| l.kernel == m.ops.k.qk_norm_rope)
+        .unwrap();
+    let r: metrale_kernel_abi::QkNormRopeParams = rope.params().unwrap();
+    assert_eq!(
+        (r.qkv, r.inv_freq, r.positions),
+        (
+            m.fixed.buffers.acts.qkv,
+            m.fixed.buffers.inv_freq,
+            m.fixed.buffers.meta.positions
+        )
+    );
+    assert_eq!(({ r.rotary_dim }, { r.attention_scaling }), (8, 1.25));
     let lm_head = program.launches().last().unwrap();
     let f32out: Vec<_> = ["linear_f32out", "linear_stream_f32out"]
         .iter()

@@ -134,6 +134,7 @@ impl Attention {
             qk_norm: self.q_norm.is_some() && self.k_norm.is_some(),
             rope: RopeFacts {
                 rotary_dim: d.rotary_dim,
+                attention_scaling: d.rope_attention_scaling,
             },
             softmax_scale: softmax_scale(d.head_dim),
         }

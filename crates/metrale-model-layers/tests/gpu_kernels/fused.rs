@@ -47,7 +47,9 @@ fn qk_norm_rope_kv_store_is_the_two_launches_byte_for_byte() {
 
 /// `(head_dim, rotary_dim, q heads, kv heads, gated queries, q/k norms, zero-centred)` each.
 fn rope_store(p: &Pair, rng: &mut Rng, cases: &[(u32, u32, u32, u32, bool, bool, bool)]) {
-    for &(d, rd, hq, hkv, gated, norms, unit) in cases {
+    for (i, &(d, rd, hq, hkv, gated, norms, unit)) in cases.iter().enumerate() {
+        // YaRN's factor on cos and sin in every other case, exactly 1 in the others.
+        let attention_scaling = if i % 2 == 0 { 1.138_629_4 } else { 1.0 };
         let (rows, num_slots) = (6u32, 48u32);
         let q_stride = if gated { 2 * d } else { d };
         let k_offset = hq * q_stride;
@@ -84,6 +86,7 @@ fn rope_store(p: &Pair, rng: &mut Rng, cases: &[(u32, u32, u32, u32, bool, bool,
             num_kv_heads: hkv,
             head_dim: d,
             rotary_dim: rd,
+            attention_scaling,
             eps: 1e-6,
             unit_offset: unit,
         };
@@ -105,7 +108,10 @@ fn rope_store(p: &Pair, rng: &mut Rng, cases: &[(u32, u32, u32, u32, bool, bool,
             o.kv_store(S, &store(&chain, at))
         });
         p.run(|o, at| o.qk_norm_rope_kv_store(S, &rope(&fused, at), &store(&fused, at)));
-        let case = format!("d={d} rd={rd} hq={hq} hkv={hkv} gated={gated} norms={norms}");
+        let case = format!(
+            "d={d} rd={rd} hq={hq} hkv={hkv} gated={gated} norms={norms} \
+             attention_scaling={attention_scaling}"
+        );
         for (name, a, b) in [
             ("rows", &chain.qkv, &fused.qkv),
             ("k cache", &chain.kc, &fused.kc),

@@ -184,6 +184,9 @@ fn qk_norm_rope(p: &Pair, rng: &mut Rng, cases: &[RopeShape], rows_cases: &[(boo
                 .map(|r| if r == 0 { 0 } else { rng.below(40_000) })
                 .collect();
             let positions = p.upload(&positions);
+            // YaRN's factor on cos and sin (Qwen3's 0.1 ln 4 + 1) in half the launches,
+            // exactly 1 in the others.
+            let attention_scaling = if unit { 1.138_629_4 } else { 1.0 };
             p.run(|o, at| {
                 o.qk_norm_rope(
                     S,
@@ -201,13 +204,15 @@ fn qk_norm_rope(p: &Pair, rng: &mut Rng, cases: &[RopeShape], rows_cases: &[(boo
                         num_kv_heads: hkv,
                         head_dim: d,
                         rotary_dim: rd,
+                        attention_scaling,
                         eps: 1e-6,
                         unit_offset: unit,
                     },
                 )
             });
             let case = format!(
-                "rows={rows} d={d} rd={rd} hq={hq} hkv={hkv} gated={gated} norms={norms} unit={unit}"
+                "rows={rows} d={d} rd={rd} hq={hq} hkv={hkv} gated={gated} norms={norms} unit={unit} \
+                 attention_scaling={attention_scaling}"
             );
             p.check_bf16("qk_norm_rope", &case, &qkv, Tolerance::BF16);
         }

@@ -156,6 +156,7 @@ impl Step {
                 num_kv_heads: HKV,
                 head_dim: D,
                 rotary_dim: D,
+                attention_scaling: 1.0,
                 eps: 1e-6,
                 unit_offset: true,
             },

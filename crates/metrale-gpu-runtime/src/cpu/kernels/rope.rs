@@ -1,6 +1,7 @@
 //! CPU twin of `kernels/rope.cu`: per-head RMSNorm of q and k (optional) followed by rotary
 //! embedding (rotate-half layout over the first `rotary_dim` dims), in place on the projection
-//! output row.
+//! output row. Cos and sin are multiplied by `attention_scaling` in f32 before the rotation, as
+//! transformers multiplies its f32 tables (YaRN; 1 otherwise, which leaves them exact).
 //!
 //! Row layout: query head `h` starts at `h * q_head_stride` (`head_dim`, or `2 * head_dim` when a
 //! gate follows each query head); key head `h` at `k_offset + h * head_dim`. Values are left alone.
@@ -13,7 +14,7 @@ use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
 
 /// One head `x` of a row at position `pos`: normalised by `norm_w` (if any), then rotated over
-/// its first `h.rd` dims.
+/// its first `h.rd` dims by cos and sin times `h.scale`.
 fn head(x: &mut [bf16], norm_w: Option<&[bf16]>, inv_freq: &[f32], pos: f32, h: &Heads) {
     let d = x.len();
     let mut v: Vec<f32> = x.iter().map(|&e| f(e)).collect();
@@ -27,6 +28,7 @@ fn head(x: &mut [bf16], norm_w: Option<&[bf16]>, inv_freq: &[f32], pos: f32, h: 
     for i in 0..half {
         let angle = pos * inv_freq[i];
         let (sin, cos) = angle.sin_cos();
+        let (sin, cos) = (sin * h.scale, cos * h.scale);
         let (x1, x2) = (v[i], v[i + half]);
         v[i] = x1 * cos - x2 * sin;
         v[i + half] = x2 * cos + x1 * sin;
@@ -47,6 +49,7 @@ struct Heads {
     hkv: usize,
     d: usize,
     rd: usize,
+    scale: f32,
     eps: f32,
     unit: bool,
 }
@@ -121,6 +124,7 @@ pub fn qk_norm_rope(ctx: &KernelCtx<'_>) -> GpuResult<()> {
         hkv: p.num_kv_heads as usize,
         d: p.head_dim as usize,
         rd: p.rotary_dim as usize,
+        scale: p.attention_scaling,
         eps: p.eps,
         unit: p.unit_offset != 0,
     };
@@ -150,6 +154,7 @@ pub fn qk_norm_rope_kv_store(ctx: &KernelCtx<'_>) -> GpuResult<()> {
         hkv: p.num_kv_heads as usize,
         d: p.head_dim as usize,
         rd: p.rotary_dim as usize,
+        scale: p.attention_scaling,
         eps: p.eps,
         unit: p.unit_offset != 0,
     };

@@ -10,14 +10,15 @@ use metrale_kernel_abi::{
 
 use super::*;
 
-/// Rotate-half RoPE of one head, in f64, from the definition.
-fn ref_rope(x: &mut [f64], pos: f64, inv_freq: &[f32], rd: usize) {
+/// Rotate-half RoPE of one head, in f64, from the definition, cos and sin times `scale`.
+fn ref_rope(x: &mut [f64], pos: f64, inv_freq: &[f32], rd: usize, scale: f64) {
     let h = rd / 2;
     for i in 0..h {
         let a = pos * inv_freq[i] as f64;
+        let (cos, sin) = (a.cos() * scale, a.sin() * scale);
         let (x1, x2) = (x[i], x[i + h]);
-        x[i] = x1 * a.cos() - x2 * a.sin();
-        x[i + h] = x2 * a.cos() + x1 * a.sin();
+        x[i] = x1 * cos - x2 * sin;
+        x[i + h] = x2 * cos + x1 * sin;
     }
 }
 
@@ -25,7 +26,7 @@ fn ref_rope(x: &mut [f64], pos: f64, inv_freq: &[f32], rd: usize) {
 fn qk_norm_rope_normalises_and_rotates_q_and_k_only() {
     let r = Rig::new();
     let mut d = Data(21);
-    // Gated layout: q head stride 2*dh, partial rotary.
+    // Gated layout: q head stride 2*dh, partial rotary, YaRN-scaled cos and sin.
     let (rows, hq, hkv, dh, rd) = (2usize, 2usize, 1usize, 8usize, 4usize);
     let qs = 2 * dh;
     let stride = hq * qs + 2 * hkv * dh;
@@ -35,6 +36,7 @@ fn qk_norm_rope_normalises_and_rotates_q_and_k_only() {
         .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / rd as f32))
         .collect();
     let pos = [3u32, 17];
+    let scale = 1.138_629_4f32;
     let (xp, qp, kp, fp, pp) = (
         r.put(&x),
         r.put(&qw),
@@ -56,6 +58,7 @@ fn qk_norm_rope_normalises_and_rotates_q_and_k_only() {
         num_kv_heads: hkv as u32,
         head_dim: dh as u32,
         rotary_dim: rd as u32,
+        attention_scaling: scale,
         eps: 1e-6,
         unit_offset: 1,
     };
@@ -68,7 +71,7 @@ fn qk_norm_rope_normalises_and_rotates_q_and_k_only() {
         heads.extend((0..hkv).map(|h| (base + hq * qs + h * dh, &kw[..])));
         for (at, w) in heads {
             let mut v = ref_rms(&want[at..at + dh], &tof(w), 1e-6, true);
-            ref_rope(&mut v, p as f64, &inv_freq, rd);
+            ref_rope(&mut v, p as f64, &inv_freq, rd, f64::from(scale));
             want[at..at + dh].copy_from_slice(&v);
         }
     }

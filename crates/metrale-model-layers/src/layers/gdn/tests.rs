@@ -81,6 +81,7 @@ impl Rig {
             num_kv_heads: 1,
             head_dim: 1,
             rotary_dim: 0,
+            rope_attention_scaling: 1.0,
             attn_gated: false,
             ffn: 1,
             vocab: 1,
