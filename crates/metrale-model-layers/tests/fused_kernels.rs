@@ -13,19 +13,13 @@ use half::bf16;
 use metrale_gpu_runtime::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt, StreamHandle};
 use metrale_model_layers::Ops;
 use metrale_model_layers::ops::{KvStore, Matrix, QkNormRope};
+use metrale_testkit::Rng;
 
 const S: StreamHandle = StreamHandle::DEFAULT;
 
+/// `n` values uniform in `[-3, 3)`, from `seed`.
 fn values(n: usize, seed: u64) -> Vec<bf16> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            bf16::from_f32(((x >> 40) as f32 / (1u64 << 24) as f32) * 6.0 - 3.0 + 1e-3)
-        })
-        .collect()
+    Rng::new(seed).bf16s(n, -3.0, 3.0)
 }
 
 /// `v` in a new buffer.
