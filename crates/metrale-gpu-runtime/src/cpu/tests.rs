@@ -10,7 +10,7 @@ use metrale_kernel_abi::{
 };
 use metrale_testkit::Rng;
 
-use super::test_rig::{Rig, assert_close, image_byte, tof};
+use super::test_support::{Rig, assert_close, image_byte, tof};
 use super::*;
 use crate::backend::GpuBackendExt;
 

@@ -1,8 +1,7 @@
 //! Layer-level tests of `GatedDeltaNet` on the CPU backend: a prefill followed by decode steps
 //! continues the state exactly as token-by-token steps do, a sequence's output and state do not
 //! depend on the other sequences (or padding rows) of its step, and a verify step is decode
-//! steps bitwise, keeping each row's state. Its `Rig`
-//! serve the MoE layer tests too.
+//! steps bitwise, keeping each row's state. Its `Rig` serves the MoE layer tests too.
 
 use std::sync::Arc;
 

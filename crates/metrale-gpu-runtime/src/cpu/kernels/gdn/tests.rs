@@ -9,8 +9,11 @@ use metrale_kernel_abi::{
 use metrale_testkit::Rng;
 
 use super::NO_SLOT;
-pub(crate) use crate::cpu::test_rig::{Rig, assert_close};
+use crate::cpu::test_support::{Rig, assert_close};
 use crate::error::GpuError;
+
+mod rule;
+mod verify;
 
 fn f64s_bf(v: &[bf16]) -> Vec<f64> {
     v.iter().map(|x| x.to_f64()).collect()

@@ -9,7 +9,7 @@ use metrale_kernel_abi::{
 use metrale_testkit::Rng;
 
 use crate::backend::GpuBackendExt;
-use crate::cpu::test_rig::{Rig, assert_close};
+use crate::cpu::test_support::{Rig, assert_close};
 use crate::error::GpuError;
 use crate::types::DevicePtr;
 

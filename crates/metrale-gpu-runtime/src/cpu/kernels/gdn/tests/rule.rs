@@ -6,8 +6,7 @@ use half::bf16;
 use metrale_kernel_abi::{GatedDeltaChunkedParams, GatedDeltaParams, GatedDeltaVerifyParams};
 use metrale_testkit::Rng;
 
-use super::NO_SLOT;
-use super::tests::{H, Rig, assert_close};
+use super::{H, NO_SLOT, Rig, assert_close};
 use crate::error::GpuResult;
 
 const CHUNK: usize = 64;

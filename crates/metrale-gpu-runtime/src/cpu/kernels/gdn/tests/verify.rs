@@ -7,9 +7,8 @@
 use metrale_kernel_abi::{ConvStateUpdateParams, ConvStateVerifyParams};
 use metrale_testkit::Rng;
 
-use super::NO_SLOT;
-use super::rule_tests::{HEADS, Pool, Seq, bits, gen_seq, launch_with, reference, rms};
-use super::tests::{H, Rig, assert_close};
+use super::rule::{HEADS, Pool, Seq, bits, gen_seq, launch_with, reference, rms};
+use super::{H, NO_SLOT, Rig, assert_close};
 
 /// One sequence of a verify step: its rows, its slot, the slot each row keeps its state in.
 struct VerifySeq {
