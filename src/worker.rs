@@ -372,5 +372,4 @@ impl Worker {
 }
 
 #[cfg(test)]
-#[path = "worker_tests.rs"]
 mod tests;

@@ -3,15 +3,15 @@
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 
-mod common;
+mod support;
 
 use std::path::Path;
 
-use common::fixtures_dir;
 use metrale::{
     Engine, EngineError, EngineOptions, GenerateRequest, ModelOptions, Prompt, RequestError,
     SamplingParams,
 };
+use support::fixtures_dir;
 
 fn copy_fixture(dst: &Path) {
     for e in std::fs::read_dir(fixtures_dir().join("qwen3-tiny"))

@@ -4,14 +4,14 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
+mod support;
 
 use std::path::Path;
 
-use common::fixtures_dir;
 use metrale::chat::{ChatMessage, ChatOptions, ChatTemplateError};
 use metrale::{Engine, EngineError, EngineOptions, GenerateRequest};
 use serde_json::json;
+use support::fixtures_dir;
 
 /// A copy of the tiny checkpoint with `tokenizer_config` as its `tokenizer_config.json`.
 fn with_config(tokenizer_config: serde_json::Value) -> tempfile::TempDir {

@@ -7,15 +7,12 @@
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 
-mod circuit_support;
-mod common;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use circuit_support::*;
-use common::{fixtures_dir, fixtures_of};
 use metrale::circuit::Step;
 use metrale::{Engine, EngineOptions, GenerateRequest, Prompt};
 use metrale_config::ModelConfig;
@@ -32,6 +29,8 @@ use metrale_model_layers::layers::{Attention, DecoderLayer, Ffn, Mixer, Mlp};
 use metrale_model_layers::ops_fused::LINEAR_SWIGLU_M_MAX;
 use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{LayerCtx, Ops, TransformerLayer};
+use support::circuit::*;
+use support::{fixtures_dir, fixtures_of};
 
 fn cpu() -> Arc<dyn GpuBackend> {
     Arc::new(CpuBackend::default())

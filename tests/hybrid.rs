@@ -3,10 +3,10 @@
 //! reproduce its greedy tokens and float32 logits on the CPU backend, whole and with prefill cut
 //! into chunks.
 
-mod common;
+mod support;
 
-use common::*;
 use metrale::{Engine, EngineOptions, ModelOptions};
+use support::*;
 
 /// Every hybrid `model_type`, the multimodal wrappers (`qwen3_5`, `qwen3_5_moe`) included.
 const HYBRID: &[&str] = &[

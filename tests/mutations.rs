@@ -4,13 +4,13 @@
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 
-mod common;
+mod support;
 
 use std::path::Path;
 
-use common::*;
 use half::bf16;
 use metrale::{Engine, EngineOptions};
+use support::*;
 
 fn copy_fixture(src: &Path, dst: &Path) {
     for e in std::fs::read_dir(src).unwrap().flatten() {

@@ -4,12 +4,12 @@
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 
-mod common;
+mod support;
 
 use std::path::Path;
 
-use common::*;
 use metrale::{Engine, EngineOptions, ModelOptions};
+use support::*;
 
 fn check_fixture(dir: &Path, options: EngineOptions) -> Vec<Outcome> {
     let engine = Engine::load(dir, options).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));

@@ -7,7 +7,7 @@
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 
-mod common;
+mod support;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -15,11 +15,11 @@ use std::sync::{Arc, Barrier};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use common::fixtures_dir;
 use metrale::{
     Engine, EngineError, EngineMetrics, EngineOptions, FinishReason, GenerateEvent, GenerateOutput,
     GenerateRequest, ModelOptions, Prompt, RequestError, RequestHandle, SamplingParams,
 };
+use support::fixtures_dir;
 
 fn engine(fixture: &str, options: EngineOptions) -> Engine {
     Engine::load(fixtures_dir().join(fixture), options).unwrap_or_else(|e| panic!("{fixture}: {e}"))

@@ -6,15 +6,15 @@
 #![allow(clippy::unwrap_used)]
 
 #[path = "../crates/metrale-model-engine/tests/support/mod.rs"]
-mod support;
+mod engine_support;
 
 use std::ops::ControlFlow;
 
+use engine_support::{HYBRID, MtpFixture};
 use metrale::{
     Engine, EngineOptions, GateOptions, GenerateRequest, ModelOptions, Prompt, Speculative,
     generate_direct,
 };
-use support::{HYBRID, MtpFixture};
 
 fn request(prompt: &[u32]) -> GenerateRequest {
     GenerateRequest::new(Prompt::TokenIds(prompt.to_vec()))

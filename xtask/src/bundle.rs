@@ -198,9 +198,9 @@ fn cargo(root: &Path) -> Command {
     cmd
 }
 
-/// Integration test files (`tests/*.rs` of the root package and of `crates/*`) that mention
-/// `feature = "cuda"`, as (package, target).
-fn gpu_tests(root: &Path) -> anyhow::Result<Vec<GpuTest>> {
+/// Integration test files (`tests/*.rs` of the root package and of `crates/*`, one test binary
+/// each) as (package, file), sorted by package, then file.
+fn integration_tests(root: &Path) -> anyhow::Result<Vec<(String, PathBuf)>> {
     let mut dirs = vec![(root.join("tests"), "metrale".to_string())];
     for entry in std::fs::read_dir(root.join("crates"))? {
         let path = entry?.path();
@@ -215,28 +215,32 @@ fn gpu_tests(root: &Path) -> anyhow::Result<Vec<GpuTest>> {
         let Ok(entries) = std::fs::read_dir(&dir) else {
             continue;
         };
-        let mut files: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
-        files.sort();
-        for file in files {
-            if file.extension().is_none_or(|x| x != "rs") {
-                continue;
-            }
-            let text = std::fs::read_to_string(&file)
-                .with_context(|| format!("reading {}", file.display()))?;
-            if text.contains("cfg(feature = \"cuda\")") {
-                let target = file
-                    .file_stem()
-                    .context("a test file has a stem")?
-                    .to_string_lossy()
-                    .into_owned();
-                tests.push(GpuTest {
-                    package: package.clone(),
-                    target,
-                });
+        for file in entries.filter_map(|e| e.ok().map(|e| e.path())) {
+            if file.is_file() && file.extension().is_some_and(|x| x == "rs") {
+                tests.push((package.clone(), file));
             }
         }
     }
-    tests.sort_by(|a, b| (&a.package, &a.target).cmp(&(&b.package, &b.target)));
+    tests.sort();
+    Ok(tests)
+}
+
+/// The integration test files that mention `feature = "cuda"` (the `gpu_*` binaries, which run
+/// only on a GPU, and CPU binaries with GPU variants), as (package, target).
+fn gpu_tests(root: &Path) -> anyhow::Result<Vec<GpuTest>> {
+    let mut tests = Vec::new();
+    for (package, file) in integration_tests(root)? {
+        let text = std::fs::read_to_string(&file)
+            .with_context(|| format!("reading {}", file.display()))?;
+        if text.contains("cfg(feature = \"cuda\")") {
+            let target = file
+                .file_stem()
+                .context("a test file has a stem")?
+                .to_string_lossy()
+                .into_owned();
+            tests.push(GpuTest { package, target });
+        }
+    }
     Ok(tests)
 }
 
@@ -369,6 +373,47 @@ mod tests {
             tests.contains("KERNELS"),
             "the sanitizer set checks it reached every kernel"
         );
+    }
+
+    /// The naming convention of the integration tests (README, "Tests"): a binary that only
+    /// runs on a GPU (its file `#![cfg(feature = "cuda")]` as a whole) is named `gpu_*`, and
+    /// every `gpu_*` binary is one; the bundle finds them, and the CPU binaries with GPU
+    /// variants, and puts them in one folder, so their names differ across packages.
+    #[test]
+    fn gpu_only_test_binaries_and_only_they_are_named_gpu() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("xtask sits in the workspace");
+        let files = integration_tests(root).unwrap();
+        let mut gpu_only = Vec::new();
+        for (package, file) in &files {
+            let text = std::fs::read_to_string(file).unwrap();
+            let whole = text.contains("#![cfg(feature = \"cuda\")]");
+            let stem = file.file_stem().unwrap().to_string_lossy().into_owned();
+            assert_eq!(
+                whole,
+                stem.starts_with("gpu_"),
+                "{package}: {}: a test binary is named gpu_* exactly when it runs only on a GPU",
+                file.display()
+            );
+            if whole {
+                gpu_only.push(stem);
+            }
+        }
+        assert!(gpu_only.iter().any(|t| t == SANITIZED_TEST), "{gpu_only:?}");
+        let mut targets: Vec<String> = gpu_tests(root)
+            .unwrap()
+            .into_iter()
+            .map(|t| t.target)
+            .collect();
+        assert!(
+            targets.len() > gpu_only.len(),
+            "CPU binaries with GPU variants"
+        );
+        let count = targets.len();
+        targets.sort();
+        targets.dedup();
+        assert_eq!(targets.len(), count, "GPU test targets share a name");
     }
 
     #[test]

@@ -27,6 +27,7 @@ use metrale::{
     Backend, Engine, EngineError, EngineOptions, FinishReason, GenerateEvent, GenerateOutput,
     GenerateRequest, ModelOptions, Prompt, SamplingParams,
 };
+use metrale_testkit::Rng;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum BackendArg {
@@ -65,30 +66,6 @@ pub struct SoakArgs {
     conversations: usize,
 }
 
-/// SplitMix64.
-#[derive(Debug, Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `lo..=hi`.
-    fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next() % (hi - lo + 1) as u64) as usize
-    }
-
-    /// True with probability `p`.
-    fn chance(&mut self, p: f64) -> bool {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64 <= p
-    }
-}
-
 /// What a client does with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Plan {
@@ -111,10 +88,10 @@ fn make_request(
     max_context: usize,
     has_tokenizer: bool,
 ) -> (GenerateRequest, Plan) {
-    let mut rng = Rng(seed ^ (index as u64).wrapping_mul(0xA24B_AED4_963E_E407));
-    let token = |rng: &mut Rng| (rng.next() % vocab as u64) as u32;
+    let mut rng = Rng::new(seed ^ (index as u64).wrapping_mul(0xA24B_AED4_963E_E407));
+    let token = |rng: &mut Rng| rng.below(vocab as u32);
     if rng.chance(0.03) {
-        let prompt = match rng.range(0, 2) {
+        let prompt = match rng.usize_in(0..=2) {
             0 => vec![1, vocab as u32 + 3],
             1 => Vec::new(),
             _ => (0..max_context + 1).map(|_| token(&mut rng)).collect(),
@@ -125,29 +102,29 @@ fn make_request(
         );
     }
     let mut prompt = if rng.chance(0.6) {
-        prefixes[rng.range(0, prefixes.len() - 1)].clone()
+        prefixes[rng.below(prefixes.len() as u32) as usize].clone()
     } else {
         Vec::new()
     };
-    let extra = rng.range(usize::from(prompt.is_empty()), 40);
+    let extra = rng.usize_in(usize::from(prompt.is_empty())..=40);
     prompt.extend((0..extra).map(|_| token(&mut rng)));
     prompt.truncate(max_context - 1);
     // A few long outputs grow past what admission reserved, so the cache runs out (preemption).
     let max_new_tokens = if rng.chance(0.08) {
-        rng.range(48, 96)
+        rng.usize_in(48..=96)
     } else {
-        rng.range(1, 24)
+        rng.usize_in(1..=24)
     };
-    let sampling = match rng.range(0, 9) {
+    let sampling = match rng.usize_in(0..=9) {
         0..=4 => SamplingParams::default(),
         5..=7 => SamplingParams::default()
-            .temperature(0.7 + 0.1 * rng.range(0, 6) as f32)
-            .seed(rng.next()),
+            .temperature(0.7 + 0.1 * rng.usize_in(0..=6) as f32)
+            .seed(rng.next_u64()),
         _ => SamplingParams::default()
             .temperature(1.0)
-            .top_k(rng.range(1, 50))
-            .top_p(0.8 + 0.05 * rng.range(0, 4) as f32)
-            .seed(rng.next()),
+            .top_k(rng.usize_in(1..=50))
+            .top_p(0.8 + 0.05 * rng.usize_in(0..=4) as f32)
+            .seed(rng.next_u64()),
     };
     let mut req = GenerateRequest::new(Prompt::TokenIds(prompt))
         .max_new_tokens(max_new_tokens)
@@ -159,12 +136,12 @@ fn make_request(
     }
     if has_tokenizer && rng.chance(0.15) {
         let stops = ["e", " t", "in", "\n", "."];
-        req = req.stop_strings(vec![stops[rng.range(0, stops.len() - 1)].into()]);
+        req = req.stop_strings(vec![stops[rng.below(stops.len() as u32) as usize].into()]);
     }
-    let plan = match rng.range(0, 99) {
+    let plan = match rng.usize_in(0..=99) {
         0..=64 => Plan::Complete,
-        65..=84 => Plan::CancelAfter(rng.range(0, max_new_tokens)),
-        85..=92 => Plan::DropAfter(rng.range(1, max_new_tokens)),
+        65..=84 => Plan::CancelAfter(rng.usize_in(0..=max_new_tokens)),
+        85..=92 => Plan::DropAfter(rng.usize_in(1..=max_new_tokens)),
         _ => Plan::DropAfter(0),
     };
     (req, plan)
@@ -391,14 +368,10 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
     options.model.prefix_caching = false;
     let cold = Engine::load(dir, options).with_context(|| format!("loading {}", dir.display()))?;
     let vocab = engine.config().tokens.vocab_size;
-    let mut rng = Rng(args.seed ^ 0x5EED);
+    let mut rng = Rng::new(args.seed ^ 0x5EED);
     let prefixes: Vec<Vec<u32>> = [8usize, 16, 33, 64]
         .iter()
-        .map(|&len| {
-            (0..len)
-                .map(|_| (rng.next() % vocab as u64) as u32)
-                .collect()
-        })
+        .map(|&len| (0..len).map(|_| rng.below(vocab as u32)).collect())
         .collect();
     let next = AtomicUsize::new(0);
     let tally = Mutex::new(Tally::default());

@@ -457,5 +457,4 @@ fn positive_f32(from: &Fields<'_>, key: &str, value: f64) -> Result<f32, ConfigE
 }
 
 #[cfg(test)]
-#[path = "rope_tests.rs"]
 mod tests;

@@ -14,7 +14,8 @@ use std::time::Duration;
 use criterion::{
     BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
 };
-use metrale_model_engine::sampling::{Rng, Sampler, SamplingParams};
+use metrale_model_engine::sampling::{Sampler, SamplingParams};
+use metrale_testkit::Rng;
 
 const VOCAB: usize = 151_936;
 const LIKELY: usize = 64;
@@ -23,11 +24,9 @@ const LIKELY: usize = 64;
 /// above it.
 fn logits() -> Vec<f32> {
     let mut rng = Rng::new(42);
-    let mut out: Vec<f32> = (0..VOCAB)
-        .map(|_| (rng.next_f64() * 8.0 - 4.0) as f32)
-        .collect();
+    let mut out = rng.f32s(VOCAB, -4.0, 4.0);
     for k in 0..LIKELY {
-        let i = (rng.next_u64() % VOCAB as u64) as usize;
+        let i = rng.below(VOCAB as u32) as usize;
         out[i] = 8.0 + 4.0 * k as f32 / LIKELY as f32;
     }
     out

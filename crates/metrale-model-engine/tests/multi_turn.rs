@@ -19,9 +19,10 @@ use std::sync::Arc;
 use metrale_cache::block_hashes;
 use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::generate::GenerateParams;
-use metrale_model_engine::sampling::{Rng, SamplingParams};
+use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest};
 use metrale_model_engine::{ModelOptions, factory};
+use metrale_testkit::Rng;
 
 /// Where the model runs.
 type Backend = fn() -> Arc<dyn GpuBackend>;

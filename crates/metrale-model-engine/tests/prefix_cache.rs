@@ -17,9 +17,10 @@ use metrale_cache::{BlockTable, block_hashes};
 use metrale_gpu_runtime::CpuBackend;
 use metrale_model_engine::generate::{FinishReason, GenerateParams, Generation};
 use metrale_model_engine::runner::{StepInput, StepRow};
-use metrale_model_engine::sampling::{Rng, SamplingParams};
+use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::{SeqEvent, SeqId, SeqRequest};
 use metrale_model_engine::{ModelError, ModelOptions, Scheduler, StepRunner, factory};
+use metrale_testkit::Rng;
 use support::cache::{assert_bitwise, assert_nothing_held, solo, tokens};
 
 const HYBRID: [&str; 2] = ["qwen3_5-tiny", "qwen3_next-tiny"];
@@ -284,15 +285,12 @@ fn shared_traffic(vocab: u32) -> Vec<(SeqRequest, usize, Option<usize>)> {
     let mut at = 0;
     (0..16)
         .map(|i| {
-            let mut prompt = prefixes[(rng.next_u64() % 3) as usize].clone();
-            let tail = (rng.next_u64() % 30) as usize + usize::from(i % 4 == 0);
+            let mut prompt = prefixes[rng.below(3) as usize].clone();
+            let tail = rng.below(30) as usize + usize::from(i % 4 == 0);
             prompt.extend(tokens(&mut rng, tail, vocab));
-            at += (rng.next_u64() % 4) as usize;
-            let cancel = rng
-                .next_u64()
-                .is_multiple_of(5)
-                .then(|| (rng.next_u64() % 20) as usize);
-            let max_new = 20 + (rng.next_u64() % 40) as usize;
+            at += rng.below(4) as usize;
+            let cancel = rng.chance(0.2).then(|| rng.below(20) as usize);
+            let max_new = 20 + rng.below(40) as usize;
             (request(prompt, max_new, i), at, cancel)
         })
         .collect()

@@ -13,11 +13,12 @@ use std::sync::Arc;
 
 use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::generate::{FinishReason, GenerateParams, Generation, generate};
-use metrale_model_engine::sampling::{Rng, SamplingParams};
+use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::{
     Scheduler, SchedulerStats, SeqEvent, SeqId, SeqRequest, StepKind,
 };
 use metrale_model_engine::{ModelOptions, factory};
+use metrale_testkit::Rng;
 
 /// Where the model runs.
 type Backend = fn() -> Arc<dyn GpuBackend>;
@@ -56,10 +57,8 @@ fn arrivals(n: usize, vocab: u32, seed: u64, cancel: bool) -> Vec<Arrival> {
     let mut at_step = 0;
     (0..n)
         .map(|i| {
-            let len = 1 + (rng.next_u64() % 70) as usize;
-            let prompt = (0..len)
-                .map(|_| (rng.next_u64() % u64::from(vocab)) as u32)
-                .collect();
+            let len = 1 + rng.below(70) as usize;
+            let prompt = (0..len).map(|_| rng.below(vocab)).collect();
             let sampling = match i % 3 {
                 0 => SamplingParams::default(),
                 1 => SamplingParams::default()
@@ -72,18 +71,17 @@ fn arrivals(n: usize, vocab: u32, seed: u64, cancel: bool) -> Vec<Arrival> {
                     .seed(rng.next_u64()),
             };
             let params = GenerateParams {
-                max_new_tokens: 4 + (rng.next_u64() % 27) as usize,
+                max_new_tokens: 4 + rng.below(27) as usize,
                 sampling,
                 stop_token_ids: if i % 4 == 3 {
-                    vec![(rng.next_u64() % u64::from(vocab)) as u32]
+                    vec![rng.below(vocab)]
                 } else {
                     Vec::new()
                 },
                 return_logits: true,
             };
-            at_step += (rng.next_u64() % 6) as usize;
-            let cancel_after = (cancel && rng.next_u64().is_multiple_of(5))
-                .then(|| (rng.next_u64() % 25) as usize);
+            at_step += rng.below(6) as usize;
+            let cancel_after = (cancel && rng.chance(0.2)).then(|| rng.below(25) as usize);
             Arrival {
                 req: SeqRequest {
                     prompt,
@@ -302,9 +300,7 @@ fn prefix_hits_are_bitwise_cold(backend: Backend, name: &str) {
     let mut cold = load_on(backend, name, opts(false));
     let vocab = warm.runner().model().config().tokens.vocab_size as u32;
     let mut rng = Rng::new(17);
-    let a: Vec<u32> = (0..150)
-        .map(|_| (rng.next_u64() % u64::from(vocab)) as u32)
-        .collect();
+    let a: Vec<u32> = (0..150).map(|_| rng.below(vocab)).collect();
     let mut b = a[..128].to_vec();
     b.extend([(a[128] + 1) % vocab, 3, 1, 4]);
     for (i, prompt) in [a.clone(), a, b].into_iter().enumerate() {

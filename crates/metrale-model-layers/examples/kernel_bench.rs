@@ -10,36 +10,16 @@
 
 use std::sync::Arc;
 
-use half::bf16;
 use metrale_gpu_runtime::{
     CudaBackend, DevicePtr, GpuBackend, GpuBackendExt, StreamHandle, VendorGemm,
 };
 use metrale_model_layers::Ops;
 use metrale_model_layers::ops::{Matrix, PagedAttention};
 use metrale_model_layers::ops_gemm::{LinearStaging, linear_staging_bytes};
+use metrale_testkit::Rng;
 
 /// The stream every launch uses.
 const S: StreamHandle = StreamHandle::DEFAULT;
-
-/// SplitMix64 inputs: every element distinct, the same every run.
-struct Rng(u64);
-
-impl Rng {
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        let u = ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * u
-    }
-
-    fn bf16s(&mut self, n: usize, lo: f32, hi: f32) -> Vec<bf16> {
-        (0..n)
-            .map(|_| bf16::from_f32(self.uniform(lo, hi)))
-            .collect()
-    }
-}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let which = std::env::args().nth(1);
@@ -140,7 +120,7 @@ fn measure_linear(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64, tflops: Option<f
     let staging = g.alloc(LinearStaging::bytes(images, 64)).expect("staging");
     ops.set_linear_staging(Some(LinearStaging::at(staging, images, 64)));
 
-    let mut rng = Rng(12);
+    let mut rng = Rng::new(12);
     for (m, n, k) in [
         (1u32, 12288u32, 4096u32),
         (1, 4096, 12288),
@@ -214,7 +194,7 @@ fn time_graph_us(gpu: &dyn GpuBackend, f: impl Fn(usize)) -> f64 {
 /// ladder's batches, the batches whose items fill whole rounds of the resident clusters (each
 /// cluster loops over items): the step from a whole number of rounds to one partial round more.
 fn measure_attention(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64) {
-    let mut rng = Rng(13);
+    let mut rng = Rng::new(13);
     const BLOCK: u32 = 16;
     let position = 1024u32;
     let max_blocks = (position + 1).div_ceil(BLOCK);

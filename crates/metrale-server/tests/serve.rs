@@ -9,7 +9,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod serve_support;
+mod support;
 
 use std::io::Read;
 use std::sync::{Arc, Barrier};
@@ -19,7 +19,7 @@ use metrale::{GenerateRequest, Prompt, SamplingParams};
 use metrale_server::{ServerError, ServerOptions};
 use serde_json::{Value, json};
 
-use serve_support::*;
+use support::*;
 
 #[test]
 fn completions_from_text_and_token_ids_equal_engine_generate() {

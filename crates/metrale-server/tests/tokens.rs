@@ -4,13 +4,13 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod serve_support;
+mod support;
 
 use metrale::chat::{ChatMessage, ChatOptions};
 use metrale::{GenerateRequest, Prompt, SamplingParams};
 use metrale_server::GenerationConfig;
 use serde_json::{Value, json};
-use serve_support::*;
+use support::*;
 
 #[test]
 fn tokenize_gives_the_ids_generation_feeds_and_detokenize_inverts_it() {

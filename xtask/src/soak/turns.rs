@@ -9,8 +9,9 @@
 
 use anyhow::{Context, Result, ensure};
 use metrale::{Engine, GenerateRequest, Prompt, SamplingParams};
+use metrale_testkit::Rng;
 
-use super::{Rng, check_solo, wait_idle};
+use super::{check_solo, wait_idle};
 
 /// Turns per conversation.
 const TURNS: usize = 3;
@@ -41,7 +42,7 @@ pub(super) fn run(
     conversations: usize,
     block_size: usize,
 ) -> Result<TurnsSummary> {
-    let vocab = engine.config().tokens.vocab_size as u64;
+    let vocab = engine.config().tokens.vocab_size as u32;
     let hybrid = engine.metrics().cache.ssm_slots_total > 0;
     let mut summary = TurnsSummary {
         conversations,
@@ -49,24 +50,26 @@ pub(super) fn run(
         follow_up_tokens: 0,
         follow_up_hit_tokens: 0,
     };
-    let mut rng = Rng(seed ^ 0x7E2A);
+    let mut rng = Rng::new(seed ^ 0x7E2A);
     let (mut done, mut cold_done) = (
         engine.metrics().requests.finished,
         cold.metrics().requests.finished,
     );
     for c in 0..conversations {
-        let mut prompt: Vec<u32> = (0..rng.range(40, 80))
-            .map(|_| (rng.next() % vocab) as u32)
+        let mut prompt: Vec<u32> = (0..rng.usize_in(40..=80))
+            .map(|_| rng.below(vocab))
             .collect();
         let mut previous: Option<(usize, usize)> = None;
         for turn in 0..TURNS {
             let sampling = if rng.chance(0.5) {
                 SamplingParams::default()
             } else {
-                SamplingParams::default().temperature(0.8).seed(rng.next())
+                SamplingParams::default()
+                    .temperature(0.8)
+                    .seed(rng.next_u64())
             };
             let req = GenerateRequest::new(Prompt::TokenIds(prompt.clone()))
-                .max_new_tokens(rng.range(8, 24))
+                .max_new_tokens(rng.usize_in(8..=24))
                 .sampling(sampling)
                 .ignore_eos(true)
                 .return_logits(rng.chance(0.5));
@@ -90,7 +93,7 @@ pub(super) fn run(
             }
             previous = Some((prompt.len(), out.token_ids.len()));
             prompt.extend(&out.token_ids);
-            prompt.extend((0..rng.range(3, 12)).map(|_| (rng.next() % vocab) as u32));
+            prompt.extend((0..rng.usize_in(3..=12)).map(|_| rng.below(vocab)));
         }
     }
     wait_idle(cold, cold_done)?;

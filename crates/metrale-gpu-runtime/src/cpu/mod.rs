@@ -422,6 +422,6 @@ impl GpuBackend for CpuBackend {
 }
 
 #[cfg(test)]
-pub(crate) mod test_rig;
+pub(crate) mod test_support;
 #[cfg(test)]
 mod tests;

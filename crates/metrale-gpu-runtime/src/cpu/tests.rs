@@ -8,8 +8,9 @@ use metrale_kernel_abi::{
     GatherRowsParams, LinearParams, LinearTmaParams, PermuteK32TilesParams, RmsNormParams,
     SiluMulParams, SiluMulStagedParams,
 };
+use metrale_testkit::Rng;
 
-use super::test_rig::{Data, Rig, assert_close, image_byte, tof};
+use super::test_support::{Rig, assert_close, image_byte, tof};
 use super::*;
 use crate::backend::GpuBackendExt;
 
@@ -96,9 +97,12 @@ fn out_of_bounds_aliasing_and_wrong_structs_are_caught() {
 #[test]
 fn launches_the_cuda_kernels_refuse_fail_on_the_cpu_too() {
     let r = Rig::new();
-    let mut d = Data(4);
+    let mut d = Rng::new(4);
     let (m, n, k) = (2u32, 3u32, 16u32);
-    let (x, w) = (r.put(&d.bf(32, 1.0)), r.put(&d.bf(48, 1.0)));
+    let (x, w) = (
+        r.put(&d.bf16s(32, -1.0, 1.0)),
+        r.put(&d.bf16s(48, -1.0, 1.0)),
+    );
     let out = r.out(12);
     let p = LinearParams { out, x, w, m, n, k };
     let e = r.run_with("gemm", "linear", LaunchConfig::linear(1, 256), &p);
@@ -111,7 +115,7 @@ fn launches_the_cuda_kernels_refuse_fail_on_the_cpu_too() {
     assert!(matches!(e, Err(GpuError::KernelFailed { .. })), "{e:?}");
 
     let (kc, vc) = (r.out(8 * 4 * 2), r.out(8 * 4 * 2));
-    let qkv = r.put(&d.bf(2 * 12, 1.0));
+    let qkv = r.put(&d.bf16s(2 * 12, -1.0, 1.0));
     let store = |slot: u32, v_offset: u32| {
         r.run(
             "cache",
@@ -143,10 +147,10 @@ fn launches_the_cuda_kernels_refuse_fail_on_the_cpu_too() {
 fn capture_records_and_replay_reads_current_inputs() {
     let r = Rig::new();
     let s = r.gpu.create_stream().unwrap();
-    let mut d = Data(3);
-    let xv = d.vec(8, 1.0);
+    let mut d = Rng::new(3);
+    let xv = d.f32s(8, -1.0, 1.0);
     let x = r.put(&xv);
-    let w = r.put(&d.bf(8, 1.0));
+    let w = r.put(&d.bf16s(8, -1.0, 1.0));
     let out = r.out(16);
     let args = [KernelArg::params(&rms(out, x, w, 1, 8))];
     let k = r.gpu.kernel("norm", "rms_norm").unwrap();
@@ -185,12 +189,12 @@ fn capture_records_and_replay_reads_current_inputs() {
 #[test]
 fn rms_norm_and_add_rms_norm_match_the_reference_in_both_conventions() {
     let r = Rig::new();
-    let mut d = Data(11);
+    let mut d = Rng::new(11);
     let (rows, cols) = (3usize, 40usize);
     for unit in [false, true] {
-        let x = d.vec(rows * cols, 2.0);
-        let delta = d.bf(rows * cols, 1.0);
-        let w = d.bf(cols, 1.5);
+        let x = d.f32s(rows * cols, -2.0, 2.0);
+        let delta = d.bf16s(rows * cols, -1.0, 1.0);
+        let w = d.bf16s(cols, -1.5, 1.5);
         let (xp, dp, wp) = (r.put(&x), r.put(&delta), r.put(&w));
         let out = r.out(rows * cols * 2);
         let mut p = rms(out, xp, wp, rows as u32, cols as u32);
@@ -256,10 +260,10 @@ fn ref_matmul(x: &[bf16], w: &[bf16], (m, n, k): (usize, usize, usize)) -> Vec<f
 #[test]
 fn every_linear_kernel_matches_a_naive_matmul() {
     let r = Rig::new();
-    let mut d = Data(5);
+    let mut d = Rng::new(5);
     let (m, n, k) = (3usize, 7usize, 33usize);
-    let x = d.bf(m * k, 1.0);
-    let w = d.bf(n * k, 0.5);
+    let x = d.bf16s(m * k, -1.0, 1.0);
+    let w = d.bf16s(n * k, -0.5, 0.5);
     let (xp, wp) = (r.put(&x), r.put(&w));
     let want = ref_matmul(&x, &w, (m, n, k));
     for name in [
@@ -297,12 +301,12 @@ fn every_linear_kernel_matches_a_naive_matmul() {
 #[test]
 fn permute_writes_the_documented_images_and_linear_tma_reads_them() {
     let r = Rig::new();
-    let mut d = Data(6);
+    let mut d = Rng::new(6);
     // k = 200: seven chunks, the last partial and the last stage half empty; m = 130: a second
     // row tile of two rows.
     for (m, n, k) in [(130usize, 7usize, 200usize), (5, 9, 64)] {
-        let x = d.bf(m * k, 1.0);
-        let w = d.bf(n * k, 0.5);
+        let x = d.bf16s(m * k, -1.0, 1.0);
+        let w = d.bf16s(n * k, -0.5, 0.5);
         let (xp, wp) = (r.put(&x), r.put(&w));
         let img_bytes = m.div_ceil(128) * k.div_ceil(64) * 16384;
         let img = r.out(img_bytes);
@@ -363,13 +367,13 @@ fn images_of(rows: &[bf16], k: usize, base: &[u8]) -> Vec<u8> {
 #[test]
 fn staged_producers_write_their_rows_where_the_layout_puts_them() {
     let r = Rig::new();
-    let mut d = Data(7);
+    let mut d = Rng::new(7);
     let (m, k) = (3usize, 128usize);
     let bytes = m.div_ceil(128) * k.div_ceil(64) * 16384;
     // Images over a pattern, so padding left alone shows.
     let pattern: Vec<u8> = (0..bytes).map(|i| (i * 7 % 251) as u8).collect();
     let patterned = || r.put(&pattern);
-    let gate_up = d.bf(m * 2 * k, 3.0);
+    let gate_up = d.bf16s(m * 2 * k, -3.0, 3.0);
     let gu = r.put(&gate_up);
     let act = r.out(m * k * 2);
     let silu = |p: &SiluMulStagedParams| r.run("activation", "silu_mul_staged", p);
@@ -414,8 +418,11 @@ fn staged_producers_write_their_rows_where_the_layout_puts_them() {
         "a row of 12 columns is not whole vectors of 8"
     );
 
-    let residual: Vec<f32> = d.vec(m * k, 2.0);
-    let (delta, w) = (r.put(&d.bf(m * k, 1.0)), r.put(&d.bf(k, 1.0)));
+    let residual: Vec<f32> = d.f32s(m * k, -2.0, 2.0);
+    let (delta, w) = (
+        r.put(&d.bf16s(m * k, -1.0, 1.0)),
+        r.put(&d.bf16s(k, -1.0, 1.0)),
+    );
     let out1 = r.out(m * k * 2);
     let plain = AddRmsNormParams {
         residual: r.put(&residual),
@@ -448,9 +455,9 @@ fn staged_producers_write_their_rows_where_the_layout_puts_them() {
 #[test]
 fn embedding_gather_rows_and_argmax() {
     let r = Rig::new();
-    let mut d = Data(9);
+    let mut d = Rng::new(9);
     let (vocab, hidden) = (10usize, 6usize);
-    let table = d.bf(vocab * hidden, 1.0);
+    let table = d.bf16s(vocab * hidden, -1.0, 1.0);
     let ids = [7u32, 0, 7, 3];
     let (tp, ip) = (r.put(&table), r.put(&ids));
     let out = r.out(ids.len() * hidden * 4);

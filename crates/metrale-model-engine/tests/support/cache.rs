@@ -2,14 +2,12 @@
 //! figures, bitwise comparison with a cold run, and "nothing is held".
 
 use metrale_model_engine::generate::Generation;
-use metrale_model_engine::sampling::Rng;
 use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest};
+use metrale_testkit::Rng;
 
 /// `n` random token ids below `vocab`.
 pub fn tokens(rng: &mut Rng, n: usize, vocab: u32) -> Vec<u32> {
-    (0..n)
-        .map(|_| (rng.next_u64() % u64::from(vocab)) as u32)
-        .collect()
+    (0..n).map(|_| rng.below(vocab)).collect()
 }
 
 /// What one request alone did: its generation, and the cached and prefilled prompt tokens.

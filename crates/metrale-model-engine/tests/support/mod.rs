@@ -12,6 +12,7 @@ use metrale_gpu_runtime::CpuBackend;
 use metrale_model_engine::generate::{GenerateParams, Generation, SeqRequest, generate};
 use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::{CacheManager, ModelOptions, Scheduler, StepRunner, factory};
+use metrale_testkit::Rng;
 
 /// A step runner and its cache, driven by hand (no scheduler).
 pub struct Rig {
@@ -140,16 +141,11 @@ pub fn write_with_mtp_fc(src: &Path, dst: &Path, fc_shape: Option<[usize; 2]>) {
         }
         out.push((name, dtype, shape, data));
     }
-    let mut seed = 0x5eed_u64;
-    let mut uniform = |scale: f32| {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-    };
+    let mut rng = Rng::new(0x5eed);
     let mut bf16 = |n: usize, scale: f32| -> Vec<u8> {
-        (0..n)
-            .flat_map(|_| half::bf16::from_f32(uniform(scale)).to_le_bytes())
+        rng.bf16s(n, -scale, scale)
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
             .collect()
     };
     let [rows, cols] = fc_shape.unwrap_or([h, 2 * h]);

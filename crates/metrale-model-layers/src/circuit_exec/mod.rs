@@ -48,10 +48,6 @@ mod weights_check;
 
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod tests_refusals;
-#[cfg(test)]
-mod tests_speculative;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

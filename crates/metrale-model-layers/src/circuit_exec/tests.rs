@@ -22,6 +22,9 @@ use crate::layers::MoeShape;
 use crate::ops_hybrid::GdnHeads;
 use crate::weight_map::DenseWeight;
 
+mod refusals;
+mod speculative;
+
 pub(super) const FA_MOE: LayerSpec = LayerSpec {
     kind: LayerKind::FullAttention,
     ffn: FfnKind::Moe,

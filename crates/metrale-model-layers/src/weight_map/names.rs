@@ -318,5 +318,4 @@ fn detect_experts(
 }
 
 #[cfg(test)]
-#[path = "names_tests.rs"]
 mod tests;

@@ -1,6 +1,6 @@
-//! The harness of the GPU kernel tests: a seeded RNG, the `Tolerance` type with its per-dtype
-//! presets, and `Pair`, which holds the same buffers on `CpuBackend` and `CudaBackend` and runs one
-//! `Ops` launcher on both.
+//! The harness of the GPU kernel tests: the seeded generator (`metrale_testkit::Rng`, re-exported
+//! for the test modules), the `Tolerance` type with its per-dtype presets, and `Pair`, which holds
+//! the same buffers on `CpuBackend` and `CudaBackend` and runs one `Ops` launcher on both.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -13,58 +13,10 @@ use metrale_gpu_runtime::{
 use metrale_kernel_abi::KernelParams;
 use metrale_model_layers::Ops;
 use metrale_model_layers::ops_gemm::{LinearStaging, linear_staging_bytes};
+pub use metrale_testkit::Rng;
 
 /// The stream every test uses.
 pub const S: StreamHandle = StreamHandle::DEFAULT;
-
-/// SplitMix64: small, seeded, good enough to make every element distinct.
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed ^ 0x5DEE_CE66_D1CE_4E5B)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[lo, hi)`.
-    pub fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * u
-    }
-
-    /// Uniform in `[0, n)`.
-    pub fn below(&mut self, n: u32) -> u32 {
-        (self.next_u64() % u64::from(n)) as u32
-    }
-
-    pub fn f32s(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform(lo, hi)).collect()
-    }
-
-    pub fn bf16s(&mut self, n: usize, lo: f32, hi: f32) -> Vec<bf16> {
-        (0..n)
-            .map(|_| bf16::from_f32(self.uniform(lo, hi)))
-            .collect()
-    }
-
-    /// A permutation of `0..n`.
-    pub fn permutation(&mut self, n: u32) -> Vec<u32> {
-        let mut v: Vec<u32> = (0..n).collect();
-        for i in (1..v.len()).rev() {
-            let j = self.below(i as u32 + 1) as usize;
-            v.swap(i, j);
-        }
-        v
-    }
-}
 
 /// How far a CUDA result may be from the CPU twin's: `|gpu - cpu| <= abs + rel * |cpu|`.
 #[derive(Debug, Clone, Copy)]

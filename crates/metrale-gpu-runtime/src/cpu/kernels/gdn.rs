@@ -47,11 +47,7 @@
 
 mod delta_rule;
 #[cfg(test)]
-mod rule_tests;
-#[cfg(test)]
-pub(crate) mod tests;
-#[cfg(test)]
-mod verify_tests;
+mod tests;
 
 use std::ops::Range;
 

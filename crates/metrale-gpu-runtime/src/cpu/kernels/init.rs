@@ -38,7 +38,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_fill_is_reproducible_spread_and_seed_dependent() {
+    fn the_fill_is_spread_and_seed_dependent() {
         let a: Vec<f32> = (0..1000).map(|i| uniform(i, 7, 0.5)).collect();
         let b: Vec<f32> = (0..1000).map(|i| uniform(i, 8, 0.5)).collect();
         assert_ne!(a, b);
@@ -46,6 +46,16 @@ mod tests {
         let mean = a.iter().sum::<f32>() / 1000.0;
         assert!(mean.abs() < 0.05, "mean {mean}");
         assert!(a.iter().any(|&v| v > 0.4) && a.iter().any(|&v| v < -0.4));
-        assert_eq!(uniform(123, 9, 1.0), uniform(123, 9, 1.0));
+    }
+
+    /// With seed 0 the hash of index i is the i-th output of SplitMix64 from state 0, whose
+    /// first outputs are published (Vigna's reference implementation); the value takes the top
+    /// 24 bits: 0xE220A8 = 14,819,496, so (2 * 14,819,496 - 2^24) / 2^24.
+    #[test]
+    fn the_hash_is_splitmix64_and_the_value_its_top_24_bits() {
+        assert_eq!(hash(1, 0), 0xE220_A839_7B1D_CDAF);
+        assert_eq!(hash(2, 0), 0x6E78_9E6A_A1B9_65F4);
+        assert_eq!(uniform(1, 0, 1.0), 12_861_776.0 / 16_777_216.0);
+        assert_eq!(uniform(1, 0, 0.25), 3_215_444.0 / 16_777_216.0);
     }
 }

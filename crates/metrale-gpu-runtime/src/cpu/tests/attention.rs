@@ -25,13 +25,13 @@ fn ref_rope(x: &mut [f64], pos: f64, inv_freq: &[f32], rd: usize, scale: f64) {
 #[test]
 fn qk_norm_rope_normalises_and_rotates_q_and_k_only() {
     let r = Rig::new();
-    let mut d = Data(21);
+    let mut d = Rng::new(21);
     // Gated layout: q head stride 2*dh, partial rotary, YaRN-scaled cos and sin.
     let (rows, hq, hkv, dh, rd) = (2usize, 2usize, 1usize, 8usize, 4usize);
     let qs = 2 * dh;
     let stride = hq * qs + 2 * hkv * dh;
-    let x = d.bf(rows * stride, 2.0);
-    let (qw, kw) = (d.bf(dh, 0.5), d.bf(dh, 0.5));
+    let x = d.bf16s(rows * stride, -2.0, 2.0);
+    let (qw, kw) = (d.bf16s(dh, -0.5, 0.5), d.bf16s(dh, -0.5, 0.5));
     let inv_freq: Vec<f32> = (0..rd / 2)
         .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / rd as f32))
         .collect();
@@ -96,13 +96,13 @@ fn qk_norm_rope_normalises_and_rotates_q_and_k_only() {
 #[test]
 fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_table() {
     let r = Rig::new();
-    let mut d = Data(31);
+    let mut d = Rng::new(31);
     let (hq, hkv, dh, bs) = (4usize, 2usize, 8usize, 4usize);
     let stride = (hq + 2 * hkv) * dh;
     let len = 10usize; // three blocks, the last partly filled
     let num_blocks = 6usize;
     let slots = num_blocks * bs;
-    let qkv = d.bf(len * stride, 1.5);
+    let qkv = d.bf16s(len * stride, -1.5, 1.5);
     let table = [4u32, 1, 3, 0, 0];
     let max_blocks = table.len();
     let slot_of = |t: usize| table[t / bs] as usize * bs + t % bs;

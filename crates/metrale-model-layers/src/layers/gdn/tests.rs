@@ -1,14 +1,14 @@
 //! Layer-level tests of `GatedDeltaNet` on the CPU backend: a prefill followed by decode steps
 //! continues the state exactly as token-by-token steps do, a sequence's output and state do not
 //! depend on the other sequences (or padding rows) of its step, and a verify step is decode
-//! steps bitwise, keeping each row's state. Its helpers (`Data`, `Rig`)
-//! serve the MoE layer tests too.
+//! steps bitwise, keeping each row's state. Its `Rig` serves the MoE layer tests too.
 
 use std::sync::Arc;
 
 use half::bf16;
 use metrale_cache::{SsmLayout, SsmStatePool};
 use metrale_gpu_runtime::{CpuBackend, DType, DevicePtr, GpuBackend, GpuBackendExt, StreamHandle};
+use metrale_testkit::Rng;
 
 use super::{GatedDeltaNet, GdnShape, InProjSource};
 use crate::layer::{
@@ -17,25 +17,6 @@ use crate::layer::{
 use crate::ops::Ops;
 use crate::ops_hybrid::GdnHeads;
 use crate::weight_map::DenseWeight;
-
-/// A seeded generator for test data (never zeros, distinct per element).
-pub(crate) struct Data(pub u64);
-
-impl Data {
-    pub fn next(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-    }
-    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.next() * scale).collect()
-    }
-    pub fn bf(&mut self, n: usize, scale: f32) -> Vec<bf16> {
-        self.vec(n, scale).into_iter().map(bf16::from_f32).collect()
-    }
-}
 
 /// The CPU backend, its launchers and a stream.
 pub(crate) struct Rig {
@@ -114,7 +95,7 @@ struct Harness {
 impl Harness {
     fn new(seed: u64) -> Harness {
         let rig = Rig::new();
-        let mut d = Data(seed);
+        let mut d = Rng::new(seed);
         let shape = GdnShape {
             heads: GdnHeads {
                 num_k_heads: 2,
@@ -134,18 +115,23 @@ impl Harness {
         );
         let k = shape.conv_kernel as usize;
         let layer = GatedDeltaNet {
-            in_proj: rig.bf16_weight(&[pw, HIDDEN], &d.bf(pw * HIDDEN, 0.4)),
-            conv1d: rig.bf16_weight(&[cd, k], &d.bf(cd * k, 0.6)),
-            a_log: rig.f32_weight(&d.vec(hv, 1.2).iter().map(|v| v - 0.8).collect::<Vec<_>>()),
-            dt_bias: rig.f32_weight(&d.vec(hv, 1.0)),
+            in_proj: rig.bf16_weight(&[pw, HIDDEN], &d.bf16s(pw * HIDDEN, -0.4, 0.4)),
+            conv1d: rig.bf16_weight(&[cd, k], &d.bf16s(cd * k, -0.6, 0.6)),
+            a_log: rig.f32_weight(
+                &d.f32s(hv, -1.2, 1.2)
+                    .iter()
+                    .map(|v| v - 0.8)
+                    .collect::<Vec<_>>(),
+            ),
+            dt_bias: rig.f32_weight(&d.f32s(hv, -1.0, 1.0)),
             norm: rig.bf16_weight(
                 &[h.v_head_dim as usize],
-                &d.bf(h.v_head_dim as usize, 0.3)
+                &d.bf16s(h.v_head_dim as usize, -0.3, 0.3)
                     .iter()
                     .map(|w| bf16::from_f32(1.0 + w.to_f32()))
                     .collect::<Vec<_>>(),
             ),
-            out_proj: rig.bf16_weight(&[HIDDEN, vd], &d.bf(HIDDEN * vd, 0.3)),
+            out_proj: rig.bf16_weight(&[HIDDEN, vd], &d.bf16s(HIDDEN * vd, -0.3, 0.3)),
             shape,
         };
         let pool = SsmStatePool::new(
@@ -312,9 +298,9 @@ fn to64(v: &[bf16]) -> Vec<f64> {
 #[test]
 fn prefill_then_decode_continues_the_state_of_token_by_token_steps() {
     let hs = Harness::new(101);
-    let mut d = Data(103);
+    let mut d = Rng::new(103);
     let (n, m) = (70usize, 3usize);
-    let x = d.bf((n + m) * HIDDEN, 1.0);
+    let x = d.bf16s((n + m) * HIDDEN, -1.0, 1.0);
     // Slot 0: a 70-row prefill (two chunks), then three decode steps.
     let mut chunked = hs.step(&[SeqRows {
         slot: 0,
@@ -356,9 +342,12 @@ fn prefill_then_decode_continues_the_state_of_token_by_token_steps() {
 
 #[test]
 fn a_sequence_computes_the_same_bits_alone_or_beside_others() {
-    let mut d = Data(107);
-    let (a, b) = (d.bf(38 * HIDDEN, 1.0), d.bf(80 * HIDDEN, 1.0));
-    let pad = d.bf(HIDDEN, 1.0);
+    let mut d = Rng::new(107);
+    let (a, b) = (
+        d.bf16s(38 * HIDDEN, -1.0, 1.0),
+        d.bf16s(80 * HIDDEN, -1.0, 1.0),
+    );
+    let pad = d.bf16s(HIDDEN, -1.0, 1.0);
     let (a_pre, a_dec) = (&a[..37 * HIDDEN], &a[37 * HIDDEN..]);
     let (b_pre, b_more) = (&b[..70 * HIDDEN], &b[70 * HIDDEN..]);
 
@@ -512,10 +501,10 @@ fn qwen3_next_rows_regroup_per_key_head_projections() {
 
 #[test]
 fn a_verify_step_is_decode_steps_bitwise_and_keeps_the_state_after_each_row() {
-    let mut d = Data(127);
+    let mut d = Rng::new(127);
     let (n, k) = (20usize, 4usize);
-    let x = d.bf((n + k) * HIDDEN, 1.0);
-    let other = d.bf(2 * HIDDEN, 1.0);
+    let x = d.bf16s((n + k) * HIDDEN, -1.0, 1.0);
+    let other = d.bf16s(2 * HIDDEN, -1.0, 1.0);
     let prefill = |hs: &Harness| {
         hs.step(&[SeqRows {
             slot: 0,

@@ -4,10 +4,11 @@
 
 use half::bf16;
 use metrale_gpu_runtime::GpuBackendExt;
+use metrale_testkit::Rng;
 
 use super::{MoeMlp, MoeShape, SharedExpert};
 use crate::layer::{Activations, LayerCtx, MoeBuffers, StepBuffers, StepShape};
-use crate::layers::gdn::tests::{Data, Rig};
+use crate::layers::gdn::tests::Rig;
 
 const H: usize = 32;
 const MAX_ROWS: usize = 8;
@@ -22,19 +23,19 @@ struct HostWeights {
     shared_gate: Vec<bf16>,
 }
 
-fn build(rig: &Rig, d: &mut Data, shape: MoeShape, shared: bool) -> (MoeMlp, HostWeights) {
+fn build(rig: &Rig, d: &mut Rng, shape: MoeShape, shared: bool) -> (MoeMlp, HostWeights) {
     let (e, f, fs) = (
         shape.num_experts as usize,
         shape.expert_ffn as usize,
         12usize,
     );
     let w = HostWeights {
-        router: d.bf(e * H, 0.6),
-        gate_up: d.bf(e * 2 * f * H, 0.3),
-        down: d.bf(e * H * f, 0.3),
-        shared_gate_up: d.bf(2 * fs * H, 0.3),
-        shared_down: d.bf(H * fs, 0.3),
-        shared_gate: d.bf(H, 0.4),
+        router: d.bf16s(e * H, -0.6, 0.6),
+        gate_up: d.bf16s(e * 2 * f * H, -0.3, 0.3),
+        down: d.bf16s(e * H * f, -0.3, 0.3),
+        shared_gate_up: d.bf16s(2 * fs * H, -0.3, 0.3),
+        shared_down: d.bf16s(H * fs, -0.3, 0.3),
+        shared_gate: d.bf16s(H, -0.4, 0.4),
     };
     let mlp = MoeMlp {
         router: rig.bf16_weight(&[e, H], &w.router),
@@ -171,7 +172,7 @@ fn reference(x: &[bf16], w: &HostWeights, shape: MoeShape, shared: bool) -> Vec<
 #[test]
 fn the_moe_layer_matches_the_reference_and_is_batch_invariant() {
     let rig = Rig::new();
-    let mut d = Data(131);
+    let mut d = Rng::new(131);
     for (renormalize, shared) in [(true, true), (false, true), (true, false)] {
         let shape = MoeShape {
             num_experts: 6,
@@ -182,7 +183,7 @@ fn the_moe_layer_matches_the_reference_and_is_batch_invariant() {
         let (mlp, w) = build(&rig, &mut d, shape, shared);
         let buf = buffers(&rig, shape);
         let rows = 5;
-        let x = d.bf(rows * H, 1.0);
+        let x = d.bf16s(rows * H, -1.0, 1.0);
         let got = run(&rig, &mlp, &buf, &x);
         let mut want = Vec::new();
         for row in x.chunks(H) {

@@ -1,15 +1,19 @@
 //! Tests of the GDN kernels against naive f64 references written from transformers' formulas,
-//! on seeded random inputs with poisoned outputs. Its helpers (`Data`, `Rig`, `assert_close`)
-//! serve the delta-rule and MoE kernel tests too.
+//! on seeded random inputs with poisoned outputs. Its helpers (`Rig`, `assert_close`) serve the
+//! delta-rule tests too.
 
 use half::bf16;
 use metrale_kernel_abi::{
     CausalConv1dParams, ConvStateUpdateParams, GatedRmsNormParams, GdnPrepareParams,
 };
+use metrale_testkit::Rng;
 
 use super::NO_SLOT;
-pub(crate) use crate::cpu::test_rig::{Data, Rig, assert_close};
+use crate::cpu::test_support::{Rig, assert_close};
 use crate::error::GpuError;
+
+mod rule;
+mod verify;
 
 fn f64s_bf(v: &[bf16]) -> Vec<f64> {
     v.iter().map(|x| x.to_f64()).collect()
@@ -70,7 +74,7 @@ fn layout(lens: &[usize]) -> (Vec<u32>, Vec<u32>) {
 #[test]
 fn causal_conv1d_reads_the_window_and_the_update_moves_it() {
     let r = Rig::new();
-    let mut d = Data(41);
+    let mut d = Rng::new(41);
     let h = H {
         hk: 2,
         dk: 4,
@@ -85,9 +89,9 @@ fn causal_conv1d_reads_the_window_and_the_update_moves_it() {
     let (num_slots, stride) = (6usize, hist * cd + 7);
     let (start, row_seq) = layout(&lens);
     let rows = row_seq.len();
-    let state0 = d.vec(num_slots * stride, 1.0);
-    let proj = d.bf(rows * pw, 1.5);
-    let w = d.bf(cd * taps, 0.8);
+    let state0 = d.f32s(num_slots * stride, -1.0, 1.0);
+    let proj = d.bf16s(rows * pw, -1.5, 1.5);
+    let w = d.bf16s(cd * taps, -0.8, 0.8);
     let (pp, sp, wp) = (r.put(&proj), r.put(&state0), r.put(&w));
     let (rsp, ssp, slp) = (r.put(&row_seq), r.put(&start), r.put(&slots));
     let out = r.out(rows * cd * 2);
@@ -206,7 +210,7 @@ fn causal_conv1d_reads_the_window_and_the_update_moves_it() {
 #[test]
 fn gdn_prepare_normalises_q_k_and_computes_the_gates() {
     let r = Rig::new();
-    let mut d = Data(43);
+    let mut d = Rng::new(43);
     let h = H {
         hk: 2,
         dk: 8,
@@ -214,12 +218,12 @@ fn gdn_prepare_normalises_q_k_and_computes_the_gates() {
         dv: 4,
     };
     let (kd, cd, pw, hv, rows) = (h.kd(), h.cd(), h.pw(), h.hv, 3usize);
-    let conv = d.bf(rows * cd, 2.0);
-    let mut proj = d.bf(rows * pw, 3.0);
+    let conv = d.bf16s(rows * cd, -2.0, 2.0);
+    let mut proj = d.bf16s(rows * pw, -3.0, 3.0);
     // One `a` far into softplus's linear range.
     proj[pw + cd + h.vd() + hv + 1] = bf16::from_f32(30.0);
-    let a_log = d.vec(hv, 1.5);
-    let dt_bias = d.vec(hv, 2.0);
+    let a_log = d.f32s(hv, -1.5, 1.5);
+    let dt_bias = d.f32s(hv, -2.0, 2.0);
     let (eps, q_scale) = (1e-6f32, 1.0 / (h.dk as f32).sqrt());
     let qk = r.out(rows * 2 * kd * 4);
     let gates = r.out(rows * 2 * hv * 4);
@@ -280,7 +284,7 @@ fn gdn_prepare_normalises_q_k_and_computes_the_gates() {
 #[test]
 fn gated_rms_norm_uses_the_plain_weight_and_silu_of_z() {
     let r = Rig::new();
-    let mut d = Data(47);
+    let mut d = Rng::new(47);
     let h = H {
         hk: 1,
         dk: 4,
@@ -288,9 +292,9 @@ fn gated_rms_norm_uses_the_plain_weight_and_silu_of_z() {
         dv: 8,
     };
     let (vd, pw, rows, eps) = (h.vd(), h.pw(), 2usize, 1e-6f32);
-    let core = d.vec(rows * vd, 2.0);
-    let proj = d.bf(rows * pw, 2.0);
-    let w = d.bf(h.dv, 1.5);
+    let core = d.f32s(rows * vd, -2.0, 2.0);
+    let proj = d.bf16s(rows * pw, -2.0, 2.0);
+    let w = d.bf16s(h.dv, -1.5, 1.5);
     let out = r.out(rows * vd * 2);
     let (hk, dk, hv, dv) = h.u32s();
     let p = GatedRmsNormParams {

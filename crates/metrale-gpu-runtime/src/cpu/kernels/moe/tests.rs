@@ -6,9 +6,10 @@ use half::bf16;
 use metrale_kernel_abi::{
     ExpertLinearParams, LinearParams, MoeCombineParams, SiluMulParams, TopkRouteParams,
 };
+use metrale_testkit::Rng;
 
 use crate::backend::GpuBackendExt;
-use crate::cpu::test_rig::{Data, Rig, assert_close};
+use crate::cpu::test_support::{Rig, assert_close};
 use crate::error::GpuError;
 use crate::types::DevicePtr;
 
@@ -35,9 +36,9 @@ fn ref_topk(p: &[f64], k: usize, renorm: bool) -> (Vec<u32>, Vec<f64>) {
 #[test]
 fn topk_route_picks_the_largest_probabilities_and_renormalises() {
     let r = Rig::new();
-    let mut d = Data(73);
+    let mut d = Rng::new(73);
     let (rows, e) = (4usize, 7usize);
-    let mut logits = d.vec(rows * e, 3.0);
+    let mut logits = d.f32s(rows * e, -3.0, 3.0);
     // A tie between experts 2 and 5 of row 1 must go to expert 2 first.
     logits[e + 2] = 9.0;
     logits[e + 5] = 9.0;
@@ -97,14 +98,14 @@ struct Block {
     dev: [DevicePtr; 6],
 }
 
-fn block(r: &Rig, d: &mut Data) -> Block {
+fn block(r: &Rig, d: &mut Rng) -> Block {
     let (hidden, experts, top_k, ffn, shared_ffn) = (24usize, 6usize, 2usize, 8usize, 12usize);
-    let router = d.bf(experts * hidden, 0.8);
-    let gate_up = d.bf(experts * 2 * ffn * hidden, 0.4);
-    let down = d.bf(experts * hidden * ffn, 0.4);
-    let shared_gate_up = d.bf(2 * shared_ffn * hidden, 0.4);
-    let shared_down = d.bf(hidden * shared_ffn, 0.4);
-    let shared_gate = d.bf(hidden, 0.5);
+    let router = d.bf16s(experts * hidden, -0.8, 0.8);
+    let gate_up = d.bf16s(experts * 2 * ffn * hidden, -0.4, 0.4);
+    let down = d.bf16s(experts * hidden * ffn, -0.4, 0.4);
+    let shared_gate_up = d.bf16s(2 * shared_ffn * hidden, -0.4, 0.4);
+    let shared_down = d.bf16s(hidden * shared_ffn, -0.4, 0.4);
+    let shared_gate = d.bf16s(hidden, -0.5, 0.5);
     let dev = [
         r.put(&router),
         r.put(&gate_up),
@@ -238,11 +239,11 @@ fn ref_swiglu(x: &[f64], gate_up: &[bf16], down: &[bf16], f: usize) -> Vec<f64> 
 #[test]
 fn the_moe_block_matches_the_transformers_formula_and_is_batch_invariant() {
     let r = Rig::new();
-    let mut d = Data(79);
+    let mut d = Rng::new(79);
     let w = block(&r, &mut d);
     let (h, e, k, f) = (w.hidden, w.experts, w.top_k, w.ffn);
     let rows = 5usize;
-    let x = d.bf(rows * h, 1.0);
+    let x = d.bf16s(rows * h, -1.0, 1.0);
     let got = run_block(&r, &w, &x, rows).unwrap();
     let mut want = Vec::new();
     for row in x.chunks(h) {
@@ -285,10 +286,10 @@ fn the_moe_block_matches_the_transformers_formula_and_is_batch_invariant() {
 #[test]
 fn moe_combine_without_a_shared_expert_and_bad_expert_ids() {
     let r = Rig::new();
-    let mut d = Data(83);
+    let mut d = Rng::new(83);
     let (rows, h, k) = (3usize, 5usize, 2usize);
-    let eo = d.vec(rows * k * h, 2.0);
-    let wts = d.vec(rows * k, 1.0);
+    let eo = d.f32s(rows * k * h, -2.0, 2.0);
+    let wts = d.f32s(rows * k, -1.0, 1.0);
     let out = r.out(rows * h * 2);
     let p = MoeCombineParams {
         out,
@@ -312,8 +313,8 @@ fn moe_combine_without_a_shared_expert_and_bad_expert_ids() {
     let got: Vec<f64> = r.bf(out, rows * h).iter().map(|v| v.to_f64()).collect();
     assert_close(&got, &want, 8e-3, 1e-2, "moe_combine");
 
-    let x = r.put(&d.bf(2 * 4, 1.0));
-    let wt = r.put(&d.bf(3 * 2 * 4, 1.0));
+    let x = r.put(&d.bf16s(2 * 4, -1.0, 1.0));
+    let wt = r.put(&d.bf16s(3 * 2 * 4, -1.0, 1.0));
     let ids = r.put(&[0u32, 3]);
     let o = r.out(2 * 2 * 2);
     let p = ExpertLinearParams {

@@ -7,14 +7,13 @@
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 #![cfg(feature = "cuda")]
 
-mod common;
 #[path = "../crates/metrale-model-engine/tests/support/mod.rs"]
+mod engine_support;
 mod support;
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
 
-use common::*;
 use metrale::{Backend, EngineOptions, ModelOptions};
 use metrale_gpu_runtime::GpuBackend;
 use metrale_gpu_runtime::cuda::CudaBackend;
@@ -24,6 +23,7 @@ use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::{SeqEvent, SeqRequest};
 use metrale_model_engine::speculative::{GateOptions, OracleDrafter};
 use metrale_model_engine::{Scheduler, factory};
+use support::*;
 
 fn cuda_options(model: ModelOptions) -> EngineOptions {
     EngineOptions::default()
@@ -176,8 +176,8 @@ fn batched_decode_is_bitwise_alone_on_cuda() {
 
 #[test]
 fn speculative_greedy_is_bitwise_plain_greedy_on_cuda() {
-    for name in support::HYBRID {
-        let fx = support::MtpFixture::new(name);
+    for name in engine_support::HYBRID {
+        let fx = engine_support::MtpFixture::new(name);
         let prompts = fx.prompts();
         let p = params(24, 0.0, 0);
         let mut plain = load(fx.path(), ModelOptions::default());
@@ -241,8 +241,8 @@ fn scheduled(sched: &mut Scheduler, reqs: &[SeqRequest]) -> Vec<Generation> {
 #[test]
 fn the_scheduler_speculating_is_bitwise_the_plain_scheduler_on_cuda() {
     let always = GateOptions::default().enabled(false);
-    for name in support::HYBRID {
-        let fx = support::MtpFixture::new(name);
+    for name in engine_support::HYBRID {
+        let fx = engine_support::MtpFixture::new(name);
         let reqs: Vec<SeqRequest> = fx
             .prompts()
             .into_iter()

@@ -6,18 +6,17 @@
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 #![cfg(feature = "cuda")]
 
-mod circuit_support;
-mod common;
+mod support;
 
 use std::sync::Arc;
 
 use anyhow::{Context, Result, ensure};
-use circuit_support::*;
-use common::{fixtures_dir, fixtures_of};
 use metrale_gpu_runtime::GpuBackend;
 use metrale_gpu_runtime::cuda::CudaBackend;
 use metrale_model_engine::ModelOptions;
 use metrale_model_engine::runner::{ForwardSelect, ModelCircuit};
+use support::circuit::*;
+use support::{fixtures_dir, fixtures_of};
 
 fn gpu() -> Arc<dyn GpuBackend> {
     Arc::new(CudaBackend::new(0).expect("a CUDA device"))

@@ -4,9 +4,9 @@
 
 use half::bf16;
 use metrale_kernel_abi::{GatedDeltaChunkedParams, GatedDeltaParams, GatedDeltaVerifyParams};
+use metrale_testkit::Rng;
 
-use super::NO_SLOT;
-use super::tests::{Data, H, Rig, assert_close};
+use super::{H, NO_SLOT, Rig, assert_close};
 use crate::error::GpuResult;
 
 const CHUNK: usize = 64;
@@ -24,12 +24,12 @@ pub(crate) struct Seq {
     pub gates: Vec<f32>,
 }
 
-pub(crate) fn gen_seq(d: &mut Data, h: H, n: usize, slot: u32, pos0: u32) -> Seq {
+pub(crate) fn gen_seq(d: &mut Rng, h: H, n: usize, slot: u32, pos0: u32) -> Seq {
     let mut qk = Vec::with_capacity(n * 2 * h.kd());
     let mut gates = Vec::with_capacity(n * 2 * h.hv);
     for _ in 0..n {
         for head in 0..2 * h.hk {
-            let x = d.vec(h.dk, 1.0);
+            let x = d.f32s(h.dk, -1.0, 1.0);
             let norm = x.iter().map(|v| v * v).sum::<f32>().sqrt();
             let sc = if head < h.hk {
                 1.0 / (h.dk as f32).sqrt()
@@ -38,15 +38,15 @@ pub(crate) fn gen_seq(d: &mut Data, h: H, n: usize, slot: u32, pos0: u32) -> Seq
             };
             qk.extend(x.iter().map(|v| v / norm * sc));
         }
-        gates.extend((0..h.hv).map(|_| 1.0 / (1.0 + (-3.0 * d.next()).exp())));
-        gates.extend((0..h.hv).map(|_| -(2.0 * d.next() - 1.5).exp()));
+        gates.extend((0..h.hv).map(|_| 1.0 / (1.0 + (-3.0 * d.uniform(-1.0, 1.0)).exp())));
+        gates.extend((0..h.hv).map(|_| -(2.0 * d.uniform(-1.0, 1.0) - 1.5).exp()));
     }
     Seq {
         slot,
         pos0,
         n,
         qk,
-        v: d.bf(n * h.vd(), 1.0),
+        v: d.bf16s(n * h.vd(), -1.0, 1.0),
         gates,
     }
 }
@@ -229,7 +229,7 @@ pub(crate) const HEADS: H = H {
 #[test]
 fn chunked_and_recurrent_equal_the_f64_recurrence_over_many_lengths() {
     let r = Rig::new();
-    let mut d = Data(53);
+    let mut d = Rng::new(53);
     let h = HEADS;
     let per_slot = h.hv * h.dk * h.dv;
     let pool = Pool {
@@ -254,7 +254,7 @@ fn chunked_and_recurrent_equal_the_f64_recurrence_over_many_lengths() {
         .map(|&(n, slot, pos)| gen_seq(&mut d, h, n, slot, pos))
         .collect();
     let refs: Vec<&Seq> = seqs.iter().collect();
-    let state0 = d.vec(pool.num_slots * pool.stride, 0.5);
+    let state0 = d.f32s(pool.num_slots * pool.stride, -0.5, 0.5);
     for kernel in [
         "gated_delta_recurrent",
         "gated_delta_streamed",
@@ -293,14 +293,14 @@ fn chunked_and_recurrent_equal_the_f64_recurrence_over_many_lengths() {
 #[test]
 fn a_sequence_computes_the_same_bits_alone_or_in_a_batch() {
     let r = Rig::new();
-    let mut d = Data(59);
+    let mut d = Rng::new(59);
     let h = HEADS;
     let per_slot = h.hv * h.dk * h.dv;
     let pool = Pool {
         num_slots: 4,
         stride: per_slot,
     };
-    let state0 = d.vec(pool.num_slots * pool.stride, 0.5);
+    let state0 = d.f32s(pool.num_slots * pool.stride, -0.5, 0.5);
     for (kernel, lens) in [
         ("gated_delta_recurrent", [1usize, 1, 1]),
         ("gated_delta_recurrent", [3, 1, 2]),
@@ -336,14 +336,14 @@ fn a_sequence_computes_the_same_bits_alone_or_in_a_batch() {
 #[test]
 fn a_prefill_split_at_a_chunk_boundary_equals_the_unsplit_one_bitwise() {
     let r = Rig::new();
-    let mut d = Data(67);
+    let mut d = Rng::new(67);
     let h = HEADS;
     let per_slot = h.hv * h.dk * h.dv;
     let pool = Pool {
         num_slots: 1,
         stride: per_slot,
     };
-    let state0 = d.vec(per_slot, 0.5);
+    let state0 = d.f32s(per_slot, -0.5, 0.5);
     let whole = gen_seq(&mut d, h, 130, 0, 0);
     let (out, state) = launch(&r, h, "gated_delta_chunked", &[&whole], &state0, pool).unwrap();
     let part = |from: usize, to: usize| Seq {
@@ -364,14 +364,14 @@ fn a_prefill_split_at_a_chunk_boundary_equals_the_unsplit_one_bitwise() {
 #[test]
 fn the_rule_kernels_refuse_inconsistent_steps() {
     let r = Rig::new();
-    let mut d = Data(71);
+    let mut d = Rng::new(71);
     let h = HEADS;
     let per_slot = h.hv * h.dk * h.dv;
     let pool = Pool {
         num_slots: 2,
         stride: per_slot,
     };
-    let state0 = d.vec(2 * per_slot, 0.5);
+    let state0 = d.f32s(2 * per_slot, -0.5, 0.5);
     let (a, b) = (gen_seq(&mut d, h, 2, 1, 0), gen_seq(&mut d, h, 1, 1, 0));
     for kernel in ["gated_delta_recurrent", "gated_delta_chunked"] {
         assert!(

@@ -1,5 +1,5 @@
 //! Tests of `WeightNames` against the tensor names transformers 5.24 `save_pretrained` wrote for
-//! a tiny model of each family (`testdata/<model>.txt`, with the model's `config.json` beside
+//! a tiny model of each family (`weight_map/testdata/<model>.txt`, with the model's `config.json` beside
 //! it): the names the table produces must be exactly the checkpoint's, no more, no less.
 
 use std::collections::BTreeSet;
@@ -68,8 +68,8 @@ fn shape<'a>(source: &'a SafetensorsSource, name: &str) -> &'a [usize] {
 macro_rules! model {
     ($name:literal) => {
         check_model(
-            include_str!(concat!("testdata/", $name, ".json")),
-            include_str!(concat!("testdata/", $name, ".txt")),
+            include_str!(concat!("../testdata/", $name, ".json")),
+            include_str!(concat!("../testdata/", $name, ".txt")),
         )
     };
 }
@@ -211,7 +211,7 @@ fn qwen3_5_moe_wrapper_names_match_transformers() {
 #[test]
 fn fused_experts_and_an_mtp_head_are_detected() {
     // The qwen3_next test model with transformers' in-memory expert layout and an MTP head.
-    let mut keys: Vec<(String, Vec<usize>)> = keys(include_str!("testdata/qwen3_next.txt"))
+    let mut keys: Vec<(String, Vec<usize>)> = keys(include_str!("../testdata/qwen3_next.txt"))
         .into_iter()
         .filter(|(n, _)| !n.contains("mlp.experts."))
         .collect();
@@ -239,7 +239,7 @@ fn fused_experts_and_an_mtp_head_are_detected() {
         })
         .collect();
     keys.extend(layer1);
-    let (dir, config) = checkpoint(include_str!("testdata/qwen3_next.json"), &keys);
+    let (dir, config) = checkpoint(include_str!("../testdata/qwen3_next.json"), &keys);
     let source = SafetensorsSource::open(dir.path()).unwrap();
     let names = WeightNames::detect(&source, &config).unwrap();
     let layout = names.layout();
@@ -258,7 +258,7 @@ fn fused_experts_and_an_mtp_head_are_detected() {
 #[test]
 fn detect_reports_what_it_could_not_find() {
     let keys = vec![("embed".to_string(), vec![2])];
-    let (dir, config) = checkpoint(include_str!("testdata/qwen3.json"), &keys);
+    let (dir, config) = checkpoint(include_str!("../testdata/qwen3.json"), &keys);
     let source = SafetensorsSource::open(dir.path()).unwrap();
     let err = WeightNames::detect(&source, &config).unwrap_err();
     assert!(
@@ -267,7 +267,7 @@ fn detect_reports_what_it_could_not_find() {
     );
     // A MoE model whose first MoE layer has neither expert layout.
     let keys: Vec<(String, Vec<usize>)> = keys_without_experts();
-    let (dir, config) = checkpoint(include_str!("testdata/qwen3_next.json"), &keys);
+    let (dir, config) = checkpoint(include_str!("../testdata/qwen3_next.json"), &keys);
     let source = SafetensorsSource::open(dir.path()).unwrap();
     let err = WeightNames::detect(&source, &config).unwrap_err();
     assert!(
@@ -278,7 +278,7 @@ fn detect_reports_what_it_could_not_find() {
 }
 
 fn keys_without_experts() -> Vec<(String, Vec<usize>)> {
-    keys(include_str!("testdata/qwen3_next.txt"))
+    keys(include_str!("../testdata/qwen3_next.txt"))
         .into_iter()
         .filter(|(n, _)| !n.contains("experts"))
         .collect()

@@ -1,5 +1,5 @@
 //! Shared by the circuit executor's tests on the CPU (`tests/circuit.rs`) and on CUDA
-//! (`tests/cuda_circuit.rs`): one workload of single and batched decode, run under two forwards
+//! (`tests/gpu_circuit.rs`): one workload of single and batched decode, run under two forwards
 //! of the same checkpoint and compared bit for bit.
 
 #![allow(dead_code)]

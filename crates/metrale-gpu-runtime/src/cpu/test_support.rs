@@ -1,5 +1,6 @@
-//! What the CPU kernel tests share: a seeded data generator, a rig that uploads, poisons,
-//! launches a kernel with its parameter struct and downloads, and a tolerance check.
+//! What the CPU kernel tests share besides their inputs' generator (`metrale_testkit::Rng`): a
+//! rig that uploads, poisons, launches a kernel with its parameter struct and downloads, and a
+//! tolerance check.
 
 use half::bf16;
 use metrale_kernel_abi::{
@@ -10,25 +11,6 @@ use crate::backend::{GpuBackend, GpuBackendExt};
 use crate::cpu::CpuBackend;
 use crate::error::GpuResult;
 use crate::types::{DevicePtr, KernelArg, LaunchConfig, StreamHandle};
-
-/// A seeded generator for test data (never zeros, distinct per element).
-pub(crate) struct Data(pub u64);
-
-impl Data {
-    pub fn next(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-    }
-    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.next() * scale).collect()
-    }
-    pub fn bf(&mut self, n: usize, scale: f32) -> Vec<bf16> {
-        self.vec(n, scale).into_iter().map(bf16::from_f32).collect()
-    }
-}
 
 /// The CPU backend and its default stream.
 pub(crate) struct Rig {

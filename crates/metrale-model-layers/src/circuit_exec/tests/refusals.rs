@@ -8,7 +8,6 @@
 use metrale_circuit::{Block, LayerSpec, LinearRole};
 use metrale_gpu_runtime::DType;
 
-use super::tests::*;
 use super::*;
 
 #[test]

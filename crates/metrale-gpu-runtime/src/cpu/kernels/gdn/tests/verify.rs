@@ -5,10 +5,10 @@
 //! decode step bitwise is the CUDA kernels' property, checked on the GPU.)
 
 use metrale_kernel_abi::{ConvStateUpdateParams, ConvStateVerifyParams};
+use metrale_testkit::Rng;
 
-use super::NO_SLOT;
-use super::rule_tests::{HEADS, Pool, Seq, bits, gen_seq, launch_with, reference, rms};
-use super::tests::{Data, H, Rig, assert_close};
+use super::rule::{HEADS, Pool, Seq, bits, gen_seq, launch_with, reference, rms};
+use super::{H, NO_SLOT, Rig, assert_close};
 
 /// One sequence of a verify step: its rows, its slot, the slot each row keeps its state in.
 struct VerifySeq {
@@ -80,7 +80,7 @@ fn prefix(s: &Seq, h: H, t: usize) -> Seq {
 #[test]
 fn gated_delta_verify_rows_and_kept_states_are_the_recurrence_after_each_row() {
     let r = Rig::new();
-    let mut d = Data(83);
+    let mut d = Rng::new(83);
     let h = HEADS;
     let per_slot = h.hv * h.dk * h.dv;
     let pool = Pool {
@@ -94,7 +94,7 @@ fn gated_delta_verify_rows_and_kept_states_are_the_recurrence_after_each_row() {
         .map(|(i, v)| gen_seq(&mut d, h, v.n, v.slot, 20 + 7 * i as u32))
         .collect();
     let all: Vec<&Seq> = seqs.iter().collect();
-    let state0 = d.vec(NUM_SLOTS * pool.stride, 0.5);
+    let state0 = d.f32s(NUM_SLOTS * pool.stride, -0.5, 0.5);
     let rs = row_slots(&spec);
     let (out, state) =
         launch_with(&r, h, "gated_delta_verify", &all, &state0, pool, Some(&rs)).unwrap();
@@ -217,7 +217,7 @@ fn run_conv(
 #[test]
 fn conv_state_verify_keeps_the_last_inputs_after_each_row() {
     let r = Rig::new();
-    let mut d = Data(89);
+    let mut d = Rng::new(89);
     let h = H {
         hk: 2,
         dk: 4,
@@ -231,8 +231,8 @@ fn conv_state_verify_keeps_the_last_inputs_after_each_row() {
         let spec = mixed();
         let lens: Vec<(usize, u32)> = spec.iter().map(|v| (v.n, v.slot)).collect();
         let rows: usize = lens.iter().map(|l| l.0).sum();
-        let proj = d.bf(rows * pw, 1.5);
-        let state0 = d.vec(NUM_SLOTS * stride, 1.0);
+        let proj = d.bf16s(rows * pw, -1.5, 1.5);
+        let state0 = d.f32s(NUM_SLOTS * stride, -1.0, 1.0);
         let rs = row_slots(&spec);
         let step = ConvStep {
             h,
@@ -292,14 +292,14 @@ fn conv_state_verify_keeps_the_last_inputs_after_each_row() {
 #[test]
 fn the_verify_kernels_refuse_row_slots_that_collide() {
     let r = Rig::new();
-    let mut d = Data(97);
+    let mut d = Rng::new(97);
     let h = HEADS;
     let per_slot = h.hv * h.dk * h.dv;
     let pool = Pool {
         num_slots: 4,
         stride: per_slot,
     };
-    let state0 = d.vec(4 * per_slot, 0.5);
+    let state0 = d.f32s(4 * per_slot, -0.5, 0.5);
     let (a, b) = (gen_seq(&mut d, h, 2, 0, 5), gen_seq(&mut d, h, 1, 1, 9));
     let conv_h = H {
         hk: 1,
@@ -308,8 +308,8 @@ fn the_verify_kernels_refuse_row_slots_that_collide() {
         dv: 4,
     };
     let conv_stride = 3 * conv_h.cd();
-    let conv_state = d.vec(NUM_SLOTS * conv_stride, 1.0);
-    let proj = d.bf(3 * conv_h.pw(), 1.0);
+    let conv_state = d.f32s(NUM_SLOTS * conv_stride, -1.0, 1.0);
+    let proj = d.bf16s(3 * conv_h.pw(), -1.0, 1.0);
     for (rs, why) in [
         ([2u32, 2, 3], "two rows keep their state in one slot"),
         ([2, 1, 3], "a row writes the slot another sequence reads"),

@@ -13,6 +13,8 @@
 
 #![allow(dead_code)]
 
+pub mod circuit;
+
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};

@@ -13,7 +13,6 @@ use metrale_kernel_abi::{
     PagedAttentionParams, RmsNormParams,
 };
 
-use super::tests::{Addr, FA_MOE, LA_MOE, model};
 use super::*;
 
 /// Whether `l` passes `p` as one of its pointers.
