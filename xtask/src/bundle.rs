@@ -27,6 +27,9 @@ const SANITIZED_TEST: &str = "gpu_kernels";
 /// shapes, within the sanitizers' time budget.
 const SANITIZER_SET: &str = "sanitizer_set";
 
+/// The test filter of the set racecheck runs: every kernel racecheck can follow.
+const RACECHECK_SET: &str = "racecheck_set";
+
 /// An integration test target that exercises the GPU.
 #[derive(Debug)]
 struct GpuTest {
@@ -60,7 +63,8 @@ pub fn gpu_bundle(root: &Path) -> anyhow::Result<()> {
     let run_sh = bundle.join("run.sh");
     let script = RUN_SH
         .replace("__SANITIZED__", SANITIZED_TEST)
-        .replace("__SANITIZER_SET__", SANITIZER_SET);
+        .replace("__SANITIZER_SET__", SANITIZER_SET)
+        .replace("__RACECHECK_SET__", RACECHECK_SET);
     std::fs::write(&run_sh, script)?;
     set_executable(&run_sh)?;
     std::fs::write(bundle.join("manifest.txt"), manifest.join("\n") + "\n")?;
@@ -367,8 +371,10 @@ mod tests {
     #[test]
     fn run_sh_runs_a_sanitizer_set_that_exists() {
         assert!(RUN_SH.contains("__SANITIZED__") && RUN_SH.contains("__SANITIZER_SET__"));
+        assert!(RUN_SH.contains("__RACECHECK_SET__"));
         let tests = include_str!("../../crates/metrale-model-layers/tests/gpu_kernels/sanitize.rs");
         assert!(tests.contains(&format!("fn {SANITIZER_SET}")));
+        assert!(tests.contains(&format!("fn {RACECHECK_SET}")));
         assert!(
             tests.contains("KERNELS"),
             "the sanitizer set checks it reached every kernel"
