@@ -54,8 +54,15 @@ fn assert_near(got: &[bf16], want: &[f64], tol: impl Fn(usize) -> f64, what: &st
 
 /// One q or k head in f64, from the definitions: RMS-normalised (`eps`) with weight `w`
 /// (`1 + w` when `unit`), then its first `rd` channels rotated half against half by
-/// `pos * freqs[i]`.
-fn ref_head(x: &[bf16], w: &[bf16], unit: bool, freqs: &[f32], pos: u32, rd: usize) -> Vec<f64> {
+/// `pos * freqs[i]`, with cos and sin times `scale` (YaRN's attention factor; 1 otherwise).
+fn ref_head(
+    x: &[bf16],
+    w: &[bf16],
+    unit: bool,
+    (freqs, scale): (&[f32], f64),
+    pos: u32,
+    rd: usize,
+) -> Vec<f64> {
     let x: Vec<f64> = x.iter().map(|v| v.to_f64()).collect();
     let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
     let inv = 1.0 / (ms + 1e-6).sqrt();
@@ -67,9 +74,10 @@ fn ref_head(x: &[bf16], w: &[bf16], unit: bool, freqs: &[f32], pos: u32, rd: usi
     let half = rd / 2;
     for i in 0..half {
         let angle = f64::from(pos) * f64::from(freqs[i]);
+        let (cos, sin) = (angle.cos() * scale, angle.sin() * scale);
         let (a, b) = (y[i], y[i + half]);
-        y[i] = a * angle.cos() - b * angle.sin();
-        y[i + half] = b * angle.cos() + a * angle.sin();
+        y[i] = a * cos - b * sin;
+        y[i + half] = b * cos + a * sin;
     }
     y
 }
@@ -179,7 +187,8 @@ fn the_cpu_twin_of_qk_norm_rope_kv_store_is_the_definition_and_the_two_launches(
             let k_heads = (0..hkv as usize).map(|h| (k_offset as usize + h * d_, &k_norm));
             for (at, w) in q_heads.chain(k_heads) {
                 let at = r * stride_ + at;
-                let y = ref_head(&input[at..at + d_], w, unit, &freqs, pos, rd as usize);
+                let rotation = (freqs.as_slice(), f64::from(attention_scaling));
+                let y = ref_head(&input[at..at + d_], w, unit, rotation, pos, rd as usize);
                 let max = y.iter().fold(0.0f64, |m, v| m.max(v.abs()));
                 want_rows[at..at + d_].copy_from_slice(&y);
                 head_max[at..at + d_].fill(max);
