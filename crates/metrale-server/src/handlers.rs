@@ -58,14 +58,7 @@ async fn generate(
     body: Result<Bytes, BytesRejection>,
     flavor: Flavor,
 ) -> Result<Response, ApiError> {
-    let bytes = body.map_err(|rejection| {
-        ApiError::new(
-            rejection.status(),
-            "invalid_request_error",
-            rejection.body_text(),
-        )
-    })?;
-    let body = GenerationBody::parse(&bytes)?;
+    let body = GenerationBody::parse(&body_bytes(body)?)?;
     state.check_model(body.model.as_deref())?;
     let prompt = match flavor {
         Flavor::Completion => Source::Prompt(parse_prompt(body.prompt.as_ref())?),
@@ -151,6 +144,17 @@ async fn generate(
     }
     .map_err(|e| ApiError::internal(format!("serializing the response: {e}")))?;
     Ok(axum::Json(json).into_response())
+}
+
+/// A request's body, or the 4xx axum gives a body it could not read (too large, ...).
+pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
+        ApiError::new(
+            rejection.status(),
+            "invalid_request_error",
+            rejection.body_text(),
+        )
+    })
 }
 
 /// What a request asks for besides its prompt.

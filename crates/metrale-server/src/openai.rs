@@ -59,6 +59,19 @@ pub struct GenerationBody {
     response_format: Option<Value>,
 }
 
+/// A request body: a JSON object read as `T`; anything else gets a 400 naming the field.
+pub fn parse_object<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let value: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
+    if !value.is_object() {
+        return Err(ApiError::invalid("the body must be a JSON object", None));
+    }
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        ApiError::invalid(format!("`{path}`: {}", e.into_inner()), Some(&path))
+    })
+}
+
 /// `stream_options`.
 #[derive(Debug, Default, Clone, Copy, Deserialize)]
 pub struct StreamOptions {
@@ -69,15 +82,7 @@ pub struct StreamOptions {
 impl GenerationBody {
     /// Parse a request body; a malformed one gets a 400 naming the field.
     pub fn parse(bytes: &[u8]) -> Result<GenerationBody, ApiError> {
-        let value: Value = serde_json::from_slice(bytes)
-            .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
-        if !value.is_object() {
-            return Err(ApiError::invalid("the body must be a JSON object", None));
-        }
-        let body: GenerationBody = serde_path_to_error::deserialize(value).map_err(|e| {
-            let path = e.path().to_string();
-            ApiError::invalid(format!("`{path}`: {}", e.into_inner()), Some(&path))
-        })?;
+        let body: GenerationBody = parse_object(bytes)?;
         body.refuse_unsupported()?;
         Ok(body)
     }

@@ -23,7 +23,9 @@ use serde::de::DeserializeOwned;
 use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
+use super::handlers::body_bytes;
 use super::messages::chat_messages;
+use super::openai::parse_object;
 use super::router::AppState;
 
 /// `/tokenize`'s body.
@@ -108,22 +110,7 @@ pub async fn detokenize(
 
 /// A JSON body as `T`; a malformed one gets a 400 naming the field.
 fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
-    let bytes = body.map_err(|rejection| {
-        ApiError::new(
-            rejection.status(),
-            "invalid_request_error",
-            rejection.body_text(),
-        )
-    })?;
-    let value: Value = serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
-    if !value.is_object() {
-        return Err(ApiError::invalid("the body must be a JSON object", None));
-    }
-    serde_path_to_error::deserialize(value).map_err(|e| {
-        let path = e.path().to_string();
-        ApiError::invalid(format!("`{path}`: {}", e.into_inner()), Some(&path))
-    })
+    parse_object(&body_bytes(body)?)
 }
 
 /// A tokenizer error as a 400 naming `field` (a server without a tokenizer names none).
