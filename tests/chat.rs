@@ -98,3 +98,50 @@ fn no_template_and_a_broken_template_are_typed_errors() {
         other => panic!("{other:?}"),
     }
 }
+
+/// The real Qwen3 template (`tests/fixtures/qwen3-chat`) renders every conversation of
+/// `rendered.json` (tools, assistant tool calls, tool results, reasoning, thinking off) byte for
+/// byte as transformers' `apply_chat_template` does, and teaches the JSON tool-call format.
+#[test]
+fn the_real_qwen3_template_renders_tools_and_calls_as_transformers_does() {
+    use metrale::chat::{ChatTemplate, ToolCallFormat};
+    let dir = fixtures_dir().join("qwen3-chat");
+    let template = ChatTemplate::load(&dir).unwrap().expect("a template");
+    let source: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    let format = ToolCallFormat::of_template(source["chat_template"].as_str().unwrap());
+    assert_eq!(format, Some(ToolCallFormat::Json));
+    let cases: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("rendered.json")).unwrap()).unwrap();
+    assert!(cases.len() >= 5);
+    for case in cases {
+        let messages: Vec<ChatMessage> = case["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                let text = |k: &str| m[k].as_str().unwrap_or_default().to_string();
+                let mut message = ChatMessage::new(text("role"), text("content"));
+                if let Some(calls) = m["tool_calls"].as_array() {
+                    message = message.tool_calls(calls.clone());
+                }
+                if m.get("tool_call_id").is_some() {
+                    message = message.tool_call_id(text("tool_call_id"));
+                }
+                if m.get("reasoning_content").is_some() {
+                    message = message.reasoning_content(text("reasoning_content"));
+                }
+                message
+            })
+            .collect();
+        let mut options = ChatOptions::default()
+            .add_generation_prompt(case["add_generation_prompt"].as_bool().unwrap())
+            .kwargs(case["kwargs"].as_object().unwrap().clone());
+        if !case["tools"].is_null() {
+            options = options.kwarg("tools", case["tools"].clone());
+        }
+        let got = template.render(&messages, &options).unwrap();
+        assert_eq!(got, case["rendered"].as_str().unwrap(), "{}", case["name"]);
+    }
+}

@@ -26,6 +26,7 @@
 //! fails on some messages (`raise_exception` included) fails that rendering alone.
 
 mod message;
+mod output;
 
 use std::path::{Path, PathBuf};
 
@@ -34,6 +35,7 @@ use minijinja::{Environment, Error, ErrorKind};
 use serde_json::{Map, Value};
 
 pub use message::{ChatMessage, ChatOptions};
+pub use output::{OutputEvent, OutputParser, ToolCallFormat, ToolSpec};
 
 /// The name the template is registered under in its environment.
 const NAME: &str = "chat_template";

@@ -1,0 +1,316 @@
+//! Reading a chat model's answer apart: its reasoning (`<think>...</think>`), its content, and
+//! its tool calls, in the two formats Qwen models write:
+//! - [`ToolCallFormat::Json`] (Qwen3, Hermes style):
+//!   `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`;
+//! - [`ToolCallFormat::Xml`] (Qwen3.5, Qwen3-Coder): `<tool_call>\n<function=f>\n<parameter=p>\n
+//!   value\n</parameter>\n</function>\n</tool_call>`, each value typed by the function's
+//!   declared parameter schema (a string stays a string; numbers, booleans, objects and arrays
+//!   are read as JSON where they parse).
+//!
+//! [`OutputParser`] takes the answer as it streams, in pieces cut anywhere (inside a marker or a
+//! UTF-8 character's bytes never reach it: it takes `&str`), and gives [`OutputEvent`]s. No
+//! markup reaches the content or the reasoning: text that may be the start of a marker is held
+//! back until the next piece decides it. A tool call is given whole once its closing marker
+//! arrives (its name, then its arguments as one JSON text), so the events of any split of an
+//! answer, merged, are the events of the whole answer.
+//!
+//! A tool call inside a think block the model never closed still counts (the reasoning ends
+//! there). A call whose body does not parse, or that the answer leaves open, is given back as
+//! content, markers included, so nothing the model wrote is lost.
+
+use serde_json::{Map, Value};
+
+/// How the model writes a tool call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ToolCallFormat {
+    /// `{"name": ..., "arguments": {...}}` between the markers (Qwen3).
+    Json,
+    /// `<function=NAME><parameter=P>value</parameter>...</function>` between the markers
+    /// (Qwen3.5, Qwen3-Coder).
+    Xml,
+}
+
+impl ToolCallFormat {
+    /// The format a chat template teaches its model, from the template's text: the XML form
+    /// where it writes `<function=`, the JSON form where it writes `<tool_call>` alone; `None`
+    /// for a template without tool calls.
+    pub fn of_template(source: &str) -> Option<ToolCallFormat> {
+        if source.contains("<function=") {
+            Some(ToolCallFormat::Xml)
+        } else if source.contains(CALL_OPEN) {
+            Some(ToolCallFormat::Json)
+        } else {
+            None
+        }
+    }
+}
+
+/// A function the request declares: its name and its parameters' JSON schema.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolSpec {
+    /// The function's name.
+    pub name: String,
+    /// Its `parameters` schema (`{"type": "object", "properties": {...}}`), or `Null`.
+    pub parameters: Value,
+}
+
+/// One piece of a parsed answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OutputEvent {
+    /// Text of the reasoning (inside the think block).
+    Reasoning(String),
+    /// Text of the answer proper.
+    Content(String),
+    /// A complete tool call: its position among the answer's calls, the function's name and
+    /// its arguments as a JSON object's text.
+    ToolCall {
+        /// 0 for the answer's first call, then 1, ...
+        index: usize,
+        /// The function.
+        name: String,
+        /// The arguments, a JSON object as text.
+        arguments: String,
+    },
+}
+
+const THINK_OPEN: &str = "<think>";
+const THINK_CLOSE: &str = "</think>";
+const CALL_OPEN: &str = "<tool_call>";
+const CALL_CLOSE: &str = "</tool_call>";
+
+/// Where the parser is in the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Before anything but whitespace: a `<think>` here opens the reasoning.
+    Start,
+    Reasoning,
+    Content,
+    /// Inside `<tool_call>`; the body so far is in the buffer.
+    Call,
+}
+
+/// Splits a streamed answer into reasoning, content and tool calls.
+#[derive(Debug, Clone)]
+pub struct OutputParser {
+    format: ToolCallFormat,
+    tools: Vec<ToolSpec>,
+    state: State,
+    /// Text not yet given: a possible marker's start, or a tool call's body.
+    pending: String,
+    calls: usize,
+}
+
+impl OutputParser {
+    /// A parser for answers in `format`, calling `tools`. `in_reasoning`: the prompt already
+    /// opened the think block (templates that end the generation prompt with `<think>\n`), so
+    /// the answer starts inside it.
+    pub fn new(format: ToolCallFormat, tools: Vec<ToolSpec>, in_reasoning: bool) -> OutputParser {
+        OutputParser {
+            format,
+            tools,
+            state: if in_reasoning {
+                State::Reasoning
+            } else {
+                State::Start
+            },
+            pending: String::new(),
+            calls: 0,
+        }
+    }
+
+    /// Take the next piece of the answer; the events it completes.
+    pub fn push(&mut self, piece: &str) -> Vec<OutputEvent> {
+        self.pending.push_str(piece);
+        let mut events = Vec::new();
+        while self.step(&mut events, false) {}
+        events
+    }
+
+    /// The answer has ended: give what is held back (an unclosed call as content).
+    pub fn finish(&mut self) -> Vec<OutputEvent> {
+        let mut events = Vec::new();
+        while self.step(&mut events, true) {}
+        events
+    }
+
+    /// One move over `pending`; false when it needs more text (or, at the end, has none left).
+    fn step(&mut self, events: &mut Vec<OutputEvent>, end: bool) -> bool {
+        match self.state {
+            State::Start => {
+                let rest = self.pending.trim_start();
+                if rest.starts_with(THINK_OPEN) {
+                    let cut = self.pending.len() - rest.len() + THINK_OPEN.len();
+                    self.pending.drain(..cut);
+                    self.state = State::Reasoning;
+                    true
+                } else if !end && THINK_OPEN.starts_with(rest) {
+                    // Only whitespace, or the start of `<think>`, so far.
+                    false
+                } else {
+                    self.state = State::Content;
+                    true
+                }
+            }
+            State::Reasoning => self.text_until(
+                events,
+                end,
+                &[THINK_CLOSE, CALL_OPEN],
+                OutputEvent::Reasoning,
+            ),
+            State::Content => self.text_until(events, end, &[CALL_OPEN], OutputEvent::Content),
+            State::Call => {
+                if let Some(at) = self.pending.find(CALL_CLOSE) {
+                    let body: String = self.pending[..at].to_string();
+                    self.pending.drain(..at + CALL_CLOSE.len());
+                    match self.parse_call(&body) {
+                        Some((name, arguments)) => {
+                            events.push(OutputEvent::ToolCall {
+                                index: self.calls,
+                                name,
+                                arguments,
+                            });
+                            self.calls += 1;
+                        }
+                        None => push_text(
+                            events,
+                            format!("{CALL_OPEN}{body}{CALL_CLOSE}"),
+                            OutputEvent::Content,
+                        ),
+                    }
+                    self.state = State::Content;
+                    true
+                } else if end {
+                    let body = std::mem::take(&mut self.pending);
+                    push_text(events, format!("{CALL_OPEN}{body}"), OutputEvent::Content);
+                    self.state = State::Content;
+                    false
+                } else {
+                    false
+                }
+            }
+        }
+    }
+
+    /// Give `pending`'s text up to the first of `markers` as `kind`, holding back a tail that
+    /// may begin one; at a marker, move on: the reasoning's end to content, a call's start to
+    /// the call.
+    fn text_until(
+        &mut self,
+        events: &mut Vec<OutputEvent>,
+        end: bool,
+        markers: &[&str],
+        kind: fn(String) -> OutputEvent,
+    ) -> bool {
+        let found = (markers.iter())
+            .filter_map(|m| self.pending.find(m).map(|at| (at, *m)))
+            .min();
+        if let Some((at, marker)) = found {
+            let text: String = self.pending.drain(..at).collect();
+            push_text(events, text, kind);
+            self.pending.drain(..marker.len());
+            self.state = if marker == CALL_OPEN {
+                State::Call
+            } else {
+                State::Content
+            };
+            return true;
+        }
+        let keep = if end {
+            0
+        } else {
+            held_tail(&self.pending, markers)
+        };
+        let text: String = self.pending.drain(..self.pending.len() - keep).collect();
+        push_text(events, text, kind);
+        false
+    }
+
+    /// A call's body as (name, arguments), or `None` when it does not parse.
+    fn parse_call(&self, body: &str) -> Option<(String, String)> {
+        match self.format {
+            ToolCallFormat::Json => {
+                let value: Value = serde_json::from_str(body.trim()).ok()?;
+                let name = value.get("name")?.as_str()?.to_string();
+                let arguments = match value.get("arguments") {
+                    None | Some(Value::Null) => Value::Object(Map::new()),
+                    Some(Value::String(s)) => serde_json::from_str(s).ok()?,
+                    Some(v) => v.clone(),
+                };
+                arguments.is_object().then(|| (name, arguments.to_string()))
+            }
+            ToolCallFormat::Xml => self.parse_xml_call(body),
+        }
+    }
+
+    /// `<function=NAME>` and its `<parameter=P>value</parameter>`s, typed by the declared
+    /// schema of NAME.
+    fn parse_xml_call(&self, body: &str) -> Option<(String, String)> {
+        let rest = body.trim();
+        let rest = rest.strip_prefix("<function=")?;
+        let close = rest.find('>')?;
+        let name = rest[..close].trim().to_string();
+        let inner = rest[close + 1..].trim_end().strip_suffix("</function>")?;
+        let schema = (self.tools.iter())
+            .find(|t| t.name == name)
+            .and_then(|t| t.parameters.get("properties"));
+        let mut arguments = Map::new();
+        let mut rest = inner.trim_start();
+        while !rest.is_empty() {
+            let after = rest.strip_prefix("<parameter=")?;
+            let close = after.find('>')?;
+            let key = after[..close].trim().to_string();
+            let after = &after[close + 1..];
+            let end = after.find("</parameter>")?;
+            let raw = after[..end].strip_prefix('\n').unwrap_or(&after[..end]);
+            let raw = raw.strip_suffix('\n').unwrap_or(raw);
+            let declared = schema.and_then(|s| s.get(&key)).and_then(|p| p.get("type"));
+            arguments.insert(key, typed_value(raw, declared));
+            rest = after[end + "</parameter>".len()..].trim_start();
+        }
+        Some((name, Value::Object(arguments).to_string()))
+    }
+}
+
+/// `raw` as the declared type: a string stays text; other types are read as JSON where they
+/// parse (text otherwise); with no declared type, text.
+fn typed_value(raw: &str, declared: Option<&Value>) -> Value {
+    let text = || Value::String(raw.to_string());
+    let Some(kind) = declared.and_then(Value::as_str) else {
+        return text();
+    };
+    if kind == "string" {
+        return text();
+    }
+    serde_json::from_str::<Value>(raw.trim())
+        .ok()
+        .filter(|v| !v.is_string())
+        .unwrap_or_else(text)
+}
+
+/// Append non-empty `text` as `kind`, merged into the last event when that is of the same kind.
+fn push_text(events: &mut Vec<OutputEvent>, text: String, kind: fn(String) -> OutputEvent) {
+    if text.is_empty() {
+        return;
+    }
+    match (events.last_mut(), kind(text)) {
+        (Some(OutputEvent::Reasoning(a)), OutputEvent::Reasoning(b))
+        | (Some(OutputEvent::Content(a)), OutputEvent::Content(b)) => a.push_str(&b),
+        (_, event) => events.push(event),
+    }
+}
+
+/// The length of the longest tail of `text` that is a proper start of one of `markers`.
+fn held_tail(text: &str, markers: &[&str]) -> usize {
+    (1..=text.len())
+        .rev()
+        .filter(|&n| text.is_char_boundary(text.len() - n))
+        .find(|&n| {
+            let tail = &text[text.len() - n..];
+            markers.iter().any(|m| m.len() > n && m.starts_with(tail))
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests;
