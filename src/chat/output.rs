@@ -302,7 +302,8 @@ fn push_text(events: &mut Vec<OutputEvent>, text: String, kind: fn(String) -> Ou
 
 /// The length of the longest tail of `text` that is a proper start of one of `markers`.
 fn held_tail(text: &str, markers: &[&str]) -> usize {
-    (1..=text.len())
+    let longest = markers.iter().map(|m| m.len()).max().unwrap_or(0);
+    (1..=text.len().min(longest.saturating_sub(1)))
         .rev()
         .filter(|&n| text.is_char_boundary(text.len() - n))
         .find(|&n| {

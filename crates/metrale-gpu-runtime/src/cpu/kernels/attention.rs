@@ -42,51 +42,40 @@ struct Shape {
     gate: bool,
 }
 
+/// The [`Shape`] of a decode or prefill attention launch's parameters (the two kernels name
+/// these fields alike).
+macro_rules! shape_of {
+    ($p:expr) => {
+        Shape {
+            qkv: $p.qkv,
+            k_cache: $p.k_cache,
+            v_cache: $p.v_cache,
+            block_tables: $p.block_tables,
+            row_seq: $p.row_seq,
+            positions: $p.positions,
+            rows: $p.rows as usize,
+            row_stride: $p.row_stride as usize,
+            q_head_stride: $p.q_head_stride as usize,
+            hq: $p.num_q_heads as usize,
+            hkv: $p.num_kv_heads as usize,
+            d: $p.head_dim as usize,
+            block_size: $p.block_size as usize,
+            max_blocks: $p.max_blocks as usize,
+            num_seqs: $p.num_seqs as usize,
+            num_slots: $p.num_slots as usize,
+            scale: $p.scale,
+            gate: $p.gated != 0,
+        }
+    };
+}
+
 impl Shape {
     fn decode(p: &PagedAttentionParams) -> Shape {
-        Shape {
-            qkv: p.qkv,
-            k_cache: p.k_cache,
-            v_cache: p.v_cache,
-            block_tables: p.block_tables,
-            row_seq: p.row_seq,
-            positions: p.positions,
-            rows: p.rows as usize,
-            row_stride: p.row_stride as usize,
-            q_head_stride: p.q_head_stride as usize,
-            hq: p.num_q_heads as usize,
-            hkv: p.num_kv_heads as usize,
-            d: p.head_dim as usize,
-            block_size: p.block_size as usize,
-            max_blocks: p.max_blocks as usize,
-            num_seqs: p.num_seqs as usize,
-            num_slots: p.num_slots as usize,
-            scale: p.scale,
-            gate: p.gated != 0,
-        }
+        shape_of!(p)
     }
 
     fn prefill(p: &PagedAttentionPrefillParams) -> Shape {
-        Shape {
-            qkv: p.qkv,
-            k_cache: p.k_cache,
-            v_cache: p.v_cache,
-            block_tables: p.block_tables,
-            row_seq: p.row_seq,
-            positions: p.positions,
-            rows: p.rows as usize,
-            row_stride: p.row_stride as usize,
-            q_head_stride: p.q_head_stride as usize,
-            hq: p.num_q_heads as usize,
-            hkv: p.num_kv_heads as usize,
-            d: p.head_dim as usize,
-            block_size: p.block_size as usize,
-            max_blocks: p.max_blocks as usize,
-            num_seqs: p.num_seqs as usize,
-            num_slots: p.num_slots as usize,
-            scale: p.scale,
-            gate: p.gated != 0,
-        }
+        shape_of!(p)
     }
 
     /// Query heads per item, as the CUDA kernels group them.

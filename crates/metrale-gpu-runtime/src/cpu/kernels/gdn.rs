@@ -284,6 +284,24 @@ impl Windows {
     }
 }
 
+/// The [`Windows`] of a conv-window launch's parameters (the update and verify kernels name
+/// these fields alike).
+macro_rules! windows_of {
+    ($p:expr) => {
+        Windows {
+            conv_state: $p.conv_state,
+            proj: $p.proj,
+            seqs: ($p.seq_start, $p.seq_slot),
+            rows: $p.rows as usize,
+            num_seqs: $p.num_seqs as usize,
+            num_slots: $p.num_slots as usize,
+            stride: $p.slot_stride as usize,
+            heads: ($p.hk, $p.dk, $p.hv, $p.dv),
+            kernel_size: $p.kernel_size,
+        }
+    };
+}
+
 /// `conv_state_update` ([`ConvStateUpdateParams`]).
 ///
 /// Each real sequence with `n` rows keeps the last `K - 1` inputs of (old window ++ its rows'
@@ -291,17 +309,7 @@ impl Windows {
 /// no rows, or a padding one, is left alone. Run after `causal_conv1d`.
 pub fn conv_state_update(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: ConvStateUpdateParams = ctx.params()?;
-    let w = Windows {
-        conv_state: p.conv_state,
-        proj: p.proj,
-        seqs: (p.seq_start, p.seq_slot),
-        rows: p.rows as usize,
-        num_seqs: p.num_seqs as usize,
-        num_slots: p.num_slots as usize,
-        stride: p.slot_stride as usize,
-        heads: (p.hk, p.dk, p.hv, p.dv),
-        kernel_size: p.kernel_size,
-    };
+    let w = windows_of!(p);
     let (h, hist) = w.check(ctx)?;
     let (cd, pw, stride) = (h.conv_dim(), h.proj_width(), w.stride);
     let state = ctx.slice_mut::<f32>("conv_state", w.conv_state, w.num_slots * stride)?;
@@ -384,17 +392,7 @@ pub(crate) fn read_row_slots<'a>(
 /// Run after `causal_conv1d`.
 pub fn conv_state_verify(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: ConvStateVerifyParams = ctx.params()?;
-    let w = Windows {
-        conv_state: p.conv_state,
-        proj: p.proj,
-        seqs: (p.seq_start, p.seq_slot),
-        rows: p.rows as usize,
-        num_seqs: p.num_seqs as usize,
-        num_slots: p.num_slots as usize,
-        stride: p.slot_stride as usize,
-        heads: (p.hk, p.dk, p.hv, p.dv),
-        kernel_size: p.kernel_size,
-    };
+    let w = windows_of!(p);
     let (h, hist) = w.check(ctx)?;
     let (cd, pw, stride, rows) = (h.conv_dim(), h.proj_width(), w.stride, w.rows);
     let state = ctx.slice_mut::<f32>("conv_state", w.conv_state, w.num_slots * stride)?;

@@ -111,23 +111,30 @@ fn rope_rows(
     }
 }
 
+/// The [`Heads`] of a rope launch's parameters (both rope kernels name these fields alike).
+macro_rules! heads_of {
+    ($p:expr) => {
+        Heads {
+            rows: $p.rows as usize,
+            stride: $p.row_stride as usize,
+            hq: $p.num_q_heads as usize,
+            q_stride: $p.q_head_stride as usize,
+            k_off: $p.k_offset as usize,
+            hkv: $p.num_kv_heads as usize,
+            d: $p.head_dim as usize,
+            rd: $p.rotary_dim as usize,
+            scale: $p.attention_scaling,
+            eps: $p.eps,
+            unit: $p.unit_offset != 0,
+        }
+    };
+}
+
 /// `qk_norm_rope` ([`QkNormRopeParams`]): every q and k head of every row normalised (where a
 /// norm weight is given) and rotated, in place.
 pub fn qk_norm_rope(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: QkNormRopeParams = ctx.params()?;
-    let h = Heads {
-        rows: p.rows as usize,
-        stride: p.row_stride as usize,
-        hq: p.num_q_heads as usize,
-        q_stride: p.q_head_stride as usize,
-        k_off: p.k_offset as usize,
-        hkv: p.num_kv_heads as usize,
-        d: p.head_dim as usize,
-        rd: p.rotary_dim as usize,
-        scale: p.attention_scaling,
-        eps: p.eps,
-        unit: p.unit_offset != 0,
-    };
+    let h = heads_of!(p);
     h.check(ctx)?;
     let qkv = ctx.slice_mut::<bf16>("qkv", p.qkv, h.rows * h.stride)?;
     let norms = (
@@ -145,19 +152,7 @@ pub fn qk_norm_rope(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 /// cache gets the rotated k and the untouched v).
 pub fn qk_norm_rope_kv_store(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: QkNormRopeKvStoreParams = ctx.params()?;
-    let h = Heads {
-        rows: p.rows as usize,
-        stride: p.row_stride as usize,
-        hq: p.num_q_heads as usize,
-        q_stride: p.q_head_stride as usize,
-        k_off: p.k_offset as usize,
-        hkv: p.num_kv_heads as usize,
-        d: p.head_dim as usize,
-        rd: p.rotary_dim as usize,
-        scale: p.attention_scaling,
-        eps: p.eps,
-        unit: p.unit_offset != 0,
-    };
+    let h = heads_of!(p);
     h.check(ctx)?;
     let (v_off, slots) = (p.v_offset as usize, p.num_slots as usize);
     let width = h.hkv * h.d;
