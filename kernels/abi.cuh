@@ -21,6 +21,13 @@ typedef __nv_bfloat16 bf16;
 #define LIN_SEGS 8
 // Warps of a narrow or wide decode GEMM block.
 #define LIN_STREAM_WARPS 8
+// Columns (and, in the checkpoints' layout, rows) of one block of a block-FP8 weight,
+// which shares one f32 scale.
+#define FP8_BLOCK 128
+// log2 of `FP8_BLOCK`: the `scale_row_shift` of 128-row scale blocks.
+#define FP8_BLOCK_ROW_SHIFT 7
+// Threads of a `quantize_fp8` block (one block of the weight each) and of `dequant_fp8`.
+#define FP8_CONVERT_THREADS 256
 // Rows of the tiled prefill kernel's block tile (three consumer warpgroups of 64).
 #define LIN_BM 192
 // Columns of the tiled prefill kernel's block tile.
@@ -135,17 +142,20 @@ typedef __nv_bfloat16 bf16;
 #define MT_KERNEL_LINEAR_TMA_F32OUT 29
 #define MT_KERNEL_LINEAR_STREAM_TMA 30
 #define MT_KERNEL_LINEAR_STREAM_TMA_F32OUT 31
-#define MT_KERNEL_FILL_UNIFORM_BF16 32
-#define MT_KERNEL_TOPK_ROUTE 33
-#define MT_KERNEL_EXPERT_LINEAR 34
-#define MT_KERNEL_EXPERT_LINEAR_F32OUT 35
-#define MT_KERNEL_MOE_COMBINE 36
-#define MT_KERNEL_RMS_NORM 37
-#define MT_KERNEL_ADD_RMS_NORM 38
-#define MT_KERNEL_ADD_RMS_NORM_STAGED 39
-#define MT_KERNEL_QK_NORM_ROPE 40
-#define MT_KERNEL_QK_NORM_ROPE_KV_STORE 41
-#define MT_KERNEL_ARGMAX 42
+#define MT_KERNEL_LINEAR_STREAM_FP8 32
+#define MT_KERNEL_DEQUANT_FP8 33
+#define MT_KERNEL_QUANTIZE_FP8 34
+#define MT_KERNEL_FILL_UNIFORM_BF16 35
+#define MT_KERNEL_TOPK_ROUTE 36
+#define MT_KERNEL_EXPERT_LINEAR 37
+#define MT_KERNEL_EXPERT_LINEAR_F32OUT 38
+#define MT_KERNEL_MOE_COMBINE 39
+#define MT_KERNEL_RMS_NORM 40
+#define MT_KERNEL_ADD_RMS_NORM 41
+#define MT_KERNEL_ADD_RMS_NORM_STAGED 42
+#define MT_KERNEL_QK_NORM_ROPE 43
+#define MT_KERNEL_QK_NORM_ROPE_KV_STORE 44
+#define MT_KERNEL_ARGMAX 45
 
 #define MT_FAULT_GEOMETRY 1  // launched with a geometry it is not written for
 #define MT_FAULT_SHAPE 2  // given shapes that do not fit together
@@ -963,6 +973,91 @@ static_assert(offsetof(LinearStreamTmaParams, k) == 48, "LinearStreamTmaParams::
     const bf16* __restrict__ w, \
     const void* __restrict__ wmap, \
     uint32_t m, \
+    uint32_t n, \
+    uint32_t k
+
+// `gemm::linear_stream_fp8`: `linear_stream` of a block-FP8 weight, each weight element
+// taken as bf16(fp8 · its block's scale), so a row's output is bitwise `linear`'s on the
+// dequantized weight (`gemm::dequant_fp8`'s).
+#pragma pack(push, 4)
+struct LinearFp8Params {
+    bf16* out;
+    const bf16* x;
+    const uint8_t* w;
+    const float* scales;
+    uint32_t m;
+    uint32_t n;
+    uint32_t k;
+    uint32_t scale_row_shift;
+};
+#pragma pack(pop)
+static_assert(sizeof(LinearFp8Params) == 48, "LinearFp8Params: not the layout of metrale-kernel-abi");
+static_assert(offsetof(LinearFp8Params, out) == 0, "LinearFp8Params::out: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearFp8Params, x) == 8, "LinearFp8Params::x: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearFp8Params, w) == 16, "LinearFp8Params::w: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearFp8Params, scales) == 24, "LinearFp8Params::scales: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearFp8Params, m) == 32, "LinearFp8Params::m: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearFp8Params, n) == 36, "LinearFp8Params::n: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearFp8Params, k) == 40, "LinearFp8Params::k: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearFp8Params, scale_row_shift) == 44, "LinearFp8Params::scale_row_shift: not the offset of metrale-kernel-abi");
+#define LINEAR_FP8_PARAMS \
+    bf16* __restrict__ out, \
+    const bf16* __restrict__ x, \
+    const uint8_t* __restrict__ w, \
+    const float* __restrict__ scales, \
+    uint32_t m, \
+    uint32_t n, \
+    uint32_t k, \
+    uint32_t scale_row_shift
+
+// `gemm::dequant_fp8`: a block-FP8 weight as bf16, bf16(fp8 · its block's scale).
+#pragma pack(push, 4)
+struct DequantFp8Params {
+    bf16* out;
+    const uint8_t* w;
+    const float* scales;
+    uint32_t n;
+    uint32_t k;
+    uint32_t scale_row_shift;
+};
+#pragma pack(pop)
+static_assert(sizeof(DequantFp8Params) == 36, "DequantFp8Params: not the layout of metrale-kernel-abi");
+static_assert(offsetof(DequantFp8Params, out) == 0, "DequantFp8Params::out: not the offset of metrale-kernel-abi");
+static_assert(offsetof(DequantFp8Params, w) == 8, "DequantFp8Params::w: not the offset of metrale-kernel-abi");
+static_assert(offsetof(DequantFp8Params, scales) == 16, "DequantFp8Params::scales: not the offset of metrale-kernel-abi");
+static_assert(offsetof(DequantFp8Params, n) == 24, "DequantFp8Params::n: not the offset of metrale-kernel-abi");
+static_assert(offsetof(DequantFp8Params, k) == 28, "DequantFp8Params::k: not the offset of metrale-kernel-abi");
+static_assert(offsetof(DequantFp8Params, scale_row_shift) == 32, "DequantFp8Params::scale_row_shift: not the offset of metrale-kernel-abi");
+#define DEQUANT_FP8_PARAMS \
+    bf16* __restrict__ out, \
+    const uint8_t* __restrict__ w, \
+    const float* __restrict__ scales, \
+    uint32_t n, \
+    uint32_t k, \
+    uint32_t scale_row_shift
+
+// `gemm::quantize_fp8`: a bf16 weight to block FP8 (blocks of `FP8_BLOCK` rows by
+// `FP8_BLOCK` columns; scale = block amax / 448, 1 for an all-zero block; each element
+// fp8(w / scale), rounded to nearest even, saturating at ±448).
+#pragma pack(push, 4)
+struct QuantizeFp8Params {
+    uint8_t* out;
+    float* scales;
+    const bf16* w;
+    uint32_t n;
+    uint32_t k;
+};
+#pragma pack(pop)
+static_assert(sizeof(QuantizeFp8Params) == 32, "QuantizeFp8Params: not the layout of metrale-kernel-abi");
+static_assert(offsetof(QuantizeFp8Params, out) == 0, "QuantizeFp8Params::out: not the offset of metrale-kernel-abi");
+static_assert(offsetof(QuantizeFp8Params, scales) == 8, "QuantizeFp8Params::scales: not the offset of metrale-kernel-abi");
+static_assert(offsetof(QuantizeFp8Params, w) == 16, "QuantizeFp8Params::w: not the offset of metrale-kernel-abi");
+static_assert(offsetof(QuantizeFp8Params, n) == 24, "QuantizeFp8Params::n: not the offset of metrale-kernel-abi");
+static_assert(offsetof(QuantizeFp8Params, k) == 28, "QuantizeFp8Params::k: not the offset of metrale-kernel-abi");
+#define QUANTIZE_FP8_PARAMS \
+    uint8_t* __restrict__ out, \
+    float* __restrict__ scales, \
+    const bf16* __restrict__ w, \
     uint32_t n, \
     uint32_t k
 

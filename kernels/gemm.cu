@@ -68,6 +68,8 @@
 #include "common.cuh"
 
 #include <cooperative_groups.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 namespace cg = cooperative_groups;
 
@@ -118,8 +120,9 @@ extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LI
 // scalar loads, which need more registers). The choice is the launch's, uniform over its blocks.
 // SWIGLU: `linear_swiglu` (see `linear_direct_impl`).
 // `kernel`: the entry's MT_KERNEL_* (for its fault).
-template <typename OutT, int B, int BR, bool SWIGLU = false>
-MT_DEVICE void linear_direct_dispatch(OutT* out, const bf16* x, const bf16* w, uint32_t m,
+// W: the weight's format (`DirectWBf16`, `DirectWFp8`).
+template <typename OutT, int B, int BR, bool SWIGLU = false, typename W>
+MT_DEVICE void linear_direct_dispatch(OutT* out, const bf16* x, const W& w, uint32_t m,
                                       uint32_t n, uint32_t k, uint32_t kernel) {
     __shared__ float4 part[2][LIN_STREAM_WARPS * 32];
     if (m == 0 || n == 0) return;
@@ -128,7 +131,7 @@ MT_DEVICE void linear_direct_dispatch(OutT* out, const bf16* x, const bf16* w, u
         return;
     }
     if (blockIdx.x >= ((n + 7) / 8) * ((m + 15) / 16)) return;  // uniform over the block
-    const bool vec = k % 8 == 0 && aligned16(x) && aligned16(w);
+    const bool vec = k % 8 == 0 && aligned16(x) && w.aligned();
     const bool rb = m > 8;
     if (vec) {
         if (rb)
@@ -148,13 +151,13 @@ MT_DEVICE void linear_direct_dispatch(OutT* out, const bf16* x, const bf16* w, u
 // ceil(m / 16)), the launcher's as many as are resident; 256 threads, no dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
     linear_stream(LINEAR_PARAMS(bf16)) {
-    linear_direct_dispatch<bf16, LIN_D_B, LIN_D_B_RB>(out, x, w, m, n, k, MT_KERNEL_LINEAR_STREAM);
+    linear_direct_dispatch<bf16, LIN_D_B, LIN_D_B_RB>(out, x, DirectWBf16{w}, m, n, k, MT_KERNEL_LINEAR_STREAM);
 }
 
 // linear_stream_f32out(out: f32 [m, n], x, w, m, n, k): `linear_f32out`, likewise.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
     linear_stream_f32out(LINEAR_PARAMS(float)) {
-    linear_direct_dispatch<float, LIN_D_B, LIN_D_B_RB>(out, x, w, m, n, k, MT_KERNEL_LINEAR_STREAM_F32OUT);
+    linear_direct_dispatch<float, LIN_D_B, LIN_D_B_RB>(out, x, DirectWBf16{w}, m, n, k, MT_KERNEL_LINEAR_STREAM_F32OUT);
 }
 
 // linear_stream_b4(out: bf16 [m, n], x, w, m, n, k): `linear_stream` with batches of 4 chunks (2
@@ -163,13 +166,13 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
 // heads: `ops_gemm::LINEAR_B4_MIN_N`). Same grid.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
     linear_stream_b4(LINEAR_PARAMS(bf16)) {
-    linear_direct_dispatch<bf16, 4, 2>(out, x, w, m, n, k, MT_KERNEL_LINEAR_STREAM_B4);
+    linear_direct_dispatch<bf16, 4, 2>(out, x, DirectWBf16{w}, m, n, k, MT_KERNEL_LINEAR_STREAM_B4);
 }
 
 // linear_stream_b4_f32out(out: f32 [m, n], x, w, m, n, k): likewise, f32 out.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
     linear_stream_b4_f32out(LINEAR_PARAMS(float)) {
-    linear_direct_dispatch<float, 4, 2>(out, x, w, m, n, k, MT_KERNEL_LINEAR_STREAM_B4_F32OUT);
+    linear_direct_dispatch<float, 4, 2>(out, x, DirectWBf16{w}, m, n, k, MT_KERNEL_LINEAR_STREAM_B4_F32OUT);
 }
 
 // linear_swiglu(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [2 n, k], m, n, k): `linear` (gate rows
@@ -181,7 +184,98 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
 // to ceil(n / 8) * ceil(m / 16), as `linear_stream`'s for n columns.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
     linear_swiglu(LINEAR_PARAMS(bf16)) {
-    linear_direct_dispatch<bf16, 4, 2, true>(out, x, w, m, n, k, MT_KERNEL_LINEAR_SWIGLU);
+    linear_direct_dispatch<bf16, 4, 2, true>(out, x, DirectWBf16{w}, m, n, k, MT_KERNEL_LINEAR_SWIGLU);
+}
+
+// Chunks per batch of `linear_stream_fp8` (a lane's chunk is 8 weight bytes and its scale pair:
+// three registers against bf16's four).
+#define LIN_FP8_B 8
+#define LIN_FP8_B_RB 4
+
+// linear_stream_fp8(out: bf16 [m, n], x: bf16 [m, k], w: fp8 e4m3 [n, k], scales: f32 [ceil(n /
+// 2^scale_row_shift), ceil(k / FP8_BLOCK)], m, n, k, scale_row_shift): `linear_stream` of the
+// weight bf16(w * bf16(scale)), rows bitwise `linear`'s of `dequant_fp8`'s output, at any m (each row
+// tile of 16 rereads the weight tile, from L2 after the first). The grid and block as
+// `linear_stream`'s.
+extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
+    linear_stream_fp8(LINEAR_FP8_PARAMS) {
+    const DirectWFp8 wf{w, scales, scale_row_shift, (k + FP8_BLOCK - 1) / FP8_BLOCK};
+    linear_direct_dispatch<bf16, LIN_FP8_B, LIN_FP8_B_RB>(out, x, wf, m, n, k, MT_KERNEL_LINEAR_STREAM_FP8);
+}
+
+// dequant_fp8(out: bf16 [n, k], w: fp8 e4m3 [n, k], scales, n, k, scale_row_shift): each
+// element bf16(w * bf16(its block's scale)), the weight `linear_stream_fp8` computes with. Grid: any
+// number of blocks of FP8_CONVERT_THREADS threads, each thread taking elements i, i + stride,
+// ... (prefill runs `linear` over this; the weight is never written while a projection runs).
+extern "C" __global__ void __launch_bounds__(FP8_CONVERT_THREADS) dequant_fp8(DEQUANT_FP8_PARAMS) {
+    pdl_wait();
+    pdl_trigger();
+    if (blockDim.x != FP8_CONVERT_THREADS) {
+        mt_fault(MT_KERNEL_DEQUANT_FP8, MT_FAULT_GEOMETRY);
+        return;
+    }
+    const uint32_t kblocks = (k + FP8_BLOCK - 1) / FP8_BLOCK;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    if (k % 8 == 0 && aligned8(w) && aligned16(out)) {
+        // Eight elements a thread (one block scale: 8 divides FP8_BLOCK), 8 bytes in, 16 out.
+        const size_t groups = (size_t)n * k / 8;
+        for (size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {
+            const size_t i = 8 * g;
+            const uint32_t row = (uint32_t)(i / k), col = (uint32_t)(i % k);
+            const uint32_t s2 = fp8_scale2(scales[(size_t)(row >> scale_row_shift) * kblocks + col / FP8_BLOCK]);
+            const uint2 q = *reinterpret_cast<const uint2*>(w + i);
+            *reinterpret_cast<uint4*>(out + i) =
+                make_uint4(fp8x2_scaled(q.x, FP8_PAIR_LO, s2), fp8x2_scaled(q.x, FP8_PAIR_HI, s2),
+                           fp8x2_scaled(q.y, FP8_PAIR_LO, s2), fp8x2_scaled(q.y, FP8_PAIR_HI, s2));
+        }
+        return;
+    }
+    const size_t total = (size_t)n * k;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const uint32_t row = (uint32_t)(i / k), col = (uint32_t)(i % k);
+        const uint32_t s2 = fp8_scale2(scales[(size_t)(row >> scale_row_shift) * kblocks + col / FP8_BLOCK]);
+        const uint32_t pair = fp8x2_scaled(w[i], FP8_PAIR_LO, s2);  // the byte, and a zero
+        out[i] = __ushort_as_bfloat16((unsigned short)(pair & 0xFFFFu));
+    }
+}
+
+// quantize_fp8(out: fp8 e4m3 [n, k], scales: f32 [ceil(n / FP8_BLOCK), ceil(k / FP8_BLOCK)], w:
+// bf16 [n, k], n, k): block FP8 with the checkpoints' recipe. A block of FP8_CONVERT_THREADS
+// threads per weight block (grid ceil(k / FP8_BLOCK) x ceil(n / FP8_BLOCK)): its amax (exact,
+// whatever the order), scale = amax / 448 (1 for a block of zeros), each element
+// fp8(w / scale), rounded to nearest even and saturated at ±448. NaN elements do not count
+// towards amax and stay NaN.
+extern "C" __global__ void __launch_bounds__(FP8_CONVERT_THREADS) quantize_fp8(QUANTIZE_FP8_PARAMS) {
+    pdl_wait();
+    pdl_trigger();
+    __shared__ float warp_max[FP8_CONVERT_THREADS / 32];
+    __shared__ float block_scale;
+    if (blockDim.x != FP8_CONVERT_THREADS) {
+        mt_fault(MT_KERNEL_QUANTIZE_FP8, MT_FAULT_GEOMETRY);
+        return;
+    }
+    const uint32_t r0 = blockIdx.y * FP8_BLOCK, c0 = blockIdx.x * FP8_BLOCK;
+    const uint32_t rows = min(FP8_BLOCK, n - r0), cols = min(FP8_BLOCK, k - c0);
+    float amax = 0.0f;
+    for (uint32_t i = threadIdx.x; i < rows * cols; i += blockDim.x)
+        amax = fmaxf(amax, fabsf(bf2f(w[(size_t)(r0 + i / cols) * k + c0 + i % cols])));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float a = 0.0f;
+        for (uint32_t i = 0; i < FP8_CONVERT_THREADS / 32; ++i) a = fmaxf(a, warp_max[i]);
+        const float s = a > 0.0f ? a / 448.0f : 1.0f;
+        block_scale = s;
+        scales[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = s;
+    }
+    __syncthreads();
+    const float s = block_scale;
+    for (uint32_t i = threadIdx.x; i < rows * cols; i += blockDim.x) {
+        const size_t at = (size_t)(r0 + i / cols) * k + c0 + i % cols;
+        out[at] = __nv_cvt_float_to_fp8(bf2f(w[at]) / s, __NV_SATFINITE, __NV_E4M3);
+    }
 }
 
 // `kernel`: the entry's MT_KERNEL_* (for its fault).

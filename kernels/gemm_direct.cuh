@@ -23,23 +23,112 @@ MT_DEVICE uint4 ldg_stream16(const bf16* p) {
     return v;
 }
 
-template <int B, bool VEC>
-MT_DEVICE void direct_load_w(uint4 (&dst)[B], const bf16* w, uint32_t n, uint32_t k, uint32_t row,
+// The weight operand of the direct kernels, one type per storage format: `Raw` is what a lane
+// holds in flight for one chunk (its 8 k of one weight row), `load` reads it (zero outside the
+// weight; VEC: k % 8 == 0 and an aligned base, so the 8 lie in one aligned vector) and `frag`
+// makes it the MMA's bf16 fragment. Both formats give `linear`'s fragment of the bf16 weight the
+// values stand for, so every format has `linear`'s numerics.
+struct DirectWBf16 {
+    const bf16* w;
+    using Raw = uint4;
+    MT_DEVICE bool aligned() const { return aligned16(w); }
+    template <bool VEC>
+    MT_DEVICE Raw load(uint32_t n, uint32_t k, uint32_t row, uint32_t col) const {
+        if (VEC) return row < n && col < k ? ldg_stream16(w + (size_t)row * k + col) : make_uint4(0, 0, 0, 0);
+        return load8(w, n, k, row, col, false);
+    }
+    MT_DEVICE uint4 frag(const Raw& r) const { return r; }
+};
+
+// A block-FP8 weight: e4m3 bytes and an f32 scale per block of FP8_BLOCK columns by
+// 2^shift rows. A lane holds its 8 bytes and its block's scale, already as the bf16 pair the
+// conversion multiplies by; its fragment is bf16(e4m3 * bf16(scale)) of each byte, which is
+// `dequant_fp8`'s weight, so the rows are `linear`'s of it.
+struct Fp8Raw {
+    uint2 q;
+    uint32_t s2;  // fp8_scale2(scale)
+};
+
+// 8 weight bytes, read once (see `ldg_stream16`).
+MT_DEVICE uint2 ldg_stream8(const uint8_t* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// The conversion below reads an e4m3 byte as a bf16 of the same bits shifted into place, whose
+// exponent bias is 120 more than e4m3's: the bf16 holds e4m3 * 2^-120 exactly (normals and
+// subnormals alike; the NaN codes, which the loader refuses, read as ±480). The scale's factor
+// is bf16(scale) * 2^120 (exact for the scales the loader accepts, below 2^8), so one bf16
+// multiply, rounded to nearest even, gives bf16(e4m3 * bf16(scale)) from the exact product:
+// integer work and one multiply per pair, no conversion instructions (whose rate is a fraction
+// of the weight stream's).
+MT_DEVICE uint32_t fp8_scale2(float scale) {
+    const __nv_bfloat16 s = __hmul(__float2bfloat16_rn(scale), __float2bfloat16_rn(0x1p120f));
+    const __nv_bfloat162 s2 = __halves2bfloat162(s, s);
+    return *reinterpret_cast<const uint32_t*>(&s2);
+}
+
+// Bytes `sel` picks of `w` (two e4m3, into the high byte of each half) times the scale pair:
+// a bf16 pair, low element first.
+MT_DEVICE uint32_t fp8x2_scaled(uint32_t w, uint32_t sel, uint32_t s2) {
+    const uint32_t a = __byte_perm(w, 0u, sel);
+    const uint32_t bits = (a & 0x80008000u) | ((a & 0x7F007F00u) >> 4);
+    const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&s2));
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// `__byte_perm` selectors: bytes 0, 1 (and 2, 3) of a word into the high bytes of two halves.
+#define FP8_PAIR_LO 0x1404u
+#define FP8_PAIR_HI 0x3424u
+
+struct DirectWFp8 {
+    const uint8_t* w;
+    const float* scales;
+    uint32_t shift;    // log2 of the weight rows a scale row covers
+    uint32_t kblocks;  // scale columns: ceil(k / FP8_BLOCK)
+    using Raw = Fp8Raw;
+    MT_DEVICE bool aligned() const { return aligned8(w); }
+    template <bool VEC>
+    MT_DEVICE Raw load(uint32_t n, uint32_t k, uint32_t row, uint32_t col) const {
+        Raw r;
+        r.q = make_uint2(0, 0);
+        r.s2 = 0u;
+        if (row >= n || col >= k) return r;
+        r.s2 = fp8_scale2(__ldg(scales + (size_t)(row >> shift) * kblocks + col / FP8_BLOCK));
+        const uint8_t* p = w + (size_t)row * k + col;
+        if (VEC) {
+            r.q = ldg_stream8(p);
+        } else {
+            uint32_t b[2] = {0u, 0u};
+#pragma unroll
+            for (uint32_t i = 0; i < 8; ++i)
+                if (col + i < k) b[i / 4] |= uint32_t(p[i]) << (8 * (i % 4));
+            r.q = make_uint2(b[0], b[1]);
+        }
+        return r;
+    }
+    MT_DEVICE uint4 frag(const Raw& r) const {
+        return make_uint4(fp8x2_scaled(r.q.x, FP8_PAIR_LO, r.s2), fp8x2_scaled(r.q.x, FP8_PAIR_HI, r.s2),
+                          fp8x2_scaled(r.q.y, FP8_PAIR_LO, r.s2), fp8x2_scaled(r.q.y, FP8_PAIR_HI, r.s2));
+    }
+};
+
+template <int B, bool VEC, typename W>
+MT_DEVICE void direct_load_w(typename W::Raw (&dst)[B], const W& w, uint32_t n, uint32_t k, uint32_t row,
                              uint32_t c0, uint32_t c_end, uint32_t q) {
 #pragma unroll
     for (int ch = 0; ch < B; ++ch) {
         const uint32_t c = c0 + ch, col = c * LIN_KC + q * 8;
-        if (VEC)
-            dst[ch] = c < c_end && row < n && col < k ? ldg_stream16(w + (size_t)row * k + col) : make_uint4(0, 0, 0, 0);
-        else
-            dst[ch] = c < c_end ? load8(w, n, k, row, col, false) : make_uint4(0, 0, 0, 0);
+        dst[ch] = c < c_end ? w.template load<VEC>(n, k, row, col) : typename W::Raw{};
     }
 }
 
 // The MMAs of one batch (chunks c0 .. c0 + B - 1 of this warp's segment, those before c_end).
 // RB: x rows g + 8 are loaded too (a unit may have rows past its first 8).
-template <int B, bool RB, bool VEC>
-MT_DEVICE void direct_batch(float (&acc)[4], const uint4 (&wr)[B], const bf16* x, uint32_t m,
+template <int B, bool RB, bool VEC, typename W>
+MT_DEVICE void direct_batch(float (&acc)[4], const W& w, const typename W::Raw (&wr)[B], const bf16* x, uint32_t m,
                             uint32_t k, uint32_t m0, uint32_t c0, uint32_t c_end, uint32_t g, uint32_t q) {
     uint4 ra[B], rb[B];
 #pragma unroll
@@ -51,7 +140,7 @@ MT_DEVICE void direct_batch(float (&acc)[4], const uint4 (&wr)[B], const bf16* x
 #pragma unroll
     for (int ch = 0; ch < B; ++ch) {
         if (c0 + ch >= c_end) break;
-        mma_chunk(acc, ra[ch], rb[ch], wr[ch]);
+        mma_chunk(acc, ra[ch], rb[ch], w.frag(wr[ch]));
     }
 }
 
@@ -68,8 +157,8 @@ MT_DEVICE void direct_batch(float (&acc)[4], const uint4 (&wr)[B], const bf16* x
 // the gate tile of 8 columns and then the up tile of the same columns, and writes silu(gate) *
 // up of the two, each summed as `linear` sums it and rounded to bf16 as `linear` writes it: the
 // thread that sums an output's gate column keeps the total for its up column, the next unit.
-template <typename OutT, int B, bool RB, bool VEC, bool SWIGLU>
-MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
+template <typename OutT, int B, bool RB, bool VEC, bool SWIGLU, typename W>
+MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const W& w, uint32_t m, uint32_t n,
                                   uint32_t k, float4 (*part)[LIN_STREAM_WARPS * 32]) {
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const LinSegment span = lin_segment(k, warp);
@@ -88,7 +177,8 @@ MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint3
     };
     const uint32_t nb = (c_end - c_begin + B - 1) / B, nbe = nb + (nb & 1);  // this warp's batches
     // Batch bb of the block's unit i, where bb may run past it into the block's next unit.
-    auto load = [&](uint4 (&dst)[B], uint32_t i, uint32_t bb) {
+    using Raw = typename W::Raw;
+    auto load = [&](Raw (&dst)[B], uint32_t i, uint32_t bb) {
         if (bb >= nbe) {
             ++i;
             bb -= nbe;
@@ -100,7 +190,7 @@ MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint3
     // Two batches load before the wait, so the weight stream is busy while the kernel ahead
     // finishes (fewer leave it idle; asking L2 for more of the block's weight as well, by a
     // bulk prefetch, competes with the kernel ahead and slows the step).
-    uint4 wa[B], wb[B];
+    Raw wa[B], wb[B];
     if (nbe > 0) {
         load(wa, 0, 0);
         load(wb, 0, 1);
@@ -113,9 +203,9 @@ MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const bf16* w, uint3
         const uint32_t m0 = (tile % row_units) * 16;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (uint32_t b = 0; b < nbe; b += 2) {
-            direct_batch<B, RB, VEC>(acc, wa, x, m, k, m0, c_begin + b * B, c_end, g, q);
+            direct_batch<B, RB, VEC>(acc, w, wa, x, m, k, m0, c_begin + b * B, c_end, g, q);
             load(wa, i, b + 2);
-            direct_batch<B, RB, VEC>(acc, wb, x, m, k, m0, c_begin + (b + 1) * B, c_end, g, q);
+            direct_batch<B, RB, VEC>(acc, w, wb, x, m, k, m0, c_begin + (b + 1) * B, c_end, g, q);
             load(wb, i, b + 3);
         }
         float4* pp = part[i & 1];

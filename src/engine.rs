@@ -84,7 +84,7 @@ pub(crate) fn load_scheduler(
         }));
     }
     let gpu = make_backend(options.backend)?;
-    let model = factory::load(dir, gpu)?;
+    let model = factory::load_quantized(dir, gpu, options.model.quantization)?;
     let mut scheduler = Scheduler::new(model, options.model.clone())?;
     scheduler.runner_mut().set_forward(options.forward)?;
     if let Some(spec) = scheduler.speculation() {

@@ -75,7 +75,9 @@ pub use error::{EngineError, RequestError};
 pub use handle::{Canceller, EventResult, RequestHandle, RequestId};
 pub use metrale_config::{GenerationDefaults, ModelConfig};
 pub use metrale_model_engine::generate::FinishReason;
-pub use metrale_model_engine::options::{MAX_DRAFT_TOKENS, ModelOptions, Speculative};
+pub use metrale_model_engine::options::{
+    MAX_DRAFT_TOKENS, ModelOptions, Quantization, Speculative,
+};
 pub use metrale_model_engine::sampling::SamplingParams;
 pub use metrale_model_engine::scheduler::{CacheUsage, PrefixStats, SnapshotUsage, StepCounts};
 pub use metrale_model_engine::speculative::GateOptions;

@@ -181,3 +181,57 @@ fn the_cuda_backend_without_cuda_says_so() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A copy of the FP8 pack `qwen3-fp8-tiny` whose tensors pass through `edit` (`None` drops one).
+fn fp8_pack_with(
+    dst: &Path,
+    edit: impl Fn(&str, &[usize], &[u8]) -> Option<(Vec<usize>, Vec<u8>)>,
+) {
+    let src = fixtures_dir().join("qwen3-fp8-tiny");
+    for f in ["config.json", "generation_config.json"] {
+        std::fs::copy(src.join(f), dst.join(f)).unwrap();
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = (st.tensors().into_iter())
+        .filter_map(|(name, v)| {
+            let (shape, data) = edit(&name, v.shape(), v.data())?;
+            Some((name, v.dtype(), shape, data))
+        })
+        .collect();
+    let views = kept.iter().map(|(n, dtype, shape, data)| {
+        let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap();
+        (n.clone(), view)
+    });
+    safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).unwrap();
+}
+
+#[test]
+fn an_fp8_pack_without_a_scale_or_with_a_misshapen_one_is_named() {
+    let scale = "model.layers.1.mlp.down_proj.weight_scale_inv";
+    let tmp = tempfile::tempdir().unwrap();
+    fp8_pack_with(tmp.path(), |name, shape, data| {
+        (name != scale).then(|| (shape.to_vec(), data.to_vec()))
+    });
+    let e = load_err(tmp.path());
+    assert!(e.contains(scale) && e.contains("has no scale"), "{e}");
+
+    // The scale grid of `[192, 320]` is [2, 3]; one with a column too few is refused.
+    let tmp = tempfile::tempdir().unwrap();
+    fp8_pack_with(tmp.path(), |name, shape, data| {
+        if name != scale {
+            return Some((shape.to_vec(), data.to_vec()));
+        }
+        assert_eq!(shape, [2, 3]);
+        let cut: Vec<u8> = data
+            .chunks_exact(12)
+            .flat_map(|row| row[..8].to_vec())
+            .collect();
+        Some((vec![2, 2], cut))
+    });
+    let e = load_err(tmp.path());
+    assert!(
+        e.contains(scale) && e.contains("[2, 3]") && e.contains("[2, 2]"),
+        "{e}"
+    );
+}

@@ -30,14 +30,14 @@ use metrale_model_layers::ops_fused::LINEAR_SWIGLU_M_MAX;
 use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{LayerCtx, Ops, TransformerLayer};
 use support::circuit::*;
-use support::{fixtures_dir, fixtures_of};
+use support::fixtures_dir;
 
 fn cpu() -> Arc<dyn GpuBackend> {
     Arc::new(CpuBackend::default())
 }
 
 fn every_fixture() -> Vec<PathBuf> {
-    let dirs = fixtures_of(FAMILIES);
+    let dirs = circuit_fixtures();
     assert!(
         dirs.len() >= 11,
         "expected the eleven fixtures under {}",
@@ -364,6 +364,7 @@ fn random_model(
             ptr,
             shape: shape.to_vec(),
             dtype: DType::Bf16,
+            scales: None,
         })
     };
     let (h, v, f) = (

@@ -16,14 +16,14 @@ use metrale_gpu_runtime::cuda::CudaBackend;
 use metrale_model_engine::ModelOptions;
 use metrale_model_engine::runner::{ForwardSelect, ModelCircuit};
 use support::circuit::*;
-use support::{fixtures_dir, fixtures_of};
+use support::fixtures_dir;
 
 fn gpu() -> Arc<dyn GpuBackend> {
     Arc::new(CudaBackend::new(0).expect("a CUDA device"))
 }
 
 fn every_fixture() -> Vec<std::path::PathBuf> {
-    let dirs = fixtures_of(FAMILIES);
+    let dirs = circuit_fixtures();
     assert!(
         dirs.len() >= 11,
         "expected the eleven fixtures under {}",

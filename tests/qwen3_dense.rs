@@ -87,3 +87,117 @@ fn chunked_prefill_gives_the_same_result() {
         }
     }
 }
+
+/// Greedy tokens and the bits of every step's logits of `engine` on each reference prompt.
+fn greedy_bits(engine: &Engine, prompts: &[RefPrompt]) -> Vec<(Vec<u32>, Vec<Vec<u32>>)> {
+    prompts
+        .iter()
+        .map(|p| {
+            let req =
+                metrale::GenerateRequest::new(metrale::Prompt::TokenIds(p.prompt_ids.clone()))
+                    .max_new_tokens(p.greedy_ids.len())
+                    .ignore_eos(true)
+                    .return_logits(true);
+            let out = engine.generate(&req).unwrap();
+            let logits = out.logits.unwrap_or_default();
+            let bits = (logits.iter())
+                .map(|row| row.iter().map(|v| v.to_bits()).collect())
+                .collect();
+            (out.token_ids, bits)
+        })
+        .collect()
+}
+
+#[test]
+fn an_fp8_pack_matches_transformers_and_quantizing_its_source_at_load_gives_the_pack() {
+    // `qwen3-fp8-tiny`: every projection in e4m3 with 128 x 128 block scales (partial blocks;
+    // fused q/k/v and gate/up cut across blocks), the reference transformers in float32 on the
+    // dequantized weights; `source/` holds the bf16 weights the pack was made from.
+    let dir = fixtures_dir().join("qwen3-fp8-tiny");
+    let config = metrale_config::ModelConfig::from_dir(&dir).unwrap();
+    assert!(matches!(
+        config.checkpoint.quantization,
+        Some(metrale_config::WeightQuantization::Fp8 { .. })
+    ));
+    for o in check_fixture(&dir, EngineOptions::default()) {
+        assert!(o.failure.is_none(), "{}: {:?}", o.prompt, o.failure);
+        assert!(
+            o.steps >= 4,
+            "{}: only {} steps compared",
+            o.prompt,
+            o.steps
+        );
+    }
+    let prompts = read_reference(&dir).unwrap();
+    let pack = Engine::load(&dir, EngineOptions::default()).unwrap();
+    let fp8 = ModelOptions::default().quantization(metrale::Quantization::Fp8);
+    let quantized = Engine::load(dir.join("source"), EngineOptions::default().model(fp8)).unwrap();
+    let plain = Engine::load(dir.join("source"), EngineOptions::default()).unwrap();
+    let pack_bits = greedy_bits(&pack, &prompts);
+    // (`assert!`, not `assert_eq!`: a mismatch would print every logit.)
+    assert!(
+        greedy_bits(&quantized, &prompts) == pack_bits,
+        "the source quantized at load differs from the pack"
+    );
+    // The bf16 source is a different model: the comparison above can fail.
+    assert!(greedy_bits(&plain, &prompts) != pack_bits);
+}
+
+#[test]
+fn fp8_weights_read_with_wrong_scales_are_caught() {
+    // Every block scale of the first layer's o projection doubled: the projection's output
+    // doubles, as a kernel reading the wrong block's scale or none at all would get it wrong.
+    let src = fixtures_dir().join("qwen3-fp8-tiny");
+    let tmp = tempfile::tempdir().unwrap();
+    for f in [
+        "config.json",
+        "generation_config.json",
+        "reference.json",
+        "reference_logits.safetensors",
+    ] {
+        std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let target = "model.layers.0.self_attn.o_proj.weight_scale_inv";
+    let tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let mut data = view.data().to_vec();
+            if name == target {
+                for c in data.chunks_exact_mut(4) {
+                    let v = 2.0 * f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                    c.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            (name, view.dtype(), view.shape().to_vec(), data)
+        })
+        .collect();
+    assert!(tensors.iter().any(|t| t.0 == target));
+    let views = tensors.iter().map(|(n, dtype, shape, data)| {
+        let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap();
+        (n.clone(), view)
+    });
+    safetensors::serialize_to_file(views, None, &tmp.path().join("model.safetensors")).unwrap();
+    let failed = check_fixture(tmp.path(), EngineOptions::default())
+        .iter()
+        .filter(|o| o.failure.is_some())
+        .count();
+    assert!(failed > 0, "doubled scales passed the comparison");
+}
+
+#[test]
+fn the_circuit_refuses_fp8_weights_naming_the_format() {
+    // Its plans name bf16 GEMM kernels; an FP8 model runs the legacy forward, and asking for
+    // the circuit is a load error that says why, not a silent misread of the weights.
+    let dir = fixtures_dir().join("qwen3-fp8-tiny");
+    let circuit = metrale::ForwardSelect::Circuit {
+        fusions: metrale::circuit::Fusions::All,
+    };
+    let Err(e) = Engine::load(&dir, EngineOptions::default().forward(circuit)) else {
+        panic!("the circuit accepted FP8 weights");
+    };
+    let e = e.to_string();
+    assert!(e.contains("fp8_e4m3") && e.contains("bf16"), "{e}");
+}

@@ -26,6 +26,18 @@ pub const FAMILIES: &[&str] = &[
     "qwen3_5_moe",
 ];
 
+/// Every fixture the circuit runs: those of [`FAMILIES`] with bf16 weights (the circuit refuses
+/// FP8 weights, which `qwen3_dense.rs` checks).
+pub fn circuit_fixtures() -> Vec<std::path::PathBuf> {
+    super::fixtures_of(FAMILIES)
+        .into_iter()
+        .filter(|dir| {
+            let config = metrale_config::ModelConfig::from_dir(dir);
+            config.is_ok_and(|c| c.checkpoint.quantization.is_none())
+        })
+        .collect()
+}
+
 /// `circuit-reference`.
 pub const REFERENCE: ForwardSelect = ForwardSelect::Circuit {
     fusions: Fusions::ReferenceOnly,

@@ -14,6 +14,7 @@ use metrale::bench::{self, BenchOptions, ServeOptions, SpecBenchOptions};
 use metrale::gpu::GpuBackend;
 
 use crate::generate::BackendArg;
+use crate::serve::QuantizationArg;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum Shape {
@@ -84,6 +85,10 @@ pub struct BenchArgs {
     /// `--speculative`: verify steps are timed for K = 1 to this (1 to 8).
     #[arg(long, default_value_t = 4)]
     num_draft_tokens: usize,
+    /// How the random weights' projections are stored (`fp8`: quantized at load; the floor
+    /// counts their bytes).
+    #[arg(long, value_enum, default_value_t = QuantizationArg::None)]
+    quantization: QuantizationArg,
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -108,6 +113,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     o.breakdown_batches = args.breakdown_batches.clone();
     o.prefill_tokens = args.prefill_tokens;
     o.iters = args.iters;
+    o.quantization = args.quantization.select();
     o.forwards = args
         .forwards
         .iter()

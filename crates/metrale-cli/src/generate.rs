@@ -15,6 +15,8 @@ use metrale::{
     Prompt, SamplingParams, Speculative,
 };
 
+use crate::serve::QuantizationArg;
+
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BackendArg {
@@ -117,6 +119,10 @@ pub struct GenerateArgs {
     /// Tokens drafted per sequence and verify step with `--speculative mtp` (1 to 8).
     #[arg(long, default_value_t = ModelOptions::default().num_draft_tokens)]
     num_draft_tokens: usize,
+    /// How projection weights are stored: as the checkpoint has them, or block FP8 (bf16
+    /// checkpoints quantized at load).
+    #[arg(long, value_enum, default_value_t = QuantizationArg::None)]
+    quantization: QuantizationArg,
 }
 
 /// The engine's backend for a command-line choice.
@@ -137,6 +143,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         SpeculativeArg::Mtp => Speculative::Mtp,
     };
     let model = ModelOptions::default()
+        .quantization(args.quantization.select())
         .max_batch_tokens(args.max_batch_tokens)
         .max_seq_len(args.max_seq_len)
         .speculative(speculative)

@@ -5,10 +5,29 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
-use metrale::{EngineOptions, GateOptions, ModelOptions, Speculative};
+use metrale::{EngineOptions, GateOptions, ModelOptions, Quantization, Speculative};
 use metrale_server::{GenerationConfig, Server, ServerOptions};
 
 use crate::generate::{BackendArg, backend};
+
+/// How projection weights are stored on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum QuantizationArg {
+    /// As the checkpoint stores them (block FP8 for an FP8 pack, else bf16).
+    None,
+    /// Block FP8 (e4m3, 128 x 128 blocks), bf16 checkpoints quantized at load.
+    Fp8,
+}
+
+impl QuantizationArg {
+    /// The library's option.
+    pub fn select(self) -> Quantization {
+        match self {
+            QuantizationArg::None => Quantization::AsStored,
+            QuantizationArg::Fp8 => Quantization::Fp8,
+        }
+    }
+}
 
 /// Speculative decoding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -90,6 +109,10 @@ pub struct ServeArgs {
     /// Tokens drafted per sequence and verify step with `--speculative mtp` (1 to 8).
     #[arg(long, default_value_t = ModelOptions::default().num_draft_tokens)]
     pub num_draft_tokens: usize,
+    /// How projection weights are stored: as the checkpoint has them, or block FP8 (bf16
+    /// checkpoints quantized at load).
+    #[arg(long, value_enum, default_value_t = QuantizationArg::None)]
+    pub quantization: QuantizationArg,
     /// With `--speculative mtp`: always speculate, instead of turning speculation off while it
     /// measures slower than plain decode.
     #[arg(long)]
@@ -110,6 +133,7 @@ impl ServeArgs {
             SpeculativeArg::Mtp => Speculative::Mtp,
         };
         let model = ModelOptions::default()
+            .quantization(self.quantization.select())
             .max_batch_tokens(self.max_batch_tokens)
             .max_decode_seqs(self.max_decode_seqs)
             .max_seq_len(self.max_seq_len)

@@ -11,6 +11,7 @@ mod generation;
 mod json;
 mod layers;
 mod model;
+mod quantization;
 mod rope;
 
 pub use error::ConfigError;
@@ -18,6 +19,7 @@ pub use family::{ModelFamily, NormConvention, supported_model_types};
 pub use generation::GenerationDefaults;
 pub use layers::{LayerType, LinearAttentionConfig, MoeConfig};
 pub use model::{AttentionConfig, CheckpointInfo, ModelConfig, TokenConfig};
+pub use quantization::WeightQuantization;
 pub use rope::{RopeConfig, RopeScaling};
 
 #[cfg(test)]

@@ -24,6 +24,7 @@ use crate::layers::{
     LayerType, LinearAttentionConfig, MoeConfig, parse_layer_types, parse_linear, parse_moe,
     positive,
 };
+use crate::quantization::{WeightQuantization, parse_quantization};
 use crate::rope::{RopeConfig, parse_rope};
 
 /// A model's architecture and generation ids, read from its checkpoint directory.
@@ -102,6 +103,8 @@ pub struct CheckpointInfo {
     pub torch_dtype: Option<String>,
     /// The sampling settings `generation_config.json` recommends (empty without the file).
     pub generation: GenerationDefaults,
+    /// How the projection weights are quantized (`quantization_config`), if they are.
+    pub quantization: Option<WeightQuantization>,
 }
 
 impl ModelConfig {
@@ -261,6 +264,7 @@ fn parse_config(root: &Fields<'_>) -> Result<ModelConfig, ConfigError> {
             has_vision: entry.wrapper && root.has("vision_config"),
             torch_dtype: parse_dtype(root, &text)?,
             generation: GenerationDefaults::default(),
+            quantization: parse_quantization(root)?,
         },
     };
     validate(&config, &text, spec)?;

@@ -10,6 +10,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
+pub mod fp8;
 pub mod types;
 
 pub use arena::BufferArena;

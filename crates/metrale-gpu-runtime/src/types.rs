@@ -244,6 +244,9 @@ pub enum DType {
     F32,
     /// 32-bit unsigned integer (token ids, positions, slots, block tables).
     U32,
+    /// FP8 E4M3 (OCP `e4m3fn`: no infinities, ±448 at most), the element type of block-FP8
+    /// weights; such a weight always comes with its f32 block scales.
+    F8E4M3,
 }
 
 impl DType {
@@ -252,6 +255,7 @@ impl DType {
         match self {
             DType::Bf16 | DType::F16 => 2,
             DType::F32 | DType::U32 => 4,
+            DType::F8E4M3 => 1,
         }
     }
 
@@ -262,6 +266,7 @@ impl DType {
             DType::F16 => "f16",
             DType::F32 => "f32",
             DType::U32 => "u32",
+            DType::F8E4M3 => "fp8_e4m3",
         }
     }
 }

@@ -40,6 +40,13 @@ shared_consts! {
     LIN_SEGS = 8;
     /// Warps of a narrow or wide decode GEMM block.
     LIN_STREAM_WARPS = 8;
+    /// Columns (and, in the checkpoints' layout, rows) of one block of a block-FP8 weight,
+    /// which shares one f32 scale.
+    FP8_BLOCK = 128;
+    /// log2 of `FP8_BLOCK`: the `scale_row_shift` of 128-row scale blocks.
+    FP8_BLOCK_ROW_SHIFT = 7;
+    /// Threads of a `quantize_fp8` block (one block of the weight each) and of `dequant_fp8`.
+    FP8_CONVERT_THREADS = 256;
     /// Rows of the tiled prefill kernel's block tile (three consumer warpgroups of 64).
     LIN_BM = 192;
     /// Columns of the tiled prefill kernel's block tile.

@@ -91,6 +91,12 @@ macro_rules! for_each_kernel {
             gemm::linear_stream_tma => LINEAR_STREAM_TMA($crate::LinearStreamTmaParams),
             /// `linear_stream_tma`, f32 out.
             gemm::linear_stream_tma_f32out => LINEAR_STREAM_TMA_F32OUT($crate::LinearStreamTmaParams),
+            /// `linear_stream` of a block-FP8 weight (bf16 out).
+            gemm::linear_stream_fp8 => LINEAR_STREAM_FP8($crate::LinearFp8Params),
+            /// A block-FP8 weight as bf16.
+            gemm::dequant_fp8 => DEQUANT_FP8($crate::DequantFp8Params),
+            /// A bf16 weight to block FP8.
+            gemm::quantize_fp8 => QUANTIZE_FP8($crate::QuantizeFp8Params),
             /// Reproducible uniform bf16 fills (benchmark weights).
             init::fill_uniform_bf16 => FILL_UNIFORM_BF16($crate::FillUniformBf16Params),
             /// The router's top-k experts and weights.

@@ -57,6 +57,33 @@ pub struct ModelOptions {
     /// state pool (each sequence holds `1 + this` slots) and the MTP head's buffers. Unused when
     /// `speculative` is `Off`. Default 2.
     pub num_draft_tokens: usize,
+    /// How projection weights are stored on the device. Default [`Quantization::AsStored`].
+    pub quantization: Quantization,
+}
+
+/// How a model's projection weights (attention, MLP, Gated DeltaNet in/out, shared experts)
+/// are stored on the device; embeddings, norms, the LM head, routers and MoE experts stay bf16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Quantization {
+    /// As the checkpoint stores them: block FP8 with their scales where it is an FP8 pack,
+    /// else bf16. The default.
+    #[default]
+    AsStored,
+    /// Block FP8 (e4m3, 128 x 128 blocks): bf16 weights quantized at load with the FP8 packs'
+    /// recipe (scale = block amax / 448, elements rounded to nearest even), so a model
+    /// quantized here has the weights of the pack made from the same bf16 weights.
+    Fp8,
+}
+
+impl Quantization {
+    /// `none` (as stored) or `fp8`, as the CLI spells them.
+    pub fn name(self) -> &'static str {
+        match self {
+            Quantization::AsStored => "none",
+            Quantization::Fp8 => "fp8",
+        }
+    }
 }
 
 /// The most tokens a sequence drafts for one verify step.
@@ -93,6 +120,7 @@ impl Default for ModelOptions {
             ssm_snapshot_stride: None,
             speculative: Speculative::Off,
             num_draft_tokens: 2,
+            quantization: Quantization::AsStored,
         }
     }
 }
@@ -161,6 +189,12 @@ impl ModelOptions {
     /// Set `speculative`.
     pub fn speculative(mut self, s: Speculative) -> Self {
         self.speculative = s;
+        self
+    }
+
+    /// Set `quantization`.
+    pub fn quantization(mut self, q: Quantization) -> Self {
+        self.quantization = q;
         self
     }
 

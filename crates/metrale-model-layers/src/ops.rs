@@ -37,7 +37,7 @@ pub use crate::ops_attention::{
     ATTENTION_SPLITS, DecodeAttention, PagedAttention, attention_blocks_fit, attention_row_groups,
 };
 pub use crate::ops_rows::{KvStore, Norm, QkNormRope};
-pub use crate::ops_view::Matrix;
+pub use crate::ops_view::{BlockScales, Matrix};
 
 /// Rows up to which the step's small kernels (rotary and cache stores, the gated-delta-net
 /// kernels, the gathers, `argmax`) and decode attention launch as programmatic dependents: the

@@ -1,6 +1,7 @@
 //! `Matrix`: a typed view of a row-major matrix in device memory (where it starts, its element
-//! type, its shape), which the launchers take as their operands instead of bare addresses and
-//! dimensions, and the checks that a launch's operands agree before anything is launched.
+//! type, its shape, and for a block-FP8 matrix its [`BlockScales`]), which the launchers take as
+//! their operands instead of bare addresses and dimensions, and the checks that a launch's
+//! operands agree before anything is launched.
 //!
 //! Invariant: a launcher that takes views checks every view against what the kernel reads
 //! (element type) and against the others (shared dimensions), and refuses a mismatch with
@@ -10,6 +11,19 @@
 use metrale_gpu_runtime::{DType, DevicePtr, GpuError, GpuResult};
 
 use crate::weight_map::DenseWeight;
+
+/// The scales of a block-FP8 matrix `[rows, cols]`: f32 `[ceil(rows / 2^row_shift),
+/// ceil(cols / FP8_BLOCK)]`, element `(r, c)` standing for `bf16(e4m3 · scale[r >> row_shift][c /
+/// FP8_BLOCK])`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockScales {
+    /// The first scale.
+    pub ptr: DevicePtr,
+    /// log2 of the rows one scale row covers: `FP8_BLOCK_ROW_SHIFT` (the checkpoints' 128-row
+    /// blocks) or 0 (a scale row per matrix row, for weights whose rows were concatenated or
+    /// permuted across block boundaries).
+    pub row_shift: u32,
+}
 
 /// A row-major matrix in device memory: `rows` rows of `cols` elements of `dtype`, contiguous.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,6 +36,8 @@ pub struct Matrix {
     pub rows: u32,
     /// Elements per row.
     pub cols: u32,
+    /// The block scales of an `F8E4M3` matrix; `None` for every other element type.
+    pub scales: Option<BlockScales>,
 }
 
 impl Matrix {
@@ -32,6 +48,7 @@ impl Matrix {
             dtype,
             rows,
             cols,
+            scales: None,
         }
     }
 
@@ -61,7 +78,10 @@ impl DenseWeight {
             [n] => (1, *n),
             [rows, rest @ ..] => (*rows, rest.iter().product()),
         };
-        Matrix::new(self.ptr, self.dtype, clamp(rows), clamp(cols))
+        Matrix {
+            scales: self.scales,
+            ..Matrix::new(self.ptr, self.dtype, clamp(rows), clamp(cols))
+        }
     }
 }
 
@@ -72,7 +92,7 @@ pub(crate) struct Operands {
 }
 
 impl Operands {
-    fn bad(&self, operand: &'static str, problem: String) -> GpuError {
+    pub fn bad(&self, operand: &'static str, problem: String) -> GpuError {
         GpuError::BadOperand {
             kernel: self.kernel.to_string(),
             operand,
@@ -142,6 +162,7 @@ mod tests {
             ptr: DevicePtr(512),
             shape: vec![6, 2, 3],
             dtype: DType::Bf16,
+            scales: None,
         };
         assert_eq!(weight.matrix(), Matrix::bf16(DevicePtr(512), 6, 6));
     }

@@ -20,6 +20,8 @@
 mod attention;
 #[path = "gpu_kernels/backend.rs"]
 mod backend;
+#[path = "gpu_kernels/fp8.rs"]
+mod fp8;
 #[path = "gpu_kernels/fused.rs"]
 mod fused;
 #[path = "gpu_kernels/harness.rs"]

@@ -269,3 +269,61 @@ fn bad_generation_config_names_its_own_file() {
         .unwrap();
     assert!(c.checkpoint.generation.is_empty(), "null is unset");
 }
+
+#[test]
+fn fp8_packs_are_read_and_other_quantizations_refused_naming_the_field() {
+    use crate::WeightQuantization;
+    let pack = json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                      "weight_block_size": [128, 128]});
+    let c = parse_value(&with(qwen3(), "/quantization_config", pack.clone())).unwrap();
+    assert_eq!(
+        c.checkpoint.quantization,
+        Some(WeightQuantization::Fp8 {
+            method: "fp8".into()
+        })
+    );
+    assert_eq!(parse_value(&qwen3()).unwrap().checkpoint.quantization, None);
+    let compressed = json!({"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "float", "dynamic": true}}}});
+    let c = parse_value(&with(qwen3(), "/quantization_config", compressed.clone())).unwrap();
+    assert!(matches!(
+        c.checkpoint.quantization,
+        Some(WeightQuantization::Fp8 { .. })
+    ));
+
+    let refused = |q: Value, field: &str, needles: &[&str]| {
+        let err = parse_value(&with(qwen3(), "/quantization_config", q)).unwrap_err();
+        assert!(matches!(err, ConfigError::Unsupported { .. }), "{err:?}");
+        assert!(field_of(&err).ends_with(field), "{err:?}");
+        message(&err, needles);
+    };
+    refused(with(pack.clone(), "/fmt", json!("e5m2")), "fmt", &["e4m3"]);
+    refused(
+        with(pack.clone(), "/activation_scheme", json!("static")),
+        "activation_scheme",
+        &["dynamic"],
+    );
+    refused(
+        with(pack.clone(), "/weight_block_size", json!([64, 64])),
+        "weight_block_size",
+        &["128"],
+    );
+    refused(
+        json!({"quant_method": "awq", "bits": 4}),
+        "quant_method",
+        &["awq"],
+    );
+    let int8 = with(
+        compressed.clone(),
+        "/config_groups/group_0/weights/type",
+        json!("int"),
+    );
+    refused(int8, "num_bits", &["8-bit float"]);
+    let static_inputs = with(
+        compressed,
+        "/config_groups/group_0/input_activations/dynamic",
+        json!(false),
+    );
+    refused(static_inputs, "dynamic", &["dynamic"]);
+}

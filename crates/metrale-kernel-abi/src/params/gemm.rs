@@ -80,3 +80,64 @@ kernel_params! {
         k: u32,
     }
 }
+
+kernel_params! {
+    /// `gemm::linear_stream_fp8`: `linear_stream` of a block-FP8 weight, each weight element
+    /// taken as bf16(fp8 · its block's scale), so a row's output is bitwise `linear`'s on the
+    /// dequantized weight (`gemm::dequant_fp8`'s).
+    pub struct LinearFp8Params("LINEAR_FP8_PARAMS") {
+        /// bf16 `[m, n]`.
+        out: ptr "bf16* __restrict__",
+        /// bf16 `[m, k]`.
+        x: ptr "const bf16* __restrict__",
+        /// fp8 e4m3 `[n, k]`.
+        w: ptr "const uint8_t* __restrict__",
+        /// f32 `[ceil(n / 2^scale_row_shift), ceil(k / FP8_BLOCK)]`: the scale of each block.
+        scales: ptr "const float* __restrict__",
+        /// Rows.
+        m: u32,
+        /// Output columns.
+        n: u32,
+        /// Inputs.
+        k: u32,
+        /// log2 of the weight rows one scale row covers: `FP8_BLOCK_ROW_SHIFT` (128-row blocks,
+        /// the checkpoints' layout) or 0 (a scale row per weight row).
+        scale_row_shift: u32,
+    }
+}
+
+kernel_params! {
+    /// `gemm::dequant_fp8`: a block-FP8 weight as bf16, bf16(fp8 · its block's scale).
+    pub struct DequantFp8Params("DEQUANT_FP8_PARAMS") {
+        /// bf16 `[n, k]`.
+        out: ptr "bf16* __restrict__",
+        /// fp8 e4m3 `[n, k]`.
+        w: ptr "const uint8_t* __restrict__",
+        /// f32 block scales, as `LinearFp8Params::scales`.
+        scales: ptr "const float* __restrict__",
+        /// Rows.
+        n: u32,
+        /// Columns.
+        k: u32,
+        /// As `LinearFp8Params::scale_row_shift`.
+        scale_row_shift: u32,
+    }
+}
+
+kernel_params! {
+    /// `gemm::quantize_fp8`: a bf16 weight to block FP8 (blocks of `FP8_BLOCK` rows by
+    /// `FP8_BLOCK` columns; scale = block amax / 448, 1 for an all-zero block; each element
+    /// fp8(w / scale), rounded to nearest even, saturating at ±448).
+    pub struct QuantizeFp8Params("QUANTIZE_FP8_PARAMS") {
+        /// fp8 e4m3 `[n, k]`.
+        out: ptr "uint8_t* __restrict__",
+        /// f32 `[ceil(n / FP8_BLOCK), ceil(k / FP8_BLOCK)]`.
+        scales: ptr "float* __restrict__",
+        /// bf16 `[n, k]`.
+        w: ptr "const bf16* __restrict__",
+        /// Rows.
+        n: u32,
+        /// Columns.
+        k: u32,
+    }
+}

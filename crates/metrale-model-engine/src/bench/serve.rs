@@ -27,7 +27,7 @@ use super::{copy_bandwidth, kv_bytes_per_token, median, ssm_bytes_per_seq, weigh
 use crate::error::ModelError;
 use crate::factory;
 use crate::generate::GenerateParams;
-use crate::options::ModelOptions;
+use crate::options::{ModelOptions, Quantization};
 use crate::sampling::SamplingParams;
 use crate::scheduler::{Scheduler, SeqRequest, StepKind};
 
@@ -123,7 +123,7 @@ pub fn serve_ladder(
         .num_kv_blocks(Some(blocks))
         .max_decode_seqs(max_c);
     let model = factory::random(c.clone(), gpu.clone(), 0x5eed)?;
-    let weights = weight_bytes(c);
+    let weights = weight_bytes(c, Quantization::AsStored);
     let per_seq = (opts.prompt_tokens as f64 + opts.output_tokens as f64 / 2.0)
         * kv_bytes_per_token(c)
         + ssm_bytes_per_seq(c);

@@ -33,7 +33,7 @@ use super::{
 use crate::error::ModelError;
 use crate::factory;
 use crate::generate::{GenerateParams, SeqRequest, generate_speculative};
-use crate::options::{MAX_DRAFT_TOKENS, ModelOptions, Speculative};
+use crate::options::{MAX_DRAFT_TOKENS, ModelOptions, Quantization, Speculative};
 use crate::runner::{MtpStep, StepRow, StepRunner};
 use crate::sampling::SamplingParams;
 use crate::scheduler::Scheduler;
@@ -189,7 +189,7 @@ pub fn speculative_bench(
     Ok(SpecReport {
         backend: gpu.name().to_string(),
         copy_gb_s,
-        weight_bytes: weight_bytes(&c),
+        weight_bytes: weight_bytes(&c, Quantization::AsStored),
         head_weight_bytes: head_weight_bytes(&c),
         context: opts.context,
         plain: steps.0,
@@ -225,7 +225,10 @@ fn step_times(
 ) -> Result<(StepTimes, Vec<VerifyFigure>, StepTimes), ModelError> {
     let kmax = opts.max_draft_tokens;
     let floor = |bytes: f64| bytes / (copy_gb_s * 1e9) * 1e3;
-    let (weights, kv_token) = (weight_bytes(c), kv_bytes_per_token(c));
+    let (weights, kv_token) = (
+        weight_bytes(c, Quantization::AsStored),
+        kv_bytes_per_token(c),
+    );
     // The SSM state is read once per step and written once per row.
     let ssm_half = ssm_bytes_per_seq(c) / 2.0;
     let mut table = BlockTable::new();

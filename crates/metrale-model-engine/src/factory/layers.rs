@@ -9,7 +9,9 @@ use metrale_model_layers::layers::{
     Attention, DecoderLayer, Ffn, GatedDeltaNet, GdnShape, InProjSource, Mixer, Mlp, MoeMlp,
     MoeShape, SharedExpert,
 };
-use metrale_model_layers::weight_map::{ExpertNames, GdnProjectionNames, LayerNames, WeightLoader};
+use metrale_model_layers::weight_map::{ExpertNames, GdnProjectionNames, LayerNames};
+
+use super::Loader;
 
 use crate::error::ModelError;
 
@@ -19,7 +21,7 @@ fn unsupported(what: &str) -> ModelError {
 
 /// A whole decoder layer: its norms, its mixer of `kind`, and a dense or MoE FFN.
 pub fn decoder_layer(
-    loader: &WeightLoader<'_>,
+    loader: &Loader<'_>,
     c: &ModelConfig,
     n: &LayerNames,
     kind: LayerType,
@@ -31,7 +33,7 @@ pub fn decoder_layer(
         LayerType::LinearAttention => Mixer::GatedDeltaNet(gdn(loader, c, n)?),
     };
     let ffn = if moe_ffn {
-        Ffn::Moe(moe(loader, c, n)?)
+        Ffn::Moe(Box::new(moe(loader, c, n)?))
     } else {
         Ffn::Dense(mlp(loader, c, n)?)
     };
@@ -45,7 +47,7 @@ pub fn decoder_layer(
 
 /// A full-attention layer (plain or gated, with or without q/k norm).
 pub fn attention(
-    loader: &WeightLoader<'_>,
+    loader: &Loader<'_>,
     c: &ModelConfig,
     n: &LayerNames,
 ) -> Result<Attention, ModelError> {
@@ -60,7 +62,7 @@ pub fn attention(
     } else {
         hq * d
     };
-    let qkv = loader.upload_bf16_concat(&[
+    let qkv = loader.linears(&[
         (&n.q_proj(), &[q_rows, h]),
         (&n.k_proj(), &[hkv * d, h]),
         (&n.v_proj(), &[hkv * d, h]),
@@ -77,24 +79,23 @@ pub fn attention(
         qkv,
         q_norm,
         k_norm,
-        o_proj: loader.upload_bf16(&n.o_proj(), &[h, hq * d])?,
+        o_proj: loader.linear(&n.o_proj(), &[h, hq * d])?,
     })
 }
 
 /// A dense SwiGLU MLP.
-pub fn mlp(loader: &WeightLoader<'_>, c: &ModelConfig, n: &LayerNames) -> Result<Mlp, ModelError> {
+pub fn mlp(loader: &Loader<'_>, c: &ModelConfig, n: &LayerNames) -> Result<Mlp, ModelError> {
     let (h, f) = (c.hidden_size, c.intermediate_size);
     Ok(Mlp {
-        gate_up: loader
-            .upload_bf16_concat(&[(&n.mlp_gate_proj(), &[f, h]), (&n.mlp_up_proj(), &[f, h])])?,
-        down: loader.upload_bf16(&n.mlp_down_proj(), &[h, f])?,
+        gate_up: loader.linears(&[(&n.mlp_gate_proj(), &[f, h]), (&n.mlp_up_proj(), &[f, h])])?,
+        down: loader.linear(&n.mlp_down_proj(), &[h, f])?,
         ffn: f as u32,
     })
 }
 
 /// A Gated DeltaNet mixer.
 pub fn gdn(
-    loader: &WeightLoader<'_>,
+    loader: &Loader<'_>,
     c: &ModelConfig,
     n: &LayerNames,
 ) -> Result<GatedDeltaNet, ModelError> {
@@ -118,7 +119,7 @@ pub fn gdn(
             in_proj_z,
             in_proj_b,
             in_proj_a,
-        } => loader.upload_bf16_concat(&[
+        } => loader.linears(&[
             (in_proj_qkv, &[conv_dim, h]),
             (in_proj_z, &[value_dim, h]),
             (in_proj_b, &[vh, h]),
@@ -142,7 +143,12 @@ pub fn gdn(
                 fused.extend_from_slice(&src[i * h..(i + 1) * h]);
             }
             let width = fused.len() / h;
-            loader.upload(in_proj_qkvz, &fused, vec![width, h], DType::Bf16)?
+            loader.as_configured(loader.upload(
+                in_proj_qkvz,
+                &fused,
+                vec![width, h],
+                DType::Bf16,
+            )?)?
         }
     };
     Ok(GatedDeltaNet {
@@ -151,17 +157,13 @@ pub fn gdn(
         a_log: loader.upload_f32(&names.a_log, &[vh])?,
         dt_bias: loader.upload_f32(&names.dt_bias, &[vh])?,
         norm: loader.upload_bf16(&names.norm, &[hd.v_head_dim as usize])?,
-        out_proj: loader.upload_bf16(&names.out_proj, &[h, value_dim])?,
+        out_proj: loader.linear(&names.out_proj, &[h, value_dim])?,
         shape,
     })
 }
 
 /// A sparse-MoE FFN with its shared expert.
-pub fn moe(
-    loader: &WeightLoader<'_>,
-    c: &ModelConfig,
-    n: &LayerNames,
-) -> Result<MoeMlp, ModelError> {
+pub fn moe(loader: &Loader<'_>, c: &ModelConfig, n: &LayerNames) -> Result<MoeMlp, ModelError> {
     let shape = MoeShape::from_config(c)
         .ok_or_else(|| unsupported("a MoE layer in a config without MoE settings"))?;
     let cfg = c
@@ -198,9 +200,8 @@ pub fn moe(
     let shared = if fs > 0 && loader.source.contains(&names.shared_expert.gate_proj) {
         let s = &names.shared_expert;
         Some(SharedExpert {
-            gate_up: loader
-                .upload_bf16_concat(&[(&s.gate_proj, &[fs, h]), (&s.up_proj, &[fs, h])])?,
-            down: loader.upload_bf16(&s.down_proj, &[h, fs])?,
+            gate_up: loader.linears(&[(&s.gate_proj, &[fs, h]), (&s.up_proj, &[fs, h])])?,
+            down: loader.linear(&s.down_proj, &[h, fs])?,
             gate: if loader.source.contains(&names.shared_expert_gate) {
                 Some(loader.upload_bf16(&names.shared_expert_gate, &[1, h])?)
             } else {

@@ -10,22 +10,109 @@
 mod layers;
 mod random;
 
+use std::ops::Deref;
 use std::path::Path;
 use std::sync::Arc;
 
 use metrale_config::{LayerType, ModelConfig};
-use metrale_gpu_runtime::GpuBackend;
-use metrale_model_layers::TransformerLayer;
+use metrale_gpu_runtime::fp8::FP8_BLOCK_ROW_SHIFT;
+use metrale_gpu_runtime::{DType, GpuBackend, StreamHandle};
 use metrale_model_layers::layers::MtpHead;
-use metrale_model_layers::weight_map::{SafetensorsSource, WeightLoader, WeightNames};
+use metrale_model_layers::ops::{BlockScales, Matrix};
+use metrale_model_layers::ops_gemm::fp8_scale_bytes;
+use metrale_model_layers::weight_map::{DenseWeight, SafetensorsSource, WeightLoader, WeightNames};
+use metrale_model_layers::{Ops, TransformerLayer};
 
 use crate::error::ModelError;
 use crate::model::{Model, ModelWeights};
+use crate::options::Quantization;
 
-pub use random::random;
+pub use random::{random, random_quantized};
 
-/// Load the checkpoint in `dir` onto `gpu`.
+/// Load the checkpoint in `dir` onto `gpu`, its projection weights as stored.
 pub fn load(dir: &Path, gpu: Arc<dyn GpuBackend>) -> Result<Model, ModelError> {
+    load_quantized(dir, gpu, Quantization::AsStored)
+}
+
+/// The checkpoint loader, and under [`Quantization::Fp8`] the launchers that quantize the bf16
+/// projection weights it loads.
+pub(crate) struct Loader<'a> {
+    weights: WeightLoader<'a>,
+    quantize: Option<Ops>,
+}
+
+impl<'a> Deref for Loader<'a> {
+    type Target = WeightLoader<'a>;
+    fn deref(&self) -> &WeightLoader<'a> {
+        &self.weights
+    }
+}
+
+impl Loader<'_> {
+    /// A projection weight (see [`Loader::linears`]).
+    pub(crate) fn linear(&self, name: &str, shape: &[usize]) -> Result<DenseWeight, ModelError> {
+        self.linears(&[(name, shape)])
+    }
+
+    /// Projection weights concatenated along dim 0: block FP8 where the checkpoint stores them
+    /// so or the model is quantized at load, else bf16.
+    pub(crate) fn linears(&self, parts: &[(&str, &[usize])]) -> Result<DenseWeight, ModelError> {
+        if self.quantize.is_some() {
+            return Ok(self.weights.upload_linear_concat_fp8(parts)?);
+        }
+        Ok(self.weights.upload_linear_concat(parts)?)
+    }
+
+    /// Projection weight `w`, built on the host from several tensors, as the model stores it:
+    /// quantized to block FP8 on the device (in 128-row blocks of `w`) where it is bf16 and the
+    /// model is quantized at load.
+    pub(crate) fn as_configured(&self, w: DenseWeight) -> Result<DenseWeight, ModelError> {
+        match &self.quantize {
+            Some(ops) if w.dtype == DType::Bf16 => {
+                quantize_fp8(self.weights.gpu, ops, self.weights.stream, w)
+            }
+            _ => Ok(w),
+        }
+    }
+}
+
+/// bf16 weight `w` quantized to block FP8 on the device (`Ops::quantize_fp8`); `w`'s memory is
+/// freed once the quantized copy is written.
+pub(crate) fn quantize_fp8(
+    gpu: &dyn GpuBackend,
+    ops: &Ops,
+    s: StreamHandle,
+    w: DenseWeight,
+) -> Result<DenseWeight, ModelError> {
+    let source = w.matrix();
+    let (n, k) = source.shape();
+    let bytes = gpu.alloc((n as usize * k as usize).max(1))?;
+    let scales = BlockScales {
+        ptr: gpu.alloc(fp8_scale_bytes(n, k, FP8_BLOCK_ROW_SHIFT).max(4))?,
+        row_shift: FP8_BLOCK_ROW_SHIFT,
+    };
+    let out = Matrix {
+        scales: Some(scales),
+        ..Matrix::new(bytes, DType::F8E4M3, n, k)
+    };
+    ops.quantize_fp8(s, out, source)?;
+    gpu.synchronize(s)?;
+    gpu.free(w.ptr)?;
+    Ok(DenseWeight {
+        ptr: bytes,
+        dtype: DType::F8E4M3,
+        scales: Some(scales),
+        ..w
+    })
+}
+
+/// Load the checkpoint in `dir` onto `gpu`, its projection weights stored as `quantization`
+/// says.
+pub fn load_quantized(
+    dir: &Path,
+    gpu: Arc<dyn GpuBackend>,
+    quantization: Quantization,
+) -> Result<Model, ModelError> {
     let config = ModelConfig::from_dir(dir)?;
     if config.checkpoint.has_vision {
         tracing::info!(
@@ -35,7 +122,13 @@ pub fn load(dir: &Path, gpu: Arc<dyn GpuBackend>) -> Result<Model, ModelError> {
     }
     let source = SafetensorsSource::open(dir)?;
     let names = WeightNames::detect(&source, &config)?;
-    let loader = WeightLoader::new(&source, gpu.as_ref(), gpu.default_stream());
+    let loader = Loader {
+        weights: WeightLoader::new(&source, gpu.as_ref(), gpu.default_stream()),
+        quantize: match quantization {
+            Quantization::AsStored => None,
+            Quantization::Fp8 => Some(Ops::new(gpu.clone())?),
+        },
+    };
     let (h, v) = (config.hidden_size, config.tokens.vocab_size);
     let embed = loader.upload_bf16(&names.embed_tokens(), &[v, h])?;
     let final_norm = loader.upload_bf16(&names.final_norm(), &[h])?;

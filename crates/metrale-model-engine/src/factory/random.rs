@@ -15,6 +15,7 @@ use metrale_model_layers::{Ops, TransformerLayer};
 
 use crate::error::ModelError;
 use crate::model::{Model, ModelWeights};
+use crate::options::Quantization;
 
 /// Fills one weight after another from consecutive seeds.
 struct Filler {
@@ -24,6 +25,8 @@ struct Filler {
     seed: u64,
     /// Norm weights are drawn around this: 1 for `x * w`, 0 for zero-centred `x * (1 + w)`.
     norm_offset: f32,
+    /// Quantize the layers' projections to block FP8 after filling them.
+    fp8: bool,
 }
 
 impl Filler {
@@ -43,12 +46,22 @@ impl Filler {
             ptr,
             shape: shape.to_vec(),
             dtype: DType::Bf16,
+            scales: None,
         })
     }
 
     /// A projection with `fan_in` inputs: scale `1/sqrt(fan_in)`.
     fn proj(&mut self, shape: &[usize], fan_in: usize) -> Result<DenseWeight, ModelError> {
         self.weight(shape, 0.0, 1.0 / (fan_in as f32).sqrt())
+    }
+
+    /// A layer's projection: [`Filler::proj`], quantized to block FP8 when the model is.
+    fn linear(&mut self, shape: &[usize], fan_in: usize) -> Result<DenseWeight, ModelError> {
+        let w = self.proj(shape, fan_in)?;
+        if !self.fp8 {
+            return Ok(w);
+        }
+        super::quantize_fp8(self.gpu.as_ref(), &self.ops, self.stream, w)
     }
 
     /// A norm weight of `n` channels.
@@ -63,6 +76,7 @@ impl Filler {
             ptr,
             shape: vec![v.len()],
             dtype: DType::F32,
+            scales: None,
         })
     }
 
@@ -86,16 +100,16 @@ impl Filler {
         };
         let mixer = match (kind, GdnShape::from_config(c)) {
             (LayerType::FullAttention, _) => Mixer::Attention(Attention {
-                qkv: self.proj(&[q_rows + 2 * hkv * d, h], h)?,
+                qkv: self.linear(&[q_rows + 2 * hkv * d, h], h)?,
                 q_norm: Some(self.norm(d)?),
                 k_norm: Some(self.norm(d)?),
-                o_proj: self.proj(&[h, hq * d], hq * d)?,
+                o_proj: self.linear(&[h, hq * d], hq * d)?,
             }),
             (LayerType::LinearAttention, Some(shape)) => {
                 let hd = shape.heads;
                 let (vh, dv) = (hd.num_v_heads as usize, hd.v_head_dim as usize);
                 Mixer::GatedDeltaNet(GatedDeltaNet {
-                    in_proj: self.proj(&[hd.proj_width() as usize, h], h)?,
+                    in_proj: self.linear(&[hd.proj_width() as usize, h], h)?,
                     conv1d: self.weight(
                         &[hd.conv_dim() as usize, 1, shape.conv_kernel as usize],
                         0.0,
@@ -105,7 +119,7 @@ impl Filler {
                         .small((0..vh).map(|i| (1.0 + i as f32 / vh as f32).ln()).collect())?,
                     dt_bias: self.small(vec![0.5; vh])?,
                     norm: self.weight(&[dv], 1.0, 0.1)?,
-                    out_proj: self.proj(&[h, vh * dv], vh * dv)?,
+                    out_proj: self.linear(&[h, vh * dv], vh * dv)?,
                     shape,
                 })
             }
@@ -116,8 +130,8 @@ impl Filler {
             }
         };
         let mlp = Mlp {
-            gate_up: self.proj(&[2 * f, h], h)?,
-            down: self.proj(&[h, f], f)?,
+            gate_up: self.linear(&[2 * f, h], h)?,
+            down: self.linear(&[h, f], f)?,
             ffn: f as u32,
         };
         Ok(DecoderLayer {
@@ -138,6 +152,18 @@ pub fn random(
     gpu: Arc<dyn GpuBackend>,
     seed: u64,
 ) -> Result<Model, ModelError> {
+    random_quantized(config, gpu, seed, Quantization::AsStored)
+}
+
+/// [`random`], the layers' projections stored as `quantization` says (`Fp8`: filled in bf16,
+/// then quantized on the device with the packs' recipe; the embedding, the LM head and the
+/// MTP head's input projection stay bf16).
+pub fn random_quantized(
+    config: ModelConfig,
+    gpu: Arc<dyn GpuBackend>,
+    seed: u64,
+    quantization: Quantization,
+) -> Result<Model, ModelError> {
     if config.moe.is_some() {
         return Err(ModelError::Unsupported(
             "random weights are built for dense-FFN models only".into(),
@@ -155,6 +181,7 @@ pub fn random(
         stream: s,
         seed,
         norm_offset,
+        fp8: quantization == Quantization::Fp8,
     };
     let (h, v) = (config.hidden_size, config.tokens.vocab_size);
     let embed = fill.weight(&[v, h], 0.0, 1.0)?;

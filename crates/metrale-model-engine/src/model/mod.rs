@@ -14,7 +14,8 @@ mod mtp;
 use std::sync::Arc;
 
 use metrale_config::ModelConfig;
-use metrale_gpu_runtime::{GpuBackend, StreamHandle};
+use metrale_gpu_runtime::{DType, GpuBackend, StreamHandle};
+use metrale_model_layers::circuit_exec::CircuitBindings;
 use metrale_model_layers::circuit_exec::LayerPools;
 use metrale_model_layers::layers::MtpHead;
 use metrale_model_layers::ops::Matrix;
@@ -140,6 +141,25 @@ impl Model {
     /// The multi-token-prediction head's weights, when the checkpoint has them.
     pub fn mtp_head(&self) -> Option<&MtpHead> {
         self.weights.mtp.as_ref()
+    }
+
+    /// Elements of the largest block-FP8 weight of the layers (the MTP head's included): the
+    /// bf16 image prefill-sized projections dequantize into (`Ops::set_fp8_scratch`); 0 when
+    /// every weight is bf16.
+    pub fn largest_fp8_weight(&self) -> usize {
+        let head = self
+            .mtp_head()
+            .map(|h| h.layers.as_slice())
+            .unwrap_or_default();
+        let bound = (self.layers.iter().map(|l| l.circuit_layer(&self.dims)))
+            .chain(head.iter().map(|l| l.circuit_layer(&self.dims)));
+        bound
+            .flatten()
+            .flat_map(|l| l.weights.into_values())
+            .filter(|w| w.weight().dtype == DType::F8E4M3)
+            .map(|w| w.shape().iter().product::<usize>())
+            .max()
+            .unwrap_or(0)
     }
 
     /// The launches of one step through `ops` (the model's launchers, or recording ones): embed,

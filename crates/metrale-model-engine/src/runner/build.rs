@@ -7,7 +7,7 @@ use metrale_gpu_runtime::{BufferArena, DType, GpuBackendExt};
 use metrale_model_layers::StepBuffers;
 use metrale_model_layers::layer::{Activations, GdnBuffers, HeadBuffers, MoeBuffers, StepMeta};
 use metrale_model_layers::layers::{GdnShape, MoeShape};
-use metrale_model_layers::ops_gemm::{self, LinearStaging};
+use metrale_model_layers::ops_gemm::{self, Fp8Scratch, LinearStaging};
 
 use super::sizes::StepSizes;
 use crate::error::ModelError;
@@ -127,6 +127,12 @@ fn layout(model: &Model, sizes: &StepSizes) -> (ArenaLayout, LinearStagingSize) 
     };
     let total = LinearStaging::bytes(staging.image_bytes, staging.map_slots);
     layout.add("linear_staging", DType::U32, total.div_ceil(4));
+    // Prefill-sized projections of block-FP8 weights dequantize into this and run the bf16
+    // kernels (`ops_gemm::fp8`); steps of at most `FP8_STREAM_M_MAX` rows never need it.
+    let fp8 = model.largest_fp8_weight();
+    if fp8 > 0 && r > ops_gemm::FP8_STREAM_M_MAX as usize {
+        layout.add("fp8_scratch", DType::Bf16, fp8);
+    }
     (layout, staging)
 }
 
@@ -150,6 +156,13 @@ pub(crate) fn allocate(model: &Model, sizes: &StepSizes) -> Result<Buffers, Mode
         staging.map_slots,
     )));
     let has = |n: &str| arena.buffers().any(|(m, _)| m == n);
+    model.ops().set_fp8_scratch(has("fp8_scratch").then(|| {
+        let b = arena.get("fp8_scratch");
+        Fp8Scratch {
+            ptr: b.ptr,
+            bytes: b.bytes(),
+        }
+    }));
     let step = StepBuffers {
         acts: Activations {
             residual: p("residual"),

@@ -88,34 +88,43 @@ impl fmt::Display for WeightSlot {
 pub enum BoundWeight {
     /// Unquantized, in its element type (bf16 projections and norms; the GDN vectors f32).
     Dense(DenseWeight),
+    /// Block FP8 (e4m3 with its block scales): a projection of an FP8 checkpoint or of a model
+    /// quantized at load.
+    BlockFp8(DenseWeight),
 }
 
 impl BoundWeight {
-    /// The format family, as the kernels' weight formats are spelled (`bf16`, `f32`, ...).
+    /// The format family, as the kernels' weight formats are spelled (`bf16`, `f32`,
+    /// `fp8_e4m3`, ...).
     pub fn family(&self) -> &'static str {
-        match self {
-            BoundWeight::Dense(w) => w.dtype.name(),
-        }
+        self.weight().dtype.name()
     }
 
     /// Where the data starts.
     pub fn ptr(&self) -> DevicePtr {
-        match self {
-            BoundWeight::Dense(w) => w.ptr,
-        }
+        self.weight().ptr
     }
 
     /// Dims, outermost first.
     pub fn shape(&self) -> &[usize] {
+        &self.weight().shape
+    }
+
+    /// The weight.
+    pub fn weight(&self) -> &DenseWeight {
         match self {
-            BoundWeight::Dense(w) => &w.shape,
+            BoundWeight::Dense(w) | BoundWeight::BlockFp8(w) => w,
         }
     }
 }
 
 impl From<&DenseWeight> for BoundWeight {
     fn from(w: &DenseWeight) -> BoundWeight {
-        BoundWeight::Dense(w.clone())
+        if w.dtype == DType::F8E4M3 {
+            BoundWeight::BlockFp8(w.clone())
+        } else {
+            BoundWeight::Dense(w.clone())
+        }
     }
 }
 

@@ -49,6 +49,7 @@ impl Addr {
             ptr: self.next(),
             shape: shape.to_vec(),
             dtype,
+            scales: None,
         })
     }
 }

@@ -26,7 +26,7 @@ pub enum Ffn {
     /// Dense SwiGLU.
     Dense(Mlp),
     /// Sparse mixture of experts with a shared expert.
-    Moe(MoeMlp),
+    Moe(Box<MoeMlp>),
 }
 
 /// See the module header.

@@ -37,8 +37,10 @@ use parking_lot::Mutex;
 use crate::ops::Ops;
 use crate::ops_view::{Matrix, Operands};
 
+mod fp8;
 mod geometry;
 
+pub use fp8::{FP8_STREAM_M_MAX, Fp8Scratch, fp8_scale_bytes};
 pub use geometry::*;
 
 /// What `linear_tma` needs beside its operands, in device memory the caller owns (a model's
@@ -91,6 +93,8 @@ struct TmaState {
     staging: Option<LinearStaging>,
     /// Map slots by (weight address, rows, columns).
     maps: HashMap<(u64, u32, u32), DevicePtr>,
+    /// Where prefill-sized `linear` of an FP8 weight writes its bf16 image (`ops_gemm::fp8`).
+    fp8_scratch: Option<Fp8Scratch>,
 }
 
 impl LinearTma {
@@ -132,8 +136,12 @@ fn linear_operands(
 }
 
 impl Ops {
-    /// `out[m, n] = x[m, k] · w[n, k]ᵀ`, bf16 out.
+    /// `out[m, n] = x[m, k] · w[n, k]ᵀ`, bf16 out; `w` bf16, or block FP8 with its scales
+    /// (`ops_gemm::fp8`).
     pub fn linear(&self, s: StreamHandle, out: Matrix, x: Matrix, w: Matrix) -> GpuResult<()> {
+        if w.dtype == DType::F8E4M3 {
+            return self.linear_fp8(s, out, x, w);
+        }
         let p = linear_operands("gemm::linear", DType::Bf16, &out, &x, &w)?;
         self.gemm(s, false, &p)
     }
@@ -228,7 +236,10 @@ impl Ops {
         m: u32,
     ) -> GpuResult<Option<DevicePtr>> {
         let (n, k) = w.shape();
-        if m <= LINEAR_SMALL_M_MAX && !linear_stream_tma_takes_images(m, k) {
+        // Only bf16 weights have tensor maps; an FP8 projection reads x's rows.
+        if w.dtype != DType::Bf16
+            || (m <= LINEAR_SMALL_M_MAX && !linear_stream_tma_takes_images(m, k))
+        {
             return Ok(None);
         }
         let Some(staging) = self.staging_for(w.ptr, m, k, 2 * LIN_KC) else {

@@ -1,7 +1,9 @@
 //! Host-side loading of one tensor (or several concatenated along dim 0) from a
 //! `SafetensorsSource`, checked against the shape the model expects and converted to bf16 or
 //! f32. BF16, F16 and F32 sources are accepted; f32 -> bf16 rounds to nearest even
-//! (`half::bf16::from_f32`), f16 -> bf16 goes through the exact f16 -> f32 widening first.
+//! (`half::bf16::from_f32`), f16 -> bf16 goes through the exact f16 -> f32 widening first. An
+//! FP8 weight with its scales (`fp8.rs`) loads as bf16 too, each element bf16(e4m3 · scale):
+//! the bf16 the FP8 kernels compute with.
 //!
 //! Invariant: the file bytes are read element by element as little-endian values, so no
 //! alignment of the mapped data is assumed.
@@ -63,6 +65,10 @@ impl SafetensorsSource {
         expected_shape: &[usize],
         out: &mut Vec<bf16>,
     ) -> Result<(), WeightError> {
+        if self.is_fp8(name) {
+            out.extend(self.load_fp8(name, expected_shape)?.dequantized());
+            return Ok(());
+        }
         let (dtype, bytes) = self.checked(name, expected_shape)?;
         out.reserve(bytes.len() / dtype_bytes(dtype));
         match dtype {

@@ -31,6 +31,29 @@ pub enum WeightError {
         /// The checkpoint directory.
         dir: PathBuf,
     },
+    /// An FP8 weight's scale tensor is not in the checkpoint under either name packs use.
+    #[error(
+        "FP8 tensor `{tensor}` has no scale: neither `{}` nor `{}` is in the checkpoint at {}",
+        names[0],
+        names[1],
+        dir.display()
+    )]
+    MissingScale {
+        /// The FP8 weight.
+        tensor: String,
+        /// The scale names looked for (`W.weight_scale_inv`, `W.weight_scale`).
+        names: [String; 2],
+        /// The checkpoint directory.
+        dir: PathBuf,
+    },
+    /// An FP8 weight or scale holds a value the kernels cannot read.
+    #[error("tensor `{tensor}` {problem}")]
+    Fp8Value {
+        /// The tensor.
+        tensor: String,
+        /// What it holds.
+        problem: String,
+    },
     /// The shard index names a file that does not exist.
     #[error(
         "{}: names shard `{}` (for tensor `{tensor}`), which does not exist",

@@ -9,8 +9,10 @@
 use bytemuck::Pod;
 use metrale_gpu_runtime::{DType, DevicePtr, GpuBackend, GpuBackendExt, StreamHandle};
 
+use crate::ops_view::BlockScales;
 use crate::weight_map::convert::concat_shape;
 use crate::weight_map::error::WeightError;
+use crate::weight_map::fp8::Fp8Host;
 use crate::weight_map::source::SafetensorsSource;
 
 /// A dense tensor on the device, row-major.
@@ -22,6 +24,8 @@ pub struct DenseWeight {
     pub shape: Vec<usize>,
     /// Element type.
     pub dtype: DType,
+    /// The block scales of an `F8E4M3` weight (a separate allocation, freed with it).
+    pub scales: Option<BlockScales>,
 }
 
 impl DenseWeight {
@@ -83,6 +87,67 @@ impl<'a> WeightLoader<'a> {
         self.upload(&label, &data, shape, DType::Bf16)
     }
 
+    /// A projection weight `name` (`[n, k]`) as the checkpoint stores it: block FP8 with its
+    /// scales where the tensor is FP8, else bf16.
+    pub fn upload_linear(&self, name: &str, shape: &[usize]) -> Result<DenseWeight, WeightError> {
+        self.upload_linear_concat(&[(name, shape)])
+    }
+
+    /// Projection weights concatenated along dim 0: block FP8 where every part is FP8, else
+    /// bf16 (an FP8 part among bf16 ones dequantized, as the checkpoints leave small
+    /// projections such as Gated DeltaNet's a and b unquantized beside quantized ones).
+    pub fn upload_linear_concat(
+        &self,
+        parts: &[(&str, &[usize])],
+    ) -> Result<DenseWeight, WeightError> {
+        if !parts.iter().all(|(name, _)| self.source.is_fp8(name)) {
+            return self.upload_bf16_concat(parts);
+        }
+        self.upload_fp8(parts, &self.source.load_fp8_concat(parts)?)
+    }
+
+    /// Projection weights concatenated along dim 0 as block FP8, each part not stored so
+    /// quantized on the host with the packs' recipe
+    /// ([`SafetensorsSource::quantize_fp8_concat`]).
+    pub fn upload_linear_concat_fp8(
+        &self,
+        parts: &[(&str, &[usize])],
+    ) -> Result<DenseWeight, WeightError> {
+        self.upload_fp8(parts, &self.source.quantize_fp8_concat(parts)?)
+    }
+
+    /// An FP8 weight of `parts` from the host: its bytes and its scales, two allocations.
+    fn upload_fp8(
+        &self,
+        parts: &[(&str, &[usize])],
+        q: &Fp8Host,
+    ) -> Result<DenseWeight, WeightError> {
+        let label = (parts.iter().map(|(name, _)| *name))
+            .collect::<Vec<_>>()
+            .join(" + ");
+        let scales = self.upload(
+            &format!("{label} (scales)"),
+            &q.scales,
+            vec![q.scales.len()],
+            DType::F32,
+        )?;
+        match self.upload(&label, &q.bytes, vec![q.shape.0, q.shape.1], DType::F8E4M3) {
+            Ok(w) => Ok(DenseWeight {
+                scales: Some(BlockScales {
+                    ptr: scales.ptr,
+                    row_shift: q.row_shift,
+                }),
+                ..w
+            }),
+            Err(e) => {
+                if let Err(free_error) = self.gpu.free(scales.ptr) {
+                    tracing::warn!(tensor = label, %free_error, "could not free after a failed upload");
+                }
+                Err(e)
+            }
+        }
+    }
+
     /// Tensor `name` (shape `shape`) as f32 on the device.
     pub fn upload_f32(&self, name: &str, shape: &[usize]) -> Result<DenseWeight, WeightError> {
         let data = self.source.load_f32(name, shape)?;
@@ -112,6 +177,11 @@ impl<'a> WeightLoader<'a> {
             }
             return Err(device(source));
         }
-        Ok(DenseWeight { ptr, shape, dtype })
+        Ok(DenseWeight {
+            ptr,
+            shape,
+            dtype,
+            scales: None,
+        })
     }
 }

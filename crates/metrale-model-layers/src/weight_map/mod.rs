@@ -1,13 +1,14 @@
 //! Weight loading: a checkpoint's safetensors files memory-mapped (`SafetensorsSource`), each
 //! tensor checked against the shape the model expects and converted to bf16 or f32 on the host
-//! (`convert`), uploaded to the device (`WeightLoader` -> `DenseWeight`), and the per-family
-//! table of tensor names (`WeightNames`).
+//! (`convert`), or kept as block FP8 with its scales (`fp8`), uploaded to the device
+//! (`WeightLoader` -> `DenseWeight`), and the per-family table of tensor names (`WeightNames`).
 //!
 //! Architecture invariant: nothing here launches a kernel; weights reach the device by
 //! `GpuBackend::copy_h2d` only.
 
 mod convert;
 mod error;
+mod fp8;
 mod layer_names;
 mod loader;
 mod names;
@@ -15,6 +16,7 @@ mod source;
 
 pub use convert::{LOADABLE_DTYPES, concat_shape};
 pub use error::WeightError;
+pub use fp8::Fp8Host;
 pub use layer_names::{
     AttentionNames, ExpertNames, FfnNames, GdnNames, GdnProjectionNames, LayerNames, MixerNames,
     MlpNames, MoeNames,

@@ -47,6 +47,15 @@ impl<'a> RawTensor<'a> {
         }
     }
 
+    pub fn fp8(name: &'a str, shape: &[usize], bytes: &[u8]) -> Self {
+        RawTensor {
+            name,
+            dtype: "F8_E4M3",
+            shape: shape.to_vec(),
+            bytes: bytes.to_vec(),
+        }
+    }
+
     pub fn i64(name: &'a str, shape: &[usize], values: &[i64]) -> Self {
         let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         RawTensor {

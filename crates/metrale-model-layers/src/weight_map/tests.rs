@@ -381,3 +381,52 @@ fn load_errors_come_before_any_allocation() {
     ));
     assert_eq!(gpu.used_bytes(), 0);
 }
+
+#[test]
+fn fp8_scales_per_block_per_channel_and_per_tensor_give_each_element_its_scale() {
+    use metrale_gpu_runtime::fp8::{FP8_BLOCK_ROW_SHIFT, dequant_element};
+    // A [130, 136] weight: two row blocks and two column blocks, both partial.
+    let (n, k) = (130usize, 136usize);
+    let mut rng = metrale_testkit::Rng::new(5);
+    let bytes: Vec<u8> = (0..n * k)
+        .map(|_| {
+            let b = rng.below(256) as u8;
+            if b & 0x7F == 0x7F { b & 0xF0 } else { b }
+        })
+        .collect();
+    let grid = [0.5f32, 0.25, 2.0, 0.125];
+    let channel: Vec<f32> = (0..n).map(|r| 0.01 * (r + 1) as f32).collect();
+    let dir = dir_with(&[
+        RawTensor::fp8("a.weight", &[n, k], &bytes),
+        RawTensor::f32("a.weight_scale_inv", &[2, 2], &grid),
+        RawTensor::fp8("b.weight", &[n, k], &bytes),
+        RawTensor::bf16("b.weight_scale", &[n, 1], &channel),
+        RawTensor::fp8("c.weight", &[n, k], &bytes),
+        RawTensor::f32("c.weight_scale", &[], &[3.0]),
+        RawTensor::fp8("d.weight", &[n, k], &bytes),
+        RawTensor::f32("d.weight_scale_inv", &[2, 3], &[1.0; 6]),
+        RawTensor::fp8("e.weight", &[n, k], &bytes),
+        RawTensor::f32("e.weight_scale_inv", &[2, 2], &[0.5, 0.5, 300.0, 0.5]),
+    ]);
+    let source = open(dir.path());
+    let expect = |name: &str, scale: &dyn Fn(usize, usize) -> f32| {
+        let w = source.load_fp8(name, &[n, k]).unwrap();
+        let want: Vec<bf16> = (0..n * k)
+            .map(|i| dequant_element(bytes[i], scale(i / k, i % k)))
+            .collect();
+        assert_eq!(w.dequantized(), want, "{name}");
+        w
+    };
+    let a = expect("a.weight", &|r, c| grid[(r / 128) * 2 + c / 128]);
+    assert_eq!(a.row_shift, FP8_BLOCK_ROW_SHIFT);
+    let b = expect("b.weight", &|r, _| bf16::from_f32(channel[r]).to_f32());
+    assert_eq!(b.row_shift, 0);
+    expect("c.weight", &|_, _| 3.0);
+    // A grid of the wrong shape, and a scale the kernels cannot use, are refused by name.
+    let e = source.load_fp8("d.weight", &[n, k]).unwrap_err();
+    message(&e, &["d.weight_scale_inv", "[2, 2]", "[2, 3]"]);
+    let e = source.load_fp8("e.weight", &[n, k]).unwrap_err();
+    message(&e, &["e.weight_scale_inv", "300"]);
+    // Bytes loaded as bf16 are the dequantized weight.
+    assert_eq!(source.load_bf16("a.weight", &[n, k]).unwrap(), a.dequantized());
+}

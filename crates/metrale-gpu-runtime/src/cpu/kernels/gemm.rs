@@ -1,16 +1,19 @@
 //! CPU twins of `kernels/gemm.cu`: `out = x · wᵀ` with a bf16 weight in the checkpoint's
 //! `[out_features, in_features]` layout, accumulated in f32 over `k` in index order, so every
-//! output element is computed the same way whatever `m` is.
+//! output element is computed the same way whatever `m` is. A block-FP8 weight is dequantized
+//! first (`crate::fp8`), so its rows are `linear`'s of the dequantized weight, as on the device.
 
 use half::bf16;
 use metrale_kernel_abi::{
-    LIN_DEC_THREADS, LIN_STREAM_WARPS, LIN_THREADS, LIN_TMA_THREADS, LinearParams,
-    LinearStreamTmaParams, LinearTmaParams, PermuteK32TilesParams,
+    DequantFp8Params, FP8_BLOCK, FP8_CONVERT_THREADS, LIN_DEC_THREADS, LIN_STREAM_WARPS,
+    LIN_THREADS, LIN_TMA_THREADS, LinearFp8Params, LinearParams, LinearStreamTmaParams,
+    LinearTmaParams, PermuteK32TilesParams, QuantizeFp8Params,
 };
 
 use super::util::{b, f};
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
+use crate::fp8;
 use crate::types::DevicePtr;
 
 /// `x · wᵀ` in f32, `[m, n]` row-major, for x given (rows of `k`) and the weight at `w`.
@@ -18,9 +21,14 @@ fn gemm_of(
     ctx: &KernelCtx<'_>,
     x: &[bf16],
     w: DevicePtr,
-    (m, n, k): (usize, usize, usize),
+    dims: (usize, usize, usize),
 ) -> GpuResult<Vec<f32>> {
-    let w = ctx.slice::<bf16>("w", w, n * k)?;
+    let (_, n, k) = dims;
+    Ok(gemm_host(x, ctx.slice::<bf16>("w", w, n * k)?, dims))
+}
+
+/// `x · wᵀ` in f32 of host rows: the one arithmetic of every `linear` twin.
+fn gemm_host(x: &[bf16], w: &[bf16], (m, n, k): (usize, usize, usize)) -> Vec<f32> {
     let wf: Vec<f32> = w.iter().map(|&e| f(e)).collect();
     let mut xr = vec![0.0f32; k];
     let mut out = Vec::with_capacity(m * n);
@@ -36,7 +44,19 @@ fn gemm_of(
             out.push(acc);
         }
     }
-    Ok(out)
+    out
+}
+
+/// f32 rows into bf16 `out`, rounded to nearest even.
+fn store_bf16(ctx: &KernelCtx<'_>, out: DevicePtr, acc: &[f32]) -> GpuResult<()> {
+    for (o, &v) in ctx
+        .slice_mut::<bf16>("out", out, acc.len())?
+        .iter_mut()
+        .zip(acc)
+    {
+        *o = b(v);
+    }
+    Ok(())
 }
 
 /// `x · wᵀ` into `out`: bf16, or f32 (`f32_out`: the LM head's logits).
@@ -50,16 +70,10 @@ fn store_gemm(
     if f32_out {
         ctx.slice_mut::<f32>("out", out, acc.len())?
             .copy_from_slice(&acc);
+        Ok(())
     } else {
-        for (o, &v) in ctx
-            .slice_mut::<bf16>("out", out, acc.len())?
-            .iter_mut()
-            .zip(&acc)
-        {
-            *o = b(v);
-        }
+        store_bf16(ctx, out, &acc)
     }
-    Ok(())
 }
 
 /// The shape `(m, n, k)`, after checking the block size the CUDA kernel is written for
@@ -247,4 +261,57 @@ pub fn linear_stream_tma(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 /// `linear_stream_tma_f32out`: likewise, f32 out.
 pub fn linear_stream_tma_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     linear_stream_tma_any(ctx, true)
+}
+
+/// The bytes and scale grid of an fp8 `[n, k]` weight whose scale rows each cover
+/// `2^scale_row_shift` weight rows, dequantized.
+fn fp8_weight(
+    ctx: &KernelCtx<'_>,
+    (w, scales): (DevicePtr, DevicePtr),
+    (n, k): (usize, usize),
+    scale_row_shift: u32,
+) -> GpuResult<Vec<bf16>> {
+    let q = ctx.slice::<u8>("w", w, n * k)?;
+    let rows = if n == 0 {
+        0
+    } else {
+        ((n - 1) >> scale_row_shift) + 1
+    };
+    let s = ctx.slice::<f32>("scales", scales, rows * fp8::scale_cols(k))?;
+    Ok(fp8::dequant(q, s, (n, k), scale_row_shift))
+}
+
+/// `linear_stream_fp8` ([`LinearFp8Params`]): `linear` of the dequantized weight, bf16 out.
+pub fn linear_stream_fp8(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    let p: LinearFp8Params = ctx.params()?;
+    let (m, n, k) = dims(ctx, (p.m, p.n, p.k), LIN_STREAM_WARPS * 32)?;
+    let x = ctx.slice::<bf16>("x", p.x, m * k)?;
+    let w = fp8_weight(ctx, (p.w, p.scales), (n, k), p.scale_row_shift)?;
+    store_bf16(ctx, p.out, &gemm_host(x, &w, (m, n, k)))
+}
+
+/// `dequant_fp8` ([`DequantFp8Params`]): the weight as bf16.
+pub fn dequant_fp8(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    let p: DequantFp8Params = ctx.params()?;
+    let (n, k) = (p.n as usize, p.k as usize);
+    ctx.require_block(FP8_CONVERT_THREADS)?;
+    let w = fp8_weight(ctx, (p.w, p.scales), (n, k), p.scale_row_shift)?;
+    ctx.slice_mut::<bf16>("out", p.out, n * k)?
+        .copy_from_slice(&w);
+    Ok(())
+}
+
+/// `quantize_fp8` ([`QuantizeFp8Params`]): the block recipe (`crate::fp8::quantize`).
+pub fn quantize_fp8(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    let p: QuantizeFp8Params = ctx.params()?;
+    let (n, k) = (p.n as usize, p.k as usize);
+    ctx.require_block(FP8_CONVERT_THREADS)?;
+    let block = FP8_BLOCK as usize;
+    let w = ctx.slice::<bf16>("w", p.w, n * k)?;
+    let (q, scales) = fp8::quantize(w, (n, k));
+    ctx.slice_mut::<u8>("out", p.out, n * k)?
+        .copy_from_slice(&q);
+    ctx.slice_mut::<f32>("scales", p.scales, n.div_ceil(block) * k.div_ceil(block))?
+        .copy_from_slice(&scales);
+    Ok(())
 }

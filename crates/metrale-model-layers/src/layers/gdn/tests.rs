@@ -46,6 +46,7 @@ impl Rig {
             ptr: self.put(values),
             shape: shape.to_vec(),
             dtype: DType::Bf16,
+            scales: None,
         }
     }
     pub fn f32_weight(&self, values: &[f32]) -> DenseWeight {
@@ -53,6 +54,7 @@ impl Rig {
             ptr: self.put(values),
             shape: vec![values.len()],
             dtype: DType::F32,
+            scales: None,
         }
     }
     pub fn dims(hidden: u32) -> ModelDims {

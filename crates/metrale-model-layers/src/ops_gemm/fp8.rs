@@ -1,0 +1,205 @@
+//! `linear` of a block-FP8 weight, and the conversions between bf16 and block FP8
+//! (`quantize_fp8`, `dequant_fp8`); an `impl Ops` block beside the bf16 launchers.
+//!
+//! Numerics: an FP8 weight stands for the bf16 weight `dequant_fp8` writes (each element
+//! bf16(e4m3 · its block's scale)), and every path computes `linear` of that bf16 weight with
+//! `linear`'s reduction order, so an FP8 projection's rows are bitwise the bf16 projection's
+//! on the dequantized weight, whatever the row count and the path:
+//! - up to [`FP8_STREAM_M_MAX`] rows (decode, verify): `linear_stream_fp8`, which converts the
+//!   weight in registers as it streams it (one byte an element from memory instead of two);
+//! - more rows (prefill), where the model gave scratch memory large enough
+//!   ([`Ops::set_fp8_scratch`]): `dequant_fp8` into it, then the bf16 `linear` (its tensor-map
+//!   prefill kernel where the shape allows), since a prefill GEMM's time is its arithmetic, and
+//!   the conversion costs a pass over the weight;
+//! - otherwise `linear_stream_fp8`.
+
+use metrale_gpu_runtime::{DType, DevicePtr, GpuResult, LaunchConfig, Residency, StreamHandle};
+use metrale_kernel_abi::{
+    DequantFp8Params, FP8_BLOCK, FP8_BLOCK_ROW_SHIFT, FP8_CONVERT_THREADS, LinearFp8Params,
+    LinearParams, QuantizeFp8Params,
+};
+
+use super::{LINEAR_NARROW_RESIDENT, LINEAR_NARROW_THREADS, LinearPath, linear_geometry};
+use crate::ops::Ops;
+use crate::ops_view::{BlockScales, Matrix, Operands};
+
+/// The most rows `linear` of an FP8 weight streams with `linear_stream_fp8`; more rows
+/// dequantize the weight into the scratch memory and run the bf16 kernels, where there is some.
+pub const FP8_STREAM_M_MAX: u32 = 128;
+
+/// Blocks of a `dequant_fp8` launch: enough to keep every multiprocessor streaming.
+const DEQUANT_BLOCKS: u32 = 1056;
+
+/// Scratch memory for the bf16 image of one FP8 weight (prefill-sized `linear`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fp8Scratch {
+    /// Its start (16-byte aligned).
+    pub ptr: DevicePtr,
+    /// Its bytes: 2 per element of the largest FP8 weight it should serve.
+    pub bytes: usize,
+}
+
+/// The checked operands of `linear` with an FP8 weight: x bf16 `[m, k]`, w fp8 `[n, k]` with
+/// its scales, out bf16 `[m, n]`.
+fn linear_fp8_operands(
+    out: &Matrix,
+    x: &Matrix,
+    w: &Matrix,
+) -> GpuResult<(LinearFp8Params, BlockScales)> {
+    let check = Operands {
+        kernel: "gemm::linear_stream_fp8",
+    };
+    check.dtype("x", x, DType::Bf16)?;
+    check.exactly("w", w, DType::F8E4M3, (w.rows, x.cols), "x")?;
+    check.exactly("out", out, DType::Bf16, (x.rows, w.rows), "x and w")?;
+    let scales = fp8_scales(&check, "w", w)?;
+    let p = LinearFp8Params {
+        out: out.ptr,
+        x: x.ptr,
+        w: w.ptr,
+        scales: scales.ptr,
+        m: x.rows,
+        n: w.rows,
+        k: x.cols,
+        scale_row_shift: scales.row_shift,
+    };
+    Ok((p, scales))
+}
+
+/// The scales of FP8 operand `m`, which it must have.
+fn fp8_scales(check: &Operands, operand: &'static str, m: &Matrix) -> GpuResult<BlockScales> {
+    match m.scales {
+        Some(s) if s.row_shift == 0 || s.row_shift == FP8_BLOCK_ROW_SHIFT => Ok(s),
+        Some(s) => Err(check.bad(
+            operand,
+            format!(
+                "has scale rows of 2^{} rows; the kernels read 1 or {FP8_BLOCK}",
+                s.row_shift
+            ),
+        )),
+        None => Err(check.bad(operand, "is fp8_e4m3 without block scales".into())),
+    }
+}
+
+impl Ops {
+    /// Gives prefill-sized `linear` of FP8 weights scratch memory for their bf16 image (see
+    /// the module header); `None` takes it back. The memory must stay allocated, and be used by
+    /// nothing else, while this `Ops` (or a clone) launches `linear` with it.
+    pub fn set_fp8_scratch(&self, scratch: Option<Fp8Scratch>) {
+        self.tma.state.lock().fp8_scratch = scratch;
+    }
+
+    /// `out[m, n] = x[m, k] · w[n, k]ᵀ` for a block-FP8 `w`, bf16 out (see the module header for
+    /// the path).
+    pub(super) fn linear_fp8(
+        &self,
+        s: StreamHandle,
+        out: Matrix,
+        x: Matrix,
+        w: Matrix,
+    ) -> GpuResult<()> {
+        let (p, scales) = linear_fp8_operands(&out, &x, &w)?;
+        let need = 2 * p.n as usize * p.k as usize;
+        let scratch = self.tma.state.lock().fp8_scratch;
+        if p.m > FP8_STREAM_M_MAX
+            && let Some(scratch) = scratch.filter(|sc| sc.bytes >= need)
+        {
+            let image = Matrix::bf16(scratch.ptr, p.n, p.k);
+            self.dequant_fp8(
+                s,
+                image,
+                Matrix {
+                    scales: Some(scales),
+                    ..w
+                },
+            )?;
+            let q = LinearParams {
+                out: p.out,
+                x: p.x,
+                w: scratch.ptr,
+                m: p.m,
+                n: p.n,
+                k: p.k,
+            };
+            return self.gemm(s, false, &q);
+        }
+        let kernel = self.k.linear_stream_fp8;
+        let resident = self.resident(
+            kernel,
+            LINEAR_NARROW_THREADS,
+            0,
+            LINEAR_NARROW_RESIDENT,
+            Residency::Blocks,
+        )?;
+        self.go(
+            kernel,
+            linear_geometry(LinearPath::Narrow, p.m, p.n, resident),
+            &p,
+            s,
+        )
+    }
+
+    /// `out = bf16(w · its block scales)`: FP8 `w` `[n, k]` as the bf16 `[n, k]` it stands for.
+    pub fn dequant_fp8(&self, s: StreamHandle, out: Matrix, w: Matrix) -> GpuResult<()> {
+        let check = Operands {
+            kernel: "gemm::dequant_fp8",
+        };
+        check.dtype("w", &w, DType::F8E4M3)?;
+        check.exactly("out", &out, DType::Bf16, w.shape(), "w")?;
+        let scales = fp8_scales(&check, "w", &w)?;
+        let p = DequantFp8Params {
+            out: out.ptr,
+            w: w.ptr,
+            scales: scales.ptr,
+            n: w.rows,
+            k: w.cols,
+            scale_row_shift: scales.row_shift,
+        };
+        let blocks = (w.rows as u64 * w.cols as u64)
+            .div_ceil(u64::from(FP8_CONVERT_THREADS))
+            .clamp(1, u64::from(DEQUANT_BLOCKS)) as u32;
+        let cfg = LaunchConfig::grid2(blocks, 1, FP8_CONVERT_THREADS).with_programmatic();
+        self.go(self.k.dequant_fp8, cfg, &p, s)
+    }
+
+    /// Quantize bf16 `w` `[n, k]` into FP8 `out` `[n, k]` and its scales (which must be
+    /// 128-row blocks: `[ceil(n / 128), ceil(k / 128)]`), with the checkpoints' block recipe.
+    pub fn quantize_fp8(&self, s: StreamHandle, out: Matrix, w: Matrix) -> GpuResult<()> {
+        let check = Operands {
+            kernel: "gemm::quantize_fp8",
+        };
+        check.dtype("w", &w, DType::Bf16)?;
+        check.exactly("out", &out, DType::F8E4M3, w.shape(), "w")?;
+        let scales = fp8_scales(&check, "out", &out)?;
+        if scales.row_shift != FP8_BLOCK_ROW_SHIFT {
+            return Err(check.bad("out", "must have 128-row scale blocks".into()));
+        }
+        let p = QuantizeFp8Params {
+            out: out.ptr,
+            scales: scales.ptr,
+            w: w.ptr,
+            n: w.rows,
+            k: w.cols,
+        };
+        if w.rows == 0 || w.cols == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig::grid2(
+            w.cols.div_ceil(FP8_BLOCK),
+            w.rows.div_ceil(FP8_BLOCK),
+            FP8_CONVERT_THREADS,
+        )
+        .with_programmatic();
+        self.go(self.k.quantize_fp8, cfg, &p, s)
+    }
+}
+
+/// Bytes of the scales of an `[n, k]` FP8 matrix whose scale rows cover `2^row_shift` rows.
+pub fn fp8_scale_bytes(n: u32, k: u32, row_shift: u32) -> usize {
+    let rows = if n == 0 {
+        0
+    } else {
+        ((n - 1) >> row_shift) + 1
+    };
+    4 * rows as usize * k.div_ceil(FP8_BLOCK) as usize
+}
