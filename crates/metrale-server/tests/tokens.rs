@@ -141,17 +141,20 @@ fn omitted_sampling_fields_take_the_checkpoints_recommendation_then_openais() {
 
     let auto = start_from(dir.path(), options(), GenerationConfig::Auto);
     assert_eq!(auto.engine.sampling_defaults(), recommended);
-    assert_eq!(run(&auto, json!({})), engine_run(&auto, recommended));
+    assert_eq!(
+        run(&auto, json!({})),
+        engine_run(&auto, recommended.clone())
+    );
     // A field the request sets wins; the others stay the checkpoint's.
     assert_eq!(
         run(&auto, json!({"top_k": -1})),
-        engine_run(&auto, recommended.top_k(0))
+        engine_run(&auto, recommended.clone().top_k(0))
     );
     let greedy = engine_run(&auto, SamplingParams::greedy());
     assert_eq!(run(&auto, json!({"temperature": 0})), greedy);
 
     let ignore = start_from(dir.path(), options(), GenerationConfig::Ignore);
-    assert_eq!(run(&ignore, json!({})), engine_run(&ignore, openai));
+    assert_eq!(run(&ignore, json!({})), engine_run(&ignore, openai.clone()));
     assert_ne!(
         engine_run(&ignore, openai),
         engine_run(&ignore, recommended),

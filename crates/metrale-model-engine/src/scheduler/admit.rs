@@ -5,6 +5,7 @@ use super::sequence::{Picked, Seq};
 use super::{Scheduler, SeqEvent, Speculation, StepKind, prefix};
 use crate::error::ModelError;
 use crate::runner::{StepInput, StepRow, StepRunner};
+use crate::sampling::{SampleRow, SampledToken};
 
 impl Scheduler {
     /// Admit the queue head if the policy allows and it fits. On failure the head is dropped
@@ -105,8 +106,8 @@ impl Scheduler {
         self.stats.prefill_tokens += range.len() as u64;
         let mut done = None;
         if sample {
-            let need = self.running[i].needs_logits();
-            let picked = pick(&self.runner, 1, need)?
+            let s = &self.running[i];
+            let picked = pick(&self.runner, &[s.sample_row()], s.keeps_logits())?
                 .pop()
                 .ok_or_else(|| ModelError::Step("a prefill step returned no logits".into()))?;
             done = self.record(i, picked, events);
@@ -136,16 +137,33 @@ impl Scheduler {
     }
 }
 
-/// The first `n` logit rows of `runner`'s last step, as host logits when `need_logits`, else as
-/// the device's argmax (4 bytes a row instead of the vocabulary's logits).
+/// The first `rows.len()` logit rows of `runner`'s last step through the device sampler (only
+/// tokens and logprobs come back), with every row's host logits when `keep_logits`.
 pub(super) fn pick(
     runner: &StepRunner,
-    n: usize,
-    need_logits: bool,
+    rows: &[SampleRow],
+    keep_logits: bool,
 ) -> Result<Vec<Picked>, ModelError> {
-    Ok(if need_logits {
-        runner.logits(n)?.into_iter().map(Picked::Logits).collect()
+    let sampled = runner.sample(rows)?;
+    with_logits(runner, sampled, keep_logits)
+}
+
+/// `sampled` as picked rows, with the host logits of the last step's rows when `keep_logits`.
+pub(super) fn with_logits(
+    runner: &StepRunner,
+    sampled: Vec<SampledToken>,
+    keep_logits: bool,
+) -> Result<Vec<Picked>, ModelError> {
+    let mut logits = if keep_logits {
+        runner
+            .logits(sampled.len())?
+            .into_iter()
+            .map(Some)
+            .collect()
     } else {
-        runner.greedy(n)?.into_iter().map(Picked::Token).collect()
-    })
+        vec![None; sampled.len()]
+    };
+    Ok((sampled.into_iter().zip(logits.iter_mut()))
+        .map(|(s, l)| Picked::Sampled(s, l.take()))
+        .collect())
 }

@@ -85,7 +85,7 @@ use crate::error::ModelError;
 use crate::model::Model;
 use crate::options::ModelOptions;
 use crate::runner::{ChunkCuts, StepRunner};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, fresh_seed};
 
 pub use metrale_cache::SnapshotUsage;
 pub use report::{
@@ -202,8 +202,15 @@ impl Scheduler {
             max_new_tokens: req.params.max_new_tokens,
             max_context: self.policy.limits.max_context,
         };
-        let sampler = Sampler::new(req.params.sampling);
-        let seq = Seq::new(id, req.prompt, sampler, stop, req.params.return_logits);
+        let seed = req.params.sampling.seed.unwrap_or_else(fresh_seed);
+        let sampler = Sampler::with_seed(req.params.sampling, seed);
+        let seq = Seq::new(
+            id,
+            req.prompt,
+            (sampler, seed),
+            stop,
+            req.params.return_logits,
+        );
         if req.params.max_new_tokens == 0 {
             self.pending.push(SeqEvent::Finished {
                 id,
@@ -338,9 +345,13 @@ impl Scheduler {
         events: &mut Vec<SeqEvent>,
     ) -> Option<FinishReason> {
         let s = &mut self.running[i];
-        let (token, reason) = s.record(picked);
+        let (token, logprobs, reason) = s.record(picked);
         self.stats.tokens_generated += 1;
-        events.push(SeqEvent::Token { id: s.id, token });
+        events.push(SeqEvent::Token {
+            id: s.id,
+            token,
+            logprobs,
+        });
         reason
     }
 
