@@ -357,7 +357,7 @@ impl Scheduler {
 }
 
 /// The verdict on `s`'s drafts from its verify rows (step rows `f..f + 1 + drafts`): greedy on
-/// the device's argmax, or rejection sampling on the host logits, which it takes.
+/// the device sampler's greedy rows, or rejection sampling on the host logits, which it takes.
 fn verdict_of(s: &mut Seq, f: usize, picked: &mut PickedRows) -> (Verdict, Vec<Vec<f32>>) {
     let mine = f..f + s.drafts.len() + 1;
     match picked {
