@@ -75,6 +75,27 @@ pub struct SamplingParams {
     /// Seed of the generator; `None` (the default) draws a fresh one per request, so two
     /// sampled requests without a seed differ. A given seed reproduces its tokens.
     pub seed: Option<u64>,
+    /// Choices: independent continuations of the prompt, which the scheduler computes once
+    /// (each choice forks the sequence's cache after the prompt); choice `c` draws with
+    /// [`choice_seed`]`(seed, c)`. In 1..=[`MAX_CHOICES`]. Default 1.
+    pub n: usize,
+}
+
+/// Most choices one request may ask for.
+pub const MAX_CHOICES: usize = 64;
+
+/// The seed of choice `c` of a request seeded `seed`: `seed` itself for choice 0, a mix of both
+/// for the others (so `n = 1` draws as before, and choices differ).
+pub fn choice_seed(seed: u64, c: usize) -> u64 {
+    if c == 0 {
+        return seed;
+    }
+    let mix = |mut z: u64| {
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    mix(seed ^ mix(c as u64 ^ 0xD6E8_FEB8_6659_FD93))
 }
 
 impl Default for SamplingParams {
@@ -92,6 +113,7 @@ impl Default for SamplingParams {
             logprobs: false,
             top_logprobs: 0,
             seed: None,
+            n: 1,
         }
     }
 }
@@ -135,6 +157,12 @@ impl SamplingParams {
     /// Set `seed`: the same seed, prompt and parameters give the same tokens.
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
+        self
+    }
+
+    /// Set `n`, the number of choices.
+    pub fn n(mut self, n: usize) -> Self {
+        self.n = n;
         self
     }
 
@@ -294,6 +322,9 @@ impl SamplingParams {
             value,
             expected,
         };
+        if !(1..=MAX_CHOICES).contains(&self.n) {
+            return Err(bad("n", self.n.to_string(), "from 1 to 64 choices"));
+        }
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(bad("min_p", self.min_p.to_string(), "a number in [0, 1]"));
         }
@@ -821,6 +852,8 @@ mod tests {
             .is_err()
         );
         let field = |p: SamplingParams| p.validate_for_vocab(100).unwrap_err().field;
+        assert_eq!(field(SamplingParams::greedy().n(0)), "n");
+        assert_eq!(field(SamplingParams::greedy().n(MAX_CHOICES + 1)), "n");
         assert_eq!(field(SamplingParams::greedy().min_p(-0.1)), "min_p");
         assert_eq!(
             field(SamplingParams::greedy().repetition_penalty(f32::NAN)),

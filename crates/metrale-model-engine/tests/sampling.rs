@@ -197,3 +197,67 @@ fn bad_sampling_parameters_are_refused_naming_the_field() {
     );
     assert_eq!(field(SamplingParams::default().min_p(1.5)), "min_p");
 }
+
+/// Run `req` to the end; every `Finished` generation by id.
+fn finished(
+    s: &mut metrale_model_engine::Scheduler,
+    req: metrale_model_engine::generate::SeqRequest,
+) -> std::collections::BTreeMap<u64, Generation> {
+    use metrale_model_engine::scheduler::SeqEvent;
+    s.add(req).unwrap();
+    let mut out = std::collections::BTreeMap::new();
+    while !s.is_idle() {
+        for e in s.step().unwrap().events {
+            if let SeqEvent::Finished { id, generation } = e {
+                out.insert(id.0, generation);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn n_choices_compute_the_prompt_once_and_each_is_its_seeded_solo_run() {
+    use metrale_model_engine::sampling::choice_seed;
+    for fixture in [FIXTURE, "qwen3_5-tiny"] {
+        let mut s = load_plain(fixture, ModelOptions::default().max_decode_seqs(8));
+        let q: Vec<u32> = (0..37).map(|t| (t * 13 + 5) % 200 + 3).collect();
+        let base = sampled(42).logprobs(false).frequency_penalty(0.0);
+        let before = s.stats().steps.prefill_tokens;
+        let all = finished(&mut s, request(&q, &params(9, base.clone().n(4))));
+        let prefilled = s.stats().steps.prefill_tokens - before;
+        assert_eq!(
+            prefilled,
+            q.len() as u64,
+            "{fixture}: the prompt is prefilled once"
+        );
+        assert_eq!(all.len(), 4, "{fixture}");
+        let ids: Vec<u64> = all.keys().copied().collect();
+        assert_eq!(ids, (ids[0]..ids[0] + 4).collect::<Vec<_>>());
+        for (c, g) in all.values().enumerate() {
+            assert_eq!(g.token_ids.len(), 9, "{fixture} choice {c}");
+            // Choice c is the solo run of its seed (caches released: no prefix hits besides).
+            s.clear_prefix_cache();
+            let solo = run(
+                &mut s,
+                &q,
+                &params(9, base.clone().seed(choice_seed(42, c))),
+            );
+            assert_eq!(g.token_ids, solo.token_ids, "{fixture} choice {c}");
+            assert_eq!(
+                g.logits, solo.logits,
+                "{fixture} choice {c}: logits bitwise"
+            );
+        }
+        let distinct: std::collections::BTreeSet<_> = all.values().map(|g| &g.token_ids).collect();
+        assert!(
+            distinct.len() > 1,
+            "{fixture}: the choices all drew the same tokens"
+        );
+        assert_eq!(
+            s.stats().cache.kv_blocks_used,
+            0,
+            "{fixture}: every block given back"
+        );
+    }
+}

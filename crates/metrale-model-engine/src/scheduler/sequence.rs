@@ -105,6 +105,9 @@ pub(crate) struct Seq {
     pub logits: Option<Vec<Vec<f32>>>,
     /// Entry `i`: generated token `i`'s logprobs (when asked for).
     pub logprobs: Option<Vec<SampledToken>>,
+    /// The ids of the other choices of this request, forked from it once its prompt is
+    /// computed (empty once forked, and for `n = 1`).
+    pub choices: Vec<SeqId>,
 }
 
 impl Seq {
@@ -132,6 +135,7 @@ impl Seq {
             computed: 0,
             logits: keep_logits.then(Vec::new),
             logprobs,
+            choices: Vec::new(),
         }
     }
 
