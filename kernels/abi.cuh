@@ -107,6 +107,59 @@ typedef __nv_bfloat16 bf16;
 // Bytes of one token in `gated_delta_chunked`'s ring: q̂ and k̂ of up to GDN_FAST_MAX_DK
 // f32 each, 16 v columns, β and g, padded.
 #define GDN_TOK_BYTES 1088
+// Threads of a `sample` block (one block per row).
+#define SAMPLE_THREADS 1024
+// Most top logprobs a row of `sample` reports.
+#define SAMPLE_TOP_MAX 20
+// u32 words of a row's parameters in `sample`'s `rowp` (the `SAMPLE_R_*` offsets).
+#define SAMPLE_ROW_WORDS 16
+// `rowp` word: the flags (`SAMPLE_F_*`).
+#define SAMPLE_R_FLAGS 0
+// `rowp` word: the temperature (f32 bits, > 0 unless the row is greedy).
+#define SAMPLE_R_TEMPERATURE 1
+// `rowp` word: top-k (u32; 0 keeps every token).
+#define SAMPLE_R_TOP_K 2
+// `rowp` word: top-p (f32 bits, in (0, 1]; 1 keeps every token).
+#define SAMPLE_R_TOP_P 3
+// `rowp` word: min-p (f32 bits, in [0, 1]; 0 keeps every token).
+#define SAMPLE_R_MIN_P 4
+// `rowp` word: the repetition penalty (f32 bits, > 0; 1 is none).
+#define SAMPLE_R_REPETITION 5
+// `rowp` word: the presence penalty (f32 bits; 0 is none).
+#define SAMPLE_R_PRESENCE 6
+// `rowp` word: the frequency penalty (f32 bits; 0 is none).
+#define SAMPLE_R_FREQUENCY 7
+// `rowp` word: how many top logprobs to report (u32, at most `SAMPLE_TOP_MAX`).
+#define SAMPLE_R_NUM_TOP 8
+// `rowp` word: the low half of the row's seed.
+#define SAMPLE_R_SEED_LO 9
+// `rowp` word: the high half of the row's seed.
+#define SAMPLE_R_SEED_HI 10
+// `rowp` word: the row's draw counter (the index of the token it samples).
+#define SAMPLE_R_COUNTER 11
+// `rowp` word: the row's first entry in `entries`.
+#define SAMPLE_R_ENTRY_START 12
+// `rowp` word: the row's entries (sorted by token id, each token at most once).
+#define SAMPLE_R_ENTRY_COUNT 13
+// Row flag: pick the most likely token after the penalties, bias and mask (temperature 0
+// or top-k 1).
+#define SAMPLE_F_GREEDY 1
+// Row flag: only the tokens the row's allowed-token bitmask sets may be picked.
+#define SAMPLE_F_MASK 2
+// u32 words of one entry of `sample`'s `entries`: token id, count and flags, bias bits.
+#define SAMPLE_ENTRY_WORDS 3
+// Entry flag: the token is in the prompt (the repetition penalty applies).
+#define SAMPLE_E_PROMPT 0x80000000u
+// Entry flag: the token may not be picked (`min_tokens` holding back EOS and stop ids).
+#define SAMPLE_E_BAN 1073741824
+// The bits of an entry's second word that count the token in the output.
+#define SAMPLE_E_COUNT_MASK 1073741823
+// u32 words of a row of `sample`'s output: the token, its logprob (f32 bits), then
+// `SAMPLE_TOP_MAX` top token ids and `SAMPLE_TOP_MAX` their logprobs.
+#define SAMPLE_OUT_WORDS 42
+// Fraction bits of the fixed-point probability masses top-p sums (integer sums: exact and
+// order-free).
+#define SAMPLE_MASS_BITS 40
 
 // ---- Kernel indices in the manifest, and why a kernel refuses a launch
 
@@ -156,6 +209,7 @@ typedef __nv_bfloat16 bf16;
 #define MT_KERNEL_QK_NORM_ROPE 43
 #define MT_KERNEL_QK_NORM_ROPE_KV_STORE 44
 #define MT_KERNEL_ARGMAX 45
+#define MT_KERNEL_SAMPLE 46
 
 #define MT_FAULT_GEOMETRY 1  // launched with a geometry it is not written for
 #define MT_FAULT_SHAPE 2  // given shapes that do not fit together
@@ -1427,3 +1481,39 @@ static_assert(offsetof(ArgmaxParams, vocab) == 20, "ArgmaxParams::vocab: not the
     const float* __restrict__ logits, \
     uint32_t rows, \
     uint32_t vocab
+
+// `sampling::sample`: each row's token (greedy or drawn), its logprob and the top logprobs,
+// after penalties, logit bias, an allowed-token mask, temperature, top-k, top-p and min-p.
+#pragma pack(push, 4)
+struct SampleParams {
+    uint32_t* out;
+    const float* logits;
+    const uint32_t* rowp;
+    const uint32_t* entries;
+    const uint32_t* mask;
+    uint32_t rows;
+    uint32_t vocab;
+    uint32_t num_entries;
+    uint32_t mask_words;
+};
+#pragma pack(pop)
+static_assert(sizeof(SampleParams) == 56, "SampleParams: not the layout of metrale-kernel-abi");
+static_assert(offsetof(SampleParams, out) == 0, "SampleParams::out: not the offset of metrale-kernel-abi");
+static_assert(offsetof(SampleParams, logits) == 8, "SampleParams::logits: not the offset of metrale-kernel-abi");
+static_assert(offsetof(SampleParams, rowp) == 16, "SampleParams::rowp: not the offset of metrale-kernel-abi");
+static_assert(offsetof(SampleParams, entries) == 24, "SampleParams::entries: not the offset of metrale-kernel-abi");
+static_assert(offsetof(SampleParams, mask) == 32, "SampleParams::mask: not the offset of metrale-kernel-abi");
+static_assert(offsetof(SampleParams, rows) == 40, "SampleParams::rows: not the offset of metrale-kernel-abi");
+static_assert(offsetof(SampleParams, vocab) == 44, "SampleParams::vocab: not the offset of metrale-kernel-abi");
+static_assert(offsetof(SampleParams, num_entries) == 48, "SampleParams::num_entries: not the offset of metrale-kernel-abi");
+static_assert(offsetof(SampleParams, mask_words) == 52, "SampleParams::mask_words: not the offset of metrale-kernel-abi");
+#define SAMPLE_PARAMS \
+    uint32_t* __restrict__ out, \
+    const float* __restrict__ logits, \
+    const uint32_t* __restrict__ rowp, \
+    const uint32_t* __restrict__ entries, \
+    const uint32_t* __restrict__ mask, \
+    uint32_t rows, \
+    uint32_t vocab, \
+    uint32_t num_entries, \
+    uint32_t mask_words

@@ -14,6 +14,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use metrale_model_engine::generate::{FinishReason, GenerateParams};
+use metrale_model_engine::sampling::SamplingError;
 use metrale_model_engine::scheduler::{RequestLimits, SeqRequest};
 
 use crate::error::{EngineError, RequestError};
@@ -112,6 +113,14 @@ impl Frontend {
             ignore_eos: req.ignore_eos,
         };
         self.limits.check(&seq)?;
+        if seq.params.sampling.n != 1 {
+            // The scheduler serves n choices; an engine request and its handle carry one.
+            return Err(RequestError::Sampling(SamplingError {
+                field: "n",
+                value: seq.params.sampling.n.to_string(),
+                expected: "1 (an engine request carries one choice)",
+            }));
+        }
         Ok((seq, req.stop_strings))
     }
 }

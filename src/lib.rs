@@ -78,12 +78,14 @@ pub use metrale_model_engine::generate::FinishReason;
 pub use metrale_model_engine::options::{
     MAX_DRAFT_TOKENS, ModelOptions, Quantization, Speculative,
 };
-pub use metrale_model_engine::sampling::SamplingParams;
+pub use metrale_model_engine::sampling::{MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams};
 pub use metrale_model_engine::scheduler::{CacheUsage, PrefixStats, SnapshotUsage, StepCounts};
 pub use metrale_model_engine::speculative::GateOptions;
 pub use metrics::{EngineMetrics, RequestCounts, SpeculationMetrics};
 pub use options::{Backend, EngineOptions};
-pub use request::{GenerateEvent, GenerateOutput, GenerateRequest, Prompt, TokenEvent};
+pub use request::{
+    GenerateEvent, GenerateOutput, GenerateRequest, Prompt, TokenEvent, TokenLogprobs,
+};
 
 #[cfg(feature = "unstable")]
 pub use engine::make_backend;

@@ -8,6 +8,10 @@
 use metrale_model_engine::generate::FinishReason;
 use metrale_model_engine::sampling::SamplingParams;
 
+/// A generated token's logprob (log_softmax of the model's raw logits, before penalties, bias
+/// and temperature) and the most likely tokens with theirs, best first.
+pub use metrale_model_engine::sampling::SampledToken as TokenLogprobs;
+
 /// The prompt: text (needs a tokenizer) or token ids (always works).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -134,14 +138,19 @@ pub struct GenerateOutput {
     pub finish_reason: FinishReason,
     /// Row `i`: the logits that chose `token_ids[i]`, when asked for.
     pub logits: Option<Vec<Vec<f32>>>,
+    /// Entry `i`: `token_ids[i]`'s logprob and the top logprobs, when the sampling parameters
+    /// ask for logprobs (`logprobs` or `top_logprobs`).
+    pub logprobs: Option<Vec<TokenLogprobs>>,
 }
 
 /// One generated token, as it is chosen.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct TokenEvent {
     /// The token.
     pub token_id: u32,
+    /// Its logprob and the top logprobs, when the sampling parameters ask for logprobs.
+    pub logprobs: Option<TokenLogprobs>,
     /// The text this token adds to the output; `None` without a tokenizer. It can be empty: text
     /// is held back while it may be the start of a stop string or of an incomplete character,
     /// and comes with a later token (or the last one).

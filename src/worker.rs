@@ -290,7 +290,11 @@ impl Worker {
         let mut stopped = Vec::new();
         for e in events {
             match e {
-                SeqEvent::Token { id, token } => {
+                SeqEvent::Token {
+                    id,
+                    token,
+                    logprobs,
+                } => {
                     let Some(a) = self.actives.get_mut(&id) else {
                         continue;
                     };
@@ -313,6 +317,7 @@ impl Worker {
                     };
                     a.sink.send(GenerateEvent::Token(TokenEvent {
                         token_id: token,
+                        logprobs,
                         text_delta,
                     }));
                 }
@@ -336,6 +341,9 @@ impl Worker {
             if let Some(l) = g.logits.as_mut() {
                 l.truncate(a.sent);
             }
+            if let Some(l) = g.logprobs.as_mut() {
+                l.truncate(a.sent);
+            }
         }
         let text = a.text.as_ref().and_then(|t| {
             let full = self
@@ -355,6 +363,7 @@ impl Worker {
             text,
             finish_reason,
             logits: g.logits,
+            logprobs: g.logprobs,
         };
         a.sink.finish(Ok(GenerateEvent::Finished { output }));
         self.finished += 1;

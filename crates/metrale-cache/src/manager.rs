@@ -242,6 +242,98 @@ impl CacheManager {
             })
     }
 
+    /// A copy of a sequence's cache after its first `tokens` tokens, for another sequence that
+    /// continues from the same context (the choices of one prompt): the full blocks of `src`
+    /// shared by reference, the block holding its last tokens, when partial, copied into a fresh
+    /// block (each sequence writes its own next tokens there), and, on a hybrid model, the
+    /// state of SSM slot `src_slot` copied into a fresh slot. Copies go on the cache's stream.
+    /// On failure nothing is held.
+    pub fn fork(
+        &mut self,
+        src: &BlockTable,
+        tokens: usize,
+        src_slot: Option<u32>,
+    ) -> Result<(BlockTable, Option<u32>), CacheError> {
+        let bs = self.kv.block_size();
+        let blocks = src.blocks();
+        let (full, partial) = (tokens / bs, !tokens.is_multiple_of(bs));
+        if blocks.len() < full + usize::from(partial) {
+            return Err(CacheError::Layout(format!(
+                "fork of {tokens} tokens from a table of {} blocks",
+                blocks.len()
+            )));
+        }
+        let mut table = BlockTable::new();
+        let forked = self.fork_blocks(&mut table, &blocks[..full + usize::from(partial)], partial);
+        let slot = forked.and_then(|()| self.fork_slot(src_slot));
+        match slot {
+            Ok(slot) => Ok((table, slot)),
+            Err(e) => {
+                self.release(&mut table)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Share `blocks` into `table`, the last one copied when `copy_last`.
+    fn fork_blocks(
+        &mut self,
+        table: &mut BlockTable,
+        blocks: &[u32],
+        copy_last: bool,
+    ) -> Result<(), CacheError> {
+        let shared = blocks.len() - usize::from(copy_last);
+        for &b in &blocks[..shared] {
+            self.kv.allocator.retain(b)?;
+            table.push(b);
+        }
+        if copy_last {
+            let new = self.kv.allocator.alloc()?;
+            table.push(new);
+            let l = *self.kv.layout();
+            let bytes = l.block_size * l.num_kv_heads * l.head_dim * 2;
+            let from = blocks[shared] as usize * bytes;
+            for i in 0..l.num_layers {
+                let p = self.kv.layer(i);
+                for pool in [p.k, p.v] {
+                    let (dst, src) = (pool.offset(new as usize * bytes), pool.offset(from));
+                    self.gpu.copy_d2d(dst, src, bytes, self.stream)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A fresh SSM slot holding `src`'s state (`None` without one).
+    fn fork_slot(&mut self, src: Option<u32>) -> Result<Option<u32>, CacheError> {
+        let (Some(src), Some(pool)) = (src, self.ssm.as_mut()) else {
+            return Ok(None);
+        };
+        if !pool.is_held(src) {
+            return Err(CacheError::SsmSlotNotHeld {
+                slot: src,
+                total: pool.num_slots(),
+            });
+        }
+        let dst = pool.alloc_slot()?;
+        for l in (0..).map_while(|i| pool.layer(i)) {
+            for (base, bytes) in [
+                (l.conv, l.conv_slot_bytes),
+                (l.recurrent, l.recurrent_slot_bytes),
+            ] {
+                let (to, from) = (
+                    base.offset(dst as usize * bytes),
+                    base.offset(src as usize * bytes),
+                );
+                if let Err(e) = self.gpu.copy_d2d(to, from, bytes, self.stream) {
+                    pool.free_slot(dst)?;
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(Some(dst))
+    }
+
     /// Drop every cached prefix nobody holds: evictable KV blocks become free and every SSM
     /// snapshot is dropped. Returns the KV blocks evicted.
     pub fn clear_prefix_cache(&mut self) -> usize {
@@ -249,5 +341,107 @@ impl CacheManager {
             p.clear();
         }
         self.kv.allocator.evict_all()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use metrale_gpu_runtime::CpuBackend;
+
+    use super::*;
+
+    #[test]
+    fn a_fork_shares_full_blocks_and_copies_the_partial_one_and_the_ssm_state() {
+        let cpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+        let kv = KvCacheLayout {
+            num_layers: 2,
+            num_kv_heads: 1,
+            head_dim: 4,
+            block_size: 4,
+            num_blocks: 8,
+        };
+        let ssm = SsmLayout {
+            num_gdn_layers: 1,
+            slots: 3,
+            conv_dim: 4,
+            conv_kernel: 2,
+            num_v_heads: 1,
+            k_head_dim: 2,
+            v_head_dim: 2,
+        };
+        let layout = CacheLayout {
+            kv,
+            ssm: Some(ssm),
+            snapshot_slots: 0,
+        };
+        let s = StreamHandle::DEFAULT;
+        let mut c = CacheManager::new(cpu.clone(), layout, s).unwrap();
+        // A sequence of 10 tokens: blocks of 4, 4 and 2 tokens; its pools and slot filled.
+        let mut table = BlockTable::new();
+        c.ensure(&mut table, 10).unwrap();
+        let pool_elems = kv.pool_bytes() / 2;
+        for i in 0..2 {
+            let p = c.kv_layer(i);
+            let k: Vec<u16> = (0..pool_elems).map(|x| (x * 7 + i) as u16).collect();
+            let v: Vec<u16> = (0..pool_elems).map(|x| (x * 5 + 3 * i) as u16).collect();
+            cpu.upload(p.k, &k, s).unwrap();
+            cpu.upload(p.v, &v, s).unwrap();
+        }
+        let slot = c.alloc_ssm_slot(None).unwrap().unwrap();
+        let l = c.ssm_layer(0).unwrap();
+        let state: Vec<f32> = (0..l.recurrent_slot_bytes / 4)
+            .map(|x| x as f32 + 0.5)
+            .collect();
+        cpu.upload(
+            l.recurrent.offset(slot as usize * l.recurrent_slot_bytes),
+            &state,
+            s,
+        )
+        .unwrap();
+        let free = c.blocks().num_free();
+        let (child, child_slot) = c.fork(&table, 10, Some(slot)).unwrap();
+        let (b, cb) = (table.blocks(), child.blocks());
+        assert_eq!(&cb[..2], &b[..2], "full blocks shared");
+        assert_ne!(cb[2], b[2], "the partial block is the child's own");
+        assert_eq!(
+            (c.blocks().refcount(b[0]), c.blocks().refcount(b[2])),
+            (2, 1)
+        );
+        assert_eq!(c.blocks().num_free(), free - 1);
+        let block_bytes = 4 * 4 * 2;
+        for i in 0..2 {
+            let p = c.kv_layer(i);
+            for pool in [p.k, p.v] {
+                let read = |blk: u32| -> Vec<u8> {
+                    cpu.download(pool.offset(blk as usize * block_bytes), block_bytes, s)
+                        .unwrap()
+                };
+                assert_eq!(
+                    read(cb[2]),
+                    read(b[2]),
+                    "layer {i}: the partial block copied"
+                );
+                assert_ne!(read(cb[2]), read(b[1]));
+            }
+        }
+        let child_slot = child_slot.unwrap();
+        assert_ne!(child_slot, slot);
+        assert_eq!(
+            c.ssm_slot_bytes(child_slot).unwrap(),
+            c.ssm_slot_bytes(slot).unwrap()
+        );
+        // Both release independently; everything comes back.
+        let mut child = child;
+        c.release(&mut child).unwrap();
+        c.free_ssm_slot(child_slot).unwrap();
+        assert_eq!(c.blocks().refcount(b[0]), 1);
+        c.release(&mut table).unwrap();
+        c.free_ssm_slot(slot).unwrap();
+        assert_eq!(c.blocks().num_free(), free + 3);
+        // A fork past the table is refused and holds nothing.
+        let mut short = BlockTable::new();
+        c.ensure(&mut short, 4).unwrap();
+        assert!(c.fork(&short, 6, None).is_err());
+        assert_eq!(c.blocks().refcount(short.blocks()[0]), 1);
     }
 }

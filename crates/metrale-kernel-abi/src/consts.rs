@@ -126,4 +126,57 @@ shared_consts! {
     /// Bytes of one token in `gated_delta_chunked`'s ring: q̂ and k̂ of up to GDN_FAST_MAX_DK
     /// f32 each, 16 v columns, β and g, padded.
     GDN_TOK_BYTES = 2 * GDN_FAST_MAX_DK * 4 + 64;
+    /// Threads of a `sample` block (one block per row).
+    SAMPLE_THREADS = 1024;
+    /// Most top logprobs a row of `sample` reports.
+    SAMPLE_TOP_MAX = 20;
+    /// u32 words of a row's parameters in `sample`'s `rowp` (the `SAMPLE_R_*` offsets).
+    SAMPLE_ROW_WORDS = 16;
+    /// `rowp` word: the flags (`SAMPLE_F_*`).
+    SAMPLE_R_FLAGS = 0;
+    /// `rowp` word: the temperature (f32 bits, > 0 unless the row is greedy).
+    SAMPLE_R_TEMPERATURE = 1;
+    /// `rowp` word: top-k (u32; 0 keeps every token).
+    SAMPLE_R_TOP_K = 2;
+    /// `rowp` word: top-p (f32 bits, in (0, 1]; 1 keeps every token).
+    SAMPLE_R_TOP_P = 3;
+    /// `rowp` word: min-p (f32 bits, in [0, 1]; 0 keeps every token).
+    SAMPLE_R_MIN_P = 4;
+    /// `rowp` word: the repetition penalty (f32 bits, > 0; 1 is none).
+    SAMPLE_R_REPETITION = 5;
+    /// `rowp` word: the presence penalty (f32 bits; 0 is none).
+    SAMPLE_R_PRESENCE = 6;
+    /// `rowp` word: the frequency penalty (f32 bits; 0 is none).
+    SAMPLE_R_FREQUENCY = 7;
+    /// `rowp` word: how many top logprobs to report (u32, at most `SAMPLE_TOP_MAX`).
+    SAMPLE_R_NUM_TOP = 8;
+    /// `rowp` word: the low half of the row's seed.
+    SAMPLE_R_SEED_LO = 9;
+    /// `rowp` word: the high half of the row's seed.
+    SAMPLE_R_SEED_HI = 10;
+    /// `rowp` word: the row's draw counter (the index of the token it samples).
+    SAMPLE_R_COUNTER = 11;
+    /// `rowp` word: the row's first entry in `entries`.
+    SAMPLE_R_ENTRY_START = 12;
+    /// `rowp` word: the row's entries (sorted by token id, each token at most once).
+    SAMPLE_R_ENTRY_COUNT = 13;
+    /// Row flag: pick the most likely token after the penalties, bias and mask (temperature 0
+    /// or top-k 1).
+    SAMPLE_F_GREEDY = 1;
+    /// Row flag: only the tokens the row's allowed-token bitmask sets may be picked.
+    SAMPLE_F_MASK = 2;
+    /// u32 words of one entry of `sample`'s `entries`: token id, count and flags, bias bits.
+    SAMPLE_ENTRY_WORDS = 3;
+    /// Entry flag: the token is in the prompt (the repetition penalty applies).
+    SAMPLE_E_PROMPT = 0x8000_0000;
+    /// Entry flag: the token may not be picked (`min_tokens` holding back EOS and stop ids).
+    SAMPLE_E_BAN = 0x4000_0000;
+    /// The bits of an entry's second word that count the token in the output.
+    SAMPLE_E_COUNT_MASK = 0x3FFF_FFFF;
+    /// u32 words of a row of `sample`'s output: the token, its logprob (f32 bits), then
+    /// `SAMPLE_TOP_MAX` top token ids and `SAMPLE_TOP_MAX` their logprobs.
+    SAMPLE_OUT_WORDS = 2 + 2 * SAMPLE_TOP_MAX;
+    /// Fraction bits of the fixed-point probability masses top-p sums (integer sums: exact and
+    /// order-free).
+    SAMPLE_MASS_BITS = 40;
 }

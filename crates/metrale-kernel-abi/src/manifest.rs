@@ -119,6 +119,8 @@ macro_rules! for_each_kernel {
             rope::qk_norm_rope_kv_store => QK_NORM_ROPE_KV_STORE($crate::QkNormRopeKvStoreParams),
             /// The greedy token of each row.
             sampling::argmax => ARGMAX($crate::ArgmaxParams),
+            /// Each row's token, its logprob and the top logprobs, after the sampling transforms.
+            sampling::sample => SAMPLE($crate::SampleParams),
         }
     };
 }

@@ -1,16 +1,44 @@
-//! Host-side sampling from f32 logits: greedy, temperature, top-k and top-p, driven by a seeded
-//! generator so the same seed gives the same tokens. The distribution and the draw are exposed
-//! apart for the rejection sampling of speculative decoding (`speculative::accept`).
+//! How tokens are picked: `SamplingParams` (temperature, top-k, top-p, min-p, the repetition,
+//! presence and frequency penalties, logit bias, min_tokens, logprobs, the seed), the rows the
+//! device sampler (`sampling::sample`, `kernels/sampling.cu`) reads ([`SampleRow`], built per
+//! sequence and step by [`TokenStats`] and [`SamplingParams::sample_row`]) and what it returns
+//! ([`SampledToken`]). A host `Sampler` (temperature, top-k and top-p from f32 logits, driven by
+//! a seeded generator) remains for the rejection sampling of speculative decoding
+//! (`speculative::accept`), which reads the distribution and the draw apart.
 //!
 //! Invariants:
 //! - Greedy picks the lowest index among the maxima, like the device `argmax`.
-//! - A sampler's only randomness is its seed: the request's, or, for a request without one, a
-//!   fresh one from [`fresh_seed`] (never the clock or the environment).
+//! - A request's only randomness is its seed: the request's, or, for a request without one, a
+//!   fresh one from [`fresh_seed`] (never the clock or the environment). The device sampler
+//!   draws token `i` of a sequence from (seed, i) alone, so a seed reproduces its tokens
+//!   whatever the batch, the preemptions or the prefix cache.
+//! - Logprobs are the log_softmax of the model's raw f32 logits, before penalties, bias, mask
+//!   and temperature (vLLM's default, `raw_logprobs`).
+
+use std::collections::BTreeMap;
 
 use metrale_config::GenerationDefaults;
+use metrale_kernel_abi::{
+    SAMPLE_E_BAN, SAMPLE_E_COUNT_MASK, SAMPLE_E_PROMPT, SAMPLE_F_GREEDY, SAMPLE_F_MASK,
+    SAMPLE_R_COUNTER, SAMPLE_R_FLAGS, SAMPLE_R_FREQUENCY, SAMPLE_R_MIN_P, SAMPLE_R_NUM_TOP,
+    SAMPLE_R_PRESENCE, SAMPLE_R_REPETITION, SAMPLE_R_SEED_HI, SAMPLE_R_SEED_LO,
+    SAMPLE_R_TEMPERATURE, SAMPLE_R_TOP_K, SAMPLE_R_TOP_P, SAMPLE_ROW_WORDS, SAMPLE_TOP_MAX,
+};
 
-/// How to pick the next token.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Most top logprobs a token can report (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = SAMPLE_TOP_MAX as usize;
+
+/// Most `logit_bias` entries a request may give.
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
+/// Most token ids `min_tokens` may hold back: the request's stop token ids and the model's EOS
+/// ids together.
+pub const MAX_BANNED: usize = 256;
+
+/// How to pick the next token. Transforms apply in this order (transformers' and vLLM's):
+/// repetition penalty, frequency and presence penalties, logit bias, `min_tokens` (EOS and stop
+/// ids banned), then temperature, top-k, top-p and min-p.
+#[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct SamplingParams {
     /// 0 means greedy. Default 0.
@@ -20,9 +48,54 @@ pub struct SamplingParams {
     /// Keep the smallest set of tokens whose probability reaches `top_p`; 1 keeps all.
     /// Default 1.
     pub top_p: f32,
+    /// Keep the tokens at least `min_p` times as likely as the most likely one; 0 keeps all.
+    /// In [0, 1]. Default 0.
+    pub min_p: f32,
+    /// Divide positive (multiply negative) logits of tokens in the prompt or the output by
+    /// it (transformers' `repetition_penalty`); 1 is none. > 0. Default 1.
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token already in the output (OpenAI's
+    /// `presence_penalty`). In [-2, 2]. Default 0.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it is in the output (OpenAI's
+    /// `frequency_penalty`). In [-2, 2]. Default 0.
+    pub frequency_penalty: f32,
+    /// `(token id, bias)` added to the logits (OpenAI's `logit_bias`); ids in the vocabulary,
+    /// biases in [-100, 100], at most [`MAX_LOGIT_BIAS`] entries, a token at most once.
+    /// Default empty.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// The EOS and stop token ids cannot be picked before this many tokens are generated.
+    /// Default 0.
+    pub min_tokens: usize,
+    /// Report each generated token's logprob. Default false.
+    pub logprobs: bool,
+    /// Report this many most likely tokens with their logprobs at each step (at most
+    /// [`MAX_TOP_LOGPROBS`]; more than 0 implies `logprobs`). Default 0.
+    pub top_logprobs: usize,
     /// Seed of the generator; `None` (the default) draws a fresh one per request, so two
     /// sampled requests without a seed differ. A given seed reproduces its tokens.
     pub seed: Option<u64>,
+    /// Choices: independent continuations of the prompt, which the scheduler computes once
+    /// (each choice forks the sequence's cache after the prompt); choice `c` draws with
+    /// [`choice_seed`]`(seed, c)`. In 1..=[`MAX_CHOICES`]. Default 1.
+    pub n: usize,
+}
+
+/// Most choices one request may ask for.
+pub const MAX_CHOICES: usize = 64;
+
+/// The seed of choice `c` of a request seeded `seed`: `seed` itself for choice 0, a mix of both
+/// for the others (so `n = 1` draws as before, and choices differ).
+pub fn choice_seed(seed: u64, c: usize) -> u64 {
+    if c == 0 {
+        return seed;
+    }
+    let mix = |mut z: u64| {
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    mix(seed ^ mix(c as u64 ^ 0xD6E8_FEB8_6659_FD93))
 }
 
 impl Default for SamplingParams {
@@ -31,7 +104,16 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
+            logprobs: false,
+            top_logprobs: 0,
             seed: None,
+            n: 1,
         }
     }
 }
@@ -78,10 +160,135 @@ impl SamplingParams {
         self
     }
 
+    /// Set `n`, the number of choices.
+    pub fn n(mut self, n: usize) -> Self {
+        self.n = n;
+        self
+    }
+
+    /// Set `min_p` (0: all tokens).
+    pub fn min_p(mut self, p: f32) -> Self {
+        self.min_p = p;
+        self
+    }
+
+    /// Set `repetition_penalty` (1: none).
+    pub fn repetition_penalty(mut self, r: f32) -> Self {
+        self.repetition_penalty = r;
+        self
+    }
+
+    /// Set `presence_penalty` (0: none).
+    pub fn presence_penalty(mut self, p: f32) -> Self {
+        self.presence_penalty = p;
+        self
+    }
+
+    /// Set `frequency_penalty` (0: none).
+    pub fn frequency_penalty(mut self, p: f32) -> Self {
+        self.frequency_penalty = p;
+        self
+    }
+
+    /// Set `logit_bias`: `(token id, bias)` pairs.
+    pub fn logit_bias(mut self, bias: Vec<(u32, f32)>) -> Self {
+        self.logit_bias = bias;
+        self
+    }
+
+    /// Set `min_tokens`.
+    pub fn min_tokens(mut self, n: usize) -> Self {
+        self.min_tokens = n;
+        self
+    }
+
+    /// Set `logprobs`: report each token's logprob.
+    pub fn logprobs(mut self, on: bool) -> Self {
+        self.logprobs = on;
+        self
+    }
+
+    /// Set `top_logprobs` (0 to [`MAX_TOP_LOGPROBS`]).
+    pub fn top_logprobs(mut self, n: usize) -> Self {
+        self.top_logprobs = n;
+        self
+    }
+
+    /// Whether tokens are picked greedily (temperature 0, or top-k 1).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+
+    /// Whether the tokens need more than the host sampler has (penalties, bias, min-p,
+    /// min_tokens, logprobs): such a sequence does not draft (speculative decoding's acceptance
+    /// knows only temperature, top-k and top-p).
+    pub fn needs_device_sampler(&self) -> bool {
+        self.min_p > 0.0
+            || self.has_penalties()
+            || !self.logit_bias.is_empty()
+            || self.min_tokens > 0
+            || self.wants_logprobs()
+    }
+
+    /// Whether a repetition, presence or frequency penalty applies.
+    pub fn has_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+    }
+
+    /// Whether logprobs are reported.
+    pub fn wants_logprobs(&self) -> bool {
+        self.logprobs || self.top_logprobs > 0
+    }
+
+    /// The device sampler's parameter words for a row drawing token `counter` of a sequence
+    /// seeded `seed` (the entry range is the runner's to fill; `mask`: the row has an
+    /// allowed-token bitmask).
+    pub fn sample_row(
+        &self,
+        seed: u64,
+        counter: u64,
+        mask: bool,
+    ) -> [u32; SAMPLE_ROW_WORDS as usize] {
+        let mut w = [0u32; SAMPLE_ROW_WORDS as usize];
+        let mut flags = if self.is_greedy() { SAMPLE_F_GREEDY } else { 0 };
+        if mask {
+            flags |= SAMPLE_F_MASK;
+        }
+        let mut set = |i: u32, v: u32| w[i as usize] = v;
+        set(SAMPLE_R_FLAGS, flags);
+        set(SAMPLE_R_TEMPERATURE, self.temperature.to_bits());
+        set(
+            SAMPLE_R_TOP_K,
+            u32::try_from(self.top_k).unwrap_or(u32::MAX),
+        );
+        set(SAMPLE_R_TOP_P, self.top_p.to_bits());
+        set(SAMPLE_R_MIN_P, self.min_p.to_bits());
+        set(SAMPLE_R_REPETITION, self.repetition_penalty.to_bits());
+        set(SAMPLE_R_PRESENCE, self.presence_penalty.to_bits());
+        set(SAMPLE_R_FREQUENCY, self.frequency_penalty.to_bits());
+        set(
+            SAMPLE_R_NUM_TOP,
+            self.top_logprobs.min(MAX_TOP_LOGPROBS) as u32,
+        );
+        set(SAMPLE_R_SEED_LO, seed as u32);
+        set(SAMPLE_R_SEED_HI, (seed >> 32) as u32);
+        // The counter is a sequence's token index: below 2^32 for any context.
+        set(SAMPLE_R_COUNTER, counter as u32);
+        w
+    }
+
     /// These parameters with the sampling a checkpoint recommends in its
-    /// `generation_config.json` (temperature, top-p, top-k) put over them wherever the file sets
-    /// one. The file's `min_p` and `repetition_penalty` are not applied: the sampler has neither.
+    /// `generation_config.json` (temperature, top-p, top-k, min-p, repetition penalty) put over
+    /// them wherever the file sets one.
     pub fn with_checkpoint_defaults(mut self, defaults: &GenerationDefaults) -> Self {
+        if let Some(p) = defaults.min_p {
+            self.min_p = p;
+        }
+        if let Some(r) = defaults.repetition_penalty {
+            self.repetition_penalty = r;
+        }
         if let Some(t) = defaults.temperature {
             self.temperature = t;
         }
@@ -110,7 +317,159 @@ impl SamplingParams {
                 expected: "a number in (0, 1]",
             });
         }
+        let bad = |field: &'static str, value: String, expected: &'static str| SamplingError {
+            field,
+            value,
+            expected,
+        };
+        if !(1..=MAX_CHOICES).contains(&self.n) {
+            return Err(bad("n", self.n.to_string(), "from 1 to 64 choices"));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(bad("min_p", self.min_p.to_string(), "a number in [0, 1]"));
+        }
+        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
+            let v = self.repetition_penalty.to_string();
+            return Err(bad(
+                "repetition_penalty",
+                v,
+                "a finite number > 0 (1 = none)",
+            ));
+        }
+        for (field, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(bad(field, v.to_string(), "a number in [-2, 2]"));
+            }
+        }
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            let v = self.top_logprobs.to_string();
+            return Err(bad("top_logprobs", v, "at most 20"));
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            let v = format!("{} entries", self.logit_bias.len());
+            return Err(bad("logit_bias", v, "at most 1024 entries"));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for &(id, b) in &self.logit_bias {
+            if !(-100.0..=100.0).contains(&b) {
+                return Err(bad(
+                    "logit_bias",
+                    format!("{b} for token {id}"),
+                    "biases in [-100, 100]",
+                ));
+            }
+            if !seen.insert(id) {
+                return Err(bad(
+                    "logit_bias",
+                    format!("token {id} twice"),
+                    "each token at most once",
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// [`SamplingParams::validate`], and every `logit_bias` id inside a vocabulary of `vocab`.
+    pub fn validate_for_vocab(&self, vocab: usize) -> Result<(), SamplingError> {
+        self.validate()?;
+        if let Some(&(id, _)) = self.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
+            return Err(SamplingError {
+                field: "logit_bias",
+                value: format!("token {id}"),
+                expected: "token ids inside the vocabulary",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// One logit row as the device sampler reads it: its parameter words
+/// ([`SamplingParams::sample_row`]), its entries (`[token, count | flags, bias bits]`, sorted by
+/// token, each token once) and its allowed-token bitmask (bit `t % 32` of word `t / 32` set:
+/// token `t` allowed), if it has one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampleRow {
+    /// The parameter words (the runner fills the entry range).
+    pub words: [u32; SAMPLE_ROW_WORDS as usize],
+    /// The row's entries.
+    pub entries: Vec<[u32; 3]>,
+    /// `ceil(vocab / 32)` words, or `None`: every token allowed.
+    pub mask: Option<Vec<u32>>,
+}
+
+impl SampleRow {
+    /// The row of plain greedy decoding: `argmax` of the logits.
+    pub fn greedy() -> SampleRow {
+        SampleRow {
+            words: SamplingParams::greedy().sample_row(0, 0, false),
+            entries: Vec::new(),
+            mask: None,
+        }
+    }
+}
+
+/// What the device sampler picked for one row: a token with its logprob and the top logprobs.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct SampledToken {
+    /// The token.
+    pub token: u32,
+    /// Its logprob (log_softmax of the raw logits).
+    pub logprob: f32,
+    /// The most likely tokens with their logprobs, best first (ties by lower id), as many as
+    /// the row asked for.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// A sequence's token counts, for the penalties: how often each token is in the output and
+/// whether it is in the prompt. Kept only for sequences with a penalty.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenStats {
+    /// token -> (output count, in the prompt).
+    counts: BTreeMap<u32, (u32, bool)>,
+}
+
+impl TokenStats {
+    /// The statistics of `prompt` (no output yet).
+    pub fn of_prompt(prompt: &[u32]) -> TokenStats {
+        let mut counts = BTreeMap::new();
+        for &t in prompt {
+            counts.insert(t, (0, true));
+        }
+        TokenStats { counts }
+    }
+
+    /// Count one generated token.
+    pub fn push(&mut self, token: u32) {
+        self.counts.entry(token).or_insert((0, false)).0 += 1;
+    }
+
+    /// The device entries of a row under `p`: the penalised tokens (prompt tokens only under a
+    /// repetition penalty), `p.logit_bias`, and `banned` (min_tokens), merged and sorted.
+    pub fn entries(&self, p: &SamplingParams, banned: &[u32]) -> Vec<[u32; 3]> {
+        let mut m: BTreeMap<u32, [u32; 3]> = BTreeMap::new();
+        if p.has_penalties() {
+            let prompt = p.repetition_penalty != 1.0;
+            for (&t, &(count, in_prompt)) in &self.counts {
+                let mut c = count.min(SAMPLE_E_COUNT_MASK);
+                if in_prompt && prompt {
+                    c |= SAMPLE_E_PROMPT;
+                }
+                if c != 0 {
+                    m.insert(t, [t, c, 0.0f32.to_bits()]);
+                }
+            }
+        }
+        for &(t, b) in &p.logit_bias {
+            m.entry(t).or_insert([t, 0, 0])[2] = b.to_bits();
+        }
+        for &t in banned {
+            m.entry(t).or_insert([t, 0, 0])[1] |= SAMPLE_E_BAN;
+        }
+        m.into_values().collect()
     }
 }
 
@@ -172,16 +531,27 @@ pub struct Sampler {
 impl Sampler {
     /// A sampler with its own generator.
     pub fn new(params: SamplingParams) -> Sampler {
+        let seed = params.seed.unwrap_or_else(fresh_seed);
+        Sampler::with_seed(params, seed)
+    }
+
+    /// A sampler whose generator starts from `seed` (the request's seed left aside).
+    pub fn with_seed(params: SamplingParams, seed: u64) -> Sampler {
         Sampler {
             params,
-            rng: Rng::new(params.seed.unwrap_or_else(fresh_seed)),
+            rng: Rng::new(seed),
         }
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
     }
 
     /// Whether tokens are picked greedily (temperature 0, or top-k 1): the argmax of the
     /// logits, no randomness.
     pub fn is_greedy(&self) -> bool {
-        self.params.temperature == 0.0 || self.params.top_k == 1
+        self.params.is_greedy()
     }
 
     /// Pick a token from one row of logits: the greedy token, or one draw from
@@ -202,7 +572,7 @@ impl Sampler {
     /// `top_p` keep (grown geometrically until the nucleus is covered), never a sort of the
     /// whole vocabulary.
     pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
-        let p = self.params;
+        let p = &self.params;
         let all: Vec<u32> = (0..logits.len() as u32).collect();
         // With `top_k` the candidates are the k best, ranked; otherwise the whole vocabulary in
         // index order.
@@ -316,8 +686,30 @@ mod tests {
             top_k: 5,
             top_p: 0.9,
             seed: Some(42),
+            ..Default::default()
         };
         assert_eq!(p, want);
+        let q = SamplingParams::greedy()
+            .min_p(0.1)
+            .repetition_penalty(1.2)
+            .presence_penalty(0.5)
+            .frequency_penalty(-0.5)
+            .logit_bias(vec![(3, 1.5)])
+            .min_tokens(2)
+            .logprobs(true)
+            .top_logprobs(4);
+        let want = SamplingParams {
+            min_p: 0.1,
+            repetition_penalty: 1.2,
+            presence_penalty: 0.5,
+            frequency_penalty: -0.5,
+            logit_bias: vec![(3, 1.5)],
+            min_tokens: 2,
+            logprobs: true,
+            top_logprobs: 4,
+            ..Default::default()
+        };
+        assert_eq!(q, want);
         assert_eq!(SamplingParams::greedy(), SamplingParams::default());
     }
 
@@ -338,8 +730,8 @@ mod tests {
             let mut s = Sampler::new(p);
             (0..64).map(|_| s.sample(&logits())).collect::<Vec<_>>()
         };
-        assert_eq!(run(p), run(p));
-        assert_ne!(run(p), run(SamplingParams { seed: Some(8), ..p }));
+        assert_eq!(run(p.clone()), run(p.clone()));
+        assert_ne!(run(p.clone()), run(SamplingParams { seed: Some(8), ..p }));
     }
 
     #[test]
@@ -400,6 +792,42 @@ mod tests {
     }
 
     #[test]
+    fn entries_merge_penalties_bias_and_bans_sorted() {
+        let mut stats = TokenStats::of_prompt(&[9, 4, 9]);
+        stats.push(4);
+        stats.push(6);
+        stats.push(6);
+        let p = SamplingParams::greedy()
+            .repetition_penalty(1.5)
+            .logit_bias(vec![(2, -1.0), (6, 3.0)]);
+        let e = stats.entries(&p, &[4]);
+        let f = |b: f32| b.to_bits();
+        assert_eq!(
+            e,
+            vec![
+                [2, 0, f(-1.0)],
+                [4, 1 | SAMPLE_E_PROMPT | SAMPLE_E_BAN, f(0.0)],
+                [6, 2, f(3.0)],
+                [9, SAMPLE_E_PROMPT, f(0.0)],
+            ]
+        );
+        // Without a repetition penalty the prompt does not count; without any penalty only
+        // the bias is left.
+        let p = SamplingParams::greedy().presence_penalty(0.5);
+        assert_eq!(stats.entries(&p, &[]), vec![[4, 1, f(0.0)], [6, 2, f(0.0)]]);
+        let p = SamplingParams::greedy().logit_bias(vec![(5, 2.0)]);
+        assert_eq!(stats.entries(&p, &[]), vec![[5, 0, f(2.0)]]);
+    }
+
+    #[test]
+    fn checkpoint_defaults_set_min_p_and_the_repetition_penalty() {
+        let mut d = GenerationDefaults::default();
+        (d.min_p, d.repetition_penalty) = (Some(0.05), Some(1.1));
+        let p = SamplingParams::greedy().with_checkpoint_defaults(&d);
+        assert_eq!((p.min_p, p.repetition_penalty), (0.05, 1.1));
+    }
+
+    #[test]
     fn invalid_parameters_are_named() {
         let e = SamplingParams {
             temperature: -1.0,
@@ -422,6 +850,40 @@ mod tests {
             }
             .validate()
             .is_err()
+        );
+        let field = |p: SamplingParams| p.validate_for_vocab(100).unwrap_err().field;
+        assert_eq!(field(SamplingParams::greedy().n(0)), "n");
+        assert_eq!(field(SamplingParams::greedy().n(MAX_CHOICES + 1)), "n");
+        assert_eq!(field(SamplingParams::greedy().min_p(-0.1)), "min_p");
+        assert_eq!(
+            field(SamplingParams::greedy().repetition_penalty(f32::NAN)),
+            "repetition_penalty"
+        );
+        assert_eq!(
+            field(SamplingParams::greedy().presence_penalty(3.0)),
+            "presence_penalty"
+        );
+        assert_eq!(
+            field(SamplingParams::greedy().frequency_penalty(-2.5)),
+            "frequency_penalty"
+        );
+        assert_eq!(
+            field(SamplingParams::greedy().top_logprobs(21)),
+            "top_logprobs"
+        );
+        assert_eq!(
+            field(SamplingParams::greedy().logit_bias(vec![(100, 1.0)])),
+            "logit_bias"
+        );
+        assert_eq!(
+            field(SamplingParams::greedy().logit_bias(vec![(1, 1.0), (1, 2.0)])),
+            "logit_bias"
+        );
+        assert!(
+            SamplingParams::greedy()
+                .logit_bias(vec![(99, -100.0)])
+                .validate_for_vocab(100)
+                .is_ok()
         );
     }
 }

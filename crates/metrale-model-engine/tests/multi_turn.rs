@@ -168,7 +168,7 @@ fn a_running_answer_is_shared(backend: Backend) {
     let mut answer = Vec::new();
     while answer.len() < 40 {
         for e in warm.step().unwrap().events {
-            if let SeqEvent::Token { id: t, token } = e {
+            if let SeqEvent::Token { id: t, token, .. } = e {
                 assert_eq!(t, id);
                 answer.push(token);
             }

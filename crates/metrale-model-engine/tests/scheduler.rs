@@ -117,7 +117,7 @@ fn collect(
 ) {
     for e in events {
         match e {
-            SeqEvent::Token { id, token } => tokens.entry(id).or_default().push(token),
+            SeqEvent::Token { id, token, .. } => tokens.entry(id).or_default().push(token),
             SeqEvent::Finished { id, generation } => {
                 assert!(out.insert(id, generation).is_none(), "{id} finished twice");
             }

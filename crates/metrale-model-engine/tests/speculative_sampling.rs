@@ -67,7 +67,7 @@ fn case() -> Case {
     let sampling = SamplingParams::default().temperature(2.0).top_k(2);
     let mut plain = load_plain("qwen3_5-tiny", ModelOptions::default());
     let prompt: Vec<u32> = (0..16).map(|t| (t * 41 + 5) % 250 + 1).collect();
-    let dist = Sampler::new(sampling);
+    let dist = Sampler::new(sampling.clone());
     let first = run(&mut plain, &prompt, &greedy(1))
         .logits
         .unwrap()
@@ -152,7 +152,7 @@ fn speculative_sampling_follows_the_plain_distribution() {
     let mut model = spec_model(Guess { ranked, calls: 0 });
     let mut seen: HashMap<(u32, u32), usize> = HashMap::new();
     for seed in 0..RUNS {
-        let p = params(3, sampling.seed(seed));
+        let p = params(3, sampling.clone().seed(seed));
         let out = model
             .run(vec![request(&prompt, &p)], &mut |_, _| {
                 ControlFlow::Continue(())
@@ -183,7 +183,7 @@ fn speculative_sampling_through_the_scheduler_follows_the_plain_distribution() {
     for seed in 0..RUNS {
         let req = SeqRequest {
             prompt: prompt.clone(),
-            params: params(3, sampling.seed(seed)),
+            params: params(3, sampling.clone().seed(seed)),
             ignore_eos: true,
         };
         ids.insert(sched.add(req).unwrap(), seed);

@@ -3,7 +3,7 @@
 //! (`metrale-kernel-abi`, whose bytes are the kernel's parameter buffer) and chooses the launch
 //! geometry the CUDA source expects. Nothing else in the engine builds a kernel's parameters.
 //! The launchers live beside this file by family: `ops_rows` (embedding, norms, rotary, cache
-//! store, SwiGLU, argmax, fill), `ops_gemm`, `ops_attention`, `ops_hybrid` and
+//! store, SwiGLU, argmax, sample, fill), `ops_gemm`, `ops_attention`, `ops_hybrid` and
 //! `ops_gdn_decode`, `ops_moe`, `ops_fused`.
 //!
 //! Invariants:
@@ -36,7 +36,7 @@ use parking_lot::Mutex;
 pub use crate::ops_attention::{
     ATTENTION_SPLITS, DecodeAttention, PagedAttention, attention_blocks_fit, attention_row_groups,
 };
-pub use crate::ops_rows::{KvStore, Norm, QkNormRope};
+pub use crate::ops_rows::{KvStore, Norm, QkNormRope, SampleOperands};
 pub use crate::ops_view::{BlockScales, Matrix};
 
 /// Rows up to which the step's small kernels (rotary and cache stores, the gated-delta-net

@@ -1,12 +1,12 @@
 //! The launchers of the row-wise kernels, an `impl Ops` block under `ops`'s rules: embedding and
 //! row gathers, the RMSNorms (plain, fused with the residual add, staged), rotary embedding and
-//! the cache store, the SwiGLU gate (plain and staged), argmax and the random fill.
+//! the cache store, the SwiGLU gate (plain and staged), argmax, the sampler and the random fill.
 
 use metrale_gpu_runtime::{DType, DevicePtr, GpuError, GpuResult, LaunchConfig, StreamHandle};
 use metrale_kernel_abi::{
     AddRmsNormParams, AddRmsNormStagedParams, ArgmaxParams, EmbeddingGatherParams,
     FillUniformBf16Params, GatherRowsParams, KvStoreParams, QkNormRopeParams, RmsNormParams,
-    SiluMulParams, SiluMulStagedParams,
+    SAMPLE_THREADS, SampleParams, SiluMulParams, SiluMulStagedParams,
 };
 
 use crate::ops::{Ops, STEP_PROGRAMMATIC_ROWS, step_launch};
@@ -22,6 +22,23 @@ const NORM_THREADS: u32 = 512;
 
 /// Threads per block of `silu_mul`; a row is cut over `ceil(ffn / (8 * SILU_THREADS))` blocks.
 const SILU_THREADS: u32 = 128;
+
+/// The operands of [`Ops::sample`] besides the logits (`kernels/sampling.cu` says what each
+/// row computes).
+#[derive(Debug, Clone, Copy)]
+pub struct SampleOperands {
+    /// u32 `[rows, SAMPLE_OUT_WORDS]`: each row's token, its logprob and the top logprobs.
+    pub out: DevicePtr,
+    /// u32 `[rows, SAMPLE_ROW_WORDS]`: each row's parameters (`SAMPLE_R_*`).
+    pub rowp: DevicePtr,
+    /// u32 `[num_entries, SAMPLE_ENTRY_WORDS]`: every row's penalised, biased or banned tokens.
+    pub entries: DevicePtr,
+    /// Entries in `entries`.
+    pub num_entries: u32,
+    /// u32 `[rows, words]` allowed-token bitmasks and `words` (at least `ceil(vocab / 32)`), or
+    /// `None` when no row has a mask.
+    pub mask: Option<(DevicePtr, u32)>,
+}
 
 /// An RMSNorm's weight and settings.
 #[derive(Debug, Clone, Copy)]
@@ -309,6 +326,40 @@ impl Ops {
         };
         let cfg = step_launch(LaunchConfig::linear(logits.rows, 1024), logits.rows);
         self.go(self.k.argmax, cfg, &p, s)
+    }
+
+    /// Each row of `logits` (f32 `[rows, vocab]`) through the sampler: its token (greedy or
+    /// drawn), that token's logprob and the top logprobs, after the row's penalties, bias, mask,
+    /// temperature, top-k, top-p and min-p (`kernels/sampling.cu`).
+    pub fn sample(&self, s: StreamHandle, logits: Matrix, op: &SampleOperands) -> GpuResult<()> {
+        let kernel = "sampling::sample";
+        let check = Operands { kernel };
+        check.dtype("logits", &logits, DType::F32)?;
+        let words = logits.cols.div_ceil(32);
+        let (mask, mask_words) = op.mask.unwrap_or((DevicePtr::NULL, 0));
+        if op.mask.is_some() && mask_words < words {
+            return Err(GpuError::BadOperand {
+                kernel: kernel.to_string(),
+                operand: "mask",
+                problem: format!(
+                    "{mask_words} words a row, a vocabulary of {} needs {words}",
+                    logits.cols
+                ),
+            });
+        }
+        let p = SampleParams {
+            out: op.out,
+            logits: logits.ptr,
+            rowp: op.rowp,
+            entries: op.entries,
+            mask,
+            rows: logits.rows,
+            vocab: logits.cols,
+            num_entries: op.num_entries,
+            mask_words,
+        };
+        let cfg = LaunchConfig::linear(logits.rows, SAMPLE_THREADS).with_shared(words * 4);
+        self.go(self.k.sample, step_launch(cfg, logits.rows), &p, s)
     }
 
     /// `out[i] = offset + uniform(i, seed) * scale` over `n` bf16 values (benchmark weights).

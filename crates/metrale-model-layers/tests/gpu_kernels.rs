@@ -34,6 +34,8 @@ mod linear;
 mod moe;
 #[path = "gpu_kernels/rows.rs"]
 mod rows;
+#[path = "gpu_kernels/sampling.rs"]
+mod sampling;
 #[path = "gpu_kernels/sanitize.rs"]
 mod sanitize;
 #[path = "gpu_kernels/step.rs"]

@@ -4,10 +4,12 @@
 //! events.
 //!
 //! A field the request leaves out takes, in order: the checkpoint's `generation_config.json`
-//! (`temperature`, `top_p`, `top_k`; with `GenerationConfig::Auto`, the default), then OpenAI's
-//! defaults: `max_tokens` 16 for completions and the rest of the context for chat,
-//! `temperature` 1, `top_p` 1, all tokens (`top_k` 0), a fresh seed per request. A `max_tokens`
-//! past the end of the context is allowed; generation then ends there with `length`.
+//! (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`; with
+//! `GenerationConfig::Auto`, the default), then OpenAI's defaults: `max_tokens` 16 for
+//! completions and the rest of the context for chat, `temperature` 1, `top_p` 1, all tokens
+//! (`top_k` 0), no penalties or bias, a fresh seed per request. A `max_tokens` past the end of
+//! the context is allowed; generation then ends there with `length`. Logprobs, when asked for,
+//! are the log_softmax of the model's raw logits (before penalties, bias and temperature).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -25,6 +27,7 @@ use metrale::{
 };
 
 use super::error::ApiError;
+use super::logprobs;
 use super::messages::chat_messages;
 use super::openai::{
     ChatChoice, ChatMessageOut, CompletionChoice, Envelope, GenerationBody, PromptInput, Usage,
@@ -87,6 +90,7 @@ async fn generate(
         }
     };
     let settings = Settings::of(&body, flavor, &state)?;
+    let want_logprobs = settings.sampling.wants_logprobs();
     let engine_state = state.clone();
     let handle = tokio::task::spawn_blocking(move || submit(&engine_state, prompt, settings))
         .await
@@ -95,7 +99,8 @@ async fn generate(
     let created = unix_seconds();
     let model = state.model_id().to_string();
     if body.stream() {
-        let stream = SseStream::new(handle, flavor, id, created, model, body.include_usage());
+        let stream = SseStream::new(handle, flavor, id, created, model, body.include_usage())
+            .with_logprobs(want_logprobs.then(|| state.engine().clone()));
         return Ok((
             [
                 (header::CONTENT_TYPE, "text/event-stream"),
@@ -108,6 +113,12 @@ async fn generate(
     let output = wait(handle).await?;
     let usage = Some(Usage::new(output.prompt_ids.len(), output.token_ids.len()));
     let finish_reason = output.finish_reason.as_str();
+    let engine = state.engine();
+    let lps = (output.logprobs.as_deref()).filter(|_| want_logprobs);
+    let logprobs = lps.map(|l| match flavor {
+        Flavor::Completion => logprobs::completion(engine, l, 0),
+        Flavor::Chat => logprobs::chat(engine, l),
+    });
     let text = output.text.unwrap_or_default();
     let json = match flavor {
         Flavor::Completion => serde_json::to_value(Envelope {
@@ -118,7 +129,7 @@ async fn generate(
             choices: vec![CompletionChoice {
                 index: 0,
                 text,
-                logprobs: None,
+                logprobs,
                 finish_reason: Some(finish_reason),
                 token_ids: output.token_ids,
             }],
@@ -135,7 +146,7 @@ async fn generate(
                     role: "assistant",
                     content: text,
                 },
-                logprobs: None,
+                logprobs,
                 finish_reason,
                 token_ids: output.token_ids,
             }],
@@ -193,6 +204,25 @@ impl Settings {
         // draws a fresh seed for the request.
         if let Some(seed) = body.seed {
             sampling = sampling.seed(seed as u64);
+        }
+        if let Some(p) = body.presence_penalty {
+            sampling = sampling.presence_penalty(p);
+        }
+        if let Some(p) = body.frequency_penalty {
+            sampling = sampling.frequency_penalty(p);
+        }
+        if let Some(r) = body.repetition_penalty {
+            sampling = sampling.repetition_penalty(r);
+        }
+        if let Some(p) = body.min_p {
+            sampling = sampling.min_p(p);
+        }
+        if let Some(n) = body.min_tokens {
+            sampling = sampling.min_tokens(n);
+        }
+        sampling = sampling.logit_bias(body.logit_bias()?);
+        if let Some(top) = body.logprobs(flavor == Flavor::Chat)? {
+            sampling = sampling.logprobs(true).top_logprobs(top);
         }
         sampling.validate().map_err(|e| {
             let field = e.field;

@@ -38,6 +38,7 @@
 
 mod error;
 mod handlers;
+mod logprobs;
 mod messages;
 mod openai;
 mod options;

@@ -2,10 +2,10 @@
 //! the responses and stream chunks sent back.
 //!
 //! Both endpoints read one `GenerationBody` (every field optional) and check their own required
-//! field (`prompt` or `messages`); a field the engine cannot honour (`n` > 1, `logprobs`,
-//! penalties, tools, ...) is refused with a 400 that names it rather than ignored. Fields this
-//! server adds beside OpenAI's: `top_k`, `ignore_eos` and `stop_token_ids` in requests (as vLLM
-//! has them), `token_ids` in every choice and chunk.
+//! field (`prompt` or `messages`); a field the engine cannot honour (`n` > 1, `best_of`, `echo`,
+//! tools, ...) is refused with a 400 that names it rather than ignored. Fields this server adds
+//! beside OpenAI's, as vLLM has them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+//! `ignore_eos` and `stop_token_ids` in requests, `token_ids` in every choice and chunk.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -45,16 +45,28 @@ pub struct GenerationBody {
     pub stream_options: Option<StreamOptions>,
     /// Chat: extra variables for the chat template (e.g. `{"enable_thinking": false}`).
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// Completions: the number of top logprobs per token (0 to 20; 0 reports the chosen
+    /// token's alone). Chat: `true` to report each token's logprob.
+    pub logprobs: Option<Value>,
+    /// Chat: the number of top logprobs per token (0 to 20; needs `logprobs: true`).
+    pub top_logprobs: Option<u64>,
+    /// Subtracted once from the logit of each token already generated, in [-2, 2].
+    pub presence_penalty: Option<f32>,
+    /// Subtracted per occurrence from the logit of each generated token, in [-2, 2].
+    pub frequency_penalty: Option<f32>,
+    /// Divides positive (multiplies negative) logits of prompt and generated tokens; > 0.
+    pub repetition_penalty: Option<f32>,
+    /// `{"token id": bias}`, biases in [-100, 100].
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// Keep tokens at least `min_p` times as likely as the most likely one, in [0, 1].
+    pub min_p: Option<f32>,
+    /// No EOS or stop token before this many tokens.
+    pub min_tokens: Option<usize>,
     // Refused unless at their defaults.
     n: Option<u64>,
     best_of: Option<u64>,
     echo: Option<bool>,
     suffix: Option<String>,
-    logprobs: Option<Value>,
-    top_logprobs: Option<u64>,
-    presence_penalty: Option<f32>,
-    frequency_penalty: Option<f32>,
-    logit_bias: Option<serde_json::Map<String, Value>>,
     tools: Option<Vec<Value>>,
     response_format: Option<Value>,
 }
@@ -107,24 +119,6 @@ impl GenerationBody {
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return unsupported("suffix", "(insertion)");
         }
-        if !matches!(
-            self.logprobs,
-            None | Some(Value::Null) | Some(Value::Bool(false))
-        ) {
-            return unsupported("logprobs", "");
-        }
-        if self.top_logprobs.is_some_and(|n| n > 0) {
-            return unsupported("top_logprobs", "");
-        }
-        if self.presence_penalty.is_some_and(|p| p != 0.0) {
-            return unsupported("presence_penalty", "other than 0");
-        }
-        if self.frequency_penalty.is_some_and(|p| p != 0.0) {
-            return unsupported("frequency_penalty", "other than 0");
-        }
-        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-            return unsupported("logit_bias", "");
-        }
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return unsupported("tools", "(function calling)");
         }
@@ -135,6 +129,69 @@ impl GenerationBody {
             }
         }
         Ok(())
+    }
+
+    /// The logprobs asked for: `None`, or the number of top logprobs per token. Completions
+    /// take `logprobs: N`; chat takes `logprobs: true` and `top_logprobs: N`.
+    pub fn logprobs(&self, chat: bool) -> Result<Option<usize>, ApiError> {
+        let bad =
+            |field: &str, m: &str| Err(ApiError::invalid(format!("`{field}` {m}"), Some(field)));
+        let top = |n: u64, field: &str| {
+            if n > 20 {
+                bad(field, "must be at most 20")
+            } else {
+                Ok(Some(n as usize))
+            }
+        };
+        if chat {
+            let on = match &self.logprobs {
+                None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+                Some(Value::Bool(true)) => true,
+                Some(_) => return bad("logprobs", "must be a boolean in chat completions"),
+            };
+            return match (on, self.top_logprobs) {
+                (false, Some(n)) if n > 0 => bad("top_logprobs", "needs `logprobs: true`"),
+                (false, _) => Ok(None),
+                (true, n) => top(n.unwrap_or(0), "top_logprobs"),
+            };
+        }
+        if self.top_logprobs.is_some_and(|n| n > 0) {
+            return bad(
+                "top_logprobs",
+                "is a chat field; completions take `logprobs: N`",
+            );
+        }
+        match &self.logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) => top(n, "logprobs"),
+                None => bad("logprobs", "must be an integer from 0 to 20 in completions"),
+            },
+        }
+    }
+
+    /// `logit_bias` as `(token id, bias)` pairs.
+    pub fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
+        let Some(map) = &self.logit_bias else {
+            return Ok(Vec::new());
+        };
+        map.iter()
+            .map(|(k, v)| {
+                let id = k.parse::<u32>().map_err(|_| {
+                    ApiError::invalid(
+                        format!("`logit_bias` key {k:?} is not a token id"),
+                        Some("logit_bias"),
+                    )
+                })?;
+                let b = v.as_f64().ok_or_else(|| {
+                    ApiError::invalid(
+                        format!("`logit_bias[{k}]` = {v} is not a number"),
+                        Some("logit_bias"),
+                    )
+                })?;
+                Ok((id, b as f32))
+            })
+            .collect()
     }
 
     /// `stop` as a list of strings.
@@ -233,8 +290,8 @@ pub struct CompletionChoice {
     pub index: usize,
     /// The text (a delta when streaming).
     pub text: String,
-    /// Always null (not supported).
-    pub logprobs: Option<()>,
+    /// The tokens' logprobs (the legacy shape), when asked for.
+    pub logprobs: Option<Value>,
     /// "stop" or "length"; null in a chunk before the last.
     pub finish_reason: Option<&'static str>,
     /// The generated token ids (the chunk's, when streaming).
@@ -257,8 +314,8 @@ pub struct ChatChoice {
     pub index: usize,
     /// The reply.
     pub message: ChatMessageOut,
-    /// Always null.
-    pub logprobs: Option<()>,
+    /// `{content: [...]}`, when asked for.
+    pub logprobs: Option<Value>,
     /// "stop" or "length".
     pub finish_reason: &'static str,
     /// The generated token ids.
@@ -283,8 +340,8 @@ pub struct ChatChunkChoice {
     pub index: usize,
     /// What this chunk adds.
     pub delta: ChatDelta,
-    /// Always null.
-    pub logprobs: Option<()>,
+    /// The chunk's tokens' logprobs, when asked for.
+    pub logprobs: Option<Value>,
     /// Set in the last chunk.
     pub finish_reason: Option<&'static str>,
     /// The chunk's token ids.
@@ -363,5 +420,44 @@ mod tests {
         )
         .expect("defaults are accepted");
         assert_eq!(ok.stop_strings().expect("stop"), vec!["x", "y"]);
+        assert_eq!(ok.logprobs(false).expect("none"), None);
+    }
+
+    #[test]
+    fn logprobs_and_logit_bias_are_read_per_endpoint() {
+        let body = |s: &str| GenerationBody::parse(s.as_bytes()).expect("parses");
+        assert_eq!(
+            body(r#"{"logprobs": 3}"#).logprobs(false).ok(),
+            Some(Some(3))
+        );
+        assert_eq!(
+            body(r#"{"logprobs": 0}"#).logprobs(false).ok(),
+            Some(Some(0))
+        );
+        let e = body(r#"{"logprobs": 21}"#).logprobs(false).expect_err("21");
+        assert_eq!(e.param.as_deref(), Some("logprobs"));
+        let chat = body(r#"{"logprobs": true, "top_logprobs": 4}"#);
+        assert_eq!(chat.logprobs(true).ok(), Some(Some(4)));
+        let e = body(r#"{"top_logprobs": 4}"#)
+            .logprobs(true)
+            .expect_err("no logprobs");
+        assert_eq!(e.param.as_deref(), Some("top_logprobs"));
+        let e = body(r#"{"logprobs": true, "top_logprobs": 30}"#)
+            .logprobs(true)
+            .expect_err("30");
+        assert_eq!(e.param.as_deref(), Some("top_logprobs"));
+        let e = body(r#"{"logprobs": 2}"#)
+            .logprobs(true)
+            .expect_err("an integer in chat");
+        assert_eq!(e.param.as_deref(), Some("logprobs"));
+        let bias = body(r#"{"logit_bias": {"7": -100, "12": 2.5}}"#)
+            .logit_bias()
+            .expect("bias");
+        assert_eq!(bias.len(), 2);
+        assert!(bias.contains(&(7, -100.0)) && bias.contains(&(12, 2.5)));
+        let e = body(r#"{"logit_bias": {"x": 1}}"#)
+            .logit_bias()
+            .expect_err("key");
+        assert_eq!(e.param.as_deref(), Some("logit_bias"));
     }
 }

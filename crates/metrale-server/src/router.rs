@@ -72,7 +72,7 @@ impl AppState {
 
     /// The sampling of a request that sets no sampling field.
     pub(crate) fn sampling_base(&self) -> SamplingParams {
-        self.sampling_base
+        self.sampling_base.clone()
     }
 
     /// The served model's name.

@@ -1,6 +1,7 @@
 //! `SseStream`: a request's events as a server-sent-event body in OpenAI's shape: for chat a
-//! first chunk with the assistant's role, then a chunk per generated token (its text delta and
-//! id), a last chunk with the finish reason, a usage chunk when asked for, then `data: [DONE]`.
+//! first chunk with the assistant's role, then a chunk per generated token (its text delta, id
+//! and, when asked for, logprobs), a last chunk with the finish reason, a usage chunk when asked
+//! for, then `data: [DONE]`.
 //! An engine error ends the stream with `data: {"error": ...}` and `[DONE]`.
 //!
 //! Invariant: the stream owns the request's handle until the request has finished; hyper drops
@@ -13,10 +14,13 @@ use std::task::{Context, Poll};
 
 use axum::body::Bytes;
 use futures_core::Stream;
-use metrale::{EventResult, GenerateEvent, RequestHandle};
+use std::sync::Arc;
+
+use metrale::{Engine, EventResult, GenerateEvent, RequestHandle};
 use serde::Serialize;
 
 use super::error::ApiError;
+use super::logprobs;
 use super::openai::{ChatChunkChoice, ChatDelta, CompletionChoice, Envelope, Usage};
 
 /// Which endpoint's shapes to use.
@@ -55,6 +59,10 @@ pub struct SseStream {
     created: u64,
     model: String,
     include_usage: bool,
+    /// The engine (its tokenizer spells the tokens) when the request asked for logprobs.
+    logprobs: Option<Arc<Engine>>,
+    /// Characters of the text so far in the legacy logprobs shape (`text_offset`).
+    offset: usize,
     /// Events ready to send.
     ready: VecDeque<Bytes>,
 }
@@ -76,6 +84,8 @@ impl SseStream {
             created,
             model,
             include_usage,
+            logprobs: None,
+            offset: 0,
             ready: VecDeque::new(),
         };
         if flavor == Flavor::Chat {
@@ -83,9 +93,15 @@ impl SseStream {
                 role: Some("assistant"),
                 content: Some(String::new()),
             };
-            s.push_choice(role, String::new(), None, Vec::new());
+            s.push_choice(role, String::new(), None, Vec::new(), None);
         }
         s
+    }
+
+    /// Send each token's logprobs with it (`Some(engine)`: the request asked for them).
+    pub fn with_logprobs(mut self, engine: Option<Arc<Engine>>) -> SseStream {
+        self.logprobs = engine;
+        self
     }
 
     fn push_data(&mut self, json: &impl Serialize) {
@@ -105,13 +121,14 @@ impl SseStream {
         text: String,
         finish_reason: Option<&'static str>,
         token_ids: Vec<u32>,
+        logprobs: Option<serde_json::Value>,
     ) {
         match self.flavor {
             Flavor::Completion => {
                 let choice = CompletionChoice {
                     index: 0,
                     text,
-                    logprobs: None,
+                    logprobs,
                     finish_reason,
                     token_ids,
                 };
@@ -122,7 +139,7 @@ impl SseStream {
                 let choice = ChatChunkChoice {
                     index: 0,
                     delta,
-                    logprobs: None,
+                    logprobs,
                     finish_reason,
                     token_ids,
                 };
@@ -157,7 +174,21 @@ impl SseStream {
                     role: None,
                     content: Some(text.clone()),
                 };
-                self.push_choice(delta, text, None, vec![t.token_id]);
+                let lps = match (&self.logprobs, &t.logprobs) {
+                    (Some(engine), Some(l)) => {
+                        let one = std::slice::from_ref(l);
+                        Some(match self.flavor {
+                            Flavor::Completion => {
+                                let v = logprobs::completion(engine, one, self.offset);
+                                self.offset += logprobs::completion_chars(engine, one);
+                                v
+                            }
+                            Flavor::Chat => logprobs::chat(engine, one),
+                        })
+                    }
+                    _ => None,
+                };
+                self.push_choice(delta, text, None, vec![t.token_id], lps);
             }
             Some(Ok(GenerateEvent::Finished { output })) => {
                 let reason = output.finish_reason.as_str();
@@ -166,6 +197,7 @@ impl SseStream {
                     String::new(),
                     Some(reason),
                     Vec::new(),
+                    None,
                 );
                 if self.include_usage {
                     let usage = Usage::new(output.prompt_ids.len(), output.token_ids.len());

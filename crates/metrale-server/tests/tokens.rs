@@ -118,7 +118,7 @@ fn omitted_sampling_fields_take_the_checkpoints_recommendation_then_openais() {
     let dir = recommending_checkpoint();
     let prompt = [3u32, 1, 4, 1, 5];
     let run = |server: &Server, extra: Value| {
-        let mut body = json!({"prompt": prompt, "max_tokens": 12, "seed": 7, "ignore_eos": true});
+        let mut body = json!({"prompt": prompt, "max_tokens": 32, "seed": 7, "ignore_eos": true});
         for (k, v) in extra.as_object().unwrap() {
             body[k] = v.clone();
         }
@@ -128,7 +128,7 @@ fn omitted_sampling_fields_take_the_checkpoints_recommendation_then_openais() {
     };
     let engine_run = |server: &Server, sampling: SamplingParams| {
         let request = GenerateRequest::new(Prompt::TokenIds(prompt.to_vec()))
-            .max_new_tokens(12)
+            .max_new_tokens(32)
             .ignore_eos(true)
             .sampling(sampling.seed(7));
         server.engine.generate(&request).unwrap().token_ids
@@ -141,17 +141,20 @@ fn omitted_sampling_fields_take_the_checkpoints_recommendation_then_openais() {
 
     let auto = start_from(dir.path(), options(), GenerationConfig::Auto);
     assert_eq!(auto.engine.sampling_defaults(), recommended);
-    assert_eq!(run(&auto, json!({})), engine_run(&auto, recommended));
+    assert_eq!(
+        run(&auto, json!({})),
+        engine_run(&auto, recommended.clone())
+    );
     // A field the request sets wins; the others stay the checkpoint's.
     assert_eq!(
         run(&auto, json!({"top_k": -1})),
-        engine_run(&auto, recommended.top_k(0))
+        engine_run(&auto, recommended.clone().top_k(0))
     );
     let greedy = engine_run(&auto, SamplingParams::greedy());
     assert_eq!(run(&auto, json!({"temperature": 0})), greedy);
 
     let ignore = start_from(dir.path(), options(), GenerationConfig::Ignore);
-    assert_eq!(run(&ignore, json!({})), engine_run(&ignore, openai));
+    assert_eq!(run(&ignore, json!({})), engine_run(&ignore, openai.clone()));
     assert_ne!(
         engine_run(&ignore, openai),
         engine_run(&ignore, recommended),

@@ -425,3 +425,5 @@ impl GpuBackend for CpuBackend {
 pub(crate) mod test_support;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_sampling;

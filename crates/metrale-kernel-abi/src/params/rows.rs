@@ -268,6 +268,31 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `sampling::sample`: each row's token (greedy or drawn), its logprob and the top logprobs,
+    /// after penalties, logit bias, an allowed-token mask, temperature, top-k, top-p and min-p.
+    pub struct SampleParams("SAMPLE_PARAMS") {
+        /// u32 `[rows, SAMPLE_OUT_WORDS]`.
+        out: ptr "uint32_t* __restrict__",
+        /// f32 `[rows, vocab]`: the model's logits (read only).
+        logits: ptr "const float* __restrict__",
+        /// u32 `[rows, SAMPLE_ROW_WORDS]`: each row's parameters (`SAMPLE_R_*`).
+        rowp: ptr "const uint32_t* __restrict__",
+        /// u32 `[entries, SAMPLE_ENTRY_WORDS]`: penalised, biased or banned tokens of every row.
+        entries: ptr "const uint32_t* __restrict__",
+        /// u32 `[rows, mask_words]` allowed-token bitmasks, or null when no row has one.
+        mask: ptr "const uint32_t* __restrict__",
+        /// Rows.
+        rows: u32,
+        /// Columns.
+        vocab: u32,
+        /// Entries in `entries` (every row's range must lie inside).
+        num_entries: u32,
+        /// u32 words of one row of `mask`: at least `ceil(vocab / 32)`.
+        mask_words: u32,
+    }
+}
+
+kernel_params! {
     /// `init::fill_uniform_bf16`: `out[i] = offset + uniform(i, seed) * scale`.
     pub struct FillUniformBf16Params("FILL_UNIFORM_BF16_PARAMS") {
         /// bf16 `[n]`.

@@ -3,7 +3,8 @@
 //! the MTP head's input buffers when it drafts.
 
 use metrale_gpu_runtime::arena::ArenaLayout;
-use metrale_gpu_runtime::{BufferArena, DType, GpuBackendExt};
+use metrale_gpu_runtime::{BufferArena, DType, DevicePtr, GpuBackendExt};
+use metrale_kernel_abi::{SAMPLE_ENTRY_WORDS, SAMPLE_OUT_WORDS, SAMPLE_ROW_WORDS};
 use metrale_model_layers::StepBuffers;
 use metrale_model_layers::layer::{Activations, GdnBuffers, HeadBuffers, MoeBuffers, StepMeta};
 use metrale_model_layers::layers::{GdnShape, MoeShape};
@@ -18,7 +19,30 @@ use crate::model::{Model, MtpBuffers};
 pub(crate) struct Buffers {
     pub step: StepBuffers,
     pub mtp: Option<MtpBuffers>,
+    pub sampler: SamplerBuffers,
     pub arena: BufferArena,
+}
+
+/// The device sampler's inputs and output (`sampling::sample`), at fixed addresses: one row per
+/// logit row, and the entries of up to `max_seqs` rows of a whole context each.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SamplerBuffers {
+    /// u32 `[max_logit_rows, SAMPLE_ROW_WORDS]`.
+    pub rowp: DevicePtr,
+    /// u32 `[entry_capacity, SAMPLE_ENTRY_WORDS]`.
+    pub entries: DevicePtr,
+    /// Entries `entries` holds.
+    pub entry_capacity: usize,
+    /// u32 `[max_logit_rows, ceil(vocab / 32)]`.
+    pub mask: DevicePtr,
+    /// u32 `[max_logit_rows, SAMPLE_OUT_WORDS]`.
+    pub out: DevicePtr,
+}
+
+/// Entries one sequence's row may need: each distinct token of its context, its logit bias and
+/// its banned ids, never more than the vocabulary.
+pub(crate) fn entries_per_row(sizes: &StepSizes, vocab: usize) -> usize {
+    (sizes.max_seq_len + crate::sampling::MAX_LOGIT_BIAS + crate::sampling::MAX_BANNED).min(vocab)
 }
 
 /// The arena's layout: the step buffers, the GDN and MoE layers' when the model has them, the
@@ -46,6 +70,26 @@ fn layout(model: &Model, sizes: &StepSizes) -> (ArenaLayout, LinearStagingSize) 
         .add("logits_in", DType::Bf16, logit_rows * h)
         .add("logits", DType::F32, logit_rows * dims.vocab as usize)
         .add("sampled", DType::U32, logit_rows)
+        .add(
+            "sample.rowp",
+            DType::U32,
+            logit_rows * SAMPLE_ROW_WORDS as usize,
+        )
+        .add(
+            "sample.entries",
+            DType::U32,
+            s * entries_per_row(sizes, dims.vocab as usize) * SAMPLE_ENTRY_WORDS as usize,
+        )
+        .add(
+            "sample.mask",
+            DType::U32,
+            logit_rows * (dims.vocab as usize).div_ceil(32),
+        )
+        .add(
+            "sample.out",
+            DType::U32,
+            logit_rows * SAMPLE_OUT_WORDS as usize,
+        )
         .add(
             "inv_freq",
             DType::F32,
@@ -227,6 +271,13 @@ pub(crate) fn allocate(model: &Model, sizes: &StepSizes) -> Result<Buffers, Mode
         cat_ids: p("mtp.cat_ids"),
         cat: p("mtp.cat"),
     });
+    let sampler = SamplerBuffers {
+        rowp: p("sample.rowp"),
+        entries: p("sample.entries"),
+        entry_capacity: sizes.max_seqs * entries_per_row(sizes, model.dims().vocab as usize),
+        mask: p("sample.mask"),
+        out: p("sample.out"),
+    };
     let stream = model.stream();
     gpu.upload(
         step.inv_freq,
@@ -234,5 +285,10 @@ pub(crate) fn allocate(model: &Model, sizes: &StepSizes) -> Result<Buffers, Mode
         stream,
     )?;
     gpu.synchronize(stream)?;
-    Ok(Buffers { step, mtp, arena })
+    Ok(Buffers {
+        step,
+        mtp,
+        sampler,
+        arena,
+    })
 }

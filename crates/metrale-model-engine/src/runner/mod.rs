@@ -20,6 +20,7 @@ mod forward;
 mod graphs;
 mod mtp;
 pub(crate) mod prefix;
+mod sample;
 mod sizes;
 mod upload;
 mod verify;
@@ -34,6 +35,7 @@ use metrale_model_layers::{KvBinding, StepShape};
 use crate::error::ModelError;
 use crate::model::Model;
 use crate::options::{ModelOptions, Speculative};
+use crate::sampling::{SampleRow, SampledToken};
 
 pub use circuit::{
     Digest, ForwardDisclosure, ForwardSelect, Fusions, ModelCircuit, checkpoint_plan,
@@ -61,6 +63,8 @@ pub struct StepRunner {
     last_rows: usize,
     /// MTP steps that ran the circuit's draft program.
     draft_program_steps: u64,
+    /// The device sampler's buffers.
+    sampler: build::SamplerBuffers,
     _arena: BufferArena,
 }
 
@@ -97,6 +101,7 @@ impl StepRunner {
             sizes,
             last_rows: 0,
             draft_program_steps: 0,
+            sampler: buffers.sampler,
             _arena: buffers.arena,
         };
         Ok((runner, cache))
@@ -184,13 +189,48 @@ impl StepRunner {
 
     /// Run one decode step: row `i` is sequence `i`'s next token. The step is padded to the
     /// decode ladder width and, with `decode_graphs`, replayed from a graph captured the first
-    /// time that width runs. Logit row `i` belongs to sequence `i`.
+    /// time that width runs. Logit row `i` belongs to sequence `i`. The step ends with the
+    /// device sampler over greedy rows; read its tokens with [`StepRunner::greedy`] (or run
+    /// [`StepRunner::decode_sampled`] to sample).
     pub fn decode(
         &mut self,
         cache: &CacheManager,
         rows: &[StepRow],
         tables: &[&BlockTable],
         ssm_slots: &[u32],
+    ) -> Result<(), ModelError> {
+        self.decode_step(cache, rows, tables, ssm_slots, &[])
+    }
+
+    /// [`StepRunner::decode`], with row `i`'s token picked by the device sampler under
+    /// `sampling[i]` inside the step (the decode graph ends with the sampler, its inputs
+    /// uploaded to fixed addresses first). Returns what it picked, row by row.
+    pub fn decode_sampled(
+        &mut self,
+        cache: &CacheManager,
+        rows: &[StepRow],
+        tables: &[&BlockTable],
+        ssm_slots: &[u32],
+        sampling: &[SampleRow],
+    ) -> Result<Vec<SampledToken>, ModelError> {
+        if sampling.len() != rows.len() {
+            return Err(ModelError::Step(format!(
+                "{} sampling rows for a decode step of {} rows",
+                sampling.len(),
+                rows.len()
+            )));
+        }
+        self.decode_step(cache, rows, tables, ssm_slots, sampling)?;
+        self.sampled(sampling)
+    }
+
+    fn decode_step(
+        &mut self,
+        cache: &CacheManager,
+        rows: &[StepRow],
+        tables: &[&BlockTable],
+        ssm_slots: &[u32],
+        sampling: &[SampleRow],
     ) -> Result<(), ModelError> {
         if rows.iter().enumerate().any(|(i, r)| r.seq as usize != i) || rows.len() != tables.len() {
             return Err(ModelError::Step(
@@ -213,16 +253,22 @@ impl StepRunner {
             ))
         })?;
         let shape = self.io().upload(&input, Some(width), None)?;
+        self.upload_sampling(sampling, shape.logit_rows as usize)?;
         self.last_rows = shape.rows as usize;
+        let sampler = self.sampler;
+        let step = |forward: &Forward| {
+            forward.decode(shape)?;
+            sample::launch_sample(forward, &sampler, shape.logit_rows)
+        };
         if !self.options.decode_graphs {
-            return self.forward.decode(shape);
+            return step(&self.forward);
         }
         let key = GraphKey::Decode(shape.rows);
         if self.forward.circuit.is_none() {
             self.map_before_capture(key, shape)?;
         }
         let forward = &self.forward;
-        self.graphs.replay(key, || forward.decode(shape))
+        self.graphs.replay(key, || step(forward))
     }
 
     /// Before the first capture under `key` of a step that runs the legacy launches: record

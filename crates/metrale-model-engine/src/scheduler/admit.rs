@@ -5,6 +5,7 @@ use super::sequence::{Picked, Seq};
 use super::{Scheduler, SeqEvent, Speculation, StepKind, prefix};
 use crate::error::ModelError;
 use crate::runner::{StepInput, StepRow, StepRunner};
+use crate::sampling::{SampleRow, SampledToken, Sampler, choice_seed};
 
 impl Scheduler {
     /// Admit the queue head if the policy allows and it fits. On failure the head is dropped
@@ -26,8 +27,16 @@ impl Scheduler {
         let Some(head) = self.waiting.front_mut() else {
             return Ok(());
         };
+        // Choices still to fork: each will hold its own sequence, slots and partial block.
+        let forks = head.choices.len();
+        if self.running.len() + 1 + forks > self.policy.max_seqs
+            || free_slots.is_some_and(|f| f < (1 + spares) * (1 + forks))
+        {
+            return Ok(());
+        }
         let context = (head.tokens.len() + 1).min(self.policy.limits.max_context);
-        let need = context.div_ceil(bs);
+        // Each choice forks a copy of the partial last block and grows by one block of headroom.
+        let need = context.div_ceil(bs) + 2 * forks;
         // Shared blocks need no fresh ones, but taking a cached block nobody holds removes it
         // from the free count.
         let hit = prefix::lookup(&self.cache, caching, head);
@@ -105,8 +114,16 @@ impl Scheduler {
         self.stats.prefill_tokens += range.len() as u64;
         let mut done = None;
         if sample {
-            let need = self.running[i].needs_logits();
-            let picked = pick(&self.runner, 1, need)?
+            // The other choices fork this sequence's cache now, its prompt computed, and draw
+            // their first tokens from the same logits.
+            for (c, id) in std::mem::take(&mut self.running[i].choices)
+                .into_iter()
+                .enumerate()
+            {
+                self.fork_choice(i, id, c + 1, events)?;
+            }
+            let s = &self.running[i];
+            let picked = pick(&self.runner, &[s.sample_row()], s.keeps_logits())?
                 .pop()
                 .ok_or_else(|| ModelError::Step("a prefill step returned no logits".into()))?;
             done = self.record(i, picked, events);
@@ -136,16 +153,88 @@ impl Scheduler {
     }
 }
 
-/// The first `n` logit rows of `runner`'s last step, as host logits when `need_logits`, else as
-/// the device's argmax (4 bytes a row instead of the vocabulary's logits).
+impl Scheduler {
+    /// Choice `c` (id `id`) of running sequence `i`, whose prompt is computed: its cache forked
+    /// from `i`'s, its own seed, its first token drawn from the last step's logits (row 0).
+    /// The MTP head's KV of the last chunk's partial block is not in the fork (it is written
+    /// after), which can cost the choice draft acceptance, never output.
+    fn fork_choice(
+        &mut self,
+        i: usize,
+        id: super::SeqId,
+        c: usize,
+        events: &mut Vec<SeqEvent>,
+    ) -> Result<(), ModelError> {
+        let spares = self.spec.as_ref().map_or(0, Speculation::spares);
+        let p = &self.running[i];
+        let (table, slot) = self
+            .cache
+            .fork(&p.cache.table, p.computed, p.cache.ssm_slot)?;
+        let seed = choice_seed(p.seed, c);
+        let sampler = Sampler::with_seed(p.sampler.params().clone(), seed);
+        let prompt = p.tokens[..p.prompt_len].to_vec();
+        let mut child = Seq::new(
+            id,
+            prompt,
+            (sampler, seed),
+            p.stop.clone(),
+            p.logits.is_some(),
+        );
+        child.computed = p.computed;
+        child.cache.table = table;
+        child.cache.ssm_slot = slot;
+        child.cache.block_hashes = p.cache.block_hashes.clone();
+        child.cache.published = p.cache.published;
+        for _ in 0..spares {
+            match self.cache.alloc_ssm_slot(None) {
+                Ok(s) => child.cache.spare_slots.extend(s),
+                Err(e) => {
+                    child.release(&mut self.cache)?;
+                    return Err(e.into());
+                }
+            }
+        }
+        let keep = child.keeps_logits();
+        let row = child.sample_row();
+        self.running.push(child);
+        let k = self.running.len() - 1;
+        let picked = pick(&self.runner, &[row], keep)?
+            .pop()
+            .ok_or_else(|| ModelError::Step("a prefill step returned no logits".into()))?;
+        if let Some(reason) = self.record(k, picked, events) {
+            self.retire(k, reason, events)?;
+        }
+        Ok(())
+    }
+}
+
+/// The first `rows.len()` logit rows of `runner`'s last step through the device sampler (only
+/// tokens and logprobs come back), with every row's host logits when `keep_logits`.
 pub(super) fn pick(
     runner: &StepRunner,
-    n: usize,
-    need_logits: bool,
+    rows: &[SampleRow],
+    keep_logits: bool,
 ) -> Result<Vec<Picked>, ModelError> {
-    Ok(if need_logits {
-        runner.logits(n)?.into_iter().map(Picked::Logits).collect()
+    let sampled = runner.sample(rows)?;
+    with_logits(runner, sampled, keep_logits)
+}
+
+/// `sampled` as picked rows, with the host logits of the last step's rows when `keep_logits`.
+pub(super) fn with_logits(
+    runner: &StepRunner,
+    sampled: Vec<SampledToken>,
+    keep_logits: bool,
+) -> Result<Vec<Picked>, ModelError> {
+    let mut logits = if keep_logits {
+        runner
+            .logits(sampled.len())?
+            .into_iter()
+            .map(Some)
+            .collect()
     } else {
-        runner.greedy(n)?.into_iter().map(Picked::Token).collect()
-    })
+        vec![None; sampled.len()]
+    };
+    Ok((sampled.into_iter().zip(logits.iter_mut()))
+        .map(|(s, l)| Picked::Sampled(s, l.take()))
+        .collect())
 }

@@ -4,11 +4,12 @@
 
 use metrale_cache::{BlockTable, CacheError};
 
-use super::admit::pick;
+use super::admit::with_logits;
 use super::sequence::Seq;
 use super::{Scheduler, SeqEvent, StepKind, prefix};
 use crate::error::ModelError;
 use crate::runner::StepRow;
+use crate::sampling::SampleRow;
 
 impl Scheduler {
     /// One decode step of every running sequence past its prompt: a verify step when some
@@ -78,13 +79,16 @@ impl Scheduler {
             })
             .collect();
         let (tables, slots) = tables_and_slots(&self.running, &idx);
-        self.runner.decode(&self.cache, &rows, &tables, &slots)?;
-        // Host logits only when a row that samples now needs them (see `Seq::needs_logits`).
-        let need = (idx.iter()).any(|&i| {
+        // Every row's sampling (a replayed row's pick is dropped below).
+        let sampling: Vec<SampleRow> = idx.iter().map(|&i| self.running[i].sample_row()).collect();
+        let sampled =
+            (self.runner).decode_sampled(&self.cache, &rows, &tables, &slots, &sampling)?;
+        // Host logits only when a row that samples now keeps them.
+        let keep = (idx.iter()).any(|&i| {
             let s = &self.running[i];
-            s.computed + 1 == s.tokens.len() && s.needs_logits()
+            s.computed + 1 == s.tokens.len() && s.keeps_logits()
         });
-        let picked = pick(&self.runner, idx.len(), need)?;
+        let picked = with_logits(&self.runner, sampled, keep)?;
         self.stats.steps += 1;
         self.stats.decode_steps += 1;
         let (mut done, mut ran) = (Vec::new(), Vec::new());

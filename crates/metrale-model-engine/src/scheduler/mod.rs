@@ -52,6 +52,13 @@
 //! - **Speculation** (a runner built with `speculative = Mtp`, or a drafter set with
 //!   [`Scheduler::set_drafter`]): decode steps verify each sequence's drafts, behind a gate that
 //!   keeps speculation only while it is faster; see `speculate`.
+//! - **Choices** (`SamplingParams::n`). A request of `n` choices is admitted once room is there
+//!   for all of them (sequences, SSM slots, a forked block and a block of headroom each); its
+//!   prompt is prefilled once, by choice 0. After the last prompt chunk the other choices fork
+//!   its cache (`CacheManager::fork`: full KV blocks shared, the partial block and the SSM
+//!   state copied), take their own seeds (`sampling::choice_seed`) and draw their first tokens
+//!   from the same logits; from then on each is a sequence of its own (preempted, replayed and
+//!   finished alone), bitwise the solo run of its seed.
 //! - **Stopping.** A sequence finishes by its `StopRule`: a stop token (the request's, and the
 //!   model's EOS unless `ignore_eos`), `max_new_tokens`, or a full context (`Length`). A caller
 //!   stops one from outside with [`Scheduler::finish`] between steps (cancellation, stop
@@ -85,7 +92,7 @@ use crate::error::ModelError;
 use crate::model::Model;
 use crate::options::ModelOptions;
 use crate::runner::{ChunkCuts, StepRunner};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, fresh_seed};
 
 pub use metrale_cache::SnapshotUsage;
 pub use report::{
@@ -188,11 +195,14 @@ impl Scheduler {
     }
 
     /// Queue a request; it joins at a later step. A request that fails the checks is refused
-    /// and nothing changes.
+    /// and nothing changes. A request of `n` choices (`SamplingParams::n`) takes the ids
+    /// `id..id + n` (choice `c` is `id + c`); its prompt is computed once, by choice 0, whose
+    /// cache the others fork when it is done (`CacheManager::fork`).
     pub fn add(&mut self, req: SeqRequest) -> Result<SeqId, InvalidRequest> {
         self.policy.limits.check(&req)?;
+        let n = req.params.sampling.n.max(1) as u64;
         let id = SeqId(self.next_id);
-        self.next_id += 1;
+        self.next_id += n;
         let mut stop_token_ids = req.params.stop_token_ids.clone();
         if !req.ignore_eos {
             stop_token_ids.extend(&self.policy.eos_token_ids);
@@ -202,9 +212,26 @@ impl Scheduler {
             max_new_tokens: req.params.max_new_tokens,
             max_context: self.policy.limits.max_context,
         };
-        let sampler = Sampler::new(req.params.sampling);
-        let seq = Seq::new(id, req.prompt, sampler, stop, req.params.return_logits);
+        let seed = req.params.sampling.seed.unwrap_or_else(fresh_seed);
+        let sampler = Sampler::with_seed(req.params.sampling, seed);
+        let mut seq = Seq::new(
+            id,
+            req.prompt,
+            (sampler, seed),
+            stop,
+            req.params.return_logits,
+        );
+        seq.choices = (1..n).map(|c| SeqId(id.0 + c)).collect();
         if req.params.max_new_tokens == 0 {
+            for &c in &seq.choices {
+                let generation = Generation {
+                    token_ids: Vec::new(),
+                    finish_reason: FinishReason::Length,
+                    logits: seq.logits.clone(),
+                    logprobs: seq.logprobs.clone(),
+                };
+                self.pending.push(SeqEvent::Finished { id: c, generation });
+            }
             self.pending.push(SeqEvent::Finished {
                 id,
                 generation: seq.into_generation(FinishReason::Length),
@@ -338,9 +365,13 @@ impl Scheduler {
         events: &mut Vec<SeqEvent>,
     ) -> Option<FinishReason> {
         let s = &mut self.running[i];
-        let (token, reason) = s.record(picked);
+        let (token, logprobs, reason) = s.record(picked);
         self.stats.tokens_generated += 1;
-        events.push(SeqEvent::Token { id: s.id, token });
+        events.push(SeqEvent::Token {
+            id: s.id,
+            token,
+            logprobs,
+        });
         reason
     }
 

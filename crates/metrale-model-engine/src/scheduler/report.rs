@@ -2,6 +2,7 @@
 //! (`SeqEvent`), a step's result or failure (`StepReport`, `StepFailed`), and the counters and
 //! resource use for metrics (`SchedulerStats`).
 
+use crate::sampling::SampledToken;
 use metrale_cache::{CacheManager, SnapshotUsage};
 
 use super::SeqId;
@@ -46,6 +47,8 @@ pub enum SeqEvent {
         id: SeqId,
         /// The token.
         token: u32,
+        /// Its logprob and the top logprobs, when the request asked for logprobs.
+        logprobs: Option<SampledToken>,
     },
     /// The sequence finished; it holds no resources any more.
     Finished {

@@ -10,7 +10,7 @@
 use metrale_cache::CacheManager;
 
 use crate::runner::StepRunner;
-use crate::sampling::{SamplingError, SamplingParams};
+use crate::sampling::{MAX_BANNED, SampledToken, SamplingError, SamplingParams};
 
 /// What to generate.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,6 +57,9 @@ pub struct Generation {
     pub finish_reason: FinishReason,
     /// Row `i`: the logits that chose `token_ids[i]` (when asked for).
     pub logits: Option<Vec<Vec<f32>>>,
+    /// Entry `i`: `token_ids[i]`'s logprob and the top logprobs (when the sampling parameters
+    /// ask for logprobs).
+    pub logprobs: Option<Vec<SampledToken>>,
 }
 
 /// One generation request for the scheduler.
@@ -125,7 +128,15 @@ impl RequestLimits {
     /// Check a request's prompt and sampling parameters.
     pub fn check(&self, req: &SeqRequest) -> Result<(), InvalidRequest> {
         self.check_prompt(&req.prompt)?;
-        req.params.sampling.validate()?;
+        let sampling = &req.params.sampling;
+        sampling.validate_for_vocab(self.vocab)?;
+        if sampling.min_tokens > 0 && req.params.stop_token_ids.len() > MAX_BANNED / 2 {
+            return Err(InvalidRequest::Sampling(SamplingError {
+                field: "stop_token_ids",
+                value: format!("{} ids", req.params.stop_token_ids.len()),
+                expected: "at most 128 ids with min_tokens",
+            }));
+        }
         Ok(())
     }
 

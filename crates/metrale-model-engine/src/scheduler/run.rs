@@ -71,7 +71,7 @@ impl Scheduler {
             let mut stop = Vec::new();
             for event in report.events {
                 match event {
-                    SeqEvent::Token { id, token } => {
+                    SeqEvent::Token { id, token, .. } => {
                         let d = &mut seen[index[&id]];
                         if d.stopped {
                             continue;

@@ -8,8 +8,10 @@
 //! - `computed < prompt_len`: the sequence is in prefill. Otherwise it decodes, feeding
 //!   `tokens[computed]`; while `computed + 1 < tokens.len()` it is replaying tokens it generated
 //!   before a preemption, and the logits of those rows are not sampled again.
-//! - The sampler is created once, at submission, and survives preemption: a resumed sequence
-//!   samples its next token with the generator state it had, so its output is unchanged.
+//! - The sampling state is created once, at submission, and survives preemption: the device
+//!   sampler draws token `i` from the sequence's seed and `i` alone, the penalties' counts are
+//!   the tokens', and the host sampler (speculative rejection sampling) keeps its generator
+//!   state, so a resumed sequence's output is unchanged.
 //! - With prefix caching, `block_hashes` are the keys of the leading full blocks of `tokens`:
 //!   the prompt's (from the first admission on), then, on a model that publishes generated
 //!   blocks, each block decode steps filled; the hashes only grow (a preempted sequence keeps
@@ -22,7 +24,7 @@ use metrale_cache::{BlockHash, BlockTable, CacheManager};
 use super::request::{FinishReason, Generation};
 use crate::error::ModelError;
 use crate::runner::{ChunkCuts, prefill_chunk};
-use crate::sampling::Sampler;
+use crate::sampling::{SampleRow, SampledToken, Sampler, TokenStats};
 use crate::speculative::Verdict;
 
 /// A request's id, unique for the life of its scheduler.
@@ -91,33 +93,79 @@ pub(crate) struct Seq {
     pub prompt_len: usize,
     pub stop: StopRule,
     pub sampler: Sampler,
+    /// The seed of the device sampler's draws.
+    pub seed: u64,
+    /// Token counts, when a penalty applies.
+    pub stats: Option<TokenStats>,
     pub cache: SeqCache,
     /// The drafts the next decode step verifies (empty: a plain row).
     pub drafts: Vec<u32>,
     pub computed: usize,
     /// Row `i`: the logits that chose generated token `i` (when asked for).
     pub logits: Option<Vec<Vec<f32>>>,
+    /// Entry `i`: generated token `i`'s logprobs (when asked for).
+    pub logprobs: Option<Vec<SampledToken>>,
+    /// The ids of the other choices of this request, forked from it once its prompt is
+    /// computed (empty once forked, and for `n = 1`).
+    pub choices: Vec<SeqId>,
 }
 
 impl Seq {
+    /// A sequence whose device draws are seeded `seed` and whose host sampler is `sampler`.
     pub fn new(
         id: SeqId,
         prompt: Vec<u32>,
-        sampler: Sampler,
+        (sampler, seed): (Sampler, u64),
         stop: StopRule,
         keep_logits: bool,
     ) -> Seq {
+        let p = sampler.params();
+        let stats = p.has_penalties().then(|| TokenStats::of_prompt(&prompt));
+        let logprobs = p.wants_logprobs().then(Vec::new);
         Seq {
             id,
             prompt_len: prompt.len(),
             tokens: prompt,
             stop,
             sampler,
+            seed,
+            stats,
             cache: SeqCache::default(),
             drafts: Vec::new(),
             computed: 0,
             logits: keep_logits.then(Vec::new),
+            logprobs,
+            choices: Vec::new(),
         }
+    }
+
+    /// The device sampler's row for this sequence's next token.
+    pub fn sample_row(&self) -> SampleRow {
+        let p = self.sampler.params();
+        let generated = self.generated();
+        let banned: &[u32] = if generated < p.min_tokens {
+            &self.stop.stop_token_ids
+        } else {
+            &[]
+        };
+        let entries = match &self.stats {
+            Some(stats) => stats.entries(p, banned),
+            None if !p.logit_bias.is_empty() || !banned.is_empty() => {
+                TokenStats::default().entries(p, banned)
+            }
+            None => Vec::new(),
+        };
+        SampleRow {
+            words: p.sample_row(self.seed, generated as u64, false),
+            entries,
+            mask: None,
+        }
+    }
+
+    /// Whether this sequence may draft: its sampling is what speculative acceptance knows
+    /// (greedy, or temperature, top-k and top-p).
+    pub fn may_draft(&self) -> bool {
+        !self.sampler.params().needs_device_sampler()
     }
 
     /// Still prefilling its prompt.
@@ -156,27 +204,44 @@ impl Seq {
         }
     }
 
-    /// Whether picking this sequence's next token needs its logits on the host: it samples, or
-    /// it keeps them. Otherwise the device's argmax picks the same token (the first maximum).
-    pub fn needs_logits(&self) -> bool {
-        self.logits.is_some() || !self.sampler.is_greedy()
+    /// Whether the host needs this sequence's logits: it keeps them.
+    pub fn keeps_logits(&self) -> bool {
+        self.logits.is_some()
     }
 
-    /// Record the next token, chosen by the device's argmax (`Picked::Token`, only when
-    /// `!needs_logits()`) or sampled from its logits, or a token a verify step chose with the
-    /// logits that chose it; returns the token and why the sequence ends, if it does.
-    pub fn record(&mut self, picked: Picked) -> (u32, Option<FinishReason>) {
-        let (token, logits) = match picked {
-            Picked::Logits(logits) => (self.sampler.sample(&logits), Some(logits)),
-            Picked::Token(token) => (token, None),
-            Picked::Chosen(token, logits) => (token, logits),
+    /// Whether a verify step needs this sequence's logits on the host: it keeps them, or it
+    /// has drafts and samples (rejection sampling).
+    pub fn needs_verify_logits(&self) -> bool {
+        self.keeps_logits() || (!self.drafts.is_empty() && !self.sampler.is_greedy())
+    }
+
+    /// Record the next token, picked by the device sampler, or a token a verify step chose,
+    /// with the logits that chose it when the host has them; returns the token, its logprobs
+    /// (when asked for) and why the sequence ends, if it does.
+    pub fn record(&mut self, picked: Picked) -> (u32, Option<SampledToken>, Option<FinishReason>) {
+        let (token, sampled, logits) = match picked {
+            Picked::Sampled(s, logits) => (s.token, Some(s), logits),
+            Picked::Chosen(token, logits) => (token, None, logits),
         };
         if let (Some(all), Some(row)) = (self.logits.as_mut(), logits) {
             all.push(row);
         }
+        let logprobs = self.logprobs.as_mut().map(|all| {
+            // A drafted token has no device row; drafting sequences never ask for logprobs.
+            let s = sampled.unwrap_or(SampledToken {
+                token,
+                logprob: f32::NAN,
+                top: Vec::new(),
+            });
+            all.push(s.clone());
+            s
+        });
+        if let Some(stats) = self.stats.as_mut() {
+            stats.push(token);
+        }
         self.tokens.push(token);
         let reason = self.stop.reason(token, self.generated(), self.tokens.len());
-        (token, reason)
+        (token, logprobs, reason)
     }
 
     /// Keep what a verify step accepted of this sequence's drafts: roll its SSM state back to
@@ -202,7 +267,7 @@ impl Seq {
         for (t, &token) in verdict.tokens.iter().enumerate() {
             self.computed += 1;
             let row = logits.get_mut(t).map(std::mem::take);
-            let (token, reason) = self.record(Picked::Chosen(token, row));
+            let (token, _, reason) = self.record(Picked::Chosen(token, row));
             tokens.push(token);
             if reason.is_some() {
                 return (tokens, reason);
@@ -217,6 +282,7 @@ impl Seq {
             token_ids: self.tokens[self.prompt_len..].to_vec(),
             finish_reason: reason,
             logits: self.logits,
+            logprobs: self.logprobs,
         }
     }
 
@@ -238,10 +304,8 @@ impl Seq {
 /// A row's next token as a step delivers it.
 #[derive(Debug)]
 pub(crate) enum Picked {
-    /// Its logits, to sample on the host.
-    Logits(Vec<f32>),
-    /// The token the device's argmax picked (no row of the step needed host logits).
-    Token(u32),
+    /// What the device sampler picked, with the row's logits when the host has them.
+    Sampled(SampledToken, Option<Vec<f32>>),
     /// A token a verify step accepted, with the logits that chose it when the host has them.
     Chosen(u32, Option<Vec<f32>>),
 }

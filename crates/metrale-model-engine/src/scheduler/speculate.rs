@@ -12,9 +12,11 @@
 //!   cache cannot hold them.
 //! - **Verify.** A decode step in which some sequence has drafts is a verify step
 //!   ([`StepRunner::verify`](crate::runner::StepRunner::verify)): each decoding sequence's last
-//!   token and its drafts, one row per token. Acceptance per sequence: greedy (the device's
-//!   argmax unless the sequence needs host logits) or rejection sampling with its own sampler,
-//!   so its tokens follow its plain distribution. The accepted tokens are recorded one by one
+//!   token and its drafts, one row per token. Acceptance per sequence: greedy (the device
+//!   sampler's greedy rows) or rejection sampling on the host logits with its own sampler, so
+//!   its tokens follow its plain distribution. A sequence without drafts takes the device
+//!   sampler's pick of its row; sequences whose sampling needs more than temperature, top-k and
+//!   top-p (penalties, bias, min-p, min_tokens, logprobs) never draft. The accepted tokens are recorded one by one
 //!   under the stop rule: a stop token or `max_new_tokens` inside the run ends the output
 //!   exactly there.
 //! - **Rollback.** A hybrid sequence holds `1 + K` SSM slots; row `t < k` keeps its state in
@@ -37,9 +39,10 @@ use metrale_cache::CacheError;
 use super::Scheduler;
 use super::decode::tables_and_slots;
 use super::report::{SeqEvent, StepKind};
-use super::sequence::Seq;
+use super::sequence::{Picked, Seq};
 use crate::error::ModelError;
 use crate::runner::{StepRow, StepRunner};
+use crate::sampling::SampleRow;
 use crate::speculative::{
     Clock, DraftInput, Drafter, GateOptions, MtpDrafter, SpeculationGate, Verdict, WallClock,
     verify_drafts, verify_greedy,
@@ -141,8 +144,8 @@ impl Speculation {
 /// the rows, and the position of the first.
 pub(super) type TakeIn = (usize, Range<u32>, usize);
 
-/// A verify step's rows as the host sees them: every row's logits (some sequence samples or
-/// keeps logits), or only the device's argmax of each.
+/// A verify step's rows as the host sees them: every row's logits (some sequence samples with
+/// drafts or keeps logits), or only the device sampler's token of each.
 enum PickedRows {
     Logits(Vec<Vec<f32>>),
     Tokens(Vec<u32>),
@@ -199,7 +202,7 @@ impl Scheduler {
         let mut wanted = Vec::with_capacity(ran.len());
         for &(i, _, _) in ran {
             let s = &mut self.running[i];
-            let mut k = if speculating && s.caught_up() {
+            let mut k = if speculating && s.caught_up() && s.may_draft() {
                 (s.stop).drafts_allowed(spec.k, s.generated(), s.tokens.len())
             } else {
                 0
@@ -269,11 +272,24 @@ impl Scheduler {
         let (tables, slots) = tables_and_slots(&self.running, &idx);
         self.runner
             .verify(&self.cache, &rows, &tables, &slots, &row_slots)?;
-        let need = idx.iter().any(|&i| self.running[i].needs_logits());
+        // Every row through the device sampler: a sequence without drafts takes its pick; one
+        // with drafts has greedy rows (its drafts checked against them) or, when it samples,
+        // its host logits (rejection sampling).
+        let mut sampling = Vec::with_capacity(rows.len());
+        for &i in &idx {
+            let s = &self.running[i];
+            if s.drafts.is_empty() {
+                sampling.push(s.sample_row());
+            } else {
+                sampling.extend(std::iter::repeat_n(SampleRow::greedy(), s.drafts.len() + 1));
+            }
+        }
+        let sampled = self.runner.sample(&sampling)?;
+        let need = idx.iter().any(|&i| self.running[i].needs_verify_logits());
         let mut picked = if need {
             PickedRows::Logits(self.runner.logits(rows.len())?)
         } else {
-            PickedRows::Tokens(self.runner.greedy(rows.len())?)
+            PickedRows::Tokens(sampled.iter().map(|t| t.token).collect())
         };
         self.stats.steps += 1;
         self.stats.decode_steps += 1;
@@ -288,6 +304,23 @@ impl Scheduler {
                 ran.push((i, f as u32..f as u32 + 1, pos0));
                 continue;
             }
+            if s.drafts.is_empty() {
+                // A plain row: the device sampler's pick.
+                s.computed += 1;
+                let row = match (&mut picked, s.keeps_logits()) {
+                    (PickedRows::Logits(all), true) => Some(std::mem::take(&mut all[f])),
+                    _ => None,
+                };
+                if let Some(spec) = self.spec.as_mut() {
+                    *spec.outcomes.outcomes.entry((0, 0)).or_default() += 1;
+                }
+                match self.record(i, Picked::Sampled(sampled[f].clone(), row), events) {
+                    Some(r) => done.push((i, r)),
+                    None => ran.push((i, f as u32..f as u32 + 1, pos0)),
+                }
+                continue;
+            }
+            let s = &mut self.running[i];
             let k = s.drafts.len();
             let (verdict, logits) = verdict_of(s, f, &mut picked);
             let j = verdict.accepted;
@@ -296,11 +329,11 @@ impl Scheduler {
             }
             let (tokens, reason) = s.keep(&verdict, logits);
             self.stats.tokens_generated += tokens.len() as u64;
-            events.extend(
-                tokens
-                    .into_iter()
-                    .map(|token| SeqEvent::Token { id: s.id, token }),
-            );
+            events.extend(tokens.into_iter().map(|token| SeqEvent::Token {
+                id: s.id,
+                token,
+                logprobs: None,
+            }));
             match reason {
                 Some(r) => done.push((i, r)),
                 None => {
@@ -324,7 +357,7 @@ impl Scheduler {
 }
 
 /// The verdict on `s`'s drafts from its verify rows (step rows `f..f + 1 + drafts`): greedy on
-/// the device's argmax, or rejection sampling on the host logits, which it takes.
+/// the device sampler's greedy rows, or rejection sampling on the host logits, which it takes.
 fn verdict_of(s: &mut Seq, f: usize, picked: &mut PickedRows) -> (Verdict, Vec<Vec<f32>>) {
     let mine = f..f + s.drafts.len() + 1;
     match picked {

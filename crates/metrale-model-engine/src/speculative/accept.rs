@@ -183,7 +183,7 @@ mod tests {
         ];
         let rows = vec![row0(), row1()];
         for (params, draft) in cases {
-            let mut s = Sampler::new(params);
+            let mut s = Sampler::new(params.clone());
             let (p0, p1) = (s.distribution(&rows[0]), s.distribution(&rows[1]));
             let (mut first, mut after, mut kept) = (vec![0usize; 6], vec![0usize; 6], 0usize);
             for _ in 0..N {

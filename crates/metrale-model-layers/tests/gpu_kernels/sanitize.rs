@@ -35,6 +35,7 @@ fn run_set(with_stream_tma: bool) -> BTreeSet<String> {
     super::hybrid::small(&p);
     super::moe::small(&p);
     super::fused::small(&p);
+    super::sampling::small(&p);
     let launched = p.cuda.launched();
     KERNELS
         .iter()
