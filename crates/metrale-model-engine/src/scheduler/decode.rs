@@ -79,6 +79,7 @@ impl Scheduler {
             .collect();
         let (tables, slots) = tables_and_slots(&self.running, &idx);
         self.runner.decode(&self.cache, &rows, &tables, &slots)?;
+        self.prepare_masks(idx.iter().copied());
         // Host logits only when a row that samples now needs them (see `Seq::needs_logits`).
         let need = (idx.iter()).any(|&i| {
             let s = &self.running[i];

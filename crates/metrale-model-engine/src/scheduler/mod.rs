@@ -81,6 +81,7 @@ use std::collections::VecDeque;
 
 use metrale_cache::CacheManager;
 
+use crate::constraint::TokenConstraint;
 use crate::error::ModelError;
 use crate::model::Model;
 use crate::options::ModelOptions;
@@ -190,6 +191,17 @@ impl Scheduler {
     /// Queue a request; it joins at a later step. A request that fails the checks is refused
     /// and nothing changes.
     pub fn add(&mut self, req: SeqRequest) -> Result<SeqId, InvalidRequest> {
+        self.add_constrained(req, None)
+    }
+
+    /// Queue a request whose tokens follow `constraint` (structured output; see
+    /// [`crate::constraint`]): each of its tokens is picked from host logits under the
+    /// constraint's mask, and it stops when the constraint is finished.
+    pub fn add_constrained(
+        &mut self,
+        req: SeqRequest,
+        constraint: Option<Box<dyn TokenConstraint>>,
+    ) -> Result<SeqId, InvalidRequest> {
         self.policy.limits.check(&req)?;
         let id = SeqId(self.next_id);
         self.next_id += 1;
@@ -203,7 +215,8 @@ impl Scheduler {
             max_context: self.policy.limits.max_context,
         };
         let sampler = Sampler::new(req.params.sampling);
-        let seq = Seq::new(id, req.prompt, sampler, stop, req.params.return_logits);
+        let mut seq = Seq::new(id, req.prompt, sampler, stop, req.params.return_logits);
+        seq.constraint = constraint;
         if req.params.max_new_tokens == 0 {
             self.pending.push(SeqEvent::Finished {
                 id,
@@ -328,6 +341,19 @@ impl Scheduler {
             out.push(id);
         }
         out
+    }
+
+    /// Compute the bitmasks of the constrained sequences among running `idx` whose next row
+    /// picks a token: called once a step is launched, before its logits are read, so the
+    /// grammar's work overlaps the device's.
+    fn prepare_masks(&mut self, idx: impl IntoIterator<Item = usize>) {
+        let vocab = self.policy.limits.vocab;
+        for i in idx {
+            let s = &mut self.running[i];
+            if s.constraint.is_some() && s.computed + 1 >= s.tokens.len() {
+                s.prepare_mask(vocab);
+            }
+        }
     }
 
     /// Record running sequence `i`'s next token; returns why it ends, if it does.

@@ -10,6 +10,10 @@
 //!   before a preemption, and the logits of those rows are not sampled again.
 //! - The sampler is created once, at submission, and survives preemption: a resumed sequence
 //!   samples its next token with the generator state it had, so its output is unchanged.
+//! - A constrained sequence (`constraint`) always picks from host logits, masked by its
+//!   constraint's bitmask for that token ([`Seq::prepare_mask`], computed once per token, after
+//!   the step is launched where the scheduler can); every token it records is accepted by the
+//!   constraint, and it ends (`Stop`) when the constraint is finished. It never drafts.
 //! - With prefix caching, `block_hashes` are the keys of the leading full blocks of `tokens`:
 //!   the prompt's (from the first admission on), then, on a model that publishes generated
 //!   blocks, each block decode steps filled; the hashes only grow (a preempted sequence keeps
@@ -20,6 +24,7 @@
 use metrale_cache::{BlockHash, BlockTable, CacheManager};
 
 use super::request::{FinishReason, Generation};
+use crate::constraint::{TokenConstraint, allow, apply_mask, mask_words};
 use crate::error::ModelError;
 use crate::runner::{ChunkCuts, prefill_chunk};
 use crate::sampling::Sampler;
@@ -97,6 +102,11 @@ pub(crate) struct Seq {
     pub computed: usize,
     /// Row `i`: the logits that chose generated token `i` (when asked for).
     pub logits: Option<Vec<Vec<f32>>>,
+    /// Structured output: the grammar its tokens follow.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
+    /// The constraint's bitmask for the next token, valid while `mask_ready`.
+    mask: Vec<u32>,
+    mask_ready: bool,
 }
 
 impl Seq {
@@ -117,6 +127,48 @@ impl Seq {
             drafts: Vec::new(),
             computed: 0,
             logits: keep_logits.then(Vec::new),
+            constraint: None,
+            mask: Vec::new(),
+            mask_ready: false,
+        }
+    }
+
+    /// Compute the constraint's bitmask for the next token over `vocab` tokens, unless it is
+    /// computed already (or there is no constraint). A failing constraint allows only the stop
+    /// tokens, so the sequence ends.
+    pub fn prepare_mask(&mut self, vocab: usize) {
+        let Some(c) = self.constraint.as_mut() else {
+            return;
+        };
+        if self.mask_ready {
+            return;
+        }
+        self.mask.clear();
+        self.mask.resize(mask_words(vocab), 0);
+        let failed = match c.fill_mask(&mut self.mask) {
+            Ok(()) => self
+                .mask
+                .iter()
+                .all(|&w| w == 0)
+                .then(|| "it allows no token".to_string()),
+            Err(e) => Some(e.to_string()),
+        };
+        if let Some(reason) = failed {
+            tracing::warn!(seq = %self.id, %reason, "output constraint failed; ending the sequence");
+            self.mask.fill(0);
+            for &t in &self.stop.stop_token_ids {
+                allow(&mut self.mask, t);
+            }
+        }
+        self.mask_ready = true;
+    }
+
+    /// Mask `logits` (the row that picks the next token) with the constraint's bitmask; nothing
+    /// without a constraint.
+    pub fn constrain(&mut self, logits: &mut [f32]) {
+        if self.constraint.is_some() {
+            self.prepare_mask(logits.len());
+            apply_mask(logits, &self.mask);
         }
     }
 
@@ -159,7 +211,7 @@ impl Seq {
     /// Whether picking this sequence's next token needs its logits on the host: it samples, or
     /// it keeps them. Otherwise the device's argmax picks the same token (the first maximum).
     pub fn needs_logits(&self) -> bool {
-        self.logits.is_some() || !self.sampler.is_greedy()
+        self.logits.is_some() || !self.sampler.is_greedy() || self.constraint.is_some()
     }
 
     /// Record the next token, chosen by the device's argmax (`Picked::Token`, only when
@@ -167,7 +219,10 @@ impl Seq {
     /// logits that chose it; returns the token and why the sequence ends, if it does.
     pub fn record(&mut self, picked: Picked) -> (u32, Option<FinishReason>) {
         let (token, logits) = match picked {
-            Picked::Logits(logits) => (self.sampler.sample(&logits), Some(logits)),
+            Picked::Logits(mut logits) => {
+                self.constrain(&mut logits);
+                (self.sampler.sample(&logits), Some(logits))
+            }
             Picked::Token(token) => (token, None),
             Picked::Chosen(token, logits) => (token, logits),
         };
@@ -175,7 +230,20 @@ impl Seq {
             all.push(row);
         }
         self.tokens.push(token);
-        let reason = self.stop.reason(token, self.generated(), self.tokens.len());
+        let mut reason = self.stop.reason(token, self.generated(), self.tokens.len());
+        if let Some(c) = self.constraint.as_mut() {
+            self.mask_ready = false;
+            let finished = match c.accept(token) {
+                Ok(()) => c.is_finished(),
+                Err(e) => {
+                    tracing::warn!(seq = %self.id, reason = %e, "output constraint refused a token");
+                    true
+                }
+            };
+            if finished && reason.is_none() {
+                reason = Some(FinishReason::Stop);
+            }
+        }
         (token, reason)
     }
 

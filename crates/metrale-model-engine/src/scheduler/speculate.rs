@@ -199,7 +199,7 @@ impl Scheduler {
         let mut wanted = Vec::with_capacity(ran.len());
         for &(i, _, _) in ran {
             let s = &mut self.running[i];
-            let mut k = if speculating && s.caught_up() {
+            let mut k = if speculating && s.caught_up() && s.constraint.is_none() {
                 (s.stop).drafts_allowed(spec.k, s.generated(), s.tokens.len())
             } else {
                 0
@@ -269,6 +269,7 @@ impl Scheduler {
         let (tables, slots) = tables_and_slots(&self.running, &idx);
         self.runner
             .verify(&self.cache, &rows, &tables, &slots, &row_slots)?;
+        self.prepare_masks(idx.iter().copied());
         let need = idx.iter().any(|&i| self.running[i].needs_logits());
         let mut picked = if need {
             PickedRows::Logits(self.runner.logits(rows.len())?)
@@ -329,7 +330,11 @@ fn verdict_of(s: &mut Seq, f: usize, picked: &mut PickedRows) -> (Verdict, Vec<V
     let mine = f..f + s.drafts.len() + 1;
     match picked {
         PickedRows::Logits(all) => {
-            let rows: Vec<Vec<f32>> = all[mine].iter_mut().map(std::mem::take).collect();
+            let mut rows: Vec<Vec<f32>> = all[mine].iter_mut().map(std::mem::take).collect();
+            // A constrained sequence has no drafts: its one row picks under its mask.
+            if let Some(row) = rows.first_mut() {
+                s.constrain(row);
+            }
             (verify_drafts(&mut s.sampler, &rows, &s.drafts), rows)
         }
         PickedRows::Tokens(argmax) => (verify_greedy(&argmax[mine], &s.drafts), Vec::new()),
