@@ -58,6 +58,7 @@
 //!   `ForwardDisclosure`.
 
 pub mod chat;
+mod constraint;
 mod direct;
 mod engine;
 mod error;
@@ -69,6 +70,7 @@ mod request;
 mod text;
 mod worker;
 
+pub use constraint::Constraint;
 pub use direct::generate_direct;
 pub use engine::Engine;
 pub use error::{EngineError, RequestError};
@@ -105,6 +107,7 @@ pub mod circuit {
 /// hidden from the documentation, and free to change with any release.
 #[doc(hidden)]
 pub mod bench_internals {
+    pub use crate::constraint::MaskBench;
     pub use crate::text::TextStream;
 }
 

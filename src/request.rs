@@ -8,6 +8,8 @@
 use metrale_model_engine::generate::FinishReason;
 use metrale_model_engine::sampling::SamplingParams;
 
+use crate::constraint::Constraint;
+
 /// The prompt: text (needs a tokenizer) or token ids (always works).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -66,6 +68,10 @@ pub struct GenerateRequest {
     pub stop_strings: Vec<String>,
     /// Return the logits of every step. Default false.
     pub return_logits: bool,
+    /// Structured output: the text must follow this constraint (a JSON schema, a regular
+    /// expression, a Lark grammar; needs a tokenizer); generation stops when it is complete.
+    /// Default none.
+    pub constraint: Option<Constraint>,
 }
 
 impl GenerateRequest {
@@ -80,6 +86,7 @@ impl GenerateRequest {
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
             return_logits: false,
+            constraint: None,
         }
     }
 
@@ -110,6 +117,12 @@ impl GenerateRequest {
     /// Set `stop_strings`.
     pub fn stop_strings(mut self, strings: Vec<String>) -> Self {
         self.stop_strings = strings;
+        self
+    }
+
+    /// Set `constraint`.
+    pub fn constraint(mut self, c: impl Into<Option<Constraint>>) -> Self {
+        self.constraint = c.into();
         self
     }
 
