@@ -94,7 +94,8 @@ fn check(schema: &Value, v: &Value, at: &str) -> Result<(), String> {
             let Some(x) = v.as_f64() else {
                 return fail("not a number");
             };
-            if kind == "integer" && !(v.is_i64() || v.is_u64()) {
+            // JSON Schema's integers are the numbers without a fraction (`1.0` is one).
+            if kind == "integer" && x.fract() != 0.0 {
                 return fail("not an integer");
             }
             if n("minimum").is_some_and(|m| x < m) || n("maximum").is_some_and(|m| x > m) {

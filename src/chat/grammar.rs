@@ -3,7 +3,8 @@
 //! grammar (llguidance's dialect) of the `<tool_call>` markup in the checkpoint's format around
 //! arguments that follow the function's parameter schema:
 //! - JSON (Qwen3): `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`, the object a
-//!   `%json` schema whose `name` is the function's and whose `arguments` is its parameters';
+//!   `%json` schema whose `name` is the function's and whose `arguments` is its parameters'
+//!   (declared parameters only, unless the schema sets `additionalProperties`);
 //! - XML (Qwen3.5): `<tool_call>\n<function=f>\n<parameter=p>\nvalue\n</parameter>\n...
 //!   </function>\n</tool_call>`, the declared parameters in order (the required ones always),
 //!   a string's value one line of text without `<` (a forced call's strings hold no line
@@ -68,12 +69,20 @@ fn json_call(g: &mut String, i: usize, tool: &Tool) {
     ));
 }
 
-/// The tool's parameters schema; a function without one takes an empty object.
+/// The tool's parameters schema; a function without one takes an empty object. Where the
+/// schema does not say, a forced call passes the declared parameters only
+/// (`additionalProperties: false`, as OpenAI's strict function calling).
 fn parameters(tool: &Tool) -> Value {
-    match &tool.parameters {
+    let mut p = match &tool.parameters {
         Value::Null => json!({"type": "object", "properties": {}}),
         p => p.clone(),
+    };
+    if let Value::Object(o) = &mut p
+        && !o.contains_key("additionalProperties")
+    {
+        o.insert("additionalProperties".into(), Value::Bool(false));
     }
+    p
 }
 
 fn xml_call(g: &mut String, i: usize, tool: &Tool) {

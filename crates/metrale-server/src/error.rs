@@ -106,6 +106,8 @@ impl From<RequestError> for ApiError {
             }
             RequestError::Sampling(s) => ApiError::invalid(message, Some(s.field)),
             RequestError::EmptyStopString { .. } => ApiError::invalid(message, Some("stop")),
+            RequestError::Constraint { .. } => ApiError::invalid(message, Some("response_format")),
+            RequestError::ToolChoice { .. } => ApiError::invalid(message, Some("tool_choice")),
             _ => ApiError::invalid(message, None),
         }
     }

@@ -1,7 +1,10 @@
 //! `SseStream`: a request's events as a server-sent-event body in OpenAI's shape: for chat a
-//! first chunk with the assistant's role, then a chunk per generated token (its text delta and
-//! id), a last chunk with the finish reason, a usage chunk when asked for, then `data: [DONE]`.
-//! An engine error ends the stream with `data: {"error": ...}` and `[DONE]`.
+//! first chunk with the assistant's role, then a chunk per generated token (its id, and what it
+//! adds: `delta.reasoning_content`, `delta.content`, and for each tool call it completes a chunk
+//! `delta.tool_calls: [{index, id, type, function: {name, arguments: ""}}]` then one with
+//! `[{index, function: {arguments}}]`; markup never reaches `content`), a last chunk with the
+//! finish reason (`tool_calls` when calls were made), a usage chunk when asked for, then
+//! `data: [DONE]`. An engine error ends the stream with `data: {"error": ...}` and `[DONE]`.
 //!
 //! Invariant: the stream owns the request's handle until the request has finished; hyper drops
 //! the body when the client disconnects, and with it the handle, which cancels the request.
@@ -13,11 +16,40 @@ use std::task::{Context, Poll};
 
 use axum::body::Bytes;
 use futures_core::Stream;
-use metrale::{EventResult, GenerateEvent, RequestHandle};
+use metrale::chat::{ChatEvent, ChatHandle};
+use metrale::{EngineError, EventResult, GenerateEvent, RequestHandle};
 use serde::Serialize;
 
 use super::error::ApiError;
-use super::openai::{ChatChunkChoice, ChatDelta, CompletionChoice, Envelope, Usage};
+use super::openai::{
+    ChatChunkChoice, ChatDelta, CompletionChoice, Envelope, FunctionOut, ToolCallOut, Usage,
+};
+
+/// A submitted request's events: a completion's tokens, or a chat answer read apart.
+#[derive(Debug)]
+pub enum Events {
+    /// `/v1/completions`.
+    Generate(RequestHandle),
+    /// `/v1/chat/completions`.
+    Chat(ChatHandle),
+}
+
+impl Events {
+    /// The request's id number.
+    pub fn id(&self) -> u64 {
+        match self {
+            Events::Generate(h) => h.id().0,
+            Events::Chat(h) => h.id().0,
+        }
+    }
+
+    fn flavor(&self) -> Flavor {
+        match self {
+            Events::Generate(_) => Flavor::Completion,
+            Events::Chat(_) => Flavor::Chat,
+        }
+    }
+}
 
 /// Which endpoint's shapes to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +81,7 @@ impl Flavor {
 #[derive(Debug)]
 pub struct SseStream {
     /// `None` once the request has ended.
-    handle: Option<RequestHandle>,
+    handle: Option<Events>,
     flavor: Flavor,
     id: String,
     created: u64,
@@ -62,13 +94,13 @@ pub struct SseStream {
 impl SseStream {
     /// The body for `handle`'s events.
     pub fn new(
-        handle: RequestHandle,
-        flavor: Flavor,
+        handle: Events,
         id: String,
         created: u64,
         model: String,
         include_usage: bool,
     ) -> SseStream {
+        let flavor = handle.flavor();
         let mut s = SseStream {
             handle: Some(handle),
             flavor,
@@ -82,6 +114,7 @@ impl SseStream {
             let role = ChatDelta {
                 role: Some("assistant"),
                 content: Some(String::new()),
+                ..ChatDelta::default()
             };
             s.push_choice(role, String::new(), None, Vec::new());
         }
@@ -153,11 +186,7 @@ impl SseStream {
         match event {
             Some(Ok(GenerateEvent::Token(t))) => {
                 let text = t.text_delta.unwrap_or_default();
-                let delta = ChatDelta {
-                    role: None,
-                    content: Some(text.clone()),
-                };
-                self.push_choice(delta, text, None, vec![t.token_id]);
+                self.push_choice(ChatDelta::default(), text, None, vec![t.token_id]);
             }
             Some(Ok(GenerateEvent::Finished { output })) => {
                 let reason = output.finish_reason.as_str();
@@ -176,11 +205,85 @@ impl SseStream {
             }
             // An event this server does not know yet adds nothing to the stream.
             Some(Ok(_)) => {}
-            Some(Err(e)) => {
-                let body = ApiError::from(e).body();
-                self.push_data(&body);
+            Some(Err(e)) => self.push_error(e),
+            None => self.push_done(),
+        }
+    }
+
+    fn push_error(&mut self, e: EngineError) {
+        let body = ApiError::from(e).body();
+        self.push_data(&body);
+        self.push_done();
+    }
+
+    fn on_chat_event(&mut self, event: Option<Result<ChatEvent, EngineError>>) {
+        match event {
+            Some(Ok(ChatEvent::Delta(d))) => {
+                let mut token_ids: Vec<u32> = d.token_id.into_iter().collect();
+                let text = |s: String| (!s.is_empty()).then_some(s);
+                let delta = ChatDelta {
+                    content: text(d.content),
+                    reasoning_content: text(d.reasoning),
+                    ..ChatDelta::default()
+                };
+                if d.tool_calls.is_empty()
+                    || delta.content.is_some()
+                    || delta.reasoning_content.is_some()
+                {
+                    self.push_choice(delta, String::new(), None, std::mem::take(&mut token_ids));
+                }
+                for call in d.tool_calls {
+                    let head = ToolCallOut {
+                        index: Some(call.index),
+                        id: Some(call.id),
+                        kind: Some("function"),
+                        function: FunctionOut {
+                            name: Some(call.name),
+                            arguments: String::new(),
+                        },
+                    };
+                    let args = ToolCallOut {
+                        index: Some(call.index),
+                        id: None,
+                        kind: None,
+                        function: FunctionOut {
+                            name: None,
+                            arguments: call.arguments,
+                        },
+                    };
+                    for piece in [head, args] {
+                        let delta = ChatDelta {
+                            tool_calls: Some(vec![piece]),
+                            ..ChatDelta::default()
+                        };
+                        self.push_choice(
+                            delta,
+                            String::new(),
+                            None,
+                            std::mem::take(&mut token_ids),
+                        );
+                    }
+                }
+            }
+            Some(Ok(ChatEvent::Finished { output })) => {
+                let reason = output.finish_reason();
+                self.push_choice(
+                    ChatDelta::default(),
+                    String::new(),
+                    Some(reason),
+                    Vec::new(),
+                );
+                if self.include_usage {
+                    let o = &output.output;
+                    let usage = Usage::new(o.prompt_ids.len(), o.token_ids.len());
+                    let env = self.envelope::<CompletionChoice>(Vec::new(), Some(usage));
+                    self.push_data(&env);
+                }
                 self.push_done();
             }
+            // An event this server does not know yet adds nothing to the stream.
+            Some(Ok(_)) => {}
+            Some(Err(e)) => self.push_error(e),
             None => self.push_done(),
         }
     }
@@ -198,9 +301,15 @@ impl Stream for SseStream {
             let Some(handle) = this.handle.as_mut() else {
                 return Poll::Ready(None);
             };
-            match Pin::new(handle).poll_next(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(event) => this.on_event(event),
+            match handle {
+                Events::Generate(h) => match Pin::new(h).poll_next(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(event) => this.on_event(event),
+                },
+                Events::Chat(h) => match Pin::new(h).poll_next(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(event) => this.on_chat_event(event),
+                },
             }
         }
     }
