@@ -36,6 +36,12 @@
 //! # Ok::<(), metrale::EngineError>(())
 //! ```
 //!
+//! Chat with tools and reasoning: [`Engine::submit_chat`] takes a [`chat::ChatRequest`]
+//! (messages, function tools, a tool choice) and streams its answer read apart into reasoning,
+//! content and tool calls ([`chat::ChatEvent`]). Structured output: a request's [`Constraint`]
+//! (a JSON schema, a regular expression, a Lark grammar, compiled with llguidance) masks each of
+//! its tokens to those the grammar allows.
+//!
 //! Speculative decoding (`ModelOptions::speculative = Mtp`: the checkpoint's MTP head drafts,
 //! the model verifies) runs in the engine's scheduler, behind a gate that keeps it only while it
 //! is faster (`EngineOptions::speculation_gate`); [`generate_direct`] runs one request with it

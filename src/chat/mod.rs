@@ -9,7 +9,9 @@
 //! methods (`strip`, `startswith`, `items`, ...) and `raise_exception`.
 //!
 //! [`Engine::load`](crate::Engine::load) loads the checkpoint's template once;
-//! [`Engine::apply_chat_template`](crate::Engine::apply_chat_template) renders it.
+//! [`Engine::apply_chat_template`](crate::Engine::apply_chat_template) renders it, and
+//! [`Engine::submit_chat`](crate::Engine::submit_chat) renders a [`ChatRequest`] (messages and
+//! tools), generates, and reads the answer apart ([`ChatEvent`], [`ChatOutput`]).
 //!
 //! ```no_run
 //! use metrale::chat::{ChatMessage, ChatOptions};

@@ -19,8 +19,14 @@ pub const QWEN3_VOCAB: usize = 151_936;
 /// `<|im_end|>`, the chat models' EOS.
 pub const IM_END: u32 = 151_645;
 
-/// The repository's `tests/fixtures/qwen3-chat`.
+/// The repository's `tests/fixtures/qwen3-chat`: under the working directory when it is the
+/// tree's root (the GPU bundle runs its test binaries from there), else under the workspace the
+/// crate was built in.
 pub fn qwen3_chat_fixture() -> PathBuf {
+    let here = PathBuf::from("tests/fixtures/qwen3-chat");
+    if here.is_dir() {
+        return here;
+    }
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3-chat")
 }
 
