@@ -118,6 +118,7 @@ impl From<EngineError> for ApiError {
         let message = e.to_string();
         match e {
             EngineError::Request(r) => r.into(),
+            EngineError::ChatTemplate(t) => t.into(),
             EngineError::QueueFull { .. } => {
                 ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
                     .code("queue_full")

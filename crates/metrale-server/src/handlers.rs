@@ -280,9 +280,7 @@ fn submit(state: &AppState, source: Source, s: Settings) -> Result<Events, ApiEr
             };
             let max_new_tokens = s.max_tokens.unwrap_or(16);
             let request = generation(Prompt::TokenIds(ids), max_new_tokens);
-            Ok(Events::Generate(
-                engine.submit(request)?,
-            ))
+            Ok(Events::Generate(engine.submit(request)?))
         }
         Source::Chat(chat) => {
             // Without `max_tokens`, the rest of the context: the library clips it to the
