@@ -22,7 +22,8 @@ fn engine() -> (tempfile::TempDir, Engine) {
             .max_decode_seqs(40)
             .max_seq_len(Some(1024)),
     );
-    (dir, Engine::load(dir.path(), options).unwrap())
+    let engine = Engine::load(dir.path(), options).unwrap();
+    (dir, engine)
 }
 
 #[test]
