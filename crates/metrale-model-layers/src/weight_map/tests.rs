@@ -428,5 +428,8 @@ fn fp8_scales_per_block_per_channel_and_per_tensor_give_each_element_its_scale()
     let e = source.load_fp8("e.weight", &[n, k]).unwrap_err();
     message(&e, &["e.weight_scale_inv", "300"]);
     // Bytes loaded as bf16 are the dequantized weight.
-    assert_eq!(source.load_bf16("a.weight", &[n, k]).unwrap(), a.dequantized());
+    assert_eq!(
+        source.load_bf16("a.weight", &[n, k]).unwrap(),
+        a.dequantized()
+    );
 }
