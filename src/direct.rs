@@ -10,8 +10,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::task::Poll;
 
-use metrale_model_engine::scheduler::RequestLimits;
-
 use crate::engine::load_scheduler;
 use crate::error::EngineError;
 use crate::frontend::{Follow, Frontend};
@@ -33,11 +31,8 @@ pub fn generate_direct(
     let gate = options.speculation_gate.enabled(false);
     let options = options.speculation_gate(gate);
     let (scheduler, tokenizer) = load_scheduler(dir.as_ref(), &options)?;
-    let front = Frontend {
-        tokenizer: tokenizer.clone(),
-        limits: RequestLimits::of(scheduler.runner(), scheduler.cache()),
-    };
-    let (seq, stop_strings) = front.prepare(req.clone())?;
+    let front = Frontend::new(tokenizer.clone(), &scheduler);
+    let prepared = front.prepare(req.clone())?;
     let shared = Arc::new(Shared::new(MetricsState::new(
         options.metrics_window,
         scheduler.stats(),
@@ -47,8 +42,9 @@ pub fn generate_direct(
     let channel = Arc::new(EventChannel::default());
     let sub = Submission {
         id,
-        req: seq,
-        stop_strings,
+        req: prepared.seq,
+        stop_strings: prepared.stop_strings,
+        constraint: prepared.constraint,
         sink: Sink::new(channel.clone()),
     };
     shared.submit(sub, 1)?;

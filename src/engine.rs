@@ -22,16 +22,19 @@ use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::options::Speculative;
 use metrale_model_engine::runner::{ForwardDisclosure, ModelCircuit};
 use metrale_model_engine::sampling::SamplingParams;
-use metrale_model_engine::scheduler::RequestLimits;
 use metrale_model_engine::{ModelError, Scheduler, factory};
 
-use crate::chat::{ChatMessage, ChatOptions, ChatTemplate, ChatTemplateError};
+use crate::chat::{
+    AnswerReader, ChatHandle, ChatMessage, ChatOptions, ChatOutput, ChatRequest, ChatTemplate,
+    ChatTemplateError, Tool, ToolCallFormat, ToolChoice, tool_call_grammar, tool_format,
+};
+use crate::constraint::Constraint;
 use crate::error::{EngineError, RequestError};
 use crate::frontend::{Follow, Frontend, load_tokenizer};
 use crate::handle::{EventChannel, RequestHandle, RequestId, Sink};
 use crate::metrics::{EngineMetrics, MetricsState};
 use crate::options::{Backend, EngineOptions};
-use crate::request::{GenerateOutput, GenerateRequest};
+use crate::request::{GenerateOutput, GenerateRequest, Prompt};
 use crate::worker::{Shared, Submission, Worker};
 
 /// See the module header.
@@ -115,10 +118,7 @@ impl Engine {
     ) -> Result<Engine, EngineError> {
         let forward = scheduler.runner().forward_disclosure()?;
         let config = scheduler.runner().model().config().clone();
-        let front = Frontend {
-            tokenizer: tokenizer.clone(),
-            limits: RequestLimits::of(scheduler.runner(), scheduler.cache()),
-        };
+        let front = Frontend::new(tokenizer.clone(), &scheduler);
         let shared = Arc::new(Shared::new(MetricsState::new(
             options.metrics_window,
             scheduler.stats(),
@@ -189,6 +189,54 @@ impl Engine {
             .render(messages, options)
     }
 
+    /// Submit a chat request: its messages and tools rendered by the checkpoint's chat template,
+    /// its answer read apart into reasoning, content and tool calls as it streams (see
+    /// [`crate::chat::ChatRequest`]). A required or named tool choice constrains the answer to
+    /// calls of the declared functions, in the template's tool-call format.
+    pub fn submit_chat(&self, req: ChatRequest) -> Result<ChatHandle, EngineError> {
+        let template = self.chat.as_ref().ok_or(ChatTemplateError::NoTemplate)?;
+        let forced: Vec<&Tool> = match &req.tool_choice {
+            ToolChoice::Required if req.tools.is_empty() => {
+                return Err(tool_choice("`required` needs `tools`"));
+            }
+            ToolChoice::Required => req.tools.iter().collect(),
+            ToolChoice::Function(name) => {
+                let tool = req.tools.iter().find(|t| &t.name == name);
+                vec![tool.ok_or_else(|| {
+                    tool_choice(&format!("the function `{name}` is not among `tools`"))
+                })?]
+            }
+            _ => Vec::new(),
+        };
+        if !forced.is_empty() && req.generation.constraint.is_some() {
+            return Err(tool_choice(
+                "a required or named call cannot be combined with a response format",
+            ));
+        }
+        let mut options = req.options.clone();
+        if !req.tools.is_empty() && req.tool_choice != ToolChoice::None {
+            let tools = req.tools.iter().map(Tool::to_template_value).collect();
+            options = options.kwarg("tools", serde_json::Value::Array(tools));
+        }
+        let prompt = template.render(&req.messages, &options)?;
+        let reader = AnswerReader::new(&req, template.source(), &prompt);
+        let mut generation = req.generation.clone();
+        if !forced.is_empty() {
+            let format = tool_format(&req, template.source()).unwrap_or(ToolCallFormat::Json);
+            let several = req.parallel_tool_calls && req.tool_choice == ToolChoice::Required;
+            let grammar = tool_call_grammar(&forced, format, several, reader.in_reasoning());
+            generation.constraint = Some(Constraint::Lark(grammar));
+        }
+        generation.prompt = Prompt::Text(prompt);
+        let handle = self.submit(generation)?;
+        Ok(ChatHandle::new(handle, reader))
+    }
+
+    /// Run a chat request to its end; see [`Engine::submit_chat`].
+    pub fn chat(&self, req: &ChatRequest) -> Result<ChatOutput, EngineError> {
+        self.submit_chat(req.clone())?.wait()
+    }
+
     /// Encode text with the checkpoint's tokenizer.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, RequestError> {
         self.front.encode(text)
@@ -226,13 +274,14 @@ impl Engine {
     /// nothing), then joins the running batch at a step boundary. The handle yields its tokens
     /// as they come and then its output; dropping the handle cancels the request.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle, EngineError> {
-        let (seq, stop_strings) = self.front.prepare(req)?;
+        let prepared = self.front.prepare(req)?;
         let id = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
         let channel = Arc::new(EventChannel::default());
         let sub = Submission {
             id,
-            req: seq,
-            stop_strings,
+            req: prepared.seq,
+            stop_strings: prepared.stop_strings,
+            constraint: prepared.constraint,
             sink: Sink::new(channel.clone()),
         };
         self.shared.submit(sub, self.max_queued_requests)?;
@@ -280,4 +329,11 @@ impl Drop for Engine {
             tracing::error!("the engine's scheduler thread panicked");
         }
     }
+}
+
+/// A request's tool choice refused, as the engine's error.
+fn tool_choice(reason: &str) -> EngineError {
+    EngineError::from(RequestError::ToolChoice {
+        reason: reason.to_string(),
+    })
 }

@@ -45,6 +45,20 @@ pub enum RequestError {
     /// The tokenizer failed on the input.
     #[error("tokenizing the prompt failed: {0}")]
     Tokenize(String),
+    /// The request's output constraint does not compile (a JSON schema, regular expression or
+    /// grammar llguidance refuses, or a tokenizer it cannot read).
+    #[error("the output constraint cannot be used: {reason}")]
+    Constraint {
+        /// What is wrong, in the compiler's words.
+        reason: String,
+    },
+    /// A chat request's tools do not fit its tool choice (a named function that is not
+    /// declared, a required call without tools, a forced call beside a response format).
+    #[error("`tool_choice`: {reason}")]
+    ToolChoice {
+        /// What is wrong.
+        reason: String,
+    },
     /// A stop string that is empty (it would stop before the first token).
     #[error("stop string {index} is empty")]
     EmptyStopString {

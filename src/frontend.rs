@@ -13,9 +13,13 @@ use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::Arc;
 
+use metrale_model_engine::Scheduler;
+use metrale_model_engine::constraint::TokenConstraint;
 use metrale_model_engine::generate::{FinishReason, GenerateParams};
 use metrale_model_engine::sampling::SamplingError;
 use metrale_model_engine::scheduler::{RequestLimits, SeqRequest};
+
+use crate::constraint::Grammars;
 
 use crate::error::{EngineError, RequestError};
 use crate::request::{GenerateEvent, GenerateOutput, GenerateRequest, Prompt};
@@ -25,6 +29,18 @@ use crate::request::{GenerateEvent, GenerateOutput, GenerateRequest, Prompt};
 pub(crate) struct Frontend {
     pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     pub limits: RequestLimits,
+    /// The model's EOS tokens, which end a constrained output.
+    eos: Vec<u32>,
+    /// Structured-output constraints' compiler, shared by the engine's callers.
+    grammars: Arc<Grammars>,
+}
+
+/// A request checked and ready for the scheduler.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    pub seq: SeqRequest,
+    pub stop_strings: Vec<String>,
+    pub constraint: Option<Box<dyn TokenConstraint>>,
 }
 
 /// The checkpoint's `tokenizer.json`, when it has one.
@@ -43,6 +59,16 @@ pub(crate) fn load_tokenizer(
 }
 
 impl Frontend {
+    /// The frontend of `scheduler`'s model, with `tokenizer`.
+    pub fn new(tokenizer: Option<Arc<tokenizers::Tokenizer>>, scheduler: &Scheduler) -> Frontend {
+        Frontend {
+            tokenizer,
+            limits: RequestLimits::of(scheduler.runner(), scheduler.cache()),
+            eos: (scheduler.runner().model().config().tokens.eos_token_ids).clone(),
+            grammars: Arc::default(),
+        }
+    }
+
     /// Encode text with the checkpoint's tokenizer, as a text prompt is (no special tokens
     /// added: the text or the chat template writes its own).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, RequestError> {
@@ -91,7 +117,7 @@ impl Frontend {
     }
 
     /// Check a request completely and turn it into the scheduler's form, with its stop strings.
-    pub fn prepare(&self, req: GenerateRequest) -> Result<(SeqRequest, Vec<String>), RequestError> {
+    pub fn prepare(&self, req: GenerateRequest) -> Result<Prepared, RequestError> {
         let ids = match req.prompt {
             Prompt::Text(t) => self.encode(&t)?,
             Prompt::TokenIds(ids) => ids,
@@ -121,7 +147,21 @@ impl Frontend {
                 expected: "1 (an engine request carries one choice)",
             }));
         }
-        Ok((seq, req.stop_strings))
+        let constraint = match &req.constraint {
+            None => None,
+            Some(c) => {
+                let tok = self.tokenizer.as_ref().ok_or(RequestError::NoTokenizer)?;
+                Some(
+                    self.grammars
+                        .compile(c, tok, self.limits.vocab, &self.eos)?,
+                )
+            }
+        };
+        Ok(Prepared {
+            seq,
+            stop_strings: req.stop_strings,
+            constraint,
+        })
     }
 }
 

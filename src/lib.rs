@@ -36,6 +36,12 @@
 //! # Ok::<(), metrale::EngineError>(())
 //! ```
 //!
+//! Chat with tools and reasoning: [`Engine::submit_chat`] takes a [`chat::ChatRequest`]
+//! (messages, function tools, a tool choice) and streams its answer read apart into reasoning,
+//! content and tool calls ([`chat::ChatEvent`]). Structured output: a request's [`Constraint`]
+//! (a JSON schema, a regular expression, a Lark grammar, compiled with llguidance) masks each of
+//! its tokens to those the grammar allows.
+//!
 //! Speculative decoding (`ModelOptions::speculative = Mtp`: the checkpoint's MTP head drafts,
 //! the model verifies) runs in the engine's scheduler, behind a gate that keeps it only while it
 //! is faster (`EngineOptions::speculation_gate`); [`generate_direct`] runs one request with it
@@ -58,6 +64,7 @@
 //!   `ForwardDisclosure`.
 
 pub mod chat;
+mod constraint;
 mod direct;
 mod engine;
 mod error;
@@ -69,6 +76,7 @@ mod request;
 mod text;
 mod worker;
 
+pub use constraint::Constraint;
 pub use direct::generate_direct;
 pub use engine::Engine;
 pub use error::{EngineError, RequestError};
@@ -109,6 +117,7 @@ pub mod circuit {
 /// hidden from the documentation, and free to change with any release.
 #[doc(hidden)]
 pub mod bench_internals {
+    pub use crate::constraint::MaskBench;
     pub use crate::text::TextStream;
 }
 

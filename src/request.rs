@@ -8,6 +8,7 @@
 use metrale_model_engine::generate::FinishReason;
 use metrale_model_engine::sampling::SamplingParams;
 
+use crate::constraint::Constraint;
 /// A generated token's logprob (log_softmax of the model's raw logits, before penalties, bias
 /// and temperature) and the most likely tokens with theirs, best first.
 pub use metrale_model_engine::sampling::SampledToken as TokenLogprobs;
@@ -70,6 +71,10 @@ pub struct GenerateRequest {
     pub stop_strings: Vec<String>,
     /// Return the logits of every step. Default false.
     pub return_logits: bool,
+    /// Structured output: the text must follow this constraint (a JSON schema, a regular
+    /// expression, a Lark grammar; needs a tokenizer); generation stops when it is complete.
+    /// Default none.
+    pub constraint: Option<Constraint>,
 }
 
 impl GenerateRequest {
@@ -84,6 +89,7 @@ impl GenerateRequest {
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
             return_logits: false,
+            constraint: None,
         }
     }
 
@@ -114,6 +120,12 @@ impl GenerateRequest {
     /// Set `stop_strings`.
     pub fn stop_strings(mut self, strings: Vec<String>) -> Self {
         self.stop_strings = strings;
+        self
+    }
+
+    /// Set `constraint`.
+    pub fn constraint(mut self, c: impl Into<Option<Constraint>>) -> Self {
+        self.constraint = c.into();
         self
     }
 

@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use parking_lot::{Condvar, Mutex};
 
 use metrale_model_engine::Scheduler;
+use metrale_model_engine::constraint::TokenConstraint;
 use metrale_model_engine::generate::{FinishReason, Generation};
 use metrale_model_engine::scheduler::{SeqEvent, SeqId, SeqRequest};
 
@@ -37,6 +38,8 @@ pub(crate) struct Submission {
     pub id: RequestId,
     pub req: SeqRequest,
     pub stop_strings: Vec<String>,
+    /// Structured output: the grammar the tokens follow.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
     pub sink: Sink,
 }
 
@@ -234,7 +237,7 @@ impl Worker {
 
     fn accept(&mut self, sub: Submission) {
         let prompt_ids = sub.req.prompt.clone();
-        match self.scheduler.add(sub.req) {
+        match self.scheduler.add_constrained(sub.req, sub.constraint) {
             Ok(seq) => {
                 let text = self
                     .tokenizer

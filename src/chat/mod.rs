@@ -9,7 +9,9 @@
 //! methods (`strip`, `startswith`, `items`, ...) and `raise_exception`.
 //!
 //! [`Engine::load`](crate::Engine::load) loads the checkpoint's template once;
-//! [`Engine::apply_chat_template`](crate::Engine::apply_chat_template) renders it.
+//! [`Engine::apply_chat_template`](crate::Engine::apply_chat_template) renders it, and
+//! [`Engine::submit_chat`](crate::Engine::submit_chat) renders a [`ChatRequest`] (messages and
+//! tools), generates, and reads the answer apart ([`ChatEvent`], [`ChatOutput`]).
 //!
 //! ```no_run
 //! use metrale::chat::{ChatMessage, ChatOptions};
@@ -25,8 +27,11 @@
 //! Invariant: a template that does not compile is refused when it is loaded; a template that
 //! fails on some messages (`raise_exception` included) fails that rendering alone.
 
+mod grammar;
+mod handle;
 mod message;
 mod output;
+mod request;
 
 use std::path::{Path, PathBuf};
 
@@ -34,8 +39,15 @@ use minijinja::value::Serde;
 use minijinja::{Environment, Error, ErrorKind};
 use serde_json::{Map, Value};
 
+pub(crate) use grammar::tool_call_grammar;
+pub use handle::ChatHandle;
 pub use message::{ChatMessage, ChatOptions};
 pub use output::{OutputEvent, OutputParser, ToolCallFormat, ToolSpec};
+pub(crate) use request::{AnswerReader, tool_format};
+pub use request::{
+    ChatDelta, ChatEvent, ChatOutput, ChatRequest, ReasoningParser, Tool, ToolCall, ToolCallParser,
+    ToolChoice,
+};
 
 /// The name the template is registered under in its environment.
 const NAME: &str = "chat_template";
@@ -96,6 +108,7 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    source: String,
     /// Where the template came from, for messages.
     origin: String,
 }
@@ -117,6 +130,11 @@ impl ChatTemplate {
     pub fn eos_token(mut self, token: impl Into<String>) -> Self {
         self.eos_token = token.into();
         self
+    }
+
+    /// The template's source text.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The text of `bos_token` the template is rendered with.
@@ -162,12 +180,13 @@ impl ChatTemplate {
         env.add_function("raise_exception", |message: String| -> Result<(), Error> {
             Err(Error::new(ErrorKind::InvalidOperation, message))
         });
-        env.add_template_owned(NAME, source)
+        env.add_template_owned(NAME, source.clone())
             .map_err(|e| compile_error(format!("{e:#}")))?;
         Ok(ChatTemplate {
             env,
             bos_token: String::new(),
             eos_token: String::new(),
+            source,
             origin,
         })
     }
@@ -190,7 +209,9 @@ impl ChatTemplate {
             .env
             .get_template(NAME)
             .map_err(|e| render_error(e.to_string()))?;
-        let messages = serde_json::to_value(messages).map_err(|e| render_error(e.to_string()))?;
+        let mut messages =
+            serde_json::to_value(messages).map_err(|e| render_error(e.to_string()))?;
+        arguments_as_objects(&mut messages);
         let mut context = options.kwargs.clone();
         context.insert("messages".into(), messages);
         context.insert(
@@ -202,6 +223,28 @@ impl ChatTemplate {
         template
             .render(minijinja::Value::from(Serde(&context)))
             .map_err(|e| render_error(e.detail().map_or_else(|| e.to_string(), str::to_string)))
+    }
+}
+
+/// Tool calls' `arguments` given as a JSON object's text (OpenAI's form) become the object, as
+/// vLLM passes them: templates `tojson` the arguments or iterate over them.
+fn arguments_as_objects(messages: &mut Value) {
+    let calls = (messages.as_array_mut().into_iter().flatten())
+        .filter_map(|m| m.get_mut("tool_calls")?.as_array_mut())
+        .flatten();
+    for call in calls {
+        let Some(args) = call
+            .get_mut("function")
+            .and_then(|f| f.get_mut("arguments"))
+        else {
+            continue;
+        };
+        if let Some(object) = (args.as_str())
+            .and_then(|s| serde_json::from_str::<Value>(s).ok())
+            .filter(Value::is_object)
+        {
+            *args = object;
+        }
     }
 }
 

@@ -99,6 +99,10 @@ pub struct OutputParser {
     /// Text not yet given: a possible marker's start, or a tool call's body.
     pending: String,
     calls: usize,
+    /// Tool calls are read (else `<tool_call>` is content like any text).
+    read_calls: bool,
+    /// Think blocks are read (else the answer is all content).
+    read_reasoning: bool,
 }
 
 impl OutputParser {
@@ -116,7 +120,24 @@ impl OutputParser {
             },
             pending: String::new(),
             calls: 0,
+            read_calls: true,
+            read_reasoning: true,
         }
+    }
+
+    /// Read tool calls (default) or leave them in the content.
+    pub fn tool_calls(mut self, on: bool) -> Self {
+        self.read_calls = on;
+        self
+    }
+
+    /// Read a leading think block as reasoning (default) or leave it in the content.
+    pub fn reasoning(mut self, on: bool) -> Self {
+        self.read_reasoning = on;
+        if !on && self.state == State::Start {
+            self.state = State::Content;
+        }
+        self
     }
 
     /// Take the next piece of the answer; the events it completes.
@@ -152,13 +173,18 @@ impl OutputParser {
                     true
                 }
             }
-            State::Reasoning => self.text_until(
-                events,
-                end,
-                &[THINK_CLOSE, CALL_OPEN],
-                OutputEvent::Reasoning,
-            ),
-            State::Content => self.text_until(events, end, &[CALL_OPEN], OutputEvent::Content),
+            State::Reasoning => {
+                let markers: &[&str] = if self.read_calls {
+                    &[THINK_CLOSE, CALL_OPEN]
+                } else {
+                    &[THINK_CLOSE]
+                };
+                self.text_until(events, end, markers, OutputEvent::Reasoning)
+            }
+            State::Content => {
+                let markers: &[&str] = if self.read_calls { &[CALL_OPEN] } else { &[] };
+                self.text_until(events, end, markers, OutputEvent::Content)
+            }
             State::Call => {
                 if let Some(at) = self.pending.find(CALL_CLOSE) {
                     let body: String = self.pending[..at].to_string();

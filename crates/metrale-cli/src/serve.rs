@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
+use metrale::chat::{ReasoningParser, ToolCallParser};
 use metrale::{EngineOptions, GateOptions, ModelOptions, Quantization, Speculative};
 use metrale_server::{GenerationConfig, Server, ServerOptions};
 
@@ -45,6 +46,32 @@ pub enum GenerationConfigArg {
     /// defaults.
     Auto,
     /// OpenAI's defaults only (temperature 1, top_p 1, every token).
+    None,
+}
+
+/// `--tool-call-parser`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ToolCallParserArg {
+    /// The format the checkpoint's chat template teaches (JSON for Qwen3, XML for Qwen3.5).
+    Auto,
+    /// `<tool_call>{"name": ..., "arguments": ...}</tool_call>`.
+    #[value(name = "qwen3-json")]
+    Qwen3Json,
+    /// `<tool_call><function=NAME><parameter=P>...</tool_call>`.
+    #[value(name = "qwen3-xml")]
+    Qwen3Xml,
+    /// Tool calls stay in the content.
+    None,
+}
+
+/// `--reasoning-parser`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReasoningParserArg {
+    /// `<think>...</think>` where the chat template writes think blocks.
+    Auto,
+    /// `<think>...</think>` as `reasoning_content`.
+    Qwen3,
+    /// Reasoning stays in the content.
     None,
 }
 
@@ -123,6 +150,12 @@ pub struct ServeArgs {
     /// Where the sampling fields a request leaves out come from.
     #[arg(long, value_enum, default_value_t = GenerationConfigArg::Auto)]
     pub generation_config: GenerationConfigArg,
+    /// How chat answers' tool calls are read into `tool_calls`.
+    #[arg(long, value_enum, default_value_t = ToolCallParserArg::Auto)]
+    pub tool_call_parser: ToolCallParserArg,
+    /// How chat answers' reasoning is read into `reasoning_content`.
+    #[arg(long, value_enum, default_value_t = ReasoningParserArg::Auto)]
+    pub reasoning_parser: ReasoningParserArg,
 }
 
 impl ServeArgs {
@@ -165,6 +198,17 @@ impl ServeArgs {
             .generation_config(match self.generation_config {
                 GenerationConfigArg::Auto => GenerationConfig::Auto,
                 GenerationConfigArg::None => GenerationConfig::Ignore,
+            })
+            .tool_call_parser(match self.tool_call_parser {
+                ToolCallParserArg::Auto => ToolCallParser::Auto,
+                ToolCallParserArg::Qwen3Json => ToolCallParser::Qwen3Json,
+                ToolCallParserArg::Qwen3Xml => ToolCallParser::Qwen3Xml,
+                ToolCallParserArg::None => ToolCallParser::None,
+            })
+            .reasoning_parser(match self.reasoning_parser {
+                ReasoningParserArg::Auto => ReasoningParser::Auto,
+                ReasoningParserArg::Qwen3 => ReasoningParser::Qwen3,
+                ReasoningParserArg::None => ReasoningParser::None,
             })
     }
 }
@@ -243,6 +287,24 @@ mod tests {
         assert!(!on.speculation_gate.enabled);
         assert_eq!(on.speculation_gate.margin_percent, 9);
         assert!(engine(&["--speculative", "eagle"]).is_err());
+    }
+
+    #[test]
+    fn the_parser_flags_default_to_auto_and_reach_the_server_options() {
+        let server = |args: &[&str]| parse(args).map(|a| a.server_options(PathBuf::from("m")));
+        let default = server(&[]).expect("no flags");
+        assert_eq!(default.tool_call_parser, ToolCallParser::Auto);
+        assert_eq!(default.reasoning_parser, ReasoningParser::Auto);
+        let set = server(&[
+            "--tool-call-parser",
+            "qwen3-xml",
+            "--reasoning-parser",
+            "none",
+        ])
+        .expect("valid");
+        assert_eq!(set.tool_call_parser, ToolCallParser::Qwen3Xml);
+        assert_eq!(set.reasoning_parser, ReasoningParser::None);
+        assert!(server(&["--tool-call-parser", "hermes"]).is_err());
     }
 
     #[test]

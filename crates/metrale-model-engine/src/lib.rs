@@ -4,9 +4,11 @@
 //! `metrale-cache`), `factory` (a checkpoint directory to a model on a backend), `scheduler`
 //! (continuous batching and the one generation loop, speculative decoding included), `generate`
 //! (that loop on the caller's thread), `speculative` (drafters, acceptance, the gate) and
-//! host-side `sampling`.
+//! host-side `sampling`; `constraint` (`TokenConstraint`: a structured-output grammar's
+//! allowed-token bitmask per step).
 
 pub mod bench;
+pub mod constraint;
 pub mod error;
 pub mod factory;
 pub mod generate;

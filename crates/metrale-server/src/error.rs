@@ -106,6 +106,8 @@ impl From<RequestError> for ApiError {
             }
             RequestError::Sampling(s) => ApiError::invalid(message, Some(s.field)),
             RequestError::EmptyStopString { .. } => ApiError::invalid(message, Some("stop")),
+            RequestError::Constraint { .. } => ApiError::invalid(message, Some("response_format")),
+            RequestError::ToolChoice { .. } => ApiError::invalid(message, Some("tool_choice")),
             _ => ApiError::invalid(message, None),
         }
     }
@@ -116,6 +118,7 @@ impl From<EngineError> for ApiError {
         let message = e.to_string();
         match e {
             EngineError::Request(r) => r.into(),
+            EngineError::ChatTemplate(t) => t.into(),
             EngineError::QueueFull { .. } => {
                 ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
                     .code("queue_full")

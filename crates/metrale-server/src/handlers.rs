@@ -1,7 +1,8 @@
 //! `POST /v1/completions` and `POST /v1/chat/completions`: an OpenAI request becomes a
-//! `GenerateRequest` (the chat template rendered, the prompt tokenized and the request submitted
-//! off the async runtime), and its output comes back as one JSON response or as server-sent
-//! events.
+//! `GenerateRequest` (completions) or a `ChatRequest` (chat: messages, tools and tool choice,
+//! rendered by the engine's chat template and its answer read apart into reasoning, content and
+//! tool calls by the server's parsers), submitted off the async runtime; its output comes back
+//! as one JSON response or as server-sent events. `response_format` constrains either.
 //!
 //! A field the request leaves out takes, in order: the checkpoint's `generation_config.json`
 //! (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`; with
@@ -20,9 +21,9 @@ use axum::extract::rejection::BytesRejection;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use futures_core::Stream;
-use metrale::chat::{ChatMessage, ChatOptions};
+use metrale::chat::{ChatHandle, ChatOptions, ChatOutput, ChatRequest, ToolCall, ToolChoice};
 use metrale::{
-    EngineError, GenerateEvent, GenerateOutput, GenerateRequest, Prompt, RequestHandle,
+    Constraint, EngineError, GenerateEvent, GenerateOutput, GenerateRequest, Prompt, RequestHandle,
     SamplingParams,
 };
 
@@ -30,11 +31,11 @@ use super::error::ApiError;
 use super::logprobs;
 use super::messages::chat_messages;
 use super::openai::{
-    ChatChoice, ChatMessageOut, CompletionChoice, Envelope, GenerationBody, PromptInput, Usage,
-    parse_prompt,
+    ChatChoice, ChatMessageOut, CompletionChoice, Envelope, FunctionOut, GenerationBody,
+    PromptInput, ToolCallOut, Usage, parse_prompt,
 };
 use super::router::{AppState, unix_seconds};
-use super::sse::{Flavor, SseStream};
+use super::sse::{Events, Flavor, SseStream};
 
 /// `POST /v1/completions`.
 pub async fn completions(
@@ -64,7 +65,15 @@ async fn generate(
     let body = GenerationBody::parse(&body_bytes(body)?)?;
     state.check_model(body.model.as_deref())?;
     let prompt = match flavor {
-        Flavor::Completion => Source::Prompt(parse_prompt(body.prompt.as_ref())?),
+        Flavor::Completion => {
+            if body.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+                return Err(ApiError::invalid(
+                    "`tools` are for /v1/chat/completions",
+                    Some("tools"),
+                ));
+            }
+            Source::Prompt(parse_prompt(body.prompt.as_ref())?)
+        }
         Flavor::Chat => {
             if state.engine().chat_template().is_none() {
                 return Err(ApiError::invalid(
@@ -83,23 +92,31 @@ async fn generate(
                 .ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
             let options = ChatOptions::default()
                 .kwargs(body.chat_template_kwargs.clone().unwrap_or_default());
-            Source::Chat {
-                messages: chat_messages(messages)?,
-                options,
-            }
+            let tools = body.tools()?;
+            let tool_choice = body.tool_choice(!tools.is_empty())?;
+            let (tool_call_parser, reasoning_parser) = state.parsers_of();
+            Source::Chat(Box::new(
+                ChatRequest::new(chat_messages(messages)?)
+                    .tools(tools)
+                    .tool_choice(tool_choice)
+                    .parallel_tool_calls(body.parallel_tool_calls.unwrap_or(true))
+                    .options(options)
+                    .tool_call_parser(tool_call_parser)
+                    .reasoning_parser(reasoning_parser),
+            ))
         }
     };
     let settings = Settings::of(&body, flavor, &state)?;
     let want_logprobs = settings.sampling.wants_logprobs();
     let engine_state = state.clone();
-    let handle = tokio::task::spawn_blocking(move || submit(&engine_state, prompt, settings))
+    let events = tokio::task::spawn_blocking(move || submit(&engine_state, prompt, settings))
         .await
         .map_err(|e| ApiError::internal(format!("the submitting task failed: {e}")))??;
-    let id = format!("{}-{}", flavor.id_prefix(), handle.id().0);
+    let id = format!("{}-{}", flavor.id_prefix(), events.id());
     let created = unix_seconds();
     let model = state.model_id().to_string();
     if body.stream() {
-        let stream = SseStream::new(handle, flavor, id, created, model, body.include_usage())
+        let stream = SseStream::new(events, id, created, model, body.include_usage())
             .with_logprobs(want_logprobs.then(|| state.engine().clone()));
         return Ok((
             [
@@ -110,51 +127,77 @@ async fn generate(
         )
             .into_response());
     }
-    let output = wait(handle).await?;
-    let usage = Some(Usage::new(output.prompt_ids.len(), output.token_ids.len()));
-    let finish_reason = output.finish_reason.as_str();
     let engine = state.engine();
-    let lps = (output.logprobs.as_deref()).filter(|_| want_logprobs);
-    let logprobs = lps.map(|l| match flavor {
-        Flavor::Completion => logprobs::completion(engine, l, 0),
-        Flavor::Chat => logprobs::chat(engine, l),
-    });
-    let text = output.text.unwrap_or_default();
-    let json = match flavor {
-        Flavor::Completion => serde_json::to_value(Envelope {
-            id,
-            object: "text_completion",
-            created,
-            model,
-            choices: vec![CompletionChoice {
-                index: 0,
-                text,
-                logprobs,
-                finish_reason: Some(finish_reason),
-                token_ids: output.token_ids,
-            }],
-            usage,
-        }),
-        Flavor::Chat => serde_json::to_value(Envelope {
-            id,
-            object: "chat.completion",
-            created,
-            model,
-            choices: vec![ChatChoice {
-                index: 0,
-                message: ChatMessageOut {
-                    role: "assistant",
-                    content: text,
-                },
-                logprobs,
-                finish_reason,
-                token_ids: output.token_ids,
-            }],
-            usage,
-        }),
+    let json = match events {
+        Events::Generate(handle) => {
+            let output = wait(handle).await?;
+            let logprobs = (output.logprobs.as_deref())
+                .filter(|_| want_logprobs)
+                .map(|l| logprobs::completion(engine, l, 0));
+            let usage = Some(Usage::new(output.prompt_ids.len(), output.token_ids.len()));
+            let finish_reason = output.finish_reason.as_str();
+            let text = output.text.unwrap_or_default();
+            serde_json::to_value(Envelope {
+                id,
+                object: "text_completion",
+                created,
+                model,
+                choices: vec![CompletionChoice {
+                    index: 0,
+                    text,
+                    logprobs,
+                    finish_reason: Some(finish_reason),
+                    token_ids: output.token_ids,
+                }],
+                usage,
+            })
+        }
+        Events::Chat(handle) => {
+            let out = wait_chat(handle).await?;
+            let o = &out.output;
+            let usage = Some(Usage::new(o.prompt_ids.len(), o.token_ids.len()));
+            let logprobs = (o.logprobs.as_deref())
+                .filter(|_| want_logprobs)
+                .map(|l| logprobs::chat(engine, l));
+            let tool_calls: Vec<ToolCallOut> = out.tool_calls.iter().map(call_out).collect();
+            let content = (tool_calls.is_empty() || !out.content.trim().is_empty())
+                .then(|| out.content.clone());
+            serde_json::to_value(Envelope {
+                id,
+                object: "chat.completion",
+                created,
+                model,
+                choices: vec![ChatChoice {
+                    index: 0,
+                    message: ChatMessageOut {
+                        role: "assistant",
+                        content,
+                        reasoning_content: out.reasoning.clone(),
+                        tool_calls,
+                    },
+                    logprobs,
+                    finish_reason: out.finish_reason(),
+                    token_ids: out.output.token_ids.clone(),
+                }],
+                usage,
+            })
+        }
     }
     .map_err(|e| ApiError::internal(format!("serializing the response: {e}")))?;
     Ok(axum::Json(json).into_response())
+}
+
+/// A whole tool call in a response.
+pub(crate) fn call_out(c: &ToolCall) -> ToolCallOut {
+    ToolCallOut {
+        index: None,
+        id: Some(c.id.clone()),
+        kind: Some("function"),
+        function: FunctionOut {
+            name: Some(c.name.clone()),
+            arguments: c.arguments.clone(),
+        },
+    }
 }
 
 /// A request's body, or the 4xx axum gives a body it could not read (too large, ...).
@@ -172,11 +215,11 @@ pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, A
 #[derive(Debug)]
 struct Settings {
     max_tokens: Option<usize>,
-    flavor: Flavor,
     sampling: SamplingParams,
     stop_strings: Vec<String>,
     stop_token_ids: Vec<u32>,
     ignore_eos: bool,
+    response_format: Option<Constraint>,
 }
 
 impl Settings {
@@ -230,11 +273,11 @@ impl Settings {
         })?;
         Ok(Settings {
             max_tokens: body.max_tokens.or(body.max_completion_tokens),
-            flavor,
             sampling,
             stop_strings: body.stop_strings()?,
             stop_token_ids: body.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: body.ignore_eos.unwrap_or(false),
+            response_format: body.response_format()?,
         })
     }
 }
@@ -244,37 +287,64 @@ impl Settings {
 enum Source {
     /// `/v1/completions`' `prompt`.
     Prompt(PromptInput),
-    /// `/v1/chat/completions`' `messages`, for the chat template.
-    Chat {
-        messages: Vec<ChatMessage>,
-        options: ChatOptions,
-    },
+    /// `/v1/chat/completions`' messages and tools (its generation settings still to set).
+    Chat(Box<ChatRequest>),
 }
 
 /// Render the chat template (the engine's), tokenize and submit (blocking: run it off the async runtime).
-fn submit(state: &AppState, source: Source, s: Settings) -> Result<RequestHandle, ApiError> {
+fn submit(state: &AppState, source: Source, s: Settings) -> Result<Events, ApiError> {
     let engine = state.engine();
-    let prompt = match source {
-        Source::Prompt(p) => p,
-        Source::Chat { messages, options } => {
-            PromptInput::Text(engine.apply_chat_template(&messages, &options)?)
+    let generation = |prompt: Prompt, max_new_tokens: usize| {
+        GenerateRequest::new(prompt)
+            .max_new_tokens(max_new_tokens)
+            .sampling(s.sampling)
+            .ignore_eos(s.ignore_eos)
+            .stop_token_ids(s.stop_token_ids.clone())
+            .stop_strings(s.stop_strings.clone())
+            .constraint(s.response_format.clone())
+    };
+    match source {
+        Source::Prompt(p) => {
+            let ids = match p {
+                PromptInput::Text(text) => engine.encode(&text)?,
+                PromptInput::TokenIds(ids) => ids,
+            };
+            let max_new_tokens = s.max_tokens.unwrap_or(16);
+            let request = generation(Prompt::TokenIds(ids), max_new_tokens);
+            Ok(Events::Generate(engine.submit(request)?))
         }
-    };
-    let ids = match prompt {
-        PromptInput::Text(text) => engine.encode(&text)?,
-        PromptInput::TokenIds(ids) => ids,
-    };
-    let max_new_tokens = s.max_tokens.unwrap_or(match s.flavor {
-        Flavor::Completion => 16,
-        Flavor::Chat => engine.max_context().saturating_sub(ids.len()),
-    });
-    let request = GenerateRequest::new(Prompt::TokenIds(ids))
-        .max_new_tokens(max_new_tokens)
-        .sampling(s.sampling)
-        .ignore_eos(s.ignore_eos)
-        .stop_token_ids(s.stop_token_ids)
-        .stop_strings(s.stop_strings);
-    Ok(engine.submit(request)?)
+        Source::Chat(chat) => {
+            // Without `max_tokens`, the rest of the context: the library clips it to the
+            // context once the prompt is rendered.
+            let max_new_tokens = s.max_tokens.unwrap_or(engine.max_context());
+            let forced = matches!(
+                chat.tool_choice,
+                ToolChoice::Required | ToolChoice::Function(_)
+            );
+            let chat = chat.generation(generation(Prompt::TokenIds(Vec::new()), max_new_tokens));
+            engine.submit_chat(chat).map(Events::Chat).map_err(|e| {
+                let mut api = ApiError::from(e);
+                // A forced call's grammar comes from the tools' schemas.
+                if forced && api.param.as_deref() == Some("response_format") {
+                    api.param = Some("tools".into());
+                }
+                api
+            })
+        }
+    }
+}
+
+/// A chat request's answer, awaited through the handle's `Stream`; dropping the future cancels
+/// the request.
+async fn wait_chat(mut handle: ChatHandle) -> Result<ChatOutput, EngineError> {
+    loop {
+        match std::future::poll_fn(|cx| Pin::new(&mut handle).poll_next(cx)).await {
+            Some(Ok(metrale::chat::ChatEvent::Finished { output })) => return Ok(output),
+            Some(Ok(_)) => {}
+            Some(Err(e)) => return Err(e),
+            None => return Err(EngineError::ShutDown),
+        }
+    }
 }
 
 /// The request's output, awaited through the handle's `Stream`. Dropping this future (the

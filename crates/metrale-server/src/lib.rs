@@ -78,8 +78,9 @@ impl Server {
                 source: Box::new(source),
             }
         })?;
-        let state =
-            AppState::new(Arc::new(engine), model_id).generation_config(options.generation_config);
+        let state = AppState::new(Arc::new(engine), model_id)
+            .generation_config(options.generation_config)
+            .parsers(options.tool_call_parser, options.reasoning_parser);
         let state = Arc::new(state);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .enable_io()

@@ -3,10 +3,14 @@
 //!
 //! Both endpoints read one `GenerationBody` (every field optional) and check their own required
 //! field (`prompt` or `messages`); a field the engine cannot honour (`n` > 1, `best_of`, `echo`,
-//! tools, ...) is refused with a 400 that names it rather than ignored. Fields this server adds
-//! beside OpenAI's, as vLLM has them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+//! ...) is refused with a 400 that names it rather than ignored. `tools`, `tool_choice` and
+//! `parallel_tool_calls` (chat only) and `response_format` (`text`, `json_object`,
+//! `json_schema`) are read into the library's types here. Fields this server adds beside
+//! OpenAI's, as vLLM has them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 //! `ignore_eos` and `stop_token_ids` in requests, `token_ids` in every choice and chunk.
 
+use metrale::Constraint;
+use metrale::chat::{Tool, ToolChoice};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -62,13 +66,21 @@ pub struct GenerationBody {
     pub min_p: Option<f32>,
     /// No EOS or stop token before this many tokens.
     pub min_tokens: Option<usize>,
+    /// Chat: OpenAI function tools, `[{"type": "function", "function": {name, description,
+    /// parameters}}]`.
+    pub tools: Option<Vec<Value>>,
+    /// Chat: `auto`, `none`, `required` or `{"type": "function", "function": {"name"}}`.
+    pub tool_choice: Option<Value>,
+    /// Chat: several calls in one answer (default true).
+    pub parallel_tool_calls: Option<bool>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema,
+    /// strict}}`.
+    pub response_format: Option<Value>,
     // Refused unless at their defaults.
     n: Option<u64>,
     best_of: Option<u64>,
     echo: Option<bool>,
     suffix: Option<String>,
-    tools: Option<Vec<Value>>,
-    response_format: Option<Value>,
 }
 
 /// A request body: a JSON object read as `T`; anything else gets a 400 naming the field.
@@ -118,15 +130,6 @@ impl GenerationBody {
         }
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return unsupported("suffix", "(insertion)");
-        }
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return unsupported("tools", "(function calling)");
-        }
-        if let Some(format) = &self.response_format {
-            let kind = format.get("type").and_then(Value::as_str);
-            if !(format.is_null() || kind == Some("text")) {
-                return unsupported("response_format", "other than text");
-            }
         }
         Ok(())
     }
@@ -194,6 +197,79 @@ impl GenerationBody {
             .collect()
     }
 
+    /// `response_format` as a constraint on the answer; `None` for text.
+    pub fn response_format(&self) -> Result<Option<Constraint>, ApiError> {
+        let param = Some("response_format");
+        let Some(format) = self.response_format.as_ref().filter(|f| !f.is_null()) else {
+            return Ok(None);
+        };
+        match format.get("type").and_then(Value::as_str) {
+            Some("text") => Ok(None),
+            Some("json_object") => Ok(Some(Constraint::JsonSchema(
+                serde_json::json!({"type": "object"}),
+            ))),
+            Some("json_schema") => {
+                let schema = format
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .filter(|s| s.is_object() || s.is_boolean())
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "`response_format.json_schema.schema` must be a JSON schema object",
+                            Some("response_format.json_schema.schema"),
+                        )
+                    })?;
+                Ok(Some(Constraint::JsonSchema(schema.clone())))
+            }
+            _ => Err(ApiError::invalid(
+                "`response_format.type` must be `text`, `json_object` or `json_schema`",
+                param,
+            )),
+        }
+    }
+
+    /// `tools` as the library's function tools.
+    pub fn tools(&self) -> Result<Vec<Tool>, ApiError> {
+        let Some(tools) = &self.tools else {
+            return Ok(Vec::new());
+        };
+        tools.iter().enumerate().map(|(i, t)| tool(i, t)).collect()
+    }
+
+    /// `tool_choice` (default `auto`); a required or named choice needs `tools`.
+    pub fn tool_choice(&self, have_tools: bool) -> Result<ToolChoice, ApiError> {
+        let bad = |m: &str| ApiError::invalid(m, Some("tool_choice"));
+        let choice = match &self.tool_choice {
+            None | Some(Value::Null) => return Ok(ToolChoice::Auto),
+            Some(Value::String(s)) => match s.as_str() {
+                "auto" => ToolChoice::Auto,
+                "none" => ToolChoice::None,
+                "required" => ToolChoice::Required,
+                other => {
+                    return Err(bad(&format!(
+                        "`tool_choice` = `{other}`: must be `auto`, `none`, `required` or a \
+                         named function"
+                    )));
+                }
+            },
+            Some(v) => match v.pointer("/function/name").and_then(Value::as_str) {
+                Some(name) if v.get("type").and_then(Value::as_str) == Some("function") => {
+                    ToolChoice::Function(name.to_string())
+                }
+                _ => {
+                    return Err(bad(
+                        "`tool_choice` must be a string or {\"type\": \"function\", \
+                         \"function\": {\"name\": ...}}",
+                    ));
+                }
+            },
+        };
+        if !have_tools && matches!(choice, ToolChoice::Required | ToolChoice::Function(_)) {
+            return Err(bad("`tool_choice` requires `tools`"));
+        }
+        Ok(choice)
+    }
+
     /// `stop` as a list of strings.
     pub fn stop_strings(&self) -> Result<Vec<String>, ApiError> {
         let bad =
@@ -220,6 +296,35 @@ impl GenerationBody {
             .and_then(|o| o.include_usage)
             .unwrap_or(false)
     }
+}
+
+/// Tool `i` of `tools`: `{"type": "function", "function": {"name", "description"?,
+/// "parameters"?}}`.
+fn tool(i: usize, t: &Value) -> Result<Tool, ApiError> {
+    let at = |f: &str| format!("tools[{i}]{f}");
+    let bad = |f: &str, m: &str| ApiError::invalid(format!("`{}` {m}", at(f)), Some(&at(f)));
+    if t.get("type").and_then(Value::as_str) != Some("function") {
+        return Err(bad(".type", "must be `function`"));
+    }
+    let f = t
+        .get("function")
+        .filter(|f| f.is_object())
+        .ok_or_else(|| bad(".function", "must be an object"))?;
+    let name = (f.get("name").and_then(Value::as_str))
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| bad(".function.name", "must be a non-empty string"))?;
+    let mut tool = Tool::function(name);
+    match f.get("description") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(d)) => tool = tool.description(d.clone()),
+        Some(_) => return Err(bad(".function.description", "must be a string")),
+    }
+    match f.get("parameters") {
+        None | Some(Value::Null) => {}
+        Some(p @ Value::Object(_)) => tool = tool.parameters(p.clone()),
+        Some(_) => return Err(bad(".function.parameters", "must be a JSON schema object")),
+    }
+    Ok(tool)
 }
 
 /// A completion prompt.
@@ -303,8 +408,40 @@ pub struct CompletionChoice {
 pub struct ChatMessageOut {
     /// "assistant".
     pub role: &'static str,
-    /// The generated text.
-    pub content: String,
+    /// The answer's text; null when the answer is tool calls alone.
+    pub content: Option<String>,
+    /// The reasoning, when the answer had some.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    /// The calls, when the answer made some.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallOut>,
+}
+
+/// A tool call in a response, or its first chunk in a stream.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCallOut {
+    /// Its position among the answer's calls (in streamed chunks only, as OpenAI has it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<usize>,
+    /// `call_...`; absent from a stream's later chunks of the call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// "function"; absent from a stream's later chunks of the call.
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    /// The function and (a piece of) its arguments, a JSON object's text.
+    pub function: FunctionOut,
+}
+
+/// A call's function.
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionOut {
+    /// The function's name; absent from a stream's later chunks of the call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The arguments (a fragment in a stream).
+    pub arguments: String,
 }
 
 /// One choice of a `chat.completion`.
@@ -316,7 +453,7 @@ pub struct ChatChoice {
     pub message: ChatMessageOut,
     /// `{content: [...]}`, when asked for.
     pub logprobs: Option<Value>,
-    /// "stop" or "length".
+    /// "stop", "length" or "tool_calls".
     pub finish_reason: &'static str,
     /// The generated token ids.
     pub token_ids: Vec<u32>,
@@ -331,6 +468,13 @@ pub struct ChatDelta {
     /// Text added.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// Reasoning added.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    /// A call's first chunk (index, id, type, name, empty arguments) or a later one (index,
+    /// arguments).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut>>,
 }
 
 /// One choice of a `chat.completion.chunk`.

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use metrale::chat::{ReasoningParser, ToolCallParser};
 use metrale::{EngineError, EngineOptions};
 
 /// How to serve a checkpoint. Build with [`ServerOptions::new`] and the setters; every other
@@ -25,6 +26,12 @@ pub struct ServerOptions {
     /// Where the sampling fields a request leaves out come from. Default
     /// [`GenerationConfig::Auto`].
     pub generation_config: GenerationConfig,
+    /// How chat answers' tool calls are read (`--tool-call-parser`). Default
+    /// [`ToolCallParser::Auto`]: the format the checkpoint's chat template teaches.
+    pub tool_call_parser: ToolCallParser,
+    /// How chat answers' reasoning is read (`--reasoning-parser`). Default
+    /// [`ReasoningParser::Auto`]: think blocks where the template writes them.
+    pub reasoning_parser: ReasoningParser,
 }
 
 /// Where the sampling fields a request leaves out (`temperature`, `top_p`, `top_k`) come from.
@@ -50,7 +57,21 @@ impl ServerOptions {
             port: 8000,
             engine: EngineOptions::default(),
             generation_config: GenerationConfig::default(),
+            tool_call_parser: ToolCallParser::default(),
+            reasoning_parser: ReasoningParser::default(),
         }
+    }
+
+    /// Set `tool_call_parser`.
+    pub fn tool_call_parser(mut self, parser: ToolCallParser) -> Self {
+        self.tool_call_parser = parser;
+        self
+    }
+
+    /// Set `reasoning_parser`.
+    pub fn reasoning_parser(mut self, parser: ReasoningParser) -> Self {
+        self.reasoning_parser = parser;
+        self
     }
 
     /// Set `served_model_name`.
@@ -138,6 +159,8 @@ mod tests {
         let o = ServerOptions::new(checkpoint.join("."));
         assert_eq!((o.host.as_str(), o.port), ("127.0.0.1", 8000));
         assert_eq!(o.engine, EngineOptions::default());
+        assert_eq!(o.tool_call_parser, ToolCallParser::Auto);
+        assert_eq!(o.reasoning_parser, ReasoningParser::Auto);
         assert_eq!(o.model_id(), "my-model");
         let named = o.served_model_name("served".to_string()).port(0);
         assert_eq!(named.model_id(), "served");

@@ -11,6 +11,7 @@ use axum::extract::{DefaultBodyLimit, Path as UrlPath, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use metrale::chat::{ReasoningParser, ToolCallParser};
 use metrale::{Engine, SamplingParams};
 use serde_json::json;
 
@@ -30,6 +31,8 @@ pub struct AppState {
     started: u64,
     /// The sampling of a request that sets no sampling field (`GenerationConfig`).
     sampling_base: SamplingParams,
+    tool_call_parser: ToolCallParser,
+    reasoning_parser: ReasoningParser,
 }
 
 impl AppState {
@@ -42,8 +45,22 @@ impl AppState {
             model_id: model_id.into(),
             started,
             sampling_base: SamplingParams::default(),
+            tool_call_parser: ToolCallParser::Auto,
+            reasoning_parser: ReasoningParser::Auto,
         }
         .generation_config(GenerationConfig::Auto)
+    }
+
+    /// Read chat answers' tool calls and reasoning with these parsers (default both `Auto`).
+    pub fn parsers(mut self, tool_calls: ToolCallParser, reasoning: ReasoningParser) -> AppState {
+        self.tool_call_parser = tool_calls;
+        self.reasoning_parser = reasoning;
+        self
+    }
+
+    /// The chat answers' parsers.
+    pub(crate) fn parsers_of(&self) -> (ToolCallParser, ReasoningParser) {
+        (self.tool_call_parser, self.reasoning_parser)
     }
 
     /// Take the sampling defaults from `source`. With `Auto`, the checkpoint's `min_p` and

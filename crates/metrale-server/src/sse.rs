@@ -1,8 +1,11 @@
 //! `SseStream`: a request's events as a server-sent-event body in OpenAI's shape: for chat a
-//! first chunk with the assistant's role, then a chunk per generated token (its text delta, id
-//! and, when asked for, logprobs), a last chunk with the finish reason, a usage chunk when asked
-//! for, then `data: [DONE]`.
-//! An engine error ends the stream with `data: {"error": ...}` and `[DONE]`.
+//! first chunk with the assistant's role, then a chunk per generated token (its id, when asked
+//! for its logprobs, and what it adds: for a completion its text; for chat
+//! `delta.reasoning_content`, `delta.content`, and for each tool call it completes a chunk
+//! `delta.tool_calls: [{index, id, type, function: {name, arguments: ""}}]` then one with
+//! `[{index, function: {arguments}}]`; markup never reaches `content`), a last chunk with the
+//! finish reason (`tool_calls` when calls were made), a usage chunk when asked for, then
+//! `data: [DONE]`. An engine error ends the stream with `data: {"error": ...}` and `[DONE]`.
 //!
 //! Invariant: the stream owns the request's handle until the request has finished; hyper drops
 //! the body when the client disconnects, and with it the handle, which cancels the request.
@@ -16,12 +19,41 @@ use axum::body::Bytes;
 use futures_core::Stream;
 use std::sync::Arc;
 
-use metrale::{Engine, EventResult, GenerateEvent, RequestHandle};
+use metrale::chat::{ChatEvent, ChatHandle};
+use metrale::{Engine, EngineError, EventResult, GenerateEvent, RequestHandle};
 use serde::Serialize;
 
 use super::error::ApiError;
 use super::logprobs;
-use super::openai::{ChatChunkChoice, ChatDelta, CompletionChoice, Envelope, Usage};
+use super::openai::{
+    ChatChunkChoice, ChatDelta, CompletionChoice, Envelope, FunctionOut, ToolCallOut, Usage,
+};
+
+/// A submitted request's events: a completion's tokens, or a chat answer read apart.
+#[derive(Debug)]
+pub enum Events {
+    /// `/v1/completions`.
+    Generate(RequestHandle),
+    /// `/v1/chat/completions`.
+    Chat(ChatHandle),
+}
+
+impl Events {
+    /// The request's id number.
+    pub fn id(&self) -> u64 {
+        match self {
+            Events::Generate(h) => h.id().0,
+            Events::Chat(h) => h.id().0,
+        }
+    }
+
+    fn flavor(&self) -> Flavor {
+        match self {
+            Events::Generate(_) => Flavor::Completion,
+            Events::Chat(_) => Flavor::Chat,
+        }
+    }
+}
 
 /// Which endpoint's shapes to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,7 +85,7 @@ impl Flavor {
 #[derive(Debug)]
 pub struct SseStream {
     /// `None` once the request has ended.
-    handle: Option<RequestHandle>,
+    handle: Option<Events>,
     flavor: Flavor,
     id: String,
     created: u64,
@@ -70,13 +102,13 @@ pub struct SseStream {
 impl SseStream {
     /// The body for `handle`'s events.
     pub fn new(
-        handle: RequestHandle,
-        flavor: Flavor,
+        handle: Events,
         id: String,
         created: u64,
         model: String,
         include_usage: bool,
     ) -> SseStream {
+        let flavor = handle.flavor();
         let mut s = SseStream {
             handle: Some(handle),
             flavor,
@@ -92,6 +124,7 @@ impl SseStream {
             let role = ChatDelta {
                 role: Some("assistant"),
                 content: Some(String::new()),
+                ..ChatDelta::default()
             };
             s.push_choice(role, String::new(), None, Vec::new(), None);
         }
@@ -171,8 +204,8 @@ impl SseStream {
             Some(Ok(GenerateEvent::Token(t))) => {
                 let text = t.text_delta.unwrap_or_default();
                 let delta = ChatDelta {
-                    role: None,
                     content: Some(text.clone()),
+                    ..ChatDelta::default()
                 };
                 let lps = match (&self.logprobs, &t.logprobs) {
                     (Some(engine), Some(l)) => {
@@ -208,11 +241,89 @@ impl SseStream {
             }
             // An event this server does not know yet adds nothing to the stream.
             Some(Ok(_)) => {}
-            Some(Err(e)) => {
-                let body = ApiError::from(e).body();
-                self.push_data(&body);
+            Some(Err(e)) => self.push_error(e),
+            None => self.push_done(),
+        }
+    }
+
+    fn push_error(&mut self, e: EngineError) {
+        let body = ApiError::from(e).body();
+        self.push_data(&body);
+        self.push_done();
+    }
+
+    fn on_chat_event(&mut self, event: Option<Result<ChatEvent, EngineError>>) {
+        match event {
+            Some(Ok(ChatEvent::Delta(d))) => {
+                let mut token_ids: Vec<u32> = d.token_id.into_iter().collect();
+                let mut lps = match (&self.logprobs, &d.logprobs) {
+                    (Some(engine), Some(l)) => {
+                        Some(logprobs::chat(engine, std::slice::from_ref(l)))
+                    }
+                    _ => None,
+                };
+                let text = |s: String| (!s.is_empty()).then_some(s);
+                let delta = ChatDelta {
+                    content: text(d.content),
+                    reasoning_content: text(d.reasoning),
+                    ..ChatDelta::default()
+                };
+                if d.tool_calls.is_empty()
+                    || delta.content.is_some()
+                    || delta.reasoning_content.is_some()
+                {
+                    let (ids, lps) = (std::mem::take(&mut token_ids), lps.take());
+                    self.push_choice(delta, String::new(), None, ids, lps);
+                }
+                for call in d.tool_calls {
+                    let head = ToolCallOut {
+                        index: Some(call.index),
+                        id: Some(call.id),
+                        kind: Some("function"),
+                        function: FunctionOut {
+                            name: Some(call.name),
+                            arguments: String::new(),
+                        },
+                    };
+                    let args = ToolCallOut {
+                        index: Some(call.index),
+                        id: None,
+                        kind: None,
+                        function: FunctionOut {
+                            name: None,
+                            arguments: call.arguments,
+                        },
+                    };
+                    for piece in [head, args] {
+                        let delta = ChatDelta {
+                            tool_calls: Some(vec![piece]),
+                            ..ChatDelta::default()
+                        };
+                        let (ids, lps) = (std::mem::take(&mut token_ids), lps.take());
+                        self.push_choice(delta, String::new(), None, ids, lps);
+                    }
+                }
+            }
+            Some(Ok(ChatEvent::Finished { output })) => {
+                let reason = output.finish_reason();
+                self.push_choice(
+                    ChatDelta::default(),
+                    String::new(),
+                    Some(reason),
+                    Vec::new(),
+                    None,
+                );
+                if self.include_usage {
+                    let o = &output.output;
+                    let usage = Usage::new(o.prompt_ids.len(), o.token_ids.len());
+                    let env = self.envelope::<CompletionChoice>(Vec::new(), Some(usage));
+                    self.push_data(&env);
+                }
                 self.push_done();
             }
+            // An event this server does not know yet adds nothing to the stream.
+            Some(Ok(_)) => {}
+            Some(Err(e)) => self.push_error(e),
             None => self.push_done(),
         }
     }
@@ -230,9 +341,15 @@ impl Stream for SseStream {
             let Some(handle) = this.handle.as_mut() else {
                 return Poll::Ready(None);
             };
-            match Pin::new(handle).poll_next(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(event) => this.on_event(event),
+            match handle {
+                Events::Generate(h) => match Pin::new(h).poll_next(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(event) => this.on_event(event),
+                },
+                Events::Chat(h) => match Pin::new(h).poll_next(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(event) => this.on_chat_event(event),
+                },
             }
         }
     }

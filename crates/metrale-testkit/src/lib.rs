@@ -1,10 +1,13 @@
 //! What the tests, the benchmarks and the soak share: [`Rng`], the one seeded generator of their
-//! random inputs (values, token ids, shapes, request plans).
+//! random inputs (values, token ids, shapes, request plans), and [`checkpoint`]: a tiny
+//! random-weight Qwen3 with the real Qwen3 tokenizer and chat template.
 //!
 //! Invariants: the sequence a seed gives is fixed (SplitMix64, with the seed mixed the same way
 //! on every platform), so a failing test fails again with the same inputs; nothing here reads
 //! the clock or the environment. It is development code only: no library crate depends on it
 //! outside `[dev-dependencies]` (xtask, a tool, depends on it for the soak).
+
+pub mod checkpoint;
 
 use std::ops::RangeInclusive;
 

@@ -212,3 +212,22 @@ fn the_format_comes_from_the_template() {
     );
     assert_eq!(ToolCallFormat::of_template("{{ messages }}"), None);
 }
+
+#[test]
+fn with_calls_or_reasoning_not_read_their_markup_stays_in_the_content() {
+    let answer =
+        "<think>\nhm\n</think>\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>";
+    let no_calls = OutputParser::new(ToolCallFormat::Json, Vec::new(), false).tool_calls(false);
+    check(
+        &no_calls,
+        answer,
+        &[
+            OutputEvent::Reasoning("\nhm\n".into()),
+            OutputEvent::Content(
+                "\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>".into(),
+            ),
+        ],
+    );
+    let neither = no_calls.reasoning(false);
+    check(&neither, answer, &[OutputEvent::Content(answer.into())]);
+}

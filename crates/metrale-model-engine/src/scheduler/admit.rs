@@ -108,6 +108,9 @@ impl Scheduler {
         )?;
         s.computed = range.end;
         let id = s.id;
+        if sample {
+            self.prepare_masks([i]);
+        }
         self.prefill_since_decode += range.len();
         self.stats.steps += 1;
         self.stats.prefill_steps += 1;

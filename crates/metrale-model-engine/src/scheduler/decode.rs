@@ -83,6 +83,8 @@ impl Scheduler {
         let sampling: Vec<SampleRow> = idx.iter().map(|&i| self.running[i].sample_row()).collect();
         let sampled =
             (self.runner).decode_sampled(&self.cache, &rows, &tables, &slots, &sampling)?;
+        // Constrained rows' masks, then their host logits (see `Seq::keeps_logits`).
+        self.prepare_masks(idx.iter().copied());
         // Host logits only when a row that samples now keeps them.
         let keep = (idx.iter()).any(|&i| {
             let s = &self.running[i];

@@ -88,6 +88,7 @@ use std::collections::VecDeque;
 
 use metrale_cache::CacheManager;
 
+use crate::constraint::TokenConstraint;
 use crate::error::ModelError;
 use crate::model::Model;
 use crate::options::ModelOptions;
@@ -199,6 +200,17 @@ impl Scheduler {
     /// `id..id + n` (choice `c` is `id + c`); its prompt is computed once, by choice 0, whose
     /// cache the others fork when it is done (`CacheManager::fork`).
     pub fn add(&mut self, req: SeqRequest) -> Result<SeqId, InvalidRequest> {
+        self.add_constrained(req, None)
+    }
+
+    /// Queue a request whose tokens follow `constraint` (structured output; see
+    /// [`crate::constraint`]): each of its tokens is picked from host logits under the
+    /// constraint's mask, and it stops when the constraint is finished.
+    pub fn add_constrained(
+        &mut self,
+        req: SeqRequest,
+        constraint: Option<Box<dyn TokenConstraint>>,
+    ) -> Result<SeqId, InvalidRequest> {
         self.policy.limits.check(&req)?;
         let n = req.params.sampling.n.max(1) as u64;
         let id = SeqId(self.next_id);
@@ -222,6 +234,7 @@ impl Scheduler {
             req.params.return_logits,
         );
         seq.choices = (1..n).map(|c| SeqId(id.0 + c)).collect();
+        seq.constraint = constraint;
         if req.params.max_new_tokens == 0 {
             for &c in &seq.choices {
                 let generation = Generation {
@@ -355,6 +368,19 @@ impl Scheduler {
             out.push(id);
         }
         out
+    }
+
+    /// Compute the bitmasks of the constrained sequences among running `idx` whose next row
+    /// picks a token: called once a step is launched, before its logits are read, so the
+    /// grammar's work overlaps the device's.
+    fn prepare_masks(&mut self, idx: impl IntoIterator<Item = usize>) {
+        let vocab = self.policy.limits.vocab;
+        for i in idx {
+            let s = &mut self.running[i];
+            if s.constraint.is_some() && s.computed + 1 >= s.tokens.len() {
+                s.prepare_mask(vocab);
+            }
+        }
     }
 
     /// Record running sequence `i`'s next token; returns why it ends, if it does.

@@ -12,6 +12,12 @@
 //!   sampler draws token `i` from the sequence's seed and `i` alone, the penalties' counts are
 //!   the tokens', and the host sampler (speculative rejection sampling) keeps its generator
 //!   state, so a resumed sequence's output is unchanged.
+//! - A constrained sequence (`constraint`) picks each token on the host, from its logits masked
+//!   by its constraint's bitmask for that token ([`Seq::prepare_mask`], computed once per token,
+//!   after the step is launched): greedy, the masked argmax; sampled, the host sampler (the
+//!   device sampler's penalties, bias and logprobs do not apply to it). Every token it records
+//!   is accepted by the constraint, and it ends (`Stop`) when the constraint is finished. It
+//!   never drafts.
 //! - With prefix caching, `block_hashes` are the keys of the leading full blocks of `tokens`:
 //!   the prompt's (from the first admission on), then, on a model that publishes generated
 //!   blocks, each block decode steps filled; the hashes only grow (a preempted sequence keeps
@@ -22,6 +28,7 @@
 use metrale_cache::{BlockHash, BlockTable, CacheManager};
 
 use super::request::{FinishReason, Generation};
+use crate::constraint::{TokenConstraint, allow, apply_mask, mask_words};
 use crate::error::ModelError;
 use crate::runner::{ChunkCuts, prefill_chunk};
 use crate::sampling::{SampleRow, SampledToken, Sampler, TokenStats};
@@ -108,6 +115,11 @@ pub(crate) struct Seq {
     /// The ids of the other choices of this request, forked from it once its prompt is
     /// computed (empty once forked, and for `n = 1`).
     pub choices: Vec<SeqId>,
+    /// Structured output: the grammar its tokens follow.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
+    /// The constraint's bitmask for the next token, valid while `mask_ready`.
+    mask: Vec<u32>,
+    mask_ready: bool,
 }
 
 impl Seq {
@@ -136,6 +148,48 @@ impl Seq {
             logits: keep_logits.then(Vec::new),
             logprobs,
             choices: Vec::new(),
+            constraint: None,
+            mask: Vec::new(),
+            mask_ready: false,
+        }
+    }
+
+    /// Compute the constraint's bitmask for the next token over `vocab` tokens, unless it is
+    /// computed already (or there is no constraint). A failing constraint allows only the stop
+    /// tokens, so the sequence ends.
+    pub fn prepare_mask(&mut self, vocab: usize) {
+        let Some(c) = self.constraint.as_mut() else {
+            return;
+        };
+        if self.mask_ready {
+            return;
+        }
+        self.mask.clear();
+        self.mask.resize(mask_words(vocab), 0);
+        let failed = match c.fill_mask(&mut self.mask) {
+            Ok(()) => self
+                .mask
+                .iter()
+                .all(|&w| w == 0)
+                .then(|| "it allows no token".to_string()),
+            Err(e) => Some(e.to_string()),
+        };
+        if let Some(reason) = failed {
+            tracing::warn!(seq = %self.id, %reason, "output constraint failed; ending the sequence");
+            self.mask.fill(0);
+            for &t in &self.stop.stop_token_ids {
+                allow(&mut self.mask, t);
+            }
+        }
+        self.mask_ready = true;
+    }
+
+    /// Mask `logits` (the row that picks the next token) with the constraint's bitmask; nothing
+    /// without a constraint.
+    pub fn constrain(&mut self, logits: &mut [f32]) {
+        if self.constraint.is_some() {
+            self.prepare_mask(logits.len());
+            apply_mask(logits, &self.mask);
         }
     }
 
@@ -163,9 +217,9 @@ impl Seq {
     }
 
     /// Whether this sequence may draft: its sampling is what speculative acceptance knows
-    /// (greedy, or temperature, top-k and top-p).
+    /// (greedy, or temperature, top-k and top-p), and no constraint picks its tokens.
     pub fn may_draft(&self) -> bool {
-        !self.sampler.params().needs_device_sampler()
+        !self.sampler.params().needs_device_sampler() && self.constraint.is_none()
     }
 
     /// Still prefilling its prompt.
@@ -204,9 +258,10 @@ impl Seq {
         }
     }
 
-    /// Whether the host needs this sequence's logits: it keeps them.
+    /// Whether the host needs this sequence's logits: it keeps them, or it is constrained (it
+    /// picks from them).
     pub fn keeps_logits(&self) -> bool {
-        self.logits.is_some()
+        self.logits.is_some() || self.constraint.is_some()
     }
 
     /// Whether a verify step needs this sequence's logits on the host: it keeps them, or it
@@ -220,6 +275,11 @@ impl Seq {
     /// (when asked for) and why the sequence ends, if it does.
     pub fn record(&mut self, picked: Picked) -> (u32, Option<SampledToken>, Option<FinishReason>) {
         let (token, sampled, logits) = match picked {
+            // A constrained sequence picks on the host, from its masked logits.
+            Picked::Sampled(_, Some(mut logits)) if self.constraint.is_some() => {
+                self.constrain(&mut logits);
+                (self.sampler.sample(&logits), None, Some(logits))
+            }
             Picked::Sampled(s, logits) => (s.token, Some(s), logits),
             Picked::Chosen(token, logits) => (token, None, logits),
         };
@@ -240,7 +300,20 @@ impl Seq {
             stats.push(token);
         }
         self.tokens.push(token);
-        let reason = self.stop.reason(token, self.generated(), self.tokens.len());
+        let mut reason = self.stop.reason(token, self.generated(), self.tokens.len());
+        if let Some(c) = self.constraint.as_mut() {
+            self.mask_ready = false;
+            let finished = match c.accept(token) {
+                Ok(()) => c.is_finished(),
+                Err(e) => {
+                    tracing::warn!(seq = %self.id, reason = %e, "output constraint refused a token");
+                    true
+                }
+            };
+            if finished && reason.is_none() {
+                reason = Some(FinishReason::Stop);
+            }
+        }
         (token, logprobs, reason)
     }
 

@@ -285,6 +285,7 @@ impl Scheduler {
             }
         }
         let sampled = self.runner.sample(&sampling)?;
+        self.prepare_masks(idx.iter().copied());
         let need = idx.iter().any(|&i| self.running[i].needs_verify_logits());
         let mut picked = if need {
             PickedRows::Logits(self.runner.logits(rows.len())?)

@@ -194,3 +194,69 @@ fn finish_releases_a_running_sequence_at_once() {
     assert_eq!(s.stats().cache.kv_blocks_used, 0);
     assert_eq!(s.finish(id, FinishReason::Cancelled).expect("no-op"), None);
 }
+
+/// A test grammar: step `i` allows only the tokens of `steps[i]`; finished after the last.
+#[derive(Debug)]
+struct Steps {
+    steps: Vec<Vec<u32>>,
+    taken: Vec<u32>,
+}
+
+impl crate::constraint::TokenConstraint for Steps {
+    fn fill_mask(&mut self, mask: &mut [u32]) -> Result<(), crate::constraint::ConstraintError> {
+        for &t in &self.steps[self.taken.len()] {
+            crate::constraint::allow(mask, t);
+        }
+        Ok(())
+    }
+
+    fn accept(&mut self, token: u32) -> Result<(), crate::constraint::ConstraintError> {
+        self.taken.push(token);
+        Ok(())
+    }
+
+    fn is_finished(&self) -> bool {
+        self.taken.len() == self.steps.len()
+    }
+}
+
+#[test]
+fn a_constrained_sequence_picks_only_allowed_tokens_and_stops_when_its_grammar_is_done() {
+    let mut rng = metrale_testkit::Rng::new(11);
+    let steps: Vec<Vec<u32>> = (0..5)
+        .map(|_| (0..3).map(|_| rng.below(500) + 1).collect())
+        .collect();
+    let mut s = scheduler(ModelOptions::default());
+    let free = s.add(request(6, 8)).expect("valid");
+    let mut sampled = request(6, 40);
+    sampled.params.sampling = SamplingParams::default().temperature(1.0).seed(3);
+    let constraint = Steps {
+        steps: steps.clone(),
+        taken: Vec::new(),
+    };
+    let bound = (s.add_constrained(sampled, Some(Box::new(constraint)))).expect("valid");
+    let mut tokens = std::collections::HashMap::<SeqId, Vec<u32>>::new();
+    let mut finished = std::collections::HashMap::new();
+    while !s.is_idle() {
+        for e in s.step().expect("step").events {
+            match e {
+                SeqEvent::Token { id, token, .. } => tokens.entry(id).or_default().push(token),
+                SeqEvent::Finished { id, generation } => {
+                    finished.insert(id, generation);
+                }
+            }
+        }
+    }
+    let got = &finished[&bound];
+    assert_eq!(got.finish_reason, FinishReason::Stop);
+    assert_eq!(got.token_ids.len(), steps.len());
+    for (t, allowed) in got.token_ids.iter().zip(&steps) {
+        assert!(allowed.contains(t), "{t} not in {allowed:?}");
+    }
+    assert_eq!(
+        finished[&free].token_ids.len(),
+        8,
+        "the unconstrained one runs as before"
+    );
+    assert_eq!(tokens[&bound], got.token_ids);
+}
