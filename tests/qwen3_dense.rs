@@ -20,6 +20,19 @@ fn check_fixture(dir: &Path, options: EngineOptions) -> Vec<Outcome> {
         .collect()
 }
 
+/// Every prompt of the fixture in `dir` passes the rule, each comparing at least 4 steps.
+fn assert_fixture_passes(dir: &Path) {
+    for o in check_fixture(dir, EngineOptions::default()) {
+        assert!(o.failure.is_none(), "{}: {:?}", o.prompt, o.failure);
+        assert!(
+            o.steps >= 4,
+            "{}: only {} steps compared",
+            o.prompt,
+            o.steps
+        );
+    }
+}
+
 #[test]
 fn dense_fixtures_match_transformers() {
     let worst = check_fixtures(&["qwen3", "llama"], 5, &EngineOptions::default());
@@ -51,15 +64,7 @@ fn yarn_fixture_matches_transformers_past_its_original_context() {
             .iter()
             .any(|p| p.prompt_ids.len() > original_max_position_embeddings)
     );
-    for o in check_fixture(&dir, EngineOptions::default()) {
-        assert!(o.failure.is_none(), "{}: {:?}", o.prompt, o.failure);
-        assert!(
-            o.steps >= 4,
-            "{}: only {} steps compared",
-            o.prompt,
-            o.steps
-        );
-    }
+    assert_fixture_passes(&dir);
 }
 
 #[test]
@@ -119,15 +124,7 @@ fn an_fp8_pack_matches_transformers_and_quantizing_its_source_at_load_gives_the_
         config.checkpoint.quantization,
         Some(metrale_config::WeightQuantization::Fp8 { .. })
     ));
-    for o in check_fixture(&dir, EngineOptions::default()) {
-        assert!(o.failure.is_none(), "{}: {:?}", o.prompt, o.failure);
-        assert!(
-            o.steps >= 4,
-            "{}: only {} steps compared",
-            o.prompt,
-            o.steps
-        );
-    }
+    assert_fixture_passes(&dir);
     let prompts = read_reference(&dir).unwrap();
     let pack = Engine::load(&dir, EngineOptions::default()).unwrap();
     let fp8 = ModelOptions::default().quantization(metrale::Quantization::Fp8);

@@ -20,7 +20,7 @@ use futures_core::Stream;
 use std::sync::Arc;
 
 use metrale::chat::{ChatEvent, ChatHandle};
-use metrale::{Engine, EngineError, EventResult, GenerateEvent, RequestHandle};
+use metrale::{Engine, EngineError, EventResult, GenerateEvent, GenerateOutput, RequestHandle};
 use serde::Serialize;
 
 use super::error::ApiError;
@@ -225,25 +225,30 @@ impl SseStream {
             }
             Some(Ok(GenerateEvent::Finished { output })) => {
                 let reason = output.finish_reason.as_str();
-                self.push_choice(
-                    ChatDelta::default(),
-                    String::new(),
-                    Some(reason),
-                    Vec::new(),
-                    None,
-                );
-                if self.include_usage {
-                    let usage = Usage::new(output.prompt_ids.len(), output.token_ids.len());
-                    let env = self.envelope::<CompletionChoice>(Vec::new(), Some(usage));
-                    self.push_data(&env);
-                }
-                self.push_done();
+                self.push_finish(reason, &output);
             }
             // An event this server does not know yet adds nothing to the stream.
             Some(Ok(_)) => {}
             Some(Err(e)) => self.push_error(e),
             None => self.push_done(),
         }
+    }
+
+    /// The last chunk (its finish reason), the usage chunk when asked for, then `[DONE]`.
+    fn push_finish(&mut self, reason: &'static str, output: &GenerateOutput) {
+        self.push_choice(
+            ChatDelta::default(),
+            String::new(),
+            Some(reason),
+            Vec::new(),
+            None,
+        );
+        if self.include_usage {
+            let usage = Usage::new(output.prompt_ids.len(), output.token_ids.len());
+            let env = self.envelope::<CompletionChoice>(Vec::new(), Some(usage));
+            self.push_data(&env);
+        }
+        self.push_done();
     }
 
     fn push_error(&mut self, e: EngineError) {
@@ -305,21 +310,7 @@ impl SseStream {
                 }
             }
             Some(Ok(ChatEvent::Finished { output })) => {
-                let reason = output.finish_reason();
-                self.push_choice(
-                    ChatDelta::default(),
-                    String::new(),
-                    Some(reason),
-                    Vec::new(),
-                    None,
-                );
-                if self.include_usage {
-                    let o = &output.output;
-                    let usage = Usage::new(o.prompt_ids.len(), o.token_ids.len());
-                    let env = self.envelope::<CompletionChoice>(Vec::new(), Some(usage));
-                    self.push_data(&env);
-                }
-                self.push_done();
+                self.push_finish(output.finish_reason(), &output.output);
             }
             // An event this server does not know yet adds nothing to the stream.
             Some(Ok(_)) => {}
