@@ -44,6 +44,11 @@ typedef __nv_bfloat16 bf16;
 #define LIN_W_STAGE_CH 2
 // Stages of `linear_stream_wide`'s ring (three blocks a multiprocessor).
 #define LIN_W_STAGES 3
+// Chunks per stage of `linear_stream_wide_fp8`'s ring.
+#define LIN_WF_STAGE_CH 2
+// Stages of `linear_stream_wide_fp8`'s ring (16 KiB each: the weight's bytes take half a
+// bf16 stage's; three blocks a multiprocessor).
+#define LIN_WF_STAGES 4
 // The output tile of `linear_tma` (weight rows and x rows), and the rows of a stage image.
 #define LIN_TMA_TILE 128
 // Stages of `linear_tma`'s ring, 32 KiB each.
@@ -196,20 +201,21 @@ typedef __nv_bfloat16 bf16;
 #define MT_KERNEL_LINEAR_STREAM_TMA 30
 #define MT_KERNEL_LINEAR_STREAM_TMA_F32OUT 31
 #define MT_KERNEL_LINEAR_STREAM_FP8 32
-#define MT_KERNEL_DEQUANT_FP8 33
-#define MT_KERNEL_QUANTIZE_FP8 34
-#define MT_KERNEL_FILL_UNIFORM_BF16 35
-#define MT_KERNEL_TOPK_ROUTE 36
-#define MT_KERNEL_EXPERT_LINEAR 37
-#define MT_KERNEL_EXPERT_LINEAR_F32OUT 38
-#define MT_KERNEL_MOE_COMBINE 39
-#define MT_KERNEL_RMS_NORM 40
-#define MT_KERNEL_ADD_RMS_NORM 41
-#define MT_KERNEL_ADD_RMS_NORM_STAGED 42
-#define MT_KERNEL_QK_NORM_ROPE 43
-#define MT_KERNEL_QK_NORM_ROPE_KV_STORE 44
-#define MT_KERNEL_ARGMAX 45
-#define MT_KERNEL_SAMPLE 46
+#define MT_KERNEL_LINEAR_STREAM_WIDE_FP8 33
+#define MT_KERNEL_DEQUANT_FP8 34
+#define MT_KERNEL_QUANTIZE_FP8 35
+#define MT_KERNEL_FILL_UNIFORM_BF16 36
+#define MT_KERNEL_TOPK_ROUTE 37
+#define MT_KERNEL_EXPERT_LINEAR 38
+#define MT_KERNEL_EXPERT_LINEAR_F32OUT 39
+#define MT_KERNEL_MOE_COMBINE 40
+#define MT_KERNEL_RMS_NORM 41
+#define MT_KERNEL_ADD_RMS_NORM 42
+#define MT_KERNEL_ADD_RMS_NORM_STAGED 43
+#define MT_KERNEL_QK_NORM_ROPE 44
+#define MT_KERNEL_QK_NORM_ROPE_KV_STORE 45
+#define MT_KERNEL_ARGMAX 46
+#define MT_KERNEL_SAMPLE 47
 
 #define MT_FAULT_GEOMETRY 1  // launched with a geometry it is not written for
 #define MT_FAULT_SHAPE 2  // given shapes that do not fit together

@@ -47,6 +47,10 @@
 //   rate (a deeper ring does not help), which is why `linear_tma` serves the shapes it can.
 //   The compute_90 PTX, which has no wgmma, runs the mma.sync tiles of `linear_tiled`
 //   (gemm_mma.cuh) instead, with the same numerics.
+// Block-FP8 weights (`linear_stream_fp8` for m <= 16, `linear_stream_wide_fp8` for 16 < m <= 128,
+// `dequant_fp8` then the bf16 kernels above) compute `linear` of the bf16 weight the FP8 one
+// stands for, each fragment converted as it is read (gemm_fp8.cuh), so their rows are bitwise
+// the bf16 kernels' on `dequant_fp8`'s output.
 // Figures for each path: docs/BENCHMARKS.md.
 //
 // Numerics (the same in every kernel, hence batch-invariant): k is cut into chunks of 32 and the
@@ -74,14 +78,16 @@
 namespace cg = cooperative_groups;
 
 #include "gemm_mma.cuh"
+#include "gemm_fp8.cuh"
 #include "gemm_wide.cuh"
 #include "gemm_direct.cuh"
 #include "gemm_wgmma.cuh"
 #include "gemm_stream_tma.cuh"
 
-// `kernel`: the entry's MT_KERNEL_* (for its fault).
-template <typename OutT>
-MT_DEVICE void linear_stream_wide_dispatch(OutT* out, const bf16* x, const bf16* w, uint32_t m,
+// `kernel`: the entry's MT_KERNEL_* (for its fault). W: the weight's format (`WideWBf16`,
+// `WideWFp8`) with STAGE_CH chunks a stage and STAGES stages.
+template <typename OutT, int STAGE_CH, int STAGES, typename W>
+MT_DEVICE void linear_stream_wide_dispatch(OutT* out, const bf16* x, const W& w, uint32_t m,
                                            uint32_t n, uint32_t k, uint32_t kernel) {
     extern __shared__ __align__(16) unsigned char lin_stream_smem[];
     // Uniform over the grid, so every block of a cluster leaves together.
@@ -90,13 +96,16 @@ MT_DEVICE void linear_stream_wide_dispatch(OutT* out, const bf16* x, const bf16*
         mt_fault(kernel, MT_FAULT_GEOMETRY);
         return;
     }
-    if (k % 8 != 0 || !aligned16(x) || !aligned16(w))
-        linear_wide_impl<OutT, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, false>(out, x, w, m, n, k,
-                                                                              lin_stream_smem, blockIdx.x / LIN_SEGS);
+    if (k % 8 != 0 || !aligned16(x) || !w.vec(k))
+        linear_wide_impl<OutT, LIN_W_NT, STAGE_CH, STAGES, false>(out, x, w, m, n, k, lin_stream_smem,
+                                                                   blockIdx.x / LIN_SEGS);
     else
-        linear_wide_impl<OutT, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, true>(out, x, w, m, n, k,
-                                                                             lin_stream_smem, blockIdx.x / LIN_SEGS);
+        linear_wide_impl<OutT, LIN_W_NT, STAGE_CH, STAGES, true>(out, x, w, m, n, k, lin_stream_smem,
+                                                                  blockIdx.x / LIN_SEGS);
 }
+
+// The bf16 weight of `linear_stream_wide`.
+using WideBf16 = WideWBf16<64 * LIN_W_NT, LIN_W_STAGE_CH>;
 
 // linear_stream_wide(out: bf16 [m, n], x: bf16 [m, k], w: bf16 [n, k], m, n, k): `linear`, the
 // decode path for 16 < m <= 128. Clusters of LIN_SEGS blocks, grid (LIN_SEGS * ceil(n / 128) *
@@ -104,13 +113,15 @@ MT_DEVICE void linear_stream_wide_dispatch(OutT* out, const bf16* x, const bf16*
 // memory (72 KiB).
 extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
     linear_stream_wide(LINEAR_PARAMS(bf16)) {
-    linear_stream_wide_dispatch(out, x, w, m, n, k, MT_KERNEL_LINEAR_STREAM_WIDE);
+    linear_stream_wide_dispatch<bf16, LIN_W_STAGE_CH, LIN_W_STAGES>(out, x, WideBf16{w}, m, n, k,
+                                                                   MT_KERNEL_LINEAR_STREAM_WIDE);
 }
 
 // linear_stream_wide_f32out(out: f32 [m, n], x, w, m, n, k): `linear_f32out`, likewise.
 extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
     linear_stream_wide_f32out(LINEAR_PARAMS(float)) {
-    linear_stream_wide_dispatch(out, x, w, m, n, k, MT_KERNEL_LINEAR_STREAM_WIDE_F32OUT);
+    linear_stream_wide_dispatch<float, LIN_W_STAGE_CH, LIN_W_STAGES>(out, x, WideBf16{w}, m, n, k,
+                                                                    MT_KERNEL_LINEAR_STREAM_WIDE_F32OUT);
 }
 
 #define LIN_D_B 8     // chunks per batch of the m <= 8 instance
@@ -201,6 +212,20 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
     linear_stream_fp8(LINEAR_FP8_PARAMS) {
     const DirectWFp8 wf{w, scales, scale_row_shift, (k + FP8_BLOCK - 1) / FP8_BLOCK};
     linear_direct_dispatch<bf16, LIN_FP8_B, LIN_FP8_B_RB>(out, x, wf, m, n, k, MT_KERNEL_LINEAR_STREAM_FP8);
+}
+
+// linear_stream_wide_fp8(out: bf16 [m, n], x: bf16 [m, k], w: fp8 e4m3 [n, k], scales, m, n, k,
+// scale_row_shift): `linear_stream_wide` of the weight bf16(w * bf16(scale)), rows bitwise
+// `linear`'s of `dequant_fp8`'s output; the decode path for 16 < m <= 128, where the narrow
+// kernel would convert each weight fragment once per row tile. The weight's bytes go through
+// the ring (LIN_WF_STAGES stages of LIN_WF_STAGE_CH chunks) and are converted as the MMAs read
+// them. Clusters of LIN_SEGS blocks, grid (LIN_SEGS * ceil(n / 128) * ceil(m / 64)), 256
+// threads, LIN_WF_STAGES * LIN_WF_STAGE_CH * (128 * 32 + 64 * 64) bytes of dynamic shared memory.
+extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
+    linear_stream_wide_fp8(LINEAR_FP8_PARAMS) {
+    const WideWFp8<64 * LIN_W_NT, LIN_WF_STAGE_CH> wf{w, scales, scale_row_shift, (k + FP8_BLOCK - 1) / FP8_BLOCK};
+    linear_stream_wide_dispatch<bf16, LIN_WF_STAGE_CH, LIN_WF_STAGES>(out, x, wf, m, n, k,
+                                                                      MT_KERNEL_LINEAR_STREAM_WIDE_FP8);
 }
 
 // dequant_fp8(out: bf16 [n, k], w: fp8 e4m3 [n, k], scales, n, k, scale_row_shift): each
@@ -426,9 +451,11 @@ MT_DEVICE void linear_stream_tma_impl(OutT* out, const bf16* x, const bf16* ximg
     const uint32_t tiles = (n + 127) / 128 * ((m + LIN_W_ROWS - 1) / LIN_W_ROWS);
     for (uint32_t t = blockIdx.x / LIN_SEGS; t < tiles; t += gridDim.x / LIN_SEGS) {
         if (k % 8 != 0 || !aligned16(x) || !aligned16(w))
-            linear_wide_impl<OutT, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, false>(out, x, w, m, n, k, lin_dec_smem, t);
+            linear_wide_impl<OutT, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, false>(out, x, WideBf16{w}, m, n, k,
+                                                                                  lin_dec_smem, t);
         else
-            linear_wide_impl<OutT, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, true>(out, x, w, m, n, k, lin_dec_smem, t);
+            linear_wide_impl<OutT, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, true>(out, x, WideBf16{w}, m, n, k,
+                                                                                 lin_dec_smem, t);
     }
 #endif
 }

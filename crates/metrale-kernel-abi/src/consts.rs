@@ -63,6 +63,11 @@ shared_consts! {
     LIN_W_STAGE_CH = 2;
     /// Stages of `linear_stream_wide`'s ring (three blocks a multiprocessor).
     LIN_W_STAGES = 3;
+    /// Chunks per stage of `linear_stream_wide_fp8`'s ring.
+    LIN_WF_STAGE_CH = 2;
+    /// Stages of `linear_stream_wide_fp8`'s ring (16 KiB each: the weight's bytes take half a
+    /// bf16 stage's; three blocks a multiprocessor).
+    LIN_WF_STAGES = 4;
     /// The output tile of `linear_tma` (weight rows and x rows), and the rows of a stage image.
     LIN_TMA_TILE = 128;
     /// Stages of `linear_tma`'s ring, 32 KiB each.

@@ -93,6 +93,8 @@ macro_rules! for_each_kernel {
             gemm::linear_stream_tma_f32out => LINEAR_STREAM_TMA_F32OUT($crate::LinearStreamTmaParams),
             /// `linear_stream` of a block-FP8 weight (bf16 out).
             gemm::linear_stream_fp8 => LINEAR_STREAM_FP8($crate::LinearFp8Params),
+            /// `linear_stream_wide` of a block-FP8 weight (bf16 out).
+            gemm::linear_stream_wide_fp8 => LINEAR_STREAM_WIDE_FP8($crate::LinearFp8Params),
             /// A block-FP8 weight as bf16.
             gemm::dequant_fp8 => DEQUANT_FP8($crate::DequantFp8Params),
             /// A bf16 weight to block FP8.

@@ -5,13 +5,17 @@
 //! bf16(e4m3 · its block's scale)), and every path computes `linear` of that bf16 weight with
 //! `linear`'s reduction order, so an FP8 projection's rows are bitwise the bf16 projection's
 //! on the dequantized weight, whatever the row count and the path:
-//! - up to [`FP8_STREAM_M_MAX`] rows (decode, verify): `linear_stream_fp8`, which converts the
-//!   weight in registers as it streams it (one byte an element from memory instead of two);
+//! - up to [`FP8_STREAM_M_MAX`] rows (decode, verify), the decode kernels, which convert the
+//!   weight in registers as they stream it (one byte an element from memory instead of two):
+//!   `linear_stream_fp8` (persistent blocks of one row tile a unit) up to
+//!   `LINEAR_NARROW_M_MAX` rows, `linear_stream_wide_fp8` (clusters of 128 columns by 64 rows
+//!   through a shared-memory ring, each weight fragment converted once for four row tiles)
+//!   above;
 //! - more rows (prefill), where the model gave scratch memory large enough
 //!   ([`Ops::set_fp8_scratch`]): `dequant_fp8` into it, then the bf16 `linear` (its tensor-map
 //!   prefill kernel where the shape allows), since a prefill GEMM's time is its arithmetic, and
 //!   the conversion costs a pass over the weight;
-//! - otherwise `linear_stream_fp8`.
+//! - otherwise the decode kernels.
 
 use metrale_gpu_runtime::{DType, DevicePtr, GpuResult, LaunchConfig, Residency, StreamHandle};
 use metrale_kernel_abi::{
@@ -19,7 +23,10 @@ use metrale_kernel_abi::{
     LinearParams, QuantizeFp8Params,
 };
 
-use super::{LINEAR_NARROW_RESIDENT, LINEAR_NARROW_THREADS, LinearPath, linear_geometry};
+use super::{
+    LINEAR_NARROW_M_MAX, LINEAR_NARROW_RESIDENT, LINEAR_NARROW_THREADS, LinearPath,
+    linear_geometry, linear_wide_fp8_geometry,
+};
 use crate::ops::Ops;
 use crate::ops_view::{BlockScales, Matrix, Operands};
 
@@ -122,6 +129,14 @@ impl Ops {
                 k: p.k,
             };
             return self.gemm(s, false, &q);
+        }
+        if p.m > LINEAR_NARROW_M_MAX {
+            return self.go(
+                self.k.linear_stream_wide_fp8,
+                linear_wide_fp8_geometry(p.m, p.n),
+                &p,
+                s,
+            );
         }
         let kernel = self.k.linear_stream_fp8;
         let resident = self.resident(

@@ -7,7 +7,8 @@ use metrale_gpu_runtime::LaunchConfig;
 use metrale_kernel_abi::{
     LIN_BM, LIN_BN, LIN_DEC_COLS, LIN_DEC_MIN_STAGES, LIN_DEC_ROWS, LIN_DEC_SPACE, LIN_DEC_THREADS,
     LIN_KC, LIN_SEGS, LIN_STAGES, LIN_STREAM_WARPS, LIN_THREADS, LIN_TMA_STAGES, LIN_TMA_THREADS,
-    LIN_TMA_TILE, LIN_W_NT, LIN_W_ROWS, LIN_W_STAGE_CH, LIN_W_STAGES,
+    LIN_TMA_TILE, LIN_W_NT, LIN_W_ROWS, LIN_W_STAGE_CH, LIN_W_STAGES, LIN_WF_STAGE_CH,
+    LIN_WF_STAGES,
 };
 
 /// Dynamic shared memory of `linear_tma`: `LIN_TMA_STAGES` stages of (128 weight rows and 128
@@ -69,6 +70,12 @@ pub const LINEAR_NARROW_THREADS: u32 = LIN_STREAM_WARPS * 32;
 /// end).
 const LINEAR_WIDE_SMEM: u32 = LIN_W_STAGES * LIN_W_STAGE_CH * (64 * LIN_W_NT + LIN_W_ROWS) * 64;
 
+/// Dynamic shared memory of `linear_stream_wide_fp8`: `LIN_WF_STAGES` stages of
+/// `LIN_WF_STAGE_CH` chunks of 128 weight rows of 32 bytes and 64 x rows of 64 bytes (the
+/// segment partials, 32 KiB, reuse the ring at the end).
+const LINEAR_WIDE_FP8_SMEM: u32 =
+    LIN_WF_STAGES * LIN_WF_STAGE_CH * (64 * LIN_W_NT * 32 + LIN_W_ROWS * 64);
+
 /// Dynamic shared memory of `linear`: a ring of `LIN_STAGES` stages of (`LIN_BM` x + `LIN_BN`
 /// weight) rows of 128 bytes (2 chunks), 1 KiB to align it to the swizzle atoms and 1 KiB for
 /// its mbarriers.
@@ -107,6 +114,11 @@ pub fn linear_geometry(path: LinearPath, m: u32, n: u32, resident: u32) -> Launc
         }
     };
     config.with_programmatic()
+}
+
+/// `linear_stream_wide_fp8`'s geometry: `linear_stream_wide`'s grid and block, its own ring.
+pub fn linear_wide_fp8_geometry(m: u32, n: u32) -> LaunchConfig {
+    linear_geometry(LinearPath::Wide, m, n, 0).with_shared(LINEAR_WIDE_FP8_SMEM)
 }
 
 /// `linear_tma`'s geometry (after `permute_k32_tiles`): grid (ceil(m / 128), ceil(n / 128)), so

@@ -1,7 +1,8 @@
 //! Block FP8 against its CPU twins and against bf16: `quantize_fp8` gives the host recipe's
 //! bytes and scales, `dequant_fp8` the host's bf16, and `linear` of an FP8 weight (every path:
-//! `linear_stream_fp8` at any m, dequantize-then-bf16 at prefill sizes) is bitwise `linear` of
-//! the dequantized bf16 weight, with 128-row scale blocks and with a scale row per weight row.
+//! `linear_stream_fp8` and `linear_stream_wide_fp8` at decode sizes, dequantize-then-bf16 at
+//! prefill sizes) is bitwise `linear` of the dequantized bf16 weight, with 128-row scale blocks
+//! and with a scale row per weight row.
 
 use metrale_gpu_runtime::DType;
 use metrale_gpu_runtime::fp8::{self, FP8_BLOCK_ROW_SHIFT};
@@ -10,11 +11,18 @@ use metrale_model_layers::ops_gemm::{Fp8Scratch, fp8_scale_bytes};
 
 use super::harness::{Buf, Pair, Rng, S, Tolerance};
 
-/// Every check at small shapes (the sanitizer set): a decode and a prefill-sized call, with
-/// partial blocks and both scale layouts.
+/// Every check at small shapes (the sanitizer set): narrow and wide decode calls (the wide one
+/// with cp.async copies and with plain loads) and a prefill-sized call, with partial blocks and
+/// both scale layouts.
 pub(super) fn small(p: &Pair) {
     let rng = &mut Rng::new(1003);
-    fp8_paths(p, rng, &[(3, 136, 200, false), (140, 72, 96, true)]);
+    let shapes = [
+        (3, 136, 200, false),
+        (24, 136, 256, true),
+        (40, 200, 200, false),
+        (140, 72, 96, true),
+    ];
+    fp8_paths(p, rng, &shapes);
 }
 
 #[test]

@@ -290,6 +290,11 @@ pub fn linear_stream_fp8(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     store_bf16(ctx, p.out, &gemm_host(x, &w, (m, n, k)))
 }
 
+/// `linear_stream_wide_fp8`: the same function from the wide decode kernel's clusters.
+pub fn linear_stream_wide_fp8(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    linear_stream_fp8(ctx)
+}
+
 /// `dequant_fp8` ([`DequantFp8Params`]): the weight as bf16.
 pub fn dequant_fp8(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: DequantFp8Params = ctx.params()?;
