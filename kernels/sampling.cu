@@ -214,7 +214,8 @@ MT_DEVICE uint32_t block_min_u32(uint32_t v, uint32_t* scratch) {
 }
 
 // The key K with W(key > K) < target <= W(key >= K), W the summed weights of the tokens `f`
-// includes (f(i, key, w) -> whether token i counts, its key and weight). With frac >= 0 the
+// includes (f(i, key, w) -> whether token i counts, its key and weight, at most 2^40: a count, or
+// a SAMPLE_MASS_BITS fixed-point mass of at most 1). With frac >= 0 the
 // target is max(1, floor(frac * total weight)). Four passes of 8 bits; `above` gets W(key > K),
 // `eq` W(key == K). The caller guarantees target <= the total.
 template <class F>
@@ -229,11 +230,23 @@ MT_DEVICE uint32_t radix_select(uint32_t vocab, uint64_t target, double frac, F 
             sel[2] = 0;
         }
         __syncthreads();
-        for (uint32_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-            uint32_t key;
-            unsigned long long w;
-            if (f(i, key, w) && w != 0 && (key & pmask) == prefix)
-                atomicAdd(&hist[(key >> shift) & 255u], w);
+        // Warp by warp: the lanes counting into one bin add their weights together first
+        // (`__match_any_sync` groups them, each group's sum in two 20-bit halves, which cannot
+        // overflow over 32 lanes), and one lane of each group adds the sum to the bin. Logits
+        // share their leading bits, so most of a warp's tokens fall in a few bins, where one
+        // atomic a token would serialize the whole block on them.
+        const uint32_t lane = threadIdx.x & 31;
+        for (uint32_t i0 = threadIdx.x - lane; i0 < vocab; i0 += blockDim.x) {
+            const uint32_t i = i0 + lane;
+            uint32_t key = 0;
+            unsigned long long w = 0;
+            const bool in = i < vocab && f(i, key, w) && w != 0 && (key & pmask) == prefix;
+            const uint32_t bin = in ? (key >> shift) & 255u : 256u;
+            const uint32_t peers = __match_any_sync(0xffffffffu, bin);
+            const uint32_t lo = __reduce_add_sync(peers, (uint32_t)(w & 0xFFFFFull));
+            const uint32_t hi = __reduce_add_sync(peers, (uint32_t)(w >> 20));
+            if (in && lane == (uint32_t)__ffs(peers) - 1)
+                atomicAdd(&hist[bin], ((unsigned long long)hi << 20) + lo);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
