@@ -44,7 +44,7 @@ pub fn generate_direct(
         id,
         req: prepared.seq,
         stop_strings: prepared.stop_strings,
-        constraint: prepared.constraint,
+        constraints: prepared.constraints,
         sink: Sink::new(channel.clone()),
     };
     shared.submit(sub, 1)?;

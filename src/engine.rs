@@ -152,9 +152,9 @@ impl Engine {
         &self.forward
     }
 
-    /// Sampling as the checkpoint's `generation_config.json` recommends it (temperature, top-p
-    /// and top-k where the file sets them; otherwise `SamplingParams::default()`, greedy), with
-    /// a fresh seed per request. A request that should follow the model card starts from it.
+    /// Sampling as the checkpoint's `generation_config.json` recommends it (temperature, top-p,
+    /// top-k, min-p and repetition penalty where the file sets them; otherwise
+    /// `SamplingParams::default()`, greedy), with a fresh seed per request. A request that should follow the model card starts from it.
     pub fn sampling_defaults(&self) -> SamplingParams {
         SamplingParams::default().with_checkpoint_defaults(&self.config.checkpoint.generation)
     }
@@ -281,7 +281,7 @@ impl Engine {
             id,
             req: prepared.seq,
             stop_strings: prepared.stop_strings,
-            constraint: prepared.constraint,
+            constraints: prepared.constraints,
             sink: Sink::new(channel.clone()),
         };
         self.shared.submit(sub, self.max_queued_requests)?;
@@ -300,7 +300,8 @@ impl Engine {
 
     /// Generate for one request, calling `on_token(token_id, text_so_far)` as each token is
     /// chosen; returning `ControlFlow::Break` stops generation after that token (finish reason
-    /// `cancelled`).
+    /// `cancelled`). With several choices the callback sees choice 0's tokens, and breaking
+    /// stops every choice.
     pub fn generate_stream(
         &self,
         req: &GenerateRequest,

@@ -7,7 +7,8 @@
 //! - A request that `prepare` accepts passes the scheduler's own checks: it can never make a
 //!   step fail.
 //! - A callback that breaks on a token sees no later token, and the output ends right after it
-//!   (finish reason `cancelled`), however many tokens the step that chose it produced.
+//!   (finish reason `cancelled`), however many tokens the step that chose it produced. With
+//!   several choices the callback follows choice 0; breaking cancels every choice.
 
 use std::ops::ControlFlow;
 use std::path::Path;
@@ -16,7 +17,6 @@ use std::sync::Arc;
 use metrale_model_engine::Scheduler;
 use metrale_model_engine::constraint::TokenConstraint;
 use metrale_model_engine::generate::{FinishReason, GenerateParams};
-use metrale_model_engine::sampling::SamplingError;
 use metrale_model_engine::scheduler::{RequestLimits, SeqRequest};
 
 use crate::constraint::Grammars;
@@ -40,7 +40,8 @@ pub(crate) struct Frontend {
 pub(crate) struct Prepared {
     pub seq: SeqRequest,
     pub stop_strings: Vec<String>,
-    pub constraint: Option<Box<dyn TokenConstraint>>,
+    /// None, or one per choice the scheduler generates.
+    pub constraints: Vec<Box<dyn TokenConstraint>>,
 }
 
 /// The checkpoint's `tokenizer.json`, when it has one.
@@ -139,28 +140,20 @@ impl Frontend {
             ignore_eos: req.ignore_eos,
         };
         self.limits.check(&seq)?;
-        if seq.params.sampling.n != 1 {
-            // The scheduler serves n choices; an engine request and its handle carry one.
-            return Err(RequestError::Sampling(SamplingError {
-                field: "n",
-                value: seq.params.sampling.n.to_string(),
-                expected: "1 (an engine request carries one choice)",
-            }));
-        }
-        let constraint = match &req.constraint {
-            None => None,
+        // Each choice follows the grammar on its own: one compiled matcher per choice.
+        let constraints = match &req.constraint {
+            None => Vec::new(),
             Some(c) => {
                 let tok = self.tokenizer.as_ref().ok_or(RequestError::NoTokenizer)?;
-                Some(
-                    self.grammars
-                        .compile(c, tok, self.limits.vocab, &self.eos)?,
-                )
+                (0..seq.params.sampling.choices_generated())
+                    .map(|_| self.grammars.compile(c, tok, self.limits.vocab, &self.eos))
+                    .collect::<Result<_, _>>()?
             }
         };
         Ok(Prepared {
             seq,
             stop_strings: req.stop_strings,
-            constraint,
+            constraints,
         })
     }
 }
@@ -196,7 +189,7 @@ impl Follow {
     ) -> Option<GenerateOutput> {
         match event {
             GenerateEvent::Token(t) => {
-                if self.broke_at.is_none() {
+                if self.broke_at.is_none() && t.choice == 0 {
                     self.seen += 1;
                     if let (Some(text), Some(delta)) = (self.text.as_mut(), t.text_delta.as_deref())
                     {
@@ -217,11 +210,17 @@ impl Follow {
                     if let Some(l) = output.logits.as_mut() {
                         l.truncate(n);
                     }
+                    if let Some(l) = output.logprobs.as_mut() {
+                        l.truncate(n);
+                    }
+                    output.cumulative_logprob = (output.logprobs.as_ref())
+                        .map(|l| l.iter().map(|t| f64::from(t.logprob)).sum());
                     output.text = front.decode(&output.token_ids);
                     output.finish_reason = FinishReason::Cancelled;
                 }
                 Some(output)
             }
+            _ => None,
         }
     }
 }

@@ -158,9 +158,10 @@ impl Canceller {
 }
 
 /// A submitted request. Iterate it (blocking) or poll it as a `futures_core::Stream` for its
-/// events: every token as it is generated, then `GenerateEvent::Finished` with the whole output,
-/// or an error; then the iteration ends. Dropping the handle before the request finishes
-/// cancels it.
+/// events: every token as it is generated (with its choice; with several choices, each
+/// choice's `GenerateEvent::ChoiceFinished` after its last), then `GenerateEvent::Finished` with
+/// the whole output, or an error; then the iteration ends. Dropping the handle before the request finishes cancels it
+/// (every choice).
 #[derive(Debug)]
 pub struct RequestHandle {
     id: RequestId,
@@ -226,7 +227,7 @@ impl RequestHandle {
     fn note(&mut self, ev: Option<EventResult>) -> Option<EventResult> {
         match &ev {
             None | Some(Err(_)) | Some(Ok(GenerateEvent::Finished { .. })) => self.ended = true,
-            Some(Ok(GenerateEvent::Token(_))) => {}
+            Some(Ok(_)) => {}
         }
         ev
     }

@@ -86,7 +86,9 @@ pub use metrale_model_engine::generate::FinishReason;
 pub use metrale_model_engine::options::{
     MAX_DRAFT_TOKENS, ModelOptions, Quantization, Speculative,
 };
-pub use metrale_model_engine::sampling::{MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams};
+pub use metrale_model_engine::sampling::{
+    MAX_CHOICES, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams, choice_seed,
+};
 pub use metrale_model_engine::scheduler::{CacheUsage, PrefixStats, SnapshotUsage, StepCounts};
 pub use metrale_model_engine::speculative::GateOptions;
 pub use metrics::{EngineMetrics, RequestCounts, SpeculationMetrics};

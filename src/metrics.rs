@@ -31,7 +31,8 @@ pub struct EngineMetrics {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct RequestCounts {
-    /// Requests admitted to the model and not finished.
+    /// Sequences admitted to the model and not finished: a request of `n` choices counts one
+    /// per choice once they have forked.
     pub running: usize,
     /// Requests submitted and not yet admitted (preempted ones included).
     pub queued: usize,

@@ -1,6 +1,11 @@
 //! `GenerateRequest` and `GenerateOutput`: one generation's input and result; `GenerateEvent`
 //! and `TokenEvent`: what a request's handle yields as it runs.
 //!
+//! A request of several choices (`SamplingParams::n`) has one output per choice: the
+//! `GenerateOutput` it finishes with is choice 0, holding choices 1.. in `other_choices`
+//! (`GenerateOutput::into_choices` lists them all), and each token event names its choice. A
+//! request of one choice reads as it always has.
+//!
 //! All of them grow with the engine, so they are `#[non_exhaustive]`: a request is built with
 //! `GenerateRequest::new` and its setters; outputs and events are read, and matches on the enums
 //! keep a wildcard arm.
@@ -136,12 +141,16 @@ impl GenerateRequest {
     }
 }
 
-/// What a generation produced.
+/// What a generation produced: one choice of it, and for a request of several choices the
+/// others in `other_choices`.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct GenerateOutput {
     /// The prompt's token ids.
     pub prompt_ids: Vec<u32>,
+    /// Which choice this is: 0 for the output a request finishes with; with `best_of`, the
+    /// rank (0 the highest cumulative logprob).
+    pub index: usize,
     /// Generated token ids.
     pub token_ids: Vec<u32>,
     /// The generated text, when the checkpoint has a tokenizer.
@@ -153,12 +162,36 @@ pub struct GenerateOutput {
     /// Entry `i`: `token_ids[i]`'s logprob and the top logprobs, when the sampling parameters
     /// ask for logprobs (`logprobs` or `top_logprobs`).
     pub logprobs: Option<Vec<TokenLogprobs>>,
+    /// The sum of the tokens' logprobs of the raw logits (what `best_of` ranks by); `None`
+    /// when a token came from an accepted speculative draft, which has no logprob.
+    pub cumulative_logprob: Option<f64>,
+    /// Choices `1..n` of a request of `n` choices, in index order (each with no
+    /// `other_choices` of its own); empty for one choice.
+    pub other_choices: Vec<GenerateOutput>,
+}
+
+impl GenerateOutput {
+    /// Every choice in index order: this one, then `other_choices`.
+    pub fn into_choices(mut self) -> Vec<GenerateOutput> {
+        let others = std::mem::take(&mut self.other_choices);
+        std::iter::once(self).chain(others).collect()
+    }
+
+    /// The tokens generated over every choice.
+    pub fn completion_tokens(&self) -> usize {
+        self.token_ids.len()
+            + (self.other_choices.iter())
+                .map(|c| c.token_ids.len())
+                .sum::<usize>()
+    }
 }
 
 /// One generated token, as it is chosen.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct TokenEvent {
+    /// The choice it belongs to (0 for a request of one choice).
+    pub choice: usize,
     /// The token.
     pub token_id: u32,
     /// Its logprob and the top logprobs, when the sampling parameters ask for logprobs.
@@ -169,15 +202,25 @@ pub struct TokenEvent {
     pub text_delta: Option<String>,
 }
 
-/// What a request's handle yields: its tokens in order, then `Finished` once.
+/// What a request's handle yields: its tokens in order, then `Finished` once, last. With
+/// several choices (`n` > 1) the choices' tokens interleave as the steps produce them, and each
+/// choice's last token is followed by its `ChoiceFinished`. With `best_of` above `n` the kept
+/// choices are known only at the end, so such a request yields `Finished` alone.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum GenerateEvent {
     /// A token was generated.
     Token(TokenEvent),
+    /// A choice of a request of several ended (its tokens have all been sent).
+    ChoiceFinished {
+        /// The choice.
+        choice: usize,
+        /// Why it ended.
+        finish_reason: FinishReason,
+    },
     /// The request finished (its last event).
     Finished {
-        /// Everything it generated.
+        /// Everything it generated: choice 0, with the others in `other_choices`.
         output: GenerateOutput,
     },
 }

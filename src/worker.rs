@@ -14,6 +14,11 @@
 //!   output, which ends exactly where plain decoding would have stopped it.
 //! - Every accepted request gets exactly one last event: `Finished`, or an error
 //!   (`Aborted` when a step it was in failed, `ShutDown` when the engine goes away).
+//! - A request of several choices is one scheduler request whose choices are sequences of
+//!   their own (`SeqId`s `id..id + choices`): each has its own text stream and stop strings,
+//!   and (with `n` > 1) ends with its own `ChoiceFinished`; the request finishes once every choice has, with
+//!   `best_of` keeping the `n` of highest cumulative logprob. Cancelling stops every choice;
+//!   a failed choice fails the request and stops the others.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -38,8 +43,8 @@ pub(crate) struct Submission {
     pub id: RequestId,
     pub req: SeqRequest,
     pub stop_strings: Vec<String>,
-    /// Structured output: the grammar the tokens follow.
-    pub constraint: Option<Box<dyn TokenConstraint>>,
+    /// Structured output: the grammar the tokens follow, one matcher per choice (or none).
+    pub constraints: Vec<Box<dyn TokenConstraint>>,
     pub sink: Sink,
 }
 
@@ -114,10 +119,29 @@ impl Shared {
 
 /// A request the scheduler thread is serving.
 #[derive(Debug)]
-struct Active {
-    request: RequestId,
+struct Request {
     prompt_ids: Vec<u32>,
     sink: Sink,
+    /// Choices returned (`n`); the scheduler generates `outputs.len()` (`best_of` when more).
+    n: usize,
+    /// Its choices' sequences still running.
+    seqs: Vec<SeqId>,
+    /// Entry `c`: choice `c`'s output once it has finished.
+    outputs: Vec<Option<GenerateOutput>>,
+}
+
+impl Request {
+    /// Whether choices are ranked at the end (`best_of` above `n`): nothing is streamed.
+    fn ranks(&self) -> bool {
+        self.outputs.len() > self.n
+    }
+}
+
+/// One choice of a request the scheduler thread is serving.
+#[derive(Debug)]
+struct Active {
+    request: RequestId,
+    choice: usize,
     text: Option<TextStream>,
     /// Tokens sent to the caller so far.
     sent: usize,
@@ -129,7 +153,7 @@ pub(crate) struct Worker {
     pub scheduler: Scheduler,
     pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     actives: HashMap<SeqId, Active>,
-    by_request: HashMap<RequestId, SeqId>,
+    requests: HashMap<RequestId, Request>,
     /// Requests finished or failed since metrics were last recorded.
     finished: u64,
     failed: u64,
@@ -163,7 +187,7 @@ impl Worker {
             scheduler,
             tokenizer,
             actives: HashMap::new(),
-            by_request: HashMap::new(),
+            requests: HashMap::new(),
             finished: 0,
             failed: 0,
         }
@@ -206,7 +230,8 @@ impl Worker {
             self.accept(sub);
         }
         for id in cancels {
-            if let Some(&seq) = self.by_request.get(&id) {
+            let seqs = (self.requests.get(&id)).map_or_else(Vec::new, |r| r.seqs.clone());
+            for seq in seqs {
                 self.stop(seq, FinishReason::Cancelled);
             }
         }
@@ -223,6 +248,7 @@ impl Worker {
         let ids = self.scheduler.abort_all();
         tracing::debug!(aborted = ids.len(), "engine shutting down");
         self.actives.clear();
+        self.requests.clear();
     }
 
     fn record_metrics(&mut self) {
@@ -237,23 +263,30 @@ impl Worker {
 
     fn accept(&mut self, sub: Submission) {
         let prompt_ids = sub.req.prompt.clone();
-        match self.scheduler.add_constrained(sub.req, sub.constraint) {
-            Ok(seq) => {
-                let text = self
-                    .tokenizer
-                    .as_ref()
-                    .map(|_| TextStream::new(sub.stop_strings));
-                self.by_request.insert(sub.id, seq);
-                self.actives.insert(
-                    seq,
-                    Active {
+        let sampling = &sub.req.params.sampling;
+        let (n, generated) = (sampling.n, sampling.choices_generated());
+        match self.scheduler.add_constrained(sub.req, sub.constraints) {
+            Ok(first) => {
+                let seqs: Vec<SeqId> = (0..generated as u64).map(|c| SeqId(first.0 + c)).collect();
+                for (choice, &seq) in seqs.iter().enumerate() {
+                    let text = (self.tokenizer.as_ref())
+                        .map(|_| TextStream::new(sub.stop_strings.clone()));
+                    let active = Active {
                         request: sub.id,
-                        prompt_ids,
-                        sink: sub.sink,
+                        choice,
                         text,
                         sent: 0,
-                    },
-                );
+                    };
+                    self.actives.insert(seq, active);
+                }
+                let request = Request {
+                    prompt_ids,
+                    sink: sub.sink,
+                    n,
+                    seqs,
+                    outputs: vec![None; generated],
+                };
+                self.requests.insert(sub.id, request);
             }
             // `Engine::submit` checked the same limits; this is a second line of defence.
             Err(e) => sub.sink.finish(Err(EngineError::Request(e.into()))),
@@ -301,6 +334,9 @@ impl Worker {
                     let Some(a) = self.actives.get_mut(&id) else {
                         continue;
                     };
+                    let Some(r) = self.requests.get(&a.request) else {
+                        continue;
+                    };
                     if a.text.as_ref().is_some_and(TextStream::stopped) {
                         // Past the token that completed a stop string (a verify step's run).
                         continue;
@@ -318,11 +354,14 @@ impl Worker {
                         }
                         _ => None,
                     };
-                    a.sink.send(GenerateEvent::Token(TokenEvent {
-                        token_id: token,
-                        logprobs,
-                        text_delta,
-                    }));
+                    if !r.ranks() {
+                        r.sink.send(GenerateEvent::Token(TokenEvent {
+                            choice: a.choice,
+                            token_id: token,
+                            logprobs,
+                            text_delta,
+                        }));
+                    }
                 }
                 SeqEvent::Finished { id, generation } => self.complete(id, generation),
             }
@@ -332,12 +371,14 @@ impl Worker {
         }
     }
 
-    /// Send a finished sequence's output.
+    /// Keep a finished choice's output; send the request's once every choice has finished.
     fn complete(&mut self, seq: SeqId, mut g: Generation) {
         let Some(a) = self.actives.remove(&seq) else {
             return;
         };
-        self.by_request.remove(&a.request);
+        let Some(r) = self.requests.get_mut(&a.request) else {
+            return;
+        };
         let stopped_by_string = a.text.as_ref().is_some_and(TextStream::stopped);
         if stopped_by_string {
             g.token_ids.truncate(a.sent);
@@ -360,25 +401,65 @@ impl Worker {
         } else {
             g.finish_reason
         };
-        let output = GenerateOutput {
-            prompt_ids: a.prompt_ids,
+        if r.n > 1 && !r.ranks() {
+            r.sink.send(GenerateEvent::ChoiceFinished {
+                choice: a.choice,
+                finish_reason,
+            });
+        }
+        r.seqs.retain(|&s| s != seq);
+        r.outputs[a.choice] = Some(GenerateOutput {
+            prompt_ids: r.prompt_ids.clone(),
+            index: a.choice,
             token_ids: g.token_ids,
             text,
             finish_reason,
             logits: g.logits,
             logprobs: g.logprobs,
+            cumulative_logprob: g.cumulative_logprob,
+            other_choices: Vec::new(),
+        });
+        if !r.seqs.is_empty() {
+            return;
+        }
+        let Some(r) = self.requests.remove(&a.request) else {
+            return;
         };
-        a.sink.finish(Ok(GenerateEvent::Finished { output }));
+        let mut choices: Vec<GenerateOutput> = r.outputs.into_iter().flatten().collect();
+        if choices.len() > r.n {
+            // vLLM's `best_of`: the highest cumulative logprobs, best first (ties in index
+            // order); a choice without a score ranks last.
+            let score = |o: &GenerateOutput| o.cumulative_logprob.unwrap_or(f64::NEG_INFINITY);
+            choices.sort_by(|a, b| score(b).total_cmp(&score(a)));
+            choices.truncate(r.n);
+            for (i, c) in choices.iter_mut().enumerate() {
+                c.index = i;
+            }
+        }
+        let mut choices = choices.into_iter();
+        let Some(mut output) = choices.next() else {
+            return;
+        };
+        output.other_choices = choices.collect();
+        r.sink.finish(Ok(GenerateEvent::Finished { output }));
         self.finished += 1;
     }
 
-    /// End a request with an error.
+    /// End a request with an error: the sequence that failed, and the request's other choices.
     fn fail(&mut self, seq: SeqId, cause: Arc<metrale_model_engine::ModelError>) {
         let Some(a) = self.actives.remove(&seq) else {
             return;
         };
-        self.by_request.remove(&a.request);
-        a.sink.finish(Err(EngineError::Aborted(cause)));
+        let Some(r) = self.requests.remove(&a.request) else {
+            return;
+        };
+        for other in r.seqs.iter().filter(|&&s| s != seq) {
+            self.actives.remove(other);
+            if let Err(e) = self.scheduler.finish(*other, FinishReason::Cancelled) {
+                tracing::warn!("stopping {other} after its request failed: {e}");
+            }
+        }
+        r.sink.finish(Err(EngineError::Aborted(cause)));
         self.failed += 1;
     }
 }

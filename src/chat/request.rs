@@ -13,6 +13,7 @@ use serde_json::{Map, Value, json};
 use super::message::{ChatMessage, ChatOptions};
 use super::output::{OutputEvent, OutputParser, ToolCallFormat, ToolSpec};
 use crate::request::{GenerateOutput, GenerateRequest};
+use metrale_model_engine::generate::FinishReason;
 
 /// A function the model may call. Build with [`Tool::function`] and the setters.
 #[derive(Debug, Clone, PartialEq)]
@@ -226,20 +227,40 @@ pub struct ChatOutput {
     pub content: String,
     /// The calls, in order.
     pub tool_calls: Vec<ToolCall>,
-    /// The generation underneath: tokens, raw text, finish reason.
+    /// The generation underneath: tokens, raw text, finish reason (this choice's; its
+    /// `other_choices` are read apart in this output's `other_choices`).
     pub output: GenerateOutput,
+    /// Choices `1..n` of a request of `n` choices, each read apart, in index order; empty for
+    /// one choice.
+    pub other_choices: Vec<ChatOutput>,
 }
 
 impl ChatOutput {
     /// OpenAI's finish reason: `tool_calls` when calls were made and generation stopped by
     /// itself, else the generation's (`stop`, `length`, `cancelled`).
     pub fn finish_reason(&self) -> &'static str {
-        let reason = self.output.finish_reason.as_str();
-        if !self.tool_calls.is_empty() && reason == "stop" {
-            "tool_calls"
-        } else {
-            reason
-        }
+        openai_finish_reason(self.output.finish_reason, !self.tool_calls.is_empty())
+    }
+
+    /// Which choice this is (see [`GenerateOutput::index`]).
+    pub fn index(&self) -> usize {
+        self.output.index
+    }
+
+    /// Every choice in index order: this one, then `other_choices`.
+    pub fn into_choices(mut self) -> Vec<ChatOutput> {
+        let others = std::mem::take(&mut self.other_choices);
+        std::iter::once(self).chain(others).collect()
+    }
+}
+
+/// `tool_calls` for a generation that stopped by itself after making calls, else the reason's
+/// own name.
+fn openai_finish_reason(reason: FinishReason, made_calls: bool) -> &'static str {
+    if made_calls && reason == FinishReason::Stop {
+        "tool_calls"
+    } else {
+        reason.as_str()
     }
 }
 
@@ -247,6 +268,8 @@ impl ChatOutput {
 #[derive(Debug, Clone, Default, PartialEq)]
 #[non_exhaustive]
 pub struct ChatDelta {
+    /// The choice it belongs to (0 for a request of one choice).
+    pub choice: usize,
     /// The token; `None` for what the end of the answer releases.
     pub token_id: Option<u32>,
     /// The token's logprobs, when the sampling parameters ask for them.
@@ -265,6 +288,13 @@ pub struct ChatDelta {
 pub enum ChatEvent {
     /// A token, and what it adds.
     Delta(ChatDelta),
+    /// A choice of a request of several ended (all its deltas have been sent).
+    ChoiceFinished {
+        /// The choice.
+        choice: usize,
+        /// OpenAI's finish reason, as [`ChatOutput::finish_reason`] gives it.
+        finish_reason: &'static str,
+    },
     /// The answer is complete (the last event).
     Finished {
         /// All of it.
@@ -272,8 +302,8 @@ pub enum ChatEvent {
     },
 }
 
-/// The answer's reader: an [`OutputParser`] and what it has gathered.
-#[derive(Debug)]
+/// The answer's reader (one choice's): an [`OutputParser`] and what it has gathered.
+#[derive(Debug, Clone)]
 pub(crate) struct AnswerReader {
     parser: OutputParser,
     reasoning: Option<String>,
@@ -281,6 +311,7 @@ pub(crate) struct AnswerReader {
     calls: Vec<ToolCall>,
     ids: u64,
     in_reasoning: bool,
+    choice: usize,
 }
 
 impl AnswerReader {
@@ -310,7 +341,21 @@ impl AnswerReader {
             calls: Vec::new(),
             ids: seed_of(prompt),
             in_reasoning,
+            choice: 0,
         }
+    }
+
+    /// A copy of this fresh reader for choice `c`, whose call ids are its own.
+    pub fn for_choice(&self, c: usize) -> AnswerReader {
+        let mut reader = self.clone();
+        reader.choice = c;
+        reader.ids = self.ids ^ (c as u64).wrapping_mul(0xA076_1D64_78BD_642F);
+        reader
+    }
+
+    /// OpenAI's finish reason of this choice's answer, which ended for `reason`.
+    pub fn finish_reason(&self, reason: FinishReason) -> &'static str {
+        openai_finish_reason(reason, !self.calls.is_empty())
     }
 
     /// The prompt opened a think block the answer starts in.
@@ -325,6 +370,7 @@ impl AnswerReader {
             None => self.parser.finish(),
         };
         let mut delta = ChatDelta {
+            choice: self.choice,
             token_id,
             ..ChatDelta::default()
         };
@@ -364,6 +410,7 @@ impl AnswerReader {
             content: self.content,
             tool_calls: self.calls,
             output,
+            other_choices: Vec::new(),
         }
     }
 

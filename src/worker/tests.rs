@@ -75,6 +75,9 @@ fn a_stop_string_inside_an_accepted_run_ends_the_output_where_plain_decoding_doe
             match ev.unwrap() {
                 GenerateEvent::Token(t) => streamed.push(t.token_id),
                 GenerateEvent::Finished { output } => out = Some(output),
+                GenerateEvent::ChoiceFinished { finish_reason, .. } => {
+                    assert_eq!(finish_reason, want.finish_reason, "stop {stop:?}");
+                }
             }
         }
         let got = out.unwrap();

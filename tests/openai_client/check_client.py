@@ -82,6 +82,26 @@ reply = client.chat.completions.create(
 check(json.loads(reply.choices[0].message.content)["answer"] in ("yes", "no"),
       "a json_schema answer is valid")
 
+several = client.completions.create(model=model, prompt="hello", max_tokens=4, n=3, seed=4,
+                                    temperature=1.0, extra_body={"ignore_eos": True})
+check([c.index for c in several.choices] == [0, 1, 2], "n choices come back indexed 0..n")
+check(several.usage.completion_tokens == 12, "the usage counts every choice's tokens")
+ended = set()
+for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, seed=5, n=2, stream=True):
+    for c in chunk.choices:
+        if c.finish_reason:
+            ended.add(c.index)
+check(ended == {0, 1}, "each streamed chat choice ends with its own finish reason")
+ranked = client.completions.create(model=model, prompt="hello", max_tokens=4, n=2, best_of=4,
+                                   seed=6, temperature=1.0)
+check(len(ranked.choices) == 2, "best_of returns n choices")
+try:
+    client.completions.create(model=model, prompt="hello", n=1, best_of=2, stream=True)
+    check(False, "best_of with stream is refused")
+except openai.BadRequestError as e:
+    check(e.status_code == 400, "best_of with stream is a 400")
+
 try:
     client.chat.completions.create(
         model=model, messages=messages, tools=tools,

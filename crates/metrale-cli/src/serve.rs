@@ -42,10 +42,10 @@ pub enum SpeculativeArg {
 /// Where a request's omitted sampling fields come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum GenerationConfigArg {
-    /// The checkpoint's generation_config.json (temperature, top_p, top_k), then OpenAI's
-    /// defaults.
+    /// The checkpoint's generation_config.json (temperature, top_p, top_k, min_p,
+    /// repetition_penalty), then OpenAI's defaults.
     Auto,
-    /// OpenAI's defaults only (temperature 1, top_p 1, every token).
+    /// OpenAI's defaults only (temperature 1, top_p 1, every token, no min_p or penalty).
     None,
 }
 

@@ -1,6 +1,7 @@
 //! `metrale serve` driven by the official `openai` Python client (`tests/openai_client/
 //! check_client.py`) on a tiny random-weight Qwen3 with the real tokenizer and chat template:
-//! chat, streaming, forced tool calls and a JSON-schema response format as users call them.
+//! chat, streaming, forced tool calls, a JSON-schema response format, `n` choices and `best_of`
+//! as users call them.
 //!
 //! The Python interpreter with `openai` installed is named by `METRALE_OPENAI_PYTHON` (CI makes
 //! a virtual environment with a pinned `openai`); without it the test says so and checks nothing

@@ -79,6 +79,10 @@ pub struct SamplingParams {
     /// (each choice forks the sequence's cache after the prompt); choice `c` draws with
     /// [`choice_seed`]`(seed, c)`. In 1..=[`MAX_CHOICES`]. Default 1.
     pub n: usize,
+    /// Choices to generate when more than `n` (vLLM's `best_of`): `best_of` choices run and
+    /// the `n` with the highest cumulative logprob (the sum of their tokens' logprobs of the
+    /// raw logits) are kept, best first. In `n..=`[`MAX_CHOICES`]. Default `None` (`n`).
+    pub best_of: Option<usize>,
 }
 
 /// Most choices one request may ask for.
@@ -114,6 +118,7 @@ impl Default for SamplingParams {
             top_logprobs: 0,
             seed: None,
             n: 1,
+            best_of: None,
         }
     }
 }
@@ -164,6 +169,23 @@ impl SamplingParams {
     pub fn n(mut self, n: usize) -> Self {
         self.n = n;
         self
+    }
+
+    /// Set `best_of`: generate this many choices and keep the `n` best.
+    pub fn best_of(mut self, best_of: usize) -> Self {
+        self.best_of = Some(best_of);
+        self
+    }
+
+    /// Choices the scheduler runs: `best_of` when set, else `n`.
+    pub fn choices_generated(&self) -> usize {
+        self.best_of.unwrap_or(self.n).max(self.n)
+    }
+
+    /// Whether more choices run than are returned, ranked by cumulative logprob: every token
+    /// then needs its logprob from the device sampler.
+    pub fn ranks_choices(&self) -> bool {
+        self.choices_generated() > self.n
     }
 
     /// Set `min_p` (0: all tokens).
@@ -220,14 +242,16 @@ impl SamplingParams {
     }
 
     /// Whether the tokens need more than the host sampler has (penalties, bias, min-p,
-    /// min_tokens, logprobs): such a sequence does not draft (speculative decoding's acceptance
-    /// knows only temperature, top-k and top-p).
+    /// min_tokens, logprobs, choices ranked by logprob): such a sequence does not draft
+    /// (speculative decoding's acceptance knows only temperature, top-k and top-p, and an
+    /// accepted draft has no logprob).
     pub fn needs_device_sampler(&self) -> bool {
         self.min_p > 0.0
             || self.has_penalties()
             || !self.logit_bias.is_empty()
             || self.min_tokens > 0
             || self.wants_logprobs()
+            || self.ranks_choices()
     }
 
     /// Whether a repetition, presence or frequency penalty applies.
@@ -324,6 +348,15 @@ impl SamplingParams {
         };
         if !(1..=MAX_CHOICES).contains(&self.n) {
             return Err(bad("n", self.n.to_string(), "from 1 to 64 choices"));
+        }
+        if let Some(b) = self.best_of
+            && !(self.n..=MAX_CHOICES).contains(&b)
+        {
+            return Err(bad(
+                "best_of",
+                b.to_string(),
+                "at least `n` and at most 64 choices",
+            ));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(bad("min_p", self.min_p.to_string(), "a number in [0, 1]"));
@@ -854,6 +887,16 @@ mod tests {
         let field = |p: SamplingParams| p.validate_for_vocab(100).unwrap_err().field;
         assert_eq!(field(SamplingParams::greedy().n(0)), "n");
         assert_eq!(field(SamplingParams::greedy().n(MAX_CHOICES + 1)), "n");
+        assert_eq!(field(SamplingParams::greedy().n(3).best_of(2)), "best_of");
+        assert_eq!(
+            field(SamplingParams::greedy().best_of(MAX_CHOICES + 1)),
+            "best_of"
+        );
+        let ranked = SamplingParams::greedy().n(2).best_of(5);
+        assert!(ranked.validate().is_ok());
+        assert_eq!(ranked.choices_generated(), 5);
+        assert!(ranked.ranks_choices() && ranked.needs_device_sampler());
+        assert!(!SamplingParams::greedy().n(3).best_of(3).ranks_choices());
         assert_eq!(field(SamplingParams::greedy().min_p(-0.1)), "min_p");
         assert_eq!(
             field(SamplingParams::greedy().repetition_penalty(f32::NAN)),

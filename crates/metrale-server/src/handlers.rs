@@ -4,6 +4,10 @@
 //! tool calls by the server's parsers), submitted off the async runtime; its output comes back
 //! as one JSON response or as server-sent events. `response_format` constrains either.
 //!
+//! `n` choices share one prefill of the prompt; the response holds them in index order (with
+//! `best_of`, the `n` best by cumulative logprob, best first), and its usage counts the prompt
+//! once and the tokens of every returned choice.
+//!
 //! A field the request leaves out takes, in order: the checkpoint's `generation_config.json`
 //! (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`; with
 //! `GenerationConfig::Auto`, the default), then OpenAI's defaults: `max_tokens` 16 for
@@ -21,19 +25,16 @@ use axum::extract::rejection::BytesRejection;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use futures_core::Stream;
-use metrale::chat::{ChatHandle, ChatOptions, ChatOutput, ChatRequest, ToolCall, ToolChoice};
+use metrale::chat::{ChatHandle, ChatOptions, ChatOutput, ChatRequest, ToolChoice};
 use metrale::{
     Constraint, EngineError, GenerateEvent, GenerateOutput, GenerateRequest, Prompt, RequestHandle,
     SamplingParams,
 };
 
 use super::error::ApiError;
-use super::logprobs;
 use super::messages::chat_messages;
-use super::openai::{
-    ChatChoice, ChatMessageOut, CompletionChoice, Envelope, FunctionOut, GenerationBody,
-    PromptInput, ToolCallOut, Usage, parse_prompt,
-};
+use super::openai::{GenerationBody, PromptInput, parse_prompt};
+use super::response::{self, ResponseHead};
 use super::router::{AppState, unix_seconds};
 use super::sse::{Events, Flavor, SseStream};
 
@@ -108,15 +109,19 @@ async fn generate(
     };
     let settings = Settings::of(&body, flavor, &state)?;
     let want_logprobs = settings.sampling.wants_logprobs();
+    let n = settings.sampling.n;
     let engine_state = state.clone();
     let events = tokio::task::spawn_blocking(move || submit(&engine_state, prompt, settings))
         .await
         .map_err(|e| ApiError::internal(format!("the submitting task failed: {e}")))??;
-    let id = format!("{}-{}", flavor.id_prefix(), events.id());
-    let created = unix_seconds();
-    let model = state.model_id().to_string();
+    let head = ResponseHead {
+        id: format!("{}-{}", flavor.id_prefix(), events.id()),
+        created: unix_seconds(),
+        model: state.model_id().to_string(),
+        logprobs: want_logprobs,
+    };
     if body.stream() {
-        let stream = SseStream::new(events, id, created, model, body.include_usage())
+        let stream = SseStream::new(events, head.clone(), body.include_usage(), n)
             .with_logprobs(want_logprobs.then(|| state.engine().clone()));
         return Ok((
             [
@@ -130,74 +135,14 @@ async fn generate(
     let engine = state.engine();
     let json = match events {
         Events::Generate(handle) => {
-            let output = wait(handle).await?;
-            let logprobs = (output.logprobs.as_deref())
-                .filter(|_| want_logprobs)
-                .map(|l| logprobs::completion(engine, l, 0));
-            let usage = Some(Usage::new(output.prompt_ids.len(), output.token_ids.len()));
-            let finish_reason = output.finish_reason.as_str();
-            let text = output.text.unwrap_or_default();
-            serde_json::to_value(Envelope {
-                id,
-                object: "text_completion",
-                created,
-                model,
-                choices: vec![CompletionChoice {
-                    index: 0,
-                    text,
-                    logprobs,
-                    finish_reason: Some(finish_reason),
-                    token_ids: output.token_ids,
-                }],
-                usage,
-            })
+            serde_json::to_value(response::completion(engine, head, wait(handle).await?))
         }
         Events::Chat(handle) => {
-            let out = wait_chat(handle).await?;
-            let o = &out.output;
-            let usage = Some(Usage::new(o.prompt_ids.len(), o.token_ids.len()));
-            let logprobs = (o.logprobs.as_deref())
-                .filter(|_| want_logprobs)
-                .map(|l| logprobs::chat(engine, l));
-            let tool_calls: Vec<ToolCallOut> = out.tool_calls.iter().map(call_out).collect();
-            let content = (tool_calls.is_empty() || !out.content.trim().is_empty())
-                .then(|| out.content.clone());
-            serde_json::to_value(Envelope {
-                id,
-                object: "chat.completion",
-                created,
-                model,
-                choices: vec![ChatChoice {
-                    index: 0,
-                    message: ChatMessageOut {
-                        role: "assistant",
-                        content,
-                        reasoning_content: out.reasoning.clone(),
-                        tool_calls,
-                    },
-                    logprobs,
-                    finish_reason: out.finish_reason(),
-                    token_ids: out.output.token_ids.clone(),
-                }],
-                usage,
-            })
+            serde_json::to_value(response::chat(engine, head, wait_chat(handle).await?))
         }
     }
     .map_err(|e| ApiError::internal(format!("serializing the response: {e}")))?;
     Ok(axum::Json(json).into_response())
-}
-
-/// A whole tool call in a response.
-pub(crate) fn call_out(c: &ToolCall) -> ToolCallOut {
-    ToolCallOut {
-        index: None,
-        id: Some(c.id.clone()),
-        kind: Some("function"),
-        function: FunctionOut {
-            name: Some(c.name.clone()),
-            arguments: c.arguments.clone(),
-        },
-    }
 }
 
 /// A request's body, or the 4xx axum gives a body it could not read (too large, ...).
@@ -262,6 +207,11 @@ impl Settings {
         }
         if let Some(n) = body.min_tokens {
             sampling = sampling.min_tokens(n);
+        }
+        let (n, best_of) = body.choices(flavor == Flavor::Chat)?;
+        sampling = sampling.n(n);
+        if let Some(b) = best_of {
+            sampling = sampling.best_of(b);
         }
         sampling = sampling.logit_bias(body.logit_bias()?);
         if let Some(top) = body.logprobs(flavor == Flavor::Chat)? {

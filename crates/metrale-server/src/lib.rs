@@ -22,7 +22,9 @@
 //! - `options`: [`ServerOptions`], [`ServerError`];
 //! - `router`: the routes, the shared [`AppState`], `/v1/models`, `/metrics`, `/health`;
 //! - `handlers`: the two generation endpoints, from OpenAI request to `GenerateRequest` and back;
-//! - `openai`: the OpenAI wire types;
+//! - `openai`: the OpenAI request body;
+//! - `response`: the OpenAI responses and stream chunks, and whole responses built from an
+//!   output's choices;
 //! - `messages`: OpenAI chat messages as `metrale::chat::ChatMessage`s;
 //! - `sse`: a request's events as a server-sent-event body;
 //! - `prometheus`: `EngineMetrics` as Prometheus text;
@@ -43,6 +45,7 @@ mod messages;
 mod openai;
 mod options;
 mod prometheus;
+mod response;
 mod router;
 mod sse;
 mod tokenize;

@@ -1,9 +1,11 @@
-//! The OpenAI wire types: the body of `/v1/completions` and `/v1/chat/completions` requests, and
-//! the responses and stream chunks sent back.
+//! The OpenAI request body of `/v1/completions` and `/v1/chat/completions` (the responses and
+//! stream chunks sent back are in `response`).
 //!
 //! Both endpoints read one `GenerationBody` (every field optional) and check their own required
-//! field (`prompt` or `messages`); a field the engine cannot honour (`n` > 1, `best_of`, `echo`,
-//! ...) is refused with a 400 that names it rather than ignored. `tools`, `tool_choice` and
+//! field (`prompt` or `messages`); a field the engine cannot honour (`echo`, `suffix`) is refused
+//! with a 400 that names it rather than ignored. `n` (1 to 64 choices, the prompt computed
+//! once) is read on both; `best_of` (generate that many, at least `n`, and return the `n` of
+//! highest cumulative logprob, best first) on completions only, and not with `stream`. `tools`, `tool_choice` and
 //! `parallel_tool_calls` (chat only) and `response_format` (`text`, `json_object`,
 //! `json_schema`) are read into the library's types here. Fields this server adds beside
 //! OpenAI's, as vLLM has them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
@@ -11,7 +13,7 @@
 
 use metrale::Constraint;
 use metrale::chat::{Tool, ToolChoice};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::Value;
 
 use super::error::ApiError;
@@ -76,9 +78,12 @@ pub struct GenerationBody {
     /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema,
     /// strict}}`.
     pub response_format: Option<Value>,
+    /// Choices to return, 1 to 64.
+    pub n: Option<u64>,
+    /// Completions: choices to generate (at least `n`), of which the `n` with the highest
+    /// cumulative logprob are returned; not with `stream`.
+    pub best_of: Option<u64>,
     // Refused unless at their defaults.
-    n: Option<u64>,
-    best_of: Option<u64>,
     echo: Option<bool>,
     suffix: Option<String>,
 }
@@ -119,12 +124,6 @@ impl GenerationBody {
                 Some(field),
             ))
         };
-        if self.n.is_some_and(|n| n != 1) {
-            return unsupported("n", "other than 1");
-        }
-        if self.best_of.is_some_and(|n| n != 1) {
-            return unsupported("best_of", "other than 1");
-        }
         if self.echo == Some(true) {
             return unsupported("echo", "= true");
         }
@@ -285,6 +284,20 @@ impl GenerationBody {
         }
     }
 
+    /// `n` and `best_of` as counts (each at most 64 is checked with the sampling); `best_of`
+    /// is refused on chat and with `stream` unless it is `n` (nothing to rank).
+    pub fn choices(&self, chat: bool) -> Result<(usize, Option<usize>), ApiError> {
+        let count = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        let n = self.n.map_or(1, count);
+        let best_of = self.best_of.map(count);
+        let bad = |m: &str| Err(ApiError::invalid(format!("`best_of` {m}"), Some("best_of")));
+        match best_of {
+            Some(b) if b > n && chat => bad("is a /v1/completions field"),
+            Some(b) if b > n && self.stream() => bad("cannot be used with `stream`"),
+            _ => Ok((n, best_of)),
+        }
+    }
+
     /// Whether to stream.
     pub fn stream(&self) -> bool {
         self.stream.unwrap_or(false)
@@ -366,151 +379,6 @@ pub fn parse_prompt(value: Option<&Value>) -> Result<PromptInput, ApiError> {
     }
 }
 
-/// Token counts of a response.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct Usage {
-    /// Prompt tokens.
-    pub prompt_tokens: usize,
-    /// Generated tokens.
-    pub completion_tokens: usize,
-    /// Their sum.
-    pub total_tokens: usize,
-}
-
-impl Usage {
-    /// From the two counts.
-    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Usage {
-        Usage {
-            prompt_tokens,
-            completion_tokens,
-            total_tokens: prompt_tokens + completion_tokens,
-        }
-    }
-}
-
-/// One choice of a `text_completion` (or one chunk of it when streaming).
-#[derive(Debug, Clone, Serialize)]
-pub struct CompletionChoice {
-    /// Always 0 (one choice per request).
-    pub index: usize,
-    /// The text (a delta when streaming).
-    pub text: String,
-    /// The tokens' logprobs (the legacy shape), when asked for.
-    pub logprobs: Option<Value>,
-    /// "stop" or "length"; null in a chunk before the last.
-    pub finish_reason: Option<&'static str>,
-    /// The generated token ids (the chunk's, when streaming).
-    pub token_ids: Vec<u32>,
-}
-
-/// A chat message in a response.
-#[derive(Debug, Clone, Serialize)]
-pub struct ChatMessageOut {
-    /// "assistant".
-    pub role: &'static str,
-    /// The answer's text; null when the answer is tool calls alone.
-    pub content: Option<String>,
-    /// The reasoning, when the answer had some.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reasoning_content: Option<String>,
-    /// The calls, when the answer made some.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub tool_calls: Vec<ToolCallOut>,
-}
-
-/// A tool call in a response, or its first chunk in a stream.
-#[derive(Debug, Clone, Serialize)]
-pub struct ToolCallOut {
-    /// Its position among the answer's calls (in streamed chunks only, as OpenAI has it).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub index: Option<usize>,
-    /// `call_...`; absent from a stream's later chunks of the call.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub id: Option<String>,
-    /// "function"; absent from a stream's later chunks of the call.
-    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
-    pub kind: Option<&'static str>,
-    /// The function and (a piece of) its arguments, a JSON object's text.
-    pub function: FunctionOut,
-}
-
-/// A call's function.
-#[derive(Debug, Clone, Serialize)]
-pub struct FunctionOut {
-    /// The function's name; absent from a stream's later chunks of the call.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
-    /// The arguments (a fragment in a stream).
-    pub arguments: String,
-}
-
-/// One choice of a `chat.completion`.
-#[derive(Debug, Clone, Serialize)]
-pub struct ChatChoice {
-    /// Always 0.
-    pub index: usize,
-    /// The reply.
-    pub message: ChatMessageOut,
-    /// `{content: [...]}`, when asked for.
-    pub logprobs: Option<Value>,
-    /// "stop", "length" or "tool_calls".
-    pub finish_reason: &'static str,
-    /// The generated token ids.
-    pub token_ids: Vec<u32>,
-}
-
-/// A chunk's `delta`.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct ChatDelta {
-    /// "assistant" in the first chunk.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub role: Option<&'static str>,
-    /// Text added.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub content: Option<String>,
-    /// Reasoning added.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reasoning_content: Option<String>,
-    /// A call's first chunk (index, id, type, name, empty arguments) or a later one (index,
-    /// arguments).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tool_calls: Option<Vec<ToolCallOut>>,
-}
-
-/// One choice of a `chat.completion.chunk`.
-#[derive(Debug, Clone, Serialize)]
-pub struct ChatChunkChoice {
-    /// Always 0.
-    pub index: usize,
-    /// What this chunk adds.
-    pub delta: ChatDelta,
-    /// The chunk's tokens' logprobs, when asked for.
-    pub logprobs: Option<Value>,
-    /// Set in the last chunk.
-    pub finish_reason: Option<&'static str>,
-    /// The chunk's token ids.
-    pub token_ids: Vec<u32>,
-}
-
-/// A whole response or one streamed chunk: `id`, `object`, `created`, `model`, `choices`, and
-/// `usage` where there is one.
-#[derive(Debug, Clone, Serialize)]
-pub struct Envelope<C> {
-    /// `cmpl-N` or `chatcmpl-N`.
-    pub id: String,
-    /// `text_completion`, `chat.completion` or `chat.completion.chunk`.
-    pub object: &'static str,
-    /// Unix seconds.
-    pub created: u64,
-    /// The served model's name.
-    pub model: String,
-    /// The choices (empty in a usage-only chunk).
-    pub choices: Vec<C>,
-    /// Token counts: in a whole response, and in the usage chunk of a stream.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -553,8 +421,10 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
         let e = GenerationBody::parse(b"{\"prompt\": ").expect_err("truncated");
         assert!(e.message.contains("not valid JSON"), "{e}");
-        let e = GenerationBody::parse(br#"{"prompt": "a", "n": 2}"#).expect_err("n");
+        let e = GenerationBody::parse(br#"{"prompt": "a", "n": -2}"#).expect_err("n");
         assert_eq!(e.param.as_deref(), Some("n"));
+        let e = GenerationBody::parse(br#"{"prompt": "a", "echo": true}"#).expect_err("echo");
+        assert_eq!(e.param.as_deref(), Some("echo"));
         let e = GenerationBody::parse(br#"{"prompt": "a", "stop": 3}"#)
             .and_then(|b| b.stop_strings())
             .expect_err("stop");
@@ -565,6 +435,22 @@ mod tests {
         .expect("defaults are accepted");
         assert_eq!(ok.stop_strings().expect("stop"), vec!["x", "y"]);
         assert_eq!(ok.logprobs(false).expect("none"), None);
+    }
+
+    #[test]
+    fn n_and_best_of_are_read_and_best_of_is_refused_where_it_cannot_rank() {
+        let body = |s: &str| GenerationBody::parse(s.as_bytes()).expect("parses");
+        assert_eq!(body(r#"{}"#).choices(false).ok(), Some((1, None)));
+        let b = body(r#"{"n": 2, "best_of": 5}"#);
+        assert_eq!(b.choices(false).ok(), Some((2, Some(5))));
+        let e = b.choices(true).expect_err("chat");
+        assert_eq!(e.param.as_deref(), Some("best_of"));
+        let e = body(r#"{"n": 2, "best_of": 5, "stream": true}"#)
+            .choices(false)
+            .expect_err("stream");
+        assert_eq!(e.param.as_deref(), Some("best_of"));
+        let same = body(r#"{"n": 3, "best_of": 3, "stream": true}"#);
+        assert_eq!(same.choices(false).ok(), Some((3, Some(3))));
     }
 
     #[test]

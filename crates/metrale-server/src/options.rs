@@ -34,16 +34,16 @@ pub struct ServerOptions {
     pub reasoning_parser: ReasoningParser,
 }
 
-/// Where the sampling fields a request leaves out (`temperature`, `top_p`, `top_k`) come from.
-/// A field the request sets always wins.
+/// Where the sampling fields a request leaves out (`temperature`, `top_p`, `top_k`, `min_p`,
+/// `repetition_penalty`) come from. A field the request sets always wins.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum GenerationConfig {
     /// The checkpoint's `generation_config.json` where it sets the field, else OpenAI's default
-    /// (temperature 1, top-p 1, every token). The default.
+    /// (temperature 1, top-p 1, every token, min-p 0, no repetition penalty). The default.
     #[default]
     Auto,
-    /// OpenAI's defaults only.
+    /// OpenAI's defaults only: the checkpoint's file is not read for sampling.
     Ignore,
 }
 

@@ -31,7 +31,7 @@ const METRICS: [Metric; 31] = [
     Metric {
         name: "metrale_requests_running",
         kind: "gauge",
-        help: "Requests admitted to the model and not finished.",
+        help: "Sequences admitted to the model and not finished (one per choice of a request).",
         value: |m| m.requests.running as f64,
     },
     Metric {

@@ -63,26 +63,16 @@ impl AppState {
         (self.tool_call_parser, self.reasoning_parser)
     }
 
-    /// Take the sampling defaults from `source`. With `Auto`, the checkpoint's `min_p` and
-    /// `repetition_penalty` are not applied (the sampler has neither): a warning names them.
+    /// Take the sampling defaults from `source`: with `Auto`, the checkpoint's
+    /// `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty` where its
+    /// `generation_config.json` sets them, then OpenAI's; with `Ignore`, OpenAI's alone. A
+    /// field the request sets wins over both.
     pub fn generation_config(mut self, source: GenerationConfig) -> AppState {
-        // OpenAI's defaults: temperature 1, top-p 1, every token.
+        // OpenAI's defaults: temperature 1, top-p 1, every token, no penalty.
         let openai = SamplingParams::default().temperature(1.0);
         self.sampling_base = match source {
             GenerationConfig::Ignore => openai,
-            _ => {
-                let g = &self.engine.config().checkpoint.generation;
-                if g.min_p.is_some_and(|p| p > 0.0)
-                    || g.repetition_penalty.is_some_and(|r| r != 1.0)
-                {
-                    tracing::warn!(
-                        min_p = ?g.min_p,
-                        repetition_penalty = ?g.repetition_penalty,
-                        "generation_config.json: min_p and repetition_penalty are not applied"
-                    );
-                }
-                openai.with_checkpoint_defaults(g)
-            }
+            _ => openai.with_checkpoint_defaults(&self.engine.config().checkpoint.generation),
         };
         self
     }

@@ -1,11 +1,14 @@
 //! `SseStream`: a request's events as a server-sent-event body in OpenAI's shape: for chat a
-//! first chunk with the assistant's role, then a chunk per generated token (its id, when asked
-//! for its logprobs, and what it adds: for a completion its text; for chat
+//! first chunk with the assistant's role for each choice, then a chunk per generated token (its
+//! id, when asked for its logprobs, and what it adds: for a completion its text; for chat
 //! `delta.reasoning_content`, `delta.content`, and for each tool call it completes a chunk
 //! `delta.tool_calls: [{index, id, type, function: {name, arguments: ""}}]` then one with
-//! `[{index, function: {arguments}}]`; markup never reaches `content`), a last chunk with the
-//! finish reason (`tool_calls` when calls were made), a usage chunk when asked for, then
-//! `data: [DONE]`. An engine error ends the stream with `data: {"error": ...}` and `[DONE]`.
+//! `[{index, function: {arguments}}]`; markup never reaches `content`), a last chunk per choice
+//! with its finish reason (`tool_calls` when calls were made) when that choice ends, a usage
+//! chunk when asked for (the prompt once, the tokens of every choice), then `data: [DONE]`.
+//! Every chunk carries one choice, named by its `index`; the choices' chunks interleave as the
+//! engine generates them. An engine error ends the stream with `data: {"error": ...}` and
+//! `[DONE]`.
 //!
 //! Invariant: the stream owns the request's handle until the request has finished; hyper drops
 //! the body when the client disconnects, and with it the handle, which cancels the request.
@@ -20,13 +23,14 @@ use futures_core::Stream;
 use std::sync::Arc;
 
 use metrale::chat::{ChatEvent, ChatHandle};
-use metrale::{Engine, EngineError, EventResult, GenerateEvent, GenerateOutput, RequestHandle};
+use metrale::{Engine, EngineError, EventResult, GenerateEvent, RequestHandle};
 use serde::Serialize;
 
 use super::error::ApiError;
 use super::logprobs;
-use super::openai::{
-    ChatChunkChoice, ChatDelta, CompletionChoice, Envelope, FunctionOut, ToolCallOut, Usage,
+use super::response::{
+    ChatChunkChoice, ChatDelta, CompletionChoice, Envelope, FunctionOut, ResponseHead, ToolCallOut,
+    Usage, chat_usage,
 };
 
 /// A submitted request's events: a completion's tokens, or a chat answer read apart.
@@ -93,40 +97,40 @@ pub struct SseStream {
     include_usage: bool,
     /// The engine (its tokenizer spells the tokens) when the request asked for logprobs.
     logprobs: Option<Arc<Engine>>,
-    /// Characters of the text so far in the legacy logprobs shape (`text_offset`).
-    offset: usize,
+    /// Entry `c`: characters of choice `c`'s text so far, in the legacy logprobs shape
+    /// (`text_offset`).
+    offsets: Vec<usize>,
+    /// Entry `c`: choice `c` has sent its finish chunk.
+    finished: Vec<bool>,
     /// Events ready to send.
     ready: VecDeque<Bytes>,
 }
 
 impl SseStream {
-    /// The body for `handle`'s events.
-    pub fn new(
-        handle: Events,
-        id: String,
-        created: u64,
-        model: String,
-        include_usage: bool,
-    ) -> SseStream {
+    /// The body for `handle`'s events, a request of `n` choices.
+    pub fn new(handle: Events, head: ResponseHead, include_usage: bool, n: usize) -> SseStream {
         let flavor = handle.flavor();
         let mut s = SseStream {
             handle: Some(handle),
             flavor,
-            id,
-            created,
-            model,
+            id: head.id,
+            created: head.created,
+            model: head.model,
             include_usage,
             logprobs: None,
-            offset: 0,
+            offsets: vec![0; n],
+            finished: vec![false; n],
             ready: VecDeque::new(),
         };
         if flavor == Flavor::Chat {
-            let role = ChatDelta {
-                role: Some("assistant"),
-                content: Some(String::new()),
-                ..ChatDelta::default()
-            };
-            s.push_choice(role, String::new(), None, Vec::new(), None);
+            for index in 0..n {
+                let role = ChatDelta {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                    ..ChatDelta::default()
+                };
+                s.push_choice(index, role, String::new(), None, Vec::new(), None);
+            }
         }
         s
     }
@@ -147,9 +151,10 @@ impl SseStream {
             .push_back(Bytes::from(format!("data: {text}\n\n")));
     }
 
-    /// A chunk of one choice. `delta` is the chat delta; `text` the completion's.
+    /// A chunk of choice `index`. `delta` is the chat delta; `text` the completion's.
     fn push_choice(
         &mut self,
+        index: usize,
         delta: ChatDelta,
         text: String,
         finish_reason: Option<&'static str>,
@@ -159,7 +164,7 @@ impl SseStream {
         match self.flavor {
             Flavor::Completion => {
                 let choice = CompletionChoice {
-                    index: 0,
+                    index,
                     text,
                     logprobs,
                     finish_reason,
@@ -170,7 +175,7 @@ impl SseStream {
             }
             Flavor::Chat => {
                 let choice = ChatChunkChoice {
-                    index: 0,
+                    index,
                     delta,
                     logprobs,
                     finish_reason,
@@ -212,8 +217,11 @@ impl SseStream {
                         let one = std::slice::from_ref(l);
                         Some(match self.flavor {
                             Flavor::Completion => {
-                                let v = logprobs::completion(engine, one, self.offset);
-                                self.offset += logprobs::completion_chars(engine, one);
+                                let offset = self.offsets.get(t.choice).copied().unwrap_or(0);
+                                let v = logprobs::completion(engine, one, offset);
+                                if let Some(o) = self.offsets.get_mut(t.choice) {
+                                    *o += logprobs::completion_chars(engine, one);
+                                }
                                 v
                             }
                             Flavor::Chat => logprobs::chat(engine, one),
@@ -221,11 +229,18 @@ impl SseStream {
                     }
                     _ => None,
                 };
-                self.push_choice(delta, text, None, vec![t.token_id], lps);
+                self.push_choice(t.choice, delta, text, None, vec![t.token_id], lps);
             }
+            Some(Ok(GenerateEvent::ChoiceFinished {
+                choice,
+                finish_reason,
+            })) => self.push_choice_finish(choice, finish_reason.as_str()),
             Some(Ok(GenerateEvent::Finished { output })) => {
-                let reason = output.finish_reason.as_str();
-                self.push_finish(reason, &output);
+                let usage = Usage::new(output.prompt_ids.len(), output.completion_tokens());
+                let reasons: Vec<_> = (std::iter::once(&output).chain(&output.other_choices))
+                    .map(|o| (o.index, o.finish_reason.as_str()))
+                    .collect();
+                self.push_finish(&reasons, usage);
             }
             // An event this server does not know yet adds nothing to the stream.
             Some(Ok(_)) => {}
@@ -234,17 +249,25 @@ impl SseStream {
         }
     }
 
-    /// The last chunk (its finish reason), the usage chunk when asked for, then `[DONE]`.
-    fn push_finish(&mut self, reason: &'static str, output: &GenerateOutput) {
-        self.push_choice(
-            ChatDelta::default(),
-            String::new(),
-            Some(reason),
-            Vec::new(),
-            None,
-        );
+    /// Choice `index`'s last chunk, with its finish reason (once).
+    fn push_choice_finish(&mut self, index: usize, reason: &'static str) {
+        if self.finished.get(index).copied().unwrap_or(false) {
+            return;
+        }
+        if let Some(f) = self.finished.get_mut(index) {
+            *f = true;
+        }
+        let delta = ChatDelta::default();
+        self.push_choice(index, delta, String::new(), Some(reason), Vec::new(), None);
+    }
+
+    /// The last chunk of each choice that has not sent one (`reasons`: index and finish
+    /// reason), the usage chunk when asked for, then `[DONE]`.
+    fn push_finish(&mut self, reasons: &[(usize, &'static str)], usage: Usage) {
+        for &(index, reason) in reasons {
+            self.push_choice_finish(index, reason);
+        }
         if self.include_usage {
-            let usage = Usage::new(output.prompt_ids.len(), output.token_ids.len());
             let env = self.envelope::<CompletionChoice>(Vec::new(), Some(usage));
             self.push_data(&env);
         }
@@ -273,12 +296,13 @@ impl SseStream {
                     reasoning_content: text(d.reasoning),
                     ..ChatDelta::default()
                 };
+                let index = d.choice;
                 if d.tool_calls.is_empty()
                     || delta.content.is_some()
                     || delta.reasoning_content.is_some()
                 {
                     let (ids, lps) = (std::mem::take(&mut token_ids), lps.take());
-                    self.push_choice(delta, String::new(), None, ids, lps);
+                    self.push_choice(index, delta, String::new(), None, ids, lps);
                 }
                 for call in d.tool_calls {
                     let head = ToolCallOut {
@@ -305,12 +329,20 @@ impl SseStream {
                             ..ChatDelta::default()
                         };
                         let (ids, lps) = (std::mem::take(&mut token_ids), lps.take());
-                        self.push_choice(delta, String::new(), None, ids, lps);
+                        self.push_choice(index, delta, String::new(), None, ids, lps);
                     }
                 }
             }
+            Some(Ok(ChatEvent::ChoiceFinished {
+                choice,
+                finish_reason,
+            })) => self.push_choice_finish(choice, finish_reason),
             Some(Ok(ChatEvent::Finished { output })) => {
-                self.push_finish(output.finish_reason(), &output.output);
+                let usage = chat_usage(&output);
+                let reasons: Vec<_> = (std::iter::once(&output).chain(&output.other_choices))
+                    .map(|o| (o.index(), o.finish_reason()))
+                    .collect();
+                self.push_finish(&reasons, usage);
             }
             // An event this server does not know yet adds nothing to the stream.
             Some(Ok(_)) => {}

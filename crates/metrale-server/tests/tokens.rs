@@ -1,6 +1,7 @@
 //! `/tokenize` and `/detokenize` against the engine's own tokenizer and chat template, and the
 //! sampling a request that leaves fields out gets: the checkpoint's `generation_config.json`
-//! first, OpenAI's defaults with `GenerationConfig::Ignore`, a fresh seed each time.
+//! first (`min_p` and `repetition_penalty` too), OpenAI's defaults with
+//! `GenerationConfig::Ignore`, a fresh seed each time.
 
 #![allow(clippy::unwrap_used)]
 
@@ -103,8 +104,14 @@ fn tokenize_gives_the_ids_generation_feeds_and_detokenize_inverts_it() {
 
 /// A copy of the tiny checkpoint whose generation_config.json recommends sampling.
 fn recommending_checkpoint() -> tempfile::TempDir {
+    checkpoint_recommending(
+        json!({"eos_token_id": 0, "temperature": 0.7, "top_k": 5, "top_p": 0.9}),
+    )
+}
+
+/// A copy of the tiny checkpoint with `generation` as its generation_config.json.
+fn checkpoint_recommending(generation: Value) -> tempfile::TempDir {
     let dir = chat_checkpoint("{{ messages[0].content }}");
-    let generation = json!({"eos_token_id": 0, "temperature": 0.7, "top_k": 5, "top_p": 0.9});
     std::fs::write(
         dir.path().join("generation_config.json"),
         generation.to_string(),
@@ -160,6 +167,58 @@ fn omitted_sampling_fields_take_the_checkpoints_recommendation_then_openais() {
         engine_run(&ignore, recommended),
         "the two defaults must sample differently for this test to mean anything"
     );
+}
+
+#[test]
+fn the_checkpoints_min_p_and_repetition_penalty_apply_unless_the_request_or_none_overrides() {
+    let generation = json!({"eos_token_id": 0, "temperature": 1.0, "min_p": 0.2,
+        "repetition_penalty": 1.8});
+    let dir = checkpoint_recommending(generation);
+    let prompt = [9u32, 8, 7, 9, 8, 7];
+    let run = |server: &Server, extra: Value| {
+        let mut body = json!({"prompt": prompt, "max_tokens": 24, "seed": 3, "ignore_eos": true});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let reply = post(server, "/v1/completions", &body);
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        token_ids(&reply.json()["choices"][0]["token_ids"])
+    };
+    let engine_run = |server: &Server, sampling: SamplingParams| {
+        let request = GenerateRequest::new(Prompt::TokenIds(prompt.to_vec()))
+            .max_new_tokens(24)
+            .ignore_eos(true)
+            .sampling(sampling.seed(3));
+        server.engine.generate(&request).unwrap().token_ids
+    };
+    let openai = SamplingParams::default().temperature(1.0);
+    let recommended = openai.clone().min_p(0.2).repetition_penalty(1.8);
+
+    let auto = start_from(dir.path(), options(), GenerationConfig::Auto);
+    assert_eq!(
+        auto.engine.sampling_defaults(),
+        SamplingParams::greedy()
+            .temperature(1.0)
+            .min_p(0.2)
+            .repetition_penalty(1.8)
+    );
+    let with_both = run(&auto, json!({}));
+    assert_eq!(with_both, engine_run(&auto, recommended.clone()));
+    // Each on its own makes a difference here, so neither can be silently dropped.
+    let without_penalty = engine_run(&auto, openai.clone().min_p(0.2));
+    let without_min_p = engine_run(&auto, openai.clone().repetition_penalty(1.8));
+    assert_ne!(with_both, without_penalty, "repetition_penalty must matter");
+    assert_ne!(with_both, without_min_p, "min_p must matter");
+    // The request's fields win, one at a time.
+    assert_eq!(
+        run(&auto, json!({"repetition_penalty": 1.0})),
+        without_penalty
+    );
+    assert_eq!(run(&auto, json!({"min_p": 0.0})), without_min_p);
+    // `--generation-config none`: OpenAI's defaults, the file unread.
+    let ignore = start_from(dir.path(), options(), GenerationConfig::Ignore);
+    assert_eq!(run(&ignore, json!({})), engine_run(&ignore, openai));
+    assert_ne!(run(&ignore, json!({})), with_both);
 }
 
 #[test]

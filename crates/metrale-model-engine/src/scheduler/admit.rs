@@ -1,7 +1,7 @@
 //! Admission and prefill: the queue head joins the running sequences when it fits (with its
 //! cached prefix taken at once), and one prefill chunk of the sequence in prefill runs.
 
-use super::sequence::{Picked, Seq};
+use super::sequence::{PendingChoice, Picked, Seq};
 use super::{Scheduler, SeqEvent, Speculation, StepKind, prefix};
 use crate::error::ModelError;
 use crate::runner::{StepInput, StepRow, StepRunner};
@@ -119,11 +119,11 @@ impl Scheduler {
         if sample {
             // The other choices fork this sequence's cache now, its prompt computed, and draw
             // their first tokens from the same logits.
-            for (c, id) in std::mem::take(&mut self.running[i].choices)
+            for (c, choice) in std::mem::take(&mut self.running[i].choices)
                 .into_iter()
                 .enumerate()
             {
-                self.fork_choice(i, id, c + 1, events)?;
+                self.fork_choice(i, choice, c + 1, events)?;
             }
             let s = &self.running[i];
             let picked = pick(&self.runner, &[s.sample_row()], s.keeps_logits())?
@@ -157,14 +157,15 @@ impl Scheduler {
 }
 
 impl Scheduler {
-    /// Choice `c` (id `id`) of running sequence `i`, whose prompt is computed: its cache forked
-    /// from `i`'s, its own seed, its first token drawn from the last step's logits (row 0).
+    /// Choice `c` of running sequence `i`, whose prompt is computed: its cache forked from
+    /// `i`'s, its own seed and constraint, its first token drawn from the last step's logits
+    /// (row 0).
     /// The MTP head's KV of the last chunk's partial block is not in the fork (it is written
     /// after), which can cost the choice draft acceptance, never output.
     fn fork_choice(
         &mut self,
         i: usize,
-        id: super::SeqId,
+        choice: PendingChoice,
         c: usize,
         events: &mut Vec<SeqEvent>,
     ) -> Result<(), ModelError> {
@@ -177,12 +178,13 @@ impl Scheduler {
         let sampler = Sampler::with_seed(p.sampler.params().clone(), seed);
         let prompt = p.tokens[..p.prompt_len].to_vec();
         let mut child = Seq::new(
-            id,
+            choice.id,
             prompt,
             (sampler, seed),
             p.stop.clone(),
             p.logits.is_some(),
         );
+        child.constraint = choice.constraint;
         child.computed = p.computed;
         child.cache.table = table;
         child.cache.ssm_slot = slot;

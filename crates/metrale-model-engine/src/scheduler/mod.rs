@@ -52,7 +52,7 @@
 //! - **Speculation** (a runner built with `speculative = Mtp`, or a drafter set with
 //!   [`Scheduler::set_drafter`]): decode steps verify each sequence's drafts, behind a gate that
 //!   keeps speculation only while it is faster; see `speculate`.
-//! - **Choices** (`SamplingParams::n`). A request of `n` choices is admitted once room is there
+//! - **Choices** (`SamplingParams::n`, or `best_of` when more). A request of `n` choices is admitted once room is there
 //!   for all of them (sequences, SSM slots, a forked block and a block of headroom each); its
 //!   prompt is prefilled once, by choice 0. After the last prompt chunk the other choices fork
 //!   its cache (`CacheManager::fork`: full KV blocks shared, the partial block and the SSM
@@ -93,7 +93,7 @@ use crate::error::ModelError;
 use crate::model::Model;
 use crate::options::ModelOptions;
 use crate::runner::{ChunkCuts, StepRunner};
-use crate::sampling::{Sampler, fresh_seed};
+use crate::sampling::{Sampler, SamplingError, fresh_seed};
 
 pub use metrale_cache::SnapshotUsage;
 pub use report::{
@@ -103,7 +103,7 @@ pub use request::{
     FinishReason, GenerateParams, Generation, InvalidRequest, RequestLimits, SeqRequest,
 };
 pub use sequence::SeqId;
-use sequence::{Picked, Seq, StopRule};
+use sequence::{PendingChoice, Picked, Seq, StopRule};
 pub use speculate::{Speculation, SpeculativeStats};
 
 /// What the scheduler's policy reads, fixed at construction.
@@ -196,25 +196,35 @@ impl Scheduler {
     }
 
     /// Queue a request; it joins at a later step. A request that fails the checks is refused
-    /// and nothing changes. A request of `n` choices (`SamplingParams::n`) takes the ids
-    /// `id..id + n` (choice `c` is `id + c`); its prompt is computed once, by choice 0, whose
-    /// cache the others fork when it is done (`CacheManager::fork`).
+    /// and nothing changes. A request of several choices (`SamplingParams::n`, or `best_of`
+    /// when more) takes the ids `id..id + choices` (choice `c` is `id + c`); its prompt is
+    /// computed once, by choice 0, whose cache the others fork when it is done
+    /// (`CacheManager::fork`).
     pub fn add(&mut self, req: SeqRequest) -> Result<SeqId, InvalidRequest> {
-        self.add_constrained(req, None)
+        self.add_constrained(req, Vec::new())
     }
 
-    /// Queue a request whose tokens follow `constraint` (structured output; see
-    /// [`crate::constraint`]): each of its tokens is picked from host logits under the
-    /// constraint's mask, and it stops when the constraint is finished.
+    /// Queue a request whose tokens follow `constraints` (structured output; see
+    /// [`crate::constraint`]): none, or one per choice it generates (choice `c` follows
+    /// `constraints[c]`). Each constrained token is picked from host logits under the
+    /// constraint's mask, and a choice stops when its constraint is finished.
     pub fn add_constrained(
         &mut self,
         req: SeqRequest,
-        constraint: Option<Box<dyn TokenConstraint>>,
+        constraints: Vec<Box<dyn TokenConstraint>>,
     ) -> Result<SeqId, InvalidRequest> {
         self.policy.limits.check(&req)?;
-        let n = req.params.sampling.n.max(1) as u64;
+        let n = req.params.sampling.choices_generated().max(1);
+        if !constraints.is_empty() && constraints.len() != n {
+            return Err(InvalidRequest::Sampling(SamplingError {
+                field: "n",
+                value: format!("{n} choices and {} constraints", constraints.len()),
+                expected: "one constraint per choice, or none",
+            }));
+        }
+        let mut constraints = constraints.into_iter().map(Some);
         let id = SeqId(self.next_id);
-        self.next_id += n;
+        self.next_id += n as u64;
         let mut stop_token_ids = req.params.stop_token_ids.clone();
         if !req.ignore_eos {
             stop_token_ids.extend(&self.policy.eos_token_ids);
@@ -233,17 +243,26 @@ impl Scheduler {
             stop,
             req.params.return_logits,
         );
-        seq.choices = (1..n).map(|c| SeqId(id.0 + c)).collect();
-        seq.constraint = constraint;
+        seq.constraint = constraints.next().flatten();
+        seq.choices = (1..n as u64)
+            .map(|c| PendingChoice {
+                id: SeqId(id.0 + c),
+                constraint: constraints.next().flatten(),
+            })
+            .collect();
         if req.params.max_new_tokens == 0 {
-            for &c in &seq.choices {
+            for c in &seq.choices {
                 let generation = Generation {
                     token_ids: Vec::new(),
                     finish_reason: FinishReason::Length,
                     logits: seq.logits.clone(),
                     logprobs: seq.logprobs.clone(),
+                    cumulative_logprob: Some(0.0),
                 };
-                self.pending.push(SeqEvent::Finished { id: c, generation });
+                self.pending.push(SeqEvent::Finished {
+                    id: c.id,
+                    generation,
+                });
             }
             self.pending.push(SeqEvent::Finished {
                 id,
@@ -257,21 +276,45 @@ impl Scheduler {
 
     /// Stop a sequence now, between steps: release its blocks and slot and return what it
     /// generated, with `reason`. `None` when no such sequence is queued or running (it finished
-    /// already, or was never added).
+    /// already, or was never added). Choices it has not forked yet end with it, empty and with
+    /// the same reason: their `Finished` events come with the next step.
     pub fn finish(
         &mut self,
         id: SeqId,
         reason: FinishReason,
     ) -> Result<Option<Generation>, ModelError> {
-        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+        let (mut s, released) = if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let mut s = self.running.remove(i);
-            s.release(&mut self.cache)?;
-            return Ok(Some(s.into_generation(reason)));
+            let released = s.release(&mut self.cache);
+            (s, released)
+        } else if let Some(s) =
+            (self.waiting.iter().position(|s| s.id == id)).and_then(|i| self.waiting.remove(i))
+        {
+            (s, Ok(()))
+        } else {
+            return Ok(None);
+        };
+        self.end_unforked(&mut s, reason);
+        released?;
+        Ok(Some(s.into_generation(reason)))
+    }
+
+    /// End the choices `s` has not forked, empty, with `reason` (their events for the next
+    /// step).
+    fn end_unforked(&mut self, s: &mut Seq, reason: FinishReason) {
+        for c in std::mem::take(&mut s.choices) {
+            let generation = Generation {
+                token_ids: Vec::new(),
+                finish_reason: reason,
+                logits: s.logits.is_some().then(Vec::new),
+                logprobs: s.logprobs.is_some().then(Vec::new),
+                cumulative_logprob: Some(0.0),
+            };
+            self.pending.push(SeqEvent::Finished {
+                id: c.id,
+                generation,
+            });
         }
-        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
-            return Ok(self.waiting.remove(i).map(|s| s.into_generation(reason)));
-        }
-        Ok(None)
     }
 
     /// Nothing queued, running or left to report.

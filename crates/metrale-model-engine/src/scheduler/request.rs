@@ -60,6 +60,9 @@ pub struct Generation {
     /// Entry `i`: `token_ids[i]`'s logprob and the top logprobs (when the sampling parameters
     /// ask for logprobs).
     pub logprobs: Option<Vec<SampledToken>>,
+    /// The sum of the tokens' logprobs of the raw logits (what `best_of` ranks by); `None`
+    /// when a token came from an accepted speculative draft.
+    pub cumulative_logprob: Option<f64>,
 }
 
 /// One generation request for the scheduler.
@@ -113,15 +116,38 @@ pub struct RequestLimits {
     /// Longest context (prompt plus output): the smaller of the model's `max_seq_len` and the
     /// tokens the KV cache holds, so one sequence alone always fits the cache.
     pub max_context: usize,
+    /// Most choices one request may generate: the sequences that run at once
+    /// (`max_decode_seqs`), and on hybrid models the SSM slots they hold.
+    pub max_choices: usize,
+    /// KV blocks of the cache, and tokens per block: a request's prompt and the block each
+    /// choice forks and grows into must fit the whole cache.
+    pub kv_blocks: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
 }
 
 impl RequestLimits {
     /// The limits of a runner over `cache`.
     pub fn of(runner: &StepRunner, cache: &CacheManager) -> RequestLimits {
-        let cache_tokens = cache.blocks().capacity() * cache.block_size();
+        let (kv_blocks, block_size) = (cache.blocks().capacity(), cache.block_size());
+        let max_seqs = runner.sizes().max_seqs;
+        let max_choices = match cache.ssm_slots() {
+            Some((slots, _)) => {
+                let hybrid_spares = if runner.has_mtp() {
+                    runner.options().draft_tokens()
+                } else {
+                    0
+                };
+                max_seqs.min(slots / (1 + hybrid_spares))
+            }
+            None => max_seqs,
+        };
         RequestLimits {
             vocab: runner.model().config().tokens.vocab_size,
-            max_context: runner.sizes().max_seq_len.min(cache_tokens),
+            max_context: runner.sizes().max_seq_len.min(kv_blocks * block_size),
+            max_choices,
+            kv_blocks,
+            block_size,
         }
     }
 
@@ -135,6 +161,23 @@ impl RequestLimits {
                 field: "stop_token_ids",
                 value: format!("{} ids", req.params.stop_token_ids.len()),
                 expected: "at most 128 ids with min_tokens",
+            }));
+        }
+        // Admission takes every choice at once: the request must fit an idle engine.
+        let choices = sampling.choices_generated();
+        let context = (req.prompt.len() + 1).min(self.max_context);
+        let blocks = context.div_ceil(self.block_size.max(1)) + 2 * (choices - 1);
+        if choices > self.max_choices || blocks > self.kv_blocks {
+            let field = if sampling.ranks_choices() {
+                "best_of"
+            } else {
+                "n"
+            };
+            return Err(InvalidRequest::Sampling(SamplingError {
+                field,
+                value: choices.to_string(),
+                expected: "no more choices than the engine runs at once (`max_decode_seqs`) \
+                           and its KV cache holds beside the prompt",
             }));
         }
         Ok(())

@@ -112,9 +112,12 @@ pub(crate) struct Seq {
     pub logits: Option<Vec<Vec<f32>>>,
     /// Entry `i`: generated token `i`'s logprobs (when asked for).
     pub logprobs: Option<Vec<SampledToken>>,
-    /// The ids of the other choices of this request, forked from it once its prompt is
-    /// computed (empty once forked, and for `n = 1`).
-    pub choices: Vec<SeqId>,
+    /// The sum of the generated tokens' logprobs of the raw logits; `None` once a token came
+    /// from an accepted draft (which has no sampled row).
+    pub cumulative_logprob: Option<f64>,
+    /// The other choices of this request, forked from it once its prompt is computed (empty
+    /// once forked, and for one choice).
+    pub choices: Vec<PendingChoice>,
     /// Structured output: the grammar its tokens follow.
     pub constraint: Option<Box<dyn TokenConstraint>>,
     /// The constraint's bitmask for the next token, valid while `mask_ready`.
@@ -147,6 +150,7 @@ impl Seq {
             computed: 0,
             logits: keep_logits.then(Vec::new),
             logprobs,
+            cumulative_logprob: Some(0.0),
             choices: Vec::new(),
             constraint: None,
             mask: Vec::new(),
@@ -274,15 +278,23 @@ impl Seq {
     /// with the logits that chose it when the host has them; returns the token, its logprobs
     /// (when asked for) and why the sequence ends, if it does.
     pub fn record(&mut self, picked: Picked) -> (u32, Option<SampledToken>, Option<FinishReason>) {
-        let (token, sampled, logits) = match picked {
-            // A constrained sequence picks on the host, from its masked logits.
+        let (token, sampled, logits, logprob) = match picked {
+            // A constrained sequence picks on the host, from its masked logits; the mask leaves
+            // an allowed token's logit as it was, so its logprob is the raw logits'.
             Picked::Sampled(_, Some(mut logits)) if self.constraint.is_some() => {
+                let lse = log_sum_exp(&logits);
                 self.constrain(&mut logits);
-                (self.sampler.sample(&logits), None, Some(logits))
+                let token = self.sampler.sample(&logits);
+                let logprob = logits.get(token as usize).map(|&l| f64::from(l) - lse);
+                (token, None, Some(logits), logprob)
             }
-            Picked::Sampled(s, logits) => (s.token, Some(s), logits),
-            Picked::Chosen(token, logits) => (token, None, logits),
+            Picked::Sampled(s, logits) => {
+                let logprob = Some(f64::from(s.logprob));
+                (s.token, Some(s), logits, logprob)
+            }
+            Picked::Chosen(token, logits) => (token, None, logits, None),
         };
+        self.cumulative_logprob = self.cumulative_logprob.zip(logprob).map(|(a, b)| a + b);
         if let (Some(all), Some(row)) = (self.logits.as_mut(), logits) {
             all.push(row);
         }
@@ -356,6 +368,7 @@ impl Seq {
             finish_reason: reason,
             logits: self.logits,
             logprobs: self.logprobs,
+            cumulative_logprob: self.cumulative_logprob,
         }
     }
 
@@ -372,6 +385,24 @@ impl Seq {
         c.published = 0;
         result
     }
+}
+
+/// A choice still to fork from its request's first sequence: its id and its own constraint.
+#[derive(Debug)]
+pub(crate) struct PendingChoice {
+    pub id: SeqId,
+    pub constraint: Option<Box<dyn TokenConstraint>>,
+}
+
+/// `ln(sum(exp(x)))` of a logit row, in f64; `-inf` for a row without a finite logit.
+fn log_sum_exp(logits: &[f32]) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return f64::NEG_INFINITY;
+    }
+    let max = f64::from(max);
+    let sum: f64 = logits.iter().map(|&l| (f64::from(l) - max).exp()).sum();
+    max + sum.ln()
 }
 
 /// A row's next token as a step delivers it.

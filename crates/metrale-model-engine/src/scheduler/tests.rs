@@ -234,7 +234,7 @@ fn a_constrained_sequence_picks_only_allowed_tokens_and_stops_when_its_grammar_i
         steps: steps.clone(),
         taken: Vec::new(),
     };
-    let bound = (s.add_constrained(sampled, Some(Box::new(constraint)))).expect("valid");
+    let bound = (s.add_constrained(sampled, vec![Box::new(constraint)])).expect("valid");
     let mut tokens = std::collections::HashMap::<SeqId, Vec<u32>>::new();
     let mut finished = std::collections::HashMap::new();
     while !s.is_idle() {
