@@ -12,12 +12,11 @@
 //!   sampler draws token `i` from the sequence's seed and `i` alone, the penalties' counts are
 //!   the tokens', and the host sampler (speculative rejection sampling) keeps its generator
 //!   state, so a resumed sequence's output is unchanged.
-//! - A constrained sequence (`constraint`) picks each token on the host, from its logits masked
-//!   by its constraint's bitmask for that token ([`Seq::prepare_mask`], computed once per token,
-//!   after the step is launched): greedy, the masked argmax; sampled, the host sampler (the
-//!   device sampler's penalties, bias and logprobs do not apply to it). Every token it records
-//!   is accepted by the constraint, and it ends (`Stop`) when the constraint is finished. It
-//!   never drafts.
+//! - A constrained sequence (`constraint`) picks each token on the device, like every other
+//!   row, with its constraint's bitmask for that token in the sampler's mask input
+//!   ([`Seq::prepare_mask`], computed once per token, while the device runs the step's forward;
+//!   [`Seq::sample_row`] carries it). Every token it records is accepted by the constraint, and
+//!   it ends (`Stop`) when the constraint is finished. It never drafts.
 //! - With prefix caching, `block_hashes` are the keys of the leading full blocks of `tokens`:
 //!   the prompt's (from the first admission on), then, on a model that publishes generated
 //!   blocks, each block decode steps filled; the hashes only grow (a preempted sequence keeps
@@ -28,7 +27,7 @@
 use metrale_cache::{BlockHash, BlockTable, CacheManager};
 
 use super::request::{FinishReason, Generation};
-use crate::constraint::{TokenConstraint, allow, apply_mask, mask_words};
+use crate::constraint::{TokenConstraint, allow, mask_words};
 use crate::error::ModelError;
 use crate::runner::{ChunkCuts, prefill_chunk};
 use crate::sampling::{SampleRow, SampledToken, Sampler, TokenStats};
@@ -184,16 +183,15 @@ impl Seq {
         self.mask_ready = true;
     }
 
-    /// Mask `logits` (the row that picks the next token) with the constraint's bitmask; nothing
-    /// without a constraint.
-    pub fn constrain(&mut self, logits: &mut [f32]) {
-        if self.constraint.is_some() {
-            self.prepare_mask(logits.len());
-            apply_mask(logits, &self.mask);
-        }
+    /// Whether this sequence's next row picks a token under its constraint (it is constrained
+    /// and that row is the one of its last token).
+    pub fn samples_masked(&self) -> bool {
+        self.constraint.is_some() && self.computed + 1 >= self.tokens.len()
     }
 
-    /// The device sampler's row for this sequence's next token.
+    /// The device sampler's row for this sequence's next token: with the constraint's bitmask
+    /// when it is prepared ([`Seq::prepare_mask`] comes first for a row that
+    /// [`Seq::samples_masked`]).
     pub fn sample_row(&self) -> SampleRow {
         let p = self.sampler.params();
         let generated = self.generated();
@@ -209,10 +207,15 @@ impl Seq {
             }
             None => Vec::new(),
         };
+        debug_assert!(
+            self.mask_ready || !self.samples_masked(),
+            "a constrained row is sampled before its mask is prepared"
+        );
+        let mask = (self.constraint.is_some() && self.mask_ready).then(|| self.mask.clone());
         SampleRow {
-            words: p.sample_row(self.seed, generated as u64, false),
+            words: p.sample_row(self.seed, generated as u64, mask.is_some()),
             entries,
-            mask: None,
+            mask,
         }
     }
 
@@ -258,10 +261,9 @@ impl Seq {
         }
     }
 
-    /// Whether the host needs this sequence's logits: it keeps them, or it is constrained (it
-    /// picks from them).
+    /// Whether the host needs this sequence's logits: it keeps them (`return_logits`).
     pub fn keeps_logits(&self) -> bool {
-        self.logits.is_some() || self.constraint.is_some()
+        self.logits.is_some()
     }
 
     /// Whether a verify step needs this sequence's logits on the host: it keeps them, or it
@@ -275,11 +277,6 @@ impl Seq {
     /// (when asked for) and why the sequence ends, if it does.
     pub fn record(&mut self, picked: Picked) -> (u32, Option<SampledToken>, Option<FinishReason>) {
         let (token, sampled, logits) = match picked {
-            // A constrained sequence picks on the host, from its masked logits.
-            Picked::Sampled(_, Some(mut logits)) if self.constraint.is_some() => {
-                self.constrain(&mut logits);
-                (self.sampler.sample(&logits), None, Some(logits))
-            }
             Picked::Sampled(s, logits) => (s.token, Some(s), logits),
             Picked::Chosen(token, logits) => (token, None, logits),
         };
