@@ -153,7 +153,7 @@ async fn generate(
             })
         }
         Events::Chat(handle) => {
-            let out = wait_chat(handle).await?;
+            let out = wait_chat(*handle).await?;
             let o = &out.output;
             let usage = Some(Usage::new(o.prompt_ids.len(), o.token_ids.len()));
             let logprobs = (o.logprobs.as_deref())
@@ -322,14 +322,17 @@ fn submit(state: &AppState, source: Source, s: Settings) -> Result<Events, ApiEr
                 ToolChoice::Required | ToolChoice::Function(_)
             );
             let chat = chat.generation(generation(Prompt::TokenIds(Vec::new()), max_new_tokens));
-            engine.submit_chat(chat).map(Events::Chat).map_err(|e| {
-                let mut api = ApiError::from(e);
-                // A forced call's grammar comes from the tools' schemas.
-                if forced && api.param.as_deref() == Some("response_format") {
-                    api.param = Some("tools".into());
-                }
-                api
-            })
+            engine
+                .submit_chat(chat)
+                .map(|h| Events::Chat(Box::new(h)))
+                .map_err(|e| {
+                    let mut api = ApiError::from(e);
+                    // A forced call's grammar comes from the tools' schemas.
+                    if forced && api.param.as_deref() == Some("response_format") {
+                        api.param = Some("tools".into());
+                    }
+                    api
+                })
         }
     }
 }
