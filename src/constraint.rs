@@ -204,8 +204,8 @@ impl TokenConstraint for GrammarConstraint {
     }
 }
 
-/// The mask computation of a constraint alone, for the benchmarks: compile `constraint`, then
-/// per call compute one mask and take the first allowed token.
+/// The mask computation of a constraint alone, for the benchmarks and the tests' reference:
+/// compile `constraint`, then per call compute one mask and take a token.
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct MaskBench {
@@ -236,11 +236,22 @@ impl MaskBench {
     /// One token: its mask, then the last allowed token (so strings grow until they must
     /// close); `None` once the grammar allows nothing more.
     pub fn step(&mut self) -> Option<u32> {
+        let (w, bits) = (self.mask()?.iter().enumerate()).rfind(|(_, b)| **b != 0)?;
+        let token = (w * 32) as u32 + (31 - bits.leading_zeros());
+        self.accept(token).then_some(())?;
+        (!self.constraint.is_finished()).then_some(token)
+    }
+
+    /// The allowed-token bitmask of the next token, as the scheduler computes it (`None` when
+    /// the grammar fails): the tests' reference of what a constrained row may pick.
+    pub fn mask(&mut self) -> Option<&[u32]> {
         self.mask.fill(0);
         self.constraint.fill_mask(&mut self.mask).ok()?;
-        let (w, bits) = (self.mask.iter().enumerate()).rfind(|(_, b)| **b != 0)?;
-        let token = (w * 32) as u32 + (31 - bits.leading_zeros());
-        self.constraint.accept(token).ok()?;
-        (!self.constraint.is_finished()).then_some(token)
+        Some(&self.mask)
+    }
+
+    /// Take `token`; false when the grammar refuses it.
+    pub fn accept(&mut self, token: u32) -> bool {
+        self.constraint.accept(token).is_ok()
     }
 }

@@ -203,12 +203,18 @@ fn forced_tool_calls_give_every_chat_choice_its_own_valid_call() {
         );
     let mut ended = BTreeMap::new();
     let mut calls: BTreeMap<usize, usize> = BTreeMap::new();
+    let mut streamed: BTreeMap<usize, String> = BTreeMap::new();
     let mut output = None;
     for ev in engine.submit_chat(request).unwrap() {
         match ev.unwrap() {
             ChatEvent::Delta(d) => {
                 assert!(!d.content.contains("tool_call"), "{d:?}");
-                *calls.entry(d.choice).or_default() += d.tool_calls.len();
+                // A call streams as its head (id and name) and then fragments of arguments.
+                let heads = d.tool_calls.iter().filter(|c| c.id.is_some()).count();
+                *calls.entry(d.choice).or_default() += heads;
+                for c in &d.tool_calls {
+                    streamed.entry(d.choice).or_default().push_str(&c.arguments);
+                }
             }
             ChatEvent::ChoiceFinished {
                 choice,
@@ -232,6 +238,10 @@ fn forced_tool_calls_give_every_chat_choice_its_own_valid_call() {
         assert_eq!(c.finish_reason(), "tool_calls");
         assert_eq!(ended[&i], "tool_calls");
         assert_eq!(calls[&i], 1, "choice {i}: one call streamed");
+        assert_eq!(
+            streamed[&i], c.tool_calls[0].arguments,
+            "choice {i}: the streamed fragments are the arguments"
+        );
         ids.push(c.tool_calls[0].id.clone());
     }
     ids.sort();

@@ -1,76 +1,127 @@
 //! Structured output and forced tool calls on the CUDA backend (GPU machine only), on the tiny
-//! random-weight Qwen3 with the real vocabulary: 32 JSON-schema requests submitted at once (rows
-//! masked on the host beside unconstrained rows that take the device's argmax) all answer JSON
-//! under their schema, the unconstrained ones are unchanged by the constrained ones beside
-//! them, and a named tool choice gives a valid call.
+//! random-weight Qwen3 with the real vocabulary. Constrained rows are masked on the device (the
+//! sampler's mask input, uploaded after the step's forward is launched), with decode graphs and
+//! eagerly: 32 JSON-schema requests submitted at once all answer JSON under their schema, a
+//! greedy constrained answer is the masked argmax of its own logits token for token, the
+//! unconstrained requests beside them are bitwise their solo runs, and a named tool choice gives
+//! a valid call whose arguments stream in fragments.
 
 #![allow(clippy::unwrap_used)]
 #![cfg(feature = "cuda")]
 
-use metrale::chat::{ChatMessage, ChatRequest, Tool, ToolChoice};
+use metrale::bench_internals::MaskBench;
+use metrale::chat::{ChatEvent, ChatMessage, ChatRequest, Tool, ToolChoice};
 use metrale::{
     Backend, Constraint, Engine, EngineOptions, GenerateRequest, ModelOptions, SamplingParams,
 };
-use metrale_testkit::checkpoint;
+use metrale_testkit::checkpoint::{self, IM_END, QWEN3_VOCAB};
 use serde_json::{Value, json};
 
-fn engine() -> (tempfile::TempDir, Engine) {
+fn engine(decode_graphs: bool) -> (tempfile::TempDir, Engine) {
     let dir = tempfile::tempdir().unwrap();
     checkpoint::write_qwen3_chat(dir.path(), 7).unwrap();
     let options = EngineOptions::default().backend(Backend::cuda(0)).model(
         ModelOptions::default()
             .max_decode_seqs(40)
-            .max_seq_len(Some(1024)),
+            .max_seq_len(Some(1024))
+            .decode_graphs(decode_graphs),
     );
     let engine = Engine::load(dir.path(), options).unwrap();
     (dir, engine)
 }
 
-#[test]
-fn constrained_rows_beside_argmax_rows_answer_valid_json_on_cuda() {
-    let (_dir, engine) = engine();
-    let schema = json!({"type": "object", "properties": {
+fn schema() -> Value {
+    json!({"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 6},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "colour": {"enum": ["red", "green"]}},
-        "required": ["name", "age", "colour"], "additionalProperties": false});
-    let free = |i: u64| GenerateRequest::new(format!("Plain text {i}:")).max_new_tokens(24);
-    let alone: Vec<Vec<u32>> = (0..4)
-        .map(|i| engine.generate(&free(i)).unwrap().token_ids)
-        .collect();
-    let constrained: Vec<_> = (0..32u64)
-        .map(|i| {
-            let req = GenerateRequest::new(format!("JSON {i}:"))
-                .max_new_tokens(96)
-                .sampling(SamplingParams::default().temperature(1.0).seed(i))
-                .constraint(Constraint::JsonSchema(schema.clone()));
-            engine.submit(req).unwrap()
-        })
-        .collect();
-    let beside: Vec<_> = (0..4).map(|i| engine.submit(free(i)).unwrap()).collect();
-    for h in constrained {
-        let out = h.wait().unwrap();
-        let text = out.text.unwrap();
-        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
-        assert!(v["name"].as_str().unwrap().chars().count() <= 6, "{v}");
-        assert!((0.0..=120.0).contains(&v["age"].as_f64().unwrap()), "{v}");
-        assert!(
-            ["red", "green"].contains(&v["colour"].as_str().unwrap()),
-            "{v}"
-        );
+        "required": ["name", "age", "colour"], "additionalProperties": false})
+}
+
+/// The lowest index of the maximum of `logits` over the tokens `mask` allows.
+fn masked_argmax(logits: &[f32], mask: Option<&[u32]>) -> u32 {
+    let allowed = |t: usize| mask.is_none_or(|m| (m[t / 32] >> (t % 32)) & 1 == 1);
+    let mut best = (f32::NEG_INFINITY, 0u32);
+    for (t, &v) in logits.iter().enumerate() {
+        let v = if allowed(t) { v } else { f32::NEG_INFINITY };
+        if v > best.0 {
+            best = (v, t as u32);
+        }
     }
-    for (h, want) in beside.into_iter().zip(alone) {
-        assert_eq!(
-            h.wait().unwrap().token_ids,
-            want,
-            "an unconstrained row is unchanged"
-        );
+    best.1
+}
+
+#[test]
+fn constrained_rows_are_masked_on_the_device_beside_unchanged_rows_on_cuda() {
+    for graphs in [true, false] {
+        let (_dir, engine) = engine(graphs);
+        let constraint = Constraint::JsonSchema(schema());
+        let free = |i: u64| {
+            let sampling = match i % 2 {
+                0 => SamplingParams::default(),
+                _ => SamplingParams::default().temperature(0.9).seed(i),
+            };
+            GenerateRequest::new(format!("Plain text {i}:"))
+                .max_new_tokens(24)
+                .sampling(sampling)
+        };
+        let alone: Vec<Vec<u32>> = (0..4)
+            .map(|i| engine.generate(&free(i)).unwrap().token_ids)
+            .collect();
+        let greedy = GenerateRequest::new("JSON, greedy:")
+            .max_new_tokens(96)
+            .return_logits(true)
+            .constraint(constraint.clone());
+        let greedy = engine.submit(greedy).unwrap();
+        let sampled: Vec<_> = (0..32u64)
+            .map(|i| {
+                let req = GenerateRequest::new(format!("JSON {i}:"))
+                    .max_new_tokens(96)
+                    .sampling(SamplingParams::default().temperature(1.0).seed(i))
+                    .constraint(constraint.clone());
+                engine.submit(req).unwrap()
+            })
+            .collect();
+        let beside: Vec<_> = (0..4).map(|i| engine.submit(free(i)).unwrap()).collect();
+        for h in sampled {
+            let text = h.wait().unwrap().text.unwrap();
+            let v: Value =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{graphs}: {text:?}: {e}"));
+            assert!(v["name"].as_str().unwrap().chars().count() <= 6, "{v}");
+            assert!((0.0..=120.0).contains(&v["age"].as_f64().unwrap()), "{v}");
+            assert!(
+                ["red", "green"].contains(&v["colour"].as_str().unwrap()),
+                "{v}"
+            );
+        }
+        for (i, (h, want)) in beside.into_iter().zip(alone).enumerate() {
+            assert_eq!(
+                h.wait().unwrap().token_ids,
+                want,
+                "graphs {graphs}: unconstrained request {i} is unchanged"
+            );
+        }
+        // The greedy answer against the grammar replayed on the host over its own logits.
+        let out = greedy.wait().unwrap();
+        let json = checkpoint::qwen3_tokenizer_json().unwrap();
+        let mut grammar = MaskBench::new(&constraint, &json, QWEN3_VOCAB, IM_END).unwrap();
+        let logits = out.logits.as_ref().unwrap();
+        assert_eq!(logits.len(), out.token_ids.len());
+        let mut differs = false;
+        for (t, (&token, row)) in out.token_ids.iter().zip(logits).enumerate() {
+            let want = masked_argmax(row, Some(grammar.mask().unwrap()));
+            assert_eq!(token, want, "graphs {graphs}: token {t} of {:?}", out.text);
+            differs |= masked_argmax(row, None) != want;
+            assert!(grammar.accept(token));
+        }
+        assert!(differs, "graphs {graphs}: the mask changed some pick");
+        serde_json::from_str::<Value>(&out.text.unwrap()).unwrap();
     }
 }
 
 #[test]
-fn a_named_tool_choice_gives_a_valid_call_on_cuda() {
-    let (_dir, engine) = engine();
+fn a_named_tool_choice_gives_a_valid_call_streamed_in_fragments_on_cuda() {
+    let (_dir, engine) = engine(true);
     let tool = Tool::function("pick").parameters(json!({"type": "object", "properties": {
         "choice": {"enum": ["a", "b"]}, "n": {"type": "integer", "minimum": 1, "maximum": 3}},
         "required": ["choice", "n"]}));
@@ -86,4 +137,18 @@ fn a_named_tool_choice_gives_a_valid_call_on_cuda() {
         "{args}"
     );
     assert_eq!(out.finish_reason(), "tool_calls");
+    let (mut arguments, mut fragments) = (String::new(), 0);
+    for ev in engine.submit_chat(req).unwrap() {
+        if let ChatEvent::Delta(d) = ev.unwrap() {
+            for piece in d.tool_calls {
+                fragments += usize::from(!piece.arguments.is_empty());
+                arguments.push_str(&piece.arguments);
+            }
+        }
+    }
+    assert!(fragments > 1, "{fragments} fragments");
+    assert_eq!(
+        arguments, out.tool_calls[0].arguments,
+        "greedy: the same call"
+    );
 }

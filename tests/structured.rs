@@ -2,11 +2,14 @@
 //! tokenizer and chat template (`metrale_testkit::checkpoint`): JSON-schema answers are valid
 //! under their schema however the random model would have wandered, alone and 32 at a time;
 //! required and named tool choices always give calls of the declared functions whose arguments
-//! follow their schemas, whole and streamed; a bad schema is refused; tools rendered through a
+//! follow their schemas, whole and streamed (the arguments in fragments); a greedy constrained
+//! answer is the masked argmax of its logits, token for token, and the unconstrained requests
+//! beside it are bitwise their solo runs; a bad schema is refused; tools rendered through a
 //! `ChatRequest` are the template's rendering of them, as transformers gives it.
 
 #![allow(clippy::unwrap_used)]
 
+use metrale::bench_internals::MaskBench;
 use metrale::chat::{
     ChatEvent, ChatMessage, ChatOptions, ChatRequest, Tool, ToolCallParser, ToolChoice,
 };
@@ -14,6 +17,7 @@ use metrale::{
     Constraint, Engine, EngineError, EngineOptions, GenerateRequest, ModelOptions, RequestError,
     SamplingParams,
 };
+use metrale_testkit::checkpoint::{IM_END, QWEN3_VOCAB};
 use metrale_testkit::{Rng, checkpoint};
 use serde_json::{Value, json};
 
@@ -175,6 +179,68 @@ fn json_schema_answers_are_valid_under_their_schema_alone_and_32_at_once() {
     }
 }
 
+/// The lowest index of the maximum of `logits` over the tokens `mask` allows (every other
+/// token at `-inf`, as the host applied constraints before the device sampler did).
+fn masked_argmax(logits: &[f32], mask: Option<&[u32]>) -> u32 {
+    let allowed = |t: usize| mask.is_none_or(|m| (m[t / 32] >> (t % 32)) & 1 == 1);
+    let mut best = (f32::NEG_INFINITY, 0u32);
+    for (t, &v) in logits.iter().enumerate() {
+        let v = if allowed(t) { v } else { f32::NEG_INFINITY };
+        if v > best.0 {
+            best = (v, t as u32);
+        }
+    }
+    best.1
+}
+
+#[test]
+fn a_greedy_constrained_answer_is_the_masked_argmax_beside_unchanged_batch_mates() {
+    let (_dir, engine) = engine();
+    let schema = Constraint::JsonSchema(schemas()[1].clone());
+    let constrained = GenerateRequest::new("Reply with JSON:")
+        .max_new_tokens(64)
+        .return_logits(true)
+        .constraint(schema.clone());
+    let free = |i: u64| {
+        let sampling = match i {
+            0 => SamplingParams::default(),
+            _ => SamplingParams::default().temperature(0.9).seed(i),
+        };
+        GenerateRequest::new(format!("Plain text {i}:"))
+            .max_new_tokens(20)
+            .sampling(sampling)
+    };
+    let alone: Vec<Vec<u32>> = (0..3)
+        .map(|i| engine.generate(&free(i)).unwrap().token_ids)
+        .collect();
+    let bound = engine.submit(constrained).unwrap();
+    let beside: Vec<_> = (0..3).map(|i| engine.submit(free(i)).unwrap()).collect();
+    let out = bound.wait().unwrap();
+    for (i, (h, want)) in beside.into_iter().zip(alone).enumerate() {
+        assert_eq!(
+            h.wait().unwrap().token_ids,
+            want,
+            "request {i} beside a constrained one"
+        );
+    }
+    // The reference: the same grammar replayed on the host over the answer's tokens.
+    let json = checkpoint::qwen3_tokenizer_json().unwrap();
+    let mut grammar = MaskBench::new(&schema, &json, QWEN3_VOCAB, IM_END).unwrap();
+    let logits = out.logits.as_ref().unwrap();
+    assert_eq!(logits.len(), out.token_ids.len());
+    let mut differs = false;
+    for (t, (&token, row)) in out.token_ids.iter().zip(logits).enumerate() {
+        let want = masked_argmax(row, Some(grammar.mask().unwrap()));
+        assert_eq!(token, want, "token {t} of {:?}", out.text);
+        differs |= masked_argmax(row, None) != want;
+        assert!(grammar.accept(token));
+    }
+    assert!(differs, "the mask changed some pick");
+    let text = out.text.unwrap();
+    let value: Value = serde_json::from_str(&text).unwrap();
+    check(&schemas()[1], &value, "$").unwrap();
+}
+
 #[test]
 fn a_schema_llguidance_cannot_compile_is_refused_naming_the_problem() {
     let (_dir, engine) = engine();
@@ -251,23 +317,35 @@ fn required_and_named_tool_choices_always_give_valid_calls_whole_and_streamed() 
         );
         assert_eq!(out.finish_reason(), "tool_calls");
         assert_eq!(out.content.trim(), "", "markup never reaches the content");
-        // Streamed: the same call comes in a delta, and the content deltas carry no markup.
-        let mut streamed = Vec::new();
+        // Streamed: the same call comes as a head (id and name) in one delta, then its
+        // arguments in fragments over later deltas; the content deltas carry no markup.
+        let (mut name, mut arguments, mut fragments) = (None, String::new(), 0);
         let mut content = String::new();
         for ev in engine.submit_chat(chat_request(choice, seed)).unwrap() {
             match ev.unwrap() {
                 ChatEvent::Delta(d) => {
                     content.push_str(&d.content);
-                    streamed.extend(d.tool_calls);
+                    for piece in d.tool_calls {
+                        assert_eq!(piece.index, 0);
+                        if let Some(n) = piece.name {
+                            assert!(name.is_none(), "one head per call");
+                            assert!(piece.id.unwrap().starts_with("call_"));
+                            name = Some(n);
+                        } else {
+                            assert!(name.is_some(), "the head comes first");
+                        }
+                        fragments += usize::from(!piece.arguments.is_empty());
+                        arguments.push_str(&piece.arguments);
+                    }
                 }
                 ChatEvent::Finished { output } => assert_eq!(output.tool_calls.len(), 1),
                 _ => {}
             }
         }
-        assert_eq!(streamed.len(), 1);
+        assert!(fragments > 1, "the arguments stream: {fragments} fragments");
         assert_eq!(
-            (&streamed[0].name, &streamed[0].arguments),
-            (&call.name, &call.arguments),
+            (name.as_ref(), &arguments),
+            (Some(&call.name), &call.arguments),
             "the same seed gives the same call"
         );
         assert!(!content.contains("tool_call"), "{content}");

@@ -45,8 +45,8 @@ pub use message::{ChatMessage, ChatOptions};
 pub use output::{OutputEvent, OutputParser, ToolCallFormat, ToolSpec};
 pub(crate) use request::{AnswerReader, tool_format};
 pub use request::{
-    ChatDelta, ChatEvent, ChatOutput, ChatRequest, ReasoningParser, Tool, ToolCall, ToolCallParser,
-    ToolChoice,
+    ChatDelta, ChatEvent, ChatOutput, ChatRequest, ReasoningParser, Tool, ToolCall, ToolCallDelta,
+    ToolCallParser, ToolChoice,
 };
 
 /// The name the template is registered under in its environment.

@@ -10,15 +10,21 @@
 //! [`OutputParser`] takes the answer as it streams, in pieces cut anywhere (inside a marker or a
 //! UTF-8 character's bytes never reach it: it takes `&str`), and gives [`OutputEvent`]s. No
 //! markup reaches the content or the reasoning: text that may be the start of a marker is held
-//! back until the next piece decides it. A tool call is given whole once its closing marker
-//! arrives (its name, then its arguments as one JSON text), so the events of any split of an
-//! answer, merged, are the events of the whole answer.
+//! back until the next piece decides it. A tool call starts once its head names the function
+//! ([`OutputEvent::ToolCallStart`]), and its arguments follow as they are written, in fragments
+//! whose concatenation is the arguments' text ([`OutputEvent::ToolCallArguments`]; `call.rs`
+//! says how each format is read), so the events of any split of an answer, merged, are the
+//! events of the whole answer.
 //!
 //! A tool call inside a think block the model never closed still counts (the reasoning ends
-//! there). A call whose body does not parse, or that the answer leaves open, is given back as
-//! content, markers included, so nothing the model wrote is lost.
+//! there). A call body that never names its function (or, in the JSON format, does not parse
+//! once closed), or that the answer leaves open before it does, is given back as content,
+//! markers included, so nothing the model wrote is lost.
 
-use serde_json::{Map, Value};
+mod call;
+
+use call::{CallCtx, CallState};
+use serde_json::Value;
 
 /// How the model writes a tool call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,14 +68,19 @@ pub enum OutputEvent {
     Reasoning(String),
     /// Text of the answer proper.
     Content(String),
-    /// A complete tool call: its position among the answer's calls, the function's name and
-    /// its arguments as a JSON object's text.
-    ToolCall {
+    /// A tool call starts: its position among the answer's calls and the function's name.
+    ToolCallStart {
         /// 0 for the answer's first call, then 1, ...
         index: usize,
         /// The function.
         name: String,
-        /// The arguments, a JSON object as text.
+    },
+    /// The next fragment of call `index`'s arguments (a JSON object's text, whole once every
+    /// fragment is in).
+    ToolCallArguments {
+        /// The call.
+        index: usize,
+        /// The text.
         arguments: String,
     },
 }
@@ -86,7 +97,7 @@ enum State {
     Start,
     Reasoning,
     Content,
-    /// Inside `<tool_call>`; the body so far is in the buffer.
+    /// Inside `<tool_call>`; the body not yet read is in the buffer.
     Call,
 }
 
@@ -99,6 +110,8 @@ pub struct OutputParser {
     /// Text not yet given: a possible marker's start, or a tool call's body.
     pending: String,
     calls: usize,
+    /// The reading of the open call's body.
+    call: CallState,
     /// Tool calls are read (else `<tool_call>` is content like any text).
     read_calls: bool,
     /// Think blocks are read (else the answer is all content).
@@ -120,6 +133,7 @@ impl OutputParser {
             },
             pending: String::new(),
             calls: 0,
+            call: CallState::Head,
             read_calls: true,
             read_reasoning: true,
         }
@@ -185,37 +199,47 @@ impl OutputParser {
                 let markers: &[&str] = if self.read_calls { &[CALL_OPEN] } else { &[] };
                 self.text_until(events, end, markers, OutputEvent::Content)
             }
-            State::Call => {
-                if let Some(at) = self.pending.find(CALL_CLOSE) {
-                    let body: String = self.pending[..at].to_string();
-                    self.pending.drain(..at + CALL_CLOSE.len());
-                    match self.parse_call(&body) {
-                        Some((name, arguments)) => {
-                            events.push(OutputEvent::ToolCall {
-                                index: self.calls,
-                                name,
-                                arguments,
-                            });
-                            self.calls += 1;
-                        }
-                        None => push_text(
-                            events,
-                            format!("{CALL_OPEN}{body}{CALL_CLOSE}"),
-                            OutputEvent::Content,
-                        ),
-                    }
-                    self.state = State::Content;
-                    true
-                } else if end {
-                    let body = std::mem::take(&mut self.pending);
-                    push_text(events, format!("{CALL_OPEN}{body}"), OutputEvent::Content);
-                    self.state = State::Content;
-                    false
-                } else {
-                    false
-                }
-            }
+            State::Call => self.call_step(events, end),
         }
+    }
+
+    /// Read what is certain of the open call's body: all of it up to `</tool_call>`, or, before
+    /// that marker comes, all but a tail that may start it. At the marker (or the answer's end)
+    /// the call ends, or its text goes back to the content when it never was a call.
+    fn call_step(&mut self, events: &mut Vec<OutputEvent>, end: bool) -> bool {
+        let close = self.pending.find(CALL_CLOSE);
+        let complete = close.is_some() || end;
+        let certain = match close {
+            Some(at) => at,
+            None if end => self.pending.len(),
+            None => self.pending.len() - held_tail(&self.pending, &[CALL_CLOSE]),
+        };
+        let ctx = CallCtx {
+            format: self.format,
+            tools: &self.tools,
+            index: self.calls,
+        };
+        let read = self
+            .call
+            .read(&self.pending[..certain], complete, &ctx, events);
+        if !complete {
+            if let Some(used) = read {
+                self.pending.drain(..used);
+            }
+            return false;
+        }
+        let marker = if close.is_some() { CALL_CLOSE } else { "" };
+        if read.is_none() {
+            let body = &self.pending[..certain];
+            let text = format!("{CALL_OPEN}{body}{marker}");
+            push_text(events, text, OutputEvent::Content);
+        } else {
+            self.calls += 1;
+        }
+        self.pending.drain(..certain + marker.len());
+        self.call = CallState::Head;
+        self.state = State::Content;
+        close.is_some()
     }
 
     /// Give `pending`'s text up to the first of `markers` as `kind`, holding back a tail that
@@ -251,67 +275,6 @@ impl OutputParser {
         push_text(events, text, kind);
         false
     }
-
-    /// A call's body as (name, arguments), or `None` when it does not parse.
-    fn parse_call(&self, body: &str) -> Option<(String, String)> {
-        match self.format {
-            ToolCallFormat::Json => {
-                let value: Value = serde_json::from_str(body.trim()).ok()?;
-                let name = value.get("name")?.as_str()?.to_string();
-                let arguments = match value.get("arguments") {
-                    None | Some(Value::Null) => Value::Object(Map::new()),
-                    Some(Value::String(s)) => serde_json::from_str(s).ok()?,
-                    Some(v) => v.clone(),
-                };
-                arguments.is_object().then(|| (name, arguments.to_string()))
-            }
-            ToolCallFormat::Xml => self.parse_xml_call(body),
-        }
-    }
-
-    /// `<function=NAME>` and its `<parameter=P>value</parameter>`s, typed by the declared
-    /// schema of NAME.
-    fn parse_xml_call(&self, body: &str) -> Option<(String, String)> {
-        let rest = body.trim();
-        let rest = rest.strip_prefix("<function=")?;
-        let close = rest.find('>')?;
-        let name = rest[..close].trim().to_string();
-        let inner = rest[close + 1..].trim_end().strip_suffix("</function>")?;
-        let schema = (self.tools.iter())
-            .find(|t| t.name == name)
-            .and_then(|t| t.parameters.get("properties"));
-        let mut arguments = Map::new();
-        let mut rest = inner.trim_start();
-        while !rest.is_empty() {
-            let after = rest.strip_prefix("<parameter=")?;
-            let close = after.find('>')?;
-            let key = after[..close].trim().to_string();
-            let after = &after[close + 1..];
-            let end = after.find("</parameter>")?;
-            let raw = after[..end].strip_prefix('\n').unwrap_or(&after[..end]);
-            let raw = raw.strip_suffix('\n').unwrap_or(raw);
-            let declared = schema.and_then(|s| s.get(&key)).and_then(|p| p.get("type"));
-            arguments.insert(key, typed_value(raw, declared));
-            rest = after[end + "</parameter>".len()..].trim_start();
-        }
-        Some((name, Value::Object(arguments).to_string()))
-    }
-}
-
-/// `raw` as the declared type: a string stays text; other types are read as JSON where they
-/// parse (text otherwise); with no declared type, text.
-fn typed_value(raw: &str, declared: Option<&Value>) -> Value {
-    let text = || Value::String(raw.to_string());
-    let Some(kind) = declared.and_then(Value::as_str) else {
-        return text();
-    };
-    if kind == "string" {
-        return text();
-    }
-    serde_json::from_str::<Value>(raw.trim())
-        .ok()
-        .filter(|v| !v.is_string())
-        .unwrap_or_else(text)
 }
 
 /// Append non-empty `text` as `kind`, merged into the last event when that is of the same kind.

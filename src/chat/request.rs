@@ -278,8 +278,25 @@ pub struct ChatDelta {
     pub reasoning: String,
     /// Content text added.
     pub content: String,
-    /// Calls completed by this token.
-    pub tool_calls: Vec<ToolCall>,
+    /// What this token adds to tool calls: a call's start (its id and name) and fragments of
+    /// its arguments; at most one entry a call.
+    pub tool_calls: Vec<ToolCallDelta>,
+}
+
+/// A piece of a streamed tool call, in OpenAI's delta shape: the first piece of a call carries
+/// its id and name (and arguments, possibly empty), later ones only arguments. A call's
+/// arguments are the concatenation of its pieces' `arguments`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ToolCallDelta {
+    /// The call's position among the answer's calls.
+    pub index: usize,
+    /// `call_` and 24 random letters and digits, on the call's first piece.
+    pub id: Option<String>,
+    /// The function, on the call's first piece.
+    pub name: Option<String>,
+    /// The next fragment of the arguments' text.
+    pub arguments: String,
 }
 
 /// What a chat handle yields: deltas in order, then `Finished` once.
@@ -384,19 +401,33 @@ impl AnswerReader {
                     self.content.push_str(&t);
                     delta.content.push_str(&t);
                 }
-                OutputEvent::ToolCall {
-                    index,
-                    name,
-                    arguments,
-                } => {
+                OutputEvent::ToolCallStart { index, name } => {
                     let call = ToolCall {
                         index,
                         id: self.call_id(),
                         name,
-                        arguments,
+                        arguments: String::new(),
                     };
-                    self.calls.push(call.clone());
-                    delta.tool_calls.push(call);
+                    delta.tool_calls.push(ToolCallDelta {
+                        index,
+                        id: Some(call.id.clone()),
+                        name: Some(call.name.clone()),
+                        arguments: String::new(),
+                    });
+                    self.calls.push(call);
+                }
+                OutputEvent::ToolCallArguments { index, arguments } => {
+                    if let Some(call) = self.calls.iter_mut().rfind(|c| c.index == index) {
+                        call.arguments.push_str(&arguments);
+                    }
+                    match delta.tool_calls.last_mut() {
+                        Some(d) if d.index == index => d.arguments.push_str(&arguments),
+                        _ => delta.tool_calls.push(ToolCallDelta {
+                            index,
+                            arguments,
+                            ..ToolCallDelta::default()
+                        }),
+                    }
                 }
             }
         }

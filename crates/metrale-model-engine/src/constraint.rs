@@ -9,9 +9,10 @@
 //! vocabulary are clear.
 //!
 //! Invariants:
-//! - A constrained row picks its token from host logits with every disallowed token at
-//!   `-inf` ([`apply_mask`]), so greedy and sampled picking never choose one; a sequence
-//!   without a constraint pays nothing.
+//! - A constrained row's mask goes into the device sampler's mask input, which sets every
+//!   disallowed logit to `-inf` before any pick ([`apply_mask`] is the same rule on the host, the
+//!   tests' reference), so greedy and sampled picking never choose one; a sequence without a
+//!   constraint pays nothing.
 //! - A sequence whose constraint fails (its grammar errs, or allows no token) may only end:
 //!   its mask falls back to its stop tokens.
 

@@ -2,7 +2,8 @@
 //! presence and frequency penalties, logit bias, min_tokens, logprobs, the seed), the rows the
 //! device sampler (`sampling::sample`, `kernels/sampling.cu`) reads ([`SampleRow`], built per
 //! sequence and step by [`TokenStats`] and [`SamplingParams::sample_row`]) and what it returns
-//! ([`SampledToken`]). A host `Sampler` (temperature, top-k and top-p from f32 logits, driven by
+//! ([`SampledToken`]); a structured-output row's allowed-token bitmask rides in its
+//! [`SampleRow`] and is applied on the device. A host `Sampler` (temperature, top-k and top-p from f32 logits, driven by
 //! a seeded generator) remains for the rejection sampling of speculative decoding
 //! (`speculative::accept`), which reads the distribution and the draw apart.
 //!

@@ -138,7 +138,7 @@ async fn generate(
             serde_json::to_value(response::completion(engine, head, wait(handle).await?))
         }
         Events::Chat(handle) => {
-            serde_json::to_value(response::chat(engine, head, wait_chat(handle).await?))
+            serde_json::to_value(response::chat(engine, head, wait_chat(*handle).await?))
         }
     }
     .map_err(|e| ApiError::internal(format!("serializing the response: {e}")))?;
@@ -272,14 +272,17 @@ fn submit(state: &AppState, source: Source, s: Settings) -> Result<Events, ApiEr
                 ToolChoice::Required | ToolChoice::Function(_)
             );
             let chat = chat.generation(generation(Prompt::TokenIds(Vec::new()), max_new_tokens));
-            engine.submit_chat(chat).map(Events::Chat).map_err(|e| {
-                let mut api = ApiError::from(e);
-                // A forced call's grammar comes from the tools' schemas.
-                if forced && api.param.as_deref() == Some("response_format") {
-                    api.param = Some("tools".into());
-                }
-                api
-            })
+            engine
+                .submit_chat(chat)
+                .map(|h| Events::Chat(Box::new(h)))
+                .map_err(|e| {
+                    let mut api = ApiError::from(e);
+                    // A forced call's grammar comes from the tools' schemas.
+                    if forced && api.param.as_deref() == Some("response_format") {
+                        api.param = Some("tools".into());
+                    }
+                    api
+                })
         }
     }
 }

@@ -1,14 +1,15 @@
 //! `SseStream`: a request's events as a server-sent-event body in OpenAI's shape: for chat a
 //! first chunk with the assistant's role for each choice, then a chunk per generated token (its
 //! id, when asked for its logprobs, and what it adds: for a completion its text; for chat
-//! `delta.reasoning_content`, `delta.content`, and for each tool call it completes a chunk
-//! `delta.tool_calls: [{index, id, type, function: {name, arguments: ""}}]` then one with
-//! `[{index, function: {arguments}}]`; markup never reaches `content`), a last chunk per choice
-//! with its finish reason (`tool_calls` when calls were made) when that choice ends, a usage
-//! chunk when asked for (the prompt once, the tokens of every choice), then `data: [DONE]`.
-//! Every chunk carries one choice, named by its `index`; the choices' chunks interleave as the
-//! engine generates them. An engine error ends the stream with `data: {"error": ...}` and
-//! `[DONE]`.
+//! `delta.reasoning_content`, `delta.content`, and for a tool call a chunk
+//! `delta.tool_calls: [{index, id, type, function: {name, arguments: ""}}]` when it starts, then
+//! one `[{index, function: {arguments}}]` per token that adds to its arguments (their
+//! concatenation is the arguments' text); markup never reaches `content`), a last chunk per
+//! choice with its finish reason (`tool_calls` when calls were made) when that choice ends, a
+//! usage chunk when asked for (the prompt once, the tokens of every choice), then
+//! `data: [DONE]`. Every chunk carries one choice, named by its `index`; the choices' chunks
+//! interleave as the engine generates them. An engine error ends the stream with
+//! `data: {"error": ...}` and `[DONE]`.
 //!
 //! Invariant: the stream owns the request's handle until the request has finished; hyper drops
 //! the body when the client disconnects, and with it the handle, which cancels the request.
@@ -38,8 +39,8 @@ use super::response::{
 pub enum Events {
     /// `/v1/completions`.
     Generate(RequestHandle),
-    /// `/v1/chat/completions`.
-    Chat(ChatHandle),
+    /// `/v1/chat/completions` (boxed: a chat handle carries its answer's parser).
+    Chat(Box<ChatHandle>),
 }
 
 impl Events {
@@ -305,16 +306,18 @@ impl SseStream {
                     self.push_choice(index, delta, String::new(), None, ids, lps);
                 }
                 for call in d.tool_calls {
-                    let head = ToolCallOut {
+                    // A call's first piece: its head with empty arguments, as OpenAI sends it;
+                    // then each fragment of its arguments.
+                    let head = (call.id.zip(call.name)).map(|(id, name)| ToolCallOut {
                         index: Some(call.index),
-                        id: Some(call.id),
+                        id: Some(id),
                         kind: Some("function"),
                         function: FunctionOut {
-                            name: Some(call.name),
+                            name: Some(name),
                             arguments: String::new(),
                         },
-                    };
-                    let args = ToolCallOut {
+                    });
+                    let args = (!call.arguments.is_empty()).then_some(ToolCallOut {
                         index: Some(call.index),
                         id: None,
                         kind: None,
@@ -322,8 +325,8 @@ impl SseStream {
                             name: None,
                             arguments: call.arguments,
                         },
-                    };
-                    for piece in [head, args] {
+                    });
+                    for piece in head.into_iter().chain(args) {
                         let delta = ChatDelta {
                             tool_calls: Some(vec![piece]),
                             ..ChatDelta::default()
@@ -369,7 +372,7 @@ impl Stream for SseStream {
                     Poll::Pending => return Poll::Pending,
                     Poll::Ready(event) => this.on_event(event),
                 },
-                Events::Chat(h) => match Pin::new(h).poll_next(cx) {
+                Events::Chat(h) => match Pin::new(&mut **h).poll_next(cx) {
                     Poll::Pending => return Poll::Pending,
                     Poll::Ready(event) => this.on_chat_event(event),
                 },

@@ -1,18 +1,29 @@
 //! A corpus of Qwen3 (JSON calls) and Qwen3.5 (XML calls) answers, each parsed whole and split
 //! at every character boundary (and in three pieces around every marker), against what a client
-//! must see.
+//! must see: the text events merged, and each call's argument fragments concatenated.
 
 use serde_json::json;
 
 use super::*;
 
-/// Consecutive text events of one kind merged: what a client assembles from a stream.
+/// Consecutive text events of one kind merged, and consecutive argument fragments of one call
+/// concatenated: what a client assembles from a stream.
 fn merged(events: Vec<OutputEvent>) -> Vec<OutputEvent> {
     let mut out: Vec<OutputEvent> = Vec::new();
     for e in events {
         match (out.last_mut(), e) {
             (Some(OutputEvent::Reasoning(a)), OutputEvent::Reasoning(b))
             | (Some(OutputEvent::Content(a)), OutputEvent::Content(b)) => a.push_str(&b),
+            (
+                Some(OutputEvent::ToolCallArguments {
+                    index: i,
+                    arguments: a,
+                }),
+                OutputEvent::ToolCallArguments {
+                    index: j,
+                    arguments: b,
+                },
+            ) if *i == j => a.push_str(&b),
             (_, e) => out.push(e),
         }
     }
@@ -29,8 +40,9 @@ fn parse(parser: &OutputParser, pieces: &[&str]) -> Vec<OutputEvent> {
     merged(events)
 }
 
-/// `answer` parsed whole equals `want`, and so does every split of it.
-fn check(parser: &OutputParser, answer: &str, want: &[OutputEvent]) {
+/// `answer` parsed whole equals `want` (its parts in order), and so does every split of it.
+fn check(parser: &OutputParser, answer: &str, want: &[Vec<OutputEvent>]) {
+    let want = &want.concat()[..];
     assert_eq!(parse(parser, &[answer]), want, "whole: {answer:?}");
     let cuts: Vec<usize> = (0..=answer.len())
         .filter(|&i| answer.is_char_boundary(i))
@@ -51,20 +63,32 @@ fn check(parser: &OutputParser, answer: &str, want: &[OutputEvent]) {
     assert_eq!(parse(parser, &pieces), want, "by character: {answer:?}");
 }
 
-fn reasoning(s: &str) -> OutputEvent {
-    OutputEvent::Reasoning(s.into())
+fn reasoning(s: &str) -> Vec<OutputEvent> {
+    vec![OutputEvent::Reasoning(s.into())]
 }
 
-fn content(s: &str) -> OutputEvent {
-    OutputEvent::Content(s.into())
+fn content(s: &str) -> Vec<OutputEvent> {
+    vec![OutputEvent::Content(s.into())]
 }
 
-fn call(index: usize, name: &str, arguments: serde_json::Value) -> OutputEvent {
-    OutputEvent::ToolCall {
-        index,
-        name: name.into(),
-        arguments: arguments.to_string(),
-    }
+/// A call's events: its start, then its arguments' text.
+fn call(index: usize, name: &str, arguments: &str) -> Vec<OutputEvent> {
+    vec![
+        OutputEvent::ToolCallStart {
+            index,
+            name: name.into(),
+        },
+        OutputEvent::ToolCallArguments {
+            index,
+            arguments: arguments.into(),
+        },
+    ]
+}
+
+/// A call's events with its arguments as `serde_json` writes `value` (XML calls, and JSON
+/// calls read whole).
+fn call_of(index: usize, name: &str, value: serde_json::Value) -> Vec<OutputEvent> {
+    call(index, name, &value.to_string())
 }
 
 fn weather_tools() -> Vec<ToolSpec> {
@@ -109,7 +133,8 @@ fn qwen3_answers_with_thinking_and_json_tool_calls() {
         &[
             reasoning("\nNeed the weather.\n"),
             content("\n\n"),
-            call(0, "get_weather", json!({"city": "Paris", "days": 2})),
+            // JSON arguments stream as the model writes them.
+            call(0, "get_weather", r#"{"city": "Paris", "days": 2}"#),
         ],
     );
     let two = "Checking both.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\": \\\"Rome\\\"}\"}\n</tool_call>";
@@ -118,9 +143,10 @@ fn qwen3_answers_with_thinking_and_json_tool_calls() {
         two,
         &[
             content("Checking both.\n"),
-            call(0, "get_weather", json!({"city": "Paris"})),
+            call(0, "get_weather", r#"{"city": "Paris"}"#),
             content("\n"),
-            call(1, "get_weather", json!({"city": "Rome"})),
+            // Arguments in a JSON string are read once the call is closed, re-serialized.
+            call_of(1, "get_weather", json!({"city": "Rome"})),
         ],
     );
 }
@@ -134,7 +160,7 @@ fn a_call_inside_an_unclosed_think_block_still_counts() {
         answer,
         &[
             reasoning("I should look it up.\n"),
-            call(0, "get_weather", json!({})),
+            call(0, "get_weather", "{}"),
         ],
     );
     // The prompt opened the block: the answer's first text is reasoning until `</think>`.
@@ -146,9 +172,9 @@ fn a_call_inside_an_unclosed_think_block_still_counts() {
 }
 
 #[test]
-fn malformed_or_unclosed_calls_come_back_as_content() {
+fn calls_that_never_name_their_function_come_back_as_content() {
     let p = OutputParser::new(ToolCallFormat::Json, weather_tools(), false);
-    let bad = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": }\n</tool_call>";
+    let bad = "<tool_call>\n{\"name\": \"get_weather\" \"arguments\": {}}\n</tool_call>";
     check(&p, bad, &[content(bad)]);
     let nameless = "<tool_call>{\"arguments\": {}}</tool_call>";
     check(&p, nameless, &[content(nameless)]);
@@ -168,14 +194,14 @@ fn qwen3_5_xml_calls_take_their_types_from_the_schema() {
         &[
             reasoning("\nWeather for two cities.\n"),
             content("\n\n"),
-            call(
+            call_of(
                 0,
                 "get_weather",
                 json!({"city": "San Francisco", "days": 3, "metric": true, "hours": [9, 12], "zip": "94103"}),
             ),
             content("\n"),
             // A value that is not of its declared type stays text; newlines inside are kept.
-            call(
+            call_of(
                 1,
                 "get_weather",
                 json!({"city": "Line one\nline two", "days": "soon"}),
@@ -185,10 +211,21 @@ fn qwen3_5_xml_calls_take_their_types_from_the_schema() {
     // An undeclared function's parameters are text.
     let other =
         "<tool_call>\n<function=other>\n<parameter=n>\n5\n</parameter>\n</function>\n</tool_call>";
-    check(&p, other, &[call(0, "other", json!({"n": "5"}))]);
-    let broken =
+    check(&p, other, &[call_of(0, "other", json!({"n": "5"}))]);
+    // A parameter left open runs to `</function>`; the arguments always close.
+    let open =
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>";
-    check(&p, broken, &[content(broken)]);
+    check(
+        &p,
+        open,
+        &[call_of(0, "get_weather", json!({"city": "Paris"}))],
+    );
+    let cut = "<tool_call>\n<function=get_weather>\n<parameter=days>\n4\n</parameter>\n<param";
+    check(&p, cut, &[call_of(0, "get_weather", json!({"days": 4}))]);
+    let bare = "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>";
+    check(&p, bare, &[call(0, "get_weather", "{}")]);
+    let nameless = "<tool_call>\n<parameter=city>\nParis\n</parameter>\n</tool_call>";
+    check(&p, nameless, &[content(nameless)]);
 }
 
 #[test]
@@ -222,12 +259,102 @@ fn with_calls_or_reasoning_not_read_their_markup_stays_in_the_content() {
         &no_calls,
         answer,
         &[
-            OutputEvent::Reasoning("\nhm\n".into()),
-            OutputEvent::Content(
-                "\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>".into(),
-            ),
+            reasoning("\nhm\n"),
+            content("\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"),
         ],
     );
     let neither = no_calls.reasoning(false);
-    check(&neither, answer, &[OutputEvent::Content(answer.into())]);
+    check(&neither, answer, &[content(answer)]);
+}
+
+#[test]
+fn a_started_json_call_stays_a_call_with_the_arguments_the_model_wrote() {
+    let p = OutputParser::new(ToolCallFormat::Json, weather_tools(), false);
+    // Brackets and markup inside strings, escapes, nesting: the object's text up to its own
+    // closing brace; what follows it in the body is not read.
+    let args = r#"{"city": "a } b \" { </tool", "hours": [1, {"x": [2]}]}"#;
+    let nested = format!(
+        "<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {args}, \"x\": 1}}\n</tool_call>ok"
+    );
+    check(&p, &nested, &[call(0, "get_weather", args), content("ok")]);
+    // Arguments that do not parse are still the model's arguments (as OpenAI's may be).
+    let bad = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": }\n</tool_call>";
+    check(&p, bad, &[call(0, "get_weather", r#"{"city": }"#)]);
+    // An answer cut inside the arguments (a length stop) leaves them open.
+    let cut = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par";
+    check(&p, cut, &[call(0, "get_weather", r#"{"city": "Par"#)]);
+}
+
+#[test]
+fn arguments_stream_before_the_call_closes() {
+    for (format, head, body, tail) in [
+        (
+            ToolCallFormat::Json,
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {",
+            r#""city": "Paris", "days": 2}"#,
+            "}\n</tool_call>",
+        ),
+        (
+            ToolCallFormat::Xml,
+            "<tool_call>\n<function=get_weather>\n",
+            "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n",
+            "</function>\n</tool_call>",
+        ),
+    ] {
+        let mut p = OutputParser::new(format, weather_tools(), false);
+        let mut started = p.push(head).into_iter();
+        assert_eq!(
+            started.next(),
+            Some(OutputEvent::ToolCallStart {
+                index: 0,
+                name: "get_weather".into()
+            }),
+            "{format:?}: the call starts once its head names the function"
+        );
+        let mut streamed = String::new();
+        for e in started {
+            match e {
+                OutputEvent::ToolCallArguments {
+                    index: 0,
+                    arguments,
+                } => streamed.push_str(&arguments),
+                e => panic!("{format:?}: {e:?}"),
+            }
+        }
+        let mut fragments = 0;
+        for c in body.chars() {
+            for e in p.push(&c.to_string()) {
+                match e {
+                    OutputEvent::ToolCallArguments {
+                        index: 0,
+                        arguments,
+                    } => {
+                        streamed.push_str(&arguments);
+                        fragments += 1;
+                    }
+                    e => panic!("{format:?}: {e:?}"),
+                }
+            }
+        }
+        assert!(
+            fragments >= 2,
+            "{format:?}: {fragments} fragments before the call closed"
+        );
+        let mut rest: Vec<OutputEvent> = p.push(tail);
+        rest.extend(p.finish());
+        for e in rest {
+            match e {
+                OutputEvent::ToolCallArguments {
+                    index: 0,
+                    arguments,
+                } => streamed.push_str(&arguments),
+                e => panic!("{format:?}: {e:?}"),
+            }
+        }
+        let want = match format {
+            ToolCallFormat::Json => format!("{{{body}"),
+            _ => json!({"city": "Paris", "days": 2}).to_string(),
+        };
+        assert_eq!(streamed, want, "{format:?}");
+    }
 }

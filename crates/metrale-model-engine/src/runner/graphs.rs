@@ -17,8 +17,11 @@ use crate::error::ModelError;
 /// What a captured graph replays: one kind of step at one shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum GraphKey {
-    /// A decode step of this padded width.
+    /// A decode step of this padded width, its sampler included.
     Decode(u32),
+    /// The forward of a decode step of this padded width, without its sampler (a step with
+    /// constrained rows samples after their masks are uploaded).
+    DecodeForward(u32),
     /// A verify step of this many rows and sequences.
     Verify {
         /// Rows (every one with logits).
@@ -33,6 +36,13 @@ pub(crate) enum GraphKey {
         logit_rows: u32,
         layer: usize,
     },
+}
+
+impl GraphKey {
+    /// A decode step's graph (with or without its sampler): never bounded.
+    fn is_decode(self) -> bool {
+        matches!(self, GraphKey::Decode(_) | GraphKey::DecodeForward(_))
+    }
 }
 
 /// See the module header.
@@ -66,12 +76,10 @@ impl GraphCache {
     /// Whether a graph may be replayed (or captured) under `key`: any decode step, or a verify
     /// or MTP step whose graph is kept already or while fewer than the bound are.
     pub(crate) fn has_room(&self, key: GraphKey) -> bool {
-        if matches!(key, GraphKey::Decode(_)) || self.contains(key) {
+        if key.is_decode() || self.contains(key) {
             return true;
         }
-        let kept = (self.graphs.keys())
-            .filter(|k| !matches!(k, GraphKey::Decode(_)))
-            .count();
+        let kept = (self.graphs.keys()).filter(|k| !k.is_decode()).count();
         kept < self.max_speculative
     }
 

@@ -12,7 +12,9 @@
 //! - A row's result depends only on its token, position and sequence cache, never on the other
 //!   rows of the step.
 //! - With `decode_graphs`, decode, verify and MTP steps replay a graph captured the first time
-//!   their shape runs; their launches depend on the shape alone.
+//!   their shape runs; their launches depend on the shape alone. A decode step has two graphs
+//!   per width: with its sampler (`decode_sampled`) and without (`decode_forward`, for steps
+//!   whose sampler waits for the host's token masks).
 
 mod build;
 pub(crate) mod circuit;
@@ -199,7 +201,7 @@ impl StepRunner {
         tables: &[&BlockTable],
         ssm_slots: &[u32],
     ) -> Result<(), ModelError> {
-        self.decode_step(cache, rows, tables, ssm_slots, &[])
+        self.decode_step(cache, rows, tables, ssm_slots, Some(&[]))
     }
 
     /// [`StepRunner::decode`], with row `i`'s token picked by the device sampler under
@@ -220,17 +222,53 @@ impl StepRunner {
                 rows.len()
             )));
         }
-        self.decode_step(cache, rows, tables, ssm_slots, sampling)?;
+        self.decode_step(cache, rows, tables, ssm_slots, Some(sampling))?;
         self.sampled(sampling)
     }
 
+    /// [`StepRunner::decode`] without the sampler: the step's forward is launched (replayed
+    /// from a forward-only graph with `decode_graphs`) and left running, so the host can work
+    /// out what the sampler needs (constrained rows' token masks) meanwhile; then
+    /// [`StepRunner::sample_decoded`] uploads that and samples. A decode step without
+    /// constrained rows runs [`StepRunner::decode_sampled`], one graph with its sampler.
+    pub fn decode_forward(
+        &mut self,
+        cache: &CacheManager,
+        rows: &[StepRow],
+        tables: &[&BlockTable],
+        ssm_slots: &[u32],
+    ) -> Result<DecodeLaunched, ModelError> {
+        self.decode_step(cache, rows, tables, ssm_slots, None)?;
+        Ok(DecodeLaunched { rows: rows.len() })
+    }
+
+    /// The tokens of the decode step [`StepRunner::decode_forward`] launched, picked on the
+    /// device by `sampling` (one row a sequence, masks included): the rows are uploaded behind
+    /// the forward on the stream, then the sampler runs over the step's rows (not its padding).
+    pub fn sample_decoded(
+        &self,
+        launched: DecodeLaunched,
+        sampling: &[SampleRow],
+    ) -> Result<Vec<SampledToken>, ModelError> {
+        if sampling.len() != launched.rows {
+            return Err(ModelError::Step(format!(
+                "{} sampling rows for a decode step of {} rows",
+                sampling.len(),
+                launched.rows
+            )));
+        }
+        self.sample(sampling)
+    }
+
+    /// A decode step ending with the sampler over `sampling` (uploaded before the step, inside
+    /// the graph), or, with `None`, only its forward.
     fn decode_step(
         &mut self,
         cache: &CacheManager,
         rows: &[StepRow],
         tables: &[&BlockTable],
         ssm_slots: &[u32],
-        sampling: &[SampleRow],
+        sampling: Option<&[SampleRow]>,
     ) -> Result<(), ModelError> {
         if rows.iter().enumerate().any(|(i, r)| r.seq as usize != i) || rows.len() != tables.len() {
             return Err(ModelError::Step(
@@ -253,17 +291,26 @@ impl StepRunner {
             ))
         })?;
         let shape = self.io().upload(&input, Some(width), None)?;
-        self.upload_sampling(sampling, shape.logit_rows as usize)?;
+        if let Some(sampling) = sampling {
+            self.upload_sampling(sampling, shape.logit_rows as usize)?;
+        }
         self.last_rows = shape.rows as usize;
-        let sampler = self.sampler;
+        let (sampler, sampled) = (self.sampler, sampling.is_some());
         let step = |forward: &Forward| {
             forward.decode(shape)?;
-            sample::launch_sample(forward, &sampler, shape.logit_rows)
+            if sampled {
+                sample::launch_sample(forward, &sampler, shape.logit_rows)?;
+            }
+            Ok(())
         };
         if !self.options.decode_graphs {
             return step(&self.forward);
         }
-        let key = GraphKey::Decode(shape.rows);
+        let key = if sampled {
+            GraphKey::Decode(shape.rows)
+        } else {
+            GraphKey::DecodeForward(shape.rows)
+        };
         if self.forward.circuit.is_none() {
             self.map_before_capture(key, shape)?;
         }
@@ -301,6 +348,15 @@ impl StepRunner {
             .argmax(model.stream(), buf.head.sampled, logits)?;
         Ok(model.gpu().download(buf.head.sampled, n, model.stream())?)
     }
+}
+
+/// A decode step whose forward [`StepRunner::decode_forward`] launched and whose sampling
+/// [`StepRunner::sample_decoded`] has still to run.
+#[derive(Debug)]
+#[must_use = "the step's tokens come from `StepRunner::sample_decoded`"]
+pub struct DecodeLaunched {
+    /// The step's rows (one a sequence, padding left out).
+    rows: usize,
 }
 
 /// Each layer's KV and SSM pools as its forward and the circuit see them, and the KV pools of

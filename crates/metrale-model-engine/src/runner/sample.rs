@@ -1,13 +1,16 @@
 //! The device sampler in the runner: each logit row's parameters, entries and allowed-token mask
 //! uploaded to the sampler's fixed addresses (`build::SamplerBuffers`), `sampling::sample`
-//! launched over the rows (inside the decode graph for decode steps, after the step otherwise),
-//! and only the tokens and logprobs downloaded (`SAMPLE_OUT_WORDS` words a row).
+//! launched over the rows (inside the decode graph for decode steps, after the step otherwise;
+//! a decode step with token masks launches it after its forward, once the host has uploaded
+//! them: `StepRunner::decode_forward`), and only the tokens and logprobs downloaded
+//! (`SAMPLE_OUT_WORDS` words a row).
 //!
 //! Invariants:
 //! - Rows past the ones given (a decode step's padding) are greedy rows without entries, so the
 //!   launch reads only what this step uploaded.
 //! - The launch's parameters are the same at every step (fixed addresses, the entry capacity,
-//!   the mask always given), so a captured graph replays it with this step's uploads.
+//!   the mask always given), so a captured graph replays it with this step's uploads. Only rows
+//!   flagged `SAMPLE_F_MASK` read their row of the mask buffer; an unmasked row never touches it.
 
 use metrale_gpu_runtime::GpuBackendExt;
 use metrale_kernel_abi::{

@@ -199,10 +199,11 @@ impl Scheduler {
                 }
             }
         }
-        let keep = child.keeps_logits();
-        let row = child.sample_row();
         self.running.push(child);
         let k = self.running.len() - 1;
+        self.prepare_masks([k]);
+        let child = &self.running[k];
+        let (keep, row) = (child.keeps_logits(), child.sample_row());
         let picked = pick(&self.runner, &[row], keep)?
             .pop()
             .ok_or_else(|| ModelError::Step("a prefill step returned no logits".into()))?;

@@ -79,12 +79,21 @@ impl Scheduler {
             })
             .collect();
         let (tables, slots) = tables_and_slots(&self.running, &idx);
-        // Every row's sampling (a replayed row's pick is dropped below).
-        let sampling: Vec<SampleRow> = idx.iter().map(|&i| self.running[i].sample_row()).collect();
-        let sampled =
-            (self.runner).decode_sampled(&self.cache, &rows, &tables, &slots, &sampling)?;
-        // Constrained rows' masks, then their host logits (see `Seq::keeps_logits`).
-        self.prepare_masks(idx.iter().copied());
+        let constrained = idx.iter().any(|&i| self.running[i].samples_masked());
+        let sampled = if constrained {
+            // The forward runs on the device while the host computes the constrained rows'
+            // masks; the sampler follows their upload on the stream.
+            let launched = (self.runner).decode_forward(&self.cache, &rows, &tables, &slots)?;
+            self.prepare_masks(idx.iter().copied());
+            let sampling: Vec<SampleRow> =
+                idx.iter().map(|&i| self.running[i].sample_row()).collect();
+            self.runner.sample_decoded(launched, &sampling)?
+        } else {
+            // Every row's sampling (a replayed row's pick is dropped below), inside the step.
+            let sampling: Vec<SampleRow> =
+                idx.iter().map(|&i| self.running[i].sample_row()).collect();
+            (self.runner).decode_sampled(&self.cache, &rows, &tables, &slots, &sampling)?
+        };
         // Host logits only when a row that samples now keeps them.
         let keep = (idx.iter()).any(|&i| {
             let s = &self.running[i];

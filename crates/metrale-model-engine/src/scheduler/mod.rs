@@ -59,6 +59,13 @@
 //!   state copied), take their own seeds (`sampling::choice_seed`) and draw their first tokens
 //!   from the same logits; from then on each is a sequence of its own (preempted, replayed and
 //!   finished alone), bitwise the solo run of its seed.
+//! - **Structured output** ([`Scheduler::add_constrained`]). A constrained sequence's token mask
+//!   depends on its last token, so it is computed on the host once that token is known, while
+//!   the device runs the next step's forward: a decode step with a constrained row launches its
+//!   forward alone ([`StepRunner::decode_forward`]), computes the masks, uploads them behind the
+//!   forward on the stream and then launches the sampler ([`StepRunner::sample_decoded`]); a
+//!   prefill or verify step's sampler runs after its forward anyway. A decode step without one
+//!   runs its single graph, forward and sampler, as it would without structured output.
 //! - **Stopping.** A sequence finishes by its `StopRule`: a stop token (the request's, and the
 //!   model's EOS unless `ignore_eos`), `max_new_tokens`, or a full context (`Length`). A caller
 //!   stops one from outside with [`Scheduler::finish`] between steps (cancellation, stop
@@ -206,7 +213,7 @@ impl Scheduler {
 
     /// Queue a request whose tokens follow `constraints` (structured output; see
     /// [`crate::constraint`]): none, or one per choice it generates (choice `c` follows
-    /// `constraints[c]`). Each constrained token is picked from host logits under the
+    /// `constraints[c]`). Each constrained token is picked by the device sampler under the
     /// constraint's mask, and a choice stops when its constraint is finished.
     pub fn add_constrained(
         &mut self,
@@ -414,13 +421,13 @@ impl Scheduler {
     }
 
     /// Compute the bitmasks of the constrained sequences among running `idx` whose next row
-    /// picks a token: called once a step is launched, before its logits are read, so the
+    /// picks a token: called once a step's forward is launched and before its sampler, so the
     /// grammar's work overlaps the device's.
     fn prepare_masks(&mut self, idx: impl IntoIterator<Item = usize>) {
         let vocab = self.policy.limits.vocab;
         for i in idx {
             let s = &mut self.running[i];
-            if s.constraint.is_some() && s.computed + 1 >= s.tokens.len() {
+            if s.samples_masked() {
                 s.prepare_mask(vocab);
             }
         }

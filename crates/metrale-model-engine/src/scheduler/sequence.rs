@@ -12,12 +12,11 @@
 //!   sampler draws token `i` from the sequence's seed and `i` alone, the penalties' counts are
 //!   the tokens', and the host sampler (speculative rejection sampling) keeps its generator
 //!   state, so a resumed sequence's output is unchanged.
-//! - A constrained sequence (`constraint`) picks each token on the host, from its logits masked
-//!   by its constraint's bitmask for that token ([`Seq::prepare_mask`], computed once per token,
-//!   after the step is launched): greedy, the masked argmax; sampled, the host sampler (the
-//!   device sampler's penalties, bias and logprobs do not apply to it). Every token it records
-//!   is accepted by the constraint, and it ends (`Stop`) when the constraint is finished. It
-//!   never drafts.
+//! - A constrained sequence (`constraint`) picks each token on the device, like every other
+//!   row, with its constraint's bitmask for that token in the sampler's mask input
+//!   ([`Seq::prepare_mask`], computed once per token, while the device runs the step's forward;
+//!   [`Seq::sample_row`] carries it). Every token it records is accepted by the constraint, and
+//!   it ends (`Stop`) when the constraint is finished. It never drafts.
 //! - With prefix caching, `block_hashes` are the keys of the leading full blocks of `tokens`:
 //!   the prompt's (from the first admission on), then, on a model that publishes generated
 //!   blocks, each block decode steps filled; the hashes only grow (a preempted sequence keeps
@@ -28,7 +27,7 @@
 use metrale_cache::{BlockHash, BlockTable, CacheManager};
 
 use super::request::{FinishReason, Generation};
-use crate::constraint::{TokenConstraint, allow, apply_mask, mask_words};
+use crate::constraint::{TokenConstraint, allow, mask_words};
 use crate::error::ModelError;
 use crate::runner::{ChunkCuts, prefill_chunk};
 use crate::sampling::{SampleRow, SampledToken, Sampler, TokenStats};
@@ -188,16 +187,15 @@ impl Seq {
         self.mask_ready = true;
     }
 
-    /// Mask `logits` (the row that picks the next token) with the constraint's bitmask; nothing
-    /// without a constraint.
-    pub fn constrain(&mut self, logits: &mut [f32]) {
-        if self.constraint.is_some() {
-            self.prepare_mask(logits.len());
-            apply_mask(logits, &self.mask);
-        }
+    /// Whether this sequence's next row picks a token under its constraint (it is constrained
+    /// and that row is the one of its last token).
+    pub fn samples_masked(&self) -> bool {
+        self.constraint.is_some() && self.computed + 1 >= self.tokens.len()
     }
 
-    /// The device sampler's row for this sequence's next token.
+    /// The device sampler's row for this sequence's next token: with the constraint's bitmask
+    /// when it is prepared ([`Seq::prepare_mask`] comes first for a row that
+    /// [`Seq::samples_masked`]).
     pub fn sample_row(&self) -> SampleRow {
         let p = self.sampler.params();
         let generated = self.generated();
@@ -213,10 +211,15 @@ impl Seq {
             }
             None => Vec::new(),
         };
+        debug_assert!(
+            self.mask_ready || !self.samples_masked(),
+            "a constrained row is sampled before its mask is prepared"
+        );
+        let mask = (self.constraint.is_some() && self.mask_ready).then(|| self.mask.clone());
         SampleRow {
-            words: p.sample_row(self.seed, generated as u64, false),
+            words: p.sample_row(self.seed, generated as u64, mask.is_some()),
             entries,
-            mask: None,
+            mask,
         }
     }
 
@@ -262,10 +265,9 @@ impl Seq {
         }
     }
 
-    /// Whether the host needs this sequence's logits: it keeps them, or it is constrained (it
-    /// picks from them).
+    /// Whether the host needs this sequence's logits: it keeps them (`return_logits`).
     pub fn keeps_logits(&self) -> bool {
-        self.logits.is_some() || self.constraint.is_some()
+        self.logits.is_some()
     }
 
     /// Whether a verify step needs this sequence's logits on the host: it keeps them, or it
@@ -279,15 +281,6 @@ impl Seq {
     /// (when asked for) and why the sequence ends, if it does.
     pub fn record(&mut self, picked: Picked) -> (u32, Option<SampledToken>, Option<FinishReason>) {
         let (token, sampled, logits, logprob) = match picked {
-            // A constrained sequence picks on the host, from its masked logits; the mask leaves
-            // an allowed token's logit as it was, so its logprob is the raw logits'.
-            Picked::Sampled(_, Some(mut logits)) if self.constraint.is_some() => {
-                let lse = log_sum_exp(&logits);
-                self.constrain(&mut logits);
-                let token = self.sampler.sample(&logits);
-                let logprob = logits.get(token as usize).map(|&l| f64::from(l) - lse);
-                (token, None, Some(logits), logprob)
-            }
             Picked::Sampled(s, logits) => {
                 let logprob = Some(f64::from(s.logprob));
                 (s.token, Some(s), logits, logprob)
@@ -392,17 +385,6 @@ impl Seq {
 pub(crate) struct PendingChoice {
     pub id: SeqId,
     pub constraint: Option<Box<dyn TokenConstraint>>,
-}
-
-/// `ln(sum(exp(x)))` of a logit row, in f64; `-inf` for a row without a finite logit.
-fn log_sum_exp(logits: &[f32]) -> f64 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if !max.is_finite() {
-        return f64::NEG_INFINITY;
-    }
-    let max = f64::from(max);
-    let sum: f64 = logits.iter().map(|&l| (f64::from(l) - max).exp()).sum();
-    max + sum.ln()
 }
 
 /// A row's next token as a step delivers it.

@@ -272,6 +272,9 @@ impl Scheduler {
         let (tables, slots) = tables_and_slots(&self.running, &idx);
         self.runner
             .verify(&self.cache, &rows, &tables, &slots, &row_slots)?;
+        // Constrained rows' masks while the device runs the step (a constrained sequence
+        // never drafts: its one row takes the sampler's pick under its mask).
+        self.prepare_masks(idx.iter().copied());
         // Every row through the device sampler: a sequence without drafts takes its pick; one
         // with drafts has greedy rows (its drafts checked against them) or, when it samples,
         // its host logits (rejection sampling).
@@ -285,7 +288,6 @@ impl Scheduler {
             }
         }
         let sampled = self.runner.sample(&sampling)?;
-        self.prepare_masks(idx.iter().copied());
         let need = idx.iter().any(|&i| self.running[i].needs_verify_logits());
         let mut picked = if need {
             PickedRows::Logits(self.runner.logits(rows.len())?)

@@ -260,3 +260,129 @@ fn a_constrained_sequence_picks_only_allowed_tokens_and_stops_when_its_grammar_i
     );
     assert_eq!(tokens[&bound], got.token_ids);
 }
+
+/// A `Steps` grammar of `len` steps, each allowing 6 tokens drawn from the vocabulary.
+fn random_steps(rng: &mut metrale_testkit::Rng, len: usize) -> Steps {
+    let steps = (0..len)
+        .map(|_| (0..6).map(|_| rng.below(511) + 1).collect())
+        .collect();
+    Steps {
+        steps,
+        taken: Vec::new(),
+    }
+}
+
+/// Run `requests` (each with its constraint, if any) submitted together; their generations in
+/// submission order.
+fn run_together(
+    options: &ModelOptions,
+    requests: Vec<(SeqRequest, Option<Steps>)>,
+) -> Vec<Generation> {
+    let mut s = scheduler(options.clone());
+    let ids: Vec<SeqId> = (requests.into_iter())
+        .map(|(r, c)| {
+            let c = (c.into_iter())
+                .map(|c| Box::new(c) as Box<dyn crate::constraint::TokenConstraint>)
+                .collect();
+            s.add_constrained(r, c).expect("valid")
+        })
+        .collect();
+    let mut finished = std::collections::HashMap::new();
+    while !s.is_idle() {
+        for e in s.step().expect("step").events {
+            if let SeqEvent::Finished { id, generation } = e {
+                finished.insert(id, generation);
+            }
+        }
+    }
+    ids.iter()
+        .map(|id| finished.remove(id).expect("ran"))
+        .collect()
+}
+
+/// Greedy decoding under a constraint, as the host computes it: each token is the lowest-index
+/// maximum of its logits with every disallowed token at `-inf`.
+fn host_masked_argmax(logits: &[f32], allowed: &[u32]) -> u32 {
+    let mut mask = vec![0u32; crate::constraint::mask_words(logits.len())];
+    for &t in allowed {
+        crate::constraint::allow(&mut mask, t);
+    }
+    let mut masked = logits.to_vec();
+    crate::constraint::apply_mask(&mut masked, &mask);
+    crate::sampling::argmax(&masked)
+}
+
+#[test]
+fn constrained_rows_are_masked_on_the_device_and_leave_their_batch_mates_bitwise_unchanged() {
+    let mut rng = metrale_testkit::Rng::new(29);
+    let (greedy_steps, sampled_steps) = (random_steps(&mut rng, 9), random_steps(&mut rng, 7));
+    let constrained = |steps: &Steps, sampling: SamplingParams| {
+        let mut r = request(5, 40);
+        r.prompt[1] = 77;
+        r.params.sampling = sampling;
+        r.params.return_logits = true;
+        let c = Steps {
+            steps: steps.steps.clone(),
+            taken: Vec::new(),
+        };
+        (r, Some(c))
+    };
+    let free = |i: usize| {
+        let mut r = request(4 + i, 12);
+        r.prompt[0] = 300 + i as u32;
+        r.params.sampling = match i {
+            0 => SamplingParams::default(),
+            1 => SamplingParams::default().temperature(0.8).seed(5),
+            _ => SamplingParams::default()
+                .temperature(1.0)
+                .top_k(40)
+                .repetition_penalty(1.3)
+                .seed(9),
+        };
+        (r, None)
+    };
+    let sampled = SamplingParams::default().temperature(1.0).seed(17);
+    for graphs in [true, false] {
+        let options = ModelOptions::default().decode_graphs(graphs);
+        let alone: Vec<Generation> = (0..3)
+            .map(|i| run_together(&options, vec![free(i)]).remove(0))
+            .collect();
+        let batch = vec![
+            constrained(&greedy_steps, SamplingParams::default()),
+            free(0),
+            free(1),
+            constrained(&sampled_steps, sampled.clone()),
+            free(2),
+        ];
+        let together = run_together(&options, batch);
+        for (i, g) in [&together[1], &together[2], &together[4]]
+            .into_iter()
+            .enumerate()
+        {
+            assert_eq!(
+                g.token_ids, alone[i].token_ids,
+                "graphs {graphs}: unconstrained request {i} beside constrained ones is its solo run"
+            );
+        }
+        // Greedy under the constraint: the host's masked argmax of every step's logits, which
+        // is not the plain argmax.
+        let g = &together[0];
+        assert_eq!(g.finish_reason, FinishReason::Stop, "the grammar ended it");
+        assert_eq!(g.token_ids.len(), greedy_steps.steps.len());
+        let logits = g.logits.as_ref().expect("return_logits");
+        let mut differs = false;
+        for (t, (&token, row)) in g.token_ids.iter().zip(logits).enumerate() {
+            let want = host_masked_argmax(row, &greedy_steps.steps[t]);
+            assert_eq!(token, want, "graphs {graphs}: step {t}");
+            differs |= crate::sampling::argmax(row) != want;
+        }
+        assert!(differs, "the mask changed some greedy pick");
+        // Sampled under the constraint: only allowed tokens, the same as alone.
+        let s = &together[3];
+        for (t, token) in s.token_ids.iter().enumerate() {
+            assert!(sampled_steps.steps[t].contains(token), "step {t}: {token}");
+        }
+        let solo = run_together(&options, vec![constrained(&sampled_steps, sampled.clone())]);
+        assert_eq!(s.token_ids, solo[0].token_ids, "graphs {graphs}");
+    }
+}
