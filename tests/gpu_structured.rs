@@ -14,7 +14,7 @@ use metrale::chat::{ChatEvent, ChatMessage, ChatRequest, Tool, ToolChoice};
 use metrale::{
     Backend, Constraint, Engine, EngineOptions, GenerateRequest, ModelOptions, SamplingParams,
 };
-use metrale_testkit::checkpoint::{self, IM_END, QWEN3_VOCAB};
+use metrale_testkit::checkpoint::{self, IM_END, QWEN3_VOCAB, masked_argmax};
 use serde_json::{Value, json};
 
 fn engine(decode_graphs: bool) -> (tempfile::TempDir, Engine) {
@@ -36,19 +36,6 @@ fn schema() -> Value {
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "colour": {"enum": ["red", "green"]}},
         "required": ["name", "age", "colour"], "additionalProperties": false})
-}
-
-/// The lowest index of the maximum of `logits` over the tokens `mask` allows.
-fn masked_argmax(logits: &[f32], mask: Option<&[u32]>) -> u32 {
-    let allowed = |t: usize| mask.is_none_or(|m| (m[t / 32] >> (t % 32)) & 1 == 1);
-    let mut best = (f32::NEG_INFINITY, 0u32);
-    for (t, &v) in logits.iter().enumerate() {
-        let v = if allowed(t) { v } else { f32::NEG_INFINITY };
-        if v > best.0 {
-            best = (v, t as u32);
-        }
-    }
-    best.1
 }
 
 #[test]

@@ -17,7 +17,7 @@ use metrale::{
     Constraint, Engine, EngineError, EngineOptions, GenerateRequest, ModelOptions, RequestError,
     SamplingParams,
 };
-use metrale_testkit::checkpoint::{IM_END, QWEN3_VOCAB};
+use metrale_testkit::checkpoint::{IM_END, QWEN3_VOCAB, masked_argmax};
 use metrale_testkit::{Rng, checkpoint};
 use serde_json::{Value, json};
 
@@ -177,20 +177,6 @@ fn json_schema_answers_are_valid_under_their_schema_alone_and_32_at_once() {
         check(schema, &value, "$").unwrap_or_else(|e| panic!("request {i}: {e}"));
         assert_eq!(out.finish_reason.as_str(), "stop", "request {i}: {text}");
     }
-}
-
-/// The lowest index of the maximum of `logits` over the tokens `mask` allows (every other
-/// token at `-inf`, as the host applied constraints before the device sampler did).
-fn masked_argmax(logits: &[f32], mask: Option<&[u32]>) -> u32 {
-    let allowed = |t: usize| mask.is_none_or(|m| (m[t / 32] >> (t % 32)) & 1 == 1);
-    let mut best = (f32::NEG_INFINITY, 0u32);
-    for (t, &v) in logits.iter().enumerate() {
-        let v = if allowed(t) { v } else { f32::NEG_INFINITY };
-        if v > best.0 {
-            best = (v, t as u32);
-        }
-    }
-    best.1
 }
 
 #[test]

@@ -152,3 +152,18 @@ pub fn write_qwen3_chat(dir: &Path, seed: u64) -> std::io::Result<()> {
     )?;
     Ok(())
 }
+
+/// The lowest index of the maximum of `logits` over the tokens `mask` allows (bit `t % 32` of
+/// word `t / 32`; every token without a mask): a constrained greedy row's token, as the device
+/// sampler must pick it, every disallowed token at `-inf`.
+pub fn masked_argmax(logits: &[f32], mask: Option<&[u32]>) -> u32 {
+    let allowed = |t: usize| mask.is_none_or(|m| (m[t / 32] >> (t % 32)) & 1 == 1);
+    let mut best = (f32::NEG_INFINITY, 0u32);
+    for (t, &v) in logits.iter().enumerate() {
+        let v = if allowed(t) { v } else { f32::NEG_INFINITY };
+        if v > best.0 {
+            best = (v, t as u32);
+        }
+    }
+    best.1
+}
