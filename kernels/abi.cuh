@@ -112,8 +112,11 @@ typedef __nv_bfloat16 bf16;
 // Bytes of one token in `gated_delta_chunked`'s ring: q̂ and k̂ of up to GDN_FAST_MAX_DK
 // f32 each, 16 v columns, β and g, padded.
 #define GDN_TOK_BYTES 1088
-// Threads of a `sample` block (one block per row).
-#define SAMPLE_THREADS 1024
+// Threads of a `sample` block.
+#define SAMPLE_THREADS 512
+// Blocks of a `sample` row: the row's cluster, each block a contiguous slice of the
+// vocabulary.
+#define SAMPLE_SPLITS 8
 // Most top logprobs a row of `sample` reports.
 #define SAMPLE_TOP_MAX 20
 // u32 words of a row's parameters in `sample`'s `rowp` (the `SAMPLE_R_*` offsets).

@@ -8,6 +8,10 @@
 // result does not depend on the reduction's shape.
 #include "common.cuh"
 
+#include <cooperative_groups.h>
+
+namespace cg = cooperative_groups;
+
 struct Best {
     float v;
     uint32_t i;
@@ -79,10 +83,16 @@ extern "C" __global__ void argmax(ARGMAX_PARAMS) {
 
 // ---- sample
 //
-// Launch: one block per row, a multiple of 32 threads up to 1024 (the launcher uses
-// SAMPLE_THREADS), dynamic shared memory of ceil(vocab / 32) u32 words (a bitmap of the row's
-// entry tokens). Rows are independent: a row's outputs depend on its logits, its parameters, its
-// entries and its mask alone.
+// Launch: a cluster of SAMPLE_SPLITS blocks per row (grid rows * SAMPLE_SPLITS), a multiple of 32
+// threads of at least 256 a block (the launcher uses SAMPLE_THREADS), dynamic shared memory of
+// ceil(vocab / 32) u32 words (a bitmap of the row's entry tokens), followed, where the launch
+// gives room for them, by a u32 per token of the block's slice (the slice's order keys of s,
+// below, computed once and read by every later pass; without the room each pass computes them
+// again). Block b of a row's cluster takes the tokens [b L, (b + 1) L), L = ceil(vocab /
+// SAMPLE_SPLITS), and the blocks combine their partial results through distributed shared
+// memory: maxima and integer histograms exactly, the log-sum-exp's partial sums in block order.
+// Rows are independent: a row's outputs depend on its logits, its parameters, its entries and its
+// mask alone.
 //
 // Per row, in order (the definitions of transformers and vLLM):
 // 1. Logprobs are the log_softmax of the model's raw logits, before any transform: the chosen
@@ -109,7 +119,7 @@ extern "C" __global__ void argmax(ARGMAX_PARAMS) {
 // A row with num_top > SAMPLE_TOP_MAX, an entry range outside `entries`, an entry token outside
 // the vocabulary or out of order, or a mask flag without a mask writes 0xFFFFFFFF to all its
 // output words and reports a SHAPE or INDEX fault; a block size that is not a multiple of 32 or
-// too little dynamic shared memory a GEOMETRY fault.
+// under 256, or too little dynamic shared memory a GEOMETRY fault.
 
 // e^x for x <= 0 (0 below -87, and for NaN): 2^(x log2 e) split into an integer power and a
 // degree-6 polynomial, every rounding explicit so the twin computes the same bits.
@@ -172,6 +182,13 @@ MT_DEVICE uint32_t order_key(float v) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// The float of an order key: the value itself, except +0 for -0 and a NaN for key 0. Every use
+// below (a difference with the maximum, a sum with Gumbel noise) gives the same bits for either
+// zero, and a NaN for a NaN.
+MT_DEVICE float key_value(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
 // The best of a block (every thread gets it); sv/si hold 32 entries each.
 MT_DEVICE Best block_best(Best b, float* sv, uint32_t* si) {
     b = warp_best(b);
@@ -213,71 +230,176 @@ MT_DEVICE uint32_t block_min_u32(uint32_t v, uint32_t* scratch) {
     return r;
 }
 
-// The key K with W(key > K) < target <= W(key >= K), W the summed weights of the tokens `f`
-// includes (f(i, key, w) -> whether token i counts, its key and weight, at most 2^40: a count, or
-// a SAMPLE_MASS_BITS fixed-point mass of at most 1). With frac >= 0 the
-// target is max(1, floor(frac * total weight)). Four passes of 8 bits; `above` gets W(key > K),
-// `eq` W(key == K). The caller guarantees target <= the total.
-template <class F>
-MT_DEVICE uint32_t radix_select(uint32_t vocab, uint64_t target, double frac, F f,
-                                unsigned long long* hist, unsigned long long* sel,
-                                uint64_t* above_out, uint64_t* eq_out) {
-    uint32_t prefix = 0, pmask = 0;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (uint32_t b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
-        if (threadIdx.x == 0 && shift == 24) {
-            sel[1] = target;
-            sel[2] = 0;
+// A histogram bin's weight as SAMPLE_LIMBS u32 sums of 14-bit limbs: shared-memory atomics are
+// native on 32 bits (a 64-bit add is a compare-and-swap loop, which spins whenever warps add to
+// the same bin, and logits crowd into few bins). A weight is at most 2^40 (a mass of 1) and a
+// block adds at most 2^15 of them (a slice of a vocabulary up to 2^18), so no limb sum exceeds
+// 2^29.
+#define SAMPLE_LIMBS 3
+#define SAMPLE_LIMB_BITS 14
+
+// What the blocks of a row's cluster exchange: per kind (histograms; scalars) two slots, taken
+// by the parity of the exchange's sequence number of that kind (the same in every block, since
+// every block runs the same exchanges). A block writes its slot, arrives at the cluster barrier,
+// waits, and reads the slot of every block. A slot is written again two exchanges of its kind
+// later, after the barrier of the exchange between, which no block passes before every block
+// has read the slot: one barrier an exchange suffices.
+struct SampleXch {
+    uint32_t hist[2][SAMPLE_LIMBS][256];
+    float v[2];
+    uint32_t i[2];
+};
+
+// The cluster of the calling block, its exchange slots and their sequence numbers.
+struct RowCluster {
+    cg::cluster_group cl;
+    SampleXch* x;
+    uint32_t hist_n, scalar_n;
+
+    // Publish (v, i) (every thread holds them) in this block's next scalar slot, then wait for
+    // the cluster; the slot's index is returned.
+    MT_DEVICE uint32_t publish(float v, uint32_t i) {
+        const uint32_t p = scalar_n++ & 1u;
+        if (threadIdx.x == 0) {
+            x->v[p] = v;
+            x->i[p] = i;
         }
+        cluster_publish_arrive();
+        cluster_wait();
+        return p;
+    }
+
+    MT_DEVICE const SampleXch* at(uint32_t rank) { return cl.map_shared_rank(x, rank); }
+
+    // The best of the cluster (every thread of every block gets it).
+    MT_DEVICE Best best(Best b, float* sv, uint32_t* si) {
+        b = block_best(b, sv, si);
+        const uint32_t p = publish(b.v, b.i);
+        Best r = {__int_as_float(0x7fc00000), 0xFFFFFFFFu};
+#pragma unroll
+        for (uint32_t s = 0; s < SAMPLE_SPLITS; ++s) {
+            const SampleXch* o = at(s);
+            const Best c = {o->v[p], o->i[p]};
+            if (beats(c, r)) r = c;
+        }
+        return r;
+    }
+
+    // The sum of the cluster, the blocks' sums added in block order.
+    MT_DEVICE float sum(float v, float* sv) {
+        const uint32_t p = publish(block_sum(v, sv), 0);
+        float t = 0.0f;
+#pragma unroll
+        for (uint32_t s = 0; s < SAMPLE_SPLITS; ++s) t = __fadd_rn(t, at(s)->v[p]);
+        return t;
+    }
+
+    MT_DEVICE uint32_t min_u32(uint32_t v, uint32_t* si) {
+        const uint32_t p = publish(0.0f, block_min_u32(v, si));
+        uint32_t r = 0xFFFFFFFFu;
+#pragma unroll
+        for (uint32_t s = 0; s < SAMPLE_SPLITS; ++s) r = min(r, at(s)->i[p]);
+        return r;
+    }
+};
+
+// The key K with W(key > K) < target <= W(key >= K), W the summed weights of the row's tokens
+// that `f` includes (f(i, key, w) -> whether token i counts, its key and weight, at most 2^40: a
+// count, or a SAMPLE_MASS_BITS fixed-point mass of at most 1). With frac >= 0 the target is
+// max(1, floor(frac * total weight)). Four passes of 8 bits, each over the block's tokens [lo,
+// hi) into a histogram the cluster sums; every block then finds the digit from the summed
+// histogram (the same in all). `above` gets W(key > K), `eq` W(key == K). The caller guarantees
+// target <= the total. MASS: the weights are masses (kept in SAMPLE_LIMBS limbs), else counts (one
+// limb). `scan` holds 11 words.
+template <bool MASS, class F>
+MT_DEVICE uint32_t radix_select(RowCluster& rc, uint32_t lo, uint32_t hi, uint64_t target,
+                                double frac, F f, unsigned long long* scan, uint64_t* above_out,
+                                uint64_t* eq_out) {
+    // A count needs the low limb alone (a block counts at most 2^15 tokens).
+    constexpr uint32_t LIMBS = MASS ? SAMPLE_LIMBS : 1;
+    const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    uint32_t prefix = 0, pmask = 0;
+    unsigned long long rem = target, above = 0, eq = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        const uint32_t p = rc.hist_n++ & 1u;
+        uint32_t(*hist)[256] = rc.x->hist[p];
+        for (uint32_t b = tid; b < LIMBS * 256; b += blockDim.x) hist[b / 256][b % 256] = 0;
         __syncthreads();
         // Warp by warp: the lanes counting into one bin add their weights together first
-        // (`__match_any_sync` groups them, each group's sum in two 20-bit halves, which cannot
-        // overflow over 32 lanes), and one lane of each group adds the sum to the bin. Logits
-        // share their leading bits, so most of a warp's tokens fall in a few bins, where one
-        // atomic a token would serialize the whole block on them.
-        const uint32_t lane = threadIdx.x & 31;
-        for (uint32_t i0 = threadIdx.x - lane; i0 < vocab; i0 += blockDim.x) {
+        // (`__match_any_sync` groups them; a limb's sum over 32 lanes stays under 2^19), and one
+        // lane of each group adds the sums to the bin. Logits share their leading bits, so most
+        // of a warp's tokens fall in a few bins, where one atomic a token would serialize the
+        // whole block on them.
+        for (uint32_t i0 = lo + tid - lane; i0 < hi; i0 += blockDim.x) {
             const uint32_t i = i0 + lane;
             uint32_t key = 0;
             unsigned long long w = 0;
-            const bool in = i < vocab && f(i, key, w) && w != 0 && (key & pmask) == prefix;
+            const bool in = i < hi && f(i, key, w) && w != 0 && (key & pmask) == prefix;
             const uint32_t bin = in ? (key >> shift) & 255u : 256u;
             const uint32_t peers = __match_any_sync(0xffffffffu, bin);
-            const uint32_t lo = __reduce_add_sync(peers, (uint32_t)(w & 0xFFFFFull));
-            const uint32_t hi = __reduce_add_sync(peers, (uint32_t)(w >> 20));
-            if (in && lane == (uint32_t)__ffs(peers) - 1)
-                atomicAdd(&hist[bin], ((unsigned long long)hi << 20) + lo);
+            const bool leader = in && lane == (uint32_t)__ffs(peers) - 1;
+#pragma unroll
+            for (uint32_t l = 0; l < LIMBS; ++l) {
+                const uint32_t part = (uint32_t)(w >> (l * SAMPLE_LIMB_BITS)) &
+                                      (l + 1 < LIMBS ? (1u << SAMPLE_LIMB_BITS) - 1 : 0xFFFFFFFFu);
+                const uint32_t sum = __reduce_add_sync(peers, part);
+                if (leader) atomicAdd(&hist[l][bin], sum);
+            }
+        }
+        cluster_publish_arrive();
+        cluster_wait();
+        // Thread b < 256: bin b over the cluster, then S(b), the weight of bins >= b (a suffix
+        // sum within the warp, then the warps above).
+        unsigned long long h = 0;
+        if (tid < 256) {
+#pragma unroll
+            for (uint32_t s = 0; s < SAMPLE_SPLITS; ++s) {
+                const SampleXch* o = rc.at(s);
+#pragma unroll
+                for (uint32_t l = 0; l < LIMBS; ++l)
+                    h += (unsigned long long)o->hist[p][l][tid] << (l * SAMPLE_LIMB_BITS);
+            }
+        }
+        unsigned long long sfx = h;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned long long t = __shfl_down_sync(0xffffffffu, sfx, o);
+            if (lane + o < 32) sfx += t;
+        }
+        if (tid < 256 && lane == 0) scan[warp] = sfx;
+        if (tid == 0) {
+            // Where no bin reaches the target (it exceeds the total): digit 0, everything above.
+            scan[8] = 0;
+            scan[10] = h;
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            unsigned long long rem = sel[1], above = sel[2];
-            if (shift == 24 && frac >= 0.0) {
-                unsigned long long total = 0;
-                for (int b = 0; b < 256; ++b) total += hist[b];
-                rem = (unsigned long long)(frac * (double)total);
-                if (rem == 0) rem = 1;
-            }
-            int digit = 0;
-            for (int b = 255; b >= 0; --b) {
-                if (hist[b] >= rem) {
-                    digit = b;
-                    break;
-                }
-                rem -= hist[b];
-                above += hist[b];
-            }
-            sel[0] = (unsigned long long)digit;
-            sel[1] = rem;
-            sel[2] = above;
-            sel[3] = hist[digit];
+        unsigned long long total = 0;
+        for (uint32_t w = 0; w < 8; ++w) total += scan[w];
+        if (tid < 256)
+            for (uint32_t w = warp + 1; w < 8; ++w) sfx += scan[w];
+        if (shift == 24 && frac >= 0.0) {
+            rem = (unsigned long long)(frac * (double)total);
+            if (rem == 0) rem = 1;
+        }
+        if (tid == 0) scan[9] = total;
+        __syncthreads();
+        // The digit: the bin with S(b) >= rem > S(b + 1) (unique, when rem <= the total).
+        if (tid < 256 && sfx >= rem && sfx - h < rem) {
+            scan[8] = tid;
+            scan[9] = sfx - h;
+            scan[10] = h;
         }
         __syncthreads();
-        prefix |= (uint32_t)sel[0] << shift;
+        const uint32_t digit = (uint32_t)scan[8];
+        rem -= scan[9];
+        above += scan[9];
+        eq = scan[10];
+        prefix |= digit << shift;
         pmask |= 0xFFu << shift;
-        *above_out = sel[2];
-        *eq_out = sel[3];
-        __syncthreads();
+        // `scan` is written again only after the next pass's cluster barrier.
     }
+    *above_out = above;
+    *eq_out = eq;
     return prefix;
 }
 
@@ -306,21 +428,26 @@ MT_DEVICE float apply_entry(float x, uint32_t c, float b, float rep, float pres,
 // sample(out: u32 [rows, SAMPLE_OUT_WORDS], logits: f32 [rows, vocab], rowp: u32 [rows,
 // SAMPLE_ROW_WORDS], entries: u32 [num_entries, SAMPLE_ENTRY_WORDS], mask: u32 [rows,
 // mask_words] or null, rows, vocab, num_entries, mask_words).
-extern "C" __global__ void sample(SAMPLE_PARAMS) {
+extern "C" __global__ void __cluster_dims__(SAMPLE_SPLITS, 1, 1)
+    __launch_bounds__(SAMPLE_THREADS, 2) sample(SAMPLE_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
-    extern __shared__ uint32_t touched[];  // bitmap of the row's entry tokens
-    __shared__ unsigned long long hist[256];
-    __shared__ unsigned long long sel[4];
+    extern __shared__ uint32_t touched[];  // bitmap of the row's entry tokens, then the key cache
+    __shared__ SampleXch xch;
+    __shared__ unsigned long long scan[11];
     __shared__ float sv[32];
     __shared__ uint32_t si[32];
     __shared__ uint32_t top_ids[SAMPLE_TOP_MAX];
     __shared__ float top_v[SAMPLE_TOP_MAX];
     __shared__ uint32_t top_n;
-    const uint32_t r = blockIdx.x;
-    if (r >= rows) return;
+    RowCluster rc = {cg::this_cluster(), &xch, 0, 0};
+    const uint32_t rank = rc.cl.block_rank();
+    const uint32_t r = blockIdx.x / SAMPLE_SPLITS;
+    if (r >= rows) return;  // the whole cluster: its blocks share the row
     const uint32_t tid = threadIdx.x, nt = blockDim.x;
     const uint32_t words = (vocab + 31) / 32;
+    const uint32_t slice = (vocab + SAMPLE_SPLITS - 1) / SAMPLE_SPLITS;
+    const uint32_t lo = min(vocab, rank * slice), hi = min(vocab, lo + slice);
     uint32_t* o = out + (size_t)r * SAMPLE_OUT_WORDS;
     const uint32_t* rp = rowp + (size_t)r * SAMPLE_ROW_WORDS;
     const float* x = logits + (size_t)r * vocab;
@@ -328,11 +455,12 @@ extern "C" __global__ void sample(SAMPLE_PARAMS) {
     const uint32_t num_top = rp[SAMPLE_R_NUM_TOP];
     const uint32_t estart = rp[SAMPLE_R_ENTRY_START], ecount = rp[SAMPLE_R_ENTRY_COUNT];
     const bool has_mask = (flags & SAMPLE_F_MASK) != 0;
-    const bool geometry = nt % 32 != 0 || dynamic_smem_bytes() < words * 4;
+    const bool geometry = nt % 32 != 0 || nt < 256 || dynamic_smem_bytes() < words * 4;
     const bool shape = num_top > SAMPLE_TOP_MAX || estart > num_entries ||
                        ecount > num_entries - estart ||
                        (has_mask && (mask == nullptr || mask_words < words));
     const uint32_t* ent = entries + (size_t)estart * SAMPLE_ENTRY_WORDS;
+    if (tid == 0) top_n = 0;
     bool index = false;
     if (!geometry && !shape && ecount > 0) {
         for (uint32_t w = tid; w < words; w += nt) touched[w] = 0;
@@ -343,11 +471,16 @@ extern "C" __global__ void sample(SAMPLE_PARAMS) {
             else atomicOr(&touched[t >> 5], 1u << (t & 31));
         }
     }
+    // Every block of the cluster reaches the same verdict (the same row, the same entries), so
+    // on a fault they all leave here, before any exchange.
     index = __syncthreads_or(index);
     if (geometry || shape || index) {
-        if (tid == 0)
-            mt_fault(MT_KERNEL_SAMPLE, geometry ? MT_FAULT_GEOMETRY : shape ? MT_FAULT_SHAPE : MT_FAULT_INDEX);
-        for (uint32_t w = tid; w < SAMPLE_OUT_WORDS; w += nt) o[w] = 0xFFFFFFFFu;
+        if (rank == 0) {
+            if (tid == 0)
+                mt_fault(MT_KERNEL_SAMPLE,
+                         geometry ? MT_FAULT_GEOMETRY : shape ? MT_FAULT_SHAPE : MT_FAULT_INDEX);
+            for (uint32_t w = tid; w < SAMPLE_OUT_WORDS; w += nt) o[w] = 0xFFFFFFFFu;
+        }
         return;
     }
     const float rep = __uint_as_float(rp[SAMPLE_R_REPETITION]);
@@ -369,96 +502,107 @@ extern "C" __global__ void sample(SAMPLE_PARAMS) {
 
     // Step 1: the raw maximum (and argmax), the log-sum-exp, the top logprobs.
     Best raw = none;
-    for (uint32_t i = tid; i < vocab; i += nt) {
+    for (uint32_t i = lo + tid; i < hi; i += nt) {
         const Best c = {x[i], i};
         if (beats(c, raw)) raw = c;
     }
-    raw = block_best(raw, sv, si);
+    raw = rc.best(raw, sv, si);
     const float m = raw.v;
     float part = 0.0f;
     if (isfinite(m))
-        for (uint32_t i = tid; i < vocab; i += nt) part += det_exp(__fsub_rn(x[i], m));
-    const float total = block_sum(part, sv);
+        for (uint32_t i = lo + tid; i < hi; i += nt) part += det_exp(__fsub_rn(x[i], m));
+    const float total = rc.sum(part, sv);
     const float lse = isfinite(m) ? __fadd_rn(m, det_log(total)) : m;
     const uint32_t n_top = min(num_top, vocab);
     if (n_top > 0) {
         uint64_t above, eq;
-        const uint32_t k = radix_select(
-            vocab, n_top, -1.0,
+        const uint32_t k = radix_select<false>(
+            rc, lo, hi, n_top, -1.0,
             [&](uint32_t i, uint32_t& key, unsigned long long& w) {
                 key = order_key(x[i]);
                 w = 1;
                 return true;
             },
-            hist, sel, &above, &eq);
+            scan, &above, &eq);
         const uint32_t need = n_top - (uint32_t)above;
-        if (tid == 0) top_n = 0;
-        __syncthreads();
-        for (uint32_t i = tid; i < vocab; i += nt) {
+        // The tokens above the threshold (and those at it when all of them are needed) into
+        // block 0's list.
+        uint32_t* list = rc.cl.map_shared_rank(top_ids, 0);
+        uint32_t* count = rc.cl.map_shared_rank(&top_n, 0);
+        for (uint32_t i = lo + tid; i < hi; i += nt) {
             const uint32_t key = order_key(x[i]);
-            if (key > k || (key == k && eq == need)) {
-                const uint32_t slot = atomicAdd(&top_n, 1u);
-                top_ids[slot] = i;
-            }
+            if (key > k || (key == k && eq == need)) list[atomicAdd(count, 1u)] = i;
         }
-        __syncthreads();
+        rc.cl.sync();  // a release barrier: the remote writes above are visible to block 0
         if (eq > need) {
             // More ties at the threshold than places: the lowest indices, one pass each.
             uint32_t last = 0;
             for (uint32_t t = 0; t < need; ++t) {
                 uint32_t mine = 0xFFFFFFFFu;
-                for (uint32_t i = tid; i < vocab; i += nt)
+                for (uint32_t i = lo + tid; i < hi; i += nt)
                     if ((t == 0 || i > last) && order_key(x[i]) == k) {
                         mine = i;
                         break;
                     }
-                last = block_min_u32(mine, si);
-                if (tid == 0) top_ids[top_n++] = last;
-                __syncthreads();
+                last = rc.min_u32(mine, si);
+                if (rank == 0 && tid == 0) top_ids[top_n++] = last;
             }
         }
-        if (tid == 0) {
-            // Descending key, ties by lower index.
-            for (uint32_t a = 0; a < n_top; ++a) top_v[a] = x[top_ids[a]];
-            for (uint32_t a = 1; a < n_top; ++a) {
-                const uint32_t id = top_ids[a];
-                const float v = top_v[a];
-                const uint32_t kv = order_key(v);
-                uint32_t b = a;
-                while (b > 0) {
-                    const uint32_t kb = order_key(top_v[b - 1]);
-                    if (kb > kv || (kb == kv && top_ids[b - 1] < id)) break;
-                    top_ids[b] = top_ids[b - 1];
-                    top_v[b] = top_v[b - 1];
-                    --b;
+        if (rank == 0) {
+            if (tid == 0) {
+                // Descending key, ties by lower index.
+                for (uint32_t a = 0; a < n_top; ++a) top_v[a] = x[top_ids[a]];
+                for (uint32_t a = 1; a < n_top; ++a) {
+                    const uint32_t id = top_ids[a];
+                    const float v = top_v[a];
+                    const uint32_t kv = order_key(v);
+                    uint32_t b = a;
+                    while (b > 0) {
+                        const uint32_t kb = order_key(top_v[b - 1]);
+                        if (kb > kv || (kb == kv && top_ids[b - 1] < id)) break;
+                        top_ids[b] = top_ids[b - 1];
+                        top_v[b] = top_v[b - 1];
+                        --b;
+                    }
+                    top_ids[b] = id;
+                    top_v[b] = v;
                 }
-                top_ids[b] = id;
-                top_v[b] = v;
             }
+            __syncthreads();
         }
-        __syncthreads();
     }
-    for (uint32_t j = tid; j < SAMPLE_TOP_MAX; j += nt) {
-        o[2 + j] = j < n_top ? top_ids[j] : 0xFFFFFFFFu;
-        o[2 + SAMPLE_TOP_MAX + j] =
-            j < n_top ? __float_as_uint(__fsub_rn(top_v[j], lse)) : 0x7fc00000u;
-    }
+    if (rank == 0)
+        for (uint32_t j = tid; j < SAMPLE_TOP_MAX; j += nt) {
+            o[2 + j] = j < n_top ? top_ids[j] : 0xFFFFFFFFu;
+            o[2 + SAMPLE_TOP_MAX + j] =
+                j < n_top ? __float_as_uint(__fsub_rn(top_v[j], lse)) : 0x7fc00000u;
+        }
 
-    // Step 3: the transformed maximum; the greedy token.
+    // Step 3: the transformed maximum (the greedy token); for a sampled row, the order keys of
+    // s into the cache where it fits.
+    const bool sampled = !(flags & SAMPLE_F_GREEDY);
+    const float temp = __uint_as_float(rp[SAMPLE_R_TEMPERATURE]);
+    uint32_t* cache = touched + words;
+    const bool cached = sampled && dynamic_smem_bytes() >= (words + slice) * 4;
     Best best = raw;
-    if (transformed) {
-        best = none;
-        for (uint32_t i = tid; i < vocab; i += nt) {
-            const Best c = {tv(i), i};
-            if (beats(c, best)) best = c;
+    if (transformed || cached) {
+        Best b = none;
+        for (uint32_t i = lo + tid; i < hi; i += nt) {
+            const float v = tv(i);
+            const Best c = {v, i};
+            if (beats(c, b)) b = c;
+            if (cached) cache[i - lo] = order_key(__fdiv_rn(v, temp));
         }
-        best = block_best(best, sv, si);
+        if (transformed) best = rc.best(b, sv, si);
     }
     uint32_t token = best.i == 0xFFFFFFFFu ? 0u : best.i;
 
     // Step 4: a draw from the kept set.
-    if (!(flags & SAMPLE_F_GREEDY)) {
-        const float temp = __uint_as_float(rp[SAMPLE_R_TEMPERATURE]);
+    if (sampled) {
+        // The order key of s for token i; its thread wrote the cache entry above.
+        auto skey = [&](uint32_t i) -> uint32_t {
+            return cached ? cache[i - lo] : order_key(__fdiv_rn(tv(i), temp));
+        };
         const uint32_t top_k = rp[SAMPLE_R_TOP_K];
         const float top_p = __uint_as_float(rp[SAMPLE_R_TOP_P]);
         const float min_p = __uint_as_float(rp[SAMPLE_R_MIN_P]);
@@ -468,42 +612,43 @@ extern "C" __global__ void sample(SAMPLE_PARAMS) {
         uint64_t above, eq;
         uint32_t kk = 0, kp = 0;
         if (use_k)
-            kk = radix_select(
-                vocab, top_k, -1.0,
+            kk = radix_select<false>(
+                rc, lo, hi, top_k, -1.0,
                 [&](uint32_t i, uint32_t& key, unsigned long long& w) {
-                    key = order_key(__fdiv_rn(tv(i), temp));
+                    key = skey(i);
                     w = 1;
                     return true;
                 },
-                hist, sel, &above, &eq);
+                scan, &above, &eq);
         if (use_p)
-            kp = radix_select(
-                vocab, 1, (double)top_p,
+            kp = radix_select<true>(
+                rc, lo, hi, 1, (double)top_p,
                 [&](uint32_t i, uint32_t& key, unsigned long long& w) {
-                    const float s = __fdiv_rn(tv(i), temp);
-                    key = order_key(s);
-                    w = (unsigned long long)__fmul_rn(det_exp(__fsub_rn(s, smax)),
+                    key = skey(i);
+                    w = (unsigned long long)__fmul_rn(det_exp(__fsub_rn(key_value(key), smax)),
                                                       (float)(1ull << SAMPLE_MASS_BITS));
                     return key >= kk;
                 },
-                hist, sel, &above, &eq);
+                scan, &above, &eq);
         const uint64_t base =
             mix64((((uint64_t)rp[SAMPLE_R_SEED_HI] << 32) | rp[SAMPLE_R_SEED_LO]) ^
                   mix64((uint64_t)rp[SAMPLE_R_COUNTER] + 0x632BE59BD9B4E019ull));
         Best pick = none;
-        for (uint32_t i = tid; i < vocab; i += nt) {
-            const float s = __fdiv_rn(tv(i), temp);
-            const uint32_t key = order_key(s);
+        for (uint32_t i = lo + tid; i < hi; i += nt) {
+            const uint32_t key = skey(i);
             if (key < kk || key < kp) continue;
+            const float s = key_value(key);
             if (min_p > 0.0f && !(det_exp(__fsub_rn(s, smax)) >= min_p)) continue;
             const Best c = {__fadd_rn(s, gumbel(base, i)), i};
             if (beats(c, pick)) pick = c;
         }
-        pick = block_best(pick, sv, si);
+        pick = rc.best(pick, sv, si);
         if (pick.i != 0xFFFFFFFFu) token = pick.i;
     }
-    if (tid == 0) {
+    if (rank == 0 && tid == 0) {
         o[0] = token;
         o[1] = __float_as_uint(__fsub_rn(x[token], lse));
     }
+    // Keep this block's shared memory alive until every block of the cluster has read it.
+    cluster_leave_barrier();
 }

@@ -6,7 +6,7 @@ use metrale_gpu_runtime::{DType, DevicePtr, GpuError, GpuResult, LaunchConfig, S
 use metrale_kernel_abi::{
     AddRmsNormParams, AddRmsNormStagedParams, ArgmaxParams, EmbeddingGatherParams,
     FillUniformBf16Params, GatherRowsParams, KvStoreParams, QkNormRopeParams, RmsNormParams,
-    SAMPLE_THREADS, SampleParams, SiluMulParams, SiluMulStagedParams,
+    SAMPLE_SPLITS, SAMPLE_THREADS, SampleParams, SiluMulParams, SiluMulStagedParams,
 };
 
 use crate::ops::{Ops, STEP_PROGRAMMATIC_ROWS, step_launch};
@@ -22,6 +22,11 @@ const NORM_THREADS: u32 = 512;
 
 /// Threads per block of `silu_mul`; a row is cut over `ceil(ffn / (8 * SILU_THREADS))` blocks.
 const SILU_THREADS: u32 = 128;
+
+/// Most dynamic shared memory a `sample` block takes for its entry bitmap and key cache: two
+/// blocks (of the row clusters) still fit one multiprocessor's 228 KiB. A vocabulary of 151,936
+/// takes 94,960 bytes; a larger one than fits goes without the cache.
+const SAMPLE_CACHE_MAX_BYTES: u32 = 100 << 10;
 
 /// The operands of [`Ops::sample`] besides the logits (`kernels/sampling.cu` says what each
 /// row computes).
@@ -358,7 +363,16 @@ impl Ops {
             num_entries: op.num_entries,
             mask_words,
         };
-        let cfg = LaunchConfig::linear(logits.rows, SAMPLE_THREADS).with_shared(words * 4);
+        // A cluster of SAMPLE_SPLITS blocks a row. Beyond the entry bitmap, room for the
+        // slice's order keys where two blocks still fit a multiprocessor.
+        let cached = (words + logits.cols.div_ceil(SAMPLE_SPLITS)) * 4;
+        let shared = if cached <= SAMPLE_CACHE_MAX_BYTES {
+            cached
+        } else {
+            words * 4
+        };
+        let cfg =
+            LaunchConfig::linear(logits.rows * SAMPLE_SPLITS, SAMPLE_THREADS).with_shared(shared);
         self.go(self.k.sample, step_launch(cfg, logits.rows), &p, s)
     }
 

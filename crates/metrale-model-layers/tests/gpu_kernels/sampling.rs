@@ -22,15 +22,18 @@ use super::harness::{Buf, Pair, Rng, S};
 /// Every check below at small shapes (the sanitizer set).
 pub(super) fn small(p: &Pair) {
     let rng = &mut Rng::new(2001);
-    sample(p, rng, 1003, 6, false);
+    sample(p, rng, 1003, 6, false, false);
 }
 
 #[test]
 fn sample_matches_its_twin_on_every_kind_of_row() {
     let rng = &mut Rng::new(2002);
     let p = Pair::new();
-    sample(&p, rng, 151_936, 32, true);
-    sample(&p, rng, 1001, 9, false);
+    sample(&p, rng, 151_936, 32, true, false);
+    sample(&p, rng, 1001, 9, false, false);
+    // Whole-number logits: many ties at every threshold, so the top logprobs take the lowest
+    // indices of a tie and top-k / top-p keep whole tied groups.
+    sample(&p, rng, 4099, 12, false, true);
 }
 
 #[test]
@@ -145,8 +148,11 @@ fn launch(
     p.download::<u32>(&out)
 }
 
-fn sample(p: &Pair, rng: &mut Rng, vocab: usize, rows: usize, timed: bool) {
+fn sample(p: &Pair, rng: &mut Rng, vocab: usize, rows: usize, timed: bool, ties: bool) {
     let mut logits = rng.f32s(rows * vocab, -15.0, 15.0);
+    if ties {
+        logits.iter_mut().for_each(|v| *v = v.round());
+    }
     // A tie at the top of row 0 and NaNs in row 1: the lower index wins, NaN never does.
     logits[17] = 40.0;
     logits[vocab / 2] = 40.0;
@@ -179,46 +185,83 @@ fn sample(p: &Pair, rng: &mut Rng, vocab: usize, rows: usize, timed: bool) {
     println!(
         "kernel-check {:<18} {:<44} tokens exact, logprobs within {worst:.1e} ok",
         "sample",
-        format!("vocab={vocab} rows={rows}")
+        format!("vocab={vocab} rows={rows} ties={ties}")
     );
     if timed {
-        // Every row with top-20 logprobs and penalties: the budget case.
-        let mut rowp = rowp;
-        for r in 0..rows {
-            rowp[r * SAMPLE_ROW_WORDS as usize + SAMPLE_R_NUM_TOP as usize] = 20;
-        }
-        let lg = p.upload(&logits);
-        let rp = p.upload(&rowp);
-        let en = p.upload(&entries);
-        let mk = p.upload(&mask);
-        let out = p.poisoned(rows * o * 4);
-        let go = || {
-            p.run_gpu(|ops, at| {
-                let op = SampleOperands {
-                    out: at(&out),
-                    rowp: at(&rp),
-                    entries: at(&en),
-                    num_entries: (entries.len() / 3) as u32,
-                    mask: Some((at(&mk), words as u32)),
-                };
-                ops.sample(S, Matrix::f32(at(&lg), rows as u32, vocab as u32), &op)
-            })
+        let w = SAMPLE_ROW_WORDS as usize;
+        let set = |rowp: &mut [u32], word: u32, v: u32| {
+            for r in 0..rows {
+                rowp[r * w + word as usize] = v;
+            }
         };
-        for _ in 0..5 {
-            go();
+        // The budget case: every row with top-20 logprobs and penalties (the mix above otherwise).
+        let mut all = rowp.clone();
+        set(&mut all, SAMPLE_R_NUM_TOP, 20);
+        // Its parts: greedy rows alone; greedy rows with top-20 logprobs and penalties; sampled
+        // rows under Qwen's recommended settings (top-k 20, top-p 0.95), no entries or logprobs.
+        let mut greedy = rowp.clone();
+        set(&mut greedy, SAMPLE_R_FLAGS, SAMPLE_F_GREEDY);
+        set(&mut greedy, SAMPLE_R_ENTRY_COUNT, 0);
+        set(&mut greedy, SAMPLE_R_NUM_TOP, 0);
+        let mut logprobs = all.clone();
+        set(&mut logprobs, SAMPLE_R_FLAGS, SAMPLE_F_GREEDY);
+        let mut sampled = greedy.clone();
+        set(&mut sampled, SAMPLE_R_FLAGS, 0);
+        set(&mut sampled, SAMPLE_R_TOP_K, 20);
+        set(&mut sampled, SAMPLE_R_TOP_P, 0.95f32.to_bits());
+        for (what, rowp) in [
+            ("top20+penalties", &all),
+            ("greedy", &greedy),
+            ("greedy+top20+penalties", &logprobs),
+            ("top-k+top-p", &sampled),
+        ] {
+            let t = time_sample(p, &logits, vocab, rowp, &entries, &mask);
+            println!(
+                "kernel-time sample rows={rows} vocab={vocab} {what}: median {t:.1} us \
+                 (launch and synchronize included; budget 300 us)"
+            );
         }
-        let mut t: Vec<f64> = (0..50)
-            .map(|_| {
-                let start = Instant::now();
-                go();
-                start.elapsed().as_secs_f64() * 1e6
-            })
-            .collect();
-        t.sort_by(f64::total_cmp);
-        println!(
-            "kernel-time sample rows={rows} vocab={vocab} top20+penalties: median {:.1} us \
-             (launch and synchronize included; budget 300 us)",
-            t[t.len() / 2]
-        );
     }
+}
+
+/// The median time of `sample` over the rows, launch and synchronize included, us.
+fn time_sample(
+    p: &Pair,
+    logits: &[f32],
+    vocab: usize,
+    rowp: &[u32],
+    entries: &[u32],
+    mask: &[u32],
+) -> f64 {
+    let rows = rowp.len() / SAMPLE_ROW_WORDS as usize;
+    let words = vocab.div_ceil(32) as u32;
+    let lg = p.upload(logits);
+    let rp = p.upload(rowp);
+    let en = p.upload(entries);
+    let mk = p.upload(mask);
+    let out = p.poisoned(rows * SAMPLE_OUT_WORDS as usize * 4);
+    let go = || {
+        p.run_gpu(|ops, at| {
+            let op = SampleOperands {
+                out: at(&out),
+                rowp: at(&rp),
+                entries: at(&en),
+                num_entries: (entries.len() / 3) as u32,
+                mask: Some((at(&mk), words)),
+            };
+            ops.sample(S, Matrix::f32(at(&lg), rows as u32, vocab as u32), &op)
+        })
+    };
+    for _ in 0..5 {
+        go();
+    }
+    let mut t: Vec<f64> = (0..50)
+        .map(|_| {
+            let start = Instant::now();
+            go();
+            start.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
 }
