@@ -56,13 +56,16 @@
 //! # The `unstable` feature
 //! Development tooling stays out of the default surface. The cargo feature `unstable` adds it,
 //! with no stability promise (it changes with the engine's internals):
-//! - `metrale::bench`: the benchmarks of `metrale bench` (random-weight models on the device);
+//! - `metrale::bench`: the benchmarks of `metrale bench` (random-weight models on the device),
+//!   and the compiler of the serving ladder's JSON-schema requests;
 //! - `metrale::circuit`: circuit plans and their digests (`metrale circuit plan`);
 //! - `metrale::gpu` and `make_backend`: the raw device backend;
 //! - forward selection: `ForwardSelect`, `EngineOptions::forward` (the default forward, the
 //!   layers' own, is the same with or without the feature), `Engine::forward_disclosure` and
 //!   `ForwardDisclosure`.
 
+#[cfg(feature = "unstable")]
+pub mod bench;
 pub mod chat;
 mod constraint;
 mod direct;
@@ -99,8 +102,6 @@ pub use request::{
 
 #[cfg(feature = "unstable")]
 pub use engine::make_backend;
-#[cfg(feature = "unstable")]
-pub use metrale_model_engine::bench;
 #[cfg(feature = "unstable")]
 pub use metrale_model_engine::runner::{ForwardDisclosure, ForwardSelect};
 

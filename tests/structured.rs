@@ -5,7 +5,9 @@
 //! follow their schemas, whole and streamed (the arguments in fragments); a greedy constrained
 //! answer is the masked argmax of its logits, token for token, and the unconstrained requests
 //! beside it are bitwise their solo runs; a bad schema is refused; tools rendered through a
-//! `ChatRequest` are the template's rendering of them, as transformers gives it.
+//! `ChatRequest` are the template's rendering of them, as transformers gives it. The serving
+//! ladder's constrained run (`metrale bench --serve --constrained`) compiles its schema through
+//! the same path: its request decodes every step and writes the start of a valid value.
 
 #![allow(clippy::unwrap_used)]
 
@@ -225,6 +227,93 @@ fn a_greedy_constrained_answer_is_the_masked_argmax_beside_unchanged_batch_mates
     let text = out.text.unwrap();
     let value: Value = serde_json::from_str(&text).unwrap();
     check(&schemas()[1], &value, "$").unwrap();
+}
+
+/// `prefix`, the start of a JSON array of strings, closed into a whole value: a partial escape
+/// dropped, then an open string, a dangling separator and the array closed.
+fn close_string_array(prefix: &str) -> String {
+    let mut out = String::new();
+    let (mut in_string, mut escape_at, mut hex_left) = (false, None, 0);
+    for ch in prefix.chars() {
+        if escape_at.is_some() {
+            if hex_left > 0 {
+                hex_left -= 1;
+                if hex_left == 0 {
+                    escape_at = None;
+                }
+            } else if ch == 'u' {
+                hex_left = 4;
+            } else {
+                escape_at = None;
+            }
+        } else if in_string && ch == '\\' {
+            escape_at = Some(out.len());
+        } else if ch == '"' {
+            in_string = !in_string;
+        }
+        out.push(ch);
+    }
+    if let Some(at) = escape_at {
+        out.truncate(at);
+    }
+    if in_string {
+        out.push('"');
+    }
+    let mut closed = out.trim_end_matches([',', ' ']).to_string();
+    closed.push(']');
+    closed
+}
+
+#[test]
+fn the_serving_ladder_times_a_json_schema_request_beside_plain_ones_and_it_decodes_every_step() {
+    use metrale::bench::{self, SchemaCompiler, ServeOptions};
+    use metrale::gpu::{CpuBackend, GpuBackend};
+    use std::sync::Arc;
+
+    let tokenizer_json = checkpoint::qwen3_tokenizer_json().unwrap();
+    let output_tokens = 24;
+    let mut o = ServeOptions::new(bench::tiny_qwen3_vocab_for_cpu().unwrap());
+    o.concurrency = vec![3];
+    o.prompt_tokens = 6;
+    o.output_tokens = output_tokens;
+    o.copy_bytes = 1 << 16;
+    o.constrained = 1;
+    o.schemas = Some(Arc::new(SchemaCompiler::new(&tokenizer_json).unwrap()));
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new(Default::default()));
+    let report = bench::serve_ladder(gpu, &o).unwrap();
+    let p = &report.points[0];
+    let c = p.constrained.as_ref().unwrap();
+    // Both figures, over the same steps: the constrained request decoded every step the plain
+    // run's requests did, to its last token.
+    assert!(p.step_ms > 0.0 && c.step_ms > 0.0, "{p:?}");
+    assert!(p.constrained_ratio().is_some_and(f64::is_finite));
+    assert!(p.full_steps >= output_tokens - 2, "{p:?}");
+    assert_eq!((c.full_steps, c.steps), (p.full_steps, p.steps), "{p:?}");
+    assert_eq!(c.requests, 1);
+    let tokens = &c.outputs[0];
+    assert_eq!(tokens.len(), output_tokens);
+    let table = report.table();
+    assert!(
+        table.contains("x plain") && table.contains("minItems"),
+        "{table}"
+    );
+
+    // Every token is one the schema's grammar takes (replayed on the host, EOS the shape's),
+    // and the text is the start of an array of strings.
+    let schema: Value = serde_json::from_str(report.schema.as_deref().unwrap()).unwrap();
+    assert_eq!(schema["minItems"], json!(output_tokens));
+    let constraint = Constraint::JsonSchema(schema);
+    let mut grammar = MaskBench::new(&constraint, &tokenizer_json, QWEN3_VOCAB, 0).unwrap();
+    for (i, &t) in tokens.iter().enumerate() {
+        assert!(grammar.accept(t), "token {i} ({t}) of {tokens:?}");
+    }
+    let tokenizer: tokenizers::Tokenizer = tokenizer_json.parse().unwrap();
+    let text = tokenizer.decode(tokens, false).unwrap();
+    assert!(text.starts_with('['), "{text}");
+    let value: Value = serde_json::from_str(&close_string_array(&text))
+        .unwrap_or_else(|e| panic!("{text:?} is not the start of an array: {e}"));
+    let items = value.as_array().unwrap();
+    assert!(items.iter().all(Value::is_string), "{text:?}");
 }
 
 #[test]

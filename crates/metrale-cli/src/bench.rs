@@ -1,9 +1,12 @@
 //! `metrale bench`: a random-weight model of a real shape on the device, its copy bandwidth and
 //! GEMM rate, prefill throughput and decode step times, each beside its roofline; `--serve`
-//! runs the serving ladder instead, `--speculative` the speculative-decoding figures (verify
-//! and draft steps against a plain decode step, projected and end-to-end tokens/s).
+//! runs the serving ladder instead (with `--constrained N`, each rung again with N requests
+//! under a JSON schema, compiled over `--tokenizer`'s vocabulary), `--speculative` the
+//! speculative-decoding figures (verify and draft steps against a plain decode step, projected
+//! and end-to-end tokens/s).
 
-use std::path::PathBuf;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
@@ -28,7 +31,14 @@ pub enum Shape {
     Tiny,
     /// A tiny hybrid shape (a smoke test of the hybrid path).
     TinyHybrid,
+    /// A tiny dense shape with Qwen3's vocabulary of 151936 (a smoke test of `--serve
+    /// --constrained` with the Qwen3 tokenizer).
+    TinyQwen3Vocab,
 }
+
+/// The Qwen3 tokenizer committed in the repository, relative to its root (where `cargo xtask
+/// bench` and the GPU bundle run the CLI).
+const FIXTURE_TOKENIZER: &str = "tests/fixtures/qwen3-chat/tokenizer.json.gz";
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -75,6 +85,16 @@ pub struct BenchArgs {
     /// Serving ladder and `--speculative`: output tokens per request (per end-to-end run).
     #[arg(long, default_value_t = 512)]
     output_tokens: usize,
+    /// Serving ladder: run each rung a second time with this many of its requests constrained
+    /// to a JSON schema (an array of at least `--output-tokens` strings, so they decode every
+    /// step), and print that run's step time beside the plain one's.
+    #[arg(long, default_value_t = 0)]
+    constrained: usize,
+    /// `--constrained`: the tokenizer the schema is compiled over (`tokenizer.json`, or
+    /// gzipped `.gz`); its vocabulary must fit the shape's. The default is the Qwen3 tokenizer
+    /// committed in the repository, found from the repository's root.
+    #[arg(long, default_value = FIXTURE_TOKENIZER)]
+    tokenizer: PathBuf,
     /// Run the speculative-decoding benchmark instead, at batch 1 with `--context` tokens
     /// cached: a plain decode step (graphed and eager), verify steps of 1 + K rows, one MTP
     /// draft, tokens/s projected at acceptance lengths 1.9 / 2.7 / 3.4 for K = 1 / 2 / 3, and
@@ -99,8 +119,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Shape::Qwen3_5_9b => bench::qwen3_5_9b()?,
         Shape::Tiny => bench::tiny_for_cpu()?,
         Shape::TinyHybrid => bench::tiny_hybrid_for_cpu()?,
+        Shape::TinyQwen3Vocab => bench::tiny_qwen3_vocab_for_cpu()?,
     };
-    let tiny = matches!(args.shape, Shape::Tiny | Shape::TinyHybrid);
+    let tiny = matches!(
+        args.shape,
+        Shape::Tiny | Shape::TinyHybrid | Shape::TinyQwen3Vocab
+    );
     if args.serve {
         return serve(gpu, config, tiny, &args);
     }
@@ -167,13 +191,26 @@ fn serve(
     if tiny {
         o.copy_bytes = 1 << 20;
     }
+    if args.constrained > 0 {
+        o.constrained = args.constrained;
+        let json = read_tokenizer(&args.tokenizer)?;
+        o.schemas = Some(Arc::new(bench::SchemaCompiler::new(&json).with_context(
+            || format!("reading the tokenizer {}", args.tokenizer.display()),
+        )?));
+    }
     let report = bench::serve_ladder(gpu, &o)?;
     print!("{}", report.table());
     if let Some(path) = &args.json_out {
         let points: Vec<_> = report
             .points
             .iter()
-            .map(|p| serde_json::json!({"concurrency": p.concurrency, "tok_s": p.tok_s, "wall_s": p.wall_s, "step_ms": p.step_ms, "floor_ms": p.floor_ms, "ratio": p.step_ms / p.floor_ms, "full_steps": p.full_steps, "steps": p.steps}))
+            .map(|p| {
+                let constrained = p.constrained.as_ref().map(|c| {
+                    let lens: Vec<usize> = c.outputs.iter().map(Vec::len).collect();
+                    serde_json::json!({"requests": c.requests, "tok_s": c.tok_s, "wall_s": c.wall_s, "step_ms": c.step_ms, "vs_plain": c.step_ms / p.step_ms, "full_steps": c.full_steps, "steps": c.steps, "output_tokens": lens})
+                });
+                serde_json::json!({"concurrency": p.concurrency, "tok_s": p.tok_s, "wall_s": p.wall_s, "step_ms": p.step_ms, "floor_ms": p.floor_ms, "ratio": p.step_ms / p.floor_ms, "full_steps": p.full_steps, "steps": p.steps, "constrained": constrained})
+            })
             .collect();
         let json = serde_json::json!({
             "shape": format!("{:?}", args.shape),
@@ -182,12 +219,34 @@ fn serve(
             "weight_bytes": report.weight_bytes,
             "prompt_tokens": report.prompt_tokens,
             "output_tokens": report.output_tokens,
+            "constrained_schema": report.schema,
             "serve": points,
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The text of the `tokenizer.json` at `path`, decompressed when its name ends in `.gz`.
+fn read_tokenizer(path: &Path) -> Result<String> {
+    let hint = || {
+        format!(
+            "reading the tokenizer {} (pass --tokenizer PATH, or run from the repository's root \
+             for the default {FIXTURE_TOKENIZER})",
+            path.display()
+        )
+    };
+    let bytes = std::fs::read(path).with_context(hint)?;
+    if path.extension().is_some_and(|e| e == "gz") {
+        let mut text = String::new();
+        flate2::read::GzDecoder::new(bytes.as_slice())
+            .read_to_string(&mut text)
+            .with_context(hint)?;
+        Ok(text)
+    } else {
+        String::from_utf8(bytes).with_context(hint)
+    }
 }
 
 /// `--speculative`: the speculative-decoding figures, printed as a table (and JSON with

@@ -27,9 +27,13 @@ use metrale_model_layers::ops_gemm::{self, LinearStaging};
 
 pub use self::breakdown::{Breakdown, StepPart, decode_breakdown};
 pub use self::profile::{launch_profile, step_profile};
-pub use self::serve::{ServeOptions, ServePoint, ServeReport, serve_ladder};
+pub use self::serve::{
+    ConstrainedRun, JsonSchemaCompiler, ServeOptions, ServePoint, ServeReport, serve_ladder,
+    serve_schema,
+};
 pub use self::shapes::{
     decode_staging_shapes_for_cpu, qwen3_5_9b, qwen3_8b, tiny_for_cpu, tiny_hybrid_for_cpu,
+    tiny_qwen3_vocab_for_cpu,
 };
 pub use self::speculative::{
     ACCEPTANCE_LENGTHS, EndToEnd, SpecBenchOptions, SpecReport, VerifyFigure, speculative_bench,

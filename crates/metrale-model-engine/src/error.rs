@@ -43,4 +43,13 @@ pub enum ModelError {
     /// A model feature this engine does not run.
     #[error("unsupported model: {0}")]
     Unsupported(String),
+    /// A tokenizer whose vocabulary does not fit the model's: it has ids the embedding has no
+    /// row for.
+    #[error("the tokenizer has {tokenizer} tokens, more than the model's vocabulary of {model}")]
+    TokenizerVocab {
+        /// Tokens of the tokenizer (special tokens included).
+        tokenizer: usize,
+        /// The model's vocabulary (`vocab_size`: the embedding's rows).
+        model: usize,
+    },
 }

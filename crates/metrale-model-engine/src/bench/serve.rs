@@ -11,12 +11,29 @@
 //! (`prompt_tokens + output_tokens / 2`) and its SSM state read and written, over the copy
 //! bandwidth measured in the same run.
 //!
+//! Structured output (`ServeOptions::constrained` = K > 0): each rung runs a second time, right
+//! after its plain run, with the same prompts, the first `min(K, C)` requests constrained to the
+//! JSON schema [`serve_schema`] (compiled by `ServeOptions::schemas`, the facade's llguidance
+//! path), and reports that run's median full-step time beside the plain one. The schema is an
+//! array of at least `output_tokens` strings (compact layout: items apart by `", "`). Where no
+//! token holds that separator whole (no token of the Qwen3 tokenizer does), each separator
+//! straddles a token boundary of its own, so a value takes at least `output_tokens` tokens: a
+//! constrained request cannot complete its value before its last token, decodes every step of
+//! the run, and its output is the start of a valid value. Constrained requests honour EOS, which
+//! their grammar allows only once the value is complete (and which ends a request whose
+//! constraint fails); the plain requests beside them ignore it, as in the plain run.
+//!
 //! Invariants:
 //! - Step times are host wall times around `Scheduler::step`, which returns only after the
-//!   step's tokens are on the host: what a client of the engine waits for, host work included.
-//! - The model is built once for the largest rung; every rung starts from an idle scheduler
-//!   whose blocks and slots are all free (checked).
+//!   step's tokens are on the host: what a client of the engine waits for, host work included
+//!   (a constrained row's mask is computed on the host while the step's forward runs).
+//! - The model is built once for the largest rung; every run starts from an idle scheduler
+//!   whose blocks and slots are all free (checked) and an empty prefix cache, so a rung's
+//!   constrained run shares nothing with its plain run.
+//! - The two runs of a rung differ only in the constraints: the same prompts, greedy picking,
+//!   so the unconstrained requests produce the same tokens in both (batch invariance).
 
+use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -24,15 +41,42 @@ use metrale_config::ModelConfig;
 use metrale_gpu_runtime::GpuBackend;
 
 use super::{copy_bandwidth, kv_bytes_per_token, median, ssm_bytes_per_seq, weight_bytes};
+use crate::constraint::{ConstraintError, TokenConstraint};
 use crate::error::ModelError;
 use crate::factory;
 use crate::generate::GenerateParams;
 use crate::options::{ModelOptions, Quantization};
 use crate::sampling::SamplingParams;
-use crate::scheduler::{Scheduler, SeqRequest, StepKind};
+use crate::scheduler::{Scheduler, SeqEvent, SeqId, SeqRequest, StepKind};
 
 /// Timed copies behind the bandwidth the floors use (the median is taken).
 const COPY_ITERS: usize = 10;
+
+/// The JSON schema of the ladder's constrained requests (see the module header): an array of at
+/// least `output_tokens` strings, as JSON text.
+pub fn serve_schema(output_tokens: usize) -> String {
+    format!(
+        r#"{{"type": "array", "items": {{"type": "string"}}, "minItems": {}}}"#,
+        output_tokens.max(1)
+    )
+}
+
+/// What compiles a JSON schema into a request's constraint over a tokenizer's vocabulary: the
+/// facade's llguidance compiler (`metrale::bench::SchemaCompiler`), the one the engine compiles
+/// requests' schemas with. It lives above this crate, which has no tokenizer.
+pub trait JsonSchemaCompiler: Send + Sync + Debug {
+    /// Tokens of the tokenizer's vocabulary (special tokens included); the ladder refuses a
+    /// model whose vocabulary is smaller.
+    fn vocab_size(&self) -> usize;
+    /// A fresh constraint to `schema` (JSON text) for one request, over a model of `vocab` ids
+    /// whose EOS tokens are `eos`. Every call of one ladder passes the same `vocab` and `eos`.
+    fn compile(
+        &self,
+        schema: &str,
+        vocab: usize,
+        eos: &[u32],
+    ) -> Result<Box<dyn TokenConstraint>, ConstraintError>;
+}
 
 /// What the serving ladder runs.
 #[derive(Debug, Clone)]
@@ -50,6 +94,12 @@ pub struct ServeOptions {
     pub max_batch_tokens: usize,
     /// Bytes of each buffer of the copy-bandwidth measurement. Default 1 GiB.
     pub copy_bytes: usize,
+    /// Requests of each rung constrained to [`serve_schema`] in the rung's second, constrained
+    /// run (at most the rung's concurrency). Default 0: no constrained run.
+    pub constrained: usize,
+    /// What compiles the constrained requests' schema; needed when `constrained > 0`, and its
+    /// tokenizer's vocabulary must fit the model's. Default `None`.
+    pub schemas: Option<Arc<dyn JsonSchemaCompiler>>,
 }
 
 impl ServeOptions {
@@ -62,6 +112,8 @@ impl ServeOptions {
             output_tokens: 512,
             max_batch_tokens: ModelOptions::default().max_batch_tokens,
             copy_bytes: 1 << 30,
+            constrained: 0,
+            schemas: None,
         }
     }
 }
@@ -85,6 +137,35 @@ pub struct ServePoint {
     pub step_bytes: f64,
     /// `step_bytes` over the measured copy bandwidth, ms.
     pub floor_ms: f64,
+    /// The rung's constrained run; `None` without `ServeOptions::constrained`.
+    pub constrained: Option<ConstrainedRun>,
+}
+
+/// A rung run again with some of its requests constrained to [`serve_schema`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConstrainedRun {
+    /// Requests that carried the constraint (the first ones submitted).
+    pub requests: usize,
+    /// Wall time from submission to the last token, s.
+    pub wall_s: f64,
+    /// Output tokens over `wall_s`.
+    pub tok_s: f64,
+    /// Steps the scheduler ran (prefill and decode).
+    pub steps: usize,
+    /// Decode steps that ran all the rung's sequences, the constrained ones among them.
+    pub full_steps: usize,
+    /// Median wall time of those steps, ms.
+    pub step_ms: f64,
+    /// The tokens each constrained request generated, in submission order.
+    pub outputs: Vec<Vec<u32>>,
+}
+
+impl ServePoint {
+    /// The constrained run's step time over the plain run's (1.1: the constrained requests
+    /// cost the batch 10 % of its step time); `None` without a constrained run.
+    pub fn constrained_ratio(&self) -> Option<f64> {
+        self.constrained.as_ref().map(|c| c.step_ms / self.step_ms)
+    }
 }
 
 /// The whole ladder.
@@ -100,8 +181,119 @@ pub struct ServeReport {
     pub prompt_tokens: usize,
     /// See `prompt_tokens`.
     pub output_tokens: usize,
+    /// The constrained requests' schema, when the rungs had constrained runs.
+    pub schema: Option<String>,
     /// The rungs, in the order run.
     pub points: Vec<ServePoint>,
+}
+
+/// What one run of a rung measured.
+struct RunFigures {
+    wall_s: f64,
+    tokens: usize,
+    steps: usize,
+    full_ms: Vec<f64>,
+    outputs: Vec<Vec<u32>>,
+}
+
+impl RunFigures {
+    fn step_ms(&self) -> f64 {
+        if self.full_ms.is_empty() {
+            f64::NAN
+        } else {
+            median(self.full_ms.clone())
+        }
+    }
+}
+
+/// Check `opts`' constrained settings against the model shape before anything is built.
+fn check_constrained(opts: &ServeOptions) -> Result<(), ModelError> {
+    if opts.constrained == 0 {
+        return Ok(());
+    }
+    let Some(schemas) = &opts.schemas else {
+        return Err(ModelError::Options {
+            option: "constrained",
+            problem: "constrained requests need a schema compiler (`ServeOptions::schemas`)".into(),
+        });
+    };
+    let (tokenizer, model) = (schemas.vocab_size(), opts.config.tokens.vocab_size);
+    if tokenizer > model {
+        return Err(ModelError::TokenizerVocab { tokenizer, model });
+    }
+    Ok(())
+}
+
+/// Submit `prompts` (the first `constraints.len()` requests with those constraints) and run
+/// the scheduler until it is idle again.
+fn run_once(
+    sched: &mut Scheduler,
+    prompts: &[Vec<u32>],
+    constraints: Vec<Box<dyn TokenConstraint>>,
+    output_tokens: usize,
+) -> Result<RunFigures, ModelError> {
+    let n = prompts.len();
+    let k = constraints.len();
+    let mut constraints = constraints.into_iter();
+    let mut constrained_ids: Vec<SeqId> = Vec::with_capacity(k);
+    sched.clear_prefix_cache();
+    for prompt in prompts {
+        let constraint = constraints.next();
+        let req = SeqRequest {
+            prompt: prompt.clone(),
+            params: GenerateParams {
+                max_new_tokens: output_tokens,
+                sampling: SamplingParams::default(),
+                stop_token_ids: Vec::new(),
+                return_logits: false,
+            },
+            // A constrained request's grammar allows EOS only once its value is complete.
+            ignore_eos: constraint.is_none(),
+        };
+        let id = sched
+            .add_constrained(req, constraint.into_iter().collect())
+            .map_err(|e| ModelError::Step(format!("serve bench request refused: {e}")))?;
+        if constrained_ids.len() < k {
+            constrained_ids.push(id);
+        }
+    }
+    let mut outputs = vec![Vec::new(); k];
+    let (mut steps, mut full_ms, mut tokens) = (0, Vec::new(), 0usize);
+    let start = Instant::now();
+    while !sched.is_idle() {
+        let t = Instant::now();
+        let report = sched.step().map_err(|f| *f.error)?;
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        steps += 1;
+        if report.kind == (StepKind::Decode { seqs: n }) {
+            full_ms.push(ms);
+        }
+        for e in report.events {
+            match e {
+                SeqEvent::Token { .. } => tokens += 1,
+                SeqEvent::Finished { id, generation } => {
+                    if let Some(i) = constrained_ids.iter().position(|&c| c == id) {
+                        outputs[i] = generation.token_ids;
+                    }
+                }
+            }
+        }
+    }
+    let wall_s = start.elapsed().as_secs_f64();
+    let used = sched.stats().cache;
+    if used.kv_blocks_used != 0 || used.ssm_slots_used != 0 {
+        return Err(ModelError::Step(format!(
+            "serve bench: {} KV blocks and {} SSM slots still held after rung {n}",
+            used.kv_blocks_used, used.ssm_slots_used
+        )));
+    }
+    Ok(RunFigures {
+        wall_s,
+        tokens,
+        steps,
+        full_ms,
+        outputs,
+    })
 }
 
 /// Run the serving ladder on `gpu`.
@@ -110,6 +302,8 @@ pub fn serve_ladder(
     opts: &ServeOptions,
 ) -> Result<ServeReport, ModelError> {
     let c = &opts.config;
+    check_constrained(opts)?;
+    let schema = (opts.constrained > 0).then(|| serve_schema(opts.output_tokens));
     let copy_gb_s = copy_bandwidth(&gpu, opts.copy_bytes, COPY_ITERS)?;
 
     let max_c = opts.concurrency.iter().copied().max().unwrap_or(1).max(1);
@@ -130,62 +324,48 @@ pub fn serve_ladder(
     let mut sched = Scheduler::new(model, options)?;
     let mut points = Vec::with_capacity(opts.concurrency.len());
     for (rung, &n) in opts.concurrency.iter().enumerate() {
-        for i in 0..n {
-            let prompt = (0..opts.prompt_tokens)
-                .map(|p| ((rung * 7919 + i * 104_729 + p * 31) % c.tokens.vocab_size) as u32)
-                .collect();
-            let req = SeqRequest {
-                prompt,
-                params: GenerateParams {
-                    max_new_tokens: opts.output_tokens,
-                    sampling: SamplingParams::default(),
-                    stop_token_ids: Vec::new(),
-                    return_logits: false,
-                },
-                ignore_eos: true,
-            };
-            sched
-                .add(req)
-                .map_err(|e| ModelError::Step(format!("serve bench request refused: {e}")))?;
-        }
-        let (mut steps, mut full, mut tokens) = (0, Vec::new(), 0usize);
-        let start = Instant::now();
-        while !sched.is_idle() {
-            let t = Instant::now();
-            let report = sched.step().map_err(|f| *f.error)?;
-            let ms = t.elapsed().as_secs_f64() * 1e3;
-            steps += 1;
-            if report.kind == (StepKind::Decode { seqs: n }) {
-                full.push(ms);
+        let prompts: Vec<Vec<u32>> = (0..n)
+            .map(|i| {
+                (0..opts.prompt_tokens)
+                    .map(|p| ((rung * 7919 + i * 104_729 + p * 31) % c.tokens.vocab_size) as u32)
+                    .collect()
+            })
+            .collect();
+        let plain = run_once(&mut sched, &prompts, Vec::new(), opts.output_tokens)?;
+        let constrained = match (&schema, &opts.schemas) {
+            (Some(schema), Some(schemas)) => {
+                let k = opts.constrained.min(n);
+                let constraints = (0..k)
+                    .map(|_| schemas.compile(schema, c.tokens.vocab_size, &c.tokens.eos_token_ids))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| ModelError::Options {
+                        option: "schemas",
+                        problem: e.to_string(),
+                    })?;
+                let run = run_once(&mut sched, &prompts, constraints, opts.output_tokens)?;
+                Some(ConstrainedRun {
+                    requests: k,
+                    wall_s: run.wall_s,
+                    tok_s: run.tokens as f64 / run.wall_s,
+                    steps: run.steps,
+                    full_steps: run.full_ms.len(),
+                    step_ms: run.step_ms(),
+                    outputs: run.outputs,
+                })
             }
-            tokens += report
-                .events
-                .iter()
-                .filter(|e| matches!(e, crate::scheduler::SeqEvent::Token { .. }))
-                .count();
-        }
-        let wall_s = start.elapsed().as_secs_f64();
-        let used = sched.stats().cache;
-        if used.kv_blocks_used != 0 || used.ssm_slots_used != 0 {
-            return Err(ModelError::Step(format!(
-                "serve bench: {} KV blocks and {} SSM slots still held after rung {n}",
-                used.kv_blocks_used, used.ssm_slots_used
-            )));
-        }
+            _ => None,
+        };
         let step_bytes = weights + n as f64 * per_seq;
         points.push(ServePoint {
             concurrency: n,
-            wall_s,
-            tok_s: tokens as f64 / wall_s,
-            steps,
-            full_steps: full.len(),
-            step_ms: if full.is_empty() {
-                f64::NAN
-            } else {
-                median(full)
-            },
+            wall_s: plain.wall_s,
+            tok_s: plain.tokens as f64 / plain.wall_s,
+            steps: plain.steps,
+            full_steps: plain.full_ms.len(),
+            step_ms: plain.step_ms(),
             step_bytes,
             floor_ms: step_bytes / (copy_gb_s * 1e9) * 1e3,
+            constrained,
         });
     }
     Ok(ServeReport {
@@ -194,6 +374,7 @@ pub fn serve_ladder(
         weight_bytes: weights,
         prompt_tokens: opts.prompt_tokens,
         output_tokens: opts.output_tokens,
+        schema,
         points,
     })
 }
@@ -223,6 +404,27 @@ impl ServeReport {
                 p.steps
             );
         }
+        if let Some(schema) = &self.schema {
+            s += &format!(
+                "constrained runs: the first requests of each rung under the JSON schema {schema}\n"
+            );
+            s += "json   conc.  reqs   ms/step   plain ms   x plain   full steps   tokens each\n";
+            for p in &self.points {
+                let Some(c) = &p.constrained else { continue };
+                let lens: Vec<String> = c.outputs.iter().map(|o| o.len().to_string()).collect();
+                s += &format!(
+                    "       {:>5} {:>5} {:>9.3} {:>10.3} {:>9.3} {:>6}/{:<5} {}\n",
+                    p.concurrency,
+                    c.requests,
+                    c.step_ms,
+                    p.step_ms,
+                    c.step_ms / p.step_ms,
+                    c.full_steps,
+                    c.steps,
+                    lens.join(",")
+                );
+            }
+        }
         s
     }
 }
@@ -250,5 +452,119 @@ mod tests {
         }
         assert!(r.points[1].step_bytes > r.points[0].step_bytes);
         assert!(r.table().contains("serving ladder"));
+        assert!(r.points.iter().all(|p| p.constrained.is_none()));
+        assert!(!r.table().contains("constrained runs"));
+    }
+
+    /// A grammar that allows the odd tokens, forever: the schema text is ignored.
+    #[derive(Debug)]
+    struct OddTokens {
+        vocab: usize,
+    }
+
+    impl TokenConstraint for OddTokens {
+        fn fill_mask(&mut self, mask: &mut [u32]) -> Result<(), ConstraintError> {
+            for t in (1..self.vocab as u32).step_by(2) {
+                crate::constraint::allow(mask, t);
+            }
+            Ok(())
+        }
+        fn accept(&mut self, token: u32) -> Result<(), ConstraintError> {
+            match token % 2 {
+                1 => Ok(()),
+                _ => Err(ConstraintError {
+                    reason: format!("{token} is even"),
+                }),
+            }
+        }
+        fn is_finished(&self) -> bool {
+            false
+        }
+    }
+
+    #[derive(Debug)]
+    struct OddCompiler {
+        tokenizer_vocab: usize,
+    }
+
+    impl JsonSchemaCompiler for OddCompiler {
+        fn vocab_size(&self) -> usize {
+            self.tokenizer_vocab
+        }
+        fn compile(
+            &self,
+            schema: &str,
+            vocab: usize,
+            _eos: &[u32],
+        ) -> Result<Box<dyn TokenConstraint>, ConstraintError> {
+            assert!(schema.contains("\"minItems\": 6"), "{schema}");
+            Ok(Box::new(OddTokens { vocab }))
+        }
+    }
+
+    #[test]
+    fn a_constrained_run_follows_its_grammar_every_step_and_reports_beside_the_plain_run() {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new(Default::default()));
+        let mut o = ServeOptions::new(super::super::tiny_for_cpu().unwrap());
+        o.concurrency = vec![1, 3];
+        o.prompt_tokens = 5;
+        o.output_tokens = 6;
+        o.copy_bytes = 1 << 16;
+        o.constrained = 2;
+        o.schemas = Some(Arc::new(OddCompiler {
+            tokenizer_vocab: 200,
+        }));
+        let r = serve_ladder(gpu, &o).unwrap();
+        assert_eq!(r.schema.as_deref(), Some(serve_schema(6).as_str()));
+        for p in &r.points {
+            let c = p.constrained.as_ref().expect("a constrained run");
+            assert_eq!(c.requests, p.concurrency.min(2));
+            // Every request ran to its last token in both runs, the constrained ones included.
+            assert!((c.tok_s * c.wall_s - (p.concurrency * 6) as f64).abs() < 1e-6);
+            assert_eq!(c.outputs.len(), c.requests);
+            for out in &c.outputs {
+                assert_eq!(out.len(), 6);
+                assert!(out.iter().all(|t| t % 2 == 1), "{out:?}");
+            }
+            assert!(c.full_steps >= 1 && c.step_ms > 0.0, "{c:?}");
+            assert!(p.constrained_ratio().is_some_and(|x| x > 0.0));
+        }
+        let table = r.table();
+        assert!(
+            table.contains("constrained runs") && table.contains("x plain"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn constrained_requests_without_a_compiler_or_with_a_vocabulary_past_the_models_are_refused() {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new(Default::default()));
+        let mut o = ServeOptions::new(super::super::tiny_for_cpu().unwrap());
+        o.constrained = 1;
+        let e = serve_ladder(gpu.clone(), &o).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ModelError::Options {
+                    option: "constrained",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        o.schemas = Some(Arc::new(OddCompiler {
+            tokenizer_vocab: 257,
+        }));
+        let e = serve_ladder(gpu, &o).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ModelError::TokenizerVocab {
+                    tokenizer: 257,
+                    model: 256
+                }
+            ),
+            "{e}"
+        );
     }
 }

@@ -1,7 +1,8 @@
 //! The model shapes the benchmark builds with random weights, as their `config.json` files
 //! would state them: Qwen3-8B and Qwen3.5-9B for the GPU, tiny dense and hybrid shapes that
-//! run the same code on the CPU backend, and small ones wide enough for the decode GEMM's
-//! staged input (`decode_staging_shapes_for_cpu`).
+//! run the same code on the CPU backend (one with Qwen3's vocabulary, for the real tokenizer),
+//! and small ones wide enough for the decode GEMM's staged input
+//! (`decode_staging_shapes_for_cpu`).
 
 use metrale_config::ModelConfig;
 
@@ -126,6 +127,12 @@ pub fn qwen3_8b() -> Result<ModelConfig, ModelError> {
 /// A tiny dense shape: the same code path on the CPU backend.
 pub fn tiny_for_cpu() -> Result<ModelConfig, ModelError> {
     dense_qwen3(64, 2, 4, 2, 16, 128, 256)
+}
+
+/// A tiny dense shape with Qwen3's vocabulary (151,936 ids), one layer of hidden size 32: the
+/// serving ladder's constrained requests with the real Qwen3 tokenizer on the CPU backend.
+pub fn tiny_qwen3_vocab_for_cpu() -> Result<ModelConfig, ModelError> {
+    dense_qwen3(32, 1, 1, 1, 32, 64, 151936)
 }
 
 /// A dense and a hybrid shape small enough for the CPU backend whose projections' inputs (512
