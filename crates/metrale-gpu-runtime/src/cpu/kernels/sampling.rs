@@ -3,7 +3,7 @@
 //! row's thresholds directly (sorted keys, prefix masses) where the kernel runs radix
 //! selections; both define them the same way, and both use the same explicitly rounded
 //! `det_exp` / `det_log`, so tokens and top ids match the kernel bit for bit (the log-sum-exp of
-//! the logprobs is a float sum whose order differs).
+//! the logprobs is a sum whose order and precision differ: f64 here, blocked f32 there).
 
 use metrale_kernel_abi::{
     ArgmaxParams, SAMPLE_E_BAN, SAMPLE_E_COUNT_MASK, SAMPLE_E_PROMPT, SAMPLE_ENTRY_WORDS,
@@ -235,7 +235,9 @@ pub fn sample(ctx: &KernelCtx<'_>) -> GpuResult<()> {
         let m = best_of(x.iter().copied().enumerate().map(|(i, v)| (i as u32, v)))
             .map_or(f32::NAN, |b| b.1);
         let lse = if m.is_finite() {
-            let total: f32 = x.iter().map(|&v| det_exp(v - m)).sum();
+            // Summed in f64: the reference the kernel's blocked f32 sum approximates (a
+            // sequential f32 sum over a vocabulary of 248,320 strays by 1e-4 from both).
+            let total = x.iter().map(|&v| f64::from(det_exp(v - m))).sum::<f64>() as f32;
             m + det_log(total)
         } else {
             m
