@@ -1,9 +1,10 @@
 //! `metrale bench`: a random-weight model of a real shape on the device, its copy bandwidth and
 //! GEMM rate, prefill throughput and decode step times, each beside its roofline; `--serve`
 //! runs the serving ladder instead (with `--constrained N`, each rung again with N requests
-//! under a JSON schema, compiled over `--tokenizer`'s vocabulary), `--speculative` the
-//! speculative-decoding figures (verify and draft steps against a plain decode step, projected
-//! and end-to-end tokens/s).
+//! under a JSON schema, compiled over `--tokenizer`'s vocabulary), `--serve --request-rate
+//! R1,R2` the serving trace (Poisson arrivals at each rate; TTFT, inter-token and end-to-end
+//! latency percentiles), `--speculative` the speculative-decoding figures (verify and draft
+//! steps against a plain decode step, projected and end-to-end tokens/s).
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -13,7 +14,9 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use metrale::ForwardSelect;
 use metrale::ModelConfig;
-use metrale::bench::{self, BenchOptions, ServeOptions, SpecBenchOptions};
+use metrale::bench::{
+    self, BenchOptions, ServeOptions, SpecBenchOptions, TokenRange, TraceOptions,
+};
 use metrale::gpu::GpuBackend;
 
 use crate::generate::BackendArg;
@@ -76,13 +79,37 @@ pub struct BenchArgs {
     /// Run the serving ladder instead: requests through the scheduler at each concurrency.
     #[arg(long)]
     serve: bool,
+    /// Run the serving trace instead of the ladder (with `--serve`): at each of these arrival
+    /// rates (requests/s; `inf`: all at once), `--num-prompts` requests arrive as a Poisson
+    /// process; printed: requests and output tokens per second, p50 / p90 / p99 of TTFT,
+    /// inter-token and end-to-end latency.
+    #[arg(long, value_delimiter = ',', requires = "serve")]
+    request_rate: Vec<f64>,
+    /// Serving trace: requests at each rate.
+    #[arg(long, default_value_t = 200)]
+    num_prompts: usize,
+    /// Serving trace: prompts draw their length uniformly from `--prompt-tokens` to this
+    /// (default: `--prompt-tokens`, a fixed length).
+    #[arg(long)]
+    prompt_tokens_max: Option<usize>,
+    /// Serving trace: requests draw their output length uniformly from `--output-tokens` to
+    /// this (default: `--output-tokens`, a fixed length).
+    #[arg(long)]
+    output_tokens_max: Option<usize>,
+    /// Serving trace: seed of the arrival gaps, lengths and prompt tokens.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Serving trace: most sequences the scheduler runs at once; later arrivals wait.
+    #[arg(long, default_value_t = 128)]
+    max_decode_seqs: usize,
     /// Serving ladder: requests in flight at each rung.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1, 2, 4, 8, 16, 32, 64, 128])]
     concurrency: Vec<usize>,
-    /// Serving ladder: prompt tokens per request.
+    /// Serving ladder and trace: prompt tokens per request (the trace's fewest).
     #[arg(long, default_value_t = 128)]
     prompt_tokens: usize,
-    /// Serving ladder and `--speculative`: output tokens per request (per end-to-end run).
+    /// Serving ladder, trace (its fewest) and `--speculative`: output tokens per request (per
+    /// end-to-end run).
     #[arg(long, default_value_t = 512)]
     output_tokens: usize,
     /// Serving ladder: run each rung a second time with this many of its requests constrained
@@ -125,6 +152,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         args.shape,
         Shape::Tiny | Shape::TinyHybrid | Shape::TinyQwen3Vocab
     );
+    if args.serve && !args.request_rate.is_empty() {
+        return trace(gpu, config, &args);
+    }
     if args.serve {
         return serve(gpu, config, tiny, &args);
     }
@@ -221,6 +251,63 @@ fn serve(
             "output_tokens": report.output_tokens,
             "constrained_schema": report.schema,
             "serve": points,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// `--serve --request-rate`: the serving trace, printed as a table (and JSON with
+/// `--json-out`).
+fn trace(gpu: Arc<dyn GpuBackend>, config: ModelConfig, args: &BenchArgs) -> Result<()> {
+    anyhow::ensure!(
+        args.constrained == 0,
+        "--constrained runs with the serving ladder, not with --request-rate"
+    );
+    let mut o = TraceOptions::new(config);
+    o.request_rates = args.request_rate.clone();
+    o.num_requests = args.num_prompts;
+    o.prompt_tokens = TokenRange {
+        min: args.prompt_tokens,
+        max: args.prompt_tokens_max.unwrap_or(args.prompt_tokens),
+    };
+    o.output_tokens = TokenRange {
+        min: args.output_tokens,
+        max: args.output_tokens_max.unwrap_or(args.output_tokens),
+    };
+    o.seed = args.seed;
+    o.max_decode_seqs = args.max_decode_seqs;
+    let report = bench::serve_trace(gpu, &o)?;
+    print!("{}", report.table());
+    if let Some(path) = &args.json_out {
+        let percentiles = |p: bench::Percentiles| serde_json::json!({"p50_ms": p.p50_ms, "p90_ms": p.p90_ms, "p99_ms": p.p99_ms});
+        let points: Vec<_> = report
+            .points
+            .iter()
+            .map(|p| {
+                let requests: Vec<_> = p
+                    .requests
+                    .iter()
+                    .map(|r| serde_json::json!({"arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens, "output_tokens": r.token_s.len(), "ttft_ms": r.ttft_s() * 1e3, "e2e_ms": r.e2e_s() * 1e3}))
+                    .collect();
+                // JSON has no infinity: an all-at-once rate is written as the string "inf".
+                let rate = match p.request_rate.is_finite() {
+                    true => serde_json::json!(p.request_rate),
+                    false => serde_json::json!("inf"),
+                };
+                serde_json::json!({"request_rate": rate, "completed": p.completed, "duration_s": p.duration_s, "req_s": p.req_s, "output_tokens": p.output_tokens, "out_tok_s": p.out_tok_s, "steps": p.steps, "ttft": percentiles(p.ttft), "itl": percentiles(p.itl), "itl_samples": p.itl_samples, "e2e": percentiles(p.e2e), "requests": requests})
+            })
+            .collect();
+        let json = serde_json::json!({
+            "shape": format!("{:?}", args.shape),
+            "backend": report.backend,
+            "num_requests": report.num_requests,
+            "prompt_tokens": {"min": report.prompt_tokens.min, "max": report.prompt_tokens.max},
+            "output_tokens": {"min": report.output_tokens.min, "max": report.output_tokens.max},
+            "seed": report.seed,
+            "max_decode_seqs": report.max_decode_seqs,
+            "trace": points,
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;

@@ -15,6 +15,7 @@ mod serve;
 mod shapes;
 mod speculative;
 mod table;
+mod trace;
 
 use std::sync::Arc;
 
@@ -37,6 +38,10 @@ pub use self::shapes::{
 };
 pub use self::speculative::{
     ACCEPTANCE_LENGTHS, EndToEnd, SpecBenchOptions, SpecReport, VerifyFigure, speculative_bench,
+};
+pub use self::trace::{
+    Percentiles, RequestTiming, TokenRange, TraceOptions, TracePoint, TraceReport, TraceRequest,
+    percentile, serve_trace, trace_requests,
 };
 
 use metrale_config::LayerType;

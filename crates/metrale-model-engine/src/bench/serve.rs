@@ -239,17 +239,8 @@ fn run_once(
     sched.clear_prefix_cache();
     for prompt in prompts {
         let constraint = constraints.next();
-        let req = SeqRequest {
-            prompt: prompt.clone(),
-            params: GenerateParams {
-                max_new_tokens: output_tokens,
-                sampling: SamplingParams::default(),
-                stop_token_ids: Vec::new(),
-                return_logits: false,
-            },
-            // A constrained request's grammar allows EOS only once its value is complete.
-            ignore_eos: constraint.is_none(),
-        };
+        // A constrained request's grammar allows EOS only once its value is complete.
+        let req = bench_request(prompt.clone(), output_tokens, constraint.is_none());
         let id = sched
             .add_constrained(req, constraint.into_iter().collect())
             .map_err(|e| ModelError::Step(format!("serve bench request refused: {e}")))?;
@@ -280,13 +271,7 @@ fn run_once(
         }
     }
     let wall_s = start.elapsed().as_secs_f64();
-    let used = sched.stats().cache;
-    if used.kv_blocks_used != 0 || used.ssm_slots_used != 0 {
-        return Err(ModelError::Step(format!(
-            "serve bench: {} KV blocks and {} SSM slots still held after rung {n}",
-            used.kv_blocks_used, used.ssm_slots_used
-        )));
-    }
+    check_all_freed(sched, &format!("serve bench rung {n}"))?;
     Ok(RunFigures {
         wall_s,
         tokens,
@@ -294,6 +279,59 @@ fn run_once(
         full_ms,
         outputs,
     })
+}
+
+/// A benchmark request: `prompt`, then `output_tokens` greedy tokens, past EOS when
+/// `ignore_eos`.
+pub(super) fn bench_request(
+    prompt: Vec<u32>,
+    output_tokens: usize,
+    ignore_eos: bool,
+) -> SeqRequest {
+    SeqRequest {
+        prompt,
+        params: GenerateParams {
+            max_new_tokens: output_tokens,
+            sampling: SamplingParams::default(),
+            stop_token_ids: Vec::new(),
+            return_logits: false,
+        },
+        ignore_eos,
+    }
+}
+
+/// Fail unless every KV block and SSM slot of `sched` is free again (`run` names the run in
+/// the error).
+pub(super) fn check_all_freed(sched: &Scheduler, run: &str) -> Result<(), ModelError> {
+    let used = sched.stats().cache;
+    if used.kv_blocks_used != 0 || used.ssm_slots_used != 0 {
+        return Err(ModelError::Step(format!(
+            "{run}: {} KV blocks and {} SSM slots still held at the end",
+            used.kv_blocks_used, used.ssm_slots_used
+        )));
+    }
+    Ok(())
+}
+
+/// A scheduler over a random-weight model of `config` (seed fixed) that holds `max_seqs`
+/// sequences of up to `seq_len` tokens at once, each with its whole context in the KV cache.
+pub(super) fn bench_scheduler(
+    config: &ModelConfig,
+    gpu: &Arc<dyn GpuBackend>,
+    max_seqs: usize,
+    seq_len: usize,
+    max_batch_tokens: usize,
+) -> Result<Scheduler, ModelError> {
+    let block_size = ModelOptions::default().block_size;
+    // Every sequence's whole context, plus the admission headroom of one block per sequence.
+    let blocks = max_seqs * (seq_len.div_ceil(block_size) + 1) + 2;
+    let options = ModelOptions::default()
+        .max_batch_tokens(max_batch_tokens)
+        .max_seq_len(Some(seq_len))
+        .num_kv_blocks(Some(blocks))
+        .max_decode_seqs(max_seqs);
+    let model = factory::random(config.clone(), gpu.clone(), 0x5eed)?;
+    Scheduler::new(model, options)
 }
 
 /// Run the serving ladder on `gpu`.
@@ -308,20 +346,11 @@ pub fn serve_ladder(
 
     let max_c = opts.concurrency.iter().copied().max().unwrap_or(1).max(1);
     let seq_len = opts.prompt_tokens + opts.output_tokens + 1;
-    let block_size = ModelOptions::default().block_size;
-    // Every sequence's whole context, plus the admission headroom of one block per sequence.
-    let blocks = max_c * (seq_len.div_ceil(block_size) + 1) + 2;
-    let options = ModelOptions::default()
-        .max_batch_tokens(opts.max_batch_tokens)
-        .max_seq_len(Some(seq_len))
-        .num_kv_blocks(Some(blocks))
-        .max_decode_seqs(max_c);
-    let model = factory::random(c.clone(), gpu.clone(), 0x5eed)?;
+    let mut sched = bench_scheduler(c, &gpu, max_c, seq_len, opts.max_batch_tokens)?;
     let weights = weight_bytes(c, Quantization::AsStored);
     let per_seq = (opts.prompt_tokens as f64 + opts.output_tokens as f64 / 2.0)
         * kv_bytes_per_token(c)
         + ssm_bytes_per_seq(c);
-    let mut sched = Scheduler::new(model, options)?;
     let mut points = Vec::with_capacity(opts.concurrency.len());
     for (rung, &n) in opts.concurrency.iter().enumerate() {
         let prompts: Vec<Vec<u32>> = (0..n)
@@ -430,141 +459,4 @@ impl ServeReport {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use metrale_gpu_runtime::CpuBackend;
-
-    #[test]
-    fn the_ladder_runs_every_request_to_its_last_token_and_frees_everything() {
-        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new(Default::default()));
-        let mut o = ServeOptions::new(super::super::tiny_hybrid_for_cpu().unwrap());
-        o.concurrency = vec![1, 3];
-        o.prompt_tokens = 5;
-        o.output_tokens = 4;
-        o.copy_bytes = 1 << 16;
-        let r = serve_ladder(gpu, &o).unwrap();
-        assert_eq!(r.points.len(), 2);
-        for p in &r.points {
-            // Every request produced all its tokens; the last decode steps ran all of them.
-            assert!((p.tok_s * p.wall_s - (p.concurrency * 4) as f64).abs() < 1e-6);
-            assert!(p.full_steps >= 1, "{p:?}");
-            assert!(p.step_ms > 0.0 && p.floor_ms > 0.0, "{p:?}");
-        }
-        assert!(r.points[1].step_bytes > r.points[0].step_bytes);
-        assert!(r.table().contains("serving ladder"));
-        assert!(r.points.iter().all(|p| p.constrained.is_none()));
-        assert!(!r.table().contains("constrained runs"));
-    }
-
-    /// A grammar that allows the odd tokens, forever: the schema text is ignored.
-    #[derive(Debug)]
-    struct OddTokens {
-        vocab: usize,
-    }
-
-    impl TokenConstraint for OddTokens {
-        fn fill_mask(&mut self, mask: &mut [u32]) -> Result<(), ConstraintError> {
-            for t in (1..self.vocab as u32).step_by(2) {
-                crate::constraint::allow(mask, t);
-            }
-            Ok(())
-        }
-        fn accept(&mut self, token: u32) -> Result<(), ConstraintError> {
-            match token % 2 {
-                1 => Ok(()),
-                _ => Err(ConstraintError {
-                    reason: format!("{token} is even"),
-                }),
-            }
-        }
-        fn is_finished(&self) -> bool {
-            false
-        }
-    }
-
-    #[derive(Debug)]
-    struct OddCompiler {
-        tokenizer_vocab: usize,
-    }
-
-    impl JsonSchemaCompiler for OddCompiler {
-        fn vocab_size(&self) -> usize {
-            self.tokenizer_vocab
-        }
-        fn compile(
-            &self,
-            schema: &str,
-            vocab: usize,
-            _eos: &[u32],
-        ) -> Result<Box<dyn TokenConstraint>, ConstraintError> {
-            assert!(schema.contains("\"minItems\": 6"), "{schema}");
-            Ok(Box::new(OddTokens { vocab }))
-        }
-    }
-
-    #[test]
-    fn a_constrained_run_follows_its_grammar_every_step_and_reports_beside_the_plain_run() {
-        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new(Default::default()));
-        let mut o = ServeOptions::new(super::super::tiny_for_cpu().unwrap());
-        o.concurrency = vec![1, 3];
-        o.prompt_tokens = 5;
-        o.output_tokens = 6;
-        o.copy_bytes = 1 << 16;
-        o.constrained = 2;
-        o.schemas = Some(Arc::new(OddCompiler {
-            tokenizer_vocab: 200,
-        }));
-        let r = serve_ladder(gpu, &o).unwrap();
-        assert_eq!(r.schema.as_deref(), Some(serve_schema(6).as_str()));
-        for p in &r.points {
-            let c = p.constrained.as_ref().expect("a constrained run");
-            assert_eq!(c.requests, p.concurrency.min(2));
-            // Every request ran to its last token in both runs, the constrained ones included.
-            assert!((c.tok_s * c.wall_s - (p.concurrency * 6) as f64).abs() < 1e-6);
-            assert_eq!(c.outputs.len(), c.requests);
-            for out in &c.outputs {
-                assert_eq!(out.len(), 6);
-                assert!(out.iter().all(|t| t % 2 == 1), "{out:?}");
-            }
-            assert!(c.full_steps >= 1 && c.step_ms > 0.0, "{c:?}");
-            assert!(p.constrained_ratio().is_some_and(|x| x > 0.0));
-        }
-        let table = r.table();
-        assert!(
-            table.contains("constrained runs") && table.contains("x plain"),
-            "{table}"
-        );
-    }
-
-    #[test]
-    fn constrained_requests_without_a_compiler_or_with_a_vocabulary_past_the_models_are_refused() {
-        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new(Default::default()));
-        let mut o = ServeOptions::new(super::super::tiny_for_cpu().unwrap());
-        o.constrained = 1;
-        let e = serve_ladder(gpu.clone(), &o).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                ModelError::Options {
-                    option: "constrained",
-                    ..
-                }
-            ),
-            "{e}"
-        );
-        o.schemas = Some(Arc::new(OddCompiler {
-            tokenizer_vocab: 257,
-        }));
-        let e = serve_ladder(gpu, &o).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                ModelError::TokenizerVocab {
-                    tokenizer: 257,
-                    model: 256
-                }
-            ),
-            "{e}"
-        );
-    }
-}
+mod tests;

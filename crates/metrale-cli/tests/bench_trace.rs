@@ -1,0 +1,109 @@
+//! `metrale bench --serve --request-rate` on the CPU backend and the tiny shape, as a user runs
+//! it: the serving trace prints its table and writes every rate's figures to `--json-out`;
+//! `--request-rate` without `--serve` is refused.
+
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+
+#[test]
+fn the_serving_trace_prints_a_row_per_rate_and_writes_its_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("trace.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_metrale"))
+        .args([
+            "bench",
+            "--shape",
+            "tiny",
+            "--backend",
+            "cpu",
+            "--serve",
+            "--request-rate",
+            "300,inf",
+            "--num-prompts",
+            "6",
+            "--prompt-tokens",
+            "4",
+            "--prompt-tokens-max",
+            "9",
+            "--output-tokens",
+            "2",
+            "--output-tokens-max",
+            "6",
+            "--seed",
+            "3",
+            "--max-decode-seqs",
+            "4",
+        ])
+        .arg("--json-out")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("serving trace, 6 requests per rate"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("prompt 4..=9 + output 2..=6"), "{stdout}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let points = v["trace"].as_array().unwrap();
+    assert_eq!(points.len(), 2);
+    assert_eq!(points[0]["request_rate"], 300.0);
+    assert_eq!(points[1]["request_rate"], "inf");
+    for p in points {
+        assert_eq!(p["completed"], 6);
+        let requests = p["requests"].as_array().unwrap();
+        let tokens: u64 = requests
+            .iter()
+            .map(|r| r["output_tokens"].as_u64().unwrap())
+            .sum();
+        assert_eq!(p["output_tokens"].as_u64(), Some(tokens));
+        assert_eq!(p["itl_samples"].as_u64(), Some(tokens - 6));
+        for part in ["ttft", "itl", "e2e"] {
+            let (p50, p99) = (
+                p[part]["p50_ms"].as_f64().unwrap(),
+                p[part]["p99_ms"].as_f64().unwrap(),
+            );
+            assert!(0.0 <= p50 && p50 <= p99, "{part}: {p}");
+        }
+    }
+    // Both rates ran the same drawn requests.
+    let lens = |p: &serde_json::Value| -> Vec<(u64, u64)> {
+        p["requests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r["prompt_tokens"].as_u64().unwrap(),
+                    r["output_tokens"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(lens(&points[0]), lens(&points[1]));
+}
+
+#[test]
+fn a_request_rate_without_serve_is_refused() {
+    let out = Command::new(env!("CARGO_BIN_EXE_metrale"))
+        .args([
+            "bench",
+            "--shape",
+            "tiny",
+            "--backend",
+            "cpu",
+            "--request-rate",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--serve"));
+}

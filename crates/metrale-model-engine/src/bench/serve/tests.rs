@@ -1,0 +1,139 @@
+//! The serving ladder on the CPU backend: every request runs to its last token, constrained
+//! runs follow their grammar, and settings that cannot run are refused.
+
+use super::*;
+use metrale_gpu_runtime::CpuBackend;
+
+#[test]
+fn the_ladder_runs_every_request_to_its_last_token_and_frees_everything() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new(Default::default()));
+    let mut o = ServeOptions::new(super::super::tiny_hybrid_for_cpu().unwrap());
+    o.concurrency = vec![1, 3];
+    o.prompt_tokens = 5;
+    o.output_tokens = 4;
+    o.copy_bytes = 1 << 16;
+    let r = serve_ladder(gpu, &o).unwrap();
+    assert_eq!(r.points.len(), 2);
+    for p in &r.points {
+        // Every request produced all its tokens; the last decode steps ran all of them.
+        assert!((p.tok_s * p.wall_s - (p.concurrency * 4) as f64).abs() < 1e-6);
+        assert!(p.full_steps >= 1, "{p:?}");
+        assert!(p.step_ms > 0.0 && p.floor_ms > 0.0, "{p:?}");
+    }
+    assert!(r.points[1].step_bytes > r.points[0].step_bytes);
+    assert!(r.table().contains("serving ladder"));
+    assert!(r.points.iter().all(|p| p.constrained.is_none()));
+    assert!(!r.table().contains("constrained runs"));
+}
+
+/// A grammar that allows the odd tokens, forever: the schema text is ignored.
+#[derive(Debug)]
+struct OddTokens {
+    vocab: usize,
+}
+
+impl TokenConstraint for OddTokens {
+    fn fill_mask(&mut self, mask: &mut [u32]) -> Result<(), ConstraintError> {
+        for t in (1..self.vocab as u32).step_by(2) {
+            crate::constraint::allow(mask, t);
+        }
+        Ok(())
+    }
+    fn accept(&mut self, token: u32) -> Result<(), ConstraintError> {
+        match token % 2 {
+            1 => Ok(()),
+            _ => Err(ConstraintError {
+                reason: format!("{token} is even"),
+            }),
+        }
+    }
+    fn is_finished(&self) -> bool {
+        false
+    }
+}
+
+#[derive(Debug)]
+struct OddCompiler {
+    tokenizer_vocab: usize,
+}
+
+impl JsonSchemaCompiler for OddCompiler {
+    fn vocab_size(&self) -> usize {
+        self.tokenizer_vocab
+    }
+    fn compile(
+        &self,
+        schema: &str,
+        vocab: usize,
+        _eos: &[u32],
+    ) -> Result<Box<dyn TokenConstraint>, ConstraintError> {
+        assert!(schema.contains("\"minItems\": 6"), "{schema}");
+        Ok(Box::new(OddTokens { vocab }))
+    }
+}
+
+#[test]
+fn a_constrained_run_follows_its_grammar_every_step_and_reports_beside_the_plain_run() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new(Default::default()));
+    let mut o = ServeOptions::new(super::super::tiny_for_cpu().unwrap());
+    o.concurrency = vec![1, 3];
+    o.prompt_tokens = 5;
+    o.output_tokens = 6;
+    o.copy_bytes = 1 << 16;
+    o.constrained = 2;
+    o.schemas = Some(Arc::new(OddCompiler {
+        tokenizer_vocab: 200,
+    }));
+    let r = serve_ladder(gpu, &o).unwrap();
+    assert_eq!(r.schema.as_deref(), Some(serve_schema(6).as_str()));
+    for p in &r.points {
+        let c = p.constrained.as_ref().expect("a constrained run");
+        assert_eq!(c.requests, p.concurrency.min(2));
+        // Every request ran to its last token in both runs, the constrained ones included.
+        assert!((c.tok_s * c.wall_s - (p.concurrency * 6) as f64).abs() < 1e-6);
+        assert_eq!(c.outputs.len(), c.requests);
+        for out in &c.outputs {
+            assert_eq!(out.len(), 6);
+            assert!(out.iter().all(|t| t % 2 == 1), "{out:?}");
+        }
+        assert!(c.full_steps >= 1 && c.step_ms > 0.0, "{c:?}");
+        assert!(p.constrained_ratio().is_some_and(|x| x > 0.0));
+    }
+    let table = r.table();
+    assert!(
+        table.contains("constrained runs") && table.contains("x plain"),
+        "{table}"
+    );
+}
+
+#[test]
+fn constrained_requests_without_a_compiler_or_with_a_vocabulary_past_the_models_are_refused() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new(Default::default()));
+    let mut o = ServeOptions::new(super::super::tiny_for_cpu().unwrap());
+    o.constrained = 1;
+    let e = serve_ladder(gpu.clone(), &o).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ModelError::Options {
+                option: "constrained",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    o.schemas = Some(Arc::new(OddCompiler {
+        tokenizer_vocab: 257,
+    }));
+    let e = serve_ladder(gpu, &o).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ModelError::TokenizerVocab {
+                tokenizer: 257,
+                model: 256
+            }
+        ),
+        "{e}"
+    );
+}
