@@ -204,6 +204,45 @@ impl TokenConstraint for GrammarConstraint {
     }
 }
 
+/// Compiles constraints over one tokenizer's vocabulary as the engine does: the token trie is
+/// built by the first compile and serves every later one, so a later compile costs what a
+/// request's does. For the benchmarks and the tests' reference.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct MaskCompiler {
+    tokenizer: Arc<tokenizers::Tokenizer>,
+    grammars: Grammars,
+}
+
+impl MaskCompiler {
+    /// A compiler over the vocabulary of `tokenizer_json` (a `tokenizer.json`'s text).
+    pub fn new(tokenizer_json: &str) -> Result<MaskCompiler, RequestError> {
+        let tokenizer: tokenizers::Tokenizer = tokenizer_json
+            .parse()
+            .map_err(|e: tokenizers::Error| RequestError::Tokenize(e.to_string()))?;
+        Ok(MaskCompiler {
+            tokenizer: Arc::new(tokenizer),
+            grammars: Grammars::default(),
+        })
+    }
+
+    /// Compile `constraint` for a model of `vocab` ids (the tokenizer's padded) ending at `eos`.
+    pub fn compile(
+        &self,
+        constraint: &Constraint,
+        vocab: usize,
+        eos: u32,
+    ) -> Result<MaskBench, RequestError> {
+        let constraint = self
+            .grammars
+            .compile(constraint, &self.tokenizer, vocab, &[eos])?;
+        Ok(MaskBench {
+            constraint,
+            mask: vec![0; vocab.div_ceil(32)],
+        })
+    }
+}
+
 /// The mask computation of a constraint alone, for the benchmarks and the tests' reference:
 /// compile `constraint`, then per call compute one mask and take a token.
 #[doc(hidden)]
@@ -222,15 +261,7 @@ impl MaskBench {
         vocab: usize,
         eos: u32,
     ) -> Result<MaskBench, RequestError> {
-        let tokenizer: tokenizers::Tokenizer = tokenizer_json
-            .parse()
-            .map_err(|e: tokenizers::Error| RequestError::Tokenize(e.to_string()))?;
-        let constraint =
-            Grammars::default().compile(constraint, &Arc::new(tokenizer), vocab, &[eos])?;
-        Ok(MaskBench {
-            constraint,
-            mask: vec![0; vocab.div_ceil(32)],
-        })
+        MaskCompiler::new(tokenizer_json)?.compile(constraint, vocab, eos)
     }
 
     /// One token: its mask, then the last allowed token (so strings grow until they must

@@ -120,7 +120,7 @@ pub mod circuit {
 /// hidden from the documentation, and free to change with any release.
 #[doc(hidden)]
 pub mod bench_internals {
-    pub use crate::constraint::MaskBench;
+    pub use crate::constraint::{MaskBench, MaskCompiler};
     pub use crate::text::TextStream;
 }
 
