@@ -5,9 +5,9 @@
 # Runs every test binary (one test at a time, output uncaptured); the kernel tests' sanitizer sets
 # (`__SANITIZED__ __SANITIZER_SET__`: every kernel at small shapes, under compute-sanitizer's
 # memcheck; `__RACECHECK_SET__`, the same but `linear_stream_tma`, under racecheck), each within
-# SANITIZER_TIMEOUT; the kernel measurements
-# (bin/kernel_bench); the CLI's benchmark and a smoke run; the soak. Writes each full log and
-# results.json to LOGDIR and prints a short summary last. Exits non-zero if anything failed.
+# SANITIZER_TIMEOUT; the kernel measurements (bin/kernel_bench); the CLI's benchmark, its
+# serving figures and a smoke run; the soak. Writes each full log and results.json to LOGDIR
+# and prints a short summary last. Exits non-zero if anything failed.
 set -uo pipefail
 BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 LOGDIR="${1:?usage: run.sh LOGDIR}"
@@ -140,6 +140,22 @@ if [ -x "$BIN_ROOT/bin/metrale" ]; then
   fi
 fi
 
+# The serving figures on Qwen3-8B (SERVE_BENCH=0 skips them): the ladder's rung of 32 requests,
+# plain and with one under a JSON schema; the trace at 4 and 16 requests a second.
+if [ -x "$BIN_ROOT/bin/metrale" ] && [ "${SERVE_BENCH:-1}" != 0 ]; then
+  log="$LOGDIR/serve-constrained-qwen3-8b.log"
+  start="$(now)"
+  timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --serve --shape qwen3-8b \
+    --backend cuda --concurrency 32 --constrained 1 \
+    --json-out "$LOGDIR/serve-constrained-qwen3-8b.json" > "$log" 2>&1
+  record "bench --serve --constrained" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+  log="$LOGDIR/serve-trace-qwen3-8b.log"
+  start="$(now)"
+  timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --serve --shape qwen3-8b \
+    --backend cuda --request-rate 4,16 --json-out "$LOGDIR/serve-trace-qwen3-8b.json" > "$log" 2>&1
+  record "bench --serve --request-rate" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+fi
+
 # The soak (many concurrent requests with cancellations, shared prefixes and preemption; every
 # output checked against its solo run) on the CUDA engine, over the dense and hybrid fixtures.
 if [ -x "$BIN_ROOT/bin/xtask" ]; then
@@ -161,6 +177,9 @@ if [ -s "$LOGDIR/kernel-errors.txt" ]; then
 fi
 for f in "$LOGDIR"/bench-*.log; do
   [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 12 "$f"; }
+done
+for f in "$LOGDIR"/serve-*.log; do
+  [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 8 "$f"; }
 done
 for f in "$LOGDIR"/spec-bench-*.log; do
   [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 40 "$f"; }
