@@ -206,7 +206,8 @@ impl TokenConstraint for GrammarConstraint {
 
 /// Compiles constraints over one tokenizer's vocabulary as the engine does: the token trie is
 /// built by the first compile and serves every later one, so a later compile costs what a
-/// request's does. For the benchmarks and the tests' reference.
+/// request's does. For the benchmarks (the serving ladder's schemas, the mask benchmark) and the
+/// tests' reference.
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct MaskCompiler {
@@ -226,18 +227,32 @@ impl MaskCompiler {
         })
     }
 
-    /// Compile `constraint` for a model of `vocab` ids (the tokenizer's padded) ending at `eos`.
+    /// Tokens of the tokenizer's vocabulary, special tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+
+    /// `constraint` compiled for a model of `vocab` ids (the tokenizer's padded) ending at
+    /// `eos`, as the engine compiles a request's.
+    pub fn constraint(
+        &self,
+        constraint: &Constraint,
+        vocab: usize,
+        eos: &[u32],
+    ) -> Result<Box<dyn TokenConstraint>, RequestError> {
+        self.grammars
+            .compile(constraint, &self.tokenizer, vocab, eos)
+    }
+
+    /// Compile `constraint` for a model of `vocab` ids ending at `eos`, for stepping by hand.
     pub fn compile(
         &self,
         constraint: &Constraint,
         vocab: usize,
         eos: u32,
     ) -> Result<MaskBench, RequestError> {
-        let constraint = self
-            .grammars
-            .compile(constraint, &self.tokenizer, vocab, &[eos])?;
         Ok(MaskBench {
-            constraint,
+            constraint: self.constraint(constraint, vocab, &[eos])?,
             mask: vec![0; vocab.div_ceil(32)],
         })
     }
