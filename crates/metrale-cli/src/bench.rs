@@ -201,8 +201,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             "prefill": {"tokens": report.prefill_tokens, "ms": report.prefill_ms, "floor_ms": report.prefill_floor_ms},
             "decode": decode,
         });
-        std::fs::write(path, serde_json::to_string_pretty(&json)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        write_json(path, &json)?;
     }
     Ok(())
 }
@@ -252,8 +251,7 @@ fn serve(
             "constrained_schema": report.schema,
             "serve": points,
         });
-        std::fs::write(path, serde_json::to_string_pretty(&json)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        write_json(path, &json)?;
     }
     Ok(())
 }
@@ -309,10 +307,15 @@ fn trace(gpu: Arc<dyn GpuBackend>, config: ModelConfig, args: &BenchArgs) -> Res
             "max_decode_seqs": report.max_decode_seqs,
             "trace": points,
         });
-        std::fs::write(path, serde_json::to_string_pretty(&json)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        write_json(path, &json)?;
     }
     Ok(())
+}
+
+/// `--json-out`: `json`, pretty-printed, into `path`.
+fn write_json(path: &Path, json: &serde_json::Value) -> Result<()> {
+    std::fs::write(path, serde_json::to_string_pretty(json)?)
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// The text of the `tokenizer.json` at `path`, decompressed when its name ends in `.gz`.
@@ -387,8 +390,7 @@ fn speculative(
             "projected": projected,
             "end_to_end": e2e,
         });
-        std::fs::write(path, serde_json::to_string_pretty(&json)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        write_json(path, &json)?;
     }
     Ok(())
 }

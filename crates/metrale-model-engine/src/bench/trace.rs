@@ -6,14 +6,15 @@
 //! duration, requests and output tokens per second, and the p50 / p90 / p99 of the time to first
 //! token (TTFT), the inter-token latency (ITL) and the end-to-end latency (E2E).
 //!
-//! How: the trace (arrival times, lengths, prompt tokens) is drawn before the run from a
-//! SplitMix64 seeded with `TraceOptions::seed`. Gaps between arrivals are exponential with mean
-//! `1 / rate` (the first request arrives at t = 0); every rate draws the same unit-rate gaps and
-//! scales them by `1 / rate`, so the rates of one report run the same requests, only closer
-//! together or further apart (`inf` submits them all at t = 0). The driver loop, before each
-//! `Scheduler::step`, submits every request whose arrival time has passed; when the scheduler
-//! is idle and the next arrival is in the future it sleeps until then. Each token is stamped with
-//! the wall time at which the step that produced it returned.
+//! How: the trace (arrival times, lengths, prompt tokens) is drawn before the run from the
+//! engine's SplitMix64 (`sampling::Rng`) seeded with `TraceOptions::seed`. Gaps between
+//! arrivals are exponential with mean `1 / rate` (the first request arrives at t = 0); every
+//! rate draws the same unit-rate gaps and scales them by `1 / rate`, so the rates of one report
+//! run the same requests, only closer together or further apart (`inf` submits them all at
+//! t = 0). The driver loop, before each `Scheduler::step`, submits every request whose arrival
+//! time has passed; when the scheduler is idle and the next arrival is in the future it sleeps
+//! until then. Each token is stamped with the wall time at which the step that produced it
+//! returned.
 //!
 //! Figures: a request's TTFT is its first token's time minus its arrival time (queueing,
 //! prefill and the first token, as a client sees them); its ITL samples are the gaps between its
@@ -43,6 +44,7 @@ use metrale_gpu_runtime::GpuBackend;
 use super::serve::{bench_request, bench_scheduler, check_all_freed};
 use crate::error::ModelError;
 use crate::options::ModelOptions;
+use crate::sampling::Rng;
 use crate::scheduler::{Scheduler, SeqEvent, SeqId};
 
 /// An inclusive range of token counts; each request draws its count uniformly from it.
@@ -236,33 +238,14 @@ pub struct TraceReport {
     pub points: Vec<TracePoint>,
 }
 
-/// SplitMix64: the trace's generator (a few lines; the tests' `metrale_testkit::Rng` is the
-/// same generator, but a dev-only crate).
-struct SplitMix64(u64);
+/// A token count uniform in `range` (the modulo bias is below 2^-40 for the counts used here).
+fn draw_tokens(rng: &mut Rng, range: TokenRange) -> usize {
+    range.min + (rng.next_u64() % (range.max - range.min + 1) as u64) as usize
+}
 
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1), 53 bits.
-    fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Uniform in `range` (the modulo bias is below 2^-40 for the counts used here).
-    fn tokens(&mut self, range: TokenRange) -> usize {
-        range.min + (self.next_u64() % (range.max - range.min + 1) as u64) as usize
-    }
-
-    /// Exponential with mean 1: `-ln(1 - u)`, `1 - u` in (0, 1].
-    fn exponential(&mut self) -> f64 {
-        -(1.0 - self.unit()).ln()
-    }
+/// Exponential with mean 1: `-ln(1 - u)`, `1 - u` in (0, 1].
+fn draw_exponential(rng: &mut Rng) -> f64 {
+    -(1.0 - rng.next_f64()).ln()
 }
 
 /// Check `opts` before anything is built.
@@ -304,14 +287,14 @@ fn check_options(opts: &TraceOptions) -> Result<(), ModelError> {
 /// same options (see the module header).
 pub fn trace_requests(opts: &TraceOptions, rate: f64) -> Vec<TraceRequest> {
     let vocab = opts.config.tokens.vocab_size as u64;
-    let mut rng = SplitMix64(opts.seed);
+    let mut rng = Rng::new(opts.seed);
     let mut clock = 0.0;
     (0..opts.num_requests)
         .map(|_| {
             let arrival_s = clock / rate;
-            clock += rng.exponential();
-            let prompt_tokens = rng.tokens(opts.prompt_tokens);
-            let output_tokens = rng.tokens(opts.output_tokens);
+            clock += draw_exponential(&mut rng);
+            let prompt_tokens = draw_tokens(&mut rng, opts.prompt_tokens);
+            let output_tokens = draw_tokens(&mut rng, opts.output_tokens);
             let prompt = (0..prompt_tokens)
                 .map(|_| (rng.next_u64() % vocab) as u32)
                 .collect();

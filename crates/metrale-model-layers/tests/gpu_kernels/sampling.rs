@@ -8,6 +8,7 @@
 
 use std::time::Instant;
 
+use metrale_gpu_runtime::GpuResult;
 use metrale_kernel_abi::{
     SAMPLE_E_BAN, SAMPLE_E_PROMPT, SAMPLE_F_GREEDY, SAMPLE_F_MASK, SAMPLE_OUT_WORDS,
     SAMPLE_R_COUNTER, SAMPLE_R_ENTRY_COUNT, SAMPLE_R_ENTRY_START, SAMPLE_R_FLAGS,
@@ -15,9 +16,10 @@ use metrale_kernel_abi::{
     SAMPLE_R_SEED_HI, SAMPLE_R_SEED_LO, SAMPLE_R_TEMPERATURE, SAMPLE_R_TOP_K, SAMPLE_R_TOP_P,
     SAMPLE_ROW_WORDS, SAMPLE_TOP_MAX,
 };
+use metrale_model_layers::Ops;
 use metrale_model_layers::ops::{Matrix, SampleOperands};
 
-use super::harness::{Buf, Pair, Rng, S};
+use super::harness::{At, Buf, Pair, Rng, S};
 
 /// Every check below at small shapes (the sanitizer set).
 pub(super) fn small(p: &Pair) {
@@ -118,6 +120,57 @@ fn rows_of(rng: &mut Rng, rows: usize, vocab: usize, masked: bool) -> (Vec<u32>,
     (rowp, entries)
 }
 
+/// A launch's inputs on both sides of a `Pair`, and its poisoned output.
+struct Launch {
+    logits: Buf,
+    rowp: Buf,
+    entries: Buf,
+    num_entries: u32,
+    mask: Option<Buf>,
+    out: Buf,
+    rows: u32,
+    vocab: u32,
+}
+
+impl Launch {
+    fn upload(
+        p: &Pair,
+        logits: &[f32],
+        vocab: usize,
+        rowp: &[u32],
+        entries: &[u32],
+        mask: Option<&[u32]>,
+    ) -> Launch {
+        let rows = rowp.len() / SAMPLE_ROW_WORDS as usize;
+        Launch {
+            logits: p.upload(logits),
+            rowp: p.upload(rowp),
+            entries: p.upload(if entries.is_empty() {
+                &[0u32; 3]
+            } else {
+                entries
+            }),
+            num_entries: (entries.len() / 3) as u32,
+            mask: mask.map(|m| p.upload(m)),
+            out: p.poisoned(rows * SAMPLE_OUT_WORDS as usize * 4),
+            rows: rows as u32,
+            vocab: vocab as u32,
+        }
+    }
+
+    /// `sample` on the side `at` addresses.
+    fn sample(&self, o: &Ops, at: At<'_>) -> GpuResult<()> {
+        let op = SampleOperands {
+            out: at(&self.out),
+            rowp: at(&self.rowp),
+            entries: at(&self.entries),
+            num_entries: self.num_entries,
+            mask: self.mask.as_ref().map(|m| (at(m), self.vocab.div_ceil(32))),
+        };
+        o.sample(S, Matrix::f32(at(&self.logits), self.rows, self.vocab), &op)
+    }
+}
+
 /// Launch on both sides; `(cuda, cpu)` output words.
 fn launch(
     p: &Pair,
@@ -127,28 +180,9 @@ fn launch(
     entries: &[u32],
     mask: Option<&[u32]>,
 ) -> (Vec<u32>, Vec<u32>) {
-    let rows = rowp.len() / SAMPLE_ROW_WORDS as usize;
-    let lg = p.upload(logits);
-    let rp = p.upload(rowp);
-    let en = p.upload(if entries.is_empty() {
-        &[0u32; 3]
-    } else {
-        entries
-    });
-    let words = vocab.div_ceil(32) as u32;
-    let mk: Option<Buf> = mask.map(|m| p.upload(m));
-    let out = p.poisoned(rows * SAMPLE_OUT_WORDS as usize * 4);
-    p.run(|o, at| {
-        let op = SampleOperands {
-            out: at(&out),
-            rowp: at(&rp),
-            entries: at(&en),
-            num_entries: (entries.len() / 3) as u32,
-            mask: mk.as_ref().map(|m| (at(m), words)),
-        };
-        o.sample(S, Matrix::f32(at(&lg), rows as u32, vocab as u32), &op)
-    });
-    p.download::<u32>(&out)
+    let l = Launch::upload(p, logits, vocab, rowp, entries, mask);
+    p.run(|o, at| l.sample(o, at));
+    p.download::<u32>(&l.out)
 }
 
 fn sample(p: &Pair, rng: &mut Rng, vocab: usize, rows: usize, timed: bool, ties: bool) {
@@ -236,25 +270,8 @@ fn time_sample(
     entries: &[u32],
     mask: &[u32],
 ) -> f64 {
-    let rows = rowp.len() / SAMPLE_ROW_WORDS as usize;
-    let words = vocab.div_ceil(32) as u32;
-    let lg = p.upload(logits);
-    let rp = p.upload(rowp);
-    let en = p.upload(entries);
-    let mk = p.upload(mask);
-    let out = p.poisoned(rows * SAMPLE_OUT_WORDS as usize * 4);
-    let go = || {
-        p.run_gpu(|ops, at| {
-            let op = SampleOperands {
-                out: at(&out),
-                rowp: at(&rp),
-                entries: at(&en),
-                num_entries: (entries.len() / 3) as u32,
-                mask: Some((at(&mk), words)),
-            };
-            ops.sample(S, Matrix::f32(at(&lg), rows as u32, vocab as u32), &op)
-        })
-    };
+    let l = Launch::upload(p, logits, vocab, rowp, entries, Some(mask));
+    let go = || p.run_gpu(|o, at| l.sample(o, at));
     for _ in 0..5 {
         go();
     }
