@@ -198,8 +198,10 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
     linear_direct_dispatch<bf16, 4, 2, true>(out, x, DirectWBf16{w}, m, n, k, MT_KERNEL_LINEAR_SWIGLU);
 }
 
-// Chunks per batch of `linear_stream_fp8` (a lane's chunk is 8 weight bytes and its scale pair:
-// three registers against bf16's four).
+// Chunks per batch of `linear_stream_fp8`. Where a segment is whole scale blocks, a lane's
+// chunk is 8 weight bytes (two registers; the block's four chunks share one scale pair);
+// otherwise each chunk also holds its scale pair. Batches of 16 (more weight bytes in flight per
+// warp) and of 4 at three blocks a multiprocessor both measured slower on whole decode steps.
 #define LIN_FP8_B 8
 #define LIN_FP8_B_RB 4
 
@@ -210,8 +212,17 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
 // `linear_stream`'s.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
     linear_stream_fp8(LINEAR_FP8_PARAMS) {
-    const DirectWFp8 wf{w, scales, scale_row_shift, (k + FP8_BLOCK - 1) / FP8_BLOCK};
-    linear_direct_dispatch<bf16, LIN_FP8_B, LIN_FP8_B_RB>(out, x, wf, m, n, k, MT_KERNEL_LINEAR_STREAM_FP8);
+    constexpr uint32_t span = FP8_BLOCK / LIN_KC;
+    static_assert(LIN_FP8_B % span == 0 && LIN_FP8_B_RB % span == 0, "batches hold whole scale blocks");
+    const uint32_t kblocks = (k + FP8_BLOCK - 1) / FP8_BLOCK;
+    const uint32_t seg_chunks = ((k + LIN_KC - 1) / LIN_KC + LIN_SEGS - 1) / LIN_SEGS;
+    // Segments of whole scale blocks: every batch starts on a block, and reads one scale a block.
+    if (seg_chunks % span == 0)
+        linear_direct_dispatch<bf16, LIN_FP8_B, LIN_FP8_B_RB>(out, x, DirectWFp8<span>{w, scales, scale_row_shift, kblocks},
+                                                              m, n, k, MT_KERNEL_LINEAR_STREAM_FP8);
+    else
+        linear_direct_dispatch<bf16, LIN_FP8_B, LIN_FP8_B_RB>(out, x, DirectWFp8<1>{w, scales, scale_row_shift, kblocks},
+                                                              m, n, k, MT_KERNEL_LINEAR_STREAM_FP8);
 }
 
 // linear_stream_wide_fp8(out: bf16 [m, n], x: bf16 [m, k], w: fp8 e4m3 [n, k], scales, m, n, k,

@@ -23,30 +23,51 @@ MT_DEVICE uint4 ldg_stream16(const bf16* p) {
     return v;
 }
 
-// The weight operand of the direct kernels, one type per storage format: `Raw` is what a lane
-// holds in flight for one chunk (its 8 k of one weight row), `load` reads it (zero outside the
-// weight; VEC: k % 8 == 0 and an aligned base, so the 8 lie in one aligned vector) and `frag`
-// makes it the MMA's bf16 fragment. Both formats give `linear`'s fragment of the bf16 weight the
-// values stand for, so every format has `linear`'s numerics.
+// The weight operand of the direct kernels, one type per storage format: `Batch<B>` is what a
+// lane holds in flight for B chunks (its 8 k of one weight row in each), `load` reads one (zero
+// outside the weight; VEC: k % 8 == 0 and an aligned base, so a lane's 8 lie in one aligned
+// vector) and `frag` makes chunk `ch` of it the MMA's bf16 fragment. Every format gives
+// `linear`'s fragment of the bf16 weight its values stand for, so every format has `linear`'s
+// numerics. A batch wholly inside the weight and the segment (the common case: every batch but a
+// segment's last, on the checkpoints' shapes all of them) loads from one row address with no
+// per-chunk bounds, which keeps the integer work per weight byte small; the others check each
+// chunk.
+MT_DEVICE bool direct_whole(uint32_t n, uint32_t k, uint32_t row, uint32_t c0, uint32_t c_end, int b) {
+    return row < n && c0 + b <= c_end && (c0 + b) * LIN_KC <= k;
+}
+
 struct DirectWBf16 {
     const bf16* w;
-    using Raw = uint4;
+    template <int B>
+    struct Batch {
+        uint4 r[B];
+    };
     MT_DEVICE bool aligned() const { return aligned16(w); }
-    template <bool VEC>
-    MT_DEVICE Raw load(uint32_t n, uint32_t k, uint32_t row, uint32_t col) const {
-        if (VEC) return row < n && col < k ? ldg_stream16(w + (size_t)row * k + col) : make_uint4(0, 0, 0, 0);
-        return load8(w, n, k, row, col, false);
+    template <int B, bool VEC>
+    MT_DEVICE void load(Batch<B>& d, uint32_t n, uint32_t k, uint32_t row, uint32_t c0, uint32_t c_end,
+                        uint32_t q) const {
+        const uint32_t col0 = c0 * LIN_KC + q * 8;
+        if (VEC && direct_whole(n, k, row, c0, c_end, B)) {
+            const bf16* p = w + (size_t)row * k + col0;
+#pragma unroll
+            for (int ch = 0; ch < B; ++ch) d.r[ch] = ldg_stream16(p + ch * LIN_KC);
+            return;
+        }
+#pragma unroll
+        for (int ch = 0; ch < B; ++ch) {
+            const uint32_t col = col0 + ch * LIN_KC;
+            if (c0 + ch >= c_end)
+                d.r[ch] = make_uint4(0, 0, 0, 0);
+            else if (VEC)
+                d.r[ch] = row < n && col < k ? ldg_stream16(w + (size_t)row * k + col) : make_uint4(0, 0, 0, 0);
+            else
+                d.r[ch] = load8(w, n, k, row, col, false);
+        }
     }
-    MT_DEVICE uint4 frag(const Raw& r) const { return r; }
-};
-
-// A block-FP8 weight: e4m3 bytes and an f32 scale per block of FP8_BLOCK columns by
-// 2^shift rows. A lane holds its 8 bytes and its block's scale, already as the bf16 pair the
-// conversion multiplies by; its fragment is bf16(e4m3 * bf16(scale)) of each byte, which is
-// `dequant_fp8`'s weight, so the rows are `linear`'s of it.
-struct Fp8Raw {
-    uint2 q;
-    uint32_t s2;  // fp8_scale2(scale)
+    template <int B>
+    MT_DEVICE uint4 frag(const Batch<B>& d, int ch) const {
+        return d.r[ch];
+    }
 };
 
 // 8 weight bytes, read once (see `ldg_stream16`).
@@ -56,61 +77,95 @@ MT_DEVICE uint2 ldg_stream8(const uint8_t* p) {
     return v;
 }
 
+// A block-FP8 weight: e4m3 bytes and an f32 scale per block of FP8_BLOCK columns by
+// 2^shift rows. A lane holds its 8 bytes a chunk and the scales of the blocks they lie in, as
+// the bf16 pair the conversion multiplies by; its fragment is bf16(e4m3 * bf16(scale)) of each
+// byte, which is `dequant_fp8`'s weight, so the rows are `linear`'s of it. Chunk c lies in scale
+// block c / 4 (FP8_BLOCK / LIN_KC chunks a block) whatever the lane. SPAN: chunks that share a
+// scale in a batch, 4 where every batch starts at a multiple of 4 chunks (the launch checks
+// it), so a batch of B reads B / 4 scales; 1 otherwise (one a chunk).
+template <int SPAN>
 struct DirectWFp8 {
+    static_assert(SPAN == 1 || SPAN == FP8_BLOCK / LIN_KC, "a scale spans one chunk or a whole block");
     const uint8_t* w;
     const float* scales;
     uint32_t shift;    // log2 of the weight rows a scale row covers
     uint32_t kblocks;  // scale columns: ceil(k / FP8_BLOCK)
-    using Raw = Fp8Raw;
+    template <int B>
+    struct Batch {
+        static_assert(B % SPAN == 0, "a batch holds whole scale spans");
+        uint2 q[B];
+        uint32_t s2[B / SPAN];  // fp8_scale2 of each span's scale
+    };
     MT_DEVICE bool aligned() const { return aligned8(w); }
-    template <bool VEC>
-    MT_DEVICE Raw load(uint32_t n, uint32_t k, uint32_t row, uint32_t col) const {
-        Raw r;
-        r.q = make_uint2(0, 0);
-        r.s2 = 0u;
-        if (row >= n || col >= k) return r;
-        r.s2 = fp8_scale2(__ldg(scales + (size_t)(row >> shift) * kblocks + col / FP8_BLOCK));
-        const uint8_t* p = w + (size_t)row * k + col;
-        if (VEC) {
-            r.q = ldg_stream8(p);
-        } else {
-            uint32_t b[2] = {0u, 0u};
+    template <int B, bool VEC>
+    MT_DEVICE void load(Batch<B>& d, uint32_t n, uint32_t k, uint32_t row, uint32_t c0, uint32_t c_end,
+                        uint32_t q) const {
+        const uint32_t col0 = c0 * LIN_KC + q * 8;
+        const float* srow = scales + (size_t)(row >> shift) * kblocks;
+        if (VEC && direct_whole(n, k, row, c0, c_end, B)) {
+            const uint8_t* p = w + (size_t)row * k + col0;
 #pragma unroll
-            for (uint32_t i = 0; i < 8; ++i)
-                if (col + i < k) b[i / 4] |= uint32_t(p[i]) << (8 * (i % 4));
-            r.q = make_uint2(b[0], b[1]);
+            for (int ch = 0; ch < B; ++ch) d.q[ch] = ldg_stream8(p + ch * LIN_KC);
+#pragma unroll
+            for (int j = 0; j < B / SPAN; ++j) d.s2[j] = fp8_scale2(__ldg(srow + (c0 + j * SPAN) / (FP8_BLOCK / LIN_KC)));
+            return;
         }
-        return r;
-    }
-    MT_DEVICE uint4 frag(const Raw& r) const { return fp8_frag(r.q, r.s2); }
-};
-
-template <int B, bool VEC, typename W>
-MT_DEVICE void direct_load_w(typename W::Raw (&dst)[B], const W& w, uint32_t n, uint32_t k, uint32_t row,
-                             uint32_t c0, uint32_t c_end, uint32_t q) {
 #pragma unroll
-    for (int ch = 0; ch < B; ++ch) {
-        const uint32_t c = c0 + ch, col = c * LIN_KC + q * 8;
-        dst[ch] = c < c_end ? w.template load<VEC>(n, k, row, col) : typename W::Raw{};
+        for (int ch = 0; ch < B; ++ch) {
+            const uint32_t c = c0 + ch, col = col0 + ch * LIN_KC;
+            const bool in = c < c_end && row < n && col < k;
+            if (ch % SPAN == 0) d.s2[ch / SPAN] = in ? fp8_scale2(__ldg(srow + c / (FP8_BLOCK / LIN_KC))) : 0u;
+            const uint8_t* p = w + (size_t)row * k + col;
+            if (!in) {
+                d.q[ch] = make_uint2(0, 0);
+            } else if (VEC) {
+                d.q[ch] = ldg_stream8(p);
+            } else {
+                uint32_t b[2] = {0u, 0u};
+#pragma unroll
+                for (uint32_t i = 0; i < 8; ++i)
+                    if (col + i < k) b[i / 4] |= uint32_t(p[i]) << (8 * (i % 4));
+                d.q[ch] = make_uint2(b[0], b[1]);
+            }
+        }
     }
-}
+    template <int B>
+    MT_DEVICE uint4 frag(const Batch<B>& d, int ch) const {
+        return fp8_frag(d.q[ch], d.s2[ch / SPAN]);
+    }
+};
 
 // The MMAs of one batch (chunks c0 .. c0 + B - 1 of this warp's segment, those before c_end).
 // RB: x rows g + 8 are loaded too (a unit may have rows past its first 8).
 template <int B, bool RB, bool VEC, typename W>
-MT_DEVICE void direct_batch(float (&acc)[4], const W& w, const typename W::Raw (&wr)[B], const bf16* x, uint32_t m,
-                            uint32_t k, uint32_t m0, uint32_t c0, uint32_t c_end, uint32_t g, uint32_t q) {
+MT_DEVICE void direct_batch(float (&acc)[4], const W& w, const typename W::template Batch<B>& wr, const bf16* x,
+                            uint32_t m, uint32_t k, uint32_t m0, uint32_t c0, uint32_t c_end, uint32_t g,
+                            uint32_t q) {
     uint4 ra[B], rb[B];
+    const uint32_t col0 = c0 * LIN_KC + q * 8;
+    if (VEC && direct_whole(~0u, k, 0, c0, c_end, B)) {  // every chunk in range: no per-chunk checks
+        const bf16* xa = x + (size_t)(m0 + g) * k + col0;
+        const bool ina = m0 + g < m, inb = RB && m0 + g + 8 < m;
+#pragma unroll
+        for (int ch = 0; ch < B; ++ch) {
+            ra[ch] = ina ? load16(xa + ch * LIN_KC) : make_uint4(0, 0, 0, 0);
+            rb[ch] = inb ? load16(xa + 8 * (size_t)k + ch * LIN_KC) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int ch = 0; ch < B; ++ch) mma_chunk(acc, ra[ch], rb[ch], w.frag(wr, ch));
+        return;
+    }
 #pragma unroll
     for (int ch = 0; ch < B; ++ch) {
-        const uint32_t c = c0 + ch, col = c * LIN_KC + q * 8;
+        const uint32_t c = c0 + ch, col = col0 + ch * LIN_KC;
         ra[ch] = c < c_end ? load8(x, m, k, m0 + g, col, VEC) : make_uint4(0, 0, 0, 0);
         rb[ch] = RB && c < c_end ? load8(x, m, k, m0 + g + 8, col, VEC) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int ch = 0; ch < B; ++ch) {
         if (c0 + ch >= c_end) break;
-        mma_chunk(acc, ra[ch], rb[ch], w.frag(wr[ch]));
+        mma_chunk(acc, ra[ch], rb[ch], w.frag(wr, ch));
     }
 }
 
@@ -147,20 +202,20 @@ MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const W& w, uint32_t
     };
     const uint32_t nb = (c_end - c_begin + B - 1) / B, nbe = nb + (nb & 1);  // this warp's batches
     // Batch bb of the block's unit i, where bb may run past it into the block's next unit.
-    using Raw = typename W::Raw;
-    auto load = [&](Raw (&dst)[B], uint32_t i, uint32_t bb) {
+    using Batch = typename W::template Batch<B>;
+    auto load = [&](Batch& dst, uint32_t i, uint32_t bb) {
         if (bb >= nbe) {
             ++i;
             bb -= nbe;
         }
         const uint32_t u = unit_of(i);
-        if (u < units) direct_load_w<B, VEC>(dst, w, SWIGLU ? 2 * n : n, k, w_row(u) + g, c_begin + bb * B, c_end, q);
+        if (u < units) w.template load<B, VEC>(dst, SWIGLU ? 2 * n : n, k, w_row(u) + g, c_begin + bb * B, c_end, q);
     };
 
     // Two batches load before the wait, so the weight stream is busy while the kernel ahead
     // finishes (fewer leave it idle; asking L2 for more of the block's weight as well, by a
     // bulk prefetch, competes with the kernel ahead and slows the step).
-    Raw wa[B], wb[B];
+    Batch wa, wb;
     if (nbe > 0) {
         load(wa, 0, 0);
         load(wb, 0, 1);
