@@ -341,7 +341,7 @@ impl Scheduler {
     }
 
     /// Run one step (see the policy in the module header): admit the queue head if it fits,
-    /// then run a prefill chunk or a decode step.
+    /// then run a prefill chunk, a decode step, or a decode step with a prefill chunk (mixed).
     pub fn step(&mut self) -> Result<StepReport, StepFailed> {
         let mut events = std::mem::take(&mut self.pending);
         if let Err((error, id)) = self.admit() {
@@ -357,16 +357,19 @@ impl Scheduler {
         let kind = match prefill {
             Some(i)
                 if !decoders
-                    || self.prefill_since_decode
-                        + self.running[i].next_chunk(chunk, cuts).len()
-                        <= chunk =>
+                    || (!self.mixes(i)
+                        && self.prefill_since_decode
+                            + self.running[i].next_chunk(chunk, cuts).len()
+                            <= chunk) =>
             {
                 let id = self.running[i].id;
                 self.prefill(i, &mut events).map_err(|e| (e, vec![id]))
             }
             _ if decoders => {
+                // A mixed step's failure aborts the sequence in prefill too.
+                let mixes = prefill.is_some_and(|i| self.mixes(i));
                 let ids: Vec<SeqId> = (self.running.iter())
-                    .filter(|s| !s.in_prefill())
+                    .filter(|s| mixes || !s.in_prefill())
                     .map(|s| s.id)
                     .collect();
                 self.decode(&mut events).map_err(|e| (e, ids))
