@@ -287,7 +287,9 @@ fn the_serving_ladder_times_a_json_schema_request_beside_plain_ones_and_it_decod
     // run's requests did, to its last token.
     assert!(p.step_ms > 0.0 && c.step_ms > 0.0, "{p:?}");
     assert!(p.constrained_ratio().is_some_and(f64::is_finite));
-    assert!(p.full_steps >= output_tokens - 2, "{p:?}");
+    // Mixed steps give the first requests tokens while the later ones prefill, so all three
+    // decode together for all but the first tokens of the first one.
+    assert!(p.full_steps >= output_tokens - 3, "{p:?}");
     assert_eq!((c.full_steps, c.steps), (p.full_steps, p.steps), "{p:?}");
     assert_eq!(c.requests, 1);
     let tokens = &c.outputs[0];

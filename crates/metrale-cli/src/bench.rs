@@ -3,8 +3,10 @@
 //! runs the serving ladder instead (with `--constrained N`, each rung again with N requests
 //! under a JSON schema, compiled over `--tokenizer`'s vocabulary), `--serve --request-rate
 //! R1,R2` the serving trace (Poisson arrivals at each rate; TTFT, inter-token and end-to-end
-//! latency percentiles), `--speculative` the speculative-decoding figures (verify and draft
-//! steps against a plain decode step, projected and end-to-end tokens/s).
+//! latency percentiles), `--serve --interference-prompt-tokens P` what one prompt of P tokens
+//! arriving does to `--concurrency` streams decoding (their inter-token gaps and the prompt's
+//! TTFT, with mixed steps on and off), `--speculative` the speculative-decoding figures (verify
+//! and draft steps against a plain decode step, projected and end-to-end tokens/s).
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -15,7 +17,8 @@ use clap::{Args, ValueEnum};
 use metrale::ForwardSelect;
 use metrale::ModelConfig;
 use metrale::bench::{
-    self, BenchOptions, ServeOptions, SpecBenchOptions, TokenRange, TraceOptions,
+    self, BenchOptions, InterferenceOptions, ServeOptions, SpecBenchOptions, TokenRange,
+    TraceOptions,
 };
 use metrale::gpu::GpuBackend;
 
@@ -85,6 +88,17 @@ pub struct BenchArgs {
     /// inter-token and end-to-end latency.
     #[arg(long, value_delimiter = ',', requires = "serve")]
     request_rate: Vec<f64>,
+    /// Run the interference scenario instead of the ladder (with `--serve`): at each
+    /// `--concurrency`, that many streams (`--prompt-tokens` + `--output-tokens` each) decode,
+    /// and once each has a quarter of its tokens a prompt of this many tokens arrives; run with
+    /// mixed steps on and off, printed: the streams' median and largest inter-token gap, the
+    /// worst largest-to-median ratio of a stream, and the long prompt's TTFT.
+    #[arg(long, requires = "serve")]
+    interference_prompt_tokens: Option<usize>,
+    /// Serving ladder, trace and interference: the engine's `max_batch_tokens` (token budget
+    /// of a step).
+    #[arg(long, default_value_t = metrale::ModelOptions::default().max_batch_tokens)]
+    max_batch_tokens: usize,
     /// Serving trace: requests at each rate.
     #[arg(long, default_value_t = 200)]
     num_prompts: usize,
@@ -155,6 +169,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.serve && !args.request_rate.is_empty() {
         return trace(gpu, config, &args);
     }
+    if let (true, Some(p)) = (args.serve, args.interference_prompt_tokens) {
+        return interference(gpu, config, p, &args);
+    }
     if args.serve {
         return serve(gpu, config, tiny, &args);
     }
@@ -217,6 +234,7 @@ fn serve(
     o.concurrency = args.concurrency.clone();
     o.prompt_tokens = args.prompt_tokens;
     o.output_tokens = args.output_tokens;
+    o.max_batch_tokens = args.max_batch_tokens;
     if tiny {
         o.copy_bytes = 1 << 20;
     }
@@ -276,6 +294,7 @@ fn trace(gpu: Arc<dyn GpuBackend>, config: ModelConfig, args: &BenchArgs) -> Res
     };
     o.seed = args.seed;
     o.max_decode_seqs = args.max_decode_seqs;
+    o.max_batch_tokens = args.max_batch_tokens;
     let report = bench::serve_trace(gpu, &o)?;
     print!("{}", report.table());
     if let Some(path) = &args.json_out {
@@ -306,6 +325,53 @@ fn trace(gpu: Arc<dyn GpuBackend>, config: ModelConfig, args: &BenchArgs) -> Res
             "seed": report.seed,
             "max_decode_seqs": report.max_decode_seqs,
             "trace": points,
+        });
+        write_json(path, &json)?;
+    }
+    Ok(())
+}
+
+/// `--serve --interference-prompt-tokens`: the interference scenario, printed as a table (and
+/// JSON with `--json-out`).
+fn interference(
+    gpu: Arc<dyn GpuBackend>,
+    config: ModelConfig,
+    long_prompt_tokens: usize,
+    args: &BenchArgs,
+) -> Result<()> {
+    anyhow::ensure!(
+        args.constrained == 0 && args.request_rate.is_empty(),
+        "--interference-prompt-tokens runs alone, without --constrained or --request-rate"
+    );
+    let mut o = InterferenceOptions::new(config);
+    o.concurrency = args.concurrency.clone();
+    o.prompt_tokens = args.prompt_tokens;
+    o.output_tokens = args.output_tokens;
+    o.long_prompt_tokens = long_prompt_tokens;
+    o.max_batch_tokens = args.max_batch_tokens;
+    let report = bench::interference(gpu, &o)?;
+    print!("{}", report.table());
+    if let Some(path) = &args.json_out {
+        let points: Vec<_> = report
+            .points
+            .iter()
+            .map(|p| {
+                let runs: Vec<_> = p
+                    .runs
+                    .iter()
+                    .map(|r| serde_json::json!({"mixed_steps": r.mixed, "ttft_ms": r.ttft_ms, "median_gap_ms": r.median_gap_ms, "max_gap_ms": r.max_gap_ms, "worst_ratio": r.worst_ratio, "window_steps": r.window_steps, "stalled_steps": r.stalled_steps, "steps": r.steps, "mixed_step_count": r.mixed_steps}))
+                    .collect();
+                serde_json::json!({"concurrency": p.concurrency, "runs": runs})
+            })
+            .collect();
+        let json = serde_json::json!({
+            "shape": format!("{:?}", args.shape),
+            "backend": report.backend,
+            "prompt_tokens": report.prompt_tokens,
+            "output_tokens": report.output_tokens,
+            "long_prompt_tokens": report.long_prompt_tokens,
+            "max_batch_tokens": report.max_batch_tokens,
+            "interference": points,
         });
         write_json(path, &json)?;
     }

@@ -107,6 +107,10 @@ pub struct GenerateArgs {
     /// Most tokens per step (prefill chunk size).
     #[arg(long, default_value_t = ModelOptions::default().max_batch_tokens)]
     max_batch_tokens: usize,
+    /// Turn mixed steps off (prefill chunks and decode steps alternate; with one request they
+    /// alternate anyway).
+    #[arg(long)]
+    no_mixed_steps: bool,
     /// Longest sequence; default: the model's, capped at 4096.
     #[arg(long)]
     max_seq_len: Option<usize>,
@@ -145,6 +149,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let model = ModelOptions::default()
         .quantization(args.quantization.select())
         .max_batch_tokens(args.max_batch_tokens)
+        .mixed_steps(!args.no_mixed_steps)
         .max_seq_len(args.max_seq_len)
         .speculative(speculative)
         .num_draft_tokens(args.num_draft_tokens);

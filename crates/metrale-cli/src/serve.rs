@@ -101,6 +101,10 @@ pub struct ServeArgs {
     /// Most tokens per step (prefill chunk size and token budget).
     #[arg(long, default_value_t = ModelOptions::default().max_batch_tokens)]
     pub max_batch_tokens: usize,
+    /// Turn mixed steps off: prefill chunks and decode steps alternate, instead of each step
+    /// holding every decoding request's next token and a chunk of a prompt in prefill.
+    #[arg(long)]
+    pub no_mixed_steps: bool,
     /// Most requests running at once (the widest decode step).
     #[arg(long, default_value_t = ModelOptions::default().max_decode_seqs)]
     pub max_decode_seqs: usize,
@@ -168,6 +172,7 @@ impl ServeArgs {
         let model = ModelOptions::default()
             .quantization(self.quantization.select())
             .max_batch_tokens(self.max_batch_tokens)
+            .mixed_steps(!self.no_mixed_steps)
             .max_decode_seqs(self.max_decode_seqs)
             .max_seq_len(self.max_seq_len)
             .num_kv_blocks(self.num_kv_blocks)
@@ -263,6 +268,10 @@ mod tests {
         assert_eq!(off.ssm_snapshot_slots, Some(3));
         let strided = model(&["--ssm-snapshot-stride", "128"]).expect("valid");
         assert_eq!(strided.ssm_snapshot_stride, Some(128));
+        assert!(default.mixed_steps);
+        let alternating = model(&["--no-mixed-steps", "--max-batch-tokens", "64"]).expect("valid");
+        assert!(!alternating.mixed_steps);
+        assert_eq!(alternating.max_batch_tokens, 64);
         assert!(model(&["--ssm-snapshot-slots", "many"]).is_err());
     }
 

@@ -1,6 +1,7 @@
 //! `metrale bench --serve --request-rate` on the CPU backend and the tiny shape, as a user runs
 //! it: the serving trace prints its table and writes every rate's figures to `--json-out`;
-//! `--request-rate` without `--serve` is refused.
+//! `--request-rate` without `--serve` is refused; and `--serve --interference-prompt-tokens`
+//! prints and writes its runs with mixed steps on and off.
 
 #![allow(clippy::unwrap_used)]
 
@@ -106,4 +107,63 @@ fn a_request_rate_without_serve_is_refused() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--serve"));
+}
+
+/// `metrale bench --serve --interference-prompt-tokens` on the CPU backend and the tiny shape:
+/// a row per rung and mixing mode, and the JSON of both runs, the mixed one never leaving the
+/// streams out of a step while the long prompt prefills.
+#[test]
+fn the_interference_scenario_prints_and_writes_both_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("interference.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_metrale"))
+        .args([
+            "bench",
+            "--shape",
+            "tiny",
+            "--backend",
+            "cpu",
+            "--serve",
+            "--interference-prompt-tokens",
+            "100",
+            "--concurrency",
+            "3",
+            "--prompt-tokens",
+            "4",
+            "--output-tokens",
+            "16",
+            "--max-batch-tokens",
+            "32",
+        ])
+        .arg("--json-out")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("a prompt of 100 tokens arrives"),
+        "{stdout}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["max_batch_tokens"], 32);
+    let points = v["interference"].as_array().unwrap();
+    assert_eq!(points.len(), 1);
+    assert_eq!(points[0]["concurrency"], 3);
+    let runs = points[0]["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[0]["mixed_steps"], true);
+    assert_eq!(runs[0]["stalled_steps"], 0);
+    assert_eq!(runs[1]["mixed_steps"], false);
+    assert!(runs[1]["stalled_steps"].as_u64().unwrap() >= 2, "{v}");
+    for r in runs {
+        for field in ["ttft_ms", "median_gap_ms", "max_gap_ms", "worst_ratio"] {
+            assert!(r[field].as_f64().unwrap() > 0.0, "{field}: {r}");
+        }
+    }
 }

@@ -2,7 +2,9 @@
 //! shape built on the device (no checkpoint), the device's two ceilings measured in the same run
 //! (copy bandwidth; bf16 GEMM rate, the vendor library's where the backend has one, beside our
 //! own `linear`'s), then prefill throughput and decode step time, each printed beside its
-//! roofline, and a kernel-by-kernel breakdown of decode steps (`breakdown`).
+//! roofline, and a kernel-by-kernel breakdown of decode steps (`breakdown`); the serving ladder
+//! (`serve`), the serving trace (`trace`), what a long prompt arriving does to decoding streams
+//! (`interference`) and the speculative-decoding figures (`speculative`).
 //!
 //! Invariants:
 //! - Every timing is taken with device events after warm-up, as the median of several runs.
@@ -10,6 +12,7 @@
 //!   bandwidth, FLOPs over the GEMM rate.
 
 mod breakdown;
+mod interference;
 mod profile;
 mod serve;
 mod shapes;
@@ -27,6 +30,9 @@ use metrale_model_layers::ops::Matrix;
 use metrale_model_layers::ops_gemm::{self, LinearStaging};
 
 pub use self::breakdown::{Breakdown, StepPart, decode_breakdown};
+pub use self::interference::{
+    InterferenceOptions, InterferencePoint, InterferenceReport, InterferenceRun, interference,
+};
 pub use self::profile::{launch_profile, step_profile};
 pub use self::serve::{
     ConstrainedRun, JsonSchemaCompiler, ServeOptions, ServePoint, ServeReport, serve_ladder,

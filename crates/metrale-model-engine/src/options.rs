@@ -7,6 +7,15 @@
 pub struct ModelOptions {
     /// Most tokens one step processes (prefill chunks are cut to this). Default 512.
     pub max_batch_tokens: usize,
+    /// Mixed steps: while a prompt prefills and other sequences decode, each step holds one
+    /// row of every decoding sequence and a chunk of the prompt sized to the rest of
+    /// `max_batch_tokens`, so a long prompt never stalls the other streams' next token for a
+    /// whole chunk. Off: prefill chunks and decode steps alternate under the budget. Mixing
+    /// does not apply to verify steps of speculative decoding, nor under the fused circuit
+    /// forward (whose decode rows round differently from the legacy forward's); there they
+    /// alternate either way. A sequence's tokens and logits are the same with it on or off.
+    /// Default true.
+    pub mixed_steps: bool,
     /// Longest sequence (prompt plus output). Default: the config's
     /// `max_position_embeddings`, capped at 4096.
     pub max_seq_len: Option<usize>,
@@ -109,6 +118,7 @@ impl Default for ModelOptions {
     fn default() -> Self {
         ModelOptions {
             max_batch_tokens: 512,
+            mixed_steps: true,
             max_seq_len: None,
             block_size: 16,
             num_kv_blocks: None,
@@ -129,6 +139,12 @@ impl ModelOptions {
     /// Set `max_batch_tokens`.
     pub fn max_batch_tokens(mut self, n: usize) -> Self {
         self.max_batch_tokens = n;
+        self
+    }
+
+    /// Set `mixed_steps`.
+    pub fn mixed_steps(mut self, on: bool) -> Self {
+        self.mixed_steps = on;
         self
     }
 
@@ -247,6 +263,7 @@ mod tests {
     fn the_setters_set_their_field_and_keep_the_others_at_their_defaults() {
         let o = ModelOptions::default()
             .max_batch_tokens(32)
+            .mixed_steps(false)
             .max_seq_len(256)
             .num_kv_blocks(Some(40))
             .max_decode_seqs(4)
@@ -258,6 +275,7 @@ mod tests {
             o,
             ModelOptions {
                 max_batch_tokens: 32,
+                mixed_steps: false,
                 max_seq_len: Some(256),
                 num_kv_blocks: Some(40),
                 max_decode_seqs: 4,

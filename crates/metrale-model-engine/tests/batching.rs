@@ -61,7 +61,11 @@ fn alone(model: &mut Scheduler, prompt: &[u32], p: &GenerateParams) -> Generatio
 
 #[test]
 fn batched_decode_is_bitwise_alone() {
-    let options = ModelOptions::default().max_decode_seqs(8);
+    // Alternating steps: every ladder width then runs as a decode step (mixed steps hold the
+    // decode rows of the steps where a sequence prefills; tests/mixed_steps.rs covers those).
+    let options = ModelOptions::default()
+        .max_decode_seqs(8)
+        .mixed_steps(false);
     let mut model = load("qwen3-gqa4-hd128", options);
     // Five sequences of different lengths and lifetimes: widths 8, then 4, 2, 1 as they finish.
     let prompts: Vec<Vec<u32>> = (0..5)
@@ -138,7 +142,8 @@ fn graphed_decode_of_9_rows_and_more_reads_the_weights_through_their_maps() {
         backend.register("gemm", "linear_stream_tma", counted_stream_tma);
         let options = ModelOptions::default()
             .max_decode_seqs(16)
-            .max_batch_tokens(max_batch_tokens);
+            .max_batch_tokens(max_batch_tokens)
+            .mixed_steps(false);
         let model = factory::load(&fixture("qwen3-tiny"), Arc::new(backend)).unwrap();
         let mut model = Scheduler::new(model, options).unwrap();
         let prompts: Vec<Vec<u32>> = (0..16u32).map(|i| vec![i + 1, 2 * i + 3, 7]).collect();
@@ -200,7 +205,10 @@ fn staged_decode_is_bitwise_alone(config: &metrale_config::ModelConfig) {
     for forward in forwards {
         let mut backend = CpuBackend::default();
         backend.register("activation", "silu_mul_staged", counted_silu_staged);
-        let options = ModelOptions::default().max_decode_seqs(32);
+        // Alternating steps, so the wide steps are graphed decode steps.
+        let options = ModelOptions::default()
+            .max_decode_seqs(32)
+            .mixed_steps(false);
         let model = factory::random(config.clone(), Arc::new(backend), 7).unwrap();
         let mut model = Scheduler::new(model, options).unwrap();
         model.runner_mut().set_forward(forward).unwrap();

@@ -27,7 +27,7 @@ fn ratio(used: usize, total: usize) -> f64 {
 }
 
 /// Every metric, in the order they are written.
-const METRICS: [Metric; 31] = [
+const METRICS: [Metric; 32] = [
     Metric {
         name: "metrale_requests_running",
         kind: "gauge",
@@ -67,8 +67,14 @@ const METRICS: [Metric; 31] = [
     Metric {
         name: "metrale_steps_total",
         kind: "counter",
-        help: "Model steps run (prefill chunks and decode steps).",
+        help: "Model steps run (prefill chunks, decode steps, and mixed steps holding both).",
         value: |m| m.steps.steps as f64,
+    },
+    Metric {
+        name: "metrale_mixed_steps_total",
+        kind: "counter",
+        help: "Model steps that held decode rows and a prefill chunk together.",
+        value: |m| m.steps.mixed_steps as f64,
     },
     Metric {
         name: "metrale_preemptions_total",
@@ -260,6 +266,7 @@ mod tests {
         m.tokens_per_second = 2.5;
         (m.steps.steps, m.steps.preemptions, m.steps.prefill_tokens) = (17, 19, 29);
         m.steps.verify_steps = 43;
+        m.steps.mixed_steps = 7;
         let p = &mut m.steps.prefix;
         (p.queries, p.hits, p.query_tokens, p.hit_tokens) = (31, 37, 400, 100);
         m.prefix_hit_rate = 0.25;
@@ -281,6 +288,7 @@ mod tests {
             "metrale_generation_tokens_total 13",
             "metrale_generation_tokens_per_second 2.5",
             "metrale_steps_total 17",
+            "metrale_mixed_steps_total 7",
             "metrale_preemptions_total 19",
             "metrale_prefill_tokens_total 29",
             "metrale_prefix_cache_lookups_total 31",

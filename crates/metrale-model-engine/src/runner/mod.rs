@@ -45,7 +45,7 @@ pub use circuit::{
 };
 pub use graphs::GraphCache;
 pub use mtp::MtpStep;
-pub use prefix::{ChunkCuts, prefill_chunk};
+pub use prefix::{ChunkCuts, mixed_chunk, prefill_chunk};
 pub use sizes::StepSizes;
 pub use upload::{StepInput, StepRow};
 
@@ -143,6 +143,12 @@ impl StepRunner {
         }
         self.options.num_draft_tokens = k;
         Ok(())
+    }
+
+    /// Mix prefill chunks into decode steps (`true`, the default from
+    /// `ModelOptions::mixed_steps`) or alternate them; the scheduler reads it at every step.
+    pub fn set_mixed_steps(&mut self, on: bool) {
+        self.options.mixed_steps = on;
     }
 
     /// Replay decode, verify and MTP steps from graphs (`true`, the default from

@@ -1,6 +1,8 @@
-//! The step runner's side of prefix caching: where hybrid prefill chunks end (`prefill_chunk`,
-//! the SSM snapshot interval and stride), and whether decode steps compute what prefill steps
-//! compute (so the blocks they fill can be published).
+//! The step runner's side of prefix caching and chunking: where hybrid prefill chunks end
+//! (`prefill_chunk`, the SSM snapshot interval and stride), how much of a prompt a mixed step
+//! holds (`mixed_chunk`), whether decode steps compute what prefill steps compute (so the
+//! blocks they fill can be published), and whether `forward` computes decode rows as decode
+//! steps do (so they may share a step with a prefill chunk).
 //!
 //! Invariants:
 //! - On a hybrid model a prefill chunk that crosses a multiple of the snapshot interval
@@ -10,6 +12,10 @@
 //!   `GDN_CHUNK`, so a cut there computes bitwise what no cut does; and a sequence restored from
 //!   a snapshot at a multiple of the interval cuts the rest of its prompt exactly as a cold run
 //!   does. Hence a cached run is bitwise a cold run, with the option on or off.
+//! - A mixed step's chunk (`mixed_chunk`) ends only where `prefill_chunk` would end a chunk or,
+//!   on hybrid models, at a multiple of the snapshot interval; so, whatever the budget the
+//!   decode rows leave, the prompt's cuts that are not multiples of `GDN_CHUNK` are those of
+//!   its alternating run, and its GDN state is bitwise that run's.
 //! - `decode_matches_prefill` is true only where every kernel of a decode step computes each
 //!   row exactly as a prefill step computes it: then a KV block filled by decode steps holds the
 //!   bits a cold prefill of the same tokens writes.
@@ -56,6 +62,38 @@ pub fn prefill_chunk(
     start..end.max(start)
 }
 
+/// The prompt positions of the chunk a mixed step holds when the prompt's next chunk starts at
+/// `start` and the step's decode rows leave `budget` rows (at least one is taken). Without
+/// `cuts` (no GDN layers, where any cut computes the same rows): up to `budget` positions of
+/// [`prefill_chunk`]'s chunk. With `cuts`: that whole chunk when it fits the budget, else the
+/// longest piece of it that fits and ends at a multiple of the interval, else the shortest piece
+/// that ends where a cut is allowed (the chunk, or up to the next multiple of the interval):
+/// then the chunk exceeds the budget, by less than the interval. So a hybrid prompt is cut
+/// only where its alternating run cuts it or at multiples of the interval, where a cut changes
+/// no bit.
+pub fn mixed_chunk(
+    start: usize,
+    len: usize,
+    chunk: usize,
+    budget: usize,
+    cuts: Option<ChunkCuts>,
+) -> Range<usize> {
+    let full = prefill_chunk(start, len, chunk, cuts);
+    let budget = budget.max(1);
+    if full.len() <= budget {
+        return full;
+    }
+    let Some(c) = cuts else {
+        return start..start + budget;
+    };
+    let piece = prefill_chunk(start, len, budget, cuts);
+    if piece.end > start && piece.end.is_multiple_of(c.interval) {
+        return piece;
+    }
+    let next = (start / c.interval + 1) * c.interval;
+    start..full.end.min(next)
+}
+
 fn gcd(a: usize, b: usize) -> usize {
     if b == 0 { a } else { gcd(b, a % b) }
 }
@@ -93,8 +131,17 @@ impl StepRunner {
     /// layer's KV with it), and under the fused circuit programs (some fusions round
     /// differently from the unfused chain prefill runs).
     pub fn decode_matches_prefill(&self) -> bool {
-        self.model().cache_layers().num_ssm == 0
-            && (self.forward.circuit.as_ref()).is_none_or(|c| c.fusions() == Fusions::ReferenceOnly)
+        self.model().cache_layers().num_ssm == 0 && self.forward_matches_decode()
+    }
+
+    /// Whether [`StepRunner::forward`] computes a sequence's one decode row bitwise as a decode
+    /// step does, so decode rows may share a step with a prefill chunk (mixed steps): true on
+    /// the legacy forward and the circuit's reference programs (bitwise the legacy launches;
+    /// every kernel computes a row the same way whatever the step's rows, and a one-row GDN
+    /// chunk is the recurrent step), false under the fused circuit programs (some fusions round
+    /// differently from the unfused chain `forward` runs).
+    pub fn forward_matches_decode(&self) -> bool {
+        (self.forward.circuit.as_ref()).is_none_or(|c| c.fusions() == Fusions::ReferenceOnly)
     }
 }
 
@@ -177,6 +224,56 @@ mod tests {
             chunks(100, 512, every(64, Some(64)), 0),
             [(0, 64), (64, 100)]
         );
+    }
+
+    /// The mixed chunks of a prompt of `len` from `from` when the decode rows leave `budget`.
+    fn mixed(
+        len: usize,
+        chunk: usize,
+        budget: usize,
+        cuts: Option<ChunkCuts>,
+        from: usize,
+    ) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        let mut at = from;
+        while at < len {
+            let r = mixed_chunk(at, len, chunk, budget, cuts);
+            out.push((r.start, r.end));
+            at = r.end;
+        }
+        out
+    }
+
+    #[test]
+    fn mixed_chunks_take_the_budget_left_and_cut_hybrid_prompts_only_where_allowed() {
+        // Dense: the budget the decode rows leave, at least one row.
+        assert_eq!(mixed(20, 16, 7, None, 0), [(0, 7), (7, 14), (14, 20)]);
+        assert_eq!(mixed(3, 16, 0, None, 0), [(0, 1), (1, 2), (2, 3)]);
+        assert_eq!(mixed(20, 16, 30, None, 0), [(0, 16), (16, 20)]);
+        let a = every(64, None);
+        // Hybrid, budget past the interval: pieces end at multiples of it, then the tail.
+        assert_eq!(
+            mixed(300, 512, 150, a, 0),
+            [(0, 128), (128, 256), (256, 300)]
+        );
+        // A budget below the interval: the piece runs to the next multiple (over budget).
+        assert_eq!(mixed(150, 512, 10, a, 0), [(0, 64), (64, 128), (128, 150)]);
+        // Chunks smaller than the interval are never split: they are cuts of the cold run.
+        assert_eq!(
+            mixed(140, 37, 20, a, 0),
+            chunks(140, 37, a, 0),
+            "a piece of a small chunk would be a cut the alternating run does not make"
+        );
+        // Every cut that is not a multiple of the interval is one of the alternating run's.
+        for (len, chunk, budget) in [(1100, 512, 100), (1100, 100, 70), (333, 48, 5)] {
+            let cold: Vec<usize> = chunks(len, chunk, a, 0).iter().map(|c| c.1).collect();
+            for (_, end) in mixed(len, chunk, budget, a, 0) {
+                assert!(
+                    end % 64 == 0 || cold.contains(&end),
+                    "{len}/{chunk}/{budget}: a cut at {end}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! cached prefix taken at once), and one prefill chunk of the sequence in prefill runs.
 
 use super::sequence::{PendingChoice, Picked, Seq};
-use super::{Scheduler, SeqEvent, Speculation, StepKind, prefix};
+use super::{FinishReason, Scheduler, SeqEvent, Speculation, StepKind, prefix};
 use crate::error::ModelError;
 use crate::runner::{StepInput, StepRow, StepRunner};
 use crate::sampling::{SampleRow, SampledToken, Sampler, choice_seed};
@@ -74,7 +74,7 @@ impl Scheduler {
         Ok(())
     }
 
-    /// One prefill chunk of running sequence `i`.
+    /// One prefill chunk of running sequence `i`, alone in its step.
     pub(super) fn prefill(
         &mut self,
         i: usize,
@@ -84,13 +84,7 @@ impl Scheduler {
         let range = s.next_chunk(self.policy.chunk, self.policy.cuts);
         let _span = tracing::debug_span!("step", kind = "prefill", seq = %s.id, start = range.start, rows = range.len()).entered();
         self.cache.ensure(&mut s.cache.table, range.end)?;
-        let rows: Vec<StepRow> = (range.clone())
-            .map(|p| StepRow {
-                token: s.tokens[p],
-                position: p as u32,
-                seq: 0,
-            })
-            .collect();
+        let rows = chunk_rows(s, range.clone(), 0);
         // Logits only when the chunk ends at the last known token (a resumed sequence knows the
         // tokens after its prompt already).
         let sample = range.end == s.tokens.len();
@@ -108,43 +102,25 @@ impl Scheduler {
         )?;
         s.computed = range.end;
         let id = s.id;
-        if sample {
+        let picked = if sample {
             self.prepare_masks([i]);
-        }
+            let s = &self.running[i];
+            let picked = pick(&self.runner, &[s.sample_row()], s.keeps_logits())?.pop();
+            Some(
+                picked
+                    .ok_or_else(|| ModelError::Step("a prefill step returned no logits".into()))?,
+            )
+        } else {
+            None
+        };
         self.prefill_since_decode += range.len();
         self.stats.steps += 1;
         self.stats.prefill_steps += 1;
-        self.stats.prefill_tokens += range.len() as u64;
-        let mut done = None;
-        if sample {
-            // The other choices fork this sequence's cache now, its prompt computed, and draw
-            // their first tokens from the same logits.
-            for (c, choice) in std::mem::take(&mut self.running[i].choices)
-                .into_iter()
-                .enumerate()
-            {
-                self.fork_choice(i, choice, c + 1, events)?;
-            }
-            let s = &self.running[i];
-            let picked = pick(&self.runner, &[s.sample_row()], s.keeps_logits())?
-                .pop()
-                .ok_or_else(|| ModelError::Step("a prefill step returned no logits".into()))?;
-            done = self.record(i, picked, events);
-        }
+        let done = self.chunk_ran(i, range.len(), picked, events)?;
         if done.is_none() {
             self.take_in(&[(i, 0..range.len() as u32, range.start)])?;
         }
-        // Published after the drafter's take-in, which writes the MTP head's KV of the chunk:
-        // a published block is never written again.
-        let caching = self.runner.options().prefix_caching;
-        let interval = self.runner.ssm_snapshot_interval();
-        prefix::publish(
-            &mut self.cache,
-            caching,
-            interval,
-            &mut self.running[i],
-            range.end,
-        )?;
+        self.publish_chunk(i, range.end)?;
         if let Some(reason) = done {
             self.retire(i, reason, events)?;
         }
@@ -154,6 +130,61 @@ impl Scheduler {
             rows: range.len(),
         })
     }
+
+    /// After a step that ran a prefill chunk of `rows` rows of running sequence `i` (its
+    /// `computed` already past the chunk): when the chunk ends the sequence's known tokens, the
+    /// step's logit row 0 is the chunk's last row and `picked` what the sequence's sampler drew
+    /// from it; the other choices then fork the sequence's cache and draw their first tokens
+    /// from the same row, and the pick is recorded. Returns why the sequence ends, if it does;
+    /// the caller runs the take-in, publishes the chunk's blocks (`publish_chunk`) and retires
+    /// the sequence.
+    pub(super) fn chunk_ran(
+        &mut self,
+        i: usize,
+        rows: usize,
+        picked: Option<Picked>,
+        events: &mut Vec<SeqEvent>,
+    ) -> Result<Option<FinishReason>, ModelError> {
+        self.stats.prefill_tokens += rows as u64;
+        let Some(picked) = picked else {
+            return Ok(None);
+        };
+        // The other choices fork this sequence's cache now, its prompt computed.
+        for (c, choice) in std::mem::take(&mut self.running[i].choices)
+            .into_iter()
+            .enumerate()
+        {
+            self.fork_choice(i, choice, c + 1, events)?;
+        }
+        Ok(self.record(i, picked, events))
+    }
+
+    /// Publish the prompt blocks running sequence `i`'s chunk ending at `end` completed (and
+    /// on hybrid models keep its SSM state there, see `prefix::publish`): after the drafter's
+    /// take-in, which writes the MTP head's KV of the chunk, since a published block is never
+    /// written again.
+    pub(super) fn publish_chunk(&mut self, i: usize, end: usize) -> Result<(), ModelError> {
+        let caching = self.runner.options().prefix_caching;
+        let interval = self.runner.ssm_snapshot_interval();
+        prefix::publish(
+            &mut self.cache,
+            caching,
+            interval,
+            &mut self.running[i],
+            end,
+        )
+    }
+}
+
+/// The rows of `s`'s prompt positions `range`, for the step's sequence `seq`.
+pub(super) fn chunk_rows(s: &Seq, range: std::ops::Range<usize>, seq: u32) -> Vec<StepRow> {
+    range
+        .map(|p| StepRow {
+            token: s.tokens[p],
+            position: p as u32,
+            seq,
+        })
+        .collect()
 }
 
 impl Scheduler {

@@ -1,14 +1,17 @@
 //! The decode step of the scheduler: room in the KV cache for every decoding sequence's next
 //! row (preempting the most recently admitted by recompute when the cache is full), and the
-//! plain step (one row a sequence); `speculate` has the verify step that replaces it.
+//! plain step (one row a sequence), mixed with a chunk of the sequence in prefill when the
+//! policy mixes (`Scheduler::mixes`); `speculate` has the verify step that replaces it.
 
 use metrale_cache::{BlockTable, CacheError};
 
-use super::admit::with_logits;
+use std::ops::Range;
+
+use super::admit::{chunk_rows, with_logits};
 use super::sequence::Seq;
 use super::{Scheduler, SeqEvent, StepKind, prefix};
 use crate::error::ModelError;
-use crate::runner::StepRow;
+use crate::runner::{StepInput, StepRow, mixed_chunk};
 use crate::sampling::SampleRow;
 
 impl Scheduler {
@@ -24,7 +27,12 @@ impl Scheduler {
         } else {
             self.plain_decode(events)?
         };
-        if let (Some(spec), Some(start)) = (self.spec.as_mut(), start) {
+        // A mixed step's time is not a decode step's: the gate compares decode steps.
+        if let (Some(spec), Some(start), false) = (
+            self.spec.as_mut(),
+            start,
+            matches!(kind, StepKind::Mixed { .. }),
+        ) {
             let tokens = (events[before..].iter())
                 .filter(|e| matches!(e, SeqEvent::Token { .. }))
                 .count();
@@ -60,15 +68,55 @@ impl Scheduler {
             .collect())
     }
 
+    /// Whether the next decode step also holds a chunk of running sequence `p`, the one in
+    /// prefill (a mixed step; see "Steps" in the module header of `scheduler`): mixing is on,
+    /// the forward computes decode rows as decode steps do, the step is not a verify step, and
+    /// the chunk's smallest piece fits the step's rows beside the decode rows.
+    pub(super) fn mixes(&self, p: usize) -> bool {
+        let (o, r) = (self.runner.options(), &self.runner);
+        if !o.mixed_steps || !r.forward_matches_decode() || self.next_decode_speculates() {
+            return false;
+        }
+        let d = self.running.iter().filter(|s| !s.in_prefill()).count();
+        d > 0 && d + self.mixed_range(p, d).len() <= r.sizes().max_rows
+    }
+
+    /// The prompt positions of running sequence `p`'s chunk in a step of `d` decode rows: the
+    /// token budget less the decode rows, at least one row, cut where `mixed_chunk` allows.
+    fn mixed_range(&self, p: usize, d: usize) -> Range<usize> {
+        let (chunk, cuts) = (self.policy.chunk, self.policy.cuts);
+        let s = &self.running[p];
+        mixed_chunk(
+            s.computed,
+            s.prompt_len,
+            chunk,
+            chunk.saturating_sub(d),
+            cuts,
+        )
+    }
+
     /// One plain decode step of every running sequence past its prompt, after making room for
-    /// each one's next row (preempting the most recently admitted when the cache is full).
+    /// each one's next row (preempting the most recently admitted when the cache is full); when
+    /// the step mixes, with a chunk of the sequence in prefill after the decode rows, in one
+    /// forward whose logit rows are the chunk's last row (when it picks a token) and then the
+    /// decode rows, all sampled by one sampler launch.
     fn plain_decode(&mut self, events: &mut Vec<SeqEvent>) -> Result<StepKind, ModelError> {
         let idx = self.make_decode_room()?;
         if idx.is_empty() {
             return Ok(StepKind::Idle);
         }
-        let _span = tracing::debug_span!("step", kind = "decode", seqs = idx.len()).entered();
-        let rows: Vec<StepRow> = (idx.iter().enumerate())
+        let d = idx.len();
+        let chunk = (self.running.iter().position(Seq::in_prefill))
+            .filter(|&p| self.mixes(p))
+            .map(|p| (p, self.mixed_range(p, d)));
+        let _span = tracing::debug_span!(
+            "step",
+            kind = if chunk.is_some() { "mixed" } else { "decode" },
+            seqs = d,
+            prefill_rows = chunk.as_ref().map_or(0, |c| c.1.len())
+        )
+        .entered();
+        let mut rows: Vec<StepRow> = (idx.iter().enumerate())
             .map(|(k, &i)| {
                 let s = &self.running[i];
                 StepRow {
@@ -78,28 +126,64 @@ impl Scheduler {
                 }
             })
             .collect();
-        let (tables, slots) = tables_and_slots(&self.running, &idx);
-        let constrained = idx.iter().any(|&i| self.running[i].samples_masked());
-        let sampled = if constrained {
+        // The sequences whose rows the step samples, in logit-row order.
+        let mut samplers = idx.clone();
+        let mut chunk_samples = false;
+        let sampled = if let Some((p, range)) = &chunk {
+            let (p, range) = (*p, range.clone());
+            let s = &mut self.running[p];
+            self.cache.ensure(&mut s.cache.table, range.end)?;
+            rows.extend(chunk_rows(s, range.clone(), d as u32));
+            // The chunk's last row picks the sequence's first token when it ends the known
+            // tokens: logit row 0, as after a prefill step (the choices fork from it).
+            chunk_samples = range.end == s.tokens.len();
+            let mut logit_rows: Vec<u32> = (0..d as u32).collect();
+            if chunk_samples {
+                logit_rows.insert(0, rows.len() as u32 - 1);
+                samplers.insert(0, p);
+            }
+            let mut seqs = idx.clone();
+            seqs.push(p);
+            let (tables, slots) = tables_and_slots(&self.running, &seqs);
+            let input = StepInput {
+                rows: &rows,
+                tables: &tables,
+                logit_rows: &logit_rows,
+                ssm_slots: &slots,
+            };
             // The forward runs on the device while the host computes the constrained rows'
             // masks; the sampler follows their upload on the stream.
-            let launched = (self.runner).decode_forward(&self.cache, &rows, &tables, &slots)?;
-            self.prepare_masks(idx.iter().copied());
-            let sampling: Vec<SampleRow> =
-                idx.iter().map(|&i| self.running[i].sample_row()).collect();
-            self.runner.sample_decoded(launched, &sampling)?
+            self.runner.forward(&self.cache, &input)?;
+            self.running[p].computed = range.end;
+            self.prepare_masks(samplers.iter().copied());
+            let sampling: Vec<SampleRow> = (samplers.iter())
+                .map(|&i| self.running[i].sample_row())
+                .collect();
+            self.runner.sample(&sampling)?
         } else {
-            // Every row's sampling (a replayed row's pick is dropped below), inside the step.
-            let sampling: Vec<SampleRow> =
-                idx.iter().map(|&i| self.running[i].sample_row()).collect();
-            (self.runner).decode_sampled(&self.cache, &rows, &tables, &slots, &sampling)?
+            let (tables, slots) = tables_and_slots(&self.running, &idx);
+            if idx.iter().any(|&i| self.running[i].samples_masked()) {
+                // As above, with the decode step's forward-only graph.
+                let launched = (self.runner).decode_forward(&self.cache, &rows, &tables, &slots)?;
+                self.prepare_masks(idx.iter().copied());
+                let sampling: Vec<SampleRow> =
+                    idx.iter().map(|&i| self.running[i].sample_row()).collect();
+                self.runner.sample_decoded(launched, &sampling)?
+            } else {
+                // Every row's sampling (a replayed row's pick is dropped below), inside the
+                // step.
+                let sampling: Vec<SampleRow> =
+                    idx.iter().map(|&i| self.running[i].sample_row()).collect();
+                (self.runner).decode_sampled(&self.cache, &rows, &tables, &slots, &sampling)?
+            }
         };
         // Host logits only when a row that samples now keeps them.
-        let keep = (idx.iter()).any(|&i| {
+        let keep = (samplers.iter()).any(|&i| {
             let s = &self.running[i];
-            s.computed + 1 == s.tokens.len() && s.keeps_logits()
+            s.computed + 1 >= s.tokens.len() && s.keeps_logits()
         });
-        let picked = with_logits(&self.runner, sampled, keep)?;
+        let mut picked = with_logits(&self.runner, sampled, keep)?.into_iter();
+        let chunk_pick = if chunk_samples { picked.next() } else { None };
         self.stats.steps += 1;
         self.stats.decode_steps += 1;
         let (mut done, mut ran) = (Vec::new(), Vec::new());
@@ -116,13 +200,33 @@ impl Scheduler {
                 None => ran.push((i, q as u32..q as u32 + 1, position)),
             }
         }
+        let mut kind = StepKind::Decode { seqs: d };
+        if let Some((p, range)) = &chunk {
+            let p = *p;
+            self.stats.prefill_steps += 1;
+            self.stats.mixed_steps += 1;
+            match self.chunk_ran(p, range.len(), chunk_pick, events)? {
+                Some(reason) => done.push((p, reason)),
+                None => ran.push((p, d as u32..(d + range.len()) as u32, range.start)),
+            }
+            kind = StepKind::Mixed {
+                seqs: d,
+                seq: self.running[p].id,
+                start: range.start,
+                rows: range.len(),
+            };
+        }
         self.take_in(&ran)?;
         // After the MTP head's take-in, which writes its own KV for these rows.
         prefix::publish_decoded(&self.runner, &mut self.cache, &mut self.running, &idx)?;
+        if let Some((p, range)) = chunk {
+            self.publish_chunk(p, range.end)?;
+        }
+        // In running order (the sequence in prefill is after the decoding ones), last first.
         for (i, reason) in done.into_iter().rev() {
             self.retire(i, reason, events)?;
         }
-        Ok(StepKind::Decode { seqs: idx.len() })
+        Ok(kind)
     }
 
     /// Preempt running sequence `i` by recompute: release its cache and requeue it first.

@@ -1,9 +1,10 @@
 //! `Scheduler`: continuous batching, and the one generation loop of the engine. It owns the
 //! `StepRunner` and the `CacheManager`; requests join and leave between steps, and each step is
-//! either one decode step of every running sequence past its prompt (through
-//! [`StepRunner::decode`], padded to the decode ladder, or [`StepRunner::verify`] with drafts) or
-//! one prefill chunk of one sequence (through [`StepRunner::forward`]). The engine's scheduler
-//! thread steps it; `run` steps it on the caller's thread until given requests finish.
+//! one decode step of every running sequence past its prompt (through [`StepRunner::decode`],
+//! padded to the decode ladder, or [`StepRunner::verify`] with drafts), one prefill chunk of one
+//! sequence (through [`StepRunner::forward`]), or both in one forward (a mixed step). The
+//! engine's scheduler thread steps it; `run` steps it on the caller's thread until given
+//! requests finish.
 //!
 //! # Policy
 //! - **Queue.** Requests wait in arrival order. A sequence is admitted (becomes *running*) when
@@ -23,22 +24,43 @@
 //!   steps compute what prefill steps compute (not hybrid ones), a block that decode steps fill
 //!   is published after the step of its last token, so a follow-up turn repeating the
 //!   conversation shares it.
-//! - **Steps.** While a sequence prefills and others decode, prefill chunks and decode steps
-//!   alternate under the token budget `max_batch_tokens`: after a decode step, prefill chunks
-//!   run until the next chunk would take the prefill tokens since that decode step past the
-//!   budget, then a decode step runs. So decode waits for at most `max_batch_tokens` prefill
-//!   tokens, and a long prompt still gets one chunk between any two decode steps. With nothing
-//!   decoding, prefill chunks run back to back; with nothing prefilling, decode steps do.
+//! - **Steps.** While a sequence prefills and others decode, with `ModelOptions::mixed_steps`
+//!   (the default) every step is a *mixed* step: one decode row of every decoding sequence and,
+//!   after them, a chunk of the prompt sized to what the token budget `max_batch_tokens` leaves
+//!   (see "Chunks"), in one [`StepRunner::forward`] whose logit rows are the chunk's last row
+//!   (when it ends the prompt) and the decode rows; all are picked by one sampler launch, and
+//!   the decode rows then go through the decode step's bookkeeping (stop rules, preemption for
+//!   their blocks, publishing) and the chunk through the prefill step's (the choices' fork,
+//!   its first token, publishing). So a long prompt never stalls a decoding sequence's next
+//!   token: every step holds its row. Where mixing does not apply, prefill chunks and decode
+//!   steps alternate under the budget: after a decode step, prefill chunks run until the next
+//!   chunk would take the prefill tokens since that decode step past the budget, then a
+//!   decode step runs (decode waits for at most `max_batch_tokens` prefill tokens, and a long
+//!   prompt still gets one chunk between any two decode steps). Mixing does not apply with
+//!   `mixed_steps` off; when the next decode step verifies drafts (speculation: a verify step
+//!   keeps each row's GDN state in a slot of its own, which a prefill chunk's rows cannot
+//!   share); under the fused circuit forward (its decode rows round differently from
+//!   `forward`'s, [`StepRunner::forward_matches_decode`]); and on hybrid models when the
+//!   chunk's smallest allowed piece does not fit the step's rows beside the decode rows. With
+//!   nothing decoding, prefill chunks run back to back; with nothing prefilling, decode steps
+//!   do (padded up the ladder, from graphs).
 //! - **Chunks.** A prompt is prefilled in chunks of `max_batch_tokens` from position 0, or from
 //!   the end of its cached prefix (the last one shorter); on hybrid models a chunk that crosses
 //!   a multiple of the SSM snapshot interval ends at the last one it crosses, and one that
 //!   crosses a multiple of `ssm_snapshot_stride` at the first
 //!   ([`crate::runner::prefill_chunk`]). A prefill step holds that one chunk of one sequence and
-//!   no decode rows. Attention rows are independent of the other rows of their step, and on
-//!   hybrid models a cut is either at a multiple of the interval (where the GDN prefill, whose
-//!   chunks are aligned to multiples of 64, computes what no cut computes) or at the same place
-//!   in every run of the prompt (chunks restart at each multiple). So each sequence's tokens and
-//!   logits are bitwise independent of the other traffic and of what the cache held (batch
+//!   no decode rows. A mixed step with `d` decode rows holds a chunk of `max_batch_tokens - d`
+//!   rows (at least one) cut from that one ([`crate::runner::mixed_chunk`]): on hybrid models
+//!   it ends only where the chunk ends or at a multiple of the snapshot interval, so it runs
+//!   over the budget when the budget left is shorter than the way to the next such cut (by
+//!   less than the interval, 64 rows by default). The decode rows alone exceed the budget when
+//!   there are `max_batch_tokens` or more of them; the chunk then takes its smallest piece.
+//!   Attention rows are independent of the other rows of their step, and on hybrid models a
+//!   cut is either at a multiple of the interval (where the GDN prefill, whose chunks are
+//!   aligned to multiples of 64, computes what no cut computes) or at the same place in every
+//!   run of the prompt (chunks restart at each multiple); a one-row GDN chunk (a decode row in
+//!   a mixed step) is the recurrent step bit for bit. So each sequence's tokens and logits are
+//!   bitwise independent of the other traffic, of mixing, and of what the cache held (batch
 //!   invariance).
 //! - **Preemption by recompute.** When a decoding sequence needs a KV block and none is free,
 //!   the most recently admitted running sequence (possibly itself) is preempted: its blocks and
@@ -341,7 +363,7 @@ impl Scheduler {
     }
 
     /// Run one step (see the policy in the module header): admit the queue head if it fits,
-    /// then run a prefill chunk or a decode step.
+    /// then run a prefill chunk, a decode step, or a decode step with a prefill chunk (mixed).
     pub fn step(&mut self) -> Result<StepReport, StepFailed> {
         let mut events = std::mem::take(&mut self.pending);
         if let Err((error, id)) = self.admit() {
@@ -357,16 +379,19 @@ impl Scheduler {
         let kind = match prefill {
             Some(i)
                 if !decoders
-                    || self.prefill_since_decode
-                        + self.running[i].next_chunk(chunk, cuts).len()
-                        <= chunk =>
+                    || (!self.mixes(i)
+                        && self.prefill_since_decode
+                            + self.running[i].next_chunk(chunk, cuts).len()
+                            <= chunk) =>
             {
                 let id = self.running[i].id;
                 self.prefill(i, &mut events).map_err(|e| (e, vec![id]))
             }
             _ if decoders => {
+                // A mixed step's failure aborts the sequence in prefill too.
+                let mixes = prefill.is_some_and(|i| self.mixes(i));
                 let ids: Vec<SeqId> = (self.running.iter())
-                    .filter(|s| !s.in_prefill())
+                    .filter(|s| mixes || !s.in_prefill())
                     .map(|s| s.id)
                     .collect();
                 self.decode(&mut events).map_err(|e| (e, ids))

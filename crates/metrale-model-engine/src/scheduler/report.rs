@@ -29,6 +29,18 @@ pub enum StepKind {
         /// Sequences in the step.
         seqs: usize,
     },
+    /// One decode row of each running sequence past its prompt and, after them, a prefill chunk
+    /// of the sequence in prefill (a mixed step; `ModelOptions::mixed_steps`).
+    Mixed {
+        /// Decoding sequences in the step (one row each).
+        seqs: usize,
+        /// The sequence in prefill.
+        seq: SeqId,
+        /// Its first position in this chunk.
+        start: usize,
+        /// Rows (prompt tokens) of its chunk; the step has `seqs + rows` rows.
+        rows: usize,
+    },
     /// One verify step: each running sequence past its prompt with its drafts.
     Verify {
         /// Sequences in the step.
@@ -103,17 +115,22 @@ pub struct SchedulerStats {
 pub struct StepCounts {
     /// Steps run (idle steps excluded).
     pub steps: u64,
-    /// Prefill steps among them.
+    /// Steps among them that ran a prefill chunk (mixed steps included).
     pub prefill_steps: u64,
-    /// Decode steps among them (verify steps included).
+    /// Steps among them that ran decode rows (verify and mixed steps included).
     pub decode_steps: u64,
+    /// Steps among them that ran decode rows and a prefill chunk together (counted in
+    /// `prefill_steps` and `decode_steps` too): `steps = prefill_steps + decode_steps -
+    /// mixed_steps`.
+    pub mixed_steps: u64,
     /// Verify steps among those (speculative decoding).
     pub verify_steps: u64,
     /// Preemptions so far.
     pub preemptions: u64,
     /// Tokens generated so far (replayed tokens are not counted again).
     pub tokens_generated: u64,
-    /// Prompt tokens computed in prefill steps (a preempted sequence's replay included).
+    /// Prompt tokens computed in prefill chunks, mixed steps' included (a preempted sequence's
+    /// replay included).
     pub prefill_tokens: u64,
     /// Prefix-cache lookups and hits.
     pub prefix: PrefixStats,

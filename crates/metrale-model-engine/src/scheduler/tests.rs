@@ -1,5 +1,6 @@
-//! The scheduling policy on the tiny dense fixture: chunk boundaries, the alternation of prefill
-//! and decode under the token budget, admission by free blocks, and the checks on requests.
+//! The scheduling policy on the tiny dense fixture: chunk boundaries, mixed steps (and the
+//! alternation of prefill and decode without them) under the token budget, admission by free
+//! blocks, and the checks on requests.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -42,7 +43,11 @@ fn drain(s: &mut Scheduler) -> Vec<StepKind> {
 
 #[test]
 fn a_long_prompt_alternates_with_decode_in_budget_sized_chunks() {
-    let mut s = scheduler(ModelOptions::default().max_batch_tokens(8));
+    let mut s = scheduler(
+        ModelOptions::default()
+            .max_batch_tokens(8)
+            .mixed_steps(false),
+    );
     let a = s.add(request(3, 40)).expect("valid");
     // A: one prefill chunk, then it decodes alone.
     assert!(
@@ -78,7 +83,11 @@ fn a_long_prompt_alternates_with_decode_in_budget_sized_chunks() {
 
 #[test]
 fn short_prompts_share_one_budget_between_decode_steps() {
-    let mut s = scheduler(ModelOptions::default().max_batch_tokens(8));
+    let mut s = scheduler(
+        ModelOptions::default()
+            .max_batch_tokens(8)
+            .mixed_steps(false),
+    );
     s.add(request(2, 30)).expect("valid");
     s.step().expect("prefill");
     s.step().expect("decode");
@@ -103,6 +112,94 @@ fn short_prompts_share_one_budget_between_decode_steps() {
             StepKind::Decode { seqs: 4 }
         ]
     );
+}
+
+/// The sequences that got a token in `events`.
+fn token_ids(events: &[SeqEvent]) -> Vec<SeqId> {
+    (events.iter())
+        .filter_map(|e| match e {
+            SeqEvent::Token { id, .. } => Some(*id),
+            SeqEvent::Finished { .. } => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_long_prompt_shares_every_step_with_the_decoding_sequences() {
+    let mut s = scheduler(ModelOptions::default().max_batch_tokens(8));
+    let a = s.add(request(3, 40)).expect("valid");
+    s.step().expect("A's prefill");
+    assert_eq!(s.step().expect("step").kind, StepKind::Decode { seqs: 1 });
+    let b = s.add(request(30, 2)).expect("valid");
+    let mut kinds = Vec::new();
+    for _ in 0..6 {
+        let report = s.step().expect("step");
+        assert!(
+            token_ids(&report.events).contains(&a),
+            "A got no token in {:?}",
+            report.kind
+        );
+        kinds.push(report.kind);
+    }
+    let mixed = |start, rows| StepKind::Mixed {
+        seqs: 1,
+        seq: b,
+        start,
+        rows,
+    };
+    // Each step holds A's row and 8 - 1 rows of B's prompt; the last chunk picks B's first
+    // token, and B decodes beside A from then on.
+    assert_eq!(
+        kinds,
+        vec![
+            mixed(0, 7),
+            mixed(7, 7),
+            mixed(14, 7),
+            mixed(21, 7),
+            mixed(28, 2),
+            StepKind::Decode { seqs: 2 }
+        ]
+    );
+    let steps = s.stats().steps;
+    assert_eq!(
+        (steps.mixed_steps, steps.prefill_steps, steps.prefill_tokens),
+        (5, 6, 33)
+    );
+    assert_eq!(
+        steps.steps,
+        steps.prefill_steps + steps.decode_steps - steps.mixed_steps
+    );
+    drain(&mut s);
+    assert_eq!(s.cache().blocks().num_free(), s.cache().blocks().capacity());
+}
+
+#[test]
+fn decoders_past_the_budget_leave_a_prompt_one_row_a_step() {
+    // Three decoding sequences and a budget of 2: every step holds the three decode rows and one
+    // prompt row (the decode rows alone exceed the budget; the prompt still advances).
+    let mut s = scheduler(ModelOptions::default().max_batch_tokens(2));
+    let decoders: Vec<SeqId> = (0..3)
+        .map(|i| s.add(request(1 + i, 40)).expect("valid"))
+        .collect();
+    while s.stats().running < 3 || s.running.iter().any(Seq::in_prefill) {
+        s.step().expect("step");
+    }
+    let b = s.add(request(4, 2)).expect("valid");
+    for start in 0..4 {
+        let report = s.step().expect("step");
+        assert_eq!(
+            report.kind,
+            StepKind::Mixed {
+                seqs: 3,
+                seq: b,
+                start,
+                rows: 1
+            }
+        );
+        let got = token_ids(&report.events);
+        assert!(decoders.iter().all(|d| got.contains(d)), "{got:?}");
+    }
+    drain(&mut s);
 }
 
 #[test]

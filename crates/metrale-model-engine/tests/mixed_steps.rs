@@ -1,0 +1,332 @@
+//! Mixed steps (`ModelOptions::mixed_steps`): while a long prompt prefills, every decoding
+//! sequence gets a token in every step (each step holds their decode rows and a chunk of the
+//! prompt sized to the token budget they leave), and that changes no bit: the prompt's
+//! choices and the decoding sequences (greedy, sampled, with penalties and logprobs) get the
+//! tokens and logits of their solo runs and of the same traffic with mixing off, preempted or
+//! not. On the dense, hybrid (Gated DeltaNet) and MoE fixtures, on the CPU backend (and, built
+//! with `--features cuda`, on the CUDA backend too).
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use metrale_gpu_runtime::{CpuBackend, GpuBackend};
+use metrale_model_engine::generate::Generation;
+use metrale_model_engine::sampling::SamplingParams;
+use metrale_model_engine::scheduler::{SchedulerStats, SeqEvent, SeqId, SeqRequest, StepKind};
+use metrale_model_engine::{ModelOptions, Scheduler, factory};
+use metrale_testkit::Rng;
+use support::{logit_bits, params, request};
+
+/// Where the model runs.
+type Backend = fn() -> Arc<dyn GpuBackend>;
+
+fn cpu() -> Arc<dyn GpuBackend> {
+    Arc::new(CpuBackend::default())
+}
+
+/// Dense, hybrid with a dense FFN, hybrid with MoE FFNs (Qwen3-Next and Qwen3.5-MoE).
+const FIXTURES: [&str; 4] = [
+    "qwen3-tiny",
+    "qwen3_5-tiny",
+    "qwen3_next-tiny",
+    "qwen3_5_moe-tiny",
+];
+/// The token budget: past the GDN chunk (64) by more than the decode rows, so hybrid prompts
+/// mix too, and below the alternating chunk the budget cuts at 128, so mixed chunks are cut
+/// where the alternating run does not cut.
+const BUDGET: usize = 130;
+const LONG_PROMPT: usize = 300;
+
+fn load_on(backend: Backend, name: &str, options: ModelOptions) -> Scheduler {
+    let model =
+        factory::load(&support::fixture(name), backend()).unwrap_or_else(|e| panic!("{name}: {e}"));
+    Scheduler::new(model, options).unwrap()
+}
+
+fn options(mixed: bool) -> ModelOptions {
+    ModelOptions::default()
+        .max_batch_tokens(BUDGET)
+        .max_decode_seqs(8)
+        .mixed_steps(mixed)
+}
+
+/// Short prompts that decode long (greedy; sampled; top-k and top-p; penalties with logprobs;
+/// greedy with a stop token), then a long prompt of two sampled choices, which fork after its
+/// last chunk.
+fn traffic(vocab: u32, seed: u64) -> (Vec<SeqRequest>, SeqRequest) {
+    let mut rng = Rng::new(seed);
+    let mut prompt = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.below(vocab)).collect() };
+    let samplings = [
+        SamplingParams::default(),
+        SamplingParams::default().temperature(0.9).seed(7),
+        SamplingParams::default()
+            .temperature(1.2)
+            .top_k(20)
+            .top_p(0.9)
+            .seed(8),
+        SamplingParams::default()
+            .temperature(1.0)
+            .repetition_penalty(1.3)
+            .frequency_penalty(0.5)
+            .logprobs(true)
+            .top_logprobs(3)
+            .seed(9),
+        SamplingParams::default(),
+    ];
+    let decoders = (samplings.into_iter().enumerate())
+        .map(|(i, sampling)| {
+            let mut p = params(20 + 3 * i, sampling);
+            if i == 4 {
+                p.stop_token_ids = vec![3];
+            }
+            request(&prompt(3 + 4 * i), &p)
+        })
+        .collect();
+    let long = params(6, SamplingParams::default().temperature(0.8).seed(11).n(2));
+    (decoders, request(&prompt(LONG_PROMPT), &long))
+}
+
+/// What a run of the traffic saw.
+struct Run {
+    /// Every generation by id (the long prompt's two choices are `long` and `long + 1`).
+    gens: HashMap<SeqId, Generation>,
+    decoders: Vec<SeqId>,
+    long: SeqId,
+    /// The steps from the long prompt's arrival to its first token.
+    window: Vec<StepKind>,
+    /// Steps of the window in which a decoding sequence, not finished, got no token.
+    missed: usize,
+    stats: SchedulerStats,
+}
+
+/// The sequences that got a token in `events`; finished generations go into `gens`.
+fn collect(events: Vec<SeqEvent>, gens: &mut HashMap<SeqId, Generation>) -> Vec<SeqId> {
+    let mut got = Vec::new();
+    for e in events {
+        match e {
+            SeqEvent::Token { id, .. } => got.push(id),
+            SeqEvent::Finished { id, generation } => {
+                assert!(gens.insert(id, generation).is_none(), "{id} finished twice");
+            }
+        }
+    }
+    got
+}
+
+/// Run the decoders until each has a token, then add the long prompt and run to the end.
+fn run(s: &mut Scheduler, (decoders, long): &(Vec<SeqRequest>, SeqRequest)) -> Run {
+    let mut gens = HashMap::new();
+    let ids: Vec<SeqId> = decoders.iter().map(|r| s.add(r.clone()).unwrap()).collect();
+    let mut started: Vec<SeqId> = Vec::new();
+    while !ids.iter().all(|id| started.contains(id)) {
+        started.extend(collect(s.step().unwrap().events, &mut gens));
+        assert!(started.len() < 1000, "the decoders do not start");
+    }
+    let long_id = s.add(long.clone()).unwrap();
+    let (mut window, mut missed) = (Vec::new(), 0);
+    loop {
+        let report = s.step().unwrap();
+        window.push(report.kind);
+        let got = collect(report.events, &mut gens);
+        // A decoder finishing in this step got its last token in it.
+        let live = ids
+            .iter()
+            .filter(|id| !gens.contains_key(id) || got.contains(id));
+        if live.clone().any(|id| !got.contains(id)) {
+            missed += 1;
+        }
+        if got.contains(&long_id) {
+            break;
+        }
+        assert!(window.len() < 1000, "the long prompt never gets a token");
+    }
+    while !s.is_idle() {
+        collect(s.step().unwrap().events, &mut gens);
+    }
+    Run {
+        gens,
+        decoders: ids,
+        long: long_id,
+        window,
+        missed,
+        stats: s.stats(),
+    }
+}
+
+/// The generations of `a` and `b` are bitwise the same, request by request (`what` names the
+/// comparison).
+fn assert_bitwise(a: &Run, b: &HashMap<SeqId, Generation>, ids: &[SeqId], what: &str) {
+    for (&x, &y) in [&a.decoders[..], &[a.long, SeqId(a.long.0 + 1)]]
+        .concat()
+        .iter()
+        .zip(ids)
+    {
+        let (g, h) = (&a.gens[&x], &b[&y]);
+        assert_eq!(g.token_ids, h.token_ids, "{what}: {x} tokens");
+        assert_eq!(g.finish_reason, h.finish_reason, "{what}: {x}");
+        assert!(logit_bits(g) == logit_bits(h), "{what}: {x} logits differ");
+        let lp = |g: &Generation| {
+            (g.logprobs.iter().flatten())
+                .map(|t| (t.token, t.logprob.to_bits(), t.top.len()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(lp(g), lp(h), "{what}: {x} logprobs");
+    }
+}
+
+/// The request alone on an idle scheduler; its generations (one per choice) by choice.
+fn solo(s: &mut Scheduler, req: &SeqRequest) -> Vec<Generation> {
+    let id = s.add(req.clone()).unwrap();
+    let mut gens = HashMap::new();
+    while !s.is_idle() {
+        collect(s.step().unwrap().events, &mut gens);
+    }
+    let n = req.params.sampling.choices_generated().max(1) as u64;
+    (0..n)
+        .map(|c| gens.remove(&SeqId(id.0 + c)).unwrap())
+        .collect()
+}
+
+fn a_long_prompt_never_stalls_the_decoding_sequences(backend: Backend, name: &str) {
+    let mut on = load_on(backend, name, options(true));
+    let vocab = on.runner().model().config().tokens.vocab_size as u32;
+    let t = traffic(vocab, 5);
+    let mixed = run(&mut on, &t);
+    // Every step from the long prompt's arrival to its first token held every decoding
+    // sequence's row and a chunk of the prompt, within the budget.
+    assert_eq!(mixed.missed, 0, "{name}: a decoding sequence missed a step");
+    let mut prefilled = 0;
+    for kind in &mixed.window {
+        match *kind {
+            StepKind::Mixed {
+                seqs, seq, rows, ..
+            } => {
+                assert!(seq == mixed.long && seqs >= 1, "{name}: {kind:?}");
+                assert!(seqs + rows <= BUDGET, "{name}: {kind:?} is over the budget");
+                prefilled += rows;
+            }
+            _ => panic!("{name}: {kind:?} while the long prompt prefills"),
+        }
+    }
+    assert_eq!(prefilled, LONG_PROMPT, "{name}");
+    assert!(mixed.stats.steps.mixed_steps >= mixed.window.len() as u64);
+    // Mixing off: the same bits, in alternating steps where the decoders miss some.
+    let mut off = load_on(backend, name, options(false));
+    let alternating = run(&mut off, &t);
+    assert_eq!(alternating.stats.steps.mixed_steps, 0, "{name}");
+    assert!(
+        alternating.missed > 0,
+        "{name}: the alternation never stalls"
+    );
+    let ids: Vec<SeqId> = [&alternating.decoders[..], &[alternating.long]].concat();
+    let ids: Vec<SeqId> = ids
+        .into_iter()
+        .chain([SeqId(alternating.long.0 + 1)])
+        .collect();
+    assert_bitwise(
+        &mixed,
+        &alternating.gens,
+        &ids,
+        &format!("{name}: on vs off"),
+    );
+    // Each request alone.
+    let mut alone = HashMap::new();
+    let mut solo_ids = Vec::new();
+    for (k, req) in t.0.iter().chain([&t.1]).enumerate() {
+        for (c, g) in solo(&mut on, req).into_iter().enumerate() {
+            let id = SeqId((1000 + 10 * k + c) as u64);
+            alone.insert(id, g);
+            solo_ids.push(id);
+        }
+    }
+    assert_bitwise(&mixed, &alone, &solo_ids, &format!("{name}: mixed vs solo"));
+    let cache = on.stats().cache;
+    assert_eq!(
+        (cache.kv_blocks_used, cache.ssm_slots_used),
+        (0, 0),
+        "{name}"
+    );
+}
+
+/// A cache too small for everyone: once the long prompt is admitted (taking all but a block of
+/// headroom per sequence), the decoders' growth preempts it (the most recently admitted), and
+/// it resumes by recompute; every request still gets its solo run bitwise.
+fn preemption_beside_mixed_steps_is_bitwise_solo(backend: Backend, name: &str) {
+    // 27 usable blocks of 16: the decoders' first blocks, the long prompt's 19 plus a block
+    // for each choice to fork, and a block of headroom each; the decoders' second blocks
+    // preempt the long one.
+    let opts = options(true).num_kv_blocks(Some(28));
+    let mut s = load_on(backend, name, opts);
+    let vocab = s.runner().model().config().tokens.vocab_size as u32;
+    let (decoders, mut long) = traffic(vocab, 9);
+    let decoders: Vec<SeqRequest> = (decoders.into_iter().take(3).enumerate())
+        .map(|(i, mut d)| {
+            d.prompt = (0..12 + i as u32).map(|t| (t * 13 + 5) % vocab).collect();
+            d.params.max_new_tokens = [30, 70, 70][i];
+            d
+        })
+        .collect();
+    long.params.max_new_tokens = 40;
+    let t = (decoders, long);
+    let got = run(&mut s, &t);
+    assert!(got.stats.steps.preemptions > 0, "{name}: no preemption");
+    assert!(got.stats.steps.mixed_steps > 0, "{name}: no mixed step");
+    let mut alone = HashMap::new();
+    let mut solo_ids = Vec::new();
+    for (k, req) in t.0.iter().chain([&t.1]).enumerate() {
+        for (c, g) in solo(&mut s, req).into_iter().enumerate() {
+            let id = SeqId((1000 + 10 * k + c) as u64);
+            alone.insert(id, g);
+            solo_ids.push(id);
+        }
+    }
+    assert_bitwise(
+        &got,
+        &alone,
+        &solo_ids,
+        &format!("{name}: preempted vs solo"),
+    );
+}
+
+#[test]
+fn a_long_prompt_never_stalls_decoding_sequences_and_changes_no_bit() {
+    for name in FIXTURES {
+        a_long_prompt_never_stalls_the_decoding_sequences(cpu, name);
+    }
+}
+
+#[test]
+fn preemption_beside_mixed_steps_is_bitwise_solo_on_every_family() {
+    for name in FIXTURES {
+        preemption_beside_mixed_steps_is_bitwise_solo(cpu, name);
+    }
+}
+
+/// The same on the GPU: the CUDA kernels' rows must not depend on their step either.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use metrale_gpu_runtime::cuda::CudaBackend;
+
+    fn gpu() -> Arc<dyn GpuBackend> {
+        Arc::new(CudaBackend::new(0).expect("a CUDA device"))
+    }
+
+    #[test]
+    fn a_long_prompt_never_stalls_decoding_sequences_and_changes_no_bit_on_cuda() {
+        for name in FIXTURES {
+            a_long_prompt_never_stalls_the_decoding_sequences(gpu, name);
+        }
+    }
+
+    #[test]
+    fn preemption_beside_mixed_steps_is_bitwise_solo_on_cuda() {
+        for name in FIXTURES {
+            preemption_beside_mixed_steps_is_bitwise_solo(gpu, name);
+        }
+    }
+}
