@@ -8,9 +8,12 @@ use crate::runner::{StepInput, StepRow, StepRunner};
 use crate::sampling::{SampleRow, SampledToken, Sampler, choice_seed};
 
 impl Scheduler {
-    /// Admit the queue head if the policy allows and it fits. On failure the head is dropped
-    /// (its resources released) and named.
+    /// Admit the queue head if the policy allows and it fits; with no request waiting, the next
+    /// re-prefill (see `reprefill`), which gives way to a waiting request first. On failure the
+    /// sequence is dropped (its resources released) and named (a re-prefill's failure is only
+    /// logged: it is no request's, and the cache error shows again on the next request).
     pub(super) fn admit(&mut self) -> Result<(), (ModelError, super::SeqId)> {
+        self.yield_reprefill();
         let spares = self.spec.as_ref().map_or(0, Speculation::spares);
         let (free_slots, bs) = (
             self.cache.ssm_slots().map(|(_, free)| free),
@@ -25,6 +28,7 @@ impl Scheduler {
         let headroom = self.running.len();
         let caching = self.runner.options().prefix_caching;
         let Some(head) = self.waiting.front_mut() else {
+            self.admit_reprefill();
             return Ok(());
         };
         // Choices still to fork: each will hold its own sequence, slots and partial block.
@@ -92,8 +96,8 @@ impl Scheduler {
             })
             .collect();
         // Logits only when the chunk ends at the last known token (a resumed sequence knows the
-        // tokens after its prompt already).
-        let sample = range.end == s.tokens.len();
+        // tokens after its prompt already); a re-prefill samples nothing.
+        let sample = range.end == s.tokens.len() && !s.reprefill;
         let last = [(rows.len() - 1) as u32];
         let logit_rows: &[u32] = if sample { &last } else { &[] };
         let slots: Vec<u32> = s.cache.ssm_slot.into_iter().collect();
@@ -107,14 +111,19 @@ impl Scheduler {
             },
         )?;
         s.computed = range.end;
-        let id = s.id;
+        let (id, reprefill) = (s.id, s.reprefill);
         if sample {
             self.prepare_masks([i]);
         }
         self.prefill_since_decode += range.len();
         self.stats.steps += 1;
-        self.stats.prefill_steps += 1;
-        self.stats.prefill_tokens += range.len() as u64;
+        if reprefill {
+            self.stats.reprefill_steps += 1;
+            self.stats.reprefill_tokens += range.len() as u64;
+        } else {
+            self.stats.prefill_steps += 1;
+            self.stats.prefill_tokens += range.len() as u64;
+        }
         let mut done = None;
         if sample {
             // The other choices fork this sequence's cache now, its prompt computed, and draw
@@ -147,6 +156,15 @@ impl Scheduler {
         )?;
         if let Some(reason) = done {
             self.retire(i, reason, events)?;
+        }
+        if reprefill {
+            if range.end == self.running[i].prompt_len {
+                self.end_reprefill(i, true)?;
+            }
+            return Ok(StepKind::Reprefill {
+                start: range.start,
+                rows: range.len(),
+            });
         }
         Ok(StepKind::Prefill {
             seq: id,

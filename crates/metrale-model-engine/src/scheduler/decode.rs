@@ -125,8 +125,12 @@ impl Scheduler {
         Ok(StepKind::Decode { seqs: idx.len() })
     }
 
-    /// Preempt running sequence `i` by recompute: release its cache and requeue it first.
+    /// Preempt running sequence `i` by recompute: release its cache and requeue it first. A
+    /// re-prefill is dropped instead (see `reprefill`).
     fn preempt(&mut self, i: usize) -> Result<(), ModelError> {
+        if self.running[i].reprefill {
+            return self.end_reprefill(i, false);
+        }
         let mut s = self.running.remove(i);
         tracing::debug!(seq = %s.id, generated = s.generated(), "preempted");
         let released = s.release(&mut self.cache);
