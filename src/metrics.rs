@@ -16,8 +16,12 @@ pub struct EngineMetrics {
     /// Tokens generated per second over the last `EngineOptions::metrics_window`.
     pub tokens_per_second: f64,
     /// What the model's steps ran and produced since load: steps of each kind, tokens
-    /// generated, prompt tokens prefilled, preemptions, prefix-cache lookups and hits.
+    /// generated, prompt tokens prefilled, conversation tokens re-prefilled (hybrid models,
+    /// `ModelOptions::reprefill_answers`), preemptions, prefix-cache lookups and hits.
     pub steps: StepCounts,
+    /// Re-prefills of finished conversations running or queued (not requests: not in
+    /// `requests`).
+    pub reprefills: usize,
     /// `steps.prefix.hit_tokens / steps.prefix.query_tokens`: the share of looked-up prompt
     /// tokens the prefix cache served (0 before any lookup).
     pub prefix_hit_rate: f64,
@@ -142,6 +146,7 @@ impl MetricsState {
                 0.0
             },
             steps: s.steps,
+            reprefills: s.reprefills,
             prefix_hit_rate: ratio(prefix.hit_tokens, prefix.query_tokens),
             cache: s.cache,
             speculation: s.speculation.as_ref().map(|sp| {

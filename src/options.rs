@@ -48,8 +48,9 @@ pub struct EngineOptions {
     /// Buffer and cache sizes; `max_batch_tokens` is also the scheduler's prefill chunk and
     /// token budget between decode steps, `max_decode_seqs` the most requests running at once,
     /// `prefix_caching` (default on) whether requests share the KV blocks (and, on hybrid
-    /// models, SSM state snapshots) of prompt prefixes computed before. Default
-    /// `ModelOptions::default()`.
+    /// models, SSM state snapshots) of prompt prefixes computed before, `reprefill_answers`
+    /// (default on) whether a hybrid model prefills finished conversations again so that
+    /// follow-up turns share the answers too. Default `ModelOptions::default()`.
     pub model: ModelOptions,
     /// Most requests waiting for admission (submitted, not yet running); `submit` refuses more
     /// with `EngineError::QueueFull`. Default 1024.

@@ -267,6 +267,7 @@ fn wait_idle(engine: &Engine, done: u64) -> Result<metrale::EngineMetrics> {
         if m.requests.finished + m.requests.failed >= done
             && m.requests.running == 0
             && m.requests.queued == 0
+            && m.reprefills == 0
         {
             return Ok(m);
         }

@@ -133,6 +133,11 @@ pub struct ServeArgs {
     /// `--max-batch-tokens`.
     #[arg(long)]
     pub ssm_snapshot_stride: Option<usize>,
+    /// Hybrid models: do not prefill a finished conversation again (while no request waits) to
+    /// cache its answer; a follow-up turn then resumes at the previous prompt's last snapshot
+    /// and prefills the answer itself.
+    #[arg(long)]
+    pub no_reprefill_answers: bool,
     /// Speculative decoding: with `mtp` the checkpoint's MTP head drafts and decode steps verify
     /// the drafts, while the engine measures it faster than plain decode.
     #[arg(long, value_enum, default_value_t = SpeculativeArg::Off)]
@@ -180,6 +185,7 @@ impl ServeArgs {
             .prefix_caching(!self.no_prefix_caching)
             .ssm_snapshot_slots(self.ssm_snapshot_slots)
             .ssm_snapshot_stride(self.ssm_snapshot_stride)
+            .reprefill_answers(!self.no_reprefill_answers)
             .speculative(speculative)
             .num_draft_tokens(self.num_draft_tokens);
         let gate = GateOptions::default()
@@ -263,8 +269,14 @@ mod tests {
         assert!(default.prefix_caching);
         assert_eq!(default.ssm_snapshot_slots, None);
         assert_eq!(default.ssm_snapshot_stride, None);
+        assert!(default.reprefill_answers);
         let off = model(&["--no-prefix-caching", "--ssm-snapshot-slots", "3"]).expect("valid");
         assert!(!off.prefix_caching);
+        assert!(
+            !model(&["--no-reprefill-answers"])
+                .expect("valid")
+                .reprefill_answers
+        );
         assert_eq!(off.ssm_snapshot_slots, Some(3));
         let strided = model(&["--ssm-snapshot-stride", "128"]).expect("valid");
         assert_eq!(strided.ssm_snapshot_stride, Some(128));

@@ -58,6 +58,20 @@ pub struct ModelOptions {
     /// Default `None`: chunks end only every `max_batch_tokens` tokens and at the prompt's last
     /// multiple of the interval, with a snapshot at each of those.
     pub ssm_snapshot_stride: Option<usize>,
+    /// With `prefix_caching`, on models whose decode steps do not compute what prefill steps
+    /// compute (hybrid models, whose decode runs the delta rule token by token; fused circuit
+    /// programs), so that the blocks decode steps fill are not published: a sequence that ends
+    /// by its stop rule (a stop token, `max_new_tokens`, a full context) has its conversation,
+    /// prompt and every generated token, prefilled again inside the scheduler up to the last
+    /// position where a follow-up turn can resume (on hybrid models the last multiple of the
+    /// snapshot interval), with no request waiting for it. Its blocks and SSM snapshots are
+    /// published as a cold prefill writes them, so a follow-up turn repeating the conversation
+    /// shares the answer too and computes only what is new (plus less than one snapshot
+    /// interval). It runs only while no request waits, gives way to one that arrives, and is
+    /// skipped when the cache has no room; the scheduler's stats count its steps apart from
+    /// requests' prefill. No effect on models where decode-filled blocks are published, nor
+    /// with prefix caching off. Default true.
+    pub reprefill_answers: bool,
     /// Speculative decoding (`generate` and the scheduler run it; the engine accepts `Off` and
     /// `Mtp`). Default `Off`.
     pub speculative: Speculative,
@@ -128,6 +142,7 @@ impl Default for ModelOptions {
             prefix_caching: true,
             ssm_snapshot_slots: None,
             ssm_snapshot_stride: None,
+            reprefill_answers: true,
             speculative: Speculative::Off,
             num_draft_tokens: 2,
             quantization: Quantization::AsStored,
@@ -202,6 +217,12 @@ impl ModelOptions {
         self
     }
 
+    /// Set `reprefill_answers`.
+    pub fn reprefill_answers(mut self, on: bool) -> Self {
+        self.reprefill_answers = on;
+        self
+    }
+
     /// Set `speculative`.
     pub fn speculative(mut self, s: Speculative) -> Self {
         self.speculative = s;
@@ -269,6 +290,7 @@ mod tests {
             .max_decode_seqs(4)
             .prefix_caching(false)
             .ssm_snapshot_stride(128)
+            .reprefill_answers(false)
             .speculative(Speculative::Mtp)
             .num_draft_tokens(3);
         assert_eq!(
@@ -281,6 +303,7 @@ mod tests {
                 max_decode_seqs: 4,
                 prefix_caching: false,
                 ssm_snapshot_stride: Some(128),
+                reprefill_answers: false,
                 speculative: Speculative::Mtp,
                 num_draft_tokens: 3,
                 ..ModelOptions::default()

@@ -3,10 +3,14 @@
 //! caching off, after skipping exactly the cached tokens. On the dense fixture it shares every
 //! block the previous turn filled, its answer's blocks included (published by the decode steps
 //! that filled them), even while that turn still runs; a block the last sampled token would
-//! complete, and a block partly filled at the end, are never published. On the hybrid fixture
+//! complete, and a block partly filled at the end, are never published. On the hybrid fixtures
 //! decode-filled blocks are not published (decode and a cold prefill round the delta rule
-//! differently), and a follow-up resumes at the last SSM snapshot of the previous prompt. On the
-//! CPU backend (and, built with `--features cuda`, on the CUDA backend too).
+//! differently); instead the scheduler re-prefills each finished conversation
+//! (`ModelOptions::reprefill_answers`), so a follow-up resumes at the conversation's last
+//! multiple of the snapshot interval (64), and without it at the previous prompt's last
+//! snapshot; a follow-up arriving while the re-prefill runs is bitwise cold too, and nothing is
+//! held once idle. On the CPU backend (and, built with `--features cuda`, on the CUDA backend
+//! too).
 
 #![allow(clippy::unwrap_used)]
 
@@ -20,7 +24,7 @@ use metrale_cache::block_hashes;
 use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::generate::GenerateParams;
 use metrale_model_engine::sampling::SamplingParams;
-use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest};
+use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest, StepKind};
 use metrale_model_engine::{ModelOptions, factory};
 use metrale_testkit::Rng;
 
@@ -32,10 +36,22 @@ fn cpu() -> Arc<dyn GpuBackend> {
 }
 
 fn load_on(backend: Backend, name: &str, prefix_caching: bool) -> Scheduler {
+    load_with(backend, name, 16, prefix_caching, true)
+}
+
+/// `name` on `backend`, prefill chunks of `chunk` tokens.
+fn load_with(
+    backend: Backend,
+    name: &str,
+    chunk: usize,
+    prefix_caching: bool,
+    reprefill: bool,
+) -> Scheduler {
     let options = ModelOptions::default()
-        .max_batch_tokens(16)
+        .max_batch_tokens(chunk)
         .max_decode_seqs(4)
-        .prefix_caching(prefix_caching);
+        .prefix_caching(prefix_caching)
+        .reprefill_answers(reprefill);
     let model =
         factory::load(&support::fixture(name), backend()).unwrap_or_else(|e| panic!("{name}: {e}"));
     Scheduler::new(model, options).unwrap()
@@ -59,28 +75,49 @@ fn request(prompt: Vec<u32>, max_new_tokens: usize, seed: Option<u64>) -> SeqReq
     }
 }
 
+/// What a conversation's turns should find: per turn, the tokens served from the cache, and
+/// the tokens its re-prefill computes once it has finished.
+struct Want {
+    hits: [u64; 3],
+    reprefills: [u64; 3],
+}
+
 /// Three turns: a 70-token prompt answered with 60 tokens; then that conversation plus 11 new
-/// tokens, answered (sampled) with 30; then all of it plus 5 more. Each turn on the warm model
-/// is bitwise the turn on the cold one, and hits the cache for `want_hits` tokens.
-fn conversation(backend: Backend, name: &str, want_hits: [u64; 3]) {
-    let mut warm = load_on(backend, name, true);
-    let mut cold = load_on(backend, name, false);
+/// tokens, answered (sampled) with 80; then all of it plus 5 more. Each turn on the warm model
+/// (prefill chunks of `chunk` tokens, `reprefill_answers` as given) is bitwise the turn on the
+/// cold one, and hits the cache and re-prefills as `want` says. With chunks longer than the
+/// snapshot interval a cold prefill runs through the block boundaries between its multiples,
+/// so a hybrid follow-up resumed at one of those would not be bitwise cold.
+fn conversation(backend: Backend, name: &str, chunk: usize, reprefill: bool, want: Want) {
+    let mut warm = load_with(backend, name, chunk, true, reprefill);
+    let mut cold = load_with(backend, name, chunk, false, false);
     let vocab = warm.runner().model().config().tokens.vocab_size as u32;
     let mut rng = Rng::new(11);
     let mut prompt = tokens(&mut rng, 70, vocab);
-    let turns = [(60, None, 11), (30, Some(7), 5), (4, None, 0)];
-    for (k, ((max_new, seed, next_user), want)) in turns.into_iter().zip(want_hits).enumerate() {
+    let turns = [(60, None, 11), (80, Some(7), 5), (4, None, 0)];
+    let wants = want.hits.into_iter().zip(want.reprefills);
+    for (k, ((max_new, seed, next_user), (hit, reprefilled))) in
+        turns.into_iter().zip(wants).enumerate()
+    {
         let what = format!("{name}: turn {k} ({} prompt tokens)", prompt.len());
         let req = request(prompt.clone(), max_new, seed);
         let (w, c) = (solo(&mut warm, &req), solo(&mut cold, &req));
         assert_bitwise(&w.generation, &c.generation, &what);
-        assert_eq!(w.hit_tokens, want, "{what}: cached tokens");
+        assert_eq!(w.hit_tokens, hit, "{what}: cached tokens");
+        assert_eq!(
+            w.reprefill_tokens, reprefilled,
+            "{what}: re-prefilled tokens"
+        );
         assert_eq!(
             w.prefill_tokens,
-            prompt.len() as u64 - want,
+            prompt.len() as u64 - hit,
             "{what}: prefill skips exactly the hit"
         );
-        assert_eq!(c.hit_tokens, 0, "{what}: the cold model never hits");
+        assert_eq!(
+            (c.hit_tokens, c.reprefill_tokens),
+            (0, 0),
+            "{what}: the cold model never hits nor re-prefills"
+        );
         prompt.extend(&w.generation.token_ids);
         prompt.extend(tokens(&mut rng, next_user, vocab));
     }
@@ -89,21 +126,125 @@ fn conversation(backend: Backend, name: &str, want_hits: [u64; 3]) {
 }
 
 // Dense: turn 0 computes 70 + 59 tokens (its last token is never fed): 8 full blocks, so turn
-// 1 (141 tokens) hits 128 where the prompt's blocks alone give 64; turn 1 computes 141 + 29:
-// 10 full blocks, so turn 2 (176 tokens) hits 160.
-const DENSE_HITS: [u64; 3] = [0, 128, 160];
-// Hybrid: turn 0's prompt leaves a snapshot at 64, turn 1's (prefilled from 64 in chunks of
-// 16) one at 128; the answers' blocks are not published.
-const HYBRID_HITS: [u64; 3] = [0, 64, 128];
+// 1 (141 tokens) hits 128 where the prompt's blocks alone give 64; turn 1 computes 141 + 79:
+// 13 full blocks, so turn 2 (226 tokens) hits 208. Decode fills what prefill would: no
+// re-prefill.
+const DENSE: Want = Want {
+    hits: [0, 128, 208],
+    reprefills: [0, 0, 0],
+};
+// Hybrid (chunks of 16 or 512 alike): turn 0's prompt leaves a snapshot at 64; its
+// conversation (130 tokens) is re-prefilled from there to 128, the last multiple of the
+// snapshot interval, so turn 1 (141 tokens) hits 128 where the prompt alone gives 64. Turn 1's
+// conversation (221 tokens) is re-prefilled from 128 to 192, so turn 2 (226 tokens) hits 192
+// where the prompts alone give 128; its own conversation (230 tokens) has nothing past 192.
+const HYBRID: Want = Want {
+    hits: [0, 128, 192],
+    reprefills: [64, 64, 0],
+};
+// Hybrid without re-prefills: turn 0's prompt leaves a snapshot at 64, turn 1's (prefilled from
+// 64) one at 128; the answers' blocks are not published.
+const HYBRID_PROMPTS_ONLY: Want = Want {
+    hits: [0, 64, 128],
+    reprefills: [0, 0, 0],
+};
 
 #[test]
 fn a_follow_up_turn_shares_the_whole_conversation_and_is_bitwise_cold() {
-    conversation(cpu, "qwen3-tiny", DENSE_HITS);
+    conversation(cpu, "qwen3-tiny", 16, false, DENSE);
+    conversation(cpu, "qwen3-tiny", 16, true, DENSE);
 }
 
 #[test]
-fn a_hybrid_follow_up_resumes_at_the_previous_prompts_snapshot_and_is_bitwise_cold() {
-    conversation(cpu, "qwen3_5-tiny", HYBRID_HITS);
+fn a_hybrid_follow_up_shares_the_reprefilled_answer_and_is_bitwise_cold() {
+    conversation(cpu, "qwen3_5-tiny", 512, true, HYBRID);
+    conversation(cpu, "qwen3_5-tiny", 16, true, HYBRID);
+    conversation(cpu, "qwen3_next-tiny", 512, true, HYBRID);
+}
+
+#[test]
+fn without_reprefill_a_hybrid_follow_up_resumes_at_the_previous_prompts_snapshot() {
+    conversation(cpu, "qwen3_5-tiny", 512, false, HYBRID_PROMPTS_ONLY);
+}
+
+/// A hybrid follow-up submitted while the previous turn's conversation is being re-prefilled:
+/// the re-prefill gives way at once (the follow-up's prefill is the next step), the follow-up
+/// resumes at the previous prompt's snapshot (the re-prefill kept none yet) and is bitwise
+/// cold; the re-prefill, resumed after it, finds its conversation cached by the follow-up's
+/// prefill and ends; nothing is held once idle.
+fn a_follow_up_during_the_reprefill(backend: Backend) {
+    let mut warm = load_on(backend, "qwen3_5-tiny", true);
+    let mut cold = load_on(backend, "qwen3_5-tiny", false);
+    let vocab = warm.runner().model().config().tokens.vocab_size as u32;
+    let mut rng = Rng::new(41);
+    let first = request(tokens(&mut rng, 70, vocab), 60, None);
+    let id = warm.add(first.clone()).unwrap();
+    let mut answer = None;
+    while answer.is_none() {
+        for e in warm.step().unwrap().events {
+            if let SeqEvent::Finished { id: f, generation } = e {
+                assert_eq!(f, id);
+                answer = Some(generation);
+            }
+        }
+    }
+    let answer = answer.unwrap();
+    assert_eq!(
+        warm.stats().reprefills,
+        1,
+        "the conversation's re-prefill is queued"
+    );
+    // Two chunks of 16 from the prompt's snapshot at 64: blocks to 96, no snapshot past 64.
+    for start in [64, 80] {
+        let report = warm.step().unwrap();
+        assert_eq!(report.kind, StepKind::Reprefill { start, rows: 16 });
+        assert!(report.events.is_empty(), "a re-prefill emits nothing");
+    }
+    let stats = warm.stats();
+    assert_eq!((stats.running, stats.reprefills), (0, 1));
+    assert!(stats.cache.kv_blocks_used > 0 && stats.cache.ssm_slots_used == 1);
+    let mut prompt = first.prompt.clone();
+    prompt.extend(&answer.token_ids);
+    prompt.extend(tokens(&mut rng, 11, vocab));
+    let second = request(prompt, 8, Some(5));
+    let before = warm.stats().steps;
+    let id2 = warm.add(second.clone()).unwrap();
+    let mut out = None;
+    let mut kinds = Vec::new();
+    while !warm.is_idle() {
+        let report = warm.step().unwrap();
+        kinds.push(report.kind);
+        for e in report.events {
+            if let SeqEvent::Finished { id: f, generation } = e {
+                assert_eq!(f, id2);
+                out = Some(generation);
+            }
+        }
+    }
+    assert!(
+        matches!(kinds[0], StepKind::Prefill { seq, start: 64, .. } if seq == id2),
+        "the follow-up's prefill runs first, from the prompt's snapshot: {kinds:?}"
+    );
+    let after = warm.stats().steps;
+    assert_eq!(after.prefix.hit_tokens - before.prefix.hit_tokens, 64);
+    assert_eq!(
+        after.reprefill_tokens - before.reprefill_tokens,
+        0,
+        "the rest of the re-prefill is the follow-up's own prefill"
+    );
+    assert_bitwise(
+        &answer,
+        &solo(&mut cold, &first).generation,
+        "the first turn",
+    );
+    let c = solo(&mut cold, &second);
+    assert_bitwise(&out.unwrap(), &c.generation, "the follow-up");
+    assert_nothing_held(&mut warm);
+}
+
+#[test]
+fn a_follow_up_arriving_during_the_reprefill_is_bitwise_cold() {
+    a_follow_up_during_the_reprefill(cpu);
 }
 
 /// A 30-token prompt answered with 18 tokens holds 48 tokens, three blocks' worth, but its last
@@ -224,8 +365,16 @@ mod cuda {
 
     #[test]
     fn a_follow_up_turn_shares_the_whole_conversation_and_is_bitwise_cold_on_cuda() {
-        conversation(gpu, "qwen3-tiny", DENSE_HITS);
-        conversation(gpu, "qwen3_5-tiny", HYBRID_HITS);
+        conversation(gpu, "qwen3-tiny", 16, true, DENSE);
+        conversation(gpu, "qwen3_5-tiny", 512, true, HYBRID);
+        conversation(gpu, "qwen3_5-tiny", 16, true, HYBRID);
+        conversation(gpu, "qwen3_next-tiny", 512, true, HYBRID);
+        conversation(gpu, "qwen3_5-tiny", 512, false, HYBRID_PROMPTS_ONLY);
+    }
+
+    #[test]
+    fn a_follow_up_arriving_during_the_reprefill_is_bitwise_cold_on_cuda() {
+        a_follow_up_during_the_reprefill(gpu);
     }
 
     #[test]

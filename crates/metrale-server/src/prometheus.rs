@@ -27,7 +27,7 @@ fn ratio(used: usize, total: usize) -> f64 {
 }
 
 /// Every metric, in the order they are written.
-const METRICS: [Metric; 32] = [
+const METRICS: [Metric; 34] = [
     Metric {
         name: "metrale_requests_running",
         kind: "gauge",
@@ -87,6 +87,18 @@ const METRICS: [Metric; 32] = [
         kind: "counter",
         help: "Prompt tokens computed in prefill steps (not those served from the prefix cache).",
         value: |m| m.steps.prefill_tokens as f64,
+    },
+    Metric {
+        name: "metrale_reprefill_tokens_total",
+        kind: "counter",
+        help: "Tokens of finished conversations prefilled again so that follow-up turns share their answers (hybrid models).",
+        value: |m| m.steps.reprefill_tokens as f64,
+    },
+    Metric {
+        name: "metrale_reprefills_pending",
+        kind: "gauge",
+        help: "Re-prefills of finished conversations running or queued.",
+        value: |m| m.reprefills as f64,
     },
     Metric {
         name: "metrale_prefix_cache_queries_total",
@@ -265,6 +277,7 @@ mod tests {
         m.steps.tokens_generated = 13;
         m.tokens_per_second = 2.5;
         (m.steps.steps, m.steps.preemptions, m.steps.prefill_tokens) = (17, 19, 29);
+        (m.steps.reprefill_tokens, m.reprefills) = (47, 2);
         m.steps.verify_steps = 43;
         m.steps.mixed_steps = 7;
         let p = &mut m.steps.prefix;
@@ -291,6 +304,8 @@ mod tests {
             "metrale_mixed_steps_total 7",
             "metrale_preemptions_total 19",
             "metrale_prefill_tokens_total 29",
+            "metrale_reprefill_tokens_total 47",
+            "metrale_reprefills_pending 2",
             "metrale_prefix_cache_lookups_total 31",
             "metrale_prefix_cache_lookup_hits_total 37",
             "metrale_prefix_cache_queries_total 400",

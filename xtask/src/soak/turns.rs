@@ -5,7 +5,8 @@
 //! Asserts, per turn: its output equals its solo run without prefix caching; and a follow-up
 //! turn hits the cache for exactly what the previous turn left: on a dense checkpoint every full
 //! block of the tokens it fed (prompt and answer, all but the last answer token), on a hybrid
-//! one its prompt up to the last multiple of the SSM snapshot interval (64).
+//! one its conversation (prompt and every answer token, re-prefilled once it finished) up to the
+//! last multiple of the SSM snapshot interval (64).
 
 use anyhow::{Context, Result, ensure};
 use metrale::{Engine, GenerateRequest, Prompt, SamplingParams};
@@ -29,7 +30,11 @@ pub(super) struct TurnsSummary {
 /// The tokens of the previous turn a follow-up can find cached: see the module header.
 fn expected_hit(hybrid: bool, block_size: usize, prompt: usize, answer: usize) -> u64 {
     let unit = if hybrid { 64 } else { block_size };
-    let reusable = if hybrid { prompt } else { prompt + answer - 1 };
+    let reusable = if hybrid {
+        prompt + answer
+    } else {
+        prompt + answer - 1
+    };
     (reusable / unit * unit) as u64
 }
 
@@ -110,6 +115,8 @@ mod tests {
         assert_eq!(expected_hit(false, 16, 30, 18), 32);
         assert_eq!(expected_hit(false, 16, 30, 19), 48);
         assert_eq!(expected_hit(true, 16, 130, 40), 128);
-        assert_eq!(expected_hit(true, 16, 60, 40), 0);
+        assert_eq!(expected_hit(true, 16, 60, 40), 64);
+        assert_eq!(expected_hit(true, 16, 100, 27), 64);
+        assert_eq!(expected_hit(true, 16, 100, 28), 128);
     }
 }

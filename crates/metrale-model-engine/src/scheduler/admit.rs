@@ -8,9 +8,12 @@ use crate::runner::{StepInput, StepRow, StepRunner};
 use crate::sampling::{SampleRow, SampledToken, Sampler, choice_seed};
 
 impl Scheduler {
-    /// Admit the queue head if the policy allows and it fits. On failure the head is dropped
-    /// (its resources released) and named.
+    /// Admit the queue head if the policy allows and it fits; with no request waiting, the next
+    /// re-prefill (see `reprefill`), which gives way to a waiting request first. On failure the
+    /// sequence is dropped (its resources released) and named (a re-prefill's failure is only
+    /// logged: it is no request's, and the cache error shows again on the next request).
     pub(super) fn admit(&mut self) -> Result<(), (ModelError, super::SeqId)> {
+        self.yield_reprefill();
         let spares = self.spec.as_ref().map_or(0, Speculation::spares);
         let (free_slots, bs) = (
             self.cache.ssm_slots().map(|(_, free)| free),
@@ -25,6 +28,7 @@ impl Scheduler {
         let headroom = self.running.len();
         let caching = self.runner.options().prefix_caching;
         let Some(head) = self.waiting.front_mut() else {
+            self.admit_reprefill();
             return Ok(());
         };
         // Choices still to fork: each will hold its own sequence, slots and partial block.
@@ -86,8 +90,8 @@ impl Scheduler {
         self.cache.ensure(&mut s.cache.table, range.end)?;
         let rows = chunk_rows(s, range.clone(), 0);
         // Logits only when the chunk ends at the last known token (a resumed sequence knows the
-        // tokens after its prompt already).
-        let sample = range.end == s.tokens.len();
+        // tokens after its prompt already); a re-prefill samples nothing.
+        let sample = range.end == s.tokens.len() && !s.reprefill;
         let last = [(rows.len() - 1) as u32];
         let logit_rows: &[u32] = if sample { &last } else { &[] };
         let slots: Vec<u32> = s.cache.ssm_slot.into_iter().collect();
@@ -101,7 +105,7 @@ impl Scheduler {
             },
         )?;
         s.computed = range.end;
-        let id = s.id;
+        let (id, reprefill) = (s.id, s.reprefill);
         let picked = if sample {
             self.prepare_masks([i]);
             let s = &self.running[i];
@@ -115,14 +119,29 @@ impl Scheduler {
         };
         self.prefill_since_decode += range.len();
         self.stats.steps += 1;
-        self.stats.prefill_steps += 1;
-        let done = self.chunk_ran(i, range.len(), picked, events)?;
+        let done = if reprefill {
+            self.stats.reprefill_steps += 1;
+            self.stats.reprefill_tokens += range.len() as u64;
+            None
+        } else {
+            self.stats.prefill_steps += 1;
+            self.chunk_ran(i, range.len(), picked, events)?
+        };
         if done.is_none() {
             self.take_in(&[(i, 0..range.len() as u32, range.start)])?;
         }
         self.publish_chunk(i, range.end)?;
         if let Some(reason) = done {
             self.retire(i, reason, events)?;
+        }
+        if reprefill {
+            if range.end == self.running[i].prompt_len {
+                self.end_reprefill(i, true)?;
+            }
+            return Ok(StepKind::Reprefill {
+                start: range.start,
+                rows: range.len(),
+            });
         }
         Ok(StepKind::Prefill {
             seq: id,

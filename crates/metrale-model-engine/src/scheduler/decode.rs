@@ -70,11 +70,16 @@ impl Scheduler {
 
     /// Whether the next decode step also holds a chunk of running sequence `p`, the one in
     /// prefill (a mixed step; see "Steps" in the module header of `scheduler`): mixing is on,
-    /// the forward computes decode rows as decode steps do, the step is not a verify step, and
-    /// the chunk's smallest piece fits the step's rows beside the decode rows.
+    /// the forward computes decode rows as decode steps do, the step is not a verify step, `p`
+    /// is a request's (not a re-prefill, whose chunks sample nothing and count apart), and the
+    /// chunk's smallest piece fits the step's rows beside the decode rows.
     pub(super) fn mixes(&self, p: usize) -> bool {
         let (o, r) = (self.runner.options(), &self.runner);
-        if !o.mixed_steps || !r.forward_matches_decode() || self.next_decode_speculates() {
+        if !o.mixed_steps
+            || !r.forward_matches_decode()
+            || self.next_decode_speculates()
+            || self.running[p].reprefill
+        {
             return false;
         }
         let d = self.running.iter().filter(|s| !s.in_prefill()).count();
@@ -229,8 +234,12 @@ impl Scheduler {
         Ok(kind)
     }
 
-    /// Preempt running sequence `i` by recompute: release its cache and requeue it first.
+    /// Preempt running sequence `i` by recompute: release its cache and requeue it first. A
+    /// re-prefill is dropped instead (see `reprefill`).
     fn preempt(&mut self, i: usize) -> Result<(), ModelError> {
+        if self.running[i].reprefill {
+            return self.end_reprefill(i, false);
+        }
         let mut s = self.running.remove(i);
         tracing::debug!(seq = %s.id, generated = s.generated(), "preempted");
         let released = s.release(&mut self.cache);

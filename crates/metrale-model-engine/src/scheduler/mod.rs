@@ -24,6 +24,14 @@
 //!   steps compute what prefill steps compute (not hybrid ones), a block that decode steps fill
 //!   is published after the step of its last token, so a follow-up turn repeating the
 //!   conversation shares it.
+//! - **Re-prefill** (`ModelOptions::reprefill_answers`, see `reprefill`). On the other models
+//!   (hybrid ones), a sequence that ends by its stop rule leaves its conversation to prefill
+//!   again, up to its last multiple of the snapshot interval, as a sequence of no request: it
+//!   is admitted like a prompt but only while no request waits, gives way (released and
+//!   requeued) as soon as one does, is dropped rather than preempt anything or wait for room,
+//!   samples nothing, emits no event and never shares a mixed step (it alternates with decode
+//!   steps). Its blocks and snapshots are what a cold prefill writes, so a follow-up turn
+//!   shares the answer as well as the prompt.
 //! - **Steps.** While a sequence prefills and others decode, with `ModelOptions::mixed_steps`
 //!   (the default) every step is a *mixed* step: one decode row of every decoding sequence and,
 //!   after them, a chunk of the prompt sized to what the token budget `max_batch_tokens` leaves
@@ -37,7 +45,7 @@
 //!   chunk would take the prefill tokens since that decode step past the budget, then a
 //!   decode step runs (decode waits for at most `max_batch_tokens` prefill tokens, and a long
 //!   prompt still gets one chunk between any two decode steps). Mixing does not apply with
-//!   `mixed_steps` off; when the next decode step verifies drafts (speculation: a verify step
+//!   `mixed_steps` off; to a re-prefill; when the next decode step verifies drafts (speculation: a verify step
 //!   keeps each row's GDN state in a slot of its own, which a prefill chunk's rows cannot
 //!   share); under the fused circuit forward (its decode rows round differently from
 //!   `forward`'s, [`StepRunner::forward_matches_decode`]); and on hybrid models when the
@@ -95,17 +103,19 @@
 //!
 //! Invariants:
 //! - `running` is in admission order; at most one running sequence is in prefill, and it is the
-//!   last one (the most recently admitted).
+//!   last one (the most recently admitted). A re-prefill in `running` is always in prefill; it
+//!   leaves `running` at the end of its last chunk.
 //! - Every SSM slot the cache has handed out belongs to exactly one running sequence (its own,
 //!   and with speculation on a hybrid model one spare per draft), and every reference on a KV
 //!   block to one running sequence (a shared prefix block has one per sharer); waiting
-//!   sequences hold none. When the scheduler is idle it holds none (cached blocks nobody holds
-//!   are the allocator's, evictable).
+//!   sequences and queued re-prefills hold none. When the scheduler is idle (re-prefills done
+//!   or dropped) it holds none (cached blocks nobody holds are the allocator's, evictable).
 
 mod admit;
 mod decode;
 mod prefix;
 mod report;
+mod reprefill;
 mod request;
 mod run;
 mod sequence;
@@ -158,6 +168,9 @@ pub struct Scheduler {
     running: Vec<Seq>,
     /// Events of requests that finish without running (`max_new_tokens` 0), for the next step.
     pending: Vec<SeqEvent>,
+    /// Re-prefills of finished conversations waiting for their turn (see `reprefill`); they
+    /// hold nothing.
+    reprefills: VecDeque<Seq>,
     /// Prefill tokens run since the last decode step.
     prefill_since_decode: usize,
     stats: StepCounts,
@@ -197,6 +210,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             pending: Vec::new(),
+            reprefills: VecDeque::new(),
             prefill_since_decode: 0,
             stats: StepCounts::default(),
             spec,
@@ -346,16 +360,21 @@ impl Scheduler {
         }
     }
 
-    /// Nothing queued, running or left to report.
+    /// Nothing queued, running or left to report, re-prefills included.
     pub fn is_idle(&self) -> bool {
-        self.waiting.is_empty() && self.running.is_empty() && self.pending.is_empty()
+        self.waiting.is_empty()
+            && self.running.is_empty()
+            && self.pending.is_empty()
+            && self.reprefills.is_empty()
     }
 
     /// Counters and the resources in use now.
     pub fn stats(&self) -> SchedulerStats {
+        let reprefills = self.reprefills_pending();
         SchedulerStats {
-            running: self.running.len(),
+            running: self.running.len() - (reprefills - self.reprefills.len()),
             waiting: self.waiting.len(),
+            reprefills,
             steps: self.stats,
             speculation: self.spec.as_ref().map(Speculation::stats),
             cache: CacheUsage::of(&self.cache),
@@ -414,8 +433,12 @@ impl Scheduler {
         }
     }
 
-    /// Drop every sequence, queued or running, releasing their resources; returns their ids.
+    /// Drop every sequence, queued or running, releasing their resources (re-prefills
+    /// included); returns the requests' ids.
     pub fn abort_all(&mut self) -> Vec<SeqId> {
+        if let Err(e) = self.drop_reprefills() {
+            tracing::warn!("dropping the re-prefills: releasing their cache failed: {e}");
+        }
         let mut ids: Vec<SeqId> = (self.running.iter().chain(&self.waiting))
             .map(|s| s.id)
             .collect();
@@ -427,8 +450,9 @@ impl Scheduler {
         self.abort(&ids)
     }
 
-    /// Remove the sequences `ids` (running or waiting) and release what they hold. A release
-    /// that fails is logged: the sequence is gone either way.
+    /// Remove the sequences `ids` (running or waiting) and release what they hold; returns
+    /// the requests' ids among them (a re-prefill is dropped, no request's). A release that
+    /// fails is logged: the sequence is gone either way.
     fn abort(&mut self, ids: &[SeqId]) -> Vec<SeqId> {
         let mut out = Vec::new();
         for &id in ids {
@@ -436,6 +460,10 @@ impl Scheduler {
                 let mut s = self.running.remove(i);
                 if let Err(e) = s.release(&mut self.cache) {
                     tracing::warn!("aborting {id}: releasing its cache failed: {e}");
+                }
+                if s.reprefill {
+                    self.stats.reprefills_skipped += 1;
+                    continue;
                 }
             } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
                 self.waiting.remove(i);
@@ -486,6 +514,7 @@ impl Scheduler {
         let mut s = self.running.remove(i);
         let id = s.id;
         let released = s.release(&mut self.cache);
+        self.queue_reprefill(&s, reason);
         events.push(SeqEvent::Finished {
             id,
             generation: s.into_generation(reason),

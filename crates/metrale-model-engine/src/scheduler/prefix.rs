@@ -13,9 +13,13 @@
 //!   block it would complete, like a block partly filled at the end, is not published.
 //! - On hybrid models blocks filled by decode steps are not published, nor is the SSM state
 //!   after them kept: decode runs the delta rule token by token, a cold prefill in chunks of
-//!   64, and the two round differently. A follow-up turn resumes at the last snapshot of the
-//!   previous turn's prompt (at most an interval before its end) and prefills the answer, as a
-//!   cold run does; its own prefill keeps snapshots for the turn after it.
+//!   64, and the two round differently. Instead, once a sequence finishes, its conversation is
+//!   prefilled again (`reprefill`, with `ModelOptions::reprefill_answers`) through the same
+//!   lookup, chunks and `publish` as a prompt, up to its last multiple of the snapshot
+//!   interval, so a follow-up turn resumes there (fewer than an interval of the previous
+//!   conversation to recompute). Without it, or before it has run, a follow-up resumes at the
+//!   last snapshot of the previous turn's prompt and prefills the answer, as a cold run does;
+//!   its own prefill keeps snapshots for the turn after it.
 //! - A hit leaves at least the prompt's last token to compute (its logits choose the first
 //!   token), so it covers at most `(prompt_len - 1) / block_size` blocks.
 //! - On a hybrid model a hit must end where an SSM snapshot of that prefix is kept: at a

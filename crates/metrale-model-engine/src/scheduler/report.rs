@@ -24,6 +24,14 @@ pub enum StepKind {
         /// Rows (prompt tokens) in the chunk.
         rows: usize,
     },
+    /// One prefill chunk of a finished conversation re-run inside the scheduler (see
+    /// `ModelOptions::reprefill_answers`): no request's, it emits no event.
+    Reprefill {
+        /// Its first position in this chunk.
+        start: usize,
+        /// Rows (conversation tokens) in the chunk.
+        rows: usize,
+    },
     /// One decode row of each running sequence past its prompt.
     Decode {
         /// Sequences in the step.
@@ -97,10 +105,13 @@ pub struct StepFailed {
 #[derive(Debug, Clone, PartialEq, Default)]
 #[non_exhaustive]
 pub struct SchedulerStats {
-    /// Sequences admitted and not finished.
+    /// Sequences admitted and not finished (re-prefills not included).
     pub running: usize,
-    /// Sequences waiting for admission (preempted ones included).
+    /// Sequences waiting for admission (preempted ones included; re-prefills not included).
     pub waiting: usize,
+    /// Re-prefills of finished conversations running or queued (see
+    /// `ModelOptions::reprefill_answers`); the scheduler is idle only once they are done.
+    pub reprefills: usize,
     /// What the steps so far ran and produced.
     pub steps: StepCounts,
     /// Speculative decoding's acceptance and gate (`None`: the scheduler does not speculate).
@@ -113,9 +124,10 @@ pub struct SchedulerStats {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct StepCounts {
-    /// Steps run (idle steps excluded).
+    /// Steps run (idle steps excluded; re-prefill steps included).
     pub steps: u64,
-    /// Steps among them that ran a prefill chunk (mixed steps included).
+    /// Steps among them that ran a request's prefill chunk (mixed steps included, re-prefill
+    /// steps not).
     pub prefill_steps: u64,
     /// Steps among them that ran decode rows (verify and mixed steps included).
     pub decode_steps: u64,
@@ -130,8 +142,18 @@ pub struct StepCounts {
     /// Tokens generated so far (replayed tokens are not counted again).
     pub tokens_generated: u64,
     /// Prompt tokens computed in prefill chunks, mixed steps' included (a preempted sequence's
-    /// replay included).
+    /// replay included; re-prefill tokens not).
     pub prefill_tokens: u64,
+    /// Re-prefill steps run: prefill chunks of finished conversations, computed inside the
+    /// scheduler so that a follow-up turn shares the answer (`ModelOptions::reprefill_answers`).
+    pub reprefill_steps: u64,
+    /// Conversation tokens those steps computed.
+    pub reprefill_tokens: u64,
+    /// Re-prefills run to their end (their blocks and SSM snapshots published).
+    pub reprefills_done: u64,
+    /// Re-prefills dropped: no room in the cache when their turn came, or a request needed
+    /// the blocks while they ran.
+    pub reprefills_skipped: u64,
     /// Prefix-cache lookups and hits.
     pub prefix: PrefixStats,
 }
@@ -141,7 +163,7 @@ pub struct StepCounts {
 #[non_exhaustive]
 pub struct PrefixStats {
     /// Lookups: admissions with prefix caching on (a preempted sequence's readmission
-    /// included).
+    /// included; re-prefills not included).
     pub queries: u64,
     /// Lookups that reused a cached prefix.
     pub hits: u64,

@@ -37,8 +37,10 @@ impl Scheduler {
     /// Run `requests` to their end on this thread; the scheduler must be idle. `on_token(i,
     /// token)` sees request `i`'s tokens as they are chosen; `ControlFlow::Break` stops that
     /// request right after the token (finish reason `Cancelled`). Returns each request's
-    /// generation, in order: what it would get run alone (batch invariance). A refused request
-    /// refuses the whole run; a failed step aborts it, releasing everything.
+    /// generation, in order: what it would get run alone (batch invariance). Re-prefills of
+    /// finished requests run while others still do and are dropped once all are done (see
+    /// `reprefill`), so the scheduler is idle when it returns. A refused request refuses the
+    /// whole run; a failed step aborts it, releasing everything.
     pub fn run(
         &mut self,
         requests: Vec<SeqRequest>,
@@ -61,6 +63,11 @@ impl Scheduler {
         }
         let mut seen: Vec<Delivered> = (0..index.len()).map(|_| Delivered::default()).collect();
         while !self.is_idle() {
+            if seen.iter().all(|d| d.result.is_some()) {
+                // Its requests are done: the caller does not wait for re-prefills.
+                self.drop_reprefills()?;
+                break;
+            }
             let report = match self.step() {
                 Ok(r) => r,
                 Err(failed) => {

@@ -1,6 +1,7 @@
 //! `Seq`: one request inside the scheduler: its tokens so far, how far the model has computed
 //! them, what it holds in the cache while it runs (`SeqCache`), its sampler, and the one rule
-//! that ends it (`StopRule`).
+//! that ends it (`StopRule`). A re-prefill of a finished conversation (`reprefill`) is a `Seq`
+//! too, of no request: its prompt is the conversation, and it ends with its prefill.
 //!
 //! Invariants:
 //! - `tokens` is the prompt followed by every generated token; `computed` tokens of it have
@@ -119,6 +120,10 @@ pub(crate) struct Seq {
     pub choices: Vec<PendingChoice>,
     /// Structured output: the grammar its tokens follow.
     pub constraint: Option<Box<dyn TokenConstraint>>,
+    /// A re-prefill of a finished conversation, no request's (see `reprefill`): its prompt is
+    /// the conversation up to where a follow-up can resume; it samples nothing, emits no event
+    /// and leaves the scheduler once its prompt is computed.
+    pub reprefill: bool,
     /// The constraint's bitmask for the next token, valid while `mask_ready`.
     mask: Vec<u32>,
     mask_ready: bool,
@@ -152,6 +157,7 @@ impl Seq {
             cumulative_logprob: Some(0.0),
             choices: Vec::new(),
             constraint: None,
+            reprefill: false,
             mask: Vec::new(),
             mask_ready: false,
         }
@@ -224,9 +230,12 @@ impl Seq {
     }
 
     /// Whether this sequence may draft: its sampling is what speculative acceptance knows
-    /// (greedy, or temperature, top-k and top-p), and no constraint picks its tokens.
+    /// (greedy, or temperature, top-k and top-p), no constraint picks its tokens, and it is no
+    /// re-prefill (which never decodes).
     pub fn may_draft(&self) -> bool {
-        !self.sampler.params().needs_device_sampler() && self.constraint.is_none()
+        !self.sampler.params().needs_device_sampler()
+            && self.constraint.is_none()
+            && !self.reprefill
     }
 
     /// Still prefilling its prompt.

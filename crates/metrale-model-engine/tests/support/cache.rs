@@ -10,15 +10,18 @@ pub fn tokens(rng: &mut Rng, n: usize, vocab: u32) -> Vec<u32> {
     (0..n).map(|_| rng.below(vocab)).collect()
 }
 
-/// What one request alone did: its generation, and the cached and prefilled prompt tokens.
+/// What one request alone did: its generation, the cached and prefilled prompt tokens, and the
+/// tokens its re-prefill computed once it finished.
 #[derive(Debug)]
 pub struct Solo {
     pub generation: Generation,
     pub hit_tokens: u64,
     pub prefill_tokens: u64,
+    pub reprefill_tokens: u64,
 }
 
-/// Run `req` alone to its end on `s`, counting its cache hits and prefill rows.
+/// Run `req` alone on `s` until the scheduler is idle (its re-prefill included), counting its
+/// cache hits and prefill rows.
 pub fn solo(s: &mut Scheduler, req: &SeqRequest) -> Solo {
     let before = s.stats().steps;
     let id = s.add(req.clone()).unwrap();
@@ -36,6 +39,7 @@ pub fn solo(s: &mut Scheduler, req: &SeqRequest) -> Solo {
         generation: out.unwrap(),
         hit_tokens: after.prefix.hit_tokens - before.prefix.hit_tokens,
         prefill_tokens: after.prefill_tokens - before.prefill_tokens,
+        reprefill_tokens: after.reprefill_tokens - before.reprefill_tokens,
     }
 }
 
