@@ -13,10 +13,10 @@ BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 LOGDIR="${1:?usage: run.sh LOGDIR}"
 mkdir -p "$LOGDIR"
 LOGDIR="$(cd "$LOGDIR" && pwd)"
-# The executables travel compressed (payload.tar.gz); unpack them into a scratch directory.
+# The executables travel compressed (payload.tar.xz); unpack them into a scratch directory.
 BIN_ROOT="$(mktemp -d "${TMPDIR:-/tmp}/metrale-bundle.XXXXXX")"
 trap 'rm -rf "$BIN_ROOT"' EXIT
-tar -xzf "$BUNDLE/payload.tar.gz" -C "$BIN_ROOT" || { echo "run.sh: cannot unpack $BUNDLE/payload.tar.gz" >&2; exit 2; }
+tar -xJf "$BUNDLE/payload.tar.xz" -C "$BIN_ROOT" || { echo "run.sh: cannot unpack $BUNDLE/payload.tar.xz" >&2; exit 2; }
 # Run from the working tree's root (target/gpu-bundle/../..), where tests/fixtures lives.
 cd "$BUNDLE/../.."
 [ -d tests/fixtures ] || { echo "run.sh: no tests/fixtures under $(pwd): run the bundle inside its working tree" >&2; exit 2; }
