@@ -7,52 +7,53 @@
 
 use std::process::Command;
 
-#[test]
-fn the_serving_trace_prints_a_row_per_rate_and_writes_its_json() {
+/// `metrale bench --shape tiny --backend cpu --serve ARGS --json-out FILE`, which must
+/// succeed: its stdout and the JSON it wrote.
+fn bench_serve(args: &[&str]) -> (String, serde_json::Value) {
     let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("trace.json");
+    let json = dir.path().join("bench.json");
     let out = Command::new(env!("CARGO_BIN_EXE_metrale"))
-        .args([
-            "bench",
-            "--shape",
-            "tiny",
-            "--backend",
-            "cpu",
-            "--serve",
-            "--request-rate",
-            "300,inf",
-            "--num-prompts",
-            "6",
-            "--prompt-tokens",
-            "4",
-            "--prompt-tokens-max",
-            "9",
-            "--output-tokens",
-            "2",
-            "--output-tokens-max",
-            "6",
-            "--seed",
-            "3",
-            "--max-decode-seqs",
-            "4",
-        ])
+        .args(["bench", "--shape", "tiny", "--backend", "cpu", "--serve"])
+        .args(args)
         .arg("--json-out")
         .arg(&json)
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let v = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    (stdout, v)
+}
+
+#[test]
+fn the_serving_trace_prints_a_row_per_rate_and_writes_its_json() {
+    let (stdout, v) = bench_serve(&[
+        "--request-rate",
+        "300,inf",
+        "--num-prompts",
+        "6",
+        "--prompt-tokens",
+        "4",
+        "--prompt-tokens-max",
+        "9",
+        "--output-tokens",
+        "2",
+        "--output-tokens-max",
+        "6",
+        "--seed",
+        "3",
+        "--max-decode-seqs",
+        "4",
+    ]);
     assert!(
         stdout.contains("serving trace, 6 requests per rate"),
         "{stdout}"
     );
     assert!(stdout.contains("prompt 4..=9 + output 2..=6"), "{stdout}");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let points = v["trace"].as_array().unwrap();
     assert_eq!(points.len(), 2);
     assert_eq!(points[0]["request_rate"], 300.0);
@@ -114,43 +115,22 @@ fn a_request_rate_without_serve_is_refused() {
 /// streams out of a step while the long prompt prefills.
 #[test]
 fn the_interference_scenario_prints_and_writes_both_runs() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("interference.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_metrale"))
-        .args([
-            "bench",
-            "--shape",
-            "tiny",
-            "--backend",
-            "cpu",
-            "--serve",
-            "--interference-prompt-tokens",
-            "100",
-            "--concurrency",
-            "3",
-            "--prompt-tokens",
-            "4",
-            "--output-tokens",
-            "16",
-            "--max-batch-tokens",
-            "32",
-        ])
-        .arg("--json-out")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (stdout, v) = bench_serve(&[
+        "--interference-prompt-tokens",
+        "100",
+        "--concurrency",
+        "3",
+        "--prompt-tokens",
+        "4",
+        "--output-tokens",
+        "16",
+        "--max-batch-tokens",
+        "32",
+    ]);
     assert!(
         stdout.contains("a prompt of 100 tokens arrives"),
         "{stdout}"
     );
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(v["max_batch_tokens"], 32);
     let points = v["interference"].as_array().unwrap();
     assert_eq!(points.len(), 1);

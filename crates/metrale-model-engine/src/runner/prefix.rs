@@ -149,20 +149,25 @@ impl StepRunner {
 mod tests {
     use super::*;
 
+    /// The chunks `next` cuts from `from` to `len`, each `next(start)`.
+    fn walk(len: usize, from: usize, next: impl Fn(usize) -> Range<usize>) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        let mut at = from;
+        while at < len {
+            let r = next(at);
+            out.push((r.start, r.end));
+            at = r.end;
+        }
+        out
+    }
+
     fn chunks(
         len: usize,
         chunk: usize,
         cuts: Option<ChunkCuts>,
         from: usize,
     ) -> Vec<(usize, usize)> {
-        let mut out = Vec::new();
-        let mut at = from;
-        while at < len {
-            let r = prefill_chunk(at, len, chunk, cuts);
-            out.push((r.start, r.end));
-            at = r.end;
-        }
-        out
+        walk(len, from, |at| prefill_chunk(at, len, chunk, cuts))
     }
 
     fn every(interval: usize, stride: Option<usize>) -> Option<ChunkCuts> {
@@ -234,14 +239,7 @@ mod tests {
         cuts: Option<ChunkCuts>,
         from: usize,
     ) -> Vec<(usize, usize)> {
-        let mut out = Vec::new();
-        let mut at = from;
-        while at < len {
-            let r = mixed_chunk(at, len, chunk, budget, cuts);
-            out.push((r.start, r.end));
-            at = r.end;
-        }
-        out
+        walk(len, from, |at| mixed_chunk(at, len, chunk, budget, cuts))
     }
 
     #[test]
