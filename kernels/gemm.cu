@@ -50,7 +50,10 @@
 // Block-FP8 weights (`linear_stream_fp8` for m <= 16, `linear_stream_wide_fp8` for 16 < m <= 128,
 // `dequant_fp8` then the bf16 kernels above) compute `linear` of the bf16 weight the FP8 one
 // stands for, each fragment converted as it is read (gemm_fp8.cuh), so their rows are bitwise
-// the bf16 kernels' on `dequant_fp8`'s output.
+// the bf16 kernels' on `dequant_fp8`'s output. At m <= 8 on the checkpoints' shapes
+// `linear_stream_fp8` gives the weight the MMA's A operand and x the B operand
+// (`linear_fp8_swapped`, gemm_direct.cuh): the same k sets per MMA, transposed, which the H200
+// computes bit for bit as the other order (`lab/fp8_swap_lab.cu`; the GPU tests hold it).
 // Figures for each path: docs/BENCHMARKS.md.
 //
 // Numerics (the same in every kernel, hence batch-invariant): k is cut into chunks of 32 and the
@@ -132,10 +135,17 @@ extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LI
 // SWIGLU: `linear_swiglu` (see `linear_direct_impl`).
 // `kernel`: the entry's MT_KERNEL_* (for its fault).
 // W: the weight's format (`DirectWBf16`, `DirectWFp8`).
+// The direct kernels' segment partials (two buffers, by unit parity): one array, whichever
+// instances a kernel holds.
+MT_DEVICE float4 (*lin_direct_part())[LIN_STREAM_WARPS * 32] {
+    __shared__ float4 part[2][LIN_STREAM_WARPS * 32];
+    return part;
+}
+
 template <typename OutT, int B, int BR, bool SWIGLU = false, typename W>
 MT_DEVICE void linear_direct_dispatch(OutT* out, const bf16* x, const W& w, uint32_t m,
                                       uint32_t n, uint32_t k, uint32_t kernel) {
-    __shared__ float4 part[2][LIN_STREAM_WARPS * 32];
+    float4(*part)[LIN_STREAM_WARPS * 32] = lin_direct_part();
     if (m == 0 || n == 0) return;
     if (blockDim.x != LIN_STREAM_WARPS * 32) {
         mt_fault(kernel, MT_FAULT_GEOMETRY);
@@ -208,14 +218,24 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
 // linear_stream_fp8(out: bf16 [m, n], x: bf16 [m, k], w: fp8 e4m3 [n, k], scales: f32 [ceil(n /
 // 2^scale_row_shift), ceil(k / FP8_BLOCK)], m, n, k, scale_row_shift): `linear_stream` of the
 // weight bf16(w * bf16(scale)), rows bitwise `linear`'s of `dequant_fp8`'s output, at any m (each row
-// tile of 16 rereads the weight tile, from L2 after the first). The grid and block as
-// `linear_stream`'s.
+// tile of 16 rereads the weight tile, from L2 after the first); at m <= 8 where
+// `fp8_swap_fits`, `linear_fp8_swapped` (units of 16 weight rows, the weight as the MMA's A
+// operand). The grid and block as `linear_stream`'s.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
     linear_stream_fp8(LINEAR_FP8_PARAMS) {
     constexpr uint32_t span = FP8_BLOCK / LIN_KC;
     static_assert(LIN_FP8_B % span == 0 && LIN_FP8_B_RB % span == 0, "batches hold whole scale blocks");
     const uint32_t kblocks = (k + FP8_BLOCK - 1) / FP8_BLOCK;
     const uint32_t seg_chunks = ((k + LIN_KC - 1) / LIN_KC + LIN_SEGS - 1) / LIN_SEGS;
+    if (m > 0 && n > 0 && fp8_swap_fits(x, w, m, k)) {
+        if (blockDim.x != LIN_STREAM_WARPS * 32) {
+            mt_fault(MT_KERNEL_LINEAR_STREAM_FP8, MT_FAULT_GEOMETRY);
+            return;
+        }
+        linear_fp8_swapped(out, x, DirectWFp8<span>{w, scales, scale_row_shift, kblocks}, m, n, k,
+                           lin_direct_part());
+        return;
+    }
     // Segments of whole scale blocks: every batch starts on a block, and reads one scale a block.
     if (seg_chunks % span == 0)
         linear_direct_dispatch<bf16, LIN_FP8_B, LIN_FP8_B_RB>(out, x, DirectWFp8<span>{w, scales, scale_row_shift, kblocks},

@@ -1,8 +1,9 @@
 //! Block FP8 against its CPU twins and against bf16: `quantize_fp8` gives the host recipe's
 //! bytes and scales, `dequant_fp8` the host's bf16, and `linear` of an FP8 weight (every path:
-//! `linear_stream_fp8` and `linear_stream_wide_fp8` at decode sizes, dequantize-then-bf16 at
-//! prefill sizes) is bitwise `linear` of the dequantized bf16 weight, with 128-row scale blocks
-//! and with a scale row per weight row.
+//! `linear_stream_fp8`, with its swapped-operand path at m <= 8 where k is a multiple of 2048,
+//! and `linear_stream_wide_fp8` at decode sizes, dequantize-then-bf16 at prefill sizes) is
+//! bitwise `linear` of the dequantized bf16 weight, with 128-row scale blocks and with a scale
+//! row per weight row.
 
 use metrale_gpu_runtime::DType;
 use metrale_gpu_runtime::fp8::{self, FP8_BLOCK_ROW_SHIFT};
@@ -11,13 +12,14 @@ use metrale_model_layers::ops_gemm::{Fp8Scratch, fp8_scale_bytes};
 
 use super::harness::{Buf, Pair, Rng, S, Tolerance};
 
-/// Every check at small shapes (the sanitizer set): narrow and wide decode calls (the wide one
-/// with cp.async copies and with plain loads) and a prefill-sized call, with partial blocks and
-/// both scale layouts.
+/// Every check at small shapes (the sanitizer set): narrow decode calls (the swapped-operand
+/// path at k = 2048 among them) and wide ones (with cp.async copies and with plain loads) and a
+/// prefill-sized call, with partial blocks and both scale layouts.
 pub(super) fn small(p: &Pair) {
     let rng = &mut Rng::new(1003);
     let shapes = [
         (3, 136, 200, false),
+        (2, 40, 2048, true),
         (24, 136, 256, true),
         (40, 200, 200, false),
         (140, 72, 96, true),
@@ -29,6 +31,8 @@ pub(super) fn small(p: &Pair) {
 fn fp8_linear_is_the_bf16_linear_of_its_dequantized_weight_on_every_path() {
     let shapes = [
         (1u32, 4096u32, 4096u32, false),
+        (5, 1000, 4096, true),
+        (8, 2056, 2048, false),
         (1, 1000, 1003, true),
         (8, 520, 256, false),
         (9, 6144, 4096, false),
