@@ -246,32 +246,21 @@ fn serve(
         )?));
     }
     let report = bench::serve_ladder(gpu, &o)?;
-    print!("{}", report.table());
-    if let Some(path) = &args.json_out {
-        let points: Vec<_> = report
-            .points
-            .iter()
-            .map(|p| {
-                let constrained = p.constrained.as_ref().map(|c| {
-                    let lens: Vec<usize> = c.outputs.iter().map(Vec::len).collect();
-                    serde_json::json!({"requests": c.requests, "tok_s": c.tok_s, "wall_s": c.wall_s, "step_ms": c.step_ms, "vs_plain": c.step_ms / p.step_ms, "full_steps": c.full_steps, "steps": c.steps, "output_tokens": lens})
-                });
-                serde_json::json!({"concurrency": p.concurrency, "tok_s": p.tok_s, "wall_s": p.wall_s, "step_ms": p.step_ms, "floor_ms": p.floor_ms, "ratio": p.step_ms / p.floor_ms, "full_steps": p.full_steps, "steps": p.steps, "constrained": constrained})
-            })
-            .collect();
-        let json = serde_json::json!({
-            "shape": format!("{:?}", args.shape),
-            "backend": report.backend,
-            "copy_gb_s": report.copy_gb_s,
-            "weight_bytes": report.weight_bytes,
-            "prompt_tokens": report.prompt_tokens,
-            "output_tokens": report.output_tokens,
-            "constrained_schema": report.schema,
-            "serve": points,
+    let head = serde_json::json!({
+        "backend": report.backend,
+        "copy_gb_s": report.copy_gb_s,
+        "weight_bytes": report.weight_bytes,
+        "prompt_tokens": report.prompt_tokens,
+        "output_tokens": report.output_tokens,
+        "constrained_schema": report.schema,
+    });
+    print_and_write(args, &report.table(), head, "serve", &report.points, |p| {
+        let constrained = p.constrained.as_ref().map(|c| {
+            let lens: Vec<usize> = c.outputs.iter().map(Vec::len).collect();
+            serde_json::json!({"requests": c.requests, "tok_s": c.tok_s, "wall_s": c.wall_s, "step_ms": c.step_ms, "vs_plain": c.step_ms / p.step_ms, "full_steps": c.full_steps, "steps": c.steps, "output_tokens": lens})
         });
-        write_json(path, &json)?;
-    }
-    Ok(())
+        serde_json::json!({"concurrency": p.concurrency, "tok_s": p.tok_s, "wall_s": p.wall_s, "step_ms": p.step_ms, "floor_ms": p.floor_ms, "ratio": p.step_ms / p.floor_ms, "full_steps": p.full_steps, "steps": p.steps, "constrained": constrained})
+    })
 }
 
 /// `--serve --request-rate`: the serving trace, printed as a table (and JSON with
@@ -296,39 +285,28 @@ fn trace(gpu: Arc<dyn GpuBackend>, config: ModelConfig, args: &BenchArgs) -> Res
     o.max_decode_seqs = args.max_decode_seqs;
     o.max_batch_tokens = args.max_batch_tokens;
     let report = bench::serve_trace(gpu, &o)?;
-    print!("{}", report.table());
-    if let Some(path) = &args.json_out {
-        let percentiles = |p: bench::Percentiles| serde_json::json!({"p50_ms": p.p50_ms, "p90_ms": p.p90_ms, "p99_ms": p.p99_ms});
-        let points: Vec<_> = report
-            .points
+    let head = serde_json::json!({
+        "backend": report.backend,
+        "num_requests": report.num_requests,
+        "prompt_tokens": {"min": report.prompt_tokens.min, "max": report.prompt_tokens.max},
+        "output_tokens": {"min": report.output_tokens.min, "max": report.output_tokens.max},
+        "seed": report.seed,
+        "max_decode_seqs": report.max_decode_seqs,
+    });
+    let percentiles = |p: bench::Percentiles| serde_json::json!({"p50_ms": p.p50_ms, "p90_ms": p.p90_ms, "p99_ms": p.p99_ms});
+    print_and_write(args, &report.table(), head, "trace", &report.points, |p| {
+        let requests: Vec<_> = p
+            .requests
             .iter()
-            .map(|p| {
-                let requests: Vec<_> = p
-                    .requests
-                    .iter()
-                    .map(|r| serde_json::json!({"arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens, "output_tokens": r.token_s.len(), "ttft_ms": r.ttft_s() * 1e3, "e2e_ms": r.e2e_s() * 1e3}))
-                    .collect();
-                // JSON has no infinity: an all-at-once rate is written as the string "inf".
-                let rate = match p.request_rate.is_finite() {
-                    true => serde_json::json!(p.request_rate),
-                    false => serde_json::json!("inf"),
-                };
-                serde_json::json!({"request_rate": rate, "completed": p.completed, "duration_s": p.duration_s, "req_s": p.req_s, "output_tokens": p.output_tokens, "out_tok_s": p.out_tok_s, "steps": p.steps, "ttft": percentiles(p.ttft), "itl": percentiles(p.itl), "itl_samples": p.itl_samples, "e2e": percentiles(p.e2e), "requests": requests})
-            })
+            .map(|r| serde_json::json!({"arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens, "output_tokens": r.token_s.len(), "ttft_ms": r.ttft_s() * 1e3, "e2e_ms": r.e2e_s() * 1e3}))
             .collect();
-        let json = serde_json::json!({
-            "shape": format!("{:?}", args.shape),
-            "backend": report.backend,
-            "num_requests": report.num_requests,
-            "prompt_tokens": {"min": report.prompt_tokens.min, "max": report.prompt_tokens.max},
-            "output_tokens": {"min": report.output_tokens.min, "max": report.output_tokens.max},
-            "seed": report.seed,
-            "max_decode_seqs": report.max_decode_seqs,
-            "trace": points,
-        });
-        write_json(path, &json)?;
-    }
-    Ok(())
+        // JSON has no infinity: an all-at-once rate is written as the string "inf".
+        let rate = match p.request_rate.is_finite() {
+            true => serde_json::json!(p.request_rate),
+            false => serde_json::json!("inf"),
+        };
+        serde_json::json!({"request_rate": rate, "completed": p.completed, "duration_s": p.duration_s, "req_s": p.req_s, "output_tokens": p.output_tokens, "out_tok_s": p.out_tok_s, "steps": p.steps, "ttft": percentiles(p.ttft), "itl": percentiles(p.itl), "itl_samples": p.itl_samples, "e2e": percentiles(p.e2e), "requests": requests})
+    })
 }
 
 /// `--serve --interference-prompt-tokens`: the interference scenario, printed as a table (and
@@ -350,30 +328,45 @@ fn interference(
     o.long_prompt_tokens = long_prompt_tokens;
     o.max_batch_tokens = args.max_batch_tokens;
     let report = bench::interference(gpu, &o)?;
-    print!("{}", report.table());
-    if let Some(path) = &args.json_out {
-        let points: Vec<_> = report
-            .points
+    let head = serde_json::json!({
+        "backend": report.backend,
+        "prompt_tokens": report.prompt_tokens,
+        "output_tokens": report.output_tokens,
+        "long_prompt_tokens": report.long_prompt_tokens,
+        "max_batch_tokens": report.max_batch_tokens,
+    });
+    print_and_write(
+        args,
+        &report.table(),
+        head,
+        "interference",
+        &report.points,
+        |p| {
+            let runs: Vec<_> = p
+            .runs
             .iter()
-            .map(|p| {
-                let runs: Vec<_> = p
-                    .runs
-                    .iter()
-                    .map(|r| serde_json::json!({"mixed_steps": r.mixed, "ttft_ms": r.ttft_ms, "median_gap_ms": r.median_gap_ms, "max_gap_ms": r.max_gap_ms, "worst_ratio": r.worst_ratio, "window_steps": r.window_steps, "stalled_steps": r.stalled_steps, "steps": r.steps, "mixed_step_count": r.mixed_steps}))
-                    .collect();
-                serde_json::json!({"concurrency": p.concurrency, "runs": runs})
-            })
+            .map(|r| serde_json::json!({"mixed_steps": r.mixed, "ttft_ms": r.ttft_ms, "median_gap_ms": r.median_gap_ms, "max_gap_ms": r.max_gap_ms, "worst_ratio": r.worst_ratio, "window_steps": r.window_steps, "stalled_steps": r.stalled_steps, "steps": r.steps, "mixed_step_count": r.mixed_steps}))
             .collect();
-        let json = serde_json::json!({
-            "shape": format!("{:?}", args.shape),
-            "backend": report.backend,
-            "prompt_tokens": report.prompt_tokens,
-            "output_tokens": report.output_tokens,
-            "long_prompt_tokens": report.long_prompt_tokens,
-            "max_batch_tokens": report.max_batch_tokens,
-            "interference": points,
-        });
-        write_json(path, &json)?;
+            serde_json::json!({"concurrency": p.concurrency, "runs": runs})
+        },
+    )
+}
+
+/// Print a run's `table` and, with `--json-out`, write `head` (an object) with the shape and,
+/// under `key`, each of `points` as `point` writes it.
+fn print_and_write<P>(
+    args: &BenchArgs,
+    table: &str,
+    mut head: serde_json::Value,
+    key: &str,
+    points: &[P],
+    point: impl Fn(&P) -> serde_json::Value,
+) -> Result<()> {
+    print!("{table}");
+    if let Some(path) = &args.json_out {
+        head["shape"] = serde_json::json!(format!("{:?}", args.shape));
+        head[key] = points.iter().map(point).collect();
+        write_json(path, &head)?;
     }
     Ok(())
 }
