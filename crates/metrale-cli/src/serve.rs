@@ -133,7 +133,7 @@ pub struct ServeArgs {
     /// `--max-batch-tokens`.
     #[arg(long)]
     pub ssm_snapshot_stride: Option<usize>,
-    /// Hybrid models: do not prefill a finished conversation again (while no request waits) to
+    /// Hybrid models: do not prefill a finished conversation again (while the engine is idle) to
     /// cache its answer; a follow-up turn then resumes at the previous prompt's last snapshot
     /// and prefills the answer itself.
     #[arg(long)]

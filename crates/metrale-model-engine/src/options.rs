@@ -67,7 +67,8 @@ pub struct ModelOptions {
     /// snapshot interval), with no request waiting for it. Its blocks and SSM snapshots are
     /// published as a cold prefill writes them, so a follow-up turn repeating the conversation
     /// shares the answer too and computes only what is new (plus less than one snapshot
-    /// interval). It runs only while no request waits, gives way to one that arrives, and is
+    /// interval). It runs only while no request waits or runs (on time the device would spend
+    /// idle), gives way to one that arrives, and is
     /// skipped when the cache has no room; the scheduler's stats count its steps apart from
     /// requests' prefill. No effect on models where decode-filled blocks are published, nor
     /// with prefix caching off. Default true.

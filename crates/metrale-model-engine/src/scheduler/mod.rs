@@ -27,10 +27,9 @@
 //! - **Re-prefill** (`ModelOptions::reprefill_answers`, see `reprefill`). On the other models
 //!   (hybrid ones), a sequence that ends by its stop rule leaves its conversation to prefill
 //!   again, up to its last multiple of the snapshot interval, as a sequence of no request: it
-//!   is admitted like a prompt but only while no request waits, gives way (released and
-//!   requeued) as soon as one does, is dropped rather than preempt anything or wait for room,
-//!   samples nothing, emits no event and never shares a mixed step (it alternates with decode
-//!   steps). Its blocks and snapshots are what a cold prefill writes, so a follow-up turn
+//!   is admitted like a prompt but only when nothing else waits or runs, gives way (released
+//!   and requeued) as soon as a request waits, is dropped rather than preempt anything or wait
+//!   for room, samples nothing, emits no event and never shares a mixed step. Its blocks and snapshots are what a cold prefill writes, so a follow-up turn
 //!   shares the answer as well as the prompt.
 //! - **Steps.** While a sequence prefills and others decode, with `ModelOptions::mixed_steps`
 //!   (the default) every step is a *mixed* step: one decode row of every decoding sequence and,
