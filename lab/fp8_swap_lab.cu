@@ -4,7 +4,7 @@
 // weight rows, x and zeros moved into A's registers every chunk), the path it replaced there.
 // Each output is the same dot product over the same k sets per MMA, transposed: the lab checks
 // the bits agree (poisoned outputs) and times both per Qwen3-8B projection (CUDA graphs of 20
-// launches, the weight rotated past L2). Build: nvcc as lab/build.sh does; run: fp8_swap_lab.
+// launches, the weight rotated past L2). Build: nvcc as lab/build.sh does.
 #include "../kernels/gemm.cu"
 
 #include <cuda_runtime.h>
@@ -38,14 +38,18 @@ __global__ void fill_scales(float* p, size_t n, uint64_t seed) {
         p[i] = 0.0005f * (1.0f + (float)(((i + 1) * 2654435761ull ^ seed) % 1000) / 1000.0f);
 }
 
-int main() {
+// `fp8_swap_lab [N]`: every projection, or only those of N output columns (one launch of each
+// kernel first, for a profiler: `ncu -k regex:linear_stream_fp8 -c 1 fp8_swap_lab 24576`).
+int main(int argc, char** argv) {
     const uint32_t shapes[][2] = {{6144, 4096}, {4096, 4096}, {24576, 4096}, {4096, 12288}};
+    const uint32_t only = argc > 1 ? (uint32_t)atoi(argv[1]) : 0;
     const uint32_t ms[] = {1, 4, 8};
     const int copies = 4, grid = 264;
     cudaStream_t s;
     CK(cudaStreamCreate(&s));
     bool all_equal = true;
     for (auto& sh : shapes) {
+        if (only != 0 && sh[0] != only) continue;
         const uint32_t n = sh[0], k = sh[1], kb = (k + 127) / 128;
         const size_t wbytes = (size_t)n * k, sbytes = (size_t)((n + 127) / 128) * kb;
         uint8_t* w;
