@@ -50,7 +50,7 @@
 // Block-FP8 weights (`linear_stream_fp8` for m <= 16, `linear_stream_wide_fp8` for 16 < m <= 128,
 // `dequant_fp8` then the bf16 kernels above) compute `linear` of the bf16 weight the FP8 one
 // stands for, each fragment converted as it is read (gemm_fp8.cuh), so their rows are bitwise
-// the bf16 kernels' on `dequant_fp8`'s output. At m <= 8 on the checkpoints' shapes
+// the bf16 kernels' on `dequant_fp8`'s output. At m <= 16 on the checkpoints' shapes
 // `linear_stream_fp8` gives the weight the MMA's A operand and x the B operand
 // (`linear_fp8_swapped`, gemm_direct.cuh): the same k sets per MMA, transposed, which the H200
 // computes bit for bit as the other order (`lab/fp8_swap_lab.cu`; the GPU tests hold it).
@@ -218,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
 // linear_stream_fp8(out: bf16 [m, n], x: bf16 [m, k], w: fp8 e4m3 [n, k], scales: f32 [ceil(n /
 // 2^scale_row_shift), ceil(k / FP8_BLOCK)], m, n, k, scale_row_shift): `linear_stream` of the
 // weight bf16(w * bf16(scale)), rows bitwise `linear`'s of `dequant_fp8`'s output, at any m (each row
-// tile of 16 rereads the weight tile, from L2 after the first); at m <= 8 where
+// tile of 16 rereads the weight tile, from L2 after the first); at m <= 16 where
 // `fp8_swap_fits`, `linear_fp8_swapped` (units of 16 weight rows, the weight as the MMA's A
 // operand). The grid and block as `linear_stream`'s.
 extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
@@ -232,8 +232,11 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
             mt_fault(MT_KERNEL_LINEAR_STREAM_FP8, MT_FAULT_GEOMETRY);
             return;
         }
-        linear_fp8_swapped(out, x, DirectWFp8<span>{w, scales, scale_row_shift, kblocks}, m, n, k,
-                           lin_direct_part());
+        const DirectWFp8<span> wf{w, scales, scale_row_shift, kblocks};
+        if (m <= 8)
+            linear_fp8_swapped<1>(out, x, wf, m, n, k, lin_direct_part());
+        else
+            linear_fp8_swapped<2>(out, x, wf, m, n, k, lin_direct_part());
         return;
     }
     // Segments of whole scale blocks: every batch starts on a block, and reads one scale a block.

@@ -255,32 +255,35 @@ MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const W& w, uint32_t
     }
 }
 
-// ---- The m <= 8 FP8 decode kernel with the weight as the MMA's A operand ----
-// `linear_stream_fp8` at m <= 8 on aligned operands whose segments are whole batches (the
+// ---- The m <= 16 FP8 decode kernel with the weight as the MMA's A operand ----
+// `linear_stream_fp8` at m <= 16 on aligned operands whose segments are whole batches (the
 // checkpoints' shapes). The weight is the MMA's A operand and x its B operand: a unit is 16
 // weight rows (lane g converts rows g and g + 8), and x row g's 16-byte load is the B fragment
-// as it stands, where the kernel above moves x and zeros into A's registers every chunk. Each
-// output is the same dot product over the same k sets per MMA, transposed, so the rows are
-// bitwise the kernel above's (measured on the H200, `lab/fp8_swap_lab.cu`: every output of the
-// Qwen3-8B projections at 1, 4 and 8 rows; 37.6 against 46.5 us for gate_up at one row). A
-// block's (unit, batch) pairs are one stream with two batches in flight, running on from one
-// unit into the next; its warps sum their segments' partials in order through shared memory.
-constexpr int LIN_FP8_SWAP_B = 8;  // chunks per batch
+// as it stands (rows g + 8 a second B fragment above 8 rows, TT = 2 token tiles), where the
+// kernel above moves x and zeros into A's registers every chunk. Each output is the same dot
+// product over the same k sets per MMA, transposed, so the rows are bitwise the kernel above's
+// (measured on the H200, `lab/fp8_swap_lab.cu`: every output of the Qwen3-8B projections at 1,
+// 4 and 8 rows; 38.7 against 46.4 us for gate_up at one row). A block's (unit, batch) pairs are
+// one stream with two batches in flight, running on from one unit into the next; its warps sum
+// their segments' partials in order through shared memory.
+constexpr int LIN_FP8_SWAP_B = 8;  // chunks per batch at one token tile (4 at two)
 
-// A lane's batch: 8 bytes of rows g and g + 8 a chunk, and their blocks' scale pairs.
+// A lane's batch of B chunks: 8 bytes of rows g and g + 8 a chunk, and their blocks' scale pairs.
+template <int B>
 struct Fp8SwapBatch {
-    uint2 lo[LIN_FP8_SWAP_B], hi[LIN_FP8_SWAP_B];
-    uint32_t s_lo[LIN_FP8_SWAP_B / 4], s_hi[LIN_FP8_SWAP_B / 4];
+    uint2 lo[B], hi[B];
+    uint32_t s_lo[B / 4], s_hi[B / 4];
 };
 
-// Whether `linear_fp8_swapped` serves the launch: m <= 8, aligned operands, and k a multiple of
+// Whether `linear_fp8_swapped` serves the launch: m <= 16, aligned operands, and k a multiple of
 // LIN_SEGS whole batches (2048: 4096 and 12288 in the checkpoints), so every segment is whole
 // batches of whole chunks, and every batch starts on a scale block.
 MT_DEVICE bool fp8_swap_fits(const bf16* x, const uint8_t* w, uint32_t m, uint32_t k) {
-    return m <= 8 && k % (LIN_KC * LIN_SEGS * LIN_FP8_SWAP_B) == 0 && aligned16(x) && aligned8(w);
+    return m <= 16 && k % (LIN_KC * LIN_SEGS * LIN_FP8_SWAP_B) == 0 && aligned16(x) && aligned8(w);
 }
 
-MT_DEVICE void fp8_swap_load(Fp8SwapBatch& d, const DirectWFp8<FP8_BLOCK / LIN_KC>& w, uint32_t n, uint32_t k,
+template <int B>
+MT_DEVICE void fp8_swap_load(Fp8SwapBatch<B>& d, const DirectWFp8<FP8_BLOCK / LIN_KC>& w, uint32_t n, uint32_t k,
                              uint32_t row, uint32_t c0, uint32_t q) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -291,15 +294,18 @@ MT_DEVICE void fp8_swap_load(Fp8SwapBatch& d, const DirectWFp8<FP8_BLOCK / LIN_K
         const uint8_t* p = w.w + (size_t)r * k + c0 * LIN_KC + q * 8;
         const float* sp = w.scales + (size_t)(r >> w.shift) * w.kblocks + c0 / (FP8_BLOCK / LIN_KC);
 #pragma unroll
-        for (int ch = 0; ch < LIN_FP8_SWAP_B; ++ch) dst[ch] = in ? ldg_stream8(p + ch * LIN_KC) : make_uint2(0, 0);
+        for (int ch = 0; ch < B; ++ch) dst[ch] = in ? ldg_stream8(p + ch * LIN_KC) : make_uint2(0, 0);
 #pragma unroll
-        for (int j = 0; j < LIN_FP8_SWAP_B / 4; ++j) s[j] = in ? fp8_scale2(__ldg(sp + j)) : 0u;
+        for (int j = 0; j < B / 4; ++j) s[j] = in ? fp8_scale2(__ldg(sp + j)) : 0u;
     }
 }
 
+// TT: token tiles of 8 (1 for m <= 8, 2 for m <= 16).
+template <int TT>
 MT_DEVICE void linear_fp8_swapped(bf16* out, const bf16* x, const DirectWFp8<FP8_BLOCK / LIN_KC>& w, uint32_t m,
                                   uint32_t n, uint32_t k, float4 (*part)[LIN_STREAM_WARPS * 32]) {
-    constexpr int B = LIN_FP8_SWAP_B;
+    constexpr int B = LIN_FP8_SWAP_B / TT;
+    static_assert(B % 4 == 0, "a batch holds whole scale blocks");
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const LinSegment span = lin_segment(k, warp);
     const uint32_t units = (n + 15) / 16;
@@ -307,45 +313,60 @@ MT_DEVICE void linear_fp8_swapped(bf16* out, const bf16* x, const DirectWFp8<FP8
     const uint32_t seg_batches = (span.c_end - span.c_begin) / B;  // the same in every warp
     const uint32_t total = mine * seg_batches;
     const bf16* xg = x + (size_t)g * k + q * 8;
-    const bool xin = g < m;
     auto unit_of = [&](uint32_t t) { return blockIdx.x + (t / seg_batches) * gridDim.x; };
-    auto load = [&](Fp8SwapBatch& d, uint32_t t) {
+    auto load = [&](Fp8SwapBatch<B>& d, uint32_t t) {
         fp8_swap_load(d, w, n, k, unit_of(t) * 16 + g, span.c_begin + (t % seg_batches) * B, q);
     };
-    float acc[4];
-    auto compute = [&](const Fp8SwapBatch& d, uint32_t t) {
+    float acc[TT][4];
+    auto compute = [&](const Fp8SwapBatch<B>& d, uint32_t t) {
         const uint32_t bb = t % seg_batches, c0 = span.c_begin + bb * B;
         if (bb == 0) {
-            acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
             if (t / seg_batches + 1 == mine) pdl_trigger();  // the block's last unit begins
         }
-        uint4 xr[B];
+        uint4 xr[TT][B];
 #pragma unroll
-        for (int ch = 0; ch < B; ++ch) xr[ch] = xin ? load16(xg + (c0 + ch) * LIN_KC) : make_uint4(0, 0, 0, 0);
+        for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+            for (int ch = 0; ch < B; ++ch)
+                xr[tt][ch] = g + 8 * tt < m ? load16(xg + (size_t)(8 * tt) * k + (c0 + ch) * LIN_KC)
+                                            : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int ch = 0; ch < B; ++ch) {
             const uint4 wl = fp8_frag(d.lo[ch], d.s_lo[ch / 4]), wh = fp8_frag(d.hi[ch], d.s_hi[ch / 4]);
-            mma16816(acc, wl.x, wh.x, wl.y, wh.y, xr[ch].x, xr[ch].y);
-            mma16816(acc, wl.z, wh.z, wl.w, wh.w, xr[ch].z, xr[ch].w);
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt) {
+                mma16816(acc[tt], wl.x, wh.x, wl.y, wh.y, xr[tt][ch].x, xr[tt][ch].y);
+                mma16816(acc[tt], wl.z, wh.z, wl.w, wh.w, xr[tt][ch].z, xr[tt][ch].w);
+            }
         }
         if (bb + 1 < seg_batches) return;
-        float4* pp = part[(t / seg_batches) & 1];
-        pp[warp * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-        __syncthreads();  // also orders this buffer's reads below before its writes two units on
-        if (tid < 128) {  // element e of lane ln: weight row ln / 4 (+ 8 from e = 2), x row 2 (ln % 4) + (e & 1)
-            const uint32_t ln = tid / 4, e = tid % 4;
-            const uint32_t col = unit_of(t) * 16 + ln / 4 + (e >= 2 ? 8 : 0), row = (ln % 4) * 2 + (e & 1);
+        // One token tile: buffer by unit parity, one barrier a unit (it also orders this
+        // buffer's reads below before its writes two units on). Two: a buffer each, and a
+        // second barrier before the next unit writes them.
+        float4* pp = part[TT == 1 ? (t / seg_batches) & 1 : 0];
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt)
+            part[TT == 1 ? (t / seg_batches) & 1 : tt][warp * 32 + lane] =
+                make_float4(acc[tt][0], acc[tt][1], acc[tt][2], acc[tt][3]);
+        __syncthreads();
+        if (tid < 128 * TT) {  // element e of lane ln of tile tt: weight row ln / 4 (+ 8 from e = 2),
+                               // x row 8 tt + 2 (ln % 4) + (e & 1)
+            const uint32_t tt = tid / 128, ln = (tid % 128) / 4, e = tid % 4;
+            const uint32_t col = unit_of(t) * 16 + ln / 4 + (e >= 2 ? 8 : 0), row = 8 * tt + (ln % 4) * 2 + (e & 1);
             if (row < m && col < n) {
-                const float* pf = reinterpret_cast<const float*>(pp);
+                const float* pf = reinterpret_cast<const float*>(TT == 1 ? pp : part[tt]);
                 float sum = 0.0f;
                 for (uint32_t sg = 0; sg < span.nsegs; ++sg) sum += pf[(sg * 32 + ln) * 4 + e];
                 store_out(out, (size_t)row * n + col, sum);
             }
         }
+        if (TT > 1) __syncthreads();
     };
     // The first two batches load before the wait: the weight is never written by the kernel
     // ahead on the stream.
-    Fp8SwapBatch a, b;
+    Fp8SwapBatch<B> a, b;
     if (total > 0) load(a, 0);
     if (total > 1) load(b, 1);
     pdl_wait();  // x and out belong to the kernels around this one

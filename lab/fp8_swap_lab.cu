@@ -1,4 +1,4 @@
-// FP8 swap lab: `linear_stream_fp8` at m <= 8, whose launches of the checkpoints' shapes run
+// FP8 swap lab: `linear_stream_fp8` at m <= 16, whose launches of the checkpoints' shapes run
 // `linear_fp8_swapped` (the weight as the MMA's A operand, units of 16 weight rows), against the
 // same kernel's direct path with the weight as the B operand (`linear_direct_impl`, units of 8
 // weight rows, x and zeros moved into A's registers every chunk), the path it replaced there.
@@ -43,7 +43,7 @@ __global__ void fill_scales(float* p, size_t n, uint64_t seed) {
 int main(int argc, char** argv) {
     const uint32_t shapes[][2] = {{6144, 4096}, {4096, 4096}, {24576, 4096}, {4096, 12288}};
     const uint32_t only = argc > 1 ? (uint32_t)atoi(argv[1]) : 0;
-    const uint32_t ms[] = {1, 4, 8};
+    const uint32_t ms[] = {1, 4, 8, 16};
     const int copies = 4, grid = 264;
     cudaStream_t s;
     CK(cudaStreamCreate(&s));
@@ -57,16 +57,16 @@ int main(int argc, char** argv) {
         bf16 *x, *o1, *o2;
         CK(cudaMalloc(&w, wbytes * copies));
         CK(cudaMalloc(&sc, sbytes * 4 * copies));
-        CK(cudaMalloc(&x, (size_t)8 * k * 2));
-        CK(cudaMalloc(&o1, (size_t)8 * n * 2));
-        CK(cudaMalloc(&o2, (size_t)8 * n * 2));
+        CK(cudaMalloc(&x, (size_t)16 * k * 2));
+        CK(cudaMalloc(&o1, (size_t)16 * n * 2));
+        CK(cudaMalloc(&o2, (size_t)16 * n * 2));
         fill_u8<<<1024, 256>>>(w, wbytes * copies, n + k);
         fill_scales<<<64, 256>>>(sc, sbytes * copies, n);
-        fill_bf16<<<256, 256>>>(x, (size_t)8 * k, 7, 1.0f);
+        fill_bf16<<<256, 256>>>(x, (size_t)16 * k, 7, 1.0f);
         CK(cudaDeviceSynchronize());
         for (uint32_t m : ms) {
-            CK(cudaMemset(o1, 0xFF, (size_t)8 * n * 2));
-            CK(cudaMemset(o2, 0xFE, (size_t)8 * n * 2));
+            CK(cudaMemset(o1, 0xFF, (size_t)16 * n * 2));
+            CK(cudaMemset(o2, 0xFE, (size_t)16 * n * 2));
             uint32_t shift = 7;
             linear_stream_fp8<<<grid, 256, 0, s>>>(o1, x, w, sc, m, n, k, shift);
             lab_fp8_b_operand<<<grid, 256, 0, s>>>(o2, x, w, sc, m, n, k, shift);

@@ -1,6 +1,6 @@
 //! Block FP8 against its CPU twins and against bf16: `quantize_fp8` gives the host recipe's
 //! bytes and scales, `dequant_fp8` the host's bf16, and `linear` of an FP8 weight (every path:
-//! `linear_stream_fp8`, with its swapped-operand path at m <= 8 where k is a multiple of 2048,
+//! `linear_stream_fp8`, with its swapped-operand path at m <= 16 where k is a multiple of 2048,
 //! and `linear_stream_wide_fp8` at decode sizes, dequantize-then-bf16 at prefill sizes) is
 //! bitwise `linear` of the dequantized bf16 weight, with 128-row scale blocks and with a scale
 //! row per weight row.
@@ -20,6 +20,7 @@ pub(super) fn small(p: &Pair) {
     let shapes = [
         (3, 136, 200, false),
         (2, 40, 2048, true),
+        (16, 40, 2048, false),
         (24, 136, 256, true),
         (40, 200, 200, false),
         (140, 72, 96, true),
@@ -33,6 +34,7 @@ fn fp8_linear_is_the_bf16_linear_of_its_dequantized_weight_on_every_path() {
         (1u32, 4096u32, 4096u32, false),
         (5, 1000, 4096, true),
         (8, 2056, 2048, false),
+        (12, 1000, 4096, true),
         (1, 1000, 1003, true),
         (8, 520, 256, false),
         (9, 6144, 4096, false),
