@@ -217,40 +217,22 @@ fn covered(cache: &CacheManager, r: &mut Seq) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use std::path::PathBuf;
-    use std::sync::Arc;
-
-    use metrale_gpu_runtime::CpuBackend;
-
-    use super::super::{GenerateParams, SeqRequest, StepKind};
+    use super::super::tests::{fixture_scheduler, greedy_request};
+    use super::super::{SeqRequest, StepKind};
     use super::*;
     use crate::options::ModelOptions;
 
     fn hybrid(num_kv_blocks: usize) -> Scheduler {
-        let dir =
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_5-tiny");
-        let model = crate::factory::load(&dir, Arc::new(CpuBackend::default()))
-            .expect("the qwen3_5-tiny fixture loads");
         let options = ModelOptions::default()
             .max_batch_tokens(16)
             .max_decode_seqs(4)
             .num_kv_blocks(num_kv_blocks);
-        Scheduler::new(model, options).expect("the options fit")
+        fixture_scheduler("qwen3_5-tiny", options)
     }
 
     fn request(salt: usize, prompt_len: usize, max_new_tokens: usize) -> SeqRequest {
-        SeqRequest {
-            prompt: (0..prompt_len)
-                .map(|t| ((t + salt) * 7 % 250) as u32 + 1)
-                .collect(),
-            params: GenerateParams {
-                max_new_tokens,
-                sampling: SamplingParams::default(),
-                stop_token_ids: Vec::new(),
-                return_logits: false,
-            },
-            ignore_eos: true,
-        }
+        let prompt = (0..prompt_len).map(|t| ((t + salt) * 7 % 250) as u32 + 1);
+        greedy_request(prompt.collect(), max_new_tokens)
     }
 
     /// Run `requests` (salt, prompt length, new tokens) together to the end; returns each

@@ -11,16 +11,24 @@ use super::*;
 use crate::options::ModelOptions;
 use crate::sampling::SamplingParams;
 
-fn scheduler(options: ModelOptions) -> Scheduler {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3-tiny");
+/// A scheduler over the CPU backend and the fixture `name` (`tests/fixtures/`).
+pub(super) fn fixture_scheduler(name: &str, options: ModelOptions) -> Scheduler {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name);
     let model = crate::factory::load(&dir, Arc::new(CpuBackend::default()))
-        .expect("the qwen3-tiny fixture loads");
+        .unwrap_or_else(|e| panic!("the {name} fixture loads: {e}"));
     Scheduler::new(model, options).expect("the options fit")
 }
 
-fn request(prompt_len: usize, max_new_tokens: usize) -> SeqRequest {
+fn scheduler(options: ModelOptions) -> Scheduler {
+    fixture_scheduler("qwen3-tiny", options)
+}
+
+/// A greedy request for `prompt`, EOS ignored, no logits kept.
+pub(super) fn greedy_request(prompt: Vec<u32>, max_new_tokens: usize) -> SeqRequest {
     SeqRequest {
-        prompt: (0..prompt_len).map(|t| (t * 7 % 500) as u32 + 1).collect(),
+        prompt,
         params: GenerateParams {
             max_new_tokens,
             sampling: SamplingParams::default(),
@@ -29,6 +37,13 @@ fn request(prompt_len: usize, max_new_tokens: usize) -> SeqRequest {
         },
         ignore_eos: true,
     }
+}
+
+fn request(prompt_len: usize, max_new_tokens: usize) -> SeqRequest {
+    greedy_request(
+        (0..prompt_len).map(|t| (t * 7 % 500) as u32 + 1).collect(),
+        max_new_tokens,
+    )
 }
 
 /// Step until idle, returning every step's kind.
