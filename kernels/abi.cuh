@@ -211,14 +211,16 @@ typedef __nv_bfloat16 bf16;
 #define MT_KERNEL_TOPK_ROUTE 37
 #define MT_KERNEL_EXPERT_LINEAR 38
 #define MT_KERNEL_EXPERT_LINEAR_F32OUT 39
-#define MT_KERNEL_MOE_COMBINE 40
-#define MT_KERNEL_RMS_NORM 41
-#define MT_KERNEL_ADD_RMS_NORM 42
-#define MT_KERNEL_ADD_RMS_NORM_STAGED 43
-#define MT_KERNEL_QK_NORM_ROPE 44
-#define MT_KERNEL_QK_NORM_ROPE_KV_STORE 45
-#define MT_KERNEL_ARGMAX 46
-#define MT_KERNEL_SAMPLE 47
+#define MT_KERNEL_EXPERT_LINEAR_FP8 40
+#define MT_KERNEL_EXPERT_LINEAR_FP8_F32OUT 41
+#define MT_KERNEL_MOE_COMBINE 42
+#define MT_KERNEL_RMS_NORM 43
+#define MT_KERNEL_ADD_RMS_NORM 44
+#define MT_KERNEL_ADD_RMS_NORM_STAGED 45
+#define MT_KERNEL_QK_NORM_ROPE 46
+#define MT_KERNEL_QK_NORM_ROPE_KV_STORE 47
+#define MT_KERNEL_ARGMAX 48
+#define MT_KERNEL_SAMPLE 49
 
 #define MT_FAULT_GEOMETRY 1  // launched with a geometry it is not written for
 #define MT_FAULT_SHAPE 2  // given shapes that do not fit together
@@ -1211,6 +1213,48 @@ static_assert(offsetof(ExpertLinearParams, pairs_per_x_row) == 48, "ExpertLinear
     uint32_t k, \
     uint32_t num_experts, \
     uint32_t pairs_per_x_row
+
+// `moe::expert_linear_fp8` and `moe::expert_linear_fp8_f32out`: `expert_linear` of a
+// block-FP8 stacked weight, each element standing for bf16(e4m3 · bf16(its block's scale)).
+#pragma pack(push, 4)
+struct ExpertLinearFp8Params {
+    void* out;
+    const bf16* x;
+    const uint8_t* w;
+    const float* scales;
+    const uint32_t* expert_ids;
+    uint32_t pairs;
+    uint32_t n;
+    uint32_t k;
+    uint32_t num_experts;
+    uint32_t pairs_per_x_row;
+    uint32_t scale_row_shift;
+};
+#pragma pack(pop)
+static_assert(sizeof(ExpertLinearFp8Params) == 64, "ExpertLinearFp8Params: not the layout of metrale-kernel-abi");
+static_assert(offsetof(ExpertLinearFp8Params, out) == 0, "ExpertLinearFp8Params::out: not the offset of metrale-kernel-abi");
+static_assert(offsetof(ExpertLinearFp8Params, x) == 8, "ExpertLinearFp8Params::x: not the offset of metrale-kernel-abi");
+static_assert(offsetof(ExpertLinearFp8Params, w) == 16, "ExpertLinearFp8Params::w: not the offset of metrale-kernel-abi");
+static_assert(offsetof(ExpertLinearFp8Params, scales) == 24, "ExpertLinearFp8Params::scales: not the offset of metrale-kernel-abi");
+static_assert(offsetof(ExpertLinearFp8Params, expert_ids) == 32, "ExpertLinearFp8Params::expert_ids: not the offset of metrale-kernel-abi");
+static_assert(offsetof(ExpertLinearFp8Params, pairs) == 40, "ExpertLinearFp8Params::pairs: not the offset of metrale-kernel-abi");
+static_assert(offsetof(ExpertLinearFp8Params, n) == 44, "ExpertLinearFp8Params::n: not the offset of metrale-kernel-abi");
+static_assert(offsetof(ExpertLinearFp8Params, k) == 48, "ExpertLinearFp8Params::k: not the offset of metrale-kernel-abi");
+static_assert(offsetof(ExpertLinearFp8Params, num_experts) == 52, "ExpertLinearFp8Params::num_experts: not the offset of metrale-kernel-abi");
+static_assert(offsetof(ExpertLinearFp8Params, pairs_per_x_row) == 56, "ExpertLinearFp8Params::pairs_per_x_row: not the offset of metrale-kernel-abi");
+static_assert(offsetof(ExpertLinearFp8Params, scale_row_shift) == 60, "ExpertLinearFp8Params::scale_row_shift: not the offset of metrale-kernel-abi");
+#define EXPERT_LINEAR_FP8_PARAMS(OutT) \
+    OutT* __restrict__ out, \
+    const bf16* __restrict__ x, \
+    const uint8_t* __restrict__ w, \
+    const float* __restrict__ scales, \
+    const uint32_t* __restrict__ expert_ids, \
+    uint32_t pairs, \
+    uint32_t n, \
+    uint32_t k, \
+    uint32_t num_experts, \
+    uint32_t pairs_per_x_row, \
+    uint32_t scale_row_shift
 
 // `moe::moe_combine`: the experts' outputs weighed and summed, plus the gated shared
 // expert.

@@ -4,7 +4,8 @@
 //
 // Launch geometry (ops_hybrid.rs builds it from shapes only):
 // - topk_route: a warp per row, rows blockIdx.x * (blockDim.x / 32) + warp.
-// - expert_linear / expert_linear_f32out: grid (column blocks, min(num_experts, pairs)), 256
+// - expert_linear / expert_linear_f32out (and their block-FP8 twins, expert_linear_fp8 /
+//   expert_linear_fp8_f32out): grid (column blocks, min(num_experts, pairs)), 256
 //   threads, ceil(num_experts / 32) * 4 bytes of dynamic shared memory (a bitmap of the experts).
 //   Block (x, u) serves the u-th expert (ascending index) that some pair routes to, for output
 //   columns [x * cpb, (x + 1) * cpb) with cpb = ceil(n / gridDim.x); blocks past the number of
@@ -16,8 +17,11 @@
 // Numerics: an expert output element is a per-lane f32 chain over k (lane l takes the 8-wide
 // chunks l, l + 32, ... in order, a chunk's 8 products in order), then the warp's xor butterfly:
 // a function of k and the layout only, so a pair's outputs are bitwise the same whichever block
-// serves it and whatever other pairs share the launch (batch invariance), and run to run.
+// serves it and whatever other pairs share the launch (batch invariance), and run to run. A
+// block-FP8 expert weight is converted to the bf16 it stands for as it is read (the dense FP8
+// GEMMs' conversion), so its outputs are bitwise the bf16 kernel's on the dequantized weight.
 #include "common.cuh"
+#include "gemm_fp8.cuh"  // the e4m3 conversion of the FP8 experts
 
 // Largest number of one expert's pairs a block collects before computing them.
 #define MOE_LIST 256
@@ -119,10 +123,51 @@ MT_DEVICE void store_out(float* p, float v) { *p = v; }
 MT_DEVICE void store_nan(bf16* p) { *p = bf16_nan(); }
 MT_DEVICE void store_nan(float* p) { *p = moe_f32_nan(); }
 
-// Dot products of weight row `wr` (k bf16) with the x rows of `np` (<= MOE_PB) pairs; lane-strided
-// 8-wide chunks (16-byte loads) when `vec`, single elements otherwise; reduced over the warp.
-MT_DEVICE void expert_dots(float (&acc)[MOE_PB], const bf16* __restrict__ wr,
-                           const bf16* const (&xr)[MOE_PB], uint32_t np, uint32_t k, bool vec) {
+// The stacked weight of the expert projections, one type per storage format, read as one
+// `[num_experts * n, k]` matrix: `load` reads 8-wide chunk `ch` of row `row` (its k 8ch..8ch+7;
+// `vec`: k % 8 == 0 and an aligned base, so the chunk is one aligned vector) as a `Raw`,
+// `unpack` makes it 8 floats, `elem` reads one element. Every format gives the floats of the
+// bf16 weight its values stand for, so the products and their order are the same.
+struct ExpertWBf16 {
+    const bf16* w;
+    using Raw = uint4;
+    MT_DEVICE bool vec(uint32_t k) const { return k % 8 == 0 && aligned16(w); }
+    MT_DEVICE Raw load(size_t row, uint32_t k, uint32_t ch) const { return load16(w + row * k + 8 * ch); }
+    MT_DEVICE void unpack(const Raw& r, float (&out)[8]) const { unpack8(r, out); }
+    MT_DEVICE float elem(size_t row, uint32_t k, uint32_t i) const { return bf2f(w[row * k + i]); }
+};
+
+// A block-FP8 weight: e4m3 bytes and an f32 scale per block of FP8_BLOCK columns by 2^shift
+// rows; an element is bf16(e4m3 * bf16(scale)) (gemm_fp8.cuh), `dequant_fp8`'s weight. A chunk
+// of 8 never straddles two column blocks (FP8_BLOCK % 8 == 0).
+struct ExpertWFp8 {
+    const uint8_t* w;
+    const float* scales;
+    uint32_t shift;    // log2 of the weight rows a scale row covers
+    uint32_t kblocks;  // scale columns: ceil(k / FP8_BLOCK)
+    struct Raw {
+        uint2 q;
+        float scale;
+    };
+    MT_DEVICE bool vec(uint32_t k) const { return k % 8 == 0 && aligned8(w); }
+    MT_DEVICE float scale(size_t row, uint32_t col) const {
+        return __ldg(scales + (row >> shift) * kblocks + col / FP8_BLOCK);
+    }
+    MT_DEVICE Raw load(size_t row, uint32_t k, uint32_t ch) const {
+        return Raw{*reinterpret_cast<const uint2*>(w + row * k + 8 * ch), scale(row, 8 * ch)};
+    }
+    MT_DEVICE void unpack(const Raw& r, float (&out)[8]) const { unpack8(fp8_frag(r.q, fp8_scale2(r.scale)), out); }
+    MT_DEVICE float elem(size_t row, uint32_t k, uint32_t i) const {
+        const uint32_t v = fp8x2_scaled(w[row * k + i], FP8_PAIR_LO, fp8_scale2(scale(row, i)));
+        return __uint_as_float(v << 16);  // the low half: the element's bf16 as a float
+    }
+};
+
+// Dot products of weight row `row` (k values of format W) with the x rows of `np` (<= MOE_PB)
+// pairs; lane-strided 8-wide chunks when `vec`, single elements otherwise; reduced over the warp.
+template <typename W>
+MT_DEVICE void expert_dots(float (&acc)[MOE_PB], const W& w, size_t row, const bf16* const (&xr)[MOE_PB],
+                           uint32_t np, uint32_t k, bool vec) {
     const uint32_t lane = threadIdx.x & 31;
 #pragma unroll
     for (int b = 0; b < MOE_PB; ++b) acc[b] = 0.0f;
@@ -131,35 +176,32 @@ MT_DEVICE void expert_dots(float (&acc)[MOE_PB], const bf16* __restrict__ wr,
         // weight loads are all issued (past the row's end: none) before the first product.
         const uint32_t chunks = k / 8;
         for (uint32_t base = 0; base < chunks; base += 128) {
-            float wf[4][8];
+            typename W::Raw raw[4];
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 const uint32_t ch = base + lane + 32 * u;
-                if (ch < chunks) {
-                    unpack8(load16(wr + 8 * ch), wf[u]);
-                } else {
-#pragma unroll
-                    for (int t = 0; t < 8; ++t) wf[u][t] = 0.0f;
-                }
+                if (ch < chunks) raw[u] = w.load(row, k, ch);
             }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 const uint32_t ch = base + lane + 32 * u;
                 if (ch >= chunks) break;
+                float wf[8];
+                w.unpack(raw[u], wf);
 #pragma unroll
                 for (int b = 0; b < MOE_PB; ++b) {
                     if (b < (int)np) {
                         float xf[8];
                         unpack8(load16(xr[b] + 8 * ch), xf);
 #pragma unroll
-                        for (int t = 0; t < 8; ++t) acc[b] = fmaf(xf[t], wf[u][t], acc[b]);
+                        for (int t = 0; t < 8; ++t) acc[b] = fmaf(xf[t], wf[t], acc[b]);
                     }
                 }
             }
         }
     } else {
         for (uint32_t i = lane; i < k; i += 32) {
-            const float wv = bf2f(wr[i]);
+            const float wv = w.elem(row, k, i);
 #pragma unroll
             for (int b = 0; b < MOE_PB; ++b)
                 if (b < (int)np) acc[b] = fmaf(bf2f(xr[b][i]), wv, acc[b]);
@@ -170,15 +212,13 @@ MT_DEVICE void expert_dots(float (&acc)[MOE_PB], const bf16* __restrict__ wr,
 }
 
 // The body of both expert projections (see the header).
-template <typename OUT>
-MT_DEVICE void expert_block(OUT* __restrict__ out, const bf16* __restrict__ x,
-                            const bf16* __restrict__ w, const uint32_t* __restrict__ expert_ids,
-                            uint32_t pairs, uint32_t n, uint32_t k, uint32_t num_experts,
-                            uint32_t per) {
+template <typename OUT, typename W>
+MT_DEVICE void expert_block(OUT* __restrict__ out, const bf16* __restrict__ x, const W& w,
+                            const uint32_t* __restrict__ expert_ids, uint32_t pairs, uint32_t n,
+                            uint32_t k, uint32_t num_experts, uint32_t per, uint32_t kernel) {
     extern __shared__ uint32_t routed[];  // ceil(num_experts / 32) words
     __shared__ uint32_t list[MOE_LIST];
     __shared__ uint32_t list_len, scan_at, expert;
-    constexpr uint32_t kernel = sizeof(OUT) == 2 ? MT_KERNEL_EXPERT_LINEAR : MT_KERNEL_EXPERT_LINEAR_F32OUT;
     if (n == 0) return;
     if (per == 0) {
         mt_fault(kernel, MT_FAULT_SHAPE);
@@ -220,8 +260,7 @@ MT_DEVICE void expert_block(OUT* __restrict__ out, const bf16* __restrict__ x,
     const uint32_t e = expert;
     if (e == 0xFFFFFFFFu) return;
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const bf16* we = w + (size_t)e * n * k;
-    const bool vec = k % 8 == 0 && aligned16(x) && aligned16(w);
+    const bool vec = w.vec(k) && aligned16(x);
     while (true) {
         // Warp 0 collects the next pairs of expert e, in ascending order, into `list`.
         if (warp == 0) {
@@ -243,7 +282,6 @@ MT_DEVICE void expert_block(OUT* __restrict__ out, const bf16* __restrict__ x,
         const uint32_t len = list_len;
         if (len == 0) break;
         for (uint32_t c = c0 + warp; c < c1; c += warps) {
-            const bf16* wr = we + (size_t)c * k;
             for (uint32_t b0 = 0; b0 < len; b0 += MOE_PB) {
                 const uint32_t np = min(len - b0, (uint32_t)MOE_PB);
                 const bf16* xr[MOE_PB];
@@ -251,7 +289,7 @@ MT_DEVICE void expert_block(OUT* __restrict__ out, const bf16* __restrict__ x,
                 for (int b = 0; b < MOE_PB; ++b)
                     xr[b] = x + (size_t)(list[b0 + min((uint32_t)b, np - 1)] / per) * k;
                 float acc[MOE_PB];
-                expert_dots(acc, wr, xr, np, k, vec);
+                expert_dots(acc, w, (size_t)e * n + c, xr, np, k, vec);
                 if (lane < np) {
                     float v = acc[0];
 #pragma unroll
@@ -272,12 +310,31 @@ MT_DEVICE void expert_block(OUT* __restrict__ out, const bf16* __restrict__ x,
 // out[p] = x[p / pairs_per_x_row] · w[expert_ids[p]]ᵀ. Pairs with an expert id past
 // num_experts get NaN outputs.
 extern "C" __global__ void expert_linear(EXPERT_LINEAR_PARAMS(bf16)) {
-    expert_block(out, x, w, expert_ids, pairs, n, k, num_experts, pairs_per_x_row);
+    expert_block(out, x, ExpertWBf16{w}, expert_ids, pairs, n, k, num_experts, pairs_per_x_row,
+                 MT_KERNEL_EXPERT_LINEAR);
 }
 
 // expert_linear_f32out: as expert_linear, f32 out.
 extern "C" __global__ void expert_linear_f32out(EXPERT_LINEAR_PARAMS(float)) {
-    expert_block(out, x, w, expert_ids, pairs, n, k, num_experts, pairs_per_x_row);
+    expert_block(out, x, ExpertWBf16{w}, expert_ids, pairs, n, k, num_experts, pairs_per_x_row,
+                 MT_KERNEL_EXPERT_LINEAR_F32OUT);
+}
+
+// expert_linear_fp8(out: bf16 [pairs, n], x, w: fp8 e4m3 [num_experts, n, k], scales: f32
+// [ceil(num_experts * n / 2^scale_row_shift), ceil(k / FP8_BLOCK)], expert_ids, pairs, n, k,
+// num_experts, pairs_per_x_row, scale_row_shift): `expert_linear` of the weight
+// bf16(w * bf16(scale)), each pair's outputs bitwise `expert_linear`'s on `dequant_fp8`'s output
+// (the same products in the same order, each weight converted as it is read).
+extern "C" __global__ void expert_linear_fp8(EXPERT_LINEAR_FP8_PARAMS(bf16)) {
+    const ExpertWFp8 wf{w, scales, scale_row_shift, (k + FP8_BLOCK - 1) / FP8_BLOCK};
+    expert_block(out, x, wf, expert_ids, pairs, n, k, num_experts, pairs_per_x_row, MT_KERNEL_EXPERT_LINEAR_FP8);
+}
+
+// expert_linear_fp8_f32out: as expert_linear_fp8, f32 out.
+extern "C" __global__ void expert_linear_fp8_f32out(EXPERT_LINEAR_FP8_PARAMS(float)) {
+    const ExpertWFp8 wf{w, scales, scale_row_shift, (k + FP8_BLOCK - 1) / FP8_BLOCK};
+    expert_block(out, x, wf, expert_ids, pairs, n, k, num_experts, pairs_per_x_row,
+                 MT_KERNEL_EXPERT_LINEAR_FP8_F32OUT);
 }
 
 // ---------------------------------------------------------------------------------------------

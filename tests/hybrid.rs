@@ -18,9 +18,9 @@ const HYBRID: &[&str] = &[
 ];
 
 /// The hybrid fixtures: `qwen3_5-tiny`, `qwen3_next-tiny`, `qwen3_5_moe-tiny`, then
-/// `qwen3_5-vl-tiny`, `qwen3_5_moe-vl-tiny` (wrappers with a vision tower) and
-/// `qwen3_next-b-tiny`.
-const HYBRID_FIXTURES: usize = 6;
+/// `qwen3_5-vl-tiny`, `qwen3_5_moe-vl-tiny` (wrappers with a vision tower),
+/// `qwen3_next-b-tiny` and `qwen3_5_moe-fp8-tiny` (a block-FP8 pack).
+const HYBRID_FIXTURES: usize = 7;
 
 #[test]
 fn hybrid_fixtures_match_transformers() {
@@ -69,4 +69,16 @@ fn wrapper_checkpoints_load_their_text_model_and_say_the_vision_tower_is_skipped
                 || config.checkpoint.model_type == "qwen3_5_moe"
         );
     }
+}
+
+#[test]
+fn an_fp8_hybrid_moe_pack_matches_transformers_and_quantizing_its_source_gives_the_pack() {
+    // `qwen3_5_moe-fp8-tiny`: attention, GDN q/k/v, z and out, and every expert's projections
+    // in e4m3 with block scales (the GDN a and b projections, routers and the shared expert's
+    // gate in bf16); the reference is transformers in float32 on the dequantized weights.
+    let dir = fixtures_dir().join("qwen3_5_moe-fp8-tiny");
+    let config = metrale_config::ModelConfig::from_dir(&dir).unwrap();
+    assert!(config.checkpoint.quantization.is_some() && config.moe.is_some());
+    assert_fixture_passes(&dir);
+    assert_source_quantized_at_load_is_the_pack(&dir);
 }

@@ -6,32 +6,8 @@
 
 mod support;
 
-use std::path::Path;
-
 use metrale::{Engine, EngineOptions, ModelOptions};
 use support::*;
-
-fn check_fixture(dir: &Path, options: EngineOptions) -> Vec<Outcome> {
-    let engine = Engine::load(dir, options).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    read_reference(dir)
-        .unwrap()
-        .iter()
-        .map(|p| compare(&engine, p).unwrap())
-        .collect()
-}
-
-/// Every prompt of the fixture in `dir` passes the rule, each comparing at least 4 steps.
-fn assert_fixture_passes(dir: &Path) {
-    for o in check_fixture(dir, EngineOptions::default()) {
-        assert!(o.failure.is_none(), "{}: {:?}", o.prompt, o.failure);
-        assert!(
-            o.steps >= 4,
-            "{}: only {} steps compared",
-            o.prompt,
-            o.steps
-        );
-    }
-}
 
 #[test]
 fn dense_fixtures_match_transformers() {
@@ -93,26 +69,6 @@ fn chunked_prefill_gives_the_same_result() {
     }
 }
 
-/// Greedy tokens and the bits of every step's logits of `engine` on each reference prompt.
-fn greedy_bits(engine: &Engine, prompts: &[RefPrompt]) -> Vec<(Vec<u32>, Vec<Vec<u32>>)> {
-    prompts
-        .iter()
-        .map(|p| {
-            let req =
-                metrale::GenerateRequest::new(metrale::Prompt::TokenIds(p.prompt_ids.clone()))
-                    .max_new_tokens(p.greedy_ids.len())
-                    .ignore_eos(true)
-                    .return_logits(true);
-            let out = engine.generate(&req).unwrap();
-            let logits = out.logits.unwrap_or_default();
-            let bits = (logits.iter())
-                .map(|row| row.iter().map(|v| v.to_bits()).collect())
-                .collect();
-            (out.token_ids, bits)
-        })
-        .collect()
-}
-
 #[test]
 fn an_fp8_pack_matches_transformers_and_quantizing_its_source_at_load_gives_the_pack() {
     // `qwen3-fp8-tiny`: every projection in e4m3 with 128 x 128 block scales (partial blocks;
@@ -125,19 +81,7 @@ fn an_fp8_pack_matches_transformers_and_quantizing_its_source_at_load_gives_the_
         Some(metrale_config::WeightQuantization::Fp8 { .. })
     ));
     assert_fixture_passes(&dir);
-    let prompts = read_reference(&dir).unwrap();
-    let pack = Engine::load(&dir, EngineOptions::default()).unwrap();
-    let fp8 = ModelOptions::default().quantization(metrale::Quantization::Fp8);
-    let quantized = Engine::load(dir.join("source"), EngineOptions::default().model(fp8)).unwrap();
-    let plain = Engine::load(dir.join("source"), EngineOptions::default()).unwrap();
-    let pack_bits = greedy_bits(&pack, &prompts);
-    // (`assert!`, not `assert_eq!`: a mismatch would print every logit.)
-    assert!(
-        greedy_bits(&quantized, &prompts) == pack_bits,
-        "the source quantized at load differs from the pack"
-    );
-    // The bf16 source is a different model: the comparison above can fail.
-    assert!(greedy_bits(&plain, &prompts) != pack_bits);
+    assert_source_quantized_at_load_is_the_pack(&dir);
 }
 
 #[test]

@@ -34,6 +34,13 @@ pub const MARGIN: f32 = 0.1;
 /// `qwen3_5-vl-tiny`, `qwen3_5_moe-vl-tiny` and `qwen3_next-b-tiny`. Every broken checkpoint in
 /// `tests/mutations.rs` errs by far more.
 pub const LOGITS_REL_L2: f64 = 3e-2;
+/// The same bound for a block-FP8 pack (a fixture whose `config.json` has a
+/// `quantization_config`). The reference runs on the pack's exact weights, e4m3 · scale in
+/// float32; the engine's FP8 weight is bf16(e4m3 · bf16(scale)) (docs/ARCHITECTURE.md), whose
+/// two roundings alone move transformers' own logits by up to 1.7% on `qwen3_5_moe-fp8-tiny`
+/// (both weight sets through transformers in float32), on top of the bf16 activations' error:
+/// the worst seen is 3.4% there.
+pub const FP8_LOGITS_REL_L2: f64 = 4.5e-2;
 /// Below this gap between the k-th and (k+1)-th router probability, an expert choice may flip
 /// under bf16 rounding.
 pub const ROUTE_TIE: f32 = 0.01;
@@ -48,6 +55,8 @@ pub struct RefPrompt {
     pub logits: Vec<Vec<f32>>,
     /// MoE fixtures: transformers' smallest routing gap at each position it computed.
     pub route_gaps: Option<Vec<f32>>,
+    /// The logits' bound: [`LOGITS_REL_L2`], or [`FP8_LOGITS_REL_L2`] for a block-FP8 pack.
+    pub logits_rel_l2: f64,
 }
 
 impl RefPrompt {
@@ -114,6 +123,13 @@ pub fn read_reference(dir: &Path) -> Result<Vec<RefPrompt>> {
             })
             .unwrap_or_default()
     };
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+    let logits_rel_l2 = if config.get("quantization_config").is_some() {
+        FP8_LOGITS_REL_L2
+    } else {
+        LOGITS_REL_L2
+    };
     let mut out = Vec::new();
     for (i, p) in v["prompts"]
         .as_array()
@@ -146,6 +162,7 @@ pub fn read_reference(dir: &Path) -> Result<Vec<RefPrompt>> {
                     .map(|m| m as f32)
                     .collect()
             }),
+            logits_rel_l2,
         });
     }
     Ok(out)
@@ -205,9 +222,10 @@ pub fn compare(engine: &Engine, p: &RefPrompt) -> Result<Outcome> {
         };
         let e = rel_l2(got, want);
         o.worst_rel_l2 = o.worst_rel_l2.max(e);
-        if e > LOGITS_REL_L2 {
+        if e > p.logits_rel_l2 {
             o.failure.get_or_insert(format!(
-                "step {step}: logits relative L2 error {e:.4} > {LOGITS_REL_L2}"
+                "step {step}: logits relative L2 error {e:.4} > {}",
+                p.logits_rel_l2
             ));
         }
         if step < tie && out.token_ids.get(step) != p.greedy_ids.get(step) {
@@ -310,4 +328,68 @@ pub fn check_staged_prefill(dir: &Path, gpu: impl Fn() -> std::sync::Arc<dyn Gpu
         "{}: the prompt prefilled whole differs from it prefilled in chunks of 64",
         dir.display()
     );
+}
+
+/// Greedy tokens and the bits of every step's logits of `engine` on each reference prompt.
+fn greedy_bits(engine: &Engine, prompts: &[RefPrompt]) -> Vec<(Vec<u32>, Vec<Vec<u32>>)> {
+    prompts
+        .iter()
+        .map(|p| {
+            let req =
+                metrale::GenerateRequest::new(metrale::Prompt::TokenIds(p.prompt_ids.clone()))
+                    .max_new_tokens(p.greedy_ids.len())
+                    .ignore_eos(true)
+                    .return_logits(true);
+            let out = engine.generate(&req).expect("generate");
+            let logits = out.logits.unwrap_or_default();
+            let bits = (logits.iter())
+                .map(|row| row.iter().map(|v| v.to_bits()).collect())
+                .collect();
+            (out.token_ids, bits)
+        })
+        .collect()
+}
+
+/// An FP8 fixture's pack (`dir`) and its bf16 source (`dir/source`) quantized at load give the
+/// same greedy tokens and logits bit for bit; the source as bf16 does not (so the comparison
+/// can fail).
+pub fn assert_source_quantized_at_load_is_the_pack(dir: &Path) {
+    let options = metrale::EngineOptions::default;
+    let prompts = read_reference(dir).expect("the fixture's reference");
+    let pack = Engine::load(dir, options()).expect("the pack loads");
+    let fp8 = ModelOptions::default().quantization(metrale::Quantization::Fp8);
+    let quantized =
+        Engine::load(dir.join("source"), options().model(fp8)).expect("the source loads");
+    let plain = Engine::load(dir.join("source"), options()).expect("the source loads");
+    let pack_bits = greedy_bits(&pack, &prompts);
+    // (`assert!`, not `assert_eq!`: a mismatch would print every logit.)
+    assert!(
+        greedy_bits(&quantized, &prompts) == pack_bits,
+        "{}: the source quantized at load differs from the pack",
+        dir.display()
+    );
+    assert!(greedy_bits(&plain, &prompts) != pack_bits);
+}
+
+/// The outcome of every prompt of the fixture in `dir` under `options`.
+pub fn check_fixture(dir: &Path, options: metrale::EngineOptions) -> Vec<Outcome> {
+    let engine = Engine::load(dir, options).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    read_reference(dir)
+        .expect("the fixture's reference")
+        .iter()
+        .map(|p| compare(&engine, p).expect("the comparison runs"))
+        .collect()
+}
+
+/// Every prompt of the fixture in `dir` passes the rule, each comparing at least 4 steps.
+pub fn assert_fixture_passes(dir: &Path) {
+    for o in check_fixture(dir, metrale::EngineOptions::default()) {
+        assert!(o.failure.is_none(), "{}: {:?}", o.prompt, o.failure);
+        assert!(
+            o.steps >= 4,
+            "{}: only {} steps compared",
+            o.prompt,
+            o.steps
+        );
+    }
 }

@@ -33,10 +33,17 @@ pub enum Shape {
     /// 256; linear heads 16 key / 32 value of 128; FFN 12288; vocab 248320.
     #[value(name = "qwen3.5-9b")]
     Qwen3_5_9b,
+    /// Qwen3.5-35B-A3B: hidden 2048; 40 layers, 30 Gated DeltaNet + 10 gated attention; 16/2
+    /// heads of 256; linear heads 16 key / 32 value of 128; a sparse-MoE FFN in every layer (256
+    /// experts of 512, 8 per token, a shared expert of 512); vocab 248320.
+    #[value(name = "qwen3.5-35b-a3b")]
+    Qwen3_5_35bA3b,
     /// A tiny dense shape (a smoke test of the benchmark itself).
     Tiny,
     /// A tiny hybrid shape (a smoke test of the hybrid path).
     TinyHybrid,
+    /// A tiny hybrid sparse-MoE shape (a smoke test of the expert path).
+    TinyMoe,
     /// A tiny dense shape with Qwen3's vocabulary of 151936 (a smoke test of `--serve
     /// --constrained` with the Qwen3 tokenizer).
     TinyQwen3Vocab,
@@ -158,13 +165,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let config = match args.shape {
         Shape::Qwen3_8b => bench::qwen3_8b()?,
         Shape::Qwen3_5_9b => bench::qwen3_5_9b()?,
+        Shape::Qwen3_5_35bA3b => bench::qwen3_5_35b_a3b()?,
         Shape::Tiny => bench::tiny_for_cpu()?,
         Shape::TinyHybrid => bench::tiny_hybrid_for_cpu()?,
+        Shape::TinyMoe => bench::tiny_moe_for_cpu()?,
         Shape::TinyQwen3Vocab => bench::tiny_qwen3_vocab_for_cpu()?,
     };
     let tiny = matches!(
         args.shape,
-        Shape::Tiny | Shape::TinyHybrid | Shape::TinyQwen3Vocab
+        Shape::Tiny | Shape::TinyHybrid | Shape::TinyMoe | Shape::TinyQwen3Vocab
     );
     if args.serve && !args.request_rate.is_empty() {
         return trace(gpu, config, &args);

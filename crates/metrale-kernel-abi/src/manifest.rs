@@ -107,6 +107,10 @@ macro_rules! for_each_kernel {
             moe::expert_linear => EXPERT_LINEAR($crate::ExpertLinearParams),
             /// `expert_linear`, f32 out.
             moe::expert_linear_f32out => EXPERT_LINEAR_F32OUT($crate::ExpertLinearParams),
+            /// `expert_linear` of a block-FP8 stacked weight, bf16 out.
+            moe::expert_linear_fp8 => EXPERT_LINEAR_FP8($crate::ExpertLinearFp8Params),
+            /// `expert_linear_fp8`, f32 out.
+            moe::expert_linear_fp8_f32out => EXPERT_LINEAR_FP8_F32OUT($crate::ExpertLinearFp8Params),
             /// The experts' outputs weighed and summed, plus the gated shared expert.
             moe::moe_combine => MOE_COMBINE($crate::MoeCombineParams),
             /// RMSNorm of the f32 residual (plain or `1 + w` by its `unit_offset`).

@@ -39,8 +39,8 @@ pub use self::serve::{
     serve_schema,
 };
 pub use self::shapes::{
-    decode_staging_shapes_for_cpu, qwen3_5_9b, qwen3_8b, tiny_for_cpu, tiny_hybrid_for_cpu,
-    tiny_qwen3_vocab_for_cpu,
+    decode_staging_shapes_for_cpu, qwen3_5_9b, qwen3_5_35b_a3b, qwen3_8b, tiny_for_cpu,
+    tiny_hybrid_for_cpu, tiny_moe_for_cpu, tiny_qwen3_vocab_for_cpu,
 };
 pub use self::speculative::{
     ACCEPTANCE_LENGTHS, EndToEnd, SpecBenchOptions, SpecReport, VerifyFigure, speculative_bench,
@@ -283,31 +283,85 @@ fn attention_params(c: &ModelConfig) -> f64 {
     h * (q + kv) + c.attention.num_attention_heads as f64 * d * h
 }
 
-/// Matmul parameters touched per token (every projection, the LM head included).
-fn matmul_params(c: &ModelConfig) -> f64 {
+/// The mixers' and dense FFNs' matmul parameters: those block FP8 quantizes, and the Gated
+/// DeltaNet input projections, which stay bf16 under FP8 (the packs keep their a and b rows
+/// in bf16, so the fused projection loads as bf16); and the number of sparse-MoE layers.
+fn dense_params(c: &ModelConfig) -> (f64, f64, usize) {
     let h = c.hidden_size as f64;
-    let attn = attention_params(c);
-    let gdn = GdnShape::from_config(c).map_or(0.0, |g| {
+    let (gdn_in, gdn_out) = GdnShape::from_config(c).map_or((0.0, 0.0), |g| {
         let v = (g.heads.num_v_heads * g.heads.v_head_dim) as f64;
-        h * g.heads.proj_width() as f64 + v * h
+        (h * g.heads.proj_width() as f64, v * h)
     });
-    let mlp = 3.0 * h * c.intermediate_size as f64;
-    let mixers: f64 = c
-        .layer_types
-        .iter()
-        .map(|t| match t {
-            LayerType::FullAttention => attn,
-            LayerType::LinearAttention => gdn,
-        })
-        .sum();
-    mixers + c.num_hidden_layers as f64 * mlp + h * c.tokens.vocab_size as f64
+    let (attn, mlp) = (attention_params(c), 3.0 * h * c.intermediate_size as f64);
+    let (mut quantized, mut bf16, mut moe_layers) = (0.0, 0.0, 0);
+    for (i, t) in c.layer_types.iter().enumerate() {
+        match t {
+            LayerType::FullAttention => quantized += attn,
+            LayerType::LinearAttention => {
+                quantized += gdn_out;
+                bf16 += gdn_in;
+            }
+        }
+        if c.layer_is_moe(i) {
+            moe_layers += 1;
+        } else {
+            quantized += mlp;
+        }
+    }
+    (quantized, bf16, moe_layers)
 }
 
-/// Weight bytes a decode step reads: every projection and the LM head (the embedding table too
-/// when it is not tied to the LM head, counted once, as `matmul_params` counts the LM head).
-/// Under `Fp8` the layers' projections are a byte an element plus an f32 scale per 128 x 128
-/// block; the LM head and the embedding stay bf16.
+/// One sparse-MoE FFN's parameters besides its routed experts: (its projections, which FP8
+/// quantizes — the shared expert —, and what stays bf16 — the router and the shared expert's
+/// gate), and one routed expert's parameters.
+fn moe_params(c: &ModelConfig) -> (f64, f64, f64) {
+    let Some(m) = &c.moe else {
+        return (0.0, 0.0, 0.0);
+    };
+    let h = c.hidden_size as f64;
+    let shared = 3.0 * h * m.shared_expert_intermediate_size as f64;
+    let gate = if m.shared_expert_intermediate_size > 0 {
+        h
+    } else {
+        0.0
+    };
+    let expert = 3.0 * h * m.moe_intermediate_size as f64;
+    (shared, m.num_experts as f64 * h + gate, expert)
+}
+
+/// Distinct experts a decode step of `batch` rows reads in each sparse-MoE layer, its rows'
+/// choices spread evenly over the experts (as the benchmark's random routers spread them):
+/// E (1 - (1 - K / E)^batch).
+fn experts_read(c: &ModelConfig, batch: usize) -> f64 {
+    let Some(m) = &c.moe else {
+        return 0.0;
+    };
+    let (e, k) = (m.num_experts as f64, m.num_experts_per_tok as f64);
+    e * (1.0 - (1.0 - k / e).powi(batch as i32))
+}
+
+/// Matmul parameters touched per token (every projection, a token's routed experts, the LM head
+/// included).
+fn matmul_params(c: &ModelConfig) -> f64 {
+    let (quantized, gdn_in, moe_layers) = dense_params(c);
+    let (shared, bf16, expert) = moe_params(c);
+    let k = c.moe.as_ref().map_or(0, |m| m.num_experts_per_tok) as f64;
+    let moe = moe_layers as f64 * (shared + bf16 + k * expert);
+    quantized + gdn_in + moe + c.hidden_size as f64 * c.tokens.vocab_size as f64
+}
+
+/// Weight bytes a decode step of one row reads ([`decode_weight_bytes`]).
 fn weight_bytes(c: &ModelConfig, quantization: Quantization) -> f64 {
+    decode_weight_bytes(c, quantization, 1)
+}
+
+/// Weight bytes a decode step of `batch` rows reads: every projection, the routed experts the
+/// step's rows choose ([`experts_read`]) and the LM head (the embedding table too when it is
+/// not tied to the LM head, counted once, as `matmul_params` counts the LM head). Under `Fp8`
+/// the layers' projections and experts are a byte an element plus an f32 scale per 128 x 128
+/// block; the LM head, the embedding, the routers and the Gated DeltaNet input projections
+/// stay bf16.
+fn decode_weight_bytes(c: &ModelConfig, quantization: Quantization, batch: usize) -> f64 {
     let untied = if c.tokens.tie_word_embeddings {
         0.0
     } else {
@@ -318,7 +372,11 @@ fn weight_bytes(c: &ModelConfig, quantization: Quantization) -> f64 {
         Quantization::Fp8 => 1.0 + 4.0 / 16384.0,
         _ => 2.0,
     };
-    projection_bytes * (matmul_params(c) - head) + 2.0 * head * (1.0 + untied)
+    let (quantized, gdn_in, moe_layers) = dense_params(c);
+    let (shared, bf16, expert) = moe_params(c);
+    let layers = moe_layers as f64;
+    let projections = quantized + layers * (shared + experts_read(c, batch) * expert);
+    projection_bytes * projections + 2.0 * (gdn_in + layers * bf16 + head * (1.0 + untied))
 }
 
 /// KV-cache bytes of one token over every attention layer (bf16 keys and values).
@@ -507,7 +565,7 @@ fn decode(
                 cache.release(&mut t)?;
             }
             let per_seq = (opts.context + 1) as f64 * kv_bytes_per_token(c) + ssm_bytes_per_seq(c);
-            let bytes = weight_bytes(c, opts.quantization) + batch as f64 * per_seq;
+            let bytes = decode_weight_bytes(c, opts.quantization, batch) + batch as f64 * per_seq;
             decode.push(DecodeFigure {
                 forward: forward.name(),
                 launches,
@@ -523,6 +581,12 @@ fn decode(
 
 /// A bench report run on a tiny shape on the CPU backend, used by the tests.
 pub fn smoke(gpu: Arc<dyn GpuBackend>, config: ModelConfig) -> Result<BenchReport, ModelError> {
+    run(gpu, &smoke_options(config))
+}
+
+/// The options of [`smoke`]: a 32-token prefill, decode batches 1 and 3 at context 20, one
+/// timed run each, small ceilings, breakdowns at batches 2 and 3.
+fn smoke_options(config: ModelConfig) -> BenchOptions {
     let mut o = BenchOptions::new(config);
     o.prefill_tokens = 32;
     o.decode_batches = vec![1, 3];
@@ -531,7 +595,7 @@ pub fn smoke(gpu: Arc<dyn GpuBackend>, config: ModelConfig) -> Result<BenchRepor
     o.copy_bytes = 1 << 16;
     o.gemm_dim = 32;
     o.breakdown_batches = vec![2, 3];
-    run(gpu, &o)
+    o
 }
 
 #[cfg(test)]
@@ -596,5 +660,33 @@ mod tests {
             .find(|d| d.forward == "legacy")
             .unwrap();
         assert_eq!(launches as usize, legacy.launches);
+    }
+
+    #[test]
+    fn the_benchmark_runs_a_moe_shape_in_fp8_and_counts_the_experts_it_reads() {
+        let config = tiny_moe_for_cpu().unwrap();
+        let mut o = smoke_options(config.clone());
+        o.quantization = Quantization::Fp8;
+        let report = run(Arc::new(CpuBackend::default()), &o).unwrap();
+        // The step streams the FP8 experts (no bf16 copy of them is made).
+        let p = &report.profiles[0];
+        assert!(
+            p.parts
+                .iter()
+                .any(|x| x.name.starts_with("expert_linear_fp8")),
+            "{:?}",
+            p.parts.iter().map(|x| &x.name).collect::<Vec<_>>()
+        );
+        assert!(!p.parts.iter().any(|x| x.name == "expert_linear"));
+        // Three rows choose more of the 8 experts than one row's 2: the floor grows by more
+        // than the two extra sequences' caches.
+        assert_eq!(experts_read(&config, 1), 2.0);
+        assert!(experts_read(&config, 3) > 4.0 && experts_read(&config, 3) < 8.0);
+        let (one, three) = (&report.decode[0], &report.decode[1]);
+        let per_seq = 21.0 * kv_bytes_per_token(&config) + ssm_bytes_per_seq(&config);
+        assert!(three.bytes - one.bytes > 2.0 * per_seq);
+        // FP8 experts and projections are about half the bf16 bytes; routers and the head stay.
+        let bf16 = decode_weight_bytes(&config, Quantization::AsStored, 1);
+        assert!(report.weight_bytes < 0.75 * bf16 && report.weight_bytes > 0.5 * bf16);
     }
 }

@@ -48,6 +48,38 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `moe::expert_linear_fp8` and `moe::expert_linear_fp8_f32out`: `expert_linear` of a
+    /// block-FP8 stacked weight, each element standing for bf16(e4m3 · bf16(its block's scale)).
+    pub struct ExpertLinearFp8Params("EXPERT_LINEAR_FP8_PARAMS") {
+        /// `[pairs, n]`, bf16 or f32.
+        out: ptr "OutT* __restrict__",
+        /// bf16 `[pairs / pairs_per_x_row, k]`.
+        x: ptr "const bf16* __restrict__",
+        /// fp8 e4m3 `[num_experts, n, k]`, read as one `[num_experts * n, k]` weight.
+        w: ptr "const uint8_t* __restrict__",
+        /// f32 `[ceil(num_experts * n / 2^scale_row_shift), ceil(k / FP8_BLOCK)]`: the scale of
+        /// each block of the `[num_experts * n, k]` weight.
+        scales: ptr "const float* __restrict__",
+        /// u32 `[pairs]`: each pair's expert.
+        expert_ids: ptr "const uint32_t* __restrict__",
+        /// Pairs.
+        pairs: u32,
+        /// Output columns.
+        n: u32,
+        /// Inputs.
+        k: u32,
+        /// Experts.
+        num_experts: u32,
+        /// Pairs sharing one row of `x`.
+        pairs_per_x_row: u32,
+        /// log2 of the weight rows one scale row covers: `FP8_BLOCK_ROW_SHIFT` (128-row blocks,
+        /// which never straddle two experts: `n` is a multiple of 128) or 0 (a scale row per
+        /// weight row).
+        scale_row_shift: u32,
+    }
+}
+
+kernel_params! {
     /// `moe::moe_combine`: the experts' outputs weighed and summed, plus the gated shared
     /// expert.
     pub struct MoeCombineParams("MOE_COMBINE_PARAMS") {

@@ -1,6 +1,7 @@
 //! The model shapes the benchmark builds with random weights, as their `config.json` files
-//! would state them: Qwen3-8B and Qwen3.5-9B for the GPU, tiny dense and hybrid shapes that
-//! run the same code on the CPU backend (one with Qwen3's vocabulary, for the real tokenizer),
+//! would state them: Qwen3-8B, Qwen3.5-9B and the sparse-MoE Qwen3.5-35B-A3B for the GPU, tiny
+//! dense, hybrid and MoE shapes that run the same code on the CPU backend (one with Qwen3's
+//! vocabulary, for the real tokenizer),
 //! and small ones wide enough for the decode GEMM's staged input
 //! (`decode_staging_shapes_for_cpu`).
 
@@ -47,6 +48,9 @@ struct Hybrid {
     rotary: f32,
     max_positions: usize,
     mtp_layers: usize,
+    /// Sparse-MoE FFNs in every layer (`ffn` then unused): routed experts, experts per token,
+    /// one expert's width and the shared expert's.
+    moe: Option<(usize, usize, usize, usize)>,
 }
 
 impl Hybrid {
@@ -61,9 +65,21 @@ impl Hybrid {
             rotary,
             max_positions,
             mtp_layers,
+            moe,
         } = *self;
+        let (model_type, moe) = match moe {
+            Some((experts, top_k, expert_ffn, shared_ffn)) => (
+                "qwen3_5_moe_text",
+                format!(
+                    r#""num_experts": {experts}, "num_experts_per_tok": {top_k},
+                    "moe_intermediate_size": {expert_ffn},
+                    "shared_expert_intermediate_size": {shared_ffn}, "#
+                ),
+            ),
+            None => ("qwen3_5_text", String::new()),
+        };
         let text = format!(
-            r#"{{"model_type": "qwen3_5_text", "hidden_size": {hidden}, "num_hidden_layers": {layers},
+            r#"{{"model_type": "{model_type}", {moe}"hidden_size": {hidden}, "num_hidden_layers": {layers},
             "num_attention_heads": {heads}, "num_key_value_heads": {kv_heads}, "head_dim": {head_dim},
             "intermediate_size": {ffn}, "vocab_size": {vocab}, "rms_norm_eps": 1e-6,
             "full_attention_interval": 4, "attn_output_gate": true,
@@ -98,8 +114,46 @@ pub fn qwen3_5_9b() -> Result<ModelConfig, ModelError> {
         rotary: 0.25,
         max_positions: 262144,
         mtp_layers: 1,
+        moe: None,
     }
     .config("qwen3.5-9b")
+}
+
+/// The shape of Qwen3.5-35B-A3B's text model (no download): 40 layers, 30 Gated DeltaNet and 10
+/// gated attention (every fourth), hidden 2048, 16/2 heads of 256 with a quarter rotated, linear
+/// heads 16 key / 32 value of 128, a sparse-MoE FFN in every layer (256 experts of 512, 8 per
+/// token, a gated shared expert of 512), vocab 248320, and the one-layer MTP head.
+pub fn qwen3_5_35b_a3b() -> Result<ModelConfig, ModelError> {
+    Hybrid {
+        hidden: 2048,
+        layers: 40,
+        heads: (16, 2, 256),
+        ffn: 0,
+        vocab: 248320,
+        linear: (16, 32, 128),
+        rotary: 0.25,
+        max_positions: 262144,
+        mtp_layers: 1,
+        moe: Some((256, 8, 512, 512)),
+    }
+    .config("qwen3.5-35b-a3b")
+}
+
+/// A tiny hybrid sparse-MoE shape: the expert path of the benchmark on the CPU backend.
+pub fn tiny_moe_for_cpu() -> Result<ModelConfig, ModelError> {
+    Hybrid {
+        hidden: 64,
+        layers: 4,
+        heads: (4, 2, 16),
+        ffn: 0,
+        vocab: 256,
+        linear: (2, 4, 8),
+        rotary: 0.5,
+        max_positions: 4096,
+        mtp_layers: 0,
+        moe: Some((8, 2, 32, 48)),
+    }
+    .config("tiny moe")
 }
 
 /// A tiny hybrid shape with a one-layer MTP head: the Gated DeltaNet and speculative paths of
@@ -115,6 +169,7 @@ pub fn tiny_hybrid_for_cpu() -> Result<ModelConfig, ModelError> {
         rotary: 0.5,
         max_positions: 4096,
         mtp_layers: 1,
+        moe: None,
     }
     .config("tiny hybrid")
 }
@@ -150,6 +205,7 @@ pub fn decode_staging_shapes_for_cpu() -> Result<[ModelConfig; 2], ModelError> {
         rotary: 0.25,
         max_positions: 4096,
         mtp_layers: 0,
+        moe: None,
     };
     Ok([
         dense_qwen3(512, 2, 4, 2, 128, 1024, 256)?,

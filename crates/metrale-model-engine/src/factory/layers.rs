@@ -9,7 +9,7 @@ use metrale_model_layers::layers::{
     Attention, DecoderLayer, Ffn, GatedDeltaNet, GdnShape, InProjSource, Mixer, Mlp, MoeMlp,
     MoeShape, SharedExpert,
 };
-use metrale_model_layers::weight_map::{ExpertNames, GdnProjectionNames, LayerNames};
+use metrale_model_layers::weight_map::{DenseWeight, ExpertNames, GdnProjectionNames, LayerNames};
 
 use super::Loader;
 
@@ -119,12 +119,15 @@ pub fn gdn(
             in_proj_z,
             in_proj_b,
             in_proj_a,
-        } => loader.linears(&[
-            (in_proj_qkv, &[conv_dim, h]),
-            (in_proj_z, &[value_dim, h]),
-            (in_proj_b, &[vh, h]),
-            (in_proj_a, &[vh, h]),
-        ])?,
+        } => loader.linears_as_packed(
+            &[
+                (in_proj_qkv, &[conv_dim, h]),
+                (in_proj_z, &[value_dim, h]),
+                (in_proj_b, &[vh, h]),
+                (in_proj_a, &[vh, h]),
+            ],
+            2,
+        )?,
         GdnProjectionNames::Fused {
             in_proj_qkvz,
             in_proj_ba,
@@ -182,9 +185,9 @@ pub fn moe(loader: &Loader<'_>, c: &ModelConfig, n: &LayerNames) -> Result<MoeMl
                 gu.push((&x.up_proj, &fh));
                 down.push((&x.down_proj, &hf));
             }
-            let mut gate_up = loader.upload_bf16_concat(&gu)?;
+            let mut gate_up = loader.linears(&gu)?;
             gate_up.shape = vec![e, 2 * f, h];
-            let mut down = loader.upload_bf16_concat(&down)?;
+            let mut down = loader.linears(&down)?;
             down.shape = vec![e, h, f];
             (gate_up, down)
         }
@@ -192,8 +195,8 @@ pub fn moe(loader: &Loader<'_>, c: &ModelConfig, n: &LayerNames) -> Result<MoeMl
             gate_up_proj,
             down_proj,
         } => (
-            loader.upload_bf16(gate_up_proj, &[e, 2 * f, h])?,
-            loader.upload_bf16(down_proj, &[e, h, f])?,
+            fused_experts(loader, gate_up_proj, [e, 2 * f, h])?,
+            fused_experts(loader, down_proj, [e, h, f])?,
         ),
     };
     let fs = cfg.shared_expert_intermediate_size;
@@ -219,4 +222,18 @@ pub fn moe(loader: &Loader<'_>, c: &ModelConfig, n: &LayerNames) -> Result<MoeMl
         shared,
         shape,
     })
+}
+
+/// A fused stacked expert weight `[E, n, k]` (transformers' in-memory layout): bf16, quantized
+/// at load as the `[E * n, k]` matrix the expert kernels read when the model is.
+fn fused_experts(
+    loader: &Loader<'_>,
+    name: &str,
+    [e, n, k]: [usize; 3],
+) -> Result<DenseWeight, ModelError> {
+    let mut w = loader.upload_bf16(name, &[e, n, k])?;
+    w.shape = vec![e * n, k];
+    let mut w = loader.as_configured(w)?;
+    w.shape = vec![e, n, k];
+    Ok(w)
 }

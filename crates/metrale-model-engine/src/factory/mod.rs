@@ -63,6 +63,41 @@ impl Loader<'_> {
         Ok(self.weights.upload_linear_concat(parts)?)
     }
 
+    /// Projection weights concatenated along dim 0 of which only the first `quantized` parts
+    /// are ones a block-FP8 pack quantizes (the Gated DeltaNet input projection: q/k/v and z,
+    /// where the packs keep a and b in bf16), as the pack of the checkpoint would load: block
+    /// FP8 where every part is stored so; else, quantized at load, bf16 holding the first parts
+    /// quantized and dequantized beside the others as stored (the weight a pack made from
+    /// these tensors loads as, bit for bit); else as [`Loader::linears`] gives them.
+    pub(crate) fn linears_as_packed(
+        &self,
+        parts: &[(&str, &[usize])],
+        quantized: usize,
+    ) -> Result<DenseWeight, ModelError> {
+        let all_fp8 = parts.iter().all(|(name, _)| self.source.is_fp8(name));
+        if self.quantize.is_none() || all_fp8 {
+            return Ok(self.weights.upload_linear_concat(parts)?);
+        }
+        let mut data = Vec::new();
+        for (i, part) in parts.iter().enumerate() {
+            if i < quantized {
+                data.extend(self.source.quantize_fp8_concat(&[*part])?.dequantized());
+            } else {
+                data.extend(self.source.load_bf16(part.0, part.1)?);
+            }
+        }
+        let rows = parts.iter().map(|(_, shape)| shape[0]).sum::<usize>();
+        let k = parts
+            .first()
+            .map_or(0, |(_, shape)| shape[1..].iter().product());
+        let label = (parts.iter().map(|(name, _)| *name))
+            .collect::<Vec<_>>()
+            .join(" + ");
+        Ok(self
+            .weights
+            .upload(&label, &data, vec![rows, k], DType::Bf16)?)
+    }
+
     /// Projection weight `w`, built on the host from several tensors, as the model stores it:
     /// quantized to block FP8 on the device (in 128-row blocks of `w`) where it is bf16 and the
     /// model is quantized at load.

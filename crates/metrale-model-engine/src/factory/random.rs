@@ -1,14 +1,15 @@
-//! `random`: a model of a given shape (dense, or hybrid with Gated DeltaNet layers) with
-//! pseudo-random weights filled on the device by `init::fill_uniform_bf16`, for benchmarks (no
-//! checkpoint, no host-side weight traffic beyond a few small f32 vectors). A config that
-//! declares an MTP head (`mtp_num_hidden_layers`) gets one, as its checkpoint would.
+//! `random`: a model of a given shape (dense, or hybrid with Gated DeltaNet layers; dense or
+//! sparse-MoE FFNs) with pseudo-random weights filled on the device by `init::fill_uniform_bf16`,
+//! for benchmarks (no checkpoint, no host-side weight traffic beyond a few small f32 vectors). A
+//! config that declares an MTP head (`mtp_num_hidden_layers`) gets one, as its checkpoint would.
 
 use std::sync::Arc;
 
 use metrale_config::{LayerType, ModelConfig};
 use metrale_gpu_runtime::{DType, GpuBackend, GpuBackendExt, StreamHandle};
 use metrale_model_layers::layers::{
-    Attention, DecoderLayer, Ffn, GatedDeltaNet, GdnShape, Mixer, Mlp, MtpHead,
+    Attention, DecoderLayer, Ffn, GatedDeltaNet, GdnShape, Mixer, Mlp, MoeMlp, MoeShape, MtpHead,
+    SharedExpert,
 };
 use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{Ops, TransformerLayer};
@@ -80,11 +81,53 @@ impl Filler {
         })
     }
 
-    /// One decoder layer of `kind` with a dense FFN.
+    /// A layer's stacked expert weight `[experts, n, k]`: filled as the `[experts * n, k]`
+    /// matrix the expert kernels read (quantized so when the model is), then given its shape.
+    fn experts(&mut self, [e, n, k]: [usize; 3]) -> Result<DenseWeight, ModelError> {
+        let mut w = self.linear(&[e * n, k], k)?;
+        w.shape = vec![e, n, k];
+        Ok(w)
+    }
+
+    /// A sparse-MoE FFN of `c`'s shape: a bf16 router (random routing, as a trained router's
+    /// spreads the batch's tokens), the experts, and the gated shared expert where there is one.
+    fn moe(&mut self, c: &ModelConfig) -> Result<MoeMlp, ModelError> {
+        let (Some(shape), Some(m)) = (MoeShape::from_config(c), c.moe.as_ref()) else {
+            return Err(ModelError::Unsupported(
+                "a MoE layer in a config without MoE settings".into(),
+            ));
+        };
+        let (h, e, f, fs) = (
+            c.hidden_size,
+            m.num_experts,
+            m.moe_intermediate_size,
+            m.shared_expert_intermediate_size,
+        );
+        let shared = if fs > 0 {
+            Some(SharedExpert {
+                gate_up: self.linear(&[2 * fs, h], h)?,
+                down: self.linear(&[h, fs], fs)?,
+                gate: Some(self.proj(&[1, h], h)?),
+                ffn: fs as u32,
+            })
+        } else {
+            None
+        };
+        Ok(MoeMlp {
+            router: self.proj(&[e, h], h)?,
+            experts_gate_up: self.experts([e, 2 * f, h])?,
+            experts_down: self.experts([e, h, f])?,
+            shared,
+            shape,
+        })
+    }
+
+    /// One decoder layer of `kind` with a dense FFN, or a sparse-MoE one (`moe`).
     fn decoder_layer(
         &mut self,
         c: &ModelConfig,
         kind: LayerType,
+        moe: bool,
     ) -> Result<DecoderLayer, ModelError> {
         let (h, hq, hkv, d, f) = (
             c.hidden_size,
@@ -108,8 +151,10 @@ impl Filler {
             (LayerType::LinearAttention, Some(shape)) => {
                 let hd = shape.heads;
                 let (vh, dv) = (hd.num_v_heads as usize, hd.v_head_dim as usize);
+                // bf16 under FP8 too: the packs keep the a and b rows in bf16, so the fused
+                // input projection loads as bf16 (`Loader::linears_as_packed`).
                 Mixer::GatedDeltaNet(GatedDeltaNet {
-                    in_proj: self.linear(&[hd.proj_width() as usize, h], h)?,
+                    in_proj: self.proj(&[hd.proj_width() as usize, h], h)?,
                     conv1d: self.weight(
                         &[hd.conv_dim() as usize, 1, shape.conv_kernel as usize],
                         0.0,
@@ -129,24 +174,28 @@ impl Filler {
                 ));
             }
         };
-        let mlp = Mlp {
-            gate_up: self.linear(&[2 * f, h], h)?,
-            down: self.linear(&[h, f], f)?,
-            ffn: f as u32,
+        let ffn = if moe {
+            Ffn::Moe(Box::new(self.moe(c)?))
+        } else {
+            Ffn::Dense(Mlp {
+                gate_up: self.linear(&[2 * f, h], h)?,
+                down: self.linear(&[h, f], f)?,
+                ffn: f as u32,
+            })
         };
         Ok(DecoderLayer {
             input_norm: self.norm(h)?,
             post_norm: self.norm(h)?,
             mixer,
-            ffn: Ffn::Dense(mlp),
+            ffn,
         })
     }
 }
 
 /// A model of `config`'s shape with weights drawn from `seed`: norm weights near 1 (near 0 for
-/// the zero-centred convention), projections uniform with scale `1/sqrt(fan_in)`. Dense FFNs
-/// only (no MoE). With `config.mtp_num_layers > 0` it has an MTP head of that many
-/// full-attention layers (run when the runner's `speculative` is `Mtp`).
+/// the zero-centred convention), projections uniform with scale `1/sqrt(fan_in)`, each FFN dense
+/// or sparse-MoE as `config` says. With `config.mtp_num_layers > 0` it has an MTP head of that
+/// many full-attention layers (run when the runner's `speculative` is `Mtp`).
 pub fn random(
     config: ModelConfig,
     gpu: Arc<dyn GpuBackend>,
@@ -156,19 +205,15 @@ pub fn random(
 }
 
 /// [`random`], the layers' projections stored as `quantization` says (`Fp8`: filled in bf16,
-/// then quantized on the device with the packs' recipe; the embedding, the LM head and the
-/// MTP head's input projection stay bf16).
+/// then quantized on the device with the packs' recipe, the experts included; the embedding, the
+/// LM head, the routers, the Gated DeltaNet input projection and the MTP head's input
+/// projection stay bf16, as a pack loads them).
 pub fn random_quantized(
     config: ModelConfig,
     gpu: Arc<dyn GpuBackend>,
     seed: u64,
     quantization: Quantization,
 ) -> Result<Model, ModelError> {
-    if config.moe.is_some() {
-        return Err(ModelError::Unsupported(
-            "random weights are built for dense-FFN models only".into(),
-        ));
-    }
     let norm_offset = if config.norm == metrale_config::NormConvention::ZeroCentred {
         0.0
     } else {
@@ -192,13 +237,15 @@ pub fn random_quantized(
         fill.proj(&[v, h], h)?
     };
     let mut layers: Vec<Box<dyn TransformerLayer>> = Vec::with_capacity(config.num_hidden_layers);
-    for &kind in &config.layer_types {
-        layers.push(Box::new(fill.decoder_layer(&config, kind)?));
+    for (i, &kind) in config.layer_types.iter().enumerate() {
+        let moe = config.layer_is_moe(i);
+        layers.push(Box::new(fill.decoder_layer(&config, kind, moe)?));
     }
     let mtp = if config.mtp_num_layers > 0 {
         let mut head_layers = Vec::with_capacity(config.mtp_num_layers);
         for _ in 0..config.mtp_num_layers {
-            head_layers.push(fill.decoder_layer(&config, LayerType::FullAttention)?);
+            let moe = config.moe.is_some();
+            head_layers.push(fill.decoder_layer(&config, LayerType::FullAttention, moe)?);
         }
         Some(MtpHead {
             fc: fill.proj(&[h, 2 * h], 2 * h)?,

@@ -13,6 +13,10 @@
 //! - `experts_gate_up`, bf16 `[E, 2F, H]`: expert `e`'s `[gate_proj; up_proj]` (gate rows first),
 //!   experts in index order; the same bytes as transformers' fused `gate_up_proj`.
 //! - `experts_down`, bf16 `[E, H, F]`: the experts' `down_proj` in index order.
+//! - Both stacked expert weights may instead be block FP8 (an FP8 pack's experts, or experts
+//!   quantized at load): e4m3 bytes of the same layout with the scale grid of the
+//!   `[E * rows, cols]` matrix (128-row blocks where each expert's parts are multiples of 128
+//!   rows, else a scale row per weight row); the FP8 expert kernels read them.
 //! - shared expert: `gate_up` bf16 `[2Fs, H]` (`shared_expert.gate_proj` then `up_proj`), `down`
 //!   bf16 `[H, Fs]`, `gate` bf16 `[1, H]` (`mlp.shared_expert_gate.weight`).
 //!
@@ -80,9 +84,9 @@ pub struct SharedExpert {
 pub struct MoeMlp {
     /// bf16 `[E, hidden]`.
     pub router: DenseWeight,
-    /// bf16 `[E, 2F, hidden]`.
+    /// bf16 or block FP8 `[E, 2F, hidden]`.
     pub experts_gate_up: DenseWeight,
-    /// bf16 `[E, hidden, F]`.
+    /// bf16 or block FP8 `[E, hidden, F]`.
     pub experts_down: DenseWeight,
     /// The shared expert, when the family has one.
     pub shared: Option<SharedExpert>,
@@ -110,36 +114,32 @@ impl MoeMlp {
             renormalize: sh.renormalize as u32,
         };
         ops.topk_route(s, &route)?;
-        ops.expert_linear(
-            s,
-            &ExpertLinear {
-                out: m.expert_gate_up,
-                x: buf.acts.normed,
-                w: self.experts_gate_up.ptr,
-                expert_ids: m.topk_ids,
-                pairs,
-                n: 2 * f,
-                k: d.hidden,
-                num_experts: e,
-                pairs_per_x_row: k,
-            },
-        )?;
+        let gate_up = ExpertLinear {
+            out: m.expert_gate_up,
+            x: buf.acts.normed,
+            w: self.experts_gate_up.ptr,
+            expert_ids: m.topk_ids,
+            pairs,
+            n: 2 * f,
+            k: d.hidden,
+            num_experts: e,
+            pairs_per_x_row: k,
+        };
+        ops.expert_projection(s, &gate_up, stacked(&self.experts_gate_up), false)?;
         let expert_act = Matrix::bf16(m.expert_act, pairs, f);
         ops.silu_mul(s, expert_act, Matrix::bf16(m.expert_gate_up, pairs, 2 * f))?;
-        ops.expert_linear_f32out(
-            s,
-            &ExpertLinear {
-                out: m.expert_out,
-                x: m.expert_act,
-                w: self.experts_down.ptr,
-                expert_ids: m.topk_ids,
-                pairs,
-                n: d.hidden,
-                k: f,
-                num_experts: e,
-                pairs_per_x_row: 1,
-            },
-        )?;
+        let down = ExpertLinear {
+            out: m.expert_out,
+            x: m.expert_act,
+            w: self.experts_down.ptr,
+            expert_ids: m.topk_ids,
+            pairs,
+            n: d.hidden,
+            k: f,
+            num_experts: e,
+            pairs_per_x_row: 1,
+        };
+        ops.expert_projection(s, &down, stacked(&self.experts_down), true)?;
         let (mut shared_out, mut shared_gate) = (DevicePtr::NULL, DevicePtr::NULL);
         if let Some(se) = &self.shared {
             let gate_up = Matrix::bf16(m.shared_gate_up, rows, 2 * se.ffn);
@@ -196,5 +196,16 @@ impl MoeMlp {
                 gated: se.gate.is_some(),
             }),
         })
+    }
+}
+
+/// A stacked expert weight `[E, n, k]` as the `[E * n, k]` matrix the expert kernels read.
+fn stacked(w: &DenseWeight) -> Matrix {
+    let clamp = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+    let k = w.shape.last().copied().unwrap_or(1);
+    let rows = w.shape.iter().product::<usize>() / k.max(1);
+    Matrix {
+        scales: w.scales,
+        ..Matrix::new(w.ptr, w.dtype, clamp(rows), clamp(k))
     }
 }

@@ -1,9 +1,11 @@
 //! The MoE kernels (`kernels/moe.cu`) against their CPU twins: top-k routing with ties, the
-//! expert projections (and their batch invariance on CUDA), and the weighted combine with the
-//! gated shared expert. Each check takes its shapes, so `small` runs them at the sanitizer's
-//! sizes.
+//! expert projections (and their batch invariance on CUDA), the block-FP8 expert projections
+//! (bitwise the bf16 ones on the dequantized weight), and the weighted combine with the gated
+//! shared expert. Each check takes its shapes, so `small` runs them at the sanitizer's sizes.
 
-use metrale_gpu_runtime::DevicePtr;
+use metrale_gpu_runtime::fp8::{self, FP8_BLOCK_ROW_SHIFT};
+use metrale_gpu_runtime::{DType, DevicePtr};
+use metrale_model_layers::ops::{BlockScales, Matrix};
 use metrale_model_layers::ops_hybrid::{ExpertLinear, MoeCombine, TopkRoute};
 
 use super::harness::{At, Buf, Pair, Rng, S, Tolerance};
@@ -13,6 +15,7 @@ pub(super) fn small(p: &Pair) {
     let rng = &mut Rng::new(1005);
     topk_route(p, rng, &[(60, 4, 3), (16, 1, 3)]);
     expert_linear(p, rng, &[(2, 4, 8, 40, 96), (3, 2, 8, 24, 101)]);
+    expert_linear_fp8(p, rng, &[(2, 4, 8, 128, 200), (3, 2, 4, 24, 101)]);
     moe_combine(p, rng, &[(3, 256, 4), (2, 101, 2)]);
 }
 
@@ -199,6 +202,79 @@ fn expert_linear(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32, u32, u32)]) 
                 first == p.download_gpu::<u32>(&out32),
                 "expert_linear_f32out {case}: a second run differs"
             );
+        }
+    }
+}
+
+#[test]
+fn fp8_experts_are_the_bf16_experts_of_their_dequantized_weight() {
+    let p = Pair::new();
+    let mut rng = Rng::new(205);
+    // (rows, top_k, experts, n, k): the 35B-A3B gate|up and down at decode, 128-row blocks with
+    // partial column blocks, per-row scales, and the scalar path (odd k).
+    let shapes = [
+        (1, 8, 32, 1024, 2048),
+        (4, 8, 32, 2048, 512),
+        (9, 4, 16, 256, 1000),
+        (5, 2, 8, 72, 520),
+        (3, 2, 8, 64, 1003),
+    ];
+    expert_linear_fp8(&p, &mut rng, &shapes);
+}
+
+/// `(rows, top_k, experts, n, k)` each, as `expert_linear` takes them, with a block-FP8 stacked
+/// weight (128-row scale blocks where `n` is a multiple of 128, else a scale row per weight row):
+/// bf16 and f32 out close to the twin, and bitwise CUDA's bf16 kernels on the weight
+/// `dequant` gives.
+fn expert_linear_fp8(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32, u32, u32)]) {
+    for &(rows, top_k, experts, n, k) in shapes {
+        let (wrows, kk) = ((experts * n) as usize, k as usize);
+        let s = 1.5 * (3.0 / k as f32).sqrt();
+        let (q, grid) = fp8::quantize(&rng.bf16s(wrows * kk, -s, s), (wrows, kk));
+        let (shift, scales) = if n % 128 == 0 {
+            (FP8_BLOCK_ROW_SHIFT, grid)
+        } else {
+            let kb = fp8::scale_cols(kk);
+            let per_row = (0..wrows)
+                .flat_map(|r| grid[(r >> FP8_BLOCK_ROW_SHIFT) * kb..][..kb].to_vec())
+                .collect();
+            (0, per_row)
+        };
+        let deq = fp8::dequant(&q, &scales, (wrows, kk), shift);
+        let (qb, sb, deqb) = (p.upload(&q), p.upload(&scales), p.upload(&deq));
+        let fp8_w = |at: super::harness::At<'_>| Matrix {
+            scales: Some(BlockScales {
+                ptr: at(&sb),
+                row_shift: shift,
+            }),
+            ..Matrix::new(at(&qb), DType::F8E4M3, experts * n, k)
+        };
+        let bf16_w = |at: super::harness::At<'_>| Matrix::bf16(at(&deqb), experts * n, k);
+        for per in [top_k, 1] {
+            let ids = routing(rng, rows, experts, top_k);
+            let c = ExpertCase::new(p, rng, ids, (n, k, experts, per));
+            let case = format!(
+                "rows={rows} k_top={top_k} E={experts} n={n} k={k} per={per} shift={shift}"
+            );
+            for f32_out in [false, true] {
+                let bytes = (c.pairs * n) as usize * if f32_out { 4 } else { 2 };
+                let want = p.poisoned(bytes);
+                p.run_gpu(|o, at| {
+                    o.expert_projection(S, &c.params(at, &want), bf16_w(at), f32_out)
+                });
+                let out = p.poisoned(bytes);
+                p.run(|o, at| o.expert_projection(S, &c.params(at, &out), fp8_w(at), f32_out));
+                if f32_out {
+                    p.check_f32("expert_linear_fp8_f32out", &case, &out, Tolerance::F32_DOT);
+                } else {
+                    p.check_bf16("expert_linear_fp8", &case, &out, Tolerance::BF16);
+                }
+                assert!(
+                    p.download_gpu::<u16>(&out) == p.download_gpu::<u16>(&want),
+                    "expert_linear_fp8 {case} f32 out {f32_out}: differs bitwise from the bf16 \
+                     kernel on the dequantized weight"
+                );
+            }
         }
     }
 }

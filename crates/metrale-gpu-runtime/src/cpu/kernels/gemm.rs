@@ -265,7 +265,7 @@ pub fn linear_stream_tma_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 
 /// The bytes and scale grid of an fp8 `[n, k]` weight whose scale rows each cover
 /// `2^scale_row_shift` weight rows, dequantized.
-fn fp8_weight(
+pub(super) fn fp8_weight(
     ctx: &KernelCtx<'_>,
     (w, scales): (DevicePtr, DevicePtr),
     (n, k): (usize, usize),

@@ -11,7 +11,8 @@
 //!    `[rows * K, 2F]`.
 //! 4. `activation::silu_mul` over the pairs: bf16 `[rows * K, F]`.
 //! 5. `expert_linear_f32out`: down projection by the stacked `[E, H, F]` weight, f32
-//!    `[rows * K, H]`.
+//!    `[rows * K, H]`. Block-FP8 experts run `expert_linear_fp8` / `expert_linear_fp8_f32out`,
+//!    the same function of the weight they stand for.
 //! 6. The shared expert as a dense SwiGLU MLP (`gemm::linear`, `silu_mul`, `gemm::linear`), bf16
 //!    `[rows, H]`, and its gate logit `gemm::linear_f32out` with the `[1, H]` weight, f32 `[rows]`.
 //! 7. `moe_combine`: `out = Σ_choice weight · expert_out + sigmoid(gate) · shared`, bf16.
@@ -27,9 +28,13 @@
 mod tests;
 
 use half::bf16;
-use metrale_kernel_abi::{ExpertLinearParams, MoeCombineParams, TopkRouteParams};
+use metrale_kernel_abi::{
+    ExpertLinearFp8Params, ExpertLinearParams, MoeCombineParams, TopkRouteParams,
+};
 
+use super::gemm::fp8_weight;
 use super::util::{b, f, sigmoid};
+use crate::DevicePtr;
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
 
@@ -98,27 +103,67 @@ pub fn topk_route(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     Ok(())
 }
 
-/// The shared body of the two expert projections: `store(p, col, acc)` for every pair and
-/// output column, `acc = Σ_i x[p / pairs_per_x_row][i] · w[ids[p]][col][i]` in f32, `i` in order.
+/// The shapes and inputs of one expert projection launch, whatever its weight format.
+struct ExpertLaunch {
+    x: DevicePtr,
+    expert_ids: DevicePtr,
+    pairs: usize,
+    n: usize,
+    k: usize,
+    num_experts: usize,
+    per: usize,
+}
+
+impl From<&ExpertLinearParams> for ExpertLaunch {
+    fn from(p: &ExpertLinearParams) -> ExpertLaunch {
+        ExpertLaunch::new(
+            p.x,
+            p.expert_ids,
+            [p.pairs, p.n, p.k, p.num_experts, p.pairs_per_x_row],
+        )
+    }
+}
+
+impl From<&ExpertLinearFp8Params> for ExpertLaunch {
+    fn from(p: &ExpertLinearFp8Params) -> ExpertLaunch {
+        ExpertLaunch::new(
+            p.x,
+            p.expert_ids,
+            [p.pairs, p.n, p.k, p.num_experts, p.pairs_per_x_row],
+        )
+    }
+}
+
+impl ExpertLaunch {
+    fn new(x: DevicePtr, expert_ids: DevicePtr, [pairs, n, k, e, per]: [u32; 5]) -> ExpertLaunch {
+        ExpertLaunch {
+            x,
+            expert_ids,
+            pairs: pairs as usize,
+            n: n as usize,
+            k: k as usize,
+            num_experts: e as usize,
+            per: per as usize,
+        }
+    }
+}
+
+/// The shared body of the expert projections: `store(p, col, acc)` for every pair and output
+/// column, `acc = Σ_i x[p / pairs_per_x_row][i] · w[ids[p]][col][i]` in f32, `i` in order, `w`
+/// the stacked `[num_experts, n, k]` weight as bf16.
 fn expert_gemm(
     ctx: &KernelCtx<'_>,
-    p: &ExpertLinearParams,
+    p: &ExpertLaunch,
+    w: &[bf16],
     mut store: impl FnMut(usize, f32),
 ) -> GpuResult<()> {
-    let (pairs, n, k, e, per) = (
-        p.pairs as usize,
-        p.n as usize,
-        p.k as usize,
-        p.num_experts as usize,
-        p.pairs_per_x_row as usize,
-    );
+    let (pairs, n, k, e, per) = (p.pairs, p.n, p.k, p.num_experts, p.per);
     if per == 0 || !pairs.is_multiple_of(per) {
         return Err(ctx.fail(format!(
             "{pairs} pairs are not whole rows of {per} pairs per input row"
         )));
     }
     let x = ctx.slice::<bf16>("x", p.x, pairs / per * k)?;
-    let w = ctx.slice::<bf16>("w", p.w, e * n * k)?;
     let ids = ctx.slice::<u32>("expert_ids", p.expert_ids, pairs)?;
     let mut xr = vec![0.0f32; k];
     for (p, &id) in ids.iter().enumerate() {
@@ -142,13 +187,32 @@ fn expert_gemm(
     Ok(())
 }
 
+/// The bf16 stacked weight of a bf16 launch.
+fn bf16_experts<'a>(ctx: &'a KernelCtx<'_>, p: &ExpertLinearParams) -> GpuResult<&'a [bf16]> {
+    let (e, n, k) = (p.num_experts as usize, p.n as usize, p.k as usize);
+    ctx.slice::<bf16>("w", p.w, e * n * k)
+}
+
+/// The stacked weight of a block-FP8 launch, dequantized as one `[num_experts * n, k]` weight.
+fn fp8_experts(ctx: &KernelCtx<'_>, p: &ExpertLinearFp8Params) -> GpuResult<Vec<bf16>> {
+    let rows = p.num_experts as usize * p.n as usize;
+    fp8_weight(
+        ctx,
+        (p.w, p.scales),
+        (rows, p.k as usize),
+        p.scale_row_shift,
+    )
+}
+
 /// `expert_linear` ([`ExpertLinearParams`]): `out[p] = x[p / pairs_per_x_row] ·
 /// w[expert_ids[p]]ᵀ`. With `pairs_per_x_row = top_k` and
 /// `expert_ids = topk_ids` this is the experts' gate|up projection of each (row, choice) pair.
 pub fn expert_linear(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: ExpertLinearParams = ctx.params()?;
     let out = ctx.slice_mut::<bf16>("out", p.out, p.pairs as usize * p.n as usize)?;
-    expert_gemm(ctx, &p, |i, v| out[i] = b(v))
+    expert_gemm(ctx, &(&p).into(), bf16_experts(ctx, &p)?, |i, v| {
+        out[i] = b(v)
+    })
 }
 
 /// `expert_linear_f32out` ([`ExpertLinearParams`]): as `expert_linear` with an f32 output; the experts' down projection
@@ -156,7 +220,24 @@ pub fn expert_linear(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 pub fn expert_linear_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: ExpertLinearParams = ctx.params()?;
     let out = ctx.slice_mut::<f32>("out", p.out, p.pairs as usize * p.n as usize)?;
-    expert_gemm(ctx, &p, |i, v| out[i] = v)
+    expert_gemm(ctx, &(&p).into(), bf16_experts(ctx, &p)?, |i, v| out[i] = v)
+}
+
+/// `expert_linear_fp8` ([`ExpertLinearFp8Params`]): `expert_linear` of the dequantized weight
+/// (each element bf16(e4m3 · bf16(its block's scale)), `crate::fp8`).
+pub fn expert_linear_fp8(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    let p: ExpertLinearFp8Params = ctx.params()?;
+    let out = ctx.slice_mut::<bf16>("out", p.out, p.pairs as usize * p.n as usize)?;
+    expert_gemm(ctx, &(&p).into(), &fp8_experts(ctx, &p)?, |i, v| {
+        out[i] = b(v)
+    })
+}
+
+/// `expert_linear_fp8_f32out` ([`ExpertLinearFp8Params`]): as `expert_linear_fp8`, f32 out.
+pub fn expert_linear_fp8_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    let p: ExpertLinearFp8Params = ctx.params()?;
+    let out = ctx.slice_mut::<f32>("out", p.out, p.pairs as usize * p.n as usize)?;
+    expert_gemm(ctx, &(&p).into(), &fp8_experts(ctx, &p)?, |i, v| out[i] = v)
 }
 
 /// `moe_combine` ([`MoeCombineParams`]):

@@ -1,14 +1,18 @@
 //! Layer-level tests of `MoeMlp` on the CPU backend: its output against an f64 transcription of
-//! transformers' sparse MoE block (with and without the shared expert, renormalised or not), and
-//! a row's output is the same bits alone or in a batch.
+//! transformers' sparse MoE block (with and without the shared expert, renormalised or not), a
+//! row's output is the same bits alone or in a batch, and block-FP8 experts give the bits of
+//! the bf16 experts they stand for.
 
 use half::bf16;
-use metrale_gpu_runtime::GpuBackendExt;
+use metrale_gpu_runtime::fp8::{self, FP8_BLOCK_ROW_SHIFT};
+use metrale_gpu_runtime::{DType, GpuBackendExt};
 use metrale_testkit::Rng;
 
 use super::{MoeMlp, MoeShape, SharedExpert};
 use crate::layer::{Activations, LayerCtx, MoeBuffers, StepBuffers, StepShape};
 use crate::layers::gdn::tests::Rig;
+use crate::ops::BlockScales;
+use crate::weight_map::DenseWeight;
 
 const H: usize = 32;
 const MAX_ROWS: usize = 8;
@@ -205,4 +209,67 @@ fn the_moe_layer_matches_the_reference_and_is_batch_invariant() {
             "row 2 alone vs in the batch"
         );
     }
+}
+
+/// `w` (`[rows, k]`, bf16) as block FP8 with the packs' recipe, as the layer stores it, and the
+/// bf16 weight that stands for; `per_row` gives every weight row its own scale row.
+fn fp8_pair(rig: &Rig, w: &[bf16], shape: &[usize], per_row: bool) -> (DenseWeight, DenseWeight) {
+    let k = *shape.last().expect("a shape");
+    let rows = w.len() / k;
+    let (q, grid) = fp8::quantize(w, (rows, k));
+    let (shift, scales) = if per_row {
+        let kb = fp8::scale_cols(k);
+        let s: Vec<f32> = (0..rows)
+            .flat_map(|r| grid[(r >> FP8_BLOCK_ROW_SHIFT) * kb..][..kb].to_vec())
+            .collect();
+        (0, s)
+    } else {
+        (FP8_BLOCK_ROW_SHIFT, grid)
+    };
+    let deq = fp8::dequant(&q, &scales, (rows, k), shift);
+    let quantized = DenseWeight {
+        ptr: rig.put(&q),
+        shape: shape.to_vec(),
+        dtype: DType::F8E4M3,
+        scales: Some(BlockScales {
+            ptr: rig.put(&scales),
+            row_shift: shift,
+        }),
+    };
+    (quantized, rig.bf16_weight(shape, &deq))
+}
+
+#[test]
+fn fp8_experts_give_the_bits_of_their_dequantized_bf16_experts() {
+    let rig = Rig::new();
+    let mut d = Rng::new(133);
+    let shape = MoeShape {
+        num_experts: 6,
+        top_k: 2,
+        expert_ffn: 8,
+        renormalize: true,
+    };
+    let (f, e) = (shape.expert_ffn as usize, shape.num_experts as usize);
+    let (mut mlp, w) = build(&rig, &mut d, shape, true);
+    // gate|up with a scale row per weight row (8-row parts), down with 128-row blocks.
+    let (gu_q, gu_deq) = fp8_pair(&rig, &w.gate_up, &[e, 2 * f, H], true);
+    let (down_q, down_deq) = fp8_pair(&rig, &w.down, &[e, H, f], false);
+    let buf = buffers(&rig, shape);
+    let x = d.bf16s(5 * H, -1.0, 1.0);
+    mlp.experts_gate_up = gu_deq;
+    mlp.experts_down = down_deq;
+    let want = run(&rig, &mlp, &buf, &x);
+    mlp.experts_gate_up = gu_q;
+    mlp.experts_down = down_q;
+    let got = run(&rig, &mlp, &buf, &x);
+    let bits = |v: &[bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&got),
+        bits(&want),
+        "FP8 experts vs their dequantized bf16"
+    );
+    assert!(
+        got.iter().all(|v| v.is_finite()),
+        "the layer wrote every output"
+    );
 }
