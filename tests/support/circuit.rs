@@ -26,16 +26,9 @@ pub const FAMILIES: &[&str] = &[
     "qwen3_5_moe",
 ];
 
-/// Every fixture the circuit runs: those of [`FAMILIES`] with bf16 weights (the circuit refuses
-/// FP8 weights, which `qwen3_dense.rs` checks).
+/// Every fixture the circuit runs: those of [`FAMILIES`], bf16 and block-FP8 packs alike.
 pub fn circuit_fixtures() -> Vec<std::path::PathBuf> {
     super::fixtures_of(FAMILIES)
-        .into_iter()
-        .filter(|dir| {
-            let config = metrale_config::ModelConfig::from_dir(dir);
-            config.is_ok_and(|c| c.checkpoint.quantization.is_none())
-        })
-        .collect()
 }
 
 /// `circuit-reference`.
@@ -78,7 +71,8 @@ pub fn load(
     gpu: Arc<dyn GpuBackend>,
     forward: ForwardSelect,
 ) -> Result<Scheduler> {
-    let model = factory::load(dir, gpu).with_context(|| format!("loading {}", dir.display()))?;
+    let model = factory::load_quantized(dir, gpu, options.quantization)
+        .with_context(|| format!("loading {}", dir.display()))?;
     let mut model = Scheduler::new(model, options)?;
     model
         .runner_mut()

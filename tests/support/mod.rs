@@ -393,3 +393,46 @@ pub fn assert_fixture_passes(dir: &Path) {
         );
     }
 }
+
+/// One tensor of a checkpoint being rewritten ([`copy_fixture_with`]).
+pub struct TensorData {
+    pub dtype: safetensors::Dtype,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+/// A copy of the fixture in `src` in `dst` (its config, generation config and reference files),
+/// its `model.safetensors` rewritten tensor by tensor: `edit` gets each tensor and returns what
+/// takes its place (none, itself, or several).
+pub fn copy_fixture_with(
+    src: &Path,
+    dst: &Path,
+    mut edit: impl FnMut(&str, TensorData) -> Vec<(String, TensorData)>,
+) {
+    for f in [
+        "config.json",
+        "generation_config.json",
+        "reference.json",
+        "reference_logits.safetensors",
+    ] {
+        std::fs::copy(src.join(f), dst.join(f)).expect("copy a fixture file");
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).expect("read the checkpoint");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
+    let mut tensors = Vec::new();
+    for (name, view) in st.tensors() {
+        let tensor = TensorData {
+            dtype: view.dtype(),
+            shape: view.shape().to_vec(),
+            data: view.data().to_vec(),
+        };
+        tensors.extend(edit(&name, tensor));
+    }
+    let views = tensors.iter().map(|(n, t)| {
+        let view = safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.data)
+            .expect("a consistent tensor");
+        (n.clone(), view)
+    });
+    safetensors::serialize_to_file(views, None, &dst.join("model.safetensors"))
+        .expect("write the checkpoint");
+}

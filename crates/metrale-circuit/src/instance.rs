@@ -94,6 +94,33 @@ impl fmt::Display for Architecture {
     }
 }
 
+/// How the decoder layers' projection weights are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum WeightFormat {
+    /// bf16.
+    #[default]
+    Bf16,
+    /// Block FP8 (e4m3 with a scale per 128 x 128 block) for the projections a pack quantizes
+    /// ([`LinearRole::block_fp8_in_packs`](crate::LinearRole::block_fp8_in_packs)), in every
+    /// layer and the MTP head's; the others bf16. Their rules name the FP8 kernels.
+    BlockFp8,
+}
+
+impl WeightFormat {
+    /// The format's text name.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightFormat::Bf16 => "bf16",
+            WeightFormat::BlockFp8 => "block_fp8",
+        }
+    }
+
+    /// Whether the projection of `role` is block FP8 under this format.
+    pub fn is_fp8(self, role: crate::LinearRole) -> bool {
+        self == WeightFormat::BlockFp8 && role.block_fp8_in_packs()
+    }
+}
+
 /// The Gated DeltaNet layers' dimensions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GdnDims {
@@ -178,6 +205,8 @@ pub struct Instance {
     pub draft_layer: Option<LayerSpec>,
     /// The step ends with a greedy argmax of its logit rows.
     pub argmax: bool,
+    /// How the layers' projections are stored, which picks their kernels.
+    pub weights: WeightFormat,
 }
 
 /// Which step a circuit computes.
@@ -385,6 +414,9 @@ impl Instance {
                 "moe experts={} top_k={} expert_ffn={} shared={shared}",
                 m.num_experts, m.top_k, m.expert_ffn
             );
+        }
+        if self.weights != WeightFormat::Bf16 {
+            let _ = writeln!(s, "weights {}", self.weights.name());
         }
         let _ = writeln!(s, "layers {}: {}", self.layers.len(), runs(&self.layers));
         let _ = writeln!(s, "argmax {}", if self.argmax { "yes" } else { "no" });

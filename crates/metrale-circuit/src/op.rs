@@ -101,6 +101,25 @@ impl LinearRole {
         LinearRole::Fc,
     ];
 
+    /// Whether a block-FP8 pack stores this projection in e4m3 (the Qwen layout): every decoder
+    /// projection but the Gated DeltaNet input projection (whose a and b rows the packs keep in
+    /// bf16, so the fused projection loads as bf16), the router, the shared expert's gate, the
+    /// MTP head's `fc` and the LM head.
+    pub fn block_fp8_in_packs(self) -> bool {
+        matches!(
+            self,
+            LinearRole::Qkv
+                | LinearRole::O
+                | LinearRole::GateUp
+                | LinearRole::Down
+                | LinearRole::GdnOut
+                | LinearRole::ExpertGateUp
+                | LinearRole::ExpertDown
+                | LinearRole::SharedGateUp
+                | LinearRole::SharedDown
+        )
+    }
+
     /// The role's text name.
     pub fn name(self) -> &'static str {
         match self {

@@ -10,7 +10,7 @@
 //! `activation::silu_mul`, `gemm::linear`; then `norm::add_rms_norm`, `embed::gather_rows`,
 //! `gemm::linear_f32out` and, when asked, `sampling::argmax`. A test holds it to that.
 
-use crate::instance::Architecture;
+use crate::instance::{Architecture, Instance, WeightFormat};
 use crate::kernels as k;
 use crate::op::{LinearRole, NormRole, NormWeight, Op};
 use crate::rules::{Kernel, Numerics, Rule, RuleTable};
@@ -28,6 +28,41 @@ fn rule(chain: &[Op], kernels: &[Kernel], numerics: Numerics) -> Rule {
 }
 
 impl RuleTable {
+    /// The table of `instance`: its architecture's ([`RuleTable::for_architecture`]) for its
+    /// weight format. Under [`WeightFormat::BlockFp8`] the reference rule of each FP8 dense
+    /// projection launches `fp8_linear` (the caller's FP8 path at the widths it lowers:
+    /// `gemm::linear_stream_fp8`, whose launcher picks the decode kernel by rows as
+    /// `gemm::linear`'s does, or `gemm::dequant_fp8` then `gemm::linear` where the launcher
+    /// dequantizes), the experts' `moe::expert_linear_fp8` and its f32-out twin, and the fused
+    /// rules that take an FP8 projection, whose kernels read bf16 weights, are left out.
+    pub fn for_instance(instance: &Instance, fp8_linear: &[Kernel]) -> RuleTable {
+        let table = RuleTable::for_architecture(instance.architecture);
+        let format = instance.weights;
+        if format == WeightFormat::Bf16 {
+            return table;
+        }
+        let fp8 = |op: &Op| matches!(op, Op::Linear(role) if format.is_fp8(*role));
+        let rules = table
+            .rules
+            .into_iter()
+            .filter(|r| r.numerics == Reference || !r.chain.iter().any(fp8))
+            .map(|mut r| {
+                if r.numerics == Reference && r.chain.iter().any(fp8) {
+                    r.kernels = (r.kernels.iter())
+                        .flat_map(|&kernel| match kernel {
+                            k::LINEAR => fp8_linear.to_vec(),
+                            k::EXPERT_LINEAR => vec![k::EXPERT_LINEAR_FP8],
+                            k::EXPERT_LINEAR_F32OUT => vec![k::EXPERT_LINEAR_FP8_F32OUT],
+                            other => vec![other],
+                        })
+                        .collect();
+                }
+                r
+            })
+            .collect();
+        RuleTable { rules }
+    }
+
     /// The table of `architecture`.
     pub fn for_architecture(architecture: Architecture) -> RuleTable {
         let rules = match architecture {

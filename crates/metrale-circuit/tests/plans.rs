@@ -451,3 +451,57 @@ fn tables_are_well_formed() {
         }
     }
 }
+
+#[test]
+fn block_fp8_weights_lower_their_projections_to_the_fp8_kernels_and_drop_bf16_fusions() -> Result<()>
+{
+    let bf16 = support::hybrid_moe();
+    let fp8 = Instance {
+        weights: metrale_circuit::WeightFormat::BlockFp8,
+        ..bf16.clone()
+    };
+    let table = RuleTable::for_instance(&fp8, &[kernels::LINEAR_STREAM_FP8]);
+    let lowering = |t: &RuleTable, i: &Instance| -> Result<Plan> {
+        let circuit = Arc::new(Circuit::new(i)?);
+        let every = KernelSet::from_kernels(
+            &t.rules()
+                .iter()
+                .flat_map(|r| r.kernels.clone())
+                .collect::<std::collections::BTreeSet<_>>(),
+        );
+        let lowering = Lowering {
+            rules: t,
+            fusions: Fusions::All,
+            kernels: &every,
+        };
+        Ok(Plan::compile(&circuit, &lowering, 1)?)
+    };
+    let plan = lowering(&table, &fp8)?;
+    let launched = names(&plan);
+    let count = |k: &str| launched.iter().filter(|n| *n == k).count();
+    // Per MoE layer: qkv/o or the GDN's out projection, the shared expert's two, and the two
+    // expert projections in FP8; the GDN input projection, the routers, the shared gate and the
+    // LM head stay bf16.
+    ensure!(count("moe::expert_linear_fp8") == 4 && count("moe::expert_linear_fp8_f32out") == 4);
+    ensure!(count("moe::expert_linear") == 0 && count("gemm::linear_swiglu") == 0);
+    ensure!(
+        count("gemm::linear") == 3,
+        "the GDN input projections: {launched:?}"
+    );
+    ensure!(count("gemm::linear_stream_fp8") > 0);
+    ensure!(!table.rules().iter().any(|r| {
+        r.chain
+            .iter()
+            .any(|op| matches!(op, Op::Linear(role) if role.block_fp8_in_packs()))
+            && r.numerics != Numerics::Reference
+    }));
+    // The format is in the plan's text, so digests tell the two apart.
+    let plain = lowering(
+        &RuleTable::for_instance(&bf16, &[kernels::LINEAR_STREAM_FP8]),
+        &bf16,
+    )?;
+    ensure!(plan.text().contains("weights block_fp8") && !plain.text().contains("weights"));
+    ensure!(plan.digest() != plain.digest());
+    ensure!(names(&plain).iter().any(|n| n == "gemm::linear_swiglu"));
+    Ok(())
+}

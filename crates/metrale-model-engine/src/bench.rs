@@ -523,8 +523,7 @@ fn decode(
     let s = gpu.default_stream();
     let (mut decode, mut profiles) = (Vec::new(), Vec::new());
     for (nth, &forward) in opts.forwards.iter().enumerate() {
-        // The circuit refuses block-FP8 weights (its plans name bf16 kernels): the forwards
-        // that cannot run this model are left out, and say so.
+        // The forwards that cannot run this model are left out, and say so.
         if let Err(e) = runner.set_forward(forward) {
             tracing::warn!(forward = forward.name(), error = %e, "forward skipped");
             continue;

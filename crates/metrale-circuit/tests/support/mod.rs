@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use metrale_circuit::{
     Architecture, Circuit, Dims, FfnKind, Fusions, GdnDims, Instance, KernelSet, LayerKind,
-    LayerSpec, Lowering, MoeDims, Numerics, Plan, RuleTable, SharedExpertDims, Step,
+    LayerSpec, Lowering, MoeDims, Numerics, Plan, RuleTable, SharedExpertDims, Step, WeightFormat,
 };
 
 pub const FA_DENSE: LayerSpec = LayerSpec {
@@ -74,6 +74,7 @@ pub fn dense(qk_norm: bool) -> Instance {
         draft_rows: vec![1, 2, 3],
         draft_layer: Some(FA_DENSE),
         argmax: true,
+        weights: WeightFormat::Bf16,
     }
 }
 
@@ -91,6 +92,7 @@ pub fn hybrid(layers: Vec<LayerSpec>) -> Instance {
         draft_rows: vec![1, 2, 3],
         draft_layer: Some(FA_DENSE),
         argmax: true,
+        weights: WeightFormat::Bf16,
     }
 }
 
@@ -110,6 +112,7 @@ pub fn hybrid_moe() -> Instance {
         draft_rows: vec![1, 2, 3],
         draft_layer: Some(FA_MOE),
         argmax: true,
+        weights: WeightFormat::Bf16,
     }
 }
 

@@ -132,9 +132,9 @@ pub fn gdn(
             in_proj_qkvz,
             in_proj_ba,
         } => {
-            let qkvz = loader
-                .source
-                .load_bf16(in_proj_qkvz, &[2 * key_dim + 2 * value_dim, h])?;
+            // As a pack loads it: q/k/v/z hold their FP8 values, b and a stay bf16, so the
+            // permuted projection is bf16 (`Loader::linears_as_packed` says why).
+            let qkvz = loader.packed_bf16(in_proj_qkvz, &[2 * key_dim + 2 * value_dim, h])?;
             let ba = loader.source.load_bf16(in_proj_ba, &[2 * vh, h])?;
             let rows = shape.qwen3_next_in_proj_rows();
             let mut fused = Vec::with_capacity(rows.len() * h);
@@ -146,12 +146,7 @@ pub fn gdn(
                 fused.extend_from_slice(&src[i * h..(i + 1) * h]);
             }
             let width = fused.len() / h;
-            loader.as_configured(loader.upload(
-                in_proj_qkvz,
-                &fused,
-                vec![width, h],
-                DType::Bf16,
-            )?)?
+            loader.upload(in_proj_qkvz, &fused, vec![width, h], DType::Bf16)?
         }
     };
     Ok(GatedDeltaNet {

@@ -79,11 +79,11 @@ impl Loader<'_> {
             return Ok(self.weights.upload_linear_concat(parts)?);
         }
         let mut data = Vec::new();
-        for (i, part) in parts.iter().enumerate() {
+        for (i, &(name, shape)) in parts.iter().enumerate() {
             if i < quantized {
-                data.extend(self.source.quantize_fp8_concat(&[*part])?.dequantized());
+                data.extend(self.packed_bf16(name, shape)?);
             } else {
-                data.extend(self.source.load_bf16(part.0, part.1)?);
+                data.extend(self.source.load_bf16(name, shape)?);
             }
         }
         let rows = parts.iter().map(|(_, shape)| shape[0]).sum::<usize>();
@@ -96,6 +96,23 @@ impl Loader<'_> {
         Ok(self
             .weights
             .upload(&label, &data, vec![rows, k], DType::Bf16)?)
+    }
+
+    /// Projection tensor `name` as the bf16 its block-FP8 pack's weight stands for: quantized
+    /// with the packs' recipe and dequantized when the model is quantized at load and the
+    /// tensor is stored in bf16; else as stored (an FP8 tensor dequantized).
+    pub(crate) fn packed_bf16(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Vec<half::bf16>, ModelError> {
+        if self.quantize.is_some() && !self.source.is_fp8(name) {
+            return Ok(self
+                .source
+                .quantize_fp8_concat(&[(name, shape)])?
+                .dequantized());
+        }
+        Ok(self.source.load_bf16(name, shape)?)
     }
 
     /// Projection weight `w`, built on the host from several tensors, as the model stores it:

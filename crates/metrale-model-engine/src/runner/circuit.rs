@@ -30,6 +30,7 @@ use metrale_model_layers::StepShape;
 use metrale_model_layers::circuit_exec::{
     Architecture, Boot, CircuitBindings, CircuitExec, DraftFixed, Fixed, HeadBinding, Launch,
     LayerPools, NormWeight, Plan, Recorder, Step, launcher_kernels, model_instance, plan_at,
+    weight_format,
 };
 
 pub use metrale_model_layers::circuit_exec::{Digest, Fusions, plans_digest};
@@ -40,7 +41,7 @@ use super::StepRunner;
 use super::forward::Forward;
 use super::sizes::{StepSizes, max_blocks};
 use crate::error::ModelError;
-use crate::options::{ModelOptions, Speculative};
+use crate::options::{ModelOptions, Quantization, Speculative};
 
 /// Which forward runs decode steps. Default: [`ForwardSelect::Legacy`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -196,6 +197,7 @@ impl Forward {
             widths.into_iter().map(|w| w as u64).collect(),
             verify_rows(sizes.drafts),
             draft_rows(drafting),
+            weight_format(model.config(), options.quantization == Quantization::Fp8),
         )?;
         for layer in model.layers() {
             layer.circuit_prepare(ops, stream)?;
@@ -369,6 +371,7 @@ fn checkpoint_instance(
         widths.collect(),
         verify,
         draft,
+        weight_format(config, options.quantization == Quantization::Fp8),
     )?)
 }
 

@@ -524,11 +524,13 @@ pub fn check_bindings(
 }
 
 /// The format family kernel reads `slot` in: the GDN gates read `A_log` and `dt_bias` as f32,
-/// every other kernel reads bf16 weights.
+/// the block-FP8 projections' kernels e4m3 bytes (with their scales), every other kernel bf16.
 pub(crate) fn expected_family(kernel: metrale_circuit::Kernel, slot: WeightSlot) -> &'static str {
+    use metrale_circuit::kernels as k;
     match (kernel, slot) {
-        (metrale_circuit::kernels::GDN_PREPARE, WeightSlot::GdnALog | WeightSlot::GdnDtBias) => {
-            DType::F32.name()
+        (k::GDN_PREPARE, WeightSlot::GdnALog | WeightSlot::GdnDtBias) => DType::F32.name(),
+        (k::LINEAR_STREAM_FP8 | k::EXPERT_LINEAR_FP8 | k::EXPERT_LINEAR_FP8_F32OUT, _) => {
+            DType::F8E4M3.name()
         }
         _ => DType::Bf16.name(),
     }

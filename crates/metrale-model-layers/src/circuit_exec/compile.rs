@@ -58,7 +58,7 @@ impl Program {
 /// (and its f32-out twin) launches `linear_stream` / `linear_stream_b4` (m <= 16),
 /// `linear_stream_tma` (9..64 rows where x's segment fits and the weight has a tensor map) or
 /// `linear_stream_wide` (m <= 128) for decode-sized row counts, which give bitwise the rows
-/// `linear` gives; `ops::paged_attention` launches `paged_attention_flat` where a step has
+/// `linear` gives (`linear_stream_fp8` likewise `linear_stream_wide_fp8` above 16 rows); `ops::paged_attention` launches `paged_attention_flat` where a step has
 /// items enough for every block, and `ops::gated_delta_recurrent` launches
 /// `gated_delta_streamed` where it has several items a block (bitwise the same rows and states);
 /// `ops::add_rms_norm` and `ops::silu_mul` launch their `_staged` variants where the projection
@@ -89,6 +89,10 @@ pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
             Kernel::new("gemm", "linear_stream_wide"),
             Kernel::new("gemm", "linear_stream_tma"),
         ],
+    ),
+    (
+        metrale_circuit::kernels::LINEAR_STREAM_FP8,
+        &[Kernel::new("gemm", "linear_stream_wide_fp8")],
     ),
     (
         metrale_circuit::kernels::LINEAR_F32OUT,

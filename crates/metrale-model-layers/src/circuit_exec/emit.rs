@@ -298,7 +298,15 @@ impl Emitter<'_> {
                     None => ops.add_rms_norm(s, residual, delta, out, &norm)?,
                 }
             }
-            (Op::Linear(_), [kernel @ (k::LINEAR | k::LINEAR_F32OUT)]) => {
+            // A block-FP8 projection above the decode kernels' rows: `Ops::linear` dequantizes
+            // the weight into scratch memory and runs the bf16 kernel.
+            (Op::Linear(_), [k::DEQUANT_FP8, k::LINEAR]) => {
+                let x = self.view(b, &self.nth(node, 0, false)?)?;
+                let out = self.view(b, &self.nth(node, 0, true)?)?;
+                let w = self.linear_weight(node, k::LINEAR_STREAM_FP8)?;
+                ops.linear(s, out, x, w)?;
+            }
+            (Op::Linear(_), [kernel @ (k::LINEAR | k::LINEAR_F32OUT | k::LINEAR_STREAM_FP8)]) => {
                 let x = self.view(b, &self.nth(node, 0, false)?)?;
                 let out = self.view(b, &self.nth(node, 0, true)?)?;
                 let w = self.linear_weight(node, *kernel)?;

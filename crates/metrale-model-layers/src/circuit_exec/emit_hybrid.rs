@@ -7,11 +7,12 @@
 
 use metrale_circuit::kernels as k;
 use metrale_circuit::{Kernel, Node, Op, Tensor};
-use metrale_gpu_runtime::DevicePtr;
+use metrale_gpu_runtime::{DType, DevicePtr};
 
 use super::bindings::WeightSlot;
 use super::emit::Emitter;
 use super::error::CircuitExecError;
+use crate::ops::Matrix;
 use crate::ops_hybrid::{
     CausalConv1d, ExpertLinear, GatedDelta, GatedRmsNorm, GdnPrepare, GdnSeqs, MoeCombine,
     StatePool, TopkRoute,
@@ -126,15 +127,24 @@ impl Emitter<'_> {
         let (ops, s, b) = (self.ops, self.stream, node.block);
         let u = |what: &'static str, v: u64| self.u32(b, what, v);
         match (node.op, kernels) {
-            (Op::Linear(role), [kernel @ (k::EXPERT_LINEAR | k::EXPERT_LINEAR_F32OUT)]) => {
+            (
+                Op::Linear(role),
+                [
+                    kernel @ (k::EXPERT_LINEAR
+                    | k::EXPERT_LINEAR_F32OUT
+                    | k::EXPERT_LINEAR_FP8
+                    | k::EXPERT_LINEAR_FP8_F32OUT),
+                ],
+            ) => {
                 let x = self.nth(node, 0, false)?;
                 let ids = self.input(node, Tensor::MoeTopkIds)?;
                 let out = self.nth(node, 0, true)?;
                 let moe = self.moe(b)?;
+                let slot = WeightSlot::Linear(role);
                 let p = ExpertLinear {
                     out: out.ptr,
                     x: x.ptr,
-                    w: self.weight(b, WeightSlot::Linear(role), *kernel)?,
+                    w: self.weight(b, slot, *kernel)?,
                     expert_ids: ids.ptr,
                     pairs: u("pairs", out.rows)?,
                     n: u("output columns", out.cols)?,
@@ -142,11 +152,23 @@ impl Emitter<'_> {
                     num_experts: moe.shape.num_experts,
                     pairs_per_x_row: u("pairs per row", out.rows / x.rows.max(1))?,
                 };
-                if *kernel == k::EXPERT_LINEAR {
-                    ops.expert_linear(s, &p)?;
+                // The stacked weight as the `[E * n, k]` matrix the expert kernels read.
+                let scales = self.bound_scales(b, slot);
+                let dtype = if scales.is_some() {
+                    DType::F8E4M3
                 } else {
-                    ops.expert_linear_f32out(s, &p)?;
-                }
+                    DType::Bf16
+                };
+                let rows = p.num_experts.saturating_mul(p.n);
+                let stacked = Matrix {
+                    scales,
+                    ..Matrix::new(p.w, dtype, rows, p.k)
+                };
+                let f32_out = matches!(
+                    *kernel,
+                    k::EXPERT_LINEAR_F32OUT | k::EXPERT_LINEAR_FP8_F32OUT
+                );
+                ops.expert_projection(s, &p, stacked, f32_out)?;
             }
             (Op::MoeRoute, [k::TOPK_ROUTE]) => {
                 let moe = self.moe(b)?;

@@ -6,7 +6,7 @@
 
 use metrale_circuit::kernels as k;
 use metrale_circuit::{Kernel, LinearRole, Node, NormRole, Op};
-use metrale_gpu_runtime::DevicePtr;
+use metrale_gpu_runtime::{DType, DevicePtr};
 
 use super::bindings::WeightSlot;
 use super::emit::Emitter;
@@ -16,10 +16,21 @@ use crate::ops::Matrix;
 type Result<T> = std::result::Result<T, CircuitExecError>;
 
 impl Emitter<'_> {
-    /// A `Linear` node's weight (read as `kernel` reads it), bf16 `[n, k]`.
+    /// A `Linear` node's weight (read as `kernel` reads it) `[n, k]`: bf16, or block FP8 with
+    /// its scales.
     pub(super) fn linear_weight(&self, node: &Node, kernel: Kernel) -> Result<Matrix> {
         let (w, _, n, kk) = self.linear_shape(node, kernel)?;
-        Ok(Matrix::bf16(w, n, kk))
+        let scales = match node.op {
+            Op::Linear(role) => self.bound_scales(node.block, WeightSlot::Linear(role)),
+            _ => None,
+        };
+        Ok(match scales {
+            Some(scales) => Matrix {
+                scales: Some(scales),
+                ..Matrix::new(w, DType::F8E4M3, n, kk)
+            },
+            None => Matrix::bf16(w, n, kk),
+        })
     }
 
     /// A `Linear` node's weight (read as `kernel` reads it) and its m, n, k.
@@ -69,7 +80,9 @@ impl Emitter<'_> {
                 Op::Linear(LinearRole::GateUp)
             ) | (Some(Op::SiluMul), Op::Linear(LinearRole::Down))
         );
-        if !staged {
+        // Only bf16 projections read stage images (an FP8 one reads x's rows).
+        let fp8 = matches!(linear.op, Op::Linear(role) if self.bound_scales(linear.block, WeightSlot::Linear(role)).is_some());
+        if !staged || fp8 {
             return Ok(None);
         }
         let (w, m, n, kk) = self.linear_shape(linear, k::LINEAR)?;

@@ -120,6 +120,23 @@ pub enum BindingProblem {
         /// The bound weight's shape.
         found: Vec<usize>,
     },
+    /// A bound weight stored in another format than the circuit's instance says
+    /// (`Instance::weights`), which picks the kernel that reads it.
+    #[error(
+        "{block}: weight {slot} is {found}; the circuit's {format} weights read it as {expected}"
+    )]
+    WeightStorage {
+        /// The node's block.
+        block: Block,
+        /// The weight.
+        slot: WeightSlot,
+        /// The instance's weight format.
+        format: &'static str,
+        /// The format family the circuit reads.
+        expected: &'static str,
+        /// The bound weight's format family.
+        found: &'static str,
+    },
     /// An attention or GDN layer without its cache or state pool in [`super::Fixed`].
     #[error("{part}: no {pool} bound")]
     MissingPool {

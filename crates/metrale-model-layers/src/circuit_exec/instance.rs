@@ -12,13 +12,14 @@ use std::sync::Arc;
 
 use metrale_circuit::{
     Architecture, Circuit, Dims, FfnKind, Fusions, GdnDims, Instance, KernelSet, LayerKind,
-    LayerSpec, Lowering, MoeDims, Plan, RuleTable, SharedExpertDims, Step,
+    LayerSpec, Lowering, MoeDims, Plan, RuleTable, SharedExpertDims, Step, WeightFormat,
 };
 use metrale_config::{LayerType, ModelConfig, ModelFamily};
 
 use super::error::CircuitExecError;
 use crate::ops::Kernels;
 use crate::ops_fused::LINEAR_SWIGLU_M_MAX;
+use crate::ops_gemm::FP8_STREAM_M_MAX;
 
 /// The circuit architecture of a config's family: Qwen3 is dense GQA with q/k norms, Llama
 /// without; Qwen3.5 is the dense hybrid; Qwen3-Next and Qwen3.5-MoE the MoE hybrid.
@@ -47,6 +48,7 @@ pub fn model_instance(
     widths: Vec<u64>,
     verify_rows: Vec<u64>,
     draft_rows: Vec<u64>,
+    weights: WeightFormat,
 ) -> Result<Instance, CircuitExecError> {
     let u = |n: usize| n as u64;
     let gdn = config.linear.as_ref().map(|l| GdnDims {
@@ -107,9 +109,21 @@ pub fn model_instance(
         }),
         draft_rows,
         argmax: false,
+        weights,
     };
     instance.validate()?;
     Ok(instance)
+}
+
+/// The weight format of `config`'s checkpoint: block FP8 for an FP8 pack
+/// (`quantization_config`) or when the model is quantized at load (`quantize_at_load`), as the
+/// loader stores the projections; else bf16.
+pub fn weight_format(config: &ModelConfig, quantize_at_load: bool) -> WeightFormat {
+    if quantize_at_load || config.checkpoint.quantization.is_some() {
+        WeightFormat::BlockFp8
+    } else {
+        WeightFormat::Bf16
+    }
 }
 
 /// The kernels the executor has a launcher for (`ops::Kernels`): what a plan may lower to.
@@ -127,25 +141,38 @@ pub fn plan_at(
     rows: u64,
 ) -> Result<Plan, CircuitExecError> {
     let circuit = Arc::new(Circuit::for_step(instance, step)?);
-    let rules = RuleTable::for_architecture(instance.architecture);
-    plan_of_width(&circuit, &rules, fusions, kernels, rows)
+    plan_of_width(&circuit, instance, fusions, kernels, rows)
 }
 
-/// `circuit` at `rows` rows lowered with `rules` and `fusions` against [`kernels_at`] that width.
+/// `circuit` at `rows` rows lowered with `instance`'s rule table at that width
+/// ([`rules_at`]) and `fusions` against [`kernels_at`] that width.
 fn plan_of_width(
     circuit: &Arc<Circuit>,
-    rules: &RuleTable,
+    instance: &Instance,
     fusions: Fusions,
     kernels: &KernelSet,
     rows: u64,
 ) -> Result<Plan, CircuitExecError> {
     let kernels = kernels_at(kernels, rows);
+    let rules = rules_at(instance, rows);
     let lowering = Lowering {
-        rules,
+        rules: &rules,
         fusions,
         kernels: &kernels,
     };
     Ok(Plan::compile(circuit, &lowering, rows)?)
+}
+
+/// `instance`'s rule table at `rows` rows. A block-FP8 projection runs its decode kernels
+/// (`linear_stream_fp8`, `linear_stream_wide_fp8`) up to [`FP8_STREAM_M_MAX`] rows; above them
+/// `Ops::linear` dequantizes the weight into scratch memory and runs the bf16 kernel.
+pub fn rules_at(instance: &Instance, rows: u64) -> RuleTable {
+    use metrale_circuit::kernels as k;
+    if rows > u64::from(FP8_STREAM_M_MAX) {
+        RuleTable::for_instance(instance, &[k::DEQUANT_FP8, k::LINEAR])
+    } else {
+        RuleTable::for_instance(instance, &[k::LINEAR_STREAM_FP8])
+    }
 }
 
 /// The kernels a plan of `rows` rows may lower to: `kernels` less those that serve only fewer
@@ -162,16 +189,17 @@ pub fn kernels_at(kernels: &KernelSet, rows: u64) -> KernelSet {
     }
 }
 
-/// Every width of `circuit` lowered with `rules` and `fusions` against [`kernels_at`] that width.
+/// Every width of `circuit` lowered with `instance`'s rule table at that width and `fusions`
+/// against [`kernels_at`] that width.
 pub(crate) fn plans_by_width(
     circuit: &Arc<Circuit>,
-    rules: &RuleTable,
+    instance: &Instance,
     fusions: Fusions,
     kernels: &KernelSet,
 ) -> Result<Vec<Plan>, CircuitExecError> {
     circuit
         .widths()
         .iter()
-        .map(|&rows| plan_of_width(circuit, rules, fusions, kernels, rows))
+        .map(|&rows| plan_of_width(circuit, instance, fusions, kernels, rows))
         .collect()
 }

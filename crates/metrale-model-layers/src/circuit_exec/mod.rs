@@ -52,7 +52,7 @@ mod tests;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use metrale_circuit::{Circuit, RuleTable};
+use metrale_circuit::Circuit;
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuResult, StreamHandle};
 
 pub use bindings::{
@@ -64,7 +64,9 @@ pub use draft::DraftBinding;
 pub use error::{BindingProblem, CircuitExecError, Part};
 pub use fixed::{DraftFixed, Fixed, LayerPools};
 use instance::plans_by_width;
-pub use instance::{architecture, kernels_at, launcher_kernels, model_instance, plan_at};
+pub use instance::{
+    architecture, kernels_at, launcher_kernels, model_instance, plan_at, rules_at, weight_format,
+};
 pub use metrale_circuit::{
     Architecture, Block, Digest, Fusions, Instance, KernelSet, NormWeight, Plan, Step, plans_digest,
 };
@@ -160,9 +162,8 @@ impl CircuitExec {
             return Err(CircuitExecError::Bindings { problems });
         }
 
-        let table = RuleTable::for_architecture(boot.instance.architecture);
         let kernels = available_kernels(gpu.as_ref());
-        let lower = |c: &Arc<Circuit>| plans_by_width(c, &table, boot.fusions, &kernels);
+        let lower = |c: &Arc<Circuit>| plans_by_width(c, &boot.instance, boot.fusions, &kernels);
         let plans = lower(&circuit)?;
         let verify_plans = if boot.instance.verify_rows.is_empty() {
             Vec::new()

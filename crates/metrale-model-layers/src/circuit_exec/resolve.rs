@@ -7,16 +7,34 @@ use metrale_circuit::{Block, Kernel};
 use metrale_gpu_runtime::DevicePtr;
 
 use super::bindings::{
-    AttnFacts, CircuitLayer, FfnFacts, GdnFacts, MixerFacts, MoeFacts, WeightSlot, expected_family,
+    AttnFacts, BoundWeight, CircuitLayer, FfnFacts, GdnFacts, MixerFacts, MoeFacts, WeightSlot,
+    expected_family,
 };
 use super::emit::Emitter;
 use super::error::{BindingProblem, CircuitExecError};
 use super::fixed::LayerPools;
 use crate::layer::{KvBinding, SsmBinding};
+use crate::ops::BlockScales;
 
 type Result<T> = std::result::Result<T, CircuitExecError>;
 
 impl Emitter<'_> {
+    /// The weight bound in `slot` of `block`, if one is.
+    fn bound(&self, block: Block, slot: WeightSlot) -> Option<&BoundWeight> {
+        match block {
+            Block::Layer(_) | Block::DraftLayer(_) => {
+                self.layer(block).ok().and_then(|l| l.weights.get(&slot))
+            }
+            Block::Embed | Block::Head => self.head.weight(slot),
+            Block::Draft => self.draft.and_then(|d| d.weight(slot)),
+        }
+    }
+
+    /// The block scales of the weight in `slot` of `block`: `Some` for a block-FP8 weight.
+    pub(super) fn bound_scales(&self, block: Block, slot: WeightSlot) -> Option<BlockScales> {
+        self.bound(block, slot).and_then(|b| b.weight().scales)
+    }
+
     /// The weight in `slot` as `kernel` reads it.
     pub(super) fn weight(
         &self,
@@ -24,14 +42,7 @@ impl Emitter<'_> {
         slot: WeightSlot,
         kernel: Kernel,
     ) -> Result<DevicePtr> {
-        let bound = match block {
-            Block::Layer(_) | Block::DraftLayer(_) => {
-                self.layer(block).ok().and_then(|l| l.weights.get(&slot))
-            }
-            Block::Embed | Block::Head => self.head.weight(slot),
-            Block::Draft => self.draft.and_then(|d| d.weight(slot)),
-        };
-        let Some(bound) = bound else {
+        let Some(bound) = self.bound(block, slot) else {
             return Err(CircuitExecError::Bindings {
                 problems: vec![BindingProblem::MissingWeight { block, slot }],
             });

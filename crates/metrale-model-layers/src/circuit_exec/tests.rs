@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use metrale_circuit::{
     Architecture, Dims, FfnKind, GdnDims, Instance, LayerKind, LayerSpec, LinearRole, MoeDims,
-    SharedExpertDims,
+    SharedExpertDims, WeightFormat,
 };
 use metrale_gpu_runtime::{CpuBackend, DType, DevicePtr, GpuBackend, StreamHandle};
 
@@ -90,6 +90,7 @@ pub(super) fn instance(layers: Vec<LayerSpec>) -> Instance {
         draft_rows: vec![1, 2, 3, 4, 5],
         draft_layer: Some(FA_MOE),
         argmax: false,
+        weights: WeightFormat::Bf16,
     }
 }
 

@@ -1,11 +1,13 @@
-//! The weight check of `check_bindings`: every weight a circuit's node reads is bound, with
-//! the number of elements (and the row length) the node reads it with, and every weight of a
-//! checked layer is read by some node. Shared by the decode circuit (decoder layers, the head)
+//! The weight check of `check_bindings`: every weight a circuit's node reads is bound, stored as
+//! the instance's weight format says (a projection bf16 or block FP8), with the number of
+//! elements (and the row length) the node reads it with, and every weight of a checked layer is
+//! read by some node. Shared by the decode circuit (decoder layers, the head)
 //! and the draft circuit (the MTP head, its layer, and the shared embedding and LM head).
 
 use std::collections::BTreeMap;
 
 use metrale_circuit::{Block, Circuit, LinearRole, NodeId};
+use metrale_gpu_runtime::DType;
 
 use super::bindings::{BoundWeight, CircuitLayer, WeightSlot, slots_read};
 use super::error::{BindingProblem, CircuitExecError};
@@ -84,6 +86,21 @@ pub(crate) fn weight_problems<'a>(
             let Some((expected, last)) = expected_weight(circuit, &extents, NodeId(i), slot) else {
                 continue;
             };
+            let format = circuit.instance().weights;
+            let expected_format = match slot {
+                WeightSlot::Linear(role) if format.is_fp8(role) => DType::F8E4M3.name(),
+                WeightSlot::Linear(_) => DType::Bf16.name(),
+                _ => bound.family(),
+            };
+            if bound.family() != expected_format {
+                problems.push(BindingProblem::WeightStorage {
+                    block: node.block,
+                    slot,
+                    format: format.name(),
+                    expected: expected_format,
+                    found: bound.family(),
+                });
+            }
             let shape = bound.shape();
             let numel = shape.iter().map(|&d| d as u64).product::<u64>();
             let last_ok = last.is_none_or(|l| shape.last().map(|&d| d as u64) == Some(l));
