@@ -21,23 +21,6 @@ __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2) lab_fp8_b_operand(LI
     linear_direct_dispatch<bf16, LIN_FP8_B, LIN_FP8_B_RB>(out, x, wf, m, n, k, MT_KERNEL_LINEAR_STREAM_FP8);
 }
 
-__global__ void fill_u8(uint8_t* p, size_t n, uint64_t seed) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ (seed * 0xD1B54A32D192ED03ull);
-        h ^= h >> 29;
-        h *= 0xBF58476D1CE4E5B9ull;
-        h ^= h >> 32;
-        uint8_t v = (uint8_t)h;
-        if ((v & 0x7F) == 0x7F) v ^= 1;  // no NaN codes
-        p[i] = v;
-    }
-}
-
-__global__ void fill_scales(float* p, size_t n, uint64_t seed) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        p[i] = 0.0005f * (1.0f + (float)(((i + 1) * 2654435761ull ^ seed) % 1000) / 1000.0f);
-}
-
 // `fp8_swap_lab [N]`: every projection, or only those of N output columns (one launch of each
 // kernel first, for a profiler: `ncu -k regex:linear_stream_fp8 -c 1 fp8_swap_lab 24576`).
 int main(int argc, char** argv) {

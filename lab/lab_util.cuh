@@ -1,5 +1,6 @@
 // What the labs share: CK (exit on a CUDA error, naming the call), fill_bf16 (uniform values
-// in [-scale, scale) from a hash of the index and seed), launch_ex (a launch, optionally as a
+// in [-scale, scale) from a hash of the index and seed), fill_u8 and fill_scales (a block-FP8
+// weight's bytes and scales), launch_ex (a launch, optionally as a
 // programmatic dependent) and time_graph (the median time of a captured graph's replay).
 #pragma once
 
@@ -29,6 +30,25 @@ __global__ void fill_bf16(bf16* p, size_t n, uint64_t seed, float scale) {
         const float u = (float)(h >> 40) / (float)(1ull << 24);  // [0, 1)
         p[i] = __float2bfloat16_rn((2.0f * u - 1.0f) * scale);
     }
+}
+
+// Random e4m3 bytes (no NaN codes) from a hash of the index and seed.
+__global__ void fill_u8(uint8_t* p, size_t n, uint64_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ (seed * 0xD1B54A32D192ED03ull);
+        h ^= h >> 29;
+        h *= 0xBF58476D1CE4E5B9ull;
+        h ^= h >> 32;
+        uint8_t v = (uint8_t)h;
+        if ((v & 0x7F) == 0x7F) v ^= 1;  // no NaN codes
+        p[i] = v;
+    }
+}
+
+// Block scales in [0.0005, 0.001) from a hash of the index and seed.
+__global__ void fill_scales(float* p, size_t n, uint64_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        p[i] = 0.0005f * (1.0f + (float)(((i + 1) * 2654435761ull ^ seed) % 1000) / 1000.0f);
 }
 
 static double median(std::vector<double> v) {
