@@ -507,6 +507,37 @@ fn fp8_packs_get_plans_of_the_fp8_kernels_which_quantizing_at_load_reproduces() 
 }
 
 #[test]
+fn circuit_programs_compile_past_the_decode_kernels_rows() -> Result<()> {
+    // Up to 256 sequences: above 128 rows a projection runs the prefill kernel through its
+    // tensor map after `permute_k32_tiles` writes x's stage images, and an FP8 one first
+    // dequantizes its weight into scratch memory. There the legacy step stores keys and values
+    // with the rotation (`qk_norm_rope_kv_store`), as `circuit` does: its programs launch what
+    // legacy launches.
+    let options = ModelOptions::default().max_decode_seqs(256);
+    for fixture in ["qwen3-tiny", "qwen3-fp8-tiny"] {
+        let dir = fixtures_dir().join(fixture);
+        let mut model = load(&dir, options.clone(), cpu(), ForwardSelect::Legacy)?;
+        let wide = [256];
+        let legacy: Vec<_> = (wide.iter())
+            .map(|&w| model.runner().decode_launches(w))
+            .collect::<Result<_, _>>()?;
+        model.runner_mut().set_forward(ALL)?;
+        for (&w, want) in wide.iter().zip(&legacy) {
+            let got = model.runner().decode_launches(w)?;
+            ensure!(
+                got == *want,
+                "{fixture} width {w}: {} launches, legacy {}",
+                got.len(),
+                want.len()
+            );
+        }
+        // The reference plans compile there too.
+        model.runner_mut().set_forward(REFERENCE)?;
+    }
+    Ok(())
+}
+
+#[test]
 fn a_pack_storing_a_projection_the_circuit_reads_as_bf16_in_fp8_is_refused() -> Result<()> {
     // The Gated DeltaNet a and b projections of layer 0 in e4m3 too: the fused input projection
     // then loads as FP8, which the circuit (a pack's layout: that projection bf16) would misread.

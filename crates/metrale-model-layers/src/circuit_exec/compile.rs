@@ -3,9 +3,10 @@
 //!
 //! Invariants:
 //! - Each group emits exactly its plan kernels, in order, and the program has exactly
-//!   `Plan::launches_per_step` launches; anything else is an error, never a silent program.
-//!   A plan kernel whose launcher picks among shape variants ([`VARIANTS`]) is matched by any
-//!   of them.
+//!   `Plan::launches_per_step` launches plus the preludes it emitted; anything else is an
+//!   error, never a silent program. A plan kernel whose launcher picks among shape variants
+//!   ([`VARIANTS`]) is matched by any of them, one whose launcher may first launch a kernel that
+//!   prepares its input ([`PRELUDES`]) by that launch then the kernel.
 //! - A program reads and writes only addresses fixed at boot, so replaying it, launch by launch
 //!   or as a captured graph, needs only the step's metadata uploaded first.
 
@@ -88,6 +89,7 @@ pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
             Kernel::new("gemm", "linear_stream_b4"),
             Kernel::new("gemm", "linear_stream_wide"),
             Kernel::new("gemm", "linear_stream_tma"),
+            Kernel::new("gemm", "linear_tma"),
         ],
     ),
     (
@@ -101,7 +103,22 @@ pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
             Kernel::new("gemm", "linear_stream_b4_f32out"),
             Kernel::new("gemm", "linear_stream_wide_f32out"),
             Kernel::new("gemm", "linear_stream_tma_f32out"),
+            Kernel::new("gemm", "linear_tma_f32out"),
         ],
+    ),
+];
+
+/// Plan kernels whose launcher may first launch a kernel preparing the input, and that kernel:
+/// above the decode rows `ops::linear` (and its f32-out twin) runs `linear_tma` where the weight
+/// has a tensor map, after `permute_k32_tiles` writes x as its stage images.
+pub(crate) const PRELUDES: &[(Kernel, Kernel)] = &[
+    (
+        metrale_circuit::kernels::LINEAR,
+        Kernel::new("gemm", "permute_k32_tiles"),
+    ),
+    (
+        metrale_circuit::kernels::LINEAR_F32OUT,
+        Kernel::new("gemm", "permute_k32_tiles"),
     ),
 ];
 
@@ -135,14 +152,29 @@ pub(crate) fn compile(
     let plan: &Plan = emitter.plan;
     let gpu = emitter.ops.gpu().as_ref();
     recorder.take();
+    let mut preludes = 0;
     for group in plan.groups() {
         let before = recorder.len();
         emitter.group(group)?;
         let emitted: Vec<KernelHandle> = recorder.since(before).iter().map(|l| l.kernel).collect();
-        let mut matches = emitted.len() == group.kernels.len();
-        for (&kernel, launched) in group.kernels.iter().zip(&emitted) {
-            matches &= handles(gpu, cache, kernel)?.contains(launched);
+        let mut at = 0;
+        let mut matches = true;
+        for &kernel in &group.kernels {
+            let prelude = PRELUDES.iter().find(|(k, _)| *k == kernel).map(|(_, p)| *p);
+            if let Some(p) = prelude
+                && emitted.len() > at + 1
+                && gpu.kernel(p.module, p.name).ok() == emitted.get(at).copied()
+            {
+                at += 1;
+                preludes += 1;
+            }
+            matches &= match emitted.get(at) {
+                Some(launched) => handles(gpu, cache, kernel)?.contains(launched),
+                None => false,
+            };
+            at += 1;
         }
+        matches &= at == emitted.len();
         if !matches {
             let names: Vec<String> = group.kernels.iter().map(ToString::to_string).collect();
             let chain: Vec<String> = group.ops.iter().map(ToString::to_string).collect();
@@ -156,10 +188,10 @@ pub(crate) fn compile(
         }
     }
     let launches = recorder.take();
-    if launches.len() != plan.launches_per_step() {
+    if launches.len() != plan.launches_per_step() + preludes {
         return Err(CircuitExecError::LaunchCount {
             rows: plan.rows(),
-            planned: plan.launches_per_step(),
+            planned: plan.launches_per_step() + preludes,
             emitted: launches.len(),
         });
     }

@@ -238,12 +238,12 @@ pub enum CircuitExecError {
         /// What was emitted (kernel handles).
         emitted: String,
     },
-    /// A program whose launch count is not the plan's.
+    /// A program whose launch count is not the plan's (with the preludes its groups launched).
     #[error("at {rows} rows the plan counts {planned} launches, the program has {emitted}")]
     LaunchCount {
         /// The program's width.
         rows: u64,
-        /// `Plan::launches_per_step`.
+        /// `Plan::launches_per_step` and the preludes.
         planned: usize,
         /// Launches compiled.
         emitted: usize,
