@@ -129,6 +129,20 @@ if [ -x "$BIN_ROOT/bin/metrale" ]; then
       --json-out "$LOGDIR/bench-$shape.json" > "$log" 2>&1
     record "bench $shape" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
   done
+  # The block-FP8 figures (FP8_BENCH=0 skips them): the dense and hybrid shapes quantized at
+  # load, and the sparse-MoE Qwen3.5-35B-A3B shape in bf16 and in FP8 (its floor counts the
+  # experts each batch reads).
+  if [ "${FP8_BENCH:-1}" != 0 ]; then
+    for run in qwen3-8b:fp8 qwen3.5-9b:fp8 qwen3.5-35b-a3b:none qwen3.5-35b-a3b:fp8; do
+      shape="${run%%:*}"
+      quant="${run##*:}"
+      log="$LOGDIR/bench-$shape-$quant.log"
+      start="$(now)"
+      timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --shape "$shape" --backend cuda \
+        --quantization "$quant" --json-out "$LOGDIR/bench-$shape-$quant.json" > "$log" 2>&1
+      record "bench $shape $quant" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+    done
+  fi
   # The speculative figures on the hybrid shape (SPEC_BENCH=0 skips them): verify and draft
   # steps beside a plain decode step, projected and end-to-end tokens/s.
   if [ "${SPEC_BENCH:-1}" != 0 ]; then
