@@ -12,6 +12,9 @@
 //!   once. The NaN codes read as ±480 (what the kernels' bit conversion gives); the loader
 //!   refuses weights holding them, and scales outside [0, `MAX_SCALE`), so the kernels' factor
 //!   `bf16(scale) · 2^120` never overflows.
+//! - An FP8 KV cache element is `kv_quantize(value, scale) = e4m3(value / scale)` and reads as
+//!   `kv_dequant(byte, scale)`, the weights' element (`bf16(e4m3 · bf16(scale))`); a pool's
+//!   scale is finite and in (0, `MAX_SCALE`) ([`kv_scale_ok`]).
 //! - The block recipe: blocks of [`FP8_BLOCK`] rows by [`FP8_BLOCK`] columns (partial blocks at
 //!   the edges); scale = the block's amax / 448 in f32 (1 for a block without a nonzero finite
 //!   element); each element `e4m3(w / scale)`.
@@ -80,6 +83,27 @@ pub fn dequant_element(byte: u8, scale: f32) -> bf16 {
         e4m3_to_f32(byte)
     };
     bf16::from_f32(value * bf16::from_f32(scale).to_f32())
+}
+
+/// Whether `scale` is one a KV cache pool may use: finite, positive and below [`MAX_SCALE`] (the
+/// kernels' factor `bf16(scale) · 2^120` stays finite, and `value / scale` is defined).
+pub fn kv_scale_ok(scale: f32) -> bool {
+    scale.is_finite() && scale > 0.0 && scale < MAX_SCALE
+}
+
+/// One FP8 KV cache element as stored: `e4m3(value / scale)` ([`f32_to_e4m3`]: round to
+/// nearest even, finite values and infinities saturated at ±448, NaN to the NaN code), the
+/// quotient rounded once in f32, as the CUDA stores compute it.
+#[inline]
+pub fn kv_quantize(value: bf16, scale: f32) -> u8 {
+    f32_to_e4m3(value.to_f32() / scale)
+}
+
+/// One FP8 KV cache element as every attention kernel reads it: [`dequant_element`],
+/// `bf16(e4m3 · bf16(scale))` (the NaN code reads as ±480 · bf16(scale)).
+#[inline]
+pub fn kv_dequant(byte: u8, scale: f32) -> bf16 {
+    dequant_element(byte, scale)
 }
 
 /// Columns of the scale grid of a `[.., k]` weight.

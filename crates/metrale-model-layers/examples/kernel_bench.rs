@@ -270,6 +270,8 @@ fn measure_attention(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64) {
                 num_slots,
                 scale: 1.0 / (d as f32).sqrt(),
                 gated,
+                kv_dtype: metrale_cache::KvDtype::Bf16,
+                kv_scales: metrale_cache::KvScales::default(),
             };
             let us = time_graph_us(g, |i| {
                 ops.paged_attention(S, &params(i)).expect("attention")

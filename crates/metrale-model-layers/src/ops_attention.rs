@@ -5,6 +5,7 @@
 //! `kernels/attention.cu` expects (cluster counts, shared memory, heads and rows per item), with
 //! the host side of the row groups (`attention_row_groups`).
 
+use metrale_cache::{KvDtype, KvScales};
 use metrale_gpu_runtime::{
     DevicePtr, GpuError, GpuResult, KernelHandle, LaunchConfig, Residency, StreamHandle,
 };
@@ -94,6 +95,10 @@ pub struct PagedAttention {
     pub scale: f32,
     /// Each query head is followed by its output gate; multiply by `sigmoid(gate)`.
     pub gated: bool,
+    /// The pools' element format: bf16, or e4m3 bytes read as `bf16(e4m3 * bf16(scale))`.
+    pub kv_dtype: KvDtype,
+    /// The layer's FP8 scales (with `KvDtype::Fp8`).
+    pub kv_scales: KvScales,
 }
 
 impl PagedAttention {
@@ -119,6 +124,9 @@ impl PagedAttention {
             num_slots: self.num_slots,
             scale: self.scale,
             gated: self.gated as u32,
+            kv_fp8: (self.kv_dtype == KvDtype::Fp8) as u32,
+            k_scale: self.kv_scales.k,
+            v_scale: self.kv_scales.v,
         }
     }
 
@@ -153,6 +161,9 @@ impl PagedAttention {
             scale: p.scale,
             gated: p.gated,
             n_groups,
+            kv_fp8: p.kv_fp8,
+            k_scale: p.k_scale,
+            v_scale: p.v_scale,
         }
     }
 }
@@ -450,6 +461,8 @@ mod tests {
             num_slots: 16,
             scale: 1.0,
             gated: false,
+            kv_dtype: metrale_cache::KvDtype::Bf16,
+            kv_scales: metrale_cache::KvScales::default(),
         }
     }
 

@@ -61,6 +61,9 @@ impl Ops {
             eps: r.eps,
             unit_offset: r.unit_offset,
             num_slots: store.num_slots,
+            kv_fp8: store.kv_fp8,
+            k_scale: store.k_scale,
+            v_scale: store.v_scale,
         };
         let cfg = rope_launch(rope, rope.num_q_heads + 2 * rope.num_kv_heads);
         self.go(self.k.qk_norm_rope_kv_store, cfg, &p, s)

@@ -150,6 +150,9 @@ fn the_cpu_twin_of_qk_norm_rope_kv_store_is_the_definition_and_the_two_launches(
             num_kv_heads: hkv,
             head_dim: d,
             num_slots,
+            kv_fp8: 0,
+            k_scale: 1.0,
+            v_scale: 1.0,
         };
         ops.qk_norm_rope(S, &rope(sets[0].0)).unwrap();
         ops.kv_store(S, &store(sets[0])).unwrap();

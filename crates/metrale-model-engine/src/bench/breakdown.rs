@@ -10,10 +10,11 @@
 
 use std::sync::Arc;
 
+use metrale_cache::{KvDtype, KvScales};
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuBackendExt, StreamHandle};
 use metrale_model_layers::ops::{KvStore, Matrix, PagedAttention, QkNormRope};
-use metrale_model_layers::{ModelDims, Ops};
+use metrale_model_layers::{KvBinding, ModelDims, Ops};
 
 use super::median;
 use crate::error::ModelError;
@@ -298,9 +299,17 @@ impl AttentionStep {
             .collect();
         let slot_mapping = pool.upload(&slots)?;
         let norms = (head_norm, head_norm);
+        let kv = KvBinding {
+            k: k_cache,
+            v: v_cache,
+            block_size: BLOCK,
+            num_slots,
+            dtype: KvDtype::Bf16,
+            scales: KvScales::default(),
+        };
         Ok(Self {
             rope: d.rope_params(io.qkv, norms, inv_freq, positions, batch),
-            store: d.store_params(io.qkv, (k_cache, v_cache), slot_mapping, batch, num_slots),
+            store: d.store_params(io.qkv, &kv, slot_mapping, batch),
             attention: PagedAttention {
                 out: io.attn_out,
                 qkv: io.qkv,
@@ -321,6 +330,8 @@ impl AttentionStep {
                 num_slots,
                 scale: 1.0 / (d.head_dim as f32).sqrt(),
                 gated: d.attn_gated,
+                kv_dtype: kv.dtype,
+                kv_scales: kv.scales,
             },
             context,
         })

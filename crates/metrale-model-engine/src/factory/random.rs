@@ -219,6 +219,7 @@ pub fn random_quantized(
             final_norm,
             lm_head,
             mtp,
+            kv_scales: Vec::new(),
         },
         layers,
     )
