@@ -188,6 +188,9 @@ fn a_follow_up_turn_shares_the_whole_conversation_and_is_bitwise_cold() {
     conversation(cpu, "qwen3-tiny", 16, false, DENSE);
     conversation(cpu, "qwen3-tiny", 16, true, DENSE);
     conversation_in(cpu, "qwen3-tiny", 16, true, KvCacheDtype::Fp8, DENSE);
+    // Whole-prompt prefill chunks past the decode sizes store through the fused rotation
+    // kernel, the decode steps through `kv_store`: the same e4m3 bytes.
+    conversation_in(cpu, "qwen3-tiny", 512, true, KvCacheDtype::Fp8, DENSE);
 }
 
 #[test]
