@@ -129,6 +129,21 @@ if [ -x "$BIN_ROOT/bin/metrale" ]; then
       --json-out "$LOGDIR/bench-$shape.json" > "$log" 2>&1
     record "bench $shape" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
   done
+  # The KV cache's formats on Qwen3-8B (KV_BENCH=0 skips them): decode at batch 1, context
+  # 1024 and at batch 32, context 8192, with bf16 and with FP8 (e4m3) keys and values.
+  if [ "${KV_BENCH:-1}" != 0 ]; then
+    for kv in bf16 fp8; do
+      for run in 1:1024 32:8192; do
+        batch="${run%%:*}"; context="${run##*:}"
+        log="$LOGDIR/bench-kv-$kv-b$batch-ctx$context.log"
+        start="$(now)"
+        timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --shape qwen3-8b --backend cuda \
+          --kv-cache-dtype "$kv" --batches "$batch" --breakdown-batches "$batch" --context "$context" \
+          --json-out "$LOGDIR/bench-kv-$kv-b$batch-ctx$context.json" > "$log" 2>&1
+        record "bench kv $kv b$batch ctx$context" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+      done
+    done
+  fi
   # The speculative figures on the hybrid shape (SPEC_BENCH=0 skips them): verify and draft
   # steps beside a plain decode step, projected and end-to-end tokens/s.
   if [ "${SPEC_BENCH:-1}" != 0 ]; then
