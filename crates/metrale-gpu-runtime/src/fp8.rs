@@ -228,6 +228,32 @@ mod tests {
     }
 
     #[test]
+    fn kv_elements_are_e4m3_of_value_over_scale_and_read_back_with_the_bf16_scale() {
+        let v = |x: f32| bf16::from_f32(x);
+        // 3 / 0.25 = 12 exactly (1.5 * 2^3: code 0x54); reads back as 12 * 0.25.
+        assert_eq!(kv_quantize(v(3.0), 0.25), 0x54);
+        assert_eq!(kv_dequant(0x54, 0.25).to_f32(), 3.0);
+        // Past 448 * scale saturates; infinities too; NaN keeps the NaN code, which reads as
+        // 480 * bf16(scale).
+        assert_eq!(kv_quantize(v(1000.0), 2.0), 0x7E);
+        assert_eq!(kv_quantize(v(f32::NEG_INFINITY), 1.0), 0xFE);
+        assert_eq!(kv_quantize(v(f32::NAN), 1.0), 0x7F);
+        assert_eq!(kv_dequant(0x7F, 0.5).to_f32(), 240.0);
+        // The scale is rounded to bf16 on the read side only: 0.1 is not a bf16.
+        let s = 0.1f32;
+        assert_eq!(
+            kv_dequant(0x38, s),
+            bf16::from_f32(bf16::from_f32(s).to_f32())
+        );
+        for ok in [1.0, 1e-6, 255.9] {
+            assert!(kv_scale_ok(ok), "{ok}");
+        }
+        for bad in [0.0, -1.0, 256.0, f32::NAN, f32::INFINITY] {
+            assert!(!kv_scale_ok(bad), "{bad}");
+        }
+    }
+
+    #[test]
     fn quantized_blocks_reach_448_and_dequantize_within_the_format_step() {
         let (n, k) = (200, 300);
         let mut rng = metrale_testkit::Rng::new(7);
