@@ -38,6 +38,8 @@ impl Ops {
                 ),
             });
         }
+        let (fp8, k, v) = (st.kv_fp8, st.k_scale, st.v_scale);
+        crate::ops_attention::check_kv_format("rope::qk_norm_rope_kv_store", fp8, k, v)?;
         let r = rope.params();
         let p = QkNormRopeKvStoreParams {
             qkv: r.qkv,
