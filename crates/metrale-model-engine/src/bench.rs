@@ -389,8 +389,8 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
             breakdowns.push(decode_breakdown(
                 &gpu,
                 c,
-                batch as u32,
-                opts.context as u32,
+                (batch as u32, opts.context as u32),
+                opts.kv_cache_dtype.resolve(c),
                 opts.iters,
             )?);
         }

@@ -165,12 +165,12 @@ fn time_launch(
 }
 
 /// The step's kernels at `batch` sequences of `context` tokens each (the new token at position
-/// `context`), for a dense model of shape `c`.
+/// `context`), for a dense model of shape `c`, the KV cache in `kv`.
 pub fn decode_breakdown(
     gpu: &Arc<dyn GpuBackend>,
     c: &ModelConfig,
-    batch: u32,
-    context: u32,
+    (batch, context): (u32, u32),
+    kv: KvDtype,
     iters: usize,
 ) -> Result<Breakdown, ModelError> {
     let g = gpu.as_ref();
@@ -211,7 +211,7 @@ pub fn decode_breakdown(
         attn_out,
         row_seq,
     };
-    let attention = AttentionStep::new(&mut pool, c, batch, context, io)?;
+    let attention = AttentionStep::new(&mut pool, c, (batch, context), kv, io)?;
     g.synchronize(s)?;
 
     let linear = |name: &str, out, x, w: &[DevicePtr], n, k| {
@@ -279,8 +279,8 @@ impl AttentionStep {
     fn new(
         pool: &mut Pool<'_>,
         c: &ModelConfig,
-        batch: u32,
-        context: u32,
+        (batch, context): (u32, u32),
+        dtype: KvDtype,
         io: AttentionIo,
     ) -> Result<Self, ModelError> {
         let d = ModelDims::from_config(c);
@@ -304,8 +304,9 @@ impl AttentionStep {
             v: v_cache,
             block_size: BLOCK,
             num_slots,
-            dtype: KvDtype::Bf16,
-            scales: KvScales::default(),
+            // bf16-sized pools; an FP8 cache reads the first half of each as e4m3 bytes.
+            dtype,
+            scales: KvScales { k: 0.5, v: 0.25 },
         };
         Ok(Self {
             rope: d.rope_params(io.qkv, norms, inv_freq, positions, batch),
