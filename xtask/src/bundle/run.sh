@@ -172,13 +172,19 @@ if [ -x "$BIN_ROOT/bin/metrale" ] && [ "${SERVE_BENCH:-1}" != 0 ]; then
 fi
 
 # The soak (many concurrent requests with cancellations, shared prefixes and preemption; every
-# output checked against its solo run) on the CUDA engine, over the dense and hybrid fixtures.
+# output checked against its solo run) on the CUDA engine, over the dense and hybrid fixtures,
+# with a bf16 and with an FP8 KV cache.
 if [ -x "$BIN_ROOT/bin/xtask" ]; then
   log="$LOGDIR/soak-cuda.log"
   start="$(now)"
   timeout "${SOAK_TIMEOUT:-300}" "$BIN_ROOT/bin/xtask" soak --backend cuda \
     --model tests/fixtures/qwen3-tiny --model tests/fixtures/qwen3_5-tiny > "$log" 2>&1
   record "soak cuda" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+  log="$LOGDIR/soak-cuda-fp8-kv.log"
+  start="$(now)"
+  timeout "${SOAK_TIMEOUT:-300}" "$BIN_ROOT/bin/xtask" soak --backend cuda --kv-cache-dtype fp8 \
+    --model tests/fixtures/qwen3-tiny --model tests/fixtures/qwen3_5-tiny > "$log" 2>&1
+  record "soak cuda fp8 kv" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
 fi
 
 echo "" >> "$JSON"
