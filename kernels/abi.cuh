@@ -311,9 +311,12 @@ struct PagedAttentionParams {
     uint32_t num_slots;
     float scale;
     uint32_t gated;
+    uint32_t kv_fp8;
+    float k_scale;
+    float v_scale;
 };
 #pragma pack(pop)
-static_assert(sizeof(PagedAttentionParams) == 104, "PagedAttentionParams: not the layout of metrale-kernel-abi");
+static_assert(sizeof(PagedAttentionParams) == 116, "PagedAttentionParams: not the layout of metrale-kernel-abi");
 static_assert(offsetof(PagedAttentionParams, out) == 0, "PagedAttentionParams::out: not the offset of metrale-kernel-abi");
 static_assert(offsetof(PagedAttentionParams, qkv) == 8, "PagedAttentionParams::qkv: not the offset of metrale-kernel-abi");
 static_assert(offsetof(PagedAttentionParams, k_cache) == 16, "PagedAttentionParams::k_cache: not the offset of metrale-kernel-abi");
@@ -333,6 +336,9 @@ static_assert(offsetof(PagedAttentionParams, num_seqs) == 88, "PagedAttentionPar
 static_assert(offsetof(PagedAttentionParams, num_slots) == 92, "PagedAttentionParams::num_slots: not the offset of metrale-kernel-abi");
 static_assert(offsetof(PagedAttentionParams, scale) == 96, "PagedAttentionParams::scale: not the offset of metrale-kernel-abi");
 static_assert(offsetof(PagedAttentionParams, gated) == 100, "PagedAttentionParams::gated: not the offset of metrale-kernel-abi");
+static_assert(offsetof(PagedAttentionParams, kv_fp8) == 104, "PagedAttentionParams::kv_fp8: not the offset of metrale-kernel-abi");
+static_assert(offsetof(PagedAttentionParams, k_scale) == 108, "PagedAttentionParams::k_scale: not the offset of metrale-kernel-abi");
+static_assert(offsetof(PagedAttentionParams, v_scale) == 112, "PagedAttentionParams::v_scale: not the offset of metrale-kernel-abi");
 #define PAGED_ATTENTION_PARAMS \
     bf16* __restrict__ out, \
     const bf16* __restrict__ qkv, \
@@ -352,7 +358,10 @@ static_assert(offsetof(PagedAttentionParams, gated) == 100, "PagedAttentionParam
     uint32_t num_seqs, \
     uint32_t num_slots, \
     float scale, \
-    uint32_t gated
+    uint32_t gated, \
+    uint32_t kv_fp8, \
+    float k_scale, \
+    float v_scale
 
 // `attention::paged_attention_prefill` and `attention::paged_attention_prefill_staged`:
 // `paged_attention` on the rows of row groups (a prefill chunk); the staged kernel writes
@@ -380,9 +389,12 @@ struct PagedAttentionPrefillParams {
     float scale;
     uint32_t gated;
     uint32_t n_groups;
+    uint32_t kv_fp8;
+    float k_scale;
+    float v_scale;
 };
 #pragma pack(pop)
-static_assert(sizeof(PagedAttentionPrefillParams) == 116, "PagedAttentionPrefillParams: not the layout of metrale-kernel-abi");
+static_assert(sizeof(PagedAttentionPrefillParams) == 128, "PagedAttentionPrefillParams: not the layout of metrale-kernel-abi");
 static_assert(offsetof(PagedAttentionPrefillParams, out) == 0, "PagedAttentionPrefillParams::out: not the offset of metrale-kernel-abi");
 static_assert(offsetof(PagedAttentionPrefillParams, qkv) == 8, "PagedAttentionPrefillParams::qkv: not the offset of metrale-kernel-abi");
 static_assert(offsetof(PagedAttentionPrefillParams, k_cache) == 16, "PagedAttentionPrefillParams::k_cache: not the offset of metrale-kernel-abi");
@@ -404,6 +416,9 @@ static_assert(offsetof(PagedAttentionPrefillParams, num_slots) == 100, "PagedAtt
 static_assert(offsetof(PagedAttentionPrefillParams, scale) == 104, "PagedAttentionPrefillParams::scale: not the offset of metrale-kernel-abi");
 static_assert(offsetof(PagedAttentionPrefillParams, gated) == 108, "PagedAttentionPrefillParams::gated: not the offset of metrale-kernel-abi");
 static_assert(offsetof(PagedAttentionPrefillParams, n_groups) == 112, "PagedAttentionPrefillParams::n_groups: not the offset of metrale-kernel-abi");
+static_assert(offsetof(PagedAttentionPrefillParams, kv_fp8) == 116, "PagedAttentionPrefillParams::kv_fp8: not the offset of metrale-kernel-abi");
+static_assert(offsetof(PagedAttentionPrefillParams, k_scale) == 120, "PagedAttentionPrefillParams::k_scale: not the offset of metrale-kernel-abi");
+static_assert(offsetof(PagedAttentionPrefillParams, v_scale) == 124, "PagedAttentionPrefillParams::v_scale: not the offset of metrale-kernel-abi");
 #define PAGED_ATTENTION_PREFILL_PARAMS \
     bf16* __restrict__ out, \
     const bf16* __restrict__ qkv, \
@@ -425,7 +440,10 @@ static_assert(offsetof(PagedAttentionPrefillParams, n_groups) == 112, "PagedAtte
     uint32_t num_slots, \
     float scale, \
     uint32_t gated, \
-    uint32_t n_groups
+    uint32_t n_groups, \
+    uint32_t kv_fp8, \
+    float k_scale, \
+    float v_scale
 
 // `cache::kv_store`: each row's k and v copied to its cache slot.
 #pragma pack(push, 4)
@@ -441,9 +459,12 @@ struct KvStoreParams {
     uint32_t num_kv_heads;
     uint32_t head_dim;
     uint32_t num_slots;
+    uint32_t kv_fp8;
+    float k_scale;
+    float v_scale;
 };
 #pragma pack(pop)
-static_assert(sizeof(KvStoreParams) == 60, "KvStoreParams: not the layout of metrale-kernel-abi");
+static_assert(sizeof(KvStoreParams) == 72, "KvStoreParams: not the layout of metrale-kernel-abi");
 static_assert(offsetof(KvStoreParams, k_cache) == 0, "KvStoreParams::k_cache: not the offset of metrale-kernel-abi");
 static_assert(offsetof(KvStoreParams, v_cache) == 8, "KvStoreParams::v_cache: not the offset of metrale-kernel-abi");
 static_assert(offsetof(KvStoreParams, qkv) == 16, "KvStoreParams::qkv: not the offset of metrale-kernel-abi");
@@ -455,6 +476,9 @@ static_assert(offsetof(KvStoreParams, v_offset) == 44, "KvStoreParams::v_offset:
 static_assert(offsetof(KvStoreParams, num_kv_heads) == 48, "KvStoreParams::num_kv_heads: not the offset of metrale-kernel-abi");
 static_assert(offsetof(KvStoreParams, head_dim) == 52, "KvStoreParams::head_dim: not the offset of metrale-kernel-abi");
 static_assert(offsetof(KvStoreParams, num_slots) == 56, "KvStoreParams::num_slots: not the offset of metrale-kernel-abi");
+static_assert(offsetof(KvStoreParams, kv_fp8) == 60, "KvStoreParams::kv_fp8: not the offset of metrale-kernel-abi");
+static_assert(offsetof(KvStoreParams, k_scale) == 64, "KvStoreParams::k_scale: not the offset of metrale-kernel-abi");
+static_assert(offsetof(KvStoreParams, v_scale) == 68, "KvStoreParams::v_scale: not the offset of metrale-kernel-abi");
 #define KV_STORE_PARAMS \
     bf16* __restrict__ k_cache, \
     bf16* __restrict__ v_cache, \
@@ -466,7 +490,10 @@ static_assert(offsetof(KvStoreParams, num_slots) == 56, "KvStoreParams::num_slot
     uint32_t v_offset, \
     uint32_t num_kv_heads, \
     uint32_t head_dim, \
-    uint32_t num_slots
+    uint32_t num_slots, \
+    uint32_t kv_fp8, \
+    float k_scale, \
+    float v_scale
 
 // `embed::embedding_gather`: `out[r] = table[ids[r]]` widened to f32.
 #pragma pack(push, 4)
@@ -1468,9 +1495,12 @@ struct QkNormRopeKvStoreParams {
     float eps;
     uint32_t unit_offset;
     uint32_t num_slots;
+    uint32_t kv_fp8;
+    float k_scale;
+    float v_scale;
 };
 #pragma pack(pop)
-static_assert(sizeof(QkNormRopeKvStoreParams) == 116, "QkNormRopeKvStoreParams: not the layout of metrale-kernel-abi");
+static_assert(sizeof(QkNormRopeKvStoreParams) == 128, "QkNormRopeKvStoreParams: not the layout of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeKvStoreParams, qkv) == 0, "QkNormRopeKvStoreParams::qkv: not the offset of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeKvStoreParams, q_norm_w) == 8, "QkNormRopeKvStoreParams::q_norm_w: not the offset of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeKvStoreParams, k_norm_w) == 16, "QkNormRopeKvStoreParams::k_norm_w: not the offset of metrale-kernel-abi");
@@ -1492,6 +1522,9 @@ static_assert(offsetof(QkNormRopeKvStoreParams, attention_scaling) == 100, "QkNo
 static_assert(offsetof(QkNormRopeKvStoreParams, eps) == 104, "QkNormRopeKvStoreParams::eps: not the offset of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeKvStoreParams, unit_offset) == 108, "QkNormRopeKvStoreParams::unit_offset: not the offset of metrale-kernel-abi");
 static_assert(offsetof(QkNormRopeKvStoreParams, num_slots) == 112, "QkNormRopeKvStoreParams::num_slots: not the offset of metrale-kernel-abi");
+static_assert(offsetof(QkNormRopeKvStoreParams, kv_fp8) == 116, "QkNormRopeKvStoreParams::kv_fp8: not the offset of metrale-kernel-abi");
+static_assert(offsetof(QkNormRopeKvStoreParams, k_scale) == 120, "QkNormRopeKvStoreParams::k_scale: not the offset of metrale-kernel-abi");
+static_assert(offsetof(QkNormRopeKvStoreParams, v_scale) == 124, "QkNormRopeKvStoreParams::v_scale: not the offset of metrale-kernel-abi");
 #define QK_NORM_ROPE_KV_STORE_PARAMS \
     bf16* __restrict__ qkv, \
     const bf16* __restrict__ q_norm_w, \
@@ -1513,7 +1546,10 @@ static_assert(offsetof(QkNormRopeKvStoreParams, num_slots) == 112, "QkNormRopeKv
     float attention_scaling, \
     float eps, \
     uint32_t unit_offset, \
-    uint32_t num_slots
+    uint32_t num_slots, \
+    uint32_t kv_fp8, \
+    float k_scale, \
+    float v_scale
 
 // `sampling::argmax`: the lowest index of each row's maximum (NaN never wins).
 #pragma pack(push, 4)

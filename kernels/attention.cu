@@ -55,6 +55,11 @@
 // rows of a prefill chunk, sixteen warps to a block and up to 64 virtual rows to an item, so each
 // key and value is read once for many rows; a row's result is bitwise this kernel's.
 //
+// FP8 pools (kv_fp8): the copies move the e4m3 bytes (half the bytes a token) into the top of
+// each ring row and the warp that copied them widens them in place to bf16(e4m3 * bf16(scale))
+// before the unit's MMAs (attention_unit.cuh, kv_fp8.cuh); from there every kernel runs its bf16
+// arithmetic unchanged, so the three kernels stay bitwise equal on FP8 pools too.
+//
 // Rows whose inputs are out of range (sequence past the block tables, a context longer than
 // max_blocks, a slot past num_slots) get NaN outputs. So does every row of a launch the kernel
 // cannot run (head_dim > ATT_MAX_D, heads that do not group, a wrong block size, too little
@@ -70,6 +75,8 @@
 
 namespace cg = cooperative_groups;
 
+#include "gemm_fp8.cuh"
+#include "kv_fp8.cuh"
 #include "attention_unit.cuh"
 #include "attention_decode.cuh"
 
@@ -83,7 +90,7 @@ struct AttCursor {
 
 // Not inlined: each head_dim gets its own register allocation (inlined into one body, the four
 // shared one and the 256-wide path spilled).
-template <int DP>
+template <int DP, bool FP8>
 __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttShared& sh) {
     using L = AttWarpLayout<DP>;
     const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -106,7 +113,7 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
     auto issue_next = [&](uint32_t st) {
         if (f.k < a.nk) {
             if (f.i == 0) att_issue_queries<DP>(a, f.it, buf.qslots + (f.qn++ % ATT_QSLOTS) * L::QSLOT, lane);
-            att_issue_stage<DP>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry, buf.ring, st, lane, bad_bits);
+            att_issue_stage<DP, FP8>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry, buf.ring, st, lane, bad_bits);
             ++f.i;
             settle();
         }
@@ -128,7 +135,8 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
         if (it.mine > 0) ++qused;
         float o[DP / 16][4], m[2], l[2];
         const bool bad =
-            att_warp_units<DP>(a, buf.ring, qslot, it.first, it.mine, it.ctx, bad_bits, consumed, lane, o, m, l, issue_next);
+            att_warp_units<DP, FP8>(a, buf.ring, qslot, it.first, it.mine, it.ctx, bad_bits, consumed, lane, o, m, l,
+                                    sh.kv2, issue_next);
         const uint32_t p = k & 1;
         if (k > 0) {
             // Every block has combined item k - 1, and so has read all of item k - 2 (whose
@@ -178,7 +186,7 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
     // queries, keys and values after it.
     const AttLaunch a = att_launch(out, qkv, k_cache, v_cache, block_tables, row_stride, q_head_stride,
                                    num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,
-                                   num_slots, scale, gated, rows);
+                                   num_slots, scale, gated, rows, kv_fp8);
     const uint32_t dp = att_padded_dim(head_dim);
     if (!att_launch_ok(a, num_kv_heads, ATT_THREADS, att_dyn_bytes(dp, a.hb, 2))) {
         att_refuse(MT_KERNEL_PAGED_ATTENTION, a, num_kv_heads);
@@ -195,10 +203,18 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
         r.pad = 0;
         sh.item[k] = r;
     }
-    if (threadIdx.x == 0) sh.bad[0] = sh.bad[1] = 0;
+    if (threadIdx.x == 0) {
+        sh.bad[0] = sh.bad[1] = 0;
+        att_kv_scales(sh.kv2, k_scale, v_scale);
+    }
     __syncthreads();
 
-    att_by_dim(dp, [&](auto dim) { att_run<decltype(dim)::value>(a, att_dyn, sh); });
+    att_by_dim(dp, [&](auto dim) {
+        if (kv_fp8 != 0)
+            att_run<decltype(dim)::value, true>(a, att_dyn, sh);
+        else
+            att_run<decltype(dim)::value, false>(a, att_dyn, sh);
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -234,6 +250,7 @@ struct AtfShared {
     float cm[ATT_SPLITS][ATT_HB], cl[ATT_SPLITS][ATT_HB];  // each split's, of the current item
     AtfItemRec item[ATT_MAX_ITEMS];
     int bad[2];  // a slot past the pool was seen, by split parity
+    uint32_t kv2[2];  // FP8 pools' scale pairs (att_kv_scales)
 };
 
 // Whether warp `warp` takes any unit of a context of `ctx` tokens in any split.
@@ -257,7 +274,7 @@ struct AtfCursor {
     AtfItemRec it;
 };
 
-template <int DP>
+template <int DP, bool FP8>
 __device__ __noinline__ void atf_run(const AttLaunch a, unsigned char* dyn, AtfShared& sh) {
     using L = AttWarpLayout<DP>;
     const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -299,7 +316,7 @@ __device__ __noinline__ void atf_run(const AttLaunch a, unsigned char* dyn, AtfS
                 att_issue_queries<DP>(a, it, buf.qslots + (f.qn++ % ATT_QSLOTS) * L::QSLOT, lane);
                 f.qk = f.k;
             }
-            att_issue_stage<DP>(a, it, f.first + ATT_WARPS * f.i, f.entry, buf.ring, st, lane, bad_bits);
+            att_issue_stage<DP, FP8>(a, it, f.first + ATT_WARPS * f.i, f.entry, buf.ring, st, lane, bad_bits);
             ++f.i;
             settle();
         }
@@ -317,7 +334,8 @@ __device__ __noinline__ void atf_run(const AttLaunch a, unsigned char* dyn, AtfS
             att_units(it.ctx, s, warp, first, mine);
             float o[DP / 16][4], m[2], l[2];
             const bool bad =
-                att_warp_units<DP>(a, buf.ring, qslot, first, mine, it.ctx, bad_bits, consumed, lane, o, m, l, issue_next);
+                att_warp_units<DP, FP8>(a, buf.ring, qslot, first, mine, it.ctx, bad_bits, consumed, lane, o, m, l,
+                                        sh.kv2, issue_next);
             att_warp_partial<DP>(a, o, m, l, buf.ow, sh.wm, sh.wl, warp, lane);
             if (bad && lane == 0) sh.bad[s & 1] = 1;
             __syncthreads();
@@ -358,7 +376,7 @@ extern "C" __global__ void __cluster_dims__(1, 1, 1) __launch_bounds__(ATT_THREA
     // A programmatic dependent as paged_attention is (see there): step inputs before pdl_wait.
     AttLaunch a = att_launch(out, qkv, k_cache, v_cache, block_tables, row_stride, q_head_stride,
                              num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_slots,
-                             scale, gated, rows);
+                             scale, gated, rows, kv_fp8);
     // Blocks, not clusters, take the items.
     a.n_clusters = gridDim.x;
     a.cluster = blockIdx.x;
@@ -376,10 +394,18 @@ extern "C" __global__ void __cluster_dims__(1, 1, 1) __launch_bounds__(ATT_THREA
         att_row_context(row_seq, positions, r.row, num_seqs, block_size, max_blocks, r.seq, r.ctx);
         sh.item[k] = r;
     }
-    if (threadIdx.x == 0) sh.bad[0] = sh.bad[1] = 0;
+    if (threadIdx.x == 0) {
+        sh.bad[0] = sh.bad[1] = 0;
+        att_kv_scales(sh.kv2, k_scale, v_scale);
+    }
     __syncthreads();
 
-    att_by_dim(dp, [&](auto dim) { atf_run<decltype(dim)::value>(a, att_dyn, sh); });
+    att_by_dim(dp, [&](auto dim) {
+        if (kv_fp8 != 0)
+            atf_run<decltype(dim)::value, true>(a, att_dyn, sh);
+        else
+            atf_run<decltype(dim)::value, false>(a, att_dyn, sh);
+    });
 }
 
 #include "attention_prefill.cuh"

@@ -109,14 +109,23 @@ MT_DEVICE bool att_copy_rows(const AttLaunch& a, const bf16* kb, const bf16* vb,
 }
 
 // Copy the keys and values of unit `unit` of item `it` (its 16 tokens) into `stage` (cp.async on
-// the vector path, plain loads otherwise); dead tokens and padded dimensions become zeros.
+// the vector path, plain loads otherwise; FP8 pools' bytes to the rows' tops, att_fp8_copy);
+// dead tokens and padded dimensions become zeros.
 // Returns whether a slot was past the pool (uniform).
-template <int DP>
+template <int DP, bool FP8>
 MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry,
                          bf16* stage, uint32_t lane) {
     constexpr int RS = DP + 8, NCH = DP / 8;
     bf16* ks = stage;
     bf16* vs = ks + ATT_UNIT * RS;
+    if constexpr (FP8) {
+        uint32_t slot, live;
+        const bool bad = att_fp8_slots(a, unit, it.ctx, entry, lane, slot, live);
+        const uint8_t* kb8 = reinterpret_cast<const uint8_t*>(a.k_cache) + it.kv;
+        const uint8_t* vb8 = reinterpret_cast<const uint8_t*>(a.v_cache) + it.kv;
+        att_fp8_copy<DP>(a, kb8, vb8, slot, live, 0, ATT_UNIT, ks, vs, lane);
+        return bad;
+    }
     const bf16* kb = a.k_cache + it.kv;
     const bf16* vb = a.v_cache + it.kv;
     if (a.vec && a.unit_blocks) return att_copy_rows<DP>(a, kb, vb, unit, it.ctx, entry, lane, ks, vs);
@@ -338,6 +347,7 @@ struct AttShared {
     float cm[2][ATT_HB], cl[2][ATT_HB];  // the block's, by item parity (read by the cluster)
     AttItemRec item[ATT_MAX_ITEMS];
     int bad[2];  // a slot past the pool was seen, by item parity
+    uint32_t kv2[2];  // FP8 pools' scale pairs (att_kv_scales)
 };
 
 // This thread's outputs of an item, computed before the block's arrival at the cluster barrier
@@ -423,11 +433,11 @@ MT_DEVICE AttBuffers att_buffers(unsigned char* dyn, uint32_t hb, uint32_t warp,
 // refills each stage once it has been read. `consumed` counts the warp's units (its ring
 // position). Returns whether a unit's slot was past the pool (`bad_bits`, by stage, as the
 // issuing left them).
-template <int DP, typename Issue>
-MT_DEVICE bool att_warp_units(const AttLaunch& a, const bf16* ring, const bf16* qslot, uint32_t first,
+template <int DP, bool FP8, typename Issue>
+MT_DEVICE bool att_warp_units(const AttLaunch& a, bf16* ring, const bf16* qslot, uint32_t first,
                               uint32_t mine, uint32_t ctx, const uint32_t& bad_bits, uint32_t& consumed,
                               uint32_t lane, float (&o)[DP / 16][4], float (&m)[2], float (&l)[2],
-                              Issue&& issue) {
+                              const uint32_t (&kv2)[2], Issue&& issue) {
 #pragma unroll
     for (int t = 0; t < DP / 16; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
     m[0] = m[1] = -INFINITY;
@@ -437,6 +447,9 @@ MT_DEVICE bool att_warp_units(const AttLaunch& a, const bf16* ring, const bf16* 
         cp_async_wait<ATT_STAGES - 1>();
         __syncwarp();
         const uint32_t st = consumed % ATT_STAGES;
+        if constexpr (FP8)
+            att_widen_rows<DP>(kv2, ring + st * AttWarpLayout<DP>::STAGE, 2 * ATT_UNIT, [](uint32_t i) { return i; },
+                               lane);
         att_unit<DP>(ring + st * AttWarpLayout<DP>::STAGE, qslot, first + ATT_WARPS * i, ctx, a.scale_log2, i == 0,
                      lane, o, m, l);
         bad = bad || ((bad_bits >> st) & 1u) != 0;
@@ -449,10 +462,10 @@ MT_DEVICE bool att_warp_units(const AttLaunch& a, const bf16* ring, const bf16* 
 
 // Copy unit `unit` of item `it` into stage `st` of `ring` (att_issue), recording in `bad_bits`
 // (a bit per stage) whether one of its slots was past the pool.
-template <int DP>
+template <int DP, bool FP8>
 MT_DEVICE void att_issue_stage(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry, bf16* ring,
                                uint32_t st, uint32_t lane, uint32_t& bad_bits) {
-    const bool bad = att_issue<DP>(a, it, unit, entry, ring + st * AttWarpLayout<DP>::STAGE, lane);
+    const bool bad = att_issue<DP, FP8>(a, it, unit, entry, ring + st * AttWarpLayout<DP>::STAGE, lane);
     bad_bits = (bad_bits & ~(1u << st)) | ((bad ? 1u : 0u) << st);
 }
 

@@ -66,6 +66,7 @@ struct AtpShared {
     // registers.
     unsigned char* img;
     uint32_t img_steps;
+    uint32_t kv2[2];  // FP8 pools' scale pairs (att_kv_scales)
 };
 
 // Item k of this cluster as partition `part` sees it. `ctx` is the largest context of its rows
@@ -99,12 +100,20 @@ MT_DEVICE void atp_sync(unsigned long long* bar, uint32_t phase) {
 // Warp `j` of a partition copies its quarter (tokens 4j..4j+3) of unit `unit`'s keys and values
 // into `stage` (cp.async on the vector path, plain loads otherwise; dead tokens and padded
 // dimensions become zeros). Returns whether a slot was past the pool (the same in every warp).
-template <int DP>
+template <int DP, bool FP8>
 MT_DEVICE bool atp_issue(const AttLaunch& a, const AtpItem& it, uint32_t unit, uint32_t entry, bf16* stage,
                          uint32_t lane, uint32_t j) {
     constexpr int RS = DP + 8, NCH = DP / 8, PER = 4 * NCH;
     bf16* ks = stage;
     bf16* vs = stage + ATT_UNIT * RS;
+    if constexpr (FP8) {
+        uint32_t slot, live;
+        const bool bad = att_fp8_slots(a, unit, it.ctx, entry, lane, slot, live);
+        const uint8_t* kb8 = reinterpret_cast<const uint8_t*>(a.k_cache) + it.kv;
+        const uint8_t* vb8 = reinterpret_cast<const uint8_t*>(a.v_cache) + it.kv;
+        att_fp8_copy<DP>(a, kb8, vb8, slot, live, 4 * j, 4, ks, vs, lane);
+        return bad;
+    }
     const bf16* kb = a.k_cache + it.kv;
     const bf16* vb = a.v_cache + it.kv;
     if (a.vec && a.unit_blocks)
@@ -339,7 +348,7 @@ MT_DEVICE void atp_combine(AtpShared& sh, float* np, uint32_t p, uint32_t vrows,
 // Not inlined: each head_dim gets its own register allocation under the 128-register bound of
 // 512 threads (inlined, the four bodies share one, and the 128-wide unit loop spills four times
 // as much, which makes the layer markedly slower).
-template <int DP>
+template <int DP, bool FP8>
 __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpShared& sh) {
     constexpr int HP = DP > 128 ? 2 : 1, DH = DP / HP, RS = DP + 8;
     constexpr uint32_t STAGES = DP > 128 ? 2 : 3, VROWS = DP > 128 ? 32 : 64;
@@ -368,7 +377,7 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
     auto issue_next = [&](uint32_t st) {
         if (f.k < a.nk) {
             const bool bad =
-                atp_issue<DP>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry, ring + st * UNIT_ELEMS, lane, j);
+                atp_issue<DP, FP8>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry, ring + st * UNIT_ELEMS, lane, j);
             bad_bits = (bad_bits & ~(1u << st)) | ((bad ? 1u : 0u) << st);
             ++f.i;
             settle();
@@ -402,6 +411,12 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
         bool bad = false;
         for (uint32_t i = 0; i < it.mine; ++i) {
             cp_async_wait<STAGES - 2>();
+            if constexpr (FP8) {
+                // This warp's quarter of the unit: key rows 4j..4j+3, value rows 16 + 4j...
+                __syncwarp();
+                att_widen_rows<DP>(sh.kv2, ring + (consumed % STAGES) * UNIT_ELEMS, 8,
+                                   [j](uint32_t i) { return (i < 4 ? 0u : ATT_UNIT - 4u) + 4 * j + i; }, lane);
+            }
             atp_sync(&sh.pbar[part], consumed & 1u);
             const uint32_t st = consumed % STAGES;
             issue_next((consumed + STAGES - 1) % STAGES);
@@ -457,13 +472,14 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
 
 // The kernel arguments after the output, as parameters and as arguments.
 #define ATP_ARGS qkv, k_cache, v_cache, block_tables, row_seq, positions, rows, row_stride, q_head_stride, \
-    num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_seqs, num_slots, scale, gated, row_groups, n_groups
+    num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_seqs, num_slots, scale, gated, row_groups, n_groups, \
+    kv_fp8, k_scale, v_scale
 #define ATP_PARAMS const bf16* __restrict__ qkv, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache, \
     const uint32_t* __restrict__ block_tables, const uint32_t* __restrict__ row_seq,                                   \
     const uint32_t* __restrict__ positions, uint32_t rows, uint32_t row_stride, uint32_t q_head_stride,                \
     uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim, uint32_t block_size, uint32_t max_blocks,           \
     uint32_t num_seqs, uint32_t num_slots, float scale, uint32_t gated, const uint32_t* __restrict__ row_groups,       \
-    uint32_t n_groups
+    uint32_t n_groups, uint32_t kv_fp8, float k_scale, float v_scale
 
 // paged_attention_prefill(the arguments of paged_attention, with row_groups: u32 [n_groups, 2]
 // (first row, rows) after the pointers and n_groups last): `paged_attention` on the rows of the
@@ -481,7 +497,7 @@ MT_DEVICE void atp_kernel(bf16* __restrict__ out, unsigned char* __restrict__ im
     __shared__ AtpShared sh;
     const AttLaunch a = att_launch(out, qkv, k_cache, v_cache, block_tables, row_stride, q_head_stride,
                              num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_slots, scale,
-                             gated, n_groups);
+                             gated, n_groups, kv_fp8);
     const uint32_t width = num_q_heads * head_dim, steps = (width + 63) / 64;
     const uint32_t dp = att_padded_dim(head_dim);
     const uint32_t rpi = atp_rows_per_item(a.hb, dp);
@@ -525,11 +541,17 @@ MT_DEVICE void atp_kernel(bf16* __restrict__ out, unsigned char* __restrict__ im
         sh.bad[0] = sh.bad[1] = 0;
         sh.img = img;
         sh.img_steps = steps;
+        att_kv_scales(sh.kv2, k_scale, v_scale);
     }
     if (threadIdx.x < ATT_WARPS) mbar_init((uint32_t)__cvta_generic_to_shared(&sh.pbar[threadIdx.x]), 128);
     __syncthreads();
 
-    att_by_dim(dp, [&](auto dim) { atp_run<decltype(dim)::value>(a, atp_dyn, sh); });
+    att_by_dim(dp, [&](auto dim) {
+        if (kv_fp8 != 0)
+            atp_run<decltype(dim)::value, true>(a, atp_dyn, sh);
+        else
+            atp_run<decltype(dim)::value, false>(a, atp_dyn, sh);
+    });
 }
 
 extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATP_THREADS, 1)

@@ -182,7 +182,7 @@ MT_DEVICE AttLaunch att_launch(bf16* out, const bf16* qkv, const bf16* k_cache, 
                                const uint32_t* block_tables, uint32_t row_stride, uint32_t q_head_stride,
                                uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
                                uint32_t block_size, uint32_t max_blocks, uint32_t num_slots, float scale,
-                               uint32_t gated, uint32_t items) {
+                               uint32_t gated, uint32_t items, uint32_t kv_fp8) {
     AttLaunch a;
     a.out = out;
     a.qkv = qkv;
@@ -209,7 +209,8 @@ MT_DEVICE AttLaunch att_launch(bf16* out, const bf16* qkv, const bf16* k_cache, 
     a.width = (size_t)num_kv_heads * head_dim;
     a.scale_log2 = scale * ATT_LOG2E;
     a.gated = gated != 0;
-    a.vec = head_dim % 8 == 0 && q_head_stride % 8 == 0 && row_stride % 8 == 0 &&
+    // FP8 rows are copied 16 bytes (16 elements) at a time.
+    a.vec = head_dim % (kv_fp8 != 0 ? 16 : 8) == 0 && q_head_stride % 8 == 0 && row_stride % 8 == 0 &&
             aligned16(qkv) && aligned16(k_cache) && aligned16(v_cache);
     return a;
 }
@@ -305,6 +306,103 @@ MT_DEVICE void att_slot(const AttLaunch& a, uint32_t unit, uint32_t ctx, uint32_
             bad = true;
         }
     }
+}
+
+// FP8 pools (kv_fp8: the kernels' bodies instantiated with FP8 = true, the scale pairs in
+// their shared state, `kv2`). A ring row of RS = DP + 8 bf16 is 2 DP + 16 bytes; a unit's e4m3 bytes
+// land in the top DP of them (from byte DP + 16, 16-byte aligned), and att_widen_rows rewrites
+// each row as the bf16 values they stand for (bf16(e4m3 * bf16(scale)), fp8_frag) from byte 0,
+// so the MMAs read bf16 rows exactly as from a bf16 pool.
+template <int DP>
+MT_DEVICE unsigned char* att_fp8_row(bf16* rows, uint32_t row) {
+    return reinterpret_cast<unsigned char*>(rows + row * (DP + 8)) + DP + 16;
+}
+
+// Lanes 0..15: the slot of token 16 * unit + lane (live when it exists); returns (uniform)
+// whether a live token's slot is past the pool, in which case no token is live.
+MT_DEVICE bool att_fp8_slots(const AttLaunch& a, uint32_t unit, uint32_t ctx, uint32_t entry, uint32_t lane,
+                             uint32_t& slot, uint32_t& live) {
+    bool bad;
+    if (a.unit_blocks) {
+        uint64_t base;
+        uint32_t n;
+        bad = att_unit_span(a, unit, ctx, entry, base, n);
+        slot = (uint32_t)(base + (lane & (ATT_UNIT - 1)));
+        live = lane < ATT_UNIT && lane < n ? 1u : 0u;
+    } else {
+        att_slot(a, unit, ctx, entry, lane, slot, live, bad);
+        bad = __any_sync(0xffffffffu, bad);
+        if (bad) live = 0;
+    }
+    return bad;
+}
+
+// Copy the e4m3 bytes of tokens tok0 .. tok0 + ntok - 1 of a unit (their slots and liveness in
+// lanes 0..15, att_fp8_slots) into the top of their key rows (`ks`) and value rows (`vs`): 16
+// bytes a chunk by cp.async on the vector path, bytes by plain stores otherwise; dead tokens and
+// dimensions past head_dim become zero bytes (which widen to zeros).
+template <int DP>
+MT_DEVICE void att_fp8_copy(const AttLaunch& a, const uint8_t* kb, const uint8_t* vb, uint32_t slot, uint32_t live,
+                            uint32_t tok0, uint32_t ntok, bf16* ks, bf16* vs, uint32_t lane) {
+    // Every lane runs every pass (the shuffles read the slot lanes), copying where its chunk
+    // exists.
+    if (a.vec) {
+        constexpr uint32_t NC = DP / 16;
+        const uint64_t policy = l2_evict_first_policy();
+        for (uint32_t i0 = 0; i0 < ntok * NC; i0 += 32) {
+            const uint32_t idx = i0 + lane, tok = (tok0 + idx / NC) & (ATT_UNIT - 1), ch = idx % NC;
+            const uint32_t s = __shfl_sync(0xffffffffu, slot, tok);
+            const bool on = __shfl_sync(0xffffffffu, live, tok) != 0 && 16 * ch < a.d;
+            const size_t off = on ? (size_t)s * a.width + 16 * ch : 0;
+            if (idx < ntok * NC) {
+                cp_async16_hint(att_fp8_row<DP>(ks, tok) + 16 * ch, kb + off, on ? 16u : 0u, policy);
+                cp_async16_hint(att_fp8_row<DP>(vs, tok) + 16 * ch, vb + off, on ? 16u : 0u, policy);
+            }
+        }
+    } else {
+        for (uint32_t i0 = 0; i0 < ntok * DP; i0 += 32) {
+            const uint32_t idx = i0 + lane, tok = (tok0 + idx / DP) & (ATT_UNIT - 1), e = idx % DP;
+            const uint32_t s = __shfl_sync(0xffffffffu, slot, tok);
+            const bool on = __shfl_sync(0xffffffffu, live, tok) != 0 && e < a.d && idx < ntok * DP;
+            const size_t off = (size_t)s * a.width + e;
+            if (idx < ntok * DP) {
+                att_fp8_row<DP>(ks, tok)[e] = on ? kb[off] : (uint8_t)0;
+                att_fp8_row<DP>(vs, tok)[e] = on ? vb[off] : (uint8_t)0;
+            }
+        }
+    }
+}
+
+// Widen `n` rows of a stage (row(i): the i-th, rows 0..15 keys, 16..31 values) from the e4m3
+// bytes at their top to bf16 from their start, in place, by one warp after its copies landed
+// (and a __syncwarp): each pass reads whole rows into registers, syncs, then writes them.
+template <int DP, typename Row>
+MT_DEVICE void att_widen_rows(const uint32_t (&kv2)[2], bf16* stage, uint32_t n, Row&& row, uint32_t lane) {
+    constexpr uint32_t C8 = DP / 8, P = 4, ROWS = 32 * P / C8;  // 8-byte chunks a row; rows a pass
+    for (uint32_t r0 = 0; r0 < n; r0 += ROWS) {
+        uint2 q[P];
+#pragma unroll
+        for (uint32_t p = 0; p < P; ++p) {
+            const uint32_t idx = lane + 32 * p, i = r0 + idx / C8, c = idx % C8;
+            if (i < n) q[p] = *reinterpret_cast<const uint2*>(att_fp8_row<DP>(stage, row(i)) + 8 * c);
+        }
+        __syncwarp();
+#pragma unroll
+        for (uint32_t p = 0; p < P; ++p) {
+            const uint32_t idx = lane + 32 * p, i = r0 + idx / C8, c = idx % C8;
+            if (i < n) {
+                const uint32_t r = row(i);
+                store16(stage + r * (DP + 8) + 8 * c, fp8_frag(q[p], kv2[r < ATT_UNIT ? 0 : 1]));
+            }
+        }
+        __syncwarp();
+    }
+}
+
+// The scale pairs of the K and V pools (fp8_scale2), as the kernels keep them in shared memory.
+MT_DEVICE void att_kv_scales(uint32_t (&kv2)[2], float k_scale, float v_scale) {
+    kv2[0] = fp8_scale2(k_scale);
+    kv2[1] = fp8_scale2(v_scale);
 }
 
 // The padded head dimension as a compile-time constant: run(AttDim<dp>()) for dp 32, 64, 128 or

@@ -4,8 +4,10 @@
 // Launch: one block per row (any block size). Cache layout per layer:
 // [num_slots, num_kv_heads, head_dim] bf16. A slot of u32::MAX is a padding row and writes
 // nothing; a slot past `num_slots` writes nothing and reports an INDEX fault, k or v not
-// fitting the row a SHAPE fault (the CPU twin fails both launches).
+// fitting the row a SHAPE fault (the CPU twin fails both launches). With kv_fp8 the pools hold
+// e4m3 bytes, each kv_e4m3(value, k_scale or v_scale) (kv_fp8.cuh).
 #include "common.cuh"
+#include "kv_fp8.cuh"
 
 // kv_store(k_cache, v_cache: bf16 [num_slots, num_kv_heads, head_dim], qkv: bf16 [rows,
 // row_stride], slot_mapping: u32 [rows], rows, row_stride, k_offset, v_offset, num_kv_heads,
@@ -29,6 +31,15 @@ extern "C" __global__ void kv_store(KV_STORE_PARAMS) {
     }
     const bf16* ks = qkv + (size_t)r * row_stride + k_offset;
     const bf16* vs = qkv + (size_t)r * row_stride + v_offset;
+    if (kv_fp8 != 0) {
+        uint8_t* kd = reinterpret_cast<uint8_t*>(k_cache) + (size_t)slot * width;
+        uint8_t* vd = reinterpret_cast<uint8_t*>(v_cache) + (size_t)slot * width;
+        for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) {
+            kd[i] = kv_e4m3(bf2f(ks[i]), k_scale);
+            vd[i] = kv_e4m3(bf2f(vs[i]), v_scale);
+        }
+        return;
+    }
     bf16* kd = k_cache + (size_t)slot * width;
     bf16* vd = v_cache + (size_t)slot * width;
     if (width % 8 == 0 && aligned16(ks) && aligned16(vs) && aligned16(kd) && aligned16(vd)) {

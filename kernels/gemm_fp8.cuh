@@ -1,7 +1,9 @@
 // The block-FP8 weight conversion the decode GEMMs (`linear_stream_fp8`,
 // `linear_stream_wide_fp8`) and the FP8 expert projections (`expert_linear_fp8`) share: a lane's
 // 8 e4m3 bytes and its block's scale to the bf16 values of the weight they stand for (the MMA
-// fragment, in k order). Included by gemm.cu and moe.cu.
+// fragment, in k order). Included by gemm.cu and moe.cu, and by attention.cu for the FP8 KV
+// cache, whose elements stand for the same bf16 values (kv_fp8.cuh).
+#pragma once
 
 // The conversion below reads an e4m3 byte as a bf16 of the same bits shifted into place, whose
 // exponent bias is 120 more than e4m3's: the bf16 holds e4m3 * 2^-120 exactly (normals and

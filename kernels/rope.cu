@@ -14,6 +14,7 @@
 // do not fit the row) leave the row untouched and report a SHAPE fault, a grid or block it is
 // not written for a GEOMETRY fault; the CPU twin rejects both.
 #include "common.cuh"
+#include "kv_fp8.cuh"
 
 // The rotation of position `pos`: table[i] = (sin, cos) of pos * inv_freq[i], i < rd / 2, each
 // multiplied by `scale` (YaRN's attention factor; 1 otherwise, which leaves them exact), by the
@@ -199,7 +200,8 @@ extern "C" __global__ void qk_norm_rope(QK_NORM_ROPE_PARAMS) {
 // `qk_norm_rope` followed by `kv_store` (kernels/cache.cu) in one launch, byte for byte, laid
 // out as `qk_norm_rope` with num_q_heads + 2 * num_kv_heads heads a row: warps of q and k heads
 // run the same per-head code as `qk_norm_rope` and a k head also writes its rounded result to the
-// cache slot; the last num_kv_heads warps copy the row's value heads. A padding slot
+// cache slot (with kv_fp8, its e4m3 bytes, from the rounded key the row holds); the last
+// num_kv_heads warps copy the row's value heads (or store their e4m3 bytes). A padding slot
 // (u32::MAX) writes no cache; nor does a slot past num_slots, which also reports an INDEX fault
 // as `kv_store` does (the row is still rotated, as the two launches would).
 extern "C" __global__ void qk_norm_rope_kv_store(QK_NORM_ROPE_KV_STORE_PARAMS) {
@@ -232,12 +234,25 @@ extern "C" __global__ void qk_norm_rope_kv_store(QK_NORM_ROPE_KV_STORE_PARAMS) {
                        buf, lane);
     } else if (hh < num_q_heads + num_kv_heads) {
         const uint32_t h = hh - num_q_heads;
-        norm_rope_head(row + k_offset + h * d, store ? k_cache + slot_base + h * d : nullptr, k_norm_w, table, d,
-                       rotary_dim, eps, unit_offset != 0, buf, lane);
+        bf16* k = row + k_offset + h * d;
+        const bool fp8 = kv_fp8 != 0;
+        norm_rope_head(k, store && !fp8 ? k_cache + slot_base + h * d : nullptr, k_norm_w, table, d, rotary_dim,
+                       eps, unit_offset != 0, buf, lane);
+        if (store && fp8) {
+            // The rounded key as the row now holds it (written by this warp's lanes).
+            __syncwarp();
+            uint8_t* dst = reinterpret_cast<uint8_t*>(k_cache) + slot_base + h * d;
+            for (uint32_t i = lane; i < d; i += 32) dst[i] = kv_e4m3(bf2f(k[i]), k_scale);
+        }
     } else if (store) {
         const uint32_t h = hh - num_q_heads - num_kv_heads;
         const bf16* src = row + v_offset + h * d;
-        bf16* dst = v_cache + slot_base + h * d;
-        for (uint32_t i = lane; i < d; i += 32) dst[i] = src[i];
+        if (kv_fp8 != 0) {
+            uint8_t* dst = reinterpret_cast<uint8_t*>(v_cache) + slot_base + h * d;
+            for (uint32_t i = lane; i < d; i += 32) dst[i] = kv_e4m3(bf2f(src[i]), v_scale);
+        } else {
+            bf16* dst = v_cache + slot_base + h * d;
+            for (uint32_t i = lane; i < d; i += 32) dst[i] = src[i];
+        }
     }
 }

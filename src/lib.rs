@@ -87,7 +87,7 @@ pub use handle::{Canceller, EventResult, RequestHandle, RequestId};
 pub use metrale_config::{GenerationDefaults, ModelConfig};
 pub use metrale_model_engine::generate::FinishReason;
 pub use metrale_model_engine::options::{
-    MAX_DRAFT_TOKENS, ModelOptions, Quantization, Speculative,
+    KvCacheDtype, MAX_DRAFT_TOKENS, ModelOptions, Quantization, Speculative,
 };
 pub use metrale_model_engine::sampling::{
     MAX_CHOICES, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams, choice_seed,

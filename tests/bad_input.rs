@@ -235,3 +235,43 @@ fn an_fp8_pack_without_a_scale_or_with_a_misshapen_one_is_named() {
         "{e}"
     );
 }
+
+/// A malformed FP8 KV scale is refused at load, naming the tensor: not one value, negative,
+/// NaN, or a K scale without its V scale.
+#[test]
+fn malformed_kv_scales_are_named() {
+    let layers = metrale_config::ModelConfig::from_dir(&fixtures_dir().join("qwen3-tiny"))
+        .unwrap()
+        .num_hidden_layers;
+    let cases: [(Vec<(String, Vec<usize>, Vec<f32>)>, &str, &str); 4] = [
+        (
+            support::kv_scale_tensors(layers, (0.5, 0.5), &[2]),
+            "model.layers.0.self_attn.k_scale",
+            "[2]",
+        ),
+        (
+            support::kv_scale_tensors(layers, (0.5, -1.0), &[1]),
+            "model.layers.0.self_attn.v_scale",
+            "-1",
+        ),
+        (
+            support::kv_scale_tensors(layers, (f32::NAN, 0.5), &[]),
+            "model.layers.0.self_attn.k_scale",
+            "NaN",
+        ),
+        (
+            support::kv_scale_tensors(layers, (0.5, 0.5), &[])
+                .into_iter()
+                .filter(|t| !t.0.ends_with("v_scale"))
+                .collect(),
+            "model.layers.0.self_attn.v_scale",
+            "not in the checkpoint",
+        ),
+    ];
+    for (tensors, name, what) in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        support::copy_with_tensors("qwen3-tiny", tmp.path(), &tensors, |_| {}).unwrap();
+        let e = load_err(tmp.path());
+        assert!(e.contains(name) && e.contains(what), "{e}");
+    }
+}

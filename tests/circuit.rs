@@ -21,7 +21,7 @@ use metrale_model_engine::model::ModelWeights;
 use metrale_model_engine::runner::{
     ForwardSelect, Fusions, ModelCircuit, checkpoint_plan, checkpoint_plans, plans_digest,
 };
-use metrale_model_engine::{Model, ModelError, ModelOptions, Scheduler};
+use metrale_model_engine::{KvCacheDtype, Model, ModelError, ModelOptions, Scheduler};
 use metrale_model_layers::circuit_exec::{
     BindingProblem, Block, CircuitBindings, CircuitExecError, Part, WeightSlot,
 };
@@ -55,13 +55,22 @@ fn name(dir: &Path) -> String {
 #[test]
 fn circuit_reference_decode_is_bitwise_legacy_on_every_fixture() -> Result<()> {
     for dir in every_fixture() {
-        for graphs in [false, true] {
-            let options = ModelOptions::default().decode_graphs(graphs);
+        // An FP8 KV cache binds its format into the same programs (graphed only: the eager
+        // steps launch the same kernels).
+        let runs = [
+            (false, KvCacheDtype::Bf16),
+            (true, KvCacheDtype::Bf16),
+            (true, KvCacheDtype::Fp8),
+        ];
+        for (graphs, kv) in runs {
+            let options = ModelOptions::default()
+                .decode_graphs(graphs)
+                .kv_cache_dtype(kv);
             let model = bitwise_same(&dir, &options, &cpu, REFERENCE)
-                .with_context(|| format!("decode graphs {graphs}"))?;
+                .with_context(|| format!("decode graphs {graphs}, {kv:?} KV"))?;
             let d = model.runner().forward_disclosure()?;
             eprintln!(
-                "{}: circuit-reference bitwise legacy (graphs {graphs}), {} launches per step",
+                "{}: circuit-reference bitwise legacy (graphs {graphs}, {kv:?} KV), {} launches per step",
                 name(&dir),
                 d.launches_per_step
             );
@@ -403,6 +412,7 @@ fn random_model(
         lm_head: weight(&[v, h], 0.0)?,
         embed,
         mtp: None,
+        kv_scales: Vec::new(),
     };
     gpu.synchronize(s)?;
     let model = Model::new(config, gpu, weights, layers)?;

@@ -1,5 +1,6 @@
 //! The circuit executor on CUDA (GPU machine only): on every fixture, `circuit-reference`
-//! decode is bitwise `legacy`, eager and graph-captured, alone and batched; its programs launch
+//! decode is bitwise `legacy`, eager and graph-captured, alone and batched, with bf16 and FP8 KV
+//! caches; its programs launch
 //! exactly what the legacy step launches at every decode width; `circuit` (whose only fused
 //! kernel today is bit-identical) is bitwise `legacy` too, in fewer launches.
 
@@ -13,8 +14,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result, ensure};
 use metrale_gpu_runtime::GpuBackend;
 use metrale_gpu_runtime::cuda::CudaBackend;
-use metrale_model_engine::ModelOptions;
 use metrale_model_engine::runner::{ForwardSelect, ModelCircuit};
+use metrale_model_engine::{KvCacheDtype, ModelOptions};
 use support::circuit::*;
 use support::fixtures_dir;
 
@@ -35,12 +36,20 @@ fn every_fixture() -> Vec<std::path::PathBuf> {
 #[test]
 fn circuit_reference_decode_is_bitwise_legacy_on_cuda() -> Result<()> {
     for dir in every_fixture() {
-        for graphs in [false, true] {
-            let options = ModelOptions::default().decode_graphs(graphs);
+        // The FP8 KV cache too (graphed: the eager steps launch the same kernels).
+        let runs = [
+            (false, KvCacheDtype::Bf16),
+            (true, KvCacheDtype::Bf16),
+            (true, KvCacheDtype::Fp8),
+        ];
+        for (graphs, kv) in runs {
+            let options = ModelOptions::default()
+                .decode_graphs(graphs)
+                .kv_cache_dtype(kv);
             let model = bitwise_same(&dir, &options, &gpu, REFERENCE)
-                .with_context(|| format!("cuda, decode graphs {graphs}"))?;
+                .with_context(|| format!("cuda, decode graphs {graphs}, {kv:?} KV"))?;
             eprintln!(
-                "cuda {}: circuit-reference bitwise legacy (graphs {graphs}), {} launches per step",
+                "cuda {}: circuit-reference bitwise legacy (graphs {graphs}, {kv:?} KV), {} launches per step",
                 dir.display(),
                 model.runner().forward_disclosure()?.launches_per_step
             );

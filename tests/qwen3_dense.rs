@@ -6,13 +6,109 @@
 
 mod support;
 
-use metrale::{EngineOptions, ModelOptions};
+use std::path::Path;
+
+use metrale::{Engine, EngineOptions, KvCacheDtype, ModelOptions};
 use support::*;
 
 #[test]
 fn dense_fixtures_match_transformers() {
     let worst = check_fixtures(&["qwen3", "llama"], 5, &EngineOptions::default());
     eprintln!("worst logits relative L2 error over all dense fixtures: {worst:.3e}");
+}
+
+/// With an FP8 KV cache (scales 1.0: the fixtures have none) every dense fixture passes the FP8
+/// rule; the bf16 rule is the tighter one, so the cache must be what moved them.
+#[test]
+fn dense_fixtures_match_transformers_with_an_fp8_kv_cache() {
+    let fp8 = ModelOptions::default().kv_cache_dtype(KvCacheDtype::Fp8);
+    let options = EngineOptions::default().model(fp8);
+    let worst = check_fixtures_by(&["qwen3", "llama"], 5, &options, Rule::FP8_KV);
+    eprintln!("worst logits relative L2 error over the dense fixtures, FP8 KV: {worst:.3e}");
+    let bf16 = check_fixtures(&["qwen3", "llama"], 5, &EngineOptions::default());
+    assert!(
+        worst > bf16,
+        "the FP8 cache moves the logits: {worst:.3e} vs bf16 {bf16:.3e}"
+    );
+}
+
+/// A checkpoint whose `quantization_config` asks for an FP8 KV cache and whose attention layers
+/// carry `k_scale` / `v_scale`: `auto` picks FP8, the loader reads each layer's pair (K and V
+/// apart), scales of 1.0 are bitwise no scales, other scales change the cache (and still pass
+/// the FP8 rule), and a V scale that saturates the values fails it.
+#[test]
+fn checkpoint_kv_scales_are_read_and_auto_picks_the_fp8_cache() {
+    let layers = metrale_config::ModelConfig::from_dir(&fixtures_dir().join("qwen3-tiny"))
+        .unwrap()
+        .num_hidden_layers;
+    let prompts = read_reference(&fixtures_dir().join("qwen3-tiny")).unwrap();
+    let scaled = |k: f32, v: f32| {
+        let tmp = tempfile::tempdir().unwrap();
+        let scales = kv_scale_tensors(layers, (k, v), &[]);
+        copy_with_tensors("qwen3-tiny", tmp.path(), &scales, |c| {
+            c["quantization_config"] = serde_json::json!({"quant_method": "fp8",
+                "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}});
+        })
+        .unwrap();
+        tmp
+    };
+    let dir = scaled(0.25, 2.0);
+    let gpu = || -> std::sync::Arc<dyn metrale_gpu_runtime::GpuBackend> {
+        std::sync::Arc::new(metrale_gpu_runtime::CpuBackend::default())
+    };
+    let model = metrale_model_engine::factory::load(dir.path(), gpu()).unwrap();
+    for k in 0..layers {
+        let s = model.kv_scales(k);
+        assert_eq!((s.k, s.v), (0.25, 2.0), "layer {k}");
+    }
+    let run = |dir: &Path, options: EngineOptions| {
+        let engine = Engine::load(dir, options).unwrap();
+        (prompts.iter())
+            .map(|p| compare_by(&engine, p, Rule::FP8_KV).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let fp8 =
+        EngineOptions::default().model(ModelOptions::default().kv_cache_dtype(KvCacheDtype::Fp8));
+    let unscaled: Vec<f64> = run(&fixtures_dir().join("qwen3-tiny"), fp8)
+        .iter()
+        .map(|o| o.worst_rel_l2)
+        .collect();
+    let ones: Vec<f64> = run(scaled(1.0, 1.0).path(), EngineOptions::default())
+        .iter()
+        .map(|o| o.worst_rel_l2)
+        .collect();
+    assert_eq!(ones, unscaled, "scales of 1.0 are no scales");
+    let outcomes = run(dir.path(), EngineOptions::default());
+    for o in &outcomes {
+        assert!(o.failure.is_none(), "{}: {:?}", o.prompt, o.failure);
+    }
+    let got: Vec<f64> = outcomes.iter().map(|o| o.worst_rel_l2).collect();
+    assert_ne!(got, unscaled, "the scales change the cache");
+    // Values above 448 * 0.01 saturate: far past the rule.
+    let saturated = run(scaled(1.0, 0.01).path(), EngineOptions::default());
+    assert!(
+        saturated.iter().any(|o| o.failure.is_some()),
+        "a saturating V scale is caught"
+    );
+}
+
+/// The same KV memory holds twice the tokens in FP8, and the engine's metrics say so.
+#[test]
+fn an_fp8_cache_holds_twice_the_tokens_in_the_same_memory() {
+    let dir = fixtures_dir().join("qwen3-tiny");
+    let capacity = |d| {
+        let model = ModelOptions::default()
+            .kv_cache_bytes(1 << 20)
+            .kv_cache_dtype(d);
+        let engine = Engine::load(&dir, EngineOptions::default().model(model)).unwrap();
+        let c = engine.metrics().cache;
+        (c.kv_blocks_total, c.kv_tokens_capacity)
+    };
+    let (bf16, fp8) = (capacity(KvCacheDtype::Bf16), capacity(KvCacheDtype::Fp8));
+    // qwen3-tiny: 4 layers of 2 KV heads of 64 dims; a 16-token block is 32 KiB of bf16 over K
+    // and V of every layer, so 1 MiB holds 32 blocks (31 past the dummy); FP8 holds 64.
+    assert_eq!(bf16, (31, 31 * 16));
+    assert_eq!(fp8, (63, 63 * 16));
 }
 
 #[test]

@@ -12,8 +12,8 @@ use std::ops::ControlFlow;
 
 use engine_support::{HYBRID, MtpFixture};
 use metrale::{
-    Engine, EngineOptions, GateOptions, GenerateRequest, ModelOptions, Prompt, Speculative,
-    generate_direct,
+    Engine, EngineOptions, GateOptions, GenerateRequest, KvCacheDtype, ModelOptions, Prompt,
+    Speculative, generate_direct,
 };
 
 fn request(prompt: &[u32]) -> GenerateRequest {
@@ -60,19 +60,22 @@ fn generate_direct_with_mtp_gives_the_engines_greedy_output() {
 
 /// The engine with the MTP head drafting (the gate off, so every decode step verifies) gives
 /// the plain engine's greedy tokens and logits for concurrent requests of different lengths,
-/// and reports its drafts in the metrics.
+/// and reports its drafts in the metrics; with bf16 and with FP8 KV caches (a rejected
+/// draft's e4m3 bytes are written over as its bf16 values are).
 #[test]
 fn the_engine_with_mtp_gives_the_plain_engines_greedy_output() {
+    mtp_gives_the_plain_greedy_output(KvCacheDtype::Bf16);
+    mtp_gives_the_plain_greedy_output(KvCacheDtype::Fp8);
+}
+
+fn mtp_gives_the_plain_greedy_output(kv: KvCacheDtype) {
     let fx = MtpFixture::new("qwen3_5-tiny");
-    let plain = Engine::load(fx.path(), EngineOptions::default()).unwrap();
+    let model = ModelOptions::default().kv_cache_dtype(kv);
+    let plain = Engine::load(fx.path(), EngineOptions::default().model(model.clone())).unwrap();
     let spec = Engine::load(
         fx.path(),
         EngineOptions::default()
-            .model(
-                ModelOptions::default()
-                    .speculative(Speculative::Mtp)
-                    .num_draft_tokens(2),
-            )
+            .model(model.speculative(Speculative::Mtp).num_draft_tokens(2))
             .speculation_gate(GateOptions::default().enabled(false)),
     )
     .unwrap();

@@ -25,7 +25,7 @@ use anyhow::{Context, Result, bail, ensure};
 use clap::{Args, ValueEnum};
 use metrale::{
     Backend, Engine, EngineError, EngineOptions, FinishReason, GenerateEvent, GenerateOutput,
-    GenerateRequest, ModelOptions, Prompt, SamplingParams,
+    GenerateRequest, KvCacheDtype, ModelOptions, Prompt, SamplingParams,
 };
 use metrale_testkit::Rng;
 
@@ -64,6 +64,16 @@ pub struct SoakArgs {
     /// Multi-turn conversations (three turns each) run after the concurrent requests.
     #[arg(long, default_value_t = 4)]
     conversations: usize,
+    /// The KV cache's format (`fp8`: e4m3 keys and values; the solo runs use the same).
+    #[arg(long, value_enum, default_value_t = KvArg::Bf16)]
+    kv_cache_dtype: KvArg,
+}
+
+/// The KV cache's format.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum KvArg {
+    Bf16,
+    Fp8,
 }
 
 /// What a client does with a request.
@@ -356,7 +366,11 @@ fn soak_one(dir: &Path, args: &SoakArgs) -> Result<String> {
         .max_decode_seqs(8)
         .max_seq_len(256)
         // 17 blocks of 16 tokens: fewer than 8 long requests need, so some get preempted.
-        .num_kv_blocks(17);
+        .num_kv_blocks(17)
+        .kv_cache_dtype(match args.kv_cache_dtype {
+            KvArg::Bf16 => KvCacheDtype::Bf16,
+            KvArg::Fp8 => KvCacheDtype::Fp8,
+        });
     let mut options = EngineOptions::default()
         .backend(backend)
         .model(model)

@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use metrale_cache::{
-    BlockAllocator, BlockHash, BlockTable, CacheLayout, CacheManager, KvCacheLayout, block_hashes,
+    BlockAllocator, BlockHash, BlockTable, CacheLayout, CacheManager, KvCacheLayout, KvDtype,
+    block_hashes,
 };
 use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 
@@ -157,6 +158,7 @@ fn manager(c: &mut Criterion) {
             head_dim: 8,
             block_size: BLOCK_SIZE,
             num_blocks: NUM_BLOCKS,
+            dtype: KvDtype::Bf16,
         },
         ssm: None,
         snapshot_slots: 0,

@@ -2,7 +2,8 @@
 //! the cache, and the allocator of their blocks.
 //!
 //! Invariants:
-//! - Pool layout per layer: `[num_blocks * block_size, num_kv_heads, head_dim]` bf16; slot
+//! - Pool layout per layer: `[num_blocks * block_size, num_kv_heads, head_dim]` elements of the
+//!   layout's [`KvDtype`] (bf16, or e4m3 bytes: half the bytes a token); slot
 //!   `block * block_size + offset` holds one token.
 //! - Block 0 of every pool is the dummy block: zeroed at creation and never allocated, so padding
 //!   rows that point at it read zeros.
@@ -13,6 +14,54 @@ use metrale_gpu_runtime::{DevicePtr, GpuBackend};
 
 use crate::allocator::BlockAllocator;
 use crate::error::CacheError;
+
+/// How a KV cache stores its keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum KvDtype {
+    /// bf16, two bytes an element. The default.
+    #[default]
+    Bf16,
+    /// e4m3 bytes, one an element: each stands for `bf16(e4m3 · bf16(scale))` with its pool's
+    /// scale ([`KvScales`]); the stores write `e4m3(value / scale)`
+    /// (`metrale_gpu_runtime::fp8::kv_quantize`).
+    Fp8,
+}
+
+impl KvDtype {
+    /// Bytes of one element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::Bf16 => 2,
+            KvDtype::Fp8 => 1,
+        }
+    }
+
+    /// `bf16` or `fp8`, as the options and the CLI spell them.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::Bf16 => "bf16",
+            KvDtype::Fp8 => "fp8",
+        }
+    }
+}
+
+/// One attention layer's FP8 KV scales: a stored key element `e` stands for
+/// `bf16(e · bf16(k))`, a value element for `bf16(e · bf16(v))`. 1.0 each unless the checkpoint
+/// gives them; unused by bf16 caches.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvScales {
+    /// The K pool's scale.
+    pub k: f32,
+    /// The V pool's scale.
+    pub v: f32,
+}
+
+impl Default for KvScales {
+    fn default() -> Self {
+        KvScales { k: 1.0, v: 1.0 }
+    }
+}
 
 /// The shape of a KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,12 +76,30 @@ pub struct KvCacheLayout {
     pub block_size: usize,
     /// Blocks per pool, the dummy block included.
     pub num_blocks: usize,
+    /// The element format of every pool.
+    pub dtype: KvDtype,
 }
 
 impl KvCacheLayout {
+    /// Bytes of one block of one layer's K (or V) pool.
+    pub fn block_bytes(&self) -> usize {
+        self.block_size * self.num_kv_heads * self.head_dim * self.dtype.bytes()
+    }
+
     /// Bytes of one layer's K (or V) pool.
     pub fn pool_bytes(&self) -> usize {
-        self.num_blocks * self.block_size * self.num_kv_heads * self.head_dim * 2
+        self.num_blocks * self.block_bytes()
+    }
+
+    /// Tokens the cache holds: every block but the dummy, full.
+    pub fn token_capacity(&self) -> usize {
+        self.num_blocks.saturating_sub(1) * self.block_size
+    }
+
+    /// Blocks (the dummy included) whose pools fit in `bytes` over every layer, K and V.
+    pub fn blocks_in(&self, bytes: usize) -> usize {
+        let per_block = self.block_bytes() * 2 * self.num_layers;
+        bytes.checked_div(per_block).unwrap_or(0)
     }
 
     /// Bytes of the whole cache.
@@ -78,7 +145,7 @@ impl PagedKvCache {
             layers: Vec::with_capacity(layout.num_layers),
             allocator: BlockAllocator::new(layout.num_blocks),
         };
-        let dummy_bytes = layout.block_size * layout.num_kv_heads * layout.head_dim * 2;
+        let dummy_bytes = layout.block_bytes();
         let stream = gpu.default_stream();
         for _ in 0..layout.num_layers {
             let k = gpu.alloc(layout.pool_bytes())?;

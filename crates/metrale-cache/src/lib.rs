@@ -21,7 +21,7 @@ mod ssm_snapshot;
 pub use allocator::BlockAllocator;
 pub use block_table::BlockTable;
 pub use error::CacheError;
-pub use kv_cache::{KvCacheLayout, KvLayerPools, PagedKvCache};
+pub use kv_cache::{KvCacheLayout, KvDtype, KvLayerPools, KvScales, PagedKvCache};
 pub use manager::{CacheLayout, CacheManager, SnapshotUsage};
 pub use prefix::{BlockHash, block_hashes};
 pub use ssm_pool::{SsmLayerPools, SsmLayout, SsmStatePool};

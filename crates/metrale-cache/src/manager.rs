@@ -291,7 +291,7 @@ impl CacheManager {
             let new = self.kv.allocator.alloc()?;
             table.push(new);
             let l = *self.kv.layout();
-            let bytes = l.block_size * l.num_kv_heads * l.head_dim * 2;
+            let bytes = l.block_bytes();
             let from = blocks[shared] as usize * bytes;
             for i in 0..l.num_layers {
                 let p = self.kv.layer(i);
@@ -349,9 +349,17 @@ mod tests {
     use metrale_gpu_runtime::CpuBackend;
 
     use super::*;
+    use crate::kv_cache::KvDtype;
 
     #[test]
     fn a_fork_shares_full_blocks_and_copies_the_partial_one_and_the_ssm_state() {
+        // FP8 pools are half the bytes a block: the copy moves that block's bytes.
+        for dtype in [KvDtype::Bf16, KvDtype::Fp8] {
+            fork_copies(dtype);
+        }
+    }
+
+    fn fork_copies(dtype: KvDtype) {
         let cpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
         let kv = KvCacheLayout {
             num_layers: 2,
@@ -359,6 +367,7 @@ mod tests {
             head_dim: 4,
             block_size: 4,
             num_blocks: 8,
+            dtype,
         };
         let ssm = SsmLayout {
             num_gdn_layers: 1,
@@ -380,6 +389,7 @@ mod tests {
         let mut table = BlockTable::new();
         c.ensure(&mut table, 10).unwrap();
         let pool_elems = kv.pool_bytes() / 2;
+        assert_eq!(kv.pool_bytes(), 8 * 4 * 4 * dtype.bytes());
         for i in 0..2 {
             let p = c.kv_layer(i);
             let k: Vec<u16> = (0..pool_elems).map(|x| (x * 7 + i) as u16).collect();
@@ -408,7 +418,7 @@ mod tests {
             (2, 1)
         );
         assert_eq!(c.blocks().num_free(), free - 1);
-        let block_bytes = 4 * 4 * 2;
+        let block_bytes = 4 * 4 * dtype.bytes();
         for i in 0..2 {
             let p = c.kv_layer(i);
             for pool in [p.k, p.v] {

@@ -23,7 +23,7 @@ use metrale::bench::{
 use metrale::gpu::GpuBackend;
 
 use crate::generate::BackendArg;
-use crate::serve::QuantizationArg;
+use crate::serve::{KvCacheDtypeArg, QuantizationArg};
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum Shape {
@@ -157,6 +157,10 @@ pub struct BenchArgs {
     /// counts their bytes).
     #[arg(long, value_enum, default_value_t = QuantizationArg::None)]
     quantization: QuantizationArg,
+    /// How the decode measurement's KV cache stores keys and values (`fp8`: e4m3; the floor
+    /// counts its bytes).
+    #[arg(long, value_enum, default_value_t = KvCacheDtypeArg::Auto)]
+    kv_cache_dtype: KvCacheDtypeArg,
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -194,6 +198,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     o.prefill_tokens = args.prefill_tokens;
     o.iters = args.iters;
     o.quantization = args.quantization.select();
+    o.kv_cache_dtype = args.kv_cache_dtype.select();
     o.forwards = args
         .forwards
         .iter()

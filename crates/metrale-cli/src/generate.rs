@@ -15,7 +15,7 @@ use metrale::{
     Prompt, SamplingParams, Speculative,
 };
 
-use crate::serve::QuantizationArg;
+use crate::serve::{KvCacheDtypeArg, QuantizationArg};
 
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -127,6 +127,9 @@ pub struct GenerateArgs {
     /// checkpoints quantized at load).
     #[arg(long, value_enum, default_value_t = QuantizationArg::None)]
     quantization: QuantizationArg,
+    /// How the KV cache stores keys and values (`fp8`: e4m3, half the bytes a token).
+    #[arg(long, value_enum, default_value_t = KvCacheDtypeArg::Auto)]
+    kv_cache_dtype: KvCacheDtypeArg,
 }
 
 /// The engine's backend for a command-line choice.
@@ -148,6 +151,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     let model = ModelOptions::default()
         .quantization(args.quantization.select())
+        .kv_cache_dtype(args.kv_cache_dtype.select())
         .max_batch_tokens(args.max_batch_tokens)
         .mixed_steps(!args.no_mixed_steps)
         .max_seq_len(args.max_seq_len)

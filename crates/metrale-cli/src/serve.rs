@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use metrale::chat::{ReasoningParser, ToolCallParser};
-use metrale::{EngineOptions, GateOptions, ModelOptions, Quantization, Speculative};
+use metrale::{EngineOptions, GateOptions, KvCacheDtype, ModelOptions, Quantization, Speculative};
 use metrale_server::{GenerationConfig, Server, ServerOptions};
 
 use crate::generate::{BackendArg, backend};
@@ -26,6 +26,28 @@ impl QuantizationArg {
         match self {
             QuantizationArg::None => Quantization::AsStored,
             QuantizationArg::Fp8 => Quantization::Fp8,
+        }
+    }
+}
+
+/// How the KV cache stores keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvCacheDtypeArg {
+    /// FP8 when the checkpoint's quantization config asks for an FP8 KV cache, else bf16.
+    Auto,
+    /// bf16.
+    Bf16,
+    /// FP8 e4m3 (half the bytes a token), with the checkpoint's per-layer k/v scales or 1.0.
+    Fp8,
+}
+
+impl KvCacheDtypeArg {
+    /// The library's option.
+    pub fn select(self) -> KvCacheDtype {
+        match self {
+            KvCacheDtypeArg::Auto => KvCacheDtype::Auto,
+            KvCacheDtypeArg::Bf16 => KvCacheDtype::Bf16,
+            KvCacheDtypeArg::Fp8 => KvCacheDtype::Fp8,
         }
     }
 }
@@ -114,6 +136,15 @@ pub struct ServeArgs {
     /// KV-cache blocks. Default: enough for `max_decode_seqs` sequences of `max_seq_len`.
     #[arg(long)]
     pub num_kv_blocks: Option<usize>,
+    /// How the KV cache stores keys and values (`fp8`: e4m3, twice the tokens in the same
+    /// memory).
+    #[arg(long, value_enum, default_value_t = KvCacheDtypeArg::Auto)]
+    pub kv_cache_dtype: KvCacheDtypeArg,
+    /// Device memory for the KV cache in MiB: without `--num-kv-blocks`, as many blocks as fit
+    /// (twice as many with `--kv-cache-dtype fp8`). Default: sized by `--num-kv-blocks`'s
+    /// default.
+    #[arg(long)]
+    pub kv_cache_mib: Option<usize>,
     /// Tokens per KV-cache block.
     #[arg(long, default_value_t = ModelOptions::default().block_size)]
     pub block_size: usize,
@@ -181,6 +212,8 @@ impl ServeArgs {
             .max_decode_seqs(self.max_decode_seqs)
             .max_seq_len(self.max_seq_len)
             .num_kv_blocks(self.num_kv_blocks)
+            .kv_cache_dtype(self.kv_cache_dtype.select())
+            .kv_cache_bytes(self.kv_cache_mib.map(|m| m << 20))
             .block_size(self.block_size)
             .prefix_caching(!self.no_prefix_caching)
             .ssm_snapshot_slots(self.ssm_snapshot_slots)

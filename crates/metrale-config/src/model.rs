@@ -24,7 +24,7 @@ use crate::layers::{
     LayerType, LinearAttentionConfig, MoeConfig, parse_layer_types, parse_linear, parse_moe,
     positive,
 };
-use crate::quantization::{WeightQuantization, parse_quantization};
+use crate::quantization::{WeightQuantization, parse_kv_cache, parse_quantization};
 use crate::rope::{RopeConfig, parse_rope};
 
 /// A model's architecture and generation ids, read from its checkpoint directory.
@@ -105,6 +105,9 @@ pub struct CheckpointInfo {
     pub generation: GenerationDefaults,
     /// How the projection weights are quantized (`quantization_config`), if they are.
     pub quantization: Option<WeightQuantization>,
+    /// The checkpoint asks for an FP8 (e4m3) KV cache: `quantization_config.kv_cache_scheme`
+    /// of 8-bit floats (compressed-tensors) or `kv_cache_quant_algo` `FP8`.
+    pub kv_cache_fp8: bool,
 }
 
 impl ModelConfig {
@@ -265,6 +268,7 @@ fn parse_config(root: &Fields<'_>) -> Result<ModelConfig, ConfigError> {
             torch_dtype: parse_dtype(root, &text)?,
             generation: GenerationDefaults::default(),
             quantization: parse_quantization(root)?,
+            kv_cache_fp8: parse_kv_cache(root)?,
         },
     };
     validate(&config, &text, spec)?;

@@ -10,6 +10,11 @@
 //!   8-bit `float`, strategy `tensor`, `channel` or `block` of `[128, 128]`, and input
 //!   activations dynamic or absent; weights `W.weight` with `W.weight_scale`.
 //!
+//! KV cache: `kv_cache_scheme` (compressed-tensors: `num_bits` 8, `type` `float`) or
+//! `kv_cache_quant_algo` `"FP8"` in `quantization_config` ask for an FP8 (e4m3) KV cache,
+//! whose per-layer scales the loader reads (`self_attn.k_scale` / `v_scale` and the names
+//! other packs use); any other KV scheme is refused, naming the field.
+//!
 //! Weights without a scale stay as stored (embeddings, norms, the LM head, routers, and
 //! whatever `modules_to_not_convert` / `ignore` names); the loader decides per tensor by its
 //! dtype, so these lists need no reading here.
@@ -56,6 +61,32 @@ pub(crate) fn parse_quantization(
     Ok(Some(WeightQuantization::Fp8 {
         method: method.to_string(),
     }))
+}
+
+/// Whether `root`'s `quantization_config` asks for an FP8 KV cache (see the module header).
+pub(crate) fn parse_kv_cache(root: &Fields<'_>) -> Result<bool, ConfigError> {
+    let Some(q) = root.object("quantization_config")? else {
+        return Ok(false);
+    };
+    let mut fp8 = false;
+    if let Some(scheme) = q.object("kv_cache_scheme")? {
+        let bits = scheme.opt_usize("num_bits")?;
+        let kind = scheme.opt_str("type")?;
+        if bits != Some(8) || kind != Some("float") {
+            let why = "only an 8-bit float (FP8 e4m3) KV cache is supported";
+            let found = scheme.get("num_bits").cloned().unwrap_or(Value::Null);
+            return Err(scheme.unsupported("num_bits", &found, why));
+        }
+        fp8 = true;
+    }
+    if let Some(algo) = q.opt_str("kv_cache_quant_algo")? {
+        if !algo.eq_ignore_ascii_case("fp8") {
+            let why = "only an FP8 KV cache is supported";
+            return Err(q.unsupported("kv_cache_quant_algo", &Value::from(algo), why));
+        }
+        fp8 = true;
+    }
+    Ok(fp8)
 }
 
 fn fp8_pack(q: &Fields<'_>) -> Result<(), ConfigError> {

@@ -12,6 +12,9 @@
 //!   once. The NaN codes read as ±480 (what the kernels' bit conversion gives); the loader
 //!   refuses weights holding them, and scales outside [0, `MAX_SCALE`), so the kernels' factor
 //!   `bf16(scale) · 2^120` never overflows.
+//! - An FP8 KV cache element is `kv_quantize(value, scale) = e4m3(value / scale)` and reads as
+//!   `kv_dequant(byte, scale)`, the weights' element (`bf16(e4m3 · bf16(scale))`); a pool's
+//!   scale is finite and in (0, `MAX_SCALE`) ([`kv_scale_ok`]).
 //! - The block recipe: blocks of [`FP8_BLOCK`] rows by [`FP8_BLOCK`] columns (partial blocks at
 //!   the edges); scale = the block's amax / 448 in f32 (1 for a block without a nonzero finite
 //!   element); each element `e4m3(w / scale)`.
@@ -80,6 +83,27 @@ pub fn dequant_element(byte: u8, scale: f32) -> bf16 {
         e4m3_to_f32(byte)
     };
     bf16::from_f32(value * bf16::from_f32(scale).to_f32())
+}
+
+/// Whether `scale` is one a KV cache pool may use: finite, positive and below [`MAX_SCALE`] (the
+/// kernels' factor `bf16(scale) · 2^120` stays finite, and `value / scale` is defined).
+pub fn kv_scale_ok(scale: f32) -> bool {
+    scale.is_finite() && scale > 0.0 && scale < MAX_SCALE
+}
+
+/// One FP8 KV cache element as stored: `e4m3(value / scale)` ([`f32_to_e4m3`]: round to
+/// nearest even, finite values and infinities saturated at ±448, NaN to the NaN code), the
+/// quotient rounded once in f32, as the CUDA stores compute it.
+#[inline]
+pub fn kv_quantize(value: bf16, scale: f32) -> u8 {
+    f32_to_e4m3(value.to_f32() / scale)
+}
+
+/// One FP8 KV cache element as every attention kernel reads it: [`dequant_element`],
+/// `bf16(e4m3 · bf16(scale))` (the NaN code reads as ±480 · bf16(scale)).
+#[inline]
+pub fn kv_dequant(byte: u8, scale: f32) -> bf16 {
+    dequant_element(byte, scale)
 }
 
 /// Columns of the scale grid of a `[.., k]` weight.
@@ -201,6 +225,32 @@ mod tests {
         // Subnormals: half the smallest step rounds to zero (even), 1.5 steps to 2.
         assert_eq!(f32_to_e4m3((-10.0f32).exp2()), 0x00);
         assert_eq!(f32_to_e4m3(1.5 * (-9.0f32).exp2()), 0x02);
+    }
+
+    #[test]
+    fn kv_elements_are_e4m3_of_value_over_scale_and_read_back_with_the_bf16_scale() {
+        let v = |x: f32| bf16::from_f32(x);
+        // 3 / 0.25 = 12 exactly (1.5 * 2^3: code 0x54); reads back as 12 * 0.25.
+        assert_eq!(kv_quantize(v(3.0), 0.25), 0x54);
+        assert_eq!(kv_dequant(0x54, 0.25).to_f32(), 3.0);
+        // Past 448 * scale saturates; infinities too; NaN keeps the NaN code, which reads as
+        // 480 * bf16(scale).
+        assert_eq!(kv_quantize(v(1000.0), 2.0), 0x7E);
+        assert_eq!(kv_quantize(v(f32::NEG_INFINITY), 1.0), 0xFE);
+        assert_eq!(kv_quantize(v(f32::NAN), 1.0), 0x7F);
+        assert_eq!(kv_dequant(0x7F, 0.5).to_f32(), 240.0);
+        // The scale is rounded to bf16 on the read side only: 0.1 is not a bf16.
+        let s = 0.1f32;
+        assert_eq!(
+            kv_dequant(0x38, s),
+            bf16::from_f32(bf16::from_f32(s).to_f32())
+        );
+        for ok in [1.0, 1e-6, 255.9] {
+            assert!(kv_scale_ok(ok), "{ok}");
+        }
+        for bad in [0.0, -1.0, 256.0, f32::NAN, f32::INFINITY] {
+            assert!(!kv_scale_ok(bad), "{bad}");
+        }
     }
 
     #[test]

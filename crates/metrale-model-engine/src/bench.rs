@@ -22,7 +22,7 @@ mod trace;
 
 use std::sync::Arc;
 
-use metrale_cache::{BlockTable, CacheManager};
+use metrale_cache::{BlockTable, CacheManager, KvDtype};
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, StreamHandle, VendorGemm};
 use metrale_model_layers::Ops;
@@ -55,7 +55,7 @@ use metrale_model_layers::layers::GdnShape;
 
 use crate::error::ModelError;
 use crate::factory;
-use crate::options::{ModelOptions, Quantization};
+use crate::options::{KvCacheDtype, ModelOptions, Quantization};
 use crate::runner::{ForwardSelect, Fusions, ModelCircuit, StepInput, StepRow, StepRunner};
 
 /// What to measure.
@@ -86,6 +86,9 @@ pub struct BenchOptions {
     /// floors count one byte a weight plus the scales). Default [`Quantization::AsStored`]
     /// (bf16).
     pub quantization: Quantization,
+    /// How the decode measurement's KV cache stores keys and values (the floors count its
+    /// bytes a token). Default [`KvCacheDtype::Auto`] (bf16 for the random models).
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 impl BenchOptions {
@@ -102,6 +105,7 @@ impl BenchOptions {
             breakdown_batches: vec![1, 32],
             prefill_profile: true,
             quantization: Quantization::AsStored,
+            kv_cache_dtype: KvCacheDtype::Auto,
             forwards: vec![
                 ForwardSelect::Legacy,
                 ForwardSelect::Circuit {
@@ -380,13 +384,15 @@ fn decode_weight_bytes(c: &ModelConfig, quantization: Quantization, batch: usize
 }
 
 /// KV-cache bytes of one token over every attention layer (bf16 keys and values).
-fn kv_bytes_per_token(c: &ModelConfig) -> f64 {
+fn kv_bytes_per_token(c: &ModelConfig, dtype: KvDtype) -> f64 {
     let layers = c
         .layer_types
         .iter()
         .filter(|t| **t == LayerType::FullAttention)
         .count() as f64;
-    2.0 * 2.0 * (c.attention.num_key_value_heads * c.attention.head_dim) as f64 * layers
+    2.0 * dtype.bytes() as f64
+        * (c.attention.num_key_value_heads * c.attention.head_dim) as f64
+        * layers
 }
 
 /// Bytes of SSM state one sequence reads and writes per decode step (every GDN layer's
@@ -423,7 +429,8 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
         .num_kv_blocks(num_kv_blocks)
         .max_decode_seqs(max_batch)
         .decode_graphs(true)
-        .prefix_caching(false);
+        .prefix_caching(false)
+        .kv_cache_dtype(opts.kv_cache_dtype);
     let model = factory::random_quantized(c.clone(), gpu.clone(), 0x5eed, opts.quantization)?;
     let (mut runner, mut cache) = StepRunner::new(model, options)?;
     let prefill = prefill(&mut runner, &mut cache, opts)?;
@@ -440,8 +447,8 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
             breakdowns.push(decode_breakdown(
                 &gpu,
                 c,
-                batch as u32,
-                opts.context as u32,
+                (batch as u32, opts.context as u32),
+                opts.kv_cache_dtype.resolve(c),
                 opts.iters,
             )?);
         }
@@ -563,7 +570,9 @@ fn decode(
             for mut t in tables {
                 cache.release(&mut t)?;
             }
-            let per_seq = (opts.context + 1) as f64 * kv_bytes_per_token(c) + ssm_bytes_per_seq(c);
+            let kv = opts.kv_cache_dtype.resolve(c);
+            let per_seq =
+                (opts.context + 1) as f64 * kv_bytes_per_token(c, kv) + ssm_bytes_per_seq(c);
             let bytes = decode_weight_bytes(c, opts.quantization, batch) + batch as f64 * per_seq;
             decode.push(DecodeFigure {
                 forward: forward.name(),
@@ -682,7 +691,8 @@ mod tests {
         assert_eq!(experts_read(&config, 1), 2.0);
         assert!(experts_read(&config, 3) > 4.0 && experts_read(&config, 3) < 8.0);
         let (one, three) = (&report.decode[0], &report.decode[1]);
-        let per_seq = 21.0 * kv_bytes_per_token(&config) + ssm_bytes_per_seq(&config);
+        let per_seq =
+            21.0 * kv_bytes_per_token(&config, KvDtype::Bf16) + ssm_bytes_per_seq(&config);
         assert!(three.bytes - one.bytes > 2.0 * per_seq);
         // FP8 experts and projections are about half the bf16 bytes; routers and the head stay.
         let bf16 = decode_weight_bytes(&config, Quantization::AsStored, 1);

@@ -22,6 +22,6 @@ pub mod speculative;
 pub use error::ModelError;
 pub use metrale_cache::CacheManager;
 pub use model::Model;
-pub use options::{ModelOptions, Quantization};
+pub use options::{KvCacheDtype, ModelOptions, Quantization};
 pub use runner::{ForwardDisclosure, ForwardSelect, ModelCircuit, StepRunner};
 pub use scheduler::Scheduler;

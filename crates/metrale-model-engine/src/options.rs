@@ -21,9 +21,16 @@ pub struct ModelOptions {
     pub max_seq_len: Option<usize>,
     /// Tokens per KV-cache block. Default 16.
     pub block_size: usize,
-    /// KV-cache blocks. Default: enough for `max_decode_seqs` sequences of `max_seq_len`, plus
-    /// the dummy block.
+    /// KV-cache blocks. Default: as many as fit in `kv_cache_bytes` when that is set, else
+    /// enough for `max_decode_seqs` sequences of `max_seq_len`, plus the dummy block.
     pub num_kv_blocks: Option<usize>,
+    /// Device memory for the KV cache's pools (every attention layer's K and V, the dummy
+    /// block included), in bytes: unless `num_kv_blocks` is set, the cache gets as many blocks
+    /// as fit, so an FP8 cache (`kv_cache_dtype`) holds twice the tokens of a bf16 one. Default
+    /// `None` (sized by `num_kv_blocks`'s default).
+    pub kv_cache_bytes: Option<usize>,
+    /// How the KV cache stores keys and values. Default [`KvCacheDtype::Auto`].
+    pub kv_cache_dtype: KvCacheDtype,
     /// Most sequences in one step; decode batches are padded up the ladder 1, 2, 4, ... to at
     /// most this. Default 8.
     pub max_decode_seqs: usize,
@@ -110,6 +117,43 @@ impl Quantization {
     }
 }
 
+/// How the KV cache stores keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum KvCacheDtype {
+    /// FP8 when the checkpoint's `quantization_config` asks for an FP8 KV cache
+    /// (`kv_cache_scheme`, `kv_cache_quant_algo`), else bf16. The default.
+    #[default]
+    Auto,
+    /// bf16, two bytes an element.
+    Bf16,
+    /// e4m3, one byte an element (half the bytes a token): stored as `e4m3(value / scale)`
+    /// (round to nearest even, saturated at ±448), read as `bf16(e4m3 · bf16(scale))`, with
+    /// each attention layer's `k_scale` / `v_scale` from the checkpoint where it has them, else
+    /// 1.0.
+    Fp8,
+}
+
+impl KvCacheDtype {
+    /// `auto`, `bf16` or `fp8`, as the CLI spells them.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCacheDtype::Auto => "auto",
+            KvCacheDtype::Bf16 => "bf16",
+            KvCacheDtype::Fp8 => "fp8",
+        }
+    }
+
+    /// The pools' format for a checkpoint of `config`.
+    pub fn resolve(self, config: &metrale_config::ModelConfig) -> metrale_cache::KvDtype {
+        match self {
+            KvCacheDtype::Auto if config.checkpoint.kv_cache_fp8 => metrale_cache::KvDtype::Fp8,
+            KvCacheDtype::Auto | KvCacheDtype::Bf16 => metrale_cache::KvDtype::Bf16,
+            KvCacheDtype::Fp8 => metrale_cache::KvDtype::Fp8,
+        }
+    }
+}
+
 /// The most tokens a sequence drafts for one verify step.
 pub const MAX_DRAFT_TOKENS: usize = 8;
 
@@ -137,6 +181,8 @@ impl Default for ModelOptions {
             max_seq_len: None,
             block_size: 16,
             num_kv_blocks: None,
+            kv_cache_bytes: None,
+            kv_cache_dtype: KvCacheDtype::Auto,
             max_decode_seqs: 8,
             decode_graphs: true,
             max_speculative_graphs: 64,
@@ -179,6 +225,18 @@ impl ModelOptions {
     /// Set `num_kv_blocks` (`None`: enough for `max_decode_seqs` sequences of `max_seq_len`).
     pub fn num_kv_blocks(mut self, n: impl Into<Option<usize>>) -> Self {
         self.num_kv_blocks = n.into();
+        self
+    }
+
+    /// Set `kv_cache_bytes` (`None`: sized by `num_kv_blocks`'s default).
+    pub fn kv_cache_bytes(mut self, n: impl Into<Option<usize>>) -> Self {
+        self.kv_cache_bytes = n.into();
+        self
+    }
+
+    /// Set `kv_cache_dtype`.
+    pub fn kv_cache_dtype(mut self, d: KvCacheDtype) -> Self {
+        self.kv_cache_dtype = d;
         self
     }
 
@@ -288,6 +346,8 @@ mod tests {
             .mixed_steps(false)
             .max_seq_len(256)
             .num_kv_blocks(Some(40))
+            .kv_cache_bytes(1 << 20)
+            .kv_cache_dtype(KvCacheDtype::Fp8)
             .max_decode_seqs(4)
             .prefix_caching(false)
             .ssm_snapshot_stride(128)
@@ -301,6 +361,8 @@ mod tests {
                 mixed_steps: false,
                 max_seq_len: Some(256),
                 num_kv_blocks: Some(40),
+                kv_cache_bytes: Some(1 << 20),
+                kv_cache_dtype: KvCacheDtype::Fp8,
                 max_decode_seqs: 4,
                 prefix_caching: false,
                 ssm_snapshot_stride: Some(128),

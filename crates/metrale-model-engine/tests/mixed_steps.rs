@@ -17,7 +17,7 @@ use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::generate::Generation;
 use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::{SchedulerStats, SeqEvent, SeqId, SeqRequest, StepKind};
-use metrale_model_engine::{ModelOptions, Scheduler, factory};
+use metrale_model_engine::{KvCacheDtype, ModelOptions, Scheduler, factory};
 use metrale_testkit::Rng;
 use support::{logit_bits, params, request};
 
@@ -254,12 +254,13 @@ fn a_long_prompt_never_stalls_the_decoding_sequences(backend: Backend, name: &st
 
 /// A cache too small for everyone: once the long prompt is admitted (taking all but a block of
 /// headroom per sequence), the decoders' growth preempts it (the most recently admitted), and
-/// it resumes by recompute; every request still gets its solo run bitwise.
-fn preemption_beside_mixed_steps_is_bitwise_solo(backend: Backend, name: &str) {
+/// it resumes by recompute; every request still gets its solo run bitwise, with the KV cache
+/// in `kv` (an FP8 recompute stores the e4m3 bytes the first run stored).
+fn preemption_beside_mixed_steps_is_bitwise_solo(backend: Backend, name: &str, kv: KvCacheDtype) {
     // 27 usable blocks of 16: the decoders' first blocks, the long prompt's 19 plus a block
     // for each choice to fork, and a block of headroom each; the decoders' second blocks
     // preempt the long one.
-    let opts = options(true).num_kv_blocks(Some(28));
+    let opts = options(true).num_kv_blocks(Some(28)).kv_cache_dtype(kv);
     let mut s = load_on(backend, name, opts);
     let vocab = s.runner().model().config().tokens.vocab_size as u32;
     let (decoders, mut long) = traffic(vocab, 9);
@@ -288,7 +289,7 @@ fn preemption_beside_mixed_steps_is_bitwise_solo(backend: Backend, name: &str) {
         &got,
         &alone,
         &solo_ids,
-        &format!("{name}: preempted vs solo"),
+        &format!("{name}, {kv:?} KV: preempted vs solo"),
     );
 }
 
@@ -302,7 +303,9 @@ fn a_long_prompt_never_stalls_decoding_sequences_and_changes_no_bit() {
 #[test]
 fn preemption_beside_mixed_steps_is_bitwise_solo_on_every_family() {
     for name in FIXTURES {
-        preemption_beside_mixed_steps_is_bitwise_solo(cpu, name);
+        for kv in [KvCacheDtype::Bf16, KvCacheDtype::Fp8] {
+            preemption_beside_mixed_steps_is_bitwise_solo(cpu, name, kv);
+        }
     }
 }
 
@@ -326,7 +329,9 @@ mod cuda {
     #[test]
     fn preemption_beside_mixed_steps_is_bitwise_solo_on_cuda() {
         for name in FIXTURES {
-            preemption_beside_mixed_steps_is_bitwise_solo(gpu, name);
+            for kv in [KvCacheDtype::Bf16, KvCacheDtype::Fp8] {
+                preemption_beside_mixed_steps_is_bitwise_solo(gpu, name, kv);
+            }
         }
     }
 }

@@ -25,7 +25,7 @@ use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::generate::GenerateParams;
 use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest, StepKind};
-use metrale_model_engine::{ModelOptions, factory};
+use metrale_model_engine::{KvCacheDtype, ModelOptions, factory};
 use metrale_testkit::Rng;
 
 /// Where the model runs.
@@ -47,11 +47,29 @@ fn load_with(
     prefix_caching: bool,
     reprefill: bool,
 ) -> Scheduler {
+    load_kv(
+        backend,
+        name,
+        chunk,
+        (prefix_caching, reprefill),
+        KvCacheDtype::Bf16,
+    )
+}
+
+/// `load_with` with the KV cache in `kv`.
+fn load_kv(
+    backend: Backend,
+    name: &str,
+    chunk: usize,
+    (prefix_caching, reprefill): (bool, bool),
+    kv: KvCacheDtype,
+) -> Scheduler {
     let options = ModelOptions::default()
         .max_batch_tokens(chunk)
         .max_decode_seqs(4)
         .prefix_caching(prefix_caching)
-        .reprefill_answers(reprefill);
+        .reprefill_answers(reprefill)
+        .kv_cache_dtype(kv);
     let model =
         factory::load(&support::fixture(name), backend()).unwrap_or_else(|e| panic!("{name}: {e}"));
     Scheduler::new(model, options).unwrap()
@@ -89,8 +107,21 @@ struct Want {
 /// snapshot interval a cold prefill runs through the block boundaries between its multiples,
 /// so a hybrid follow-up resumed at one of those would not be bitwise cold.
 fn conversation(backend: Backend, name: &str, chunk: usize, reprefill: bool, want: Want) {
-    let mut warm = load_with(backend, name, chunk, true, reprefill);
-    let mut cold = load_with(backend, name, chunk, false, false);
+    conversation_in(backend, name, chunk, reprefill, KvCacheDtype::Bf16, want);
+}
+
+/// `conversation` with the KV cache in `kv`: with FP8, decode rows store and read the e4m3
+/// blocks a prefill would, so the decoded blocks are shared as bf16 ones are.
+fn conversation_in(
+    backend: Backend,
+    name: &str,
+    chunk: usize,
+    reprefill: bool,
+    kv: KvCacheDtype,
+    want: Want,
+) {
+    let mut warm = load_kv(backend, name, chunk, (true, reprefill), kv);
+    let mut cold = load_kv(backend, name, chunk, (false, false), kv);
     let vocab = warm.runner().model().config().tokens.vocab_size as u32;
     let mut rng = Rng::new(11);
     let mut prompt = tokens(&mut rng, 70, vocab);
@@ -99,7 +130,10 @@ fn conversation(backend: Backend, name: &str, chunk: usize, reprefill: bool, wan
     for (k, ((max_new, seed, next_user), (hit, reprefilled))) in
         turns.into_iter().zip(wants).enumerate()
     {
-        let what = format!("{name}: turn {k} ({} prompt tokens)", prompt.len());
+        let what = format!(
+            "{name}, {kv:?} KV: turn {k} ({} prompt tokens)",
+            prompt.len()
+        );
         let req = request(prompt.clone(), max_new, seed);
         let (w, c) = (solo(&mut warm, &req), solo(&mut cold, &req));
         assert_bitwise(&w.generation, &c.generation, &what);
@@ -153,6 +187,10 @@ const HYBRID_PROMPTS_ONLY: Want = Want {
 fn a_follow_up_turn_shares_the_whole_conversation_and_is_bitwise_cold() {
     conversation(cpu, "qwen3-tiny", 16, false, DENSE);
     conversation(cpu, "qwen3-tiny", 16, true, DENSE);
+    conversation_in(cpu, "qwen3-tiny", 16, true, KvCacheDtype::Fp8, DENSE);
+    // Whole-prompt prefill chunks past the decode sizes store through the fused rotation
+    // kernel, the decode steps through `kv_store`: the same e4m3 bytes.
+    conversation_in(cpu, "qwen3-tiny", 512, true, KvCacheDtype::Fp8, DENSE);
 }
 
 #[test]
@@ -160,6 +198,7 @@ fn a_hybrid_follow_up_shares_the_reprefilled_answer_and_is_bitwise_cold() {
     conversation(cpu, "qwen3_5-tiny", 512, true, HYBRID);
     conversation(cpu, "qwen3_5-tiny", 16, true, HYBRID);
     conversation(cpu, "qwen3_next-tiny", 512, true, HYBRID);
+    conversation_in(cpu, "qwen3_5-tiny", 16, true, KvCacheDtype::Fp8, HYBRID);
 }
 
 #[test]
@@ -370,6 +409,8 @@ mod cuda {
         conversation(gpu, "qwen3_5-tiny", 16, true, HYBRID);
         conversation(gpu, "qwen3_next-tiny", 512, true, HYBRID);
         conversation(gpu, "qwen3_5-tiny", 512, false, HYBRID_PROMPTS_ONLY);
+        conversation_in(gpu, "qwen3-tiny", 16, true, KvCacheDtype::Fp8, DENSE);
+        conversation_in(gpu, "qwen3_5-tiny", 16, true, KvCacheDtype::Fp8, HYBRID);
     }
 
     #[test]

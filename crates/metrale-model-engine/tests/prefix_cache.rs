@@ -19,7 +19,9 @@ use metrale_model_engine::generate::{FinishReason, GenerateParams, Generation};
 use metrale_model_engine::runner::{StepInput, StepRow};
 use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::{SeqEvent, SeqId, SeqRequest};
-use metrale_model_engine::{ModelError, ModelOptions, Scheduler, StepRunner, factory};
+use metrale_model_engine::{
+    KvCacheDtype, ModelError, ModelOptions, Scheduler, StepRunner, factory,
+};
 use metrale_testkit::Rng;
 use support::cache::{assert_bitwise, assert_nothing_held, solo, tokens};
 
@@ -113,7 +115,23 @@ fn unsplit_first_logits(name: &str, options: ModelOptions, prompt: &[u32]) -> Ve
 }
 
 fn cached_runs_are_cold_runs(name: &str, chunk: usize, stride: Option<usize>, want_hits: &[u64]) {
-    let opts = |prefix_caching| options(chunk, prefix_caching, None).ssm_snapshot_stride(stride);
+    cached_runs_are_cold_runs_in(name, chunk, stride, KvCacheDtype::Bf16, want_hits);
+}
+
+/// `cached_runs_are_cold_runs` with the KV cache in `kv` (FP8: e4m3 blocks shared as bf16
+/// ones are).
+fn cached_runs_are_cold_runs_in(
+    name: &str,
+    chunk: usize,
+    stride: Option<usize>,
+    kv: KvCacheDtype,
+    want_hits: &[u64],
+) {
+    let opts = |prefix_caching| {
+        options(chunk, prefix_caching, None)
+            .ssm_snapshot_stride(stride)
+            .kv_cache_dtype(kv)
+    };
     let mut warm = load(name, opts(true));
     let mut cold = load(name, opts(false));
     let vocab = warm.runner().model().config().tokens.vocab_size as u32;
@@ -121,7 +139,7 @@ fn cached_runs_are_cold_runs(name: &str, chunk: usize, stride: Option<usize>, wa
     assert_eq!(prompts.len(), want_hits.len());
     for (i, (prompt, &want)) in prompts.iter().zip(want_hits).enumerate() {
         let what = format!(
-            "{name}, chunk {chunk}, stride {stride:?}, prompt {i} ({} tokens)",
+            "{name}, chunk {chunk}, stride {stride:?}, {kv:?} KV, prompt {i} ({} tokens)",
             prompt.len()
         );
         let req = request(prompt.clone(), 5, i as u64);
@@ -171,6 +189,7 @@ fn dense_cached_runs_are_bitwise_cold_runs() {
     let hits = [0, 192, 0, 16, 16, 48, 64, 64, 112, 128, 128];
     for chunk in [16, 512] {
         cached_runs_are_cold_runs("qwen3-tiny", chunk, None, &hits);
+        cached_runs_are_cold_runs_in("qwen3-tiny", chunk, None, KvCacheDtype::Fp8, &hits);
     }
 }
 
@@ -187,6 +206,7 @@ fn hybrid_cached_runs_are_bitwise_cold_runs() {
         cached_runs_are_cold_runs(name, 16, None, &small);
         cached_runs_are_cold_runs(name, 37, None, &small);
         cached_runs_are_cold_runs(name, 512, None, &large);
+        cached_runs_are_cold_runs_in(name, 37, None, KvCacheDtype::Fp8, &small);
     }
 }
 

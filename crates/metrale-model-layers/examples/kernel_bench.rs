@@ -189,8 +189,9 @@ fn time_graph_us(gpu: &dyn GpuBackend, f: impl Fn(usize)) -> f64 {
 }
 
 /// `paged_attention` of one layer at decode batches: every row the new token (position 1024, a
-/// context of 1025) of its own sequence, in blocks of 16; the floor is the KV bytes the rows
-/// must read (keys and values of every context token, once) over the copy bandwidth. Beside the
+/// context of 1025) of its own sequence, in blocks of 16, from bf16 and from FP8 pools; the
+/// floor is the KV bytes the rows must read (keys and values of every context token, once) over
+/// the copy bandwidth. Beside the
 /// ladder's batches, the batches whose items fill whole rounds of the resident clusters (each
 /// cluster loops over items): the step from a whole number of rounds to one partial round more.
 fn measure_attention(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64) {
@@ -250,39 +251,52 @@ fn measure_attention(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64) {
                 .alloc_upload(&vec![position; batch as usize], S)
                 .expect("positions");
             let out = g.alloc((batch * hq * d) as usize * 2).expect("out");
-            let params = |i: usize| PagedAttention {
-                out,
-                qkv,
-                k_cache: pools[i % copies].0,
-                v_cache: pools[i % copies].1,
-                block_tables,
-                row_seq,
-                positions,
-                rows: batch,
-                row_stride,
-                q_head_stride: q_stride,
-                num_q_heads: hq,
-                num_kv_heads: hkv,
-                head_dim: d,
-                block_size: BLOCK,
-                max_blocks,
-                num_seqs: batch,
-                num_slots,
-                scale: 1.0 / (d as f32).sqrt(),
-                gated,
-            };
-            let us = time_graph_us(g, |i| {
-                ops.paged_attention(S, &params(i)).expect("attention")
-            });
-            let bytes = f64::from(batch) * f64::from(position + 1) * f64::from(hkv * d) * 4.0;
-            let floor_us = bytes / (copy_gbs * 1e3);
-            println!(
-                "bench paged_attention {shape:<10} batch {batch:>3} ctx {}: {us:8.1} us  KV {:7.1} MB  floor {floor_us:7.1} us  {:5.2}x floor  {:5.0} GB/s  {items} items, {rounds} rounds of {resident} clusters",
-                position + 1,
-                bytes / 1e6,
-                us / floor_us,
-                bytes / (us * 1e3)
-            );
+            // bf16 pools, then the same pools' first halves read as FP8 (e4m3) ones: half the
+            // bytes a token.
+            for fp8 in [false, true] {
+                let params = |i: usize| PagedAttention {
+                    out,
+                    qkv,
+                    k_cache: pools[i % copies].0,
+                    v_cache: pools[i % copies].1,
+                    block_tables,
+                    row_seq,
+                    positions,
+                    rows: batch,
+                    row_stride,
+                    q_head_stride: q_stride,
+                    num_q_heads: hq,
+                    num_kv_heads: hkv,
+                    head_dim: d,
+                    block_size: BLOCK,
+                    max_blocks,
+                    num_seqs: batch,
+                    num_slots,
+                    scale: 1.0 / (d as f32).sqrt(),
+                    gated,
+                    kv_dtype: if fp8 {
+                        metrale_cache::KvDtype::Fp8
+                    } else {
+                        metrale_cache::KvDtype::Bf16
+                    },
+                    kv_scales: metrale_cache::KvScales { k: 0.5, v: 0.25 },
+                };
+                let us = time_graph_us(g, |i| {
+                    ops.paged_attention(S, &params(i)).expect("attention")
+                });
+                let elem = if fp8 { 1.0 } else { 2.0 };
+                let bytes =
+                    f64::from(batch) * f64::from(position + 1) * f64::from(hkv * d) * 2.0 * elem;
+                let floor_us = bytes / (copy_gbs * 1e3);
+                println!(
+                    "bench paged_attention{} {shape:<10} batch {batch:>3} ctx {}: {us:8.1} us  KV {:7.1} MB  floor {floor_us:7.1} us  {:5.2}x floor  {:5.0} GB/s  {items} items, {rounds} rounds of {resident} clusters",
+                    if fp8 { " fp8" } else { "" },
+                    position + 1,
+                    bytes / 1e6,
+                    us / floor_us,
+                    bytes / (us * 1e3)
+                );
+            }
             for (k, v) in pools {
                 g.free(k).expect("free");
                 g.free(v).expect("free");

@@ -11,6 +11,7 @@
 //!   describe the same partition. A padding row is a sequence of its own whose SSM slot is
 //!   `u32::MAX` (and whose KV slot is `u32::MAX`).
 
+use metrale_cache::{KvDtype, KvScales};
 use metrale_config::{ModelConfig, NormConvention};
 use metrale_gpu_runtime::{DevicePtr, GpuResult, StreamHandle};
 
@@ -132,18 +133,17 @@ impl ModelDims {
     }
 
     /// `kv_store`'s parameters: the keys and values of `rows` rows of a qkv buffer laid out by
-    /// these dims into the cache (`k_cache`, `v_cache` of `num_slots` slots).
+    /// these dims into the cache `kv` (in its format).
     pub fn store_params(
         &self,
         qkv: DevicePtr,
-        cache: (DevicePtr, DevicePtr),
+        kv: &KvBinding,
         slot_mapping: DevicePtr,
         rows: u32,
-        num_slots: u32,
     ) -> KvStore {
         KvStore {
-            k_cache: cache.0,
-            v_cache: cache.1,
+            k_cache: kv.k,
+            v_cache: kv.v,
             qkv,
             slot_mapping,
             rows,
@@ -152,7 +152,10 @@ impl ModelDims {
             v_offset: self.v_offset(),
             num_kv_heads: self.num_kv_heads,
             head_dim: self.head_dim,
-            num_slots,
+            num_slots: kv.num_slots,
+            kv_fp8: kv.fp8() as u32,
+            k_scale: kv.scales.k,
+            v_scale: kv.scales.v,
         }
     }
 }
@@ -310,6 +313,17 @@ pub struct KvBinding {
     pub block_size: u32,
     /// Slots per pool.
     pub num_slots: u32,
+    /// The pools' element format.
+    pub dtype: KvDtype,
+    /// The layer's FP8 scales (with `KvDtype::Fp8`).
+    pub scales: KvScales,
+}
+
+impl KvBinding {
+    /// `kv_fp8` as the kernels take it.
+    pub fn fp8(&self) -> bool {
+        self.dtype == KvDtype::Fp8
+    }
 }
 
 /// One GDN layer's SSM state, as a step sees it (an `SsmStatePool` layer, strides in f32

@@ -5,6 +5,8 @@
 //! `kernels/attention.cu` expects (cluster counts, shared memory, heads and rows per item), with
 //! the host side of the row groups (`attention_row_groups`).
 
+use metrale_cache::{KvDtype, KvScales};
+use metrale_gpu_runtime::fp8::{MAX_SCALE, kv_scale_ok};
 use metrale_gpu_runtime::{
     DevicePtr, GpuError, GpuResult, KernelHandle, LaunchConfig, Residency, StreamHandle,
 };
@@ -94,6 +96,10 @@ pub struct PagedAttention {
     pub scale: f32,
     /// Each query head is followed by its output gate; multiply by `sigmoid(gate)`.
     pub gated: bool,
+    /// The pools' element format: bf16, or e4m3 bytes read as `bf16(e4m3 * bf16(scale))`.
+    pub kv_dtype: KvDtype,
+    /// The layer's FP8 scales (with `KvDtype::Fp8`).
+    pub kv_scales: KvScales,
 }
 
 impl PagedAttention {
@@ -119,6 +125,9 @@ impl PagedAttention {
             num_slots: self.num_slots,
             scale: self.scale,
             gated: self.gated as u32,
+            kv_fp8: (self.kv_dtype == KvDtype::Fp8) as u32,
+            k_scale: self.kv_scales.k,
+            v_scale: self.kv_scales.v,
         }
     }
 
@@ -153,6 +162,9 @@ impl PagedAttention {
             scale: p.scale,
             gated: p.gated,
             n_groups,
+            kv_fp8: p.kv_fp8,
+            k_scale: p.k_scale,
+            v_scale: p.v_scale,
         }
     }
 }
@@ -195,6 +207,8 @@ impl Ops {
         p: &PagedAttention,
         kind: DecodeAttention,
     ) -> GpuResult<()> {
+        let q = p.params();
+        check_kv_format("attention::paged_attention", q.kv_fp8, q.k_scale, q.v_scale)?;
         let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
         if kind == DecodeAttention::Blocks
             && !attention_blocks_fit(p.num_q_heads, p.num_kv_heads, p.head_dim)
@@ -242,6 +256,13 @@ impl Ops {
         n_groups: u32,
         images: Option<DevicePtr>,
     ) -> GpuResult<()> {
+        let q = p.params();
+        check_kv_format(
+            "attention::paged_attention_prefill",
+            q.kv_fp8,
+            q.k_scale,
+            q.v_scale,
+        )?;
         let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
         let items = n_groups * (p.num_q_heads / hb);
         // One block per multiprocessor, as `paged_attention` at head_dim 256.
@@ -413,6 +434,26 @@ pub fn attention_row_groups(
     groups
 }
 
+/// Refuse an FP8 KV format whose scales the kernels cannot use (see `fp8::kv_scale_ok`): the
+/// CUDA kernels would divide by or multiply with them unchecked.
+pub(crate) fn check_kv_format(kernel: &str, kv_fp8: u32, k: f32, v: f32) -> GpuResult<()> {
+    let ok = match kv_fp8 {
+        0 => true,
+        1 => kv_scale_ok(k) && kv_scale_ok(v),
+        _ => false,
+    };
+    if ok {
+        return Ok(());
+    }
+    Err(GpuError::BadOperand {
+        kernel: kernel.into(),
+        operand: "kv_fp8 / k_scale / v_scale",
+        problem: format!(
+            "format {kv_fp8} with scales ({k}, {v}): 0 (bf16), or 1 (FP8) with scales in (0, {MAX_SCALE})"
+        ),
+    })
+}
+
 /// Query heads per `paged_attention` item, as `att_heads_per_block` computes it.
 fn attention_heads_per_block(num_q_heads: u32, num_kv_heads: u32) -> u32 {
     heads_per_block(num_q_heads, num_kv_heads)
@@ -450,6 +491,34 @@ mod tests {
             num_slots: 16,
             scale: 1.0,
             gated: false,
+            kv_dtype: metrale_cache::KvDtype::Bf16,
+            kv_scales: metrale_cache::KvScales::default(),
+        }
+    }
+
+    /// FP8 scales the kernels cannot use are refused by the launchers, naming the kernel,
+    /// before anything launches.
+    #[test]
+    fn fp8_scales_the_kernels_cannot_use_are_refused() {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+        let ops = Ops::new(gpu.clone()).expect("kernels resolve");
+        let s = gpu.default_stream();
+        for (k, v) in [(0.0, 1.0), (1.0, -2.0), (f32::NAN, 1.0), (1.0, 256.0)] {
+            let p = PagedAttention {
+                kv_dtype: metrale_cache::KvDtype::Fp8,
+                kv_scales: metrale_cache::KvScales { k, v },
+                ..step(1, 4, 2, 64)
+            };
+            for e in [
+                ops.paged_attention(s, &p).unwrap_err(),
+                ops.paged_attention_prefill(s, &p, DevicePtr(0), 1, None)
+                    .unwrap_err(),
+            ] {
+                assert!(
+                    matches!(&e, GpuError::BadOperand { kernel, .. } if kernel.contains("paged_attention")),
+                    "{e:?}"
+                );
+            }
         }
     }
 

@@ -38,6 +38,8 @@ impl Ops {
                 ),
             });
         }
+        let (fp8, k, v) = (st.kv_fp8, st.k_scale, st.v_scale);
+        crate::ops_attention::check_kv_format("rope::qk_norm_rope_kv_store", fp8, k, v)?;
         let r = rope.params();
         let p = QkNormRopeKvStoreParams {
             qkv: r.qkv,
@@ -61,6 +63,9 @@ impl Ops {
             eps: r.eps,
             unit_offset: r.unit_offset,
             num_slots: store.num_slots,
+            kv_fp8: store.kv_fp8,
+            k_scale: store.k_scale,
+            v_scale: store.v_scale,
         };
         let cfg = rope_launch(rope, rope.num_q_heads + 2 * rope.num_kv_heads);
         self.go(self.k.qk_norm_rope_kv_store, cfg, &p, s)

@@ -266,8 +266,12 @@ impl Ops {
         self.go(self.k.qk_norm_rope, cfg, &p.params(), s)
     }
 
-    /// Store each row's k and v at its slot.
+    /// Store each row's k and v at its slot (bf16, or with `kv_fp8` e4m3 of each over its
+    /// pool's scale; scales the kernels cannot use are refused).
     pub fn kv_store(&self, s: StreamHandle, p: &KvStore) -> GpuResult<()> {
+        let q = *p;
+        let (fp8, k, v) = (q.kv_fp8, q.k_scale, q.v_scale);
+        crate::ops_attention::check_kv_format("cache::kv_store", fp8, k, v)?;
         let cfg = step_launch(LaunchConfig::linear(p.rows, 128), p.rows);
         self.go(self.k.kv_store, cfg, p, s)
     }

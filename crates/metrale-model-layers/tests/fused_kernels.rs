@@ -3,7 +3,8 @@
 //! transcription of the definitions (each q and k head RMS-normalised, then rotated; the cache
 //! slot of each real row holding its rotated k and its untouched v), and byte for byte what
 //! `qk_norm_rope` then `kv_store` leave, on random inputs (never zeros) with poisoned caches and
-//! padding slots; a fused launch whose two halves describe different rows is refused; the CPU
+//! padding slots, and likewise into FP8 pools (e4m3 of each value over its scale); a fused
+//! launch whose two halves describe different rows is refused; the CPU
 //! twin of `gemm::linear_swiglu` leaves `silu(x · w_gate) * (x · w_up)` computed in f64 within a
 //! bf16 rounding, and what `linear` then `silu_mul` leave. The CUDA kernels are held to the same
 //! in `gpu_kernels/fused.rs` on the GPU machine.
@@ -13,6 +14,7 @@
 use std::sync::Arc;
 
 use half::bf16;
+use metrale_gpu_runtime::fp8::kv_quantize;
 use metrale_gpu_runtime::{CpuBackend, DevicePtr, GpuBackend, GpuBackendExt, StreamHandle};
 use metrale_model_layers::Ops;
 use metrale_model_layers::ops::{KvStore, Matrix, QkNormRope};
@@ -150,6 +152,9 @@ fn the_cpu_twin_of_qk_norm_rope_kv_store_is_the_definition_and_the_two_launches(
             num_kv_heads: hkv,
             head_dim: d,
             num_slots,
+            kv_fp8: 0,
+            k_scale: 1.0,
+            v_scale: 1.0,
         };
         ops.qk_norm_rope(S, &rope(sets[0].0)).unwrap();
         ops.kv_store(S, &store(sets[0])).unwrap();
@@ -223,6 +228,53 @@ fn the_cpu_twin_of_qk_norm_rope_kv_store_is_the_definition_and_the_two_launches(
         }
         assert!(k_cache == want_k, "k cache (d={d})");
         assert!(v_cache == want_v, "v cache (d={d})");
+        // FP8 pools: the fused launch and the two launches store the same e4m3 bytes, each slot
+        // e4m3 of its row's rotated (rounded) k and its v over their scales.
+        let (k_scale, v_scale) = (0.02f32, 0.3f32);
+        let fp8_cache = cache / 2;
+        let mut fp8_sets = Vec::new();
+        for _ in 0..2 {
+            let (kc, vc) = (gpu.alloc(fp8_cache).unwrap(), gpu.alloc(fp8_cache).unwrap());
+            gpu.memset(kc, 0xFF, fp8_cache, S).unwrap();
+            gpu.memset(vc, 0xFF, fp8_cache, S).unwrap();
+            fp8_sets.push((up(&input), kc, vc));
+        }
+        let fp8_store = |set| KvStore {
+            kv_fp8: 1,
+            k_scale,
+            v_scale,
+            ..store(set)
+        };
+        ops.qk_norm_rope(S, &rope(fp8_sets[0].0)).unwrap();
+        ops.kv_store(S, &fp8_store(fp8_sets[0])).unwrap();
+        ops.qk_norm_rope_kv_store(S, &rope(fp8_sets[1].0), &fp8_store(fp8_sets[1]))
+            .unwrap();
+        let (k8, v8) = (
+            bytes(fp8_sets[1].1, fp8_cache),
+            bytes(fp8_sets[1].2, fp8_cache),
+        );
+        assert!(k8 == bytes(fp8_sets[0].1, fp8_cache), "fp8 k cache (d={d})");
+        assert!(v8 == bytes(fp8_sets[0].2, fp8_cache), "fp8 v cache (d={d})");
+        let mut want_k8 = vec![0xFFu8; fp8_cache];
+        let mut want_v8 = vec![0xFFu8; fp8_cache];
+        for (r, &slot) in row_slots.iter().enumerate() {
+            if slot == u32::MAX {
+                continue;
+            }
+            let (row, at) = (r * stride_, slot as usize * width);
+            for c in 0..width {
+                want_k8[at + c] = kv_quantize(got_rows[row + k_offset as usize + c], k_scale);
+                want_v8[at + c] = kv_quantize(input[row + v_offset as usize + c], v_scale);
+            }
+        }
+        assert!(
+            k8 == want_k8,
+            "fp8 k cache against e4m3 of the rows (d={d})"
+        );
+        assert!(
+            v8 == want_v8,
+            "fp8 v cache against e4m3 of the values (d={d})"
+        );
         // Halves that disagree about the rows are refused.
         let mut other = store(sets[1]);
         other.rows = rows - 1;

@@ -27,7 +27,7 @@ fn ratio(used: usize, total: usize) -> f64 {
 }
 
 /// Every metric, in the order they are written.
-const METRICS: [Metric; 34] = [
+const METRICS: [Metric; 35] = [
     Metric {
         name: "metrale_requests_running",
         kind: "gauge",
@@ -141,6 +141,12 @@ const METRICS: [Metric; 34] = [
         kind: "gauge",
         help: "KV-cache blocks in the pool.",
         value: |m| m.cache.kv_blocks_total as f64,
+    },
+    Metric {
+        name: "metrale_kv_tokens_capacity",
+        kind: "gauge",
+        help: "Tokens the KV cache holds, every block full (twice as many in FP8 as in bf16).",
+        value: |m| m.cache.kv_tokens_capacity as f64,
     },
     Metric {
         name: "metrale_kv_cache_usage_ratio",
@@ -285,6 +291,7 @@ mod tests {
         m.prefix_hit_rate = 0.25;
         let c = &mut m.cache;
         (c.kv_blocks_used, c.kv_blocks_total, c.kv_blocks_cached) = (23, 46, 41);
+        c.kv_tokens_capacity = 736;
         (c.ssm_slots_used, c.ssm_slots_total) = (1, 4);
         (c.snapshots.used, c.snapshots.total) = (3, 8);
         let mut sp = SpeculationMetrics::default();
@@ -316,6 +323,7 @@ mod tests {
             "metrale_ssm_snapshots_capacity 8",
             "metrale_kv_blocks_used 23",
             "metrale_kv_blocks_capacity 46",
+            "metrale_kv_tokens_capacity 736",
             "metrale_kv_cache_usage_ratio 0.5",
             "metrale_ssm_slots_used 1",
             "metrale_ssm_slots_capacity 4",

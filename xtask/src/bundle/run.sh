@@ -143,6 +143,21 @@ if [ -x "$BIN_ROOT/bin/metrale" ]; then
       record "bench $shape $quant" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
     done
   fi
+  # The KV cache's formats on Qwen3-8B (KV_BENCH=0 skips them): decode at batch 1, context
+  # 1024 and at batch 32, context 8192, with bf16 and with FP8 (e4m3) keys and values.
+  if [ "${KV_BENCH:-1}" != 0 ]; then
+    for kv in bf16 fp8; do
+      for run in 1:1024 32:8192; do
+        batch="${run%%:*}"; context="${run##*:}"
+        log="$LOGDIR/bench-kv-$kv-b$batch-ctx$context.log"
+        start="$(now)"
+        timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --shape qwen3-8b --backend cuda \
+          --kv-cache-dtype "$kv" --batches "$batch" --breakdown-batches "$batch" --context "$context" \
+          --json-out "$LOGDIR/bench-kv-$kv-b$batch-ctx$context.json" > "$log" 2>&1
+        record "bench kv $kv b$batch ctx$context" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+      done
+    done
+  fi
   # The speculative figures on the hybrid shape (SPEC_BENCH=0 skips them): verify and draft
   # steps beside a plain decode step, projected and end-to-end tokens/s.
   if [ "${SPEC_BENCH:-1}" != 0 ]; then
@@ -171,13 +186,19 @@ if [ -x "$BIN_ROOT/bin/metrale" ] && [ "${SERVE_BENCH:-1}" != 0 ]; then
 fi
 
 # The soak (many concurrent requests with cancellations, shared prefixes and preemption; every
-# output checked against its solo run) on the CUDA engine, over the dense and hybrid fixtures.
+# output checked against its solo run) on the CUDA engine, over the dense and hybrid fixtures,
+# with a bf16 and with an FP8 KV cache.
 if [ -x "$BIN_ROOT/bin/xtask" ]; then
   log="$LOGDIR/soak-cuda.log"
   start="$(now)"
   timeout "${SOAK_TIMEOUT:-300}" "$BIN_ROOT/bin/xtask" soak --backend cuda \
     --model tests/fixtures/qwen3-tiny --model tests/fixtures/qwen3_5-tiny > "$log" 2>&1
   record "soak cuda" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+  log="$LOGDIR/soak-cuda-fp8-kv.log"
+  start="$(now)"
+  timeout "${SOAK_TIMEOUT:-300}" "$BIN_ROOT/bin/xtask" soak --backend cuda --kv-cache-dtype fp8 \
+    --model tests/fixtures/qwen3-tiny --model tests/fixtures/qwen3_5-tiny > "$log" 2>&1
+  record "soak cuda fp8 kv" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
 fi
 
 echo "" >> "$JSON"

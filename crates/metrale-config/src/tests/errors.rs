@@ -327,3 +327,38 @@ fn fp8_packs_are_read_and_other_quantizations_refused_naming_the_field() {
     );
     refused(static_inputs, "dynamic", &["dynamic"]);
 }
+
+#[test]
+fn an_fp8_kv_cache_scheme_is_read_and_other_kv_schemes_refused_naming_the_field() {
+    let pack = json!({"quant_method": "fp8", "fmt": "e4m3"});
+    assert!(!parse_value(&qwen3()).unwrap().checkpoint.kv_cache_fp8);
+    let plain = parse_value(&with(qwen3(), "/quantization_config", pack.clone())).unwrap();
+    assert!(!plain.checkpoint.kv_cache_fp8);
+    let null = with(pack.clone(), "/kv_cache_scheme", Value::Null);
+    let c = parse_value(&with(qwen3(), "/quantization_config", null)).unwrap();
+    assert!(!c.checkpoint.kv_cache_fp8, "a null scheme is none");
+    let scheme = json!({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": false});
+    let c = parse_value(&with(
+        qwen3(),
+        "/quantization_config",
+        with(pack.clone(), "/kv_cache_scheme", scheme.clone()),
+    ))
+    .unwrap();
+    assert!(c.checkpoint.kv_cache_fp8);
+    let algo = with(pack.clone(), "/kv_cache_quant_algo", json!("FP8"));
+    let c = parse_value(&with(qwen3(), "/quantization_config", algo)).unwrap();
+    assert!(c.checkpoint.kv_cache_fp8);
+
+    let refused = |q: Value, field: &str| {
+        let err = parse_value(&with(qwen3(), "/quantization_config", q)).unwrap_err();
+        assert!(matches!(err, ConfigError::Unsupported { .. }), "{err:?}");
+        assert!(field_of(&err).ends_with(field), "{err:?}");
+        message(&err, &["KV cache"]);
+    };
+    let int8 = with(scheme, "/type", json!("int"));
+    refused(with(pack.clone(), "/kv_cache_scheme", int8), "num_bits");
+    refused(
+        with(pack, "/kv_cache_quant_algo", json!("INT8")),
+        "kv_cache_quant_algo",
+    );
+}

@@ -132,6 +132,9 @@ fn launches_the_cuda_kernels_refuse_fail_on_the_cpu_too() {
                 num_kv_heads: 1,
                 head_dim: 4,
                 num_slots: 8,
+                kv_fp8: 0,
+                k_scale: 1.0,
+                v_scale: 1.0,
             },
         )
     };

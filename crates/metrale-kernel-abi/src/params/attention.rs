@@ -10,7 +10,7 @@ kernel_params! {
         out: ptr "bf16* __restrict__",
         /// bf16 `[rows, row_stride]`: the rotated queries.
         qkv: ptr "const bf16* __restrict__",
-        /// K pool, bf16 `[num_slots, num_kv_heads, head_dim]`.
+        /// K pool `[num_slots, num_kv_heads, head_dim]`: bf16, or e4m3 bytes with `kv_fp8`.
         k_cache: ptr "const bf16* __restrict__",
         /// V pool, likewise.
         v_cache: ptr "const bf16* __restrict__",
@@ -44,6 +44,12 @@ kernel_params! {
         scale: f32,
         /// 1: each query head is followed by its output gate (`* sigmoid(gate)`).
         gated: u32,
+        /// 1: the pools hold e4m3 bytes, each standing for `bf16(e4m3 * bf16(scale))`.
+        kv_fp8: u32,
+        /// The K pool's scale (with `kv_fp8`).
+        k_scale: f32,
+        /// The V pool's scale (with `kv_fp8`).
+        v_scale: f32,
     }
 }
 
@@ -56,7 +62,7 @@ kernel_params! {
         out: ptr "bf16* __restrict__",
         /// bf16 `[rows, row_stride]`: the rotated queries.
         qkv: ptr "const bf16* __restrict__",
-        /// K pool, bf16 `[num_slots, num_kv_heads, head_dim]`.
+        /// K pool `[num_slots, num_kv_heads, head_dim]`: bf16, or e4m3 bytes with `kv_fp8`.
         k_cache: ptr "const bf16* __restrict__",
         /// V pool, likewise.
         v_cache: ptr "const bf16* __restrict__",
@@ -94,5 +100,11 @@ kernel_params! {
         gated: u32,
         /// Row groups.
         n_groups: u32,
+        /// 1: the pools hold e4m3 bytes, each standing for `bf16(e4m3 * bf16(scale))`.
+        kv_fp8: u32,
+        /// The K pool's scale (with `kv_fp8`).
+        k_scale: f32,
+        /// The V pool's scale (with `kv_fp8`).
+        v_scale: f32,
     }
 }

@@ -159,7 +159,7 @@ kernel_params! {
         inv_freq: ptr "const float* __restrict__",
         /// u32 `[rows]`.
         positions: ptr "const uint32_t* __restrict__",
-        /// K pool, bf16 `[num_slots, num_kv_heads, head_dim]`.
+        /// K pool `[num_slots, num_kv_heads, head_dim]`: bf16, or e4m3 bytes with `kv_fp8`.
         k_cache: ptr "bf16* __restrict__",
         /// V pool, likewise.
         v_cache: ptr "bf16* __restrict__",
@@ -191,13 +191,20 @@ kernel_params! {
         unit_offset: u32,
         /// Slots per pool.
         num_slots: u32,
+        /// 1: store e4m3 bytes, `e4m3(value / scale)` (round to nearest even, saturated at
+        /// ±448).
+        kv_fp8: u32,
+        /// The K pool's scale (with `kv_fp8`).
+        k_scale: f32,
+        /// The V pool's scale (with `kv_fp8`).
+        v_scale: f32,
     }
 }
 
 kernel_params! {
     /// `cache::kv_store`: each row's k and v copied to its cache slot.
     pub struct KvStoreParams("KV_STORE_PARAMS") {
-        /// K pool, bf16 `[num_slots, num_kv_heads, head_dim]`.
+        /// K pool `[num_slots, num_kv_heads, head_dim]`: bf16, or e4m3 bytes with `kv_fp8`.
         k_cache: ptr "bf16* __restrict__",
         /// V pool, likewise.
         v_cache: ptr "bf16* __restrict__",
@@ -219,6 +226,13 @@ kernel_params! {
         head_dim: u32,
         /// Slots per pool.
         num_slots: u32,
+        /// 1: store e4m3 bytes, `e4m3(value / scale)` (round to nearest even, saturated at
+        /// ±448).
+        kv_fp8: u32,
+        /// The K pool's scale (with `kv_fp8`).
+        k_scale: f32,
+        /// The V pool's scale (with `kv_fp8`).
+        v_scale: f32,
     }
 }
 

@@ -10,10 +10,11 @@
 
 use std::sync::Arc;
 
+use metrale_cache::{KvDtype, KvScales};
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuBackendExt, StreamHandle};
 use metrale_model_layers::ops::{KvStore, Matrix, PagedAttention, QkNormRope};
-use metrale_model_layers::{ModelDims, Ops};
+use metrale_model_layers::{KvBinding, ModelDims, Ops};
 
 use super::median;
 use crate::error::ModelError;
@@ -164,12 +165,12 @@ fn time_launch(
 }
 
 /// The step's kernels at `batch` sequences of `context` tokens each (the new token at position
-/// `context`), for a dense model of shape `c`.
+/// `context`), for a dense model of shape `c`, the KV cache in `kv`.
 pub fn decode_breakdown(
     gpu: &Arc<dyn GpuBackend>,
     c: &ModelConfig,
-    batch: u32,
-    context: u32,
+    (batch, context): (u32, u32),
+    kv: KvDtype,
     iters: usize,
 ) -> Result<Breakdown, ModelError> {
     let g = gpu.as_ref();
@@ -210,7 +211,7 @@ pub fn decode_breakdown(
         attn_out,
         row_seq,
     };
-    let attention = AttentionStep::new(&mut pool, c, batch, context, io)?;
+    let attention = AttentionStep::new(&mut pool, c, (batch, context), kv, io)?;
     g.synchronize(s)?;
 
     let linear = |name: &str, out, x, w: &[DevicePtr], n, k| {
@@ -278,8 +279,8 @@ impl AttentionStep {
     fn new(
         pool: &mut Pool<'_>,
         c: &ModelConfig,
-        batch: u32,
-        context: u32,
+        (batch, context): (u32, u32),
+        dtype: KvDtype,
         io: AttentionIo,
     ) -> Result<Self, ModelError> {
         let d = ModelDims::from_config(c);
@@ -298,9 +299,18 @@ impl AttentionStep {
             .collect();
         let slot_mapping = pool.upload(&slots)?;
         let norms = (head_norm, head_norm);
+        let kv = KvBinding {
+            k: k_cache,
+            v: v_cache,
+            block_size: BLOCK,
+            num_slots,
+            // bf16-sized pools; an FP8 cache reads the first half of each as e4m3 bytes.
+            dtype,
+            scales: KvScales { k: 0.5, v: 0.25 },
+        };
         Ok(Self {
             rope: d.rope_params(io.qkv, norms, inv_freq, positions, batch),
-            store: d.store_params(io.qkv, (k_cache, v_cache), slot_mapping, batch, num_slots),
+            store: d.store_params(io.qkv, &kv, slot_mapping, batch),
             attention: PagedAttention {
                 out: io.attn_out,
                 qkv: io.qkv,
@@ -321,6 +331,8 @@ impl AttentionStep {
                 num_slots,
                 scale: 1.0 / (d.head_dim as f32).sqrt(),
                 gated: d.attn_gated,
+                kv_dtype: kv.dtype,
+                kv_scales: kv.scales,
             },
             context,
         })

@@ -349,7 +349,7 @@ pub fn serve_ladder(
     let mut sched = bench_scheduler(c, &gpu, max_c, seq_len, opts.max_batch_tokens)?;
     let weights = weight_bytes(c, Quantization::AsStored);
     let per_seq = (opts.prompt_tokens as f64 + opts.output_tokens as f64 / 2.0)
-        * kv_bytes_per_token(c)
+        * kv_bytes_per_token(c, metrale_cache::KvDtype::Bf16)
         + ssm_bytes_per_seq(c);
     let mut points = Vec::with_capacity(opts.concurrency.len());
     for (rung, &n) in opts.concurrency.iter().enumerate() {

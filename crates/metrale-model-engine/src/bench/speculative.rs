@@ -227,7 +227,7 @@ fn step_times(
     let floor = |bytes: f64| bytes / (copy_gb_s * 1e9) * 1e3;
     let (weights, kv_token) = (
         weight_bytes(c, Quantization::AsStored),
-        kv_bytes_per_token(c),
+        kv_bytes_per_token(c, metrale_cache::KvDtype::Bf16),
     );
     // The SSM state is read once per step and written once per row.
     let ssm_half = ssm_bytes_per_seq(c) / 2.0;

@@ -20,7 +20,9 @@ use metrale_gpu_runtime::{DType, GpuBackend, StreamHandle};
 use metrale_model_layers::layers::MtpHead;
 use metrale_model_layers::ops::{BlockScales, Matrix};
 use metrale_model_layers::ops_gemm::fp8_scale_bytes;
-use metrale_model_layers::weight_map::{DenseWeight, SafetensorsSource, WeightLoader, WeightNames};
+use metrale_model_layers::weight_map::{
+    self, DenseWeight, LayerNames, SafetensorsSource, WeightLoader, WeightNames,
+};
 use metrale_model_layers::{Ops, TransformerLayer};
 
 use crate::error::ModelError;
@@ -191,7 +193,20 @@ pub fn load_quantized(
     };
 
     let mut decoder: Vec<Box<dyn TransformerLayer>> = Vec::with_capacity(config.num_hidden_layers);
+    // Each attention layer's FP8 KV scales (the model's, then the MTP head's), 1.0 where the
+    // checkpoint has none.
+    let mut kv_scales = Vec::new();
+    let mut found_scales = 0usize;
+    let mut read_scales = |n: &LayerNames| -> Result<(), ModelError> {
+        let s = weight_map::kv_scales(&source, n)?;
+        found_scales += usize::from(s.is_some());
+        kv_scales.push(s.unwrap_or_default());
+        Ok(())
+    };
     for (i, kind) in config.layer_types.iter().enumerate() {
+        if *kind == LayerType::FullAttention {
+            read_scales(&names.layer(i))?;
+        }
         let layer = layers::decoder_layer(
             &loader,
             &config,
@@ -206,6 +221,7 @@ pub fn load_quantized(
             let moe = config.moe.is_some();
             let mut mtp_layers = Vec::with_capacity(m.layers.len());
             for n in &m.layers {
+                read_scales(n)?;
                 mtp_layers.push(layers::decoder_layer(
                     &loader,
                     &config,
@@ -229,6 +245,13 @@ pub fn load_quantized(
         }
         None => None,
     };
+    if found_scales > 0 {
+        tracing::info!(
+            "{}: FP8 KV cache scales for {found_scales} of {} attention layers",
+            dir.display(),
+            kv_scales.len()
+        );
+    }
     gpu.synchronize(gpu.default_stream())?;
     Model::new(
         config,
@@ -238,6 +261,7 @@ pub fn load_quantized(
             final_norm,
             lm_head,
             mtp,
+            kv_scales,
         },
         decoder,
     )

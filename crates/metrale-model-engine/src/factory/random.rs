@@ -266,6 +266,7 @@ pub fn random_quantized(
             final_norm,
             lm_head,
             mtp,
+            kv_scales: Vec::new(),
         },
         layers,
     )

@@ -13,6 +13,7 @@ mod mtp;
 
 use std::sync::Arc;
 
+use metrale_cache::KvScales;
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DType, GpuBackend, StreamHandle};
 use metrale_model_layers::circuit_exec::CircuitBindings;
@@ -38,6 +39,10 @@ pub struct ModelWeights {
     /// The multi-token-prediction head, when the checkpoint ships one (the drafter of
     /// speculative decoding).
     pub mtp: Option<MtpHead>,
+    /// Each KV layer's FP8 KV scales (the attention layers in order, then the MTP head's), as
+    /// the checkpoint gives them; an FP8 KV cache reads them, a bf16 one ignores them. Layers
+    /// past the list (a checkpoint without scales) use 1.0.
+    pub kv_scales: Vec<KvScales>,
 }
 
 /// Where a model's layers keep their cache: for each layer, its KV layer index when it is an
@@ -136,6 +141,11 @@ impl Model {
     /// Which layers keep KV and which SSM state.
     pub fn cache_layers(&self) -> &CacheLayers {
         &self.cache_layers
+    }
+
+    /// KV layer `k`'s FP8 KV scales (1.0 each where the checkpoint has none).
+    pub fn kv_scales(&self, k: usize) -> KvScales {
+        self.weights.kv_scales.get(k).copied().unwrap_or_default()
     }
 
     /// The multi-token-prediction head's weights, when the checkpoint has them.

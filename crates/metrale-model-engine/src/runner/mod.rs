@@ -79,6 +79,16 @@ impl StepRunner {
     ) -> Result<(StepRunner, CacheManager), ModelError> {
         let (sizes, layout) = sizes::size(&model, &options)?;
         let cache = CacheManager::new(model.gpu().clone(), layout, model.stream())?;
+        let kv = cache.kv_layout();
+        tracing::info!(
+            "KV cache: {} tokens fit ({} blocks of {} tokens, {} KV layers, {}, {} MiB)",
+            kv.token_capacity(),
+            kv.num_blocks - 1,
+            kv.block_size,
+            kv.num_layers,
+            kv.dtype.name(),
+            kv.total_bytes() >> 20
+        );
         let buffers = build::allocate(&model, &sizes)?;
         let (pools, head_pools) = pools(&model, &cache);
         let runner = StepRunner {
@@ -376,6 +386,8 @@ fn pools(model: &Model, cache: &CacheManager) -> (Vec<LayerPools>, Vec<KvBinding
             v: p.v,
             block_size: layout.block_size as u32,
             num_slots: (layout.num_blocks * layout.block_size) as u32,
+            dtype: layout.dtype,
+            scales: model.kv_scales(k),
         }
     };
     let (total, _) = cache.ssm_slots().unwrap_or((0, 0));

@@ -127,14 +127,35 @@ pub(crate) fn size(
         (true, Some(h)) => h.layers.len(),
         _ => 0,
     };
+    let mut kv = KvCacheLayout {
+        num_layers: layers.num_kv + head_layers,
+        num_kv_heads: config.attention.num_key_value_heads,
+        head_dim: config.attention.head_dim,
+        block_size: options.block_size,
+        num_blocks: max_seqs * max_blocks + 1,
+        dtype: options.kv_cache_dtype.resolve(config),
+    };
+    kv.num_blocks = match (options.num_kv_blocks, options.kv_cache_bytes) {
+        (Some(n), _) => n,
+        (None, Some(bytes)) => {
+            let n = kv.blocks_in(bytes);
+            if n < 2 {
+                return Err(bad(
+                    "kv_cache_bytes",
+                    format!(
+                        "{bytes} bytes hold {n} blocks of {} bytes over {} layers; the cache \
+                         needs the dummy block and one more",
+                        2 * kv.block_bytes(),
+                        kv.num_layers
+                    ),
+                ));
+            }
+            n
+        }
+        (None, None) => kv.num_blocks,
+    };
     let layout = CacheLayout {
-        kv: KvCacheLayout {
-            num_layers: layers.num_kv + head_layers,
-            num_kv_heads: config.attention.num_key_value_heads,
-            head_dim: config.attention.head_dim,
-            block_size: options.block_size,
-            num_blocks: options.num_kv_blocks.unwrap_or(max_seqs * max_blocks + 1),
-        },
+        kv,
         snapshot_slots: if ssm.is_some() {
             options.snapshot_slots()
         } else {

@@ -181,6 +181,9 @@ pub struct CacheUsage {
     pub kv_blocks_used: usize,
     /// KV blocks that can be handed out.
     pub kv_blocks_total: usize,
+    /// Tokens the KV cache holds, every block that can be handed out full
+    /// (`kv_blocks_total * block_size`): twice as many with an FP8 cache in the same memory.
+    pub kv_tokens_capacity: usize,
     /// KV blocks in the prefix index, referenced or not.
     pub kv_blocks_cached: usize,
     /// SSM state slots in use (0 for models without GDN layers).
@@ -199,6 +202,7 @@ impl CacheUsage {
         CacheUsage {
             kv_blocks_used: blocks.capacity() - blocks.num_free(),
             kv_blocks_total: blocks.capacity(),
+            kv_tokens_capacity: blocks.capacity() * cache.block_size(),
             kv_blocks_cached: blocks.num_cached(),
             ssm_slots_used: ssm_total.saturating_sub(ssm_free),
             ssm_slots_total: ssm_total,

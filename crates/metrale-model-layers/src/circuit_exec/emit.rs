@@ -255,6 +255,9 @@ impl Emitter<'_> {
             num_kv_heads: a.num_kv_heads,
             head_dim: a.head_dim,
             num_slots: kv.num_slots,
+            kv_fp8: kv.fp8() as u32,
+            k_scale: kv.scales.k,
+            v_scale: kv.scales.v,
         })
     }
 
@@ -351,6 +354,8 @@ impl Emitter<'_> {
                         num_slots: kv.num_slots,
                         scale: a.softmax_scale,
                         gated,
+                        kv_dtype: kv.dtype,
+                        kv_scales: kv.scales,
                     },
                 )?;
             }

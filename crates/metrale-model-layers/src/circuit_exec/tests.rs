@@ -208,6 +208,8 @@ fn attention_pools(a: &mut Addr) -> LayerPools {
             v: a.next(),
             block_size: 16,
             num_slots: 512,
+            dtype: metrale_cache::KvDtype::Bf16,
+            scales: metrale_cache::KvScales::default(),
         }),
         ssm: None,
     }

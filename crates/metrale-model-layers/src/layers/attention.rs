@@ -53,13 +53,7 @@ impl Attention {
             self.k_norm.as_ref().map_or(Default::default(), |w| w.ptr),
         );
         let rope = d.rope_params(buf.acts.qkv, norms, buf.inv_freq, buf.meta.positions, rows);
-        let store = d.store_params(
-            buf.acts.qkv,
-            (kv.k, kv.v),
-            buf.meta.slot_mapping,
-            rows,
-            kv.num_slots,
-        );
+        let store = d.store_params(buf.acts.qkv, &kv, buf.meta.slot_mapping, rows);
         // Prefill sizes (outside every circuit program) store the cache in the rotation's
         // launch; decode sizes keep the two launches `circuit-reference` reproduces.
         if rows > STEP_PROGRAMMATIC_ROWS {
@@ -88,6 +82,8 @@ impl Attention {
             num_slots: kv.num_slots,
             scale: softmax_scale(d.head_dim),
             gated: d.attn_gated,
+            kv_dtype: kv.dtype,
+            kv_scales: kv.scales,
         };
         let delta = Matrix::bf16(buf.acts.delta, rows, d.hidden);
         let attn_out = Matrix::bf16(buf.acts.attn_out, rows, d.attn_out_width());

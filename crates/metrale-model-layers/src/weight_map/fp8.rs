@@ -6,6 +6,8 @@
 //! f16; they are kept as the f32 grid the kernels read (`BlockScales`): 128-row blocks where the
 //! checkpoint has them (or one scale per tensor), else a scale row per weight row.
 //!
+//! An FP8 KV cache's per-layer scales (`kv_scales`) are read here too.
+//!
 //! Invariants:
 //! - A weight without a scale tensor is refused (`WeightError::MissingScale`), as is a
 //!   scale grid of any other shape (`WeightError::Shape`) or dtype (`WeightError::Dtype`).
@@ -16,15 +18,58 @@
 //!   row, which the kernels read alike.
 
 use half::{bf16, f16};
+use metrale_cache::KvScales;
 use metrale_gpu_runtime::fp8::{
-    FP8_BLOCK, FP8_BLOCK_ROW_SHIFT, MAX_SCALE, dequant, is_nan_code, quantize as quantize_block,
-    scale_cols,
+    FP8_BLOCK, FP8_BLOCK_ROW_SHIFT, MAX_SCALE, dequant, is_nan_code, kv_scale_ok,
+    quantize as quantize_block, scale_cols,
 };
 use safetensors::Dtype;
 
 use crate::weight_map::convert::concat_shape;
 use crate::weight_map::error::WeightError;
+use crate::weight_map::layer_names::LayerNames;
 use crate::weight_map::source::SafetensorsSource;
+
+/// An attention layer's FP8 KV cache scales from the checkpoint: the first pair of
+/// `LayerNames::kv_scales` the checkpoint holds (either tensor of a pair missing is an error
+/// naming it), each one value (`[]` or `[1]`) in f32, bf16 or f16 that
+/// `fp8::kv_scale_ok` takes (finite, in (0, `MAX_SCALE`)); `None` when it has none, so the
+/// cache uses 1.0.
+pub fn kv_scales(
+    source: &SafetensorsSource,
+    names: &LayerNames,
+) -> Result<Option<KvScales>, WeightError> {
+    let Some([k, v]) =
+        (names.kv_scales().into_iter()).find(|[k, v]| source.contains(k) || source.contains(v))
+    else {
+        return Ok(None);
+    };
+    let one = |name: &str| -> Result<f32, WeightError> {
+        let (_, shape) = source.info(name)?;
+        if shape.iter().product::<usize>() != 1 || shape.len() > 1 {
+            return Err(WeightError::Shape {
+                tensor: name.to_string(),
+                expected: vec![1],
+                found: shape.to_vec(),
+            });
+        }
+        let shape = shape.to_vec();
+        let value = source.load_f32(name, &shape)?[0];
+        if !kv_scale_ok(value) {
+            return Err(WeightError::Fp8Value {
+                tensor: name.to_string(),
+                problem: format!(
+                    "is {value}: a KV cache scale must be finite and in (0, {MAX_SCALE})"
+                ),
+            });
+        }
+        Ok(value)
+    };
+    Ok(Some(KvScales {
+        k: one(&k)?,
+        v: one(&v)?,
+    }))
+}
 
 /// A block-FP8 `[n, k]` weight on the host: its e4m3 bytes and its f32 scale grid.
 #[derive(Debug, Clone, PartialEq)]

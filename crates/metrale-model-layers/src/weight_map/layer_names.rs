@@ -210,6 +210,25 @@ impl LayerNames {
         self.name("self_attn.k_norm.weight")
     }
 
+    /// The names an FP8 KV cache's scales of this attention layer may have, each a pair (K,
+    /// V), in the order they are looked for: `self_attn.k_scale` / `v_scale` (the FP8 packs
+    /// vLLM reads), `self_attn.k_proj.output_scale` / `v_proj.output_scale` (llm-compressor),
+    /// and `self_attn.kv_scale` (one scale for both, older packs).
+    pub fn kv_scales(&self) -> [[String; 2]; 3] {
+        let both = self.name("self_attn.kv_scale");
+        [
+            [
+                self.name("self_attn.k_scale"),
+                self.name("self_attn.v_scale"),
+            ],
+            [
+                self.name("self_attn.k_proj.output_scale"),
+                self.name("self_attn.v_proj.output_scale"),
+            ],
+            [both.clone(), both],
+        ]
+    }
+
     /// The full-attention names, q/k norms as the family has them.
     pub fn attention(&self) -> AttentionNames {
         let qk = self.table.qk_norm;

@@ -16,7 +16,7 @@ mod source;
 
 pub use convert::{LOADABLE_DTYPES, concat_shape};
 pub use error::WeightError;
-pub use fp8::Fp8Host;
+pub use fp8::{Fp8Host, kv_scales};
 pub use layer_names::{
     AttentionNames, ExpertNames, FfnNames, GdnNames, GdnProjectionNames, LayerNames, MixerNames,
     MlpNames, MoeNames,

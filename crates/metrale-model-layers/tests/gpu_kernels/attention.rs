@@ -4,6 +4,8 @@
 //! `small` runs `attention_case` at the sanitizer's sizes.
 
 use half::bf16;
+use metrale_cache::{KvDtype, KvScales};
+use metrale_gpu_runtime::fp8::kv_quantize;
 use metrale_gpu_runtime::{LaunchConfig, Residency};
 use metrale_model_layers::ops::{
     ATTENTION_SPLITS, DecodeAttention, PagedAttention, attention_blocks_fit, attention_row_groups,
@@ -58,20 +60,82 @@ pub(super) fn small(p: &Pair) {
         &case(6, 2, 100, true),
         "small hq=6 hkv=2 d=100 (scalar)",
     );
+    let fp8 = Some(KvScales { k: 0.02, v: 0.3 });
+    let c = case(4, 2, 128, false);
+    attention_case_in(p, &mut rng, &c, 16, fp8, "small fp8 hq=4 hkv=2 d=128");
+    let c = case(6, 2, 100, true);
+    attention_case_in(
+        p,
+        &mut rng,
+        &c,
+        8,
+        fp8,
+        "small fp8 hq=6 hkv=2 d=100 (scalar) blocks of 8",
+    );
+}
+
+/// FP8 pools (e4m3 bytes, k and v scales): every kernel reads them as its CPU twin does, the
+/// cluster, block and prefill kernels bitwise alike (`attention_case`), over the vector path
+/// (head_dim 128 and gated 256, Qwen3-8B's and Qwen3.5's heads), the byte path (head_dim 100,
+/// not 16-byte rows), head_dim 64 and 32, blocks of 16, 8 (units span blocks) and 48, and
+/// scales that saturate some keys. Each block size gives bitwise the same CUDA rows.
+#[test]
+fn paged_attention_reads_fp8_pools_as_the_twin_at_every_head_dim_and_block_size() {
+    let p = Pair::new();
+    let scales = [KvScales { k: 0.004, v: 0.5 }, KvScales { k: 0.05, v: 0.01 }];
+    let cases = [
+        (32, 8, 128, false),
+        (16, 4, 256, true),
+        (6, 2, 100, true),
+        (8, 8, 64, false),
+        (4, 1, 32, false),
+    ];
+    for (n, &(hq, hkv, d, gated)) in cases.iter().enumerate() {
+        let c = AttnCase {
+            hq,
+            hkv,
+            d,
+            gated,
+            seq_lens: vec![700, 33, 1],
+            rows: (300..340)
+                .map(|p| (0, p))
+                .chain([(0, 699), (1, 32), (1, 15), (1, 16), (2, 0)])
+                .collect(),
+        };
+        let fp8 = Some(scales[n % 2]);
+        let mut want: Option<Vec<u16>> = None;
+        for block_size in [16u32, 8, 48] {
+            let label = format!("fp8 hq={hq} hkv={hkv} d={d} block_size={block_size}");
+            let got = attention_case_in(
+                &p,
+                &mut Rng::new(60 + n as u64),
+                &c,
+                block_size,
+                fp8,
+                &label,
+            );
+            match &want {
+                None => want = Some(got),
+                Some(w) => assert!(got == *w, "{label}: differs bitwise from block_size 16"),
+            }
+        }
+    }
 }
 
 fn attention_case(p: &Pair, rng: &mut Rng, c: &AttnCase, label: &str) {
-    attention_case_in(p, rng, c, 16, label);
+    attention_case_in(p, rng, c, 16, None, label);
 }
 
-/// `attention_case` with the KV cache in blocks of `block_size` tokens; returns the CUDA output.
-/// The tokens' keys and values and the queries are drawn before the blocks are shuffled, so the
+/// `attention_case` with the KV cache in blocks of `block_size` tokens, bf16 or (with `fp8`'s
+/// scales) e4m3 bytes of each key and value over its scale; returns the CUDA output. The
+/// tokens' keys and values and the queries are drawn before the blocks are shuffled, so the
 /// same seed gives the same problem at every block size.
 fn attention_case_in(
     p: &Pair,
     rng: &mut Rng,
     c: &AttnCase,
     block_size: u32,
+    fp8: Option<KvScales>,
     label: &str,
 ) -> Vec<u16> {
     let width = (c.hkv * c.d) as usize;
@@ -112,7 +176,26 @@ fn attention_case_in(
         }
     }
     let rows = c.rows.len() as u32;
-    let (kc, vc) = (p.upload(&k_cache), p.upload(&v_cache));
+    let (kc, vc) = match fp8 {
+        // Unowned slots hold 0xFF (the NaN code) as the bf16 pools hold NaN.
+        Some(sc) => {
+            let bytes = |pool: &[bf16], scale: f32| -> Vec<u8> {
+                let q = |e: &bf16| {
+                    if e.to_bits() == 0xFFFF {
+                        0xFF
+                    } else {
+                        kv_quantize(*e, scale)
+                    }
+                };
+                pool.iter().map(q).collect()
+            };
+            (
+                p.upload(&bytes(&k_cache, sc.k)),
+                p.upload(&bytes(&v_cache, sc.v)),
+            )
+        }
+        None => (p.upload(&k_cache), p.upload(&v_cache)),
+    };
     let tables = p.upload(&tables);
     let row_seq = p.upload(&c.rows.iter().map(|r| r.0).collect::<Vec<_>>());
     let positions = p.upload(&c.rows.iter().map(|r| r.1).collect::<Vec<_>>());
@@ -137,6 +220,12 @@ fn attention_case_in(
         num_slots,
         scale: 1.0 / (c.d as f32).sqrt(),
         gated: c.gated,
+        kv_dtype: if fp8.is_some() {
+            KvDtype::Fp8
+        } else {
+            KvDtype::Bf16
+        },
+        kv_scales: fp8.unwrap_or_default(),
     };
     p.run(|o, at| o.paged_attention(S, &params(at)));
     p.check_bf16("paged_attention", label, &out, Tolerance::BF16);
@@ -492,7 +581,14 @@ fn paged_attention_is_bitwise_the_same_over_every_block_size() {
         let mut want: Option<Vec<u16>> = None;
         for block_size in [16u32, 8, 24, 32, 48] {
             let label = format!("d={} block_size={block_size}", c.d);
-            let got = attention_case_in(&p, &mut Rng::new(40 + n as u64), c, block_size, &label);
+            let got = attention_case_in(
+                &p,
+                &mut Rng::new(40 + n as u64),
+                c,
+                block_size,
+                None,
+                &label,
+            );
             match &want {
                 None => want = Some(got),
                 Some(w) => assert!(
@@ -563,6 +659,8 @@ fn paged_attention_rows_are_batch_invariant_and_bad_rows_are_nan() {
                     num_slots,
                     scale: 1.0 / (d as f32).sqrt(),
                     gated: false,
+                    kv_dtype: metrale_cache::KvDtype::Bf16,
+                    kv_scales: metrale_cache::KvScales::default(),
                 },
             )
         });

@@ -112,6 +112,9 @@ fn bad_kv_store(
         num_kv_heads: 1,
         head_dim: 32,
         num_slots: if slot_past { 0 } else { 4 },
+        kv_fp8: 0,
+        k_scale: 1.0,
+        v_scale: 1.0,
     }
 }
 

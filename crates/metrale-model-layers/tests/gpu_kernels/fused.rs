@@ -45,9 +45,16 @@ fn qk_norm_rope_kv_store_is_the_two_launches_byte_for_byte() {
     rope_store(&Pair::new(), &mut Rng::new(41), &cases);
 }
 
-/// `(head_dim, rotary_dim, q heads, kv heads, gated queries, q/k norms, zero-centred)` each.
+/// `(head_dim, rotary_dim, q heads, kv heads, gated queries, q/k norms, zero-centred)` each,
+/// into bf16 pools and into FP8 pools (e4m3 of the rounded key and of the value over their
+/// scales).
 fn rope_store(p: &Pair, rng: &mut Rng, cases: &[(u32, u32, u32, u32, bool, bool, bool)]) {
-    for (i, &(d, rd, hq, hkv, gated, norms, unit)) in cases.iter().enumerate() {
+    let formats = [None, Some((0.02f32, 0.3f32))];
+    let runs = cases
+        .iter()
+        .flat_map(|c| formats.iter().map(move |f| (c, *f)));
+    for (i, (&(d, rd, hq, hkv, gated, norms, unit), fp8)) in runs.enumerate() {
+        let (k_scale, v_scale) = fp8.unwrap_or((1.0, 1.0));
         // YaRN's factor on cos and sin in every other case, exactly 1 in the others.
         let attention_scaling = if i % 2 == 0 { 1.138_629_4 } else { 1.0 };
         let (rows, num_slots) = (6u32, 48u32);
@@ -65,7 +72,7 @@ fn rope_store(p: &Pair, rng: &mut Rng, cases: &[(u32, u32, u32, u32, bool, bool,
         slots[1] = u32::MAX;
         slots[4] = u32::MAX;
         let slot_mapping = p.upload(&slots);
-        let cache_bytes = (num_slots * hkv * d) as usize * 2;
+        let cache_bytes = (num_slots * hkv * d) as usize * if fp8.is_some() { 1 } else { 2 };
         let set = || Set {
             qkv: p.upload(&input),
             kc: p.poisoned(cache_bytes),
@@ -102,6 +109,9 @@ fn rope_store(p: &Pair, rng: &mut Rng, cases: &[(u32, u32, u32, u32, bool, bool,
             num_kv_heads: hkv,
             head_dim: d,
             num_slots,
+            kv_fp8: fp8.is_some() as u32,
+            k_scale,
+            v_scale,
         };
         p.run(|o, at| {
             o.qk_norm_rope(S, &rope(&chain, at))?;
@@ -110,7 +120,7 @@ fn rope_store(p: &Pair, rng: &mut Rng, cases: &[(u32, u32, u32, u32, bool, bool,
         p.run(|o, at| o.qk_norm_rope_kv_store(S, &rope(&fused, at), &store(&fused, at)));
         let case = format!(
             "d={d} rd={rd} hq={hq} hkv={hkv} gated={gated} norms={norms} \
-             attention_scaling={attention_scaling}"
+             attention_scaling={attention_scaling} fp8={fp8:?}"
         );
         for (name, a, b) in [
             ("rows", &chain.qkv, &fused.qkv),
@@ -125,16 +135,29 @@ fn rope_store(p: &Pair, rng: &mut Rng, cases: &[(u32, u32, u32, u32, bool, bool,
             );
             assert!(ca == cb, "{case}: CPU {name} differs from the two launches");
         }
-        let (kc, _) = p.download::<u16>(&fused.kc);
-        let written = kc.iter().filter(|&&b| b != 0xFFFF).count();
+        let written = if fp8.is_some() {
+            // e4m3 bytes: never the NaN code 0xFF from finite values.
+            let (kc, _) = p.download::<u8>(&fused.kc);
+            kc.iter().filter(|&&b| b != 0xFF).count()
+        } else {
+            let (kc, _) = p.download::<u16>(&fused.kc);
+            kc.iter().filter(|&&b| b != 0xFFFF).count()
+        };
         assert_eq!(
             written,
             4 * (hkv * d) as usize,
             "{case}: padding rows wrote"
         );
         p.check_bf16("qk_norm_rope_kv_store", &case, &fused.qkv, Tolerance::BF16);
-        p.check_bf16("qk_norm_rope_kv_store", &case, &fused.kc, Tolerance::BF16);
-        p.check_bf16("qk_norm_rope_kv_store", &case, &fused.vc, Tolerance::EXACT);
+        if fp8.is_some() {
+            // The rounded rows agree within bf16; each cache byte is e4m3 of its row's value,
+            // so CUDA and the twin agree wherever their rows do (the values bitwise).
+            let (gv, cv) = p.download::<u8>(&fused.vc);
+            assert!(gv == cv, "{case}: the FP8 v cache differs from the twin's");
+        } else {
+            p.check_bf16("qk_norm_rope_kv_store", &case, &fused.kc, Tolerance::BF16);
+            p.check_bf16("qk_norm_rope_kv_store", &case, &fused.vc, Tolerance::EXACT);
+        }
     }
 }
 

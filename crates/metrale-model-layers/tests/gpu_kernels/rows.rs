@@ -224,9 +224,14 @@ fn kv_store_writes_each_row_at_its_slot_and_skips_padding() {
     kv_store(&Pair::new(), &mut Rng::new(5), &[(8, 2, 128), (3, 1, 100)]);
 }
 
-/// `(q heads, kv heads, head_dim)` each.
+/// `(q heads, kv heads, head_dim)` each, into bf16 pools and into FP8 pools (e4m3 bytes; the
+/// key scale small enough that some keys saturate at 448).
 fn kv_store(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
-    for &(hq, hkv, d) in shapes {
+    let formats = [None, Some((0.004f32, 0.3f32))];
+    for (&(hq, hkv, d), fp8) in shapes
+        .iter()
+        .flat_map(|s| formats.iter().map(move |f| (s, *f)))
+    {
         let (rows, num_slots) = (6u32, 64u32);
         let k_offset = hq * d;
         let v_offset = k_offset + hkv * d;
@@ -236,7 +241,9 @@ fn kv_store(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
         slots[2] = u32::MAX;
         slots[5] = u32::MAX;
         let slot_mapping = p.upload(&slots);
-        let cache_bytes = (num_slots * hkv * d) as usize * 2;
+        let elem = if fp8.is_some() { 1 } else { 2 };
+        let (k_scale, v_scale) = fp8.unwrap_or((1.0, 1.0));
+        let cache_bytes = (num_slots * hkv * d) as usize * elem;
         let (kc, vc) = (p.poisoned(cache_bytes), p.poisoned(cache_bytes));
         p.run(|o, at| {
             o.kv_store(
@@ -253,16 +260,25 @@ fn kv_store(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
                     num_kv_heads: hkv,
                     head_dim: d,
                     num_slots,
+                    kv_fp8: fp8.is_some() as u32,
+                    k_scale,
+                    v_scale,
                 },
             )
         });
         for (name, buf) in [("k", &kc), ("v", &vc)] {
-            let (g, c) = p.download::<u16>(buf);
+            // Written elements: bf16 never 0xFFFF here, e4m3 never the NaN code 0xFF.
+            let (written, same) = if fp8.is_some() {
+                let (g, c) = p.download::<u8>(buf);
+                (g.iter().filter(|&&b| b != 0xFF).count(), g == c)
+            } else {
+                let (g, c) = p.download::<u16>(buf);
+                (g.iter().filter(|&&b| b != 0xFFFF).count(), g == c)
+            };
             assert!(
-                g == c,
-                "kv_store {name} cache (hkv={hkv}, d={d}) differs bitwise"
+                same,
+                "kv_store {name} cache (hkv={hkv}, d={d}, fp8 {fp8:?}) differs bitwise"
             );
-            let written = g.iter().filter(|&&b| b != 0xFFFF).count();
             assert_eq!(
                 written,
                 4 * (hkv * d) as usize,
@@ -272,7 +288,7 @@ fn kv_store(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
         println!(
             "kernel-check {:<18} {:<44} exact (bitwise, padding untouched) ok",
             "kv_store",
-            format!("hkv={hkv} d={d}")
+            format!("hkv={hkv} d={d} fp8 {fp8:?}")
         );
     }
 }

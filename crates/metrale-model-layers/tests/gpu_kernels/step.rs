@@ -175,6 +175,9 @@ impl Step {
                 num_kv_heads: HKV,
                 head_dim: D,
                 num_slots: NUM_BLOCKS * BLOCK,
+                kv_fp8: 0,
+                k_scale: 1.0,
+                v_scale: 1.0,
             },
         )?;
         o.paged_attention(
@@ -199,6 +202,8 @@ impl Step {
                 num_slots: NUM_BLOCKS * BLOCK,
                 scale: 1.0 / (D as f32).sqrt(),
                 gated: true,
+                kv_dtype: metrale_cache::KvDtype::Bf16,
+                kv_scales: metrale_cache::KvScales::default(),
             },
         )?;
         let attn = rows("attn", HQ * D);

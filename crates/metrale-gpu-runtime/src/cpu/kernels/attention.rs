@@ -2,7 +2,8 @@
 //! cache. One kernel serves prefill and decode: a row at position `p` attends to positions
 //! `0..=p` of the sequence whose block table it names, after the step's keys and values were
 //! stored. Each row's result depends only on its own query and its sequence's cache, never on
-//! the other rows of the step (batch invariance).
+//! the other rows of the step (batch invariance). FP8 pools (`kv_fp8`) are read element by
+//! element as `fp8::kv_dequant` gives them, the bf16 cache they stand for.
 
 use half::bf16;
 use metrale_kernel_abi::attention::{
@@ -13,6 +14,7 @@ use metrale_kernel_abi::{
     PagedAttentionPrefillParams,
 };
 
+use super::cache::KvFormat;
 use super::gemm::{stage_image_bytes, store_image_row};
 use super::util::{b, f, sigmoid};
 use crate::cpu::KernelCtx;
@@ -40,6 +42,9 @@ struct Shape {
     num_slots: usize,
     scale: f32,
     gate: bool,
+    kv_fp8: u32,
+    k_scale: f32,
+    v_scale: f32,
 }
 
 /// The [`Shape`] of a decode or prefill attention launch's parameters (the two kernels name
@@ -65,6 +70,9 @@ macro_rules! shape_of {
             num_slots: $p.num_slots as usize,
             scale: $p.scale,
             gate: $p.gated != 0,
+            kv_fp8: $p.kv_fp8,
+            k_scale: $p.k_scale,
+            v_scale: $p.v_scale,
         }
     };
 }
@@ -249,8 +257,8 @@ fn prefill_rows(
 fn attend(ctx: &KernelCtx<'_>, s: &Shape, rows: &[usize], out: &mut [bf16]) -> GpuResult<()> {
     let width = s.hkv * s.d;
     let qkv = ctx.slice::<bf16>("qkv", s.qkv, s.rows * s.row_stride)?;
-    let k_cache = ctx.slice::<bf16>("k_cache", s.k_cache, s.num_slots * width)?;
-    let v_cache = ctx.slice::<bf16>("v_cache", s.v_cache, s.num_slots * width)?;
+    let format = KvFormat::new(ctx, s.kv_fp8, s.k_scale, s.v_scale)?;
+    let pools = format.pools(ctx, (s.k_cache, s.v_cache), s.num_slots * width)?;
     let tables = ctx.slice::<u32>("block_tables", s.block_tables, s.num_seqs * s.max_blocks)?;
     let row_seq = ctx.slice::<u32>("row_seq", s.row_seq, s.rows)?;
     let positions = ctx.slice::<u32>("positions", s.positions, s.rows)?;
@@ -292,10 +300,10 @@ fn attend(ctx: &KernelCtx<'_>, s: &Shape, rows: &[usize], out: &mut [bf16]) -> G
             scores.clear();
             let mut max = f32::NEG_INFINITY;
             for &slot in &slots {
-                let k = &k_cache[slot * width + kv_at..slot * width + kv_at + s.d];
+                let k_at = slot * width + kv_at;
                 let mut dot = 0.0f32;
-                for (a, &kb) in q.iter().zip(k) {
-                    dot += a * f(kb);
+                for (i, a) in q.iter().enumerate() {
+                    dot += a * f(pools.key(k_at + i));
                 }
                 let sc = dot * s.scale;
                 max = max.max(sc);
@@ -308,9 +316,9 @@ fn attend(ctx: &KernelCtx<'_>, s: &Shape, rows: &[usize], out: &mut [bf16]) -> G
             }
             acc.iter_mut().for_each(|a| *a = 0.0);
             for (&p, &slot) in scores.iter().zip(&slots) {
-                let v = &v_cache[slot * width + kv_at..slot * width + kv_at + s.d];
-                for (a, &vb) in acc.iter_mut().zip(v) {
-                    *a += p * f(vb);
+                let v_at = slot * width + kv_at;
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a += p * f(pools.value(v_at + i));
                 }
             }
             let o = &mut out[(r * s.hq + h) * s.d..(r * s.hq + h + 1) * s.d];

@@ -169,8 +169,8 @@ pub fn qk_norm_rope_kv_store(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     );
     let inv_freq = ctx.slice::<f32>("inv_freq", p.inv_freq, h.rd / 2)?;
     let positions = ctx.slice::<u32>("positions", p.positions, h.rows)?;
-    let k_cache = ctx.slice_mut::<bf16>("k_cache", p.k_cache, slots * width)?;
-    let v_cache = ctx.slice_mut::<bf16>("v_cache", p.v_cache, slots * width)?;
+    let format = super::cache::KvFormat::new(ctx, p.kv_fp8, p.k_scale, p.v_scale)?;
+    let mut pools = format.pools_mut(ctx, (p.k_cache, p.v_cache), slots * width)?;
     let slot_mapping = ctx.slice::<u32>("slot_mapping", p.slot_mapping, h.rows)?;
     rope_rows(qkv, norms, inv_freq, positions, h);
     let store = super::cache::StoreGeometry {
@@ -180,5 +180,5 @@ pub fn qk_norm_rope_kv_store(ctx: &KernelCtx<'_>) -> GpuResult<()> {
         width,
         slots,
     };
-    super::cache::store_rows(ctx, (k_cache, v_cache), qkv, slot_mapping, store)
+    super::cache::store_rows(ctx, &mut pools, qkv, slot_mapping, store)
 }

@@ -124,6 +124,9 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
             num_kv_heads: hkv as u32,
             head_dim: dh as u32,
             num_slots: slots as u32,
+            kv_fp8: 0,
+            k_scale: 1.0,
+            v_scale: 1.0,
         };
         r.run("cache", "kv_store", &p).unwrap()
     };
@@ -153,6 +156,9 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
         num_slots: slots as u32,
         scale,
         gated: 0,
+        kv_fp8: 0,
+        k_scale: 1.0,
+        v_scale: 1.0,
     };
     // Two heads per item at head_dim 8: 2 items a row; clusters of ATT_SPLITS blocks.
     let (dp, hb) = (padded_dim(dh as u32), 2);
@@ -252,6 +258,9 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
         scale,
         gated: 0,
         n_groups: (row_groups.len() / 2) as u32,
+        kv_fp8: 0,
+        k_scale: 1.0,
+        v_scale: 1.0,
     };
     r.run_with(
         "attention",
@@ -298,4 +307,245 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
         .zip(&after)
         .all(|(a, b)| a.to_bits() == b.to_bits());
     assert!(same, "a padding row must not write the cache");
+}
+
+/// Causal attention of `len` rows in f64, from the definition: row t's query heads over the
+/// keys and values `kv(token, kv_head, dim) -> (k, v)` of tokens 0..=t.
+fn ref_causal(
+    q: &[f64],
+    (len, stride, hq, hkv, dh): (usize, usize, usize, usize, usize),
+    kv: &dyn Fn(usize, usize, usize) -> (f64, f64),
+) -> Vec<f64> {
+    let scale = 1.0 / (dh as f64).sqrt();
+    let mut want = vec![0.0f64; len * hq * dh];
+    for t in 0..len {
+        for h in 0..hq {
+            let g = h / (hq / hkv);
+            let qv = &q[t * stride + h * dh..t * stride + (h + 1) * dh];
+            let sc: Vec<f64> = (0..=t)
+                .map(|s| (0..dh).map(|i| qv[i] * kv(s, g, i).0).sum::<f64>() * scale)
+                .collect();
+            let m = sc.iter().cloned().fold(f64::MIN, f64::max);
+            let e: Vec<f64> = sc.iter().map(|v| (v - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for i in 0..dh {
+                want[(t * hq + h) * dh + i] = (0..=t).map(|s| e[s] / z * kv(s, g, i).1).sum();
+            }
+        }
+    }
+    want
+}
+
+#[test]
+fn fp8_pools_store_e4m3_of_value_over_scale_and_every_attention_kernel_reads_them_back() {
+    use crate::fp8::{kv_dequant, kv_quantize};
+    let r = Rig::new();
+    let mut d = Rng::new(37);
+    let (hq, hkv, dh, bs) = (4usize, 2usize, 16usize, 4usize);
+    let stride = (hq + 2 * hkv) * dh;
+    let len = 10usize;
+    let slots = 6 * bs;
+    let width = hkv * dh;
+    let mut qkv = d.bf16s(len * stride, -3.0, 3.0);
+    // One value far past what its scale maps into e4m3: it saturates at 448 * scale.
+    let (k_scale, v_scale) = (0.03f32, 0.25f32);
+    let big = 5 * stride + (hq + hkv) * dh + 3;
+    qkv[big] = bf16::from_f32(300.0);
+    let table = [4u32, 1, 3, 0, 0];
+    let slot_of = |t: usize| table[t / bs] as usize * bs + t % bs;
+    let slot_map: Vec<u32> = (0..len).map(|t| slot_of(t) as u32).collect();
+    let (qp, tp, sp) = (r.put(&qkv), r.put(&table), r.put(&slot_map));
+    let (kc, vc) = (r.out(slots * width), r.out(slots * width));
+    let store = KvStoreParams {
+        k_cache: kc,
+        v_cache: vc,
+        qkv: qp,
+        slot_mapping: sp,
+        rows: len as u32,
+        row_stride: stride as u32,
+        k_offset: (hq * dh) as u32,
+        v_offset: ((hq + hkv) * dh) as u32,
+        num_kv_heads: hkv as u32,
+        head_dim: dh as u32,
+        num_slots: slots as u32,
+        kv_fp8: 1,
+        k_scale,
+        v_scale,
+    };
+    r.run("cache", "kv_store", &store).unwrap();
+    let (kb, vb) = (r.bytes(kc, slots * width), r.bytes(vc, slots * width));
+    for t in 0..len {
+        for i in 0..width {
+            let (k, v) = (
+                qkv[t * stride + hq * dh + i],
+                qkv[t * stride + (hq + hkv) * dh + i],
+            );
+            let at = slot_of(t) * width + i;
+            assert_eq!(
+                kb[at],
+                kv_quantize(k, k_scale),
+                "k of token {t}, element {i}"
+            );
+            assert_eq!(
+                vb[at],
+                kv_quantize(v, v_scale),
+                "v of token {t}, element {i}"
+            );
+        }
+    }
+    let sat = slot_of(5) * width + 3;
+    assert_eq!(vb[sat], 0x7E, "300 / 0.25 saturates at 448");
+    assert_eq!(kv_dequant(vb[sat], v_scale).to_f32(), 112.0);
+
+    // The reference over the dequantized cache: what the kernels must compute; and the
+    // reference over the bf16 values, which the FP8 cache approximates.
+    let q = tof(&qkv);
+    let deq = |s: usize, g: usize, i: usize| {
+        let at = slot_of(s) * width + g * dh + i;
+        (
+            f64::from(kv_dequant(kb[at], k_scale).to_f32()),
+            f64::from(kv_dequant(vb[at], v_scale).to_f32()),
+        )
+    };
+    let shape = (len, stride, hq, hkv, dh);
+    let want = ref_causal(&q, shape, &deq);
+    let out = r.out(len * hq * dh * 2);
+    let (seqp, posp) = (
+        r.put(&vec![0u32; len]),
+        r.put(&(0..len as u32).collect::<Vec<_>>()),
+    );
+    let decode = PagedAttentionParams {
+        out,
+        qkv: qp,
+        k_cache: kc,
+        v_cache: vc,
+        block_tables: tp,
+        row_seq: seqp,
+        positions: posp,
+        rows: len as u32,
+        row_stride: stride as u32,
+        q_head_stride: dh as u32,
+        num_q_heads: hq as u32,
+        num_kv_heads: hkv as u32,
+        head_dim: dh as u32,
+        block_size: bs as u32,
+        max_blocks: table.len() as u32,
+        num_seqs: 1,
+        num_slots: slots as u32,
+        scale: 1.0 / (dh as f32).sqrt(),
+        gated: 0,
+        kv_fp8: 1,
+        k_scale,
+        v_scale,
+    };
+    let (dp, hb) = (padded_dim(dh as u32), 2);
+    let clusters = LaunchConfig::grid2(ATT_SPLITS * 4, 1, 32 * ATT_WARPS)
+        .with_shared(decode_shared_bytes(dp, hb, 2));
+    r.run_with("attention", "paged_attention", clusters, &decode)
+        .unwrap();
+    let got = r.get_bf(out, len * hq * dh);
+    assert_close(&got, &want, 1e-2, 1.0, "fp8 paged_attention");
+    // Against the bf16 values the cache approximates: close, not equal, on the rows before
+    // the saturated token (which changes every row after it).
+    let exact = ref_causal(&q, shape, &|s, g, i| {
+        let at = s * stride + hq * dh + g * dh + i;
+        (q[at], q[at + hkv * dh])
+    });
+    let early = 5 * hq * dh;
+    let far = (got[..early].iter().zip(&exact[..early]))
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        far > 0.0 && far < 1.0,
+        "FP8 is close to, not equal to, bf16: {far}"
+    );
+    let late = (got[early..].iter().zip(&exact[early..]))
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        late > 10.0,
+        "the saturated value reads as 112, not 300: {late}"
+    );
+
+    // The flat and prefill kernels read the same cache alike.
+    let flat_out = r.out(len * hq * dh * 2);
+    let blocks = LaunchConfig::grid2(8, 1, 32 * ATT_WARPS)
+        .with_shared(decode_shared_bytes(dp, hb, ATT_SPLITS));
+    let flat = PagedAttentionParams {
+        out: flat_out,
+        ..decode
+    };
+    r.run_with("attention", "paged_attention_flat", blocks, &flat)
+        .unwrap();
+    assert_eq!(
+        r.bytes(flat_out, len * hq * dh * 2),
+        r.bytes(out, len * hq * dh * 2)
+    );
+    let grouped = r.out(len * hq * dh * 2);
+    let prefill = PagedAttentionPrefillParams {
+        out: grouped,
+        qkv: qp,
+        k_cache: kc,
+        v_cache: vc,
+        block_tables: tp,
+        row_seq: seqp,
+        positions: posp,
+        row_groups: r.put(&[0u32, 4, 4, 4, 8, 2]),
+        rows: len as u32,
+        row_stride: stride as u32,
+        q_head_stride: dh as u32,
+        num_q_heads: hq as u32,
+        num_kv_heads: hkv as u32,
+        head_dim: dh as u32,
+        block_size: bs as u32,
+        max_blocks: table.len() as u32,
+        num_seqs: 1,
+        num_slots: slots as u32,
+        scale: decode.scale,
+        gated: 0,
+        n_groups: 3,
+        kv_fp8: 1,
+        k_scale,
+        v_scale,
+    };
+    let prefill_launch =
+        LaunchConfig::grid2(ATT_SPLITS, 1, 32 * ATP_WARPS).with_shared(prefill_shared_bytes(dp));
+    r.run_with(
+        "attention",
+        "paged_attention_prefill",
+        prefill_launch,
+        &prefill,
+    )
+    .unwrap();
+    assert_eq!(
+        r.bytes(grouped, len * hq * dh * 2),
+        r.bytes(out, len * hq * dh * 2)
+    );
+
+    // Scales the kernels cannot use, and formats other than 0 and 1, are refused.
+    for (fp8, ks, vs) in [
+        (1, 0.0, 1.0),
+        (1, 1.0, f32::NAN),
+        (1, 256.0, 1.0),
+        (2, 1.0, 1.0),
+    ] {
+        let bad = KvStoreParams {
+            kv_fp8: fp8,
+            k_scale: ks,
+            v_scale: vs,
+            ..store
+        };
+        let e = r.run("cache", "kv_store", &bad).unwrap_err();
+        assert!(e.to_string().contains("kv_fp8"), "{e}");
+        let bad = PagedAttentionParams {
+            kv_fp8: fp8,
+            k_scale: ks,
+            v_scale: vs,
+            ..decode
+        };
+        assert!(
+            r.run_with("attention", "paged_attention", clusters, &bad)
+                .is_err()
+        );
+    }
 }

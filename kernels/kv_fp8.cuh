@@ -1,0 +1,19 @@
+// The FP8 (e4m3) KV cache's element format, shared by the stores (cache.cu, rope.cu) and the
+// attention kernels (attention.cu). CPU twin: metrale_gpu_runtime::fp8::{kv_quantize,
+// kv_dequant}.
+//
+// A store writes e4m3(value / scale): the quotient rounded once in f32 (IEEE division), then to
+// e4m3 to nearest even, finite values and infinities saturated at ±448, NaN to the NaN code
+// (0x7F). A read gives bf16(e4m3 * bf16(scale)), the FP8 weights' element (gemm_fp8.cuh's
+// fp8_frag, on the pair of scale factors from fp8_scale2; the NaN code reads as 480 *
+// bf16(scale)). The attention kernels copy a unit's e4m3 bytes into the top of each bf16 row of
+// their ring and widen them in place before the MMAs, so every kernel reads the same bf16 values
+// and keeps its bf16 arithmetic bit for bit.
+#pragma once
+
+#include <cuda_fp8.h>
+
+// One stored element: e4m3(x / scale).
+MT_DEVICE uint8_t kv_e4m3(float x, float scale) {
+    return (uint8_t)__nv_cvt_float_to_fp8(__fdiv_rn(x, scale), __NV_SATFINITE, __NV_E4M3);
+}
