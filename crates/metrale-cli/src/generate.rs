@@ -127,6 +127,10 @@ pub struct GenerateArgs {
     /// checkpoints quantized at load).
     #[arg(long, value_enum, default_value_t = QuantizationArg::None)]
     quantization: QuantizationArg,
+    /// Tensor-parallel ranks the model is split over (1, 2, 4 or 8; above 1 on the CPU backend
+    /// only, one thread a rank).
+    #[arg(long, default_value_t = ModelOptions::default().tensor_parallel_size)]
+    tensor_parallel_size: usize,
 }
 
 /// The engine's backend for a command-line choice.
@@ -148,6 +152,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     let model = ModelOptions::default()
         .quantization(args.quantization.select())
+        .tensor_parallel_size(args.tensor_parallel_size)
         .max_batch_tokens(args.max_batch_tokens)
         .mixed_steps(!args.no_mixed_steps)
         .max_seq_len(args.max_seq_len)

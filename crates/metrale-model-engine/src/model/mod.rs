@@ -76,6 +76,28 @@ impl Model {
         weights: ModelWeights,
         layers: Vec<Box<dyn TransformerLayer>>,
     ) -> Result<Model, ModelError> {
+        Model::new_shard(config, gpu, weights, layers, 1)
+    }
+
+    /// One rank's shard of a model split over `tp_size` ranks (1: the whole model): `config`
+    /// is the shard's (its heads and widths, the whole vocabulary), `weights.lm_head` its slice
+    /// of the vocabulary, and `gpu` the backend driving that rank of the group.
+    pub fn new_shard(
+        config: ModelConfig,
+        gpu: Arc<dyn GpuBackend>,
+        weights: ModelWeights,
+        layers: Vec<Box<dyn TransformerLayer>>,
+        tp_size: usize,
+    ) -> Result<Model, ModelError> {
+        if gpu.tp_rank().size != tp_size.max(1) {
+            return Err(ModelError::Options {
+                option: "tensor_parallel_size",
+                problem: format!(
+                    "a model of {tp_size} shard(s) on a backend in a group of {}",
+                    gpu.tp_rank().size
+                ),
+            });
+        }
         let ops = Ops::new(gpu.clone())?;
         let mut cache_layers = CacheLayers::default();
         for l in &layers {
@@ -87,7 +109,10 @@ impl Model {
             cache_layers.ssm.push(ssm);
         }
         Ok(Model {
-            dims: ModelDims::from_config(&config),
+            dims: ModelDims {
+                tp_size: tp_size.max(1) as u32,
+                ..ModelDims::from_config(&config)
+            },
             stream: gpu.default_stream(),
             config,
             gpu,
@@ -101,6 +126,11 @@ impl Model {
     /// The config.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Tensor-parallel ranks this model is a shard of (1: the whole model).
+    pub fn tp_size(&self) -> usize {
+        self.dims.tp_size as usize
     }
 
     /// The dimensions every layer shares.
@@ -209,7 +239,16 @@ impl Model {
             let normed = Matrix::bf16(buf.acts.normed, shape.rows, d.hidden);
             ops.gather_rows(s, logits_in, normed, buf.meta.logit_rows)?;
             let logits = Matrix::f32(buf.head.logits, shape.logit_rows, d.vocab);
-            ops.linear_f32out(s, logits, logits_in, self.weights.lm_head.matrix())?;
+            let head = self.weights.lm_head.matrix();
+            if d.tp_size <= 1 {
+                ops.linear_f32out(s, logits, logits_in, head)?;
+            } else {
+                // Vocabulary-parallel: this rank's slice of every row, then the whole rows
+                // gathered on every rank.
+                let local = Matrix::f32(buf.head.logits_local, shape.logit_rows, head.rows);
+                ops.linear_f32out(s, local, logits_in, head)?;
+                ops.all_gather_cols(s, logits, local)?;
+            }
         }
         Ok(())
     }

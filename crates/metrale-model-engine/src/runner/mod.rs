@@ -15,6 +15,8 @@
 //!   their shape runs; their launches depend on the shape alone. A decode step has two graphs
 //!   per width: with its sampler (`decode_sampled`) and without (`decode_forward`, for steps
 //!   whose sampler waits for the host's token masks).
+//! - A tensor-parallel model's ranks past rank 0 (`ranks.rs`) run every prefill and decode
+//!   step beside rank 0 with the same input; rank 0 samples and holds the step's logits.
 
 mod build;
 pub(crate) mod circuit;
@@ -22,6 +24,7 @@ mod forward;
 mod graphs;
 mod mtp;
 pub(crate) mod prefix;
+mod ranks;
 mod sample;
 mod sizes;
 mod upload;
@@ -68,6 +71,8 @@ pub struct StepRunner {
     /// The device sampler's buffers.
     sampler: build::SamplerBuffers,
     _arena: BufferArena,
+    /// Tensor-parallel ranks `1..N` (`ranks.rs`); empty for a model that is not sharded.
+    peers: Vec<ranks::RankRunner>,
 }
 
 impl StepRunner {
@@ -77,10 +82,67 @@ impl StepRunner {
         model: Model,
         options: ModelOptions,
     ) -> Result<(StepRunner, CacheManager), ModelError> {
+        StepRunner::new_ranks(vec![model], options)
+    }
+
+    /// [`StepRunner::new`] for a model sharded over tensor-parallel ranks, `models[r]` rank
+    /// `r`'s shard (`factory::load_ranks`): each rank's buffers and pools sized alike, on its
+    /// own backend; one cache manager keeps the bookkeeping for all. Speculative decoding is
+    /// refused on more than one rank.
+    pub fn new_ranks(
+        models: Vec<Model>,
+        options: ModelOptions,
+    ) -> Result<(StepRunner, CacheManager), ModelError> {
+        let mut models = models.into_iter();
+        let model = models.next().ok_or_else(|| ModelError::Options {
+            option: "tensor_parallel_size",
+            problem: "no model shards".into(),
+        })?;
+        let peer_models: Vec<Model> = models.collect();
+        if !peer_models.is_empty() && options.speculative != Speculative::Off {
+            return Err(ModelError::Options {
+                option: "speculative",
+                problem: format!(
+                    "speculative decoding on a model sharded over {} ranks: the MTP head and \
+                     verify steps run on one rank",
+                    1 + peer_models.len()
+                ),
+            });
+        }
+        if let Some(m) = (peer_models.iter()).find(|m| m.dims() != model.dims()) {
+            return Err(ModelError::Options {
+                option: "tensor_parallel_size",
+                problem: format!(
+                    "rank {}'s shard has other dimensions than rank 0's",
+                    m.gpu().tp_rank().rank
+                ),
+            });
+        }
         let (sizes, layout) = sizes::size(&model, &options)?;
-        let cache = CacheManager::new(model.gpu().clone(), layout, model.stream())?;
+        let ranks: Vec<_> = std::iter::once(&model)
+            .chain(&peer_models)
+            .map(|m| (m.gpu().clone(), m.stream()))
+            .collect();
+        let cache = CacheManager::new_ranks(&ranks, layout)?;
         let buffers = build::allocate(&model, &sizes)?;
-        let (pools, head_pools) = pools(&model, &cache);
+        let (pools, head_pools) = pools(&model, &cache, 0);
+        let mut peers = Vec::with_capacity(peer_models.len());
+        for (i, m) in peer_models.into_iter().enumerate() {
+            let b = build::allocate(&m, &sizes)?;
+            let (rank_pools, _) = self::pools(&m, &cache, i + 1);
+            peers.push(ranks::RankRunner {
+                graphs: GraphCache::new(m.gpu().clone(), m.stream(), 0),
+                forward: Forward {
+                    circuit: None,
+                    model: m,
+                    buf: b.step,
+                    mtp: None,
+                    pools: rank_pools,
+                    head_pools: Vec::new(),
+                },
+                _arena: b.arena,
+            });
+        }
         let runner = StepRunner {
             graphs: GraphCache::new(
                 model.gpu().clone(),
@@ -105,6 +167,7 @@ impl StepRunner {
             draft_program_steps: 0,
             sampler: buffers.sampler,
             _arena: buffers.arena,
+            peers,
         };
         Ok((runner, cache))
     }
@@ -176,9 +239,14 @@ impl StepRunner {
         input: &StepInput<'_>,
     ) -> Result<(), ModelError> {
         self.io().check(cache, input)?;
-        let shape = self.io().upload_forward(input)?;
-        self.last_rows = shape.rows as usize;
-        self.forward.legacy_step(self.forward.model.ops(), shape)
+        self.on_ranks(
+            |me| {
+                let shape = me.io().upload_forward(input)?;
+                me.last_rows = shape.rows as usize;
+                me.forward.legacy_step(me.forward.model.ops(), shape)
+            },
+            |peer, sizes, _| peer.forward(sizes, input),
+        )
     }
 
     /// Upload `input` as [`StepRunner::forward`] does and return the step's launches without
@@ -189,6 +257,7 @@ impl StepRunner {
         cache: &CacheManager,
         input: &StepInput<'_>,
     ) -> Result<Vec<Launch>, ModelError> {
+        self.single_rank("recorded prefill")?;
         self.io().check(cache, input)?;
         let shape = self.io().upload_forward(input)?;
         self.last_rows = shape.rows as usize;
@@ -296,7 +365,21 @@ impl StepRunner {
                 self.options.max_decode_seqs
             ))
         })?;
-        let shape = self.io().upload(&input, Some(width), None)?;
+        self.on_ranks(
+            |me| me.decode_rank0(&input, width, sampling),
+            |peer, sizes, options| peer.decode(sizes, options, &input, width),
+        )
+    }
+
+    /// Rank 0's part of [`StepRunner::decode_step`]: the step's upload and launches, with the
+    /// sampler when `sampling` is given.
+    fn decode_rank0(
+        &mut self,
+        input: &StepInput<'_>,
+        width: usize,
+        sampling: Option<&[SampleRow]>,
+    ) -> Result<(), ModelError> {
+        let shape = self.io().upload(input, Some(width), None)?;
         if let Some(sampling) = sampling {
             self.upload_sampling(sampling, shape.logit_rows as usize)?;
         }
@@ -367,10 +450,12 @@ pub struct DecodeLaunched {
 
 /// Each layer's KV and SSM pools as its forward and the circuit see them, and the KV pools of
 /// the MTP head's layers (after the model's attention layers).
-fn pools(model: &Model, cache: &CacheManager) -> (Vec<LayerPools>, Vec<KvBinding>) {
+fn pools(model: &Model, cache: &CacheManager, rank: usize) -> (Vec<LayerPools>, Vec<KvBinding>) {
     let layout = cache.kv_layout();
     let kv_binding = |k: usize| {
-        let p = cache.kv_layer(k);
+        let p = cache
+            .rank_kv_layer(rank, k)
+            .unwrap_or_else(|| cache.kv_layer(k));
         KvBinding {
             k: p.k,
             v: p.v,
@@ -383,13 +468,15 @@ fn pools(model: &Model, cache: &CacheManager) -> (Vec<LayerPools>, Vec<KvBinding
     let pools = (layers.kv.iter().zip(&layers.ssm))
         .map(|(kv, ssm)| LayerPools {
             kv: kv.map(kv_binding),
-            ssm: ssm.and_then(|g| cache.ssm_layer(g)).map(|p| SsmBinding {
-                conv: p.conv,
-                recurrent: p.recurrent,
-                conv_slot_stride: (p.conv_slot_bytes / 4) as u32,
-                recurrent_slot_stride: (p.recurrent_slot_bytes / 4) as u32,
-                num_slots: total as u32,
-            }),
+            ssm: ssm
+                .and_then(|g| cache.rank_ssm_layer(rank, g))
+                .map(|p| SsmBinding {
+                    conv: p.conv,
+                    recurrent: p.recurrent,
+                    conv_slot_stride: (p.conv_slot_bytes / 4) as u32,
+                    recurrent_slot_stride: (p.recurrent_slot_bytes / 4) as u32,
+                    num_slots: total as u32,
+                }),
         })
         .collect();
     let head = (layers.num_kv..layout.num_layers).map(kv_binding).collect();

@@ -66,6 +66,7 @@ impl StepRunner {
 
     /// Run one MTP step (see the module header); its logits replace the last step's.
     pub fn mtp_step(&mut self, step: &MtpStep<'_>) -> Result<(), ModelError> {
+        self.single_rank("MTP")?;
         let mb = self.forward.mtp.ok_or_else(|| {
             ModelError::Step("the MTP head is not set up (load with speculative = Mtp)".into())
         })?;

@@ -39,6 +39,7 @@ impl StepRunner {
         ssm_slots: &[u32],
         row_slots: &[u32],
     ) -> Result<(), ModelError> {
+        self.single_rank("verify")?;
         let logit_rows: Vec<u32> = (0..rows.len() as u32).collect();
         let input = StepInput {
             rows,

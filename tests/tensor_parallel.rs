@@ -1,0 +1,171 @@
+//! Tensor parallelism on the CPU backend: the dense, hybrid and MoE fixtures split over 2 and 4
+//! ranks (threads sharing the CPU backend's communicator) match transformers by the project's
+//! rule as the whole model does, a sharded model's run is bitwise the same every time, and
+//! sizes or settings a model cannot be split with are refused with typed errors.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use metrale::{Backend, Engine, EngineError, EngineOptions, ModelOptions};
+use support::*;
+
+fn options(tp: usize) -> EngineOptions {
+    EngineOptions::default().model(ModelOptions::default().tensor_parallel_size(tp))
+}
+
+fn check(names: &[&str], sizes: &[usize]) {
+    let dirs: Vec<_> = names.iter().map(|n| fixtures_dir().join(n)).collect();
+    for &tp in sizes {
+        let worst = check_fixture_dirs(&dirs, &options(tp));
+        eprintln!("{names:?} at {tp} ranks: worst logits relative L2 error {worst:.3e}");
+    }
+}
+
+#[test]
+fn dense_fixtures_match_transformers_on_1_2_and_4_ranks() {
+    // qwen3-tiny: 4 query heads over 2 KV heads (4 ranks share each KV head over 2), tied
+    // embeddings (each rank's LM head is rows of the replicated embedding); llama-tiny: one KV
+    // head on every rank, an FFN of 224 (56 columns a rank at 4).
+    check(&["qwen3-tiny", "llama-tiny"], &[1, 2, 4]);
+}
+
+#[test]
+fn hybrid_fixtures_match_transformers_on_2_and_4_ranks() {
+    // 2 GDN key heads and 4 value heads: at 4 ranks each key head serves two ranks.
+    // qwen3_next-tiny also has MoE layers and Qwen3-Next's per-key-head projection layout.
+    check(&["qwen3_5-tiny", "qwen3_next-tiny"], &[2, 4]);
+}
+
+#[test]
+fn moe_fixture_matches_transformers_on_2_and_4_ranks() {
+    // 8 experts of width 32 (8 a rank at 4) and a gated shared expert of 48.
+    check(&["qwen3_5_moe-tiny"], &[2, 4]);
+}
+
+/// Greedy tokens and the bits of every step's logits of a fresh engine with `options` on each
+/// of `dir`'s reference prompts.
+fn run_bits(dir: &std::path::Path, options: EngineOptions) -> Vec<(Vec<u32>, Vec<Vec<u32>>)> {
+    let engine = Engine::load(dir, options).unwrap();
+    read_reference(dir)
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let req =
+                metrale::GenerateRequest::new(metrale::Prompt::TokenIds(p.prompt_ids.clone()))
+                    .max_new_tokens(p.greedy_ids.len())
+                    .ignore_eos(true)
+                    .return_logits(true);
+            let out = engine.generate(&req).unwrap();
+            let bits = (out.logits.unwrap_or_default().iter())
+                .map(|row| row.iter().map(|v| v.to_bits()).collect())
+                .collect();
+            (out.token_ids, bits)
+        })
+        .collect()
+}
+
+#[test]
+fn a_sharded_run_is_bitwise_the_same_every_time() {
+    for (name, tp) in [("qwen3_5_moe-tiny", 4), ("qwen3-tiny", 2)] {
+        let dir = fixtures_dir().join(name);
+        let first = run_bits(&dir, options(tp));
+        assert!(
+            first
+                .iter()
+                .all(|(t, l)| !t.is_empty() && l.len() == t.len())
+        );
+        assert!(
+            run_bits(&dir, options(tp)) == first,
+            "{name} at {tp} ranks: a second run differs"
+        );
+        // The sums run in another order than the whole model's: the check above compares
+        // something that depends on the ranks.
+        assert!(run_bits(&dir, options(1)) != first, "{name}");
+    }
+}
+
+/// The error of loading `name` with `options`, which must fail.
+fn load_error(name: &str, options: EngineOptions) -> String {
+    match Engine::load(fixtures_dir().join(name), options) {
+        Ok(_) => panic!("{name}: loaded"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn sizes_and_settings_a_model_cannot_be_split_with_are_refused() {
+    for (tp, name, needles) in [
+        (3, "qwen3-tiny", &["tensor_parallel_size", "3 ranks"][..]),
+        (0, "qwen3-tiny", &["tensor_parallel_size", "0 ranks"]),
+        // 4 query heads over 8 ranks.
+        (
+            8,
+            "qwen3-tiny",
+            &["tensor_parallel_size", "num_attention_heads"],
+        ),
+        (2, "qwen3-fp8-tiny", &["tensor_parallel_size", "FP8"]),
+    ] {
+        let e = load_error(name, options(tp));
+        for n in needles {
+            assert!(e.contains(n), "{name} at {tp}: `{n}` not in: {e}");
+        }
+    }
+    let spec = ModelOptions::default()
+        .tensor_parallel_size(2)
+        .speculative(metrale::Speculative::Mtp);
+    let e = load_error("qwen3_5-tiny", EngineOptions::default().model(spec));
+    assert!(e.contains("speculative") && e.contains("2 ranks"), "{e}");
+    let e = load_error(
+        "qwen3-tiny",
+        options(2).backend(Backend::Cuda { device: 0 }),
+    );
+    assert!(e.contains("cuda"), "{e}");
+    let circuit = options(2).forward(metrale::ForwardSelect::Circuit {
+        fusions: metrale::circuit::Fusions::All,
+    });
+    let e = load_error("qwen3-tiny", circuit);
+    assert!(e.contains("tensor parallelism over 2 ranks"), "{e}");
+    // The error types are typed: the options error is the model's.
+    assert!(matches!(
+        Engine::load(fixtures_dir().join("qwen3-tiny"), options(3)),
+        Err(EngineError::Model(_))
+    ));
+}
+
+#[test]
+fn a_sharded_hybrid_model_serves_a_repeated_prompt_from_the_prefix_cache_bitwise() {
+    // A 100-token prompt: its first 64 tokens' KV blocks and SSM snapshot are published on
+    // every rank, the second request restores them on every rank and prefills the rest.
+    let dir = fixtures_dir().join("qwen3_5-tiny");
+    let engine = Engine::load(&dir, options(2)).unwrap();
+    let cold = Engine::load(
+        &dir,
+        options(2).model(
+            ModelOptions::default()
+                .tensor_parallel_size(2)
+                .prefix_caching(false),
+        ),
+    )
+    .unwrap();
+    let prompt: Vec<u32> = (0..100u32).map(|t| (t * 53 + 11) % 256).collect();
+    let req = metrale::GenerateRequest::new(metrale::Prompt::TokenIds(prompt))
+        .max_new_tokens(6)
+        .ignore_eos(true)
+        .return_logits(true);
+    let want = cold.generate(&req).unwrap();
+    for run in 0..2 {
+        let got = engine.generate(&req).unwrap();
+        assert_eq!(got.token_ids, want.token_ids, "run {run}");
+        assert!(got.logits == want.logits, "run {run}: logits differ");
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let hits = loop {
+        let m = engine.metrics();
+        if m.steps.prefix.hits > 0 || std::time::Instant::now() > deadline {
+            break m.steps.prefix.hit_tokens;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    assert_eq!(hits, 64, "the second request's cached tokens");
+}
