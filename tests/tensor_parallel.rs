@@ -79,6 +79,15 @@ fn a_sharded_run_is_bitwise_the_same_every_time() {
             run_bits(&dir, options(tp)) == first,
             "{name} at {tp} ranks: a second run differs"
         );
+        // Eager decode steps are the graphed ones (each rank captured its own, collectives
+        // included).
+        let eager = ModelOptions::default()
+            .tensor_parallel_size(tp)
+            .decode_graphs(false);
+        assert!(
+            run_bits(&dir, EngineOptions::default().model(eager)) == first,
+            "{name} at {tp} ranks: eager decode differs from graphed"
+        );
         // The sums run in another order than the whole model's: the check above compares
         // something that depends on the ranks.
         assert!(run_bits(&dir, options(1)) != first, "{name}");
@@ -168,4 +177,23 @@ fn a_sharded_hybrid_model_serves_a_repeated_prompt_from_the_prefix_cache_bitwise
         std::thread::sleep(std::time::Duration::from_millis(5));
     };
     assert_eq!(hits, 64, "the second request's cached tokens");
+}
+
+#[test]
+fn a_scheduler_refuses_a_rank_count_its_options_do_not_name() {
+    let dir = fixtures_dir().join("qwen3-tiny");
+    let gpu = std::sync::Arc::new(metrale_gpu_runtime::CpuBackend::default());
+    let model = metrale_model_engine::factory::load(&dir, gpu).unwrap();
+    let options = ModelOptions::default().tensor_parallel_size(2);
+    let e = metrale_model_engine::Scheduler::new(model, options).unwrap_err();
+    assert!(e.to_string().contains("tensor_parallel_size"), "{e}");
+    // A shard needs a backend of its group: one alone is refused at load.
+    let gpus: Vec<std::sync::Arc<dyn metrale_gpu_runtime::GpuBackend>> = (0..2)
+        .map(|_| std::sync::Arc::new(metrale_gpu_runtime::CpuBackend::default()) as _)
+        .collect();
+    let e = metrale_model_engine::factory::load_ranks(&dir, &gpus, Default::default()).unwrap_err();
+    assert!(
+        e.to_string().contains("drives rank 0 of a group of 1"),
+        "{e}"
+    );
 }

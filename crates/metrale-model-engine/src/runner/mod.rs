@@ -99,6 +99,16 @@ impl StepRunner {
             problem: "no model shards".into(),
         })?;
         let peer_models: Vec<Model> = models.collect();
+        let ranks = 1 + peer_models.len();
+        if ranks != options.tensor_parallel_size.max(1) {
+            return Err(ModelError::Options {
+                option: "tensor_parallel_size",
+                problem: format!(
+                    "{} for a model loaded as {ranks} shard(s)",
+                    options.tensor_parallel_size
+                ),
+            });
+        }
         if !peer_models.is_empty() && options.speculative != Speculative::Off {
             return Err(ModelError::Options {
                 option: "speculative",
