@@ -181,10 +181,7 @@ impl CpuCommunicator {
     }
 
     fn aborted(op: &'static str) -> GpuError {
-        GpuError::Collective {
-            op,
-            problem: "the group was aborted: another rank failed its step".into(),
-        }
+        GpuError::CollectiveAborted { op }
     }
 
     /// Rank `rank`'s values in; every rank's out, in rank order, once all have arrived.

@@ -20,7 +20,7 @@ use metrale_config::{LayerType, ModelConfig};
 use metrale_gpu_runtime::fp8::FP8_BLOCK_ROW_SHIFT;
 use metrale_gpu_runtime::{DType, GpuBackend, StreamHandle};
 use metrale_model_layers::layers::MtpHead;
-use metrale_model_layers::ops::{BlockScales, Matrix};
+use metrale_model_layers::ops::{BlockScales, Matrix, VocabRows};
 use metrale_model_layers::ops_gemm::fp8_scale_bytes;
 use metrale_model_layers::weight_map::{
     DenseWeight, SafetensorsSource, TensorSlice, WeightLoader, WeightNames,
@@ -194,26 +194,29 @@ fn load_with(
         shard,
     };
     let (h, v) = (config.hidden_size, config.tokens.vocab_size);
-    let embed = loader.upload_bf16(&names.embed_tokens(), &[v, h])?;
-    let final_norm = loader.upload_bf16(&names.final_norm(), &[h])?;
-    // A rank's LM head is its slice of the vocabulary: rows of the embedding when tied (the
-    // embedding is replicated), else its rows of the head.
-    let lm_head = match (shard, config.tokens.tie_word_embeddings) {
-        (None, true) => embed.clone(),
-        (None, false) => loader.upload_bf16(&names.lm_head(), &[v, h])?,
-        (Some(sh), true) => {
-            let rows = sh.split(v);
-            DenseWeight {
-                ptr: embed.ptr.offset(rows.start * h * 2),
-                shape: vec![rows.len(), h],
-                ..embed.clone()
+    // A tensor-parallel rank holds its slice of the vocabulary: its rows of the embedding and
+    // of the LM head (the same rows when tied).
+    let vocab_rows = shard.map_or(0..v, |sh| sh.split(v));
+    let vocab_slice = |name: &str| -> Result<DenseWeight, ModelError> {
+        match shard {
+            None => Ok(loader.upload_bf16(name, &[v, h])?),
+            Some(_) => {
+                let slice = TensorSlice::rows(&[v, h], vec![vocab_rows.clone()]);
+                let shape = vec![vocab_rows.len(), h];
+                Ok(loader.upload_bf16_slices(&[(name, &[v, h], slice)], shape)?)
             }
         }
-        (Some(sh), false) => {
-            let rows = sh.split(v);
-            let slice = TensorSlice::rows(&[v, h], vec![rows.clone()]);
-            loader.upload_bf16_slices(&[(&names.lm_head(), &[v, h], slice)], vec![rows.len(), h])?
-        }
+    };
+    let embed = vocab_slice(&names.embed_tokens())?;
+    let embed_rows = VocabRows {
+        start: vocab_rows.start as u32,
+        vocab: v as u32,
+    };
+    let final_norm = loader.upload_bf16(&names.final_norm(), &[h])?;
+    let lm_head = if config.tokens.tie_word_embeddings {
+        embed.clone()
+    } else {
+        vocab_slice(&names.lm_head())?
     };
 
     let mut decoder: Vec<Box<dyn TransformerLayer>> = Vec::with_capacity(config.num_hidden_layers);
@@ -258,6 +261,7 @@ fn load_with(
     };
     gpu.synchronize(gpu.default_stream())?;
     let weights = ModelWeights {
+        embed_rows,
         embed,
         final_norm,
         lm_head,

@@ -10,6 +10,7 @@ use metrale_gpu_runtime::{DType, GpuBackend, GpuBackendExt, StreamHandle};
 use metrale_model_layers::layers::{
     Attention, DecoderLayer, Ffn, GatedDeltaNet, GdnShape, Mixer, Mlp, MtpHead,
 };
+use metrale_model_layers::ops::VocabRows;
 use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{Ops, TransformerLayer};
 
@@ -211,10 +212,12 @@ pub fn random_quantized(
         None
     };
     gpu.synchronize(s)?;
+    let embed_rows = VocabRows::whole(config.tokens.vocab_size as u32);
     Model::new(
         config,
         gpu,
         ModelWeights {
+            embed_rows,
             embed,
             final_norm,
             lm_head,

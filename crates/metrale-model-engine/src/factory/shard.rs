@@ -16,9 +16,11 @@
 //!   is its part of the sum, all-reduced. Expert parallelism would need a token exchange
 //!   (all-to-all) or expert-masked kernels, and balances only over many tokens; tensor-parallel
 //!   experts keep the kernels as they are and every rank's load equal at any batch.
-//! - Embedding: replicated (a lookup reads one row per token); LM head: vocabulary-parallel,
-//!   each rank a contiguous `1 / N` of the vocabulary, its logits all-gathered so the sampler
-//!   reads the whole vocabulary on every rank.
+//! - Embedding and LM head: vocabulary-parallel, each rank a contiguous `1 / N` of the
+//!   vocabulary (the same rows of both, one tensor when tied). A rank's embedding lookup writes
+//!   zeros for the tokens other ranks hold and the all-reduce makes every row whole (exactly:
+//!   one addend is the row, the others zero); the LM head's logits are all-gathered so the
+//!   sampler reads the whole vocabulary on every rank.
 //! - Norms, the router and the shared-expert gate are replicated.
 //!
 //! Invariant: what must divide does (heads, widths, vocabulary), checked before anything is
@@ -120,7 +122,7 @@ impl RankShard {
     }
 
     /// The config one rank's shard runs as: its heads and widths, the vocabulary whole (the
-    /// embedding is replicated and the logits gathered), no MTP head.
+    /// step's token ids and gathered logits span it), no MTP head.
     pub fn config(&self, config: &ModelConfig) -> ModelConfig {
         let mut c = config.clone();
         let a = &mut c.attention;

@@ -18,7 +18,7 @@ use metrale_gpu_runtime::{DType, GpuBackend, StreamHandle};
 use metrale_model_layers::circuit_exec::CircuitBindings;
 use metrale_model_layers::circuit_exec::LayerPools;
 use metrale_model_layers::layers::MtpHead;
-use metrale_model_layers::ops::Matrix;
+use metrale_model_layers::ops::{Matrix, VocabRows};
 use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{LayerCtx, ModelDims, Ops, StepBuffers, StepShape, TransformerLayer};
 
@@ -29,11 +29,15 @@ pub use mtp::MtpBuffers;
 /// The model's non-layer weights.
 #[derive(Debug, Clone)]
 pub struct ModelWeights {
-    /// `[vocab, hidden]`.
+    /// `[vocab, hidden]`; a tensor-parallel rank's `[vocab / N, hidden]`, its slice of the
+    /// vocabulary (`embed_rows`).
     pub embed: DenseWeight,
+    /// The vocabulary rows `embed` holds: all of them, or a rank's slice.
+    pub embed_rows: VocabRows,
     /// `[hidden]`.
     pub final_norm: DenseWeight,
-    /// `[vocab, hidden]` (the embedding when tied).
+    /// `[vocab, hidden]` (the embedding when tied); a tensor-parallel rank's slice of the
+    /// vocabulary, the same rows as `embed`'s.
     pub lm_head: DenseWeight,
     /// The multi-token-prediction head, when the checkpoint ships one (the drafter of
     /// speculative decoding).
@@ -203,7 +207,13 @@ impl Model {
     ) -> Result<(), ModelError> {
         let (s, d) = (self.stream, &self.dims);
         let residual = Matrix::f32(buf.acts.residual, shape.rows, d.hidden);
-        ops.embedding_gather(s, residual, self.weights.embed.matrix(), buf.meta.token_ids)?;
+        let (embed, rows) = (self.weights.embed.matrix(), self.weights.embed_rows);
+        ops.embedding_gather(s, residual, embed, buf.meta.token_ids, rows)?;
+        if d.tp_size > 1 {
+            // Vocabulary-parallel: the one rank holding a token's row wrote it, the others
+            // zeros, so the sum is that row exactly.
+            ops.all_reduce_sum(s, residual, residual)?;
+        }
         for (i, layer) in self.layers.iter().enumerate() {
             let p = pools.get(i).cloned().unwrap_or_default();
             layer.forward(&LayerCtx {

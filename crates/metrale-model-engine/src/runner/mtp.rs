@@ -31,7 +31,7 @@
 
 use metrale_cache::BlockTable;
 use metrale_gpu_runtime::GpuBackendExt;
-use metrale_model_layers::ops::Matrix;
+use metrale_model_layers::ops::{Matrix, VocabRows};
 
 use super::{GraphKey, StepInput, StepRow, StepRunner};
 use crate::error::ModelError;
@@ -97,9 +97,10 @@ impl StepRunner {
             Matrix::f32(mb.hidden, n, hidden),
             Matrix::bf16(self.forward.buf.acts.normed, prev as u32, hidden),
         );
+        let whole = VocabRows::whole(prev as u32);
         model
             .ops()
-            .embedding_gather(s, hidden_rows, normed, mb.hidden_rows)?;
+            .embedding_gather(s, hidden_rows, normed, mb.hidden_rows, whole)?;
         let shape = self.io().upload(&input, None, None)?;
         let cat_ids: Vec<u32> = (0..n).flat_map(|i| [i, n + i]).collect();
         model.gpu().upload(mb.cat_ids, &cat_ids, s)?;

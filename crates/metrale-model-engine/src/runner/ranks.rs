@@ -6,7 +6,8 @@
 //! return only once every rank has reached them; on CUDA each rank's launches go to its own
 //! device): each rank uploads the same step input to its own buffers and launches its shard's
 //! step, the collectives inside it joining the ranks. A rank that fails aborts the group's
-//! collectives, so no rank waits for it, and the step returns the first rank's own error.
+//! collectives, so no rank waits for it, and the step returns the first rank's own error. An
+//! aborted group stays aborted: every later step fails, and the model must be loaded again.
 //!
 //! Invariant: every rank runs the same launches and collectives for a step: the ranks' shards
 //! have the same shapes, and every rank gets the same input and decode width.
@@ -72,7 +73,7 @@ impl RankRunner {
 
 /// Whether `e` is a collective that failed only because another rank aborted the group.
 fn is_abort(e: &ModelError) -> bool {
-    matches!(e, ModelError::Gpu(GpuError::Collective { problem, .. }) if problem.contains("aborted"))
+    matches!(e, ModelError::Gpu(GpuError::CollectiveAborted { .. }))
 }
 
 impl StepRunner {
