@@ -249,12 +249,10 @@ impl StepRunner {
         input: &StepInput<'_>,
     ) -> Result<(), ModelError> {
         self.io().check(cache, input)?;
+        let shape = self.io().upload_forward(input)?;
+        self.last_rows = shape.rows as usize;
         self.on_ranks(
-            |me| {
-                let shape = me.io().upload_forward(input)?;
-                me.last_rows = shape.rows as usize;
-                me.forward.legacy_step(me.forward.model.ops(), shape)
-            },
+            |me| me.forward.legacy_step(me.forward.model.ops(), shape),
             |peer, sizes, _| peer.forward(sizes, input),
         )
     }
@@ -375,26 +373,24 @@ impl StepRunner {
                 self.options.max_decode_seqs
             ))
         })?;
-        self.on_ranks(
-            |me| me.decode_rank0(&input, width, sampling),
-            |peer, sizes, options| peer.decode(sizes, options, &input, width),
-        )
-    }
-
-    /// Rank 0's part of [`StepRunner::decode_step`]: the step's upload and launches, with the
-    /// sampler when `sampling` is given.
-    fn decode_rank0(
-        &mut self,
-        input: &StepInput<'_>,
-        width: usize,
-        sampling: Option<&[SampleRow]>,
-    ) -> Result<(), ModelError> {
-        let shape = self.io().upload(input, Some(width), None)?;
+        // Rank 0's uploads come first, so an input its checks refuse fails the step before any
+        // rank launches (a failing launch would abort a sharded model's group for good).
+        let shape = self.io().upload(&input, Some(width), None)?;
         if let Some(sampling) = sampling {
             self.upload_sampling(sampling, shape.logit_rows as usize)?;
         }
         self.last_rows = shape.rows as usize;
-        let (sampler, sampled) = (self.sampler, sampling.is_some());
+        let sampled = sampling.is_some();
+        self.on_ranks(
+            |me| me.decode_launch(shape, sampled),
+            |peer, sizes, options| peer.decode(sizes, options, &input, width),
+        )
+    }
+
+    /// Rank 0's launches of [`StepRunner::decode_step`] after its upload, with the sampler when
+    /// `sampled`.
+    fn decode_launch(&mut self, shape: StepShape, sampled: bool) -> Result<(), ModelError> {
+        let sampler = self.sampler;
         let step = |forward: &Forward| {
             forward.decode(shape)?;
             if sampled {
