@@ -1,13 +1,20 @@
 //! Tensor parallelism on the CPU backend: the dense, hybrid and MoE fixtures split over 2 and 4
 //! ranks (threads sharing the CPU backend's communicator) match transformers by the project's
-//! rule as the whole model does, a sharded model's run is bitwise the same every time, and
-//! sizes or settings a model cannot be split with are refused with typed errors.
+//! rule as the whole model does, a sharded model's run is bitwise the same every time, MTP
+//! speculative decoding on a sharded model gives its plain greedy output, and sizes or settings
+//! a model cannot be split with are refused with typed errors.
 
 #![allow(clippy::unwrap_used)]
 
 mod support;
 
-use metrale::{Backend, Engine, EngineError, EngineOptions, ModelOptions};
+#[path = "../crates/metrale-model-engine/tests/support/mod.rs"]
+mod engine_support;
+
+use metrale::{
+    Backend, Engine, EngineError, EngineOptions, GateOptions, GenerateRequest, ModelOptions,
+    Speculative,
+};
 use support::*;
 
 fn options(tp: usize) -> EngineOptions {
@@ -120,11 +127,6 @@ fn sizes_and_settings_a_model_cannot_be_split_with_are_refused() {
             assert!(e.contains(n), "{name} at {tp}: `{n}` not in: {e}");
         }
     }
-    let spec = ModelOptions::default()
-        .tensor_parallel_size(2)
-        .speculative(metrale::Speculative::Mtp);
-    let e = load_error("qwen3_5-tiny", EngineOptions::default().model(spec));
-    assert!(e.contains("speculative") && e.contains("2 ranks"), "{e}");
     let e = load_error(
         "qwen3-tiny",
         options(2).backend(Backend::Cuda { device: 0 }),
@@ -240,4 +242,51 @@ fn the_choices_of_a_sharded_request_are_each_their_solo_run() {
         choices[0].token_ids != choices[1].token_ids
             || choices[1].token_ids != choices[2].token_ids
     );
+}
+
+#[test]
+fn mtp_speculation_on_a_sharded_model_gives_its_plain_greedy_output() {
+    for tp in [2, 4] {
+        mtp_run(tp);
+    }
+}
+
+fn mtp_run(tp: usize) {
+    // A synthetic MTP head (one layer) on qwen3_5-tiny, sharded like the model's layers; every
+    // decode step verifies (the gate off), each rank running verify and MTP steps with its
+    // own graphs.
+    let fx = engine_support::MtpFixture::new("qwen3_5-tiny");
+    let plain = Engine::load(fx.path(), options(tp)).unwrap();
+    let spec = Engine::load(
+        fx.path(),
+        EngineOptions::default()
+            .model(
+                ModelOptions::default()
+                    .tensor_parallel_size(tp)
+                    .speculative(Speculative::Mtp)
+                    .num_draft_tokens(2),
+            )
+            .speculation_gate(GateOptions::default().enabled(false)),
+    )
+    .unwrap();
+    let reqs: Vec<GenerateRequest> = (fx.prompts().iter().zip([3, 16, 9, 1]))
+        .map(|(p, n)| {
+            GenerateRequest::new(metrale::Prompt::TokenIds(p.clone()))
+                .max_new_tokens(n)
+                .ignore_eos(true)
+                .return_logits(true)
+        })
+        .collect();
+    let handles: Vec<_> = (reqs.iter())
+        .map(|r| spec.submit(r.clone()).unwrap())
+        .collect();
+    for (r, h) in reqs.iter().zip(handles) {
+        let got = h.wait().unwrap();
+        let want = plain.generate(r).unwrap();
+        assert_eq!(got.token_ids, want.token_ids);
+        assert!(got.logits == want.logits, "logits differ");
+    }
+    let m = spec.metrics();
+    let sp = m.speculation.unwrap();
+    assert!(m.steps.verify_steps > 0 && sp.drafted > 0, "{m:?}");
 }

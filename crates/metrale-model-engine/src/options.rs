@@ -86,8 +86,8 @@ pub struct ModelOptions {
     /// Tensor-parallel ranks (1, 2, 4 or 8): the model is split Megatron-style over that many
     /// backends of one group, one thread each (`factory::load_ranks` and `factory::RankShard`
     /// say how), each reading only its shard of the checkpoint; its heads, widths and
-    /// vocabulary must split over the ranks. Above 1: bf16 (or f16, f32) checkpoints only, no
-    /// speculative decoding, the legacy forward. Default 1.
+    /// vocabulary must split over the ranks. Above 1: bf16 (or f16, f32) checkpoints only and
+    /// the legacy forward. Default 1.
     pub tensor_parallel_size: usize,
 }
 

@@ -230,8 +230,9 @@ fn load_with(
         )?;
         decoder.push(Box::new(layer));
     }
-    // A tensor-parallel model drafts with no MTP head (speculative decoding is refused there).
-    let mtp = match names.mtp().filter(|_| shard.is_none()) {
+    // A tensor-parallel rank's MTP head: its decoder layers sharded as the model's, `fc` and
+    // the norms whole (every rank computes the same `fc` output).
+    let mtp = match names.mtp() {
         Some(m) => {
             let moe = config.moe.is_some();
             let mut mtp_layers = Vec::with_capacity(m.layers.len());

@@ -22,6 +22,8 @@
 //!   one addend is the row, the others zero); the LM head's logits are all-gathered so the
 //!   sampler reads the whole vocabulary on every rank.
 //! - Norms, the router and the shared-expert gate are replicated.
+//! - MTP head: its decoder layers sharded as the model's; its `fc` (hidden in, hidden out of
+//!   a concatenation of two normed rows) and norms replicated.
 //!
 //! Invariant: what must divide does (heads, widths, vocabulary), checked before anything is
 //! read, each failure a `ModelError::Options` naming `tensor_parallel_size` and the dimension.
@@ -122,7 +124,7 @@ impl RankShard {
     }
 
     /// The config one rank's shard runs as: its heads and widths, the vocabulary whole (the
-    /// step's token ids and gathered logits span it), no MTP head.
+    /// step's token ids and gathered logits span it).
     pub fn config(&self, config: &ModelConfig) -> ModelConfig {
         let mut c = config.clone();
         let a = &mut c.attention;
@@ -137,7 +139,6 @@ impl RankShard {
             m.moe_intermediate_size = self.split(m.moe_intermediate_size).len();
             m.shared_expert_intermediate_size = self.split(m.shared_expert_intermediate_size).len();
         }
-        c.mtp_num_layers = 0;
         c
     }
 }

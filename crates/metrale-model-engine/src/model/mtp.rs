@@ -49,6 +49,9 @@ impl Model {
         let residual = Matrix::f32(buf.acts.residual, n, d.hidden);
         let (embed, rows) = (self.weights.embed.matrix(), self.weights.embed_rows);
         ops.embedding_gather(s, residual, embed, buf.meta.token_ids, rows)?;
+        if d.tp_size > 1 {
+            ops.all_reduce_sum(s, residual, residual)?;
+        }
         let halves = [
             (
                 mtp.cat_src,

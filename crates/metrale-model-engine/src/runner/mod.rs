@@ -87,8 +87,7 @@ impl StepRunner {
 
     /// [`StepRunner::new`] for a model sharded over tensor-parallel ranks, `models[r]` rank
     /// `r`'s shard (`factory::load_ranks`): each rank's buffers and pools sized alike, on its
-    /// own backend; one cache manager keeps the bookkeeping for all. Speculative decoding is
-    /// refused on more than one rank.
+    /// own backend; one cache manager keeps the bookkeeping for all.
     pub fn new_ranks(
         models: Vec<Model>,
         options: ModelOptions,
@@ -106,16 +105,6 @@ impl StepRunner {
                 problem: format!(
                     "{} for a model loaded as {ranks} shard(s)",
                     options.tensor_parallel_size
-                ),
-            });
-        }
-        if !peer_models.is_empty() && options.speculative != Speculative::Off {
-            return Err(ModelError::Options {
-                option: "speculative",
-                problem: format!(
-                    "speculative decoding on a model sharded over {} ranks: the MTP head and \
-                     verify steps run on one rank",
-                    1 + peer_models.len()
                 ),
             });
         }
@@ -139,16 +128,24 @@ impl StepRunner {
         let mut peers = Vec::with_capacity(peer_models.len());
         for (i, m) in peer_models.into_iter().enumerate() {
             let b = build::allocate(&m, &sizes)?;
-            let (rank_pools, _) = self::pools(&m, &cache, i + 1);
+            let (rank_pools, rank_head_pools) = self::pools(&m, &cache, i + 1);
             peers.push(ranks::RankRunner {
-                graphs: GraphCache::new(m.gpu().clone(), m.stream(), 0),
+                graphs: GraphCache::new(
+                    m.gpu().clone(),
+                    m.stream(),
+                    options.max_speculative_graphs,
+                ),
                 forward: Forward {
                     circuit: None,
                     model: m,
                     buf: b.step,
-                    mtp: None,
+                    mtp: b.mtp,
                     pools: rank_pools,
-                    head_pools: Vec::new(),
+                    head_pools: if sizes.drafting {
+                        rank_head_pools
+                    } else {
+                        Vec::new()
+                    },
                 },
                 _arena: b.arena,
             });

@@ -2,7 +2,7 @@
 //! and forward over its pools of the shared `CacheManager`. Rank 0 is the runner itself; it
 //! alone samples, and its logits (gathered over every rank's vocabulary slice) are the step's.
 //!
-//! Every step runs on all ranks at once, each on its own thread (the CPU backend's collectives
+//! Every step (prefill, decode, verify, MTP) runs on all ranks at once, each on its own thread (the CPU backend's collectives
 //! return only once every rank has reached them; on CUDA each rank's launches go to its own
 //! device): each rank uploads the same step input to its own buffers and launches its shard's
 //! step, the collectives inside it joining the ranks. A rank that fails aborts the group's
@@ -12,7 +12,9 @@
 //! Invariant: every rank runs the same launches and collectives for a step: the ranks' shards
 //! have the same shapes, and every rank gets the same input and decode width.
 
-use metrale_gpu_runtime::{BufferArena, GpuError};
+use metrale_gpu_runtime::{BufferArena, GpuBackendExt, GpuError};
+use metrale_model_layers::StepShape;
+use metrale_model_layers::ops::{Matrix, VocabRows};
 
 use super::StepRunner;
 use super::forward::Forward;
@@ -69,6 +71,99 @@ impl RankRunner {
         let forward = &self.forward;
         self.graphs.replay(key, || forward.decode(shape))
     }
+}
+
+impl RankRunner {
+    /// A verify step: upload `input` with its row slots, launch the shard's verify step (from
+    /// a graph with `decode_graphs` while the speculative graphs have room, as rank 0 does).
+    pub fn verify(
+        &mut self,
+        sizes: &StepSizes,
+        options: &ModelOptions,
+        input: &StepInput<'_>,
+        row_slots: &[u32],
+    ) -> Result<(), ModelError> {
+        let shape = self.io(sizes).upload(input, None, Some(row_slots))?;
+        let key = GraphKey::Verify {
+            rows: shape.rows,
+            seqs: shape.num_seqs,
+        };
+        if !options.decode_graphs || !self.graphs.has_room(key) {
+            return self.forward.verify(shape);
+        }
+        if !self.graphs.contains(key) {
+            self.forward.record_step(shape)?;
+        }
+        let forward = &self.forward;
+        self.graphs.replay(key, || forward.verify(shape))
+    }
+
+    /// An MTP step of head layer `layer`: gather the head's hidden rows from this rank's last
+    /// step (`prev` rows), upload `input`, launch the shard's head.
+    pub fn mtp(
+        &mut self,
+        sizes: &StepSizes,
+        options: &ModelOptions,
+        step: &MtpRankStep<'_>,
+    ) -> Result<(), ModelError> {
+        let shape = mtp_upload(&self.forward, self.io(sizes), step)?;
+        let key = GraphKey::Mtp {
+            rows: shape.rows,
+            seqs: shape.num_seqs,
+            logit_rows: shape.logit_rows,
+            layer: step.layer,
+        };
+        if !options.decode_graphs || !self.graphs.has_room(key) {
+            return self.forward.mtp(shape, step.layer);
+        }
+        let forward = &self.forward;
+        self.graphs.replay(key, || forward.mtp(shape, step.layer))
+    }
+}
+
+/// What every rank's part of an MTP step reads.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MtpRankStep<'a> {
+    /// The step's rows, tables and logit rows.
+    pub input: StepInput<'a>,
+    /// The rows of the previous step whose final-norm output each row reads.
+    pub hidden_rows: &'a [u32],
+    /// Rows of the previous step.
+    pub prev: usize,
+    /// The head layer.
+    pub layer: usize,
+}
+
+/// The uploads of an MTP step on one rank (`forward`'s buffers through `io`): the hidden-row
+/// gather from the previous step's final-norm rows, the step's metadata and the
+/// concatenation's row order. Returns the step's shape.
+pub(crate) fn mtp_upload(
+    forward: &Forward,
+    io: Io<'_>,
+    step: &MtpRankStep<'_>,
+) -> Result<StepShape, ModelError> {
+    let mb = forward.mtp.ok_or_else(|| {
+        ModelError::Step("the MTP head is not set up (load with speculative = Mtp)".into())
+    })?;
+    let model = &forward.model;
+    let (s, n, hidden) = (
+        model.stream(),
+        step.input.rows.len() as u32,
+        model.dims().hidden,
+    );
+    model.gpu().upload(mb.hidden_rows, step.hidden_rows, s)?;
+    let (hidden_rows, normed) = (
+        Matrix::f32(mb.hidden, n, hidden),
+        Matrix::bf16(forward.buf.acts.normed, step.prev as u32, hidden),
+    );
+    let whole = VocabRows::whole(step.prev as u32);
+    model
+        .ops()
+        .embedding_gather(s, hidden_rows, normed, mb.hidden_rows, whole)?;
+    let shape = io.upload(&step.input, None, None)?;
+    let cat_ids: Vec<u32> = (0..n).flat_map(|i| [i, n + i]).collect();
+    model.gpu().upload(mb.cat_ids, &cat_ids, s)?;
+    Ok(shape)
 }
 
 /// Whether `e` is a collective that failed only because another rank aborted the group.
@@ -129,7 +224,7 @@ impl StepRunner {
         }
     }
 
-    /// Refuse a step kind that runs on rank 0 alone (speculative steps) on a sharded model.
+    /// Refuse what runs on rank 0 alone (a recorded step) on a sharded model.
     pub(crate) fn single_rank(&self, what: &str) -> Result<(), ModelError> {
         if self.peers.is_empty() {
             return Ok(());
