@@ -2,12 +2,13 @@
 //! and forward over its pools of the shared `CacheManager`. Rank 0 is the runner itself; it
 //! alone samples, and its logits (gathered over every rank's vocabulary slice) are the step's.
 //!
-//! Every step (prefill, decode, verify, MTP) runs on all ranks at once, each on its own thread (the CPU backend's collectives
-//! return only once every rank has reached them; on CUDA each rank's launches go to its own
-//! device): each rank uploads the same step input to its own buffers and launches its shard's
-//! step, the collectives inside it joining the ranks. A rank that fails aborts the group's
-//! collectives, so no rank waits for it, and the step returns the first rank's own error. An
-//! aborted group stays aborted: every later step fails, and the model must be loaded again.
+//! Every step (prefill, decode, verify, MTP) runs on all ranks at once, each on its own thread
+//! (the CPU backend's collectives return only once every rank has reached them; on CUDA each
+//! rank's launches go to its own device): rank 0 checks the step's input and uploads it first,
+//! then each rank uploads the same input to its own buffers and launches its shard's step, the
+//! collectives inside it joining the ranks. A rank that fails aborts the group's collectives,
+//! so no rank waits for it, and the step returns the first rank's own error. An aborted group
+//! stays aborted: every later step fails, and the model must be loaded again.
 //!
 //! Invariant: every rank runs the same launches and collectives for a step: the ranks' shards
 //! have the same shapes, and every rank gets the same input and decode width.
@@ -71,9 +72,7 @@ impl RankRunner {
         let forward = &self.forward;
         self.graphs.replay(key, || forward.decode(shape))
     }
-}
 
-impl RankRunner {
     /// A verify step: upload `input` with its row slots, launch the shard's verify step (from
     /// a graph with `decode_graphs` while the speculative graphs have room, as rank 0 does).
     pub fn verify(
