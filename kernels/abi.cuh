@@ -495,7 +495,9 @@ static_assert(offsetof(KvStoreParams, v_scale) == 68, "KvStoreParams::v_scale: n
     float k_scale, \
     float v_scale
 
-// `embed::embedding_gather`: `out[r] = table[ids[r]]` widened to f32.
+// `embed::embedding_gather`: `out[r] = table[ids[r] - row_start]` widened to f32 where
+// the table holds that id's row, zeros where it does not (a vocabulary-parallel rank's
+// slice of the embedding).
 #pragma pack(push, 4)
 struct EmbeddingGatherParams {
     float* out;
@@ -504,22 +506,28 @@ struct EmbeddingGatherParams {
     uint32_t rows;
     uint32_t hidden;
     uint32_t vocab;
+    uint32_t row_start;
+    uint32_t table_rows;
 };
 #pragma pack(pop)
-static_assert(sizeof(EmbeddingGatherParams) == 36, "EmbeddingGatherParams: not the layout of metrale-kernel-abi");
+static_assert(sizeof(EmbeddingGatherParams) == 44, "EmbeddingGatherParams: not the layout of metrale-kernel-abi");
 static_assert(offsetof(EmbeddingGatherParams, out) == 0, "EmbeddingGatherParams::out: not the offset of metrale-kernel-abi");
 static_assert(offsetof(EmbeddingGatherParams, table) == 8, "EmbeddingGatherParams::table: not the offset of metrale-kernel-abi");
 static_assert(offsetof(EmbeddingGatherParams, ids) == 16, "EmbeddingGatherParams::ids: not the offset of metrale-kernel-abi");
 static_assert(offsetof(EmbeddingGatherParams, rows) == 24, "EmbeddingGatherParams::rows: not the offset of metrale-kernel-abi");
 static_assert(offsetof(EmbeddingGatherParams, hidden) == 28, "EmbeddingGatherParams::hidden: not the offset of metrale-kernel-abi");
 static_assert(offsetof(EmbeddingGatherParams, vocab) == 32, "EmbeddingGatherParams::vocab: not the offset of metrale-kernel-abi");
+static_assert(offsetof(EmbeddingGatherParams, row_start) == 36, "EmbeddingGatherParams::row_start: not the offset of metrale-kernel-abi");
+static_assert(offsetof(EmbeddingGatherParams, table_rows) == 40, "EmbeddingGatherParams::table_rows: not the offset of metrale-kernel-abi");
 #define EMBEDDING_GATHER_PARAMS \
     float* __restrict__ out, \
     const bf16* __restrict__ table, \
     const uint32_t* __restrict__ ids, \
     uint32_t rows, \
     uint32_t hidden, \
-    uint32_t vocab
+    uint32_t vocab, \
+    uint32_t row_start, \
+    uint32_t table_rows
 
 // `embed::gather_rows`: `out[i] = x[row_ids[i]]`.
 #pragma pack(push, 4)

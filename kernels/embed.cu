@@ -5,8 +5,10 @@
 // CPU twin fails the launch.
 #include "common.cuh"
 
-// embedding_gather(out: f32 [rows, hidden], table: bf16 [vocab, hidden], ids: u32 [rows], rows,
-// hidden, vocab): out[r] = table[ids[r]] widened to f32.
+// embedding_gather(out: f32 [rows, hidden], table: bf16 [table_rows, hidden], ids: u32 [rows],
+// rows, hidden, vocab, row_start, table_rows): out[r] = table[ids[r] - row_start] widened to
+// f32 where row_start <= ids[r] < row_start + table_rows, zeros elsewhere (a
+// vocabulary-parallel rank's slice); an id past vocab is a fault.
 extern "C" __global__ void embedding_gather(EMBEDDING_GATHER_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
@@ -19,7 +21,11 @@ extern "C" __global__ void embedding_gather(EMBEDDING_GATHER_PARAMS) {
         for (uint32_t i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = __int_as_float(0x7fc00000);
         return;
     }
-    const bf16* src = table + (size_t)id * hidden;
+    if (id < row_start || id - row_start >= table_rows) {
+        for (uint32_t i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = 0.0f;
+        return;
+    }
+    const bf16* src = table + (size_t)(id - row_start) * hidden;
     if (hidden % 8 == 0 && aligned16(src) && aligned16(o)) {
         for (uint32_t v = threadIdx.x; v < hidden / 8; v += blockDim.x) {
             float f[8];

@@ -72,6 +72,30 @@ pub fn make_backend(backend: Backend) -> Result<Arc<dyn GpuBackend>, EngineError
     }
 }
 
+/// The backends of a tensor-parallel group of `size` ranks on `backend` (one backend when
+/// `size` is 1): on the CPU, backends sharing one communicator (ranks as threads); CUDA has no
+/// collectives wired yet and refuses more than one rank.
+fn make_backends(backend: Backend, size: usize) -> Result<Vec<Arc<dyn GpuBackend>>, EngineError> {
+    factory::RankShard::check_size(size)?;
+    if size == 1 {
+        return Ok(vec![make_backend(backend)?]);
+    }
+    match backend {
+        Backend::Cpu => Ok(CpuBackend::tensor_parallel_group(size, Default::default())
+            .into_iter()
+            .map(|b| Arc::new(b) as Arc<dyn GpuBackend>)
+            .collect()),
+        Backend::Cuda { .. } => Err(EngineError::BackendUnavailable {
+            backend: "cuda",
+            why: format!(
+                "tensor_parallel_size {size}: the CUDA backend has no collectives yet (NCCL \
+                 all-reduce and all-gather through cudarc's `nccl` feature are not wired); \
+                 only the CPU backend runs tensor-parallel models"
+            ),
+        }),
+    }
+}
+
 /// The scheduler of the checkpoint in `dir` loaded with `options` (its forward and gate set),
 /// and its tokenizer: what both the engine's thread and `generate_direct` drive.
 pub(crate) fn load_scheduler(
@@ -86,9 +110,9 @@ pub(crate) fn load_scheduler(
                 .into(),
         }));
     }
-    let gpu = make_backend(options.backend)?;
-    let model = factory::load_quantized(dir, gpu, options.model.quantization)?;
-    let mut scheduler = Scheduler::new(model, options.model.clone())?;
+    let gpus = make_backends(options.backend, options.model.tensor_parallel_size)?;
+    let models = factory::load_ranks(dir, &gpus, options.model.quantization)?;
+    let mut scheduler = Scheduler::new_ranks(models, options.model.clone())?;
     scheduler.runner_mut().set_forward(options.forward)?;
     if let Some(spec) = scheduler.speculation() {
         spec.set_gate(options.speculation_gate);

@@ -408,6 +408,7 @@ fn random_model(
     }
     let embed = weight(&[v, h], 0.0)?;
     let weights = ModelWeights {
+        embed_rows: metrale_model_layers::ops::VocabRows::whole(v as u32),
         final_norm: weight(&[h], 1.0)?,
         lm_head: weight(&[v, h], 0.0)?,
         embed,

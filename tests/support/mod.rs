@@ -307,8 +307,13 @@ pub fn check_fixtures_where(
         "expected {min} fixtures of {types:?} under {}",
         fixtures_dir().display()
     );
+    check_fixture_dirs(&dirs, options, rule)
+}
+
+/// [`check_fixtures_by`] on the fixtures in `dirs`.
+pub fn check_fixture_dirs(dirs: &[PathBuf], options: &metrale::EngineOptions, rule: Rule) -> f64 {
     let (mut worst, mut failures) = (0.0f64, Vec::new());
-    for dir in &dirs {
+    for dir in dirs {
         let engine =
             Engine::load(dir, options.clone()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         let prompts = read_reference(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));

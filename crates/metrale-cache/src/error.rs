@@ -34,6 +34,14 @@ pub enum CacheError {
     /// A prefix hit asked for an SSM snapshot that is not kept.
     #[error("no SSM snapshot is kept for the prefix")]
     NoSnapshot,
+    /// A tensor-parallel rank's pools, which follow rank 0's bookkeeping, do not agree with it.
+    #[error("tensor-parallel rank {rank}'s cache disagrees with rank 0's: {problem}")]
+    RankDiverged {
+        /// The rank.
+        rank: usize,
+        /// What differs.
+        problem: String,
+    },
     /// A layout the cache cannot hold.
     #[error("invalid KV cache layout: {0}")]
     Layout(String),

@@ -4,6 +4,12 @@
 //! is the only code that hands out or takes back blocks and slots; a step only reads the fixed
 //! addresses of the pools (`kv_layer`, `ssm_layer`) and the slots its sequences hold.
 //!
+//! A tensor-parallel model (`new_ranks`) keeps one set of bookkeeping (rank 0's block
+//! allocator, prefix index, slot and snapshot choices) and one set of pools per rank, each on
+//! that rank's backend and holding that rank's heads: block ids, SSM slots and snapshot entries
+//! are the same on every rank, and every copy the cache queues (zeroing a slot, saving or
+//! restoring a snapshot, a fork) is queued on every rank.
+//!
 //! Invariants:
 //! - Every pool address is fixed from `new` to drop, so graphs and compiled programs that read
 //!   them stay valid whichever blocks and slots the sequences hold.
@@ -54,6 +60,98 @@ pub struct CacheManager {
     kv: PagedKvCache,
     ssm: Option<SsmStatePool>,
     snapshots: Option<SsmSnapshotPool>,
+    /// Tensor-parallel ranks `1..N`: their pools, whose slot and snapshot bookkeeping follows
+    /// rank 0's call for call (their block allocators are unused).
+    peers: Vec<RankPools>,
+}
+
+/// One tensor-parallel rank's pools.
+#[derive(Debug)]
+struct RankPools {
+    gpu: Arc<dyn GpuBackend>,
+    stream: StreamHandle,
+    kv: PagedKvCache,
+    ssm: Option<SsmStatePool>,
+    snapshots: Option<SsmSnapshotPool>,
+}
+
+impl RankPools {
+    fn new(
+        gpu: Arc<dyn GpuBackend>,
+        layout: CacheLayout,
+        stream: StreamHandle,
+    ) -> Result<RankPools, CacheError> {
+        let kv = PagedKvCache::new(gpu.clone(), layout.kv)?;
+        let ssm = layout
+            .ssm
+            .map(|l| SsmStatePool::new(gpu.clone(), l))
+            .transpose()?;
+        let snapshots = match layout.ssm {
+            Some(l) if layout.snapshot_slots > 0 => Some(SsmSnapshotPool::new(
+                gpu.clone(),
+                SsmLayout {
+                    slots: layout.snapshot_slots,
+                    ..l
+                },
+            )?),
+            _ => None,
+        };
+        Ok(RankPools {
+            gpu,
+            stream,
+            kv,
+            ssm,
+            snapshots,
+        })
+    }
+}
+
+/// Copy KV block `from` into block `to` in every layer of `kv`.
+fn copy_kv_block(
+    gpu: &dyn GpuBackend,
+    kv: &PagedKvCache,
+    (to, from): (u32, u32),
+    stream: StreamHandle,
+) -> Result<(), CacheError> {
+    let l = *kv.layout();
+    let bytes = l.block_bytes();
+    for i in 0..l.num_layers {
+        let p = kv.layer(i);
+        for pool in [p.k, p.v] {
+            let (dst, src) = (
+                pool.offset(to as usize * bytes),
+                pool.offset(from as usize * bytes),
+            );
+            gpu.copy_d2d(dst, src, bytes, stream)?;
+        }
+    }
+    Ok(())
+}
+
+/// Copy SSM slot `src` into slot `dst` in every layer of `pool`.
+fn copy_ssm_slot(
+    gpu: &dyn GpuBackend,
+    pool: &SsmStatePool,
+    (dst, src): (u32, u32),
+    stream: StreamHandle,
+) -> Result<(), CacheError> {
+    for l in (0..).map_while(|i| pool.layer(i)) {
+        for (base, bytes) in [
+            (l.conv, l.conv_slot_bytes),
+            (l.recurrent, l.recurrent_slot_bytes),
+        ] {
+            let (to, from) = (
+                base.offset(dst as usize * bytes),
+                base.offset(src as usize * bytes),
+            );
+            gpu.copy_d2d(to, from, bytes, stream)?;
+        }
+    }
+    Ok(())
+}
+
+fn diverged(rank: usize, problem: String) -> CacheError {
+    CacheError::RankDiverged { rank, problem }
 }
 
 impl CacheManager {
@@ -84,7 +182,49 @@ impl CacheManager {
             kv,
             ssm,
             snapshots,
+            peers: Vec::new(),
         })
+    }
+
+    /// The caches of a tensor-parallel model: `layout` (one rank's heads) allocated on every
+    /// rank's backend, `ranks[r]` for rank `r`, its copies queued on that rank's stream; the
+    /// bookkeeping is rank 0's (see the module header).
+    pub fn new_ranks(
+        ranks: &[(Arc<dyn GpuBackend>, StreamHandle)],
+        layout: CacheLayout,
+    ) -> Result<CacheManager, CacheError> {
+        let Some(((gpu, stream), rest)) = ranks.split_first() else {
+            return Err(CacheError::Layout("a cache of no ranks".into()));
+        };
+        let mut cache = CacheManager::new(gpu.clone(), layout, *stream)?;
+        for (gpu, stream) in rest {
+            cache
+                .peers
+                .push(RankPools::new(gpu.clone(), layout, *stream)?);
+        }
+        Ok(cache)
+    }
+
+    /// Tensor-parallel ranks whose pools this cache holds (1: a model that is not sharded).
+    pub fn num_ranks(&self) -> usize {
+        1 + self.peers.len()
+    }
+
+    /// Rank `rank`'s pools of KV layer `i` (rank 0: [`CacheManager::kv_layer`]); `None` past
+    /// the ranks.
+    pub fn rank_kv_layer(&self, rank: usize, i: usize) -> Option<KvLayerPools> {
+        match rank {
+            0 => Some(self.kv.layer(i)),
+            r => self.peers.get(r - 1).map(|p| p.kv.layer(i)),
+        }
+    }
+
+    /// Rank `rank`'s SSM pool arrays of GDN layer `i` (rank 0: [`CacheManager::ssm_layer`]).
+    pub fn rank_ssm_layer(&self, rank: usize, i: usize) -> Option<SsmLayerPools> {
+        match rank {
+            0 => self.ssm_layer(i),
+            r => self.peers.get(r - 1)?.ssm.as_ref()?.layer(i),
+        }
     }
 
     /// The KV cache's shape.
@@ -166,21 +306,46 @@ impl CacheManager {
             (Some(_), None) => Ok(false),
         };
         match filled {
-            Ok(true) => Ok(Some(slot)),
+            Ok(true) => {}
             other => {
                 pool.free_slot(slot)?;
                 other?;
-                Err(CacheError::NoSnapshot)
+                return Err(CacheError::NoSnapshot);
             }
         }
+        for (r, peer) in self.peers.iter_mut().enumerate() {
+            let Some(pool) = peer.ssm.as_mut() else {
+                continue;
+            };
+            let got = pool.alloc_slot()?;
+            if got != slot {
+                return Err(diverged(
+                    r + 1,
+                    format!("SSM slot {got}, rank 0 took {slot}"),
+                ));
+            }
+            let filled = match (snapshot, peer.snapshots.as_mut()) {
+                (Some(key), Some(snaps)) => snaps.restore(key, pool, slot, peer.stream)?,
+                _ => pool.zero_slot(slot, peer.stream).map(|()| true)?,
+            };
+            if !filled {
+                return Err(diverged(r + 1, "no snapshot where rank 0 has one".into()));
+            }
+        }
+        Ok(Some(slot))
     }
 
     /// Return a sequence's SSM slot.
     pub fn free_ssm_slot(&mut self, slot: u32) -> Result<(), CacheError> {
-        match self.ssm.as_mut() {
-            Some(pool) => pool.free_slot(slot),
-            None => Ok(()),
+        if let Some(pool) = self.ssm.as_mut() {
+            pool.free_slot(slot)?;
         }
+        for peer in &mut self.peers {
+            if let Some(pool) = peer.ssm.as_mut() {
+                pool.free_slot(slot)?;
+            }
+        }
+        Ok(())
     }
 
     /// The bytes of SSM slot `slot`: each GDN layer's conv window, then its recurrent state, in
@@ -226,10 +391,18 @@ impl CacheManager {
     /// is `key`. Returns whether a copy was made (not when one is kept already, or no
     /// snapshots are kept).
     pub fn save_snapshot(&mut self, key: BlockHash, slot: u32) -> Result<bool, CacheError> {
-        match (&mut self.snapshots, &self.ssm) {
-            (Some(snaps), Some(pool)) => snaps.save(key, pool, slot, self.stream),
-            _ => Ok(false),
+        let saved = match (&mut self.snapshots, &self.ssm) {
+            (Some(snaps), Some(pool)) => snaps.save(key, pool, slot, self.stream)?,
+            _ => false,
+        };
+        for (r, peer) in self.peers.iter_mut().enumerate() {
+            if let (Some(snaps), Some(pool)) = (&mut peer.snapshots, &peer.ssm)
+                && snaps.save(key, pool, slot, peer.stream)? != saved
+            {
+                return Err(diverged(r + 1, "a snapshot saved on one rank only".into()));
+            }
         }
+        Ok(saved)
     }
 
     /// SSM snapshots kept now, and the entries there are.
@@ -290,15 +463,10 @@ impl CacheManager {
         if copy_last {
             let new = self.kv.allocator.alloc()?;
             table.push(new);
-            let l = *self.kv.layout();
-            let bytes = l.block_bytes();
-            let from = blocks[shared] as usize * bytes;
-            for i in 0..l.num_layers {
-                let p = self.kv.layer(i);
-                for pool in [p.k, p.v] {
-                    let (dst, src) = (pool.offset(new as usize * bytes), pool.offset(from));
-                    self.gpu.copy_d2d(dst, src, bytes, self.stream)?;
-                }
+            let blocks = (new, blocks[shared]);
+            copy_kv_block(self.gpu.as_ref(), &self.kv, blocks, self.stream)?;
+            for peer in &self.peers {
+                copy_kv_block(peer.gpu.as_ref(), &peer.kv, blocks, peer.stream)?;
             }
         }
         Ok(())
@@ -316,20 +484,22 @@ impl CacheManager {
             });
         }
         let dst = pool.alloc_slot()?;
-        for l in (0..).map_while(|i| pool.layer(i)) {
-            for (base, bytes) in [
-                (l.conv, l.conv_slot_bytes),
-                (l.recurrent, l.recurrent_slot_bytes),
-            ] {
-                let (to, from) = (
-                    base.offset(dst as usize * bytes),
-                    base.offset(src as usize * bytes),
-                );
-                if let Err(e) = self.gpu.copy_d2d(to, from, bytes, self.stream) {
-                    pool.free_slot(dst)?;
-                    return Err(e.into());
-                }
+        if let Err(e) = copy_ssm_slot(self.gpu.as_ref(), pool, (dst, src), self.stream) {
+            pool.free_slot(dst)?;
+            return Err(e);
+        }
+        for (r, peer) in self.peers.iter_mut().enumerate() {
+            let Some(pool) = peer.ssm.as_mut() else {
+                continue;
+            };
+            let got = pool.alloc_slot()?;
+            if got != dst {
+                return Err(diverged(
+                    r + 1,
+                    format!("SSM slot {got}, rank 0 took {dst}"),
+                ));
             }
+            copy_ssm_slot(peer.gpu.as_ref(), pool, (dst, src), peer.stream)?;
         }
         Ok(Some(dst))
     }
@@ -340,118 +510,12 @@ impl CacheManager {
         if let Some(p) = self.snapshots.as_mut() {
             p.clear();
         }
+        for p in self.peers.iter_mut().filter_map(|p| p.snapshots.as_mut()) {
+            p.clear();
+        }
         self.kv.allocator.evict_all()
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use metrale_gpu_runtime::CpuBackend;
-
-    use super::*;
-    use crate::kv_cache::KvDtype;
-
-    #[test]
-    fn a_fork_shares_full_blocks_and_copies_the_partial_one_and_the_ssm_state() {
-        // FP8 pools are half the bytes a block: the copy moves that block's bytes.
-        for dtype in [KvDtype::Bf16, KvDtype::Fp8] {
-            fork_copies(dtype);
-        }
-    }
-
-    fn fork_copies(dtype: KvDtype) {
-        let cpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
-        let kv = KvCacheLayout {
-            num_layers: 2,
-            num_kv_heads: 1,
-            head_dim: 4,
-            block_size: 4,
-            num_blocks: 8,
-            dtype,
-        };
-        let ssm = SsmLayout {
-            num_gdn_layers: 1,
-            slots: 3,
-            conv_dim: 4,
-            conv_kernel: 2,
-            num_v_heads: 1,
-            k_head_dim: 2,
-            v_head_dim: 2,
-        };
-        let layout = CacheLayout {
-            kv,
-            ssm: Some(ssm),
-            snapshot_slots: 0,
-        };
-        let s = StreamHandle::DEFAULT;
-        let mut c = CacheManager::new(cpu.clone(), layout, s).unwrap();
-        // A sequence of 10 tokens: blocks of 4, 4 and 2 tokens; its pools and slot filled.
-        let mut table = BlockTable::new();
-        c.ensure(&mut table, 10).unwrap();
-        let pool_elems = kv.pool_bytes() / 2;
-        assert_eq!(kv.pool_bytes(), 8 * 4 * 4 * dtype.bytes());
-        for i in 0..2 {
-            let p = c.kv_layer(i);
-            let k: Vec<u16> = (0..pool_elems).map(|x| (x * 7 + i) as u16).collect();
-            let v: Vec<u16> = (0..pool_elems).map(|x| (x * 5 + 3 * i) as u16).collect();
-            cpu.upload(p.k, &k, s).unwrap();
-            cpu.upload(p.v, &v, s).unwrap();
-        }
-        let slot = c.alloc_ssm_slot(None).unwrap().unwrap();
-        let l = c.ssm_layer(0).unwrap();
-        let state: Vec<f32> = (0..l.recurrent_slot_bytes / 4)
-            .map(|x| x as f32 + 0.5)
-            .collect();
-        cpu.upload(
-            l.recurrent.offset(slot as usize * l.recurrent_slot_bytes),
-            &state,
-            s,
-        )
-        .unwrap();
-        let free = c.blocks().num_free();
-        let (child, child_slot) = c.fork(&table, 10, Some(slot)).unwrap();
-        let (b, cb) = (table.blocks(), child.blocks());
-        assert_eq!(&cb[..2], &b[..2], "full blocks shared");
-        assert_ne!(cb[2], b[2], "the partial block is the child's own");
-        assert_eq!(
-            (c.blocks().refcount(b[0]), c.blocks().refcount(b[2])),
-            (2, 1)
-        );
-        assert_eq!(c.blocks().num_free(), free - 1);
-        let block_bytes = 4 * 4 * dtype.bytes();
-        for i in 0..2 {
-            let p = c.kv_layer(i);
-            for pool in [p.k, p.v] {
-                let read = |blk: u32| -> Vec<u8> {
-                    cpu.download(pool.offset(blk as usize * block_bytes), block_bytes, s)
-                        .unwrap()
-                };
-                assert_eq!(
-                    read(cb[2]),
-                    read(b[2]),
-                    "layer {i}: the partial block copied"
-                );
-                assert_ne!(read(cb[2]), read(b[1]));
-            }
-        }
-        let child_slot = child_slot.unwrap();
-        assert_ne!(child_slot, slot);
-        assert_eq!(
-            c.ssm_slot_bytes(child_slot).unwrap(),
-            c.ssm_slot_bytes(slot).unwrap()
-        );
-        // Both release independently; everything comes back.
-        let mut child = child;
-        c.release(&mut child).unwrap();
-        c.free_ssm_slot(child_slot).unwrap();
-        assert_eq!(c.blocks().refcount(b[0]), 1);
-        c.release(&mut table).unwrap();
-        c.free_ssm_slot(slot).unwrap();
-        assert_eq!(c.blocks().num_free(), free + 3);
-        // A fork past the table is refused and holds nothing.
-        let mut short = BlockTable::new();
-        c.ensure(&mut short, 4).unwrap();
-        assert!(c.fork(&short, 6, None).is_err());
-        assert_eq!(c.blocks().refcount(short.blocks()[0]), 1);
-    }
-}
+mod tests;

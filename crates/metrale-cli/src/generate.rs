@@ -130,6 +130,10 @@ pub struct GenerateArgs {
     /// How the KV cache stores keys and values (`fp8`: e4m3, half the bytes a token).
     #[arg(long, value_enum, default_value_t = KvCacheDtypeArg::Auto)]
     kv_cache_dtype: KvCacheDtypeArg,
+    /// Tensor-parallel ranks the model is split over (1, 2, 4 or 8; above 1 on the CPU backend
+    /// only, one thread a rank).
+    #[arg(long, default_value_t = ModelOptions::default().tensor_parallel_size)]
+    tensor_parallel_size: usize,
 }
 
 /// The engine's backend for a command-line choice.
@@ -152,6 +156,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let model = ModelOptions::default()
         .quantization(args.quantization.select())
         .kv_cache_dtype(args.kv_cache_dtype.select())
+        .tensor_parallel_size(args.tensor_parallel_size)
         .max_batch_tokens(args.max_batch_tokens)
         .mixed_steps(!args.no_mixed_steps)
         .max_seq_len(args.max_seq_len)

@@ -180,6 +180,10 @@ pub struct ServeArgs {
     /// checkpoints quantized at load).
     #[arg(long, value_enum, default_value_t = QuantizationArg::None)]
     pub quantization: QuantizationArg,
+    /// Tensor-parallel ranks the model is split over (1, 2, 4 or 8; above 1 on the CPU backend
+    /// only, one thread a rank).
+    #[arg(long, default_value_t = ModelOptions::default().tensor_parallel_size)]
+    pub tensor_parallel_size: usize,
     /// With `--speculative mtp`: always speculate, instead of turning speculation off while it
     /// measures slower than plain decode.
     #[arg(long)]
@@ -207,6 +211,7 @@ impl ServeArgs {
         };
         let model = ModelOptions::default()
             .quantization(self.quantization.select())
+            .tensor_parallel_size(self.tensor_parallel_size)
             .max_batch_tokens(self.max_batch_tokens)
             .mixed_steps(!self.no_mixed_steps)
             .max_decode_seqs(self.max_decode_seqs)

@@ -10,7 +10,8 @@
 //!   memsets on it are recorded, not run; host copies there are refused. `launch_graph` replays a
 //!   recording in order, reading whatever the recorded addresses hold at replay time.
 
-use crate::error::GpuResult;
+use crate::collective::{Collective, TpRank};
+use crate::error::{GpuError, GpuResult};
 use crate::types::{
     DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, Residency,
     StreamHandle,
@@ -157,6 +158,31 @@ pub trait GpuBackend: Send + Sync + std::fmt::Debug {
         let _ = (base, rows, cols, box_rows, box_cols);
         None
     }
+
+    /// The rank this backend drives in its tensor-parallel group ([`TpRank::SINGLE`] for a
+    /// backend alone).
+    fn tp_rank(&self) -> TpRank {
+        TpRank::SINGLE
+    }
+
+    /// Queue collective `op` over the group on `stream` (recorded while it captures). Every
+    /// rank must queue the same collectives in the same order. The default refuses: a backend
+    /// alone has no group.
+    fn collective(&self, op: &Collective, stream: StreamHandle) -> GpuResult<()> {
+        let _ = stream;
+        Err(GpuError::Collective {
+            op: op.name(),
+            problem: format!(
+                "backend `{}` is not in a tensor-parallel group",
+                self.name()
+            ),
+        })
+    }
+
+    /// Fail every collective of the group that waits now or is queued later: called when a
+    /// rank's step failed, so the other ranks return instead of waiting for it. No-op for a
+    /// backend alone.
+    fn abort_collectives(&self) {}
 
     /// Queue the vendor library's bf16 GEMM (cuBLASLt on CUDA) on `stream`: the device's GEMM
     /// ceiling for the benchmark, never a path of the engine (its rounding changes with the

@@ -91,6 +91,21 @@ pub enum GpuError {
         problem: String,
     },
     /// An operation not allowed in the current capture state.
+    /// A collective that did not run because its group was aborted: another rank failed its
+    /// step (that rank's own error says why).
+    #[error("collective `{op}`: the group was aborted: another rank failed its step")]
+    CollectiveAborted {
+        /// The collective.
+        op: &'static str,
+    },
+    /// A collective of tensor parallelism failed or is not available on this backend.
+    #[error("collective `{op}`: {problem}")]
+    Collective {
+        /// The collective (`all_reduce_sum`, `all_gather_cols`).
+        op: &'static str,
+        /// What went wrong.
+        problem: String,
+    },
     #[error("capture: {0}")]
     Capture(String),
     /// A stream, event or graph handle this backend does not know.

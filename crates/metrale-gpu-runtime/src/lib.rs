@@ -6,6 +6,7 @@
 
 pub mod arena;
 pub mod backend;
+pub mod collective;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -15,6 +16,7 @@ pub mod types;
 
 pub use arena::BufferArena;
 pub use backend::{GpuBackend, GpuBackendExt, VendorGemm};
+pub use collective::{Collective, CpuCommunicator, TpRank};
 pub use cpu::{CpuBackend, CpuBackendOptions};
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaBackend, CudaBackendOptions};

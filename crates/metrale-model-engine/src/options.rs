@@ -90,6 +90,12 @@ pub struct ModelOptions {
     pub num_draft_tokens: usize,
     /// How projection weights are stored on the device. Default [`Quantization::AsStored`].
     pub quantization: Quantization,
+    /// Tensor-parallel ranks (1, 2, 4 or 8): the model is split Megatron-style over that many
+    /// backends of one group, one thread each (`factory::load_ranks` and `factory::RankShard`
+    /// say how), each reading only its shard of the checkpoint; its heads, widths and
+    /// vocabulary must split over the ranks. Above 1: bf16 (or f16, f32) checkpoints only and
+    /// the legacy forward. Default 1.
+    pub tensor_parallel_size: usize,
 }
 
 /// How a model's projection weights (attention, MLP, Gated DeltaNet in/out, shared experts)
@@ -193,6 +199,7 @@ impl Default for ModelOptions {
             speculative: Speculative::Off,
             num_draft_tokens: 2,
             quantization: Quantization::AsStored,
+            tensor_parallel_size: 1,
         }
     }
 }
@@ -291,6 +298,12 @@ impl ModelOptions {
     /// Set `quantization`.
     pub fn quantization(mut self, q: Quantization) -> Self {
         self.quantization = q;
+        self
+    }
+
+    /// Set `tensor_parallel_size`.
+    pub fn tensor_parallel_size(mut self, n: usize) -> Self {
+        self.tensor_parallel_size = n;
         self
     }
 

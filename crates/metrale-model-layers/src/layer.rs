@@ -16,7 +16,7 @@ use metrale_config::{ModelConfig, NormConvention};
 use metrale_gpu_runtime::{DevicePtr, GpuResult, StreamHandle};
 
 use crate::circuit_exec::CircuitBindings;
-use crate::ops::{KvStore, Norm, Ops, QkNormRope};
+use crate::ops::{KvStore, Matrix, Norm, Ops, QkNormRope};
 
 /// The dimensions every layer of a model shares, derived once from its config.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -44,6 +44,10 @@ pub struct ModelDims {
     pub eps: f32,
     /// Zero-centred norm weights (`1 + w`).
     pub unit_offset: bool,
+    /// Tensor-parallel ranks the model is sharded over (1: the whole model). Above 1 the head
+    /// counts and FFN width above are one rank's, `vocab` stays the whole vocabulary, and each
+    /// row-parallel projection ends with an all-reduce ([`LayerCtx::row_parallel`]).
+    pub tp_size: u32,
 }
 
 impl ModelDims {
@@ -61,6 +65,7 @@ impl ModelDims {
             vocab: config.tokens.vocab_size as u32,
             eps: config.rms_norm_eps,
             unit_offset: config.norm == NormConvention::ZeroCentred,
+            tp_size: 1,
         }
     }
 
@@ -215,6 +220,9 @@ pub struct Activations {
     pub gate_up: DevicePtr,
     /// bf16 `[rows, ffn]`.
     pub act: DevicePtr,
+    /// f32 `[rows, hidden]`: one rank's partial sums of a row-parallel projection, before the
+    /// all-reduce (NULL in a model that is not sharded).
+    pub partial: DevicePtr,
 }
 
 /// A step's metadata: which rows, at which positions, of which sequences, in which slots.
@@ -253,6 +261,9 @@ pub struct HeadBuffers {
     pub logits_in: DevicePtr,
     /// f32 `[logit_rows, vocab]`.
     pub logits: DevicePtr,
+    /// f32 `[logit_rows, vocab / N]`: a tensor-parallel rank's slice of the logits before they
+    /// are gathered (NULL in a model that is not sharded).
+    pub logits_local: DevicePtr,
     /// u32 `[logit_rows]`: greedy tokens.
     pub sampled: DevicePtr,
 }
@@ -361,6 +372,28 @@ pub struct LayerCtx<'a> {
     pub ssm: Option<SsmBinding>,
     /// The first layer: its input norm reads the embedding, with no delta to add.
     pub first: bool,
+}
+
+impl LayerCtx<'_> {
+    /// `delta = x · wᵀ` for a projection whose input features are split over the ranks
+    /// (attention's o, the MLP's down, GDN's out): alone, one `linear`; sharded, each rank's
+    /// partial sums in f32 into `partial`, then summed over the ranks into `delta`, so the sum
+    /// is rounded to bf16 once, as the whole projection rounds it.
+    pub fn row_parallel(&self, x: Matrix, w: Matrix) -> GpuResult<()> {
+        let (ops, s, rows) = (self.ops, self.stream, self.shape.rows);
+        let delta = Matrix::bf16(self.buf.acts.delta, rows, self.dims.hidden);
+        if self.dims.tp_size <= 1 {
+            return ops.linear(s, delta, x, w);
+        }
+        let partial = Matrix::f32(self.buf.acts.partial, rows, self.dims.hidden);
+        ops.linear_f32out(s, partial, x, w)?;
+        ops.all_reduce_sum(s, delta, partial)
+    }
+
+    /// Whether this model is a tensor-parallel shard.
+    pub fn sharded(&self) -> bool {
+        self.dims.tp_size > 1
+    }
 }
 
 /// A decoder layer. Through its [`CircuitBindings`] supertrait it hands the circuit executor

@@ -10,6 +10,7 @@ pub mod layer;
 pub mod layers;
 pub mod ops;
 pub mod ops_attention;
+pub mod ops_collective;
 pub mod ops_fused;
 pub mod ops_gdn_decode;
 pub mod ops_gemm;

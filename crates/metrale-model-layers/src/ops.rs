@@ -36,7 +36,7 @@ use parking_lot::Mutex;
 pub use crate::ops_attention::{
     ATTENTION_SPLITS, DecodeAttention, PagedAttention, attention_blocks_fit, attention_row_groups,
 };
-pub use crate::ops_rows::{KvStore, Norm, QkNormRope, SampleOperands};
+pub use crate::ops_rows::{KvStore, Norm, QkNormRope, SampleOperands, VocabRows};
 pub use crate::ops_view::{BlockScales, Matrix};
 
 /// Rows up to which the step's small kernels (rotary and cache stores, the gated-delta-net

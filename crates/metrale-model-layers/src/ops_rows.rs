@@ -138,28 +138,63 @@ pub(crate) fn rope_launch(p: &QkNormRope, heads: u32) -> LaunchConfig {
     )
 }
 
+/// Which rows of the vocabulary an embedding table holds: rows `start ..` of `vocab` (a
+/// vocabulary-parallel rank's slice), or all of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VocabRows {
+    /// The vocabulary row the table's first row is.
+    pub start: u32,
+    /// The whole vocabulary.
+    pub vocab: u32,
+}
+
+impl VocabRows {
+    /// A whole table of `vocab` rows.
+    pub fn whole(vocab: u32) -> VocabRows {
+        VocabRows { start: 0, vocab }
+    }
+}
+
 impl Ops {
-    /// `out[r] = table[ids[r]]` widened to f32: `out` f32 `[rows, hidden]`, `table` bf16
-    /// `[vocab, hidden]`, `ids` u32 `[rows]`.
+    /// `out[r] = table[ids[r] - vocab.start]` widened to f32, zeros for ids outside the rows
+    /// `table` holds: `out` f32 `[rows, hidden]`, `table` bf16 `[table_rows, hidden]` (vocabulary
+    /// rows `vocab.start ..`; the whole table with [`VocabRows::whole`]), `ids` u32 `[rows]`
+    /// below `vocab.vocab`.
     pub fn embedding_gather(
         &self,
         s: StreamHandle,
         out: Matrix,
         table: Matrix,
         ids: DevicePtr,
+        vocab: VocabRows,
     ) -> GpuResult<()> {
         let check = Operands {
             kernel: "embed::embedding_gather",
         };
         check.dtype("out", &out, DType::F32)?;
         check.exactly("table", &table, DType::Bf16, (table.rows, out.cols), "out")?;
+        if vocab
+            .start
+            .checked_add(table.rows)
+            .is_none_or(|end| end > vocab.vocab)
+        {
+            return Err(check.bad(
+                "table",
+                format!(
+                    "{} rows from vocabulary row {}, past a vocabulary of {}",
+                    table.rows, vocab.start, vocab.vocab
+                ),
+            ));
+        }
         let p = EmbeddingGatherParams {
             out: out.ptr,
             table: table.ptr,
             ids,
             rows: out.rows,
             hidden: out.cols,
-            vocab: table.rows,
+            vocab: vocab.vocab,
+            row_start: vocab.start,
+            table_rows: table.rows,
         };
         let cfg = step_launch(LaunchConfig::linear(out.rows, ROW_THREADS), out.rows);
         self.go(self.k.embedding_gather, cfg, &p, s)

@@ -11,13 +11,15 @@ pub mod kernels;
 mod memory;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
 use crate::backend::GpuBackend;
+use crate::collective::{Collective, CpuCommunicator, TpRank, narrow, widen};
 use crate::error::{GpuError, GpuResult};
 use crate::types::{
-    DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
+    DType, DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, StreamHandle,
 };
 pub use memory::{ALLOC_ALIGN, KernelCtx};
 
@@ -57,6 +59,7 @@ enum Op {
         value: u8,
         bytes: usize,
     },
+    Collective(Collective),
 }
 
 #[derive(Debug, Default)]
@@ -78,6 +81,8 @@ pub struct CpuBackend {
     table: Vec<Registered>,
     index: HashMap<(String, String), u32>,
     book: Mutex<Bookkeeping>,
+    /// This backend's rank and its group's communicator, in a tensor-parallel group.
+    group: Option<(usize, Arc<CpuCommunicator>)>,
 }
 
 /// A registered kernel: its `module::name`, its function, and the parameter struct the manifest
@@ -109,11 +114,25 @@ impl CpuBackend {
                 next_graph: 1,
                 ..Default::default()
             }),
+            group: None,
         };
         for &(module, name, f) in kernels::TWINS {
             backend.register(module, name, f);
         }
         backend
+    }
+
+    /// The `size` backends of one tensor-parallel group, rank `r` at index `r`, sharing one
+    /// communicator (each with `options`). Each is driven by its own thread: a collective
+    /// returns once every rank has issued it.
+    pub fn tensor_parallel_group(size: usize, options: CpuBackendOptions) -> Vec<CpuBackend> {
+        let comm = CpuCommunicator::new(size);
+        (0..size)
+            .map(|rank| CpuBackend {
+                group: Some((rank, comm.clone())),
+                ..CpuBackend::new(options.clone())
+            })
+            .collect()
     }
 
     /// Register (or replace) a kernel under `module::name`. A kernel of the manifest is launched
@@ -195,7 +214,34 @@ impl CpuBackend {
             }
             Op::Copy { dst, src, bytes } => mem.copy(*dst, *src, *bytes),
             Op::Fill { dst, value, bytes } => mem.fill(*dst, *value, *bytes),
+            Op::Collective(c) => {
+                drop(mem);
+                self.run_collective(c)
+            }
         }
+    }
+
+    /// Exchange `op`'s input with the group's other ranks and write its result. The memory
+    /// lock is not held while the ranks meet.
+    fn run_collective(&self, op: &Collective) -> GpuResult<()> {
+        let Some((rank, comm)) = &self.group else {
+            return Err(GpuError::Collective {
+                op: op.name(),
+                problem: "this CPU backend is not in a tensor-parallel group".into(),
+            });
+        };
+        op.check(comm.size())?;
+        let (input, dtype) = op.input();
+        let mut bytes = vec![0u8; op.input_elems() * dtype.size()];
+        self.memory.lock().read_to_host(&mut bytes, input)?;
+        let result = comm.run(*rank, op, widen(&bytes, dtype))?;
+        let (out, out_dtype) = match *op {
+            Collective::AllReduceSum { out, out_dtype, .. } => (out, out_dtype),
+            Collective::AllGatherCols { out, .. } => (out, DType::F32),
+        };
+        self.memory
+            .lock()
+            .write_from_host(out, &narrow(&result, out_dtype))
     }
 
     fn submit(&self, op: Op, stream: StreamHandle) -> GpuResult<()> {
@@ -411,6 +457,26 @@ impl GpuBackend for CpuBackend {
                 kind: "graph",
                 id: graph.0,
             })
+    }
+
+    fn tp_rank(&self) -> TpRank {
+        self.group
+            .as_ref()
+            .map_or(TpRank::SINGLE, |(rank, comm)| TpRank {
+                rank: *rank,
+                size: comm.size(),
+            })
+    }
+
+    fn collective(&self, op: &Collective, stream: StreamHandle) -> GpuResult<()> {
+        op.check(self.tp_rank().size)?;
+        self.submit(Op::Collective(*op), stream)
+    }
+
+    fn abort_collectives(&self) {
+        if let Some((_, comm)) = &self.group {
+            comm.abort();
+        }
     }
 
     fn free_memory(&self) -> GpuResult<usize> {

@@ -471,6 +471,8 @@ fn embedding_gather_rows_and_argmax() {
         rows: 4,
         hidden: hidden as u32,
         vocab: vocab as u32,
+        row_start: 0,
+        table_rows: vocab as u32,
     };
     r.run("embed", "embedding_gather", &p).unwrap();
     let got = r.f32s(out, ids.len() * hidden);
@@ -481,6 +483,25 @@ fn embedding_gather_rows_and_argmax() {
                 table[id as usize * hidden + j].to_f32()
             );
         }
+    }
+    // A slice of the vocabulary, rows 3..8 (a tensor-parallel rank's): ids 7 and 3 read their
+    // rows of it, id 0 reads zeros.
+    let slice = r.put(&table[3 * hidden..8 * hidden]);
+    let sliced = EmbeddingGatherParams {
+        table: slice,
+        row_start: 3,
+        table_rows: 5,
+        ..p
+    };
+    r.run("embed", "embedding_gather", &sliced).unwrap();
+    let got_sliced = r.f32s(out, ids.len() * hidden);
+    for (i, &id) in ids.iter().enumerate() {
+        let want = if id == 0 {
+            &[0.0; 6][..]
+        } else {
+            &got[i * hidden..(i + 1) * hidden]
+        };
+        assert_eq!(&got_sliced[i * hidden..(i + 1) * hidden], want, "id {id}");
     }
     (p.ids, p.rows) = (r.put(&[10u32]), 1);
     assert!(r.run("embed", "embedding_gather", &p).is_err());

@@ -498,6 +498,19 @@ impl GpuBackend for CudaBackend {
         check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(g) })
     }
 
+    /// A CUDA backend drives one device alone: the collectives of a tensor-parallel group
+    /// (NCCL's all-reduce and all-gather on the stream, through cudarc's `nccl` feature, one
+    /// communicator per device from one `ncclUniqueId`) are not wired, so every collective is
+    /// refused naming what is missing.
+    fn collective(&self, op: &crate::Collective, _stream: StreamHandle) -> GpuResult<()> {
+        Err(GpuError::Collective {
+            op: op.name(),
+            problem: "the CUDA backend has no collectives: NCCL communicators (cudarc's `nccl` \
+                      feature) are not wired, so it runs no tensor-parallel model"
+                .into(),
+        })
+    }
+
     fn free_memory(&self) -> GpuResult<usize> {
         self.bind()?;
         let (mut free, mut total) = (0usize, 0usize);

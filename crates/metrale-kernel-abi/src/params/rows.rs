@@ -4,11 +4,13 @@
 use crate::kernel_params;
 
 kernel_params! {
-    /// `embed::embedding_gather`: `out[r] = table[ids[r]]` widened to f32.
+    /// `embed::embedding_gather`: `out[r] = table[ids[r] - row_start]` widened to f32 where
+    /// the table holds that id's row, zeros where it does not (a vocabulary-parallel rank's
+    /// slice of the embedding).
     pub struct EmbeddingGatherParams("EMBEDDING_GATHER_PARAMS") {
         /// f32 `[rows, hidden]`.
         out: ptr "float* __restrict__",
-        /// bf16 `[vocab, hidden]`.
+        /// bf16 `[table_rows, hidden]`: vocabulary rows `row_start ..`.
         table: ptr "const bf16* __restrict__",
         /// u32 `[rows]`, each below `vocab`.
         ids: ptr "const uint32_t* __restrict__",
@@ -16,8 +18,12 @@ kernel_params! {
         rows: u32,
         /// Columns.
         hidden: u32,
-        /// Rows of `table`.
+        /// The whole vocabulary: an id past it is a fault.
         vocab: u32,
+        /// The vocabulary row `table`'s first row is (0 for a whole table).
+        row_start: u32,
+        /// Rows of `table` (`vocab` for a whole table).
+        table_rows: u32,
     }
 }
 

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use metrale_cache::{KvDtype, KvScales};
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuBackendExt, StreamHandle};
-use metrale_model_layers::ops::{KvStore, Matrix, PagedAttention, QkNormRope};
+use metrale_model_layers::ops::{KvStore, Matrix, PagedAttention, QkNormRope, VocabRows};
 use metrale_model_layers::{KvBinding, ModelDims, Ops};
 
 use super::median;
@@ -224,7 +224,7 @@ pub fn decode_breakdown(
     let table = Matrix::bf16(lm_head, d.vocab, d.hidden);
     let mut parts = vec![pool.part("embedding_gather", 1, &|_| {
         let out = Matrix::f32(residual, batch, d.hidden);
-        Ok(ops.embedding_gather(s, out, table, token_ids)?)
+        Ok(ops.embedding_gather(s, out, table, token_ids, VocabRows::whole(d.vocab))?)
     })?];
     parts.push(pool.part("add_rms_norm", 2 * layers, &|_| {
         let r = Matrix::f32(residual, batch, d.hidden);

@@ -1,7 +1,8 @@
 //! Loading one layer's parts. Projections that run as one GEMM are fused here, on dim 0:
 //! attention `[q (with gates) ; k ; v]`, MLP `[gate ; up]`, the GDN input projection
 //! `[q | k | v | z | b | a]` (Qwen3-Next's per-key-head grouping permuted into it), stacked MoE
-//! experts `[E, 2F, H]` and `[E, H, F]`.
+//! experts `[E, 2F, H]` and `[E, H, F]`. A tensor-parallel rank loads its shard of each
+//! (`sharded.rs`).
 
 use metrale_config::{LayerType, ModelConfig, ModelFamily};
 use metrale_gpu_runtime::DType;
@@ -11,7 +12,7 @@ use metrale_model_layers::layers::{
 };
 use metrale_model_layers::weight_map::{DenseWeight, ExpertNames, GdnProjectionNames, LayerNames};
 
-use super::Loader;
+use super::{Loader, sharded};
 
 use crate::error::ModelError;
 
@@ -28,14 +29,21 @@ pub fn decoder_layer(
     moe_ffn: bool,
 ) -> Result<DecoderLayer, ModelError> {
     let h = c.hidden_size;
-    let mixer = match kind {
-        LayerType::FullAttention => Mixer::Attention(attention(loader, c, n)?),
-        LayerType::LinearAttention => Mixer::GatedDeltaNet(gdn(loader, c, n)?),
+    let mixer = match (kind, loader.shard) {
+        (LayerType::FullAttention, None) => Mixer::Attention(attention(loader, c, n)?),
+        (LayerType::FullAttention, Some(sh)) => {
+            Mixer::Attention(sharded::attention(loader, c, n, sh)?)
+        }
+        (LayerType::LinearAttention, None) => Mixer::GatedDeltaNet(gdn(loader, c, n)?),
+        (LayerType::LinearAttention, Some(sh)) => {
+            Mixer::GatedDeltaNet(sharded::gdn(loader, c, n, sh)?)
+        }
     };
-    let ffn = if moe_ffn {
-        Ffn::Moe(Box::new(moe(loader, c, n)?))
-    } else {
-        Ffn::Dense(mlp(loader, c, n)?)
+    let ffn = match (moe_ffn, loader.shard) {
+        (true, None) => Ffn::Moe(Box::new(moe(loader, c, n)?)),
+        (true, Some(sh)) => Ffn::Moe(Box::new(sharded::moe(loader, c, n, sh)?)),
+        (false, None) => Ffn::Dense(mlp(loader, c, n)?),
+        (false, Some(sh)) => Ffn::Dense(sharded::mlp(loader, c, n, sh)?),
     };
     Ok(DecoderLayer {
         input_norm: loader.upload_bf16(&n.input_layernorm(), &[h])?,

@@ -9,6 +9,8 @@
 
 mod layers;
 mod random;
+mod shard;
+mod sharded;
 
 use std::ops::Deref;
 use std::path::Path;
@@ -18,10 +20,10 @@ use metrale_config::{LayerType, ModelConfig};
 use metrale_gpu_runtime::fp8::FP8_BLOCK_ROW_SHIFT;
 use metrale_gpu_runtime::{DType, GpuBackend, StreamHandle};
 use metrale_model_layers::layers::MtpHead;
-use metrale_model_layers::ops::{BlockScales, Matrix};
+use metrale_model_layers::ops::{BlockScales, Matrix, VocabRows};
 use metrale_model_layers::ops_gemm::fp8_scale_bytes;
 use metrale_model_layers::weight_map::{
-    self, DenseWeight, LayerNames, SafetensorsSource, WeightLoader, WeightNames,
+    self, DenseWeight, LayerNames, SafetensorsSource, TensorSlice, WeightLoader, WeightNames,
 };
 use metrale_model_layers::{Ops, TransformerLayer};
 
@@ -30,6 +32,7 @@ use crate::model::{Model, ModelWeights};
 use crate::options::Quantization;
 
 pub use random::{random, random_quantized};
+pub use shard::RankShard;
 
 /// Load the checkpoint in `dir` onto `gpu`, its projection weights as stored.
 pub fn load(dir: &Path, gpu: Arc<dyn GpuBackend>) -> Result<Model, ModelError> {
@@ -41,6 +44,8 @@ pub fn load(dir: &Path, gpu: Arc<dyn GpuBackend>) -> Result<Model, ModelError> {
 pub(crate) struct Loader<'a> {
     weights: WeightLoader<'a>,
     quantize: Option<Ops>,
+    /// The tensor-parallel rank whose shard is loaded; `None`: the whole model.
+    shard: Option<RankShard>,
 }
 
 impl<'a> Deref for Loader<'a> {
@@ -167,6 +172,62 @@ pub fn load_quantized(
     gpu: Arc<dyn GpuBackend>,
     quantization: Quantization,
 ) -> Result<Model, ModelError> {
+    load_with(dir, gpu, quantization, None)
+}
+
+/// Load one shard per backend of a tensor-parallel group (`gpus[r]` drives rank `r`, and
+/// reports it: `GpuBackend::tp_rank`): the checkpoint in `dir` split over `gpus.len()` ranks as
+/// `RankShard` describes, each rank reading only its part of each tensor. One backend loads the
+/// whole model. Refused with `ModelError::Options` (`tensor_parallel_size`) when the model does
+/// not split over that many ranks.
+pub fn load_ranks(
+    dir: &Path,
+    gpus: &[Arc<dyn GpuBackend>],
+    quantization: Quantization,
+) -> Result<Vec<Model>, ModelError> {
+    let size = gpus.len();
+    RankShard::check_size(size)?;
+    if size == 1 {
+        return Ok(vec![load_quantized(dir, gpus[0].clone(), quantization)?]);
+    }
+    RankShard::check(&ModelConfig::from_dir(dir)?, size)?;
+    if quantization != Quantization::AsStored {
+        return Err(ModelError::Options {
+            option: "tensor_parallel_size",
+            problem: format!(
+                "{size} ranks with FP8 quantization at load: tensor-parallel shards are bf16"
+            ),
+        });
+    }
+    (gpus.iter().enumerate())
+        .map(|(rank, gpu)| {
+            let tp = gpu.tp_rank();
+            if (tp.rank, tp.size) != (rank, size) {
+                return Err(ModelError::Options {
+                    option: "tensor_parallel_size",
+                    problem: format!(
+                        "backend {rank} of {size} drives rank {} of a group of {}",
+                        tp.rank, tp.size
+                    ),
+                });
+            }
+            load_with(
+                dir,
+                gpu.clone(),
+                quantization,
+                Some(RankShard { rank, size }),
+            )
+        })
+        .collect()
+}
+
+/// Load the whole checkpoint in `dir`, or rank `shard`'s part of it, onto `gpu`.
+fn load_with(
+    dir: &Path,
+    gpu: Arc<dyn GpuBackend>,
+    quantization: Quantization,
+    shard: Option<RankShard>,
+) -> Result<Model, ModelError> {
     let config = ModelConfig::from_dir(dir)?;
     if config.checkpoint.has_vision {
         tracing::info!(
@@ -182,14 +243,32 @@ pub fn load_quantized(
             Quantization::AsStored => None,
             Quantization::Fp8 => Some(Ops::new(gpu.clone())?),
         },
+        shard,
     };
     let (h, v) = (config.hidden_size, config.tokens.vocab_size);
-    let embed = loader.upload_bf16(&names.embed_tokens(), &[v, h])?;
+    // A tensor-parallel rank holds its slice of the vocabulary: its rows of the embedding and
+    // of the LM head (the same rows when tied).
+    let vocab_rows = shard.map_or(0..v, |sh| sh.split(v));
+    let vocab_slice = |name: &str| -> Result<DenseWeight, ModelError> {
+        match shard {
+            None => Ok(loader.upload_bf16(name, &[v, h])?),
+            Some(_) => {
+                let slice = TensorSlice::rows(&[v, h], vec![vocab_rows.clone()]);
+                let shape = vec![vocab_rows.len(), h];
+                Ok(loader.upload_bf16_slices(&[(name, &[v, h], slice)], shape)?)
+            }
+        }
+    };
+    let embed = vocab_slice(&names.embed_tokens())?;
+    let embed_rows = VocabRows {
+        start: vocab_rows.start as u32,
+        vocab: v as u32,
+    };
     let final_norm = loader.upload_bf16(&names.final_norm(), &[h])?;
     let lm_head = if config.tokens.tie_word_embeddings {
         embed.clone()
     } else {
-        loader.upload_bf16(&names.lm_head(), &[v, h])?
+        vocab_slice(&names.lm_head())?
     };
 
     let mut decoder: Vec<Box<dyn TransformerLayer>> = Vec::with_capacity(config.num_hidden_layers);
@@ -216,6 +295,8 @@ pub fn load_quantized(
         )?;
         decoder.push(Box::new(layer));
     }
+    // A tensor-parallel rank's MTP head: its decoder layers sharded as the model's, `fc` and
+    // the norms whole (every rank computes the same `fc` output).
     let mtp = match names.mtp() {
         Some(m) => {
             let moe = config.moe.is_some();
@@ -253,16 +334,16 @@ pub fn load_quantized(
         );
     }
     gpu.synchronize(gpu.default_stream())?;
-    Model::new(
-        config,
-        gpu,
-        ModelWeights {
-            embed,
-            final_norm,
-            lm_head,
-            mtp,
-            kv_scales,
-        },
-        decoder,
-    )
+    let weights = ModelWeights {
+        embed_rows,
+        embed,
+        final_norm,
+        lm_head,
+        mtp,
+        kv_scales,
+    };
+    match shard {
+        None => Model::new(config, gpu, weights, decoder),
+        Some(sh) => Model::new_shard(sh.config(&config), gpu, weights, decoder, sh.size),
+    }
 }

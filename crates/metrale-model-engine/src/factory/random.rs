@@ -11,6 +11,7 @@ use metrale_model_layers::layers::{
     Attention, DecoderLayer, Ffn, GatedDeltaNet, GdnShape, Mixer, Mlp, MoeMlp, MoeShape, MtpHead,
     SharedExpert,
 };
+use metrale_model_layers::ops::VocabRows;
 use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{Ops, TransformerLayer};
 
@@ -258,10 +259,12 @@ pub fn random_quantized(
         None
     };
     gpu.synchronize(s)?;
+    let embed_rows = VocabRows::whole(config.tokens.vocab_size as u32);
     Model::new(
         config,
         gpu,
         ModelWeights {
+            embed_rows,
             embed,
             final_norm,
             lm_head,

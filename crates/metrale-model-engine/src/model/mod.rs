@@ -19,7 +19,7 @@ use metrale_gpu_runtime::{DType, GpuBackend, StreamHandle};
 use metrale_model_layers::circuit_exec::CircuitBindings;
 use metrale_model_layers::circuit_exec::LayerPools;
 use metrale_model_layers::layers::MtpHead;
-use metrale_model_layers::ops::Matrix;
+use metrale_model_layers::ops::{Matrix, VocabRows};
 use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{LayerCtx, ModelDims, Ops, StepBuffers, StepShape, TransformerLayer};
 
@@ -30,11 +30,15 @@ pub use mtp::MtpBuffers;
 /// The model's non-layer weights.
 #[derive(Debug, Clone)]
 pub struct ModelWeights {
-    /// `[vocab, hidden]`.
+    /// `[vocab, hidden]`; a tensor-parallel rank's `[vocab / N, hidden]`, its slice of the
+    /// vocabulary (`embed_rows`).
     pub embed: DenseWeight,
+    /// The vocabulary rows `embed` holds: all of them, or a rank's slice.
+    pub embed_rows: VocabRows,
     /// `[hidden]`.
     pub final_norm: DenseWeight,
-    /// `[vocab, hidden]` (the embedding when tied).
+    /// `[vocab, hidden]` (the embedding when tied); a tensor-parallel rank's slice of the
+    /// vocabulary, the same rows as `embed`'s.
     pub lm_head: DenseWeight,
     /// The multi-token-prediction head, when the checkpoint ships one (the drafter of
     /// speculative decoding).
@@ -81,6 +85,28 @@ impl Model {
         weights: ModelWeights,
         layers: Vec<Box<dyn TransformerLayer>>,
     ) -> Result<Model, ModelError> {
+        Model::new_shard(config, gpu, weights, layers, 1)
+    }
+
+    /// One rank's shard of a model split over `tp_size` ranks (1: the whole model): `config`
+    /// is the shard's (its heads and widths, the whole vocabulary), `weights.lm_head` its slice
+    /// of the vocabulary, and `gpu` the backend driving that rank of the group.
+    pub fn new_shard(
+        config: ModelConfig,
+        gpu: Arc<dyn GpuBackend>,
+        weights: ModelWeights,
+        layers: Vec<Box<dyn TransformerLayer>>,
+        tp_size: usize,
+    ) -> Result<Model, ModelError> {
+        if gpu.tp_rank().size != tp_size.max(1) {
+            return Err(ModelError::Options {
+                option: "tensor_parallel_size",
+                problem: format!(
+                    "a model of {tp_size} shard(s) on a backend in a group of {}",
+                    gpu.tp_rank().size
+                ),
+            });
+        }
         let ops = Ops::new(gpu.clone())?;
         let mut cache_layers = CacheLayers::default();
         for l in &layers {
@@ -92,7 +118,10 @@ impl Model {
             cache_layers.ssm.push(ssm);
         }
         Ok(Model {
-            dims: ModelDims::from_config(&config),
+            dims: ModelDims {
+                tp_size: tp_size.max(1) as u32,
+                ..ModelDims::from_config(&config)
+            },
             stream: gpu.default_stream(),
             config,
             gpu,
@@ -106,6 +135,11 @@ impl Model {
     /// The config.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Tensor-parallel ranks this model is a shard of (1: the whole model).
+    pub fn tp_size(&self) -> usize {
+        self.dims.tp_size as usize
     }
 
     /// The dimensions every layer shares.
@@ -183,7 +217,13 @@ impl Model {
     ) -> Result<(), ModelError> {
         let (s, d) = (self.stream, &self.dims);
         let residual = Matrix::f32(buf.acts.residual, shape.rows, d.hidden);
-        ops.embedding_gather(s, residual, self.weights.embed.matrix(), buf.meta.token_ids)?;
+        let (embed, rows) = (self.weights.embed.matrix(), self.weights.embed_rows);
+        ops.embedding_gather(s, residual, embed, buf.meta.token_ids, rows)?;
+        if d.tp_size > 1 {
+            // Vocabulary-parallel: the one rank holding a token's row wrote it, the others
+            // zeros, so the sum is that row exactly.
+            ops.all_reduce_sum(s, residual, residual)?;
+        }
         for (i, layer) in self.layers.iter().enumerate() {
             let p = pools.get(i).cloned().unwrap_or_default();
             layer.forward(&LayerCtx {
@@ -219,7 +259,16 @@ impl Model {
             let normed = Matrix::bf16(buf.acts.normed, shape.rows, d.hidden);
             ops.gather_rows(s, logits_in, normed, buf.meta.logit_rows)?;
             let logits = Matrix::f32(buf.head.logits, shape.logit_rows, d.vocab);
-            ops.linear_f32out(s, logits, logits_in, self.weights.lm_head.matrix())?;
+            let head = self.weights.lm_head.matrix();
+            if d.tp_size <= 1 {
+                ops.linear_f32out(s, logits, logits_in, head)?;
+            } else {
+                // Vocabulary-parallel: this rank's slice of every row, then the whole rows
+                // gathered on every rank.
+                let local = Matrix::f32(buf.head.logits_local, shape.logit_rows, head.rows);
+                ops.linear_f32out(s, local, logits_in, head)?;
+                ops.all_gather_cols(s, logits, local)?;
+            }
         }
         Ok(())
     }

@@ -47,7 +47,11 @@ impl Model {
         let (s, d) = (self.stream, &self.dims);
         let n = shape.rows;
         let residual = Matrix::f32(buf.acts.residual, n, d.hidden);
-        ops.embedding_gather(s, residual, self.weights.embed.matrix(), buf.meta.token_ids)?;
+        let (embed, rows) = (self.weights.embed.matrix(), self.weights.embed_rows);
+        ops.embedding_gather(s, residual, embed, buf.meta.token_ids, rows)?;
+        if d.tp_size > 1 {
+            ops.all_reduce_sum(s, residual, residual)?;
+        }
         let halves = [
             (
                 mtp.cat_src,

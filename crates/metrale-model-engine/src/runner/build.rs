@@ -98,6 +98,14 @@ fn layout(model: &Model, sizes: &StepSizes) -> (ArenaLayout, LinearStagingSize) 
         .add("seq_start", DType::U32, s + 1)
         .add("seq_slot", DType::U32, s)
         .add("row_slot", DType::U32, r);
+    if dims.tp_size > 1 {
+        let local_vocab = model.weights().lm_head.shape.first().copied().unwrap_or(0);
+        layout.add("partial", DType::F32, r * h).add(
+            "logits_local",
+            DType::F32,
+            logit_rows * local_vocab,
+        );
+    }
     let gdn = GdnShape::from_config(config).filter(|_| model.cache_layers().num_ssm > 0);
     if let Some(g) = gdn {
         let hd = g.heads;
@@ -200,6 +208,7 @@ pub(crate) fn allocate(model: &Model, sizes: &StepSizes) -> Result<Buffers, Mode
         staging.map_slots,
     )));
     let has = |n: &str| arena.buffers().any(|(m, _)| m == n);
+    let opt = |n: &str| if has(n) { p(n) } else { DevicePtr::NULL };
     model.ops().set_fp8_scratch(has("fp8_scratch").then(|| {
         let b = arena.get("fp8_scratch");
         Fp8Scratch {
@@ -216,6 +225,7 @@ pub(crate) fn allocate(model: &Model, sizes: &StepSizes) -> Result<Buffers, Mode
             attn_out: p("attn_out"),
             gate_up: p("gate_up"),
             act: p("act"),
+            partial: opt("partial"),
         },
         meta: StepMeta {
             token_ids: p("token_ids"),
@@ -232,6 +242,7 @@ pub(crate) fn allocate(model: &Model, sizes: &StepSizes) -> Result<Buffers, Mode
         head: HeadBuffers {
             logits_in: p("logits_in"),
             logits: p("logits"),
+            logits_local: opt("logits_local"),
             sampled: p("sampled"),
         },
         inv_freq: p("inv_freq"),

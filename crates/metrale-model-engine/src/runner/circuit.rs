@@ -28,9 +28,9 @@
 use metrale_config::ModelConfig;
 use metrale_model_layers::StepShape;
 use metrale_model_layers::circuit_exec::{
-    Architecture, Boot, CircuitBindings, CircuitExec, DraftFixed, Fixed, HeadBinding, Launch,
-    LayerPools, NormWeight, Plan, Recorder, Step, launcher_kernels, model_instance, plan_at,
-    weight_format,
+    Architecture, BindingProblem, Boot, CircuitBindings, CircuitExec, CircuitExecError, DraftFixed,
+    Fixed, HeadBinding, Launch, LayerPools, NormWeight, Part, Plan, Recorder, Step,
+    launcher_kernels, model_instance, plan_at, weight_format,
 };
 
 pub use metrale_model_layers::circuit_exec::{Digest, Fusions, plans_digest};
@@ -188,6 +188,19 @@ impl Forward {
     ) -> Result<CircuitExec, ModelError> {
         let model = &self.model;
         let (ops, stream, dims) = (model.ops(), model.stream(), model.dims());
+        if dims.tp_size > 1 {
+            return Err(CircuitExecError::Bindings {
+                problems: vec![BindingProblem::Unmodelled {
+                    part: Part::Model,
+                    feature: format!(
+                        "tensor parallelism over {} ranks (a circuit program has no collective \
+                         steps; every rank runs the legacy forward)",
+                        dims.tp_size
+                    ),
+                }],
+            }
+            .into());
+        }
         let widths = options.decode_ladder();
         // The drafts the runner was built for (`set_num_draft_tokens` may lower `K` later).
         let drafting = if self.mtp.is_some() { sizes.drafts } else { 0 };

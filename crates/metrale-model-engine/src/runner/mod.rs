@@ -15,6 +15,8 @@
 //!   their shape runs; their launches depend on the shape alone. A decode step has two graphs
 //!   per width: with its sampler (`decode_sampled`) and without (`decode_forward`, for steps
 //!   whose sampler waits for the host's token masks).
+//! - A tensor-parallel model's ranks past rank 0 (`ranks.rs`) run every prefill and decode
+//!   step beside rank 0 with the same input; rank 0 samples and holds the step's logits.
 
 mod build;
 pub(crate) mod circuit;
@@ -22,6 +24,7 @@ mod forward;
 mod graphs;
 mod mtp;
 pub(crate) mod prefix;
+mod ranks;
 mod sample;
 mod sizes;
 mod upload;
@@ -68,6 +71,8 @@ pub struct StepRunner {
     /// The device sampler's buffers.
     sampler: build::SamplerBuffers,
     _arena: BufferArena,
+    /// Tensor-parallel ranks `1..N` (`ranks.rs`); empty for a model that is not sharded.
+    peers: Vec<ranks::RankRunner>,
 }
 
 impl StepRunner {
@@ -77,11 +82,50 @@ impl StepRunner {
         model: Model,
         options: ModelOptions,
     ) -> Result<(StepRunner, CacheManager), ModelError> {
+        StepRunner::new_ranks(vec![model], options)
+    }
+
+    /// [`StepRunner::new`] for a model sharded over tensor-parallel ranks, `models[r]` rank
+    /// `r`'s shard (`factory::load_ranks`): each rank's buffers and pools sized alike, on its
+    /// own backend; one cache manager keeps the bookkeeping for all.
+    pub fn new_ranks(
+        models: Vec<Model>,
+        options: ModelOptions,
+    ) -> Result<(StepRunner, CacheManager), ModelError> {
+        let mut models = models.into_iter();
+        let model = models.next().ok_or_else(|| ModelError::Options {
+            option: "tensor_parallel_size",
+            problem: "no model shards".into(),
+        })?;
+        let peer_models: Vec<Model> = models.collect();
+        let ranks = 1 + peer_models.len();
+        if ranks != options.tensor_parallel_size.max(1) {
+            return Err(ModelError::Options {
+                option: "tensor_parallel_size",
+                problem: format!(
+                    "{} for a model loaded as {ranks} shard(s)",
+                    options.tensor_parallel_size
+                ),
+            });
+        }
+        if let Some(m) = (peer_models.iter()).find(|m| m.dims() != model.dims()) {
+            return Err(ModelError::Options {
+                option: "tensor_parallel_size",
+                problem: format!(
+                    "rank {}'s shard has other dimensions than rank 0's",
+                    m.gpu().tp_rank().rank
+                ),
+            });
+        }
         let (sizes, layout) = sizes::size(&model, &options)?;
-        let cache = CacheManager::new(model.gpu().clone(), layout, model.stream())?;
+        let ranks: Vec<_> = std::iter::once(&model)
+            .chain(&peer_models)
+            .map(|m| (m.gpu().clone(), m.stream()))
+            .collect();
+        let cache = CacheManager::new_ranks(&ranks, layout)?;
         let kv = cache.kv_layout();
         tracing::info!(
-            "KV cache: {} tokens fit ({} blocks of {} tokens, {} KV layers, {}, {} MiB)",
+            "KV cache: {} tokens fit ({} blocks of {} tokens, {} KV layers, {}, {} MiB a rank)",
             kv.token_capacity(),
             kv.num_blocks - 1,
             kv.block_size,
@@ -90,7 +134,32 @@ impl StepRunner {
             kv.total_bytes() >> 20
         );
         let buffers = build::allocate(&model, &sizes)?;
-        let (pools, head_pools) = pools(&model, &cache);
+        let (pools, head_pools) = pools(&model, &cache, 0);
+        let mut peers = Vec::with_capacity(peer_models.len());
+        for (i, m) in peer_models.into_iter().enumerate() {
+            let b = build::allocate(&m, &sizes)?;
+            let (rank_pools, rank_head_pools) = self::pools(&m, &cache, i + 1);
+            peers.push(ranks::RankRunner {
+                graphs: GraphCache::new(
+                    m.gpu().clone(),
+                    m.stream(),
+                    options.max_speculative_graphs,
+                ),
+                forward: Forward {
+                    circuit: None,
+                    model: m,
+                    buf: b.step,
+                    mtp: b.mtp,
+                    pools: rank_pools,
+                    head_pools: if sizes.drafting {
+                        rank_head_pools
+                    } else {
+                        Vec::new()
+                    },
+                },
+                _arena: b.arena,
+            });
+        }
         let runner = StepRunner {
             graphs: GraphCache::new(
                 model.gpu().clone(),
@@ -115,6 +184,7 @@ impl StepRunner {
             draft_program_steps: 0,
             sampler: buffers.sampler,
             _arena: buffers.arena,
+            peers,
         };
         Ok((runner, cache))
     }
@@ -188,7 +258,10 @@ impl StepRunner {
         self.io().check(cache, input)?;
         let shape = self.io().upload_forward(input)?;
         self.last_rows = shape.rows as usize;
-        self.forward.legacy_step(self.forward.model.ops(), shape)
+        self.on_ranks(
+            |me| me.forward.legacy_step(me.forward.model.ops(), shape),
+            |peer, sizes, _| peer.forward(sizes, input),
+        )
     }
 
     /// Upload `input` as [`StepRunner::forward`] does and return the step's launches without
@@ -199,6 +272,7 @@ impl StepRunner {
         cache: &CacheManager,
         input: &StepInput<'_>,
     ) -> Result<Vec<Launch>, ModelError> {
+        self.single_rank("recorded prefill")?;
         self.io().check(cache, input)?;
         let shape = self.io().upload_forward(input)?;
         self.last_rows = shape.rows as usize;
@@ -306,12 +380,24 @@ impl StepRunner {
                 self.options.max_decode_seqs
             ))
         })?;
+        // Rank 0's uploads come first, so an input its checks refuse fails the step before any
+        // rank launches (a failing launch would abort a sharded model's group for good).
         let shape = self.io().upload(&input, Some(width), None)?;
         if let Some(sampling) = sampling {
             self.upload_sampling(sampling, shape.logit_rows as usize)?;
         }
         self.last_rows = shape.rows as usize;
-        let (sampler, sampled) = (self.sampler, sampling.is_some());
+        let sampled = sampling.is_some();
+        self.on_ranks(
+            |me| me.decode_launch(shape, sampled),
+            |peer, sizes, options| peer.decode(sizes, options, &input, width),
+        )
+    }
+
+    /// Rank 0's launches of [`StepRunner::decode_step`] after its upload, with the sampler when
+    /// `sampled`.
+    fn decode_launch(&mut self, shape: StepShape, sampled: bool) -> Result<(), ModelError> {
+        let sampler = self.sampler;
         let step = |forward: &Forward| {
             forward.decode(shape)?;
             if sampled {
@@ -377,10 +463,12 @@ pub struct DecodeLaunched {
 
 /// Each layer's KV and SSM pools as its forward and the circuit see them, and the KV pools of
 /// the MTP head's layers (after the model's attention layers).
-fn pools(model: &Model, cache: &CacheManager) -> (Vec<LayerPools>, Vec<KvBinding>) {
+fn pools(model: &Model, cache: &CacheManager, rank: usize) -> (Vec<LayerPools>, Vec<KvBinding>) {
     let layout = cache.kv_layout();
     let kv_binding = |k: usize| {
-        let p = cache.kv_layer(k);
+        let p = cache
+            .rank_kv_layer(rank, k)
+            .unwrap_or_else(|| cache.kv_layer(k));
         KvBinding {
             k: p.k,
             v: p.v,
@@ -395,13 +483,15 @@ fn pools(model: &Model, cache: &CacheManager) -> (Vec<LayerPools>, Vec<KvBinding
     let pools = (layers.kv.iter().zip(&layers.ssm))
         .map(|(kv, ssm)| LayerPools {
             kv: kv.map(kv_binding),
-            ssm: ssm.and_then(|g| cache.ssm_layer(g)).map(|p| SsmBinding {
-                conv: p.conv,
-                recurrent: p.recurrent,
-                conv_slot_stride: (p.conv_slot_bytes / 4) as u32,
-                recurrent_slot_stride: (p.recurrent_slot_bytes / 4) as u32,
-                num_slots: total as u32,
-            }),
+            ssm: ssm
+                .and_then(|g| cache.rank_ssm_layer(rank, g))
+                .map(|p| SsmBinding {
+                    conv: p.conv,
+                    recurrent: p.recurrent,
+                    conv_slot_stride: (p.conv_slot_bytes / 4) as u32,
+                    recurrent_slot_stride: (p.recurrent_slot_bytes / 4) as u32,
+                    num_slots: total as u32,
+                }),
         })
         .collect();
     let head = (layers.num_kv..layout.num_layers).map(kv_binding).collect();

@@ -30,9 +30,9 @@
 //!   touch no SSM state and no target KV pool.
 
 use metrale_cache::BlockTable;
-use metrale_gpu_runtime::GpuBackendExt;
-use metrale_model_layers::ops::Matrix;
+use metrale_model_layers::StepShape;
 
+use super::ranks::{MtpRankStep, mtp_upload};
 use super::{GraphKey, StepInput, StepRow, StepRunner};
 use crate::error::ModelError;
 
@@ -66,9 +66,11 @@ impl StepRunner {
 
     /// Run one MTP step (see the module header); its logits replace the last step's.
     pub fn mtp_step(&mut self, step: &MtpStep<'_>) -> Result<(), ModelError> {
-        let mb = self.forward.mtp.ok_or_else(|| {
-            ModelError::Step("the MTP head is not set up (load with speculative = Mtp)".into())
-        })?;
+        if self.forward.mtp.is_none() {
+            return Err(ModelError::Step(
+                "the MTP head is not set up (load with speculative = Mtp)".into(),
+            ));
+        }
         let input = StepInput {
             rows: step.rows,
             tables: step.tables,
@@ -89,22 +91,23 @@ impl StepRunner {
                 "hidden row {r} is past the {prev} rows of the previous step"
             )));
         }
-        let model = &self.forward.model;
-        let (s, n, hidden) = (model.stream(), step.rows.len() as u32, model.dims().hidden);
-        model.gpu().upload(mb.hidden_rows, step.hidden_rows, s)?;
-        let (hidden_rows, normed) = (
-            Matrix::f32(mb.hidden, n, hidden),
-            Matrix::bf16(self.forward.buf.acts.normed, prev as u32, hidden),
-        );
-        model
-            .ops()
-            .embedding_gather(s, hidden_rows, normed, mb.hidden_rows)?;
-        let shape = self.io().upload(&input, None, None)?;
-        let cat_ids: Vec<u32> = (0..n).flat_map(|i| [i, n + i]).collect();
-        model.gpu().upload(mb.cat_ids, &cat_ids, s)?;
-        self.last_rows = n as usize;
         let layers = self.forward.head_pools.len().max(1);
-        let layer = step.depth % layers;
+        let rank_step = MtpRankStep {
+            input,
+            hidden_rows: step.hidden_rows,
+            prev,
+            layer: step.depth % layers,
+        };
+        let shape = mtp_upload(&self.forward, self.io(), &rank_step)?;
+        self.last_rows = step.rows.len();
+        self.on_ranks(
+            |me| me.mtp_launch(shape, rank_step.layer),
+            |peer, sizes, options| peer.mtp(sizes, options, &rank_step),
+        )
+    }
+
+    /// Rank 0's launches of [`StepRunner::mtp_step`] after its uploads.
+    fn mtp_launch(&mut self, shape: StepShape, layer: usize) -> Result<(), ModelError> {
         if self.forward.draft_program(shape, layer).is_some() {
             self.draft_program_steps += 1;
         }

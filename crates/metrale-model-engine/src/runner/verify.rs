@@ -23,6 +23,8 @@
 
 use metrale_cache::{BlockTable, CacheManager};
 
+use metrale_model_layers::StepShape;
+
 use super::{GraphKey, StepInput, StepRow, StepRunner};
 use crate::error::ModelError;
 
@@ -50,6 +52,14 @@ impl StepRunner {
         self.io().check_row_slots(cache, &input, row_slots)?;
         let shape = self.io().upload(&input, None, Some(row_slots))?;
         self.last_rows = shape.rows as usize;
+        self.on_ranks(
+            |me| me.verify_launch(shape),
+            |peer, sizes, options| peer.verify(sizes, options, &input, row_slots),
+        )
+    }
+
+    /// Rank 0's launches of [`StepRunner::verify`] after its upload.
+    fn verify_launch(&mut self, shape: StepShape) -> Result<(), ModelError> {
         let key = GraphKey::Verify {
             rows: shape.rows,
             seqs: shape.num_seqs,

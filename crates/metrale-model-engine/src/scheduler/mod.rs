@@ -182,7 +182,14 @@ impl Scheduler {
     /// allocated (`StepRunner::new`). A model built to run its MTP head (`speculative = Mtp`)
     /// decodes speculatively, behind the default gate.
     pub fn new(model: Model, options: ModelOptions) -> Result<Scheduler, ModelError> {
-        let (runner, cache) = StepRunner::new(model, options)?;
+        Scheduler::new_ranks(vec![model], options)
+    }
+
+    /// [`Scheduler::new`] for a model sharded over tensor-parallel ranks (`models[r]` rank
+    /// `r`'s shard, `factory::load_ranks`): one scheduler and one cache bookkeeping drive
+    /// every rank in lockstep (`StepRunner::new_ranks`).
+    pub fn new_ranks(models: Vec<Model>, options: ModelOptions) -> Result<Scheduler, ModelError> {
+        let (runner, cache) = StepRunner::new_ranks(models, options)?;
         Ok(Scheduler::from_parts(runner, cache))
     }
 

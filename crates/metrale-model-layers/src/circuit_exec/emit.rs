@@ -19,7 +19,7 @@ use super::draft::DraftBinding;
 use super::error::CircuitExecError;
 use super::fixed::Fixed;
 use crate::layer::ModelDims;
-use crate::ops::{KvStore, Matrix, Norm, Ops, PagedAttention, QkNormRope};
+use crate::ops::{KvStore, Matrix, Norm, Ops, PagedAttention, QkNormRope, VocabRows};
 
 type Result<T> = std::result::Result<T, CircuitExecError>;
 
@@ -272,7 +272,7 @@ impl Emitter<'_> {
                 let table = self.weight(b, WeightSlot::Embedding, *kernel)?;
                 let vocab = u("vocab", self.plan.circuit().instance().dims.vocab)?;
                 let table = Matrix::bf16(table, vocab, out.cols);
-                ops.embedding_gather(s, out, table, ids.ptr)?;
+                ops.embedding_gather(s, out, table, ids.ptr, VocabRows::whole(vocab))?;
             }
             (Op::RmsNorm { role, weight }, [kernel @ k::RMS_NORM]) => {
                 // The residual stream, or a draft step's hidden rows.

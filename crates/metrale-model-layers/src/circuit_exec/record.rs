@@ -8,6 +8,10 @@
 //!   kernel handle, geometry and argument list, so replaying it is launching it.
 //! - The recorder touches no memory: allocations, copies, memsets, streams, events and graphs
 //!   are refused with an error naming the operation.
+//! - Collectives are not launches: the recorder reports its backend's tensor-parallel rank and
+//!   skips them, so the launches recorded from a sharded model's step are not the whole step.
+//!   Nothing replays such a list: the circuit refuses sharded models, and a sharded step's
+//!   launches are recorded only to make tensor maps before a capture.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -197,6 +201,18 @@ impl GpuBackend for Recorder {
 
     fn destroy_graph(&self, _graph: GraphHandle) -> GpuResult<()> {
         Self::refuse("destroying a graph")
+    }
+
+    fn tp_rank(&self) -> metrale_gpu_runtime::TpRank {
+        self.inner.tp_rank()
+    }
+
+    fn collective(
+        &self,
+        _op: &metrale_gpu_runtime::Collective,
+        _stream: StreamHandle,
+    ) -> GpuResult<()> {
+        Ok(())
     }
 
     fn free_memory(&self) -> GpuResult<usize> {

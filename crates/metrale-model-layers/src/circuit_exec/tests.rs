@@ -107,6 +107,7 @@ pub(super) fn dims() -> ModelDims {
         vocab: 256,
         eps: 1e-6,
         unit_offset: true,
+        tp_size: 1,
     }
 }
 
@@ -234,6 +235,7 @@ pub(super) fn fixed(a: &mut Addr, specs: &[LayerSpec]) -> Fixed {
             attn_out: a.next(),
             gate_up: a.next(),
             act: a.next(),
+            partial: DevicePtr::NULL,
         },
         meta: StepMeta {
             token_ids: a.next(),
@@ -251,6 +253,7 @@ pub(super) fn fixed(a: &mut Addr, specs: &[LayerSpec]) -> Fixed {
         head: HeadBuffers {
             logits_in: a.next(),
             logits: a.next(),
+            logits_local: DevicePtr::NULL,
             sampled: a.next(),
         },
         inv_freq: a.next(),

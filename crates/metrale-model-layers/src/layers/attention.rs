@@ -92,15 +92,19 @@ impl Attention {
             0 => ops.paged_attention(s, &attention)?,
             n => {
                 // At prefill sizes the attention writes the o projection's stage images itself
-                // (no permute launch) when the projection can read them.
-                let images = ops.linear_staging(s, o_proj, rows)?;
+                // (no permute launch) when the projection can read them; a sharded projection
+                // reads its input plainly (its f32 partial sums go to the all-reduce).
+                let images = match cx.sharded() {
+                    true => None,
+                    false => ops.linear_staging(s, o_proj, rows)?,
+                };
                 ops.paged_attention_prefill(s, &attention, buf.meta.att_groups, n, images)?;
                 if let Some(images) = images {
                     return ops.linear_staged(s, (delta, attn_out, o_proj), images);
                 }
             }
         }
-        ops.linear(s, delta, attn_out, o_proj)
+        cx.row_parallel(attn_out, o_proj)
     }
 
     /// Bind the layer's weights into `weights` and return the facts its kernels read; a q norm

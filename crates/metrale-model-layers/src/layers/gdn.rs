@@ -245,9 +245,8 @@ impl GatedDeltaNet {
                 eps: self.shape.eps,
             },
         )?;
-        let delta = Matrix::bf16(buf.acts.delta, rows, d.hidden);
         let normed = Matrix::bf16(g.normed, rows, h.value_dim());
-        ops.linear(s, delta, normed, self.out_proj.matrix())
+        cx.row_parallel(normed, self.out_proj.matrix())
     }
 
     /// Bind the mixer's weights into `weights` and return the facts its kernels read.

@@ -41,12 +41,18 @@ impl Mlp {
             Some(images) => ops.linear_staged(s, (gate_up, normed, w_gate_up), images)?,
             None => ops.linear(s, gate_up, normed, w_gate_up)?,
         }
-        if let Some(images) = ops.linear_staging(s, w_down, rows)? {
+        // A sharded down projection reads its input plainly: its f32 partial sums go to the
+        // all-reduce.
+        let images = match cx.sharded() {
+            true => None,
+            false => ops.linear_staging(s, w_down, rows)?,
+        };
+        if let Some(images) = images {
             ops.silu_mul_staged(s, images, act, gate_up)?;
             return ops.linear_staged(s, (delta, act, w_down), images);
         }
         ops.silu_mul(s, act, gate_up)?;
-        ops.linear(s, delta, act, w_down)
+        cx.row_parallel(act, w_down)
     }
 
     /// Bind the MLP's weights into `weights` and return the facts its kernels read.

@@ -140,6 +140,13 @@ impl MoeMlp {
             pairs_per_x_row: 1,
         };
         ops.expert_projection(s, &down, stacked(&self.experts_down), true)?;
+        // Sharded, every rank holds each expert at a slice of its width: each pair's f32
+        // down-projection partial sums are summed over the ranks in place, so every rank
+        // combines the whole experts' outputs as the unsharded layer does.
+        if cx.sharded() {
+            let out = Matrix::f32(m.expert_out, pairs, d.hidden);
+            ops.all_reduce_sum(s, out, out)?;
+        }
         let (mut shared_out, mut shared_gate) = (DevicePtr::NULL, DevicePtr::NULL);
         if let Some(se) = &self.shared {
             let gate_up = Matrix::bf16(m.shared_gate_up, rows, 2 * se.ffn);
@@ -147,7 +154,15 @@ impl MoeMlp {
             ops.linear(s, gate_up, normed, se.gate_up.matrix())?;
             ops.silu_mul(s, act, gate_up)?;
             let out = Matrix::bf16(m.shared_out, rows, d.hidden);
-            ops.linear(s, out, act, se.down.matrix())?;
+            if cx.sharded() {
+                // Each rank's slice of the shared expert's width: its partial sums in f32,
+                // summed over the ranks and rounded once, as the whole projection rounds them.
+                let partial = Matrix::f32(buf.acts.partial, rows, d.hidden);
+                ops.linear_f32out(s, partial, act, se.down.matrix())?;
+                ops.all_reduce_sum(s, out, partial)?;
+            } else {
+                ops.linear(s, out, act, se.down.matrix())?;
+            }
             shared_out = m.shared_out;
             if let Some(g) = &se.gate {
                 let gate = Matrix::f32(m.shared_gate, rows, 1);

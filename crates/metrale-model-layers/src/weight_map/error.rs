@@ -23,6 +23,14 @@ pub enum WeightError {
         /// The checkpoint directory.
         dir: PathBuf,
     },
+    /// A part of a tensor (a tensor-parallel rank's shard) that cannot be read as asked.
+    #[error("tensor `{tensor}`: cannot read its shard: {problem}")]
+    Slice {
+        /// The tensor's name.
+        tensor: String,
+        /// What does not fit.
+        problem: String,
+    },
     /// A tensor the model needs is not in the checkpoint.
     #[error("tensor `{tensor}` is not in the checkpoint at {}", dir.display())]
     Missing {

@@ -12,6 +12,7 @@ mod fp8;
 mod layer_names;
 mod loader;
 mod names;
+mod slice;
 mod source;
 
 pub use convert::{LOADABLE_DTYPES, concat_shape};
@@ -25,6 +26,7 @@ pub use loader::{DenseWeight, WeightLoader};
 pub use names::{CheckpointLayout, ExpertLayout, ModelPrefix, MtpNames, WeightNames};
 /// The element types a safetensors header can declare.
 pub use safetensors::Dtype as SourceDtype;
+pub use slice::{TensorSlice, matrix_dims};
 pub use source::{INDEX_FILE, SINGLE_FILE, SafetensorsSource};
 
 #[cfg(test)]

@@ -433,3 +433,43 @@ fn fp8_scales_per_block_per_channel_and_per_tensor_give_each_element_its_scale()
         a.dequantized()
     );
 }
+
+#[test]
+fn a_slice_reads_the_rows_and_columns_it_names_and_refuses_one_past_the_tensor() {
+    // A [3, 2, 5] tensor seen as [6, 5]: element (r, c) = 10 r + c, exact in bf16 and f16.
+    let values: Vec<f32> = (0..30).map(|i| (10 * (i / 5) + i % 5) as f32).collect();
+    let dir = dir_with(&[
+        RawTensor::f16("w", &[3, 2, 5], &values),
+        RawTensor::f32("v", &[6], &[0.5, 1.5, 2.5, 3.5, 4.5, 5.5]),
+    ]);
+    let source = open(dir.path());
+    let rows = TensorSlice::rows(&[3, 2, 5], vec![4..6, 1..2]);
+    let got: Vec<f32> = (source.load_bf16_slice("w", &[3, 2, 5], &rows).unwrap())
+        .iter()
+        .map(|b| b.to_f32())
+        .collect();
+    let want: Vec<f32> = [4, 5, 1]
+        .iter()
+        .flat_map(|&r| (0..5).map(move |c| (10 * r + c) as f32))
+        .collect();
+    assert_eq!(got, want);
+    let cols = TensorSlice::cols(&[3, 2, 5], 1..3);
+    let got: Vec<f32> = (source.load_bf16_slice("w", &[3, 2, 5], &cols).unwrap())
+        .iter()
+        .map(|b| b.to_f32())
+        .collect();
+    let want: Vec<f32> = (0..6)
+        .flat_map(|r| (1..3).map(move |c| (10 * r + c) as f32))
+        .collect();
+    assert_eq!(got, want);
+    let v = TensorSlice::row_span(&[6], 2..4);
+    assert_eq!(
+        source.load_f32_slice("v", &[6], &v).unwrap(),
+        vec![2.5, 3.5]
+    );
+    let past = TensorSlice::row_span(&[3, 2, 5], 5..7);
+    let err = source.load_bf16_slice("w", &[3, 2, 5], &past).unwrap_err();
+    message(&err, &["`w`", "5..7", "of 6"]);
+    let err = (source.load_bf16_slice("w", &[3, 10], &cols)).unwrap_err();
+    assert!(matches!(err, WeightError::Shape { .. }), "{err}");
+}

@@ -3,7 +3,7 @@
 //! Each check takes its shapes, so `small` runs the same checks at the sanitizer's sizes.
 
 use metrale_gpu_runtime::DevicePtr;
-use metrale_model_layers::ops::{KvStore, Matrix, Norm, QkNormRope};
+use metrale_model_layers::ops::{KvStore, Matrix, Norm, QkNormRope, VocabRows};
 
 use super::harness::{Pair, Rng, S, Tolerance};
 
@@ -29,28 +29,37 @@ fn embedding_gather_widens_the_rows_of_the_ids() {
     );
 }
 
-/// `(hidden, vocab, rows)` each.
+/// `(hidden, vocab, rows)` each, with the whole table, then with the table of a
+/// vocabulary-parallel rank (the second quarter of the rows; other ids read zeros).
 fn embedding_gather(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
     for &(hidden, vocab, rows) in shapes {
-        let table = p.upload(&rng.bf16s((vocab * hidden) as usize, -2.0, 2.0));
         let mut ids: Vec<u32> = (0..rows).map(|_| rng.below(vocab)).collect();
         ids[0] = vocab - 1;
+        let (start, quarter) = (vocab / 4, vocab / 4);
+        ids[1] = start;
         let ids = p.upload(&ids);
-        let out = p.poisoned((rows * hidden) as usize * 4);
-        p.run(|o, at| {
-            o.embedding_gather(
-                S,
-                Matrix::f32(at(&out), rows, hidden),
-                Matrix::bf16(at(&table), vocab, hidden),
-                at(&ids),
-            )
-        });
-        p.check_f32(
-            "embedding_gather",
-            &format!("hidden={hidden} rows={rows}"),
-            &out,
-            Tolerance::EXACT,
-        );
+        for (table_rows, first) in [(vocab, 0), (quarter, start)] {
+            let table = p.upload(&rng.bf16s((table_rows * hidden) as usize, -2.0, 2.0));
+            let out = p.poisoned((rows * hidden) as usize * 4);
+            p.run(|o, at| {
+                o.embedding_gather(
+                    S,
+                    Matrix::f32(at(&out), rows, hidden),
+                    Matrix::bf16(at(&table), table_rows, hidden),
+                    at(&ids),
+                    VocabRows {
+                        start: first,
+                        vocab,
+                    },
+                )
+            });
+            p.check_f32(
+                "embedding_gather",
+                &format!("hidden={hidden} rows={rows} table rows {first}+{table_rows}"),
+                &out,
+                Tolerance::EXACT,
+            );
+        }
     }
 }
 

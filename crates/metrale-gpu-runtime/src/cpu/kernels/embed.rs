@@ -7,13 +7,15 @@ use super::util::f;
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
 
-/// `embedding_gather` ([`EmbeddingGatherParams`]): `out[r] = table[ids[r]]`, widened to f32 (the
-/// residual stream). An id past the vocabulary fails the launch.
+/// `embedding_gather` ([`EmbeddingGatherParams`]): `out[r] = table[ids[r] - row_start]`, widened
+/// to f32 (the residual stream), where the table holds the id's row, zeros where it does not (a
+/// vocabulary-parallel rank's slice). An id past the vocabulary fails the launch.
 pub fn embedding_gather(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: EmbeddingGatherParams = ctx.params()?;
     let (rows, hidden, vocab) = (p.rows as usize, p.hidden as usize, p.vocab as usize);
+    let (start, table_rows) = (p.row_start as usize, p.table_rows as usize);
     let out = ctx.slice_mut::<f32>("out", p.out, rows * hidden)?;
-    let table = ctx.slice::<bf16>("table", p.table, vocab * hidden)?;
+    let table = ctx.slice::<bf16>("table", p.table, table_rows * hidden)?;
     let ids = ctx.slice::<u32>("ids", p.ids, rows)?;
     for (r, &id) in ids.iter().enumerate() {
         let id = id as usize;
@@ -22,8 +24,13 @@ pub fn embedding_gather(ctx: &KernelCtx<'_>) -> GpuResult<()> {
                 "row {r}: token id {id} is outside the vocabulary ({vocab})"
             )));
         }
-        let src = &table[id * hidden..(id + 1) * hidden];
-        for (o, &w) in out[r * hidden..(r + 1) * hidden].iter_mut().zip(src) {
+        let row = &mut out[r * hidden..(r + 1) * hidden];
+        if id < start || id - start >= table_rows {
+            row.fill(0.0);
+            continue;
+        }
+        let src = &table[(id - start) * hidden..(id - start + 1) * hidden];
+        for (o, &w) in row.iter_mut().zip(src) {
             *o = f(w);
         }
     }

@@ -70,6 +70,7 @@ impl Rig {
             vocab: 1,
             eps: 1e-6,
             unit_offset: true,
+            tp_size: 1,
         }
     }
 }

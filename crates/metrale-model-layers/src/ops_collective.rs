@@ -1,0 +1,94 @@
+//! The launchers of the collectives of tensor parallelism (`GpuBackend::collective`), an
+//! `impl Ops` block beside the kernel launchers: the all-reduce after each row-parallel
+//! projection and the all-gather of the vocabulary-parallel LM head's logits. A collective is
+//! not a kernel of the manifest: the backend runs it (NCCL on CUDA, the communicator's barrier
+//! on the CPU), and a captured step replays it like a launch.
+//!
+//! Invariant: every rank of a group launches the same collectives in the same order, so a
+//! launcher's checks depend only on shapes, which every rank shares.
+
+use metrale_gpu_runtime::{Collective, DType, GpuError, GpuResult, StreamHandle, TpRank};
+
+use crate::ops::{Matrix, Ops};
+
+fn bad(op: &'static str, operand: &'static str, problem: String) -> GpuError {
+    GpuError::BadOperand {
+        kernel: op.into(),
+        operand,
+        problem,
+    }
+}
+
+impl Ops {
+    /// The rank the backend drives in its tensor-parallel group.
+    pub fn tp_rank(&self) -> TpRank {
+        self.gpu.tp_rank()
+    }
+
+    /// `out = Σ_rank partial` over the group, summed in f32 in rank order and written as
+    /// `out`'s dtype on every rank: the output of a row-parallel projection (f32 or bf16
+    /// partials, f32 or bf16 out, `out` may be `partial` when their dtypes agree).
+    pub fn all_reduce_sum(&self, s: StreamHandle, out: Matrix, partial: Matrix) -> GpuResult<()> {
+        const OP: &str = "collective::all_reduce_sum";
+        for (name, m) in [("out", &out), ("partial", &partial)] {
+            if !matches!(m.dtype, DType::F32 | DType::Bf16) {
+                return Err(bad(OP, name, format!("{} (f32 or bf16)", m.dtype.name())));
+            }
+        }
+        if out.shape() != partial.shape() {
+            return Err(bad(
+                OP,
+                "out",
+                format!(
+                    "{:?}, the partial sums are {:?}",
+                    out.shape(),
+                    partial.shape()
+                ),
+            ));
+        }
+        if out.ptr == partial.ptr && out.dtype != partial.dtype {
+            return Err(bad(OP, "out", "in place with another dtype".into()));
+        }
+        let op = Collective::AllReduceSum {
+            out: out.ptr,
+            out_dtype: out.dtype,
+            input: partial.ptr,
+            input_dtype: partial.dtype,
+            elems: out.rows as usize * out.cols as usize,
+        };
+        self.gpu.collective(&op, s)
+    }
+
+    /// f32 `out[rows, N * cols]` on every rank: rank `r`'s f32 `local[rows, cols]` in columns
+    /// `r * cols ..` of each row (the vocabulary-parallel LM head's logits, each rank a slice
+    /// of the vocabulary).
+    pub fn all_gather_cols(&self, s: StreamHandle, out: Matrix, local: Matrix) -> GpuResult<()> {
+        const OP: &str = "collective::all_gather_cols";
+        let n = self.tp_rank().size as u32;
+        for (name, m) in [("out", &out), ("local", &local)] {
+            if m.dtype != DType::F32 {
+                return Err(bad(OP, name, format!("{} (f32 only)", m.dtype.name())));
+            }
+        }
+        if out.rows != local.rows || out.cols != local.cols * n {
+            return Err(bad(
+                OP,
+                "out",
+                format!(
+                    "{:?}, the gather of {n} ranks of {:?} is [{}, {}]",
+                    out.shape(),
+                    local.shape(),
+                    local.rows,
+                    local.cols * n
+                ),
+            ));
+        }
+        let op = Collective::AllGatherCols {
+            out: out.ptr,
+            input: local.ptr,
+            rows: local.rows as usize,
+            cols: local.cols as usize,
+        };
+        self.gpu.collective(&op, s)
+    }
+}
