@@ -54,22 +54,7 @@ fn moe_fixture_matches_transformers_on_2_and_4_ranks() {
 /// of `dir`'s reference prompts.
 fn run_bits(dir: &std::path::Path, options: EngineOptions) -> Vec<(Vec<u32>, Vec<Vec<u32>>)> {
     let engine = Engine::load(dir, options).unwrap();
-    read_reference(dir)
-        .unwrap()
-        .iter()
-        .map(|p| {
-            let req =
-                metrale::GenerateRequest::new(metrale::Prompt::TokenIds(p.prompt_ids.clone()))
-                    .max_new_tokens(p.greedy_ids.len())
-                    .ignore_eos(true)
-                    .return_logits(true);
-            let out = engine.generate(&req).unwrap();
-            let bits = (out.logits.unwrap_or_default().iter())
-                .map(|row| row.iter().map(|v| v.to_bits()).collect())
-                .collect();
-            (out.token_ids, bits)
-        })
-        .collect()
+    greedy_bits(&engine, &read_reference(dir).unwrap())
 }
 
 #[test]

@@ -393,7 +393,7 @@ pub fn check_staged_prefill(dir: &Path, gpu: impl Fn() -> std::sync::Arc<dyn Gpu
 }
 
 /// Greedy tokens and the bits of every step's logits of `engine` on each reference prompt.
-fn greedy_bits(engine: &Engine, prompts: &[RefPrompt]) -> Vec<(Vec<u32>, Vec<Vec<u32>>)> {
+pub fn greedy_bits(engine: &Engine, prompts: &[RefPrompt]) -> Vec<(Vec<u32>, Vec<Vec<u32>>)> {
     prompts
         .iter()
         .map(|p| {

@@ -161,21 +161,13 @@ impl CacheManager {
         layout: CacheLayout,
         stream: StreamHandle,
     ) -> Result<CacheManager, CacheError> {
-        let kv = PagedKvCache::new(gpu.clone(), layout.kv)?;
-        let ssm = layout
-            .ssm
-            .map(|l| SsmStatePool::new(gpu.clone(), l))
-            .transpose()?;
-        let snapshots = match layout.ssm {
-            Some(l) if layout.snapshot_slots > 0 => Some(SsmSnapshotPool::new(
-                gpu.clone(),
-                SsmLayout {
-                    slots: layout.snapshot_slots,
-                    ..l
-                },
-            )?),
-            _ => None,
-        };
+        let RankPools {
+            gpu,
+            stream,
+            kv,
+            ssm,
+            snapshots,
+        } = RankPools::new(gpu, layout, stream)?;
         Ok(CacheManager {
             gpu,
             stream,
