@@ -13,6 +13,7 @@ use metrale::circuit::Step;
 use metrale::{ForwardSelect, ModelConfig, ModelOptions, Speculative};
 
 use crate::generate::ForwardArg;
+use crate::serve::QuantizationArg;
 
 #[derive(Debug, Args)]
 pub struct CircuitArgs {
@@ -56,6 +57,10 @@ struct PlanArgs {
     /// Most sequences per decode step, which sets the decode widths the engine compiles.
     #[arg(long, default_value_t = ModelOptions::default().max_decode_seqs)]
     max_decode_seqs: usize,
+    /// How the projections are stored (`fp8`: quantized at load, as `generate --quantization
+    /// fp8` loads them; an FP8 pack's are FP8 either way), which picks their kernels.
+    #[arg(long, value_enum, default_value_t = QuantizationArg::None)]
+    quantization: QuantizationArg,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -86,6 +91,7 @@ fn plan(args: PlanArgs) -> Result<()> {
         .max_seq_len(args.max_seq_len)
         .block_size(args.block_size)
         .max_decode_seqs(args.max_decode_seqs)
+        .quantization(args.quantization.select())
         .speculative(speculative)
         .num_draft_tokens(args.num_draft_tokens.max(1));
     let step = match args.step {

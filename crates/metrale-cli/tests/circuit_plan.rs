@@ -1,0 +1,47 @@
+//! `metrale circuit plan` as a user runs it on the committed fixtures: an FP8 pack's plan names
+//! the FP8 kernels, and the plan of its bf16 source with `--quantization fp8` is the same plan.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::Command;
+
+/// `metrale circuit plan --model DIR ARGS`, which must succeed: its stdout.
+fn plan(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_metrale"))
+        .args(["circuit", "plan", "--model"])
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// The line of `text` starting with `key `.
+fn line<'a>(text: &'a str, key: &str) -> &'a str {
+    text.lines()
+        .find(|l| l.starts_with(&format!("{key} ")))
+        .unwrap_or_else(|| panic!("no {key} line in\n{text}"))
+}
+
+#[test]
+fn quantizing_at_load_plans_the_kernels_of_the_fp8_pack() {
+    let pack = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3-fp8-tiny");
+    let packed = plan(&pack, &[]);
+    let quantized = plan(&pack.join("source"), &["--quantization", "fp8"]);
+    let bf16 = plan(&pack.join("source"), &[]);
+    assert!(packed.contains("weights block_fp8") && packed.contains("gemm::linear_stream_fp8"));
+    assert!(!bf16.contains("linear_stream_fp8"), "{bf16}");
+    assert_eq!(line(&quantized, "digest"), line(&packed, "digest"));
+    assert_eq!(
+        line(&quantized, "plans_digest"),
+        line(&packed, "plans_digest")
+    );
+    assert_ne!(line(&bf16, "digest"), line(&packed, "digest"));
+}
