@@ -153,9 +153,7 @@ pub fn read_reference(dir: &Path) -> Result<Vec<RefPrompt>> {
             })
             .unwrap_or_default()
     };
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
-    let logits_rel_l2 = if config.get("quantization_config").is_some() {
+    let logits_rel_l2 = if is_fp8_pack(dir) {
         FP8_LOGITS_REL_L2
     } else {
         LOGITS_REL_L2

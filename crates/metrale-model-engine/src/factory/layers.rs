@@ -10,13 +10,16 @@ use metrale_model_layers::layers::{
     Attention, DecoderLayer, Ffn, GatedDeltaNet, GdnShape, InProjSource, Mixer, Mlp, MoeMlp,
     MoeShape, SharedExpert,
 };
-use metrale_model_layers::weight_map::{DenseWeight, ExpertNames, GdnProjectionNames, LayerNames};
+use metrale_model_layers::weight_map::{
+    DenseWeight, ExpertNames, GdnNames, GdnProjectionNames, LayerNames,
+};
 
 use super::{Loader, sharded};
 
 use crate::error::ModelError;
 
-fn unsupported(what: &str) -> ModelError {
+/// A config or checkpoint the loader does not build, in words.
+pub(super) fn unsupported(what: &str) -> ModelError {
     ModelError::Unsupported(what.to_string())
 }
 
@@ -101,18 +104,28 @@ pub fn mlp(loader: &Loader<'_>, c: &ModelConfig, n: &LayerNames) -> Result<Mlp, 
     })
 }
 
-/// A Gated DeltaNet mixer.
-pub fn gdn(
-    loader: &Loader<'_>,
+/// A Gated DeltaNet layer's shape and tensor names, or the error naming what the config or the
+/// family lacks.
+pub(crate) fn gdn_spec(
     c: &ModelConfig,
     n: &LayerNames,
-) -> Result<GatedDeltaNet, ModelError> {
+) -> Result<(GdnShape, GdnNames), ModelError> {
     let shape = GdnShape::from_config(c).ok_or_else(|| {
         unsupported("a linear-attention layer in a config without linear-attention settings")
     })?;
     let names = n
         .gdn()
         .ok_or_else(|| unsupported("a linear-attention layer in a family without GDN weights"))?;
+    Ok((shape, names))
+}
+
+/// A Gated DeltaNet mixer.
+pub fn gdn(
+    loader: &Loader<'_>,
+    c: &ModelConfig,
+    n: &LayerNames,
+) -> Result<GatedDeltaNet, ModelError> {
+    let (shape, names) = gdn_spec(c, n)?;
     let hd = shape.heads;
     let (h, k) = (c.hidden_size, shape.conv_kernel as usize);
     let (key_dim, value_dim) = (

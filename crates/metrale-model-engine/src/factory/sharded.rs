@@ -8,19 +8,16 @@ use std::ops::Range;
 
 use metrale_config::{ModelConfig, ModelFamily};
 use metrale_model_layers::layers::{
-    Attention, GatedDeltaNet, GdnShape, InProjSource, Mlp, MoeMlp, MoeShape, SharedExpert,
+    Attention, GatedDeltaNet, InProjSource, Mlp, MoeMlp, MoeShape, SharedExpert,
 };
 use metrale_model_layers::weight_map::{
     DenseWeight, ExpertNames, GdnProjectionNames, LayerNames, TensorSlice,
 };
 
 use super::Loader;
+use super::layers::{gdn_spec, unsupported};
 use super::shard::RankShard;
 use crate::error::ModelError;
-
-fn unsupported(what: &str) -> ModelError {
-    ModelError::Unsupported(what.to_string())
-}
 
 /// `range` of units of `width` elements each, as an element range.
 fn scaled(range: &Range<usize>, width: usize) -> Range<usize> {
@@ -146,12 +143,7 @@ pub fn gdn(
     n: &LayerNames,
     sh: RankShard,
 ) -> Result<GatedDeltaNet, ModelError> {
-    let global = GdnShape::from_config(c).ok_or_else(|| {
-        unsupported("a linear-attention layer in a config without linear-attention settings")
-    })?;
-    let names = n
-        .gdn()
-        .ok_or_else(|| unsupported("a linear-attention layer in a family without GDN weights"))?;
+    let (global, names) = gdn_spec(c, n)?;
     let hd = global.heads;
     let (h, kernel) = (c.hidden_size, global.conv_kernel as usize);
     let (dk, dv, vh_total) = (

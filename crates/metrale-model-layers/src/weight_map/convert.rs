@@ -149,13 +149,15 @@ fn dtype_bytes(dtype: Dtype) -> usize {
     dtype.bitsize() / 8
 }
 
-fn halves(bytes: &[u8]) -> impl Iterator<Item = u16> + '_ {
+/// Little-endian 16-bit words of `bytes`.
+pub(super) fn halves(bytes: &[u8]) -> impl Iterator<Item = u16> + '_ {
     bytes
         .chunks_exact(2)
         .map(|c| u16::from_le_bytes([c[0], c[1]]))
 }
 
-fn singles(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
+/// Little-endian f32 values of `bytes`.
+pub(super) fn singles(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
     bytes
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))

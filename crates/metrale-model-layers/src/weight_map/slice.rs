@@ -11,6 +11,7 @@ use std::ops::Range;
 use half::{bf16, f16};
 use safetensors::Dtype;
 
+use crate::weight_map::convert::{halves, singles};
 use crate::weight_map::error::WeightError;
 use crate::weight_map::loader::{DenseWeight, WeightLoader};
 use crate::weight_map::source::SafetensorsSource;
@@ -206,18 +207,6 @@ impl WeightLoader<'_> {
         let data = self.source.load_f32_slice(name, full, slice)?;
         self.upload(name, &data, shape, metrale_gpu_runtime::DType::F32)
     }
-}
-
-fn halves(bytes: &[u8]) -> impl Iterator<Item = u16> + '_ {
-    bytes
-        .chunks_exact(2)
-        .map(|c| u16::from_le_bytes([c[0], c[1]]))
-}
-
-fn singles(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
 }
 
 #[cfg(test)]
