@@ -113,7 +113,7 @@ pub mod circuit {
     pub use metrale_model_engine::runner::{
         Digest, Fusions, checkpoint_plan, checkpoint_plans, plans_digest,
     };
-    pub use metrale_model_layers::circuit_exec::{Plan, Step};
+    pub use metrale_model_layers::circuit_exec::{Plan, Step, Width};
 }
 
 /// Internals that the crate's own benchmarks (`benches/`) drive directly. Not part of the API:

@@ -247,7 +247,13 @@ fn plan_digests_match_their_golden_values() -> Result<()> {
     let mut texts = Vec::new();
     for dir in every_fixture() {
         let config = ModelConfig::from_dir(&dir)?;
-        let plan = checkpoint_plan(&config, &options, Step::Decode, Fusions::ReferenceOnly, 1)?;
+        let plan = checkpoint_plan(
+            &config,
+            &options,
+            Step::Decode,
+            Fusions::ReferenceOnly,
+            Step::Decode.width(1),
+        )?;
         let plans = checkpoint_plans(&config, &options, Fusions::ReferenceOnly)?;
         ensure!(plans[0].text() == plan.text());
         lines.push(format!(

@@ -38,7 +38,13 @@ fn fp8_packs_get_plans_of_the_fp8_kernels_which_quantizing_at_load_reproduces() 
         let pack = ModelConfig::from_dir(&dir)?;
         let source = ModelConfig::from_dir(&dir.join("source"))?;
         let plan = |c: &ModelConfig, o: &ModelOptions| {
-            checkpoint_plan(c, o, Step::Decode, Fusions::ReferenceOnly, 1)
+            checkpoint_plan(
+                c,
+                o,
+                Step::Decode,
+                Fusions::ReferenceOnly,
+                Step::Decode.width(1),
+            )
         };
         let (p, bf16, quantized) = (
             plan(&pack, &options)?,

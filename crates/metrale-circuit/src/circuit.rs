@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use crate::error::CircuitError;
-use crate::instance::{Instance, Step};
+use crate::instance::{Instance, Step, Width};
 use crate::op::{Block, FfnKind, LayerKind, Op};
 use crate::tensor::{Tensor, TensorKind};
 
@@ -89,7 +89,7 @@ impl Circuit {
             nodes: b.nodes,
             values: b.values,
         };
-        for &w in instance.widths_of(step) {
+        for w in instance.widths_of(step) {
             circuit.extents(w)?;
         }
         Ok(circuit)
@@ -106,7 +106,7 @@ impl Circuit {
     }
 
     /// The widths its plans are compiled at ([`Instance::widths_of`] its step).
-    pub fn widths(&self) -> &[u64] {
+    pub fn widths(&self) -> Vec<Width> {
         self.instance.widths_of(self.step)
     }
 
@@ -140,9 +140,9 @@ impl Circuit {
         self.values.get(id.0)
     }
 
-    /// Each value's extents at `rows` rows, indexed like [`Circuit::values`].
-    pub fn extents(&self, rows: u64) -> Result<Vec<Vec<u64>>, CircuitError> {
-        if rows == 0 {
+    /// Each value's extents at `width`, indexed like [`Circuit::values`].
+    pub fn extents(&self, width: Width) -> Result<Vec<Vec<u64>>, CircuitError> {
+        if width.rows == 0 || width.seqs == 0 {
             return Err(CircuitError::ZeroRows);
         }
         self.values
@@ -153,7 +153,7 @@ impl Circuit {
                     .0
                     .iter()
                     .map(|e| {
-                        let n = e.eval(|d| self.instance.dim(d, rows, self.step))?;
+                        let n = e.eval(|d| self.instance.dim(d, width, self.step))?;
                         // `Instance::dim` saturates, so u64::MAX stands for an overflow too.
                         match n {
                             Some(n) if (1..u64::MAX).contains(&n) => Ok(n),

@@ -55,6 +55,16 @@ pub enum CircuitError {
         /// The row counts given.
         rows: Vec<u64>,
     },
+    /// The instance's batched verify shapes are not strictly ascending, or one has fewer than
+    /// two sequences or no more rows than sequences.
+    #[error(
+        "the instance's batched verify shapes {batches:?} are not a strictly ascending list of \
+         shapes of >= 2 sequences with more rows than sequences"
+    )]
+    BadVerifyBatches {
+        /// The shapes given.
+        batches: Vec<crate::Width>,
+    },
     /// The instance's draft rows are not a strictly ascending list of positive numbers.
     #[error("the instance's draft rows {rows:?} are not a strictly ascending list of rows >= 1")]
     BadDraftRows {
@@ -74,8 +84,8 @@ pub enum CircuitError {
         /// The architecture's name.
         architecture: &'static str,
     },
-    /// A plan was asked for zero rows.
-    #[error("a plan needs at least one row")]
+    /// A plan was asked for zero rows or zero sequences.
+    #[error("a plan needs at least one row and one sequence")]
     ZeroRows,
     /// A layer's kind is not one the architecture has.
     #[error("layer {layer} is {spec}, which the {architecture} circuit does not have")]

@@ -1,12 +1,13 @@
 //! `Instance`: what fixes a circuit's shapes. The architecture, the model's dimensions, the kind
-//! of every layer (and of the MTP head's layer), the decode widths and the verify and draft
-//! row counts to compile. The caller fills it
+//! of every layer (and of the MTP head's layer), the decode widths, the verify and draft
+//! row counts and the batched verify shapes to compile. The caller fills it
 //! from the model's config; this crate reads no file.
 //!
 //! Invariants (checked by [`Instance::validate`], which building a circuit runs):
 //! - at least one layer, each of a kind its architecture has;
 //! - widths non-empty, strictly ascending, each >= 1; verify rows and draft rows strictly
-//!   ascending, each >= 1 (empty: no verify, no draft step);
+//!   ascending, each >= 1 (empty: no verify, no draft step); batched verify shapes strictly
+//!   ascending by sequences then rows, each of >= 2 sequences and more rows than sequences;
 //! - draft rows only with a draft layer, which is full attention of a kind the architecture
 //!   has;
 //! - every dimension a circuit's edge uses is present and resolves to >= 1 (checked when the
@@ -196,6 +197,10 @@ pub struct Instance {
     /// The row counts of the single-sequence verify steps to compile ([`Step::Verify`]),
     /// ascending: `2..=1 + K` with `K` drafts per step; empty without speculation.
     pub verify_rows: Vec<u64>,
+    /// The verify steps of several sequences to compile ([`Step::Verify`] at a [`Width`] of
+    /// `seqs >= 2` sequences and `rows > seqs` rows in all), ascending by sequences then rows;
+    /// empty: verify steps of one sequence only.
+    pub verify_batches: Vec<Width>,
     /// The row counts of the single-sequence draft steps (the MTP head's) to compile
     /// ([`Step::Draft`]), ascending: `1..=1 + K` with `K` drafts per step; empty without an MTP
     /// head that drafts.
@@ -214,10 +219,10 @@ pub struct Instance {
 pub enum Step {
     /// One row per sequence, at [`Instance::widths`].
     Decode,
-    /// Speculative decoding's verify step of one sequence, at [`Instance::verify_rows`]: its
-    /// last accepted token and its drafts, every row with logits, the GDN layers keeping the
-    /// state after each row in the row's own SSM slot (`row_slot`) and only reading the
-    /// sequence's.
+    /// Speculative decoding's verify step, of one sequence at [`Instance::verify_rows`] or of
+    /// several at [`Instance::verify_batches`]: each sequence's last accepted token and its
+    /// drafts, every row with logits, the GDN layers keeping the state after each row in the
+    /// row's own SSM slot (`row_slot`) and only reading the sequence's.
     Verify,
     /// Speculative decoding's draft step of one sequence, at [`Instance::draft_rows`]: the
     /// MTP head over rows that each read a token's embedding and a hidden row the step before
@@ -226,13 +231,41 @@ pub enum Step {
     Draft,
 }
 
+/// The size a plan is compiled at: a step's rows and the sequences they belong to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Width {
+    /// Sequences of the step (compared first, so batched verify shapes sort by sequences).
+    pub seqs: u64,
+    /// Rows of the step.
+    pub rows: u64,
+}
+
+impl Width {
+    /// A step of `seqs` sequences and `rows` rows in all.
+    pub const fn new(rows: u64, seqs: u64) -> Width {
+        Width { seqs, rows }
+    }
+}
+
+impl fmt::Display for Width {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} rows of {} sequences", self.rows, self.seqs)
+    }
+}
+
 impl Step {
-    /// Sequences of a step of `rows` rows: one per row in decode, one in verify and draft.
+    /// Sequences of a step of `rows` rows: one per row in decode, one in a single-sequence
+    /// verify step and in a draft step.
     pub fn seqs(self, rows: u64) -> u64 {
         match self {
             Step::Decode => rows,
             Step::Verify | Step::Draft => 1,
         }
+    }
+
+    /// The width of a `rows`-row step of this kind with its usual sequences ([`Step::seqs`]).
+    pub fn width(self, rows: u64) -> Width {
+        Width::new(rows, self.seqs(rows))
     }
 
     /// Rows with logits in a step of `rows` rows: all of them, but a draft step's last row.
@@ -292,6 +325,12 @@ impl Instance {
                 rows: self.verify_rows.clone(),
             });
         }
+        let ascending = self.verify_batches.windows(2).all(|w| w[0] < w[1]);
+        if !ascending || (self.verify_batches.iter()).any(|w| w.seqs < 2 || w.rows <= w.seqs) {
+            return Err(CircuitError::BadVerifyBatches {
+                batches: self.verify_batches.clone(),
+            });
+        }
         let ascending = self.draft_rows.windows(2).all(|w| w[0] < w[1]);
         if self.draft_rows.first() == Some(&0) || !ascending {
             return Err(CircuitError::BadDraftRows {
@@ -311,17 +350,27 @@ impl Instance {
         Ok(())
     }
 
-    /// The widths `step` is compiled at: the decode widths or the verify row counts.
-    pub fn widths_of(&self, step: Step) -> &[u64] {
-        match step {
+    /// The widths `step` is compiled at: the decode widths, the single-sequence verify row
+    /// counts then the batched verify shapes, or the draft row counts.
+    pub fn widths_of(&self, step: Step) -> Vec<Width> {
+        let rows = match step {
             Step::Decode => &self.widths,
             Step::Verify => &self.verify_rows,
             Step::Draft => &self.draft_rows,
-        }
+        };
+        let batches = if step == Step::Verify {
+            &self.verify_batches[..]
+        } else {
+            &[]
+        };
+        (rows.iter().map(|&r| step.width(r)))
+            .chain(batches.iter().copied())
+            .collect()
     }
 
-    /// The value of `dim` in a `step` of `rows` rows.
-    pub fn dim(&self, dim: Dim, rows: u64, step: Step) -> Result<u64, CircuitError> {
+    /// The value of `dim` in a `step` of `width`.
+    pub fn dim(&self, dim: Dim, width: Width, step: Step) -> Result<u64, CircuitError> {
+        let rows = width.rows;
         let d = &self.dims;
         let gdn = || d.gdn.ok_or(CircuitError::MissingDim { dim, group: "gdn" });
         let moe = || d.moe.ok_or(CircuitError::MissingDim { dim, group: "moe" });
@@ -335,7 +384,7 @@ impl Instance {
         let mul = u64::saturating_mul;
         Ok(match dim {
             Dim::Rows => rows,
-            Dim::Seqs => step.seqs(rows),
+            Dim::Seqs => width.seqs,
             Dim::LogitRows => step.logit_rows(rows),
             Dim::Hidden => d.hidden,
             Dim::Vocab => d.vocab,

@@ -22,7 +22,9 @@
 //! A group line is `block | op chain (ops joined by " > ") | kernels (joined by ", ") |
 //! numerics | launches`; `tests/golden/` holds whole examples. The header has a `gdn` and a `moe` line when the instance has those
 //! dims, and a verify step's plan a `step verify` line before `rows` (a decode plan has none,
-//! so its text does not depend on whether verify or draft steps are compiled too); a draft
+//! so its text does not depend on whether verify or draft steps are compiled too), and a
+//! verify step of several sequences a `seqs <n>` line after `rows` (the other steps' sequences
+//! follow from their rows, so their texts have none); a draft
 //! step's plan has `step draft` and `draft_layer <kind>/<ffn>` lines there. The fusions asked for are not in the text: two plans that launch the same kernels over
 //! the same instance have the same text and digest, whichever mode produced them.
 //!
@@ -38,7 +40,7 @@ use sha2::{Digest as _, Sha256};
 use crate::circuit::{Circuit, Node, ValueId};
 use crate::error::CircuitError;
 use crate::fuser::{Group, Lowering, fuse, group_chain};
-use crate::instance::Step;
+use crate::instance::{Step, Width};
 use crate::rules::{Kernel, Numerics};
 
 /// The first line of every plan text; bumped whenever the text's format or the meaning of a
@@ -71,7 +73,7 @@ impl fmt::Display for Digest {
 #[derive(Debug, Clone)]
 pub struct Plan {
     circuit: Arc<Circuit>,
-    rows: u64,
+    width: Width,
     groups: Vec<Group>,
     extents: Vec<Vec<u64>>,
     text: String,
@@ -79,14 +81,14 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Lower `circuit` at `rows` rows.
+    /// Lower `circuit` at `width`.
     pub fn compile(
         circuit: &Arc<Circuit>,
         lowering: &Lowering<'_>,
-        rows: u64,
+        width: Width,
     ) -> Result<Plan, CircuitError> {
         let groups = fuse(circuit, lowering)?;
-        Plan::with_groups(circuit, groups, rows)
+        Plan::with_groups(circuit, groups, width)
     }
 
     /// Lower `circuit` at every width of its step ([`Circuit::widths`]), ascending.
@@ -97,22 +99,22 @@ impl Plan {
         let groups = fuse(circuit, lowering)?;
         circuit
             .widths()
-            .iter()
-            .map(|&rows| Plan::with_groups(circuit, groups.clone(), rows))
+            .into_iter()
+            .map(|width| Plan::with_groups(circuit, groups.clone(), width))
             .collect()
     }
 
     fn with_groups(
         circuit: &Arc<Circuit>,
         groups: Vec<Group>,
-        rows: u64,
+        width: Width,
     ) -> Result<Plan, CircuitError> {
-        let extents = circuit.extents(rows)?;
-        let text = render(circuit, &groups, rows);
+        let extents = circuit.extents(width)?;
+        let text = render(circuit, &groups, width);
         let digest = Digest::of(text.as_bytes());
         Ok(Plan {
             circuit: Arc::clone(circuit),
-            rows,
+            width,
             groups,
             extents,
             text,
@@ -127,7 +129,17 @@ impl Plan {
 
     /// Rows per step.
     pub fn rows(&self) -> u64 {
-        self.rows
+        self.width.rows
+    }
+
+    /// Sequences per step.
+    pub fn seqs(&self) -> u64 {
+        self.width.seqs
+    }
+
+    /// Rows and sequences per step.
+    pub fn width(&self) -> Width {
+        self.width
     }
 
     /// The groups, in launch order.
@@ -192,7 +204,7 @@ pub fn plans_digest(plans: &[Plan]) -> Digest {
     Digest(out)
 }
 
-fn render(circuit: &Circuit, groups: &[Group], rows: u64) -> String {
+fn render(circuit: &Circuit, groups: &[Group], width: Width) -> String {
     let mut s = String::new();
     s.push_str(PLAN_FORMAT);
     s.push('\n');
@@ -204,7 +216,10 @@ fn render(circuit: &Circuit, groups: &[Group], rows: u64) -> String {
     if let (Step::Draft, Some(layer)) = (circuit.step(), circuit.instance().draft_layer) {
         let _ = writeln!(s, "draft_layer {layer}");
     }
-    let _ = writeln!(s, "rows {rows}");
+    let _ = writeln!(s, "rows {}", width.rows);
+    if width != circuit.step().width(width.rows) {
+        let _ = writeln!(s, "seqs {}", width.seqs);
+    }
     let mut total = 0;
     for g in groups {
         let kernels: Vec<String> = g.kernels.iter().map(ToString::to_string).collect();

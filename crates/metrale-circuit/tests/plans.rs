@@ -14,7 +14,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result, ensure};
 use metrale_circuit::{
     Architecture, Block, Circuit, CircuitError, Fusions, Instance, KernelSet, LinearRole, Lowering,
-    Numerics, Op, Plan, RuleTable, Step, Tensor, TensorKind, ValueId, fuse, kernels, plans_digest,
+    Numerics, Op, Plan, RuleTable, Step, Tensor, TensorKind, ValueId, Width, fuse, kernels,
+    plans_digest,
 };
 use support::{FA_DENSE, LA_DENSE, LA_MOE};
 
@@ -317,7 +318,7 @@ fn plans_at_every_width_share_groups_and_differ_in_extents() -> Result<()> {
 fn edges_carry_the_formats_and_extents_of_their_buffers() -> Result<()> {
     let instance = support::hybrid(vec![LA_DENSE, FA_DENSE]);
     let circuit = Circuit::new(&instance)?;
-    let extents = circuit.extents(2)?;
+    let extents = circuit.extents(Step::Decode.width(2))?;
     for (i, node) in circuit.nodes().iter().enumerate() {
         for &v in &node.inputs {
             let value = circuit.value(v).context("an input value exists")?;
@@ -407,7 +408,7 @@ fn instances_that_break_an_invariant_are_refused_by_name() {
     )));
     assert_eq!(
         Circuit::new(&support::dense(true))
-            .map(|c| c.extents(0).err())
+            .map(|c| c.extents(Step::Decode.width(0)).err())
             .ok()
             .flatten(),
         Some(CircuitError::ZeroRows)
@@ -474,7 +475,7 @@ fn block_fp8_weights_lower_their_projections_to_the_fp8_kernels_and_drop_bf16_fu
             fusions: Fusions::All,
             kernels: &every,
         };
-        Ok(Plan::compile(&circuit, &lowering, 1)?)
+        Ok(Plan::compile(&circuit, &lowering, Step::Decode.width(1))?)
     };
     let plan = lowering(&table, &fp8)?;
     let launched = names(&plan);

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand, ValueEnum};
-use metrale::circuit::Step;
+use metrale::circuit::{Step, Width};
 use metrale::{ForwardSelect, ModelConfig, ModelOptions, Speculative};
 
 use crate::generate::ForwardArg;
@@ -32,15 +32,23 @@ struct PlanArgs {
     /// Checkpoint directory (its config.json is read).
     #[arg(long)]
     model: PathBuf,
-    /// Which step: decode, or a single sequence's verify or draft step of speculative decoding
-    /// (their plans exist with `--num-draft-tokens` drafts; a draft plan needs the
+    /// Which step: decode, or a verify step or a single sequence's draft step of speculative
+    /// decoding (their plans exist with `--num-draft-tokens` drafts; a draft plan needs the
     /// checkpoint's MTP head).
     #[arg(long, value_enum, default_value_t = StepArg::Decode)]
     step: StepArg,
     /// Rows of the step (decode: sequences, a rung of the decode ladder or not; verify: 2 to
-    /// 1 + K; draft: 1 to 1 + K).
+    /// 1 + K of one sequence, or `--seqs` + 1 to `--seqs` * (1 + K) of several; draft: 1 to
+    /// 1 + K).
     #[arg(long, default_value_t = 1)]
     rows: u64,
+    /// Sequences of a verify step (2 to `--circuit-verify-seqs`: a batched verify plan); 1
+    /// otherwise.
+    #[arg(long, default_value_t = 1)]
+    seqs: u64,
+    /// Verify steps of up to this many sequences have plans of their own (see `seqs`).
+    #[arg(long, default_value_t = ModelOptions::default().circuit_verify_seqs)]
+    circuit_verify_seqs: usize,
     /// Drafts per verify step (K), which sets the verify and draft plans compiled; 0: none.
     #[arg(long, default_value_t = 0)]
     num_draft_tokens: usize,
@@ -91,6 +99,7 @@ fn plan(args: PlanArgs) -> Result<()> {
         .max_seq_len(args.max_seq_len)
         .block_size(args.block_size)
         .max_decode_seqs(args.max_decode_seqs)
+        .circuit_verify_seqs(args.circuit_verify_seqs)
         .quantization(args.quantization.select())
         .speculative(speculative)
         .num_draft_tokens(args.num_draft_tokens.max(1));
@@ -100,14 +109,24 @@ fn plan(args: PlanArgs) -> Result<()> {
         StepArg::Draft => Step::Draft,
     };
     let planning = || format!("planning {}", args.model.display());
-    let plan = metrale::circuit::checkpoint_plan(&config, &options, step, fusions, args.rows)
+    let width = if step == Step::Verify && args.seqs > 1 {
+        Width::new(args.rows, args.seqs)
+    } else if args.seqs == 1 {
+        step.width(args.rows)
+    } else {
+        bail!(
+            "--seqs is for verify steps; a {} step's sequences follow from its rows",
+            step.name()
+        );
+    };
+    let plan = metrale::circuit::checkpoint_plan(&config, &options, step, fusions, width)
         .with_context(planning)?;
     let all =
         metrale::circuit::checkpoint_plans(&config, &options, fusions).with_context(planning)?;
     print!("{}", plan.text());
     println!("digest {}", plan.digest());
     println!(
-        "plans_digest {} ({} plans: the decode widths, then any verify and draft row counts)",
+        "plans_digest {} ({} plans: the decode widths, then any verify and draft shapes)",
         metrale::circuit::plans_digest(&all),
         all.len()
     );

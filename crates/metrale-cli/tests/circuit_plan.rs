@@ -1,5 +1,7 @@
 //! `metrale circuit plan` as a user runs it on the committed fixtures: an FP8 pack's plan names
-//! the FP8 kernels, and the plan of its bf16 source with `--quantization fp8` is the same plan.
+//! the FP8 kernels, and the plan of its bf16 source with `--quantization fp8` is the same plan; a
+//! verify plan of several sequences names them, and the verify steps compiled follow
+//! `--circuit-verify-seqs`.
 
 #![allow(clippy::unwrap_used)]
 
@@ -44,4 +46,38 @@ fn quantizing_at_load_plans_the_kernels_of_the_fp8_pack() {
         line(&packed, "plans_digest")
     );
     assert_ne!(line(&bf16, "digest"), line(&packed, "digest"));
+}
+
+#[test]
+fn a_verify_plan_of_several_sequences_says_so_and_more_sequences_compile_more_plans() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_5-tiny");
+    let k2 = ["--step", "verify", "--num-draft-tokens", "2"];
+    let single = plan(&dir, &[&k2[..], &["--rows", "3"]].concat());
+    let batched = plan(&dir, &[&k2[..], &["--rows", "6", "--seqs", "2"]].concat());
+    assert!(!single.contains("\nseqs "), "{single}");
+    assert!(
+        batched.contains("\nstep verify\nrows 6\nseqs 2\n"),
+        "{batched}"
+    );
+    // Verify steps of 2 to 4 sequences (the default) compile 2 * (2 + 3 + 4) plans beside the
+    // decode ladder's 4, the single sequence's 2 verify and 3 draft plans; of one sequence
+    // only, none.
+    let plans = |text: &str| line(text, "plans_digest").to_string();
+    assert!(plans(&batched).contains("(27 plans"), "{batched}");
+    let alone = plan(
+        &dir,
+        &[&k2[..], &["--rows", "3", "--circuit-verify-seqs", "1"]].concat(),
+    );
+    assert!(plans(&alone).contains("(9 plans"), "{alone}");
+    assert_eq!(line(&alone, "digest"), line(&single, "digest"));
+    let decode = Command::new(env!("CARGO_BIN_EXE_metrale"))
+        .args(["circuit", "plan", "--seqs", "2", "--model"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&decode.stderr);
+    assert!(
+        !decode.status.success() && stderr.contains("--seqs is for verify steps"),
+        "{stderr}"
+    );
 }

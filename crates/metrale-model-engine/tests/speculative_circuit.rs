@@ -1,7 +1,8 @@
 //! Speculative decoding under the circuit forward, on the CPU backend: a single-sequence verify
 //! step of `circuit-reference` (its verify program) is bitwise the legacy one, logits and the
 //! state every row keeps, for K = 1..4, eager and graphed, and launches exactly what the legacy
-//! step launches; a batched verify step replayed from a graph captured under another mix of
+//! step launches; so is a verify step of two to four sequences (its batched verify program) at
+//! K = 3, dense and hybrid, while five sequences run the legacy launches; a batched verify step replayed from a graph captured under another mix of
 //! drafts is bitwise the eager step; a single-sequence MTP draft step of `circuit-reference`
 //! (its draft program) is bitwise the legacy one, logits and the head's KV cache, for 1 to 5
 //! rows and the single-row draft after it, eager and graphed, launching what the legacy head
@@ -20,7 +21,7 @@ use metrale_gpu_runtime::{CpuBackend, GpuBackend, GpuBackendExt};
 use metrale_model_engine::options::{ModelOptions, Speculative};
 use metrale_model_engine::runner::{
     ForwardSelect, Fusions, ModelCircuit, MtpStep, StepInput, StepRow, checkpoint_plan,
-    checkpoint_plans, plans_digest,
+    checkpoint_plans, plans_digest, verify_batches,
 };
 use metrale_model_layers::circuit_exec::Step;
 use support::*;
@@ -60,11 +61,16 @@ struct Seq {
 
 impl Seq {
     /// A sequence with `prompt` prefilled, keeping verify rows' states in `rows` slots.
+    /// On a model without SSM state every slot is `u32::MAX` (none).
     fn prefilled(model: &mut Rig, prompt: &[u32], rows: usize) -> Seq {
-        let slot = model.cache.alloc_ssm_slot(None).unwrap().unwrap();
-        let row_slots = (0..rows)
-            .map(|_| model.cache.alloc_ssm_slot(None).unwrap().unwrap())
-            .collect();
+        let hybrid = model.cache.ssm_slots().is_some();
+        let mut alloc = || match hybrid {
+            true => model.cache.alloc_ssm_slot(None).unwrap().unwrap(),
+            false => u32::MAX,
+        };
+        let slot = alloc();
+        let row_slots = (0..rows).map(|_| alloc()).collect();
+        let slots = [slot];
         let mut seq = Seq {
             table: BlockTable::new(),
             slot,
@@ -82,7 +88,7 @@ impl Seq {
             rows: &step,
             tables: &[&seq.table],
             logit_rows: &[],
-            ssm_slots: &[seq.slot],
+            ssm_slots: if hybrid { &slots[..] } else { &[] },
         };
         model.runner.forward(&model.cache, &input).unwrap();
         seq
@@ -93,7 +99,8 @@ impl Seq {
     }
 
     fn free(self, model: &mut Rig) {
-        for s in self.row_slots.into_iter().chain([self.slot]) {
+        let held = self.row_slots.into_iter().chain([self.slot]);
+        for s in held.filter(|&s| s != u32::MAX) {
             model.cache.free_ssm_slot(s).unwrap();
         }
         let mut table = self.table;
@@ -129,12 +136,15 @@ fn verify(
         }
     }
     let tables: Vec<&BlockTable> = seqs.iter().map(|s| &s.table).collect();
-    let slots: Vec<u32> = seqs.iter().map(|s| s.slot).collect();
+    let slots: Vec<u32> = (seqs.iter().map(|s| s.slot))
+        .filter(|&s| s != u32::MAX)
+        .collect();
     (model.runner)
         .verify(&model.cache, &rows, &tables, &slots, &row_slots)
         .unwrap();
     let logits = model.runner.logits(rows.len()).unwrap();
     let states = (row_slots.iter().chain(&slots))
+        .filter(|&&s| s != u32::MAX)
         .map(|&s| model.cache.ssm_slot_bytes(s).unwrap())
         .collect();
     (logits, states)
@@ -151,11 +161,11 @@ fn verify_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
             let mut legacy = load_on(gpu, name, spec_options(4, graphs));
             let mut circuit = load_on(gpu, name, spec_options(4, graphs));
             let want: Vec<_> = (1..=5)
-                .map(|rows| circuit.runner.verify_launches(rows).unwrap())
+                .map(|rows| circuit.runner.verify_launches(rows, 1).unwrap())
                 .collect();
             circuit.runner.set_forward(REFERENCE).unwrap();
             for (rows, want) in (1..=5).zip(&want) {
-                let got = circuit.runner.verify_launches(rows).unwrap();
+                let got = circuit.runner.verify_launches(rows, 1).unwrap();
                 assert!(
                     got == *want,
                     "{name}: the verify program of {rows} rows launches {} kernels, legacy {}; \
@@ -184,6 +194,74 @@ fn verify_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
             }
             if graphs {
                 let shapes = [(2, 1), (3, 1), (4, 1), (5, 1)];
+                assert_eq!(circuit.runner.graphs().verify_shapes(), shapes, "{name}");
+            }
+        }
+    }
+}
+
+#[test]
+fn circuit_reference_batched_verify_of_up_to_four_sequences_is_bitwise_legacy_at_k_3() {
+    batched_verify_is_bitwise_legacy(cpu);
+}
+
+fn batched_verify_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
+    // Every sequence verifies K = 3 drafts, or some fewer; the last mix has five sequences,
+    // past `circuit_verify_seqs` (4), and runs the legacy launches.
+    let mixes: [&[usize]; 4] = [&[4, 4, 4, 4], &[4, 1, 2, 3], &[2, 4], &[4, 4, 1, 2, 3]];
+    let shape = |c: &[usize]| (c.iter().sum::<usize>(), c.len());
+    for name in HYBRID.iter().chain(&["qwen3-tiny"]) {
+        for graphs in [false, true] {
+            let mut legacy = load_on(gpu, name, spec_options(3, graphs));
+            let mut circuit = load_on(gpu, name, spec_options(3, graphs));
+            let want: Vec<_> = (mixes.iter().map(|c| shape(c)))
+                .map(|(rows, seqs)| circuit.runner.verify_launches(rows, seqs).unwrap())
+                .collect();
+            circuit.runner.set_forward(REFERENCE).unwrap();
+            for (c, want) in mixes.iter().zip(&want) {
+                let (rows, seqs) = shape(c);
+                let got = circuit.runner.verify_launches(rows, seqs).unwrap();
+                assert!(
+                    got == *want,
+                    "{name}: {rows} verify rows of {seqs} sequences launch {} kernels, legacy {}; \
+                     first difference at {:?}",
+                    got.len(),
+                    want.len(),
+                    got.iter().zip(want).position(|(g, w)| g != w)
+                );
+            }
+            for counts in mixes {
+                let lens: Vec<usize> = (0..counts.len()).map(|i| 9 + 5 * i).collect();
+                let mut want = None;
+                for model in [&mut legacy, &mut circuit] {
+                    let seqs: Vec<Seq> = (lens.iter().enumerate())
+                        .map(|(i, &n)| Seq::prefilled(model, &prompt(n as u32, i as u32), 4))
+                        .collect();
+                    let refs: Vec<&Seq> = seqs.iter().collect();
+                    let got = verify(model, &refs, &lens, counts);
+                    for s in seqs {
+                        s.free(model);
+                    }
+                    let got = (bits(&got.0), got.1);
+                    match &want {
+                        None => want = Some(got),
+                        Some(w) => assert!(
+                            *w == got,
+                            "{name} {counts:?} graphs {graphs}: circuit-reference verify differs"
+                        ),
+                    }
+                }
+            }
+            assert_eq!(legacy.runner.verify_program_steps(), 0);
+            assert_eq!(
+                circuit.runner.verify_program_steps(),
+                3,
+                "{name}: the steps of up to four sequences ran verify programs, five did not"
+            );
+            if graphs {
+                let shapes = [(6, 2), (10, 4), (16, 4), (14, 5)];
+                let mut shapes = shapes.to_vec();
+                shapes.sort_unstable();
                 assert_eq!(circuit.runner.graphs().verify_shapes(), shapes, "{name}");
             }
         }
@@ -298,17 +376,30 @@ fn the_disclosed_digest_covers_the_verify_plans_metrale_circuit_plan_prints() {
         let d = model.runner.forward_disclosure().unwrap();
         let config = model.runner.model().config();
         let plans = checkpoint_plans(config, &options, Fusions::ReferenceOnly).unwrap();
-        let verify: Vec<u64> = plans.iter().skip(4).map(|p| p.rows()).collect();
+        let verify: Vec<(u64, u64)> = (plans.iter().skip(4))
+            .map(|p| (p.rows(), p.seqs()))
+            .collect();
+        let batches = verify_batches(4, 4).into_iter().map(|w| (w.rows, w.seqs));
+        let want: Vec<(u64, u64)> = [(2, 1), (3, 1), (4, 1), (5, 1)]
+            .into_iter()
+            .chain(batches)
+            .collect();
+        assert_eq!(verify.len(), 4 + 4 * (2 + 3 + 4), "{name}");
         assert_eq!(
-            verify,
-            [2, 3, 4, 5],
-            "{name}: decode 1, 2, 4, 8, then verify"
+            verify, want,
+            "{name}: decode 1, 2, 4, 8, then verify of one sequence, then of 2 to 4"
         );
         assert_eq!(d.plan_digest, Some(plans_digest(&plans)), "{name}");
         let plain = checkpoint_plans(config, &ModelOptions::default(), Fusions::ReferenceOnly);
         assert_ne!(d.plan_digest, Some(plans_digest(&plain.unwrap())), "{name}");
-        let p3 =
-            checkpoint_plan(config, &options, Step::Verify, Fusions::ReferenceOnly, 3).unwrap();
+        let p3 = checkpoint_plan(
+            config,
+            &options,
+            Step::Verify,
+            Fusions::ReferenceOnly,
+            Step::Verify.width(3),
+        )
+        .unwrap();
         assert!(p3.text() == plans[5].text() && p3.text().contains("\nstep verify\nrows 3\n"));
     }
 }
@@ -428,7 +519,8 @@ fn the_disclosed_digest_covers_the_draft_plans_metrale_circuit_plan_prints() {
         let fx = MtpFixture::new(name);
         let options = ModelOptions::default()
             .speculative(Speculative::Mtp)
-            .num_draft_tokens(2);
+            .num_draft_tokens(2)
+            .circuit_verify_seqs(1);
         let mut model = Rig::load(fx.path(), options.clone());
         model.runner.set_forward(REFERENCE).unwrap();
         let d = model.runner.forward_disclosure().unwrap();
@@ -441,7 +533,13 @@ fn the_disclosed_digest_covers_the_draft_plans_metrale_circuit_plan_prints() {
             "{name}: verify 2, 3, then draft 1, 2, 3"
         );
         assert_eq!(d.plan_digest, Some(plans_digest(&plans)), "{name}");
-        let p2 = checkpoint_plan(config, &options, Step::Draft, Fusions::ReferenceOnly, 2);
+        let p2 = checkpoint_plan(
+            config,
+            &options,
+            Step::Draft,
+            Fusions::ReferenceOnly,
+            Step::Draft.width(2),
+        );
         let p2 = p2.unwrap();
         assert!(p2.text() == plans[7].text() && p2.text().contains("\nstep draft\n"));
     }
@@ -461,6 +559,11 @@ mod cuda {
     #[test]
     fn circuit_reference_verify_is_bitwise_legacy_on_cuda() {
         verify_is_bitwise_legacy(gpu);
+    }
+
+    #[test]
+    fn circuit_reference_batched_verify_is_bitwise_legacy_on_cuda() {
+        batched_verify_is_bitwise_legacy(gpu);
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! The speculative steps' plans (part of `plans.rs`): a verify plan reads one sequence and keeps
-//! every row's state, a draft plan is the MTP head over one sequence with one logit row, and
+//! every row's state, a batched verify plan the same launches over several sequences, a draft plan is the MTP head over one sequence with one logit row, and
 //! draft rows need a full-attention draft layer.
 
 use super::*;
@@ -69,6 +69,58 @@ fn a_verify_plan_reads_one_sequence_keeps_every_rows_state_and_says_so() -> Resu
         })
     };
     ensure!(reads_row_slot(Op::GdnConvVerify) && reads_row_slot(Op::GdnRecurrenceVerify));
+    Ok(())
+}
+
+#[test]
+fn a_batched_verify_plan_launches_the_single_sequence_kernels_over_several_sequences() -> Result<()>
+{
+    let mut instance = support::hybrid(vec![LA_DENSE, FA_DENSE]);
+    instance.verify_batches = vec![Width::new(3, 2), Width::new(6, 2), Width::new(7, 3)];
+    let table = RuleTable::for_architecture(instance.architecture);
+    let kernels = support::reference_kernels(&table);
+    let verify = Arc::new(Circuit::for_step(&instance, Step::Verify)?);
+    let lowering = Lowering {
+        rules: &table,
+        fusions: Fusions::ReferenceOnly,
+        kernels: &kernels,
+    };
+    let plans = Plan::compile_widths(&verify, &lowering)?;
+    let widths: Vec<(u64, u64)> = plans.iter().map(|p| (p.rows(), p.seqs())).collect();
+    ensure!(
+        widths == [(2, 1), (3, 1), (3, 2), (6, 2), (7, 3)],
+        "{widths:?}"
+    );
+    let (single, batched) = (&plans[1], &plans[3]);
+    ensure!(names(batched) == names(single));
+    ensure!(batched.text().contains("\nstep verify\nrows 6\nseqs 2\n"));
+    ensure!(!single.text().contains("seqs"));
+    // Three rows of one sequence and three rows of two: the same kernels, other extents.
+    ensure!(plans[2].digest() != single.digest());
+    for node in verify.nodes() {
+        for &v in &node.inputs {
+            let value = verify.value(v).context("an input value exists")?;
+            let ext = batched.extents(v);
+            match value.tensor {
+                Tensor::SeqSlot | Tensor::BlockTables => ensure!(ext[0] == 2, "{ext:?}"),
+                Tensor::SeqStart => ensure!(ext == [3], "{ext:?}"),
+                Tensor::RowSlot | Tensor::LogitRows => ensure!(ext == [6], "{ext:?}"),
+                _ => {}
+            }
+        }
+    }
+    // A shape of one sequence, of no draft, or out of order is refused.
+    for bad in [
+        vec![Width::new(4, 1)],
+        vec![Width::new(2, 2)],
+        vec![Width::new(6, 2), Width::new(5, 2)],
+    ] {
+        instance.verify_batches = bad;
+        ensure!(matches!(
+            instance.validate(),
+            Err(CircuitError::BadVerifyBatches { .. })
+        ));
+    }
     Ok(())
 }
 

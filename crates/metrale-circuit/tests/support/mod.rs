@@ -71,6 +71,7 @@ pub fn dense(qk_norm: bool) -> Instance {
         layers: vec![FA_DENSE; 2],
         widths: vec![1, 2, 4],
         verify_rows: vec![2, 3],
+        verify_batches: Vec::new(),
         draft_rows: vec![1, 2, 3],
         draft_layer: Some(FA_DENSE),
         argmax: true,
@@ -89,6 +90,7 @@ pub fn hybrid(layers: Vec<LayerSpec>) -> Instance {
         layers,
         widths: vec![1, 2, 4],
         verify_rows: vec![2, 3],
+        verify_batches: Vec::new(),
         draft_rows: vec![1, 2, 3],
         draft_layer: Some(FA_DENSE),
         argmax: true,
@@ -109,6 +111,7 @@ pub fn hybrid_moe() -> Instance {
         layers: vec![LA_MOE, LA_MOE, LA_MOE, FA_MOE],
         widths: vec![1, 2, 4],
         verify_rows: vec![2, 3],
+        verify_batches: Vec::new(),
         draft_rows: vec![1, 2, 3],
         draft_layer: Some(FA_MOE),
         argmax: true,
@@ -154,5 +157,5 @@ pub fn step_plan(
         fusions,
         kernels,
     };
-    Plan::compile(&circuit, &lowering, rows).expect("the test instance lowers")
+    Plan::compile(&circuit, &lowering, step.width(rows)).expect("the test instance lowers")
 }

@@ -1,5 +1,5 @@
-//! `ModelCircuit`: which forward runs a `StepRunner`'s decode and single-sequence verify and
-//! draft steps, the legacy layer walk (`Model::launch_step`) or the circuit executor's
+//! `ModelCircuit`: which forward runs a `StepRunner`'s decode, verify and single-sequence draft
+//! steps, the legacy layer walk (`Model::launch_step`) or the circuit executor's
 //! programs, and what the runner discloses about it (forward name, plan digest, launches per
 //! step). Also [`checkpoint_plan`], the plan of a config without a model, for `metrale circuit
 //! plan`.
@@ -8,10 +8,11 @@
 //! (`CircuitBindings::circuit_layer`), the model's own weights, the step buffers and the cache's
 //! KV and SSM pools, compiled at every width of the decode ladder and, with speculation on
 //! (`ModelOptions::speculative`), at every single-sequence verify row count `2..=1 + K`
-//! ([`verify_rows`]) and, when the MTP head drafts (`Speculative::Mtp`), at every
+//! ([`verify_rows`]), at every verify shape of `2..=circuit_verify_seqs` sequences
+//! ([`verify_batches`]) and, when the MTP head drafts (`Speculative::Mtp`), at every
 //! single-sequence draft row count `1..=1 + K` ([`draft_rows`]). `decode()` then replays the
-//! program of the step's padded width, `verify()` of one sequence the verify program of its
-//! row count, and `mtp_step()` of one sequence with one logit row the draft program of its row
+//! program of the step's padded width, `verify()` the verify program of its rows and
+//! sequences, and `mtp_step()` of one sequence with one logit row the draft program of its row
 //! count, launch by launch or from a graph captured from it.
 //!
 //! Invariants:
@@ -20,16 +21,17 @@
 //!   previous executor: no graph ever replays freed memory, nor the previous forward.
 //! - Features the circuit does not model refuse the build, named with every other binding
 //!   problem in one [`CircuitExecError::Bindings`](metrale_model_layers::circuit_exec::CircuitExecError).
-//! - Prefill (`forward`), verify steps of several sequences and MTP steps of several
-//!   sequences, of no logit row or of a row count past `1 + K` run the legacy launches
-//!   whichever forward is selected; the circuit compiles decode steps (one row per sequence)
-//!   and single-sequence verify and draft steps only.
+//! - Prefill (`forward`), verify steps of more than `circuit_verify_seqs` sequences and MTP
+//!   steps of several sequences, of no logit row or of a row count past `1 + K` run the legacy
+//!   launches whichever forward is selected; the circuit compiles decode steps (one row per
+//!   sequence), verify steps up to `circuit_verify_seqs` sequences and single-sequence draft
+//!   steps only.
 
 use metrale_config::ModelConfig;
 use metrale_model_layers::StepShape;
 use metrale_model_layers::circuit_exec::{
     Architecture, BindingProblem, Boot, CircuitBindings, CircuitExec, CircuitExecError, DraftFixed,
-    Fixed, HeadBinding, Launch, LayerPools, NormWeight, Part, Plan, Recorder, Step,
+    Fixed, HeadBinding, Launch, LayerPools, NormWeight, Part, Plan, Recorder, Step, Width,
     launcher_kernels, model_instance, plan_at, weight_format,
 };
 
@@ -118,9 +120,9 @@ pub trait ModelCircuit {
     /// the selected forward, recorded without running anything.
     fn decode_launches(&self, width: usize) -> Result<Vec<Launch>, ModelError>;
 
-    /// The launches a single-sequence verify step of `rows` rows (`1..=1 + K`) makes under the
-    /// selected forward, recorded without running anything.
-    fn verify_launches(&self, rows: usize) -> Result<Vec<Launch>, ModelError>;
+    /// The launches a verify step of `rows` rows of `seqs` sequences (`seqs..=seqs * (1 + K)`
+    /// rows) makes under the selected forward, recorded without running anything.
+    fn verify_launches(&self, rows: usize, seqs: usize) -> Result<Vec<Launch>, ModelError>;
 
     /// The launches a single-sequence MTP step of `rows` rows (`1..=1 + K`) with one logit row
     /// makes under the selected forward after its hidden-row gather (which stays outside
@@ -134,6 +136,21 @@ pub fn verify_rows(draft_tokens: usize) -> Vec<u64> {
     (2..=1 + draft_tokens as u64).collect()
 }
 
+/// The verify shapes of several sequences compiled with `draft_tokens` drafts per step for
+/// verify steps of up to `max_seqs` sequences: `s` sequences of `s + 1..=s * (1 + K)` rows (at
+/// least one draft) for each `s` in `2..=max_seqs`, ascending (none without speculation).
+pub fn verify_batches(draft_tokens: usize, max_seqs: usize) -> Vec<Width> {
+    let per_seq = 1 + draft_tokens as u64;
+    let seqs = if draft_tokens == 0 {
+        0
+    } else {
+        max_seqs as u64
+    };
+    (2..=seqs)
+        .flat_map(|s| (s + 1..=s * per_seq).map(move |rows| Width::new(rows, s)))
+        .collect()
+}
+
 /// The single-sequence draft (MTP) row counts compiled with `draft_tokens` drafts per step:
 /// `1..=1 + draft_tokens`, the take-in after a verify step that accepted `0..=K` drafts and
 /// each further draft's single row (none without drafting).
@@ -144,15 +161,32 @@ pub fn draft_rows(draft_tokens: usize) -> Vec<u64> {
     (1..=1 + draft_tokens as u64).collect()
 }
 
-/// A `what` (verify or draft) step of one sequence has 1 to 1 + K rows.
-fn check_speculative_rows(sizes: &StepSizes, what: &str, rows: usize) -> Result<(), ModelError> {
-    if rows == 0 || rows > 1 + sizes.drafts {
+/// A `what` (verify or draft) step of `seqs` sequences (1 to the runner's most) has `seqs` to
+/// `seqs * (1 + K)` rows.
+fn check_speculative_rows(
+    sizes: &StepSizes,
+    what: &str,
+    rows: usize,
+    seqs: usize,
+) -> Result<(), ModelError> {
+    if seqs == 0 || seqs > sizes.max_seqs {
         return Err(ModelError::Step(format!(
-            "a {what} step of one sequence has 1 to {} rows, not {rows}",
-            1 + sizes.drafts
+            "a {what} step has 1 to {} sequences, not {seqs}",
+            sizes.max_seqs
+        )));
+    }
+    let most = seqs * (1 + sizes.drafts);
+    if rows < seqs || rows > most {
+        return Err(ModelError::Step(format!(
+            "a {what} step of {seqs} sequences has {seqs} to {most} rows, not {rows}"
         )));
     }
     Ok(())
+}
+
+/// The sequences of the verify steps a runner compiles circuit programs for.
+fn circuit_verify_seqs(options: &ModelOptions) -> usize {
+    options.circuit_verify_seqs.min(options.max_decode_seqs)
 }
 
 /// Model features the `arch` circuit does not model.
@@ -209,6 +243,7 @@ impl Forward {
             sizes.max_blocks as u64,
             widths.into_iter().map(|w| w as u64).collect(),
             verify_rows(sizes.drafts),
+            verify_batches(sizes.drafts, circuit_verify_seqs(options)),
             draft_rows(drafting),
             weight_format(model.config(), options.quantization == Quantization::Fp8),
         )?;
@@ -331,18 +366,19 @@ impl ModelCircuit for StepRunner {
             .record_step(self.shape(rows, rows, rows, false))
     }
 
-    fn verify_launches(&self, rows: usize) -> Result<Vec<Launch>, ModelError> {
-        check_speculative_rows(&self.sizes, "verify", rows)?;
-        let program = (self.forward.circuit.as_ref()).and_then(|e| e.verify_program(rows as u64));
+    fn verify_launches(&self, rows: usize, seqs: usize) -> Result<Vec<Launch>, ModelError> {
+        check_speculative_rows(&self.sizes, "verify", rows, seqs)?;
+        let width = Width::new(rows as u64, seqs as u64);
+        let program = (self.forward.circuit.as_ref()).and_then(|e| e.verify_program(width));
         if let Some(p) = program {
             return Ok(p.launches().to_vec());
         }
-        let rows = rows as u32;
-        self.forward.record_step(self.shape(rows, 1, rows, true))
+        let (rows, seqs) = (rows as u32, seqs as u32);
+        self.forward.record_step(self.shape(rows, seqs, rows, true))
     }
 
     fn draft_launches(&self, rows: usize) -> Result<Vec<Launch>, ModelError> {
-        check_speculative_rows(&self.sizes, "draft", rows)?;
+        check_speculative_rows(&self.sizes, "draft", rows, 1)?;
         let (recorder, ops) = Recorder::over(self.model().ops());
         let shape = self.shape(rows as u32, 1, 1, false);
         self.forward.legacy_mtp(&ops, shape, 0)?;
@@ -365,7 +401,7 @@ impl StepRunner {
 }
 
 /// The circuit instance a model loaded with `options` compiles for `config`: the same
-/// block-table width, decode ladder and verify row counts.
+/// block-table width, decode ladder, verify row counts and shapes.
 fn checkpoint_instance(
     config: &ModelConfig,
     options: &ModelOptions,
@@ -374,6 +410,7 @@ fn checkpoint_instance(
     let blocks_per_seq = max_blocks(config, options)? as u64;
     let widths = options.decode_ladder().into_iter().map(|w| w as u64);
     let verify = verify_rows(options.draft_tokens());
+    let batches = verify_batches(options.draft_tokens(), circuit_verify_seqs(options));
     // As `StepRunner::new` sets the head up: a model loads with MTP drafting only when its
     // checkpoint has the head.
     let drafting = options.speculative == Speculative::Mtp;
@@ -383,21 +420,22 @@ fn checkpoint_instance(
         blocks_per_seq,
         widths.collect(),
         verify,
+        batches,
         draft,
         weight_format(config, options.quantization == Quantization::Fp8),
     )?)
 }
 
-/// The plan of `config`'s `step` at `rows` rows (a decode step of `rows` sequences, or a
-/// single sequence's verify or draft step of `rows` rows), as a model loaded with `options`
-/// compiles it (a draft plan needs `options` drafting with MTP), lowered with `fusions` against
+/// The plan of `config`'s `step` at `width` (a decode step of `rows` sequences, a verify step
+/// of `rows` rows of one or several sequences, or a single sequence's draft step of `rows`
+/// rows), as a model loaded with `options` compiles it (a draft plan needs `options` drafting with MTP), lowered with `fusions` against
 /// every kernel the engine has a launcher for. Reads no weights and needs no device.
 pub fn checkpoint_plan(
     config: &ModelConfig,
     options: &ModelOptions,
     step: Step,
     fusions: Fusions,
-    rows: u64,
+    width: Width,
 ) -> Result<Plan, ModelError> {
     let instance = checkpoint_instance(config, options)?;
     Ok(plan_at(
@@ -405,12 +443,12 @@ pub fn checkpoint_plan(
         step,
         fusions,
         &launcher_kernels(),
-        rows,
+        width,
     )?)
 }
 
 /// The plans of `config` at every width of the decode ladder of `options`, ascending, then at
-/// every verify row count when `options` turn speculation on, then at every draft row count
+/// every verify row count and shape when `options` turn speculation on, then at every draft row count
 /// when they turn MTP drafting on: what a model loaded with them
 /// compiles, whose `plans_digest` its [`ForwardDisclosure`] reports (on a backend with every
 /// launcher's kernel).
@@ -423,13 +461,8 @@ pub fn checkpoint_plans(
     let kernels = launcher_kernels();
     let steps = [Step::Decode, Step::Verify, Step::Draft];
     let plans = (steps.iter())
-        .flat_map(|&step| {
-            instance
-                .widths_of(step)
-                .iter()
-                .map(move |&rows| (step, rows))
-        })
-        .map(|(step, rows)| plan_at(&instance, step, fusions, &kernels, rows))
+        .flat_map(|&step| (instance.widths_of(step).into_iter()).map(move |width| (step, width)))
+        .map(|(step, width)| plan_at(&instance, step, fusions, &kernels, width))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(plans)
 }

@@ -3,13 +3,13 @@
 //! the runner's fixed buffers and the cache's pools. It reads no step input: `upload.rs` writes
 //! that to the buffers first, so whatever it launches can be captured as a graph.
 //!
-//! Which steps run a circuit program: decode steps (one per ladder width), single-sequence
-//! verify steps of `2..=1 + K` rows, and MTP steps of one sequence with one logit row through
-//! the head's first layer of `1..=1 + K` rows. Every other step (prefill chunks, verify and MTP
-//! steps of several sequences, longer take-ins) runs the legacy launches, whichever forward is
-//! selected.
+//! Which steps run a circuit program: decode steps (one per ladder width), verify steps of one
+//! sequence (`2..=1 + K` rows) and of up to `ModelOptions::circuit_verify_seqs` sequences, and
+//! MTP steps of one sequence with one logit row through the head's first layer of `1..=1 + K`
+//! rows. Every other step (prefill chunks, verify steps of more sequences, MTP steps of several
+//! sequences, longer take-ins) runs the legacy launches, whichever forward is selected.
 
-use metrale_model_layers::circuit_exec::{CircuitExec, LayerPools, Program, Recorder};
+use metrale_model_layers::circuit_exec::{CircuitExec, LayerPools, Program, Recorder, Width};
 use metrale_model_layers::{KvBinding, Ops, StepBuffers, StepShape};
 
 use crate::error::ModelError;
@@ -62,13 +62,17 @@ impl Forward {
         self.replay(program)
     }
 
-    /// The launches of a verify step: the circuit's verify program of a single sequence's row
-    /// count when it has one, else the legacy step.
+    /// The circuit's verify program for a verify step of `shape`, when the circuit forward is
+    /// selected and compiled one for its rows and sequences.
+    pub fn verify_program(&self, shape: StepShape) -> Option<&Program> {
+        let width = Width::new(u64::from(shape.rows), u64::from(shape.num_seqs));
+        (self.circuit.as_ref()).and_then(|e| e.verify_program(width))
+    }
+
+    /// The launches of a verify step: its circuit verify program when there is one, else the
+    /// legacy step.
     pub fn verify(&self, shape: StepShape) -> Result<(), ModelError> {
-        let program = (self.circuit.as_ref())
-            .filter(|_| shape.num_seqs == 1)
-            .and_then(|e| e.verify_program(u64::from(shape.rows)));
-        match program {
+        match self.verify_program(shape) {
             Some(p) => self.replay(p),
             None => self.legacy_step(self.model.ops(), shape),
         }

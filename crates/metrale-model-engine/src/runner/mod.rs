@@ -44,7 +44,7 @@ use crate::sampling::{SampleRow, SampledToken};
 
 pub use circuit::{
     Digest, ForwardDisclosure, ForwardSelect, Fusions, ModelCircuit, checkpoint_plan,
-    checkpoint_plans, draft_rows, plans_digest, verify_rows,
+    checkpoint_plans, draft_rows, plans_digest, verify_batches, verify_rows,
 };
 pub use graphs::GraphCache;
 pub use mtp::MtpStep;
@@ -68,6 +68,8 @@ pub struct StepRunner {
     last_rows: usize,
     /// MTP steps that ran the circuit's draft program.
     draft_program_steps: u64,
+    /// Verify steps that ran a circuit verify program.
+    verify_program_steps: u64,
     /// The device sampler's buffers.
     sampler: build::SamplerBuffers,
     _arena: BufferArena,
@@ -182,6 +184,7 @@ impl StepRunner {
             sizes,
             last_rows: 0,
             draft_program_steps: 0,
+            verify_program_steps: 0,
             sampler: buffers.sampler,
             _arena: buffers.arena,
             peers,

@@ -13,8 +13,8 @@
 //! buffers. A batched verify step is graphed like a single-sequence one, one graph per (rows,
 //! sequences) met, up to `ModelOptions::max_speculative_graphs` of them with the MTP steps'
 //! (then new shapes run eagerly; no padding: a padded row would cost a verify row). With the
-//! circuit forward, a single-sequence verify step of `2..=1 + K` rows replays the executor's
-//! verify program of that row count.
+//! circuit forward, a verify step of one sequence, or of up to `circuit_verify_seqs`, replays
+//! the executor's verify program of its rows and sequences; `verify_program_steps` counts them.
 //!
 //! Invariants:
 //! - A row slot is held, named by one row only, and never another sequence's own slot (a
@@ -58,8 +58,16 @@ impl StepRunner {
         )
     }
 
+    /// Verify steps that ran a circuit verify program (eagerly or from a graph) so far.
+    pub fn verify_program_steps(&self) -> u64 {
+        self.verify_program_steps
+    }
+
     /// Rank 0's launches of [`StepRunner::verify`] after its upload.
     fn verify_launch(&mut self, shape: StepShape) -> Result<(), ModelError> {
+        if self.forward.verify_program(shape).is_some() {
+            self.verify_program_steps += 1;
+        }
         let key = GraphKey::Verify {
             rows: shape.rows,
             seqs: shape.num_seqs,

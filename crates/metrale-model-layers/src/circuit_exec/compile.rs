@@ -1,5 +1,6 @@
-//! Compilation: a plan to a [`Program`], the flat list of launches one step (decode, or a
-//! single-sequence verify) makes at the plan's width, each group emitted through the typed launchers into a [`Recorder`].
+//! Compilation: a plan to a [`Program`], the flat list of launches one step (decode, verify or
+//! draft) makes at the plan's width, each group emitted through the typed launchers into a
+//! [`Recorder`].
 //!
 //! Invariants:
 //! - Each group emits exactly its plan kernels, in order, and the program has exactly
@@ -12,7 +13,7 @@
 
 use std::collections::BTreeMap;
 
-use metrale_circuit::{Digest, Kernel, Plan, Step};
+use metrale_circuit::{Digest, Kernel, Plan, Step, Width};
 use metrale_gpu_runtime::{GpuBackend, GpuResult, KernelHandle, StreamHandle};
 
 use super::emit::Emitter;
@@ -23,7 +24,7 @@ use super::record::{Launch, Recorder};
 #[derive(Debug, Clone, PartialEq)]
 pub struct Program {
     step: Step,
-    rows: u64,
+    width: Width,
     plan_digest: Digest,
     launches: Vec<Launch>,
 }
@@ -36,7 +37,12 @@ impl Program {
 
     /// Rows of the step it runs (one per sequence in decode).
     pub fn rows(&self) -> u64 {
-        self.rows
+        self.width.rows
+    }
+
+    /// Rows and sequences of the step it runs.
+    pub fn width(&self) -> Width {
+        self.width
     }
 
     /// The digest of the plan it was compiled from.
@@ -197,7 +203,7 @@ pub(crate) fn compile(
     }
     Ok(Program {
         step: plan.circuit().step(),
-        rows: plan.rows(),
+        width: plan.width(),
         plan_digest: plan.digest(),
         launches,
     })

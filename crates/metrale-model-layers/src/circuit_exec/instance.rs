@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use metrale_circuit::{
     Architecture, Circuit, Dims, FfnKind, Fusions, GdnDims, Instance, KernelSet, LayerKind,
-    LayerSpec, Lowering, MoeDims, Plan, RuleTable, SharedExpertDims, Step, WeightFormat,
+    LayerSpec, Lowering, MoeDims, Plan, RuleTable, SharedExpertDims, Step, WeightFormat, Width,
 };
 use metrale_config::{LayerType, ModelConfig, ModelFamily};
 
@@ -35,8 +35,9 @@ pub fn architecture(config: &ModelConfig) -> Architecture {
 }
 
 /// The instance of `config` with `blocks_per_seq` block-table columns, compiled at the decode
-/// `widths`, the single-sequence verify steps of `verify_rows` rows and the single-sequence
-/// draft steps of `draft_rows` rows (empty: none). The draft layer is the MTP head's when the
+/// `widths`, the single-sequence verify steps of `verify_rows` rows, the verify steps of
+/// several sequences `verify_batches` and the single-sequence draft steps of `draft_rows` rows
+/// (empty: none). The draft layer is the MTP head's when the
 /// config declares one or draft rows are asked for (the head's tensors decide whether a
 /// checkpoint has one, not always its config): full attention, with an MoE FFN in the MoE families (as the loader
 /// builds it).
@@ -47,6 +48,7 @@ pub fn model_instance(
     blocks_per_seq: u64,
     widths: Vec<u64>,
     verify_rows: Vec<u64>,
+    verify_batches: Vec<Width>,
     draft_rows: Vec<u64>,
     weights: WeightFormat,
 ) -> Result<Instance, CircuitExecError> {
@@ -99,6 +101,7 @@ pub fn model_instance(
         layers,
         widths,
         verify_rows,
+        verify_batches,
         draft_layer: (config.mtp_num_layers > 0 || !draft_rows.is_empty()).then_some(LayerSpec {
             kind: LayerKind::FullAttention,
             ffn: if config.moe.is_some() {
@@ -131,36 +134,36 @@ pub fn launcher_kernels() -> KernelSet {
     KernelSet::from_names(Kernels::NAMES.iter().copied())
 }
 
-/// `instance`'s plan of `step` at `rows` rows with its architecture's rule table, lowered with
+/// `instance`'s plan of `step` at `width` with its architecture's rule table, lowered with
 /// `fusions` against `kernels` as the executor lowers that width ([`kernels_at`]).
 pub fn plan_at(
     instance: &Instance,
     step: Step,
     fusions: Fusions,
     kernels: &KernelSet,
-    rows: u64,
+    width: Width,
 ) -> Result<Plan, CircuitExecError> {
     let circuit = Arc::new(Circuit::for_step(instance, step)?);
-    plan_of_width(&circuit, instance, fusions, kernels, rows)
+    plan_of_width(&circuit, instance, fusions, kernels, width)
 }
 
-/// `circuit` at `rows` rows lowered with `instance`'s rule table at that width
-/// ([`rules_at`]) and `fusions` against [`kernels_at`] that width.
+/// `circuit` at `width` lowered with `instance`'s rule table at its rows ([`rules_at`]) and
+/// `fusions` against [`kernels_at`] its rows.
 fn plan_of_width(
     circuit: &Arc<Circuit>,
     instance: &Instance,
     fusions: Fusions,
     kernels: &KernelSet,
-    rows: u64,
+    width: Width,
 ) -> Result<Plan, CircuitExecError> {
-    let kernels = kernels_at(kernels, rows);
-    let rules = rules_at(instance, rows);
+    let kernels = kernels_at(kernels, width.rows);
+    let rules = rules_at(instance, width.rows);
     let lowering = Lowering {
         rules: &rules,
         fusions,
         kernels: &kernels,
     };
-    Ok(Plan::compile(circuit, &lowering, rows)?)
+    Ok(Plan::compile(circuit, &lowering, width)?)
 }
 
 /// `instance`'s rule table at `rows` rows. A block-FP8 projection runs its decode kernels
@@ -199,7 +202,7 @@ pub(crate) fn plans_by_width(
 ) -> Result<Vec<Plan>, CircuitExecError> {
     circuit
         .widths()
-        .iter()
-        .map(|&rows| plan_of_width(circuit, instance, fusions, kernels, rows))
+        .into_iter()
+        .map(|width| plan_of_width(circuit, instance, fusions, kernels, width))
         .collect()
 }

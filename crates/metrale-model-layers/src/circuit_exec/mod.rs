@@ -1,6 +1,7 @@
 //! The circuit executor: a model's decode step compiled from its circuit (`metrale-circuit`)
 //! into fixed-address launch programs, one per decode width, and, with speculative decoding,
-//! one per single-sequence verify row count (`Instance::verify_rows`, `Step::Verify`) and,
+//! one per single-sequence verify row count (`Instance::verify_rows`, `Step::Verify`) and per
+//! batched verify shape of several sequences (`Instance::verify_batches`) and,
 //! when the MTP head drafts, one per single-sequence draft row count (`Instance::draft_rows`,
 //! `Step::Draft`).
 //!
@@ -19,7 +20,7 @@
 //!
 //! [`CircuitExec::build`] does it all once, at boot: bind, check (the draft head's problems in
 //! the same error as the layers'), lower the decode circuit at every width, the verify circuit
-//! at every verify row count and the draft circuit at every draft row count (`Fusions::All`
+//! at every verify row count and batched verify shape and the draft circuit at every draft row count (`Fusions::All`
 //! against every launcher kernel the backend resolves that serves that width: `kernels_at`),
 //! allocate one workspace sized for the largest program (none: every emitter writes only
 //! the step buffers), and compile a program per plan. The digest it discloses covers the decode plans, then the verify plans,
@@ -68,7 +69,8 @@ pub use instance::{
     architecture, kernels_at, launcher_kernels, model_instance, plan_at, rules_at, weight_format,
 };
 pub use metrale_circuit::{
-    Architecture, Block, Digest, Fusions, Instance, KernelSet, NormWeight, Plan, Step, plans_digest,
+    Architecture, Block, Digest, Fusions, Instance, KernelSet, NormWeight, Plan, Step, Width,
+    plans_digest,
 };
 pub use record::{Launch, Recorder};
 
@@ -165,7 +167,7 @@ impl CircuitExec {
         let kernels = available_kernels(gpu.as_ref());
         let lower = |c: &Arc<Circuit>| plans_by_width(c, &boot.instance, boot.fusions, &kernels);
         let plans = lower(&circuit)?;
-        let verify_plans = if boot.instance.verify_rows.is_empty() {
+        let verify_plans = if boot.instance.widths_of(Step::Verify).is_empty() {
             Vec::new()
         } else {
             lower(&Arc::new(Circuit::for_step(&boot.instance, Step::Verify)?))?
@@ -261,20 +263,21 @@ impl CircuitExec {
         self.programs.iter().find(|p| p.rows() == rows)
     }
 
-    /// Its verify plans, one per verify row count, ascending (empty without speculation).
+    /// Its verify plans, one per single-sequence verify row count, ascending, then one per
+    /// batched verify shape (empty without speculation).
     pub fn verify_plans(&self) -> &[Plan] {
         &self.verify_plans
     }
 
-    /// Its verify programs, one per verify row count, ascending.
+    /// Its verify programs, in the order of its verify plans.
     pub fn verify_programs(&self) -> &[Program] {
         &self.verify_programs
     }
 
-    /// The program of a single-sequence verify step of `rows` rows, when that count was
+    /// The program of a verify step of `width` (rows and sequences), when that shape was
     /// compiled.
-    pub fn verify_program(&self, rows: u64) -> Option<&Program> {
-        self.verify_programs.iter().find(|p| p.rows() == rows)
+    pub fn verify_program(&self, width: Width) -> Option<&Program> {
+        self.verify_programs.iter().find(|p| p.width() == width)
     }
 
     /// Its draft plans, one per draft row count, ascending (empty without an MTP head that

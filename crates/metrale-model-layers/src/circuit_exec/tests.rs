@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use metrale_circuit::{
     Architecture, Dims, FfnKind, GdnDims, Instance, LayerKind, LayerSpec, LinearRole, MoeDims,
-    SharedExpertDims, WeightFormat,
+    SharedExpertDims, WeightFormat, Width,
 };
 use metrale_gpu_runtime::{CpuBackend, DType, DevicePtr, GpuBackend, StreamHandle};
 
@@ -87,6 +87,7 @@ pub(super) fn instance(layers: Vec<LayerSpec>) -> Instance {
         layers,
         widths: vec![1, 2, 4],
         verify_rows: vec![2, 3, 4, 5],
+        verify_batches: vec![Width::new(5, 2), Width::new(8, 2)],
         draft_rows: vec![1, 2, 3, 4, 5],
         draft_layer: Some(FA_MOE),
         argmax: false,

@@ -67,7 +67,7 @@ pub(crate) fn weight_problems<'a>(
     checked: &[(Block, &'a CircuitLayer)],
     problems: &mut Vec<BindingProblem>,
 ) -> Result<(), CircuitExecError> {
-    let first = circuit.widths().first().copied().unwrap_or(1);
+    let first = (circuit.widths().first().copied()).unwrap_or(circuit.step().width(1));
     let extents = circuit.extents(first)?;
     let mut read: BTreeMap<Block, Vec<WeightSlot>> = BTreeMap::new();
     for (i, node) in circuit.nodes().iter().enumerate() {

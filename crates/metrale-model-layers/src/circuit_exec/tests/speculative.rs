@@ -1,6 +1,7 @@
 //! The executor's speculative-decoding programs on synthetic bindings (recorded, never run): a
-//! single-sequence verify program per verify row count, with the plan's launch count, whose GDN
-//! layers keep each row's state through the row-slot map and read one sequence; a draft
+//! single-sequence verify program per verify row count and a batched one per shape, with the
+//! plan's launch count, whose GDN layers keep each row's state through the row-slot map and read
+//! their sequences; a draft
 //! program per draft row count reading the MTP head's buffers, weights and KV pool; and the
 //! draft head's binding problems, named as the draft head's in the one refusal.
 
@@ -27,8 +28,10 @@ fn reads(l: &Launch, p: DevicePtr) -> bool {
 fn verify_programs_keep_each_rows_state_and_read_one_sequence() {
     let m = model(&[LA_MOE, FA_MOE]);
     let exec = m.build(Fusions::ReferenceOnly).unwrap();
-    let rows: Vec<u64> = exec.verify_programs().iter().map(Program::rows).collect();
-    assert_eq!(rows, [2, 3, 4, 5]);
+    let widths: Vec<(u64, u64)> = (exec.verify_programs().iter())
+        .map(|p| (p.rows(), p.width().seqs))
+        .collect();
+    assert_eq!(widths, [(2, 1), (3, 1), (4, 1), (5, 1), (5, 2), (8, 2)]);
     for (plan, program) in exec.verify_plans().iter().zip(exec.verify_programs()) {
         assert_eq!(program.step(), Step::Verify);
         assert_eq!(program.launches().len(), plan.launches_per_step());
@@ -37,7 +40,7 @@ fn verify_programs_keep_each_rows_state_and_read_one_sequence() {
     }
     // The same launches as a decode step, but for the GDN layer's two state kernels.
     let decode = exec.program(4).unwrap();
-    let verify = exec.verify_program(4).unwrap();
+    let verify = exec.verify_program(Width::new(4, 1)).unwrap();
     assert_eq!(decode.launches().len(), verify.launches().len());
     let k = &m.ops.k;
     let ssm = m.fixed.pools[0].ssm.unwrap();
@@ -67,9 +70,26 @@ fn verify_programs_keep_each_rows_state_and_read_one_sequence() {
     // Attention reads the one sequence's block table.
     let attention: PagedAttentionParams = find(k.paged_attention).params().unwrap();
     assert_eq!({ attention.num_seqs }, 1);
+    // A batched program: the same kernels, over the rows and sequences of its shape.
+    let batched = exec.verify_program(Width::new(8, 2)).unwrap();
+    let kernels = |p: &Program| p.launches().iter().map(|l| l.kernel).collect::<Vec<_>>();
+    assert_eq!(kernels(batched), kernels(verify));
+    let find = |kernel| {
+        (batched.launches().iter())
+            .find(|l| l.kernel == kernel)
+            .unwrap()
+    };
+    let window: ConvStateVerifyParams = find(k.conv_state_verify).params().unwrap();
+    assert_eq!([window.rows, window.num_seqs], [8, 2]);
+    let rule: GatedDeltaVerifyParams = find(k.gated_delta_verify).params().unwrap();
+    assert_eq!([rule.rows, rule.num_seqs], [8, 2]);
+    let attention: PagedAttentionParams = find(k.paged_attention).params().unwrap();
+    assert_eq!([attention.rows, attention.num_seqs], [8, 2]);
+    assert!(exec.verify_program(Width::new(8, 3)).is_none());
     // The digest covers the verify plans: without them it is the decode plans' alone.
     let mut plain = model(&[LA_MOE, FA_MOE]);
     plain.instance.verify_rows.clear();
+    plain.instance.verify_batches.clear();
     plain.instance.draft_rows.clear();
     let plain = plain.build(Fusions::ReferenceOnly).unwrap();
     assert!(plain.verify_programs().is_empty());
