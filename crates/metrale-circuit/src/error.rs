@@ -65,6 +65,16 @@ pub enum CircuitError {
         /// The shapes given.
         batches: Vec<crate::Width>,
     },
+    /// The instance's batched draft shapes are not strictly ascending, or one has fewer than
+    /// two sequences or fewer rows than sequences.
+    #[error(
+        "the instance's batched draft shapes {batches:?} are not a strictly ascending list of \
+         shapes of >= 2 sequences with at least a row per sequence"
+    )]
+    BadDraftBatches {
+        /// The shapes given.
+        batches: Vec<crate::Width>,
+    },
     /// The instance's draft rows are not a strictly ascending list of positive numbers.
     #[error("the instance's draft rows {rows:?} are not a strictly ascending list of rows >= 1")]
     BadDraftRows {

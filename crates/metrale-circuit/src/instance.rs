@@ -1,6 +1,6 @@
 //! `Instance`: what fixes a circuit's shapes. The architecture, the model's dimensions, the kind
 //! of every layer (and of the MTP head's layer), the decode widths, the verify and draft
-//! row counts and the batched verify shapes to compile. The caller fills it
+//! row counts and the batched verify and draft shapes to compile. The caller fills it
 //! from the model's config; this crate reads no file.
 //!
 //! Invariants (checked by [`Instance::validate`], which building a circuit runs):
@@ -8,6 +8,7 @@
 //! - widths non-empty, strictly ascending, each >= 1; verify rows and draft rows strictly
 //!   ascending, each >= 1 (empty: no verify, no draft step); batched verify shapes strictly
 //!   ascending by sequences then rows, each of >= 2 sequences and more rows than sequences;
+//!   batched draft shapes likewise, each of >= 2 sequences and at least a row per sequence;
 //! - draft rows only with a draft layer, which is full attention of a kind the architecture
 //!   has;
 //! - every dimension a circuit's edge uses is present and resolves to >= 1 (checked when the
@@ -205,8 +206,12 @@ pub struct Instance {
     /// ([`Step::Draft`]), ascending: `1..=1 + K` with `K` drafts per step; empty without an MTP
     /// head that drafts.
     pub draft_rows: Vec<u64>,
+    /// The draft steps of several sequences to compile ([`Step::Draft`] at a [`Width`] of
+    /// `seqs >= 2` sequences and `rows >= seqs` rows in all, the last row of each sequence with
+    /// logits), ascending by sequences then rows; empty: draft steps of one sequence only.
+    pub draft_batches: Vec<Width>,
     /// The MTP head's decoder layer (full attention, with its own KV cache); needed when
-    /// `draft_rows` is not empty.
+    /// `draft_rows` or `draft_batches` is not empty.
     pub draft_layer: Option<LayerSpec>,
     /// The step ends with a greedy argmax of its logit rows.
     pub argmax: bool,
@@ -224,10 +229,10 @@ pub enum Step {
     /// drafts, every row with logits, the GDN layers keeping the state after each row in the
     /// row's own SSM slot (`row_slot`) and only reading the sequence's.
     Verify,
-    /// Speculative decoding's draft step of one sequence, at [`Instance::draft_rows`]: the
-    /// MTP head over rows that each read a token's embedding and a hidden row the step before
+    /// Speculative decoding's draft step, of one sequence at [`Instance::draft_rows`] or of
+    /// several at [`Instance::draft_batches`]: the MTP head over rows that each read a token's embedding and a hidden row the step before
     /// left (`mtp.hidden`), through `fc`, the head's one decoder layer ([`Instance::draft_layer`])
-    /// and its final norm, then the shared LM head on the last row alone.
+    /// and its final norm, then the shared LM head on each sequence's last row alone.
     Draft,
 }
 
@@ -268,11 +273,12 @@ impl Step {
         Width::new(rows, self.seqs(rows))
     }
 
-    /// Rows with logits in a step of `rows` rows: all of them, but a draft step's last row.
-    pub fn logit_rows(self, rows: u64) -> u64 {
+    /// Rows with logits in a step of `width`: all of them, but a draft step's one per sequence
+    /// (its last).
+    pub fn logit_rows(self, width: Width) -> u64 {
         match self {
-            Step::Decode | Step::Verify => rows,
-            Step::Draft => 1,
+            Step::Decode | Step::Verify => width.rows,
+            Step::Draft => width.seqs,
         }
     }
 
@@ -331,14 +337,21 @@ impl Instance {
                 batches: self.verify_batches.clone(),
             });
         }
+        let ascending = self.draft_batches.windows(2).all(|w| w[0] < w[1]);
+        if !ascending || (self.draft_batches.iter()).any(|w| w.seqs < 2 || w.rows < w.seqs) {
+            return Err(CircuitError::BadDraftBatches {
+                batches: self.draft_batches.clone(),
+            });
+        }
         let ascending = self.draft_rows.windows(2).all(|w| w[0] < w[1]);
         if self.draft_rows.first() == Some(&0) || !ascending {
             return Err(CircuitError::BadDraftRows {
                 rows: self.draft_rows.clone(),
             });
         }
+        let drafts = !self.draft_rows.is_empty() || !self.draft_batches.is_empty();
         match self.draft_layer {
-            None if !self.draft_rows.is_empty() => return Err(CircuitError::NoDraftLayer),
+            None if drafts => return Err(CircuitError::NoDraftLayer),
             Some(spec) if spec.kind != LayerKind::FullAttention || !self.architecture.has(spec) => {
                 return Err(CircuitError::BadDraftLayer {
                     spec,
@@ -350,18 +363,18 @@ impl Instance {
         Ok(())
     }
 
-    /// The widths `step` is compiled at: the decode widths, the single-sequence verify row
-    /// counts then the batched verify shapes, or the draft row counts.
+    /// The widths `step` is compiled at: the decode widths, or the single-sequence verify (or
+    /// draft) row counts then the batched verify (or draft) shapes.
     pub fn widths_of(&self, step: Step) -> Vec<Width> {
         let rows = match step {
             Step::Decode => &self.widths,
             Step::Verify => &self.verify_rows,
             Step::Draft => &self.draft_rows,
         };
-        let batches = if step == Step::Verify {
-            &self.verify_batches[..]
-        } else {
-            &[]
+        let batches = match step {
+            Step::Decode => &[][..],
+            Step::Verify => &self.verify_batches,
+            Step::Draft => &self.draft_batches,
         };
         (rows.iter().map(|&r| step.width(r)))
             .chain(batches.iter().copied())
@@ -385,7 +398,7 @@ impl Instance {
         Ok(match dim {
             Dim::Rows => rows,
             Dim::Seqs => width.seqs,
-            Dim::LogitRows => step.logit_rows(rows),
+            Dim::LogitRows => step.logit_rows(width),
             Dim::Hidden => d.hidden,
             Dim::Vocab => d.vocab,
             Dim::Ffn => d.ffn,

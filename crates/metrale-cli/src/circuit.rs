@@ -42,13 +42,14 @@ struct PlanArgs {
     /// 1 + K).
     #[arg(long, default_value_t = 1)]
     rows: u64,
-    /// Sequences of a verify step (2 to `--circuit-verify-seqs`: a batched verify plan); 1
-    /// otherwise.
+    /// Sequences of a verify or draft step (2 to `--circuit-speculative-seqs`: a batched
+    /// plan); 1 otherwise.
     #[arg(long, default_value_t = 1)]
     seqs: u64,
-    /// Verify steps of up to this many sequences have plans of their own (see `seqs`).
-    #[arg(long, default_value_t = ModelOptions::default().circuit_verify_seqs)]
-    circuit_verify_seqs: usize,
+    /// Verify and draft steps of up to this many sequences have plans of their own (see
+    /// `seqs`).
+    #[arg(long, default_value_t = ModelOptions::default().circuit_speculative_seqs)]
+    circuit_speculative_seqs: usize,
     /// Drafts per verify step (K), which sets the verify and draft plans compiled; 0: none.
     #[arg(long, default_value_t = 0)]
     num_draft_tokens: usize,
@@ -99,7 +100,7 @@ fn plan(args: PlanArgs) -> Result<()> {
         .max_seq_len(args.max_seq_len)
         .block_size(args.block_size)
         .max_decode_seqs(args.max_decode_seqs)
-        .circuit_verify_seqs(args.circuit_verify_seqs)
+        .circuit_speculative_seqs(args.circuit_speculative_seqs)
         .quantization(args.quantization.select())
         .speculative(speculative)
         .num_draft_tokens(args.num_draft_tokens.max(1));
@@ -109,15 +110,12 @@ fn plan(args: PlanArgs) -> Result<()> {
         StepArg::Draft => Step::Draft,
     };
     let planning = || format!("planning {}", args.model.display());
-    let width = if step == Step::Verify && args.seqs > 1 {
+    let width = if step != Step::Decode && args.seqs > 1 {
         Width::new(args.rows, args.seqs)
     } else if args.seqs == 1 {
         step.width(args.rows)
     } else {
-        bail!(
-            "--seqs is for verify steps; a {} step's sequences follow from its rows",
-            step.name()
-        );
+        bail!("--seqs is for verify and draft steps; a decode step has a sequence per row");
     };
     let plan = metrale::circuit::checkpoint_plan(&config, &options, step, fusions, width)
         .with_context(planning)?;

@@ -1,7 +1,7 @@
 //! `metrale circuit plan` as a user runs it on the committed fixtures: an FP8 pack's plan names
 //! the FP8 kernels, and the plan of its bf16 source with `--quantization fp8` is the same plan; a
 //! verify plan of several sequences names them, and the verify steps compiled follow
-//! `--circuit-verify-seqs`.
+//! `--circuit-speculative-seqs`.
 
 #![allow(clippy::unwrap_used)]
 
@@ -59,14 +59,14 @@ fn a_verify_plan_of_several_sequences_says_so_and_more_sequences_compile_more_pl
         batched.contains("\nstep verify\nrows 6\nseqs 2\n"),
         "{batched}"
     );
-    // Verify steps of 2 to 4 sequences (the default) compile 2 * (2 + 3 + 4) plans beside the
-    // decode ladder's 4, the single sequence's 2 verify and 3 draft plans; of one sequence
-    // only, none.
+    // Verify and draft steps of 2 to 4 sequences (the default) compile 2 * (2 + 3 + 4) verify
+    // and 5 + 7 + 9 draft plans beside the decode ladder's 4 and the single sequence's 2 verify
+    // and 3 draft plans; of one sequence only, none.
     let plans = |text: &str| line(text, "plans_digest").to_string();
-    assert!(plans(&batched).contains("(27 plans"), "{batched}");
+    assert!(plans(&batched).contains("(48 plans"), "{batched}");
     let alone = plan(
         &dir,
-        &[&k2[..], &["--rows", "3", "--circuit-verify-seqs", "1"]].concat(),
+        &[&k2[..], &["--rows", "3", "--circuit-speculative-seqs", "1"]].concat(),
     );
     assert!(plans(&alone).contains("(9 plans"), "{alone}");
     assert_eq!(line(&alone, "digest"), line(&single, "digest"));
@@ -77,7 +77,7 @@ fn a_verify_plan_of_several_sequences_says_so_and_more_sequences_compile_more_pl
         .unwrap();
     let stderr = String::from_utf8_lossy(&decode.stderr);
     assert!(
-        !decode.status.success() && stderr.contains("--seqs is for verify steps"),
+        !decode.status.success() && stderr.contains("--seqs is for verify and draft steps"),
         "{stderr}"
     );
 }

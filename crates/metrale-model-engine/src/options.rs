@@ -41,12 +41,14 @@ pub struct ModelOptions {
     /// many runs eagerly, so the graphs' device memory stays bounded under any mix of drafts.
     /// Default 64 (the single-sequence shapes, a few per K, are the first met).
     pub max_speculative_graphs: usize,
-    /// Under the circuit forward with speculation on, verify steps of 2 to this many sequences
-    /// (at most `max_decode_seqs`) run from circuit programs: one per shape of `s` sequences
-    /// and `s + 1..=s * (1 + K)` rows, `K * s` of them per `s`, compiled when the forward is
-    /// selected (and graphed like any verify step); verify steps of more sequences run the
-    /// legacy launches. 0 or 1: single-sequence verify programs only. Default 4.
-    pub circuit_verify_seqs: usize,
+    /// Under the circuit forward with speculation on, verify steps and MTP draft steps of 2 to
+    /// this many sequences (at most `max_decode_seqs`) run from circuit programs, compiled when
+    /// the forward is selected and graphed like any speculative step: a verify program per
+    /// shape of `s` sequences and `s + 1..=s * (1 + K)` rows (`K * s` per `s`), and, with MTP
+    /// drafting, a draft program per shape of `s..=s * (1 + K)` rows with a logit row per
+    /// sequence. Steps of more sequences run the legacy launches. 0 or 1: single-sequence
+    /// programs only. Default 4.
+    pub circuit_speculative_seqs: usize,
     /// Prefix caching: the full KV blocks of prompts stay cached, keyed by a hash chain over
     /// their tokens, and a later request whose prompt starts with the same blocks shares them
     /// instead of computing them (on hybrid models, from a position where an SSM snapshot was
@@ -198,7 +200,7 @@ impl Default for ModelOptions {
             max_decode_seqs: 8,
             decode_graphs: true,
             max_speculative_graphs: 64,
-            circuit_verify_seqs: 4,
+            circuit_speculative_seqs: 4,
             prefix_caching: true,
             ssm_snapshot_slots: None,
             ssm_snapshot_stride: None,
@@ -266,9 +268,9 @@ impl ModelOptions {
         self
     }
 
-    /// Set `circuit_verify_seqs`.
-    pub fn circuit_verify_seqs(mut self, n: usize) -> Self {
-        self.circuit_verify_seqs = n;
+    /// Set `circuit_speculative_seqs`.
+    pub fn circuit_speculative_seqs(mut self, n: usize) -> Self {
+        self.circuit_speculative_seqs = n;
         self
     }
 

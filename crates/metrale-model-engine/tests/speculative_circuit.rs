@@ -6,7 +6,8 @@
 //! drafts is bitwise the eager step; a single-sequence MTP draft step of `circuit-reference`
 //! (its draft program) is bitwise the legacy one, logits and the head's KV cache, for 1 to 5
 //! rows and the single-row draft after it, eager and graphed, launching what the legacy head
-//! launches; greedy MTP generation under `circuit` is plain greedy and runs draft programs.
+//! launches, and so are draft steps of two to four sequences (take-ins and the draft after);
+//! greedy MTP generation under `circuit` is plain greedy and runs draft programs.
 //! The bitwise and graph tests also run on CUDA (module `cuda`, with `--features cuda`).
 
 #![allow(clippy::unwrap_used)]
@@ -207,7 +208,7 @@ fn circuit_reference_batched_verify_of_up_to_four_sequences_is_bitwise_legacy_at
 
 fn batched_verify_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
     // Every sequence verifies K = 3 drafts, or some fewer; the last mix has five sequences,
-    // past `circuit_verify_seqs` (4), and runs the legacy launches.
+    // past `circuit_speculative_seqs` (4), and runs the legacy launches.
     let mixes: [&[usize]; 4] = [&[4, 4, 4, 4], &[4, 1, 2, 3], &[2, 4], &[4, 4, 1, 2, 3]];
     let shape = |c: &[usize]| (c.iter().sum::<usize>(), c.len());
     for name in HYBRID.iter().chain(&["qwen3-tiny"]) {
@@ -476,11 +477,11 @@ fn draft_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
             let load = || Rig::load_on(fx.path(), options.clone(), gpu());
             let (mut legacy, mut circuit) = (load(), load());
             let want: Vec<_> = (1..=5)
-                .map(|rows| circuit.runner.draft_launches(rows).unwrap())
+                .map(|rows| circuit.runner.draft_launches(rows, 1).unwrap())
                 .collect();
             circuit.runner.set_forward(REFERENCE).unwrap();
             for (rows, want) in (1..=5).zip(&want) {
-                let got = circuit.runner.draft_launches(rows).unwrap();
+                let got = circuit.runner.draft_launches(rows, 1).unwrap();
                 assert!(
                     got == *want,
                     "{name}: the draft program of {rows} rows launches {} kernels, legacy {}; \
@@ -513,6 +514,130 @@ fn draft_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
     }
 }
 
+/// Batched drafts: sequence `i` (prompt `prompts[i]`) takes in its last `take[i]` rows with
+/// logits on the last, then every sequence drafts one more row; each step's logits, then the
+/// head's KV pools.
+fn batched_draft_steps(
+    model: &mut Rig,
+    prompts: &[Vec<u32>],
+    take: &[usize],
+) -> (Vec<Vec<u32>>, Vec<u8>) {
+    let seqs: Vec<Seq> = prompts
+        .iter()
+        .map(|p| Seq::prefilled(model, p, 0))
+        .collect();
+    let (mut rows, mut hidden, mut last) = (Vec::new(), Vec::new(), Vec::new());
+    for (q, (p, &t)) in prompts.iter().zip(take).enumerate() {
+        let n = p.len();
+        for pos in n - t..n {
+            rows.push(StepRow {
+                token: p.get(pos + 1).copied().unwrap_or(5),
+                position: pos as u32,
+                seq: q as u32,
+            });
+            // The take-in reads each prompt's final-norm rows of its own prefill: row `pos`
+            // of the last prefill stands for all of them (the bits compared are the same
+            // for both forwards).
+            hidden.push(pos as u32);
+        }
+        last.push(rows.len() as u32 - 1);
+    }
+    let tables: Vec<&BlockTable> = seqs.iter().map(|s| &s.table).collect();
+    let mut logits = Vec::new();
+    (model.runner)
+        .mtp_step(&MtpStep {
+            rows: &rows,
+            tables: &tables,
+            hidden_rows: &hidden,
+            logit_rows: &last,
+            depth: 0,
+        })
+        .unwrap();
+    logits.extend(bits(&model.runner.logits(last.len()).unwrap()));
+    let picks = model.runner.greedy(last.len()).unwrap();
+    let next: Vec<StepRow> = (prompts.iter().zip(picks).enumerate())
+        .map(|(q, (p, token))| StepRow {
+            token,
+            position: p.len() as u32,
+            seq: q as u32,
+        })
+        .collect();
+    let seqs_n = next.len() as u32;
+    (model.runner)
+        .mtp_step(&MtpStep {
+            rows: &next,
+            tables: &tables,
+            hidden_rows: &last,
+            logit_rows: &(0..seqs_n).collect::<Vec<_>>(),
+            depth: 1,
+        })
+        .unwrap();
+    logits.extend(bits(&model.runner.logits(next.len()).unwrap()));
+    let kv = head_kv(model);
+    for s in seqs {
+        s.free(model);
+    }
+    (logits, kv)
+}
+
+#[test]
+fn circuit_reference_batched_draft_steps_are_bitwise_legacy_for_up_to_four_sequences() {
+    batched_draft_is_bitwise_legacy(cpu);
+}
+
+fn batched_draft_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
+    // Take-ins of 1 to 1 + K rows a sequence; the last has five sequences, past
+    // `circuit_speculative_seqs` (4), and runs the legacy launches.
+    let takes: [&[usize]; 3] = [&[4, 1], &[2, 4, 3, 1], &[1, 1, 2, 1, 1]];
+    for name in HYBRID {
+        let fx = MtpFixture::new(name);
+        for graphs in [false, true] {
+            let options = ModelOptions::default()
+                .speculative(Speculative::Mtp)
+                .num_draft_tokens(3)
+                .decode_graphs(graphs);
+            let load = || Rig::load_on(fx.path(), options.clone(), gpu());
+            let (mut legacy, mut circuit) = (load(), load());
+            let shapes: Vec<(usize, usize)> = (takes.iter())
+                .flat_map(|t| [(t.iter().sum(), t.len()), (t.len(), t.len())])
+                .collect();
+            let want: Vec<_> = (shapes.iter())
+                .map(|&(rows, seqs)| circuit.runner.draft_launches(rows, seqs).unwrap())
+                .collect();
+            circuit.runner.set_forward(REFERENCE).unwrap();
+            for (&(rows, seqs), want) in shapes.iter().zip(&want) {
+                let got = circuit.runner.draft_launches(rows, seqs).unwrap();
+                assert!(
+                    got == *want,
+                    "{name}: the draft program of {rows} rows of {seqs} sequences launches {} \
+                     kernels, legacy {}; first difference at {:?}",
+                    got.len(),
+                    want.len(),
+                    got.iter().zip(want).position(|(g, w)| g != w)
+                );
+            }
+            for take in takes {
+                let prompts: Vec<Vec<u32>> = (0..take.len() as u32)
+                    .map(|i| prompt(8 + 3 * i, i + 1))
+                    .collect();
+                let a = batched_draft_steps(&mut legacy, &prompts, take);
+                let b = batched_draft_steps(&mut circuit, &prompts, take);
+                assert!(a.0 == b.0, "{name} {take:?} graphs {graphs}: logits differ");
+                assert!(
+                    a.1 == b.1,
+                    "{name} {take:?} graphs {graphs}: head KV differs"
+                );
+            }
+            assert_eq!(legacy.runner.draft_program_steps(), 0, "{name}");
+            assert_eq!(
+                circuit.runner.draft_program_steps(),
+                4,
+                "{name}: the steps of up to four sequences ran draft programs, five did not"
+            );
+        }
+    }
+}
+
 #[test]
 fn the_disclosed_digest_covers_the_draft_plans_metrale_circuit_plan_prints() {
     for name in HYBRID {
@@ -520,7 +645,7 @@ fn the_disclosed_digest_covers_the_draft_plans_metrale_circuit_plan_prints() {
         let options = ModelOptions::default()
             .speculative(Speculative::Mtp)
             .num_draft_tokens(2)
-            .circuit_verify_seqs(1);
+            .circuit_speculative_seqs(1);
         let mut model = Rig::load(fx.path(), options.clone());
         model.runner.set_forward(REFERENCE).unwrap();
         let d = model.runner.forward_disclosure().unwrap();
@@ -569,6 +694,11 @@ mod cuda {
     #[test]
     fn a_batched_verify_step_replayed_from_its_graph_is_bitwise_eager_on_cuda() {
         batched_verify_graph_is_eager(gpu);
+    }
+
+    #[test]
+    fn circuit_reference_batched_draft_steps_are_bitwise_legacy_on_cuda() {
+        batched_draft_is_bitwise_legacy(gpu);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The speculative steps' plans (part of `plans.rs`): a verify plan reads one sequence and keeps
-//! every row's state, a batched verify plan the same launches over several sequences, a draft plan is the MTP head over one sequence with one logit row, and
+//! every row's state, a batched verify plan the same launches over several sequences, a draft plan
+//! (batched: a logit row per sequence) is the MTP head over one sequence with one logit row, and
 //! draft rows need a full-attention draft layer.
 
 use super::*;
@@ -200,6 +201,55 @@ fn a_draft_plan_is_the_mtp_head_over_one_sequence_with_one_logit_row_and_says_so
             == support::plan(&instance, Fusions::ReferenceOnly, &kernels, 1).text()
     );
     ensure!(plans[0].digest() != plans[1].digest());
+    Ok(())
+}
+
+#[test]
+fn a_batched_draft_plan_has_a_logit_row_per_sequence() -> Result<()> {
+    let mut instance = support::hybrid_moe();
+    instance.draft_batches = vec![Width::new(2, 2), Width::new(5, 2), Width::new(3, 3)];
+    let table = RuleTable::for_architecture(instance.architecture);
+    let kernels = support::reference_kernels(&table);
+    let draft = Arc::new(Circuit::for_step(&instance, Step::Draft)?);
+    let lowering = Lowering {
+        rules: &table,
+        fusions: Fusions::ReferenceOnly,
+        kernels: &kernels,
+    };
+    let plans = Plan::compile_widths(&draft, &lowering)?;
+    let widths: Vec<(u64, u64)> = plans.iter().map(|p| (p.rows(), p.seqs())).collect();
+    ensure!(
+        widths == [(1, 1), (2, 1), (3, 1), (2, 2), (5, 2), (3, 3)],
+        "{widths:?}"
+    );
+    let plan = &plans[4];
+    ensure!(names(plan) == names(&plans[1]));
+    ensure!(
+        plan.text().contains("\nrows 5\nseqs 2\n"),
+        "{}",
+        plan.text()
+    );
+    for (i, value) in draft.values().iter().enumerate() {
+        let ext = plan.extents(ValueId(i));
+        match value.tensor {
+            Tensor::BlockTables => ensure!(ext[0] == 2, "{ext:?}"),
+            Tensor::LogitRows | Tensor::Sampled => ensure!(ext == [2], "{ext:?}"),
+            Tensor::Logits => ensure!(ext == [2, 256], "{ext:?}"),
+            Tensor::MtpCat => ensure!(ext == [5, 128], "{ext:?}"),
+            _ => {}
+        }
+    }
+    for bad in [vec![Width::new(3, 1)], vec![Width::new(1, 2)]] {
+        instance.draft_batches = bad;
+        ensure!(matches!(
+            instance.validate(),
+            Err(CircuitError::BadDraftBatches { .. })
+        ));
+    }
+    instance.draft_batches = vec![Width::new(2, 2)];
+    instance.draft_rows.clear();
+    instance.draft_layer = None;
+    ensure!(instance.validate() == Err(CircuitError::NoDraftLayer));
     Ok(())
 }
 

@@ -1,19 +1,19 @@
-//! `ModelCircuit`: which forward runs a `StepRunner`'s decode, verify and single-sequence draft
-//! steps, the legacy layer walk (`Model::launch_step`) or the circuit executor's
-//! programs, and what the runner discloses about it (forward name, plan digest, launches per
-//! step). Also [`checkpoint_plan`], the plan of a config without a model, for `metrale circuit
-//! plan`.
+//! `ModelCircuit`: which forward runs a `StepRunner`'s decode, verify and draft steps, the
+//! legacy layer walk (`Model::launch_step`) or the circuit executor's programs, and what the
+//! runner discloses about it (forward name, plan digest, launches per step). Also
+//! [`checkpoint_plan`], the plan of a config without a model, for `metrale circuit plan`.
 //!
 //! The executor is built from the live runner: each layer's binding
 //! (`CircuitBindings::circuit_layer`), the model's own weights, the step buffers and the cache's
 //! KV and SSM pools, compiled at every width of the decode ladder and, with speculation on
 //! (`ModelOptions::speculative`), at every single-sequence verify row count `2..=1 + K`
-//! ([`verify_rows`]), at every verify shape of `2..=circuit_verify_seqs` sequences
+//! ([`verify_rows`]), at every verify shape of `2..=circuit_speculative_seqs` sequences
 //! ([`verify_batches`]) and, when the MTP head drafts (`Speculative::Mtp`), at every
-//! single-sequence draft row count `1..=1 + K` ([`draft_rows`]). `decode()` then replays the
+//! single-sequence draft row count `1..=1 + K` ([`draft_rows`]) and every draft shape of
+//! `2..=circuit_speculative_seqs` sequences ([`draft_batches`]). `decode()` then replays the
 //! program of the step's padded width, `verify()` the verify program of its rows and
-//! sequences, and `mtp_step()` of one sequence with one logit row the draft program of its row
-//! count, launch by launch or from a graph captured from it.
+//! sequences, and `mtp_step()` with a logit row per sequence the draft program of its rows and
+//! sequences, launch by launch or from a graph captured from it.
 //!
 //! Invariants:
 //! - A switch builds the next executor first, so a refused build leaves the current forward
@@ -21,18 +21,16 @@
 //!   previous executor: no graph ever replays freed memory, nor the previous forward.
 //! - Features the circuit does not model refuse the build, named with every other binding
 //!   problem in one [`CircuitExecError::Bindings`](metrale_model_layers::circuit_exec::CircuitExecError).
-//! - Prefill (`forward`), verify steps of more than `circuit_verify_seqs` sequences and MTP
-//!   steps of several sequences, of no logit row or of a row count past `1 + K` run the legacy
-//!   launches whichever forward is selected; the circuit compiles decode steps (one row per
-//!   sequence), verify steps up to `circuit_verify_seqs` sequences and single-sequence draft
-//!   steps only.
+//! - Prefill (`forward`), verify and MTP steps of more than `circuit_speculative_seqs`
+//!   sequences or past `1 + K` rows a sequence, and MTP steps where a sequence has no logit
+//!   row, run the legacy launches whichever forward is selected.
 
 use metrale_config::ModelConfig;
 use metrale_model_layers::StepShape;
 use metrale_model_layers::circuit_exec::{
     Architecture, BindingProblem, Boot, CircuitBindings, CircuitExec, CircuitExecError, DraftFixed,
-    Fixed, HeadBinding, Launch, LayerPools, NormWeight, Part, Plan, Recorder, Step, Width,
-    launcher_kernels, model_instance, plan_at, weight_format,
+    Fixed, HeadBinding, Launch, LayerPools, NormWeight, Part, Plan, Recorder, Step, StepWidths,
+    Width, launcher_kernels, model_instance, plan_at, weight_format,
 };
 
 pub use metrale_model_layers::circuit_exec::{Digest, Fusions, plans_digest};
@@ -124,10 +122,11 @@ pub trait ModelCircuit {
     /// rows) makes under the selected forward, recorded without running anything.
     fn verify_launches(&self, rows: usize, seqs: usize) -> Result<Vec<Launch>, ModelError>;
 
-    /// The launches a single-sequence MTP step of `rows` rows (`1..=1 + K`) with one logit row
-    /// makes under the selected forward after its hidden-row gather (which stays outside
-    /// programs and graphs), recorded without running anything; needs the MTP head set up.
-    fn draft_launches(&self, rows: usize) -> Result<Vec<Launch>, ModelError>;
+    /// The launches an MTP step of `rows` rows of `seqs` sequences (`seqs..=seqs * (1 + K)`
+    /// rows) with a logit row per sequence makes under the selected forward after its
+    /// hidden-row gather (which stays outside programs and graphs), recorded without running
+    /// anything; needs the MTP head set up.
+    fn draft_launches(&self, rows: usize, seqs: usize) -> Result<Vec<Launch>, ModelError>;
 }
 
 /// The single-sequence verify row counts compiled with `draft_tokens` drafts per step:
@@ -161,6 +160,23 @@ pub fn draft_rows(draft_tokens: usize) -> Vec<u64> {
     (1..=1 + draft_tokens as u64).collect()
 }
 
+/// The draft (MTP) shapes of several sequences compiled with `draft_tokens` drafts per step
+/// for draft steps of up to `max_seqs` sequences, each sequence's last row with logits: `s`
+/// sequences of `s..=s * (1 + K)` rows for each `s` in `2..=max_seqs` (a take-in after a verify
+/// step adds 1 to `1 + K` rows a sequence; each further draft, one), ascending (none without
+/// drafting).
+pub fn draft_batches(draft_tokens: usize, max_seqs: usize) -> Vec<Width> {
+    let per_seq = 1 + draft_tokens as u64;
+    let seqs = if draft_tokens == 0 {
+        0
+    } else {
+        max_seqs as u64
+    };
+    (2..=seqs)
+        .flat_map(|s| (s..=s * per_seq).map(move |rows| Width::new(rows, s)))
+        .collect()
+}
+
 /// A `what` (verify or draft) step of `seqs` sequences (1 to the runner's most) has `seqs` to
 /// `seqs * (1 + K)` rows.
 fn check_speculative_rows(
@@ -185,8 +201,10 @@ fn check_speculative_rows(
 }
 
 /// The sequences of the verify steps a runner compiles circuit programs for.
-fn circuit_verify_seqs(options: &ModelOptions) -> usize {
-    options.circuit_verify_seqs.min(options.max_decode_seqs)
+fn circuit_speculative_seqs(options: &ModelOptions) -> usize {
+    options
+        .circuit_speculative_seqs
+        .min(options.max_decode_seqs)
 }
 
 /// Model features the `arch` circuit does not model.
@@ -238,13 +256,17 @@ impl Forward {
         let widths = options.decode_ladder();
         // The drafts the runner was built for (`set_num_draft_tokens` may lower `K` later).
         let drafting = if self.mtp.is_some() { sizes.drafts } else { 0 };
+        let seqs = circuit_speculative_seqs(options);
         let instance = model_instance(
             model.config(),
             sizes.max_blocks as u64,
-            widths.into_iter().map(|w| w as u64).collect(),
-            verify_rows(sizes.drafts),
-            verify_batches(sizes.drafts, circuit_verify_seqs(options)),
-            draft_rows(drafting),
+            StepWidths {
+                decode: widths.into_iter().map(|w| w as u64).collect(),
+                verify_rows: verify_rows(sizes.drafts),
+                verify_batches: verify_batches(sizes.drafts, seqs),
+                draft_rows: draft_rows(drafting),
+                draft_batches: draft_batches(drafting, seqs),
+            },
             weight_format(model.config(), options.quantization == Quantization::Fp8),
         )?;
         for layer in model.layers() {
@@ -377,10 +399,13 @@ impl ModelCircuit for StepRunner {
         self.forward.record_step(self.shape(rows, seqs, rows, true))
     }
 
-    fn draft_launches(&self, rows: usize) -> Result<Vec<Launch>, ModelError> {
-        check_speculative_rows(&self.sizes, "draft", rows, 1)?;
+    fn draft_launches(&self, rows: usize, seqs: usize) -> Result<Vec<Launch>, ModelError> {
+        check_speculative_rows(&self.sizes, "draft", rows, seqs)?;
+        let shape = self.shape(rows as u32, seqs as u32, seqs as u32, false);
+        if let Some(p) = self.forward.draft_program(shape, 0) {
+            return Ok(p.launches().to_vec());
+        }
         let (recorder, ops) = Recorder::over(self.model().ops());
-        let shape = self.shape(rows as u32, 1, 1, false);
         self.forward.legacy_mtp(&ops, shape, 0)?;
         Ok(recorder.take())
     }
@@ -409,26 +434,31 @@ fn checkpoint_instance(
     // As `StepRunner::new` sizes the block tables.
     let blocks_per_seq = max_blocks(config, options)? as u64;
     let widths = options.decode_ladder().into_iter().map(|w| w as u64);
-    let verify = verify_rows(options.draft_tokens());
-    let batches = verify_batches(options.draft_tokens(), circuit_verify_seqs(options));
+    let (k, seqs) = (options.draft_tokens(), circuit_speculative_seqs(options));
     // As `StepRunner::new` sets the head up: a model loads with MTP drafting only when its
     // checkpoint has the head.
-    let drafting = options.speculative == Speculative::Mtp;
-    let draft = draft_rows(if drafting { options.draft_tokens() } else { 0 });
+    let drafting = if options.speculative == Speculative::Mtp {
+        k
+    } else {
+        0
+    };
     Ok(model_instance(
         config,
         blocks_per_seq,
-        widths.collect(),
-        verify,
-        batches,
-        draft,
+        StepWidths {
+            decode: widths.collect(),
+            verify_rows: verify_rows(k),
+            verify_batches: verify_batches(k, seqs),
+            draft_rows: draft_rows(drafting),
+            draft_batches: draft_batches(drafting, seqs),
+        },
         weight_format(config, options.quantization == Quantization::Fp8),
     )?)
 }
 
-/// The plan of `config`'s `step` at `width` (a decode step of `rows` sequences, a verify step
-/// of `rows` rows of one or several sequences, or a single sequence's draft step of `rows`
-/// rows), as a model loaded with `options` compiles it (a draft plan needs `options` drafting with MTP), lowered with `fusions` against
+/// The plan of `config`'s `step` at `width` (a decode step of `rows` sequences, or a verify or
+/// draft step of `rows` rows of one or several sequences), as a model loaded with `options`
+/// compiles it (a draft plan needs `options` drafting with MTP), lowered with `fusions` against
 /// every kernel the engine has a launcher for. Reads no weights and needs no device.
 pub fn checkpoint_plan(
     config: &ModelConfig,

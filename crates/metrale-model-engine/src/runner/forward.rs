@@ -3,11 +3,11 @@
 //! the runner's fixed buffers and the cache's pools. It reads no step input: `upload.rs` writes
 //! that to the buffers first, so whatever it launches can be captured as a graph.
 //!
-//! Which steps run a circuit program: decode steps (one per ladder width), verify steps of one
-//! sequence (`2..=1 + K` rows) and of up to `ModelOptions::circuit_verify_seqs` sequences, and
-//! MTP steps of one sequence with one logit row through the head's first layer of `1..=1 + K`
-//! rows. Every other step (prefill chunks, verify steps of more sequences, MTP steps of several
-//! sequences, longer take-ins) runs the legacy launches, whichever forward is selected.
+//! Which steps run a circuit program: decode steps (one per ladder width), and verify steps and
+//! MTP steps through the head's first layer with a logit row per sequence, of one sequence or
+//! of up to `ModelOptions::circuit_speculative_seqs`, of `1 + K` rows a sequence at most.
+//! Every other step (prefill chunks, steps of more sequences, MTP steps where a sequence has
+//! no logit row, longer take-ins) runs the legacy launches, whichever forward is selected.
 
 use metrale_model_layers::circuit_exec::{CircuitExec, LayerPools, Program, Recorder, Width};
 use metrale_model_layers::{KvBinding, Ops, StepBuffers, StepShape};
@@ -81,10 +81,10 @@ impl Forward {
     /// The circuit's draft program for an MTP step of `shape` through head layer `layer`, when
     /// the circuit forward is selected and has one (see the module header).
     pub fn draft_program(&self, shape: StepShape, layer: usize) -> Option<&Program> {
-        let single = shape.num_seqs == 1 && shape.logit_rows == 1 && layer == 0;
+        let width = Width::new(u64::from(shape.rows), u64::from(shape.num_seqs));
         (self.circuit.as_ref())
-            .filter(|_| single)
-            .and_then(|e| e.draft_program(u64::from(shape.rows)))
+            .filter(|_| shape.logit_rows == shape.num_seqs && layer == 0)
+            .and_then(|e| e.draft_program(width))
     }
 
     /// The head's launches for `shape` under the selected forward: the draft program when there

@@ -44,7 +44,7 @@ use crate::sampling::{SampleRow, SampledToken};
 
 pub use circuit::{
     Digest, ForwardDisclosure, ForwardSelect, Fusions, ModelCircuit, checkpoint_plan,
-    checkpoint_plans, draft_rows, plans_digest, verify_batches, verify_rows,
+    checkpoint_plans, draft_batches, draft_rows, plans_digest, verify_batches, verify_rows,
 };
 pub use graphs::GraphCache;
 pub use mtp::MtpStep;

@@ -18,9 +18,10 @@
 //! rows belong to which sequence from the step buffers, so batched drafts are graphed like
 //! single ones, up to `ModelOptions::max_speculative_graphs` shapes with the verify steps'. The
 //! gather of the previous step's hidden rows, whose bound is that step's row count, stays
-//! outside the graph. With the circuit forward, an MTP step of one sequence with one logit row
-//! through the head's first layer (each draft of a chain, and the take-in that gives draft 1)
-//! replays the executor's draft program of its row count; `draft_program_steps` counts them.
+//! outside the graph. With the circuit forward, an MTP step through the head's first layer
+//! with a logit row per sequence (each draft of a chain, and a take-in in which every sequence
+//! drafts), of one sequence or up to `circuit_speculative_seqs`, replays the executor's draft
+//! program of its rows and sequences; `draft_program_steps` counts them.
 //!
 //! Invariants:
 //! - `hidden_rows` index the rows of the step run just before (a target step or an MTP step):

@@ -13,7 +13,7 @@
 //! buffers. A batched verify step is graphed like a single-sequence one, one graph per (rows,
 //! sequences) met, up to `ModelOptions::max_speculative_graphs` of them with the MTP steps'
 //! (then new shapes run eagerly; no padding: a padded row would cost a verify row). With the
-//! circuit forward, a verify step of one sequence, or of up to `circuit_verify_seqs`, replays
+//! circuit forward, a verify step of one sequence, or of up to `circuit_speculative_seqs`, replays
 //! the executor's verify program of its rows and sequences; `verify_program_steps` counts them.
 //!
 //! Invariants:

@@ -34,22 +34,32 @@ pub fn architecture(config: &ModelConfig) -> Architecture {
     }
 }
 
-/// The instance of `config` with `blocks_per_seq` block-table columns, compiled at the decode
-/// `widths`, the single-sequence verify steps of `verify_rows` rows, the verify steps of
-/// several sequences `verify_batches` and the single-sequence draft steps of `draft_rows` rows
-/// (empty: none). The draft layer is the MTP head's when the
-/// config declares one or draft rows are asked for (the head's tensors decide whether a
-/// checkpoint has one, not always its config): full attention, with an MoE FFN in the MoE families (as the loader
-/// builds it).
+/// The steps a model compiles programs for: the decode widths, the verify and draft row counts
+/// of one sequence, and the verify and draft shapes of several (each empty: none).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepWidths {
+    /// Decode widths (rows, one per sequence), ascending.
+    pub decode: Vec<u64>,
+    /// Row counts of single-sequence verify steps, ascending.
+    pub verify_rows: Vec<u64>,
+    /// Verify shapes of several sequences, ascending.
+    pub verify_batches: Vec<Width>,
+    /// Row counts of single-sequence draft steps, ascending.
+    pub draft_rows: Vec<u64>,
+    /// Draft shapes of several sequences, ascending.
+    pub draft_batches: Vec<Width>,
+}
+
+/// The instance of `config` with `blocks_per_seq` block-table columns, compiled at `widths`.
+/// The draft layer is the MTP head's when the config declares one or draft steps are asked for
+/// (the head's tensors decide whether a checkpoint has one, not always its config): full
+/// attention, with an MoE FFN in the MoE families (as the loader builds it).
 /// The shared expert is gated whenever there is one, as in every MoE family transformers
 /// defines; a checkpoint without the gate is refused when it is bound.
 pub fn model_instance(
     config: &ModelConfig,
     blocks_per_seq: u64,
-    widths: Vec<u64>,
-    verify_rows: Vec<u64>,
-    verify_batches: Vec<Width>,
-    draft_rows: Vec<u64>,
+    widths: StepWidths,
     weights: WeightFormat,
 ) -> Result<Instance, CircuitExecError> {
     let u = |n: usize| n as u64;
@@ -99,10 +109,10 @@ pub fn model_instance(
             moe,
         },
         layers,
-        widths,
-        verify_rows,
-        verify_batches,
-        draft_layer: (config.mtp_num_layers > 0 || !draft_rows.is_empty()).then_some(LayerSpec {
+        draft_layer: (config.mtp_num_layers > 0
+            || !widths.draft_rows.is_empty()
+            || !widths.draft_batches.is_empty())
+        .then_some(LayerSpec {
             kind: LayerKind::FullAttention,
             ffn: if config.moe.is_some() {
                 FfnKind::Moe
@@ -110,7 +120,11 @@ pub fn model_instance(
                 FfnKind::Dense
             },
         }),
-        draft_rows,
+        widths: widths.decode,
+        verify_rows: widths.verify_rows,
+        verify_batches: widths.verify_batches,
+        draft_rows: widths.draft_rows,
+        draft_batches: widths.draft_batches,
         argmax: false,
         weights,
     };

@@ -3,7 +3,7 @@
 //! one per single-sequence verify row count (`Instance::verify_rows`, `Step::Verify`) and per
 //! batched verify shape of several sequences (`Instance::verify_batches`) and,
 //! when the MTP head drafts, one per single-sequence draft row count (`Instance::draft_rows`,
-//! `Step::Draft`).
+//! `Step::Draft`) and per batched draft shape (`Instance::draft_batches`).
 //!
 //! - `bindings`: how layers hand the executor their weights and facts ([`CircuitBindings`],
 //!   the supertrait of `TransformerLayer`), and [`check_bindings`], which refuses a model the
@@ -20,11 +20,12 @@
 //!
 //! [`CircuitExec::build`] does it all once, at boot: bind, check (the draft head's problems in
 //! the same error as the layers'), lower the decode circuit at every width, the verify circuit
-//! at every verify row count and batched verify shape and the draft circuit at every draft row count (`Fusions::All`
-//! against every launcher kernel the backend resolves that serves that width: `kernels_at`),
-//! allocate one workspace sized for the largest program (none: every emitter writes only
-//! the step buffers), and compile a program per plan. The digest it discloses covers the decode plans, then the verify plans,
-//! then the draft plans.
+//! at every verify row count and batched verify shape and the draft circuit at every draft row
+//! count and batched draft shape (`Fusions::All` against every launcher kernel the backend
+//! resolves that serves that width: `kernels_at`), allocate one workspace sized for the
+//! largest program (none: every emitter writes only the step buffers), and compile a program
+//! per plan. The digest it discloses covers the decode plans, then the verify plans, then the
+//! draft plans.
 //!
 //! Invariants:
 //! - Every address a program reads is fixed after boot, so replaying it, or a CUDA graph
@@ -66,7 +67,8 @@ pub use error::{BindingProblem, CircuitExecError, Part};
 pub use fixed::{DraftFixed, Fixed, LayerPools};
 use instance::plans_by_width;
 pub use instance::{
-    architecture, kernels_at, launcher_kernels, model_instance, plan_at, rules_at, weight_format,
+    StepWidths, architecture, kernels_at, launcher_kernels, model_instance, plan_at, rules_at,
+    weight_format,
 };
 pub use metrale_circuit::{
     Architecture, Block, Digest, Fusions, Instance, KernelSet, NormWeight, Plan, Step, Width,
@@ -150,7 +152,7 @@ impl CircuitExec {
                     feature: feature.clone(),
                 }),
         );
-        let (draft, draft_layers) = if boot.instance.draft_rows.is_empty() {
+        let (draft, draft_layers) = if boot.instance.widths_of(Step::Draft).is_empty() {
             (None, Vec::new())
         } else {
             let draft = Arc::new(Circuit::for_step(&boot.instance, Step::Draft)?);
@@ -280,21 +282,21 @@ impl CircuitExec {
         self.verify_programs.iter().find(|p| p.width() == width)
     }
 
-    /// Its draft plans, one per draft row count, ascending (empty without an MTP head that
-    /// drafts).
+    /// Its draft plans, one per single-sequence draft row count, ascending, then one per
+    /// batched draft shape (empty without an MTP head that drafts).
     pub fn draft_plans(&self) -> &[Plan] {
         &self.draft_plans
     }
 
-    /// Its draft programs, one per draft row count, ascending.
+    /// Its draft programs, in the order of its draft plans.
     pub fn draft_programs(&self) -> &[Program] {
         &self.draft_programs
     }
 
-    /// The program of a single-sequence draft step of `rows` rows (the last with logits), when
-    /// that count was compiled.
-    pub fn draft_program(&self, rows: u64) -> Option<&Program> {
-        self.draft_programs.iter().find(|p| p.rows() == rows)
+    /// The program of a draft step of `width` (each sequence's last row with logits), when
+    /// that shape was compiled.
+    pub fn draft_program(&self, width: Width) -> Option<&Program> {
+        self.draft_programs.iter().find(|p| p.width() == width)
     }
 
     /// The digest of every plan's text, the decode plans in width order, then the verify

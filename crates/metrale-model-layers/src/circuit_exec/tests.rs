@@ -89,6 +89,7 @@ pub(super) fn instance(layers: Vec<LayerSpec>) -> Instance {
         verify_rows: vec![2, 3, 4, 5],
         verify_batches: vec![Width::new(5, 2), Width::new(8, 2)],
         draft_rows: vec![1, 2, 3, 4, 5],
+        draft_batches: vec![Width::new(4, 2)],
         draft_layer: Some(FA_MOE),
         argmax: false,
         weights: WeightFormat::Bf16,

@@ -91,6 +91,7 @@ fn verify_programs_keep_each_rows_state_and_read_one_sequence() {
     plain.instance.verify_rows.clear();
     plain.instance.verify_batches.clear();
     plain.instance.draft_rows.clear();
+    plain.instance.draft_batches.clear();
     let plain = plain.build(Fusions::ReferenceOnly).unwrap();
     assert!(plain.verify_programs().is_empty());
     assert_eq!(plain.plans_digest(), plans_digest(plain.plans()));
@@ -101,8 +102,10 @@ fn verify_programs_keep_each_rows_state_and_read_one_sequence() {
 fn draft_programs_run_the_mtp_head_on_its_buffers_weights_and_kv_pool() {
     let m = model(&[LA_MOE, FA_MOE]);
     let exec = m.build(Fusions::ReferenceOnly).unwrap();
-    let rows: Vec<u64> = exec.draft_programs().iter().map(Program::rows).collect();
-    assert_eq!(rows, [1, 2, 3, 4, 5]);
+    let widths: Vec<(u64, u64)> = (exec.draft_programs().iter())
+        .map(|p| (p.rows(), p.width().seqs))
+        .collect();
+    assert_eq!(widths, [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (4, 2)]);
     for (plan, program) in exec.draft_plans().iter().zip(exec.draft_programs()) {
         assert_eq!(program.step(), Step::Draft);
         assert_eq!(program.launches().len(), plan.launches_per_step());
@@ -112,7 +115,7 @@ fn draft_programs_run_the_mtp_head_on_its_buffers_weights_and_kv_pool() {
                 .contains("\nstep draft\ndraft_layer full_attention/moe\n")
         );
     }
-    let program = exec.draft_program(3).unwrap();
+    let program = exec.draft_program(Width::new(3, 1)).unwrap();
     let (k, draft, d) = (
         &m.ops.k,
         m.draft.as_ref().unwrap(),
@@ -164,9 +167,19 @@ fn draft_programs_run_the_mtp_head_on_its_buffers_weights_and_kv_pool() {
     let gather: GatherRowsParams = l[n - 2].params().unwrap();
     assert_eq!([gather.n, gather.cols, gather.src_rows], [1, 64, 3]);
     assert!(reads(&l[n - 1], m.head.lm_head.ptr()));
+    // Two sequences of four rows: attention over both, the LM head on each one's last row.
+    let batched = exec.draft_program(Width::new(4, 2)).unwrap().launches();
+    let a: PagedAttentionParams = (batched.iter())
+        .find(|x| x.kernel == k.paged_attention)
+        .and_then(|x| x.params())
+        .unwrap();
+    assert_eq!([a.rows, a.num_seqs], [4, 2]);
+    let gather: GatherRowsParams = batched[batched.len() - 2].params().unwrap();
+    assert_eq!([gather.n, gather.cols, gather.src_rows], [2, 64, 4]);
     // The digest covers the draft plans.
     let mut plain = model(&[LA_MOE, FA_MOE]);
     plain.instance.draft_rows.clear();
+    plain.instance.draft_batches.clear();
     let plain = plain.build(Fusions::ReferenceOnly).unwrap();
     assert!(plain.draft_programs().is_empty());
     assert_ne!(plain.plans_digest(), exec.plans_digest());
