@@ -372,7 +372,7 @@ fn the_gate_turns_speculation_off_while_slower_and_back_on_past_the_margin() {
         if steps == 40 {
             phase = 2;
         }
-        let on = s.speculation().unwrap().gate().is_on();
+        let on = s.speculation().unwrap().gate().is_on(2);
         timeline.push((phase, on));
         let verify = s.next_decode_speculates();
         let cost = match (phase, verify) {
@@ -392,7 +392,9 @@ fn the_gate_turns_speculation_off_while_slower_and_back_on_past_the_margin() {
     assert!(*phase2.last().unwrap(), "{timeline:?}");
     let stats = s.stats().speculation.unwrap();
     assert_eq!(stats.switches, 2, "{timeline:?}");
-    assert!(stats.plain_tok_s.is_some() && stats.speculative_tok_s.is_some());
+    // The two sequences decoded together: batch width 2's class measured both modes.
+    let (plain, speculative) = s.speculation().unwrap().gate().rates(2);
+    assert!(plain.is_some() && speculative.is_some());
 }
 
 /// Sampling with drafts through the scheduler: valid tokens, the requested lengths, logits for

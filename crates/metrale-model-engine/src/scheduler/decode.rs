@@ -21,6 +21,7 @@ impl Scheduler {
     pub(super) fn decode(&mut self, events: &mut Vec<SeqEvent>) -> Result<StepKind, ModelError> {
         self.prefill_since_decode = 0;
         let start = self.spec.as_ref().map(|s| s.now());
+        let width = (self.running.iter()).filter(|s| !s.in_prefill()).count();
         let before = events.len();
         let kind = if self.next_decode_speculates() {
             self.verify(events)?
@@ -36,7 +37,12 @@ impl Scheduler {
             let tokens = (events[before..].iter())
                 .filter(|e| matches!(e, SeqEvent::Token { .. }))
                 .count();
-            spec.record_step(matches!(kind, StepKind::Verify { .. }), tokens, start);
+            spec.record_step(
+                width,
+                matches!(kind, StepKind::Verify { .. }),
+                tokens,
+                start,
+            );
         }
         Ok(kind)
     }

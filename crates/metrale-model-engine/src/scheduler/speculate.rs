@@ -25,8 +25,9 @@
 //!   (entries of rejected rows inside a kept block are overwritten by later steps). Blocks are
 //!   published to the prefix cache only once final, so no rejected token reaches it.
 //! - **Gate** ([`SpeculationGate`]): each decode step's tokens and duration (the drafting after
-//!   it included), read from the scheduler's [`Clock`], feed the gate, which picks the mode of
-//!   the steps that follow. A disabled gate always speculates.
+//!   it included), read from the scheduler's [`Clock`], feed the gate's class of the step's
+//!   batch width, which picks the mode of the steps of that width that follow. A disabled gate
+//!   always speculates.
 //! - **Prefix hits.** The head's KV at a shared prefix's positions is the cache's: at the last
 //!   position of a hit it was computed with the next token of the prompt that published it,
 //!   which may differ. This can cost acceptance, never output.
@@ -115,11 +116,12 @@ impl Speculation {
         &self.gate
     }
 
-    /// Acceptance counts so far and the gate's state.
+    /// Acceptance counts so far and the gate's state at the width of the last decode step.
     pub fn stats(&self) -> SpeculativeStats {
-        let (plain, speculative) = self.gate.rates();
+        let width = self.gate.last_class();
+        let (plain, speculative) = self.gate.rates(width);
         SpeculativeStats {
-            on: self.gate.is_on(),
+            on: self.gate.is_on(width),
             switches: self.gate.switches(),
             plain_tok_s: plain,
             speculative_tok_s: speculative,
@@ -131,11 +133,18 @@ impl Speculation {
         self.clock.now()
     }
 
-    /// A decode step that started at `start` generated `tokens`, speculating or not.
-    pub(super) fn record_step(&mut self, speculative: bool, tokens: usize, start: Duration) {
+    /// A decode step of `width` sequences that started at `start` generated `tokens`,
+    /// speculating or not.
+    pub(super) fn record_step(
+        &mut self,
+        width: usize,
+        speculative: bool,
+        tokens: usize,
+        start: Duration,
+    ) {
         if tokens > 0 {
             let elapsed = self.clock.now().saturating_sub(start);
-            self.gate.record(speculative, tokens, elapsed);
+            self.gate.record(width, speculative, tokens, elapsed);
         }
     }
 }
@@ -198,7 +207,9 @@ impl Scheduler {
         if ran.is_empty() {
             return Ok(());
         }
-        let speculating = spec.gate.speculating();
+        // The next decode step's width: every running sequence past its prompt.
+        let width = (self.running.iter()).filter(|s| !s.in_prefill()).count();
+        let speculating = spec.gate.speculating(width);
         let mut wanted = Vec::with_capacity(ran.len());
         for &(i, _, _) in ran {
             let s = &mut self.running[i];

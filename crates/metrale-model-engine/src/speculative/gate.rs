@@ -1,24 +1,29 @@
 //! `SpeculationGate`: whether the scheduler's next decode steps speculate. Speculation pays when
 //! a step is bound by reading the weights (small batches) and costs when it is bound by compute
-//! (large batches, low acceptance), so the scheduler measures both and keeps the faster.
+//! (large batches, low acceptance), so the scheduler measures both and keeps the faster, for
+//! each batch width apart: the decode steps of `n` running sequences count toward the width
+//! class `n.next_power_of_two()` (1, 2, 4, 8, ...), and each class decides on its own
+//! measurements, so speculation can stay on at batch 1 and off at batch 32.
 //!
-//! The gate keeps an exponential moving average of the tokens per second of decode steps of
-//! each mode (a step's generated tokens over its time, the drafting after it included), with
-//! weight `1 / ema_steps` per step. While one mode runs, every `probe_every` of its steps the
-//! gate runs `probe_steps` steps of the other mode, so both averages stay current (the first
-//! probe comes as soon as the first mode has `probe_steps` samples). It switches mode when the
-//! other mode's average beats the current one's by more than `margin_percent` (a band of twice
-//! that inside which it stays put, so it does not flap between modes of about equal speed), and
-//! only once both averages have at least `probe_steps` samples.
+//! Within a class the gate keeps an exponential moving average of the tokens per second of
+//! decode steps of each mode (a step's generated tokens over its time, the drafting after it
+//! included), with weight `1 / ema_steps` per step. While one mode runs, every `probe_every` of
+//! its steps the class runs `probe_steps` steps of the other mode, so both averages stay
+//! current (the first probe comes as soon as the first mode has `probe_steps` samples). It
+//! switches mode when the other mode's average beats the current one's by more than
+//! `margin_percent` (a band of twice that inside which it stays put, so it does not flap between
+//! modes of about equal speed), and only once both averages have at least `probe_steps`
+//! samples. A class not met yet speculates.
 //!
-//! The averages mix whatever batches ran; probes keep them recent, so after a change of load
-//! the gate follows within a probe period or two.
+//! The averages mix whatever steps of the class ran; probes keep them recent, so after a change
+//! of load the gate follows within a probe period or two.
 //!
 //! Invariants:
 //! - The gate reads no clock: the scheduler hands it each step's duration from its `Clock`
 //!   (tests inject one).
 //! - With `enabled` false it always speculates (the model was built for it).
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// Settings of the gate. Every field has a documented default.
@@ -122,11 +127,10 @@ impl Rate {
     }
 }
 
-/// See the module header.
+/// One width class's state: its chosen mode, its probes and its two averages.
 #[derive(Debug, Clone, PartialEq)]
-pub struct SpeculationGate {
-    opts: GateOptions,
-    /// The mode the gate has chosen (probes aside).
+struct ClassGate {
+    /// The mode the class has chosen (probes aside).
     on: bool,
     /// Steps of the chosen mode since the last probe.
     since_probe: usize,
@@ -137,11 +141,9 @@ pub struct SpeculationGate {
     switches: u64,
 }
 
-impl SpeculationGate {
-    /// A gate that starts speculating.
-    pub fn new(opts: GateOptions) -> SpeculationGate {
-        SpeculationGate {
-            opts,
+impl Default for ClassGate {
+    fn default() -> Self {
+        ClassGate {
             on: true,
             since_probe: 0,
             probe_left: 0,
@@ -149,39 +151,17 @@ impl SpeculationGate {
             switches: 0,
         }
     }
+}
 
-    /// Whether the next decode step speculates: the chosen mode, or the other while probing.
-    pub fn speculating(&self) -> bool {
-        if !self.opts.enabled {
-            return true;
-        }
+impl ClassGate {
+    fn speculating(&self) -> bool {
         self.on != (self.probe_left > 0)
     }
 
-    /// The mode the gate has chosen, probes aside.
-    pub fn is_on(&self) -> bool {
-        self.on || !self.opts.enabled
-    }
-
-    /// Times the gate changed its mind.
-    pub fn switches(&self) -> u64 {
-        self.switches
-    }
-
-    /// Moving averages of tokens/s without and with speculation (`None` before a sample).
-    pub fn rates(&self) -> (Option<f64>, Option<f64>) {
-        let r = |x: Rate| (x.samples > 0).then_some(x.tok_s);
-        (r(self.rates[0]), r(self.rates[1]))
-    }
-
-    /// A decode step ran, speculating or not, and generated `tokens` in `elapsed`.
-    pub fn record(&mut self, speculative: bool, tokens: usize, elapsed: Duration) {
-        if !self.opts.enabled {
-            return;
-        }
+    fn record(&mut self, opts: &GateOptions, speculative: bool, tokens: usize, elapsed: Duration) {
         let secs = elapsed.as_secs_f64();
         if secs > 0.0 {
-            self.rates[usize::from(speculative)].add(tokens as f64 / secs, self.opts.ema_steps);
+            self.rates[usize::from(speculative)].add(tokens as f64 / secs, opts.ema_steps);
         }
         if self.probe_left > 0 {
             if speculative != self.on {
@@ -189,17 +169,17 @@ impl SpeculationGate {
             }
         } else if speculative == self.on {
             self.since_probe += 1;
-            if self.since_probe >= self.opts.probe_every {
+            if self.since_probe >= opts.probe_every {
                 self.since_probe = 0;
-                self.probe_left = self.opts.probe_steps.max(1);
+                self.probe_left = opts.probe_steps.max(1);
             }
         }
-        self.decide();
+        self.decide(opts);
     }
 
     /// Switch when the other mode is faster by more than the margin.
-    fn decide(&mut self) {
-        let enough = self.opts.probe_steps.max(1);
+    fn decide(&mut self, opts: &GateOptions) {
+        let enough = opts.probe_steps.max(1);
         let [off, on] = self.rates;
         if off.samples < enough || on.samples < enough {
             // The first probe of the other mode comes at once, not after `probe_every`.
@@ -213,12 +193,83 @@ impl SpeculationGate {
             return;
         }
         let (mine, other) = if self.on { (on, off) } else { (off, on) };
-        if other.tok_s > mine.tok_s * (1.0 + f64::from(self.opts.margin_percent) / 100.0) {
+        if other.tok_s > mine.tok_s * (1.0 + f64::from(opts.margin_percent) / 100.0) {
             self.on = !self.on;
             self.switches += 1;
             self.since_probe = 0;
             self.probe_left = 0;
         }
+    }
+}
+
+/// See the module header.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpeculationGate {
+    opts: GateOptions,
+    /// Each width class met so far, by class (a power of two).
+    classes: BTreeMap<usize, ClassGate>,
+    /// The class of the last step recorded.
+    last: usize,
+}
+
+/// The width class of a decode step of `width` sequences: the next power of two.
+fn width_class(width: usize) -> usize {
+    width.max(1).next_power_of_two()
+}
+
+impl SpeculationGate {
+    /// A gate that starts speculating at every width.
+    pub fn new(opts: GateOptions) -> SpeculationGate {
+        SpeculationGate {
+            opts,
+            classes: BTreeMap::new(),
+            last: 1,
+        }
+    }
+
+    /// Whether the next decode step of `width` sequences speculates: its class's chosen mode,
+    /// or the other while the class probes.
+    pub fn speculating(&self, width: usize) -> bool {
+        if !self.opts.enabled {
+            return true;
+        }
+        (self.classes.get(&width_class(width))).is_none_or(ClassGate::speculating)
+    }
+
+    /// The mode the class of `width` has chosen, probes aside.
+    pub fn is_on(&self, width: usize) -> bool {
+        !self.opts.enabled || (self.classes.get(&width_class(width))).is_none_or(|c| c.on)
+    }
+
+    /// Times a class changed its mind, all classes together.
+    pub fn switches(&self) -> u64 {
+        self.classes.values().map(|c| c.switches).sum()
+    }
+
+    /// The width class of the last decode step recorded (1 before any).
+    pub fn last_class(&self) -> usize {
+        self.last
+    }
+
+    /// The class of `width`'s moving averages of tokens/s without and with speculation
+    /// (`None` before a sample).
+    pub fn rates(&self, width: usize) -> (Option<f64>, Option<f64>) {
+        let Some(c) = self.classes.get(&width_class(width)) else {
+            return (None, None);
+        };
+        let r = |x: Rate| (x.samples > 0).then_some(x.tok_s);
+        (r(c.rates[0]), r(c.rates[1]))
+    }
+
+    /// A decode step of `width` sequences ran, speculating or not, and generated `tokens` in
+    /// `elapsed`.
+    pub fn record(&mut self, width: usize, speculative: bool, tokens: usize, elapsed: Duration) {
+        if !self.opts.enabled {
+            return;
+        }
+        self.last = width_class(width);
+        let class = self.classes.entry(self.last).or_default();
+        class.record(&self.opts, speculative, tokens, elapsed);
     }
 }
 
@@ -248,17 +299,28 @@ mod tests {
         Duration::from_millis(n)
     }
 
-    /// Feed the gate steps timed by `cost(speculating)` for `n` steps; returns the modes run.
+    /// Feed the gate steps of one sequence timed by `cost(speculating)` for `n` steps; returns
+    /// the modes run.
     fn run(
         g: &mut SpeculationGate,
         n: usize,
         cost: impl Fn(bool) -> (usize, Duration),
     ) -> Vec<bool> {
+        run_at(g, 1, n, cost)
+    }
+
+    /// [`run`] with steps of `width` sequences.
+    fn run_at(
+        g: &mut SpeculationGate,
+        width: usize,
+        n: usize,
+        cost: impl Fn(bool) -> (usize, Duration),
+    ) -> Vec<bool> {
         (0..n)
             .map(|_| {
-                let spec = g.speculating();
+                let spec = g.speculating(width);
                 let (tokens, t) = cost(spec);
-                g.record(spec, tokens, t);
+                g.record(width, spec, tokens, t);
                 spec
             })
             .collect()
@@ -269,7 +331,7 @@ mod tests {
         let mut g = SpeculationGate::new(GateOptions::default());
         // Speculation: 2 tokens in 12 ms; plain: 1 token in 10 ms.
         let modes = run(&mut g, 300, |s| if s { (2, ms(12)) } else { (1, ms(10)) });
-        assert!(g.is_on() && g.switches() == 0);
+        assert!(g.is_on(1) && g.switches() == 0);
         // It probed plain decode right after its first 8 steps, and again every 128 steps.
         assert!(modes[..8].iter().all(|&s| s) && modes[8..16].iter().all(|&s| !s));
         assert_eq!(modes.iter().filter(|&&s| !s).count(), 8 * 3);
@@ -280,7 +342,7 @@ mod tests {
         let mut g = SpeculationGate::new(GateOptions::default());
         // Speculation slower: 1.2 tokens per 15 ms against 1 per 10 ms.
         run(&mut g, 40, |s| if s { (6, ms(75)) } else { (1, ms(10)) });
-        assert!(!g.is_on(), "{g:?}");
+        assert!(!g.is_on(1), "{g:?}");
         assert_eq!(g.switches(), 1);
         // Speculation now 3% faster: inside the margin, the gate stays off (probing on).
         run(
@@ -288,13 +350,34 @@ mod tests {
             600,
             |s| if s { (103, ms(1000)) } else { (1, ms(10)) },
         );
-        assert!(!g.is_on(), "{g:?}");
+        assert!(!g.is_on(1), "{g:?}");
         assert_eq!(g.switches(), 1);
         // 20% faster: the next probe's average crosses the margin and the gate turns on.
         let modes = run(&mut g, 300, |s| if s { (12, ms(100)) } else { (1, ms(10)) });
-        assert!(g.is_on(), "{g:?}");
+        assert!(g.is_on(1), "{g:?}");
         assert_eq!(g.switches(), 2);
         assert!(modes.last() == Some(&true));
+    }
+
+    #[test]
+    fn each_batch_width_class_decides_on_its_own_steps() {
+        let mut g = SpeculationGate::new(GateOptions::default());
+        // Batch 1: speculation doubles the rate. Batches of 17 to 32: it halves it.
+        let fast = |s: bool| if s { (2, ms(10)) } else { (1, ms(10)) };
+        let slow = |s: bool| if s { (32, ms(40)) } else { (32, ms(20)) };
+        for _ in 0..4 {
+            run_at(&mut g, 1, 50, fast);
+            run_at(&mut g, 24, 50, slow);
+        }
+        assert!(g.is_on(1) && !g.is_on(32) && !g.is_on(17), "{g:?}");
+        assert_eq!(g.switches(), 1, "only the wide class switched");
+        assert_eq!(g.last_class(), 32);
+        // Classes not met yet speculate; a class's averages are its own.
+        assert!(g.is_on(2) && g.speculating(3) && g.rates(2) == (None, None));
+        let (plain, spec) = g.rates(1);
+        assert!(spec.unwrap() > 1.5 * plain.unwrap());
+        let (plain, spec) = g.rates(32);
+        assert!(plain.unwrap() > 1.5 * spec.unwrap());
     }
 
     #[test]
@@ -304,6 +387,6 @@ mod tests {
             ..Default::default()
         });
         let modes = run(&mut g, 50, |s| if s { (1, ms(100)) } else { (1, ms(1)) });
-        assert!(modes.iter().all(|&s| s) && g.is_on() && g.rates() == (None, None));
+        assert!(modes.iter().all(|&s| s) && g.is_on(1) && g.rates(1) == (None, None));
     }
 }

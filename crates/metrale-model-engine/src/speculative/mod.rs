@@ -100,11 +100,13 @@ pub struct SpeculativeStats {
     /// `(drafts, accepted)` → how many sequence verifies checked that many drafts and kept
     /// that many (a sequence without drafts in a verify step counts as `(0, 0)`).
     pub outcomes: BTreeMap<(usize, usize), usize>,
-    /// Whether the gate has speculation on (probes aside).
+    /// Whether the gate has speculation on (probes aside) at the batch width of the last
+    /// decode step.
     pub on: bool,
-    /// Times the gate switched speculation on or off.
+    /// Times the gate switched speculation on or off, every batch width together.
     pub switches: u64,
-    /// The gate's moving average of decode tokens/s without speculation.
+    /// The gate's moving average of decode tokens/s without speculation at the batch width of
+    /// the last decode step.
     pub plain_tok_s: Option<f64>,
     /// The same with speculation.
     pub speculative_tok_s: Option<f64>,
