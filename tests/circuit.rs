@@ -69,6 +69,18 @@ fn circuit_reference_decode_is_bitwise_legacy_on_every_fixture() -> Result<()> {
             let model = bitwise_same(&dir, &options, &cpu, REFERENCE)
                 .with_context(|| format!("decode graphs {graphs}, {kv:?} KV"))?;
             let d = model.runner().forward_disclosure()?;
+            // The disclosed plans are `metrale circuit plan`'s, whose header names an FP8 cache.
+            let plans = checkpoint_plans(
+                model.runner().model().config(),
+                &options,
+                Fusions::ReferenceOnly,
+            )?;
+            ensure!(
+                d.plan_digest == Some(plans_digest(&plans)),
+                "{kv:?} KV digest"
+            );
+            let fp8 = plans[0].text().contains("\nkv_cache e4m3\n");
+            ensure!(fp8 == (kv == KvCacheDtype::Fp8), "{kv:?} KV header");
             eprintln!(
                 "{}: circuit-reference bitwise legacy (graphs {graphs}, {kv:?} KV), {} launches per step",
                 name(&dir),

@@ -123,6 +123,29 @@ impl WeightFormat {
     }
 }
 
+/// How the attention layers' KV cache stores its elements. The attention kernels compute on
+/// bf16 either way (the `k_cache` / `v_cache` tensors' format); an e4m3 cache is read as
+/// `bf16(e4m3 · bf16(scale))` with a K and a V scale per layer and written as
+/// `e4m3(value / scale)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum KvFormat {
+    /// bf16.
+    #[default]
+    Bf16,
+    /// FP8 e4m3 with per-layer scales.
+    Fp8E4m3,
+}
+
+impl KvFormat {
+    /// The format's text name.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvFormat::Bf16 => "bf16",
+            KvFormat::Fp8E4m3 => "e4m3",
+        }
+    }
+}
+
 /// The Gated DeltaNet layers' dimensions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GdnDims {
@@ -217,6 +240,8 @@ pub struct Instance {
     pub argmax: bool,
     /// How the layers' projections are stored, which picks their kernels.
     pub weights: WeightFormat,
+    /// How the KV cache (the model's and the MTP head's) stores its elements.
+    pub kv_cache: KvFormat,
 }
 
 /// Which step a circuit computes.
@@ -479,6 +504,9 @@ impl Instance {
         }
         if self.weights != WeightFormat::Bf16 {
             let _ = writeln!(s, "weights {}", self.weights.name());
+        }
+        if self.kv_cache != KvFormat::Bf16 {
+            let _ = writeln!(s, "kv_cache {}", self.kv_cache.name());
         }
         let _ = writeln!(s, "layers {}: {}", self.layers.len(), runs(&self.layers));
         let _ = writeln!(s, "argmax {}", if self.argmax { "yes" } else { "no" });

@@ -34,8 +34,8 @@ pub use circuit::{Circuit, Node, NodeId, Value, ValueId};
 pub use error::{CircuitError, Excluded};
 pub use fuser::{Group, Lowering, fuse};
 pub use instance::{
-    Architecture, Dims, GdnDims, Instance, MoeDims, SharedExpertDims, Step, WeightFormat, Width,
-    decode_ladder,
+    Architecture, Dims, GdnDims, Instance, KvFormat, MoeDims, SharedExpertDims, Step, WeightFormat,
+    Width, decode_ladder,
 };
 pub use op::{Block, FfnKind, Format, LayerKind, LayerSpec, LinearRole, NormRole, NormWeight, Op};
 pub use plan::{Digest, PLAN_FORMAT, Plan, plans_digest};

@@ -20,8 +20,9 @@
 //! ```
 //!
 //! A group line is `block | op chain (ops joined by " > ") | kernels (joined by ", ") |
-//! numerics | launches`; `tests/golden/` holds whole examples. The header has a `gdn` and a `moe` line when the instance has those
-//! dims, and a verify step's plan a `step verify` line before `rows` (a decode plan has none,
+//! numerics | launches`; `tests/golden/` holds whole examples. The header has a `gdn` and a
+//! `moe` line when the instance has those dims, a `weights` and a `kv_cache` line when the
+//! projections or the KV cache are not bf16, and a verify step's plan a `step verify` line before `rows` (a decode plan has none,
 //! so its text does not depend on whether verify or draft steps are compiled too), and a
 //! verify step of several sequences a `seqs <n>` line after `rows` (the other steps' sequences
 //! follow from their rows, so their texts have none); a draft

@@ -76,9 +76,10 @@ pub enum Tensor {
     Logits,
     /// Greedy tokens.
     Sampled,
-    /// K cache of one attention layer.
+    /// K cache of one attention layer, as the attention kernels compute on it (bf16); the
+    /// pool stores it as the instance's [`KvFormat`](crate::KvFormat) says.
     KCache,
-    /// V cache of one attention layer.
+    /// V cache of one attention layer (as [`Tensor::KCache`]).
     VCache,
     /// GDN fused input projection `[q | k | v | z | b | a]`.
     GdnProj,

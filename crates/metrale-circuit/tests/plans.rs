@@ -13,9 +13,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, ensure};
 use metrale_circuit::{
-    Architecture, Block, Circuit, CircuitError, Fusions, Instance, KernelSet, LinearRole, Lowering,
-    Numerics, Op, Plan, RuleTable, Step, Tensor, TensorKind, ValueId, Width, fuse, kernels,
-    plans_digest,
+    Architecture, Block, Circuit, CircuitError, Fusions, Instance, KernelSet, KvFormat, LinearRole,
+    Lowering, Numerics, Op, Plan, RuleTable, Step, Tensor, TensorKind, ValueId, Width, fuse,
+    kernels, plans_digest,
 };
 use support::{FA_DENSE, LA_DENSE, LA_MOE};
 
@@ -230,6 +230,16 @@ fn a_different_layer_pattern_width_or_dim_gives_a_different_digest() {
     assert_ne!(
         base.digest(),
         support::plan(&bigger, Fusions::All, &all, 1).digest()
+    );
+    // An FP8 KV cache: the same launches, a header that says so, another digest.
+    let mut fp8_kv = support::hybrid(vec![LA_DENSE, LA_DENSE, LA_DENSE, FA_DENSE]);
+    fp8_kv.kv_cache = KvFormat::Fp8E4m3;
+    let fp8_kv = support::plan(&fp8_kv, Fusions::All, &all, 1);
+    assert_ne!(base.digest(), fp8_kv.digest());
+    assert!(fp8_kv.text().contains("\nkv_cache e4m3\n") && !base.text().contains("kv_cache"));
+    assert_eq!(
+        fp8_kv.launches().collect::<Vec<_>>(),
+        base.launches().collect::<Vec<_>>()
     );
 }
 

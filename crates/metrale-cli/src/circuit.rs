@@ -13,7 +13,7 @@ use metrale::circuit::{Step, Width};
 use metrale::{ForwardSelect, ModelConfig, ModelOptions, Speculative};
 
 use crate::generate::ForwardArg;
-use crate::serve::QuantizationArg;
+use crate::serve::{KvCacheDtypeArg, QuantizationArg};
 
 #[derive(Debug, Args)]
 pub struct CircuitArgs {
@@ -70,6 +70,10 @@ struct PlanArgs {
     /// fp8` loads them; an FP8 pack's are FP8 either way), which picks their kernels.
     #[arg(long, value_enum, default_value_t = QuantizationArg::None)]
     quantization: QuantizationArg,
+    /// How the KV cache stores keys and values, as `generate --kv-cache-dtype` loads it (the
+    /// plan's header names an FP8 cache).
+    #[arg(long, value_enum, default_value_t = KvCacheDtypeArg::Auto)]
+    kv_cache_dtype: KvCacheDtypeArg,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -102,6 +106,7 @@ fn plan(args: PlanArgs) -> Result<()> {
         .max_decode_seqs(args.max_decode_seqs)
         .circuit_speculative_seqs(args.circuit_speculative_seqs)
         .quantization(args.quantization.select())
+        .kv_cache_dtype(args.kv_cache_dtype.select())
         .speculative(speculative)
         .num_draft_tokens(args.num_draft_tokens.max(1));
     let step = match args.step {

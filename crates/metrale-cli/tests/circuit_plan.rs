@@ -1,5 +1,6 @@
 //! `metrale circuit plan` as a user runs it on the committed fixtures: an FP8 pack's plan names
-//! the FP8 kernels, and the plan of its bf16 source with `--quantization fp8` is the same plan; a
+//! the FP8 kernels, and the plan of its bf16 source with `--quantization fp8` is the same plan
+//! (an FP8 KV cache is named in the header); a
 //! verify plan of several sequences names them, and the verify steps compiled follow
 //! `--circuit-speculative-seqs`.
 
@@ -46,6 +47,11 @@ fn quantizing_at_load_plans_the_kernels_of_the_fp8_pack() {
         line(&packed, "plans_digest")
     );
     assert_ne!(line(&bf16, "digest"), line(&packed, "digest"));
+    // An FP8 KV cache is named in the header: the same kernels, another digest.
+    let fp8_kv = plan(&pack, &["--kv-cache-dtype", "fp8"]);
+    assert!(fp8_kv.contains("\nkv_cache e4m3\n") && !packed.contains("kv_cache"));
+    assert_ne!(line(&fp8_kv, "digest"), line(&packed, "digest"));
+    assert_eq!(line(&fp8_kv, "launches"), line(&packed, "launches"));
 }
 
 #[test]

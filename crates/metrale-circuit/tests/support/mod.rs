@@ -6,8 +6,9 @@
 use std::sync::Arc;
 
 use metrale_circuit::{
-    Architecture, Circuit, Dims, FfnKind, Fusions, GdnDims, Instance, KernelSet, LayerKind,
-    LayerSpec, Lowering, MoeDims, Numerics, Plan, RuleTable, SharedExpertDims, Step, WeightFormat,
+    Architecture, Circuit, Dims, FfnKind, Fusions, GdnDims, Instance, KernelSet, KvFormat,
+    LayerKind, LayerSpec, Lowering, MoeDims, Numerics, Plan, RuleTable, SharedExpertDims, Step,
+    WeightFormat,
 };
 
 pub const FA_DENSE: LayerSpec = LayerSpec {
@@ -77,6 +78,7 @@ pub fn dense(qk_norm: bool) -> Instance {
         draft_layer: Some(FA_DENSE),
         argmax: true,
         weights: WeightFormat::Bf16,
+        kv_cache: KvFormat::Bf16,
     }
 }
 
@@ -97,6 +99,7 @@ pub fn hybrid(layers: Vec<LayerSpec>) -> Instance {
         draft_layer: Some(FA_DENSE),
         argmax: true,
         weights: WeightFormat::Bf16,
+        kv_cache: KvFormat::Bf16,
     }
 }
 
@@ -119,6 +122,7 @@ pub fn hybrid_moe() -> Instance {
         draft_layer: Some(FA_MOE),
         argmax: true,
         weights: WeightFormat::Bf16,
+        kv_cache: KvFormat::Bf16,
     }
 }
 

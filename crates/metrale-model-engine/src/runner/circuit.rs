@@ -30,7 +30,7 @@ use metrale_model_layers::StepShape;
 use metrale_model_layers::circuit_exec::{
     Architecture, BindingProblem, Boot, CircuitBindings, CircuitExec, CircuitExecError, DraftFixed,
     Fixed, HeadBinding, Launch, LayerPools, NormWeight, Part, Plan, Recorder, Step, StepWidths,
-    Width, launcher_kernels, model_instance, plan_at, weight_format,
+    Width, kv_format, launcher_kernels, model_instance, plan_at, weight_format,
 };
 
 pub use metrale_model_layers::circuit_exec::{Digest, Fusions, plans_digest};
@@ -268,6 +268,7 @@ impl Forward {
                 draft_batches: draft_batches(drafting, seqs),
             },
             weight_format(model.config(), options.quantization == Quantization::Fp8),
+            kv_format(options.kv_cache_dtype.resolve(model.config())),
         )?;
         for layer in model.layers() {
             layer.circuit_prepare(ops, stream)?;
@@ -426,7 +427,7 @@ impl StepRunner {
 }
 
 /// The circuit instance a model loaded with `options` compiles for `config`: the same
-/// block-table width, decode ladder, verify row counts and shapes.
+/// block-table width, decode ladder, verify and draft shapes, weight and KV cache formats.
 fn checkpoint_instance(
     config: &ModelConfig,
     options: &ModelOptions,
@@ -453,6 +454,7 @@ fn checkpoint_instance(
             draft_batches: draft_batches(drafting, seqs),
         },
         weight_format(config, options.quantization == Quantization::Fp8),
+        kv_format(options.kv_cache_dtype.resolve(config)),
     )?)
 }
 

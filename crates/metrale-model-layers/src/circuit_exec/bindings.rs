@@ -16,7 +16,10 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use metrale_circuit::{Block, Circuit, FfnKind, LayerKind, LayerSpec, LinearRole, NormRole, Op};
+use metrale_cache::KvDtype;
+use metrale_circuit::{
+    Block, Circuit, FfnKind, KvFormat, LayerKind, LayerSpec, LinearRole, NormRole, Op,
+};
 use metrale_gpu_runtime::{DType, DevicePtr, GpuResult, StreamHandle};
 
 use super::error::{BindingProblem, CircuitExecError, Part};
@@ -470,7 +473,8 @@ pub(crate) fn binding_problems(
 }
 
 /// The problems of one bound layer at `part` against the circuit's `want` (its unmodelled
-/// features, its kinds, its facts and, with `pool`, its missing cache or state pool); whether
+/// features, its kinds, its facts and, with `pool`, its missing cache or state pool and a KV
+/// pool stored otherwise than the instance's `kv_cache` says); whether
 /// its kinds agree, so that its weights can be checked.
 pub(crate) fn layer_problems(
     part: Part,
@@ -504,8 +508,27 @@ pub(crate) fn layer_problems(
         if let Some(pool) = missing {
             problems.push(BindingProblem::MissingPool { part, pool });
         }
+        let expected = circuit.instance().kv_cache;
+        if let (MixerFacts::Attention(_), Some(kv)) = (&layer.mixer, p.kv)
+            && kv_format(kv.dtype) != expected
+        {
+            problems.push(BindingProblem::KvStorage {
+                part,
+                expected: expected.name(),
+                found: kv_format(kv.dtype).name(),
+            });
+        }
     }
     true
+}
+
+/// The circuit's name for a KV pool's element format (bf16 and e4m3 are the pools' formats).
+pub fn kv_format(dtype: KvDtype) -> KvFormat {
+    if dtype == KvDtype::Fp8 {
+        KvFormat::Fp8E4m3
+    } else {
+        KvFormat::Bf16
+    }
 }
 
 /// Refuse a model the circuit misdescribes, listing every problem in one

@@ -137,6 +137,17 @@ pub enum BindingProblem {
         /// The bound weight's format family.
         found: &'static str,
     },
+    /// An attention layer whose KV pool stores another element format than the instance's
+    /// `kv_cache` (the plan would name the wrong cache numerics).
+    #[error("{part}: its KV cache is {found}; the circuit's instance says {expected}")]
+    KvStorage {
+        /// The layer.
+        part: Part,
+        /// The instance's KV format.
+        expected: &'static str,
+        /// The bound pool's format.
+        found: &'static str,
+    },
     /// An attention or GDN layer without its cache or state pool in [`super::Fixed`].
     #[error("{part}: no {pool} bound")]
     MissingPool {

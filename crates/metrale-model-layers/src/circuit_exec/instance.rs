@@ -11,8 +11,9 @@
 use std::sync::Arc;
 
 use metrale_circuit::{
-    Architecture, Circuit, Dims, FfnKind, Fusions, GdnDims, Instance, KernelSet, LayerKind,
-    LayerSpec, Lowering, MoeDims, Plan, RuleTable, SharedExpertDims, Step, WeightFormat, Width,
+    Architecture, Circuit, Dims, FfnKind, Fusions, GdnDims, Instance, KernelSet, KvFormat,
+    LayerKind, LayerSpec, Lowering, MoeDims, Plan, RuleTable, SharedExpertDims, Step, WeightFormat,
+    Width,
 };
 use metrale_config::{LayerType, ModelConfig, ModelFamily};
 
@@ -50,7 +51,8 @@ pub struct StepWidths {
     pub draft_batches: Vec<Width>,
 }
 
-/// The instance of `config` with `blocks_per_seq` block-table columns, compiled at `widths`.
+/// The instance of `config` with `blocks_per_seq` block-table columns, compiled at `widths`,
+/// its projections stored as `weights` and its KV cache as `kv_cache`.
 /// The draft layer is the MTP head's when the config declares one or draft steps are asked for
 /// (the head's tensors decide whether a checkpoint has one, not always its config): full
 /// attention, with an MoE FFN in the MoE families (as the loader builds it).
@@ -61,6 +63,7 @@ pub fn model_instance(
     blocks_per_seq: u64,
     widths: StepWidths,
     weights: WeightFormat,
+    kv_cache: KvFormat,
 ) -> Result<Instance, CircuitExecError> {
     let u = |n: usize| n as u64;
     let gdn = config.linear.as_ref().map(|l| GdnDims {
@@ -127,6 +130,7 @@ pub fn model_instance(
         draft_batches: widths.draft_batches,
         argmax: false,
         weights,
+        kv_cache,
     };
     instance.validate()?;
     Ok(instance)

@@ -59,7 +59,7 @@ use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuResult, StreamHandle};
 
 pub use bindings::{
     AttnFacts, BoundWeight, CircuitBindings, CircuitLayer, FfnFacts, GdnFacts, HeadBinding,
-    MixerFacts, MoeFacts, RopeFacts, SharedFacts, WeightSlot, check_bindings,
+    MixerFacts, MoeFacts, RopeFacts, SharedFacts, WeightSlot, check_bindings, kv_format,
 };
 pub use compile::Program;
 pub use draft::DraftBinding;
@@ -71,8 +71,8 @@ pub use instance::{
     weight_format,
 };
 pub use metrale_circuit::{
-    Architecture, Block, Digest, Fusions, Instance, KernelSet, NormWeight, Plan, Step, Width,
-    plans_digest,
+    Architecture, Block, Digest, Fusions, Instance, KernelSet, KvFormat, NormWeight, Plan, Step,
+    Width, plans_digest,
 };
 pub use record::{Launch, Recorder};
 

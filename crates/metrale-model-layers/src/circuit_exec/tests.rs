@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use metrale_circuit::{
-    Architecture, Dims, FfnKind, GdnDims, Instance, LayerKind, LayerSpec, LinearRole, MoeDims,
-    SharedExpertDims, WeightFormat, Width,
+    Architecture, Dims, FfnKind, GdnDims, Instance, KvFormat, LayerKind, LayerSpec, LinearRole,
+    MoeDims, SharedExpertDims, WeightFormat, Width,
 };
 use metrale_gpu_runtime::{CpuBackend, DType, DevicePtr, GpuBackend, StreamHandle};
 
@@ -93,6 +93,7 @@ pub(super) fn instance(layers: Vec<LayerSpec>) -> Instance {
         draft_layer: Some(FA_MOE),
         argmax: false,
         weights: WeightFormat::Bf16,
+        kv_cache: KvFormat::Bf16,
     }
 }
 

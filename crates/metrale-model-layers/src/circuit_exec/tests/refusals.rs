@@ -1,7 +1,7 @@
 //! The executor's refusals on synthetic bindings: each binding problem named (an unbound layer,
 //! a kind or fact the circuit disagrees with, a missing pool, an unmodelled feature), every
-//! problem of a model in one error, the bound layers returned in order, and a weight in another
-//! format than its kernel reads.
+//! problem of a model in one error, the bound layers returned in order, a weight in another
+//! format than its kernel reads, and a KV pool in another format than the instance's.
 
 #![allow(clippy::unwrap_used)]
 
@@ -206,4 +206,39 @@ fn a_weight_in_another_format_than_its_kernel_reads_is_refused() {
         err.to_string(),
         "layer 0: weight gdn.a_log is bf16, but gdn::gdn_prepare reads f32"
     );
+}
+
+#[test]
+fn a_kv_pool_stored_otherwise_than_the_instance_says_is_refused() {
+    let fp8 = |m: &mut Model| {
+        for pools in
+            (m.fixed.pools.iter_mut()).chain(m.fixed.draft.iter_mut().flat_map(|d| &mut d.pools))
+        {
+            if let Some(kv) = pools.kv.as_mut() {
+                kv.dtype = metrale_cache::KvDtype::Fp8;
+            }
+        }
+    };
+    // An e4m3 pool under a bf16 instance: the attention layer and the draft head's layer.
+    let mut m = model(&[LA_MOE, FA_MOE]);
+    fp8(&mut m);
+    let problems = m.problems();
+    let want = |part| BindingProblem::KvStorage {
+        part,
+        expected: "bf16",
+        found: "e4m3",
+    };
+    assert_eq!(
+        problems,
+        [want(Part::Layer(1)), want(Part::DraftLayer(0))],
+        "{problems:?}"
+    );
+    assert_eq!(
+        problems[0].to_string(),
+        "layer 1: its KV cache is e4m3; the circuit's instance says bf16"
+    );
+    // The instance saying e4m3 binds it, and the plans say so.
+    m.instance.kv_cache = KvFormat::Fp8E4m3;
+    let exec = m.build(Fusions::ReferenceOnly).unwrap();
+    assert!(exec.plans()[0].text().contains("\nkv_cache e4m3\n"));
 }
