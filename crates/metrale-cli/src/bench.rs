@@ -153,6 +153,13 @@ pub struct BenchArgs {
     /// `--speculative`: verify steps are timed for K = 1 to this (1 to 8).
     #[arg(long, default_value_t = 4)]
     num_draft_tokens: usize,
+    /// `--speculative`: also time a plain decode step and verify steps of this many
+    /// sequences (1: none).
+    #[arg(long, default_value_t = 1)]
+    speculative_batch: usize,
+    /// `--speculative`: the forward every step runs (legacy, circuit, circuit-reference).
+    #[arg(long, default_value = "legacy")]
+    speculative_forward: String,
     /// How the random weights' projections are stored (`fp8`: quantized at load; the floor
     /// counts their bytes).
     #[arg(long, value_enum, default_value_t = QuantizationArg::None)]
@@ -199,17 +206,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     o.iters = args.iters;
     o.quantization = args.quantization.select();
     o.kv_cache_dtype = args.kv_cache_dtype.select();
-    o.forwards = args
-        .forwards
-        .iter()
-        .map(|f| {
-            ForwardSelect::from_name(f).with_context(|| {
-                format!(
-                    "unknown forward `{f}` (expected one of {})",
-                    ForwardSelect::NAMES.join(", ")
-                )
-            })
-        })
+    o.forwards = (args.forwards.iter())
+        .map(|f| forward(f))
         .collect::<Result<_>>()?;
     if tiny {
         o.copy_bytes = 1 << 20;
@@ -412,6 +410,16 @@ fn read_tokenizer(path: &Path) -> Result<String> {
     }
 }
 
+/// The forward named `name`.
+fn forward(name: &str) -> Result<ForwardSelect> {
+    ForwardSelect::from_name(name).with_context(|| {
+        format!(
+            "unknown forward `{name}` (expected one of {})",
+            ForwardSelect::NAMES.join(", ")
+        )
+    })
+}
+
 /// `--speculative`: the speculative-decoding figures, printed as a table (and JSON with
 /// `--json-out`).
 fn speculative(
@@ -425,6 +433,8 @@ fn speculative(
     o.context = args.context;
     o.iters = args.iters;
     o.output_tokens = args.output_tokens;
+    o.batch = args.speculative_batch;
+    o.forward = forward(&args.speculative_forward)?;
     if tiny {
         o.copy_bytes = 1 << 20;
     }
@@ -448,7 +458,7 @@ fn speculative(
         let e2e: Vec<_> = r
             .end_to_end
             .iter()
-            .map(|e| serde_json::json!({"name": e.name, "drafts": e.drafts, "tokens": e.tokens, "tokens_per_step": e.tokens_per_step, "tok_s": e.tok_s, "matches_plain": e.matches_plain}))
+            .map(|e| serde_json::json!({"name": e.name, "drafts": e.drafts, "tokens": e.tokens, "tokens_per_step": e.tokens_per_step, "tok_s": e.tok_s, "matches_plain": e.matches_plain, "captures": e.captures, "cold_tok_s": e.cold_tok_s, "cold_captures": e.cold_captures}))
             .collect();
         let json = serde_json::json!({
             "shape": format!("{:?}", args.shape),
@@ -462,6 +472,13 @@ fn speculative(
             "draft": {"ms": r.draft.graphed_ms, "eager_ms": r.draft.eager_ms, "floor_ms": r.draft.floor_ms},
             "projected": projected,
             "end_to_end": e2e,
+            "forward": r.forward,
+            "verify_program_steps": r.verify_program_steps,
+            "batched": r.batched.as_ref().map(|b| serde_json::json!({
+                "seqs": b.seqs,
+                "plain": {"graphed_ms": b.plain.graphed_ms, "eager_ms": b.plain.eager_ms, "floor_ms": b.plain.floor_ms},
+                "verify": b.verify.iter().map(|v| serde_json::json!({"drafts": v.drafts, "graphed_ms": v.graphed_ms, "eager_ms": v.ms, "floor_ms": v.floor_ms})).collect::<Vec<_>>(),
+            })),
         });
         write_json(path, &json)?;
     }

@@ -159,13 +159,19 @@ if [ -x "$BIN_ROOT/bin/metrale" ]; then
     done
   fi
   # The speculative figures on the hybrid shape (SPEC_BENCH=0 skips them): verify and draft
-  # steps beside a plain decode step, projected and end-to-end tokens/s.
+  # steps beside a plain decode step, projected and end-to-end tokens/s (legacy forward); then
+  # under the circuit forward with verify steps of 4 sequences (its batched verify programs).
   if [ "${SPEC_BENCH:-1}" != 0 ]; then
-    log="$LOGDIR/spec-bench-qwen3.5-9b.log"
-    start="$(now)"
-    timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --speculative --shape qwen3.5-9b \
-      --backend cuda --num-draft-tokens 4 --json-out "$LOGDIR/spec-bench-qwen3.5-9b.json" > "$log" 2>&1
-    record "bench --speculative qwen3.5-9b" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+    for forward in legacy circuit; do
+      batch=1; [ "$forward" = circuit ] && batch=4
+      name="spec-bench-qwen3.5-9b-$forward-b$batch"
+      log="$LOGDIR/$name.log"
+      start="$(now)"
+      timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --speculative --shape qwen3.5-9b \
+        --backend cuda --num-draft-tokens 4 --speculative-forward "$forward" \
+        --speculative-batch "$batch" --json-out "$LOGDIR/$name.json" > "$log" 2>&1
+      record "bench --speculative $forward b$batch" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+    done
   fi
 fi
 
@@ -217,7 +223,7 @@ for f in "$LOGDIR"/serve-*.log; do
   [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 8 "$f"; }
 done
 for f in "$LOGDIR"/spec-bench-*.log; do
-  [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 40 "$f"; }
+  [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 46 "$f"; }
 done
 if grep -q '^bench' "$LOGDIR/kernel-bench.log" 2>/dev/null; then
   echo "== kernel measurements =="

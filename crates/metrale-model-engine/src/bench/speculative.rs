@@ -10,7 +10,13 @@
 //!   1, 2, 3): `L / (verify(K) + K * draft)`, verify and drafts graphed, as batch 1 runs them;
 //! - end to end, `output_tokens` greedy tokens after a prompt of `context` tokens: plain decode
 //!   (graphed and eager), the oracle drafter at full acceptance (it drafts the plain run's own
-//!   tokens), and the MTP head drafting (random weights: next to no acceptance, the worst case).
+//!   tokens), and the MTP head drafting (random weights: next to no acceptance, the worst case);
+//!   each run twice, the figures of the second (warm: its step shapes' graphs captured, as a
+//!   server runs) beside the first's rate and the graphs each captured.
+//!
+//! With `batch` > 1 it also times, graphed, a plain decode step of `batch` sequences and verify
+//! steps of `batch` sequences of `1 + K` rows each, under the selected forward (`forward`:
+//! the circuit's batched verify programs, or the legacy launches).
 //!
 //! Every step figure is printed beside its floor: the bytes it must move over the copy
 //! bandwidth measured in the same run.
@@ -34,7 +40,7 @@ use crate::error::ModelError;
 use crate::factory;
 use crate::generate::{GenerateParams, SeqRequest, generate_speculative};
 use crate::options::{MAX_DRAFT_TOKENS, ModelOptions, Quantization, Speculative};
-use crate::runner::{MtpStep, StepRow, StepRunner};
+use crate::runner::{ForwardSelect, ModelCircuit, MtpStep, StepRow, StepRunner};
 use crate::sampling::SamplingParams;
 use crate::scheduler::Scheduler;
 use crate::speculative::{Drafter, MtpDrafter, OracleDrafter};
@@ -57,6 +63,10 @@ pub struct SpecBenchOptions {
     pub output_tokens: usize,
     /// Bytes of each buffer of the copy-bandwidth measurement. Default 1 GiB.
     pub copy_bytes: usize,
+    /// Sequences of the batched step figures (1: none). Default 1.
+    pub batch: usize,
+    /// The forward every step runs. Default legacy.
+    pub forward: ForwardSelect,
 }
 
 impl SpecBenchOptions {
@@ -69,6 +79,8 @@ impl SpecBenchOptions {
             iters: 20,
             output_tokens: 128,
             copy_bytes: 1 << 30,
+            batch: 1,
+            forward: ForwardSelect::Legacy,
         }
     }
 }
@@ -101,6 +113,13 @@ pub struct EndToEnd {
     pub tok_s: f64,
     /// Whether the tokens equal the plain greedy run's (speculation is lossless).
     pub matches_plain: bool,
+    /// Graphs the (warm) run captured: 0 unless some step shape ran past the graph bound.
+    pub captures: u64,
+    /// Tokens per second of the first, cold run of the same configuration (which captures
+    /// the graphs of its step shapes).
+    pub cold_tok_s: f64,
+    /// Graphs the cold run captured.
+    pub cold_captures: u64,
 }
 
 /// Everything the speculative benchmark measured.
@@ -125,6 +144,23 @@ pub struct SpecReport {
     pub draft: StepTimes,
     /// End-to-end runs.
     pub end_to_end: Vec<EndToEnd>,
+    /// The forward the steps ran (`legacy`, `circuit`, `circuit-reference`).
+    pub forward: &'static str,
+    /// With `batch` > 1: the batched plain decode step and verify steps.
+    pub batched: Option<BatchedFigures>,
+    /// Verify steps (timed or end to end) that ran a circuit verify program.
+    pub verify_program_steps: u64,
+}
+
+/// Steps of several sequences, each with `context` tokens cached.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchedFigures {
+    /// Sequences.
+    pub seqs: usize,
+    /// A plain decode step of one row a sequence.
+    pub plain: StepTimes,
+    /// Verify steps of `1 + K` rows a sequence, K = 1 up.
+    pub verify: Vec<VerifyFigure>,
 }
 
 /// A step's median time replayed from a graph and launched eagerly, and its floor (its bytes
@@ -173,19 +209,34 @@ pub fn speculative_bench(
     let copy_gb_s = copy_bandwidth(&gpu, opts.copy_bytes, opts.iters)?;
     let block_size = ModelOptions::default().block_size;
     let max_seq_len = opts.context + opts.output_tokens + kmax + 2;
+    let batch = opts.batch.max(1);
     let options = ModelOptions::default()
         .max_seq_len(max_seq_len)
         .block_size(block_size)
-        .num_kv_blocks(2 * max_seq_len.div_ceil(block_size) + 2)
-        .max_decode_seqs(1)
+        .num_kv_blocks((batch + 1) * max_seq_len.div_ceil(block_size) + 2)
+        .max_decode_seqs(batch)
         .decode_graphs(true)
         .prefix_caching(false)
         .speculative(Speculative::Mtp)
         .num_draft_tokens(kmax);
     let model = factory::random(c.clone(), gpu.clone(), 0x5eed)?;
     let (mut runner, mut cache) = StepRunner::new(model, options)?;
+    runner.set_forward(opts.forward)?;
     let steps = step_times(&mut runner, &mut cache, opts, &c, copy_gb_s)?;
-    let end_to_end = end_to_end(&mut Scheduler::from_parts(runner, cache), opts, kmax)?;
+    let batched = if batch > 1 {
+        Some(batched_step_times(
+            &mut runner,
+            &mut cache,
+            opts,
+            &c,
+            copy_gb_s,
+        )?)
+    } else {
+        None
+    };
+    let mut sched = Scheduler::from_parts(runner, cache);
+    let end_to_end = end_to_end(&mut sched, opts, kmax)?;
+    let verify_program_steps = sched.runner().verify_program_steps();
     Ok(SpecReport {
         backend: gpu.name().to_string(),
         copy_gb_s,
@@ -196,6 +247,99 @@ pub fn speculative_bench(
         verify: steps.1,
         draft: steps.2,
         end_to_end,
+        forward: opts.forward.name(),
+        batched,
+        verify_program_steps,
+    })
+}
+
+/// The batched step figures (see the module header): `opts.batch` sequences, each with
+/// `context` tokens cached, its own SSM slot and one per draft; graphed and eager.
+fn batched_step_times(
+    runner: &mut StepRunner,
+    cache: &mut CacheManager,
+    opts: &SpecBenchOptions,
+    c: &ModelConfig,
+    copy_gb_s: f64,
+) -> Result<BatchedFigures, ModelError> {
+    let (kmax, n) = (opts.max_draft_tokens, opts.batch);
+    let floor = |bytes: f64| bytes / (copy_gb_s * 1e9) * 1e3;
+    let (weights, kv_token) = (
+        weight_bytes(c, Quantization::AsStored),
+        kv_bytes_per_token(c, metrale_cache::KvDtype::Bf16),
+    );
+    let ssm_half = ssm_bytes_per_seq(c) / 2.0;
+    let mut tables = Vec::with_capacity(n);
+    let (mut own, mut spares) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        let mut table = BlockTable::new();
+        cache.ensure(&mut table, opts.context + kmax + 1)?;
+        tables.push(table);
+        if let Some(slot) = cache.alloc_ssm_slot(None)? {
+            own.push(slot);
+            let mut mine = Vec::with_capacity(kmax);
+            for _ in 0..kmax {
+                mine.extend(cache.alloc_ssm_slot(None)?);
+            }
+            spares.push(mine);
+        }
+    }
+    let refs: Vec<&BlockTable> = tables.iter().collect();
+    let ctx = opts.context as u32;
+    let vocab = c.tokens.vocab_size;
+    let row = |q: usize, t: usize| StepRow {
+        token: ((q * 131 + t * 7919 + 13) % vocab) as u32,
+        position: ctx + t as u32,
+        seq: q as u32,
+    };
+    let plain_rows: Vec<StepRow> = (0..n).map(|q| row(q, 0)).collect();
+    let (graphed_ms, eager_ms) = graphed_and_eager(runner, opts.iters, |r| {
+        r.decode(cache, &plain_rows, &refs, &own)
+    })?;
+    let nf = n as f64;
+    let plain = StepTimes {
+        graphed_ms,
+        eager_ms,
+        floor_ms: floor(weights + nf * ((opts.context + 1) as f64 * kv_token + 2.0 * ssm_half)),
+    };
+    let mut verify = Vec::with_capacity(kmax);
+    for k in 1..=kmax {
+        let rows: Vec<StepRow> = (0..n)
+            .flat_map(|q| (0..=k).map(move |t| (q, t)))
+            .map(|(q, t)| row(q, t))
+            .collect();
+        // Row t < k of sequence q keeps its state in q's spare t, row k in q's own slot.
+        let row_slots: Vec<u32> = (0..n)
+            .flat_map(|q| match own.get(q) {
+                Some(&o) => spares[q][..k]
+                    .iter()
+                    .copied()
+                    .chain([o])
+                    .collect::<Vec<_>>(),
+                None => vec![u32::MAX; k + 1],
+            })
+            .collect();
+        let (graphed_ms, ms) = graphed_and_eager(runner, opts.iters, |r| {
+            r.verify(cache, &rows, &refs, &own, &row_slots)
+        })?;
+        let per_seq = (opts.context + k + 1) as f64 * kv_token + (k + 2) as f64 * ssm_half;
+        verify.push(VerifyFigure {
+            drafts: k,
+            graphed_ms,
+            ms,
+            floor_ms: floor(weights + nf * per_seq),
+        });
+    }
+    for mut table in tables {
+        cache.release(&mut table)?;
+    }
+    for slot in own.into_iter().chain(spares.into_iter().flatten()) {
+        cache.free_ssm_slot(slot)?;
+    }
+    Ok(BatchedFigures {
+        seqs: n,
+        plain,
+        verify,
     })
 }
 
@@ -311,19 +455,29 @@ struct Run {
     seconds: f64,
     /// Decode or verify steps.
     steps: usize,
+    /// Graphs captured during the run.
+    captures: u64,
 }
 
 impl Run {
-    fn figure(&self, name: String, drafts: usize, plain: &[u32]) -> EndToEnd {
+    fn tok_s(&self) -> f64 {
+        // The first token comes from the prefill.
+        self.tokens.len().saturating_sub(1) as f64 / self.seconds
+    }
+
+    /// The figure of this (warm) run, after the `cold` run of the same configuration.
+    fn figure(&self, cold: &Run, name: String, drafts: usize, plain: &[u32]) -> EndToEnd {
         let n = self.tokens.len();
         EndToEnd {
             name,
             drafts,
             tokens: n,
-            // The first token comes from the prefill.
             tokens_per_step: n.saturating_sub(1) as f64 / self.steps.max(1) as f64,
-            tok_s: n.saturating_sub(1) as f64 / self.seconds,
-            matches_plain: self.tokens == plain,
+            tok_s: self.tok_s(),
+            matches_plain: self.tokens == plain && cold.tokens == plain,
+            captures: self.captures,
+            cold_tok_s: cold.tok_s(),
+            cold_captures: cold.captures,
         }
     }
 }
@@ -347,6 +501,7 @@ fn timed_run(
         ignore_eos: true,
     }];
     let before = sched.stats().steps.decode_steps;
+    let captures = sched.runner().graphs().captures();
     let mut out = match drafter {
         None => {
             sched.set_drafter(None)?;
@@ -355,6 +510,7 @@ fn timed_run(
         Some(d) => generate_speculative(sched, reqs, d, &mut on_token)?.0,
     };
     let steps = (sched.stats().steps.decode_steps - before) as usize;
+    let captures = sched.runner().graphs().captures() - captures;
     let seconds = match (times.first(), times.last()) {
         (Some(a), Some(b)) => (*b - *a).as_secs_f64(),
         _ => 0.0,
@@ -367,6 +523,7 @@ fn timed_run(
         tokens,
         seconds,
         steps,
+        captures,
     })
 }
 
@@ -386,26 +543,34 @@ fn end_to_end(
         stop_token_ids: Vec::new(),
         return_logits: false,
     };
-    // Each run starts cold: no prefix of an earlier run is reused.
-    let run = |sched: &mut Scheduler, drafter: Option<Box<dyn Drafter + Send>>| {
-        sched.clear_prefix_cache();
-        timed_run(sched, &prompt, &params, drafter)
+    // Each run starts with an empty prefix cache: no prefix of an earlier run is reused. Each
+    // configuration runs twice, cold then warm.
+    let run = |sched: &mut Scheduler, drafter: &dyn Fn() -> Option<Box<dyn Drafter + Send>>| {
+        let mut once = || {
+            sched.clear_prefix_cache();
+            timed_run(sched, &prompt, &params, drafter())
+        };
+        let cold = once()?;
+        Ok::<_, ModelError>((cold, once()?))
     };
-    let graphed = run(sched, None)?;
+    let (cold, graphed) = run(sched, &|| None)?;
     let plain = graphed.tokens.clone();
-    let mut out = vec![graphed.figure("plain (graphed)".into(), 0, &plain)];
+    let mut out = vec![graphed.figure(&cold, "plain (graphed)".into(), 0, &plain)];
     sched.runner_mut().set_decode_graphs(false);
-    let eager = run(sched, None);
+    let eager = run(sched, &|| None);
     sched.runner_mut().set_decode_graphs(true);
-    out.push(eager?.figure("plain (eager)".into(), 0, &plain));
+    let (cold, eager) = eager?;
+    out.push(eager.figure(&cold, "plain (eager)".into(), 0, &plain));
     let expected: Vec<u32> = prompt.iter().chain(&plain).copied().collect();
     for k in 1..=kmax {
         sched.runner_mut().set_num_draft_tokens(k)?;
-        let oracle = OracleDrafter::new(vec![expected.clone()]);
-        let r = run(sched, Some(Box::new(oracle)))?;
-        out.push(r.figure(format!("oracle K={k} (free drafts)"), k, &plain));
-        let r = run(sched, Some(Box::new(MtpDrafter)))?;
-        out.push(r.figure(format!("mtp K={k} (random head)"), k, &plain));
+        let oracle = || -> Option<Box<dyn Drafter + Send>> {
+            Some(Box::new(OracleDrafter::new(vec![expected.clone()])))
+        };
+        let (cold, r) = run(sched, &oracle)?;
+        out.push(r.figure(&cold, format!("oracle K={k} (free drafts)"), k, &plain));
+        let (cold, r) = run(sched, &|| Some(Box::new(MtpDrafter)))?;
+        out.push(r.figure(&cold, format!("mtp K={k} (random head)"), k, &plain));
     }
     sched.runner_mut().set_num_draft_tokens(kmax)?;
     Ok(out)
@@ -420,8 +585,9 @@ impl SpecReport {
     /// steps (eager to eager is the like-for-like one), the projections and the end-to-end runs.
     pub fn table(&self) -> String {
         let mut s = format!(
-            "backend {}: copy {:.0} GB/s; target weights {:.2} GB, draft weights {:.2} GB (MTP head + LM head); batch 1, context {}\n",
+            "backend {}, {} forward: copy {:.0} GB/s; target weights {:.2} GB, draft weights {:.2} GB (MTP head + LM head); batch 1, context {}\n",
             self.backend,
+            self.forward,
             self.copy_gb_s,
             self.weight_bytes / 1e9,
             self.head_weight_bytes / 1e9,
@@ -490,19 +656,45 @@ impl SpecReport {
                 );
             }
         }
+        if let Some(b) = &self.batched {
+            s += &format!(
+                "batch {} ({} forward; {} verify steps ran circuit programs)   ms/step   floor ms   x floor   / plain batch\n",
+                b.seqs, self.forward, self.verify_program_steps
+            );
+            let mut line = |name: &str, ms: f64, floor: f64| {
+                s += &format!(
+                    "  {name:<30} {ms:>9.3} {floor:>10.3} {:>9.2} {:>13.3}x\n",
+                    ms / floor,
+                    ms / b.plain.graphed_ms
+                );
+            };
+            line(
+                "plain decode (graphed)",
+                b.plain.graphed_ms,
+                b.plain.floor_ms,
+            );
+            for v in &b.verify {
+                let rows = b.seqs * (v.drafts + 1);
+                let name = format!("verify K={} (graphed, {rows} rows)", v.drafts);
+                line(&name, v.graphed_ms, v.floor_ms);
+            }
+        }
         let base = self
             .end_to_end
             .iter()
             .find(|e| e.drafts == 0)
             .map_or(f64::NAN, |e| e.tok_s);
-        s += "end to end (host wall time, first token to last)   tok/s   tokens/step   / plain graphed   same tokens as plain\n";
+        s += "end to end (host wall time, first token to last; warm run, cold run beside)   tok/s   tokens/step   / plain graphed   captures   cold tok/s   cold captures   same tokens as plain\n";
         for e in &self.end_to_end {
             s += &format!(
-                "  {:<44} {:>9.1} {:>13.2} {:>16.2}x   {}\n",
+                "  {:<44} {:>9.1} {:>13.2} {:>16.2}x {:>10} {:>12.1} {:>15}   {}\n",
                 e.name,
                 e.tok_s,
                 e.tokens_per_step,
                 e.tok_s / base,
+                e.captures,
+                e.cold_tok_s,
+                e.cold_captures,
                 if e.matches_plain { "yes" } else { "NO" }
             );
         }
@@ -550,13 +742,19 @@ mod tests {
             assert_eq!(e.tokens, 13, "{e:?}");
             assert!(e.matches_plain, "{e:?}");
             assert!(e.tok_s > 0.0 && e.tok_s.is_finite(), "{e:?}");
+            assert!(e.cold_tok_s > 0.0 && e.cold_tok_s.is_finite(), "{e:?}");
+            // The warm run replays the graphs the cold one captured (eager runs capture none).
+            assert_eq!(e.captures, 0, "{e:?}");
         }
+        assert_eq!(r.end_to_end[1].cold_captures, 0, "eager");
         for e in r.end_to_end.iter().filter(|e| e.name.starts_with("oracle")) {
             // 12 tokens after the first: K + 1 per verify step but the last, cut short.
             let full = (12.0 / (e.drafts + 1) as f64).ceil();
             assert!(e.tokens_per_step > 1.0, "{e:?}");
             assert!((e.tokens_per_step - 12.0 / full).abs() < 1e-9, "{e:?}");
         }
+        assert!(r.batched.is_none() && r.forward == "legacy");
+        assert_eq!(r.verify_program_steps, 0);
         let table = r.table();
         for want in [
             "verify K=3 (graphed, 4 rows)",
@@ -564,6 +762,44 @@ mod tests {
             "bar: verify K=3",
             "K=3 L=3.4",
             "oracle K=4",
+        ] {
+            assert!(table.contains(want), "{want}:\n{table}");
+        }
+    }
+
+    /// Batched figures under the circuit forward: three sequences' plain and verify steps are
+    /// timed against floors above the single sequence's, the verify steps run from circuit
+    /// programs, and the table says so.
+    #[test]
+    fn the_speculative_benchmark_times_batched_verify_steps_from_circuit_programs() {
+        let mut o = SpecBenchOptions::new(super::super::tiny_hybrid_for_cpu().unwrap());
+        (o.context, o.iters, o.output_tokens, o.copy_bytes) = (24, 2, 5, 1 << 16);
+        o.max_draft_tokens = 2;
+        o.batch = 3;
+        o.forward = ForwardSelect::Circuit {
+            fusions: crate::runner::Fusions::ReferenceOnly,
+        };
+        let r = speculative_bench(Arc::new(CpuBackend::default()), &o).unwrap();
+        let b = r.batched.as_ref().unwrap();
+        assert_eq!((b.seqs, b.verify.len()), (3, 2));
+        for v in &b.verify {
+            assert!(
+                v.graphed_ms > 0.0 && v.ms > 0.0 && v.graphed_ms.is_finite(),
+                "{v:?}"
+            );
+            assert!(v.floor_ms > b.plain.floor_ms && b.plain.floor_ms > r.plain.floor_ms);
+        }
+        // Two timed verify shapes, each graphed and eager, over 2 + iters runs at least.
+        assert!(
+            r.verify_program_steps >= 2 * 2 * 2,
+            "{}",
+            r.verify_program_steps
+        );
+        let table = r.table();
+        for want in [
+            "circuit-reference forward",
+            "batch 3",
+            "verify K=2 (graphed, 9 rows)",
         ] {
             assert!(table.contains(want), "{want}:\n{table}");
         }

@@ -52,6 +52,8 @@ pub struct GraphCache {
     stream: StreamHandle,
     graphs: HashMap<GraphKey, GraphHandle>,
     max_speculative: usize,
+    /// Graphs captured since creation (destroyed ones included).
+    captures: u64,
 }
 
 impl GraphCache {
@@ -65,6 +67,7 @@ impl GraphCache {
             stream,
             graphs: HashMap::new(),
             max_speculative,
+            captures: 0,
         }
     }
 
@@ -99,6 +102,7 @@ impl GraphCache {
                 captured?;
                 let g = ended?;
                 self.graphs.insert(key, g);
+                self.captures += 1;
                 g
             }
         };
@@ -117,6 +121,12 @@ impl GraphCache {
             }
         }
         first
+    }
+
+    /// Graphs captured so far, every kind, those destroyed since included: a step that
+    /// captures pays for it once, so a timed run that captures is not a warm one.
+    pub fn captures(&self) -> u64 {
+        self.captures
     }
 
     /// Decode widths captured so far, ascending.
