@@ -1,6 +1,8 @@
 //! Qwen3 and Llama checkpoints written by transformers reproduce its greedy tokens and float32
 //! logits on the CPU backend, and deliberately broken checkpoints (wrong RoPE base, swapped
-//! heads, the other norm convention) fail the same comparison.
+//! heads, the other norm convention) fail the same comparison. FP8 packs: the official block
+//! layout, the FP8 KV cache, and llm-compressor's compressed-tensors layouts (block: the official
+//! pack bit for bit; per channel: the bf16 model of its dequantized weights).
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 
@@ -204,4 +206,141 @@ fn fp8_weights_read_with_wrong_scales_are_caught() {
         .filter(|o| o.failure.is_some())
         .count();
     assert!(failed > 0, "doubled scales passed the comparison");
+}
+
+/// `config.json` of `dir` with its `quantization_config` replaced by `q` (removed for `None`).
+fn set_quantization(dir: &Path, q: Option<serde_json::Value>) {
+    let path = dir.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    match q {
+        Some(q) => c["quantization_config"] = q,
+        None => {
+            c.as_object_mut().unwrap().remove("quantization_config");
+        }
+    }
+    std::fs::write(path, c.to_string()).unwrap();
+}
+
+/// A compressed-tensors quantization config (llm-compressor's layout) with `weights`.
+fn compressed_tensors(weights: serde_json::Value) -> serde_json::Value {
+    serde_json::json!({
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": weights,
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                  "dynamic": true, "symmetric": true}
+        }},
+        "ignore": ["lm_head"]
+    })
+}
+
+#[test]
+fn a_compressed_tensors_block_pack_is_the_official_pack_bit_for_bit() {
+    // The official pack's e4m3 bytes and block scales under llm-compressor's names
+    // (`weight_scale` for `weight_scale_inv`) and config.
+    let src = fixtures_dir().join("qwen3-fp8-tiny");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut renamed = 0;
+    copy_fixture_with(&src, tmp.path(), |name, tensor| {
+        let name = match name.strip_suffix("_inv") {
+            Some(stem) => {
+                renamed += 1;
+                stem.to_string()
+            }
+            None => name.to_string(),
+        };
+        vec![(name, tensor)]
+    });
+    assert!(renamed >= 7 * 2, "{renamed} scales renamed");
+    set_quantization(
+        tmp.path(),
+        Some(compressed_tensors(serde_json::json!({
+            "num_bits": 8, "type": "float", "strategy": "block",
+            "block_structure": [128, 128], "dynamic": false, "symmetric": true
+        }))),
+    );
+    let prompts = read_reference(&src).unwrap();
+    let official = Engine::load(&src, EngineOptions::default()).unwrap();
+    let compressed = Engine::load(tmp.path(), EngineOptions::default()).unwrap();
+    assert!(greedy_bits(&compressed, &prompts) == greedy_bits(&official, &prompts));
+}
+
+#[test]
+fn a_compressed_tensors_per_channel_pack_is_the_bf16_model_of_its_dequantized_weights() {
+    // The pack's bf16 source quantized per output channel (scale = row amax / 448, elements
+    // rounded to nearest even e4m3, `weight_scale` of shape [N, 1]); the same weights
+    // dequantized as the engine defines them, bf16(e4m3 · bf16(scale)), in a bf16 checkpoint.
+    use metrale_gpu_runtime::fp8::{E4M3_MAX, dequant_element, f32_to_e4m3};
+    let dir = fixtures_dir().join("qwen3-fp8-tiny");
+    let bytes = std::fs::read(dir.join("source/model.safetensors")).unwrap();
+    let source = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let per_channel = |name: &str| {
+        let view = source.tensor(name).unwrap();
+        let (n, k) = (view.shape()[0], view.shape()[1]);
+        let w: Vec<f32> = (view.data().chunks_exact(2))
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect();
+        let scales: Vec<f32> = (w.chunks_exact(k))
+            .map(|row| row.iter().fold(0f32, |m, x| m.max(x.abs())) / E4M3_MAX)
+            .collect();
+        let codes: Vec<u8> = (w.iter().enumerate())
+            .map(|(i, x)| f32_to_e4m3(x / scales[i / k]))
+            .collect();
+        (n, k, codes, scales)
+    };
+    let (packed, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut quantized = 0;
+    for (dst, as_fp8) in [(packed.path(), true), (plain.path(), false)] {
+        copy_fixture_with(&dir, dst, |name, tensor| {
+            if name.ends_with("weight_scale_inv") {
+                return Vec::new();
+            }
+            if tensor.dtype != safetensors::Dtype::F8_E4M3 {
+                return vec![(name.to_string(), tensor)];
+            }
+            quantized += usize::from(as_fp8);
+            let (n, k, codes, scales) = per_channel(name);
+            if as_fp8 {
+                let scale = TensorData {
+                    dtype: safetensors::Dtype::F32,
+                    shape: vec![n, 1],
+                    data: scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+                };
+                let weight = TensorData {
+                    dtype: safetensors::Dtype::F8_E4M3,
+                    shape: vec![n, k],
+                    data: codes,
+                };
+                vec![(name.to_string(), weight), (format!("{name}_scale"), scale)]
+            } else {
+                let data = (codes.iter().enumerate())
+                    .flat_map(|(i, &c)| dequant_element(c, scales[i / k]).to_le_bytes())
+                    .collect();
+                let weight = TensorData {
+                    dtype: safetensors::Dtype::BF16,
+                    shape: vec![n, k],
+                    data,
+                };
+                vec![(name.to_string(), weight)]
+            }
+        });
+    }
+    assert!(quantized >= 7 * 2, "{quantized} projections quantized");
+    set_quantization(
+        packed.path(),
+        Some(compressed_tensors(serde_json::json!({
+            "num_bits": 8, "type": "float", "strategy": "channel",
+            "dynamic": false, "symmetric": true
+        }))),
+    );
+    set_quantization(plain.path(), None);
+    let prompts = read_reference(&dir).unwrap();
+    let load = |d: &Path| Engine::load(d, EngineOptions::default()).unwrap();
+    let channel_bits = greedy_bits(&load(packed.path()), &prompts);
+    assert!(channel_bits == greedy_bits(&load(plain.path()), &prompts));
+    // Per-channel scales are not the official pack's block scales: the comparison can fail.
+    assert!(channel_bits != greedy_bits(&load(&dir), &prompts));
 }
