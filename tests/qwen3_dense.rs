@@ -2,7 +2,8 @@
 //! logits on the CPU backend, and deliberately broken checkpoints (wrong RoPE base, swapped
 //! heads, the other norm convention) fail the same comparison. FP8 packs: the official block
 //! layout, the FP8 KV cache, and llm-compressor's compressed-tensors layouts (block: the official
-//! pack bit for bit; per channel: the bf16 model of its dequantized weights).
+//! pack bit for bit; per channel: the bf16 model of its dequantized weights), and a sharded pack
+//! whose scales sit in another shard than their weights.
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 
@@ -343,4 +344,41 @@ fn a_compressed_tensors_per_channel_pack_is_the_bf16_model_of_its_dequantized_we
     assert!(channel_bits == greedy_bits(&load(plain.path()), &prompts));
     // Per-channel scales are not the official pack's block scales: the comparison can fail.
     assert!(channel_bits != greedy_bits(&load(&dir), &prompts));
+}
+
+#[test]
+fn a_sharded_fp8_pack_with_scales_apart_from_their_weights_is_the_whole_pack() {
+    // The official pack's tensors over two shards named by an index, every FP8 weight in one
+    // file and its scale in the other.
+    let src = fixtures_dir().join("qwen3-fp8-tiny");
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["config.json", "generation_config.json"] {
+        std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let files = [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ];
+    let (mut shards, mut map) = ([Vec::new(), Vec::new()], serde_json::Map::new());
+    for (name, view) in st.tensors() {
+        let shard = usize::from(name.ends_with("_scale_inv"));
+        map.insert(name.clone(), files[shard].into());
+        shards[shard].push((name, view));
+    }
+    assert!(shards.iter().all(|s| !s.is_empty()));
+    for (file, views) in files.iter().zip(shards) {
+        safetensors::serialize_to_file(views, None, &tmp.path().join(file)).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(
+        tmp.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    let prompts = read_reference(&src).unwrap();
+    let whole = Engine::load(&src, EngineOptions::default()).unwrap();
+    let sharded = Engine::load(tmp.path(), EngineOptions::default()).unwrap();
+    assert!(greedy_bits(&sharded, &prompts) == greedy_bits(&whole, &prompts));
 }
