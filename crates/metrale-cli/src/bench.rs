@@ -106,6 +106,10 @@ pub struct BenchArgs {
     /// of a step).
     #[arg(long, default_value_t = metrale::ModelOptions::default().max_batch_tokens)]
     max_batch_tokens: usize,
+    /// Interference: the engine's `mixed_chunk_attention` (query-row by key pairs a mixed
+    /// step's prompt chunk may read; default: unbounded).
+    #[arg(long)]
+    mixed_chunk_attention: Option<usize>,
     /// Serving trace: requests at each rate.
     #[arg(long, default_value_t = 200)]
     num_prompts: usize,
@@ -339,6 +343,7 @@ fn interference(
     o.output_tokens = args.output_tokens;
     o.long_prompt_tokens = long_prompt_tokens;
     o.max_batch_tokens = args.max_batch_tokens;
+    o.mixed_chunk_attention = args.mixed_chunk_attention;
     let report = bench::interference(gpu, &o)?;
     let head = serde_json::json!({
         "backend": report.backend,
@@ -346,6 +351,7 @@ fn interference(
         "output_tokens": report.output_tokens,
         "long_prompt_tokens": report.long_prompt_tokens,
         "max_batch_tokens": report.max_batch_tokens,
+        "mixed_chunk_attention": report.mixed_chunk_attention,
     });
     print_and_write(
         args,

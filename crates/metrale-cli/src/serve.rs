@@ -127,6 +127,12 @@ pub struct ServeArgs {
     /// holding every decoding request's next token and a chunk of a prompt in prefill.
     #[arg(long)]
     pub no_mixed_steps: bool,
+    /// With mixed steps, the most query-row by key pairs of attention a step's prompt chunk
+    /// may read (a chunk of r rows from position p reads about r * p + r^2 / 2): late in a
+    /// long prompt its chunks get shorter, bounding the other requests' inter-token gap.
+    /// Default: unbounded.
+    #[arg(long)]
+    pub mixed_chunk_attention: Option<usize>,
     /// Most requests running at once (the widest decode step).
     #[arg(long, default_value_t = ModelOptions::default().max_decode_seqs)]
     pub max_decode_seqs: usize,
@@ -214,6 +220,7 @@ impl ServeArgs {
             .tensor_parallel_size(self.tensor_parallel_size)
             .max_batch_tokens(self.max_batch_tokens)
             .mixed_steps(!self.no_mixed_steps)
+            .mixed_chunk_attention(self.mixed_chunk_attention)
             .max_decode_seqs(self.max_decode_seqs)
             .max_seq_len(self.max_seq_len)
             .num_kv_blocks(self.num_kv_blocks)
@@ -321,6 +328,9 @@ mod tests {
         assert!(default.mixed_steps);
         let alternating = model(&["--no-mixed-steps", "--max-batch-tokens", "64"]).expect("valid");
         assert!(!alternating.mixed_steps);
+        assert_eq!(default.mixed_chunk_attention, None);
+        let budgeted = model(&["--mixed-chunk-attention", "500000"]).expect("valid");
+        assert_eq!(budgeted.mixed_chunk_attention, Some(500_000));
         assert_eq!(alternating.max_batch_tokens, 64);
         assert!(model(&["--ssm-snapshot-slots", "many"]).is_err());
     }

@@ -16,6 +16,14 @@ pub struct ModelOptions {
     /// alternate either way. A sequence's tokens and logits are the same with it on or off.
     /// Default true.
     pub mixed_steps: bool,
+    /// With mixed steps, the most attention work a mixed step's chunk may carry, in query-row
+    /// by key pairs: a chunk of `r` rows from prompt position `p` reads `r * p + r * (r + 1) / 2`
+    /// keys, so late in a long prompt the chunk is cut shorter (at least one row; on hybrid
+    /// models still only where a cut is allowed, so possibly longer). It bounds a mixed step's
+    /// time, and with it the other streams' inter-token gap, where prefill attention dominates
+    /// the step; the prompt then takes more steps. A sequence's tokens and logits do not depend
+    /// on it. `None`: only the token budget bounds the chunk. Default `None`.
+    pub mixed_chunk_attention: Option<usize>,
     /// Longest sequence (prompt plus output). Default: the config's
     /// `max_position_embeddings`, capped at 4096.
     pub max_seq_len: Option<usize>,
@@ -192,6 +200,7 @@ impl Default for ModelOptions {
         ModelOptions {
             max_batch_tokens: 512,
             mixed_steps: true,
+            mixed_chunk_attention: None,
             max_seq_len: None,
             block_size: 16,
             num_kv_blocks: None,
@@ -223,6 +232,12 @@ impl ModelOptions {
     /// Set `mixed_steps`.
     pub fn mixed_steps(mut self, on: bool) -> Self {
         self.mixed_steps = on;
+        self
+    }
+
+    /// Set `mixed_chunk_attention`.
+    pub fn mixed_chunk_attention(mut self, pairs: Option<usize>) -> Self {
+        self.mixed_chunk_attention = pairs;
         self
     }
 

@@ -4,7 +4,8 @@
 //! choices and the decoding sequences (greedy, sampled, with penalties and logprobs) get the
 //! tokens and logits of their solo runs and of the same traffic with mixing off, preempted or
 //! not. On the dense, hybrid (Gated DeltaNet) and MoE fixtures, on the CPU backend (and, built
-//! with `--features cuda`, on the CUDA backend too).
+//! with `--features cuda`, on the CUDA backend too). A budget of attention work per mixed
+//! chunk (`mixed_chunk_attention`) cuts the chunks late in the prompt shorter, and no bit.
 
 #![allow(clippy::unwrap_used)]
 
@@ -306,6 +307,59 @@ fn preemption_beside_mixed_steps_is_bitwise_solo_on_every_family() {
         for kv in [KvCacheDtype::Bf16, KvCacheDtype::Fp8] {
             preemption_beside_mixed_steps_is_bitwise_solo(cpu, name, kv);
         }
+    }
+}
+
+/// Query-row by key pairs one mixed chunk may read in `an_attention_budget_...`: the whole
+/// budget's rows early in the long prompt, about 50 rows from position 128, 37 from 200.
+const ATTENTION: usize = 8000;
+
+#[test]
+fn an_attention_budget_cuts_late_chunks_shorter_and_changes_no_bit() {
+    for name in ["qwen3-tiny", "qwen3_5-tiny"] {
+        let budgeted = options(true).mixed_chunk_attention(Some(ATTENTION));
+        let mut on = load_on(cpu, name, budgeted);
+        let vocab = on.runner().model().config().tokens.vocab_size as u32;
+        let t = traffic(vocab, 5);
+        let got = run(&mut on, &t);
+        assert_eq!(got.missed, 0, "{name}: a decoding sequence missed a step");
+        let interval = on.runner().ssm_snapshot_interval();
+        let mut start = 0;
+        for kind in &got.window {
+            let StepKind::Mixed { rows, .. } = *kind else {
+                panic!("{name}: {kind:?} while the long prompt prefills");
+            };
+            let keys = rows * start + rows * (rows + 1) / 2;
+            // Within the budget; on the hybrid model a piece may run on to the next allowed
+            // cut, never past the next multiple of the snapshot interval.
+            let next = interval.map(|i| (start / i + 1) * i);
+            assert!(
+                keys <= ATTENTION || rows == 1 || next.is_some_and(|n| start + rows <= n),
+                "{name}: {rows} rows from {start} read {keys} keys"
+            );
+            start += rows;
+        }
+        assert_eq!(start, LONG_PROMPT, "{name}");
+        // Without the budget the dense prompt takes fewer, longer chunks (the hybrid one's
+        // are whole snapshot intervals either way); the bits are the same.
+        let mut free = load_on(cpu, name, options(true));
+        let unbudgeted = run(&mut free, &t);
+        assert!(
+            interval.is_some() || unbudgeted.window.len() < got.window.len(),
+            "{name}: {} steps with the budget, {} without",
+            got.window.len(),
+            unbudgeted.window.len()
+        );
+        let ids: Vec<SeqId> = [&unbudgeted.decoders[..], &[unbudgeted.long]].concat();
+        let ids: Vec<SeqId> = (ids.into_iter())
+            .chain([SeqId(unbudgeted.long.0 + 1)])
+            .collect();
+        assert_bitwise(
+            &got,
+            &unbudgeted.gens,
+            &ids,
+            &format!("{name}: budget vs none"),
+        );
     }
 }
 

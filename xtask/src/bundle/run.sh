@@ -191,6 +191,21 @@ if [ -x "$BIN_ROOT/bin/metrale" ] && [ "${SERVE_BENCH:-1}" != 0 ]; then
   record "bench --serve --request-rate" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
 fi
 
+# The interference scenario on Qwen3-8B (INTERF_BENCH=0 skips it): 64 streams decode when a
+# prompt of 16,384 tokens arrives, mixed steps on and off, the mixed chunks unbounded and
+# bounded by budgets of attention work (query-row by key pairs).
+if [ -x "$BIN_ROOT/bin/metrale" ] && [ "${INTERF_BENCH:-1}" != 0 ]; then
+  for pairs in none 500000 1000000 2000000; do
+    log="$LOGDIR/interference-qwen3-8b-$pairs.log"
+    budget=(); [ "$pairs" = none ] || budget=(--mixed-chunk-attention "$pairs")
+    start="$(now)"
+    timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --serve --shape qwen3-8b \
+      --backend cuda --concurrency 64 --interference-prompt-tokens 16384 "${budget[@]}" \
+      --json-out "$LOGDIR/interference-qwen3-8b-$pairs.json" > "$log" 2>&1
+    record "interference $pairs" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+  done
+fi
+
 # The soak (many concurrent requests with cancellations, shared prefixes and preemption; every
 # output checked against its solo run) on the CUDA engine, over the dense and hybrid fixtures,
 # with a bf16 and with an FP8 KV cache.
@@ -221,6 +236,9 @@ for f in "$LOGDIR"/bench-*.log; do
 done
 for f in "$LOGDIR"/serve-*.log; do
   [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 8 "$f"; }
+done
+for f in "$LOGDIR"/interference-*.log; do
+  [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 4 "$f"; }
 done
 for f in "$LOGDIR"/spec-bench-*.log; do
   [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 46 "$f"; }

@@ -49,6 +49,8 @@ pub struct InterferenceOptions {
     pub long_prompt_tokens: usize,
     /// The engine's `max_batch_tokens`. Default 512, the engine's default.
     pub max_batch_tokens: usize,
+    /// The engine's `mixed_chunk_attention`. Default `None`, the engine's default.
+    pub mixed_chunk_attention: Option<usize>,
 }
 
 impl InterferenceOptions {
@@ -61,6 +63,7 @@ impl InterferenceOptions {
             output_tokens: 512,
             long_prompt_tokens: 16384,
             max_batch_tokens: ModelOptions::default().max_batch_tokens,
+            mixed_chunk_attention: None,
         }
     }
 }
@@ -111,6 +114,8 @@ pub struct InterferenceReport {
     pub long_prompt_tokens: usize,
     /// See [`InterferenceOptions`].
     pub max_batch_tokens: usize,
+    /// See [`InterferenceOptions`].
+    pub mixed_chunk_attention: Option<usize>,
     /// The rungs, in the order run.
     pub points: Vec<InterferencePoint>,
 }
@@ -130,6 +135,7 @@ fn interference_scheduler(
         streams * (stream_len.div_ceil(block_size) + 2) + long_len.div_ceil(block_size) + 2;
     let options = ModelOptions::default()
         .max_batch_tokens(opts.max_batch_tokens)
+        .mixed_chunk_attention(opts.mixed_chunk_attention)
         .max_seq_len(Some(stream_len.max(long_len)))
         .num_kv_blocks(Some(blocks))
         .max_decode_seqs(streams + 1);
@@ -269,6 +275,7 @@ pub fn interference(
         output_tokens: opts.output_tokens,
         long_prompt_tokens: opts.long_prompt_tokens,
         max_batch_tokens: opts.max_batch_tokens,
+        mixed_chunk_attention: opts.mixed_chunk_attention,
         points,
     })
 }
@@ -277,12 +284,14 @@ impl InterferenceReport {
     /// The human-readable table: each rung's runs with mixed steps on and off.
     pub fn table(&self) -> String {
         let mut s = format!(
-            "backend {}: interference, streams of prompt {} + output {} tokens, a prompt of {} tokens arrives; max_batch_tokens {}\n",
+            "backend {}: interference, streams of prompt {} + output {} tokens, a prompt of {} tokens arrives; max_batch_tokens {}; mixed_chunk_attention {}\n",
             self.backend,
             self.prompt_tokens,
             self.output_tokens,
             self.long_prompt_tokens,
-            self.max_batch_tokens
+            self.max_batch_tokens,
+            self.mixed_chunk_attention
+                .map_or_else(|| "none".to_string(), |p| p.to_string())
         );
         s += "interf streams  mixed   ttft ms   median gap ms   max gap ms   worst max/median   stalled/steps\n";
         for p in &self.points {

@@ -48,7 +48,7 @@ pub use circuit::{
 };
 pub use graphs::GraphCache;
 pub use mtp::MtpStep;
-pub use prefix::{ChunkCuts, mixed_chunk, prefill_chunk};
+pub use prefix::{ChunkCuts, mixed_chunk, prefill_chunk, rows_within_attention};
 pub use sizes::StepSizes;
 pub use upload::{StepInput, StepRow};
 

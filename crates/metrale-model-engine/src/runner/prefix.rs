@@ -1,6 +1,6 @@
 //! The step runner's side of prefix caching and chunking: where hybrid prefill chunks end
 //! (`prefill_chunk`, the SSM snapshot interval and stride), how much of a prompt a mixed step
-//! holds (`mixed_chunk`), whether decode steps compute what prefill steps compute (so the
+//! holds (`mixed_chunk`, `rows_within_attention`), whether decode steps compute what prefill steps compute (so the
 //! blocks they fill can be published), and whether `forward` computes decode rows as decode
 //! steps do (so they may share a step with a prefill chunk).
 //!
@@ -92,6 +92,24 @@ pub fn mixed_chunk(
     }
     let next = (start / c.interval + 1) * c.interval;
     start..full.end.min(next)
+}
+
+/// The most rows (at least one) a chunk starting at prompt position `start` may hold within
+/// `pairs` query-row by key pairs of attention: the largest `r` with
+/// `r * start + r * (r + 1) / 2 <= pairs` (row `i` of the chunk reads `start + i + 1` keys).
+pub fn rows_within_attention(start: usize, pairs: usize) -> usize {
+    let work = |r: u128| r * start as u128 + r * (r + 1) / 2;
+    let pairs = pairs as u128;
+    // From the real root of r^2 / 2 + (start + 1/2) r = pairs, then exact steps.
+    let b = start as f64 + 0.5;
+    let mut r = ((b * b + 2.0 * pairs as f64).sqrt() - b).max(0.0) as u128;
+    while r > 0 && work(r) > pairs {
+        r -= 1;
+    }
+    while work(r + 1) <= pairs {
+        r += 1;
+    }
+    usize::try_from(r).unwrap_or(usize::MAX).max(1)
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -272,6 +290,31 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn rows_within_attention_are_the_most_whose_key_reads_fit() {
+        let work = |r: usize, p: usize| (r * p + r * (r + 1) / 2) as u128;
+        let cases = [
+            (0, 0),
+            (0, 1),
+            (0, 3),
+            (0, 8000),
+            (128, 8000),
+            (16_384, 500_000),
+            (0, usize::MAX),
+        ];
+        for (start, pairs) in cases {
+            let r = rows_within_attention(start, pairs);
+            let (r, fits) = (r as u128, pairs as u128);
+            let work = |r: u128| r * start as u128 + r * (r + 1) / 2;
+            assert!(r == 1 || work(r) <= fits, "{start} {pairs}: {r}");
+            assert!(work(r + 1) > fits, "{start} {pairs}: {r} is not the most");
+        }
+        assert_eq!(rows_within_attention(0, 3), 2);
+        assert_eq!(rows_within_attention(128, 8000), 51);
+        assert!(work(51, 128) <= 8000 && work(52, 128) > 8000);
+        assert_eq!(rows_within_attention(10, 0), 1);
     }
 
     #[test]

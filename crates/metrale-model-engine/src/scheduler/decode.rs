@@ -11,7 +11,7 @@ use super::admit::{chunk_rows, with_logits};
 use super::sequence::Seq;
 use super::{Scheduler, SeqEvent, StepKind, prefix};
 use crate::error::ModelError;
-use crate::runner::{StepInput, StepRow, mixed_chunk};
+use crate::runner::{StepInput, StepRow, mixed_chunk, rows_within_attention};
 use crate::sampling::SampleRow;
 
 impl Scheduler {
@@ -93,17 +93,16 @@ impl Scheduler {
     }
 
     /// The prompt positions of running sequence `p`'s chunk in a step of `d` decode rows: the
-    /// token budget less the decode rows, at least one row, cut where `mixed_chunk` allows.
+    /// token budget less the decode rows, within `mixed_chunk_attention` of attention work, at
+    /// least one row, cut where `mixed_chunk` allows.
     fn mixed_range(&self, p: usize, d: usize) -> Range<usize> {
         let (chunk, cuts) = (self.policy.chunk, self.policy.cuts);
         let s = &self.running[p];
-        mixed_chunk(
-            s.computed,
-            s.prompt_len,
-            chunk,
-            chunk.saturating_sub(d),
-            cuts,
-        )
+        let mut budget = chunk.saturating_sub(d);
+        if let Some(pairs) = self.runner.options().mixed_chunk_attention {
+            budget = budget.min(rows_within_attention(s.computed, pairs));
+        }
+        mixed_chunk(s.computed, s.prompt_len, chunk, budget, cuts)
     }
 
     /// One plain decode step of every running sequence past its prompt, after making room for
