@@ -151,6 +151,31 @@ fn verify(
     (logits, states)
 }
 
+/// Under circuit-reference (selected here), the `step` (verify or draft) programs of each
+/// `(rows, seqs)` of `shapes` launch exactly what the legacy step launches.
+fn programs_launch_legacy(model: &mut Rig, name: &str, step: Step, shapes: &[(usize, usize)]) {
+    let launches = |m: &Rig, rows, seqs| match step {
+        Step::Draft => m.runner.draft_launches(rows, seqs).unwrap(),
+        _ => m.runner.verify_launches(rows, seqs).unwrap(),
+    };
+    let want: Vec<_> = (shapes.iter())
+        .map(|&(rows, seqs)| launches(model, rows, seqs))
+        .collect();
+    model.runner.set_forward(REFERENCE).unwrap();
+    for (&(rows, seqs), want) in shapes.iter().zip(&want) {
+        let got = launches(model, rows, seqs);
+        assert!(
+            got == *want,
+            "{name}: the {} program of {rows} rows of {seqs} sequences launches {} kernels, \
+             legacy {}; first difference at {:?}",
+            step.name(),
+            got.len(),
+            want.len(),
+            got.iter().zip(want).position(|(g, w)| g != w)
+        );
+    }
+}
+
 #[test]
 fn circuit_reference_verify_is_bitwise_legacy_logits_and_row_states_for_k_1_to_4() {
     verify_is_bitwise_legacy(cpu);
@@ -161,21 +186,8 @@ fn verify_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
         for graphs in [false, true] {
             let mut legacy = load_on(gpu, name, spec_options(4, graphs));
             let mut circuit = load_on(gpu, name, spec_options(4, graphs));
-            let want: Vec<_> = (1..=5)
-                .map(|rows| circuit.runner.verify_launches(rows, 1).unwrap())
-                .collect();
-            circuit.runner.set_forward(REFERENCE).unwrap();
-            for (rows, want) in (1..=5).zip(&want) {
-                let got = circuit.runner.verify_launches(rows, 1).unwrap();
-                assert!(
-                    got == *want,
-                    "{name}: the verify program of {rows} rows launches {} kernels, legacy {}; \
-                     first difference at {:?}",
-                    got.len(),
-                    want.len(),
-                    got.iter().zip(want).position(|(g, w)| g != w)
-                );
-            }
+            let shapes: Vec<(usize, usize)> = (1..=5).map(|rows| (rows, 1)).collect();
+            programs_launch_legacy(&mut circuit, name, Step::Verify, &shapes);
             for k in 1..=4 {
                 let p = prompt(12 + k as u32, k as u32);
                 let mut want = None;
@@ -215,22 +227,8 @@ fn batched_verify_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
         for graphs in [false, true] {
             let mut legacy = load_on(gpu, name, spec_options(3, graphs));
             let mut circuit = load_on(gpu, name, spec_options(3, graphs));
-            let want: Vec<_> = (mixes.iter().map(|c| shape(c)))
-                .map(|(rows, seqs)| circuit.runner.verify_launches(rows, seqs).unwrap())
-                .collect();
-            circuit.runner.set_forward(REFERENCE).unwrap();
-            for (c, want) in mixes.iter().zip(&want) {
-                let (rows, seqs) = shape(c);
-                let got = circuit.runner.verify_launches(rows, seqs).unwrap();
-                assert!(
-                    got == *want,
-                    "{name}: {rows} verify rows of {seqs} sequences launch {} kernels, legacy {}; \
-                     first difference at {:?}",
-                    got.len(),
-                    want.len(),
-                    got.iter().zip(want).position(|(g, w)| g != w)
-                );
-            }
+            let shapes: Vec<(usize, usize)> = mixes.iter().map(|c| shape(c)).collect();
+            programs_launch_legacy(&mut circuit, name, Step::Verify, &shapes);
             for counts in mixes {
                 let lens: Vec<usize> = (0..counts.len()).map(|i| 9 + 5 * i).collect();
                 let mut want = None;
@@ -476,21 +474,8 @@ fn draft_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
                 .decode_graphs(graphs);
             let load = || Rig::load_on(fx.path(), options.clone(), gpu());
             let (mut legacy, mut circuit) = (load(), load());
-            let want: Vec<_> = (1..=5)
-                .map(|rows| circuit.runner.draft_launches(rows, 1).unwrap())
-                .collect();
-            circuit.runner.set_forward(REFERENCE).unwrap();
-            for (rows, want) in (1..=5).zip(&want) {
-                let got = circuit.runner.draft_launches(rows, 1).unwrap();
-                assert!(
-                    got == *want,
-                    "{name}: the draft program of {rows} rows launches {} kernels, legacy {}; \
-                     first difference at {:?}",
-                    got.len(),
-                    want.len(),
-                    got.iter().zip(want).position(|(g, w)| g != w)
-                );
-            }
+            let shapes: Vec<(usize, usize)> = (1..=5).map(|rows| (rows, 1)).collect();
+            programs_launch_legacy(&mut circuit, name, Step::Draft, &shapes);
             for rows in 1..=5 {
                 let p = prompt(9 + rows as u32, rows as u32);
                 let a = draft_steps(&mut legacy, &p, rows);
@@ -601,21 +586,7 @@ fn batched_draft_is_bitwise_legacy(gpu: fn() -> Arc<dyn GpuBackend>) {
             let shapes: Vec<(usize, usize)> = (takes.iter())
                 .flat_map(|t| [(t.iter().sum(), t.len()), (t.len(), t.len())])
                 .collect();
-            let want: Vec<_> = (shapes.iter())
-                .map(|&(rows, seqs)| circuit.runner.draft_launches(rows, seqs).unwrap())
-                .collect();
-            circuit.runner.set_forward(REFERENCE).unwrap();
-            for (&(rows, seqs), want) in shapes.iter().zip(&want) {
-                let got = circuit.runner.draft_launches(rows, seqs).unwrap();
-                assert!(
-                    got == *want,
-                    "{name}: the draft program of {rows} rows of {seqs} sequences launches {} \
-                     kernels, legacy {}; first difference at {:?}",
-                    got.len(),
-                    want.len(),
-                    got.iter().zip(want).position(|(g, w)| g != w)
-                );
-            }
+            programs_launch_legacy(&mut circuit, name, Step::Draft, &shapes);
             for take in takes {
                 let prompts: Vec<Vec<u32>> = (0..take.len() as u32)
                     .map(|i| prompt(8 + 3 * i, i + 1))

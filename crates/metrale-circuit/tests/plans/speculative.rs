@@ -5,24 +5,32 @@
 
 use super::*;
 
-#[test]
-fn a_verify_plan_reads_one_sequence_keeps_every_rows_state_and_says_so() -> Result<()> {
-    let instance = support::hybrid(vec![LA_DENSE, FA_DENSE]);
+/// `instance`'s circuit of `step` and its plans at every width of the step, lowered with the
+/// reference rules of its architecture.
+fn reference_plans(instance: &Instance, step: Step) -> Result<(Arc<Circuit>, Vec<Plan>)> {
     let table = RuleTable::for_architecture(instance.architecture);
     let kernels = support::reference_kernels(&table);
-    let verify = Arc::new(Circuit::for_step(&instance, Step::Verify)?);
+    let circuit = Arc::new(Circuit::for_step(instance, step)?);
     let lowering = Lowering {
         rules: &table,
         fusions: Fusions::ReferenceOnly,
         kernels: &kernels,
     };
-    let plans = Plan::compile_widths(&verify, &lowering)?;
+    let plans = Plan::compile_widths(&circuit, &lowering)?;
+    Ok((circuit, plans))
+}
+
+#[test]
+fn a_verify_plan_reads_one_sequence_keeps_every_rows_state_and_says_so() -> Result<()> {
+    let instance = support::hybrid(vec![LA_DENSE, FA_DENSE]);
+    let (verify, plans) = reference_plans(&instance, Step::Verify)?;
     ensure!(
         plans
             .iter()
             .map(Plan::rows)
             .eq(instance.verify_rows.iter().copied())
     );
+    let kernels = support::reference_kernels(&RuleTable::for_architecture(instance.architecture));
     let decode = support::plan(&instance, Fusions::ReferenceOnly, &kernels, 3);
     let plan = &plans[1];
     ensure!(plan.rows() == 3 && plan.launches_per_step() == decode.launches_per_step());
@@ -78,15 +86,7 @@ fn a_batched_verify_plan_launches_the_single_sequence_kernels_over_several_seque
 {
     let mut instance = support::hybrid(vec![LA_DENSE, FA_DENSE]);
     instance.verify_batches = vec![Width::new(3, 2), Width::new(6, 2), Width::new(7, 3)];
-    let table = RuleTable::for_architecture(instance.architecture);
-    let kernels = support::reference_kernels(&table);
-    let verify = Arc::new(Circuit::for_step(&instance, Step::Verify)?);
-    let lowering = Lowering {
-        rules: &table,
-        fusions: Fusions::ReferenceOnly,
-        kernels: &kernels,
-    };
-    let plans = Plan::compile_widths(&verify, &lowering)?;
+    let (verify, plans) = reference_plans(&instance, Step::Verify)?;
     let widths: Vec<(u64, u64)> = plans.iter().map(|p| (p.rows(), p.seqs())).collect();
     ensure!(
         widths == [(2, 1), (3, 1), (3, 2), (6, 2), (7, 3)],
@@ -128,15 +128,7 @@ fn a_batched_verify_plan_launches_the_single_sequence_kernels_over_several_seque
 #[test]
 fn a_draft_plan_is_the_mtp_head_over_one_sequence_with_one_logit_row_and_says_so() -> Result<()> {
     let instance = support::hybrid_moe();
-    let table = RuleTable::for_architecture(instance.architecture);
-    let kernels = support::reference_kernels(&table);
-    let draft = Arc::new(Circuit::for_step(&instance, Step::Draft)?);
-    let lowering = Lowering {
-        rules: &table,
-        fusions: Fusions::ReferenceOnly,
-        kernels: &kernels,
-    };
-    let plans = Plan::compile_widths(&draft, &lowering)?;
+    let (draft, plans) = reference_plans(&instance, Step::Draft)?;
     ensure!(plans.iter().map(Plan::rows).eq([1, 2, 3]));
     let plan = &plans[2];
     ensure!(
@@ -193,6 +185,7 @@ fn a_draft_plan_is_the_mtp_head_over_one_sequence_with_one_logit_row_and_says_so
         .collect();
     ensure!(pools.iter().all(|p| *p == Some(Block::DraftLayer(0))) && !pools.is_empty());
     // Decode texts do not depend on the draft step; draft digests on its rows and layer.
+    let kernels = support::reference_kernels(&RuleTable::for_architecture(instance.architecture));
     let mut plain = instance.clone();
     plain.draft_rows.clear();
     plain.draft_layer = None;
@@ -208,15 +201,7 @@ fn a_draft_plan_is_the_mtp_head_over_one_sequence_with_one_logit_row_and_says_so
 fn a_batched_draft_plan_has_a_logit_row_per_sequence() -> Result<()> {
     let mut instance = support::hybrid_moe();
     instance.draft_batches = vec![Width::new(2, 2), Width::new(5, 2), Width::new(3, 3)];
-    let table = RuleTable::for_architecture(instance.architecture);
-    let kernels = support::reference_kernels(&table);
-    let draft = Arc::new(Circuit::for_step(&instance, Step::Draft)?);
-    let lowering = Lowering {
-        rules: &table,
-        fusions: Fusions::ReferenceOnly,
-        kernels: &kernels,
-    };
-    let plans = Plan::compile_widths(&draft, &lowering)?;
+    let (draft, plans) = reference_plans(&instance, Step::Draft)?;
     let widths: Vec<(u64, u64)> = plans.iter().map(|p| (p.rows(), p.seqs())).collect();
     ensure!(
         widths == [(1, 1), (2, 1), (3, 1), (2, 2), (5, 2), (3, 3)],

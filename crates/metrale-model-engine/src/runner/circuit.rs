@@ -139,6 +139,12 @@ pub fn verify_rows(draft_tokens: usize) -> Vec<u64> {
 /// verify steps of up to `max_seqs` sequences: `s` sequences of `s + 1..=s * (1 + K)` rows (at
 /// least one draft) for each `s` in `2..=max_seqs`, ascending (none without speculation).
 pub fn verify_batches(draft_tokens: usize, max_seqs: usize) -> Vec<Width> {
+    batches(draft_tokens, max_seqs, 1)
+}
+
+/// `s` sequences of `s + least..=s * (1 + K)` rows for each `s` in `2..=max_seqs`, ascending;
+/// none with `draft_tokens` 0.
+fn batches(draft_tokens: usize, max_seqs: usize, least: u64) -> Vec<Width> {
     let per_seq = 1 + draft_tokens as u64;
     let seqs = if draft_tokens == 0 {
         0
@@ -146,7 +152,7 @@ pub fn verify_batches(draft_tokens: usize, max_seqs: usize) -> Vec<Width> {
         max_seqs as u64
     };
     (2..=seqs)
-        .flat_map(|s| (s + 1..=s * per_seq).map(move |rows| Width::new(rows, s)))
+        .flat_map(|s| (s + least..=s * per_seq).map(move |rows| Width::new(rows, s)))
         .collect()
 }
 
@@ -166,15 +172,7 @@ pub fn draft_rows(draft_tokens: usize) -> Vec<u64> {
 /// step adds 1 to `1 + K` rows a sequence; each further draft, one), ascending (none without
 /// drafting).
 pub fn draft_batches(draft_tokens: usize, max_seqs: usize) -> Vec<Width> {
-    let per_seq = 1 + draft_tokens as u64;
-    let seqs = if draft_tokens == 0 {
-        0
-    } else {
-        max_seqs as u64
-    };
-    (2..=seqs)
-        .flat_map(|s| (s..=s * per_seq).map(move |rows| Width::new(rows, s)))
-        .collect()
+    batches(draft_tokens, max_seqs, 0)
 }
 
 /// A `what` (verify or draft) step of `seqs` sequences (1 to the runner's most) has `seqs` to
