@@ -12,7 +12,8 @@
 //!   (graphed and eager), the oracle drafter at full acceptance (it drafts the plain run's own
 //!   tokens), and the MTP head drafting (random weights: next to no acceptance, the worst case);
 //!   each run twice, the figures of the second (warm: its step shapes' graphs captured, as a
-//!   server runs) beside the first's rate and the graphs each captured.
+//!   server runs) beside the first's rate and the graphs each captured, and each step's wall
+//!   time beyond the graphed step it runs (plain decode, or the oracle's verify step).
 //!
 //! With `batch` > 1 it also times, graphed, a plain decode step of `batch` sequences and verify
 //! steps of `batch` sequences of `1 + K` rows each, under the selected forward (`forward`:
@@ -684,13 +685,25 @@ impl SpecReport {
             .iter()
             .find(|e| e.drafts == 0)
             .map_or(f64::NAN, |e| e.tok_s);
-        s += "end to end (host wall time, first token to last; warm run, cold run beside)   tok/s   tokens/step   / plain graphed   captures   cold tok/s   cold captures   same tokens as plain\n";
+        s += "end to end (host wall time, first token to last; warm run, cold run beside)   tok/s   tokens/step   ms/step   over its step   / plain graphed   captures   cold tok/s   cold captures   same tokens as plain\n";
         for e in &self.end_to_end {
+            let ms = e.tokens_per_step / e.tok_s * 1e3;
+            // What a step costs end to end beyond its graphed figure (host work, sampling,
+            // acceptance): plain decode and the oracle's verify steps (it drafts for free).
+            let step = match (e.drafts, e.name.starts_with("oracle")) {
+                (0, _) if e.name.contains("eager") => Some(self.plain.eager_ms),
+                (0, _) => Some(self.plain.graphed_ms),
+                (k, true) => (self.verify.iter().find(|v| v.drafts == k)).map(|v| v.graphed_ms),
+                _ => None,
+            };
+            let over = step.map_or_else(|| "-".to_string(), |t| format!("{:+.3}", ms - t));
             s += &format!(
-                "  {:<44} {:>9.1} {:>13.2} {:>16.2}x {:>10} {:>12.1} {:>15}   {}\n",
+                "  {:<44} {:>9.1} {:>13.2} {:>9.3} {:>15} {:>16.2}x {:>10} {:>12.1} {:>15}   {}\n",
                 e.name,
                 e.tok_s,
                 e.tokens_per_step,
+                ms,
+                over,
                 e.tok_s / base,
                 e.captures,
                 e.cold_tok_s,
