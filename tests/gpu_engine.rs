@@ -314,3 +314,85 @@ fn the_scheduler_speculating_is_bitwise_the_plain_scheduler_on_cuda() {
         }
     }
 }
+
+/// Panics, naming the machine the test needs, when the driver sees fewer than `n` GPUs: a test
+/// of tensor parallelism must not pass on a machine that cannot run it.
+fn require_gpus(n: usize) {
+    let seen = CudaBackend::device_count().expect("the CUDA driver");
+    assert!(
+        seen >= n,
+        "this test needs {n} GPUs and the driver sees {seen}: run it on a machine with {n} \
+         (run.sh's tensor-parallel section, not the single-GPU run)"
+    );
+}
+
+fn tp_options(tp: usize, model: ModelOptions) -> EngineOptions {
+    cuda_options(model.tensor_parallel_size(tp))
+}
+
+/// The dense, hybrid and MoE fixtures split over 2 GPUs (NCCL's all-reduce and all-gather
+/// between the ranks) match transformers by the same rule as the whole model.
+#[test]
+fn tensor_parallel_fixtures_match_transformers_on_two_gpus() {
+    require_gpus(2);
+    let names = [
+        "qwen3-tiny",
+        "llama-tiny",
+        "qwen3_5-tiny",
+        "qwen3_next-tiny",
+        "qwen3_5_moe-tiny",
+    ];
+    let dirs: Vec<_> = names.iter().map(|n| fixtures_dir().join(n)).collect();
+    let worst = check_fixture_dirs(&dirs, &tp_options(2, ModelOptions::default()), Rule::BF16);
+    eprintln!("2 GPUs: worst logits relative L2 error {worst:.3e}");
+}
+
+/// At 2 ranks an all-reduce adds two addends, one commutative f32 addition, so NCCL's order
+/// cannot change a bit: a sharded run repeats bit for bit, graphed decode is eager decode, and
+/// sequences decoded together are each their solo run.
+#[test]
+fn a_tensor_parallel_run_is_bitwise_repeatable_graphed_and_batch_invariant_on_two_gpus() {
+    require_gpus(2);
+    for name in ["qwen3-tiny", "qwen3_5_moe-tiny", "qwen3_next-tiny"] {
+        let dir = fixtures_dir().join(name);
+        let prompts = read_reference(&dir).unwrap();
+        let run = |model: ModelOptions| {
+            let engine = metrale::Engine::load(&dir, tp_options(2, model)).unwrap();
+            greedy_bits(&engine, &prompts)
+        };
+        let first = run(ModelOptions::default());
+        assert!(
+            first
+                .iter()
+                .all(|(t, l)| !t.is_empty() && l.len() == t.len())
+        );
+        assert!(
+            run(ModelOptions::default()) == first,
+            "{name}: a second run differs"
+        );
+        assert!(
+            run(ModelOptions::default().decode_graphs(false)) == first,
+            "{name}: eager decode differs from graphed"
+        );
+        // Every prompt submitted at once: decode steps of several rows.
+        let engine = metrale::Engine::load(&dir, tp_options(2, ModelOptions::default())).unwrap();
+        let handles: Vec<_> = (prompts.iter())
+            .map(|p| {
+                let req =
+                    metrale::GenerateRequest::new(metrale::Prompt::TokenIds(p.prompt_ids.clone()))
+                        .max_new_tokens(p.greedy_ids.len())
+                        .ignore_eos(true)
+                        .return_logits(true);
+                engine.submit(req).unwrap()
+            })
+            .collect();
+        for (h, (tokens, logits)) in handles.into_iter().zip(&first) {
+            let out = h.wait().unwrap();
+            assert_eq!(&out.token_ids, tokens, "{name}: batched tokens");
+            assert!(
+                bits(&out.logits.unwrap_or_default()) == *logits,
+                "{name}: batched logits differ from the solo run's"
+            );
+        }
+    }
+}

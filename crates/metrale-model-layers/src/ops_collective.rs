@@ -1,8 +1,9 @@
 //! The launchers of the collectives of tensor parallelism (`GpuBackend::collective`), an
 //! `impl Ops` block beside the kernel launchers: the all-reduce after each row-parallel
-//! projection and the all-gather of the vocabulary-parallel LM head's logits. A collective is
-//! not a kernel of the manifest: the backend runs it (NCCL on CUDA, the communicator's barrier
-//! on the CPU), and a captured step replays it like a launch.
+//! projection (f32 sums, rounded to bf16 by `round_bf16` where the activation is bf16) and the
+//! all-gather of the vocabulary-parallel LM head's logits. A collective is not a kernel of the
+//! manifest: the backend runs it (NCCL on CUDA, the communicator's barrier on the CPU), and a
+//! captured step replays it like a launch.
 //!
 //! Invariant: every rank of a group launches the same collectives in the same order, so a
 //! launcher's checks depend only on shapes, which every rank shares.
@@ -25,15 +26,27 @@ impl Ops {
         self.gpu.tp_rank()
     }
 
-    /// `out = Σ_rank partial` over the group, summed in f32 in rank order and written as
-    /// `out`'s dtype on every rank: the output of a row-parallel projection (f32 or bf16
-    /// partials, f32 or bf16 out, `out` may be `partial` when their dtypes agree).
+    /// `out = Σ_rank partial` over the group, summed in f32 and written as `out`'s dtype on
+    /// every rank: the output of a row-parallel projection. `partial` is f32; `out` is f32
+    /// (`partial` itself for a sum in place) or bf16. A bf16 `out` is the collective summing
+    /// `partial` in place, then `round_bf16` into `out`, so the sum is rounded once and
+    /// `partial` holds the f32 sums afterwards. Every backend's collective takes f32 only
+    /// (NCCL's all-reduce on CUDA), so both backends run these same two launches.
     pub fn all_reduce_sum(&self, s: StreamHandle, out: Matrix, partial: Matrix) -> GpuResult<()> {
         const OP: &str = "collective::all_reduce_sum";
-        for (name, m) in [("out", &out), ("partial", &partial)] {
-            if !matches!(m.dtype, DType::F32 | DType::Bf16) {
-                return Err(bad(OP, name, format!("{} (f32 or bf16)", m.dtype.name())));
-            }
+        if partial.dtype != DType::F32 {
+            return Err(bad(
+                OP,
+                "partial",
+                format!("{} (f32 only)", partial.dtype.name()),
+            ));
+        }
+        if !matches!(out.dtype, DType::F32 | DType::Bf16) {
+            return Err(bad(
+                OP,
+                "out",
+                format!("{} (f32 or bf16)", out.dtype.name()),
+            ));
         }
         if out.shape() != partial.shape() {
             return Err(bad(
@@ -49,14 +62,23 @@ impl Ops {
         if out.ptr == partial.ptr && out.dtype != partial.dtype {
             return Err(bad(OP, "out", "in place with another dtype".into()));
         }
+        let sum = if out.dtype == DType::F32 {
+            out
+        } else {
+            partial
+        };
         let op = Collective::AllReduceSum {
-            out: out.ptr,
-            out_dtype: out.dtype,
+            out: sum.ptr,
+            out_dtype: DType::F32,
             input: partial.ptr,
-            input_dtype: partial.dtype,
+            input_dtype: DType::F32,
             elems: out.rows as usize * out.cols as usize,
         };
-        self.gpu.collective(&op, s)
+        self.gpu.collective(&op, s)?;
+        if out.dtype == DType::Bf16 {
+            self.round_bf16(s, out, partial)?;
+        }
+        Ok(())
     }
 
     /// f32 `out[rows, N * cols]` on every rank: rank `r`'s f32 `local[rows, cols]` in columns
