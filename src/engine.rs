@@ -74,8 +74,12 @@ pub fn make_backend(backend: Backend) -> Result<Arc<dyn GpuBackend>, EngineError
 
 /// The backends of a tensor-parallel group of `size` ranks on `backend` (one backend when
 /// `size` is 1): on the CPU, backends sharing one communicator (ranks as threads); on CUDA, rank
-/// `r` on GPU `device + r`, the ranks sharing NCCL communicators.
-fn make_backends(backend: Backend, size: usize) -> Result<Vec<Arc<dyn GpuBackend>>, EngineError> {
+/// `r` on GPU `device + r`, the ranks sharing NCCL communicators. Development tooling (the raw
+/// backends): public only with the `unstable` feature.
+pub fn make_backends(
+    backend: Backend,
+    size: usize,
+) -> Result<Vec<Arc<dyn GpuBackend>>, EngineError> {
     factory::RankShard::check_size(size)?;
     if size == 1 {
         return Ok(vec![make_backend(backend)?]);
