@@ -2,7 +2,10 @@
 //! same rule as on the CPU (and by the FP8 rule with an FP8 KV cache); graph-replayed decode is bitwise eager decode; a sequence decoded
 //! beside others is bitwise the same sequence decoded alone; speculative decoding (MTP head, and
 //! an oracle drafter reaching every rollback depth) gives plain greedy decoding's tokens and
-//! logits bitwise, through `generate` and through the scheduler.
+//! logits bitwise, through `generate` and through the scheduler. The tests named
+//! `*_on_two_gpus` shard the fixtures over 2 GPUs through NCCL (transformers' rule; bitwise
+//! repeatable, graphed and batch-invariant at 2 ranks); they fail, saying so, on a machine with
+//! fewer GPUs, and run.sh runs them apart, in its tensor-parallel section.
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 #![cfg(feature = "cuda")]
