@@ -399,3 +399,25 @@ fn a_tensor_parallel_run_is_bitwise_repeatable_graphed_and_batch_invariant_on_tw
         }
     }
 }
+
+/// More ranks than GPUs from the device on: refused at load with a typed error naming the GPU
+/// that is missing (rank 1 on the GPU past the last, whatever the machine).
+#[test]
+fn a_tensor_parallel_engine_past_the_last_gpu_is_refused_naming_it() {
+    let n = CudaBackend::device_count().expect("the CUDA driver");
+    let options = EngineOptions::default()
+        .backend(Backend::cuda(n - 1))
+        .model(ModelOptions::default().tensor_parallel_size(2));
+    match metrale::Engine::load(fixtures_dir().join("qwen3-tiny"), options) {
+        Ok(_) => panic!("2 ranks from GPU {} of {n} loaded", n - 1),
+        Err(e) => {
+            let text = e.to_string();
+            assert!(
+                matches!(e, metrale::EngineError::BackendUnavailable { .. })
+                    && text.contains(&format!("needs GPU {n}"))
+                    && text.contains(&format!("the driver sees {n} GPU(s)")),
+                "{text}"
+            );
+        }
+    }
+}

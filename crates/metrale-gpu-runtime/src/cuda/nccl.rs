@@ -15,7 +15,10 @@
 //! Invariants:
 //! - A collective is queued under the group's read lock; `abort` takes the write lock, so no
 //!   communicator is aborted (and freed) while a rank queues work on it, and every collective
-//!   after an abort fails at once as `GpuError::CollectiveAborted`.
+//!   after an abort fails at once as `GpuError::CollectiveAborted`. (Queuing returns without
+//!   waiting for the other ranks, except while NCCL connects the ranks at a communicator's first
+//!   collectives; an abort then waits for that call.) Ranks waiting on the device, in a
+//!   synchronize or a copy behind a collective, hold no lock, and the abort releases them.
 //! - The communicators are destroyed once, when the last backend of the group is dropped (after
 //!   each backend destroyed its graphs, which may hold NCCL resources), or freed by `abort`.
 //! - NCCL may make another device current on the calling thread (it sets the communicator's
