@@ -180,47 +180,48 @@ typedef __nv_bfloat16 bf16;
 #define MT_KERNEL_KV_STORE 6
 #define MT_KERNEL_EMBEDDING_GATHER 7
 #define MT_KERNEL_GATHER_ROWS 8
-#define MT_KERNEL_CAUSAL_CONV1D 9
-#define MT_KERNEL_CONV_STATE_UPDATE 10
-#define MT_KERNEL_CONV_STATE_VERIFY 11
-#define MT_KERNEL_GDN_PREPARE 12
-#define MT_KERNEL_GATED_DELTA_RECURRENT 13
-#define MT_KERNEL_GATED_DELTA_STREAMED 14
-#define MT_KERNEL_GATED_DELTA_CHUNKED 15
-#define MT_KERNEL_GATED_DELTA_VERIFY 16
-#define MT_KERNEL_GATED_RMS_NORM 17
-#define MT_KERNEL_LINEAR 18
-#define MT_KERNEL_LINEAR_F32OUT 19
-#define MT_KERNEL_LINEAR_STREAM 20
-#define MT_KERNEL_LINEAR_STREAM_F32OUT 21
-#define MT_KERNEL_LINEAR_STREAM_B4 22
-#define MT_KERNEL_LINEAR_STREAM_B4_F32OUT 23
-#define MT_KERNEL_LINEAR_STREAM_WIDE 24
-#define MT_KERNEL_LINEAR_STREAM_WIDE_F32OUT 25
-#define MT_KERNEL_LINEAR_SWIGLU 26
-#define MT_KERNEL_PERMUTE_K32_TILES 27
-#define MT_KERNEL_LINEAR_TMA 28
-#define MT_KERNEL_LINEAR_TMA_F32OUT 29
-#define MT_KERNEL_LINEAR_STREAM_TMA 30
-#define MT_KERNEL_LINEAR_STREAM_TMA_F32OUT 31
-#define MT_KERNEL_LINEAR_STREAM_FP8 32
-#define MT_KERNEL_LINEAR_STREAM_WIDE_FP8 33
-#define MT_KERNEL_DEQUANT_FP8 34
-#define MT_KERNEL_QUANTIZE_FP8 35
-#define MT_KERNEL_FILL_UNIFORM_BF16 36
-#define MT_KERNEL_TOPK_ROUTE 37
-#define MT_KERNEL_EXPERT_LINEAR 38
-#define MT_KERNEL_EXPERT_LINEAR_F32OUT 39
-#define MT_KERNEL_EXPERT_LINEAR_FP8 40
-#define MT_KERNEL_EXPERT_LINEAR_FP8_F32OUT 41
-#define MT_KERNEL_MOE_COMBINE 42
-#define MT_KERNEL_RMS_NORM 43
-#define MT_KERNEL_ADD_RMS_NORM 44
-#define MT_KERNEL_ADD_RMS_NORM_STAGED 45
-#define MT_KERNEL_QK_NORM_ROPE 46
-#define MT_KERNEL_QK_NORM_ROPE_KV_STORE 47
-#define MT_KERNEL_ARGMAX 48
-#define MT_KERNEL_SAMPLE 49
+#define MT_KERNEL_ROUND_BF16 9
+#define MT_KERNEL_CAUSAL_CONV1D 10
+#define MT_KERNEL_CONV_STATE_UPDATE 11
+#define MT_KERNEL_CONV_STATE_VERIFY 12
+#define MT_KERNEL_GDN_PREPARE 13
+#define MT_KERNEL_GATED_DELTA_RECURRENT 14
+#define MT_KERNEL_GATED_DELTA_STREAMED 15
+#define MT_KERNEL_GATED_DELTA_CHUNKED 16
+#define MT_KERNEL_GATED_DELTA_VERIFY 17
+#define MT_KERNEL_GATED_RMS_NORM 18
+#define MT_KERNEL_LINEAR 19
+#define MT_KERNEL_LINEAR_F32OUT 20
+#define MT_KERNEL_LINEAR_STREAM 21
+#define MT_KERNEL_LINEAR_STREAM_F32OUT 22
+#define MT_KERNEL_LINEAR_STREAM_B4 23
+#define MT_KERNEL_LINEAR_STREAM_B4_F32OUT 24
+#define MT_KERNEL_LINEAR_STREAM_WIDE 25
+#define MT_KERNEL_LINEAR_STREAM_WIDE_F32OUT 26
+#define MT_KERNEL_LINEAR_SWIGLU 27
+#define MT_KERNEL_PERMUTE_K32_TILES 28
+#define MT_KERNEL_LINEAR_TMA 29
+#define MT_KERNEL_LINEAR_TMA_F32OUT 30
+#define MT_KERNEL_LINEAR_STREAM_TMA 31
+#define MT_KERNEL_LINEAR_STREAM_TMA_F32OUT 32
+#define MT_KERNEL_LINEAR_STREAM_FP8 33
+#define MT_KERNEL_LINEAR_STREAM_WIDE_FP8 34
+#define MT_KERNEL_DEQUANT_FP8 35
+#define MT_KERNEL_QUANTIZE_FP8 36
+#define MT_KERNEL_FILL_UNIFORM_BF16 37
+#define MT_KERNEL_TOPK_ROUTE 38
+#define MT_KERNEL_EXPERT_LINEAR 39
+#define MT_KERNEL_EXPERT_LINEAR_F32OUT 40
+#define MT_KERNEL_EXPERT_LINEAR_FP8 41
+#define MT_KERNEL_EXPERT_LINEAR_FP8_F32OUT 42
+#define MT_KERNEL_MOE_COMBINE 43
+#define MT_KERNEL_RMS_NORM 44
+#define MT_KERNEL_ADD_RMS_NORM 45
+#define MT_KERNEL_ADD_RMS_NORM_STAGED 46
+#define MT_KERNEL_QK_NORM_ROPE 47
+#define MT_KERNEL_QK_NORM_ROPE_KV_STORE 48
+#define MT_KERNEL_ARGMAX 49
+#define MT_KERNEL_SAMPLE 50
 
 #define MT_FAULT_GEOMETRY 1  // launched with a geometry it is not written for
 #define MT_FAULT_SHAPE 2  // given shapes that do not fit together
@@ -554,6 +555,24 @@ static_assert(offsetof(GatherRowsParams, src_rows) == 32, "GatherRowsParams::src
     uint32_t n, \
     uint32_t cols, \
     uint32_t src_rows
+
+// `embed::round_bf16`: `out[i] = bf16(x[i])`, rounded to nearest even (an all-reduce's
+// f32 sums written as the bf16 activation).
+#pragma pack(push, 4)
+struct RoundBf16Params {
+    bf16* out;
+    const float* x;
+    uint32_t n;
+};
+#pragma pack(pop)
+static_assert(sizeof(RoundBf16Params) == 20, "RoundBf16Params: not the layout of metrale-kernel-abi");
+static_assert(offsetof(RoundBf16Params, out) == 0, "RoundBf16Params::out: not the offset of metrale-kernel-abi");
+static_assert(offsetof(RoundBf16Params, x) == 8, "RoundBf16Params::x: not the offset of metrale-kernel-abi");
+static_assert(offsetof(RoundBf16Params, n) == 16, "RoundBf16Params::n: not the offset of metrale-kernel-abi");
+#define ROUND_BF16_PARAMS \
+    bf16* __restrict__ out, \
+    const float* __restrict__ x, \
+    uint32_t n
 
 // `gdn::causal_conv1d`: the causal conv and SiLU over each sequence's window and rows.
 #pragma pack(push, 4)

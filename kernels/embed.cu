@@ -1,6 +1,8 @@
-// Token embedding gather and row gather. CPU twins: metrale-gpu-runtime/src/cpu/kernels/embed.rs.
+// Token embedding gather, row gather, and f32 values rounded to bf16. CPU twins:
+// metrale-gpu-runtime/src/cpu/kernels/embed.rs.
 //
-// Launch: one block per output row (any block size that is a multiple of 32).
+// Launch: the gathers one block per output row (any block size that is a multiple of 32);
+// round_bf16 any 1-D grid, each thread striding over the elements.
 // An id outside the table fills its row with NaN and reports an INDEX fault (`mt_fault`); the
 // CPU twin fails the launch.
 #include "common.cuh"
@@ -59,4 +61,13 @@ extern "C" __global__ void gather_rows(GATHER_ROWS_PARAMS) {
     } else {
         for (uint32_t c = threadIdx.x; c < cols; c += blockDim.x) o[c] = src[c];
     }
+}
+
+// round_bf16(out: bf16 [n], x: f32 [n], n): out[i] = x[i] rounded to bf16, to nearest even
+// (the tensor-parallel all-reduce's f32 sums written as the bf16 activation, rounded once).
+// Launched plainly, not as a programmatic dependent: it follows a collective, which does not
+// trigger early.
+extern "C" __global__ void round_bf16(ROUND_BF16_PARAMS) {
+    const uint32_t stride = gridDim.x * blockDim.x;
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) out[i] = f2bf(x[i]);
 }

@@ -73,9 +73,13 @@ pub fn make_backend(backend: Backend) -> Result<Arc<dyn GpuBackend>, EngineError
 }
 
 /// The backends of a tensor-parallel group of `size` ranks on `backend` (one backend when
-/// `size` is 1): on the CPU, backends sharing one communicator (ranks as threads); CUDA has no
-/// collectives wired yet and refuses more than one rank.
-fn make_backends(backend: Backend, size: usize) -> Result<Vec<Arc<dyn GpuBackend>>, EngineError> {
+/// `size` is 1): on the CPU, backends sharing one communicator (ranks as threads); on CUDA, rank
+/// `r` on GPU `device + r`, the ranks sharing NCCL communicators. Development tooling (the raw
+/// backends): public only with the `unstable` feature.
+pub fn make_backends(
+    backend: Backend,
+    size: usize,
+) -> Result<Vec<Arc<dyn GpuBackend>>, EngineError> {
     factory::RankShard::check_size(size)?;
     if size == 1 {
         return Ok(vec![make_backend(backend)?]);
@@ -85,14 +89,23 @@ fn make_backends(backend: Backend, size: usize) -> Result<Vec<Arc<dyn GpuBackend
             .into_iter()
             .map(|b| Arc::new(b) as Arc<dyn GpuBackend>)
             .collect()),
-        Backend::Cuda { .. } => Err(EngineError::BackendUnavailable {
-            backend: "cuda",
-            why: format!(
-                "tensor_parallel_size {size}: the CUDA backend has no collectives yet (NCCL \
-                 all-reduce and all-gather through cudarc's `nccl` feature are not wired); \
-                 only the CPU backend runs tensor-parallel models"
-            ),
-        }),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda { device } => {
+            use metrale_gpu_runtime::cuda::CudaBackend;
+            let devices: Vec<usize> = (device..device + size).collect();
+            CudaBackend::tensor_parallel_group(&devices, Default::default())
+                .map(|group| {
+                    (group.into_iter())
+                        .map(|b| Arc::new(b) as Arc<dyn GpuBackend>)
+                        .collect()
+                })
+                .map_err(|e| EngineError::BackendUnavailable {
+                    backend: "cuda",
+                    why: format!("tensor_parallel_size {size} on GPUs {devices:?}: {e}"),
+                })
+        }
+        #[cfg(not(feature = "cuda"))]
+        Backend::Cuda { .. } => make_backend(backend).map(|b| vec![b]),
     }
 }
 

@@ -59,7 +59,8 @@
 //! - `metrale::bench`: the benchmarks of `metrale bench` (random-weight models on the device),
 //!   and the compiler of the serving ladder's JSON-schema requests;
 //! - `metrale::circuit`: circuit plans and their digests (`metrale circuit plan`);
-//! - `metrale::gpu` and `make_backend`: the raw device backend;
+//! - `metrale::gpu`, `make_backend` and `make_backends`: the raw device backend (and a
+//!   tensor-parallel group of them);
 //! - forward selection: `ForwardSelect`, `EngineOptions::forward` (the default forward, the
 //!   layers' own, is the same with or without the feature), `Engine::forward_disclosure` and
 //!   `ForwardDisclosure`.
@@ -101,7 +102,7 @@ pub use request::{
 };
 
 #[cfg(feature = "unstable")]
-pub use engine::make_backend;
+pub use engine::{make_backend, make_backends};
 #[cfg(feature = "unstable")]
 pub use metrale_model_engine::runner::{ForwardDisclosure, ForwardSelect};
 

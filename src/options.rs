@@ -15,9 +15,11 @@ pub enum Backend {
     /// The CPU reference backend. The default.
     #[default]
     Cpu,
-    /// An NVIDIA GPU by ordinal (needs the `cuda` feature).
+    /// An NVIDIA GPU by ordinal (needs the `cuda` feature). A model split over
+    /// `ModelOptions::tensor_parallel_size` = N ranks runs rank `r` on GPU `device + r`, the
+    /// ranks exchanging partial sums through NCCL.
     Cuda {
-        /// Device ordinal.
+        /// Device ordinal (of rank 0).
         device: usize,
     },
 }

@@ -2,7 +2,10 @@
 //! same rule as on the CPU (and by the FP8 rule with an FP8 KV cache); graph-replayed decode is bitwise eager decode; a sequence decoded
 //! beside others is bitwise the same sequence decoded alone; speculative decoding (MTP head, and
 //! an oracle drafter reaching every rollback depth) gives plain greedy decoding's tokens and
-//! logits bitwise, through `generate` and through the scheduler.
+//! logits bitwise, through `generate` and through the scheduler. The tests named
+//! `*_on_two_gpus` shard the fixtures over 2 GPUs through NCCL (transformers' rule; bitwise
+//! repeatable, graphed and batch-invariant at 2 ranks); they fail, saying so, on a machine with
+//! fewer GPUs, and run.sh runs them apart, in its tensor-parallel section.
 
 #![allow(clippy::unwrap_used, clippy::type_complexity)]
 #![cfg(feature = "cuda")]
@@ -311,6 +314,110 @@ fn the_scheduler_speculating_is_bitwise_the_plain_scheduler_on_cuda() {
                     "{name} {how} request {i}: logits differ from the plain scheduler's"
                 );
             }
+        }
+    }
+}
+
+/// Panics, naming the machine the test needs, when the driver sees fewer than `n` GPUs: a test
+/// of tensor parallelism must not pass on a machine that cannot run it.
+fn require_gpus(n: usize) {
+    let seen = CudaBackend::device_count().expect("the CUDA driver");
+    assert!(
+        seen >= n,
+        "this test needs {n} GPUs and the driver sees {seen}: run it on a machine with {n} \
+         (run.sh's tensor-parallel section, not the single-GPU run)"
+    );
+}
+
+fn tp_options(tp: usize, model: ModelOptions) -> EngineOptions {
+    cuda_options(model.tensor_parallel_size(tp))
+}
+
+/// The dense, hybrid and MoE fixtures split over 2 GPUs (NCCL's all-reduce and all-gather
+/// between the ranks) match transformers by the same rule as the whole model.
+#[test]
+fn tensor_parallel_fixtures_match_transformers_on_two_gpus() {
+    require_gpus(2);
+    let names = [
+        "qwen3-tiny",
+        "llama-tiny",
+        "qwen3_5-tiny",
+        "qwen3_next-tiny",
+        "qwen3_5_moe-tiny",
+    ];
+    let dirs: Vec<_> = names.iter().map(|n| fixtures_dir().join(n)).collect();
+    let worst = check_fixture_dirs(&dirs, &tp_options(2, ModelOptions::default()), Rule::BF16);
+    eprintln!("2 GPUs: worst logits relative L2 error {worst:.3e}");
+}
+
+/// At 2 ranks an all-reduce adds two addends, one commutative f32 addition, so NCCL's order
+/// cannot change a bit: a sharded run repeats bit for bit, graphed decode is eager decode, and
+/// sequences decoded together are each their solo run.
+#[test]
+fn a_tensor_parallel_run_is_bitwise_repeatable_graphed_and_batch_invariant_on_two_gpus() {
+    require_gpus(2);
+    for name in ["qwen3-tiny", "qwen3_5_moe-tiny", "qwen3_next-tiny"] {
+        let dir = fixtures_dir().join(name);
+        let prompts = read_reference(&dir).unwrap();
+        let run = |model: ModelOptions| {
+            let engine = metrale::Engine::load(&dir, tp_options(2, model)).unwrap();
+            greedy_bits(&engine, &prompts)
+        };
+        let first = run(ModelOptions::default());
+        assert!(
+            first
+                .iter()
+                .all(|(t, l)| !t.is_empty() && l.len() == t.len())
+        );
+        assert!(
+            run(ModelOptions::default()) == first,
+            "{name}: a second run differs"
+        );
+        assert!(
+            run(ModelOptions::default().decode_graphs(false)) == first,
+            "{name}: eager decode differs from graphed"
+        );
+        // Every prompt submitted at once: decode steps of several rows.
+        let engine = metrale::Engine::load(&dir, tp_options(2, ModelOptions::default())).unwrap();
+        let handles: Vec<_> = (prompts.iter())
+            .map(|p| {
+                let req =
+                    metrale::GenerateRequest::new(metrale::Prompt::TokenIds(p.prompt_ids.clone()))
+                        .max_new_tokens(p.greedy_ids.len())
+                        .ignore_eos(true)
+                        .return_logits(true);
+                engine.submit(req).unwrap()
+            })
+            .collect();
+        for (h, (tokens, logits)) in handles.into_iter().zip(&first) {
+            let out = h.wait().unwrap();
+            assert_eq!(&out.token_ids, tokens, "{name}: batched tokens");
+            assert!(
+                bits(&out.logits.unwrap_or_default()) == *logits,
+                "{name}: batched logits differ from the solo run's"
+            );
+        }
+    }
+}
+
+/// More ranks than GPUs from the device on: refused at load with a typed error naming the GPU
+/// that is missing (rank 1 on the GPU past the last, whatever the machine).
+#[test]
+fn a_tensor_parallel_engine_past_the_last_gpu_is_refused_naming_it() {
+    let n = CudaBackend::device_count().expect("the CUDA driver");
+    let options = EngineOptions::default()
+        .backend(Backend::cuda(n - 1))
+        .model(ModelOptions::default().tensor_parallel_size(2));
+    match metrale::Engine::load(fixtures_dir().join("qwen3-tiny"), options) {
+        Ok(_) => panic!("2 ranks from GPU {} of {n} loaded", n - 1),
+        Err(e) => {
+            let text = e.to_string();
+            assert!(
+                matches!(e, metrale::EngineError::BackendUnavailable { .. })
+                    && text.contains(&format!("needs GPU {n}"))
+                    && text.contains(&format!("the driver sees {n} GPU(s)")),
+                "{text}"
+            );
         }
     }
 }

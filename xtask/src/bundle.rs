@@ -385,6 +385,21 @@ mod tests {
         );
     }
 
+    /// The tests that need two GPUs run apart from the single-GPU run, in run.sh's
+    /// tensor-parallel section, which exists with its benchmark and NCCL's settings.
+    #[test]
+    fn run_sh_runs_the_two_gpu_tests_apart_with_nccl_set_up() {
+        assert!(RUN_SH.contains("--nocapture --skip on_two_gpus"));
+        assert!(RUN_SH.contains("\"$t\" on_two_gpus --test-threads=1"));
+        assert!(RUN_SH.contains("export NCCL_NVLS_ENABLE=0"));
+        assert!(RUN_SH.contains("--tensor-parallel-size 2 --batches 1,32"));
+        for shape in ["qwen3-32b", "qwen3-next-80b-a3b"] {
+            assert!(RUN_SH.contains(shape), "{shape}");
+        }
+        let engine = include_str!("../../tests/gpu_engine.rs");
+        assert!(engine.matches("_on_two_gpus() {").count() >= 2);
+    }
+
     /// The naming convention of the integration tests (README, "Tests"): a binary that only
     /// runs on a GPU (its file `#![cfg(feature = "cuda")]` as a whole) is named `gpu_*`, and
     /// every `gpu_*` binary is one; the bundle finds them, and the CPU binaries with GPU

@@ -6,7 +6,9 @@
 //! latency percentiles), `--serve --interference-prompt-tokens P` what one prompt of P tokens
 //! arriving does to `--concurrency` streams decoding (their inter-token gaps and the prompt's
 //! TTFT, with mixed steps on and off), `--speculative` the speculative-decoding figures (verify
-//! and draft steps against a plain decode step, projected and end-to-end tokens/s).
+//! and draft steps against a plain decode step, projected and end-to-end tokens/s),
+//! `--tensor-parallel-size N` decode steps of the model sharded over N ranks (on CUDA, GPUs
+//! `--device` to `--device` + N - 1, through NCCL), each beside its floor per GPU.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -38,6 +40,14 @@ pub enum Shape {
     /// experts of 512, 8 per token, a shared expert of 512); vocab 248320.
     #[value(name = "qwen3.5-35b-a3b")]
     Qwen3_5_35bA3b,
+    /// Qwen3-32B: hidden 5120, 64 layers, 64/8 heads, head_dim 128, FFN 25600, vocab 151936.
+    #[value(name = "qwen3-32b")]
+    Qwen3_32b,
+    /// Qwen3-Next-80B-A3B's dimensions: hidden 2048; 48 layers, 36 Gated DeltaNet + 12 gated
+    /// attention; 16/2 heads of 256; linear heads 16 key / 32 value of 128; a sparse-MoE FFN in
+    /// every layer (512 experts of 512, 10 per token, a shared expert of 512); vocab 151936.
+    #[value(name = "qwen3-next-80b-a3b")]
+    Qwen3Next80bA3b,
     /// A tiny dense shape (a smoke test of the benchmark itself).
     Tiny,
     /// A tiny hybrid shape (a smoke test of the hybrid path).
@@ -172,20 +182,25 @@ pub struct BenchArgs {
     /// counts its bytes).
     #[arg(long, value_enum, default_value_t = KvCacheDtypeArg::Auto)]
     kv_cache_dtype: KvCacheDtypeArg,
+    /// Shard the random model over this many ranks (1, 2, 4 or 8; on CUDA GPUs `--device` to
+    /// `--device` + N - 1, through NCCL) and time its decode steps at `--batches`, each beside
+    /// its floor per GPU: the rank's weight and KV bytes over the copy bandwidth plus the
+    /// all-reduce and all-gather latencies (measured in the same run, at the step's sizes)
+    /// times the collectives a step runs. bf16 weights and KV cache, the legacy forward.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel_size: usize,
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
-    let gpu: Arc<dyn GpuBackend> =
-        metrale::make_backend(crate::generate::backend(args.backend, args.device))?;
-    let config = match args.shape {
-        Shape::Qwen3_8b => bench::qwen3_8b()?,
-        Shape::Qwen3_5_9b => bench::qwen3_5_9b()?,
-        Shape::Qwen3_5_35bA3b => bench::qwen3_5_35b_a3b()?,
-        Shape::Tiny => bench::tiny_for_cpu()?,
-        Shape::TinyHybrid => bench::tiny_hybrid_for_cpu()?,
-        Shape::TinyMoe => bench::tiny_moe_for_cpu()?,
-        Shape::TinyQwen3Vocab => bench::tiny_qwen3_vocab_for_cpu()?,
-    };
+    let backend = crate::generate::backend(args.backend, args.device);
+    if args.tensor_parallel_size != 1 {
+        return tensor_parallel(
+            metrale::make_backends(backend, args.tensor_parallel_size)?,
+            &args,
+        );
+    }
+    let gpu: Arc<dyn GpuBackend> = metrale::make_backend(backend)?;
+    let config = shape_config(args.shape)?;
     let tiny = matches!(
         args.shape,
         Shape::Tiny | Shape::TinyHybrid | Shape::TinyMoe | Shape::TinyQwen3Vocab
@@ -232,6 +247,65 @@ pub fn run(args: BenchArgs) -> Result<()> {
             "gemm_tflop_s": report.gemm_tflop_s,
             "weight_bytes": report.weight_bytes,
             "prefill": {"tokens": report.prefill_tokens, "ms": report.prefill_ms, "floor_ms": report.prefill_floor_ms},
+            "decode": decode,
+        });
+        write_json(path, &json)?;
+    }
+    Ok(())
+}
+
+/// The model config of `shape`.
+fn shape_config(shape: Shape) -> Result<ModelConfig> {
+    Ok(match shape {
+        Shape::Qwen3_8b => bench::qwen3_8b()?,
+        Shape::Qwen3_5_9b => bench::qwen3_5_9b()?,
+        Shape::Qwen3_5_35bA3b => bench::qwen3_5_35b_a3b()?,
+        Shape::Qwen3_32b => bench::qwen3_32b()?,
+        Shape::Qwen3Next80bA3b => bench::qwen3_next_80b_a3b()?,
+        Shape::Tiny => bench::tiny_for_cpu()?,
+        Shape::TinyHybrid => bench::tiny_hybrid_for_cpu()?,
+        Shape::TinyMoe => bench::tiny_moe_for_cpu()?,
+        Shape::TinyQwen3Vocab => bench::tiny_qwen3_vocab_for_cpu()?,
+    })
+}
+
+/// `--tensor-parallel-size N`: decode steps of the sharded model, printed as a table (and JSON
+/// with `--json-out`).
+fn tensor_parallel(gpus: Vec<Arc<dyn GpuBackend>>, args: &BenchArgs) -> Result<()> {
+    anyhow::ensure!(
+        !args.serve && !args.speculative,
+        "--tensor-parallel-size times decode steps; it runs without --serve and --speculative"
+    );
+    anyhow::ensure!(
+        matches!(args.quantization, QuantizationArg::None)
+            && !matches!(args.kv_cache_dtype, KvCacheDtypeArg::Fp8),
+        "--tensor-parallel-size shards bf16 weights and a bf16 KV cache"
+    );
+    let mut o = bench::TpBenchOptions::new(shape_config(args.shape)?);
+    o.decode_batches = args.batches.clone();
+    o.context = args.context;
+    o.iters = args.iters;
+    if matches!(
+        args.shape,
+        Shape::Tiny | Shape::TinyHybrid | Shape::TinyMoe | Shape::TinyQwen3Vocab
+    ) {
+        o.copy_bytes = 1 << 20;
+    }
+    let report = bench::tensor_parallel_bench(&gpus, &o)?;
+    print!("{}", report.table());
+    if let Some(path) = &args.json_out {
+        let decode: Vec<_> = (report.decode.iter())
+            .map(|d| {
+                let c = &d.collectives;
+                serde_json::json!({"batch": d.batch, "rows": d.rows, "ms": d.ms, "floor_ms": d.floor_ms, "ratio": d.ms / d.floor_ms, "rank_bytes": d.rank_bytes, "collectives": c.count(), "all_reduces": c.all_reduces, "all_reduce_us": c.all_reduce_us, "expert_all_reduces": c.expert_all_reduces, "expert_all_reduce_us": c.expert_all_reduce_us, "gather_us": c.gather_us, "collectives_ms": c.ms()})
+            })
+            .collect();
+        let json = serde_json::json!({
+            "shape": format!("{:?}", args.shape),
+            "backend": report.backend,
+            "tensor_parallel_size": report.ranks,
+            "copy_gb_s": report.copy_gb_s,
+            "rank_weight_bytes": report.rank_weight_bytes,
             "decode": decode,
         });
         write_json(path, &json)?;

@@ -130,8 +130,8 @@ pub struct GenerateArgs {
     /// How the KV cache stores keys and values (`fp8`: e4m3, half the bytes a token).
     #[arg(long, value_enum, default_value_t = KvCacheDtypeArg::Auto)]
     kv_cache_dtype: KvCacheDtypeArg,
-    /// Tensor-parallel ranks the model is split over (1, 2, 4 or 8; above 1 on the CPU backend
-    /// only, one thread a rank).
+    /// Tensor-parallel ranks the model is split over (1, 2, 4 or 8; one thread a rank; on CUDA
+    /// rank r on GPU `--device` + r, through NCCL).
     #[arg(long, default_value_t = ModelOptions::default().tensor_parallel_size)]
     tensor_parallel_size: usize,
 }

@@ -186,8 +186,8 @@ pub struct ServeArgs {
     /// checkpoints quantized at load).
     #[arg(long, value_enum, default_value_t = QuantizationArg::None)]
     pub quantization: QuantizationArg,
-    /// Tensor-parallel ranks the model is split over (1, 2, 4 or 8; above 1 on the CPU backend
-    /// only, one thread a rank).
+    /// Tensor-parallel ranks the model is split over (1, 2, 4 or 8; one thread a rank; on CUDA
+    /// rank r on GPU `--device` + r, through NCCL).
     #[arg(long, default_value_t = ModelOptions::default().tensor_parallel_size)]
     pub tensor_parallel_size: usize,
     /// With `--speculative mtp`: always speculate, instead of turning speculation off while it

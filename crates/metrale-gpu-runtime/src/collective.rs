@@ -9,9 +9,10 @@
 //! Invariants:
 //! - Every rank of a group issues the same collectives in the same order; a rank whose
 //!   collective disagrees with the others' (kind or size) fails it on every rank.
-//! - An all-reduce sums the ranks' values in f32 in rank order `0, 1, ..., N - 1` and rounds
-//!   once to the output's dtype, so every rank gets the same bits and a run gives the same bits
-//!   every time.
+//! - An all-reduce sums the ranks' values in f32 and rounds once to the output's dtype; every
+//!   rank gets the same bits. The CPU communicator sums in rank order `0, 1, ..., N - 1`, so a
+//!   run gives the same bits every time; NCCL (CUDA) sums in its ring or tree order, which
+//!   `cuda/nccl.rs` and docs/ARCHITECTURE.md describe.
 //! - Once a communicator is aborted (a rank failed a step), every collective on it fails at
 //!   once instead of waiting for the rank that left.
 
@@ -43,7 +44,8 @@ pub enum Collective {
     /// `out = Σ_rank input` elementwise over `elems` elements: the inputs (`input_dtype`, f32 or
     /// bf16) widened to f32 and summed in rank order, the sum written as `out_dtype` (f32, or
     /// bf16 rounded to nearest even) on every rank. `out` may be `input` when the dtypes agree.
-    /// On CUDA: NCCL's all-reduce of f32 then, for a bf16 `out`, a conversion launch.
+    /// On CUDA: NCCL's all-reduce, f32 into f32 only (the launcher `ops::all_reduce_sum` sums
+    /// in f32 on every backend and rounds a bf16 activation with a launch of its own).
     AllReduceSum {
         /// The result, `[elems]` of `out_dtype`.
         out: DevicePtr,
@@ -58,8 +60,8 @@ pub enum Collective {
     },
     /// f32 `out[rows, size * cols]`: rank `r`'s `input[rows, cols]` in columns
     /// `r * cols .. (r + 1) * cols` of every row, on every rank (the vocabulary-parallel LM
-    /// head's logits). On CUDA: NCCL's all-gather into rank-major scratch, then a permutation
-    /// launch into rows.
+    /// head's logits). On CUDA: one NCCL all-gather per row in one group call, each received
+    /// into its row, so the columns land in place with no permutation.
     AllGatherCols {
         /// f32 `[rows, size * cols]`.
         out: DevicePtr,

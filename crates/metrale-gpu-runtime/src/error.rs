@@ -101,7 +101,8 @@ pub enum GpuError {
     /// A collective of tensor parallelism failed or is not available on this backend.
     #[error("collective `{op}`: {problem}")]
     Collective {
-        /// The collective (`all_reduce_sum`, `all_gather_cols`).
+        /// The collective (`all_reduce_sum`, `all_gather_cols`), or `communicator_init` for
+        /// making a group's NCCL communicators.
         op: &'static str,
         /// What went wrong.
         problem: String,

@@ -43,6 +43,8 @@ macro_rules! for_each_kernel {
             embed::embedding_gather => EMBEDDING_GATHER($crate::EmbeddingGatherParams),
             /// The rows that get logits.
             embed::gather_rows => GATHER_ROWS($crate::GatherRowsParams),
+            /// f32 values rounded to bf16 (the all-reduce's sums as a bf16 activation).
+            embed::round_bf16 => ROUND_BF16($crate::RoundBf16Params),
             /// Causal conv and SiLU over each sequence's window and rows.
             gdn::causal_conv1d => CAUSAL_CONV1D($crate::CausalConv1dParams),
             /// Each sequence's conv window advanced past its rows.

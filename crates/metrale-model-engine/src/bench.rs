@@ -4,7 +4,8 @@
 //! own `linear`'s), then prefill throughput and decode step time, each printed beside its
 //! roofline, and a kernel-by-kernel breakdown of decode steps (`breakdown`); the serving ladder
 //! (`serve`), the serving trace (`trace`), what a long prompt arriving does to decoding streams
-//! (`interference`) and the speculative-decoding figures (`speculative`).
+//! (`interference`), the speculative-decoding figures (`speculative`) and decode steps of a
+//! model sharded over a tensor-parallel group (`tensor_parallel`).
 //!
 //! Invariants:
 //! - Every timing is taken with device events after warm-up, as the median of several runs.
@@ -18,6 +19,7 @@ mod serve;
 mod shapes;
 mod speculative;
 mod table;
+mod tensor_parallel;
 mod trace;
 mod work;
 
@@ -40,11 +42,16 @@ pub use self::serve::{
     serve_schema,
 };
 pub use self::shapes::{
-    decode_staging_shapes_for_cpu, qwen3_5_9b, qwen3_5_35b_a3b, qwen3_8b, tiny_for_cpu,
-    tiny_hybrid_for_cpu, tiny_moe_for_cpu, tiny_qwen3_vocab_for_cpu,
+    decode_staging_shapes_for_cpu, qwen3_5_9b, qwen3_5_35b_a3b, qwen3_8b, qwen3_32b,
+    qwen3_next_80b_a3b, tiny_for_cpu, tiny_hybrid_for_cpu, tiny_moe_for_cpu,
+    tiny_qwen3_vocab_for_cpu,
 };
 pub use self::speculative::{
     ACCEPTANCE_LENGTHS, EndToEnd, SpecBenchOptions, SpecReport, VerifyFigure, speculative_bench,
+};
+pub use self::tensor_parallel::{
+    StepCollectives, TpBenchOptions, TpDecodeFigure, TpReport, tensor_parallel_bench,
+    tensor_parallel_smoke,
 };
 pub use self::trace::{
     Percentiles, RequestTiming, TokenRange, TraceOptions, TracePoint, TraceReport, TraceRequest,

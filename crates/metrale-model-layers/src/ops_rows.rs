@@ -1,12 +1,14 @@
 //! The launchers of the row-wise kernels, an `impl Ops` block under `ops`'s rules: embedding and
-//! row gathers, the RMSNorms (plain, fused with the residual add, staged), rotary embedding and
-//! the cache store, the SwiGLU gate (plain and staged), argmax, the sampler and the random fill.
+//! row gathers, f32 rounded to bf16, the RMSNorms (plain, fused with the residual add, staged),
+//! rotary embedding and the cache store, the SwiGLU gate (plain and staged), argmax, the sampler
+//! and the random fill.
 
 use metrale_gpu_runtime::{DType, DevicePtr, GpuError, GpuResult, LaunchConfig, StreamHandle};
 use metrale_kernel_abi::{
     AddRmsNormParams, AddRmsNormStagedParams, ArgmaxParams, EmbeddingGatherParams,
     FillUniformBf16Params, GatherRowsParams, KvStoreParams, QkNormRopeParams, RmsNormParams,
-    SAMPLE_SPLITS, SAMPLE_THREADS, SampleParams, SiluMulParams, SiluMulStagedParams,
+    RoundBf16Params, SAMPLE_SPLITS, SAMPLE_THREADS, SampleParams, SiluMulParams,
+    SiluMulStagedParams,
 };
 
 use crate::ops::{Ops, STEP_PROGRAMMATIC_ROWS, step_launch};
@@ -224,6 +226,36 @@ impl Ops {
         };
         let cfg = step_launch(LaunchConfig::linear(out.rows, ROW_THREADS), out.rows);
         self.go(self.k.gather_rows, cfg, &p, s)
+    }
+
+    /// `out = bf16(x)`, rounded to nearest even: `x` f32, `out` bf16, the same shape (the
+    /// all-reduce's f32 sums written as a bf16 activation). A plain launch, not a programmatic
+    /// dependent: the collective ahead of it does not trigger early.
+    pub fn round_bf16(&self, s: StreamHandle, out: Matrix, x: Matrix) -> GpuResult<()> {
+        let check = Operands {
+            kernel: "embed::round_bf16",
+        };
+        check.dtype("x", &x, DType::F32)?;
+        check.exactly("out", &out, DType::Bf16, x.shape(), "x")?;
+        let n = x.rows as u64 * x.cols as u64;
+        let n = u32::try_from(n).map_err(|_| {
+            check.bad(
+                "x",
+                format!("{n} elements (at most {} in one launch)", u32::MAX),
+            )
+        })?;
+        let p = RoundBf16Params {
+            out: out.ptr,
+            x: x.ptr,
+            n,
+        };
+        let blocks = n.div_ceil(ROW_THREADS).clamp(1, 1024);
+        self.go(
+            self.k.round_bf16,
+            LaunchConfig::linear(blocks, ROW_THREADS),
+            &p,
+            s,
+        )
     }
 
     /// `out = rms_norm(x) * w` (or `* (1 + w)`): `x` f32, `out` bf16, both `[rows, cols]`.

@@ -5,7 +5,8 @@
 //! several rows, padding slots (`u32::MAX`) and non-contiguous block tables. Also: CUDA results
 //! are deterministic and batch-invariant (a row's output does not depend on `m`), a captured
 //! graph replayed with new inputs at the same addresses equals eager execution bitwise, and a
-//! launch a kernel refuses comes back as `GpuError::KernelFault` (`backend`).
+//! launch a kernel refuses comes back as `GpuError::KernelFault` (`backend`); and NCCL's
+//! collectives on a group of one rank (`collective`).
 //!
 //! `sanitize::sanitizer_set_reaches_every_kernel` runs the same checks at small shapes and
 //! asserts that they launched every kernel of the manifest: `run.sh` runs it alone under
@@ -20,6 +21,8 @@
 mod attention;
 #[path = "gpu_kernels/backend.rs"]
 mod backend;
+#[path = "gpu_kernels/collective.rs"]
+mod collective;
 #[path = "gpu_kernels/fp8.rs"]
 mod fp8;
 #[path = "gpu_kernels/fused.rs"]

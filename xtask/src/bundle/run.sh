@@ -2,12 +2,20 @@
 # Run the metrale GPU bundle: bash run.sh LOGDIR  (written by `cargo xtask gpu-bundle`).
 # Needs the NVIDIA driver; CUDA's tools (compute-sanitizer) are used when found.
 #
-# Runs every test binary (one test at a time, output uncaptured); the kernel tests' sanitizer sets
+# Runs every test binary (one test at a time, output uncaptured; the tests named *on_two_gpus
+# apart, in the tensor-parallel section, which runs on a machine with 2 GPUs or more:
+# TP_TESTS=1 forces it, TP_TESTS=0 skips it); the kernel tests' sanitizer sets
 # (`__SANITIZED__ __SANITIZER_SET__`: every kernel at small shapes, under compute-sanitizer's
 # memcheck; `__RACECHECK_SET__`, the same but `linear_stream_tma`, under racecheck), each within
 # SANITIZER_TIMEOUT; the kernel measurements (bin/kernel_bench); the CLI's benchmark, its
-# serving figures and a smoke run; the soak. Writes each full log and results.json to LOGDIR
-# and prints a short summary last. Exits non-zero if anything failed.
+# serving figures and a smoke run; the tensor-parallel benchmark on 2 GPUs (TP_BENCH, on with the
+# tensor-parallel section); the soak. Writes each full log and results.json to LOGDIR and prints
+# a short summary last. Exits non-zero if anything failed.
+#
+# NCCL (the tensor-parallel collectives): its NVLink multicast reductions (NVLS) stay off
+# (NCCL_NVLS_ENABLE=0: they need cuMulticastCreate and do not repeat bit for bit), and the
+# nvidia-nccl-cu13 wheel's library (else the system's libnccl.so.2) is linked as libnccl.so, the
+# name the engine's loader looks for, in a directory put on LD_LIBRARY_PATH.
 set -uo pipefail
 BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 LOGDIR="${1:?usage: run.sh LOGDIR}"
@@ -21,6 +29,22 @@ tar -xJf "$BUNDLE/payload.tar.xz" -C "$BIN_ROOT" || { echo "run.sh: cannot unpac
 cd "$BUNDLE/../.."
 [ -d tests/fixtures ] || { echo "run.sh: no tests/fixtures under $(pwd): run the bundle inside its working tree" >&2; exit 2; }
 TEST_TIMEOUT="${TEST_TIMEOUT:-300}"
+
+export NCCL_NVLS_ENABLE=0
+NCCL_LINK_DIR="$BIN_ROOT/nccl"
+mkdir -p "$NCCL_LINK_DIR"
+NCCL_LIB="$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null)/lib"
+for lib in "$NCCL_LIB/libnccl.so.2" /usr/lib/x86_64-linux-gnu/libnccl.so.2; do
+  if [ -e "$lib" ]; then
+    ln -sf "$lib" "$NCCL_LINK_DIR/libnccl.so"
+    export LD_LIBRARY_PATH="$NCCL_LINK_DIR:$(dirname "$lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "NCCL: $lib" > "$LOGDIR/nccl.txt"
+    break
+  fi
+done
+[ -e "$NCCL_LINK_DIR/libnccl.so" ] || echo "NCCL: not found (the tensor-parallel tests will say so)" > "$LOGDIR/nccl.txt"
+GPUS="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+TP_TESTS="${TP_TESTS:-$([ "${GPUS:-0}" -ge 2 ] && echo 1 || echo 0)}"
 SANITIZER_TIMEOUT="${SANITIZER_TIMEOUT:-300}"
 
 declare -a ROWS=()
@@ -62,11 +86,33 @@ for t in "$BIN_ROOT"/tests/bin/*; do
   name="$(basename "$t")"
   log="$LOGDIR/$name.log"
   start="$(now)"
-  timeout "$TEST_TIMEOUT" "$t" --test-threads=1 --nocapture > "$log" 2>&1
+  timeout "$TEST_TIMEOUT" "$t" --test-threads=1 --nocapture --skip on_two_gpus > "$log" 2>&1
   rc=$?
   secs="$(elapsed "$start")"
   read -r passed failed < <(counts "$log")
   record "$name" "$(status_of $rc)" "$passed" "$failed" "$secs" "$log"
+done
+
+# Tensor parallelism over 2 GPUs (the tests named *on_two_gpus; they fail, saying so, on a
+# machine with fewer GPUs): with TP_TESTS=1, by default where nvidia-smi lists 2 GPUs or more.
+for t in "$BIN_ROOT"/tests/bin/*; do
+  [ -x "$t" ] || continue
+  "$t" --list 2>/dev/null | grep -q 'on_two_gpus: test' || continue
+  name="$(basename "$t") on_two_gpus"
+  log="$LOGDIR/$(basename "$t")-on_two_gpus.log"
+  if [ "$TP_TESTS" != 1 ]; then
+    echo "skipped: ${GPUS:-0} GPU(s) listed (TP_TESTS=1 runs it anyway)" > "$log"
+    record "$name" "skipped" 0 0 0 "$log"
+    continue
+  fi
+  start="$(now)"
+  timeout "$TEST_TIMEOUT" "$t" on_two_gpus --test-threads=1 --nocapture > "$log" 2>&1
+  rc=$?
+  secs="$(elapsed "$start")"
+  read -r passed failed < <(counts "$log")
+  status="$(status_of $rc)"
+  [ "$passed" -gt 0 ] || status="${status/ok/no-tests}"
+  record "$name" "$status" "$passed" "$failed" "$secs" "$log"
 done
 
 # compute-sanitizer over the kernel tests' sanitizer sets: memcheck (device memory errors) and
@@ -171,6 +217,18 @@ if [ -x "$BIN_ROOT/bin/metrale" ]; then
         --backend cuda --num-draft-tokens 4 --speculative-forward "$forward" \
         --speculative-batch "$batch" --json-out "$LOGDIR/$name.json" > "$log" 2>&1
       record "bench --speculative $forward b$batch" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+    done
+  fi
+  # Tensor parallelism over 2 GPUs through NCCL (TP_BENCH=1 runs it, TP_BENCH=0 skips it; by
+  # default with the tensor-parallel tests): decode at batch 1 and 32, each step beside its
+  # floor per GPU, on Qwen3-32B and the Qwen3-Next-80B-A3B-shaped hybrid MoE.
+  if [ "${TP_BENCH:-$TP_TESTS}" = 1 ]; then
+    for shape in qwen3-32b qwen3-next-80b-a3b; do
+      log="$LOGDIR/bench-tp2-$shape.log"
+      start="$(now)"
+      timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --shape "$shape" --backend cuda \
+        --tensor-parallel-size 2 --batches 1,32 --json-out "$LOGDIR/bench-tp2-$shape.json" > "$log" 2>&1
+      record "bench tp2 $shape" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
     done
   fi
 fi

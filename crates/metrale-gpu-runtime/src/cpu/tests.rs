@@ -6,7 +6,7 @@ use half::bf16;
 use metrale_kernel_abi::{
     AddRmsNormParams, AddRmsNormStagedParams, ArgmaxParams, EmbeddingGatherParams,
     GatherRowsParams, LinearParams, LinearTmaParams, PermuteK32TilesParams, RmsNormParams,
-    SiluMulParams, SiluMulStagedParams,
+    RoundBf16Params, SiluMulParams, SiluMulStagedParams,
 };
 use metrale_testkit::Rng;
 
@@ -453,6 +453,36 @@ fn staged_producers_write_their_rows_where_the_layout_puts_them() {
     let normed = r.bf(out1, m * k);
     assert!(r.bf(staged.out, m * k) == normed);
     assert!(r.bytes(staged.img, bytes) == images_of(&normed, k, &pattern));
+}
+
+#[test]
+fn round_bf16_rounds_to_nearest_even() {
+    let r = Rig::new();
+    // (f32 bits, bf16 bits): exact, the two ties (down to even 0x3F80, up to even 0x3F82),
+    // just past a tie, a negative value, f32::MAX overflowing to infinity, a subnormal.
+    let cases = [
+        (0x3F80_0000u32, 0x3F80u16),
+        (0x3F80_8000, 0x3F80),
+        (0x3F81_8000, 0x3F82),
+        (0x3F80_8001, 0x3F81),
+        (0xC020_0000, 0xC020),
+        (0x7F7F_FFFF, 0x7F80),
+        (0x0001_16C2, 0x0001),
+    ];
+    let x: Vec<f32> = cases.iter().map(|&(b, _)| f32::from_bits(b)).collect();
+    let out = r.out(x.len() * 2);
+    let p = RoundBf16Params {
+        out,
+        x: r.put(&x),
+        n: x.len() as u32,
+    };
+    r.run("embed", "round_bf16", &p).unwrap();
+    let got: Vec<u16> = r.bf(out, x.len()).iter().map(|v| v.to_bits()).collect();
+    let want: Vec<u16> = cases.iter().map(|&(_, b)| b).collect();
+    assert_eq!(got, want);
+    // One element more than `x` holds is refused.
+    let past = RoundBf16Params { n: 8, ..p };
+    assert!(r.run("embed", "round_bf16", &past).is_err());
 }
 
 #[test]

@@ -70,3 +70,9 @@ pub(super) fn bind(instance: u64, ctx: sys::CUcontext) -> GpuResult<()> {
     BOUND.with(|b| b.set(instance));
     Ok(())
 }
+
+/// Forget which context this thread has current: a library call (NCCL's) may have made another
+/// one current, so the next [`bind`] sets the backend's own again.
+pub(super) fn forget_binding() {
+    BOUND.with(|b| b.set(0));
+}

@@ -21,6 +21,9 @@
 //!   NULL stream cannot be captured); `create_stream` makes more.
 //! - Capture: `cuStreamBeginCapture` in thread-local mode, `cuStreamEndCapture`, then
 //!   `cuGraphInstantiate`; `launch_graph` is `cuGraphLaunch`.
+//! - Collectives: a backend of a tensor-parallel group (`tensor_parallel_group`, one backend a
+//!   device) queues NCCL's all-reduce and all-gather on its stream (`nccl`), captured in graphs
+//!   like launches; `abort_collectives` aborts the group's communicators.
 //!
 //! Invariants:
 //! - Every driver call runs with the backend's primary context current on the calling thread
@@ -33,11 +36,13 @@ mod driver;
 mod faults;
 mod launch;
 mod modules;
+mod nccl;
 mod open;
 mod staging;
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use cudarc::driver::sys;
 use parking_lot::{Mutex, RwLock};
@@ -47,8 +52,10 @@ use self::driver::{bind, check};
 use self::faults::{FaultWord, fault_result};
 use self::modules::KernelTable;
 pub use self::modules::{ModuleSource, embedded_modules};
+use self::nccl::NcclGroup;
 use self::staging::{STAGING_MAX_COPY, Staging};
 use crate::backend::{GpuBackend, VendorGemm};
+use crate::collective::{Collective, TpRank};
 use crate::error::{GpuError, GpuResult};
 use crate::types::{
     DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, Residency,
@@ -86,6 +93,9 @@ pub struct CudaBackend {
     /// The word kernels write their faults to (`faults`).
     faults: FaultWord,
     options: CudaBackendOptions,
+    /// This backend's rank and its group's NCCL communicators, in a tensor-parallel group
+    /// (`tensor_parallel_group`). Dropped after `Drop` destroyed the graphs.
+    group: Option<(usize, Arc<NcclGroup>)>,
 }
 
 /// Settings of the CUDA backend.
@@ -498,17 +508,35 @@ impl GpuBackend for CudaBackend {
         check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(g) })
     }
 
-    /// A CUDA backend drives one device alone: the collectives of a tensor-parallel group
-    /// (NCCL's all-reduce and all-gather on the stream, through cudarc's `nccl` feature, one
-    /// communicator per device from one `ncclUniqueId`) are not wired, so every collective is
-    /// refused naming what is missing.
-    fn collective(&self, op: &crate::Collective, _stream: StreamHandle) -> GpuResult<()> {
-        Err(GpuError::Collective {
-            op: op.name(),
-            problem: "the CUDA backend has no collectives: NCCL communicators (cudarc's `nccl` \
-                      feature) are not wired, so it runs no tensor-parallel model"
-                .into(),
-        })
+    fn tp_rank(&self) -> TpRank {
+        self.group
+            .as_ref()
+            .map_or(TpRank::SINGLE, |(rank, group)| TpRank {
+                rank: *rank,
+                size: group.size(),
+            })
+    }
+
+    /// NCCL's collective on `stream` (`nccl`): f32 sums and gathers only.
+    fn collective(&self, op: &Collective, stream: StreamHandle) -> GpuResult<()> {
+        let Some((rank, group)) = &self.group else {
+            return Err(GpuError::Collective {
+                op: op.name(),
+                problem: "this CUDA backend is not in a tensor-parallel group (make one with \
+                          `CudaBackend::tensor_parallel_group`)"
+                    .into(),
+            });
+        };
+        op.check(group.size())?;
+        let s = self.stream(stream)?;
+        self.bind()?;
+        group.run(*rank, op, s)
+    }
+
+    fn abort_collectives(&self) {
+        if let Some((_, group)) = &self.group {
+            group.abort();
+        }
     }
 
     fn free_memory(&self) -> GpuResult<usize> {

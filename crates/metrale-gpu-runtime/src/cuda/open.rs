@@ -1,6 +1,9 @@
 //! Opening and closing a `CudaBackend`: the driver loaded and initialised, the device's primary
-//! context retained, the default stream and the fault word made; and, on drop, every handle
+//! context retained, the default stream and the fault word made (and, for a tensor-parallel
+//! group, one backend per device sharing NCCL communicators); and, on drop, every handle
 //! destroyed once.
+
+use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 
@@ -9,6 +12,7 @@ use cudarc::driver::sys;
 use super::driver::{self, bind, check};
 use super::faults::FaultWord;
 use super::modules::{KernelTable, ModuleSource};
+use super::nccl::NcclGroup;
 use super::staging::Staging;
 use super::{CudaBackend, CudaBackendOptions, Handles, new_stream};
 use crate::error::{GpuError, GpuResult};
@@ -26,21 +30,8 @@ impl CudaBackend {
         device_ordinal: usize,
         options: CudaBackendOptions,
     ) -> GpuResult<CudaBackend> {
-        // SAFETY: only tries to open the driver library; no driver call is made.
-        if !unsafe { sys::is_culib_present() } {
-            return Err(GpuError::Unavailable(
-                "cuda".into(),
-                "the CUDA driver library (libcuda.so) could not be loaded; is the NVIDIA driver installed and on LD_LIBRARY_PATH?".into(),
-            ));
-        }
-        // SAFETY: cuInit may be called any number of times, from any thread.
-        check("cuInit", unsafe { sys::cuInit(0) })?;
-        let mut count = 0i32;
-        // SAFETY: `count` is a valid out-pointer.
-        check("cuDeviceGetCount", unsafe {
-            sys::cuDeviceGetCount(&mut count)
-        })?;
-        if device_ordinal >= count.max(0) as usize {
+        let count = CudaBackend::device_count()?;
+        if device_ordinal >= count {
             return Err(GpuError::Unavailable(
                 "cuda".into(),
                 format!("GPU {device_ordinal} asked for, but the driver sees {count} GPU(s)"),
@@ -85,6 +76,7 @@ impl CudaBackend {
             blaslt: Mutex::new(None),
             faults: FaultWord::unallocated(),
             options,
+            group: None,
         };
         // From here `Drop` releases the context (and destroys the stream once made).
         bind(instance, ctx)?;
@@ -102,6 +94,75 @@ impl CudaBackend {
         backend.max_dynamic_smem = smem;
         tracing::debug!(ordinal = device_ordinal, name = %backend.device_name, "CUDA backend ready");
         Ok(backend)
+    }
+
+    /// The backends of one tensor-parallel group, rank `r` on GPU `devices[r]` at index `r`
+    /// (each with `options`), sharing NCCL communicators made from one `ncclUniqueId`. Each is
+    /// driven by its own thread: a collective's kernel waits on the device for every rank's.
+    /// One device gives a group of one rank, whose collectives run through NCCL too.
+    ///
+    /// Refused with `GpuError::Unavailable` when the driver sees fewer GPUs than `devices`
+    /// names or NCCL cannot be loaded (the error names the library and how to make it
+    /// findable), and with `GpuError::Collective` when `devices` is empty or names a GPU twice
+    /// or NCCL fails to make the communicators.
+    pub fn tensor_parallel_group(
+        devices: &[usize],
+        options: CudaBackendOptions,
+    ) -> GpuResult<Vec<CudaBackend>> {
+        let refuse = |problem: String| {
+            Err(GpuError::Collective {
+                op: "communicator_init",
+                problem,
+            })
+        };
+        if devices.is_empty() {
+            return refuse("a tensor-parallel group of no GPUs".into());
+        }
+        if let Some((i, d)) = (devices.iter().enumerate()).find(|(i, d)| devices[..*i].contains(d))
+        {
+            return refuse(format!(
+                "GPU {d} is named twice (rank {i} and an earlier one): one rank a device"
+            ));
+        }
+        let count = CudaBackend::device_count()?;
+        if let Some(&d) = devices.iter().find(|&&d| d >= count) {
+            return Err(GpuError::Unavailable(
+                "cuda".into(),
+                format!(
+                    "a tensor-parallel group of {} ranks on GPUs {devices:?} needs GPU {d}, but \
+                     the driver sees {count} GPU(s)",
+                    devices.len()
+                ),
+            ));
+        }
+        let mut backends = (devices.iter())
+            .map(|&d| CudaBackend::with_options(d, options.clone()))
+            .collect::<GpuResult<Vec<_>>>()?;
+        let group = Arc::new(NcclGroup::new(backends.len(), |r| backends[r].bind())?);
+        for (rank, b) in backends.iter_mut().enumerate() {
+            b.group = Some((rank, group.clone()));
+        }
+        Ok(backends)
+    }
+
+    /// The GPUs the driver sees, after loading and initialising it. `GpuError::Unavailable`
+    /// when the driver library cannot be loaded.
+    pub fn device_count() -> GpuResult<usize> {
+        // SAFETY: only tries to open the driver library; no driver call is made.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(GpuError::Unavailable(
+                "cuda".into(),
+                "the CUDA driver library (libcuda.so) could not be loaded; is the NVIDIA driver installed and on LD_LIBRARY_PATH?".into(),
+            ));
+        }
+        // SAFETY: cuInit may be called any number of times, from any thread.
+        check("cuInit", unsafe { sys::cuInit(0) })?;
+        let mut count = 0i32;
+        // SAFETY: `count` is a valid out-pointer.
+        check("cuDeviceGetCount", unsafe {
+            sys::cuDeviceGetCount(&mut count)
+        })?;
+        Ok(count.max(0) as usize)
     }
 
     /// The GPU's ordinal.
@@ -155,6 +216,9 @@ impl Drop for CudaBackend {
         }
         self.kernels.get_mut().unload_all();
         self.faults.release();
+        // The last backend of a group destroys its communicators, with this context still
+        // retained and every graph gone.
+        drop(self.group.take());
         // SAFETY: retained once in `new`, released once here; nothing of the context is used
         // after this.
         let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };

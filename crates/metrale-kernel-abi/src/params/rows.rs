@@ -46,6 +46,19 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `embed::round_bf16`: `out[i] = bf16(x[i])`, rounded to nearest even (an all-reduce's
+    /// f32 sums written as the bf16 activation).
+    pub struct RoundBf16Params("ROUND_BF16_PARAMS") {
+        /// bf16 `[n]`.
+        out: ptr "bf16* __restrict__",
+        /// f32 `[n]`.
+        x: ptr "const float* __restrict__",
+        /// Elements.
+        n: u32,
+    }
+}
+
+kernel_params! {
     /// `norm::rms_norm`: `out = rms_norm(x) * w` (or `* (1 + w)` with `unit_offset`).
     pub struct RmsNormParams("RMS_NORM_PARAMS") {
         /// bf16 `[rows, cols]`.

@@ -1,5 +1,6 @@
 //! The model shapes the benchmark builds with random weights, as their `config.json` files
-//! would state them: Qwen3-8B, Qwen3.5-9B and the sparse-MoE Qwen3.5-35B-A3B for the GPU, tiny
+//! would state them: Qwen3-8B, Qwen3.5-9B and the sparse-MoE Qwen3.5-35B-A3B for the GPU, and
+//! for tensor parallelism Qwen3-32B and a Qwen3-Next-80B-A3B-shaped hybrid MoE; tiny
 //! dense, hybrid and MoE shapes that run the same code on the CPU backend (one with Qwen3's
 //! vocabulary, for the real tokenizer),
 //! and small ones wide enough for the decode GEMM's staged input
@@ -139,6 +140,29 @@ pub fn qwen3_5_35b_a3b() -> Result<ModelConfig, ModelError> {
     .config("qwen3.5-35b-a3b")
 }
 
+/// A hybrid sparse-MoE shape of Qwen3-Next-80B-A3B's dimensions (no download), built as the
+/// Qwen3.5 MoE family (the same tensors and bytes; Qwen3-Next's checkpoints order the GDN input
+/// projection's rows per key head, which changes no figure): 48 layers, 36 Gated DeltaNet and
+/// 12 gated attention (every fourth), hidden 2048, 16/2 heads of 256 with a quarter rotated,
+/// linear heads 16 key / 32 value of 128, a sparse-MoE FFN in every layer (512 experts of 512,
+/// 10 per token, a gated shared expert of 512), vocab 151936; without its MTP head, which a
+/// decode step does not run.
+pub fn qwen3_next_80b_a3b() -> Result<ModelConfig, ModelError> {
+    Hybrid {
+        hidden: 2048,
+        layers: 48,
+        heads: (16, 2, 256),
+        ffn: 0,
+        vocab: 151936,
+        linear: (16, 32, 128),
+        rotary: 0.25,
+        max_positions: 262144,
+        mtp_layers: 0,
+        moe: Some((512, 10, 512, 512)),
+    }
+    .config("qwen3-next-80b-a3b")
+}
+
 /// A tiny hybrid sparse-MoE shape: the expert path of the benchmark on the CPU backend.
 pub fn tiny_moe_for_cpu() -> Result<ModelConfig, ModelError> {
     Hybrid {
@@ -177,6 +201,12 @@ pub fn tiny_hybrid_for_cpu() -> Result<ModelConfig, ModelError> {
 /// The shape of Qwen3-8B (no download).
 pub fn qwen3_8b() -> Result<ModelConfig, ModelError> {
     dense_qwen3(4096, 36, 32, 8, 128, 12288, 151936)
+}
+
+/// The shape of Qwen3-32B (no download): 64 layers, hidden 5120, 64/8 heads of 128, FFN 25600,
+/// vocab 151936.
+pub fn qwen3_32b() -> Result<ModelConfig, ModelError> {
+    dense_qwen3(5120, 64, 64, 8, 128, 25600, 151936)
 }
 
 /// A tiny dense shape: the same code path on the CPU backend.

@@ -31,7 +31,7 @@ use crate::error::ModelError;
 use crate::model::{Model, ModelWeights};
 use crate::options::Quantization;
 
-pub use random::{random, random_quantized};
+pub use random::{random, random_quantized, random_ranks};
 pub use shard::RankShard;
 
 /// Load the checkpoint in `dir` onto `gpu`, its projection weights as stored.

@@ -2,6 +2,8 @@
 //! sparse-MoE FFNs) with pseudo-random weights filled on the device by `init::fill_uniform_bf16`,
 //! for benchmarks (no checkpoint, no host-side weight traffic beyond a few small f32 vectors). A
 //! config that declares an MTP head (`mtp_num_hidden_layers`) gets one, as its checkpoint would.
+//! `random_ranks` shards such a model over a tensor-parallel group as `load_ranks` shards a
+//! checkpoint.
 
 use std::sync::Arc;
 
@@ -15,6 +17,7 @@ use metrale_model_layers::ops::VocabRows;
 use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{Ops, TransformerLayer};
 
+use super::RankShard;
 use crate::error::ModelError;
 use crate::model::{Model, ModelWeights};
 use crate::options::Quantization;
@@ -215,6 +218,47 @@ pub fn random_quantized(
     seed: u64,
     quantization: Quantization,
 ) -> Result<Model, ModelError> {
+    build(config, gpu, seed, quantization, None)
+}
+
+/// A bf16 model of `config`'s shape with random weights, sharded over the backends of a
+/// tensor-parallel group (`gpus[r]` drives rank `r`), each rank holding what `RankShard` says a
+/// loaded checkpoint's rank holds (its heads and widths, its rows of the vocabulary) and filled
+/// on its own device: the benchmark's sharded models. One backend gives the whole model.
+/// Refused as `load_ranks` refuses a shape that does not split.
+pub fn random_ranks(
+    config: &ModelConfig,
+    gpus: &[Arc<dyn GpuBackend>],
+    seed: u64,
+) -> Result<Vec<Model>, ModelError> {
+    let size = gpus.len();
+    RankShard::check_size(size)?;
+    if size == 1 {
+        return Ok(vec![random(config.clone(), gpus[0].clone(), seed)?]);
+    }
+    RankShard::check(config, size)?;
+    (gpus.iter().enumerate())
+        .map(|(rank, gpu)| {
+            let shard = RankShard { rank, size };
+            build(
+                config.clone(),
+                gpu.clone(),
+                seed,
+                Quantization::AsStored,
+                Some(shard),
+            )
+        })
+        .collect()
+}
+
+/// The whole model of `config`'s shape, or rank `shard`'s part of it, on `gpu`.
+fn build(
+    config: ModelConfig,
+    gpu: Arc<dyn GpuBackend>,
+    seed: u64,
+    quantization: Quantization,
+    shard: Option<RankShard>,
+) -> Result<Model, ModelError> {
     let norm_offset = if config.norm == metrale_config::NormConvention::ZeroCentred {
         0.0
     } else {
@@ -230,23 +274,27 @@ pub fn random_quantized(
         fp8: quantization == Quantization::Fp8,
     };
     let (h, v) = (config.hidden_size, config.tokens.vocab_size);
-    let embed = fill.weight(&[v, h], 0.0, 1.0)?;
+    // A rank's layers are the shard config's (its heads and widths) and its rows of the
+    // vocabulary, as `load_ranks` gives them.
+    let layer_config = shard.map_or_else(|| config.clone(), |sh| sh.config(&config));
+    let vocab_rows = shard.map_or(0..v, |sh| sh.split(v));
+    let embed = fill.weight(&[vocab_rows.len(), h], 0.0, 1.0)?;
     let final_norm = fill.norm(h)?;
     let lm_head = if config.tokens.tie_word_embeddings {
         embed.clone()
     } else {
-        fill.proj(&[v, h], h)?
+        fill.proj(&[vocab_rows.len(), h], h)?
     };
     let mut layers: Vec<Box<dyn TransformerLayer>> = Vec::with_capacity(config.num_hidden_layers);
     for (i, &kind) in config.layer_types.iter().enumerate() {
         let moe = config.layer_is_moe(i);
-        layers.push(Box::new(fill.decoder_layer(&config, kind, moe)?));
+        layers.push(Box::new(fill.decoder_layer(&layer_config, kind, moe)?));
     }
     let mtp = if config.mtp_num_layers > 0 {
         let mut head_layers = Vec::with_capacity(config.mtp_num_layers);
         for _ in 0..config.mtp_num_layers {
             let moe = config.moe.is_some();
-            head_layers.push(fill.decoder_layer(&config, LayerType::FullAttention, moe)?);
+            head_layers.push(fill.decoder_layer(&layer_config, LayerType::FullAttention, moe)?);
         }
         Some(MtpHead {
             fc: fill.proj(&[h, 2 * h], 2 * h)?,
@@ -259,18 +307,20 @@ pub fn random_quantized(
         None
     };
     gpu.synchronize(s)?;
-    let embed_rows = VocabRows::whole(config.tokens.vocab_size as u32);
-    Model::new(
-        config,
-        gpu,
-        ModelWeights {
-            embed_rows,
-            embed,
-            final_norm,
-            lm_head,
-            mtp,
-            kv_scales: Vec::new(),
-        },
-        layers,
-    )
+    let embed_rows = VocabRows {
+        start: vocab_rows.start as u32,
+        vocab: v as u32,
+    };
+    let weights = ModelWeights {
+        embed_rows,
+        embed,
+        final_norm,
+        lm_head,
+        mtp,
+        kv_scales: Vec::new(),
+    };
+    match shard {
+        None => Model::new(config, gpu, weights, layers),
+        Some(sh) => Model::new_shard(layer_config, gpu, weights, layers, sh.size),
+    }
 }

@@ -1,5 +1,6 @@
 //! The row-wise kernels against their CPU twins: embedding and row gathers, the RMSNorms, rotary
-//! embedding with the q/k norms, the cache store, the SwiGLU gate, argmax and the random fill.
+//! embedding with the q/k norms, the cache store, the SwiGLU gate, argmax, the random fill and
+//! the f32-to-bf16 rounding of the all-reduce.
 //! Each check takes its shapes, so `small` runs the same checks at the sanitizer's sizes.
 
 use metrale_gpu_runtime::DevicePtr;
@@ -18,6 +19,7 @@ pub(super) fn small(p: &Pair) {
     silu_mul(p, rng, &[(256, 2), (101, 1)]);
     argmax(p, rng, &[1001]);
     fill_uniform(p, &[(1003, 3, 0.0, 1.0)]);
+    round_bf16(p, rng, &[(3, 101)]);
 }
 
 #[test]
@@ -387,6 +389,51 @@ fn fill_uniform(p: &Pair, cases: &[(u64, u64, f32, f32)]) {
         p.check_bf16(
             "fill_uniform_bf16",
             &format!("n={n} seed={seed}"),
+            &out,
+            Tolerance::EXACT,
+        );
+    }
+}
+
+#[test]
+fn round_bf16_is_bit_identical() {
+    round_bf16(
+        &Pair::new(),
+        &mut Rng::new(17),
+        &[(1, 5120), (32, 5120), (7, 1003), (300, 4096)],
+    );
+}
+
+/// `(rows, cols)` each: random f32 values of several magnitudes, the first row opening with
+/// exact ties (rounded to the even neighbour) and values just past them.
+fn round_bf16(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32)]) {
+    for &(rows, cols) in shapes {
+        let n = (rows * cols) as usize;
+        let mut x: Vec<f32> = (0..n)
+            .map(|i| rng.uniform(-4.0, 4.0) * [1e-3, 1.0, 300.0][i % 3])
+            .collect();
+        let ties = [
+            0x3F80_8000u32,
+            0x3F81_8000,
+            0xC0A0_8000,
+            0x3F80_8001,
+            0xBF81_7FFF,
+        ];
+        for (v, &b) in x.iter_mut().zip(&ties) {
+            *v = f32::from_bits(b);
+        }
+        let x = p.upload(&x);
+        let out = p.poisoned(n * 2);
+        p.run(|o, at| {
+            o.round_bf16(
+                S,
+                Matrix::bf16(at(&out), rows, cols),
+                Matrix::f32(at(&x), rows, cols),
+            )
+        });
+        p.check_bf16(
+            "round_bf16",
+            &format!("rows={rows} cols={cols}"),
             &out,
             Tolerance::EXACT,
         );

@@ -1,7 +1,8 @@
-//! CPU twins of `kernels/embed.cu`: token embedding gather and row gather.
+//! CPU twins of `kernels/embed.cu`: token embedding gather, row gather, and f32 values rounded
+//! to bf16.
 
 use half::bf16;
-use metrale_kernel_abi::{EmbeddingGatherParams, GatherRowsParams};
+use metrale_kernel_abi::{EmbeddingGatherParams, GatherRowsParams, RoundBf16Params};
 
 use super::util::f;
 use crate::cpu::KernelCtx;
@@ -53,6 +54,18 @@ pub fn gather_rows(ctx: &KernelCtx<'_>) -> GpuResult<()> {
             )));
         }
         out[i * cols..(i + 1) * cols].copy_from_slice(&x[r * cols..(r + 1) * cols]);
+    }
+    Ok(())
+}
+
+/// `round_bf16` ([`RoundBf16Params`]): `out[i] = bf16(x[i])`, rounded to nearest even.
+pub fn round_bf16(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    let p: RoundBf16Params = ctx.params()?;
+    let n = p.n as usize;
+    let out = ctx.slice_mut::<bf16>("out", p.out, n)?;
+    let x = ctx.slice::<f32>("x", p.x, n)?;
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = bf16::from_f32(v);
     }
     Ok(())
 }
