@@ -8,7 +8,9 @@
 # (`__SANITIZED__ __SANITIZER_SET__`: every kernel at small shapes, under compute-sanitizer's
 # memcheck; `__RACECHECK_SET__`, the same but `linear_stream_tma`, under racecheck), each within
 # SANITIZER_TIMEOUT; the kernel measurements (bin/kernel_bench); the CLI's benchmark, its
-# serving figures and a smoke run; the tensor-parallel benchmark on 2 GPUs (TP_BENCH, on with the
+# FP8, FP8-KV, speculative, serving and interference figures and a smoke run (each section has
+# its switch: FP8_BENCH, KV_BENCH, SPEC_BENCH, SERVE_BENCH, INTERF_BENCH; 0 skips it); the
+# tensor-parallel benchmark on 2 GPUs (TP_BENCH, on with the
 # tensor-parallel section); the soak. Writes each full log and results.json to LOGDIR and prints
 # a short summary last. Exits non-zero if anything failed.
 #
