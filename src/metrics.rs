@@ -59,11 +59,13 @@ pub struct SpeculationMetrics {
     /// Tokens per sequence verify that checked drafts: `1 + accepted / verifies` (0 before
     /// any).
     pub mean_acceptance_length: f64,
-    /// Whether the gate has speculation on.
+    /// Whether the gate has speculation on at the batch width class (running sequences rounded
+    /// up to a power of two) of the last decode step.
     pub on: bool,
-    /// Times the gate switched speculation on or off.
+    /// Times the gate switched speculation on or off, every width class together.
     pub switches: u64,
-    /// The gate's moving average of decode tokens/s without speculation, once measured.
+    /// The gate's moving average of decode tokens/s without speculation at that width class,
+    /// once measured.
     pub plain_decode_tok_s: Option<f64>,
     /// The same with speculation.
     pub speculative_decode_tok_s: Option<f64>,

@@ -217,19 +217,19 @@ const METRICS: [Metric; 35] = [
     Metric {
         name: "metrale_spec_gate_on",
         kind: "gauge",
-        help: "1 while the speculation gate keeps speculation on, 0 while off or not speculating.",
+        help: "1 while the speculation gate keeps speculation on at the batch width of the last decode step, 0 while off or not speculating.",
         value: |m| f64::from(u8::from(m.speculation.is_some_and(|s| s.on))),
     },
     Metric {
         name: "metrale_spec_gate_switches_total",
         kind: "counter",
-        help: "Times the speculation gate switched speculation on or off.",
+        help: "Times the speculation gate switched speculation on or off, every batch width together.",
         value: |m| m.speculation.unwrap_or_default().switches as f64,
     },
     Metric {
         name: "metrale_spec_plain_decode_tokens_per_second",
         kind: "gauge",
-        help: "The gate's moving average of decode tokens/s without speculation (0 before measured).",
+        help: "The gate's moving average of decode tokens/s without speculation at the batch width of the last decode step (0 before measured).",
         value: |m| {
             m.speculation
                 .unwrap_or_default()
@@ -240,7 +240,7 @@ const METRICS: [Metric; 35] = [
     Metric {
         name: "metrale_spec_speculative_decode_tokens_per_second",
         kind: "gauge",
-        help: "The gate's moving average of decode tokens/s with speculation (0 before measured).",
+        help: "The gate's moving average of decode tokens/s with speculation at the batch width of the last decode step (0 before measured).",
         value: |m| {
             m.speculation
                 .unwrap_or_default()
