@@ -56,7 +56,7 @@
 // key and value is read once for many rows; a row's result is bitwise this kernel's.
 //
 // FP8 pools (kv_fp8): the copies move the e4m3 bytes (half the bytes a token) into the top of
-// each ring row and the warp that copied them widens them in place to bf16(e4m3 * bf16(scale))
+// each ring row and the warp that copied them widens them in place to bf16(f32(e4m3 * scale))
 // before the unit's MMAs (attention_unit.cuh, kv_fp8.cuh); from there every kernel runs its bf16
 // arithmetic unchanged, so the three kernels stay bitwise equal on FP8 pools too.
 //
@@ -250,7 +250,7 @@ struct AtfShared {
     float cm[ATT_SPLITS][ATT_HB], cl[ATT_SPLITS][ATT_HB];  // each split's, of the current item
     AtfItemRec item[ATT_MAX_ITEMS];
     int bad[2];  // a slot past the pool was seen, by split parity
-    uint32_t kv2[2];  // FP8 pools' scale pairs (att_kv_scales)
+    uint32_t kv2[2];  // FP8 pools' scale factors (att_kv_scales)
 };
 
 // Whether warp `warp` takes any unit of a context of `ctx` tokens in any split.

@@ -347,7 +347,7 @@ struct AttShared {
     float cm[2][ATT_HB], cl[2][ATT_HB];  // the block's, by item parity (read by the cluster)
     AttItemRec item[ATT_MAX_ITEMS];
     int bad[2];  // a slot past the pool was seen, by item parity
-    uint32_t kv2[2];  // FP8 pools' scale pairs (att_kv_scales)
+    uint32_t kv2[2];  // FP8 pools' scale factors (att_kv_scales)
 };
 
 // This thread's outputs of an item, computed before the block's arrival at the cluster barrier

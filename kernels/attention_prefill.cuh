@@ -66,7 +66,7 @@ struct AtpShared {
     // registers.
     unsigned char* img;
     uint32_t img_steps;
-    uint32_t kv2[2];  // FP8 pools' scale pairs (att_kv_scales)
+    uint32_t kv2[2];  // FP8 pools' scale factors (att_kv_scales)
 };
 
 // Item k of this cluster as partition `part` sees it. `ctx` is the largest context of its rows

@@ -308,10 +308,10 @@ MT_DEVICE void att_slot(const AttLaunch& a, uint32_t unit, uint32_t ctx, uint32_
     }
 }
 
-// FP8 pools (kv_fp8: the kernels' bodies instantiated with FP8 = true, the scale pairs in
+// FP8 pools (kv_fp8: the kernels' bodies instantiated with FP8 = true, the scale factors in
 // their shared state, `kv2`). A ring row of RS = DP + 8 bf16 is 2 DP + 16 bytes; a unit's e4m3 bytes
 // land in the top DP of them (from byte DP + 16, 16-byte aligned), and att_widen_rows rewrites
-// each row as the bf16 values they stand for (bf16(e4m3 * bf16(scale)), fp8_frag) from byte 0,
+// each row as the bf16 values they stand for (bf16(f32(e4m3 * scale)), fp8_frag) from byte 0,
 // so the MMAs read bf16 rows exactly as from a bf16 pool.
 template <int DP>
 MT_DEVICE unsigned char* att_fp8_row(bf16* rows, uint32_t row) {
@@ -399,7 +399,8 @@ MT_DEVICE void att_widen_rows(const uint32_t (&kv2)[2], bf16* stage, uint32_t n,
     }
 }
 
-// The scale pairs of the K and V pools (fp8_scale2), as the kernels keep them in shared memory.
+// The scale factors of the K and V pools (fp8_scale2), as the kernels keep them in shared
+// memory.
 MT_DEVICE void att_kv_scales(uint32_t (&kv2)[2], float k_scale, float v_scale) {
     kv2[0] = fp8_scale2(k_scale);
     kv2[1] = fp8_scale2(v_scale);

@@ -209,15 +209,15 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 3)
 }
 
 // Chunks per batch of `linear_stream_fp8`. Where a segment is whole scale blocks, a lane's
-// chunk is 8 weight bytes (two registers; the block's four chunks share one scale pair);
-// otherwise each chunk also holds its scale pair. Batches of 16 (more weight bytes in flight per
+// chunk is 8 weight bytes (two registers; the block's four chunks share one scale factor);
+// otherwise each chunk also holds its scale factor. Batches of 16 (more weight bytes in flight per
 // warp) and of 4 at three blocks a multiprocessor both measured slower on whole decode steps.
 #define LIN_FP8_B 8
 #define LIN_FP8_B_RB 4
 
 // linear_stream_fp8(out: bf16 [m, n], x: bf16 [m, k], w: fp8 e4m3 [n, k], scales: f32 [ceil(n /
 // 2^scale_row_shift), ceil(k / FP8_BLOCK)], m, n, k, scale_row_shift): `linear_stream` of the
-// weight bf16(w * bf16(scale)), rows bitwise `linear`'s of `dequant_fp8`'s output, at any m (each row
+// weight bf16(f32(w * scale)), rows bitwise `linear`'s of `dequant_fp8`'s output, at any m (each row
 // tile of 16 rereads the weight tile, from L2 after the first); at m <= 16 where
 // `fp8_swap_fits`, `linear_fp8_swapped` (units of 16 weight rows, the weight as the MMA's A
 // operand). The grid and block as `linear_stream`'s.
@@ -249,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
 }
 
 // linear_stream_wide_fp8(out: bf16 [m, n], x: bf16 [m, k], w: fp8 e4m3 [n, k], scales, m, n, k,
-// scale_row_shift): `linear_stream_wide` of the weight bf16(w * bf16(scale)), rows bitwise
+// scale_row_shift): `linear_stream_wide` of the weight bf16(f32(w * scale)), rows bitwise
 // `linear`'s of `dequant_fp8`'s output; the decode path for 16 < m <= 128, where the narrow
 // kernel would convert each weight fragment once per row tile. The weight's bytes go through
 // the ring (LIN_WF_STAGES stages of LIN_WF_STAGE_CH chunks) and are converted as the MMAs read

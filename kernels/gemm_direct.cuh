@@ -79,8 +79,9 @@ MT_DEVICE uint2 ldg_stream8(const uint8_t* p) {
 
 // A block-FP8 weight: e4m3 bytes and an f32 scale per block of FP8_BLOCK columns by
 // 2^shift rows. A lane holds its 8 bytes a chunk and the scales of the blocks they lie in, as
-// the bf16 pair the conversion multiplies by; its fragment is bf16(e4m3 * bf16(scale)) of each
-// byte, which is `dequant_fp8`'s weight, so the rows are `linear`'s of it. Chunk c lies in scale
+// the f32 factor the conversion multiplies by (fp8_scale2); its fragment is
+// bf16(f32(e4m3 * scale)) of each byte, which is `dequant_fp8`'s weight, so the rows are
+// `linear`'s of it. Chunk c lies in scale
 // block c / 4 (FP8_BLOCK / LIN_KC chunks a block) whatever the lane. SPAN: chunks that share a
 // scale in a batch, 4 where every batch starts at a multiple of 4 chunks (the launch checks
 // it), so a batch of B reads B / 4 scales; 1 otherwise (one a chunk).
@@ -268,7 +269,7 @@ MT_DEVICE void linear_direct_impl(OutT* out, const bf16* x, const W& w, uint32_t
 // their segments' partials in order through shared memory.
 constexpr int LIN_FP8_SWAP_B = 8;  // chunks per batch at one token tile (4 at two)
 
-// A lane's batch of B chunks: 8 bytes of rows g and g + 8 a chunk, and their blocks' scale pairs.
+// A lane's batch of B chunks: 8 bytes of rows g and g + 8 a chunk, and their blocks' scale factors.
 template <int B>
 struct Fp8SwapBatch {
     uint2 lo[B], hi[B];

@@ -138,7 +138,7 @@ struct ExpertWBf16 {
 };
 
 // A block-FP8 weight: e4m3 bytes and an f32 scale per block of FP8_BLOCK columns by 2^shift
-// rows; an element is bf16(e4m3 * bf16(scale)) (gemm_fp8.cuh), `dequant_fp8`'s weight. A chunk
+// rows; an element is bf16(f32(e4m3 * scale)) (gemm_fp8.cuh), `dequant_fp8`'s weight. A chunk
 // of 8 never straddles two column blocks (FP8_BLOCK % 8 == 0).
 struct ExpertWFp8 {
     const uint8_t* w;
@@ -323,7 +323,7 @@ extern "C" __global__ void expert_linear_f32out(EXPERT_LINEAR_PARAMS(float)) {
 // expert_linear_fp8(out: bf16 [pairs, n], x, w: fp8 e4m3 [num_experts, n, k], scales: f32
 // [ceil(num_experts * n / 2^scale_row_shift), ceil(k / FP8_BLOCK)], expert_ids, pairs, n, k,
 // num_experts, pairs_per_x_row, scale_row_shift): `expert_linear` of the weight
-// bf16(w * bf16(scale)), each pair's outputs bitwise `expert_linear`'s on `dequant_fp8`'s output
+// bf16(f32(w * scale)), each pair's outputs bitwise `expert_linear`'s on `dequant_fp8`'s output
 // (the same products in the same order, each weight converted as it is read).
 extern "C" __global__ void expert_linear_fp8(EXPERT_LINEAR_FP8_PARAMS(bf16)) {
     const ExpertWFp8 wf{w, scales, scale_row_shift, (k + FP8_BLOCK - 1) / FP8_BLOCK};

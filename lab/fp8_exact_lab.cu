@@ -1,8 +1,8 @@
 // FP8 exact lab: a candidate numerics for the block-FP8 decode GEMM, timed against
-// `linear_stream_fp8` (whose weight is bf16(e4m3 * bf16(scale)), converted with integer work and
-// a bf16 multiply per pair). The candidate keeps each weight as its exact e4m3 value: the
-// hardware conversion `cvt.rn.f16x2.e4m3x2` makes the f16 MMA operand (e4m3 is a subset of f16),
-// x is converted from bf16 to f16 as it is loaded (exact for |x| in [2^-14, 65504]), the MMA
+// `linear_stream_fp8` (whose weight is bf16(f32(e4m3 * scale)), converted with integer work,
+// two f32 multiplies and a conversion per pair). The candidate keeps each weight as its exact
+// e4m3 value: the hardware conversion `cvt.rn.f16x2.e4m3x2` makes the f16 MMA operand (e4m3
+// is a subset of f16), x is converted from bf16 to f16 as it is loaded (exact for |x| in [2^-14, 65504]), the MMA
 // chain of each 128-wide scale block starts from zero in its own accumulator, and the block's
 // scale multiplies it into the segment's sum (one FMA per accumulator per block): the weight is
 // e4m3 * scale as the packs define it, with no rounding of the weight. Same units, batches and

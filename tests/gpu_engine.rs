@@ -67,9 +67,7 @@ fn every_fixture_matches_transformers_with_an_fp8_kv_cache_on_cuda() {
         min_steps: 1,
         ..Rule::FP8_KV
     };
-    // The hybrid MoE FP8 pack is left out, as on the CPU (`tests/hybrid.rs` says why).
-    let keep = |dir: &std::path::Path| !dir.ends_with("qwen3_5_moe-fp8-tiny");
-    let worst = check_fixtures_where(&types, 11, &cuda_options(fp8), rule, keep);
+    let worst = check_fixtures_by(&types, 13, &cuda_options(fp8), rule);
     eprintln!("worst logits relative L2 error on CUDA, FP8 KV: {worst:.3e}");
 }
 

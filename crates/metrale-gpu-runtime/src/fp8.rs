@@ -7,13 +7,12 @@
 //! Invariants:
 //! - [`f32_to_e4m3`] rounds to nearest, ties to even, saturates finite values at ±448 and keeps
 //!   NaN a NaN, as CUDA's `__nv_cvt_float_to_fp8(.., __NV_SATFINITE, __NV_E4M3)` does.
-//! - A dequantized element is `bf16(e4m3 · bf16(scale))`: the scale rounded to bf16 (to nearest
-//!   even), the exact product (at most 12 significant bits, so exact in f32) rounded to bf16
-//!   once. The NaN codes read as ±480 (what the kernels' bit conversion gives); the loader
-//!   refuses weights holding them, and scales outside [0, `MAX_SCALE`), so the kernels' factor
-//!   `bf16(scale) · 2^120` never overflows.
+//! - A dequantized element is `bf16(f32(e4m3 · scale))`: the product with the f32 scale as
+//!   stored, rounded to f32 and then to bf16 (each to nearest even). The NaN codes read as ±480
+//!   (what the kernels' bit conversion gives); the loader refuses weights holding them, and
+//!   scales outside [0, `MAX_SCALE`), so the kernels' factor `scale · 2^120` stays a finite f32.
 //! - An FP8 KV cache element is `kv_quantize(value, scale) = e4m3(value / scale)` and reads as
-//!   `kv_dequant(byte, scale)`, the weights' element (`bf16(e4m3 · bf16(scale))`); a pool's
+//!   `kv_dequant(byte, scale)`, the weights' element (`bf16(f32(e4m3 · scale))`); a pool's
 //!   scale is finite and in (0, `MAX_SCALE`) ([`kv_scale_ok`]).
 //! - The block recipe: blocks of [`FP8_BLOCK`] rows by [`FP8_BLOCK`] columns (partial blocks at
 //!   the edges); scale = the block's amax / 448 in f32 (1 for a block without a nonzero finite
@@ -26,7 +25,7 @@ pub use metrale_kernel_abi::{FP8_BLOCK, FP8_BLOCK_ROW_SHIFT};
 pub const E4M3_MAX: f32 = 448.0;
 
 /// Block scales must be below this (and not negative): the kernels multiply by
-/// `bf16(scale) · 2^120`, which must stay finite.
+/// `scale · 2^120` in f32, which must stay finite.
 pub const MAX_SCALE: f32 = 256.0;
 
 /// Whether `byte` is one of e4m3's two NaN codes.
@@ -73,7 +72,7 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     sign | code.min(0x7E) as u8
 }
 
-/// One dequantized element: `bf16(e4m3 · bf16(scale))` (see the module invariants; a NaN code
+/// One dequantized element: `bf16(f32(e4m3 · scale))` (see the module invariants; a NaN code
 /// reads as ±480).
 #[inline]
 pub fn dequant_element(byte: u8, scale: f32) -> bf16 {
@@ -82,11 +81,11 @@ pub fn dequant_element(byte: u8, scale: f32) -> bf16 {
     } else {
         e4m3_to_f32(byte)
     };
-    bf16::from_f32(value * bf16::from_f32(scale).to_f32())
+    bf16::from_f32(value * scale)
 }
 
 /// Whether `scale` is one a KV cache pool may use: finite, positive and below [`MAX_SCALE`] (the
-/// kernels' factor `bf16(scale) · 2^120` stays finite, and `value / scale` is defined).
+/// kernels' factor `scale · 2^120` stays a finite f32, and `value / scale` is defined).
 pub fn kv_scale_ok(scale: f32) -> bool {
     scale.is_finite() && scale > 0.0 && scale < MAX_SCALE
 }
@@ -100,7 +99,7 @@ pub fn kv_quantize(value: bf16, scale: f32) -> u8 {
 }
 
 /// One FP8 KV cache element as every attention kernel reads it: [`dequant_element`],
-/// `bf16(e4m3 · bf16(scale))` (the NaN code reads as ±480 · bf16(scale)).
+/// `bf16(f32(e4m3 · scale))` (the NaN code reads as bf16(±480 · scale)).
 #[inline]
 pub fn kv_dequant(byte: u8, scale: f32) -> bf16 {
     dequant_element(byte, scale)
@@ -234,16 +233,20 @@ mod tests {
         assert_eq!(kv_quantize(v(3.0), 0.25), 0x54);
         assert_eq!(kv_dequant(0x54, 0.25).to_f32(), 3.0);
         // Past 448 * scale saturates; infinities too; NaN keeps the NaN code, which reads as
-        // 480 * bf16(scale).
+        // bf16(480 * scale).
         assert_eq!(kv_quantize(v(1000.0), 2.0), 0x7E);
         assert_eq!(kv_quantize(v(f32::NEG_INFINITY), 1.0), 0xFE);
         assert_eq!(kv_quantize(v(f32::NAN), 1.0), 0x7F);
         assert_eq!(kv_dequant(0x7F, 0.5).to_f32(), 240.0);
-        // The scale is rounded to bf16 on the read side only: 0.1 is not a bf16.
+        // The product with the f32 scale as stored, then rounded to bf16: 0x09 is 1.125 / 64,
+        // times 0.1 reads 0.0017547607; rounding the scale to bf16 first would give
+        // 0.0017623901.
         let s = 0.1f32;
-        assert_eq!(
-            kv_dequant(0x38, s),
-            bf16::from_f32(bf16::from_f32(s).to_f32())
+        assert_eq!(kv_dequant(0x09, s), bf16::from_f32(0.017578125 * s));
+        assert_eq!(kv_dequant(0x09, s).to_f32(), 0.0017547607);
+        assert_ne!(
+            kv_dequant(0x09, s),
+            bf16::from_f32(0.017578125 * bf16::from_f32(s).to_f32())
         );
         for ok in [1.0, 1e-6, 255.9] {
             assert!(kv_scale_ok(ok), "{ok}");
