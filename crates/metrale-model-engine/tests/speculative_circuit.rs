@@ -7,7 +7,8 @@
 //! (its draft program) is bitwise the legacy one, logits and the head's KV cache, for 1 to 5
 //! rows and the single-row draft after it, eager and graphed, launching what the legacy head
 //! launches, and so are draft steps of two to four sequences (take-ins and the draft after);
-//! greedy MTP generation under `circuit` is plain greedy and runs draft programs.
+//! greedy MTP generation under `circuit` is plain greedy, alone and batched, and runs every
+//! verify step and some draft steps from circuit programs.
 //! The bitwise and graph tests also run on CUDA (module `cuda`, with `--features cuda`).
 
 #![allow(clippy::unwrap_used)]
@@ -345,10 +346,22 @@ fn mtp_greedy_under_the_circuit_forward_is_plain_greedy() {
             for (got, want) in batched.iter().zip(&plain) {
                 assert_eq!(got.token_ids, want.token_ids, "{name} K={k} batched");
             }
+            let verify_steps = model.stats().steps.verify_steps;
             let runner = model.runner();
             assert!(
                 runner.graphs().verify_shapes().contains(&(1 + k as u32, 1)),
                 "{name} K={k}: single-sequence verify steps ran"
+            );
+            // Four prompts at most: every verify step, of one sequence or of the batch, is a
+            // shape the circuit compiled.
+            assert!(
+                (runner.graphs().verify_shapes().iter()).any(|&(_, seqs)| seqs > 1),
+                "{name} K={k}: batched verify steps ran"
+            );
+            assert_eq!(
+                runner.verify_program_steps(),
+                verify_steps,
+                "{name} K={k}: every verify step ran a circuit program"
             );
             assert!(
                 runner.draft_program_steps() > 0,
