@@ -182,6 +182,47 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The median time (of `iters`, ms) of a decode step of `batch` sequences, each with `context`
+/// tokens cached, on `runner`'s device (rank 0's, whose events bracket a sharded step: its
+/// collectives wait for every other rank); `held` runs while the sequences still hold their KV
+/// blocks and SSM slots, which are released afterwards.
+pub(crate) fn time_decode(
+    runner: &mut StepRunner,
+    cache: &mut CacheManager,
+    (batch, context, iters): (usize, usize, usize),
+    held: impl FnOnce(&mut StepRunner) -> Result<(), ModelError>,
+) -> Result<f64, ModelError> {
+    let gpu = runner.model().gpu().clone();
+    let vocab = runner.model().config().tokens.vocab_size;
+    let mut tables = Vec::with_capacity(batch);
+    let mut slots = Vec::with_capacity(batch);
+    for _ in 0..batch {
+        let mut t = BlockTable::new();
+        cache.ensure(&mut t, context + 1)?;
+        tables.push(t);
+        slots.extend(cache.alloc_ssm_slot(None)?);
+    }
+    let refs: Vec<&BlockTable> = tables.iter().collect();
+    let rows: Vec<StepRow> = (0..batch)
+        .map(|i| StepRow {
+            token: (i * 13 % vocab) as u32,
+            position: context as u32,
+            seq: i as u32,
+        })
+        .collect();
+    let ms = time_ms(gpu.as_ref(), gpu.default_stream(), iters, || {
+        runner.decode(cache, &rows, &refs, &slots)
+    })?;
+    held(runner)?;
+    for &slot in &slots {
+        cache.free_ssm_slot(slot)?;
+    }
+    for mut t in tables {
+        cache.release(&mut t)?;
+    }
+    Ok(ms)
+}
+
 /// Time `f` with device events: warm-up twice, then the median of `iters` runs, ms.
 fn time_ms(
     gpu: &dyn GpuBackend,
@@ -399,8 +440,6 @@ fn decode(
     copy_gb_s: f64,
 ) -> Result<(Vec<DecodeFigure>, Vec<Breakdown>), ModelError> {
     let c = &opts.config;
-    let gpu = runner.model().gpu().clone();
-    let s = gpu.default_stream();
     let (mut decode, mut profiles) = (Vec::new(), Vec::new());
     for (nth, &forward) in opts.forwards.iter().enumerate() {
         // The forwards that cannot run this model are left out, and say so.
@@ -410,39 +449,18 @@ fn decode(
         }
         let launches = runner.forward_disclosure()?.launches_per_step;
         for &batch in &opts.decode_batches {
-            let mut tables = Vec::with_capacity(batch);
-            let mut slots = Vec::with_capacity(batch);
-            for _ in 0..batch {
-                let mut t = BlockTable::new();
-                cache.ensure(&mut t, opts.context + 1)?;
-                tables.push(t);
-                slots.extend(cache.alloc_ssm_slot(None)?);
-            }
-            let refs: Vec<&BlockTable> = tables.iter().collect();
-            let rows: Vec<StepRow> = (0..batch)
-                .map(|i| StepRow {
-                    token: (i * 13 % c.tokens.vocab_size) as u32,
-                    position: opts.context as u32,
-                    seq: i as u32,
-                })
-                .collect();
-            let ms = time_ms(gpu.as_ref(), s, opts.iters, || {
-                runner.decode(cache, &rows, &refs, &slots)
+            let shape = (batch, opts.context, opts.iters);
+            let ms = time_decode(runner, cache, shape, |runner| {
+                if nth == 0 && opts.breakdown_batches.contains(&batch) {
+                    let width = runner.options().decode_width(batch).unwrap_or(batch);
+                    profiles.push(Breakdown {
+                        batch: batch as u32,
+                        context: opts.context as u32,
+                        parts: step_profile(runner, width, opts.iters)?,
+                    });
+                }
+                Ok(())
             })?;
-            if nth == 0 && opts.breakdown_batches.contains(&batch) {
-                let width = runner.options().decode_width(batch).unwrap_or(batch);
-                profiles.push(Breakdown {
-                    batch: batch as u32,
-                    context: opts.context as u32,
-                    parts: step_profile(runner, width, opts.iters)?,
-                });
-            }
-            for &slot in &slots {
-                cache.free_ssm_slot(slot)?;
-            }
-            for mut t in tables {
-                cache.release(&mut t)?;
-            }
             let kv = opts.kv_cache_dtype.resolve(c);
             let per_seq =
                 (opts.context + 1) as f64 * kv_bytes_per_token(c, kv) + ssm_bytes_per_seq(c);

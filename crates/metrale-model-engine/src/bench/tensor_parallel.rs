@@ -14,18 +14,17 @@
 
 use std::sync::Arc;
 
-use metrale_cache::BlockTable;
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DevicePtr, GpuBackend};
 use metrale_model_layers::Ops;
 use metrale_model_layers::ops::Matrix;
 
 use super::work::{decode_weight_bytes, kv_bytes_per_token, ssm_bytes_per_seq};
-use super::{copy_bandwidth, time_ms};
+use super::{copy_bandwidth, time_decode, time_ms};
 use crate::error::ModelError;
 use crate::factory::{self, RankShard};
 use crate::options::{ModelOptions, Quantization};
-use crate::runner::{StepRow, StepRunner};
+use crate::runner::StepRunner;
 
 /// Collectives issued back to back per timed run of one collective's latency.
 const LATENCY_REPEATS: usize = 20;
@@ -269,35 +268,10 @@ pub fn tensor_parallel_bench(
     let models = factory::random_ranks(c, gpus, 0x5eed)?;
     let (mut runner, mut cache) = StepRunner::new_ranks(models, options)?;
     let gpu0 = gpus[0].clone();
-    let s = gpu0.default_stream();
     let mut decode = Vec::new();
     for &batch in &opts.decode_batches {
-        let mut tables = Vec::with_capacity(batch);
-        let mut slots = Vec::with_capacity(batch);
-        for _ in 0..batch {
-            let mut t = BlockTable::new();
-            cache.ensure(&mut t, opts.context + 1)?;
-            tables.push(t);
-            slots.extend(cache.alloc_ssm_slot(None)?);
-        }
-        let refs: Vec<&BlockTable> = tables.iter().collect();
-        let rows: Vec<StepRow> = (0..batch)
-            .map(|i| StepRow {
-                token: (i * 13 % c.tokens.vocab_size) as u32,
-                position: opts.context as u32,
-                seq: i as u32,
-            })
-            .collect();
-        // Rank 0's events bracket the step; its collectives wait for every other rank's.
-        let ms = time_ms(gpu0.as_ref(), s, opts.iters, || {
-            runner.decode(&cache, &rows, &refs, &slots)
-        })?;
-        for &slot in &slots {
-            cache.free_ssm_slot(slot)?;
-        }
-        for mut t in tables {
-            cache.release(&mut t)?;
-        }
+        let shape = (batch, opts.context, opts.iters);
+        let ms = time_decode(&mut runner, &mut cache, shape, |_| Ok(()))?;
         let width = runner.options().decode_width(batch).unwrap_or(batch);
         let collectives = step_collectives(gpus, c, width, opts.iters)?;
         let bytes = rank_bytes(c, size, batch, opts.context);
