@@ -26,9 +26,9 @@
 //! - Step times are device-event medians after warm-up (`time_ms`); end-to-end rates are host
 //!   wall time from the first token to the last, as a client sees them (prefill excluded).
 
-use std::ops::ControlFlow;
+mod end_to_end;
+
 use std::sync::Arc;
-use std::time::Instant;
 
 use metrale_cache::{BlockTable, CacheManager};
 use metrale_config::ModelConfig;
@@ -39,12 +39,10 @@ use super::{
 };
 use crate::error::ModelError;
 use crate::factory;
-use crate::generate::{GenerateParams, SeqRequest, generate_speculative};
 use crate::options::{MAX_DRAFT_TOKENS, ModelOptions, Quantization, Speculative};
 use crate::runner::{ForwardSelect, ModelCircuit, MtpStep, StepRow, StepRunner};
-use crate::sampling::SamplingParams;
 use crate::scheduler::Scheduler;
-use crate::speculative::{Drafter, MtpDrafter, OracleDrafter};
+use end_to_end::end_to_end;
 
 /// Tokens per verify step published for Qwen3.5's MTP head at 1, 2 and 3 drafts.
 pub const ACCEPTANCE_LENGTHS: [f64; 3] = [1.9, 2.7, 3.4];
@@ -450,133 +448,6 @@ fn step_times(
     Ok((plain, verify, draft))
 }
 
-/// Tokens and the wall time from the first to the last of one greedy run.
-struct Run {
-    tokens: Vec<u32>,
-    seconds: f64,
-    /// Decode or verify steps.
-    steps: usize,
-    /// Graphs captured during the run.
-    captures: u64,
-}
-
-impl Run {
-    fn tok_s(&self) -> f64 {
-        // The first token comes from the prefill.
-        self.tokens.len().saturating_sub(1) as f64 / self.seconds
-    }
-
-    /// The figure of this (warm) run, after the `cold` run of the same configuration.
-    fn figure(&self, cold: &Run, name: String, drafts: usize, plain: &[u32]) -> EndToEnd {
-        let n = self.tokens.len();
-        EndToEnd {
-            name,
-            drafts,
-            tokens: n,
-            tokens_per_step: n.saturating_sub(1) as f64 / self.steps.max(1) as f64,
-            tok_s: self.tok_s(),
-            matches_plain: self.tokens == plain && cold.tokens == plain,
-            captures: self.captures,
-            cold_tok_s: cold.tok_s(),
-            cold_captures: cold.captures,
-        }
-    }
-}
-
-/// One greedy run of `prompt`: plain with `drafter` `None`, else speculative (every decode
-/// step a verify step).
-fn timed_run(
-    sched: &mut Scheduler,
-    prompt: &[u32],
-    params: &GenerateParams,
-    drafter: Option<Box<dyn Drafter + Send>>,
-) -> Result<Run, ModelError> {
-    let mut times = Vec::with_capacity(params.max_new_tokens);
-    let mut on_token = |_: usize, _: u32| {
-        times.push(Instant::now());
-        ControlFlow::Continue(())
-    };
-    let reqs = vec![SeqRequest {
-        prompt: prompt.to_vec(),
-        params: params.clone(),
-        ignore_eos: true,
-    }];
-    let before = sched.stats().steps.decode_steps;
-    let captures = sched.runner().graphs().captures();
-    let mut out = match drafter {
-        None => {
-            sched.set_drafter(None)?;
-            sched.run(reqs, &mut on_token)?
-        }
-        Some(d) => generate_speculative(sched, reqs, d, &mut on_token)?.0,
-    };
-    let steps = (sched.stats().steps.decode_steps - before) as usize;
-    let captures = sched.runner().graphs().captures() - captures;
-    let seconds = match (times.first(), times.last()) {
-        (Some(a), Some(b)) => (*b - *a).as_secs_f64(),
-        _ => 0.0,
-    };
-    let tokens = out
-        .pop()
-        .ok_or_else(|| ModelError::Step("the benchmark run generated nothing".into()))?
-        .token_ids;
-    Ok(Run {
-        tokens,
-        seconds,
-        steps,
-        captures,
-    })
-}
-
-/// The end-to-end runs (see the module header).
-fn end_to_end(
-    sched: &mut Scheduler,
-    opts: &SpecBenchOptions,
-    kmax: usize,
-) -> Result<Vec<EndToEnd>, ModelError> {
-    let vocab = sched.runner().model().config().tokens.vocab_size;
-    let prompt: Vec<u32> = (0..opts.context.max(1))
-        .map(|p| ((p * 31 + 7) % vocab) as u32)
-        .collect();
-    let params = GenerateParams {
-        max_new_tokens: opts.output_tokens.max(2),
-        sampling: SamplingParams::default(),
-        stop_token_ids: Vec::new(),
-        return_logits: false,
-    };
-    // Each run starts with an empty prefix cache: no prefix of an earlier run is reused. Each
-    // configuration runs twice, cold then warm.
-    let run = |sched: &mut Scheduler, drafter: &dyn Fn() -> Option<Box<dyn Drafter + Send>>| {
-        let mut once = || {
-            sched.clear_prefix_cache();
-            timed_run(sched, &prompt, &params, drafter())
-        };
-        let cold = once()?;
-        Ok::<_, ModelError>((cold, once()?))
-    };
-    let (cold, graphed) = run(sched, &|| None)?;
-    let plain = graphed.tokens.clone();
-    let mut out = vec![graphed.figure(&cold, "plain (graphed)".into(), 0, &plain)];
-    sched.runner_mut().set_decode_graphs(false);
-    let eager = run(sched, &|| None);
-    sched.runner_mut().set_decode_graphs(true);
-    let (cold, eager) = eager?;
-    out.push(eager.figure(&cold, "plain (eager)".into(), 0, &plain));
-    let expected: Vec<u32> = prompt.iter().chain(&plain).copied().collect();
-    for k in 1..=kmax {
-        sched.runner_mut().set_num_draft_tokens(k)?;
-        let oracle = || -> Option<Box<dyn Drafter + Send>> {
-            Some(Box::new(OracleDrafter::new(vec![expected.clone()])))
-        };
-        let (cold, r) = run(sched, &oracle)?;
-        out.push(r.figure(&cold, format!("oracle K={k} (free drafts)"), k, &plain));
-        let (cold, r) = run(sched, &|| Some(Box::new(MtpDrafter)))?;
-        out.push(r.figure(&cold, format!("mtp K={k} (random head)"), k, &plain));
-    }
-    sched.runner_mut().set_num_draft_tokens(kmax)?;
-    Ok(out)
-}
-
 /// The target the table checks: a verify step of 1 + 3 rows costs at most this many plain
 /// steps.
 pub const VERIFY_BAR: f64 = 1.15;
@@ -716,105 +587,4 @@ impl SpecReport {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use metrale_gpu_runtime::CpuBackend;
-
-    /// The whole benchmark on the tiny hybrid shape: every figure is a positive time, the
-    /// ratios are finite, the oracle keeps every draft (K + 1 tokens per verify step, the
-    /// plain run's tokens), and the table states the bar and which figures are eager.
-    #[test]
-    fn the_speculative_benchmark_runs_end_to_end_on_a_tiny_hybrid_shape() {
-        let mut o = SpecBenchOptions::new(super::super::tiny_hybrid_for_cpu().unwrap());
-        o.context = 40;
-        o.iters = 2;
-        o.output_tokens = 13;
-        o.copy_bytes = 1 << 16;
-        let r = speculative_bench(Arc::new(CpuBackend::default()), &o).unwrap();
-        assert_eq!(r.verify.len(), 4);
-        let times = [
-            r.plain.graphed_ms,
-            r.plain.eager_ms,
-            r.draft.graphed_ms,
-            r.draft.eager_ms,
-        ];
-        assert!(times.iter().all(|t| *t > 0.0 && t.is_finite()), "{r:?}");
-        for v in &r.verify {
-            let ratios = [v.ms / r.plain.eager_ms, v.graphed_ms / r.plain.graphed_ms];
-            assert!(ratios.iter().all(|x| x.is_finite() && *x > 0.0), "{v:?}");
-            assert!(v.floor_ms > r.plain.floor_ms);
-        }
-        assert!(r.draft.floor_ms > 0.0 && r.draft.floor_ms < r.plain.floor_ms);
-        for k in 1..=3 {
-            let t = r.projected_tok_s(k, ACCEPTANCE_LENGTHS[k - 1]).unwrap();
-            assert!(t > 0.0 && t.is_finite());
-        }
-        // Plain graphed and eager, then oracle and MTP for each K.
-        assert_eq!(r.end_to_end.len(), 2 + 2 * 4);
-        for e in &r.end_to_end {
-            assert_eq!(e.tokens, 13, "{e:?}");
-            assert!(e.matches_plain, "{e:?}");
-            assert!(e.tok_s > 0.0 && e.tok_s.is_finite(), "{e:?}");
-            assert!(e.cold_tok_s > 0.0 && e.cold_tok_s.is_finite(), "{e:?}");
-            // The warm run replays the graphs the cold one captured (eager runs capture none).
-            assert_eq!(e.captures, 0, "{e:?}");
-        }
-        assert_eq!(r.end_to_end[1].cold_captures, 0, "eager");
-        for e in r.end_to_end.iter().filter(|e| e.name.starts_with("oracle")) {
-            // 12 tokens after the first: K + 1 per verify step but the last, cut short.
-            let full = (12.0 / (e.drafts + 1) as f64).ceil();
-            assert!(e.tokens_per_step > 1.0, "{e:?}");
-            assert!((e.tokens_per_step - 12.0 / full).abs() < 1e-9, "{e:?}");
-        }
-        assert!(r.batched.is_none() && r.forward == "legacy");
-        assert_eq!(r.verify_program_steps, 0);
-        let table = r.table();
-        for want in [
-            "verify K=3 (graphed, 4 rows)",
-            "verify K=3 (eager, 4 rows)",
-            "bar: verify K=3",
-            "K=3 L=3.4",
-            "oracle K=4",
-        ] {
-            assert!(table.contains(want), "{want}:\n{table}");
-        }
-    }
-
-    /// Batched figures under the circuit forward: three sequences' plain and verify steps are
-    /// timed against floors above the single sequence's, the verify steps run from circuit
-    /// programs, and the table says so.
-    #[test]
-    fn the_speculative_benchmark_times_batched_verify_steps_from_circuit_programs() {
-        let mut o = SpecBenchOptions::new(super::super::tiny_hybrid_for_cpu().unwrap());
-        (o.context, o.iters, o.output_tokens, o.copy_bytes) = (24, 2, 5, 1 << 16);
-        o.max_draft_tokens = 2;
-        o.batch = 3;
-        o.forward = ForwardSelect::Circuit {
-            fusions: crate::runner::Fusions::ReferenceOnly,
-        };
-        let r = speculative_bench(Arc::new(CpuBackend::default()), &o).unwrap();
-        let b = r.batched.as_ref().unwrap();
-        assert_eq!((b.seqs, b.verify.len()), (3, 2));
-        for v in &b.verify {
-            assert!(
-                v.graphed_ms > 0.0 && v.ms > 0.0 && v.graphed_ms.is_finite(),
-                "{v:?}"
-            );
-            assert!(v.floor_ms > b.plain.floor_ms && b.plain.floor_ms > r.plain.floor_ms);
-        }
-        // Two timed verify shapes, each graphed and eager, over 2 + iters runs at least.
-        assert!(
-            r.verify_program_steps >= 2 * 2 * 2,
-            "{}",
-            r.verify_program_steps
-        );
-        let table = r.table();
-        for want in [
-            "circuit-reference forward",
-            "batch 3",
-            "verify K=2 (graphed, 9 rows)",
-        ] {
-            assert!(table.contains(want), "{want}:\n{table}");
-        }
-    }
-}
+mod tests;

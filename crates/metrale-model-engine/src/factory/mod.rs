@@ -185,39 +185,20 @@ pub fn load_ranks(
     gpus: &[Arc<dyn GpuBackend>],
     quantization: Quantization,
 ) -> Result<Vec<Model>, ModelError> {
-    let size = gpus.len();
-    RankShard::check_size(size)?;
-    if size == 1 {
+    let Some(shards) = RankShard::of_group(&ModelConfig::from_dir(dir)?, gpus)? else {
         return Ok(vec![load_quantized(dir, gpus[0].clone(), quantization)?]);
-    }
-    RankShard::check(&ModelConfig::from_dir(dir)?, size)?;
+    };
     if quantization != Quantization::AsStored {
         return Err(ModelError::Options {
             option: "tensor_parallel_size",
             problem: format!(
-                "{size} ranks with FP8 quantization at load: tensor-parallel shards are bf16"
+                "{} ranks with FP8 quantization at load: tensor-parallel shards are bf16",
+                gpus.len()
             ),
         });
     }
-    (gpus.iter().enumerate())
-        .map(|(rank, gpu)| {
-            let tp = gpu.tp_rank();
-            if (tp.rank, tp.size) != (rank, size) {
-                return Err(ModelError::Options {
-                    option: "tensor_parallel_size",
-                    problem: format!(
-                        "backend {rank} of {size} drives rank {} of a group of {}",
-                        tp.rank, tp.size
-                    ),
-                });
-            }
-            load_with(
-                dir,
-                gpu.clone(),
-                quantization,
-                Some(RankShard { rank, size }),
-            )
-        })
+    (gpus.iter().zip(shards))
+        .map(|(gpu, shard)| load_with(dir, gpu.clone(), quantization, Some(shard)))
         .collect()
 }
 

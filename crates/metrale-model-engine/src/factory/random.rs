@@ -231,22 +231,13 @@ pub fn random_ranks(
     gpus: &[Arc<dyn GpuBackend>],
     seed: u64,
 ) -> Result<Vec<Model>, ModelError> {
-    let size = gpus.len();
-    RankShard::check_size(size)?;
-    if size == 1 {
+    let Some(shards) = RankShard::of_group(config, gpus)? else {
         return Ok(vec![random(config.clone(), gpus[0].clone(), seed)?]);
-    }
-    RankShard::check(config, size)?;
-    (gpus.iter().enumerate())
-        .map(|(rank, gpu)| {
-            let shard = RankShard { rank, size };
-            build(
-                config.clone(),
-                gpu.clone(),
-                seed,
-                Quantization::AsStored,
-                Some(shard),
-            )
+    };
+    (gpus.iter().zip(shards))
+        .map(|(gpu, shard)| {
+            let (c, gpu) = (config.clone(), gpu.clone());
+            build(c, gpu, seed, Quantization::AsStored, Some(shard))
         })
         .collect()
 }

@@ -29,8 +29,10 @@
 //! read, each failure a `ModelError::Options` naming `tensor_parallel_size` and the dimension.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use metrale_config::ModelConfig;
+use metrale_gpu_runtime::GpuBackend;
 
 use crate::error::ModelError;
 
@@ -66,6 +68,35 @@ impl RankShard {
             let h = self.rank / (self.size / total.max(1));
             h..h + 1
         }
+    }
+
+    /// The shard of each backend of a tensor-parallel group (`gpus[r]` drives rank `r` and must
+    /// report it, `GpuBackend::tp_rank`) for `config`; `None` for one backend, which holds the
+    /// whole model. Refused when the group's size is not one, or the model does not split over
+    /// it.
+    pub fn of_group(
+        config: &ModelConfig,
+        gpus: &[Arc<dyn GpuBackend>],
+    ) -> Result<Option<Vec<RankShard>>, ModelError> {
+        let size = gpus.len();
+        RankShard::check_size(size)?;
+        if size == 1 {
+            return Ok(None);
+        }
+        RankShard::check(config, size)?;
+        (gpus.iter().enumerate())
+            .map(|(rank, gpu)| {
+                let tp = gpu.tp_rank();
+                if (tp.rank, tp.size) != (rank, size) {
+                    return Err(refuse(format!(
+                        "backend {rank} of {size} drives rank {} of a group of {}",
+                        tp.rank, tp.size
+                    )));
+                }
+                Ok(RankShard { rank, size })
+            })
+            .collect::<Result<_, _>>()
+            .map(Some)
     }
 
     /// Check that `size` is a group size: 1, 2, 4 or 8.

@@ -167,28 +167,10 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
     r.run_with("attention", "paged_attention", clusters, &decode)
         .unwrap();
     let q = tof(&qkv);
-    let mut want = vec![0.0f64; len * hq * dh];
-    for t in 0..len {
-        for h in 0..hq {
-            let g = h / (hq / hkv);
-            let qv = &q[t * stride + h * dh..t * stride + (h + 1) * dh];
-            let key =
-                |s: usize| &q[s * stride + hq * dh + g * dh..s * stride + hq * dh + (g + 1) * dh];
-            let val = |s: usize| {
-                &q[s * stride + (hq + hkv) * dh + g * dh
-                    ..s * stride + (hq + hkv) * dh + (g + 1) * dh]
-            };
-            let sc: Vec<f64> = (0..=t)
-                .map(|s| qv.iter().zip(key(s)).map(|(a, b)| a * b).sum::<f64>() * scale as f64)
-                .collect();
-            let m = sc.iter().cloned().fold(f64::MIN, f64::max);
-            let e: Vec<f64> = sc.iter().map(|v| (v - m).exp()).collect();
-            let z: f64 = e.iter().sum();
-            for i in 0..dh {
-                want[(t * hq + h) * dh + i] = (0..=t).map(|s| e[s] / z * val(s)[i]).sum();
-            }
-        }
-    }
+    let want = ref_causal(&q, (len, stride, hq, hkv, dh), &|s, g, i| {
+        let at = s * stride + hq * dh + g * dh + i;
+        (q[at], q[at + hkv * dh])
+    });
     assert_close(
         &r.get_bf(out, len * hq * dh),
         &want,
