@@ -4,7 +4,7 @@
 //! experts `[E, 2F, H]` and `[E, H, F]`. A tensor-parallel rank loads its shard of each
 //! (`sharded.rs`).
 
-use metrale_config::{LayerType, ModelConfig, ModelFamily};
+use metrale_config::{LayerType, ModelConfig, ModelFamily, MoeConfig};
 use metrale_gpu_runtime::DType;
 use metrale_model_layers::layers::{
     Attention, DecoderLayer, Ffn, GatedDeltaNet, GdnShape, InProjSource, Mixer, Mlp, MoeMlp,
@@ -21,6 +21,14 @@ use crate::error::ModelError;
 /// A config or checkpoint the loader does not build, in words.
 pub(super) fn unsupported(what: &str) -> ModelError {
     ModelError::Unsupported(what.to_string())
+}
+
+/// The MoE FFN's shape and settings of `c`, for a layer the config makes MoE.
+pub(super) fn moe_settings(c: &ModelConfig) -> Result<(MoeShape, &MoeConfig), ModelError> {
+    match (MoeShape::from_config(c), c.moe.as_ref()) {
+        (Some(shape), Some(m)) => Ok((shape, m)),
+        _ => Err(unsupported("a MoE layer in a config without MoE settings")),
+    }
 }
 
 /// A whole decoder layer: its norms, its mixer of `kind`, and a dense or MoE FFN.
@@ -183,12 +191,7 @@ pub fn gdn(
 
 /// A sparse-MoE FFN with its shared expert.
 pub fn moe(loader: &Loader<'_>, c: &ModelConfig, n: &LayerNames) -> Result<MoeMlp, ModelError> {
-    let shape = MoeShape::from_config(c)
-        .ok_or_else(|| unsupported("a MoE layer in a config without MoE settings"))?;
-    let cfg = c
-        .moe
-        .as_ref()
-        .ok_or_else(|| unsupported("a MoE layer in a config without MoE settings"))?;
+    let (shape, cfg) = moe_settings(c)?;
     let names = n.moe();
     let (h, e, f) = (c.hidden_size, cfg.num_experts, cfg.moe_intermediate_size);
     let (experts_gate_up, experts_down) = match &names.experts {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use metrale_config::{LayerType, ModelConfig};
 use metrale_gpu_runtime::{DType, GpuBackend, GpuBackendExt, StreamHandle};
 use metrale_model_layers::layers::{
-    Attention, DecoderLayer, Ffn, GatedDeltaNet, GdnShape, Mixer, Mlp, MoeMlp, MoeShape, MtpHead,
+    Attention, DecoderLayer, Ffn, GatedDeltaNet, GdnShape, Mixer, Mlp, MoeMlp, MtpHead,
     SharedExpert,
 };
 use metrale_model_layers::ops::VocabRows;
@@ -96,11 +96,7 @@ impl Filler {
     /// A sparse-MoE FFN of `c`'s shape: a bf16 router (random routing, as a trained router's
     /// spreads the batch's tokens), the experts, and the gated shared expert where there is one.
     fn moe(&mut self, c: &ModelConfig) -> Result<MoeMlp, ModelError> {
-        let (Some(shape), Some(m)) = (MoeShape::from_config(c), c.moe.as_ref()) else {
-            return Err(ModelError::Unsupported(
-                "a MoE layer in a config without MoE settings".into(),
-            ));
-        };
+        let (shape, m) = super::layers::moe_settings(c)?;
         let (h, e, f, fs) = (
             c.hidden_size,
             m.num_experts,

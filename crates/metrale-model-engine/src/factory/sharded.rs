@@ -15,7 +15,7 @@ use metrale_model_layers::weight_map::{
 };
 
 use super::Loader;
-use super::layers::{gdn_spec, unsupported};
+use super::layers::{gdn_spec, moe_settings, unsupported};
 use super::shard::RankShard;
 use crate::error::ModelError;
 
@@ -266,12 +266,7 @@ pub fn moe(
     n: &LayerNames,
     sh: RankShard,
 ) -> Result<MoeMlp, ModelError> {
-    let global = MoeShape::from_config(c)
-        .ok_or_else(|| unsupported("a MoE layer in a config without MoE settings"))?;
-    let cfg = c
-        .moe
-        .as_ref()
-        .ok_or_else(|| unsupported("a MoE layer in a config without MoE settings"))?;
+    let (global, cfg) = moe_settings(c)?;
     let names = n.moe();
     let (h, e, f) = (c.hidden_size, cfg.num_experts, cfg.moe_intermediate_size);
     let mine = sh.split(f);
