@@ -1269,7 +1269,7 @@ static_assert(offsetof(ExpertLinearParams, pairs_per_x_row) == 48, "ExpertLinear
     uint32_t pairs_per_x_row
 
 // `moe::expert_linear_fp8` and `moe::expert_linear_fp8_f32out`: `expert_linear` of a
-// block-FP8 stacked weight, each element standing for bf16(f32(e4m3 · its block's scale)).
+// block-FP8 stacked weight, each element standing for bf16(e4m3 · its block's scale').
 #pragma pack(push, 4)
 struct ExpertLinearFp8Params {
     void* out;

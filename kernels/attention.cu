@@ -56,7 +56,7 @@
 // key and value is read once for many rows; a row's result is bitwise this kernel's.
 //
 // FP8 pools (kv_fp8): the copies move the e4m3 bytes (half the bytes a token) into the top of
-// each ring row and the warp that copied them widens them in place to bf16(f32(e4m3 * scale))
+// each ring row and the warp that copied them widens them in place to bf16(e4m3 * scale')
 // before the unit's MMAs (attention_unit.cuh, kv_fp8.cuh); from there every kernel runs its bf16
 // arithmetic unchanged, so the three kernels stay bitwise equal on FP8 pools too.
 //

@@ -311,7 +311,7 @@ MT_DEVICE void att_slot(const AttLaunch& a, uint32_t unit, uint32_t ctx, uint32_
 // FP8 pools (kv_fp8: the kernels' bodies instantiated with FP8 = true, the scale factors in
 // their shared state, `kv2`). A ring row of RS = DP + 8 bf16 is 2 DP + 16 bytes; a unit's e4m3 bytes
 // land in the top DP of them (from byte DP + 16, 16-byte aligned), and att_widen_rows rewrites
-// each row as the bf16 values they stand for (bf16(f32(e4m3 * scale)), fp8_frag) from byte 0,
+// each row as the bf16 values they stand for (bf16(e4m3 * scale'), fp8_frag) from byte 0,
 // so the MMAs read bf16 rows exactly as from a bf16 pool.
 template <int DP>
 MT_DEVICE unsigned char* att_fp8_row(bf16* rows, uint32_t row) {

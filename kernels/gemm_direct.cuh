@@ -80,7 +80,7 @@ MT_DEVICE uint2 ldg_stream8(const uint8_t* p) {
 // A block-FP8 weight: e4m3 bytes and an f32 scale per block of FP8_BLOCK columns by
 // 2^shift rows. A lane holds its 8 bytes a chunk and the scales of the blocks they lie in, as
 // the f32 factor the conversion multiplies by (fp8_scale2); its fragment is
-// bf16(f32(e4m3 * scale)) of each byte, which is `dequant_fp8`'s weight, so the rows are
+// bf16(e4m3 * scale') of each byte, which is `dequant_fp8`'s weight, so the rows are
 // `linear`'s of it. Chunk c lies in scale
 // block c / 4 (FP8_BLOCK / LIN_KC chunks a block) whatever the lane. SPAN: chunks that share a
 // scale in a batch, 4 where every batch starts at a multiple of 4 chunks (the launch checks

@@ -4,10 +4,11 @@
 //
 // A store writes e4m3(value / scale): the quotient rounded once in f32 (IEEE division), then to
 // e4m3 to nearest even, finite values and infinities saturated at ±448, NaN to the NaN code
-// (0x7F). A read gives bf16(f32(e4m3 * scale)), the FP8 weights' element (gemm_fp8.cuh's
-// fp8_frag, on the scale factor from fp8_scale2; the NaN code reads as bf16(480 * scale)). The attention kernels copy a unit's e4m3 bytes into the top of each bf16 row of
-// their ring and widen them in place before the MMAs, so every kernel reads the same bf16 values
-// and keeps its bf16 arithmetic bit for bit.
+// (0x7F). A read gives bf16(e4m3 * scale'), the FP8 weights' element (gemm_fp8.cuh's
+// fp8_frag, on the scale factors from fp8_scale2; the NaN code reads as bf16(480 * scale')).
+// The attention kernels copy a unit's e4m3 bytes into the top of each bf16 row of their ring
+// and widen them in place before the MMAs, so every kernel reads the same bf16 values and keeps
+// its bf16 arithmetic bit for bit.
 #pragma once
 
 #include <cuda_fp8.h>

@@ -138,7 +138,7 @@ struct ExpertWBf16 {
 };
 
 // A block-FP8 weight: e4m3 bytes and an f32 scale per block of FP8_BLOCK columns by 2^shift
-// rows; an element is bf16(f32(e4m3 * scale)) (gemm_fp8.cuh), `dequant_fp8`'s weight. A chunk
+// rows; an element is bf16(e4m3 * scale') (gemm_fp8.cuh), `dequant_fp8`'s weight. A chunk
 // of 8 never straddles two column blocks (FP8_BLOCK % 8 == 0).
 struct ExpertWFp8 {
     const uint8_t* w;

@@ -1,5 +1,5 @@
 // FP8 exact lab: a candidate numerics for the block-FP8 decode GEMM, timed against
-// `linear_stream_fp8` (whose weight is bf16(f32(e4m3 * scale)), converted with integer work,
+// `linear_stream_fp8` (whose weight is bf16(e4m3 * scale'), converted with integer work,
 // two f32 multiplies and a conversion per pair). The candidate keeps each weight as its exact
 // e4m3 value: the hardware conversion `cvt.rn.f16x2.e4m3x2` makes the f16 MMA operand (e4m3
 // is a subset of f16), x is converted from bf16 to f16 as it is loaded (exact for |x| in [2^-14, 65504]), the MMA

@@ -273,7 +273,7 @@ fn a_compressed_tensors_block_pack_is_the_official_pack_bit_for_bit() {
 fn a_compressed_tensors_per_channel_pack_is_the_bf16_model_of_its_dequantized_weights() {
     // The pack's bf16 source quantized per output channel (scale = row amax / 448, elements
     // rounded to nearest even e4m3, `weight_scale` of shape [N, 1]); the same weights
-    // dequantized as the engine defines them, bf16(f32(e4m3 · scale)), in a bf16 checkpoint.
+    // dequantized as the engine defines them, bf16(e4m3 · scale'), in a bf16 checkpoint.
     use metrale_gpu_runtime::fp8::{E4M3_MAX, dequant_element, f32_to_e4m3};
     let dir = fixtures_dir().join("qwen3-fp8-tiny");
     let bytes = std::fs::read(dir.join("source/model.safetensors")).unwrap();

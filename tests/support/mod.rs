@@ -33,7 +33,7 @@ pub const MARGIN: f32 = 0.1;
 /// (keeping that projection in f32 brings the MoE fixtures to about 1.2%); 2.2% on
 /// `qwen3_5-vl-tiny`, `qwen3_5_moe-vl-tiny` and `qwen3_next-b-tiny`. Block-FP8 packs are held to
 /// the same bound: the reference runs on their exact weights (e4m3 · scale in float32), the
-/// engine on bf16(f32(e4m3 · scale)) (docs/ARCHITECTURE.md); the worst seen is 2.6% on
+/// engine on bf16(e4m3 · scale') (docs/ARCHITECTURE.md); the worst seen is 2.6% on
 /// `qwen3_5_moe-fp8-tiny` and 0.62% on `qwen3-fp8-tiny`. Every broken checkpoint in
 /// `tests/mutations.rs` errs by far more.
 pub const LOGITS_REL_L2: f64 = 3e-2;

@@ -22,7 +22,7 @@ pub enum KvDtype {
     /// bf16, two bytes an element. The default.
     #[default]
     Bf16,
-    /// e4m3 bytes, one an element: each stands for `bf16(f32(e4m3 · scale))` with its pool's
+    /// e4m3 bytes, one an element: each stands for `bf16(e4m3 · scale')` with its pool's
     /// scale ([`KvScales`]); the stores write `e4m3(value / scale)`
     /// (`metrale_gpu_runtime::fp8::kv_quantize`).
     Fp8,

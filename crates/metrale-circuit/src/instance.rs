@@ -125,7 +125,7 @@ impl WeightFormat {
 
 /// How the attention layers' KV cache stores its elements. The attention kernels compute on
 /// bf16 either way (the `k_cache` / `v_cache` tensors' format); an e4m3 cache is read as
-/// `bf16(f32(e4m3 · scale))` with a K and a V scale per layer and written as
+/// `bf16(e4m3 · scale')` with a K and a V scale per layer and written as
 /// `e4m3(value / scale)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub enum KvFormat {

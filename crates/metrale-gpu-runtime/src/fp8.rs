@@ -7,12 +7,17 @@
 //! Invariants:
 //! - [`f32_to_e4m3`] rounds to nearest, ties to even, saturates finite values at ±448 and keeps
 //!   NaN a NaN, as CUDA's `__nv_cvt_float_to_fp8(.., __NV_SATFINITE, __NV_E4M3)` does.
-//! - A dequantized element is `bf16(f32(e4m3 · scale))`: the product with the f32 scale as
-//!   stored, rounded to f32 and then to bf16 (each to nearest even). The NaN codes read as ±480
-//!   (what the kernels' bit conversion gives); the loader refuses weights holding them, and
-//!   scales outside [0, `MAX_SCALE`), so the kernels' factor `scale · 2^120` stays a finite f32.
+//! - A dequantized element is `bf16(e4m3 · scale')`, rounded once to nearest even, where
+//!   `scale'` ([`scale_factors`]) is the scale to about 12 significant bits: `hi = bf16(scale)`
+//!   plus the rest `scale - hi` rounded to 4 significant bits. The kernels apply it as one
+//!   bf16x2 multiply (`e4m3 · lo`, exact) and one bf16x2 fma a pair of elements, on factors
+//!   times 2^120 (`kernels/gemm_fp8.cuh`), so a block's scale costs almost nothing over bf16
+//!   (it is off by at most 2^-13 of itself, where rounding it to bf16 could be off by 2^-9).
+//!   The NaN codes read as ±480 (what the kernels' bit conversion gives); the loader refuses
+//!   weights holding them, and scales outside [0, `MAX_SCALE`), so the kernels' factors stay
+//!   finite.
 //! - An FP8 KV cache element is `kv_quantize(value, scale) = e4m3(value / scale)` and reads as
-//!   `kv_dequant(byte, scale)`, the weights' element (`bf16(f32(e4m3 · scale))`); a pool's
+//!   `kv_dequant(byte, scale)`, the weights' element (`bf16(e4m3 · scale')`); a pool's
 //!   scale is finite and in (0, `MAX_SCALE`) ([`kv_scale_ok`]).
 //! - The block recipe: blocks of [`FP8_BLOCK`] rows by [`FP8_BLOCK`] columns (partial blocks at
 //!   the edges); scale = the block's amax / 448 in f32 (1 for a block without a nonzero finite
@@ -24,9 +29,9 @@ pub use metrale_kernel_abi::{FP8_BLOCK, FP8_BLOCK_ROW_SHIFT};
 /// The largest finite e4m3 value.
 pub const E4M3_MAX: f32 = 448.0;
 
-/// Block scales must be below this (and not negative): the kernels multiply by
-/// `scale · 2^120` in f32, which must stay finite.
-pub const MAX_SCALE: f32 = 256.0;
+/// Block scales must be below this (and not negative): the kernels' factors hold
+/// `scale · 2^120` rounded to bf16, which must stay finite.
+pub const MAX_SCALE: f32 = 128.0;
 
 /// Whether `byte` is one of e4m3's two NaN codes.
 pub fn is_nan_code(byte: u8) -> bool {
@@ -72,8 +77,28 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     sign | code.min(0x7E) as u8
 }
 
-/// One dequantized element: `bf16(f32(e4m3 · scale))` (see the module invariants; a NaN code
-/// reads as ±480).
+/// The scale's two factors as the kernels' `fp8_scale2` computes them, on `s = scale · 2^120`:
+/// `hi = bf16(s)` and `lo` the rest `s - hi` rounded to nearest even at 4 significant bits. An
+/// element applies `scale' = (hi + lo) · 2^-120`.
+pub fn scale_factors(scale: f32) -> (f32, f32) {
+    let s = scale * 2f32.powi(120);
+    let hi = bf16::from_f32(s).to_f32();
+    let r = (s - hi).to_bits();
+    let lo = f32::from_bits(r.wrapping_add(0x7_FFFF + ((r >> 20) & 1)) & 0xFFF0_0000);
+    (hi, lo)
+}
+
+/// `v` rounded to bf16, to nearest even, once (`v` zero or in bf16's normal range, which every
+/// element of a scale of at least 2^-117 is; going through f32 could round twice).
+fn bf16_nearest(v: f64) -> bf16 {
+    let b = v.to_bits();
+    let r = b.wrapping_add((1u64 << 44) - 1 + ((b >> 45) & 1)) & !((1u64 << 45) - 1);
+    // Eight significant bits now: exact in f32 and in bf16.
+    bf16::from_f32(f64::from_bits(r) as f32)
+}
+
+/// One dequantized element: `bf16(e4m3 · scale')` with [`scale_factors`] (see the module
+/// invariants; a NaN code reads as ±480).
 #[inline]
 pub fn dequant_element(byte: u8, scale: f32) -> bf16 {
     let value = if is_nan_code(byte) {
@@ -81,7 +106,12 @@ pub fn dequant_element(byte: u8, scale: f32) -> bf16 {
     } else {
         e4m3_to_f32(byte)
     };
-    bf16::from_f32(value * scale)
+    let (hi, lo) = scale_factors(scale);
+    // As the kernels compute it: x = e4m3 · 2^-120 times both factors, summed, rounded once.
+    // Every step is exact in f64 (at most 4 + 8 and 4 + 4 significant bits, the two within
+    // 2^40 of each other).
+    let x = f64::from(value) * 2f64.powi(-120);
+    bf16_nearest(x * f64::from(hi) + x * f64::from(lo))
 }
 
 /// Whether `scale` is one a KV cache pool may use: finite, positive and below [`MAX_SCALE`] (the
@@ -99,7 +129,7 @@ pub fn kv_quantize(value: bf16, scale: f32) -> u8 {
 }
 
 /// One FP8 KV cache element as every attention kernel reads it: [`dequant_element`],
-/// `bf16(f32(e4m3 · scale))` (the NaN code reads as bf16(±480 · scale)).
+/// `bf16(e4m3 · scale')` (the NaN code reads as bf16(±480 · scale')).
 #[inline]
 pub fn kv_dequant(byte: u8, scale: f32) -> bf16 {
     dequant_element(byte, scale)
@@ -238,22 +268,60 @@ mod tests {
         assert_eq!(kv_quantize(v(f32::NEG_INFINITY), 1.0), 0xFE);
         assert_eq!(kv_quantize(v(f32::NAN), 1.0), 0x7F);
         assert_eq!(kv_dequant(0x7F, 0.5).to_f32(), 240.0);
-        // The product with the f32 scale as stored, then rounded to bf16: 0x09 is 1.125 / 64,
-        // times 0.1 reads 0.0017547607; rounding the scale to bf16 first would give
-        // 0.0017623901.
+        // The scale to 12 significant bits, not rounded to bf16 first: 0x09 is 1.125 / 64, times
+        // 0.1 reads 0.0017547607; with the scale rounded to bf16 it would read 0.0017623901.
         let s = 0.1f32;
-        assert_eq!(kv_dequant(0x09, s), bf16::from_f32(0.017578125 * s));
         assert_eq!(kv_dequant(0x09, s).to_f32(), 0.0017547607);
         assert_ne!(
             kv_dequant(0x09, s),
             bf16::from_f32(0.017578125 * bf16::from_f32(s).to_f32())
         );
-        for ok in [1.0, 1e-6, 255.9] {
+        for ok in [1.0, 1e-6, 127.9] {
             assert!(kv_scale_ok(ok), "{ok}");
         }
-        for bad in [0.0, -1.0, 256.0, f32::NAN, f32::INFINITY] {
+        for bad in [0.0, -1.0, 128.0, f32::NAN, f32::INFINITY] {
             assert!(!kv_scale_ok(bad), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_applied_scale_is_within_2_to_the_minus_13_and_elements_round_once() {
+        let mut rng = metrale_testkit::Rng::new(11);
+        let (mut off_f32, mut total) = (0, 0);
+        for i in 0..2000 {
+            // Scales over the range the loader accepts, amax / 448 for amax from 2^-20 to 2^13.
+            let scale = rng.uniform(-20.0, 13.0).exp2() / E4M3_MAX;
+            let (hi, lo) = scale_factors(scale);
+            let s = f64::from(scale) * 2f64.powi(120);
+            assert_eq!(bf16::from_f32(hi).to_f32(), hi, "{scale}: hi is a bf16");
+            assert_eq!(
+                lo.to_bits() & 0xF_FFFF,
+                0,
+                "{scale}: lo has 4 significant bits"
+            );
+            let rel = ((f64::from(hi) + f64::from(lo)) - s).abs() / s;
+            assert!(rel <= 2f64.powi(-13), "{scale}: scale' off by {rel}");
+            // The element is within half a bf16 step of the product with the stored scale,
+            // plus scale''s error.
+            let byte = (i % 254) as u8;
+            let byte = if is_nan_code(byte) { 0x10 } else { byte };
+            let v = f64::from(e4m3_to_f32(byte));
+            let got = f64::from(dequant_element(byte, scale).to_f32());
+            let exact = v * f64::from(scale);
+            assert!((got - exact).abs() <= exact.abs() * (2f64.powi(-8) + 2f64.powi(-12)));
+            total += 1;
+            off_f32 += usize::from(
+                dequant_element(byte, scale) != bf16::from_f32(e4m3_to_f32(byte) * scale),
+            );
+        }
+        // scale' is so close to the scale that the elements almost never differ from the f32
+        // product's.
+        assert!(
+            off_f32 * 50 < total,
+            "{off_f32} of {total} differ from bf16(f32(e4m3 * scale))"
+        );
+        // A scale that is a bf16 applies exactly.
+        assert_eq!(scale_factors(0.375), (0.375 * 2f32.powi(120), 0.0));
     }
 
     #[test]

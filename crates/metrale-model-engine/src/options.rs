@@ -150,7 +150,7 @@ pub enum KvCacheDtype {
     /// bf16, two bytes an element.
     Bf16,
     /// e4m3, one byte an element (half the bytes a token): stored as `e4m3(value / scale)`
-    /// (round to nearest even, saturated at ±448), read as `bf16(f32(e4m3 · scale))`, with
+    /// (round to nearest even, saturated at ±448), read as `bf16(e4m3 · scale')`, with
     /// each attention layer's `k_scale` / `v_scale` from the checkpoint where it has them, else
     /// 1.0.
     Fp8,

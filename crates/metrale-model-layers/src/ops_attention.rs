@@ -96,7 +96,7 @@ pub struct PagedAttention {
     pub scale: f32,
     /// Each query head is followed by its output gate; multiply by `sigmoid(gate)`.
     pub gated: bool,
-    /// The pools' element format: bf16, or e4m3 bytes read as `bf16(f32(e4m3 * scale))`.
+    /// The pools' element format: bf16, or e4m3 bytes read as `bf16(e4m3 * scale')`.
     pub kv_dtype: KvDtype,
     /// The layer's FP8 scales (with `KvDtype::Fp8`).
     pub kv_scales: KvScales,

@@ -44,7 +44,7 @@ kernel_params! {
         scale: f32,
         /// 1: each query head is followed by its output gate (`* sigmoid(gate)`).
         gated: u32,
-        /// 1: the pools hold e4m3 bytes, each standing for `bf16(f32(e4m3 * scale))`.
+        /// 1: the pools hold e4m3 bytes, each standing for `bf16(e4m3 * scale')`.
         kv_fp8: u32,
         /// The K pool's scale (with `kv_fp8`).
         k_scale: f32,
@@ -100,7 +100,7 @@ kernel_params! {
         gated: u32,
         /// Row groups.
         n_groups: u32,
-        /// 1: the pools hold e4m3 bytes, each standing for `bf16(f32(e4m3 * scale))`.
+        /// 1: the pools hold e4m3 bytes, each standing for `bf16(e4m3 * scale')`.
         kv_fp8: u32,
         /// The K pool's scale (with `kv_fp8`).
         k_scale: f32,

@@ -49,7 +49,7 @@ kernel_params! {
 
 kernel_params! {
     /// `moe::expert_linear_fp8` and `moe::expert_linear_fp8_f32out`: `expert_linear` of a
-    /// block-FP8 stacked weight, each element standing for bf16(f32(e4m3 · its block's scale)).
+    /// block-FP8 stacked weight, each element standing for bf16(e4m3 · its block's scale').
     pub struct ExpertLinearFp8Params("EXPERT_LINEAR_FP8_PARAMS") {
         /// `[pairs, n]`, bf16 or f32.
         out: ptr "OutT* __restrict__",

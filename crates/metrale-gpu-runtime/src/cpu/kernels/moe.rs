@@ -224,7 +224,7 @@ pub fn expert_linear_f32out(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 }
 
 /// `expert_linear_fp8` ([`ExpertLinearFp8Params`]): `expert_linear` of the dequantized weight
-/// (each element bf16(f32(e4m3 · its block's scale)), `crate::fp8`).
+/// (each element bf16(e4m3 · its block's scale'), `crate::fp8`).
 pub fn expert_linear_fp8(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: ExpertLinearFp8Params = ctx.params()?;
     let out = ctx.slice_mut::<bf16>("out", p.out, p.pairs as usize * p.n as usize)?;
