@@ -120,6 +120,10 @@ pub struct BenchArgs {
     /// step's prompt chunk may read; default: unbounded).
     #[arg(long)]
     mixed_chunk_attention: Option<usize>,
+    /// Interference: the engine's `mixed_step_tokens` (token budget of a mixed step; default:
+    /// `--max-batch-tokens`).
+    #[arg(long)]
+    mixed_step_tokens: Option<usize>,
     /// Serving trace: requests at each rate.
     #[arg(long, default_value_t = 200)]
     num_prompts: usize,
@@ -418,6 +422,7 @@ fn interference(
     o.long_prompt_tokens = long_prompt_tokens;
     o.max_batch_tokens = args.max_batch_tokens;
     o.mixed_chunk_attention = args.mixed_chunk_attention;
+    o.mixed_step_tokens = args.mixed_step_tokens;
     let report = bench::interference(gpu, &o)?;
     let head = serde_json::json!({
         "backend": report.backend,
@@ -426,6 +431,7 @@ fn interference(
         "long_prompt_tokens": report.long_prompt_tokens,
         "max_batch_tokens": report.max_batch_tokens,
         "mixed_chunk_attention": report.mixed_chunk_attention,
+        "mixed_step_tokens": report.mixed_step_tokens,
     });
     print_and_write(
         args,

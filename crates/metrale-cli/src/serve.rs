@@ -133,6 +133,11 @@ pub struct ServeArgs {
     /// Default: unbounded.
     #[arg(long)]
     pub mixed_chunk_attention: Option<usize>,
+    /// With mixed steps, the token budget of a step holding decode rows and a prompt chunk
+    /// (below `--max-batch-tokens`: the chunk gets the rest), bounding the other requests'
+    /// inter-token gap. Default: `--max-batch-tokens`.
+    #[arg(long)]
+    pub mixed_step_tokens: Option<usize>,
     /// Most requests running at once (the widest decode step).
     #[arg(long, default_value_t = ModelOptions::default().max_decode_seqs)]
     pub max_decode_seqs: usize,
@@ -221,6 +226,7 @@ impl ServeArgs {
             .max_batch_tokens(self.max_batch_tokens)
             .mixed_steps(!self.no_mixed_steps)
             .mixed_chunk_attention(self.mixed_chunk_attention)
+            .mixed_step_tokens(self.mixed_step_tokens)
             .max_decode_seqs(self.max_decode_seqs)
             .max_seq_len(self.max_seq_len)
             .num_kv_blocks(self.num_kv_blocks)
@@ -331,6 +337,9 @@ mod tests {
         assert_eq!(default.mixed_chunk_attention, None);
         let budgeted = model(&["--mixed-chunk-attention", "500000"]).expect("valid");
         assert_eq!(budgeted.mixed_chunk_attention, Some(500_000));
+        assert_eq!(default.mixed_step_tokens, None);
+        let short = model(&["--mixed-step-tokens", "256"]).expect("valid");
+        assert_eq!(short.mixed_step_tokens, Some(256));
         assert_eq!(alternating.max_batch_tokens, 64);
         assert!(model(&["--ssm-snapshot-slots", "many"]).is_err());
     }

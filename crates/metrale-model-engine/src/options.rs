@@ -24,6 +24,13 @@ pub struct ModelOptions {
     /// the step; the prompt then takes more steps. A sequence's tokens and logits do not depend
     /// on it. `None`: only the token budget bounds the chunk. Default `None`.
     pub mixed_chunk_attention: Option<usize>,
+    /// With mixed steps, the token budget of a mixed step (its decode rows and its chunk),
+    /// below `max_batch_tokens`: a mixed step's projections cost about as many rows as it
+    /// holds, so a smaller budget bounds the other streams' inter-token gap where the chunk's
+    /// rows dominate the step, while a prompt prefilling with no decode beside it still gets
+    /// chunks of `max_batch_tokens`. A sequence's tokens and logits do not depend on it.
+    /// `None`: `max_batch_tokens`. Default `None`.
+    pub mixed_step_tokens: Option<usize>,
     /// Longest sequence (prompt plus output). Default: the config's
     /// `max_position_embeddings`, capped at 4096.
     pub max_seq_len: Option<usize>,
@@ -201,6 +208,7 @@ impl Default for ModelOptions {
             max_batch_tokens: 512,
             mixed_steps: true,
             mixed_chunk_attention: None,
+            mixed_step_tokens: None,
             max_seq_len: None,
             block_size: 16,
             num_kv_blocks: None,
@@ -238,6 +246,12 @@ impl ModelOptions {
     /// Set `mixed_chunk_attention`.
     pub fn mixed_chunk_attention(mut self, pairs: Option<usize>) -> Self {
         self.mixed_chunk_attention = pairs;
+        self
+    }
+
+    /// Set `mixed_step_tokens`.
+    pub fn mixed_step_tokens(mut self, tokens: Option<usize>) -> Self {
+        self.mixed_step_tokens = tokens;
         self
     }
 

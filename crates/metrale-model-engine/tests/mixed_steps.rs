@@ -5,7 +5,8 @@
 //! tokens and logits of their solo runs and of the same traffic with mixing off, preempted or
 //! not. On the dense, hybrid (Gated DeltaNet) and MoE fixtures, on the CPU backend (and, built
 //! with `--features cuda`, on the CUDA backend too). A budget of attention work per mixed
-//! chunk (`mixed_chunk_attention`) cuts the chunks late in the prompt shorter, and no bit.
+//! chunk (`mixed_chunk_attention`) cuts the chunks late in the prompt shorter, a mixed step's
+//! token budget (`mixed_step_tokens`) every chunk, and no bit.
 
 #![allow(clippy::unwrap_used)]
 
@@ -310,14 +311,18 @@ fn preemption_beside_mixed_steps_is_bitwise_solo_on_every_family() {
     }
 }
 
-/// Query-row by key pairs one mixed chunk may read in `an_attention_budget_...`: the whole
-/// budget's rows early in the long prompt, about 50 rows from position 128, 37 from 200.
+/// Query-row by key pairs one mixed chunk may read in `mixed_step_budgets_...`: the whole
+/// step budget's rows early in the long prompt, about 50 rows from position 128, 37 from 200.
 const ATTENTION: usize = 8000;
+/// The token budget of a mixed step there (below `BUDGET`, above the attention budget's rows
+/// late in the prompt).
+const MIXED_STEP: usize = 72;
 
 #[test]
-fn an_attention_budget_cuts_late_chunks_shorter_and_changes_no_bit() {
+fn mixed_step_budgets_cut_chunks_shorter_and_change_no_bit() {
     for name in ["qwen3-tiny", "qwen3_5-tiny"] {
-        let budgeted = options(true).mixed_chunk_attention(Some(ATTENTION));
+        let budgeted = (options(true).mixed_chunk_attention(Some(ATTENTION)))
+            .mixed_step_tokens(Some(MIXED_STEP));
         let mut on = load_on(cpu, name, budgeted);
         let vocab = on.runner().model().config().tokens.vocab_size as u32;
         let t = traffic(vocab, 5);
@@ -326,16 +331,21 @@ fn an_attention_budget_cuts_late_chunks_shorter_and_changes_no_bit() {
         let interval = on.runner().ssm_snapshot_interval();
         let mut start = 0;
         for kind in &got.window {
-            let StepKind::Mixed { rows, .. } = *kind else {
+            let StepKind::Mixed { rows, seqs, .. } = *kind else {
                 panic!("{name}: {kind:?} while the long prompt prefills");
             };
             let keys = rows * start + rows * (rows + 1) / 2;
-            // Within the budget; on the hybrid model a piece may run on to the next allowed
+            // Within both budgets; on the hybrid model a piece may run on to the next allowed
             // cut, never past the next multiple of the snapshot interval.
             let next = interval.map(|i| (start / i + 1) * i);
+            let cut_late = rows == 1 || next.is_some_and(|n| start + rows <= n);
             assert!(
-                keys <= ATTENTION || rows == 1 || next.is_some_and(|n| start + rows <= n),
+                keys <= ATTENTION || cut_late,
                 "{name}: {rows} rows from {start} read {keys} keys"
+            );
+            assert!(
+                seqs + rows <= MIXED_STEP || cut_late,
+                "{name}: {seqs} decode rows and {rows} prompt rows from {start}"
             );
             start += rows;
         }

@@ -51,6 +51,8 @@ pub struct InterferenceOptions {
     pub max_batch_tokens: usize,
     /// The engine's `mixed_chunk_attention`. Default `None`, the engine's default.
     pub mixed_chunk_attention: Option<usize>,
+    /// The engine's `mixed_step_tokens`. Default `None`, the engine's default.
+    pub mixed_step_tokens: Option<usize>,
 }
 
 impl InterferenceOptions {
@@ -64,6 +66,7 @@ impl InterferenceOptions {
             long_prompt_tokens: 16384,
             max_batch_tokens: ModelOptions::default().max_batch_tokens,
             mixed_chunk_attention: None,
+            mixed_step_tokens: None,
         }
     }
 }
@@ -116,6 +119,8 @@ pub struct InterferenceReport {
     pub max_batch_tokens: usize,
     /// See [`InterferenceOptions`].
     pub mixed_chunk_attention: Option<usize>,
+    /// See [`InterferenceOptions`].
+    pub mixed_step_tokens: Option<usize>,
     /// The rungs, in the order run.
     pub points: Vec<InterferencePoint>,
 }
@@ -136,6 +141,7 @@ fn interference_scheduler(
     let options = ModelOptions::default()
         .max_batch_tokens(opts.max_batch_tokens)
         .mixed_chunk_attention(opts.mixed_chunk_attention)
+        .mixed_step_tokens(opts.mixed_step_tokens)
         .max_seq_len(Some(stream_len.max(long_len)))
         .num_kv_blocks(Some(blocks))
         .max_decode_seqs(streams + 1);
@@ -276,6 +282,7 @@ pub fn interference(
         long_prompt_tokens: opts.long_prompt_tokens,
         max_batch_tokens: opts.max_batch_tokens,
         mixed_chunk_attention: opts.mixed_chunk_attention,
+        mixed_step_tokens: opts.mixed_step_tokens,
         points,
     })
 }
@@ -284,14 +291,16 @@ impl InterferenceReport {
     /// The human-readable table: each rung's runs with mixed steps on and off.
     pub fn table(&self) -> String {
         let mut s = format!(
-            "backend {}: interference, streams of prompt {} + output {} tokens, a prompt of {} tokens arrives; max_batch_tokens {}; mixed_chunk_attention {}\n",
+            "backend {}: interference, streams of prompt {} + output {} tokens, a prompt of {} tokens arrives; max_batch_tokens {}; mixed_chunk_attention {}; mixed_step_tokens {}\n",
             self.backend,
             self.prompt_tokens,
             self.output_tokens,
             self.long_prompt_tokens,
             self.max_batch_tokens,
             self.mixed_chunk_attention
-                .map_or_else(|| "none".to_string(), |p| p.to_string())
+                .map_or_else(|| "none".to_string(), |p| p.to_string()),
+            self.mixed_step_tokens
+                .map_or_else(|| "max_batch_tokens".to_string(), |t| t.to_string())
         );
         s += "interf streams  mixed   ttft ms   median gap ms   max gap ms   worst max/median   stalled/steps\n";
         for p in &self.points {

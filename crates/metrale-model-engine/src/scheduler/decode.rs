@@ -93,13 +93,16 @@ impl Scheduler {
     }
 
     /// The prompt positions of running sequence `p`'s chunk in a step of `d` decode rows: the
-    /// token budget less the decode rows, within `mixed_chunk_attention` of attention work, at
-    /// least one row, cut where `mixed_chunk` allows.
+    /// mixed step's token budget (`mixed_step_tokens`, at most the chunk budget) less the decode
+    /// rows, within `mixed_chunk_attention` of attention work, at least one row, cut where
+    /// `mixed_chunk` allows.
     fn mixed_range(&self, p: usize, d: usize) -> Range<usize> {
         let (chunk, cuts) = (self.policy.chunk, self.policy.cuts);
         let s = &self.running[p];
-        let mut budget = chunk.saturating_sub(d);
-        if let Some(pairs) = self.runner.options().mixed_chunk_attention {
+        let options = self.runner.options();
+        let step = options.mixed_step_tokens.map_or(chunk, |t| t.min(chunk));
+        let mut budget = step.saturating_sub(d);
+        if let Some(pairs) = options.mixed_chunk_attention {
             budget = budget.min(rows_within_attention(s.computed, pairs));
         }
         mixed_chunk(s.computed, s.prompt_len, chunk, budget, cuts)

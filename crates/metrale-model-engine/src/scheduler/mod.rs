@@ -57,7 +57,8 @@
 //!   crosses a multiple of `ssm_snapshot_stride` at the first
 //!   ([`crate::runner::prefill_chunk`]). A prefill step holds that one chunk of one sequence and
 //!   no decode rows. A mixed step with `d` decode rows holds a chunk of `max_batch_tokens - d`
-//!   rows (at least one; fewer where `mixed_chunk_attention` bounds the keys its rows read,
+//!   rows (`mixed_step_tokens - d` where that is set and smaller; at least one; fewer where
+//!   `mixed_chunk_attention` bounds the keys its rows read,
 //!   [`crate::runner::rows_within_attention`]) cut from that one
 //!   ([`crate::runner::mixed_chunk`]): on hybrid models
 //!   it ends only where the chunk ends or at a multiple of the snapshot interval, so it runs
