@@ -60,7 +60,8 @@ pub enum LinearRole {
     GateUp,
     /// The dense FFN's down projection.
     Down,
-    /// Gated DeltaNet's fused input projection `[q | k | v | z | b | a]`.
+    /// Gated DeltaNet's input projection `[q | k | v | z | b | a]` (under block FP8 two GEMMs:
+    /// the FP8 q|k|v|z rows, then the bf16 b|a rows).
     GdnInProj,
     /// Gated DeltaNet's output projection.
     GdnOut,

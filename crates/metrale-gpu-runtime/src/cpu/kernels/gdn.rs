@@ -1,7 +1,7 @@
 //! CPU twins of `kernels/gdn.cu`: the Gated DeltaNet token mixer of the Qwen3.5 / Qwen3-Next
 //! families, as in transformers' `Qwen3_5GatedDeltaNet` / `Qwen3NextGatedDeltaNet`.
 //!
-//! A GDN layer runs, over the step's rows: the fused input projection (`gemm::linear`), then
+//! A GDN layer runs, over the step's rows: the input projection (`gemm::linear`, one or two), then
 //! `causal_conv1d` (depthwise causal conv over the q|k|v channels, SiLU), `conv_state_update`
 //! (each sequence's conv window moves past its rows), `gdn_prepare` (L2-normalised q and k, the
 //! gates β and g), `gated_delta_recurrent` (decode) or `gated_delta_chunked` (prefill), and
