@@ -593,9 +593,10 @@ struct CausalConv1dParams {
     uint32_t hv;
     uint32_t dv;
     uint32_t kernel_size;
+    uint32_t proj_stride;
 };
 #pragma pack(pop)
-static_assert(sizeof(CausalConv1dParams) == 92, "CausalConv1dParams: not the layout of metrale-kernel-abi");
+static_assert(sizeof(CausalConv1dParams) == 96, "CausalConv1dParams: not the layout of metrale-kernel-abi");
 static_assert(offsetof(CausalConv1dParams, out) == 0, "CausalConv1dParams::out: not the offset of metrale-kernel-abi");
 static_assert(offsetof(CausalConv1dParams, proj) == 8, "CausalConv1dParams::proj: not the offset of metrale-kernel-abi");
 static_assert(offsetof(CausalConv1dParams, conv_state) == 16, "CausalConv1dParams::conv_state: not the offset of metrale-kernel-abi");
@@ -612,6 +613,7 @@ static_assert(offsetof(CausalConv1dParams, dk) == 76, "CausalConv1dParams::dk: n
 static_assert(offsetof(CausalConv1dParams, hv) == 80, "CausalConv1dParams::hv: not the offset of metrale-kernel-abi");
 static_assert(offsetof(CausalConv1dParams, dv) == 84, "CausalConv1dParams::dv: not the offset of metrale-kernel-abi");
 static_assert(offsetof(CausalConv1dParams, kernel_size) == 88, "CausalConv1dParams::kernel_size: not the offset of metrale-kernel-abi");
+static_assert(offsetof(CausalConv1dParams, proj_stride) == 92, "CausalConv1dParams::proj_stride: not the offset of metrale-kernel-abi");
 #define CAUSAL_CONV1D_PARAMS \
     bf16* __restrict__ out, \
     const bf16* __restrict__ proj, \
@@ -628,7 +630,8 @@ static_assert(offsetof(CausalConv1dParams, kernel_size) == 88, "CausalConv1dPara
     uint32_t dk, \
     uint32_t hv, \
     uint32_t dv, \
-    uint32_t kernel_size
+    uint32_t kernel_size, \
+    uint32_t proj_stride
 
 // `gdn::conv_state_update`: each sequence's conv window advanced over its rows.
 #pragma pack(push, 4)
@@ -646,9 +649,10 @@ struct ConvStateUpdateParams {
     uint32_t hv;
     uint32_t dv;
     uint32_t kernel_size;
+    uint32_t proj_stride;
 };
 #pragma pack(pop)
-static_assert(sizeof(ConvStateUpdateParams) == 68, "ConvStateUpdateParams: not the layout of metrale-kernel-abi");
+static_assert(sizeof(ConvStateUpdateParams) == 72, "ConvStateUpdateParams: not the layout of metrale-kernel-abi");
 static_assert(offsetof(ConvStateUpdateParams, conv_state) == 0, "ConvStateUpdateParams::conv_state: not the offset of metrale-kernel-abi");
 static_assert(offsetof(ConvStateUpdateParams, proj) == 8, "ConvStateUpdateParams::proj: not the offset of metrale-kernel-abi");
 static_assert(offsetof(ConvStateUpdateParams, seq_start) == 16, "ConvStateUpdateParams::seq_start: not the offset of metrale-kernel-abi");
@@ -662,6 +666,7 @@ static_assert(offsetof(ConvStateUpdateParams, dk) == 52, "ConvStateUpdateParams:
 static_assert(offsetof(ConvStateUpdateParams, hv) == 56, "ConvStateUpdateParams::hv: not the offset of metrale-kernel-abi");
 static_assert(offsetof(ConvStateUpdateParams, dv) == 60, "ConvStateUpdateParams::dv: not the offset of metrale-kernel-abi");
 static_assert(offsetof(ConvStateUpdateParams, kernel_size) == 64, "ConvStateUpdateParams::kernel_size: not the offset of metrale-kernel-abi");
+static_assert(offsetof(ConvStateUpdateParams, proj_stride) == 68, "ConvStateUpdateParams::proj_stride: not the offset of metrale-kernel-abi");
 #define CONV_STATE_UPDATE_PARAMS \
     float* __restrict__ conv_state, \
     const bf16* __restrict__ proj, \
@@ -675,7 +680,8 @@ static_assert(offsetof(ConvStateUpdateParams, kernel_size) == 64, "ConvStateUpda
     uint32_t dk, \
     uint32_t hv, \
     uint32_t dv, \
-    uint32_t kernel_size
+    uint32_t kernel_size, \
+    uint32_t proj_stride
 
 // `gdn::conv_state_verify`: a verify step's conv windows, the window after each row kept in
 // that row's slot.
@@ -695,9 +701,10 @@ struct ConvStateVerifyParams {
     uint32_t hv;
     uint32_t dv;
     uint32_t kernel_size;
+    uint32_t proj_stride;
 };
 #pragma pack(pop)
-static_assert(sizeof(ConvStateVerifyParams) == 76, "ConvStateVerifyParams: not the layout of metrale-kernel-abi");
+static_assert(sizeof(ConvStateVerifyParams) == 80, "ConvStateVerifyParams: not the layout of metrale-kernel-abi");
 static_assert(offsetof(ConvStateVerifyParams, conv_state) == 0, "ConvStateVerifyParams::conv_state: not the offset of metrale-kernel-abi");
 static_assert(offsetof(ConvStateVerifyParams, proj) == 8, "ConvStateVerifyParams::proj: not the offset of metrale-kernel-abi");
 static_assert(offsetof(ConvStateVerifyParams, seq_start) == 16, "ConvStateVerifyParams::seq_start: not the offset of metrale-kernel-abi");
@@ -712,6 +719,7 @@ static_assert(offsetof(ConvStateVerifyParams, dk) == 60, "ConvStateVerifyParams:
 static_assert(offsetof(ConvStateVerifyParams, hv) == 64, "ConvStateVerifyParams::hv: not the offset of metrale-kernel-abi");
 static_assert(offsetof(ConvStateVerifyParams, dv) == 68, "ConvStateVerifyParams::dv: not the offset of metrale-kernel-abi");
 static_assert(offsetof(ConvStateVerifyParams, kernel_size) == 72, "ConvStateVerifyParams::kernel_size: not the offset of metrale-kernel-abi");
+static_assert(offsetof(ConvStateVerifyParams, proj_stride) == 76, "ConvStateVerifyParams::proj_stride: not the offset of metrale-kernel-abi");
 #define CONV_STATE_VERIFY_PARAMS \
     float* __restrict__ conv_state, \
     const bf16* __restrict__ proj, \
@@ -726,7 +734,8 @@ static_assert(offsetof(ConvStateVerifyParams, kernel_size) == 72, "ConvStateVeri
     uint32_t dk, \
     uint32_t hv, \
     uint32_t dv, \
-    uint32_t kernel_size
+    uint32_t kernel_size, \
+    uint32_t proj_stride
 
 // `gdn::gdn_prepare`: L2-normalised q and k, and the gates β and g.
 #pragma pack(push, 4)
@@ -744,9 +753,11 @@ struct GdnPrepareParams {
     uint32_t dv;
     float l2_eps;
     float q_scale;
+    uint32_t ba_offset;
+    uint32_t ba_stride;
 };
 #pragma pack(pop)
-static_assert(sizeof(GdnPrepareParams) == 76, "GdnPrepareParams: not the layout of metrale-kernel-abi");
+static_assert(sizeof(GdnPrepareParams) == 84, "GdnPrepareParams: not the layout of metrale-kernel-abi");
 static_assert(offsetof(GdnPrepareParams, qk) == 0, "GdnPrepareParams::qk: not the offset of metrale-kernel-abi");
 static_assert(offsetof(GdnPrepareParams, gates) == 8, "GdnPrepareParams::gates: not the offset of metrale-kernel-abi");
 static_assert(offsetof(GdnPrepareParams, conv) == 16, "GdnPrepareParams::conv: not the offset of metrale-kernel-abi");
@@ -760,6 +771,8 @@ static_assert(offsetof(GdnPrepareParams, hv) == 60, "GdnPrepareParams::hv: not t
 static_assert(offsetof(GdnPrepareParams, dv) == 64, "GdnPrepareParams::dv: not the offset of metrale-kernel-abi");
 static_assert(offsetof(GdnPrepareParams, l2_eps) == 68, "GdnPrepareParams::l2_eps: not the offset of metrale-kernel-abi");
 static_assert(offsetof(GdnPrepareParams, q_scale) == 72, "GdnPrepareParams::q_scale: not the offset of metrale-kernel-abi");
+static_assert(offsetof(GdnPrepareParams, ba_offset) == 76, "GdnPrepareParams::ba_offset: not the offset of metrale-kernel-abi");
+static_assert(offsetof(GdnPrepareParams, ba_stride) == 80, "GdnPrepareParams::ba_stride: not the offset of metrale-kernel-abi");
 #define GDN_PREPARE_PARAMS \
     float* __restrict__ qk, \
     float* __restrict__ gates, \
@@ -773,7 +786,9 @@ static_assert(offsetof(GdnPrepareParams, q_scale) == 72, "GdnPrepareParams::q_sc
     uint32_t hv, \
     uint32_t dv, \
     float l2_eps, \
-    float q_scale
+    float q_scale, \
+    uint32_t ba_offset, \
+    uint32_t ba_stride
 
 // `gdn::gated_delta_recurrent` and `gdn::gated_delta_streamed`: the delta rule over each
 // sequence's rows, one token at a time.
@@ -959,9 +974,10 @@ struct GatedRmsNormParams {
     uint32_t hv;
     uint32_t dv;
     float eps;
+    uint32_t proj_stride;
 };
 #pragma pack(pop)
-static_assert(sizeof(GatedRmsNormParams) == 56, "GatedRmsNormParams: not the layout of metrale-kernel-abi");
+static_assert(sizeof(GatedRmsNormParams) == 60, "GatedRmsNormParams: not the layout of metrale-kernel-abi");
 static_assert(offsetof(GatedRmsNormParams, out) == 0, "GatedRmsNormParams::out: not the offset of metrale-kernel-abi");
 static_assert(offsetof(GatedRmsNormParams, core) == 8, "GatedRmsNormParams::core: not the offset of metrale-kernel-abi");
 static_assert(offsetof(GatedRmsNormParams, proj) == 16, "GatedRmsNormParams::proj: not the offset of metrale-kernel-abi");
@@ -972,6 +988,7 @@ static_assert(offsetof(GatedRmsNormParams, dk) == 40, "GatedRmsNormParams::dk: n
 static_assert(offsetof(GatedRmsNormParams, hv) == 44, "GatedRmsNormParams::hv: not the offset of metrale-kernel-abi");
 static_assert(offsetof(GatedRmsNormParams, dv) == 48, "GatedRmsNormParams::dv: not the offset of metrale-kernel-abi");
 static_assert(offsetof(GatedRmsNormParams, eps) == 52, "GatedRmsNormParams::eps: not the offset of metrale-kernel-abi");
+static_assert(offsetof(GatedRmsNormParams, proj_stride) == 56, "GatedRmsNormParams::proj_stride: not the offset of metrale-kernel-abi");
 #define GATED_RMS_NORM_PARAMS \
     bf16* __restrict__ out, \
     const float* __restrict__ core, \
@@ -982,7 +999,8 @@ static_assert(offsetof(GatedRmsNormParams, eps) == 52, "GatedRmsNormParams::eps:
     uint32_t dk, \
     uint32_t hv, \
     uint32_t dv, \
-    float eps
+    float eps, \
+    uint32_t proj_stride
 
 // `gemm::linear` and its direct-load variants (`linear_stream`, `linear_stream_b4`,
 // `linear_stream_wide`, each also `_f32out`), and `gemm::linear_swiglu` (w `[2 n, k]`: gate

@@ -4,6 +4,11 @@
 //
 // Head scalars, as every kernel here takes them: Hk (num_k_heads), Dk, Hv, Dv; key_dim = Hk*Dk,
 // value_dim = Hv*Dv, conv_dim = 2*key_dim + value_dim, proj_width = conv_dim + value_dim + 2*Hv.
+// The input projection's rows: q|k|v|z of row r at r * proj_stride (conv channels first, z at
+// conv_dim), its b then a at ba_offset + r * ba_stride. One fused GEMM writes [rows, proj_width]
+// (proj_stride = ba_stride = proj_width, ba_offset = conv_dim + value_dim); an FP8 layer's two
+// GEMMs write [rows, conv_dim + value_dim] and then [rows, 2*Hv] (proj_stride = conv_dim +
+// value_dim, ba_offset = rows * proj_stride, ba_stride = 2*Hv).
 // A sequence whose slot is u32::MAX (padding) reads zero states and writes none; a slot past
 // num_slots writes NaN outputs, leaves every state alone and reports an INDEX fault
 // (`mt_fault`), as does a row slot past num_slots; a shape a kernel does not take reports a
@@ -76,23 +81,24 @@ MT_DEVICE const float* conv_window(const float* state, uint32_t slot, uint32_t n
     return state + (size_t)slot * stride;
 }
 
-// causal_conv1d(out: bf16 [rows, conv_dim], proj: bf16 [rows, proj_width], conv_state: f32
+// causal_conv1d(out: bf16 [rows, conv_dim], proj: bf16 (see above), conv_state: f32
 // [num_slots * slot_stride], weight: bf16 [conv_dim, K], row_seq: u32 [rows], seq_start: u32
 // [num_seqs + 1], seq_slot: u32 [num_seqs], rows, num_seqs, num_slots, slot_stride, Hk, Dk, Hv,
-// Dv, kernel_size). out[r][c] = silu(Σ_i weight[c][i] * x(t - (K-1) + i)) in f32, x(u) from the
+// Dv, kernel_size, proj_stride). out[r][c] = silu(Σ_i weight[c][i] * x(t - (K-1) + i)) in f32, x(u) from the
 // step's rows for u >= 0 and from the window (zero for padding) for u < 0.
 extern "C" __global__ void causal_conv1d(CAUSAL_CONV1D_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
     const uint32_t cd = 2 * hk * dk + hv * dv;
-    const uint32_t pw = cd + hv * dv + 2 * hv;
+    const uint32_t pw = proj_stride;
     const uint32_t r = blockIdx.x;
     const uint32_t c = blockIdx.y * blockDim.x + threadIdx.x;
     if (r >= rows || c >= cd) return;
     bf16* o = out + (size_t)r * cd + c;
     const uint32_t s = row_seq[r];
-    if (s >= num_seqs || kernel_size == 0) {
-        mt_fault(MT_KERNEL_CAUSAL_CONV1D, kernel_size == 0 ? MT_FAULT_SHAPE : MT_FAULT_INDEX);
+    const bool shape_bad = kernel_size == 0 || pw < cd;
+    if (s >= num_seqs || shape_bad) {
+        mt_fault(MT_KERNEL_CAUSAL_CONV1D, shape_bad ? MT_FAULT_SHAPE : MT_FAULT_INDEX);
         *o = bf16_nan();
         return;
     }
@@ -126,20 +132,20 @@ extern "C" __global__ void causal_conv1d(CAUSAL_CONV1D_PARAMS) {
     *o = f2bf(siluf_acc(acc));
 }
 
-// conv_state_update(conv_state: f32 [num_slots * slot_stride] (in/out), proj: bf16 [rows,
-// proj_width], seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], rows, num_seqs,
-// num_slots, slot_stride, Hk, Dk, Hv, Dv, kernel_size). A real sequence with n rows keeps the
+// conv_state_update(conv_state: f32 [num_slots * slot_stride] (in/out), proj: bf16 (see above),
+// seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], rows, num_seqs, num_slots,
+// slot_stride, Hk, Dk, Hv, Dv, kernel_size, proj_stride). A real sequence with n rows keeps the
 // last K-1 inputs of (old window ++ its rows): new[i] = x(n - (K-1) + i). Each thread owns one
 // channel of one window and walks i ascending, so old row i + n is read before it is rewritten.
 extern "C" __global__ void conv_state_update(CONV_STATE_UPDATE_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
     const uint32_t cd = 2 * hk * dk + hv * dv;
-    const uint32_t pw = cd + hv * dv + 2 * hv;
+    const uint32_t pw = proj_stride;
     const uint32_t s = blockIdx.x;
     const uint32_t c = blockIdx.y * blockDim.x + threadIdx.x;
     if (s >= num_seqs || c >= cd) return;
-    if (kernel_size == 0) {
+    if (kernel_size == 0 || pw < cd) {
         mt_fault(MT_KERNEL_CONV_STATE_UPDATE, MT_FAULT_SHAPE);
         return;
     }
@@ -162,9 +168,9 @@ extern "C" __global__ void conv_state_update(CONV_STATE_UPDATE_PARAMS) {
     }
 }
 
-// conv_state_verify(conv_state: f32 [num_slots * slot_stride] (in/out), proj: bf16 [rows,
-// proj_width], seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], row_slot: u32 [rows],
-// rows, num_seqs, num_slots, slot_stride, Hk, Dk, Hv, Dv, kernel_size). For row t of a sequence
+// conv_state_verify(conv_state: f32 [num_slots * slot_stride] (in/out), proj: bf16 (see above),
+// seq_start: u32 [num_seqs + 1], seq_slot: u32 [num_seqs], row_slot: u32 [rows], rows,
+// num_seqs, num_slots, slot_stride, Hk, Dk, Hv, Dv, kernel_size, proj_stride). For row t of a sequence
 // with a row slot, that slot's window becomes the last K-1 inputs of (the sequence's window ++
 // its rows 0..=t): new[i] = x(t + 1 - (K-1) + i). One thread per (sequence, channel); it reads
 // the old window (zeros for padding) into registers before writing any row's. A slot past the
@@ -173,11 +179,11 @@ extern "C" __global__ void conv_state_verify(CONV_STATE_VERIFY_PARAMS) {
     pdl_wait();  // a programmatic dependent (ops): the kernel ahead has finished
     pdl_trigger();
     const uint32_t cd = 2 * hk * dk + hv * dv;
-    const uint32_t pw = cd + hv * dv + 2 * hv;
+    const uint32_t pw = proj_stride;
     const uint32_t s = blockIdx.x;
     const uint32_t c = blockIdx.y * blockDim.x + threadIdx.x;
     if (s >= num_seqs || c >= cd) return;
-    if (kernel_size == 0 || kernel_size - 1 > GDN_MAX_CONV_HIST) {
+    if (kernel_size == 0 || kernel_size - 1 > GDN_MAX_CONV_HIST || pw < cd) {
         mt_fault(MT_KERNEL_CONV_STATE_VERIFY, MT_FAULT_SHAPE);
         return;
     }
@@ -216,8 +222,8 @@ extern "C" __global__ void conv_state_verify(CONV_STATE_VERIFY_PARAMS) {
 MT_DEVICE float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 // gdn_prepare(qk: f32 [rows, 2*key_dim], gates: f32 [rows, 2*Hv], conv: bf16 [rows, conv_dim],
-// proj: bf16 [rows, proj_width], a_log: f32 [Hv], dt_bias: f32 [Hv], rows, Hk, Dk, Hv, Dv,
-// l2_eps, q_scale). q̂ = q / sqrt(Σq² + eps) * q_scale, k̂ = k / sqrt(Σk² + eps) per key head;
+// proj: bf16 (see above), a_log: f32 [Hv], dt_bias: f32 [Hv], rows, Hk, Dk, Hv, Dv, l2_eps,
+// q_scale, ba_offset, ba_stride). q̂ = q / sqrt(Σq² + eps) * q_scale, k̂ = k / sqrt(Σk² + eps) per key head;
 // β = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias) per value head. One block per row,
 // a warp per head (lanes over Dk, then the butterfly), threads over the gates.
 extern "C" __global__ void gdn_prepare(GDN_PREPARE_PARAMS) {
@@ -225,8 +231,11 @@ extern "C" __global__ void gdn_prepare(GDN_PREPARE_PARAMS) {
     pdl_trigger();
     const uint32_t r = blockIdx.x;
     if (r >= rows) return;
+    if (ba_stride < 2 * hv) {
+        if (threadIdx.x == 0) mt_fault(MT_KERNEL_GDN_PREPARE, MT_FAULT_SHAPE);
+        return;
+    }
     const uint32_t kd = hk * dk, cd = 2 * kd + hv * dv;
-    const uint32_t pw = cd + hv * dv + 2 * hv;
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const bf16* src = conv + (size_t)r * cd;
     float* dst = qk + (size_t)r * 2 * kd;
@@ -242,10 +251,9 @@ extern "C" __global__ void gdn_prepare(GDN_PREPARE_PARAMS) {
         const float scale = head < hk ? q_scale : 1.0f;
         for (uint32_t i = lane; i < dk; i += 32) dst[(size_t)head * dk + i] = bf2f(x[i]) * inv * scale;
     }
-    const bf16* row = proj + (size_t)r * pw;
-    const uint32_t b_at = cd + hv * dv;
+    const bf16* ba = proj + ba_offset + (size_t)r * ba_stride;
     for (uint32_t j = threadIdx.x; j < hv; j += blockDim.x) {
-        const float bj = bf2f(row[b_at + j]), aj = bf2f(row[b_at + hv + j]);
+        const float bj = bf2f(ba[j]), aj = bf2f(ba[hv + j]);
         gates[(size_t)r * 2 * hv + j] = sigmoidf_acc(bj);
         gates[(size_t)r * 2 * hv + hv + j] = -expf(a_log[j]) * softplusf(aj + dt_bias[j]);
     }
@@ -340,16 +348,20 @@ extern "C" __global__ void gated_delta_verify(GATED_DELTA_VERIFY_PARAMS) {
 // ---------------------------------------------------------------------------------------------
 // Gated RMSNorm.
 
-// gated_rms_norm(out: bf16 [rows, value_dim], core: f32 [rows, value_dim], proj: bf16 [rows,
-// proj_width], weight: bf16 [Dv], rows, Hk, Dk, Hv, Dv, eps). Per (row, value head):
-// out = core * (1 / sqrt(mean(core²) + eps)) * weight * silu(z), z at conv_dim + j*Dv of the
-// projection row. One warp per (row blockIdx.x, head blockIdx.y); lanes over Dv.
+// gated_rms_norm(out: bf16 [rows, value_dim], core: f32 [rows, value_dim], proj: bf16 (see
+// above), weight: bf16 [Dv], rows, Hk, Dk, Hv, Dv, eps, proj_stride). Per (row, value head):
+// out = core * (1 / sqrt(mean(core²) + eps)) * weight * silu(z), z at r * proj_stride +
+// conv_dim + j*Dv. One warp per (row blockIdx.x, head blockIdx.y); lanes over Dv.
 extern "C" __global__ void gated_rms_norm(GATED_RMS_NORM_PARAMS) {
     pdl_enter(rows);  // a programmatic dependent (common.cuh)
     const uint32_t r = blockIdx.x, j = blockIdx.y;
     if (r >= rows || j >= hv || threadIdx.x >= 32) return;
     const uint32_t cd = 2 * hk * dk + hv * dv;
-    const uint32_t pw = cd + hv * dv + 2 * hv;
+    const uint32_t pw = proj_stride;
+    if (pw < cd + hv * dv) {
+        if (threadIdx.x == 0) mt_fault(MT_KERNEL_GATED_RMS_NORM, MT_FAULT_SHAPE);
+        return;
+    }
     const size_t at = (size_t)r * hv * dv + (size_t)j * dv;
     const float* o = core + at;
     const bf16* z = proj + (size_t)r * pw + cd + (size_t)j * dv;

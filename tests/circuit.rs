@@ -179,7 +179,10 @@ fn the_disclosure_names_the_forward_its_plans_and_launches() -> Result<()> {
         let mut model = load(&dir, options.clone(), cpu(), ForwardSelect::Legacy)?;
         let legacy = model.runner().forward_disclosure()?;
         ensure!(legacy.forward == "legacy" && legacy.plan_digest.is_none());
-        // embed; per layer two norms, then the mixer's and the FFN's launches; the head's 3.
+        // embed; per layer two norms, then the mixer's and the FFN's launches (a block-FP8
+        // GDN layer's input projection two: its q|k|v|z rows and its bf16 b|a rows); the
+        // head's 3.
+        let fp8 = config.checkpoint.quantization.is_some();
         let per_layer: usize = config
             .layer_types
             .iter()
@@ -187,7 +190,7 @@ fn the_disclosure_names_the_forward_its_plans_and_launches() -> Result<()> {
             .map(|(i, t)| {
                 let mixer = match t {
                     metrale_config::LayerType::FullAttention => 5,
-                    metrale_config::LayerType::LinearAttention => 7,
+                    metrale_config::LayerType::LinearAttention => 7 + usize::from(fp8),
                 };
                 let shared = config
                     .moe

@@ -1,6 +1,7 @@
 //! The circuit executor on block-FP8 models (CPU): packs get plans of the FP8 kernels, which a
 //! bf16 source quantized at load reproduces; models quantized at load run circuit programs
-//! bitwise legacy; a pack storing a projection otherwise than the packs do is refused. (The
+//! bitwise legacy; a pack storing a projection otherwise than the packs do is refused; the Gated
+//! DeltaNet input projection of an FP8 model is read in FP8 beside its bf16 b and a rows. (The
 //! FP8 fixtures also run every test of `circuit.rs`.)
 
 #![allow(clippy::unwrap_used)]
@@ -67,43 +68,33 @@ fn fp8_packs_get_plans_of_the_fp8_kernels_which_quantizing_at_load_reproduces() 
 }
 
 #[test]
-fn a_pack_storing_a_projection_the_circuit_reads_as_bf16_in_fp8_is_refused() -> Result<()> {
-    // The Gated DeltaNet a and b projections of layer 0 in e4m3 too: the fused input projection
-    // then loads as FP8, which the circuit (a pack's layout: that projection bf16) would misread.
+fn a_pack_storing_a_projection_the_circuit_reads_as_fp8_in_bf16_is_refused() -> Result<()> {
+    // Layer 0's Gated DeltaNet q/k/v projection in bf16 (its source's tensor), its z in e4m3:
+    // the input projection then loads as one bf16 weight, which the circuit (a pack's layout:
+    // q/k/v and z FP8) would misread.
     let src = fixtures_dir().join("qwen3_5_moe-fp8-tiny");
+    let source = std::fs::read(src.join("source").join("model.safetensors"))?;
+    let source = safetensors::SafeTensors::deserialize(&source)?;
+    let qkv = "model.layers.0.linear_attn.in_proj_qkv.weight";
+    let plain = source.tensor(qkv)?;
     let tmp = tempfile::tempdir()?;
     copy_fixture_with(&src, tmp.path(), |name, t| {
-        let quantize = name.starts_with("model.layers.0.linear_attn.in_proj_")
-            && (name.ends_with("_a.weight") || name.ends_with("_b.weight"));
-        if !quantize {
-            return vec![(name.to_string(), t)];
+        if name == qkv {
+            let t = TensorData {
+                dtype: plain.dtype(),
+                shape: plain.shape().to_vec(),
+                data: plain.data().to_vec(),
+            };
+            vec![(name.to_string(), t)]
+        } else if name.starts_with(qkv) {
+            Vec::new()
+        } else {
+            vec![(name.to_string(), t)]
         }
-        let w: Vec<half::bf16> = bytemuck::cast_slice(&t.data).to_vec();
-        let (q, scales) = metrale_gpu_runtime::fp8::quantize(&w, (t.shape[0], t.shape[1]));
-        let stem = name.trim_end_matches(".weight");
-        let scale_shape = vec![t.shape[0].div_ceil(128), t.shape[1].div_ceil(128)];
-        vec![
-            (
-                name.to_string(),
-                TensorData {
-                    dtype: safetensors::Dtype::F8_E4M3,
-                    data: q,
-                    ..t
-                },
-            ),
-            (
-                format!("{stem}.weight_scale_inv"),
-                TensorData {
-                    dtype: safetensors::Dtype::F32,
-                    shape: scale_shape,
-                    data: bytemuck::cast_slice(&scales).to_vec(),
-                },
-            ),
-        ]
     });
     let circuit = EngineOptions::default().forward(REFERENCE);
     let Err(e) = Engine::load(tmp.path(), circuit) else {
-        bail!("the circuit accepted an FP8 projection it reads as bf16");
+        bail!("the circuit accepted a bf16 projection it reads as FP8");
     };
     let e = e.to_string();
     ensure!(
@@ -112,6 +103,72 @@ fn a_pack_storing_a_projection_the_circuit_reads_as_bf16_in_fp8_is_refused() -> 
     );
     // The legacy forward reads the weight as stored.
     Engine::load(tmp.path(), EngineOptions::default())?;
+    Ok(())
+}
+
+#[test]
+fn fp8_hybrid_models_hold_the_gdn_input_projection_in_fp8_and_its_b_and_a_rows_in_bf16()
+-> Result<()> {
+    use metrale_gpu_runtime::DType;
+    use metrale_model_engine::{Quantization, factory};
+    use metrale_model_layers::circuit_exec::{LinearRole, MixerFacts, WeightSlot};
+    let dir = fixtures_dir();
+    let pack = dir.join("qwen3_5_moe-fp8-tiny");
+    // The pack (split q/k/v, z, b, a tensors), its source quantized at load, and Qwen3.5's and
+    // Qwen3-Next's (fused, permuted in_proj_qkvz / in_proj_ba) bf16 fixtures quantized at load;
+    // then the bf16 loads, which keep one fused bf16 projection.
+    let cases = [
+        (pack.clone(), Quantization::AsStored, true),
+        (pack.join("source"), Quantization::Fp8, true),
+        (dir.join("qwen3_5-tiny"), Quantization::Fp8, true),
+        (dir.join("qwen3_next-tiny"), Quantization::Fp8, true),
+        (pack.join("source"), Quantization::AsStored, false),
+        (dir.join("qwen3_next-tiny"), Quantization::AsStored, false),
+    ];
+    for (path, quantization, fp8) in cases {
+        let what = format!("{} {quantization:?}", path.display());
+        let model = factory::load_quantized(&path, cpu(), quantization)?;
+        let mut gdn_layers = 0;
+        for layer in model.layers() {
+            let l = layer.circuit_layer(model.dims()).context("a bound layer")?;
+            let MixerFacts::Gdn(g) = l.mixer else {
+                continue;
+            };
+            gdn_layers += 1;
+            let h = g.heads;
+            let hidden = model.dims().hidden as usize;
+            let (pw, ba_rows) = (h.proj_width() as usize, 2 * h.num_v_heads as usize);
+            let in_proj = l.weights[&WeightSlot::Linear(LinearRole::GdnInProj)].weight();
+            let ba = l.weights.get(&WeightSlot::GdnInProjBa).map(|b| b.weight());
+            // Bytes a decode step reads for the projection (FP8 scales aside).
+            let bytes = in_proj.shape.iter().product::<usize>() * in_proj.dtype.size()
+                + ba.map_or(0, |b| b.shape.iter().product::<usize>() * b.dtype.size());
+            if fp8 {
+                let ba = ba.with_context(|| format!("{what}: no separate b|a rows"))?;
+                ensure!(
+                    in_proj.dtype == DType::F8E4M3 && in_proj.scales.is_some(),
+                    "{what}"
+                );
+                ensure!(
+                    in_proj.shape == [pw - ba_rows, hidden],
+                    "{what}: {:?}",
+                    in_proj.shape
+                );
+                ensure!(
+                    ba.dtype == DType::Bf16 && ba.shape == [ba_rows, hidden],
+                    "{what}"
+                );
+                ensure!(2 * bytes < pw * hidden * 2 * 6 / 5, "{what}: {bytes} bytes");
+            } else {
+                ensure!(ba.is_none() && in_proj.dtype == DType::Bf16, "{what}");
+                ensure!(
+                    in_proj.shape == [pw, hidden] && bytes == pw * hidden * 2,
+                    "{what}"
+                );
+            }
+        }
+        ensure!(gdn_layers > 0, "{what}: no GDN layer");
+    }
     Ok(())
 }
 

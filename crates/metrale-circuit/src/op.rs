@@ -60,7 +60,8 @@ pub enum LinearRole {
     GateUp,
     /// The dense FFN's down projection.
     Down,
-    /// Gated DeltaNet's fused input projection `[q | k | v | z | b | a]`.
+    /// Gated DeltaNet's input projection `[q | k | v | z | b | a]` (under block FP8 two GEMMs:
+    /// the FP8 q|k|v|z rows, then the bf16 b|a rows).
     GdnInProj,
     /// Gated DeltaNet's output projection.
     GdnOut,
@@ -102,9 +103,10 @@ impl LinearRole {
     ];
 
     /// Whether a block-FP8 pack stores this projection in e4m3 (the Qwen layout): every decoder
-    /// projection but the Gated DeltaNet input projection (whose a and b rows the packs keep in
-    /// bf16, so the fused projection loads as bf16), the router, the shared expert's gate, the
-    /// MTP head's `fc` and the LM head.
+    /// projection but the router, the shared expert's gate, the MTP head's `fc` and the LM head.
+    /// Of the Gated DeltaNet input projection the packs quantize the q/k/v and z rows and keep
+    /// the b and a rows in bf16: its FP8 weight is the q|k|v|z rows, and its node also runs the
+    /// b|a rows' bf16 GEMM (the rule's last kernel, `gemm::linear`).
     pub fn block_fp8_in_packs(self) -> bool {
         matches!(
             self,
@@ -112,6 +114,7 @@ impl LinearRole {
                 | LinearRole::O
                 | LinearRole::GateUp
                 | LinearRole::Down
+                | LinearRole::GdnInProj
                 | LinearRole::GdnOut
                 | LinearRole::ExpertGateUp
                 | LinearRole::ExpertDown

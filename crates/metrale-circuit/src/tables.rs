@@ -33,7 +33,8 @@ impl RuleTable {
     /// projection launches `fp8_linear` (the caller's FP8 path at the widths it lowers:
     /// `gemm::linear_stream_fp8`, whose launcher picks the decode kernel by rows as
     /// `gemm::linear`'s does, or `gemm::dequant_fp8` then `gemm::linear` where the launcher
-    /// dequantizes), the experts' `moe::expert_linear_fp8` and its f32-out twin, and the fused
+    /// dequantizes; the GDN input projection's then `gemm::linear` of its bf16 b|a rows), the
+    /// experts' `moe::expert_linear_fp8` and its f32-out twin, and the fused
     /// rules that take an FP8 projection, whose kernels read bf16 weights, are left out.
     pub fn for_instance(instance: &Instance, fp8_linear: &[Kernel]) -> RuleTable {
         let table = RuleTable::for_architecture(instance.architecture);
@@ -48,8 +49,11 @@ impl RuleTable {
             .filter(|r| r.numerics == Reference || !r.chain.iter().any(fp8))
             .map(|mut r| {
                 if r.numerics == Reference && r.chain.iter().any(fp8) {
+                    // The GDN input projection: its FP8 q|k|v|z rows, then its bf16 b|a rows.
+                    let ba = r.chain == [Op::Linear(GdnInProj)];
                     r.kernels = (r.kernels.iter())
                         .flat_map(|&kernel| match kernel {
+                            k::LINEAR if ba => [fp8_linear, &[k::LINEAR]].concat(),
                             k::LINEAR => fp8_linear.to_vec(),
                             k::EXPERT_LINEAR => vec![k::EXPERT_LINEAR_FP8],
                             k::EXPERT_LINEAR_F32OUT => vec![k::EXPERT_LINEAR_FP8_F32OUT],

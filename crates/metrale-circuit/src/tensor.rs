@@ -81,7 +81,8 @@ pub enum Tensor {
     KCache,
     /// V cache of one attention layer (as [`Tensor::KCache`]).
     VCache,
-    /// GDN fused input projection `[q | k | v | z | b | a]`.
+    /// GDN input projection `[q | k | v | z | b | a]` per row (a block-FP8 layer's buffer holds
+    /// the q|k|v|z rows first and the b|a rows after them).
     GdnProj,
     /// GDN causal conv + SiLU of the q|k|v channels.
     GdnConv,

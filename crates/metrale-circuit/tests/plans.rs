@@ -490,14 +490,25 @@ fn block_fp8_weights_lower_their_projections_to_the_fp8_kernels_and_drop_bf16_fu
     let plan = lowering(&table, &fp8)?;
     let launched = names(&plan);
     let count = |k: &str| launched.iter().filter(|n| *n == k).count();
-    // Per MoE layer: qkv/o or the GDN's out projection, the shared expert's two, and the two
-    // expert projections in FP8; the GDN input projection, the routers, the shared gate and the
-    // LM head stay bf16.
+    // Per MoE layer: qkv/o or the GDN's input (its q|k|v|z rows) and out projections, the
+    // shared expert's two, and the two expert projections in FP8; the GDN input projection's
+    // b|a rows, the routers, the shared gate and the LM head stay bf16.
     ensure!(count("moe::expert_linear_fp8") == 4 && count("moe::expert_linear_fp8_f32out") == 4);
     ensure!(count("moe::expert_linear") == 0 && count("gemm::linear_swiglu") == 0);
     ensure!(
         count("gemm::linear") == 3,
-        "the GDN input projections: {launched:?}"
+        "the GDN input projections' b|a rows: {launched:?}"
+    );
+    let gdn_in = (plan.groups().iter())
+        .filter(|g| g.ops == [Op::Linear(LinearRole::GdnInProj)])
+        .map(|g| g.kernels.clone())
+        .collect::<Vec<_>>();
+    ensure!(
+        gdn_in.len() == 3
+            && gdn_in
+                .iter()
+                .all(|k| *k == [kernels::LINEAR_STREAM_FP8, kernels::LINEAR]),
+        "{gdn_in:?}"
     );
     ensure!(count("gemm::linear_stream_fp8") > 0);
     ensure!(!table.rules().iter().any(|r| {

@@ -563,6 +563,37 @@ mod tests {
     }
 
     #[test]
+    fn the_benchmark_streams_an_fp8_hybrids_gdn_input_projection_in_fp8() {
+        let config = tiny_hybrid_for_cpu().unwrap();
+        let mut o = smoke_options(config.clone());
+        o.quantization = Quantization::Fp8;
+        let report = run(Arc::new(CpuBackend::default()), &o).unwrap();
+        let names: Vec<&str> = (report.profiles[0].parts.iter())
+            .map(|x| x.name.as_str())
+            .collect();
+        // The GDN input projection of hidden 64: its 96 q|k|v|z rows stream as FP8, its 8 b|a
+        // rows are a bf16 GEMM; no launch reads the whole 104-row projection.
+        let fp8 = |n: &&str| n.starts_with("linear_stream_fp8") || n.starts_with("dequant_fp8");
+        assert!(
+            names.iter().any(|n| fp8(n) && n.contains(", 96, 64)")),
+            "{names:?}"
+        );
+        assert!(
+            names.iter().any(|n| !fp8(n) && n.contains(", 8, 64)")),
+            "{names:?}"
+        );
+        assert!(!names.iter().any(|n| n.contains(", 104, 64)")), "{names:?}");
+        // The floor counts the q|k|v|z rows at about a byte an element.
+        let bf16 = decode_weight_bytes(&config, Quantization::AsStored, 1);
+        let gdn_qkvz = 3.0 * 96.0 * 64.0;
+        assert!(
+            report.weight_bytes < bf16 - gdn_qkvz,
+            "{}",
+            report.weight_bytes
+        );
+    }
+
+    #[test]
     fn the_benchmark_runs_a_moe_shape_in_fp8_and_counts_the_experts_it_reads() {
         let config = tiny_moe_for_cpu().unwrap();
         let mut o = smoke_options(config.clone());

@@ -273,7 +273,8 @@ pub struct HeadBuffers {
 /// `layers::GdnShape` for the widths.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GdnBuffers {
-    /// bf16 `[R, conv_dim + Hv*Dv + 2*Hv]`: the fused input projection, `[q|k|v|z|b|a]`.
+    /// bf16, `R * (conv_dim + Hv*Dv + 2*Hv)` elements: the input projection, `[q|k|v|z|b|a]`
+    /// per row, fused or as q|k|v|z rows then b|a rows (`ops_hybrid::GdnProjLayout`).
     pub proj: DevicePtr,
     /// bf16 `[R, conv_dim]`: the causal conv + SiLU of the q|k|v channels.
     pub conv: DevicePtr,

@@ -8,9 +8,10 @@
 //! - As in `ops`: one launcher per kernel, and launch geometry depends only on shapes, never on
 //!   data.
 //! - Every GDN kernel takes the head scalars `hk, dk, hv, dv` (`GdnHeads`), from which it
-//!   derives every row width.
+//!   derives every row width; the kernels that read the input projection also take where its
+//!   rows lie (`GdnProjLayout`: one fused matrix, or q|k|v|z and b|a apart).
 
-use metrale_gpu_runtime::{DevicePtr, GpuResult, LaunchConfig, StreamHandle};
+use metrale_gpu_runtime::{DevicePtr, GpuError, GpuResult, LaunchConfig, StreamHandle};
 use metrale_kernel_abi::{
     CausalConv1dParams, ConvStateUpdateParams, ConvStateVerifyParams, GDN_RING, GDN_TOK_BYTES,
     GDN_WARP_COLS, GatedDeltaChunkedParams, GatedDeltaParams, GatedDeltaVerifyParams,
@@ -78,6 +79,58 @@ impl GdnHeads {
     }
 }
 
+/// Where the GDN kernels find each row's `[q | k | v | z]` and `[b | a]` in the input
+/// projection's buffer: row `r`'s q|k|v|z at element `r * proj_stride`, its b|a at `ba_offset +
+/// r * ba_stride`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdnProjLayout {
+    /// Elements from one row's q|k|v|z to the next.
+    pub proj_stride: u32,
+    /// Element offset of row 0's b.
+    pub ba_offset: u32,
+    /// Elements from one row's b|a to the next.
+    pub ba_stride: u32,
+}
+
+impl GdnProjLayout {
+    /// One `[rows, proj_width]` matrix `[q | k | v | z | b | a]` (one fused GEMM).
+    pub fn fused(h: &GdnHeads) -> GdnProjLayout {
+        GdnProjLayout {
+            proj_stride: h.proj_width(),
+            ba_offset: h.conv_dim() + h.value_dim(),
+            ba_stride: h.proj_width(),
+        }
+    }
+
+    /// A `[rows, conv_dim + value_dim]` matrix `[q | k | v | z]` followed by a `[rows, 2 * Hv]`
+    /// one `[b | a]` (two GEMMs into the same buffer, as an FP8 layer runs them); refused when
+    /// the offset of the second does not fit in u32.
+    pub fn split(h: &GdnHeads, rows: u32) -> GpuResult<GdnProjLayout> {
+        let qkvz = h.conv_dim() + h.value_dim();
+        let ba_offset = rows
+            .checked_mul(qkvz)
+            .ok_or_else(|| GpuError::KernelFailed {
+                kernel: "gdn input projection".into(),
+                problem: format!("{rows} rows of {qkvz} q|k|v|z elements overflow a u32 offset"),
+            })?;
+        Ok(GdnProjLayout {
+            proj_stride: qkvz,
+            ba_offset,
+            ba_stride: 2 * h.num_v_heads,
+        })
+    }
+
+    /// [`GdnProjLayout::split`] for a layer whose b and a rows are a weight of their own
+    /// (`split`), else [`GdnProjLayout::fused`].
+    pub fn of_step(h: &GdnHeads, rows: u32, split: bool) -> GpuResult<GdnProjLayout> {
+        if split {
+            GdnProjLayout::split(h, rows)
+        } else {
+            Ok(GdnProjLayout::fused(h))
+        }
+    }
+}
+
 /// The step's sequences, as the GDN kernels read them.
 #[derive(Debug, Clone, Copy)]
 pub struct GdnSeqs {
@@ -111,8 +164,10 @@ pub struct StatePool {
 pub struct CausalConv1d {
     /// bf16 `[rows, conv_dim]` (unused by the state update).
     pub out: DevicePtr,
-    /// bf16 `[rows, proj_width]`: the projection, conv channels first.
+    /// bf16: the projection, conv channels first in each row (`layout`).
     pub proj: DevicePtr,
+    /// Where `proj` holds each row's q|k|v.
+    pub layout: GdnProjLayout,
     /// Conv windows, f32 `[K - 1, conv_dim]` per slot.
     pub conv_state: StatePool,
     /// bf16 `[conv_dim, K]` (unused by the state update).
@@ -134,8 +189,10 @@ pub struct GdnPrepare {
     pub gates: DevicePtr,
     /// bf16 `[rows, conv_dim]`.
     pub conv: DevicePtr,
-    /// bf16 `[rows, proj_width]` (b and a).
+    /// bf16: the projection (b and a, where `layout` says).
     pub proj: DevicePtr,
+    /// Where `proj` holds each row's b and a.
+    pub layout: GdnProjLayout,
     /// f32 `[Hv]`.
     pub a_log: DevicePtr,
     /// f32 `[Hv]`.
@@ -176,8 +233,10 @@ pub struct GatedRmsNorm {
     pub out: DevicePtr,
     /// f32 `[rows, value_dim]`.
     pub core: DevicePtr,
-    /// bf16 `[rows, proj_width]` (z).
+    /// bf16: the projection (z, at `conv_dim` of each row's q|k|v|z).
     pub proj: DevicePtr,
+    /// Where `proj` holds each row's z.
+    pub layout: GdnProjLayout,
     /// bf16 `[Dv]`, applied as `x * w`.
     pub weight: DevicePtr,
     /// Rows.
@@ -211,6 +270,7 @@ impl Ops {
             hv,
             dv,
             kernel_size: p.kernel_size,
+            proj_stride: p.layout.proj_stride,
         };
         let blocks = p.heads.conv_dim().div_ceil(CHANNEL_THREADS);
         let cfg = LaunchConfig::grid2(q.rows, blocks, CHANNEL_THREADS);
@@ -249,6 +309,7 @@ impl Ops {
             hv: w.hv,
             dv: w.dv,
             kernel_size: w.kernel_size,
+            proj_stride: w.proj_stride,
         };
         self.go(self.k.conv_state_verify, window_geometry(p), &params, s)
     }
@@ -270,6 +331,8 @@ impl Ops {
             dv,
             l2_eps: p.l2_eps,
             q_scale: p.q_scale,
+            ba_offset: p.layout.ba_offset,
+            ba_stride: p.layout.ba_stride,
         };
         let cfg = LaunchConfig::linear(p.rows, prepare_threads(&p.heads));
         self.go(self.k.gdn_prepare, step_launch(cfg, p.rows), &params, s)
@@ -356,6 +419,7 @@ impl Ops {
             hv,
             dv,
             eps: p.eps,
+            proj_stride: p.layout.proj_stride,
         };
         let cfg = LaunchConfig::grid2(p.rows, hv, 32);
         self.go(self.k.gated_rms_norm, step_launch(cfg, p.rows), &params, s)
@@ -380,6 +444,7 @@ fn window_params(p: &CausalConv1d) -> ConvStateUpdateParams {
         hv,
         dv,
         kernel_size: p.kernel_size,
+        proj_stride: p.layout.proj_stride,
     }
 }
 

@@ -1,6 +1,8 @@
 //! Parameters of the Gated DeltaNet kernels (`kernels/gdn.cu`). Head scalars as every kernel
 //! takes them: `hk`, `dk`, `hv`, `dv`; `conv_dim = 2 hk dk + hv dv`, `proj_width = conv_dim +
-//! hv dv + 2 hv`.
+//! hv dv + 2 hv`. The projection the kernels read holds per row q|k|v|z (`proj_stride` apart)
+//! and b|a (`ba_stride` apart from `ba_offset`): one fused `[rows, proj_width]` matrix, or a
+//! `[rows, conv_dim + value_dim]` matrix followed by a `[rows, 2 hv]` one.
 
 use crate::kernel_params;
 
@@ -9,7 +11,7 @@ kernel_params! {
     pub struct CausalConv1dParams("CAUSAL_CONV1D_PARAMS") {
         /// bf16 `[rows, conv_dim]`.
         out: ptr "bf16* __restrict__",
-        /// bf16 `[rows, proj_width]`.
+        /// bf16: row r's q|k|v at `r * proj_stride`.
         proj: ptr "const bf16* __restrict__",
         /// f32 `[num_slots * slot_stride]`: the conv windows.
         conv_state: ptr "const float* __restrict__",
@@ -39,6 +41,9 @@ kernel_params! {
         dv: u32,
         /// Conv taps.
         kernel_size: u32,
+        /// Elements from one projection row's q|k|v|z to the next: `proj_width` when b and a
+        /// share the row (one fused GEMM), `conv_dim + value_dim` when they lie apart.
+        proj_stride: u32,
     }
 }
 
@@ -47,7 +52,7 @@ kernel_params! {
     pub struct ConvStateUpdateParams("CONV_STATE_UPDATE_PARAMS") {
         /// f32 `[num_slots * slot_stride]`, read and written.
         conv_state: ptr "float* __restrict__",
-        /// bf16 `[rows, proj_width]`.
+        /// bf16: row r's q|k|v at `r * proj_stride`.
         proj: ptr "const bf16* __restrict__",
         /// u32 `[num_seqs + 1]`.
         seq_start: ptr "const uint32_t* __restrict__",
@@ -71,6 +76,9 @@ kernel_params! {
         dv: u32,
         /// Conv taps.
         kernel_size: u32,
+        /// Elements from one projection row's q|k|v|z to the next: `proj_width` when b and a
+        /// share the row (one fused GEMM), `conv_dim + value_dim` when they lie apart.
+        proj_stride: u32,
     }
 }
 
@@ -80,7 +88,7 @@ kernel_params! {
     pub struct ConvStateVerifyParams("CONV_STATE_VERIFY_PARAMS") {
         /// f32 `[num_slots * slot_stride]`, read and written.
         conv_state: ptr "float* __restrict__",
-        /// bf16 `[rows, proj_width]`.
+        /// bf16: row r's q|k|v at `r * proj_stride`.
         proj: ptr "const bf16* __restrict__",
         /// u32 `[num_seqs + 1]`.
         seq_start: ptr "const uint32_t* __restrict__",
@@ -106,6 +114,9 @@ kernel_params! {
         dv: u32,
         /// Conv taps.
         kernel_size: u32,
+        /// Elements from one projection row's q|k|v|z to the next: `proj_width` when b and a
+        /// share the row (one fused GEMM), `conv_dim + value_dim` when they lie apart.
+        proj_stride: u32,
     }
 }
 
@@ -118,7 +129,7 @@ kernel_params! {
         gates: ptr "float* __restrict__",
         /// bf16 `[rows, conv_dim]`: the conv output.
         conv: ptr "const bf16* __restrict__",
-        /// bf16 `[rows, proj_width]`.
+        /// bf16: row r's b at `ba_offset + r * ba_stride`, its a `hv` further.
         proj: ptr "const bf16* __restrict__",
         /// f32 `[hv]`.
         a_log: ptr "const float* __restrict__",
@@ -138,6 +149,12 @@ kernel_params! {
         l2_eps: f32,
         /// Scale of q̂.
         q_scale: f32,
+        /// Element offset of row 0's b in `proj`: `conv_dim + value_dim` (fused) or
+        /// `rows * (conv_dim + value_dim)` (b and a after the q|k|v|z rows).
+        ba_offset: u32,
+        /// Elements from one row's b to the next (a follows b by `hv`): `proj_width` (fused)
+        /// or `2 hv`.
+        ba_stride: u32,
     }
 }
 
@@ -265,7 +282,7 @@ kernel_params! {
         out: ptr "bf16* __restrict__",
         /// f32 `[rows, hv dv]`: the delta rule's output.
         core: ptr "const float* __restrict__",
-        /// bf16 `[rows, proj_width]`: z at `conv_dim`.
+        /// bf16: row r's z at `r * proj_stride + conv_dim`.
         proj: ptr "const bf16* __restrict__",
         /// bf16 `[dv]`.
         weight: ptr "const bf16* __restrict__",
@@ -281,5 +298,8 @@ kernel_params! {
         dv: u32,
         /// Epsilon.
         eps: f32,
+        /// Elements from one projection row's q|k|v|z to the next: `proj_width` when b and a
+        /// share the row (one fused GEMM), `conv_dim + value_dim` when they lie apart.
+        proj_stride: u32,
     }
 }

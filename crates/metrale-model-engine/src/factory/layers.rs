@@ -1,6 +1,7 @@
 //! Loading one layer's parts. Projections that run as one GEMM are fused here, on dim 0:
 //! attention `[q (with gates) ; k ; v]`, MLP `[gate ; up]`, the GDN input projection
-//! `[q | k | v | z | b | a]` (Qwen3-Next's per-key-head grouping permuted into it), stacked MoE
+//! `[q | k | v | z | b | a]` (Qwen3-Next's per-key-head grouping permuted into it; a block-FP8
+//! model's as `[q | k | v | z]` in FP8 and `[b | a]` in bf16, two GEMMs), stacked MoE
 //! experts `[E, 2F, H]` and `[E, H, F]`. A tensor-parallel rank loads its shard of each
 //! (`sharded.rs`).
 
@@ -142,44 +143,65 @@ pub fn gdn(
     );
     let vh = hd.num_v_heads as usize;
     let conv_dim = 2 * key_dim + value_dim;
-    let in_proj = match &names.projections {
+    let (in_proj, in_proj_ba) = match &names.projections {
         GdnProjectionNames::Split {
             in_proj_qkv,
             in_proj_z,
             in_proj_b,
             in_proj_a,
-        } => loader.linears_as_packed(
-            &[
-                (in_proj_qkv, &[conv_dim, h]),
-                (in_proj_z, &[value_dim, h]),
-                (in_proj_b, &[vh, h]),
-                (in_proj_a, &[vh, h]),
-            ],
-            2,
-        )?,
+        } => {
+            let qkvz: [(&str, &[usize]); 2] =
+                [(in_proj_qkv, &[conv_dim, h]), (in_proj_z, &[value_dim, h])];
+            let ba: [(&str, &[usize]); 2] = [(in_proj_b, &[vh, h]), (in_proj_a, &[vh, h])];
+            if loader.fp8_rows(&qkvz) {
+                // As a pack loads: q/k/v and z block FP8, b and a bf16 beside them.
+                let ba = loader.upload_bf16_concat(&ba)?;
+                (loader.linears(&qkvz)?, Some(ba))
+            } else {
+                (loader.linears(&[qkvz[0], qkvz[1], ba[0], ba[1]])?, None)
+            }
+        }
         GdnProjectionNames::Fused {
             in_proj_qkvz,
             in_proj_ba,
         } => {
-            // As a pack loads it: q/k/v/z hold their FP8 values, b and a stay bf16, so the
-            // permuted projection is bf16 (`Loader::linears_as_packed` says why).
-            let qkvz = loader.packed_bf16(in_proj_qkvz, &[2 * key_dim + 2 * value_dim, h])?;
+            let qkvz_shape = [2 * key_dim + 2 * value_dim, h];
             let ba = loader.source.load_bf16(in_proj_ba, &[2 * vh, h])?;
             let rows = shape.qwen3_next_in_proj_rows();
-            let mut fused = Vec::with_capacity(rows.len() * h);
-            for r in rows {
-                let (src, i) = match r {
-                    InProjSource::Qkvz(i) => (&qkvz, i),
-                    InProjSource::Ba(i) => (&ba, i),
-                };
-                fused.extend_from_slice(&src[i * h..(i + 1) * h]);
+            // The permuted rows of each source tensor, in the fused projection's order.
+            let (mut qkvz_rows, mut ba_rows) = (Vec::new(), Vec::new());
+            for r in &rows {
+                match *r {
+                    InProjSource::Qkvz(i) => qkvz_rows.push(i),
+                    InProjSource::Ba(i) => ba_rows.push(i),
+                }
             }
-            let width = fused.len() / h;
-            loader.upload(in_proj_qkvz, &fused, vec![width, h], DType::Bf16)?
+            let permuted_ba = gather_rows(&ba, &ba_rows, h);
+            if loader.fp8_rows(&[(in_proj_qkvz, &qkvz_shape)]) {
+                // q/k/v and z block FP8, permuted with a scale row per weight row (the
+                // permutation moves rows across 128-row blocks); b and a bf16.
+                let q = loader
+                    .source
+                    .quantize_fp8_concat(&[(in_proj_qkvz, &qkvz_shape)])?;
+                let q = q.select_rows(&qkvz_rows).ok_or_else(|| {
+                    unsupported("a Qwen3-Next in_proj_qkvz row permutation past the tensor")
+                })?;
+                let in_proj = loader.upload_fp8(in_proj_qkvz, &q)?;
+                let ba = loader.upload(in_proj_ba, &permuted_ba, vec![2 * vh, h], DType::Bf16)?;
+                (in_proj, Some(ba))
+            } else {
+                let qkvz = loader.source.load_bf16(in_proj_qkvz, &qkvz_shape)?;
+                let mut fused = gather_rows(&qkvz, &qkvz_rows, h);
+                fused.extend_from_slice(&permuted_ba);
+                let width = fused.len() / h;
+                let w = loader.upload(in_proj_qkvz, &fused, vec![width, h], DType::Bf16)?;
+                (w, None)
+            }
         }
     };
     Ok(GatedDeltaNet {
         in_proj,
+        in_proj_ba,
         conv1d: loader.upload_bf16(&names.conv1d, &[conv_dim, 1, k])?,
         a_log: loader.upload_f32(&names.a_log, &[vh])?,
         dt_bias: loader.upload_f32(&names.dt_bias, &[vh])?,
@@ -187,6 +209,15 @@ pub fn gdn(
         out_proj: loader.linear(&names.out_proj, &[h, value_dim])?,
         shape,
     })
+}
+
+/// Rows `rows` of the row-major `[_, k]` matrix `m`, in that order.
+fn gather_rows(m: &[half::bf16], rows: &[usize], k: usize) -> Vec<half::bf16> {
+    let mut out = Vec::with_capacity(rows.len() * k);
+    for &i in rows {
+        out.extend_from_slice(&m[i * k..(i + 1) * k]);
+    }
+    out
 }
 
 /// A sparse-MoE FFN with its shared expert.

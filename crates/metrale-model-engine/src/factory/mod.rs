@@ -70,56 +70,11 @@ impl Loader<'_> {
         Ok(self.weights.upload_linear_concat(parts)?)
     }
 
-    /// Projection weights concatenated along dim 0 of which only the first `quantized` parts
-    /// are ones a block-FP8 pack quantizes (the Gated DeltaNet input projection: q/k/v and z,
-    /// where the packs keep a and b in bf16), as the pack of the checkpoint would load: block
-    /// FP8 where every part is stored so; else, quantized at load, bf16 holding the first parts
-    /// quantized and dequantized beside the others as stored (the weight a pack made from
-    /// these tensors loads as, bit for bit); else as [`Loader::linears`] gives them.
-    pub(crate) fn linears_as_packed(
-        &self,
-        parts: &[(&str, &[usize])],
-        quantized: usize,
-    ) -> Result<DenseWeight, ModelError> {
-        let all_fp8 = parts.iter().all(|(name, _)| self.source.is_fp8(name));
-        if self.quantize.is_none() || all_fp8 {
-            return Ok(self.weights.upload_linear_concat(parts)?);
-        }
-        let mut data = Vec::new();
-        for (i, &(name, shape)) in parts.iter().enumerate() {
-            if i < quantized {
-                data.extend(self.packed_bf16(name, shape)?);
-            } else {
-                data.extend(self.source.load_bf16(name, shape)?);
-            }
-        }
-        let rows = parts.iter().map(|(_, shape)| shape[0]).sum::<usize>();
-        let k = parts
-            .first()
-            .map_or(0, |(_, shape)| shape[1..].iter().product());
-        let label = (parts.iter().map(|(name, _)| *name))
-            .collect::<Vec<_>>()
-            .join(" + ");
-        Ok(self
-            .weights
-            .upload(&label, &data, vec![rows, k], DType::Bf16)?)
-    }
-
-    /// Projection tensor `name` as the bf16 its block-FP8 pack's weight stands for: quantized
-    /// with the packs' recipe and dequantized when the model is quantized at load and the
-    /// tensor is stored in bf16; else as stored (an FP8 tensor dequantized).
-    pub(crate) fn packed_bf16(
-        &self,
-        name: &str,
-        shape: &[usize],
-    ) -> Result<Vec<half::bf16>, ModelError> {
-        if self.quantize.is_some() && !self.source.is_fp8(name) {
-            return Ok(self
-                .source
-                .quantize_fp8_concat(&[(name, shape)])?
-                .dequantized());
-        }
-        Ok(self.source.load_bf16(name, shape)?)
+    /// Whether projection weights `parts` load as block FP8: the model is quantized at load, or
+    /// every part is stored so (as the packs store the Gated DeltaNet input projection's q/k/v
+    /// and z rows, beside its b and a rows in bf16).
+    pub(crate) fn fp8_rows(&self, parts: &[(&str, &[usize])]) -> bool {
+        self.quantize.is_some() || parts.iter().all(|(name, _)| self.source.is_fp8(name))
     }
 
     /// Projection weight `w`, built on the host from several tensors, as the model stores it:

@@ -151,10 +151,20 @@ impl Filler {
             (LayerType::LinearAttention, Some(shape)) => {
                 let hd = shape.heads;
                 let (vh, dv) = (hd.num_v_heads as usize, hd.v_head_dim as usize);
-                // bf16 under FP8 too: the packs keep the a and b rows in bf16, so the fused
-                // input projection loads as bf16 (`Loader::linears_as_packed`).
+                // Under FP8 as a pack loads: the q/k/v and z rows block FP8, the b and a rows
+                // bf16 beside them; else one fused bf16 projection.
+                let (in_proj, in_proj_ba) = if self.fp8 {
+                    let qkvz = (hd.conv_dim() + hd.value_dim()) as usize;
+                    (
+                        self.linear(&[qkvz, h], h)?,
+                        Some(self.proj(&[2 * vh, h], h)?),
+                    )
+                } else {
+                    (self.proj(&[hd.proj_width() as usize, h], h)?, None)
+                };
                 Mixer::GatedDeltaNet(GatedDeltaNet {
-                    in_proj: self.proj(&[hd.proj_width() as usize, h], h)?,
+                    in_proj,
+                    in_proj_ba,
                     conv1d: self.weight(
                         &[hd.conv_dim() as usize, 1, shape.conv_kernel as usize],
                         0.0,

@@ -236,8 +236,10 @@ pub fn gdn(
     let mut shape = global;
     shape.heads.num_k_heads = kh.len() as u32;
     shape.heads.num_v_heads = vh.len() as u32;
+    // Shards are bf16 (FP8 models are not sharded), so the input projection is one fused GEMM.
     Ok(GatedDeltaNet {
         in_proj,
+        in_proj_ba: None,
         conv1d: loader.upload_bf16_slices(
             &[(names.conv1d.as_str(), &conv_shape, conv_rows)],
             vec![local_conv, 1, kernel],

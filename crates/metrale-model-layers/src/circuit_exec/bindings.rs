@@ -18,7 +18,7 @@ use std::fmt;
 
 use metrale_cache::KvDtype;
 use metrale_circuit::{
-    Block, Circuit, FfnKind, KvFormat, LayerKind, LayerSpec, LinearRole, NormRole, Op,
+    Block, Circuit, FfnKind, KvFormat, LayerKind, LayerSpec, LinearRole, NormRole, Op, WeightFormat,
 };
 use metrale_gpu_runtime::{DType, DevicePtr, GpuResult, StreamHandle};
 
@@ -53,6 +53,10 @@ pub enum WeightSlot {
     GdnConv1d,
     /// Gated DeltaNet gated output norm.
     GdnNorm,
+    /// The Gated DeltaNet input projection's b and a rows, bf16, where they are a weight of
+    /// their own (the q|k|v|z rows in `Linear(GdnInProj)` are block FP8); the input
+    /// projection's node reads both.
+    GdnInProjBa,
     /// The token embedding (head binding).
     Embedding,
     /// The final RMSNorm (head binding).
@@ -77,6 +81,7 @@ impl fmt::Display for WeightSlot {
             WeightSlot::GdnDtBias => f.write_str("gdn.dt_bias"),
             WeightSlot::GdnConv1d => f.write_str("gdn.conv1d"),
             WeightSlot::GdnNorm => f.write_str("gdn.norm"),
+            WeightSlot::GdnInProjBa => f.write_str("gdn.in_proj_ba"),
             WeightSlot::Embedding => f.write_str("embedding"),
             WeightSlot::FinalNorm => f.write_str("final_norm"),
             WeightSlot::DraftNormEmbedding => f.write_str("pre_fc_norm_embedding"),
@@ -309,12 +314,17 @@ pub(crate) fn norm_slot(role: NormRole) -> WeightSlot {
     }
 }
 
-/// The weights a node of `op` reads; the final norm's and the step ends' are the head's.
-pub(crate) fn slots_read(op: Op) -> Vec<WeightSlot> {
+/// The weights a node of `op` reads under the weight format `format`; the final norm's and the
+/// step ends' are the head's. Under block FP8 the GDN input projection's node reads its q|k|v|z
+/// rows (FP8) and its b|a rows (bf16).
+pub(crate) fn slots_read(op: Op, format: WeightFormat) -> Vec<WeightSlot> {
     let norm = norm_slot;
     match op {
         Op::Embedding => vec![WeightSlot::Embedding],
         Op::RmsNorm { role, .. } | Op::AddRmsNorm { role, .. } => vec![norm(role)],
+        Op::Linear(role @ LinearRole::GdnInProj) if format.is_fp8(role) => {
+            vec![WeightSlot::Linear(role), WeightSlot::GdnInProjBa]
+        }
         Op::Linear(role) => vec![WeightSlot::Linear(role)],
         Op::QkNormRope(_) => vec![WeightSlot::QNorm, WeightSlot::KNorm],
         Op::GdnConv | Op::GdnConvVerify => vec![WeightSlot::GdnConv1d],

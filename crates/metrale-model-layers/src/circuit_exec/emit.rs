@@ -301,6 +301,11 @@ impl Emitter<'_> {
                     None => ops.add_rms_norm(s, residual, delta, out, &norm)?,
                 }
             }
+            // The GDN input projection of a block-FP8 layer: its FP8 q|k|v|z rows (as any FP8
+            // projection), then its bf16 b|a rows after them (`GatedDeltaNet::forward`).
+            (Op::Linear(LinearRole::GdnInProj), [qkvz @ .., k::LINEAR]) if !qkvz.is_empty() => {
+                self.gdn_in_proj_split(node)?;
+            }
             // A block-FP8 projection above the decode kernels' rows: `Ops::linear` dequantizes
             // the weight into scratch memory and runs the bf16 kernel.
             (Op::Linear(_), [k::DEQUANT_FP8, k::LINEAR]) => {
@@ -381,6 +386,38 @@ impl Emitter<'_> {
             _ => return self.hybrid_single(node, kernels),
         }
         Ok(true)
+    }
+}
+
+impl Emitter<'_> {
+    /// The two GEMMs of a GDN input projection whose b|a rows are a bf16 weight of their own:
+    /// `[rows, conv_dim + value_dim]` from the FP8 q|k|v|z rows, then `[rows, 2 * Hv]` from the
+    /// b|a rows, into the projection's buffer as
+    /// [`GdnProjLayout::split`](crate::ops_hybrid::GdnProjLayout::split) lays them out.
+    fn gdn_in_proj_split(&self, node: &Node) -> Result<()> {
+        let b = node.block;
+        let (ptr, m, _, kk) = self.linear_shape(node, k::LINEAR_STREAM_FP8)?;
+        let x = self.view(b, &self.nth(node, 0, false)?)?;
+        let out = self.nth(node, 0, true)?;
+        let layout = self.gdn_layout(b, out.rows)?;
+        let w = Matrix {
+            scales: self.bound_scales(b, WeightSlot::Linear(LinearRole::GdnInProj)),
+            ..Matrix::new(ptr, DType::F8E4M3, layout.proj_stride, kk)
+        };
+        let ba = Matrix::bf16(
+            self.weight(b, WeightSlot::GdnInProjBa, k::LINEAR)?,
+            layout.ba_stride,
+            kk,
+        );
+        let qkvz_out = Matrix::bf16(out.ptr, m, layout.proj_stride);
+        let ba_out = Matrix::bf16(
+            out.ptr.offset(layout.ba_offset as usize * 2),
+            m,
+            layout.ba_stride,
+        );
+        self.ops.linear(self.stream, qkvz_out, x, w)?;
+        self.ops.linear(self.stream, ba_out, x, ba)?;
+        Ok(())
     }
 }
 

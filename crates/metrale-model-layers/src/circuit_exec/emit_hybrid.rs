@@ -3,7 +3,8 @@
 //! and combine. A group no emitter here lowers goes on to the draft step's emitters.
 //!
 //! Invariant: as every emitter, a launch here is the legacy launch for the same op, argument
-//! for argument.
+//! for argument (the GDN kernels read the input projection where its emitter wrote it,
+//! `Emitter::gdn_layout`, as `GatedDeltaNet::forward` lays it out).
 
 use metrale_circuit::kernels as k;
 use metrale_circuit::{Kernel, Node, Op, Tensor};
@@ -39,6 +40,7 @@ impl Emitter<'_> {
                 let p = CausalConv1d {
                     out: self.output(node, Tensor::GdnConv)?.ptr,
                     proj: proj.ptr,
+                    layout: self.gdn_layout(b, proj.rows)?,
                     conv_state: StatePool {
                         base: self.input(node, Tensor::ConvState)?.ptr,
                         num_slots: ssm.num_slots,
@@ -66,6 +68,7 @@ impl Emitter<'_> {
                         gates: self.output(node, Tensor::GdnGates)?.ptr,
                         conv: conv.ptr,
                         proj: self.input(node, Tensor::GdnProj)?.ptr,
+                        layout: self.gdn_layout(b, conv.rows)?,
                         a_log: self.weight(b, WeightSlot::GdnALog, *kernel)?,
                         dt_bias: self.weight(b, WeightSlot::GdnDtBias, *kernel)?,
                         rows: u("rows", conv.rows)?,
@@ -109,6 +112,7 @@ impl Emitter<'_> {
                         out: self.output(node, Tensor::GdnNormed)?.ptr,
                         core: core.ptr,
                         proj: self.input(node, Tensor::GdnProj)?.ptr,
+                        layout: self.gdn_layout(b, core.rows)?,
                         weight: self.weight(b, WeightSlot::GdnNorm, *kernel)?,
                         rows: u("rows", core.rows)?,
                         heads: g.heads,

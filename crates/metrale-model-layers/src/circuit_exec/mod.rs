@@ -71,8 +71,8 @@ pub use instance::{
     weight_format,
 };
 pub use metrale_circuit::{
-    Architecture, Block, Digest, Fusions, Instance, KernelSet, KvFormat, NormWeight, Plan, Step,
-    Width, plans_digest,
+    Architecture, Block, Digest, Fusions, Instance, KernelSet, KvFormat, LinearRole, NormWeight,
+    Plan, Step, Width, plans_digest,
 };
 pub use record::{Launch, Recorder};
 

@@ -15,6 +15,7 @@ use super::error::{BindingProblem, CircuitExecError};
 use super::fixed::LayerPools;
 use crate::layer::{KvBinding, SsmBinding};
 use crate::ops::BlockScales;
+use crate::ops_hybrid::GdnProjLayout;
 
 type Result<T> = std::result::Result<T, CircuitExecError>;
 
@@ -78,6 +79,16 @@ impl Emitter<'_> {
             MixerFacts::Attention(a) => Ok(a),
             MixerFacts::Gdn(_) => Err(Self::mismatch(block, "attention facts")),
         }
+    }
+
+    /// Where a step of `rows` rows of `block`'s GDN layer holds its input projection: q|k|v|z
+    /// and b|a apart where the layer binds its b|a rows on their own (its input projection's
+    /// emitter writes them so), else one fused matrix.
+    pub(super) fn gdn_layout(&self, block: Block, rows: u64) -> Result<GdnProjLayout> {
+        let g = self.gdn(block)?;
+        let split = self.bound(block, WeightSlot::GdnInProjBa).is_some();
+        let rows = self.u32(block, "rows", rows)?;
+        Ok(GdnProjLayout::of_step(&g.heads, rows, split)?)
     }
 
     pub(super) fn gdn(&self, block: Block) -> Result<GdnFacts> {

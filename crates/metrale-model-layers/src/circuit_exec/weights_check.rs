@@ -1,5 +1,6 @@
 //! The weight check of `check_bindings`: every weight a circuit's node reads is bound, stored as
-//! the instance's weight format says (a projection bf16 or block FP8), with the number of
+//! the instance's weight format says (a projection bf16 or block FP8; the GDN input
+//! projection's separate b|a rows bf16), with the number of
 //! elements (and the row length) the node reads it with, and every weight of a checked layer is
 //! read by some node. Shared by the decode circuit (decoder layers, the head)
 //! and the draft circuit (the MTP head, its layer, and the shared embedding and LM head).
@@ -41,6 +42,19 @@ fn expected_weight(
         }
         WeightSlot::GdnALog | WeightSlot::GdnDtBias => (d.gdn?.num_v_heads, None),
         WeightSlot::GdnNorm => (d.gdn?.v_head_dim, None),
+        WeightSlot::GdnInProjBa => {
+            let k = *ext(0)?.last()?;
+            (2 * d.gdn?.num_v_heads * k, Some(k))
+        }
+        WeightSlot::Linear(role @ LinearRole::GdnInProj)
+            if circuit.instance().weights.is_fp8(role) =>
+        {
+            // The q|k|v|z rows: the projection's width but b and a.
+            let (x, y) = (ext(0)?, out(0)?);
+            let (m, k) = (*x.first()?, *x.last()?);
+            let ba = 2 * d.gdn?.num_v_heads;
+            ((numel(y) / m.max(1)).checked_sub(ba)? * k, Some(k))
+        }
         WeightSlot::Linear(LinearRole::ExpertGateUp | LinearRole::ExpertDown) => {
             let (x, y) = (ext(0)?, out(0)?);
             let (k, cols) = (*x.last()?, *y.last()?);
@@ -71,7 +85,7 @@ pub(crate) fn weight_problems<'a>(
     let extents = circuit.extents(first)?;
     let mut read: BTreeMap<Block, Vec<WeightSlot>> = BTreeMap::new();
     for (i, node) in circuit.nodes().iter().enumerate() {
-        for slot in slots_read(node.op) {
+        for slot in slots_read(node.op, circuit.instance().weights) {
             read.entry(node.block).or_default().push(slot);
             let Some(bound) = lookup(node.block, slot) else {
                 continue;
@@ -89,7 +103,7 @@ pub(crate) fn weight_problems<'a>(
             let format = circuit.instance().weights;
             let expected_format = match slot {
                 WeightSlot::Linear(role) if format.is_fp8(role) => DType::F8E4M3.name(),
-                WeightSlot::Linear(_) => DType::Bf16.name(),
+                WeightSlot::Linear(_) | WeightSlot::GdnInProjBa => DType::Bf16.name(),
                 _ => bound.family(),
             };
             if bound.family() != expected_format {

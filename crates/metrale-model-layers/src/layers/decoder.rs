@@ -13,6 +13,10 @@ use crate::weight_map::DenseWeight;
 
 /// The token mixer of a layer.
 #[derive(Debug, Clone)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one mixer per layer, built once at load: boxing would buy nothing"
+)]
 pub enum Mixer {
     /// Full softmax attention over the paged KV cache.
     Attention(Attention),

@@ -2,7 +2,7 @@
 //! (transformers' `Qwen3_5GatedDeltaNet`, `Qwen3NextGatedDeltaNet`), over a step of rows whose
 //! sequences carry their conv window and recurrent state in SSM pool slots.
 //!
-//! One forward: fused input projection → causal conv + SiLU (reading each sequence's window) →
+//! One forward: input projection → causal conv + SiLU (reading each sequence's window) →
 //! window update → L2-normalised q, k and the gates β, g → gated delta rule (token by token when
 //! every sequence has one row, else in position-aligned chunks of 64) → per-head RMSNorm times
 //! `silu(z)` → output projection into `delta`. A verify step (`StepShape::verify`) runs the rule
@@ -11,11 +11,18 @@
 //!
 //! Weight layouts the loader produces (Hk key heads of Dk, Hv value heads of Dv, r = Hv / Hk,
 //! `conv_dim = 2*Hk*Dk + Hv*Dv`, K conv taps):
-//! - `in_proj`, bf16 `[conv_dim + Hv*Dv + 2*Hv, hidden]`: rows `[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)
+//! - `in_proj` and `in_proj_ba`, the input projection's rows `[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)
 //!   | z (Hv*Dv) | b (Hv) | a (Hv)]`. Qwen3.5 / Qwen3.5-MoE: `in_proj_qkv`, `in_proj_z`,
 //!   `in_proj_b`, `in_proj_a` stacked in that order. Qwen3-Next: the rows of `in_proj_qkvz` and
 //!   `in_proj_ba`, which are grouped per key head, permuted by
-//!   [`GdnShape::qwen3_next_in_proj_rows`].
+//!   [`GdnShape::qwen3_next_in_proj_rows`]. A bf16 model holds them all in `in_proj`, bf16
+//!   `[conv_dim + Hv*Dv + 2*Hv, hidden]`, one GEMM writing `[rows, proj_width]`. A block-FP8
+//!   model (an FP8 pack, which keeps b and a in bf16, or one quantized at load) holds the
+//!   q|k|v|z rows in `in_proj`, block FP8 `[conv_dim + Hv*Dv, hidden]`, and the b|a rows in
+//!   `in_proj_ba`, bf16 `[2*Hv, hidden]`: two GEMMs write the same buffer, `[rows, conv_dim +
+//!   Hv*Dv]` and then `[rows, 2*Hv]` ([`GdnProjLayout::split`]), so the FP8 rows are read as
+//!   FP8. Every projected element is the same dot product either way, so the two layouts give
+//!   the same bits.
 //! - `conv1d`, bf16 `[conv_dim, K]`: `conv1d.weight` `[conv_dim, 1, K]` as stored (its channels
 //!   are already `[q | k | v]` in every family).
 //! - `a_log`, `dt_bias`: f32 `[Hv]`, the checkpoint's `A_log` and `dt_bias` widened to f32.
@@ -40,7 +47,7 @@ use crate::circuit_exec::{BoundWeight, GdnFacts, WeightSlot};
 use crate::layer::LayerCtx;
 use crate::ops::Matrix;
 use crate::ops_hybrid::{
-    CausalConv1d, GatedDelta, GatedRmsNorm, GdnHeads, GdnPrepare, GdnSeqs, StatePool,
+    CausalConv1d, GatedDelta, GatedRmsNorm, GdnHeads, GdnPrepare, GdnProjLayout, GdnSeqs, StatePool,
 };
 use crate::weight_map::DenseWeight;
 
@@ -135,8 +142,11 @@ impl GdnShape {
 /// One GDN layer's weights; layouts in the module header.
 #[derive(Debug, Clone)]
 pub struct GatedDeltaNet {
-    /// bf16 `[conv_dim + Hv*Dv + 2*Hv, hidden]`: `[q | k | v | z | b | a]`.
+    /// bf16 `[conv_dim + Hv*Dv + 2*Hv, hidden]`: `[q | k | v | z | b | a]`; or, with
+    /// `in_proj_ba`, `[conv_dim + Hv*Dv, hidden]`: `[q | k | v | z]` (block FP8).
     pub in_proj: DenseWeight,
+    /// bf16 `[2*Hv, hidden]`: `[b | a]`, where they are not rows of `in_proj`.
+    pub in_proj_ba: Option<DenseWeight>,
     /// bf16 `[conv_dim, K]`.
     pub conv1d: DenseWeight,
     /// f32 `[Hv]`: `A_log`.
@@ -170,15 +180,22 @@ impl GatedDeltaNet {
             rows,
             num_seqs: cx.shape.num_seqs,
         };
-        let proj = Matrix::bf16(g.proj, rows, h.proj_width());
+        let layout = GdnProjLayout::of_step(&h, rows, self.in_proj_ba.is_some())?;
         let normed = Matrix::bf16(buf.acts.normed, rows, d.hidden);
+        let proj = Matrix::bf16(g.proj, rows, layout.proj_stride);
         match staged {
             Some(images) => ops.linear_staged(s, (proj, normed, self.in_proj.matrix()), images)?,
             None => ops.linear(s, proj, normed, self.in_proj.matrix())?,
         }
+        if let Some(ba) = &self.in_proj_ba {
+            let at = g.proj.offset(layout.ba_offset as usize * 2);
+            let ba_out = Matrix::bf16(at, rows, layout.ba_stride);
+            ops.linear(s, ba_out, normed, ba.matrix())?;
+        }
         let conv = CausalConv1d {
             out: g.conv,
             proj: g.proj,
+            layout,
             conv_state: StatePool {
                 base: ssm.conv,
                 num_slots: ssm.num_slots,
@@ -202,6 +219,7 @@ impl GatedDeltaNet {
                 gates: g.gates,
                 conv: g.conv,
                 proj: g.proj,
+                layout,
                 a_log: self.a_log.ptr,
                 dt_bias: self.dt_bias.ptr,
                 rows,
@@ -239,6 +257,7 @@ impl GatedDeltaNet {
                 out: g.normed,
                 core: g.core,
                 proj: g.proj,
+                layout,
                 weight: self.norm.ptr,
                 rows,
                 heads: h,
@@ -263,6 +282,9 @@ impl GatedDeltaNet {
             (WeightSlot::GdnNorm, &self.norm),
         ] {
             weights.insert(slot, w.into());
+        }
+        if let Some(ba) = &self.in_proj_ba {
+            weights.insert(WeightSlot::GdnInProjBa, ba.into());
         }
         GdnFacts {
             heads: self.shape.heads,

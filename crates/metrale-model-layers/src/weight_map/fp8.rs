@@ -90,6 +90,29 @@ impl Fp8Host {
         dequant(&self.bytes, &self.scales, self.shape, self.row_shift)
     }
 
+    /// The weight's rows `rows`, in that order (a row may appear in any position): the same
+    /// bytes and values, with a scale row per weight row, since the chosen rows need not keep
+    /// their 128-row blocks together. `None` when a row is past the weight.
+    pub fn select_rows(&self, rows: &[usize]) -> Option<Fp8Host> {
+        let (n, k) = self.shape;
+        let kb = scale_cols(k);
+        let mut bytes = Vec::with_capacity(rows.len() * k);
+        let mut scales = Vec::with_capacity(rows.len() * kb);
+        for &r in rows {
+            if r >= n {
+                return None;
+            }
+            bytes.extend_from_slice(&self.bytes[r * k..(r + 1) * k]);
+            scales.extend_from_slice(&self.scales[(r >> self.row_shift) * kb..][..kb]);
+        }
+        Some(Fp8Host {
+            bytes,
+            scales,
+            row_shift: 0,
+            shape: (rows.len(), k),
+        })
+    }
+
     /// The same weight with a scale row per weight row.
     fn per_row(self) -> Fp8Host {
         if self.row_shift == 0 {

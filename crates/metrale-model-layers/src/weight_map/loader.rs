@@ -103,7 +103,7 @@ impl<'a> WeightLoader<'a> {
         if !parts.iter().all(|(name, _)| self.source.is_fp8(name)) {
             return self.upload_bf16_concat(parts);
         }
-        self.upload_fp8(parts, &self.source.load_fp8_concat(parts)?)
+        self.upload_fp8(&label_of(parts), &self.source.load_fp8_concat(parts)?)
     }
 
     /// Projection weights concatenated along dim 0 as block FP8, each part not stored so
@@ -113,25 +113,19 @@ impl<'a> WeightLoader<'a> {
         &self,
         parts: &[(&str, &[usize])],
     ) -> Result<DenseWeight, WeightError> {
-        self.upload_fp8(parts, &self.source.quantize_fp8_concat(parts)?)
+        self.upload_fp8(&label_of(parts), &self.source.quantize_fp8_concat(parts)?)
     }
 
-    /// An FP8 weight of `parts` from the host: its bytes and its scales, two allocations.
-    fn upload_fp8(
-        &self,
-        parts: &[(&str, &[usize])],
-        q: &Fp8Host,
-    ) -> Result<DenseWeight, WeightError> {
-        let label = (parts.iter().map(|(name, _)| *name))
-            .collect::<Vec<_>>()
-            .join(" + ");
+    /// An FP8 weight named `label` from the host (for layouts built on the host, such as a
+    /// permuted projection): its bytes and its scales, two allocations.
+    pub fn upload_fp8(&self, label: &str, q: &Fp8Host) -> Result<DenseWeight, WeightError> {
         let scales = self.upload(
             &format!("{label} (scales)"),
             &q.scales,
             vec![q.scales.len()],
             DType::F32,
         )?;
-        match self.upload(&label, &q.bytes, vec![q.shape.0, q.shape.1], DType::F8E4M3) {
+        match self.upload(label, &q.bytes, vec![q.shape.0, q.shape.1], DType::F8E4M3) {
             Ok(w) => Ok(DenseWeight {
                 scales: Some(BlockScales {
                     ptr: scales.ptr,
@@ -184,4 +178,11 @@ impl<'a> WeightLoader<'a> {
             scales: None,
         })
     }
+}
+
+/// A concatenation's name in errors and logs: its parts' names joined by ` + `.
+fn label_of(parts: &[(&str, &[usize])]) -> String {
+    (parts.iter().map(|(name, _)| *name))
+        .collect::<Vec<_>>()
+        .join(" + ")
 }

@@ -7,7 +7,9 @@
 //! 64-row chunk boundaries (63, 64, 65, 130, a sequence starting mid-chunk), a decode row at
 //! position 63, a padding sequence (slot `u32::MAX`: zero state, nothing written), a sequence
 //! with no rows (its state untouched), non-zero initial states, and value heads sharing key heads
-//! (Hv = 2 Hk). Head shapes cover the fast path of the delta rule (Dk <= 128, Dk and Dv multiples
+//! (Hv = 2 Hk). The kernels reading the input projection run on both of its layouts: one fused
+//! `[rows, proj_width]` matrix and, as a block-FP8 layer's two GEMMs write it, q|k|v|z rows then
+//! b|a rows (`GdnProjLayout`). Head shapes cover the fast path of the delta rule (Dk <= 128, Dk and Dv multiples
 //! of 4, with full, partial and masked warp tiles) and its general path (odd Dk, Dk > 128). The
 //! delta rule's tests are in `rule.rs`, the verify kernels of speculative decoding in
 //! `verify.rs`; each check takes its head shapes and steps, so `small` runs them all at the
@@ -21,7 +23,8 @@ mod verify;
 use half::bf16;
 use metrale_gpu_runtime::GpuBackendExt;
 use metrale_model_layers::ops_hybrid::{
-    CausalConv1d, DecodeRule, GatedDelta, GatedRmsNorm, GdnHeads, GdnPrepare, GdnSeqs, StatePool,
+    CausalConv1d, DecodeRule, GatedDelta, GatedRmsNorm, GdnHeads, GdnPrepare, GdnProjLayout,
+    GdnSeqs, StatePool,
 };
 
 use super::harness::{At, Buf, Pair, Rng, S, Tolerance, compare};
@@ -77,11 +80,23 @@ pub(super) fn small(p: &Pair) {
         (4, StepSeqs::short(), "short"),
         (2, StepSeqs::decode(), "decode"),
     ];
-    conv(p, rng, &shapes, &steps);
-    prepare(p, rng, &shapes);
-    gated_norm(p, rng, &shapes);
+    for split in [false, true] {
+        conv(p, rng, &shapes, &steps, split);
+        prepare(p, rng, &shapes, split);
+        gated_norm(p, rng, &shapes, split);
+    }
     rule::small(p, rng, &shapes);
     verify::small(p, rng, &shapes);
+}
+
+/// Where a step of `rows` rows holds the input projection: b|a apart (`split`) or fused.
+fn proj_layout(h: &GdnHeads, rows: u32, split: bool) -> GdnProjLayout {
+    GdnProjLayout::of_step(h, rows, split).expect("the test's rows fit")
+}
+
+/// A case's name for the layout.
+fn layout_name(split: bool) -> &'static str {
+    if split { ", b|a apart" } else { "" }
 }
 
 fn label(h: &GdnHeads, what: &str) -> String {
@@ -214,11 +229,39 @@ fn causal_conv1d_and_conv_state_update_match_over_mixed_steps() {
         (4, StepSeqs::decode(), "decode"),
         (2, StepSeqs::mixed(), "mixed K=2"),
     ];
-    conv(&Pair::new(), &mut Rng::new(101), &gdn_shapes(), &steps);
+    conv(
+        &Pair::new(),
+        &mut Rng::new(101),
+        &gdn_shapes(),
+        &steps,
+        false,
+    );
 }
 
-/// `causal_conv1d` and `conv_state_update` on every head shape and `(taps, step)`.
-fn conv(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)], steps: &[(u32, StepSeqs, &str)]) {
+#[test]
+fn causal_conv1d_and_conv_state_update_match_with_the_b_and_a_rows_apart() {
+    let steps = [
+        (4, StepSeqs::mixed(), "mixed"),
+        (4, StepSeqs::decode(), "decode"),
+    ];
+    conv(
+        &Pair::new(),
+        &mut Rng::new(111),
+        &gdn_shapes(),
+        &steps,
+        true,
+    );
+}
+
+/// `causal_conv1d` and `conv_state_update` on every head shape and `(taps, step)`, the
+/// projection fused or with its b|a rows apart (`split`).
+fn conv(
+    p: &Pair,
+    rng: &mut Rng,
+    shapes: &[(GdnHeads, &str)],
+    steps: &[(u32, StepSeqs, &str)],
+    split: bool,
+) {
     for &(h, what) in shapes {
         for (taps, seqs, step) in steps {
             let taps = *taps;
@@ -236,6 +279,7 @@ fn conv(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)], steps: &[(u32, Ste
             let params = |at: At<'_>| CausalConv1d {
                 out: at(&out),
                 proj: at(&proj),
+                layout: proj_layout(&h, rows, split),
                 conv_state: StatePool {
                     base: at(&state),
                     num_slots: NUM_SLOTS,
@@ -246,7 +290,7 @@ fn conv(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)], steps: &[(u32, Ste
                 heads: h,
                 kernel_size: taps,
             };
-            let case = label(&h, &format!("{step} ({what})"));
+            let case = label(&h, &format!("{step} ({what}){}", layout_name(split)));
             p.run(|o, at| o.causal_conv1d(S, &params(at)));
             p.check_bf16("causal_conv1d", &case, &out, Tolerance::BF16);
             p.run(|o, at| o.conv_state_update(S, &params(at)));
@@ -270,18 +314,25 @@ fn conv(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)], steps: &[(u32, Ste
 
 #[test]
 fn gdn_prepare_normalises_q_and_k_and_computes_the_gates() {
-    prepare(&Pair::new(), &mut Rng::new(102), &gdn_shapes());
+    prepare(&Pair::new(), &mut Rng::new(102), &gdn_shapes(), false);
 }
 
-/// `gdn_prepare` of 7 rows on every head shape.
-fn prepare(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
+#[test]
+fn gdn_prepare_reads_the_gates_with_the_b_and_a_rows_apart() {
+    prepare(&Pair::new(), &mut Rng::new(112), &gdn_shapes(), true);
+}
+
+/// `gdn_prepare` of 7 rows on every head shape, the projection fused or with its b|a rows
+/// apart (`split`).
+fn prepare(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)], split: bool) {
     for &(h, what) in shapes {
         let rows = 7u32;
+        let layout = proj_layout(&h, rows, split);
         let conv = p.upload(&rng.bf16s((rows * h.conv_dim()) as usize, -2.0, 2.0));
         let mut proj = proj_values(rng, rows, &h);
         // Row 2's `a` of head 0 past softplus' linear threshold (20).
-        let a_at = (h.conv_dim() + h.value_dim() + h.num_v_heads) as usize;
-        proj[2 * h.proj_width() as usize + a_at] = bf16::from_f32(25.0);
+        let a_at = layout.ba_offset + 2 * layout.ba_stride + h.num_v_heads;
+        proj[a_at as usize] = bf16::from_f32(25.0);
         let proj = p.upload(&proj);
         let hv = h.num_v_heads as usize;
         let a_log = p.upload(&rng.f32s(hv, -1.0, 2.0));
@@ -296,6 +347,7 @@ fn prepare(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
                     gates: at(&gates),
                     conv: at(&conv),
                     proj: at(&proj),
+                    layout,
                     a_log: at(&a_log),
                     dt_bias: at(&dt_bias),
                     rows,
@@ -305,7 +357,7 @@ fn prepare(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
                 },
             )
         });
-        let case = label(&h, what);
+        let case = label(&h, &format!("{what}{}", layout_name(split)));
         p.check_f32("gdn_prepare.qk", &case, &qk, Tolerance::F32_ELEMENTWISE);
         p.check_f32(
             "gdn_prepare.gates",
@@ -318,11 +370,17 @@ fn prepare(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
 
 #[test]
 fn gated_rms_norm_scales_each_head_and_gates_it_with_silu_z() {
-    gated_norm(&Pair::new(), &mut Rng::new(103), &gdn_shapes());
+    gated_norm(&Pair::new(), &mut Rng::new(103), &gdn_shapes(), false);
 }
 
-/// `gated_rms_norm` of 5 rows on every head shape.
-fn gated_norm(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
+#[test]
+fn gated_rms_norm_reads_z_with_the_b_and_a_rows_apart() {
+    gated_norm(&Pair::new(), &mut Rng::new(113), &gdn_shapes(), true);
+}
+
+/// `gated_rms_norm` of 5 rows on every head shape, the projection fused or with its b|a rows
+/// apart (`split`).
+fn gated_norm(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)], split: bool) {
     for &(h, what) in shapes {
         let rows = 5u32;
         let core = p.upload(&rng.f32s((rows * h.value_dim()) as usize, -2.0, 2.0));
@@ -336,6 +394,7 @@ fn gated_norm(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
                     out: at(&out),
                     core: at(&core),
                     proj: at(&proj),
+                    layout: proj_layout(&h, rows, split),
                     weight: at(&weight),
                     rows,
                     heads: h,
@@ -343,6 +402,7 @@ fn gated_norm(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
                 },
             )
         });
-        p.check_bf16("gated_rms_norm", &label(&h, what), &out, Tolerance::BF16);
+        let case = label(&h, &format!("{what}{}", layout_name(split)));
+        p.check_bf16("gated_rms_norm", &case, &out, Tolerance::BF16);
     }
 }

@@ -39,25 +39,34 @@ fn reference_slot(s: &VerifySeq) -> u32 {
 
 /// Both verify kernels at the sanitizer's head shapes.
 pub(super) fn small(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
-    conv_verify(p, rng, shapes);
+    conv_verify(p, rng, shapes, false);
+    conv_verify(p, rng, shapes, true);
     rule_verify(p, rng, shapes);
 }
 
 #[test]
 fn conv_state_verify_matches_and_keeps_the_window_decode_leaves_after_each_row() {
-    conv_verify(&Pair::new(), &mut Rng::new(301), &gdn_shapes());
+    conv_verify(&Pair::new(), &mut Rng::new(301), &gdn_shapes(), false);
 }
 
-/// `conv_state_verify` on every head shape, 4 and 2 taps.
-fn conv_verify(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
+#[test]
+fn conv_state_verify_matches_with_the_b_and_a_rows_apart() {
+    conv_verify(&Pair::new(), &mut Rng::new(311), &gdn_shapes(), true);
+}
+
+/// `conv_state_verify` on every head shape, 4 and 2 taps, the projection fused or with its b|a
+/// rows apart (`split`).
+fn conv_verify(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)], split: bool) {
     let spec = verify_seqs();
     let seqs = step_of(&spec);
     let rs = p.upload(&row_slots(&spec));
     for &(h, what) in shapes {
         for taps in [4u32, 2] {
-            let (cd, pw, hist) = (h.conv_dim(), h.proj_width(), taps - 1);
+            let (cd, hist) = (h.conv_dim(), taps - 1);
             let stride = hist * cd + 3;
             let rows = seqs.rows();
+            let layout = proj_layout(&h, rows, split);
+            let pw = layout.proj_stride;
             let sq = seqs.upload(p);
             let proj_v = proj_values(rng, rows, &h);
             let proj = p.upload(&proj_v);
@@ -68,6 +77,7 @@ fn conv_verify(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
             let params = |at: At<'_>, seqs: GdnSeqs, proj: DevicePtr| CausalConv1d {
                 out: at(&weight),
                 proj,
+                layout,
                 conv_state: StatePool {
                     base: at(&state),
                     num_slots: NUM_SLOTS,
@@ -78,7 +88,7 @@ fn conv_verify(p: &Pair, rng: &mut Rng, shapes: &[(GdnHeads, &str)]) {
                 heads: h,
                 kernel_size: taps,
             };
-            let case = label(&h, &format!("K={taps} ({what})"));
+            let case = label(&h, &format!("K={taps} ({what}){}", layout_name(split)));
             p.run(|o, at| o.conv_state_verify(S, &params(at, sq.at(at), at(&proj)), at(&rs)));
             p.check_f32("conv_state_verify", &case, &state, Tolerance::EXACT);
             let kept = p.download_gpu::<u32>(&state);

@@ -1,7 +1,7 @@
 //! CPU twins of `kernels/gdn.cu`: the Gated DeltaNet token mixer of the Qwen3.5 / Qwen3-Next
 //! families, as in transformers' `Qwen3_5GatedDeltaNet` / `Qwen3NextGatedDeltaNet`.
 //!
-//! A GDN layer runs, over the step's rows: the fused input projection (`gemm::linear`), then
+//! A GDN layer runs, over the step's rows: the input projection (`gemm::linear`, one or two), then
 //! `causal_conv1d` (depthwise causal conv over the q|k|v channels, SiLU), `conv_state_update`
 //! (each sequence's conv window moves past its rows), `gdn_prepare` (L2-normalised q and k, the
 //! gates β and g), `gated_delta_recurrent` (decode) or `gated_delta_chunked` (prefill), and
@@ -20,9 +20,13 @@
 //! `proj_width = conv_dim + value_dim + 2*Hv`.
 //!
 //! Layouts:
-//! - Projection row, bf16 `[rows, proj_width]`: `[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv) | z (Hv*Dv) |
-//!   b (Hv) | a (Hv)]`, heads in order inside each part. Columns `0..conv_dim` are the conv
-//!   channels; z starts at `conv_dim`, b at `conv_dim + value_dim`, a at `conv_dim + value_dim + Hv`.
+//! - Projection, bf16: per row `[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv) | z (Hv*Dv)]`, heads in order
+//!   inside each part, row `r` at `r * proj_stride` (columns `0..conv_dim` are the conv channels,
+//!   z starts at `conv_dim`), and `[b (Hv) | a (Hv)]` at `ba_offset + r * ba_stride`. One fused
+//!   `[rows, proj_width]` matrix `[q | k | v | z | b | a]` has `proj_stride = ba_stride =
+//!   proj_width` and `ba_offset = conv_dim + value_dim`; a `[rows, conv_dim + value_dim]` matrix
+//!   followed by a `[rows, 2*Hv]` one (two GEMMs) has `proj_stride = conv_dim + value_dim`,
+//!   `ba_offset = rows * proj_stride`, `ba_stride = 2*Hv`.
 //! - Conv output, bf16 `[rows, conv_dim]`: the same channels, `[q | k | v]`.
 //! - Conv state of one slot, f32 `[K - 1, conv_dim]`, time-major, oldest first: row `K - 2` is the
 //!   sequence's last input before the step. Slot `s` starts at element `s * slot_stride`.
@@ -104,9 +108,6 @@ impl Heads {
     }
     pub fn conv_dim(&self) -> usize {
         2 * self.key_dim() + self.value_dim()
-    }
-    pub fn proj_width(&self) -> usize {
-        self.conv_dim() + self.value_dim() + 2 * self.hv
     }
     /// The key head value head `j` reads.
     pub fn key_head(&self, j: usize) -> usize {
@@ -191,6 +192,25 @@ pub(crate) fn check_stride(ctx: &KernelCtx<'_>, stride: usize, per_slot: usize) 
     Ok(())
 }
 
+/// Elements of a projection that `rows` rows of `width` elements, `stride` apart from element
+/// `offset`, span; refused when `stride` is shorter than `width` (rows would overlap).
+pub(crate) fn proj_span(
+    ctx: &KernelCtx<'_>,
+    (what, stride, width): (&str, usize, usize),
+    offset: usize,
+    rows: usize,
+) -> GpuResult<usize> {
+    if stride < width {
+        return Err(ctx.fail(format!(
+            "{what} {stride} is shorter than the {width} projection elements a row reads there"
+        )));
+    }
+    Ok(match rows {
+        0 => 0,
+        _ => offset + (rows - 1) * stride + width,
+    })
+}
+
 /// `causal_conv1d` ([`CausalConv1dParams`]).
 ///
 /// For channel `c` of row `r`, `t` rows into its sequence:
@@ -211,10 +231,11 @@ pub fn causal_conv1d(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     if taps == 0 {
         return Err(ctx.fail("kernel_size must be positive"));
     }
-    let (cd, pw, hist) = (h.conv_dim(), h.proj_width(), taps - 1);
+    let (cd, pw, hist) = (h.conv_dim(), p.proj_stride as usize, taps - 1);
     check_stride(ctx, stride, hist * cd)?;
     let out = ctx.slice_mut::<bf16>("out", p.out, rows * cd)?;
-    let proj = ctx.slice::<bf16>("proj", p.proj, rows * pw)?;
+    let span = proj_span(ctx, ("proj_stride", pw, cd), 0, rows)?;
+    let proj = ctx.slice::<bf16>("proj", p.proj, span)?;
     let state = ctx.slice::<f32>("conv_state", p.conv_state, num_slots * stride)?;
     let weight = ctx.slice::<bf16>("weight", p.weight, cd * taps)?;
     let row_seq = ctx.slice::<u32>("row_seq", p.row_seq, rows)?;
@@ -265,6 +286,7 @@ struct Windows {
     stride: usize,
     heads: (u32, u32, u32, u32),
     kernel_size: u32,
+    proj_stride: usize,
 }
 
 impl Windows {
@@ -298,6 +320,7 @@ macro_rules! windows_of {
             stride: $p.slot_stride as usize,
             heads: ($p.hk, $p.dk, $p.hv, $p.dv),
             kernel_size: $p.kernel_size,
+            proj_stride: $p.proj_stride as usize,
         }
     };
 }
@@ -311,9 +334,10 @@ pub fn conv_state_update(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: ConvStateUpdateParams = ctx.params()?;
     let w = windows_of!(p);
     let (h, hist) = w.check(ctx)?;
-    let (cd, pw, stride) = (h.conv_dim(), h.proj_width(), w.stride);
+    let (cd, pw, stride) = (h.conv_dim(), w.proj_stride, w.stride);
     let state = ctx.slice_mut::<f32>("conv_state", w.conv_state, w.num_slots * stride)?;
-    let proj = ctx.slice::<bf16>("proj", w.proj, w.rows * pw)?;
+    let span = proj_span(ctx, ("proj_stride", pw, cd), 0, w.rows)?;
+    let proj = ctx.slice::<bf16>("proj", w.proj, span)?;
     let seqs = Seqs::read(ctx, w.seqs, w.rows, w.num_seqs, w.num_slots, true)?;
     for s in 0..seqs.len() {
         let (Some(sl), range) = (seqs.slot(s), seqs.rows(s)) else {
@@ -394,9 +418,10 @@ pub fn conv_state_verify(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: ConvStateVerifyParams = ctx.params()?;
     let w = windows_of!(p);
     let (h, hist) = w.check(ctx)?;
-    let (cd, pw, stride, rows) = (h.conv_dim(), h.proj_width(), w.stride, w.rows);
+    let (cd, pw, stride, rows) = (h.conv_dim(), w.proj_stride, w.stride, w.rows);
     let state = ctx.slice_mut::<f32>("conv_state", w.conv_state, w.num_slots * stride)?;
-    let proj = ctx.slice::<bf16>("proj", w.proj, rows * pw)?;
+    let span = proj_span(ctx, ("proj_stride", pw, cd), 0, rows)?;
+    let proj = ctx.slice::<bf16>("proj", w.proj, span)?;
     let seqs = Seqs::read(ctx, w.seqs, rows, w.num_seqs, w.num_slots, false)?;
     let row_slot = read_row_slots(ctx, p.row_slot, rows, &seqs, w.num_slots)?;
     let mut old = vec![0.0f32; hist * cd];
@@ -437,18 +462,19 @@ pub(crate) fn softplus(x: f32) -> f32 {
 /// Per row and key head: `q̂ = q * rsqrt(Σq² + l2_eps) * q_scale`, `k̂ = k * rsqrt(Σk² + l2_eps)`
 /// (transformers' `l2norm`, eps 1e-6; `q_scale = 1/√Dk`), from the conv output. Per row and
 /// value head `j`: `β = sigmoid(b_j)`, `g = -exp(a_log[j]) * softplus(a_j + dt_bias[j])`, with
-/// `b`, `a` read from the projection row. All in f32.
+/// `b`, `a` read from the projection at `ba_offset + r * ba_stride`. All in f32.
 pub fn gdn_prepare(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: GdnPrepareParams = ctx.params()?;
     let rows = p.rows as usize;
     let h = Heads::new(ctx, (p.hk, p.dk, p.hv, p.dv))?;
     let (eps, q_scale) = (p.l2_eps, p.q_scale);
-    let (kd, cd, pw, hv) = (h.key_dim(), h.conv_dim(), h.proj_width(), h.hv);
-    let b_at = cd + h.value_dim();
+    let (kd, cd, hv) = (h.key_dim(), h.conv_dim(), h.hv);
+    let (ba_at, ba_stride) = (p.ba_offset as usize, p.ba_stride as usize);
     let qk = ctx.slice_mut::<f32>("qk", p.qk, rows * 2 * kd)?;
     let gates = ctx.slice_mut::<f32>("gates", p.gates, rows * 2 * hv)?;
     let conv = ctx.slice::<bf16>("conv", p.conv, rows * cd)?;
-    let proj = ctx.slice::<bf16>("proj", p.proj, rows * pw)?;
+    let span = proj_span(ctx, ("ba_stride", ba_stride, 2 * hv), ba_at, rows)?;
+    let proj = ctx.slice::<bf16>("proj", p.proj, span)?;
     let a_log = ctx.slice::<f32>("a_log", p.a_log, hv)?;
     let dt_bias = ctx.slice::<f32>("dt_bias", p.dt_bias, hv)?;
     for r in 0..rows {
@@ -466,9 +492,9 @@ pub fn gdn_prepare(ctx: &KernelCtx<'_>) -> GpuResult<()> {
                 *o = f(e) * inv * scale;
             }
         }
-        let row = &proj[r * pw..(r + 1) * pw];
+        let ba = &proj[ba_at + r * ba_stride..ba_at + r * ba_stride + 2 * hv];
         for j in 0..hv {
-            let (bj, aj) = (f(row[b_at + j]), f(row[b_at + hv + j]));
+            let (bj, aj) = (f(ba[j]), f(ba[hv + j]));
             gates[r * 2 * hv + j] = sigmoid(bj);
             gates[r * 2 * hv + hv + j] = -a_log[j].exp() * softplus(aj + dt_bias[j]);
         }
@@ -479,17 +505,19 @@ pub fn gdn_prepare(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 /// `gated_rms_norm` ([`GatedRmsNormParams`]).
 ///
 /// Per row and value head: `out = core * rsqrt(mean(core²) + eps) * weight * silu(z)`, with the
-/// plain weight (not `1 + w`) and `z` read from the projection row at `conv_dim + j*Dv`; f32
+/// plain weight (not `1 + w`) and `z` read from the projection at `r * proj_stride + conv_dim +
+/// j*Dv`; f32
 /// throughout, bf16 out.
 pub fn gated_rms_norm(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: GatedRmsNormParams = ctx.params()?;
     let rows = p.rows as usize;
     let h = Heads::new(ctx, (p.hk, p.dk, p.hv, p.dv))?;
     let eps = p.eps;
-    let (vd, pw, z_at, dv) = (h.value_dim(), h.proj_width(), h.conv_dim(), h.dv);
+    let (vd, pw, z_at, dv) = (h.value_dim(), p.proj_stride as usize, h.conv_dim(), h.dv);
     let out = ctx.slice_mut::<bf16>("out", p.out, rows * vd)?;
     let core = ctx.slice::<f32>("core", p.core, rows * vd)?;
-    let proj = ctx.slice::<bf16>("proj", p.proj, rows * pw)?;
+    let span = proj_span(ctx, ("proj_stride", pw, z_at + vd), 0, rows)?;
+    let proj = ctx.slice::<bf16>("proj", p.proj, span)?;
     let weight = ctx.slice::<bf16>("weight", p.weight, dv)?;
     for r in 0..rows {
         for j in 0..h.hv {

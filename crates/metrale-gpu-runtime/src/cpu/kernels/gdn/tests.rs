@@ -13,6 +13,7 @@ use crate::cpu::test_support::{Rig, assert_close};
 use crate::error::GpuError;
 
 mod rule;
+mod split;
 mod verify;
 
 fn f64s_bf(v: &[bf16]) -> Vec<f64> {
@@ -61,7 +62,7 @@ impl H {
 }
 
 /// `seq_start` and `row_seq` of sequences of `lens` rows.
-fn layout(lens: &[usize]) -> (Vec<u32>, Vec<u32>) {
+pub(crate) fn layout(lens: &[usize]) -> (Vec<u32>, Vec<u32>) {
     let mut start = vec![0u32];
     let mut row_seq = Vec::new();
     for (s, &n) in lens.iter().enumerate() {
@@ -113,6 +114,7 @@ fn causal_conv1d_reads_the_window_and_the_update_moves_it() {
         hv,
         dv,
         kernel_size: taps as u32,
+        proj_stride: pw as u32,
     };
     r.run("gdn", "causal_conv1d", &conv).unwrap();
 
@@ -172,6 +174,7 @@ fn causal_conv1d_reads_the_window_and_the_update_moves_it() {
         hv,
         dv,
         kernel_size: taps as u32,
+        proj_stride: pw as u32,
     };
     r.run("gdn", "conv_state_update", &update).unwrap();
     let got = r.f32s(sp, num_slots * stride);
@@ -242,6 +245,8 @@ fn gdn_prepare_normalises_q_k_and_computes_the_gates() {
         dv,
         l2_eps: eps,
         q_scale,
+        ba_offset: (cd + h.vd()) as u32,
+        ba_stride: pw as u32,
     };
     r.run("gdn", "gdn_prepare", &p).unwrap();
     let mut want_qk = Vec::new();
@@ -308,6 +313,7 @@ fn gated_rms_norm_uses_the_plain_weight_and_silu_of_z() {
         hv,
         dv,
         eps,
+        proj_stride: pw as u32,
     };
     r.run("gdn", "gated_rms_norm", &p).unwrap();
     let mut want = Vec::new();

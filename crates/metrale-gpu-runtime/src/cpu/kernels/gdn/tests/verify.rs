@@ -188,6 +188,7 @@ fn run_conv(
         hv,
         dv,
         kernel_size: taps as u32,
+        proj_stride: h.pw() as u32,
     };
     match row_slot {
         Some(rs) => {
@@ -206,6 +207,7 @@ fn run_conv(
                 hv,
                 dv,
                 kernel_size: update.kernel_size,
+                proj_stride: update.proj_stride,
             };
             r.run("gdn", "conv_state_verify", &p)?;
         }
