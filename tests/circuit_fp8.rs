@@ -173,6 +173,71 @@ fn fp8_hybrid_models_hold_the_gdn_input_projection_in_fp8_and_its_b_and_a_rows_i
 }
 
 #[test]
+fn an_fp8_packs_split_gdn_projection_gives_the_bits_of_its_dequantized_fused_projection()
+-> Result<()> {
+    // The pack's GDN q/k/v and z tensors rewritten as the bf16 their FP8 values stand for: the
+    // input projection then loads as one fused bf16 weight of the same values. Every projected
+    // element is the same dot product, so the split FP8 projection (legacy and circuit
+    // forwards) gives that model's greedy tokens and logits bit for bit.
+    let src = fixtures_dir().join("qwen3_5_moe-fp8-tiny");
+    let pack = std::fs::read(src.join("model.safetensors"))?;
+    let pack = safetensors::SafeTensors::deserialize(&pack)?;
+    let is_qkvz = |name: &str| {
+        name.contains(".linear_attn.in_proj_qkv.") || name.contains(".linear_attn.in_proj_z.")
+    };
+    let tmp = tempfile::tempdir()?;
+    let mut rewritten = 0;
+    copy_fixture_with(&src, tmp.path(), |name, t| {
+        if !is_qkvz(name) {
+            return vec![(name.to_string(), t)];
+        }
+        let Some(stem) = name.strip_suffix(".weight") else {
+            return Vec::new(); // a scale tensor: the bf16 weight has none
+        };
+        let scales = pack
+            .tensor(&format!("{stem}.weight_scale_inv"))
+            .expect("the pack's scales");
+        assert_eq!(
+            scales.dtype(),
+            safetensors::Dtype::F32,
+            "the fixture's scales"
+        );
+        let scales: Vec<f32> = (scales.data().chunks_exact(4))
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let (n, k) = (t.shape[0], t.shape[1]);
+        let shift = if scales.len() == n * k.div_ceil(128) {
+            0
+        } else {
+            7
+        };
+        let w = metrale_gpu_runtime::fp8::dequant(&t.data, &scales, (n, k), shift);
+        rewritten += 1;
+        let t = TensorData {
+            dtype: safetensors::Dtype::BF16,
+            shape: t.shape,
+            data: bytemuck::cast_slice(&w).to_vec(),
+        };
+        vec![(name.to_string(), t)]
+    });
+    ensure!(rewritten >= 2, "{rewritten} tensors rewritten");
+    let prompts = support::read_reference(&src)?;
+    let fused = Engine::load(tmp.path(), EngineOptions::default())?;
+    let want = support::greedy_bits(&fused, &prompts);
+    for forward in [None, Some(REFERENCE), Some(ALL)] {
+        let options = forward.map_or_else(EngineOptions::default, |f| {
+            EngineOptions::default().forward(f)
+        });
+        let split = Engine::load(&src, options)?;
+        ensure!(
+            support::greedy_bits(&split, &prompts) == want,
+            "{forward:?}: the split FP8 projection's bits differ from the fused bf16 one's"
+        );
+    }
+    Ok(())
+}
+
+#[test]
 fn models_quantized_at_load_run_circuit_programs_bitwise_legacy() -> Result<()> {
     // Dense, hybrid, Qwen3-Next's fused GDN input projection and MoE experts, quantized with
     // the packs' recipe: the circuit binds the layouts the loader stores.
