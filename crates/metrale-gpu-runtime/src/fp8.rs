@@ -81,7 +81,8 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
 /// `hi = bf16(s)` and `lo` the rest `s - hi` rounded to nearest even at 4 significant bits. An
 /// element applies `scale' = (hi + lo) · 2^-120`.
 pub fn scale_factors(scale: f32) -> (f32, f32) {
-    let s = scale * 2f32.powi(120);
+    // 2^120, exactly.
+    let s = scale * f32::from_bits((127 + 120) << 23);
     let hi = bf16::from_f32(s).to_f32();
     let r = (s - hi).to_bits();
     let lo = f32::from_bits(r.wrapping_add(0x7_FFFF + ((r >> 20) & 1)) & 0xFFF0_0000);
@@ -110,8 +111,15 @@ pub fn dequant_element(byte: u8, scale: f32) -> bf16 {
     // As the kernels compute it: x = e4m3 · 2^-120 times both factors, summed, rounded once.
     // Every step is exact in f64 (at most 4 + 8 and 4 + 4 significant bits, the two within
     // 2^40 of each other).
-    let x = f64::from(value) * 2f64.powi(-120);
+    // 2^-120, exactly.
+    let x = f64::from(value) * f64::from_bits((1023 - 120) << 52);
     bf16_nearest(x * f64::from(hi) + x * f64::from(lo))
+}
+
+/// Every byte's [`dequant_element`] under `scale`, indexed by the byte: what the CPU twins look
+/// elements up in, where one scale covers many.
+pub fn dequant_table(scale: f32) -> [bf16; 256] {
+    std::array::from_fn(|b| dequant_element(b as u8, scale))
 }
 
 /// Whether `scale` is one a KV cache pool may use: finite, positive and below [`MAX_SCALE`] (the
@@ -150,11 +158,20 @@ pub fn dequant(
 ) -> Vec<bf16> {
     let kb = scale_cols(k);
     let mut out = Vec::with_capacity(n * k);
+    // The tables of the scale row the rows share, made once per scale row.
+    let mut tables: Vec<[bf16; 256]> = Vec::new();
+    let mut table_row = usize::MAX;
     for (row, qrow) in q.chunks_exact(k.max(1)).take(n).enumerate() {
-        let srow = &scales[(row >> scale_row_shift) * kb..][..kb];
+        let srow = row >> scale_row_shift;
+        if srow != table_row {
+            tables = scales[srow * kb..][..kb]
+                .iter()
+                .map(|&s| dequant_table(s))
+                .collect();
+            table_row = srow;
+        }
         out.extend(
-            (qrow.iter().enumerate())
-                .map(|(c, &e)| dequant_element(e, srow[c / FP8_BLOCK as usize])),
+            (qrow.iter().enumerate()).map(|(c, &e)| tables[c / FP8_BLOCK as usize][usize::from(e)]),
         );
     }
     out

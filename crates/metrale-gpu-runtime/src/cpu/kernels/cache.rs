@@ -10,7 +10,7 @@ use metrale_kernel_abi::KvStoreParams;
 
 use crate::cpu::KernelCtx;
 use crate::error::GpuResult;
-use crate::fp8::{kv_dequant, kv_quantize};
+use crate::fp8::{self, kv_quantize};
 use crate::types::DevicePtr;
 
 /// `kv_store` ([`KvStoreParams`]): each row's k and v to its slot; a slot past the pool, or k
@@ -99,7 +99,9 @@ impl KvFormat {
         elems: usize,
     ) -> GpuResult<Pools<'a>> {
         Ok(Pools {
-            format: self,
+            tables: self
+                .fp8
+                .map(|(ks, vs)| Box::new((fp8::dequant_table(ks), fp8::dequant_table(vs)))),
             k: ctx.slice::<u8>("k_cache", k, elems * self.elem_bytes())?,
             v: ctx.slice::<u8>("v_cache", v, elems * self.elem_bytes())?,
         })
@@ -137,7 +139,8 @@ impl PoolsMut<'_> {
 
 /// A launch's K and V pools, to read as the attention kernels do.
 pub(super) struct Pools<'a> {
-    format: KvFormat,
+    /// An FP8 pool's elements by byte (`fp8::kv_dequant` under the K and the V scale).
+    tables: Option<Box<([bf16; 256], [bf16; 256])>>,
     k: &'a [u8],
     v: &'a [u8],
 }
@@ -146,19 +149,19 @@ impl Pools<'_> {
     /// The key element `at`, as bf16 (an FP8 pool's `fp8::kv_dequant`).
     #[inline]
     pub fn key(&self, at: usize) -> bf16 {
-        Self::read(self.k, at, self.format.fp8.map(|s| s.0))
+        Self::read(self.k, at, self.tables.as_ref().map(|t| &t.0))
     }
 
     /// The value element `at`, as bf16.
     #[inline]
     pub fn value(&self, at: usize) -> bf16 {
-        Self::read(self.v, at, self.format.fp8.map(|s| s.1))
+        Self::read(self.v, at, self.tables.as_ref().map(|t| &t.1))
     }
 
     #[inline]
-    fn read(pool: &[u8], at: usize, scale: Option<f32>) -> bf16 {
-        match scale {
-            Some(s) => kv_dequant(pool[at], s),
+    fn read(pool: &[u8], at: usize, table: Option<&[bf16; 256]>) -> bf16 {
+        match table {
+            Some(t) => t[usize::from(pool[at])],
             None => bf16::from_bits(u16::from_le_bytes([pool[2 * at], pool[2 * at + 1]])),
         }
     }
