@@ -102,16 +102,20 @@ fn bf16_nearest(v: f64) -> bf16 {
 /// invariants; a NaN code reads as ±480).
 #[inline]
 pub fn dequant_element(byte: u8, scale: f32) -> bf16 {
+    scaled_element(byte, scale_factors(scale))
+}
+
+/// [`dequant_element`] on its scale's factors, for callers that apply one scale to many bytes.
+#[inline]
+fn scaled_element(byte: u8, (hi, lo): (f32, f32)) -> bf16 {
     let value = if is_nan_code(byte) {
         if byte & 0x80 != 0 { -480.0 } else { 480.0 }
     } else {
         e4m3_to_f32(byte)
     };
-    let (hi, lo) = scale_factors(scale);
-    // As the kernels compute it: x = e4m3 · 2^-120 times both factors, summed, rounded once.
-    // Every step is exact in f64 (at most 4 + 8 and 4 + 4 significant bits, the two within
-    // 2^40 of each other).
-    // 2^-120, exactly.
+    // As the kernels compute it: x = e4m3 · 2^-120 (the constant is 2^-120 exactly) times both
+    // factors, summed, rounded once. Every step is exact in f64 (at most 4 + 8 and 4 + 4
+    // significant bits, the two within 2^40 of each other).
     let x = f64::from(value) * f64::from_bits((1023 - 120) << 52);
     bf16_nearest(x * f64::from(hi) + x * f64::from(lo))
 }
@@ -119,7 +123,8 @@ pub fn dequant_element(byte: u8, scale: f32) -> bf16 {
 /// Every byte's [`dequant_element`] under `scale`, indexed by the byte: what the CPU twins look
 /// elements up in, where one scale covers many.
 pub fn dequant_table(scale: f32) -> [bf16; 256] {
-    std::array::from_fn(|b| dequant_element(b as u8, scale))
+    let factors = scale_factors(scale);
+    std::array::from_fn(|b| scaled_element(b as u8, factors))
 }
 
 /// Whether `scale` is one a KV cache pool may use: finite, positive and below [`MAX_SCALE`] (the
@@ -158,20 +163,21 @@ pub fn dequant(
 ) -> Vec<bf16> {
     let kb = scale_cols(k);
     let mut out = Vec::with_capacity(n * k);
-    // The tables of the scale row the rows share, made once per scale row.
-    let mut tables: Vec<[bf16; 256]> = Vec::new();
-    let mut table_row = usize::MAX;
+    // The factors of the scale row the rows share, worked out once per scale row.
+    let mut factors: Vec<(f32, f32)> = Vec::new();
+    let mut factors_row = usize::MAX;
     for (row, qrow) in q.chunks_exact(k.max(1)).take(n).enumerate() {
         let srow = row >> scale_row_shift;
-        if srow != table_row {
-            tables = scales[srow * kb..][..kb]
+        if srow != factors_row {
+            factors = scales[srow * kb..][..kb]
                 .iter()
-                .map(|&s| dequant_table(s))
+                .map(|&s| scale_factors(s))
                 .collect();
-            table_row = srow;
+            factors_row = srow;
         }
         out.extend(
-            (qrow.iter().enumerate()).map(|(c, &e)| tables[c / FP8_BLOCK as usize][usize::from(e)]),
+            (qrow.iter().enumerate())
+                .map(|(c, &e)| scaled_element(e, factors[c / FP8_BLOCK as usize])),
         );
     }
     out
