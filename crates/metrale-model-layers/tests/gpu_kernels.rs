@@ -19,6 +19,8 @@
 
 #[path = "gpu_kernels/attention.rs"]
 mod attention;
+#[path = "gpu_kernels/attention_case.rs"]
+mod attention_case;
 #[path = "gpu_kernels/backend.rs"]
 mod backend;
 #[path = "gpu_kernels/collective.rs"]
