@@ -231,3 +231,54 @@ fn draft_counts_the_model_cannot_be_built_for_are_refused() {
         );
     }
 }
+
+/// A run's acceptance is the drafts accepted per sequence verify that checked drafts, and is
+/// shown as "-" where there was none (a run the gate kept plain from its first step).
+#[test]
+fn drafts_accepted_per_verify_count_only_the_verifies_that_checked_drafts() {
+    let run = SpeculativeRun {
+        drafter: "mtp",
+        wall_s: 2.0,
+        tok_s: 30.0,
+        steps: 25,
+        verify_steps: 6,
+        plain_steps: 18,
+        draft_verifies: 8,
+        drafted: 24,
+        accepted: 6,
+        switches: 1,
+        gate_on: false,
+        captures: 3,
+    };
+    assert_eq!(run.accepted_per_verify(), Some(0.75));
+    let never = SpeculativeRun {
+        draft_verifies: 0,
+        drafted: 0,
+        accepted: 0,
+        verify_steps: 0,
+        ..run.clone()
+    };
+    assert_eq!(never.accepted_per_verify(), None);
+    let point = ServePoint {
+        concurrency: 4,
+        wall_s: 4.0,
+        tok_s: 20.0,
+        steps: 30,
+        full_steps: 20,
+        step_ms: 1.0,
+        step_bytes: 1.0,
+        floor_ms: 0.5,
+        constrained: None,
+        speculative: vec![run, never],
+    };
+    assert_eq!(point.speculative_ratio(&point.speculative[0]), 1.5);
+    let spec = ServeSpeculation::default();
+    let table = speculative::table(&spec, std::slice::from_ref(&point));
+    let rows: Vec<&str> = table.lines().filter(|l| l.contains(" mtp ")).collect();
+    assert_eq!(rows.len(), 2, "{table}");
+    assert!(
+        rows[0].contains("0.75") && rows[0].contains("1.500"),
+        "{table}"
+    );
+    assert!(rows[1].split_whitespace().any(|w| w == "-"), "{table}");
+}
