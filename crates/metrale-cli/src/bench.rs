@@ -185,6 +185,11 @@ pub struct BenchArgs {
     /// `--serve`, every run of the ladder, the plain ones included.
     #[arg(long, default_value = "legacy")]
     speculative_forward: String,
+    /// `--serve --speculative`: the model's bound on graphs of verify and MTP steps (a verify
+    /// step's graph is keyed by its exact rows and sequences; past the bound a step of a new
+    /// shape runs eagerly).
+    #[arg(long, default_value_t = metrale::ModelOptions::default().max_speculative_graphs)]
+    max_speculative_graphs: usize,
     /// How the random weights' projections are stored (`fp8`: quantized at load; the floor
     /// counts their bytes).
     #[arg(long, value_enum, default_value_t = QuantizationArg::None)]

@@ -37,6 +37,8 @@ fn the_speculative_ladder_prints_and_writes_each_rungs_runs() {
         "9",
         "--num-draft-tokens",
         "2",
+        "--max-speculative-graphs",
+        "16",
         "--json-out",
         json.to_str().unwrap(),
     ]);
@@ -51,6 +53,7 @@ fn the_speculative_ladder_prints_and_writes_each_rungs_runs() {
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(v["speculation"]["num_draft_tokens"], 2);
     assert_eq!(v["speculation"]["forward"], "legacy");
+    assert_eq!(v["speculation"]["max_speculative_graphs"], 16);
     let points = v["serve"].as_array().unwrap();
     let concurrency: Vec<u64> = points
         .iter()

@@ -35,7 +35,8 @@ pub(super) fn serve(
         o.speculative = Some(
             bench::ServeSpeculation::default()
                 .num_draft_tokens(args.num_draft_tokens)
-                .forward(super::forward(&args.speculative_forward)?),
+                .forward(super::forward(&args.speculative_forward)?)
+                .max_speculative_graphs(args.max_speculative_graphs),
         );
     }
     if args.constrained > 0 {
@@ -53,7 +54,7 @@ pub(super) fn serve(
         "prompt_tokens": report.prompt_tokens,
         "output_tokens": report.output_tokens,
         "constrained_schema": report.schema,
-        "speculation": report.speculation.map(|s| serde_json::json!({"num_draft_tokens": s.num_draft_tokens, "forward": s.forward.name(), "gate": s.gate.enabled})),
+        "speculation": report.speculation.map(|s| serde_json::json!({"num_draft_tokens": s.num_draft_tokens, "forward": s.forward.name(), "gate": s.gate.enabled, "max_speculative_graphs": s.max_speculative_graphs})),
     });
     print_and_write(args, &report.table(), head, "serve", &report.points, |p| {
         let constrained = p.constrained.as_ref().map(|c| {

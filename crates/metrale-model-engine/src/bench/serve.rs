@@ -378,9 +378,9 @@ fn bench_model_options(max_seqs: usize, seq_len: usize, max_batch_tokens: usize)
 }
 
 /// The ladder's scheduler: [`bench_scheduler`]'s, or with speculation a model with an MTP head
-/// (a one-layer one where `config` has none) built for `K` drafts, its sequences `K` tokens
-/// longer (a verify step writes the drafts' KV past the last token), under the speculative
-/// runs' forward.
+/// (a one-layer one where `config` has none) built for `K` drafts and the speculation's bound
+/// on speculative graphs, its sequences `K` tokens longer (a verify step writes the drafts' KV
+/// past the last token), under the speculative runs' forward.
 fn ladder_scheduler(
     opts: &ServeOptions,
     gpu: &Arc<dyn GpuBackend>,
@@ -395,7 +395,8 @@ fn ladder_scheduler(
     let k = spec.num_draft_tokens;
     let options = bench_model_options(max_seqs, seq_len + k, opts.max_batch_tokens)
         .speculative(Speculative::Mtp)
-        .num_draft_tokens(k);
+        .num_draft_tokens(k)
+        .max_speculative_graphs(spec.max_speculative_graphs);
     let model = factory::random(config, gpu.clone(), 0x5eed)?;
     let mut sched = Scheduler::new(model, options)?;
     sched.runner_mut().set_forward(spec.forward)?;

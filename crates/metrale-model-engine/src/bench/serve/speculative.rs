@@ -21,7 +21,7 @@ use metrale_config::ModelConfig;
 
 use super::{ServeOptions, ServePoint, run_once};
 use crate::error::ModelError;
-use crate::options::MAX_DRAFT_TOKENS;
+use crate::options::{MAX_DRAFT_TOKENS, ModelOptions};
 use crate::runner::ForwardSelect;
 use crate::scheduler::Scheduler;
 use crate::speculative::{Drafter, GateOptions, MtpDrafter, OracleDrafter};
@@ -37,6 +37,12 @@ pub struct ServeSpeculation {
     /// The gate each speculative run starts afresh with. Default [`GateOptions::default`]
     /// (on).
     pub gate: GateOptions,
+    /// The model's bound on graphs of verify and MTP steps
+    /// (`ModelOptions::max_speculative_graphs`): a verify step's graph is keyed by its exact
+    /// rows and sequences, so a rung meets many shapes (every width while its requests are
+    /// admitted), and past the bound a step of a new shape runs eagerly. Default the engine's
+    /// (64).
+    pub max_speculative_graphs: usize,
 }
 
 impl Default for ServeSpeculation {
@@ -45,6 +51,7 @@ impl Default for ServeSpeculation {
             num_draft_tokens: 3,
             forward: ForwardSelect::Legacy,
             gate: GateOptions::default(),
+            max_speculative_graphs: ModelOptions::default().max_speculative_graphs,
         }
     }
 }
@@ -65,6 +72,12 @@ impl ServeSpeculation {
     /// Set `gate`.
     pub fn gate(mut self, gate: GateOptions) -> Self {
         self.gate = gate;
+        self
+    }
+
+    /// Set `max_speculative_graphs`.
+    pub fn max_speculative_graphs(mut self, n: usize) -> Self {
+        self.max_speculative_graphs = n;
         self
     }
 
@@ -108,7 +121,8 @@ pub struct SpeculativeRun {
     pub switches: u64,
     /// Whether the gate had speculation on at the rung's width at the end (probes aside).
     pub gate_on: bool,
-    /// Graphs captured during the run.
+    /// Graphs captured during the run (near `max_speculative_graphs`: some verify or MTP
+    /// steps of later shapes ran eagerly).
     pub captures: u64,
 }
 
@@ -120,9 +134,6 @@ impl SpeculativeRun {
     }
 }
 
-/// The drafters of a rung's speculative runs, in order.
-const DRAFTERS: [&str; 2] = ["oracle", "mtp"];
-
 /// The speculative runs of one rung (see the module header): `prompts` again, drafted by the
 /// oracle (`plain[i]`, request `i`'s plain output, after its prompt) and by the MTP head.
 pub(super) fn runs(
@@ -132,17 +143,15 @@ pub(super) fn runs(
     plain: &[Vec<u32>],
     opts: &ServeOptions,
 ) -> Result<Vec<SpeculativeRun>, ModelError> {
-    let mut out = Vec::with_capacity(DRAFTERS.len());
-    for drafter in DRAFTERS {
-        let d: Box<dyn Drafter + Send> = match drafter {
-            "oracle" => {
-                let scripts = (prompts.iter().zip(plain))
-                    .map(|(p, o)| p.iter().chain(o).copied().collect())
-                    .collect();
-                Box::new(OracleDrafter::new(scripts))
-            }
-            _ => Box::new(MtpDrafter),
-        };
+    let scripts = (prompts.iter().zip(plain))
+        .map(|(p, o)| p.iter().chain(o).copied().collect())
+        .collect();
+    let drafters: [(&'static str, Box<dyn Drafter + Send>); 2] = [
+        ("oracle", Box::new(OracleDrafter::new(scripts))),
+        ("mtp", Box::new(MtpDrafter)),
+    ];
+    let mut out = Vec::with_capacity(drafters.len());
+    for (drafter, d) in drafters {
         sched.set_drafter(Some(d))?;
         if let Some(s) = sched.speculation() {
             s.set_gate(spec.gate);
@@ -217,10 +226,11 @@ pub(super) fn with_head(config: &ModelConfig) -> ModelConfig {
 /// The table's speculative section: each rung's runs beside its plain run.
 pub(super) fn table(spec: &ServeSpeculation, points: &[ServePoint]) -> String {
     let mut s = format!(
-        "speculative runs: K = {} drafts, {} forward, a fresh gate each run (on: {}); oracle: each request's plain tokens drafted, mtp: the MTP head; every run's tokens equal the plain run's\n",
+        "speculative runs: K = {} drafts, {} forward, a fresh gate each run (on: {}), at most {} speculative graphs; oracle: each request's plain tokens drafted, mtp: the MTP head; every run's tokens equal the plain run's\n",
         spec.num_draft_tokens,
         spec.forward.name(),
-        spec.gate.enabled
+        spec.gate.enabled,
+        spec.max_speculative_graphs
     );
     s += "spec   conc.  drafter    tok/s   x plain   acc/verify   verify steps   plain steps   switches   gate at conc.   captures\n";
     for p in points {
