@@ -6,7 +6,9 @@
 //! latency percentiles), `--serve --interference-prompt-tokens P` what one prompt of P tokens
 //! arriving does to `--concurrency` streams decoding (their inter-token gaps and the prompt's
 //! TTFT, with mixed steps on and off), `--speculative` the speculative-decoding figures (verify
-//! and draft steps against a plain decode step, projected and end-to-end tokens/s),
+//! and draft steps against a plain decode step, projected and end-to-end tokens/s), `--serve
+//! --speculative` the serving ladder with each rung run again speculatively (an oracle's drafts
+//! and the MTP head's, behind the speculation gate),
 //! `--tensor-parallel-size N` decode steps of the model sharded over N ranks (on CUDA, GPUs
 //! `--device` to `--device` + N - 1, through NCCL), each beside its floor per GPU.
 
@@ -18,14 +20,13 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use metrale::ForwardSelect;
 use metrale::ModelConfig;
-use metrale::bench::{
-    self, BenchOptions, InterferenceOptions, ServeOptions, SpecBenchOptions, TokenRange,
-    TraceOptions,
-};
+use metrale::bench::{self, BenchOptions, SpecBenchOptions};
 use metrale::gpu::GpuBackend;
 
 use crate::generate::BackendArg;
 use crate::serve::{KvCacheDtypeArg, QuantizationArg};
+
+mod serve;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum Shape {
@@ -165,19 +166,30 @@ pub struct BenchArgs {
     /// cached: a plain decode step (graphed and eager), verify steps of 1 + K rows, one MTP
     /// draft, tokens/s projected at acceptance lengths 1.9 / 2.7 / 3.4 for K = 1 / 2 / 3, and
     /// end-to-end runs of `--output-tokens` tokens (plain, oracle drafter, MTP head). A shape
-    /// without an MTP head gets a one-layer head.
+    /// without an MTP head gets a one-layer head. With `--serve`: the serving ladder, each rung
+    /// run plain and then again with K = `--num-draft-tokens` drafts behind a fresh speculation
+    /// gate, drafted by an oracle (each request's plain tokens) and by the MTP head; printed per
+    /// rung: tokens/s and its ratio to plain, drafts accepted per verify, verify and plain
+    /// decode steps; a speculative run whose tokens differ from the plain run's is an error.
     #[arg(long)]
     speculative: bool,
-    /// `--speculative`: verify steps are timed for K = 1 to this (1 to 8).
+    /// `--speculative`: verify steps are timed for K = 1 to this (1 to 8); with `--serve`, the
+    /// drafts per verify step.
     #[arg(long, default_value_t = 4)]
     num_draft_tokens: usize,
     /// `--speculative`: also time a plain decode step and verify steps of this many
     /// sequences (1: none).
     #[arg(long, default_value_t = 1)]
     speculative_batch: usize,
-    /// `--speculative`: the forward every step runs (legacy, circuit, circuit-reference).
+    /// `--speculative`: the forward every step runs (legacy, circuit, circuit-reference); with
+    /// `--serve`, every run of the ladder, the plain ones included.
     #[arg(long, default_value = "legacy")]
     speculative_forward: String,
+    /// `--serve --speculative`: the model's bound on graphs of verify and MTP steps (a verify
+    /// step's graph is keyed by its exact rows and sequences; past the bound a step of a new
+    /// shape runs eagerly).
+    #[arg(long, default_value_t = metrale::ModelOptions::default().max_speculative_graphs)]
+    max_speculative_graphs: usize,
     /// How the random weights' projections are stored (`fp8`: quantized at load; the floor
     /// counts their bytes).
     #[arg(long, value_enum, default_value_t = QuantizationArg::None)]
@@ -210,13 +222,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Shape::Tiny | Shape::TinyHybrid | Shape::TinyMoe | Shape::TinyQwen3Vocab
     );
     if args.serve && !args.request_rate.is_empty() {
-        return trace(gpu, config, &args);
+        return serve::trace(gpu, config, &args);
     }
     if let (true, Some(p)) = (args.serve, args.interference_prompt_tokens) {
-        return interference(gpu, config, p, &args);
+        return serve::interference(gpu, config, p, &args);
     }
     if args.serve {
-        return serve(gpu, config, tiny, &args);
+        return serve::serve(gpu, config, tiny, &args);
     }
     if args.speculative {
         return speculative(gpu, config, tiny, &args);
@@ -315,139 +327,6 @@ fn tensor_parallel(gpus: Vec<Arc<dyn GpuBackend>>, args: &BenchArgs) -> Result<(
         write_json(path, &json)?;
     }
     Ok(())
-}
-
-/// `--serve`: the serving ladder, printed as a table (and JSON with `--json-out`).
-fn serve(
-    gpu: Arc<dyn GpuBackend>,
-    config: ModelConfig,
-    tiny: bool,
-    args: &BenchArgs,
-) -> Result<()> {
-    let mut o = ServeOptions::new(config);
-    o.concurrency = args.concurrency.clone();
-    o.prompt_tokens = args.prompt_tokens;
-    o.output_tokens = args.output_tokens;
-    o.max_batch_tokens = args.max_batch_tokens;
-    if tiny {
-        o.copy_bytes = 1 << 20;
-    }
-    if args.constrained > 0 {
-        o.constrained = args.constrained;
-        let json = read_tokenizer(&args.tokenizer)?;
-        o.schemas = Some(Arc::new(bench::SchemaCompiler::new(&json).with_context(
-            || format!("reading the tokenizer {}", args.tokenizer.display()),
-        )?));
-    }
-    let report = bench::serve_ladder(gpu, &o)?;
-    let head = serde_json::json!({
-        "backend": report.backend,
-        "copy_gb_s": report.copy_gb_s,
-        "weight_bytes": report.weight_bytes,
-        "prompt_tokens": report.prompt_tokens,
-        "output_tokens": report.output_tokens,
-        "constrained_schema": report.schema,
-    });
-    print_and_write(args, &report.table(), head, "serve", &report.points, |p| {
-        let constrained = p.constrained.as_ref().map(|c| {
-            let lens: Vec<usize> = c.outputs.iter().map(Vec::len).collect();
-            serde_json::json!({"requests": c.requests, "tok_s": c.tok_s, "wall_s": c.wall_s, "step_ms": c.step_ms, "vs_plain": c.step_ms / p.step_ms, "full_steps": c.full_steps, "steps": c.steps, "output_tokens": lens})
-        });
-        serde_json::json!({"concurrency": p.concurrency, "tok_s": p.tok_s, "wall_s": p.wall_s, "step_ms": p.step_ms, "floor_ms": p.floor_ms, "ratio": p.step_ms / p.floor_ms, "full_steps": p.full_steps, "steps": p.steps, "constrained": constrained})
-    })
-}
-
-/// `--serve --request-rate`: the serving trace, printed as a table (and JSON with
-/// `--json-out`).
-fn trace(gpu: Arc<dyn GpuBackend>, config: ModelConfig, args: &BenchArgs) -> Result<()> {
-    anyhow::ensure!(
-        args.constrained == 0,
-        "--constrained runs with the serving ladder, not with --request-rate"
-    );
-    let mut o = TraceOptions::new(config);
-    o.request_rates = args.request_rate.clone();
-    o.num_requests = args.num_prompts;
-    o.prompt_tokens = TokenRange {
-        min: args.prompt_tokens,
-        max: args.prompt_tokens_max.unwrap_or(args.prompt_tokens),
-    };
-    o.output_tokens = TokenRange {
-        min: args.output_tokens,
-        max: args.output_tokens_max.unwrap_or(args.output_tokens),
-    };
-    o.seed = args.seed;
-    o.max_decode_seqs = args.max_decode_seqs;
-    o.max_batch_tokens = args.max_batch_tokens;
-    let report = bench::serve_trace(gpu, &o)?;
-    let head = serde_json::json!({
-        "backend": report.backend,
-        "num_requests": report.num_requests,
-        "prompt_tokens": {"min": report.prompt_tokens.min, "max": report.prompt_tokens.max},
-        "output_tokens": {"min": report.output_tokens.min, "max": report.output_tokens.max},
-        "seed": report.seed,
-        "max_decode_seqs": report.max_decode_seqs,
-    });
-    let percentiles = |p: bench::Percentiles| serde_json::json!({"p50_ms": p.p50_ms, "p90_ms": p.p90_ms, "p99_ms": p.p99_ms});
-    print_and_write(args, &report.table(), head, "trace", &report.points, |p| {
-        let requests: Vec<_> = p
-            .requests
-            .iter()
-            .map(|r| serde_json::json!({"arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens, "output_tokens": r.token_s.len(), "ttft_ms": r.ttft_s() * 1e3, "e2e_ms": r.e2e_s() * 1e3}))
-            .collect();
-        // JSON has no infinity: an all-at-once rate is written as the string "inf".
-        let rate = match p.request_rate.is_finite() {
-            true => serde_json::json!(p.request_rate),
-            false => serde_json::json!("inf"),
-        };
-        serde_json::json!({"request_rate": rate, "completed": p.completed, "duration_s": p.duration_s, "req_s": p.req_s, "output_tokens": p.output_tokens, "out_tok_s": p.out_tok_s, "steps": p.steps, "ttft": percentiles(p.ttft), "itl": percentiles(p.itl), "itl_samples": p.itl_samples, "e2e": percentiles(p.e2e), "requests": requests})
-    })
-}
-
-/// `--serve --interference-prompt-tokens`: the interference scenario, printed as a table (and
-/// JSON with `--json-out`).
-fn interference(
-    gpu: Arc<dyn GpuBackend>,
-    config: ModelConfig,
-    long_prompt_tokens: usize,
-    args: &BenchArgs,
-) -> Result<()> {
-    anyhow::ensure!(
-        args.constrained == 0 && args.request_rate.is_empty(),
-        "--interference-prompt-tokens runs alone, without --constrained or --request-rate"
-    );
-    let mut o = InterferenceOptions::new(config);
-    o.concurrency = args.concurrency.clone();
-    o.prompt_tokens = args.prompt_tokens;
-    o.output_tokens = args.output_tokens;
-    o.long_prompt_tokens = long_prompt_tokens;
-    o.max_batch_tokens = args.max_batch_tokens;
-    o.mixed_chunk_attention = args.mixed_chunk_attention;
-    o.mixed_step_tokens = args.mixed_step_tokens;
-    let report = bench::interference(gpu, &o)?;
-    let head = serde_json::json!({
-        "backend": report.backend,
-        "prompt_tokens": report.prompt_tokens,
-        "output_tokens": report.output_tokens,
-        "long_prompt_tokens": report.long_prompt_tokens,
-        "max_batch_tokens": report.max_batch_tokens,
-        "mixed_chunk_attention": report.mixed_chunk_attention,
-        "mixed_step_tokens": report.mixed_step_tokens,
-    });
-    print_and_write(
-        args,
-        &report.table(),
-        head,
-        "interference",
-        &report.points,
-        |p| {
-            let runs: Vec<_> = p
-            .runs
-            .iter()
-            .map(|r| serde_json::json!({"mixed_steps": r.mixed, "ttft_ms": r.ttft_ms, "median_gap_ms": r.median_gap_ms, "max_gap_ms": r.max_gap_ms, "worst_ratio": r.worst_ratio, "window_steps": r.window_steps, "stalled_steps": r.stalled_steps, "steps": r.steps, "mixed_step_count": r.mixed_steps}))
-            .collect();
-            serde_json::json!({"concurrency": p.concurrency, "runs": runs})
-        },
-    )
 }
 
 /// Print a run's `table` and, with `--json-out`, write `head` (an object) with the shape and,

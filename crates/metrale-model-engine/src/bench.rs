@@ -38,8 +38,8 @@ pub use self::interference::{
 };
 pub use self::profile::{launch_profile, step_profile};
 pub use self::serve::{
-    ConstrainedRun, JsonSchemaCompiler, ServeOptions, ServePoint, ServeReport, serve_ladder,
-    serve_schema,
+    ConstrainedRun, JsonSchemaCompiler, ServeOptions, ServePoint, ServeReport, ServeSpeculation,
+    SpeculativeRun, serve_ladder, serve_schema,
 };
 pub use self::shapes::{
     decode_staging_shapes_for_cpu, qwen3_5_9b, qwen3_5_35b_a3b, qwen3_8b, qwen3_32b,

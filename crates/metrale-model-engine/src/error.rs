@@ -43,6 +43,27 @@ pub enum ModelError {
     /// A model feature this engine does not run.
     #[error("unsupported model: {0}")]
     Unsupported(String),
+    /// Speculative decoding generated other tokens than plain greedy decoding of the same
+    /// request, which it must reproduce exactly (found by the benchmarks that compare them).
+    #[error(
+        "speculative decoding with the {drafter} drafter at concurrency {concurrency} diverged \
+         from plain greedy decoding: request {request}, output token {position}: {speculative:?} \
+         where plain decoding has {plain:?}"
+    )]
+    SpeculativeMismatch {
+        /// The drafter (`oracle`, `mtp`).
+        drafter: &'static str,
+        /// Requests in flight together.
+        concurrency: usize,
+        /// The request, in submission order.
+        request: usize,
+        /// The first output position where the tokens differ.
+        position: usize,
+        /// Plain decoding's token there (`None`: its output ended before).
+        plain: Option<u32>,
+        /// Speculative decoding's token there (`None`: its output ended before).
+        speculative: Option<u32>,
+    },
     /// A tokenizer whose vocabulary does not fit the model's: it has ids the embedding has no
     /// row for.
     #[error("the tokenizer has {tokenizer} tokens, more than the model's vocabulary of {model}")]

@@ -23,6 +23,18 @@
 //! their grammar allows only once the value is complete (and which ends a request whose
 //! constraint fails); the plain requests beside them ignore it, as in the plain run.
 //!
+//! Speculative decoding (`ServeOptions::speculative`): the model gets an MTP head (a one-layer
+//! head where the shape has none, as `metrale bench --speculative` does) and is built for `K`
+//! drafts; each rung runs its plain requests with speculation off, then the same requests twice
+//! more with speculation behind a fresh `SpeculationGate` (see `serve/speculative.rs`): drafted
+//! by an oracle that proposes each request's own tokens from the plain run (every draft right:
+//! the most speculation can give), and by the MTP head (random weights: next to no draft right,
+//! so the gate should turn speculation off and the run cost about what plain decoding costs).
+//! Each speculative run must generate exactly the plain run's tokens (greedy); a difference is
+//! an error ([`ModelError::SpeculativeMismatch`]). Every rung of such a ladder starts with no
+//! graph captured, as a fresh engine would, so one rung's verify shapes do not use up the bound
+//! on speculative graphs (`ModelOptions::max_speculative_graphs`) of the next.
+//!
 //! Invariants:
 //! - Step times are host wall times around `Scheduler::step`, which returns only after the
 //!   step's tokens are on the host: what a client of the engine waits for, host work included
@@ -45,9 +57,14 @@ use crate::constraint::{ConstraintError, TokenConstraint};
 use crate::error::ModelError;
 use crate::factory;
 use crate::generate::GenerateParams;
-use crate::options::{ModelOptions, Quantization};
+use crate::options::{ModelOptions, Quantization, Speculative};
+use crate::runner::ModelCircuit;
 use crate::sampling::SamplingParams;
 use crate::scheduler::{Scheduler, SeqEvent, SeqId, SeqRequest, StepKind};
+
+mod speculative;
+
+pub use speculative::{ServeSpeculation, SpeculativeRun};
 
 /// Timed copies behind the bandwidth the floors use (the median is taken).
 const COPY_ITERS: usize = 10;
@@ -100,6 +117,9 @@ pub struct ServeOptions {
     /// What compiles the constrained requests' schema; needed when `constrained > 0`, and its
     /// tokenizer's vocabulary must fit the model's. Default `None`.
     pub schemas: Option<Arc<dyn JsonSchemaCompiler>>,
+    /// Run each rung again with speculative decoding, an oracle's drafts and then the MTP
+    /// head's (see the module header). Default `None`: plain decoding only.
+    pub speculative: Option<ServeSpeculation>,
 }
 
 impl ServeOptions {
@@ -114,6 +134,7 @@ impl ServeOptions {
             copy_bytes: 1 << 30,
             constrained: 0,
             schemas: None,
+            speculative: None,
         }
     }
 }
@@ -139,6 +160,9 @@ pub struct ServePoint {
     pub floor_ms: f64,
     /// The rung's constrained run; `None` without `ServeOptions::constrained`.
     pub constrained: Option<ConstrainedRun>,
+    /// The rung's speculative runs (the oracle's, then the MTP head's), each with exactly the
+    /// plain run's tokens; empty without `ServeOptions::speculative`.
+    pub speculative: Vec<SpeculativeRun>,
 }
 
 /// A rung run again with some of its requests constrained to [`serve_schema`].
@@ -166,6 +190,12 @@ impl ServePoint {
     pub fn constrained_ratio(&self) -> Option<f64> {
         self.constrained.as_ref().map(|c| c.step_ms / self.step_ms)
     }
+
+    /// A speculative run's output tokens per second over the plain run's (2.0: twice as
+    /// fast).
+    pub fn speculative_ratio(&self, run: &SpeculativeRun) -> f64 {
+        run.tok_s / self.tok_s
+    }
 }
 
 /// The whole ladder.
@@ -183,16 +213,20 @@ pub struct ServeReport {
     pub output_tokens: usize,
     /// The constrained requests' schema, when the rungs had constrained runs.
     pub schema: Option<String>,
+    /// The speculative runs' settings, when the rungs had speculative runs.
+    pub speculation: Option<ServeSpeculation>,
     /// The rungs, in the order run.
     pub points: Vec<ServePoint>,
 }
 
 /// What one run of a rung measured.
 struct RunFigures {
+    /// From submission to the last token.
     wall_s: f64,
     tokens: usize,
     steps: usize,
     full_ms: Vec<f64>,
+    /// Every request's tokens, in submission order.
     outputs: Vec<Vec<u32>>,
 }
 
@@ -225,7 +259,9 @@ fn check_constrained(opts: &ServeOptions) -> Result<(), ModelError> {
 }
 
 /// Submit `prompts` (the first `constraints.len()` requests with those constraints) and run
-/// the scheduler until it is idle again.
+/// the scheduler until it is idle again. The wall time ends at the last token: steps after it
+/// (re-prefills of the finished conversations, `ModelOptions::reprefill_answers`) run before
+/// the scheduler is idle, but no request waits for them.
 fn run_once(
     sched: &mut Scheduler,
     prompts: &[Vec<u32>],
@@ -233,9 +269,8 @@ fn run_once(
     output_tokens: usize,
 ) -> Result<RunFigures, ModelError> {
     let n = prompts.len();
-    let k = constraints.len();
     let mut constraints = constraints.into_iter();
-    let mut constrained_ids: Vec<SeqId> = Vec::with_capacity(k);
+    let mut ids: Vec<SeqId> = Vec::with_capacity(n);
     sched.clear_prefix_cache();
     for prompt in prompts {
         let constraint = constraints.next();
@@ -244,33 +279,36 @@ fn run_once(
         let id = sched
             .add_constrained(req, constraint.into_iter().collect())
             .map_err(|e| ModelError::Step(format!("serve bench request refused: {e}")))?;
-        if constrained_ids.len() < k {
-            constrained_ids.push(id);
-        }
+        ids.push(id);
     }
-    let mut outputs = vec![Vec::new(); k];
+    let mut outputs = vec![Vec::new(); n];
     let (mut steps, mut full_ms, mut tokens) = (0, Vec::new(), 0usize);
     let start = Instant::now();
+    let mut last_token = start;
     while !sched.is_idle() {
         let t = Instant::now();
         let report = sched.step().map_err(|f| *f.error)?;
-        let ms = t.elapsed().as_secs_f64() * 1e3;
+        let now = Instant::now();
+        let ms = (now - t).as_secs_f64() * 1e3;
         steps += 1;
         if report.kind == (StepKind::Decode { seqs: n }) {
             full_ms.push(ms);
         }
         for e in report.events {
             match e {
-                SeqEvent::Token { .. } => tokens += 1,
+                SeqEvent::Token { .. } => {
+                    tokens += 1;
+                    last_token = now;
+                }
                 SeqEvent::Finished { id, generation } => {
-                    if let Some(i) = constrained_ids.iter().position(|&c| c == id) {
+                    if let Some(i) = ids.iter().position(|&c| c == id) {
                         outputs[i] = generation.token_ids;
                     }
                 }
             }
         }
     }
-    let wall_s = start.elapsed().as_secs_f64();
+    let wall_s = (last_token - start).as_secs_f64();
     check_all_freed(sched, &format!("serve bench rung {n}"))?;
     Ok(RunFigures {
         wall_s,
@@ -322,16 +360,47 @@ pub(super) fn bench_scheduler(
     seq_len: usize,
     max_batch_tokens: usize,
 ) -> Result<Scheduler, ModelError> {
+    let options = bench_model_options(max_seqs, seq_len, max_batch_tokens);
+    let model = factory::random(config.clone(), gpu.clone(), 0x5eed)?;
+    Scheduler::new(model, options)
+}
+
+/// The options of [`bench_scheduler`]'s model.
+fn bench_model_options(max_seqs: usize, seq_len: usize, max_batch_tokens: usize) -> ModelOptions {
     let block_size = ModelOptions::default().block_size;
     // Every sequence's whole context, plus the admission headroom of one block per sequence.
     let blocks = max_seqs * (seq_len.div_ceil(block_size) + 1) + 2;
-    let options = ModelOptions::default()
+    ModelOptions::default()
         .max_batch_tokens(max_batch_tokens)
         .max_seq_len(Some(seq_len))
         .num_kv_blocks(Some(blocks))
-        .max_decode_seqs(max_seqs);
-    let model = factory::random(config.clone(), gpu.clone(), 0x5eed)?;
-    Scheduler::new(model, options)
+        .max_decode_seqs(max_seqs)
+}
+
+/// The ladder's scheduler: [`bench_scheduler`]'s, or with speculation a model with an MTP head
+/// (a one-layer one where `config` has none) built for `K` drafts and the speculation's bound
+/// on speculative graphs, its sequences `K` tokens longer (a verify step writes the drafts' KV
+/// past the last token), under the speculative runs' forward.
+fn ladder_scheduler(
+    opts: &ServeOptions,
+    gpu: &Arc<dyn GpuBackend>,
+    max_seqs: usize,
+    seq_len: usize,
+) -> Result<Scheduler, ModelError> {
+    let Some(spec) = &opts.speculative else {
+        return bench_scheduler(&opts.config, gpu, max_seqs, seq_len, opts.max_batch_tokens);
+    };
+    spec.check()?;
+    let config = speculative::with_head(&opts.config);
+    let k = spec.num_draft_tokens;
+    let options = bench_model_options(max_seqs, seq_len + k, opts.max_batch_tokens)
+        .speculative(Speculative::Mtp)
+        .num_draft_tokens(k)
+        .max_speculative_graphs(spec.max_speculative_graphs);
+    let model = factory::random(config, gpu.clone(), 0x5eed)?;
+    let mut sched = Scheduler::new(model, options)?;
+    sched.runner_mut().set_forward(spec.forward)?;
+    Ok(sched)
 }
 
 /// Run the serving ladder on `gpu`.
@@ -346,7 +415,7 @@ pub fn serve_ladder(
 
     let max_c = opts.concurrency.iter().copied().max().unwrap_or(1).max(1);
     let seq_len = opts.prompt_tokens + opts.output_tokens + 1;
-    let mut sched = bench_scheduler(c, &gpu, max_c, seq_len, opts.max_batch_tokens)?;
+    let mut sched = ladder_scheduler(opts, &gpu, max_c, seq_len)?;
     let weights = weight_bytes(c, Quantization::AsStored);
     let per_seq = (opts.prompt_tokens as f64 + opts.output_tokens as f64 / 2.0)
         * kv_bytes_per_token(c, metrale_cache::KvDtype::Bf16)
@@ -360,6 +429,11 @@ pub fn serve_ladder(
                     .collect()
             })
             .collect();
+        if opts.speculative.is_some() {
+            // Each rung as a fresh engine: no graph of an earlier rung, plain decoding first.
+            sched.runner_mut().clear_graphs()?;
+            sched.set_drafter(None)?;
+        }
         let plain = run_once(&mut sched, &prompts, Vec::new(), opts.output_tokens)?;
         let constrained = match (&schema, &opts.schemas) {
             (Some(schema), Some(schemas)) => {
@@ -379,10 +453,14 @@ pub fn serve_ladder(
                     steps: run.steps,
                     full_steps: run.full_ms.len(),
                     step_ms: run.step_ms(),
-                    outputs: run.outputs,
+                    outputs: run.outputs.into_iter().take(k).collect(),
                 })
             }
             _ => None,
+        };
+        let speculative = match &opts.speculative {
+            Some(spec) => speculative::runs(&mut sched, spec, &prompts, &plain.outputs, opts)?,
+            None => Vec::new(),
         };
         let step_bytes = weights + n as f64 * per_seq;
         points.push(ServePoint {
@@ -395,6 +473,7 @@ pub fn serve_ladder(
             step_bytes,
             floor_ms: step_bytes / (copy_gb_s * 1e9) * 1e3,
             constrained,
+            speculative,
         });
     }
     Ok(ServeReport {
@@ -404,6 +483,7 @@ pub fn serve_ladder(
         prompt_tokens: opts.prompt_tokens,
         output_tokens: opts.output_tokens,
         schema,
+        speculation: opts.speculative,
         points,
     })
 }
@@ -453,6 +533,9 @@ impl ServeReport {
                     lens.join(",")
                 );
             }
+        }
+        if let Some(spec) = &self.speculation {
+            s += &speculative::table(spec, &self.points);
         }
         s
     }

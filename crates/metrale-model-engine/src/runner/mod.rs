@@ -240,6 +240,18 @@ impl StepRunner {
         self.options.decode_graphs = on;
     }
 
+    /// Destroy every captured graph, every rank's: the next step of each shape captures its
+    /// graph again, within the bound on speculative graphs afresh (the serving ladder starts
+    /// each rung so, as a fresh engine at that concurrency).
+    pub(crate) fn clear_graphs(&mut self) -> Result<(), ModelError> {
+        let mut result = self.graphs.clear();
+        for peer in &mut self.peers {
+            let cleared = peer.graphs.clear();
+            result = result.and(cleared);
+        }
+        result
+    }
+
     fn io(&self) -> Io<'_> {
         let model = &self.forward.model;
         Io {

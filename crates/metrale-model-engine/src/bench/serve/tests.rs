@@ -137,3 +137,148 @@ fn constrained_requests_without_a_compiler_or_with_a_vocabulary_past_the_models_
         "{e}"
     );
 }
+
+/// The ladder with speculation on the tiny hybrid shape (its MTP head drafts): both rungs run
+/// the oracle's and the MTP head's runs after the plain one, each with exactly the plain
+/// tokens (else the ladder fails); the oracle's drafts are all accepted and it speculates.
+#[test]
+fn speculative_rungs_generate_the_plain_tokens_and_the_oracle_keeps_every_draft() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new(Default::default()));
+    let mut o = ServeOptions::new(super::super::tiny_hybrid_for_cpu().unwrap());
+    o.concurrency = vec![1, 4];
+    o.prompt_tokens = 5;
+    o.output_tokens = 7;
+    o.copy_bytes = 1 << 16;
+    o.speculative = Some(ServeSpeculation::default().num_draft_tokens(2));
+    let r = serve_ladder(gpu, &o).unwrap();
+    assert_eq!(r.speculation, o.speculative);
+    for p in &r.points {
+        let drafters: Vec<&str> = p.speculative.iter().map(|s| s.drafter).collect();
+        assert_eq!(drafters, ["oracle", "mtp"], "{p:?}");
+        for s in &p.speculative {
+            // Every request generated all its tokens, as in the plain run.
+            assert!((s.tok_s * s.wall_s - (p.concurrency * 7) as f64).abs() < 1e-6);
+            assert!(p.speculative_ratio(s) > 0.0 && p.speculative_ratio(s).is_finite());
+            // A fresh gate speculates from the first step: the drafters were asked.
+            assert!(s.verify_steps > 0 && s.draft_verifies > 0, "{s:?}");
+        }
+        let oracle = &p.speculative[0];
+        assert!(
+            oracle.drafted > 0 && oracle.accepted == oracle.drafted,
+            "{oracle:?}"
+        );
+        assert!(oracle.accepted_per_verify().is_some_and(|a| a > 1.0));
+        // Fewer steps than plain decoding's one a token.
+        assert!(oracle.verify_steps + oracle.plain_steps < 6 * p.concurrency);
+    }
+    let table = r.table();
+    assert!(table.contains("speculative runs: K = 2"), "{table}");
+    assert!(table.contains("oracle") && table.contains("mtp"), "{table}");
+}
+
+#[test]
+fn a_speculative_run_with_other_tokens_fails_naming_the_request_and_position() {
+    let plain = vec![vec![1, 2, 3], vec![4, 5, 6]];
+    assert!(speculative::same_tokens("oracle", &plain, &plain).is_ok());
+    let e = speculative::same_tokens("mtp", &plain, &[vec![1, 2, 3], vec![4, 5, 7]]);
+    assert!(
+        matches!(
+            e,
+            Err(ModelError::SpeculativeMismatch {
+                drafter: "mtp",
+                concurrency: 2,
+                request: 1,
+                position: 2,
+                plain: Some(6),
+                speculative: Some(7),
+            })
+        ),
+        "{e:?}"
+    );
+    // An output cut short differs where it ends.
+    let e = speculative::same_tokens("oracle", &plain, &[vec![1, 2], vec![4, 5, 6]]);
+    assert!(
+        matches!(
+            e,
+            Err(ModelError::SpeculativeMismatch {
+                request: 0,
+                position: 2,
+                plain: Some(3),
+                speculative: None,
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn draft_counts_the_model_cannot_be_built_for_are_refused() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new(Default::default()));
+    let mut o = ServeOptions::new(super::super::tiny_hybrid_for_cpu().unwrap());
+    for k in [0, crate::options::MAX_DRAFT_TOKENS + 1] {
+        o.speculative = Some(ServeSpeculation::default().num_draft_tokens(k));
+        let e = serve_ladder(gpu.clone(), &o).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ModelError::Options {
+                    option: "num_draft_tokens",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+}
+
+/// A run's acceptance is the drafts accepted per sequence verify that checked drafts, and is
+/// shown as "-" where there was none (a run the gate kept plain from its first step).
+#[test]
+fn drafts_accepted_per_verify_count_only_the_verifies_that_checked_drafts() {
+    let run = SpeculativeRun {
+        drafter: "mtp",
+        wall_s: 2.0,
+        tok_s: 30.0,
+        steps: 25,
+        verify_steps: 6,
+        plain_steps: 18,
+        draft_verifies: 8,
+        drafted: 24,
+        accepted: 6,
+        switches: 1,
+        gate_on: false,
+        captures: 3,
+    };
+    assert_eq!(run.accepted_per_verify(), Some(0.75));
+    let never = SpeculativeRun {
+        draft_verifies: 0,
+        drafted: 0,
+        accepted: 0,
+        verify_steps: 0,
+        ..run.clone()
+    };
+    assert_eq!(never.accepted_per_verify(), None);
+    let point = ServePoint {
+        concurrency: 4,
+        wall_s: 4.0,
+        tok_s: 20.0,
+        steps: 30,
+        full_steps: 20,
+        step_ms: 1.0,
+        step_bytes: 1.0,
+        floor_ms: 0.5,
+        constrained: None,
+        speculative: vec![run, never],
+    };
+    assert_eq!(point.speculative_ratio(&point.speculative[0]), 1.5);
+    let spec = ServeSpeculation::default();
+    let table = speculative::table(&spec, std::slice::from_ref(&point));
+    let rows: Vec<&str> = table.lines().filter(|l| l.contains(" mtp ")).collect();
+    assert_eq!(rows.len(), 2, "{table}");
+    assert!(
+        rows[0].contains("0.75") && rows[0].contains("1.500"),
+        "{table}"
+    );
+    assert!(rows[1].split_whitespace().any(|w| w == "-"), "{table}");
+}
