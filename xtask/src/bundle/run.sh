@@ -235,8 +235,10 @@ if [ -x "$BIN_ROOT/bin/metrale" ]; then
   fi
 fi
 
-# The serving figures on Qwen3-8B (SERVE_BENCH=0 skips them): the ladder's rung of 32 requests,
-# plain and with one under a JSON schema; the trace at 4 and 16 requests a second.
+# The serving figures (SERVE_BENCH=0 skips them): on Qwen3-8B the ladder's rung of 32 requests,
+# plain and with one under a JSON schema, and the trace at 4 and 16 requests a second; on
+# Qwen3.5-9B the speculative ladder (each rung plain, then with the oracle's drafts and the MTP
+# head's behind the gate, K = 3).
 if [ -x "$BIN_ROOT/bin/metrale" ] && [ "${SERVE_BENCH:-1}" != 0 ]; then
   log="$LOGDIR/serve-constrained-qwen3-8b.log"
   start="$(now)"
@@ -249,6 +251,12 @@ if [ -x "$BIN_ROOT/bin/metrale" ] && [ "${SERVE_BENCH:-1}" != 0 ]; then
   timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --serve --shape qwen3-8b \
     --backend cuda --request-rate 4,16 --json-out "$LOGDIR/serve-trace-qwen3-8b.json" > "$log" 2>&1
   record "bench --serve --request-rate" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+  log="$LOGDIR/serve-speculative-qwen3.5-9b.log"
+  start="$(now)"
+  timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --serve --speculative \
+    --shape qwen3.5-9b --backend cuda --concurrency 1,2,4,8,16,32,64 --num-draft-tokens 3 \
+    --json-out "$LOGDIR/serve-speculative-qwen3.5-9b.json" > "$log" 2>&1
+  record "bench --serve --speculative" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
 fi
 
 # The interference scenario on Qwen3-8B (INTERF_BENCH=0 skips it): 64 streams decode when a
