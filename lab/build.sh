@@ -16,7 +16,10 @@
 #   direct path with the weight as the B operand, bitwise and timed;
 # - fp8_exact_lab: `linear_stream_fp8` against a candidate numerics (exact e4m3 weights through
 #   f16 MMAs, the block scale applied to each block's sums), timed and each against the exact
-#   weight.
+#   weight;
+# - wgmma_attention_lab: whether warpgroup MMAs (scores from shared memory, P V with P in
+#   registers, V transposed or read through the instruction's transpose) reproduce the prefill
+#   attention unit's arithmetic bit for bit.
 # Each program's header says what it measures and which arguments it takes. Extra arguments go
 # to nvcc.
 set -euo pipefail
@@ -24,7 +27,7 @@ cd "$(dirname "$0")/.."
 NV=$(ls -d .xtask/cuda-venv/lib/python3*/site-packages/nvidia/cu13)
 mkdir -p target/gemm-lab
 python3 lab/timeline_gen.py
-for lab in gemm_lab prefill_lab wgmma_lab prefetch_lab timeline_lab attention_lab decode_tma_lab gdn_lab tma_stream_lab fp8_swap_lab fp8_exact_lab; do
+for lab in gemm_lab prefill_lab wgmma_lab prefetch_lab timeline_lab attention_lab decode_tma_lab gdn_lab tma_stream_lab fp8_swap_lab fp8_exact_lab wgmma_attention_lab; do
   "$NV/bin/nvcc" -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Xptxas=-warn-spills \
     -I"$NV/include/cccl" -I"$NV/include" -Ikernels -Itarget/gemm-lab -L"$NV/lib" -cudart static \
     -o target/gemm-lab/$lab lab/$lab.cu "$@" &
