@@ -19,6 +19,10 @@
 // layout a fast kernel can use. Context lengths and the causal mask are the prefill's: virtual
 // row v = 4 j + h (head h of position p0 + j), context p0 + j + 1.
 //
+// Then the throughput probe (below): the blocks pipelined over a whole prefill of 2,048 and
+// 16,384 tokens with one softmax chain a row, checked bit for bit against the reference on eight
+// items, and its rate in TFLOP/s of causal work: what the unit arithmetic allows a wgmma kernel.
+//
 // Build: lab/build.sh (target/gemm-lab/wgmma_attention_lab); run with no arguments.
 #include "../kernels/attention.cu"
 
@@ -60,13 +64,14 @@ MT_DEVICE void wg_m64n16(float (&d)[8], uint64_t da, uint64_t db) {
 #define LAB_ACC4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define LAB_ACC16(d, i) LAB_ACC4(d, i), LAB_ACC4(d, i + 4), LAB_ACC4(d, i + 8), LAB_ACC4(d, i + 12)
 
-// d[32] += A B, A 64 x 16 and B 64 x 16 (k-major), both by descriptor.
-MT_DEVICE void wg_m64n64(float (&d)[32], uint64_t da, uint64_t db) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+// d[32] (+)= A B, A 64 x 16 and B 64 x 16 (k-major), both by descriptor; `acc` false ignores d
+// (the sum's start: the same sum as from +0, whose sign no score can keep).
+MT_DEVICE void wg_m64n64(float (&d)[32], uint64_t da, uint64_t db, bool acc = true) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" LAB_ACC32_REGS
                  "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
                  : LAB_ACC16(d, 0), LAB_ACC16(d, 16)
-                 : "l"(da), "l"(db));
+                 : "l"(da), "l"(db), "r"((uint32_t)acc));
 }
 
 #define LAB_ACC64_REGS                                                                                        \
@@ -254,6 +259,237 @@ static std::vector<uint32_t> fetch(const Outs& r) {
     return h;
 }
 
+
+// ---- The throughput probe ----
+// A pipelined warp-specialized kernel over a whole causal prefill with one chain a row (no
+// splits: the arithmetic of the reference over all the row's units), to see what rate these
+// building blocks reach: a block takes two items of one key/value head (row groups 2 i and
+// 2 i + 1, 128 virtual rows); warpgroup 0 streams tiles of 64 tokens (K, and V transposed, each
+// 16 KiB, as images laid out for the descriptors) by bulk copies into a ring of PSTAGES, and
+// warpgroups 1 and 2 each run one item: S for the tile's four units by m64n64k16 (two chains),
+// then per unit the softmax (while the previous unit's P V runs), the rescale (unconditional:
+// multiplying by 1 is exact) and P V by m64n128k16 with P in registers. Outputs as the reference's (O unnormalized,
+// m, l), checked bit for bit against it on some items; timed as causal work (4 * head_dim
+// FLOPs per query head and key).
+constexpr uint32_t PT = 64;
+constexpr uint32_t PSTAGES = 4;
+constexpr uint32_t TILE_BYTES = PT * D * 2;   // K or V of a tile
+constexpr uint32_t Q_BYTES = VROWS * D * 2;   // an item's queries
+constexpr uint32_t PROBE_SMEM = 2 * Q_BYTES + PSTAGES * 2 * TILE_BYTES + (2 * PSTAGES + 1) * 8 + 128;
+
+struct Probe {
+    const unsigned char* qimg;  // [items][Q_BYTES], item = row group * hkv + kv head
+    const unsigned char* kimg;  // [hkv][tiles][TILE_BYTES]
+    const unsigned char* vimg;  // [hkv][tiles][TILE_BYTES]: four units' transposed V
+    float* o;                   // [items][64][D]
+    float* m;                   // [items][64]
+    float* l;
+    uint32_t hkv, tiles;
+};
+
+// Images: item i's queries (q_items [items][64][D]) and head h's tiles (k, v [hkv][n][D]), zero
+// past n.
+__global__ void probe_images(const bf16* q_items, const bf16* k, const bf16* v, unsigned char* qimg,
+                             unsigned char* kimg, unsigned char* vimg, uint32_t items, uint32_t hkv, uint32_t n,
+                             uint32_t tiles) {
+    const size_t nq = (size_t)items * VROWS * D, nk = (size_t)hkv * tiles * PT * D;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < nq + nk; i += (size_t)gridDim.x * blockDim.x) {
+        if (i < nq) {
+            const size_t it = i / (VROWS * D);
+            const uint32_t r = (i / D) % VROWS, e = i % D;
+            *reinterpret_cast<bf16*>(qimg + it * Q_BYTES + kmaj_off(VROWS, r, e)) = q_items[i];
+        } else {
+            const size_t j = i - nq, ht = j / (PT * D);  // head * tiles + tile
+            const uint32_t tok = (j / D) % PT, e = j % D, h = ht / tiles, tile = ht % tiles;
+            const uint32_t t = tile * PT + tok;
+            const bf16 z = __float2bfloat16(0.0f);
+            const bf16 kv = t < n ? k[((size_t)h * n + t) * D + e] : z;
+            const bf16 vv = t < n ? v[((size_t)h * n + t) * D + e] : z;
+            *reinterpret_cast<bf16*>(kimg + ht * TILE_BYTES + kmaj_off(PT, tok, e)) = kv;
+            *reinterpret_cast<bf16*>(vimg + ht * TILE_BYTES + (tok / ATT_UNIT) * ATT_UNIT * D * 2 +
+                                     kmaj_off(D, e, tok % ATT_UNIT)) = vv;
+        }
+    }
+}
+
+__global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
+    extern __shared__ __align__(128) unsigned char dyn[];
+    const uint32_t base0 = (uint32_t)__cvta_generic_to_shared(dyn);
+    const uint32_t base = base0 + ((128 - (base0 & 127)) & 127);
+    const uint32_t stg = base + 2 * Q_BYTES, bars = stg + PSTAGES * 2 * TILE_BYTES;
+    const uint32_t full = bars, empty = bars + PSTAGES * 8, qbar = bars + 2 * PSTAGES * 8;
+    const uint32_t tid = threadIdx.x, wg = tid / 128, wt = tid % 128;
+    const uint32_t h = blockIdx.y;
+    const uint32_t rg0 = 2 * (gridDim.x - 1 - blockIdx.x);  // the longest rows first
+    const uint32_t ctx_cta = 16 * (rg0 + 1) + 16, tiles = (ctx_cta + PT - 1) / PT;
+    if (tid == 0) {
+        for (uint32_t s = 0; s < PSTAGES; ++s) {
+            mbar_init(full + s * 8, 1);
+            mbar_init(empty + s * 8, 256);
+        }
+        mbar_init(qbar, 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    __syncthreads();
+    if (wg == 0) {
+        if (wt == 0) {
+            mbar_expect_tx(qbar, 2 * Q_BYTES);
+            for (uint32_t c = 0; c < 2; ++c)
+                bulk_g2s(base + c * Q_BYTES, p.qimg + (size_t)((rg0 + c) * p.hkv + h) * Q_BYTES, Q_BYTES, qbar);
+            for (uint32_t t = 0; t < tiles; ++t) {
+                const uint32_t s = t % PSTAGES, dst = stg + s * 2 * TILE_BYTES;
+                mbar_wait(empty + s * 8, ((t / PSTAGES) & 1) ^ 1);
+                mbar_expect_tx(full + s * 8, 2 * TILE_BYTES);
+                const size_t src = ((size_t)h * p.tiles + t) * TILE_BYTES;
+                bulk_g2s(dst, p.kimg + src, TILE_BYTES, full + s * 8);
+                bulk_g2s(dst + TILE_BYTES, p.vimg + src, TILE_BYTES, full + s * 8);
+            }
+        }
+        return;
+    }
+    const uint32_t c = wg - 1, rg = rg0 + c, p0 = 16 * rg;
+    const uint32_t warp = wt / 32, lane = wt % 32, g = lane / 4, q4 = lane % 4;
+    const uint32_t ctx0 = lab_ctx(p0, 16 * warp + g), ctx1 = lab_ctx(p0, 16 * warp + g + 8);
+    const uint32_t qa = base + c * Q_BYTES;
+    const float scale_log2 = ATT_LOG2E / sqrtf((float)D);
+    float o[64] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    mbar_wait(qbar, 0);
+    for (uint32_t t = 0; t < tiles; ++t) {
+        const uint32_t s = t % PSTAGES, ka = stg + s * 2 * TILE_BYTES, va = ka + TILE_BYTES;
+        mbar_wait(full + s * 8, (t / PSTAGES) & 1);
+        {  // a tile past this item's rows runs too, fully masked
+            float sc[2][32];
+            lab_wg_fence();
+#pragma unroll
+            for (int k = 0; k < D / 16; ++k)  // each chain's first MMA ignores the accumulator
+                wg_m64n64(sc[k & 1], lab_desc(qa + k * VROWS * 32, 128, 256), lab_desc(ka + k * PT * 32, 128, 256),
+                          k >= 2);
+            lab_wg_commit();
+            lab_wg_wait();
+            uint32_t pk[4][4];  // each unit's P fragment, kept until its P V has completed
+#pragma unroll
+            for (uint32_t j = 0; j < 4; ++j) {
+                // Units past the rows' contexts run too, fully masked: P 0, correction 1, so o,
+                // m and l stay as they are (no branch for the compiler to serialize on).
+                const uint32_t u = 4 * t + j;
+                float s0[2][2][2], s1[2][2][2];
+#pragma unroll
+                for (int rh = 0; rh < 2; ++rh)
+#pragma unroll
+                    for (int n = 0; n < 2; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            s0[rh][n][e] = sc[0][4 * (2 * j + n) + 2 * rh + e];
+                            s1[rh][n][e] = sc[1][4 * (2 * j + n) + 2 * rh + e];
+                        }
+                float corr[2];
+                uint32_t pa[2][2];
+                att_softmax_row(s0[0], s1[0], u, ctx0, scale_log2, q4, m[0], l[0], corr[0], pa[0]);
+                att_softmax_row(s0[1], s1[1], u, ctx1, scale_log2, q4, m[1], l[1], corr[1], pa[1]);
+                // The previous unit's P V (in flight during this softmax) completes before o
+                // may be rescaled; every warp waits, so the warpgroup's waits stay uniform.
+                // The rescale always runs (a factor of 1 is exact): a branch on it would
+                // serialize the warpgroup's MMAs.
+                lab_wg_wait();
+#pragma unroll
+                for (int i = 0; i < 64; ++i) o[i] *= corr[(i & 2) ? 1 : 0];
+                pk[j][0] = pa[0][0];
+                pk[j][1] = pa[1][0];
+                pk[j][2] = pa[0][1];
+                pk[j][3] = pa[1][1];
+                lab_wg_fence();
+                wg_m64n128_rs<0>(o, pk[j][0], pk[j][1], pk[j][2], pk[j][3],
+                                 lab_desc(va + j * ATT_UNIT * D * 2, 128, 256));
+                lab_wg_commit();
+            }
+            lab_wg_wait();
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                asm volatile("" : "+r"(pk[j][0]), "+r"(pk[j][1]), "+r"(pk[j][2]), "+r"(pk[j][3])::"memory");
+        }
+        mbar_arrive(empty + s * 8);
+    }
+    const size_t item = (size_t)rg * p.hkv + h;
+    for (int i = 0; i < 64; ++i)
+        p.o[(item * VROWS + 16 * warp + g + ((i & 2) ? 8 : 0)) * D + 8 * (i / 4) + 2 * q4 + (i & 1)] = o[i];
+    if (q4 == 0) {
+        p.m[item * VROWS + 16 * warp + g] = m[0];
+        p.m[item * VROWS + 16 * warp + g + 8] = m[1];
+        p.l[item * VROWS + 16 * warp + g] = l[0];
+        p.l[item * VROWS + 16 * warp + g + 8] = l[1];
+    }
+}
+
+// The probe over a prefill of n tokens (Qwen3-8B heads: 32 query heads, 8 key/value heads):
+// its time and rate, and how many outputs of a few items differ from the reference.
+static int run_probe(uint32_t n) {
+    const uint32_t hkv = 8, groups = n / 16, items = groups * hkv, tiles = (n + PT - 1) / PT;
+    bf16 *q, *k, *v;
+    unsigned char *qimg, *kimg, *vimg;
+    float *o, *m, *l;
+    CK(cudaMalloc(&q, (size_t)items * VROWS * D * 2));
+    CK(cudaMalloc(&k, (size_t)hkv * n * D * 2));
+    CK(cudaMalloc(&v, (size_t)hkv * n * D * 2));
+    CK(cudaMalloc(&qimg, (size_t)items * Q_BYTES));
+    CK(cudaMalloc(&kimg, (size_t)hkv * tiles * TILE_BYTES));
+    CK(cudaMalloc(&vimg, (size_t)hkv * tiles * TILE_BYTES));
+    CK(cudaMalloc(&o, (size_t)items * VROWS * D * 4));
+    CK(cudaMalloc(&m, (size_t)items * VROWS * 4));
+    CK(cudaMalloc(&l, (size_t)items * VROWS * 4));
+    fill_bf16<<<512, 256>>>(q, (size_t)items * VROWS * D, 11, 2.0f);
+    fill_bf16<<<512, 256>>>(k, (size_t)hkv * n * D, 12, 1.0f);
+    fill_bf16<<<512, 256>>>(v, (size_t)hkv * n * D, 13, 1.0f);
+    probe_images<<<1024, 256>>>(q, k, v, qimg, kimg, vimg, items, hkv, n, tiles);
+    CK(cudaMemset(o, 0xFF, (size_t)items * VROWS * D * 4));
+    CK(cudaMemset(m, 0xFF, (size_t)items * VROWS * 4));
+    CK(cudaMemset(l, 0xFF, (size_t)items * VROWS * 4));
+    CK(cudaFuncSetAttribute(probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, PROBE_SMEM));
+    const Probe pr{qimg, kimg, vimg, o, m, l, hkv, tiles};
+    const dim3 grid(groups / 2, hkv);
+    probe_kernel<<<grid, 384, PROBE_SMEM>>>(pr);
+    CK(cudaDeviceSynchronize());
+    // Bit for bit against the reference on the first, a middle and the last row groups.
+    int bad = 0;
+    const uint32_t check[] = {0, 1, groups / 2, groups - 1};
+    for (uint32_t rg : check)
+        for (uint32_t h : {0u, hkv - 1}) {
+            const size_t item = (size_t)rg * hkv + h;
+            const Item it{q + item * VROWS * D, k + (size_t)h * n * D, v + (size_t)h * n * D, 16 * rg};
+            Outs ref = alloc_outs();
+            ref_kernel<<<1, 128>>>(it, ref.o, ref.m, ref.l);
+            CK(cudaDeviceSynchronize());
+            const std::vector<uint32_t> want = fetch(ref);
+            const Outs got{o + item * VROWS * D, m + item * VROWS, l + item * VROWS};
+            const std::vector<uint32_t> have = fetch(got);
+            size_t diff = 0;
+            for (size_t i = 0; i < want.size(); ++i) diff += want[i] != have[i];
+            if (diff) printf("probe n=%u row group %u head %u: %zu of %zu differ\n", n, rg, h, diff, want.size());
+            bad += diff != 0;
+            CK(cudaFree(ref.o)); CK(cudaFree(ref.m)); CK(cudaFree(ref.l));
+        }
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<double> ms;
+    for (int rep = 0; rep < 7; ++rep) {
+        CK(cudaEventRecord(e0));
+        probe_kernel<<<grid, 384, PROBE_SMEM>>>(pr);
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float t;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        ms.push_back(t);
+    }
+    const double t = median(ms);
+    const double flops = 4.0 * D * 32.0 * (double)n * (n + 1) / 2.0;
+    printf("probe n=%u: %.3f ms a layer, %.1f TFLOP/s of causal work; %d of 8 checked items differ\n", n, t,
+           flops / (t * 1e-3) / 1e12, bad);
+    CK(cudaFree(q)); CK(cudaFree(k)); CK(cudaFree(v));
+    CK(cudaFree(qimg)); CK(cudaFree(kimg)); CK(cudaFree(vimg));
+    CK(cudaFree(o)); CK(cudaFree(m)); CK(cudaFree(l));
+    return bad;
+}
+
 int main() {
     // Positions of the item's first row: a first chunk, rows across a unit boundary late in a
     // prompt, and a long context (many units, most maxima settled).
@@ -312,5 +548,6 @@ int main() {
         }
     }
     printf("wgmma attention lab: %d of %d candidate cases differ from the mma.sync reference\n", bad, cases);
+    for (uint32_t n : {2048u, 16384u}) run_probe(n);
     return 0;
 }
