@@ -20,14 +20,17 @@
 // row v = 4 j + h (head h of position p0 + j), context p0 + j + 1.
 //
 // Then the throughput probe (below): the blocks pipelined over a whole prefill of 2,048 and
-// 16,384 tokens with one softmax chain a row, checked bit for bit against the reference on eight
-// items, and its rate in TFLOP/s of causal work: what the unit arithmetic allows a wgmma kernel.
+// 16,384 tokens, with one softmax chain a row and with chains of 256 tokens folded in order (a
+// candidate arithmetic whose chains a decode kernel could run in parallel), each checked bit for
+// bit against the reference in the same arithmetic on eight items, and its rate in TFLOP/s of
+// causal work: what the unit arithmetic allows a wgmma kernel, and what the folds cost.
 //
 // Build: lab/build.sh (target/gemm-lab/wgmma_attention_lab); run with no arguments.
 #include "../kernels/attention.cu"
 
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -38,6 +41,7 @@ constexpr int D = 128;         // head_dim
 constexpr int HB = 4;          // heads a key/value head (Qwen3-8B)
 constexpr int VROWS = 64;      // virtual rows of an item
 constexpr int RS = D + 8;      // the reference's padded rows
+constexpr uint32_t PT_TOKENS = 64;  // tokens of a chain tile
 
 // The no-swizzle descriptor: lbo and sbo in bytes.
 MT_DEVICE uint64_t lab_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
@@ -101,8 +105,21 @@ struct Item {
 
 MT_DEVICE uint32_t lab_ctx(uint32_t p0, uint32_t vrow) { return p0 + vrow / HB + 1; }
 
+// Chains (the candidate arithmetic with splits of fixed length): a row's units are cut into
+// chains of CHT tiles of 64 tokens (CHT 0: one chain), each run from fresh (o, m, l) as above,
+// and the chains are folded in order into the row's (O, M, L): M' = max(M, m), O' = o 2^(m - M')
+// + O 2^(M - M') as one fmaf over an explicit product, L' likewise. One chain folds to itself.
+MT_DEVICE void chain_weights(float M, float m, float& mn, float& wo, float& wc) {
+    mn = fmaxf(M, m);
+    wo = M == -INFINITY ? 0.0f : att_exp2(M - mn);
+    wc = m == -INFINITY ? 0.0f : att_exp2(m - mn);
+}
+
+MT_DEVICE float chain_fold(float total, float part, float wo, float wc) { return fmaf(part, wc, __fmul_rn(total, wo)); }
+
 // The reference: four warps, warp w on tile w, the engine's prefill unit (atp_unit) over every
-// unit up to the item's last context.
+// unit up to the item's last context, in chains of CHT tiles (see chain_fold).
+template <uint32_t CHT>
 __global__ void __launch_bounds__(128) ref_kernel(Item it, float* o_out, float* m_out, float* l_out) {
     __shared__ __align__(16) bf16 qs[VROWS * RS];
     __shared__ __align__(16) bf16 stage[2 * ATT_UNIT * RS];
@@ -111,7 +128,9 @@ __global__ void __launch_bounds__(128) ref_kernel(Item it, float* o_out, float* 
     const uint32_t ctx_max = lab_ctx(it.p0, VROWS - 1), units = (ctx_max + ATT_UNIT - 1) / ATT_UNIT;
     const uint32_t ctx0 = lab_ctx(it.p0, 16 * warp + g), ctx1 = lab_ctx(it.p0, 16 * warp + g + 8);
     float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float ot[D / 8][4] = {}, mt[2] = {-INFINITY, -INFINITY}, lt[2] = {0.0f, 0.0f};
     const float scale_log2 = ATT_LOG2E / sqrtf((float)D);
+    const uint32_t chain_units = CHT == 0 ? units : CHT * (PT_TOKENS / ATT_UNIT);
     for (uint32_t u = 0; u < units; ++u) {
         __syncthreads();
         for (uint32_t i = tid; i < ATT_UNIT * D; i += 128) {
@@ -121,18 +140,36 @@ __global__ void __launch_bounds__(128) ref_kernel(Item it, float* o_out, float* 
             stage[(ATT_UNIT + t) * RS + e] = live ? it.v[(size_t)tok * D + e] : __float2bfloat16(0.0f);
         }
         __syncthreads();
-        atp_unit<D, D>(stage, qs, warp, 0, u, ctx0, ctx1, scale_log2, u == 0, lane, o, m, l);
+        atp_unit<D, D>(stage, qs, warp, 0, u, ctx0, ctx1, scale_log2, u % chain_units == 0, lane, o, m, l);
+        if (u % chain_units == chain_units - 1 || u + 1 == units) {  // the chain ends: fold it
+            float mn[2], wo[2], wc[2];
+#pragma unroll
+            for (int rh = 0; rh < 2; ++rh) {
+                chain_weights(mt[rh], m[rh], mn[rh], wo[rh], wc[rh]);
+                lt[rh] = chain_fold(lt[rh], l[rh], wo[rh], wc[rh]);
+                mt[rh] = mn[rh];
+                m[rh] = -INFINITY;
+                l[rh] = 0.0f;
+            }
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    ot[n][e] = chain_fold(ot[n][e], o[n][e], wo[e >> 1], wc[e >> 1]);
+                    o[n][e] = 0.0f;
+                }
+        }
     }
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            o_out[(16 * warp + g + (e >= 2 ? 8 : 0)) * D + 8 * n + 2 * c + (e & 1)] = o[n][e];
+            o_out[(16 * warp + g + (e >= 2 ? 8 : 0)) * D + 8 * n + 2 * c + (e & 1)] = ot[n][e];
     if (c == 0) {
-        m_out[16 * warp + g] = m[0];
-        m_out[16 * warp + g + 8] = m[1];
-        l_out[16 * warp + g] = l[0];
-        l_out[16 * warp + g + 8] = l[1];
+        m_out[16 * warp + g] = mt[0];
+        m_out[16 * warp + g + 8] = mt[1];
+        l_out[16 * warp + g] = lt[0];
+        l_out[16 * warp + g + 8] = lt[1];
     }
 }
 
@@ -312,6 +349,7 @@ __global__ void probe_images(const bf16* q_items, const bf16* k, const bf16* v, 
     }
 }
 
+template <uint32_t CHT>
 __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
     extern __shared__ __align__(128) unsigned char dyn[];
     const uint32_t base0 = (uint32_t)__cvta_generic_to_shared(dyn);
@@ -332,6 +370,9 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     __syncthreads();
     if (wg == 0) {
+        // The producer gives registers to the consumers (whose o, running totals and scores
+        // would not fit 168 a thread).
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (wt == 0) {
             mbar_expect_tx(qbar, 2 * Q_BYTES);
             for (uint32_t c = 0; c < 2; ++c)
@@ -347,12 +388,14 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
         }
         return;
     }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     const uint32_t c = wg - 1, rg = rg0 + c, p0 = 16 * rg;
     const uint32_t warp = wt / 32, lane = wt % 32, g = lane / 4, q4 = lane % 4;
     const uint32_t ctx0 = lab_ctx(p0, 16 * warp + g), ctx1 = lab_ctx(p0, 16 * warp + g + 8);
     const uint32_t qa = base + c * Q_BYTES;
     const float scale_log2 = ATT_LOG2E / sqrtf((float)D);
     float o[64] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float ot[64] = {}, mt[2] = {-INFINITY, -INFINITY}, lt[2] = {0.0f, 0.0f};
     mbar_wait(qbar, 0);
     for (uint32_t t = 0; t < tiles; ++t) {
         const uint32_t s = t % PSTAGES, ka = stg + s * 2 * TILE_BYTES, va = ka + TILE_BYTES;
@@ -408,20 +451,42 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
                 asm volatile("" : "+r"(pk[j][0]), "+r"(pk[j][1]), "+r"(pk[j][2]), "+r"(pk[j][3])::"memory");
         }
         mbar_arrive(empty + s * 8);
+        if ((CHT != 0 && (t + 1) % (CHT == 0 ? 1 : CHT) == 0) || t + 1 == tiles) {  // the chain ends: fold it
+            float mn[2], wo[2], wc[2];
+#pragma unroll
+            for (int rh = 0; rh < 2; ++rh) {
+                chain_weights(mt[rh], m[rh], mn[rh], wo[rh], wc[rh]);
+                lt[rh] = chain_fold(lt[rh], l[rh], wo[rh], wc[rh]);
+                mt[rh] = mn[rh];
+                // The next chain starts from -FLT_MAX, not -inf: its first live unit gets the
+                // same correction (0) and maximum, and a fully masked tile (past this item's
+                // rows, run without a branch) keeps it finite instead of turning it to NaN; such
+                // a chain folds with weight 0.
+                m[rh] = -FLT_MAX;
+                l[rh] = 0.0f;
+            }
+#pragma unroll
+            for (int i = 0; i < 64; ++i) {
+                ot[i] = chain_fold(ot[i], o[i], wo[(i >> 1) & 1], wc[(i >> 1) & 1]);
+                o[i] = 0.0f;
+            }
+        }
     }
     const size_t item = (size_t)rg * p.hkv + h;
     for (int i = 0; i < 64; ++i)
-        p.o[(item * VROWS + 16 * warp + g + ((i & 2) ? 8 : 0)) * D + 8 * (i / 4) + 2 * q4 + (i & 1)] = o[i];
+        p.o[(item * VROWS + 16 * warp + g + ((i & 2) ? 8 : 0)) * D + 8 * (i / 4) + 2 * q4 + (i & 1)] = ot[i];
     if (q4 == 0) {
-        p.m[item * VROWS + 16 * warp + g] = m[0];
-        p.m[item * VROWS + 16 * warp + g + 8] = m[1];
-        p.l[item * VROWS + 16 * warp + g] = l[0];
-        p.l[item * VROWS + 16 * warp + g + 8] = l[1];
+        p.m[item * VROWS + 16 * warp + g] = mt[0];
+        p.m[item * VROWS + 16 * warp + g + 8] = mt[1];
+        p.l[item * VROWS + 16 * warp + g] = lt[0];
+        p.l[item * VROWS + 16 * warp + g + 8] = lt[1];
     }
 }
 
-// The probe over a prefill of n tokens (Qwen3-8B heads: 32 query heads, 8 key/value heads):
-// its time and rate, and how many outputs of a few items differ from the reference.
+// The probe over a prefill of n tokens (Qwen3-8B heads: 32 query heads, 8 key/value heads), in
+// chains of CHT tiles: its time and rate, and how many outputs of a few items differ from the
+// reference.
+template <uint32_t CHT>
 static int run_probe(uint32_t n) {
     const uint32_t hkv = 8, groups = n / 16, items = groups * hkv, tiles = (n + PT - 1) / PT;
     bf16 *q, *k, *v;
@@ -443,10 +508,10 @@ static int run_probe(uint32_t n) {
     CK(cudaMemset(o, 0xFF, (size_t)items * VROWS * D * 4));
     CK(cudaMemset(m, 0xFF, (size_t)items * VROWS * 4));
     CK(cudaMemset(l, 0xFF, (size_t)items * VROWS * 4));
-    CK(cudaFuncSetAttribute(probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, PROBE_SMEM));
+    CK(cudaFuncSetAttribute(probe_kernel<CHT>, cudaFuncAttributeMaxDynamicSharedMemorySize, PROBE_SMEM));
     const Probe pr{qimg, kimg, vimg, o, m, l, hkv, tiles};
     const dim3 grid(groups / 2, hkv);
-    probe_kernel<<<grid, 384, PROBE_SMEM>>>(pr);
+    probe_kernel<CHT><<<grid, 384, PROBE_SMEM>>>(pr);
     CK(cudaDeviceSynchronize());
     // Bit for bit against the reference on the first, a middle and the last row groups.
     int bad = 0;
@@ -456,14 +521,16 @@ static int run_probe(uint32_t n) {
             const size_t item = (size_t)rg * hkv + h;
             const Item it{q + item * VROWS * D, k + (size_t)h * n * D, v + (size_t)h * n * D, 16 * rg};
             Outs ref = alloc_outs();
-            ref_kernel<<<1, 128>>>(it, ref.o, ref.m, ref.l);
+            ref_kernel<CHT><<<1, 128>>>(it, ref.o, ref.m, ref.l);
             CK(cudaDeviceSynchronize());
             const std::vector<uint32_t> want = fetch(ref);
             const Outs got{o + item * VROWS * D, m + item * VROWS, l + item * VROWS};
             const std::vector<uint32_t> have = fetch(got);
             size_t diff = 0;
             for (size_t i = 0; i < want.size(); ++i) diff += want[i] != have[i];
-            if (diff) printf("probe n=%u row group %u head %u: %zu of %zu differ\n", n, rg, h, diff, want.size());
+            if (diff)
+                printf("probe n=%u chains of %u tokens, row group %u head %u: %zu of %zu differ\n", n, CHT * PT, rg, h,
+                       diff, want.size());
             bad += diff != 0;
             CK(cudaFree(ref.o)); CK(cudaFree(ref.m)); CK(cudaFree(ref.l));
         }
@@ -473,7 +540,7 @@ static int run_probe(uint32_t n) {
     std::vector<double> ms;
     for (int rep = 0; rep < 7; ++rep) {
         CK(cudaEventRecord(e0));
-        probe_kernel<<<grid, 384, PROBE_SMEM>>>(pr);
+        probe_kernel<CHT><<<grid, 384, PROBE_SMEM>>>(pr);
         CK(cudaEventRecord(e1));
         CK(cudaEventSynchronize(e1));
         float t;
@@ -482,8 +549,9 @@ static int run_probe(uint32_t n) {
     }
     const double t = median(ms);
     const double flops = 4.0 * D * 32.0 * (double)n * (n + 1) / 2.0;
-    printf("probe n=%u: %.3f ms a layer, %.1f TFLOP/s of causal work; %d of 8 checked items differ\n", n, t,
-           flops / (t * 1e-3) / 1e12, bad);
+    printf("probe n=%u, chains of %u tokens (0: one chain): %.3f ms a layer, %.1f TFLOP/s of causal work; %d of 8 "
+           "checked items differ\n",
+           n, CHT * PT, t, flops / (t * 1e-3) / 1e12, bad);
     CK(cudaFree(q)); CK(cudaFree(k)); CK(cudaFree(v));
     CK(cudaFree(qimg)); CK(cudaFree(kimg)); CK(cudaFree(vimg));
     CK(cudaFree(o)); CK(cudaFree(m)); CK(cudaFree(l));
@@ -519,7 +587,7 @@ int main() {
             fill_bf16<<<64, 256>>>(v, (size_t)(ctx_max + 64) * D, p0 + 3, 1.0f);
             const Item it{q, k, v, p0};
             Outs ref = alloc_outs();
-            ref_kernel<<<1, 128>>>(it, ref.o, ref.m, ref.l);
+            ref_kernel<0><<<1, 128>>>(it, ref.o, ref.m, ref.l);
             CK(cudaDeviceSynchronize());
             const std::vector<uint32_t> want = fetch(ref);
             for (const Cand& cand : cands) {
@@ -548,6 +616,9 @@ int main() {
         }
     }
     printf("wgmma attention lab: %d of %d candidate cases differ from the mma.sync reference\n", bad, cases);
-    for (uint32_t n : {2048u, 16384u}) run_probe(n);
+    for (uint32_t n : {2048u, 16384u}) {
+        run_probe<0>(n);
+        run_probe<4>(n);  // the candidate arithmetic: chains of 256 tokens
+    }
     return 0;
 }
