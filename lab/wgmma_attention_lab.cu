@@ -95,7 +95,8 @@ MT_DEVICE void wg_m64n128_rs(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t 
 }
 
 // One item: q [64][D] (virtual rows), k and v [ctx_max][D] (the item's key/value head), and the
-// positions p0 .. p0 + 15 of its rows; outputs o [64][D] (unnormalized), m [64], l [64].
+// positions p0 .. p0 + 15 of its rows; outputs o [64][D] (unnormalized), m [64] and l [64][4]
+// (a row's sum stays four partial sums, one a lane of its quad, until the kernels' combines).
 struct Item {
     const bf16* q;
     const bf16* k;
@@ -168,9 +169,9 @@ __global__ void __launch_bounds__(128) ref_kernel(Item it, float* o_out, float* 
     if (c == 0) {
         m_out[16 * warp + g] = mt[0];
         m_out[16 * warp + g + 8] = mt[1];
-        l_out[16 * warp + g] = lt[0];
-        l_out[16 * warp + g + 8] = lt[1];
     }
+    l_out[(16 * warp + g) * 4 + c] = lt[0];
+    l_out[(16 * warp + g + 8) * 4 + c] = lt[1];
 }
 
 // Byte offset of element (row r, k) in a k-major no-swizzle operand of `rows` rows and K 16 a
@@ -268,9 +269,9 @@ __global__ void __launch_bounds__(128) wg_kernel(Item it, float* o_out, float* m
     if (c == 0) {
         m_out[16 * warp + g] = m[0];
         m_out[16 * warp + g + 8] = m[1];
-        l_out[16 * warp + g] = l[0];
-        l_out[16 * warp + g + 8] = l[1];
     }
+    l_out[(16 * warp + g) * 4 + c] = l[0];
+    l_out[(16 * warp + g + 8) * 4 + c] = l[1];
 }
 
 struct Outs {
@@ -281,18 +282,18 @@ static Outs alloc_outs() {
     Outs r;
     CK(cudaMalloc(&r.o, VROWS * D * 4));
     CK(cudaMalloc(&r.m, VROWS * 4));
-    CK(cudaMalloc(&r.l, VROWS * 4));
+    CK(cudaMalloc(&r.l, VROWS * 4 * 4));
     CK(cudaMemset(r.o, 0xFF, VROWS * D * 4));  // poisoned: an unwritten output differs
     CK(cudaMemset(r.m, 0xFF, VROWS * 4));
-    CK(cudaMemset(r.l, 0xFF, VROWS * 4));
+    CK(cudaMemset(r.l, 0xFF, VROWS * 4 * 4));
     return r;
 }
 
 static std::vector<uint32_t> fetch(const Outs& r) {
-    std::vector<uint32_t> h(VROWS * D + 2 * VROWS);
+    std::vector<uint32_t> h(VROWS * D + VROWS + 4 * VROWS);
     CK(cudaMemcpy(h.data(), r.o, VROWS * D * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(h.data() + VROWS * D, r.m, VROWS * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(h.data() + VROWS * D + VROWS, r.l, VROWS * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(h.data() + VROWS * D + VROWS, r.l, VROWS * 4 * 4, cudaMemcpyDeviceToHost));
     return h;
 }
 
@@ -320,7 +321,7 @@ struct Probe {
     const unsigned char* vimg;  // [hkv][tiles][TILE_BYTES]: four units' transposed V
     float* o;                   // [items][64][D]
     float* m;                   // [items][64]
-    float* l;
+    float* l;                   // [items][64][4]: each quad lane's partial sum
     uint32_t hkv, tiles;
 };
 
@@ -478,9 +479,9 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
     if (q4 == 0) {
         p.m[item * VROWS + 16 * warp + g] = mt[0];
         p.m[item * VROWS + 16 * warp + g + 8] = mt[1];
-        p.l[item * VROWS + 16 * warp + g] = lt[0];
-        p.l[item * VROWS + 16 * warp + g + 8] = lt[1];
     }
+    p.l[(item * VROWS + 16 * warp + g) * 4 + q4] = lt[0];
+    p.l[(item * VROWS + 16 * warp + g + 8) * 4 + q4] = lt[1];
 }
 
 // The probe over a prefill of n tokens (Qwen3-8B heads: 32 query heads, 8 key/value heads), in
@@ -500,14 +501,14 @@ static int run_probe(uint32_t n) {
     CK(cudaMalloc(&vimg, (size_t)hkv * tiles * TILE_BYTES));
     CK(cudaMalloc(&o, (size_t)items * VROWS * D * 4));
     CK(cudaMalloc(&m, (size_t)items * VROWS * 4));
-    CK(cudaMalloc(&l, (size_t)items * VROWS * 4));
+    CK(cudaMalloc(&l, (size_t)items * VROWS * 4 * 4));
     fill_bf16<<<512, 256>>>(q, (size_t)items * VROWS * D, 11, 2.0f);
     fill_bf16<<<512, 256>>>(k, (size_t)hkv * n * D, 12, 1.0f);
     fill_bf16<<<512, 256>>>(v, (size_t)hkv * n * D, 13, 1.0f);
     probe_images<<<1024, 256>>>(q, k, v, qimg, kimg, vimg, items, hkv, n, tiles);
     CK(cudaMemset(o, 0xFF, (size_t)items * VROWS * D * 4));
     CK(cudaMemset(m, 0xFF, (size_t)items * VROWS * 4));
-    CK(cudaMemset(l, 0xFF, (size_t)items * VROWS * 4));
+    CK(cudaMemset(l, 0xFF, (size_t)items * VROWS * 4 * 4));
     CK(cudaFuncSetAttribute(probe_kernel<CHT>, cudaFuncAttributeMaxDynamicSharedMemorySize, PROBE_SMEM));
     const Probe pr{qimg, kimg, vimg, o, m, l, hkv, tiles};
     const dim3 grid(groups / 2, hkv);
@@ -524,7 +525,7 @@ static int run_probe(uint32_t n) {
             ref_kernel<CHT><<<1, 128>>>(it, ref.o, ref.m, ref.l);
             CK(cudaDeviceSynchronize());
             const std::vector<uint32_t> want = fetch(ref);
-            const Outs got{o + item * VROWS * D, m + item * VROWS, l + item * VROWS};
+            const Outs got{o + item * VROWS * D, m + item * VROWS, l + item * VROWS * 4};
             const std::vector<uint32_t> have = fetch(got);
             size_t diff = 0;
             for (size_t i = 0; i < want.size(); ++i) diff += want[i] != have[i];
