@@ -19,7 +19,8 @@
 #   weight;
 # - wgmma_attention_lab: whether warpgroup MMAs (scores from shared memory, P V with P in
 #   registers, V transposed or read through the instruction's transpose) reproduce the prefill
-#   attention unit's arithmetic bit for bit, and the rate of a pipelined kernel made of them.
+#   attention unit's arithmetic bit for bit, the rate of a pipelined kernel made of them, and
+#   decode rows in chains of 256 tokens (a candidate arithmetic) against the same reference.
 # Each program's header says what it measures and which arguments it takes. Extra arguments go
 # to nvcc.
 set -euo pipefail

@@ -19,11 +19,13 @@
 // layout a fast kernel can use. Context lengths and the causal mask are the prefill's: virtual
 // row v = 4 j + h (head h of position p0 + j), context p0 + j + 1.
 //
-// Then the throughput probe (below): the blocks pipelined over a whole prefill of 2,048 and
+// Then the throughput probe: the blocks pipelined over a whole prefill of 2,048 and
 // 16,384 tokens, with one softmax chain a row and with chains of 256 tokens folded in order (a
 // candidate arithmetic whose chains a decode kernel could run in parallel), each checked bit for
 // bit against the reference in the same arithmetic on eight items, and its rate in TFLOP/s of
-// causal work: what the unit arithmetic allows a wgmma kernel, and what the folds cost.
+// causal work: what the unit arithmetic allows a wgmma kernel, and what the folds cost. Last,
+// decode rows in the chain arithmetic (a warp a chain, then a fold kernel), bitwise against the
+// reference's rows and timed at batch 1 (1,024 and 32,768 tokens) and 32 (8,192).
 //
 // Build: lab/build.sh (target/gemm-lab/wgmma_attention_lab); run with no arguments.
 #include "../kernels/attention.cu"
@@ -559,6 +561,201 @@ static int run_probe(uint32_t n) {
     return bad;
 }
 
+
+// ---- The decode side of chains ----
+// Decode rows in the chain arithmetic: a warp per (row, key/value head, chain of 256 tokens) runs
+// the engine's transposed decode unit (att_unit of kernels/attention_decode.cuh, bitwise the
+// prefill unit) over its chain's units from a ring of DS stages (cp.async), and writes the
+// chain's partial (o, m and the four partial sums of each of its hb heads); a fold kernel then
+// folds each head's chains in order (chain_fold). Its rows are checked bit for bit against the
+// reference's rows at the same position (ref_kernel<4>, the row as the last position of its
+// item), and the two launches timed at batch 1 and 32 as GB/s of keys and values read.
+constexpr uint32_t DCH_UNITS = 16;  // units a chain (256 tokens: ref_kernel<4>)
+constexpr uint32_t DS = 4;
+constexpr uint32_t D_STAGE = 2 * ATT_UNIT * RS;  // bf16 of a ring stage
+constexpr uint32_t D_WARP = DS * D_STAGE + ATT_HB * RS;
+constexpr uint32_t D_SMEM = 4 * D_WARP * 2;
+
+struct DecodeProbe {
+    const bf16* q;   // [rows][hkv * HB][D]
+    const bf16* k;   // [rows][hkv][ctx][D]
+    const bf16* v;
+    float* po;       // [items][chains][HB][D]
+    float* pm;       // [items][chains][HB]
+    float* pl;       // [items][chains][HB][4]
+    float* fo;       // [items][HB][D]
+    float* fm;       // [items][HB]
+    float* fl;       // [items][HB][4]
+    uint32_t hkv, ctx, chains;
+};
+
+__global__ void __launch_bounds__(128) decode_chain(DecodeProbe p) {
+    extern __shared__ __align__(16) bf16 dsm[];
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const uint32_t ch = blockIdx.x * 4 + warp, item = blockIdx.y;
+    if (ch >= p.chains) return;
+    const uint32_t row = item / p.hkv, kvh = item % p.hkv;
+    bf16* ring = dsm + warp * D_WARP;
+    bf16* qslot = ring + DS * D_STAGE;
+    const uint32_t units = (p.ctx + ATT_UNIT - 1) / ATT_UNIT, u0 = ch * DCH_UNITS;
+    const uint32_t n = min(DCH_UNITS, units - u0);
+    for (uint32_t i = lane; i < ATT_HB * D; i += 32) {
+        const uint32_t hh = i / D, e = i % D;
+        qslot[hh * RS + e] =
+            hh < HB ? p.q[((size_t)row * p.hkv * HB + kvh * HB + hh) * D + e] : __float2bfloat16(0.0f);
+    }
+    const bf16* kb = p.k + ((size_t)row * p.hkv + kvh) * p.ctx * D;
+    const bf16* vb = p.v + ((size_t)row * p.hkv + kvh) * p.ctx * D;
+    auto issue = [&](uint32_t i) {
+        if (i < n) {
+            bf16* st = ring + (i % DS) * D_STAGE;
+            const uint32_t t0 = (u0 + i) * ATT_UNIT;
+            for (uint32_t x = lane; x < ATT_UNIT * (D / 8); x += 32) {
+                const uint32_t t = x / (D / 8), ck = x % (D / 8), tok = t0 + t;
+                const bool live = tok < p.ctx;
+                const size_t off = (size_t)(live ? tok : 0) * D + 8 * ck;
+                cp_async16(st + t * RS + 8 * ck, kb + off, live ? 16u : 0u);
+                cp_async16(st + (ATT_UNIT + t) * RS + 8 * ck, vb + off, live ? 16u : 0u);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (uint32_t i = 0; i < DS; ++i) issue(i);
+    float o[D / 16][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    const float scale_log2 = ATT_LOG2E / sqrtf((float)D);
+    for (uint32_t i = 0; i < n; ++i) {
+        cp_async_wait<DS - 1>();
+        __syncwarp();
+        att_unit<D>(ring + (i % DS) * D_STAGE, qslot, u0 + i, p.ctx, scale_log2, i == 0, lane, o, m, l);
+        __syncwarp();
+        issue(i + DS);
+    }
+    cp_async_wait<0>();
+    const size_t base = (size_t)item * p.chains + ch;
+#pragma unroll
+    for (uint32_t j = 0; j < 2; ++j) {
+        const uint32_t hh = 2 * c + j;
+        if (hh >= HB) continue;
+        float* w = p.po + (base * HB + hh) * D + g;
+#pragma unroll
+        for (int t = 0; t < D / 16; ++t) {
+            w[16 * t] = o[t][j];
+            w[16 * t + 8] = o[t][2 + j];
+        }
+        if (g == 0) p.pm[base * HB + hh] = m[j];
+        if (g % 2 == 0) p.pl[(base * HB + hh) * 4 + g / 2] = l[j];
+    }
+}
+
+// Each head's chains folded in order: thread e of block `item` its dimension e of every head,
+// threads 0..15 also a head's partial sum.
+__global__ void __launch_bounds__(128) decode_fold(DecodeProbe p) {
+    const uint32_t item = blockIdx.x, e = threadIdx.x;
+    for (uint32_t hh = 0; hh < HB; ++hh) {
+        float mt = -INFINITY, ot = 0.0f, lt = 0.0f;
+        const uint32_t k = e % 4;
+        for (uint32_t ch = 0; ch < p.chains; ++ch) {
+            const size_t b = ((size_t)item * p.chains + ch) * HB + hh;
+            float mn, wo, wc;
+            chain_weights(mt, p.pm[b], mn, wo, wc);
+            ot = chain_fold(ot, p.po[b * D + e], wo, wc);
+            if (e < 4) lt = chain_fold(lt, p.pl[b * 4 + k], wo, wc);
+            mt = mn;
+        }
+        p.fo[((size_t)item * HB + hh) * D + e] = ot;
+        if (e == 0) p.fm[(size_t)item * HB + hh] = mt;
+        if (e < 4) p.fl[((size_t)item * HB + hh) * 4 + k] = lt;
+    }
+}
+
+// Decode at `rows` rows of context `ctx` (Qwen3-8B heads): bitwise against the reference on the
+// first and last items, and the two launches' time.
+static int run_decode_probe(uint32_t rows, uint32_t ctx) {
+    const uint32_t hkv = 8, items = rows * hkv, chains = (ctx + DCH_UNITS * ATT_UNIT - 1) / (DCH_UNITS * ATT_UNIT);
+    const size_t kv_elems = (size_t)rows * hkv * ctx * D;
+    bf16 *q, *k, *v;
+    float *po, *pm, *pl, *fo, *fm, *fl;
+    CK(cudaMalloc(&q, (size_t)rows * hkv * HB * D * 2));
+    CK(cudaMalloc(&k, kv_elems * 2));
+    CK(cudaMalloc(&v, kv_elems * 2));
+    CK(cudaMalloc(&po, (size_t)items * chains * HB * D * 4));
+    CK(cudaMalloc(&pm, (size_t)items * chains * HB * 4));
+    CK(cudaMalloc(&pl, (size_t)items * chains * HB * 4 * 4));
+    CK(cudaMalloc(&fo, (size_t)items * HB * D * 4));
+    CK(cudaMalloc(&fm, (size_t)items * HB * 4));
+    CK(cudaMalloc(&fl, (size_t)items * HB * 4 * 4));
+    fill_bf16<<<512, 256>>>(q, (size_t)rows * hkv * HB * D, 21, 2.0f);
+    fill_bf16<<<1024, 256>>>(k, kv_elems, 22, 1.0f);
+    fill_bf16<<<1024, 256>>>(v, kv_elems, 23, 1.0f);
+    CK(cudaMemset(fo, 0xFF, (size_t)items * HB * D * 4));
+    CK(cudaMemset(fm, 0xFF, (size_t)items * HB * 4));
+    CK(cudaMemset(fl, 0xFF, (size_t)items * HB * 4 * 4));
+    CK(cudaFuncSetAttribute(decode_chain, cudaFuncAttributeMaxDynamicSharedMemorySize, D_SMEM));
+    const DecodeProbe dp{q, k, v, po, pm, pl, fo, fm, fl, hkv, ctx, chains};
+    const dim3 grid((chains + 3) / 4, items);
+    auto step = [&]() {
+        decode_chain<<<grid, 128, D_SMEM>>>(dp);
+        decode_fold<<<items, 128>>>(dp);
+    };
+    step();
+    CK(cudaDeviceSynchronize());
+    // The reference: an item whose last position is the decode row's (p0 = ctx - 16), its
+    // virtual rows 60..63 the row's four heads; the other queries random.
+    int bad = 0;
+    bf16* qref;
+    CK(cudaMalloc(&qref, VROWS * D * 2));
+    for (uint32_t it : {0u, items - 1}) {
+        const uint32_t row = it / hkv, kvh = it % hkv;
+        fill_bf16<<<64, 256>>>(qref, VROWS * D, 31 + it, 2.0f);
+        const bf16* q_row = q + ((size_t)row * hkv * HB + kvh * HB) * D;
+        CK(cudaMemcpy(qref + 60 * D, q_row, HB * D * 2, cudaMemcpyDeviceToDevice));
+        const size_t kv_off = ((size_t)row * hkv + kvh) * ctx * D;
+        const Item ri{qref, k + kv_off, v + kv_off, ctx - 16};
+        Outs ref = alloc_outs();
+        ref_kernel<4><<<1, 128>>>(ri, ref.o, ref.m, ref.l);
+        CK(cudaDeviceSynchronize());
+        const std::vector<uint32_t> want = fetch(ref);
+        std::vector<uint32_t> o_h(HB * D), m_h(HB), l_h(HB * 4);
+        CK(cudaMemcpy(o_h.data(), fo + (size_t)it * HB * D, HB * D * 4, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(m_h.data(), fm + (size_t)it * HB, HB * 4, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(l_h.data(), fl + (size_t)it * HB * 4, HB * 16, cudaMemcpyDeviceToHost));
+        size_t diff = 0;
+        for (uint32_t hh = 0; hh < HB; ++hh) {
+            const uint32_t vr = 60 + hh;
+            for (uint32_t e = 0; e < D; ++e) diff += o_h[hh * D + e] != want[vr * D + e];
+            diff += m_h[hh] != want[VROWS * D + vr];
+            for (uint32_t kk = 0; kk < 4; ++kk) diff += l_h[hh * 4 + kk] != want[VROWS * D + VROWS + vr * 4 + kk];
+        }
+        if (diff)
+            printf("decode probe rows=%u ctx=%u item %u: %zu outputs differ from the reference\n", rows, ctx, it, diff);
+        bad += diff != 0;
+        CK(cudaFree(ref.o)); CK(cudaFree(ref.m)); CK(cudaFree(ref.l));
+    }
+    CK(cudaFree(qref));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<double> us;
+    for (int rep = 0; rep < 9; ++rep) {
+        CK(cudaEventRecord(e0));
+        step();
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float t;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        us.push_back(t * 1e3);
+    }
+    const double t = median(us);
+    printf("decode probe rows=%u ctx=%u: %u chains of 256 tokens, %.2f us a layer (chains + fold), %.0f GB/s of "
+           "keys and values; %d of 2 checked items differ\n",
+           rows, ctx, chains, t, 2.0 * kv_elems * 2 / (t * 1e-6) / 1e9, bad);
+    CK(cudaFree(q)); CK(cudaFree(k)); CK(cudaFree(v));
+    CK(cudaFree(po)); CK(cudaFree(pm)); CK(cudaFree(pl));
+    CK(cudaFree(fo)); CK(cudaFree(fm)); CK(cudaFree(fl));
+    return bad;
+}
+
 int main() {
     // Positions of the item's first row: a first chunk, rows across a unit boundary late in a
     // prompt, and a long context (many units, most maxima settled).
@@ -621,5 +818,9 @@ int main() {
         run_probe<0>(n);
         run_probe<4>(n);  // the candidate arithmetic: chains of 256 tokens
     }
+    // Decode in the same arithmetic: batch 1 at 1,024 and 32,768 tokens, batch 32 at 8,192.
+    run_decode_probe(1, 1024);
+    run_decode_probe(1, 32768);
+    run_decode_probe(32, 8192);
     return 0;
 }
