@@ -23,7 +23,8 @@
 // 16,384 tokens, with one softmax chain a row and with chains of 256 tokens folded in order (a
 // candidate arithmetic whose chains a decode kernel could run in parallel), each checked bit for
 // bit against the reference in the same arithmetic on eight items, and its rate in TFLOP/s of
-// causal work: what the unit arithmetic allows a wgmma kernel, and what the folds cost. Last,
+// causal work: what the unit arithmetic allows a wgmma kernel, and what the folds cost; and,
+// speed only, the same with one softmax step over each 64-token tile (a larger unit). Last,
 // decode rows in the chain arithmetic (a warp a chain, then a fold kernel), bitwise against the
 // reference's rows and timed at batch 1 (1,024 and 32,768 tokens) and 32 (8,192).
 //
@@ -352,7 +353,7 @@ __global__ void probe_images(const bf16* q_items, const bf16* k, const bf16* v, 
     }
 }
 
-template <uint32_t CHT>
+template <uint32_t CHT, bool U64>
 __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
     extern __shared__ __align__(128) unsigned char dyn[];
     const uint32_t base0 = (uint32_t)__cvta_generic_to_shared(dyn);
@@ -413,6 +414,46 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
             lab_wg_commit();
             lab_wg_wait();
             uint32_t pk[4][4];  // each unit's P fragment, kept until its P V has completed
+            if constexpr (U64) {
+                // Speed only (another arithmetic, not checked): one softmax step over the tile's
+                // 64 tokens, one rescale, then its four P V MMAs back to back.
+                const uint32_t ctxs[2] = {ctx0, ctx1};
+#pragma unroll
+                for (int rh = 0; rh < 2; ++rh) {
+                    float x[8][2], mx = -INFINITY;
+#pragma unroll
+                    for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const uint32_t tok = t * PT + 8 * nb + 2 * q4 + e;
+                            const float v = __fadd_rn(sc[0][4 * nb + 2 * rh + e], sc[1][4 * nb + 2 * rh + e]);
+                            x[nb][e] = tok < ctxs[rh] ? __fmul_rn(v, scale_log2) : -INFINITY;
+                            mx = fmaxf(mx, x[nb][e]);
+                        }
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    const float mnew = fmaxf(m[rh], mx), cr = att_exp2(m[rh] - mnew);
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int nb = 0; nb < 8; ++nb) {
+                        const uint32_t pp = att_pack_bf16(att_exp2(x[nb][0] - mnew), att_exp2(x[nb][1] - mnew));
+                        sum = __fadd_rn(sum, __fadd_rn(__uint_as_float(pp << 16), __uint_as_float(pp & 0xFFFF0000u)));
+                        // k16 slice nb / 2: a0 / a1 the first 8 columns of rows g / g + 8, a2 / a3 the next.
+                        pk[nb / 2][(nb % 2) * 2 + rh] = pp;
+                    }
+                    l[rh] = fmaf(l[rh], cr, sum);
+                    m[rh] = mnew;
+#pragma unroll
+                    for (int i = 0; i < 64; ++i)
+                        if (((i >> 1) & 1) == rh) o[i] *= cr;
+                }
+                lab_wg_fence();
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    wg_m64n128_rs<0>(o, pk[j][0], pk[j][1], pk[j][2], pk[j][3],
+                                     lab_desc(va + j * ATT_UNIT * D * 2, 128, 256));
+                lab_wg_commit();
+            } else
 #pragma unroll
             for (uint32_t j = 0; j < 4; ++j) {
                 // Units past the rows' contexts run too, fully masked: P 0, correction 1, so o,
@@ -489,7 +530,7 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
 // The probe over a prefill of n tokens (Qwen3-8B heads: 32 query heads, 8 key/value heads), in
 // chains of CHT tiles: its time and rate, and how many outputs of a few items differ from the
 // reference.
-template <uint32_t CHT>
+template <uint32_t CHT, bool U64 = false>
 static int run_probe(uint32_t n) {
     const uint32_t hkv = 8, groups = n / 16, items = groups * hkv, tiles = (n + PT - 1) / PT;
     bf16 *q, *k, *v;
@@ -511,15 +552,17 @@ static int run_probe(uint32_t n) {
     CK(cudaMemset(o, 0xFF, (size_t)items * VROWS * D * 4));
     CK(cudaMemset(m, 0xFF, (size_t)items * VROWS * 4));
     CK(cudaMemset(l, 0xFF, (size_t)items * VROWS * 4 * 4));
-    CK(cudaFuncSetAttribute(probe_kernel<CHT>, cudaFuncAttributeMaxDynamicSharedMemorySize, PROBE_SMEM));
+    CK(cudaFuncSetAttribute(probe_kernel<CHT, U64>, cudaFuncAttributeMaxDynamicSharedMemorySize, PROBE_SMEM));
     const Probe pr{qimg, kimg, vimg, o, m, l, hkv, tiles};
     const dim3 grid(groups / 2, hkv);
-    probe_kernel<CHT><<<grid, 384, PROBE_SMEM>>>(pr);
+    probe_kernel<CHT, U64><<<grid, 384, PROBE_SMEM>>>(pr);
     CK(cudaDeviceSynchronize());
     // Bit for bit against the reference on the first, a middle and the last row groups.
     int bad = 0;
-    const uint32_t check[] = {0, 1, groups / 2, groups - 1};
-    for (uint32_t rg : check)
+    // (None with the 64-token step: another arithmetic than the reference's.)
+    std::vector<uint32_t> check;
+    if (!U64) check = {0, 1, groups / 2, groups - 1};
+    for (uint32_t rg : check) {
         for (uint32_t h : {0u, hkv - 1}) {
             const size_t item = (size_t)rg * hkv + h;
             const Item it{q + item * VROWS * D, k + (size_t)h * n * D, v + (size_t)h * n * D, 16 * rg};
@@ -537,13 +580,14 @@ static int run_probe(uint32_t n) {
             bad += diff != 0;
             CK(cudaFree(ref.o)); CK(cudaFree(ref.m)); CK(cudaFree(ref.l));
         }
+    }
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     std::vector<double> ms;
     for (int rep = 0; rep < 7; ++rep) {
         CK(cudaEventRecord(e0));
-        probe_kernel<CHT><<<grid, 384, PROBE_SMEM>>>(pr);
+        probe_kernel<CHT, U64><<<grid, 384, PROBE_SMEM>>>(pr);
         CK(cudaEventRecord(e1));
         CK(cudaEventSynchronize(e1));
         float t;
@@ -552,9 +596,10 @@ static int run_probe(uint32_t n) {
     }
     const double t = median(ms);
     const double flops = 4.0 * D * 32.0 * (double)n * (n + 1) / 2.0;
-    printf("probe n=%u, chains of %u tokens (0: one chain): %.3f ms a layer, %.1f TFLOP/s of causal work; %d of 8 "
-           "checked items differ\n",
-           n, CHT * PT, t, flops / (t * 1e-3) / 1e12, bad);
+    printf("probe n=%u, chains of %u tokens (0: one chain), softmax unit %u: %.3f ms a layer, %.1f TFLOP/s of causal "
+           "work; %s\n",
+           n, CHT * PT, U64 ? 64 : 16, t, flops / (t * 1e-3) / 1e12,
+           U64 ? "speed only" : (bad ? "CHECKED ITEMS DIFFER" : "8 checked items bitwise the reference"));
     CK(cudaFree(q)); CK(cudaFree(k)); CK(cudaFree(v));
     CK(cudaFree(qimg)); CK(cudaFree(kimg)); CK(cudaFree(vimg));
     CK(cudaFree(o)); CK(cudaFree(m)); CK(cudaFree(l));
@@ -816,7 +861,8 @@ int main() {
     printf("wgmma attention lab: %d of %d candidate cases differ from the mma.sync reference\n", bad, cases);
     for (uint32_t n : {2048u, 16384u}) {
         run_probe<0>(n);
-        run_probe<4>(n);  // the candidate arithmetic: chains of 256 tokens
+        run_probe<4>(n);        // the candidate arithmetic: chains of 256 tokens
+        run_probe<4, true>(n);  // with a 64-token softmax step (speed only)
     }
     // Decode in the same arithmetic: batch 1 at 1,024 and 32,768 tokens, batch 32 at 8,192.
     run_decode_probe(1, 1024);
