@@ -7,7 +7,7 @@
 // For random e4m3 A (64 x K) and B (8 x K) and a random f32 start C (K = 32 and 128, one FP8
 // block), it prints:
 // - how many of the 512 outputs differ between the mma.sync chain and the wgmma chain (the same
-//   32 k to each instruction, in order);
+//   32 k to each instruction, in order), and with the wgmma's slots reversed (the same k set);
 // - for one instruction (K = 32), how many outputs equal the host's candidate models of it:
 //   (a) C + (the exact sum of the 32 products), rounded to f32 once; (b) the products summed
 //   exactly, rounded to f32, then added to C in f32; and the largest distance, in units of the
@@ -67,7 +67,9 @@ __device__ __forceinline__ uint64_t desc(const void* p, uint32_t lbo, uint32_t s
 
 // The candidate: one warpgroup, a wgmma m64n8k32 per 32 k, operands staged k-major without
 // swizzle (core matrices of 8 rows x 16 bytes: lbo 128 between the two k halves, sbo 256
-// between row groups).
+// between row groups). REV stages each 32 k in reverse order, in both operands: the same k set
+// and pairs, other slots (whether only the set counts, as for bf16).
+template <bool REV>
 __global__ void __launch_bounds__(128) wg_cand(float* out, const uint8_t* a, const uint8_t* b, const float* c, int k) {
     __shared__ __align__(128) uint8_t sa[M * 32];
     __shared__ __align__(128) uint8_t sb[N * 32];
@@ -78,11 +80,11 @@ __global__ void __launch_bounds__(128) wg_cand(float* out, const uint8_t* a, con
         __syncthreads();
         for (int i = tid; i < M * 32; i += 128) {
             const int r = i / 32, kk = i % 32;
-            sa[((r / 8) * 2 + kk / 16) * 128 + (r % 8) * 16 + kk % 16] = a[r * k + k0 + kk];
+            sa[((r / 8) * 2 + kk / 16) * 128 + (r % 8) * 16 + kk % 16] = a[r * k + k0 + (REV ? 31 - kk : kk)];
         }
         for (int i = tid; i < N * 32; i += 128) {
             const int r = i / 32, kk = i % 32;
-            sb[(kk / 16) * 128 + r * 16 + kk % 16] = b[r * k + k0 + kk];
+            sb[(kk / 16) * 128 + r * 16 + kk % 16] = b[r * k + k0 + (REV ? 31 - kk : kk)];
         }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
@@ -121,12 +123,13 @@ int main() {
     for (int k : {32, 128}) {
         for (float cscale : {0.0f, 1.0f, 1000.0f}) {
             uint8_t *a, *b;
-            float *c, *ref, *cand;
+            float *c, *ref, *cand, *rev;
             CK(cudaMalloc(&a, M * k));
             CK(cudaMalloc(&b, N * k));
             CK(cudaMalloc(&c, M * N * 4));
             CK(cudaMalloc(&ref, M * N * 4));
             CK(cudaMalloc(&cand, M * N * 4));
+            CK(cudaMalloc(&rev, M * N * 4));
             fill_u8<<<16, 256>>>(a, M * k, 7 + k);
             fill_u8<<<16, 256>>>(b, N * k, 9 + k);
             std::vector<float> hc(M * N);
@@ -134,18 +137,25 @@ int main() {
             CK(cudaMemcpy(c, hc.data(), M * N * 4, cudaMemcpyHostToDevice));
             CK(cudaMemset(ref, 0xFF, M * N * 4));
             CK(cudaMemset(cand, 0xFF, M * N * 4));
+            CK(cudaMemset(rev, 0xFF, M * N * 4));
             mma_ref<<<1, 128>>>(ref, a, b, c, k);
-            wg_cand<<<1, 128>>>(cand, a, b, c, k);
+            wg_cand<false><<<1, 128>>>(cand, a, b, c, k);
+            wg_cand<true><<<1, 128>>>(rev, a, b, c, k);
             CK(cudaDeviceSynchronize());
-            std::vector<float> hr(M * N), hw(M * N);
+            std::vector<float> hr(M * N), hw(M * N), hv(M * N);
             std::vector<uint8_t> ha(M * k), hb(N * k);
             CK(cudaMemcpy(hr.data(), ref, M * N * 4, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(hw.data(), cand, M * N * 4, cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(hv.data(), rev, M * N * 4, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(ha.data(), a, M * k, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(hb.data(), b, N * k, cudaMemcpyDeviceToHost));
-            int diff = 0;
-            for (int i = 0; i < M * N; ++i) diff += memcmp(&hr[i], &hw[i], 4) != 0;
-            printf("K=%3d C scale %6g: mma.sync vs wgmma: %d of %d differ\n", k, cscale, diff, M * N);
+            int diff = 0, rdiff = 0;
+            for (int i = 0; i < M * N; ++i) {
+                diff += memcmp(&hr[i], &hw[i], 4) != 0;
+                rdiff += memcmp(&hr[i], &hv[i], 4) != 0;
+            }
+            printf("K=%3d C scale %6g: mma.sync vs wgmma: %d of %d differ; vs wgmma on reversed slots: %d differ\n", k,
+                   cscale, diff, M * N, rdiff);
             bad += diff != 0;
             if (k == 32) {
                 int model_a = 0, model_b = 0, worst = 0;
@@ -164,6 +174,7 @@ int main() {
                        model_a, M * N, model_b, worst);
             }
             CK(cudaFree(a)); CK(cudaFree(b)); CK(cudaFree(c)); CK(cudaFree(ref)); CK(cudaFree(cand));
+            CK(cudaFree(rev));
         }
     }
     printf("fp8 mma lab: %d of 6 cases differ between mma.sync and wgmma\n", bad);
