@@ -22,7 +22,10 @@
 #   attention unit's arithmetic bit for bit, the rate of a pipelined kernel made of them, and
 #   decode rows in chains of 256 tokens (a candidate arithmetic) against the same reference;
 # - fp8_mma_lab: whether FP8 x FP8 tensor-core sums (e4m3) are the same from mma.sync m16n8k32 and
-#   wgmma m64n8k32, and which rounding model one instruction follows.
+#   wgmma m64n8k32, and which rounding model one instruction follows;
+# - fp8_act_lab: the decode GEMM with FP8 activations (x quantized per 128 columns) and the
+#   weight bytes straight into e4m3 MMAs, timed and each against the exact weight beside
+#   linear_stream_fp8.
 # Each program's header says what it measures and which arguments it takes. Extra arguments go
 # to nvcc.
 set -euo pipefail
@@ -30,7 +33,7 @@ cd "$(dirname "$0")/.."
 NV=$(ls -d .xtask/cuda-venv/lib/python3*/site-packages/nvidia/cu13)
 mkdir -p target/gemm-lab
 python3 lab/timeline_gen.py
-for lab in gemm_lab prefill_lab wgmma_lab prefetch_lab timeline_lab attention_lab decode_tma_lab gdn_lab tma_stream_lab fp8_swap_lab fp8_exact_lab wgmma_attention_lab fp8_mma_lab; do
+for lab in gemm_lab prefill_lab wgmma_lab prefetch_lab timeline_lab attention_lab decode_tma_lab gdn_lab tma_stream_lab fp8_swap_lab fp8_exact_lab wgmma_attention_lab fp8_mma_lab fp8_act_lab; do
   "$NV/bin/nvcc" -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Xptxas=-warn-spills \
     -I"$NV/include/cccl" -I"$NV/include" -Ikernels -Itarget/gemm-lab -L"$NV/lib" -cudart static \
     -o target/gemm-lab/$lab lab/$lab.cu "$@" &
