@@ -2,7 +2,7 @@
 // activations are FP8 too (e4m3 with a scale per row and 128-column block, as the official packs
 // intend), so the weight bytes go to the tensor cores as they are (mma.sync m16n8k32 e4m3) with
 // no conversion? `linear_stream_fp8` converts every weight pair to bf16 and is bound by
-// instruction issue (1.79x its floor at batch 1 on Qwen3-8B).
+// instruction issue.
 //
 // The candidate: x is quantized first (`quantize_x`: per row and 128 columns, scale = amax /
 // 448, each element rounded to the nearest e4m3), then each warp streams units of 16 weight rows
