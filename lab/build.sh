@@ -32,10 +32,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 NV=$(ls -d .xtask/cuda-venv/lib/python3*/site-packages/nvidia/cu13)
 mkdir -p target/gemm-lab
-python3 lab/timeline_gen.py
-for lab in gemm_lab prefill_lab wgmma_lab prefetch_lab timeline_lab attention_lab decode_tma_lab gdn_lab tma_stream_lab fp8_swap_lab fp8_exact_lab wgmma_attention_lab fp8_mma_lab fp8_act_lab; do
+labs="gemm_lab prefill_lab wgmma_lab prefetch_lab attention_lab decode_tma_lab gdn_lab tma_stream_lab
+  fp8_swap_lab fp8_exact_lab wgmma_attention_lab fp8_mma_lab fp8_act_lab"
+# timeline_lab times a generated copy of a kernel; when the kernel has moved on from what the
+# generator expects, the others still build.
+if python3 lab/timeline_gen.py; then
+  labs="$labs timeline_lab"
+else
+  echo "build.sh: lab/timeline_gen.py does not match kernels/gemm.cu any more; timeline_lab is left out" >&2
+fi
+pids=()
+for lab in $labs; do
   "$NV/bin/nvcc" -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Xptxas=-warn-spills \
     -I"$NV/include/cccl" -I"$NV/include" -Ikernels -Itarget/gemm-lab -L"$NV/lib" -cudart static \
     -o target/gemm-lab/$lab lab/$lab.cu "$@" &
+  pids+=("$!")
 done
-wait
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+exit "$failed"

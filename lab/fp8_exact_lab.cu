@@ -137,27 +137,12 @@ __global__ void __launch_bounds__(LIN_STREAM_WARPS * 32, 2)
     }
 }
 
-static double e4m3_value(uint8_t b) {
-    const int s = b >> 7, e = (b >> 3) & 15, mant = b & 7;
-    const double v = e == 0 ? std::ldexp(mant / 8.0, -6) : std::ldexp(1.0 + mant / 8.0, e - 7);
-    return s ? -v : v;
-}
-
-static double bf16_value(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
 int main() {
     const uint32_t shapes[][2] = {{6144, 4096}, {4096, 4096}, {24576, 4096}, {4096, 12288}};
     const uint32_t ms[] = {1, 4, 8};
     const int copies = 4, grid = 264;
     cudaStream_t s;
     CK(cudaStreamCreate(&s));
-    double e4m3[256];
-    for (int b = 0; b < 256; ++b) e4m3[b] = e4m3_value((uint8_t)b);
     for (auto& sh : shapes) {
         const uint32_t n = sh[0], k = sh[1], kb = (k + 127) / 128;
         const size_t wbytes = (size_t)n * k, sbytes = (size_t)((n + 127) / 128) * kb;
@@ -189,25 +174,10 @@ int main() {
             std::vector<uint16_t> h1((size_t)m * n), h2((size_t)m * n);
             CK(cudaMemcpy(h1.data(), o1, h1.size() * 2, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(h2.data(), o2, h2.size() * 2, cudaMemcpyDeviceToHost));
-            // Error against the exact weight, relative to the largest output of the row, over
-            // the first 256 columns of each row.
-            double e1 = 0, e2 = 0;
-            for (uint32_t r = 0; r < m; ++r) {
-                std::vector<double> ref(256);
-                double big = 0;
-                for (uint32_t c = 0; c < 256 && c < n; ++c) {
-                    double acc = 0;
-                    for (uint32_t i = 0; i < k; ++i)
-                        acc += e4m3[hw[(size_t)c * k + i]] * hs[(c >> 7) * kb + i / 128] *
-                               bf16_value(hx[(size_t)r * k + i]);
-                    ref[c] = acc;
-                    big = std::max(big, std::fabs(acc));
-                }
-                for (uint32_t c = 0; c < 256 && c < n; ++c) {
-                    e1 = std::max(e1, std::fabs(bf16_value(h1[(size_t)r * n + c]) - ref[c]) / big);
-                    e2 = std::max(e2, std::fabs(bf16_value(h2[(size_t)r * n + c]) - ref[c]) / big);
-                }
-            }
+            // Errors against the exact weight (with bf16 x), relative to the row's largest output.
+            const Fp8Exact exact = fp8_exact(hw, hs, hx, m, n, k);
+            const double e1 = fp8_max_error(exact, [&](size_t r, uint32_t c) { return bf16_value(h1[r * n + c]); });
+            const double e2 = fp8_max_error(exact, [&](size_t r, uint32_t c) { return bf16_value(h2[r * n + c]); });
             auto rec = [&](bool exact) {
                 return [&, exact](cudaStream_t st) {
                     for (int it = 0; it < 20; ++it) {

@@ -103,13 +103,6 @@ __global__ void __launch_bounds__(128) wg_cand(float* out, const uint8_t* a, con
     out[r1 * N + n0 + 1] = d[3];
 }
 
-// An e4m3 byte's value (no NaN codes are drawn).
-static double e4m3(uint8_t v) {
-    const int s = v >> 7, e = (v >> 3) & 15, m = v & 7;
-    const double mag = e == 0 ? std::ldexp((double)m, -9) : std::ldexp(1.0 + m / 8.0, e - 7);
-    return s ? -mag : mag;
-}
-
 static int ulps(float x, float y) {
     int32_t a, b;
     memcpy(&a, &x, 4);
@@ -162,7 +155,7 @@ int main() {
                 for (int r = 0; r < M; ++r)
                     for (int n = 0; n < N; ++n) {
                         double s = 0.0;  // exact: 32 products of 4-bit significands fit a double
-                        for (int kk = 0; kk < 32; ++kk) s += e4m3(ha[r * k + kk]) * e4m3(hb[n * k + kk]);
+                        for (int kk = 0; kk < 32; ++kk) s += e4m3_value(ha[r * k + kk]) * e4m3_value(hb[n * k + kk]);
                         const float got = hr[r * N + n], cv = hc[r * N + n];
                         const float fa = (float)((double)cv + s), fb = cv + (float)s;
                         model_a += memcmp(&got, &fa, 4) == 0;

@@ -7,6 +7,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -98,4 +101,55 @@ static double time_graph(cudaStream_t s, const std::function<void(cudaStream_t)>
     CK(cudaEventDestroy(a));
     CK(cudaEventDestroy(b));
     return median(t);
+}
+
+// An e4m3 byte's value (the NaN codes, which the fills never draw, read as 480).
+static double e4m3_value(uint8_t b) {
+    const int s = b >> 7, e = (b >> 3) & 15, mant = b & 7;
+    const double v = e == 0 ? std::ldexp(mant / 8.0, -6) : std::ldexp(1.0 + mant / 8.0, e - 7);
+    return s ? -v : v;
+}
+
+static double bf16_value(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// The exact product of rows 0..m of bf16 x [m, k] with a block-FP8 weight (bytes w [n, k], f32
+// scales s [n / 128][k / 128]), over the first 256 output columns, and each row's largest
+// magnitude there: what the FP8 labs measure their kernels' errors against.
+struct Fp8Exact {
+    uint32_t cols;
+    std::vector<double> ref;  // [m][cols]
+    std::vector<double> big;  // [m]
+};
+
+static Fp8Exact fp8_exact(const std::vector<uint8_t>& w, const std::vector<float>& s, const std::vector<uint16_t>& x,
+                          uint32_t m, uint32_t n, uint32_t k) {
+    double e4m3[256];
+    for (int b = 0; b < 256; ++b) e4m3[b] = e4m3_value((uint8_t)b);
+    const uint32_t kb = (k + 127) / 128;
+    Fp8Exact r{std::min(256u, n), {}, std::vector<double>(m, 0.0)};
+    r.ref.resize((size_t)m * r.cols);
+    for (uint32_t row = 0; row < m; ++row)
+        for (uint32_t c = 0; c < r.cols; ++c) {
+            double acc = 0;
+            for (uint32_t i = 0; i < k; ++i)
+                acc += e4m3[w[(size_t)c * k + i]] * s[(c >> 7) * kb + i / 128] * bf16_value(x[(size_t)row * k + i]);
+            r.ref[(size_t)row * r.cols + c] = acc;
+            r.big[row] = std::max(r.big[row], std::fabs(acc));
+        }
+    return r;
+}
+
+// The largest error of `got(row, col)` against `r`, relative to the row's largest output.
+template <typename Got>
+static double fp8_max_error(const Fp8Exact& r, Got got) {
+    double e = 0;
+    for (size_t row = 0; row < r.big.size(); ++row)
+        for (uint32_t c = 0; c < r.cols; ++c)
+            e = std::max(e, std::fabs(got(row, c) - r.ref[row * r.cols + c]) / r.big[row]);
+    return e;
 }

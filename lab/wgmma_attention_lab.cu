@@ -121,6 +121,63 @@ MT_DEVICE void chain_weights(float M, float m, float& mn, float& wo, float& wc) 
 
 MT_DEVICE float chain_fold(float total, float part, float wo, float wc) { return fmaf(part, wc, __fmul_rn(total, wo)); }
 
+// A warp's share of an item in the accumulator layout, flat: o[4 n + e] holds dimensions
+// 8 n + 2 c + (e & 1) of row g (e < 2) or row g + 8; m and l the two rows' maxima and this lane's
+// partial sums.
+
+// atp_unit's outputs [16][4] as the flat layout (the same floats in the same order).
+MT_DEVICE float (&flat(float (&o)[D / 8][4]))[64] { return *reinterpret_cast<float(*)[64]>(&o); }
+
+// Fold a chain's (o, m, l) into the row pair's (ot, mt, lt), then start the next chain from
+// (0, m_start, 0).
+MT_DEVICE void fold_chain(float (&ot)[64], float (&mt)[2], float (&lt)[2], float (&o)[64], float (&m)[2],
+                          float (&l)[2], float m_start) {
+    float mn[2], wo[2], wc[2];
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+        chain_weights(mt[rh], m[rh], mn[rh], wo[rh], wc[rh]);
+        lt[rh] = chain_fold(lt[rh], l[rh], wo[rh], wc[rh]);
+        mt[rh] = mn[rh];
+        m[rh] = m_start;
+        l[rh] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        ot[i] = chain_fold(ot[i], o[i], wo[(i >> 1) & 1], wc[(i >> 1) & 1]);
+        o[i] = 0.0f;
+    }
+}
+
+// Unit j of a score tile (its two chains' m64nN fragments sc0, sc1: columns 16 j .. 16 j + 15
+// are n8 blocks 2 j and 2 j + 1), as att_softmax_row takes it: [row g | g + 8][n-tile][c0, c1].
+template <int N>
+MT_DEVICE void unit_scores(const float (&sc0)[N], const float (&sc1)[N], uint32_t j, float (&s0)[2][2][2],
+                           float (&s1)[2][2][2]) {
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                s0[rh][n][e] = sc0[4 * (2 * j + n) + 2 * rh + e];
+                s1[rh][n][e] = sc1[4 * (2 * j + n) + 2 * rh + e];
+            }
+}
+
+// A warp's rows of an item into its outputs (o [64][D], m [64], l [64][4] from their pointers).
+MT_DEVICE void store_rows(float* o_out, float* m_out, float* l_out, const float (&o)[64], const float (&m)[2],
+                          const float (&l)[2], uint32_t warp, uint32_t g, uint32_t c) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i)
+        o_out[(16 * warp + g + ((i & 2) ? 8 : 0)) * D + 8 * (i / 4) + 2 * c + (i & 1)] = o[i];
+    if (c == 0) {
+        m_out[16 * warp + g] = m[0];
+        m_out[16 * warp + g + 8] = m[1];
+    }
+    l_out[(16 * warp + g) * 4 + c] = l[0];
+    l_out[(16 * warp + g + 8) * 4 + c] = l[1];
+}
+
 // The reference: four warps, warp w on tile w, the engine's prefill unit (atp_unit) over every
 // unit up to the item's last context, in chains of CHT tiles (see chain_fold).
 template <uint32_t CHT>
@@ -145,36 +202,10 @@ __global__ void __launch_bounds__(128) ref_kernel(Item it, float* o_out, float* 
         }
         __syncthreads();
         atp_unit<D, D>(stage, qs, warp, 0, u, ctx0, ctx1, scale_log2, u % chain_units == 0, lane, o, m, l);
-        if (u % chain_units == chain_units - 1 || u + 1 == units) {  // the chain ends: fold it
-            float mn[2], wo[2], wc[2];
-#pragma unroll
-            for (int rh = 0; rh < 2; ++rh) {
-                chain_weights(mt[rh], m[rh], mn[rh], wo[rh], wc[rh]);
-                lt[rh] = chain_fold(lt[rh], l[rh], wo[rh], wc[rh]);
-                mt[rh] = mn[rh];
-                m[rh] = -INFINITY;
-                l[rh] = 0.0f;
-            }
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    ot[n][e] = chain_fold(ot[n][e], o[n][e], wo[e >> 1], wc[e >> 1]);
-                    o[n][e] = 0.0f;
-                }
-        }
+        if (u % chain_units == chain_units - 1 || u + 1 == units)  // the chain ends: fold it
+            fold_chain(flat(ot), mt, lt, flat(o), m, l, -INFINITY);
     }
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            o_out[(16 * warp + g + (e >= 2 ? 8 : 0)) * D + 8 * n + 2 * c + (e & 1)] = ot[n][e];
-    if (c == 0) {
-        m_out[16 * warp + g] = mt[0];
-        m_out[16 * warp + g + 8] = mt[1];
-    }
-    l_out[(16 * warp + g) * 4 + c] = lt[0];
-    l_out[(16 * warp + g + 8) * 4 + c] = lt[1];
+    store_rows(o_out, m_out, l_out, flat(ot), mt, lt, warp, g, c);
 }
 
 // Byte offset of element (row r, k) in a k-major no-swizzle operand of `rows` rows and K 16 a
@@ -238,17 +269,8 @@ __global__ void __launch_bounds__(128) wg_kernel(Item it, float* o_out, float* m
         lab_wg_wait();
         for (uint32_t j = 0; j < UNITS && u0 + j < units; ++j) {
             const uint32_t u = u0 + j;
-            // The unit's columns 16 j .. 16 j + 15: n8 blocks 2 j and 2 j + 1.
-            float s0[2][2][2], s1[2][2][2];  // [row g | g + 8][n-tile][c0, c1]
-#pragma unroll
-            for (int rh = 0; rh < 2; ++rh)
-#pragma unroll
-                for (int n = 0; n < 2; ++n)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        s0[rh][n][e] = s[0][4 * (2 * j + n) + 2 * rh + e];
-                        s1[rh][n][e] = s[1][4 * (2 * j + n) + 2 * rh + e];
-                    }
+            float s0[2][2][2], s1[2][2][2];
+            unit_scores(s[0], s[1], j, s0, s1);
             float corr[2];
             uint32_t pa[2][2];
             att_softmax_row(s0[0], s1[0], u, ctx0, scale_log2, c, m[0], l[0], corr[0], pa[0]);
@@ -267,14 +289,7 @@ __global__ void __launch_bounds__(128) wg_kernel(Item it, float* o_out, float* m
             lab_wg_wait();
         }
     }
-    for (int i = 0; i < 64; ++i)
-        o_out[(16 * warp + g + ((i & 2) ? 8 : 0)) * D + 8 * (i / 4) + 2 * c + (i & 1)] = o[i];
-    if (c == 0) {
-        m_out[16 * warp + g] = m[0];
-        m_out[16 * warp + g + 8] = m[1];
-    }
-    l_out[(16 * warp + g) * 4 + c] = l[0];
-    l_out[(16 * warp + g + 8) * 4 + c] = l[1];
+    store_rows(o_out, m_out, l_out, o, m, l, warp, g, c);
 }
 
 struct Outs {
@@ -460,15 +475,7 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
                 // m and l stay as they are (no branch for the compiler to serialize on).
                 const uint32_t u = 4 * t + j;
                 float s0[2][2][2], s1[2][2][2];
-#pragma unroll
-                for (int rh = 0; rh < 2; ++rh)
-#pragma unroll
-                    for (int n = 0; n < 2; ++n)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            s0[rh][n][e] = sc[0][4 * (2 * j + n) + 2 * rh + e];
-                            s1[rh][n][e] = sc[1][4 * (2 * j + n) + 2 * rh + e];
-                        }
+                unit_scores(sc[0], sc[1], j, s0, s1);
                 float corr[2];
                 uint32_t pa[2][2];
                 att_softmax_row(s0[0], s1[0], u, ctx0, scale_log2, q4, m[0], l[0], corr[0], pa[0]);
@@ -495,36 +502,15 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
                 asm volatile("" : "+r"(pk[j][0]), "+r"(pk[j][1]), "+r"(pk[j][2]), "+r"(pk[j][3])::"memory");
         }
         mbar_arrive(empty + s * 8);
-        if ((CHT != 0 && (t + 1) % (CHT == 0 ? 1 : CHT) == 0) || t + 1 == tiles) {  // the chain ends: fold it
-            float mn[2], wo[2], wc[2];
-#pragma unroll
-            for (int rh = 0; rh < 2; ++rh) {
-                chain_weights(mt[rh], m[rh], mn[rh], wo[rh], wc[rh]);
-                lt[rh] = chain_fold(lt[rh], l[rh], wo[rh], wc[rh]);
-                mt[rh] = mn[rh];
-                // The next chain starts from -FLT_MAX, not -inf: its first live unit gets the
-                // same correction (0) and maximum, and a fully masked tile (past this item's
-                // rows, run without a branch) keeps it finite instead of turning it to NaN; such
-                // a chain folds with weight 0.
-                m[rh] = -FLT_MAX;
-                l[rh] = 0.0f;
-            }
-#pragma unroll
-            for (int i = 0; i < 64; ++i) {
-                ot[i] = chain_fold(ot[i], o[i], wo[(i >> 1) & 1], wc[(i >> 1) & 1]);
-                o[i] = 0.0f;
-            }
-        }
+        // The chain ends: fold it. The next chain starts from -FLT_MAX, not -inf: its first live
+        // unit gets the same correction (0) and maximum, and a fully masked tile (past this
+        // item's rows, run without a branch) keeps it finite instead of turning it to NaN; such
+        // a chain folds with weight 0.
+        if ((CHT != 0 && (t + 1) % (CHT == 0 ? 1 : CHT) == 0) || t + 1 == tiles)
+            fold_chain(ot, mt, lt, o, m, l, -FLT_MAX);
     }
     const size_t item = (size_t)rg * p.hkv + h;
-    for (int i = 0; i < 64; ++i)
-        p.o[(item * VROWS + 16 * warp + g + ((i & 2) ? 8 : 0)) * D + 8 * (i / 4) + 2 * q4 + (i & 1)] = ot[i];
-    if (q4 == 0) {
-        p.m[item * VROWS + 16 * warp + g] = mt[0];
-        p.m[item * VROWS + 16 * warp + g + 8] = mt[1];
-    }
-    p.l[(item * VROWS + 16 * warp + g) * 4 + q4] = lt[0];
-    p.l[(item * VROWS + 16 * warp + g + 8) * 4 + q4] = lt[1];
+    store_rows(p.o + item * VROWS * D, p.m + item * VROWS, p.l + item * VROWS * 4, ot, mt, lt, warp, g, q4);
 }
 
 // The probe over a prefill of n tokens (Qwen3-8B heads: 32 query heads, 8 key/value heads), in

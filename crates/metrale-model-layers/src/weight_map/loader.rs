@@ -79,12 +79,7 @@ impl<'a> WeightLoader<'a> {
     ) -> Result<DenseWeight, WeightError> {
         let shape = concat_shape(parts)?;
         let data = self.source.load_bf16_concat(parts)?;
-        let label = parts
-            .iter()
-            .map(|(name, _)| *name)
-            .collect::<Vec<_>>()
-            .join(" + ");
-        self.upload(&label, &data, shape, DType::Bf16)
+        self.upload(&label_of(parts), &data, shape, DType::Bf16)
     }
 
     /// A projection weight `name` (`[n, k]`) as the checkpoint stores it: block FP8 with its
