@@ -261,6 +261,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
             "backend": report.backend,
             "copy_gb_s": report.copy_gb_s,
             "gemm_tflop_s": report.gemm_tflop_s,
+            "vendor_gemm_tflop_s": report.vendor_gemm_tflop_s,
+            "fp8_gemm": report.fp8_gemm.as_ref().map(|f| serde_json::json!({
+                "ours_tflop_s": f.ours_tflop_s,
+                "vendor_tflop_s": f.vendor_tflop_s,
+                "vendor_refused": f.vendor_refused,
+            })),
             "weight_bytes": report.weight_bytes,
             "prefill": {"tokens": report.prefill_tokens, "ms": report.prefill_ms, "floor_ms": report.prefill_floor_ms},
             "decode": decode,

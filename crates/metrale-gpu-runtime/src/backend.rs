@@ -13,19 +13,22 @@
 use crate::collective::{Collective, TpRank};
 use crate::error::{GpuError, GpuResult};
 use crate::types::{
-    DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, Residency,
+    DType, DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, Residency,
     StreamHandle,
 };
 
-/// A reference GEMM `out[m, n] = x[m, k] · w[n, k]ᵀ`, bf16 operands and output, row-major.
+/// A reference GEMM `out[m, n] = x[m, k] · w[n, k]ᵀ`, row-major, bf16 out; x and w bf16, or
+/// e4m3 bytes (scale 1).
 #[derive(Debug, Clone, Copy)]
 pub struct VendorGemm {
     /// `[m, n]` bf16.
     pub out: DevicePtr,
-    /// `[m, k]` bf16.
+    /// `[m, k]` of `inputs`.
     pub x: DevicePtr,
-    /// `[n, k]` bf16.
+    /// `[n, k]` of `inputs`.
     pub w: DevicePtr,
+    /// The element type of x and w: `Bf16` or `F8E4M3`.
+    pub inputs: DType,
     /// Rows of `x`.
     pub m: u32,
     /// Rows of `w`.
@@ -184,10 +187,11 @@ pub trait GpuBackend: Send + Sync + std::fmt::Debug {
     /// backend alone.
     fn abort_collectives(&self) {}
 
-    /// Queue the vendor library's bf16 GEMM (cuBLASLt on CUDA) on `stream`: the device's GEMM
-    /// ceiling for the benchmark, never a path of the engine (its rounding changes with the
-    /// shape). `None` where the backend has no such library.
-    fn vendor_gemm_bf16(&self, gemm: &VendorGemm, stream: StreamHandle) -> Option<GpuResult<()>> {
+    /// Queue the vendor library's GEMM (cuBLASLt on CUDA) on `stream`, bf16 or e4m3 inputs (the
+    /// latter with the library's fast accumulation): the device's GEMM ceilings for the
+    /// benchmark, never a path of the engine (its rounding changes with the shape). `None` where
+    /// the backend has no such library.
+    fn vendor_gemm(&self, gemm: &VendorGemm, stream: StreamHandle) -> Option<GpuResult<()>> {
         let _ = (gemm, stream);
         None
     }

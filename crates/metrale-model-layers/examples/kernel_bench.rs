@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use metrale_gpu_runtime::{
-    CudaBackend, DevicePtr, GpuBackend, GpuBackendExt, StreamHandle, VendorGemm,
+    CudaBackend, DType, DevicePtr, GpuBackend, GpuBackendExt, StreamHandle, VendorGemm,
 };
 use metrale_model_layers::Ops;
 use metrale_model_layers::ops::{Matrix, PagedAttention};
@@ -94,11 +94,12 @@ fn vendor_tflops(g: &dyn GpuBackend) -> Option<f64> {
         m: d,
         n: d,
         k: d,
+        inputs: DType::Bf16,
     };
-    let tflops = g.vendor_gemm_bf16(&gemm, S).map(|first| {
+    let tflops = g.vendor_gemm(&gemm, S).map(|first| {
         first.expect("vendor gemm");
         let ms = time_ms(g, 10, |_| {
-            g.vendor_gemm_bf16(&gemm, S)
+            g.vendor_gemm(&gemm, S)
                 .expect("the vendor gemm ran before")
                 .expect("vendor gemm")
         });

@@ -1,5 +1,5 @@
-//! cuBLASLt's bf16 GEMM, loaded dynamically, for one purpose: the benchmark's GEMM-rate ceiling
-//! (what the vendor library reaches on this device). The engine never computes with it: its
+//! cuBLASLt's bf16 and e4m3 GEMMs, loaded dynamically, for one purpose: the benchmark's
+//! GEMM-rate ceilings (what the vendor library reaches on this device). The engine never computes with it: its
 //! algorithm, and so its rounding, changes with the shape, which would break batch invariance.
 //!
 //! Invariants:
@@ -15,6 +15,7 @@ use cudarc::driver::sys;
 use super::driver::check;
 use crate::backend::VendorGemm;
 use crate::error::{GpuError, GpuResult};
+use crate::types::DType;
 
 /// Workspace bytes offered to cuBLASLt.
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -46,7 +47,7 @@ struct Plan {
 pub(super) struct Blaslt {
     handle: lt::cublasLtHandle_t,
     workspace: sys::CUdeviceptr,
-    plans: HashMap<(u32, u32, u32), Plan>,
+    plans: HashMap<(u32, u32, u32, DType), Plan>,
 }
 
 // SAFETY: the handles are process-wide library objects, used only under the backend's lock with
@@ -82,7 +83,7 @@ impl Blaslt {
 
     /// Queue `g` on `stream`.
     pub(super) fn gemm(&mut self, g: &VendorGemm, stream: sys::CUstream) -> GpuResult<()> {
-        let key = (g.m, g.n, g.k);
+        let key = (g.m, g.n, g.k, g.inputs);
         if !self.plans.contains_key(&key) {
             let plan = self.plan(g)?;
             self.plans.insert(key, plan);
@@ -142,6 +143,30 @@ impl Blaslt {
 
     fn fill_plan(&self, plan: &mut Plan, g: &VendorGemm) -> GpuResult<()> {
         let (m, n, k) = (u64::from(g.m), u64::from(g.n), u64::from(g.k));
+        // e4m3 inputs need A transposed and B not ("TN", both k-major, as ours are), a bf16 C
+        // and D here, and take the fast accumulation: the rate the library's FP8 reaches.
+        let inputs = match g.inputs {
+            DType::Bf16 => lt::cudaDataType_t::CUDA_R_16BF,
+            DType::F8E4M3 => {
+                let fast: i8 = 1;
+                // SAFETY: `plan.desc` is live; the buffer is an i8 of the size passed.
+                lt_check("cublasLtMatmulDescSetAttribute(FAST_ACCUM)", unsafe {
+                    lt::cublasLtMatmulDescSetAttribute(
+                        plan.desc,
+                        lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                        &fast as *const i8 as *const c_void,
+                        std::mem::size_of::<i8>(),
+                    )
+                })?;
+                lt::cudaDataType_t::CUDA_R_8F_E4M3
+            }
+            other => {
+                return Err(GpuError::Driver {
+                    op: "cublasLtMatmul".into(),
+                    message: format!("no vendor GEMM of {} inputs", other.name()),
+                });
+            }
+        };
         // SAFETY: `plan.desc` is live; the buffer is an i32 of the size passed.
         lt_check("cublasLtMatmulDescSetAttribute(TRANSA)", unsafe {
             lt::cublasLtMatmulDescSetAttribute(
@@ -151,16 +176,15 @@ impl Blaslt {
                 std::mem::size_of::<i32>(),
             )
         })?;
-        for (slot, (rows, cols)) in plan.layouts.iter_mut().zip([(k, n), (k, m), (n, m)]) {
+        let shapes = [
+            (inputs, k, n),
+            (inputs, k, m),
+            (lt::cudaDataType_t::CUDA_R_16BF, n, m),
+        ];
+        for (slot, (ty, rows, cols)) in plan.layouts.iter_mut().zip(shapes) {
             // SAFETY: out-pointer; destroyed with the plan.
             lt_check("cublasLtMatrixLayoutCreate", unsafe {
-                lt::cublasLtMatrixLayoutCreate(
-                    slot,
-                    lt::cudaDataType_t::CUDA_R_16BF,
-                    rows,
-                    cols,
-                    rows as i64,
-                )
+                lt::cublasLtMatrixLayoutCreate(slot, ty, rows, cols, rows as i64)
             })?;
         }
         let mut pref: lt::cublasLtMatmulPreference_t = std::ptr::null_mut();
@@ -205,7 +229,10 @@ impl Blaslt {
         if returned < 1 {
             return Err(GpuError::Driver {
                 op: "cublasLtMatmulAlgoGetHeuristic".into(),
-                message: format!("no algorithm for a bf16 GEMM of m={m} n={n} k={k}"),
+                message: format!(
+                    "no algorithm for a GEMM of {} inputs, m={m} n={n} k={k}",
+                    g.inputs.name()
+                ),
             });
         }
         plan.algo = result.algo;

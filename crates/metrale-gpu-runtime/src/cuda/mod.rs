@@ -549,7 +549,7 @@ impl GpuBackend for CudaBackend {
         Ok(free)
     }
 
-    fn vendor_gemm_bf16(&self, gemm: &VendorGemm, stream: StreamHandle) -> Option<GpuResult<()>> {
+    fn vendor_gemm(&self, gemm: &VendorGemm, stream: StreamHandle) -> Option<GpuResult<()>> {
         let run = || -> GpuResult<Option<()>> {
             let s = self.stream(stream)?;
             self.bind()?;

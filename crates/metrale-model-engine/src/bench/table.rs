@@ -20,6 +20,17 @@ impl BenchReport {
             self.gemm_tflop_s,
             self.weight_bytes / 1e9
         );
+        if let Some(f) = &self.fp8_gemm {
+            let vendor = match (f.vendor_tflop_s, &f.vendor_refused) {
+                (Some(v), _) => format!("cuBLASLt FP8 GEMM {v:.1} TFLOP/s (the FP8 ceiling)"),
+                (None, Some(why)) => format!("cuBLASLt FP8 GEMM refused ({why})"),
+                (None, None) => "no vendor FP8 GEMM".to_string(),
+            };
+            s += &format!(
+                "FP8: {vendor}, our linear of a block-FP8 weight {:.1} TFLOP/s\n",
+                f.ours_tflop_s
+            );
+        }
         let tok_s = self.prefill_tokens as f64 / (self.prefill_ms * 1e-3);
         s += &format!(
             "prefill {} tokens: {:.2} ms ({:.0} tok/s); GEMM floor {:.2} ms; {:.0}% of the GEMM rate\n",

@@ -19,6 +19,10 @@ fn the_benchmark_runs_end_to_end_on_the_cpu_backend() {
     assert!(launches("circuit") < launches("legacy"));
     assert!(report.copy_gb_s > 0.0 && report.gemm_tflop_s > 0.0);
     assert!(
+        report.fp8_gemm.is_none(),
+        "a bf16 run measures no FP8 rates"
+    );
+    assert!(
         report
             .decode
             .iter()
@@ -67,6 +71,10 @@ fn the_benchmark_streams_an_fp8_hybrids_gdn_input_projection_in_fp8() {
     let mut o = smoke_options(config.clone());
     o.quantization = Quantization::Fp8;
     let report = run(Arc::new(CpuBackend::default()), &o).unwrap();
+    // The run measures our FP8 GEMM rate beside the bf16 one (the CPU has no vendor library).
+    let fp8 = report.fp8_gemm.as_ref().expect("FP8 rates in an FP8 run");
+    assert!(fp8.ours_tflop_s > 0.0 && fp8.vendor_tflop_s.is_none());
+    assert!(report.table().contains("our linear of a block-FP8 weight"));
     let names: Vec<&str> = (report.profiles[0].parts.iter())
         .map(|x| x.name.as_str())
         .collect();
