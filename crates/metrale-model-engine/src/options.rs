@@ -52,9 +52,10 @@ pub struct ModelOptions {
     /// Capture each decode width's step once as a graph and replay it. Default true.
     pub decode_graphs: bool,
     /// With `decode_graphs`, most graphs kept for speculative steps, verify and MTP together
-    /// (one per step shape met: rows, sequences, logit rows); a step of a new shape past this
-    /// many runs eagerly, so the graphs' device memory stays bounded under any mix of drafts.
-    /// Default 64 (the single-sequence shapes, a few per K, are the first met).
+    /// (one per step shape met: rows, sequences, logit rows), so the graphs' device memory stays
+    /// bounded under any mix of drafts. At the bound a step of a new shape runs eagerly until
+    /// its shape has been met three times, then replaces the graph replayed longest ago: shapes
+    /// met in passing (a ramp-up) never displace those that keep coming. Default 64.
     pub max_speculative_graphs: usize,
     /// Under the circuit forward with speculation on, verify steps and MTP draft steps of 2 to
     /// this many sequences (at most `max_decode_seqs`) run from circuit programs, compiled when

@@ -4,10 +4,20 @@
 //! Invariants:
 //! - A graph replays the launches of one step shape of one forward: a forward switch destroys
 //!   every graph (`clear`) before the next step.
-//! - Graphs of verify and MTP steps are bounded by `max_speculative`; a step of a new shape past
-//!   that runs eagerly, so the graphs' device memory stays bounded under any mix of drafts.
+//! - Graphs of verify and MTP steps are bounded by `max_speculative`, so the graphs' device
+//!   memory stays bounded under any mix of drafts. Once the bound is reached, a step of a new
+//!   shape runs eagerly until its shape has been met `ADMIT_AFTER` times; it is then captured in
+//!   place of the speculative graph replayed longest ago. Ramp-up shapes met once or twice never
+//!   displace the steady state's, and a shape that comes to stay is graphed. The policy depends
+//!   only on the sequence of step shapes, so every rank of a sharded model keeps the same graphs.
+//! - Graph and eager launches of a step give the same bits, so which steps are graphed never
+//!   changes a result.
 
 use std::collections::HashMap;
+
+/// Times a step shape is met, while the speculative graphs are at their bound, before it is
+/// captured in place of the least recently replayed one.
+const ADMIT_AFTER: u32 = 3;
 use std::sync::Arc;
 
 use metrale_gpu_runtime::{GpuBackend, GraphHandle, StreamHandle};
@@ -54,6 +64,12 @@ pub struct GraphCache {
     max_speculative: usize,
     /// Graphs captured since creation (destroyed ones included).
     captures: u64,
+    /// Each kept speculative graph's last replay (a tick of `replays`).
+    last_replay: HashMap<GraphKey, u64>,
+    /// Replays so far: the clock of `last_replay`.
+    replays: u64,
+    /// Times each speculative shape without a graph was met at the bound.
+    met: HashMap<GraphKey, u32>,
 }
 
 impl GraphCache {
@@ -68,6 +84,9 @@ impl GraphCache {
             graphs: HashMap::new(),
             max_speculative,
             captures: 0,
+            last_replay: HashMap::new(),
+            replays: 0,
+            met: HashMap::new(),
         }
     }
 
@@ -76,14 +95,35 @@ impl GraphCache {
         self.graphs.contains_key(&key)
     }
 
-    /// Whether a graph may be replayed (or captured) under `key`: any decode step, or a verify
-    /// or MTP step whose graph is kept already or while fewer than the bound are.
-    pub(crate) fn has_room(&self, key: GraphKey) -> bool {
+    /// Whether the step under `key` runs from a graph (replayed, or captured first): any
+    /// decode step; a verify or MTP step whose graph is kept, or while fewer than the bound are;
+    /// else one whose shape has now been met `ADMIT_AFTER` times at the bound, for which the
+    /// speculative graph replayed longest ago is destroyed (see the module header). Counts the
+    /// meeting of a shape that runs eagerly.
+    pub(crate) fn admit(&mut self, key: GraphKey) -> Result<bool, ModelError> {
         if key.is_decode() || self.contains(key) {
-            return true;
+            return Ok(true);
         }
-        let kept = (self.graphs.keys()).filter(|k| !k.is_decode()).count();
-        kept < self.max_speculative
+        if self.last_replay.len() < self.max_speculative {
+            return Ok(true);
+        }
+        let met = self.met.entry(key).or_insert(0);
+        *met += 1;
+        if *met < ADMIT_AFTER {
+            return Ok(false);
+        }
+        self.met.remove(&key);
+        let oldest = (self.last_replay.iter())
+            .min_by_key(|&(_, &tick)| tick)
+            .map(|(&k, _)| k);
+        let Some(oldest) = oldest else {
+            return Ok(false); // a bound of 0: no speculative graph at all
+        };
+        self.last_replay.remove(&oldest);
+        if let Some(g) = self.graphs.remove(&oldest) {
+            self.gpu.destroy_graph(g)?;
+        }
+        Ok(true)
     }
 
     /// Replay the graph under `key`, first capturing `launch`'s launches on the stream when
@@ -106,12 +146,18 @@ impl GraphCache {
                 g
             }
         };
+        self.replays += 1;
+        if !key.is_decode() {
+            self.last_replay.insert(key, self.replays);
+        }
         self.gpu.launch_graph(graph, self.stream)?;
         Ok(())
     }
 
     /// Destroy every graph, reporting the first failure.
     pub(crate) fn clear(&mut self) -> Result<(), ModelError> {
+        self.last_replay.clear();
+        self.met.clear();
         let mut first = Ok(());
         for (_, g) in self.graphs.drain() {
             if let Err(e) = self.gpu.destroy_graph(g)
@@ -173,5 +219,63 @@ impl Drop for GraphCache {
         if let Err(e) = self.clear() {
             tracing::warn!("destroying a captured graph failed: {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use metrale_gpu_runtime::CpuBackend;
+
+    use super::*;
+
+    fn verify(rows: u32) -> GraphKey {
+        GraphKey::Verify { rows, seqs: 1 }
+    }
+
+    /// Run the step of `key` as a runner does: from a graph where admitted, else eagerly.
+    /// Returns whether it ran from a graph.
+    fn step(cache: &mut GraphCache, key: GraphKey) -> bool {
+        let graphed = cache.admit(key).expect("admit");
+        if graphed {
+            cache.replay(key, || Ok(())).expect("replay");
+        }
+        graphed
+    }
+
+    #[test]
+    fn at_the_bound_a_shape_that_keeps_coming_replaces_the_graph_replayed_longest_ago() {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+        let s = gpu.default_stream();
+        let mut cache = GraphCache::new(gpu, s, 2);
+        assert!(step(&mut cache, verify(4)) && step(&mut cache, verify(8)));
+        assert!(step(&mut cache, verify(4)), "kept graphs replay");
+        // Decode graphs never count against the bound.
+        assert!(step(&mut cache, GraphKey::Decode(8)));
+        assert_eq!(cache.verify_shapes(), [(4, 1), (8, 1)]);
+        // A shape met in passing runs eagerly and displaces nothing.
+        assert!(!step(&mut cache, verify(12)));
+        assert!(!step(&mut cache, verify(12)));
+        assert_eq!(cache.verify_shapes(), [(4, 1), (8, 1)]);
+        // Met a third time it is captured in place of the graph replayed longest ago (8 rows:
+        // 4 rows replayed after it).
+        assert!(step(&mut cache, verify(12)));
+        assert_eq!(cache.verify_shapes(), [(4, 1), (12, 1)]);
+        assert_eq!(cache.decode_widths(), [8]);
+        assert_eq!(cache.captures(), 4);
+        // The displaced shape starts its count afresh.
+        assert!(!step(&mut cache, verify(8)));
+        assert!(step(&mut cache, verify(4)) && step(&mut cache, verify(12)));
+    }
+
+    #[test]
+    fn a_bound_of_zero_graphs_no_speculative_step() {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+        let s = gpu.default_stream();
+        let mut cache = GraphCache::new(gpu, s, 0);
+        for _ in 0..4 {
+            assert!(!step(&mut cache, verify(4)));
+        }
+        assert!(step(&mut cache, GraphKey::Decode(1)));
+        assert!(cache.verify_shapes().is_empty());
     }
 }

@@ -118,7 +118,7 @@ impl StepRunner {
             logit_rows: shape.logit_rows,
             layer,
         };
-        if !self.options.decode_graphs || !self.graphs.has_room(key) {
+        if !self.options.decode_graphs || !self.graphs.admit(key)? {
             return self.forward.mtp(shape, layer);
         }
         let forward = &self.forward;

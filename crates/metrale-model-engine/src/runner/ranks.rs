@@ -87,7 +87,7 @@ impl RankRunner {
             rows: shape.rows,
             seqs: shape.num_seqs,
         };
-        if !options.decode_graphs || !self.graphs.has_room(key) {
+        if !options.decode_graphs || !self.graphs.admit(key)? {
             return self.forward.verify(shape);
         }
         if !self.graphs.contains(key) {
@@ -112,7 +112,7 @@ impl RankRunner {
             logit_rows: shape.logit_rows,
             layer: step.layer,
         };
-        if !options.decode_graphs || !self.graphs.has_room(key) {
+        if !options.decode_graphs || !self.graphs.admit(key)? {
             return self.forward.mtp(shape, step.layer);
         }
         let forward = &self.forward;

@@ -72,7 +72,7 @@ impl StepRunner {
             rows: shape.rows,
             seqs: shape.num_seqs,
         };
-        if !self.options.decode_graphs || !self.graphs.has_room(key) {
+        if !self.options.decode_graphs || !self.graphs.admit(key)? {
             return self.forward.verify(shape);
         }
         self.map_before_capture(key, shape)?;
