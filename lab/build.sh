@@ -6,8 +6,6 @@
 # - prefill_lab: the prefill GEMMs at prefill row counts;
 # - wgmma_lab: whether wgmma reproduces the mma.sync chains' sums bit for bit;
 # - prefetch_lab: decode projections from device memory and from L2, and L2 prefetch;
-# - timeline_lab: the phases of `linear_stream_wide`'s blocks, on a copy of the kernel that
-#   lab/timeline_gen.py writes from kernels/gemm.cu;
 # - attention_lab: `paged_attention` from two cubins, bitwise against each other and timed;
 # - decode_tma_lab: `linear_stream_tma` against the map-less decode kernels, bitwise and timed;
 # - gdn_lab: `gated_delta_streamed` against `gated_delta_recurrent`, bitwise and timed;
@@ -34,17 +32,10 @@ NV=$(ls -d .xtask/cuda-venv/lib/python3*/site-packages/nvidia/cu13)
 mkdir -p target/gemm-lab
 labs="gemm_lab prefill_lab wgmma_lab prefetch_lab attention_lab decode_tma_lab gdn_lab tma_stream_lab
   fp8_swap_lab fp8_exact_lab wgmma_attention_lab fp8_mma_lab fp8_act_lab"
-# timeline_lab times a generated copy of a kernel; when the kernel has moved on from what the
-# generator expects, the others still build.
-if python3 lab/timeline_gen.py; then
-  labs="$labs timeline_lab"
-else
-  echo "build.sh: lab/timeline_gen.py does not match kernels/gemm.cu any more; timeline_lab is left out" >&2
-fi
 pids=()
 for lab in $labs; do
   "$NV/bin/nvcc" -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Xptxas=-warn-spills \
-    -I"$NV/include/cccl" -I"$NV/include" -Ikernels -Itarget/gemm-lab -L"$NV/lib" -cudart static \
+    -I"$NV/include/cccl" -I"$NV/include" -Ikernels -L"$NV/lib" -cudart static \
     -o target/gemm-lab/$lab lab/$lab.cu "$@" &
   pids+=("$!")
 done
