@@ -218,32 +218,8 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
     let grouped = r.out(len * hq * dh * 2);
     let prefill_launch =
         LaunchConfig::grid2(ATT_SPLITS, 1, 32 * ATP_WARPS).with_shared(prefill_shared_bytes(dp));
-    let prefill = |row_groups: &[u32]| PagedAttentionPrefillParams {
-        out: grouped,
-        qkv: qp,
-        k_cache: kc,
-        v_cache: vc,
-        block_tables: tp,
-        row_seq: seqp,
-        positions: posp,
-        row_groups: r.put(row_groups),
-        rows: len as u32,
-        row_stride: stride as u32,
-        q_head_stride: dh as u32,
-        num_q_heads: hq as u32,
-        num_kv_heads: hkv as u32,
-        head_dim: dh as u32,
-        block_size: bs as u32,
-        max_blocks: max_blocks as u32,
-        num_seqs: 1,
-        num_slots: slots as u32,
-        scale,
-        gated: 0,
-        n_groups: (row_groups.len() / 2) as u32,
-        kv_fp8: 0,
-        k_scale: 1.0,
-        v_scale: 1.0,
-    };
+    let prefill =
+        |row_groups: &[u32]| prefill_params(&decode, grouped, (r.put(row_groups), row_groups));
     r.run_with(
         "attention",
         "paged_attention_prefill",
@@ -289,6 +265,42 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
         .zip(&after)
         .all(|(a, b)| a.to_bits() == b.to_bits());
     assert!(same, "a padding row must not write the cache");
+}
+
+/// The prefill kernels' parameters for the rows `decode` names, into `out`, over the row groups
+/// `groups` (pairs of first row and rows) uploaded at `at`.
+fn prefill_params(
+    decode: &PagedAttentionParams,
+    out: DevicePtr,
+    (at, groups): (DevicePtr, &[u32]),
+) -> PagedAttentionPrefillParams {
+    let d = decode;
+    PagedAttentionPrefillParams {
+        out,
+        qkv: d.qkv,
+        k_cache: d.k_cache,
+        v_cache: d.v_cache,
+        block_tables: d.block_tables,
+        row_seq: d.row_seq,
+        positions: d.positions,
+        row_groups: at,
+        rows: d.rows,
+        row_stride: d.row_stride,
+        q_head_stride: d.q_head_stride,
+        num_q_heads: d.num_q_heads,
+        num_kv_heads: d.num_kv_heads,
+        head_dim: d.head_dim,
+        block_size: d.block_size,
+        max_blocks: d.max_blocks,
+        num_seqs: d.num_seqs,
+        num_slots: d.num_slots,
+        scale: d.scale,
+        gated: d.gated,
+        n_groups: (groups.len() / 2) as u32,
+        kv_fp8: d.kv_fp8,
+        k_scale: d.k_scale,
+        v_scale: d.v_scale,
+    }
 }
 
 /// Causal attention of `len` rows in f64, from the definition: row t's query heads over the
@@ -464,32 +476,8 @@ fn fp8_pools_store_e4m3_of_value_over_scale_and_every_attention_kernel_reads_the
         r.bytes(out, len * hq * dh * 2)
     );
     let grouped = r.out(len * hq * dh * 2);
-    let prefill = PagedAttentionPrefillParams {
-        out: grouped,
-        qkv: qp,
-        k_cache: kc,
-        v_cache: vc,
-        block_tables: tp,
-        row_seq: seqp,
-        positions: posp,
-        row_groups: r.put(&[0u32, 4, 4, 4, 8, 2]),
-        rows: len as u32,
-        row_stride: stride as u32,
-        q_head_stride: dh as u32,
-        num_q_heads: hq as u32,
-        num_kv_heads: hkv as u32,
-        head_dim: dh as u32,
-        block_size: bs as u32,
-        max_blocks: table.len() as u32,
-        num_seqs: 1,
-        num_slots: slots as u32,
-        scale: decode.scale,
-        gated: 0,
-        n_groups: 3,
-        kv_fp8: 1,
-        k_scale,
-        v_scale,
-    };
+    let groups = [0u32, 4, 4, 4, 8, 2];
+    let prefill = prefill_params(&decode, grouped, (r.put(&groups), &groups));
     let prefill_launch =
         LaunchConfig::grid2(ATT_SPLITS, 1, 32 * ATP_WARPS).with_shared(prefill_shared_bytes(dp));
     r.run_with(
