@@ -16,6 +16,27 @@ mod rule;
 mod split;
 mod verify;
 
+/// `conv_state_update`'s parameters over the rows, state and shape of the `causal_conv1d`
+/// launch `conv`.
+fn state_update_of(conv: &CausalConv1dParams) -> ConvStateUpdateParams {
+    ConvStateUpdateParams {
+        conv_state: conv.conv_state,
+        proj: conv.proj,
+        seq_start: conv.seq_start,
+        seq_slot: conv.seq_slot,
+        rows: conv.rows,
+        num_seqs: conv.num_seqs,
+        num_slots: conv.num_slots,
+        slot_stride: conv.slot_stride,
+        hk: conv.hk,
+        dk: conv.dk,
+        hv: conv.hv,
+        dv: conv.dv,
+        kernel_size: conv.kernel_size,
+        proj_stride: conv.proj_stride,
+    }
+}
+
 fn f64s_bf(v: &[bf16]) -> Vec<f64> {
     v.iter().map(|x| x.to_f64()).collect()
 }
@@ -160,22 +181,7 @@ fn causal_conv1d_reads_the_window_and_the_update_moves_it() {
         "causal_conv1d",
     );
 
-    let update = ConvStateUpdateParams {
-        conv_state: sp,
-        proj: pp,
-        seq_start: ssp,
-        seq_slot: slp,
-        rows: rows as u32,
-        num_seqs: lens.len() as u32,
-        num_slots: num_slots as u32,
-        slot_stride: stride as u32,
-        hk,
-        dk,
-        hv,
-        dv,
-        kernel_size: taps as u32,
-        proj_stride: pw as u32,
-    };
+    let update = state_update_of(&conv);
     r.run("gdn", "conv_state_update", &update).unwrap();
     let got = r.f32s(sp, num_slots * stride);
     let same = got

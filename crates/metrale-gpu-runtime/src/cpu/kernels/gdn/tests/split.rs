@@ -5,12 +5,11 @@
 
 use half::bf16;
 use metrale_kernel_abi::{
-    CausalConv1dParams, ConvStateUpdateParams, ConvStateVerifyParams, DevicePtr,
-    GatedRmsNormParams, GdnPrepareParams,
+    CausalConv1dParams, ConvStateVerifyParams, DevicePtr, GatedRmsNormParams, GdnPrepareParams,
 };
 use metrale_testkit::Rng;
 
-use super::{H, layout};
+use super::{H, layout, state_update_of};
 use crate::cpu::kernels::gdn::NO_SLOT;
 use crate::cpu::test_support::Rig;
 
@@ -129,22 +128,7 @@ fn every_kernel_reads_the_split_projection_as_the_fused_one() {
         kernel_size: taps as u32,
         proj_stride: p.stride,
     };
-    let update_params = |p: Proj| ConvStateUpdateParams {
-        conv_state: r.put(&state0),
-        proj: p.ptr,
-        seq_start: ssp,
-        seq_slot: slp,
-        rows: rows as u32,
-        num_seqs: lens.len() as u32,
-        num_slots: num_slots as u32,
-        slot_stride: stride as u32,
-        hk,
-        dk,
-        hv,
-        dv,
-        kernel_size: taps as u32,
-        proj_stride: p.stride,
-    };
+    let update_params = |p: Proj| state_update_of(&conv_params(p));
     let prepare_params = |p: Proj| GdnPrepareParams {
         qk: r.out(rows * 2 * kd * 4),
         gates: r.out(rows * 2 * h.hv * 4),
