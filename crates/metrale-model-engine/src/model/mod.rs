@@ -16,8 +16,8 @@ use std::sync::Arc;
 use metrale_cache::KvScales;
 use metrale_config::ModelConfig;
 use metrale_gpu_runtime::{DType, GpuBackend, StreamHandle};
-use metrale_model_layers::circuit_exec::CircuitBindings;
 use metrale_model_layers::circuit_exec::LayerPools;
+use metrale_model_layers::circuit_exec::{CircuitBindings, LinearRole, WeightSlot};
 use metrale_model_layers::layers::MtpHead;
 use metrale_model_layers::ops::{Matrix, VocabRows};
 use metrale_model_layers::weight_map::DenseWeight;
@@ -187,9 +187,12 @@ impl Model {
         self.weights.mtp.as_ref()
     }
 
-    /// Elements of the largest block-FP8 weight of the layers (the MTP head's included): the
-    /// bf16 image prefill-sized projections dequantize into (`Ops::set_fp8_scratch`); 0 when
-    /// every weight is bf16.
+    /// Elements of the largest block-FP8 weight that `Ops::linear` runs (the layers' and the MTP
+    /// head's projections): the bf16 image prefill-sized projections dequantize into
+    /// (`Ops::set_fp8_scratch`); 0 when there is none. The stacked experts are left out: their
+    /// projections (`expert_linear_fp8`) convert the weight as they read it at every row count,
+    /// and a stack is many times any projection (Qwen3.5-35B-A3B's gate/up stack would ask for
+    /// about a gigabyte of scratch).
     pub fn largest_fp8_weight(&self) -> usize {
         let head = self
             .mtp_head()
@@ -197,10 +200,17 @@ impl Model {
             .unwrap_or_default();
         let bound = (self.layers.iter().map(|l| l.circuit_layer(&self.dims)))
             .chain(head.iter().map(|l| l.circuit_layer(&self.dims)));
+        let stacked = |slot: &WeightSlot| {
+            matches!(
+                slot,
+                WeightSlot::Linear(LinearRole::ExpertGateUp | LinearRole::ExpertDown)
+            )
+        };
         bound
             .flatten()
-            .flat_map(|l| l.weights.into_values())
-            .filter(|w| w.weight().dtype == DType::F8E4M3)
+            .flat_map(|l| l.weights.into_iter())
+            .filter(|(slot, w)| !stacked(slot) && w.weight().dtype == DType::F8E4M3)
+            .map(|(_, w)| w)
             .map(|w| w.shape().iter().product::<usize>())
             .max()
             .unwrap_or(0)
@@ -271,5 +281,28 @@ impl Model {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use metrale_gpu_runtime::CpuBackend;
+
+    use super::*;
+    use crate::Quantization;
+
+    #[test]
+    fn fp8_scratch_is_sized_by_the_projections_not_the_expert_stacks() {
+        let config = crate::bench::tiny_moe_for_cpu().unwrap();
+        let moe = config.moe.clone().unwrap();
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+        let model =
+            crate::factory::random_quantized(config.clone(), gpu, 1, Quantization::Fp8).unwrap();
+        let stack = moe.num_experts * 2 * moe.moe_intermediate_size * config.hidden_size;
+        let largest = model.largest_fp8_weight();
+        assert!(
+            largest > 0 && largest < stack,
+            "scratch for {largest} elements; the gate/up stack has {stack}"
+        );
     }
 }
