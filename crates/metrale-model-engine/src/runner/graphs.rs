@@ -14,15 +14,15 @@
 //!   changes a result.
 
 use std::collections::HashMap;
-
-/// Times a step shape is met, while the speculative graphs are at their bound, before it is
-/// captured in place of the least recently replayed one.
-const ADMIT_AFTER: u32 = 3;
 use std::sync::Arc;
 
 use metrale_gpu_runtime::{GpuBackend, GraphHandle, StreamHandle};
 
 use crate::error::ModelError;
+
+/// Times a step shape is met, while the speculative graphs are at their bound, before it is
+/// captured in place of the least recently replayed one.
+const ADMIT_AFTER: u32 = 3;
 
 /// What a captured graph replays: one kind of step at one shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
