@@ -1,6 +1,7 @@
 //! cuBLASLt's bf16 and e4m3 GEMMs, loaded dynamically, for one purpose: the benchmark's
-//! GEMM-rate ceilings (what the vendor library reaches on this device). The engine never computes with it: its
-//! algorithm, and so its rounding, changes with the shape, which would break batch invariance.
+//! GEMM-rate ceilings (what the vendor library reaches on this device). The engine never
+//! computes with it: its algorithm, and so its rounding, changes with the shape, which would
+//! break batch invariance.
 //!
 //! Invariants:
 //! - The handle, the workspace and every plan's descriptors are created here once and destroyed

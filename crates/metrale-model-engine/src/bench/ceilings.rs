@@ -56,7 +56,8 @@ pub fn copy_bandwidth(
     Ok(2.0 * bytes as f64 / (copy_ms * 1e-3) / 1e9)
 }
 
-/// Measure the copy bandwidth and the bf16 GEMM rates (ours, and the vendor library's).
+/// Measure the copy bandwidth and the bf16 GEMM rates (ours, and the vendor library's), and in
+/// a run with FP8 weights the FP8 rates ([`Fp8Rates`]).
 pub fn ceilings(gpu: &Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<Ceilings, ModelError> {
     let s = gpu.default_stream();
     let copy = copy_bandwidth(gpu, opts.copy_bytes, opts.iters)?;
