@@ -7,25 +7,28 @@
 //! on the dequantized weight, whatever the row count and the path:
 //! - up to [`FP8_STREAM_M_MAX`] rows (decode, verify), the decode kernels, which convert the
 //!   weight in registers as they stream it (one byte an element from memory instead of two):
+//!   `linear_stream_tma_fp8` (`linear_stream_tma` with the e4m3 bytes through the weight's
+//!   tensor map) for the rows `linear_stream_tma` serves where the weight has a map (a slot of
+//!   the staging memory, `k` a multiple of 16, aligned operands); otherwise
 //!   `linear_stream_fp8` (persistent blocks of one row tile a unit) up to
-//!   `LINEAR_NARROW_M_MAX` rows, `linear_stream_wide_fp8` (clusters of 128 columns by 64 rows
+//!   `LINEAR_NARROW_M_MAX` rows and `linear_stream_wide_fp8` (clusters of 128 columns by 64 rows
 //!   through a shared-memory ring, each weight fragment converted once for four row tiles)
 //!   above;
-//! - more rows (prefill), where the model gave scratch memory large enough
-//!   ([`Ops::set_fp8_scratch`]): `dequant_fp8` into it, then the bf16 `linear` (its tensor-map
-//!   prefill kernel where the shape allows), since a prefill GEMM's time is its arithmetic, and
-//!   the conversion costs a pass over the weight;
+//! - more rows (prefill): `permute_k32_tiles` then `linear_tma_fp8` (`linear_tma` converting
+//!   each weight fragment as its MMAs load it) where the staging memory takes x's images and
+//!   the weight has a map; else, where the model gave scratch memory large enough
+//!   ([`Ops::set_fp8_scratch`]), `dequant_fp8` into it, then the bf16 `linear`;
 //! - otherwise the decode kernels.
 
 use metrale_gpu_runtime::{DType, DevicePtr, GpuResult, LaunchConfig, Residency, StreamHandle};
 use metrale_kernel_abi::{
     DequantFp8Params, FP8_BLOCK, FP8_BLOCK_ROW_SHIFT, FP8_CONVERT_THREADS, LinearFp8Params,
-    LinearParams, QuantizeFp8Params,
+    LinearParams, LinearStreamTmaFp8Params, LinearTmaFp8Params, QuantizeFp8Params,
 };
 
 use super::{
     LINEAR_NARROW_M_MAX, LINEAR_NARROW_RESIDENT, LINEAR_NARROW_THREADS, LinearPath,
-    linear_geometry, linear_wide_fp8_geometry,
+    linear_geometry, linear_stream_tma_row_blocks, linear_tma_geometry, linear_wide_fp8_geometry,
 };
 use crate::ops::Ops;
 use crate::ops_view::{BlockScales, Matrix, Operands};
@@ -106,6 +109,9 @@ impl Ops {
         w: Matrix,
     ) -> GpuResult<()> {
         let (p, scales) = linear_fp8_operands(&out, &x, &w)?;
+        if self.linear_fp8_mapped(s, &p)? {
+            return Ok(());
+        }
         let need = 2 * p.n as usize * p.k as usize;
         let scratch = self.tma.state.lock().fp8_scratch;
         if p.m > FP8_STREAM_M_MAX
@@ -152,6 +158,60 @@ impl Ops {
             &p,
             s,
         )
+    }
+
+    /// `linear` of `p` through the tensor-map kernels where they serve it (see the module
+    /// header); whether they did. An FP8 weight's map rows are its bytes, so `k` must be a
+    /// multiple of 16.
+    fn linear_fp8_mapped(&self, s: StreamHandle, p: &LinearFp8Params) -> GpuResult<bool> {
+        let (m, n, k) = (p.m, p.n, p.k);
+        if !k.is_multiple_of(16) || !p.x.0.is_multiple_of(16) || !p.w.0.is_multiple_of(16) {
+            return Ok(false);
+        }
+        let prefill = m > FP8_STREAM_M_MAX;
+        let row_blocks = linear_stream_tma_row_blocks(m, k);
+        let staging = self.staging_for(p.w, m, k, 16);
+        if (prefill && staging.is_none()) || (!prefill && row_blocks.is_none()) {
+            return Ok(false);
+        }
+        let Some(wmap) = self.linear_tma_map(s, p.w, DType::F8E4M3, n, k)? else {
+            return Ok(false);
+        };
+        match (staging, row_blocks) {
+            (Some(staging), _) if prefill => {
+                self.permute_k32_tiles(s, staging.images, p.x, (m, k))?;
+                let q = LinearTmaFp8Params {
+                    out: p.out,
+                    xt: staging.images,
+                    w: p.w,
+                    scales: p.scales,
+                    wmap,
+                    m,
+                    n,
+                    k,
+                    scale_row_shift: p.scale_row_shift,
+                };
+                self.go(self.k.linear_tma_fp8, linear_tma_geometry(m, n), &q, s)?;
+            }
+            (_, Some(row_blocks)) => {
+                let q = LinearStreamTmaFp8Params {
+                    out: p.out,
+                    x: p.x,
+                    ximg: DevicePtr::NULL,
+                    w: p.w,
+                    scales: p.scales,
+                    wmap,
+                    m,
+                    n,
+                    k,
+                    scale_row_shift: p.scale_row_shift,
+                };
+                let kernel = self.k.linear_stream_tma_fp8;
+                self.linear_stream_tma_launch(s, kernel, (&q, n), row_blocks)?;
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
     }
 
     /// `out = bf16(w · its block scales)`: FP8 `w` `[n, k]` as the bf16 `[n, k]` it stands for.

@@ -29,8 +29,8 @@ use metrale_gpu_runtime::{
     DType, DevicePtr, GpuBackend, GpuError, GpuResult, KernelHandle, Residency, StreamHandle,
 };
 use metrale_kernel_abi::{
-    LIN_KC, LIN_TMA_IMG_BYTES, LIN_TMA_TILE, LinearParams, LinearStreamTmaParams, LinearTmaParams,
-    PermuteK32TilesParams,
+    KernelParams, LIN_KC, LIN_TMA_IMG_BYTES, LIN_TMA_TILE, LinearParams, LinearStreamTmaParams,
+    LinearTmaParams, PermuteK32TilesParams,
 };
 use parking_lot::Mutex;
 
@@ -181,8 +181,8 @@ impl Ops {
         fits.then_some(staging)
     }
 
-    /// The device copy of `w`'s tensor map (`[n, k]`, boxes of 64 k by 128 rows) in a slot of
-    /// the staging memory, encoded and uploaded on first use through the backend the state was
+    /// The device copy of `w`'s tensor map (`[n, k]` of `dtype`, bf16 or the bytes of an FP8
+    /// weight; boxes of 64 k by 128 rows) in a slot of the staging memory, encoded and uploaded on first use through the backend the state was
     /// made with (a circuit recorder's launchers share it, so the upload is never recorded). A
     /// backend without tensor maps (the CPU) gets zeros, which its twins do not read. `None`
     /// where there is no staging memory, every slot is taken, or the stream is capturing a
@@ -192,6 +192,7 @@ impl Ops {
         &self,
         s: StreamHandle,
         w: DevicePtr,
+        dtype: DType,
         n: u32,
         k: u32,
     ) -> GpuResult<Option<DevicePtr>> {
@@ -207,7 +208,7 @@ impl Ops {
             return Ok(None);
         }
         let gpu = &self.tma.gpu;
-        let bytes = match gpu.tensor_map_bf16(w, n, k, LIN_TMA_TILE, 2 * LIN_KC) {
+        let bytes = match gpu.tensor_map_2d(w, dtype, n, k, LIN_TMA_TILE, 2 * LIN_KC) {
             Some(encoded) => encoded?,
             None => [0u8; LINEAR_TMA_MAP_BYTES],
         };
@@ -245,7 +246,9 @@ impl Ops {
         let Some(staging) = self.staging_for(w.ptr, m, k, 2 * LIN_KC) else {
             return Ok(None);
         };
-        Ok(self.linear_tma_map(s, w.ptr, n, k)?.map(|_| staging.images))
+        Ok(self
+            .linear_tma_map(s, w.ptr, DType::Bf16, n, k)?
+            .map(|_| staging.images))
     }
 
     /// `linear` (bf16 out) of an x that its producer wrote as stage images at `images` (see
@@ -269,7 +272,9 @@ impl Ops {
                 w.ptr.0
             ),
         };
-        let map = self.linear_tma_map(s, p.w, n, k)?.ok_or_else(refused)?;
+        let map = self
+            .linear_tma_map(s, p.w, DType::Bf16, n, k)?
+            .ok_or_else(refused)?;
         if m > LINEAR_SMALL_M_MAX {
             return self.linear_tma_launch(s, self.k.linear_tma, &p, images, map);
         }
@@ -287,18 +292,36 @@ impl Ops {
                     n,
                     k,
                 };
-                self.linear_stream_tma_launch(s, self.k.linear_stream_tma, &q, row_blocks)
+                self.linear_stream_tma_launch(s, self.k.linear_stream_tma, (&q, n), row_blocks)
             }
             _ => Err(refused()),
         }
     }
 
-    /// `linear_stream_tma` (`kernel`: bf16 or f32 out) of `p`, x in `row_blocks` row blocks.
-    fn linear_stream_tma_launch(
+    /// x `[m, k]` as the stage images `linear_tma` copies whole, into `images`.
+    fn permute_k32_tiles(
+        &self,
+        s: StreamHandle,
+        images: DevicePtr,
+        x: DevicePtr,
+        (m, k): (u32, u32),
+    ) -> GpuResult<()> {
+        let p = PermuteK32TilesParams {
+            out: images,
+            x,
+            m,
+            k,
+        };
+        self.go(self.k.permute_k32_tiles, permute_geometry(m, k), &p, s)
+    }
+
+    /// `linear_stream_tma` (`kernel`: bf16 or f32 out, or its FP8 twin) of `p`, `n` output
+    /// columns, x in `row_blocks` row blocks.
+    fn linear_stream_tma_launch<P: KernelParams>(
         &self,
         s: StreamHandle,
         kernel: KernelHandle,
-        p: &LinearStreamTmaParams,
+        (p, n): (&P, u32),
         row_blocks: u32,
     ) -> GpuResult<()> {
         let resident = self.resident(
@@ -308,7 +331,7 @@ impl Ops {
             LINEAR_STREAM_TMA_CLUSTERS,
             Residency::Clusters,
         )?;
-        let cfg = linear_stream_tma_geometry(p.n, row_blocks, resident);
+        let cfg = linear_stream_tma_geometry(n, row_blocks, resident);
         self.go(kernel, cfg, p, s)
     }
 
@@ -370,21 +393,10 @@ impl Ops {
         if path == LinearPath::Tiled
             && x.0.is_multiple_of(16)
             && let Some(staging) = self.staging_for(w, m, k, 8)
-            && let Some(map) = self.linear_tma_map(s, w, n, k)?
+            && let Some(map) = self.linear_tma_map(s, w, DType::Bf16, n, k)?
         {
             let images = staging.images;
-            let permute = PermuteK32TilesParams {
-                out: images,
-                x,
-                m,
-                k,
-            };
-            self.go(
-                self.k.permute_k32_tiles,
-                permute_geometry(m, k),
-                &permute,
-                s,
-            )?;
+            self.permute_k32_tiles(s, images, x, (m, k))?;
             return self.linear_tma_launch(s, kernels[4], p, images, map);
         }
         // `linear_stream_tma` for the decode rows it serves (see [`linear_stream_tma_fits`])
@@ -393,7 +405,7 @@ impl Ops {
             && let Some(row_blocks) = linear_stream_tma_row_blocks(m, k)
             && x.0.is_multiple_of(16)
             && w.0.is_multiple_of(16)
-            && let Some(map) = self.linear_tma_map(s, w, n, k)?
+            && let Some(map) = self.linear_tma_map(s, w, DType::Bf16, n, k)?
         {
             let q = LinearStreamTmaParams {
                 out: p.out,
@@ -405,7 +417,7 @@ impl Ops {
                 n,
                 k,
             };
-            return self.linear_stream_tma_launch(s, kernels[5], &q, row_blocks);
+            return self.linear_stream_tma_launch(s, kernels[5], (&q, n), row_blocks);
         }
         let kernel = match path {
             LinearPath::Narrow => kernels[0],
