@@ -28,7 +28,8 @@ use metrale_kernel_abi::{
 
 use super::{
     LINEAR_NARROW_M_MAX, LINEAR_NARROW_RESIDENT, LINEAR_NARROW_THREADS, LinearPath,
-    linear_geometry, linear_stream_tma_row_blocks, linear_tma_geometry, linear_wide_fp8_geometry,
+    linear_geometry, linear_stream_tma_row_blocks, linear_stream_tma_takes_images,
+    linear_tma_geometry, linear_wide_fp8_geometry,
 };
 use crate::ops::Ops;
 use crate::ops_view::{BlockScales, Matrix, Operands};
@@ -51,7 +52,7 @@ pub struct Fp8Scratch {
 
 /// The checked operands of `linear` with an FP8 weight: x bf16 `[m, k]`, w fp8 `[n, k]` with
 /// its scales, out bf16 `[m, n]`.
-fn linear_fp8_operands(
+pub(super) fn linear_fp8_operands(
     out: &Matrix,
     x: &Matrix,
     w: &Matrix,
@@ -109,7 +110,7 @@ impl Ops {
         w: Matrix,
     ) -> GpuResult<()> {
         let (p, scales) = linear_fp8_operands(&out, &x, &w)?;
-        if self.linear_fp8_mapped(s, &p)? {
+        if self.linear_fp8_mapped(s, &p, None)? {
             return Ok(());
         }
         let need = 2 * p.n as usize * p.k as usize;
@@ -161,28 +162,47 @@ impl Ops {
     }
 
     /// `linear` of `p` through the tensor-map kernels where they serve it (see the module
-    /// header); whether they did. An FP8 weight's map rows are its bytes, so `k` must be a
+    /// header); whether they did. `images`: x's stage images, written by its producer
+    /// (`Ops::linear_staged`), which the prefill kernel reads instead of permuting x and the
+    /// decode kernel beside x's rows where its segments are whole stages; without them the
+    /// decode kernel reads x's rows. An FP8 weight's map rows are its bytes, so `k` must be a
     /// multiple of 16.
-    fn linear_fp8_mapped(&self, s: StreamHandle, p: &LinearFp8Params) -> GpuResult<bool> {
+    pub(super) fn linear_fp8_mapped(
+        &self,
+        s: StreamHandle,
+        p: &LinearFp8Params,
+        images: Option<DevicePtr>,
+    ) -> GpuResult<bool> {
         let (m, n, k) = (p.m, p.n, p.k);
         if !k.is_multiple_of(16) || !p.x.0.is_multiple_of(16) || !p.w.0.is_multiple_of(16) {
             return Ok(false);
         }
         let prefill = m > FP8_STREAM_M_MAX;
         let row_blocks = linear_stream_tma_row_blocks(m, k);
-        let staging = self.staging_for(p.w, m, k, 16);
-        if (prefill && staging.is_none()) || (!prefill && row_blocks.is_none()) {
+        let xt = match images {
+            Some(images) => Some(images),
+            None if prefill => self.staging_for(p.w, m, k, 16).map(|st| st.images),
+            None => None,
+        };
+        let ximg = match images {
+            Some(images) if linear_stream_tma_takes_images(m, k) => images,
+            Some(_) if !prefill => return Ok(false),
+            _ => DevicePtr::NULL,
+        };
+        if (prefill && xt.is_none()) || (!prefill && row_blocks.is_none()) {
             return Ok(false);
         }
         let Some(wmap) = self.linear_tma_map(s, p.w, DType::F8E4M3, n, k)? else {
             return Ok(false);
         };
-        match (staging, row_blocks) {
-            (Some(staging), _) if prefill => {
-                self.permute_k32_tiles(s, staging.images, p.x, (m, k))?;
+        match (xt, row_blocks) {
+            (Some(xt), _) if prefill => {
+                if images.is_none() {
+                    self.permute_k32_tiles(s, xt, p.x, (m, k))?;
+                }
                 let q = LinearTmaFp8Params {
                     out: p.out,
-                    xt: staging.images,
+                    xt,
                     w: p.w,
                     scales: p.scales,
                     wmap,
@@ -197,7 +217,7 @@ impl Ops {
                 let q = LinearStreamTmaFp8Params {
                     out: p.out,
                     x: p.x,
-                    ximg: DevicePtr::NULL,
+                    ximg,
                     w: p.w,
                     scales: p.scales,
                     wmap,

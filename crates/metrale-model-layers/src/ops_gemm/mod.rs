@@ -222,14 +222,15 @@ impl Ops {
         Ok(Some(map))
     }
 
-    /// The staging buffer, where a projection of `m` rows by the weight `w` (`[n, k]`) can read
-    /// x written as stage images by its producer (`_staged` launchers, then
-    /// [`Ops::linear_staged`]): prefill-sized `m` (`linear_tma` reads the images), or decode
-    /// rows that `linear_stream_tma` serves with every k segment whole stages
-    /// ([`linear_stream_tma_takes_images`]: its blocks bulk-copy their segments); `k` a multiple
-    /// of 64 (the producers write every k of every stage, no padding), a 16-byte aligned weight,
-    /// images that fit, and the weight's tensor map in place (made here if need be). `None`:
-    /// the producer writes rows only and the projection runs [`Ops::linear`].
+    /// The staging buffer, where a projection of `m` rows by the weight `w` (`[n, k]`, bf16 or
+    /// block FP8 with its scales) can read x written as stage images by its producer (`_staged`
+    /// launchers, then [`Ops::linear_staged`]): prefill-sized `m` (`linear_tma` or
+    /// `linear_tma_fp8` reads the images), or decode rows that `linear_stream_tma` serves with
+    /// every k segment whole stages ([`linear_stream_tma_takes_images`]: its blocks bulk-copy
+    /// their segments); `k` a multiple of 64 (the producers write every k of every stage, no
+    /// padding), a 16-byte aligned weight, images that fit, and the weight's tensor map in place
+    /// (made here if need be). `None`: the producer writes rows only and the projection runs
+    /// [`Ops::linear`].
     pub fn linear_staging(
         &self,
         s: StreamHandle,
@@ -237,32 +238,34 @@ impl Ops {
         m: u32,
     ) -> GpuResult<Option<DevicePtr>> {
         let (n, k) = w.shape();
-        // Only bf16 weights have tensor maps; an FP8 projection reads x's rows.
-        if w.dtype != DType::Bf16
-            || (m <= LINEAR_SMALL_M_MAX && !linear_stream_tma_takes_images(m, k))
-        {
+        let mapped = match w.dtype {
+            DType::Bf16 => true,
+            DType::F8E4M3 => w.scales.is_some(),
+            _ => false,
+        };
+        if !mapped || (m <= LINEAR_SMALL_M_MAX && !linear_stream_tma_takes_images(m, k)) {
             return Ok(None);
         }
         let Some(staging) = self.staging_for(w.ptr, m, k, 2 * LIN_KC) else {
             return Ok(None);
         };
         Ok(self
-            .linear_tma_map(s, w.ptr, DType::Bf16, n, k)?
+            .linear_tma_map(s, w.ptr, w.dtype, n, k)?
             .map(|_| staging.images))
     }
 
     /// `linear` (bf16 out) of an x that its producer wrote as stage images at `images` (see
-    /// [`Ops::linear_staging`]): `linear_tma` at prefill sizes (from the images alone),
-    /// `linear_stream_tma` at decode sizes (the images, and x's rows, which the kernel reads
-    /// where it cannot take the images: the producer wrote both).
+    /// [`Ops::linear_staging`]): `linear_tma` (`linear_tma_fp8`) at prefill sizes (from the
+    /// images alone), `linear_stream_tma` (`linear_stream_tma_fp8`) at decode sizes (the images,
+    /// and x's rows, which the kernel reads where it cannot take the images: the producer wrote
+    /// both).
     pub fn linear_staged(
         &self,
         s: StreamHandle,
         (out, x, w): (Matrix, Matrix, Matrix),
         images: DevicePtr,
     ) -> GpuResult<()> {
-        let p = linear_operands("gemm::linear", DType::Bf16, &out, &x, &w)?;
-        let (m, n, k) = (p.m, p.n, p.k);
+        let (m, n, k) = (x.rows, w.rows, x.cols);
         let refused = || GpuError::KernelFailed {
             kernel: "linear_staged".into(),
             problem: format!(
@@ -272,6 +275,14 @@ impl Ops {
                 w.ptr.0
             ),
         };
+        if w.dtype == DType::F8E4M3 {
+            let (p, _) = fp8::linear_fp8_operands(&out, &x, &w)?;
+            return match self.linear_fp8_mapped(s, &p, Some(images))? {
+                true => Ok(()),
+                false => Err(refused()),
+            };
+        }
+        let p = linear_operands("gemm::linear", DType::Bf16, &out, &x, &w)?;
         let map = self
             .linear_tma_map(s, p.w, DType::Bf16, n, k)?
             .ok_or_else(refused)?;

@@ -304,4 +304,39 @@ fn fp8_linear_reads_its_weight_through_a_map_where_one_exists_and_dequantizes_el
         kernels_of(&ops, linear(32, 4088)),
         [k.linear_stream_wide_fp8]
     );
+
+    // A producer stages x for the FP8 projection as for a bf16 one; the projection then reads
+    // the images (no permute at prefill sizes), and refuses a shape that takes none.
+    let fp8_w = |k: u32| Matrix {
+        scales: Some(crate::ops_view::BlockScales {
+            ptr: scales,
+            row_shift: 7,
+        }),
+        ..Matrix::new(w, DType::F8E4M3, n, k)
+    };
+    let staging = |m: u32| ops.linear_staging(s, fp8_w(4096), m).expect("no error");
+    assert_eq!(staging(130), Some(base));
+    assert_eq!(staging(32), Some(base));
+    assert_eq!(staging(16), None);
+    let unscaled = Matrix::new(w, DType::F8E4M3, n, 4096);
+    assert_eq!(
+        ops.linear_staging(s, unscaled, 130).expect("no error"),
+        None
+    );
+    let staged = |m: u32| {
+        move |o: &Ops| {
+            let operands = (
+                Matrix::bf16(out, m, n),
+                Matrix::bf16(x, m, 4096),
+                fp8_w(4096),
+            );
+            o.linear_staged(s, operands, base)
+        }
+    };
+    assert_eq!(kernels_of(&ops, staged(130)), [k.linear_tma_fp8]);
+    assert_eq!(kernels_of(&ops, staged(32)), [k.linear_stream_tma_fp8]);
+    assert!(
+        staged(16)(&ops).is_err(),
+        "16 rows are not read from images"
+    );
 }
