@@ -32,10 +32,7 @@ static void* weight_map(const bf16* w, uint32_t n, uint32_t k) {
     const auto key = std::make_tuple(w, n, k);
     auto it = maps.find(key);
     if (it != maps.end()) return it->second;
-    CUtensorMap map = encode_weight_map(w, n, k);
-    void* dev;
-    CK(cudaMalloc(&dev, 128));
-    CK(cudaMemcpy(dev, &map, 128, cudaMemcpyHostToDevice));
+    void* dev = upload_map(encode_weight_map(w, n, k));
     maps[key] = dev;
     return dev;
 }
