@@ -93,23 +93,6 @@ static void launch_ref(bool pdl, cudaStream_t s, bf16* out, const bf16* x, const
                   WIDE_FP8_SMEM, pdl, s, args);
 }
 
-// x's rows a `linear_stream_tma` block holds and the row blocks (ops_gemm::linear_stream_tma_rows;
-// 0: none fit).
-static uint32_t tma_rows(uint32_t m, uint32_t k, uint32_t* blocks) {
-    const uint32_t steps = (((k + 31) / 32 + 7) / 8 + 1) / 2;
-    auto room = [&](uint32_t rows) {
-        return (uint64_t)steps * rows * 128 + rows * 1024 + LIN_DEC_MIN_STAGES * 16384 <= LIN_DEC_SPACE;
-    };
-    uint32_t rows = 8;
-    while (rows < m && rows < LIN_DEC_ROWS) rows *= 2;
-    while (rows > 8 && !room(rows)) rows /= 2;
-    if (!room(rows)) return 0;
-    *blocks = (m + rows - 1) / rows;
-    return rows;
-}
-
-static bool takes_images(uint32_t k) { return k % 64 == 0 && ((k / 32 + 7) / 8) % 2 == 0; }
-
 // `linear_stream_tma_fp8` of m rows (x's stage images `ximg` or null); false where it does not
 // fit (then nothing is launched).
 static bool launch_tma(bool pdl, cudaStream_t s, bf16* out, const bf16* x, const bf16* ximg, const Fp8Weight& w,

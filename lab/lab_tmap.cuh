@@ -1,8 +1,8 @@
 // What the labs with tensor maps share: `encode_weight_map`, `linear_tma`'s map of a bf16 [n, k]
 // weight (boxes of 64 k by 128 rows, 128-byte swizzle) as the engine's CUDA backend encodes it,
 // `encode_fp8_weight_map`, the FP8 kernels' map of an e4m3 [n, k] weight (boxes of 64 bytes by
-// 128 rows, 64-byte swizzle), and `read_ceiling_gbs`, the rate of a read-only stream of 2 GiB
-// (the labs' floor).
+// 128 rows, 64-byte swizzle), `tma_rows` and `takes_images` (how `linear_stream_tma` holds x),
+// and `read_ceiling_gbs`, the rate of a read-only stream of 2 GiB (the labs' floor).
 #pragma once
 
 #include <cuda.h>
@@ -49,6 +49,25 @@ static void* upload_map(const CUtensorMap& map) {
     CK(cudaMemcpy(dev, &map, 128, cudaMemcpyHostToDevice));
     return dev;
 }
+
+// x's rows a `linear_stream_tma` block holds for m rows by k inputs and the row blocks that
+// makes (ops_gemm::linear_stream_tma_rows; 0: none fit).
+static uint32_t tma_rows(uint32_t m, uint32_t k, uint32_t* blocks) {
+    const uint32_t steps = (((k + 31) / 32 + 7) / 8 + 1) / 2;
+    auto room = [&](uint32_t rows) {
+        return (uint64_t)steps * rows * 128 + rows * 1024 + LIN_DEC_MIN_STAGES * 16384 <= LIN_DEC_SPACE;
+    };
+    uint32_t rows = 8;
+    while (rows < m && rows < LIN_DEC_ROWS) rows *= 2;
+    while (rows > 8 && !room(rows)) rows /= 2;
+    if (!room(rows)) return 0;
+    *blocks = (m + rows - 1) / rows;
+    return rows;
+}
+
+// Whether `linear_stream_tma` takes x from stage images at k inputs (k % 64 == 0, segments of
+// whole stages).
+static bool takes_images(uint32_t k) { return k % 64 == 0 && ((k / 32 + 7) / 8) % 2 == 0; }
 
 __global__ void lab_read_kernel(const uint4* p, size_t n, uint32_t* sink) {
     uint32_t acc = 0;
