@@ -4,25 +4,25 @@
 #pragma once
 
 // ---- The decode kernel with the weight by tensor map (`linear_stream_tma`) ----
-// `linear_tma`'s operands, `linear_stream_wide`'s numerics: persistent clusters of LIN_SEGS
-// blocks, one a multiprocessor; a cluster takes tiles of LIN_DEC_COLS weight rows (output
-// columns) by all of x's rows in turn, block s computing segment s of every output of each (one
-// accumulator chain per tile), and sums the segment partials in order through distributed
-// shared memory. The weight streams through the tensor memory accelerator (`linear_tma`'s map:
-// boxes of 64 k by 128 rows) into a ring that runs on across tiles, and is wgmma's register
-// operand (W: `TmaWBf16`, or `TmaWFp8` for `linear_stream_tma_fp8`, whose e4m3 bytes are
-// converted as the fragments are loaded; its stages are half the bytes, so twice as many fit). x, the B operand, is the same for every tile of a block: the block
-// reads its segment of x once, at the start, into shared memory in the `k32_pairs` order of
-// `permute_k32_tiles`'s images (every stage's image resident; taken from those images by bulk
-// copies where the producer of x wrote them: rows past m then hold whatever the images hold,
-// which reaches only those rows' outputs, never stored), so the consumers are
+// `linear_tma`'s operands, `linear_stream_wide`'s numerics: persistent clusters of LIN_SEGS blocks,
+// one a multiprocessor; a cluster takes tiles of LIN_DEC_COLS weight rows (output columns) by all
+// of x's rows in turn, block s computing segment s of every output of each (one accumulator chain
+// per tile), and sums the segment partials in order through distributed shared memory. The weight
+// streams through the tensor memory accelerator (`linear_tma`'s map: boxes of 64 k by 128 rows)
+// into a ring that runs on across tiles, and is wgmma's register operand (W: `TmaWBf16`, or
+// `TmaWFp8` for `linear_stream_tma_fp8`, whose e4m3 bytes are converted as the fragments are
+// loaded; its stages are half the bytes, so twice as many fit). x, the B operand, is the same for
+// every tile of a block: the block reads its segment of x once, at the start, into shared memory in
+// the `k32_pairs` order of `permute_k32_tiles`'s images (every stage's image resident; taken from
+// those images by bulk copies where the producer of x wrote them: rows past m then hold whatever
+// the images hold, which reaches only those rows' outputs, never stored), so the consumers are
 // `linear_tma_body`'s. The row count picks the wgmma's N (8 .. 64), so one row multiplies 8 rows,
-// not 64; where N rows of the segment would not fit, x goes in row blocks of fewer rows, each
-// row block's clusters beside the other's on the same column tiles (the down projection's 12288
-// inputs at 64 rows: two blocks of 32). x is copied once rather than with every stage, which
-// would nearly double the time of a wide projection at 64 rows; the tile sums run beside the
-// next tile's MMAs rather than holding every block at each tile, and the waits are relaxed
-// with an explicit acquire fence (below), for the same reason.
+// not 64; where N rows of the segment would not fit, x goes in row blocks of fewer rows, each row
+// block's clusters beside the other's on the same column tiles (the down projection's 12288 inputs
+// at 64 rows: two blocks of 32). x is copied once rather than with every stage, which would nearly
+// double the time of a wide projection at 64 rows; the tile sums run beside the next tile's MMAs
+// rather than holding every block at each tile, and the waits are relaxed with an explicit acquire
+// fence (below), for the same reason.
 #define LIN_DEC_SUM_THREADS 96  // the producer warpgroup's warps 1-3: the tile sums
 
 // d[N / 2] (+)= A · B for one warpgroup: A 64 x 16 from registers (mma.sync's A fragment per

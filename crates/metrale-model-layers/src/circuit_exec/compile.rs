@@ -66,14 +66,14 @@ impl Program {
 /// `linear_stream_tma` (9..128 rows where x's segment fits and the weight has a tensor map) or
 /// `linear_stream_wide` (m <= 128) for decode-sized row counts, which give bitwise the rows
 /// `linear` gives; `linear` of a block-FP8 weight (`linear_stream_fp8`) launches
-/// `linear_stream_tma_fp8` or `linear_stream_wide_fp8` at decode sizes and `linear_tma_fp8`
-/// above them where the weight has a map, else the bf16 kernels on its dequantized image (the
-/// rows of `linear` on that image, every one); `ops::paged_attention` launches `paged_attention_flat` where a step has
-/// items enough for every block, and `ops::gated_delta_recurrent` launches
+/// `linear_stream_tma_fp8` or `linear_stream_wide_fp8` at decode sizes and `linear_tma_fp8` above
+/// them where the weight has a map, else the bf16 kernels on its dequantized image (the rows of
+/// `linear` on that image, every one); `ops::paged_attention` launches `paged_attention_flat` where
+/// a step has items enough for every block, and `ops::gated_delta_recurrent` launches
 /// `gated_delta_streamed` where it has several items a block (bitwise the same rows and states);
 /// `ops::add_rms_norm` and `ops::silu_mul` launch their `_staged` variants where the projection
-/// after them reads its x as stage images (`Ops::linear_staging`: the same rows, and the
-/// images). The plan names the family's kernel.
+/// after them reads its x as stage images (`Ops::linear_staging`: the same rows, and the images).
+/// The plan names the family's kernel.
 pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
     (
         metrale_circuit::kernels::ADD_RMS_NORM,

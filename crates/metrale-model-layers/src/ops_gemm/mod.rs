@@ -182,12 +182,12 @@ impl Ops {
     }
 
     /// The device copy of `w`'s tensor map (`[n, k]` of `dtype`, bf16 or the bytes of an FP8
-    /// weight; boxes of 64 k by 128 rows) in a slot of the staging memory, encoded and uploaded on first use through the backend the state was
-    /// made with (a circuit recorder's launchers share it, so the upload is never recorded). A
-    /// backend without tensor maps (the CPU) gets zeros, which its twins do not read. `None`
-    /// where there is no staging memory, every slot is taken, or the stream is capturing a
-    /// graph (an upload is refused then, before it reaches the driver); the caller then runs
-    /// the tiled kernel, whose rows are the same.
+    /// weight; boxes of 64 k by 128 rows) in a slot of the staging memory, encoded and uploaded on
+    /// first use through the backend the state was made with (a circuit recorder's launchers share
+    /// it, so the upload is never recorded). A backend without tensor maps (the CPU) gets zeros,
+    /// which its twins do not read. `None` where there is no staging memory, every slot is taken,
+    /// or the stream is capturing a graph (an upload is refused then, before it reaches the
+    /// driver); the caller then runs the tiled kernel, whose rows are the same.
     fn linear_tma_map(
         &self,
         s: StreamHandle,
