@@ -8,8 +8,9 @@
 //! - up to [`FP8_STREAM_M_MAX`] rows (decode, verify), the decode kernels, which convert the
 //!   weight in registers as they stream it (one byte an element from memory instead of two):
 //!   `linear_stream_tma_fp8` (`linear_stream_tma` with the e4m3 bytes through the weight's
-//!   tensor map) for the rows `linear_stream_tma` serves where the weight has a map (a slot of
-//!   the staging memory, `k` a multiple of 16, aligned operands); otherwise
+//!   tensor map) from [`FP8_STREAM_TMA_M_MIN`] rows, where `linear_stream_tma` serves the rows
+//!   and the weight has a map (a slot of the staging memory, `k` a multiple of 16, aligned
+//!   operands); otherwise
 //!   `linear_stream_fp8` (persistent blocks of one row tile a unit) up to
 //!   `LINEAR_NARROW_M_MAX` rows and `linear_stream_wide_fp8` (clusters of 128 columns by 64 rows
 //!   through a shared-memory ring, each weight fragment converted once for four row tiles)
@@ -37,6 +38,13 @@ use crate::ops_view::{BlockScales, Matrix, Operands};
 /// The most rows `linear` of an FP8 weight streams with `linear_stream_fp8`; more rows
 /// dequantize the weight into the scratch memory and run the bf16 kernels, where there is some.
 pub const FP8_STREAM_M_MAX: u32 = 128;
+
+/// The fewest rows `linear_stream_tma_fp8` serves. Below, `linear_stream_fp8` is faster: each
+/// warp converts only the weight fragments its rows need, where the tensor-map kernel converts a
+/// whole 64-row wgmma fragment for every k step whatever the rows (Qwen3-8B's projections,
+/// weights rotated past L2: at 16 rows gate_up 51.5 us against 66.2, o 10.8 against 18.3; at 32
+/// rows 90.9 against 67.3 and 21.5 against 19.3, `lab/fp8_tma_lab.cu`).
+pub const FP8_STREAM_TMA_M_MIN: u32 = LINEAR_NARROW_M_MAX + 1;
 
 /// Blocks of a `dequant_fp8` launch: enough to keep every multiprocessor streaming.
 const DEQUANT_BLOCKS: u32 = 1056;
@@ -178,6 +186,9 @@ impl Ops {
             return Ok(false);
         }
         let prefill = m > FP8_STREAM_M_MAX;
+        if !prefill && m < FP8_STREAM_TMA_M_MIN {
+            return Ok(false);
+        }
         let row_blocks = linear_stream_tma_row_blocks(m, k);
         let xt = match images {
             Some(images) => Some(images),

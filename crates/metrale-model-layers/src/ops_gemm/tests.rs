@@ -280,13 +280,19 @@ fn fp8_linear_reads_its_weight_through_a_map_where_one_exists_and_dequantizes_el
         kernels_of(&ops, linear(130, 4096)),
         [k.dequant_fp8, k.linear]
     );
-    // With a slot for the map: the tensor-map kernels from 9 rows (x permuted into images at
-    // prefill sizes); 8 rows stay on the narrow kernel.
+    // With a slot for the map: the tensor-map kernels from 17 rows (x permuted into images at
+    // prefill sizes); up to 16 rows stay on the narrow kernel, which is faster there.
     let images = linear_staging_bytes(160, 4096);
     let base = alloc(LinearStaging::bytes(images, 4));
     ops.set_linear_staging(Some(LinearStaging::at(base, images, 4)));
-    assert_eq!(kernels_of(&ops, linear(8, 4096)), [k.linear_stream_fp8]);
-    for m in [9, 32, 128] {
+    for m in [8, 9, 16] {
+        assert_eq!(
+            kernels_of(&ops, linear(m, 4096)),
+            [k.linear_stream_fp8],
+            "{m} rows"
+        );
+    }
+    for m in [17, 32, 128] {
         assert_eq!(
             kernels_of(&ops, linear(m, 4096)),
             [k.linear_stream_tma_fp8],
