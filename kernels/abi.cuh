@@ -206,22 +206,24 @@ typedef __nv_bfloat16 bf16;
 #define MT_KERNEL_LINEAR_STREAM_TMA_F32OUT 32
 #define MT_KERNEL_LINEAR_STREAM_FP8 33
 #define MT_KERNEL_LINEAR_STREAM_WIDE_FP8 34
-#define MT_KERNEL_DEQUANT_FP8 35
-#define MT_KERNEL_QUANTIZE_FP8 36
-#define MT_KERNEL_FILL_UNIFORM_BF16 37
-#define MT_KERNEL_TOPK_ROUTE 38
-#define MT_KERNEL_EXPERT_LINEAR 39
-#define MT_KERNEL_EXPERT_LINEAR_F32OUT 40
-#define MT_KERNEL_EXPERT_LINEAR_FP8 41
-#define MT_KERNEL_EXPERT_LINEAR_FP8_F32OUT 42
-#define MT_KERNEL_MOE_COMBINE 43
-#define MT_KERNEL_RMS_NORM 44
-#define MT_KERNEL_ADD_RMS_NORM 45
-#define MT_KERNEL_ADD_RMS_NORM_STAGED 46
-#define MT_KERNEL_QK_NORM_ROPE 47
-#define MT_KERNEL_QK_NORM_ROPE_KV_STORE 48
-#define MT_KERNEL_ARGMAX 49
-#define MT_KERNEL_SAMPLE 50
+#define MT_KERNEL_LINEAR_TMA_FP8 35
+#define MT_KERNEL_LINEAR_STREAM_TMA_FP8 36
+#define MT_KERNEL_DEQUANT_FP8 37
+#define MT_KERNEL_QUANTIZE_FP8 38
+#define MT_KERNEL_FILL_UNIFORM_BF16 39
+#define MT_KERNEL_TOPK_ROUTE 40
+#define MT_KERNEL_EXPERT_LINEAR 41
+#define MT_KERNEL_EXPERT_LINEAR_F32OUT 42
+#define MT_KERNEL_EXPERT_LINEAR_FP8 43
+#define MT_KERNEL_EXPERT_LINEAR_FP8_F32OUT 44
+#define MT_KERNEL_MOE_COMBINE 45
+#define MT_KERNEL_RMS_NORM 46
+#define MT_KERNEL_ADD_RMS_NORM 47
+#define MT_KERNEL_ADD_RMS_NORM_STAGED 48
+#define MT_KERNEL_QK_NORM_ROPE 49
+#define MT_KERNEL_QK_NORM_ROPE_KV_STORE 50
+#define MT_KERNEL_ARGMAX 51
+#define MT_KERNEL_SAMPLE 52
 
 #define MT_FAULT_GEOMETRY 1  // launched with a geometry it is not written for
 #define MT_FAULT_SHAPE 2  // given shapes that do not fit together
@@ -1142,6 +1144,81 @@ static_assert(offsetof(LinearFp8Params, scale_row_shift) == 44, "LinearFp8Params
     const bf16* __restrict__ x, \
     const uint8_t* __restrict__ w, \
     const float* __restrict__ scales, \
+    uint32_t m, \
+    uint32_t n, \
+    uint32_t k, \
+    uint32_t scale_row_shift
+
+// `gemm::linear_tma_fp8`: `linear_tma` of a block-FP8 weight (prefill), each element taken
+// as `LinearFp8Params` takes it.
+#pragma pack(push, 4)
+struct LinearTmaFp8Params {
+    bf16* out;
+    const bf16* xt;
+    const uint8_t* w;
+    const float* scales;
+    const void* wmap;
+    uint32_t m;
+    uint32_t n;
+    uint32_t k;
+    uint32_t scale_row_shift;
+};
+#pragma pack(pop)
+static_assert(sizeof(LinearTmaFp8Params) == 56, "LinearTmaFp8Params: not the layout of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaFp8Params, out) == 0, "LinearTmaFp8Params::out: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaFp8Params, xt) == 8, "LinearTmaFp8Params::xt: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaFp8Params, w) == 16, "LinearTmaFp8Params::w: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaFp8Params, scales) == 24, "LinearTmaFp8Params::scales: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaFp8Params, wmap) == 32, "LinearTmaFp8Params::wmap: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaFp8Params, m) == 40, "LinearTmaFp8Params::m: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaFp8Params, n) == 44, "LinearTmaFp8Params::n: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaFp8Params, k) == 48, "LinearTmaFp8Params::k: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaFp8Params, scale_row_shift) == 52, "LinearTmaFp8Params::scale_row_shift: not the offset of metrale-kernel-abi");
+#define LINEAR_TMA_FP8_PARAMS \
+    bf16* __restrict__ out, \
+    const bf16* __restrict__ xt, \
+    const uint8_t* __restrict__ w, \
+    const float* __restrict__ scales, \
+    const void* __restrict__ wmap, \
+    uint32_t m, \
+    uint32_t n, \
+    uint32_t k, \
+    uint32_t scale_row_shift
+
+// `gemm::linear_stream_tma_fp8`: `linear_stream_tma` of a block-FP8 weight (decode), each
+// element taken as `LinearFp8Params` takes it.
+#pragma pack(push, 4)
+struct LinearStreamTmaFp8Params {
+    bf16* out;
+    const bf16* x;
+    const bf16* ximg;
+    const uint8_t* w;
+    const float* scales;
+    const void* wmap;
+    uint32_t m;
+    uint32_t n;
+    uint32_t k;
+    uint32_t scale_row_shift;
+};
+#pragma pack(pop)
+static_assert(sizeof(LinearStreamTmaFp8Params) == 64, "LinearStreamTmaFp8Params: not the layout of metrale-kernel-abi");
+static_assert(offsetof(LinearStreamTmaFp8Params, out) == 0, "LinearStreamTmaFp8Params::out: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearStreamTmaFp8Params, x) == 8, "LinearStreamTmaFp8Params::x: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearStreamTmaFp8Params, ximg) == 16, "LinearStreamTmaFp8Params::ximg: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearStreamTmaFp8Params, w) == 24, "LinearStreamTmaFp8Params::w: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearStreamTmaFp8Params, scales) == 32, "LinearStreamTmaFp8Params::scales: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearStreamTmaFp8Params, wmap) == 40, "LinearStreamTmaFp8Params::wmap: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearStreamTmaFp8Params, m) == 48, "LinearStreamTmaFp8Params::m: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearStreamTmaFp8Params, n) == 52, "LinearStreamTmaFp8Params::n: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearStreamTmaFp8Params, k) == 56, "LinearStreamTmaFp8Params::k: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearStreamTmaFp8Params, scale_row_shift) == 60, "LinearStreamTmaFp8Params::scale_row_shift: not the offset of metrale-kernel-abi");
+#define LINEAR_STREAM_TMA_FP8_PARAMS \
+    bf16* __restrict__ out, \
+    const bf16* __restrict__ x, \
+    const bf16* __restrict__ ximg, \
+    const uint8_t* __restrict__ w, \
+    const float* __restrict__ scales, \
+    const void* __restrict__ wmap, \
     uint32_t m, \
     uint32_t n, \
     uint32_t k, \

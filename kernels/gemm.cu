@@ -47,10 +47,13 @@
 //   rate (a deeper ring does not help), which is why `linear_tma` serves the shapes it can.
 //   The compute_90 PTX, which has no wgmma, runs the mma.sync tiles of `linear_tiled`
 //   (gemm_mma.cuh) instead, with the same numerics.
-// Block-FP8 weights (`linear_stream_fp8` for m <= 16, `linear_stream_wide_fp8` for 16 < m <= 128,
-// `dequant_fp8` then the bf16 kernels above) compute `linear` of the bf16 weight the FP8 one
-// stands for, each fragment converted as it is read (gemm_fp8.cuh), so their rows are bitwise
-// the bf16 kernels' on `dequant_fp8`'s output. At m <= 16 on the checkpoints' shapes
+// Block-FP8 weights compute `linear` of the bf16 weight the FP8 one stands for, each fragment
+// converted as it is read (gemm_fp8.cuh), so their rows are bitwise the bf16 kernels' on
+// `dequant_fp8`'s output: where the weight has a tensor map (its e4m3 bytes, 64-byte boxes under
+// the 64-byte swizzle, `TmaWFp8`), `linear_stream_tma_fp8` for 9..128 rows and `linear_tma_fp8`
+// at prefill sizes, the bf16 tensor-map kernels with the conversion in their fragment loads;
+// otherwise `linear_stream_fp8` for m <= 16, `linear_stream_wide_fp8` for 16 < m <= 128 and
+// `dequant_fp8` then the bf16 kernels above. At m <= 16 on the checkpoints' shapes
 // `linear_stream_fp8` gives the weight the MMA's A operand and x the B operand
 // (`linear_fp8_swapped`, gemm_direct.cuh): the same k sets per MMA, transposed, which the H200
 // computes bit for bit as the other order (`lab/fp8_swap_lab.cu`; the GPU tests hold it).
@@ -402,9 +405,11 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // `kernel`: the entry's MT_KERNEL_* (for its fault).
-template <typename OutT>
-MT_DEVICE void linear_tma_impl(OutT* out, const bf16* xt, const bf16* w, const void* wmap, uint32_t m, uint32_t n,
-                               uint32_t k, uint32_t kernel) {
+// W: the weight's format as the tensor-map body reads it (`TmaWBf16`, `TmaWFp8`); TW: the same
+// weight as the compute_90 body's scalar loads read it (`tiled_w8`).
+template <typename OutT, typename W, typename TW>
+MT_DEVICE void linear_tma_impl(OutT* out, const bf16* xt, const W& wf, TW w, const void* wmap, uint32_t m,
+                               uint32_t n, uint32_t k, uint32_t kernel) {
     extern __shared__ __align__(16) unsigned char lin_tma_smem[];
     if (m == 0 || n == 0) return;
     if (blockDim.x != LIN_TMA_THREADS) {
@@ -417,11 +422,12 @@ MT_DEVICE void linear_tma_impl(OutT* out, const bf16* xt, const bf16* w, const v
     (void)w;
     const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC, seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
     if (seg_chunks % 2 == 0 && chunks % 2 == 0)  // segments end with stages (uniform over the grid)
-        linear_tma_body<OutT, LIN_TMA_STAGES, false>(out, xt, wmap, m, n, k, lin_tma_smem);
+        linear_tma_body<OutT, LIN_TMA_STAGES, false>(out, xt, wf, wmap, m, n, k, lin_tma_smem);
     else
-        linear_tma_body<OutT, LIN_TMA_STAGES, true>(out, xt, wmap, m, n, k, lin_tma_smem);
+        linear_tma_body<OutT, LIN_TMA_STAGES, true>(out, xt, wf, wmap, m, n, k, lin_tma_smem);
 #else  // the compute_90 PTX: the mma.sync tiles reading x from the images (no tensor map)
     (void)wmap;
+    (void)wf;
     // 8 warps of 64 x 32 per 128 x 128 tile; the other four leave (barriers count the rest).
     if (threadIdx.x >= 256) return;
     linear_tiled<OutT, LIN_TMA_TILE, LIN_TMA_TILE, 64, 32, 2, 3, false, true>(out, xt, w, m, n, k, lin_tma_smem);
@@ -434,21 +440,40 @@ MT_DEVICE void linear_tma_impl(OutT* out, const bf16* xt, const bf16* w, const v
 // dynamic shared memory. Needs k % 8 == 0 and 16-byte aligned operands.
 extern "C" __global__ void __launch_bounds__(LIN_TMA_THREADS, 1)
     linear_tma(LINEAR_TMA_PARAMS(bf16)) {
-    linear_tma_impl(out, xt, w, wmap, m, n, k, MT_KERNEL_LINEAR_TMA);
+    linear_tma_impl(out, xt, TmaWBf16{}, w, wmap, m, n, k, MT_KERNEL_LINEAR_TMA);
 }
 
 // linear_tma_f32out(out: f32 [m, n], xt, w, wmap, m, n, k): `linear_f32out`, likewise.
 extern "C" __global__ void __launch_bounds__(LIN_TMA_THREADS, 1)
     linear_tma_f32out(LINEAR_TMA_PARAMS(float)) {
-    linear_tma_impl(out, xt, w, wmap, m, n, k, MT_KERNEL_LINEAR_TMA_F32OUT);
+    linear_tma_impl(out, xt, TmaWBf16{}, w, wmap, m, n, k, MT_KERNEL_LINEAR_TMA_F32OUT);
+}
+
+// The tensor-map format of a block-FP8 weight's launch.
+MT_DEVICE TmaWFp8 tma_w_fp8(const float* scales, uint32_t scale_row_shift, uint32_t n, uint32_t k) {
+    return TmaWFp8{scales, scale_row_shift, (k + FP8_BLOCK - 1) / FP8_BLOCK, n, k};
+}
+
+// linear_tma_fp8(out: bf16 [m, n], xt: `permute_k32_tiles` of x [m, k], w: fp8 e4m3 [n, k],
+// scales, wmap: a 2-D tensor map of w (bytes, dims (k, n), box 64 x 128, 64-byte swizzle) in
+// device memory, m, n, k, scale_row_shift): `linear_tma` of the weight `dequant_fp8` makes of w,
+// each fragment converted as the consumers load it, so its rows are bitwise `linear`'s of that
+// weight without writing it (prefill of an FP8 weight). `linear_tma`'s geometry; needs k % 16
+// == 0 and 16-byte aligned operands.
+extern "C" __global__ void __launch_bounds__(LIN_TMA_THREADS, 1)
+    linear_tma_fp8(LINEAR_TMA_FP8_PARAMS) {
+    const TmaWFp8 wf = tma_w_fp8(scales, scale_row_shift, n, k);
+    linear_tma_impl(out, xt, wf, TiledWFp8{w, wf}, wmap, m, n, k, MT_KERNEL_LINEAR_TMA_FP8);
 }
 
 // ---- `linear_stream_tma`: the decode kernel of the sm_90a cubin where a weight map exists ----
 
-// `kernel`: the entry's MT_KERNEL_* (for its fault).
-template <typename OutT>
-MT_DEVICE void linear_stream_tma_impl(OutT* out, const bf16* x, const bf16* ximg, const bf16* w, const void* wmap,
-                                      uint32_t m, uint32_t n, uint32_t k, uint32_t kernel) {
+// `kernel`: the entry's MT_KERNEL_* (for its fault). W: the weight's format as the tensor-map
+// body reads it (`TmaWBf16`, `TmaWFp8`); WW: the same weight as `linear_wide_impl` reads it (the
+// compute_90 body), with WW_CH chunks a stage and WW_STAGES stages.
+template <typename OutT, int WW_CH, int WW_STAGES, typename W, typename WW>
+MT_DEVICE void linear_stream_tma_impl(OutT* out, const bf16* x, const bf16* ximg, const W& wf, const WW& ww,
+                                      const void* wmap, uint32_t m, uint32_t n, uint32_t k, uint32_t kernel) {
     extern __shared__ __align__(1024) unsigned char lin_dec_smem[];
     // Uniform over the grid, so every block of a cluster leaves together.
     if (m == 0 || n == 0) return;
@@ -457,7 +482,7 @@ MT_DEVICE void linear_stream_tma_impl(OutT* out, const bf16* x, const bf16* ximg
         return;
     }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    (void)w;
+    (void)ww;
     unsigned char* smem = lin_dec_smem + ((1024 - ((uint32_t)__cvta_generic_to_shared(lin_dec_smem) & 1023)) & 1023);
     // N: x's rows a block holds (a power of two, 8 .. LIN_DEC_ROWS), halved while x's segment,
     // the partials and LIN_DEC_MIN_STAGES weight stages would not fit; then as many row blocks
@@ -470,26 +495,25 @@ MT_DEVICE void linear_stream_tma_impl(OutT* out, const bf16* x, const bf16* ximg
     const uint32_t row_blocks = (m + rows - 1) / rows;
     const unsigned char* xi = reinterpret_cast<const unsigned char*>(ximg);
     if (rows == 8)
-        linear_dec_body<OutT, 8>(out, x, xi, wmap, m, n, k, row_blocks, smem);
+        linear_dec_body<OutT, 8>(out, x, xi, wf, wmap, m, n, k, row_blocks, smem);
     else if (rows == 16)
-        linear_dec_body<OutT, 16>(out, x, xi, wmap, m, n, k, row_blocks, smem);
+        linear_dec_body<OutT, 16>(out, x, xi, wf, wmap, m, n, k, row_blocks, smem);
     else if (rows == 32)
-        linear_dec_body<OutT, 32>(out, x, xi, wmap, m, n, k, row_blocks, smem);
+        linear_dec_body<OutT, 32>(out, x, xi, wf, wmap, m, n, k, row_blocks, smem);
     else
-        linear_dec_body<OutT, 64>(out, x, xi, wmap, m, n, k, row_blocks, smem);
+        linear_dec_body<OutT, 64>(out, x, xi, wf, wmap, m, n, k, row_blocks, smem);
 #else  // the compute_90 PTX: `linear_stream_wide`'s body (no wgmma, no tensor map) on each of the
        // cluster's tiles in turn, from x's rows (never its images); the warps past its eight
        // compute partials nobody sums.
     (void)wmap;
     (void)ximg;
+    (void)wf;
     const uint32_t tiles = (n + 127) / 128 * ((m + LIN_W_ROWS - 1) / LIN_W_ROWS);
     for (uint32_t t = blockIdx.x / LIN_SEGS; t < tiles; t += gridDim.x / LIN_SEGS) {
-        if (k % 8 != 0 || !aligned16(x) || !aligned16(w))
-            linear_wide_impl<OutT, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, false>(out, x, WideBf16{w}, m, n, k,
-                                                                                  lin_dec_smem, t);
+        if (k % 8 != 0 || !aligned16(x) || !ww.vec(k))
+            linear_wide_impl<OutT, LIN_W_NT, WW_CH, WW_STAGES, false>(out, x, ww, m, n, k, lin_dec_smem, t);
         else
-            linear_wide_impl<OutT, LIN_W_NT, LIN_W_STAGE_CH, LIN_W_STAGES, true>(out, x, WideBf16{w}, m, n, k,
-                                                                                 lin_dec_smem, t);
+            linear_wide_impl<OutT, LIN_W_NT, WW_CH, WW_STAGES, true>(out, x, ww, m, n, k, lin_dec_smem, t);
     }
 #endif
 }
@@ -508,12 +532,27 @@ MT_DEVICE void linear_stream_tma_impl(OutT* out, const bf16* x, const bf16* ximg
 // aligned images).
 extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_DEC_THREADS, 1)
     linear_stream_tma(LINEAR_STREAM_TMA_PARAMS(bf16)) {
-    linear_stream_tma_impl(out, x, ximg, w, wmap, m, n, k, MT_KERNEL_LINEAR_STREAM_TMA);
+    linear_stream_tma_impl<bf16, LIN_W_STAGE_CH, LIN_W_STAGES>(out, x, ximg, TmaWBf16{}, WideBf16{w}, wmap, m, n, k,
+                                                              MT_KERNEL_LINEAR_STREAM_TMA);
 }
 
 // linear_stream_tma_f32out(out: f32 [m, n], x, ximg, w, wmap, m, n, k): `linear_f32out`,
 // likewise.
 extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_DEC_THREADS, 1)
     linear_stream_tma_f32out(LINEAR_STREAM_TMA_PARAMS(float)) {
-    linear_stream_tma_impl(out, x, ximg, w, wmap, m, n, k, MT_KERNEL_LINEAR_STREAM_TMA_F32OUT);
+    linear_stream_tma_impl<float, LIN_W_STAGE_CH, LIN_W_STAGES>(out, x, ximg, TmaWBf16{}, WideBf16{w}, wmap, m, n,
+                                                               k, MT_KERNEL_LINEAR_STREAM_TMA_F32OUT);
+}
+
+// linear_stream_tma_fp8(out: bf16 [m, n], x: bf16 [m, k], ximg: x's stage images or NULL, w: fp8
+// e4m3 [n, k], scales, wmap: `linear_tma_fp8`'s tensor map of w, m, n, k, scale_row_shift):
+// `linear_stream_tma` of the weight `dequant_fp8` makes of w, each fragment converted as the
+// consumers load it (the e4m3 bytes stream, half of bf16's), so its rows are bitwise `linear`'s
+// of that weight; the decode path (9..128 rows) of an FP8 weight with a map. `linear_stream_tma`'s
+// geometry and requirements, k % 16 == 0.
+extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_DEC_THREADS, 1)
+    linear_stream_tma_fp8(LINEAR_STREAM_TMA_FP8_PARAMS) {
+    const WideWFp8<64 * LIN_W_NT, LIN_WF_STAGE_CH> ww{w, scales, scale_row_shift, (k + FP8_BLOCK - 1) / FP8_BLOCK};
+    linear_stream_tma_impl<bf16, LIN_WF_STAGE_CH, LIN_WF_STAGES>(out, x, ximg, tma_w_fp8(scales, scale_row_shift, n, k),
+                                                                ww, wmap, m, n, k, MT_KERNEL_LINEAR_STREAM_TMA_FP8);
 }

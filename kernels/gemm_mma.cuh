@@ -56,31 +56,38 @@ MT_DEVICE uint4 load8_img(const bf16* xt, uint32_t m, uint32_t k, uint32_t row, 
 MT_DEVICE void store_out(bf16* out, size_t i, float v) { out[i] = f2bf(v); }
 MT_DEVICE void store_out(float* out, size_t i, float v) { out[i] = v; }
 
+// The weight of the tiled kernel's scalar loads: lane (g, q)'s 8 bf16 of row `row` from column
+// `col` (zero outside), from a bf16 weight here, from a block-FP8 one through `TiledWFp8`
+// (gemm_wgmma.cuh), converted as read.
+MT_DEVICE uint4 tiled_w8(const bf16* w, uint32_t n, uint32_t k, uint32_t row, uint32_t col) {
+    return load8(w, n, k, row, col, false);
+}
+
 // One pipeline stage: SC chunks of x rows [m0, m0 + BM) then w rows [n0, n0 + BN),
 // 32 k each, as 16-byte vectors laid out [chunk][row][4 vectors] (vector q of a row holds k
 // 8q..8q+7 of its chunk, what lane (g, q) feeds its MMAs; a warp's 8 rows of one vector column
 // are 512 contiguous bytes, so its shared loads are conflict-free). Consecutive threads take
 // consecutive vectors of a row, so each row's 128 bytes per stage are one contiguous read.
-template <int BM, int BN, int SC, int THREADS, bool VEC, bool XIMG = false>
-MT_DEVICE void load_stage(uint4* stage, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
-                          uint32_t k, uint32_t m0, uint32_t n0, uint32_t step) {
+// TW: the weight (`tiled_w8`); VEC copies need a bf16 one.
+template <int BM, int BN, int SC, int THREADS, bool VEC, bool XIMG = false, typename TW = const bf16*>
+MT_DEVICE void load_stage(uint4* stage, const bf16* x, TW w, uint32_t m, uint32_t n, uint32_t k, uint32_t m0,
+                          uint32_t n0, uint32_t step) {
     constexpr uint32_t ROWS = BM + BN;
 #pragma unroll 4
     for (uint32_t i = threadIdx.x; i < ROWS * SC * 4; i += THREADS) {
         const uint32_t row = i / (SC * 4), ch = (i / 4) % SC, q = i % 4;
         const uint32_t col = (step * SC + ch) * LIN_KC + q * 8;
         const bool is_x = row < BM;
-        const bf16* base = is_x ? x : w;
-        const uint32_t rows = is_x ? m : n;
         const uint32_t grow = is_x ? m0 + row : n0 + (row - BM);
         uint4* dst = stage + (ch * ROWS + row) * 4 + q;
-        if (VEC) {
-            const bool in = grow < rows && col < k;
+        if constexpr (VEC) {
+            const bf16* base = is_x ? x : w;
+            const bool in = grow < (is_x ? m : n) && col < k;
             cp_async16(dst, in ? base + (size_t)grow * k + col : base, in ? 16u : 0u);
-        } else if (XIMG && is_x) {
-            *dst = load8_img(x, m, k, grow, col);
+        } else if (is_x) {
+            *dst = XIMG ? load8_img(x, m, k, grow, col) : load8(x, m, k, grow, col, false);
         } else {
-            *dst = load8(base, rows, k, grow, col, false);
+            *dst = tiled_w8(w, n, k, grow, col);
         }
     }
 }
@@ -94,10 +101,12 @@ MT_DEVICE void load_stage(uint4* stage, const bf16* x, const bf16* w, uint32_t m
 // scalar loads (VEC false): the compute_90 PTX is the fallback where the sm_90a cubin cannot
 // load.
 // XIMG: x is given as `permute_k32_tiles`'s stage images, and grid x runs over the row tiles
-// (the compute_90 body of `linear_tma`).
-template <typename OutT, int BM, int BN, int WM, int WN, int SC, int ST, bool VEC, bool XIMG = false>
-MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m, uint32_t n,
-                            uint32_t k, unsigned char* smem) {
+// (the compute_90 body of `linear_tma`). TW: the weight (`tiled_w8`: bf16, or block FP8 for the
+// compute_90 body of `linear_tma_fp8`).
+template <typename OutT, int BM, int BN, int WM, int WN, int SC, int ST, bool VEC, bool XIMG = false,
+          typename TW = const bf16*>
+MT_DEVICE void linear_tiled(OutT* out, const bf16* x, TW w, uint32_t m, uint32_t n, uint32_t k,
+                            unsigned char* smem) {
     constexpr int MT = WM / 16, NT = WN / 8, THREADS = (BM / WM) * (BN / WN) * 32;
     constexpr uint32_t ROWS = BM + BN, STAGE_VECS = SC * ROWS * 4;
     uint4* stages = reinterpret_cast<uint4*>(smem);
@@ -119,7 +128,7 @@ MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m,
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
         if ((uint32_t)s < steps)
-            load_stage<BM, BN, SC, THREADS, VEC, XIMG>(stages + s * STAGE_VECS, x, w, m, n, k, m0, n0, s);
+            load_stage<BM, BN, SC, THREADS, VEC, XIMG, TW>(stages + s * STAGE_VECS, x, w, m, n, k, m0, n0, s);
         cp_async_commit();
     }
     uint32_t in_seg = 0;
@@ -128,7 +137,7 @@ MT_DEVICE void linear_tiled(OutT* out, const bf16* x, const bf16* w, uint32_t m,
         __syncthreads();
         const uint32_t pre = j + ST - 1;
         if (pre < steps)
-            load_stage<BM, BN, SC, THREADS, VEC, XIMG>(stages + (pre % ST) * STAGE_VECS, x, w, m, n, k, m0, n0, pre);
+            load_stage<BM, BN, SC, THREADS, VEC, XIMG, TW>(stages + (pre % ST) * STAGE_VECS, x, w, m, n, k, m0, n0, pre);
         cp_async_commit();
 
         const uint4* st = stages + (j % ST) * STAGE_VECS;

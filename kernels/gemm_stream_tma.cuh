@@ -4,25 +4,25 @@
 #pragma once
 
 // ---- The decode kernel with the weight by tensor map (`linear_stream_tma`) ----
-// `linear_tma`'s operands, `linear_stream_wide`'s numerics: persistent clusters of LIN_SEGS
-// blocks, one a multiprocessor; a cluster takes tiles of LIN_DEC_COLS weight rows (output
-// columns) by all of x's rows in turn, block s computing segment s of every output of each (one
-// accumulator chain per tile), and sums the segment partials in order through distributed
-// shared memory. The weight streams through the tensor memory accelerator (`linear_tma`'s map:
-// boxes of 64 k by 128 rows, 128-byte swizzle) into a ring that runs on across tiles, and is
-// wgmma's register operand. x, the B operand, is the same for every tile of a block: the block
-// reads its segment of x once, at the start, into shared memory in the `k32_pairs` order of
-// `permute_k32_tiles`'s images (every stage's image resident; taken from those images by bulk
-// copies where the producer of x wrote them: rows past m then hold whatever the images hold,
-// which reaches only those rows' outputs, never stored), so the consumers are
+// `linear_tma`'s operands, `linear_stream_wide`'s numerics: persistent clusters of LIN_SEGS blocks,
+// one a multiprocessor; a cluster takes tiles of LIN_DEC_COLS weight rows (output columns) by all
+// of x's rows in turn, block s computing segment s of every output of each (one accumulator chain
+// per tile), and sums the segment partials in order through distributed shared memory. The weight
+// streams through the tensor memory accelerator (`linear_tma`'s map: boxes of 64 k by 128 rows)
+// into a ring that runs on across tiles, and is wgmma's register operand (W: `TmaWBf16`, or
+// `TmaWFp8` for `linear_stream_tma_fp8`, whose e4m3 bytes are converted as the fragments are
+// loaded; its stages are half the bytes, so twice as many fit). x, the B operand, is the same for
+// every tile of a block: the block reads its segment of x once, at the start, into shared memory in
+// the `k32_pairs` order of `permute_k32_tiles`'s images (every stage's image resident; taken from
+// those images by bulk copies where the producer of x wrote them: rows past m then hold whatever
+// the images hold, which reaches only those rows' outputs, never stored), so the consumers are
 // `linear_tma_body`'s. The row count picks the wgmma's N (8 .. 64), so one row multiplies 8 rows,
-// not 64; where N rows of the segment would not fit, x goes in row blocks of fewer rows, each
-// row block's clusters beside the other's on the same column tiles (the down projection's 12288
-// inputs at 64 rows: two blocks of 32). x is copied once rather than with every stage, which
-// would nearly double the time of a wide projection at 64 rows; the tile sums run beside the
-// next tile's MMAs rather than holding every block at each tile, and the waits are relaxed
-// with an explicit acquire fence (below), for the same reason.
-#define LIN_DEC_MAX_STAGES 12
+// not 64; where N rows of the segment would not fit, x goes in row blocks of fewer rows, each row
+// block's clusters beside the other's on the same column tiles (the down projection's 12288 inputs
+// at 64 rows: two blocks of 32). x is copied once rather than with every stage, which would nearly
+// double the time of a wide projection at 64 rows; the tile sums run beside the next tile's MMAs
+// rather than holding every block at each tile, and the waits are relaxed with an explicit acquire
+// fence (below), for the same reason.
 #define LIN_DEC_SUM_THREADS 96  // the producer warpgroup's warps 1-3: the tile sums
 
 // d[N / 2] (+)= A · B for one warpgroup: A 64 x 16 from registers (mma.sync's A fragment per
@@ -153,13 +153,15 @@ struct DecBars {
 
 // The consumer warpgroups' part of `linear_dec_body` (threads 128..383): every stage of every
 // tile of the block's through wgmma (weight rows 64 c .. 64 c + 63 of the tile, fragment rows
-// as in `linear_tma_body`, x's image of the step from `xs`), the tile's partials into buffer
-// it % 2 of `part` once the cluster has read that buffer's tile before, then published to every
-// block.
-template <uint32_t N>
-MT_DEVICE void dec_consume(float4* part, uint32_t ring, uint32_t xs, const DecBars& bars, uint32_t ST,
-                           uint32_t nch, uint32_t my_tiles, bool staged) {
-    constexpr uint32_t W_BYTES = LIN_DEC_COLS * 128, X_STAGE = N * 128;
+// as in `linear_tma_body`, `W::frags` of the stage's chunks c_begin + 2 j and + 1; x's image of
+// the step from `xs`), the tile's partials into buffer it % 2 of `part` once the cluster has read
+// that buffer's tile before, then published to every block. The cluster's tiles are cid, cid +
+// ncl, ...
+template <uint32_t N, typename W>
+MT_DEVICE void dec_consume(const W& wf, float4* part, uint32_t ring, uint32_t xs, const DecBars& bars, uint32_t ST,
+                           uint32_t c_begin, uint32_t nch, uint32_t cid, uint32_t ncl, uint32_t my_tiles,
+                           bool staged) {
+    constexpr uint32_t W_BYTES = LIN_DEC_COLS * W::ROW_BYTES, X_STAGE = N * 128;
     const uint32_t full = bars.full, empty = bars.empty, pready = bars.pready, pfree = bars.pfree;
     const uint32_t tid = threadIdx.x, steps = (nch + 1) / 2;
     const uint32_t ct = tid - 128, wt = ct % 128, lane = wt % 32;
@@ -177,10 +179,11 @@ MT_DEVICE void dec_consume(float4* part, uint32_t ring, uint32_t xs, const DecBa
     // second chunk's MMAs still run (a branch around them would serialize every wgmma), on zero
     // fragments and the zeros x holds there, adding +0 products: at most a partial's zero
     // changes sign, which the sum from +0 cannot see.
+    uint32_t n0 = cid * LIN_DEC_COLS;  // the tile's first weight row
     auto step = [&](uint32_t j, uint4 (&cur)[4], uint4 (&prev)[4]) {
         const uint32_t st = ring + slot * W_BYTES, xb = xs + j * X_STAGE;
         mbar_wait(full + slot * 8, phase);
-        wg_load_frags(cur, st, fr);
+        wf.frags(cur, st, fr, n0, c_begin + 2 * j);
         if (2 * j + 1 >= nch) cur[2] = cur[3] = make_uint4(0, 0, 0, 0);  // past the segment
         wg_fence();
         wgmma_m64nNk16_rs<N>(acc, cur[0].x, cur[1].x, cur[0].y, cur[1].y, wg_desc_sw(xb, 0, 0), j == 0 ? 0u : 1u);
@@ -209,6 +212,7 @@ MT_DEVICE void dec_consume(float4* part, uint32_t ring, uint32_t xs, const DecBa
         keep_live4(A0);
         keep_live4(A1);
         if (steps > 0) mbar_arrive(empty + prev_slot * 8);
+        n0 += ncl * LIN_DEC_COLS;
         // Buffer it % 2 is free once the cluster has read tile it - 2 from it.
         const uint32_t b = it & 1;
         mbar_wait_cluster(pfree + b * 8, ((it >> 1) & 1) ^ 1);
@@ -235,10 +239,11 @@ MT_DEVICE void dec_consume(float4* part, uint32_t ring, uint32_t xs, const DecBa
 // previous tile: `pfree`), tell every block (`pready`) and go on to the next tile; the producer
 // warpgroup's warps 1-3 sum this block's share of each tile over the segments, in order, once
 // every block has published it, store it, and tell every block that buffer is read.
-template <typename OutT, uint32_t N>
-MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const unsigned char* ximg, const void* wmap, uint32_t m,
-                               uint32_t n, uint32_t k, uint32_t row_blocks, unsigned char* smem) {
-    constexpr uint32_t W_BYTES = LIN_DEC_COLS * 128, X_STAGE = N * 128, PART_BYTES = N * 1024;
+template <typename OutT, uint32_t N, typename W>
+MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const unsigned char* ximg, const W& wf, const void* wmap,
+                               uint32_t m, uint32_t n, uint32_t k, uint32_t row_blocks, unsigned char* smem) {
+    constexpr uint32_t W_BYTES = LIN_DEC_COLS * W::ROW_BYTES, X_STAGE = N * 128, PART_BYTES = N * 1024;
+    constexpr uint32_t MAX_STAGES = W::DEC_MAX_STAGES;
     const uint32_t tid = threadIdx.x, seg = blockIdx.x % LIN_SEGS;
     // Cluster c takes rows N (c % row_blocks).. and the column tiles c / row_blocks, + ncol, ...:
     // the clusters of one column tile's row blocks are neighbours and read its weight together
@@ -252,12 +257,12 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const unsigned char* xi
     const uint32_t nch = span.c_end - span.c_begin, steps = (nch + 1) / 2, total = my_tiles * steps;
     const uint32_t x_bytes = seg_steps * X_STAGE;
     const uint32_t st_fit = (LIN_DEC_SPACE - x_bytes - PART_BYTES) / W_BYTES;
-    const uint32_t ST = st_fit < LIN_DEC_MAX_STAGES ? st_fit : LIN_DEC_MAX_STAGES;
+    const uint32_t ST = st_fit < MAX_STAGES ? st_fit : MAX_STAGES;
     if (ST < 2) __trap();  // the launcher keeps to LIN_DEC_MIN_STAGES
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
     const uint32_t xs = sbase, ring = sbase + x_bytes + PART_BYTES;
-    const uint32_t full = ring + ST * W_BYTES, empty = full + LIN_DEC_MAX_STAGES * 8;
-    const uint32_t pready = empty + LIN_DEC_MAX_STAGES * 8, pfree = pready + 16, xfull = pfree + 16;
+    const uint32_t full = ring + ST * W_BYTES, empty = full + MAX_STAGES * 8;
+    const uint32_t pready = empty + MAX_STAGES * 8, pfree = pready + 16, xfull = pfree + 16;
     const DecBars bars = {full, empty, pready, pfree, xfull};
     // x's segment from its stage images: where they are given and every segment starts and
     // ends with a stage (uniform over the grid).
@@ -335,5 +340,5 @@ MT_DEVICE void linear_dec_body(OutT* out, const bf16* x, const unsigned char* xi
         return;
     }
 
-    dec_consume<N>(part, ring, xs, bars, ST, nch, my_tiles, staged);
+    dec_consume<N>(wf, part, ring, xs, bars, ST, span.c_begin, nch, cid, ncl, my_tiles, staged);
 }

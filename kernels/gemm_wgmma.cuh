@@ -262,9 +262,12 @@ MT_DEVICE void wgmma_m64n128k16_rs(float (&d)[64], uint32_t a0, uint32_t a1, uin
 // Where lane (g, q) of warp `warp` of consumer warpgroup `cw` reads its weight fragments in a
 // stage of 128 swizzled 128-byte rows: tile row ra = 64 cw + 16 warp + g / 2 + 4 (g % 2) (so the
 // two rows a quarter warp loads fall in different halves of the swizzle; row g + 8 is ra + 8),
-// 16-byte unit q of chunk 0 (`off0`) and of chunk 1 (`off1`).
+// 16-byte unit q of chunk 0 (`off0`) and of chunk 1 (`off1`); and in a stage of 64-byte rows
+// under the 64-byte swizzle (an FP8 weight's, `TmaWFp8`), its 8 bytes of chunk 0 (`off8_0`) and
+// chunk 1 (`off8_1`): 16-byte unit u of row r sits at u ^ ((r / 2) % 4), lane q's bytes of
+// chunk c are half q % 2 of unit 2 c + q / 2.
 struct WgFragRows {
-    uint32_t ra, off0, off1;
+    uint32_t ra, off0, off1, off8_0, off8_1;
 };
 
 MT_DEVICE WgFragRows wg_frag_rows(uint32_t cw, uint32_t warp, uint32_t g, uint32_t q) {
@@ -273,6 +276,9 @@ MT_DEVICE WgFragRows wg_frag_rows(uint32_t cw, uint32_t warp, uint32_t g, uint32
     f.ra = cw * 64 + warp * 16 + sg;
     f.off0 = f.ra * 128 + ((q ^ sg) << 4);
     f.off1 = f.ra * 128 + (((4 + q) ^ sg) << 4);
+    const uint32_t x8 = (f.ra >> 1) & 3;  // the same for row ra + 8
+    f.off8_0 = f.ra * 64 + (((q >> 1) ^ x8) << 4) + (q & 1) * 8;
+    f.off8_1 = f.ra * 64 + (((2 + (q >> 1)) ^ x8) << 4) + (q & 1) * 8;
     return f;
 }
 
@@ -284,6 +290,75 @@ MT_DEVICE void wg_load_frags(uint4 (&cur)[4], uint32_t st, const WgFragRows& f) 
         asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(cur[i].x), "=r"(cur[i].y), "=r"(cur[i].z), "=r"(cur[i].w)
                      : "r"(st + offs[i]));
+}
+
+// The weight operand of the tensor-map kernels (`linear_tma_body`, `linear_dec_body`), one type
+// per storage format: a stage's weight tile is its rows of ROW_BYTES (64 k) as the weight's
+// tensor map lays them out, and `frags` gives lane (g, q)'s bf16 fragments of a stage (chunks c0
+// and c0 + 1 of k; weight rows row0 + f.ra and row0 + f.ra + 8) in `wg_load_frags`'s order.
+// DEC_MAX_STAGES: the most ring stages `linear_dec_body` keeps of it.
+struct TmaWBf16 {
+    static constexpr uint32_t ROW_BYTES = 128, DEC_MAX_STAGES = 12;
+    MT_DEVICE void frags(uint4 (&cur)[4], uint32_t st, const WgFragRows& f, uint32_t, uint32_t) const {
+        wg_load_frags(cur, st, f);
+    }
+};
+
+// A block-FP8 weight (`linear_tma_fp8`, `linear_stream_tma_fp8`): e4m3 bytes through a map of
+// 64-byte boxes under the 64-byte swizzle, and an f32 scale per block of FP8_BLOCK columns by
+// 2^shift rows. A lane reads its 8 bytes of each chunk and row (one 8-byte shared load) and
+// converts them with their block's scale (`fp8_frag`): `dequant_fp8`'s fragment, so the rows
+// are the bf16 kernel's on the dequantized weight. Bytes past the weight are zeros (the map's
+// fill), which convert to zeros whatever the scale. Twice the stages of a bf16 ring fit the same
+// room.
+struct TmaWFp8 {
+    static constexpr uint32_t ROW_BYTES = 64, DEC_MAX_STAGES = 24;
+    const float* scales;
+    uint32_t shift;    // log2 of the weight rows a scale row covers
+    uint32_t kblocks;  // scale columns: ceil(k / FP8_BLOCK)
+    uint32_t n, k;
+    // The conversion factor (fp8_scale2) of weight row `row` in chunk `c`; 0 outside the weight.
+    MT_DEVICE uint32_t scale2(uint32_t row, uint32_t c) const {
+        return row < n && c * LIN_KC < k
+                   ? fp8_scale2(__ldg(scales + (size_t)(row >> shift) * kblocks + c * LIN_KC / FP8_BLOCK))
+                   : 0u;
+    }
+    MT_DEVICE void frags(uint4 (&cur)[4], uint32_t st, const WgFragRows& f, uint32_t row0, uint32_t c0) const {
+        const uint32_t offs[4] = {f.off8_0, f.off8_0 + 512, f.off8_1, f.off8_1 + 512};
+        uint2 v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v[i].x), "=r"(v[i].y) : "r"(st + offs[i]));
+        // Rows ra and ra + 8 share a scale row under 128-row blocks, chunks c0 and c0 + 1 a scale
+        // column unless c0 is the last chunk of a block: one or two scales, not four.
+        const uint32_t r = row0 + f.ra;
+        const bool same_row = (r >> shift) == ((r + 8) >> shift) && r + 8 < n;
+        const bool same_col = c0 * LIN_KC / FP8_BLOCK == (c0 + 1) * LIN_KC / FP8_BLOCK && (c0 + 1) * LIN_KC < k;
+        const uint32_t s00 = scale2(r, c0), s01 = same_row ? s00 : scale2(r + 8, c0);
+        const uint32_t s10 = same_col ? s00 : scale2(r, c0 + 1), s11 = same_col ? s01 : scale2(r + 8, c0 + 1);
+        cur[0] = fp8_frag(v[0], s00);
+        cur[1] = fp8_frag(v[1], s01);
+        cur[2] = fp8_frag(v[2], s10);
+        cur[3] = fp8_frag(v[3], s11);
+    }
+};
+
+// A block-FP8 weight as `linear_tiled`'s scalar loads read it (the compute_90 body of
+// `linear_tma_fp8`): lane (g, q)'s 8 bytes of row `row` from column `col` (zero outside) with
+// their block's scale, converted as `TmaWFp8` converts them.
+struct TiledWFp8 {
+    const uint8_t* w;
+    TmaWFp8 f;
+};
+
+MT_DEVICE uint4 tiled_w8(const TiledWFp8& w, uint32_t n, uint32_t k, uint32_t row, uint32_t col) {
+    if (row >= n || col >= k) return make_uint4(0, 0, 0, 0);
+    const uint8_t* p = w.w + (size_t)row * k + col;
+    uint32_t b[2] = {0u, 0u};
+#pragma unroll
+    for (uint32_t i = 0; i < 8; ++i)
+        if (col + i < k) b[i / 4] |= uint32_t(p[i]) << (8 * (i % 4));
+    return fp8_frag(make_uint2(b[0], b[1]), w.f.scale2(row, col / LIN_KC));
 }
 
 // Keeps `v` in its registers up to this point: a register operand of an asynchronous wgmma must
@@ -307,18 +382,19 @@ MT_DEVICE void tma_load_2d(uint32_t dst, const void* map, uint32_t c0, uint32_t 
 
 // `linear_tma`'s body: a 128 x 128 output tile (x rows of grid x by weight rows of grid y) per
 // block of 384 threads. Thread 0 of warpgroup 0 queues each stage of the ST-stage ring: the
-// weight tile's 128 rows x 64 k by tensor map (`wmap`, a 2-D bf16 map of w with a 64 x 128 box,
-// 128-byte swizzle) and the x tile's stage image (`xt`, `permute_k32_tiles`) by one bulk copy.
-// Warpgroup 1 + c computes weight rows 64 c .. 64 c + 63 with m64n128k16 wgmma from register A
-// fragments: lane (g, q) takes tile row ra = ... + g / 2 + 4 (g % 2), so the two rows a quarter
-// warp loads fall in different halves of the swizzle. Chunks past k and rows past m (zero in the
+// weight tile's 128 rows x 64 k by tensor map (`wmap`: a 2-D map of w with a 64 x 128 box, bf16
+// under the 128-byte swizzle or, `TmaWFp8`, e4m3 under the 64-byte one) and the x tile's stage
+// image (`xt`, `permute_k32_tiles`) by one bulk copy. Warpgroup 1 + c computes weight rows
+// 64 c .. 64 c + 63 with m64n128k16 wgmma from register A fragments (`W::frags`: an FP8
+// weight's converted there): lane (g, q) takes tile row ra = ... + g / 2 + 4 (g % 2), so the two
+// rows a quarter warp loads fall in different halves of the swizzle. Chunks past k and rows past m (zero in the
 // image) or n (zero by the map) add nothing; SPLIT: a segment may end inside a stage. One block
 // per tile, without multicast between blocks: the tensor pipe and L2 are both well used, and
 // sharing the x tile across a cluster costs more in barrier traffic than the copies it saves.
-template <typename OutT, int ST, bool SPLIT>
-MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const void* wmap, uint32_t m, uint32_t n, uint32_t k,
-                               unsigned char* smem) {
-    constexpr uint32_t W_BYTES = LIN_TMA_TILE * 128, STAGE_BYTES = W_BYTES + LIN_TMA_IMG_BYTES;
+template <typename OutT, int ST, bool SPLIT, typename W>
+MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const W& wf, const void* wmap, uint32_t m, uint32_t n,
+                               uint32_t k, unsigned char* smem) {
+    constexpr uint32_t W_BYTES = LIN_TMA_TILE * W::ROW_BYTES, STAGE_BYTES = W_BYTES + LIN_TMA_IMG_BYTES;
     smem += (1024 - ((uint32_t)__cvta_generic_to_shared(smem) & 1023)) & 1023;  // swizzle atoms
     const uint32_t tid = threadIdx.x, wg = tid / 128, wt = tid % 128;
     const uint32_t t0 = blockIdx.x * LIN_TMA_TILE, n0 = blockIdx.y * LIN_TMA_TILE;
@@ -369,7 +445,7 @@ MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const void* wmap, uint
         const uint32_t slot = j % ST;
         mbar_wait(full + slot * 8, (j / ST) & 1);
         const uint32_t st = sbase + slot * STAGE_BYTES;
-        wg_load_frags(cur, st, fr);
+        wf.frags(cur, st, fr, n0, 2 * j);
         wg_fence();
         const uint32_t xb = st + W_BYTES;
         if constexpr (SPLIT) {

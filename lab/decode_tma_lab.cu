@@ -32,10 +32,7 @@ static void* weight_map(const bf16* w, uint32_t n, uint32_t k) {
     const auto key = std::make_tuple(w, n, k);
     auto it = maps.find(key);
     if (it != maps.end()) return it->second;
-    CUtensorMap map = encode_weight_map(w, n, k);
-    void* dev;
-    CK(cudaMalloc(&dev, 128));
-    CK(cudaMemcpy(dev, &map, 128, cudaMemcpyHostToDevice));
+    void* dev = upload_map(encode_weight_map(w, n, k));
     maps[key] = dev;
     return dev;
 }
@@ -59,10 +56,8 @@ static void launch_ref(bool pdl, cudaStream_t s, OutT* out, const bf16* x, const
 
 static const int TMA_SMEM = LIN_DEC_SPACE + 2048;
 
-// x's stage images for `linear_stream_tma` (NULL: it copies x's rows), and whether the kernel
-// takes them at k inputs (k % 64 == 0, segments of whole stages).
+// x's stage images for `linear_stream_tma` (NULL: it copies x's rows).
 static const bf16* g_ximg = nullptr;
-static bool takes_images(uint32_t k) { return k % 64 == 0 && ((k / 32 + 7) / 8) % 2 == 0; }
 
 // `permute_k32_tiles` of x [m, k] (m <= 128) into a new buffer, rows past m NaN (stale, as a
 // decode step finds them); the caller frees it.
@@ -80,21 +75,8 @@ static bf16* stage_images(const bf16* x, uint32_t m, uint32_t k) {
 }
 static int g_clusters = 0;  // resident clusters of linear_stream_tma
 
-// x's rows a `linear_stream_tma` block holds and the row blocks (ops_gemm::linear_stream_tma_rows;
-// rows 0: none fit), and where this lab runs the kernel: up to LIN_DEC_ROWS rows in at most two
-// row blocks (the launcher takes it to 128 rows in up to four: ops_gemm::linear_stream_tma_fits).
-static uint32_t tma_rows(uint32_t m, uint32_t k, uint32_t* blocks) {
-    const uint32_t steps = (((k + 31) / 32 + 7) / 8 + 1) / 2;
-    auto room = [&](uint32_t rows) {
-        return (uint64_t)steps * rows * 128 + rows * 1024 + LIN_DEC_MIN_STAGES * 16384 <= LIN_DEC_SPACE;
-    };
-    uint32_t rows = 8;
-    while (rows < m && rows < LIN_DEC_ROWS) rows *= 2;
-    while (rows > 8 && !room(rows)) rows /= 2;
-    if (!room(rows)) return 0;
-    *blocks = (m + rows - 1) / rows;
-    return rows;
-}
+// Where this lab runs `linear_stream_tma`: up to LIN_DEC_ROWS rows in at most two row blocks
+// (the launcher takes it to 128 rows in up to four: ops_gemm::linear_stream_tma_fits).
 static bool tma_fits(uint32_t m, uint32_t k) {
     uint32_t blocks = 0;
     return m <= LIN_DEC_ROWS && k % 8 == 0 && tma_rows(m, k, &blocks) != 0 && blocks <= 2;

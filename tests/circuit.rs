@@ -504,8 +504,9 @@ fn a_model_the_circuit_misdescribes_is_refused_naming_every_problem() -> Result<
 #[test]
 fn circuit_programs_compile_past_the_decode_kernels_rows() -> Result<()> {
     // Up to 256 sequences: above 128 rows a projection runs the prefill kernel through its
-    // tensor map after `permute_k32_tiles` writes x's stage images, and an FP8 one first
-    // dequantizes its weight into scratch memory. There the legacy step stores keys and values
+    // tensor map after `permute_k32_tiles` writes x's stage images (an FP8 one `linear_tma_fp8`
+    // through its byte map, or the bf16 kernel after dequantizing into scratch memory where it
+    // has no map). There the legacy step stores keys and values
     // with the rotation (`qk_norm_rope_kv_store`), as `circuit` does: its programs launch what
     // legacy launches.
     let options = ModelOptions::default().max_decode_seqs(256);

@@ -30,10 +30,9 @@ fn rule(chain: &[Op], kernels: &[Kernel], numerics: Numerics) -> Rule {
 impl RuleTable {
     /// The table of `instance`: its architecture's ([`RuleTable::for_architecture`]) for its
     /// weight format. Under [`WeightFormat::BlockFp8`] the reference rule of each FP8 dense
-    /// projection launches `fp8_linear` (the caller's FP8 path at the widths it lowers:
-    /// `gemm::linear_stream_fp8`, whose launcher picks the decode kernel by rows as
-    /// `gemm::linear`'s does, or `gemm::dequant_fp8` then `gemm::linear` where the launcher
-    /// dequantizes; the GDN input projection's then `gemm::linear` of its bf16 b|a rows), the
+    /// projection launches `fp8_linear` (the caller's FP8 path: `gemm::linear_stream_fp8`, whose
+    /// launcher picks the kernel by rows as `gemm::linear`'s does; the GDN input projection's
+    /// then `gemm::linear` of its bf16 b|a rows), the
     /// experts' `moe::expert_linear_fp8` and its f32-out twin, and the fused
     /// rules that take an FP8 projection, whose kernels read bf16 weights, are left out.
     pub fn for_instance(instance: &Instance, fp8_linear: &[Kernel]) -> RuleTable {

@@ -146,19 +146,21 @@ pub trait GpuBackend: Send + Sync + std::fmt::Debug {
     }
 
     /// The 128-byte tensor map through which a kernel's tensor memory accelerator copies boxes of
-    /// `box_rows` x `box_cols` (with the 128-byte swizzle; rows past the end read as zero) from
-    /// the row-major bf16 matrix `[rows, cols]` at `base` (16-byte aligned, `cols` a multiple of
-    /// 8): `linear_tma`'s weight. `None` where the backend has no such unit (the CPU twins do
-    /// not read the map).
-    fn tensor_map_bf16(
+    /// `box_rows` x `box_cols` from the row-major `dtype` matrix `[rows, cols]` at `base` (16-byte
+    /// aligned rows), swizzled by the box row's bytes (128 or 64: `box_cols` times the element
+    /// size; other widths are refused), rows and columns past the ends read as zero: the
+    /// tensor-map kernels' weights (bf16, or the bytes of `F8E4M3`). `None` where the backend has
+    /// no such unit (the CPU twins do not read the map).
+    fn tensor_map_2d(
         &self,
         base: DevicePtr,
+        dtype: DType,
         rows: u32,
         cols: u32,
         box_rows: u32,
         box_cols: u32,
     ) -> Option<GpuResult<[u8; 128]>> {
-        let _ = (base, rows, cols, box_rows, box_cols);
+        let _ = (base, dtype, rows, cols, box_rows, box_cols);
         None
     }
 

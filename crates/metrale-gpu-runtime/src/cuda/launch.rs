@@ -10,7 +10,7 @@ use cudarc::driver::sys;
 use super::driver::check;
 use super::modules::KernelEntry;
 use crate::error::{GpuError, GpuResult};
-use crate::types::{DevicePtr, KernelArg, LaunchConfig, ParamBlock};
+use crate::types::{DType, DevicePtr, KernelArg, LaunchConfig, ParamBlock};
 
 /// The most arguments one launch may pass.
 const MAX_KERNEL_ARGS: usize = 32;
@@ -262,18 +262,42 @@ pub(super) fn max_active_blocks(
     Ok((per_sm.max(0) as u32).saturating_mul(sms.max(0) as u32))
 }
 
-/// `cuTensorMapEncodeTiled` for a row-major bf16 `[rows, cols]` matrix at `base`, boxes of
-/// `box_rows` x `box_cols`, 128-byte swizzle, zero past the ends (see
-/// `GpuBackend::tensor_map_bf16`).
-pub(super) fn tensor_map_bf16(
+/// `cuTensorMapEncodeTiled` for a row-major `dtype` `[rows, cols]` matrix at `base` (bf16, or
+/// the bytes of e4m3), boxes of `box_rows` x `box_cols` swizzled by a box row's bytes (128 or
+/// 64), zero past the ends (see `GpuBackend::tensor_map_2d`).
+pub(super) fn tensor_map_2d(
     base: DevicePtr,
-    rows: u32,
-    cols: u32,
-    box_rows: u32,
-    box_cols: u32,
+    dtype: DType,
+    (rows, cols): (u32, u32),
+    (box_rows, box_cols): (u32, u32),
 ) -> GpuResult<[u8; 128]> {
+    use sys::CUtensorMapDataType as T;
+    use sys::CUtensorMapSwizzle as S;
+    let refused = |what: String| GpuError::KernelFailed {
+        kernel: "tensor map".into(),
+        problem: format!("[{rows}, {cols}] {} at {:#x}: {what}", dtype.name(), base.0),
+    };
+    let elem = match dtype {
+        DType::Bf16 => T::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        DType::F8E4M3 => T::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        other => {
+            return Err(refused(format!(
+                "no tensor map of {} elements",
+                other.name()
+            )));
+        }
+    };
+    let swizzle = match box_cols as usize * dtype.size() {
+        128 => S::CU_TENSOR_MAP_SWIZZLE_128B,
+        64 => S::CU_TENSOR_MAP_SWIZZLE_64B,
+        bytes => {
+            return Err(refused(format!(
+                "box rows of {bytes} bytes (64 or 128 swizzle)"
+            )));
+        }
+    };
     let dims: [sys::cuuint64_t; 2] = [cols as u64, rows as u64];
-    let strides: [sys::cuuint64_t; 1] = [cols as u64 * 2];
+    let strides: [sys::cuuint64_t; 1] = [cols as u64 * dtype.size() as u64];
     let boxes: [sys::cuuint32_t; 2] = [box_cols, box_rows];
     let steps: [sys::cuuint32_t; 2] = [1, 1];
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
@@ -281,13 +305,14 @@ pub(super) fn tensor_map_bf16(
     // checks the address, sizes and strides and reports what it refuses.
     check(
         &format!(
-            "cuTensorMapEncodeTiled([{rows}, {cols}] bf16 at {:#x})",
+            "cuTensorMapEncodeTiled([{rows}, {cols}] {} at {:#x})",
+            dtype.name(),
             base.0
         ),
         unsafe {
             sys::cuTensorMapEncodeTiled(
                 &mut map,
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                elem,
                 2,
                 base.0 as *mut c_void,
                 dims.as_ptr(),
@@ -295,7 +320,7 @@ pub(super) fn tensor_map_bf16(
                 boxes.as_ptr(),
                 steps.as_ptr(),
                 sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                swizzle,
                 sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
             )

@@ -58,7 +58,7 @@ use crate::backend::{GpuBackend, VendorGemm};
 use crate::collective::{Collective, TpRank};
 use crate::error::{GpuError, GpuResult};
 use crate::types::{
-    DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, Residency,
+    DType, DevicePtr, EventHandle, GraphHandle, KernelArg, KernelHandle, LaunchConfig, Residency,
     StreamHandle,
 };
 
@@ -338,17 +338,19 @@ impl GpuBackend for CudaBackend {
         }))
     }
 
-    fn tensor_map_bf16(
+    fn tensor_map_2d(
         &self,
         base: DevicePtr,
+        dtype: DType,
         rows: u32,
         cols: u32,
         box_rows: u32,
         box_cols: u32,
     ) -> Option<GpuResult<[u8; 128]>> {
         Some(
-            self.bind()
-                .and_then(|()| launch::tensor_map_bf16(base, rows, cols, box_rows, box_cols)),
+            self.bind().and_then(|()| {
+                launch::tensor_map_2d(base, dtype, (rows, cols), (box_rows, box_cols))
+            }),
         )
     }
 

@@ -107,6 +107,58 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `gemm::linear_tma_fp8`: `linear_tma` of a block-FP8 weight (prefill), each element taken
+    /// as `LinearFp8Params` takes it.
+    pub struct LinearTmaFp8Params("LINEAR_TMA_FP8_PARAMS") {
+        /// bf16 `[m, n]`.
+        out: ptr "bf16* __restrict__",
+        /// The stage images of x `[m, k]`.
+        xt: ptr "const bf16* __restrict__",
+        /// fp8 e4m3 `[n, k]`.
+        w: ptr "const uint8_t* __restrict__",
+        /// f32 block scales, as `LinearFp8Params::scales`.
+        scales: ptr "const float* __restrict__",
+        /// w's 128-byte tensor map (bytes, 64-byte swizzle), in device memory.
+        wmap: ptr "const void* __restrict__",
+        /// Rows.
+        m: u32,
+        /// Output columns.
+        n: u32,
+        /// Inputs.
+        k: u32,
+        /// As `LinearFp8Params::scale_row_shift`.
+        scale_row_shift: u32,
+    }
+}
+
+kernel_params! {
+    /// `gemm::linear_stream_tma_fp8`: `linear_stream_tma` of a block-FP8 weight (decode), each
+    /// element taken as `LinearFp8Params` takes it.
+    pub struct LinearStreamTmaFp8Params("LINEAR_STREAM_TMA_FP8_PARAMS") {
+        /// bf16 `[m, n]`.
+        out: ptr "bf16* __restrict__",
+        /// bf16 `[m, k]`.
+        x: ptr "const bf16* __restrict__",
+        /// x's stage images, or null.
+        ximg: ptr "const bf16* __restrict__",
+        /// fp8 e4m3 `[n, k]`.
+        w: ptr "const uint8_t* __restrict__",
+        /// f32 block scales, as `LinearFp8Params::scales`.
+        scales: ptr "const float* __restrict__",
+        /// w's 128-byte tensor map (bytes, 64-byte swizzle), in device memory.
+        wmap: ptr "const void* __restrict__",
+        /// Rows.
+        m: u32,
+        /// Output columns.
+        n: u32,
+        /// Inputs.
+        k: u32,
+        /// As `LinearFp8Params::scale_row_shift`.
+        scale_row_shift: u32,
+    }
+}
+
+kernel_params! {
     /// `gemm::dequant_fp8`: a block-FP8 weight as bf16, bf16(fp8 · its block's scale).
     pub struct DequantFp8Params("DEQUANT_FP8_PARAMS") {
         /// bf16 `[n, k]`.

@@ -6,8 +6,8 @@
 //! - Each group emits exactly its plan kernels, in order, and the program has exactly
 //!   `Plan::launches_per_step` launches plus the preludes it emitted; anything else is an
 //!   error, never a silent program. A plan kernel whose launcher picks among shape variants
-//!   ([`VARIANTS`]) is matched by any of them, one whose launcher may first launch a kernel that
-//!   prepares its input ([`PRELUDES`]) by that launch then the kernel.
+//!   ([`VARIANTS`]) is matched by any of them, one whose launcher may first launch kernels that
+//!   prepare its input ([`PRELUDES`]) by those launches then the kernel.
 //! - A program reads and writes only addresses fixed at boot, so replaying it, launch by launch
 //!   or as a captured graph, needs only the step's metadata uploaded first.
 
@@ -63,14 +63,17 @@ impl Program {
 
 /// Plan kernels whose launcher picks another kernel by shape, and those variants: `ops::linear`
 /// (and its f32-out twin) launches `linear_stream` / `linear_stream_b4` (m <= 16),
-/// `linear_stream_tma` (9..64 rows where x's segment fits and the weight has a tensor map) or
+/// `linear_stream_tma` (9..128 rows where x's segment fits and the weight has a tensor map) or
 /// `linear_stream_wide` (m <= 128) for decode-sized row counts, which give bitwise the rows
-/// `linear` gives (`linear_stream_fp8` likewise `linear_stream_wide_fp8` above 16 rows); `ops::paged_attention` launches `paged_attention_flat` where a step has
-/// items enough for every block, and `ops::gated_delta_recurrent` launches
+/// `linear` gives; `linear` of a block-FP8 weight (`linear_stream_fp8`) launches
+/// `linear_stream_tma_fp8` or `linear_stream_wide_fp8` at decode sizes and `linear_tma_fp8` above
+/// them where the weight has a map, else the bf16 kernels on its dequantized image (the rows of
+/// `linear` on that image, every one); `ops::paged_attention` launches `paged_attention_flat` where
+/// a step has items enough for every block, and `ops::gated_delta_recurrent` launches
 /// `gated_delta_streamed` where it has several items a block (bitwise the same rows and states);
 /// `ops::add_rms_norm` and `ops::silu_mul` launch their `_staged` variants where the projection
-/// after them reads its x as stage images (`Ops::linear_staging`: the same rows, and the
-/// images). The plan names the family's kernel.
+/// after them reads its x as stage images (`Ops::linear_staging`: the same rows, and the images).
+/// The plan names the family's kernel.
 pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
     (
         metrale_circuit::kernels::ADD_RMS_NORM,
@@ -100,7 +103,13 @@ pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
     ),
     (
         metrale_circuit::kernels::LINEAR_STREAM_FP8,
-        &[Kernel::new("gemm", "linear_stream_wide_fp8")],
+        &[
+            Kernel::new("gemm", "linear_stream_wide_fp8"),
+            Kernel::new("gemm", "linear_stream_tma_fp8"),
+            Kernel::new("gemm", "linear_tma_fp8"),
+            Kernel::new("gemm", "linear"),
+            Kernel::new("gemm", "linear_tma"),
+        ],
     ),
     (
         metrale_circuit::kernels::LINEAR_F32OUT,
@@ -114,10 +123,20 @@ pub(crate) const VARIANTS: &[(Kernel, &[Kernel])] = &[
     ),
 ];
 
-/// Plan kernels whose launcher may first launch a kernel preparing the input, and that kernel:
-/// above the decode rows `ops::linear` (and its f32-out twin) runs `linear_tma` where the weight
-/// has a tensor map, after `permute_k32_tiles` writes x as its stage images.
+/// Plan kernels whose launcher may first launch kernels preparing the input, and those kernels
+/// (each at most once, in this order): above the decode rows `ops::linear` (and its f32-out
+/// twin) runs `linear_tma` where the weight has a tensor map, after `permute_k32_tiles` writes x
+/// as its stage images; `linear` of a block-FP8 weight above them runs `linear_tma_fp8` the same
+/// way, or else first writes the weight's bf16 image (`dequant_fp8`) for the bf16 kernels.
 pub(crate) const PRELUDES: &[(Kernel, Kernel)] = &[
+    (
+        metrale_circuit::kernels::LINEAR_STREAM_FP8,
+        Kernel::new("gemm", "dequant_fp8"),
+    ),
+    (
+        metrale_circuit::kernels::LINEAR_STREAM_FP8,
+        Kernel::new("gemm", "permute_k32_tiles"),
+    ),
     (
         metrale_circuit::kernels::LINEAR,
         Kernel::new("gemm", "permute_k32_tiles"),
@@ -166,13 +185,13 @@ pub(crate) fn compile(
         let mut at = 0;
         let mut matches = true;
         for &kernel in &group.kernels {
-            let prelude = PRELUDES.iter().find(|(k, _)| *k == kernel).map(|(_, p)| *p);
-            if let Some(p) = prelude
-                && emitted.len() > at + 1
-                && gpu.kernel(p.module, p.name).ok() == emitted.get(at).copied()
-            {
-                at += 1;
-                preludes += 1;
+            for (_, p) in PRELUDES.iter().filter(|(k, _)| *k == kernel) {
+                if emitted.len() > at + 1
+                    && gpu.kernel(p.module, p.name).ok() == emitted.get(at).copied()
+                {
+                    at += 1;
+                    preludes += 1;
+                }
             }
             matches &= match emitted.get(at) {
                 Some(launched) => handles(gpu, cache, kernel)?.contains(launched),

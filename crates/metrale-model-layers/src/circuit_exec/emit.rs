@@ -306,14 +306,6 @@ impl Emitter<'_> {
             (Op::Linear(LinearRole::GdnInProj), [qkvz @ .., k::LINEAR]) if !qkvz.is_empty() => {
                 self.gdn_in_proj_split(node)?;
             }
-            // A block-FP8 projection above the decode kernels' rows: `Ops::linear` dequantizes
-            // the weight into scratch memory and runs the bf16 kernel.
-            (Op::Linear(_), [k::DEQUANT_FP8, k::LINEAR]) => {
-                let x = self.view(b, &self.nth(node, 0, false)?)?;
-                let out = self.view(b, &self.nth(node, 0, true)?)?;
-                let w = self.linear_weight(node, k::LINEAR_STREAM_FP8)?;
-                ops.linear(s, out, x, w)?;
-            }
             (Op::Linear(_), [kernel @ (k::LINEAR | k::LINEAR_F32OUT | k::LINEAR_STREAM_FP8)]) => {
                 let x = self.view(b, &self.nth(node, 0, false)?)?;
                 let out = self.view(b, &self.nth(node, 0, true)?)?;

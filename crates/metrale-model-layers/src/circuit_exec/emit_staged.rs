@@ -80,13 +80,16 @@ impl Emitter<'_> {
                 Op::Linear(LinearRole::GateUp)
             ) | (Some(Op::SiluMul), Op::Linear(LinearRole::Down))
         );
-        // Only bf16 projections read stage images (an FP8 one reads x's rows).
+        // Block-FP8 projections read images too (`linear_tma_fp8`, `linear_stream_tma_fp8`),
+        // but for the GDN input projection, whose FP8 rows and bf16 b|a rows run as two
+        // projections of x's rows.
         let fp8 = matches!(linear.op, Op::Linear(role) if self.bound_scales(linear.block, WeightSlot::Linear(role)).is_some());
-        if !staged || fp8 {
+        if !staged || (fp8 && linear.op == Op::Linear(LinearRole::GdnInProj)) {
             return Ok(None);
         }
-        let (w, m, n, kk) = self.linear_shape(linear, k::LINEAR)?;
-        let w = Matrix::bf16(w, n, kk);
+        let kernel = if fp8 { k::LINEAR_STREAM_FP8 } else { k::LINEAR };
+        let (_, m, _, _) = self.linear_shape(linear, kernel)?;
+        let w = self.linear_weight(linear, kernel)?;
         Ok(self.ops.linear_staging(self.stream, w, m)?)
     }
 

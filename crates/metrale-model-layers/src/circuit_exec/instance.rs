@@ -20,7 +20,6 @@ use metrale_config::{LayerType, ModelConfig, ModelFamily};
 use super::error::CircuitExecError;
 use crate::ops::Kernels;
 use crate::ops_fused::LINEAR_SWIGLU_M_MAX;
-use crate::ops_gemm::FP8_STREAM_M_MAX;
 
 /// The circuit architecture of a config's family: Qwen3 is dense GQA with q/k norms, Llama
 /// without; Qwen3.5 is the dense hybrid; Qwen3-Next and Qwen3.5-MoE the MoE hybrid.
@@ -165,8 +164,8 @@ pub fn plan_at(
     plan_of_width(&circuit, instance, fusions, kernels, width)
 }
 
-/// `circuit` at `width` lowered with `instance`'s rule table at its rows ([`rules_at`]) and
-/// `fusions` against [`kernels_at`] its rows.
+/// `circuit` at `width` lowered with `instance`'s rule table ([`rules_of`]) and `fusions`
+/// against [`kernels_at`] its rows.
 fn plan_of_width(
     circuit: &Arc<Circuit>,
     instance: &Instance,
@@ -175,7 +174,7 @@ fn plan_of_width(
     width: Width,
 ) -> Result<Plan, CircuitExecError> {
     let kernels = kernels_at(kernels, width.rows);
-    let rules = rules_at(instance, width.rows);
+    let rules = rules_of(instance);
     let lowering = Lowering {
         rules: &rules,
         fusions,
@@ -184,16 +183,13 @@ fn plan_of_width(
     Ok(Plan::compile(circuit, &lowering, width)?)
 }
 
-/// `instance`'s rule table at `rows` rows. A block-FP8 projection runs its decode kernels
-/// (`linear_stream_fp8`, `linear_stream_wide_fp8`) up to [`FP8_STREAM_M_MAX`] rows; above them
-/// `Ops::linear` dequantizes the weight into scratch memory and runs the bf16 kernel.
-pub fn rules_at(instance: &Instance, rows: u64) -> RuleTable {
-    use metrale_circuit::kernels as k;
-    if rows > u64::from(FP8_STREAM_M_MAX) {
-        RuleTable::for_instance(instance, &[k::DEQUANT_FP8, k::LINEAR])
-    } else {
-        RuleTable::for_instance(instance, &[k::LINEAR_STREAM_FP8])
-    }
+/// `instance`'s rule table, the same at every width. A block-FP8 projection is
+/// `linear_stream_fp8`'s family: its launcher (`Ops::linear`) picks the decode kernels up to
+/// [`FP8_STREAM_M_MAX`](crate::ops_gemm::FP8_STREAM_M_MAX) rows and `linear_tma_fp8` (or the
+/// bf16 kernels on the dequantized weight) above them, every one the rows of `linear` on the
+/// dequantized weight (`compile::VARIANTS`, `compile::PRELUDES`).
+pub fn rules_of(instance: &Instance) -> RuleTable {
+    RuleTable::for_instance(instance, &[metrale_circuit::kernels::LINEAR_STREAM_FP8])
 }
 
 /// The kernels a plan of `rows` rows may lower to: `kernels` less those that serve only fewer

@@ -67,7 +67,7 @@ pub use error::{BindingProblem, CircuitExecError, Part};
 pub use fixed::{DraftFixed, Fixed, LayerPools};
 use instance::plans_by_width;
 pub use instance::{
-    StepWidths, architecture, kernels_at, launcher_kernels, model_instance, plan_at, rules_at,
+    StepWidths, architecture, kernels_at, launcher_kernels, model_instance, plan_at, rules_of,
     weight_format,
 };
 pub use metrale_circuit::{

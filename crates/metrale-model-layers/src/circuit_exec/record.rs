@@ -16,8 +16,8 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use metrale_gpu_runtime::{
-    DevicePtr, EventHandle, GpuBackend, GpuError, GpuResult, GraphHandle, KernelArg, KernelHandle,
-    LaunchConfig, Residency, StreamHandle,
+    DType, DevicePtr, EventHandle, GpuBackend, GpuError, GpuResult, GraphHandle, KernelArg,
+    KernelHandle, LaunchConfig, Residency, StreamHandle,
 };
 
 use crate::ops::Ops;
@@ -228,15 +228,16 @@ impl GpuBackend for Recorder {
         self.inner.max_resident(kernel, config, unit)
     }
 
-    fn tensor_map_bf16(
+    fn tensor_map_2d(
         &self,
         base: DevicePtr,
+        dtype: DType,
         rows: u32,
         cols: u32,
         box_rows: u32,
         box_cols: u32,
     ) -> Option<GpuResult<[u8; 128]>> {
         self.inner
-            .tensor_map_bf16(base, rows, cols, box_rows, box_cols)
+            .tensor_map_2d(base, dtype, rows, cols, box_rows, box_cols)
     }
 }

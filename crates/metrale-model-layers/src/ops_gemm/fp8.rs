@@ -7,25 +7,30 @@
 //! on the dequantized weight, whatever the row count and the path:
 //! - up to [`FP8_STREAM_M_MAX`] rows (decode, verify), the decode kernels, which convert the
 //!   weight in registers as they stream it (one byte an element from memory instead of two):
+//!   `linear_stream_tma_fp8` (`linear_stream_tma` with the e4m3 bytes through the weight's
+//!   tensor map) from [`FP8_STREAM_TMA_M_MIN`] rows, where `linear_stream_tma` serves the rows
+//!   and the weight has a map (a slot of the staging memory, `k` a multiple of 16, aligned
+//!   operands); otherwise
 //!   `linear_stream_fp8` (persistent blocks of one row tile a unit) up to
-//!   `LINEAR_NARROW_M_MAX` rows, `linear_stream_wide_fp8` (clusters of 128 columns by 64 rows
+//!   `LINEAR_NARROW_M_MAX` rows and `linear_stream_wide_fp8` (clusters of 128 columns by 64 rows
 //!   through a shared-memory ring, each weight fragment converted once for four row tiles)
 //!   above;
-//! - more rows (prefill), where the model gave scratch memory large enough
-//!   ([`Ops::set_fp8_scratch`]): `dequant_fp8` into it, then the bf16 `linear` (its tensor-map
-//!   prefill kernel where the shape allows), since a prefill GEMM's time is its arithmetic, and
-//!   the conversion costs a pass over the weight;
+//! - more rows (prefill): `permute_k32_tiles` then `linear_tma_fp8` (`linear_tma` converting
+//!   each weight fragment as its MMAs load it) where the staging memory takes x's images and
+//!   the weight has a map; else, where the model gave scratch memory large enough
+//!   ([`Ops::set_fp8_scratch`]), `dequant_fp8` into it, then the bf16 `linear`;
 //! - otherwise the decode kernels.
 
 use metrale_gpu_runtime::{DType, DevicePtr, GpuResult, LaunchConfig, Residency, StreamHandle};
 use metrale_kernel_abi::{
     DequantFp8Params, FP8_BLOCK, FP8_BLOCK_ROW_SHIFT, FP8_CONVERT_THREADS, LinearFp8Params,
-    LinearParams, QuantizeFp8Params,
+    LinearParams, LinearStreamTmaFp8Params, LinearTmaFp8Params, QuantizeFp8Params,
 };
 
 use super::{
     LINEAR_NARROW_M_MAX, LINEAR_NARROW_RESIDENT, LINEAR_NARROW_THREADS, LinearPath,
-    linear_geometry, linear_wide_fp8_geometry,
+    linear_geometry, linear_stream_tma_row_blocks, linear_stream_tma_takes_images,
+    linear_tma_geometry, linear_wide_fp8_geometry,
 };
 use crate::ops::Ops;
 use crate::ops_view::{BlockScales, Matrix, Operands};
@@ -33,6 +38,13 @@ use crate::ops_view::{BlockScales, Matrix, Operands};
 /// The most rows `linear` of an FP8 weight streams with `linear_stream_fp8`; more rows
 /// dequantize the weight into the scratch memory and run the bf16 kernels, where there is some.
 pub const FP8_STREAM_M_MAX: u32 = 128;
+
+/// The fewest rows `linear_stream_tma_fp8` serves. Below, `linear_stream_fp8` is faster: each
+/// warp converts only the weight fragments its rows need, where the tensor-map kernel converts a
+/// whole 64-row wgmma fragment for every k step whatever the rows (Qwen3-8B's projections,
+/// weights rotated past L2: at 16 rows gate_up 51.5 us against 66.2, o 10.8 against 18.3; at 32
+/// rows 90.9 against 67.3 and 21.5 against 19.3, `lab/fp8_tma_lab.cu`).
+pub const FP8_STREAM_TMA_M_MIN: u32 = LINEAR_NARROW_M_MAX + 1;
 
 /// Blocks of a `dequant_fp8` launch: enough to keep every multiprocessor streaming.
 const DEQUANT_BLOCKS: u32 = 1056;
@@ -48,7 +60,7 @@ pub struct Fp8Scratch {
 
 /// The checked operands of `linear` with an FP8 weight: x bf16 `[m, k]`, w fp8 `[n, k]` with
 /// its scales, out bf16 `[m, n]`.
-fn linear_fp8_operands(
+pub(super) fn linear_fp8_operands(
     out: &Matrix,
     x: &Matrix,
     w: &Matrix,
@@ -106,6 +118,9 @@ impl Ops {
         w: Matrix,
     ) -> GpuResult<()> {
         let (p, scales) = linear_fp8_operands(&out, &x, &w)?;
+        if self.linear_fp8_mapped(s, &p, None)? {
+            return Ok(());
+        }
         let need = 2 * p.n as usize * p.k as usize;
         let scratch = self.tma.state.lock().fp8_scratch;
         if p.m > FP8_STREAM_M_MAX
@@ -152,6 +167,82 @@ impl Ops {
             &p,
             s,
         )
+    }
+
+    /// `linear` of `p` through the tensor-map kernels where they serve it (see the module
+    /// header); whether they did. `images`: x's stage images, written by its producer
+    /// (`Ops::linear_staged`), which the prefill kernel reads instead of permuting x and the
+    /// decode kernel beside x's rows where its segments are whole stages; without them the
+    /// decode kernel reads x's rows. An FP8 weight's map rows are its bytes, so `k` must be a
+    /// multiple of 16.
+    pub(super) fn linear_fp8_mapped(
+        &self,
+        s: StreamHandle,
+        p: &LinearFp8Params,
+        images: Option<DevicePtr>,
+    ) -> GpuResult<bool> {
+        let (m, n, k) = (p.m, p.n, p.k);
+        if !k.is_multiple_of(16) || !p.x.0.is_multiple_of(16) || !p.w.0.is_multiple_of(16) {
+            return Ok(false);
+        }
+        let prefill = m > FP8_STREAM_M_MAX;
+        if !prefill && m < FP8_STREAM_TMA_M_MIN {
+            return Ok(false);
+        }
+        let row_blocks = linear_stream_tma_row_blocks(m, k);
+        let xt = match images {
+            Some(images) => Some(images),
+            None if prefill => self.staging_for(p.w, m, k, 16).map(|st| st.images),
+            None => None,
+        };
+        let ximg = match images {
+            Some(images) if linear_stream_tma_takes_images(m, k) => images,
+            Some(_) if !prefill => return Ok(false),
+            _ => DevicePtr::NULL,
+        };
+        if (prefill && xt.is_none()) || (!prefill && row_blocks.is_none()) {
+            return Ok(false);
+        }
+        let Some(wmap) = self.linear_tma_map(s, p.w, DType::F8E4M3, n, k)? else {
+            return Ok(false);
+        };
+        match (xt, row_blocks) {
+            (Some(xt), _) if prefill => {
+                if images.is_none() {
+                    self.permute_k32_tiles(s, xt, p.x, (m, k))?;
+                }
+                let q = LinearTmaFp8Params {
+                    out: p.out,
+                    xt,
+                    w: p.w,
+                    scales: p.scales,
+                    wmap,
+                    m,
+                    n,
+                    k,
+                    scale_row_shift: p.scale_row_shift,
+                };
+                self.go(self.k.linear_tma_fp8, linear_tma_geometry(m, n), &q, s)?;
+            }
+            (_, Some(row_blocks)) => {
+                let q = LinearStreamTmaFp8Params {
+                    out: p.out,
+                    x: p.x,
+                    ximg,
+                    w: p.w,
+                    scales: p.scales,
+                    wmap,
+                    m,
+                    n,
+                    k,
+                    scale_row_shift: p.scale_row_shift,
+                };
+                let kernel = self.k.linear_stream_tma_fp8;
+                self.linear_stream_tma_launch(s, kernel, (&q, n), row_blocks)?;
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
     }
 
     /// `out = bf16(w · its block scales)`: FP8 `w` `[n, k]` as the bf16 `[n, k]` it stands for.

@@ -29,8 +29,8 @@ use metrale_gpu_runtime::{
     DType, DevicePtr, GpuBackend, GpuError, GpuResult, KernelHandle, Residency, StreamHandle,
 };
 use metrale_kernel_abi::{
-    LIN_KC, LIN_TMA_IMG_BYTES, LIN_TMA_TILE, LinearParams, LinearStreamTmaParams, LinearTmaParams,
-    PermuteK32TilesParams,
+    KernelParams, LIN_KC, LIN_TMA_IMG_BYTES, LIN_TMA_TILE, LinearParams, LinearStreamTmaParams,
+    LinearTmaParams, PermuteK32TilesParams,
 };
 use parking_lot::Mutex;
 
@@ -181,17 +181,18 @@ impl Ops {
         fits.then_some(staging)
     }
 
-    /// The device copy of `w`'s tensor map (`[n, k]`, boxes of 64 k by 128 rows) in a slot of
-    /// the staging memory, encoded and uploaded on first use through the backend the state was
-    /// made with (a circuit recorder's launchers share it, so the upload is never recorded). A
-    /// backend without tensor maps (the CPU) gets zeros, which its twins do not read. `None`
-    /// where there is no staging memory, every slot is taken, or the stream is capturing a
-    /// graph (an upload is refused then, before it reaches the driver); the caller then runs
-    /// the tiled kernel, whose rows are the same.
+    /// The device copy of `w`'s tensor map (`[n, k]` of `dtype`, bf16 or the bytes of an FP8
+    /// weight; boxes of 64 k by 128 rows) in a slot of the staging memory, encoded and uploaded on
+    /// first use through the backend the state was made with (a circuit recorder's launchers share
+    /// it, so the upload is never recorded). A backend without tensor maps (the CPU) gets zeros,
+    /// which its twins do not read. `None` where there is no staging memory, every slot is taken,
+    /// or the stream is capturing a graph (an upload is refused then, before it reaches the
+    /// driver); the caller then runs the tiled kernel, whose rows are the same.
     fn linear_tma_map(
         &self,
         s: StreamHandle,
         w: DevicePtr,
+        dtype: DType,
         n: u32,
         k: u32,
     ) -> GpuResult<Option<DevicePtr>> {
@@ -207,7 +208,7 @@ impl Ops {
             return Ok(None);
         }
         let gpu = &self.tma.gpu;
-        let bytes = match gpu.tensor_map_bf16(w, n, k, LIN_TMA_TILE, 2 * LIN_KC) {
+        let bytes = match gpu.tensor_map_2d(w, dtype, n, k, LIN_TMA_TILE, 2 * LIN_KC) {
             Some(encoded) => encoded?,
             None => [0u8; LINEAR_TMA_MAP_BYTES],
         };
@@ -221,14 +222,15 @@ impl Ops {
         Ok(Some(map))
     }
 
-    /// The staging buffer, where a projection of `m` rows by the weight `w` (`[n, k]`) can read
-    /// x written as stage images by its producer (`_staged` launchers, then
-    /// [`Ops::linear_staged`]): prefill-sized `m` (`linear_tma` reads the images), or decode
-    /// rows that `linear_stream_tma` serves with every k segment whole stages
-    /// ([`linear_stream_tma_takes_images`]: its blocks bulk-copy their segments); `k` a multiple
-    /// of 64 (the producers write every k of every stage, no padding), a 16-byte aligned weight,
-    /// images that fit, and the weight's tensor map in place (made here if need be). `None`:
-    /// the producer writes rows only and the projection runs [`Ops::linear`].
+    /// The staging buffer, where a projection of `m` rows by the weight `w` (`[n, k]`, bf16 or
+    /// block FP8 with its scales) can read x written as stage images by its producer (`_staged`
+    /// launchers, then [`Ops::linear_staged`]): prefill-sized `m` (`linear_tma` or
+    /// `linear_tma_fp8` reads the images), or decode rows that `linear_stream_tma` serves with
+    /// every k segment whole stages ([`linear_stream_tma_takes_images`]: its blocks bulk-copy
+    /// their segments); `k` a multiple of 64 (the producers write every k of every stage, no
+    /// padding), a 16-byte aligned weight, images that fit, and the weight's tensor map in place
+    /// (made here if need be). `None`: the producer writes rows only and the projection runs
+    /// [`Ops::linear`].
     pub fn linear_staging(
         &self,
         s: StreamHandle,
@@ -236,30 +238,34 @@ impl Ops {
         m: u32,
     ) -> GpuResult<Option<DevicePtr>> {
         let (n, k) = w.shape();
-        // Only bf16 weights have tensor maps; an FP8 projection reads x's rows.
-        if w.dtype != DType::Bf16
-            || (m <= LINEAR_SMALL_M_MAX && !linear_stream_tma_takes_images(m, k))
-        {
+        let mapped = match w.dtype {
+            DType::Bf16 => true,
+            DType::F8E4M3 => w.scales.is_some(),
+            _ => false,
+        };
+        if !mapped || (m <= LINEAR_SMALL_M_MAX && !linear_stream_tma_takes_images(m, k)) {
             return Ok(None);
         }
         let Some(staging) = self.staging_for(w.ptr, m, k, 2 * LIN_KC) else {
             return Ok(None);
         };
-        Ok(self.linear_tma_map(s, w.ptr, n, k)?.map(|_| staging.images))
+        Ok(self
+            .linear_tma_map(s, w.ptr, w.dtype, n, k)?
+            .map(|_| staging.images))
     }
 
     /// `linear` (bf16 out) of an x that its producer wrote as stage images at `images` (see
-    /// [`Ops::linear_staging`]): `linear_tma` at prefill sizes (from the images alone),
-    /// `linear_stream_tma` at decode sizes (the images, and x's rows, which the kernel reads
-    /// where it cannot take the images: the producer wrote both).
+    /// [`Ops::linear_staging`]): `linear_tma` (`linear_tma_fp8`) at prefill sizes (from the
+    /// images alone), `linear_stream_tma` (`linear_stream_tma_fp8`) at decode sizes (the images,
+    /// and x's rows, which the kernel reads where it cannot take the images: the producer wrote
+    /// both).
     pub fn linear_staged(
         &self,
         s: StreamHandle,
         (out, x, w): (Matrix, Matrix, Matrix),
         images: DevicePtr,
     ) -> GpuResult<()> {
-        let p = linear_operands("gemm::linear", DType::Bf16, &out, &x, &w)?;
-        let (m, n, k) = (p.m, p.n, p.k);
+        let (m, n, k) = (x.rows, w.rows, x.cols);
         let refused = || GpuError::KernelFailed {
             kernel: "linear_staged".into(),
             problem: format!(
@@ -269,7 +275,17 @@ impl Ops {
                 w.ptr.0
             ),
         };
-        let map = self.linear_tma_map(s, p.w, n, k)?.ok_or_else(refused)?;
+        if w.dtype == DType::F8E4M3 {
+            let (p, _) = fp8::linear_fp8_operands(&out, &x, &w)?;
+            return match self.linear_fp8_mapped(s, &p, Some(images))? {
+                true => Ok(()),
+                false => Err(refused()),
+            };
+        }
+        let p = linear_operands("gemm::linear", DType::Bf16, &out, &x, &w)?;
+        let map = self
+            .linear_tma_map(s, p.w, DType::Bf16, n, k)?
+            .ok_or_else(refused)?;
         if m > LINEAR_SMALL_M_MAX {
             return self.linear_tma_launch(s, self.k.linear_tma, &p, images, map);
         }
@@ -287,18 +303,36 @@ impl Ops {
                     n,
                     k,
                 };
-                self.linear_stream_tma_launch(s, self.k.linear_stream_tma, &q, row_blocks)
+                self.linear_stream_tma_launch(s, self.k.linear_stream_tma, (&q, n), row_blocks)
             }
             _ => Err(refused()),
         }
     }
 
-    /// `linear_stream_tma` (`kernel`: bf16 or f32 out) of `p`, x in `row_blocks` row blocks.
-    fn linear_stream_tma_launch(
+    /// x `[m, k]` as the stage images `linear_tma` copies whole, into `images`.
+    fn permute_k32_tiles(
+        &self,
+        s: StreamHandle,
+        images: DevicePtr,
+        x: DevicePtr,
+        (m, k): (u32, u32),
+    ) -> GpuResult<()> {
+        let p = PermuteK32TilesParams {
+            out: images,
+            x,
+            m,
+            k,
+        };
+        self.go(self.k.permute_k32_tiles, permute_geometry(m, k), &p, s)
+    }
+
+    /// `linear_stream_tma` (`kernel`: bf16 or f32 out, or its FP8 twin) of `p`, `n` output
+    /// columns, x in `row_blocks` row blocks.
+    fn linear_stream_tma_launch<P: KernelParams>(
         &self,
         s: StreamHandle,
         kernel: KernelHandle,
-        p: &LinearStreamTmaParams,
+        (p, n): (&P, u32),
         row_blocks: u32,
     ) -> GpuResult<()> {
         let resident = self.resident(
@@ -308,7 +342,7 @@ impl Ops {
             LINEAR_STREAM_TMA_CLUSTERS,
             Residency::Clusters,
         )?;
-        let cfg = linear_stream_tma_geometry(p.n, row_blocks, resident);
+        let cfg = linear_stream_tma_geometry(n, row_blocks, resident);
         self.go(kernel, cfg, p, s)
     }
 
@@ -370,21 +404,10 @@ impl Ops {
         if path == LinearPath::Tiled
             && x.0.is_multiple_of(16)
             && let Some(staging) = self.staging_for(w, m, k, 8)
-            && let Some(map) = self.linear_tma_map(s, w, n, k)?
+            && let Some(map) = self.linear_tma_map(s, w, DType::Bf16, n, k)?
         {
             let images = staging.images;
-            let permute = PermuteK32TilesParams {
-                out: images,
-                x,
-                m,
-                k,
-            };
-            self.go(
-                self.k.permute_k32_tiles,
-                permute_geometry(m, k),
-                &permute,
-                s,
-            )?;
+            self.permute_k32_tiles(s, images, x, (m, k))?;
             return self.linear_tma_launch(s, kernels[4], p, images, map);
         }
         // `linear_stream_tma` for the decode rows it serves (see [`linear_stream_tma_fits`])
@@ -393,7 +416,7 @@ impl Ops {
             && let Some(row_blocks) = linear_stream_tma_row_blocks(m, k)
             && x.0.is_multiple_of(16)
             && w.0.is_multiple_of(16)
-            && let Some(map) = self.linear_tma_map(s, w, n, k)?
+            && let Some(map) = self.linear_tma_map(s, w, DType::Bf16, n, k)?
         {
             let q = LinearStreamTmaParams {
                 out: p.out,
@@ -405,7 +428,7 @@ impl Ops {
                 n,
                 k,
             };
-            return self.linear_stream_tma_launch(s, kernels[5], &q, row_blocks);
+            return self.linear_stream_tma_launch(s, kernels[5], (&q, n), row_blocks);
         }
         let kernel = match path {
             LinearPath::Narrow => kernels[0],

@@ -242,3 +242,107 @@ fn staged_producers_refuse_operands_off_their_vector_path() {
     norm(out).expect("aligned operands stage");
     assert!(problem(norm(DevicePtr(out.0 + 8))).contains("out at"));
 }
+
+#[test]
+fn fp8_linear_reads_its_weight_through_a_map_where_one_exists_and_dequantizes_elsewhere() {
+    let (gpu, ops, s) = cpu();
+    let n = 8u32;
+    let alloc = |bytes: usize| gpu.alloc(bytes).expect("alloc");
+    let (x, out) = (alloc(160 * 4096 * 2), alloc(160 * 8 * 2));
+    let (w, scales) = (alloc(8 * 4096), alloc(fp8_scale_bytes(8, 4096, 7)));
+    let scratch = alloc(8 * 4096 * 2);
+    ops.set_fp8_scratch(Some(Fp8Scratch {
+        ptr: scratch,
+        bytes: 8 * 4096 * 2,
+    }));
+    let linear = |m: u32, k: u32| {
+        move |o: &Ops| {
+            let w = Matrix {
+                scales: Some(crate::ops_view::BlockScales {
+                    ptr: scales,
+                    row_shift: 7,
+                }),
+                ..Matrix::new(w, DType::F8E4M3, n, k)
+            };
+            o.linear(s, Matrix::bf16(out, m, n), Matrix::bf16(x, m, k), w)
+        }
+    };
+    let k = &ops.k;
+
+    // No staging memory, so no map: the streaming decode kernels, and the bf16 kernel on the
+    // dequantized weight at prefill sizes.
+    assert_eq!(kernels_of(&ops, linear(4, 4096)), [k.linear_stream_fp8]);
+    assert_eq!(
+        kernels_of(&ops, linear(32, 4096)),
+        [k.linear_stream_wide_fp8]
+    );
+    assert_eq!(
+        kernels_of(&ops, linear(130, 4096)),
+        [k.dequant_fp8, k.linear]
+    );
+    // With a slot for the map: the tensor-map kernels from 17 rows (x permuted into images at
+    // prefill sizes); up to 16 rows stay on the narrow kernel, which is faster there.
+    let images = linear_staging_bytes(160, 4096);
+    let base = alloc(LinearStaging::bytes(images, 4));
+    ops.set_linear_staging(Some(LinearStaging::at(base, images, 4)));
+    for m in [8, 9, 16] {
+        assert_eq!(
+            kernels_of(&ops, linear(m, 4096)),
+            [k.linear_stream_fp8],
+            "{m} rows"
+        );
+    }
+    for m in [17, 32, 128] {
+        assert_eq!(
+            kernels_of(&ops, linear(m, 4096)),
+            [k.linear_stream_tma_fp8],
+            "{m} rows"
+        );
+    }
+    let mapped = [k.permute_k32_tiles, k.linear_tma_fp8];
+    assert_eq!(kernels_of(&ops, linear(130, 4096)), mapped);
+    // A k whose byte rows are off the map's 16-byte strides dequantizes (or streams).
+    assert_eq!(
+        kernels_of(&ops, linear(130, 4088)),
+        [k.dequant_fp8, k.permute_k32_tiles, k.linear_tma]
+    );
+    assert_eq!(
+        kernels_of(&ops, linear(32, 4088)),
+        [k.linear_stream_wide_fp8]
+    );
+
+    // A producer stages x for the FP8 projection as for a bf16 one; the projection then reads
+    // the images (no permute at prefill sizes), and refuses a shape that takes none.
+    let fp8_w = |k: u32| Matrix {
+        scales: Some(crate::ops_view::BlockScales {
+            ptr: scales,
+            row_shift: 7,
+        }),
+        ..Matrix::new(w, DType::F8E4M3, n, k)
+    };
+    let staging = |m: u32| ops.linear_staging(s, fp8_w(4096), m).expect("no error");
+    assert_eq!(staging(130), Some(base));
+    assert_eq!(staging(32), Some(base));
+    assert_eq!(staging(16), None);
+    let unscaled = Matrix::new(w, DType::F8E4M3, n, 4096);
+    assert_eq!(
+        ops.linear_staging(s, unscaled, 130).expect("no error"),
+        None
+    );
+    let staged = |m: u32| {
+        move |o: &Ops| {
+            let operands = (
+                Matrix::bf16(out, m, n),
+                Matrix::bf16(x, m, 4096),
+                fp8_w(4096),
+            );
+            o.linear_staged(s, operands, base)
+        }
+    };
+    assert_eq!(kernels_of(&ops, staged(130)), [k.linear_tma_fp8]);
+    assert_eq!(kernels_of(&ops, staged(32)), [k.linear_stream_tma_fp8]);
+    assert!(
+        staged(16)(&ops).is_err(),
+        "16 rows are not read from images"
+    );
+}

@@ -1,9 +1,10 @@
 //! Block FP8 against its CPU twins and against bf16: `quantize_fp8` gives the host recipe's
 //! bytes and scales, `dequant_fp8` the host's bf16, and `linear` of an FP8 weight (every path:
 //! `linear_stream_fp8`, with its swapped-operand path at m <= 16 where k is a multiple of 2048,
-//! and `linear_stream_wide_fp8` at decode sizes, dequantize-then-bf16 at prefill sizes) is
-//! bitwise `linear` of the dequantized bf16 weight, with 128-row scale blocks and with a scale
-//! row per weight row.
+//! and `linear_stream_wide_fp8` at decode sizes, dequantize-then-bf16 at prefill sizes, and with
+//! staging memory for the weight's tensor map `linear_stream_tma_fp8` at 9..128 rows and
+//! `linear_tma_fp8` above, where k is a multiple of 16) is bitwise `linear` of the dequantized
+//! bf16 weight, with 128-row scale blocks and with a scale row per weight row.
 
 use metrale_gpu_runtime::DType;
 use metrale_gpu_runtime::fp8::{self, FP8_BLOCK_ROW_SHIFT};
@@ -23,6 +24,7 @@ pub(super) fn small(p: &Pair) {
         (16, 40, 2048, false),
         (24, 136, 256, true),
         (40, 200, 200, false),
+        (40, 200, 208, false),
         (140, 72, 96, true),
     ];
     fp8_paths(p, rng, &shapes);
@@ -46,6 +48,8 @@ fn fp8_linear_is_the_bf16_linear_of_its_dequantized_weight_on_every_path() {
         (129, 264, 1000, false),
         (300, 1024, 4096, false),
         (257, 136, 96, true),
+        (40, 200, 208, true),
+        (200, 130, 208, false),
     ];
     fp8_paths(&Pair::new(), &mut Rng::new(11), &shapes);
 }
@@ -69,7 +73,8 @@ fn fp8_matrix(
 
 /// At `(m, n, k, per_row_scales)` each: `quantize_fp8` bitwise the host recipe on both sides,
 /// `dequant_fp8` bitwise its twin, and `linear` of the FP8 weight close to its twin and bitwise
-/// CUDA's `linear` of the dequantized weight, with and without the prefill scratch memory.
+/// CUDA's `linear` of the dequantized weight: without the prefill scratch memory, with it, and
+/// with staging memory (the tensor-map kernels).
 fn fp8_paths(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32, bool)]) {
     for &(m, n, k, per_row) in shapes {
         let case = format!("m={m} n={n} k={k} per-row scales {per_row}");
@@ -134,7 +139,7 @@ fn fp8_paths(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32, bool)]) {
         });
         let want = p.download_gpu::<u16>(&bf16_out);
         let scratch = p.poisoned((n * k) as usize * 2);
-        for with_scratch in [false, true] {
+        for (with_scratch, staged) in [(false, false), (true, false), (false, true)] {
             let set = |on: bool| {
                 for (ops, ptr) in [(&p.cpu_ops, scratch.cpu), (&p.gpu_ops, scratch.gpu)] {
                     ops.set_fp8_scratch(on.then_some(Fp8Scratch {
@@ -144,6 +149,7 @@ fn fp8_paths(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32, bool)]) {
                 }
             };
             set(with_scratch);
+            p.stage_linear(staged.then_some((m, k)));
             let out = p.poisoned((m * n) as usize * 2);
             p.run(|o, at| {
                 let w = fp8_matrix(&q, &scales, shift, (n, k), at);
@@ -154,13 +160,14 @@ fn fp8_paths(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32, bool)]) {
                     w,
                 )
             });
-            let label = format!("{case} scratch {with_scratch}");
+            let label = format!("{case} scratch {with_scratch} staged {staged}");
             p.check_bf16("linear(fp8)", &label, &out, Tolerance::BF16);
             assert!(
                 p.download_gpu::<u16>(&out) == want,
                 "linear(fp8) {label}: differs bitwise from linear of the dequantized weight"
             );
             set(false);
+            p.stage_linear(None);
         }
     }
 }

@@ -7,8 +7,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use half::bf16;
 use metrale_gpu_runtime::{
-    CpuBackend, CudaBackend, CudaBackendOptions, DevicePtr, EventHandle, GpuBackend, GpuBackendExt,
-    GpuResult, GraphHandle, KernelArg, KernelHandle, LaunchConfig, Residency, StreamHandle,
+    CpuBackend, CudaBackend, CudaBackendOptions, DType, DevicePtr, EventHandle, GpuBackend,
+    GpuBackendExt, GpuResult, GraphHandle, KernelArg, KernelHandle, LaunchConfig, Residency,
+    StreamHandle,
 };
 use metrale_kernel_abi::KernelParams;
 use metrale_model_layers::Ops;
@@ -258,16 +259,17 @@ impl GpuBackend for TestCuda {
         self.inner.max_resident(kernel, config, unit)
     }
 
-    fn tensor_map_bf16(
+    fn tensor_map_2d(
         &self,
         base: DevicePtr,
+        dtype: DType,
         rows: u32,
         cols: u32,
         box_rows: u32,
         box_cols: u32,
     ) -> Option<GpuResult<[u8; 128]>> {
         self.inner
-            .tensor_map_bf16(base, rows, cols, box_rows, box_cols)
+            .tensor_map_2d(base, dtype, rows, cols, box_rows, box_cols)
     }
 }
 

@@ -4,7 +4,7 @@
 //! check takes its shapes, so `small` runs the same checks at the sanitizer's sizes.
 
 use half::bf16;
-use metrale_gpu_runtime::{DevicePtr, LaunchConfig, Residency};
+use metrale_gpu_runtime::{DType, DevicePtr, LaunchConfig, Residency};
 use metrale_kernel_abi::{
     LinearParams, LinearStreamTmaParams, LinearTmaParams, PermuteK32TilesParams,
 };
@@ -228,7 +228,7 @@ fn launch_mapped(
 ) -> Vec<u16> {
     let map = p.upload(
         &p.gpu
-            .tensor_map_bf16(w.gpu, n, k, 128, 64)
+            .tensor_map_2d(w.gpu, DType::Bf16, n, k, 128, 64)
             .expect("CUDA has tensor maps")
             .expect("the weight's map encodes"),
     );

@@ -6,8 +6,9 @@
 use half::bf16;
 use metrale_kernel_abi::{
     DequantFp8Params, FP8_BLOCK, FP8_CONVERT_THREADS, LIN_DEC_THREADS, LIN_STREAM_WARPS,
-    LIN_THREADS, LIN_TMA_THREADS, LinearFp8Params, LinearParams, LinearStreamTmaParams,
-    LinearTmaParams, PermuteK32TilesParams, QuantizeFp8Params,
+    LIN_THREADS, LIN_TMA_THREADS, LinearFp8Params, LinearParams, LinearStreamTmaFp8Params,
+    LinearStreamTmaParams, LinearTmaFp8Params, LinearTmaParams, PermuteK32TilesParams,
+    QuantizeFp8Params,
 };
 
 use super::util::{b, f};
@@ -293,6 +294,30 @@ pub fn linear_stream_fp8(ctx: &KernelCtx<'_>) -> GpuResult<()> {
 /// `linear_stream_wide_fp8`: the same function from the wide decode kernel's clusters.
 pub fn linear_stream_wide_fp8(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     linear_stream_fp8(ctx)
+}
+
+/// `linear_tma_fp8` ([`LinearTmaFp8Params`]): `linear` of the dequantized weight with x from its
+/// stage images (the tensor map is the device's, not read here), bf16 out.
+pub fn linear_tma_fp8(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    let p: LinearTmaFp8Params = ctx.params()?;
+    let (m, n, k) = dims(ctx, (p.m, p.n, p.k), LIN_TMA_THREADS)?;
+    let x = x_from_images(ctx, p.xt, m, k)?;
+    let w = fp8_weight(ctx, (p.w, p.scales), (n, k), p.scale_row_shift)?;
+    store_bf16(ctx, p.out, &gemm_host(&x, &w, (m, n, k)))
+}
+
+/// `linear_stream_tma_fp8` ([`LinearStreamTmaFp8Params`]): `linear` of the dequantized weight,
+/// x from its rows or its stage images as `linear_stream_tma` reads them, bf16 out.
+pub fn linear_stream_tma_fp8(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    let p: LinearStreamTmaFp8Params = ctx.params()?;
+    let (m, n, k) = dims(ctx, (p.m, p.n, p.k), LIN_DEC_THREADS)?;
+    let w = fp8_weight(ctx, (p.w, p.scales), (n, k), p.scale_row_shift)?;
+    let acc = if p.ximg.is_null() {
+        gemm_host(ctx.slice::<bf16>("x", p.x, m * k)?, &w, (m, n, k))
+    } else {
+        gemm_host(&x_from_images(ctx, p.ximg, m, k)?, &w, (m, n, k))
+    };
+    store_bf16(ctx, p.out, &acc)
 }
 
 /// `dequant_fp8` ([`DequantFp8Params`]): the weight as bf16.
