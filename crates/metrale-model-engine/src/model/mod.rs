@@ -188,12 +188,13 @@ impl Model {
     }
 
     /// Elements of the largest block-FP8 weight that `Ops::linear` runs (the layers' and the MTP
-    /// head's projections): the bf16 image prefill-sized projections dequantize into
-    /// (`Ops::set_fp8_scratch`); 0 when there is none. The stacked experts are left out: their
-    /// projections (`expert_linear_fp8`) convert the weight as they read it at every row count,
-    /// and a stack is many times any projection (Qwen3.5-35B-A3B's gate/up stack would ask for
-    /// about a gigabyte of scratch).
-    pub fn largest_fp8_weight(&self) -> usize {
+    /// head's projections) and the tensor-map kernels cannot read: those whose input width is
+    /// not a multiple of 16, the byte map's row stride. Prefill-sized projections of such a
+    /// weight dequantize it into scratch memory of this size (`Ops::set_fp8_scratch`) and run
+    /// the bf16 kernels; every other FP8 projection runs `linear_tma_fp8` at those sizes. 0 when
+    /// there is none, as on every official pack's shape. The stacked experts are left out: their
+    /// projections (`expert_linear_fp8`) convert the weight as they read it at every row count.
+    pub fn largest_unmapped_fp8_weight(&self) -> usize {
         let head = self
             .mtp_head()
             .map(|h| h.layers.as_slice())
@@ -210,8 +211,9 @@ impl Model {
             .flatten()
             .flat_map(|l| l.weights.into_iter())
             .filter(|(slot, w)| !stacked(slot) && w.weight().dtype == DType::F8E4M3)
-            .map(|(_, w)| w)
-            .map(|w| w.shape().iter().product::<usize>())
+            .map(|(_, w)| w.shape().to_vec())
+            .filter(|shape| shape.last().is_some_and(|k| !k.is_multiple_of(16)))
+            .map(|shape| shape.iter().product::<usize>())
             .max()
             .unwrap_or(0)
     }
@@ -292,17 +294,19 @@ mod tests {
     use crate::Quantization;
 
     #[test]
-    fn fp8_scratch_is_sized_by_the_projections_not_the_expert_stacks() {
-        let config = crate::bench::tiny_moe_for_cpu().unwrap();
-        let moe = config.moe.clone().unwrap();
+    fn fp8_scratch_is_only_for_weights_the_tensor_map_kernels_cannot_read() {
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
-        let model =
-            crate::factory::random_quantized(config.clone(), gpu, 1, Quantization::Fp8).unwrap();
-        let stack = moe.num_experts * 2 * moe.moe_intermediate_size * config.hidden_size;
-        let largest = model.largest_fp8_weight();
-        assert!(
-            largest > 0 && largest < stack,
-            "scratch for {largest} elements; the gate/up stack has {stack}"
-        );
+        let fp8 = |config| {
+            crate::factory::random_quantized(config, gpu.clone(), 1, Quantization::Fp8).unwrap()
+        };
+        // Every projection's input a multiple of 16 (the expert stacks too): no scratch.
+        let moe = fp8(crate::bench::tiny_moe_for_cpu().unwrap());
+        assert_eq!(moe.largest_unmapped_fp8_weight(), 0);
+        // An FFN of 120: the down projection's rows (120 bytes) are off the map's stride, and
+        // prefill-sized launches of it need its bf16 image.
+        let mut config = crate::bench::tiny_for_cpu().unwrap();
+        config.intermediate_size = 120;
+        let hidden = config.hidden_size;
+        assert_eq!(fp8(config).largest_unmapped_fp8_weight(), hidden * 120);
     }
 }

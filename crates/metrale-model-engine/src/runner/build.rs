@@ -179,9 +179,10 @@ fn layout(model: &Model, sizes: &StepSizes) -> (ArenaLayout, LinearStagingSize) 
     };
     let total = LinearStaging::bytes(staging.image_bytes, staging.map_slots);
     layout.add("linear_staging", DType::U32, total.div_ceil(4));
-    // Prefill-sized projections of block-FP8 weights dequantize into this and run the bf16
-    // kernels (`ops_gemm::fp8`); steps of at most `FP8_STREAM_M_MAX` rows never need it.
-    let fp8 = model.largest_fp8_weight();
+    // Prefill-sized projections of block-FP8 weights the tensor-map kernels cannot read
+    // dequantize into this and run the bf16 kernels (`ops_gemm::fp8`); steps of at most
+    // `FP8_STREAM_M_MAX` rows never need it.
+    let fp8 = model.largest_unmapped_fp8_weight();
     if fp8 > 0 && r > ops_gemm::FP8_STREAM_M_MAX as usize {
         layout.add("fp8_scratch", DType::Bf16, fp8);
     }
