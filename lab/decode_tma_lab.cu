@@ -23,8 +23,6 @@
 #include "lab_tmap.cuh"
 #include "lab_layers.cuh"
 
-static const int SMS = 132;
-
 // `linear_tma`'s map of w, uploaded once per weight and shape (a freed weight's address comes
 // back for the next one).
 static void* weight_map(const bf16* w, uint32_t n, uint32_t k) {
