@@ -50,7 +50,7 @@
 // Block-FP8 weights compute `linear` of the bf16 weight the FP8 one stands for, each fragment
 // converted as it is read (gemm_fp8.cuh), so their rows are bitwise the bf16 kernels' on
 // `dequant_fp8`'s output: where the weight has a tensor map (its e4m3 bytes, 64-byte boxes under
-// the 64-byte swizzle, `TmaWFp8`), `linear_stream_tma_fp8` for 9..128 rows and `linear_tma_fp8`
+// the 64-byte swizzle, `TmaWFp8`), `linear_stream_tma_fp8` for 17..128 rows and `linear_tma_fp8`
 // at prefill sizes, the bf16 tensor-map kernels with the conversion in their fragment loads;
 // otherwise `linear_stream_fp8` for m <= 16, `linear_stream_wide_fp8` for 16 < m <= 128 and
 // `dequant_fp8` then the bf16 kernels above. At m <= 16 on the checkpoints' shapes
@@ -548,7 +548,7 @@ extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LI
 // e4m3 [n, k], scales, wmap: `linear_tma_fp8`'s tensor map of w, m, n, k, scale_row_shift):
 // `linear_stream_tma` of the weight `dequant_fp8` makes of w, each fragment converted as the
 // consumers load it (the e4m3 bytes stream, half of bf16's), so its rows are bitwise `linear`'s
-// of that weight; the decode path (9..128 rows) of an FP8 weight with a map. `linear_stream_tma`'s
+// of that weight; the decode path (17..128 rows) of an FP8 weight with a map. `linear_stream_tma`'s
 // geometry and requirements, k % 16 == 0.
 extern "C" __global__ void __cluster_dims__(LIN_SEGS, 1, 1) __launch_bounds__(LIN_DEC_THREADS, 1)
     linear_stream_tma_fp8(LINEAR_STREAM_TMA_FP8_PARAMS) {

@@ -6,8 +6,8 @@
 // 1. bitwise on mixed shapes (poisoned outputs; 128-row scale blocks and a scale row per weight
 //    row; the decode kernel from x's rows and from x's stage images);
 // 2. timed per Qwen3-8B projection (graphs of 20 launches, programmatic dependents, weights
-//    rotated past L2) at 1..128 rows: the launcher serves 9..128 rows by the map, and 1..8 rows
-//    are timed too, where `linear_stream_fp8` is bound by instruction issue;
+//    rotated past L2) at 1..128 rows: the launcher serves 17..128 rows by the map and 1..16
+//    rows with `linear_stream_fp8`, faster there;
 // 3. timed at 2048 prefill rows: bf16 `linear_tma` of the dequantized weight (what the FP8 path
 //    computes, without the conversion), `dequant_fp8` + `linear_tma` (the map-less FP8 path) and
 //    `linear_tma_fp8`, in TFLOP/s.

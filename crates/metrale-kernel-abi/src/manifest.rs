@@ -99,7 +99,7 @@ macro_rules! for_each_kernel {
             gemm::linear_stream_wide_fp8 => LINEAR_STREAM_WIDE_FP8($crate::LinearFp8Params),
             /// `linear_tma` of a block-FP8 weight, converted as the MMAs read it (prefill).
             gemm::linear_tma_fp8 => LINEAR_TMA_FP8($crate::LinearTmaFp8Params),
-            /// `linear_stream_tma` of a block-FP8 weight (9..128 rows).
+            /// `linear_stream_tma` of a block-FP8 weight (17..128 rows).
             gemm::linear_stream_tma_fp8 => LINEAR_STREAM_TMA_FP8($crate::LinearStreamTmaFp8Params),
             /// A block-FP8 weight as bf16.
             gemm::dequant_fp8 => DEQUANT_FP8($crate::DequantFp8Params),
