@@ -20,6 +20,7 @@ use metrale_model_layers::circuit_exec::LayerPools;
 use metrale_model_layers::circuit_exec::{CircuitBindings, LinearRole, WeightSlot};
 use metrale_model_layers::layers::MtpHead;
 use metrale_model_layers::ops::{Matrix, VocabRows};
+use metrale_model_layers::ops_gemm::fp8_weight_takes_map;
 use metrale_model_layers::weight_map::DenseWeight;
 use metrale_model_layers::{LayerCtx, ModelDims, Ops, StepBuffers, StepShape, TransformerLayer};
 
@@ -188,12 +189,12 @@ impl Model {
     }
 
     /// Elements of the largest block-FP8 weight that `Ops::linear` runs (the layers' and the MTP
-    /// head's projections) and the tensor-map kernels cannot read: those whose input width is
-    /// not a multiple of 16, the byte map's row stride. Prefill-sized projections of such a
-    /// weight dequantize it into scratch memory of this size (`Ops::set_fp8_scratch`) and run
-    /// the bf16 kernels; every other FP8 projection runs `linear_tma_fp8` at those sizes. 0 when
-    /// there is none, as on every official pack's shape. The stacked experts are left out: their
-    /// projections (`expert_linear_fp8`) convert the weight as they read it at every row count.
+    /// head's projections) and the tensor-map kernels cannot read (`fp8_weight_takes_map` of its
+    /// input width). Prefill-sized projections of such a weight dequantize it into scratch memory
+    /// of this size (`Ops::set_fp8_scratch`) and run the bf16 kernels; every other FP8 projection
+    /// runs `linear_tma_fp8` at those sizes. 0 when there is none, as on every official pack's
+    /// shape. The stacked experts are left out: their projections (`expert_linear_fp8`) convert the
+    /// weight as they read it at every row count.
     pub fn largest_unmapped_fp8_weight(&self) -> usize {
         let head = self
             .mtp_head()
@@ -211,9 +212,11 @@ impl Model {
             .flatten()
             .flat_map(|l| l.weights.into_iter())
             .filter(|(slot, w)| !stacked(slot) && w.weight().dtype == DType::F8E4M3)
-            .map(|(_, w)| w.shape().to_vec())
-            .filter(|shape| shape.last().is_some_and(|k| !k.is_multiple_of(16)))
-            .map(|shape| shape.iter().product::<usize>())
+            .filter_map(|(_, w)| {
+                let shape = w.shape();
+                let k = shape.last().map_or(0, |&k| k as u32);
+                (!fp8_weight_takes_map(k)).then(|| shape.iter().product::<usize>())
+            })
             .max()
             .unwrap_or(0)
     }

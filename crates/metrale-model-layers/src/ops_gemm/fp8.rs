@@ -46,6 +46,13 @@ pub const FP8_STREAM_M_MAX: u32 = 128;
 /// rows 90.9 against 67.3 and 21.5 against 19.3, `lab/fp8_tma_lab.cu`).
 pub const FP8_STREAM_TMA_M_MIN: u32 = LINEAR_NARROW_M_MAX + 1;
 
+/// Whether an FP8 weight of `k` inputs can have a tensor map: its map's rows are its bytes, and a
+/// map's row stride must be a multiple of 16 bytes. The others run the map-less kernels (and
+/// dequantize into scratch memory at prefill sizes).
+pub fn fp8_weight_takes_map(k: u32) -> bool {
+    k.is_multiple_of(16)
+}
+
 /// Blocks of a `dequant_fp8` launch: enough to keep every multiprocessor streaming.
 const DEQUANT_BLOCKS: u32 = 1056;
 
@@ -182,13 +189,11 @@ impl Ops {
         images: Option<DevicePtr>,
     ) -> GpuResult<bool> {
         let (m, n, k) = (p.m, p.n, p.k);
-        if !k.is_multiple_of(16) || !p.x.0.is_multiple_of(16) || !p.w.0.is_multiple_of(16) {
+        let aligned = p.x.0.is_multiple_of(16) && p.w.0.is_multiple_of(16);
+        if !fp8_weight_takes_map(k) || !aligned || m < FP8_STREAM_TMA_M_MIN {
             return Ok(false);
         }
         let prefill = m > FP8_STREAM_M_MAX;
-        if !prefill && m < FP8_STREAM_TMA_M_MIN {
-            return Ok(false);
-        }
         let row_blocks = linear_stream_tma_row_blocks(m, k);
         let xt = match images {
             Some(images) => Some(images),

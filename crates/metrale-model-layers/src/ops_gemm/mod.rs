@@ -40,7 +40,9 @@ use crate::ops_view::{Matrix, Operands};
 mod fp8;
 mod geometry;
 
-pub use fp8::{FP8_STREAM_M_MAX, Fp8Scratch, fp8_scale_bytes};
+pub use fp8::{
+    FP8_STREAM_M_MAX, FP8_STREAM_TMA_M_MIN, Fp8Scratch, fp8_scale_bytes, fp8_weight_takes_map,
+};
 pub use geometry::*;
 
 /// What `linear_tma` needs beside its operands, in device memory the caller owns (a model's

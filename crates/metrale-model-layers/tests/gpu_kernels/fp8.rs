@@ -9,15 +9,16 @@
 use metrale_gpu_runtime::DType;
 use metrale_gpu_runtime::fp8::{self, FP8_BLOCK_ROW_SHIFT};
 use metrale_model_layers::ops::{BlockScales, Matrix};
-use metrale_model_layers::ops_gemm::{FP8_STREAM_M_MAX, Fp8Scratch, fp8_scale_bytes};
+use metrale_model_layers::ops_gemm::{
+    FP8_STREAM_M_MAX, FP8_STREAM_TMA_M_MIN, Fp8Scratch, fp8_scale_bytes,
+};
 
 use super::harness::{Buf, Pair, Rng, S, Tolerance};
 
 /// Every check at small shapes (the sanitizer set): narrow decode calls (the swapped-operand
 /// path at k = 2048 among them) and wide ones (with cp.async copies and with plain loads) and a
 /// prefill-sized call, with partial blocks and both scale layouts. Without `with_stream_tma`
-/// (the racecheck set) the staged paths at decode rows, which run `linear_stream_tma_fp8`, are
-/// left out.
+/// (the racecheck set) the staged paths at the rows `linear_stream_tma_fp8` serves are left out.
 pub(super) fn small(p: &Pair, with_stream_tma: bool) {
     let rng = &mut Rng::new(1003);
     let shapes = [
@@ -142,7 +143,8 @@ fn fp8_paths(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32, bool)], with_str
         let want = p.download_gpu::<u16>(&bf16_out);
         let scratch = p.poisoned((n * k) as usize * 2);
         for (with_scratch, staged) in [(false, false), (true, false), (false, true)] {
-            if staged && m <= FP8_STREAM_M_MAX && !with_stream_tma {
+            let stream_tma = (FP8_STREAM_TMA_M_MIN..=FP8_STREAM_M_MAX).contains(&m);
+            if staged && stream_tma && !with_stream_tma {
                 continue;
             }
             let set = |on: bool| {

@@ -9,12 +9,12 @@
 //! GDN rule's recurrent, streamed, chunked and verify kernels on its fast and general paths, the
 //! MoE kernels, the staged producers and the fused kernels.
 //!
-//! The racecheck set leaves out `linear_stream_tma` (and its FP8 twin): its consumer warpgroups publish partials
-//! in shared memory that other blocks of the cluster read, ordered by mbarriers the blocks
-//! arrive on remotely (`pready` / `pfree`, with fences restricted to shared memory). racecheck
-//! does not follow that handshake and reports each partial as a hazard (also with releasing
-//! arrivals), and excluding the kernel by name makes racecheck fail on it; the kernel is held by
-//! memcheck and by its bitwise tests against the CPU twin instead.
+//! The racecheck set leaves out `linear_stream_tma` (and its FP8 twin): its consumer warpgroups
+//! publish partials in shared memory that other blocks of the cluster read, ordered by mbarriers
+//! the blocks arrive on remotely (`pready` / `pfree`, with fences restricted to shared memory).
+//! racecheck does not follow that handshake and reports each partial as a hazard (also with
+//! releasing arrivals), and excluding the kernel by name makes racecheck fail on it; the kernel is
+//! held by memcheck and by its bitwise tests against the CPU twin instead.
 
 use std::collections::BTreeSet;
 
