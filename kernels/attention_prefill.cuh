@@ -8,7 +8,7 @@
 // head_dim 128, 32 at 256 (`atp_vrows`). Clusters of ATT_SPLITS blocks loop over the items as in
 // `paged_attention`; block s takes split s of the item's units.
 //
-// A block is ATP_WARPS (16) warps in four partitions of four: partition w takes the units warp w
+// A block is ATP_WARPS (16) warps in four partitions of four: partition w takes the chain warp w
 // of `paged_attention` takes (att_units), so the arithmetic of every row is that kernel's. Its
 // four warps share each unit's keys and values (each copies a quarter of the 16 tokens into the
 // partition's ring of `atp_stages` stages, under an mbarrier of the four), and each computes
@@ -16,10 +16,10 @@
 // halves compute the tile's scores). Scores, softmax and P V are `att_unit`'s, for rows g and
 // g + 8 of the tile (att_softmax_row for each).
 //
-// The block combines its partitions in partition order (partition w adds its weighted output to
-// the running numerator in shared memory, then w + 1), the cluster its blocks in block order as
-// `paged_attention` does (att_finish). The queries of the next item are loaded while the block
-// combines; the partitions' rings run across items; the cluster barrier is split as in
+// The block folds its partitions' chains in chain order (partition w folds its output into the
+// running numerator in shared memory, then w + 1), the cluster its splits in split order as
+// `paged_attention` does (att_fold_all, att_finish). The queries of the next item are loaded
+// while the block folds; the partitions' rings run across items; the cluster barrier is split as in
 // `paged_attention` (a block outputs item k - 1 after its units of item k).
 //
 // Grid (ATT_SPLITS * clusters, 1), ATP_THREADS threads, atp_shared_bytes(dp) of dynamic shared
@@ -56,7 +56,8 @@ struct AtpShared {
     unsigned long long pbar[ATT_WARPS];  // each partition's mbarrier
     float wm[ATT_WARPS][ATP_MAX_VROWS], wl[ATT_WARPS][ATP_MAX_VROWS];  // each partition's max, sum
     float cm[2][ATP_MAX_VROWS], cl[2][ATP_MAX_VROWS];  // the block's, by item parity
-    float wt[ATP_MAX_VROWS][ATT_SPLITS + 1];  // output: each split's weight, then the denominator
+    // Output: each split's fold weights (the total's, then the split's), then the denominator.
+    float wt[ATP_MAX_VROWS][2 * ATT_SPLITS + 1];
     uint32_t seq[ATT_MAX_ITEMS], ctx[ATT_MAX_ITEMS], h0[ATT_MAX_ITEMS];
     uint32_t kv[ATT_MAX_ITEMS];  // the key/value head's offset in a slot
     uint32_t grp[ATT_MAX_ITEMS][2 + ATP_ROWS];  // first row, rows, each row's context
@@ -245,9 +246,9 @@ MT_DEVICE void atp_put(const AttLaunch& a, const AtpShared& sh, uint32_t r, uint
     atp_store(a.out, sh.img, sh.img_steps, a.hq * a.d, r, col, v);
 }
 
-// The cluster's combine of item `it` (parity p) and this block's share of its outputs; NaN for
-// an item whose inputs are out of range. `prep`: each virtual row's split weights and
-// denominator into sh.wt (before a block barrier), else the outputs (after it).
+// The cluster's fold of item `it` (parity p) and this block's share of its outputs; NaN for an
+// item whose inputs are out of range. `prep`: each virtual row's fold weights and denominator
+// into sh.wt (before a block barrier), else the outputs (after it).
 template <int DP>
 MT_DEVICE void atp_output(const AttLaunch& a, const AtpItem& it, uint32_t p, AtpShared& sh, const float* pk,
                           bool prep) {
@@ -255,13 +256,19 @@ MT_DEVICE void atp_output(const AttLaunch& a, const AtpItem& it, uint32_t p, Atp
     const uint32_t used = it.cnt * a.hb;
     if (prep) {
         for (uint32_t v = threadIdx.x; v < used; v += ATP_THREADS) {
-            float ms[ATT_SPLITS], ls[ATT_SPLITS];
+            float ms[ATT_SPLITS], ls[ATT_SPLITS], wt[ATT_SPLITS], wp[ATT_SPLITS], den;
 #pragma unroll
             for (int s = 0; s < ATT_SPLITS; ++s) {
                 ms[s] = cluster.map_shared_rank(&sh.cm[p][0], s)[v];
                 ls[s] = cluster.map_shared_rank(&sh.cl[p][0], s)[v];
             }
-            sh.wt[v][ATT_SPLITS] = att_split_weights(ms, ls, sh.wt[v]);
+            att_fold_all(ms, ls, wt, wp, den);
+#pragma unroll
+            for (int s = 0; s < ATT_SPLITS; ++s) {
+                sh.wt[v][s] = wt[s];
+                sh.wt[v][ATT_SPLITS + s] = wp[s];
+            }
+            sh.wt[v][2 * ATT_SPLITS] = den;
         }
         return;
     }
@@ -273,10 +280,13 @@ MT_DEVICE void atp_output(const AttLaunch& a, const AtpItem& it, uint32_t p, Atp
         const uint32_t r = it.row + v / a.hb, h = it.h0 + v % a.hb;
         const uint32_t col0 = h * a.d;
         const bf16* gate = a.qkv + (size_t)r * a.row_stride + (size_t)h * a.q_head_stride + a.d;
-        float wt[ATT_SPLITS];
+        float wt[ATT_SPLITS], wp[ATT_SPLITS];
 #pragma unroll
-        for (int s = 0; s < ATT_SPLITS; ++s) wt[s] = sh.wt[v][s];
-        const float den = sh.wt[v][ATT_SPLITS];
+        for (int s = 0; s < ATT_SPLITS; ++s) {
+            wt[s] = sh.wt[v][s];
+            wp[s] = sh.wt[v][ATT_SPLITS + s];
+        }
+        const float den = sh.wt[v][2 * ATT_SPLITS];
         for (uint32_t e = lane; e < a.d; e += 64) {
             if (it.ctx == 0) {
                 atp_put(a, sh, r, col0 + e, bf16_nan());
@@ -285,7 +295,7 @@ MT_DEVICE void atp_output(const AttLaunch& a, const AtpItem& it, uint32_t p, Atp
             float ps[ATT_SPLITS];
 #pragma unroll
             for (int s = 0; s < ATT_SPLITS; ++s) ps[s] = cluster.map_shared_rank(pk, s)[v * (DP + 8) + e];
-            atp_put(a, sh, r, col0 + e, att_finish(wt, ps, den, a.gated ? gate + e : nullptr));
+            atp_put(a, sh, r, col0 + e, att_finish(wt, wp, ps, den, a.gated ? gate + e : nullptr));
         }
     }
 }
@@ -297,34 +307,41 @@ struct AtpCursor {
     AtpItem it;
 };
 
-// The block's combine of one item (after its units): each virtual row's maximum and sum over
-// the partitions into `sh.cm[p]`, `sh.cl[p]` (threads below `vrows`), and the partitions'
-// outputs `o`, each weighed by its partition's share, summed in partition order into the
-// numerators `np` (thread rows v0 and v0 + 8 of partition `part`, where `active`). Ends with
-// the block synchronized, the next item's queries landed.
+// The block's fold of one item's chains (after its units): each virtual row's maximum and sum
+// folded over the partitions into `sh.cm[p]`, `sh.cl[p]` (threads below `vrows`), and the
+// partitions' outputs `o` folded in partition order into the numerators `np` (thread rows v0 and
+// v0 + 8 of partition `part`, where `active`). Ends with the block synchronized, the next item's
+// queries landed.
 template <int DP, int DH>
 MT_DEVICE void atp_combine(AtpShared& sh, float* np, uint32_t p, uint32_t vrows, const float (&o)[DH / 8][4],
                            uint32_t v0, bool active) {
     constexpr int HP = DP > 128 ? 2 : 1, RS = DP + 8;
     const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const uint32_t c = lane & 3, part = warp / 4, hp = (warp % 4) % HP, v1 = v0 + 8;
-    float mx[2], wt[2];
+    // This partition's fold weights for rows v0 and v1 (the total's, the chain's).
+    float wt[2], wp[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const uint32_t v = r == 0 ? v0 : v1;
-        mx[r] = -INFINITY;
+        float ms[ATT_WARPS], ls[ATT_WARPS], wts[ATT_WARPS], wps[ATT_WARPS], den;
 #pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) mx[r] = fmaxf(mx[r], sh.wm[w][v]);
-        wt[r] = att_weight(sh.wm[part][v], mx[r]);
+        for (int w = 0; w < ATT_WARPS; ++w) {
+            ms[w] = sh.wm[w][v];
+            ls[w] = 0.0f;
+        }
+        att_fold_all(ms, ls, wts, wps, den);
+        wt[r] = wts[part];
+        wp[r] = wps[part];
     }
     if (tid < vrows) {
         const uint32_t v = tid;
-        float vmx = -INFINITY, den = 0.0f;
+        float ms[ATT_WARPS], ls[ATT_WARPS], wts[ATT_WARPS], wps[ATT_WARPS], den;
 #pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) vmx = fmaxf(vmx, sh.wm[w][v]);
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) den = fmaf(att_weight(sh.wm[w][v], vmx), sh.wl[w][v], den);
-        sh.cm[p][v] = vmx;
+        for (int w = 0; w < ATT_WARPS; ++w) {
+            ms[w] = sh.wm[w][v];
+            ls[w] = sh.wl[w][v];
+        }
+        sh.cm[p][v] = att_fold_all(ms, ls, wts, wps, den);
         sh.cl[p][v] = sh.bad[p] ? __int_as_float(0x7FFFFFFF) : den;
     }
 #pragma unroll 1
@@ -336,8 +353,10 @@ MT_DEVICE void atp_combine(AtpShared& sh, float* np, uint32_t p, uint32_t vrows,
                 float* at1 = np + v1 * RS + hp * DH + 8 * n + 2 * c;
                 const float2 p0 = w == 0 ? make_float2(0.0f, 0.0f) : *reinterpret_cast<const float2*>(at0);
                 const float2 p1 = w == 0 ? make_float2(0.0f, 0.0f) : *reinterpret_cast<const float2*>(at1);
-                *reinterpret_cast<float2*>(at0) = make_float2(fmaf(wt[0], o[n][0], p0.x), fmaf(wt[0], o[n][1], p0.y));
-                *reinterpret_cast<float2*>(at1) = make_float2(fmaf(wt[1], o[n][2], p1.x), fmaf(wt[1], o[n][3], p1.y));
+                *reinterpret_cast<float2*>(at0) = make_float2(att_fold(p0.x, o[n][0], wt[0], wp[0]),
+                                                              att_fold(p0.y, o[n][1], wt[0], wp[0]));
+                *reinterpret_cast<float2*>(at1) = make_float2(att_fold(p1.x, o[n][2], wt[1], wp[1]),
+                                                              att_fold(p1.y, o[n][3], wt[1], wp[1]));
             }
         }
         if (w + 1 == ATT_WARPS) cp_async_wait<0>();  // the next item's queries have landed
@@ -371,13 +390,13 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
             f.i = 0;
             if (f.k < a.nk) f.it = atp_item(a, f.k, sh, part);
         }
-        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.it.first + ATT_WARPS * f.i, f.it.ctx, lane);
+        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.it.first + f.i, f.it.ctx, lane);
     };
     uint32_t bad_bits = 0;
     auto issue_next = [&](uint32_t st) {
         if (f.k < a.nk) {
             const bool bad =
-                atp_issue<DP, FP8>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry, ring + st * UNIT_ELEMS, lane, j);
+                atp_issue<DP, FP8>(a, f.it, f.it.first + f.i, f.entry, ring + st * UNIT_ELEMS, lane, j);
             bad_bits = (bad_bits & ~(1u << st)) | ((bad ? 1u : 0u) << st);
             ++f.i;
             settle();
@@ -421,7 +440,7 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
             const uint32_t st = consumed % STAGES;
             issue_next((consumed + STAGES - 1) % STAGES);
             if (active)
-                atp_unit<DP, DH>(ring + st * UNIT_ELEMS, qs, t, hp, it.first + ATT_WARPS * i, ctx0, ctx1,
+                atp_unit<DP, DH>(ring + st * UNIT_ELEMS, qs, t, hp, it.first + i, ctx0, ctx1,
                                  a.scale_log2, i == 0, lane, o, m, l);
             bad = bad || ((bad_bits >> st) & 1u) != 0;
             ++consumed;
