@@ -3,7 +3,9 @@
 //! twins compute on the host: padded head dimension, query heads per item, rows per prefill item
 //! and dynamic shared memory.
 
-use crate::consts::{ATP_FOLD, ATP_ROWS, ATP_WARPS, ATT_HB, ATT_QSLOTS, ATT_STAGES, ATT_UNIT, ATT_WARPS};
+use crate::consts::{
+    ATP_FOLD, ATP_ROWS, ATP_WARPS, ATT_HB, ATT_QSLOTS, ATT_STAGES, ATT_UNIT, ATT_WARPS,
+};
 
 /// The head dimension padded to the tensor-core tile the kernels are instantiated for
 /// (`att_padded_dim`).
