@@ -88,8 +88,12 @@ typedef __nv_bfloat16 bf16;
 #define ATT_HB 8
 // Largest head dimension of the attention kernels.
 #define ATT_MAX_D 256
-// Warps of a prefill attention block: four partitions of four.
-#define ATP_WARPS 16
+// Warps of a prefill attention block: one 16-row tile each (half a tile's output
+// dimensions each at head dimension 256).
+#define ATP_WARPS 4
+// Elements of a prefill attention thread's folded numerators in shared memory (its share
+// of a tile's output fragment, at most 64).
+#define ATP_FOLD 64
 // Most rows of a prefill attention row group (a 16-token unit).
 #define ATP_ROWS 16
 // The slot of a padding sequence: zero state read, nothing written.

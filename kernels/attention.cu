@@ -12,8 +12,9 @@
 //
 // One item: the row's context (positions 0..=pos, ctx tokens) is cut into units of ATT_UNIT (16)
 // tokens at absolute positions 16u..16u+15 (the last one partial). Block `s` of the cluster takes
-// units [s * U / ATT_SPLITS, (s + 1) * U / ATT_SPLITS) (U = ceil(ctx / 16)), and warp w of the
-// block every ATT_WARPS-th of those, starting at the w-th. Per unit a warp computes
+// split s, units [s * U / ATT_SPLITS, (s + 1) * U / ATT_SPLITS) (U = ceil(ctx / 16)), and warp w
+// of the block chain w of the split: its n units cut in ATT_WARPS runs the same way, units
+// [w * n / ATT_WARPS, (w + 1) * n / ATT_WARPS) of the split, in order. Per unit a warp computes
 // - scores S = Q Kᵀ with mma.sync m16n8k16 (bf16 in, f32 accumulate) as Sᵀ = K Qᵀ: the 16 tokens
 //   are the M rows, the query heads (up to 8; those past hb are zero) the n-tile, head_dim the k
 //   steps (two accumulation chains, even and odd k steps, added at the end); queries and keys
@@ -28,8 +29,10 @@
 // and the register moves to zero them). An MMA's output is the same sum of the same products
 // whichever operand is A, so the arithmetic, and every bit of the result, is that of the
 // untransposed layout `paged_attention_prefill` keeps (att_softmax_row).
-// The block then combines its warps in warp order, and the cluster its blocks through distributed
-// shared memory in block order (0, 1, ..., ATT_SPLITS - 1), sums as explicit fmaf chains; the
+// The block then folds its warps' chains in chain order into the split's partial, and the
+// cluster the splits through distributed shared memory in split order (0, 1, ...,
+// ATT_SPLITS - 1): each fold is att_fold's (attention_unit.cuh), so a kernel that walks a row's
+// units in order, starting each chain afresh and folding it as it ends, gets the same bits. The
 // gate (Qwen3.5) multiplies last.
 // Every split, unit and order is fixed by the row's context length and the shape (head_dim,
 // group size), never by the number of rows or clusters, so a row's result is bitwise the same
@@ -107,13 +110,13 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
             f.i = 0;
             if (f.k < a.nk) f.it = att_item(sh.item, f.k, warp);
         }
-        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.it.first + ATT_WARPS * f.i, f.it.ctx, lane);
+        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.it.first + f.i, f.it.ctx, lane);
     };
     uint32_t bad_bits = 0;
     auto issue_next = [&](uint32_t st) {
         if (f.k < a.nk) {
             if (f.i == 0) att_issue_queries<DP>(a, f.it, buf.qslots + (f.qn++ % ATT_QSLOTS) * L::QSLOT, lane);
-            att_issue_stage<DP, FP8>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry, buf.ring, st, lane, bad_bits);
+            att_issue_stage<DP, FP8>(a, f.it, f.it.first + f.i, f.entry, buf.ring, st, lane, bad_bits);
             ++f.i;
             settle();
         }
@@ -220,12 +223,12 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
 // ---------------------------------------------------------------------------------------------
 // paged_attention_flat: the same function as paged_attention, bitwise, without the cluster.
 //
-// A block computes whole items: its warps take the units paged_attention's warps take in every
+// A block computes whole items: its warps take the chains paged_attention's warps take in every
 // split, one split after another (warp w of split s takes att_units(ctx, s, w)), and the block
-// combines each split's warps in warp order (att_block_combine, into that split's numerators in
-// shared memory), then an item's splits in split order (att_split_weights, att_finish). So every partial,
-// and every combine, is paged_attention's, in the same order: only the places differ (shared
-// memory of one block instead of the cluster's distributed shared memory). Blocks are
+// folds each split's chains in chain order (att_block_combine, into that split's numerators in
+// shared memory), then an item's splits in split order (att_fold_all, att_finish). So every
+// partial, and every fold, is paged_attention's, in the same order: only the places differ
+// (shared memory of one block instead of the cluster's distributed shared memory). Blocks are
 // persistent: block b of B takes items b, b + B, ...; each warp's ring runs across splits and
 // items as in paged_attention.
 //
@@ -301,7 +304,7 @@ __device__ __noinline__ void atf_run(const AttLaunch a, unsigned char* dyn, AtfS
             }
             if (f.k < a.nk) att_units(f.it.ctx, f.s, warp, f.first, f.mine);
         }
-        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.first + ATT_WARPS * f.i, f.it.ctx, lane);
+        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.first + f.i, f.it.ctx, lane);
     };
     uint32_t bad_bits = 0;
     auto issue_next = [&](uint32_t st) {
@@ -316,7 +319,7 @@ __device__ __noinline__ void atf_run(const AttLaunch a, unsigned char* dyn, AtfS
                 att_issue_queries<DP>(a, it, buf.qslots + (f.qn++ % ATT_QSLOTS) * L::QSLOT, lane);
                 f.qk = f.k;
             }
-            att_issue_stage<DP, FP8>(a, it, f.first + ATT_WARPS * f.i, f.entry, buf.ring, st, lane, bad_bits);
+            att_issue_stage<DP, FP8>(a, it, f.first + f.i, f.entry, buf.ring, st, lane, bad_bits);
             ++f.i;
             settle();
         }
@@ -348,20 +351,20 @@ __device__ __noinline__ void atf_run(const AttLaunch a, unsigned char* dyn, AtfS
         // The item's outputs: its splits in split order, warp w taking heads w, w + ATT_WARPS,
         // ... (a head's split weights worked out once a lane).
         for (uint32_t h = warp; h < a.hb; h += ATT_WARPS) {
-            float ms[ATT_SPLITS], ls[ATT_SPLITS], wt[ATT_SPLITS];
+            float ms[ATT_SPLITS], ls[ATT_SPLITS], wt[ATT_SPLITS], wp[ATT_SPLITS], den;
 #pragma unroll
             for (int s = 0; s < ATT_SPLITS; ++s) {
                 ms[s] = sh.cm[s][h];
                 ls[s] = sh.cl[s][h];
             }
-            const float den = att_split_weights(ms, ls, wt);
+            att_fold_all(ms, ls, wt, wp, den);
             bf16* o = a.out + ((size_t)it.row * a.hq + it.h0 + h) * a.d;
             const bf16* gate = a.qkv + (size_t)it.row * a.row_stride + (size_t)(it.h0 + h) * a.q_head_stride + a.d;
             for (uint32_t e = lane; e < a.d; e += 32) {
                 float ps[ATT_SPLITS];
 #pragma unroll
                 for (int s = 0; s < ATT_SPLITS; ++s) ps[s] = buf.part[(s * a.hb + h) * DP + e];
-                o[e] = it.ctx != 0 ? att_finish(wt, ps, den, a.gated ? gate + e : nullptr) : bf16_nan();
+                o[e] = it.ctx != 0 ? att_finish(wt, wp, ps, den, a.gated ? gate + e : nullptr) : bf16_nan();
             }
         }
     }

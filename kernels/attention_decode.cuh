@@ -263,14 +263,14 @@ MT_DEVICE void att_nan_items(const AttLaunch& a, uint32_t part, uint32_t parts) 
 }
 
 // Output `e` of query head `h` of row `row` from its splits' maxima `ms`, sums `ls` and
-// numerators `ps`, combined in split order (the last step of both decode kernels).
+// numerators `ps`, folded in split order (the last step of both decode kernels).
 MT_DEVICE bf16 att_combine_splits(const AttLaunch& a, uint32_t row, uint32_t h, uint32_t e,
                                   const float (&ms)[ATT_SPLITS], const float (&ls)[ATT_SPLITS],
                                   const float (&ps)[ATT_SPLITS]) {
-    float wt[ATT_SPLITS];
-    const float den = att_split_weights(ms, ls, wt);
+    float wt[ATT_SPLITS], wp[ATT_SPLITS], den;
+    att_fold_all(ms, ls, wt, wp, den);
     const size_t gate_off = (size_t)row * a.row_stride + (size_t)h * a.q_head_stride + a.d + e;
-    return att_finish(wt, ps, den, a.gated ? a.qkv + gate_off : nullptr);
+    return att_finish(wt, wp, ps, den, a.gated ? a.qkv + gate_off : nullptr);
 }
 
 // A warp's partial of an item's split after its units (outputs `o`, per-head maxima `m` and the
@@ -307,8 +307,8 @@ MT_DEVICE void att_warp_partial(const AttLaunch& a, const float (&o)[DP / 16][4]
         }
 }
 
-// The block's combine of its warps' partials of one split, in warp order (after a barrier that
-// follows every warp's att_warp_partial): the numerators into `pk` [hb][DP], each head's
+// The block's fold of its warps' chains of one split, in chain (warp) order (after a barrier
+// that follows every warp's att_warp_partial): the numerators into `pk` [hb][DP], each head's
 // maximum and sum into `cm`, `cl` (a NaN sum when a slot was past the pool). Warp w takes heads
 // w, w + ATT_WARPS, ...: each lane works out a head's weights once and applies them to its DP / 32
 // dimensions (weights worked out per output cost a third of the flat kernel's time).
@@ -317,21 +317,18 @@ MT_DEVICE void att_block_combine(const AttLaunch& a, const float* ow, const floa
                                  const float (&wl)[ATT_WARPS][ATT_HB], bool bad, float* pk, float* cm, float* cl) {
     const uint32_t lane = threadIdx.x & 31;
     for (uint32_t h = threadIdx.x >> 5; h < a.hb; h += ATT_WARPS) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, wm[w][h]);
-        float wt[ATT_WARPS];
-        float den = 0.0f;
+        float ms[ATT_WARPS], ls[ATT_WARPS], wt[ATT_WARPS], wp[ATT_WARPS], den;
 #pragma unroll
         for (int w = 0; w < ATT_WARPS; ++w) {
-            wt[w] = att_weight(wm[w][h], mx);
-            den = fmaf(wt[w], wl[w][h], den);
+            ms[w] = wm[w][h];
+            ls[w] = wl[w][h];
         }
+        const float mx = att_fold_all(ms, ls, wt, wp, den);
 #pragma unroll
         for (uint32_t e = lane; e < DP; e += 32) {
             float num = 0.0f;
 #pragma unroll
-            for (int w = 0; w < ATT_WARPS; ++w) num = fmaf(wt[w], ow[(w * a.hb + h) * DP + e], num);
+            for (int w = 0; w < ATT_WARPS; ++w) num = att_fold(num, ow[(w * a.hb + h) * DP + e], wt[w], wp[w]);
             pk[h * DP + e] = num;
         }
         if (lane == 0) {
@@ -450,7 +447,7 @@ MT_DEVICE bool att_warp_units(const AttLaunch& a, bf16* ring, const bf16* qslot,
         if constexpr (FP8)
             att_widen_rows<DP>(kv2, ring + st * AttWarpLayout<DP>::STAGE, 2 * ATT_UNIT, [](uint32_t i) { return i; },
                                lane);
-        att_unit<DP>(ring + st * AttWarpLayout<DP>::STAGE, qslot, first + ATT_WARPS * i, ctx, a.scale_log2, i == 0,
+        att_unit<DP>(ring + st * AttWarpLayout<DP>::STAGE, qslot, first + i, ctx, a.scale_log2, i == 0,
                      lane, o, m, l);
         bad = bad || ((bad_bits >> st) & 1u) != 0;
         __syncwarp();

@@ -2,65 +2,56 @@
 // `paged_attention` row by row, included by attention.cu (whose helpers it uses).
 //
 // Items: a row group (ops::attention_row_groups: up to ATP_ROWS consecutive rows of one sequence
-// whose positions lie in one 16-token unit, so their contexts cut into the same units) by a group
-// of hb query heads sharing a key/value head. Its virtual rows v = j * hb + h (head h0 + h of row
-// first + j) are the M rows of the item's MMA tiles: 64 virtual rows (4 tiles of 16) up to
-// head_dim 128, 32 at 256 (`atp_vrows`). Clusters of ATT_SPLITS blocks loop over the items as in
-// `paged_attention`; block s takes split s of the item's units.
+// whose positions lie in one 16-token unit, so their contexts cut into the same units, splits and
+// chains) by a group of hb query heads sharing a key/value head. Its virtual rows v = j * hb + h
+// (head h0 + h of row first + j) are the M rows of the item's MMA tiles: 64 virtual rows (4 tiles
+// of 16) up to head_dim 128, 32 at 256 (`atp_vrows`). Blocks are persistent and take whole
+// items, the longest contexts first (block b of B: items n - 1 - b, n - 1 - b - B, ...).
 //
-// A block is ATP_WARPS (16) warps in four partitions of four: partition w takes the units warp w
-// of `paged_attention` takes (att_units), so the arithmetic of every row is that kernel's. Its
-// four warps share each unit's keys and values (each copies a quarter of the 16 tokens into the
-// partition's ring of `atp_stages` stages, under an mbarrier of the four), and each computes
-// one tile of 16 virtual rows, or at head_dim 256 one half of a tile's output dimensions (both
-// halves compute the tile's scores). Scores, softmax and P V are `att_unit`'s, for rows g and
-// g + 8 of the tile (att_softmax_row for each).
+// A block is ATP_WARPS (4) warps; each computes one tile of 16 virtual rows, or at head_dim 256
+// one half of a tile's output dimensions (both halves compute the tile's scores). The block walks
+// the item's units in order: each unit's keys and values land in a ring of `atp_stages` stages
+// (each warp copies a quarter of the 16 tokens), one block barrier a unit, and every warp runs
+// the unit's scores, softmax and P V for its rows (atp_unit: `att_unit`'s operations for rows g
+// and g + 8, att_softmax_row for each). The walk follows `paged_attention`'s arithmetic: a chain
+// (att_units of each split and warp) starts from an empty state and is folded, when it ends,
+// into its split's total (registers); a split's total is folded, when the split ends, into the
+// row's (numerators in shared memory, a thread's own elements); every fold is att_fold's, in the
+// order of the decode kernels' folds, so a row's result is bitwise theirs. After its last split
+// the block writes the item's rows (the numerators over the sums, times the gate).
 //
-// The block combines its partitions in partition order (partition w adds its weighted output to
-// the running numerator in shared memory, then w + 1), the cluster its blocks in block order as
-// `paged_attention` does (att_finish). The queries of the next item are loaded while the block
-// combines; the partitions' rings run across items; the cluster barrier is split as in
-// `paged_attention` (a block outputs item k - 1 after its units of item k).
+// Grid (blocks, 1; clusters of one block, so the launcher can ask the driver how many are
+// resident), ATP_THREADS threads, atp_shared_bytes(dp) of dynamic shared
+// memory. A malformed row group, or a launch the kernel cannot run, gets NaN outputs (the latter
+// also reports a GEOMETRY fault); rows of no group are not written.
 //
-// Grid (ATT_SPLITS * clusters, 1), ATP_THREADS threads, atp_shared_bytes(dp) of dynamic shared
-// memory: one block per multiprocessor. A malformed row group, or a launch the kernel cannot run,
-// gets NaN outputs (the latter also reports a GEOMETRY fault); rows of no group are not written.
-//
-// Sixteen warps and up to 64 virtual rows an item read each key and value once for many more
-// rows than `paged_attention`'s four warps could, about three times faster on a long prefill.
-// The partitions combine one after another: a wavefront combine (partition w adding column
-// chunk f - w in phase f) needs extra block barriers that cost more than the serial steps they
-// overlap.
+// Against eight blocks a cluster, one split each, with four partitions of four warps (the
+// kernel before the folds): no combine per item in shared or distributed shared memory, no
+// cluster barrier, each key and value read once per item.
 
 #define ATP_THREADS (32 * ATP_WARPS)
 #define ATP_MAX_VROWS 64
 
-// Virtual rows of an item, stages of a partition's ring, rows per item: the launcher computes
-// the same (ops_attention).
+// Virtual rows of an item, stages of the ring, rows per item: the launcher computes the same
+// (ops_attention).
 MT_DEVICE uint32_t atp_vrows(uint32_t dp) { return dp > 128 ? 32u : 64u; }
 
 MT_DEVICE uint32_t atp_stages(uint32_t dp) { return dp > 128 ? 2u : 3u; }
 
 MT_DEVICE uint32_t atp_rows_per_item(uint32_t hb, uint32_t dp) { return min(ATP_ROWS, atp_vrows(dp) / hb); }
 
-// Dynamic shared memory: the four partitions' rings (each stage a unit's 16 keys then 16 values
-// of dp + 8 bf16), the item's queries [vrows][dp + 8] bf16, and the block's numerators by item
-// parity [2][vrows][dp + 8] f32 (read by the cluster; the pad spreads a quad's rows over the
-// banks).
+// Dynamic shared memory: the ring (each stage a unit's 16 keys then 16 values of dp + 8 bf16),
+// the item's queries [vrows][dp + 8] bf16, and each thread's folded numerators, f32
+// [ATP_FOLD][ATP_THREADS] (element i of thread t at i * ATP_THREADS + t: no bank conflicts).
 MT_DEVICE uint32_t atp_shared_bytes(uint32_t dp) {
-    return ATT_WARPS * atp_stages(dp) * 2u * ATT_UNIT * (dp + 8u) * 2u + atp_vrows(dp) * (dp + 8u) * 2u +
-           2u * atp_vrows(dp) * (dp + 8u) * 4u;
+    return atp_stages(dp) * 2u * ATT_UNIT * (dp + 8u) * 2u + atp_vrows(dp) * (dp + 8u) * 2u +
+           ATP_FOLD * ATP_THREADS * 4u;
 }
 
 struct AtpShared {
-    unsigned long long pbar[ATT_WARPS];  // each partition's mbarrier
-    float wm[ATT_WARPS][ATP_MAX_VROWS], wl[ATT_WARPS][ATP_MAX_VROWS];  // each partition's max, sum
-    float cm[2][ATP_MAX_VROWS], cl[2][ATP_MAX_VROWS];  // the block's, by item parity
-    float wt[ATP_MAX_VROWS][ATT_SPLITS + 1];  // output: each split's weight, then the denominator
     uint32_t seq[ATT_MAX_ITEMS], ctx[ATT_MAX_ITEMS], h0[ATT_MAX_ITEMS];
     uint32_t kv[ATT_MAX_ITEMS];  // the key/value head's offset in a slot
     uint32_t grp[ATT_MAX_ITEMS][2 + ATP_ROWS];  // first row, rows, each row's context
-    int bad[2];  // a slot past the pool was seen, by item parity
     // The staged kernel's output: the o projection's stage images (null: `out`), with their 64-k
     // stages a row tile. Here rather than in AttLaunch, whose every field costs the unit loop
     // registers.
@@ -69,13 +60,13 @@ struct AtpShared {
     uint32_t kv2[2];  // FP8 pools' scale factors (att_kv_scales)
 };
 
-// Item k of this cluster as partition `part` sees it. `ctx` is the largest context of its rows
-// (0: out of range).
+// Item k of this block. `ctx` is the largest context of its rows (0: out of range); its units
+// are [first, first + mine) = all of them, walked in order.
 struct AtpItem {
     uint32_t row, cnt, h0, kv, seq, ctx, first, mine;
 };
 
-MT_DEVICE AtpItem atp_item(const AttLaunch& a, uint32_t k, const AtpShared& sh, uint32_t part) {
+MT_DEVICE AtpItem atp_item(const AtpShared& sh, uint32_t k) {
     AtpItem it;
     it.row = sh.grp[k][0];
     it.cnt = sh.grp[k][1];
@@ -83,21 +74,12 @@ MT_DEVICE AtpItem atp_item(const AttLaunch& a, uint32_t k, const AtpShared& sh, 
     it.kv = sh.kv[k];
     it.seq = sh.seq[k];
     it.ctx = sh.ctx[k];
-    att_units(it.ctx, a.split, part, it.first, it.mine);
+    it.first = 0;
+    it.mine = (it.ctx + ATT_UNIT - 1) / ATT_UNIT;
     return it;
 }
 
-// Partition `part`'s barrier: its mbarrier, 128 arrivals a phase; `phase` is the parity of the
-// phase this sync completes (the number of earlier syncs, mod 2). Named barriers over the
-// partition's 128 threads (bar.sync 1 + part, 128) ran as fast, but compute-sanitizer's racecheck
-// does not model them and reported every ring and combine access as a hazard.
-MT_DEVICE void atp_sync(unsigned long long* bar, uint32_t phase) {
-    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    mbar_arrive(b);
-    mbar_wait(b, phase);
-}
-
-// Warp `j` of a partition copies its quarter (tokens 4j..4j+3) of unit `unit`'s keys and values
+// Warp `j` copies its quarter (tokens 4j..4j+3) of unit `unit`'s keys and values
 // into `stage` (cp.async on the vector path, plain loads otherwise; dead tokens and padded
 // dimensions become zeros). Returns whether a slot was past the pool (the same in every warp).
 template <int DP, bool FP8>
@@ -245,139 +227,114 @@ MT_DEVICE void atp_put(const AttLaunch& a, const AtpShared& sh, uint32_t r, uint
     atp_store(a.out, sh.img, sh.img_steps, a.hq * a.d, r, col, v);
 }
 
-// The cluster's combine of item `it` (parity p) and this block's share of its outputs; NaN for
-// an item whose inputs are out of range. `prep`: each virtual row's split weights and
-// denominator into sh.wt (before a block barrier), else the outputs (after it).
-template <int DP>
-MT_DEVICE void atp_output(const AttLaunch& a, const AtpItem& it, uint32_t p, AtpShared& sh, const float* pk,
-                          bool prep) {
-    cg::cluster_group cluster = cg::this_cluster();
-    const uint32_t used = it.cnt * a.hb;
-    if (prep) {
-        for (uint32_t v = threadIdx.x; v < used; v += ATP_THREADS) {
-            float ms[ATT_SPLITS], ls[ATT_SPLITS];
-#pragma unroll
-            for (int s = 0; s < ATT_SPLITS; ++s) {
-                ms[s] = cluster.map_shared_rank(&sh.cm[p][0], s)[v];
-                ls[s] = cluster.map_shared_rank(&sh.cl[p][0], s)[v];
-            }
-            sh.wt[v][ATT_SPLITS] = att_split_weights(ms, ls, sh.wt[v]);
-        }
-        return;
-    }
-    // Virtual row v to block v % ATT_SPLITS; in the block, row split + 8 i to warps i and i + 8,
-    // each taking every other 32 dimensions.
-    const uint32_t warp = threadIdx.x >> 5, half = warp / 8;
-    const uint32_t lane = (threadIdx.x & 31) + 32 * half;
-    for (uint32_t v = a.split + ATT_SPLITS * (warp % 8); v < used; v += ATT_SPLITS * 8) {
-        const uint32_t r = it.row + v / a.hb, h = it.h0 + v % a.hb;
-        const uint32_t col0 = h * a.d;
-        const bf16* gate = a.qkv + (size_t)r * a.row_stride + (size_t)h * a.q_head_stride + a.d;
-        float wt[ATT_SPLITS];
-#pragma unroll
-        for (int s = 0; s < ATT_SPLITS; ++s) wt[s] = sh.wt[v][s];
-        const float den = sh.wt[v][ATT_SPLITS];
-        for (uint32_t e = lane; e < a.d; e += 64) {
-            if (it.ctx == 0) {
-                atp_put(a, sh, r, col0 + e, bf16_nan());
-                continue;
-            }
-            float ps[ATT_SPLITS];
-#pragma unroll
-            for (int s = 0; s < ATT_SPLITS; ++s) ps[s] = cluster.map_shared_rank(pk, s)[v * (DP + 8) + e];
-            atp_put(a, sh, r, col0 + e, att_finish(wt, ps, den, a.gated ? gate + e : nullptr));
-        }
-    }
+// One output value: the folded numerator over the folded sum, times the gate when there is
+// one (att_finish's last steps).
+MT_DEVICE bf16 atp_value(float num, float den, const bf16* gate) {
+    float val = num / den;
+    if (gate != nullptr) val *= sigmoidf_acc(bf2f(*gate));
+    return f2bf(val);
 }
 
-// A partition's stream of units: unit `i` of its units of item `k`, with the block-table entries
-// it needs already requested (att_entry).
+// A row pair's fold state (rows g and g + 8 of a warp's tile): maxima, sums and this thread's
+// numerators (`o` as atp_unit leaves them).
+template <int DH>
+struct AtpFold {
+    float o[DH / 8][4];
+    float m[2], l[2];
+};
+
+template <int DH>
+MT_DEVICE void atp_clear(AtpFold<DH>& f) {
+#pragma unroll
+    for (int n = 0; n < DH / 8; ++n) f.o[n][0] = f.o[n][1] = f.o[n][2] = f.o[n][3] = 0.0f;
+    f.m[0] = f.m[1] = -INFINITY;
+    f.l[0] = f.l[1] = 0.0f;
+}
+
+// Fold a chain (`c`, its sums still one partial a quad lane) into its split's total `s`: the
+// chain's sums added over the quad in att_softmax_row's order (as the decode kernels' warp
+// partials add them), then att_fold under att_fold_weights, numerators and sums alike; `c` is
+// left empty for the next chain. Every lane runs it (the shuffles).
+template <int DH>
+MT_DEVICE void atp_fold_chain(AtpFold<DH>& s, AtpFold<DH>& c) {
+    float wt[2], wp[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        c.l[r] += __shfl_xor_sync(0xffffffffu, c.l[r], 1);
+        c.l[r] += __shfl_xor_sync(0xffffffffu, c.l[r], 2);
+        float mn;
+        att_fold_weights(s.m[r], c.m[r], mn, wt[r], wp[r]);
+        s.l[r] = att_fold(s.l[r], c.l[r], wt[r], wp[r]);
+        s.m[r] = mn;
+    }
+#pragma unroll
+    for (int n = 0; n < DH / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s.o[n][e] = att_fold(s.o[n][e], c.o[n][e], wt[e >> 1], wp[e >> 1]);
+    atp_clear(c);
+}
+
+// Fold a split's total `s` (its sums NaN when a slot was past the pool) into the row's total:
+// maxima and sums `fm`, `fl` in registers, numerators in shared memory `fo` (this thread's
+// elements, ATP_FOLD of them, at i * ATP_THREADS); `first`: the row's total is empty.
+template <int DH>
+MT_DEVICE void atp_fold_split(const AtpFold<DH>& s, bool bad, float (&fm)[2], float (&fl)[2], float* fo, bool first) {
+    float wt[2], wp[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mn;
+        att_fold_weights(fm[r], s.m[r], mn, wt[r], wp[r]);
+        fl[r] = att_fold(fl[r], bad ? __int_as_float(0x7FFFFFFF) : s.l[r], wt[r], wp[r]);
+        fm[r] = mn;
+    }
+#pragma unroll
+    for (int n = 0; n < DH / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float* at = fo + (4 * n + e) * ATP_THREADS;
+            *at = att_fold(first ? 0.0f : *at, s.o[n][e], wt[e >> 1], wp[e >> 1]);
+        }
+}
+
+// Where the block's stream of units stands: unit `i` of item `k`, with the block-table entries it
+// needs already requested (att_entry).
 struct AtpCursor {
     uint32_t k, i, entry;
     AtpItem it;
 };
 
-// The block's combine of one item (after its units): each virtual row's maximum and sum over
-// the partitions into `sh.cm[p]`, `sh.cl[p]` (threads below `vrows`), and the partitions'
-// outputs `o`, each weighed by its partition's share, summed in partition order into the
-// numerators `np` (thread rows v0 and v0 + 8 of partition `part`, where `active`). Ends with
-// the block synchronized, the next item's queries landed.
-template <int DP, int DH>
-MT_DEVICE void atp_combine(AtpShared& sh, float* np, uint32_t p, uint32_t vrows, const float (&o)[DH / 8][4],
-                           uint32_t v0, bool active) {
-    constexpr int HP = DP > 128 ? 2 : 1, RS = DP + 8;
-    const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const uint32_t c = lane & 3, part = warp / 4, hp = (warp % 4) % HP, v1 = v0 + 8;
-    float mx[2], wt[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const uint32_t v = r == 0 ? v0 : v1;
-        mx[r] = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) mx[r] = fmaxf(mx[r], sh.wm[w][v]);
-        wt[r] = att_weight(sh.wm[part][v], mx[r]);
-    }
-    if (tid < vrows) {
-        const uint32_t v = tid;
-        float vmx = -INFINITY, den = 0.0f;
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) vmx = fmaxf(vmx, sh.wm[w][v]);
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) den = fmaf(att_weight(sh.wm[w][v], vmx), sh.wl[w][v], den);
-        sh.cm[p][v] = vmx;
-        sh.cl[p][v] = sh.bad[p] ? __int_as_float(0x7FFFFFFF) : den;
-    }
-#pragma unroll 1
-    for (uint32_t w = 0; w < ATT_WARPS; ++w) {
-        if (part == w && active) {
-#pragma unroll
-            for (int n = 0; n < DH / 8; ++n) {
-                float* at0 = np + v0 * RS + hp * DH + 8 * n + 2 * c;
-                float* at1 = np + v1 * RS + hp * DH + 8 * n + 2 * c;
-                const float2 p0 = w == 0 ? make_float2(0.0f, 0.0f) : *reinterpret_cast<const float2*>(at0);
-                const float2 p1 = w == 0 ? make_float2(0.0f, 0.0f) : *reinterpret_cast<const float2*>(at1);
-                *reinterpret_cast<float2*>(at0) = make_float2(fmaf(wt[0], o[n][0], p0.x), fmaf(wt[0], o[n][1], p0.y));
-                *reinterpret_cast<float2*>(at1) = make_float2(fmaf(wt[1], o[n][2], p1.x), fmaf(wt[1], o[n][3], p1.y));
-            }
-        }
-        if (w + 1 == ATT_WARPS) cp_async_wait<0>();  // the next item's queries have landed
-        __syncthreads();
-    }
-}
-
-// Not inlined: each head_dim gets its own register allocation under the 128-register bound of
-// 512 threads (inlined, the four bodies share one, and the 128-wide unit loop spills four times
-// as much, which makes the layer markedly slower).
+// Not inlined: each head_dim gets its own register allocation.
 template <int DP, bool FP8>
 __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpShared& sh) {
     constexpr int HP = DP > 128 ? 2 : 1, DH = DP / HP, RS = DP + 8;
     constexpr uint32_t STAGES = DP > 128 ? 2 : 3, VROWS = DP > 128 ? 32 : 64;
     constexpr uint32_t UNIT_ELEMS = 2 * ATT_UNIT * RS;
+    static_assert(DH / 2 <= ATP_FOLD, "a thread's fold state is at most ATP_FOLD elements");
     const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const uint32_t g = lane >> 2, c = lane & 3;
-    const uint32_t part = warp / 4, j = warp % 4, t = j / HP, hp = j % HP;
-    bf16* ring = reinterpret_cast<bf16*>(dyn) + (size_t)part * STAGES * UNIT_ELEMS;
-    bf16* qs = reinterpret_cast<bf16*>(dyn) + (size_t)ATT_WARPS * STAGES * UNIT_ELEMS;
-    float* num = reinterpret_cast<float*>(qs + VROWS * RS);  // [2][VROWS][RS], by item parity
+    const uint32_t t = warp / HP, hp = warp % HP;
+    bf16* ring = reinterpret_cast<bf16*>(dyn);
+    bf16* qs = ring + (size_t)STAGES * UNIT_ELEMS;
+    float* fo = reinterpret_cast<float*>(qs + VROWS * RS) + tid;  // this thread's numerators
 
     AtpCursor f;
     f.k = 0;
     f.i = 0;
     f.entry = 0;
-    if (a.nk > 0) f.it = atp_item(a, 0, sh, part);
+    if (a.nk > 0) f.it = atp_item(sh, 0);
     auto settle = [&]() {  // move to the next unit that exists and read its table entries
         while (f.k < a.nk && f.i >= f.it.mine) {
             ++f.k;
             f.i = 0;
-            if (f.k < a.nk) f.it = atp_item(a, f.k, sh, part);
+            if (f.k < a.nk) f.it = atp_item(sh, f.k);
         }
-        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.it.first + ATT_WARPS * f.i, f.it.ctx, lane);
+        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.it.first + f.i, f.it.ctx, lane);
     };
     uint32_t bad_bits = 0;
     auto issue_next = [&](uint32_t st) {
         if (f.k < a.nk) {
             const bool bad =
-                atp_issue<DP, FP8>(a, f.it, f.it.first + ATT_WARPS * f.i, f.entry, ring + st * UNIT_ELEMS, lane, j);
+                atp_issue<DP, FP8>(a, f.it, f.it.first + f.i, f.entry, ring + st * UNIT_ELEMS, lane, warp);
             bad_bits = (bad_bits & ~(1u << st)) | ((bad ? 1u : 0u) << st);
             ++f.i;
             settle();
@@ -387,87 +344,80 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
     settle();
 #pragma unroll
     for (uint32_t st = 0; st + 1 < STAGES; ++st) issue_next(st);
-    if (a.nk > 0) atp_load_q<DP>(a, sh, 0, qs);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
 
-    // Per item: the partitions' units (a unit's copies land STAGES - 1 units ahead; one
-    // partition sync per unit makes a stage's copies visible to the partition and frees the stage read
-    // before), then the output of the item before, the next item's queries and the block's
-    // combine of this item, then an arrival at the cluster barrier.
+    // Per item: its queries, then its splits and chains in order (a unit's copies land
+    // STAGES - 1 units ahead; one block barrier per unit makes a stage's copies visible and frees
+    // the stage read before), each chain folded into its split as it ends and each split into
+    // the rows' totals, then the rows.
     uint32_t consumed = 0;
     for (uint32_t k = 0; k < a.nk; ++k) {
-        const AtpItem it = atp_item(a, k, sh, part);
+        const AtpItem it = atp_item(sh, k);
         const uint32_t v0 = 16 * t + g, v1 = v0 + 8;
         const uint32_t* rc = &sh.grp[k][2];
         const uint32_t ctx0 = v0 / a.hb < it.cnt ? rc[v0 / a.hb] : it.ctx;
         const uint32_t ctx1 = v1 / a.hb < it.cnt ? rc[v1 / a.hb] : it.ctx;
         const bool active = 16 * t < it.cnt * a.hb;  // the tile holds a row of the item
-        float o[DH / 8][4];
-#pragma unroll
-        for (int n = 0; n < DH / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-        bool bad = false;
-        for (uint32_t i = 0; i < it.mine; ++i) {
-            cp_async_wait<STAGES - 2>();
-            if constexpr (FP8) {
-                // This warp's quarter of the unit: key rows 4j..4j+3, value rows 16 + 4j...
-                __syncwarp();
-                att_widen_rows<DP>(sh.kv2, ring + (consumed % STAGES) * UNIT_ELEMS, 8,
-                                   [j](uint32_t i) { return (i < 4 ? 0u : ATT_UNIT - 4u) + 4 * j + i; }, lane);
+        __syncthreads();  // every warp is done with the previous item's queries
+        atp_load_q<DP>(a, sh, k, qs);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+
+        AtpFold<DH> ch, sp;  // the running chain and split
+        atp_clear(ch);
+        float fm[2] = {-INFINITY, -INFINITY}, fl[2] = {0.0f, 0.0f};
+        for (uint32_t s = 0; s < ATT_SPLITS; ++s) {
+            atp_clear(sp);
+            bool bad = false;
+            for (uint32_t w = 0; w < ATT_WARPS; ++w) {
+                uint32_t first, mine;
+                att_units(it.ctx, s, w, first, mine);
+                for (uint32_t i = 0; i < mine; ++i) {
+                    // All but the latest STAGES - 2 groups (queued after this unit's) landed.
+                    cp_async_wait<STAGES - 2>();
+                    const uint32_t st = consumed % STAGES;
+                    if constexpr (FP8) {
+                        // This warp's quarter of the unit: key rows 4w..4w+3, value rows 16 + 4w...
+                        __syncwarp();
+                        att_widen_rows<DP>(sh.kv2, ring + st * UNIT_ELEMS, 8,
+                                           [warp](uint32_t i) { return (i < 4 ? 0u : ATT_UNIT - 4u) + 4 * warp + i; },
+                                           lane);
+                    }
+                    __syncthreads();
+                    issue_next((consumed + STAGES - 1) % STAGES);
+                    if (active)
+                        atp_unit<DP, DH>(ring + st * UNIT_ELEMS, qs, t, hp, first + i, ctx0, ctx1, a.scale_log2,
+                                         i == 0, lane, ch.o, ch.m, ch.l);
+                    bad = bad || ((bad_bits >> st) & 1u) != 0;
+                    ++consumed;
+                }
+                atp_fold_chain(sp, ch);
             }
-            atp_sync(&sh.pbar[part], consumed & 1u);
-            const uint32_t st = consumed % STAGES;
-            issue_next((consumed + STAGES - 1) % STAGES);
-            if (active)
-                atp_unit<DP, DH>(ring + st * UNIT_ELEMS, qs, t, hp, it.first + ATT_WARPS * i, ctx0, ctx1,
-                                 a.scale_log2, i == 0, lane, o, m, l);
-            bad = bad || ((bad_bits >> st) & 1u) != 0;
-            ++consumed;
+            atp_fold_split(sp, bad, fm, fl, fo, s == 0);
         }
+
+        // The item's rows: this thread's elements of rows v0 and v1 (the tile's rows that are
+        // the item's), NaN for an item whose inputs are out of range.
+        const uint32_t used = it.cnt * a.hb;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+            const uint32_t v = r == 0 ? v0 : v1;
+            if (v >= used) continue;
+            const uint32_t row = it.row + v / a.hb, h = it.h0 + v % a.hb;
+            const bf16* gate = a.qkv + (size_t)row * a.row_stride + (size_t)h * a.q_head_stride + a.d;
+#pragma unroll
+            for (int n = 0; n < DH / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const uint32_t col = hp * DH + 8 * n + 2 * c + e;
+                    if (col >= a.d) continue;
+                    const float num = fo[(4 * n + 2 * r + e) * ATP_THREADS];
+                    atp_put(a, sh, row, h * a.d + col,
+                            it.ctx != 0 ? atp_value(num, fl[r], a.gated ? gate + col : nullptr) : bf16_nan());
+                }
         }
-
-        const uint32_t p = k & 1;
-        if (hp == 0 && c == 0) {
-            sh.wm[part][v0] = m[0];
-            sh.wl[part][v0] = l[0];
-            sh.wm[part][v1] = m[1];
-            sh.wl[part][v1] = l[1];
-        }
-        if (bad && lane == 0) sh.bad[p] = 1;
-        // Every block has combined item k - 1, and so has read all of item k - 2 (whose buffers,
-        // of parity p, this item reuses).
-        if (k > 0) cluster_wait();
-        __syncthreads();  // every unit of item k computed; its maxima and sums visible
-        if (k > 0) {
-            // Item k - 1's split weights (visible after the combine's first barrier).
-            atp_output<DP>(a, atp_item(a, k - 1, sh, part), p ^ 1u, sh, num + (p ^ 1u) * VROWS * RS, true);
-            if (tid == 0) sh.bad[p ^ 1u] = 0;
-        }
-        if (k + 1 < a.nk) atp_load_q<DP>(a, sh, k + 1, qs);
-        cp_async_commit();
-
-        atp_combine<DP, DH>(sh, num + p * VROWS * RS, p, it.cnt * a.hb, o, v0, active);
-        // Item k - 1's outputs (this item's partials are in shared memory: `o` is dead).
-        if (k > 0) atp_output<DP>(a, atp_item(a, k - 1, sh, part), p ^ 1u, sh, num + (p ^ 1u) * VROWS * RS, false);
-        cluster_publish_arrive();
     }
     cp_async_wait<0>();
-    if (a.nk > 0) {
-        const uint32_t p = (a.nk - 1) & 1;
-        const AtpItem last = atp_item(a, a.nk - 1, sh, part);
-        cluster_wait();
-        atp_output<DP>(a, last, p, sh, num + p * VROWS * RS, true);
-        __syncthreads();
-        atp_output<DP>(a, last, p, sh, num + p * VROWS * RS, false);
-    }
-    // Keep this block's shared memory alive until every block of the cluster has read it.
-    cluster_leave_barrier();
 }
 
 // The kernel arguments after the output, as parameters and as arguments.
@@ -495,9 +445,14 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
 MT_DEVICE void atp_kernel(bf16* __restrict__ out, unsigned char* __restrict__ img, ATP_PARAMS) {
     extern __shared__ __align__(16) unsigned char atp_dyn[];
     __shared__ AtpShared sh;
-    const AttLaunch a = att_launch(out, qkv, k_cache, v_cache, block_tables, row_stride, q_head_stride,
-                             num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_slots, scale,
-                             gated, n_groups, kv_fp8);
+    AttLaunch a = att_launch(out, qkv, k_cache, v_cache, block_tables, row_stride, q_head_stride, num_q_heads,
+                             num_kv_heads, head_dim, block_size, max_blocks, num_slots, scale, gated, n_groups,
+                             kv_fp8);
+    // Blocks, not clusters, take the items.
+    a.n_clusters = gridDim.x;
+    a.cluster = blockIdx.x;
+    a.split = 0;
+    a.nk = a.cluster < a.n_items ? (a.n_items - a.cluster + a.n_clusters - 1) / a.n_clusters : 0;
     const uint32_t width = num_q_heads * head_dim, steps = (width + 63) / 64;
     const uint32_t dp = att_padded_dim(head_dim);
     const uint32_t rpi = atp_rows_per_item(a.hb, dp);
@@ -515,8 +470,10 @@ MT_DEVICE void atp_kernel(bf16* __restrict__ out, unsigned char* __restrict__ im
     // out of range: a group must be 1..rpi rows of one sequence whose contexts span the same
     // units).
     for (uint32_t k = threadIdx.x; k < a.nk; k += ATP_THREADS) {
-        uint32_t gi, h0, kv;
-        att_item_at(a, k, gi, h0, kv);
+        // Item number n_items - 1 - (block + k * blocks): the later row groups, whose contexts
+        // are longer, first.
+        const uint32_t n = a.n_items - 1 - (a.cluster + k * a.n_clusters);
+        const uint32_t gi = n / a.groups, h0 = (n % a.groups) * a.hb, kv = (h0 / a.group) * a.d;
         const uint32_t r = row_groups[2 * gi], cnt = row_groups[2 * gi + 1];
         bool ok = cnt >= 1 && cnt <= rpi && r < rows && cnt <= rows - r;
         const uint32_t seq = ok ? row_seq[r] : 0, ctx0 = ok ? positions[r] + 1 : 0;
@@ -538,12 +495,10 @@ MT_DEVICE void atp_kernel(bf16* __restrict__ out, unsigned char* __restrict__ im
         sh.kv[k] = kv;
     }
     if (threadIdx.x == 0) {
-        sh.bad[0] = sh.bad[1] = 0;
         sh.img = img;
         sh.img_steps = steps;
         att_kv_scales(sh.kv2, k_scale, v_scale);
     }
-    if (threadIdx.x < ATT_WARPS) mbar_init((uint32_t)__cvta_generic_to_shared(&sh.pbar[threadIdx.x]), 128);
     __syncthreads();
 
     att_by_dim(dp, [&](auto dim) {
@@ -554,12 +509,12 @@ MT_DEVICE void atp_kernel(bf16* __restrict__ out, unsigned char* __restrict__ im
     });
 }
 
-extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATP_THREADS, 1)
+extern "C" __global__ void __cluster_dims__(1, 1, 1) __launch_bounds__(ATP_THREADS, 2)
     paged_attention_prefill(PAGED_ATTENTION_PREFILL_PARAMS) {
     atp_kernel(out, nullptr, ATP_ARGS);
 }
 
-extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATP_THREADS, 1)
+extern "C" __global__ void __cluster_dims__(1, 1, 1) __launch_bounds__(ATP_THREADS, 2)
     paged_attention_prefill_staged(PAGED_ATTENTION_PREFILL_PARAMS) {
     atp_kernel(nullptr, reinterpret_cast<unsigned char*>(out), ATP_ARGS);  // `out`: the images
 }

@@ -31,11 +31,12 @@ MT_DEVICE void att_split_units(uint32_t ctx, uint32_t split, uint32_t& ub, uint3
     ue = (uint32_t)((uint64_t)(split + 1) * units / ATT_SPLITS);
 }
 
-// Of a split's units [ub, ue), those warp `part` takes: first, first + ATT_WARPS, ... (`mine` of
-// them).
+// Of a split's units [ub, ue), the chain warp `part` takes: `mine` consecutive units from
+// `first`, the split cut into ATT_WARPS chains as it is cut from the context (in proportion).
 MT_DEVICE void att_part_units(uint32_t ub, uint32_t ue, uint32_t part, uint32_t& first, uint32_t& mine) {
-    first = ub + part;
-    mine = ue > first ? (ue - first + ATT_WARPS - 1) / ATT_WARPS : 0;
+    const uint32_t n = ue - ub;
+    first = ub + part * n / ATT_WARPS;
+    mine = ub + (part + 1) * n / ATT_WARPS - first;
 }
 
 // The units of a row's context (ctx tokens) that warp `part` of block `split` takes. Both kernels
@@ -130,31 +131,48 @@ MT_DEVICE void att_softmax_row(const float (&s0)[2][2], const float (&s1)[2][2],
     m = m_new;
 }
 
-// A partial's weight in a combine whose maximum is `mx` (0 for a partial that saw no token).
-MT_DEVICE float att_weight(float m, float mx) { return m == -INFINITY ? 0.0f : att_exp2(m - mx); }
+// Folds, the one way partials combine: a partial (maximum m, sum l, numerators p) joins a
+// running total (M, L, P) as M' = max(M, m), L' = l 2^(m - M') + L 2^(M - M'), P' likewise, each
+// an fmaf over an explicit product, with weight 0 for a side that saw no token (maximum -inf).
+// A split folds its ATT_WARPS chains in chain order from an empty total, an item its splits in
+// split order; so a walk over a row's units that starts each chain afresh and folds it as it
+// ends (the chain into its split's total, the split into the row's) computes the bits of the
+// kernels that run the chains side by side.
 
-// The weights of a combine's splits, each against their maximum (att_weight), into `wt`; returns
-// the denominator, their sums `ls` weighted in split order.
-MT_DEVICE float att_split_weights(const float (&ms)[ATT_SPLITS], const float (&ls)[ATT_SPLITS], float* wt) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int s = 0; s < ATT_SPLITS; ++s) mx = fmaxf(mx, ms[s]);
-    float den = 0.0f;
-#pragma unroll
-    for (int s = 0; s < ATT_SPLITS; ++s) {
-        wt[s] = att_weight(ms[s], mx);
-        den = fmaf(wt[s], ls[s], den);
-    }
-    return den;
+// The weights of a fold of a partial of maximum `m` into a total of maximum `M`: the total's
+// `wt`, the partial's `wp`, and the new maximum `mn`.
+MT_DEVICE void att_fold_weights(float M, float m, float& mn, float& wt, float& wp) {
+    mn = fmaxf(M, m);
+    wt = M == -INFINITY ? 0.0f : att_exp2(M - mn);
+    wp = m == -INFINITY ? 0.0f : att_exp2(m - mn);
 }
 
-// One output of the cluster's combine: the splits' numerators `ps` weighted by `wt` (in split
-// order) over the denominator, times the output gate when there is one.
-MT_DEVICE bf16 att_finish(const float (&wt)[ATT_SPLITS], const float (&ps)[ATT_SPLITS], float den,
+// One value of a fold: the total's `total` and the partial's `part` under their weights.
+MT_DEVICE float att_fold(float total, float part, float wt, float wp) { return fmaf(part, wp, __fmul_rn(total, wt)); }
+
+// The weights of N partials (maxima `ms`) folded in order from an empty total, into `wt` and `wp`;
+// the sums `ls` folded into `den`; returns the total's maximum.
+template <int N>
+MT_DEVICE float att_fold_all(const float (&ms)[N], const float (&ls)[N], float (&wt)[N], float (&wp)[N], float& den) {
+    float mx = -INFINITY;
+    den = 0.0f;
+#pragma unroll
+    for (int s = 0; s < N; ++s) {
+        float mn;
+        att_fold_weights(mx, ms[s], mn, wt[s], wp[s]);
+        den = att_fold(den, ls[s], wt[s], wp[s]);
+        mx = mn;
+    }
+    return mx;
+}
+
+// One output of an item: its splits' numerators `ps` folded in split order under the weights of
+// att_fold_all, over the folded sum `den`, times the output gate when there is one.
+MT_DEVICE bf16 att_finish(const float* wt, const float* wp, const float (&ps)[ATT_SPLITS], float den,
                           const bf16* gate) {
     float num = 0.0f;
 #pragma unroll
-    for (int s = 0; s < ATT_SPLITS; ++s) num = fmaf(wt[s], ps[s], num);
+    for (int s = 0; s < ATT_SPLITS; ++s) num = att_fold(num, ps[s], wt[s], wp[s]);
     float val = num / den;
     if (gate != nullptr) val *= sigmoidf_acc(bf2f(*gate));
     return f2bf(val);

@@ -594,18 +594,21 @@ static int run_probe(uint32_t n) {
 
 
 // ---- The decode side of chains ----
-// Decode rows in the chain arithmetic: a warp per (row, key/value head, chain of 256 tokens) runs
+// Decode rows in the chain arithmetic: a warp per (row, key/value head, chain of CU units) runs
 // the engine's transposed decode unit (att_unit of kernels/attention_decode.cuh, bitwise the
 // prefill unit) over its chain's units from a ring of DS stages (cp.async), and writes the
 // chain's partial (o, m and the four partial sums of each of its hb heads); a fold kernel then
-// folds each head's chains in order (chain_fold). Its rows are checked bit for bit against the
-// reference's rows at the same position (ref_kernel<4>, the row as the last position of its
-// item), and the two launches timed at batch 1 and 32 as GB/s of keys and values read.
-constexpr uint32_t DCH_UNITS = 16;  // units a chain (256 tokens: ref_kernel<4>)
-constexpr uint32_t DS = 4;
+// folds each head's chains in order (chain_fold): a block per (item, head), the chains' running
+// maxima first (a prefix maximum, exact in any order), then each dimension's fold over the
+// chains with its weights from shared memory (the loads independent of the fold, so pipelined).
+// Its rows are checked bit for bit against the reference's rows at the same position
+// (ref_kernel<CU / 4>, the row as the last position of its item), and the two launches timed at
+// batch 1 and 32 as GB/s of keys and values read, each launch alone too.
+constexpr uint32_t DS = 2;
 constexpr uint32_t D_STAGE = 2 * ATT_UNIT * RS;  // bf16 of a ring stage
 constexpr uint32_t D_WARP = DS * D_STAGE + ATT_HB * RS;
 constexpr uint32_t D_SMEM = 4 * D_WARP * 2;
+constexpr uint32_t FOLD_MAX_CHAINS = 2048;
 
 struct DecodeProbe {
     const bf16* q;   // [rows][hkv * HB][D]
@@ -617,7 +620,7 @@ struct DecodeProbe {
     float* fo;       // [items][HB][D]
     float* fm;       // [items][HB]
     float* fl;       // [items][HB][4]
-    uint32_t hkv, ctx, chains;
+    uint32_t hkv, ctx, chains, chain_units;
 };
 
 __global__ void __launch_bounds__(128) decode_chain(DecodeProbe p) {
@@ -628,8 +631,8 @@ __global__ void __launch_bounds__(128) decode_chain(DecodeProbe p) {
     const uint32_t row = item / p.hkv, kvh = item % p.hkv;
     bf16* ring = dsm + warp * D_WARP;
     bf16* qslot = ring + DS * D_STAGE;
-    const uint32_t units = (p.ctx + ATT_UNIT - 1) / ATT_UNIT, u0 = ch * DCH_UNITS;
-    const uint32_t n = min(DCH_UNITS, units - u0);
+    const uint32_t units = (p.ctx + ATT_UNIT - 1) / ATT_UNIT, u0 = ch * p.chain_units;
+    const uint32_t n = min(p.chain_units, units - u0);
     for (uint32_t i = lane; i < ATT_HB * D; i += 32) {
         const uint32_t hh = i / D, e = i % D;
         qslot[hh * RS + e] =
@@ -679,31 +682,57 @@ __global__ void __launch_bounds__(128) decode_chain(DecodeProbe p) {
     }
 }
 
-// Each head's chains folded in order: thread e of block `item` its dimension e of every head,
-// threads 0..15 also a head's partial sum.
+// Each head's chains folded in order: block (item, head), thread e its dimension e, threads 0..3
+// also the head's four partial sums. The weights of chain j against the running maximum
+// M_j = max(M_{j-1}, m_j) are computed first for every chain (the maxima by a scan), so each
+// thread's fold is a chain of fmaf over loads that do not wait on it.
 __global__ void __launch_bounds__(128) decode_fold(DecodeProbe p) {
-    const uint32_t item = blockIdx.x, e = threadIdx.x;
-    for (uint32_t hh = 0; hh < HB; ++hh) {
-        float mt = -INFINITY, ot = 0.0f, lt = 0.0f;
-        const uint32_t k = e % 4;
-        for (uint32_t ch = 0; ch < p.chains; ++ch) {
-            const size_t b = ((size_t)item * p.chains + ch) * HB + hh;
-            float mn, wo, wc;
-            chain_weights(mt, p.pm[b], mn, wo, wc);
-            ot = chain_fold(ot, p.po[b * D + e], wo, wc);
-            if (e < 4) lt = chain_fold(lt, p.pl[b * 4 + k], wo, wc);
-            mt = mn;
+    __shared__ float wo_s[FOLD_MAX_CHAINS], wc_s[FOLD_MAX_CHAINS], mx_s[FOLD_MAX_CHAINS];
+    const uint32_t item = blockIdx.x, hh = blockIdx.y, e = threadIdx.x, lane = e % 32;
+    const size_t b0 = (size_t)item * p.chains * HB + hh;  // chain j at b0 + j * HB
+    for (uint32_t j = e; j < p.chains; j += 128) mx_s[j] = p.pm[b0 + (size_t)j * HB];
+    __syncthreads();
+    if (e < 32) {  // inclusive prefix maximum, 32 chains a pass
+        float carry = -INFINITY;
+        for (uint32_t j0 = 0; j0 < p.chains; j0 += 32) {
+            float v = j0 + lane < p.chains ? mx_s[j0 + lane] : -INFINITY;
+            v = fmaxf(v, carry);
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const float o = __shfl_up_sync(0xffffffffu, v, d);
+                if (lane >= (uint32_t)d) v = fmaxf(v, o);
+            }
+            const float m = j0 + lane < p.chains ? p.pm[b0 + (size_t)(j0 + lane) * HB] : -INFINITY;
+            const float prev = lane == 0 ? carry : __shfl_up_sync(0xffffffffu, v, 1);
+            if (j0 + lane < p.chains) {
+                float mn, wo, wc;
+                chain_weights(prev, m, mn, wo, wc);
+                wo_s[j0 + lane] = wo;
+                wc_s[j0 + lane] = wc;
+            }
+            const float last = __shfl_sync(0xffffffffu, v, 31);
+            if (j0 + lane < p.chains) mx_s[j0 + lane] = v;
+            carry = last;
         }
-        p.fo[((size_t)item * HB + hh) * D + e] = ot;
-        if (e == 0) p.fm[(size_t)item * HB + hh] = mt;
-        if (e < 4) p.fl[((size_t)item * HB + hh) * 4 + k] = lt;
     }
+    __syncthreads();
+    float ot = 0.0f, lt = 0.0f;
+#pragma unroll 8
+    for (uint32_t j = 0; j < p.chains; ++j) {
+        const size_t b = b0 + (size_t)j * HB;
+        ot = chain_fold(ot, p.po[b * D + e], wo_s[j], wc_s[j]);
+        if (e < 4) lt = chain_fold(lt, p.pl[b * 4 + e], wo_s[j], wc_s[j]);
+    }
+    p.fo[((size_t)item * HB + hh) * D + e] = ot;
+    if (e == 0) p.fm[(size_t)item * HB + hh] = mx_s[p.chains - 1];
+    if (e < 4) p.fl[((size_t)item * HB + hh) * 4 + e] = lt;
 }
 
 // Decode at `rows` rows of context `ctx` (Qwen3-8B heads): bitwise against the reference on the
 // first and last items, and the two launches' time.
+template <uint32_t CU>
 static int run_decode_probe(uint32_t rows, uint32_t ctx) {
-    const uint32_t hkv = 8, items = rows * hkv, chains = (ctx + DCH_UNITS * ATT_UNIT - 1) / (DCH_UNITS * ATT_UNIT);
+    const uint32_t hkv = 8, items = rows * hkv, chains = (ctx + CU * ATT_UNIT - 1) / (CU * ATT_UNIT);
     const size_t kv_elems = (size_t)rows * hkv * ctx * D;
     bf16 *q, *k, *v;
     float *po, *pm, *pl, *fo, *fm, *fl;
@@ -723,11 +752,13 @@ static int run_decode_probe(uint32_t rows, uint32_t ctx) {
     CK(cudaMemset(fm, 0xFF, (size_t)items * HB * 4));
     CK(cudaMemset(fl, 0xFF, (size_t)items * HB * 4 * 4));
     CK(cudaFuncSetAttribute(decode_chain, cudaFuncAttributeMaxDynamicSharedMemorySize, D_SMEM));
-    const DecodeProbe dp{q, k, v, po, pm, pl, fo, fm, fl, hkv, ctx, chains};
+    const DecodeProbe dp{q, k, v, po, pm, pl, fo, fm, fl, hkv, ctx, chains, CU};
     const dim3 grid((chains + 3) / 4, items);
+    auto chain = [&]() { decode_chain<<<grid, 128, D_SMEM>>>(dp); };
+    auto fold = [&]() { decode_fold<<<dim3(items, HB), 128>>>(dp); };
     auto step = [&]() {
-        decode_chain<<<grid, 128, D_SMEM>>>(dp);
-        decode_fold<<<items, 128>>>(dp);
+        chain();
+        fold();
     };
     step();
     CK(cudaDeviceSynchronize());
@@ -744,7 +775,7 @@ static int run_decode_probe(uint32_t rows, uint32_t ctx) {
         const size_t kv_off = ((size_t)row * hkv + kvh) * ctx * D;
         const Item ri{qref, k + kv_off, v + kv_off, ctx - 16};
         Outs ref = alloc_outs();
-        ref_kernel<4><<<1, 128>>>(ri, ref.o, ref.m, ref.l);
+        ref_kernel<CU / 4><<<1, 128>>>(ri, ref.o, ref.m, ref.l);
         CK(cudaDeviceSynchronize());
         const std::vector<uint32_t> want = fetch(ref);
         std::vector<uint32_t> o_h(HB * D), m_h(HB), l_h(HB * 4);
@@ -764,23 +795,26 @@ static int run_decode_probe(uint32_t rows, uint32_t ctx) {
         CK(cudaFree(ref.o)); CK(cudaFree(ref.m)); CK(cudaFree(ref.l));
     }
     CK(cudaFree(qref));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    std::vector<double> us;
-    for (int rep = 0; rep < 9; ++rep) {
-        CK(cudaEventRecord(e0));
-        step();
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        float t;
-        CK(cudaEventElapsedTime(&t, e0, e1));
-        us.push_back(t * 1e3);
-    }
-    const double t = median(us);
-    printf("decode probe rows=%u ctx=%u: %u chains of 256 tokens, %.2f us a layer (chains + fold), %.0f GB/s of "
-           "keys and values; %d of 2 checked items differ\n",
-           rows, ctx, chains, t, 2.0 * kv_elems * 2 / (t * 1e-6) / 1e9, bad);
+    auto time_us = [&](auto&& f) {
+        cudaEvent_t e0, e1;
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        std::vector<double> us;
+        for (int rep = 0; rep < 9; ++rep) {
+            CK(cudaEventRecord(e0));
+            f();
+            CK(cudaEventRecord(e1));
+            CK(cudaEventSynchronize(e1));
+            float t;
+            CK(cudaEventElapsedTime(&t, e0, e1));
+            us.push_back(t * 1e3);
+        }
+        return median(us);
+    };
+    const double t = time_us(step), tc = time_us(chain), tf = time_us(fold);
+    printf("decode probe rows=%u ctx=%u: %u chains of %u tokens, %.2f us a layer (chains %.2f + fold %.2f alone), "
+           "%.0f GB/s of keys and values; %d of 2 checked items differ\n",
+           rows, ctx, chains, CU * ATT_UNIT, t, tc, tf, 2.0 * kv_elems * 2 / (t * 1e-6) / 1e9, bad);
     CK(cudaFree(q)); CK(cudaFree(k)); CK(cudaFree(v));
     CK(cudaFree(po)); CK(cudaFree(pm)); CK(cudaFree(pl));
     CK(cudaFree(fo)); CK(cudaFree(fm)); CK(cudaFree(fl));
@@ -848,11 +882,20 @@ int main() {
     for (uint32_t n : {2048u, 16384u}) {
         run_probe<0>(n);
         run_probe<4>(n);        // the candidate arithmetic: chains of 256 tokens
+        run_probe<2>(n);        // chains of 128 tokens
+        run_probe<1>(n);        // chains of 64 tokens
         run_probe<4, true>(n);  // with a 64-token softmax step (speed only)
+        run_probe<2, true>(n);
     }
     // Decode in the same arithmetic: batch 1 at 1,024 and 32,768 tokens, batch 32 at 8,192.
-    run_decode_probe(1, 1024);
-    run_decode_probe(1, 32768);
-    run_decode_probe(32, 8192);
+    run_decode_probe<16>(1, 1024);
+    run_decode_probe<16>(1, 32768);
+    run_decode_probe<16>(32, 8192);
+    run_decode_probe<8>(1, 1024);
+    run_decode_probe<8>(1, 32768);
+    run_decode_probe<8>(32, 8192);
+    run_decode_probe<4>(1, 1024);
+    run_decode_probe<4>(1, 32768);
+    run_decode_probe<4>(32, 8192);
     return 0;
 }

@@ -3,7 +3,9 @@
 //! twins compute on the host: padded head dimension, query heads per item, rows per prefill item
 //! and dynamic shared memory.
 
-use crate::consts::{ATP_ROWS, ATT_HB, ATT_QSLOTS, ATT_STAGES, ATT_UNIT, ATT_WARPS};
+use crate::consts::{
+    ATP_FOLD, ATP_ROWS, ATP_WARPS, ATT_HB, ATT_QSLOTS, ATT_STAGES, ATT_UNIT, ATT_WARPS,
+};
 
 /// The head dimension padded to the tensor-core tile the kernels are instantiated for
 /// (`att_padded_dim`).
@@ -48,7 +50,7 @@ pub const fn prefill_virtual_rows(padded: u32) -> u32 {
     if padded > 128 { 32 } else { 64 }
 }
 
-/// Stages of each prefill partition's ring (`atp_stages`).
+/// Stages of a prefill block's ring (`atp_stages`).
 pub const fn prefill_stages(padded: u32) -> u32 {
     if padded > 128 { 2 } else { 3 }
 }
@@ -65,14 +67,14 @@ pub const fn prefill_rows_per_item(heads_per_block: u32, padded: u32) -> u32 {
     if rows < ATP_ROWS { rows } else { ATP_ROWS }
 }
 
-/// Dynamic shared memory of a prefill attention block (`atp_shared_bytes`): the four
-/// partitions' rings, the item's queries `[vrows][padded + 8]` bf16, and the block's f32
-/// numerators by item parity `[2][vrows][padded + 8]`.
+/// Dynamic shared memory of a prefill attention block (`atp_shared_bytes`): the ring of units
+/// (16 key and 16 value rows of `padded + 8` bf16 each), the item's queries
+/// `[vrows][padded + 8]` bf16, and each thread's folded f32 numerators `[ATP_FOLD][threads]`.
 pub const fn prefill_shared_bytes(padded: u32) -> u32 {
     let vrows = prefill_virtual_rows(padded);
-    ATT_WARPS * prefill_stages(padded) * 2 * ATT_UNIT * (padded + 8) * 2
+    prefill_stages(padded) * 2 * ATT_UNIT * (padded + 8) * 2
         + vrows * (padded + 8) * 2
-        + 2 * vrows * (padded + 8) * 4
+        + ATP_FOLD * 32 * ATP_WARPS * 4
 }
 
 #[cfg(test)]
@@ -80,15 +82,15 @@ mod tests {
     use super::*;
 
     /// The sizes the kernels were laid out for: two decode blocks a multiprocessor up to head
-    /// dimension 128, one above, and one prefill block.
+    /// dimension 128, one above, and two prefill blocks.
     #[test]
     fn shared_memory_matches_the_kernels_budget() {
         assert_eq!(decode_shared_bytes(128, 4, 2), 99_328);
         assert_eq!(decode_shared_bytes(128, 4, 8), 111_616);
         assert_eq!(decode_shared_bytes(256, 4, 2), 193_536);
         assert_eq!(decode_shared_bytes(256, 4, 8), 218_112);
-        assert_eq!(prefill_shared_bytes(128), 191_488);
-        assert_eq!(prefill_shared_bytes(256), 219_648);
+        assert_eq!(prefill_shared_bytes(128), 76_288);
+        assert_eq!(prefill_shared_bytes(256), 83_456);
         assert_eq!([100, 64, 65, 256].map(padded_dim), [128, 64, 128, 256]);
         assert_eq!(heads_per_block(32, 8), 4);
         assert_eq!(heads_per_block(16, 1), 8);

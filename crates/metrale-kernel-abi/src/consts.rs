@@ -107,8 +107,12 @@ shared_consts! {
     ATT_HB = 8;
     /// Largest head dimension of the attention kernels.
     ATT_MAX_D = 256;
-    /// Warps of a prefill attention block: four partitions of four.
-    ATP_WARPS = 16;
+    /// Warps of a prefill attention block: one 16-row tile each (half a tile's output
+    /// dimensions each at head dimension 256).
+    ATP_WARPS = 4;
+    /// Elements of a prefill attention thread's folded numerators in shared memory (its share
+    /// of a tile's output fragment, at most 64).
+    ATP_FOLD = 64;
     /// Most rows of a prefill attention row group (a 16-token unit).
     ATP_ROWS = 16;
     /// The slot of a padding sequence: zero state read, nothing written.

@@ -36,6 +36,10 @@ const ATTENTION_CLUSTERS: [u32; 2] = [30, 15];
 /// CPU).
 const FLAT_BLOCKS: [u32; 2] = [264, 132];
 
+/// Blocks of `paged_attention_prefill` resident at once on the H200 (two a multiprocessor at
+/// every head dimension): the fallback where the backend reports no occupancy (the CPU).
+const PREFILL_BLOCKS: u32 = 264;
+
 /// Most dynamic shared memory a `paged_attention_flat` block may ask for: the H200's 227 KiB a
 /// block, less its static shared memory (about 2 KiB) and some room. Shapes that need more run
 /// `paged_attention`.
@@ -244,7 +248,7 @@ impl Ops {
     /// `paged_attention` on the rows of `n_groups` row groups at `row_groups` (u32 `[n, 2]`:
     /// first row, rows; [`attention_row_groups`] makes them), bitwise the same per row, each
     /// group's rows in one item so their keys and values are read once: the prefill path.
-    /// Blocks of 16 warps, four partitions of four sharing each unit's keys and values.
+    /// Persistent blocks of four warps, each block walking an item's units in order.
     /// `images`: the rows go there, as the o projection's stage images ([`Ops::linear_staging`]
     /// of `[rows, num_q_heads * head_dim]`), instead of to `p.out`
     /// (`paged_attention_prefill_staged`).
@@ -265,16 +269,16 @@ impl Ops {
         )?;
         let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
         let items = n_groups * (p.num_q_heads / hb);
-        // One block per multiprocessor, as `paged_attention` at head_dim 256.
+        // Two blocks a multiprocessor, each taking items from the longest contexts down.
         let smem = prefill_shared_bytes(p.head_dim);
         let resident = self.resident(
             self.k.paged_attention_prefill,
             32 * ATP_WARPS,
             smem,
-            ATTENTION_CLUSTERS[1],
+            PREFILL_BLOCKS,
             Residency::Clusters,
         )?;
-        let clusters = attention_clusters_of(items, resident);
+        let blocks = attention_clusters_of(items, resident);
         let (kernel, out) = match images {
             Some(images) => {
                 if !(p.num_q_heads * p.head_dim).is_multiple_of(64) {
@@ -290,8 +294,7 @@ impl Ops {
             }
             None => (self.k.paged_attention_prefill, p.out),
         };
-        let config =
-            LaunchConfig::grid2(ATTENTION_SPLITS * clusters, 1, 32 * ATP_WARPS).with_shared(smem);
+        let config = LaunchConfig::grid2(blocks, 1, 32 * ATP_WARPS).with_shared(smem);
         self.go(
             kernel,
             config,
@@ -399,8 +402,8 @@ fn attention_clusters_of(items: u32, resident: u32) -> u32 {
     items.min(resident * waves).max(1)
 }
 
-/// Dynamic shared memory of `paged_attention_prefill` (`atp_shared_bytes`): 191,488 bytes at
-/// head_dim 128, 219,648 at 256.
+/// Dynamic shared memory of `paged_attention_prefill` (`atp_shared_bytes`): 76,288 bytes at
+/// head_dim 128, 83,456 at 256.
 fn prefill_shared_bytes(head_dim: u32) -> u32 {
     atp_shared_bytes(padded_dim(head_dim))
 }

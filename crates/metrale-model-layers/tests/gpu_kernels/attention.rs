@@ -316,8 +316,8 @@ fn paged_attention_prefill_row_groups_match_the_single_row_kernel() {
 }
 
 /// A late chunk of a long prompt through `paged_attention_prefill`: 13 groups of 16 rows whose
-/// 57..69 units give every partition of every block several units, streamed through its ring
-/// across items, at head_dim 128 and (gated) 256.
+/// 57..69 units give every chain several units, streamed through the block's ring across items,
+/// at head_dim 128 and (gated) 256.
 #[test]
 fn paged_attention_prefill_late_rows_of_a_long_prompt_match() {
     let p = Pair::new();

@@ -176,7 +176,7 @@ fn prefill(ctx: &KernelCtx<'_>) -> GpuResult<(PagedAttentionPrefillParams, Shape
     let s = Shape::prefill(&p);
     let items = p.n_groups as usize * (s.hq / s.heads_per_block().max(1));
     let smem = prefill_shared_bytes(padded_dim(p.head_dim));
-    s.check_launch(ctx, items, (32 * ATP_WARPS, ATT_SPLITS, smem))?;
+    s.check_launch(ctx, items, (32 * ATP_WARPS, 1, smem))?;
     let rows = prefill_rows(ctx, &s, p.row_groups, p.n_groups as usize)?;
     Ok((p, s, rows))
 }
