@@ -21,13 +21,15 @@
 // the block writes the item's rows (the numerators over the sums, times the gate).
 //
 // Grid (blocks, 1; clusters of one block, so the launcher can ask the driver how many are
-// resident), ATP_THREADS threads, atp_shared_bytes(dp) of dynamic shared
-// memory. A malformed row group, or a launch the kernel cannot run, gets NaN outputs (the latter
-// also reports a GEOMETRY fault); rows of no group are not written.
+// resident), ATP_THREADS threads, atp_shared_bytes(dp) of dynamic shared memory (two blocks a
+// multiprocessor). A malformed row group, or a launch the kernel cannot run, gets NaN outputs
+// (the latter also reports a GEOMETRY fault); rows of no group are not written.
 //
-// Against eight blocks a cluster, one split each, with four partitions of four warps (the
-// kernel before the folds): no combine per item in shared or distributed shared memory, no
-// cluster barrier, each key and value read once per item.
+// Why a walk: computing an item's chains side by side, as the decode kernels do, needs their
+// partials combined per item through shared (and a cluster's distributed shared) memory, with a
+// barrier each; a prefill item has 64 rows where a decode item has a few, so those combines
+// cost more than the units they join. The walk folds in registers, and the keys and values of a
+// unit are read once for all the item's rows.
 
 #define ATP_THREADS (32 * ATP_WARPS)
 #define ATP_MAX_VROWS 64
