@@ -8,6 +8,9 @@
 // block), it prints:
 // - how many of the 512 outputs differ between the mma.sync chain and the wgmma chain (the same
 //   32 k to each instruction, in order), and with the wgmma's slots reversed (the same k set);
+// - between wgmma chains: m64n8k32 against m64n64k32 on the same 8 columns (56 more random ones
+//   beside them), and m64n8k32 against itself on reversed slots: whether kernels that all run
+//   wgmma with the weight as A (decode at 8 tokens, prefill at 64 or more) share their sums;
 // - for one instruction (K = 32), how many outputs equal the host's candidate models of it:
 //   (a) C + (the exact sum of the 32 products), rounded to f32 once; (b) the products summed
 //   exactly, rounded to f32, then added to C in f32; and the largest distance, in units of the
@@ -103,6 +106,56 @@ __global__ void __launch_bounds__(128) wg_cand(float* out, const uint8_t* a, con
     out[r1 * N + n0 + 1] = d[3];
 }
 
+// The same sums from a wider instruction: wgmma m64n64k32 over B's 8 rows and 56 more (random),
+// C's 8 columns beside 56 zero ones; writes the first 8 columns. Whether an output's FP8 sum
+// depends on the instruction's N: a decode kernel (8 tokens) and a prefill kernel (64 or more)
+// that both put the weight in A agree only if it does not.
+__global__ void __launch_bounds__(128) wg_n64(float* out, const uint8_t* a, const uint8_t* b, const uint8_t* bx,
+                                              const float* c, int k) {
+    constexpr int NW = 64;
+    __shared__ __align__(128) uint8_t sa[M * 32];
+    __shared__ __align__(128) uint8_t sb[NW * 32];
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
+    const int r0 = 16 * warp + g, r1 = r0 + 8, n0 = 2 * q;
+    float d[32] = {};
+    d[0] = c[r0 * N + n0];
+    d[1] = c[r0 * N + n0 + 1];
+    d[2] = c[r1 * N + n0];
+    d[3] = c[r1 * N + n0 + 1];
+    for (int k0 = 0; k0 < k; k0 += 32) {
+        __syncthreads();
+        for (int i = tid; i < M * 32; i += 128) {
+            const int r = i / 32, kk = i % 32;
+            sa[((r / 8) * 2 + kk / 16) * 128 + (r % 8) * 16 + kk % 16] = a[r * k + k0 + kk];
+        }
+        for (int i = tid; i < NW * 32; i += 128) {
+            const int r = i / 32, kk = i % 32;
+            sb[((r / 8) * 2 + kk / 16) * 128 + (r % 8) * 16 + kk % 16] =
+                r < N ? b[r * k + k0 + kk] : bx[(r - N) * k + k0 + kk];
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, "
+            "%11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, "
+            "%31}, %32, %33, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+              "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+              "+f"(d[30]), "+f"(d[31])
+            : "l"(desc(sa, 128, 256)), "l"(desc(sb, 128, 256)));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    }
+    out[r0 * N + n0] = d[0];
+    out[r0 * N + n0 + 1] = d[1];
+    out[r1 * N + n0] = d[2];
+    out[r1 * N + n0 + 1] = d[3];
+}
+
 static int ulps(float x, float y) {
     int32_t a, b;
     memcpy(&a, &x, 4);
@@ -115,14 +168,17 @@ int main() {
     int bad = 0;
     for (int k : {32, 128}) {
         for (float cscale : {0.0f, 1.0f, 1000.0f}) {
-            uint8_t *a, *b;
-            float *c, *ref, *cand, *rev;
+            uint8_t *a, *b, *bx;
+            float *c, *ref, *cand, *rev, *wide;
             CK(cudaMalloc(&a, M * k));
             CK(cudaMalloc(&b, N * k));
             CK(cudaMalloc(&c, M * N * 4));
             CK(cudaMalloc(&ref, M * N * 4));
             CK(cudaMalloc(&cand, M * N * 4));
             CK(cudaMalloc(&rev, M * N * 4));
+            CK(cudaMalloc(&wide, M * N * 4));
+            CK(cudaMalloc(&bx, 56 * k));
+            fill_u8<<<16, 256>>>(bx, 56 * k, 11 + k);
             fill_u8<<<16, 256>>>(a, M * k, 7 + k);
             fill_u8<<<16, 256>>>(b, N * k, 9 + k);
             std::vector<float> hc(M * N);
@@ -131,22 +187,30 @@ int main() {
             CK(cudaMemset(ref, 0xFF, M * N * 4));
             CK(cudaMemset(cand, 0xFF, M * N * 4));
             CK(cudaMemset(rev, 0xFF, M * N * 4));
+            CK(cudaMemset(wide, 0xFF, M * N * 4));
+            wg_n64<<<1, 128>>>(wide, a, b, bx, c, k);
             mma_ref<<<1, 128>>>(ref, a, b, c, k);
             wg_cand<false><<<1, 128>>>(cand, a, b, c, k);
             wg_cand<true><<<1, 128>>>(rev, a, b, c, k);
             CK(cudaDeviceSynchronize());
-            std::vector<float> hr(M * N), hw(M * N), hv(M * N);
+            std::vector<float> hr(M * N), hw(M * N), hv(M * N), hx(M * N);
+            CK(cudaMemcpy(hx.data(), wide, M * N * 4, cudaMemcpyDeviceToHost));
             std::vector<uint8_t> ha(M * k), hb(N * k);
             CK(cudaMemcpy(hr.data(), ref, M * N * 4, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(hw.data(), cand, M * N * 4, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(hv.data(), rev, M * N * 4, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(ha.data(), a, M * k, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(hb.data(), b, N * k, cudaMemcpyDeviceToHost));
-            int diff = 0, rdiff = 0;
+            int diff = 0, rdiff = 0, wdiff = 0, sdiff = 0;
             for (int i = 0; i < M * N; ++i) {
                 diff += memcmp(&hr[i], &hw[i], 4) != 0;
                 rdiff += memcmp(&hr[i], &hv[i], 4) != 0;
+                wdiff += memcmp(&hw[i], &hx[i], 4) != 0;
+                sdiff += memcmp(&hw[i], &hv[i], 4) != 0;
             }
+            printf("K=%3d C scale %6g: wgmma n8 vs n64 (the same 8 columns): %d of %d differ; n8 vs its reversed "
+                   "slots: %d differ\n",
+                   k, cscale, wdiff, M * N, sdiff);
             printf("K=%3d C scale %6g: mma.sync vs wgmma: %d of %d differ; vs wgmma on reversed slots: %d differ\n", k,
                    cscale, diff, M * N, rdiff);
             bad += diff != 0;
@@ -167,7 +231,7 @@ int main() {
                        model_a, M * N, model_b, worst);
             }
             CK(cudaFree(a)); CK(cudaFree(b)); CK(cudaFree(c)); CK(cudaFree(ref)); CK(cudaFree(cand));
-            CK(cudaFree(rev));
+            CK(cudaFree(rev)); CK(cudaFree(wide)); CK(cudaFree(bx));
         }
     }
     printf("fp8 mma lab: %d of 6 cases differ between mma.sync and wgmma\n", bad);
