@@ -25,9 +25,9 @@ use crate::ops::{Ops, step_launch};
 pub const ATTENTION_SPLITS: u32 = metrale_kernel_abi::ATT_SPLITS;
 
 /// Clusters of 8 resident at once on the H200 (inside a GPC) at two blocks per multiprocessor
-/// and at one: what a backend without an occupancy query (the CPU) is given. On CUDA the
-/// launchers ask the driver (`GpuBackend::max_resident`), which reports these on the H200 for
-/// both attention kernels; a launch of one cluster more than fit waits for a whole cluster to
+/// and at one: what a backend without an occupancy query (the CPU) is given for
+/// `paged_attention`. On CUDA the launchers ask the driver (`GpuBackend::max_resident`), which
+/// reports these on the H200; a launch of one cluster more than fit waits for a whole cluster to
 /// finish.
 const ATTENTION_CLUSTERS: [u32; 2] = [30, 15];
 
