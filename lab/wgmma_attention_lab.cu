@@ -20,10 +20,12 @@
 // row v = 4 j + h (head h of position p0 + j), context p0 + j + 1.
 //
 // Then the throughput probe: the blocks pipelined over a whole prefill of 2,048 and
-// 16,384 tokens, with one softmax chain a row and with chains of 256 tokens folded in order (a
-// candidate arithmetic whose chains a decode kernel could run in parallel), each checked bit for
-// bit against the reference in the same arithmetic on eight items, and its rate in TFLOP/s of
-// causal work: what the unit arithmetic allows a wgmma kernel, and what the folds cost; and,
+// 16,384 tokens, in the engine's arithmetic (its splits and chains, folded as
+// paged_attention_prefill's walk folds them: a prototype of a wgmma prefill kernel; it spills
+// registers, so its rate is a floor), with one softmax chain a row, and with chains of 64 to 256
+// tokens folded in order, each checked bit for bit against the reference in the same
+// arithmetic on eight items, and its rate in TFLOP/s of causal work: what the unit arithmetic
+// allows a wgmma kernel, and what the folds cost; and,
 // speed only, the same with one softmax step over each 64-token tile (a larger unit). Last,
 // decode rows in the chain arithmetic (a warp a chain, then a fold kernel), bitwise against the
 // reference's rows and timed at batch 1 (1,024 and 32,768 tokens) and 32 (8,192).
@@ -178,8 +180,101 @@ MT_DEVICE void store_rows(float* o_out, float* m_out, float* l_out, const float 
     l_out[(16 * warp + g + 8) * 4 + c] = l[1];
 }
 
+// The engine's arithmetic (CHT = ENGINE): a row group's units cut as kernels/attention_unit.cuh
+// cuts them (att_units: ATT_SPLITS splits of ATT_WARPS chains, in proportion to the units), each
+// chain folded into its split's total when it ends and each split into the row's (att_fold), as
+// paged_attention_prefill's walk does; empty chains and splits fold too. Item rows lie in one
+// 16-token unit (p0 a multiple of 16), as the engine's row groups do.
+constexpr uint32_t ENGINE = 0xFFFFu;
+
+// The next fold of a walk over a context of `ctx` tokens: chain w of split s (then split s, after
+// its last chain), due after unit `at` (-1: before the first unit).
+struct EvCursor {
+    uint32_t ctx, s, w;
+    int32_t at;
+};
+
+MT_DEVICE void ev_load(EvCursor& c) {
+    uint32_t first, mine;
+    att_units(c.ctx, c.s, c.w, first, mine);
+    c.at = (int32_t)(first + mine) - 1;
+}
+
+MT_DEVICE EvCursor ev_start(uint32_t ctx) {
+    EvCursor c{ctx, 0, 0, 0};
+    ev_load(c);
+    return c;
+}
+
+// The engine's chain fold (atp_fold_chain): the chain's sums added over the quad, then its (o,
+// m, l) folded into the split's (so, sm, sl); the chain left empty (m -inf, as a chain starts).
+MT_DEVICE void eng_fold_chain(float (&so)[64], float (&sm)[2], float (&sl)[2], float (&o)[64], float (&m)[2],
+                              float (&l)[2]) {
+    float wt[2], wp[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        float mn;
+        att_fold_weights(sm[r], m[r], mn, wt[r], wp[r]);
+        sl[r] = att_fold(sl[r], l[r], wt[r], wp[r]);
+        sm[r] = mn;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        so[i] = att_fold(so[i], o[i], wt[(i >> 1) & 1], wp[(i >> 1) & 1]);
+        o[i] = 0.0f;
+    }
+}
+
+// The engine's split fold (atp_fold_split): the split's total into the row's, numerators at
+// fo[i * stride]; the split left empty.
+MT_DEVICE void eng_fold_split(float* fo, uint32_t stride, float (&fm)[2], float (&fl)[2], float (&so)[64],
+                              float (&sm)[2], float (&sl)[2], bool first) {
+    float wt[2], wp[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mn;
+        att_fold_weights(fm[r], sm[r], mn, wt[r], wp[r]);
+        fl[r] = att_fold(fl[r], sl[r], wt[r], wp[r]);
+        fm[r] = mn;
+        sm[r] = -INFINITY;
+        sl[r] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        fo[i * stride] = att_fold(first ? 0.0f : fo[i * stride], so[i], wt[(i >> 1) & 1], wp[(i >> 1) & 1]);
+        so[i] = 0.0f;
+    }
+}
+
+// Every fold due after unit `u` (-1: before the first), in order: each chain that ends there
+// (eng_fold_chain), and after a split's last chain the split (eng_fold_split). Returns whether a
+// chain was folded (the next unit starts a chain). Arrays by reference, no lambdas: the probe's
+// registers stay registers.
+MT_DEVICE bool eng_after(EvCursor& c, int32_t u, float (&o)[64], float (&m)[2], float (&l)[2], float (&so)[64],
+                         float (&sm)[2], float (&sl)[2], float* fo, uint32_t stride, float (&fm)[2], float (&fl)[2]) {
+    bool any = false;
+    while (c.s < ATT_SPLITS && c.at == u) {
+        eng_fold_chain(so, sm, sl, o, m, l);
+        any = true;
+        if (c.w + 1 == ATT_WARPS) {
+            eng_fold_split(fo, stride, fm, fl, so, sm, sl, c.s == 0);
+            ++c.s;
+            c.w = 0;
+        } else {
+            ++c.w;
+        }
+        if (c.s < ATT_SPLITS) ev_load(c);
+    }
+    return any;
+}
+
 // The reference: four warps, warp w on tile w, the engine's prefill unit (atp_unit) over every
-// unit up to the item's last context, in chains of CHT tiles (see chain_fold).
+// unit up to the item's last context, in chains of CHT tiles (see chain_fold), or with CHT =
+// ENGINE in the engine's chains and splits (its sums then one a row, in every lane of the quad).
 template <uint32_t CHT>
 __global__ void __launch_bounds__(128) ref_kernel(Item it, float* o_out, float* m_out, float* l_out) {
     __shared__ __align__(16) bf16 qs[VROWS * RS];
@@ -191,7 +286,11 @@ __global__ void __launch_bounds__(128) ref_kernel(Item it, float* o_out, float* 
     float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float ot[D / 8][4] = {}, mt[2] = {-INFINITY, -INFINITY}, lt[2] = {0.0f, 0.0f};
     const float scale_log2 = ATT_LOG2E / sqrtf((float)D);
-    const uint32_t chain_units = CHT == 0 ? units : CHT * (PT_TOKENS / ATT_UNIT);
+    const uint32_t chain_units = CHT == 0 || CHT == ENGINE ? units : CHT * (PT_TOKENS / ATT_UNIT);
+    EvCursor ev = ev_start(ctx_max);
+    float fo[64], fm[2] = {-INFINITY, -INFINITY}, fl[2] = {0.0f, 0.0f};
+    bool fresh = true;
+    if constexpr (CHT == ENGINE) eng_after(ev, -1, flat(o), m, l, flat(ot), mt, lt, fo, 1, fm, fl);
     for (uint32_t u = 0; u < units; ++u) {
         __syncthreads();
         for (uint32_t i = tid; i < ATT_UNIT * D; i += 128) {
@@ -201,11 +300,19 @@ __global__ void __launch_bounds__(128) ref_kernel(Item it, float* o_out, float* 
             stage[(ATT_UNIT + t) * RS + e] = live ? it.v[(size_t)tok * D + e] : __float2bfloat16(0.0f);
         }
         __syncthreads();
-        atp_unit<D, D>(stage, qs, warp, 0, u, ctx0, ctx1, scale_log2, u % chain_units == 0, lane, o, m, l);
-        if (u % chain_units == chain_units - 1 || u + 1 == units)  // the chain ends: fold it
-            fold_chain(flat(ot), mt, lt, flat(o), m, l, -INFINITY);
+        if constexpr (CHT == ENGINE) {
+            atp_unit<D, D>(stage, qs, warp, 0, u, ctx0, ctx1, scale_log2, fresh, lane, o, m, l);
+            fresh = eng_after(ev, (int32_t)u, flat(o), m, l, flat(ot), mt, lt, fo, 1, fm, fl);
+        } else {
+            atp_unit<D, D>(stage, qs, warp, 0, u, ctx0, ctx1, scale_log2, u % chain_units == 0, lane, o, m, l);
+            if (u % chain_units == chain_units - 1 || u + 1 == units)  // the chain ends: fold it
+                fold_chain(flat(ot), mt, lt, flat(o), m, l, -INFINITY);
+        }
     }
-    store_rows(o_out, m_out, l_out, flat(ot), mt, lt, warp, g, c);
+    if constexpr (CHT == ENGINE)
+        store_rows(o_out, m_out, l_out, fo, fm, fl, warp, g, c);
+    else
+        store_rows(o_out, m_out, l_out, flat(ot), mt, lt, warp, g, c);
 }
 
 // Byte offset of element (row r, k) in a k-major no-swizzle operand of `rows` rows and K 16 a
@@ -332,6 +439,10 @@ constexpr uint32_t PSTAGES = 4;
 constexpr uint32_t TILE_BYTES = PT * D * 2;   // K or V of a tile
 constexpr uint32_t Q_BYTES = VROWS * D * 2;   // an item's queries
 constexpr uint32_t PROBE_SMEM = 2 * Q_BYTES + PSTAGES * 2 * TILE_BYTES + (2 * PSTAGES + 1) * 8 + 128;
+// With the engine's arithmetic, each consumer thread's folded numerators follow the barriers:
+// f32 [64][256] (element i of consumer thread t at i * 256 + t).
+constexpr uint32_t PROBE_FOLD_OFF = 2 * Q_BYTES + PSTAGES * 2 * TILE_BYTES + 128;
+constexpr uint32_t PROBE_SMEM_ENGINE = PROBE_SMEM + 64 * 256 * 4;
 
 struct Probe {
     const unsigned char* qimg;  // [items][Q_BYTES], item = row group * hkv + kv head
@@ -415,6 +526,12 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
     const float scale_log2 = ATT_LOG2E / sqrtf((float)D);
     float o[64] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float ot[64] = {}, mt[2] = {-INFINITY, -INFINITY}, lt[2] = {0.0f, 0.0f};
+    // The engine's arithmetic: ot, mt, lt are the split's total, the row's maxima and sums are
+    // fm, fl, its numerators in shared memory.
+    float* fo = reinterpret_cast<float*>(dyn + (base - base0) + PROBE_FOLD_OFF) + c * 128 + wt;
+    float fm[2] = {-INFINITY, -INFINITY}, fl[2] = {0.0f, 0.0f};
+    EvCursor ev = ev_start(lab_ctx(p0, VROWS - 1));
+    if constexpr (CHT == ENGINE) eng_after(ev, -1, o, m, l, ot, mt, lt, fo, 256, fm, fl);
     mbar_wait(qbar, 0);
     for (uint32_t t = 0; t < tiles; ++t) {
         const uint32_t s = t % PSTAGES, ka = stg + s * 2 * TILE_BYTES, va = ka + TILE_BYTES;
@@ -495,6 +612,14 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
                 wg_m64n128_rs<0>(o, pk[j][0], pk[j][1], pk[j][2], pk[j][3],
                                  lab_desc(va + j * ATT_UNIT * D * 2, 128, 256));
                 lab_wg_commit();
+                if constexpr (CHT == ENGINE) {
+                    // A chain that ends here folds once its last P V has completed (the cut is
+                    // the item's, the same for the whole warpgroup).
+                    if (ev.s < ATT_SPLITS && ev.at == (int32_t)u) {
+                        lab_wg_wait();
+                        eng_after(ev, (int32_t)u, o, m, l, ot, mt, lt, fo, 256, fm, fl);
+                    }
+                }
             }
             lab_wg_wait();
 #pragma unroll
@@ -506,11 +631,18 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
         // unit gets the same correction (0) and maximum, and a fully masked tile (past this
         // item's rows, run without a branch) keeps it finite instead of turning it to NaN; such
         // a chain folds with weight 0.
-        if ((CHT != 0 && (t + 1) % (CHT == 0 ? 1 : CHT) == 0) || t + 1 == tiles)
-            fold_chain(ot, mt, lt, o, m, l, -FLT_MAX);
+        if constexpr (CHT != ENGINE)
+            if ((CHT != 0 && (t + 1) % (CHT == 0 ? 1 : CHT) == 0) || t + 1 == tiles)
+                fold_chain(ot, mt, lt, o, m, l, -FLT_MAX);
     }
     const size_t item = (size_t)rg * p.hkv + h;
-    store_rows(p.o + item * VROWS * D, p.m + item * VROWS, p.l + item * VROWS * 4, ot, mt, lt, warp, g, q4);
+    if constexpr (CHT == ENGINE) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) o[i] = fo[i * 256];
+        store_rows(p.o + item * VROWS * D, p.m + item * VROWS, p.l + item * VROWS * 4, o, fm, fl, warp, g, q4);
+    } else {
+        store_rows(p.o + item * VROWS * D, p.m + item * VROWS, p.l + item * VROWS * 4, ot, mt, lt, warp, g, q4);
+    }
 }
 
 // The probe over a prefill of n tokens (Qwen3-8B heads: 32 query heads, 8 key/value heads), in
@@ -538,10 +670,16 @@ static int run_probe(uint32_t n) {
     CK(cudaMemset(o, 0xFF, (size_t)items * VROWS * D * 4));
     CK(cudaMemset(m, 0xFF, (size_t)items * VROWS * 4));
     CK(cudaMemset(l, 0xFF, (size_t)items * VROWS * 4 * 4));
-    CK(cudaFuncSetAttribute(probe_kernel<CHT, U64>, cudaFuncAttributeMaxDynamicSharedMemorySize, PROBE_SMEM));
+    constexpr uint32_t smem = CHT == ENGINE ? PROBE_SMEM_ENGINE : PROBE_SMEM;
+    char what[64];
+    if (CHT == ENGINE)
+        snprintf(what, sizeof what, "the engine's %d splits of %d chains", ATT_SPLITS, ATT_WARPS);
+    else
+        snprintf(what, sizeof what, "chains of %u tokens (0: one chain)", CHT * PT);
+    CK(cudaFuncSetAttribute(probe_kernel<CHT, U64>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const Probe pr{qimg, kimg, vimg, o, m, l, hkv, tiles};
     const dim3 grid(groups / 2, hkv);
-    probe_kernel<CHT, U64><<<grid, 384, PROBE_SMEM>>>(pr);
+    probe_kernel<CHT, U64><<<grid, 384, smem>>>(pr);
     CK(cudaDeviceSynchronize());
     // Bit for bit against the reference on the first, a middle and the last row groups.
     int bad = 0;
@@ -561,8 +699,8 @@ static int run_probe(uint32_t n) {
             size_t diff = 0;
             for (size_t i = 0; i < want.size(); ++i) diff += want[i] != have[i];
             if (diff)
-                printf("probe n=%u chains of %u tokens, row group %u head %u: %zu of %zu differ\n", n, CHT * PT, rg, h,
-                       diff, want.size());
+                printf("probe n=%u %s, row group %u head %u: %zu of %zu differ\n", n, what, rg, h, diff,
+                       want.size());
             bad += diff != 0;
             CK(cudaFree(ref.o)); CK(cudaFree(ref.m)); CK(cudaFree(ref.l));
         }
@@ -573,7 +711,7 @@ static int run_probe(uint32_t n) {
     std::vector<double> ms;
     for (int rep = 0; rep < 7; ++rep) {
         CK(cudaEventRecord(e0));
-        probe_kernel<CHT, U64><<<grid, 384, PROBE_SMEM>>>(pr);
+        probe_kernel<CHT, U64><<<grid, 384, smem>>>(pr);
         CK(cudaEventRecord(e1));
         CK(cudaEventSynchronize(e1));
         float t;
@@ -582,9 +720,8 @@ static int run_probe(uint32_t n) {
     }
     const double t = median(ms);
     const double flops = 4.0 * D * 32.0 * (double)n * (n + 1) / 2.0;
-    printf("probe n=%u, chains of %u tokens (0: one chain), softmax unit %u: %.3f ms a layer, %.1f TFLOP/s of causal "
-           "work; %s\n",
-           n, CHT * PT, U64 ? 64 : 16, t, flops / (t * 1e-3) / 1e12,
+    printf("probe n=%u, %s, softmax unit %u: %.3f ms a layer, %.1f TFLOP/s of causal work; %s\n", n, what,
+           U64 ? 64 : 16, t, flops / (t * 1e-3) / 1e12,
            U64 ? "speed only" : (bad ? "CHECKED ITEMS DIFFER" : "8 checked items bitwise the reference"));
     CK(cudaFree(q)); CK(cudaFree(k)); CK(cudaFree(v));
     CK(cudaFree(qimg)); CK(cudaFree(kimg)); CK(cudaFree(vimg));
@@ -880,6 +1017,7 @@ int main() {
     }
     printf("wgmma attention lab: %d of %d candidate cases differ from the mma.sync reference\n", bad, cases);
     for (uint32_t n : {2048u, 16384u}) {
+        run_probe<ENGINE>(n);  // the engine's arithmetic, checked against its walk
         run_probe<0>(n);
         run_probe<4>(n);        // the candidate arithmetic: chains of 256 tokens
         run_probe<2>(n);        // chains of 128 tokens
