@@ -21,11 +21,12 @@
 //
 // Then the throughput probe: the blocks pipelined over a whole prefill of 2,048 and
 // 16,384 tokens, in the engine's arithmetic (its splits and chains, folded as
-// paged_attention_prefill's walk folds them: a prototype of a wgmma prefill kernel; it spills
-// registers, so its rate is a floor), with one softmax chain a row, and with chains of 64 to 256
-// tokens folded in order, each checked bit for bit against the reference in the same
-// arithmetic on eight items, and its rate in TFLOP/s of causal work: what the unit arithmetic
-// allows a wgmma kernel, and what the folds cost; and,
+// paged_attention_prefill's walk folds them, the split's and the row's numerators in shared
+// memory: a prototype of a wgmma prefill kernel; it still spills some registers, so its rate is
+// a floor), with one softmax chain a row, and with chains of 64 to 256 tokens folded in order,
+// each checked bit for bit against the reference in the same arithmetic on eight items, and its
+// rate in TFLOP/s of causal work: what the unit arithmetic allows a wgmma kernel, and what the
+// folds cost; and,
 // speed only, the same with one softmax step over each 64-token tile (a larger unit). Last,
 // decode rows in the chain arithmetic (a warp a chain, then a fold kernel), bitwise against the
 // reference's rows and timed at batch 1 (1,024 and 32,768 tokens) and 32 (8,192).
@@ -207,9 +208,10 @@ MT_DEVICE EvCursor ev_start(uint32_t ctx) {
 }
 
 // The engine's chain fold (atp_fold_chain): the chain's sums added over the quad, then its (o,
-// m, l) folded into the split's (so, sm, sl); the chain left empty (m -inf, as a chain starts).
-MT_DEVICE void eng_fold_chain(float (&so)[64], float (&sm)[2], float (&sl)[2], float (&o)[64], float (&m)[2],
-                              float (&l)[2]) {
+// m, l) folded into the split's (numerators so[i * stride], sm, sl); the chain left empty (m
+// -inf, as a chain starts).
+MT_DEVICE void eng_fold_chain(float* so, uint32_t stride, float (&sm)[2], float (&sl)[2], float (&o)[64],
+                              float (&m)[2], float (&l)[2]) {
     float wt[2], wp[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -224,15 +226,15 @@ MT_DEVICE void eng_fold_chain(float (&so)[64], float (&sm)[2], float (&sl)[2], f
     }
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
-        so[i] = att_fold(so[i], o[i], wt[(i >> 1) & 1], wp[(i >> 1) & 1]);
+        so[i * stride] = att_fold(so[i * stride], o[i], wt[(i >> 1) & 1], wp[(i >> 1) & 1]);
         o[i] = 0.0f;
     }
 }
 
-// The engine's split fold (atp_fold_split): the split's total into the row's, numerators at
-// fo[i * stride]; the split left empty.
-MT_DEVICE void eng_fold_split(float* fo, uint32_t stride, float (&fm)[2], float (&fl)[2], float (&so)[64],
-                              float (&sm)[2], float (&sl)[2], bool first) {
+// The engine's split fold (atp_fold_split): the split's total (numerators so[i * stride]) into
+// the row's (fo[i * stride]); the split left empty (zeros).
+MT_DEVICE void eng_fold_split(float* fo, uint32_t stride, float (&fm)[2], float (&fl)[2], float* so, float (&sm)[2],
+                              float (&sl)[2], bool first) {
     float wt[2], wp[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -245,8 +247,8 @@ MT_DEVICE void eng_fold_split(float* fo, uint32_t stride, float (&fm)[2], float 
     }
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
-        fo[i * stride] = att_fold(first ? 0.0f : fo[i * stride], so[i], wt[(i >> 1) & 1], wp[(i >> 1) & 1]);
-        so[i] = 0.0f;
+        fo[i * stride] = att_fold(first ? 0.0f : fo[i * stride], so[i * stride], wt[(i >> 1) & 1], wp[(i >> 1) & 1]);
+        so[i * stride] = 0.0f;
     }
 }
 
@@ -254,11 +256,11 @@ MT_DEVICE void eng_fold_split(float* fo, uint32_t stride, float (&fm)[2], float 
 // (eng_fold_chain), and after a split's last chain the split (eng_fold_split). Returns whether a
 // chain was folded (the next unit starts a chain). Arrays by reference, no lambdas: the probe's
 // registers stay registers.
-MT_DEVICE bool eng_after(EvCursor& c, int32_t u, float (&o)[64], float (&m)[2], float (&l)[2], float (&so)[64],
+MT_DEVICE bool eng_after(EvCursor& c, int32_t u, float (&o)[64], float (&m)[2], float (&l)[2], float* so,
                          float (&sm)[2], float (&sl)[2], float* fo, uint32_t stride, float (&fm)[2], float (&fl)[2]) {
     bool any = false;
     while (c.s < ATT_SPLITS && c.at == u) {
-        eng_fold_chain(so, sm, sl, o, m, l);
+        eng_fold_chain(so, stride, sm, sl, o, m, l);
         any = true;
         if (c.w + 1 == ATT_WARPS) {
             eng_fold_split(fo, stride, fm, fl, so, sm, sl, c.s == 0);
@@ -439,10 +441,13 @@ constexpr uint32_t PSTAGES = 4;
 constexpr uint32_t TILE_BYTES = PT * D * 2;   // K or V of a tile
 constexpr uint32_t Q_BYTES = VROWS * D * 2;   // an item's queries
 constexpr uint32_t PROBE_SMEM = 2 * Q_BYTES + PSTAGES * 2 * TILE_BYTES + (2 * PSTAGES + 1) * 8 + 128;
-// With the engine's arithmetic, each consumer thread's folded numerators follow the barriers:
-// f32 [64][256] (element i of consumer thread t at i * 256 + t).
-constexpr uint32_t PROBE_FOLD_OFF = 2 * Q_BYTES + PSTAGES * 2 * TILE_BYTES + 128;
-constexpr uint32_t PROBE_SMEM_ENGINE = PROBE_SMEM + 64 * 256 * 4;
+// With the engine's arithmetic the ring has 2 stages, and each consumer thread's split and row
+// numerators follow the barriers: f32 [2][64][256] (element i of consumer thread t at i * 256 +
+// t; the split's, then the row's), so the consumers' registers hold no second accumulator.
+constexpr uint32_t PSTAGES_ENGINE = 2;
+__host__ __device__ constexpr uint32_t probe_stages(uint32_t cht) { return cht == 0xFFFFu ? PSTAGES_ENGINE : PSTAGES; }
+constexpr uint32_t PROBE_FOLD_OFF = 2 * Q_BYTES + PSTAGES_ENGINE * 2 * TILE_BYTES + 128;
+constexpr uint32_t PROBE_SMEM_ENGINE = PROBE_FOLD_OFF + 2 * 64 * 256 * 4 + 128;
 
 struct Probe {
     const unsigned char* qimg;  // [items][Q_BYTES], item = row group * hkv + kv head
@@ -481,6 +486,7 @@ __global__ void probe_images(const bf16* q_items, const bf16* k, const bf16* v, 
 
 template <uint32_t CHT, bool U64>
 __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
+    constexpr uint32_t PSTAGES = probe_stages(CHT);  // the ring's stages
     extern __shared__ __align__(128) unsigned char dyn[];
     const uint32_t base0 = (uint32_t)__cvta_generic_to_shared(dyn);
     const uint32_t base = base0 + ((128 - (base0 & 127)) & 127);
@@ -526,12 +532,17 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
     const float scale_log2 = ATT_LOG2E / sqrtf((float)D);
     float o[64] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float ot[64] = {}, mt[2] = {-INFINITY, -INFINITY}, lt[2] = {0.0f, 0.0f};
-    // The engine's arithmetic: ot, mt, lt are the split's total, the row's maxima and sums are
-    // fm, fl, its numerators in shared memory.
+    // The engine's arithmetic: the split's maxima and sums are mt, lt, the row's fm, fl, and
+    // both their numerators in shared memory (fo the row's, so the split's, zeroed first).
     float* fo = reinterpret_cast<float*>(dyn + (base - base0) + PROBE_FOLD_OFF) + c * 128 + wt;
+    float* so = fo + 64 * 256;
     float fm[2] = {-INFINITY, -INFINITY}, fl[2] = {0.0f, 0.0f};
     EvCursor ev = ev_start(lab_ctx(p0, VROWS - 1));
-    if constexpr (CHT == ENGINE) eng_after(ev, -1, o, m, l, ot, mt, lt, fo, 256, fm, fl);
+    if constexpr (CHT == ENGINE) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) so[i * 256] = 0.0f;
+        eng_after(ev, -1, o, m, l, so, mt, lt, fo, 256, fm, fl);
+    }
     mbar_wait(qbar, 0);
     for (uint32_t t = 0; t < tiles; ++t) {
         const uint32_t s = t % PSTAGES, ka = stg + s * 2 * TILE_BYTES, va = ka + TILE_BYTES;
@@ -617,7 +628,7 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
                     // the item's, the same for the whole warpgroup).
                     if (ev.s < ATT_SPLITS && ev.at == (int32_t)u) {
                         lab_wg_wait();
-                        eng_after(ev, (int32_t)u, o, m, l, ot, mt, lt, fo, 256, fm, fl);
+                        eng_after(ev, (int32_t)u, o, m, l, so, mt, lt, fo, 256, fm, fl);
                     }
                 }
             }
