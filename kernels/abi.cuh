@@ -73,7 +73,7 @@ typedef __nv_bfloat16 bf16;
 // Blocks of a decode attention cluster: the splits an item's context is cut into (fixed,
 // so a row's result depends on its context alone).
 #define ATT_SPLITS 8
-// Warps of a decode attention block (the partitions of a split).
+// Warps of a decode attention block (the chains of a split, one a warp).
 #define ATT_WARPS 4
 // Units each warp of decode attention keeps in flight.
 #define ATT_STAGES 2

@@ -92,7 +92,7 @@ shared_consts! {
     /// Blocks of a decode attention cluster: the splits an item's context is cut into (fixed,
     /// so a row's result depends on its context alone).
     ATT_SPLITS = 8;
-    /// Warps of a decode attention block (the partitions of a split).
+    /// Warps of a decode attention block (the chains of a split, one a warp).
     ATT_WARPS = 4;
     /// Units each warp of decode attention keeps in flight.
     ATT_STAGES = 2;
