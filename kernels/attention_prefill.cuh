@@ -62,10 +62,10 @@ struct AtpShared {
     uint32_t kv2[2];  // FP8 pools' scale factors (att_kv_scales)
 };
 
-// Item k of this block. `ctx` is the largest context of its rows (0: out of range); its units
-// are [first, first + mine) = all of them, walked in order.
+// Item k of this block. `ctx` is the largest context of its rows (0: out of range); its `units`
+// are walked in order from 0.
 struct AtpItem {
-    uint32_t row, cnt, h0, kv, seq, ctx, first, mine;
+    uint32_t row, cnt, h0, kv, seq, ctx, units;
 };
 
 MT_DEVICE AtpItem atp_item(const AtpShared& sh, uint32_t k) {
@@ -76,8 +76,7 @@ MT_DEVICE AtpItem atp_item(const AtpShared& sh, uint32_t k) {
     it.kv = sh.kv[k];
     it.seq = sh.seq[k];
     it.ctx = sh.ctx[k];
-    it.first = 0;
-    it.mine = (it.ctx + ATT_UNIT - 1) / ATT_UNIT;
+    it.units = (it.ctx + ATT_UNIT - 1) / ATT_UNIT;
     return it;
 }
 
@@ -229,14 +228,6 @@ MT_DEVICE void atp_put(const AttLaunch& a, const AtpShared& sh, uint32_t r, uint
     atp_store(a.out, sh.img, sh.img_steps, a.hq * a.d, r, col, v);
 }
 
-// One output value: the folded numerator over the folded sum, times the gate when there is
-// one (att_finish's last steps).
-MT_DEVICE bf16 atp_value(float num, float den, const bf16* gate) {
-    float val = num / den;
-    if (gate != nullptr) val *= sigmoidf_acc(bf2f(*gate));
-    return f2bf(val);
-}
-
 // A row pair's fold state (rows g and g + 8 of a warp's tile): maxima, sums and this thread's
 // numerators (`o` as atp_unit leaves them).
 template <int DH>
@@ -325,18 +316,18 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
     f.entry = 0;
     if (a.nk > 0) f.it = atp_item(sh, 0);
     auto settle = [&]() {  // move to the next unit that exists and read its table entries
-        while (f.k < a.nk && f.i >= f.it.mine) {
+        while (f.k < a.nk && f.i >= f.it.units) {
             ++f.k;
             f.i = 0;
             if (f.k < a.nk) f.it = atp_item(sh, f.k);
         }
-        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.it.first + f.i, f.it.ctx, lane);
+        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.i, f.it.ctx, lane);
     };
     uint32_t bad_bits = 0;
     auto issue_next = [&](uint32_t st) {
         if (f.k < a.nk) {
             const bool bad =
-                atp_issue<DP, FP8>(a, f.it, f.it.first + f.i, f.entry, ring + st * UNIT_ELEMS, lane, warp);
+                atp_issue<DP, FP8>(a, f.it, f.i, f.entry, ring + st * UNIT_ELEMS, lane, warp);
             bad_bits = (bad_bits & ~(1u << st)) | ((bad ? 1u : 0u) << st);
             ++f.i;
             settle();
@@ -415,7 +406,7 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
                     if (col >= a.d) continue;
                     const float num = fo[(4 * n + 2 * r + e) * ATP_THREADS];
                     atp_put(a, sh, row, h * a.d + col,
-                            it.ctx != 0 ? atp_value(num, fl[r], a.gated ? gate + col : nullptr) : bf16_nan());
+                            it.ctx != 0 ? att_value(num, fl[r], a.gated ? gate + col : nullptr) : bf16_nan());
                 }
         }
     }

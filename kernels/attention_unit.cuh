@@ -166,16 +166,22 @@ MT_DEVICE float att_fold_all(const float (&ms)[N], const float (&ls)[N], float (
     return mx;
 }
 
+// One output value from its folded numerator and sum, times the output gate when there is one
+// (every attention kernel's last step).
+MT_DEVICE bf16 att_value(float num, float den, const bf16* gate) {
+    float val = num / den;
+    if (gate != nullptr) val *= sigmoidf_acc(bf2f(*gate));
+    return f2bf(val);
+}
+
 // One output of an item: its splits' numerators `ps` folded in split order under the weights of
-// att_fold_all, over the folded sum `den`, times the output gate when there is one.
+// att_fold_all, over the folded sum `den` (att_value).
 MT_DEVICE bf16 att_finish(const float* wt, const float* wp, const float (&ps)[ATT_SPLITS], float den,
                           const bf16* gate) {
     float num = 0.0f;
 #pragma unroll
     for (int s = 0; s < ATT_SPLITS; ++s) num = att_fold(num, ps[s], wt[s], wp[s]);
-    float val = num / den;
-    if (gate != nullptr) val *= sigmoidf_acc(bf2f(*gate));
-    return f2bf(val);
+    return att_value(num, den, gate);
 }
 
 // The launch, as one block sees it.

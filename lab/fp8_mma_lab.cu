@@ -68,6 +68,17 @@ __device__ __forceinline__ uint64_t desc(const void* p, uint32_t lbo, uint32_t s
     return (uint64_t)((s & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
 }
 
+// Rows 0..rows of a row-major e4m3 operand (`k` a row), its k0..k0 + 31 (reversed with REV),
+// into `s` k-major without swizzle: core matrices of 8 rows x 16 bytes, lbo 128 between the two
+// k halves, sbo 256 between row groups. `row(r)` gives row r's bytes. By the block's threads.
+template <typename Row>
+__device__ __forceinline__ void stage_k32(uint8_t* s, int rows, int k0, bool rev, Row&& row) {
+    for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) {
+        const int r = i / 32, kk = i % 32;
+        s[((r / 8) * 2 + kk / 16) * 128 + (r % 8) * 16 + kk % 16] = row(r)[k0 + (rev ? 31 - kk : kk)];
+    }
+}
+
 // The candidate: one warpgroup, a wgmma m64n8k32 per 32 k, operands staged k-major without
 // swizzle (core matrices of 8 rows x 16 bytes: lbo 128 between the two k halves, sbo 256
 // between row groups). REV stages each 32 k in reverse order, in both operands: the same k set
@@ -81,14 +92,8 @@ __global__ void __launch_bounds__(128) wg_cand(float* out, const uint8_t* a, con
     float d[4] = {c[r0 * N + n0], c[r0 * N + n0 + 1], c[r1 * N + n0], c[r1 * N + n0 + 1]};
     for (int k0 = 0; k0 < k; k0 += 32) {
         __syncthreads();
-        for (int i = tid; i < M * 32; i += 128) {
-            const int r = i / 32, kk = i % 32;
-            sa[((r / 8) * 2 + kk / 16) * 128 + (r % 8) * 16 + kk % 16] = a[r * k + k0 + (REV ? 31 - kk : kk)];
-        }
-        for (int i = tid; i < N * 32; i += 128) {
-            const int r = i / 32, kk = i % 32;
-            sb[(kk / 16) * 128 + r * 16 + kk % 16] = b[r * k + k0 + (REV ? 31 - kk : kk)];
-        }
+        stage_k32(sa, M, k0, REV, [&](int r) { return a + r * k; });
+        stage_k32(sb, N, k0, REV, [&](int r) { return b + r * k; });
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -124,15 +129,8 @@ __global__ void __launch_bounds__(128) wg_n64(float* out, const uint8_t* a, cons
     d[3] = c[r1 * N + n0 + 1];
     for (int k0 = 0; k0 < k; k0 += 32) {
         __syncthreads();
-        for (int i = tid; i < M * 32; i += 128) {
-            const int r = i / 32, kk = i % 32;
-            sa[((r / 8) * 2 + kk / 16) * 128 + (r % 8) * 16 + kk % 16] = a[r * k + k0 + kk];
-        }
-        for (int i = tid; i < NW * 32; i += 128) {
-            const int r = i / 32, kk = i % 32;
-            sb[((r / 8) * 2 + kk / 16) * 128 + (r % 8) * 16 + kk % 16] =
-                r < N ? b[r * k + k0 + kk] : bx[(r - N) * k + k0 + kk];
-        }
+        stage_k32(sa, M, k0, false, [&](int r) { return a + r * k; });
+        stage_k32(sb, NW, k0, false, [&](int r) { return r < N ? b + r * k : bx + (r - N) * k; });
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
