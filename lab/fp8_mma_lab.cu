@@ -41,6 +41,14 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// A thread's m16n8-shaped fragment (rows r0 and r1, columns n0 and n0 + 1) into `out` [M][N].
+__device__ __forceinline__ void store_frag(float* out, int r0, int r1, int n0, const float* d) {
+    out[r0 * N + n0] = d[0];
+    out[r0 * N + n0 + 1] = d[1];
+    out[r1 * N + n0] = d[2];
+    out[r1 * N + n0 + 1] = d[3];
+}
+
 __device__ __forceinline__ uint32_t load4(const uint8_t* p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
@@ -57,10 +65,7 @@ __global__ void __launch_bounds__(128) mma_ref(float* out, const uint8_t* a, con
         const uint32_t fb[2] = {load4(b + g * k + k0 + 4 * q), load4(b + g * k + k0 + 16 + 4 * q)};
         mma_e4m3(d, fa, fb);
     }
-    out[r0 * N + n0] = d[0];
-    out[r0 * N + n0 + 1] = d[1];
-    out[r1 * N + n0] = d[2];
-    out[r1 * N + n0 + 1] = d[3];
+    store_frag(out, r0, r1, n0, d);
 }
 
 __device__ __forceinline__ uint64_t desc(const void* p, uint32_t lbo, uint32_t sbo) {
@@ -105,10 +110,7 @@ __global__ void __launch_bounds__(128) wg_cand(float* out, const uint8_t* a, con
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     }
-    out[r0 * N + n0] = d[0];
-    out[r0 * N + n0 + 1] = d[1];
-    out[r1 * N + n0] = d[2];
-    out[r1 * N + n0 + 1] = d[3];
+    store_frag(out, r0, r1, n0, d);
 }
 
 // The same sums from a wider instruction: wgmma m64n64k32 over B's 8 rows and 56 more (random),
@@ -148,10 +150,7 @@ __global__ void __launch_bounds__(128) wg_n64(float* out, const uint8_t* a, cons
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     }
-    out[r0 * N + n0] = d[0];
-    out[r0 * N + n0 + 1] = d[1];
-    out[r1 * N + n0] = d[2];
-    out[r1 * N + n0 + 1] = d[3];
+    store_frag(out, r0, r1, n0, d);
 }
 
 static int ulps(float x, float y) {
