@@ -92,7 +92,11 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 10)]
     iters: usize,
     /// The forwards whose decode steps are timed (legacy, circuit, circuit-reference).
-    #[arg(long, value_delimiter = ',', default_values_t = vec!["legacy".to_string(), "circuit".to_string()])]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_values_t = vec!["legacy".to_string(), "circuit".to_string()]
+    )]
     forwards: Vec<String>,
     /// Write the results as JSON here.
     #[arg(long)]
@@ -254,7 +258,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let decode: Vec<_> = report
             .decode
             .iter()
-            .map(|d| serde_json::json!({"forward": d.forward, "launches": d.launches, "batch": d.batch, "ms": d.ms, "floor_ms": d.floor_ms, "bytes": d.bytes, "ratio": d.ms / d.floor_ms}))
+            .map(|d| {
+                serde_json::json!({
+                    "forward": d.forward,
+                    "launches": d.launches,
+                    "batch": d.batch,
+                    "ms": d.ms,
+                    "floor_ms": d.floor_ms,
+                    "bytes": d.bytes,
+                    "ratio": d.ms / d.floor_ms,
+                })
+            })
             .collect();
         let json = serde_json::json!({
             "shape": format!("{:?}", args.shape),
@@ -268,7 +282,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 "vendor_refused": f.vendor_refused,
             })),
             "weight_bytes": report.weight_bytes,
-            "prefill": {"tokens": report.prefill_tokens, "ms": report.prefill_ms, "floor_ms": report.prefill_floor_ms},
+            "prefill": {
+                "tokens": report.prefill_tokens,
+                "ms": report.prefill_ms,
+                "floor_ms": report.prefill_floor_ms,
+            },
             "decode": decode,
         });
         write_json(path, &json)?;
@@ -319,7 +337,21 @@ fn tensor_parallel(gpus: Vec<Arc<dyn GpuBackend>>, args: &BenchArgs) -> Result<(
         let decode: Vec<_> = (report.decode.iter())
             .map(|d| {
                 let c = &d.collectives;
-                serde_json::json!({"batch": d.batch, "rows": d.rows, "ms": d.ms, "floor_ms": d.floor_ms, "ratio": d.ms / d.floor_ms, "rank_bytes": d.rank_bytes, "collectives": c.count(), "all_reduces": c.all_reduces, "all_reduce_us": c.all_reduce_us, "expert_all_reduces": c.expert_all_reduces, "expert_all_reduce_us": c.expert_all_reduce_us, "gather_us": c.gather_us, "collectives_ms": c.ms()})
+                serde_json::json!({
+                    "batch": d.batch,
+                    "rows": d.rows,
+                    "ms": d.ms,
+                    "floor_ms": d.floor_ms,
+                    "ratio": d.ms / d.floor_ms,
+                    "rank_bytes": d.rank_bytes,
+                    "collectives": c.count(),
+                    "all_reduces": c.all_reduces,
+                    "all_reduce_us": c.all_reduce_us,
+                    "expert_all_reduces": c.expert_all_reduces,
+                    "expert_all_reduce_us": c.expert_all_reduce_us,
+                    "gather_us": c.gather_us,
+                    "collectives_ms": c.ms(),
+                })
             })
             .collect();
         let json = serde_json::json!({
@@ -415,7 +447,15 @@ fn speculative(
         let verify: Vec<_> = r
             .verify
             .iter()
-            .map(|v| serde_json::json!({"drafts": v.drafts, "ms": v.ms, "floor_ms": v.floor_ms, "vs_plain_eager": v.ms / r.plain.eager_ms, "vs_plain_graphed": v.ms / r.plain.graphed_ms}))
+            .map(|v| {
+                serde_json::json!({
+                    "drafts": v.drafts,
+                    "ms": v.ms,
+                    "floor_ms": v.floor_ms,
+                    "vs_plain_eager": v.ms / r.plain.eager_ms,
+                    "vs_plain_graphed": v.ms / r.plain.graphed_ms,
+                })
+            })
             .collect();
         let projected: Vec<_> = bench::ACCEPTANCE_LENGTHS
             .iter()
@@ -429,7 +469,19 @@ fn speculative(
         let e2e: Vec<_> = r
             .end_to_end
             .iter()
-            .map(|e| serde_json::json!({"name": e.name, "drafts": e.drafts, "tokens": e.tokens, "tokens_per_step": e.tokens_per_step, "tok_s": e.tok_s, "matches_plain": e.matches_plain, "captures": e.captures, "cold_tok_s": e.cold_tok_s, "cold_captures": e.cold_captures}))
+            .map(|e| {
+                serde_json::json!({
+                    "name": e.name,
+                    "drafts": e.drafts,
+                    "tokens": e.tokens,
+                    "tokens_per_step": e.tokens_per_step,
+                    "tok_s": e.tok_s,
+                    "matches_plain": e.matches_plain,
+                    "captures": e.captures,
+                    "cold_tok_s": e.cold_tok_s,
+                    "cold_captures": e.cold_captures,
+                })
+            })
             .collect();
         let json = serde_json::json!({
             "shape": format!("{:?}", args.shape),
@@ -438,17 +490,34 @@ fn speculative(
             "weight_bytes": r.weight_bytes,
             "head_weight_bytes": r.head_weight_bytes,
             "context": r.context,
-            "plain": {"graphed_ms": r.plain.graphed_ms, "eager_ms": r.plain.eager_ms, "floor_ms": r.plain.floor_ms},
+            "plain": {
+                "graphed_ms": r.plain.graphed_ms,
+                "eager_ms": r.plain.eager_ms,
+                "floor_ms": r.plain.floor_ms,
+            },
             "verify": verify,
-            "draft": {"ms": r.draft.graphed_ms, "eager_ms": r.draft.eager_ms, "floor_ms": r.draft.floor_ms},
+            "draft": {
+                "ms": r.draft.graphed_ms,
+                "eager_ms": r.draft.eager_ms,
+                "floor_ms": r.draft.floor_ms,
+            },
             "projected": projected,
             "end_to_end": e2e,
             "forward": r.forward,
             "verify_program_steps": r.verify_program_steps,
             "batched": r.batched.as_ref().map(|b| serde_json::json!({
                 "seqs": b.seqs,
-                "plain": {"graphed_ms": b.plain.graphed_ms, "eager_ms": b.plain.eager_ms, "floor_ms": b.plain.floor_ms},
-                "verify": b.verify.iter().map(|v| serde_json::json!({"drafts": v.drafts, "graphed_ms": v.graphed_ms, "eager_ms": v.ms, "floor_ms": v.floor_ms})).collect::<Vec<_>>(),
+                "plain": {
+                    "graphed_ms": b.plain.graphed_ms,
+                    "eager_ms": b.plain.eager_ms,
+                    "floor_ms": b.plain.floor_ms,
+                },
+                "verify": b.verify.iter().map(|v| serde_json::json!({
+                    "drafts": v.drafts,
+                    "graphed_ms": v.graphed_ms,
+                    "eager_ms": v.ms,
+                    "floor_ms": v.floor_ms,
+                })).collect::<Vec<_>>(),
             })),
         });
         write_json(path, &json)?;

@@ -54,17 +54,59 @@ pub(super) fn serve(
         "prompt_tokens": report.prompt_tokens,
         "output_tokens": report.output_tokens,
         "constrained_schema": report.schema,
-        "speculation": report.speculation.map(|s| serde_json::json!({"num_draft_tokens": s.num_draft_tokens, "forward": s.forward.name(), "gate": s.gate.enabled, "max_speculative_graphs": s.max_speculative_graphs})),
+        "speculation": report.speculation.map(|s| serde_json::json!({
+            "num_draft_tokens": s.num_draft_tokens,
+            "forward": s.forward.name(),
+            "gate": s.gate.enabled,
+            "max_speculative_graphs": s.max_speculative_graphs,
+        })),
     });
     print_and_write(args, &report.table(), head, "serve", &report.points, |p| {
         let constrained = p.constrained.as_ref().map(|c| {
             let lens: Vec<usize> = c.outputs.iter().map(Vec::len).collect();
-            serde_json::json!({"requests": c.requests, "tok_s": c.tok_s, "wall_s": c.wall_s, "step_ms": c.step_ms, "vs_plain": c.step_ms / p.step_ms, "full_steps": c.full_steps, "steps": c.steps, "output_tokens": lens})
+            serde_json::json!({
+                "requests": c.requests,
+                "tok_s": c.tok_s,
+                "wall_s": c.wall_s,
+                "step_ms": c.step_ms,
+                "vs_plain": c.step_ms / p.step_ms,
+                "full_steps": c.full_steps,
+                "steps": c.steps,
+                "output_tokens": lens,
+            })
         });
         let speculative: Vec<_> = (p.speculative.iter())
-            .map(|r| serde_json::json!({"drafter": r.drafter, "tok_s": r.tok_s, "wall_s": r.wall_s, "vs_plain": p.speculative_ratio(r), "accepted_per_verify": r.accepted_per_verify(), "draft_verifies": r.draft_verifies, "drafted": r.drafted, "accepted": r.accepted, "verify_steps": r.verify_steps, "plain_steps": r.plain_steps, "steps": r.steps, "gate_switches": r.switches, "gate_on": r.gate_on, "captures": r.captures}))
+            .map(|r| {
+                serde_json::json!({
+                    "drafter": r.drafter,
+                    "tok_s": r.tok_s,
+                    "wall_s": r.wall_s,
+                    "vs_plain": p.speculative_ratio(r),
+                    "accepted_per_verify": r.accepted_per_verify(),
+                    "draft_verifies": r.draft_verifies,
+                    "drafted": r.drafted,
+                    "accepted": r.accepted,
+                    "verify_steps": r.verify_steps,
+                    "plain_steps": r.plain_steps,
+                    "steps": r.steps,
+                    "gate_switches": r.switches,
+                    "gate_on": r.gate_on,
+                    "captures": r.captures,
+                })
+            })
             .collect();
-        serde_json::json!({"concurrency": p.concurrency, "tok_s": p.tok_s, "wall_s": p.wall_s, "step_ms": p.step_ms, "floor_ms": p.floor_ms, "ratio": p.step_ms / p.floor_ms, "full_steps": p.full_steps, "steps": p.steps, "constrained": constrained, "speculative": speculative})
+        serde_json::json!({
+            "concurrency": p.concurrency,
+            "tok_s": p.tok_s,
+            "wall_s": p.wall_s,
+            "step_ms": p.step_ms,
+            "floor_ms": p.floor_ms,
+            "ratio": p.step_ms / p.floor_ms,
+            "full_steps": p.full_steps,
+            "steps": p.steps,
+            "constrained": constrained,
+            "speculative": speculative,
+        })
     })
 }
 
@@ -98,19 +140,46 @@ pub(super) fn trace(gpu: Arc<dyn GpuBackend>, config: ModelConfig, args: &BenchA
         "seed": report.seed,
         "max_decode_seqs": report.max_decode_seqs,
     });
-    let percentiles = |p: bench::Percentiles| serde_json::json!({"p50_ms": p.p50_ms, "p90_ms": p.p90_ms, "p99_ms": p.p99_ms});
+    let percentiles = |p: bench::Percentiles| {
+        serde_json::json!({
+            "p50_ms": p.p50_ms,
+            "p90_ms": p.p90_ms,
+            "p99_ms": p.p99_ms,
+        })
+    };
     print_and_write(args, &report.table(), head, "trace", &report.points, |p| {
         let requests: Vec<_> = p
             .requests
             .iter()
-            .map(|r| serde_json::json!({"arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens, "output_tokens": r.token_s.len(), "ttft_ms": r.ttft_s() * 1e3, "e2e_ms": r.e2e_s() * 1e3}))
+            .map(|r| {
+                serde_json::json!({
+                    "arrival_s": r.arrival_s,
+                    "prompt_tokens": r.prompt_tokens,
+                    "output_tokens": r.token_s.len(),
+                    "ttft_ms": r.ttft_s() * 1e3,
+                    "e2e_ms": r.e2e_s() * 1e3,
+                })
+            })
             .collect();
         // JSON has no infinity: an all-at-once rate is written as the string "inf".
         let rate = match p.request_rate.is_finite() {
             true => serde_json::json!(p.request_rate),
             false => serde_json::json!("inf"),
         };
-        serde_json::json!({"request_rate": rate, "completed": p.completed, "duration_s": p.duration_s, "req_s": p.req_s, "output_tokens": p.output_tokens, "out_tok_s": p.out_tok_s, "steps": p.steps, "ttft": percentiles(p.ttft), "itl": percentiles(p.itl), "itl_samples": p.itl_samples, "e2e": percentiles(p.e2e), "requests": requests})
+        serde_json::json!({
+            "request_rate": rate,
+            "completed": p.completed,
+            "duration_s": p.duration_s,
+            "req_s": p.req_s,
+            "output_tokens": p.output_tokens,
+            "out_tok_s": p.out_tok_s,
+            "steps": p.steps,
+            "ttft": percentiles(p.ttft),
+            "itl": percentiles(p.itl),
+            "itl_samples": p.itl_samples,
+            "e2e": percentiles(p.e2e),
+            "requests": requests,
+        })
     })
 }
 
@@ -153,10 +222,22 @@ pub(super) fn interference(
         &report.points,
         |p| {
             let runs: Vec<_> = p
-            .runs
-            .iter()
-            .map(|r| serde_json::json!({"mixed_steps": r.mixed, "ttft_ms": r.ttft_ms, "median_gap_ms": r.median_gap_ms, "max_gap_ms": r.max_gap_ms, "worst_ratio": r.worst_ratio, "window_steps": r.window_steps, "stalled_steps": r.stalled_steps, "steps": r.steps, "mixed_step_count": r.mixed_steps}))
-            .collect();
+                .runs
+                .iter()
+                .map(|r| {
+                    serde_json::json!({
+                        "mixed_steps": r.mixed,
+                        "ttft_ms": r.ttft_ms,
+                        "median_gap_ms": r.median_gap_ms,
+                        "max_gap_ms": r.max_gap_ms,
+                        "worst_ratio": r.worst_ratio,
+                        "window_steps": r.window_steps,
+                        "stalled_steps": r.stalled_steps,
+                        "steps": r.steps,
+                        "mixed_step_count": r.mixed_steps,
+                    })
+                })
+                .collect();
             serde_json::json!({"concurrency": p.concurrency, "runs": runs})
         },
     )
