@@ -425,7 +425,7 @@ MT_DEVICE AttBuffers att_buffers(unsigned char* dyn, uint32_t hb, uint32_t warp,
     return b;
 }
 
-// A warp's units first, first + ATT_WARPS, ... (`mine` of them) of a context of `ctx` tokens,
+// A warp's chain: units first, first + 1, ... (`mine` of them) of a context of `ctx` tokens,
 // from its ring, into fresh running outputs `o`, maxima `m` and sums `l` (att_unit's); `issue`
 // refills each stage once it has been read. `consumed` counts the warp's units (its ring
 // position). Returns whether a unit's slot was past the pool (`bad_bits`, by stage, as the
