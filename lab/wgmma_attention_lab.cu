@@ -23,7 +23,8 @@
 // 16,384 tokens, in the engine's arithmetic (its splits and chains, folded as
 // paged_attention_prefill's walk folds them, the split's and the row's numerators in shared
 // memory: a prototype of a wgmma prefill kernel; it still spills some registers, so its rate is
-// a floor), with one softmax chain a row, and with chains of 64 to 256 tokens folded in order,
+// a floor), the same with the splits cut into chains of at least 4 units (ENGINE4: fewer folds
+// on short contexts, a candidate arithmetic), with one softmax chain a row, and with chains of 64 to 256 tokens folded in order,
 // each checked bit for bit against the reference in the same arithmetic on eight items, and its
 // rate in TFLOP/s of causal work: what the unit arithmetic allows a wgmma kernel, and what the
 // folds cost; and,
@@ -186,23 +187,37 @@ MT_DEVICE void store_rows(float* o_out, float* m_out, float* l_out, const float 
 // chain folded into its split's total when it ends and each split into the row's (att_fold), as
 // paged_attention_prefill's walk does; empty chains and splits fold too. Item rows lie in one
 // 16-token unit (p0 a multiple of 16), as the engine's row groups do.
+// CHT = ENGINE4, a candidate arithmetic: the engine's splits, each cut into as many chains as
+// give every chain 4 units or more (at most ATT_WARPS, at least one), in proportion; the chains
+// past them are empty, at the split's end (fewer folds on short contexts).
 constexpr uint32_t ENGINE = 0xFFFFu;
+constexpr uint32_t ENGINE4 = 0xFFFEu;
+__host__ __device__ constexpr bool engine_arith(uint32_t cht) { return cht == ENGINE || cht == ENGINE4; }
 
 // The next fold of a walk over a context of `ctx` tokens: chain w of split s (then split s, after
-// its last chain), due after unit `at` (-1: before the first unit).
+// its last chain), due after unit `at` (-1: before the first unit); `min4`: ENGINE4's cut.
 struct EvCursor {
     uint32_t ctx, s, w;
     int32_t at;
+    bool min4;
 };
 
 MT_DEVICE void ev_load(EvCursor& c) {
     uint32_t first, mine;
-    att_units(c.ctx, c.s, c.w, first, mine);
+    if (c.min4) {
+        uint32_t ub, ue;
+        att_split_units(c.ctx, c.s, ub, ue);
+        const uint32_t n = ue - ub, chains = max(1u, min((uint32_t)ATT_WARPS, n / 4));
+        first = ub + min(c.w, chains) * n / chains;
+        mine = c.w < chains ? ub + (c.w + 1) * n / chains - first : 0u;
+    } else {
+        att_units(c.ctx, c.s, c.w, first, mine);
+    }
     c.at = (int32_t)(first + mine) - 1;
 }
 
-MT_DEVICE EvCursor ev_start(uint32_t ctx) {
-    EvCursor c{ctx, 0, 0, 0};
+MT_DEVICE EvCursor ev_start(uint32_t ctx, bool min4) {
+    EvCursor c{ctx, 0, 0, 0, min4};
     ev_load(c);
     return c;
 }
@@ -276,7 +291,8 @@ MT_DEVICE bool eng_after(EvCursor& c, int32_t u, float (&o)[64], float (&m)[2], 
 
 // The reference: four warps, warp w on tile w, the engine's prefill unit (atp_unit) over every
 // unit up to the item's last context, in chains of CHT tiles (see chain_fold), or with CHT =
-// ENGINE in the engine's chains and splits (its sums then one a row, in every lane of the quad).
+// ENGINE (or ENGINE4) in the engine's chains and splits (its sums then one a row, in every lane
+// of the quad).
 template <uint32_t CHT>
 __global__ void __launch_bounds__(128) ref_kernel(Item it, float* o_out, float* m_out, float* l_out) {
     __shared__ __align__(16) bf16 qs[VROWS * RS];
@@ -288,11 +304,11 @@ __global__ void __launch_bounds__(128) ref_kernel(Item it, float* o_out, float* 
     float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float ot[D / 8][4] = {}, mt[2] = {-INFINITY, -INFINITY}, lt[2] = {0.0f, 0.0f};
     const float scale_log2 = ATT_LOG2E / sqrtf((float)D);
-    const uint32_t chain_units = CHT == 0 || CHT == ENGINE ? units : CHT * (PT_TOKENS / ATT_UNIT);
-    EvCursor ev = ev_start(ctx_max);
+    const uint32_t chain_units = CHT == 0 || engine_arith(CHT) ? units : CHT * (PT_TOKENS / ATT_UNIT);
+    EvCursor ev = ev_start(ctx_max, CHT == ENGINE4);
     float fo[64], fm[2] = {-INFINITY, -INFINITY}, fl[2] = {0.0f, 0.0f};
     bool fresh = true;
-    if constexpr (CHT == ENGINE) eng_after(ev, -1, flat(o), m, l, flat(ot), mt, lt, fo, 1, fm, fl);
+    if constexpr (engine_arith(CHT)) eng_after(ev, -1, flat(o), m, l, flat(ot), mt, lt, fo, 1, fm, fl);
     for (uint32_t u = 0; u < units; ++u) {
         __syncthreads();
         for (uint32_t i = tid; i < ATT_UNIT * D; i += 128) {
@@ -302,7 +318,7 @@ __global__ void __launch_bounds__(128) ref_kernel(Item it, float* o_out, float* 
             stage[(ATT_UNIT + t) * RS + e] = live ? it.v[(size_t)tok * D + e] : __float2bfloat16(0.0f);
         }
         __syncthreads();
-        if constexpr (CHT == ENGINE) {
+        if constexpr (engine_arith(CHT)) {
             atp_unit<D, D>(stage, qs, warp, 0, u, ctx0, ctx1, scale_log2, fresh, lane, o, m, l);
             fresh = eng_after(ev, (int32_t)u, flat(o), m, l, flat(ot), mt, lt, fo, 1, fm, fl);
         } else {
@@ -311,7 +327,7 @@ __global__ void __launch_bounds__(128) ref_kernel(Item it, float* o_out, float* 
                 fold_chain(flat(ot), mt, lt, flat(o), m, l, -INFINITY);
         }
     }
-    if constexpr (CHT == ENGINE)
+    if constexpr (engine_arith(CHT))
         store_rows(o_out, m_out, l_out, fo, fm, fl, warp, g, c);
     else
         store_rows(o_out, m_out, l_out, flat(ot), mt, lt, warp, g, c);
@@ -445,7 +461,7 @@ constexpr uint32_t PROBE_SMEM = 2 * Q_BYTES + PSTAGES * 2 * TILE_BYTES + (2 * PS
 // numerators follow the barriers: f32 [2][64][256] (element i of consumer thread t at i * 256 +
 // t; the split's, then the row's), so the consumers' registers hold no second accumulator.
 constexpr uint32_t PSTAGES_ENGINE = 2;
-__host__ __device__ constexpr uint32_t probe_stages(uint32_t cht) { return cht == 0xFFFFu ? PSTAGES_ENGINE : PSTAGES; }
+__host__ __device__ constexpr uint32_t probe_stages(uint32_t cht) { return engine_arith(cht) ? PSTAGES_ENGINE : PSTAGES; }
 constexpr uint32_t PROBE_FOLD_OFF = 2 * Q_BYTES + PSTAGES_ENGINE * 2 * TILE_BYTES + 128;
 constexpr uint32_t PROBE_SMEM_ENGINE = PROBE_FOLD_OFF + 2 * 64 * 256 * 4 + 128;
 
@@ -537,8 +553,8 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
     float* fo = reinterpret_cast<float*>(dyn + (base - base0) + PROBE_FOLD_OFF) + c * 128 + wt;
     float* so = fo + 64 * 256;
     float fm[2] = {-INFINITY, -INFINITY}, fl[2] = {0.0f, 0.0f};
-    EvCursor ev = ev_start(lab_ctx(p0, VROWS - 1));
-    if constexpr (CHT == ENGINE) {
+    EvCursor ev = ev_start(lab_ctx(p0, VROWS - 1), CHT == ENGINE4);
+    if constexpr (engine_arith(CHT)) {
 #pragma unroll
         for (int i = 0; i < 64; ++i) so[i * 256] = 0.0f;
         eng_after(ev, -1, o, m, l, so, mt, lt, fo, 256, fm, fl);
@@ -623,7 +639,7 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
                 wg_m64n128_rs<0>(o, pk[j][0], pk[j][1], pk[j][2], pk[j][3],
                                  lab_desc(va + j * ATT_UNIT * D * 2, 128, 256));
                 lab_wg_commit();
-                if constexpr (CHT == ENGINE) {
+                if constexpr (engine_arith(CHT)) {
                     // A chain that ends here folds once its last P V has completed (the cut is
                     // the item's, the same for the whole warpgroup).
                     if (ev.s < ATT_SPLITS && ev.at == (int32_t)u) {
@@ -642,12 +658,12 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
         // unit gets the same correction (0) and maximum, and a fully masked tile (past this
         // item's rows, run without a branch) keeps it finite instead of turning it to NaN; such
         // a chain folds with weight 0.
-        if constexpr (CHT != ENGINE)
+        if constexpr (!engine_arith(CHT))
             if ((CHT != 0 && (t + 1) % (CHT == 0 ? 1 : CHT) == 0) || t + 1 == tiles)
                 fold_chain(ot, mt, lt, o, m, l, -FLT_MAX);
     }
     const size_t item = (size_t)rg * p.hkv + h;
-    if constexpr (CHT == ENGINE) {
+    if constexpr (engine_arith(CHT)) {
 #pragma unroll
         for (int i = 0; i < 64; ++i) o[i] = fo[i * 256];
         store_rows(p.o + item * VROWS * D, p.m + item * VROWS, p.l + item * VROWS * 4, o, fm, fl, warp, g, q4);
@@ -681,10 +697,12 @@ static int run_probe(uint32_t n) {
     CK(cudaMemset(o, 0xFF, (size_t)items * VROWS * D * 4));
     CK(cudaMemset(m, 0xFF, (size_t)items * VROWS * 4));
     CK(cudaMemset(l, 0xFF, (size_t)items * VROWS * 4 * 4));
-    constexpr uint32_t smem = CHT == ENGINE ? PROBE_SMEM_ENGINE : PROBE_SMEM;
+    constexpr uint32_t smem = engine_arith(CHT) ? PROBE_SMEM_ENGINE : PROBE_SMEM;
     char what[64];
     if (CHT == ENGINE)
         snprintf(what, sizeof what, "the engine's %d splits of %d chains", ATT_SPLITS, ATT_WARPS);
+    else if (CHT == ENGINE4)
+        snprintf(what, sizeof what, "%d splits of up to %d chains of 4+ units", ATT_SPLITS, ATT_WARPS);
     else
         snprintf(what, sizeof what, "chains of %u tokens (0: one chain)", CHT * PT);
     CK(cudaFuncSetAttribute(probe_kernel<CHT, U64>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -1028,7 +1046,8 @@ int main() {
     }
     printf("wgmma attention lab: %d of %d candidate cases differ from the mma.sync reference\n", bad, cases);
     for (uint32_t n : {2048u, 16384u}) {
-        run_probe<ENGINE>(n);  // the engine's arithmetic, checked against its walk
+        run_probe<ENGINE>(n);   // the engine's arithmetic, checked against its walk
+        run_probe<ENGINE4>(n);  // its splits with chains of at least 4 units
         run_probe<0>(n);
         run_probe<4>(n);        // the candidate arithmetic: chains of 256 tokens
         run_probe<2>(n);        // chains of 128 tokens
