@@ -24,7 +24,10 @@
 // paged_attention_prefill's walk folds them, the split's and the row's numerators in shared
 // memory: a prototype of a wgmma prefill kernel; it still spills some registers, so its rate is
 // a floor), the same with the splits cut into chains of at least 4 units (ENGINE4: fewer folds
-// on short contexts, a candidate arithmetic), with one softmax chain a row, and with chains of 64 to 256 tokens folded in order,
+// on short contexts, a candidate arithmetic), each also with its keys and values gathered by the
+// producer warpgroup's cp.async from a paged cache (16-token blocks in shuffled order, as an
+// engine kernel must read them) instead of bulk copies of prepared images, with one softmax
+// chain a row, and with chains of 64 to 256 tokens folded in order,
 // each checked bit for bit against the reference in the same arithmetic on eight items, and its
 // rate in TFLOP/s of causal work: what the unit arithmetic allows a wgmma kernel, and what the
 // folds cost; and,
@@ -473,7 +476,37 @@ struct Probe {
     float* m;                   // [items][64]
     float* l;                   // [items][64][4]: each quad lane's partial sum
     uint32_t hkv, tiles;
+    // PAGED: the keys and values as a paged cache stores them, kc, vc [slots][hkv][D] with
+    // table[b] the block of 16 slots holding tokens 16 b .. 16 b + 15, and the context n.
+    const bf16* kc;
+    const bf16* vc;
+    const uint32_t* table;
+    uint32_t n;
 };
+
+// A paged cache of head h's keys and values (k, v [hkv][n][D]): token t in slot
+// table[t / 16] * 16 + t % 16, table a permutation of the blocks.
+__global__ void paged_fill(const bf16* k, const bf16* v, const uint32_t* table, bf16* kc, bf16* vc, uint32_t hkv,
+                           uint32_t n) {
+    const size_t total = (size_t)hkv * n * D;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        const uint32_t e = i % D, t = (i / D) % n, h = i / ((size_t)n * D);
+        const size_t slot = (size_t)table[t / ATT_UNIT] * ATT_UNIT + t % ATT_UNIT;
+        kc[(slot * hkv + h) * D + e] = k[i];
+        vc[(slot * hkv + h) * D + e] = v[i];
+    }
+}
+
+// 16 bytes from global memory to shared address `dst` (`bytes` 16, or 0: zeros).
+MT_DEVICE void lab_cp16(uint32_t dst, const void* src, uint32_t bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+// Arrive on `bar` once this thread's earlier cp.async copies have landed (the barrier's count
+// is the copying threads).
+MT_DEVICE void lab_cp_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 
 // Images: item i's queries (q_items [items][64][D]) and head h's tiles (k, v [hkv][n][D]), zero
 // past n.
@@ -500,7 +533,11 @@ __global__ void probe_images(const bf16* q_items, const bf16* k, const bf16* v, 
     }
 }
 
-template <uint32_t CHT, bool U64>
+// PAGED: the producer warpgroup's 128 threads gather each tile from the paged cache by cp.async
+// (a token's 8 dimensions, 16 bytes, to a core-matrix row; V laid out for the instruction's
+// transpose, as the cache stores it), each arriving on the stage's barrier as its copies land,
+// as an engine kernel would; P V then reads V through the transpose.
+template <uint32_t CHT, bool U64, bool PAGED = false>
 __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
     constexpr uint32_t PSTAGES = probe_stages(CHT);  // the ring's stages
     extern __shared__ __align__(128) unsigned char dyn[];
@@ -514,7 +551,7 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
     const uint32_t ctx_cta = 16 * (rg0 + 1) + 16, tiles = (ctx_cta + PT - 1) / PT;
     if (tid == 0) {
         for (uint32_t s = 0; s < PSTAGES; ++s) {
-            mbar_init(full + s * 8, 1);
+            mbar_init(full + s * 8, PAGED ? 128 : 1);
             mbar_init(empty + s * 8, 256);
         }
         mbar_init(qbar, 1);
@@ -529,6 +566,30 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
             mbar_expect_tx(qbar, 2 * Q_BYTES);
             for (uint32_t c = 0; c < 2; ++c)
                 bulk_g2s(base + c * Q_BYTES, p.qimg + (size_t)((rg0 + c) * p.hkv + h) * Q_BYTES, Q_BYTES, qbar);
+        }
+        if constexpr (PAGED) {
+            // Thread wt: token wt / 2 of each tile, chunks 8 (wt % 2) .. + 7 of its keys and values.
+            const uint32_t tok = wt / 2, ch0 = 8 * (wt % 2);
+            for (uint32_t t = 0; t < tiles; ++t) {
+                const uint32_t s = t % PSTAGES, dst = stg + s * 2 * TILE_BYTES;
+                mbar_wait(empty + s * 8, ((t / PSTAGES) & 1) ^ 1);
+                const uint32_t tt = t * PT + tok;
+                const bool live = tt < p.n;
+                const size_t slot = live ? (size_t)p.table[tt / ATT_UNIT] * ATT_UNIT + tt % ATT_UNIT : 0;
+                const bf16* kp = p.kc + (slot * p.hkv + h) * D;
+                const bf16* vp = p.vc + (slot * p.hkv + h) * D;
+                const uint32_t vd = dst + TILE_BYTES + (tok / ATT_UNIT) * ATT_UNIT * D * 2;
+#pragma unroll
+                for (uint32_t i = 0; i < 8; ++i) {
+                    const uint32_t e = 8 * (ch0 + i);
+                    lab_cp16(dst + kmaj_off(PT, tok, e), kp + e, live ? 16u : 0u);
+                    lab_cp16(vd + mn_off(e, tok % ATT_UNIT), vp + e, live ? 16u : 0u);
+                }
+                lab_cp_arrive(full + s * 8);
+            }
+            return;
+        }
+        if (wt == 0) {
             for (uint32_t t = 0; t < tiles; ++t) {
                 const uint32_t s = t % PSTAGES, dst = stg + s * 2 * TILE_BYTES;
                 mbar_wait(empty + s * 8, ((t / PSTAGES) & 1) ^ 1);
@@ -563,6 +624,7 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
     for (uint32_t t = 0; t < tiles; ++t) {
         const uint32_t s = t % PSTAGES, ka = stg + s * 2 * TILE_BYTES, va = ka + TILE_BYTES;
         mbar_wait(full + s * 8, (t / PSTAGES) & 1);
+        if constexpr (PAGED) fence_async_smem();  // the producer's cp.async writes, to the MMAs
         {  // a tile past this item's rows runs too, fully masked
             float sc[2][32];
             lab_wg_fence();
@@ -609,8 +671,8 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
                 lab_wg_fence();
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
-                    wg_m64n128_rs<0>(o, pk[j][0], pk[j][1], pk[j][2], pk[j][3],
-                                     lab_desc(va + j * ATT_UNIT * D * 2, 128, 256));
+                    wg_m64n128_rs<PAGED ? 1 : 0>(o, pk[j][0], pk[j][1], pk[j][2], pk[j][3],
+                                                 lab_desc(va + j * ATT_UNIT * D * 2, 128, 256));
                 lab_wg_commit();
             } else
 #pragma unroll
@@ -636,8 +698,8 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
                 pk[j][2] = pa[0][1];
                 pk[j][3] = pa[1][1];
                 lab_wg_fence();
-                wg_m64n128_rs<0>(o, pk[j][0], pk[j][1], pk[j][2], pk[j][3],
-                                 lab_desc(va + j * ATT_UNIT * D * 2, 128, 256));
+                wg_m64n128_rs<PAGED ? 1 : 0>(o, pk[j][0], pk[j][1], pk[j][2], pk[j][3],
+                                             lab_desc(va + j * ATT_UNIT * D * 2, 128, 256));
                 lab_wg_commit();
                 if constexpr (engine_arith(CHT)) {
                     // A chain that ends here folds once its last P V has completed (the cut is
@@ -675,7 +737,7 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
 // The probe over a prefill of n tokens (Qwen3-8B heads: 32 query heads, 8 key/value heads), in
 // chains of CHT tiles: its time and rate, and how many outputs of a few items differ from the
 // reference.
-template <uint32_t CHT, bool U64 = false>
+template <uint32_t CHT, bool U64 = false, bool PAGED = false>
 static int run_probe(uint32_t n) {
     const uint32_t hkv = 8, groups = n / 16, items = groups * hkv, tiles = (n + PT - 1) / PT;
     bf16 *q, *k, *v;
@@ -694,21 +756,40 @@ static int run_probe(uint32_t n) {
     fill_bf16<<<512, 256>>>(k, (size_t)hkv * n * D, 12, 1.0f);
     fill_bf16<<<512, 256>>>(v, (size_t)hkv * n * D, 13, 1.0f);
     probe_images<<<1024, 256>>>(q, k, v, qimg, kimg, vimg, items, hkv, n, tiles);
+    // The paged cache (PAGED): the blocks in a fixed shuffled order.
+    bf16 *kc = nullptr, *vc = nullptr;
+    uint32_t* table = nullptr;
+    if (PAGED) {
+        const uint32_t blocks = (n + ATT_UNIT - 1) / ATT_UNIT;
+        std::vector<uint32_t> perm(blocks);
+        for (uint32_t b = 0; b < blocks; ++b) perm[b] = b;
+        uint64_t x = 0x9E3779B97F4A7C15ull;
+        for (uint32_t b = blocks; b > 1; --b) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            std::swap(perm[b - 1], perm[x % b]);
+        }
+        CK(cudaMalloc(&table, blocks * 4));
+        CK(cudaMemcpy(table, perm.data(), blocks * 4, cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&kc, (size_t)blocks * ATT_UNIT * hkv * D * 2));
+        CK(cudaMalloc(&vc, (size_t)blocks * ATT_UNIT * hkv * D * 2));
+        paged_fill<<<1024, 256>>>(k, v, table, kc, vc, hkv, n);
+    }
     CK(cudaMemset(o, 0xFF, (size_t)items * VROWS * D * 4));
     CK(cudaMemset(m, 0xFF, (size_t)items * VROWS * 4));
     CK(cudaMemset(l, 0xFF, (size_t)items * VROWS * 4 * 4));
     constexpr uint32_t smem = engine_arith(CHT) ? PROBE_SMEM_ENGINE : PROBE_SMEM;
-    char what[64];
+    char what[96];
     if (CHT == ENGINE)
         snprintf(what, sizeof what, "the engine's %d splits of %d chains", ATT_SPLITS, ATT_WARPS);
     else if (CHT == ENGINE4)
         snprintf(what, sizeof what, "%d splits of up to %d chains of 4+ units", ATT_SPLITS, ATT_WARPS);
     else
         snprintf(what, sizeof what, "chains of %u tokens (0: one chain)", CHT * PT);
-    CK(cudaFuncSetAttribute(probe_kernel<CHT, U64>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const Probe pr{qimg, kimg, vimg, o, m, l, hkv, tiles};
+    if (PAGED) strncat(what, ", gathered from a paged cache", sizeof what - strlen(what) - 1);
+    CK(cudaFuncSetAttribute(probe_kernel<CHT, U64, PAGED>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const Probe pr{qimg, kimg, vimg, o, m, l, hkv, tiles, kc, vc, table, n};
     const dim3 grid(groups / 2, hkv);
-    probe_kernel<CHT, U64><<<grid, 384, smem>>>(pr);
+    probe_kernel<CHT, U64, PAGED><<<grid, 384, smem>>>(pr);
     CK(cudaDeviceSynchronize());
     // Bit for bit against the reference on the first, a middle and the last row groups.
     int bad = 0;
@@ -740,7 +821,7 @@ static int run_probe(uint32_t n) {
     std::vector<double> ms;
     for (int rep = 0; rep < 7; ++rep) {
         CK(cudaEventRecord(e0));
-        probe_kernel<CHT, U64><<<grid, 384, smem>>>(pr);
+        probe_kernel<CHT, U64, PAGED><<<grid, 384, smem>>>(pr);
         CK(cudaEventRecord(e1));
         CK(cudaEventSynchronize(e1));
         float t;
@@ -755,6 +836,9 @@ static int run_probe(uint32_t n) {
     CK(cudaFree(q)); CK(cudaFree(k)); CK(cudaFree(v));
     CK(cudaFree(qimg)); CK(cudaFree(kimg)); CK(cudaFree(vimg));
     CK(cudaFree(o)); CK(cudaFree(m)); CK(cudaFree(l));
+    if (PAGED) {
+        CK(cudaFree(kc)); CK(cudaFree(vc)); CK(cudaFree(table));
+    }
     return bad;
 }
 
@@ -1048,6 +1132,9 @@ int main() {
     for (uint32_t n : {2048u, 16384u}) {
         run_probe<ENGINE>(n);   // the engine's arithmetic, checked against its walk
         run_probe<ENGINE4>(n);  // its splits with chains of at least 4 units
+        run_probe<ENGINE, false, true>(n);   // the engine's arithmetic, gathered from a paged cache
+        run_probe<ENGINE4, false, true>(n);
+        run_probe<0, false, true>(n);
         run_probe<0>(n);
         run_probe<4>(n);        // the candidate arithmetic: chains of 256 tokens
         run_probe<2>(n);        // chains of 128 tokens
