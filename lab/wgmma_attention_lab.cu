@@ -35,7 +35,8 @@
 // decode rows in the chain arithmetic (a warp a chain, then a fold kernel), bitwise against the
 // reference's rows and timed at batch 1 (1,024 and 32,768 tokens) and 32 (8,192).
 //
-// Build: lab/build.sh (target/gemm-lab/wgmma_attention_lab); run with no arguments.
+// Build: lab/build.sh (target/gemm-lab/wgmma_attention_lab); run with no arguments, or with
+// `probes` for the prefill throughput probes alone.
 #include "../kernels/attention.cu"
 
 #include <cuda_runtime.h>
@@ -1071,7 +1072,10 @@ static int run_decode_probe(uint32_t rows, uint32_t ctx) {
     return bad;
 }
 
-int main() {
+int main(int argc, char** argv) {
+    // `probes`: the prefill throughput probes only (the candidates' and decode rows' checks are
+    // skipped).
+    const bool probes_only = argc > 1 && strcmp(argv[1], "probes") == 0;
     // Positions of the item's first row: a first chunk, rows across a unit boundary late in a
     // prompt, and a long context (many units, most maxima settled).
     const uint32_t p0s[] = {0, 37, 500, 2032};
@@ -1088,7 +1092,7 @@ int main() {
         {"S m64n16, V trans-b lbo=N sbo=K (VT 2)", wg_kernel<16, 2>},
     };
     int bad = 0, cases = 0;
-    for (float qscale : scales) {
+    for (float qscale : probes_only ? std::vector<float>{} : std::vector<float>(scales, scales + 2)) {
         for (uint32_t p0 : p0s) {
             const uint32_t ctx_max = p0 + VROWS / HB;
             bf16 *q, *k, *v;
@@ -1142,6 +1146,7 @@ int main() {
         run_probe<4, true>(n);  // with a 64-token softmax step (speed only)
         run_probe<2, true>(n);
     }
+    if (probes_only) return 0;
     // Decode in the same arithmetic: batch 1 at 1,024 and 32,768 tokens, batch 32 at 8,192.
     run_decode_probe<16>(1, 1024);
     run_decode_probe<16>(1, 32768);
