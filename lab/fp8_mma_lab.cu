@@ -84,58 +84,17 @@ __device__ __forceinline__ void stage_k32(uint8_t* s, int rows, int k0, bool rev
     }
 }
 
-// The candidate: one warpgroup, a wgmma m64n8k32 per 32 k, operands staged k-major without
-// swizzle (core matrices of 8 rows x 16 bytes: lbo 128 between the two k halves, sbo 256
-// between row groups). REV stages each 32 k in reverse order, in both operands: the same k set
-// and pairs, other slots (whether only the set counts, as for bf16).
-template <bool REV>
-__global__ void __launch_bounds__(128) wg_cand(float* out, const uint8_t* a, const uint8_t* b, const float* c, int k) {
-    __shared__ __align__(128) uint8_t sa[M * 32];
-    __shared__ __align__(128) uint8_t sb[N * 32];
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
-    const int r0 = 16 * warp + g, r1 = r0 + 8, n0 = 2 * q;
-    float d[4] = {c[r0 * N + n0], c[r0 * N + n0 + 1], c[r1 * N + n0], c[r1 * N + n0 + 1]};
-    for (int k0 = 0; k0 < k; k0 += 32) {
-        __syncthreads();
-        stage_k32(sa, M, k0, REV, [&](int r) { return a + r * k; });
-        stage_k32(sb, N, k0, REV, [&](int r) { return b + r * k; });
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+// d[NW / 2] += A B by one wgmma m64n{NW}k32 (e4m3, f32 accumulate), both operands by descriptor.
+template <int NW>
+__device__ __forceinline__ void wg_e4m3(float (&d)[NW / 2], uint64_t da, uint64_t db) {
+    if constexpr (NW == 8) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, 1;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "l"(desc(sa, 128, 256)), "l"(desc(sb, 128, 256)));
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    }
-    store_frag(out, r0, r1, n0, d);
-}
-
-// The same sums from a wider instruction: wgmma m64n64k32 over B's 8 rows and 56 more (random),
-// C's 8 columns beside 56 zero ones; writes the first 8 columns. Whether an output's FP8 sum
-// depends on the instruction's N: a decode kernel (8 tokens) and a prefill kernel (64 or more)
-// that both put the weight in A agree only if it does not.
-__global__ void __launch_bounds__(128) wg_n64(float* out, const uint8_t* a, const uint8_t* b, const uint8_t* bx,
-                                              const float* c, int k) {
-    constexpr int NW = 64;
-    __shared__ __align__(128) uint8_t sa[M * 32];
-    __shared__ __align__(128) uint8_t sb[NW * 32];
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
-    const int r0 = 16 * warp + g, r1 = r0 + 8, n0 = 2 * q;
-    float d[32] = {};
-    d[0] = c[r0 * N + n0];
-    d[1] = c[r0 * N + n0 + 1];
-    d[2] = c[r1 * N + n0];
-    d[3] = c[r1 * N + n0 + 1];
-    for (int k0 = 0; k0 < k; k0 += 32) {
-        __syncthreads();
-        stage_k32(sa, M, k0, false, [&](int r) { return a + r * k; });
-        stage_k32(sb, NW, k0, false, [&](int r) { return r < N ? b + r * k : bx + (r - N) * k; });
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+            : "l"(da), "l"(db));
+    } else {
+        static_assert(NW == 64, "NW is 8 or 64");
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, "
@@ -146,7 +105,37 @@ __global__ void __launch_bounds__(128) wg_n64(float* out, const uint8_t* a, cons
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
               "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
               "+f"(d[30]), "+f"(d[31])
-            : "l"(desc(sa, 128, 256)), "l"(desc(sb, 128, 256)));
+            : "l"(da), "l"(db));
+    }
+}
+
+// The candidate: one warpgroup, a wgmma m64n{NW}k32 per 32 k, operands staged k-major without
+// swizzle (core matrices of 8 rows x 16 bytes: lbo 128 between the two k halves, sbo 256
+// between row groups). REV stages each 32 k in reverse order, in both operands: the same k set
+// and pairs, other slots (whether only the set counts, as for bf16). NW 64: B's 8 rows and 56
+// more (`bx`, random), C's 8 columns beside 56 zero ones, the first 8 columns written; whether an
+// output's FP8 sum depends on the instruction's N (a decode kernel of 8 tokens and a prefill
+// kernel of 64 or more that both put the weight in A agree only if it does not).
+template <int NW, bool REV>
+__global__ void __launch_bounds__(128) wg_cand(float* out, const uint8_t* a, const uint8_t* b, const uint8_t* bx,
+                                               const float* c, int k) {
+    __shared__ __align__(128) uint8_t sa[M * 32];
+    __shared__ __align__(128) uint8_t sb[NW * 32];
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
+    const int r0 = 16 * warp + g, r1 = r0 + 8, n0 = 2 * q;
+    float d[NW / 2] = {};
+    d[0] = c[r0 * N + n0];
+    d[1] = c[r0 * N + n0 + 1];
+    d[2] = c[r1 * N + n0];
+    d[3] = c[r1 * N + n0 + 1];
+    for (int k0 = 0; k0 < k; k0 += 32) {
+        __syncthreads();
+        stage_k32(sa, M, k0, REV, [&](int r) { return a + r * k; });
+        stage_k32(sb, NW, k0, REV, [&](int r) { return r < N ? b + r * k : bx + (r - N) * k; });
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        wg_e4m3<NW>(d, desc(sa, 128, 256), desc(sb, 128, 256));
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     }
@@ -185,10 +174,10 @@ int main() {
             CK(cudaMemset(cand, 0xFF, M * N * 4));
             CK(cudaMemset(rev, 0xFF, M * N * 4));
             CK(cudaMemset(wide, 0xFF, M * N * 4));
-            wg_n64<<<1, 128>>>(wide, a, b, bx, c, k);
+            wg_cand<64, false><<<1, 128>>>(wide, a, b, bx, c, k);
             mma_ref<<<1, 128>>>(ref, a, b, c, k);
-            wg_cand<false><<<1, 128>>>(cand, a, b, c, k);
-            wg_cand<true><<<1, 128>>>(rev, a, b, c, k);
+            wg_cand<8, false><<<1, 128>>>(cand, a, b, nullptr, c, k);
+            wg_cand<8, true><<<1, 128>>>(rev, a, b, nullptr, c, k);
             CK(cudaDeviceSynchronize());
             std::vector<float> hr(M * N), hw(M * N), hv(M * N), hx(M * N);
             CK(cudaMemcpy(hx.data(), wide, M * N * 4, cudaMemcpyDeviceToHost));

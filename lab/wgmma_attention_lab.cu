@@ -226,23 +226,33 @@ MT_DEVICE EvCursor ev_start(uint32_t ctx, bool min4) {
     return c;
 }
 
+// One fold's maxima and sums for a row pair: the partial (pm, pl) into the total (tm, tl) under
+// att_fold_weights, whose weights come back in wt, wp; the partial left empty (-inf, 0).
+MT_DEVICE void eng_fold_rows(float (&tm)[2], float (&tl)[2], float (&pm)[2], float (&pl)[2], float (&wt)[2],
+                             float (&wp)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mn;
+        att_fold_weights(tm[r], pm[r], mn, wt[r], wp[r]);
+        tl[r] = att_fold(tl[r], pl[r], wt[r], wp[r]);
+        tm[r] = mn;
+        pm[r] = -INFINITY;
+        pl[r] = 0.0f;
+    }
+}
+
 // The engine's chain fold (atp_fold_chain): the chain's sums added over the quad, then its (o,
 // m, l) folded into the split's (numerators so[i * stride], sm, sl); the chain left empty (m
 // -inf, as a chain starts).
 MT_DEVICE void eng_fold_chain(float* so, uint32_t stride, float (&sm)[2], float (&sl)[2], float (&o)[64],
                               float (&m)[2], float (&l)[2]) {
-    float wt[2], wp[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        float mn;
-        att_fold_weights(sm[r], m[r], mn, wt[r], wp[r]);
-        sl[r] = att_fold(sl[r], l[r], wt[r], wp[r]);
-        sm[r] = mn;
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
     }
+    float wt[2], wp[2];
+    eng_fold_rows(sm, sl, m, l, wt, wp);
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
         so[i * stride] = att_fold(so[i * stride], o[i], wt[(i >> 1) & 1], wp[(i >> 1) & 1]);
@@ -255,15 +265,7 @@ MT_DEVICE void eng_fold_chain(float* so, uint32_t stride, float (&sm)[2], float 
 MT_DEVICE void eng_fold_split(float* fo, uint32_t stride, float (&fm)[2], float (&fl)[2], float* so, float (&sm)[2],
                               float (&sl)[2], bool first) {
     float wt[2], wp[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float mn;
-        att_fold_weights(fm[r], sm[r], mn, wt[r], wp[r]);
-        fl[r] = att_fold(fl[r], sl[r], wt[r], wp[r]);
-        fm[r] = mn;
-        sm[r] = -INFINITY;
-        sl[r] = 0.0f;
-    }
+    eng_fold_rows(fm, fl, sm, sl, wt, wp);
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
         fo[i * stride] = att_fold(first ? 0.0f : fo[i * stride], so[i * stride], wt[(i >> 1) & 1], wp[(i >> 1) & 1]);
