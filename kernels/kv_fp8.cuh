@@ -17,3 +17,16 @@
 MT_DEVICE uint8_t kv_e4m3(float x, float scale) {
     return (uint8_t)__nv_cvt_float_to_fp8(__fdiv_rn(x, scale), __NV_SATFINITE, __NV_E4M3);
 }
+
+// Eight stored elements at once: kv_e4m3 of the eight bf16 values in `v` (element 0 in the low
+// half of v.x), element i in byte i.
+MT_DEVICE uint2 kv_e4m3x8(uint4 v, float scale) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    uint32_t out[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float x = __uint_as_float((i & 1) ? (w[i / 2] & 0xFFFF0000u) : (w[i / 2] << 16));
+        out[i / 4] |= (uint32_t)kv_e4m3(x, scale) << (8 * (i % 4));
+    }
+    return make_uint2(out[0], out[1]);
+}
