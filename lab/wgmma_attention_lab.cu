@@ -35,8 +35,8 @@
 // decode rows in the chain arithmetic (a warp a chain, then a fold kernel), bitwise against the
 // reference's rows and timed at batch 1 (1,024 and 32,768 tokens) and 32 (8,192).
 //
-// Build: lab/build.sh (target/gemm-lab/wgmma_attention_lab); run with no arguments, or with
-// `probes` for the prefill throughput probes alone.
+// Build: lab/build.sh (target/gemm-lab/wgmma_attention_lab); run with no arguments, with
+// `probes` for the prefill throughput probes alone, or with `decode` for the decode rows alone.
 #include "../kernels/attention.cu"
 
 #include <cuda_runtime.h>
@@ -572,13 +572,18 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(Probe p) {
         }
         if constexpr (PAGED) {
             // Thread wt: token wt / 2 of each tile, chunks 8 (wt % 2) .. + 7 of its keys and values.
+            // The block-table entry of the next tile is read before waiting for its stage, so
+            // its latency overlaps the wait instead of delaying the copies.
             const uint32_t tok = wt / 2, ch0 = 8 * (wt % 2);
+            uint32_t blk = tok < p.n ? p.table[tok / ATT_UNIT] : 0u;
             for (uint32_t t = 0; t < tiles; ++t) {
                 const uint32_t s = t % PSTAGES, dst = stg + s * 2 * TILE_BYTES;
+                const uint32_t tt = t * PT + tok, tn = tt + PT;
+                const uint32_t cur = blk;
+                blk = t + 1 < tiles && tn < p.n ? p.table[tn / ATT_UNIT] : 0u;
                 mbar_wait(empty + s * 8, ((t / PSTAGES) & 1) ^ 1);
-                const uint32_t tt = t * PT + tok;
                 const bool live = tt < p.n;
-                const size_t slot = live ? (size_t)p.table[tt / ATT_UNIT] * ATT_UNIT + tt % ATT_UNIT : 0;
+                const size_t slot = live ? (size_t)cur * ATT_UNIT + tt % ATT_UNIT : 0;
                 const bf16* kp = p.kc + (slot * p.hkv + h) * D;
                 const bf16* vp = p.vc + (slot * p.hkv + h) * D;
                 const uint32_t vd = dst + TILE_BYTES + (tok / ATT_UNIT) * ATT_UNIT * D * 2;
@@ -1078,6 +1083,8 @@ int main(int argc, char** argv) {
     // `probes`: the prefill throughput probes only (the candidates' and decode rows' checks are
     // skipped).
     const bool probes_only = argc > 1 && strcmp(argv[1], "probes") == 0;
+    // `decode`: the decode rows alone.
+    const bool decode_only = argc > 1 && strcmp(argv[1], "decode") == 0;
     // Positions of the item's first row: a first chunk, rows across a unit boundary late in a
     // prompt, and a long context (many units, most maxima settled).
     const uint32_t p0s[] = {0, 37, 500, 2032};
@@ -1094,7 +1101,7 @@ int main(int argc, char** argv) {
         {"S m64n16, V trans-b lbo=N sbo=K (VT 2)", wg_kernel<16, 2>},
     };
     int bad = 0, cases = 0;
-    for (float qscale : probes_only ? std::vector<float>{} : std::vector<float>(scales, scales + 2)) {
+    for (float qscale : probes_only || decode_only ? std::vector<float>{} : std::vector<float>(scales, scales + 2)) {
         for (uint32_t p0 : p0s) {
             const uint32_t ctx_max = p0 + VROWS / HB;
             bf16 *q, *k, *v;
@@ -1134,8 +1141,9 @@ int main(int argc, char** argv) {
             CK(cudaFree(q)); CK(cudaFree(k)); CK(cudaFree(v));
         }
     }
-    printf("wgmma attention lab: %d of %d candidate cases differ from the mma.sync reference\n", bad, cases);
-    for (uint32_t n : {2048u, 16384u}) {
+    if (!decode_only)
+        printf("wgmma attention lab: %d of %d candidate cases differ from the mma.sync reference\n", bad, cases);
+    for (uint32_t n : decode_only ? std::vector<uint32_t>{} : std::vector<uint32_t>{2048u, 16384u}) {
         run_probe<ENGINE>(n);   // the engine's arithmetic, checked against its walk
         run_probe<ENGINE4>(n);  // its splits with chains of at least 4 units
         run_probe<ENGINE, false, true>(n);   // the engine's arithmetic, gathered from a paged cache
@@ -1145,6 +1153,7 @@ int main(int argc, char** argv) {
         run_probe<4>(n);        // the candidate arithmetic: chains of 256 tokens
         run_probe<2>(n);        // chains of 128 tokens
         run_probe<1>(n);        // chains of 64 tokens
+        run_probe<1, false, true>(n);  // chains of 64 tokens, gathered from a paged cache
         run_probe<4, true>(n);  // with a 64-token softmax step (speed only)
         run_probe<2, true>(n);
     }
