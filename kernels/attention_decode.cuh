@@ -445,8 +445,8 @@ MT_DEVICE bool att_warp_units(const AttLaunch& a, bf16* ring, const bf16* qslot,
         __syncwarp();
         const uint32_t st = consumed % ATT_STAGES;
         if constexpr (FP8)
-            att_widen_rows<DP>(kv2, ring + st * AttWarpLayout<DP>::STAGE, 2 * ATT_UNIT, [](uint32_t i) { return i; },
-                               lane);
+            att_widen_rows<DP, 16>(kv2, ring + st * AttWarpLayout<DP>::STAGE, 2 * ATT_UNIT,
+                                   [](uint32_t i) { return i; }, lane);
         att_unit<DP>(ring + st * AttWarpLayout<DP>::STAGE, qslot, first + i, ctx, a.scale_log2, i == 0,
                      lane, o, m, l);
         bad = bad || ((bad_bits >> st) & 1u) != 0;

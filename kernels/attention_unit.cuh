@@ -399,10 +399,13 @@ MT_DEVICE void att_fp8_copy(const AttLaunch& a, const uint8_t* kb, const uint8_t
 
 // Widen `n` rows of a stage (row(i): the i-th, rows 0..15 keys, 16..31 values) from the e4m3
 // bytes at their top to bf16 from their start, in place, by one warp after its copies landed
-// (and a __syncwarp): each pass reads whole rows into registers, syncs, then writes them.
-template <int DP, typename Row>
+// (and a __syncwarp): each pass reads whole rows into registers, P chunks of 8 bytes a lane,
+// syncs, then writes them. A warp that widens a whole unit alone (the decode kernels) takes
+// P = 16, all of a unit's rows at head_dim 128 in one pass: the passes' loads, conversions and
+// stores are latency its few warps cannot hide.
+template <int DP, int P = 4, typename Row>
 MT_DEVICE void att_widen_rows(const uint32_t (&kv2)[2], bf16* stage, uint32_t n, Row&& row, uint32_t lane) {
-    constexpr uint32_t C8 = DP / 8, P = 4, ROWS = 32 * P / C8;  // 8-byte chunks a row; rows a pass
+    constexpr uint32_t C8 = DP / 8, ROWS = 32 * P / C8;  // 8-byte chunks a row; rows a pass
     for (uint32_t r0 = 0; r0 < n; r0 += ROWS) {
         uint2 q[P];
 #pragma unroll
