@@ -358,6 +358,7 @@ fn the_gate_turns_speculation_off_while_slower_and_back_on_past_the_margin() {
             .margin_percent(5)
             .ema_steps(4)
             .probe_every(16)
+            .probe_every_max(16)
             .probe_steps(4),
     );
     let clock = TestClock::default();

@@ -5,18 +5,27 @@
 //! class `n.next_power_of_two()` (1, 2, 4, 8, ...), and each class decides on its own
 //! measurements, so speculation can stay on at batch 1 and off at batch 32.
 //!
-//! Within a class the gate keeps an exponential moving average of the tokens per second of
-//! decode steps of each mode (a step's generated tokens over its time, the drafting after it
-//! included), with weight `1 / ema_steps` per step. While one mode runs, every `probe_every` of
-//! its steps the class runs `probe_steps` steps of the other mode, so both averages stay
-//! current (the first probe comes as soon as the first mode has `probe_steps` samples). It
-//! switches mode when the other mode's average beats the current one's by more than
-//! `margin_percent` (a band of twice that inside which it stays put, so it does not flap between
-//! modes of about equal speed), and only once both averages have at least `probe_steps`
-//! samples. A class not met yet speculates.
+//! Within a class the gate keeps a moving average of the tokens per second of decode steps of
+//! each mode (a step's generated tokens over its time, the drafting after it included): the mean
+//! of its first `ema_steps` samples, then exponential with weight `1 / ema_steps` per step. While
+//! one mode runs, every so many of its
+//! steps the class runs `probe_steps` steps of the other mode, so both averages stay current
+//! (the first probe comes as soon as the first mode has `probe_steps` samples); a probe measures
+//! the other mode afresh, its average restarted, since steps run a period ago say little about
+//! the load now. It switches mode
+//! when the other mode's average beats the current one's by more than `margin_percent` (a band
+//! of twice that inside which it stays put, so it does not flap between modes of about equal
+//! speed), and only once both averages have at least `probe_steps` samples. A class not met yet
+//! speculates.
+//!
+//! Probes back off: the steps between two probes start at `probe_every` and double after each
+//! probe that leaves the mode as it was, up to `probe_every_max`; a switch starts them over. A
+//! probe of the slower mode costs its steps' difference (with a drafter that accepts nothing, a
+//! verify step and its drafts for one token each), so a class settled on one mode pays less and
+//! less for asking again.
 //!
 //! The averages mix whatever steps of the class ran; probes keep them recent, so after a change
-//! of load the gate follows within a probe period or two.
+//! of load the gate follows within a probe period or two (`probe_every_max` steps at most).
 //!
 //! Invariants:
 //! - The gate reads no clock: the scheduler hands it each step's duration from its `Clock`
@@ -37,8 +46,12 @@ pub struct GateOptions {
     pub margin_percent: u32,
     /// Steps the moving averages span (each step weighs `1 / ema_steps`). Default 16.
     pub ema_steps: u32,
-    /// Steps of the current mode between two probes of the other. Default 128.
+    /// Steps of the current mode before the first probe of the other after a switch (or after
+    /// the class's first measurements). Default 128.
     pub probe_every: usize,
+    /// The most steps between two probes once they back off (each probe that does not switch
+    /// the mode doubles the period, from `probe_every`). Default 1024.
+    pub probe_every_max: usize,
     /// Steps each probe runs. Default 8.
     pub probe_steps: usize,
 }
@@ -50,6 +63,7 @@ impl Default for GateOptions {
             margin_percent: 5,
             ema_steps: 16,
             probe_every: 128,
+            probe_every_max: 1024,
             probe_steps: 8,
         }
     }
@@ -77,6 +91,12 @@ impl GateOptions {
     /// Set `probe_every`.
     pub fn probe_every(mut self, steps: usize) -> Self {
         self.probe_every = steps;
+        self
+    }
+
+    /// Set `probe_every_max`.
+    pub fn probe_every_max(mut self, steps: usize) -> Self {
+        self.probe_every_max = steps;
         self
     }
 
@@ -119,11 +139,8 @@ struct Rate {
 impl Rate {
     fn add(&mut self, tok_s: f64, ema_steps: u32) {
         self.samples += 1;
-        if self.samples == 1 {
-            self.tok_s = tok_s;
-        } else {
-            self.tok_s += (tok_s - self.tok_s) / f64::from(ema_steps.max(1));
-        }
+        let weight = self.samples.min(ema_steps.max(1) as usize);
+        self.tok_s += (tok_s - self.tok_s) / weight as f64;
     }
 }
 
@@ -134,6 +151,8 @@ struct ClassGate {
     on: bool,
     /// Steps of the chosen mode since the last probe.
     since_probe: usize,
+    /// Steps of the chosen mode between probes now (0: `probe_every`, not backed off yet).
+    period: usize,
     /// Probe steps left to run in the other mode.
     probe_left: usize,
     /// Averages without (0) and with (1) speculation.
@@ -146,6 +165,7 @@ impl Default for ClassGate {
         ClassGate {
             on: true,
             since_probe: 0,
+            period: 0,
             probe_left: 0,
             rates: [Rate::default(); 2],
             switches: 0,
@@ -163,18 +183,36 @@ impl ClassGate {
         if secs > 0.0 {
             self.rates[usize::from(speculative)].add(tokens as f64 / secs, opts.ema_steps);
         }
+        let mut probe_ended = false;
         if self.probe_left > 0 {
             if speculative != self.on {
                 self.probe_left -= 1;
+                probe_ended = self.probe_left == 0;
             }
         } else if speculative == self.on {
             self.since_probe += 1;
-            if self.since_probe >= opts.probe_every {
+            if self.since_probe >= self.period(opts) {
                 self.since_probe = 0;
                 self.probe_left = opts.probe_steps.max(1);
+                self.rates[usize::from(!self.on)] = Rate::default();
             }
         }
+        let switches = self.switches;
         self.decide(opts);
+        if probe_ended && self.switches == switches {
+            // The probe confirmed the mode: ask again later.
+            let max = opts.probe_every_max.max(opts.probe_every).max(1);
+            self.period = self.period(opts).saturating_mul(2).min(max);
+        }
+    }
+
+    /// Steps of the chosen mode between two probes now.
+    fn period(&self, opts: &GateOptions) -> usize {
+        if self.period == 0 {
+            opts.probe_every.max(1)
+        } else {
+            self.period
+        }
     }
 
     /// Switch when the other mode is faster by more than the margin.
@@ -197,6 +235,7 @@ impl ClassGate {
             self.on = !self.on;
             self.switches += 1;
             self.since_probe = 0;
+            self.period = 0;
             self.probe_left = 0;
         }
     }
@@ -284,12 +323,14 @@ mod tests {
             .margin_percent(9)
             .ema_steps(4)
             .probe_every(32)
+            .probe_every_max(64)
             .probe_steps(2);
         let want = GateOptions {
             enabled: false,
             margin_percent: 9,
             ema_steps: 4,
             probe_every: 32,
+            probe_every_max: 64,
             probe_steps: 2,
         };
         assert_eq!(o, want);
@@ -332,9 +373,22 @@ mod tests {
         // Speculation: 2 tokens in 12 ms; plain: 1 token in 10 ms.
         let modes = run(&mut g, 300, |s| if s { (2, ms(12)) } else { (1, ms(10)) });
         assert!(g.is_on(1) && g.switches() == 0);
-        // It probed plain decode right after its first 8 steps, and again every 128 steps.
+        // It probed plain decode right after its first 8 steps, then after 256 steps of
+        // speculation (the first probe confirmed it: the period doubled from 128), then after
+        // 512, 1024 and 1024 more.
         assert!(modes[..8].iter().all(|&s| s) && modes[8..16].iter().all(|&s| !s));
-        assert_eq!(modes.iter().filter(|&&s| !s).count(), 8 * 3);
+        let probes: Vec<usize> = (1..modes.len())
+            .filter(|&i| !modes[i] && modes[i - 1])
+            .collect();
+        assert_eq!(probes, [8, 16 + 256]);
+        assert_eq!(modes.iter().filter(|&&s| !s).count(), 8 * 2);
+        let modes = run(&mut g, 3000, |s| if s { (2, ms(12)) } else { (1, ms(10)) });
+        let probes: Vec<usize> = (1..modes.len())
+            .filter(|&i| !modes[i] && modes[i - 1])
+            .collect();
+        // 300 steps in: 20 steps into the period of 512 that began at step 280.
+        let first = 512 - 20;
+        assert_eq!(probes, [first, first + 8 + 1024, first + 2 * (8 + 1024)]);
     }
 
     #[test]
@@ -345,15 +399,26 @@ mod tests {
         assert!(!g.is_on(1), "{g:?}");
         assert_eq!(g.switches(), 1);
         // Speculation now 3% faster: inside the margin, the gate stays off (probing on).
-        run(
+        let modes = run(
             &mut g,
             600,
             |s| if s { (103, ms(1000)) } else { (1, ms(10)) },
         );
         assert!(!g.is_on(1), "{g:?}");
         assert_eq!(g.switches(), 1);
-        // 20% faster: the next probe's average crosses the margin and the gate turns on.
-        let modes = run(&mut g, 300, |s| if s { (12, ms(100)) } else { (1, ms(10)) });
+        // The switch (after step 16) started the probes' period over at 128; the probe at step
+        // 144 confirmed the mode and doubled it.
+        let probes: Vec<usize> = (0..modes.len())
+            .filter(|&i| modes[i] && (i == 0 || !modes[i - 1]))
+            .collect();
+        assert_eq!(probes, [144 - 40, 144 + 8 + 256 - 40]);
+        // 20% faster: the next probe's average crosses the margin and the gate turns on, within
+        // the longest period between probes.
+        let modes = run(
+            &mut g,
+            1100,
+            |s| if s { (12, ms(100)) } else { (1, ms(10)) },
+        );
         assert!(g.is_on(1), "{g:?}");
         assert_eq!(g.switches(), 2);
         assert!(modes.last() == Some(&true));
