@@ -163,8 +163,23 @@ fn mtp_through_the_scheduler_gives_the_plain_schedulers_greedy_output() {
 }
 
 /// Delegates to the MTP head, recording each request's drafts (by request id) in order.
-#[derive(Clone, Default)]
-struct PerRequest(Arc<Mutex<HashMap<usize, Vec<Vec<u32>>>>>);
+#[derive(Clone)]
+struct PerRequest(
+    Arc<Mutex<HashMap<usize, Vec<Vec<u32>>>>>,
+    Arc<Mutex<MtpDrafter>>,
+);
+
+impl Default for PerRequest {
+    fn default() -> Self {
+        PerRequest::new(MtpDrafter::default())
+    }
+}
+
+impl PerRequest {
+    fn new(head: MtpDrafter) -> Self {
+        PerRequest(Arc::default(), Arc::new(Mutex::new(head)))
+    }
+}
 
 impl Drafter for PerRequest {
     fn draft(
@@ -172,7 +187,7 @@ impl Drafter for PerRequest {
         runner: &mut StepRunner,
         inputs: &[DraftInput<'_>],
     ) -> Result<Vec<Vec<u32>>, ModelError> {
-        let drafts = MtpDrafter.draft(runner, inputs)?;
+        let drafts = self.1.lock().unwrap().draft(runner, inputs)?;
         let mut seen = self.0.lock().unwrap();
         for (inp, d) in inputs.iter().zip(&drafts) {
             if !d.is_empty() {
@@ -396,6 +411,63 @@ fn the_gate_turns_speculation_off_while_slower_and_back_on_past_the_margin() {
     // The two sequences decoded together: batch width 2's class measured both modes.
     let (plain, speculative) = s.speculation().unwrap().gate().rates(2);
     assert!(plain.is_some() && speculative.is_some());
+}
+
+/// While the gate has speculation off, the MTP head's take-ins lag: rows are archived and taken
+/// in before the next drafts. Through the gate turning speculation off and on again (probes
+/// every 16 steps), the lagging head drafts exactly what a head taking in every step drafts,
+/// request by request: an archived row lost, misplaced or taken in at the wrong position would
+/// leave other head KV and give other drafts.
+#[test]
+fn a_lagging_take_in_drafts_what_taking_in_every_step_drafts() {
+    let fx = MtpFixture::new("qwen3_5-tiny");
+    let reqs: Vec<SeqRequest> = prompts()[..3].iter().map(|q| request(q, 90, &[])).collect();
+    let want = plain(fx.path(), &reqs);
+    let mut seen = Vec::new();
+    for head in [MtpDrafter::without_lag(), MtpDrafter::default()] {
+        let mut s = fx.load(
+            ModelOptions::default()
+                .speculative(Speculative::Mtp)
+                .num_draft_tokens(2),
+        );
+        let rec = PerRequest::new(head);
+        s.set_drafter(Some(Box::new(rec.clone()))).unwrap();
+        let spec = s.speculation().unwrap();
+        spec.set_gate(
+            GateOptions::default()
+                .margin_percent(5)
+                .ema_steps(4)
+                .probe_every(16)
+                .probe_every_max(16)
+                .probe_steps(4),
+        );
+        let clock = TestClock::default();
+        spec.set_clock(Box::new(clock.clone()));
+        let mut steps = 0;
+        let got = serve(&mut s, &reqs, |s| {
+            // A verify step costs three plain steps for the first 60 steps (speculation turns
+            // off), half of one after (a probe turns it on again).
+            steps += 1;
+            let cost = match (steps < 60, s.next_decode_speculates()) {
+                (true, true) => 30,
+                (false, true) => 5,
+                _ => 10,
+            };
+            clock.set_step_cost(Duration::from_millis(cost));
+        });
+        assert_same(&got.out, &want, "lagging take-in");
+        let stats = s.stats().speculation.unwrap();
+        assert_eq!(stats.switches, 2);
+        seen.push((
+            rec.0.lock().unwrap().clone(),
+            rec.1.lock().unwrap().archived_rows(),
+        ));
+    }
+    let (every_step, lagging) = (&seen[0], &seen[1]);
+    assert_eq!(every_step.1, 0);
+    assert!(lagging.1 > 20, "rows archived: {}", lagging.1);
+    assert!(every_step.0.values().map(Vec::len).sum::<usize>() > 10);
+    assert_eq!(every_step.0, lagging.0);
 }
 
 /// Sampling with drafts through the scheduler: valid tokens, the requested lengths, logits for

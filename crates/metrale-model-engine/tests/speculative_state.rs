@@ -217,7 +217,7 @@ fn the_mtp_head_reads_the_next_token_and_the_target_row_at_each_position() {
     seq.ensure(&mut model, n + 2);
     let generated = [x_n];
     let mut spy = Spy {
-        inner: MtpDrafter,
+        inner: MtpDrafter::default(),
         first_logits: None,
     };
     let input = DraftInput {
@@ -228,6 +228,7 @@ fn the_mtp_head_reads_the_next_token_and_the_target_row_at_each_position() {
         step_rows: 0..n as u32,
         first_position: 0,
         num_drafts: 1,
+        leaving: false,
     };
     spy.draft(&mut model.runner, &[input]).unwrap();
     let drafted = spy.first_logits.unwrap();

@@ -28,6 +28,12 @@ fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
 /// The MTP head's logits at the last prompt position after a prefill of `prompt`, on `tp`
 /// ranks.
 fn head_logits(dir: &Path, prompt: &[u32], tp: usize) -> Vec<f32> {
+    head_logits_via(dir, prompt, tp, false)
+}
+
+/// [`head_logits`], the head's rows taken in directly or (`archived`) copied to the archive
+/// first (in reverse order, from row 3) and taken in from there.
+fn head_logits_via(dir: &Path, prompt: &[u32], tp: usize, archived: bool) -> Vec<f32> {
     let gpus: Vec<Arc<dyn GpuBackend>> = if tp == 1 {
         vec![Arc::new(CpuBackend::default())]
     } else {
@@ -70,16 +76,40 @@ fn head_logits(dir: &Path, prompt: &[u32], tp: usize) -> Vec<f32> {
         })
         .collect();
     let hidden: Vec<u32> = (0..n as u32).collect();
-    runner
-        .mtp_step(&MtpStep {
-            rows: &head_rows,
-            tables: &[&table],
-            hidden_rows: &hidden,
-            logit_rows: &[n as u32 - 1],
-            depth: 0,
-        })
-        .unwrap();
+    let step = MtpStep {
+        rows: &head_rows,
+        tables: &[&table],
+        hidden_rows: &hidden,
+        logit_rows: &[n as u32 - 1],
+        depth: 0,
+    };
+    if archived {
+        let reversed: Vec<u32> = hidden.iter().rev().copied().collect();
+        runner.mtp_archive(&reversed, 3).unwrap();
+        let at: Vec<u32> = (0..n as u32).map(|p| 3 + (n as u32 - 1 - p)).collect();
+        let step = MtpStep {
+            hidden_rows: &at,
+            ..step
+        };
+        runner.mtp_step_archived(&step).unwrap();
+    } else {
+        runner.mtp_step(&step).unwrap();
+    }
     runner.logits(1).unwrap().remove(0)
+}
+
+/// Rows copied to the take-in archive (on every rank) and taken in from there give bitwise the
+/// head's logits of taking them in at once, whole or sharded.
+#[test]
+fn an_archived_take_in_is_bitwise_the_direct_one() {
+    let fx = MtpFixture::new("qwen3_5-tiny");
+    let prompt = &fx.prompts()[1];
+    for tp in [1, 2] {
+        let direct = head_logits_via(fx.path(), prompt, tp, false);
+        let archived = head_logits_via(fx.path(), prompt, tp, true);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&direct) == bits(&archived), "{tp} ranks");
+    }
 }
 
 #[test]

@@ -27,6 +27,10 @@ pub struct MtpBuffers {
     pub cat_ids: DevicePtr,
     /// bf16 `[R, 2H]`: `[normed embedding | normed hidden]` per row, `fc`'s input.
     pub cat: DevicePtr,
+    /// bf16 `[A, H]`: final-norm rows kept for a later take-in (`StepRunner::mtp_archive`).
+    pub archive: DevicePtr,
+    /// `A`, the archive's rows: twice the step's.
+    pub archive_rows: usize,
 }
 
 impl Model {

@@ -149,7 +149,8 @@ fn layout(model: &Model, sizes: &StepSizes) -> (ArenaLayout, LinearStagingSize) 
             .add("mtp.hidden", DType::F32, r * h)
             .add("mtp.cat_src", DType::Bf16, 2 * r * h)
             .add("mtp.cat_ids", DType::U32, 2 * r)
-            .add("mtp.cat", DType::Bf16, r * 2 * h);
+            .add("mtp.cat", DType::Bf16, r * 2 * h)
+            .add("mtp.archive", DType::Bf16, 2 * r * h);
     }
     // `linear`'s prefill kernel stages x here (`Ops::set_linear_staging`): rows up to the
     // step's, k up to the widest input of any projection.
@@ -282,6 +283,8 @@ pub(crate) fn allocate(model: &Model, sizes: &StepSizes) -> Result<Buffers, Mode
         cat_src: p("mtp.cat_src"),
         cat_ids: p("mtp.cat_ids"),
         cat: p("mtp.cat"),
+        archive: p("mtp.archive"),
+        archive_rows: 2 * sizes.max_rows,
     });
     let sampler = SamplerBuffers {
         rowp: p("sample.rowp"),

@@ -26,14 +26,16 @@
 //! Invariants:
 //! - `hidden_rows` index the rows of the step run just before (a target step or an MTP step):
 //!   the step's first launch gathers them out of `normed` (widened to f32), before anything
-//!   overwrites it.
+//!   overwrites it; or, in `mtp_step_archived`, the rows of the archive (`MtpBuffers::archive`,
+//!   twice the step's rows of bf16 final-norm output), which `mtp_archive` fills from `normed`
+//!   with the same values, so a row taken in from there computes what it computes at once.
 //! - The head's layers use KV pools of their own through the sequences' block tables; they
 //!   touch no SSM state and no target KV pool.
 
 use metrale_cache::BlockTable;
 use metrale_model_layers::StepShape;
 
-use super::ranks::{MtpRankStep, mtp_upload};
+use super::ranks::{MtpRankStep, mtp_archive_copy, mtp_upload};
 use super::{GraphKey, StepInput, StepRow, StepRunner};
 use crate::error::ModelError;
 
@@ -65,8 +67,51 @@ impl StepRunner {
         self.draft_program_steps
     }
 
+    /// Rows the head's take-in archive holds (0 without the head): final-norm rows a drafter
+    /// keeps with `mtp_archive` and takes in later with `mtp_step_archived`.
+    pub fn mtp_archive_rows(&self) -> usize {
+        self.forward.mtp.map_or(0, |m| m.archive_rows)
+    }
+
+    /// Copy the final-norm output of rows `hidden_rows` of the step run just before (as
+    /// `MtpStep::hidden_rows` index them) to archive rows `at..`, on every rank. The copy leaves
+    /// the step's outputs as they are: the next step may still read them.
+    pub fn mtp_archive(&mut self, hidden_rows: &[u32], at: usize) -> Result<(), ModelError> {
+        let (cap, prev) = (self.mtp_archive_rows(), self.last_rows);
+        if cap == 0 {
+            return Err(ModelError::Step(
+                "the MTP head is not set up (load with speculative = Mtp)".into(),
+            ));
+        }
+        if hidden_rows.is_empty() || at + hidden_rows.len() > cap {
+            return Err(ModelError::Step(format!(
+                "{} rows at archive row {at} do not fit its {cap} rows",
+                hidden_rows.len()
+            )));
+        }
+        if let Some(&r) = hidden_rows.iter().find(|&&r| r as usize >= prev) {
+            return Err(ModelError::Step(format!(
+                "hidden row {r} is past the {prev} rows of the previous step"
+            )));
+        }
+        self.on_ranks(
+            |me| mtp_archive_copy(&me.forward, hidden_rows, at, prev),
+            |peer, _, _| mtp_archive_copy(&peer.forward, hidden_rows, at, prev),
+        )
+    }
+
     /// Run one MTP step (see the module header); its logits replace the last step's.
     pub fn mtp_step(&mut self, step: &MtpStep<'_>) -> Result<(), ModelError> {
+        self.run_mtp_step(step, false)
+    }
+
+    /// [`StepRunner::mtp_step`] with `hidden_rows` indexing the archive (`mtp_archive`) instead
+    /// of the previous step.
+    pub fn mtp_step_archived(&mut self, step: &MtpStep<'_>) -> Result<(), ModelError> {
+        self.run_mtp_step(step, true)
+    }
+
+    fn run_mtp_step(&mut self, step: &MtpStep<'_>, archived: bool) -> Result<(), ModelError> {
         if self.forward.mtp.is_none() {
             return Err(ModelError::Step(
                 "the MTP head is not set up (load with speculative = Mtp)".into(),
@@ -87,9 +132,14 @@ impl StepRunner {
             )));
         }
         let prev = self.last_rows;
-        if let Some(&r) = step.hidden_rows.iter().find(|&&r| r as usize >= prev) {
+        let (bound, what) = if archived {
+            (self.mtp_archive_rows(), "the archive's")
+        } else {
+            (prev, "the previous step's")
+        };
+        if let Some(&r) = step.hidden_rows.iter().find(|&&r| r as usize >= bound) {
             return Err(ModelError::Step(format!(
-                "hidden row {r} is past the {prev} rows of the previous step"
+                "hidden row {r} is past {what} {bound} rows"
             )));
         }
         let layers = self.forward.head_pools.len().max(1);
@@ -98,6 +148,7 @@ impl StepRunner {
             hidden_rows: step.hidden_rows,
             prev,
             layer: step.depth % layers,
+            archived,
         };
         let shape = mtp_upload(&self.forward, self.io(), &rank_step)?;
         self.last_rows = step.rows.len();

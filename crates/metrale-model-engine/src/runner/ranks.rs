@@ -131,6 +131,8 @@ pub(crate) struct MtpRankStep<'a> {
     pub prev: usize,
     /// The head layer.
     pub layer: usize,
+    /// `hidden_rows` index the take-in archive (`MtpBuffers::archive`), not the previous step.
+    pub archived: bool,
 }
 
 /// The uploads of an MTP step on one rank (`forward`'s buffers through `io`): the hidden-row
@@ -151,11 +153,13 @@ pub(crate) fn mtp_upload(
         model.dims().hidden,
     );
     model.gpu().upload(mb.hidden_rows, step.hidden_rows, s)?;
-    let (hidden_rows, normed) = (
-        Matrix::f32(mb.hidden, n, hidden),
-        Matrix::bf16(forward.buf.acts.normed, step.prev as u32, hidden),
-    );
-    let whole = VocabRows::whole(step.prev as u32);
+    let normed = if step.archived {
+        Matrix::bf16(mb.archive, mb.archive_rows as u32, hidden)
+    } else {
+        Matrix::bf16(forward.buf.acts.normed, step.prev as u32, hidden)
+    };
+    let hidden_rows = Matrix::f32(mb.hidden, n, hidden);
+    let whole = VocabRows::whole(normed.rows);
     model
         .ops()
         .embedding_gather(s, hidden_rows, normed, mb.hidden_rows, whole)?;
@@ -163,6 +167,30 @@ pub(crate) fn mtp_upload(
     let cat_ids: Vec<u32> = (0..n).flat_map(|i| [i, n + i]).collect();
     model.gpu().upload(mb.cat_ids, &cat_ids, s)?;
     Ok(shape)
+}
+
+/// The archive copy of `StepRunner::mtp_archive` on one rank: rows `hidden_rows` of the
+/// previous step's final-norm output (`prev` rows) to archive rows `at..`.
+pub(crate) fn mtp_archive_copy(
+    forward: &Forward,
+    hidden_rows: &[u32],
+    at: usize,
+    prev: usize,
+) -> Result<(), ModelError> {
+    let mb = forward.mtp.ok_or_else(|| {
+        ModelError::Step("the MTP head is not set up (load with speculative = Mtp)".into())
+    })?;
+    let model = &forward.model;
+    let (s, hidden) = (model.stream(), model.dims().hidden);
+    model.gpu().upload(mb.hidden_rows, hidden_rows, s)?;
+    let row_bytes = hidden as usize * 2;
+    let out = Matrix::bf16(
+        mb.archive.offset(at * row_bytes),
+        hidden_rows.len() as u32,
+        hidden,
+    );
+    let normed = Matrix::bf16(forward.buf.acts.normed, prev as u32, hidden);
+    Ok(model.ops().gather_rows(s, out, normed, mb.hidden_rows)?)
 }
 
 /// Whether `e` is a collective that failed only because another rank aborted the group.

@@ -128,7 +128,7 @@ impl Scheduler {
             self.chunk_ran(i, range.len(), picked, events)?
         };
         if done.is_none() {
-            self.take_in(&[(i, 0..range.len() as u32, range.start)])?;
+            self.take_in(&[(i, 0..range.len() as u32, range.start)], &[])?;
         }
         self.publish_chunk(i, range.end)?;
         if let Some(reason) = done {

@@ -229,7 +229,8 @@ impl Scheduler {
                 rows: range.len(),
             };
         }
-        self.take_in(&ran)?;
+        let leaving: Vec<usize> = done.iter().map(|d| d.0).collect();
+        self.take_in(&ran, &leaving)?;
         // After the MTP head's take-in, which writes its own KV for these rows.
         prefix::publish_decoded(&self.runner, &mut self.cache, &mut self.running, &idx)?;
         if let Some((p, range)) = chunk {

@@ -4,8 +4,10 @@
 //! # Policy
 //! - **Take-in.** Right after every target step (prefill chunk, decode or verify step) the
 //!   drafter takes in the rows that joined each sequence's context, so the MTP head's KV cache
-//!   covers every position the target's does, whichever mode runs. Without drafts this head step
-//!   has no LM head (a few percent of a target step).
+//!   covers every position the target's does, whichever mode runs. Without drafts the MTP head
+//!   lags: its take-in copies the rows' hidden states to an archive, and one head step takes
+//!   them in before the next drafts (`speculative::mtp`), so a plain step costs a row copy, not
+//!   a head step.
 //! - **Drafts.** While the gate speculates, each sequence that is caught up (not replaying after
 //!   a preemption) drafts up to `K` tokens with its take-in: never more than would pass
 //!   `max_new_tokens` or the context (`StopRule::drafts_allowed`), and fewer (none) when the KV
@@ -92,7 +94,7 @@ impl Speculation {
     /// The MTP head's speculation when the runner runs it.
     pub(super) fn for_runner(runner: &StepRunner) -> Option<Speculation> {
         (runner.has_mtp())
-            .then(|| Speculation::new(runner, Box::new(MtpDrafter)))
+            .then(|| Speculation::new(runner, Box::new(MtpDrafter::default())))
             .flatten()
     }
 
@@ -199,12 +201,14 @@ impl Scheduler {
     }
 
     /// After a target step: the listed sequences take in their rows and, while the gate
-    /// speculates, draft for their next step.
-    pub(super) fn take_in(&mut self, ran: &[TakeIn]) -> Result<(), ModelError> {
+    /// speculates, draft for their next step. The drafter also sees every other running
+    /// sequence, without rows, and which of them retire after this step (`leaving`, indices in
+    /// `running`), so one that keeps rows for later knows which are still there.
+    pub(super) fn take_in(&mut self, ran: &[TakeIn], leaving: &[usize]) -> Result<(), ModelError> {
         let Some(spec) = self.spec.as_mut() else {
             return Ok(());
         };
-        if ran.is_empty() {
+        if ran.is_empty() && leaving.is_empty() {
             return Ok(());
         }
         // The next decode step's width: every running sequence past its prompt.
@@ -227,20 +231,28 @@ impl Scheduler {
             }
             wanted.push(k);
         }
-        let inputs: Vec<DraftInput<'_>> = (ran.iter().zip(&wanted))
-            .map(|(&(i, ref rows, first), &k)| {
-                let s = &self.running[i];
-                DraftInput {
-                    request: s.id.0 as usize,
-                    prompt: &s.tokens[..s.prompt_len],
-                    generated: &s.tokens[s.prompt_len..],
-                    table: &s.cache.table,
-                    step_rows: rows.clone(),
-                    first_position: first,
-                    num_drafts: k,
-                }
-            })
+        let input = |i: usize, step_rows, first_position, num_drafts, leaving| {
+            let s = &self.running[i];
+            DraftInput {
+                request: s.id.0 as usize,
+                prompt: &s.tokens[..s.prompt_len],
+                generated: &s.tokens[s.prompt_len..],
+                table: &s.cache.table,
+                step_rows,
+                first_position,
+                num_drafts,
+                leaving,
+            }
+        };
+        let mut inputs: Vec<DraftInput<'_>> = (ran.iter().zip(&wanted))
+            .map(|(&(i, ref rows, first), &k)| input(i, rows.clone(), first, k, false))
             .collect();
+        for i in 0..self.running.len() {
+            if !ran.iter().any(|r| r.0 == i) {
+                let at = self.running[i].computed;
+                inputs.push(input(i, 0..0, at, 0, leaving.contains(&i)));
+            }
+        }
         let drafts = spec.drafter.draft(&mut self.runner, &inputs)?;
         drop(inputs);
         for ((&(i, ..), &k), mut d) in ran.iter().zip(&wanted).zip(drafts) {
@@ -356,7 +368,8 @@ impl Scheduler {
                 }
             }
         }
-        self.take_in(&ran)?;
+        let leaving: Vec<usize> = done.iter().map(|d| d.0).collect();
+        self.take_in(&ran, &leaving)?;
         // The kept rows' blocks (where decode steps compute what prefill steps do), after the
         // MTP head's take-in has written its KV for them.
         super::prefix::publish_decoded(&self.runner, &mut self.cache, &mut self.running, &idx)?;

@@ -59,6 +59,10 @@ pub struct DraftInput<'a> {
     pub first_position: usize,
     /// Drafts wanted (0: only take in the rows).
     pub num_drafts: usize,
+    /// The sequence retires right after this take-in (it finished): a drafter holding rows of
+    /// it for later takes them in now or never. Sequences that ran no row this step come with
+    /// empty `step_rows`.
+    pub leaving: bool,
 }
 
 impl DraftInput<'_> {

@@ -7,14 +7,157 @@
 //! the head's own KV cache holds every position the target has. The last such row's logits
 //! give draft 1. Draft `i + 1` comes from a head step of one row per sequence at the next
 //! position, reading draft `i` and the head's own output for it. Drafts are greedy (argmax).
+//!
+//! Take-in lag: while no sequence drafts (the speculation gate has it off), the head need not
+//! be current, so a take-in only copies its rows' final-norm output to the runner's archive
+//! (`StepRunner::mtp_archive`) and the drafter remembers their sequence, position and token.
+//! The head takes the archived rows in, in one step of their own, at the first take-in that
+//! drafts, that does not fit in half the archive, or after which a sequence with archived rows
+//! retires (`DraftInput::leaving`); then it takes in that take-in's rows, from the archive as
+//! well, so the head's cache and drafts are bitwise those of taking in every step. A take-in
+//! lists every running sequence, so rows of a sequence no longer listed (preempted, to be
+//! recomputed and taken in again, or cancelled) are dropped. A plain decode step then costs a
+//! row copy instead of a head step.
 
 use super::{DraftInput, Drafter};
 use crate::error::ModelError;
 use crate::runner::{MtpStep, StepRow, StepRunner};
 
 /// See the module header.
-#[derive(Debug, Default)]
-pub struct MtpDrafter;
+#[derive(Debug)]
+pub struct MtpDrafter {
+    /// Whether take-ins without drafts go to the archive (the default) or run at once.
+    lag: bool,
+    /// The archived rows not taken in yet.
+    lagged: Vec<Lagged>,
+    /// Archive rows in use (rows of dropped entries included, until the lag empties).
+    used: usize,
+    /// Rows archived so far.
+    archived: u64,
+}
+
+impl Default for MtpDrafter {
+    fn default() -> Self {
+        MtpDrafter {
+            lag: true,
+            lagged: Vec::new(),
+            used: 0,
+            archived: 0,
+        }
+    }
+}
+
+impl MtpDrafter {
+    /// A drafter whose head takes in every step's rows at once (no archive; the tests' baseline).
+    pub fn without_lag() -> MtpDrafter {
+        MtpDrafter {
+            lag: false,
+            ..MtpDrafter::default()
+        }
+    }
+
+    /// Rows this drafter has archived instead of taking them in at once, so far.
+    pub fn archived_rows(&self) -> u64 {
+        self.archived
+    }
+
+    /// Take in `step` (the rows of the target step just run, depth 0), or archive its rows for
+    /// later (see the module header). Returns whether the head ran a step of `step`'s rows (its
+    /// logits are then the first drafts').
+    fn take_in(
+        &mut self,
+        runner: &mut StepRunner,
+        inputs: &[DraftInput<'_>],
+        step: &MtpStep<'_>,
+    ) -> Result<bool, ModelError> {
+        let (cap, n) = (runner.mtp_archive_rows(), step.rows.len());
+        self.lagged
+            .retain(|l| inputs.iter().any(|i| i.request == l.request));
+        if self.lagged.is_empty() {
+            self.used = 0;
+        }
+        let leaving = (inputs.iter())
+            .any(|i| i.leaving && self.lagged.iter().any(|l| l.request == i.request));
+        if self.lag && n > 0 && step.logit_rows.is_empty() && !leaving && self.used + n <= cap / 2 {
+            runner.mtp_archive(step.hidden_rows, self.used)?;
+            self.lagged
+                .extend(step.rows.iter().zip(self.used..).map(|(r, row)| Lagged {
+                    request: inputs[r.seq as usize].request,
+                    position: r.position,
+                    token: r.token,
+                    row: row as u32,
+                }));
+            self.used += n;
+            self.archived += n as u64;
+            return Ok(false);
+        }
+        if self.lagged.is_empty() {
+            if n > 0 {
+                runner.mtp_step(step)?;
+            }
+            return Ok(n > 0);
+        }
+        // This step's rows go behind the archived ones (half the archive holds at most a
+        // step's rows), since the archived rows' own head step overwrites the target's outputs.
+        let base = self.used;
+        if n > 0 {
+            runner.mtp_archive(step.hidden_rows, base)?;
+        }
+        let lagged = std::mem::take(&mut self.lagged);
+        self.used = 0;
+        let (mut rows, mut hidden, mut tables) = (Vec::new(), Vec::new(), Vec::new());
+        for inp in inputs {
+            // The sequence's archived rows below this take-in's, in position order, the latest
+            // copy of a position.
+            let mut mine: Vec<&Lagged> = (lagged.iter().rev())
+                .filter(|l| l.request == inp.request && (l.position as usize) < inp.first_position)
+                .collect();
+            mine.sort_by_key(|l| l.position);
+            mine.dedup_by_key(|l| l.position);
+            if mine.is_empty() {
+                continue;
+            }
+            let seq = tables.len() as u32;
+            tables.push(inp.table);
+            for l in mine {
+                rows.push(StepRow {
+                    token: l.token,
+                    position: l.position,
+                    seq,
+                });
+                hidden.push(l.row);
+            }
+        }
+        if !rows.is_empty() {
+            runner.mtp_step_archived(&MtpStep {
+                rows: &rows,
+                tables: &tables,
+                hidden_rows: &hidden,
+                logit_rows: &[],
+                depth: 0,
+            })?;
+        }
+        if n == 0 {
+            return Ok(false);
+        }
+        let moved: Vec<u32> = (base..base + n).map(|i| i as u32).collect();
+        runner.mtp_step_archived(&MtpStep {
+            hidden_rows: &moved,
+            ..*step
+        })?;
+        Ok(true)
+    }
+}
+
+/// A row archived for a later take-in: its sequence (`DraftInput::request`), position, the
+/// token after it and its archive row.
+#[derive(Debug, Clone, Copy)]
+struct Lagged {
+    request: usize,
+    position: u32,
+    token: u32,
+    row: u32,
+}
 
 /// A sequence of a draft chain: its table index in the chain's steps, its last row in the
 /// previous head step, the position of its next row.
@@ -64,13 +207,16 @@ impl Drafter for MtpDrafter {
             }
         }
         let tables: Vec<_> = inputs.iter().map(|i| i.table).collect();
-        runner.mtp_step(&MtpStep {
+        let step = MtpStep {
             rows: &rows,
             tables: &tables,
             hidden_rows: &hidden_rows,
             logit_rows: &logit_rows,
             depth: 0,
-        })?;
+        };
+        if !self.take_in(runner, inputs, &step)? {
+            return Ok(drafts);
+        }
         for (c, t) in chains.iter().zip(runner.greedy(chains.len())?) {
             drafts[c.input].push(t);
         }

@@ -148,7 +148,7 @@ pub(super) fn runs(
         .collect();
     let drafters: [(&'static str, Box<dyn Drafter + Send>); 2] = [
         ("oracle", Box::new(OracleDrafter::new(scripts))),
-        ("mtp", Box::new(MtpDrafter)),
+        ("mtp", Box::new(MtpDrafter::default())),
     ];
     let mut out = Vec::with_capacity(drafters.len());
     for (drafter, d) in drafters {

@@ -131,7 +131,7 @@ pub(super) fn end_to_end(
         };
         let (cold, r) = run(sched, &oracle)?;
         out.push(r.figure(&cold, format!("oracle K={k} (free drafts)"), k, &plain));
-        let (cold, r) = run(sched, &|| Some(Box::new(MtpDrafter)))?;
+        let (cold, r) = run(sched, &|| Some(Box::new(MtpDrafter::default())))?;
         out.push(r.figure(&cold, format!("mtp K={k} (random head)"), k, &plain));
     }
     sched.runner_mut().set_num_draft_tokens(kmax)?;
