@@ -128,7 +128,10 @@ impl Scheduler {
             self.chunk_ran(i, range.len(), picked, events)?
         };
         if done.is_none() {
-            self.take_in(&[(i, 0..range.len() as u32, range.start)], &[])?;
+            // A re-prefill leaves the batch after its last chunk.
+            let ends = reprefill && range.end == self.running[i].prompt_len;
+            let leaving: &[usize] = if ends { &[i] } else { &[] };
+            self.take_in(&[(i, 0..range.len() as u32, range.start)], leaving)?;
         }
         self.publish_chunk(i, range.end)?;
         if let Some(reason) = done {

@@ -245,7 +245,9 @@ impl Scheduler {
             }
         };
         let mut inputs: Vec<DraftInput<'_>> = (ran.iter().zip(&wanted))
-            .map(|(&(i, ref rows, first), &k)| input(i, rows.clone(), first, k, false))
+            .map(|(&(i, ref rows, first), &k)| {
+                input(i, rows.clone(), first, k, leaving.contains(&i))
+            })
             .collect();
         for i in 0..self.running.len() {
             if !ran.iter().any(|r| r.0 == i) {

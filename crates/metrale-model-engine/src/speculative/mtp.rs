@@ -12,8 +12,8 @@
 //! be current, so a take-in only copies its rows' final-norm output to the runner's archive
 //! (`StepRunner::mtp_archive`) and the drafter remembers their sequence, position and token.
 //! The head takes the archived rows in, in one step of their own, at the first take-in that
-//! drafts, that does not fit in half the archive, or after which a sequence with archived rows
-//! retires (`DraftInput::leaving`); then it takes in that take-in's rows, from the archive as
+//! drafts, that does not fit in half the archive, or after which a sequence with rows in it or
+//! archived retires (`DraftInput::leaving`: a finished sequence, a re-prefill's last chunk); then it takes in that take-in's rows, from the archive as
 //! well, so the head's cache and drafts are bitwise those of taking in every step. A take-in
 //! lists every running sequence, so rows of a sequence no longer listed (preempted, to be
 //! recomputed and taken in again, or cancelled) are dropped. A plain decode step then costs a
@@ -76,8 +76,11 @@ impl MtpDrafter {
         if self.lagged.is_empty() {
             self.used = 0;
         }
-        let leaving = (inputs.iter())
-            .any(|i| i.leaving && self.lagged.iter().any(|l| l.request == i.request));
+        // A sequence that retires after this take-in has its rows taken in now.
+        let leaving = inputs.iter().any(|i| {
+            i.leaving
+                && (!i.step_rows.is_empty() || self.lagged.iter().any(|l| l.request == i.request))
+        });
         if self.lag && n > 0 && step.logit_rows.is_empty() && !leaving && self.used + n <= cap / 2 {
             runner.mtp_archive(step.hidden_rows, self.used)?;
             self.lagged
