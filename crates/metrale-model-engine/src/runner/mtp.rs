@@ -153,13 +153,18 @@ impl StepRunner {
         let shape = mtp_upload(&self.forward, self.io(), &rank_step)?;
         self.last_rows = step.rows.len();
         self.on_ranks(
-            |me| me.mtp_launch(shape, rank_step.layer),
+            |me| me.mtp_launch(shape, rank_step.layer, rank_step.graphed()),
             |peer, sizes, options| peer.mtp(sizes, options, &rank_step),
         )
     }
 
     /// Rank 0's launches of [`StepRunner::mtp_step`] after its uploads.
-    fn mtp_launch(&mut self, shape: StepShape, layer: usize) -> Result<(), ModelError> {
+    fn mtp_launch(
+        &mut self,
+        shape: StepShape,
+        layer: usize,
+        graphed: bool,
+    ) -> Result<(), ModelError> {
         if self.forward.draft_program(shape, layer).is_some() {
             self.draft_program_steps += 1;
         }
@@ -169,7 +174,7 @@ impl StepRunner {
             logit_rows: shape.logit_rows,
             layer,
         };
-        if !self.options.decode_graphs || !self.graphs.admit(key)? {
+        if !self.options.decode_graphs || !graphed || !self.graphs.admit(key)? {
             return self.forward.mtp(shape, layer);
         }
         let forward = &self.forward;

@@ -8,16 +8,17 @@
 //! give draft 1. Draft `i + 1` comes from a head step of one row per sequence at the next
 //! position, reading draft `i` and the head's own output for it. Drafts are greedy (argmax).
 //!
-//! Take-in lag: while no sequence drafts (the speculation gate has it off), the head need not
-//! be current, so a take-in only copies its rows' final-norm output to the runner's archive
-//! (`StepRunner::mtp_archive`) and the drafter remembers their sequence, position and token.
-//! The head takes the archived rows in, in one step of their own, at the first take-in that
-//! drafts, that does not fit in half the archive, or after which a sequence with rows in it or
-//! archived retires (`DraftInput::leaving`: a finished sequence, a re-prefill's last chunk); then it takes in that take-in's rows, from the archive as
-//! well, so the head's cache and drafts are bitwise those of taking in every step. A take-in
-//! lists every running sequence, so rows of a sequence no longer listed (preempted, to be
-//! recomputed and taken in again, or cancelled) are dropped. A plain decode step then costs a
-//! row copy instead of a head step.
+//! Take-in lag: while no sequence drafts (the speculation gate has it off), the head need not be
+//! current, so a take-in only copies its rows' final-norm output to the runner's archive
+//! (`StepRunner::mtp_archive`) and the drafter remembers their sequence, position and token. The
+//! head takes the archived rows in, in one step of their own, at the first take-in that drafts,
+//! that does not fit in half the archive, or after which a sequence retires whose rows it holds or
+//! the archive does (`DraftInput::leaving`: a finished sequence, a re-prefill's last chunk); the
+//! archived rows' step runs eagerly, its row count differing from one to the next; then it takes in
+//! that take-in's rows, from the archive as well, so the head's cache and drafts are bitwise those
+//! of taking in every step. A take-in lists every running sequence, so rows of a sequence no longer
+//! listed (preempted, to be recomputed and taken in again, or cancelled) are dropped. A plain
+//! decode step then costs a row copy instead of a head step.
 
 use super::{DraftInput, Drafter};
 use crate::error::ModelError;
