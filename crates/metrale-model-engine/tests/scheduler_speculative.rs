@@ -355,17 +355,9 @@ impl Clock for TestClock {
     }
 }
 
-#[test]
-fn the_gate_turns_speculation_off_while_slower_and_back_on_past_the_margin() {
-    let fx = MtpFixture::new("qwen3_5-tiny");
-    let p = prompts();
-    let reqs: Vec<SeqRequest> = p[..2].iter().map(|q| request(q, 90, &[])).collect();
-    let want = plain(fx.path(), &reqs);
-    let mut s = fx.load(
-        ModelOptions::default()
-            .speculative(Speculative::Mtp)
-            .num_draft_tokens(2),
-    );
+/// A gate that decides within a few steps (averages over 4 steps, probes of 4 steps every 16,
+/// a margin of 5 %), reading time from the returned clock.
+fn quick_gate(s: &mut Scheduler) -> TestClock {
     let spec = s.speculation().unwrap();
     spec.set_gate(
         GateOptions::default()
@@ -378,6 +370,21 @@ fn the_gate_turns_speculation_off_while_slower_and_back_on_past_the_margin() {
     );
     let clock = TestClock::default();
     spec.set_clock(Box::new(clock.clone()));
+    clock
+}
+
+#[test]
+fn the_gate_turns_speculation_off_while_slower_and_back_on_past_the_margin() {
+    let fx = MtpFixture::new("qwen3_5-tiny");
+    let p = prompts();
+    let reqs: Vec<SeqRequest> = p[..2].iter().map(|q| request(q, 90, &[])).collect();
+    let want = plain(fx.path(), &reqs);
+    let mut s = fx.load(
+        ModelOptions::default()
+            .speculative(Speculative::Mtp)
+            .num_draft_tokens(2),
+    );
+    let clock = quick_gate(&mut s);
     // Phase 1: a verify step costs 3 plain steps, and yields at most K + 1 = 3 tokens per
     // sequence, so speculation never beats plain decode by the margin. Phase 2: it costs half a
     // plain step, and at least one token per sequence doubles the rate.
@@ -432,17 +439,7 @@ fn a_lagging_take_in_drafts_what_taking_in_every_step_drafts() {
         );
         let rec = PerRequest::new(head);
         s.set_drafter(Some(Box::new(rec.clone()))).unwrap();
-        let spec = s.speculation().unwrap();
-        spec.set_gate(
-            GateOptions::default()
-                .margin_percent(5)
-                .ema_steps(4)
-                .probe_every(16)
-                .probe_every_max(16)
-                .probe_steps(4),
-        );
-        let clock = TestClock::default();
-        spec.set_clock(Box::new(clock.clone()));
+        let clock = quick_gate(&mut s);
         let mut steps = 0;
         let got = serve(&mut s, &reqs, |s| {
             // A verify step costs three plain steps for the first 60 steps (speculation turns
