@@ -1080,6 +1080,7 @@ static int run_decode_probe(uint32_t rows, uint32_t ctx) {
 }
 
 int main(int argc, char** argv) {
+    setvbuf(stdout, nullptr, _IOLBF, 0);  // each result line survives a timeout
     // `probes`: the prefill throughput probes only (the candidates' and decode rows' checks are
     // skipped).
     const bool probes_only = argc > 1 && strcmp(argv[1], "probes") == 0;
