@@ -35,7 +35,7 @@
 use metrale_cache::BlockTable;
 use metrale_model_layers::StepShape;
 
-use super::ranks::{MtpRankStep, mtp_archive_copy, mtp_upload};
+use super::ranks::{MtpRankStep, check_hidden_rows, mtp_archive_copy, mtp_buffers, mtp_upload};
 use super::{GraphKey, StepInput, StepRow, StepRunner};
 use crate::error::ModelError;
 
@@ -77,23 +77,14 @@ impl StepRunner {
     /// `MtpStep::hidden_rows` index them) to archive rows `at..`, on every rank. The copy leaves
     /// the step's outputs as they are: the next step may still read them.
     pub fn mtp_archive(&mut self, hidden_rows: &[u32], at: usize) -> Result<(), ModelError> {
-        let (cap, prev) = (self.mtp_archive_rows(), self.last_rows);
-        if cap == 0 {
-            return Err(ModelError::Step(
-                "the MTP head is not set up (load with speculative = Mtp)".into(),
-            ));
-        }
+        let (cap, prev) = (mtp_buffers(&self.forward)?.archive_rows, self.last_rows);
         if hidden_rows.is_empty() || at + hidden_rows.len() > cap {
             return Err(ModelError::Step(format!(
                 "{} rows at archive row {at} do not fit its {cap} rows",
                 hidden_rows.len()
             )));
         }
-        if let Some(&r) = hidden_rows.iter().find(|&&r| r as usize >= prev) {
-            return Err(ModelError::Step(format!(
-                "hidden row {r} is past the {prev} rows of the previous step"
-            )));
-        }
+        check_hidden_rows(hidden_rows, prev, "the previous step")?;
         self.on_ranks(
             |me| mtp_archive_copy(&me.forward, hidden_rows, at, prev),
             |peer, _, _| mtp_archive_copy(&peer.forward, hidden_rows, at, prev),
@@ -112,11 +103,7 @@ impl StepRunner {
     }
 
     fn run_mtp_step(&mut self, step: &MtpStep<'_>, archived: bool) -> Result<(), ModelError> {
-        if self.forward.mtp.is_none() {
-            return Err(ModelError::Step(
-                "the MTP head is not set up (load with speculative = Mtp)".into(),
-            ));
-        }
+        let archive_rows = mtp_buffers(&self.forward)?.archive_rows;
         let input = StepInput {
             rows: step.rows,
             tables: step.tables,
@@ -132,15 +119,9 @@ impl StepRunner {
             )));
         }
         let prev = self.last_rows;
-        let (bound, what) = if archived {
-            (self.mtp_archive_rows(), "the archive's")
-        } else {
-            (prev, "the previous step's")
-        };
-        if let Some(&r) = step.hidden_rows.iter().find(|&&r| r as usize >= bound) {
-            return Err(ModelError::Step(format!(
-                "hidden row {r} is past {what} {bound} rows"
-            )));
+        match archived {
+            true => check_hidden_rows(step.hidden_rows, archive_rows, "the archive")?,
+            false => check_hidden_rows(step.hidden_rows, prev, "the previous step")?,
         }
         let layers = self.forward.head_pools.len().max(1);
         let rank_step = MtpRankStep {

@@ -23,6 +23,7 @@ use super::graphs::{GraphCache, GraphKey};
 use super::sizes::StepSizes;
 use super::upload::{Io, StepInput};
 use crate::error::ModelError;
+use crate::model::MtpBuffers;
 use crate::options::ModelOptions;
 
 /// One tensor-parallel rank past rank 0.
@@ -152,9 +153,7 @@ pub(crate) fn mtp_upload(
     io: Io<'_>,
     step: &MtpRankStep<'_>,
 ) -> Result<StepShape, ModelError> {
-    let mb = forward.mtp.ok_or_else(|| {
-        ModelError::Step("the MTP head is not set up (load with speculative = Mtp)".into())
-    })?;
+    let mb = mtp_buffers(forward)?;
     let model = &forward.model;
     let (s, n, hidden) = (
         model.stream(),
@@ -186,9 +185,7 @@ pub(crate) fn mtp_archive_copy(
     at: usize,
     prev: usize,
 ) -> Result<(), ModelError> {
-    let mb = forward.mtp.ok_or_else(|| {
-        ModelError::Step("the MTP head is not set up (load with speculative = Mtp)".into())
-    })?;
+    let mb = mtp_buffers(forward)?;
     let model = &forward.model;
     let (s, hidden) = (model.stream(), model.dims().hidden);
     model.gpu().upload(mb.hidden_rows, hidden_rows, s)?;
@@ -200,6 +197,23 @@ pub(crate) fn mtp_archive_copy(
     );
     let normed = Matrix::bf16(forward.buf.acts.normed, prev as u32, hidden);
     Ok(model.ops().gather_rows(s, out, normed, mb.hidden_rows)?)
+}
+
+/// The MTP head's buffers of `forward`, or the error of a runner not built for drafts.
+pub(crate) fn mtp_buffers(forward: &Forward) -> Result<MtpBuffers, ModelError> {
+    forward.mtp.ok_or_else(|| {
+        ModelError::Step("the MTP head is not set up (load with speculative = Mtp)".into())
+    })
+}
+
+/// Refuse hidden rows at or past `bound`, the rows of `what` (the previous step, the archive).
+pub(crate) fn check_hidden_rows(rows: &[u32], bound: usize, what: &str) -> Result<(), ModelError> {
+    match rows.iter().find(|&&r| r as usize >= bound) {
+        Some(&r) => Err(ModelError::Step(format!(
+            "hidden row {r} is past the {bound} rows of {what}"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Whether `e` is a collective that failed only because another rank aborted the group.

@@ -249,11 +249,13 @@ impl Scheduler {
                 input(i, rows.clone(), first, k, leaving.contains(&i))
             })
             .collect();
-        for i in 0..self.running.len() {
-            if !ran.iter().any(|r| r.0 == i) {
-                let at = self.running[i].computed;
-                inputs.push(input(i, 0..0, at, 0, leaving.contains(&i)));
-            }
+        let mut listed = vec![false; self.running.len()];
+        for r in ran {
+            listed[r.0] = true;
+        }
+        for i in (0..listed.len()).filter(|&i| !listed[i]) {
+            let at = self.running[i].computed;
+            inputs.push(input(i, 0..0, at, 0, leaving.contains(&i)));
         }
         let drafts = spec.drafter.draft(&mut self.runner, &inputs)?;
         drop(inputs);

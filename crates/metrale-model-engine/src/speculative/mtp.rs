@@ -20,6 +20,8 @@
 //! listed (preempted, to be recomputed and taken in again, or cancelled) are dropped. A plain
 //! decode step then costs a row copy instead of a head step.
 
+use std::collections::{HashMap, HashSet};
+
 use super::{DraftInput, Drafter};
 use crate::error::ModelError;
 use crate::runner::{MtpStep, StepRow, StepRunner};
@@ -72,16 +74,15 @@ impl MtpDrafter {
         step: &MtpStep<'_>,
     ) -> Result<bool, ModelError> {
         let (cap, n) = (runner.mtp_archive_rows(), step.rows.len());
-        self.lagged
-            .retain(|l| inputs.iter().any(|i| i.request == l.request));
+        let listed: HashSet<usize> = inputs.iter().map(|i| i.request).collect();
+        self.lagged.retain(|l| listed.contains(&l.request));
         if self.lagged.is_empty() {
             self.used = 0;
         }
         // A sequence that retires after this take-in has its rows taken in now.
-        let leaving = inputs.iter().any(|i| {
-            i.leaving
-                && (!i.step_rows.is_empty() || self.lagged.iter().any(|l| l.request == i.request))
-        });
+        let lagging: HashSet<usize> = self.lagged.iter().map(|l| l.request).collect();
+        let leaving = (inputs.iter())
+            .any(|i| i.leaving && (!i.step_rows.is_empty() || lagging.contains(&i.request)));
         if self.lag && n > 0 && step.logit_rows.is_empty() && !leaving && self.used + n <= cap / 2 {
             runner.mtp_archive(step.hidden_rows, self.used)?;
             self.lagged
@@ -107,15 +108,20 @@ impl MtpDrafter {
         if n > 0 {
             runner.mtp_archive(step.hidden_rows, base)?;
         }
-        let lagged = std::mem::take(&mut self.lagged);
+        // Each sequence's archived rows, the latest first.
+        let mut by_request: HashMap<usize, Vec<Lagged>> = HashMap::new();
+        for l in std::mem::take(&mut self.lagged).into_iter().rev() {
+            by_request.entry(l.request).or_default().push(l);
+        }
         self.used = 0;
         let (mut rows, mut hidden, mut tables) = (Vec::new(), Vec::new(), Vec::new());
         for inp in inputs {
             // The sequence's archived rows below this take-in's, in position order, the latest
             // copy of a position.
-            let mut mine: Vec<&Lagged> = (lagged.iter().rev())
-                .filter(|l| l.request == inp.request && (l.position as usize) < inp.first_position)
-                .collect();
+            let Some(mut mine) = by_request.remove(&inp.request) else {
+                continue;
+            };
+            mine.retain(|l| (l.position as usize) < inp.first_position);
             mine.sort_by_key(|l| l.position);
             mine.dedup_by_key(|l| l.position);
             if mine.is_empty() {
