@@ -5,7 +5,9 @@
 //! prefix-cache hits; the MTP head drafts for a request in a batch exactly what it drafts for
 //! it alone, graphed or eager; every block
 //! and slot comes back; the gate turns speculation off while an injected clock says it is
-//! slower, and on again once it is faster past the margin; sampling with drafts is valid.
+//! slower, and on again once it is faster past the margin; the head's checks score the first
+//! drafts drafting makes, and a head that accepts nothing stops verifying once checked;
+//! sampling with drafts is valid.
 
 #![allow(clippy::unwrap_used)]
 
@@ -20,7 +22,7 @@ use metrale_model_engine::options::{ModelOptions, Speculative};
 use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::{SeqEvent, SeqRequest, StepKind};
 use metrale_model_engine::speculative::{
-    Clock, DraftInput, Drafter, GateOptions, MtpDrafter, OracleDrafter,
+    CheckedDraft, Clock, DraftInput, Drafter, GateOptions, MtpDrafter, OracleDrafter,
 };
 use metrale_model_engine::{ModelError, Scheduler, StepRunner};
 use support::*;
@@ -58,13 +60,29 @@ struct Served {
 fn serve(
     sched: &mut Scheduler,
     reqs: &[SeqRequest],
+    before_step: impl FnMut(&mut Scheduler),
+) -> Served {
+    let at_once: Vec<(usize, SeqRequest)> = reqs.iter().map(|r| (0, r.clone())).collect();
+    serve_arriving(sched, &at_once, before_step)
+}
+
+/// [`serve`] with each request submitted before the step of its number (generations in the
+/// order given).
+fn serve_arriving(
+    sched: &mut Scheduler,
+    arrivals: &[(usize, SeqRequest)],
     mut before_step: impl FnMut(&mut Scheduler),
 ) -> Served {
-    let ids: Vec<_> = reqs.iter().map(|r| sched.add(r.clone()).unwrap()).collect();
+    let mut ids = vec![None; arrivals.len()];
     let mut done = HashMap::new();
     let (mut per_verify, mut verify_steps) = (Vec::new(), 0);
     let mut steps = 0;
-    while !sched.is_idle() {
+    while !sched.is_idle() || ids.iter().any(Option::is_none) {
+        for (id, (at, r)) in ids.iter_mut().zip(arrivals) {
+            if id.is_none() && *at <= steps {
+                *id = Some(sched.add(r.clone()).unwrap());
+            }
+        }
         before_step(sched);
         let report = sched.step().unwrap();
         let mut count: HashMap<_, usize> = HashMap::new();
@@ -87,7 +105,9 @@ fn serve(
     assert_eq!(stats.cache.kv_blocks_used, 0, "every KV block back");
     assert_eq!(stats.cache.ssm_slots_used, 0, "every SSM slot back");
     Served {
-        out: ids.iter().map(|id| done.remove(id).unwrap()).collect(),
+        out: (ids.iter().flatten())
+            .map(|id| done.remove(id).unwrap())
+            .collect(),
         per_verify,
         verify_steps,
     }
@@ -162,11 +182,13 @@ fn mtp_through_the_scheduler_gives_the_plain_schedulers_greedy_output() {
     }
 }
 
-/// Delegates to the MTP head, recording each request's drafts (by request id) in order.
+/// Delegates to the MTP head, recording each request's drafts (by request id) in order and
+/// counting the checks that scored drafts.
 #[derive(Clone)]
 struct PerRequest(
     Arc<Mutex<HashMap<usize, Vec<Vec<u32>>>>>,
     Arc<Mutex<MtpDrafter>>,
+    Arc<Mutex<usize>>,
 );
 
 impl Default for PerRequest {
@@ -177,7 +199,7 @@ impl Default for PerRequest {
 
 impl PerRequest {
     fn new(head: MtpDrafter) -> Self {
-        PerRequest(Arc::default(), Arc::new(Mutex::new(head)))
+        PerRequest(Arc::default(), Arc::new(Mutex::new(head)), Arc::default())
     }
 }
 
@@ -195,6 +217,16 @@ impl Drafter for PerRequest {
             }
         }
         Ok(drafts)
+    }
+
+    fn check_next(&mut self) -> bool {
+        self.1.lock().unwrap().check_next()
+    }
+
+    fn take_checks(&mut self) -> (usize, usize) {
+        let checks = self.1.lock().unwrap().take_checks();
+        *self.2.lock().unwrap() += usize::from(checks.0 > 0);
+        checks
     }
 }
 
@@ -356,7 +388,9 @@ impl Clock for TestClock {
 }
 
 /// A gate that decides within a few steps (averages over 4 steps, probes of 4 steps every 16,
-/// a margin of 5 %), reading time from the returned clock.
+/// a margin of 5 %), reading time from the returned clock. It decides on step times alone (no
+/// checks of the acceptance): these tests make a verify step cheaper than a plain one, which the
+/// acceptance rule rightly takes for impossible.
 fn quick_gate(s: &mut Scheduler) -> TestClock {
     let spec = s.speculation().unwrap();
     spec.set_gate(
@@ -366,7 +400,8 @@ fn quick_gate(s: &mut Scheduler) -> TestClock {
             .ema_steps(4)
             .probe_every(16)
             .probe_every_max(16)
-            .probe_steps(4),
+            .probe_steps(4)
+            .check_before_probe(false),
     );
     let clock = TestClock::default();
     spec.set_clock(Box::new(clock.clone()));
@@ -465,6 +500,171 @@ fn a_lagging_take_in_drafts_what_taking_in_every_step_drafts() {
     assert!(lagging.1 > 20, "rows archived: {}", lagging.1);
     assert!(every_step.0.values().map(Vec::len).sum::<usize>() > 10);
     assert_eq!(every_step.0, lagging.0);
+}
+
+/// Records, for each first draft, the request, the position it proposes a token for and the
+/// token.
+#[derive(Clone, Default)]
+struct FirstDrafts(
+    Arc<Mutex<Vec<(usize, usize, u32)>>>,
+    Arc<Mutex<Option<MtpDrafter>>>,
+);
+
+impl Drafter for FirstDrafts {
+    fn draft(
+        &mut self,
+        runner: &mut StepRunner,
+        inputs: &[DraftInput<'_>],
+    ) -> Result<Vec<Vec<u32>>, ModelError> {
+        let mut head = self.1.lock().unwrap();
+        let drafts = head
+            .get_or_insert_with(MtpDrafter::without_lag)
+            .draft(runner, inputs)?;
+        for (inp, d) in inputs.iter().zip(&drafts) {
+            if let Some(&t) = d.first() {
+                // Draft 1 comes from the last row (position p) and proposes the token at p + 2.
+                let last = inp.first_position + inp.step_rows.len() - 1;
+                self.0.lock().unwrap().push((inp.request, last + 2, t));
+            }
+        }
+        Ok(drafts)
+    }
+}
+
+/// Drafts nothing and asks the MTP head for a check at every take-in, keeping what each scored.
+#[derive(Clone, Default)]
+struct CheckEvery(Arc<Mutex<Vec<CheckedDraft>>>, Arc<Mutex<MtpDrafter>>);
+
+impl Drafter for CheckEvery {
+    fn draft(
+        &mut self,
+        runner: &mut StepRunner,
+        inputs: &[DraftInput<'_>],
+    ) -> Result<Vec<Vec<u32>>, ModelError> {
+        let plain: Vec<DraftInput<'_>> = (inputs.iter())
+            .map(|i| DraftInput {
+                num_drafts: 0,
+                ..i.clone()
+            })
+            .collect();
+        let mut head = self.1.lock().unwrap();
+        assert!(head.check_next());
+        let drafts = head.draft(runner, &plain)?;
+        let (scored, accepted) = head.take_checks();
+        let last = head.last_check();
+        if scored > 0 {
+            assert_eq!(scored, last.len());
+            assert_eq!(accepted, last.iter().filter(|c| c.accepted).count());
+            self.0.lock().unwrap().extend_from_slice(last);
+        }
+        Ok(drafts)
+    }
+}
+
+/// A check scores a held-back row as drafting there would have: each first draft a check
+/// scores equals the first draft a head taking in every step made for the same request and
+/// position, and it counts as accepted exactly when the model chose that token. A check off by a
+/// position, or reading another row's logits, scores other tokens.
+#[test]
+fn a_check_scores_the_first_drafts_drafting_makes() {
+    let fx = MtpFixture::new("qwen3_5-tiny");
+    let reqs: Vec<SeqRequest> = prompts()[1..4]
+        .iter()
+        .map(|q| request(q, 40, &[]))
+        .collect();
+    let want = plain(fx.path(), &reqs);
+    let options = ModelOptions::default()
+        .speculative(Speculative::Mtp)
+        .num_draft_tokens(1);
+    let mut s = fx.load(options.clone());
+    let drafting = FirstDrafts::default();
+    always(&mut s, Some(Box::new(drafting.clone())));
+    assert_same(&serve(&mut s, &reqs, |_| {}).out, &want, "drafting");
+    let drafted: HashMap<(usize, usize), u32> = (drafting.0.lock().unwrap().iter())
+        .map(|&(r, p, t)| ((r, p), t))
+        .collect();
+
+    let mut s = fx.load(options);
+    let checking = CheckEvery::default();
+    s.set_drafter(Some(Box::new(checking.clone()))).unwrap();
+    let got = serve(&mut s, &reqs, |_| {});
+    assert_same(&got.out, &want, "checking");
+    assert_eq!(got.verify_steps, 0);
+    let checked = checking.0.lock().unwrap();
+    let mut both = 0;
+    for c in checked.iter() {
+        let (prompt, out) = (&reqs[c.request].prompt, &want[c.request].token_ids);
+        let chosen = prompt.iter().chain(out).nth(c.position).copied();
+        assert_eq!(c.accepted, chosen == Some(c.token), "{c:?}");
+        if let Some(&t) = drafted.get(&(c.request, c.position)) {
+            assert_eq!(c.token, t, "{c:?}");
+            both += 1;
+        }
+    }
+    assert!(
+        checked.len() > 60 && both > 40,
+        "{} checked, {both} drafted too",
+        checked.len()
+    );
+}
+
+/// With checks before probes (the default), a head that accepts next to nothing stops costing
+/// verify steps: once the gate has enough first drafts checked it calls the acceptance hopeless,
+/// and from then on no step verifies (the probes of speculation are skipped at their checks, and
+/// the wider batches of requests that arrive later start plain), with a check a probe period,
+/// not one a step; without checks the probes keep verifying. Both give the plain output.
+#[test]
+fn a_head_that_accepts_nothing_stops_verifying_once_checked() {
+    let fx = MtpFixture::new("qwen3_5-tiny");
+    let reqs: Vec<SeqRequest> = prompts().iter().map(|q| request(q, 120, &[])).collect();
+    let want = plain(fx.path(), &reqs);
+    // One request alone, three more from step 100.
+    let arrivals: Vec<(usize, SeqRequest)> = (reqs.iter().enumerate())
+        .map(|(i, r)| (if i == 0 { 0 } else { 100 }, r.clone()))
+        .collect();
+    let mut verifies = Vec::new();
+    for check in [false, true] {
+        let mut s = fx.load(
+            ModelOptions::default()
+                .speculative(Speculative::Mtp)
+                .num_draft_tokens(2),
+        );
+        let rec = PerRequest::default();
+        s.set_drafter(Some(Box::new(rec.clone()))).unwrap();
+        let clock = quick_gate(&mut s);
+        let spec = s.speculation().unwrap();
+        let opts = GateOptions::default()
+            .ema_steps(4)
+            .probe_every(16)
+            .probe_every_max(64)
+            .probe_steps(4)
+            .check_before_probe(check);
+        spec.set_gate(opts);
+        // A verify step costs twice a plain one.
+        let mut timeline = Vec::new();
+        let got = serve_arriving(&mut s, &arrivals, |s| {
+            let verify = s.next_decode_speculates();
+            let hopeless = s.speculation().unwrap().gate().hopeless();
+            timeline.push((verify, hopeless));
+            clock.set_step_cost(Duration::from_millis(if verify { 20 } else { 10 }));
+        });
+        assert_same(&got.out, &want, "gated");
+        let gate = s.speculation().unwrap().gate();
+        assert_eq!(gate.hopeless(), check, "{:?}", gate.acceptance());
+        if check {
+            assert!(gate.acceptance().unwrap() < 0.05);
+            assert!(
+                !timeline.iter().any(|&(v, h)| v && h),
+                "a verify step once hopeless: {timeline:?}"
+            );
+            assert!(timeline[99].1, "hopeless before the others arrive");
+            // A check for each probe period of each width class, not one a step.
+            let checks = *rec.2.lock().unwrap();
+            assert!((1..=8).contains(&checks), "{checks} checks");
+        }
+        verifies.push(got.verify_steps);
+    }
+    assert!(verifies[1] * 2 < verifies[0], "verify steps: {verifies:?}");
 }
 
 /// Sampling with drafts through the scheduler: valid tokens, the requested lengths, logits for

@@ -92,6 +92,11 @@ pub(super) fn serve(
                     "gate_switches": r.switches,
                     "gate_on": r.gate_on,
                     "captures": r.captures,
+                    "full_steps": r.full_steps,
+                    "step_ms": r.step_ms,
+                    "step_mean_ms": r.step_mean_ms,
+                    "rest_s": r.rest_s,
+                    "drafter_s": r.drafter_s,
                 })
             })
             .collect();
@@ -104,6 +109,7 @@ pub(super) fn serve(
             "ratio": p.step_ms / p.floor_ms,
             "full_steps": p.full_steps,
             "steps": p.steps,
+            "rest_s": p.rest_s,
             "constrained": constrained,
             "speculative": speculative,
         })

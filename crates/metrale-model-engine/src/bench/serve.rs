@@ -154,6 +154,8 @@ pub struct ServePoint {
     pub full_steps: usize,
     /// Median wall time of those steps, ms.
     pub step_ms: f64,
+    /// Wall time outside those steps (prefill chunks, mixed and narrower decode steps), s.
+    pub rest_s: f64,
     /// Bytes such a step must move at the mean context (see the module header).
     pub step_bytes: f64,
     /// `step_bytes` over the measured copy bandwidth, ms.
@@ -231,6 +233,11 @@ struct RunFigures {
 }
 
 impl RunFigures {
+    /// Wall time outside the full decode steps, s.
+    fn rest_s(&self) -> f64 {
+        self.wall_s - self.full_ms.iter().sum::<f64>() / 1e3
+    }
+
     fn step_ms(&self) -> f64 {
         if self.full_ms.is_empty() {
             f64::NAN
@@ -470,6 +477,7 @@ pub fn serve_ladder(
             steps: plain.steps,
             full_steps: plain.full_ms.len(),
             step_ms: plain.step_ms(),
+            rest_s: plain.rest_s(),
             step_bytes,
             floor_ms: step_bytes / (copy_gb_s * 1e9) * 1e3,
             constrained,
@@ -499,10 +507,10 @@ impl ServeReport {
             self.prompt_tokens,
             self.output_tokens
         );
-        s += "serve  conc.   tok/s   wall s   ms/step   floor ms   x floor   full steps\n";
+        s += "serve  conc.   tok/s   wall s   ms/step   floor ms   x floor   full steps   rest s\n";
         for p in &self.points {
             s += &format!(
-                "       {:>5} {:>7.0} {:>8.2} {:>9.3} {:>10.3} {:>9.2} {:>6}/{}\n",
+                "       {:>5} {:>7.0} {:>8.2} {:>9.3} {:>10.3} {:>9.2} {:>6}/{:<5} {:>8.3}\n",
                 p.concurrency,
                 p.tok_s,
                 p.wall_s,
@@ -510,7 +518,8 @@ impl ServeReport {
                 p.floor_ms,
                 p.step_ms / p.floor_ms,
                 p.full_steps,
-                p.steps
+                p.steps,
+                p.rest_s
             );
         }
         if let Some(schema) = &self.schema {

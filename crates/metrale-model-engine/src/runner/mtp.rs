@@ -93,16 +93,28 @@ impl StepRunner {
 
     /// Run one MTP step (see the module header); its logits replace the last step's.
     pub fn mtp_step(&mut self, step: &MtpStep<'_>) -> Result<(), ModelError> {
-        self.run_mtp_step(step, false)
+        self.run_mtp_step(step, false, true)
     }
 
     /// [`StepRunner::mtp_step`] with `hidden_rows` indexing the archive (`mtp_archive`) instead
     /// of the previous step.
     pub fn mtp_step_archived(&mut self, step: &MtpStep<'_>) -> Result<(), ModelError> {
-        self.run_mtp_step(step, true)
+        self.run_mtp_step(step, true, true)
     }
 
-    fn run_mtp_step(&mut self, step: &MtpStep<'_>, archived: bool) -> Result<(), ModelError> {
+    /// [`StepRunner::mtp_step_archived`] for the take-in of archived rows ahead of a step's own
+    /// (a lag's flush): it runs eagerly, never from a graph, since its row count differs from
+    /// one flush to the next.
+    pub fn mtp_flush(&mut self, step: &MtpStep<'_>) -> Result<(), ModelError> {
+        self.run_mtp_step(step, true, false)
+    }
+
+    fn run_mtp_step(
+        &mut self,
+        step: &MtpStep<'_>,
+        archived: bool,
+        graphed: bool,
+    ) -> Result<(), ModelError> {
         let archive_rows = mtp_buffers(&self.forward)?.archive_rows;
         let input = StepInput {
             rows: step.rows,
@@ -130,11 +142,12 @@ impl StepRunner {
             prev,
             layer: step.depth % layers,
             archived,
+            graphed,
         };
         let shape = mtp_upload(&self.forward, self.io(), &rank_step)?;
         self.last_rows = step.rows.len();
         self.on_ranks(
-            |me| me.mtp_launch(shape, rank_step.layer, rank_step.graphed()),
+            |me| me.mtp_launch(shape, rank_step.layer, rank_step.graphed),
             |peer, sizes, options| peer.mtp(sizes, options, &rank_step),
         )
     }

@@ -113,7 +113,7 @@ impl RankRunner {
             logit_rows: shape.logit_rows,
             layer: step.layer,
         };
-        if !options.decode_graphs || !step.graphed() || !self.graphs.admit(key)? {
+        if !options.decode_graphs || !step.graphed || !self.graphs.admit(key)? {
             return self.forward.mtp(shape, step.layer);
         }
         let forward = &self.forward;
@@ -134,15 +134,10 @@ pub(crate) struct MtpRankStep<'a> {
     pub layer: usize,
     /// `hidden_rows` index the take-in archive (`MtpBuffers::archive`), not the previous step.
     pub archived: bool,
-}
-
-impl MtpRankStep<'_> {
-    /// Whether the step may run from a graph: not the take-in of archived rows without drafts
-    /// (a lag's flush, whose row count differs from one to the next), so its shapes do not
-    /// crowd the verify and draft graphs out of `max_speculative_graphs`.
-    pub fn graphed(&self) -> bool {
-        !(self.archived && self.input.logit_rows.is_empty())
-    }
+    /// Whether the step may run from a graph: not a lag's flush (`StepRunner::mtp_flush`),
+    /// whose row count differs from one to the next, so its shapes do not crowd the verify and
+    /// draft graphs out of `max_speculative_graphs`.
+    pub graphed: bool,
 }
 
 /// The uploads of an MTP step on one rank (`forward`'s buffers through `io`): the hidden-row

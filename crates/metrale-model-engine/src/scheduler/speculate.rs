@@ -28,8 +28,10 @@
 //!   published to the prefix cache only once final, so no rejected token reaches it.
 //! - **Gate** ([`SpeculationGate`]): each decode step's tokens and duration (the drafting after
 //!   it included), read from the scheduler's [`Clock`], feed the gate's class of the step's
-//!   batch width, which picks the mode of the steps of that width that follow. A disabled gate
-//!   always speculates.
+//!   batch width, which picks the mode of the steps of that width that follow. Each verify
+//!   feeds it whether a sequence's first draft was kept; before a probe of speculation it may
+//!   ask for a check (`wants_check`), which the next take-in has the drafter make
+//!   (`Drafter::check_next`). A disabled gate always speculates.
 //! - **Prefix hits.** The head's KV at a shared prefix's positions is the cache's: at the last
 //!   position of a hit it was computed with the next token of the prompt that published it,
 //!   which may differ. This can cost acceptance, never output.
@@ -85,7 +87,7 @@ impl Speculation {
             drafter,
             k,
             spares: if hybrid { k } else { 0 },
-            gate: SpeculationGate::new(GateOptions::default()),
+            gate: SpeculationGate::new(GateOptions::default(), k),
             clock: Box::new(WallClock::default()),
             outcomes: SpeculativeStats::default(),
         })
@@ -105,7 +107,7 @@ impl Speculation {
 
     /// Set the gate's settings (it starts afresh, speculating).
     pub fn set_gate(&mut self, opts: GateOptions) {
-        self.gate = SpeculationGate::new(opts);
+        self.gate = SpeculationGate::new(opts, self.k);
     }
 
     /// Read time from `clock` (tests inject one).
@@ -214,6 +216,9 @@ impl Scheduler {
         // The next decode step's width: every running sequence past its prompt.
         let width = (self.running.iter()).filter(|s| !s.in_prefill()).count();
         let speculating = spec.gate.speculating(width);
+        // A probe of speculation waits for the drafter to check its first drafts.
+        let check = spec.gate.wants_check(width);
+        let checking = check && spec.drafter.check_next();
         let mut wanted = Vec::with_capacity(ran.len());
         for &(i, _, _) in ran {
             let s = &mut self.running[i];
@@ -257,8 +262,15 @@ impl Scheduler {
             let at = self.running[i].computed;
             inputs.push(input(i, 0..0, at, 0, leaving.contains(&i)));
         }
+        // Host time for the stats (the wall clock: the gate's clock times steps only).
+        let started = std::time::Instant::now();
         let drafts = spec.drafter.draft(&mut self.runner, &inputs)?;
+        spec.outcomes.drafter_time += started.elapsed();
         drop(inputs);
+        if check {
+            let outcome = checking.then(|| spec.drafter.take_checks());
+            spec.gate.checked(width, outcome);
+        }
         for ((&(i, ..), &k), mut d) in ran.iter().zip(&wanted).zip(drafts) {
             d.truncate(k);
             self.running[i].drafts = d;
@@ -356,6 +368,7 @@ impl Scheduler {
             let j = verdict.accepted;
             if let Some(spec) = self.spec.as_mut() {
                 *spec.outcomes.outcomes.entry((k, j)).or_default() += 1;
+                spec.gate.record_first_drafts(1, usize::from(j > 0));
             }
             let (tokens, reason) = s.keep(&verdict, logits);
             self.stats.tokens_generated += tokens.len() as u64;

@@ -27,6 +27,20 @@
 //! The averages mix whatever steps of the class ran; probes keep them recent, so after a change
 //! of load the gate follows within a probe period or two (`probe_every_max` steps at most).
 //!
+//! Acceptance: the gate also keeps the rate at which first drafts are accepted, over about the
+//! last `ACCEPTANCE_WINDOW` checks, from the verify steps and from checks a drafter makes while
+//! nothing drafts (the MTP head scores the rows it held back against the tokens the model chose
+//! since). Speculation with `K` drafts accepted at rate `a` each keeps `a + a^2 + ... + a^K`
+//! drafts a verify on average (a chain stops at its first rejection), and a verify step never
+//! costs less than a plain step of the same width, so when that sum is within the margin
+//! speculation cannot win: the gate calls the acceptance hopeless. With `check_before_probe`, a
+//! probe of speculation that comes due first asks the scheduler for such a check
+//! (`wants_check`, answered by `checked`); a hopeless answer skips the probe as one that
+//! confirmed the mode (the period doubles), any other starts it. A class met while the
+//! acceptance is hopeless starts with speculation off, and a class speculating turns it off as
+//! soon as it is. A drafter that accepts nothing then costs the verify steps until the gate has
+//! `ACCEPTANCE_MIN_CHECKS` first drafts checked, and a check every probe period after.
+//!
 //! Invariants:
 //! - The gate reads no clock: the scheduler hands it each step's duration from its `Clock`
 //!   (tests inject one).
@@ -54,6 +68,11 @@ pub struct GateOptions {
     pub probe_every_max: usize,
     /// Steps each probe runs. Default 8.
     pub probe_steps: usize,
+    /// Before a probe of speculation, have the drafter check its first drafts against tokens
+    /// already chosen (where it can), and skip the probe while the acceptance is hopeless; start
+    /// a class met while it is hopeless with speculation off (see the module header). Default
+    /// true.
+    pub check_before_probe: bool,
 }
 
 impl Default for GateOptions {
@@ -65,6 +84,7 @@ impl Default for GateOptions {
             probe_every: 128,
             probe_every_max: 1024,
             probe_steps: 8,
+            check_before_probe: true,
         }
     }
 }
@@ -104,6 +124,43 @@ impl GateOptions {
     pub fn probe_steps(mut self, steps: usize) -> Self {
         self.probe_steps = steps;
         self
+    }
+
+    /// Set `check_before_probe`.
+    pub fn check_before_probe(mut self, on: bool) -> Self {
+        self.check_before_probe = on;
+        self
+    }
+}
+
+/// First-draft checks the acceptance rate spans (older ones fade out).
+pub const ACCEPTANCE_WINDOW: f64 = 512.0;
+
+/// First-draft checks the gate needs before it calls the acceptance hopeless.
+pub const ACCEPTANCE_MIN_CHECKS: f64 = 32.0;
+
+/// The rate at which first drafts are accepted, over about the last `ACCEPTANCE_WINDOW` checks.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Acceptance {
+    checked: f64,
+    accepted: f64,
+}
+
+impl Acceptance {
+    fn add(&mut self, checked: usize, accepted: usize) {
+        self.checked += checked as f64;
+        self.accepted += accepted.min(checked) as f64;
+        if self.checked > ACCEPTANCE_WINDOW {
+            let keep = ACCEPTANCE_WINDOW / self.checked;
+            self.checked *= keep;
+            self.accepted *= keep;
+        }
+    }
+
+    /// Drafts a verify keeps on average with `k` drafts: `a + a^2 + ... + a^k`.
+    fn kept(&self, k: usize) -> f64 {
+        let a = self.accepted / self.checked.max(1.0);
+        (1..=k as i32).map(|i| a.powi(i)).sum()
     }
 }
 
@@ -155,6 +212,8 @@ struct ClassGate {
     period: usize,
     /// Probe steps left to run in the other mode.
     probe_left: usize,
+    /// A probe of speculation is due and waits for a check of the acceptance.
+    check_due: bool,
     /// Averages without (0) and with (1) speculation.
     rates: [Rate; 2],
     switches: u64,
@@ -167,6 +226,7 @@ impl Default for ClassGate {
             since_probe: 0,
             period: 0,
             probe_left: 0,
+            check_due: false,
             rates: [Rate::default(); 2],
             switches: 0,
         }
@@ -189,20 +249,51 @@ impl ClassGate {
                 self.probe_left -= 1;
                 probe_ended = self.probe_left == 0;
             }
-        } else if speculative == self.on {
+        } else if speculative == self.on && !self.check_due {
             self.since_probe += 1;
             if self.since_probe >= self.period(opts) {
                 self.since_probe = 0;
-                self.probe_left = opts.probe_steps.max(1);
-                self.rates[usize::from(!self.on)] = Rate::default();
+                self.probe_due(opts);
             }
         }
         let switches = self.switches;
         self.decide(opts);
         if probe_ended && self.switches == switches {
-            // The probe confirmed the mode: ask again later.
-            let max = opts.probe_every_max.max(opts.probe_every).max(1);
-            self.period = self.period(opts).saturating_mul(2).min(max);
+            self.back_off(opts);
+        }
+    }
+
+    /// A probe of the other mode is due: it starts, or waits for a check of the acceptance
+    /// (`check_before_probe`, a probe of speculation).
+    fn probe_due(&mut self, opts: &GateOptions) {
+        if opts.check_before_probe && !self.on {
+            self.check_due = true;
+        } else {
+            self.start_probe(opts);
+        }
+    }
+
+    /// Run the other mode for `probe_steps` steps, its average restarted.
+    fn start_probe(&mut self, opts: &GateOptions) {
+        self.probe_left = opts.probe_steps.max(1);
+        self.rates[usize::from(!self.on)] = Rate::default();
+    }
+
+    /// The probe confirmed the mode (or was skipped): ask again later.
+    fn back_off(&mut self, opts: &GateOptions) {
+        let max = opts.probe_every_max.max(opts.probe_every).max(1);
+        self.period = self.period(opts).saturating_mul(2).min(max);
+    }
+
+    /// The check a due probe waited for came back: skip the probe while the acceptance is
+    /// hopeless, else start it.
+    fn checked(&mut self, opts: &GateOptions, hopeless: bool) {
+        self.check_due = false;
+        self.since_probe = 0;
+        if hopeless {
+            self.back_off(opts);
+        } else {
+            self.start_probe(opts);
         }
     }
 
@@ -221,23 +312,31 @@ impl ClassGate {
         let [off, on] = self.rates;
         if off.samples < enough || on.samples < enough {
             // The first probe of the other mode comes at once, not after `probe_every`.
-            if self.probe_left == 0 && self.rates[usize::from(!self.on)].samples == 0 {
+            // (Unless a probe came and was skipped: then the period runs, backed off.)
+            let other = self.rates[usize::from(!self.on)].samples;
+            if self.probe_left == 0 && !self.check_due && other == 0 && self.period == 0 {
                 let mine = self.rates[usize::from(self.on)].samples;
                 if mine >= enough {
-                    self.probe_left = enough;
                     self.since_probe = 0;
+                    self.probe_due(opts);
                 }
             }
             return;
         }
         let (mine, other) = if self.on { (on, off) } else { (off, on) };
         if other.tok_s > mine.tok_s * (1.0 + f64::from(opts.margin_percent) / 100.0) {
-            self.on = !self.on;
-            self.switches += 1;
-            self.since_probe = 0;
-            self.period = 0;
-            self.probe_left = 0;
+            self.switch();
         }
+    }
+
+    /// Change the mode; the probes start over.
+    fn switch(&mut self) {
+        self.on = !self.on;
+        self.switches += 1;
+        self.since_probe = 0;
+        self.period = 0;
+        self.probe_left = 0;
+        self.check_due = false;
     }
 }
 
@@ -245,10 +344,13 @@ impl ClassGate {
 #[derive(Debug, Clone, PartialEq)]
 pub struct SpeculationGate {
     opts: GateOptions,
+    /// Drafts a verify step checks (`K`).
+    drafts: usize,
     /// Each width class met so far, by class (a power of two).
     classes: BTreeMap<usize, ClassGate>,
     /// The class of the last step recorded.
     last: usize,
+    acceptance: Acceptance,
 }
 
 /// The width class of a decode step of `width` sequences: the next power of two.
@@ -257,12 +359,15 @@ fn width_class(width: usize) -> usize {
 }
 
 impl SpeculationGate {
-    /// A gate that starts speculating at every width.
-    pub fn new(opts: GateOptions) -> SpeculationGate {
+    /// A gate for verify steps of `drafts` drafts a sequence that starts speculating at every
+    /// width.
+    pub fn new(opts: GateOptions, drafts: usize) -> SpeculationGate {
         SpeculationGate {
             opts,
+            drafts,
             classes: BTreeMap::new(),
             last: 1,
+            acceptance: Acceptance::default(),
         }
     }
 
@@ -272,12 +377,67 @@ impl SpeculationGate {
         if !self.opts.enabled {
             return true;
         }
-        (self.classes.get(&width_class(width))).is_none_or(ClassGate::speculating)
+        match self.classes.get(&width_class(width)) {
+            Some(c) => c.speculating(),
+            None => !self.hopeless(),
+        }
     }
 
     /// The mode the class of `width` has chosen, probes aside.
     pub fn is_on(&self, width: usize) -> bool {
-        !self.opts.enabled || (self.classes.get(&width_class(width))).is_none_or(|c| c.on)
+        if !self.opts.enabled {
+            return true;
+        }
+        match self.classes.get(&width_class(width)) {
+            Some(c) => c.on,
+            None => !self.hopeless(),
+        }
+    }
+
+    /// First drafts checked against the model's own tokens (by verify steps or by the
+    /// drafter's checks) and how many of them it accepted.
+    pub fn record_first_drafts(&mut self, checked: usize, accepted: usize) {
+        self.acceptance.add(checked, accepted);
+    }
+
+    /// The first-draft acceptance rate over the recent checks (`None` before any).
+    pub fn acceptance(&self) -> Option<f64> {
+        let a = self.acceptance;
+        (a.checked > 0.0).then(|| a.accepted / a.checked)
+    }
+
+    /// Whether the acceptance measured leaves speculation no way to beat plain decoding by the
+    /// margin, even at a verify step's lowest cost (see the module header).
+    pub fn hopeless(&self) -> bool {
+        let a = self.acceptance;
+        self.opts.check_before_probe
+            && a.checked >= ACCEPTANCE_MIN_CHECKS
+            && a.kept(self.drafts) <= f64::from(self.opts.margin_percent) / 100.0
+    }
+
+    /// Whether the class of `width` waits for a check of the acceptance before a probe of
+    /// speculation: the scheduler then has the drafter check its first drafts and reports with
+    /// `checked`.
+    pub fn wants_check(&self, width: usize) -> bool {
+        self.opts.enabled && (self.classes.get(&width_class(width))).is_some_and(|c| c.check_due)
+    }
+
+    /// The check the class of `width` asked for: `Some((checked, accepted))` first drafts, or
+    /// `None` when the drafter cannot check. Skips the due probe while the acceptance is
+    /// hopeless, else starts it; a check of no drafts (nothing to check yet) leaves it due.
+    pub fn checked(&mut self, width: usize, outcome: Option<(usize, usize)>) {
+        if let Some((checked, accepted)) = outcome {
+            if checked == 0 {
+                return;
+            }
+            self.record_first_drafts(checked, accepted);
+        }
+        let hopeless = outcome.is_some() && self.hopeless();
+        if let Some(c) = self.classes.get_mut(&width_class(width))
+            && c.check_due
+        {
+            c.checked(&self.opts, hopeless);
+        }
     }
 
     /// Times a class changed its mind, all classes together.
@@ -307,8 +467,15 @@ impl SpeculationGate {
             return;
         }
         self.last = width_class(width);
-        let class = self.classes.entry(self.last).or_default();
+        let hopeless = self.hopeless();
+        let class = (self.classes.entry(self.last)).or_insert_with(|| ClassGate {
+            on: !hopeless,
+            ..ClassGate::default()
+        });
         class.record(&self.opts, speculative, tokens, elapsed);
+        if hopeless && class.on {
+            class.switch();
+        }
     }
 }
 
@@ -324,7 +491,8 @@ mod tests {
             .ema_steps(4)
             .probe_every(32)
             .probe_every_max(64)
-            .probe_steps(2);
+            .probe_steps(2)
+            .check_before_probe(false);
         let want = GateOptions {
             enabled: false,
             margin_percent: 9,
@@ -332,6 +500,7 @@ mod tests {
             probe_every: 32,
             probe_every_max: 64,
             probe_steps: 2,
+            check_before_probe: false,
         };
         assert_eq!(o, want);
     }
@@ -350,26 +519,50 @@ mod tests {
         run_at(g, 1, n, cost)
     }
 
-    /// [`run`] with steps of `width` sequences.
+    /// [`run`] with steps of `width` sequences, a drafter that cannot check answering checks.
     fn run_at(
         g: &mut SpeculationGate,
         width: usize,
         n: usize,
         cost: impl Fn(bool) -> (usize, Duration),
     ) -> Vec<bool> {
-        (0..n)
-            .map(|_| {
+        run_checked(g, width, n, cost, |_| None).0
+    }
+
+    /// [`run_at`] with checks answered by `check(step)`; also returns the steps that asked.
+    fn run_checked(
+        g: &mut SpeculationGate,
+        width: usize,
+        n: usize,
+        cost: impl Fn(bool) -> (usize, Duration),
+        check: impl Fn(usize) -> Option<(usize, usize)>,
+    ) -> (Vec<bool>, Vec<usize>) {
+        let mut asked = Vec::new();
+        let modes = (0..n)
+            .map(|i| {
                 let spec = g.speculating(width);
                 let (tokens, t) = cost(spec);
                 g.record(width, spec, tokens, t);
+                if g.wants_check(width) {
+                    asked.push(i);
+                    g.checked(width, check(i));
+                }
                 spec
             })
+            .collect();
+        (modes, asked)
+    }
+
+    /// Probe starts (steps of the other mode after one of `from`'s).
+    fn starts(modes: &[bool], from: bool) -> Vec<usize> {
+        (1..modes.len())
+            .filter(|&i| modes[i] != from && modes[i - 1] == from)
             .collect()
     }
 
     #[test]
     fn the_gate_probes_plain_decode_and_keeps_speculation_while_it_is_faster() {
-        let mut g = SpeculationGate::new(GateOptions::default());
+        let mut g = SpeculationGate::new(GateOptions::default(), 3);
         // Speculation: 2 tokens in 12 ms; plain: 1 token in 10 ms.
         let modes = run(&mut g, 300, |s| if s { (2, ms(12)) } else { (1, ms(10)) });
         assert!(g.is_on(1) && g.switches() == 0);
@@ -393,7 +586,7 @@ mod tests {
 
     #[test]
     fn the_gate_turns_speculation_off_while_slower_and_on_again_past_the_margin() {
-        let mut g = SpeculationGate::new(GateOptions::default());
+        let mut g = SpeculationGate::new(GateOptions::default(), 3);
         // Speculation slower: 1.2 tokens per 15 ms against 1 per 10 ms.
         run(&mut g, 40, |s| if s { (6, ms(75)) } else { (1, ms(10)) });
         assert!(!g.is_on(1), "{g:?}");
@@ -426,7 +619,7 @@ mod tests {
 
     #[test]
     fn each_batch_width_class_decides_on_its_own_steps() {
-        let mut g = SpeculationGate::new(GateOptions::default());
+        let mut g = SpeculationGate::new(GateOptions::default(), 3);
         // Batch 1: speculation doubles the rate. Batches of 17 to 32: it halves it.
         let fast = |s: bool| if s { (2, ms(10)) } else { (1, ms(10)) };
         let slow = |s: bool| if s { (32, ms(40)) } else { (32, ms(20)) };
@@ -447,11 +640,91 @@ mod tests {
 
     #[test]
     fn a_disabled_gate_always_speculates() {
-        let mut g = SpeculationGate::new(GateOptions {
-            enabled: false,
-            ..Default::default()
-        });
+        let mut g = SpeculationGate::new(
+            GateOptions {
+                enabled: false,
+                ..Default::default()
+            },
+            3,
+        );
         let modes = run(&mut g, 50, |s| if s { (1, ms(100)) } else { (1, ms(1)) });
         assert!(modes.iter().all(|&s| s) && g.is_on(1) && g.rates(1) == (None, None));
+    }
+
+    /// Speculation slower (1.2 tokens per 15 ms against 1 per 10 ms), so the gate turns it off.
+    fn slower(s: bool) -> (usize, Duration) {
+        if s { (6, ms(75)) } else { (1, ms(10)) }
+    }
+
+    #[test]
+    fn a_hopeless_acceptance_turns_speculation_off_whatever_the_step_times() {
+        let mut g = SpeculationGate::new(GateOptions::default(), 3);
+        // Speculation looks faster (2 tokens per 12 ms against 1 per 10 ms), but its verifies
+        // kept no first draft: once 32 are checked the class turns off, and stays off.
+        let faster = |s: bool| if s { (2, ms(12)) } else { (1, ms(10)) };
+        let modes: Vec<bool> = (0..40)
+            .map(|_| {
+                let spec = g.speculating(1);
+                if spec {
+                    g.record_first_drafts(1, 0);
+                }
+                let (tokens, t) = faster(spec);
+                g.record(1, spec, tokens, t);
+                spec
+            })
+            .collect();
+        // 8 verify steps, the plain probe (slower: the class stays on), then verify steps up to
+        // the 32nd check.
+        assert!(modes[..8].iter().all(|&s| s) && !modes[8..16].iter().any(|&s| s));
+        assert!(modes[16..40].iter().all(|&s| s));
+        assert_eq!(modes.iter().filter(|&&s| s).count(), 32);
+        assert!(!g.is_on(1) && g.switches() == 1 && g.hopeless(), "{g:?}");
+    }
+
+    #[test]
+    fn a_hopeless_acceptance_skips_the_probes_of_speculation() {
+        let mut g = SpeculationGate::new(GateOptions::default(), 3);
+        // 8 verify steps, then 8 plain: off. No first draft was kept in those verifies.
+        g.record_first_drafts(8, 0);
+        let (modes, _) = run_checked(&mut g, 1, 16, slower, |_| Some((64, 0)));
+        assert!(!g.is_on(1) && g.switches() == 1, "{g:?}");
+        assert!(modes[..8].iter().all(|&s| s));
+        // From then on every probe of speculation is skipped at its check: the checks come 128,
+        // 256, 512, 1024 and 1024 steps apart, and no step speculates.
+        let (modes, asked) = run_checked(&mut g, 1, 3000, slower, |_| Some((64, 1)));
+        assert!(modes.iter().all(|&s| !s), "{:?}", starts(&modes, false));
+        assert_eq!(asked, [127, 127 + 256, 127 + 768, 127 + 1792, 127 + 2816]);
+        assert!(g.acceptance().unwrap() < 0.02 && g.hopeless());
+        // A class met while the acceptance is hopeless starts with speculation off. Its first
+        // probe comes due after 8 steps and is skipped at its check; the next waits a period.
+        assert!(!g.is_on(16) && !g.speculating(16));
+        let (modes, asked) = run_checked(&mut g, 16, 300, slower, |_| Some((64, 0)));
+        assert!(!g.is_on(16) && modes.iter().all(|&s| !s));
+        assert_eq!(asked, [7, 7 + 256]);
+    }
+
+    #[test]
+    fn an_acceptance_worth_a_probe_starts_it_and_an_empty_check_waits() {
+        let mut g = SpeculationGate::new(GateOptions::default(), 3);
+        run_at(&mut g, 1, 16, slower);
+        assert!(!g.is_on(1));
+        // The first check scores nothing yet (the probe stays due), the next keeps 30 of 64
+        // first drafts: the probe starts a step after that answer.
+        let (modes, asked) = run_checked(&mut g, 1, 200, slower, |i| {
+            if i == 127 {
+                Some((0, 0))
+            } else {
+                Some((64, 30))
+            }
+        });
+        assert_eq!(asked, [127, 128]);
+        assert_eq!(starts(&modes, false), [129]);
+        assert!(!g.hopeless() && (g.acceptance().unwrap() - 30.0 / 64.0).abs() < 1e-9);
+        // Checks disabled: no acceptance is hopeless and a probe starts when due.
+        let mut g = SpeculationGate::new(GateOptions::default().check_before_probe(false), 3);
+        g.record_first_drafts(64, 0);
+        let (modes, asked) = run_checked(&mut g, 1, 200, slower, |_| Some((64, 0)));
+        assert!(asked.is_empty() && !g.hopeless());
+        assert_eq!(starts(&modes, false), [16 + 128]);
     }
 }

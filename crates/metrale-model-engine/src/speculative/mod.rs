@@ -38,7 +38,7 @@ use crate::runner::StepRunner;
 
 pub use accept::{Verdict, verify_drafts, verify_greedy};
 pub use gate::{Clock, GateOptions, SpeculationGate, WallClock};
-pub use mtp::MtpDrafter;
+pub use mtp::{CheckedDraft, MtpDrafter};
 pub use oracle::OracleDrafter;
 
 /// What a drafter sees of one sequence after a target step.
@@ -95,6 +95,19 @@ pub trait Drafter {
         runner: &mut StepRunner,
         inputs: &[DraftInput<'_>],
     ) -> Result<Vec<Vec<u32>>, ModelError>;
+
+    /// At the next `draft`, also check first drafts against tokens the model has chosen since,
+    /// without a verify step (the MTP head scores the rows it held back: `speculative::mtp`).
+    /// Returns whether this drafter can; the default cannot.
+    fn check_next(&mut self) -> bool {
+        false
+    }
+
+    /// The check `check_next` asked for, once `draft` ran: first drafts scored and how many
+    /// matched the model's tokens (none scored: nothing to check yet).
+    fn take_checks(&mut self) -> (usize, usize) {
+        (0, 0)
+    }
 }
 
 /// Acceptance counts of speculative decoding, and its gate's state.
@@ -114,6 +127,9 @@ pub struct SpeculativeStats {
     pub plain_tok_s: Option<f64>,
     /// The same with speculation.
     pub speculative_tok_s: Option<f64>,
+    /// Host wall time the drafter took after the target steps (take-ins and drafts, the
+    /// launches they queue but not their device time), every step together.
+    pub drafter_time: std::time::Duration,
 }
 
 impl SpeculativeStats {

@@ -19,6 +19,13 @@
 //! of taking in every step. A take-in lists every running sequence, so rows of a sequence no longer
 //! listed (preempted, to be recomputed and taken in again, or cancelled) are dropped. A plain
 //! decode step then costs a row copy instead of a head step.
+//!
+//! Checks (`Drafter::check_next`): the archived row at `p` predicts the token at `p + 2`, which
+//! the model has chosen by the next step. Asked to check, the drafter takes its archived rows in
+//! at the next take-in that holds such rows, with logits for the latest of them (up to
+//! `CHECK_ROWS`, spread over the sequences), and counts the argmax tokens equal to the tokens
+//! chosen: first drafts as a draft at that row would have made them, scored without a verify
+//! step, so the speculation gate can tell a head that accepts nothing from one worth a probe.
 
 use std::collections::{HashMap, HashSet};
 
@@ -26,11 +33,20 @@ use super::{DraftInput, Drafter};
 use crate::error::ModelError;
 use crate::runner::{MtpStep, StepRow, StepRunner};
 
+/// Most archived rows one check scores (the logits of each cost an LM-head row).
+pub const CHECK_ROWS: usize = 64;
+
 /// See the module header.
 #[derive(Debug)]
 pub struct MtpDrafter {
     /// Whether take-ins without drafts go to the archive (the default) or run at once.
     lag: bool,
+    /// A check was asked for and has not run yet.
+    check: bool,
+    /// The first drafts the last check scored.
+    last_check: Vec<CheckedDraft>,
+    /// Whether `last_check` has not been taken yet.
+    fresh_check: bool,
     /// The archived rows not taken in yet.
     lagged: Vec<Lagged>,
     /// Archive rows in use (rows of dropped entries included, until the lag empties).
@@ -43,6 +59,9 @@ impl Default for MtpDrafter {
     fn default() -> Self {
         MtpDrafter {
             lag: true,
+            check: false,
+            last_check: Vec::new(),
+            fresh_check: false,
             lagged: Vec::new(),
             used: 0,
             archived: 0,
@@ -64,6 +83,11 @@ impl MtpDrafter {
         self.archived
     }
 
+    /// The first drafts the last check scored (see the module header), in row order.
+    pub fn last_check(&self) -> &[CheckedDraft] {
+        &self.last_check
+    }
+
     /// Take in `step` (the rows of the target step just run, depth 0), or archive its rows for
     /// later (see the module header). Returns whether the head ran a step of `step`'s rows (its
     /// logits are then the first drafts').
@@ -83,7 +107,15 @@ impl MtpDrafter {
         let lagging: HashSet<usize> = self.lagged.iter().map(|l| l.request).collect();
         let leaving = (inputs.iter())
             .any(|i| i.leaving && (!i.step_rows.is_empty() || lagging.contains(&i.request)));
-        if self.lag && n > 0 && step.logit_rows.is_empty() && !leaving && self.used + n <= cap / 2 {
+        let check = self.check && self.lagged.iter().any(|l| target(inputs, l).is_some());
+        self.check &= !check;
+        if self.lag
+            && n > 0
+            && step.logit_rows.is_empty()
+            && !leaving
+            && !check
+            && self.used + n <= cap / 2
+        {
             runner.mtp_archive(step.hidden_rows, self.used)?;
             self.lagged
                 .extend(step.rows.iter().zip(self.used..).map(|(r, row)| Lagged {
@@ -115,6 +147,8 @@ impl MtpDrafter {
         }
         self.used = 0;
         let (mut rows, mut hidden, mut tables) = (Vec::new(), Vec::new(), Vec::new());
+        // With a check: each sequence's rows whose token after next is known.
+        let mut checkable: Vec<Vec<Scored>> = Vec::new();
         for inp in inputs {
             // The sequence's archived rows below this take-in's, in position order, the latest
             // copy of a position.
@@ -129,6 +163,17 @@ impl MtpDrafter {
             }
             let seq = tables.len() as u32;
             tables.push(inp.table);
+            if check {
+                let scored = |(t, l): (usize, &Lagged)| {
+                    Some(Scored {
+                        row: (rows.len() + t) as u32,
+                        request: l.request,
+                        position: l.position as usize + 2,
+                        chosen: target(inputs, l)?,
+                    })
+                };
+                checkable.push(mine.iter().enumerate().filter_map(scored).collect());
+            }
             for l in mine {
                 rows.push(StepRow {
                     token: l.token,
@@ -139,24 +184,98 @@ impl MtpDrafter {
             }
         }
         if !rows.is_empty() {
-            runner.mtp_step_archived(&MtpStep {
+            let limit = CHECK_ROWS.min(runner.sizes().max_logit_rows);
+            let scored = latest_spread(&checkable, limit);
+            let logit_rows: Vec<u32> = scored.iter().map(|c| c.row).collect();
+            runner.mtp_flush(&MtpStep {
                 rows: &rows,
                 tables: &tables,
                 hidden_rows: &hidden,
-                logit_rows: &[],
+                logit_rows: &logit_rows,
                 depth: 0,
             })?;
+            if check {
+                let argmax = runner.greedy(scored.len())?;
+                self.last_check = (scored.iter().zip(argmax))
+                    .map(|(c, token)| CheckedDraft {
+                        request: c.request,
+                        position: c.position,
+                        token,
+                        accepted: token == c.chosen,
+                    })
+                    .collect();
+                self.fresh_check = true;
+            }
         }
         if n == 0 {
             return Ok(false);
         }
         let moved: Vec<u32> = (base..base + n).map(|i| i as u32).collect();
-        runner.mtp_step_archived(&MtpStep {
+        let own = MtpStep {
             hidden_rows: &moved,
             ..*step
-        })?;
+        };
+        if step.logit_rows.is_empty() {
+            runner.mtp_flush(&own)?;
+        } else {
+            runner.mtp_step_archived(&own)?;
+        }
         Ok(true)
     }
+}
+
+/// The token two positions after archived row `l`, where its sequence has chosen it: what a
+/// first draft made at the row would have been checked against.
+fn target(inputs: &[DraftInput<'_>], l: &Lagged) -> Option<u32> {
+    let inp = inputs.iter().find(|i| i.request == l.request)?;
+    ((l.position as usize) < inp.first_position)
+        .then(|| inp.token(l.position as usize + 2))
+        .flatten()
+}
+
+/// One first draft a check scored: the request (`DraftInput::request`), the position a draft
+/// made at the row would have stood at, the head's token for it and whether it is the token the
+/// model chose there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CheckedDraft {
+    /// The request.
+    pub request: usize,
+    /// The position of the token the draft proposes (the row's plus two).
+    pub position: usize,
+    /// The head's argmax there.
+    pub token: u32,
+    /// Whether the model chose `token` there.
+    pub accepted: bool,
+}
+
+/// An archived row a check may score: its row in the flush step, its sequence, the position
+/// its draft stands for and the token chosen there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Scored {
+    row: u32,
+    request: usize,
+    position: usize,
+    chosen: u32,
+}
+
+/// Up to `limit` of the candidates, the latest of each sequence first and the sequences in
+/// turn, in row order.
+fn latest_spread(per_seq: &[Vec<Scored>], limit: usize) -> Vec<Scored> {
+    let mut picked = Vec::new();
+    for back in 1.. {
+        let before = picked.len();
+        for c in per_seq {
+            if picked.len() < limit && back <= c.len() {
+                picked.push(c[c.len() - back]);
+            }
+        }
+        if picked.len() == before || picked.len() == limit {
+            break;
+        }
+    }
+    picked.sort_unstable();
+    picked
 }
 
 /// A row archived for a later take-in: its sequence (`DraftInput::request`), position, the
@@ -178,6 +297,20 @@ struct Chain {
 }
 
 impl Drafter for MtpDrafter {
+    fn check_next(&mut self) -> bool {
+        self.check = self.lag;
+        self.fresh_check = false;
+        self.lag
+    }
+
+    fn take_checks(&mut self) -> (usize, usize) {
+        if !std::mem::take(&mut self.fresh_check) {
+            return (0, 0);
+        }
+        let accepted = self.last_check.iter().filter(|c| c.accepted).count();
+        (self.last_check.len(), accepted)
+    }
+
     fn draft(
         &mut self,
         runner: &mut StepRunner,

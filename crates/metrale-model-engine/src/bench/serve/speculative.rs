@@ -124,6 +124,18 @@ pub struct SpeculativeRun {
     /// Graphs captured during the run (near `max_speculative_graphs`: some verify or MTP
     /// steps of later shapes ran eagerly).
     pub captures: u64,
+    /// Plain decode steps that ran all the rung's sequences.
+    pub full_steps: usize,
+    /// Median wall time of those steps (the drafter's take-in after each included), ms; NaN
+    /// without one.
+    pub step_ms: f64,
+    /// Their mean (above the median: some steps cost more, such as a take-in that flushed the
+    /// head's archive or checked its drafts), ms; NaN without one.
+    pub step_mean_ms: f64,
+    /// Wall time outside those steps (verify steps, prefill chunks, mixed and narrower steps), s.
+    pub rest_s: f64,
+    /// Host time in the drafter after each step (its take-ins and drafts), s.
+    pub drafter_s: f64,
 }
 
 impl SpeculativeRun {
@@ -157,6 +169,8 @@ pub(super) fn runs(
             s.set_gate(spec.gate);
         }
         let before = sched.stats().steps;
+        let drafter_before =
+            (sched.stats().speculation).map_or(Default::default(), |s| s.drafter_time);
         let captures = sched.runner().graphs().captures();
         let run = run_once(sched, prompts, Vec::new(), opts.output_tokens)?;
         let after = sched.stats();
@@ -182,6 +196,11 @@ pub(super) fn runs(
             switches,
             gate_on,
             captures: sched.runner().graphs().captures() - captures,
+            full_steps: run.full_ms.len(),
+            step_ms: run.step_ms(),
+            step_mean_ms: run.full_ms.iter().sum::<f64>() / run.full_ms.len() as f64,
+            rest_s: run.rest_s(),
+            drafter_s: (accepts.drafter_time.saturating_sub(drafter_before)).as_secs_f64(),
         });
     }
     sched.set_drafter(None)?;
@@ -232,14 +251,14 @@ pub(super) fn table(spec: &ServeSpeculation, points: &[ServePoint]) -> String {
         spec.gate.enabled,
         spec.max_speculative_graphs
     );
-    s += "spec   conc.  drafter    tok/s   x plain   acc/verify   verify steps   plain steps   switches   gate at conc.   captures\n";
+    s += "spec   conc.  drafter    tok/s   x plain   acc/verify   verify steps   plain steps   switches   gate at conc.   captures   full steps   median ms   mean ms   rest s   drafter s\n";
     for p in points {
         for r in &p.speculative {
             let acc = r
                 .accepted_per_verify()
                 .map_or_else(|| "-".to_string(), |a| format!("{a:.2}"));
             s += &format!(
-                "       {:>5}  {:<7} {:>8.0} {:>9.3} {:>12} {:>14} {:>13} {:>10} {:>15} {:>10}\n",
+                "       {:>5}  {:<7} {:>8.0} {:>9.3} {:>12} {:>14} {:>13} {:>10} {:>15} {:>10} {:>12} {:>11.3} {:>9.3} {:>8.3} {:>11.3}\n",
                 p.concurrency,
                 r.drafter,
                 r.tok_s,
@@ -249,7 +268,12 @@ pub(super) fn table(spec: &ServeSpeculation, points: &[ServePoint]) -> String {
                 r.plain_steps,
                 r.switches,
                 if r.gate_on { "on" } else { "off" },
-                r.captures
+                r.captures,
+                r.full_steps,
+                r.step_ms,
+                r.step_mean_ms,
+                r.rest_s,
+                r.drafter_s
             );
         }
     }

@@ -249,6 +249,11 @@ fn drafts_accepted_per_verify_count_only_the_verifies_that_checked_drafts() {
         switches: 1,
         gate_on: false,
         captures: 3,
+        full_steps: 12,
+        step_ms: 1.25,
+        step_mean_ms: 1.5,
+        rest_s: 1.82,
+        drafter_s: 0.25,
     };
     assert_eq!(run.accepted_per_verify(), Some(0.75));
     let never = SpeculativeRun {
@@ -266,6 +271,7 @@ fn drafts_accepted_per_verify_count_only_the_verifies_that_checked_drafts() {
         steps: 30,
         full_steps: 20,
         step_ms: 1.0,
+        rest_s: 3.98,
         step_bytes: 1.0,
         floor_ms: 0.5,
         constrained: None,
@@ -278,6 +284,11 @@ fn drafts_accepted_per_verify_count_only_the_verifies_that_checked_drafts() {
     assert_eq!(rows.len(), 2, "{table}");
     assert!(
         rows[0].contains("0.75") && rows[0].contains("1.500"),
+        "{table}"
+    );
+    // The full steps' median and mean, the time outside them and the drafter's.
+    assert!(
+        rows[0].ends_with(" 12       1.250     1.500    1.820       0.250"),
         "{table}"
     );
     assert!(rows[1].split_whitespace().any(|w| w == "-"), "{table}");
