@@ -219,8 +219,8 @@ impl Drafter for PerRequest {
         Ok(drafts)
     }
 
-    fn check_next(&mut self) -> bool {
-        self.1.lock().unwrap().check_next()
+    fn check_next(&mut self, held: bool) -> bool {
+        self.1.lock().unwrap().check_next(held)
     }
 
     fn take_checks(&mut self) -> (usize, usize) {
@@ -531,6 +531,55 @@ impl Drafter for FirstDrafts {
     }
 }
 
+/// [`PerRequest`] asking for a check of the prompt rows at every take-in.
+#[derive(Clone, Default)]
+struct CheckingPrompts(PerRequest);
+
+impl Drafter for CheckingPrompts {
+    fn draft(
+        &mut self,
+        runner: &mut StepRunner,
+        inputs: &[DraftInput<'_>],
+    ) -> Result<Vec<Vec<u32>>, ModelError> {
+        assert!(self.0.check_next(false));
+        let drafts = self.0.draft(runner, inputs)?;
+        self.0.take_checks();
+        Ok(drafts)
+    }
+}
+
+/// Checks of prompt rows ride on the take-ins that draft (their logits after the drafts'): a
+/// head checking every prompt drafts exactly what it drafts unchecked, graphed or eager.
+#[test]
+fn checking_prompt_rows_leaves_the_drafts_as_they_are() {
+    let fx = MtpFixture::new("qwen3_5-tiny");
+    let reqs: Vec<SeqRequest> = prompts()[1..].iter().map(|q| request(q, 30, &[])).collect();
+    let want = plain(fx.path(), &reqs);
+    for graphs in [false, true] {
+        let options = ModelOptions::default()
+            .speculative(Speculative::Mtp)
+            .num_draft_tokens(3)
+            .decode_graphs(graphs);
+        let mut seen = Vec::new();
+        for check in [false, true] {
+            let mut s = fx.load(options.clone());
+            let rec = PerRequest::default();
+            let drafter: Box<dyn Drafter + Send> = match check {
+                false => Box::new(rec.clone()),
+                true => Box::new(CheckingPrompts(rec.clone())),
+            };
+            always(&mut s, Some(drafter));
+            assert_same(&serve(&mut s, &reqs, |_| {}).out, &want, "checking prompts");
+            let checks = *rec.2.lock().unwrap();
+            seen.push((rec.0.lock().unwrap().clone(), checks));
+        }
+        assert_eq!(seen[0].1, 0);
+        assert!(seen[1].1 >= reqs.len(), "{} checks", seen[1].1);
+        assert!(seen[0].0.values().map(Vec::len).sum::<usize>() > 10);
+        assert_eq!(seen[0].0, seen[1].0, "graphs {graphs}");
+    }
+}
+
 /// Drafts nothing and asks the MTP head for a check at every take-in, keeping what each scored.
 #[derive(Clone, Default)]
 struct CheckEvery(Arc<Mutex<Vec<CheckedDraft>>>, Arc<Mutex<MtpDrafter>>);
@@ -548,7 +597,7 @@ impl Drafter for CheckEvery {
             })
             .collect();
         let mut head = self.1.lock().unwrap();
-        assert!(head.check_next());
+        assert!(head.check_next(true));
         let drafts = head.draft(runner, &plain)?;
         let (scored, accepted) = head.take_checks();
         let last = head.last_check();
@@ -561,10 +610,11 @@ impl Drafter for CheckEvery {
     }
 }
 
-/// A check scores a held-back row as drafting there would have: each first draft a check
-/// scores equals the first draft a head taking in every step made for the same request and
-/// position, and it counts as accepted exactly when the model chose that token. A check off by a
-/// position, or reading another row's logits, scores other tokens.
+/// A check scores a held-back row, or a prompt row taken in, as drafting there would have: each
+/// first draft a check scores equals the first draft a head taking in every step made for the
+/// same request and position, and it counts as accepted exactly when the model chose (or the
+/// prompt holds) that token. A check off by a position, or reading another row's logits, scores
+/// other tokens.
 #[test]
 fn a_check_scores_the_first_drafts_drafting_makes() {
     let fx = MtpFixture::new("qwen3_5-tiny");
@@ -591,9 +641,11 @@ fn a_check_scores_the_first_drafts_drafting_makes() {
     assert_same(&got.out, &want, "checking");
     assert_eq!(got.verify_steps, 0);
     let checked = checking.0.lock().unwrap();
-    let mut both = 0;
-    for c in checked.iter() {
+    let (mut both, mut prompt_rows) = (0, 0);
+    // (Checks of answers re-prefilled after they finished come under other ids: left out.)
+    for c in checked.iter().filter(|c| c.request < reqs.len()) {
         let (prompt, out) = (&reqs[c.request].prompt, &want[c.request].token_ids);
+        prompt_rows += usize::from(c.position < prompt.len());
         let chosen = prompt.iter().chain(out).nth(c.position).copied();
         assert_eq!(c.accepted, chosen == Some(c.token), "{c:?}");
         if let Some(&t) = drafted.get(&(c.request, c.position)) {
@@ -606,6 +658,7 @@ fn a_check_scores_the_first_drafts_drafting_makes() {
         "{} checked, {both} drafted too",
         checked.len()
     );
+    assert!(prompt_rows > 20, "{prompt_rows} prompt rows checked");
 }
 
 /// With checks before probes (the default), a head that accepts next to nothing stops costing

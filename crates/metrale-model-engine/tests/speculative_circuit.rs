@@ -24,6 +24,7 @@ use metrale_model_engine::runner::{
     ForwardSelect, Fusions, ModelCircuit, MtpStep, StepInput, StepRow, checkpoint_plan,
     checkpoint_plans, plans_digest, verify_batches,
 };
+use metrale_model_engine::speculative::GateOptions;
 use metrale_model_layers::circuit_exec::Step;
 use support::*;
 
@@ -333,6 +334,8 @@ fn mtp_greedy_under_the_circuit_forward_is_plain_greedy() {
                     fusions: Fusions::All,
                 })
                 .unwrap();
+            // Every decode step verifies (the random head's acceptance would turn the gate off).
+            (model.speculation().unwrap()).set_gate(GateOptions::default().enabled(false));
             for (p, want) in prompts.iter().zip(&plain) {
                 let got = run(&mut model, p, &greedy(12));
                 assert_eq!(got.token_ids, want.token_ids, "{name} K={k}: tokens");

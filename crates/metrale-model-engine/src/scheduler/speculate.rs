@@ -216,9 +216,11 @@ impl Scheduler {
         // The next decode step's width: every running sequence past its prompt.
         let width = (self.running.iter()).filter(|s| !s.in_prefill()).count();
         let speculating = spec.gate.speculating(width);
-        // A probe of speculation waits for the drafter to check its first drafts.
-        let check = spec.gate.wants_check(width);
-        let checking = check && spec.drafter.check_next();
+        // A probe of speculation waits for the drafter to check its first drafts, held rows
+        // included; until the gate knows the acceptance, prompt rows are checked as they come.
+        let held = spec.gate.wants_check(width);
+        let check = held || spec.gate.wants_acceptance();
+        let checking = check && spec.drafter.check_next(held);
         let mut wanted = Vec::with_capacity(ran.len());
         for &(i, _, _) in ran {
             let s = &mut self.running[i];

@@ -33,13 +33,16 @@
 //! since). Speculation with `K` drafts accepted at rate `a` each keeps `a + a^2 + ... + a^K`
 //! drafts a verify on average (a chain stops at its first rejection), and a verify step never
 //! costs less than a plain step of the same width, so when that sum is within the margin
-//! speculation cannot win: the gate calls the acceptance hopeless. With `check_before_probe`, a
-//! probe of speculation that comes due first asks the scheduler for such a check
-//! (`wants_check`, answered by `checked`); a hopeless answer skips the probe as one that
+//! speculation cannot win: the gate calls the acceptance hopeless. With `check_before_probe`, the
+//! gate asks the scheduler for checks of the prompt rows taken in (`wants_acceptance`) until it
+//! has `ACCEPTANCE_MIN_CHECKS`, so the first prompts can answer before any verify step, and a
+//! probe of speculation that comes due first waits for a check of every row held back
+//! (`wants_check`; both answered by `checked`); a hopeless answer skips the probe as one that
 //! confirmed the mode (the period doubles), any other starts it. A class met while the
 //! acceptance is hopeless starts with speculation off, and a class speculating turns it off as
-//! soon as it is. A drafter that accepts nothing then costs the verify steps until the gate has
-//! `ACCEPTANCE_MIN_CHECKS` first drafts checked, and a check every probe period after.
+//! soon as it is. A drafter that accepts nothing then costs checks (the first prompts', then one
+//! a probe period), and verify steps only until the gate has `ACCEPTANCE_MIN_CHECKS` first
+//! drafts checked.
 //!
 //! Invariants:
 //! - The gate reads no clock: the scheduler hands it each step's duration from its `Clock`
@@ -416,15 +419,26 @@ impl SpeculationGate {
     }
 
     /// Whether the class of `width` waits for a check of the acceptance before a probe of
-    /// speculation: the scheduler then has the drafter check its first drafts and reports with
-    /// `checked`.
+    /// speculation: the scheduler then has the drafter check its first drafts, the rows it
+    /// holds back included, and reports with `checked`.
     pub fn wants_check(&self, width: usize) -> bool {
         self.opts.enabled && (self.classes.get(&width_class(width))).is_some_and(|c| c.check_due)
     }
 
-    /// The check the class of `width` asked for: `Some((checked, accepted))` first drafts, or
-    /// `None` when the drafter cannot check. Skips the due probe while the acceptance is
-    /// hopeless, else starts it; a check of no drafts (nothing to check yet) leaves it due.
+    /// Whether the gate still has fewer than `ACCEPTANCE_MIN_CHECKS` first drafts checked (with
+    /// `check_before_probe`): the scheduler then has the drafter check the rows it takes in
+    /// whose token after next is known (prompt rows), so the first prompts can answer before any
+    /// verify step, and reports with `checked`.
+    pub fn wants_acceptance(&self) -> bool {
+        self.opts.enabled
+            && self.opts.check_before_probe
+            && self.acceptance.checked < ACCEPTANCE_MIN_CHECKS
+    }
+
+    /// A check the gate asked for (`wants_check` of `width`, or `wants_acceptance`):
+    /// `Some((checked, accepted))` first drafts, or `None` when the drafter cannot check. Where
+    /// the class of `width` waits for it, skips the due probe while the acceptance is hopeless,
+    /// else starts it; a check of no drafts (nothing to check yet) leaves it due.
     pub fn checked(&mut self, width: usize, outcome: Option<(usize, usize)>) {
         if let Some((checked, accepted)) = outcome {
             if checked == 0 {

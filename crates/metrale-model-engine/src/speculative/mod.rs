@@ -96,10 +96,12 @@ pub trait Drafter {
         inputs: &[DraftInput<'_>],
     ) -> Result<Vec<Vec<u32>>, ModelError>;
 
-    /// At the next `draft`, also check first drafts against tokens the model has chosen since,
-    /// without a verify step (the MTP head scores the rows it held back: `speculative::mtp`).
-    /// Returns whether this drafter can; the default cannot.
-    fn check_next(&mut self) -> bool {
+    /// At the next `draft`, also check first drafts against tokens the model has chosen (or
+    /// the prompt holds), without a verify step: at the rows it takes in whose token after next
+    /// is known, and with `held` at the rows it held back as well (the MTP head:
+    /// `speculative::mtp`). Returns whether this drafter can; the default cannot.
+    fn check_next(&mut self, held: bool) -> bool {
+        let _ = held;
         false
     }
 

@@ -20,12 +20,14 @@
 //! listed (preempted, to be recomputed and taken in again, or cancelled) are dropped. A plain
 //! decode step then costs a row copy instead of a head step.
 //!
-//! Checks (`Drafter::check_next`): the archived row at `p` predicts the token at `p + 2`, which
-//! the model has chosen by the next step. Asked to check, the drafter takes its archived rows in
-//! at the next take-in that holds such rows, with logits for the latest of them (up to
-//! `CHECK_ROWS`, spread over the sequences), and counts the argmax tokens equal to the tokens
-//! chosen: first drafts as a draft at that row would have made them, scored without a verify
-//! step, so the speculation gate can tell a head that accepts nothing from one worth a probe.
+//! Checks (`Drafter::check_next`): the head's row at `p` predicts the token at `p + 2`, which
+//! the model has chosen by the next step (or which the prompt holds). Asked to check, the
+//! drafter takes its archived rows in at the next take-in that holds such rows (archived ones,
+//! or prompt rows of the step just run), with logits for the latest of them (up to `CHECK_ROWS`
+//! in all, spread over the sequences; a step's own rows get theirs after its drafts'), and
+//! counts the argmax tokens equal to the tokens chosen: first drafts as a draft at that row
+//! would have made them, scored without a verify step, so the speculation gate can tell a head
+//! that accepts nothing from one worth a probe, before its first verify step.
 
 use std::collections::{HashMap, HashSet};
 
@@ -43,6 +45,8 @@ pub struct MtpDrafter {
     lag: bool,
     /// A check was asked for and has not run yet.
     check: bool,
+    /// Whether it scores the archived rows too (else only a step's own rows).
+    check_held: bool,
     /// The first drafts the last check scored.
     last_check: Vec<CheckedDraft>,
     /// Whether `last_check` has not been taken yet.
@@ -60,6 +64,7 @@ impl Default for MtpDrafter {
         MtpDrafter {
             lag: true,
             check: false,
+            check_held: false,
             last_check: Vec::new(),
             fresh_check: false,
             lagged: Vec::new(),
@@ -107,8 +112,35 @@ impl MtpDrafter {
         let lagging: HashSet<usize> = self.lagged.iter().map(|l| l.request).collect();
         let leaving = (inputs.iter())
             .any(|i| i.leaving && (!i.step_rows.is_empty() || lagging.contains(&i.request)));
-        let check = self.check && self.lagged.iter().any(|l| target(inputs, l).is_some());
+        // With a check: this step's own rows whose token after next is known (prompt rows of a
+        // prefill chunk), each sequence's apart.
+        let mut own_checkable: Vec<Vec<Scored>> = Vec::new();
+        if self.check {
+            for (t, r) in step.rows.iter().enumerate() {
+                let inp = &inputs[r.seq as usize];
+                let Some(chosen) = inp.token(r.position as usize + 2) else {
+                    continue;
+                };
+                let c = Scored {
+                    row: t as u32,
+                    request: inp.request,
+                    position: r.position as usize + 2,
+                    chosen,
+                };
+                match own_checkable.last_mut() {
+                    Some(v) if v.last().is_some_and(|l| l.request == c.request) => v.push(c),
+                    _ => own_checkable.push(vec![c]),
+                }
+            }
+        }
+        let held = self.check && self.check_held;
+        let check = self.check
+            && (!own_checkable.is_empty()
+                || (held && self.lagged.iter().any(|l| target(inputs, l).is_some())));
         self.check &= !check;
+        if check {
+            self.last_check.clear();
+        }
         if self.lag
             && n > 0
             && step.logit_rows.is_empty()
@@ -128,7 +160,7 @@ impl MtpDrafter {
             self.archived += n as u64;
             return Ok(false);
         }
-        if self.lagged.is_empty() {
+        if self.lagged.is_empty() && !check {
             if n > 0 {
                 runner.mtp_step(step)?;
             }
@@ -163,7 +195,7 @@ impl MtpDrafter {
             }
             let seq = tables.len() as u32;
             tables.push(inp.table);
-            if check {
+            if check && held {
                 let scored = |(t, l): (usize, &Lagged)| {
                     Some(Scored {
                         row: (rows.len() + t) as u32,
@@ -194,34 +226,55 @@ impl MtpDrafter {
                 logit_rows: &logit_rows,
                 depth: 0,
             })?;
-            if check {
+            if !scored.is_empty() {
                 let argmax = runner.greedy(scored.len())?;
-                self.last_check = (scored.iter().zip(argmax))
-                    .map(|(c, token)| CheckedDraft {
-                        request: c.request,
-                        position: c.position,
-                        token,
-                        accepted: token == c.chosen,
-                    })
-                    .collect();
-                self.fresh_check = true;
+                self.last_check = checked(&scored, &argmax);
             }
+        }
+        if check {
+            self.fresh_check = true;
         }
         if n == 0 {
             return Ok(false);
         }
+        // This step's own rows, with their drafts' logits first, then those of the rows checked.
+        let drafts = step.logit_rows.len();
+        let room = (runner.sizes().max_logit_rows - drafts).min(CHECK_ROWS);
+        let own_scored = latest_spread(&own_checkable, room.saturating_sub(self.last_check.len()));
+        let logit_rows: Vec<u32> = (step.logit_rows.iter().copied())
+            .chain(own_scored.iter().map(|c| c.row))
+            .collect();
         let moved: Vec<u32> = (base..base + n).map(|i| i as u32).collect();
         let own = MtpStep {
             hidden_rows: &moved,
+            logit_rows: &logit_rows,
             ..*step
         };
-        if step.logit_rows.is_empty() {
+        // Eager unless it drafts only: a check's or a flush's shape is met once.
+        if logit_rows.len() > drafts || drafts == 0 {
             runner.mtp_flush(&own)?;
         } else {
             runner.mtp_step_archived(&own)?;
         }
+        if !own_scored.is_empty() {
+            let argmax = runner.greedy(logit_rows.len())?;
+            let own_checks = checked(&own_scored, &argmax[drafts..]);
+            self.last_check.extend(own_checks);
+        }
         Ok(true)
     }
+}
+
+/// The checks of `scored` rows whose argmax tokens are `argmax`, in order.
+fn checked(scored: &[Scored], argmax: &[u32]) -> Vec<CheckedDraft> {
+    (scored.iter().zip(argmax))
+        .map(|(c, &token)| CheckedDraft {
+            request: c.request,
+            position: c.position,
+            token,
+            accepted: token == c.chosen,
+        })
+        .collect()
 }
 
 /// The token two positions after archived row `l`, where its sequence has chosen it: what a
@@ -297,8 +350,9 @@ struct Chain {
 }
 
 impl Drafter for MtpDrafter {
-    fn check_next(&mut self) -> bool {
+    fn check_next(&mut self, held: bool) -> bool {
         self.check = self.lag;
+        self.check_held = held;
         self.fresh_check = false;
         self.lag
     }
