@@ -194,6 +194,10 @@ pub struct BenchArgs {
     /// shape runs eagerly).
     #[arg(long, default_value_t = metrale::ModelOptions::default().max_speculative_graphs)]
     max_speculative_graphs: usize,
+    /// `--serve --speculative`: meetings of a verify or MTP step shape before its graph is
+    /// captured (1: at once).
+    #[arg(long, default_value_t = metrale::ModelOptions::default().speculative_graph_after)]
+    speculative_graph_after: u32,
     /// How the random weights' projections are stored (`fp8`: quantized at load; the floor
     /// counts their bytes).
     #[arg(long, value_enum, default_value_t = QuantizationArg::None)]

@@ -57,6 +57,11 @@ pub struct ModelOptions {
     /// its shape has been met three times, then replaces the graph replayed longest ago: shapes
     /// met in passing (a ramp-up) never displace those that keep coming. Default 64.
     pub max_speculative_graphs: usize,
+    /// Below `max_speculative_graphs`, times a verify or MTP step shape is met before its step
+    /// is captured as a graph: the meetings before run eagerly. A capture costs milliseconds,
+    /// so shapes met once (while requests start or end) should not pay one. Default 2; 1
+    /// captures every shape the first time.
+    pub speculative_graph_after: u32,
     /// Under the circuit forward with speculation on, verify steps and MTP draft steps of 2 to
     /// this many sequences (at most `max_decode_seqs`) run from circuit programs, compiled when
     /// the forward is selected and graphed like any speculative step: a verify program per
@@ -218,6 +223,7 @@ impl Default for ModelOptions {
             max_decode_seqs: 8,
             decode_graphs: true,
             max_speculative_graphs: 64,
+            speculative_graph_after: 2,
             circuit_speculative_seqs: 4,
             prefix_caching: true,
             ssm_snapshot_slots: None,
@@ -307,6 +313,12 @@ impl ModelOptions {
     /// Set `max_speculative_graphs`.
     pub fn max_speculative_graphs(mut self, n: usize) -> Self {
         self.max_speculative_graphs = n;
+        self
+    }
+
+    /// Set `speculative_graph_after`.
+    pub fn speculative_graph_after(mut self, n: u32) -> Self {
+        self.speculative_graph_after = n;
         self
     }
 

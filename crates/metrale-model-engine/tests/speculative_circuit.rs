@@ -32,11 +32,14 @@ const REFERENCE: ForwardSelect = ForwardSelect::Circuit {
     fusions: Fusions::ReferenceOnly,
 };
 
+/// Options for `k` drafts, graphed or not; a speculative step is captured the first time its
+/// shape is met, so a test's single step of a shape runs from its graph.
 fn spec_options(k: usize, graphs: bool) -> ModelOptions {
     ModelOptions::default()
         .speculative(Speculative::External)
         .num_draft_tokens(k)
         .decode_graphs(graphs)
+        .speculative_graph_after(1)
 }
 
 fn cpu() -> Arc<dyn GpuBackend> {

@@ -36,7 +36,8 @@ pub(super) fn serve(
             bench::ServeSpeculation::default()
                 .num_draft_tokens(args.num_draft_tokens)
                 .forward(super::forward(&args.speculative_forward)?)
-                .max_speculative_graphs(args.max_speculative_graphs),
+                .max_speculative_graphs(args.max_speculative_graphs)
+                .speculative_graph_after(args.speculative_graph_after),
         );
     }
     if args.constrained > 0 {
@@ -59,6 +60,7 @@ pub(super) fn serve(
             "forward": s.forward.name(),
             "gate": s.gate.enabled,
             "max_speculative_graphs": s.max_speculative_graphs,
+            "speculative_graph_after": s.speculative_graph_after,
         })),
     });
     print_and_write(args, &report.table(), head, "serve", &report.points, |p| {

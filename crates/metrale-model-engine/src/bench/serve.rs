@@ -403,7 +403,8 @@ fn ladder_scheduler(
     let options = bench_model_options(max_seqs, seq_len + k, opts.max_batch_tokens)
         .speculative(Speculative::Mtp)
         .num_draft_tokens(k)
-        .max_speculative_graphs(spec.max_speculative_graphs);
+        .max_speculative_graphs(spec.max_speculative_graphs)
+        .speculative_graph_after(spec.speculative_graph_after);
     let model = factory::random(config, gpu.clone(), 0x5eed)?;
     let mut sched = Scheduler::new(model, options)?;
     sched.runner_mut().set_forward(spec.forward)?;

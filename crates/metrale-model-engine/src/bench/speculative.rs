@@ -215,6 +215,9 @@ pub fn speculative_bench(
         .num_kv_blocks((batch + 1) * max_seq_len.div_ceil(block_size) + 2)
         .max_decode_seqs(batch)
         .decode_graphs(true)
+        // Each step shape captured the first time it runs: the warm runs replay graphs only,
+        // as in a server that has met its shapes more than once.
+        .speculative_graph_after(1)
         .prefix_caching(false)
         .speculative(Speculative::Mtp)
         .num_draft_tokens(kmax);

@@ -5,11 +5,13 @@
 //! - A graph replays the launches of one step shape of one forward: a forward switch destroys
 //!   every graph (`clear`) before the next step.
 //! - Graphs of verify and MTP steps are bounded by `max_speculative`, so the graphs' device
-//!   memory stays bounded under any mix of drafts. Once the bound is reached, a step of a new
-//!   shape runs eagerly until its shape has been met `ADMIT_AFTER` times; it is then captured in
-//!   place of the speculative graph replayed longest ago. Ramp-up shapes met once or twice never
-//!   displace the steady state's, and a shape that comes to stay is graphed. The policy depends
-//!   only on the sequence of step shapes, so every rank of a sharded model keeps the same graphs.
+//!   memory stays bounded under any mix of drafts. Below the bound a step of a new shape runs
+//!   eagerly until its shape has been met `capture_after` times (a capture costs milliseconds:
+//!   shapes met once, while requests start or end, should not pay one); at the bound, until met
+//!   `ADMIT_AFTER` times (or `capture_after`, the more), and it is then captured in place of the
+//!   speculative graph replayed longest ago. Ramp-up shapes met once or twice never displace the
+//!   steady state's, and a shape that comes to stay is graphed. The policy depends only on the
+//!   sequence of step shapes, so every rank of a sharded model keeps the same graphs.
 //! - Graph and eager launches of a step give the same bits, so which steps are graphed never
 //!   changes a result.
 
@@ -62,13 +64,15 @@ pub struct GraphCache {
     stream: StreamHandle,
     graphs: HashMap<GraphKey, GraphHandle>,
     max_speculative: usize,
+    /// Meetings of a speculative shape below the bound before it is captured.
+    capture_after: u32,
     /// Graphs captured since creation (destroyed ones included).
     captures: u64,
     /// Each kept speculative graph's last replay (a tick of `replays`).
     last_replay: HashMap<GraphKey, u64>,
     /// Replays so far: the clock of `last_replay`.
     replays: u64,
-    /// Times each speculative shape without a graph was met at the bound.
+    /// Times each speculative shape without a graph was met (since it last lost its graph).
     met: HashMap<GraphKey, u32>,
 }
 
@@ -77,12 +81,14 @@ impl GraphCache {
         gpu: Arc<dyn GpuBackend>,
         stream: StreamHandle,
         max_speculative: usize,
+        capture_after: u32,
     ) -> GraphCache {
         GraphCache {
             gpu,
             stream,
             graphs: HashMap::new(),
             max_speculative,
+            capture_after,
             captures: 0,
             last_replay: HashMap::new(),
             replays: 0,
@@ -96,23 +102,30 @@ impl GraphCache {
     }
 
     /// Whether the step under `key` runs from a graph (replayed, or captured first): any
-    /// decode step; a verify or MTP step whose graph is kept, or while fewer than the bound are;
-    /// else one whose shape has now been met `ADMIT_AFTER` times at the bound, for which the
-    /// speculative graph replayed longest ago is destroyed (see the module header). Counts the
-    /// meeting of a shape that runs eagerly.
+    /// decode step; a verify or MTP step whose graph is kept; one whose shape has now been met
+    /// `capture_after` times while fewer graphs than the bound are kept; else one whose shape
+    /// has now been met `ADMIT_AFTER` times at the bound, for which the speculative graph
+    /// replayed longest ago is destroyed (see the module header). Counts the meeting of a shape
+    /// that runs eagerly.
     pub(crate) fn admit(&mut self, key: GraphKey) -> Result<bool, ModelError> {
         if key.is_decode() || self.contains(key) {
             return Ok(true);
         }
-        if self.last_replay.len() < self.max_speculative {
-            return Ok(true);
-        }
         let met = self.met.entry(key).or_insert(0);
         *met += 1;
-        if *met < ADMIT_AFTER {
+        let below = self.last_replay.len() < self.max_speculative;
+        let needed = if below {
+            self.capture_after
+        } else {
+            ADMIT_AFTER.max(self.capture_after)
+        };
+        if *met < needed {
             return Ok(false);
         }
         self.met.remove(&key);
+        if below {
+            return Ok(true);
+        }
         let oldest = (self.last_replay.iter())
             .min_by_key(|&(_, &tick)| tick)
             .map(|(&k, _)| k);
@@ -246,7 +259,7 @@ mod tests {
     fn at_the_bound_a_shape_that_keeps_coming_replaces_the_graph_replayed_longest_ago() {
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
         let s = gpu.default_stream();
-        let mut cache = GraphCache::new(gpu, s, 2);
+        let mut cache = GraphCache::new(gpu, s, 2, 1);
         assert!(step(&mut cache, verify(4)) && step(&mut cache, verify(8)));
         assert!(step(&mut cache, verify(4)), "kept graphs replay");
         // Decode graphs never count against the bound.
@@ -268,10 +281,25 @@ mod tests {
     }
 
     #[test]
+    fn below_the_bound_a_shape_is_captured_at_its_second_meeting() {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
+        let s = gpu.default_stream();
+        let mut cache = GraphCache::new(gpu, s, 4, 2);
+        // Shapes met once run eagerly and cost no capture; decode steps are graphed at once.
+        assert!(!step(&mut cache, verify(4)) && !step(&mut cache, verify(8)));
+        assert!(step(&mut cache, GraphKey::Decode(8)));
+        assert!(cache.verify_shapes().is_empty() && cache.captures() == 1);
+        // Met again, a shape is captured, then replays.
+        assert!(step(&mut cache, verify(4)) && step(&mut cache, verify(4)));
+        assert_eq!(cache.verify_shapes(), [(4, 1)]);
+        assert_eq!(cache.captures(), 2);
+    }
+
+    #[test]
     fn a_bound_of_zero_graphs_no_speculative_step() {
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
         let s = gpu.default_stream();
-        let mut cache = GraphCache::new(gpu, s, 0);
+        let mut cache = GraphCache::new(gpu, s, 0, 1);
         for _ in 0..4 {
             assert!(!step(&mut cache, verify(4)));
         }

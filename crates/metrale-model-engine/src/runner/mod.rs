@@ -146,6 +146,7 @@ impl StepRunner {
                     m.gpu().clone(),
                     m.stream(),
                     options.max_speculative_graphs,
+                    options.speculative_graph_after,
                 ),
                 forward: Forward {
                     circuit: None,
@@ -167,6 +168,7 @@ impl StepRunner {
                 model.gpu().clone(),
                 model.stream(),
                 options.max_speculative_graphs,
+                options.speculative_graph_after,
             ),
             forward: Forward {
                 circuit: None,

@@ -13,8 +13,8 @@
 //! the Qwen3-Next head. One row off in either the token or the position still runs, but its
 //! drafts are rarely accepted.
 //!
-//! With `decode_graphs`, an MTP step replays a graph captured the first time its (rows,
-//! sequences, logit rows, head layer) runs: its launches take only those counts and read which
+//! With `decode_graphs`, an MTP step replays a graph captured once its (rows, sequences, logit
+//! rows, head layer) has run `ModelOptions::speculative_graph_after` times: its launches take only those counts and read which
 //! rows belong to which sequence from the step buffers, so batched drafts are graphed like
 //! single ones, up to `ModelOptions::max_speculative_graphs` shapes with the verify steps'. The
 //! gather of the previous step's hidden rows, whose bound is that step's row count, stays

@@ -6,8 +6,9 @@
 //! row's own SSM slot, so accepting `j` drafts makes row `j`'s slot the sequence's state:
 //! rollback is the choice of a slot, with no recompute and no copy.
 //!
-//! With `decode_graphs`, a verify step is replayed from a graph captured the first time its
-//! (rows, sequences) runs. Its launches depend on nothing else: every kernel takes only the
+//! With `decode_graphs`, a verify step is replayed from a graph captured once its (rows,
+//! sequences) has run `ModelOptions::speculative_graph_after` times (2: the first runs eagerly).
+//! Its launches depend on nothing else: every kernel takes only the
 //! step's row, sequence and logit-row counts (all rows have logits) and reads the mix of drafts
 //! (which rows belong to which sequence, their positions, slots and row slots) from the step
 //! buffers. A batched verify step is graphed like a single-sequence one, one graph per (rows,

@@ -43,6 +43,9 @@ pub struct ServeSpeculation {
     /// admitted), and past the bound a step of a new shape runs eagerly. Default the engine's
     /// (64).
     pub max_speculative_graphs: usize,
+    /// Meetings of a verify or MTP step shape before its graph is captured
+    /// (`ModelOptions::speculative_graph_after`). Default the engine's (2).
+    pub speculative_graph_after: u32,
 }
 
 impl Default for ServeSpeculation {
@@ -52,6 +55,7 @@ impl Default for ServeSpeculation {
             forward: ForwardSelect::Legacy,
             gate: GateOptions::default(),
             max_speculative_graphs: ModelOptions::default().max_speculative_graphs,
+            speculative_graph_after: ModelOptions::default().speculative_graph_after,
         }
     }
 }
@@ -78,6 +82,12 @@ impl ServeSpeculation {
     /// Set `max_speculative_graphs`.
     pub fn max_speculative_graphs(mut self, n: usize) -> Self {
         self.max_speculative_graphs = n;
+        self
+    }
+
+    /// Set `speculative_graph_after`.
+    pub fn speculative_graph_after(mut self, n: u32) -> Self {
+        self.speculative_graph_after = n;
         self
     }
 
@@ -245,11 +255,12 @@ pub(super) fn with_head(config: &ModelConfig) -> ModelConfig {
 /// The table's speculative section: each rung's runs beside its plain run.
 pub(super) fn table(spec: &ServeSpeculation, points: &[ServePoint]) -> String {
     let mut s = format!(
-        "speculative runs: K = {} drafts, {} forward, a fresh gate each run (on: {}), at most {} speculative graphs; oracle: each request's plain tokens drafted, mtp: the MTP head; every run's tokens equal the plain run's\n",
+        "speculative runs: K = {} drafts, {} forward, a fresh gate each run (on: {}), at most {} speculative graphs, each captured at its shape's meeting {}; oracle: each request's plain tokens drafted, mtp: the MTP head; every run's tokens equal the plain run's\n",
         spec.num_draft_tokens,
         spec.forward.name(),
         spec.gate.enabled,
-        spec.max_speculative_graphs
+        spec.max_speculative_graphs,
+        spec.speculative_graph_after
     );
     s += "spec   conc.  drafter    tok/s   x plain   acc/verify   verify steps   plain steps   switches   gate at conc.   captures   full steps   median ms   mean ms   rest s   drafter s\n";
     for p in points {
