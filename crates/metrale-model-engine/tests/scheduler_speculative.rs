@@ -720,6 +720,34 @@ fn a_head_that_accepts_nothing_stops_verifying_once_checked() {
     assert!(verifies[1] * 2 < verifies[0], "verify steps: {verifies:?}");
 }
 
+/// Under the default gate, prompts long enough to give the gate its first-draft checks decide
+/// before any verify step: with a head that accepts next to nothing no step verifies (the drafts
+/// made at the take-in whose check found it hopeless are dropped), and the output is plain.
+#[test]
+fn long_first_prompts_turn_a_head_that_accepts_nothing_off_before_any_verify() {
+    let fx = MtpFixture::new("qwen3_5-tiny");
+    let reqs: Vec<SeqRequest> = (0..3)
+        .map(|i| {
+            let p: Vec<u32> = (0..40).map(|t| (t * 29 + i * 7) % 230 + 3).collect();
+            request(&p, 24, &[])
+        })
+        .collect();
+    let want = plain(fx.path(), &reqs);
+    // Room for the first prompt's 39 checks beside its draft row: 16 x (1 + 3) logit rows.
+    let mut s = fx.load(
+        ModelOptions::default()
+            .speculative(Speculative::Mtp)
+            .num_draft_tokens(3)
+            .max_decode_seqs(16),
+    );
+    let got = serve(&mut s, &reqs, |_| {});
+    assert_same(&got.out, &want, "default gate");
+    let gate = s.speculation().unwrap().gate();
+    assert!(gate.hopeless(), "{:?}", gate.acceptance());
+    assert_eq!(got.verify_steps, 0);
+    assert_eq!(s.stats().speculation.unwrap().switches, 0);
+}
+
 /// Sampling with drafts through the scheduler: valid tokens, the requested lengths, logits for
 /// each token, reproducible per seed, and drafts both kept and rejected.
 #[test]

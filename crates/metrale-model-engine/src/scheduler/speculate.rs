@@ -29,9 +29,11 @@
 //! - **Gate** ([`SpeculationGate`]): each decode step's tokens and duration (the drafting after
 //!   it included), read from the scheduler's [`Clock`], feed the gate's class of the step's
 //!   batch width, which picks the mode of the steps of that width that follow. Each verify
-//!   feeds it whether a sequence's first draft was kept; before a probe of speculation it may
-//!   ask for a check (`wants_check`), which the next take-in has the drafter make
-//!   (`Drafter::check_next`). A disabled gate always speculates.
+//!   feeds it whether a sequence's first draft was kept; until it knows the acceptance it asks
+//!   for checks of the prompt rows taken in (`wants_acceptance`), and before a probe of
+//!   speculation for a check of the held rows too (`wants_check`), which the take-in has the
+//!   drafter make (`Drafter::check_next`); drafts made at a take-in whose check turns
+//!   speculation off go unverified. A disabled gate always speculates.
 //! - **Prefix hits.** The head's KV at a shared prefix's positions is the cache's: at the last
 //!   position of a hit it was computed with the next token of the prompt that published it,
 //!   which may differ. This can cost acceptance, never output.
@@ -269,12 +271,15 @@ impl Scheduler {
         let drafts = spec.drafter.draft(&mut self.runner, &inputs)?;
         spec.outcomes.drafter_time += started.elapsed();
         drop(inputs);
+        // The check may have just found speculation hopeless: then these drafts go unverified.
+        let mut keep = true;
         if check {
             let outcome = checking.then(|| spec.drafter.take_checks());
             spec.gate.checked(width, outcome);
+            keep = spec.gate.speculating(width);
         }
         for ((&(i, ..), &k), mut d) in ran.iter().zip(&wanted).zip(drafts) {
-            d.truncate(k);
+            d.truncate(if keep { k } else { 0 });
             self.running[i].drafts = d;
         }
         Ok(())
