@@ -21,13 +21,14 @@
 //! decode step then costs a row copy instead of a head step.
 //!
 //! Checks (`Drafter::check_next`): the head's row at `p` predicts the token at `p + 2`, which
-//! the model has chosen by the next step (or which the prompt holds). Asked to check, the
-//! drafter takes its archived rows in at the next take-in that holds such rows (archived ones,
-//! or prompt rows of the step just run), with logits for the latest of them (up to `CHECK_ROWS`
-//! in all, spread over the sequences; a step's own rows get theirs after its drafts'), and
-//! counts the argmax tokens equal to the tokens chosen: first drafts as a draft at that row
-//! would have made them, scored without a verify step, so the speculation gate can tell a head
-//! that accepts nothing from one worth a probe, before its first verify step.
+//! the model has chosen by the next step (or which the prompt holds). Asked to check at a
+//! take-in that holds such rows (prompt rows of the step just run, and with `held` archived
+//! ones), the drafter takes its archived rows and the step's in with logits for the latest of
+//! them (up to `CHECK_ROWS` in all, spread over the sequences; a step's own rows get theirs after
+//! its drafts'), and counts the argmax tokens equal to the tokens chosen: first drafts as a draft
+//! at that row would have made them, scored without a verify step, so the speculation gate can
+//! tell a head that accepts nothing from one worth a probe, before its first verify step. A
+//! take-in without such rows checks nothing (the gate asks again at the next).
 
 use std::collections::{HashMap, HashSet};
 
@@ -43,7 +44,7 @@ pub const CHECK_ROWS: usize = 64;
 pub struct MtpDrafter {
     /// Whether take-ins without drafts go to the archive (the default) or run at once.
     lag: bool,
-    /// A check was asked for and has not run yet.
+    /// A check was asked for at the next take-in.
     check: bool,
     /// Whether it scores the archived rows too (else only a step's own rows).
     check_held: bool,
@@ -137,7 +138,8 @@ impl MtpDrafter {
         let check = self.check
             && (!own_checkable.is_empty()
                 || (held && self.lagged.iter().any(|l| target(inputs, l).is_some())));
-        self.check &= !check;
+        // A check asked for is this take-in's only (the gate asks again while it wants one).
+        self.check = false;
         if check {
             self.last_check.clear();
         }
