@@ -238,6 +238,11 @@ impl RunFigures {
         self.wall_s - self.full_ms.iter().sum::<f64>() / 1e3
     }
 
+    /// Mean wall time of the full decode steps, ms (NaN without one).
+    fn step_mean_ms(&self) -> f64 {
+        self.full_ms.iter().sum::<f64>() / self.full_ms.len() as f64
+    }
+
     fn step_ms(&self) -> f64 {
         if self.full_ms.is_empty() {
             f64::NAN

@@ -30,7 +30,7 @@
 //! tell a head that accepts nothing from one worth a probe, before its first verify step. A
 //! take-in without such rows checks nothing (the gate asks again at the next).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use super::{DraftInput, Drafter};
 use crate::error::ModelError;
@@ -44,14 +44,11 @@ pub const CHECK_ROWS: usize = 64;
 pub struct MtpDrafter {
     /// Whether take-ins without drafts go to the archive (the default) or run at once.
     lag: bool,
-    /// A check was asked for at the next take-in.
-    check: bool,
-    /// Whether it scores the archived rows too (else only a step's own rows).
-    check_held: bool,
-    /// The first drafts the last check scored.
+    /// A check asked for at the next take-in: `Some(held)`, scoring the archived rows too when
+    /// `held` (else only the step's own rows).
+    check: Option<bool>,
+    /// The first drafts the last check scored (emptied when a check is asked for).
     last_check: Vec<CheckedDraft>,
-    /// Whether `last_check` has not been taken yet.
-    fresh_check: bool,
     /// The archived rows not taken in yet.
     lagged: Vec<Lagged>,
     /// Archive rows in use (rows of dropped entries included, until the lag empties).
@@ -64,10 +61,8 @@ impl Default for MtpDrafter {
     fn default() -> Self {
         MtpDrafter {
             lag: true,
-            check: false,
-            check_held: false,
+            check: None,
             last_check: Vec::new(),
-            fresh_check: false,
             lagged: Vec::new(),
             used: 0,
             archived: 0,
@@ -104,45 +99,26 @@ impl MtpDrafter {
         step: &MtpStep<'_>,
     ) -> Result<bool, ModelError> {
         let (cap, n) = (runner.mtp_archive_rows(), step.rows.len());
-        let listed: HashSet<usize> = inputs.iter().map(|i| i.request).collect();
-        self.lagged.retain(|l| listed.contains(&l.request));
+        let by_id: HashMap<usize, &DraftInput<'_>> =
+            inputs.iter().map(|i| (i.request, i)).collect();
+        self.lagged.retain(|l| by_id.contains_key(&l.request));
         if self.lagged.is_empty() {
             self.used = 0;
         }
         // A sequence that retires after this take-in has its rows taken in now.
-        let lagging: HashSet<usize> = self.lagged.iter().map(|l| l.request).collect();
-        let leaving = (inputs.iter())
-            .any(|i| i.leaving && (!i.step_rows.is_empty() || lagging.contains(&i.request)));
-        // With a check: this step's own rows whose token after next is known (prompt rows of a
-        // prefill chunk), each sequence's apart.
-        let mut own_checkable: Vec<Vec<Scored>> = Vec::new();
-        if self.check {
-            for (t, r) in step.rows.iter().enumerate() {
-                let inp = &inputs[r.seq as usize];
-                let Some(chosen) = inp.token(r.position as usize + 2) else {
-                    continue;
-                };
-                let c = Scored {
-                    row: t as u32,
-                    request: inp.request,
-                    position: r.position as usize + 2,
-                    chosen,
-                };
-                match own_checkable.last_mut() {
-                    Some(v) if v.last().is_some_and(|l| l.request == c.request) => v.push(c),
-                    _ => own_checkable.push(vec![c]),
-                }
-            }
-        }
-        let held = self.check && self.check_held;
-        let check = self.check
-            && (!own_checkable.is_empty()
-                || (held && self.lagged.iter().any(|l| target(inputs, l).is_some())));
+        let leaving = inputs.iter().any(|i| {
+            i.leaving
+                && (!i.step_rows.is_empty() || self.lagged.iter().any(|l| l.request == i.request))
+        });
         // A check asked for is this take-in's only (the gate asks again while it wants one).
-        self.check = false;
-        if check {
-            self.last_check.clear();
-        }
+        let asked = self.check.take();
+        let held = asked == Some(true);
+        let own_checkable = match asked {
+            Some(_) => prompt_rows(step, inputs),
+            None => Vec::new(),
+        };
+        let check = !own_checkable.is_empty()
+            || (held && (self.lagged.iter()).any(|l| target(by_id[&l.request], l).is_some()));
         if self.lag
             && n > 0
             && step.logit_rows.is_empty()
@@ -203,7 +179,7 @@ impl MtpDrafter {
                         row: (rows.len() + t) as u32,
                         request: l.request,
                         position: l.position as usize + 2,
-                        chosen: target(inputs, l)?,
+                        chosen: target(inp, l)?,
                     })
                 };
                 checkable.push(mine.iter().enumerate().filter_map(scored).collect());
@@ -232,9 +208,6 @@ impl MtpDrafter {
                 let argmax = runner.greedy(scored.len())?;
                 self.last_check = checked(&scored, &argmax);
             }
-        }
-        if check {
-            self.fresh_check = true;
         }
         if n == 0 {
             return Ok(false);
@@ -279,13 +252,35 @@ fn checked(scored: &[Scored], argmax: &[u32]) -> Vec<CheckedDraft> {
         .collect()
 }
 
-/// The token two positions after archived row `l`, where its sequence has chosen it: what a
-/// first draft made at the row would have been checked against.
-fn target(inputs: &[DraftInput<'_>], l: &Lagged) -> Option<u32> {
-    let inp = inputs.iter().find(|i| i.request == l.request)?;
+/// The token two positions after archived row `l` of sequence `inp`, where the sequence has
+/// chosen it: what a first draft made at the row would have been checked against.
+fn target(inp: &DraftInput<'_>, l: &Lagged) -> Option<u32> {
     ((l.position as usize) < inp.first_position)
         .then(|| inp.token(l.position as usize + 2))
         .flatten()
+}
+
+/// The rows of `step` whose token after next is known (prompt rows of a prefill chunk), as
+/// candidates for a check, each sequence's apart.
+fn prompt_rows(step: &MtpStep<'_>, inputs: &[DraftInput<'_>]) -> Vec<Vec<Scored>> {
+    let mut out: Vec<Vec<Scored>> = Vec::new();
+    for (t, r) in step.rows.iter().enumerate() {
+        let inp = &inputs[r.seq as usize];
+        let Some(chosen) = inp.token(r.position as usize + 2) else {
+            continue;
+        };
+        let c = Scored {
+            row: t as u32,
+            request: inp.request,
+            position: r.position as usize + 2,
+            chosen,
+        };
+        match out.last_mut() {
+            Some(v) if v.last().is_some_and(|l| l.request == c.request) => v.push(c),
+            _ => out.push(vec![c]),
+        }
+    }
+    out
 }
 
 /// One first draft a check scored: the request (`DraftInput::request`), the position a draft
@@ -353,16 +348,12 @@ struct Chain {
 
 impl Drafter for MtpDrafter {
     fn check_next(&mut self, held: bool) -> bool {
-        self.check = self.lag;
-        self.check_held = held;
-        self.fresh_check = false;
+        self.check = self.lag.then_some(held);
+        self.last_check.clear();
         self.lag
     }
 
     fn take_checks(&mut self) -> (usize, usize) {
-        if !std::mem::take(&mut self.fresh_check) {
-            return (0, 0);
-        }
         let accepted = self.last_check.iter().filter(|c| c.accepted).count();
         (self.last_check.len(), accepted)
     }

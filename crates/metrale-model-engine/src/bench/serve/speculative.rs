@@ -208,7 +208,7 @@ pub(super) fn runs(
             captures: sched.runner().graphs().captures() - captures,
             full_steps: run.full_ms.len(),
             step_ms: run.step_ms(),
-            step_mean_ms: run.full_ms.iter().sum::<f64>() / run.full_ms.len() as f64,
+            step_mean_ms: run.step_mean_ms(),
             rest_s: run.rest_s(),
             drafter_s: (accepts.drafter_time.saturating_sub(drafter_before)).as_secs_f64(),
         });
