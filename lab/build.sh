@@ -25,7 +25,10 @@
 #   weight bytes straight into e4m3 MMAs, timed and each against the exact weight beside
 #   linear_stream_fp8;
 # - fp8_tma_lab: the FP8 tensor-map GEMMs (`linear_stream_tma_fp8`, `linear_tma_fp8`) against
-#   the map-less FP8 paths, bitwise, and timed at decode rows 1..128 and at 2048 prefill rows.
+#   the map-less FP8 paths, bitwise, and timed at decode rows 1..128 and at 2048 prefill rows;
+# - attention_pieces_lab: decode attention in a candidate arithmetic cut at absolute positions
+#   (64-key softmax tiles, pieces of 2 to 8 tiles folded in order), bitwise against a prefill-style
+#   walk in the same arithmetic, and timed.
 # Each program's header says what it measures and which arguments it takes. Extra arguments go
 # to nvcc.
 set -euo pipefail
@@ -33,7 +36,7 @@ cd "$(dirname "$0")/.."
 NV=$(ls -d .xtask/cuda-venv/lib/python3*/site-packages/nvidia/cu13)
 mkdir -p target/gemm-lab
 labs="gemm_lab prefill_lab wgmma_lab prefetch_lab attention_lab decode_tma_lab gdn_lab tma_stream_lab
-  fp8_swap_lab fp8_exact_lab wgmma_attention_lab fp8_mma_lab fp8_act_lab fp8_tma_lab"
+  fp8_swap_lab fp8_exact_lab wgmma_attention_lab fp8_mma_lab fp8_act_lab fp8_tma_lab attention_pieces_lab"
 pids=()
 for lab in $labs; do
   "$NV/bin/nvcc" -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Xptxas=-warn-spills \

@@ -961,7 +961,8 @@ __global__ void __launch_bounds__(128) decode_fold(DecodeProbe p) {
                 if (lane >= (uint32_t)d) v = fmaxf(v, o);
             }
             const float m = j0 + lane < p.chains ? p.pm[b0 + (size_t)(j0 + lane) * HB] : -INFINITY;
-            const float prev = lane == 0 ? carry : __shfl_up_sync(0xffffffffu, v, 1);
+            const float up = __shfl_up_sync(0xffffffffu, v, 1);  // every lane takes part
+            const float prev = lane == 0 ? carry : up;
             if (j0 + lane < p.chains) {
                 float mn, wo, wc;
                 chain_weights(prev, m, mn, wo, wc);
