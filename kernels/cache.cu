@@ -34,19 +34,20 @@ extern "C" __global__ void kv_store(KV_STORE_PARAMS) {
     if (kv_fp8 != 0) {
         uint8_t* kd = reinterpret_cast<uint8_t*>(k_cache) + (size_t)slot * width;
         uint8_t* vd = reinterpret_cast<uint8_t*>(v_cache) + (size_t)slot * width;
+        const KvScale kq = kv_scale(k_scale), vq = kv_scale(v_scale);
         // Eight elements a thread and iteration: a byte loop's stores may alias its loads, so
         // its iterations ran one after another, a memory latency each.
         if (width % 8 == 0 && aligned16(ks) && aligned16(vs) && aligned8(kd) && aligned8(vd)) {
             for (uint32_t v = threadIdx.x; v < width / 8; v += blockDim.x) {
                 const uint4 a = load16(ks + 8 * v);
                 const uint4 b = load16(vs + 8 * v);
-                *reinterpret_cast<uint2*>(kd + 8 * v) = kv_e4m3x8(a, k_scale);
-                *reinterpret_cast<uint2*>(vd + 8 * v) = kv_e4m3x8(b, v_scale);
+                *reinterpret_cast<uint2*>(kd + 8 * v) = kv_e4m3x8(a, kq);
+                *reinterpret_cast<uint2*>(vd + 8 * v) = kv_e4m3x8(b, vq);
             }
         } else {
             for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) {
-                kd[i] = kv_e4m3(bf2f(ks[i]), k_scale);
-                vd[i] = kv_e4m3(bf2f(vs[i]), v_scale);
+                kd[i] = kv_e4m3(bf2f(ks[i]), kq);
+                vd[i] = kv_e4m3(bf2f(vs[i]), vq);
             }
         }
         return;

@@ -241,15 +241,13 @@ extern "C" __global__ void qk_norm_rope_kv_store(QK_NORM_ROPE_KV_STORE_PARAMS) {
         if (store && fp8) {
             // The rounded key as the row now holds it (written by this warp's lanes).
             __syncwarp();
-            uint8_t* dst = reinterpret_cast<uint8_t*>(k_cache) + slot_base + h * d;
-            for (uint32_t i = lane; i < d; i += 32) dst[i] = kv_e4m3(bf2f(k[i]), k_scale);
+            kv_e4m3_head(reinterpret_cast<uint8_t*>(k_cache) + slot_base + h * d, k, d, kv_scale(k_scale), lane);
         }
     } else if (store) {
         const uint32_t h = hh - num_q_heads - num_kv_heads;
         const bf16* src = row + v_offset + h * d;
         if (kv_fp8 != 0) {
-            uint8_t* dst = reinterpret_cast<uint8_t*>(v_cache) + slot_base + h * d;
-            for (uint32_t i = lane; i < d; i += 32) dst[i] = kv_e4m3(bf2f(src[i]), v_scale);
+            kv_e4m3_head(reinterpret_cast<uint8_t*>(v_cache) + slot_base + h * d, src, d, kv_scale(v_scale), lane);
         } else {
             bf16* dst = v_cache + slot_base + h * d;
             for (uint32_t i = lane; i < d; i += 32) dst[i] = src[i];

@@ -47,9 +47,9 @@ fn qk_norm_rope_kv_store_is_the_two_launches_byte_for_byte() {
 
 /// `(head_dim, rotary_dim, q heads, kv heads, gated queries, q/k norms, zero-centred)` each,
 /// into bf16 pools and into FP8 pools (e4m3 of the rounded key and of the value over their
-/// scales).
+/// scales: scales the kernels divide by, and powers of two they multiply by the reciprocal of).
 fn rope_store(p: &Pair, rng: &mut Rng, cases: &[(u32, u32, u32, u32, bool, bool, bool)]) {
-    let formats = [None, Some((0.02f32, 0.3f32))];
+    let formats = [None, Some((0.02f32, 0.3f32)), Some((0.007_812_5, 1.0))];
     let runs = cases
         .iter()
         .flat_map(|c| formats.iter().map(move |f| (c, *f)));

@@ -236,9 +236,10 @@ fn kv_store_writes_each_row_at_its_slot_and_skips_padding() {
 }
 
 /// `(q heads, kv heads, head_dim)` each, into bf16 pools and into FP8 pools (e4m3 bytes; the
-/// key scale small enough that some keys saturate at 448).
+/// key scales small enough that some keys saturate at 448; scales the kernel divides by, and
+/// powers of two it multiplies by the reciprocal of).
 fn kv_store(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
-    let formats = [None, Some((0.004f32, 0.3f32))];
+    let formats = [None, Some((0.004f32, 0.3f32)), Some((0.003_906_25, 1.0))];
     for (&(hq, hkv, d), fp8) in shapes
         .iter()
         .flat_map(|s| formats.iter().map(move |f| (s, *f)))
