@@ -49,6 +49,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "lab_util.cuh"
@@ -195,6 +196,81 @@ struct PieceSmem {
     static constexpr uint32_t BYTES = (16 * RS + NS * STAGE + 16 * PS) * 2 + (4 * 16 + 4 * 16 * 4) * 4;
 };
 
+// Running outputs times the tile's corrections (rows g: c0, g + 8: c1).
+template <int N>
+MT_DEVICE void rescale(float (&o)[N][4], float c0, float c1) {
+#pragma unroll
+    for (int nt = 0; nt < N; ++nt) {
+        o[nt][0] = __fmul_rn(o[nt][0], c0);
+        o[nt][1] = __fmul_rn(o[nt][1], c0);
+        o[nt][2] = __fmul_rn(o[nt][2], c1);
+        o[nt][3] = __fmul_rn(o[nt][3], c1);
+    }
+}
+
+// One tile into a warp's running state: its sums (`bs`: [16-key group][16 rows][4 quad lanes],
+// added group after group) into the running sums, and its P V (probabilities `ps`, row stride
+// `stride`; values `vt`) into the running outputs of the warp's 32 dimensions, both rescaled
+// by the tile's corrections first.
+MT_DEVICE void tile_accumulate(const float* bs, float c0, float c1, float& l0, float& l1, float (&o)[4][4],
+                               const bf16* ps, uint32_t stride, const bf16* vt) {
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    float t0 = bs[g * 4 + c], t1 = bs[(g + 8) * 4 + c];
+#pragma unroll
+    for (uint32_t w = 1; w < 4; ++w) {
+        t0 = __fadd_rn(t0, bs[(w * 16 + g) * 4 + c]);
+        t1 = __fadd_rn(t1, bs[(w * 16 + g + 8) * 4 + c]);
+    }
+    l0 = fmaf(l0, c0, t0);
+    l1 = fmaf(l1, c1, t1);
+    rescale(o, c0, c1);
+    pv<4>(o, ps, stride, vt, 32 * warp, lane);
+}
+
+// A piece's partial into the global partials: each warp's running outputs of rows g < HB (the
+// item's heads), warp 0 the rows' maxima and quad-lane sums.
+MT_DEVICE void store_partial(const Attn& a, uint32_t item, uint32_t piece, const float (&o)[4][4], float m0, float l0) {
+    const uint32_t warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, c = threadIdx.x % 4;
+    if (g >= HB) return;
+    const size_t base = ((size_t)item * a.max_pieces + piece) * HB + g;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+        a.po[base * D + 32 * warp + 8 * nt + 2 * c] = o[nt][0];
+        a.po[base * D + 32 * warp + 8 * nt + 2 * c + 1] = o[nt][1];
+    }
+    if (warp == 0) {
+        if (c == 0) a.pm[base] = m0;
+        a.pl[base * 4 + c] = l0;
+    }
+}
+
+// The fold weights of pieces j0 .. j0 + n - 1 of one head, by one warp: `m(j)` the piece's
+// maximum; `carry` the running maximum before them (updated to the one after); each piece's
+// weights (att_fold_weights against the running maximum through the piece before it) into
+// wt[j * stride], wp[j * stride]. The running maxima by an inclusive scan, exact in any order.
+template <typename M>
+MT_DEVICE void scan_weights(M&& m_of, uint32_t n, float& carry, float* wt, float* wp, uint32_t stride, uint32_t lane) {
+    for (uint32_t j0 = 0; j0 < n; j0 += 32) {
+        const uint32_t j = j0 + lane;
+        const float m = j < n ? m_of(j) : -INFINITY;
+        float v = fmaxf(m, carry);
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const float u = __shfl_up_sync(0xffffffffu, v, d);
+            if (lane >= (uint32_t)d) v = fmaxf(v, u);
+        }
+        const float up = __shfl_up_sync(0xffffffffu, v, 1);  // every lane takes part
+        const float prev = lane == 0 ? carry : up;
+        if (j < n) {
+            float mn, w0, w1;
+            att_fold_weights(prev, m, mn, w0, w1);
+            wt[j * stride] = w0;
+            wp[j * stride] = w1;
+        }
+        carry = __shfl_sync(0xffffffffu, v, 31);
+    }
+}
+
 // One piece of (row, kvh) by the block's four warps through the ring: each warp's running
 // outputs (rows g, g + 8; dimensions 32 warp + 8 nt + 2 c), and its rows' maxima and quad-lane
 // sums. `qa` holds the queries' A fragments. The ring is free when it returns.
@@ -253,22 +329,7 @@ MT_DEVICE void piece_run(const Attn& a, bf16* ring, bf16* ps, float* mx_s, float
             *reinterpret_cast<uint32_t*>(ps + (g + 8) * PS + key) = pb[j];
         }
         __syncthreads();
-        float t_0 = b_s[(0 * 16 + g) * 4 + c], t_1 = b_s[(0 * 16 + g + 8) * 4 + c];
-#pragma unroll
-        for (uint32_t w = 1; w < 4; ++w) {
-            t_0 = __fadd_rn(t_0, b_s[(w * 16 + g) * 4 + c]);
-            t_1 = __fadd_rn(t_1, b_s[(w * 16 + g + 8) * 4 + c]);
-        }
-        l0 = fmaf(l0, c0, t_0);
-        l1 = fmaf(l1, c1, t_1);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            o[nt][0] = __fmul_rn(o[nt][0], c0);
-            o[nt][1] = __fmul_rn(o[nt][1], c0);
-            o[nt][2] = __fmul_rn(o[nt][2], c1);
-            o[nt][3] = __fmul_rn(o[nt][3], c1);
-        }
-        pv<4>(o, ps, PS, kt + TILE * RS, 32 * warp, lane);
+        tile_accumulate(b_s, c0, c1, l0, l1, o, ps, PS, kt + TILE * RS);
     }
     cp_async_wait<0>();
     __syncthreads();  // every warp is past the ring before the next piece refills it
@@ -283,7 +344,7 @@ __global__ void __launch_bounds__(128) piece_decode(Attn a) {
     bf16* ps = ring + NS * S::STAGE;
     float* mx_s = reinterpret_cast<float*>(ps + 16 * PS);  // [warp][16 rows]
     float* b_s = mx_s + 4 * 16;                            // [warp][16 rows][4 quad lanes]
-    const uint32_t tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+    const uint32_t tid = threadIdx.x, lane = tid % 32;
     const uint32_t item = blockIdx.y, piece = blockIdx.x, row = item / HKV, kvh = item % HKV;
     const uint32_t ctx = a.ctx[row], tiles = (ctx + TILE - 1) / TILE;
     if (piece * TP >= tiles) return;
@@ -295,19 +356,7 @@ __global__ void __launch_bounds__(128) piece_decode(Attn a) {
     float o[4][4], m0, l0;
     piece_run<TP, NS, K2>(a, ring, ps, mx_s, b_s, qa, row, kvh, piece, ctx, o, m0, l0);
     pdl_trigger();
-    // The piece's partial: rows g < HB are the item's heads.
-    if (g < HB) {
-        const size_t base = ((size_t)item * a.max_pieces + piece) * HB + g;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            a.po[base * D + 32 * warp + 8 * nt + 2 * c] = o[nt][0];
-            a.po[base * D + 32 * warp + 8 * nt + 2 * c + 1] = o[nt][1];
-        }
-        if (warp == 0) {
-            if (c == 0) a.pm[base] = m0;
-            a.pl[base * 4 + c] = l0;
-        }
-    }
+    store_partial(a, item, piece, o, m0, l0);
 }
 
 // ---- Decode in one kernel: a cluster of CL blocks an item, folded through the cluster ----
@@ -372,26 +421,8 @@ __global__ void __launch_bounds__(128) piece_decode_cluster(Attn a) {
     constexpr uint32_t LW = E + HB * 4;
     if (warp < HB) {
         float carry = -INFINITY;
-        for (uint32_t j0 = 0; j0 < pieces; j0 += 32) {
-            const uint32_t j = j0 + lane;
-            float m = -INFINITY;
-            if (j < pieces) m = cluster.map_shared_rank(part, j % CL)[(j / CL) * C::PART + HB * D + warp];
-            float v = fmaxf(m, carry);
-#pragma unroll
-            for (int d = 1; d < 32; d <<= 1) {
-                const float u = __shfl_up_sync(0xffffffffu, v, d);
-                if (lane >= (uint32_t)d) v = fmaxf(v, u);
-            }
-            const float up = __shfl_up_sync(0xffffffffu, v, 1);
-            const float prev = lane == 0 ? carry : up;
-            if (j < pieces) {
-                float mn, wt, wp;
-                att_fold_weights(prev, m, mn, wt, wp);
-                wt_s[j * HB + warp] = wt;
-                wp_s[j * HB + warp] = wp;
-            }
-            carry = __shfl_sync(0xffffffffu, v, 31);
-        }
+        scan_weights([&](uint32_t j) { return cluster.map_shared_rank(part, j % CL)[(j / CL) * C::PART + HB * D + warp]; },
+                     pieces, carry, wt_s + warp, wp_s + warp, HB, lane);
         if (lane == 0) mx_s[warp] = carry;
     }
     const uint32_t e0 = rank * DB;
@@ -523,36 +554,11 @@ __global__ void __launch_bounds__(128) piece_decode_all(Attn a) {
     float o[4][4] = {}, l0 = 0.0f, l1 = 0.0f;
     for (uint32_t t = 0; t < n; ++t) {
         const float c0 = c_s[t * 16 + g], c1 = c_s[t * 16 + g + 8];
-        float s0 = b_s[((t * 4) * 16 + g) * 4 + c], s1 = b_s[((t * 4) * 16 + g + 8) * 4 + c];
-#pragma unroll
-        for (uint32_t j = 1; j < 4; ++j) {
-            s0 = __fadd_rn(s0, b_s[((t * 4 + j) * 16 + g) * 4 + c]);
-            s1 = __fadd_rn(s1, b_s[((t * 4 + j) * 16 + g + 8) * 4 + c]);
-        }
-        l0 = fmaf(l0, c0, s0);
-        l1 = fmaf(l1, c1, s1);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            o[nt][0] = __fmul_rn(o[nt][0], c0);
-            o[nt][1] = __fmul_rn(o[nt][1], c0);
-            o[nt][2] = __fmul_rn(o[nt][2], c1);
-            o[nt][3] = __fmul_rn(o[nt][3], c1);
-        }
-        pv<4>(o, ps + t * TILE, S::PSA, ring + t * S::STAGE + TILE * RS, 32 * warp, lane);
+        tile_accumulate(b_s + t * 4 * 16 * 4, c0, c1, l0, l1, o, ps + t * TILE, S::PSA, ring + t * S::STAGE + TILE * RS);
     }
     pdl_trigger();
-    if (g < HB) {
-        const size_t base = ((size_t)item * a.max_pieces + piece) * HB + g;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            a.po[base * D + 32 * warp + 8 * nt + 2 * c] = o[nt][0];
-            a.po[base * D + 32 * warp + 8 * nt + 2 * c + 1] = o[nt][1];
-        }
-        if (warp == 0) {
-            if (c == 0) a.pm[base] = fmaxf(fmaxf(mx_s[0 * 16 + g], mx_s[1 * 16 + g]), fmaxf(mx_s[2 * 16 + g], mx_s[3 * 16 + g]));
-            a.pl[base * 4 + c] = l0;
-        }
-    }
+    const float m0 = fmaxf(fmaxf(mx_s[0 * 16 + g], mx_s[1 * 16 + g]), fmaxf(mx_s[2 * 16 + g], mx_s[3 * 16 + g]));
+    store_partial(a, item, piece, o, m0, l0);
 }
 
 // Each head's pieces folded in order: block (item, head), thread e dimension e, threads 0..3
@@ -580,26 +586,8 @@ __global__ void __launch_bounds__(128) piece_fold(Attn a) {
         }
         if (e < nc) cp_async16(&pl_s[e][0], a.pl + (b0 + (size_t)(c0 + e) * HB) * 4, 16u);
         cp_async_commit();
-        if (e < 32) {  // inclusive prefix maximum, 32 pieces a pass, and each piece's weights
-            for (uint32_t j0 = 0; j0 < nc; j0 += 32) {
-                const float m = j0 + lane < nc ? a.pm[b0 + (size_t)(c0 + j0 + lane) * HB] : -INFINITY;
-                float v = fmaxf(m, carry);
-#pragma unroll
-                for (int d = 1; d < 32; d <<= 1) {
-                    const float o = __shfl_up_sync(0xffffffffu, v, d);
-                    if (lane >= (uint32_t)d) v = fmaxf(v, o);
-                }
-                const float up = __shfl_up_sync(0xffffffffu, v, 1);  // every lane takes part
-                const float prev = lane == 0 ? carry : up;
-                if (j0 + lane < nc) {
-                    float mn, wt, wp;
-                    att_fold_weights(prev, m, mn, wt, wp);
-                    wt_s[j0 + lane] = wt;
-                    wp_s[j0 + lane] = wp;
-                }
-                carry = __shfl_sync(0xffffffffu, v, 31);
-            }
-        }
+        if (e < 32)  // the running maxima and each piece's weights
+            scan_weights([&](uint32_t j) { return a.pm[b0 + (size_t)(c0 + j) * HB]; }, nc, carry, wt_s, wp_s, 1, lane);
         cp_async_wait<0>();
         __syncthreads();
 #pragma unroll 8
@@ -673,13 +661,7 @@ __global__ void __launch_bounds__(32) piece_walk(Attn a, float* wo, float* wm, f
         __syncwarp();
         l0 = fmaf(l0, c0, t_0);
         l1 = fmaf(l1, c1, t_1);
-#pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-            o[nt][0] = __fmul_rn(o[nt][0], c0);
-            o[nt][1] = __fmul_rn(o[nt][1], c0);
-            o[nt][2] = __fmul_rn(o[nt][2], c1);
-            o[nt][3] = __fmul_rn(o[nt][3], c1);
-        }
+        rescale(o, c0, c1);
         pv<16>(o, ps, PS, st + TILE * RS, 0, lane);
         __syncwarp();
         if ((t + 1) % TP == 0 || t + 1 == tiles) {  // the piece ends: fold it, start afresh
@@ -767,45 +749,71 @@ static void launch_decode(const Attn& a, uint32_t rows, cudaStream_t s) {
     launch_ex((const void*)piece_fold<TP>, dim3(rows * HKV, HB), dim3(128), 0, true, s, args);
 }
 
-// Rows of the given contexts over shuffled blocks: decode against the walk bit for bit, the walk
-// against float64; returns the count of differing values.
-template <uint32_t TP, uint32_t NS, bool K2, uint32_t CL = 0>
-static size_t check(const std::vector<uint32_t>& ctxs, uint64_t seed) {
-    const uint32_t rows = ctxs.size();
-    uint32_t maxc = 0;
-    for (uint32_t cx : ctxs) maxc = std::max(maxc, cx);
-    const uint32_t max_blocks = (maxc + BLOCK - 1) / BLOCK, slots = rows * max_blocks * BLOCK;
-    const uint32_t max_pieces = ((maxc + TILE - 1) / TILE + TP - 1) / TP, items = rows * HKV;
-    std::vector<uint32_t> table(rows * max_blocks);
+// A launch's buffers but the pools: queries (random), a block table of every row's blocks in
+// shuffled order (returned in `table`), the contexts, the partials and the outputs (the folded
+// ones poisoned, so a value never written differs); `k` and `v` are left to the caller.
+static Attn alloc_attn(const std::vector<uint32_t>& ctxs, uint32_t tp, uint64_t seed, std::vector<uint32_t>& table) {
+    const uint32_t rows = ctxs.size(), items = rows * HKV;
+    const uint32_t maxc = *std::max_element(ctxs.begin(), ctxs.end());
+    const uint32_t max_blocks = (maxc + BLOCK - 1) / BLOCK, max_pieces = ((maxc + TILE - 1) / TILE + tp - 1) / tp;
+    table.resize(rows * max_blocks);
     for (uint32_t i = 0; i < table.size(); ++i) table[i] = i;
     std::mt19937 rng(seed);
     std::shuffle(table.begin(), table.end(), rng);
-    bf16 *q, *k, *v, *out;
+    bf16 *q, *out;
     uint32_t *t, *cx;
-    float *po, *pm, *pl, *fo, *fm, *fl, *wo, *wm, *wl;
-    const size_t qn = (size_t)rows * HKV * HB * D, kvn = (size_t)slots * HKV * D;
+    float *po, *pm, *pl, *fo, *fm, *fl;
+    const size_t qn = (size_t)rows * HKV * HB * D;
     CK(cudaMalloc(&q, qn * 2));
-    CK(cudaMalloc(&k, kvn * 2));
-    CK(cudaMalloc(&v, kvn * 2));
     CK(cudaMalloc(&out, (size_t)items * HB * D * 2));
     CK(cudaMalloc(&t, table.size() * 4));
     CK(cudaMalloc(&cx, rows * 4));
     CK(cudaMalloc(&po, (size_t)items * max_pieces * HB * D * 4));
     CK(cudaMalloc(&pm, (size_t)items * max_pieces * HB * 4));
     CK(cudaMalloc(&pl, (size_t)items * max_pieces * HB * 16));
-    for (float** p : {&fo, &wo}) CK(cudaMalloc(p, (size_t)items * HB * D * 4));
-    for (float** p : {&fm, &wm}) CK(cudaMalloc(p, (size_t)items * HB * 4));
-    for (float** p : {&fl, &wl}) CK(cudaMalloc(p, (size_t)items * HB * 16));
+    CK(cudaMalloc(&fo, (size_t)items * HB * D * 4));
+    CK(cudaMalloc(&fm, (size_t)items * HB * 4));
+    CK(cudaMalloc(&fl, (size_t)items * HB * 16));
+    CK(cudaMemset(fo, 0xFF, (size_t)items * HB * D * 4));
+    CK(cudaMemset(fm, 0xFF, (size_t)items * HB * 4));
+    CK(cudaMemset(fl, 0xFF, (size_t)items * HB * 16));
     CK(cudaMemcpy(t, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(cx, ctxs.data(), rows * 4, cudaMemcpyHostToDevice));
     fill_bf16<<<256, 256>>>(q, qn, seed + 1, 2.0f);
+    return Attn{q, nullptr, nullptr, t, max_blocks, cx, po, pm, pl, fo, fm, fl, out, max_pieces};
+}
+
+static void free_attn(const Attn& a) {
+    for (const void* p : {(const void*)a.q, (const void*)a.out, (const void*)a.table, (const void*)a.ctx,
+                          (const void*)a.po, (const void*)a.pm, (const void*)a.pl, (const void*)a.fo, (const void*)a.fm,
+                          (const void*)a.fl})
+        CK(cudaFree((void*)p));
+}
+
+// Rows of the given contexts over shuffled blocks: decode against the walk bit for bit, the walk
+// against float64; returns the count of differing values.
+template <uint32_t TP, uint32_t NS, bool K2, uint32_t CL = 0>
+static size_t check(const std::vector<uint32_t>& ctxs, uint64_t seed) {
+    const uint32_t rows = ctxs.size(), items = rows * HKV;
+    std::vector<uint32_t> table;
+    Attn a = alloc_attn(ctxs, TP, seed, table);
+    const uint32_t max_blocks = a.max_blocks, slots = rows * max_blocks * BLOCK;
+    bf16 *k, *v;
+    float *wo, *wm, *wl;
+    const size_t qn = (size_t)rows * HKV * HB * D, kvn = (size_t)slots * HKV * D;
+    CK(cudaMalloc(&k, kvn * 2));
+    CK(cudaMalloc(&v, kvn * 2));
+    // The walk's outputs, poisoned as the folded ones are.
+    for (auto [p, n] : {std::pair{&wo, (size_t)items * HB * D}, {&wm, (size_t)items * HB}, {&wl, (size_t)items * HB * 4}}) {
+        CK(cudaMalloc(p, n * 4));
+        CK(cudaMemset(*p, 0xFF, n * 4));
+    }
     fill_bf16<<<1024, 256>>>(k, kvn, seed + 2, 2.0f);
     fill_bf16<<<1024, 256>>>(v, kvn, seed + 3, 1.0f);
-    // Outputs poisoned, so a value never written differs.
-    for (float* p : {po, fo, wo}) CK(cudaMemset(p, 0xFF, (p == po ? (size_t)max_pieces : 1) * items * HB * D * 4));
-    for (float* p : {fm, wm}) CK(cudaMemset(p, 0xFF, (size_t)items * HB * 4));
-    for (float* p : {fl, wl}) CK(cudaMemset(p, 0xFF, (size_t)items * HB * 16));
-    const Attn a{q, k, v, t, max_blocks, cx, po, pm, pl, fo, fm, fl, out, max_pieces};
+    a.k = k;
+    a.v = v;
+    const bf16* q = a.q;
+    float *fo = a.fo, *fm = a.fm, *fl = a.fl;
     prepare<TP, NS, K2, CL>();
     if (g_verbose) printf("  check TP=%u NS=%u: decode\n", TP, NS);
     launch_pieces<TP, NS, K2, CL>(a, rows, 0);
@@ -821,13 +829,13 @@ static size_t check(const std::vector<uint32_t>& ctxs, uint64_t seed) {
     CK(cudaDeviceSynchronize());
     if (g_verbose) printf("  check: compare\n");
     const size_t on = (size_t)items * HB * D;
-    std::vector<uint32_t> h_fo(on), h_wo(on), h_fm(items * HB), h_wm(items * HB), h_fl(items * HB * 4), h_wl(items * HB * 4);
-    CK(cudaMemcpy(h_fo.data(), fo, on * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(h_wo.data(), wo, on * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(h_fm.data(), fm, items * HB * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(h_wm.data(), wm, items * HB * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(h_fl.data(), fl, items * HB * 16, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(h_wl.data(), wl, items * HB * 16, cudaMemcpyDeviceToHost));
+    auto down = [](const float* p, size_t n) {
+        std::vector<uint32_t> h(n);
+        CK(cudaMemcpy(h.data(), p, n * 4, cudaMemcpyDeviceToHost));
+        return h;
+    };
+    const std::vector<uint32_t> h_fo = down(fo, on), h_wo = down(wo, on), h_fm = down(fm, items * HB),
+                                h_wm = down(wm, items * HB), h_fl = down(fl, items * HB * 4), h_wl = down(wl, items * HB * 4);
     size_t diff = 0;
     for (size_t i = 0; i < on; ++i) diff += h_fo[i] != h_wo[i];
     for (size_t i = 0; i < h_fm.size(); ++i) diff += h_fm[i] != h_wm[i];
@@ -876,9 +884,8 @@ static size_t check(const std::vector<uint32_t>& ctxs, uint64_t seed) {
     printf("check TP=%u NS=%u K2=%d CL=%u rows=%u ctx %u..%u: %zu of %zu values differ from the walk; the walk %.2e from float64 "
            "(relative L2, worst head)\n",
            TP, NS, (int)K2, CL, rows, ctxs.front(), ctxs.back(), diff, on + h_fm.size() + h_fl.size(), worst);
-    for (void* p : {(void*)q, (void*)k, (void*)v, (void*)out, (void*)t, (void*)cx, (void*)po, (void*)pm, (void*)pl,
-                    (void*)fo, (void*)fm, (void*)fl, (void*)wo, (void*)wm, (void*)wl})
-        CK(cudaFree(p));
+    for (void* p : {(void*)k, (void*)v, (void*)wo, (void*)wm, (void*)wl}) CK(cudaFree(p));
+    free_attn(a);
     return diff + (worst > 2e-2 ? 1 : 0);
 }
 
@@ -889,31 +896,10 @@ static void time_decode(uint32_t rows, uint32_t ctx, double copy_gbs) {
         printf("decode TP=%u CL=%u ctx %u: more pieces than the cluster keeps\n", TP, CL, ctx);
         return;
     }
-    const uint32_t max_blocks = (ctx + BLOCK - 1) / BLOCK, slots = rows * max_blocks * BLOCK;
-    const uint32_t max_pieces = ((ctx + TILE - 1) / TILE + TP - 1) / TP, items = rows * HKV;
-    const size_t kvn = (size_t)slots * HKV * D, kv_bytes = 2 * (size_t)rows * ctx * HKV * D * 2;
+    std::vector<uint32_t> table;
+    const Attn base = alloc_attn(std::vector<uint32_t>(rows, ctx), TP, 7, table);
+    const size_t kvn = (size_t)rows * base.max_blocks * BLOCK * HKV * D, kv_bytes = 2 * (size_t)rows * ctx * HKV * D * 2;
     const int copies = (int)std::min<size_t>(32, std::max<size_t>(1, ((size_t)320 << 20) / (4 * kvn) + 1));
-    std::vector<uint32_t> table(rows * max_blocks), ctxs(rows, ctx);
-    for (uint32_t i = 0; i < table.size(); ++i) table[i] = i;
-    std::mt19937 rng(7);
-    std::shuffle(table.begin(), table.end(), rng);
-    bf16 *q, *out;
-    uint32_t *t, *cx;
-    float *po, *pm, *pl, *fo, *fm, *fl;
-    const size_t qn = (size_t)rows * HKV * HB * D;
-    CK(cudaMalloc(&q, qn * 2));
-    CK(cudaMalloc(&out, (size_t)items * HB * D * 2));
-    CK(cudaMalloc(&t, table.size() * 4));
-    CK(cudaMalloc(&cx, rows * 4));
-    CK(cudaMalloc(&po, (size_t)items * max_pieces * HB * D * 4));
-    CK(cudaMalloc(&pm, (size_t)items * max_pieces * HB * 4));
-    CK(cudaMalloc(&pl, (size_t)items * max_pieces * HB * 16));
-    CK(cudaMalloc(&fo, (size_t)items * HB * D * 4));
-    CK(cudaMalloc(&fm, (size_t)items * HB * 4));
-    CK(cudaMalloc(&fl, (size_t)items * HB * 16));
-    CK(cudaMemcpy(t, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(cx, ctxs.data(), rows * 4, cudaMemcpyHostToDevice));
-    fill_bf16<<<256, 256>>>(q, qn, 1, 2.0f);
     std::vector<Attn> as;
     for (int cpy = 0; cpy < copies; ++cpy) {
         bf16 *k, *v;
@@ -921,7 +907,10 @@ static void time_decode(uint32_t rows, uint32_t ctx, double copy_gbs) {
         CK(cudaMalloc(&v, kvn * 2));
         fill_bf16<<<1024, 256>>>(k, kvn, 2 * cpy + 2, 2.0f);
         fill_bf16<<<1024, 256>>>(v, kvn, 2 * cpy + 3, 1.0f);
-        as.push_back(Attn{q, k, v, t, max_blocks, cx, po, pm, pl, fo, fm, fl, out, max_pieces});
+        Attn x = base;
+        x.k = k;
+        x.v = v;
+        as.push_back(x);
     }
     prepare<TP, NS, K2, CL>();
     CK(cudaDeviceSynchronize());
@@ -942,8 +931,7 @@ static void time_decode(uint32_t rows, uint32_t ctx, double copy_gbs) {
         CK(cudaFree((void*)x.k));
         CK(cudaFree((void*)x.v));
     }
-    for (void* p : {(void*)q, (void*)out, (void*)t, (void*)cx, (void*)po, (void*)pm, (void*)pl, (void*)fo, (void*)fm, (void*)fl})
-        CK(cudaFree(p));
+    free_attn(base);
     CK(cudaStreamDestroy(s));
 }
 
