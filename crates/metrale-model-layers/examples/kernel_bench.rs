@@ -6,7 +6,8 @@
 //! `run.sh` of the GPU bundle runs it and collects its `bench` lines.
 //!
 //! `cargo run --release --features cuda -p metrale-model-layers --example kernel_bench
-//! [linear|attention]` (both without an argument).
+//! [linear|attention [CONTEXTS]]` (both without an argument; CONTEXTS, comma-separated token
+//! counts, the attention rows' contexts, 1025 by default).
 
 use std::sync::Arc;
 
@@ -23,6 +24,16 @@ const S: StreamHandle = StreamHandle::DEFAULT;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let which = std::env::args().nth(1);
+    let contexts = match std::env::args().nth(2) {
+        Some(list) => list
+            .split(',')
+            .map(|c| match c.trim().parse::<u32>() {
+                Ok(n) if n > 0 => Ok(n),
+                _ => Err(format!("context `{c}`: a token count of at least 1")),
+            })
+            .collect::<Result<Vec<u32>, String>>()?,
+        None => vec![1025],
+    };
     let gpu: Arc<dyn GpuBackend> = Arc::new(CudaBackend::new(0)?);
     let ops = Ops::new(gpu.clone())?;
     let g = gpu.as_ref();
@@ -32,7 +43,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         measure_linear(&ops, g, copy_gbs, tflops);
     }
     if which.as_deref().is_none_or(|w| w == "attention") {
-        measure_attention(&ops, g, copy_gbs);
+        for &context in &contexts {
+            measure_attention(&ops, g, copy_gbs, context);
+        }
     }
     Ok(())
 }
@@ -189,16 +202,17 @@ fn time_graph_us(gpu: &dyn GpuBackend, f: impl Fn(usize)) -> f64 {
     ms * 1e3 / REPS as f64
 }
 
-/// `paged_attention` of one layer at decode batches: every row the new token (position 1024, a
-/// context of 1025) of its own sequence, in blocks of 16, from bf16 and from FP8 pools; the
-/// floor is the KV bytes the rows must read (keys and values of every context token, once) over
-/// the copy bandwidth. Beside the
-/// ladder's batches, the batches whose items fill whole rounds of the resident clusters (each
-/// cluster loops over items): the step from a whole number of rounds to one partial round more.
-fn measure_attention(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64) {
+/// `paged_attention` of one layer at decode batches: every row the new token (at `context` - 1)
+/// of its own sequence, in blocks of 16, from bf16 and from FP8 pools; the floor is the KV bytes
+/// the rows must read (keys and values of every context token, once) over the copy bandwidth.
+/// Beside the ladder's batches, the batches whose items fill whole rounds of the resident
+/// clusters (each cluster loops over items): the step from a whole number of rounds to one
+/// partial round more. Batches whose bf16 pools would pass 2 GiB a copy are left out.
+fn measure_attention(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64, context: u32) {
     let mut rng = Rng::new(13);
     const BLOCK: u32 = 16;
-    let position = 1024u32;
+    const MAX_POOL_BYTES: u64 = 2 << 30;
+    let position = context - 1;
     let max_blocks = (position + 1).div_ceil(BLOCK);
     for (shape, hq, hkv, d, gated) in [
         ("qwen3-8b", 32u32, 8u32, 128u32, false),
@@ -220,6 +234,9 @@ fn measure_attention(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64) {
         );
         batches.sort_unstable();
         batches.dedup();
+        batches.retain(|&b| {
+            2 * u64::from(b * max_blocks * BLOCK) * u64::from(hkv * d) <= MAX_POOL_BYTES
+        });
         for batch in batches {
             let items = batch * per_row;
             let rounds = items.div_ceil(resident);
