@@ -361,9 +361,10 @@ __global__ void __launch_bounds__(128) piece_decode(Attn a) {
 
 // ---- Decode in one kernel: a cluster of CL blocks an item, folded through the cluster ----
 // Block b of the item's cluster computes pieces b, b + CL, b + 2 CL, ... (the ring kernel's
-// piece_run) and keeps their partials in its shared memory; after a cluster barrier, block 0
-// folds every piece in order reading the partials from their blocks' shared memory (each
-// piece's weights from the prefix maxima first), and writes the item's rows. No second launch.
+// piece_run) and keeps their partials in its shared memory; after a cluster barrier every block
+// folds its share of the outputs over all the pieces in order, reading the partials from their
+// blocks' shared memory (each piece's weights from the prefix maxima first), and writes them.
+// No second launch.
 constexpr uint32_t CL_SLOTS = 20;  // pieces a block keeps (CL 16, TP 2: 40,960 keys)
 constexpr uint32_t CL_PIECES = 512;  // pieces the fold weighs
 template <uint32_t TP, uint32_t NS>
