@@ -235,7 +235,7 @@ fn measure_attention(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64, context: u32)
         batches.sort_unstable();
         batches.dedup();
         batches.retain(|&b| {
-            2 * u64::from(b * max_blocks * BLOCK) * u64::from(hkv * d) <= MAX_POOL_BYTES
+            2 * u64::from(b) * u64::from(max_blocks * BLOCK) * u64::from(hkv * d) <= MAX_POOL_BYTES
         });
         for batch in batches {
             let items = batch * per_row;
