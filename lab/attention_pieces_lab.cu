@@ -26,8 +26,8 @@
 //   one), each tile's running maximum the maximum of the tiles up to it (exact in any order, so
 //   the walk's bits), then P V tile after tile;
 // then a fold kernel (a programmatic dependent) folds each head's pieces in order: their
-// partials copied into shared memory in one burst, their running maxima by a scan, then each
-// dimension's chain of fmaf. Or, in one launch (CL 8 or 16), a cluster of CL blocks an item:
+// partials copied into shared memory 32 pieces at a time (the next chunk in flight while one is
+// folded), their running maxima by a scan, then each dimension's chain of fmaf. Or, in one launch (CL 8 or 16), a cluster of CL blocks an item:
 // block b the pieces b, b + CL, ... through the ring, their partials kept in its shared memory,
 // then every block folds its share of the dimensions over the cluster's partials.
 //
@@ -564,37 +564,49 @@ __global__ void __launch_bounds__(128) piece_decode_all(Attn a) {
 
 // Each head's pieces folded in order: block (item, head), thread e dimension e, threads 0..3
 // also the head's four sums. Launched as a programmatic dependent of the pieces: it waits for
-// them, then copies up to FOLD_CHUNK pieces' partials at a time into shared memory (one burst of
-// cp.async, so the loads do not queue behind the fold), works out their weights against the
-// running maximum (a scan), and folds.
-constexpr uint32_t FOLD_CHUNK = 64;
+// them, then copies FOLD_CHUNK pieces' partials at a time into shared memory (one burst of
+// cp.async a chunk, the next chunk's in flight while one is folded), works out their weights
+// against the running maximum (a scan), and folds.
+constexpr uint32_t FOLD_CHUNK = 32;
 template <uint32_t TP>
 __global__ void __launch_bounds__(128) piece_fold(Attn a) {
-    __shared__ __align__(16) float po_s[FOLD_CHUNK][D];
-    __shared__ float pl_s[FOLD_CHUNK][4];
+    __shared__ __align__(16) float po_s[2][FOLD_CHUNK][D];  // by chunk parity
+    __shared__ __align__(16) float pl_s[2][FOLD_CHUNK][4];
     __shared__ float wt_s[FOLD_CHUNK], wp_s[FOLD_CHUNK];
     __shared__ float ls[4];
     const uint32_t item = blockIdx.x, hh = blockIdx.y, e = threadIdx.x, lane = e % 32;
     pdl_wait();
     const uint32_t tiles = (a.ctx[item / HKV] + TILE - 1) / TILE, count = (tiles + TP - 1) / TP;
+    const uint32_t chunks = (count + FOLD_CHUNK - 1) / FOLD_CHUNK;
     const size_t b0 = ((size_t)item * a.max_pieces) * HB + hh;  // piece j at b0 + j * HB
-    float carry = -INFINITY, ot = 0.0f, lt = 0.0f;
-    for (uint32_t c0 = 0; c0 < count; c0 += FOLD_CHUNK) {
-        const uint32_t nc = min(FOLD_CHUNK, count - c0);
+    // Chunk k's partials into buffer k % 2, one commit group (every thread commits one).
+    auto issue = [&](uint32_t k) {
+        const uint32_t c0 = k * FOLD_CHUNK, nc = min(FOLD_CHUNK, count - c0), b = k % 2;
         for (uint32_t x = e; x < nc * (D / 4); x += 128) {
             const uint32_t j = x / (D / 4), q = x % (D / 4);
-            cp_async16(&po_s[j][4 * q], a.po + (b0 + (size_t)(c0 + j) * HB) * D + 4 * q, 16u);
+            cp_async16(&po_s[b][j][4 * q], a.po + (b0 + (size_t)(c0 + j) * HB) * D + 4 * q, 16u);
         }
-        if (e < nc) cp_async16(&pl_s[e][0], a.pl + (b0 + (size_t)(c0 + e) * HB) * 4, 16u);
+        if (e < nc) cp_async16(&pl_s[b][e][0], a.pl + (b0 + (size_t)(c0 + e) * HB) * 4, 16u);
         cp_async_commit();
+    };
+    float carry = -INFINITY, ot = 0.0f, lt = 0.0f;
+    if (chunks > 0) issue(0);
+    for (uint32_t k = 0; k < chunks; ++k) {
+        // The next chunk's copies fly while this one is weighed and folded (its buffer was last
+        // read by the fold before the barrier that ended the previous step).
+        if (k + 1 < chunks) issue(k + 1);
+        const uint32_t c0 = k * FOLD_CHUNK, nc = min(FOLD_CHUNK, count - c0), b = k % 2;
         if (e < 32)  // the running maxima and each piece's weights
             scan_weights([&](uint32_t j) { return a.pm[b0 + (size_t)(c0 + j) * HB]; }, nc, carry, wt_s, wp_s, 1, lane);
-        cp_async_wait<0>();
+        if (k + 1 < chunks)
+            cp_async_wait<1>();
+        else
+            cp_async_wait<0>();
         __syncthreads();
 #pragma unroll 8
         for (uint32_t j = 0; j < nc; ++j) {
-            ot = att_fold(ot, po_s[j][e], wt_s[j], wp_s[j]);
-            if (e < 4) lt = att_fold(lt, pl_s[j][e], wt_s[j], wp_s[j]);
+            ot = att_fold(ot, po_s[b][j][e], wt_s[j], wp_s[j]);
+            if (e < 4) lt = att_fold(lt, pl_s[b][j][e], wt_s[j], wp_s[j]);
         }
         __syncthreads();
     }
