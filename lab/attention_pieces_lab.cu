@@ -189,6 +189,14 @@ MT_DEVICE void load_q(const Attn& a, bf16* qs, uint32_t row, uint32_t kvh, uint3
     }
 }
 
+// The item's queries into `qs` by the block, then each warp's A fragments of them (`qa`).
+MT_DEVICE void block_queries(const Attn& a, bf16* qs, uint32_t row, uint32_t kvh, uint32_t (&qa)[D / 16][4]) {
+    load_q(a, qs, row, kvh, threadIdx.x, blockDim.x);
+    __syncthreads();
+#pragma unroll
+    for (uint32_t kk = 0; kk < D / 16; ++kk) a_frag(qa[kk], qs, RS, kk, threadIdx.x % 32);
+}
+
 // ---- Decode: a block of four warps a (row, key/value head, piece) ----
 template <uint32_t TP, uint32_t NS>
 struct PieceSmem {
@@ -344,15 +352,11 @@ __global__ void __launch_bounds__(128) piece_decode(Attn a) {
     bf16* ps = ring + NS * S::STAGE;
     float* mx_s = reinterpret_cast<float*>(ps + 16 * PS);  // [warp][16 rows]
     float* b_s = mx_s + 4 * 16;                            // [warp][16 rows][4 quad lanes]
-    const uint32_t tid = threadIdx.x, lane = tid % 32;
     const uint32_t item = blockIdx.y, piece = blockIdx.x, row = item / HKV, kvh = item % HKV;
     const uint32_t ctx = a.ctx[row], tiles = (ctx + TILE - 1) / TILE;
     if (piece * TP >= tiles) return;
-    load_q(a, qs, row, kvh, tid, 128);
-    __syncthreads();
     uint32_t qa[D / 16][4];
-#pragma unroll
-    for (uint32_t kk = 0; kk < D / 16; ++kk) a_frag(qa[kk], qs, RS, kk, lane);
+    block_queries(a, qs, row, kvh, qa);
     float o[4][4], m0, l0;
     piece_run<TP, NS, K2>(a, ring, ps, mx_s, b_s, qa, row, kvh, piece, ctx, o, m0, l0);
     pdl_trigger();
@@ -389,11 +393,8 @@ __global__ void __launch_bounds__(128) piece_decode_cluster(Attn a) {
     const uint32_t tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const uint32_t rank = cluster.block_rank(), item = blockIdx.x / CL, row = item / HKV, kvh = item % HKV;
     const uint32_t ctx = a.ctx[row], tiles = (ctx + TILE - 1) / TILE, pieces = (tiles + TP - 1) / TP;
-    load_q(a, qs, row, kvh, tid, 128);
-    __syncthreads();
     uint32_t qa[D / 16][4];
-#pragma unroll
-    for (uint32_t kk = 0; kk < D / 16; ++kk) a_frag(qa[kk], qs, RS, kk, lane);
+    block_queries(a, qs, row, kvh, qa);
     for (uint32_t piece = rank, slot = 0; piece < pieces; piece += CL, ++slot) {
         float o[4][4], m0, l0;
         piece_run<TP, NS, K2>(a, ring, ps, mx_s, b_s, qa, row, kvh, piece, ctx, o, m0, l0);

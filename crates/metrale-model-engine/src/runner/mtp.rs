@@ -14,9 +14,10 @@
 //! drafts are rarely accepted.
 //!
 //! With `decode_graphs`, an MTP step replays a graph captured once its (rows, sequences, logit
-//! rows, head layer) has run `ModelOptions::speculative_graph_after` times: its launches take only those counts and read which
-//! rows belong to which sequence from the step buffers, so batched drafts are graphed like
-//! single ones, up to `ModelOptions::max_speculative_graphs` shapes with the verify steps'. The
+//! rows, head layer) has run `ModelOptions::speculative_graph_after` times: its launches take
+//! only those counts and read which rows belong to which sequence from the step buffers, so
+//! batched drafts are graphed like single ones, up to `ModelOptions::max_speculative_graphs`
+//! shapes with the verify steps'. The
 //! gather of the previous step's hidden rows, whose bound is that step's row count, stays
 //! outside the graph. With the circuit forward, an MTP step through the head's first layer
 //! with a logit row per sequence (each draft of a chain, and a take-in in which every sequence

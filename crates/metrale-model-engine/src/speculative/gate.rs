@@ -377,24 +377,21 @@ impl SpeculationGate {
     /// Whether the next decode step of `width` sequences speculates: its class's chosen mode,
     /// or the other while the class probes.
     pub fn speculating(&self, width: usize) -> bool {
-        if !self.opts.enabled {
-            return true;
-        }
-        match self.classes.get(&width_class(width)) {
-            Some(c) => c.speculating(),
-            None => !self.hopeless(),
-        }
+        self.class_or_new(width, ClassGate::speculating)
     }
 
     /// The mode the class of `width` has chosen, probes aside.
     pub fn is_on(&self, width: usize) -> bool {
+        self.class_or_new(width, |c| c.on)
+    }
+
+    /// `of` the class of `width`, or for a class not met yet the mode it would start in (off
+    /// while the acceptance is hopeless); always on when the gate is disabled.
+    fn class_or_new(&self, width: usize, of: impl Fn(&ClassGate) -> bool) -> bool {
         if !self.opts.enabled {
             return true;
         }
-        match self.classes.get(&width_class(width)) {
-            Some(c) => c.on,
-            None => !self.hopeless(),
-        }
+        (self.classes.get(&width_class(width))).map_or_else(|| !self.hopeless(), of)
     }
 
     /// First drafts checked against the model's own tokens (by verify steps or by the

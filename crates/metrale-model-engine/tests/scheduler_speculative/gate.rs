@@ -26,13 +26,22 @@ impl Clock for TestClock {
     }
 }
 
+/// A gate of `opts`, reading time from the returned clock.
+fn gated(s: &mut Scheduler, opts: GateOptions) -> TestClock {
+    let spec = s.speculation().unwrap();
+    spec.set_gate(opts);
+    let clock = TestClock::default();
+    spec.set_clock(Box::new(clock.clone()));
+    clock
+}
+
 /// A gate that decides within a few steps (averages over 4 steps, probes of 4 steps every 16,
 /// a margin of 5 %), reading time from the returned clock. It decides on step times alone (no
 /// checks of the acceptance): these tests make a verify step cheaper than a plain one, which the
 /// acceptance rule rightly takes for impossible.
 fn quick_gate(s: &mut Scheduler) -> TestClock {
-    let spec = s.speculation().unwrap();
-    spec.set_gate(
+    gated(
+        s,
         GateOptions::default()
             .enabled(true)
             .margin_percent(5)
@@ -41,10 +50,7 @@ fn quick_gate(s: &mut Scheduler) -> TestClock {
             .probe_every_max(16)
             .probe_steps(4)
             .check_before_probe(false),
-    );
-    let clock = TestClock::default();
-    spec.set_clock(Box::new(clock.clone()));
-    clock
+    )
 }
 
 #[test]
@@ -288,15 +294,15 @@ fn a_head_that_accepts_nothing_stops_verifying_once_checked() {
         );
         let rec = PerRequest::default();
         s.set_drafter(Some(Box::new(rec.clone()))).unwrap();
-        let clock = quick_gate(&mut s);
-        let spec = s.speculation().unwrap();
-        let opts = GateOptions::default()
-            .ema_steps(4)
-            .probe_every(16)
-            .probe_every_max(64)
-            .probe_steps(4)
-            .check_before_probe(check);
-        spec.set_gate(opts);
+        let clock = gated(
+            &mut s,
+            GateOptions::default()
+                .ema_steps(4)
+                .probe_every(16)
+                .probe_every_max(64)
+                .probe_steps(4)
+                .check_before_probe(check),
+        );
         // A verify step costs twice a plain one.
         let mut timeline = Vec::new();
         let got = serve_arriving(&mut s, &arrivals, |s| {
