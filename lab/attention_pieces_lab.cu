@@ -182,6 +182,18 @@ MT_DEVICE void probs(const float (&x)[2][4], float m0, float m1, uint32_t (&pa)[
     b1 = __fadd_rn(a1[0], a1[1]);
 }
 
+// A 16-key group's probabilities (keys k0 .. k0 + 15, as probs leaves them: pa row g, pb row
+// g + 8) into the probability rows `ps` (row stride `stride`), as P V's A operand reads them.
+MT_DEVICE void put_probs(bf16* ps, uint32_t stride, uint32_t k0, const uint32_t (&pa)[2], const uint32_t (&pb)[2],
+                         uint32_t g, uint32_t c) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const uint32_t key = k0 + 8 * j + 2 * c;
+        *reinterpret_cast<uint32_t*>(ps + g * stride + key) = pa[j];
+        *reinterpret_cast<uint32_t*>(ps + (g + 8) * stride + key) = pb[j];
+    }
+}
+
 MT_DEVICE void load_q(const Attn& a, bf16* qs, uint32_t row, uint32_t kvh, uint32_t tid, uint32_t nthr) {
     for (uint32_t i = tid; i < 16 * D; i += nthr) {
         const uint32_t hh = i / D, e = i % D;
@@ -330,12 +342,7 @@ MT_DEVICE void piece_run(const Attn& a, bf16* ring, bf16* ps, float* mx_s, float
         probs(x, n0, n1, pa, pb, b0, b1);
         b_s[(warp * 16 + g) * 4 + c] = b0;
         b_s[(warp * 16 + g + 8) * 4 + c] = b1;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const uint32_t key = 16 * warp + 8 * j + 2 * c;
-            *reinterpret_cast<uint32_t*>(ps + g * PS + key) = pa[j];
-            *reinterpret_cast<uint32_t*>(ps + (g + 8) * PS + key) = pb[j];
-        }
+        put_probs(ps, PS, 16 * warp, pa, pb, g, c);
         __syncthreads();
         tile_accumulate(b_s, c0, c1, l0, l1, o, ps, PS, kt + TILE * RS);
     }
@@ -540,12 +547,7 @@ __global__ void __launch_bounds__(128) piece_decode_all(Attn a) {
             const uint32_t grp = kb / 16 + gi;
             b_s[((tile * 4 + grp) * 16 + g) * 4 + c] = b0;
             b_s[((tile * 4 + grp) * 16 + g + 8) * 4 + c] = b1;
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const uint32_t key = tile * TILE + 16 * grp + 8 * j + 2 * c;
-                *reinterpret_cast<uint32_t*>(ps + g * S::PSA + key) = pa[j];
-                *reinterpret_cast<uint32_t*>(ps + (g + 8) * S::PSA + key) = pb[j];
-            }
+            put_probs(ps, S::PSA, tile * TILE + 16 * grp, pa, pb, g, c);
         }
         if (warp % WPT == 0 && c == 0) {
             c_s[tile * 16 + g] = att_exp2(p0 - r0);
@@ -665,12 +667,7 @@ __global__ void __launch_bounds__(32) piece_walk(Attn a, float* wo, float* wm, f
             probs(x[w], n0, n1, pa, pb, b0, b1);
             t_0 = w == 0 ? b0 : __fadd_rn(t_0, b0);
             t_1 = w == 0 ? b1 : __fadd_rn(t_1, b1);
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const uint32_t key = 16 * w + 8 * j + 2 * c;
-                *reinterpret_cast<uint32_t*>(ps + g * PS + key) = pa[j];
-                *reinterpret_cast<uint32_t*>(ps + (g + 8) * PS + key) = pb[j];
-            }
+            put_probs(ps, PS, 16 * w, pa, pb, g, c);
         }
         __syncwarp();
         l0 = fmaf(l0, c0, t_0);

@@ -17,12 +17,11 @@
 //! rows, head layer) has run `ModelOptions::speculative_graph_after` times: its launches take
 //! only those counts and read which rows belong to which sequence from the step buffers, so
 //! batched drafts are graphed like single ones, up to `ModelOptions::max_speculative_graphs`
-//! shapes with the verify steps'. The
-//! gather of the previous step's hidden rows, whose bound is that step's row count, stays
-//! outside the graph. With the circuit forward, an MTP step through the head's first layer
-//! with a logit row per sequence (each draft of a chain, and a take-in in which every sequence
-//! drafts), of one sequence or up to `circuit_speculative_seqs`, replays the executor's draft
-//! program of its rows and sequences; `draft_program_steps` counts them.
+//! shapes with the verify steps'. The gather of the previous step's hidden rows, whose bound is
+//! that step's row count, stays outside the graph. With the circuit forward, an MTP step through
+//! the head's first layer with a logit row per sequence (each draft of a chain, and a take-in in
+//! which every sequence drafts), of one sequence or up to `circuit_speculative_seqs`, replays the
+//! executor's draft program of its rows and sequences; `draft_program_steps` counts them.
 //!
 //! Invariants:
 //! - `hidden_rows` index the rows of the step run just before (a target step or an MTP step):
