@@ -25,6 +25,14 @@
 // multiprocessor). A malformed row group, or a launch the kernel cannot run, gets NaN outputs
 // (the latter also reports a GEOMETRY fault); rows of no group are not written.
 //
+// The split kernels (`paged_attention_prefill_split`, `_split_staged`) run the same walk in
+// clusters of ATT_SPLITS blocks, block s walking only split s of each of its cluster's items,
+// then fold the splits' totals through the cluster's shared memory in split order, as the walk
+// folds them (atp_split_rows). A walk's time is its longest item's; a step whose few long row
+// groups (a prefill chunk's late rows beside short decode rows) would keep a handful of blocks
+// walking long after the rest are done gives those groups to a split launch
+// (ops::attention_prefill_plan), ATT_SPLITS blocks on each item.
+//
 // Why a walk: computing an item's chains side by side, as the decode kernels do, needs their
 // partials combined per item through shared (and a cluster's distributed shared) memory, with a
 // barrier each; a prefill item has 64 rows where a decode item has a few, so those combines
@@ -60,15 +68,19 @@ struct AtpShared {
     unsigned char* img;
     uint32_t img_steps;
     uint32_t kv2[2];  // FP8 pools' scale factors (att_kv_scales)
+    // The split kernels' exchange: each thread's maxima and sums of its two rows for the split
+    // this block walked (its numerators go to the fold buffer), read by the cluster.
+    float xm[2][ATP_THREADS], xl[2][ATP_THREADS];
 };
 
-// Item k of this block. `ctx` is the largest context of its rows (0: out of range); its `units`
-// are walked in order from 0.
+// Item k of this block. `ctx` is the largest context of its rows (0: out of range); the block
+// walks its units [u0, u1) in order: all of them, or in a split kernel those of its split.
 struct AtpItem {
-    uint32_t row, cnt, h0, kv, seq, ctx, units;
+    uint32_t row, cnt, h0, kv, seq, ctx, u0, u1;
 };
 
-MT_DEVICE AtpItem atp_item(const AtpShared& sh, uint32_t k) {
+template <bool SPLIT>
+MT_DEVICE AtpItem atp_item(const AttLaunch& a, const AtpShared& sh, uint32_t k) {
     AtpItem it;
     it.row = sh.grp[k][0];
     it.cnt = sh.grp[k][1];
@@ -76,7 +88,12 @@ MT_DEVICE AtpItem atp_item(const AtpShared& sh, uint32_t k) {
     it.kv = sh.kv[k];
     it.seq = sh.seq[k];
     it.ctx = sh.ctx[k];
-    it.units = (it.ctx + ATT_UNIT - 1) / ATT_UNIT;
+    if constexpr (SPLIT) {
+        att_split_units(it.ctx, a.split, it.u0, it.u1);
+    } else {
+        it.u0 = 0;
+        it.u1 = (it.ctx + ATT_UNIT - 1) / ATT_UNIT;
+    }
     return it;
 }
 
@@ -296,8 +313,50 @@ struct AtpCursor {
     AtpItem it;
 };
 
-// Not inlined: each head_dim gets its own register allocation.
-template <int DP, bool FP8>
+// The rows of item `it` from a split kernel's cluster: each block the outputs of its share of
+// the n-tiles (n % ATT_SPLITS == its split) of this thread's rows v0 and v1, the cluster's split
+// totals (maxima and sums in sh.xm / sh.xl, numerators at `fo`, this thread's elements) folded
+// in split order as atp_fold_split folds them (att_fold_all, att_finish), NaN for an item whose
+// inputs are out of range. Not inlined: the walk's loop keeps its registers.
+template <int DH>
+__device__ __noinline__ void atp_split_rows(const AttLaunch& a, AtpShared& sh, const AtpItem& it, const float* fo,
+                                            uint32_t v0, uint32_t hp) {
+    cg::cluster_group cluster = cg::this_cluster();
+    const uint32_t tid = threadIdx.x, c = tid & 3, used = it.cnt * a.hb;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t v = v0 + 8 * r;
+        if (v >= used) continue;
+        float ms[ATT_SPLITS], ls[ATT_SPLITS], wt[ATT_SPLITS], wp[ATT_SPLITS], den;
+#pragma unroll
+        for (int b = 0; b < ATT_SPLITS; ++b) {
+            ms[b] = cluster.map_shared_rank(&sh.xm[r][0], b)[tid];
+            ls[b] = cluster.map_shared_rank(&sh.xl[r][0], b)[tid];
+        }
+        att_fold_all(ms, ls, wt, wp, den);
+        const uint32_t row = it.row + v / a.hb, h = it.h0 + v % a.hb;
+        const bf16* gate = a.qkv + (size_t)row * a.row_stride + (size_t)h * a.q_head_stride + a.d;
+#pragma unroll
+        for (int n = 0; n < DH / 8; ++n) {
+            if ((uint32_t)n % ATT_SPLITS != a.split) continue;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const uint32_t col = hp * DH + 8 * n + 2 * c + e;
+                if (col >= a.d) continue;
+                float ps[ATT_SPLITS];
+#pragma unroll
+                for (int b = 0; b < ATT_SPLITS; ++b)
+                    ps[b] = cluster.map_shared_rank(fo, b)[(4 * n + 2 * r + e) * ATP_THREADS];
+                atp_put(a, sh, row, h * a.d + col,
+                        it.ctx != 0 ? att_finish(wt, wp, ps, den, a.gated ? gate + col : nullptr) : bf16_nan());
+            }
+        }
+    }
+}
+
+// Not inlined: each head_dim gets its own register allocation. SPLIT: the split kernels (block
+// s of a cluster walks split s of each of the cluster's items; atp_split_rows folds them).
+template <int DP, bool FP8, bool SPLIT>
 __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpShared& sh) {
     constexpr int HP = DP > 128 ? 2 : 1, DH = DP / HP, RS = DP + 8;
     constexpr uint32_t STAGES = DP > 128 ? 2 : 3, VROWS = DP > 128 ? 32 : 64;
@@ -314,12 +373,17 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
     f.k = 0;
     f.i = 0;
     f.entry = 0;
-    if (a.nk > 0) f.it = atp_item(sh, 0);
+    if (a.nk > 0) {
+        f.it = atp_item<SPLIT>(a, sh, 0);
+        f.i = f.it.u0;
+    }
     auto settle = [&]() {  // move to the next unit that exists and read its table entries
-        while (f.k < a.nk && f.i >= f.it.units) {
+        while (f.k < a.nk && f.i >= f.it.u1) {
             ++f.k;
-            f.i = 0;
-            if (f.k < a.nk) f.it = atp_item(sh, f.k);
+            if (f.k < a.nk) {
+                f.it = atp_item<SPLIT>(a, sh, f.k);
+                f.i = f.it.u0;
+            }
         }
         if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.i, f.it.ctx, lane);
     };
@@ -341,10 +405,11 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
     // Per item: its queries, then its splits and chains in order (a unit's copies land
     // STAGES - 1 units ahead; one block barrier per unit makes a stage's copies visible and frees
     // the stage read before), each chain folded into its split as it ends and each split into
-    // the rows' totals, then the rows.
+    // the rows' totals, then the rows. A split kernel's block walks its one split and the
+    // cluster folds the splits.
     uint32_t consumed = 0;
     for (uint32_t k = 0; k < a.nk; ++k) {
-        const AtpItem it = atp_item(sh, k);
+        const AtpItem it = atp_item<SPLIT>(a, sh, k);
         const uint32_t v0 = 16 * t + g, v1 = v0 + 8;
         const uint32_t* rc = &sh.grp[k][2];
         const uint32_t ctx0 = v0 / a.hb < it.cnt ? rc[v0 / a.hb] : it.ctx;
@@ -359,7 +424,7 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
         AtpFold<DH> ch, sp;  // the running chain and split
         atp_clear(ch);
         float fm[2] = {-INFINITY, -INFINITY}, fl[2] = {0.0f, 0.0f};
-        for (uint32_t s = 0; s < ATT_SPLITS; ++s) {
+        for (uint32_t s = SPLIT ? a.split : 0; s < (SPLIT ? a.split + 1 : ATT_SPLITS); ++s) {
             atp_clear(sp);
             bool bad = false;
             for (uint32_t w = 0; w < ATT_WARPS; ++w) {
@@ -386,8 +451,27 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
                 }
                 atp_fold_chain(sp, ch);
             }
-            atp_fold_split(sp, bad, fm, fl, fo, s == 0);
+            if constexpr (SPLIT) {
+                // The split's total for the cluster; then every block's rows, once all have
+                // published theirs, and a barrier before the next item overwrites them.
+#pragma unroll
+                for (int n = 0; n < DH / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) fo[(4 * n + e) * ATP_THREADS] = sp.o[n][e];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    sh.xm[r][tid] = sp.m[r];
+                    sh.xl[r][tid] = bad ? __int_as_float(0x7FFFFFFF) : sp.l[r];
+                }
+                cluster_publish_arrive();
+                cluster_wait();
+                atp_split_rows<DH>(a, sh, it, fo, v0, hp);
+                cluster_leave_barrier();
+            } else {
+                atp_fold_split(sp, bad, fm, fl, fo, s == 0);
+            }
         }
+        if constexpr (SPLIT) continue;
 
         // The item's rows: this thread's elements of rows v0 and v1 (the tile's rows that are
         // the item's), NaN for an item whose inputs are out of range.
@@ -435,23 +519,31 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
 // projection's stage images of [rows, num_q_heads * head_dim] (kernels/common.cuh) instead of
 // `out`, so `linear_tma` reads them without `permute_k32_tiles`; the launcher stages only
 // num_q_heads * head_dim % 64 == 0. Image rows of no group are not written.
-MT_DEVICE void atp_kernel(bf16* __restrict__ out, unsigned char* __restrict__ img, ATP_PARAMS) {
+//
+// paged_attention_prefill_split and paged_attention_prefill_split_staged: the same rows from
+// clusters of ATT_SPLITS blocks, cluster c of C taking items c, c + C, ... and block s of it
+// walking split s of each (ATT_SPLITS times the blocks on each item, for launches of few long
+// items: a prefill chunk's late rows beside a step's decode rows), the splits folded through
+// the cluster's shared memory in split order, so every row is bitwise the walk's.
+template <bool SPLIT>
+MT_DEVICE void atp_kernel(uint32_t kernel, bf16* __restrict__ out, unsigned char* __restrict__ img, ATP_PARAMS) {
     extern __shared__ __align__(16) unsigned char atp_dyn[];
     __shared__ AtpShared sh;
     AttLaunch a = att_launch(out, qkv, k_cache, v_cache, block_tables, row_stride, q_head_stride, num_q_heads,
                              num_kv_heads, head_dim, block_size, max_blocks, num_slots, scale, gated, n_groups,
                              kv_fp8);
-    // Blocks, not clusters, take the items.
-    a.n_clusters = gridDim.x;
-    a.cluster = blockIdx.x;
-    a.split = 0;
-    a.nk = a.cluster < a.n_items ? (a.n_items - a.cluster + a.n_clusters - 1) / a.n_clusters : 0;
+    if constexpr (!SPLIT) {
+        // Blocks, not clusters, take the items.
+        a.n_clusters = gridDim.x;
+        a.cluster = blockIdx.x;
+        a.split = 0;
+        a.nk = a.cluster < a.n_items ? (a.n_items - a.cluster + a.n_clusters - 1) / a.n_clusters : 0;
+    }
     const uint32_t width = num_q_heads * head_dim, steps = (width + 63) / 64;
     const uint32_t dp = att_padded_dim(head_dim);
     const uint32_t rpi = atp_rows_per_item(a.hb, dp);
     if (!att_launch_ok(a, num_kv_heads, ATP_THREADS, atp_shared_bytes(dp))) {
-        mt_fault(out != nullptr ? MT_KERNEL_PAGED_ATTENTION_PREFILL : MT_KERNEL_PAGED_ATTENTION_PREFILL_STAGED,
-                 MT_FAULT_GEOMETRY);
+        mt_fault(kernel, MT_FAULT_GEOMETRY);
         if (num_q_heads == 0) return;
         for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x)
             for (uint32_t i = threadIdx.x; i < width; i += blockDim.x)
@@ -496,18 +588,31 @@ MT_DEVICE void atp_kernel(bf16* __restrict__ out, unsigned char* __restrict__ im
 
     att_by_dim(dp, [&](auto dim) {
         if (kv_fp8 != 0)
-            atp_run<decltype(dim)::value, true>(a, atp_dyn, sh);
+            atp_run<decltype(dim)::value, true, SPLIT>(a, atp_dyn, sh);
         else
-            atp_run<decltype(dim)::value, false>(a, atp_dyn, sh);
+            atp_run<decltype(dim)::value, false, SPLIT>(a, atp_dyn, sh);
     });
 }
 
 extern "C" __global__ void __cluster_dims__(1, 1, 1) __launch_bounds__(ATP_THREADS, 2)
     paged_attention_prefill(PAGED_ATTENTION_PREFILL_PARAMS) {
-    atp_kernel(out, nullptr, ATP_ARGS);
+    atp_kernel<false>(MT_KERNEL_PAGED_ATTENTION_PREFILL, out, nullptr, ATP_ARGS);
 }
 
 extern "C" __global__ void __cluster_dims__(1, 1, 1) __launch_bounds__(ATP_THREADS, 2)
     paged_attention_prefill_staged(PAGED_ATTENTION_PREFILL_PARAMS) {
-    atp_kernel(nullptr, reinterpret_cast<unsigned char*>(out), ATP_ARGS);  // `out`: the images
+    // `out`: the images.
+    atp_kernel<false>(MT_KERNEL_PAGED_ATTENTION_PREFILL_STAGED, nullptr, reinterpret_cast<unsigned char*>(out),
+                      ATP_ARGS);
+}
+
+extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATP_THREADS, 2)
+    paged_attention_prefill_split(PAGED_ATTENTION_PREFILL_PARAMS) {
+    atp_kernel<true>(MT_KERNEL_PAGED_ATTENTION_PREFILL_SPLIT, out, nullptr, ATP_ARGS);
+}
+
+extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATP_THREADS, 2)
+    paged_attention_prefill_split_staged(PAGED_ATTENTION_PREFILL_PARAMS) {
+    atp_kernel<true>(MT_KERNEL_PAGED_ATTENTION_PREFILL_SPLIT_STAGED, nullptr, reinterpret_cast<unsigned char*>(out),
+                     ATP_ARGS);
 }

@@ -37,6 +37,10 @@ macro_rules! for_each_kernel {
             attention::paged_attention_prefill => PAGED_ATTENTION_PREFILL($crate::PagedAttentionPrefillParams),
             /// `paged_attention_prefill` written as the o projection's stage images.
             attention::paged_attention_prefill_staged => PAGED_ATTENTION_PREFILL_STAGED($crate::PagedAttentionPrefillParams),
+            /// `paged_attention_prefill`'s rows from clusters, a block a split of each item.
+            attention::paged_attention_prefill_split => PAGED_ATTENTION_PREFILL_SPLIT($crate::PagedAttentionPrefillParams),
+            /// `paged_attention_prefill_split` written as the o projection's stage images.
+            attention::paged_attention_prefill_split_staged => PAGED_ATTENTION_PREFILL_SPLIT_STAGED($crate::PagedAttentionPrefillParams),
             /// Each row's k and v into its slot of the paged KV cache.
             cache::kv_store => KV_STORE($crate::KvStoreParams),
             /// Token ids to embedding rows (the f32 residual).

@@ -184,6 +184,9 @@ pub struct StepShape {
     /// row attends alone through `paged_attention` (decode and verify steps, which graphs
     /// capture).
     pub att_groups: u32,
+    /// Of the row groups, the last ones `paged_attention_prefill` runs through its split kernels
+    /// (`ops::attention_prefill_plan`).
+    pub att_split: u32,
 }
 
 /// The fixed buffers a step reads and writes; allocated once in the model's arena.

@@ -1,9 +1,10 @@
 //! The causal paged-attention launchers, a third `impl Ops` block beside `ops` and
 //! `ops_hybrid`: `paged_attention` (one row per item: decode and verify steps, through the
 //! cluster kernel or `paged_attention_flat`) and
-//! `paged_attention_prefill` (row groups of a prefill chunk), their parameters, and the geometry
-//! `kernels/attention.cu` expects (cluster counts, shared memory, heads and rows per item), with
-//! the host side of the row groups (`attention_row_groups`).
+//! `paged_attention_prefill` (row groups of a prefill chunk, a step's few long ones through the
+//! split kernels), their parameters, and the geometry `kernels/attention.cu` expects (cluster
+//! counts, shared memory, heads and rows per item), with the host side of the row groups
+//! (`attention_row_groups`, `attention_prefill_plan`).
 
 use metrale_cache::{KvDtype, KvScales};
 use metrale_gpu_runtime::fp8::{MAX_SCALE, kv_scale_ok};
@@ -245,19 +246,19 @@ impl Ops {
         self.go(kernel, step_launch(config, p.rows), &p.params(), s)
     }
 
-    /// `paged_attention` on the rows of `n_groups` row groups at `row_groups` (u32 `[n, 2]`:
-    /// first row, rows; [`attention_row_groups`] makes them), bitwise the same per row, each
-    /// group's rows in one item so their keys and values are read once: the prefill path.
-    /// Persistent blocks of four warps, each block walking an item's units in order.
+    /// `paged_attention` on the rows of a step's row groups (`groups`), bitwise the same per
+    /// row, each group's rows in one item so their keys and values are read once: the prefill
+    /// path. The groups before the last `groups.split` run through persistent blocks of four
+    /// warps, each block walking an item's units in order (`paged_attention_prefill`); the last
+    /// `groups.split` through clusters of `ATTENTION_SPLITS` such blocks, each walking one split
+    /// of the cluster's item (`paged_attention_prefill_split`), a second launch.
     /// `images`: the rows go there, as the o projection's stage images ([`Ops::linear_staging`]
-    /// of `[rows, num_q_heads * head_dim]`), instead of to `p.out`
-    /// (`paged_attention_prefill_staged`).
+    /// of `[rows, num_q_heads * head_dim]`), instead of to `p.out` (the `_staged` kernels).
     pub fn paged_attention_prefill(
         &self,
         s: StreamHandle,
         p: &PagedAttention,
-        row_groups: DevicePtr,
-        n_groups: u32,
+        groups: RowGroups,
         images: Option<DevicePtr>,
     ) -> GpuResult<()> {
         let q = p.params();
@@ -267,18 +268,71 @@ impl Ops {
             q.k_scale,
             q.v_scale,
         )?;
-        let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
-        let items = n_groups * (p.num_q_heads / hb);
-        // Two blocks a multiprocessor, each taking items from the longest contexts down.
-        let smem = prefill_shared_bytes(p.head_dim);
-        let resident = self.resident(
+        if groups.split > groups.count {
+            return Err(GpuError::KernelFailed {
+                kernel: "attention::paged_attention_prefill".into(),
+                problem: format!(
+                    "{} of {} row groups asked for the split kernel",
+                    groups.split, groups.count
+                ),
+            });
+        }
+        let walked = groups.count - groups.split;
+        if walked > 0 || groups.split == 0 {
+            self.prefill_launch(s, p, groups.at, walked, images, false)?;
+        }
+        if groups.split > 0 {
+            // Each group is two u32.
+            let at = groups.at.offset(8 * walked as usize);
+            self.prefill_launch(s, p, at, groups.split, images, true)?;
+        }
+        Ok(())
+    }
+
+    /// Resident blocks of `paged_attention_prefill` for heads of `head_dim` (the most a launch
+    /// uses at once; [`attention_prefill_plan`] weighs a step's row groups against them).
+    pub fn attention_prefill_blocks(&self, head_dim: u32) -> GpuResult<u32> {
+        self.resident(
             self.k.paged_attention_prefill,
             32 * ATP_WARPS,
-            smem,
+            prefill_shared_bytes(head_dim),
             PREFILL_BLOCKS,
             Residency::Clusters,
-        )?;
-        let blocks = attention_clusters_of(items, resident);
+        )
+    }
+
+    /// One launch of the prefill kernels over `n_groups` row groups at `row_groups`: the walk
+    /// (blocks take whole items) or, `split`, the cluster kernel.
+    fn prefill_launch(
+        &self,
+        s: StreamHandle,
+        p: &PagedAttention,
+        row_groups: DevicePtr,
+        n_groups: u32,
+        images: Option<DevicePtr>,
+        split: bool,
+    ) -> GpuResult<()> {
+        let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
+        let items = n_groups * (p.num_q_heads / hb);
+        // Two blocks a multiprocessor, each block (each cluster of the split kernels) taking
+        // items from the longest contexts down.
+        let smem = prefill_shared_bytes(p.head_dim);
+        let (plain, staged, per_cluster, fallback) = match split {
+            false => (
+                self.k.paged_attention_prefill,
+                self.k.paged_attention_prefill_staged,
+                1,
+                PREFILL_BLOCKS,
+            ),
+            true => (
+                self.k.paged_attention_prefill_split,
+                self.k.paged_attention_prefill_split_staged,
+                ATTENTION_SPLITS,
+                PREFILL_BLOCKS / ATTENTION_SPLITS,
+            ),
+        };
+        let resident = self.resident(plain, 32 * ATP_WARPS, smem, fallback, Residency::Clusters)?;
+        let blocks = per_cluster * attention_clusters_of(items, resident);
         let (kernel, out) = match images {
             Some(images) => {
                 if !(p.num_q_heads * p.head_dim).is_multiple_of(64) {
@@ -290,9 +344,9 @@ impl Ops {
                         ),
                     });
                 }
-                (self.k.paged_attention_prefill_staged, images)
+                (staged, images)
             }
-            None => (self.k.paged_attention_prefill, p.out),
+            None => (plain, p.out),
         };
         let config = LaunchConfig::grid2(blocks, 1, 32 * ATP_WARPS).with_shared(smem);
         self.go(
@@ -437,6 +491,102 @@ pub fn attention_row_groups(
     groups
 }
 
+/// A step's row groups of [`Ops::paged_attention_prefill`] as uploaded: `count` (first row,
+/// rows) pairs at `at`, of which the last `split` run through the split kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowGroups {
+    /// u32 `[count, 2]`.
+    pub at: DevicePtr,
+    /// Groups.
+    pub count: u32,
+    /// The last groups, which the split kernels take.
+    pub split: u32,
+}
+
+/// Units of walk time the split kernels' second launch costs (its start and its blocks'
+/// query loads), and each split item's cluster combine, in the estimate of
+/// [`attention_prefill_plan`].
+const SPLIT_LAUNCH_UNITS: u64 = 8;
+const SPLIT_ITEM_UNITS: u64 = 2;
+
+/// A step's row groups ([`attention_row_groups`] of its rows, given as (sequence, position))
+/// ordered for [`Ops::paged_attention_prefill`], with how many of them, last, run through the
+/// split kernels: the groups whose contexts are long enough that walking each of their items in
+/// one block would leave most of the `blocks` resident blocks idle while they finish (a prefill
+/// chunk's late rows beside a step's short decode rows). Each part keeps row order. The choice
+/// weighs the launch times the walk and the split kernels would take (in units of 16 keys a
+/// block walks: the longest item, or the step's units over the blocks, whichever is more; a
+/// split item is an eighth as long) and splits only where that saves a tenth. It never changes
+/// a row's result.
+pub fn attention_prefill_plan(
+    rows: &[(u32, u32)],
+    num_q_heads: u32,
+    num_kv_heads: u32,
+    head_dim: u32,
+    blocks: u32,
+) -> (Vec<u32>, u32) {
+    let groups = attention_row_groups(rows.iter().copied(), num_q_heads, num_kv_heads, head_dim);
+    // Each group's units: its rows' contexts span the same ones.
+    let units: Vec<u64> = groups
+        .chunks_exact(2)
+        .map(|g| {
+            let last = rows[(g[0] + g[1] - 1) as usize].1 as u64;
+            (last + 1).div_ceil(16)
+        })
+        .collect();
+    let items = (num_q_heads / attention_heads_per_block(num_q_heads, num_kv_heads)) as u64;
+    let blocks = u64::from(blocks.max(ATTENTION_SPLITS));
+    let splits = u64::from(ATTENTION_SPLITS);
+    // Launch times: the walk over groups of `sum` units, the longest `max`; the split kernels
+    // likewise.
+    let walk = |max: u64, sum: u64| max.max((items * sum).div_ceil(blocks));
+    let split = |max: u64, sum: u64, n: u64| {
+        let per_item = SPLIT_ITEM_UNITS * splits;
+        (max.div_ceil(splits) + SPLIT_ITEM_UNITS)
+            .max((items * (sum + n * per_item)).div_ceil(blocks))
+            + SPLIT_LAUNCH_UNITS
+    };
+    let mut order: Vec<usize> = (0..units.len()).collect();
+    order.sort_by(|&a, &b| units[b].cmp(&units[a]));
+    let total: u64 = units.iter().sum();
+    let whole = walk(units.iter().copied().max().unwrap_or(0), total);
+    // The best k: the k longest groups split, the rest walked. Only groups longer than a
+    // block's share of the whole step are candidates: a shorter one never sets the walk's time.
+    let share = (items * total).div_ceil(blocks);
+    let candidates = order.iter().take_while(|&&g| units[g] > share).count();
+    let (mut best, mut best_k) = (whole, 0usize);
+    let mut long_sum = 0u64;
+    for k in 1..=candidates {
+        long_sum += units[order[k - 1]];
+        let rest_max = order.get(k).map_or(0, |&g| units[g]);
+        let cost = split(units[order[0]], long_sum, k as u64)
+            + if k < order.len() {
+                walk(rest_max, total - long_sum)
+            } else {
+                0
+            };
+        if cost < best {
+            (best, best_k) = (cost, k);
+        }
+    }
+    if best_k == 0 || 10 * best > 9 * whole {
+        return (groups, 0);
+    }
+    let mut long = vec![false; units.len()];
+    for &g in &order[..best_k] {
+        long[g] = true;
+    }
+    let mut planned = Vec::with_capacity(groups.len());
+    for want in [false, true] {
+        for (g, pair) in groups.chunks_exact(2).enumerate() {
+            if long[g] == want {
+                planned.extend_from_slice(pair);
+            }
+        }
+    }
+    (planned, best_k as u32)
+}
+
 /// Refuse an FP8 KV format whose scales the kernels cannot use (see `fp8::kv_scale_ok`): the
 /// CUDA kernels would divide by or multiply with them unchecked.
 pub(crate) fn check_kv_format(kernel: &str, kv_fp8: u32, k: f32, v: f32) -> GpuResult<()> {
@@ -514,7 +664,9 @@ mod tests {
             };
             for e in [
                 ops.paged_attention(s, &p).unwrap_err(),
-                ops.paged_attention_prefill(s, &p, DevicePtr(0), 1, None)
+                ops.paged_attention_prefill(s, &p, groups(1, 0), None)
+                    .unwrap_err(),
+                ops.paged_attention_prefill(s, &p, groups(1, 1), None)
                     .unwrap_err(),
             ] {
                 assert!(
@@ -523,6 +675,65 @@ mod tests {
                 );
             }
         }
+    }
+
+    fn groups(count: u32, split: u32) -> RowGroups {
+        RowGroups {
+            at: DevicePtr(0),
+            count,
+            split,
+        }
+    }
+
+    /// Rows of a decode row each for `seqs` sequences at `pos`, then a prefill chunk of
+    /// `chunk` rows of one more sequence from `from`: (sequence, position) in row order.
+    fn mixed(seqs: u32, pos: u32, chunk: u32, from: u32) -> Vec<(u32, u32)> {
+        (0..seqs)
+            .map(|s| (s, pos))
+            .chain((from..from + chunk).map(|p| (seqs, p)))
+            .collect()
+    }
+
+    /// A step whose few long row groups would hold the walk long after its other blocks are
+    /// done gives them to the split kernels, last and in row order: a chunk's late rows beside
+    /// 64 short decode rows, and a lone decode row at a long context among them; whole prefill
+    /// chunks, short contexts and the same rows at a context past the walk's balance do not.
+    /// Every group is kept, once.
+    #[test]
+    fn the_split_kernels_take_few_long_row_groups() {
+        let plan = |rows: &[(u32, u32)]| attention_prefill_plan(rows, 32, 8, 128, PREFILL_BLOCKS);
+        let pairs = |g: &[u32]| -> Vec<(u32, u32)> { g.chunks(2).map(|p| (p[0], p[1])).collect() };
+
+        // 64 decode rows at 400, 20 chunk rows at 16,000 (two groups): those two split.
+        let rows = mixed(64, 400, 20, 16_000);
+        let (groups, split) = plan(&rows);
+        let want = attention_row_groups(rows.iter().copied(), 32, 8, 128);
+        assert_eq!(split, 2);
+        assert_eq!(
+            pairs(&groups[..groups.len() - 4]),
+            pairs(&want[..want.len() - 4])
+        );
+        assert_eq!(pairs(&groups[groups.len() - 4..]), vec![(64, 16), (80, 4)]);
+
+        // A decode row at 16,000 among them: it splits too, after the walked groups.
+        let mut rows = mixed(64, 400, 20, 1_000);
+        rows[5].1 = 16_000;
+        let (groups, split) = plan(&rows);
+        assert_eq!(split, 1);
+        assert_eq!(pairs(&groups[groups.len() - 2..]), vec![(5, 1)]);
+        let mut all = pairs(&groups);
+        all.sort();
+        let mut want = pairs(&attention_row_groups(rows.iter().copied(), 32, 8, 128));
+        want.sort();
+        assert_eq!(all, want);
+
+        // A prefill chunk of 512 or 2,048 rows at 16,000, alone: every block already has a long
+        // item; short contexts: nothing to gain.
+        for chunk in [512, 2048] {
+            assert_eq!(plan(&mixed(0, 0, chunk, 16_000)).1, 0, "{chunk} rows");
+        }
+        assert_eq!(plan(&mixed(64, 400, 20, 300)).1, 0);
+        assert_eq!(plan(&mixed(64, 400, 448, 16_000)).1, 0);
     }
 
     /// The block kernel serves steps with an item for every other resident block (the H200's

@@ -420,6 +420,7 @@ impl StepRunner {
             logit_rows,
             verify,
             att_groups: 0,
+            att_split: 0,
         }
     }
 }

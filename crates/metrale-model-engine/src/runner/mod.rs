@@ -262,6 +262,7 @@ impl StepRunner {
             buf: &self.forward.buf,
             sizes: &self.sizes,
             dims: model.dims(),
+            ops: model.ops(),
         }
     }
 

@@ -44,6 +44,7 @@ impl RankRunner {
             buf: &self.forward.buf,
             sizes,
             dims: model.dims(),
+            ops: model.ops(),
         }
     }
 

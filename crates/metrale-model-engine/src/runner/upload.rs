@@ -5,7 +5,7 @@
 
 use metrale_cache::{BlockTable, CacheManager};
 use metrale_gpu_runtime::{GpuBackend, GpuBackendExt, StreamHandle};
-use metrale_model_layers::ops::attention_row_groups;
+use metrale_model_layers::ops::{Ops, attention_prefill_plan};
 use metrale_model_layers::{ModelDims, StepBuffers, StepShape};
 
 use super::sizes::StepSizes;
@@ -45,6 +45,9 @@ pub(super) struct Io<'a> {
     pub buf: &'a StepBuffers,
     pub sizes: &'a StepSizes,
     pub dims: &'a ModelDims,
+    /// The model's launchers (a forward step's row groups are planned against the prefill
+    /// attention's resident blocks).
+    pub ops: &'a Ops,
 }
 
 fn bad<T>(m: String) -> Result<T, ModelError> {
@@ -250,6 +253,7 @@ impl Io<'_> {
             logit_rows: logit_rows.len() as u32,
             verify: row_slots.is_some(),
             att_groups: 0,
+            att_split: 0,
         })
     }
 
@@ -263,16 +267,19 @@ impl Io<'_> {
             return Ok(shape);
         }
         let d = self.dims;
-        let groups = attention_row_groups(
-            input.rows.iter().map(|r| (r.seq, r.position)),
+        let rows: Vec<(u32, u32)> = input.rows.iter().map(|r| (r.seq, r.position)).collect();
+        let (groups, split) = attention_prefill_plan(
+            &rows,
             d.num_q_heads,
             d.num_kv_heads,
             d.head_dim,
+            self.ops.attention_prefill_blocks(d.head_dim)?,
         );
         self.gpu
             .upload(self.buf.meta.att_groups, &groups, self.stream)?;
         Ok(StepShape {
             att_groups: (groups.len() / 2) as u32,
+            att_split: split,
             ..shape
         })
     }

@@ -9,7 +9,7 @@ use metrale_gpu_runtime::{DevicePtr, GpuError, GpuResult};
 
 use crate::circuit_exec::{AttnFacts, BoundWeight, RopeFacts, WeightSlot};
 use crate::layer::{LayerCtx, ModelDims};
-use crate::ops::{Matrix, PagedAttention, STEP_PROGRAMMATIC_ROWS};
+use crate::ops::{Matrix, PagedAttention, RowGroups, STEP_PROGRAMMATIC_ROWS};
 use crate::weight_map::DenseWeight;
 
 /// The softmax scale of attention heads of `head_dim`: `1 / sqrt(head_dim)`.
@@ -98,7 +98,12 @@ impl Attention {
                     true => None,
                     false => ops.linear_staging(s, o_proj, rows)?,
                 };
-                ops.paged_attention_prefill(s, &attention, buf.meta.att_groups, n, images)?;
+                let groups = RowGroups {
+                    at: buf.meta.att_groups,
+                    count: n,
+                    split: cx.shape.att_split,
+                };
+                ops.paged_attention_prefill(s, &attention, groups, images)?;
                 if let Some(images) = images {
                     return ops.linear_staged(s, (delta, attn_out, o_proj), images);
                 }

@@ -6,11 +6,11 @@ use half::bf16;
 use metrale_cache::{KvDtype, KvScales};
 use metrale_gpu_runtime::fp8::kv_quantize;
 use metrale_model_layers::ops::{
-    DecodeAttention, PagedAttention, attention_blocks_fit, attention_row_groups,
+    DecodeAttention, PagedAttention, RowGroups, attention_blocks_fit, attention_row_groups,
 };
 use metrale_model_layers::ops_gemm::linear_staging_bytes;
 
-use super::harness::{self, Pair, Rng, S, Tolerance};
+use super::harness::{self, At, Pair, Rng, S, Tolerance};
 use super::linear::{image_rows, permuted_pair};
 
 /// One paged-attention problem: sequences with their contexts in shuffled blocks, and rows
@@ -170,13 +170,18 @@ pub(crate) fn attention_case_in(
     let groups = attention_row_groups(c.rows.iter().copied(), c.hq, c.hkv, c.d);
     let n_groups = (groups.len() / 2) as u32;
     let groups = p.upload(&groups);
+    let row_groups = |at: At<'_>, split| RowGroups {
+        at: at(&groups),
+        count: n_groups,
+        split,
+    };
     let out2 = p.poisoned((rows * c.hq * c.d) as usize * 2);
     p.run(|o, at| {
         let params = PagedAttention {
             out: at(&out2),
             ..params(at)
         };
-        o.paged_attention_prefill(S, &params, at(&groups), n_groups, None)
+        o.paged_attention_prefill(S, &params, row_groups(at, 0), None)
     });
     let (gpu_got, cpu_got) = p.download::<u16>(&out2);
     assert!(
@@ -192,23 +197,47 @@ pub(crate) fn attention_case_in(
         "paged_attention_prefill", label
     );
 
+    // The split kernels on the later half of the groups, then on all of them: the same rows.
+    for split in [n_groups / 2, n_groups] {
+        let out_s = p.poisoned((rows * c.hq * c.d) as usize * 2);
+        p.run(|o, at| {
+            let params = PagedAttention {
+                out: at(&out_s),
+                ..params(at)
+            };
+            o.paged_attention_prefill(S, &params, row_groups(at, split), None)
+        });
+        let (gpu_got, cpu_got) = p.download::<u16>(&out_s);
+        assert!(
+            gpu_got == gpu_want && cpu_got == cpu_want,
+            "paged_attention_prefill_split {label}: the last {split} of {n_groups} row groups split \
+             differ bitwise (CUDA {}, CPU {})",
+            gpu_got == gpu_want,
+            cpu_got == cpu_want
+        );
+    }
+
     // The staged kernel: its images are the prefill kernel's rows permuted, on both backends.
     let width = c.hq * c.d;
     if width.is_multiple_of(64) {
-        let images = p.poisoned(linear_staging_bytes(rows, width));
-        p.run(|o, at| {
-            o.paged_attention_prefill(S, &params(at), at(&groups), n_groups, Some(at(&images)))
-        });
         let (gpu_perm, cpu_perm) = permuted_pair(p, &out2, rows, width);
-        let (gpu_img, cpu_img) = p.download::<u16>(&images);
-        assert!(
-            image_rows(&gpu_img, rows, width) == image_rows(&gpu_perm, rows, width),
-            "paged_attention_prefill_staged {label}: the images differ from the prefill rows permuted"
-        );
-        assert!(
-            image_rows(&cpu_img, rows, width) == image_rows(&cpu_perm, rows, width),
-            "paged_attention_prefill_staged {label}: the CPU twin's images differ from its rows permuted"
-        );
+        for split in [0, n_groups / 2, n_groups] {
+            let images = p.poisoned(linear_staging_bytes(rows, width));
+            p.run(|o, at| {
+                o.paged_attention_prefill(S, &params(at), row_groups(at, split), Some(at(&images)))
+            });
+            let (gpu_img, cpu_img) = p.download::<u16>(&images);
+            assert!(
+                image_rows(&gpu_img, rows, width) == image_rows(&gpu_perm, rows, width),
+                "paged_attention_prefill_staged {label} ({split} groups split): the images differ \
+                 from the prefill rows permuted"
+            );
+            assert!(
+                image_rows(&cpu_img, rows, width) == image_rows(&cpu_perm, rows, width),
+                "paged_attention_prefill_staged {label} ({split} groups split): the CPU twin's \
+                 images differ from its rows permuted"
+            );
+        }
     }
     gpu_want
 }

@@ -122,6 +122,7 @@ impl Shape {
         };
         if c.block != (threads, 1, 1)
             || c.grid.1 != 1
+            || !c.grid.0.is_multiple_of(cluster)
             || per_cluster > ATT_MAX_ITEMS as usize
             || c.shared_mem_bytes < smem
         {
@@ -170,13 +171,16 @@ pub fn paged_attention_flat(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     decode(ctx, 1, ATT_SPLITS)
 }
 
-/// The prefill kernels' shape, launch check and rows.
-fn prefill(ctx: &KernelCtx<'_>) -> GpuResult<(PagedAttentionPrefillParams, Shape, Vec<usize>)> {
+/// The prefill kernels' shape, launch check (clusters of `cluster` blocks) and rows.
+fn prefill(
+    ctx: &KernelCtx<'_>,
+    cluster: u32,
+) -> GpuResult<(PagedAttentionPrefillParams, Shape, Vec<usize>)> {
     let p: PagedAttentionPrefillParams = ctx.params()?;
     let s = Shape::prefill(&p);
     let items = p.n_groups as usize * (s.hq / s.heads_per_block().max(1));
     let smem = prefill_shared_bytes(padded_dim(p.head_dim));
-    s.check_launch(ctx, items, (32 * ATP_WARPS, 1, smem))?;
+    s.check_launch(ctx, items, (32 * ATP_WARPS, cluster, smem))?;
     let rows = prefill_rows(ctx, &s, p.row_groups, p.n_groups as usize)?;
     Ok((p, s, rows))
 }
@@ -187,7 +191,12 @@ fn prefill(ctx: &KernelCtx<'_>) -> GpuResult<(PagedAttentionPrefillParams, Shape
 /// (the CUDA kernel computes a group's rows together); a malformed group fails. Rows of no group
 /// are not written.
 pub fn paged_attention_prefill(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    let (p, s, rows) = prefill(ctx)?;
+    prefill_rows_out(ctx, 1)
+}
+
+/// `paged_attention_prefill`'s rows from launches of clusters of `cluster` blocks.
+fn prefill_rows_out(ctx: &KernelCtx<'_>, cluster: u32) -> GpuResult<()> {
+    let (p, s, rows) = prefill(ctx, cluster)?;
     attend(
         ctx,
         &s,
@@ -196,12 +205,29 @@ pub fn paged_attention_prefill(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     )
 }
 
+/// `paged_attention_prefill_split` ([`PagedAttentionPrefillParams`]): `paged_attention_prefill`'s
+/// rows, bitwise (the CUDA kernel spreads each item's splits over a cluster).
+pub fn paged_attention_prefill_split(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    prefill_rows_out(ctx, ATT_SPLITS)
+}
+
+/// `paged_attention_prefill_split_staged` ([`PagedAttentionPrefillParams`]):
+/// `paged_attention_prefill_staged`'s images, bitwise.
+pub fn paged_attention_prefill_split_staged(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    prefill_images(ctx, ATT_SPLITS)
+}
+
 /// `paged_attention_prefill_staged` ([`PagedAttentionPrefillParams`], `out` the stage images of
 /// `[rows, num_q_heads * head_dim]`): the same rows written as the o projection's stage images
 /// (`linear_tma`'s x), which `permute_k32_tiles` of the prefill kernel's output would give.
 /// num_q_heads * head_dim must be a multiple of 64.
 pub fn paged_attention_prefill_staged(ctx: &KernelCtx<'_>) -> GpuResult<()> {
-    let (p, s, rows) = prefill(ctx)?;
+    prefill_images(ctx, 1)
+}
+
+/// `paged_attention_prefill_staged`'s images from launches of clusters of `cluster` blocks.
+fn prefill_images(ctx: &KernelCtx<'_>, cluster: u32) -> GpuResult<()> {
+    let (p, s, rows) = prefill(ctx, cluster)?;
     let width = s.hq * s.d;
     if !width.is_multiple_of(64) {
         return Err(ctx.fail(format!(

@@ -241,6 +241,30 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
             assert_close(g, w, 1e-2, 1.0, "paged_attention_prefill");
         }
     }
+    // The split twin: the same rows from clusters of ATT_SPLITS blocks; a grid that is not
+    // whole clusters is refused.
+    let split_out = r.out(len * hq * dh * 2);
+    let split = PagedAttentionPrefillParams {
+        out: split_out,
+        ..prefill(&[0, 4, 8, 2])
+    };
+    r.run_with(
+        "attention",
+        "paged_attention_prefill_split",
+        prefill_launch,
+        &split,
+    )
+    .unwrap();
+    assert_eq!(
+        r.bytes(split_out, len * hq * dh * 2),
+        r.bytes(grouped, len * hq * dh * 2)
+    );
+    let ragged = LaunchConfig::grid2(ATT_SPLITS + 1, 1, 32 * ATP_WARPS)
+        .with_shared(prefill_shared_bytes(dp));
+    assert!(
+        r.run_with("attention", "paged_attention_prefill_split", ragged, &split)
+            .is_err()
+    );
     let err = r
         .run_with(
             "attention",

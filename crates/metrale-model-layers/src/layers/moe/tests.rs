@@ -101,6 +101,7 @@ fn run(rig: &Rig, mlp: &MoeMlp, buf: &StepBuffers, x: &[bf16]) -> Vec<bf16> {
             logit_rows: 0,
             verify: false,
             att_groups: 0,
+            att_split: 0,
         },
         dims: &dims,
         kv: None,
