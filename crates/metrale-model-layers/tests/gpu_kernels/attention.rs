@@ -13,7 +13,7 @@ use super::harness::{Pair, Rng, S};
 /// Short contexts through every attention kernel (the sanitizer set): decode rows and a
 /// prefill run across units, the vector path (grouped queries, gated and not, head_dim 128 and
 /// 256) and the scalar one; `attention_case` runs the cluster, block, prefill and staged prefill
-/// kernels on each.
+/// kernels on each, and both split prefill kernels.
 pub(super) fn small(p: &Pair) {
     let mut rng = Rng::new(1003);
     let case = |hq, hkv, d, gated| AttnCase {

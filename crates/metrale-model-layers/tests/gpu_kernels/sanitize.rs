@@ -2,12 +2,11 @@
 //! they launched every kernel of the manifest. `run.sh` runs them alone under compute-sanitizer
 //! (`gpu_kernels sanitizer_set` under memcheck, `gpu_kernels racecheck_set` under racecheck),
 //! where the full shapes would take far longer than the sanitizers' budget; the small shapes
-//! still reach each
-//! kernel's code paths: the GEMM family's decode and prefill kernels (narrow, wide, tiled,
-//! `linear_tma`, `linear_stream_tma` from rows and from images), the cluster and the block
-//! decode attention and the prefill attention (plain and staged, vector and scalar paths), the
-//! GDN rule's recurrent, streamed, chunked and verify kernels on its fast and general paths, the
-//! MoE kernels, the staged producers and the fused kernels.
+//! still reach each kernel's code paths: the GEMM family's decode and prefill kernels (narrow,
+//! wide, tiled, `linear_tma`, `linear_stream_tma` from rows and from images), the cluster and
+//! the block decode attention and the prefill attention (plain and staged, walked and split,
+//! vector and scalar paths), the GDN rule's recurrent, streamed, chunked and verify kernels on
+//! its fast and general paths, the MoE kernels, the staged producers and the fused kernels.
 //!
 //! The racecheck set leaves out `linear_stream_tma` (and its FP8 twin): its consumer warpgroups
 //! publish partials in shared memory that other blocks of the cluster read, ordered by mbarriers
