@@ -3,11 +3,14 @@
 //! ceilings come from the same run: the device-to-device copy bandwidth and the vendor BLAS's
 //! bf16 GEMM rate (cuBLASLt, 8192³). Timed with device events after a warm-up, median of several
 //! runs, weights and KV caches rotated so L2 cannot serve repeats. A measurement, not a check:
-//! `run.sh` of the GPU bundle runs it and collects its `bench` lines.
+//! `run.sh` of the GPU bundle runs it and collects its `bench` lines. `mixed` (only when asked)
+//! times `paged_attention_prefill` on a mixed step's rows: 64 decode rows beside a chunk of a
+//! long prompt, walked, as `attention_prefill_plan` launches them, and all split.
 //!
 //! `cargo run --release --features cuda -p metrale-model-layers --example kernel_bench
-//! [linear|attention [CONTEXTS]]` (both without an argument; CONTEXTS, comma-separated token
-//! counts, the attention rows' contexts, 1025 by default).
+//! [linear|attention|mixed [CONTEXTS]]` (linear and attention without an argument; CONTEXTS,
+//! comma-separated token counts, the attention rows' contexts, 1025 by default, or the long
+//! prompt's for `mixed`, 16384 by default).
 
 use std::sync::Arc;
 
@@ -32,6 +35,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 _ => Err(format!("context `{c}`: a token count of at least 1")),
             })
             .collect::<Result<Vec<u32>, String>>()?,
+        None if which.as_deref() == Some("mixed") => vec![16384],
         None => vec![1025],
     };
     let gpu: Arc<dyn GpuBackend> = Arc::new(CudaBackend::new(0)?);
@@ -47,7 +51,127 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             measure_attention(&ops, g, copy_gbs, context);
         }
     }
+    if which.as_deref() == Some("mixed") {
+        for &context in &contexts {
+            measure_mixed(&ops, g, copy_gbs, context);
+        }
+    }
     Ok(())
+}
+
+/// `paged_attention_prefill` of one layer on a mixed step's rows: 64 decode rows (each its own
+/// sequence at context 400) and `chunk` rows of a prompt ending at `context`, in blocks of 16,
+/// bf16 pools; its row groups walked (every item in one block), as `attention_prefill_plan`
+/// orders and splits them, and all through the split kernels. The floor is the KV bytes once
+/// (each sequence's keys and values) over the copy bandwidth.
+fn measure_mixed(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64, context: u32) {
+    use metrale_model_layers::ops::{RowGroups, attention_prefill_plan, attention_row_groups};
+    let mut rng = Rng::new(17);
+    const BLOCK: u32 = 16;
+    const DECODE: u32 = 64;
+    const DECODE_CTX: u32 = 400;
+    for (shape, hq, hkv, d, gated) in [
+        ("qwen3-8b", 32u32, 8u32, 128u32, false),
+        ("qwen3.5-9b", 16, 4, 256, true),
+    ] {
+        for chunk in [16u32, 64, 448].into_iter().filter(|&c| c <= context) {
+            // Sequences 0..64 decode; sequence 64 is the prompt. Blocks are laid out one
+            // sequence after another.
+            let decode_blocks = DECODE_CTX.div_ceil(BLOCK);
+            let max_blocks = context.div_ceil(BLOCK).max(decode_blocks);
+            let mut tables = vec![0u32; ((DECODE + 1) * max_blocks) as usize];
+            let mut next = 0u32;
+            for s in 0..=DECODE {
+                let n = if s < DECODE {
+                    decode_blocks
+                } else {
+                    context.div_ceil(BLOCK)
+                };
+                for j in 0..n {
+                    tables[(s * max_blocks + j) as usize] = next;
+                    next += 1;
+                }
+            }
+            let num_slots = next * BLOCK;
+            let elems = num_slots as usize * (hkv * d) as usize;
+            let (k, v) = (
+                g.alloc(2 * elems).expect("alloc"),
+                g.alloc(2 * elems).expect("alloc"),
+            );
+            ops.fill_uniform_bf16(S, k, elems as u64, 1, 0.0, 2.0)
+                .expect("fill");
+            ops.fill_uniform_bf16(S, v, elems as u64, 2, 0.0, 2.0)
+                .expect("fill");
+            let rows: Vec<(u32, u32)> = (0..DECODE)
+                .map(|s| (s, DECODE_CTX - 1))
+                .chain((context - chunk..context).map(|p| (DECODE, p)))
+                .collect();
+            let n_rows = rows.len() as u32;
+            let q_stride = if gated { 2 * d } else { d };
+            let row_stride = hq * q_stride + 2 * hkv * d;
+            let qkv = g
+                .alloc_upload(&rng.bf16s((n_rows * row_stride) as usize, -2.0, 2.0), S)
+                .expect("qkv");
+            let block_tables = g.alloc_upload(&tables, S).expect("tables");
+            let row_seq = g
+                .alloc_upload(&rows.iter().map(|r| r.0).collect::<Vec<u32>>(), S)
+                .expect("row_seq");
+            let positions = g
+                .alloc_upload(&rows.iter().map(|r| r.1).collect::<Vec<u32>>(), S)
+                .expect("positions");
+            let out = g.alloc((n_rows * hq * d) as usize * 2).expect("out");
+            let params = PagedAttention {
+                out,
+                qkv,
+                k_cache: k,
+                v_cache: v,
+                block_tables,
+                row_seq,
+                positions,
+                rows: n_rows,
+                row_stride,
+                q_head_stride: q_stride,
+                num_q_heads: hq,
+                num_kv_heads: hkv,
+                head_dim: d,
+                block_size: BLOCK,
+                max_blocks,
+                num_seqs: DECODE + 1,
+                num_slots,
+                scale: 1.0 / (d as f32).sqrt(),
+                gated,
+                kv_dtype: metrale_cache::KvDtype::Bf16,
+                kv_scales: metrale_cache::KvScales::default(),
+            };
+            let blocks = ops.attention_prefill_blocks(d).expect("resident blocks");
+            let walked = attention_row_groups(rows.iter().copied(), hq, hkv, d);
+            let count = (walked.len() / 2) as u32;
+            let (planned, split) = attention_prefill_plan(&rows, hq, hkv, d, blocks);
+            let bytes = f64::from(DECODE * DECODE_CTX + context) * f64::from(hkv * d) * 4.0;
+            let floor_us = bytes / (copy_gbs * 1e3);
+            let mut line = format!(
+                "bench paged_attention_prefill {shape:<10} 64 decode rows at {DECODE_CTX} + {chunk} rows at {context}:"
+            );
+            for (label, groups, split) in [
+                ("walked", &walked, 0),
+                ("planned", &planned, split),
+                ("all split", &walked, count),
+            ] {
+                let at = g.alloc_upload(groups, S).expect("groups");
+                let us = time_graph_us(g, |_| {
+                    let groups = RowGroups { at, count, split };
+                    ops.paged_attention_prefill(S, &params, groups, None)
+                        .expect("attention")
+                });
+                line += &format!(" {label} ({split} of {count} groups split) {us:8.1} us,");
+                g.free(at).expect("free");
+            }
+            println!("{line} floor {floor_us:6.1} us");
+            for p in [k, v, qkv, block_tables, row_seq, positions, out] {
+                g.free(p).expect("free");
+            }
+        }
+    }
 }
 
 /// Median milliseconds of `reps` timed calls of `f(i)`, after 3 warm-up calls.
