@@ -509,6 +509,11 @@ pub struct RowGroups {
 const SPLIT_LAUNCH_UNITS: u64 = 8;
 const SPLIT_ITEM_UNITS: u64 = 2;
 
+/// A split block's unit against a walked one, in quarters, where every block is busy: a step of
+/// 64 decode rows and 448 prompt rows at 16K keys, Qwen3-8B's heads, took 1,269 us all split
+/// against 1,053 walked on an H100 (`kernel_bench mixed`).
+const SPLIT_UNIT_QUARTERS: u64 = 5;
+
 /// A step's row groups ([`attention_row_groups`] of its rows, given as (sequence, position))
 /// ordered for [`Ops::paged_attention_prefill`], with how many of them, last, run through the
 /// split kernels: the groups whose contexts are long enough that walking each of their items in
@@ -542,9 +547,8 @@ pub fn attention_prefill_plan(
     let walk = |max: u64, sum: u64| max.max((items * sum).div_ceil(blocks));
     let split = |max: u64, sum: u64, n: u64| {
         let per_item = SPLIT_ITEM_UNITS * splits;
-        (max.div_ceil(splits) + SPLIT_ITEM_UNITS)
-            .max((items * (sum + n * per_item)).div_ceil(blocks))
-            + SPLIT_LAUNCH_UNITS
+        let busy = (SPLIT_UNIT_QUARTERS * items * (sum + n * per_item)).div_ceil(4 * blocks);
+        (max.div_ceil(splits) + SPLIT_ITEM_UNITS).max(busy) + SPLIT_LAUNCH_UNITS
     };
     let mut order: Vec<usize> = (0..units.len()).collect();
     order.sort_by(|&a, &b| units[b].cmp(&units[a]));
@@ -734,6 +738,13 @@ mod tests {
         }
         assert_eq!(plan(&mixed(64, 400, 20, 300)).1, 0);
         assert_eq!(plan(&mixed(64, 400, 448, 16_000)).1, 0);
+        // Qwen3.5-9B's heads (8 rows a group at head_dim 256): 16 or 64 late rows split, 448
+        // do not (all split, its 56 long groups took 1,575 us against 1,436 walked on an H100).
+        let plan256 =
+            |rows: &[(u32, u32)]| attention_prefill_plan(rows, 16, 4, 256, PREFILL_BLOCKS).1;
+        assert_eq!(plan256(&mixed(64, 400, 16, 16_384)), 2);
+        assert_eq!(plan256(&mixed(64, 400, 64, 16_384)), 8);
+        assert_eq!(plan256(&mixed(64, 400, 448, 16_384)), 0);
     }
 
     /// The block kernel serves steps with an item for every other resident block (the H200's
