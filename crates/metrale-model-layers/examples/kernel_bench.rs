@@ -70,10 +70,7 @@ fn measure_mixed(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64, context: u32) {
     const BLOCK: u32 = 16;
     const DECODE: u32 = 64;
     const DECODE_CTX: u32 = 400;
-    for (shape, hq, hkv, d, gated) in [
-        ("qwen3-8b", 32u32, 8u32, 128u32, false),
-        ("qwen3.5-9b", 16, 4, 256, true),
-    ] {
+    for (shape, hq, hkv, d, gated) in ATTENTION_SHAPES {
         for chunk in [16u32, 64, 448].into_iter().filter(|&c| c <= context) {
             // Sequences 0..64 decode; sequence 64 is the prompt. Blocks are laid out one
             // sequence after another.
@@ -107,8 +104,7 @@ fn measure_mixed(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64, context: u32) {
                 .chain((context - chunk..context).map(|p| (DECODE, p)))
                 .collect();
             let n_rows = rows.len() as u32;
-            let q_stride = if gated { 2 * d } else { d };
-            let row_stride = hq * q_stride + 2 * hkv * d;
+            let (q_stride, row_stride) = qkv_strides(hq, hkv, d, gated);
             let qkv = g
                 .alloc_upload(&rng.bf16s((n_rows * row_stride) as usize, -2.0, 2.0), S)
                 .expect("qkv");
@@ -172,6 +168,19 @@ fn measure_mixed(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64, context: u32) {
             }
         }
     }
+}
+
+/// The attention heads measured: (shape, query heads, key/value heads, head_dim, gated).
+const ATTENTION_SHAPES: [(&str, u32, u32, u32, bool); 2] = [
+    ("qwen3-8b", 32, 8, 128, false),
+    ("qwen3.5-9b", 16, 4, 256, true),
+];
+
+/// A qkv row's query-head stride (a gate after each query head when `gated`) and its width
+/// (queries, keys, values).
+fn qkv_strides(hq: u32, hkv: u32, d: u32, gated: bool) -> (u32, u32) {
+    let q_stride = if gated { 2 * d } else { d };
+    (q_stride, hq * q_stride + 2 * hkv * d)
 }
 
 /// Median milliseconds of `reps` timed calls of `f(i)`, after 3 warm-up calls.
@@ -338,10 +347,7 @@ fn measure_attention(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64, context: u32)
     const MAX_POOL_BYTES: u64 = 2 << 30;
     let position = context - 1;
     let max_blocks = (position + 1).div_ceil(BLOCK);
-    for (shape, hq, hkv, d, gated) in [
-        ("qwen3-8b", 32u32, 8u32, 128u32, false),
-        ("qwen3.5-9b", 16, 4, 256, true),
-    ] {
+    for (shape, hq, hkv, d, gated) in ATTENTION_SHAPES {
         let resident = ops
             .attention_resident_clusters(hq, hkv, d)
             .expect("resident clusters");
@@ -379,8 +385,7 @@ fn measure_attention(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64, context: u32)
                     (k, v)
                 })
                 .collect();
-            let q_stride = if gated { 2 * d } else { d };
-            let row_stride = hq * q_stride + 2 * hkv * d;
+            let (q_stride, row_stride) = qkv_strides(hq, hkv, d, gated);
             let qkv = g
                 .alloc_upload(&rng.bf16s((batch * row_stride) as usize, -2.0, 2.0), S)
                 .expect("qkv");

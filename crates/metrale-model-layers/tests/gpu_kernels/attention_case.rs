@@ -165,8 +165,9 @@ pub(crate) fn attention_case_in(
         );
     }
 
-    // The prefill kernel on the same rows, in its row groups: bitwise the single-row kernel on
-    // each backend (poisoned output first).
+    // The prefill kernels on the same rows, in their row groups: none, the later half and all
+    // of them through the split kernels, each bitwise the single-row kernel on each backend
+    // (poisoned output first).
     let groups = attention_row_groups(c.rows.iter().copied(), c.hq, c.hkv, c.d);
     let n_groups = (groups.len() / 2) as u32;
     let groups = p.upload(&groups);
@@ -175,53 +176,41 @@ pub(crate) fn attention_case_in(
         count: n_groups,
         split,
     };
-    let out2 = p.poisoned((rows * c.hq * c.d) as usize * 2);
-    p.run(|o, at| {
-        let params = PagedAttention {
-            out: at(&out2),
-            ..params(at)
-        };
-        o.paged_attention_prefill(S, &params, row_groups(at, 0), None)
+    let splits = [0, n_groups / 2, n_groups];
+    // Each launch's rows (all alike once checked); the staged kernels' images are held to the
+    // last.
+    let [.., out2] = splits.map(|split| {
+        let out = p.poisoned((rows * c.hq * c.d) as usize * 2);
+        p.run(|o, at| {
+            let params = PagedAttention {
+                out: at(&out),
+                ..params(at)
+            };
+            o.paged_attention_prefill(S, &params, row_groups(at, split), None)
+        });
+        let (gpu_got, cpu_got) = p.download::<u16>(&out);
+        assert!(
+            gpu_got == gpu_want,
+            "paged_attention_prefill {label}: {n_groups} row groups ({split} split) differ bitwise \
+             from paged_attention on CUDA"
+        );
+        assert!(
+            cpu_got == cpu_want,
+            "paged_attention_prefill {label}: the CPU twin ({split} of {n_groups} row groups split) \
+             differs from paged_attention's"
+        );
+        out
     });
-    let (gpu_got, cpu_got) = p.download::<u16>(&out2);
-    assert!(
-        gpu_got == gpu_want,
-        "paged_attention_prefill {label}: {n_groups} row groups differ bitwise from paged_attention on CUDA"
-    );
-    assert!(
-        cpu_got == cpu_want,
-        "paged_attention_prefill {label}: the CPU twin differs from paged_attention's"
-    );
     println!(
         "kernel-check {:<18} {:<44} bitwise paged_attention ({n_groups} row groups of {rows} rows)",
         "paged_attention_prefill", label
     );
 
-    // The split kernels on the later half of the groups, then on all of them: the same rows.
-    for split in [n_groups / 2, n_groups] {
-        let out_s = p.poisoned((rows * c.hq * c.d) as usize * 2);
-        p.run(|o, at| {
-            let params = PagedAttention {
-                out: at(&out_s),
-                ..params(at)
-            };
-            o.paged_attention_prefill(S, &params, row_groups(at, split), None)
-        });
-        let (gpu_got, cpu_got) = p.download::<u16>(&out_s);
-        assert!(
-            gpu_got == gpu_want && cpu_got == cpu_want,
-            "paged_attention_prefill_split {label}: the last {split} of {n_groups} row groups split \
-             differ bitwise (CUDA {}, CPU {})",
-            gpu_got == gpu_want,
-            cpu_got == cpu_want
-        );
-    }
-
     // The staged kernel: its images are the prefill kernel's rows permuted, on both backends.
     let width = c.hq * c.d;
     if width.is_multiple_of(64) {
         let (gpu_perm, cpu_perm) = permuted_pair(p, &out2, rows, width);
-        for split in [0, n_groups / 2, n_groups] {
+        for split in splits {
             let images = p.poisoned(linear_staging_bytes(rows, width));
             p.run(|o, at| {
                 o.paged_attention_prefill(S, &params(at), row_groups(at, split), Some(at(&images)))

@@ -212,55 +212,40 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
     let e = r.run_with("attention", "paged_attention", one_cluster, &many_rows);
     assert!(e.is_err(), "66 items on one cluster");
 
-    // The prefill twin over row groups (2 heads per block at head_dim 8: up to 16 rows of one
-    // unit each) gives every grouped row the reference's and leaves the rows of no group (4..8)
-    // as poisoned; a group of 17 rows is refused, naming the limit.
+    // The prefill twins over row groups (2 heads per block at head_dim 8: up to 16 rows of one
+    // unit each), the walk's and the split kernels' (clusters of ATT_SPLITS blocks), give every
+    // grouped row the reference's and leave the rows of no group (4..8) as poisoned; a group of
+    // 17 rows is refused, naming the limit, and a split grid that is not whole clusters too.
     let grouped = r.out(len * hq * dh * 2);
     let prefill_launch =
         LaunchConfig::grid2(ATT_SPLITS, 1, 32 * ATP_WARPS).with_shared(prefill_shared_bytes(dp));
     let prefill =
         |row_groups: &[u32]| prefill_params(&decode, grouped, (r.put(row_groups), row_groups));
-    r.run_with(
-        "attention",
-        "paged_attention_prefill",
-        prefill_launch,
-        &prefill(&[0, 4, 8, 2]),
-    )
-    .unwrap();
-    let got = r.get_bf(grouped, len * hq * dh);
-    let row = hq * dh;
-    for t in 0..len {
-        let g = &got[t * row..(t + 1) * row];
-        if (4..8).contains(&t) {
-            assert!(
-                g.iter().all(|v| v.is_nan()),
-                "row {t} of no group was written"
-            );
-        } else {
-            let w = &want[t * row..(t + 1) * row];
-            assert_close(g, w, 1e-2, 1.0, "paged_attention_prefill");
+    for kernel in ["paged_attention_prefill", "paged_attention_prefill_split"] {
+        let params = PagedAttentionPrefillParams {
+            out: r.out(len * hq * dh * 2),
+            ..prefill(&[0, 4, 8, 2])
+        };
+        r.run_with("attention", kernel, prefill_launch, &params)
+            .unwrap();
+        let got = r.get_bf(params.out, len * hq * dh);
+        let row = hq * dh;
+        for t in 0..len {
+            let g = &got[t * row..(t + 1) * row];
+            if (4..8).contains(&t) {
+                assert!(
+                    g.iter().all(|v| v.is_nan()),
+                    "{kernel}: row {t} of no group was written"
+                );
+            } else {
+                let w = &want[t * row..(t + 1) * row];
+                assert_close(g, w, 1e-2, 1.0, kernel);
+            }
         }
     }
-    // The split twin: the same rows from clusters of ATT_SPLITS blocks; a grid that is not
-    // whole clusters is refused.
-    let split_out = r.out(len * hq * dh * 2);
-    let split = PagedAttentionPrefillParams {
-        out: split_out,
-        ..prefill(&[0, 4, 8, 2])
-    };
-    r.run_with(
-        "attention",
-        "paged_attention_prefill_split",
-        prefill_launch,
-        &split,
-    )
-    .unwrap();
-    assert_eq!(
-        r.bytes(split_out, len * hq * dh * 2),
-        r.bytes(grouped, len * hq * dh * 2)
-    );
     let ragged = LaunchConfig::grid2(ATT_SPLITS + 1, 1, 32 * ATP_WARPS)
         .with_shared(prefill_shared_bytes(dp));
+    let split = prefill(&[0, 4, 8, 2]);
     assert!(
         r.run_with("attention", "paged_attention_prefill_split", ragged, &split)
             .is_err()

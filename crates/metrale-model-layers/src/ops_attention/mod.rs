@@ -3,8 +3,8 @@
 //! cluster kernel or `paged_attention_flat`) and
 //! `paged_attention_prefill` (row groups of a prefill chunk, a step's few long ones through the
 //! split kernels), their parameters, and the geometry `kernels/attention.cu` expects (cluster
-//! counts, shared memory, heads and rows per item), with the host side of the row groups
-//! (`attention_row_groups`, `attention_prefill_plan`).
+//! counts, shared memory, heads and rows per item); the host side of the row groups
+//! (`attention_row_groups`, `attention_prefill_plan`) is in `groups`.
 
 use metrale_cache::{KvDtype, KvScales};
 use metrale_gpu_runtime::fp8::{MAX_SCALE, kv_scale_ok};
@@ -12,7 +12,7 @@ use metrale_gpu_runtime::{
     DevicePtr, GpuError, GpuResult, KernelHandle, LaunchConfig, Residency, StreamHandle,
 };
 use metrale_kernel_abi::attention::{
-    decode_shared_bytes as att_dyn_bytes, heads_per_block, padded_dim, prefill_rows_per_item,
+    decode_shared_bytes as att_dyn_bytes, heads_per_block, padded_dim,
     prefill_shared_bytes as atp_shared_bytes,
 };
 use metrale_kernel_abi::{
@@ -20,6 +20,10 @@ use metrale_kernel_abi::{
 };
 
 use crate::ops::{Ops, step_launch};
+
+mod groups;
+
+pub use groups::{RowGroups, attention_prefill_plan, attention_row_groups};
 
 /// Blocks of `paged_attention` per (row, head group): the cluster size `ATT_SPLITS` compiled
 /// into `kernels/attention.cu`. Fixed, so a row's result depends on its context alone.
@@ -292,17 +296,42 @@ impl Ops {
     /// Resident blocks of `paged_attention_prefill` for heads of `head_dim` (the most a launch
     /// uses at once; [`attention_prefill_plan`] weighs a step's row groups against them).
     pub fn attention_prefill_blocks(&self, head_dim: u32) -> GpuResult<u32> {
+        self.prefill_resident(false, head_dim)
+    }
+
+    /// The walk's kernels (plain, staged) and blocks a cluster, or with `split` the split
+    /// kernels'.
+    fn prefill_kernels(&self, split: bool) -> (KernelHandle, KernelHandle, u32) {
+        match split {
+            false => (
+                self.k.paged_attention_prefill,
+                self.k.paged_attention_prefill_staged,
+                1,
+            ),
+            true => (
+                self.k.paged_attention_prefill_split,
+                self.k.paged_attention_prefill_split_staged,
+                ATTENTION_SPLITS,
+            ),
+        }
+    }
+
+    /// Clusters of the walk (`split`: of the split kernels) resident at once for heads of
+    /// `head_dim`: two blocks a multiprocessor.
+    fn prefill_resident(&self, split: bool, head_dim: u32) -> GpuResult<u32> {
+        let (plain, _, per_cluster) = self.prefill_kernels(split);
         self.resident(
-            self.k.paged_attention_prefill,
+            plain,
             32 * ATP_WARPS,
             prefill_shared_bytes(head_dim),
-            PREFILL_BLOCKS,
+            PREFILL_BLOCKS / per_cluster,
             Residency::Clusters,
         )
     }
 
     /// One launch of the prefill kernels over `n_groups` row groups at `row_groups`: the walk
-    /// (blocks take whole items) or, `split`, the cluster kernel.
+    /// (blocks take whole items) or, `split`, the cluster kernel; each block (each cluster)
+    /// takes items from the longest contexts down.
     fn prefill_launch(
         &self,
         s: StreamHandle,
@@ -314,24 +343,9 @@ impl Ops {
     ) -> GpuResult<()> {
         let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
         let items = n_groups * (p.num_q_heads / hb);
-        // Two blocks a multiprocessor, each block (each cluster of the split kernels) taking
-        // items from the longest contexts down.
         let smem = prefill_shared_bytes(p.head_dim);
-        let (plain, staged, per_cluster, fallback) = match split {
-            false => (
-                self.k.paged_attention_prefill,
-                self.k.paged_attention_prefill_staged,
-                1,
-                PREFILL_BLOCKS,
-            ),
-            true => (
-                self.k.paged_attention_prefill_split,
-                self.k.paged_attention_prefill_split_staged,
-                ATTENTION_SPLITS,
-                PREFILL_BLOCKS / ATTENTION_SPLITS,
-            ),
-        };
-        let resident = self.resident(plain, 32 * ATP_WARPS, smem, fallback, Residency::Clusters)?;
+        let (plain, staged, per_cluster) = self.prefill_kernels(split);
+        let resident = self.prefill_resident(split, p.head_dim)?;
         let blocks = per_cluster * attention_clusters_of(items, resident);
         let (kernel, out) = match images {
             Some(images) => {
@@ -462,135 +476,6 @@ fn prefill_shared_bytes(head_dim: u32) -> u32 {
     atp_shared_bytes(padded_dim(head_dim))
 }
 
-/// The row groups of `paged_attention_prefill` for a step's rows, given as (sequence, position)
-/// in row order: runs of consecutive rows of one sequence whose positions lie in one 16-token
-/// unit (so their contexts split into the same units), at most the kernel's rows per item each;
-/// flattened as (first row, rows) pairs.
-pub fn attention_row_groups(
-    rows: impl IntoIterator<Item = (u32, u32)>,
-    num_q_heads: u32,
-    num_kv_heads: u32,
-    head_dim: u32,
-) -> Vec<u32> {
-    let most = prefill_rows_per_item(
-        attention_heads_per_block(num_q_heads, num_kv_heads),
-        padded_dim(head_dim),
-    );
-    let mut groups: Vec<u32> = Vec::new();
-    let mut open: Option<(u32, u32)> = None; // (sequence, unit) of the last group
-    for (r, (seq, pos)) in rows.into_iter().enumerate() {
-        let key = (seq, pos / 16);
-        let n = groups.len();
-        if open == Some(key) && groups[n - 1] < most {
-            groups[n - 1] += 1;
-        } else {
-            groups.extend([r as u32, 1]);
-            open = Some(key);
-        }
-    }
-    groups
-}
-
-/// A step's row groups of [`Ops::paged_attention_prefill`] as uploaded: `count` (first row,
-/// rows) pairs at `at`, of which the last `split` run through the split kernels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RowGroups {
-    /// u32 `[count, 2]`.
-    pub at: DevicePtr,
-    /// Groups.
-    pub count: u32,
-    /// The last groups, which the split kernels take.
-    pub split: u32,
-}
-
-/// Units of walk time the split kernels' second launch costs (its start and its blocks'
-/// query loads), and each split item's cluster combine, in the estimate of
-/// [`attention_prefill_plan`].
-const SPLIT_LAUNCH_UNITS: u64 = 8;
-const SPLIT_ITEM_UNITS: u64 = 2;
-
-/// A split block's unit against a walked one, in quarters, where every block is busy: a step of
-/// 64 decode rows and 448 prompt rows at 16K keys, Qwen3-8B's heads, took 1,269 us all split
-/// against 1,053 walked on an H100 (`kernel_bench mixed`).
-const SPLIT_UNIT_QUARTERS: u64 = 5;
-
-/// A step's row groups ([`attention_row_groups`] of its rows, given as (sequence, position))
-/// ordered for [`Ops::paged_attention_prefill`], with how many of them, last, run through the
-/// split kernels: the groups whose contexts are long enough that walking each of their items in
-/// one block would leave most of the `blocks` resident blocks idle while they finish (a prefill
-/// chunk's late rows beside a step's short decode rows). Each part keeps row order. The choice
-/// weighs the launch times the walk and the split kernels would take (in units of 16 keys a
-/// block walks: the longest item, or the step's units over the blocks, whichever is more; a
-/// split item is an eighth as long) and splits only where that saves a tenth. It never changes
-/// a row's result.
-pub fn attention_prefill_plan(
-    rows: &[(u32, u32)],
-    num_q_heads: u32,
-    num_kv_heads: u32,
-    head_dim: u32,
-    blocks: u32,
-) -> (Vec<u32>, u32) {
-    let groups = attention_row_groups(rows.iter().copied(), num_q_heads, num_kv_heads, head_dim);
-    // Each group's units: its rows' contexts span the same ones.
-    let units: Vec<u64> = groups
-        .chunks_exact(2)
-        .map(|g| {
-            let last = rows[(g[0] + g[1] - 1) as usize].1 as u64;
-            (last + 1).div_ceil(16)
-        })
-        .collect();
-    let items = (num_q_heads / attention_heads_per_block(num_q_heads, num_kv_heads)) as u64;
-    let blocks = u64::from(blocks.max(ATTENTION_SPLITS));
-    let splits = u64::from(ATTENTION_SPLITS);
-    // Launch times: the walk over groups of `sum` units, the longest `max`; the split kernels
-    // likewise.
-    let walk = |max: u64, sum: u64| max.max((items * sum).div_ceil(blocks));
-    let split = |max: u64, sum: u64, n: u64| {
-        let per_item = SPLIT_ITEM_UNITS * splits;
-        let busy = (SPLIT_UNIT_QUARTERS * items * (sum + n * per_item)).div_ceil(4 * blocks);
-        (max.div_ceil(splits) + SPLIT_ITEM_UNITS).max(busy) + SPLIT_LAUNCH_UNITS
-    };
-    let mut order: Vec<usize> = (0..units.len()).collect();
-    order.sort_by(|&a, &b| units[b].cmp(&units[a]));
-    let total: u64 = units.iter().sum();
-    let whole = walk(units.iter().copied().max().unwrap_or(0), total);
-    // The best k: the k longest groups split, the rest walked. Only groups longer than a
-    // block's share of the whole step are candidates: a shorter one never sets the walk's time.
-    let share = (items * total).div_ceil(blocks);
-    let candidates = order.iter().take_while(|&&g| units[g] > share).count();
-    let (mut best, mut best_k) = (whole, 0usize);
-    let mut long_sum = 0u64;
-    for k in 1..=candidates {
-        long_sum += units[order[k - 1]];
-        let rest_max = order.get(k).map_or(0, |&g| units[g]);
-        let cost = split(units[order[0]], long_sum, k as u64)
-            + if k < order.len() {
-                walk(rest_max, total - long_sum)
-            } else {
-                0
-            };
-        if cost < best {
-            (best, best_k) = (cost, k);
-        }
-    }
-    if best_k == 0 || 10 * best > 9 * whole {
-        return (groups, 0);
-    }
-    let mut long = vec![false; units.len()];
-    for &g in &order[..best_k] {
-        long[g] = true;
-    }
-    let mut planned = Vec::with_capacity(groups.len());
-    for want in [false, true] {
-        for (g, pair) in groups.chunks_exact(2).enumerate() {
-            if long[g] == want {
-                planned.extend_from_slice(pair);
-            }
-        }
-    }
-    (planned, best_k as u32)
-}
-
 /// Refuse an FP8 KV format whose scales the kernels cannot use (see `fp8::kv_scale_ok`): the
 /// CUDA kernels would divide by or multiply with them unchecked.
 pub(crate) fn check_kv_format(kernel: &str, kv_fp8: u32, k: f32, v: f32) -> GpuResult<()> {
@@ -687,64 +572,6 @@ mod tests {
             count,
             split,
         }
-    }
-
-    /// Rows of a decode row each for `seqs` sequences at `pos`, then a prefill chunk of
-    /// `chunk` rows of one more sequence from `from`: (sequence, position) in row order.
-    fn mixed(seqs: u32, pos: u32, chunk: u32, from: u32) -> Vec<(u32, u32)> {
-        (0..seqs)
-            .map(|s| (s, pos))
-            .chain((from..from + chunk).map(|p| (seqs, p)))
-            .collect()
-    }
-
-    /// A step whose few long row groups would hold the walk long after its other blocks are
-    /// done gives them to the split kernels, last and in row order: a chunk's late rows beside
-    /// 64 short decode rows, and a lone decode row at a long context among them; whole prefill
-    /// chunks, short contexts and the same rows at a context past the walk's balance do not.
-    /// Every group is kept, once.
-    #[test]
-    fn the_split_kernels_take_few_long_row_groups() {
-        let plan = |rows: &[(u32, u32)]| attention_prefill_plan(rows, 32, 8, 128, PREFILL_BLOCKS);
-        let pairs = |g: &[u32]| -> Vec<(u32, u32)> { g.chunks(2).map(|p| (p[0], p[1])).collect() };
-
-        // 64 decode rows at 400, 20 chunk rows at 16,000 (two groups): those two split.
-        let rows = mixed(64, 400, 20, 16_000);
-        let (groups, split) = plan(&rows);
-        let want = attention_row_groups(rows.iter().copied(), 32, 8, 128);
-        assert_eq!(split, 2);
-        assert_eq!(
-            pairs(&groups[..groups.len() - 4]),
-            pairs(&want[..want.len() - 4])
-        );
-        assert_eq!(pairs(&groups[groups.len() - 4..]), vec![(64, 16), (80, 4)]);
-
-        // A decode row at 16,000 among them: it splits too, after the walked groups.
-        let mut rows = mixed(64, 400, 20, 1_000);
-        rows[5].1 = 16_000;
-        let (groups, split) = plan(&rows);
-        assert_eq!(split, 1);
-        assert_eq!(pairs(&groups[groups.len() - 2..]), vec![(5, 1)]);
-        let mut all = pairs(&groups);
-        all.sort();
-        let mut want = pairs(&attention_row_groups(rows.iter().copied(), 32, 8, 128));
-        want.sort();
-        assert_eq!(all, want);
-
-        // A prefill chunk of 512 or 2,048 rows at 16,000, alone: every block already has a long
-        // item; short contexts: nothing to gain.
-        for chunk in [512, 2048] {
-            assert_eq!(plan(&mixed(0, 0, chunk, 16_000)).1, 0, "{chunk} rows");
-        }
-        assert_eq!(plan(&mixed(64, 400, 20, 300)).1, 0);
-        assert_eq!(plan(&mixed(64, 400, 448, 16_000)).1, 0);
-        // Qwen3.5-9B's heads (8 rows a group at head_dim 256): 16 or 64 late rows split, 448
-        // do not (all split, its 56 long groups took 1,575 us against 1,436 walked on an H100).
-        let plan256 =
-            |rows: &[(u32, u32)]| attention_prefill_plan(rows, 16, 4, 256, PREFILL_BLOCKS).1;
-        assert_eq!(plan256(&mixed(64, 400, 16, 16_384)), 2);
-        assert_eq!(plan256(&mixed(64, 400, 64, 16_384)), 8);
-        assert_eq!(plan256(&mixed(64, 400, 448, 16_384)), 0);
     }
 
     /// The block kernel serves steps with an item for every other resident block (the H200's
