@@ -139,7 +139,7 @@ pub fn attention_prefill_plan(
 
 #[cfg(test)]
 mod tests {
-    use super::super::PREFILL_BLOCKS;
+    use super::super::prefill::PREFILL_BLOCKS;
     use super::*;
 
     /// Rows of a decode row each for `seqs` sequences at `pos`, then a prefill chunk of
