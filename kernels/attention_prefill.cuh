@@ -25,19 +25,23 @@
 // multiprocessor). A malformed row group, or a launch the kernel cannot run, gets NaN outputs
 // (the latter also reports a GEOMETRY fault); rows of no group are not written.
 //
-// The split kernels (`paged_attention_prefill_split`, `_split_staged`) run the same walk in
-// clusters of ATT_SPLITS blocks, block s walking only split s of each of its cluster's items,
-// then fold the splits' totals through the cluster's shared memory in split order, as the walk
-// folds them (atp_split_rows). A walk's time is its longest item's; a step whose few long row
-// groups (a prefill chunk's late rows beside short decode rows) would keep a handful of blocks
-// walking long after the rest are done gives those groups to a split launch
-// (ops::attention_prefill_plan), ATT_SPLITS blocks on each item.
+// The split kernels (`paged_attention_prefill_split`, `_split_staged`) compute the same rows in
+// clusters of ATT_SPLITS blocks, block s taking only split s of each of its cluster's items. A
+// split block is ATT_WARPS groups of ATP_WARPS warps (atp_run_split): group w walks chain w of
+// the split for the item's tiles, with a ring of its own, so the split's chains run side by side
+// (four warps a scheduler where a walking block has one or two); the chains are folded into the
+// split's total in chain order, then the splits' totals through the cluster's shared memory in
+// split order (atp_split_rows), each fold the walk's. A walk's time is its longest item's; a step
+// whose few long row groups (a prefill chunk's late rows beside short decode rows) would keep a
+// handful of blocks walking long after the rest are done gives those groups to a split launch
+// (ops::attention_prefill_plan), ATT_SPLITS * ATT_WARPS warp groups on each item.
 //
 // Why a walk: computing an item's chains side by side, as the decode kernels do, needs their
 // partials combined per item through shared (and a cluster's distributed shared) memory, with a
 // barrier each; a prefill item has 64 rows where a decode item has a few, so those combines
-// cost more than the units they join. The walk folds in registers, and the keys and values of a
-// unit are read once for all the item's rows.
+// cost more than the units they join, except where items are few and long (the split kernels).
+// The walk folds in registers, and the keys and values of a unit are read once for all the
+// item's rows.
 
 #define ATP_THREADS (32 * ATP_WARPS)
 #define ATP_MAX_VROWS 64
@@ -55,6 +59,16 @@ MT_DEVICE uint32_t atp_rows_per_item(uint32_t hb, uint32_t dp) { return min(ATP_
 // [ATP_FOLD][ATP_THREADS] (element i of thread t at i * ATP_THREADS + t: no bank conflicts).
 MT_DEVICE uint32_t atp_shared_bytes(uint32_t dp) {
     return atp_stages(dp) * 2u * ATT_UNIT * (dp + 8u) * 2u + atp_vrows(dp) * (dp + 8u) * 2u +
+           ATP_FOLD * ATP_THREADS * 4u;
+}
+
+// A split kernel's block: ATT_WARPS chain groups of ATP_WARPS warps, and its dynamic shared
+// memory: a ring a group, then the queries and the split's folded numerators as in
+// atp_shared_bytes (one block a multiprocessor). The chains' exchange reuses the rings.
+#define ATPS_THREADS (ATP_THREADS * ATT_WARPS)
+
+MT_DEVICE uint32_t atp_split_shared_bytes(uint32_t dp) {
+    return ATT_WARPS * atp_stages(dp) * 2u * ATT_UNIT * (dp + 8u) * 2u + atp_vrows(dp) * (dp + 8u) * 2u +
            ATP_FOLD * ATP_THREADS * 4u;
 }
 
@@ -148,8 +162,8 @@ MT_DEVICE bool atp_issue(const AttLaunch& a, const AtpItem& it, uint32_t unit, u
     return __any_sync(0xffffffffu, bad);
 }
 
-// The queries of item k into `qs` ([vrows][DP + 8]), by the whole block (cp.async on the vector
-// path: the caller waits): virtual rows past the item's rows, dimensions past head_dim and every
+// The queries of item k into `qs` ([vrows][DP + 8]), by the whole block, any size (cp.async on
+// the vector path: the caller waits): virtual rows past the item's rows, dimensions past head_dim and every
 // row of an out-of-range item are zeros.
 template <int DP>
 MT_DEVICE void atp_load_q(const AttLaunch& a, const AtpShared& sh, uint32_t k, bf16* qs) {
@@ -160,13 +174,13 @@ MT_DEVICE void atp_load_q(const AttLaunch& a, const AtpShared& sh, uint32_t k, b
         return a.qkv + (size_t)(row + v / a.hb) * a.row_stride + (size_t)(h0 + v % a.hb) * a.q_head_stride;
     };
     if (a.vec) {
-        for (uint32_t idx = threadIdx.x; idx < vrows * NCH; idx += ATP_THREADS) {
+        for (uint32_t idx = threadIdx.x; idx < vrows * NCH; idx += blockDim.x) {
             const uint32_t v = idx / NCH, ch = idx % NCH;
             const bool on = v / a.hb < cnt && 8 * ch < a.d;
             cp_async16(qs + v * RS + 8 * ch, on ? q_at(v) + 8 * ch : a.qkv, on ? 16u : 0u);
         }
     } else {
-        for (uint32_t idx = threadIdx.x; idx < vrows * RS; idx += ATP_THREADS) {
+        for (uint32_t idx = threadIdx.x; idx < vrows * RS; idx += blockDim.x) {
             const uint32_t v = idx / RS, e = idx % RS;
             qs[v * RS + e] = v / a.hb < cnt && e < a.d ? q_at(v)[e] : __ushort_as_bfloat16((unsigned short)0);
         }
@@ -354,9 +368,9 @@ __device__ __noinline__ void atp_split_rows(const AttLaunch& a, AtpShared& sh, c
     }
 }
 
-// Not inlined: each head_dim gets its own register allocation. SPLIT: the split kernels (block
-// s of a cluster walks split s of each of the cluster's items; atp_split_rows folds them).
-template <int DP, bool FP8, bool SPLIT>
+// The walk (`paged_attention_prefill`, `_staged`). Not inlined: each head_dim gets its own
+// register allocation.
+template <int DP, bool FP8>
 __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpShared& sh) {
     constexpr int HP = DP > 128 ? 2 : 1, DH = DP / HP, RS = DP + 8;
     constexpr uint32_t STAGES = DP > 128 ? 2 : 3, VROWS = DP > 128 ? 32 : 64;
@@ -374,14 +388,14 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
     f.i = 0;
     f.entry = 0;
     if (a.nk > 0) {
-        f.it = atp_item<SPLIT>(a, sh, 0);
+        f.it = atp_item<false>(a, sh, 0);
         f.i = f.it.u0;
     }
     auto settle = [&]() {  // move to the next unit that exists and read its table entries
         while (f.k < a.nk && f.i >= f.it.u1) {
             ++f.k;
             if (f.k < a.nk) {
-                f.it = atp_item<SPLIT>(a, sh, f.k);
+                f.it = atp_item<false>(a, sh, f.k);
                 f.i = f.it.u0;
             }
         }
@@ -405,11 +419,10 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
     // Per item: its queries, then its splits and chains in order (a unit's copies land
     // STAGES - 1 units ahead; one block barrier per unit makes a stage's copies visible and frees
     // the stage read before), each chain folded into its split as it ends and each split into
-    // the rows' totals, then the rows. A split kernel's block walks its one split and the
-    // cluster folds the splits.
+    // the rows' totals, then the rows.
     uint32_t consumed = 0;
     for (uint32_t k = 0; k < a.nk; ++k) {
-        const AtpItem it = atp_item<SPLIT>(a, sh, k);
+        const AtpItem it = atp_item<false>(a, sh, k);
         const uint32_t v0 = 16 * t + g, v1 = v0 + 8;
         const uint32_t* rc = &sh.grp[k][2];
         const uint32_t ctx0 = v0 / a.hb < it.cnt ? rc[v0 / a.hb] : it.ctx;
@@ -424,7 +437,7 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
         AtpFold<DH> ch, sp;  // the running chain and split
         atp_clear(ch);
         float fm[2] = {-INFINITY, -INFINITY}, fl[2] = {0.0f, 0.0f};
-        for (uint32_t s = SPLIT ? a.split : 0; s < (SPLIT ? a.split + 1 : ATT_SPLITS); ++s) {
+        for (uint32_t s = 0; s < ATT_SPLITS; ++s) {
             atp_clear(sp);
             bool bad = false;
             for (uint32_t w = 0; w < ATT_WARPS; ++w) {
@@ -451,27 +464,8 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
                 }
                 atp_fold_chain(sp, ch);
             }
-            if constexpr (SPLIT) {
-                // The split's total for the cluster; then every block's rows, once all have
-                // published theirs, and a barrier before the next item overwrites them.
-#pragma unroll
-                for (int n = 0; n < DH / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) fo[(4 * n + e) * ATP_THREADS] = sp.o[n][e];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    sh.xm[r][tid] = sp.m[r];
-                    sh.xl[r][tid] = bad ? __int_as_float(0x7FFFFFFF) : sp.l[r];
-                }
-                cluster_publish_arrive();
-                cluster_wait();
-                atp_split_rows<DH>(a, sh, it, fo, v0, hp);
-                cluster_leave_barrier();
-            } else {
-                atp_fold_split(sp, bad, fm, fl, fo, s == 0);
-            }
+            atp_fold_split(sp, bad, fm, fl, fo, s == 0);
         }
-        if constexpr (SPLIT) continue;
 
         // The item's rows: this thread's elements of rows v0 and v1 (the tile's rows that are
         // the item's), NaN for an item whose inputs are out of range.
@@ -495,6 +489,148 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
         }
     }
     cp_async_wait<0>();
+}
+
+// Group `w`'s barrier: its ATP_WARPS warps, which share its ring (barrier 0 is the block's).
+MT_DEVICE void atp_group_sync(uint32_t w) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + w), "n"(ATP_THREADS) : "memory");
+}
+
+// The split kernels' block: group w (warps ATP_WARPS w ..) walks chain w of split a.split of each
+// item, its warps computing the item's tiles as the walk's do (each unit's keys and values in the
+// group's ring, one group barrier a unit); then, once every group is done, the chains are folded
+// into the split's total in chain order by group 0 (atp_fold_chain's operations, the other
+// groups' chains read from the exchange that overlays the rings), and the cluster folds the
+// splits. Not inlined: each head_dim gets its own register allocation.
+template <int DP, bool FP8>
+__device__ __noinline__ void atp_run_split(const AttLaunch a, unsigned char* dyn, AtpShared& sh) {
+    constexpr int HP = DP > 128 ? 2 : 1, DH = DP / HP, RS = DP + 8;
+    constexpr uint32_t STAGES = DP > 128 ? 2 : 3, VROWS = DP > 128 ? 32 : 64;
+    constexpr uint32_t UNIT_ELEMS = 2 * ATT_UNIT * RS;
+    // A chain's exchanged state a thread: its numerators, then maxima and sums.
+    constexpr uint32_t XS = DH / 2 + 4;
+    static_assert(DH / 2 <= ATP_FOLD, "a thread's fold state is at most ATP_FOLD elements");
+    static_assert((ATT_WARPS - 1) * XS * ATP_THREADS * 4 <= ATT_WARPS * STAGES * UNIT_ELEMS * 2,
+                  "the chains' exchange fits over the rings");
+    const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const uint32_t w = warp / ATP_WARPS, j = warp % ATP_WARPS, gt = tid % ATP_THREADS;
+    const uint32_t g = lane >> 2;
+    const uint32_t t = j / HP, hp = j % HP;
+    bf16* ring = reinterpret_cast<bf16*>(dyn) + (size_t)w * STAGES * UNIT_ELEMS;
+    bf16* qs = reinterpret_cast<bf16*>(dyn) + (size_t)ATT_WARPS * STAGES * UNIT_ELEMS;
+    float* fo = reinterpret_cast<float*>(qs + VROWS * RS) + gt;  // group 0: its split's numerators
+    float* xch = reinterpret_cast<float*>(dyn) + gt;  // chain w's state at (w - 1) * XS * ATP_THREADS
+
+    for (uint32_t k = 0; k < a.nk; ++k) {
+        const AtpItem it = atp_item<true>(a, sh, k);
+        const uint32_t v0 = 16 * t + g, v1 = v0 + 8;
+        const uint32_t* rc = &sh.grp[k][2];
+        const uint32_t ctx0 = v0 / a.hb < it.cnt ? rc[v0 / a.hb] : it.ctx;
+        const uint32_t ctx1 = v1 / a.hb < it.cnt ? rc[v1 / a.hb] : it.ctx;
+        const bool active = 16 * t < it.cnt * a.hb;  // the tile holds a row of the item
+        __syncthreads();  // every warp is done with the previous item's queries and exchange
+        atp_load_q<DP>(a, sh, k, qs);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+
+        // The group's chain: its units' copies land STAGES - 1 units ahead, each block-table
+        // entry requested a unit before its copy.
+        uint32_t first, mine;
+        att_units(it.ctx, a.split, w, first, mine);
+        AtpFold<DH> ch;
+        atp_clear(ch);
+        bool bad = false;
+        uint32_t bad_bits = 0, issued = 0;
+        uint32_t entry = mine > 0 ? att_entry(a, it.seq, first, it.ctx, lane) : 0u;
+        auto issue_next = [&]() {
+            if (issued < mine) {
+                const uint32_t st = issued % STAGES;
+                const bool b = atp_issue<DP, FP8>(a, it, first + issued, entry, ring + st * UNIT_ELEMS, lane, j);
+                bad_bits = (bad_bits & ~(1u << st)) | ((b ? 1u : 0u) << st);
+                ++issued;
+                if (issued < mine) entry = att_entry(a, it.seq, first + issued, it.ctx, lane);
+            }
+            cp_async_commit();
+        };
+#pragma unroll
+        for (uint32_t st = 0; st + 1 < STAGES; ++st) issue_next();
+        for (uint32_t i = 0; i < mine; ++i) {
+            // All but the latest STAGES - 2 groups (queued after this unit's) landed.
+            cp_async_wait<STAGES - 2>();
+            const uint32_t st = i % STAGES;
+            if constexpr (FP8) {
+                // This warp's quarter of the unit: key rows 4j..4j+3, value rows 16 + 4j...
+                __syncwarp();
+                att_widen_rows<DP>(sh.kv2, ring + st * UNIT_ELEMS, 8,
+                                   [j](uint32_t r) { return (r < 4 ? 0u : ATT_UNIT - 4u) + 4 * j + r; }, lane);
+            }
+            atp_group_sync(w);
+            issue_next();
+            if (active)
+                atp_unit<DP, DH>(ring + st * UNIT_ELEMS, qs, t, hp, first + i, ctx0, ctx1, a.scale_log2, i == 0,
+                                 lane, ch.o, ch.m, ch.l);
+            bad = bad || ((bad_bits >> st) & 1u) != 0;
+        }
+        cp_async_wait<0>();
+        // The chain's sums over the quad, as atp_fold_chain adds them.
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            ch.l[r] += __shfl_xor_sync(0xffffffffu, ch.l[r], 1);
+            ch.l[r] += __shfl_xor_sync(0xffffffffu, ch.l[r], 2);
+        }
+        __syncthreads();  // every group is done with its ring: the exchange overlays them
+        if (w > 0) {
+            float* x = xch + (w - 1) * XS * ATP_THREADS;
+#pragma unroll
+            for (int n = 0; n < DH / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) x[(4 * n + e) * ATP_THREADS] = ch.o[n][e];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                x[(DH / 2 + r) * ATP_THREADS] = ch.m[r];
+                x[(DH / 2 + 2 + r) * ATP_THREADS] = ch.l[r];
+            }
+        }
+        bad = __syncthreads_or(bad) != 0;
+        if (w == 0) {
+            // The split's total: chains 0 .. ATT_WARPS - 1 folded in order into an empty state,
+            // the weights first, then each numerator through the same folds.
+            float sm[2] = {-INFINITY, -INFINITY}, sl[2] = {0.0f, 0.0f}, wt[ATT_WARPS][2], wp[ATT_WARPS][2];
+#pragma unroll
+            for (int q = 0; q < ATT_WARPS; ++q)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const float cm = q == 0 ? ch.m[r] : xch[((q - 1) * XS + DH / 2 + r) * ATP_THREADS];
+                    const float cl = q == 0 ? ch.l[r] : xch[((q - 1) * XS + DH / 2 + 2 + r) * ATP_THREADS];
+                    float mn;
+                    att_fold_weights(sm[r], cm, mn, wt[q][r], wp[q][r]);
+                    sl[r] = att_fold(sl[r], cl, wt[q][r], wp[q][r]);
+                    sm[r] = mn;
+                }
+#pragma unroll
+            for (int n = 0; n < DH / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float o = att_fold(0.0f, ch.o[n][e], wt[0][e >> 1], wp[0][e >> 1]);
+#pragma unroll
+                    for (int q = 1; q < ATT_WARPS; ++q)
+                        o = att_fold(o, xch[((q - 1) * XS + 4 * n + e) * ATP_THREADS], wt[q][e >> 1], wp[q][e >> 1]);
+                    fo[(4 * n + e) * ATP_THREADS] = o;
+                }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                sh.xm[r][gt] = sm[r];
+                sh.xl[r][gt] = bad ? __int_as_float(0x7FFFFFFF) : sl[r];
+            }
+        }
+        // Every block's rows once all have published their split's total, and a barrier before
+        // the next item overwrites them.
+        cluster_publish_arrive();
+        cluster_wait();
+        if (w == 0) atp_split_rows<DH>(a, sh, it, fo, v0, hp);
+        cluster_leave_barrier();
+    }
 }
 
 // The kernel arguments after the output, as parameters and as arguments.
@@ -521,10 +657,11 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
 // num_q_heads * head_dim % 64 == 0. Image rows of no group are not written.
 //
 // paged_attention_prefill_split and paged_attention_prefill_split_staged: the same rows from
-// clusters of ATT_SPLITS blocks, cluster c of C taking items c, c + C, ... and block s of it
-// walking split s of each (ATT_SPLITS times the blocks on each item, for launches of few long
-// items: a prefill chunk's late rows beside a step's decode rows), the splits folded through
-// the cluster's shared memory in split order, so every row is bitwise the walk's.
+// clusters of ATT_SPLITS blocks of ATPS_THREADS threads (atp_split_shared_bytes of dynamic
+// shared memory), cluster c of C taking items c, c + C, ... and block s of it split s of each,
+// its chains side by side (for launches of few long items: a prefill chunk's late rows beside a
+// step's decode rows), the chains and then the splits folded in order, so every row is bitwise
+// the walk's.
 template <bool SPLIT>
 MT_DEVICE void atp_kernel(uint32_t kernel, bf16* __restrict__ out, unsigned char* __restrict__ img, ATP_PARAMS) {
     extern __shared__ __align__(16) unsigned char atp_dyn[];
@@ -542,7 +679,8 @@ MT_DEVICE void atp_kernel(uint32_t kernel, bf16* __restrict__ out, unsigned char
     const uint32_t width = num_q_heads * head_dim, steps = (width + 63) / 64;
     const uint32_t dp = att_padded_dim(head_dim);
     const uint32_t rpi = atp_rows_per_item(a.hb, dp);
-    if (!att_launch_ok(a, num_kv_heads, ATP_THREADS, atp_shared_bytes(dp))) {
+    if (!att_launch_ok(a, num_kv_heads, SPLIT ? ATPS_THREADS : ATP_THREADS,
+                       SPLIT ? atp_split_shared_bytes(dp) : atp_shared_bytes(dp))) {
         mt_fault(kernel, MT_FAULT_GEOMETRY);
         if (num_q_heads == 0) return;
         for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x)
@@ -554,7 +692,7 @@ MT_DEVICE void atp_kernel(uint32_t kernel, bf16* __restrict__ out, unsigned char
     // Each item's rows, sequence and context (0 when the group is malformed or its inputs are
     // out of range: a group must be 1..rpi rows of one sequence whose contexts span the same
     // units).
-    for (uint32_t k = threadIdx.x; k < a.nk; k += ATP_THREADS) {
+    for (uint32_t k = threadIdx.x; k < a.nk; k += blockDim.x) {
         // Item number n_items - 1 - (block + k * blocks): the later row groups, whose contexts
         // are longer, first.
         const uint32_t n = a.n_items - 1 - (a.cluster + k * a.n_clusters);
@@ -587,10 +725,18 @@ MT_DEVICE void atp_kernel(uint32_t kernel, bf16* __restrict__ out, unsigned char
     __syncthreads();
 
     att_by_dim(dp, [&](auto dim) {
-        if (kv_fp8 != 0)
-            atp_run<decltype(dim)::value, true, SPLIT>(a, atp_dyn, sh);
-        else
-            atp_run<decltype(dim)::value, false, SPLIT>(a, atp_dyn, sh);
+        constexpr int DP = decltype(dim)::value;
+        if constexpr (SPLIT) {
+            if (kv_fp8 != 0)
+                atp_run_split<DP, true>(a, atp_dyn, sh);
+            else
+                atp_run_split<DP, false>(a, atp_dyn, sh);
+        } else {
+            if (kv_fp8 != 0)
+                atp_run<DP, true>(a, atp_dyn, sh);
+            else
+                atp_run<DP, false>(a, atp_dyn, sh);
+        }
     });
 }
 
@@ -606,12 +752,12 @@ extern "C" __global__ void __cluster_dims__(1, 1, 1) __launch_bounds__(ATP_THREA
                       ATP_ARGS);
 }
 
-extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATP_THREADS, 2)
+extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATPS_THREADS, 1)
     paged_attention_prefill_split(PAGED_ATTENTION_PREFILL_PARAMS) {
     atp_kernel<true>(MT_KERNEL_PAGED_ATTENTION_PREFILL_SPLIT, out, nullptr, ATP_ARGS);
 }
 
-extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATP_THREADS, 2)
+extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(ATPS_THREADS, 1)
     paged_attention_prefill_split_staged(PAGED_ATTENTION_PREFILL_PARAMS) {
     atp_kernel<true>(MT_KERNEL_PAGED_ATTENTION_PREFILL_SPLIT_STAGED, nullptr, reinterpret_cast<unsigned char*>(out),
                      ATP_ARGS);

@@ -77,12 +77,25 @@ pub const fn prefill_shared_bytes(padded: u32) -> u32 {
         + ATP_FOLD * 32 * ATP_WARPS * 4
 }
 
+/// Threads of a split prefill attention block (`ATPS_THREADS`): `ATT_WARPS` chain groups of
+/// `ATP_WARPS` warps.
+pub const PREFILL_SPLIT_THREADS: u32 = 32 * ATP_WARPS * ATT_WARPS;
+
+/// Dynamic shared memory of a split prefill attention block (`atp_split_shared_bytes`): a ring
+/// a chain group, then the queries and the folded numerators as in [`prefill_shared_bytes`].
+pub const fn prefill_split_shared_bytes(padded: u32) -> u32 {
+    let vrows = prefill_virtual_rows(padded);
+    ATT_WARPS * prefill_stages(padded) * 2 * ATT_UNIT * (padded + 8) * 2
+        + vrows * (padded + 8) * 2
+        + ATP_FOLD * 32 * ATP_WARPS * 4
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// The sizes the kernels were laid out for: two decode blocks a multiprocessor up to head
-    /// dimension 128, one above, and two prefill blocks.
+    /// dimension 128, one above, two prefill blocks and one split prefill block.
     #[test]
     fn shared_memory_matches_the_kernels_budget() {
         assert_eq!(decode_shared_bytes(128, 4, 2), 99_328);
@@ -91,6 +104,9 @@ mod tests {
         assert_eq!(decode_shared_bytes(256, 4, 8), 218_112);
         assert_eq!(prefill_shared_bytes(128), 76_288);
         assert_eq!(prefill_shared_bytes(256), 83_456);
+        // One split block a multiprocessor (at most 227 KiB).
+        assert_eq!(prefill_split_shared_bytes(128), 154_624);
+        assert_eq!(prefill_split_shared_bytes(256), 184_832);
         assert_eq!([100, 64, 65, 256].map(padded_dim), [128, 64, 128, 256]);
         assert_eq!(heads_per_block(32, 8), 4);
         assert_eq!(heads_per_block(16, 1), 8);

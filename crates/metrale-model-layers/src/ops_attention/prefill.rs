@@ -4,7 +4,10 @@
 use metrale_gpu_runtime::{
     DevicePtr, GpuError, GpuResult, KernelHandle, LaunchConfig, Residency, StreamHandle,
 };
-use metrale_kernel_abi::attention::{padded_dim, prefill_shared_bytes as atp_shared_bytes};
+use metrale_kernel_abi::attention::{
+    PREFILL_SPLIT_THREADS, padded_dim, prefill_shared_bytes as atp_shared_bytes,
+    prefill_split_shared_bytes,
+};
 use metrale_kernel_abi::{ATP_WARPS, PagedAttentionPrefillParams};
 
 use super::{
@@ -16,6 +19,10 @@ use crate::ops::Ops;
 /// Blocks of `paged_attention_prefill` resident at once on the H200 (two a multiprocessor at
 /// every head dimension): the fallback where the backend reports no occupancy (the CPU).
 pub(super) const PREFILL_BLOCKS: u32 = 264;
+
+/// Blocks of the split kernels resident at once on the H200 (one a multiprocessor, in whole
+/// clusters): the fallback where the backend reports no occupancy.
+const PREFILL_SPLIT_BLOCKS: u32 = 128;
 
 impl PagedAttention {
     /// The prefill kernels' parameter struct: rows (or, staged, the images) to `out`, and the
@@ -61,8 +68,9 @@ impl Ops {
     /// row, each group's rows in one item so their keys and values are read once: the prefill
     /// path. The groups before the last `groups.split` run through persistent blocks of four
     /// warps, each block walking an item's units in order (`paged_attention_prefill`); the last
-    /// `groups.split` through clusters of `ATTENTION_SPLITS` such blocks, each walking one split
-    /// of the cluster's item (`paged_attention_prefill_split`), a second launch.
+    /// `groups.split` through clusters of `ATTENTION_SPLITS` blocks of sixteen warps, each block
+    /// taking one split of the cluster's item and its four groups of warps that split's chains,
+    /// side by side (`paged_attention_prefill_split`), a second launch.
     /// `images`: the rows go there, as the o projection's stage images ([`Ops::linear_staging`]
     /// of `[rows, num_q_heads * head_dim]`), instead of to `p.out` (the `_staged` kernels).
     pub fn paged_attention_prefill(
@@ -106,32 +114,32 @@ impl Ops {
         self.prefill_resident(false, head_dim)
     }
 
-    /// The walk's kernels (plain, staged) and blocks a cluster, or with `split` the split
+    /// The walk's kernels (plain, staged) and block geometry, or with `split` the split
     /// kernels'.
-    fn prefill_kernels(&self, split: bool) -> (KernelHandle, KernelHandle, u32) {
+    fn prefill_kernels(&self, split: bool) -> (KernelHandle, KernelHandle, PrefillBlocks) {
         match split {
             false => (
                 self.k.paged_attention_prefill,
                 self.k.paged_attention_prefill_staged,
-                1,
+                PrefillBlocks::WALK,
             ),
             true => (
                 self.k.paged_attention_prefill_split,
                 self.k.paged_attention_prefill_split_staged,
-                ATTENTION_SPLITS,
+                PrefillBlocks::SPLIT,
             ),
         }
     }
 
     /// Clusters of the walk (`split`: of the split kernels) resident at once for heads of
-    /// `head_dim`: two blocks a multiprocessor.
+    /// `head_dim`.
     fn prefill_resident(&self, split: bool, head_dim: u32) -> GpuResult<u32> {
-        let (plain, _, per_cluster) = self.prefill_kernels(split);
+        let (plain, _, b) = self.prefill_kernels(split);
         self.resident(
             plain,
-            32 * ATP_WARPS,
-            prefill_shared_bytes(head_dim),
-            PREFILL_BLOCKS / per_cluster,
+            b.threads,
+            (b.shared_bytes)(padded_dim(head_dim)),
+            b.fallback / b.cluster,
             Residency::Clusters,
         )
     }
@@ -150,10 +158,10 @@ impl Ops {
     ) -> GpuResult<()> {
         let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
         let items = n_groups * (p.num_q_heads / hb);
-        let smem = prefill_shared_bytes(p.head_dim);
-        let (plain, staged, per_cluster) = self.prefill_kernels(split);
+        let (plain, staged, b) = self.prefill_kernels(split);
+        let smem = (b.shared_bytes)(padded_dim(p.head_dim));
         let resident = self.prefill_resident(split, p.head_dim)?;
-        let blocks = per_cluster * attention_clusters_of(items, resident);
+        let blocks = b.cluster * attention_clusters_of(items, resident);
         let (kernel, out) = match images {
             Some(images) => {
                 if !(p.num_q_heads * p.head_dim).is_multiple_of(64) {
@@ -169,7 +177,7 @@ impl Ops {
             }
             None => (plain, p.out),
         };
-        let config = LaunchConfig::grid2(blocks, 1, 32 * ATP_WARPS).with_shared(smem);
+        let config = LaunchConfig::grid2(blocks, 1, b.threads).with_shared(smem);
         self.go(
             kernel,
             config,
@@ -179,8 +187,31 @@ impl Ops {
     }
 }
 
-/// Dynamic shared memory of `paged_attention_prefill` (`atp_shared_bytes`): 76,288 bytes at
-/// head_dim 128, 83,456 at 256.
-fn prefill_shared_bytes(head_dim: u32) -> u32 {
-    atp_shared_bytes(padded_dim(head_dim))
+/// A prefill kernel's blocks: threads, blocks a cluster, dynamic shared memory by padded head
+/// dimension, and the blocks resident where the backend reports no occupancy.
+struct PrefillBlocks {
+    threads: u32,
+    cluster: u32,
+    shared_bytes: fn(u32) -> u32,
+    fallback: u32,
+}
+
+impl PrefillBlocks {
+    /// The walk: blocks of four warps, two a multiprocessor (76,288 bytes of shared memory at
+    /// head_dim 128, 83,456 at 256).
+    const WALK: Self = Self {
+        threads: 32 * ATP_WARPS,
+        cluster: 1,
+        shared_bytes: atp_shared_bytes,
+        fallback: PREFILL_BLOCKS,
+    };
+
+    /// The split kernels: clusters of `ATTENTION_SPLITS` blocks of sixteen warps (a group of
+    /// four a chain), one a multiprocessor.
+    const SPLIT: Self = Self {
+        threads: PREFILL_SPLIT_THREADS,
+        cluster: ATTENTION_SPLITS,
+        shared_bytes: prefill_split_shared_bytes,
+        fallback: PREFILL_SPLIT_BLOCKS,
+    };
 }

@@ -7,7 +7,8 @@
 
 use half::bf16;
 use metrale_kernel_abi::attention::{
-    decode_shared_bytes, heads_per_block, padded_dim, prefill_rows_per_item, prefill_shared_bytes,
+    PREFILL_SPLIT_THREADS, decode_shared_bytes, heads_per_block, padded_dim, prefill_rows_per_item,
+    prefill_shared_bytes, prefill_split_shared_bytes,
 };
 use metrale_kernel_abi::{
     ATP_WARPS, ATT_MAX_D, ATT_MAX_ITEMS, ATT_SPLITS, ATT_WARPS, PagedAttentionParams,
@@ -171,7 +172,8 @@ pub fn paged_attention_flat(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     decode(ctx, 1, ATT_SPLITS)
 }
 
-/// The prefill kernels' shape, launch check (clusters of `cluster` blocks) and rows.
+/// The prefill kernels' shape, launch check (clusters of `cluster` blocks: the walk's blocks at
+/// 1, the split kernels' above) and rows.
 fn prefill(
     ctx: &KernelCtx<'_>,
     cluster: u32,
@@ -179,8 +181,12 @@ fn prefill(
     let p: PagedAttentionPrefillParams = ctx.params()?;
     let s = Shape::prefill(&p);
     let items = p.n_groups as usize * (s.hq / s.heads_per_block().max(1));
-    let smem = prefill_shared_bytes(padded_dim(p.head_dim));
-    s.check_launch(ctx, items, (32 * ATP_WARPS, cluster, smem))?;
+    let padded = padded_dim(p.head_dim);
+    let block = match cluster {
+        1 => (32 * ATP_WARPS, prefill_shared_bytes(padded)),
+        _ => (PREFILL_SPLIT_THREADS, prefill_split_shared_bytes(padded)),
+    };
+    s.check_launch(ctx, items, (block.0, cluster, block.1))?;
     let rows = prefill_rows(ctx, &s, p.row_groups, p.n_groups as usize)?;
     Ok((p, s, rows))
 }

@@ -2,7 +2,10 @@
 //! definitions (part of `cpu/tests.rs`, whose generator, rig and comparison they use).
 
 use half::bf16;
-use metrale_kernel_abi::attention::{decode_shared_bytes, padded_dim, prefill_shared_bytes};
+use metrale_kernel_abi::attention::{
+    PREFILL_SPLIT_THREADS, decode_shared_bytes, padded_dim, prefill_shared_bytes,
+    prefill_split_shared_bytes,
+};
 use metrale_kernel_abi::{
     ATP_WARPS, ATT_SPLITS, ATT_WARPS, KvStoreParams, PagedAttentionParams,
     PagedAttentionPrefillParams, QkNormRopeParams,
@@ -219,15 +222,19 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
     let grouped = r.out(len * hq * dh * 2);
     let prefill_launch =
         LaunchConfig::grid2(ATT_SPLITS, 1, 32 * ATP_WARPS).with_shared(prefill_shared_bytes(dp));
+    let split_launch = LaunchConfig::grid2(ATT_SPLITS, 1, PREFILL_SPLIT_THREADS)
+        .with_shared(prefill_split_shared_bytes(dp));
     let prefill =
         |row_groups: &[u32]| prefill_params(&decode, grouped, (r.put(row_groups), row_groups));
-    for kernel in ["paged_attention_prefill", "paged_attention_prefill_split"] {
+    for (kernel, launch) in [
+        ("paged_attention_prefill", prefill_launch),
+        ("paged_attention_prefill_split", split_launch),
+    ] {
         let params = PagedAttentionPrefillParams {
             out: r.out(len * hq * dh * 2),
             ..prefill(&[0, 4, 8, 2])
         };
-        r.run_with("attention", kernel, prefill_launch, &params)
-            .unwrap();
+        r.run_with("attention", kernel, launch, &params).unwrap();
         let got = r.get_bf(params.out, len * hq * dh);
         let row = hq * dh;
         for t in 0..len {
@@ -243,13 +250,17 @@ fn paged_attention_matches_dense_causal_attention_through_a_scattered_block_tabl
             }
         }
     }
-    let ragged = LaunchConfig::grid2(ATT_SPLITS + 1, 1, 32 * ATP_WARPS)
-        .with_shared(prefill_shared_bytes(dp));
+    // The split kernels take whole clusters of their own blocks: a ragged grid, or the walk's
+    // blocks, are refused.
+    let ragged = LaunchConfig::grid2(ATT_SPLITS + 1, 1, PREFILL_SPLIT_THREADS)
+        .with_shared(prefill_split_shared_bytes(dp));
     let split = prefill(&[0, 4, 8, 2]);
-    assert!(
-        r.run_with("attention", "paged_attention_prefill_split", ragged, &split)
-            .is_err()
-    );
+    for bad in [ragged, prefill_launch] {
+        assert!(
+            r.run_with("attention", "paged_attention_prefill_split", bad, &split)
+                .is_err()
+        );
+    }
     let err = r
         .run_with(
             "attention",
