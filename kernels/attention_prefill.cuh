@@ -87,14 +87,13 @@ struct AtpShared {
     float xm[2][ATP_THREADS], xl[2][ATP_THREADS];
 };
 
-// Item k of this block. `ctx` is the largest context of its rows (0: out of range); the block
-// walks its units [u0, u1) in order: all of them, or in a split kernel those of its split.
+// Item k of this block. `ctx` is the largest context of its rows (0: out of range), `units` its
+// units of 16 keys.
 struct AtpItem {
-    uint32_t row, cnt, h0, kv, seq, ctx, u0, u1;
+    uint32_t row, cnt, h0, kv, seq, ctx, units;
 };
 
-template <bool SPLIT>
-MT_DEVICE AtpItem atp_item(const AttLaunch& a, const AtpShared& sh, uint32_t k) {
+MT_DEVICE AtpItem atp_item(const AtpShared& sh, uint32_t k) {
     AtpItem it;
     it.row = sh.grp[k][0];
     it.cnt = sh.grp[k][1];
@@ -102,12 +101,7 @@ MT_DEVICE AtpItem atp_item(const AttLaunch& a, const AtpShared& sh, uint32_t k) 
     it.kv = sh.kv[k];
     it.seq = sh.seq[k];
     it.ctx = sh.ctx[k];
-    if constexpr (SPLIT) {
-        att_split_units(it.ctx, a.split, it.u0, it.u1);
-    } else {
-        it.u0 = 0;
-        it.u1 = (it.ctx + ATT_UNIT - 1) / ATT_UNIT;
-    }
+    it.units = (it.ctx + ATT_UNIT - 1) / ATT_UNIT;
     return it;
 }
 
@@ -163,8 +157,8 @@ MT_DEVICE bool atp_issue(const AttLaunch& a, const AtpItem& it, uint32_t unit, u
 }
 
 // The queries of item k into `qs` ([vrows][DP + 8]), by the whole block, any size (cp.async on
-// the vector path: the caller waits): virtual rows past the item's rows, dimensions past head_dim and every
-// row of an out-of-range item are zeros.
+// the vector path: the caller waits): virtual rows past the item's rows, dimensions past
+// head_dim and every row of an out-of-range item are zeros.
 template <int DP>
 MT_DEVICE void atp_load_q(const AttLaunch& a, const AtpShared& sh, uint32_t k, bf16* qs) {
     constexpr int RS = DP + 8, NCH = RS / 8;
@@ -388,15 +382,14 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
     f.i = 0;
     f.entry = 0;
     if (a.nk > 0) {
-        f.it = atp_item<false>(a, sh, 0);
-        f.i = f.it.u0;
+        f.it = atp_item(sh, 0);
     }
     auto settle = [&]() {  // move to the next unit that exists and read its table entries
-        while (f.k < a.nk && f.i >= f.it.u1) {
+        while (f.k < a.nk && f.i >= f.it.units) {
             ++f.k;
             if (f.k < a.nk) {
-                f.it = atp_item<false>(a, sh, f.k);
-                f.i = f.it.u0;
+                f.it = atp_item(sh, f.k);
+                f.i = 0;
             }
         }
         if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.i, f.it.ctx, lane);
@@ -422,7 +415,7 @@ __device__ __noinline__ void atp_run(const AttLaunch a, unsigned char* dyn, AtpS
     // the rows' totals, then the rows.
     uint32_t consumed = 0;
     for (uint32_t k = 0; k < a.nk; ++k) {
-        const AtpItem it = atp_item<false>(a, sh, k);
+        const AtpItem it = atp_item(sh, k);
         const uint32_t v0 = 16 * t + g, v1 = v0 + 8;
         const uint32_t* rc = &sh.grp[k][2];
         const uint32_t ctx0 = v0 / a.hb < it.cnt ? rc[v0 / a.hb] : it.ctx;
@@ -522,7 +515,7 @@ __device__ __noinline__ void atp_run_split(const AttLaunch a, unsigned char* dyn
     float* xch = reinterpret_cast<float*>(dyn) + gt;  // chain w's state at (w - 1) * XS * ATP_THREADS
 
     for (uint32_t k = 0; k < a.nk; ++k) {
-        const AtpItem it = atp_item<true>(a, sh, k);
+        const AtpItem it = atp_item(sh, k);
         const uint32_t v0 = 16 * t + g, v1 = v0 + 8;
         const uint32_t* rc = &sh.grp[k][2];
         const uint32_t ctx0 = v0 / a.hb < it.cnt ? rc[v0 / a.hb] : it.ctx;

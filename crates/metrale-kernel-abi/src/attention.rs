@@ -72,9 +72,13 @@ pub const fn prefill_rows_per_item(heads_per_block: u32, padded: u32) -> u32 {
 /// `[vrows][padded + 8]` bf16, and each thread's folded f32 numerators `[ATP_FOLD][threads]`.
 pub const fn prefill_shared_bytes(padded: u32) -> u32 {
     let vrows = prefill_virtual_rows(padded);
+    prefill_ring_bytes(padded) + vrows * (padded + 8) * 2 + ATP_FOLD * 32 * ATP_WARPS * 4
+}
+
+/// A prefill ring (`atp_ring_bytes`): `prefill_stages` units of 16 key and 16 value rows of
+/// `padded + 8` bf16.
+const fn prefill_ring_bytes(padded: u32) -> u32 {
     prefill_stages(padded) * 2 * ATT_UNIT * (padded + 8) * 2
-        + vrows * (padded + 8) * 2
-        + ATP_FOLD * 32 * ATP_WARPS * 4
 }
 
 /// Threads of a split prefill attention block (`ATPS_THREADS`): `ATT_WARPS` chain groups of
@@ -84,10 +88,7 @@ pub const PREFILL_SPLIT_THREADS: u32 = 32 * ATP_WARPS * ATT_WARPS;
 /// Dynamic shared memory of a split prefill attention block (`atp_split_shared_bytes`): a ring
 /// a chain group, then the queries and the folded numerators as in [`prefill_shared_bytes`].
 pub const fn prefill_split_shared_bytes(padded: u32) -> u32 {
-    let vrows = prefill_virtual_rows(padded);
-    ATT_WARPS * prefill_stages(padded) * 2 * ATT_UNIT * (padded + 8) * 2
-        + vrows * (padded + 8) * 2
-        + ATP_FOLD * 32 * ATP_WARPS * 4
+    prefill_shared_bytes(padded) + (ATT_WARPS - 1) * prefill_ring_bytes(padded)
 }
 
 #[cfg(test)]
