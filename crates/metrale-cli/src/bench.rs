@@ -129,6 +129,10 @@ pub struct BenchArgs {
     /// `--max-batch-tokens`).
     #[arg(long)]
     mixed_step_tokens: Option<usize>,
+    /// Interference: the engine's `mixed_step_slowdown_pct` (a mixed step's wall time aimed
+    /// at, in percent of a plain decode step's; default: not paced).
+    #[arg(long)]
+    mixed_step_slowdown_pct: Option<u32>,
     /// Serving trace: requests at each rate.
     #[arg(long, default_value_t = 200)]
     num_prompts: usize,

@@ -138,6 +138,12 @@ pub struct ServeArgs {
     /// inter-token gap. Default: `--max-batch-tokens`.
     #[arg(long)]
     pub mixed_step_tokens: Option<usize>,
+    /// With mixed steps, the wall time a step holding decode rows and a prompt chunk aims at,
+    /// in percent of a plain decode step of as many rows (more than 100): the engine times its
+    /// steps and sizes the chunks to it, bounding the other requests' inter-token gap. Default:
+    /// not paced.
+    #[arg(long)]
+    pub mixed_step_slowdown_pct: Option<u32>,
     /// Most requests running at once (the widest decode step).
     #[arg(long, default_value_t = ModelOptions::default().max_decode_seqs)]
     pub max_decode_seqs: usize,
@@ -227,6 +233,7 @@ impl ServeArgs {
             .mixed_steps(!self.no_mixed_steps)
             .mixed_chunk_attention(self.mixed_chunk_attention)
             .mixed_step_tokens(self.mixed_step_tokens)
+            .mixed_step_slowdown_pct(self.mixed_step_slowdown_pct)
             .max_decode_seqs(self.max_decode_seqs)
             .max_seq_len(self.max_seq_len)
             .num_kv_blocks(self.num_kv_blocks)
@@ -340,6 +347,9 @@ mod tests {
         assert_eq!(default.mixed_step_tokens, None);
         let short = model(&["--mixed-step-tokens", "256"]).expect("valid");
         assert_eq!(short.mixed_step_tokens, Some(256));
+        assert_eq!(default.mixed_step_slowdown_pct, None);
+        let paced = model(&["--mixed-step-slowdown-pct", "175"]).expect("valid");
+        assert_eq!(paced.mixed_step_slowdown_pct, Some(175));
         assert_eq!(alternating.max_batch_tokens, 64);
         assert!(model(&["--ssm-snapshot-slots", "many"]).is_err());
     }

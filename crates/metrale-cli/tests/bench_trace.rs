@@ -142,8 +142,16 @@ fn the_interference_scenario_prints_and_writes_both_runs() {
     assert_eq!(runs[1]["mixed_steps"], false);
     assert!(runs[1]["stalled_steps"].as_u64().unwrap() >= 2, "{v}");
     for r in runs {
-        for field in ["ttft_ms", "median_gap_ms", "max_gap_ms", "worst_ratio"] {
+        for field in [
+            "ttft_ms",
+            "median_gap_ms",
+            "before_gap_ms",
+            "max_gap_ms",
+            "worst_ratio",
+            "median_window_step_ms",
+        ] {
             assert!(r[field].as_f64().unwrap() > 0.0, "{field}: {r}");
         }
+        assert!(!r["slowest_steps"].as_array().unwrap().is_empty(), "{r}");
     }
 }

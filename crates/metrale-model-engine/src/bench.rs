@@ -33,7 +33,8 @@ use metrale_gpu_runtime::{GpuBackend, StreamHandle};
 
 pub use self::breakdown::{Breakdown, StepPart, decode_breakdown};
 pub use self::interference::{
-    InterferenceOptions, InterferencePoint, InterferenceReport, InterferenceRun, interference,
+    InterferenceOptions, InterferencePoint, InterferenceReport, InterferenceRun, SLOWEST_STEPS,
+    WindowStep, interference,
 };
 pub use self::profile::{launch_profile, step_profile};
 pub use self::serve::{

@@ -31,6 +31,17 @@ pub struct ModelOptions {
     /// chunks of `max_batch_tokens`. A sequence's tokens and logits do not depend on it.
     /// `None`: `max_batch_tokens`. Default `None`.
     pub mixed_step_tokens: Option<usize>,
+    /// With mixed steps, the wall time a mixed step aims at, in percent of a plain decode step
+    /// of as many decode rows (more than 100): the engine times its decode steps and sizes
+    /// each mixed step's chunk from the last mixed steps' times, so the decoding streams'
+    /// inter-token gap stays near this multiple of a plain step's while a prompt prefills
+    /// beside them (a row's cost grows along a long prompt; the chunks follow it). The prompt
+    /// then takes more steps. Until a decode width has two plain steps timed, its steps run
+    /// plain; the first paced chunk has 16 rows and a chunk at most doubles from one step to
+    /// the next. `mixed_step_tokens` and `mixed_chunk_attention` still bound the chunk. A
+    /// sequence's tokens and logits do not depend on it. `None`: chunks are not paced. Default
+    /// `None`.
+    pub mixed_step_slowdown_pct: Option<u32>,
     /// Longest sequence (prompt plus output). Default: the config's
     /// `max_position_embeddings`, capped at 4096.
     pub max_seq_len: Option<usize>,
@@ -215,6 +226,7 @@ impl Default for ModelOptions {
             mixed_steps: true,
             mixed_chunk_attention: None,
             mixed_step_tokens: None,
+            mixed_step_slowdown_pct: None,
             max_seq_len: None,
             block_size: 16,
             num_kv_blocks: None,
@@ -259,6 +271,12 @@ impl ModelOptions {
     /// Set `mixed_step_tokens`.
     pub fn mixed_step_tokens(mut self, tokens: Option<usize>) -> Self {
         self.mixed_step_tokens = tokens;
+        self
+    }
+
+    /// Set `mixed_step_slowdown_pct`.
+    pub fn mixed_step_slowdown_pct(mut self, percent: Option<u32>) -> Self {
+        self.mixed_step_slowdown_pct = percent;
         self
     }
 
@@ -414,6 +432,7 @@ mod tests {
         let o = ModelOptions::default()
             .max_batch_tokens(32)
             .mixed_steps(false)
+            .mixed_step_slowdown_pct(Some(175))
             .max_seq_len(256)
             .num_kv_blocks(Some(40))
             .kv_cache_bytes(1 << 20)
@@ -429,6 +448,7 @@ mod tests {
             ModelOptions {
                 max_batch_tokens: 32,
                 mixed_steps: false,
+                mixed_step_slowdown_pct: Some(175),
                 max_seq_len: Some(256),
                 num_kv_blocks: Some(40),
                 kv_cache_bytes: Some(1 << 20),

@@ -6,20 +6,24 @@
 //! not. On the dense, hybrid (Gated DeltaNet) and MoE fixtures, on the CPU backend (and, built
 //! with `--features cuda`, on the CUDA backend too). A budget of attention work per mixed
 //! chunk (`mixed_chunk_attention`) cuts the chunks late in the prompt shorter, a mixed step's
-//! token budget (`mixed_step_tokens`) every chunk, and no bit.
+//! token budget (`mixed_step_tokens`) every chunk, pacing to a step time
+//! (`mixed_step_slowdown_pct`) sizes the chunks from the steps' measured times, and none
+//! changes a bit.
 
 #![allow(clippy::unwrap_used)]
 
 mod support;
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::generate::Generation;
 use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::{SchedulerStats, SeqEvent, SeqId, SeqRequest, StepKind};
-use metrale_model_engine::{KvCacheDtype, ModelOptions, Scheduler, factory};
+use metrale_model_engine::speculative::Clock;
+use metrale_model_engine::{KvCacheDtype, ModelError, ModelOptions, Scheduler, factory};
 use metrale_testkit::Rng;
 use support::{logit_bits, params, request};
 
@@ -120,7 +124,16 @@ fn collect(events: Vec<SeqEvent>, gens: &mut HashMap<SeqId, Generation>) -> Vec<
 }
 
 /// Run the decoders until each has a token, then add the long prompt and run to the end.
-fn run(s: &mut Scheduler, (decoders, long): &(Vec<SeqRequest>, SeqRequest)) -> Run {
+fn run(s: &mut Scheduler, traffic: &(Vec<SeqRequest>, SeqRequest)) -> Run {
+    run_watched(s, traffic, |_| {})
+}
+
+/// [`run`], calling `before` with the window's steps so far before each step of the window.
+fn run_watched(
+    s: &mut Scheduler,
+    (decoders, long): &(Vec<SeqRequest>, SeqRequest),
+    mut before: impl FnMut(&[StepKind]),
+) -> Run {
     let mut gens = HashMap::new();
     let ids: Vec<SeqId> = decoders.iter().map(|r| s.add(r.clone()).unwrap()).collect();
     let mut started: Vec<SeqId> = Vec::new();
@@ -131,6 +144,7 @@ fn run(s: &mut Scheduler, (decoders, long): &(Vec<SeqRequest>, SeqRequest)) -> R
     let long_id = s.add(long.clone()).unwrap();
     let (mut window, mut missed) = (Vec::new(), 0);
     loop {
+        before(&window);
         let report = s.step().unwrap();
         window.push(report.kind);
         let got = collect(report.events, &mut gens);
@@ -371,6 +385,100 @@ fn mixed_step_budgets_cut_chunks_shorter_and_change_no_bit() {
             &format!("{name}: budget vs none"),
         );
     }
+}
+
+/// A clock the test moves: every reading advances it by half the cost of the steps to come, so
+/// a step (timed by two readings) lasts that cost.
+#[derive(Debug, Clone, Default)]
+struct StepClock(Arc<Mutex<(Duration, Duration)>>);
+
+impl StepClock {
+    fn set_step_cost(&self, ms: u64) {
+        self.0.lock().unwrap().1 = Duration::from_millis(ms) / 2;
+    }
+}
+
+impl Clock for StepClock {
+    fn now(&self) -> Duration {
+        let mut g = self.0.lock().unwrap();
+        let tick = g.1;
+        g.0 += tick;
+        g.0
+    }
+}
+
+#[test]
+fn paced_mixed_steps_size_their_chunks_from_step_times_and_change_no_bit() {
+    let name = "qwen3-tiny";
+    let mut paced = load_on(cpu, name, options(true).mixed_step_slowdown_pct(Some(150)));
+    let clock = StepClock::default();
+    clock.set_step_cost(10);
+    paced.set_mixed_step_clock(Box::new(clock.clone()));
+    let vocab = paced.runner().model().config().tokens.vocab_size as u32;
+    let t = traffic(vocab, 5);
+    // Steps cost 10 ms until two mixed steps ran, then 30 ms (mixed steps three times a plain
+    // one, where 1.5 times is allowed) for three, then 10 ms again.
+    let got = run_watched(&mut paced, &t, |window| {
+        let mixed = (window.iter())
+            .filter(|k| matches!(k, StepKind::Mixed { .. }))
+            .count();
+        clock.set_step_cost(if (2..5).contains(&mixed) { 30 } else { 10 });
+    });
+    assert_eq!(got.missed, 0, "a decoding sequence missed a step");
+    let mixed: Vec<(usize, usize)> = (got.window.iter())
+        .filter_map(|k| match *k {
+            StepKind::Mixed { seqs, rows, .. } => Some((seqs, rows)),
+            _ => None,
+        })
+        .collect();
+    // Each chunk from the last one's step time: doubling while a mixed step costs what a plain
+    // one does (up to what the token budget leaves); a quarter (at least one row) after one at
+    // three times a plain step, four times the allowed extra. The prompt's end may cut one.
+    // (The first chunk carries on from the mixed steps of the decoders' own prompts.)
+    let mut end = 0;
+    for (i, w) in mixed.windows(2).enumerate() {
+        let ((_, last), (seqs, rows)) = (w[0], w[1]);
+        let want = if (2..5).contains(&i) {
+            (last / 4).max(1)
+        } else {
+            (2 * last).min(BUDGET - seqs)
+        };
+        end += last;
+        assert!(
+            rows == want || (rows < want && end + rows == LONG_PROMPT),
+            "mixed step {}: {rows} rows after {last}, not {want}: {:?}",
+            i + 1,
+            got.window
+        );
+    }
+    assert!(mixed[4].1 < mixed[2].1 / 8, "{:?}", got.window);
+    // The first steps of the window may run plain (timing the decode width), never a chunk
+    // alone.
+    assert!(
+        (got.window.iter()).all(|k| matches!(k, StepKind::Mixed { .. } | StepKind::Decode { .. })),
+        "{:?}",
+        got.window
+    );
+    let mut free = load_on(cpu, name, options(true));
+    let unpaced = run(&mut free, &t);
+    let ids: Vec<SeqId> = [&unpaced.decoders[..], &[unpaced.long]].concat();
+    let ids: Vec<SeqId> = (ids.into_iter())
+        .chain([SeqId(unpaced.long.0 + 1)])
+        .collect();
+    assert_bitwise(&got, &unpaced.gens, &ids, &format!("{name}: paced vs not"));
+    // A mixed step cannot aim below a plain step's time: refused at load, naming the option.
+    let model = factory::load(&support::fixture(name), cpu()).unwrap();
+    let err = Scheduler::new(model, options(true).mixed_step_slowdown_pct(Some(100))).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ModelError::Options {
+                option: "mixed_step_slowdown_pct",
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 /// The same on the GPU: the CUDA kernels' rows must not depend on their step either.

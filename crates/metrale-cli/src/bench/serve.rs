@@ -212,6 +212,7 @@ pub(super) fn interference(
     o.max_batch_tokens = args.max_batch_tokens;
     o.mixed_chunk_attention = args.mixed_chunk_attention;
     o.mixed_step_tokens = args.mixed_step_tokens;
+    o.mixed_step_slowdown_pct = args.mixed_step_slowdown_pct;
     let report = bench::interference(gpu, &o)?;
     let head = serde_json::json!({
         "backend": report.backend,
@@ -221,6 +222,7 @@ pub(super) fn interference(
         "max_batch_tokens": report.max_batch_tokens,
         "mixed_chunk_attention": report.mixed_chunk_attention,
         "mixed_step_tokens": report.mixed_step_tokens,
+        "mixed_step_slowdown_pct": report.mixed_step_slowdown_pct,
     });
     print_and_write(
         args,
@@ -237,10 +239,17 @@ pub(super) fn interference(
                         "mixed_steps": r.mixed,
                         "ttft_ms": r.ttft_ms,
                         "median_gap_ms": r.median_gap_ms,
+                        "before_gap_ms": r.before_gap_ms,
                         "max_gap_ms": r.max_gap_ms,
                         "worst_ratio": r.worst_ratio,
                         "window_steps": r.window_steps,
                         "stalled_steps": r.stalled_steps,
+                        "median_window_step_ms": r.median_window_step_ms,
+                        "slowest_steps": r
+                            .slowest_steps
+                            .iter()
+                            .map(|w| serde_json::json!({"ms": w.ms, "step": w.describe()}))
+                            .collect::<Vec<_>>(),
                         "steps": r.steps,
                         "mixed_step_count": r.mixed_steps,
                     })

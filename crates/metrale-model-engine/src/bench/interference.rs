@@ -53,6 +53,8 @@ pub struct InterferenceOptions {
     pub mixed_chunk_attention: Option<usize>,
     /// The engine's `mixed_step_tokens`. Default `None`, the engine's default.
     pub mixed_step_tokens: Option<usize>,
+    /// The engine's `mixed_step_slowdown_pct`. Default `None`, the engine's default.
+    pub mixed_step_slowdown_pct: Option<u32>,
 }
 
 impl InterferenceOptions {
@@ -67,6 +69,7 @@ impl InterferenceOptions {
             max_batch_tokens: ModelOptions::default().max_batch_tokens,
             mixed_chunk_attention: None,
             mixed_step_tokens: None,
+            mixed_step_slowdown_pct: None,
         }
     }
 }
@@ -80,6 +83,9 @@ pub struct InterferenceRun {
     pub ttft_ms: f64,
     /// The median over the streams of each one's median inter-token gap, ms.
     pub median_gap_ms: f64,
+    /// The median of every stream's gaps that ended before the long prompt arrived (the streams'
+    /// own decode steps, with none prefilling beside them: a plain step's gap), ms.
+    pub before_gap_ms: f64,
     /// The largest gap of any stream while the long prompt prefilled, ms.
     pub max_gap_ms: f64,
     /// The largest ratio of a stream's largest gap while the long prompt prefilled to its own
@@ -89,10 +95,42 @@ pub struct InterferenceRun {
     pub window_steps: usize,
     /// Of those, the steps that held no row of the streams (prefill steps).
     pub stalled_steps: usize,
+    /// The slowest steps from the long prompt's arrival to its first token, slowest first (at
+    /// most [`SLOWEST_STEPS`]): where the largest gap comes from.
+    pub slowest_steps: Vec<WindowStep>,
+    /// The median wall time of those steps, ms.
+    pub median_window_step_ms: f64,
     /// Steps of the whole run, and the mixed ones among them.
     pub steps: u64,
     /// See `steps`.
     pub mixed_steps: u64,
+}
+
+/// How many of a window's slowest steps a run reports.
+pub const SLOWEST_STEPS: usize = 3;
+
+/// One step while the long prompt prefilled: what it ran and its host wall time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WindowStep {
+    /// `Scheduler::step`'s wall time, ms.
+    pub ms: f64,
+    /// What the step ran.
+    pub kind: StepKind,
+}
+
+impl WindowStep {
+    /// The step in a few words: its time, kind and rows.
+    pub fn describe(&self) -> String {
+        let what = match self.kind {
+            StepKind::Mixed {
+                seqs, start, rows, ..
+            } => format!("mixed, {seqs} decode + {rows} prompt rows from {start}"),
+            StepKind::Prefill { start, rows, .. } => format!("prefill, {rows} rows from {start}"),
+            StepKind::Decode { seqs } => format!("decode, {seqs} rows"),
+            other => format!("{other:?}"),
+        };
+        format!("{:.3} ms {what}", self.ms)
+    }
 }
 
 /// One rung: the same traffic with mixed steps on, then off.
@@ -121,6 +159,8 @@ pub struct InterferenceReport {
     pub mixed_chunk_attention: Option<usize>,
     /// See [`InterferenceOptions`].
     pub mixed_step_tokens: Option<usize>,
+    /// See [`InterferenceOptions`].
+    pub mixed_step_slowdown_pct: Option<u32>,
     /// The rungs, in the order run.
     pub points: Vec<InterferencePoint>,
 }
@@ -142,6 +182,7 @@ fn interference_scheduler(
         .max_batch_tokens(opts.max_batch_tokens)
         .mixed_chunk_attention(opts.mixed_chunk_attention)
         .mixed_step_tokens(opts.mixed_step_tokens)
+        .mixed_step_slowdown_pct(opts.mixed_step_slowdown_pct)
         .max_seq_len(Some(stream_len.max(long_len)))
         .num_kv_blocks(Some(blocks))
         .max_decode_seqs(streams + 1);
@@ -172,6 +213,7 @@ fn run_once(
     let start = Instant::now();
     let (mut long, mut arrival, mut first) = (None::<SeqId>, 0.0, None::<f64>);
     let (mut window_steps, mut stalled_steps) = (0, 0);
+    let mut window = Vec::new();
     while !sched.is_idle() {
         if long.is_none() && times.iter().all(|t| t.len() >= arrive_after) {
             let req = bench_request(long_prompt.to_vec(), 1, true);
@@ -180,9 +222,14 @@ fn run_once(
             long = Some(id);
             arrival = start.elapsed().as_secs_f64();
         }
+        let before_step = start.elapsed().as_secs_f64();
         let report = sched.step().map_err(|f| *f.error)?;
         let now = start.elapsed().as_secs_f64();
         if long.is_some() && first.is_none() {
+            window.push(WindowStep {
+                ms: (now - before_step) * 1e3,
+                kind: report.kind,
+            });
             window_steps += 1;
             stalled_steps += usize::from(matches!(report.kind, StepKind::Prefill { .. }));
         }
@@ -204,12 +251,18 @@ fn run_once(
         ModelError::Step("interference bench: the streams ended before the long prompt".into())
     })?;
     let (mut medians, mut max_gap, mut worst) = (Vec::new(), 0.0f64, 0.0f64);
+    let mut plain_gaps = Vec::new();
     for t in &times {
         let gaps: Vec<(f64, f64)> = t.windows(2).map(|w| (w[0], w[1])).collect();
         if gaps.is_empty() {
             continue;
         }
         let m = median(gaps.iter().map(|(a, b)| b - a).collect());
+        plain_gaps.extend(
+            (gaps.iter())
+                .filter(|&&(_, b)| b <= arrival)
+                .map(|(a, b)| b - a),
+        );
         // The gaps that overlap the long prompt's prefill.
         let during = (gaps.iter())
             .filter(|&&(a, b)| b > arrival && a < first)
@@ -220,6 +273,9 @@ fn run_once(
         worst = worst.max(during / m);
     }
     let after = sched.stats().steps;
+    let median_window_step_ms = median(window.iter().map(|w| w.ms).collect());
+    window.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+    window.truncate(SLOWEST_STEPS);
     Ok(InterferenceRun {
         mixed,
         ttft_ms: (first - arrival) * 1e3,
@@ -228,10 +284,17 @@ fn run_once(
         } else {
             median(medians) * 1e3
         },
+        before_gap_ms: if plain_gaps.is_empty() {
+            f64::NAN
+        } else {
+            median(plain_gaps) * 1e3
+        },
         max_gap_ms: max_gap * 1e3,
         worst_ratio: worst,
         window_steps,
         stalled_steps,
+        slowest_steps: window,
+        median_window_step_ms,
         steps: after.steps - before.steps,
         mixed_steps: after.mixed_steps - before.mixed_steps,
     })
@@ -283,6 +346,7 @@ pub fn interference(
         max_batch_tokens: opts.max_batch_tokens,
         mixed_chunk_attention: opts.mixed_chunk_attention,
         mixed_step_tokens: opts.mixed_step_tokens,
+        mixed_step_slowdown_pct: opts.mixed_step_slowdown_pct,
         points,
     })
 }
@@ -291,7 +355,7 @@ impl InterferenceReport {
     /// The human-readable table: each rung's runs with mixed steps on and off.
     pub fn table(&self) -> String {
         let mut s = format!(
-            "backend {}: interference, streams of prompt {} + output {} tokens, a prompt of {} tokens arrives; max_batch_tokens {}; mixed_chunk_attention {}; mixed_step_tokens {}\n",
+            "backend {}: interference, streams of prompt {} + output {} tokens, a prompt of {} tokens arrives; max_batch_tokens {}; mixed_chunk_attention {}; mixed_step_tokens {}; mixed_step_slowdown_pct {}\n",
             self.backend,
             self.prompt_tokens,
             self.output_tokens,
@@ -300,21 +364,38 @@ impl InterferenceReport {
             self.mixed_chunk_attention
                 .map_or_else(|| "none".to_string(), |p| p.to_string()),
             self.mixed_step_tokens
-                .map_or_else(|| "max_batch_tokens".to_string(), |t| t.to_string())
+                .map_or_else(|| "max_batch_tokens".to_string(), |t| t.to_string()),
+            self.mixed_step_slowdown_pct
+                .map_or_else(|| "none".to_string(), |t| t.to_string())
         );
-        s += "interf streams  mixed   ttft ms   median gap ms   max gap ms   worst max/median   stalled/steps\n";
+        s += "interf streams  mixed   ttft ms   median gap ms   gap before ms   max gap ms   worst max/median   max/before   stalled/steps\n";
         for p in &self.points {
             for r in &p.runs {
                 s += &format!(
-                    "       {:>6}  {:>5} {:>9.1} {:>15.3} {:>12.3} {:>18.2} {:>8}/{}\n",
+                    "       {:>6}  {:>5} {:>9.1} {:>15.3} {:>15.3} {:>12.3} {:>18.2} {:>12.2} {:>8}/{}\n",
                     p.concurrency,
                     if r.mixed { "on" } else { "off" },
                     r.ttft_ms,
                     r.median_gap_ms,
+                    r.before_gap_ms,
                     r.max_gap_ms,
                     r.worst_ratio,
+                    r.max_gap_ms / r.before_gap_ms,
                     r.stalled_steps,
                     r.window_steps
+                );
+            }
+        }
+        for p in &self.points {
+            for r in &p.runs {
+                let slowest: Vec<String> =
+                    r.slowest_steps.iter().map(WindowStep::describe).collect();
+                s += &format!(
+                    "steps while the prompt prefilled, {} streams, mixed {}: median {:.3} ms; slowest {}\n",
+                    p.concurrency,
+                    if r.mixed { "on" } else { "off" },
+                    r.median_window_step_ms,
+                    slowest.join("; ")
                 );
             }
         }
@@ -354,10 +435,24 @@ mod tests {
                 for run in &p.runs {
                     assert!(run.ttft_ms > 0.0 && run.median_gap_ms > 0.0, "{run:?}");
                     assert!(run.max_gap_ms > 0.0 && run.worst_ratio >= 1.0, "{run:?}");
+                    assert!(run.before_gap_ms > 0.0, "{run:?}");
+                    // The slowest step of the window is at most the largest gap it made.
+                    let slowest = &run.slowest_steps;
+                    assert_eq!(
+                        slowest.len(),
+                        SLOWEST_STEPS.min(run.window_steps),
+                        "{run:?}"
+                    );
+                    assert!(slowest.windows(2).all(|w| w[0].ms >= w[1].ms), "{run:?}");
+                    assert!(slowest[0].ms <= run.max_gap_ms + 1e-6, "{run:?}");
                 }
             }
             let table = r.table();
-            assert!(table.contains("worst max/median"), "{table}");
+            assert!(table.contains("max/before"), "{table}");
+            assert!(
+                table.contains("slowest") && table.contains("prompt rows from"),
+                "{table}"
+            );
         }
     }
 }

@@ -73,6 +73,16 @@ pub(crate) fn size(
     if max_seq_len == 0 {
         return Err(bad("max_seq_len", "must be positive".into()));
     }
+    if let Some(pct) = options.mixed_step_slowdown_pct
+        && pct <= 100
+    {
+        return Err(bad(
+            "mixed_step_slowdown_pct",
+            format!(
+                "{pct} %; a mixed step cannot take less than a plain decode step (more than 100)"
+            ),
+        ));
+    }
     let interval = snapshot_interval(options.block_size);
     if let Some(stride) = options.ssm_snapshot_stride
         && (stride == 0 || !stride.is_multiple_of(interval))

@@ -21,7 +21,8 @@ impl Scheduler {
     pub(super) fn decode(&mut self, events: &mut Vec<SeqEvent>) -> Result<StepKind, ModelError> {
         self.prefill_since_decode = 0;
         let start = self.spec.as_ref().map(|s| s.now());
-        let width = (self.running.iter()).filter(|s| !s.in_prefill()).count();
+        let paced_start = self.pacer.as_ref().map(|p| p.now());
+        let width = self.decoding();
         let before = events.len();
         let kind = if self.next_decode_speculates() {
             self.verify(events)?
@@ -43,6 +44,22 @@ impl Scheduler {
                 tokens,
                 start,
             );
+        }
+        // Pacing times plain steps and mixed ones, each by its decode width.
+        if let Some(start) = paced_start {
+            let (seqs, rows) = match kind {
+                StepKind::Decode { seqs } => (seqs, None),
+                StepKind::Mixed { seqs, rows, .. } => (seqs, Some(rows)),
+                _ => (0, None),
+            };
+            if let (Some(w), Some(pacer)) = (self.ladder_rung(seqs), self.pacer.as_mut())
+                && seqs > 0
+            {
+                match rows {
+                    None => pacer.plain_step(w, start),
+                    Some(rows) => pacer.mixed_step(w, rows, start),
+                }
+            }
         }
         Ok(kind)
     }
@@ -75,11 +92,22 @@ impl Scheduler {
     }
 
     /// Whether the next decode step also holds a chunk of running sequence `p`, the one in
-    /// prefill (a mixed step; see "Steps" in the module header of `scheduler`): mixing is on,
-    /// the forward computes decode rows as decode steps do, the step is not a verify step, `p`
-    /// is a request's (not a re-prefill, whose chunks sample nothing and count apart), and the
-    /// chunk's smallest piece fits the step's rows beside the decode rows.
+    /// prefill (a mixed step; see "Steps" in the module header of `scheduler`): mixing applies
+    /// ([`Scheduler::may_mix`]) and, with mixed steps paced, the step's decode width has its
+    /// plain steps timed (until then the step runs plain, and times one).
     pub(super) fn mixes(&self, p: usize) -> bool {
+        self.may_mix(p)
+            && self
+                .paced_rows(self.decoding())
+                .is_none_or(|rows| rows.is_some())
+    }
+
+    /// Whether mixing applies to running sequence `p`, the one in prefill, pacing aside: mixing
+    /// is on, the forward computes decode rows as decode steps do, the step is not a verify
+    /// step, `p` is a request's (not a re-prefill, whose chunks sample nothing and count apart),
+    /// and the chunk's smallest piece fits the step's rows beside the decode rows. Where it
+    /// applies, the prompt's chunks never run alone while others decode.
+    pub(super) fn may_mix(&self, p: usize) -> bool {
         let (o, r) = (self.runner.options(), &self.runner);
         if !o.mixed_steps
             || !r.forward_matches_decode()
@@ -88,14 +116,32 @@ impl Scheduler {
         {
             return false;
         }
-        let d = self.running.iter().filter(|s| !s.in_prefill()).count();
+        let d = self.decoding();
         d > 0 && d + self.mixed_range(p, d).len() <= r.sizes().max_rows
+    }
+
+    /// Running sequences past their prompt (a decode step's rows).
+    fn decoding(&self) -> usize {
+        self.running.iter().filter(|s| !s.in_prefill()).count()
+    }
+
+    /// With mixed steps paced, the paced chunk rows of a step of `d` decode rows (`None` while
+    /// its decode width has not been timed); `None` without pacing.
+    fn paced_rows(&self, d: usize) -> Option<Option<usize>> {
+        let pacer = self.pacer.as_ref()?;
+        Some(self.ladder_rung(d).and_then(|w| pacer.rows(w)))
+    }
+
+    /// The index on the decode ladder of the width a step of `d` decode rows pads to.
+    fn ladder_rung(&self, d: usize) -> Option<usize> {
+        let ladder = self.runner.options().decode_ladder();
+        ladder.iter().position(|&w| w >= d)
     }
 
     /// The prompt positions of running sequence `p`'s chunk in a step of `d` decode rows: the
     /// mixed step's token budget (`mixed_step_tokens`, at most the chunk budget) less the decode
-    /// rows, within `mixed_chunk_attention` of attention work, at least one row, cut where
-    /// `mixed_chunk` allows.
+    /// rows, within `mixed_chunk_attention` of attention work and the paced rows
+    /// (`mixed_step_slowdown_pct`), at least one row, cut where `mixed_chunk` allows.
     fn mixed_range(&self, p: usize, d: usize) -> Range<usize> {
         let (chunk, cuts) = (self.policy.chunk, self.policy.cuts);
         let s = &self.running[p];
@@ -104,6 +150,9 @@ impl Scheduler {
         let mut budget = step.saturating_sub(d);
         if let Some(pairs) = options.mixed_chunk_attention {
             budget = budget.min(rows_within_attention(s.computed, pairs));
+        }
+        if let Some(Some(rows)) = self.paced_rows(d) {
+            budget = budget.min(rows);
         }
         mixed_chunk(s.computed, s.prompt_len, chunk, budget, cuts)
     }

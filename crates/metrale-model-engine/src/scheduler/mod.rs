@@ -59,7 +59,9 @@
 //!   no decode rows. A mixed step with `d` decode rows holds a chunk of `max_batch_tokens - d`
 //!   rows (`mixed_step_tokens - d` where that is set and smaller; at least one; fewer where
 //!   `mixed_chunk_attention` bounds the keys its rows read,
-//!   [`crate::runner::rows_within_attention`]) cut from that one
+//!   [`crate::runner::rows_within_attention`], or `mixed_step_slowdown_pct` paces the step to
+//!   a wall time, `pace`; a paced step whose decode width has not had two plain steps timed
+//!   runs plain) cut from that one
 //!   ([`crate::runner::mixed_chunk`]): on hybrid models
 //!   it ends only where the chunk ends or at a multiple of the snapshot interval, so it runs
 //!   over the budget when the budget left is shorter than the way to the next such cut (by
@@ -115,6 +117,7 @@
 
 mod admit;
 mod decode;
+mod pace;
 mod prefix;
 mod report;
 mod reprefill;
@@ -135,6 +138,8 @@ use crate::model::Model;
 use crate::options::ModelOptions;
 use crate::runner::{ChunkCuts, StepRunner};
 use crate::sampling::{Sampler, SamplingError, fresh_seed};
+use crate::speculative::Clock;
+use pace::MixedPacer;
 
 pub use metrale_cache::SnapshotUsage;
 pub use report::{
@@ -178,6 +183,8 @@ pub struct Scheduler {
     stats: StepCounts,
     /// Speculative decoding, when the runner is built for it.
     spec: Option<Speculation>,
+    /// Mixed steps paced to a wall time, when `mixed_step_slowdown_pct` is set.
+    pacer: Option<MixedPacer>,
 }
 
 impl Scheduler {
@@ -211,6 +218,10 @@ impl Scheduler {
             eos_token_ids: runner.model().config().tokens.eos_token_ids.clone(),
         };
         let spec = Speculation::for_runner(&runner);
+        let pacer = runner
+            .options()
+            .mixed_step_slowdown_pct
+            .map(MixedPacer::new);
         Scheduler {
             runner,
             cache,
@@ -223,6 +234,15 @@ impl Scheduler {
             prefill_since_decode: 0,
             stats: StepCounts::default(),
             spec,
+            pacer,
+        }
+    }
+
+    /// Read the time that paces mixed steps (`mixed_step_slowdown_pct`) from `clock` (tests
+    /// inject one); without pacing, nothing reads it.
+    pub fn set_mixed_step_clock(&mut self, clock: Box<dyn Clock>) {
+        if let Some(p) = &mut self.pacer {
+            p.set_clock(clock);
         }
     }
 
@@ -407,7 +427,7 @@ impl Scheduler {
         let kind = match prefill {
             Some(i)
                 if !decoders
-                    || (!self.mixes(i)
+                    || (!self.may_mix(i)
                         && self.prefill_since_decode
                             + self.running[i].next_chunk(chunk, cuts).len()
                             <= chunk) =>
