@@ -15,17 +15,16 @@
 mod support;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::generate::Generation;
 use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::{SchedulerStats, SeqEvent, SeqId, SeqRequest, StepKind};
-use metrale_model_engine::speculative::Clock;
 use metrale_model_engine::{KvCacheDtype, ModelError, ModelOptions, Scheduler, factory};
 use metrale_testkit::Rng;
-use support::{logit_bits, params, request};
+use support::{StepClock, logit_bits, params, request};
 
 /// Where the model runs.
 type Backend = fn() -> Arc<dyn GpuBackend>;
@@ -387,32 +386,12 @@ fn mixed_step_budgets_cut_chunks_shorter_and_change_no_bit() {
     }
 }
 
-/// A clock the test moves: every reading advances it by half the cost of the steps to come, so
-/// a step (timed by two readings) lasts that cost.
-#[derive(Debug, Clone, Default)]
-struct StepClock(Arc<Mutex<(Duration, Duration)>>);
-
-impl StepClock {
-    fn set_step_cost(&self, ms: u64) {
-        self.0.lock().unwrap().1 = Duration::from_millis(ms) / 2;
-    }
-}
-
-impl Clock for StepClock {
-    fn now(&self) -> Duration {
-        let mut g = self.0.lock().unwrap();
-        let tick = g.1;
-        g.0 += tick;
-        g.0
-    }
-}
-
 #[test]
 fn paced_mixed_steps_size_their_chunks_from_step_times_and_change_no_bit() {
     let name = "qwen3-tiny";
     let mut paced = load_on(cpu, name, options(true).mixed_step_slowdown_pct(Some(150)));
     let clock = StepClock::default();
-    clock.set_step_cost(10);
+    clock.set_step_cost(Duration::from_millis(10));
     paced.set_mixed_step_clock(Box::new(clock.clone()));
     let vocab = paced.runner().model().config().tokens.vocab_size as u32;
     let t = traffic(vocab, 5);
@@ -422,7 +401,11 @@ fn paced_mixed_steps_size_their_chunks_from_step_times_and_change_no_bit() {
         let mixed = (window.iter())
             .filter(|k| matches!(k, StepKind::Mixed { .. }))
             .count();
-        clock.set_step_cost(if (2..5).contains(&mixed) { 30 } else { 10 });
+        clock.set_step_cost(Duration::from_millis(if (2..5).contains(&mixed) {
+            30
+        } else {
+            10
+        }));
     });
     assert_eq!(got.missed, 0, "a decoding sequence missed a step");
     let mixed: Vec<(usize, usize)> = (got.window.iter())

@@ -21,7 +21,7 @@ use metrale_model_engine::options::{ModelOptions, Speculative};
 use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::{SeqEvent, SeqRequest, StepKind};
 use metrale_model_engine::speculative::{
-    CheckedDraft, Clock, DraftInput, Drafter, GateOptions, MtpDrafter, OracleDrafter,
+    CheckedDraft, DraftInput, Drafter, GateOptions, MtpDrafter, OracleDrafter,
 };
 use metrale_model_engine::{ModelError, Scheduler, StepRunner};
 use support::*;

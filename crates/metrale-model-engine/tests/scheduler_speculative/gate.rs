@@ -6,31 +6,11 @@
 
 use super::*;
 
-/// A clock the test moves: every reading advances it by half the cost of the step to come, so
-/// a step (two readings) lasts that cost.
-#[derive(Debug, Clone, Default)]
-struct TestClock(Arc<Mutex<(Duration, Duration)>>);
-
-impl TestClock {
-    fn set_step_cost(&self, cost: Duration) {
-        self.0.lock().unwrap().1 = cost / 2;
-    }
-}
-
-impl Clock for TestClock {
-    fn now(&self) -> Duration {
-        let mut g = self.0.lock().unwrap();
-        let tick = g.1;
-        g.0 += tick;
-        g.0
-    }
-}
-
 /// A gate of `opts`, reading time from the returned clock.
-fn gated(s: &mut Scheduler, opts: GateOptions) -> TestClock {
+fn gated(s: &mut Scheduler, opts: GateOptions) -> StepClock {
     let spec = s.speculation().unwrap();
     spec.set_gate(opts);
-    let clock = TestClock::default();
+    let clock = StepClock::default();
     spec.set_clock(Box::new(clock.clone()));
     clock
 }
@@ -39,7 +19,7 @@ fn gated(s: &mut Scheduler, opts: GateOptions) -> TestClock {
 /// a margin of 5 %), reading time from the returned clock. It decides on step times alone (no
 /// checks of the acceptance): these tests make a verify step cheaper than a plain one, which the
 /// acceptance rule rightly takes for impossible.
-fn quick_gate(s: &mut Scheduler) -> TestClock {
+fn quick_gate(s: &mut Scheduler) -> StepClock {
     gated(
         s,
         GateOptions::default()

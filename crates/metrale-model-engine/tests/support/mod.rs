@@ -6,13 +6,37 @@
 pub mod cache;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use metrale_gpu_runtime::CpuBackend;
 use metrale_model_engine::generate::{GenerateParams, Generation, SeqRequest, generate};
 use metrale_model_engine::sampling::SamplingParams;
+use metrale_model_engine::speculative::Clock;
 use metrale_model_engine::{CacheManager, ModelOptions, Scheduler, StepRunner, factory};
 use metrale_testkit::Rng;
+
+/// A clock a test moves, for the scheduler's timed decisions (the speculation gate, paced
+/// mixed steps): every reading advances it by half the cost of the steps to come, so a step
+/// (timed by two readings) lasts that cost.
+#[derive(Debug, Clone, Default)]
+pub struct StepClock(Arc<Mutex<(Duration, Duration)>>);
+
+impl StepClock {
+    /// Steps from now on last `cost`.
+    pub fn set_step_cost(&self, cost: Duration) {
+        self.0.lock().unwrap().1 = cost / 2;
+    }
+}
+
+impl Clock for StepClock {
+    fn now(&self) -> Duration {
+        let mut g = self.0.lock().unwrap();
+        let tick = g.1;
+        g.0 += tick;
+        g.0
+    }
+}
 
 /// A step runner and its cache, driven by hand (no scheduler).
 pub struct Rig {
