@@ -145,7 +145,7 @@ fn the_interference_scenario_prints_and_writes_both_runs() {
         for field in [
             "ttft_ms",
             "median_gap_ms",
-            "before_gap_ms",
+            "plain_step_ms",
             "max_gap_ms",
             "worst_ratio",
             "median_window_step_ms",

@@ -239,7 +239,7 @@ pub(super) fn interference(
                         "mixed_steps": r.mixed,
                         "ttft_ms": r.ttft_ms,
                         "median_gap_ms": r.median_gap_ms,
-                        "before_gap_ms": r.before_gap_ms,
+                        "plain_step_ms": r.plain_step_ms,
                         "max_gap_ms": r.max_gap_ms,
                         "worst_ratio": r.worst_ratio,
                         "window_steps": r.window_steps,

@@ -83,9 +83,9 @@ pub struct InterferenceRun {
     pub ttft_ms: f64,
     /// The median over the streams of each one's median inter-token gap, ms.
     pub median_gap_ms: f64,
-    /// The median of every stream's gaps that ended before the long prompt arrived (the streams'
-    /// own decode steps, with none prefilling beside them: a plain step's gap), ms.
-    pub before_gap_ms: f64,
+    /// The median wall time of the run's plain decode steps of every stream (no prompt beside
+    /// them): what a stream's gap is when nothing prefills, ms.
+    pub plain_step_ms: f64,
     /// The largest gap of any stream while the long prompt prefilled, ms.
     pub max_gap_ms: f64,
     /// The largest ratio of a stream's largest gap while the long prompt prefilled to its own
@@ -213,7 +213,7 @@ fn run_once(
     let start = Instant::now();
     let (mut long, mut arrival, mut first) = (None::<SeqId>, 0.0, None::<f64>);
     let (mut window_steps, mut stalled_steps) = (0, 0);
-    let mut window = Vec::new();
+    let (mut window, mut plain) = (Vec::new(), Vec::new());
     while !sched.is_idle() {
         if long.is_none() && times.iter().all(|t| t.len() >= arrive_after) {
             let req = bench_request(long_prompt.to_vec(), 1, true);
@@ -225,6 +225,13 @@ fn run_once(
         let before_step = start.elapsed().as_secs_f64();
         let report = sched.step().map_err(|f| *f.error)?;
         let now = start.elapsed().as_secs_f64();
+        if report.kind
+            == (StepKind::Decode {
+                seqs: prompts.len(),
+            })
+        {
+            plain.push((now - before_step) * 1e3);
+        }
         if long.is_some() && first.is_none() {
             window.push(WindowStep {
                 ms: (now - before_step) * 1e3,
@@ -251,18 +258,12 @@ fn run_once(
         ModelError::Step("interference bench: the streams ended before the long prompt".into())
     })?;
     let (mut medians, mut max_gap, mut worst) = (Vec::new(), 0.0f64, 0.0f64);
-    let mut plain_gaps = Vec::new();
     for t in &times {
         let gaps: Vec<(f64, f64)> = t.windows(2).map(|w| (w[0], w[1])).collect();
         if gaps.is_empty() {
             continue;
         }
         let m = median(gaps.iter().map(|(a, b)| b - a).collect());
-        plain_gaps.extend(
-            (gaps.iter())
-                .filter(|&&(_, b)| b <= arrival)
-                .map(|(a, b)| b - a),
-        );
         // The gaps that overlap the long prompt's prefill.
         let during = (gaps.iter())
             .filter(|&&(a, b)| b > arrival && a < first)
@@ -284,10 +285,10 @@ fn run_once(
         } else {
             median(medians) * 1e3
         },
-        before_gap_ms: if plain_gaps.is_empty() {
+        plain_step_ms: if plain.is_empty() {
             f64::NAN
         } else {
-            median(plain_gaps) * 1e3
+            median(plain)
         },
         max_gap_ms: max_gap * 1e3,
         worst_ratio: worst,
@@ -368,7 +369,7 @@ impl InterferenceReport {
             self.mixed_step_slowdown_pct
                 .map_or_else(|| "none".to_string(), |t| t.to_string())
         );
-        s += "interf streams  mixed   ttft ms   median gap ms   gap before ms   max gap ms   worst max/median   max/before   stalled/steps\n";
+        s += "interf streams  mixed   ttft ms   median gap ms   plain step ms   max gap ms   worst max/median   max/plain   stalled/steps\n";
         for p in &self.points {
             for r in &p.runs {
                 s += &format!(
@@ -377,10 +378,10 @@ impl InterferenceReport {
                     if r.mixed { "on" } else { "off" },
                     r.ttft_ms,
                     r.median_gap_ms,
-                    r.before_gap_ms,
+                    r.plain_step_ms,
                     r.max_gap_ms,
                     r.worst_ratio,
-                    r.max_gap_ms / r.before_gap_ms,
+                    r.max_gap_ms / r.plain_step_ms,
                     r.stalled_steps,
                     r.window_steps
                 );
@@ -435,7 +436,7 @@ mod tests {
                 for run in &p.runs {
                     assert!(run.ttft_ms > 0.0 && run.median_gap_ms > 0.0, "{run:?}");
                     assert!(run.max_gap_ms > 0.0 && run.worst_ratio >= 1.0, "{run:?}");
-                    assert!(run.before_gap_ms > 0.0, "{run:?}");
+                    assert!(run.plain_step_ms > 0.0, "{run:?}");
                     // The slowest step of the window is at most the largest gap it made.
                     let slowest = &run.slowest_steps;
                     assert_eq!(
@@ -448,7 +449,7 @@ mod tests {
                 }
             }
             let table = r.table();
-            assert!(table.contains("max/before"), "{table}");
+            assert!(table.contains("max/plain"), "{table}");
             assert!(
                 table.contains("slowest") && table.contains("prompt rows from"),
                 "{table}"
