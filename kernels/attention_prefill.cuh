@@ -585,6 +585,8 @@ __device__ __noinline__ void atp_run_split(const AttLaunch a, unsigned char* dyn
                 x[(DH / 2 + 2 + r) * ATP_THREADS] = ch.l[r];
             }
         }
+        // The exchange is whole before group 0 reads it; then the chains' bad flags are reduced.
+        __syncthreads();
         bad = __syncthreads_or(bad) != 0;
         if (w == 0) {
             // The split's total: chains 0 .. ATT_WARPS - 1 folded in order into an empty state,
