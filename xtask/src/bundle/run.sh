@@ -259,18 +259,25 @@ if [ -x "$BIN_ROOT/bin/metrale" ] && [ "${SERVE_BENCH:-1}" != 0 ]; then
   record "bench --serve --speculative" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
 fi
 
-# The interference scenario on Qwen3-8B (INTERF_BENCH=0 skips it): 64 streams decode when a
-# prompt of 16,384 tokens arrives, mixed steps on and off, the mixed chunks unbounded and
-# bounded by budgets of attention work (query-row by key pairs).
+# The interference scenario (INTERF_BENCH=0 skips it): 64 streams decode when a prompt of
+# 16,384 tokens arrives, mixed steps on and off; on Qwen3-8B the mixed chunks unbounded, bounded
+# by budgets of attention work (query-row by key pairs) and paced to 175 % of a plain decode
+# step, on Qwen3.5-9B paced. The streams decode 1,536 tokens, so they outlast the prompt.
 if [ -x "$BIN_ROOT/bin/metrale" ] && [ "${INTERF_BENCH:-1}" != 0 ]; then
-  for pairs in none 500000 1000000 2000000; do
-    log="$LOGDIR/interference-qwen3-8b-$pairs.log"
-    budget=(); [ "$pairs" = none ] || budget=(--mixed-chunk-attention "$pairs")
+  for run in qwen3-8b:none qwen3-8b:500000 qwen3-8b:1000000 qwen3-8b:2000000 \
+    qwen3-8b:paced175 qwen3.5-9b:paced175; do
+    shape="${run%%:*}"; chunks="${run#*:}"
+    log="$LOGDIR/interference-$shape-$chunks.log"
+    case "$chunks" in
+      none) budget=() ;;
+      paced*) budget=(--mixed-step-slowdown-pct "${chunks#paced}") ;;
+      *) budget=(--mixed-chunk-attention "$chunks") ;;
+    esac
     start="$(now)"
-    timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --serve --shape qwen3-8b \
-      --backend cuda --concurrency 64 --interference-prompt-tokens 16384 "${budget[@]}" \
-      --json-out "$LOGDIR/interference-qwen3-8b-$pairs.json" > "$log" 2>&1
-    record "interference $pairs" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
+    timeout "${BENCH_TIMEOUT:-400}" "$BIN_ROOT/bin/metrale" bench --serve --shape "$shape" \
+      --backend cuda --concurrency 64 --interference-prompt-tokens 16384 --output-tokens 1536 \
+      "${budget[@]}" --json-out "$LOGDIR/interference-$shape-$chunks.json" > "$log" 2>&1
+    record "interference $shape $chunks" "$(status_of $?)" 0 0 "$(elapsed "$start")" "$log"
   done
 fi
 

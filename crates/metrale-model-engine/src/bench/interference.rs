@@ -109,7 +109,9 @@ pub struct InterferenceRun {
 /// How many of a window's slowest steps a run reports.
 pub const SLOWEST_STEPS: usize = 3;
 
-/// One step while the long prompt prefilled: what it ran and its host wall time.
+/// One step while the long prompt prefilled: what it ran and its host wall time. A prefill
+/// chunk that does not end its prompt samples nothing, so its step returns before the GPU has
+/// run it, and the next step that waits for the GPU (one that samples) carries its time.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WindowStep {
     /// `Scheduler::step`'s wall time, ms.
