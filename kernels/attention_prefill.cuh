@@ -62,14 +62,16 @@ MT_DEVICE uint32_t atp_shared_bytes(uint32_t dp) {
            ATP_FOLD * ATP_THREADS * 4u;
 }
 
+// One ring of atp_shared_bytes: atp_stages(dp) units of 16 keys and 16 values.
+MT_DEVICE uint32_t atp_ring_bytes(uint32_t dp) { return atp_stages(dp) * 2u * ATT_UNIT * (dp + 8u) * 2u; }
+
 // A split kernel's block: ATT_WARPS chain groups of ATP_WARPS warps, and its dynamic shared
 // memory: a ring a group, then the queries and the split's folded numerators as in
 // atp_shared_bytes (one block a multiprocessor). The chains' exchange reuses the rings.
 #define ATPS_THREADS (ATP_THREADS * ATT_WARPS)
 
 MT_DEVICE uint32_t atp_split_shared_bytes(uint32_t dp) {
-    return ATT_WARPS * atp_stages(dp) * 2u * ATT_UNIT * (dp + 8u) * 2u + atp_vrows(dp) * (dp + 8u) * 2u +
-           ATP_FOLD * ATP_THREADS * 4u;
+    return atp_shared_bytes(dp) + (ATT_WARPS - 1u) * atp_ring_bytes(dp);
 }
 
 struct AtpShared {

@@ -227,16 +227,17 @@ fn run_once(
         let before_step = start.elapsed().as_secs_f64();
         let report = sched.step().map_err(|f| *f.error)?;
         let now = start.elapsed().as_secs_f64();
+        let step_ms = (now - before_step) * 1e3;
         if report.kind
             == (StepKind::Decode {
                 seqs: prompts.len(),
             })
         {
-            plain.push((now - before_step) * 1e3);
+            plain.push(step_ms);
         }
         if long.is_some() && first.is_none() {
             window.push(WindowStep {
-                ms: (now - before_step) * 1e3,
+                ms: step_ms,
                 kind: report.kind,
             });
             window_steps += 1;

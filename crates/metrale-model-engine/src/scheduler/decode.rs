@@ -45,20 +45,19 @@ impl Scheduler {
                 start,
             );
         }
-        // Pacing times plain steps and mixed ones, each by its decode width.
-        if let Some(start) = paced_start {
-            let (seqs, rows) = match kind {
-                StepKind::Decode { seqs } => (seqs, None),
-                StepKind::Mixed { seqs, rows, .. } => (seqs, Some(rows)),
-                _ => (0, None),
-            };
-            if let (Some(w), Some(pacer)) = (self.ladder_rung(seqs), self.pacer.as_mut())
-                && seqs > 0
-            {
-                match rows {
-                    None => pacer.plain_step(w, start),
-                    Some(rows) => pacer.mixed_step(w, rows, start),
-                }
+        // Pacing times plain steps and mixed ones, each by its padded decode width.
+        let timed = match kind {
+            StepKind::Decode { seqs } => Some((seqs, None)),
+            StepKind::Mixed { seqs, rows, .. } => Some((seqs, Some(rows))),
+            _ => None,
+        };
+        if let (Some(start), Some((seqs, rows))) = (paced_start, timed)
+            && let Some(w) = self.runner.options().decode_width(seqs)
+            && let Some(pacer) = self.pacer.as_mut()
+        {
+            match rows {
+                None => pacer.plain_step(w, start),
+                Some(rows) => pacer.mixed_step(w, rows, start),
             }
         }
         Ok(kind)
@@ -96,10 +95,7 @@ impl Scheduler {
     /// ([`Scheduler::may_mix`]) and, with mixed steps paced, the step's decode width has its
     /// plain steps timed (until then the step runs plain, and times one).
     pub(super) fn mixes(&self, p: usize) -> bool {
-        self.may_mix(p)
-            && self
-                .paced_rows(self.decoding())
-                .is_none_or(|rows| rows.is_some())
+        self.may_mix(p) && !self.pace_waits(self.decoding())
     }
 
     /// Whether mixing applies to running sequence `p`, the one in prefill, pacing aside: mixing
@@ -125,17 +121,17 @@ impl Scheduler {
         self.running.iter().filter(|s| !s.in_prefill()).count()
     }
 
-    /// With mixed steps paced, the paced chunk rows of a step of `d` decode rows (`None` while
-    /// its decode width has not been timed); `None` without pacing.
-    fn paced_rows(&self, d: usize) -> Option<Option<usize>> {
-        let pacer = self.pacer.as_ref()?;
-        Some(self.ladder_rung(d).and_then(|w| pacer.rows(w)))
+    /// With mixed steps paced, the paced chunk rows of a step of `d` decode rows; `None`
+    /// without pacing, or while its padded decode width has not been timed.
+    fn paced_rows(&self, d: usize) -> Option<usize> {
+        let width = self.runner.options().decode_width(d)?;
+        self.pacer.as_ref()?.rows(width)
     }
 
-    /// The index on the decode ladder of the width a step of `d` decode rows pads to.
-    fn ladder_rung(&self, d: usize) -> Option<usize> {
-        let ladder = self.runner.options().decode_ladder();
-        ladder.iter().position(|&w| w >= d)
+    /// Whether mixed steps are paced and a step of `d` decode rows must run plain first, its
+    /// padded width not yet timed.
+    fn pace_waits(&self, d: usize) -> bool {
+        self.pacer.is_some() && self.paced_rows(d).is_none()
     }
 
     /// The prompt positions of running sequence `p`'s chunk in a step of `d` decode rows: the
@@ -151,7 +147,7 @@ impl Scheduler {
         if let Some(pairs) = options.mixed_chunk_attention {
             budget = budget.min(rows_within_attention(s.computed, pairs));
         }
-        if let Some(Some(rows)) = self.paced_rows(d) {
+        if let Some(rows) = self.paced_rows(d) {
             budget = budget.min(rows);
         }
         mixed_chunk(s.computed, s.prompt_len, chunk, budget, cuts)

@@ -21,17 +21,17 @@
 //! changes only how many steps a prompt takes. The paced rows carry over from one prompt to
 //! the next: a prompt resumed deep into a cached prefix may overrun its first step.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use crate::speculative::{Clock, WallClock};
 
 /// Rows of the first paced chunk, before any mixed step was timed.
-pub(super) const FIRST_ROWS: usize = 16;
+const FIRST_ROWS: usize = 16;
 
 /// Plain decode steps a width needs timed before a mixed step of that width is paced: the
 /// first step of a width also captures its graph.
-pub(super) const PLAIN_SAMPLES: usize = 2;
+const PLAIN_SAMPLES: usize = 2;
 
 /// Plain decode step times kept per width; the shortest of them is the width's cost.
 const PLAIN_WINDOW: usize = 8;
@@ -45,8 +45,8 @@ pub(super) struct MixedPacer {
     /// A mixed step's target time, in percent of a plain step's of the same width.
     percent: u32,
     clock: Box<dyn Clock>,
-    /// Per padded width (index), the last plain decode steps' times, oldest first.
-    plain: Vec<VecDeque<Duration>>,
+    /// Per padded decode width, the last plain decode steps' times, oldest first.
+    plain: HashMap<usize, VecDeque<Duration>>,
     /// The next paced chunk's rows.
     rows: usize,
 }
@@ -57,7 +57,7 @@ impl MixedPacer {
         MixedPacer {
             percent,
             clock: Box::new(WallClock::default()),
-            plain: Vec::new(),
+            plain: HashMap::new(),
             rows: FIRST_ROWS,
         }
     }
@@ -72,14 +72,10 @@ impl MixedPacer {
         self.clock.now()
     }
 
-    /// A plain decode step of padded width `width` (its index on the ladder) that started at
-    /// `start` just ended.
+    /// A plain decode step of padded width `width` that started at `start` just ended.
     pub(super) fn plain_step(&mut self, width: usize, start: Duration) {
         let took = self.clock.now().saturating_sub(start);
-        if self.plain.len() <= width {
-            self.plain.resize_with(width + 1, VecDeque::new);
-        }
-        let times = &mut self.plain[width];
+        let times = self.plain.entry(width).or_default();
         if times.len() == PLAIN_WINDOW {
             times.pop_front();
         }
@@ -88,7 +84,7 @@ impl MixedPacer {
 
     /// A plain decode step's cost at padded width `width`, once it has been timed enough.
     fn plain_cost(&self, width: usize) -> Option<Duration> {
-        let times = self.plain.get(width)?;
+        let times = self.plain.get(&width)?;
         (times.len() >= PLAIN_SAMPLES).then(|| times.iter().copied().min())?
     }
 
@@ -232,7 +228,7 @@ mod tests {
         // The chunks shrink as the rows' attention grows.
         let (early, late) = (steps[4].0, steps[steps.len() - 2].0);
         assert!(early > late + late / 2, "{early} then {late} rows");
-        // A prompt whose rows cost nothing past a fixed part: chunks double to the budget.
+        // A prompt whose rows cost nothing past a fixed part: the chunks double step by step.
         let (mut p, clock) = paced(200, 7.0);
         let steps = prefill(&mut p, &clock, 2_000, |_, _| 8.0);
         let rows: Vec<usize> = steps.iter().map(|s| s.0).take(4).collect();
