@@ -108,6 +108,14 @@ struct Run {
     stats: SchedulerStats,
 }
 
+impl Run {
+    /// Every request's generation ids in order: the decoders', then the long prompt's two
+    /// choices.
+    fn ids(&self) -> Vec<SeqId> {
+        [&self.decoders[..], &[self.long, SeqId(self.long.0 + 1)]].concat()
+    }
+}
+
 /// The sequences that got a token in `events`; finished generations go into `gens`.
 fn collect(events: Vec<SeqEvent>, gens: &mut HashMap<SeqId, Generation>) -> Vec<SeqId> {
     let mut got = Vec::new();
@@ -175,11 +183,7 @@ fn run_watched(
 /// The generations of `a` and `b` are bitwise the same, request by request (`what` names the
 /// comparison).
 fn assert_bitwise(a: &Run, b: &HashMap<SeqId, Generation>, ids: &[SeqId], what: &str) {
-    for (&x, &y) in [&a.decoders[..], &[a.long, SeqId(a.long.0 + 1)]]
-        .concat()
-        .iter()
-        .zip(ids)
-    {
+    for (&x, &y) in a.ids().iter().zip(ids) {
         let (g, h) = (&a.gens[&x], &b[&y]);
         assert_eq!(g.token_ids, h.token_ids, "{what}: {x} tokens");
         assert_eq!(g.finish_reason, h.finish_reason, "{what}: {x}");
@@ -237,15 +241,10 @@ fn a_long_prompt_never_stalls_the_decoding_sequences(backend: Backend, name: &st
         alternating.missed > 0,
         "{name}: the alternation never stalls"
     );
-    let ids: Vec<SeqId> = [&alternating.decoders[..], &[alternating.long]].concat();
-    let ids: Vec<SeqId> = ids
-        .into_iter()
-        .chain([SeqId(alternating.long.0 + 1)])
-        .collect();
     assert_bitwise(
         &mixed,
         &alternating.gens,
-        &ids,
+        &alternating.ids(),
         &format!("{name}: on vs off"),
     );
     // Each request alone.
@@ -373,14 +372,10 @@ fn mixed_step_budgets_cut_chunks_shorter_and_change_no_bit() {
             got.window.len(),
             unbudgeted.window.len()
         );
-        let ids: Vec<SeqId> = [&unbudgeted.decoders[..], &[unbudgeted.long]].concat();
-        let ids: Vec<SeqId> = (ids.into_iter())
-            .chain([SeqId(unbudgeted.long.0 + 1)])
-            .collect();
         assert_bitwise(
             &got,
             &unbudgeted.gens,
-            &ids,
+            &unbudgeted.ids(),
             &format!("{name}: budget vs none"),
         );
     }
@@ -444,11 +439,12 @@ fn paced_mixed_steps_size_their_chunks_from_step_times_and_change_no_bit() {
     );
     let mut free = load_on(cpu, name, options(true));
     let unpaced = run(&mut free, &t);
-    let ids: Vec<SeqId> = [&unpaced.decoders[..], &[unpaced.long]].concat();
-    let ids: Vec<SeqId> = (ids.into_iter())
-        .chain([SeqId(unpaced.long.0 + 1)])
-        .collect();
-    assert_bitwise(&got, &unpaced.gens, &ids, &format!("{name}: paced vs not"));
+    assert_bitwise(
+        &got,
+        &unpaced.gens,
+        &unpaced.ids(),
+        &format!("{name}: paced vs not"),
+    );
     // A mixed step cannot aim below a plain step's time: refused at load, naming the option.
     let model = factory::load(&support::fixture(name), cpu()).unwrap();
     let err = Scheduler::new(model, options(true).mixed_step_slowdown_pct(Some(100))).unwrap_err();

@@ -214,7 +214,6 @@ fn run_once(
     let arrive_after = (output_tokens / 4).max(1);
     let start = Instant::now();
     let (mut long, mut arrival, mut first) = (None::<SeqId>, 0.0, None::<f64>);
-    let (mut window_steps, mut stalled_steps) = (0, 0);
     let (mut window, mut plain) = (Vec::new(), Vec::new());
     while !sched.is_idle() {
         if long.is_none() && times.iter().all(|t| t.len() >= arrive_after) {
@@ -240,8 +239,6 @@ fn run_once(
                 ms: step_ms,
                 kind: report.kind,
             });
-            window_steps += 1;
-            stalled_steps += usize::from(matches!(report.kind, StepKind::Prefill { .. }));
         }
         for e in report.events {
             if let SeqEvent::Token { id, .. } = e {
@@ -277,6 +274,10 @@ fn run_once(
         worst = worst.max(during / m);
     }
     let after = sched.stats().steps;
+    let window_steps = window.len();
+    let stalled_steps = (window.iter())
+        .filter(|w| matches!(w.kind, StepKind::Prefill { .. }))
+        .count();
     let median_window_step_ms = median(window.iter().map(|w| w.ms).collect());
     window.sort_by(|a, b| b.ms.total_cmp(&a.ms));
     window.truncate(SLOWEST_STEPS);
