@@ -262,7 +262,8 @@ fi
 # The interference scenario (INTERF_BENCH=0 skips it): 64 streams decode when a prompt of
 # 16,384 tokens arrives, mixed steps on and off; on Qwen3-8B the mixed chunks unbounded, bounded
 # by budgets of attention work (query-row by key pairs) and paced to 175 % of a plain decode
-# step, on Qwen3.5-9B paced. The streams decode 1,536 tokens, so they outlast the prompt.
+# step, on Qwen3.5-9B paced. The streams decode 1,536 tokens (on Qwen3-8B paced at 175 % the
+# prompt still outlasts them, and its TTFT then counts steps of its chunks alone).
 if [ -x "$BIN_ROOT/bin/metrale" ] && [ "${INTERF_BENCH:-1}" != 0 ]; then
   for run in qwen3-8b:none qwen3-8b:500000 qwen3-8b:1000000 qwen3-8b:2000000 \
     qwen3-8b:paced175 qwen3.5-9b:paced175; do
