@@ -50,6 +50,11 @@
 // is split: a block arrives once it has combined item k and waits only after its units of item
 // k + 1, then reads item k's partials from the cluster and writes its share of the outputs (the
 // combine buffers alternate by item parity), so blocks do not idle at the barrier.
+// The usual layout (bf16 pools, 16-byte chunks, units inside power-of-two blocks: att_plain) runs
+// bodies compiled for it alone: no branches for the other layouts around the copies and table
+// reads, and a unit's keys and values are copied as two commit groups, a stage's keys refilled
+// as soon as its unit's scores are in (the copies' instructions fill the softmax's waits). Which
+// path runs changes no result.
 //
 // `paged_attention_flat` (below) computes the same items without the cluster: a block takes
 // whole items, its splits one after another, for steps with an item for every block.
@@ -93,7 +98,7 @@ struct AttCursor {
 
 // Not inlined: each head_dim gets its own register allocation (inlined into one body, the four
 // shared one and the 256-wide path spilled).
-template <int DP, bool FP8>
+template <int DP, bool FP8, bool PLAIN>
 __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttShared& sh) {
     using L = AttWarpLayout<DP>;
     const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -110,19 +115,25 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
             f.i = 0;
             if (f.k < a.nk) f.it = att_item(sh.item, f.k, warp);
         }
-        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.it.first + f.i, f.it.ctx, lane);
+        if (f.k < a.nk) f.entry = att_entry<PLAIN>(a, f.it.seq, f.it.first + f.i, f.it.ctx, lane);
     };
     uint32_t bad_bits = 0;
-    auto issue_next = [&](uint32_t st) {
-        if (f.k < a.nk) {
+    // `parts`: the unit's keys (ATT_K: the cursor stays), values (ATT_V) or both (ATT_KV).
+    auto issue_next = [&](uint32_t st, uint32_t parts) {
+        if (parts == ATT_K) {
+            // Without a branch, so the copies can be scheduled among the softmax's instructions
+            // (predicated off past the warp's last unit).
+            att_issue_stage<DP, FP8, PLAIN>(a, f.it, f.it.first + f.i, f.entry, buf.ring, st, lane, bad_bits, parts,
+                                            f.k < a.nk);
+        } else if (f.k < a.nk) {
             if (f.i == 0) att_issue_queries<DP>(a, f.it, buf.qslots + (f.qn++ % ATT_QSLOTS) * L::QSLOT, lane);
-            att_issue_stage<DP, FP8>(a, f.it, f.it.first + f.i, f.entry, buf.ring, st, lane, bad_bits);
+            att_issue_stage<DP, FP8, PLAIN>(a, f.it, f.it.first + f.i, f.entry, buf.ring, st, lane, bad_bits, parts);
             ++f.i;
             settle();
         }
         cp_async_commit();
     };
-    att_stream_start(settle, issue_next);
+    att_stream_start<PLAIN>(settle, issue_next);
 
     // Per item: the warps' units, then (once every block has arrived for the item before) the
     // cluster's combine and output of the item before, then the block's combine of this item
@@ -138,8 +149,8 @@ __device__ __noinline__ void att_run(const AttLaunch a, unsigned char* dyn, AttS
         if (it.mine > 0) ++qused;
         float o[DP / 16][4], m[2], l[2];
         const bool bad =
-            att_warp_units<DP, FP8>(a, buf.ring, qslot, it.first, it.mine, it.ctx, bad_bits, consumed, lane, o, m, l,
-                                    sh.kv2, issue_next);
+            att_warp_units<DP, FP8, PLAIN>(a, buf.ring, qslot, it.first, it.mine, it.ctx, bad_bits, consumed, lane, o,
+                                           m, l, sh.kv2, issue_next);
         const uint32_t p = k & 1;
         if (k > 0) {
             // Every block has combined item k - 1, and so has read all of item k - 2 (whose
@@ -214,9 +225,11 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
 
     att_by_dim(dp, [&](auto dim) {
         if (kv_fp8 != 0)
-            att_run<decltype(dim)::value, true>(a, att_dyn, sh);
+            att_run<decltype(dim)::value, true, false>(a, att_dyn, sh);
+        else if (att_plain(a))
+            att_run<decltype(dim)::value, false, true>(a, att_dyn, sh);
         else
-            att_run<decltype(dim)::value, false>(a, att_dyn, sh);
+            att_run<decltype(dim)::value, false, false>(a, att_dyn, sh);
     });
 }
 
@@ -277,7 +290,7 @@ struct AtfCursor {
     AtfItemRec it;
 };
 
-template <int DP, bool FP8>
+template <int DP, bool FP8, bool PLAIN>
 __device__ __noinline__ void atf_run(const AttLaunch a, unsigned char* dyn, AtfShared& sh) {
     using L = AttWarpLayout<DP>;
     const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -304,28 +317,31 @@ __device__ __noinline__ void atf_run(const AttLaunch a, unsigned char* dyn, AtfS
             }
             if (f.k < a.nk) att_units(f.it.ctx, f.s, warp, f.first, f.mine);
         }
-        if (f.k < a.nk) f.entry = att_entry(a, f.it.seq, f.first + f.i, f.it.ctx, lane);
+        if (f.k < a.nk) f.entry = att_entry<PLAIN>(a, f.it.seq, f.first + f.i, f.it.ctx, lane);
     };
     uint32_t bad_bits = 0;
-    auto issue_next = [&](uint32_t st) {
-        if (f.k < a.nk) {
-            AttItem it;
-            it.row = f.it.row;
-            it.h0 = f.it.h0;
-            it.kv = f.it.kv;
-            it.seq = f.it.seq;
-            it.ctx = f.it.ctx;
+    auto issue_next = [&](uint32_t st, uint32_t parts) {  // `parts`: as att_run's
+        AttItem it;
+        it.row = f.it.row;
+        it.h0 = f.it.h0;
+        it.kv = f.it.kv;
+        it.seq = f.it.seq;
+        it.ctx = f.it.ctx;
+        if (parts == ATT_K) {
+            att_issue_stage<DP, FP8, PLAIN>(a, it, f.first + f.i, f.entry, buf.ring, st, lane, bad_bits, parts,
+                                            f.k < a.nk);
+        } else if (f.k < a.nk) {
             if (f.qk != f.k) {
                 att_issue_queries<DP>(a, it, buf.qslots + (f.qn++ % ATT_QSLOTS) * L::QSLOT, lane);
                 f.qk = f.k;
             }
-            att_issue_stage<DP, FP8>(a, it, f.first + f.i, f.entry, buf.ring, st, lane, bad_bits);
+            att_issue_stage<DP, FP8, PLAIN>(a, it, f.first + f.i, f.entry, buf.ring, st, lane, bad_bits, parts);
             ++f.i;
             settle();
         }
         cp_async_commit();
     };
-    att_stream_start(settle, issue_next);
+    att_stream_start<PLAIN>(settle, issue_next);
 
     uint32_t consumed = 0, qused = 0;
     for (uint32_t k = 0; k < a.nk; ++k) {
@@ -337,8 +353,8 @@ __device__ __noinline__ void atf_run(const AttLaunch a, unsigned char* dyn, AtfS
             att_units(it.ctx, s, warp, first, mine);
             float o[DP / 16][4], m[2], l[2];
             const bool bad =
-                att_warp_units<DP, FP8>(a, buf.ring, qslot, first, mine, it.ctx, bad_bits, consumed, lane, o, m, l,
-                                        sh.kv2, issue_next);
+                att_warp_units<DP, FP8, PLAIN>(a, buf.ring, qslot, first, mine, it.ctx, bad_bits, consumed, lane, o,
+                                               m, l, sh.kv2, issue_next);
             att_warp_partial<DP>(a, o, m, l, buf.ow, sh.wm, sh.wl, warp, lane);
             if (bad && lane == 0) sh.bad[s & 1] = 1;
             __syncthreads();
@@ -405,10 +421,13 @@ extern "C" __global__ void __cluster_dims__(1, 1, 1) __launch_bounds__(ATT_THREA
 
     att_by_dim(dp, [&](auto dim) {
         if (kv_fp8 != 0)
-            atf_run<decltype(dim)::value, true>(a, att_dyn, sh);
+            atf_run<decltype(dim)::value, true, false>(a, att_dyn, sh);
+        else if (att_plain(a))
+            atf_run<decltype(dim)::value, false, true>(a, att_dyn, sh);
         else
-            atf_run<decltype(dim)::value, false>(a, att_dyn, sh);
+            atf_run<decltype(dim)::value, false, false>(a, att_dyn, sh);
     });
 }
+
 
 #include "attention_prefill.cuh"

@@ -27,6 +27,12 @@ MT_DEVICE void att_row_context(const uint32_t* row_seq, const uint32_t* position
     ctx = ok ? ctx : 0;
 }
 
+// Whether a decode launch takes the plain path (its bodies instantiated with PLAIN = true): bf16
+// pools copied 16 bytes a chunk, every unit inside one block of a power-of-two size (the usual
+// 16-token blocks). Known at compile time, the unit copies and table reads lose the branches the
+// other layouts need (a decode warp's unit is a chain of dependent instructions: every one adds).
+MT_DEVICE bool att_plain(const AttLaunch& a) { return a.vec && a.unit_blocks && a.bs_shift < 32; }
+
 // Item k of this cluster, as the launch's first barrier leaves it in shared memory: (row, group
 // of hb query heads) number cluster + k * n_clusters, its key/value head's offset in a slot, the
 // row's sequence and context (0: out of range), and the units [ub, ue) of this block's split.
@@ -72,20 +78,30 @@ MT_DEVICE void att_issue_queries(const AttLaunch& a, const AttItem& it, bf16* qs
     }
 }
 
+// Which of a unit's rows a copy moves: its keys, its values, or both.
+#define ATT_K 1u
+#define ATT_V 2u
+#define ATT_KV 3u
+
 // att_copy_unit's copy for one warp (a unit inside one block, the vector path), each lane on
-// fixed chunks of a few rows: L = min(8, dp / 8) lanes to a row, so a warp-wide copy reads 32 / L
-// rows of 16 L contiguous bytes, and a lane's chunks of one row sit at offsets the compiler knows
-// (the row stride, num_kv_heads * head_dim, is a launch argument: stepping it costs two 64-bit
-// adds, once per row group instead of once per chunk).
+// fixed chunks of a few rows: L = min(16, dp / 8) lanes to a row, so a warp-wide copy reads 32 / L
+// rows of 16 L contiguous bytes (a whole row up to head_dim 128), and a lane's chunks of one row
+// sit at offsets the compiler knows (the row stride, num_kv_heads * head_dim, is a launch
+// argument: stepping it costs two 64-bit adds, once per row group instead of once per chunk).
+// `parts` picks the keys, the values or both; an inactive copy (a warp past its last unit)
+// moves nothing, so the caller need not branch around it.
 // The copies are evicted from L2 first (a decode step reads each key once). Returns whether a
 // slot is past the pool (uniform).
-template <int DP>
+template <int DP, bool PLAIN>
 MT_DEVICE bool att_copy_rows(const AttLaunch& a, const bf16* kb, const bf16* vb, uint32_t unit, uint32_t ctx,
-                             uint32_t entry, uint32_t lane, bf16* ks, bf16* vs) {
-    constexpr uint32_t RS = DP + 8, NCH = DP / 8, L = NCH < 8 ? NCH : 8, RPI = 32 / L, H = NCH / L;
+                             uint32_t entry, uint32_t lane, bf16* ks, bf16* vs, uint32_t parts = ATT_KV,
+                             bool active = true) {
+    constexpr uint32_t RS = DP + 8, NCH = DP / 8, L = NCH < 16 ? NCH : 16, RPI = 32 / L, H = NCH / L;
     uint64_t base;
     uint32_t live;
-    const bool bad = att_unit_span(a, unit, ctx, entry, base, live);
+    bool bad = att_unit_span<PLAIN>(a, unit, ctx, entry, base, live);
+    bad = bad && active;
+    if (!active) live = 0;
     const uint32_t r0 = lane / L, c0 = lane % L;
     const size_t off0 = (size_t)(base + r0) * a.width + 8 * c0, step = (size_t)RPI * a.width;
     const bf16* kp = kb + off0;
@@ -99,8 +115,8 @@ MT_DEVICE bool att_copy_rows(const AttLaunch& a, const bf16* kb, const bf16* vb,
         for (uint32_t h = 0; h < H; ++h) {
             const uint32_t col = 8 * (c0 + L * h);
             const uint32_t bytes = on && col < a.d ? 16u : 0u;
-            cp_async16_hint(ks + row * RS + col, kp + L * 8 * h, bytes, policy);
-            cp_async16_hint(vs + row * RS + col, vp + L * 8 * h, bytes, policy);
+            if (parts & ATT_K) cp_async16_hint(ks + row * RS + col, kp + L * 8 * h, bytes, policy);
+            if (parts & ATT_V) cp_async16_hint(vs + row * RS + col, vp + L * 8 * h, bytes, policy);
         }
         kp += step;
         vp += step;
@@ -112,9 +128,9 @@ MT_DEVICE bool att_copy_rows(const AttLaunch& a, const bf16* kb, const bf16* vb,
 // the vector path, plain loads otherwise; FP8 pools' bytes to the rows' tops, att_fp8_copy);
 // dead tokens and padded dimensions become zeros.
 // Returns whether a slot was past the pool (uniform).
-template <int DP, bool FP8>
+template <int DP, bool FP8, bool PLAIN>
 MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry,
-                         bf16* stage, uint32_t lane) {
+                         bf16* stage, uint32_t lane, uint32_t parts, bool active) {
     constexpr int RS = DP + 8, NCH = DP / 8;
     bf16* ks = stage;
     bf16* vs = ks + ATT_UNIT * RS;
@@ -128,7 +144,8 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
     }
     const bf16* kb = a.k_cache + it.kv;
     const bf16* vb = a.v_cache + it.kv;
-    if (a.vec && a.unit_blocks) return att_copy_rows<DP>(a, kb, vb, unit, it.ctx, entry, lane, ks, vs);
+    if (PLAIN) return att_copy_rows<DP, PLAIN>(a, kb, vb, unit, it.ctx, entry, lane, ks, vs, parts, active);
+    if (a.vec && a.unit_blocks) return att_copy_rows<DP, PLAIN>(a, kb, vb, unit, it.ctx, entry, lane, ks, vs);
     uint32_t slot, live;
     bool bad;
     att_slot(a, unit, it.ctx, entry, lane, slot, live, bad);
@@ -163,10 +180,11 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
 // 16 t + g and 16 t + g + 8 of heads 2c and 2c + 1). Each score, probability, partial sum and
 // output is computed by the same operations on the same operands, in the same order, as
 // att_softmax_row's layout computes it (paged_attention_prefill uses that one), so the two
-// kernels stay bitwise equal; only which lane holds what differs.
-template <int DP>
+// kernels stay bitwise equal; only which lane holds what differs. `mid` runs once the scores are
+// in, when the stage's key rows are no longer read.
+template <int DP, typename Mid>
 MT_DEVICE void att_unit(const bf16* stage, const bf16* qslot, uint32_t unit, uint32_t ctx, float scale_log2,
-                        bool first, uint32_t lane, float (&o)[DP / 16][4], float (&m)[2], float (&l)[2]) {
+                        bool first, uint32_t lane, float (&o)[DP / 16][4], float (&m)[2], float (&l)[2], Mid&& mid) {
     constexpr int RS = DP + 8;
     const uint32_t g = lane >> 2, mat = lane >> 3, row = lane & 7;
     const uint32_t qs = (uint32_t)__cvta_generic_to_shared(qslot);
@@ -189,6 +207,7 @@ MT_DEVICE void att_unit(const bf16* stage, const bf16* qslot, uint32_t unit, uin
         att_mma16(s[0][0], s[0][1], s[0][2], s[0][3], ka[0], ka[1], ka[2], ka[3], qb[0], qb[1]);
         att_mma16(s[1][0], s[1][1], s[1][2], s[1][3], kb[0], kb[1], kb[2], kb[3], qb[2], qb[3]);
     }
+    mid();  // the keys are read: the caller may refill their rows
 
     // The online softmax of heads 2c + j over tokens g + 8e.
     float x[2][2], mx[2], corr[2];
@@ -429,8 +448,11 @@ MT_DEVICE AttBuffers att_buffers(unsigned char* dyn, uint32_t hb, uint32_t warp,
 // from its ring, into fresh running outputs `o`, maxima `m` and sums `l` (att_unit's); `issue`
 // refills each stage once it has been read. `consumed` counts the warp's units (its ring
 // position). Returns whether a unit's slot was past the pool (`bad_bits`, by stage, as the
-// issuing left them).
-template <int DP, bool FP8, typename Issue>
+// issuing left them). PLAIN (att_plain): a unit's keys and values are two commit groups, and a
+// stage's keys are refilled as soon as its unit's scores are in, so those copies' instructions
+// fill the softmax's waits instead of lengthening the unit (`issue(st, parts)`: ATT_K, ATT_V or
+// ATT_KV).
+template <int DP, bool FP8, bool PLAIN, typename Issue>
 MT_DEVICE bool att_warp_units(const AttLaunch& a, bf16* ring, const bf16* qslot, uint32_t first,
                               uint32_t mine, uint32_t ctx, const uint32_t& bad_bits, uint32_t& consumed,
                               uint32_t lane, float (&o)[DP / 16][4], float (&m)[2], float (&l)[2],
@@ -441,17 +463,25 @@ MT_DEVICE bool att_warp_units(const AttLaunch& a, bf16* ring, const bf16* qslot,
     l[0] = l[1] = 0.0f;
     bool bad = false;
     for (uint32_t i = 0; i < mine; ++i) {
-        cp_async_wait<ATT_STAGES - 1>();
+        if constexpr (PLAIN)
+            cp_async_wait<2 * ATT_STAGES - 2>();
+        else
+            cp_async_wait<ATT_STAGES - 1>();
         __syncwarp();
         const uint32_t st = consumed % ATT_STAGES;
         if constexpr (FP8)
             att_widen_rows<DP, 16>(kv2, ring + st * AttWarpLayout<DP>::STAGE, 2 * ATT_UNIT,
                                    [](uint32_t i) { return i; }, lane);
         att_unit<DP>(ring + st * AttWarpLayout<DP>::STAGE, qslot, first + i, ctx, a.scale_log2, i == 0,
-                     lane, o, m, l);
+                     lane, o, m, l, [&]() {
+                         if constexpr (PLAIN) {
+                             __syncwarp();
+                             issue(st, ATT_K);
+                         }
+                     });
         bad = bad || ((bad_bits >> st) & 1u) != 0;
         __syncwarp();
-        issue(st);
+        issue(st, PLAIN ? ATT_V : ATT_KV);
         ++consumed;
     }
     return bad;
@@ -459,21 +489,31 @@ MT_DEVICE bool att_warp_units(const AttLaunch& a, bf16* ring, const bf16* qslot,
 
 // Copy unit `unit` of item `it` into stage `st` of `ring` (att_issue), recording in `bad_bits`
 // (a bit per stage) whether one of its slots was past the pool.
-template <int DP, bool FP8>
+template <int DP, bool FP8, bool PLAIN>
 MT_DEVICE void att_issue_stage(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry, bf16* ring,
-                               uint32_t st, uint32_t lane, uint32_t& bad_bits) {
-    const bool bad = att_issue<DP, FP8>(a, it, unit, entry, ring + st * AttWarpLayout<DP>::STAGE, lane);
-    bad_bits = (bad_bits & ~(1u << st)) | ((bad ? 1u : 0u) << st);
+                               uint32_t st, uint32_t lane, uint32_t& bad_bits, uint32_t parts = ATT_KV,
+                               bool active = true) {
+    const bool bad =
+        att_issue<DP, FP8, PLAIN>(a, it, unit, entry, ring + st * AttWarpLayout<DP>::STAGE, lane, parts, active);
+    // Recorded with the values (a stage's keys are refilled before its unit's flag is read).
+    if (parts & ATT_V) bad_bits = (bad_bits & ~(1u << st)) | ((bad ? 1u : 0u) << st);
 }
 
 // The start of a warp's stream of units: its first unit's table entries (`settle`, step inputs
 // no kernel writes), the wait for the kernel ahead (the cache store), then ATT_STAGES units
-// queued (`issue`).
-template <typename Settle, typename Issue>
+// queued (`issue`; PLAIN: keys and values as two commit groups each, as att_warp_units takes them).
+template <bool PLAIN, typename Settle, typename Issue>
 MT_DEVICE void att_stream_start(Settle&& settle, Issue&& issue) {
     settle();
     pdl_wait();  // the cache store ahead has written the step's keys and values
     pdl_trigger();
 #pragma unroll
-    for (uint32_t st = 0; st < ATT_STAGES; ++st) issue(st);
+    for (uint32_t st = 0; st < ATT_STAGES; ++st) {
+        if constexpr (PLAIN) {
+            issue(st, ATT_K);
+            issue(st, ATT_V);
+        } else {
+            issue(st, ATT_KV);
+        }
+    }
 }

@@ -251,31 +251,38 @@ MT_DEVICE void att_item_at(const AttLaunch& a, uint32_t k, uint32_t& ri, uint32_
 
 // Token t's block-table column and offset in its block (shifts for the usual power-of-two block
 // sizes: a division per unit costs as much as the unit's softmax).
+// PLAIN: the launch takes the decode kernels' plain path (att_plain), so the size is a power of
+// two.
+template <bool PLAIN = false>
 MT_DEVICE uint32_t att_block_col(const AttLaunch& a, uint32_t t) {
-    return a.bs_shift < 32 ? t >> a.bs_shift : t / a.block_size;
+    return PLAIN || a.bs_shift < 32 ? t >> a.bs_shift : t / a.block_size;
 }
 
+template <bool PLAIN = false>
 MT_DEVICE uint32_t att_block_off(const AttLaunch& a, uint32_t t) {
-    return a.bs_shift < 32 ? t & (a.block_size - 1) : t % a.block_size;
+    return PLAIN || a.bs_shift < 32 ? t & (a.block_size - 1) : t % a.block_size;
 }
 
 // The block-table entry lane `lane` reads ahead for unit `unit` of a context of `ctx` tokens:
 // the unit's one block in every lane when units lie within blocks, else (lanes 0..15) the block
 // of token 16 * unit + lane.
+template <bool PLAIN = false>
 MT_DEVICE uint32_t att_entry(const AttLaunch& a, uint32_t seq, uint32_t unit, uint32_t ctx, uint32_t lane) {
-    const uint32_t t = unit * ATT_UNIT + (a.unit_blocks ? 0u : lane);
-    return (a.unit_blocks || lane < ATT_UNIT) && t < ctx
-               ? a.block_tables[(size_t)seq * a.max_blocks + att_block_col(a, t)]
+    const bool unit_blocks = PLAIN || a.unit_blocks;
+    const uint32_t t = unit * ATT_UNIT + (unit_blocks ? 0u : lane);
+    return (unit_blocks || lane < ATT_UNIT) && t < ctx
+               ? a.block_tables[(size_t)seq * a.max_blocks + att_block_col<PLAIN>(a, t)]
                : 0u;
 }
 
 // A unit that lies inside one block (a.unit_blocks; `entry` its block): the slot of its token 0
 // (`base`, so token t is slot base + t) and its live tokens, none when a live token's slot is
 // past the pool, which is what it returns (uniform).
+template <bool PLAIN = false>
 MT_DEVICE bool att_unit_span(const AttLaunch& a, uint32_t unit, uint32_t ctx, uint32_t entry, uint64_t& base,
                              uint32_t& live) {
     const uint32_t t0 = unit * ATT_UNIT;
-    base = (uint64_t)entry * a.block_size + att_block_off(a, t0);
+    base = (uint64_t)entry * a.block_size + att_block_off<PLAIN>(a, t0);
     live = min((uint32_t)ATT_UNIT, ctx - t0);
     const bool bad = base + live > a.num_slots;
     if (bad) live = 0;

@@ -133,7 +133,8 @@ MT_DEVICE void cp_async16_hint(void* dst, const void* src, uint32_t src_bytes, u
 // An L2 policy under which every access's lines are evicted first.
 MT_DEVICE uint64_t l2_evict_first_policy() {
     uint64_t p;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+    // Not volatile: the policy is a constant, so the compiler may compute it once for a loop.
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
     return p;
 }
 
