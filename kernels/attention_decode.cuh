@@ -126,7 +126,8 @@ MT_DEVICE bool att_copy_rows(const AttLaunch& a, const bf16* kb, const bf16* vb,
 
 // Copy the keys and values of unit `unit` of item `it` (its 16 tokens) into `stage` (cp.async on
 // the vector path, plain loads otherwise; FP8 pools' bytes to the rows' tops, att_fp8_copy);
-// dead tokens and padded dimensions become zeros.
+// dead tokens and padded dimensions become zeros. `parts` and `active` (att_copy_rows's) are
+// the plain path's: the other layouts always copy the whole unit.
 // Returns whether a slot was past the pool (uniform).
 template <int DP, bool FP8, bool PLAIN>
 MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry,
