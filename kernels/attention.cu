@@ -223,13 +223,8 @@ extern "C" __global__ void __cluster_dims__(ATT_SPLITS, 1, 1) __launch_bounds__(
     }
     __syncthreads();
 
-    att_by_dim(dp, [&](auto dim) {
-        if (kv_fp8 != 0)
-            att_run<decltype(dim)::value, true, false>(a, att_dyn, sh);
-        else if (att_plain(a))
-            att_run<decltype(dim)::value, false, true>(a, att_dyn, sh);
-        else
-            att_run<decltype(dim)::value, false, false>(a, att_dyn, sh);
+    att_by_body(dp, a, kv_fp8, [&](auto dim, auto fp8, auto plain) {
+        att_run<decltype(dim)::value, decltype(fp8)::value, decltype(plain)::value>(a, att_dyn, sh);
     });
 }
 
@@ -419,15 +414,9 @@ extern "C" __global__ void __cluster_dims__(1, 1, 1) __launch_bounds__(ATT_THREA
     }
     __syncthreads();
 
-    att_by_dim(dp, [&](auto dim) {
-        if (kv_fp8 != 0)
-            atf_run<decltype(dim)::value, true, false>(a, att_dyn, sh);
-        else if (att_plain(a))
-            atf_run<decltype(dim)::value, false, true>(a, att_dyn, sh);
-        else
-            atf_run<decltype(dim)::value, false, false>(a, att_dyn, sh);
+    att_by_body(dp, a, kv_fp8, [&](auto dim, auto fp8, auto plain) {
+        atf_run<decltype(dim)::value, decltype(fp8)::value, decltype(plain)::value>(a, att_dyn, sh);
     });
 }
-
 
 #include "attention_prefill.cuh"

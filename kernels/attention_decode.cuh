@@ -33,6 +33,26 @@ MT_DEVICE void att_row_context(const uint32_t* row_seq, const uint32_t* position
 // other layouts need (a decode warp's unit is a chain of dependent instructions: every one adds).
 MT_DEVICE bool att_plain(const AttLaunch& a) { return a.vec && a.unit_blocks && a.bs_shift < 32; }
 
+// A compile-time flag for att_by_body's bodies.
+template <bool B>
+struct AttFlag {
+    static constexpr bool value = B;
+};
+
+// The decode kernels' choice of body: run(dim, fp8, plain), each a compile-time tag (AttDim,
+// AttFlag): FP8 pools, bf16 pools on the plain path (att_plain), or bf16 pools in another layout.
+template <typename F>
+MT_DEVICE void att_by_body(uint32_t dp, const AttLaunch& a, uint32_t kv_fp8, F&& run) {
+    att_by_dim(dp, [&](auto dim) {
+        if (kv_fp8 != 0)
+            run(dim, AttFlag<true>(), AttFlag<false>());
+        else if (att_plain(a))
+            run(dim, AttFlag<false>(), AttFlag<true>());
+        else
+            run(dim, AttFlag<false>(), AttFlag<false>());
+    });
+}
+
 // Item k of this cluster, as the launch's first barrier leaves it in shared memory: (row, group
 // of hb query heads) number cluster + k * n_clusters, its key/value head's offset in a slot, the
 // row's sequence and context (0: out of range), and the units [ub, ue) of this block's split.
@@ -94,13 +114,11 @@ MT_DEVICE void att_issue_queries(const AttLaunch& a, const AttItem& it, bf16* qs
 // slot is past the pool (uniform).
 template <int DP, bool PLAIN>
 MT_DEVICE bool att_copy_rows(const AttLaunch& a, const bf16* kb, const bf16* vb, uint32_t unit, uint32_t ctx,
-                             uint32_t entry, uint32_t lane, bf16* ks, bf16* vs, uint32_t parts = ATT_KV,
-                             bool active = true) {
+                             uint32_t entry, uint32_t lane, bf16* ks, bf16* vs, uint32_t parts, bool active) {
     constexpr uint32_t RS = DP + 8, NCH = DP / 8, L = NCH < 16 ? NCH : 16, RPI = 32 / L, H = NCH / L;
     uint64_t base;
     uint32_t live;
-    bool bad = att_unit_span<PLAIN>(a, unit, ctx, entry, base, live);
-    bad = bad && active;
+    const bool bad = att_unit_span<PLAIN>(a, unit, ctx, entry, base, live) && active;
     if (!active) live = 0;
     const uint32_t r0 = lane / L, c0 = lane % L;
     const size_t off0 = (size_t)(base + r0) * a.width + 8 * c0, step = (size_t)RPI * a.width;
@@ -126,8 +144,9 @@ MT_DEVICE bool att_copy_rows(const AttLaunch& a, const bf16* kb, const bf16* vb,
 
 // Copy the keys and values of unit `unit` of item `it` (its 16 tokens) into `stage` (cp.async on
 // the vector path, plain loads otherwise; FP8 pools' bytes to the rows' tops, att_fp8_copy);
-// dead tokens and padded dimensions become zeros. `parts` and `active` (att_copy_rows's) are
-// the plain path's: the other layouts always copy the whole unit.
+// dead tokens and padded dimensions become zeros. `parts` and `active` (att_copy_rows's): only
+// the plain path asks for less than a whole, active unit; the FP8 and per-token copies ignore
+// them.
 // Returns whether a slot was past the pool (uniform).
 template <int DP, bool FP8, bool PLAIN>
 MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry,
@@ -145,8 +164,8 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
     }
     const bf16* kb = a.k_cache + it.kv;
     const bf16* vb = a.v_cache + it.kv;
-    if (PLAIN) return att_copy_rows<DP, PLAIN>(a, kb, vb, unit, it.ctx, entry, lane, ks, vs, parts, active);
-    if (a.vec && a.unit_blocks) return att_copy_rows<DP, PLAIN>(a, kb, vb, unit, it.ctx, entry, lane, ks, vs);
+    if (PLAIN || (a.vec && a.unit_blocks))
+        return att_copy_rows<DP, PLAIN>(a, kb, vb, unit, it.ctx, entry, lane, ks, vs, parts, active);
     uint32_t slot, live;
     bool bad;
     att_slot(a, unit, it.ctx, entry, lane, slot, live, bad);
@@ -492,7 +511,7 @@ MT_DEVICE bool att_warp_units(const AttLaunch& a, bf16* ring, const bf16* qslot,
 // (a bit per stage) whether one of its slots was past the pool.
 template <int DP, bool FP8, bool PLAIN>
 MT_DEVICE void att_issue_stage(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry, bf16* ring,
-                               uint32_t st, uint32_t lane, uint32_t& bad_bits, uint32_t parts = ATT_KV,
+                               uint32_t st, uint32_t lane, uint32_t& bad_bits, uint32_t parts,
                                bool active = true) {
     const bool bad =
         att_issue<DP, FP8, PLAIN>(a, it, unit, entry, ring + st * AttWarpLayout<DP>::STAGE, lane, parts, active);
