@@ -50,11 +50,12 @@
 // is split: a block arrives once it has combined item k and waits only after its units of item
 // k + 1, then reads item k's partials from the cluster and writes its share of the outputs (the
 // combine buffers alternate by item parity), so blocks do not idle at the barrier.
-// The usual layout (bf16 pools, 16-byte chunks, units inside power-of-two blocks: att_plain) runs
-// bodies compiled for it alone: no branches for the other layouts around the copies and table
-// reads, and a unit's keys and values are copied as two commit groups, a stage's keys refilled
-// as soon as its unit's scores are in (the copies' instructions fill the softmax's waits). Which
-// path runs changes no result.
+// The usual layout (16-byte chunks, units inside power-of-two blocks: att_plain; bf16 or FP8
+// pools) runs bodies compiled for it alone: no branches for the other layouts around the copies
+// and table reads, each pool row copied whole by a few lanes (an FP8 row's bytes to its ring
+// row's top, as att_fp8_copy leaves them), and a unit's keys and values are copied as two commit
+// groups, a stage's keys refilled as soon as its unit's scores are in (the copies' instructions
+// fill the softmax's waits). Which path runs changes no result.
 //
 // `paged_attention_flat` (below) computes the same items without the cluster: a block takes
 // whole items, its splits one after another, for steps with an item for every block.

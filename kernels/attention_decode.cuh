@@ -27,9 +27,9 @@ MT_DEVICE void att_row_context(const uint32_t* row_seq, const uint32_t* position
     ctx = ok ? ctx : 0;
 }
 
-// Whether a decode launch takes the plain path (its bodies instantiated with PLAIN = true): bf16
-// pools copied 16 bytes a chunk, every unit inside one block of a power-of-two size (the usual
-// 16-token blocks). Known at compile time, the unit copies and table reads lose the branches the
+// Whether a decode launch takes the plain path (its bodies instantiated with PLAIN = true): pools
+// copied 16 bytes a chunk, every unit inside one block of a power-of-two size (the usual 16-token
+// blocks). Known at compile time, the unit copies and table reads lose the branches the
 // other layouts need (a decode warp's unit is a chain of dependent instructions: every one adds).
 MT_DEVICE bool att_plain(const AttLaunch& a) { return a.vec && a.unit_blocks && a.bs_shift < 32; }
 
@@ -40,11 +40,13 @@ struct AttFlag {
 };
 
 // The decode kernels' choice of body: run(dim, fp8, plain), each a compile-time tag (AttDim,
-// AttFlag): FP8 pools, bf16 pools on the plain path (att_plain), or bf16 pools in another layout.
+// AttFlag): bf16 or FP8 pools, on the plain path (att_plain) or in another layout.
 template <typename F>
 MT_DEVICE void att_by_body(uint32_t dp, const AttLaunch& a, uint32_t kv_fp8, F&& run) {
     att_by_dim(dp, [&](auto dim) {
-        if (kv_fp8 != 0)
+        if (kv_fp8 != 0 && att_plain(a))
+            run(dim, AttFlag<true>(), AttFlag<true>());
+        else if (kv_fp8 != 0)
             run(dim, AttFlag<true>(), AttFlag<false>());
         else if (att_plain(a))
             run(dim, AttFlag<false>(), AttFlag<true>());
@@ -103,27 +105,41 @@ MT_DEVICE void att_issue_queries(const AttLaunch& a, const AttItem& it, bf16* qs
 #define ATT_V 2u
 #define ATT_KV 3u
 
-// att_copy_unit's copy for one warp (a unit inside one block, the vector path), each lane on
-// fixed chunks of a few rows: L = min(16, dp / 8) lanes to a row, so a warp-wide copy reads 32 / L
-// rows of 16 L contiguous bytes (a whole row up to head_dim 128), and a lane's chunks of one row
-// sit at offsets the compiler knows (the row stride, num_kv_heads * head_dim, is a launch
+// Where a pool row's 16-byte chunk at element `col` lands in a stage (the last argument's type
+// picks the pool's element): bf16 rows in place, FP8 (e4m3) rows' bytes at the top of their ring
+// row (att_fp8_row), where the widening finds them.
+template <int DP>
+MT_DEVICE bf16* att_ring_at(bf16* rows, uint32_t row, uint32_t col, const bf16*) {
+    return rows + row * (DP + 8) + col;
+}
+template <int DP>
+MT_DEVICE unsigned char* att_ring_at(bf16* rows, uint32_t row, uint32_t col, const uint8_t*) {
+    return att_fp8_row<DP>(rows, row) + col;
+}
+
+// att_copy_unit's copy for one warp (a unit inside one block, the vector path) from a pool of
+// elements T (bf16, or FP8 bytes), each lane on fixed 16-byte chunks of a few rows: L = min(16,
+// chunks a row) lanes to a row, so a warp-wide copy reads 32 / L rows of 16 L contiguous bytes (a
+// whole bf16 row up to head_dim 128, an FP8 one up to 256), and a lane's chunks of one row sit at
+// offsets the compiler knows (the row stride, num_kv_heads * head_dim elements, is a launch
 // argument: stepping it costs two 64-bit adds, once per row group instead of once per chunk).
 // `parts` picks the keys, the values or both; an inactive copy (a warp past its last unit)
 // moves nothing, so the caller need not branch around it.
 // The copies are evicted from L2 first (a decode step reads each key once). Returns whether a
 // slot is past the pool (uniform).
-template <int DP, bool PLAIN>
-MT_DEVICE bool att_copy_rows(const AttLaunch& a, const bf16* kb, const bf16* vb, uint32_t unit, uint32_t ctx,
+template <int DP, bool PLAIN, typename T>
+MT_DEVICE bool att_copy_rows(const AttLaunch& a, const T* kb, const T* vb, uint32_t unit, uint32_t ctx,
                              uint32_t entry, uint32_t lane, bf16* ks, bf16* vs, uint32_t parts, bool active) {
-    constexpr uint32_t RS = DP + 8, NCH = DP / 8, L = NCH < 16 ? NCH : 16, RPI = 32 / L, H = NCH / L;
+    constexpr uint32_t EPC = 16 / sizeof(T);  // elements a 16-byte chunk
+    constexpr uint32_t NCH = DP / EPC, L = NCH < 16 ? NCH : 16, RPI = 32 / L, H = NCH / L;
     uint64_t base;
     uint32_t live;
     const bool bad = att_unit_span<PLAIN>(a, unit, ctx, entry, base, live) && active;
     if (!active) live = 0;
     const uint32_t r0 = lane / L, c0 = lane % L;
-    const size_t off0 = (size_t)(base + r0) * a.width + 8 * c0, step = (size_t)RPI * a.width;
-    const bf16* kp = kb + off0;
-    const bf16* vp = vb + off0;
+    const size_t off0 = (size_t)(base + r0) * a.width + EPC * c0, step = (size_t)RPI * a.width;
+    const T* kp = kb + off0;
+    const T* vp = vb + off0;
     const uint64_t policy = l2_evict_first_policy();
 #pragma unroll
     for (uint32_t rg = 0; rg < ATT_UNIT / RPI; ++rg) {
@@ -131,10 +147,10 @@ MT_DEVICE bool att_copy_rows(const AttLaunch& a, const bf16* kb, const bf16* vb,
         const bool on = row < live;
 #pragma unroll
         for (uint32_t h = 0; h < H; ++h) {
-            const uint32_t col = 8 * (c0 + L * h);
+            const uint32_t col = EPC * (c0 + L * h);
             const uint32_t bytes = on && col < a.d ? 16u : 0u;
-            if (parts & ATT_K) cp_async16_hint(ks + row * RS + col, kp + L * 8 * h, bytes, policy);
-            if (parts & ATT_V) cp_async16_hint(vs + row * RS + col, vp + L * 8 * h, bytes, policy);
+            if (parts & ATT_K) cp_async16_hint(att_ring_at<DP>(ks, row, col, kp), kp + L * EPC * h, bytes, policy);
+            if (parts & ATT_V) cp_async16_hint(att_ring_at<DP>(vs, row, col, vp), vp + L * EPC * h, bytes, policy);
         }
         kp += step;
         vp += step;
@@ -143,10 +159,10 @@ MT_DEVICE bool att_copy_rows(const AttLaunch& a, const bf16* kb, const bf16* vb,
 }
 
 // Copy the keys and values of unit `unit` of item `it` (its 16 tokens) into `stage` (cp.async on
-// the vector path, plain loads otherwise; FP8 pools' bytes to the rows' tops, att_fp8_copy);
-// dead tokens and padded dimensions become zeros. `parts` and `active` (att_copy_rows's): only
-// the plain path asks for less than a whole, active unit; the FP8 and per-token copies ignore
-// them.
+// the vector path, plain loads otherwise; FP8 pools' bytes to the rows' tops: att_copy_rows on
+// the plain path, att_fp8_copy otherwise); dead tokens and padded dimensions become zeros.
+// `parts` and `active` (att_copy_rows's): only the plain path asks for less than a whole, active
+// unit; the other copies ignore them.
 // Returns whether a slot was past the pool (uniform).
 template <int DP, bool FP8, bool PLAIN>
 MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry,
@@ -155,10 +171,11 @@ MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, u
     bf16* ks = stage;
     bf16* vs = ks + ATT_UNIT * RS;
     if constexpr (FP8) {
-        uint32_t slot, live;
-        const bool bad = att_fp8_slots(a, unit, it.ctx, entry, lane, slot, live);
         const uint8_t* kb8 = reinterpret_cast<const uint8_t*>(a.k_cache) + it.kv;
         const uint8_t* vb8 = reinterpret_cast<const uint8_t*>(a.v_cache) + it.kv;
+        if (PLAIN) return att_copy_rows<DP, PLAIN>(a, kb8, vb8, unit, it.ctx, entry, lane, ks, vs, parts, active);
+        uint32_t slot, live;
+        const bool bad = att_fp8_slots(a, unit, it.ctx, entry, lane, slot, live);
         att_fp8_copy<DP>(a, kb8, vb8, slot, live, 0, ATT_UNIT, ks, vs, lane);
         return bad;
     }

@@ -3,7 +3,8 @@
 //! row groups bitwise the single-row kernel on each backend; batch invariance and NaN rows.
 //! `small` runs `attention_case` (attention_case.rs) at the sanitizer's sizes.
 
-use metrale_cache::KvScales;
+use metrale_cache::{KvDtype, KvScales};
+use metrale_gpu_runtime::fp8::kv_quantize;
 use metrale_gpu_runtime::{LaunchConfig, Residency};
 use metrale_model_layers::ops::{ATTENTION_SPLITS, PagedAttention};
 
@@ -395,11 +396,17 @@ fn paged_attention_is_bitwise_the_same_over_every_block_size() {
     }
 }
 
-/// CUDA alone: a row's output is bitwise the same launched alone or beside other rows (good and
-/// bad), and rows whose inputs are out of range (a position past `max_blocks`, a block past the
-/// pool) come out all NaN without touching the others.
+/// CUDA alone, over bf16 and FP8 pools: a row's output is bitwise the same launched alone or
+/// beside other rows (good and bad), and rows whose inputs are out of range (a position past
+/// `max_blocks`, a block past the pool) come out all NaN without touching the others.
 #[test]
 fn paged_attention_rows_are_batch_invariant_and_bad_rows_are_nan() {
+    for kv_dtype in [KvDtype::Bf16, KvDtype::Fp8] {
+        rows_batch_invariant_and_bad_rows_nan(kv_dtype);
+    }
+}
+
+fn rows_batch_invariant_and_bad_rows_nan(kv_dtype: KvDtype) {
     let p = Pair::new();
     let mut rng = Rng::new(16);
     let (hq, hkv, d, block_size) = (8u32, 2u32, 128u32, 16u32);
@@ -407,8 +414,18 @@ fn paged_attention_rows_are_batch_invariant_and_bad_rows_are_nan() {
     let num_blocks = 2 * max_blocks;
     let num_slots = num_blocks * block_size;
     let width = (hkv * d) as usize;
-    let k_cache = p.upload(&rng.bf16s(num_slots as usize * width, -2.0, 2.0));
-    let v_cache = p.upload(&rng.bf16s(num_slots as usize * width, -2.0, 2.0));
+    let kv_scales = KvScales { k: 0.01, v: 0.02 };
+    let mut pool = |scale: f32| {
+        let values = rng.bf16s(num_slots as usize * width, -2.0, 2.0);
+        if kv_dtype == KvDtype::Fp8 {
+            let bytes: Vec<u8> = values.iter().map(|&v| kv_quantize(v, scale)).collect();
+            p.upload(&bytes)
+        } else {
+            p.upload(&values)
+        }
+    };
+    let k_cache = pool(kv_scales.k);
+    let v_cache = pool(kv_scales.v);
     // Sequence 0 owns the odd blocks in reverse; sequence 1 names a block past the pool.
     let mut tables: Vec<u32> = (0..max_blocks).map(|b| num_blocks - 1 - 2 * b).collect();
     tables.extend((0..max_blocks).map(|b| if b == 3 { num_blocks + 7 } else { 2 * b }));
@@ -454,8 +471,8 @@ fn paged_attention_rows_are_batch_invariant_and_bad_rows_are_nan() {
                     num_slots,
                     scale: 1.0 / (d as f32).sqrt(),
                     gated: false,
-                    kv_dtype: metrale_cache::KvDtype::Bf16,
-                    kv_scales: metrale_cache::KvScales::default(),
+                    kv_dtype,
+                    kv_scales,
                 },
             )
         });
@@ -468,22 +485,23 @@ fn paged_attention_rows_are_batch_invariant_and_bad_rows_are_nan() {
     for (at, row) in [(0usize, 2usize), (2, 3)] {
         assert!(
             batched[at * n..(at + 1) * n].iter().all(is_nan),
-            "row {row} (out of range) is all NaN"
+            "{kv_dtype:?}: row {row} (out of range) is all NaN"
         );
     }
     for (at, row) in [(1usize, 0usize), (3, 1)] {
         let alone = run(&[row]);
         assert!(
             alone.iter().all(|b| !is_nan(b)),
-            "row {row} alone is finite"
+            "{kv_dtype:?}: row {row} alone is finite"
         );
         assert!(
             batched[at * n..(at + 1) * n] == alone[..],
-            "row {row}: batched beside bad rows differs bitwise from alone"
+            "{kv_dtype:?}: row {row}: batched beside bad rows differs bitwise from alone"
         );
     }
     println!(
         "kernel-check {:<18} {:<44} batch-invariant, bad rows NaN ok",
-        "paged_attention", "rows alone vs beside bad rows"
+        "paged_attention",
+        format!("{kv_dtype:?} rows alone vs beside bad rows")
     );
 }
