@@ -54,16 +54,15 @@ MT_DEVICE uint32_t atp_stages(uint32_t dp) { return dp > 128 ? 2u : 3u; }
 
 MT_DEVICE uint32_t atp_rows_per_item(uint32_t hb, uint32_t dp) { return min(ATP_ROWS, atp_vrows(dp) / hb); }
 
-// Dynamic shared memory: the ring (each stage a unit's 16 keys then 16 values of dp + 8 bf16),
-// the item's queries [vrows][dp + 8] bf16, and each thread's folded numerators, f32
-// [ATP_FOLD][ATP_THREADS] (element i of thread t at i * ATP_THREADS + t: no bank conflicts).
-MT_DEVICE uint32_t atp_shared_bytes(uint32_t dp) {
-    return atp_stages(dp) * 2u * ATT_UNIT * (dp + 8u) * 2u + atp_vrows(dp) * (dp + 8u) * 2u +
-           ATP_FOLD * ATP_THREADS * 4u;
-}
-
-// One ring of atp_shared_bytes: atp_stages(dp) units of 16 keys and 16 values.
+// A ring: atp_stages(dp) stages, each a unit's 16 keys then 16 values of dp + 8 bf16.
 MT_DEVICE uint32_t atp_ring_bytes(uint32_t dp) { return atp_stages(dp) * 2u * ATT_UNIT * (dp + 8u) * 2u; }
+
+// Dynamic shared memory: the ring, the item's queries [vrows][dp + 8] bf16, and each thread's
+// folded numerators, f32 [ATP_FOLD][ATP_THREADS] (element i of thread t at i * ATP_THREADS + t:
+// no bank conflicts).
+MT_DEVICE uint32_t atp_shared_bytes(uint32_t dp) {
+    return atp_ring_bytes(dp) + atp_vrows(dp) * (dp + 8u) * 2u + ATP_FOLD * ATP_THREADS * 4u;
+}
 
 // A split kernel's block: ATT_WARPS chain groups of ATP_WARPS warps, and its dynamic shared
 // memory: a ring a group, then the queries and the split's folded numerators as in
