@@ -68,7 +68,8 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// Do not stop at the model's EOS tokens. Default false.
     pub ignore_eos: bool,
-    /// Extra token ids that end generation (the token is part of the output). Default none.
+    /// Extra token ids that end generation (the token is part of the output), inside the
+    /// vocabulary. Default none.
     pub stop_token_ids: Vec<u32>,
     /// Strings that end generation once the decoded output contains one (needs a tokenizer).
     /// The token that completes the string is part of `token_ids`; the output text stops right

@@ -139,6 +139,12 @@ fn bad_requests_are_refused_and_the_engine_keeps_serving() {
                 .sampling(SamplingParams::default().top_p(1.5)),
             |e| matches!(e, RequestError::Sampling(s) if s.field == "top_p"),
         ),
+        (
+            GenerateRequest::new(Prompt::TokenIds(vec![1]))
+                .stop_token_ids(vec![vocab])
+                .sampling(SamplingParams::default().min_tokens(2)),
+            |e| matches!(e, RequestError::Sampling(s) if s.field == "stop_token_ids"),
+        ),
     ];
     for (req, want) in cases {
         match engine.generate(&req) {

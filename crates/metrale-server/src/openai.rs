@@ -41,7 +41,7 @@ pub struct GenerationBody {
     pub seed: Option<i64>,
     /// A stop string or a list of them.
     pub stop: Option<Value>,
-    /// Token ids that end generation (kept in the output).
+    /// Token ids that end generation (kept in the output), inside the vocabulary.
     pub stop_token_ids: Option<Vec<u32>>,
     /// Do not stop at the model's EOS tokens.
     pub ignore_eos: Option<bool>,

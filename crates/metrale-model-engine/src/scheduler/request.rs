@@ -19,7 +19,7 @@ pub struct GenerateParams {
     pub max_new_tokens: usize,
     /// How to pick tokens.
     pub sampling: SamplingParams,
-    /// Tokens that end generation (included in the output).
+    /// Tokens that end generation (included in the output), inside the vocabulary.
     pub stop_token_ids: Vec<u32>,
     /// Keep each step's logits in the output.
     pub return_logits: bool,
@@ -156,6 +156,17 @@ impl RequestLimits {
         self.check_prompt(&req.prompt)?;
         let sampling = &req.params.sampling;
         sampling.validate_for_vocab(self.vocab)?;
+        // `min_tokens` hands the stop ids to the device sampler, which fails the step (and
+        // every sequence in it) on an id past the vocabulary; such an id could never stop
+        // anything either.
+        if let Some(&id) = (req.params.stop_token_ids.iter()).find(|&&id| id as usize >= self.vocab)
+        {
+            return Err(InvalidRequest::Sampling(SamplingError {
+                field: "stop_token_ids",
+                value: format!("token {id}"),
+                expected: "token ids inside the vocabulary",
+            }));
+        }
         if sampling.min_tokens > 0 && req.params.stop_token_ids.len() > MAX_BANNED / 2 {
             return Err(InvalidRequest::Sampling(SamplingError {
                 field: "stop_token_ids",

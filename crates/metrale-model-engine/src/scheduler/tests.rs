@@ -266,6 +266,31 @@ fn bad_requests_are_refused_with_what_is_wrong() {
 }
 
 #[test]
+fn a_stop_token_outside_the_vocabulary_is_refused_and_the_others_keep_running() {
+    // A stop id `min_tokens` holds back becomes an entry of the device sampler's row, which
+    // fails the whole decode step on an id past the vocabulary.
+    let mut s = scheduler(ModelOptions::default());
+    let running = s.add(request(6, 8)).expect("valid");
+    s.step().expect("prefill");
+    let mut r = request(5, 4);
+    r.params.stop_token_ids = vec![3, 512];
+    r.params.sampling.min_tokens = 2;
+    assert!(matches!(
+        s.add(r),
+        Err(InvalidRequest::Sampling(e)) if e.field == "stop_token_ids" && e.value == "token 512"
+    ));
+    let mut finished = Vec::new();
+    while !s.is_idle() {
+        for e in s.step().expect("step").events {
+            if let SeqEvent::Finished { id, generation } = e {
+                finished.push((id, generation.token_ids.len()));
+            }
+        }
+    }
+    assert_eq!(finished, vec![(running, 8)]);
+}
+
+#[test]
 fn the_context_is_capped_by_what_the_cache_holds() {
     // 2 usable blocks of 16: a sequence alone can hold 32 tokens, whatever max_seq_len says.
     let mut s = scheduler(ModelOptions::default().num_kv_blocks(Some(3)));

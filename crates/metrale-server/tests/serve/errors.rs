@@ -132,6 +132,13 @@ fn bad_requests_get_4xx_json_errors_and_the_server_keeps_serving() {
         (
             "POST",
             "/v1/completions",
+            Some(json!({"prompt": "a", "min_tokens": 2, "stop_token_ids": [7, 99999]}).to_string()),
+            400,
+            "stop_token_ids",
+        ),
+        (
+            "POST",
+            "/v1/completions",
             Some(json!({"prompt": "a", "repetition_penalty": 0}).to_string()),
             400,
             "repetition_penalty",
