@@ -91,6 +91,33 @@ fn read_layers(dir: &Path) -> u64 {
 }
 
 #[test]
+fn an_eos_token_outside_the_vocabulary_is_named() {
+    // The EOS ids reach llguidance's token trie (which asserts they are inside the vocabulary)
+    // and the device sampler's rows under `min_tokens`: refused at load, naming the file.
+    let tmp = tempfile::tempdir().unwrap();
+    copy_fixture(tmp.path());
+    edit_config(tmp.path(), |c| {
+        c["eos_token_id"] = serde_json::json!([0, 512])
+    });
+    let e = load_err(tmp.path());
+    assert!(
+        e.contains("config.json") && e.contains("eos_token_id") && e.contains("512"),
+        "{e}"
+    );
+    copy_fixture(tmp.path());
+    std::fs::write(
+        tmp.path().join("generation_config.json"),
+        r#"{"eos_token_id": 600}"#,
+    )
+    .unwrap();
+    let e = load_err(tmp.path());
+    assert!(
+        e.contains("generation_config.json") && e.contains("eos_token_id") && e.contains("600"),
+        "{e}"
+    );
+}
+
+#[test]
 fn an_unsupported_model_type_lists_the_supported_ones() {
     let tmp = tempfile::tempdir().unwrap();
     copy_fixture(tmp.path());

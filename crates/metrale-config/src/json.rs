@@ -222,6 +222,16 @@ impl<'a> Fields<'a> {
             single => Ok(vec![one(single)?]),
         }
     }
+
+    /// [`Fields::token_ids`], each below `vocab` (the model's `vocab_size`).
+    pub(crate) fn token_ids_below(&self, key: &str, vocab: usize) -> Result<Vec<u32>, ConfigError> {
+        let ids = self.token_ids(key)?;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            let expected = format!("token ids below vocab_size ({vocab})");
+            return Err(self.invalid(key, &expected, &Value::from(id)));
+        }
+        Ok(ids)
+    }
 }
 
 #[cfg(test)]

@@ -7,6 +7,8 @@
 //! - `linear` is `Some` exactly for the hybrid families, and then some layer may be
 //!   `LinearAttention`; no layer is `LinearAttention` otherwise;
 //! - `intermediate_size > 0` whenever some layer has a dense MLP;
+//! - every `eos_token_id` the files give (config.json's, generation_config.json's) is below
+//!   `vocab_size`;
 //! - features the engine does not model (biases, non-SiLU MLPs, sliding windows, other rope
 //!   types) were refused, never silently ignored.
 
@@ -134,8 +136,8 @@ impl ModelConfig {
         parse_config(&Fields::root(&value, path_for_errors)?)
     }
 
-    /// Merge the text of a `generation_config.json`: its `eos_token_id` (an id or a list) is
-    /// appended to the config's, skipping duplicates, its `bos_token_id` fills a missing one,
+    /// Merge the text of a `generation_config.json`: its `eos_token_id` (an id or a list, each
+    /// inside the vocabulary) is appended to the config's, skipping duplicates, its `bos_token_id` fills a missing one,
     /// and its sampling fields become `checkpoint.generation`.
     pub fn apply_generation_config(
         &mut self,
@@ -146,7 +148,7 @@ impl ModelConfig {
         let root = Fields::root(&value, path_for_errors)?;
         let tokens = &mut self.tokens;
         let mut eos = std::mem::take(&mut tokens.eos_token_ids);
-        eos.extend(root.token_ids("eos_token_id")?);
+        eos.extend(root.token_ids_below("eos_token_id", tokens.vocab_size)?);
         tokens.eos_token_ids = dedup_in_order(eos);
         if tokens.bos_token_id.is_none() {
             tokens.bos_token_id = root.token_ids("bos_token_id")?.first().copied();
@@ -332,8 +334,11 @@ fn parse_tokens(
     } else {
         text.bool_or("tie_word_embeddings", false)?
     };
+    // The EOS ids become token ids the sampler bans (`min_tokens`) and structured output's
+    // grammars end at: each must be inside the vocabulary.
+    let vocab_size = positive(text, "vocab_size", spec.vocab_size)?;
     let mut eos_token_ids: Vec<u32> = if text.has("eos_token_id") || text.is_null("eos_token_id") {
-        text.token_ids("eos_token_id")?
+        text.token_ids_below("eos_token_id", vocab_size)?
     } else {
         spec.eos_token_id.into_iter().collect()
     };
@@ -343,13 +348,13 @@ fn parse_tokens(
         spec.bos_token_id
     };
     if wrapper {
-        eos_token_ids.extend(root.token_ids("eos_token_id")?);
+        eos_token_ids.extend(root.token_ids_below("eos_token_id", vocab_size)?);
         if bos_token_id.is_none() {
             bos_token_id = root.token_ids("bos_token_id")?.first().copied();
         }
     }
     Ok(TokenConfig {
-        vocab_size: positive(text, "vocab_size", spec.vocab_size)?,
+        vocab_size,
         tie_word_embeddings,
         eos_token_ids: dedup_in_order(eos_token_ids),
         bos_token_id,

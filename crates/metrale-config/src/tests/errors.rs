@@ -244,6 +244,27 @@ fn moe_top_k_must_not_exceed_experts() {
 }
 
 #[test]
+fn eos_ids_past_the_vocabulary_are_refused() {
+    let err = parse_value(&with(qwen3(), "/eos_token_id", json!([1, 100]))).unwrap_err();
+    assert_eq!(field_of(&err), "eos_token_id");
+    message(&err, &["vocab_size (100)", "found 100"]);
+    let err = parse_value(&with(qwen3_5(), "/eos_token_id", json!(250))).unwrap_err();
+    assert_eq!(field_of(&err), "eos_token_id");
+    let err = parse_value(&with(qwen3_5(), "/text_config/eos_token_id", json!(100))).unwrap_err();
+    assert_eq!(field_of(&err), "text_config.eos_token_id");
+    let mut c = parse_value(&qwen3()).unwrap();
+    let path = Path::new("/ckpt/generation_config.json");
+    let err = c
+        .apply_generation_config(r#"{"eos_token_id": [7, 4096]}"#, path)
+        .unwrap_err();
+    assert_eq!(field_of(&err), "eos_token_id");
+    assert!(err.to_string().contains("generation_config.json"), "{err}");
+    c.apply_generation_config(r#"{"eos_token_id": 99}"#, path)
+        .unwrap();
+    assert_eq!(c.tokens.eos_token_ids, vec![99]);
+}
+
+#[test]
 fn bad_generation_config_names_its_own_file() {
     let mut c = parse_value(&qwen3()).unwrap();
     let path = Path::new("/ckpt/generation_config.json");
