@@ -84,6 +84,27 @@ fn a_missing_tensor_and_a_wrong_shape_are_named() {
     assert!(e.contains(&format!("layers.{n}.")), "{e}");
 }
 
+#[test]
+fn a_huge_size_in_the_config_is_a_shape_error() {
+    // The expected shapes come from config.json: nothing is sized by them before the
+    // checkpoint's headers agree, on one device or sharded over ranks.
+    let tmp = tempfile::tempdir().unwrap();
+    copy_fixture(tmp.path());
+    edit_config(tmp.path(), |c| {
+        c["intermediate_size"] = serde_json::json!(1u64 << 50)
+    });
+    let e = load_err(tmp.path());
+    assert!(
+        e.contains("mlp") && e.contains(&(1u64 << 50).to_string()),
+        "{e}"
+    );
+    let sharded = EngineOptions::default().model(ModelOptions::default().tensor_parallel_size(2));
+    match Engine::load(tmp.path(), sharded) {
+        Ok(_) => panic!("a sharded load of a checkpoint of the wrong shapes succeeded"),
+        Err(e) => assert!(e.to_string().contains("mlp"), "{e}"),
+    }
+}
+
 fn read_layers(dir: &Path) -> u64 {
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();

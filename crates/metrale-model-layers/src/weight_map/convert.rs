@@ -48,11 +48,7 @@ impl SafetensorsSource {
     /// its expected shape, and every part the same trailing dims.
     pub fn load_bf16_concat(&self, parts: &[(&str, &[usize])]) -> Result<Vec<bf16>, WeightError> {
         concat_shape(parts)?;
-        let total = parts
-            .iter()
-            .map(|(_, shape)| shape.iter().product::<usize>())
-            .sum();
-        let mut out = Vec::with_capacity(total);
+        let mut out = Vec::with_capacity(self.stored_numel(parts.iter().copied()));
         for &(name, shape) in parts {
             self.append_bf16(name, shape, &mut out)?;
         }
@@ -83,6 +79,24 @@ impl SafetensorsSource {
     }
 
     /// The dtype and bytes of `name` after checking its dtype is loadable and its shape.
+    /// The elements of `parts` (name, expected shape) when the checkpoint stores each at its
+    /// expected shape, else 0: what a reader may reserve before reading them. The expected
+    /// shapes come from config.json, so a size there (a huge `intermediate_size`) sizes nothing
+    /// until the headers agree; otherwise the read fails with the tensor's shape error.
+    pub(crate) fn stored_numel<'n>(
+        &self,
+        parts: impl IntoIterator<Item = (&'n str, &'n [usize])>,
+    ) -> usize {
+        let mut total = 0;
+        for (name, expected) in parts {
+            match self.info(name) {
+                Ok((_, shape)) if shape == expected => total += shape.iter().product::<usize>(),
+                _ => return 0,
+            }
+        }
+        total
+    }
+
     fn checked(&self, name: &str, expected_shape: &[usize]) -> Result<(Dtype, &[u8]), WeightError> {
         let (dtype, shape, bytes) = self.raw(name)?;
         if !matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {

@@ -177,14 +177,17 @@ impl WeightLoader<'_> {
         parts: &[(&str, &[usize], TensorSlice)],
         shape: Vec<usize>,
     ) -> Result<DenseWeight, WeightError> {
-        let mut data = Vec::with_capacity(shape.iter().product());
+        // `shape` comes from the config: reserve no more than the parts' tensors hold.
+        let stored = (self.source).stored_numel(parts.iter().map(|(name, full, _)| (*name, *full)));
+        let wanted = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        let mut data = Vec::with_capacity(wanted.unwrap_or(0).min(stored));
         for (name, full, slice) in parts {
             data.extend(self.source.load_bf16_slice(name, full, slice)?);
         }
         let label = (parts.iter().map(|(name, _, _)| *name))
             .collect::<Vec<_>>()
             .join(" + ");
-        if data.len() != shape.iter().product::<usize>() {
+        if Some(data.len()) != wanted {
             return Err(WeightError::Slice {
                 tensor: label,
                 problem: format!(

@@ -127,6 +127,30 @@ fn concat_refuses_mismatched_trailing_dims() {
 }
 
 #[test]
+fn a_concat_the_file_does_not_hold_is_a_shape_error_whatever_its_expected_size() {
+    // The expected shapes come from config.json: a huge or overflowing size there is refused
+    // by the tensor's shape, before anything is sized by it.
+    let dir = dir_with(&[
+        RawTensor::f32("q", &[2, 4], &[1.0; 8]),
+        RawTensor::f32("k", &[2, 4], &[1.0; 8]),
+    ]);
+    let source = open(dir.path());
+    for rows in [1usize << 50, 1 << 62] {
+        let err = (source.load_bf16_concat(&[("q", &[2, 4]), ("k", &[rows, 4])])).unwrap_err();
+        assert!(matches!(err, WeightError::Shape { .. }), "{err:?}");
+        message(&err, &["`k`", &rows.to_string()]);
+    }
+    let gpu = CpuBackend::default();
+    let loader = WeightLoader::new(&source, &gpu, gpu.default_stream());
+    let half = TensorSlice::row_span(&[1 << 50, 4], 0..1 << 49);
+    let err = loader
+        .upload_bf16_slices(&[("q", &[1 << 50, 4], half)], vec![1 << 49, 4])
+        .unwrap_err();
+    assert!(matches!(err, WeightError::Shape { .. }), "{err:?}");
+    assert_eq!(gpu.used_bytes(), 0);
+}
+
+#[test]
 fn sharded_checkpoint_loads_from_the_shard_the_index_names() {
     let dir = tempfile::tempdir().unwrap();
     let a = f16_exact_values(6);
