@@ -137,8 +137,8 @@ impl ModelConfig {
     }
 
     /// Merge the text of a `generation_config.json`: its `eos_token_id` (an id or a list, each
-    /// inside the vocabulary) is appended to the config's, skipping duplicates, its `bos_token_id` fills a missing one,
-    /// and its sampling fields become `checkpoint.generation`.
+    /// inside the vocabulary) is appended to the config's, skipping duplicates, its
+    /// `bos_token_id` fills a missing one, and its sampling fields become `checkpoint.generation`.
     pub fn apply_generation_config(
         &mut self,
         text: &str,

@@ -78,7 +78,6 @@ impl SafetensorsSource {
         Ok(())
     }
 
-    /// The dtype and bytes of `name` after checking its dtype is loadable and its shape.
     /// The elements of `parts` (name, expected shape) when the checkpoint stores each at its
     /// expected shape, else 0: what a reader may reserve before reading them. The expected
     /// shapes come from config.json, so a size there (a huge `intermediate_size`) sizes nothing
@@ -97,6 +96,7 @@ impl SafetensorsSource {
         total
     }
 
+    /// The dtype and bytes of `name` after checking its dtype is loadable and its shape.
     fn checked(&self, name: &str, expected_shape: &[usize]) -> Result<(Dtype, &[u8]), WeightError> {
         let (dtype, shape, bytes) = self.raw(name)?;
         if !matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
