@@ -500,22 +500,35 @@ MT_DEVICE bool att_warp_units(const AttLaunch& a, bf16* ring, const bf16* qslot,
     l[0] = l[1] = 0.0f;
     bool bad = false;
     for (uint32_t i = 0; i < mine; ++i) {
-        if constexpr (PLAIN)
-            cp_async_wait<2 * ATT_STAGES - 2>();
-        else
+        // The plain path waits here for the unit's keys alone (its values too at a warp's first
+        // unit of an item, whose group carries the queries) and for the values once the scores
+        // are in, so an FP8 unit's values are widened beside the softmax instead of ahead of the
+        // scores.
+        if constexpr (PLAIN) {
+            if (i == 0)
+                cp_async_wait<2 * ATT_STAGES - 2>();
+            else
+                cp_async_wait<2 * ATT_STAGES - 1>();
+        } else {
             cp_async_wait<ATT_STAGES - 1>();
+        }
         __syncwarp();
         const uint32_t st = consumed % ATT_STAGES;
-        if constexpr (FP8)
-            att_widen_rows<DP, 16>(kv2, ring + st * AttWarpLayout<DP>::STAGE, 2 * ATT_UNIT,
-                                   [](uint32_t i) { return i; }, lane);
-        att_unit<DP>(ring + st * AttWarpLayout<DP>::STAGE, qslot, first + i, ctx, a.scale_log2, i == 0,
-                     lane, o, m, l, [&]() {
-                         if constexpr (PLAIN) {
-                             __syncwarp();
-                             issue(st, ATT_K);
-                         }
-                     });
+        bf16* stage = ring + st * AttWarpLayout<DP>::STAGE;
+        if constexpr (FP8 && PLAIN)
+            att_widen_rows<DP, 8>(kv2, stage, ATT_UNIT, [](uint32_t r) { return r; }, lane);
+        else if constexpr (FP8)
+            att_widen_rows<DP, 16>(kv2, stage, 2 * ATT_UNIT, [](uint32_t r) { return r; }, lane);
+        att_unit<DP>(stage, qslot, first + i, ctx, a.scale_log2, i == 0, lane, o, m, l, [&]() {
+            if constexpr (PLAIN) {
+                __syncwarp();
+                issue(st, ATT_K);
+                cp_async_wait<2 * ATT_STAGES - 1>();  // the values (committed before the keys just queued)
+                __syncwarp();
+                if constexpr (FP8)
+                    att_widen_rows<DP, 8>(kv2, stage, ATT_UNIT, [](uint32_t r) { return ATT_UNIT + r; }, lane);
+            }
+        });
         bad = bad || ((bad_bits >> st) & 1u) != 0;
         __syncwarp();
         issue(st, PLAIN ? ATT_V : ATT_KV);
