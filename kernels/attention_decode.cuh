@@ -158,56 +158,66 @@ MT_DEVICE bool att_copy_rows(const AttLaunch& a, const T* kb, const T* vb, uint3
     return bad;
 }
 
-// Copy the keys and values of unit `unit` of item `it` (its 16 tokens) into `stage` (cp.async on
-// the vector path, plain loads otherwise; FP8 pools' bytes to the rows' tops: att_copy_rows on
-// the plain path, att_fp8_copy otherwise); dead tokens and padded dimensions become zeros.
+// A pool's element on the device: bf16, or the e4m3 bytes of an FP8 pool.
+template <bool FP8>
+struct AttPoolElem {
+    using T = bf16;
+};
+template <>
+struct AttPoolElem<true> {
+    using T = uint8_t;
+};
+
+// Copy the keys and values of unit `unit` of item `it` (its 16 tokens) into `stage`: where the
+// unit lies inside one block on the vector path, att_copy_rows (FP8 pools' bytes to the rows'
+// tops); otherwise a slot per token, cp.async on the vector path (att_fp8_copy for FP8 pools)
+// and plain loads otherwise. Dead tokens and padded dimensions become zeros.
 // `parts` and `active` (att_copy_rows's): only the plain path asks for less than a whole, active
 // unit; the other copies ignore them.
 // Returns whether a slot was past the pool (uniform).
 template <int DP, bool FP8, bool PLAIN>
 MT_DEVICE bool att_issue(const AttLaunch& a, const AttItem& it, uint32_t unit, uint32_t entry,
                          bf16* stage, uint32_t lane, uint32_t parts, bool active) {
+    using T = typename AttPoolElem<FP8>::T;
     constexpr int RS = DP + 8, NCH = DP / 8;
     bf16* ks = stage;
     bf16* vs = ks + ATT_UNIT * RS;
-    if constexpr (FP8) {
-        const uint8_t* kb8 = reinterpret_cast<const uint8_t*>(a.k_cache) + it.kv;
-        const uint8_t* vb8 = reinterpret_cast<const uint8_t*>(a.v_cache) + it.kv;
-        if (PLAIN) return att_copy_rows<DP, PLAIN>(a, kb8, vb8, unit, it.ctx, entry, lane, ks, vs, parts, active);
-        uint32_t slot, live;
-        const bool bad = att_fp8_slots(a, unit, it.ctx, entry, lane, slot, live);
-        att_fp8_copy<DP>(a, kb8, vb8, slot, live, 0, ATT_UNIT, ks, vs, lane);
-        return bad;
-    }
-    const bf16* kb = a.k_cache + it.kv;
-    const bf16* vb = a.v_cache + it.kv;
+    const T* kb = reinterpret_cast<const T*>(a.k_cache) + it.kv;
+    const T* vb = reinterpret_cast<const T*>(a.v_cache) + it.kv;
     if (PLAIN || (a.vec && a.unit_blocks))
         return att_copy_rows<DP, PLAIN>(a, kb, vb, unit, it.ctx, entry, lane, ks, vs, parts, active);
-    uint32_t slot, live;
-    bool bad;
-    att_slot(a, unit, it.ctx, entry, lane, slot, live, bad);
-    if (a.vec) {
-#pragma unroll
-        for (int i = 0; i < ATT_UNIT * NCH / 32; ++i) {
-            const uint32_t idx = lane + 32 * i, tok = idx / NCH, ch = idx % NCH;
-            const uint32_t s = __shfl_sync(0xffffffffu, slot, tok);
-            const bool on = __shfl_sync(0xffffffffu, live, tok) != 0 && 8 * ch < a.d;
-            const size_t off = on ? (size_t)s * a.width + 8 * ch : 0;
-            cp_async16(ks + tok * RS + 8 * ch, kb + off, on ? 16u : 0u);
-            cp_async16(vs + tok * RS + 8 * ch, vb + off, on ? 16u : 0u);
-        }
+    if constexpr (FP8) {
+        uint32_t slot, live;
+        const bool bad = att_fp8_slots(a, unit, it.ctx, entry, lane, slot, live);
+        att_fp8_copy<DP>(a, kb, vb, slot, live, 0, ATT_UNIT, ks, vs, lane);
+        return bad;
     } else {
+        uint32_t slot, live;
+        bool bad;
+        att_slot(a, unit, it.ctx, entry, lane, slot, live, bad);
+        if (a.vec) {
+#pragma unroll
+            for (int i = 0; i < ATT_UNIT * NCH / 32; ++i) {
+                const uint32_t idx = lane + 32 * i, tok = idx / NCH, ch = idx % NCH;
+                const uint32_t s = __shfl_sync(0xffffffffu, slot, tok);
+                const bool on = __shfl_sync(0xffffffffu, live, tok) != 0 && 8 * ch < a.d;
+                const size_t off = on ? (size_t)s * a.width + 8 * ch : 0;
+                cp_async16(ks + tok * RS + 8 * ch, kb + off, on ? 16u : 0u);
+                cp_async16(vs + tok * RS + 8 * ch, vb + off, on ? 16u : 0u);
+            }
+        } else {
 #pragma unroll 1
-        for (int i = 0; i < ATT_UNIT * DP / 32; ++i) {
-            const uint32_t idx = lane + 32 * i, tok = idx / DP, e = idx % DP;
-            const uint32_t s = __shfl_sync(0xffffffffu, slot, tok);
-            const bool on = __shfl_sync(0xffffffffu, live, tok) != 0 && e < a.d;
-            const size_t off = (size_t)s * a.width + e;
-            ks[tok * RS + e] = on ? kb[off] : __ushort_as_bfloat16((unsigned short)0);
-            vs[tok * RS + e] = on ? vb[off] : __ushort_as_bfloat16((unsigned short)0);
+            for (int i = 0; i < ATT_UNIT * DP / 32; ++i) {
+                const uint32_t idx = lane + 32 * i, tok = idx / DP, e = idx % DP;
+                const uint32_t s = __shfl_sync(0xffffffffu, slot, tok);
+                const bool on = __shfl_sync(0xffffffffu, live, tok) != 0 && e < a.d;
+                const size_t off = (size_t)s * a.width + e;
+                ks[tok * RS + e] = on ? kb[off] : __ushort_as_bfloat16((unsigned short)0);
+                vs[tok * RS + e] = on ? vb[off] : __ushort_as_bfloat16((unsigned short)0);
+            }
         }
+        return __any_sync(0xffffffffu, bad);
     }
-    return __any_sync(0xffffffffu, bad);
 }
 
 // One unit of a warp (its keys and values in `stage`, the item's queries in slot `qslot`), with
