@@ -54,8 +54,9 @@
 // pools) runs bodies compiled for it alone: no branches for the other layouts around the copies
 // and table reads, each pool row copied whole by a few lanes (an FP8 row's bytes to its ring
 // row's top, as att_fp8_copy leaves them), and a unit's keys and values are copied as two commit
-// groups, a stage's keys refilled as soon as its unit's scores are in (the copies' instructions
-// fill the softmax's waits). Which path runs changes no result.
+// groups, the values waited for (and an FP8 unit's widened) only once the unit's scores are in,
+// a stage's keys refilled as soon as those scores are in (the copies' instructions fill the
+// softmax's waits). Which path runs changes no result.
 //
 // `paged_attention_flat` (below) computes the same items without the cluster: a block takes
 // whole items, its splits one after another, for steps with an item for every block.
