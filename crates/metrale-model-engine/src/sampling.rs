@@ -414,14 +414,27 @@ impl SamplingParams {
     /// [`SamplingParams::validate`], and every `logit_bias` id inside a vocabulary of `vocab`.
     pub fn validate_for_vocab(&self, vocab: usize) -> Result<(), SamplingError> {
         self.validate()?;
-        if let Some(&(id, _)) = self.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
-            return Err(SamplingError {
-                field: "logit_bias",
-                value: format!("token {id}"),
-                expected: "token ids inside the vocabulary",
-            });
-        }
-        Ok(())
+        ids_in_vocab(
+            "logit_bias",
+            self.logit_bias.iter().map(|&(id, _)| id),
+            vocab,
+        )
+    }
+}
+
+/// Refuses the first of `ids` (request field `field`'s token ids) at or past `vocab`.
+pub(crate) fn ids_in_vocab(
+    field: &'static str,
+    mut ids: impl Iterator<Item = u32>,
+    vocab: usize,
+) -> Result<(), SamplingError> {
+    match ids.find(|&id| id as usize >= vocab) {
+        Some(id) => Err(SamplingError {
+            field,
+            value: format!("token {id}"),
+            expected: "token ids inside the vocabulary",
+        }),
+        None => Ok(()),
     }
 }
 

@@ -10,7 +10,7 @@
 use metrale_cache::CacheManager;
 
 use crate::runner::StepRunner;
-use crate::sampling::{MAX_BANNED, SampledToken, SamplingError, SamplingParams};
+use crate::sampling::{MAX_BANNED, SampledToken, SamplingError, SamplingParams, ids_in_vocab};
 
 /// What to generate.
 #[derive(Debug, Clone, PartialEq)]
@@ -159,14 +159,8 @@ impl RequestLimits {
         // `min_tokens` hands the stop ids to the device sampler, which fails the step (and
         // every sequence in it) on an id past the vocabulary; such an id could never stop
         // anything either.
-        if let Some(&id) = (req.params.stop_token_ids.iter()).find(|&&id| id as usize >= self.vocab)
-        {
-            return Err(InvalidRequest::Sampling(SamplingError {
-                field: "stop_token_ids",
-                value: format!("token {id}"),
-                expected: "token ids inside the vocabulary",
-            }));
-        }
+        let stop_ids = req.params.stop_token_ids.iter().copied();
+        ids_in_vocab("stop_token_ids", stop_ids, self.vocab).map_err(InvalidRequest::Sampling)?;
         if sampling.min_tokens > 0 && req.params.stop_token_ids.len() > MAX_BANNED / 2 {
             return Err(InvalidRequest::Sampling(SamplingError {
                 field: "stop_token_ids",
