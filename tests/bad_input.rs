@@ -105,6 +105,30 @@ fn a_huge_size_in_the_config_is_a_shape_error() {
     }
 }
 
+#[test]
+fn an_absurd_layer_or_expert_count_is_refused_by_name() {
+    // Counts size the per-layer and per-expert records a load builds before reading weights:
+    // a mistyped one is a config error naming the file and the field, not an abort.
+    let tmp = tempfile::tempdir().unwrap();
+    for (key, n) in [
+        ("num_hidden_layers", 1u64 << 40),
+        ("num_nextn_predict_layers", 1 << 40),
+    ] {
+        copy_fixture(tmp.path());
+        edit_config(tmp.path(), |c| {
+            c[key] = serde_json::json!(n);
+            if let Some(map) = c.as_object_mut() {
+                map.remove("layer_types");
+            }
+        });
+        let e = load_err(tmp.path());
+        assert!(
+            e.contains("config.json") && e.contains(key) && e.contains(&n.to_string()),
+            "{key}: {e}"
+        );
+    }
+}
+
 fn read_layers(dir: &Path) -> u64 {
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();

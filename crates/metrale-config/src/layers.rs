@@ -178,13 +178,13 @@ pub(crate) fn parse_moe(
         MoeRule::EveryLayer(d) => (d, true),
         MoeRule::SparseStep(d) => (d, false),
     };
-    let num_experts = fields.usize_or("num_experts", d.num_experts)?;
-    if num_experts == 0 {
+    if fields.usize_or("num_experts", d.num_experts)? == 0 {
         if every_layer {
             return Err(fields.invalid("num_experts", "a positive integer", &Value::from(0)));
         }
         return Ok(None);
     }
+    let num_experts = count(fields, "num_experts", d.num_experts)?;
     let top_k = fields.usize_or("num_experts_per_tok", d.num_experts_per_tok)?;
     if top_k == 0 || top_k > num_experts {
         let expected = format!("an integer in 1..={num_experts} (num_experts)");
@@ -216,6 +216,23 @@ pub(crate) fn parse_moe(
         decoder_sparse_step,
         mlp_only_layers,
     }))
+}
+
+/// The most layers (decoder or multi-token-prediction) and the most experts a config may
+/// declare: far past any released model (Qwen3 MoE has 128 experts, the deepest Qwen3 94
+/// layers), so a mistyped count is refused by name instead of sizing the per-layer and
+/// per-expert records the load builds before any weight is read.
+pub const MAX_CONFIG_COUNT: usize = 1 << 12;
+
+/// A count field (layers, experts): a positive integer of at most [`MAX_CONFIG_COUNT`], or `default`
+/// when absent.
+pub(crate) fn count(fields: &Fields<'_>, key: &str, default: usize) -> Result<usize, ConfigError> {
+    let n = positive(fields, key, default)?;
+    if n > MAX_CONFIG_COUNT {
+        let expected = format!("a positive integer of at most {MAX_CONFIG_COUNT}");
+        return Err(fields.invalid(key, &expected, &Value::from(n)));
+    }
+    Ok(n)
 }
 
 /// A positive integer field, or `default` when absent.
@@ -279,6 +296,26 @@ mod tests {
         .unwrap();
         let moe_layers: Vec<usize> = (0..8).filter(|&i| moe.layer_is_moe(i)).collect();
         assert_eq!(moe_layers, vec![1, 5, 7]);
+    }
+
+    #[test]
+    fn an_expert_count_past_the_bound_is_named() {
+        let moe = |n: usize| {
+            let value = json!({"num_experts": n, "num_experts_per_tok": 2});
+            parse_moe(
+                &Fields::root(&value, Path::new("c.json")).unwrap(),
+                &QWEN3_NEXT,
+            )
+        };
+        assert_eq!(
+            moe(MAX_CONFIG_COUNT).unwrap().unwrap().num_experts,
+            MAX_CONFIG_COUNT
+        );
+        let err = moe(MAX_CONFIG_COUNT + 1).unwrap_err().to_string();
+        assert!(
+            err.contains("c.json") && err.contains("num_experts"),
+            "{err}"
+        );
     }
 
     #[test]

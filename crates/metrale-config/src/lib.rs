@@ -17,7 +17,7 @@ mod rope;
 pub use error::ConfigError;
 pub use family::{ModelFamily, NormConvention, supported_model_types};
 pub use generation::GenerationDefaults;
-pub use layers::{LayerType, LinearAttentionConfig, MoeConfig};
+pub use layers::{LayerType, LinearAttentionConfig, MAX_CONFIG_COUNT, MoeConfig};
 pub use model::{AttentionConfig, CheckpointInfo, ModelConfig, TokenConfig};
 pub use quantization::WeightQuantization;
 pub use rope::{RopeConfig, RopeScaling};

@@ -23,7 +23,7 @@ use crate::family::{
 use crate::generation::{GenerationDefaults, parse_generation_defaults};
 use crate::json::Fields;
 use crate::layers::{
-    LayerType, LinearAttentionConfig, MoeConfig, parse_layer_types, parse_linear, parse_moe,
+    LayerType, LinearAttentionConfig, MoeConfig, count, parse_layer_types, parse_linear, parse_moe,
     positive,
 };
 use crate::quantization::{WeightQuantization, parse_kv_cache, parse_quantization};
@@ -236,7 +236,7 @@ fn parse_config(root: &Fields<'_>) -> Result<ModelConfig, ConfigError> {
     refuse_unmodelled(&text, spec)?;
 
     let hidden_size = positive(&text, "hidden_size", spec.hidden_size)?;
-    let num_hidden_layers = positive(&text, "num_hidden_layers", spec.num_hidden_layers)?;
+    let num_hidden_layers = count(&text, "num_hidden_layers", spec.num_hidden_layers)?;
     let eps = text.opt_f64("rms_norm_eps")?.unwrap_or(spec.rms_norm_eps);
     let rms_norm_eps = eps as f32;
     if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
@@ -246,9 +246,13 @@ fn parse_config(root: &Fields<'_>) -> Result<ModelConfig, ConfigError> {
             &Value::from(eps),
         ));
     }
-    let mtp_num_layers = match text.opt_usize("mtp_num_hidden_layers")? {
-        Some(n) => n,
-        None => text.usize_or("num_nextn_predict_layers", 0)?,
+    let mtp_key = match text.opt_usize("mtp_num_hidden_layers")? {
+        Some(_) => "mtp_num_hidden_layers",
+        None => "num_nextn_predict_layers",
+    };
+    let mtp_num_layers = match text.usize_or(mtp_key, 0)? {
+        0 => 0,
+        _ => count(&text, mtp_key, 0)?,
     };
     let config = ModelConfig {
         family: spec.family,
