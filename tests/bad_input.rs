@@ -129,6 +129,20 @@ fn an_absurd_layer_or_expert_count_is_refused_by_name() {
     }
 }
 
+#[test]
+fn an_absurd_context_length_is_a_typed_error() {
+    // Past 32-bit positions: refused by name. Inside them, the default KV cache (every
+    // sequence at full length) is sized first on the device, which refuses it, before any
+    // host bookkeeping is sized by it.
+    for (len, names) in [(usize::MAX, "max_seq_len"), (u32::MAX as usize, "KV cache")] {
+        let options = EngineOptions::default().model(ModelOptions::default().max_seq_len(len));
+        match Engine::load(fixtures_dir().join("qwen3-tiny"), options) {
+            Ok(_) => panic!("a max_seq_len of {len} was accepted"),
+            Err(e) => assert!(e.to_string().contains(names), "{len}: {e}"),
+        }
+    }
+}
+
 fn read_layers(dir: &Path) -> u64 {
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();

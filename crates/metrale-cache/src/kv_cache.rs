@@ -139,11 +139,26 @@ impl PagedKvCache {
                 layout.block_size, layout.num_blocks
             )));
         }
+        // Block ids are u32 on the device; a pool's bytes must be addressable.
+        let pool_fits = layout
+            .num_blocks
+            .checked_mul(layout.block_bytes())
+            .is_some();
+        if u32::try_from(layout.num_blocks).is_err() || !pool_fits {
+            return Err(CacheError::Layout(format!(
+                "num_blocks {} of {} bytes each: more blocks than 32-bit ids name, or a pool \
+                 past the address space",
+                layout.num_blocks,
+                layout.block_bytes()
+            )));
+        }
+        // The pools first: a cache too large for the device fails there, as an allocation
+        // error, before the host bookkeeping of its blocks is sized by it.
         let mut cache = PagedKvCache {
             gpu: gpu.clone(),
             layout,
             layers: Vec::with_capacity(layout.num_layers),
-            allocator: BlockAllocator::new(layout.num_blocks),
+            allocator: BlockAllocator::new(0),
         };
         let dummy_bytes = layout.block_bytes();
         let stream = gpu.default_stream();
@@ -161,6 +176,7 @@ impl PagedKvCache {
             gpu.memset(v, 0, dummy_bytes, stream)?;
         }
         gpu.synchronize(stream)?;
+        cache.allocator = BlockAllocator::new(layout.num_blocks);
         Ok(cache)
     }
 

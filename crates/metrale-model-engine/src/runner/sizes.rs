@@ -73,6 +73,16 @@ pub(crate) fn size(
     if max_seq_len == 0 {
         return Err(bad("max_seq_len", "must be positive".into()));
     }
+    // Positions and slots are u32 on the device.
+    if u32::try_from(max_seq_len).is_err() {
+        return Err(bad(
+            "max_seq_len",
+            format!(
+                "{max_seq_len} tokens; positions are 32-bit, so at most {}",
+                u32::MAX
+            ),
+        ));
+    }
     if let Some(pct) = options.mixed_step_slowdown_pct
         && pct <= 100
     {
