@@ -213,23 +213,25 @@ typedef __nv_bfloat16 bf16;
 #define MT_KERNEL_LINEAR_STREAM_FP8 35
 #define MT_KERNEL_LINEAR_STREAM_WIDE_FP8 36
 #define MT_KERNEL_LINEAR_TMA_FP8 37
-#define MT_KERNEL_LINEAR_STREAM_TMA_FP8 38
-#define MT_KERNEL_DEQUANT_FP8 39
-#define MT_KERNEL_QUANTIZE_FP8 40
-#define MT_KERNEL_FILL_UNIFORM_BF16 41
-#define MT_KERNEL_TOPK_ROUTE 42
-#define MT_KERNEL_EXPERT_LINEAR 43
-#define MT_KERNEL_EXPERT_LINEAR_F32OUT 44
-#define MT_KERNEL_EXPERT_LINEAR_FP8 45
-#define MT_KERNEL_EXPERT_LINEAR_FP8_F32OUT 46
-#define MT_KERNEL_MOE_COMBINE 47
-#define MT_KERNEL_RMS_NORM 48
-#define MT_KERNEL_ADD_RMS_NORM 49
-#define MT_KERNEL_ADD_RMS_NORM_STAGED 50
-#define MT_KERNEL_QK_NORM_ROPE 51
-#define MT_KERNEL_QK_NORM_ROPE_KV_STORE 52
-#define MT_KERNEL_ARGMAX 53
-#define MT_KERNEL_SAMPLE 54
+#define MT_KERNEL_LINEAR_TMA_SWIGLU 38
+#define MT_KERNEL_LINEAR_TMA_SWIGLU_FP8 39
+#define MT_KERNEL_LINEAR_STREAM_TMA_FP8 40
+#define MT_KERNEL_DEQUANT_FP8 41
+#define MT_KERNEL_QUANTIZE_FP8 42
+#define MT_KERNEL_FILL_UNIFORM_BF16 43
+#define MT_KERNEL_TOPK_ROUTE 44
+#define MT_KERNEL_EXPERT_LINEAR 45
+#define MT_KERNEL_EXPERT_LINEAR_F32OUT 46
+#define MT_KERNEL_EXPERT_LINEAR_FP8 47
+#define MT_KERNEL_EXPERT_LINEAR_FP8_F32OUT 48
+#define MT_KERNEL_MOE_COMBINE 49
+#define MT_KERNEL_RMS_NORM 50
+#define MT_KERNEL_ADD_RMS_NORM 51
+#define MT_KERNEL_ADD_RMS_NORM_STAGED 52
+#define MT_KERNEL_QK_NORM_ROPE 53
+#define MT_KERNEL_QK_NORM_ROPE_KV_STORE 54
+#define MT_KERNEL_ARGMAX 55
+#define MT_KERNEL_SAMPLE 56
 
 #define MT_FAULT_GEOMETRY 1  // launched with a geometry it is not written for
 #define MT_FAULT_SHAPE 2  // given shapes that do not fit together
@@ -1182,6 +1184,74 @@ static_assert(offsetof(LinearTmaFp8Params, k) == 48, "LinearTmaFp8Params::k: not
 static_assert(offsetof(LinearTmaFp8Params, scale_row_shift) == 52, "LinearTmaFp8Params::scale_row_shift: not the offset of metrale-kernel-abi");
 #define LINEAR_TMA_FP8_PARAMS \
     bf16* __restrict__ out, \
+    const bf16* __restrict__ xt, \
+    const uint8_t* __restrict__ w, \
+    const float* __restrict__ scales, \
+    const void* __restrict__ wmap, \
+    uint32_t m, \
+    uint32_t n, \
+    uint32_t k, \
+    uint32_t scale_row_shift
+
+// `gemm::linear_tma_swiglu`: the gate/up projection of a prefill (`linear_tma` of x's
+// stage images by w `[2 n, k]`, gate rows then up rows, read through a tensor map of
+// 64-row boxes) and `silu_mul_staged` after it, in one launch: the SwiGLU written only as
+// the down projection's stage images.
+#pragma pack(push, 4)
+struct LinearTmaSwigluParams {
+    unsigned char* img;
+    const bf16* xt;
+    const bf16* w;
+    const void* wmap;
+    uint32_t m;
+    uint32_t n;
+    uint32_t k;
+};
+#pragma pack(pop)
+static_assert(sizeof(LinearTmaSwigluParams) == 44, "LinearTmaSwigluParams: not the layout of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluParams, img) == 0, "LinearTmaSwigluParams::img: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluParams, xt) == 8, "LinearTmaSwigluParams::xt: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluParams, w) == 16, "LinearTmaSwigluParams::w: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluParams, wmap) == 24, "LinearTmaSwigluParams::wmap: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluParams, m) == 32, "LinearTmaSwigluParams::m: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluParams, n) == 36, "LinearTmaSwigluParams::n: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluParams, k) == 40, "LinearTmaSwigluParams::k: not the offset of metrale-kernel-abi");
+#define LINEAR_TMA_SWIGLU_PARAMS \
+    unsigned char* __restrict__ img, \
+    const bf16* __restrict__ xt, \
+    const bf16* __restrict__ w, \
+    const void* __restrict__ wmap, \
+    uint32_t m, \
+    uint32_t n, \
+    uint32_t k
+
+// `gemm::linear_tma_swiglu_fp8`: `linear_tma_swiglu` of a block-FP8 weight, each element
+// taken as `LinearFp8Params` takes it.
+#pragma pack(push, 4)
+struct LinearTmaSwigluFp8Params {
+    unsigned char* img;
+    const bf16* xt;
+    const uint8_t* w;
+    const float* scales;
+    const void* wmap;
+    uint32_t m;
+    uint32_t n;
+    uint32_t k;
+    uint32_t scale_row_shift;
+};
+#pragma pack(pop)
+static_assert(sizeof(LinearTmaSwigluFp8Params) == 56, "LinearTmaSwigluFp8Params: not the layout of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluFp8Params, img) == 0, "LinearTmaSwigluFp8Params::img: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluFp8Params, xt) == 8, "LinearTmaSwigluFp8Params::xt: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluFp8Params, w) == 16, "LinearTmaSwigluFp8Params::w: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluFp8Params, scales) == 24, "LinearTmaSwigluFp8Params::scales: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluFp8Params, wmap) == 32, "LinearTmaSwigluFp8Params::wmap: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluFp8Params, m) == 40, "LinearTmaSwigluFp8Params::m: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluFp8Params, n) == 44, "LinearTmaSwigluFp8Params::n: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluFp8Params, k) == 48, "LinearTmaSwigluFp8Params::k: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluFp8Params, scale_row_shift) == 52, "LinearTmaSwigluFp8Params::scale_row_shift: not the offset of metrale-kernel-abi");
+#define LINEAR_TMA_SWIGLU_FP8_PARAMS \
+    unsigned char* __restrict__ img, \
     const bf16* __restrict__ xt, \
     const uint8_t* __restrict__ w, \
     const float* __restrict__ scales, \

@@ -7,12 +7,7 @@
 
 // Columns 8v..8v+7 of silu(gate) * up, rounded to bf16 and packed (16-byte aligned rows).
 MT_DEVICE uint4 silu_mul8(const bf16* g, const bf16* u, uint32_t v) {
-    float gf[8], uf[8], of[8];
-    unpack8(load16(g + 8 * v), gf);
-    unpack8(load16(u + 8 * v), uf);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) of[j] = siluf_acc(gf[j]) * uf[j];
-    return pack8(of);
+    return silu_mul_packed8(load16(g + 8 * v), load16(u + 8 * v));
 }
 
 // silu_mul(out: bf16 [rows, ffn], gate_up: bf16 [rows, 2 * ffn], rows, ffn):

@@ -166,6 +166,17 @@ MT_DEVICE float sigmoidf_acc(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 MT_DEVICE float siluf_acc(float x) { return x / (1.0f + expf(-x)); }
 
+// silu(gate) * up of 8 packed bf16 gate and up values, in f32, rounded to bf16 and packed: the
+// SwiGLU's arithmetic wherever it is computed (`silu_mul`, `linear_tma_swiglu`).
+MT_DEVICE uint4 silu_mul_packed8(uint4 gate, uint4 up) {
+    float gf[8], uf[8], of[8];
+    unpack8(gate, gf);
+    unpack8(up, uf);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) of[j] = siluf_acc(gf[j]) * uf[j];
+    return pack8(of);
+}
+
 // The norm weight as applied: `w`, or `1 + w` for the zero-centred convention.
 MT_DEVICE float norm_weight(bf16 w, bool unit_offset) {
     return unit_offset ? 1.0f + bf2f(w) : bf2f(w);

@@ -4,7 +4,8 @@
 // Six kernels per output type (bf16: `linear`, `linear_stream`, `linear_stream_b4`,
 // `linear_stream_wide`, `linear_stream_tma`, `linear_tma`; f32: the same with `_f32out`), each
 // computing the whole function, and `linear_swiglu` (the gate/up projection and `silu_mul` in
-// one launch). The launcher (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 16 on
+// one launch, decode) and `linear_tma_swiglu` (`linear_tma` and `silu_mul_staged` in one launch,
+// prefill). The launcher (`ops_gemm::linear_path`) runs `linear_stream_b4` for m <= 16 on
 // projections of 6144 columns or more, `linear_stream` for the other m <= 16,
 // `linear_stream_tma` for 9..128 rows where the weight has a tensor map and x fits in at most
 // four row blocks, `linear_stream_wide` for the other m <= 128 (decode), and `linear_tma` or the
@@ -39,7 +40,10 @@
 // - `linear_tma` (prefill, m > 128, where the launcher has a staging buffer for x and the shape
 //   allows: k % 8 == 0, 16-byte aligned operands, gemm_wgmma.cuh): after `permute_k32_tiles`
 //   writes x as stage images (or a `_staged` producer did), the weight as wgmma's register
-//   operand through a tensor map, 128 x 128 tiles.
+//   operand through a tensor map, 128 x 128 tiles. `linear_tma_swiglu` (`_fp8`) is its body on
+//   tiles of 64 gate and the same 64 up rows of the [gate; up] weight (two 64-row boxes a
+//   stage), each tile's values exchanged through shared memory into silu(gate) * up, written as
+//   the down projection's stage images: the [m, 2 ffn] projection is never stored.
 // - `linear` (prefill, m > 128, otherwise, gemm_wgmma.cuh): warp-specialized Hopper warpgroup
 //   MMAs (`linear_ws`): 192 x 128 output tiles, a producer warpgroup filling a 5-stage ring and
 //   three consumer warpgroups of m64n128k16 wgmma; grid (ceil(n / 128), ceil(m / 192)), 512
@@ -407,7 +411,8 @@ extern "C" __global__ void __launch_bounds__(256)
 // `kernel`: the entry's MT_KERNEL_* (for its fault).
 // W: the weight's format as the tensor-map body reads it (`TmaWBf16`, `TmaWFp8`); TW: the same
 // weight as the compute_90 body's scalar loads read it (`tiled_w8`).
-template <typename OutT, typename W, typename TW>
+// SWIGLU: `linear_tma_swiglu` (`n` the SwiGLU's width, `out` its stage images).
+template <typename OutT, typename W, typename TW, bool SWIGLU = false>
 MT_DEVICE void linear_tma_impl(OutT* out, const bf16* xt, const W& wf, TW w, const void* wmap, uint32_t m,
                                uint32_t n, uint32_t k, uint32_t kernel) {
     extern __shared__ __align__(16) unsigned char lin_tma_smem[];
@@ -422,15 +427,19 @@ MT_DEVICE void linear_tma_impl(OutT* out, const bf16* xt, const W& wf, TW w, con
     (void)w;
     const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC, seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
     if (seg_chunks % 2 == 0 && chunks % 2 == 0)  // segments end with stages (uniform over the grid)
-        linear_tma_body<OutT, LIN_TMA_STAGES, false>(out, xt, wf, wmap, m, n, k, lin_tma_smem);
+        linear_tma_body<OutT, LIN_TMA_STAGES, false, W, SWIGLU>(out, xt, wf, wmap, m, n, k, lin_tma_smem);
     else
-        linear_tma_body<OutT, LIN_TMA_STAGES, true>(out, xt, wf, wmap, m, n, k, lin_tma_smem);
+        linear_tma_body<OutT, LIN_TMA_STAGES, true, W, SWIGLU>(out, xt, wf, wmap, m, n, k, lin_tma_smem);
 #else  // the compute_90 PTX: the mma.sync tiles reading x from the images (no tensor map)
     (void)wmap;
     (void)wf;
     // 8 warps of 64 x 32 per 128 x 128 tile; the other four leave (barriers count the rest).
     if (threadIdx.x >= 256) return;
-    linear_tiled<OutT, LIN_TMA_TILE, LIN_TMA_TILE, 64, 32, 2, 3, false, true>(out, xt, w, m, n, k, lin_tma_smem);
+    if constexpr (SWIGLU)
+        linear_tiled<OutT, LIN_TMA_TILE, LIN_TMA_TILE, 64, 32, 2, 3, false, true, SwigluRows<TW>, true>(
+            out, xt, SwigluRows<TW>{w, n}, m, n, k, lin_tma_smem);
+    else
+        linear_tiled<OutT, LIN_TMA_TILE, LIN_TMA_TILE, 64, 32, 2, 3, false, true>(out, xt, w, m, n, k, lin_tma_smem);
 #endif
 }
 
@@ -464,6 +473,39 @@ extern "C" __global__ void __launch_bounds__(LIN_TMA_THREADS, 1)
     linear_tma_fp8(LINEAR_TMA_FP8_PARAMS) {
     const TmaWFp8 wf = tma_w_fp8(scales, scale_row_shift, n, k);
     linear_tma_impl(out, xt, wf, TiledWFp8{w, wf}, wmap, m, n, k, MT_KERNEL_LINEAR_TMA_FP8);
+}
+
+// linear_tma_swiglu(img: the stage images of an [m, n] bf16 matrix, xt: `permute_k32_tiles` of
+// x [m, k], w: bf16 [2 n, k] (gate rows, then up rows), wmap: a 2-D tensor map of w (bf16, dims
+// (k, 2 n), box 64 x 64, 128-byte swizzle) in device memory, m, n, k): `linear_tma` into [gate |
+// up] then `silu_mul_staged`, in one launch and without the [m, 2 n] projection: each tile's gate
+// and up values are rounded to bf16 as `linear` stores them and combined by `silu_mul`'s
+// arithmetic, so the images are bitwise the two launches'. Grid (ceil(m / 128), n / 64),
+// LIN_TMA_THREADS threads, LINEAR_TMA_SMEM + 32 KiB of dynamic shared memory (the exchange).
+// Needs n % 64 == 0, k % 8 == 0 and 16-byte aligned operands; image rows past m are not written.
+extern "C" __global__ void __launch_bounds__(LIN_TMA_THREADS, 1)
+    linear_tma_swiglu(LINEAR_TMA_SWIGLU_PARAMS) {
+    if (n % 64 != 0) {
+        mt_fault(MT_KERNEL_LINEAR_TMA_SWIGLU, MT_FAULT_SHAPE);
+        return;
+    }
+    linear_tma_impl<unsigned char, TmaWBf16, const bf16*, true>(img, xt, TmaWBf16{}, w, wmap, m, n, k,
+                                                               MT_KERNEL_LINEAR_TMA_SWIGLU);
+}
+
+// linear_tma_swiglu_fp8(img, xt, w: fp8 e4m3 [2 n, k], scales, wmap: a 2-D tensor map of w
+// (bytes, dims (k, 2 n), box 64 x 64, 64-byte swizzle), m, n, k, scale_row_shift):
+// `linear_tma_swiglu` of the weight `dequant_fp8` makes of w, converted as `linear_tma_fp8`
+// converts it. Its geometry; needs k % 16 == 0.
+extern "C" __global__ void __launch_bounds__(LIN_TMA_THREADS, 1)
+    linear_tma_swiglu_fp8(LINEAR_TMA_SWIGLU_FP8_PARAMS) {
+    if (n % 64 != 0) {
+        mt_fault(MT_KERNEL_LINEAR_TMA_SWIGLU_FP8, MT_FAULT_SHAPE);
+        return;
+    }
+    const TmaWFp8 wf = tma_w_fp8(scales, scale_row_shift, 2 * n, k);
+    linear_tma_impl<unsigned char, TmaWFp8, TiledWFp8, true>(img, xt, wf, TiledWFp8{w, wf}, wmap, m, n, k,
+                                                             MT_KERNEL_LINEAR_TMA_SWIGLU_FP8);
 }
 
 // ---- `linear_stream_tma`: the decode kernel of the sm_90a cubin where a weight map exists ----

@@ -63,6 +63,49 @@ MT_DEVICE uint4 tiled_w8(const bf16* w, uint32_t n, uint32_t k, uint32_t row, ui
     return load8(w, n, k, row, col, false);
 }
 
+// The SwiGLU exchange of `linear_tma_swiglu` (and its compute_90 body): the tile's gate values
+// [128 x rows][64 columns] as bf16, then its up values likewise, each row's eight 16-byte units
+// (8 columns each) swizzled by the row, so a warp's unit loads and its 2-byte stores spread over
+// the banks. Byte offset of unit u of row r in one of the two halves:
+MT_DEVICE uint32_t lin_swiglu_xoff(uint32_t r, uint32_t u) { return r * 128 + ((u ^ (r % 8)) << 4); }
+
+// From the exchange at shared address `xch` (every value written and visible to the `threads`
+// threads calling): silu(gate) * up of the tile's rows t0.. (those below m) and columns
+// n0 .. n0 + 63 of an [m, n] SwiGLU into its stage images `img`, a 16-byte unit (8 columns) at a
+// time, as `silu_mul_staged` writes them; thread `t` of them takes units t, t + threads, ...
+MT_DEVICE void lin_swiglu_store(unsigned char* img, uint32_t xch, uint32_t t0, uint32_t n0, uint32_t m, uint32_t n,
+                                uint32_t t, uint32_t threads) {
+    const uint32_t steps = ((n + LIN_KC - 1) / LIN_KC + 1) / 2;
+    for (uint32_t i = t; i < LIN_TMA_TILE * 8; i += threads) {
+        const uint32_t r = i / 8, u = i % 8, off = lin_swiglu_xoff(r, u);
+        if (t0 + r >= m) continue;
+        uint4 gv, uv;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(gv.x), "=r"(gv.y), "=r"(gv.z), "=r"(gv.w)
+                     : "r"(xch + off));
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(uv.x), "=r"(uv.y), "=r"(uv.z), "=r"(uv.w)
+                     : "r"(xch + LIN_TMA_TILE * 128 + off));
+        const uint32_t v = n0 / 8 + u;  // the unit's 8 columns of the SwiGLU
+        store_k32_unit(img, t0 + r, v / 4, v % 4, steps, silu_mul_packed8(gv, uv));
+    }
+}
+
+// The weight rows of a SwiGLU tile as `linear_tiled` walks them (the compute_90 body of
+// `linear_tma_swiglu`): row i of column tile y (row 128 y + i of the walk) is gate row 64 y + i
+// for i < 64, else up row ffn + 64 y + i - 64 of the [2 ffn, k] weight `w`.
+template <typename TW>
+struct SwigluRows {
+    TW w;
+    uint32_t ffn;
+};
+
+template <typename TW>
+MT_DEVICE uint4 tiled_w8(const SwigluRows<TW>& s, uint32_t, uint32_t k, uint32_t row, uint32_t col) {
+    const uint32_t i = row % 128, r = row / 128 * 64 + (i < 64 ? i : s.ffn + i - 64);
+    return tiled_w8(s.w, 2 * s.ffn, k, r, col);
+}
+
 // One pipeline stage: SC chunks of x rows [m0, m0 + BM) then w rows [n0, n0 + BN),
 // 32 k each, as 16-byte vectors laid out [chunk][row][4 vectors] (vector q of a row holds k
 // 8q..8q+7 of its chunk, what lane (g, q) feeds its MMAs; a warp's 8 rows of one vector column
@@ -103,8 +146,10 @@ MT_DEVICE void load_stage(uint4* stage, const bf16* x, TW w, uint32_t m, uint32_
 // XIMG: x is given as `permute_k32_tiles`'s stage images, and grid x runs over the row tiles
 // (the compute_90 body of `linear_tma`). TW: the weight (`tiled_w8`: bf16, or block FP8 for the
 // compute_90 body of `linear_tma_fp8`).
+// SWIGLU (`linear_tma_swiglu`, BM = BN = 128): TW is `SwigluRows`, `n` the SwiGLU's width, and
+// the block writes silu(gate) * up of its 128 rows by 64 columns as the stage images `out`.
 template <typename OutT, int BM, int BN, int WM, int WN, int SC, int ST, bool VEC, bool XIMG = false,
-          typename TW = const bf16*>
+          typename TW = const bf16*, bool SWIGLU = false>
 MT_DEVICE void linear_tiled(OutT* out, const bf16* x, TW w, uint32_t m, uint32_t n, uint32_t k,
                             unsigned char* smem) {
     constexpr int MT = WM / 16, NT = WN / 8, THREADS = (BM / WM) * (BN / WN) * 32;
@@ -176,16 +221,37 @@ MT_DEVICE void linear_tiled(OutT* out, const bf16* x, TW w, uint32_t m, uint32_t
     }
     cp_async_wait<0>();
 
+    if constexpr (SWIGLU) {
+        static_assert(BM == 128 && BN == 128, "a SwiGLU tile is 128 rows by 64 gate and 64 up columns");
+        __syncthreads();  // every warp is done with the stages: the exchange takes their room
+        const uint32_t xch = (uint32_t)__cvta_generic_to_shared(smem);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int jj = 0; jj < 4; ++jj) {
-                const uint32_t row = m0 + wm0 + mt * 16 + g + (jj >= 2 ? 8 : 0);
-                const uint32_t col = n0 + wn0 + nt * 8 + 2 * q + (jj & 1);
-                if (row < m && col < n) store_out(out, (size_t)row * n + col, total[mt][nt][jj]);
-            }
+                for (int jj = 0; jj < 4; ++jj) {
+                    const uint32_t row = wm0 + mt * 16 + g + (jj >= 2 ? 8 : 0);
+                    const uint32_t col = wn0 + nt * 8 + 2 * q + (jj & 1);  // below 64 gate, else up
+                    const bf16 v = f2bf(total[mt][nt][jj]);
+                    const uint32_t at = xch + (col / 64) * (128 * 128) + lin_swiglu_xoff(row, (col % 64) / 8) + (col % 8) * 2;
+                    asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(at), "h"(*reinterpret_cast<const unsigned short*>(&v))
+                                 : "memory");
+                }
+        __syncthreads();
+        lin_swiglu_store(out, xch, m0, n0 / 2, m, n, tid, THREADS);
+    } else {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) {
+                    const uint32_t row = m0 + wm0 + mt * 16 + g + (jj >= 2 ? 8 : 0);
+                    const uint32_t col = n0 + wn0 + nt * 8 + 2 * q + (jj & 1);
+                    if (row < m && col < n) store_out(out, (size_t)row * n + col, total[mt][nt][jj]);
+                }
+    }
 }
 
 // Segment `seg` of k: its chunks [c_begin, c_end) (empty past the last), and how many segments

@@ -391,13 +391,17 @@ MT_DEVICE void tma_load_2d(uint32_t dst, const void* map, uint32_t c0, uint32_t 
 // image) or n (zero by the map) add nothing; SPLIT: a segment may end inside a stage. One block
 // per tile, without multicast between blocks: the tensor pipe and L2 are both well used, and
 // sharing the x tile across a cluster costs more in barrier traffic than the copies it saves.
-template <typename OutT, int ST, bool SPLIT, typename W>
+// SWIGLU (`linear_tma_swiglu`): w is [2 n, k], gate rows then up rows, and `wmap` boxes 64 rows;
+// block column tile y takes gate rows 64 y .. 64 y + 63 (warpgroup 1) and the same up rows
+// (warpgroup 2), two boxes a stage, and writes silu(gate) * up as the stage images `out` of an
+// [m, n] matrix (`lin_swiglu_store`).
+template <typename OutT, int ST, bool SPLIT, typename W, bool SWIGLU = false>
 MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const W& wf, const void* wmap, uint32_t m, uint32_t n,
                                uint32_t k, unsigned char* smem) {
     constexpr uint32_t W_BYTES = LIN_TMA_TILE * W::ROW_BYTES, STAGE_BYTES = W_BYTES + LIN_TMA_IMG_BYTES;
     smem += (1024 - ((uint32_t)__cvta_generic_to_shared(smem) & 1023)) & 1023;  // swizzle atoms
     const uint32_t tid = threadIdx.x, wg = tid / 128, wt = tid % 128;
-    const uint32_t t0 = blockIdx.x * LIN_TMA_TILE, n0 = blockIdx.y * LIN_TMA_TILE;
+    const uint32_t t0 = blockIdx.x * LIN_TMA_TILE, n0 = blockIdx.y * (SWIGLU ? LIN_TMA_TILE / 2 : LIN_TMA_TILE);
     const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC, seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
     const uint32_t steps = (chunks + 1) / 2;
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
@@ -421,6 +425,7 @@ MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const W& wf, const voi
             mbar_wait(empty + slot * 8, ((j / ST) & 1) ^ 1);
             mbar_expect_tx(bar, STAGE_BYTES);
             tma_load_2d(st, wmap, j * 64, n0, bar);
+            if constexpr (SWIGLU) tma_load_2d(st + W_BYTES / 2, wmap, j * 64, n + n0, bar);  // the up rows
             bulk_g2s(st + W_BYTES, img + (size_t)j * LIN_TMA_IMG_BYTES, LIN_TMA_IMG_BYTES, bar);
         }
         return;
@@ -429,6 +434,9 @@ MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const W& wf, const voi
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
     const uint32_t cw = wg - 1, warp = wt / 32, lane = wt % 32, g = lane / 4, q = lane % 4;
     const WgFragRows fr = wg_frag_rows(cw, warp, g, q);
+    // The weight row of tile row 0 as `W::frags` sees it (its FP8 scales): under SWIGLU the up
+    // rows (tile rows 64..127) are weight rows n + n0 ...
+    const uint32_t wrow0 = SWIGLU && cw == 1 ? n + n0 - 64 : n0;
     float acc[64], total[64];
 #pragma unroll
     for (int e = 0; e < 64; ++e) acc[e] = total[e] = 0.0f;
@@ -445,7 +453,7 @@ MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const W& wf, const voi
         const uint32_t slot = j % ST;
         mbar_wait(full + slot * 8, (j / ST) & 1);
         const uint32_t st = sbase + slot * STAGE_BYTES;
-        wf.frags(cur, st, fr, n0, 2 * j);
+        wf.frags(cur, st, fr, wrow0, 2 * j);
         wg_fence();
         const uint32_t xb = st + W_BYTES;
         if constexpr (SPLIT) {
@@ -494,10 +502,26 @@ MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const W& wf, const voi
             for (int e = 0; e < 64; ++e) total[e] += acc[e];
         }
     }
+    if constexpr (SWIGLU) {
+        // Tile row ra holds gate (warpgroup 1) or up (warpgroup 2) column ra % 64, x row
+        // (e / 4) * 8 + 2 q + (e & 1): each bf16 into the exchange, then the SwiGLU from there.
+        const uint32_t xch = full + 1024, half = xch + cw * (LIN_TMA_TILE * 128);
 #pragma unroll
-    for (int e = 0; e < 64; ++e) {
-        const uint32_t col = n0 + fr.ra + ((e % 4) >= 2 ? 8 : 0);
-        const uint32_t row = t0 + (e / 4) * 8 + 2 * q + (e & 1);
-        if (row < m && col < n) store_out(out, (size_t)row * n + col, total[e]);
+        for (int e = 0; e < 64; ++e) {
+            const uint32_t col = fr.ra % 64 + ((e % 4) >= 2 ? 8 : 0), row = (e / 4) * 8 + 2 * q + (e & 1);
+            const bf16 v = f2bf(total[e]);
+            asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(half + lin_swiglu_xoff(row, col / 8) + (col % 8) * 2),
+                         "h"(*reinterpret_cast<const unsigned short*>(&v))
+                         : "memory");
+        }
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        lin_swiglu_store(reinterpret_cast<unsigned char*>(out), xch, t0, n0, m, n, tid - 128, 256);
+    } else {
+#pragma unroll
+        for (int e = 0; e < 64; ++e) {
+            const uint32_t col = n0 + fr.ra + ((e % 4) >= 2 ? 8 : 0);
+            const uint32_t row = t0 + (e / 4) * 8 + 2 * q + (e & 1);
+            if (row < m && col < n) store_out(out, (size_t)row * n + col, total[e]);
+        }
     }
 }

@@ -103,6 +103,11 @@ macro_rules! for_each_kernel {
             gemm::linear_stream_wide_fp8 => LINEAR_STREAM_WIDE_FP8($crate::LinearFp8Params),
             /// `linear_tma` of a block-FP8 weight, converted as the MMAs read it (prefill).
             gemm::linear_tma_fp8 => LINEAR_TMA_FP8($crate::LinearTmaFp8Params),
+            /// The gate/up projection and the SwiGLU of a prefill, written as the down
+            /// projection's stage images.
+            gemm::linear_tma_swiglu => LINEAR_TMA_SWIGLU($crate::LinearTmaSwigluParams),
+            /// `linear_tma_swiglu` of a block-FP8 weight.
+            gemm::linear_tma_swiglu_fp8 => LINEAR_TMA_SWIGLU_FP8($crate::LinearTmaSwigluFp8Params),
             /// `linear_stream_tma` of a block-FP8 weight (17..128 rows).
             gemm::linear_stream_tma_fp8 => LINEAR_STREAM_TMA_FP8($crate::LinearStreamTmaFp8Params),
             /// A block-FP8 weight as bf16.

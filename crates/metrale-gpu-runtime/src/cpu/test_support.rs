@@ -23,7 +23,11 @@ pub(crate) struct Rig {
 fn threads_of(name: &str) -> u32 {
     match name {
         "linear" | "linear_f32out" => LIN_THREADS,
-        "linear_tma" | "linear_tma_f32out" | "linear_tma_fp8" => LIN_TMA_THREADS,
+        "linear_tma"
+        | "linear_tma_f32out"
+        | "linear_tma_fp8"
+        | "linear_tma_swiglu"
+        | "linear_tma_swiglu_fp8" => LIN_TMA_THREADS,
         "linear_stream_tma" | "linear_stream_tma_f32out" | "linear_stream_tma_fp8" => {
             LIN_DEC_THREADS
         }

@@ -132,6 +132,55 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `gemm::linear_tma_swiglu`: the gate/up projection of a prefill (`linear_tma` of x's
+    /// stage images by w `[2 n, k]`, gate rows then up rows, read through a tensor map of
+    /// 64-row boxes) and `silu_mul_staged` after it, in one launch: the SwiGLU written only as
+    /// the down projection's stage images.
+    pub struct LinearTmaSwigluParams("LINEAR_TMA_SWIGLU_PARAMS") {
+        /// The stage images of the SwiGLU `[m, n]`.
+        img: ptr "unsigned char* __restrict__",
+        /// The stage images of x `[m, k]`.
+        xt: ptr "const bf16* __restrict__",
+        /// bf16 `[2 n, k]`.
+        w: ptr "const bf16* __restrict__",
+        /// w's 128-byte tensor map (boxes of 64 k by 64 rows), in device memory.
+        wmap: ptr "const void* __restrict__",
+        /// Rows.
+        m: u32,
+        /// The SwiGLU's columns (the FFN width), a multiple of 64.
+        n: u32,
+        /// Inputs.
+        k: u32,
+    }
+}
+
+kernel_params! {
+    /// `gemm::linear_tma_swiglu_fp8`: `linear_tma_swiglu` of a block-FP8 weight, each element
+    /// taken as `LinearFp8Params` takes it.
+    pub struct LinearTmaSwigluFp8Params("LINEAR_TMA_SWIGLU_FP8_PARAMS") {
+        /// The stage images of the SwiGLU `[m, n]`.
+        img: ptr "unsigned char* __restrict__",
+        /// The stage images of x `[m, k]`.
+        xt: ptr "const bf16* __restrict__",
+        /// fp8 e4m3 `[2 n, k]`.
+        w: ptr "const uint8_t* __restrict__",
+        /// f32 block scales of w, as `LinearFp8Params::scales`.
+        scales: ptr "const float* __restrict__",
+        /// w's 128-byte tensor map (bytes, boxes of 64 k by 64 rows, 64-byte swizzle), in device
+        /// memory.
+        wmap: ptr "const void* __restrict__",
+        /// Rows.
+        m: u32,
+        /// The SwiGLU's columns (the FFN width), a multiple of 64.
+        n: u32,
+        /// Inputs.
+        k: u32,
+        /// As `LinearFp8Params::scale_row_shift`.
+        scale_row_shift: u32,
+    }
+}
+
+kernel_params! {
     /// `gemm::linear_stream_tma_fp8`: `linear_stream_tma` of a block-FP8 weight (decode), each
     /// element taken as `LinearFp8Params` takes it.
     pub struct LinearStreamTmaFp8Params("LINEAR_STREAM_TMA_FP8_PARAMS") {

@@ -166,7 +166,8 @@ fn layout(model: &Model, sizes: &StepSizes) -> (ArenaLayout, LinearStagingSize) 
     .max()
     .unwrap_or(0);
     // A map slot per projection: at most eight a layer (MoE: router, shared expert's three;
-    // GDN: its input projections and output), the MTP head's layers and the LM head. The slots
+    // GDN: its input projections and output; a dense MLP's gate/up has a second map, of the
+    // 64-row boxes `linear_tma_swiglu` reads), the MTP head's layers and the LM head. The slots
     // and the images come whatever the step's rows: decode projections of 9..128 rows read
     // their weights through the maps too (`linear_stream_tma`), and most of them their x from
     // images their producer writes.

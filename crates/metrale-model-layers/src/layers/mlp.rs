@@ -9,6 +9,7 @@ use metrale_gpu_runtime::{DevicePtr, GpuResult};
 use crate::circuit_exec::{BoundWeight, FfnFacts, WeightSlot};
 use crate::layer::LayerCtx;
 use crate::ops::Matrix;
+use crate::ops_gemm::linear_staging_bytes;
 use crate::weight_map::DenseWeight;
 
 /// One MLP's weights.
@@ -37,16 +38,28 @@ impl Mlp {
             Matrix::bf16(buf.acts.delta, rows, d.hidden),
         );
         let (w_gate_up, w_down) = (self.gate_up.matrix(), self.down.matrix());
-        match staged {
-            Some(images) => ops.linear_staged(s, (gate_up, normed, w_gate_up), images)?,
-            None => ops.linear(s, gate_up, normed, w_gate_up)?,
-        }
         // A sharded down projection reads its input plainly: its f32 partial sums go to the
         // all-reduce.
         let images = match cx.sharded() {
             true => None,
             false => ops.linear_staging(s, w_down, rows)?,
         };
+        // In a prefill step (row groups for the prefill attention; decode steps keep the
+        // launches the circuit's programs replay) one launch computes the SwiGLU from the
+        // gate/up projection's tiles and writes it as the down projection's images into the
+        // projection's own buffer, which it then no longer needs (and which holds them: above
+        // 128 rows the images' rows, rounded up to 128, are fewer than twice the rows).
+        if let (Some(x_images), Some(_)) = (staged, images)
+            && cx.shape.att_groups > 0
+            && linear_staging_bytes(rows, self.ffn) <= rows as usize * 4 * self.ffn as usize
+            && ops.linear_swiglu_staged(s, (gate_up.ptr, normed, w_gate_up), x_images)?
+        {
+            return ops.linear_staged(s, (delta, act, w_down), gate_up.ptr);
+        }
+        match staged {
+            Some(images) => ops.linear_staged(s, (gate_up, normed, w_gate_up), images)?,
+            None => ops.linear(s, gate_up, normed, w_gate_up)?,
+        }
         if let Some(images) = images {
             ops.silu_mul_staged(s, images, act, gate_up)?;
             return ops.linear_staged(s, (delta, act, w_down), images);

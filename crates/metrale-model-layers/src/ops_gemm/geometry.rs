@@ -135,6 +135,23 @@ pub fn linear_tma_geometry(m: u32, n: u32) -> LaunchConfig {
     .with_programmatic()
 }
 
+/// Dynamic shared memory of `linear_tma_swiglu`: `linear_tma`'s and the 32 KiB exchange of a
+/// tile's gate and up values (bf16, 128 rows by 64 columns each).
+const LINEAR_TMA_SWIGLU_SMEM: u32 = LINEAR_TMA_SMEM + 2 * LIN_TMA_TILE * 128;
+
+/// `linear_tma_swiglu`'s geometry for `m` rows and a SwiGLU of `ffn` (a multiple of 64)
+/// columns: grid (ceil(m / 128), ffn / 64), each block 64 gate and the same 64 up columns;
+/// otherwise `linear_tma`'s.
+pub fn linear_tma_swiglu_geometry(m: u32, ffn: u32) -> LaunchConfig {
+    LaunchConfig::grid2(
+        m.div_ceil(LIN_TMA_TILE),
+        ffn / (LIN_TMA_TILE / 2),
+        LIN_TMA_THREADS,
+    )
+    .with_shared(LINEAR_TMA_SWIGLU_SMEM)
+    .with_programmatic()
+}
+
 /// Rows `linear_stream_tma` serves from: at 8 rows and below the narrow kernels, which can start
 /// on a multiprocessor beside the kernel ahead, are faster in a chain of projections ...
 pub const LINEAR_STREAM_TMA_M_MIN: u32 = 9;

@@ -13,7 +13,9 @@
 //!
 //! A layer may skip the permute: where [`Ops::linear_staging`] offers the buffer, the producer
 //! of a projection's input writes the images itself (`add_rms_norm_staged`,
-//! `silu_mul_staged`) and [`Ops::linear_staged`] runs the projection from them.
+//! `silu_mul_staged`) and [`Ops::linear_staged`] runs the projection from them. At prefill
+//! sizes [`Ops::linear_swiglu_staged`] runs the gate/up projection and the SwiGLU as one
+//! launch that writes only the down projection's images (`swiglu`).
 //!
 //! Decode-sized calls of 9..128 rows run `linear_stream_tma` where the weight has a map (the same
 //! slots) and x fits it ([`linear_stream_tma_fits`]); from 17 rows, where every k segment is
@@ -39,6 +41,7 @@ use crate::ops_view::{Matrix, Operands};
 
 mod fp8;
 mod geometry;
+mod swiglu;
 
 pub use fp8::{
     FP8_STREAM_M_MAX, FP8_STREAM_TMA_M_MIN, Fp8Scratch, fp8_scale_bytes, fp8_weight_takes_map,
@@ -93,8 +96,8 @@ pub(crate) struct LinearTma {
 #[derive(Debug, Default)]
 struct TmaState {
     staging: Option<LinearStaging>,
-    /// Map slots by (weight address, rows, columns).
-    maps: HashMap<(u64, u32, u32), DevicePtr>,
+    /// Map slots by (weight address, rows, columns, box rows).
+    maps: HashMap<(u64, u32, u32, u32), DevicePtr>,
     /// Where prefill-sized `linear` of an FP8 weight writes its bf16 image (`ops_gemm::fp8`).
     fp8_scratch: Option<Fp8Scratch>,
 }
@@ -198,8 +201,19 @@ impl Ops {
         n: u32,
         k: u32,
     ) -> GpuResult<Option<DevicePtr>> {
+        self.tma_map_boxed(s, (w, dtype, n, k), LIN_TMA_TILE)
+    }
+
+    /// [`Ops::linear_tma_map`] with boxes of `box_rows` rows (`linear_tma_swiglu`'s maps have
+    /// 64); a weight may have a map of each.
+    fn tma_map_boxed(
+        &self,
+        s: StreamHandle,
+        (w, dtype, n, k): (DevicePtr, DType, u32, u32),
+        box_rows: u32,
+    ) -> GpuResult<Option<DevicePtr>> {
         let mut state = self.tma.state.lock();
-        if let Some(&map) = state.maps.get(&(w.0, n, k)) {
+        if let Some(&map) = state.maps.get(&(w.0, n, k, box_rows)) {
             return Ok(Some(map));
         }
         let Some(staging) = state.staging else {
@@ -210,7 +224,7 @@ impl Ops {
             return Ok(None);
         }
         let gpu = &self.tma.gpu;
-        let bytes = match gpu.tensor_map_2d(w, dtype, n, k, LIN_TMA_TILE, 2 * LIN_KC) {
+        let bytes = match gpu.tensor_map_2d(w, dtype, n, k, box_rows, 2 * LIN_KC) {
             Some(encoded) => encoded?,
             None => [0u8; LINEAR_TMA_MAP_BYTES],
         };
@@ -220,7 +234,7 @@ impl Ops {
             Err(GpuError::Capture(_)) => return Ok(None),
             Err(e) => return Err(e),
         }
-        state.maps.insert((w.0, n, k), map);
+        state.maps.insert((w.0, n, k, box_rows), map);
         Ok(Some(map))
     }
 

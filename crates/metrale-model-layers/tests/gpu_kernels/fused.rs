@@ -4,13 +4,17 @@
 //! within the bf16 tolerance. Random inputs (never zeros), poisoned caches, padding slots, the
 //! scalar path (head_dim not a multiple of 8), partial rotary with gated queries, and no q/k
 //! norms (Llama); `gemm::linear_swiglu` leaves byte for byte what `linear` then `silu_mul`
-//! leave, on CUDA and on the CPU twin. Each check takes its shapes, so `small` runs them at the
-//! sanitizer's sizes.
+//! leave, on CUDA and on the CPU twin; `gemm::linear_tma_swiglu` (bf16 and block-FP8 weights)
+//! writes byte for byte the stage images `linear` then `silu_mul_staged` write. Each check takes
+//! its shapes, so `small` runs them at the sanitizer's sizes.
 
-use metrale_gpu_runtime::DevicePtr;
-use metrale_model_layers::ops::{KvStore, Matrix, QkNormRope};
+use metrale_gpu_runtime::fp8::{self, FP8_BLOCK_ROW_SHIFT};
+use metrale_gpu_runtime::{DType, DevicePtr};
+use metrale_model_layers::ops::{BlockScales, KvStore, Matrix, QkNormRope};
+use metrale_model_layers::ops_gemm::linear_staging_bytes;
 
 use super::harness::{Buf, Pair, Rng, S, Tolerance};
+use super::linear::{image_rows, permuted_pair};
 use super::rows::inv_freq;
 
 /// Both checks at small shapes (the sanitizer set).
@@ -25,6 +29,7 @@ pub(super) fn small(p: &Pair) {
         ],
     );
     swiglu(p, rng, &[(2, 72, 96), (3, 41, 101)]);
+    tma_swiglu(p, rng, &[(130, 64, 128, false), (130, 128, 256, true)]);
 }
 
 /// One set of buffers the chain or the fused kernel writes.
@@ -210,5 +215,104 @@ fn swiglu(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)]) {
             "{case}: the CPU twin differs from linear + silu_mul"
         );
         p.check_bf16("linear_swiglu", &case, &fused, Tolerance::BF16);
+    }
+}
+
+#[test]
+fn linear_tma_swiglu_writes_the_images_of_linear_then_silu_mul_staged() {
+    // (rows, ffn, hidden, FP8 weight): two row tiles, the second almost empty; three column
+    // tiles; segments ending inside a stage (k = 2112: 66 chunks, 9 a segment); a Qwen3-8B-wide
+    // input at 300 rows; and FP8 weights with 128-row scale blocks (a tile's gate and up rows in
+    // different blocks).
+    let shapes = [
+        (130, 64, 1024, false),
+        (257, 192, 512, false),
+        (200, 128, 2112, false),
+        (300, 256, 4096, false),
+        (129, 192, 1024, true),
+        (300, 320, 4096, true),
+    ];
+    tma_swiglu(&Pair::new(), &mut Rng::new(44), &shapes);
+}
+
+/// `linear_tma_swiglu` (through `Ops::linear_swiglu_staged`) against `linear` then
+/// `silu_mul_staged` at `(rows, ffn, hidden, fp8)` each: the image rows bitwise on CUDA and on
+/// the CPU twin, CUDA within bf16 of the twin. An FP8 weight's chain runs on its dequantized bf16
+/// weight (bitwise what `linear` of the FP8 weight gives).
+fn tma_swiglu(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32, bool)]) {
+    for &(m, n, k, fp8_weight) in shapes {
+        let case = format!("m={m} ffn={n} k={k} fp8 {fp8_weight}");
+        p.stage_linear(Some((m, k)));
+        let x = p.upload(&rng.bf16s((m * k) as usize, -1.0, 1.0));
+        let s = 1.5 * (3.0 / k as f32).sqrt();
+        let w = rng.bf16s((2 * n * k) as usize, -s, s);
+        // The weight the chain multiplies (bf16), and the one the fused kernel reads.
+        let (wb, fp8_parts) = if fp8_weight {
+            let (q, grid) = fp8::quantize(&w, (2 * n as usize, k as usize));
+            let (q, grid) = (p.upload(&q), p.upload(&grid));
+            let deq = p.poisoned((2 * n * k) as usize * 2);
+            p.run(|o, at| {
+                o.dequant_fp8(
+                    S,
+                    Matrix::bf16(at(&deq), 2 * n, k),
+                    fp8_view(&q, &grid, (2 * n, k), at),
+                )
+            });
+            (deq, Some((q, grid)))
+        } else {
+            (p.upload(&w), None)
+        };
+        let weight = |at: super::harness::At<'_>| match &fp8_parts {
+            Some((q, grid)) => fp8_view(q, grid, (2 * n, k), at),
+            None => Matrix::bf16(at(&wb), 2 * n, k),
+        };
+        let (xi_gpu, _) = permuted_pair(p, &x, m, k);
+        let xi = p.upload(&xi_gpu);
+        let fused = p.poisoned(linear_staging_bytes(m, n));
+        p.run(|o, at| {
+            let ran = o.linear_swiglu_staged(
+                S,
+                (at(&fused), Matrix::bf16(at(&x), m, k), weight(at)),
+                at(&xi),
+            )?;
+            assert!(ran, "{case}: linear_swiglu_staged declined the call");
+            Ok(())
+        });
+        let gate_up = p.poisoned((m * 2 * n) as usize * 2);
+        let chained = p.poisoned(linear_staging_bytes(m, n));
+        let act = p.poisoned((m * n) as usize * 2);
+        p.run(|o, at| {
+            let gu = Matrix::bf16(at(&gate_up), m, 2 * n);
+            o.linear(
+                S,
+                gu,
+                Matrix::bf16(at(&x), m, k),
+                Matrix::bf16(at(&wb), 2 * n, k),
+            )?;
+            o.silu_mul_staged(S, at(&chained), Matrix::bf16(at(&act), m, n), gu)
+        });
+        let (gf, cf) = p.download::<u16>(&fused);
+        let (gc, cc) = p.download::<u16>(&chained);
+        assert!(
+            image_rows(&gf, m, n) == image_rows(&gc, m, n),
+            "{case}: CUDA linear_tma_swiglu differs from linear + silu_mul_staged"
+        );
+        assert!(
+            image_rows(&cf, m, n) == image_rows(&cc, m, n),
+            "{case}: the CPU twin differs from linear + silu_mul_staged"
+        );
+        p.check_bf16("linear_tma_swiglu", &case, &fused, Tolerance::BF16);
+        p.stage_linear(None);
+    }
+}
+
+/// The FP8 view of the bytes `q` with their 128-row block scales `grid` on one side.
+fn fp8_view(q: &Buf, grid: &Buf, (n, k): (u32, u32), at: super::harness::At<'_>) -> Matrix {
+    Matrix {
+        scales: Some(BlockScales {
+            ptr: at(grid),
+            row_shift: FP8_BLOCK_ROW_SHIFT,
+        }),
+        ..Matrix::new(at(q), DType::F8E4M3, n, k)
     }
 }

@@ -7,8 +7,8 @@ use half::bf16;
 use metrale_kernel_abi::{
     DequantFp8Params, FP8_BLOCK, FP8_CONVERT_THREADS, LIN_DEC_THREADS, LIN_STREAM_WARPS,
     LIN_THREADS, LIN_TMA_THREADS, LinearFp8Params, LinearParams, LinearStreamTmaFp8Params,
-    LinearStreamTmaParams, LinearTmaFp8Params, LinearTmaParams, PermuteK32TilesParams,
-    QuantizeFp8Params,
+    LinearStreamTmaParams, LinearTmaFp8Params, LinearTmaParams, LinearTmaSwigluFp8Params,
+    LinearTmaSwigluParams, PermuteK32TilesParams, QuantizeFp8Params,
 };
 
 use super::util::{b, f};
@@ -304,6 +304,48 @@ pub fn linear_tma_fp8(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let x = x_from_images(ctx, p.xt, m, k)?;
     let w = fp8_weight(ctx, (p.w, p.scales), (n, k), p.scale_row_shift)?;
     store_bf16(ctx, p.out, &gemm_host(&x, &w, (m, n, k)))
+}
+
+/// The SwiGLU of x (`[m, k]`) by the `[2 n, k]` gate/up weight `w` (f32 sums rounded to bf16 as
+/// `linear` stores them, then `silu_mul`'s twin) into the stage images at `img`: the rows
+/// `linear_tma_swiglu` writes (image rows past `m` left as they were).
+fn swiglu_images(
+    ctx: &KernelCtx<'_>,
+    img: DevicePtr,
+    (x, w): (&[bf16], &[bf16]),
+    (m, n, k): (usize, usize, usize),
+) -> GpuResult<()> {
+    if n % 64 != 0 {
+        return Err(ctx.fail(format!("n = {n} is not a multiple of 64")));
+    }
+    let gate_up: Vec<bf16> = gemm_host(x, w, (m, 2 * n, k)).into_iter().map(b).collect();
+    let act = super::activation::silu_mul_rows(&gate_up, m, n);
+    let img = ctx.slice_mut::<bf16>("img", img, stage_image_bytes(m, n) / 2)?;
+    for (r, row) in act.chunks(n.max(1)).enumerate() {
+        store_image_row(img, r, row);
+    }
+    Ok(())
+}
+
+/// `linear_tma_swiglu` ([`LinearTmaSwigluParams`]): `linear_tma` of x's stage images by the
+/// `[2 n, k]` gate/up weight, then `silu_mul_staged` (images only), in one launch (the tensor
+/// map is the device's, not read here).
+pub fn linear_tma_swiglu(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    let p: LinearTmaSwigluParams = ctx.params()?;
+    let (m, n, k) = dims(ctx, (p.m, p.n, p.k), LIN_TMA_THREADS)?;
+    let x = x_from_images(ctx, p.xt, m, k)?;
+    let w = ctx.slice::<bf16>("w", p.w, 2 * n * k)?;
+    swiglu_images(ctx, p.img, (&x, w), (m, n, k))
+}
+
+/// `linear_tma_swiglu_fp8` ([`LinearTmaSwigluFp8Params`]): `linear_tma_swiglu` of the dequantized
+/// weight.
+pub fn linear_tma_swiglu_fp8(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    let p: LinearTmaSwigluFp8Params = ctx.params()?;
+    let (m, n, k) = dims(ctx, (p.m, p.n, p.k), LIN_TMA_THREADS)?;
+    let x = x_from_images(ctx, p.xt, m, k)?;
+    let w = fp8_weight(ctx, (p.w, p.scales), (2 * n, k), p.scale_row_shift)?;
+    swiglu_images(ctx, p.img, (&x, &w), (m, n, k))
 }
 
 /// `linear_stream_tma_fp8` ([`LinearStreamTmaFp8Params`]): `linear` of the dequantized weight,
