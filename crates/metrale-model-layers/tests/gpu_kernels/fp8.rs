@@ -58,7 +58,7 @@ fn fp8_linear_is_the_bf16_linear_of_its_dequantized_weight_on_every_path() {
 }
 
 /// The FP8 view of `q` with `scales` (row shift `shift`) on one side.
-fn fp8_matrix(
+pub(super) fn fp8_matrix(
     q: &Buf,
     scales: &Buf,
     shift: u32,

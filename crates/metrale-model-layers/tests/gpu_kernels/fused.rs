@@ -8,11 +8,12 @@
 //! writes byte for byte the stage images `linear` then `silu_mul_staged` write. Each check takes
 //! its shapes, so `small` runs them at the sanitizer's sizes.
 
+use metrale_gpu_runtime::DevicePtr;
 use metrale_gpu_runtime::fp8::{self, FP8_BLOCK_ROW_SHIFT};
-use metrale_gpu_runtime::{DType, DevicePtr};
-use metrale_model_layers::ops::{BlockScales, KvStore, Matrix, QkNormRope};
+use metrale_model_layers::ops::{KvStore, Matrix, QkNormRope};
 use metrale_model_layers::ops_gemm::linear_staging_bytes;
 
+use super::fp8::fp8_matrix;
 use super::harness::{Buf, Pair, Rng, S, Tolerance};
 use super::linear::{image_rows, permuted_pair};
 use super::rows::inv_freq;
@@ -255,7 +256,7 @@ fn tma_swiglu(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32, bool)]) {
                 o.dequant_fp8(
                     S,
                     Matrix::bf16(at(&deq), 2 * n, k),
-                    fp8_view(&q, &grid, (2 * n, k), at),
+                    fp8_matrix(&q, &grid, FP8_BLOCK_ROW_SHIFT, (2 * n, k), at),
                 )
             });
             (deq, Some((q, grid)))
@@ -263,7 +264,7 @@ fn tma_swiglu(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32, bool)]) {
             (p.upload(&w), None)
         };
         let weight = |at: super::harness::At<'_>| match &fp8_parts {
-            Some((q, grid)) => fp8_view(q, grid, (2 * n, k), at),
+            Some((q, grid)) => fp8_matrix(q, grid, FP8_BLOCK_ROW_SHIFT, (2 * n, k), at),
             None => Matrix::bf16(at(&wb), 2 * n, k),
         };
         let (xi_gpu, _) = permuted_pair(p, &x, m, k);
@@ -303,16 +304,5 @@ fn tma_swiglu(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32, bool)]) {
         );
         p.check_bf16("linear_tma_swiglu", &case, &fused, Tolerance::BF16);
         p.stage_linear(None);
-    }
-}
-
-/// The FP8 view of the bytes `q` with their 128-row block scales `grid` on one side.
-fn fp8_view(q: &Buf, grid: &Buf, (n, k): (u32, u32), at: super::harness::At<'_>) -> Matrix {
-    Matrix {
-        scales: Some(BlockScales {
-            ptr: at(grid),
-            row_shift: FP8_BLOCK_ROW_SHIFT,
-        }),
-        ..Matrix::new(at(q), DType::F8E4M3, n, k)
     }
 }
