@@ -1068,24 +1068,27 @@ struct LinearTmaParams {
     const bf16* xt;
     const bf16* w;
     const void* wmap;
+    uint32_t* sched;
     uint32_t m;
     uint32_t n;
     uint32_t k;
 };
 #pragma pack(pop)
-static_assert(sizeof(LinearTmaParams) == 44, "LinearTmaParams: not the layout of metrale-kernel-abi");
+static_assert(sizeof(LinearTmaParams) == 52, "LinearTmaParams: not the layout of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaParams, out) == 0, "LinearTmaParams::out: not the offset of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaParams, xt) == 8, "LinearTmaParams::xt: not the offset of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaParams, w) == 16, "LinearTmaParams::w: not the offset of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaParams, wmap) == 24, "LinearTmaParams::wmap: not the offset of metrale-kernel-abi");
-static_assert(offsetof(LinearTmaParams, m) == 32, "LinearTmaParams::m: not the offset of metrale-kernel-abi");
-static_assert(offsetof(LinearTmaParams, n) == 36, "LinearTmaParams::n: not the offset of metrale-kernel-abi");
-static_assert(offsetof(LinearTmaParams, k) == 40, "LinearTmaParams::k: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaParams, sched) == 32, "LinearTmaParams::sched: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaParams, m) == 40, "LinearTmaParams::m: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaParams, n) == 44, "LinearTmaParams::n: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaParams, k) == 48, "LinearTmaParams::k: not the offset of metrale-kernel-abi");
 #define LINEAR_TMA_PARAMS(OutT) \
     OutT* __restrict__ out, \
     const bf16* __restrict__ xt, \
     const bf16* __restrict__ w, \
     const void* __restrict__ wmap, \
+    uint32_t* __restrict__ sched, \
     uint32_t m, \
     uint32_t n, \
     uint32_t k
@@ -1166,28 +1169,31 @@ struct LinearTmaFp8Params {
     const uint8_t* w;
     const float* scales;
     const void* wmap;
+    uint32_t* sched;
     uint32_t m;
     uint32_t n;
     uint32_t k;
     uint32_t scale_row_shift;
 };
 #pragma pack(pop)
-static_assert(sizeof(LinearTmaFp8Params) == 56, "LinearTmaFp8Params: not the layout of metrale-kernel-abi");
+static_assert(sizeof(LinearTmaFp8Params) == 64, "LinearTmaFp8Params: not the layout of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaFp8Params, out) == 0, "LinearTmaFp8Params::out: not the offset of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaFp8Params, xt) == 8, "LinearTmaFp8Params::xt: not the offset of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaFp8Params, w) == 16, "LinearTmaFp8Params::w: not the offset of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaFp8Params, scales) == 24, "LinearTmaFp8Params::scales: not the offset of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaFp8Params, wmap) == 32, "LinearTmaFp8Params::wmap: not the offset of metrale-kernel-abi");
-static_assert(offsetof(LinearTmaFp8Params, m) == 40, "LinearTmaFp8Params::m: not the offset of metrale-kernel-abi");
-static_assert(offsetof(LinearTmaFp8Params, n) == 44, "LinearTmaFp8Params::n: not the offset of metrale-kernel-abi");
-static_assert(offsetof(LinearTmaFp8Params, k) == 48, "LinearTmaFp8Params::k: not the offset of metrale-kernel-abi");
-static_assert(offsetof(LinearTmaFp8Params, scale_row_shift) == 52, "LinearTmaFp8Params::scale_row_shift: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaFp8Params, sched) == 40, "LinearTmaFp8Params::sched: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaFp8Params, m) == 48, "LinearTmaFp8Params::m: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaFp8Params, n) == 52, "LinearTmaFp8Params::n: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaFp8Params, k) == 56, "LinearTmaFp8Params::k: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaFp8Params, scale_row_shift) == 60, "LinearTmaFp8Params::scale_row_shift: not the offset of metrale-kernel-abi");
 #define LINEAR_TMA_FP8_PARAMS \
     bf16* __restrict__ out, \
     const bf16* __restrict__ xt, \
     const uint8_t* __restrict__ w, \
     const float* __restrict__ scales, \
     const void* __restrict__ wmap, \
+    uint32_t* __restrict__ sched, \
     uint32_t m, \
     uint32_t n, \
     uint32_t k, \
@@ -1203,24 +1209,27 @@ struct LinearTmaSwigluParams {
     const bf16* xt;
     const bf16* w;
     const void* wmap;
+    uint32_t* sched;
     uint32_t m;
     uint32_t n;
     uint32_t k;
 };
 #pragma pack(pop)
-static_assert(sizeof(LinearTmaSwigluParams) == 44, "LinearTmaSwigluParams: not the layout of metrale-kernel-abi");
+static_assert(sizeof(LinearTmaSwigluParams) == 52, "LinearTmaSwigluParams: not the layout of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaSwigluParams, img) == 0, "LinearTmaSwigluParams::img: not the offset of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaSwigluParams, xt) == 8, "LinearTmaSwigluParams::xt: not the offset of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaSwigluParams, w) == 16, "LinearTmaSwigluParams::w: not the offset of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaSwigluParams, wmap) == 24, "LinearTmaSwigluParams::wmap: not the offset of metrale-kernel-abi");
-static_assert(offsetof(LinearTmaSwigluParams, m) == 32, "LinearTmaSwigluParams::m: not the offset of metrale-kernel-abi");
-static_assert(offsetof(LinearTmaSwigluParams, n) == 36, "LinearTmaSwigluParams::n: not the offset of metrale-kernel-abi");
-static_assert(offsetof(LinearTmaSwigluParams, k) == 40, "LinearTmaSwigluParams::k: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluParams, sched) == 32, "LinearTmaSwigluParams::sched: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluParams, m) == 40, "LinearTmaSwigluParams::m: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluParams, n) == 44, "LinearTmaSwigluParams::n: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluParams, k) == 48, "LinearTmaSwigluParams::k: not the offset of metrale-kernel-abi");
 #define LINEAR_TMA_SWIGLU_PARAMS \
     unsigned char* __restrict__ img, \
     const bf16* __restrict__ xt, \
     const bf16* __restrict__ w, \
     const void* __restrict__ wmap, \
+    uint32_t* __restrict__ sched, \
     uint32_t m, \
     uint32_t n, \
     uint32_t k
@@ -1234,28 +1243,31 @@ struct LinearTmaSwigluFp8Params {
     const uint8_t* w;
     const float* scales;
     const void* wmap;
+    uint32_t* sched;
     uint32_t m;
     uint32_t n;
     uint32_t k;
     uint32_t scale_row_shift;
 };
 #pragma pack(pop)
-static_assert(sizeof(LinearTmaSwigluFp8Params) == 56, "LinearTmaSwigluFp8Params: not the layout of metrale-kernel-abi");
+static_assert(sizeof(LinearTmaSwigluFp8Params) == 64, "LinearTmaSwigluFp8Params: not the layout of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaSwigluFp8Params, img) == 0, "LinearTmaSwigluFp8Params::img: not the offset of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaSwigluFp8Params, xt) == 8, "LinearTmaSwigluFp8Params::xt: not the offset of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaSwigluFp8Params, w) == 16, "LinearTmaSwigluFp8Params::w: not the offset of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaSwigluFp8Params, scales) == 24, "LinearTmaSwigluFp8Params::scales: not the offset of metrale-kernel-abi");
 static_assert(offsetof(LinearTmaSwigluFp8Params, wmap) == 32, "LinearTmaSwigluFp8Params::wmap: not the offset of metrale-kernel-abi");
-static_assert(offsetof(LinearTmaSwigluFp8Params, m) == 40, "LinearTmaSwigluFp8Params::m: not the offset of metrale-kernel-abi");
-static_assert(offsetof(LinearTmaSwigluFp8Params, n) == 44, "LinearTmaSwigluFp8Params::n: not the offset of metrale-kernel-abi");
-static_assert(offsetof(LinearTmaSwigluFp8Params, k) == 48, "LinearTmaSwigluFp8Params::k: not the offset of metrale-kernel-abi");
-static_assert(offsetof(LinearTmaSwigluFp8Params, scale_row_shift) == 52, "LinearTmaSwigluFp8Params::scale_row_shift: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluFp8Params, sched) == 40, "LinearTmaSwigluFp8Params::sched: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluFp8Params, m) == 48, "LinearTmaSwigluFp8Params::m: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluFp8Params, n) == 52, "LinearTmaSwigluFp8Params::n: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluFp8Params, k) == 56, "LinearTmaSwigluFp8Params::k: not the offset of metrale-kernel-abi");
+static_assert(offsetof(LinearTmaSwigluFp8Params, scale_row_shift) == 60, "LinearTmaSwigluFp8Params::scale_row_shift: not the offset of metrale-kernel-abi");
 #define LINEAR_TMA_SWIGLU_FP8_PARAMS \
     unsigned char* __restrict__ img, \
     const bf16* __restrict__ xt, \
     const uint8_t* __restrict__ w, \
     const float* __restrict__ scales, \
     const void* __restrict__ wmap, \
+    uint32_t* __restrict__ sched, \
     uint32_t m, \
     uint32_t n, \
     uint32_t k, \

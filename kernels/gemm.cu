@@ -362,8 +362,8 @@ MT_DEVICE void linear_impl(OutT* out, const bf16* x, const bf16* w, uint32_t m, 
     else
         linear_ws<OutT, LIN_STAGES, LIN_BM, false>(out, x, w, m, n, k, lin_smem);
 #else  // the compute_90 PTX: the mma.sync tiles, same numerics, same block tile
-    linear_tiled<OutT, LIN_BM, LIN_BN, LIN_T_WM, LIN_T_WN, LIN_T_SC, LIN_T_ST, false>(out, x, w, m, n, k,
-                                                                                      lin_smem);
+    linear_tiled<OutT, LIN_BM, LIN_BN, LIN_T_WM, LIN_T_WN, LIN_T_SC, LIN_T_ST, false>(out, x, w, m, n, k, lin_smem,
+                                                                                      blockIdx.y, blockIdx.x);
 #endif
 }
 
@@ -413,8 +413,8 @@ extern "C" __global__ void __launch_bounds__(256)
 // weight as the compute_90 body's scalar loads read it (`tiled_w8`).
 // SWIGLU: `linear_tma_swiglu` (`n` the SwiGLU's width, `out` its stage images).
 template <typename OutT, typename W, typename TW, bool SWIGLU = false>
-MT_DEVICE void linear_tma_impl(OutT* out, const bf16* xt, const W& wf, TW w, const void* wmap, uint32_t m,
-                               uint32_t n, uint32_t k, uint32_t kernel) {
+MT_DEVICE void linear_tma_impl(OutT* out, const bf16* xt, const W& wf, TW w, const void* wmap, uint32_t* sched,
+                               uint32_t m, uint32_t n, uint32_t k, uint32_t kernel) {
     extern __shared__ __align__(16) unsigned char lin_tma_smem[];
     if (m == 0 || n == 0) return;
     if (blockDim.x != LIN_TMA_THREADS) {
@@ -427,35 +427,43 @@ MT_DEVICE void linear_tma_impl(OutT* out, const bf16* xt, const W& wf, TW w, con
     (void)w;
     const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC, seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
     if (seg_chunks % 2 == 0 && chunks % 2 == 0)  // segments end with stages (uniform over the grid)
-        linear_tma_body<OutT, LIN_TMA_STAGES, false, W, SWIGLU>(out, xt, wf, wmap, m, n, k, lin_tma_smem);
+        linear_tma_body<OutT, LIN_TMA_STAGES, false, W, SWIGLU>(out, xt, wf, wmap, sched, m, n, k, lin_tma_smem);
     else
-        linear_tma_body<OutT, LIN_TMA_STAGES, true, W, SWIGLU>(out, xt, wf, wmap, m, n, k, lin_tma_smem);
+        linear_tma_body<OutT, LIN_TMA_STAGES, true, W, SWIGLU>(out, xt, wf, wmap, sched, m, n, k, lin_tma_smem);
 #else  // the compute_90 PTX: the mma.sync tiles reading x from the images (no tensor map)
     (void)wmap;
     (void)wf;
+    (void)sched;
     // 8 warps of 64 x 32 per 128 x 128 tile; the other four leave (barriers count the rest).
+    // The tiles as the sm_90a body takes them.
     if (threadIdx.x >= 256) return;
-    if constexpr (SWIGLU)
-        linear_tiled<OutT, LIN_TMA_TILE, LIN_TMA_TILE, 64, 32, 2, 3, false, true, SwigluRows<TW>, true>(
-            out, xt, SwigluRows<TW>{w, n}, m, n, k, lin_tma_smem);
-    else
-        linear_tiled<OutT, LIN_TMA_TILE, LIN_TMA_TILE, 64, 32, 2, 3, false, true>(out, xt, w, m, n, k, lin_tma_smem);
+    const LinTmaTiles tl = lin_tma_tiles(m, SWIGLU ? 2 * n : n);
+    for (uint32_t t = tl.first; t < tl.count; t += tl.stride) {
+        if constexpr (SWIGLU)
+            linear_tiled<OutT, LIN_TMA_TILE, LIN_TMA_TILE, 64, 32, 2, 3, false, true, SwigluRows<TW>, true>(
+                out, xt, SwigluRows<TW>{w, n}, m, n, k, lin_tma_smem, t % tl.rows, t / tl.rows);
+        else
+            linear_tiled<OutT, LIN_TMA_TILE, LIN_TMA_TILE, 64, 32, 2, 3, false, true>(out, xt, w, m, n, k, lin_tma_smem,
+                                                                                      t % tl.rows, t / tl.rows);
+        __syncthreads();  // the next tile's stages overwrite this one's
+    }
 #endif
 }
 
 // linear_tma(out: bf16 [m, n], xt: `permute_k32_tiles` of x [m, k], w: bf16 [n, k], wmap: a 2-D
 // tensor map of w (bf16, dims (k, n), box 64 x 128, 128-byte swizzle) in device memory, m, n, k):
-// `linear`. Grid (ceil(m / 128), ceil(n / 128)), LIN_TMA_THREADS threads, LIN_TMA_STAGES * 32 KiB + 2 KiB of
-// dynamic shared memory. Needs k % 8 == 0 and 16-byte aligned operands.
+// `linear`. Any grid (its blocks walk the 128 x 128 tiles, `linear_tma_body`; the launcher gives
+// the resident blocks), LIN_TMA_THREADS threads, LIN_TMA_STAGES * 32 KiB + 2 KiB of dynamic shared
+// memory. Needs k % 8 == 0 and 16-byte aligned operands.
 extern "C" __global__ void __launch_bounds__(LIN_TMA_THREADS, 1)
     linear_tma(LINEAR_TMA_PARAMS(bf16)) {
-    linear_tma_impl(out, xt, TmaWBf16{}, w, wmap, m, n, k, MT_KERNEL_LINEAR_TMA);
+    linear_tma_impl(out, xt, TmaWBf16{}, w, wmap, sched, m, n, k, MT_KERNEL_LINEAR_TMA);
 }
 
 // linear_tma_f32out(out: f32 [m, n], xt, w, wmap, m, n, k): `linear_f32out`, likewise.
 extern "C" __global__ void __launch_bounds__(LIN_TMA_THREADS, 1)
     linear_tma_f32out(LINEAR_TMA_PARAMS(float)) {
-    linear_tma_impl(out, xt, TmaWBf16{}, w, wmap, m, n, k, MT_KERNEL_LINEAR_TMA_F32OUT);
+    linear_tma_impl(out, xt, TmaWBf16{}, w, wmap, sched, m, n, k, MT_KERNEL_LINEAR_TMA_F32OUT);
 }
 
 // The tensor-map format of a block-FP8 weight's launch.
@@ -472,7 +480,7 @@ MT_DEVICE TmaWFp8 tma_w_fp8(const float* scales, uint32_t scale_row_shift, uint3
 extern "C" __global__ void __launch_bounds__(LIN_TMA_THREADS, 1)
     linear_tma_fp8(LINEAR_TMA_FP8_PARAMS) {
     const TmaWFp8 wf = tma_w_fp8(scales, scale_row_shift, n, k);
-    linear_tma_impl(out, xt, wf, TiledWFp8{w, wf}, wmap, m, n, k, MT_KERNEL_LINEAR_TMA_FP8);
+    linear_tma_impl(out, xt, wf, TiledWFp8{w, wf}, wmap, sched, m, n, k, MT_KERNEL_LINEAR_TMA_FP8);
 }
 
 // linear_tma_swiglu(img: the stage images of an [m, n] bf16 matrix, xt: `permute_k32_tiles` of
@@ -480,8 +488,9 @@ extern "C" __global__ void __launch_bounds__(LIN_TMA_THREADS, 1)
 // (k, 2 n), box 64 x 64, 128-byte swizzle) in device memory, m, n, k): `linear_tma` into [gate |
 // up] then `silu_mul_staged`, in one launch and without the [m, 2 n] projection: each tile's gate
 // and up values are rounded to bf16 as `linear` stores them and combined by `silu_mul`'s
-// arithmetic, so the images are bitwise the two launches'. Grid (ceil(m / 128), n / 64),
-// LIN_TMA_THREADS threads, LINEAR_TMA_SMEM + 32 KiB of dynamic shared memory (the exchange).
+// arithmetic, so the images are bitwise the two launches'. `linear_tma`'s grid and tile walk
+// (`sched`) over tiles of 128 rows by 64 columns of the SwiGLU, LIN_TMA_THREADS threads,
+// LINEAR_TMA_SMEM + 32 KiB of dynamic shared memory (the exchange).
 // Needs n % 64 == 0, k % 8 == 0 and 16-byte aligned operands; image rows past m are not written.
 extern "C" __global__ void __launch_bounds__(LIN_TMA_THREADS, 1)
     linear_tma_swiglu(LINEAR_TMA_SWIGLU_PARAMS) {
@@ -489,7 +498,7 @@ extern "C" __global__ void __launch_bounds__(LIN_TMA_THREADS, 1)
         mt_fault(MT_KERNEL_LINEAR_TMA_SWIGLU, MT_FAULT_SHAPE);
         return;
     }
-    linear_tma_impl<unsigned char, TmaWBf16, const bf16*, true>(img, xt, TmaWBf16{}, w, wmap, m, n, k,
+    linear_tma_impl<unsigned char, TmaWBf16, const bf16*, true>(img, xt, TmaWBf16{}, w, wmap, sched, m, n, k,
                                                                MT_KERNEL_LINEAR_TMA_SWIGLU);
 }
 
@@ -504,7 +513,7 @@ extern "C" __global__ void __launch_bounds__(LIN_TMA_THREADS, 1)
         return;
     }
     const TmaWFp8 wf = tma_w_fp8(scales, scale_row_shift, 2 * n, k);
-    linear_tma_impl<unsigned char, TmaWFp8, TiledWFp8, true>(img, xt, wf, TiledWFp8{w, wf}, wmap, m, n, k,
+    linear_tma_impl<unsigned char, TmaWFp8, TiledWFp8, true>(img, xt, wf, TiledWFp8{w, wf}, wmap, sched, m, n, k,
                                                              MT_KERNEL_LINEAR_TMA_SWIGLU_FP8);
 }
 

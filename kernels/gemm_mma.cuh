@@ -135,6 +135,22 @@ MT_DEVICE void load_stage(uint4* stage, const bf16* x, TW w, uint32_t m, uint32_
     }
 }
 
+// `linear_tma`'s 128 x 128 output tiles as a grid of any size walks them: tile t covers x rows
+// of row tile t % rows by weight rows of column tile t / rows (row tiles innermost, so the
+// blocks running together share a weight tile); this block takes tiles first, first + stride, ...
+struct LinTmaTiles {
+    uint32_t rows, count, first, stride;
+};
+
+MT_DEVICE LinTmaTiles lin_tma_tiles(uint32_t m, uint32_t n) {
+    LinTmaTiles t;
+    t.rows = (m + LIN_TMA_TILE - 1) / LIN_TMA_TILE;
+    t.count = t.rows * ((n + LIN_TMA_TILE - 1) / LIN_TMA_TILE);
+    t.first = blockIdx.y * gridDim.x + blockIdx.x;
+    t.stride = gridDim.x * gridDim.y;
+    return t;
+}
+
 // The tiled kernel's body for a BM x BN block tile of (BM / WM) x (BN / WN) warps of WM x WN,
 // SC chunks per stage and ST stages: `linear` in the compute_90 PTX, which cannot use wgmma
 // (<LIN_BM, LIN_BN, LIN_T_WM, LIN_T_WN, LIN_T_SC, LIN_T_ST>, VEC false). Every instance has the
@@ -143,20 +159,20 @@ MT_DEVICE void load_stage(uint4* stage, const bf16* x, TW w, uint32_t m, uint32_
 // choice, since a run-time branch in the copy loop slows every stage. The kernels here run the
 // scalar loads (VEC false): the compute_90 PTX is the fallback where the sm_90a cubin cannot
 // load.
-// XIMG: x is given as `permute_k32_tiles`'s stage images, and grid x runs over the row tiles
-// (the compute_90 body of `linear_tma`). TW: the weight (`tiled_w8`: bf16, or block FP8 for the
-// compute_90 body of `linear_tma_fp8`).
+// The block computes row tile `row_tile` (x rows) by column tile `col_tile` (weight rows).
+// XIMG: x is given as `permute_k32_tiles`'s stage images (the compute_90 body of `linear_tma`).
+// TW: the weight (`tiled_w8`: bf16, or block FP8 for the compute_90 body of `linear_tma_fp8`).
 // SWIGLU (`linear_tma_swiglu`, BM = BN = 128): TW is `SwigluRows`, `n` the SwiGLU's width, and
 // the block writes silu(gate) * up of its 128 rows by 64 columns as the stage images `out`.
 template <typename OutT, int BM, int BN, int WM, int WN, int SC, int ST, bool VEC, bool XIMG = false,
           typename TW = const bf16*, bool SWIGLU = false>
 MT_DEVICE void linear_tiled(OutT* out, const bf16* x, TW w, uint32_t m, uint32_t n, uint32_t k,
-                            unsigned char* smem) {
+                            unsigned char* smem, uint32_t row_tile, uint32_t col_tile) {
     constexpr int MT = WM / 16, NT = WN / 8, THREADS = (BM / WM) * (BN / WN) * 32;
     constexpr uint32_t ROWS = BM + BN, STAGE_VECS = SC * ROWS * 4;
     uint4* stages = reinterpret_cast<uint4*>(smem);
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const uint32_t m0 = (XIMG ? blockIdx.x : blockIdx.y) * BM, n0 = (XIMG ? blockIdx.y : blockIdx.x) * BN;
+    const uint32_t m0 = row_tile * BM, n0 = col_tile * BN;
     const uint32_t wm0 = (warp / (BN / WN)) * WM, wn0 = (warp % (BN / WN)) * WN;
     const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC;
     const uint32_t seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;

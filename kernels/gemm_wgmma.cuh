@@ -380,32 +380,41 @@ MT_DEVICE void tma_load_2d(uint32_t dst, const void* map, uint32_t c0, uint32_t 
 }
 
 
-// `linear_tma`'s body: a 128 x 128 output tile (x rows of grid x by weight rows of grid y) per
-// block of 384 threads. Thread 0 of warpgroup 0 queues each stage of the ST-stage ring: the
-// weight tile's 128 rows x 64 k by tensor map (`wmap`: a 2-D map of w with a 64 x 128 box, bf16
-// under the 128-byte swizzle or, `TmaWFp8`, e4m3 under the 64-byte one) and the x tile's stage
-// image (`xt`, `permute_k32_tiles`) by one bulk copy. Warpgroup 1 + c computes weight rows
-// 64 c .. 64 c + 63 with m64n128k16 wgmma from register A fragments (`W::frags`: an FP8
-// weight's converted there): lane (g, q) takes tile row ra = ... + g / 2 + 4 (g % 2), so the two
-// rows a quarter warp loads fall in different halves of the swizzle. Chunks past k and rows past m (zero in the
-// image) or n (zero by the map) add nothing; SPLIT: a segment may end inside a stage. One block
-// per tile, without multicast between blocks: the tensor pipe and L2 are both well used, and
-// sharing the x tile across a cluster costs more in barrier traffic than the copies it saves.
+// `linear_tma`'s body: the 128 x 128 output tiles this block takes (`lin_tma_tiles`; a grid of
+// every tile takes one each, a grid of the resident blocks walks them, its ring
+// running on from one tile into the next, so a tile's first stages land while the tile before it
+// stores its outputs); 384 threads a block. Thread 0 of warpgroup 0 queues each stage of the
+// ST-stage ring: the weight tile's 128 rows x 64 k by tensor map (`wmap`: a 2-D map of w with a
+// 64 x 128 box, bf16 under the 128-byte swizzle or, `TmaWFp8`, e4m3 under the 64-byte one) and
+// the x tile's stage image (`xt`, `permute_k32_tiles`) by one bulk copy. Warpgroup 1 + c computes
+// weight rows 64 c .. 64 c + 63 with m64n128k16 wgmma from register A fragments (`W::frags`: an
+// FP8 weight's converted there): lane (g, q) takes tile row ra = ... + g / 2 + 4 (g % 2), so the
+// two rows a quarter warp loads fall in different halves of the swizzle. Chunks past k and rows
+// past m (zero in the image) or n (zero by the map) add nothing; SPLIT: a segment may end inside
+// a stage. No multicast between blocks: the tensor pipe and L2 are both well used, and sharing
+// the x tile across a cluster costs more in barrier traffic than the copies it saves.
 // SWIGLU (`linear_tma_swiglu`): w is [2 n, k], gate rows then up rows, and `wmap` boxes 64 rows;
-// block column tile y takes gate rows 64 y .. 64 y + 63 (warpgroup 1) and the same up rows
-// (warpgroup 2), two boxes a stage, and writes silu(gate) * up as the stage images `out` of an
-// [m, n] matrix (`lin_swiglu_store`).
+// column tile y is gate rows 64 y .. 64 y + 63 (warpgroup 1) and the same up rows (warpgroup 2),
+// two boxes a stage, and the block writes silu(gate) * up as the stage images `out` of an [m, n]
+// matrix (`lin_swiglu_store`).
 template <typename OutT, int ST, bool SPLIT, typename W, bool SWIGLU = false>
-MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const W& wf, const void* wmap, uint32_t m, uint32_t n,
-                               uint32_t k, unsigned char* smem) {
+MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const W& wf, const void* wmap, uint32_t* sched, uint32_t m,
+                               uint32_t n, uint32_t k, unsigned char* smem) {
     constexpr uint32_t W_BYTES = LIN_TMA_TILE * W::ROW_BYTES, STAGE_BYTES = W_BYTES + LIN_TMA_IMG_BYTES;
     smem += (1024 - ((uint32_t)__cvta_generic_to_shared(smem) & 1023)) & 1023;  // swizzle atoms
     const uint32_t tid = threadIdx.x, wg = tid / 128, wt = tid % 128;
-    const uint32_t t0 = blockIdx.x * LIN_TMA_TILE, n0 = blockIdx.y * (SWIGLU ? LIN_TMA_TILE / 2 : LIN_TMA_TILE);
+    constexpr uint32_t COLS = SWIGLU ? LIN_TMA_TILE / 2 : LIN_TMA_TILE;  // output columns a tile
+    const LinTmaTiles tl = lin_tma_tiles(m, SWIGLU ? 2 * n : n);
     const uint32_t chunks = (k + LIN_KC - 1) / LIN_KC, seg_chunks = (chunks + LIN_SEGS - 1) / LIN_SEGS;
     const uint32_t steps = (chunks + 1) / 2;
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
     const uint32_t full = sbase + ST * STAGE_BYTES, empty = full + ST * 8;
+    // Each stage's tile (the producer's claim, read by the consumers at a tile's first stage).
+    uint32_t* stage_tile = reinterpret_cast<uint32_t*>(smem + ST * STAGE_BYTES + 2 * ST * 8);
+    // Tiles claimed from `sched` (a counter per launch: the blocks that start first take more
+    // tiles, so a block placed late, behind the kernel ahead, does not hold the launch's end),
+    // or walked as lin_tma_tiles deals them where there is no counter or no stage (k = 0).
+    const bool claim = sched != nullptr && steps > 0;
     if (tid < ST) {
         mbar_init(full + tid * 8, 1);
         mbar_init(empty + tid * 8, 256);
@@ -419,14 +428,36 @@ MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const W& wf, const voi
         // The map was written by a copy before the launch: order that before the tensor
         // memory accelerator reads it.
         asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(wmap) : "memory");
-        const unsigned char* img = reinterpret_cast<const unsigned char*>(xt) + (size_t)blockIdx.x * steps * LIN_TMA_IMG_BYTES;
-        for (uint32_t j = 0; j < steps; ++j) {
-            const uint32_t slot = j % ST, bar = full + slot * 8, st = sbase + slot * STAGE_BYTES;
-            mbar_wait(empty + slot * 8, ((j / ST) & 1) ^ 1);
-            mbar_expect_tx(bar, STAGE_BYTES);
-            tma_load_2d(st, wmap, j * 64, n0, bar);
-            if constexpr (SWIGLU) tma_load_2d(st + W_BYTES / 2, wmap, j * 64, n + n0, bar);  // the up rows
-            bulk_g2s(st + W_BYTES, img + (size_t)j * LIN_TMA_IMG_BYTES, LIN_TMA_IMG_BYTES, bar);
+        uint32_t gj = 0;  // the ring's step count over this block's tiles
+        for (uint32_t t = claim ? atomicAdd(sched, 1u) : tl.first;; t = claim ? atomicAdd(sched, 1u) : t + tl.stride) {
+            if (t >= tl.count) {
+                if (claim) {
+                    // No tile left: the consumers learn it from the next stage's tile; the last
+                    // block to get here resets the counter for the next launch (every claim of
+                    // this one is made, and that launch claims only once this grid is done).
+                    const uint32_t slot = gj % ST;
+                    mbar_wait(empty + slot * 8, ((gj / ST) & 1) ^ 1);
+                    stage_tile[slot] = 0xFFFFFFFFu;
+                    mbar_arrive(full + slot * 8);
+                    if (atomicAdd(sched + 1, 1u) == gridDim.x * gridDim.y - 1) {
+                        atomicExch(sched, 0u);
+                        atomicExch(sched + 1, 0u);
+                    }
+                }
+                break;
+            }
+            const uint32_t n0 = t / tl.rows * COLS;
+            const unsigned char* img =
+                reinterpret_cast<const unsigned char*>(xt) + (size_t)(t % tl.rows) * steps * LIN_TMA_IMG_BYTES;
+            for (uint32_t j = 0; j < steps; ++j, ++gj) {
+                const uint32_t slot = gj % ST, bar = full + slot * 8, st = sbase + slot * STAGE_BYTES;
+                mbar_wait(empty + slot * 8, ((gj / ST) & 1) ^ 1);
+                stage_tile[slot] = t;  // published by the arrival below
+                mbar_expect_tx(bar, STAGE_BYTES);
+                tma_load_2d(st, wmap, j * 64, n0, bar);
+                if constexpr (SWIGLU) tma_load_2d(st + W_BYTES / 2, wmap, j * 64, n + n0, bar);  // the up rows
+                bulk_g2s(st + W_BYTES, img + (size_t)j * LIN_TMA_IMG_BYTES, LIN_TMA_IMG_BYTES, bar);
+            }
         }
         return;
     }
@@ -434,94 +465,108 @@ MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const W& wf, const voi
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
     const uint32_t cw = wg - 1, warp = wt / 32, lane = wt % 32, g = lane / 4, q = lane % 4;
     const WgFragRows fr = wg_frag_rows(cw, warp, g, q);
-    // The weight row of tile row 0 as `W::frags` sees it (its FP8 scales): under SWIGLU the up
-    // rows (tile rows 64..127) are weight rows n + n0 ...
-    const uint32_t wrow0 = SWIGLU && cw == 1 ? n + n0 - 64 : n0;
     float acc[64], total[64];
 #pragma unroll
-    for (int e = 0; e < 64; ++e) acc[e] = total[e] = 0.0f;
+    for (int e = 0; e < 64; ++e) acc[e] = 0.0f;
     uint4 A0[4], A1[4];  // a stage's fragments: chunk 0 rows g, g + 8, chunk 1 rows g, g + 8
 
     // !SPLIT: segments end with stages (an even number of chunks each, and in all), so a
     // segment's steps run, then its total is taken; SPLIT: every step checks its chunks.
     const uint32_t seg_steps = SPLIT ? steps : seg_chunks / 2;
-    // Step j: wait for its stage, load its fragments into `cur`, issue its MMAs (the first of a
-    // segment with scale-d 0; where a segment ends inside the stage, or SPLIT, the chain is
-    // closed there: wait, add to the total), then wait for step j - 1's MMAs (whose fragments
-    // are `prev`) and release step j - 1's stage.
-    auto step = [&](uint32_t j, uint4 (&cur)[4], uint4 (&prev)[4], bool first) {
-        const uint32_t slot = j % ST;
-        mbar_wait(full + slot * 8, (j / ST) & 1);
-        const uint32_t st = sbase + slot * STAGE_BYTES;
-        wf.frags(cur, st, fr, wrow0, 2 * j);
-        wg_fence();
-        const uint32_t xb = st + W_BYTES;
-        if constexpr (SPLIT) {
+    for (uint32_t t = tl.first, g0 = 0;; t += tl.stride, g0 += steps) {
+        if (claim) {  // the tile the producer claimed for this tile's first stage
+            const uint32_t slot = g0 % ST;
+            mbar_wait(full + slot * 8, (g0 / ST) & 1);
+            t = stage_tile[slot];
+        }
+        if (t >= tl.count) break;
+        const uint32_t t0 = t % tl.rows * LIN_TMA_TILE, n0 = t / tl.rows * COLS;
+        // The weight row of tile row 0 as `W::frags` sees it (its FP8 scales): under SWIGLU the
+        // up rows (tile rows 64..127) are weight rows n + n0 ...
+        const uint32_t wrow0 = SWIGLU && cw == 1 ? n + n0 - 64 : n0;
 #pragma unroll
-            for (uint32_t cc = 0; cc < 2; ++cc) {
-                const uint32_t c = 2 * j + cc;
-                if (c >= chunks) break;
-                wgmma_m64n128k16_rs(acc, cur[2 * cc].x, cur[2 * cc + 1].x, cur[2 * cc].y, cur[2 * cc + 1].y,
-                                    wg_desc_sw(xb, 0, 2 * cc), c % seg_chunks == 0 ? 0u : 1u);
-                wgmma_m64n128k16_rs(acc, cur[2 * cc].z, cur[2 * cc + 1].z, cur[2 * cc].w, cur[2 * cc + 1].w,
-                                    wg_desc_sw(xb, 0, 2 * cc + 1), 1u);
-                if ((c + 1) % seg_chunks == 0 || c + 1 == chunks) {  // a segment ends
-                    wg_commit();
-                    wg_wait0();
-                    keep_live4(cur);
-                    keep_live4(prev);
+        for (int e = 0; e < 64; ++e) total[e] = 0.0f;
+        // Step j of the tile (the ring's step g0 + j): wait for its stage, load its fragments into
+        // `cur`, issue its MMAs (the first of a segment with scale-d 0; where a segment ends inside
+        // the stage, or SPLIT, the chain is closed there: wait, add to the total), then wait for
+        // step j - 1's MMAs (whose fragments are `prev`) and release step j - 1's stage.
+        auto step = [&](uint32_t j, uint4 (&cur)[4], uint4 (&prev)[4], bool first) {
+            const uint32_t gj = g0 + j, slot = gj % ST;
+            mbar_wait(full + slot * 8, (gj / ST) & 1);
+            const uint32_t st = sbase + slot * STAGE_BYTES;
+            wf.frags(cur, st, fr, wrow0, 2 * j);
+            wg_fence();
+            const uint32_t xb = st + W_BYTES;
+            if constexpr (SPLIT) {
 #pragma unroll
-                    for (int e = 0; e < 64; ++e) total[e] += acc[e];
-                    wg_fence();
+                for (uint32_t cc = 0; cc < 2; ++cc) {
+                    const uint32_t c = 2 * j + cc;
+                    if (c >= chunks) break;
+                    wgmma_m64n128k16_rs(acc, cur[2 * cc].x, cur[2 * cc + 1].x, cur[2 * cc].y, cur[2 * cc + 1].y,
+                                        wg_desc_sw(xb, 0, 2 * cc), c % seg_chunks == 0 ? 0u : 1u);
+                    wgmma_m64n128k16_rs(acc, cur[2 * cc].z, cur[2 * cc + 1].z, cur[2 * cc].w, cur[2 * cc + 1].w,
+                                        wg_desc_sw(xb, 0, 2 * cc + 1), 1u);
+                    if ((c + 1) % seg_chunks == 0 || c + 1 == chunks) {  // a segment ends
+                        wg_commit();
+                        wg_wait0();
+                        keep_live4(cur);
+                        keep_live4(prev);
+#pragma unroll
+                        for (int e = 0; e < 64; ++e) total[e] += acc[e];
+                        wg_fence();
+                    }
                 }
+            } else {
+                wgmma_m64n128k16_rs(acc, cur[0].x, cur[1].x, cur[0].y, cur[1].y, wg_desc_sw(xb, 0, 0), first ? 0u : 1u);
+                wgmma_m64n128k16_rs(acc, cur[0].z, cur[1].z, cur[0].w, cur[1].w, wg_desc_sw(xb, 0, 1), 1u);
+                wgmma_m64n128k16_rs(acc, cur[2].x, cur[3].x, cur[2].y, cur[3].y, wg_desc_sw(xb, 0, 2), 1u);
+                wgmma_m64n128k16_rs(acc, cur[2].z, cur[3].z, cur[2].w, cur[3].w, wg_desc_sw(xb, 0, 3), 1u);
             }
+            wg_commit();
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            keep_live4(prev);
+            if (j > 0) mbar_arrive(empty + ((gj + ST - 1) % ST) * 8);
+        };
+        for (uint32_t j = 0; j < steps;) {
+            const uint32_t j_end = min(steps, j + seg_steps);
+            for (const uint32_t j0 = j; j < j_end; ++j) {
+                if (j & 1)
+                    step(j, A1, A0, j == j0);
+                else
+                    step(j, A0, A1, j == j0);
+            }
+            wg_wait0();
+            keep_live4(A0);
+            keep_live4(A1);
+            if constexpr (!SPLIT) {
+#pragma unroll
+                for (int e = 0; e < 64; ++e) total[e] += acc[e];
+            }
+        }
+        if (steps > 0) mbar_arrive(empty + ((g0 + steps - 1) % ST) * 8);  // the tile's last stage, its MMAs done
+        if constexpr (SWIGLU) {
+            // Tile row ra holds gate (warpgroup 1) or up (warpgroup 2) column ra % 64, x row
+            // (e / 4) * 8 + 2 q + (e & 1): each bf16 into the exchange, then the SwiGLU from
+            // there; the last barrier lets the next tile write the exchange.
+            const uint32_t xch = full + 1024, half = xch + cw * (LIN_TMA_TILE * 128);
+#pragma unroll
+            for (int e = 0; e < 64; ++e) {
+                const uint32_t col = fr.ra % 64 + ((e % 4) >= 2 ? 8 : 0), row = (e / 4) * 8 + 2 * q + (e & 1);
+                const bf16 v = f2bf(total[e]);
+                asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(half + lin_swiglu_xoff(row, col / 8) + (col % 8) * 2),
+                             "h"(*reinterpret_cast<const unsigned short*>(&v))
+                             : "memory");
+            }
+            asm volatile("bar.sync 1, 256;\n" ::: "memory");
+            lin_swiglu_store(reinterpret_cast<unsigned char*>(out), xch, t0, n0, m, n, tid - 128, 256);
+            asm volatile("bar.sync 1, 256;\n" ::: "memory");
         } else {
-            wgmma_m64n128k16_rs(acc, cur[0].x, cur[1].x, cur[0].y, cur[1].y, wg_desc_sw(xb, 0, 0), first ? 0u : 1u);
-            wgmma_m64n128k16_rs(acc, cur[0].z, cur[1].z, cur[0].w, cur[1].w, wg_desc_sw(xb, 0, 1), 1u);
-            wgmma_m64n128k16_rs(acc, cur[2].x, cur[3].x, cur[2].y, cur[3].y, wg_desc_sw(xb, 0, 2), 1u);
-            wgmma_m64n128k16_rs(acc, cur[2].z, cur[3].z, cur[2].w, cur[3].w, wg_desc_sw(xb, 0, 3), 1u);
-        }
-        wg_commit();
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        keep_live4(prev);
-        if (j > 0) mbar_arrive(empty + ((j + ST - 1) % ST) * 8);
-    };
-    for (uint32_t j = 0; j < steps;) {
-        const uint32_t j_end = min(steps, j + seg_steps);
-        for (const uint32_t j0 = j; j < j_end; ++j) {
-            if (j & 1)
-                step(j, A1, A0, j == j0);
-            else
-                step(j, A0, A1, j == j0);
-        }
-        wg_wait0();
-        keep_live4(A0);
-        keep_live4(A1);
-        if constexpr (!SPLIT) {
 #pragma unroll
-            for (int e = 0; e < 64; ++e) total[e] += acc[e];
-        }
-    }
-    if constexpr (SWIGLU) {
-        // Tile row ra holds gate (warpgroup 1) or up (warpgroup 2) column ra % 64, x row
-        // (e / 4) * 8 + 2 q + (e & 1): each bf16 into the exchange, then the SwiGLU from there.
-        const uint32_t xch = full + 1024, half = xch + cw * (LIN_TMA_TILE * 128);
-#pragma unroll
-        for (int e = 0; e < 64; ++e) {
-            const uint32_t col = fr.ra % 64 + ((e % 4) >= 2 ? 8 : 0), row = (e / 4) * 8 + 2 * q + (e & 1);
-            const bf16 v = f2bf(total[e]);
-            asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(half + lin_swiglu_xoff(row, col / 8) + (col % 8) * 2),
-                         "h"(*reinterpret_cast<const unsigned short*>(&v))
-                         : "memory");
-        }
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");
-        lin_swiglu_store(reinterpret_cast<unsigned char*>(out), xch, t0, n0, m, n, tid - 128, 256);
-    } else {
-#pragma unroll
-        for (int e = 0; e < 64; ++e) {
-            const uint32_t col = n0 + fr.ra + ((e % 4) >= 2 ? 8 : 0);
-            const uint32_t row = t0 + (e / 4) * 8 + 2 * q + (e & 1);
-            if (row < m && col < n) store_out(out, (size_t)row * n + col, total[e]);
+            for (int e = 0; e < 64; ++e) {
+                const uint32_t col = n0 + fr.ra + ((e % 4) >= 2 ? 8 : 0);
+                const uint32_t row = t0 + (e / 4) * 8 + 2 * q + (e & 1);
+                if (row < m && col < n) store_out(out, (size_t)row * n + col, total[e]);
+            }
         }
     }
 }

@@ -340,6 +340,7 @@ fn permute_writes_the_documented_images_and_linear_tma_reads_them() {
                 xt: img,
                 w: wp,
                 wmap: map,
+                sched: DevicePtr::NULL,
                 m: m as u32,
                 n: n as u32,
                 k: k as u32,

@@ -49,6 +49,9 @@ kernel_params! {
         w: ptr "const bf16* __restrict__",
         /// w's 128-byte tensor map, in device memory.
         wmap: ptr "const void* __restrict__",
+        /// Null, or the launch's tile counter and finished-block count (two u32, zero before
+        /// the launch and after it): blocks claim tiles from it instead of walking their share.
+        sched: ptr "uint32_t* __restrict__",
         /// Rows.
         m: u32,
         /// Output columns.
@@ -120,6 +123,8 @@ kernel_params! {
         scales: ptr "const float* __restrict__",
         /// w's 128-byte tensor map (bytes, 64-byte swizzle), in device memory.
         wmap: ptr "const void* __restrict__",
+        /// As `LinearTmaParams::sched`.
+        sched: ptr "uint32_t* __restrict__",
         /// Rows.
         m: u32,
         /// Output columns.
@@ -145,6 +150,8 @@ kernel_params! {
         w: ptr "const bf16* __restrict__",
         /// w's 128-byte tensor map (boxes of 64 k by 64 rows), in device memory.
         wmap: ptr "const void* __restrict__",
+        /// As `LinearTmaParams::sched`.
+        sched: ptr "uint32_t* __restrict__",
         /// Rows.
         m: u32,
         /// The SwiGLU's columns (the FFN width), a multiple of 64.
@@ -169,6 +176,8 @@ kernel_params! {
         /// w's 128-byte tensor map (bytes, boxes of 64 k by 64 rows, 64-byte swizzle), in device
         /// memory.
         wmap: ptr "const void* __restrict__",
+        /// As `LinearTmaParams::sched`.
+        sched: ptr "uint32_t* __restrict__",
         /// Rows.
         m: u32,
         /// The SwiGLU's columns (the FFN width), a multiple of 64.

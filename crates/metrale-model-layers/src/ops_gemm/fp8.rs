@@ -29,8 +29,8 @@ use metrale_kernel_abi::{
 
 use super::{
     LINEAR_NARROW_M_MAX, LINEAR_NARROW_RESIDENT, LINEAR_NARROW_THREADS, LinearPath,
-    linear_geometry, linear_stream_tma_row_blocks, linear_stream_tma_takes_images,
-    linear_tma_geometry, linear_wide_fp8_geometry,
+    geometry::LINEAR_TMA_SMEM, linear_geometry, linear_stream_tma_row_blocks,
+    linear_stream_tma_takes_images, linear_tma_geometry, linear_wide_fp8_geometry,
 };
 use crate::ops::Ops;
 use crate::ops_view::{BlockScales, Matrix, Operands};
@@ -222,12 +222,19 @@ impl Ops {
                     w: p.w,
                     scales: p.scales,
                     wmap,
+                    sched: self.linear_tma_sched(s)?,
                     m,
                     n,
                     k,
                     scale_row_shift: p.scale_row_shift,
                 };
-                self.go(self.k.linear_tma_fp8, linear_tma_geometry(m, n), &q, s)?;
+                let resident = self.linear_tma_resident(self.k.linear_tma_fp8, LINEAR_TMA_SMEM)?;
+                self.go(
+                    self.k.linear_tma_fp8,
+                    linear_tma_geometry(m, n, resident),
+                    &q,
+                    s,
+                )?;
             }
             (_, Some(row_blocks)) => {
                 let q = LinearStreamTmaFp8Params {

@@ -13,7 +13,7 @@ use metrale_kernel_abi::{
 
 /// Dynamic shared memory of `linear_tma`: `LIN_TMA_STAGES` stages of (128 weight rows and 128
 /// x rows of 128 bytes), 1 KiB to align them to the swizzle atoms and 1 KiB for the mbarriers.
-const LINEAR_TMA_SMEM: u32 = LIN_TMA_STAGES * 2 * LIN_TMA_TILE * 128 + 2048;
+pub(super) const LINEAR_TMA_SMEM: u32 = LIN_TMA_STAGES * 2 * LIN_TMA_TILE * 128 + 2048;
 
 /// Largest `m` that `linear` serves with its decode kernels (`linear_stream` up to
 /// `LINEAR_NARROW_M_MAX`, `linear_stream_wide` or `linear_stream_tma` above); above it the
@@ -121,35 +121,33 @@ pub fn linear_wide_fp8_geometry(m: u32, n: u32) -> LaunchConfig {
     linear_geometry(LinearPath::Wide, m, n, 0).with_shared(LINEAR_WIDE_FP8_SMEM)
 }
 
-/// `linear_tma`'s geometry (after `permute_k32_tiles`): grid (ceil(m / 128), ceil(n / 128)), so
-/// the blocks running together share a weight tile; `LIN_TMA_THREADS` threads (a warpgroup whose
-/// first thread queues the copies, two of wgmma); `LINEAR_TMA_SMEM` of dynamic shared memory; a
-/// programmatic dependent like `linear`.
-pub fn linear_tma_geometry(m: u32, n: u32) -> LaunchConfig {
-    LaunchConfig::grid2(
-        m.div_ceil(LIN_TMA_TILE),
-        n.div_ceil(LIN_TMA_TILE),
-        LIN_TMA_THREADS,
-    )
-    .with_shared(LINEAR_TMA_SMEM)
-    .with_programmatic()
+/// `linear_tma`'s geometry (after `permute_k32_tiles`): `resident` blocks (all a tile where
+/// fewer are, or where `resident` is 0), block b taking the 128 x 128 tiles b, b + blocks, ...
+/// with the row tiles innermost, so the blocks running together share a weight tile and a block
+/// queues its next tile's stages while it stores the last one's outputs; `LIN_TMA_THREADS`
+/// threads (a warpgroup whose first thread queues the copies, two of wgmma);
+/// `LINEAR_TMA_SMEM` of dynamic shared memory; a programmatic dependent like `linear`.
+pub fn linear_tma_geometry(m: u32, n: u32, resident: u32) -> LaunchConfig {
+    let tiles = m.div_ceil(LIN_TMA_TILE) * n.div_ceil(LIN_TMA_TILE);
+    let blocks = if resident == 0 {
+        tiles
+    } else {
+        tiles.min(resident)
+    };
+    LaunchConfig::grid2(blocks, 1, LIN_TMA_THREADS)
+        .with_shared(LINEAR_TMA_SMEM)
+        .with_programmatic()
 }
 
 /// Dynamic shared memory of `linear_tma_swiglu`: `linear_tma`'s and the 32 KiB exchange of a
 /// tile's gate and up values (bf16, 128 rows by 64 columns each).
-const LINEAR_TMA_SWIGLU_SMEM: u32 = LINEAR_TMA_SMEM + 2 * LIN_TMA_TILE * 128;
+pub(super) const LINEAR_TMA_SWIGLU_SMEM: u32 = LINEAR_TMA_SMEM + 2 * LIN_TMA_TILE * 128;
 
 /// `linear_tma_swiglu`'s geometry for `m` rows and a SwiGLU of `ffn` (a multiple of 64)
-/// columns: grid (ceil(m / 128), ffn / 64), each block 64 gate and the same 64 up columns;
-/// otherwise `linear_tma`'s.
-pub fn linear_tma_swiglu_geometry(m: u32, ffn: u32) -> LaunchConfig {
-    LaunchConfig::grid2(
-        m.div_ceil(LIN_TMA_TILE),
-        ffn / (LIN_TMA_TILE / 2),
-        LIN_TMA_THREADS,
-    )
-    .with_shared(LINEAR_TMA_SWIGLU_SMEM)
-    .with_programmatic()
+/// columns: `linear_tma`'s over tiles of 128 rows by 64 gate and the same 64 up columns, with
+/// `LINEAR_TMA_SWIGLU_SMEM`.
+pub fn linear_tma_swiglu_geometry(m: u32, ffn: u32, resident: u32) -> LaunchConfig {
+    linear_tma_geometry(m, 2 * ffn, resident).with_shared(LINEAR_TMA_SWIGLU_SMEM)
 }
 
 /// Rows `linear_stream_tma` serves from: at 8 rows and below the narrow kernels, which can start

@@ -31,8 +31,8 @@ use metrale_gpu_runtime::{
     DType, DevicePtr, GpuBackend, GpuError, GpuResult, KernelHandle, Residency, StreamHandle,
 };
 use metrale_kernel_abi::{
-    KernelParams, LIN_KC, LIN_TMA_IMG_BYTES, LIN_TMA_TILE, LinearParams, LinearStreamTmaParams,
-    LinearTmaParams, PermuteK32TilesParams,
+    KernelParams, LIN_KC, LIN_TMA_IMG_BYTES, LIN_TMA_THREADS, LIN_TMA_TILE, LinearParams,
+    LinearStreamTmaParams, LinearTmaParams, PermuteK32TilesParams,
 };
 use parking_lot::Mutex;
 
@@ -61,26 +61,34 @@ pub struct LinearStaging {
     pub maps: DevicePtr,
     /// How many maps fit; once they are taken, other weights run `linear`'s tiled kernel.
     pub map_slots: usize,
+    /// `linear_tma`'s tile counter (`LinearTmaParams::sched`), zeroed before its first use.
+    pub sched: DevicePtr,
 }
+
+/// Bytes of `linear_tma`'s tile counter in the staging memory (two u32, and room to keep the
+/// maps after it 128-byte aligned).
+const LINEAR_TMA_SCHED_BYTES: usize = 128;
 
 /// Bytes of one weight's tensor map.
 pub const LINEAR_TMA_MAP_BYTES: usize = 128;
 
 impl LinearStaging {
     /// Bytes of one allocation holding `image_bytes` of images (a [`linear_staging_bytes`],
-    /// a multiple of 16 KiB) and then `map_slots` maps.
+    /// a multiple of 16 KiB), the tile counter and then `map_slots` maps.
     pub fn bytes(image_bytes: usize, map_slots: usize) -> usize {
-        image_bytes + map_slots * LINEAR_TMA_MAP_BYTES
+        image_bytes + LINEAR_TMA_SCHED_BYTES + map_slots * LINEAR_TMA_MAP_BYTES
     }
 
     /// The staging memory laid out in one allocation of [`LinearStaging::bytes`] at `base`
-    /// (128-byte aligned): the images, then the maps.
+    /// (128-byte aligned): the images, the tile counter, then the maps.
     pub fn at(base: DevicePtr, image_bytes: usize, map_slots: usize) -> LinearStaging {
+        let sched = base.0 + image_bytes as u64;
         LinearStaging {
             images: base,
             image_bytes,
-            maps: DevicePtr(base.0 + image_bytes as u64),
+            maps: DevicePtr(sched + LINEAR_TMA_SCHED_BYTES as u64),
             map_slots,
+            sched: DevicePtr(sched),
         }
     }
 }
@@ -100,6 +108,8 @@ struct TmaState {
     maps: HashMap<(u64, u32, u32, u32), DevicePtr>,
     /// Where prefill-sized `linear` of an FP8 weight writes its bf16 image (`ops_gemm::fp8`).
     fp8_scratch: Option<Fp8Scratch>,
+    /// The staging memory's tile counter has been zeroed.
+    sched_zeroed: bool,
 }
 
 impl LinearTma {
@@ -172,6 +182,25 @@ impl Ops {
         let mut state = self.tma.state.lock();
         state.staging = staging;
         state.maps.clear();
+        state.sched_zeroed = false;
+    }
+
+    /// The staging memory's tile counter for a `linear_tma` launch on `s`, zeroed on first use
+    /// outside a graph capture; null (the blocks walk their share of the tiles) before that or
+    /// without staging memory.
+    pub(super) fn linear_tma_sched(&self, s: StreamHandle) -> GpuResult<DevicePtr> {
+        let mut state = self.tma.state.lock();
+        let Some(staging) = state.staging else {
+            return Ok(DevicePtr::NULL);
+        };
+        if !state.sched_zeroed {
+            match self.tma.gpu.copy_h2d(staging.sched, &[0u8; 8], s) {
+                Ok(()) => state.sched_zeroed = true,
+                Err(GpuError::Capture(_)) => return Ok(DevicePtr::NULL),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(staging.sched)
     }
 
     /// The staging memory, where a call of `m` rows by `k` inputs on weight `w` fits it: staging
@@ -377,11 +406,20 @@ impl Ops {
             xt: images,
             w: p.w,
             wmap: map,
+            sched: self.linear_tma_sched(s)?,
             m: p.m,
             n: p.n,
             k: p.k,
         };
-        self.go(kernel, linear_tma_geometry(p.m, p.n), &q, s)
+        let resident = self.linear_tma_resident(kernel, LINEAR_TMA_SMEM)?;
+        let cfg = linear_tma_geometry(p.m, p.n, resident);
+        self.go(kernel, cfg, &q, s)
+    }
+
+    /// How many blocks of `kernel` (`linear_tma` or a twin of its geometry) are resident at once
+    /// (0 where the backend cannot say: a block a tile).
+    fn linear_tma_resident(&self, kernel: KernelHandle, smem: u32) -> GpuResult<u32> {
+        self.resident(kernel, LIN_TMA_THREADS, smem, 0, Residency::Blocks)
     }
 
     /// The narrow, narrow-b4, wide, tiled, tensor-map prefill and tensor-map decode variants of

@@ -7,6 +7,7 @@ use metrale_gpu_runtime::{DType, DevicePtr, GpuResult, StreamHandle};
 use metrale_kernel_abi::{LIN_KC, LIN_TMA_TILE, LinearTmaSwigluFp8Params, LinearTmaSwigluParams};
 
 use super::fp8::{FP8_STREAM_M_MAX, fp8_weight_takes_map, linear_fp8_operands};
+use super::geometry::LINEAR_TMA_SWIGLU_SMEM;
 use super::{LINEAR_SMALL_M_MAX, linear_operands, linear_tma_swiglu_geometry};
 use crate::ops::Ops;
 use crate::ops_view::Matrix;
@@ -56,7 +57,12 @@ impl Ops {
         else {
             return Ok(false);
         };
-        let cfg = linear_tma_swiglu_geometry(m, ffn);
+        let (kernel, sched) = match scales {
+            None => (self.k.linear_tma_swiglu, self.linear_tma_sched(s)?),
+            Some(_) => (self.k.linear_tma_swiglu_fp8, self.linear_tma_sched(s)?),
+        };
+        let resident = self.linear_tma_resident(kernel, LINEAR_TMA_SWIGLU_SMEM)?;
+        let cfg = linear_tma_swiglu_geometry(m, ffn, resident);
         match scales {
             None => {
                 let q = LinearTmaSwigluParams {
@@ -64,11 +70,12 @@ impl Ops {
                     xt: x_images,
                     w: wptr,
                     wmap,
+                    sched,
                     m,
                     n: ffn,
                     k,
                 };
-                self.go(self.k.linear_tma_swiglu, cfg, &q, s)?;
+                self.go(kernel, cfg, &q, s)?;
             }
             Some((scales, scale_row_shift)) => {
                 let q = LinearTmaSwigluFp8Params {
@@ -77,12 +84,13 @@ impl Ops {
                     w: wptr,
                     scales,
                     wmap,
+                    sched,
                     m,
                     n: ffn,
                     k,
                     scale_row_shift,
                 };
-                self.go(self.k.linear_tma_swiglu_fp8, cfg, &q, s)?;
+                self.go(kernel, cfg, &q, s)?;
             }
         }
         Ok(true)

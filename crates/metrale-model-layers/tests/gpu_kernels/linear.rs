@@ -209,8 +209,9 @@ fn launch_gemm(
 /// Where `gemm::linear_tma` or `gemm::linear_stream_tma` reads x from.
 #[derive(Clone, Copy)]
 enum MappedX<'a> {
-    /// `linear_tma`: x's stage images.
-    Images(&'a harness::Buf),
+    /// `linear_tma`: x's stage images, and the tile counter its blocks claim tiles from (or
+    /// none: each walks its share).
+    Images(&'a harness::Buf, Option<&'a harness::Buf>),
     /// `linear_stream_tma`: x's rows, and its stage images or none.
     Rows(&'a harness::Buf, Option<&'a harness::Buf>),
 }
@@ -235,12 +236,13 @@ fn launch_mapped(
     let out = p.poisoned((m * n) as usize * bytes);
     let suffix = if bytes == 4 { "_f32out" } else { "" };
     match x {
-        MappedX::Images(xt) => {
+        MappedX::Images(xt, sched) => {
             let params = LinearTmaParams {
                 out: out.gpu,
                 xt: xt.gpu,
                 w: w.gpu,
                 wmap: map.gpu,
+                sched: sched.map_or(DevicePtr::NULL, |b| b.gpu),
                 m,
                 n,
                 k,
@@ -266,17 +268,37 @@ fn launch_mapped(
 }
 
 /// `permute_k32_tiles` then `gemm::linear_tma` (or `_f32out` for 4-byte outputs) directly, at
-/// any m; the output's halfwords.
+/// any m, on `blocks` blocks (0: a block a tile) walking their share of the tiles or, with
+/// `claim`, claiming tiles from a counter, which the launch leaves at zero for the next (checked);
+/// the output's halfwords.
 fn linear_tma(
     p: &Pair,
     bytes: usize,
     x: &harness::Buf,
     w: &harness::Buf,
     (m, n, k): (u32, u32, u32),
+    blocks: u32,
+    claim: bool,
 ) -> Vec<u16> {
     let images = p.upload(&permuted_images(p, x, m, k));
-    let cfg = linear_tma_geometry(m, n);
-    launch_mapped(p, &cfg, bytes, MappedX::Images(&images), w, (m, n, k))
+    let cfg = linear_tma_geometry(m, n, blocks);
+    let sched = claim.then(|| p.upload(&[0u32; 2]));
+    let out = launch_mapped(
+        p,
+        &cfg,
+        bytes,
+        MappedX::Images(&images, sched.as_ref()),
+        w,
+        (m, n, k),
+    );
+    if let Some(sched) = &sched {
+        assert_eq!(
+            p.download_gpu::<u32>(sched),
+            [0, 0],
+            "m={m} n={n} k={k}: linear_tma on {blocks} blocks left its tile counter set"
+        );
+    }
+    out
 }
 
 /// `gemm::linear_stream_tma` (or `_f32out` for 4-byte outputs) directly on `clusters`
@@ -479,8 +501,8 @@ fn the_stream_and_tiled_linear_kernels_agree_bitwise_at_every_m() {
 
 /// Every kernel of the family launched directly at `(m, n, k)` each, bitwise the tiled kernel:
 /// the narrow ones on one, three and every resident block, `linear_tma` from x's images
-/// (k a multiple of 8), `linear_stream_tma` from x's rows and images on one, three and every
-/// resident cluster (where it has room).
+/// (k a multiple of 8) on a block a tile, one block and three, `linear_stream_tma` from x's rows
+/// and images on one, three and every resident cluster (where it has room).
 fn kernels_agree(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)], with_stream_tma: bool) {
     for &(m, n, k) in shapes {
         let (x, w) = linear_inputs(rng, m, n, k);
@@ -535,12 +557,20 @@ fn kernels_agree(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32)], with_strea
             }
             let reference = &results[0].1;
             if k.is_multiple_of(8) {
-                let tma = linear_tma(p, bytes, &x, &w, (m, n, k));
-                assert!(
-                    tma == *reference,
-                    "m={m} n={n} k={k}: linear_tma differs bitwise from {}",
-                    names[0]
-                );
+                // A block a tile (the engine's grid wherever the tiles fit at once, as at every
+                // shape here), and one and three blocks taking many tiles each, walking their
+                // share or claiming them from a counter.
+                for blocks in [0, 1, 3] {
+                    for claim in [false, true] {
+                        let tma = linear_tma(p, bytes, &x, &w, (m, n, k), blocks, claim);
+                        assert!(
+                            tma == *reference,
+                            "m={m} n={n} k={k}: linear_tma on {blocks:?} blocks (claiming: \
+                             {claim}) differs bitwise from {}",
+                            names[0]
+                        );
+                    }
+                }
             }
             if with_stream_tma && linear_stream_tma_room(m, k) {
                 // From x's rows, and (where every k segment is whole stages) from its stage
