@@ -69,6 +69,14 @@ MT_DEVICE uint4 tiled_w8(const bf16* w, uint32_t n, uint32_t k, uint32_t row, ui
 // the banks. Byte offset of unit u of row r in one of the two halves:
 MT_DEVICE uint32_t lin_swiglu_xoff(uint32_t r, uint32_t u) { return r * 128 + ((u ^ (r % 8)) << 4); }
 
+// Tile value (x row `r`, weight row `c` of the tile: gate column c below 64, else up column
+// c - 64) rounded to bf16, as `linear` stores it, into the exchange at shared address `xch`.
+MT_DEVICE void lin_swiglu_put(uint32_t xch, uint32_t r, uint32_t c, float v) {
+    const bf16 h = f2bf(v);
+    const uint32_t at = xch + (c / 64) * (LIN_TMA_TILE * 128) + lin_swiglu_xoff(r, (c % 64) / 8) + (c % 8) * 2;
+    asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(at), "h"(__bfloat16_as_ushort(h)) : "memory");
+}
+
 // From the exchange at shared address `xch` (every value written and visible to the `threads`
 // threads calling): silu(gate) * up of the tile's rows t0.. (those below m) and columns
 // n0 .. n0 + 63 of an [m, n] SwiGLU into its stage images `img`, a 16-byte unit (8 columns) at a
@@ -248,11 +256,7 @@ MT_DEVICE void linear_tiled(OutT* out, const bf16* x, TW w, uint32_t m, uint32_t
 #pragma unroll
                 for (int jj = 0; jj < 4; ++jj) {
                     const uint32_t row = wm0 + mt * 16 + g + (jj >= 2 ? 8 : 0);
-                    const uint32_t col = wn0 + nt * 8 + 2 * q + (jj & 1);  // below 64 gate, else up
-                    const bf16 v = f2bf(total[mt][nt][jj]);
-                    const uint32_t at = xch + (col / 64) * (128 * 128) + lin_swiglu_xoff(row, (col % 64) / 8) + (col % 8) * 2;
-                    asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(at), "h"(*reinterpret_cast<const unsigned short*>(&v))
-                                 : "memory");
+                    lin_swiglu_put(xch, row, wn0 + nt * 8 + 2 * q + (jj & 1), total[mt][nt][jj]);
                 }
         __syncthreads();
         lin_swiglu_store(out, xch, m0, n0 / 2, m, n, tid, THREADS);

@@ -545,18 +545,13 @@ MT_DEVICE void linear_tma_body(OutT* out, const bf16* xt, const W& wf, const voi
         }
         if (steps > 0) mbar_arrive(empty + ((g0 + steps - 1) % ST) * 8);  // the tile's last stage, its MMAs done
         if constexpr (SWIGLU) {
-            // Tile row ra holds gate (warpgroup 1) or up (warpgroup 2) column ra % 64, x row
-            // (e / 4) * 8 + 2 q + (e & 1): each bf16 into the exchange, then the SwiGLU from
-            // there; the last barrier lets the next tile write the exchange.
-            const uint32_t xch = full + 1024, half = xch + cw * (LIN_TMA_TILE * 128);
+            // Tile row ra (+ 8) holds gate (warpgroup 1) or up (warpgroup 2) values of x row
+            // (e / 4) * 8 + 2 q + (e & 1): each into the exchange, then the SwiGLU from there;
+            // the last barrier lets the next tile write the exchange.
+            const uint32_t xch = full + 1024;
 #pragma unroll
-            for (int e = 0; e < 64; ++e) {
-                const uint32_t col = fr.ra % 64 + ((e % 4) >= 2 ? 8 : 0), row = (e / 4) * 8 + 2 * q + (e & 1);
-                const bf16 v = f2bf(total[e]);
-                asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(half + lin_swiglu_xoff(row, col / 8) + (col % 8) * 2),
-                             "h"(*reinterpret_cast<const unsigned short*>(&v))
-                             : "memory");
-            }
+            for (int e = 0; e < 64; ++e)
+                lin_swiglu_put(xch, (e / 4) * 8 + 2 * q + (e & 1), fr.ra + ((e % 4) >= 2 ? 8 : 0), total[e]);
             asm volatile("bar.sync 1, 256;\n" ::: "memory");
             lin_swiglu_store(reinterpret_cast<unsigned char*>(out), xch, t0, n0, m, n, tid - 128, 256);
             asm volatile("bar.sync 1, 256;\n" ::: "memory");

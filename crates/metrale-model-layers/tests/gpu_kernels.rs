@@ -43,5 +43,7 @@ mod rows;
 mod sampling;
 #[path = "gpu_kernels/sanitize.rs"]
 mod sanitize;
+#[path = "gpu_kernels/staged.rs"]
+mod staged;
 #[path = "gpu_kernels/step.rs"]
 mod step;

@@ -9,7 +9,6 @@ use metrale_gpu_runtime::{DevicePtr, GpuResult};
 use crate::circuit_exec::{BoundWeight, FfnFacts, WeightSlot};
 use crate::layer::LayerCtx;
 use crate::ops::Matrix;
-use crate::ops_gemm::linear_staging_bytes;
 use crate::weight_map::DenseWeight;
 
 /// One MLP's weights.
@@ -47,12 +46,10 @@ impl Mlp {
         // In a prefill step (row groups for the prefill attention; decode steps keep the
         // launches the circuit's programs replay) one launch computes the SwiGLU from the
         // gate/up projection's tiles and writes it as the down projection's images into the
-        // projection's own buffer, which it then no longer needs (and which holds them: above
-        // 128 rows the images' rows, rounded up to 128, are fewer than twice the rows).
+        // projection's own buffer, which it then no longer needs.
         if let (Some(x_images), Some(_)) = (staged, images)
             && cx.shape.att_groups > 0
-            && linear_staging_bytes(rows, self.ffn) <= rows as usize * 4 * self.ffn as usize
-            && ops.linear_swiglu_staged(s, (gate_up.ptr, normed, w_gate_up), x_images)?
+            && ops.linear_swiglu_staged(s, (gate_up, normed, w_gate_up), x_images)?
         {
             return ops.linear_staged(s, (delta, act, w_down), gate_up.ptr);
         }

@@ -11,7 +11,7 @@ use metrale_model_layers::ops::{
 use metrale_model_layers::ops_gemm::linear_staging_bytes;
 
 use super::harness::{self, At, Pair, Rng, S, Tolerance};
-use super::linear::{image_rows, permuted_pair};
+use super::staged::{image_rows, permuted_pair};
 
 /// One paged-attention problem: sequences with their contexts in shuffled blocks, and rows
 /// (queries) at chosen positions of chosen sequences.

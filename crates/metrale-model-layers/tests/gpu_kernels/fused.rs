@@ -15,8 +15,8 @@ use metrale_model_layers::ops_gemm::linear_staging_bytes;
 
 use super::fp8::fp8_matrix;
 use super::harness::{Buf, Pair, Rng, S, Tolerance};
-use super::linear::{image_rows, permuted_pair};
 use super::rows::inv_freq;
+use super::staged::{image_rows, permuted_pair};
 
 /// Both checks at small shapes (the sanitizer set).
 pub(super) fn small(p: &Pair) {
@@ -269,13 +269,12 @@ fn tma_swiglu(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32, u32, bool)]) {
         };
         let (xi_gpu, _) = permuted_pair(p, &x, m, k);
         let xi = p.upload(&xi_gpu);
-        let fused = p.poisoned(linear_staging_bytes(m, n));
+        // The images go into the memory of the [m, 2 ffn] projection the chain writes.
+        let fused = p.poisoned((m * 2 * n) as usize * 2);
         p.run(|o, at| {
-            let ran = o.linear_swiglu_staged(
-                S,
-                (at(&fused), Matrix::bf16(at(&x), m, k), weight(at)),
-                at(&xi),
-            )?;
+            let gu = Matrix::bf16(at(&fused), m, 2 * n);
+            let ran =
+                o.linear_swiglu_staged(S, (gu, Matrix::bf16(at(&x), m, k), weight(at)), at(&xi))?;
             assert!(ran, "{case}: linear_swiglu_staged declined the call");
             Ok(())
         });

@@ -1,21 +1,19 @@
 //! The `linear` family against its CPU twins and itself: every kernel (narrow, wide, tiled,
-//! `linear_tma`) bitwise the others at every m, rows independent of the rows beside them, and
-//! the staged producers' images bitwise `permute_k32_tiles` of the plain kernels' rows. Each
-//! check takes its shapes, so `small` runs the same checks at the sanitizer's sizes.
+//! `linear_tma`) bitwise the others at every m, and rows independent of the rows beside them.
+//! Each check takes its shapes, so `small` runs the same checks at the sanitizer's sizes.
 
 use half::bf16;
 use metrale_gpu_runtime::{DType, DevicePtr, LaunchConfig, Residency};
-use metrale_kernel_abi::{
-    LinearParams, LinearStreamTmaParams, LinearTmaParams, PermuteK32TilesParams,
-};
-use metrale_model_layers::ops::{Matrix, Norm};
+use metrale_kernel_abi::{LinearParams, LinearStreamTmaParams, LinearTmaParams};
+use metrale_model_layers::ops::Matrix;
 use metrale_model_layers::ops_gemm::{
-    LINEAR_NARROW_THREADS, LINEAR_SMALL_M_MAX, LinearPath, linear_geometry, linear_staging_bytes,
+    LINEAR_NARROW_THREADS, LINEAR_SMALL_M_MAX, LinearPath, linear_geometry,
     linear_stream_tma_geometry, linear_stream_tma_room, linear_stream_tma_rows,
-    linear_tma_geometry, permute_geometry, segments_are_whole_stages,
+    linear_tma_geometry, segments_are_whole_stages,
 };
 
 use super::harness::{self, Pair, Rng, S, Tolerance};
+use super::staged::permuted_images;
 
 /// `x [m, k]`, `w [n, k]` scaled so outputs are of order one.
 fn linear_inputs(rng: &mut Rng, m: u32, n: u32, k: u32) -> (Vec<bf16>, Vec<bf16>) {
@@ -28,13 +26,11 @@ fn linear_inputs(rng: &mut Rng, m: u32, n: u32, k: u32) -> (Vec<bf16>, Vec<bf16>
 
 /// Every check below at small shapes (the sanitizer set): the launchers' decode and prefill
 /// paths, every kernel of the family directly (a k of whole stages, so `linear_stream_tma` also
-/// reads stage images; only `with_stream_tma`, which the racecheck set leaves out), the staged
-/// producers at a decode and a prefill size.
+/// reads stage images; only `with_stream_tma`, which the racecheck set leaves out).
 pub(super) fn small(p: &Pair, with_stream_tma: bool) {
     let rng = &mut Rng::new(1002);
     launcher_paths(p, rng, &[(3, 136, 96), (130, 70, 128)]);
     kernels_agree(p, rng, &[(3, 136, 96), (20, 72, 2048)], with_stream_tma);
-    staged_producers(p, rng, &[(130, 256), (5, 256)]);
 }
 
 #[test]
@@ -325,102 +321,6 @@ fn linear_stream_tma(
     launch_mapped(p, &cfg, bytes, x, w, (m, n, k))
 }
 
-/// The halfwords of rows `0..m` of stage images of `[m, k]` (the padding rows dropped).
-pub(super) fn image_rows(img: &[u16], m: u32, k: u32) -> Vec<u16> {
-    let steps = k.div_ceil(64) as usize;
-    let mut rows = Vec::new();
-    for row in 0..m as usize {
-        for j in 0..steps {
-            let at = ((row / 128) * steps + j) * 8192 + (row % 128) * 64;
-            rows.extend_from_slice(&img[at..at + 64]);
-        }
-    }
-    rows
-}
-
-#[test]
-fn staged_producers_write_the_images_permute_would() {
-    // Prefill sizes (images only), and a decode size (the rows too).
-    let shapes = [(130, 1024), (300, 4096), (64, 4096)];
-    staged_producers(&Pair::new(), &mut Rng::new(12), &shapes);
-}
-
-/// `silu_mul_staged` and `add_rms_norm_staged` at `(m, k)` each: against the CPU, their rows
-/// bitwise the plain kernels', their images bitwise those rows permuted.
-fn staged_producers(p: &Pair, rng: &mut Rng, shapes: &[(u32, u32)]) {
-    for &(m, k) in shapes {
-        let images = linear_staging_bytes(m, k);
-        let case = format!("m={m} k={k}");
-        // silu_mul: the staged kernel against silu_mul then permute_k32_tiles.
-        let gu = p.upload(&rng.bf16s((m * 2 * k) as usize, -4.0, 4.0));
-        let act = p.poisoned((m * k) as usize * 2);
-        let staged = p.poisoned(images);
-        let rows = p.poisoned((m * k) as usize * 2);
-        let gate_up = |at: harness::At<'_>| Matrix::bf16(at(&gu), m, 2 * k);
-        p.run(|o, at| {
-            o.silu_mul_staged(S, at(&staged), Matrix::bf16(at(&rows), m, k), gate_up(at))
-        });
-        p.check_bf16("silu_mul_staged", &case, &staged, Tolerance::BF16);
-        p.run_gpu(|o, at| o.silu_mul(S, Matrix::bf16(at(&act), m, k), gate_up(at)));
-        if m <= LINEAR_SMALL_M_MAX {
-            let rows_case = format!("{case} rows");
-            p.check_bf16("silu_mul_staged", &rows_case, &rows, Tolerance::BF16);
-            assert!(
-                p.download_gpu::<u16>(&rows) == p.download_gpu::<u16>(&act),
-                "silu_mul_staged {case}: its rows differ from silu_mul's"
-            );
-        }
-        let permuted = permuted_images(p, &act, m, k);
-        assert!(
-            image_rows(&p.download_gpu::<u16>(&staged), m, k) == image_rows(&permuted, m, k),
-            "silu_mul_staged {case}: the images differ from silu_mul's rows permuted"
-        );
-        // add_rms_norm: the staged kernel's rows and images against the plain kernel's.
-        let residual = rng.f32s((m * k) as usize, -2.0, 2.0);
-        let (r1, r2) = (p.upload(&residual), p.upload(&residual));
-        let delta = p.upload(&rng.bf16s((m * k) as usize, -1.0, 1.0));
-        let w = p.upload(&rng.bf16s(k as usize, 0.5, 1.5));
-        let (out1, out2) = (
-            p.poisoned((m * k) as usize * 2),
-            p.poisoned((m * k) as usize * 2),
-        );
-        let staged = p.poisoned(images);
-        let norm = |at: harness::At<'_>| Norm {
-            w: at(&w),
-            eps: 1e-6,
-            unit_offset: true,
-        };
-        let operands = |at: harness::At<'_>, r, out| {
-            (
-                Matrix::f32(at(r), m, k),
-                Matrix::bf16(at(&delta), m, k),
-                Matrix::bf16(at(out), m, k),
-            )
-        };
-        p.run(|o, at| o.add_rms_norm_staged(S, operands(at, &r1, &out1), at(&staged), &norm(at)));
-        p.check_bf16("add_rms_norm_staged", &case, &out1, Tolerance::BF16);
-        p.check_bf16(
-            "add_rms_norm_staged",
-            &format!("{case} images"),
-            &staged,
-            Tolerance::BF16,
-        );
-        p.run_gpu(|o, at| {
-            let (r, d, out) = operands(at, &r2, &out2);
-            o.add_rms_norm(S, r, d, out, &norm(at))
-        });
-        assert!(
-            p.download_gpu::<u16>(&out1) == p.download_gpu::<u16>(&out2),
-            "add_rms_norm_staged {case}: rows differ from add_rms_norm's"
-        );
-        let permuted = permuted_images(p, &out2, m, k);
-        assert!(
-            image_rows(&p.download_gpu::<u16>(&staged), m, k) == image_rows(&permuted, m, k),
-            "add_rms_norm_staged {case}: the images differ from add_rms_norm's rows permuted"
-        );
-    }
-}
-
 /// The stage images of `x [m, k]` (m <= 128: one row tile), uploaded with NaN in every row past
 /// m.
 fn nan_padded_images(p: &Pair, x: &harness::Buf, m: u32, k: u32) -> harness::Buf {
@@ -433,27 +333,6 @@ fn nan_padded_images(p: &Pair, x: &harness::Buf, m: u32, k: u32) -> harness::Buf
         }
     }
     p.upload(&img)
-}
-
-/// `permute_k32_tiles` of `x [m, k]` on the GPU: the images' halfwords.
-fn permuted_images(p: &Pair, x: &harness::Buf, m: u32, k: u32) -> Vec<u16> {
-    permuted_pair(p, x, m, k).0
-}
-
-/// `permute_k32_tiles` of `x [m, k]` on both sides: the images' halfwords, `(cuda, cpu)`.
-pub(super) fn permuted_pair(p: &Pair, x: &harness::Buf, m: u32, k: u32) -> (Vec<u16>, Vec<u16>) {
-    let images = p.poisoned(linear_staging_bytes(m, k));
-    p.launch(
-        ("gemm", "permute_k32_tiles"),
-        &permute_geometry(m, k),
-        |at| PermuteK32TilesParams {
-            out: at(&images),
-            x: at(x),
-            m,
-            k,
-        },
-    );
-    p.download::<u16>(&images)
 }
 
 #[test]

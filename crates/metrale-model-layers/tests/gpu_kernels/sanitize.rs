@@ -33,6 +33,7 @@ fn run_set(with_stream_tma: bool) -> BTreeSet<String> {
     let p = Pair::new();
     super::rows::small(&p);
     super::linear::small(&p, with_stream_tma);
+    super::staged::small(&p);
     super::fp8::small(&p, with_stream_tma);
     super::attention::small(&p);
     super::hybrid::small(&p);
