@@ -9,7 +9,7 @@ use metrale::chat::{ReasoningParser, ToolCallParser};
 use metrale::{EngineOptions, GateOptions, KvCacheDtype, ModelOptions, Quantization, Speculative};
 use metrale_server::{GenerationConfig, Server, ServerOptions};
 
-use crate::generate::{BackendArg, backend};
+use crate::generate::{BackendArg, ForwardArg, backend};
 
 /// How projection weights are stored on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -186,6 +186,11 @@ pub struct ServeArgs {
     /// and prefills the answer itself.
     #[arg(long)]
     pub no_reprefill_answers: bool,
+    /// Which forward runs decode steps: the layers' own launches, or the circuit executor's
+    /// programs (`circuit` fuses the ops whose fused kernel is byte-identical to the launches
+    /// it replaces: the same tokens in fewer launches a step).
+    #[arg(long, value_enum, default_value_t = ForwardArg::Legacy)]
+    pub forward: ForwardArg,
     /// Speculative decoding: with `mtp` the checkpoint's MTP head drafts and decode steps verify
     /// the drafts, while the engine measures it faster than plain decode.
     #[arg(long, value_enum, default_value_t = SpeculativeArg::Off)]
@@ -254,6 +259,7 @@ impl ServeArgs {
             .model(model)
             .max_queued_requests(self.max_queued_requests)
             .speculation_gate(gate)
+            .forward(self.forward.select())
     }
 
     /// The server options these flags give, serving `model` (the flag's, or the bundled
@@ -305,6 +311,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use clap::Parser;
+    use metrale::ForwardSelect;
+    use metrale::circuit::Fusions;
 
     use super::*;
 
@@ -375,6 +383,17 @@ mod tests {
         assert!(!on.speculation_gate.enabled);
         assert_eq!(on.speculation_gate.margin_percent, 9);
         assert!(engine(&["--speculative", "eagle"]).is_err());
+    }
+
+    #[test]
+    fn decode_steps_run_the_legacy_forward_unless_the_flag_names_another() {
+        let forward = |args: &[&str]| parse(args).map(|a| a.engine_options().forward_select());
+        assert_eq!(forward(&[]).expect("no flags"), ForwardSelect::Legacy);
+        let fused = ForwardSelect::Circuit {
+            fusions: Fusions::All,
+        };
+        assert_eq!(forward(&["--forward", "circuit"]).expect("valid"), fused);
+        assert!(forward(&["--forward", "fast"]).is_err());
     }
 
     #[test]

@@ -11,9 +11,9 @@ pub struct ModelOptions {
     /// row of every decoding sequence and a chunk of the prompt sized to the rest of
     /// `max_batch_tokens`, so a long prompt never stalls the other streams' next token for a
     /// whole chunk. Off: prefill chunks and decode steps alternate under the budget. Mixing
-    /// does not apply to verify steps of speculative decoding, nor under the fused circuit
-    /// forward (whose decode rows round differently from the legacy forward's); there they
-    /// alternate either way. A sequence's tokens and logits are the same with it on or off.
+    /// does not apply to verify steps of speculative decoding, nor under circuit programs
+    /// holding a fusion that rounds differently from the legacy launches (`Numerics::Differs`;
+    /// the fusions the kernels have now are byte-identical); there they alternate either way. A sequence's tokens and logits are the same with it on or off.
     /// Default true.
     pub mixed_steps: bool,
     /// With mixed steps, the most attention work a mixed step's chunk may carry, in query-row
@@ -106,8 +106,8 @@ pub struct ModelOptions {
     /// multiple of the interval, with a snapshot at each of those.
     pub ssm_snapshot_stride: Option<usize>,
     /// With `prefix_caching`, on models whose decode steps do not compute what prefill steps
-    /// compute (hybrid models, whose decode runs the delta rule token by token; fused circuit
-    /// programs), so that the blocks decode steps fill are not published: a sequence that ends
+    /// compute (hybrid models, whose decode runs the delta rule token by token; circuit
+    /// programs holding a fusion that rounds differently), so that the blocks decode steps fill are not published: a sequence that ends
     /// by its stop rule (a stop token, `max_new_tokens`, a full context) has its conversation,
     /// prompt and every generated token, prefilled again inside the scheduler up to the last
     /// position where a follow-up turn can resume (on hybrid models the last multiple of the

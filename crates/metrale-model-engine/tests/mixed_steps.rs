@@ -20,9 +20,12 @@ use std::time::Duration;
 
 use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::generate::Generation;
+use metrale_model_engine::runner::Fusions;
 use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::{SchedulerStats, SeqEvent, SeqId, SeqRequest, StepKind};
-use metrale_model_engine::{KvCacheDtype, ModelError, ModelOptions, Scheduler, factory};
+use metrale_model_engine::{
+    ForwardSelect, KvCacheDtype, ModelCircuit, ModelError, ModelOptions, Scheduler, factory,
+};
 use metrale_testkit::Rng;
 use support::{StepClock, logit_bits, params, request};
 
@@ -329,6 +332,38 @@ const ATTENTION: usize = 8000;
 /// The token budget of a mixed step there (below `BUDGET`, above the attention budget's rows
 /// late in the prompt).
 const MIXED_STEP: usize = 72;
+
+/// Under the circuit forward's fused programs (every fusion byte-identical to the legacy
+/// launches) a long prompt still shares each step with the decoding sequences, and every
+/// request gets the bits of the legacy forward's run.
+#[test]
+fn fused_circuit_decode_steps_still_mix_and_change_no_bit() {
+    for name in ["qwen3-tiny", "qwen3_5-tiny"] {
+        let mut legacy = load_on(cpu, name, options(true));
+        let vocab = legacy.runner().model().config().tokens.vocab_size as u32;
+        let t = traffic(vocab, 5);
+        let want = run(&mut legacy, &t);
+        let mut fused = load_on(cpu, name, options(true));
+        let all = Fusions::All;
+        fused
+            .runner_mut()
+            .set_forward(ForwardSelect::Circuit { fusions: all })
+            .unwrap();
+        let got = run(&mut fused, &t);
+        assert_eq!(got.missed, 0, "{name}: a decoding sequence missed a step");
+        assert!(
+            (got.window.iter()).all(|k| matches!(k, StepKind::Mixed { .. })),
+            "{name}: {:?}",
+            got.window
+        );
+        assert_bitwise(
+            &got,
+            &want.gens,
+            &want.ids(),
+            &format!("{name}: fused vs legacy"),
+        );
+    }
+}
 
 #[test]
 fn mixed_step_budgets_cut_chunks_shorter_and_change_no_bit() {

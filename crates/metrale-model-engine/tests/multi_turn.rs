@@ -23,9 +23,10 @@ use std::sync::Arc;
 use metrale_cache::block_hashes;
 use metrale_gpu_runtime::{CpuBackend, GpuBackend};
 use metrale_model_engine::generate::GenerateParams;
+use metrale_model_engine::runner::Fusions;
 use metrale_model_engine::sampling::SamplingParams;
 use metrale_model_engine::scheduler::{Scheduler, SeqEvent, SeqRequest, StepKind};
-use metrale_model_engine::{KvCacheDtype, ModelOptions, factory};
+use metrale_model_engine::{ForwardSelect, KvCacheDtype, ModelCircuit, ModelOptions, factory};
 use metrale_testkit::Rng;
 
 /// Where the model runs.
@@ -120,7 +121,22 @@ fn conversation_in(
     kv: KvCacheDtype,
     want: Want,
 ) {
+    conversation_under(
+        ForwardSelect::Legacy,
+        (backend, name, chunk, reprefill, kv),
+        want,
+    );
+}
+
+/// `conversation_in` with the warm model's decode steps under `forward` (the cold model's
+/// under the legacy forward).
+fn conversation_under(
+    forward: ForwardSelect,
+    (backend, name, chunk, reprefill, kv): (Backend, &str, usize, bool, KvCacheDtype),
+    want: Want,
+) {
     let mut warm = load_kv(backend, name, chunk, (true, reprefill), kv);
+    warm.runner_mut().set_forward(forward).unwrap();
     let mut cold = load_kv(backend, name, chunk, (false, false), kv);
     let vocab = warm.runner().model().config().tokens.vocab_size as u32;
     let mut rng = Rng::new(11);
@@ -131,7 +147,8 @@ fn conversation_in(
         turns.into_iter().zip(wants).enumerate()
     {
         let what = format!(
-            "{name}, {kv:?} KV: turn {k} ({} prompt tokens)",
+            "{name}, {kv:?} KV, {}: turn {k} ({} prompt tokens)",
+            forward.name(),
             prompt.len()
         );
         let req = request(prompt.clone(), max_new, seed);
@@ -191,6 +208,21 @@ fn a_follow_up_turn_shares_the_whole_conversation_and_is_bitwise_cold() {
     // Whole-prompt prefill chunks past the decode sizes store through the fused rotation
     // kernel, the decode steps through `kv_store`: the same e4m3 bytes.
     conversation_in(cpu, "qwen3-tiny", 512, true, KvCacheDtype::Fp8, DENSE);
+}
+
+/// Under the circuit forward's fused programs, whose every fusion is byte-identical to the
+/// legacy launches, decode steps still fill the blocks a cold prefill writes: a follow-up
+/// shares the answer's blocks (no re-prefill) and is bitwise the legacy forward's cold turn.
+#[test]
+fn fused_circuit_decode_steps_publish_their_blocks_and_are_bitwise_cold() {
+    let fused = ForwardSelect::Circuit {
+        fusions: Fusions::All,
+    };
+    conversation_under(
+        fused,
+        (cpu, "qwen3-tiny", 16, true, KvCacheDtype::Bf16),
+        DENSE,
+    );
 }
 
 #[test]

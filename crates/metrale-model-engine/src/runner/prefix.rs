@@ -22,7 +22,7 @@
 
 use std::ops::Range;
 
-use metrale_model_layers::circuit_exec::Fusions;
+use metrale_model_layers::circuit_exec::Numerics;
 use metrale_model_layers::layers::GDN_CHUNK;
 
 use super::StepRunner;
@@ -142,24 +142,23 @@ impl StepRunner {
     /// Whether a decode step computes every row bitwise as a prefill step computes the same
     /// token at the same position over the same cache, so a KV block filled by decode steps
     /// holds what a cold prefill of its tokens writes and may be published for prefix caching.
-    /// True for models without GDN layers on the legacy forward (or the circuit's reference
-    /// programs, bitwise the legacy forward): each kernel computes a row alone, the same way
-    /// whatever the row count. False on hybrid models, whose prefill runs the chunked delta
-    /// rule (rounded differently from decode's token-by-token recurrence, and every later
-    /// layer's KV with it), and under the fused circuit programs (some fusions round
-    /// differently from the unfused chain prefill runs).
+    /// True for models without GDN layers where [`StepRunner::forward_matches_decode`] holds:
+    /// each kernel computes a row alone, the same way whatever the row count. False on hybrid
+    /// models, whose prefill runs the chunked delta rule (rounded differently from decode's
+    /// token-by-token recurrence, and every later layer's KV with it).
     pub fn decode_matches_prefill(&self) -> bool {
         self.model().cache_layers().num_ssm == 0 && self.forward_matches_decode()
     }
 
     /// Whether [`StepRunner::forward`] computes a sequence's one decode row bitwise as a decode
     /// step does, so decode rows may share a step with a prefill chunk (mixed steps): true on
-    /// the legacy forward and the circuit's reference programs (bitwise the legacy launches;
-    /// every kernel computes a row the same way whatever the step's rows, and a one-row GDN
-    /// chunk is the recurrent step), false under the fused circuit programs (some fusions round
-    /// differently from the unfused chain `forward` runs).
+    /// the legacy forward (every kernel computes a row the same way whatever the step's rows,
+    /// and a one-row GDN chunk is the recurrent step) and under circuit programs whose every
+    /// group is the legacy launch or a fusion byte-identical to it (the reference programs
+    /// always; the fused ones while no rule of theirs is `Differs`); false where a program
+    /// holds a fusion that rounds differently from the unfused chain `forward` runs.
     pub fn forward_matches_decode(&self) -> bool {
-        (self.forward.circuit.as_ref()).is_none_or(|c| c.fusions() == Fusions::ReferenceOnly)
+        (self.forward.circuit.as_ref()).is_none_or(|c| c.numerics() != Numerics::Differs)
     }
 }
 

@@ -46,8 +46,8 @@
 //!   prompt still gets one chunk between any two decode steps). Mixing does not apply with
 //!   `mixed_steps` off; to a re-prefill; when the next decode step verifies drafts (speculation: a verify step
 //!   keeps each row's GDN state in a slot of its own, which a prefill chunk's rows cannot
-//!   share); under the fused circuit forward (its decode rows round differently from
-//!   `forward`'s, [`StepRunner::forward_matches_decode`]); and on hybrid models when the
+//!   share); under circuit programs holding a fusion that rounds differently from
+//!   `forward`'s launches ([`StepRunner::forward_matches_decode`]); and on hybrid models when the
 //!   chunk's smallest allowed piece does not fit the step's rows beside the decode rows. With
 //!   nothing decoding, prefill chunks run back to back; with nothing prefilling, decode steps
 //!   do (padded up the ladder, from graphs).

@@ -72,7 +72,7 @@ pub use instance::{
 };
 pub use metrale_circuit::{
     Architecture, Block, Digest, Fusions, Instance, KernelSet, KvFormat, LinearRole, NormWeight,
-    Plan, Step, Width, plans_digest,
+    Numerics, Plan, Step, Width, plans_digest,
 };
 pub use record::{Launch, Recorder};
 
@@ -248,6 +248,20 @@ impl CircuitExec {
     /// The fusions its plans were lowered with.
     pub fn fusions(&self) -> Fusions {
         self.fusions
+    }
+
+    /// The loosest numerics of its plans (decode, verify and draft): `Reference` when every
+    /// group launches the legacy kernels, `BitIdentical` when every fusion is byte-identical to
+    /// them, else `Differs`.
+    pub fn numerics(&self) -> Numerics {
+        (self
+            .plans
+            .iter()
+            .chain(&self.verify_plans)
+            .chain(&self.draft_plans))
+        .map(Plan::numerics)
+        .max()
+        .unwrap_or(Numerics::Reference)
     }
 
     /// Its plans, one per width, ascending.
