@@ -36,7 +36,8 @@
 // reference's rows and timed at batch 1 (1,024 and 32,768 tokens) and 32 (8,192).
 //
 // Build: lab/build.sh (target/gemm-lab/wgmma_attention_lab); run with no arguments, with
-// `probes` for the prefill throughput probes alone, or with `decode` for the decode rows alone.
+// `probes` for the prefill throughput probes alone, `one-chain` for those of one chain a row
+// alone, or with `decode` for the decode rows alone.
 #include "../kernels/attention.cu"
 
 #include <cuda_runtime.h>
@@ -919,7 +920,7 @@ __global__ void __launch_bounds__(128) decode_chain(DecodeProbe p) {
     for (uint32_t i = 0; i < n; ++i) {
         cp_async_wait<DS - 1>();
         __syncwarp();
-        att_unit<D>(ring + (i % DS) * D_STAGE, qslot, u0 + i, p.ctx, scale_log2, i == 0, lane, o, m, l);
+        att_unit<D>(ring + (i % DS) * D_STAGE, qslot, u0 + i, p.ctx, scale_log2, i == 0, lane, o, m, l, [] {});
         __syncwarp();
         issue(i + DS);
     }
@@ -1087,6 +1088,17 @@ int main(int argc, char** argv) {
     const bool probes_only = argc > 1 && strcmp(argv[1], "probes") == 0;
     // `decode`: the decode rows alone.
     const bool decode_only = argc > 1 && strcmp(argv[1], "decode") == 0;
+    // `one-chain`: the probes of one softmax chain a row alone, with 16- and 64-token softmax
+    // steps, from prepared tiles and gathered from a paged cache.
+    if (argc > 1 && strcmp(argv[1], "one-chain") == 0) {
+        for (uint32_t n : {2048u, 16384u}) {
+            run_probe<0>(n);
+            run_probe<0, false, true>(n);
+            run_probe<0, true>(n);
+            run_probe<0, true, true>(n);
+        }
+        return 0;
+    }
     // Positions of the item's first row: a first chunk, rows across a unit boundary late in a
     // prompt, and a long context (many units, most maxima settled).
     const uint32_t p0s[] = {0, 37, 500, 2032};
