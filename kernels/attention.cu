@@ -422,3 +422,4 @@ extern "C" __global__ void __cluster_dims__(1, 1, 1) __launch_bounds__(ATT_THREA
 }
 
 #include "attention_prefill.cuh"
+#include "attention_prompt.cuh"

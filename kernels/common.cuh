@@ -249,6 +249,22 @@ MT_DEVICE void cluster_leave_barrier() {
     cluster_wait();
 }
 
+// Warpgroup MMA ordering: fence before the first wgmma reading registers or shared memory
+// written since, commit the issued ones as a group, wait until none is in flight.
+MT_DEVICE void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+MT_DEVICE void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+MT_DEVICE void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// The 64 f32 accumulator operands of an m64n128 wgmma, %0 .. %63 (read and written).
+#define WG_ACC64_REGS                                                                    \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "             \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "   \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "   \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WG_ACC4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define WG_ACC16(d, i) WG_ACC4(d, i), WG_ACC4(d, i + 4), WG_ACC4(d, i + 8), WG_ACC4(d, i + 12)
+#define WG_ACC64(d) WG_ACC16(d, 0), WG_ACC16(d, 16), WG_ACC16(d, 32), WG_ACC16(d, 48)
+
 // mbarrier helpers (shared::cta; `bar` a shared-memory address): init with the arrivals a phase
 // takes, arrive (release), and wait until the phase of parity `parity` completes (acquire).
 MT_DEVICE void mbar_init(uint32_t bar, uint32_t count) {

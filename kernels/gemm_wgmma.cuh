@@ -11,20 +11,6 @@
 // 8-11, 16-19, 24-27, so operands are staged in runs of 4 k (8-byte cp.async) into
 // 128-byte-swizzled rows whose 16-byte core-matrix units each hold two such runs.
 
-MT_DEVICE void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-MT_DEVICE void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-MT_DEVICE void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-
-// The 64 f32 accumulator operands of an m64n128 wgmma, %0 .. %63 (read and written).
-#define WG_ACC64_REGS                                                                    \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "             \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "   \
-    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "   \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define WG_ACC4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
-#define WG_ACC16(d, i) WG_ACC4(d, i), WG_ACC4(d, i + 4), WG_ACC4(d, i + 8), WG_ACC4(d, i + 12)
-#define WG_ACC64(d) WG_ACC16(d, 0), WG_ACC16(d, 16), WG_ACC16(d, 32), WG_ACC16(d, 48)
-
 // d[64] (+)= A · B for one warpgroup: A 64 x 16 and B 128 x 16 (k-major) through shared-memory
 // descriptors; scale_d 0 ignores d (the chain's first MMA). Thread (warp w, lane g * 4 + q) holds
 // d[4 j + e]: row 16 w + g (+ 8 for e >= 2), column 8 j + 2 q + (e & 1).

@@ -210,6 +210,10 @@ pub struct BenchArgs {
     /// counts its bytes).
     #[arg(long, value_enum, default_value_t = KvCacheDtypeArg::Auto)]
     kv_cache_dtype: KvCacheDtypeArg,
+    /// The prefill's rows attend in the prompt arithmetic (`paged_attention_prompt`, where the
+    /// heads take it), as a served prompt's do with `--prompt-attention`.
+    #[arg(long)]
+    prompt_attention: bool,
     /// Shard the random model over this many ranks (1, 2, 4 or 8; on CUDA GPUs `--device` to
     /// `--device` + N - 1, through NCCL) and time its decode steps at `--batches`, each beside
     /// its floor per GPU: the rank's weight and KV bytes over the copy bandwidth plus the
@@ -253,6 +257,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     o.iters = args.iters;
     o.quantization = args.quantization.select();
     o.kv_cache_dtype = args.kv_cache_dtype.select();
+    o.prompt_attention = args.prompt_attention;
     o.forwards = (args.forwards.iter())
         .map(|f| forward(f))
         .collect::<Result<_>>()?;

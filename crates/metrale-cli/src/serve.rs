@@ -186,6 +186,11 @@ pub struct ServeArgs {
     /// and prefills the answer itself.
     #[arg(long)]
     pub no_reprefill_answers: bool,
+    /// Prompt rows attend in their own arithmetic (`paged_attention_prompt`: one softmax chain a
+    /// row over 64-key tiles, head_dim 128 and a bf16 KV cache), generated rows in the decode
+    /// one; finished conversations are then re-prefilled for prefix caching.
+    #[arg(long)]
+    pub prompt_attention: bool,
     /// Which forward runs decode steps: the layers' own launches, or the circuit executor's
     /// programs (`circuit` fuses the ops whose fused kernel is byte-identical to the launches
     /// it replaces: the same tokens in fewer launches a step).
@@ -249,6 +254,7 @@ impl ServeArgs {
             .ssm_snapshot_slots(self.ssm_snapshot_slots)
             .ssm_snapshot_stride(self.ssm_snapshot_stride)
             .reprefill_answers(!self.no_reprefill_answers)
+            .prompt_attention(self.prompt_attention)
             .speculative(speculative)
             .num_draft_tokens(self.num_draft_tokens);
         let gate = GateOptions::default()
@@ -359,6 +365,12 @@ mod tests {
         let paced = model(&["--mixed-step-slowdown-pct", "175"]).expect("valid");
         assert_eq!(paced.mixed_step_slowdown_pct, Some(175));
         assert_eq!(alternating.max_batch_tokens, 64);
+        assert!(!default.prompt_attention);
+        assert!(
+            model(&["--prompt-attention"])
+                .expect("valid")
+                .prompt_attention
+        );
         assert!(model(&["--ssm-snapshot-slots", "many"]).is_err());
     }
 

@@ -4,7 +4,8 @@
 //! and dynamic shared memory.
 
 use crate::consts::{
-    ATP_FOLD, ATP_ROWS, ATP_WARPS, ATT_HB, ATT_QSLOTS, ATT_STAGES, ATT_UNIT, ATT_WARPS,
+    APR_D, APR_STAGES, APR_TILE, ATP_FOLD, ATP_ROWS, ATP_WARPS, ATT_HB, ATT_QSLOTS, ATT_STAGES,
+    ATT_UNIT, ATT_WARPS,
 };
 
 /// The head dimension padded to the tensor-core tile the kernels are instantiated for
@@ -91,6 +92,15 @@ pub const fn prefill_split_shared_bytes(padded: u32) -> u32 {
     prefill_shared_bytes(padded) + (ATT_WARPS - 1) * prefill_ring_bytes(padded)
 }
 
+/// Dynamic shared memory of a `paged_attention_prompt` block (`apr_shared_bytes`): 128 bytes of
+/// alignment slack, then for each of its two items the queries (64 virtual rows of `APR_D` bf16)
+/// and a ring of `APR_STAGES` tiles of keys and values, then the mbarriers (per item one full
+/// and one empty a stage, and the queries' one).
+pub const fn prompt_shared_bytes() -> u32 {
+    let item = 64 * APR_D * 2 + APR_STAGES * 2 * APR_TILE * APR_D * 2;
+    128 + 2 * item + 2 * (2 * APR_STAGES + 1) * 8
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,6 +118,8 @@ mod tests {
         // One split block a multiprocessor (at most 227 KiB).
         assert_eq!(prefill_split_shared_bytes(128), 154_624);
         assert_eq!(prefill_split_shared_bytes(256), 184_832);
+        // One prompt block a multiprocessor.
+        assert_eq!(prompt_shared_bytes(), 229_616);
         assert_eq!([100, 64, 65, 256].map(padded_dim), [128, 64, 128, 256]);
         assert_eq!(heads_per_block(32, 8), 4);
         assert_eq!(heads_per_block(16, 1), 8);

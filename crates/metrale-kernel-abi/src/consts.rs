@@ -115,6 +115,14 @@ shared_consts! {
     ATP_FOLD = 64;
     /// Most rows of a prefill attention row group (a 16-token unit).
     ATP_ROWS = 16;
+    /// Threads of a `paged_attention_prompt` block: a copying warpgroup and two computing.
+    APR_THREADS = 384;
+    /// Keys of a `paged_attention_prompt` softmax step (a tile).
+    APR_TILE = 64;
+    /// Tiles of keys and values in each ring of a `paged_attention_prompt` block.
+    APR_STAGES = 3;
+    /// The head dimension `paged_attention_prompt` takes.
+    APR_D = 128;
     /// The slot of a padding sequence: zero state read, nothing written.
     GDN_NO_SLOT = u32::MAX;
     /// Largest Dk of the general delta-rule path.

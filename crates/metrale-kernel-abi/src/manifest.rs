@@ -41,6 +41,9 @@ macro_rules! for_each_kernel {
             attention::paged_attention_prefill_split => PAGED_ATTENTION_PREFILL_SPLIT($crate::PagedAttentionPrefillParams),
             /// `paged_attention_prefill_split` written as the o projection's stage images.
             attention::paged_attention_prefill_split_staged => PAGED_ATTENTION_PREFILL_SPLIT_STAGED($crate::PagedAttentionPrefillParams),
+            /// The causal attention of prompt rows in their own arithmetic: one softmax chain a row
+            /// over 64-key tiles (head_dim 128, bf16 pools).
+            attention::paged_attention_prompt => PAGED_ATTENTION_PROMPT($crate::PagedAttentionPrefillParams),
             /// Each row's k and v into its slot of the paged KV cache.
             cache::kv_store => KV_STORE($crate::KvStoreParams),
             /// Token ids to embedding rows (the f32 residual).

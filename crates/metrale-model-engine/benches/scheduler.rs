@@ -310,6 +310,7 @@ fn step_input(c: &mut Criterion) {
             tables: &table_refs,
             logit_rows: &logit_rows,
             ssm_slots: &[],
+            prompt_until: &[],
         };
         g.throughput(Throughput::Elements(batch as u64));
         g.bench_function(BenchmarkId::new("decode_launches", batch), |b| {
@@ -345,6 +346,7 @@ fn step_input(c: &mut Criterion) {
         tables: &[&tables[0]],
         logit_rows: &[PROMPT as u32 - 1],
         ssm_slots: &[],
+        prompt_until: &[],
     };
     g.throughput(Throughput::Elements(PROMPT as u64));
     g.bench_function(BenchmarkId::new("prefill_launches", PROMPT), |b| {

@@ -102,6 +102,9 @@ pub struct BenchOptions {
     /// How the decode measurement's KV cache stores keys and values (the floors count its
     /// bytes a token). Default [`KvCacheDtype::Auto`] (bf16 for the random models).
     pub kv_cache_dtype: KvCacheDtype,
+    /// `ModelOptions::prompt_attention` for the prefill measurement (its rows are a prompt's).
+    /// Default false.
+    pub prompt_attention: bool,
 }
 
 impl BenchOptions {
@@ -119,6 +122,7 @@ impl BenchOptions {
             prefill_profile: true,
             quantization: Quantization::AsStored,
             kv_cache_dtype: KvCacheDtype::Auto,
+            prompt_attention: false,
             forwards: vec![
                 ForwardSelect::Legacy,
                 ForwardSelect::Circuit {
@@ -270,7 +274,8 @@ pub fn run(gpu: Arc<dyn GpuBackend>, opts: &BenchOptions) -> Result<BenchReport,
         .max_decode_seqs(max_batch)
         .decode_graphs(true)
         .prefix_caching(false)
-        .kv_cache_dtype(opts.kv_cache_dtype);
+        .kv_cache_dtype(opts.kv_cache_dtype)
+        .prompt_attention(opts.prompt_attention);
     let model = factory::random_quantized(c.clone(), gpu.clone(), 0x5eed, opts.quantization)?;
     let (mut runner, mut cache) = StepRunner::new(model, options)?;
     let prefill = prefill(&mut runner, &mut cache, opts)?;
@@ -336,6 +341,8 @@ fn prefill(
         tables: &[&table],
         logit_rows: &last,
         ssm_slots: &slot,
+        // A prompt: with `prompt_attention` its rows attend in the prompt arithmetic.
+        prompt_until: &[opts.prefill_tokens as u32],
     };
     let ms = time_ms(gpu.as_ref(), s, opts.iters, || {
         runner.forward(cache, &input)

@@ -120,6 +120,17 @@ pub struct ModelOptions {
     /// requests' prefill. No effect on models where decode-filled blocks are published, nor
     /// with prefix caching off. Default true.
     pub reprefill_answers: bool,
+    /// Prompt rows attend in an arithmetic of their own (`paged_attention_prompt`: one softmax
+    /// chain a row over 64-key tiles) where the attention layers take it (head_dim 128, bf16
+    /// KV cache): a prefill step's rows at positions a request brought (its prompt; a
+    /// re-prefill's whole conversation), while generated positions (decode, verify, and their
+    /// recompute after preemption) keep the decode arithmetic. A row's tokens and logits still
+    /// depend on nothing but its sequence (chunks, batches, mixed steps, preemption and prompt
+    /// prefix hits change no bit); decode-filled blocks are then not published for prefix
+    /// caching (a follow-up turn's cold prefill computes the answer as prompt), so
+    /// `reprefill_answers` caches finished conversations instead, as on hybrid models.
+    /// Default false.
+    pub prompt_attention: bool,
     /// Speculative decoding (`generate` and the scheduler run it; the engine accepts `Off` and
     /// `Mtp`). Default `Off`.
     pub speculative: Speculative,
@@ -241,6 +252,7 @@ impl Default for ModelOptions {
             ssm_snapshot_slots: None,
             ssm_snapshot_stride: None,
             reprefill_answers: true,
+            prompt_attention: false,
             speculative: Speculative::Off,
             num_draft_tokens: 2,
             quantization: Quantization::AsStored,
@@ -364,6 +376,12 @@ impl ModelOptions {
         self
     }
 
+    /// Set `prompt_attention`.
+    pub fn prompt_attention(mut self, on: bool) -> Self {
+        self.prompt_attention = on;
+        self
+    }
+
     /// Set `speculative`.
     pub fn speculative(mut self, s: Speculative) -> Self {
         self.speculative = s;
@@ -441,6 +459,7 @@ mod tests {
             .prefix_caching(false)
             .ssm_snapshot_stride(128)
             .reprefill_answers(false)
+            .prompt_attention(true)
             .speculative(Speculative::Mtp)
             .num_draft_tokens(3);
         assert_eq!(
@@ -457,6 +476,7 @@ mod tests {
                 prefix_caching: false,
                 ssm_snapshot_stride: Some(128),
                 reprefill_answers: false,
+                prompt_attention: true,
                 speculative: Speculative::Mtp,
                 num_draft_tokens: 3,
                 ..ModelOptions::default()

@@ -365,6 +365,80 @@ fn fused_circuit_decode_steps_still_mix_and_change_no_bit() {
     }
 }
 
+/// `ModelOptions::prompt_attention` on a dense shape of head_dim 128 (random weights): prompt
+/// rows attend through `paged_attention_prompt`, generated rows in the decode arithmetic. A long
+/// prompt still shares every step with the decoding sequences, and every request gets the bits
+/// of its solo run, with the cache large enough and with one so small that the long prompt is
+/// preempted and recomputed (its prompt rows in the prompt arithmetic, its generated rows in the
+/// decode one). The prompt arithmetic is not the decode one: without the option the same
+/// traffic gives other logits.
+#[test]
+fn prompt_rows_in_their_own_arithmetic_keep_every_request_bitwise_solo() {
+    prompt_rows_bitwise_solo(cpu);
+}
+
+fn prompt_rows_bitwise_solo(backend: Backend) {
+    let [config, _] = metrale_model_engine::bench::decode_staging_shapes_for_cpu().unwrap();
+    let load = |options: ModelOptions| {
+        let model = factory::random(config.clone(), backend(), 7).unwrap();
+        Scheduler::new(model, options).unwrap()
+    };
+    let mut on = load(options(true).prompt_attention(true));
+    assert!(on.runner().prompt_attention());
+    let t = traffic(config.tokens.vocab_size as u32, 5);
+    let mixed = run(&mut on, &t);
+    assert_eq!(mixed.missed, 0, "a decoding sequence missed a step");
+    assert!(mixed.stats.steps.mixed_steps > 0);
+    let mut alone = HashMap::new();
+    let mut solo_ids = Vec::new();
+    for (k, req) in t.0.iter().chain([&t.1]).enumerate() {
+        for (c, g) in solo(&mut on, req).into_iter().enumerate() {
+            let id = SeqId((1000 + 10 * k + c) as u64);
+            alone.insert(id, g);
+            solo_ids.push(id);
+        }
+    }
+    assert_bitwise(&mixed, &alone, &solo_ids, "prompt attention: mixed vs solo");
+    // A cache too small for everyone: the long prompt is preempted and recomputed.
+    let mut tight = load(options(true).prompt_attention(true).num_kv_blocks(Some(28)));
+    let (decoders, mut long) = traffic(config.tokens.vocab_size as u32, 9);
+    let decoders: Vec<SeqRequest> = (decoders.into_iter().take(3).enumerate())
+        .map(|(i, mut d)| {
+            d.prompt = (0..12 + i as u32).map(|t| (t * 13 + 5) % 256).collect();
+            d.params.max_new_tokens = [30, 70, 70][i];
+            d
+        })
+        .collect();
+    long.params.max_new_tokens = 40;
+    let t2 = (decoders, long);
+    let got = run(&mut tight, &t2);
+    assert!(got.stats.steps.preemptions > 0, "no preemption");
+    let mut alone = HashMap::new();
+    let mut solo_ids = Vec::new();
+    for (k, req) in t2.0.iter().chain([&t2.1]).enumerate() {
+        for (c, g) in solo(&mut on, req).into_iter().enumerate() {
+            let id = SeqId((1000 + 10 * k + c) as u64);
+            alone.insert(id, g);
+            solo_ids.push(id);
+        }
+    }
+    assert_bitwise(
+        &got,
+        &alone,
+        &solo_ids,
+        "prompt attention: preempted vs solo",
+    );
+    // Without the option: other bits for the long prompt's first token.
+    let mut off = load(options(true));
+    assert!(!off.runner().prompt_attention());
+    let plain = run(&mut off, &t);
+    let first = |r: &Run| logit_bits(&r.gens[&r.long])[0].clone();
+    assert!(
+        first(&mixed) != first(&plain),
+        "the prompt rows kept the decode arithmetic"
+    );
+}
+
 #[test]
 fn mixed_step_budgets_cut_chunks_shorter_and_change_no_bit() {
     for name in ["qwen3-tiny", "qwen3_5-tiny"] {
@@ -510,6 +584,11 @@ mod cuda {
         for name in FIXTURES {
             a_long_prompt_never_stalls_the_decoding_sequences(gpu, name);
         }
+    }
+
+    #[test]
+    fn prompt_rows_in_their_own_arithmetic_keep_every_request_bitwise_solo_on_cuda() {
+        prompt_rows_bitwise_solo(gpu);
     }
 
     #[test]

@@ -137,7 +137,14 @@ fn conversation_under(
 ) {
     let mut warm = load_kv(backend, name, chunk, (true, reprefill), kv);
     warm.runner_mut().set_forward(forward).unwrap();
-    let mut cold = load_kv(backend, name, chunk, (false, false), kv);
+    let cold = load_kv(backend, name, chunk, (false, false), kv);
+    let label = format!("{name}, {kv:?} KV, {}", forward.name());
+    conversation_on((warm, cold), &label, want);
+}
+
+/// The three turns of [`conversation`] on a `warm` model (prefix caching on) and a `cold` one
+/// (off): each turn bitwise cold, hitting and re-prefilling as `want` says.
+fn conversation_on((mut warm, mut cold): (Scheduler, Scheduler), label: &str, want: Want) {
     let vocab = warm.runner().model().config().tokens.vocab_size as u32;
     let mut rng = Rng::new(11);
     let mut prompt = tokens(&mut rng, 70, vocab);
@@ -146,11 +153,7 @@ fn conversation_under(
     for (k, ((max_new, seed, next_user), (hit, reprefilled))) in
         turns.into_iter().zip(wants).enumerate()
     {
-        let what = format!(
-            "{name}, {kv:?} KV, {}: turn {k} ({} prompt tokens)",
-            forward.name(),
-            prompt.len()
-        );
+        let what = format!("{label}: turn {k} ({} prompt tokens)", prompt.len());
         let req = request(prompt.clone(), max_new, seed);
         let (w, c) = (solo(&mut warm, &req), solo(&mut cold, &req));
         assert_bitwise(&w.generation, &c.generation, &what);
@@ -208,6 +211,34 @@ fn a_follow_up_turn_shares_the_whole_conversation_and_is_bitwise_cold() {
     // Whole-prompt prefill chunks past the decode sizes store through the fused rotation
     // kernel, the decode steps through `kv_store`: the same e4m3 bytes.
     conversation_in(cpu, "qwen3-tiny", 512, true, KvCacheDtype::Fp8, DENSE);
+}
+
+/// With prompt rows in their own arithmetic (`ModelOptions::prompt_attention`, a dense shape of
+/// head_dim 128 with random weights), decode-filled blocks hold other bits than a cold prefill
+/// of the same tokens as prompt, so they are not published: each finished conversation is
+/// re-prefilled as a prompt instead (turn 0's from its prompt's 64 cached tokens to 128, the end
+/// of its last full block; turn 1's from 128 to 208; turn 2's 230 tokens end no block past its
+/// own prompt's 224), and every follow-up hits those blocks, bitwise the cold turn.
+#[test]
+fn with_prompt_arithmetic_a_follow_up_shares_the_reprefilled_answer_and_is_bitwise_cold() {
+    let [config, _] = metrale_model_engine::bench::decode_staging_shapes_for_cpu().unwrap();
+    let load = |caching: bool| {
+        let options = ModelOptions::default()
+            .max_batch_tokens(16)
+            .max_decode_seqs(4)
+            .prefix_caching(caching)
+            .reprefill_answers(caching)
+            .prompt_attention(true);
+        let model = factory::random(config.clone(), cpu(), 7).unwrap();
+        Scheduler::new(model, options).unwrap()
+    };
+    let (warm, cold) = (load(true), load(false));
+    assert!(warm.runner().prompt_attention() && !warm.runner().decode_matches_prefill());
+    let want = Want {
+        hits: [0, 128, 208],
+        reprefills: [64, 80, 0],
+    };
+    conversation_on((warm, cold), "prompt attention", want);
 }
 
 /// Under the circuit forward's fused programs, whose every fusion is byte-identical to the

@@ -108,6 +108,7 @@ fn unsplit_first_logits(name: &str, options: ModelOptions, prompt: &[u32]) -> Ve
                 tables: &[&table],
                 logit_rows: &[(rows.len() - 1) as u32],
                 ssm_slots: &slots,
+                prompt_until: &[],
             },
         )
         .unwrap();

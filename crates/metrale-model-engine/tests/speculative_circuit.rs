@@ -94,6 +94,7 @@ impl Seq {
             tables: &[&seq.table],
             logit_rows: &[],
             ssm_slots: if hybrid { &slots[..] } else { &[] },
+            prompt_until: &[],
         };
         model.runner.forward(&model.cache, &input).unwrap();
         seq

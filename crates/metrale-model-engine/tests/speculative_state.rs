@@ -59,6 +59,7 @@ impl Seq {
             tables: &[&self.table],
             logit_rows: &[prompt.len() as u32 - 1],
             ssm_slots: &[self.slot],
+            prompt_until: &[],
         };
         rig.runner.forward(&rig.cache, &input).unwrap();
         rig.runner.logits(1).unwrap().pop().unwrap()

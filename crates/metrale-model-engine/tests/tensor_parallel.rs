@@ -63,6 +63,7 @@ fn head_logits_via(dir: &Path, prompt: &[u32], tp: usize, archived: bool) -> Vec
         tables: &[&table],
         logit_rows: &[n as u32 - 1],
         ssm_slots: &[slot],
+        prompt_until: &[],
     };
     runner.forward(&cache, &input).unwrap();
     // The head at position p reads the token at p + 1 (the last one: the target's greedy

@@ -5,12 +5,15 @@
 //! runs, weights and KV caches rotated so L2 cannot serve repeats. A measurement, not a check:
 //! `run.sh` of the GPU bundle runs it and collects its `bench` lines. `mixed` (only when asked)
 //! times `paged_attention_prefill` on a mixed step's rows: 64 decode rows beside a chunk of a
-//! long prompt, walked, as `attention_prefill_plan` launches them, and all split.
+//! long prompt, walked, as `attention_prefill_plan` launches them, and all split. `prompt` (only
+//! when asked) times a whole prompt's attention through `paged_attention_prefill` (as planned)
+//! and through `paged_attention_prompt`, in TFLOP/s of causal work.
 //!
 //! `cargo run --release --features cuda -p metrale-model-layers --example kernel_bench
-//! [linear|attention|mixed [CONTEXTS]]` (linear and attention without an argument; CONTEXTS,
-//! comma-separated token counts, the attention rows' contexts, 1025 by default, or the long
-//! prompt's for `mixed`, 16384 by default).
+//! [linear|attention|mixed|prompt [CONTEXTS]]` (linear and attention without an argument;
+//! CONTEXTS, comma-separated token counts, the attention rows' contexts, 1025 by default, or the
+//! long prompt's for `mixed`, 16384 by default, or the prompts' for `prompt`, 2048 and 16384 by
+//! default).
 
 use std::sync::Arc;
 
@@ -36,6 +39,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             })
             .collect::<Result<Vec<u32>, String>>()?,
         None if which.as_deref() == Some("mixed") => vec![16384],
+        None if which.as_deref() == Some("prompt") => vec![2048, 16384],
         None => vec![1025],
     };
     let gpu: Arc<dyn GpuBackend> = Arc::new(CudaBackend::new(0)?);
@@ -56,7 +60,100 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             measure_mixed(&ops, g, copy_gbs, context);
         }
     }
+    if which.as_deref() == Some("prompt") {
+        for &context in &contexts {
+            measure_prompt(&ops, g, context);
+        }
+    }
     Ok(())
+}
+
+/// One layer's attention over a whole prompt of `context` tokens (one sequence, every row, its
+/// blocks of 16 in shuffled order, bf16 pools, Qwen3-8B's heads): `paged_attention_prefill` over
+/// the row groups `attention_prefill_plan` gives and `paged_attention_prompt` over them all,
+/// each in TFLOP/s of causal work (4 head_dim FLOPs a query head and key it attends to).
+fn measure_prompt(ops: &Ops, g: &dyn GpuBackend, context: u32) {
+    use metrale_model_layers::ops::{RowGroups, attention_prefill_plan, attention_row_groups};
+    let mut rng = Rng::new(19);
+    const BLOCK: u32 = 16;
+    let (shape, hq, hkv, d, gated) = ATTENTION_SHAPES[0];
+    let blocks = context.div_ceil(BLOCK);
+    let tables = rng.permutation(blocks);
+    let num_slots = blocks * BLOCK;
+    let elems = num_slots as usize * (hkv * d) as usize;
+    let (k, v) = (
+        g.alloc(2 * elems).expect("alloc"),
+        g.alloc(2 * elems).expect("alloc"),
+    );
+    ops.fill_uniform_bf16(S, k, elems as u64, 1, 0.0, 2.0)
+        .expect("fill");
+    ops.fill_uniform_bf16(S, v, elems as u64, 2, 0.0, 2.0)
+        .expect("fill");
+    let rows: Vec<(u32, u32)> = (0..context).map(|p| (0, p)).collect();
+    let (q_stride, row_stride) = qkv_strides(hq, hkv, d, gated);
+    let qkv = g
+        .alloc_upload(&rng.bf16s((context * row_stride) as usize, -2.0, 2.0), S)
+        .expect("qkv");
+    let block_tables = g.alloc_upload(&tables, S).expect("tables");
+    let row_seq = g
+        .alloc_upload(&vec![0u32; context as usize], S)
+        .expect("row_seq");
+    let positions = g
+        .alloc_upload(&(0..context).collect::<Vec<u32>>(), S)
+        .expect("positions");
+    let out = g.alloc((context * hq * d) as usize * 2).expect("out");
+    let params = PagedAttention {
+        out,
+        qkv,
+        k_cache: k,
+        v_cache: v,
+        block_tables,
+        row_seq,
+        positions,
+        rows: context,
+        row_stride,
+        q_head_stride: q_stride,
+        num_q_heads: hq,
+        num_kv_heads: hkv,
+        head_dim: d,
+        block_size: BLOCK,
+        max_blocks: blocks,
+        num_seqs: 1,
+        num_slots,
+        scale: 1.0 / (d as f32).sqrt(),
+        gated,
+        kv_dtype: metrale_cache::KvDtype::Bf16,
+        kv_scales: metrale_cache::KvScales::default(),
+    };
+    let resident = ops.attention_prefill_blocks(d).expect("resident blocks");
+    let (planned, split) = attention_prefill_plan(&rows, hq, hkv, d, resident);
+    let count = (planned.len() / 2) as u32;
+    let flops = 4.0 * f64::from(d * hq) * f64::from(context) * f64::from(context + 1) / 2.0;
+    let at = g.alloc_upload(&planned, S).expect("groups");
+    let prefill_ms = time_ms(g, 5, |_| {
+        let groups = RowGroups { at, count, split };
+        ops.paged_attention_prefill(S, &params, groups, None)
+            .expect("attention")
+    });
+    let walked = attention_row_groups(rows.iter().copied(), hq, hkv, d);
+    let n = (walked.len() / 2) as u32;
+    let wat = g.alloc_upload(&walked, S).expect("groups");
+    let prompt_ms = time_ms(g, 5, |_| {
+        ops.paged_attention_prompt(S, &params, wat, n)
+            .expect("attention")
+    });
+    let rate = |ms: f64| flops / (ms * 1e-3) / 1e12;
+    println!(
+        "bench paged_attention_prompt {shape:<10} {context} tokens: paged_attention_prefill \
+         {:9.1} us ({:6.1} TFLOP/s), paged_attention_prompt {:9.1} us ({:6.1} TFLOP/s)",
+        prefill_ms * 1e3,
+        rate(prefill_ms),
+        prompt_ms * 1e3,
+        rate(prompt_ms)
+    );
+    for p in [k, v, qkv, block_tables, row_seq, positions, out, at, wat] {
+        g.free(p).expect("free");
+    }
 }
 
 /// `paged_attention_prefill` of one layer on a mixed step's rows: 64 decode rows (each its own

@@ -187,6 +187,10 @@ pub struct StepShape {
     /// Of the row groups, the last ones `paged_attention_prefill` runs through its split kernels
     /// (`ops::attention_prefill_plan`).
     pub att_split: u32,
+    /// Of the row groups, the first ones, whose rows are prompt rows attending in the prompt
+    /// arithmetic (`paged_attention_prompt`, `ops::attention_step_plan`); the rest run through
+    /// `paged_attention_prefill`.
+    pub att_prompt: u32,
 }
 
 /// The fixed buffers a step reads and writes; allocated once in the model's arena.

@@ -34,8 +34,8 @@ use metrale_kernel_abi::KernelParams;
 use parking_lot::Mutex;
 
 pub use crate::ops_attention::{
-    ATTENTION_SPLITS, DecodeAttention, PagedAttention, RowGroups, attention_blocks_fit,
-    attention_prefill_plan, attention_row_groups,
+    ATTENTION_SPLITS, DecodeAttention, PagedAttention, RowGroups, StepPlan, attention_blocks_fit,
+    attention_prefill_plan, attention_row_groups, attention_step_plan,
 };
 pub use crate::ops_rows::{KvStore, Norm, QkNormRope, SampleOperands, VocabRows};
 pub use crate::ops_view::{BlockScales, Matrix};

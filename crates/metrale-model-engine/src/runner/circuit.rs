@@ -421,6 +421,7 @@ impl StepRunner {
             verify,
             att_groups: 0,
             att_split: 0,
+            att_prompt: 0,
         }
     }
 }

@@ -30,11 +30,11 @@ mod sizes;
 mod upload;
 mod verify;
 
-use metrale_cache::{BlockTable, CacheManager};
+use metrale_cache::{BlockTable, CacheManager, KvDtype};
 use metrale_gpu_runtime::{BufferArena, GpuBackendExt};
 use metrale_model_layers::circuit_exec::{Launch, LayerPools};
 use metrale_model_layers::layer::SsmBinding;
-use metrale_model_layers::ops::Matrix;
+use metrale_model_layers::ops::{Matrix, Ops};
 use metrale_model_layers::{KvBinding, StepShape};
 
 use crate::error::ModelError;
@@ -274,12 +274,24 @@ impl StepRunner {
         input: &StepInput<'_>,
     ) -> Result<(), ModelError> {
         self.io().check(cache, input)?;
-        let shape = self.io().upload_forward(input)?;
+        let prompt = self.prompt_attention();
+        let shape = self.io().upload_forward(input, prompt)?;
         self.last_rows = shape.rows as usize;
         self.on_ranks(
             |me| me.forward.legacy_step(me.forward.model.ops(), shape),
-            |peer, sizes, _| peer.forward(sizes, input),
+            |peer, sizes, _| peer.forward(sizes, input, prompt),
         )
+    }
+
+    /// Whether a forward step's prompt rows attend in the prompt arithmetic
+    /// (`paged_attention_prompt`): `ModelOptions::prompt_attention` is on and the attention
+    /// layers take it (head_dim 128, a bf16 KV cache).
+    pub fn prompt_attention(&self) -> bool {
+        let model = self.model();
+        let fp8 = self.options.kv_cache_dtype.resolve(model.config()) == KvDtype::Fp8;
+        self.options.prompt_attention
+            && model.cache_layers().num_kv > 0
+            && Ops::prompt_attention_fits(model.dims().head_dim, fp8 as u32)
     }
 
     /// Upload `input` as [`StepRunner::forward`] does and return the step's launches without
@@ -292,7 +304,7 @@ impl StepRunner {
     ) -> Result<Vec<Launch>, ModelError> {
         self.single_rank("recorded prefill")?;
         self.io().check(cache, input)?;
-        let shape = self.io().upload_forward(input)?;
+        let shape = self.io().upload_forward(input, self.prompt_attention())?;
         self.last_rows = shape.rows as usize;
         self.forward.record_step(shape)
     }
@@ -389,6 +401,7 @@ impl StepRunner {
             tables,
             logit_rows: &logit_rows,
             ssm_slots,
+            prompt_until: &[],
         };
         self.io().check(cache, &input)?;
         let width = self.options.decode_width(rows.len()).ok_or_else(|| {

@@ -121,6 +121,7 @@ impl StepRunner {
             tables: step.tables,
             logit_rows: step.logit_rows,
             ssm_slots: &[],
+            prompt_until: &[],
         };
         self.io().check_rows(&input)?;
         if step.hidden_rows.len() != step.rows.len() {

@@ -145,9 +145,13 @@ impl StepRunner {
     /// True for models without GDN layers where [`StepRunner::forward_matches_decode`] holds:
     /// each kernel computes a row alone, the same way whatever the row count. False on hybrid
     /// models, whose prefill runs the chunked delta rule (rounded differently from decode's
-    /// token-by-token recurrence, and every later layer's KV with it).
+    /// token-by-token recurrence, and every later layer's KV with it), and where prompt rows
+    /// attend in their own arithmetic ([`StepRunner::prompt_attention`]: a cold prefill
+    /// computes an answer's tokens as prompt rows).
     pub fn decode_matches_prefill(&self) -> bool {
-        self.model().cache_layers().num_ssm == 0 && self.forward_matches_decode()
+        self.model().cache_layers().num_ssm == 0
+            && self.forward_matches_decode()
+            && !self.prompt_attention()
     }
 
     /// Whether [`StepRunner::forward`] computes a sequence's one decode row bitwise as a decode

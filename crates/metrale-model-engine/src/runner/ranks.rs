@@ -48,9 +48,15 @@ impl RankRunner {
         }
     }
 
-    /// A prefill (or mixed) step: upload `input`, launch the shard's legacy step.
-    pub fn forward(&self, sizes: &StepSizes, input: &StepInput<'_>) -> Result<(), ModelError> {
-        let shape = self.io(sizes).upload_forward(input)?;
+    /// A prefill (or mixed) step: upload `input` (`prompt`: its prompt rows in the prompt
+    /// arithmetic, as rank 0 decided), launch the shard's legacy step.
+    pub fn forward(
+        &self,
+        sizes: &StepSizes,
+        input: &StepInput<'_>,
+        prompt: bool,
+    ) -> Result<(), ModelError> {
+        let shape = self.io(sizes).upload_forward(input, prompt)?;
         self.forward.legacy_step(self.forward.model.ops(), shape)
     }
 

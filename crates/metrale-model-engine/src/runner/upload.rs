@@ -5,7 +5,7 @@
 
 use metrale_cache::{BlockTable, CacheManager};
 use metrale_gpu_runtime::{GpuBackend, GpuBackendExt, StreamHandle};
-use metrale_model_layers::ops::{Ops, attention_prefill_plan};
+use metrale_model_layers::ops::{Ops, attention_step_plan};
 use metrale_model_layers::{ModelDims, StepBuffers, StepShape};
 
 use super::sizes::StepSizes;
@@ -35,6 +35,11 @@ pub struct StepInput<'a> {
     /// The SSM state slot of each sequence (hybrid models; empty for models without GDN
     /// layers).
     pub ssm_slots: &'a [u32],
+    /// Of each sequence (`tables` order), the positions below which its rows are prompt rows,
+    /// attending in the prompt arithmetic where the runner has it
+    /// (`ModelOptions::prompt_attention`); a sequence past the slice has none. Read by forward
+    /// steps only.
+    pub prompt_until: &'a [u32],
 }
 
 /// What checking and uploading a step reads: the runner's buffers, limits and dimensions.
@@ -254,6 +259,7 @@ impl Io<'_> {
             verify: row_slots.is_some(),
             att_groups: 0,
             att_split: 0,
+            att_prompt: 0,
         })
     }
 
@@ -261,25 +267,37 @@ impl Io<'_> {
     /// attention runs through the row groups of `paged_attention_prefill` when a sequence has
     /// several rows. Only these steps: decode, verify and MTP steps are captured as graphs, and
     /// a group count depends on the positions.
-    pub fn upload_forward(&self, input: &StepInput<'_>) -> Result<StepShape, ModelError> {
+    ///
+    /// With `prompt`, rows below their sequence's `input.prompt_until` are prompt rows, whose
+    /// groups come first (`StepShape::att_prompt`); then a step of one row per sequence still
+    /// gets its groups when a row is a prompt row.
+    pub fn upload_forward(
+        &self,
+        input: &StepInput<'_>,
+        prompt: bool,
+    ) -> Result<StepShape, ModelError> {
         let shape = self.upload(input, None, None)?;
-        if shape.rows <= shape.num_seqs {
+        let is_prompt = |r: &StepRow| {
+            prompt && (input.prompt_until.get(r.seq as usize)).is_some_and(|&p| r.position < p)
+        };
+        let flags: Vec<bool> = input.rows.iter().map(is_prompt).collect();
+        if shape.rows <= shape.num_seqs && !flags.contains(&true) {
             return Ok(shape);
         }
         let d = self.dims;
         let rows: Vec<(u32, u32)> = input.rows.iter().map(|r| (r.seq, r.position)).collect();
-        let (groups, split) = attention_prefill_plan(
+        let plan = attention_step_plan(
             &rows,
-            d.num_q_heads,
-            d.num_kv_heads,
-            d.head_dim,
+            &flags,
+            (d.num_q_heads, d.num_kv_heads, d.head_dim),
             self.ops.attention_prefill_blocks(d.head_dim)?,
         );
         self.gpu
-            .upload(self.buf.meta.att_groups, &groups, self.stream)?;
+            .upload(self.buf.meta.att_groups, &plan.groups, self.stream)?;
         Ok(StepShape {
-            att_groups: (groups.len() / 2) as u32,
-            att_split: split,
+            att_groups: (plan.groups.len() / 2) as u32,
+            att_split: plan.split,
+            att_prompt: plan.prompt,
             ..shape
         })
     }

@@ -48,6 +48,7 @@ impl StepRunner {
             tables,
             logit_rows: &logit_rows,
             ssm_slots,
+            prompt_until: &[],
         };
         self.io().check(cache, &input)?;
         self.io().check_row_slots(cache, &input, row_slots)?;

@@ -102,6 +102,7 @@ impl Scheduler {
                 tables: &[&s.cache.table],
                 logit_rows,
                 ssm_slots: &slots,
+                prompt_until: &[s.prompt_len as u32],
             },
         )?;
         s.computed = range.end;

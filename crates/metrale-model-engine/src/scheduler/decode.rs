@@ -203,11 +203,15 @@ impl Scheduler {
             let mut seqs = idx.clone();
             seqs.push(p);
             let (tables, slots) = tables_and_slots(&self.running, &seqs);
+            let prompt_until: Vec<u32> = (seqs.iter())
+                .map(|&i| self.running[i].prompt_len as u32)
+                .collect();
             let input = StepInput {
                 rows: &rows,
                 tables: &tables,
                 logit_rows: &logit_rows,
                 ssm_slots: &slots,
+                prompt_until: &prompt_until,
             };
             // The forward runs on the device while the host computes the constrained rows'
             // masks; the sampler follows their upload on the stream.

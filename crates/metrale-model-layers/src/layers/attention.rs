@@ -93,17 +93,23 @@ impl Attention {
             n => {
                 // At prefill sizes the attention writes the o projection's stage images itself
                 // (no permute launch) when the projection can read them; a sharded projection
-                // reads its input plainly (its f32 partial sums go to the all-reduce).
-                let images = match cx.sharded() {
+                // reads its input plainly (its f32 partial sums go to the all-reduce), and so
+                // does a step with prompt rows (`paged_attention_prompt` writes rows).
+                let prompt = cx.shape.att_prompt.min(n);
+                let images = match cx.sharded() || prompt > 0 {
                     true => None,
                     false => ops.linear_staging(s, o_proj, rows)?,
                 };
-                let groups = RowGroups {
-                    at: buf.meta.att_groups,
-                    count: n,
-                    split: cx.shape.att_split,
-                };
-                ops.paged_attention_prefill(s, &attention, groups, images)?;
+                ops.paged_attention_prompt(s, &attention, buf.meta.att_groups, prompt)?;
+                if n > prompt {
+                    // Each group is two u32.
+                    let groups = RowGroups {
+                        at: buf.meta.att_groups.offset(8 * prompt as usize),
+                        count: n - prompt,
+                        split: cx.shape.att_split,
+                    };
+                    ops.paged_attention_prefill(s, &attention, groups, images)?;
+                }
                 if let Some(images) = images {
                     return ops.linear_staged(s, (delta, attn_out, o_proj), images);
                 }

@@ -18,23 +18,79 @@ pub fn attention_row_groups(
     num_kv_heads: u32,
     head_dim: u32,
 ) -> Vec<u32> {
+    let rows = rows.into_iter().map(|(seq, pos)| (seq, pos, false));
+    (row_groups_keyed(rows, num_q_heads, num_kv_heads, head_dim).into_iter())
+        .flat_map(|(first, count, _)| [first, count])
+        .collect()
+}
+
+/// [`attention_row_groups`] of rows given as (sequence, position, class): a group never holds
+/// rows of two classes. Each group as (first row, rows, class).
+fn row_groups_keyed(
+    rows: impl IntoIterator<Item = (u32, u32, bool)>,
+    num_q_heads: u32,
+    num_kv_heads: u32,
+    head_dim: u32,
+) -> Vec<(u32, u32, bool)> {
     let most = prefill_rows_per_item(
         attention_heads_per_block(num_q_heads, num_kv_heads),
         padded_dim(head_dim),
     );
-    let mut groups: Vec<u32> = Vec::new();
-    let mut open: Option<(u32, u32)> = None; // (sequence, unit) of the last group
-    for (r, (seq, pos)) in rows.into_iter().enumerate() {
-        let key = (seq, pos / ATT_UNIT);
-        let n = groups.len();
-        if open == Some(key) && groups[n - 1] < most {
-            groups[n - 1] += 1;
-        } else {
-            groups.extend([r as u32, 1]);
-            open = Some(key);
+    let mut groups: Vec<(u32, u32, bool)> = Vec::new();
+    let mut open: Option<(u32, u32, bool)> = None; // (sequence, unit, class) of the last group
+    for (r, (seq, pos, class)) in rows.into_iter().enumerate() {
+        let key = (seq, pos / ATT_UNIT, class);
+        match groups.last_mut() {
+            Some(last) if open == Some(key) && last.1 < most => last.1 += 1,
+            _ => {
+                groups.push((r as u32, 1, class));
+                open = Some(key);
+            }
         }
     }
     groups
+}
+
+/// A step's row groups for its prefill attention, as uploaded: the prompt rows' groups first
+/// (`prompt` of them, for `paged_attention_prompt`), then the other rows' groups as
+/// [`attention_prefill_plan`] orders them, the last `split` of those through the split kernels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepPlan {
+    /// (first row, rows) pairs.
+    pub groups: Vec<u32>,
+    /// The leading groups of prompt rows.
+    pub prompt: u32,
+    /// The trailing groups the split kernels take.
+    pub split: u32,
+}
+
+/// The [`StepPlan`] of a step's rows, given as (sequence, position) in row order, row `r` a
+/// prompt row where `prompt[r]` (rows past `prompt` are not): a group holds rows of one class,
+/// the prompt rows' groups come first, in row order, and the other rows' groups follow as
+/// [`attention_prefill_plan`] plans them over `blocks` resident blocks.
+pub fn attention_step_plan(
+    rows: &[(u32, u32)],
+    prompt: &[bool],
+    (num_q_heads, num_kv_heads, head_dim): (u32, u32, u32),
+    blocks: u32,
+) -> StepPlan {
+    let keyed = (rows.iter().enumerate())
+        .map(|(r, &(seq, pos))| (seq, pos, prompt.get(r).copied().unwrap_or(false)));
+    let (mut groups, mut rest) = (Vec::new(), Vec::new());
+    for (first, count, class) in row_groups_keyed(keyed, num_q_heads, num_kv_heads, head_dim) {
+        match class {
+            true => groups.extend([first, count]),
+            false => rest.extend([first, count]),
+        }
+    }
+    let n_prompt = (groups.len() / 2) as u32;
+    let (planned, split) = plan_groups(rest, rows, (num_q_heads, num_kv_heads), blocks);
+    groups.extend(planned);
+    StepPlan {
+        groups,
+        prompt: n_prompt,
+        split,
+    }
 }
 
 /// A step's row groups of [`Ops::paged_attention_prefill`] as uploaded: `count` (first row,
@@ -77,6 +133,16 @@ pub fn attention_prefill_plan(
     blocks: u32,
 ) -> (Vec<u32>, u32) {
     let groups = attention_row_groups(rows.iter().copied(), num_q_heads, num_kv_heads, head_dim);
+    plan_groups(groups, rows, (num_q_heads, num_kv_heads), blocks)
+}
+
+/// [`attention_prefill_plan`] of row groups already cut (`groups`, rows indexing `rows`).
+fn plan_groups(
+    groups: Vec<u32>,
+    rows: &[(u32, u32)],
+    (num_q_heads, num_kv_heads): (u32, u32),
+    blocks: u32,
+) -> (Vec<u32>, u32) {
     // Each group's units: its rows' contexts span the same ones.
     let units: Vec<u64> = groups
         .chunks_exact(2)
@@ -149,6 +215,48 @@ mod tests {
             .map(|s| (s, pos))
             .chain((from..from + chunk).map(|p| (seqs, p)))
             .collect()
+    }
+
+    /// A step's prompt rows go to groups of their own, first and in row order; the other rows'
+    /// groups follow as `attention_prefill_plan` plans them alone (a prompt's first generated
+    /// positions beside its last prompt positions in one 16-token unit are two groups), and
+    /// every row is in exactly one group.
+    #[test]
+    fn prompt_rows_get_groups_of_their_own_first() {
+        // Sequence 0 recomputed after preemption: prompt of 20 tokens, 10 generated; sequence
+        // 1 a fresh prompt chunk of 40 from position 0; two decode rows.
+        let rows: Vec<(u32, u32)> = (0..30)
+            .map(|p| (0, p))
+            .chain((0..40).map(|p| (1, p)))
+            .chain([(2, 500), (3, 90)])
+            .collect();
+        let prompt: Vec<bool> = (rows.iter())
+            .map(|&(s, p)| (s == 0 && p < 20) || s == 1)
+            .collect();
+        let plan = attention_step_plan(&rows, &prompt, (32, 8, 128), PREFILL_BLOCKS);
+        let pairs: Vec<(u32, u32)> = plan.groups.chunks(2).map(|g| (g[0], g[1])).collect();
+        let (head, tail) = pairs.split_at(plan.prompt as usize);
+        assert_eq!(head, &[(0, 16), (16, 4), (30, 16), (46, 16), (62, 8)]);
+        let mut other = tail.to_vec();
+        other.sort_unstable();
+        assert_eq!(other, [(20, 10), (70, 1), (71, 1)]);
+        assert!(plan.split as usize <= tail.len());
+        let mut seen = vec![0u32; rows.len()];
+        for &(first, count) in &pairs {
+            let class = prompt[first as usize];
+            for r in first..first + count {
+                seen[r as usize] += 1;
+                assert_eq!(
+                    prompt[r as usize], class,
+                    "group ({first}, {count}) mixes classes"
+                );
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1));
+        // No prompt rows: attention_prefill_plan's groups.
+        let none = attention_step_plan(&rows, &[], (32, 8, 128), PREFILL_BLOCKS);
+        let want = attention_prefill_plan(&rows, 32, 8, 128, PREFILL_BLOCKS);
+        assert_eq!((none.groups, none.split, none.prompt), (want.0, want.1, 0));
     }
 
     /// A step whose few long row groups would hold the walk long after its other blocks are

@@ -20,8 +20,11 @@ use crate::ops::{Ops, step_launch};
 
 mod groups;
 mod prefill;
+mod prompt;
 
-pub use groups::{RowGroups, attention_prefill_plan, attention_row_groups};
+pub use groups::{
+    RowGroups, StepPlan, attention_prefill_plan, attention_row_groups, attention_step_plan,
+};
 
 /// Blocks of `paged_attention` per (row, head group): the cluster size `ATT_SPLITS` compiled
 /// into `kernels/attention.cu`. Fixed, so a row's result depends on its context alone.

@@ -6,11 +6,11 @@ use half::bf16;
 use metrale_cache::{KvDtype, KvScales};
 use metrale_gpu_runtime::fp8::kv_quantize;
 use metrale_model_layers::ops::{
-    DecodeAttention, PagedAttention, RowGroups, attention_blocks_fit, attention_row_groups,
+    DecodeAttention, Ops, PagedAttention, RowGroups, attention_blocks_fit, attention_row_groups,
 };
 use metrale_model_layers::ops_gemm::linear_staging_bytes;
 
-use super::harness::{self, At, Pair, Rng, S, Tolerance};
+use super::harness::{self, At, Pair, Rng, S, Tolerance, compare, widen};
 use super::staged::{image_rows, permuted_pair};
 
 /// One paged-attention problem: sequences with their contexts in shuffled blocks, and rows
@@ -227,6 +227,29 @@ pub(crate) fn attention_case_in(
                  images differ from its rows permuted"
             );
         }
+    }
+
+    // The prompt kernel (head_dim 128, bf16 pools) on the same row groups: its own arithmetic,
+    // so CUDA within bf16 of the twin, and of the decode kernel's rows.
+    if Ops::prompt_attention_fits(c.d, fp8.is_some() as u32) {
+        let out_p = p.poisoned((rows * c.hq * c.d) as usize * 2);
+        p.run(|o, at| {
+            let params = PagedAttention {
+                out: at(&out_p),
+                ..params(at)
+            };
+            o.paged_attention_prompt(S, &params, at(&groups), n_groups)
+        });
+        p.check_bf16("paged_attention_prompt", label, &out_p, Tolerance::BF16);
+        let (gpu_prompt, _) = p.download::<bf16>(&out_p);
+        let decode: Vec<bf16> = gpu_want.iter().map(|&b| bf16::from_bits(b)).collect();
+        compare(
+            "paged_attention_prompt",
+            &format!("{label}, against paged_attention"),
+            &widen(&gpu_prompt),
+            &widen(&decode),
+            Tolerance::BF16,
+        );
     }
     gpu_want
 }

@@ -8,11 +8,11 @@
 use half::bf16;
 use metrale_kernel_abi::attention::{
     PREFILL_SPLIT_THREADS, decode_shared_bytes, heads_per_block, padded_dim, prefill_rows_per_item,
-    prefill_shared_bytes, prefill_split_shared_bytes,
+    prefill_shared_bytes, prefill_split_shared_bytes, prompt_shared_bytes,
 };
 use metrale_kernel_abi::{
-    ATP_WARPS, ATT_MAX_D, ATT_MAX_ITEMS, ATT_SPLITS, ATT_WARPS, PagedAttentionParams,
-    PagedAttentionPrefillParams,
+    APR_D, APR_THREADS, APR_TILE, ATP_WARPS, ATT_MAX_D, ATT_MAX_ITEMS, ATT_SPLITS, ATT_WARPS,
+    PagedAttentionParams, PagedAttentionPrefillParams,
 };
 
 use super::cache::KvFormat;
@@ -151,7 +151,7 @@ fn decode(ctx: &KernelCtx<'_>, cluster: u32, partials: u32) -> GpuResult<()> {
     attend(
         ctx,
         &s,
-        &rows,
+        (&rows, Softmax::Whole),
         ctx.slice_mut::<bf16>("out", p.out, s.rows * s.hq * s.d)?,
     )
 }
@@ -206,7 +206,7 @@ fn prefill_rows_out(ctx: &KernelCtx<'_>, cluster: u32) -> GpuResult<()> {
     attend(
         ctx,
         &s,
-        &rows,
+        (&rows, Softmax::Whole),
         ctx.slice_mut::<bf16>("out", p.out, s.rows * s.hq * s.d)?,
     )
 }
@@ -241,12 +241,51 @@ fn prefill_images(ctx: &KernelCtx<'_>, cluster: u32) -> GpuResult<()> {
         )));
     }
     let mut out = vec![bf16::ZERO; s.rows * width];
-    attend(ctx, &s, &rows, &mut out)?;
+    attend(ctx, &s, (&rows, Softmax::Whole), &mut out)?;
     let img = ctx.slice_mut::<bf16>("out", p.out, stage_image_bytes(s.rows, width) / 2)?;
     for &r in &rows {
         store_image_row(img, r, &out[r * width..(r + 1) * width]);
     }
     Ok(())
+}
+
+/// `paged_attention_prompt` ([`PagedAttentionPrefillParams`]): the rows of the row groups in the
+/// prompt arithmetic ([`Softmax::Tiles`]), not `paged_attention`'s. The CUDA kernel takes head
+/// dimension `APR_D` and bf16 pools only, two items a block of `APR_THREADS` threads.
+pub fn paged_attention_prompt(ctx: &KernelCtx<'_>) -> GpuResult<()> {
+    let p: PagedAttentionPrefillParams = ctx.params()?;
+    let s = Shape::prefill(&p);
+    if s.d != APR_D as usize || s.kv_fp8 != 0 {
+        return Err(ctx.fail(format!(
+            "head_dim {} with {} pools: the kernel takes head_dim {APR_D} and bf16 pools",
+            s.d,
+            if s.kv_fp8 != 0 { "FP8" } else { "bf16" }
+        )));
+    }
+    let items = p.n_groups as usize * (s.hq / s.heads_per_block().max(1));
+    let c = ctx.config();
+    if c.block != (APR_THREADS, 1, 1)
+        || c.grid.1 != 1
+        || (c.grid.0 as usize) * 2 < items
+        || c.shared_mem_bytes < prompt_shared_bytes()
+    {
+        return Err(ctx.fail(format!(
+            "launch {:?} x {:?} with {} bytes of shared memory for {items} items: the kernel \
+             takes blocks of {APR_THREADS} threads, two items each, and {} bytes",
+            c.grid,
+            c.block,
+            c.shared_mem_bytes,
+            prompt_shared_bytes()
+        )));
+    }
+    s.check_launch(ctx, items, (APR_THREADS, 1, prompt_shared_bytes()))?;
+    let rows = prefill_rows(ctx, &s, p.row_groups, p.n_groups as usize)?;
+    attend(
+        ctx,
+        &s,
+        (&rows, Softmax::Tiles),
+        ctx.slice_mut::<bf16>("out", p.out, s.rows * s.hq * s.d)?,
+    )
 }
 
 /// The rows of the prefill kernels' `n_groups` row groups at `groups`, checked as the CUDA
@@ -284,9 +323,27 @@ fn prefill_rows(
     Ok(rows)
 }
 
+/// How a row's softmax is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Softmax {
+    /// Over all its keys at once (`paged_attention` and the prefill kernels, whose chains and
+    /// splits the CUDA kernels fold into the same values).
+    Whole,
+    /// One online step a tile of `APR_TILE` keys from position 0 (`paged_attention_prompt`):
+    /// the tile's maximum, the running outputs and sum corrected by 2^(m - m'), the
+    /// probabilities 2^(x - m') of the scores in log2 units rounded to bf16, summed and
+    /// multiplied by the values as rounded.
+    Tiles,
+}
+
 /// Every head of each row in `rows`, written to its row of `out` (`[rows, num_q_heads *
-/// head_dim]`).
-fn attend(ctx: &KernelCtx<'_>, s: &Shape, rows: &[usize], out: &mut [bf16]) -> GpuResult<()> {
+/// head_dim]`), each row's softmax as `softmax` says.
+fn attend(
+    ctx: &KernelCtx<'_>,
+    s: &Shape,
+    (rows, softmax): (&[usize], Softmax),
+    out: &mut [bf16],
+) -> GpuResult<()> {
     let width = s.hkv * s.d;
     let qkv = ctx.slice::<bf16>("qkv", s.qkv, s.rows * s.row_stride)?;
     let format = KvFormat::new(ctx, s.kv_fp8, s.k_scale, s.v_scale)?;
@@ -330,29 +387,52 @@ fn attend(ctx: &KernelCtx<'_>, s: &Shape, rows: &[usize], out: &mut [bf16]) -> G
             let q: Vec<f32> = qkv[q_at..q_at + s.d].iter().map(|&e| f(e)).collect();
             let kv_at = (h / group) * s.d;
             scores.clear();
-            let mut max = f32::NEG_INFINITY;
             for &slot in &slots {
                 let k_at = slot * width + kv_at;
                 let mut dot = 0.0f32;
                 for (i, a) in q.iter().enumerate() {
                     dot += a * f(pools.key(k_at + i));
                 }
-                let sc = dot * s.scale;
-                max = max.max(sc);
-                scores.push(sc);
-            }
-            let mut denom = 0.0f32;
-            for sc in scores.iter_mut() {
-                *sc = (*sc - max).exp();
-                denom += *sc;
+                scores.push(dot);
             }
             acc.iter_mut().for_each(|a| *a = 0.0);
-            for (&p, &slot) in scores.iter().zip(&slots) {
-                let v_at = slot * width + kv_at;
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a += p * f(pools.value(v_at + i));
+            let value = |slot: usize, i: usize| f(pools.value(slot * width + kv_at + i));
+            let denom = match softmax {
+                Softmax::Whole => {
+                    let max = (scores.iter()).fold(f32::NEG_INFINITY, |m, &d| m.max(d * s.scale));
+                    let mut denom = 0.0f32;
+                    for (&d, &slot) in scores.iter().zip(&slots) {
+                        let p = (d * s.scale - max).exp();
+                        denom += p;
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            *a += p * value(slot, i);
+                        }
+                    }
+                    denom
                 }
-            }
+                Softmax::Tiles => {
+                    let scale_log2 = s.scale * std::f32::consts::LOG2_E;
+                    let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
+                    let tile = APR_TILE as usize;
+                    for (dots, tile_slots) in scores.chunks(tile).zip(slots.chunks(tile)) {
+                        let mx =
+                            (dots.iter()).fold(f32::NEG_INFINITY, |m, &d| m.max(d * scale_log2));
+                        let m_new = m.max(mx);
+                        let corr = (m - m_new).exp2();
+                        l *= corr;
+                        acc.iter_mut().for_each(|a| *a *= corr);
+                        for (&d, &slot) in dots.iter().zip(tile_slots) {
+                            let p = f(b((d * scale_log2 - m_new).exp2()));
+                            l += p;
+                            for (i, a) in acc.iter_mut().enumerate() {
+                                *a += p * value(slot, i);
+                            }
+                        }
+                        m = m_new;
+                    }
+                    l
+                }
+            };
             let o = &mut out[(r * s.hq + h) * s.d..(r * s.hq + h + 1) * s.d];
             for (i, (dst, a)) in o.iter_mut().zip(&acc).enumerate() {
                 let mut val = a / denom;

@@ -102,6 +102,7 @@ fn run(rig: &Rig, mlp: &MoeMlp, buf: &StepBuffers, x: &[bf16]) -> Vec<bf16> {
             verify: false,
             att_groups: 0,
             att_split: 0,
+            att_prompt: 0,
         },
         dims: &dims,
         kv: None,
