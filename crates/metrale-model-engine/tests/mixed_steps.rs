@@ -213,6 +213,39 @@ fn solo(s: &mut Scheduler, req: &SeqRequest) -> Vec<Generation> {
         .collect()
 }
 
+/// Every request of `t` alone on `s`, in order (the decoders, then the long prompt): their
+/// generations under ids 1000 + 10 k + choice, and those ids in order.
+fn solo_all(
+    s: &mut Scheduler,
+    t: &(Vec<SeqRequest>, SeqRequest),
+) -> (HashMap<SeqId, Generation>, Vec<SeqId>) {
+    let mut alone = HashMap::new();
+    let mut ids = Vec::new();
+    for (k, req) in t.0.iter().chain([&t.1]).enumerate() {
+        for (c, g) in solo(s, req).into_iter().enumerate() {
+            let id = SeqId((1000 + 10 * k + c) as u64);
+            alone.insert(id, g);
+            ids.push(id);
+        }
+    }
+    (alone, ids)
+}
+
+/// Traffic for a cache of 28 blocks of 16 (see `preemption_beside_mixed_steps_is_bitwise_solo`):
+/// three short decoders of 30, 70 and 70 tokens, and the long prompt answering 40.
+fn preempting_traffic(vocab: u32) -> (Vec<SeqRequest>, SeqRequest) {
+    let (decoders, mut long) = traffic(vocab, 9);
+    let decoders: Vec<SeqRequest> = (decoders.into_iter().take(3).enumerate())
+        .map(|(i, mut d)| {
+            d.prompt = (0..12 + i as u32).map(|t| (t * 13 + 5) % vocab).collect();
+            d.params.max_new_tokens = [30, 70, 70][i];
+            d
+        })
+        .collect();
+    long.params.max_new_tokens = 40;
+    (decoders, long)
+}
+
 fn a_long_prompt_never_stalls_the_decoding_sequences(backend: Backend, name: &str) {
     let mut on = load_on(backend, name, options(true));
     let vocab = on.runner().model().config().tokens.vocab_size as u32;
@@ -251,15 +284,7 @@ fn a_long_prompt_never_stalls_the_decoding_sequences(backend: Backend, name: &st
         &format!("{name}: on vs off"),
     );
     // Each request alone.
-    let mut alone = HashMap::new();
-    let mut solo_ids = Vec::new();
-    for (k, req) in t.0.iter().chain([&t.1]).enumerate() {
-        for (c, g) in solo(&mut on, req).into_iter().enumerate() {
-            let id = SeqId((1000 + 10 * k + c) as u64);
-            alone.insert(id, g);
-            solo_ids.push(id);
-        }
-    }
+    let (alone, solo_ids) = solo_all(&mut on, &t);
     assert_bitwise(&mixed, &alone, &solo_ids, &format!("{name}: mixed vs solo"));
     let cache = on.stats().cache;
     assert_eq!(
@@ -279,29 +304,11 @@ fn preemption_beside_mixed_steps_is_bitwise_solo(backend: Backend, name: &str, k
     // preempt the long one.
     let opts = options(true).num_kv_blocks(Some(28)).kv_cache_dtype(kv);
     let mut s = load_on(backend, name, opts);
-    let vocab = s.runner().model().config().tokens.vocab_size as u32;
-    let (decoders, mut long) = traffic(vocab, 9);
-    let decoders: Vec<SeqRequest> = (decoders.into_iter().take(3).enumerate())
-        .map(|(i, mut d)| {
-            d.prompt = (0..12 + i as u32).map(|t| (t * 13 + 5) % vocab).collect();
-            d.params.max_new_tokens = [30, 70, 70][i];
-            d
-        })
-        .collect();
-    long.params.max_new_tokens = 40;
-    let t = (decoders, long);
+    let t = preempting_traffic(s.runner().model().config().tokens.vocab_size as u32);
     let got = run(&mut s, &t);
     assert!(got.stats.steps.preemptions > 0, "{name}: no preemption");
     assert!(got.stats.steps.mixed_steps > 0, "{name}: no mixed step");
-    let mut alone = HashMap::new();
-    let mut solo_ids = Vec::new();
-    for (k, req) in t.0.iter().chain([&t.1]).enumerate() {
-        for (c, g) in solo(&mut s, req).into_iter().enumerate() {
-            let id = SeqId((1000 + 10 * k + c) as u64);
-            alone.insert(id, g);
-            solo_ids.push(id);
-        }
-    }
+    let (alone, solo_ids) = solo_all(&mut s, &t);
     assert_bitwise(
         &got,
         &alone,
@@ -389,39 +396,14 @@ fn prompt_rows_bitwise_solo(backend: Backend) {
     let mixed = run(&mut on, &t);
     assert_eq!(mixed.missed, 0, "a decoding sequence missed a step");
     assert!(mixed.stats.steps.mixed_steps > 0);
-    let mut alone = HashMap::new();
-    let mut solo_ids = Vec::new();
-    for (k, req) in t.0.iter().chain([&t.1]).enumerate() {
-        for (c, g) in solo(&mut on, req).into_iter().enumerate() {
-            let id = SeqId((1000 + 10 * k + c) as u64);
-            alone.insert(id, g);
-            solo_ids.push(id);
-        }
-    }
+    let (alone, solo_ids) = solo_all(&mut on, &t);
     assert_bitwise(&mixed, &alone, &solo_ids, "prompt attention: mixed vs solo");
     // A cache too small for everyone: the long prompt is preempted and recomputed.
     let mut tight = load(options(true).prompt_attention(true).num_kv_blocks(Some(28)));
-    let (decoders, mut long) = traffic(config.tokens.vocab_size as u32, 9);
-    let decoders: Vec<SeqRequest> = (decoders.into_iter().take(3).enumerate())
-        .map(|(i, mut d)| {
-            d.prompt = (0..12 + i as u32).map(|t| (t * 13 + 5) % 256).collect();
-            d.params.max_new_tokens = [30, 70, 70][i];
-            d
-        })
-        .collect();
-    long.params.max_new_tokens = 40;
-    let t2 = (decoders, long);
+    let t2 = preempting_traffic(config.tokens.vocab_size as u32);
     let got = run(&mut tight, &t2);
     assert!(got.stats.steps.preemptions > 0, "no preemption");
-    let mut alone = HashMap::new();
-    let mut solo_ids = Vec::new();
-    for (k, req) in t2.0.iter().chain([&t2.1]).enumerate() {
-        for (c, g) in solo(&mut on, req).into_iter().enumerate() {
-            let id = SeqId((1000 + 10 * k + c) as u64);
-            alone.insert(id, g);
-            solo_ids.push(id);
-        }
-    }
+    let (alone, solo_ids) = solo_all(&mut on, &t2);
     assert_bitwise(
         &got,
         &alone,

@@ -68,6 +68,67 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// One layer's paged attention on the device for `rows` ((sequence, position) each) of heads
+/// `(hq, hkv, d, gated)`: pools of `num_slots` slots of uniform random keys and values (bf16,
+/// blocks of `block`), random queries, the block `tables` (`max_blocks` a sequence), and the
+/// output; with every buffer to free.
+fn attention_problem(
+    (ops, g, rng): (&Ops, &dyn GpuBackend, &mut Rng),
+    (hq, hkv, d, gated): (u32, u32, u32, bool),
+    rows: &[(u32, u32)],
+    (tables, block, max_blocks, num_slots): (&[u32], u32, u32, u32),
+) -> (PagedAttention, Vec<DevicePtr>) {
+    let elems = num_slots as usize * (hkv * d) as usize;
+    let (k, v) = (
+        g.alloc(2 * elems).expect("alloc"),
+        g.alloc(2 * elems).expect("alloc"),
+    );
+    ops.fill_uniform_bf16(S, k, elems as u64, 1, 0.0, 2.0)
+        .expect("fill");
+    ops.fill_uniform_bf16(S, v, elems as u64, 2, 0.0, 2.0)
+        .expect("fill");
+    let n_rows = rows.len() as u32;
+    let (q_stride, row_stride) = qkv_strides(hq, hkv, d, gated);
+    let qkv = g
+        .alloc_upload(&rng.bf16s((n_rows * row_stride) as usize, -2.0, 2.0), S)
+        .expect("qkv");
+    let block_tables = g.alloc_upload(tables, S).expect("tables");
+    let row_seq = g
+        .alloc_upload(&rows.iter().map(|r| r.0).collect::<Vec<u32>>(), S)
+        .expect("row_seq");
+    let positions = g
+        .alloc_upload(&rows.iter().map(|r| r.1).collect::<Vec<u32>>(), S)
+        .expect("positions");
+    let out = g.alloc((n_rows * hq * d) as usize * 2).expect("out");
+    let params = PagedAttention {
+        out,
+        qkv,
+        k_cache: k,
+        v_cache: v,
+        block_tables,
+        row_seq,
+        positions,
+        rows: n_rows,
+        row_stride,
+        q_head_stride: q_stride,
+        num_q_heads: hq,
+        num_kv_heads: hkv,
+        head_dim: d,
+        block_size: block,
+        max_blocks,
+        num_seqs: tables.len() as u32 / max_blocks,
+        num_slots,
+        scale: 1.0 / (d as f32).sqrt(),
+        gated,
+        kv_dtype: metrale_cache::KvDtype::Bf16,
+        kv_scales: metrale_cache::KvScales::default(),
+    };
+    (
+        params,
+        vec![k, v, qkv, block_tables, row_seq, positions, out],
+    )
+}
+
 /// One layer's attention over a whole prompt of `context` tokens (one sequence, every row, its
 /// blocks of 16 in shuffled order, bf16 pools, Qwen3-8B's heads): `paged_attention_prefill` over
 /// the row groups `attention_prefill_plan` gives and `paged_attention_prompt` over them all,
@@ -79,52 +140,13 @@ fn measure_prompt(ops: &Ops, g: &dyn GpuBackend, context: u32) {
     let (shape, hq, hkv, d, gated) = ATTENTION_SHAPES[0];
     let blocks = context.div_ceil(BLOCK);
     let tables = rng.permutation(blocks);
-    let num_slots = blocks * BLOCK;
-    let elems = num_slots as usize * (hkv * d) as usize;
-    let (k, v) = (
-        g.alloc(2 * elems).expect("alloc"),
-        g.alloc(2 * elems).expect("alloc"),
-    );
-    ops.fill_uniform_bf16(S, k, elems as u64, 1, 0.0, 2.0)
-        .expect("fill");
-    ops.fill_uniform_bf16(S, v, elems as u64, 2, 0.0, 2.0)
-        .expect("fill");
     let rows: Vec<(u32, u32)> = (0..context).map(|p| (0, p)).collect();
-    let (q_stride, row_stride) = qkv_strides(hq, hkv, d, gated);
-    let qkv = g
-        .alloc_upload(&rng.bf16s((context * row_stride) as usize, -2.0, 2.0), S)
-        .expect("qkv");
-    let block_tables = g.alloc_upload(&tables, S).expect("tables");
-    let row_seq = g
-        .alloc_upload(&vec![0u32; context as usize], S)
-        .expect("row_seq");
-    let positions = g
-        .alloc_upload(&(0..context).collect::<Vec<u32>>(), S)
-        .expect("positions");
-    let out = g.alloc((context * hq * d) as usize * 2).expect("out");
-    let params = PagedAttention {
-        out,
-        qkv,
-        k_cache: k,
-        v_cache: v,
-        block_tables,
-        row_seq,
-        positions,
-        rows: context,
-        row_stride,
-        q_head_stride: q_stride,
-        num_q_heads: hq,
-        num_kv_heads: hkv,
-        head_dim: d,
-        block_size: BLOCK,
-        max_blocks: blocks,
-        num_seqs: 1,
-        num_slots,
-        scale: 1.0 / (d as f32).sqrt(),
-        gated,
-        kv_dtype: metrale_cache::KvDtype::Bf16,
-        kv_scales: metrale_cache::KvScales::default(),
-    };
+    let (params, bufs) = attention_problem(
+        (ops, g, &mut rng),
+        (hq, hkv, d, gated),
+        &rows,
+        (&tables, BLOCK, blocks, blocks * BLOCK),
+    );
     let resident = ops.attention_prefill_blocks(d).expect("resident blocks");
     let (planned, split) = attention_prefill_plan(&rows, hq, hkv, d, resident);
     let count = (planned.len() / 2) as u32;
@@ -151,7 +173,7 @@ fn measure_prompt(ops: &Ops, g: &dyn GpuBackend, context: u32) {
         prompt_ms * 1e3,
         rate(prompt_ms)
     );
-    for p in [k, v, qkv, block_tables, row_seq, positions, out, at, wat] {
+    for p in bufs.into_iter().chain([at, wat]) {
         g.free(p).expect("free");
     }
 }
@@ -187,55 +209,16 @@ fn measure_mixed(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64, context: u32) {
                 }
             }
             let num_slots = next * BLOCK;
-            let elems = num_slots as usize * (hkv * d) as usize;
-            let (k, v) = (
-                g.alloc(2 * elems).expect("alloc"),
-                g.alloc(2 * elems).expect("alloc"),
-            );
-            ops.fill_uniform_bf16(S, k, elems as u64, 1, 0.0, 2.0)
-                .expect("fill");
-            ops.fill_uniform_bf16(S, v, elems as u64, 2, 0.0, 2.0)
-                .expect("fill");
             let rows: Vec<(u32, u32)> = (0..DECODE)
                 .map(|s| (s, DECODE_CTX - 1))
                 .chain((context - chunk..context).map(|p| (DECODE, p)))
                 .collect();
-            let n_rows = rows.len() as u32;
-            let (q_stride, row_stride) = qkv_strides(hq, hkv, d, gated);
-            let qkv = g
-                .alloc_upload(&rng.bf16s((n_rows * row_stride) as usize, -2.0, 2.0), S)
-                .expect("qkv");
-            let block_tables = g.alloc_upload(&tables, S).expect("tables");
-            let row_seq = g
-                .alloc_upload(&rows.iter().map(|r| r.0).collect::<Vec<u32>>(), S)
-                .expect("row_seq");
-            let positions = g
-                .alloc_upload(&rows.iter().map(|r| r.1).collect::<Vec<u32>>(), S)
-                .expect("positions");
-            let out = g.alloc((n_rows * hq * d) as usize * 2).expect("out");
-            let params = PagedAttention {
-                out,
-                qkv,
-                k_cache: k,
-                v_cache: v,
-                block_tables,
-                row_seq,
-                positions,
-                rows: n_rows,
-                row_stride,
-                q_head_stride: q_stride,
-                num_q_heads: hq,
-                num_kv_heads: hkv,
-                head_dim: d,
-                block_size: BLOCK,
-                max_blocks,
-                num_seqs: DECODE + 1,
-                num_slots,
-                scale: 1.0 / (d as f32).sqrt(),
-                gated,
-                kv_dtype: metrale_cache::KvDtype::Bf16,
-                kv_scales: metrale_cache::KvScales::default(),
-            };
+            let (params, bufs) = attention_problem(
+                (ops, g, &mut rng),
+                (hq, hkv, d, gated),
+                &rows,
+                (&tables, BLOCK, max_blocks, num_slots),
+            );
             let blocks = ops.attention_prefill_blocks(d).expect("resident blocks");
             let walked = attention_row_groups(rows.iter().copied(), hq, hkv, d);
             let count = (walked.len() / 2) as u32;
@@ -260,7 +243,7 @@ fn measure_mixed(ops: &Ops, g: &dyn GpuBackend, copy_gbs: f64, context: u32) {
                 g.free(at).expect("free");
             }
             println!("{line} floor {floor_us:6.1} us");
-            for p in [k, v, qkv, block_tables, row_seq, positions, out] {
+            for p in bufs {
                 g.free(p).expect("free");
             }
         }
