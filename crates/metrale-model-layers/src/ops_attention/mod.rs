@@ -3,8 +3,10 @@
 //! cluster kernel or `paged_attention_flat`) and
 //! `paged_attention_prefill` (row groups of a prefill chunk, a step's few long ones through the
 //! split kernels), their parameters, and the geometry `kernels/attention.cu` expects (cluster
-//! counts, shared memory, heads and rows per item). The prefill launches are in `prefill`, the
-//! host side of their row groups (`attention_row_groups`, `attention_prefill_plan`) in `groups`.
+//! counts, shared memory, heads and rows per item). The prefill launches are in `prefill`,
+//! `paged_attention_prompt` (prompt rows in their own arithmetic) in `prompt`, the host side of
+//! their row groups (`attention_row_groups`, `attention_prefill_plan`, `attention_step_plan`) in
+//! `groups`.
 
 use metrale_cache::{KvDtype, KvScales};
 use metrale_gpu_runtime::fp8::{MAX_SCALE, kv_scale_ok};
