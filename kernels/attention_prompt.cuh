@@ -77,12 +77,6 @@ MT_DEVICE void apr_m64n128_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t d
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-// Arrive on `bar` once this thread's earlier cp.async copies have landed (the barrier counts
-// the copying threads).
-MT_DEVICE void apr_cp_arrive(uint32_t bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
 // 16 bytes from global `src` to shared address `dst` (`bytes` 16, or 0: zeros).
 MT_DEVICE void apr_cp16(uint32_t dst, const void* src, uint32_t bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
@@ -114,7 +108,7 @@ MT_DEVICE void apr_produce(const AprItem& it, const bf16* qkv, const bf16* k_cac
                              : qkv;
         apr_cp16(qa + apr_kmaj(APR_VROWS, v, e), src, on ? 16u : 0u);
     }
-    apr_cp_arrive(qbar);
+    cp_async_mbar_arrive(qbar);
     const uint32_t tiles = (it.ctx + APR_TILE - 1) / APR_TILE;
     const uint32_t* table = block_tables + (size_t)it.seq * max_blocks;
     for (uint32_t t = 0; t < tiles; ++t) {
@@ -139,7 +133,7 @@ MT_DEVICE void apr_produce(const AprItem& it, const bf16* qkv, const bf16* k_cac
             apr_cp16(ka + apr_kmaj(APR_TILE, pt, 8 * c), kp + 8 * c, live ? 16u : 0u);
             apr_cp16(vd + apr_mn(8 * c, pt % 16), vp + 8 * c, live ? 16u : 0u);
         }
-        apr_cp_arrive(full + s * 8);
+        cp_async_mbar_arrive(full + s * 8);
     }
 }
 

@@ -280,6 +280,12 @@ MT_DEVICE void mbar_arrive(uint32_t bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
 }
 
+// Arrive on `bar` once every cp.async this thread has issued so far has landed (the barrier's
+// count includes the arriving threads: .noinc).
+MT_DEVICE void cp_async_mbar_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
 // Arrive at `bar` and add `bytes` to the transfer count its phase waits for.
 MT_DEVICE void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)

@@ -167,6 +167,19 @@ MT_DEVICE LinTmaTiles lin_tma_tiles(uint32_t m, uint32_t n) {
 // choice, since a run-time branch in the copy loop slows every stage. The kernels here run the
 // scalar loads (VEC false): the compute_90 PTX is the fallback where the sm_90a cubin cannot
 // load.
+// Each value of a warp's accumulators `t` (an m16n8 fragment a tile) with its row and column
+// from the warp's origin (`r0`, `c0`; lane g * 4 + q): f(row, col, value).
+template <int MT, int NT, typename F>
+MT_DEVICE void lin_tile_frags(const float (&t)[MT][NT][4], uint32_t r0, uint32_t c0, uint32_t g, uint32_t q, F&& f) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj)
+                f(r0 + mt * 16 + g + (jj >= 2 ? 8 : 0), c0 + nt * 8 + 2 * q + (jj & 1), t[mt][nt][jj]);
+}
+
 // The block computes row tile `row_tile` (x rows) by column tile `col_tile` (weight rows).
 // XIMG: x is given as `permute_k32_tiles`'s stage images (the compute_90 body of `linear_tma`).
 // TW: the weight (`tiled_w8`: bf16, or block FP8 for the compute_90 body of `linear_tma_fp8`).
@@ -249,28 +262,14 @@ MT_DEVICE void linear_tiled(OutT* out, const bf16* x, TW w, uint32_t m, uint32_t
         static_assert(BM == 128 && BN == 128, "a SwiGLU tile is 128 rows by 64 gate and 64 up columns");
         __syncthreads();  // every warp is done with the stages: the exchange takes their room
         const uint32_t xch = (uint32_t)__cvta_generic_to_shared(smem);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int jj = 0; jj < 4; ++jj) {
-                    const uint32_t row = wm0 + mt * 16 + g + (jj >= 2 ? 8 : 0);
-                    lin_swiglu_put(xch, row, wn0 + nt * 8 + 2 * q + (jj & 1), total[mt][nt][jj]);
-                }
+        lin_tile_frags(total, wm0, wn0, g, q,
+                       [&](uint32_t row, uint32_t col, float v) { lin_swiglu_put(xch, row, col, v); });
         __syncthreads();
         lin_swiglu_store(out, xch, m0, n0 / 2, m, n, tid, THREADS);
     } else {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int jj = 0; jj < 4; ++jj) {
-                    const uint32_t row = m0 + wm0 + mt * 16 + g + (jj >= 2 ? 8 : 0);
-                    const uint32_t col = n0 + wn0 + nt * 8 + 2 * q + (jj & 1);
-                    if (row < m && col < n) store_out(out, (size_t)row * n + col, total[mt][nt][jj]);
-                }
+        lin_tile_frags(total, m0 + wm0, n0 + wn0, g, q, [&](uint32_t row, uint32_t col, float v) {
+            if (row < m && col < n) store_out(out, (size_t)row * n + col, v);
+        });
     }
 }
 

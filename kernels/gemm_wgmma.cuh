@@ -58,11 +58,6 @@ MT_DEVICE void st_shared8(uint32_t addr, uint2 v) {
     asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(addr), "r"(v.x), "r"(v.y) : "memory");
 }
 
-// Arrive on `bar` once every cp.async this thread has issued so far has landed.
-MT_DEVICE void cp_async_mbar_arrive(uint32_t bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
 // The producer warpgroup of `linear_ws` (thread `wt` of warpgroup 0): every step's x and weight
 // tiles into ring slot j % ST at `sbase` once its empty barrier says it is free, each stage's
 // full barrier signalled when its copies land. With three consumers it hands registers to them.

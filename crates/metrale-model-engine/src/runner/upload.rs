@@ -277,10 +277,12 @@ impl Io<'_> {
         prompt: bool,
     ) -> Result<StepShape, ModelError> {
         let shape = self.upload(input, None, None)?;
-        let is_prompt = |r: &StepRow| {
-            prompt && (input.prompt_until.get(r.seq as usize)).is_some_and(|&p| r.position < p)
+        let is_prompt =
+            |r: &StepRow| (input.prompt_until.get(r.seq as usize)).is_some_and(|&p| r.position < p);
+        let flags: Vec<bool> = match prompt {
+            true => input.rows.iter().map(is_prompt).collect(),
+            false => Vec::new(),
         };
-        let flags: Vec<bool> = input.rows.iter().map(is_prompt).collect();
         if shape.rows <= shape.num_seqs && !flags.contains(&true) {
             return Ok(shape);
         }

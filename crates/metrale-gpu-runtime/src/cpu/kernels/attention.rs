@@ -255,30 +255,28 @@ fn prefill_images(ctx: &KernelCtx<'_>, cluster: u32) -> GpuResult<()> {
 pub fn paged_attention_prompt(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: PagedAttentionPrefillParams = ctx.params()?;
     let s = Shape::prefill(&p);
-    if s.d != APR_D as usize || s.kv_fp8 != 0 {
+    if s.d != APR_D as usize
+        || s.kv_fp8 != 0
+        || !s.row_stride.is_multiple_of(8)
+        || !s.q_head_stride.is_multiple_of(8)
+    {
         return Err(ctx.fail(format!(
-            "head_dim {} with {} pools: the kernel takes head_dim {APR_D} and bf16 pools",
+            "head_dim {} with {} pools, rows of {} and query heads {} apart: the kernel takes \
+             head_dim {APR_D}, bf16 pools and strides of whole 16-byte pieces",
             s.d,
-            if s.kv_fp8 != 0 { "FP8" } else { "bf16" }
+            if s.kv_fp8 != 0 { "FP8" } else { "bf16" },
+            s.row_stride,
+            s.q_head_stride
         )));
     }
     let items = p.n_groups as usize * (s.hq / s.heads_per_block().max(1));
-    let c = ctx.config();
-    if c.block != (APR_THREADS, 1, 1)
-        || c.grid.1 != 1
-        || (c.grid.0 as usize) * 2 < items
-        || c.shared_mem_bytes < prompt_shared_bytes()
-    {
+    s.check_launch(ctx, items, (APR_THREADS, 1, prompt_shared_bytes()))?;
+    if (ctx.config().grid.0 as usize) * 2 < items {
         return Err(ctx.fail(format!(
-            "launch {:?} x {:?} with {} bytes of shared memory for {items} items: the kernel \
-             takes blocks of {APR_THREADS} threads, two items each, and {} bytes",
-            c.grid,
-            c.block,
-            c.shared_mem_bytes,
-            prompt_shared_bytes()
+            "{:?} blocks for {items} items: the kernel takes two items a block",
+            ctx.config().grid
         )));
     }
-    s.check_launch(ctx, items, (APR_THREADS, 1, prompt_shared_bytes()))?;
     let rows = prefill_rows(ctx, &s, p.row_groups, p.n_groups as usize)?;
     attend(
         ctx,
