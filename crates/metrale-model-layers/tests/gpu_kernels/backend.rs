@@ -124,7 +124,7 @@ fn bad_kv_store(
 /// same launch.
 #[test]
 fn a_launch_the_kernel_refuses_is_a_typed_error_on_both_backends() {
-    let p = Pair::new();
+    let p = Pair::alone();
     // Zeros: slot 0 for kv_store, which its pool of 4 slots holds.
     let buf = p.upload(&[0u32; 64]);
     let cases: [(&str, (&str, &str), LaunchConfig, KernelArg, FaultReason); 3] = [

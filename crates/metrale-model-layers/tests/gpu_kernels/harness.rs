@@ -3,7 +3,7 @@
 //! the same buffers on `CpuBackend` and `CudaBackend` and runs one `Ops` launcher on both.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use half::bf16;
 use metrale_gpu_runtime::{
@@ -123,6 +123,23 @@ pub struct Pair {
     pub cpu_ops: Ops,
     pub gpu_ops: Ops,
     live: std::cell::RefCell<Vec<Buf>>,
+    _device: DeviceTurn,
+}
+
+/// A test's hold on the process's one device: shared, or alone for a test that makes kernels
+/// fault on purpose (the fault word is the device's, so a fault would fail whichever test
+/// synchronizes next).
+#[derive(Debug)]
+pub enum DeviceTurn {
+    Shared(#[allow(dead_code)] RwLockReadGuard<'static, ()>),
+    Alone(#[allow(dead_code)] RwLockWriteGuard<'static, ()>),
+}
+
+static DEVICE_TURNS: RwLock<()> = RwLock::new(());
+
+/// A shared turn on the device, for a test that holds no [`Pair`].
+pub fn device_shared() -> DeviceTurn {
+    DeviceTurn::Shared(DEVICE_TURNS.read().unwrap_or_else(|e| e.into_inner()))
 }
 
 /// The one CUDA backend of this test process, with `check_kernel_errors` on: a launch a kernel
@@ -274,7 +291,19 @@ impl GpuBackend for TestCuda {
 }
 
 impl Pair {
+    /// Both backends, sharing the device with the other tests running.
     pub fn new() -> Pair {
+        Pair::with_turn(device_shared())
+    }
+
+    /// Both backends, with no other test on the device until this `Pair` is dropped: for a test
+    /// whose kernels fault on purpose.
+    pub fn alone() -> Pair {
+        let turn = DEVICE_TURNS.write().unwrap_or_else(|e| e.into_inner());
+        Pair::with_turn(DeviceTurn::Alone(turn))
+    }
+
+    fn with_turn(turn: DeviceTurn) -> Pair {
         let cpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::default());
         let cuda = TestCuda::new();
         let gpu: Arc<dyn GpuBackend> = cuda.clone();
@@ -287,6 +316,7 @@ impl Pair {
             cpu_ops,
             gpu_ops,
             live: Default::default(),
+            _device: turn,
         }
     }
 

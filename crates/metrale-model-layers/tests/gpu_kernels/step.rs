@@ -8,7 +8,7 @@ use metrale_gpu_runtime::{DevicePtr, GpuBackend, GpuBackendExt, GpuResult};
 use metrale_model_layers::Ops;
 use metrale_model_layers::ops::{KvStore, Matrix, Norm, PagedAttention, QkNormRope};
 
-use super::harness::{Rng, S, TestCuda};
+use super::harness::{self, Rng, S, TestCuda};
 
 const ROWS: u32 = 4;
 const HIDDEN: u32 = 512;
@@ -28,6 +28,7 @@ struct Step {
     gpu: Arc<dyn GpuBackend>,
     ops: Ops,
     b: std::collections::HashMap<&'static str, DevicePtr>,
+    _device: harness::DeviceTurn,
 }
 
 impl Step {
@@ -38,6 +39,7 @@ impl Step {
             gpu,
             ops,
             b: Default::default(),
+            _device: harness::device_shared(),
         };
         let w = |rng: &mut Rng, n: u32, k: u32| {
             let s = (3.0 / k as f32).sqrt();
