@@ -100,8 +100,10 @@ typedef __nv_bfloat16 bf16;
 #define APR_THREADS 384
 // Keys of a `paged_attention_prompt` softmax step (a tile).
 #define APR_TILE 64
-// Tiles of keys and values in each ring of a `paged_attention_prompt` block.
-#define APR_STAGES 3
+// Tiles of keys and values in a `paged_attention_prompt` block's ring.
+#define APR_STAGES 6
+// Most rows of a prompt row group (one tile of positions).
+#define APR_ROWS 64
 // The head dimension `paged_attention_prompt` takes.
 #define APR_D 128
 // The slot of a padding sequence: zero state read, nothing written.

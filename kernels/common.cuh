@@ -254,6 +254,21 @@ MT_DEVICE void cluster_leave_barrier() {
 MT_DEVICE void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 MT_DEVICE void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 MT_DEVICE void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+MT_DEVICE void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
+// Pin registers an MMA in flight writes to this point of the program: the compiler moves no
+// read or write of them across it (after a wait, their reads stay after the wait).
+template <int N>
+MT_DEVICE void wg_pin(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int M, int N>
+MT_DEVICE void wg_pin(uint32_t (&r)[M][N]) {
+#pragma unroll
+    for (int i = 0; i < M; ++i)
+#pragma unroll
+        for (int j = 0; j < N; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
 
 // The 64 f32 accumulator operands of an m64n128 wgmma, %0 .. %63 (read and written).
 #define WG_ACC64_REGS                                                                    \

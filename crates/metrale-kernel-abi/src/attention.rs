@@ -4,8 +4,8 @@
 //! and dynamic shared memory.
 
 use crate::consts::{
-    APR_D, APR_STAGES, APR_TILE, ATP_FOLD, ATP_ROWS, ATP_WARPS, ATT_HB, ATT_QSLOTS, ATT_STAGES,
-    ATT_UNIT, ATT_WARPS,
+    APR_D, APR_ROWS, APR_STAGES, APR_TILE, ATP_FOLD, ATP_ROWS, ATP_WARPS, ATT_HB, ATT_QSLOTS,
+    ATT_STAGES, ATT_UNIT, ATT_WARPS,
 };
 
 /// The head dimension padded to the tensor-core tile the kernels are instantiated for
@@ -93,12 +93,29 @@ pub const fn prefill_split_shared_bytes(padded: u32) -> u32 {
 }
 
 /// Dynamic shared memory of a `paged_attention_prompt` block (`apr_shared_bytes`): 128 bytes of
-/// alignment slack, then for each of its two items the queries (64 virtual rows of `APR_D` bf16)
-/// and a ring of `APR_STAGES` tiles of keys and values, then the mbarriers (per item one full
-/// and one empty a stage, and the queries' one).
+/// alignment slack, the item's queries (128 virtual rows of `APR_D` bf16), a ring of `APR_STAGES`
+/// tiles of keys and values, then the mbarriers (one full and one empty a stage, the queries'
+/// one).
 pub const fn prompt_shared_bytes() -> u32 {
-    let item = 64 * APR_D * 2 + APR_STAGES * 2 * APR_TILE * APR_D * 2;
-    128 + 2 * item + 2 * (2 * APR_STAGES + 1) * 8
+    128 + PROMPT_VIRTUAL_ROWS * APR_D * 2
+        + APR_STAGES * 2 * APR_TILE * APR_D * 2
+        + (2 * APR_STAGES + 1) * 8
+}
+
+/// Virtual rows (a row's query head) of a `paged_attention_prompt` item (`APR_VROWS`): 64 for
+/// each of its two computing warpgroups.
+pub const PROMPT_VIRTUAL_ROWS: u32 = 128;
+
+/// Rows of one `paged_attention_prompt` item: as many as fill its virtual rows beside
+/// `heads_per_block` heads each, at most `APR_ROWS` (a tile of positions).
+pub const fn prompt_rows_per_item(heads_per_block: u32) -> u32 {
+    let rows = PROMPT_VIRTUAL_ROWS
+        / if heads_per_block == 0 {
+            1
+        } else {
+            heads_per_block
+        };
+    if rows < APR_ROWS { rows } else { APR_ROWS }
 }
 
 #[cfg(test)]
@@ -119,7 +136,11 @@ mod tests {
         assert_eq!(prefill_split_shared_bytes(128), 154_624);
         assert_eq!(prefill_split_shared_bytes(256), 184_832);
         // One prompt block a multiprocessor.
-        assert_eq!(prompt_shared_bytes(), 229_616);
+        assert_eq!(prompt_shared_bytes(), 229_608);
+        assert_eq!(
+            [1, 2, 4, 5, 8].map(prompt_rows_per_item),
+            [64, 64, 32, 25, 16]
+        );
         assert_eq!([100, 64, 65, 256].map(padded_dim), [128, 64, 128, 256]);
         assert_eq!(heads_per_block(32, 8), 4);
         assert_eq!(heads_per_block(16, 1), 8);

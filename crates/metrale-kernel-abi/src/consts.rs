@@ -119,8 +119,10 @@ shared_consts! {
     APR_THREADS = 384;
     /// Keys of a `paged_attention_prompt` softmax step (a tile).
     APR_TILE = 64;
-    /// Tiles of keys and values in each ring of a `paged_attention_prompt` block.
-    APR_STAGES = 3;
+    /// Tiles of keys and values in a `paged_attention_prompt` block's ring.
+    APR_STAGES = 6;
+    /// Most rows of a prompt row group (one tile of positions).
+    APR_ROWS = 64;
     /// The head dimension `paged_attention_prompt` takes.
     APR_D = 128;
     /// The slot of a padding sequence: zero state read, nothing written.

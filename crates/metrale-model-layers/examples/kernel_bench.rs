@@ -131,10 +131,11 @@ fn attention_problem(
 
 /// One layer's attention over a whole prompt of `context` tokens (one sequence, every row, its
 /// blocks of 16 in shuffled order, bf16 pools, Qwen3-8B's heads): `paged_attention_prefill` over
-/// the row groups `attention_prefill_plan` gives and `paged_attention_prompt` over them all,
-/// each in TFLOP/s of causal work (4 head_dim FLOPs a query head and key it attends to).
+/// the row groups `attention_prefill_plan` gives and `paged_attention_prompt` over the prompt
+/// groups `attention_step_plan` gives, each in TFLOP/s of causal work (4 head_dim FLOPs a query
+/// head and key it attends to).
 fn measure_prompt(ops: &Ops, g: &dyn GpuBackend, context: u32) {
-    use metrale_model_layers::ops::{RowGroups, attention_prefill_plan, attention_row_groups};
+    use metrale_model_layers::ops::{RowGroups, attention_prefill_plan, attention_step_plan};
     let mut rng = Rng::new(19);
     const BLOCK: u32 = 16;
     let (shape, hq, hkv, d, gated) = ATTENTION_SHAPES[0];
@@ -157,9 +158,9 @@ fn measure_prompt(ops: &Ops, g: &dyn GpuBackend, context: u32) {
         ops.paged_attention_prefill(S, &params, groups, None)
             .expect("attention")
     });
-    let walked = attention_row_groups(rows.iter().copied(), hq, hkv, d);
-    let n = (walked.len() / 2) as u32;
-    let wat = g.alloc_upload(&walked, S).expect("groups");
+    let plan = attention_step_plan(&rows, &vec![true; rows.len()], (hq, hkv, d), resident);
+    let n = plan.prompt;
+    let wat = g.alloc_upload(&plan.groups, S).expect("groups");
     let prompt_ms = time_ms(g, 5, |_| {
         ops.paged_attention_prompt(S, &params, wat, n)
             .expect("attention")

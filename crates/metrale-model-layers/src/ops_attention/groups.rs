@@ -3,8 +3,8 @@
 //! [`RowGroups`]).
 
 use metrale_gpu_runtime::DevicePtr;
-use metrale_kernel_abi::ATT_UNIT;
-use metrale_kernel_abi::attention::{padded_dim, prefill_rows_per_item};
+use metrale_kernel_abi::attention::{padded_dim, prefill_rows_per_item, prompt_rows_per_item};
+use metrale_kernel_abi::{APR_TILE, ATT_UNIT};
 
 use super::{ATTENTION_SPLITS, attention_heads_per_block};
 
@@ -25,23 +25,27 @@ pub fn attention_row_groups(
 }
 
 /// [`attention_row_groups`] of rows given as (sequence, position, class): a group never holds
-/// rows of two classes. Each group as (first row, rows, class).
+/// rows of two classes. Prompt rows (class true) are grouped for `paged_attention_prompt`:
+/// positions in one `APR_TILE`-key tile, at most [`prompt_rows_per_item`] rows. Each group as
+/// (first row, rows, class).
 fn row_groups_keyed(
     rows: impl IntoIterator<Item = (u32, u32, bool)>,
     num_q_heads: u32,
     num_kv_heads: u32,
     head_dim: u32,
 ) -> Vec<(u32, u32, bool)> {
-    let most = prefill_rows_per_item(
-        attention_heads_per_block(num_q_heads, num_kv_heads),
-        padded_dim(head_dim),
-    );
+    let hb = attention_heads_per_block(num_q_heads, num_kv_heads);
+    let most = |class: bool| match class {
+        true => prompt_rows_per_item(hb),
+        false => prefill_rows_per_item(hb, padded_dim(head_dim)),
+    };
+    let span = |class: bool| if class { APR_TILE } else { ATT_UNIT };
     let mut groups: Vec<(u32, u32, bool)> = Vec::new();
-    let mut open: Option<(u32, u32, bool)> = None; // (sequence, unit, class) of the last group
+    let mut open: Option<(u32, u32, bool)> = None; // (sequence, span, class) of the last group
     for (r, (seq, pos, class)) in rows.into_iter().enumerate() {
-        let key = (seq, pos / ATT_UNIT, class);
+        let key = (seq, pos / span(class), class);
         match groups.last_mut() {
-            Some(last) if open == Some(key) && last.1 < most => last.1 += 1,
+            Some(last) if open == Some(key) && last.1 < most(class) => last.1 += 1,
             _ => {
                 groups.push((r as u32, 1, class));
                 open = Some(key);
@@ -217,17 +221,18 @@ mod tests {
             .collect()
     }
 
-    /// A step's prompt rows go to groups of their own, first and in row order; the other rows'
-    /// groups follow as `attention_prefill_plan` plans them alone (a prompt's first generated
-    /// positions beside its last prompt positions in one 16-token unit are two groups), and
-    /// every row is in exactly one group.
+    /// A step's prompt rows go to groups of their own, first and in row order, each within one
+    /// 64-key tile of positions and at most 32 rows at Qwen3-8B's heads; the other rows' groups
+    /// follow as `attention_prefill_plan` plans them alone (a prompt's first generated positions
+    /// beside its last prompt positions in one 16-token unit are two groups), and every row is in
+    /// exactly one group.
     #[test]
     fn prompt_rows_get_groups_of_their_own_first() {
         // Sequence 0 recomputed after preemption: prompt of 20 tokens, 10 generated; sequence
-        // 1 a fresh prompt chunk of 40 from position 0; two decode rows.
+        // 1 a fresh prompt chunk of 70 from position 0; two decode rows.
         let rows: Vec<(u32, u32)> = (0..30)
             .map(|p| (0, p))
-            .chain((0..40).map(|p| (1, p)))
+            .chain((0..70).map(|p| (1, p)))
             .chain([(2, 500), (3, 90)])
             .collect();
         let prompt: Vec<bool> = (rows.iter())
@@ -236,10 +241,10 @@ mod tests {
         let plan = attention_step_plan(&rows, &prompt, (32, 8, 128), PREFILL_BLOCKS);
         let pairs: Vec<(u32, u32)> = plan.groups.chunks(2).map(|g| (g[0], g[1])).collect();
         let (head, tail) = pairs.split_at(plan.prompt as usize);
-        assert_eq!(head, &[(0, 16), (16, 4), (30, 16), (46, 16), (62, 8)]);
+        assert_eq!(head, &[(0, 20), (30, 32), (62, 32), (94, 6)]);
         let mut other = tail.to_vec();
         other.sort_unstable();
-        assert_eq!(other, [(20, 10), (70, 1), (71, 1)]);
+        assert_eq!(other, [(20, 10), (100, 1), (101, 1)]);
         assert!(plan.split as usize <= tail.len());
         let mut seen = vec![0u32; rows.len()];
         for &(first, count) in &pairs {

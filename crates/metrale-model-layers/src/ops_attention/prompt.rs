@@ -17,8 +17,9 @@ impl Ops {
     }
 
     /// The rows of `n_groups` row groups at `row_groups` (`attention_row_groups`'s) in the
-    /// prompt arithmetic, to `p.out`: two items (a group by a block of query heads) a block of
-    /// three warpgroups, the longest contexts first. Refused where
+    /// prompt arithmetic, to `p.out`: an item (a group by a block of query heads sharing a
+    /// key/value head) a block of three warpgroups, the longest contexts first. The groups are
+    /// [`attention_step_plan`](super::attention_step_plan)'s prompt groups. Refused where
     /// [`Ops::prompt_attention_fits`] is false.
     pub fn paged_attention_prompt(
         &self,
@@ -42,8 +43,7 @@ impl Ops {
         }
         let hb = attention_heads_per_block(p.num_q_heads, p.num_kv_heads);
         let items = n_groups * (p.num_q_heads / hb);
-        let config = LaunchConfig::grid2(items.div_ceil(2), 1, APR_THREADS)
-            .with_shared(prompt_shared_bytes());
+        let config = LaunchConfig::grid2(items, 1, APR_THREADS).with_shared(prompt_shared_bytes());
         self.go(
             self.k.paged_attention_prompt,
             config,

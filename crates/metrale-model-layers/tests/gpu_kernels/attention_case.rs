@@ -7,6 +7,7 @@ use metrale_cache::{KvDtype, KvScales};
 use metrale_gpu_runtime::fp8::kv_quantize;
 use metrale_model_layers::ops::{
     DecodeAttention, Ops, PagedAttention, RowGroups, attention_blocks_fit, attention_row_groups,
+    attention_step_plan,
 };
 use metrale_model_layers::ops_gemm::linear_staging_bytes;
 
@@ -229,26 +230,44 @@ pub(crate) fn attention_case_in(
         }
     }
 
-    // The prompt kernel (head_dim 128, bf16 pools) on the same row groups: its own arithmetic,
-    // so CUDA within bf16 of the twin, and of the decode kernel's rows.
+    // The prompt kernel (head_dim 128, bf16 pools) on its own row groups (up to a tile of
+    // positions) and on the prefill kernels' (a 16-token unit): its own arithmetic, so CUDA
+    // within bf16 of the twin and of the decode kernel's rows, and bitwise the same rows
+    // whichever groups hold them.
     if Ops::prompt_attention_fits(c.d, fp8.is_some() as u32) {
-        let out_p = p.poisoned((rows * c.hq * c.d) as usize * 2);
-        p.run(|o, at| {
-            let params = PagedAttention {
-                out: at(&out_p),
-                ..params(at)
-            };
-            o.paged_attention_prompt(S, &params, at(&groups), n_groups)
-        });
-        p.check_bf16("paged_attention_prompt", label, &out_p, Tolerance::BF16);
-        let (gpu_prompt, _) = p.download::<bf16>(&out_p);
+        let plan = attention_step_plan(&c.rows, &vec![true; c.rows.len()], (c.hq, c.hkv, c.d), 1);
+        let prompt_groups = p.upload(&plan.groups);
+        let mut outs = Vec::new();
+        for (at_groups, count) in [(&prompt_groups, plan.prompt), (&groups, n_groups)] {
+            let out_p = p.poisoned((rows * c.hq * c.d) as usize * 2);
+            p.run(|o, at| {
+                let params = PagedAttention {
+                    out: at(&out_p),
+                    ..params(at)
+                };
+                o.paged_attention_prompt(S, &params, at(at_groups), count)
+            });
+            p.check_bf16("paged_attention_prompt", label, &out_p, Tolerance::BF16);
+            outs.push(p.download::<u16>(&out_p).0);
+        }
+        assert!(
+            outs[0] == outs[1],
+            "paged_attention_prompt {label}: {} prompt row groups and {n_groups} unit groups give \
+             different rows",
+            plan.prompt
+        );
         let decode: Vec<bf16> = gpu_want.iter().map(|&b| bf16::from_bits(b)).collect();
+        let prompt: Vec<bf16> = outs[0].iter().map(|&b| bf16::from_bits(b)).collect();
         compare(
             "paged_attention_prompt",
             &format!("{label}, against paged_attention"),
-            &widen(&gpu_prompt),
+            &widen(&prompt),
             &widen(&decode),
             Tolerance::BF16,
+        );
+        println!(
+            "kernel-check {:<18} {:<44} bitwise over {} prompt and {n_groups} unit row groups",
+            "paged_attention_prompt", label, plan.prompt
         );
     }
     gpu_want

@@ -8,11 +8,11 @@
 use half::bf16;
 use metrale_kernel_abi::attention::{
     PREFILL_SPLIT_THREADS, decode_shared_bytes, heads_per_block, padded_dim, prefill_rows_per_item,
-    prefill_shared_bytes, prefill_split_shared_bytes, prompt_shared_bytes,
+    prefill_shared_bytes, prefill_split_shared_bytes, prompt_rows_per_item, prompt_shared_bytes,
 };
 use metrale_kernel_abi::{
-    APR_D, APR_THREADS, APR_TILE, ATP_WARPS, ATT_MAX_D, ATT_MAX_ITEMS, ATT_SPLITS, ATT_WARPS,
-    PagedAttentionParams, PagedAttentionPrefillParams,
+    APR_D, APR_THREADS, APR_TILE, ATP_WARPS, ATT_MAX_D, ATT_MAX_ITEMS, ATT_SPLITS, ATT_UNIT,
+    ATT_WARPS, PagedAttentionParams, PagedAttentionPrefillParams,
 };
 
 use super::cache::KvFormat;
@@ -187,7 +187,9 @@ fn prefill(
         _ => (PREFILL_SPLIT_THREADS, prefill_split_shared_bytes(padded)),
     };
     s.check_launch(ctx, items, (block.0, cluster, block.1))?;
-    let rows = prefill_rows(ctx, &s, p.row_groups, p.n_groups as usize)?;
+    let most = prefill_rows_per_item(s.heads_per_block() as u32, padded_dim(s.d as u32));
+    let groups = (p.row_groups, p.n_groups as usize);
+    let rows = group_rows(ctx, &s, groups, (most as usize, ATT_UNIT))?;
     Ok((p, s, rows))
 }
 
@@ -251,7 +253,8 @@ fn prefill_images(ctx: &KernelCtx<'_>, cluster: u32) -> GpuResult<()> {
 
 /// `paged_attention_prompt` ([`PagedAttentionPrefillParams`]): the rows of the row groups in the
 /// prompt arithmetic ([`Softmax::Tiles`]), not `paged_attention`'s. The CUDA kernel takes head
-/// dimension `APR_D` and bf16 pools only, two items a block of `APR_THREADS` threads.
+/// dimension `APR_D` and bf16 pools only, an item a block of `APR_THREADS` threads, its row
+/// groups within one `APR_TILE`-key tile of positions.
 pub fn paged_attention_prompt(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     let p: PagedAttentionPrefillParams = ctx.params()?;
     let s = Shape::prefill(&p);
@@ -271,13 +274,15 @@ pub fn paged_attention_prompt(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     }
     let items = p.n_groups as usize * (s.hq / s.heads_per_block().max(1));
     s.check_launch(ctx, items, (APR_THREADS, 1, prompt_shared_bytes()))?;
-    if (ctx.config().grid.0 as usize) * 2 < items {
+    if (ctx.config().grid.0 as usize) < items {
         return Err(ctx.fail(format!(
-            "{:?} blocks for {items} items: the kernel takes two items a block",
+            "{:?} blocks for {items} items: the kernel takes an item a block",
             ctx.config().grid
         )));
     }
-    let rows = prefill_rows(ctx, &s, p.row_groups, p.n_groups as usize)?;
+    let most = prompt_rows_per_item(s.heads_per_block() as u32);
+    let groups = (p.row_groups, p.n_groups as usize);
+    let rows = group_rows(ctx, &s, groups, (most as usize, APR_TILE))?;
     attend(
         ctx,
         &s,
@@ -286,18 +291,18 @@ pub fn paged_attention_prompt(ctx: &KernelCtx<'_>) -> GpuResult<()> {
     )
 }
 
-/// The rows of the prefill kernels' `n_groups` row groups at `groups`, checked as the CUDA
-/// kernel's items: 1 ..= `rows_per_item` consecutive rows of one sequence in one 16-token unit.
-fn prefill_rows(
+/// The rows of `n_groups` row groups at `groups` (the prefill and prompt kernels'), checked as
+/// the CUDA kernels' items: 1 ..= `most` consecutive rows of one sequence whose positions lie in
+/// one `span` of positions (a 16-token unit, or a prompt tile).
+fn group_rows(
     ctx: &KernelCtx<'_>,
     s: &Shape,
-    groups: DevicePtr,
-    n_groups: usize,
+    (groups, n_groups): (DevicePtr, usize),
+    (most, span): (usize, u32),
 ) -> GpuResult<Vec<usize>> {
     let groups = ctx.slice::<u32>("row_groups", groups, 2 * n_groups)?;
     let row_seq = ctx.slice::<u32>("row_seq", s.row_seq, s.rows)?;
     let positions = ctx.slice::<u32>("positions", s.positions, s.rows)?;
-    let most = prefill_rows_per_item(s.heads_per_block() as u32, padded_dim(s.d as u32)) as usize;
     let mut rows = Vec::new();
     for (i, g) in groups.chunks_exact(2).enumerate() {
         let (first, count) = (g[0] as usize, g[1] as usize);
@@ -308,11 +313,11 @@ fn prefill_rows(
                 s.rows
             )));
         }
-        let unit = positions[first] / 16;
-        if (first..first + count).any(|r| row_seq[r] != row_seq[first] || positions[r] / 16 != unit)
+        let at = positions[first] / span;
+        if (first..first + count).any(|r| row_seq[r] != row_seq[first] || positions[r] / span != at)
         {
             return Err(ctx.fail(format!(
-                "row group {i}: rows {first}..{} are not of one sequence and one 16-token unit",
+                "row group {i}: rows {first}..{} are not of one sequence and one {span}-token span",
                 first + count
             )));
         }
