@@ -131,15 +131,21 @@ pub struct Pair {
 /// synchronizes next).
 #[derive(Debug)]
 pub enum DeviceTurn {
-    Shared(#[allow(dead_code)] RwLockReadGuard<'static, ()>),
-    Alone(#[allow(dead_code)] RwLockWriteGuard<'static, ()>),
+    Shared {
+        _guard: RwLockReadGuard<'static, ()>,
+    },
+    Alone {
+        _guard: RwLockWriteGuard<'static, ()>,
+    },
 }
 
 static DEVICE_TURNS: RwLock<()> = RwLock::new(());
 
 /// A shared turn on the device, for a test that holds no [`Pair`].
 pub fn device_shared() -> DeviceTurn {
-    DeviceTurn::Shared(DEVICE_TURNS.read().unwrap_or_else(|e| e.into_inner()))
+    DeviceTurn::Shared {
+        _guard: DEVICE_TURNS.read().unwrap_or_else(|e| e.into_inner()),
+    }
 }
 
 /// The one CUDA backend of this test process, with `check_kernel_errors` on: a launch a kernel
@@ -299,8 +305,8 @@ impl Pair {
     /// Both backends, with no other test on the device until this `Pair` is dropped: for a test
     /// whose kernels fault on purpose.
     pub fn alone() -> Pair {
-        let turn = DEVICE_TURNS.write().unwrap_or_else(|e| e.into_inner());
-        Pair::with_turn(DeviceTurn::Alone(turn))
+        let _guard = DEVICE_TURNS.write().unwrap_or_else(|e| e.into_inner());
+        Pair::with_turn(DeviceTurn::Alone { _guard })
     }
 
     fn with_turn(turn: DeviceTurn) -> Pair {
