@@ -95,6 +95,8 @@ struct AprItem {
     uint32_t ctxs[APR_ROWS];
 };
 
+// Consumers an item needs: the second only where its virtual rows 64-127 hold a row.
+MT_DEVICE uint32_t apr_consumers(const AprItem& it, uint32_t hb) { return it.cnt * hb > APR_CROWS ? 2 : 1; }
 
 // The producer's 128 threads `pt` (warp w, lane l): the item's queries, then every tile of keys
 // and values into the ring. Thread pt copies pieces 4 w + l / 8 (16 bytes each) of the keys and
@@ -363,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(APR_THREADS, 1) paged_attention_pro
             it.kv = (h0 / group) * head_dim;
             it.ctx = ok ? ctx : 0;
         }
-        const uint32_t consumers = it.cnt * hb > APR_CROWS ? 2 : 1;
+        const uint32_t consumers = apr_consumers(it, hb);
         for (uint32_t s = 0; s < APR_STAGES; ++s) {
             mbar_init(full + s * 8, 128);
             mbar_init(empty + s * 8, 128 * consumers);
@@ -388,9 +390,9 @@ extern "C" __global__ void __launch_bounds__(APR_THREADS, 1) paged_attention_pro
         return;
     }
     const uint32_t c = wg - 1;
-    if (APR_CROWS * c >= it.cnt * hb) return;  // only padding rows
-    const bool pingpong = it.cnt * hb > APR_CROWS;
-    apr_consume(it, out, qkv, row_stride, q_head_stride, hb, num_q_heads, scale * ATT_LOG2E, gated != 0, c, pingpong,
-                base + c * APR_CQ_BYTES, base + 2 * APR_CQ_BYTES, full, empty, qbar, wt);
+    const uint32_t consumers = apr_consumers(it, hb);
+    if (c >= consumers) return;  // only padding rows
+    apr_consume(it, out, qkv, row_stride, q_head_stride, hb, num_q_heads, scale * ATT_LOG2E, gated != 0, c,
+                consumers == 2, base + c * APR_CQ_BYTES, base + 2 * APR_CQ_BYTES, full, empty, qbar, wt);
 #endif
 }

@@ -304,17 +304,24 @@ fn preemption_beside_mixed_steps_is_bitwise_solo(backend: Backend, name: &str, k
     // preempt the long one.
     let opts = options(true).num_kv_blocks(Some(28)).kv_cache_dtype(kv);
     let mut s = load_on(backend, name, opts);
-    let t = preempting_traffic(s.runner().model().config().tokens.vocab_size as u32);
-    let got = run(&mut s, &t);
-    assert!(got.stats.steps.preemptions > 0, "{name}: no preemption");
+    let got = preempted_vs_solo(&mut s, None, &format!("{name}, {kv:?} KV"));
     assert!(got.stats.steps.mixed_steps > 0, "{name}: no mixed step");
-    let (alone, solo_ids) = solo_all(&mut s, &t);
+}
+
+/// `preempting_traffic` on `tight` (a cache of 28 blocks): it preempts, and every request is
+/// bitwise its run alone on `solo` (`tight` itself where `None`). The run on `tight`.
+fn preempted_vs_solo(tight: &mut Scheduler, solo: Option<&mut Scheduler>, what: &str) -> Run {
+    let t = preempting_traffic(tight.runner().model().config().tokens.vocab_size as u32);
+    let got = run(tight, &t);
+    assert!(got.stats.steps.preemptions > 0, "{what}: no preemption");
+    let (alone, solo_ids) = solo_all(solo.unwrap_or(tight), &t);
     assert_bitwise(
         &got,
         &alone,
         &solo_ids,
-        &format!("{name}, {kv:?} KV: preempted vs solo"),
+        &format!("{what}: preempted vs solo"),
     );
+    got
 }
 
 #[test]
@@ -400,16 +407,7 @@ fn prompt_rows_bitwise_solo(backend: Backend) {
     assert_bitwise(&mixed, &alone, &solo_ids, "prompt attention: mixed vs solo");
     // A cache too small for everyone: the long prompt is preempted and recomputed.
     let mut tight = load(options(true).prompt_attention(true).num_kv_blocks(Some(28)));
-    let t2 = preempting_traffic(config.tokens.vocab_size as u32);
-    let got = run(&mut tight, &t2);
-    assert!(got.stats.steps.preemptions > 0, "no preemption");
-    let (alone, solo_ids) = solo_all(&mut on, &t2);
-    assert_bitwise(
-        &got,
-        &alone,
-        &solo_ids,
-        "prompt attention: preempted vs solo",
-    );
+    preempted_vs_solo(&mut tight, Some(&mut on), "prompt attention");
     // Without the option: other bits for the long prompt's first token.
     let mut off = load(options(true));
     assert!(!off.runner().prompt_attention());
